@@ -14,9 +14,14 @@ from dbsp_core.errors import (
     WeightOverflowError,
 )
 
+from dbsp_core.zset import HASH_VERSION, IndexedZSet, ZSet
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "HASH_VERSION",
+    "IndexedZSet",
+    "ZSet",
     "CorruptionError",
     "DbspError",
     "FormatVersionError",

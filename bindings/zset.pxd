@@ -1,0 +1,103 @@
+# zset.pxd: declarations mirroring the Z-set kernel headers of csrc/ (column, rows, hash, zset, partition, join, reduce).
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
+
+cdef extern from "status.h" nogil:
+    enum:
+        DBSP_OK
+        DBSP_ENOMEM
+        DBSP_EOVERFLOW
+        DBSP_EINVAL
+        DBSP_ETYPE
+        DBSP_ETOOBIG
+
+cdef extern from "column.h" nogil:
+    enum:
+        DBSP_BOOL
+        DBSP_INT8
+        DBSP_INT16
+        DBSP_INT32
+        DBSP_INT64
+        DBSP_UINT8
+        DBSP_UINT16
+        DBSP_UINT32
+        DBSP_UINT64
+        DBSP_FLOAT32
+        DBSP_FLOAT64
+        DBSP_DATE32
+        DBSP_TIMESTAMP
+        DBSP_UTF8
+        DBSP_LARGE_UTF8
+        DBSP_BINARY
+        DBSP_LARGE_BINARY
+
+    ctypedef struct CColumn "DbspColumn":
+        int32_t type
+        int64_t offset
+        const uint8_t *validity
+        const void *values
+        const uint8_t *data
+
+    ctypedef struct CBatch "DbspBatch":
+        int64_t nrows
+        int32_t ncols
+        const CColumn *cols
+        const int64_t *weights
+
+cdef extern from "rows.h" nogil:
+    ctypedef struct CRows "DbspRows":
+        int64_t n
+        int64_t cap
+        int64_t *idx
+        int64_t *weights
+        uint64_t *khash
+    void dbsp_rows_free(CRows *r)
+
+cdef extern from "hash.h" nogil:
+    int DBSP_HASH_VERSION
+    int dbsp_hash_columns(const CBatch *b, const int32_t *cols, int32_t ncols, uint64_t *out)
+
+cdef extern from "zset.h" nogil:
+    int dbsp_zset_consolidate(const CBatch *b, const int32_t *keys, int32_t nkeys, CRows *out)
+    int dbsp_zset_merge(const CBatch *a, const uint64_t *akh, const CBatch *b, const uint64_t *bkh,
+                        const int32_t *keys, int32_t nkeys, CRows *out)
+    int dbsp_weights_negate(const int64_t *w, int64_t n, int64_t *out)
+    int dbsp_rows_check_order(const CBatch *b, const int64_t *sel, const int64_t *weights, const uint64_t *khash,
+                              int64_t n, const int32_t *keys, int32_t nkeys)
+
+cdef extern from "partition.h" nogil:
+    int dbsp_partition(const uint64_t *khash, int64_t n, const int32_t *part_of_shard, int shard_bits,
+                       int32_t nparts, int64_t *perm, int64_t *offsets)
+
+cdef extern from "join.h" nogil:
+    ctypedef struct CPairs "DbspPairs":
+        int64_t n
+        int64_t cap
+        int64_t *li
+        int64_t *ri
+        int64_t *w
+    void dbsp_pairs_free(CPairs *p)
+    int dbsp_join(const CBatch *a, const uint64_t *akh, const int32_t *akeys,
+                  const CBatch *b, const uint64_t *bkh, const int32_t *bkeys, int32_t nkeys,
+                  int left_outer, CPairs *out)
+
+cdef extern from "reduce.h" nogil:
+    enum:
+        DBSP_AGG_COUNT
+        DBSP_AGG_COUNT_COL
+        DBSP_AGG_SUM
+        DBSP_AGG_MIN
+        DBSP_AGG_MAX
+    ctypedef struct CAggSpec "DbspAggSpec":
+        int32_t kind
+        int32_t col
+    ctypedef struct CReduceOut "DbspReduceOut":
+        int64_t ngroups
+        int64_t cap
+        int32_t naggs
+        int64_t *group_row
+        int64_t *ivals
+        double *fvals
+        uint8_t *valid
+    void dbsp_reduce_free(CReduceOut *r)
+    int dbsp_reduce(const CBatch *b, const uint64_t *kh, const int32_t *keys, int32_t nkeys,
+                    const CAggSpec *aggs, int32_t naggs, CReduceOut *out)

@@ -1,0 +1,339 @@
+# zset.pyx: cdef classes that view Arrow columns as C batches and own the C kernels' results (dbsp_core._zset).
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t, uintptr_t
+from libc.stdlib cimport malloc, free
+from libc.string cimport memset
+from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_WRITABLE
+
+from zset cimport *
+
+import numpy as np
+import pyarrow as pa
+
+from dbsp_core.errors import DbspError, SchemaError, WeightOverflowError
+
+HASH_VERSION = DBSP_HASH_VERSION
+
+AGG_KINDS = {"count": DBSP_AGG_COUNT, "count_col": DBSP_AGG_COUNT_COL, "sum": DBSP_AGG_SUM,
+             "min": DBSP_AGG_MIN, "max": DBSP_AGG_MAX}
+
+cdef uint8_t _EMPTY_BYTES[8]
+
+
+cdef int check_status(int st, str where) except -1:
+    """The one error path: turn a C status into a typed exception naming the kernel."""
+    if st == DBSP_OK:
+        return 0
+    if st == DBSP_EOVERFLOW:
+        raise WeightOverflowError(f"{where}: a weight or integer sum overflowed int64")
+    if st == DBSP_ENOMEM:
+        raise MemoryError(f"{where}: out of memory")
+    if st == DBSP_ETYPE:
+        raise SchemaError(f"{where}: unsupported or mismatched column types")
+    if st == DBSP_ETOOBIG:
+        raise ValueError(f"{where}: batch or value too large (at most 2^32-1 rows, 4 GiB per value)")
+    if st == DBSP_EINVAL:
+        raise ValueError(f"{where}: invalid argument")
+    raise DbspError(f"{where}: native status {st}")
+
+
+def type_code(t):
+    """The C column type for an Arrow type, or None when the type is not supported."""
+    import pyarrow.types as pt
+    if pt.is_boolean(t): return DBSP_BOOL
+    if pt.is_int8(t): return DBSP_INT8
+    if pt.is_int16(t): return DBSP_INT16
+    if pt.is_int32(t): return DBSP_INT32
+    if pt.is_int64(t): return DBSP_INT64
+    if pt.is_uint8(t): return DBSP_UINT8
+    if pt.is_uint16(t): return DBSP_UINT16
+    if pt.is_uint32(t): return DBSP_UINT32
+    if pt.is_uint64(t): return DBSP_UINT64
+    if pt.is_float32(t): return DBSP_FLOAT32
+    if pt.is_float64(t): return DBSP_FLOAT64
+    if pt.is_date32(t) or pt.is_time32(t): return DBSP_DATE32
+    if pt.is_timestamp(t) or pt.is_date64(t) or pt.is_time64(t) or pt.is_duration(t): return DBSP_TIMESTAMP
+    if pt.is_string(t): return DBSP_UTF8
+    if pt.is_large_string(t): return DBSP_LARGE_UTF8
+    if pt.is_binary(t): return DBSP_BINARY
+    if pt.is_large_binary(t): return DBSP_LARGE_BINARY
+    return None
+
+
+cdef class CBuffer:
+    """Owns a malloc'ed C array and lends it to numpy through the buffer protocol (zero copy)."""
+    cdef void *ptr
+    cdef Py_ssize_t nbytes
+    cdef Py_ssize_t shape[1]
+    cdef Py_ssize_t strides[1]
+    cdef bytes fmt
+    cdef Py_ssize_t itemsize
+
+    def __dealloc__(self):
+        free(self.ptr)
+        self.ptr = NULL
+
+    def __getbuffer__(self, Py_buffer *view, int flags):
+        view.buf = self.ptr if self.ptr != NULL else <void *>_EMPTY_BYTES
+        view.obj = self
+        view.len = self.nbytes
+        view.readonly = 0
+        view.itemsize = self.itemsize
+        if flags & PyBUF_FORMAT:
+            view.format = self.fmt
+        else:
+            view.format = NULL
+        view.ndim = 1
+        self.shape[0] = self.nbytes // self.itemsize
+        self.strides[0] = self.itemsize
+        view.shape = self.shape
+        view.strides = self.strides
+        view.suboffsets = NULL
+        view.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer *view):
+        pass
+
+
+cdef object own_array(void *ptr, int64_t n, object dtype):
+    """Wrap n items of a malloc'ed array as a numpy array that frees it when collected (takes ownership)."""
+    cdef CBuffer b = CBuffer.__new__(CBuffer)
+    dt = np.dtype(dtype)
+    b.ptr = ptr
+    b.itemsize = dt.itemsize
+    b.nbytes = n * dt.itemsize
+    b.fmt = dt.char.encode()
+    return np.frombuffer(b, dtype=dt, count=n)
+
+
+cdef uintptr_t buf_addr(object buf):
+    if buf is None or buf.size == 0:
+        return <uintptr_t>_EMPTY_BYTES
+    return <uintptr_t>buf.address
+
+
+cdef class BatchView:
+    """A C batch (DbspBatch) viewing the columns of a pyarrow Table and an int64 weight array, without copying.
+
+    Holds references to every array it views, so the buffers outlive the view."""
+    cdef CBatch c
+    cdef CColumn *cols
+    cdef object refs
+
+    def __cinit__(self):
+        self.cols = NULL
+
+    def __dealloc__(self):
+        free(self.cols)
+
+    def __init__(self, table, weights=None):
+        cdef int32_t ncols = table.num_columns
+        cdef int i
+        cdef int64_t[::1] wv
+        self.refs = []
+        self.cols = <CColumn *>malloc(max(ncols, 1) * sizeof(CColumn))
+        if self.cols == NULL:
+            raise MemoryError()
+        memset(self.cols, 0, max(ncols, 1) * sizeof(CColumn))
+        for i in range(ncols):
+            col = table.column(i)
+            arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+            code = type_code(arr.type)
+            if code is None:
+                raise SchemaError(f"column {table.schema.names[i]!r} has unsupported type {arr.type}")
+            bufs = arr.buffers()
+            self.cols[i].type = code
+            self.cols[i].offset = arr.offset
+            self.cols[i].validity = NULL if (arr.null_count == 0 or bufs[0] is None) else <const uint8_t *>buf_addr(bufs[0])
+            self.cols[i].values = <const void *>buf_addr(bufs[1])
+            self.cols[i].data = <const uint8_t *>buf_addr(bufs[2]) if len(bufs) > 2 else NULL
+            self.refs.append(arr)
+        self.c.nrows = table.num_rows
+        self.c.ncols = ncols
+        self.c.cols = self.cols
+        self.c.weights = NULL
+        if weights is not None:
+            w = np.ascontiguousarray(weights, dtype=np.int64)
+            if w.shape[0] != table.num_rows:
+                raise ValueError(f"{w.shape[0]} weights for {table.num_rows} rows")
+            self.refs.append(w)
+            if w.shape[0] > 0:
+                wv = w
+                self.c.weights = &wv[0]
+
+
+cdef int32_t *int32_list(object xs) except? NULL:
+    cdef int32_t *p = <int32_t *>malloc(max(len(xs), 1) * sizeof(int32_t))
+    if p == NULL:
+        raise MemoryError()
+    for i, x in enumerate(xs):
+        p[i] = x
+    return p
+
+
+cdef const uint64_t *u64_ptr(object a) except? NULL:
+    cdef uint64_t[::1] v = a
+    return &v[0] if v.shape[0] > 0 else NULL
+
+
+cdef object rows_result(CRows *r):
+    """Hand a DbspRows' arrays to numpy (ownership moves) as (idx, weights, khash)."""
+    idx = own_array(r.idx, r.n, np.int64)
+    w = own_array(r.weights, r.n, np.int64)
+    kh = own_array(r.khash, r.n, np.uint64)
+    r.idx = NULL; r.weights = NULL; r.khash = NULL
+    return idx, w, kh
+
+
+def hash_columns(table, cols):
+    """Row hash (DBSP hash v1) of every row of `table` over column positions `cols`, as uint64."""
+    cdef BatchView v = BatchView(table)
+    out = np.empty(table.num_rows, dtype=np.uint64)
+    cdef uint64_t[::1] o = out
+    cdef int32_t *c = int32_list(cols)
+    cdef int32_t nc = len(cols)
+    cdef int st
+    with nogil:
+        st = dbsp_hash_columns(&v.c, c, nc, &o[0] if o.shape[0] else NULL)
+    free(c)
+    check_status(st, "hash")
+    return out
+
+
+def consolidate(table, weights, keys):
+    """(idx, weights, khash): the consolidated rows of (table, weights) in canonical order for key positions `keys`."""
+    cdef BatchView v = BatchView(table, weights)
+    cdef int32_t *k = int32_list(keys)
+    cdef int32_t nk = len(keys)
+    cdef CRows r
+    cdef int st
+    with nogil:
+        st = dbsp_zset_consolidate(&v.c, k, nk, &r)
+    free(k)
+    check_status(st, "consolidate")
+    return rows_result(&r)
+
+
+def merge(ta, wa, kha, tb, wb, khb, keys):
+    """(idx, weights, khash) of the consolidated sum of two canonical batches; b's rows are numbered after a's."""
+    cdef BatchView a = BatchView(ta, wa)
+    cdef BatchView b = BatchView(tb, wb)
+    kha = np.ascontiguousarray(kha, dtype=np.uint64)
+    khb = np.ascontiguousarray(khb, dtype=np.uint64)
+    cdef const uint64_t *pa_ = u64_ptr(kha)
+    cdef const uint64_t *pb_ = u64_ptr(khb)
+    cdef int32_t *k = int32_list(keys)
+    cdef int32_t nk = len(keys)
+    cdef CRows r
+    cdef int st
+    with nogil:
+        st = dbsp_zset_merge(&a.c, pa_, &b.c, pb_, k, nk, &r)
+    free(k)
+    check_status(st, "merge")
+    return rows_result(&r)
+
+
+def negate(weights):
+    """-weights as a new int64 array; WeightOverflowError for INT64_MIN."""
+    w = np.ascontiguousarray(weights, dtype=np.int64)
+    out = np.empty_like(w)
+    cdef int64_t[::1] wi = w
+    cdef int64_t[::1] wo = out
+    cdef int64_t n = w.shape[0]
+    cdef int st = DBSP_OK
+    if n:
+        with nogil:
+            st = dbsp_weights_negate(&wi[0], n, &wo[0])
+    check_status(st, "negate")
+    return out
+
+
+def partition(khash, part_of_shard, int32_t nparts):
+    """(perm, offsets): rows ordered part by part (stable) for shard = top bits of khash; parts from the map."""
+    kh = np.ascontiguousarray(khash, dtype=np.uint64)
+    pos = np.ascontiguousarray(part_of_shard, dtype=np.int32)
+    nshards = pos.shape[0]
+    if nshards == 0 or nshards & (nshards - 1):
+        raise ValueError(f"part_of_shard must have a power-of-two length, got {nshards}")
+    cdef int bits = int(nshards).bit_length() - 1
+    cdef int64_t n = kh.shape[0]
+    perm = np.empty(n, dtype=np.int64)
+    offsets = np.empty(nparts + 1, dtype=np.int64)
+    cdef const uint64_t *pk = u64_ptr(kh)
+    cdef int32_t[::1] ps = pos
+    cdef int64_t[::1] pp = perm
+    cdef int64_t[::1] po = offsets
+    cdef int st
+    with nogil:
+        st = dbsp_partition(pk, n, &ps[0], bits, nparts, &pp[0] if n else NULL, &po[0])
+    check_status(st, "partition")
+    return perm, offsets
+
+
+def join(ta, wa, kha, akeys, tb, wb, khb, bkeys, bint left_outer=False):
+    """(li, ri, w): matching row pairs of two indexed batches (ri = -1 for unmatched left rows if left_outer)."""
+    if len(akeys) != len(bkeys):
+        raise ValueError(f"join: {len(akeys)} left keys but {len(bkeys)} right keys")
+    cdef BatchView a = BatchView(ta, wa)
+    cdef BatchView b = BatchView(tb, wb)
+    kha = np.ascontiguousarray(kha, dtype=np.uint64)
+    khb = np.ascontiguousarray(khb, dtype=np.uint64)
+    cdef const uint64_t *pa_ = u64_ptr(kha)
+    cdef const uint64_t *pb_ = u64_ptr(khb)
+    cdef int32_t *ak = int32_list(akeys)
+    cdef int32_t *bk = int32_list(bkeys)
+    cdef int32_t nk = len(akeys)
+    cdef CPairs p
+    cdef int st
+    with nogil:
+        st = dbsp_join(&a.c, pa_, ak, &b.c, pb_, bk, nk, left_outer, &p)
+    free(ak); free(bk)
+    check_status(st, "join")
+    li = own_array(p.li, p.n, np.int64)
+    ri = own_array(p.ri, p.n, np.int64)
+    w = own_array(p.w, p.n, np.int64)
+    return li, ri, w
+
+
+def reduce(table, weights, khash, keys, aggs):
+    """(group_row, ivals, fvals, valid) of a grouped aggregation; aggs is a list of (kind name, column position)."""
+    cdef BatchView v = BatchView(table, weights)
+    kh = np.ascontiguousarray(khash, dtype=np.uint64)
+    cdef const uint64_t *pk = u64_ptr(kh)
+    cdef int32_t *k = int32_list(keys)
+    cdef int32_t nk = len(keys)
+    cdef int32_t na = len(aggs)
+    cdef CAggSpec *specs = <CAggSpec *>malloc(max(na, 1) * sizeof(CAggSpec))
+    if specs == NULL:
+        free(k)
+        raise MemoryError()
+    for i, (kind, col) in enumerate(aggs):
+        if kind not in AGG_KINDS:
+            free(k); free(specs)
+            raise ValueError(f"unknown aggregate {kind!r}; expected one of {sorted(AGG_KINDS)}")
+        specs[i].kind = AGG_KINDS[kind]
+        specs[i].col = -1 if col is None else col
+    cdef CReduceOut r
+    cdef int st
+    with nogil:
+        st = dbsp_reduce(&v.c, pk, k, nk, specs, na, &r)
+    free(k); free(specs)
+    check_status(st, "reduce")
+    g = r.ngroups
+    group_row = own_array(r.group_row, g, np.int64)
+    ivals = own_array(r.ivals, g * na, np.int64).reshape(g, na) if na else np.empty((g, 0), np.int64)
+    fvals = own_array(r.fvals, g * na, np.float64).reshape(g, na) if na else np.empty((g, 0), np.float64)
+    valid = own_array(r.valid, g * na, np.uint8).reshape(g, na) if na else np.empty((g, 0), np.uint8)
+    if not na:
+        free(r.ivals); free(r.fvals); free(r.valid)
+    r.group_row = NULL; r.ivals = NULL; r.fvals = NULL; r.valid = NULL
+    return group_row, ivals, fvals, valid
+
+
+def check_order(table, weights, khash, keys):
+    """True if (table, weights) is consolidated and in canonical order for `keys` (a debug checker)."""
+    cdef BatchView v = BatchView(table, weights)
+    kh = np.ascontiguousarray(khash, dtype=np.uint64)
+    cdef int32_t *k = int32_list(keys)
+    cdef int st = dbsp_rows_check_order(&v.c, NULL, v.c.weights, u64_ptr(kh), v.c.nrows, k, len(keys))
+    free(k)
+    return st == 0

@@ -1,0 +1,27 @@
+/* join.h: equi-join of two indexed batches (both in canonical key-hash order); weights multiply. */
+#ifndef DBSP_JOIN_H
+#define DBSP_JOIN_H
+
+#include <stdint.h>
+#include "column.h"
+
+typedef struct DbspPairs {
+    int64_t n, cap;
+    int64_t *li, *ri, *w;  /* left row, right row (-1: no match, left outer), weight product */
+} DbspPairs;
+
+void dbsp_pairs_free(DbspPairs *p);
+
+/* Every pair (x, y) with a's key columns akeys equal to b's bkeys (positionally; integer widths may differ,
+ * a null never matches), in a's row order; with left_outer, each left row with no match appears once as
+ * (x, -1, weight of x). Cost is O(|a| + matches) plus O(log |b|) per distinct left key, so a small a against a
+ * large b never scans b. Errors: DBSP_EOVERFLOW when a weight product leaves int64; DBSP_ETYPE when key value
+ * classes differ. */
+int dbsp_join(const DbspBatch *a, const uint64_t *akh, const int32_t *akeys,
+              const DbspBatch *b, const uint64_t *bkh, const int32_t *bkeys, int32_t nkeys,
+              int left_outer, DbspPairs *out);
+
+/* First index in [lo, hi) with h[index] >= target (hi if none), by exponential then binary search from lo. */
+int64_t dbsp_gallop(const uint64_t *h, int64_t lo, int64_t hi, uint64_t target);
+
+#endif

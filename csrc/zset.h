@@ -1,0 +1,26 @@
+/* zset.h: Z-set kernels over Arrow-layout batches: consolidate (also the index build), merge, negate. */
+#ifndef DBSP_ZSET_H
+#define DBSP_ZSET_H
+
+#include <stdint.h>
+#include "column.h"
+#include "rows.h"
+
+/* Consolidate b: sum the weights of equal rows, drop zero sums, and order the result canonically (rows.h)
+ * with the key hash over keys[0..nkeys) (nkeys == 0: the whole row is the key). Fills *out (caller frees
+ * with dbsp_rows_free). Errors: DBSP_EOVERFLOW if a sum leaves int64, DBSP_ETOOBIG past 2^32-1 rows. */
+int dbsp_zset_consolidate(const DbspBatch *b, const int32_t *keys, int32_t nkeys, DbspRows *out);
+
+/* Merge two consolidated batches of one schema, both in canonical order for the same key, given their key
+ * hashes: the result is the consolidated sum, in canonical order; rows of b are numbered from a->nrows. */
+int dbsp_zset_merge(const DbspBatch *a, const uint64_t *akh, const DbspBatch *b, const uint64_t *bkh,
+                    const int32_t *keys, int32_t nkeys, DbspRows *out);
+
+/* out[i] = -w[i]; DBSP_EOVERFLOW for INT64_MIN. out may equal w. */
+int dbsp_weights_negate(const int64_t *w, int64_t n, int64_t *out);
+
+/* 0 if the selection of b (b's own rows if sel is NULL) is consolidated and in canonical order, else -1. */
+int dbsp_rows_check_order(const DbspBatch *b, const int64_t *sel, const int64_t *weights, const uint64_t *khash,
+                          int64_t n, const int32_t *keys, int32_t nkeys);
+
+#endif

@@ -1,0 +1,542 @@
+"""Z-sets: collections of rows with non-zero int64 weights, and indexed Z-sets grouped by key, over native kernels.
+
+Invariants:
+ 1. ``ZSet._data`` is a pyarrow Table whose columns each hold exactly one chunk; ``ZSet._w`` is a contiguous
+    int64 numpy array with one weight per row of ``_data``.
+ 2. When ``_consolidated`` is true, no two rows are equal (null == null, -0.0 == 0.0, NaN == NaN), no weight is
+    zero, and rows are in canonical order (csrc/rows.h): by row hash, then by value; ``_rhash`` then holds the
+    row hashes in that order.
+ 3. An IndexedZSet's ZSet is consolidated and in canonical order for its key: by key hash, then row hash, then
+    value; ``key_hash`` holds the key hashes, ascending.
+Every operation validates its inputs before touching any state and never mutates a ZSet: Z-sets are values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from dbsp_core import _zset
+from dbsp_core.errors import SchemaError
+
+__all__ = ["ZSet", "IndexedZSet", "HASH_VERSION"]
+
+HASH_VERSION: int = _zset.HASH_VERSION
+"""Version of the row/key hash (csrc/hash.h); shard placement depends on it."""
+
+
+def _check_schema(schema: pa.Schema) -> None:
+    for field in schema:
+        if _zset.type_code(field.type) is None:
+            raise SchemaError(
+                f"column {field.name!r} has unsupported type {field.type}; supported: bool, int8..int64, "
+                "uint8..uint64, float32/64, date32, timestamp, utf8, large_utf8, binary, large_binary"
+            )
+
+
+def _as_table(data: Any, what: str = "data") -> pa.Table:
+    if isinstance(data, pa.RecordBatch):
+        return pa.Table.from_batches([data])
+    if isinstance(data, pa.Table):
+        return data
+    raise TypeError(f"{what} must be a pyarrow Table or RecordBatch, got {type(data).__name__}")
+
+
+def _single_chunk(table: pa.Table) -> pa.Table:
+    if all(c.num_chunks == 1 for c in table.columns):
+        return table
+    return table.combine_chunks() if table.num_rows else pa.table(
+        {f.name: pa.array([], type=f.type) for f in table.schema}, schema=table.schema)
+
+
+def _as_weights(weights: Any, n: int) -> np.ndarray:
+    if weights is None:
+        return np.ones(n, dtype=np.int64)
+    if isinstance(weights, (pa.Array, pa.ChunkedArray)):
+        if not pa.types.is_integer(weights.type):
+            raise TypeError(f"weights must be integers, got Arrow type {weights.type}")
+        if weights.null_count:
+            raise ValueError(f"weights must not be null ({weights.null_count} nulls)")
+        weights = weights.to_numpy(zero_copy_only=False)
+    w = np.asarray(weights)
+    if w.ndim != 1:
+        raise ValueError(f"weights must be one-dimensional, got shape {w.shape}")
+    if w.dtype.kind not in "iu":
+        if w.size == 0 and w.dtype.kind == "f":
+            w = w.astype(np.int64)
+        else:
+            raise TypeError(f"weights must be integers, got dtype {w.dtype}")
+    if w.dtype.kind == "u" and w.size and w.max() > np.iinfo(np.int64).max:
+        raise ValueError("weights must fit in int64")
+    if w.shape[0] != n:
+        raise ValueError(f"got {w.shape[0]} weights for {n} rows")
+    return np.ascontiguousarray(w, dtype=np.int64)
+
+
+def _same_columns(a: pa.Schema, b: pa.Schema) -> bool:
+    return a.names == b.names and all(x.type == y.type for x, y in zip(a, b))
+
+
+def _require_same_schema(a: pa.Schema, b: pa.Schema, op: str) -> None:
+    if not _same_columns(a, b):
+        raise SchemaError(f"{op}: schemas differ: {_fmt_schema(a)} vs {_fmt_schema(b)}")
+
+
+def _fmt_schema(s: pa.Schema) -> str:
+    return "(" + ", ".join(f"{f.name}: {f.type}" for f in s) + ")"
+
+
+def _take(table: pa.Table, idx: np.ndarray) -> pa.Table:
+    """Rows of `table` at `idx`, each column one chunk (the Arrow C++ take kernel; no Python per row)."""
+    if idx.shape[0] == table.num_rows and (idx.shape[0] == 0 or (idx[0] == 0 and np.array_equal(idx, np.arange(idx.shape[0])))):
+        return table
+    return _single_chunk(table.take(pa.array(idx, type=pa.int64())))
+
+
+def _column_positions(schema: pa.Schema, columns: Sequence[str], op: str) -> list[int]:
+    if isinstance(columns, str):
+        columns = [columns]
+    pos = []
+    for c in columns:
+        if not isinstance(c, str):
+            raise TypeError(f"{op}: column names must be strings, got {c!r}")
+        i = schema.get_field_index(c)
+        if i < 0:
+            raise SchemaError(f"{op}: unknown column {c!r}; columns are {schema.names}")
+        pos.append(i)
+    return pos
+
+
+class ZSet:
+    """A Z-set: rows (an Arrow table) with non-zero int64 weights; a table's change or a table itself.
+
+    Z-sets form a group under ``+``, ``-`` and unary ``-``. Equal rows (null equals null, -0.0 equals 0.0,
+    NaN equals NaN) are one row whose weight is the sum of theirs; rows whose weights sum to 0 disappear.
+
+    Examples
+    --------
+    >>> import pyarrow as pa
+    >>> z = ZSet.from_arrow(pa.table({"k": [1, 1, 2], "v": ["a", "a", "b"]}))
+    >>> sorted(z.to_dict().items())
+    [((1, 'a'), 2), ((2, 'b'), 1)]
+    >>> (z - z).to_dict()
+    {}
+    """
+
+    __slots__ = ("_data", "_w", "_consolidated", "_rhash")
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self) -> None:
+        raise TypeError("use ZSet.from_arrow, ZSet.from_rows or ZSet.empty to build a ZSet")
+
+    # ---- construction ----
+
+    @classmethod
+    def _make(cls, data: pa.Table, weights: np.ndarray, consolidated: bool = False,
+              rhash: np.ndarray | None = None) -> ZSet:
+        """Internal constructor without validation (invariant 1 is the caller's duty)."""
+        z = object.__new__(cls)
+        z._data = _single_chunk(data)
+        z._w = weights
+        z._consolidated = consolidated
+        z._rhash = rhash if consolidated else None
+        return z
+
+    @classmethod
+    def from_arrow(cls, table: pa.Table | pa.RecordBatch, weights: Any = None) -> ZSet:
+        """A Z-set from an Arrow table or record batch and int64-convertible weights (None: every row +1).
+
+        Examples
+        --------
+        >>> import pyarrow as pa
+        >>> ZSet.from_arrow(pa.table({"x": [5, 5]}), weights=[2, -3]).to_dict()
+        {(5,): -1}
+        """
+        t = _as_table(table)
+        _check_schema(t.schema)
+        w = _as_weights(weights, t.num_rows)
+        return cls._make(t, w)
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[Sequence[Any]], schema: pa.Schema, weights: Any = None) -> ZSet:
+        """A Z-set from row tuples of the given schema (for small data: the conversion runs in Python).
+
+        Examples
+        --------
+        >>> import pyarrow as pa
+        >>> s = pa.schema([("k", pa.int64()), ("name", pa.string())])
+        >>> ZSet.from_rows([(1, "x"), (2, None)], s, weights=[1, -1]).to_dict()
+        {(1, 'x'): 1, (2, None): -1}
+        """
+        if not isinstance(schema, pa.Schema):
+            raise TypeError(f"schema must be a pyarrow Schema, got {type(schema).__name__}")
+        _check_schema(schema)
+        rows = list(rows)
+        ncols = len(schema)
+        for i, r in enumerate(rows):
+            if not isinstance(r, (tuple, list)):
+                raise TypeError(f"row {i} must be a tuple or list, got {type(r).__name__}")
+            if len(r) != ncols:
+                raise ValueError(f"row {i} has {len(r)} values but the schema has {ncols} columns {schema.names}")
+        arrays = []
+        for j, field in enumerate(schema):
+            try:
+                arrays.append(pa.array([r[j] for r in rows], type=field.type))
+            except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as e:
+                raise TypeError(f"column {field.name!r} ({field.type}): {e}") from e
+        return cls.from_arrow(pa.Table.from_arrays(arrays, schema=schema), weights)
+
+    @classmethod
+    def empty(cls, schema: pa.Schema) -> ZSet:
+        """The zero Z-set of a schema."""
+        _check_schema(schema)
+        t = pa.table({f.name: pa.array([], type=f.type) for f in schema}, schema=schema)
+        return cls._make(t, np.zeros(0, dtype=np.int64), consolidated=True, rhash=np.zeros(0, dtype=np.uint64))
+
+    @classmethod
+    def concat(cls, zsets: Sequence[ZSet]) -> ZSet:
+        """The sum of Z-sets of one schema, without consolidating (cheap; consolidation happens on demand)."""
+        zsets = list(zsets)
+        if not zsets:
+            raise ValueError("concat needs at least one ZSet (the schema comes from it)")
+        first = zsets[0]
+        for z in zsets:
+            if not isinstance(z, ZSet):
+                raise TypeError(f"concat expects ZSets, got {type(z).__name__}")
+            _require_same_schema(first.schema, z.schema, "concat")
+        parts = [z for z in zsets if z.num_rows]
+        if len(parts) <= 1:
+            return parts[0] if parts else first
+        tables = [parts[0]._data] + [p._data.cast(parts[0]._data.schema) for p in parts[1:]]
+        data = pa.concat_tables(tables)
+        return cls._make(data, np.concatenate([p._w for p in parts]))
+
+    # ---- accessors ----
+
+    @property
+    def schema(self) -> pa.Schema:
+        """The schema of the data columns (without the weight)."""
+        return self._data.schema
+
+    @property
+    def data(self) -> pa.Table:
+        """The stored rows (possibly unconsolidated), one chunk per column."""
+        return self._data
+
+    @property
+    def weights(self) -> np.ndarray:
+        """The int64 weight of each stored row."""
+        return self._w
+
+    @property
+    def num_rows(self) -> int:
+        """The number of stored rows (before consolidation)."""
+        return self._data.num_rows
+
+    @property
+    def is_consolidated(self) -> bool:
+        return self._consolidated
+
+    def __len__(self) -> int:
+        """The number of distinct rows with non-zero weight."""
+        return self.consolidate().num_rows
+
+    # ---- kernels ----
+
+    def consolidate(self) -> ZSet:
+        """The same Z-set with equal rows merged, zero weights dropped, in canonical order."""
+        if self._consolidated:
+            return self
+        idx, w, rh = _zset.consolidate(self._data, self._w, [])
+        return ZSet._make(_take(self._data, idx), w, consolidated=True, rhash=rh)
+
+    def hash(self, columns: Sequence[str]) -> np.ndarray:
+        """The DBSP key hash (version ``HASH_VERSION``) of each stored row over `columns`, as uint64.
+
+        Examples
+        --------
+        >>> import pyarrow as pa
+        >>> z = ZSet.from_arrow(pa.table({"a": pa.array([5], pa.int32())}))
+        >>> y = ZSet.from_arrow(pa.table({"a": pa.array([5], pa.int64())}))
+        >>> bool(z.hash(["a"])[0] == y.hash(["a"])[0])
+        True
+        """
+        return _zset.hash_columns(self._data, _column_positions(self.schema, columns, "hash"))
+
+    def _row_hashes(self) -> np.ndarray:
+        z = self.consolidate()
+        return z._rhash
+
+    def partition(self, key_columns: Sequence[str], part_of_shard: np.ndarray, nparts: int) -> list[ZSet]:
+        """Split rows into `nparts` Z-sets: row -> ``part_of_shard[shard]``, shard = top bits of the key hash.
+
+        `part_of_shard` has a power-of-two length (2**shard_bits). Row order is kept inside each part.
+        """
+        if not isinstance(nparts, (int, np.integer)) or nparts < 1:
+            raise ValueError(f"nparts must be a positive int, got {nparts!r}")
+        kh = self.hash(key_columns)
+        perm, offsets = _zset.partition(kh, part_of_shard, int(nparts))
+        data = _take(self._data, perm)
+        w = self._w[perm]
+        rh = self._rhash[perm] if self._consolidated else None
+        out = []
+        for p in range(nparts):
+            s, e = int(offsets[p]), int(offsets[p + 1])
+            out.append(ZSet._make(data.slice(s, e - s), w[s:e], consolidated=self._consolidated,
+                                  rhash=rh[s:e] if rh is not None else None))
+        return out
+
+    def index_by(self, key_columns: Sequence[str]) -> IndexedZSet:
+        """This Z-set consolidated and ordered by the key hash of `key_columns`: the form joins and aggregates use.
+
+        Examples
+        --------
+        >>> import pyarrow as pa
+        >>> ix = ZSet.from_arrow(pa.table({"k": [2, 1, 2], "v": [1, 2, 3]})).index_by(["k"])
+        >>> ix.key, len(ix)
+        (('k',), 3)
+        """
+        pos = _column_positions(self.schema, key_columns, "index_by")
+        if not pos:
+            raise ValueError("index_by needs at least one key column")
+        idx, w, kh = _zset.consolidate(self._data, self._w, pos)
+        return IndexedZSet._make(ZSet._make(_take(self._data, idx), w, consolidated=False), tuple(key_columns), kh)
+
+    # ---- group operations ----
+
+    def __add__(self, other: ZSet) -> ZSet:
+        if not isinstance(other, ZSet):
+            return NotImplemented
+        _require_same_schema(self.schema, other.schema, "ZSet +")
+        a, b = self.consolidate(), other.consolidate()
+        if b.num_rows == 0:
+            return a
+        if a.num_rows == 0:
+            return b
+        bd = b._data.cast(a._data.schema)
+        idx, w, rh = _zset.merge(a._data, a._w, a._rhash, bd, b._w, b._rhash, [])
+        both = _single_chunk(pa.concat_tables([a._data, bd]))
+        return ZSet._make(_take(both, idx), w, consolidated=True, rhash=rh)
+
+    def __neg__(self) -> ZSet:
+        return ZSet._make(self._data, _zset.negate(self._w), self._consolidated, self._rhash)
+
+    def __sub__(self, other: ZSet) -> ZSet:
+        if not isinstance(other, ZSet):
+            return NotImplemented
+        _require_same_schema(self.schema, other.schema, "ZSet -")
+        return self + (-other)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ZSet):
+            return NotImplemented
+        if not _same_columns(self.schema, other.schema):
+            return False
+        return (self - other).num_rows == 0
+
+    # ---- export ----
+
+    def to_arrow(self) -> pa.Table:
+        """The consolidated rows plus an int64 column ``weight`` (canonical order, no zero weights)."""
+        z = self.consolidate()
+        return z._data.append_column(pa.field("weight", pa.int64(), nullable=False), pa.array(z._w, pa.int64()))
+
+    def to_dict(self) -> dict[tuple, int]:
+        """``{row tuple: weight}`` of the consolidated Z-set (Python objects; for small data and tests)."""
+        z = self.consolidate()
+        cols = [c.to_pylist() for c in z._data.columns]
+        rows = zip(*cols) if cols else [() for _ in range(z.num_rows)]
+        return {tuple(r): int(w) for r, w in zip(rows, z._w.tolist())}
+
+    def to_pandas(self):
+        """The consolidated rows and their ``weight`` as a pandas DataFrame."""
+        return self.to_arrow().to_pandas()
+
+    def __repr__(self) -> str:
+        state = "consolidated" if self._consolidated else "unconsolidated"
+        return f"ZSet({_fmt_schema(self.schema)}, {self.num_rows} rows, {state})"
+
+
+class IndexedZSet:
+    """A consolidated Z-set ordered by the hash of its key columns: the state form of joins and aggregates.
+
+    Rows with equal keys are adjacent, and the rows of one shard (the top bits of the key hash) form one
+    contiguous range, so state can be kept, looked up and moved by shard.
+    """
+
+    __slots__ = ("_z", "_key", "_kh", "_keypos")
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self) -> None:
+        raise TypeError("build an IndexedZSet with ZSet.index_by or IndexedZSet.empty")
+
+    @classmethod
+    def _make(cls, z: ZSet, key: tuple[str, ...], kh: np.ndarray) -> IndexedZSet:
+        ix = object.__new__(cls)
+        ix._z = z
+        ix._key = tuple(key)
+        ix._kh = kh
+        ix._keypos = _column_positions(z.schema, key, "index")
+        return ix
+
+    @classmethod
+    def empty(cls, schema: pa.Schema, key: Sequence[str]) -> IndexedZSet:
+        """The empty indexed Z-set of a schema and key."""
+        return ZSet.empty(schema).index_by(key)
+
+    @property
+    def key(self) -> tuple[str, ...]:
+        return self._key
+
+    @property
+    def zset(self) -> ZSet:
+        """The rows as a ZSet, in index order (consolidated)."""
+        return self._z
+
+    @property
+    def key_hash(self) -> np.ndarray:
+        """The key hash of each row, ascending."""
+        return self._kh
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self._z.schema
+
+    def __len__(self) -> int:
+        return self._z.num_rows
+
+    def __repr__(self) -> str:
+        return f"IndexedZSet(key={self._key}, {_fmt_schema(self.schema)}, {len(self)} rows)"
+
+    def _check_compatible(self, other: IndexedZSet, op: str) -> None:
+        if not isinstance(other, IndexedZSet):
+            raise TypeError(f"{op} expects an IndexedZSet, got {type(other).__name__}")
+        _require_same_schema(self.schema, other.schema, op)
+        if self._key != other._key:
+            raise SchemaError(f"{op}: keys differ: {self._key} vs {other._key}")
+
+    def merge(self, other: IndexedZSet) -> IndexedZSet:
+        """The consolidated sum of two indexed Z-sets with the same schema and key, in linear time."""
+        self._check_compatible(other, "merge")
+        if len(other) == 0:
+            return self
+        if len(self) == 0:
+            return other
+        a, b = self._z, other._z
+        bd = b._data.cast(a._data.schema)
+        idx, w, kh = _zset.merge(a._data, a._w, self._kh, bd, b._w, other._kh, self._keypos)
+        both = _single_chunk(pa.concat_tables([a._data, bd]))
+        return IndexedZSet._make(ZSet._make(_take(both, idx), w), self._key, kh)
+
+    def take(self, indices: np.ndarray) -> IndexedZSet:
+        """The rows at `indices` (ascending indices keep the index order)."""
+        idx = np.ascontiguousarray(indices, dtype=np.int64)
+        return IndexedZSet._make(ZSet._make(_take(self._z._data, idx), self._z._w[idx]), self._key, self._kh[idx])
+
+    def shard_bounds(self, shard_bits: int) -> np.ndarray:
+        """Row range of every shard: shard s holds rows ``bounds[s]:bounds[s+1]`` (length 2**shard_bits + 1)."""
+        if not 0 <= shard_bits <= 30:
+            raise ValueError(f"shard_bits must be in 0..30, got {shard_bits}")
+        if shard_bits == 0:
+            return np.array([0, len(self)], dtype=np.int64)
+        starts = np.arange(1 << shard_bits, dtype=np.uint64) << np.uint64(64 - shard_bits)
+        b = np.searchsorted(self._kh, starts, side="left").astype(np.int64)
+        return np.append(b, np.int64(len(self)))
+
+    def join(self, other: IndexedZSet, left_outer: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Row pairs with equal keys, as (left rows, right rows, weight products); nulls never match.
+
+        Keys match positionally (``self.key[i]`` with ``other.key[i]``); with `left_outer`, every left row that
+        matches nothing appears once with right row -1 and its own weight.
+
+        Examples
+        --------
+        >>> import pyarrow as pa
+        >>> a = ZSet.from_arrow(pa.table({"k": [1, 2]})).index_by(["k"])
+        >>> b = ZSet.from_arrow(pa.table({"id": [2, 2, 3], "x": [7, 8, 9]})).index_by(["id"])
+        >>> li, ri, w = a.join(b)
+        >>> sorted(zip(a.zset.data.column("k").take(li).to_pylist(), b.zset.data.column("x").take(ri).to_pylist()))
+        [(2, 7), (2, 8)]
+        """
+        if not isinstance(other, IndexedZSet):
+            raise TypeError(f"join expects an IndexedZSet, got {type(other).__name__}")
+        if len(self._key) != len(other._key):
+            raise SchemaError(f"join: {len(self._key)} left key columns {self._key} but {len(other._key)} right "
+                              f"{other._key}")
+        for lk, rk in zip(self._key, other._key):
+            lt, rt = self.schema.field(lk).type, other.schema.field(rk).type
+            if not _join_compatible(lt, rt):
+                raise SchemaError(f"join: key {lk!r} ({lt}) cannot match key {rk!r} ({rt})")
+        return _zset.join(self._z._data, self._z._w, self._kh, self._keypos,
+                          other._z._data, other._z._w, other._kh, other._keypos, bool(left_outer))
+
+    def reduce(self, aggs: Sequence[tuple[str, str | None]]) -> pa.Table:
+        """Grouped aggregates, one row per distinct key: the key columns, then ``agg_0``, ``agg_1``, ...
+
+        Kinds: ``count`` (sum of weights), ``count_col`` (weighted count of non-null values), ``sum``
+        (weight-aware; int64 for integer and bool columns, float64 for floats; null without non-null values),
+        ``min`` and ``max`` (the input's type, over rows with positive weight; null when there are none).
+
+        Examples
+        --------
+        >>> import pyarrow as pa
+        >>> ix = ZSet.from_arrow(pa.table({"k": [1, 1, 2], "v": [3, 4, 5]}), weights=[1, 2, 1]).index_by(["k"])
+        >>> sorted(ix.reduce([("count", None), ("sum", "v"), ("max", "v")]).to_pylist(), key=lambda r: r["k"])
+        [{'k': 1, 'agg_0': 3, 'agg_1': 11, 'agg_2': 4}, {'k': 2, 'agg_0': 1, 'agg_1': 5, 'agg_2': 5}]
+        """
+        specs = []
+        for kind, col in aggs:
+            if kind == "count":
+                specs.append((kind, None))
+                continue
+            if col is None:
+                raise ValueError(f"aggregate {kind!r} needs a column")
+            pos = _column_positions(self.schema, [col], f"reduce {kind}")[0]
+            t = self.schema.field(pos).type
+            if kind == "sum" and not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
+                raise SchemaError(f"reduce: sum over non-numeric column {col!r} ({t})")
+            specs.append((kind, pos))
+        data = self._z._data
+        group_row, ivals, fvals, valid = _zset.reduce(data, self._z._w, self._kh, self._keypos, specs)
+        cols = {k: data.column(k).take(pa.array(group_row)) for k in self._key}
+        for j, (kind, pos) in enumerate(specs):
+            ok = valid[:, j].astype(bool)
+            mask = pa.array(~ok) if not ok.all() else None
+            if kind in ("count", "count_col"):
+                cols[f"agg_{j}"] = pa.array(ivals[:, j], pa.int64())
+            elif kind == "sum":
+                t = self.schema.field(pos).type
+                if pa.types.is_floating(t):
+                    cols[f"agg_{j}"] = pa.array(fvals[:, j].copy(), pa.float64(), mask=mask)
+                else:
+                    cols[f"agg_{j}"] = pa.array(ivals[:, j].copy(), pa.int64(), mask=mask)
+            else:
+                rows = np.where(ok, ivals[:, j], 0)
+                src = data.column(pos)
+                if src.num_chunks != 1:
+                    src = src.combine_chunks()
+                else:
+                    src = src.chunk(0)
+                if len(rows) and len(src) == 0:
+                    raise AssertionError("reduce: min/max row out of range")
+                taken = src.take(pa.array(rows, pa.int64())) if len(src) else pa.array([], src.type)
+                cols[f"agg_{j}"] = taken if mask is None else pc.if_else(
+                    pa.array(ok), taken, pa.scalar(None, type=src.type))
+        return pa.table(cols)
+
+
+def _join_compatible(a: pa.DataType, b: pa.DataType) -> bool:
+    if a == b:
+        return True
+    if pa.types.is_integer(a) and pa.types.is_integer(b):
+        return True
+    strs = (pa.types.is_string, pa.types.is_large_string)
+    bins = (pa.types.is_binary, pa.types.is_large_binary)
+    for group in (strs, bins):
+        if any(f(a) for f in group) and any(f(b) for f in group):
+            return True
+    return False
