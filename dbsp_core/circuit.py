@@ -1,0 +1,319 @@
+"""The Circuit / Stream builder API: a dataflow graph of incremental operators over streams of Z-sets, with schemas inferred and validated as it is built.
+
+Invariants (enforced here):
+  1. Nodes are appended in topological order: a node's inputs are always earlier nodes of the same circuit,
+     so running nodes in id order is a valid schedule.
+  2. Every Stream has a schema, inferred when its node is built; an unknown column, mismatched join key
+     types or a sum over a non-numeric column raise SchemaError naming the operator and the column.
+  3. Every keyed operator (join, distinct, aggregate) reads its inputs through an Exchange on its key,
+     unless the input is already partitioned by that key; one exchange per (stream, key) is shared.
+  4. Input and output names are unique within a circuit.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from dbsp_core.aggregates import Aggregate as AggSpec
+from dbsp_core.errors import SchemaError
+from dbsp_core.operators import (Aggregate, Delay, Differentiate, Distinct, Exchange, Filter, FlatMap, Input,
+                                 Integrate, Join, Negate, Operator, Plus, Select, left_join)
+from dbsp_core.operators.base import nullable_schema, same_columns
+from dbsp_core.operators.expr import as_expression
+
+
+class Circuit:
+    """A dataflow graph of operators; build it with :meth:`input`, Stream methods and :meth:`output`.
+
+    Examples
+    --------
+    >>> import pyarrow as pa, pyarrow.compute as pc
+    >>> import dbsp_core as dbsp
+    >>> c = dbsp.Circuit()
+    >>> bids = c.input("bids", pa.schema([("auction", pa.int64()), ("price", pa.int64())]))
+    >>> c.output("big", bids.filter(pc.field("price") > 100))
+    >>> p = dbsp.Pipeline(c, workers=1)
+    >>> p.push("bids", pa.table({"auction": [1, 2], "price": [50, 150]}))
+    >>> p.step()["big"].to_dict()
+    {(2, 150): 1}
+    """
+
+    def __init__(self) -> None:
+        self.nodes: list[Operator] = []
+        self.inputs: dict[str, int] = {}
+        self.outputs: dict[str, int] = {}
+        self._exchanges: dict[tuple[int, tuple[str, ...]], int] = {}
+
+    def _add(self, op: Operator) -> "Stream":
+        for i in op.inputs:  # invariant 1
+            assert 0 <= i < len(self.nodes), "operator inputs must be earlier nodes"
+        op.node_id = len(self.nodes)
+        self.nodes.append(op)
+        return Stream(self, op.node_id)
+
+    def _where(self, kind: str) -> str:
+        return f"{kind}#{len(self.nodes)}"
+
+    def input(self, name: str, schema: pa.Schema) -> "Stream":
+        """Declare input handle ``name`` with ``schema``; returns its stream.
+
+        >>> import pyarrow as pa
+        >>> Circuit().input("t", pa.schema([("a", pa.int32())])).schema.names
+        ['a']
+        """
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"input name must be a non-empty str, got {name!r}")
+        if name in self.inputs:
+            raise ValueError(f"input {name!r} is already declared")
+        if not isinstance(schema, pa.Schema):
+            raise TypeError(f"input {name!r}: schema must be a pyarrow.Schema, got {type(schema).__name__}")
+        if len(set(schema.names)) != len(schema.names):
+            raise SchemaError(f"input {name!r}: duplicate column names in {schema.names}")
+        from dbsp_core.zset import ZSet
+
+        try:
+            ZSet.empty(schema)  # rejects unsupported column types
+        except SchemaError as exc:
+            raise SchemaError(f"input {name!r}: {exc}") from None
+        s = self._add(Input(name, nullable_schema(schema)))
+        self.inputs[name] = s.node_id
+        return s
+
+    def output(self, name: str, stream: "Stream") -> None:
+        """Declare output handle ``name``: each step yields the change of ``stream``."""
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"output name must be a non-empty str, got {name!r}")
+        if name in self.outputs:
+            raise ValueError(f"output {name!r} is already declared")
+        self._own(stream, "output")
+        self.outputs[name] = stream.node_id
+
+    def _own(self, stream: object, where: str) -> "Stream":
+        if not isinstance(stream, Stream):
+            raise TypeError(f"{where}: expected a Stream, got {type(stream).__name__}")
+        if stream.circuit is not self:
+            raise ValueError(f"{where}: the stream belongs to another circuit")
+        return stream
+
+    def __repr__(self) -> str:
+        return (f"Circuit({len(self.nodes)} nodes, inputs={list(self.inputs)}, "
+                f"outputs={list(self.outputs)})")
+
+
+class Stream:
+    """A stream of Z-sets in a circuit (one per step); its methods add operators.
+
+    Examples
+    --------
+    >>> import pyarrow as pa, pyarrow.compute as pc
+    >>> import dbsp_core as dbsp
+    >>> c = dbsp.Circuit()
+    >>> t = c.input("t", pa.schema([("k", pa.int64()), ("v", pa.float64())]))
+    >>> g = t.group_by("k").agg(n=dbsp.count(), mean=dbsp.avg("v"))
+    >>> g.schema.names
+    ['k', 'n', 'mean']
+    """
+
+    __slots__ = ("circuit", "node_id")
+
+    def __init__(self, circuit: Circuit, node_id: int) -> None:
+        self.circuit = circuit
+        self.node_id = node_id
+
+    @property
+    def op(self) -> Operator:
+        return self.circuit.nodes[self.node_id]
+
+    @property
+    def schema(self) -> pa.Schema:
+        """The schema of the Z-sets on this stream (inferred)."""
+        return self.op.schema
+
+    def _where(self, kind: str) -> str:
+        return self.circuit._where(kind)
+
+    def _exchanged(self, key: tuple[str, ...]) -> "Stream":
+        """This stream re-sharded by ``key`` (invariant 3)."""
+        key = tuple(key)
+        if self.op.partitioning == key:
+            return self
+        cache = self.circuit._exchanges
+        if (self.node_id, key) not in cache:
+            cache[(self.node_id, key)] = self.circuit._add(Exchange(self.node_id, self.schema, key)).node_id
+        return Stream(self.circuit, cache[(self.node_id, key)])
+
+    # ---- linear operators ----
+
+    def filter(self, predicate: pc.Expression) -> "Stream":
+        """Rows where ``predicate`` (a pyarrow.compute expression) is true; null counts as false.
+
+        >>> import pyarrow as pa, pyarrow.compute as pc
+        >>> s = Circuit().input("t", pa.schema([("x", pa.int64())]))
+        >>> s.filter(pc.field("x") > 1).schema.names
+        ['x']
+        """
+        where = self._where("filter")
+        if not isinstance(predicate, pc.Expression):
+            raise TypeError(f"{where}: expected a pyarrow.compute expression, got {predicate!r}")
+        return self.circuit._add(Filter(self.node_id, self.schema, self.op.partitioning, predicate, where))
+
+    def select(self, **columns: pc.Expression | str) -> "Stream":
+        """One output column per keyword: ``name=expression`` (or a column name), in order.
+
+        >>> import pyarrow as pa, pyarrow.compute as pc
+        >>> s = Circuit().input("t", pa.schema([("p", pa.int64())]))
+        >>> s.select(p="p", eur=pc.field("p") * 0.9).schema.types
+        [DataType(int64), DataType(double)]
+        """
+        where = self._where("select")
+        if not columns:
+            raise SchemaError(f"{where}: select needs at least one column")
+        exprs = {name: as_expression(e, where) for name, e in columns.items()}
+        return self.circuit._add(Select(self.node_id, self.schema, self.op.partitioning, exprs, where))
+
+    def flat_map(self, fn: Callable[[pa.RecordBatch], pa.RecordBatch], schema: pa.Schema | None = None
+                 ) -> "Stream":
+        """Apply a row-wise function from RecordBatch to RecordBatch; output rows keep their input's weight.
+
+        ``schema`` is the function's output schema (inferred from ``fn`` on an empty batch if omitted).
+
+        >>> import pyarrow as pa
+        >>> s = Circuit().input("t", pa.schema([("x", pa.int64())]))
+        >>> twice = lambda b: pa.concat_tables([pa.table(b), pa.table(b)]).to_batches()[0] if b.num_rows else b
+        >>> s.flat_map(twice, schema=s.schema).schema.names
+        ['x']
+        """
+        return self.circuit._add(FlatMap(self.node_id, self.schema, fn, schema, self._where("flat_map")))
+
+    def _plus(self, other: "Stream", sign: int, kind: str) -> "Stream":
+        where = self._where(kind)
+        self.circuit._own(other, where)
+        if not same_columns(self.schema, other.schema):
+            raise SchemaError(f"{where}: schemas differ: {self.schema.names} {self.schema.types} vs "
+                              f"{other.schema.names} {other.schema.types}")
+        part = self.op.partitioning if self.op.partitioning == other.op.partitioning else None
+        return self.circuit._add(Plus((self.node_id, other.node_id), (1, sign), self.schema, part))
+
+    def __add__(self, other: "Stream") -> "Stream":
+        return self._plus(other, 1, "plus")
+
+    def __sub__(self, other: "Stream") -> "Stream":
+        return self._plus(other, -1, "minus")
+
+    def __neg__(self) -> "Stream":
+        return self.circuit._add(Negate((self.node_id,), self.schema, self.op.partitioning))
+
+    # ---- time operators ----
+
+    def delay(self) -> "Stream":
+        """z^-1: this stream one step later (empty at the first step)."""
+        return self.circuit._add(Delay((self.node_id,), self.schema, self.op.partitioning))
+
+    def integrate(self) -> "Stream":
+        """The running sum of this stream: the whole view at each step."""
+        return self.circuit._add(Integrate((self.node_id,), self.schema, self.op.partitioning))
+
+    def differentiate(self) -> "Stream":
+        """The step-to-step change of this stream."""
+        return self.circuit._add(Differentiate((self.node_id,), self.schema, self.op.partitioning))
+
+    # ---- keyed operators ----
+
+    def distinct(self) -> "Stream":
+        """Each row with positive multiplicity, once (a bag to a set)."""
+        src = self._exchanged(tuple(self.schema.names))
+        return self.circuit._add(Distinct(src.node_id, self.schema))
+
+    @staticmethod
+    def _keys(on: object, left_on: object, right_on: object, where: str) -> tuple[list[str], list[str], bool]:
+        def names(v: object) -> list[str]:
+            return [v] if isinstance(v, str) else list(v)  # type: ignore[arg-type]
+
+        if on is not None:
+            if left_on is not None or right_on is not None:
+                raise TypeError(f"{where}: give either on= or left_on=/right_on=, not both")
+            return names(on), names(on), True
+        if left_on is None or right_on is None:
+            raise TypeError(f"{where}: give on= or both left_on= and right_on=")
+        return names(left_on), names(right_on), False
+
+    def _join(self, other: "Stream", left_on: Sequence[str], right_on: Sequence[str], drop_right_keys: bool,
+              kind: str = "join") -> "Stream":
+        where = self._where(kind)
+        self.circuit._own(other, where)
+        from dbsp_core.operators.join import join_schema
+
+        join_schema(self.schema, other.schema, left_on, right_on, drop_right_keys, where)  # validate first
+        left = self._exchanged(tuple(left_on))
+        right = other._exchanged(tuple(right_on))
+        return self.circuit._add(Join(left.node_id, right.node_id, self.schema, other.schema, left_on, right_on,
+                                      drop_right_keys, where))
+
+    def join(self, other: "Stream", on: str | Sequence[str] | None = None,
+             left_on: str | Sequence[str] | None = None, right_on: str | Sequence[str] | None = None
+             ) -> "Stream":
+        """Inner equi-join. ``on=`` keeps one key column; other right-side name clashes get ``_right``.
+
+        >>> import pyarrow as pa
+        >>> c = Circuit()
+        >>> a = c.input("a", pa.schema([("k", pa.int64()), ("x", pa.int64())]))
+        >>> b = c.input("b", pa.schema([("k", pa.int64()), ("x", pa.int64())]))
+        >>> a.join(b, on="k").schema.names
+        ['k', 'x', 'x_right']
+        >>> a.join(b, left_on="k", right_on="x").schema.names
+        ['k', 'x', 'k_right', 'x_right']
+        """
+        lk, rk, drop = self._keys(on, left_on, right_on, self._where("join"))
+        return self._join(other, lk, rk, drop)
+
+    def left_join(self, other: "Stream", on: str | Sequence[str] | None = None,
+                  left_on: str | Sequence[str] | None = None, right_on: str | Sequence[str] | None = None
+                  ) -> "Stream":
+        """Left outer equi-join: like :meth:`join`, plus each left row without a match, padded with nulls.
+
+        >>> import pyarrow as pa
+        >>> c = Circuit()
+        >>> a = c.input("a", pa.schema([("k", pa.int64())]))
+        >>> b = c.input("b", pa.schema([("k", pa.int64()), ("y", pa.utf8())]))
+        >>> a.left_join(b, on="k").schema.names
+        ['k', 'y']
+        """
+        lk, rk, drop = self._keys(on, left_on, right_on, self._where("left_join"))
+        from dbsp_core.operators.join import join_schema
+
+        join_schema(self.schema, other.schema, lk, rk, drop, self._where("left_join"))
+        return left_join(self, other, lk, rk, drop)
+
+    def group_by(self, *keys: str) -> "GroupBy":
+        """Group rows by ``keys``; finish with :meth:`GroupBy.agg`."""
+        return GroupBy(self, keys)
+
+    def __repr__(self) -> str:
+        return f"Stream({self.op.label}, {self.schema.names})"
+
+
+class GroupBy:
+    """``stream.group_by(*keys)``, waiting for :meth:`agg`."""
+
+    def __init__(self, stream: Stream, keys: Sequence[str]) -> None:
+        self.stream = stream
+        self.keys = tuple(keys)
+
+    def agg(self, **aggs: AggSpec) -> Stream:
+        """One row per non-empty group: the keys, then one column per ``name=dbsp.count()/sum/min/max/avg``.
+
+        >>> import pyarrow as pa
+        >>> import dbsp_core as dbsp
+        >>> s = dbsp.Circuit().input("t", pa.schema([("k", pa.utf8()), ("v", pa.int64())]))
+        >>> s.group_by("k").agg(total=dbsp.sum("v")).schema.types
+        [DataType(string), DataType(int64)]
+        """
+        s = self.stream
+        where = s._where("aggregate")
+        op = Aggregate(-1, s.schema, self.keys, aggs, where)  # validate before adding an exchange
+        src = s._exchanged(self.keys)
+        op.inputs = (src.node_id,)
+        return s.circuit._add(op)

@@ -1,0 +1,20 @@
+"""The operators of a circuit, one per module; the Circuit/Stream API in dbsp_core.circuit builds them."""
+
+from dbsp_core.operators.aggregate import Aggregate
+from dbsp_core.operators.base import Operator
+from dbsp_core.operators.delay import Delay
+from dbsp_core.operators.differentiate import Differentiate
+from dbsp_core.operators.distinct import Distinct
+from dbsp_core.operators.exchange import Exchange
+from dbsp_core.operators.filter import Filter
+from dbsp_core.operators.flat_map import FlatMap
+from dbsp_core.operators.input import Input
+from dbsp_core.operators.integrate import Integrate
+from dbsp_core.operators.join import Join
+from dbsp_core.operators.left_join import left_join
+from dbsp_core.operators.negate import Negate
+from dbsp_core.operators.plus import Plus
+from dbsp_core.operators.select import Select
+
+__all__ = ["Aggregate", "Delay", "Differentiate", "Distinct", "Exchange", "Filter", "FlatMap", "Input",
+           "Integrate", "Join", "Negate", "Operator", "Plus", "Select", "left_join"]

@@ -1,0 +1,179 @@
+"""The aggregate operator: ``group_by(keys).agg(...)`` maintained incrementally, one output row per non-empty group.
+
+Invariants:
+  1. After every step, integral(output) has exactly one row per group whose accumulated row count is
+     non-zero: the key columns, then one column per aggregate, in the order given (weight 1).
+  2. A step touches only the groups whose key occurs in the change; for each it emits -old row +new row
+     (they cancel when the group did not change). Groups are matched by row identity (null key = a group).
+  3. Two strategies give the same results:
+     - linear (only count, and sum/avg over integer columns): the trace keeps one partial row per group
+       (count, sums, non-null counts as int64); a step adds the change's partials to the old ones. Integer
+       arithmetic is exact, so the result does not depend on the split into steps or workers.
+     - recompute (min, max, any float sum/avg): the trace keeps the integrated input indexed by key; a step
+       re-reduces the affected groups' rows, so min/max stay right when the extreme is deleted, and float
+       sums are computed over the group's consolidated rows in one fixed order whatever the split.
+  4. The input is exchanged by the group keys, so a group lives in exactly one worker.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.types as pat
+
+from dbsp_core.aggregates import Aggregate as AggSpec
+from dbsp_core.errors import SchemaError
+from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, make, negate
+from dbsp_core.trace import Trace, unique_sorted
+
+if TYPE_CHECKING:
+    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.zset import ZSet
+
+
+class Aggregate(Operator):
+    """``group_by(*keys).agg(name=aggregate, ...)``."""
+
+    kind = "aggregate"
+
+    def __init__(self, node: int, in_schema: pa.Schema, keys: Sequence[str], aggs: dict[str, AggSpec],
+                 where: str) -> None:
+        keys = tuple(keys)
+        if not keys:
+            raise SchemaError(f"{where}: group_by needs at least one key column")
+        check_columns(in_schema, keys, where, "group_by column")
+        if len(set(keys)) != len(keys):
+            raise SchemaError(f"{where}: duplicate group_by column in {list(keys)}")
+        if not aggs:
+            raise SchemaError(f"{where}: agg() needs at least one aggregate")
+        fields = [pa.field(k, in_schema.field(k).type) for k in keys]
+        for name, agg in aggs.items():
+            if not isinstance(agg, AggSpec):
+                raise TypeError(f"{where}: {name}= must be an aggregate such as dbsp.count(), got {agg!r}")
+            if name in keys:
+                raise SchemaError(f"{where}: output column {name!r} clashes with a group_by column")
+            fields.append(pa.field(name, agg.output_type(in_schema, where)))
+        super().__init__((node,), pa.schema(fields), keys)
+        self.in_schema = in_schema
+        self.keys = keys
+        self.names = list(aggs)
+        # kernel aggregates: slot 0 is always the row count (groups with count 0 have no row, invariant 1)
+        self.kernel: list[tuple[str, str | None]] = [("count", None)]
+        self.plan: list[tuple[str, list[int]]] = []  # per user aggregate: its kind and kernel slots
+        for agg in aggs.values():
+            if agg.kind == "count":
+                slots = [0] if agg.column is None else [self._slot("count_col", agg.column)]
+            elif agg.kind == "avg":
+                slots = [self._slot("sum", agg.column), self._slot("count_col", agg.column)]
+            else:
+                slots = [self._slot(agg.kind, agg.column)]
+            self.plan.append((agg.kind, slots))
+        self.linear = all(k in ("count", "count_col") or (k == "sum" and pat.is_integer(in_schema.field(c).type))
+                          for k, c in self.kernel)
+
+    def _slot(self, kind: str, column: str | None) -> int:
+        if (kind, column) not in self.kernel:
+            self.kernel.append((kind, column))
+        return self.kernel.index((kind, column))
+
+    def instance(self) -> "_LinearState | _RecomputeState":
+        return _LinearState(self) if self.linear else _RecomputeState(self)
+
+    def finalize(self, totals: pa.Table) -> pa.Table:
+        """User rows from a table of keys then one column per kernel slot (positional)."""
+        nk = len(self.keys)
+        cols = [totals.column(i) for i in range(nk)]
+        for (kind, slots), field in zip(self.plan, list(self.schema)[nk:]):
+            if kind == "avg":
+                s = pc.cast(totals.column(nk + slots[0]), pa.float64())
+                n = pc.cast(totals.column(nk + slots[1]), pa.float64())
+                col = pc.if_else(pc.equal(n, 0.0), pa.scalar(None, pa.float64()), pc.divide(s, n))
+            else:
+                col = totals.column(nk + slots[0])
+            if not col.type.equals(field.type):
+                col = pc.cast(col, field.type)
+            cols.append(col)
+        return pa.Table.from_arrays(cols, schema=self.schema)
+
+    def nonempty(self, totals: pa.Table) -> pa.Table:
+        """Drop groups whose row count (slot 0) is zero."""
+        counts = totals.column(len(self.keys))
+        mask = pc.not_equal(counts, 0)
+        return totals if pc.all(mask).as_py() is not False else totals.filter(mask)
+
+    def output(self, new: pa.Table | None, old: pa.Table | None) -> "ZSet":
+        """The change: +finalize(new) - finalize(old), consolidated (unchanged groups cancel)."""
+        parts = []
+        if new is not None and new.num_rows:
+            parts.append(make(self.finalize(new), np.ones(new.num_rows, dtype=np.int64), self.schema))
+        if old is not None and old.num_rows:
+            parts.append(make(self.finalize(old), np.full(old.num_rows, -1, dtype=np.int64), self.schema))
+        return concat(parts, self.schema).consolidate()
+
+
+class _RecomputeState:
+    """Invariant 3, recompute strategy: re-reduce the affected groups from the integrated input."""
+
+    def __init__(self, op: Aggregate) -> None:
+        self.op = op
+        self.trace = Trace(op.in_schema, op.keys)
+
+    def _reduce(self, z: "ZSet") -> pa.Table | None:
+        if z.num_rows == 0:
+            return None
+        ix = z.index_by(list(self.op.keys))
+        return self.op.nonempty(ix.reduce(self.op.kernel)) if len(ix) else None
+
+    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+        op = self.op
+        z = inputs[0]
+        if z.num_rows == 0:
+            return empty(op.schema)
+        dix = conform(z, op.in_schema).index_by(list(op.keys))
+        if len(dix) == 0:
+            return empty(op.schema)
+        old = concat([b.zset for b in self.trace.lookup(unique_sorted(dix.key_hash))], op.in_schema)
+        new = concat([old, dix.zset], op.in_schema)
+        self.trace.insert(dix)
+        return op.output(self._reduce(new), self._reduce(old))
+
+
+class _LinearState:
+    """Invariant 3, linear strategy: keep one partial row per group and add the change's partials."""
+
+    def __init__(self, op: Aggregate) -> None:
+        self.op = op
+        nk = len(op.keys)
+        self.slots = [f"p_{j}" for j in range(len(op.kernel))]
+        fields = [pa.field(k, op.in_schema.field(k).type) for k in op.keys]
+        fields += [pa.field(s, pa.int64()) for s in self.slots]
+        self.pschema = pa.schema(fields)
+        self.names = list(op.keys) + self.slots
+        self.combine = [("sum", s) for s in self.slots]
+        self.trace = Trace(self.pschema, op.keys)
+        self.nk = nk
+
+    def _partials(self, table: pa.Table) -> "ZSet":
+        table = table.rename_columns(self.names)
+        return make(table, np.ones(table.num_rows, dtype=np.int64), self.pschema)
+
+    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+        op = self.op
+        z = inputs[0]
+        if z.num_rows == 0:
+            return empty(op.schema)
+        dix = conform(z, op.in_schema).index_by(list(op.keys))
+        if len(dix) == 0:
+            return empty(op.schema)
+        delta = self._partials(dix.reduce(op.kernel))
+        old = concat([b.zset for b in self.trace.lookup(unique_sorted(dix.key_hash))], self.pschema)
+        if old.num_rows:
+            old = old.consolidate()
+        both = concat([old, delta], self.pschema).index_by(list(op.keys))
+        new = self._partials(op.nonempty(both.reduce(self.combine)))
+        change = concat([new, negate(old)], self.pschema)
+        self.trace.insert(change.index_by(list(op.keys)))
+        return op.output(new.data, old.data if old.num_rows else None)

@@ -1,0 +1,134 @@
+"""The Operator base class (a circuit node that turns its input Z-sets into one output Z-set per step) and small helpers shared by operators.
+
+Invariants (every operator subclass keeps them):
+  1. ``schema`` is the output schema, inferred and validated when the node is built; every step's output
+     has exactly these column names and types.
+  2. ``partitioning`` names the key columns the output is sharded by across workers (rows with equal
+     key hash live in one worker), or is None when rows may sit in any worker.
+  3. ``instance()`` returns the per-worker runtime object; a stateless operator returns itself, a
+     stateful one a fresh object owning its traces, so W copies never share state.
+  4. Operators never iterate over rows in Python: they call Arrow compute, numpy or the Z-set kernels.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from dbsp_core.errors import SchemaError, WeightOverflowError
+
+if TYPE_CHECKING:
+    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.zset import ZSet
+
+INT64_MIN = np.iinfo(np.int64).min
+
+
+class Operator:
+    """A node of a circuit. Subclasses set ``kind`` and implement :meth:`step` (or :meth:`instance`)."""
+
+    kind = "operator"
+
+    def __init__(self, inputs: Sequence[int], schema: pa.Schema, partitioning: tuple[str, ...] | None = None
+                 ) -> None:
+        self.node_id = -1  # set by Circuit when the node is added
+        self.inputs = tuple(inputs)
+        self.schema = schema
+        self.partitioning = partitioning
+
+    @property
+    def label(self) -> str:
+        """Name used in error messages, e.g. ``join#4``."""
+        return f"{self.kind}#{self.node_id}" if self.node_id >= 0 else self.kind
+
+    def instance(self) -> Any:
+        """Per-worker runtime object with a ``step(inputs, ctx) -> ZSet`` method."""
+        return self
+
+    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def nullable_schema(schema: pa.Schema) -> pa.Schema:
+    """``schema`` with every field nullable and no metadata (the form operators produce)."""
+    return pa.schema([pa.field(f.name, f.type) for f in schema])
+
+
+def same_columns(a: pa.Schema, b: pa.Schema) -> bool:
+    """Same column names and types in the same order (nullability and metadata ignored)."""
+    return a.names == b.names and all(x.type.equals(y.type) for x, y in zip(a, b))
+
+
+def check_columns(schema: pa.Schema, columns: Sequence[str], where: str, what: str = "column") -> None:
+    """SchemaError naming ``where`` and the column if any of ``columns`` is not in ``schema``."""
+    for c in columns:
+        if not isinstance(c, str):
+            raise SchemaError(f"{where}: {what} names must be str, got {c!r}")
+        if schema.get_field_index(c) < 0:
+            raise SchemaError(f"{where}: unknown {what} {c!r}; input columns are {schema.names}")
+
+
+def empty(schema: pa.Schema) -> "ZSet":
+    """The empty Z-set of ``schema``."""
+    from dbsp_core.zset import ZSet
+
+    return ZSet.empty(schema)
+
+
+def conform(z: "ZSet", schema: pa.Schema) -> "ZSet":
+    """``z`` with exactly ``schema`` (cast when only nullability or metadata differ)."""
+    if z.schema.equals(schema):
+        return z
+    from dbsp_core.zset import ZSet
+
+    return ZSet._make(z.data.cast(schema), z.weights, z.is_consolidated)
+
+
+def make(table: pa.Table, weights: np.ndarray, schema: pa.Schema, consolidated: bool = False) -> "ZSet":
+    """Build an operator output from a table whose columns match ``schema`` (re-chunked to one chunk each)."""
+    from dbsp_core.zset import ZSet
+
+    if table.num_rows == 0:
+        return ZSet.empty(schema)
+    table = table.combine_chunks()
+    if not table.schema.equals(schema):
+        table = table.cast(schema)
+    w = np.ascontiguousarray(weights, dtype=np.int64)
+    if not w.flags.writeable:  # the kernels' bindings take writable buffers
+        w = w.copy()
+    return ZSet._make(table, w, consolidated)
+
+
+def negate(z: "ZSet") -> "ZSet":
+    """``-z`` without consolidating; WeightOverflowError on the one weight that has no negation."""
+    from dbsp_core.zset import ZSet
+
+    w = z.weights
+    if len(w) and bool((w == INT64_MIN).any()):
+        raise WeightOverflowError("negate: weight -2**63 has no int64 negation")
+    return ZSet._make(z.data, -w, z.is_consolidated)
+
+
+def positive_set(z: "ZSet") -> "ZSet":
+    """The set of rows of a consolidated ``z`` with weight > 0, each with weight 1 (distinct's view)."""
+    from dbsp_core.zset import ZSet
+
+    mask = z.weights > 0
+    n = int(mask.sum())
+    if n == len(mask):
+        return ZSet._make(z.data, np.ones(n, dtype=np.int64), True)
+    return ZSet._make(z.data.filter(pa.array(mask)), np.ones(n, dtype=np.int64), True)
+
+
+def concat(parts: list["ZSet"], schema: pa.Schema) -> "ZSet":
+    """Sum of ``parts`` without consolidating (empty parts skipped)."""
+    from dbsp_core.zset import ZSet
+
+    parts = [p for p in parts if p.num_rows]
+    if not parts:
+        return ZSet.empty(schema)
+    if len(parts) == 1:
+        return parts[0]
+    return ZSet.concat(parts)

@@ -1,0 +1,20 @@
+"""The negate operator: ``-s`` flips the sign of every weight (linear)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dbsp_core.operators.base import Operator, negate
+
+if TYPE_CHECKING:
+    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.zset import ZSet
+
+
+class Negate(Operator):
+    """``-s``: every weight negated; WeightOverflowError for the weight -2**63."""
+
+    kind = "negate"
+
+    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+        return negate(inputs[0])

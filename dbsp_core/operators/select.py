@@ -1,0 +1,41 @@
+"""The select operator: computes named columns from pyarrow.compute expressions, row by row but vectorized (linear)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from dbsp_core.operators.base import Operator, empty, make
+from dbsp_core.operators.expr import project_rows, project_schema
+
+if TYPE_CHECKING:
+    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.zset import ZSet
+
+
+class Select(Operator):
+    """``select(name=expr, ...)``: one output column per keyword, in keyword order; weights unchanged."""
+
+    kind = "select"
+
+    def __init__(self, node: int, in_schema: pa.Schema, in_partitioning: tuple[str, ...] | None,
+                 columns: dict[str, pc.Expression], where: str) -> None:
+        names = list(columns)
+        exprs = list(columns.values())
+        schema = project_schema(in_schema, exprs, names, where)
+        # the output stays partitioned if every key column is passed through unchanged
+        part = in_partitioning
+        if part is not None and not all(k in columns and columns[k].equals(pc.field(k)) for k in part):
+            part = None
+        super().__init__((node,), schema, part)
+        self.names = names
+        self.exprs = exprs
+
+    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+        z = inputs[0]
+        if z.num_rows == 0:
+            return empty(self.schema)
+        data, w = project_rows(z.data, z.weights, self.exprs, self.names)
+        return make(data, w, self.schema)

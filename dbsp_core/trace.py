@@ -1,0 +1,143 @@
+"""A Trace is the integrated, indexed state of a stateful operator: a spine of consolidated IndexedZSets sorted by key hash, merged in amortized fashion.
+
+Invariants (enforced here):
+  1. Every batch is a consolidated IndexedZSet on the trace's key, rows ascending by key hash; the trace's
+     content is the sum of its batches (the same row may sit in several batches until they merge).
+  2. Batch sizes shrink geometrically from oldest to newest: a newer batch holding at least half as many
+     rows as its older neighbour is merged into it. So a trace of n rows has O(log n) batches and each
+     row is merged O(log n) times (an insert costs O(|batch| log n) amortized).
+  3. A lookup touches only the rows whose key hash is asked for (binary search per batch), never a whole
+     batch, so per-step cost grows with the change, not with the state.
+  4. State is grouped by shard: a shard (top ``shard_bits`` bits of the key hash) is a contiguous row range
+     of every batch, so :meth:`Trace.shard` extracts one shard's state without scanning the others.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pyarrow as pa
+
+if TYPE_CHECKING:
+    from dbsp_core.zset import IndexedZSet
+
+
+def ranges_to_indices(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Concatenate the integer ranges ``[lo[i], hi[i])`` into one int64 array, vectorized.
+
+    >>> ranges_to_indices(np.array([0, 5]), np.array([2, 7])).tolist()
+    [0, 1, 5, 6]
+    """
+    lens = (hi - lo).astype(np.int64)
+    keep = lens > 0
+    lo, lens = lo[keep].astype(np.int64), lens[keep]
+    total = int(lens.sum())
+    if total == 0:
+        return np.empty(0, dtype=np.int64)
+    starts = np.cumsum(lens) - lens
+    return np.repeat(lo - starts, lens) + np.arange(total, dtype=np.int64)
+
+
+def unique_sorted(hashes: np.ndarray) -> np.ndarray:
+    """Distinct values of an ascending uint64 array (linear time)."""
+    if len(hashes) < 2:
+        return hashes
+    keep = np.empty(len(hashes), dtype=bool)
+    keep[0] = True
+    np.not_equal(hashes[1:], hashes[:-1], out=keep[1:])
+    return hashes[keep]
+
+
+class Trace:
+    """A spine of consolidated, key-hash-sorted batches: the integral of an indexed stream.
+
+    Parameters
+    ----------
+    schema : pa.Schema
+        Data columns of the indexed Z-sets.
+    key : tuple of str
+        Index key columns.
+
+    Examples
+    --------
+    >>> import pyarrow as pa
+    >>> from dbsp_core import ZSet
+    >>> t = Trace(pa.schema([("k", pa.int64()), ("v", pa.int64())]), ("k",))
+    >>> z = ZSet.from_rows([(1, 10), (2, 20)], t.schema)
+    >>> t.insert(z.index_by(["k"]))
+    >>> t.num_rows
+    2
+    >>> [b.zset.to_dict() for b in t.lookup(z.hash(["k"])[:1])]
+    [{(1, 10): 1}]
+    """
+
+    def __init__(self, schema: pa.Schema, key: tuple[str, ...]) -> None:
+        self.schema = schema
+        self.key = tuple(key)
+        self.batches: list[IndexedZSet] = []
+
+    @property
+    def num_rows(self) -> int:
+        """Stored rows over all batches (a row may be counted once per batch holding it)."""
+        return sum(len(b) for b in self.batches) if self.batches else 0
+
+    def insert(self, batch: "IndexedZSet") -> None:
+        """Add a consolidated indexed batch (same key) to the trace, merging to keep invariant 2."""
+        if len(batch) == 0:
+            return
+        self.batches.append(batch)
+        bs = self.batches
+        while len(bs) >= 2 and 2 * len(bs[-1]) >= len(bs[-2]):
+            newer = bs.pop()
+            bs[-1] = bs[-1].merge(newer)
+            if len(bs[-1]) == 0:
+                bs.pop()
+
+    def lookup(self, hashes: np.ndarray) -> list["IndexedZSet"]:
+        """The rows of each batch whose key hash is in ``hashes`` (ascending, distinct uint64).
+
+        Rows whose hash collides with an asked hash but whose key differs are included; callers
+        match keys exactly (join kernel, or grouping by the key).
+        """
+        out = []
+        if len(hashes) == 0:
+            return out
+        for b in self.batches:
+            kh = b.key_hash
+            lo = np.searchsorted(kh, hashes, side="left")
+            hi = np.searchsorted(kh, hashes, side="right")
+            idx = ranges_to_indices(lo, hi)
+            if len(idx) == len(kh):
+                out.append(b)
+            elif len(idx):
+                out.append(b.take(idx))
+        return out
+
+    def consolidated(self) -> "IndexedZSet":
+        """The whole trace as one consolidated batch (merges a copy; the spine is unchanged)."""
+        from dbsp_core.zset import IndexedZSet
+
+        acc = IndexedZSet.empty(self.schema, self.key)
+        for b in self.batches:
+            acc = acc.merge(b)
+        return acc
+
+    def shard(self, shard_bits: int, shard: int) -> "IndexedZSet":
+        """The consolidated state of one shard (invariant 4)."""
+        from dbsp_core.zset import IndexedZSet
+
+        acc = IndexedZSet.empty(self.schema, self.key)
+        for b in self.batches:
+            bounds = b.shard_bounds(shard_bits)
+            lo, hi = int(bounds[shard]), int(bounds[shard + 1])
+            if hi > lo:
+                acc = acc.merge(b.take(np.arange(lo, hi, dtype=np.int64)))
+        return acc
+
+    def clear(self) -> None:
+        """Drop all state."""
+        self.batches = []
+
+    def __repr__(self) -> str:
+        return f"Trace(key={self.key}, batches={[len(b) for b in self.batches]})"
