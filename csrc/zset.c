@@ -1,8 +1,9 @@
 /* zset.c: consolidate, merge and negate for Z-set batches.
  *
  * Design notes (consolidate):
- *  1. Rows are radix-partitioned by the top bits of their key hash into partitions of about 8k rows, so the
- *     hash table of each partition stays in cache and concatenating the partitions keeps key-hash order.
+ *  1. Rows are radix-partitioned by the top bits of their key hash into partitions of about 32k rows, so the
+ *     hash table of each partition (grown with its distinct rows) stays in cache, and concatenating the
+ *     partitions keeps key-hash order.
  *  2. While scattering, each row is serialized into a partition-local arena in a canonical byte form
  *     (a null flag per nullable column, canonical float bits, u32 length + bytes for variable width), so
  *     row equality inside a partition is one memcmp on cache-resident bytes, never a random column access.
@@ -15,6 +16,14 @@
 #include <assert.h>
 #include "zset.h"
 #include "hash.h"
+#ifdef DBSP_PROFILE
+#include <stdio.h>
+#include <time.h>
+static double now_s(void){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+t.tv_nsec*1e-9;}
+#define PROF(name) do{double t_=now_s();fprintf(stderr,"%-10s %.3f\n",name,t_-prof_t);prof_t=t_;}while(0)
+#else
+#define PROF(name)
+#endif
 
 void dbsp_rows_free(DbspRows *r) {
     free(r->idx);
@@ -38,6 +47,23 @@ int dbsp_rows_reserve(DbspRows *r, int64_t extra) {
     r->khash = k2;
     r->cap = cap;
     return DBSP_OK;
+}
+
+/* ---- large scratch buffers: transparent huge pages cut page faults and TLB misses of the scatter ---- */
+
+#include <sys/mman.h>
+
+#define BIG_ALIGN ((size_t)2 << 20)
+
+static void *big_alloc(size_t bytes) {
+    if (bytes < BIG_ALIGN) return malloc(bytes ? bytes : 1);
+    void *p = NULL;
+    size_t sz = (bytes + BIG_ALIGN - 1) & ~(BIG_ALIGN - 1);
+    if (posix_memalign(&p, BIG_ALIGN, sz)) return NULL;
+#ifdef MADV_HUGEPAGE
+    madvise(p, sz, MADV_HUGEPAGE);
+#endif
+    return p;
 }
 
 /* ---- canonical row serialization (design note 2) ---- */
@@ -153,15 +179,68 @@ static void rec_sort(Rec *a, int64_t n, const SortCtx *ctx) {
     }
 }
 
+/* Canonical sort of n records whose key hashes share their top `used` bits: one counting pass on the next
+ * bits spreads the (uniform) hashes into about n buckets, then each bucket is sorted in place; a bucket made
+ * large by many rows of one key falls back to rec_sort. tmp has room for n records. */
+static int rec_sort_hashed(Rec *a, Rec *tmp, int64_t n, int used, const SortCtx *ctx, int64_t **cnt_buf,
+                           int64_t *cnt_cap) {
+    if (n <= 64 || used >= 60) { rec_sort(a, n, ctx); return DBSP_OK; }
+    int bb = 0;
+    while (bb < 20 && ((int64_t)1 << bb) < n) bb++;
+    if (used + bb > 64) bb = 64 - used;
+    int64_t nb = (int64_t)1 << bb;
+    if (*cnt_cap < nb + 1) {
+        free(*cnt_buf);
+        *cnt_buf = malloc((size_t)(nb + 1) * 8);
+        if (!*cnt_buf) { *cnt_cap = 0; return DBSP_ENOMEM; }
+        *cnt_cap = nb + 1;
+    }
+    int64_t *cnt = *cnt_buf;
+    memset(cnt, 0, (size_t)(nb + 1) * 8);
+#define BUCKET(kh) ((int64_t)(((kh) << used) >> (64 - bb)))
+    for (int64_t i = 0; i < n; i++) cnt[BUCKET(a[i].kh) + 1]++;
+    for (int64_t k = 0; k < nb; k++) cnt[k + 1] += cnt[k];
+    for (int64_t i = 0; i < n; i++) tmp[cnt[BUCKET(a[i].kh)]++] = a[i];
+#undef BUCKET
+    /* cnt[k] is now the end of bucket k */
+    int64_t s = 0;
+    for (int64_t k = 0; k < nb; k++) {
+        int64_t e = cnt[k];
+        if (e - s > 1) rec_sort(tmp + s, e - s, ctx);
+        s = e;
+    }
+    memcpy(a, tmp, (size_t)n * sizeof(Rec));
+    return DBSP_OK;
+}
+
 /* ---- consolidate ---- */
 
-typedef struct { uint64_t h; int64_t w; uint32_t idx; uint32_t len; } Entry;
-typedef struct { uint64_t h; int64_t w; uint32_t idx; uint32_t len; uint64_t off; } Uniq;
+/* A scattered entry: a 16-byte header, then (fixed-width rows) the serialized row inline, padded to 8 bytes,
+ * so the scatter writes one stream per partition. Variable-width rows keep their bytes in a partition arena
+ * written in entry order, and the header holds their length. */
+typedef struct { uint32_t h32; uint32_t idx; int64_t w; } EntryHead;
+typedef struct { uint32_t h32; uint32_t len; uint64_t off; int64_t w; uint32_t idx; uint32_t pad; uint64_t key8; } Uniq;
+
+#define ROWS_PER_PART 32768
 
 static int part_bits_for(int64_t n) {
     int bits = 0;
-    while (bits < 16 && ((int64_t)8192 << bits) < n) bits++;
+    while (bits < 16 && ((int64_t)ROWS_PER_PART << bits) < n) bits++;
     return bits;
+}
+
+/* open-addressing table of partition-local uniques, grown by doubling at half load */
+typedef struct { int32_t *slots; int64_t cap; } Table;
+
+static int table_reset(Table *t, int64_t cap) {
+    if (cap > t->cap) {
+        free(t->slots);
+        t->slots = malloc((size_t)cap * 4);
+        if (!t->slots) { t->cap = 0; return DBSP_ENOMEM; }
+        t->cap = cap;
+    }
+    memset(t->slots, 0, (size_t)cap * 4);
+    return DBSP_OK;
 }
 
 int dbsp_zset_consolidate(const DbspBatch *b, const int32_t *keys, int32_t nkeys, DbspRows *out) {
@@ -173,21 +252,25 @@ int dbsp_zset_consolidate(const DbspBatch *b, const int32_t *keys, int32_t nkeys
     for (int32_t c = 0; c < b->ncols; c++)
         if (dbsp_type_class(b->cols[c].type) == 0) return DBSP_ETYPE;
 
-    uint64_t *rh = malloc((size_t)n * 8), *kh = NULL;
-    Entry *E = NULL;
-    uint8_t *arena = NULL;
-    int64_t *cnt = NULL, *start = NULL, *bstart = NULL;
-    int32_t *slots = NULL;
+#ifdef DBSP_PROFILE
+    double prof_t = now_s(), prof_collect = 0, prof_sort = 0;
+#endif
+    uint64_t *rh = big_alloc((size_t)n * 8), *kh = NULL;
+    uint8_t *E = NULL, *arena = NULL;
+    int64_t *cnt = NULL, *start = NULL, *bstart = NULL, *bcur = NULL;
+    Table tab = { NULL, 0 };
     Uniq *U = NULL;
-    Rec *R = NULL;
+    Rec *R = NULL, *R2 = NULL;
+    int64_t *sort_cnt = NULL, sort_cnt_cap = 0;
     if (!rh) return DBSP_ENOMEM;
     if ((st = dbsp_hash_columns(b, NULL, 0, rh))) goto done;
     if (nkeys > 0) {
-        kh = malloc((size_t)n * 8);
+        kh = big_alloc((size_t)n * 8);
         if (!kh) { st = DBSP_ENOMEM; goto done; }
         if ((st = dbsp_hash_columns(b, keys, nkeys, kh))) goto done;
     }
     const uint64_t *pkh = kh ? kh : rh;
+    PROF("hash");
 
     int bits = part_bits_for(n);
     int64_t np = (int64_t)1 << bits;
@@ -195,95 +278,131 @@ int dbsp_zset_consolidate(const DbspBatch *b, const int32_t *keys, int32_t nkeys
 #define PART(h) (bits ? (int64_t)((h) >> shift) : 0)
     int has_var;
     int64_t F = row_fixed_size(b, &has_var);
+    int64_t S = has_var ? (int64_t)sizeof(EntryHead) + 8 : (int64_t)sizeof(EntryHead) + ((F + 7) & ~(int64_t)7);
     cnt = calloc((size_t)np + 1, 8);
     start = calloc((size_t)np + 1, 8);
     bstart = calloc((size_t)np + 1, 8);
-    if (!cnt || !start || !bstart) { st = DBSP_ENOMEM; goto done; }
-    /* pass 1: histogram of rows and bytes per partition */
-    for (int64_t i = 0; i < n; i++) {
-        int64_t p = PART(pkh[i]);
-        cnt[p]++;
-        if (has_var) {
+    bcur = calloc((size_t)np + 1, 8);
+    if (!cnt || !start || !bstart || !bcur) { st = DBSP_ENOMEM; goto done; }
+    /* pass 1: histogram of rows (and arena bytes) per partition */
+    for (int64_t i = 0; i < n; i++) cnt[PART(pkh[i])]++;
+    if (has_var) {
+        for (int64_t i = 0; i < n; i++) {
             int64_t s = F + row_var_size(b, i);
             if (s > (int64_t)UINT32_MAX) { st = DBSP_ETOOBIG; goto done; }
-            bstart[p + 1] += s;
+            bstart[PART(pkh[i]) + 1] += s;
         }
     }
     for (int64_t p = 0; p < np; p++) {
         start[p + 1] = start[p] + cnt[p];
-        bstart[p + 1] = has_var ? bstart[p] + bstart[p + 1] : start[p + 1] * F;
+        bstart[p + 1] += bstart[p];
     }
-    E = malloc((size_t)n * sizeof(Entry));
-    arena = malloc((size_t)(bstart[np] ? bstart[np] : 1));
-    if (!E || !arena) { st = DBSP_ENOMEM; goto done; }
-    /* pass 2: scatter entries and serialized rows (cnt becomes the entry cursor, bcur the byte cursor) */
+    E = big_alloc((size_t)(n * S));
+    arena = has_var ? big_alloc((size_t)(bstart[np] ? bstart[np] : 1)) : NULL;
+    if (!E || (has_var && !arena)) { st = DBSP_ENOMEM; goto done; }
+    /* pass 2: scatter (cnt becomes the entry cursor, bcur the arena cursor) */
+    for (int64_t p = 0; p < np; p++) { cnt[p] = start[p]; bcur[p] = bstart[p]; }
     {
-        int64_t *bcur = calloc((size_t)np, 8);
-        if (!bcur) { st = DBSP_ENOMEM; goto done; }
-        for (int64_t p = 0; p < np; p++) { cnt[p] = start[p]; bcur[p] = bstart[p]; }
         const int64_t *w = b->weights;
         for (int64_t i = 0; i < n; i++) {
             int64_t p = PART(pkh[i]);
-            Entry *e = &E[cnt[p]++];
-            e->h = rh[i];
-            e->w = w ? w[i] : 1;
-            e->idx = (uint32_t)i;
-            uint8_t *dst = arena + bcur[p];
-            uint8_t *end = serialize_row(b, i, dst);
-            e->len = (uint32_t)(end - dst);
-            bcur[p] += end - dst;
+            uint8_t *e = E + (cnt[p]++) * S;
+            EntryHead *h = (EntryHead *)e;
+            h->h32 = (uint32_t)rh[i];
+            h->idx = (uint32_t)i;
+            h->w = w ? w[i] : 1;
+            if (has_var) {
+                uint8_t *dst = arena + bcur[p];
+                uint32_t len = (uint32_t)(serialize_row(b, i, dst) - dst);
+                memcpy(e + sizeof(EntryHead), &len, 4);
+                bcur[p] += len;
+            } else {
+                serialize_row(b, i, e + sizeof(EntryHead));
+            }
         }
-        free(bcur);
     }
-    free(rh); rh = NULL;
+    PROF("scatter");
 #undef PART
 
     /* per partition: hash aggregation into uniques, then canonical sort of the non-zero ones */
     int64_t maxp = 0;
     for (int64_t p = 0; p < np; p++) if (start[p + 1] - start[p] > maxp) maxp = start[p + 1] - start[p];
-    int64_t cap = 16;
-    while (cap < 2 * maxp) cap *= 2;
-    slots = malloc((size_t)cap * 4);
     U = malloc((size_t)(maxp ? maxp : 1) * sizeof(Uniq));
     R = malloc((size_t)(maxp ? maxp : 1) * sizeof(Rec));
-    if (!slots || !U || !R) { st = DBSP_ENOMEM; goto done; }
+    R2 = malloc((size_t)(maxp ? maxp : 1) * sizeof(Rec));
+    if (!U || !R || !R2) { st = DBSP_ENOMEM; goto done; }
     SortCtx ctx = { b };
+    const int fast8 = !has_var && F == 8;
     for (int64_t p = 0; p < np; p++) {
-        int64_t es = start[p], ee = start[p + 1], m = ee - es;
-        if (m == 0) continue;
-        int64_t c2 = 16;
-        while (c2 < 2 * m) c2 *= 2;
-        uint64_t mask = (uint64_t)c2 - 1;
-        memset(slots, 0, (size_t)c2 * 4);
+        int64_t es = start[p], ee = start[p + 1];
+        if (ee == es) continue;
+        int64_t cap = 1024;
+        if ((st = table_reset(&tab, cap))) goto done;
+        uint64_t mask = (uint64_t)cap - 1;
         int64_t nu = 0;
         uint64_t off = (uint64_t)bstart[p];
         for (int64_t k = es; k < ee; k++) {
-            const Entry *e = &E[k];
-            uint64_t s = e->h & mask;
+            const uint8_t *e = E + k * S;
+            const EntryHead *h = (const EntryHead *)e;
+            uint32_t len;
+            const uint8_t *row;
+            if (has_var) { memcpy(&len, e + sizeof(EntryHead), 4); row = arena + off; off += len; }
+            else { len = (uint32_t)F; row = e + sizeof(EntryHead); }
+            uint64_t s = h->h32 & mask;
             for (;;) {
-                int32_t u = slots[s];
+                int32_t u = tab.slots[s];
                 if (u == 0) {
                     Uniq *q = &U[nu++];
-                    q->h = e->h; q->w = e->w; q->idx = e->idx; q->len = e->len; q->off = off;
-                    slots[s] = (int32_t)nu;
+                    q->h32 = h->h32; q->len = len; q->w = h->w; q->idx = h->idx;
+                    q->off = has_var ? (uint64_t)(row - arena) : (uint64_t)(row - E);
+                    if (fast8) memcpy(&q->key8, row, 8);
+                    tab.slots[s] = (int32_t)nu;
+                    if (2 * nu > cap) {
+                        /* grow and rehash the uniques of this partition */
+                        cap *= 2;
+                        if ((st = table_reset(&tab, cap))) goto done;
+                        mask = (uint64_t)cap - 1;
+                        for (int64_t t = 0; t < nu; t++) {
+                            uint64_t s2 = U[t].h32 & mask;
+                            while (tab.slots[s2]) s2 = (s2 + 1) & mask;
+                            tab.slots[s2] = (int32_t)(t + 1);
+                        }
+                    }
                     break;
                 }
                 Uniq *q = &U[u - 1];
-                if (q->h == e->h && q->len == e->len && memcmp(arena + q->off, arena + off, e->len) == 0) {
-                    if ((st = dbsp_add_weight(&q->w, e->w))) goto done;
-                    break;
+                if (q->h32 == h->h32) {
+                    int eq;
+                    if (fast8) { uint64_t y; memcpy(&y, row, 8); eq = q->key8 == y; }
+                    else eq = q->len == len && memcmp((has_var ? arena : E) + q->off, row, len) == 0;
+                    if (eq) {
+                        if ((st = dbsp_add_weight(&q->w, h->w))) goto done;
+                        break;
+                    }
                 }
                 s = (s + 1) & mask;
             }
-            off += e->len;
         }
+#ifdef DBSP_PROFILE
+        double tp0 = now_s();
+#endif
         int64_t nr = 0;
         for (int64_t u = 0; u < nu; u++) {
+            if (u + 16 < nu) {
+                __builtin_prefetch(&rh[U[u + 16].idx]);
+                if (kh) __builtin_prefetch(&kh[U[u + 16].idx]);
+            }
             if (U[u].w == 0) continue;
             Rec *r = &R[nr++];
-            r->rh = U[u].h; r->kh = kh ? kh[U[u].idx] : U[u].h; r->idx = U[u].idx; r->w = U[u].w;
+            r->rh = rh[U[u].idx]; r->kh = kh ? kh[U[u].idx] : r->rh; r->idx = U[u].idx; r->w = U[u].w;
         }
-        rec_sort(R, nr, &ctx);
+#ifdef DBSP_PROFILE
+        double tp1 = now_s();
+#endif
+        if ((st = rec_sort_hashed(R, R2, nr, bits, &ctx, &sort_cnt, &sort_cnt_cap))) goto done;
+#ifdef DBSP_PROFILE
+        prof_collect += tp1 - tp0; prof_sort += now_s() - tp1;
+#endif
         if ((st = dbsp_rows_reserve(out, nr))) goto done;
         for (int64_t r = 0; r < nr; r++) {
             out->idx[out->n] = R[r].idx;
@@ -292,11 +411,16 @@ int dbsp_zset_consolidate(const DbspBatch *b, const int32_t *keys, int32_t nkeys
             out->n++;
         }
     }
+    PROF("aggregate");
+#ifdef DBSP_PROFILE
+    fprintf(stderr, "  of which collect %.3f sort %.3f\n", prof_collect, prof_sort);
+#endif
 #ifdef DBSP_CHECK_INVARIANTS
     assert(dbsp_rows_check_order(b, out->idx, out->weights, out->khash, out->n, keys, nkeys) == 0);
 #endif
 done:
-    free(rh); free(kh); free(E); free(arena); free(cnt); free(start); free(bstart); free(slots); free(U); free(R);
+    free(rh); free(kh); free(E); free(arena); free(cnt); free(start); free(bstart); free(bcur); free(tab.slots);
+    free(U); free(R); free(R2); free(sort_cnt);
     if (st) dbsp_rows_free(out);
     return st;
 }
