@@ -180,7 +180,7 @@ class Pipeline:
             raise SchemaError(f"push({handle!r}): Z-set columns {_fmt(z.schema)} do not match the input schema "
                               f"{_fmt(schema)}")
         if not z.schema.equals(schema):
-            z = ZSet._make(z.data.cast(schema), z.weights, z.is_consolidated)
+            z = ZSet._make(z.data.cast(schema), z.weights)
         return z
 
     def push(self, handle: str, data: PushData, weights: Any = None) -> None:

@@ -31,7 +31,7 @@ from dbsp_core.trace import Trace, unique_sorted
 
 if TYPE_CHECKING:
     from dbsp_core.runtime import WorkerContext
-    from dbsp_core.zset import ZSet
+    from dbsp_core.zset import IndexedZSet, ZSet
 
 
 class Aggregate(Operator):
@@ -66,7 +66,7 @@ class Aggregate(Operator):
         for agg in aggs.values():
             if agg.kind == "count":
                 slots = [0] if agg.column is None else [self._slot("count_col", agg.column)]
-            elif agg.kind == "avg":
+            elif agg.kind in ("sum", "avg"):  # the non-null count decides when the result is null
                 slots = [self._slot("sum", agg.column), self._slot("count_col", agg.column)]
             else:
                 slots = [self._slot(agg.kind, agg.column)]
@@ -91,6 +91,9 @@ class Aggregate(Operator):
                 s = pc.cast(totals.column(nk + slots[0]), pa.float64())
                 n = pc.cast(totals.column(nk + slots[1]), pa.float64())
                 col = pc.if_else(pc.equal(n, 0.0), pa.scalar(None, pa.float64()), pc.divide(s, n))
+            elif kind == "sum":
+                s, n = totals.column(nk + slots[0]), totals.column(nk + slots[1])
+                col = pc.if_else(pc.equal(n, 0), pa.scalar(None, s.type), s)
             else:
                 col = totals.column(nk + slots[0])
             if not col.type.equals(field.type):
@@ -114,6 +117,29 @@ class Aggregate(Operator):
         return concat(parts, self.schema).consolidate()
 
 
+def reduce_groups(ix: "IndexedZSet", kernel: list[tuple[str, str | None]]) -> pa.Table:
+    """``ix.reduce(kernel)`` with sums taken over the column with nulls replaced by 0 (same sum; the
+    non-null count slot tells an all-null group apart)."""
+    data = ix.zset.data
+    extra: dict[str, pa.ChunkedArray] = {}
+    kern = []
+    for kind, col in kernel:
+        if kind == "sum" and col is not None and data.column(col).null_count:
+            name = f"__nonnull_{col}"
+            if name not in extra:
+                extra[name] = pc.fill_null(data.column(col), 0)
+            kern.append((kind, name))
+        else:
+            kern.append((kind, col))
+    if extra:
+        from dbsp_core.zset import IndexedZSet, ZSet
+
+        for name, col in extra.items():
+            data = data.append_column(name, col)
+        ix = IndexedZSet._make(ZSet._make(data, ix.zset.weights), ix.key, ix.key_hash)
+    return ix.reduce(kern)
+
+
 class _RecomputeState:
     """Invariant 3, recompute strategy: re-reduce the affected groups from the integrated input."""
 
@@ -125,7 +151,7 @@ class _RecomputeState:
         if z.num_rows == 0:
             return None
         ix = z.index_by(list(self.op.keys))
-        return self.op.nonempty(ix.reduce(self.op.kernel)) if len(ix) else None
+        return self.op.nonempty(reduce_groups(ix, self.op.kernel)) if len(ix) else None
 
     def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
         op = self.op
@@ -168,7 +194,7 @@ class _LinearState:
         dix = conform(z, op.in_schema).index_by(list(op.keys))
         if len(dix) == 0:
             return empty(op.schema)
-        delta = self._partials(dix.reduce(op.kernel))
+        delta = self._partials(reduce_groups(dix, op.kernel))
         old = concat([b.zset for b in self.trace.lookup(unique_sorted(dix.key_hash))], self.pschema)
         if old.num_rows:
             old = old.consolidate()

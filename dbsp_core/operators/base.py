@@ -83,10 +83,10 @@ def conform(z: "ZSet", schema: pa.Schema) -> "ZSet":
         return z
     from dbsp_core.zset import ZSet
 
-    return ZSet._make(z.data.cast(schema), z.weights, z.is_consolidated)
+    return ZSet._make(z.data.cast(schema), z.weights)
 
 
-def make(table: pa.Table, weights: np.ndarray, schema: pa.Schema, consolidated: bool = False) -> "ZSet":
+def make(table: pa.Table, weights: np.ndarray, schema: pa.Schema) -> "ZSet":
     """Build an operator output from a table whose columns match ``schema`` (re-chunked to one chunk each)."""
     from dbsp_core.zset import ZSet
 
@@ -98,17 +98,15 @@ def make(table: pa.Table, weights: np.ndarray, schema: pa.Schema, consolidated: 
     w = np.ascontiguousarray(weights, dtype=np.int64)
     if not w.flags.writeable:  # the kernels' bindings take writable buffers
         w = w.copy()
-    return ZSet._make(table, w, consolidated)
+    return ZSet._make(table, w)
 
 
 def negate(z: "ZSet") -> "ZSet":
     """``-z`` without consolidating; WeightOverflowError on the one weight that has no negation."""
-    from dbsp_core.zset import ZSet
-
     w = z.weights
     if len(w) and bool((w == INT64_MIN).any()):
         raise WeightOverflowError("negate: weight -2**63 has no int64 negation")
-    return ZSet._make(z.data, -w, z.is_consolidated)
+    return -z
 
 
 def positive_set(z: "ZSet") -> "ZSet":
@@ -118,8 +116,8 @@ def positive_set(z: "ZSet") -> "ZSet":
     mask = z.weights > 0
     n = int(mask.sum())
     if n == len(mask):
-        return ZSet._make(z.data, np.ones(n, dtype=np.int64), True)
-    return ZSet._make(z.data.filter(pa.array(mask)), np.ones(n, dtype=np.int64), True)
+        return ZSet._make(z.data, np.ones(n, dtype=np.int64))
+    return ZSet._make(z.data.filter(pa.array(mask)), np.ones(n, dtype=np.int64))
 
 
 def concat(parts: list["ZSet"], schema: pa.Schema) -> "ZSet":

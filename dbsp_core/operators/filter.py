@@ -31,4 +31,4 @@ class Filter(Operator):
         if z.num_rows == 0:
             return empty(self.schema)
         data, w = filter_rows(z.data, z.weights, self.predicate)
-        return make(data, w, self.schema, z.is_consolidated)
+        return make(data, w, self.schema)

@@ -1,0 +1,160 @@
+"""The DuckDB reference for circuit tests: random changes over small domains, and the query recomputed by DuckDB over the integrated inputs after every step.
+
+Bag semantics: a table with weight w for a row holds w copies of it; results compare as {row: multiplicity}.
+Floats are drawn as multiples of 1/4 (sums are exact) and compared after rounding to 9 significant digits.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Callable
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+import dbsp_core as dbsp
+
+BIDS = pa.schema([("auction", pa.int64()), ("bidder", pa.utf8()), ("price", pa.int64()), ("f", pa.float64())])
+AUCTIONS = pa.schema([("id", pa.int32()), ("category", pa.utf8()), ("reserve", pa.int64())])
+SCHEMAS = {"bids": BIDS, "auctions": AUCTIONS}
+
+
+def _value(rng: np.random.Generator, t: pa.DataType, null_rate: float = 0.15) -> object:
+    if rng.random() < null_rate:
+        return None
+    if pa.types.is_integer(t):
+        return int(rng.integers(0, 6))
+    if pa.types.is_floating(t):
+        return float(rng.integers(-20, 21)) / 4
+    if pa.types.is_string(t):
+        return str(rng.choice(["a", "b", "c", "dd", ""]))
+    raise TypeError(t)
+
+
+def random_row(rng: np.random.Generator, schema: pa.Schema) -> tuple:
+    return tuple(_value(rng, f.type) for f in schema)
+
+
+class ChangeGen:
+    """Random valid changes to a bag: inserts (with duplicates and weights > 1) and deletions of present rows."""
+
+    def __init__(self, rng: np.random.Generator, schema: pa.Schema) -> None:
+        self.rng = rng
+        self.schema = schema
+        self.bag: Counter = Counter()
+
+    def change(self, max_rows: int = 8) -> dict[tuple, int]:
+        rng, delta = self.rng, Counter()
+        for _ in range(int(rng.integers(0, max_rows + 1))):
+            present = [r for r, w in (self.bag + delta).items() if w > 0]
+            roll = rng.random()
+            if present and roll < 0.3:  # delete a present row
+                delta[present[int(rng.integers(len(present)))]] -= 1
+            elif present and roll < 0.45:  # duplicate a present row
+                delta[present[int(rng.integers(len(present)))]] += 1
+            else:
+                delta[random_row(rng, self.schema)] += int(rng.choice([1, 1, 1, 2]))
+        delta = Counter({r: w for r, w in delta.items() if w})
+        self.bag.update(delta)
+        self.bag = Counter({r: w for r, w in self.bag.items() if w})
+        return dict(delta)
+
+
+def to_zset(change: dict[tuple, int], schema: pa.Schema) -> dbsp.ZSet:
+    rows = list(change)
+    return dbsp.ZSet.from_rows(rows, schema, weights=[change[r] for r in rows])
+
+
+def _norm(v: object) -> object:
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        return float(f"{v:.9g}") + 0.0
+    return v
+
+
+def normalize(rows: dict[tuple, int]) -> dict[tuple, int]:
+    out: Counter = Counter()
+    for r, w in rows.items():
+        out[tuple(_norm(v) for v in r)] += w
+    return {r: w for r, w in out.items() if w}
+
+
+def duckdb_query(sql: str, tables: dict[str, tuple[pa.Schema, dict[tuple, int]]]) -> dict[tuple, int]:
+    """Run ``sql`` over bags (``{name: (schema, {row: multiplicity})}``); returns ``{row: multiplicity}``.
+
+    Each bag is also visible weighted as ``<name>_w`` with an extra ``__w`` column (for linear queries whose
+    integrated result may have negative weights).
+    """
+    con = duckdb.connect()
+    try:
+        for name, (schema, bag) in tables.items():
+            rows = [r for r, w in bag.items() if w]
+            cols = {f.name: pa.array([r[i] for r in rows], type=f.type) for i, f in enumerate(schema)}
+            cols["__w"] = pa.array([bag[r] for r in rows], type=pa.int64())
+            con.register(f"{name}_w", pa.table(cols))
+            con.execute(f"CREATE VIEW {name} AS SELECT * EXCLUDE (__w, __i) FROM "
+                        f"(SELECT *, UNNEST(range(CASE WHEN __w > 0 THEN __w ELSE 0 END)) AS __i FROM {name}_w)")
+        result = con.sql(sql).to_arrow_table()
+    finally:
+        con.close()
+    names = result.column_names
+    weighted = names and names[-1] == "__w"
+    cols = [result.column(i).to_pylist() for i in range(result.num_columns)]
+    rows = list(zip(*cols)) if cols else []
+    out: Counter = Counter()
+    for r in rows:
+        if weighted:
+            out[r[:-1]] += r[-1]
+        else:
+            out[r] += 1
+    return normalize(dict(out))
+
+
+def accumulate(acc: dict[tuple, int], z: dbsp.ZSet) -> None:
+    for r, w in z.to_dict().items():
+        acc[r] = acc.get(r, 0) + w
+        if acc[r] == 0:
+            del acc[r]
+
+
+def run_against_duckdb(build: Callable[[dbsp.Circuit, dict[str, dbsp.Stream]], dict[str, dbsp.Stream]],
+                       queries: dict[str, str], seed: int, workers: int, steps: int = 5,
+                       inputs: tuple[str, ...] = ("bids", "auctions"), max_rows: int = 8) -> dict[str, dict]:
+    """Build a circuit, feed random changes in ``steps`` steps, and after every step compare each output's
+    integral with DuckDB's answer over the integrated inputs. Returns the final integrals."""
+    rng = np.random.default_rng(seed)
+    c = dbsp.Circuit()
+    streams = {name: c.input(name, SCHEMAS[name]) for name in inputs}
+    for name, s in build(c, streams).items():
+        c.output(name, s)
+    gens = {name: ChangeGen(rng, SCHEMAS[name]) for name in inputs}
+    views: dict[str, dict] = {name: {} for name in queries}
+    with dbsp.Pipeline(c, workers=workers) as p:
+        for step in range(steps):
+            for name, g in gens.items():
+                change = g.change(max_rows)
+                rows = list(change)
+                if rows and rng.random() < 0.4:  # some steps arrive in two pushes
+                    cut = int(rng.integers(0, len(rows) + 1))
+                    for part in (rows[:cut], rows[cut:]):
+                        if part:
+                            p.push(name, to_zset({r: change[r] for r in part}, SCHEMAS[name]))
+                elif rows:
+                    p.push(name, to_zset(change, SCHEMAS[name]))
+            out = p.step()
+            tables = {name: (SCHEMAS[name], dict(g.bag)) for name, g in gens.items()}
+            for name, sql in queries.items():
+                accumulate(views[name], out[name])
+                want = duckdb_query(sql, tables)
+                got = normalize(views[name])
+                assert got == want, (f"output {name!r} differs from DuckDB after step {step} (W={workers}, "
+                                     f"seed={seed})\nonly in circuit: {_diff(got, want)}\n"
+                                     f"only in DuckDB: {_diff(want, got)}")
+    return views
+
+
+def _diff(a: dict, b: dict) -> dict:
+    return {r: w - b.get(r, 0) for r, w in a.items() if b.get(r, 0) != w}
