@@ -505,7 +505,7 @@ class IndexedZSet:
         cols = {k: data.column(k).take(pa.array(group_row)) for k in self._key}
         for j, (kind, pos) in enumerate(specs):
             ok = valid[:, j].astype(bool)
-            mask = pa.array(~ok) if not ok.all() else None
+            mask = ~ok if not ok.all() else None
             if kind in ("count", "count_col"):
                 cols[f"agg_{j}"] = pa.array(ivals[:, j], pa.int64())
             elif kind == "sum":

@@ -1,0 +1,5 @@
+"""Makes the reference model importable from the tests in this folder."""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
