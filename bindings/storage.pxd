@@ -1,0 +1,75 @@
+# storage.pxd: declarations mirroring the storage headers of csrc/ (storage_status, vfs, pagestore, steplog).
+from libc.stdint cimport int64_t, uint64_t
+
+cdef extern from "status.h" nogil:
+    enum:
+        DBSP_OK
+        DBSP_ENOMEM
+        DBSP_EINVAL
+        DBSP_ETOOBIG
+
+cdef extern from "storage_status.h" nogil:
+    enum:
+        DBSP_EIO
+        DBSP_ENOSPC
+        DBSP_ECORRUPT
+        DBSP_EFORMAT
+        DBSP_ECRASHED
+        DBSP_ESTATE
+        DBSP_ENOTFOUND
+    const char *dbsp_storage_errmsg()
+    int dbsp_storage_errno()
+
+cdef extern from "crc32c.h" nogil:
+    unsigned int dbsp_crc32c(unsigned int crc, const void *data, size_t len)
+
+cdef extern from "vfs.h" nogil:
+    ctypedef struct DbspVfs:
+        pass
+    DbspVfs *dbsp_vfs_posix()
+    DbspVfs *dbsp_vfs_fault()
+    void dbsp_vfs_fault_arm(uint64_t crash_at, int mode, uint64_t seed, uint64_t error_at, int error_errno)
+    uint64_t dbsp_vfs_fault_ops()
+    int dbsp_vfs_fault_crashed()
+    void dbsp_vfs_fault_crash_now(int mode, uint64_t seed)
+
+cdef extern from "pagestore.h" nogil:
+    ctypedef struct DbspPageStore:
+        pass
+    ctypedef struct DbspTxn:
+        pass
+    ctypedef struct DbspCursor:
+        pass
+    int dbsp_pagestore_open(const char *path, DbspVfs *vfs, size_t cache_pages, DbspPageStore **out)
+    void dbsp_pagestore_close(DbspPageStore *ps)
+    int dbsp_pagestore_versions(DbspPageStore *ps, uint64_t *first, uint64_t *count)
+    int dbsp_pagestore_check(DbspPageStore *ps)
+    int dbsp_pagestore_stats(DbspPageStore *ps, uint64_t *page_count, uint64_t *free_pages)
+    int dbsp_pagestore_begin(DbspPageStore *ps, uint64_t v, DbspTxn **out)
+    int dbsp_txn_commit(DbspTxn *t)
+    void dbsp_txn_abort(DbspTxn *t)
+    int dbsp_txn_get(DbspTxn *t, const void *table, size_t tlen, const void *key, size_t klen,
+                     const void **val, size_t *vlen)
+    int dbsp_txn_put(DbspTxn *t, const void *table, size_t tlen, const void *key, size_t klen,
+                     const void *val, size_t vlen)
+    int dbsp_txn_delete(DbspTxn *t, const void *table, size_t tlen, const void *key, size_t klen, int *found)
+    int dbsp_txn_get_step(DbspTxn *t, int64_t *step)
+    int dbsp_txn_set_step(DbspTxn *t, int64_t step)
+    uint64_t dbsp_txn_version(DbspTxn *t)
+    int dbsp_cursor_open(DbspTxn *t, const void *table, size_t tlen, const void *start, size_t slen,
+                         const void *end, size_t elen, DbspCursor **out)
+    int dbsp_cursor_next(DbspCursor *c, const void **key, size_t *klen, const void **val, size_t *vlen)
+    void dbsp_cursor_close(DbspCursor *c)
+
+cdef extern from "steplog.h" nogil:
+    ctypedef struct DbspStepLog:
+        pass
+    int dbsp_steplog_open(const char *dir, DbspVfs *vfs, uint64_t segment_bytes, DbspStepLog **out)
+    void dbsp_steplog_close(DbspStepLog *log)
+    int dbsp_steplog_append(DbspStepLog *log, int64_t step, const void *handle, size_t hlen, const void *producer,
+                            size_t plen, uint64_t seq, const void *payload, size_t len)
+    int dbsp_steplog_read(DbspStepLog *log, int64_t from_step, int64_t to_step, size_t max_bytes,
+                          uint64_t *resume_seg, uint64_t *resume_off, unsigned char **out, size_t *outlen)
+    int dbsp_steplog_truncate_below(DbspStepLog *log, int64_t step, uint64_t *segments_dropped)
+    int dbsp_steplog_info(DbspStepLog *log, int *has, int64_t *first_step, int64_t *last_step, uint64_t *records,
+                          uint64_t *segments, uint64_t *fsyncs)

@@ -1,0 +1,385 @@
+# storage.pyx: cdef classes owning the C page store, transactions, cursors and step log (dbsp_core._storage).
+from libc.stdint cimport int64_t, uint64_t
+from libc.stdlib cimport free
+from libc.errno cimport EIO, ENOSPC
+from cpython.bytes cimport PyBytes_FromStringAndSize
+
+from storage cimport *
+
+from dbsp_core.errors import CorruptionError, FormatVersionError, StorageError
+
+CRASH_MODES = {"keep": 0, "drop": 1, "tear": 2, "reorder": 3, "chaos": 4}
+
+
+class NotFound(Exception):
+    """Internal: a version, table or key does not exist."""
+
+
+cdef int check(int st) except -1:
+    """The one error path: turn a storage status into a typed exception carrying the C message."""
+    if st == DBSP_OK:
+        return 0
+    msg = dbsp_storage_errmsg().decode("utf-8", "replace")
+    err = dbsp_storage_errno()
+    if st == DBSP_ECORRUPT:
+        raise CorruptionError(EIO, msg)
+    if st == DBSP_EFORMAT:
+        raise FormatVersionError(EIO, msg)
+    if st == DBSP_ENOSPC:
+        raise StorageError(ENOSPC, msg)
+    if st == DBSP_EIO or st == DBSP_ECRASHED or st == DBSP_ESTATE:
+        raise StorageError(err or EIO, msg)
+    if st == DBSP_ENOTFOUND:
+        raise NotFound(msg)
+    if st == DBSP_ENOMEM:
+        raise MemoryError(msg or "storage: out of memory")
+    if st == DBSP_EINVAL or st == DBSP_ETOOBIG:
+        raise ValueError(msg)
+    raise StorageError(EIO, f"storage: unknown status {st}: {msg}")
+
+
+cdef DbspVfs *pick_vfs(str vfs) except NULL:
+    if vfs == "posix":
+        return dbsp_vfs_posix()
+    if vfs == "fault":
+        return dbsp_vfs_fault()
+    raise ValueError(f"unknown vfs {vfs!r}; expected 'posix' or 'fault'")
+
+
+def crc32c(data, unsigned int crc=0):
+    """CRC-32C of a bytes-like object (continuing from ``crc``)."""
+    cdef const unsigned char[::1] view = memoryview(data).cast("B")
+    cdef size_t n = view.shape[0]
+    return dbsp_crc32c(crc, &view[0] if n else NULL, n)
+
+
+def fault_arm(uint64_t crash_at=0, str mode="drop", uint64_t seed=0, uint64_t error_at=0, str error="EIO"):
+    if mode not in CRASH_MODES:
+        raise ValueError(f"unknown crash mode {mode!r}; expected one of {sorted(CRASH_MODES)}")
+    if error not in ("EIO", "ENOSPC"):
+        raise ValueError(f"unknown error {error!r}; expected 'EIO' or 'ENOSPC'")
+    dbsp_vfs_fault_arm(crash_at, CRASH_MODES[mode], seed, error_at, EIO if error == "EIO" else ENOSPC)
+
+
+def fault_ops():
+    return dbsp_vfs_fault_ops()
+
+
+def fault_crashed():
+    return bool(dbsp_vfs_fault_crashed())
+
+
+def fault_crash_now(str mode="drop", uint64_t seed=0):
+    dbsp_vfs_fault_crash_now(CRASH_MODES[mode], seed)
+
+
+cdef class PageStore:
+    cdef DbspPageStore *ps
+    cdef object txn
+    cdef readonly str path
+
+    def __cinit__(self, str path, str vfs="posix", size_t cache_pages=65536):
+        cdef bytes p = path.encode()
+        cdef const char *cp = p
+        cdef DbspVfs *v = pick_vfs(vfs)
+        cdef int st
+        self.path = path
+        with nogil:
+            st = dbsp_pagestore_open(cp, v, cache_pages, &self.ps)
+        check(st)
+
+    def __dealloc__(self):
+        if self.ps != NULL:
+            dbsp_pagestore_close(self.ps)
+
+    cdef int alive(self) except -1:
+        if self.ps == NULL:
+            raise StorageError(EIO, f"pagestore {self.path}: the database is closed")
+        return 0
+
+    def close(self):
+        if self.txn is not None:
+            (<Txn>self.txn).t = NULL  # dbsp_pagestore_close aborts it
+            self.txn = None
+        if self.ps != NULL:
+            dbsp_pagestore_close(self.ps)
+            self.ps = NULL
+
+    @property
+    def closed(self):
+        return self.ps == NULL
+
+    def versions(self):
+        cdef uint64_t first, count
+        self.alive()
+        check(dbsp_pagestore_versions(self.ps, &first, &count))
+        return first, count
+
+    def check(self):
+        cdef int st
+        self.alive()
+        with nogil:
+            st = dbsp_pagestore_check(self.ps)
+        check(st)
+
+    def stats(self):
+        cdef uint64_t pc, nf
+        self.alive()
+        check(dbsp_pagestore_stats(self.ps, &pc, &nf))
+        return pc, nf
+
+    def begin(self, uint64_t v):
+        cdef DbspTxn *t
+        cdef int st
+        self.alive()
+        if self.txn is not None and (<Txn>self.txn).t != NULL:
+            raise StorageError(EIO, f"pagestore {self.path}: a handle is already open")
+        with nogil:
+            st = dbsp_pagestore_begin(self.ps, v, &t)
+        check(st)
+        tx = Txn.__new__(Txn)
+        (<Txn>tx).t = t
+        (<Txn>tx).store = self
+        self.txn = tx
+        return tx
+
+
+cdef inline const unsigned char[::1] as_view(object b):
+    return memoryview(b).cast("B") if not isinstance(b, bytes) else b
+
+
+cdef class Txn:
+    cdef DbspTxn *t
+    cdef object store
+    cdef readonly uint64_t generation
+
+    cdef int alive(self) except -1:
+        if self.t == NULL:
+            raise StorageError(EIO, "pagestore: the handle is closed (committed, closed, or its database closed)")
+        return 0
+
+    @property
+    def closed(self):
+        return self.t == NULL
+
+    @property
+    def version(self):
+        self.alive()
+        return dbsp_txn_version(self.t)
+
+    def get(self, bytes table, bytes key):
+        cdef const void *val
+        cdef size_t vlen
+        cdef int st
+        cdef const char *tp = table
+        cdef const char *kp = key
+        cdef size_t tl = len(table), kl = len(key)
+        self.alive()
+        with nogil:
+            st = dbsp_txn_get(self.t, tp, tl, kp, kl, &val, &vlen)
+        if st == DBSP_ENOTFOUND:
+            return None
+        check(st)
+        return PyBytes_FromStringAndSize(<const char *>val, vlen)
+
+    def put(self, bytes table, bytes key, value):
+        cdef const unsigned char[::1] v = as_view(value)
+        cdef size_t vl = v.shape[0]
+        cdef const void *vp = &v[0] if vl else NULL
+        cdef const char *tp = table
+        cdef const char *kp = key
+        cdef size_t tl = len(table), kl = len(key)
+        cdef int st
+        self.alive()
+        self.generation += 1
+        with nogil:
+            st = dbsp_txn_put(self.t, tp, tl, kp, kl, vp, vl)
+        check(st)
+
+    def delete(self, bytes table, bytes key):
+        cdef int found = 0, st
+        cdef const char *tp = table
+        cdef const char *kp = key
+        cdef size_t tl = len(table), kl = len(key)
+        self.alive()
+        self.generation += 1
+        with nogil:
+            st = dbsp_txn_delete(self.t, tp, tl, kp, kl, &found)
+        check(st)
+        return bool(found)
+
+    def get_step(self):
+        cdef int64_t s
+        self.alive()
+        check(dbsp_txn_get_step(self.t, &s))
+        return s
+
+    def set_step(self, int64_t step):
+        self.alive()
+        check(dbsp_txn_set_step(self.t, step))
+
+    def commit(self):
+        cdef int st
+        cdef DbspTxn *t = self.t
+        self.alive()
+        self.t = NULL
+        self.generation += 1
+        with nogil:
+            st = dbsp_txn_commit(t)
+        check(st)
+
+    def abort(self):
+        if self.t != NULL:
+            dbsp_txn_abort(self.t)
+            self.t = NULL
+            self.generation += 1
+
+    def cursor(self, table, bytes start=None, bytes end=None):
+        """Cursor over [start, end) of a table (bytes name), or of the catalog if table is None."""
+        cdef DbspCursor *c
+        cdef const char *tp = NULL
+        cdef const char *sp = NULL
+        cdef const char *ep = NULL
+        cdef size_t tl = 0, sl = 0, el = 0
+        self.alive()
+        if table is not None:
+            tp = <bytes>table
+            tl = len(table)
+        if start is not None:
+            sp = start
+            sl = len(start)
+        if end is not None:
+            ep = end
+            el = len(end)
+        check(dbsp_cursor_open(self.t, tp, tl, sp, sl, ep, el, &c))
+        cur = Cursor.__new__(Cursor)
+        (<Cursor>cur).c = c
+        (<Cursor>cur).txn = self
+        (<Cursor>cur).generation = self.generation
+        return cur
+
+
+cdef class Cursor:
+    cdef DbspCursor *c
+    cdef Txn txn
+    cdef uint64_t generation
+
+    def __dealloc__(self):
+        if self.c != NULL:
+            dbsp_cursor_close(self.c)
+
+    def next_batch(self, size_t n=256):
+        """Up to n (key, value) pairs; an empty list at the end."""
+        cdef const void *k
+        cdef const void *v
+        cdef size_t kl, vl
+        cdef int st
+        out = []
+        if self.c == NULL:
+            return out
+        if self.txn.t == NULL or self.txn.generation != self.generation:
+            raise StorageError(EIO, "pagestore: the handle changed or closed during a scan")
+        while len(out) < n:
+            st = dbsp_cursor_next(self.c, &k, &kl, &v, &vl)
+            if st == DBSP_ENOTFOUND:
+                dbsp_cursor_close(self.c)
+                self.c = NULL
+                break
+            check(st)
+            out.append((PyBytes_FromStringAndSize(<const char *>k, kl), PyBytes_FromStringAndSize(<const char *>v, vl)))
+        return out
+
+
+cdef class Log:
+    cdef DbspStepLog *log
+    cdef readonly str path
+
+    def __cinit__(self, str path, str vfs="posix", uint64_t segment_bytes=0):
+        cdef bytes p = path.encode()
+        cdef const char *cp = p
+        cdef DbspVfs *v = pick_vfs(vfs)
+        cdef int st
+        self.path = path
+        with nogil:
+            st = dbsp_steplog_open(cp, v, segment_bytes, &self.log)
+        check(st)
+
+    def __dealloc__(self):
+        if self.log != NULL:
+            dbsp_steplog_close(self.log)
+
+    cdef int alive(self) except -1:
+        if self.log == NULL:
+            raise StorageError(EIO, f"steplog {self.path}: the log is closed")
+        return 0
+
+    def close(self):
+        if self.log != NULL:
+            dbsp_steplog_close(self.log)
+            self.log = NULL
+
+    @property
+    def closed(self):
+        return self.log == NULL
+
+    def append(self, int64_t step, bytes handle, bytes producer, uint64_t seq, payload):
+        cdef const unsigned char[::1] v = as_view(payload)
+        cdef size_t n = v.shape[0]
+        cdef const void *vp = &v[0] if n else NULL
+        cdef const char *hp = handle
+        cdef const char *pp = producer
+        cdef size_t hl = len(handle), pl = len(producer)
+        cdef int st
+        self.alive()
+        with nogil:
+            st = dbsp_steplog_append(self.log, step, hp, hl, pp, pl, seq, vp, n)
+        check(st)
+
+    def read(self, int64_t from_step, int64_t to_step, size_t max_bytes, uint64_t resume_seg, uint64_t resume_off):
+        """(list of (step, handle, producer, seq, payload), resume_seg, resume_off)."""
+        cdef unsigned char *buf = NULL
+        cdef size_t blen = 0, pos = 0, body
+        cdef int st
+        cdef unsigned int hl, pl
+        cdef unsigned char *b
+        self.alive()
+        with nogil:
+            st = dbsp_steplog_read(self.log, from_step, to_step, max_bytes, &resume_seg, &resume_off, &buf, &blen)
+        check(st)
+        out = []
+        try:
+            while pos < blen:
+                b = buf + pos
+                body = b[0] | (b[1] << 8) | (b[2] << 16) | (<size_t>b[3] << 24)
+                b = b + 4
+                hl = b[16] | (b[17] << 8)
+                pl = b[18] | (b[19] << 8)
+                out.append((
+                    int.from_bytes(PyBytes_FromStringAndSize(<const char *>b, 8), "little", signed=True),
+                    PyBytes_FromStringAndSize(<const char *>b + 24, hl),
+                    PyBytes_FromStringAndSize(<const char *>b + 24 + hl, pl),
+                    int.from_bytes(PyBytes_FromStringAndSize(<const char *>b + 8, 8), "little"),
+                    PyBytes_FromStringAndSize(<const char *>b + 24 + hl + pl, body - 24 - hl - pl),
+                ))
+                pos += 4 + body
+        finally:
+            free(buf)
+        return out, resume_seg, resume_off
+
+    def truncate_below(self, int64_t step):
+        cdef uint64_t dropped = 0
+        cdef int st
+        self.alive()
+        with nogil:
+            st = dbsp_steplog_truncate_below(self.log, step, &dropped)
+        check(st)
+        return dropped
+
+    def info(self):
+        """(has_records, first_step, last_step, records, segments, fsyncs)."""
+        cdef int has
+        cdef int64_t first, last
+        cdef uint64_t records, segments, fsyncs
+        self.alive()
+        check(dbsp_steplog_info(self.log, &has, &first, &last, &records, &segments, &fsyncs))
+        return bool(has), first, last, records, segments, fsyncs

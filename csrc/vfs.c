@@ -1,0 +1,426 @@
+/* vfs.c: the POSIX I/O table and a fault-injecting wrapper modelled on SQLite's test6.c crash layer.
+ *
+ * Fault model (the fault VFS):
+ *  1. Every counted operation increments one global counter; operation `crash_at` does not run and instead
+ *     "crashes": for every file with unsynced writes (open or already closed), the writes are undone in reverse
+ *     order (restoring the remembered pre-images and the synced size), then a subset chosen by the damage mode
+ *     is re-applied in order, possibly torn. From then on every operation fails with DBSP_ECRASHED.
+ *  2. fsync is a barrier: it forgets the file's remembered writes. truncate is also treated as durable
+ *     (a simplification: the page store never truncates, and the step log fsyncs right after it does).
+ *  3. Operation `error_at` fails once with the armed errno (EIO or ENOSPC) and has no effect.
+ *  4. Directory operations (create, rename, unlink) are treated as durable once they return; a crash never
+ *     undoes them. Callers still fsync the directory, which counts as an operation.
+ */
+#include "vfs.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* ---------- helpers ---------- */
+
+char *dbsp_path_join(const char *dir, const char *name) {
+    size_t a = strlen(dir), b = strlen(name);
+    char *p = malloc(a + b + 2);
+    if (!p) return NULL;
+    memcpy(p, dir, a);
+    p[a] = '/';
+    memcpy(p + a + 1, name, b + 1);
+    return p;
+}
+
+char *dbsp_path_dirname(const char *path) {
+    const char *slash = strrchr(path, '/');
+    if (!slash) return strdup(".");
+    if (slash == path) return strdup("/");
+    return strndup(path, (size_t)(slash - path));
+}
+
+int dbsp_vfs_read_exact(DbspFile *f, void *buf, size_t len, uint64_t off, const char *what) {
+    size_t n = 0;
+    int rc = f->vfs->pread(f, buf, len, off, &n);
+    if (rc) return rc;
+    if (n != len)
+        return dbsp_storage_fail(DBSP_ECORRUPT, 0, "%s: %s truncated: wanted %zu bytes at offset %llu, file has %zu",
+                                 f->path, what, len, (unsigned long long)off, n);
+    return DBSP_OK;
+}
+
+static int io_fail(int err, const char *op, const char *path) {
+    return dbsp_storage_fail(dbsp_storage_status_of_errno(err), err, "%s %s: %s", op, path, strerror(err));
+}
+
+/* ---------- POSIX ---------- */
+
+static int px_open(DbspVfs *vfs, const char *path, int flags, DbspFile **out) {
+    int oflags = O_RDWR | O_CLOEXEC;
+    if (flags & DBSP_VFS_CREATE) oflags |= O_CREAT;
+    if (flags & DBSP_VFS_EXCL) oflags |= O_EXCL;
+    int fd;
+    do fd = open(path, oflags, 0644); while (fd < 0 && errno == EINTR);
+    if (fd < 0) {
+        if (errno == ENOENT) return dbsp_storage_fail(DBSP_ENOTFOUND, ENOENT, "open %s: no such file", path);
+        return io_fail(errno, "open", path);
+    }
+    DbspFile *f = calloc(1, sizeof *f);
+    if (!f || !(f->path = strdup(path))) {
+        free(f);
+        close(fd);
+        return dbsp_storage_fail(DBSP_ENOMEM, ENOMEM, "open %s: out of memory", path);
+    }
+    f->vfs = vfs;
+    f->fd = fd;
+    *out = f;
+    return DBSP_OK;
+}
+
+static int px_close(DbspFile *f) {
+    if (!f) return DBSP_OK;
+    close(f->fd);
+    free(f->path);
+    free(f);
+    return DBSP_OK;
+}
+
+static int px_pread(DbspFile *f, void *buf, size_t len, uint64_t off, size_t *nread) {
+    size_t done = 0;
+    while (done < len) {
+        ssize_t n = pread(f->fd, (char *)buf + done, len - done, (off_t)(off + done));
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return io_fail(errno, "pread", f->path);
+        }
+        if (n == 0) break;
+        done += (size_t)n;
+    }
+    *nread = done;
+    return DBSP_OK;
+}
+
+static int px_pwrite(DbspFile *f, const void *buf, size_t len, uint64_t off) {
+    size_t done = 0;
+    while (done < len) {
+        ssize_t n = pwrite(f->fd, (const char *)buf + done, len - done, (off_t)(off + done));
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            return io_fail(errno, "pwrite", f->path);
+        }
+        done += (size_t)n;
+    }
+    return DBSP_OK;
+}
+
+static int px_fsync(DbspFile *f) {
+    if (fdatasync(f->fd) != 0) return io_fail(errno, "fsync", f->path);
+    return DBSP_OK;
+}
+
+static int px_size(DbspFile *f, uint64_t *out) {
+    struct stat st;
+    if (fstat(f->fd, &st) != 0) return io_fail(errno, "fstat", f->path);
+    *out = (uint64_t)st.st_size;
+    return DBSP_OK;
+}
+
+static int px_truncate(DbspFile *f, uint64_t size) {
+    if (ftruncate(f->fd, (off_t)size) != 0) return io_fail(errno, "ftruncate", f->path);
+    return DBSP_OK;
+}
+
+static int px_fsync_dir(DbspVfs *vfs, const char *dirpath) {
+    int fd = open(dirpath, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return io_fail(errno, "open directory", dirpath);
+    int rc = fsync(fd) != 0 ? io_fail(errno, "fsync directory", dirpath) : DBSP_OK;
+    close(fd);
+    return rc;
+}
+
+static int px_rename(DbspVfs *vfs, const char *from, const char *to) {
+    if (rename(from, to) != 0) return io_fail(errno, "rename", from);
+    return DBSP_OK;
+}
+
+static int px_unlink(DbspVfs *vfs, const char *path) {
+    if (unlink(path) != 0) {
+        if (errno == ENOENT) return DBSP_OK;
+        return io_fail(errno, "unlink", path);
+    }
+    return DBSP_OK;
+}
+
+static DbspVfs posix_vfs = {"posix", px_open, px_close, px_pread, px_pwrite, px_fsync,
+                            px_size, px_truncate, px_fsync_dir, px_rename, px_unlink};
+
+DbspVfs *dbsp_vfs_posix(void) { return &posix_vfs; }
+
+/* ---------- fault injection ---------- */
+
+typedef struct PendingWrite {
+    uint64_t off;
+    size_t len;
+    size_t old_len;       /* bytes of the pre-image that existed in the file (the rest was past EOF) */
+    unsigned char *data;  /* len new bytes followed by old_len pre-image bytes */
+} PendingWrite;
+
+typedef struct FaultState {    /* the unsynced state of one path */
+    char *path;
+    uint64_t synced_size;
+    PendingWrite *w;
+    size_t n, cap;
+    int open_count;
+    struct FaultState *next;
+} FaultState;
+
+static pthread_mutex_t fault_mu = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t fault_ops, fault_crash_at, fault_error_at, fault_seed;
+static int fault_mode, fault_errno, fault_crashed;
+static FaultState *fault_files;
+
+static uint64_t rng_next(uint64_t *s) { /* splitmix64 */
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static void state_forget(FaultState *s) {
+    for (size_t i = 0; i < s->n; i++) free(s->w[i].data);
+    s->n = 0;
+}
+
+static FaultState *state_get(const char *path, int fd) {
+    for (FaultState *s = fault_files; s; s = s->next)
+        if (strcmp(s->path, path) == 0) return s;
+    FaultState *s = calloc(1, sizeof *s);
+    if (!s) return NULL;
+    s->path = strdup(path);
+    struct stat st;
+    s->synced_size = fstat(fd, &st) == 0 ? (uint64_t)st.st_size : 0;
+    s->next = fault_files;
+    fault_files = s;
+    return s;
+}
+
+static void fault_free_all(void) {
+    while (fault_files) {
+        FaultState *s = fault_files;
+        fault_files = s->next;
+        state_forget(s);
+        free(s->w);
+        free(s->path);
+        free(s);
+    }
+}
+
+/* Applies the damage mode to every remembered write of every path; caller holds fault_mu. */
+static void fault_do_crash(int mode, uint64_t seed) {
+    uint64_t rng = seed * 0x9E3779B97F4A7C15ull + 1;
+    for (FaultState *s = fault_files; s; s = s->next) {
+        if (s->n == 0) continue;
+        int fd = open(s->path, O_RDWR | O_CLOEXEC);
+        if (fd < 0) continue;
+        for (size_t i = s->n; i-- > 0;) { /* undo, newest first */
+            PendingWrite *w = &s->w[i];
+            if (w->old_len && pwrite(fd, w->data + w->len, w->old_len, (off_t)w->off) < 0) break;
+        }
+        if (ftruncate(fd, (off_t)s->synced_size) != 0) { /* best effort */ }
+        for (size_t i = 0; i < s->n; i++) {
+            PendingWrite *w = &s->w[i];
+            size_t keep = w->len;
+            switch (mode) {
+            case DBSP_CRASH_DROP: keep = 0; break;
+            case DBSP_CRASH_TEAR: if (i + 1 == s->n) keep = (size_t)(rng_next(&rng) % w->len); break;
+            case DBSP_CRASH_REORDER: keep = (rng_next(&rng) & 1) ? w->len : 0; break;
+            case DBSP_CRASH_CHAOS: {
+                uint64_t r = rng_next(&rng) % 3;
+                keep = r == 0 ? 0 : r == 1 ? w->len : (size_t)(rng_next(&rng) % w->len);
+                break;
+            }
+            default: break;
+            }
+            if (keep && pwrite(fd, w->data, keep, (off_t)w->off) < 0) break;
+        }
+        close(fd);
+        state_forget(s);
+    }
+    fault_crashed = 1;
+}
+
+/* Counts one operation; returns nonzero (with the message set) if it must not run. Caller holds fault_mu. */
+static int fault_tick(const char *op, const char *path) {
+    if (fault_crashed) return dbsp_storage_fail(DBSP_ECRASHED, EIO, "%s %s: simulated crash already happened", op, path);
+    fault_ops++;
+    if (fault_crash_at && fault_ops == fault_crash_at) {
+        fault_do_crash(fault_mode, fault_seed);
+        return dbsp_storage_fail(DBSP_ECRASHED, EIO, "%s %s: simulated crash at operation %llu", op, path,
+                                 (unsigned long long)fault_ops);
+    }
+    if (fault_error_at && fault_ops == fault_error_at)
+        return dbsp_storage_fail(dbsp_storage_status_of_errno(fault_errno), fault_errno,
+                                 "%s %s: injected %s at operation %llu", op, path, strerror(fault_errno),
+                                 (unsigned long long)fault_ops);
+    return 0;
+}
+
+#define FAULT_GUARD(op, path)                   \
+    pthread_mutex_lock(&fault_mu);              \
+    int guard_rc_ = fault_tick(op, path);       \
+    if (guard_rc_) {                            \
+        pthread_mutex_unlock(&fault_mu);        \
+        return guard_rc_;                       \
+    }
+
+static int ft_open(DbspVfs *vfs, const char *path, int flags, DbspFile **out) {
+    FAULT_GUARD("open", path);
+    int rc = px_open(vfs, path, flags, out);
+    if (rc == DBSP_OK) {
+        FaultState *s = state_get(path, (*out)->fd);
+        if (s) s->open_count++;
+    }
+    pthread_mutex_unlock(&fault_mu);
+    return rc;
+}
+
+static int ft_close(DbspFile *f) { /* not counted: the remembered writes outlive the descriptor */
+    return px_close(f);
+}
+
+static int ft_pread(DbspFile *f, void *buf, size_t len, uint64_t off, size_t *nread) {
+    FAULT_GUARD("pread", f->path);
+    int rc = px_pread(f, buf, len, off, nread);
+    pthread_mutex_unlock(&fault_mu);
+    return rc;
+}
+
+static int ft_pwrite(DbspFile *f, const void *buf, size_t len, uint64_t off) {
+    FAULT_GUARD("pwrite", f->path);
+    int rc = DBSP_ENOMEM;
+    FaultState *s = state_get(f->path, f->fd);
+    unsigned char *data = malloc(len * 2 + 1);
+    if (!s || !data) goto out;
+    if (s->n == s->cap) {
+        size_t cap = s->cap ? s->cap * 2 : 16;
+        PendingWrite *w = realloc(s->w, cap * sizeof *w);
+        if (!w) goto out;
+        s->w = w;
+        s->cap = cap;
+    }
+    memcpy(data, buf, len);
+    size_t old_len = 0;
+    if ((rc = px_pread(f, data + len, len, off, &old_len)) != DBSP_OK) goto out;
+    if ((rc = px_pwrite(f, buf, len, off)) != DBSP_OK) goto out;
+    s->w[s->n++] = (PendingWrite){off, len, old_len, data};
+    data = NULL;
+out:
+    free(data);
+    pthread_mutex_unlock(&fault_mu);
+    if (rc == DBSP_ENOMEM) dbsp_storage_fail(rc, ENOMEM, "pwrite %s: out of memory in fault VFS", f->path);
+    return rc;
+}
+
+static void fault_mark_synced(DbspFile *f) {
+    FaultState *s = state_get(f->path, f->fd);
+    if (!s) return;
+    state_forget(s);
+    struct stat st;
+    if (fstat(f->fd, &st) == 0) s->synced_size = (uint64_t)st.st_size;
+}
+
+static int ft_fsync(DbspFile *f) { /* no real fsync: durability is what the model says it is */
+    FAULT_GUARD("fsync", f->path);
+    fault_mark_synced(f);
+    pthread_mutex_unlock(&fault_mu);
+    return DBSP_OK;
+}
+
+static int ft_size(DbspFile *f, uint64_t *out) {
+    FAULT_GUARD("size", f->path);
+    int rc = px_size(f, out);
+    pthread_mutex_unlock(&fault_mu);
+    return rc;
+}
+
+static int ft_truncate(DbspFile *f, uint64_t size) {
+    FAULT_GUARD("truncate", f->path);
+    int rc = px_truncate(f, size);
+    if (rc == DBSP_OK) fault_mark_synced(f);
+    pthread_mutex_unlock(&fault_mu);
+    return rc;
+}
+
+static int ft_fsync_dir(DbspVfs *vfs, const char *dirpath) {
+    FAULT_GUARD("fsync directory", dirpath);
+    pthread_mutex_unlock(&fault_mu);
+    return DBSP_OK;
+}
+
+static int ft_rename(DbspVfs *vfs, const char *from, const char *to) {
+    FAULT_GUARD("rename", from);
+    int rc = px_rename(vfs, from, to);
+    if (rc == DBSP_OK) {
+        for (FaultState *s = fault_files; s; s = s->next) { /* the target's old state is gone; the source moves */
+            if (strcmp(s->path, to) == 0) { state_forget(s); s->synced_size = 0; s->path[0] = 0; }
+        }
+        for (FaultState *s = fault_files; s; s = s->next) {
+            if (strcmp(s->path, from) == 0) {
+                char *p = strdup(to);
+                if (p) { free(s->path); s->path = p; }
+            }
+        }
+    }
+    pthread_mutex_unlock(&fault_mu);
+    return rc;
+}
+
+static int ft_unlink(DbspVfs *vfs, const char *path) {
+    FAULT_GUARD("unlink", path);
+    int rc = px_unlink(vfs, path);
+    if (rc == DBSP_OK)
+        for (FaultState *s = fault_files; s; s = s->next)
+            if (strcmp(s->path, path) == 0) { state_forget(s); s->path[0] = 0; }
+    pthread_mutex_unlock(&fault_mu);
+    return rc;
+}
+
+static DbspVfs fault_vfs = {"fault", ft_open, ft_close, ft_pread, ft_pwrite, ft_fsync,
+                            ft_size, ft_truncate, ft_fsync_dir, ft_rename, ft_unlink};
+
+DbspVfs *dbsp_vfs_fault(void) { return &fault_vfs; }
+
+void dbsp_vfs_fault_arm(uint64_t crash_at, int mode, uint64_t seed, uint64_t error_at, int error_errno) {
+    pthread_mutex_lock(&fault_mu);
+    fault_free_all();
+    fault_ops = 0;
+    fault_crash_at = crash_at;
+    fault_mode = mode;
+    fault_seed = seed;
+    fault_error_at = error_at;
+    fault_errno = error_errno ? error_errno : EIO;
+    fault_crashed = 0;
+    pthread_mutex_unlock(&fault_mu);
+}
+
+uint64_t dbsp_vfs_fault_ops(void) {
+    pthread_mutex_lock(&fault_mu);
+    uint64_t n = fault_ops;
+    pthread_mutex_unlock(&fault_mu);
+    return n;
+}
+
+int dbsp_vfs_fault_crashed(void) {
+    pthread_mutex_lock(&fault_mu);
+    int c = fault_crashed;
+    pthread_mutex_unlock(&fault_mu);
+    return c;
+}
+
+void dbsp_vfs_fault_crash_now(int mode, uint64_t seed) {
+    pthread_mutex_lock(&fault_mu);
+    if (!fault_crashed) fault_do_crash(mode, seed);
+    pthread_mutex_unlock(&fault_mu);
+}

@@ -1,0 +1,71 @@
+/* vfs.h: the I/O function table under the page store and step log, with a POSIX and a fault-injecting implementation. */
+#ifndef DBSP_VFS_H
+#define DBSP_VFS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "storage_status.h"
+
+typedef struct DbspVfs DbspVfs;
+typedef struct DbspFile DbspFile;
+
+enum { DBSP_VFS_CREATE = 1, DBSP_VFS_EXCL = 2 };
+
+/* Every entry returns DBSP_OK or a storage status with the thread's message set.
+ * pread returns fewer bytes than asked only at end of file (*nread says how many). */
+struct DbspVfs {
+    const char *name;
+    int (*open)(DbspVfs *vfs, const char *path, int flags, DbspFile **out);
+    int (*close)(DbspFile *f);
+    int (*pread)(DbspFile *f, void *buf, size_t len, uint64_t off, size_t *nread);
+    int (*pwrite)(DbspFile *f, const void *buf, size_t len, uint64_t off);
+    int (*fsync)(DbspFile *f);
+    int (*size)(DbspFile *f, uint64_t *out);
+    int (*truncate)(DbspFile *f, uint64_t size);
+    int (*fsync_dir)(DbspVfs *vfs, const char *dirpath);
+    int (*rename)(DbspVfs *vfs, const char *from, const char *to);
+    int (*unlink)(DbspVfs *vfs, const char *path);
+};
+
+struct DbspFile {
+    DbspVfs *vfs;
+    int fd;
+    char *path;
+};
+
+/* The process-wide POSIX implementation. */
+DbspVfs *dbsp_vfs_posix(void);
+
+/* The process-wide fault-injecting implementation (wraps POSIX; one global controller, thread-safe).
+ * It counts every open/pread/pwrite/fsync/size/truncate/fsync_dir/rename/unlink as one operation.
+ * Unsynced writes are remembered per file (with the bytes they overwrote) until fsync or truncate. */
+DbspVfs *dbsp_vfs_fault(void);
+
+/* Damage applied to unsynced writes when the fault VFS simulates a crash. */
+enum {
+    DBSP_CRASH_KEEP = 0,    /* every unsynced write reached the disk */
+    DBSP_CRASH_DROP = 1,    /* no unsynced write reached the disk */
+    DBSP_CRASH_TEAR = 2,    /* all but the last reached it; the last only as a prefix of random length (torn sector) */
+    DBSP_CRASH_REORDER = 3, /* a random subset reached it (later writes without earlier ones) */
+    DBSP_CRASH_CHAOS = 4    /* a random subset, each possibly torn at a random byte */
+};
+
+/* Arms the fault VFS: the operation numbered `crash_at` (1-based; 0 = never) simulates a crash with `mode`
+ * (using `seed` for the random choices) instead of running, and every later operation fails with DBSP_ECRASHED.
+ * The operation numbered `error_at` (0 = never) fails once with `error_errno` (EIO or ENOSPC) and does nothing.
+ * Resets the operation counter and forgets all remembered writes. */
+void dbsp_vfs_fault_arm(uint64_t crash_at, int mode, uint64_t seed, uint64_t error_at, int error_errno);
+/* Number of operations counted since the last arm. */
+uint64_t dbsp_vfs_fault_ops(void);
+/* 1 once a crash has been simulated since the last arm. */
+int dbsp_vfs_fault_crashed(void);
+/* Simulates a crash now (same as reaching crash_at). */
+void dbsp_vfs_fault_crash_now(int mode, uint64_t seed);
+
+/* Helpers on top of the table. */
+int dbsp_vfs_read_exact(DbspFile *f, void *buf, size_t len, uint64_t off, const char *what);
+char *dbsp_path_join(const char *dir, const char *name);
+char *dbsp_path_dirname(const char *path);
+
+#endif
