@@ -1,0 +1,86 @@
+"""Build-time validation: schemas are inferred through every operator, and bad columns or types raise SchemaError naming the operator and the column."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+from oracle import AUCTIONS, BIDS
+
+import dbsp_core as dbsp
+from dbsp_core.errors import SchemaError
+
+
+@pytest.fixture
+def streams() -> tuple[dbsp.Circuit, dbsp.Stream, dbsp.Stream]:
+    c = dbsp.Circuit()
+    return c, c.input("bids", BIDS), c.input("auctions", AUCTIONS)
+
+
+def test_schemas_are_inferred(streams) -> None:
+    c, b, a = streams
+    assert b.filter(pc.field("price") > 1).schema.names == BIDS.names
+    s = b.select(a="auction", eur=pc.field("price") * 0.9, up=pc.utf8_upper(pc.field("bidder")))
+    assert s.schema.types == [pa.int64(), pa.float64(), pa.utf8()]
+    j = b.join(a, left_on="auction", right_on="id")
+    assert j.schema.names == BIDS.names + AUCTIONS.names
+    g = b.group_by("auction").agg(n=dbsp.count(), t=dbsp.sum("price"), lo=dbsp.min("bidder"),
+                                  m=dbsp.avg("price"), ft=dbsp.sum("f"))
+    assert g.schema.types == [pa.int64(), pa.int64(), pa.int64(), pa.utf8(), pa.float64(), pa.float64()]
+    lj = b.left_join(a, left_on="auction", right_on="id")
+    assert lj.schema.names == j.schema.names
+    assert (b + b).schema.names == (b - b).schema.names == (-b).schema.names == BIDS.names
+    assert b.distinct().schema.names == b.integrate().differentiate().delay().schema.names
+
+
+def test_on_keeps_one_key_and_suffixes_clashes(streams) -> None:
+    c, b, _ = streams
+    other = b.select(auction="auction", price="price", extra="f")
+    assert b.join(other, on="auction").schema.names == ["auction", "bidder", "price", "f", "price_right", "extra"]
+    assert b.join(other, on=["auction", "price"]).schema.names == ["auction", "bidder", "price", "f", "extra"]
+
+
+@pytest.mark.parametrize("build, words", [
+    (lambda b, a: b.filter(pc.field("nope") > 1), ["filter#", "nope"]),
+    (lambda b, a: b.filter(pc.field("price") + 1), ["filter#", "boolean"]),
+    (lambda b, a: b.select(x=pc.field("nope")), ["select#", "nope"]),
+    (lambda b, a: b.join(a, left_on="nope", right_on="id"), ["join#", "nope"]),
+    (lambda b, a: b.join(a, left_on="auction", right_on="nope"), ["join#", "nope"]),
+    (lambda b, a: b.join(a, left_on="bidder", right_on="id"), ["join#", "bidder", "id"]),
+    (lambda b, a: b.left_join(a, left_on="f", right_on="id"), ["left_join#", "'f'", "id"]),
+    (lambda b, a: b.group_by("nope").agg(n=dbsp.count()), ["aggregate#", "nope"]),
+    (lambda b, a: b.group_by("auction").agg(s=dbsp.sum("bidder")), ["aggregate#", "bidder", "numeric"]),
+    (lambda b, a: b.group_by("auction").agg(s=dbsp.avg("bidder")), ["aggregate#", "bidder"]),
+    (lambda b, a: b.group_by("auction").agg(s=dbsp.max("nope")), ["aggregate#", "nope"]),
+    (lambda b, a: b.group_by("auction").agg(auction=dbsp.count()), ["aggregate#", "auction"]),
+    (lambda b, a: b + a, ["plus#"]),
+    (lambda b, a: b - a, ["minus#"]),
+])
+def test_bad_circuits_raise_schema_error(streams, build, words) -> None:
+    c, b, a = streams
+    n = len(c.nodes)
+    with pytest.raises(SchemaError) as info:
+        build(b, a)
+    for w in words:
+        assert w in str(info.value), str(info.value)
+    assert len(c.nodes) == n  # a rejected operator adds no node
+
+
+def test_other_builder_errors(streams) -> None:
+    c, b, a = streams
+    with pytest.raises(ValueError):
+        c.input("bids", BIDS)
+    with pytest.raises(TypeError):
+        b.join(a, on="auction", left_on="auction")
+    with pytest.raises(TypeError):
+        b.join(a, left_on="auction")
+    with pytest.raises(TypeError):
+        b.filter("price > 3")
+    other = dbsp.Circuit().input("x", BIDS)
+    with pytest.raises(ValueError):
+        b + other
+    with pytest.raises(SchemaError):
+        c.input("bad", pa.schema([("l", pa.list_(pa.int64()))]))
+    c.output("v", b)
+    with pytest.raises(ValueError):
+        c.output("v", b)

@@ -1,0 +1,148 @@
+"""The embedded runtime: push validation changes nothing on bad input, input spreads over workers, ShardMap slices, and traces stay per shard."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from oracle import BIDS, to_zset
+
+import dbsp_core as dbsp
+from dbsp_core.errors import DbspError, SchemaError
+from dbsp_core.trace import Trace
+
+
+def _pipeline(workers: int = 2) -> dbsp.Pipeline:
+    c = dbsp.Circuit()
+    b = c.input("bids", BIDS)
+    c.output("all", b)
+    c.output("g", b.group_by("auction").agg(n=dbsp.count()))
+    return dbsp.Pipeline(c, workers=workers)
+
+
+GOOD = pa.table({"auction": [1, 2], "bidder": ["a", None], "price": [3, 4], "f": [0.5, None]}, schema=BIDS)
+
+
+@pytest.mark.parametrize("bad, exc", [
+    (("nope", GOOD), KeyError),
+    (("bids", [(1, "a", 3, 0.5)]), TypeError),
+    (("bids", GOOD.to_pandas()), TypeError),
+    (("bids", GOOD.drop_columns(["f"])), SchemaError),
+    (("bids", GOOD.rename_columns(["a", "b", "c", "d"])), SchemaError),
+    (("bids", GOOD.cast(pa.schema([("auction", pa.int32()), ("bidder", pa.utf8()), ("price", pa.int64()),
+                                    ("f", pa.float64())]))), SchemaError),
+    (("bids", dbsp.ZSet.from_arrow(GOOD.drop_columns(["f"]))), SchemaError),
+    (("bids", GOOD.append_column("weight", pa.array([1.0, 2.0]))), TypeError),
+])
+def test_bad_push_raises_and_changes_nothing(bad, exc) -> None:
+    with _pipeline() as p:
+        p.push("bids", GOOD)
+        with pytest.raises(exc):
+            p.push(*bad)
+        with pytest.raises(TypeError):
+            p.push("bids", GOOD, weights=np.array([1.5, 2.0]))
+        out = p.step()
+        assert out["all"] == dbsp.ZSet.from_arrow(GOOD)
+        assert p.step()["all"].to_dict() == {}
+
+
+def test_push_forms_are_equivalent() -> None:
+    z = dbsp.ZSet.from_arrow(GOOD, weights=[2, -1])
+    for data, kw in [(z, {}), (GOOD, {"weights": [2, -1]}), (GOOD.to_batches()[0], {"weights": np.array([2, -1])}),
+                     (z.to_arrow(), {})]:
+        with _pipeline() as p:
+            p.push("bids", data, **kw)
+            assert p.step()["all"] == z
+
+
+def test_push_spreads_rows_evenly_over_workers() -> None:
+    with _pipeline(workers=4) as p:
+        p.push("bids", to_zset({(i, "a", i, None): 1 for i in range(10)}, BIDS))
+        p.push("bids", to_zset({(100, "b", 1, None): 1}, BIDS))
+        sizes = [sum(z.num_rows for z in pend.get("bids", [])) for pend in p._pending]
+        assert sorted(sizes) == [2, 3, 3, 3]
+
+
+def test_step_without_input_and_closed_pipeline() -> None:
+    p = _pipeline()
+    assert {k: v.to_dict() for k, v in p.step().items()} == {"all": {}, "g": {}}
+    p.close()
+    with pytest.raises(DbspError):
+        p.step()
+
+
+def test_failed_step_breaks_the_pipeline() -> None:
+    c = dbsp.Circuit()
+    b = c.input("bids", BIDS)
+
+    def boom(batch: pa.RecordBatch) -> pa.RecordBatch:
+        raise RuntimeError("boom")
+
+    c.output("x", b.flat_map(boom, schema=BIDS).distinct())
+    with dbsp.Pipeline(c, workers=2) as p:
+        p.push("bids", GOOD)
+        with pytest.raises(RuntimeError):
+            p.step()
+        with pytest.raises(DbspError):
+            p.push("bids", GOOD)
+
+
+def test_shard_map_is_contiguous_slices() -> None:
+    m = dbsp.ShardMap(workers=3, shard_bits=4)
+    owners = m.part_of_shard.tolist()
+    assert owners == sorted(owners) and set(owners) == {0, 1, 2}
+    assert [len(m.shards_of(w)) for w in range(3)] in ([6, 5, 5], [5, 6, 5], [5, 5, 6])
+    assert m.shard_of_hash(np.array([0, 2**63, 2**64 - 1], dtype=np.uint64)).tolist() == [0, 8, 15]
+    grown = dbsp.ShardMap(workers=4, shard_bits=4)
+    assert 0 < len(m.moved_shards(grown)) < 16
+    with pytest.raises(ValueError):
+        dbsp.ShardMap(workers=5, shard_bits=2)
+    lay = dbsp.Layout(m, hosts=("h1", "h1", "h2"))
+    assert lay.workers_on("h1") == [0, 1]
+
+
+def test_exchange_routes_rows_by_shard_owner() -> None:
+    c = dbsp.Circuit()
+    b = c.input("bids", BIDS)
+    c.output("x", b._exchanged(("auction",)))
+    with dbsp.Pipeline(c, workers=2, shard_bits=3) as p:
+        z = to_zset({(i, "a", i, None): 1 for i in range(40)}, BIDS)
+        p.push("bids", z)
+        inputs = [{"bids": dbsp.ZSet.concat(pend["bids"])} for pend in p._pending]
+        import threading
+
+        got = [None, None]
+        ts = [threading.Thread(target=lambda w=w: got.__setitem__(w, p._workers[w].step(inputs[w])["x"]))
+              for w in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        for w in range(2):
+            shards = p.shard_map.shard_of_hash(got[w].hash(["auction"]))
+            assert set(p.shard_map.part_of_shard[shards].tolist()) <= {w}
+        assert dbsp.ZSet.concat(got) == z
+
+
+def test_trace_spine_merges_and_extracts_shards() -> None:
+    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    t = Trace(schema, ("k",))
+    rng = np.random.default_rng(1)
+    total = dbsp.ZSet.empty(schema)
+    for _ in range(30):
+        z = dbsp.ZSet.from_arrow(pa.table({"k": rng.integers(0, 50, 20), "v": rng.integers(0, 3, 20)}, schema=schema),
+                                 weights=rng.choice([-1, 1, 2], 20))
+        t.insert(z.index_by(["k"]))
+        total = total + z
+    assert len(t.batches) <= 8
+    sizes = [len(b) for b in t.batches]
+    assert all(2 * sizes[i + 1] < sizes[i] for i in range(len(sizes) - 1))
+    assert t.consolidated().zset == total
+    parts = [t.shard(3, s).zset for s in range(8)]
+    assert dbsp.ZSet.concat(parts) == total
+    hs = np.unique(total.hash(["k"])[:5])
+    looked = dbsp.ZSet.concat([b.zset for b in t.lookup(hs)] or [dbsp.ZSet.empty(schema)])
+    keys = set(total.data.column("k").take(pa.array(np.flatnonzero(np.isin(total.hash(["k"]), hs)))).to_pylist())
+    assert set(k for (k, _v) in looked.to_dict()) == keys
+
+
