@@ -1,0 +1,251 @@
+/* kernels_test.c: unit tests of the Z-set kernels against naive reference computations, in plain C. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <stdint.h>
+#include "hash.h"
+#include "zset.h"
+#include "partition.h"
+#include "join.h"
+#include "reduce.h"
+
+static int failures = 0;
+#define CHECK(cond) do { if (!(cond)) { fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); failures++; } } while (0)
+
+static uint64_t rng = 88172645463325252ULL;
+static uint64_t next(void) { rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17; return rng; }
+
+/* a two-column batch: nullable int64 k, nullable utf8 s */
+typedef struct {
+    int64_t n;
+    int64_t *k; uint8_t *kvalid; int32_t *soff; char *sdata; uint8_t *svalid; int64_t *w;
+    DbspColumn cols[2];
+    DbspBatch b;
+} TBatch;
+
+static const char *WORDS[] = { "", "a", "b", "ab", "longer string value" };
+
+static void set_bit(uint8_t *bm, int64_t i, int v) { if (v) bm[i >> 3] |= (uint8_t)(1 << (i & 7)); else bm[i >> 3] &= (uint8_t)~(1 << (i & 7)); }
+
+static void tb_make(TBatch *t, int64_t n, int64_t kdom, int wlo, int whi) {
+    t->n = n;
+    t->k = malloc((size_t)(n ? n : 1) * 8); t->w = malloc((size_t)(n ? n : 1) * 8);
+    t->kvalid = calloc((size_t)(n / 8 + 1), 1); t->svalid = calloc((size_t)(n / 8 + 1), 1);
+    t->soff = malloc((size_t)(n + 1) * 4); t->sdata = malloc((size_t)(n * 20 + 1));
+    int32_t off = 0;
+    for (int64_t i = 0; i < n; i++) {
+        t->k[i] = (int64_t)(next() % (uint64_t)kdom) - kdom / 2;
+        set_bit(t->kvalid, i, next() % 10 != 0);
+        int wi = (int)(next() % 5);
+        set_bit(t->svalid, i, next() % 10 != 0);
+        t->soff[i] = off;
+        size_t l = strlen(WORDS[wi]);
+        memcpy(t->sdata + off, WORDS[wi], l); off += (int32_t)l;
+        t->w[i] = wlo + (int64_t)(next() % (uint64_t)(whi - wlo + 1));
+    }
+    t->soff[n] = off;
+    t->cols[0] = (DbspColumn){ DBSP_INT64, 0, t->kvalid, t->k, NULL };
+    t->cols[1] = (DbspColumn){ DBSP_UTF8, 0, t->svalid, t->soff, (const uint8_t *)t->sdata };
+    t->b = (DbspBatch){ n, 2, t->cols, t->w };
+}
+
+static void tb_free(TBatch *t) { free(t->k); free(t->w); free(t->kvalid); free(t->svalid); free(t->soff); free(t->sdata); }
+
+/* gather rows sel[0..m) of src (with weights w) into dst */
+static void tb_gather(TBatch *dst, const TBatch *src, const int64_t *sel, const int64_t *w, int64_t m) {
+    dst->n = m;
+    dst->k = malloc((size_t)(m ? m : 1) * 8); dst->w = malloc((size_t)(m ? m : 1) * 8);
+    dst->kvalid = calloc((size_t)(m / 8 + 1), 1); dst->svalid = calloc((size_t)(m / 8 + 1), 1);
+    dst->soff = malloc((size_t)(m + 1) * 4); dst->sdata = malloc((size_t)(m * 20 + 1));
+    int32_t off = 0;
+    for (int64_t i = 0; i < m; i++) {
+        int64_t r = sel[i];
+        dst->k[i] = src->k[r]; dst->w[i] = w[i];
+        set_bit(dst->kvalid, i, dbsp_bit(src->kvalid, r));
+        set_bit(dst->svalid, i, dbsp_bit(src->svalid, r));
+        int32_t l = src->soff[r + 1] - src->soff[r];
+        dst->soff[i] = off; memcpy(dst->sdata + off, src->sdata + src->soff[r], (size_t)l); off += l;
+    }
+    dst->soff[m] = off;
+    dst->cols[0] = (DbspColumn){ DBSP_INT64, 0, dst->kvalid, dst->k, NULL };
+    dst->cols[1] = (DbspColumn){ DBSP_UTF8, 0, dst->svalid, dst->soff, (const uint8_t *)dst->sdata };
+    dst->b = (DbspBatch){ m, 2, dst->cols, dst->w };
+}
+
+/* naive: total weight of rows of b equal to row i of a */
+static int64_t naive_weight(const DbspBatch *b, const DbspBatch *a, int64_t i) {
+    int64_t s = 0;
+    for (int64_t j = 0; j < b->nrows; j++)
+        if (dbsp_row_cmp(a, i, NULL, b, j, NULL, a->ncols) == 0) s += b->weights[j];
+    return s;
+}
+
+static void test_consolidate(int64_t n, int64_t kdom, int keyed) {
+    TBatch t; tb_make(&t, n, kdom, -2, 2);
+    DbspRows r;
+    int32_t key = 0;
+    CHECK(dbsp_zset_consolidate(&t.b, keyed ? &key : NULL, keyed ? 1 : 0, &r) == DBSP_OK);
+    CHECK(dbsp_rows_check_order(&t.b, r.idx, r.weights, r.khash, r.n, keyed ? &key : NULL, keyed ? 1 : 0) == 0);
+    /* each output row carries its naive total; every input row with a non-zero total is represented */
+    int64_t distinct_nonzero = 0, total = 0, got_total = 0;
+    for (int64_t i = 0; i < n; i++) total += t.w[i];
+    for (int64_t x = 0; x < r.n; x++) got_total += r.weights[x];
+    CHECK(total == got_total);
+    for (int64_t i = 0; i < (n <= 2000 ? n : 0); i++) {
+        int first = 1;
+        for (int64_t j = 0; j < i; j++) if (dbsp_row_cmp(&t.b, i, NULL, &t.b, j, NULL, 2) == 0) { first = 0; break; }
+        if (first && naive_weight(&t.b, &t.b, i) != 0) distinct_nonzero++;
+    }
+    if (n <= 2000) CHECK(r.n == distinct_nonzero);
+    for (int64_t x = 0; x < r.n; x++) CHECK(r.weights[x] == naive_weight(&t.b, &t.b, r.idx[x]));
+    dbsp_rows_free(&r);
+    tb_free(&t);
+}
+
+static void test_merge(void) {
+    TBatch a0, b0, a, b;
+    tb_make(&a0, 300, 40, -2, 2); tb_make(&b0, 250, 40, -2, 2);
+    DbspRows ra, rb, m;
+    CHECK(dbsp_zset_consolidate(&a0.b, NULL, 0, &ra) == DBSP_OK);
+    CHECK(dbsp_zset_consolidate(&b0.b, NULL, 0, &rb) == DBSP_OK);
+    tb_gather(&a, &a0, ra.idx, ra.weights, ra.n);
+    tb_gather(&b, &b0, rb.idx, rb.weights, rb.n);
+    CHECK(dbsp_zset_merge(&a.b, ra.khash, &b.b, rb.khash, NULL, 0, &m) == DBSP_OK);
+    for (int64_t x = 0; x < m.n; x++) {
+        int64_t src = m.idx[x];
+        const DbspBatch *sb = src < a.n ? &a.b : &b.b;
+        int64_t si = src < a.n ? src : src - a.n;
+        CHECK(m.weights[x] == naive_weight(&a0.b, sb, si) + naive_weight(&b0.b, sb, si));
+        CHECK(m.weights[x] != 0);
+    }
+    /* every row with a non-zero total in a0 + b0 is in the merge */
+    int64_t want = 0;
+    for (int64_t i = 0; i < a.n; i++) if (naive_weight(&a0.b, &a.b, i) + naive_weight(&b0.b, &a.b, i) != 0) want++;
+    for (int64_t j = 0; j < b.n; j++) if (naive_weight(&a.b, &b.b, j) == 0 && naive_weight(&b0.b, &b.b, j) != 0) want++;
+    CHECK(m.n == want);
+    dbsp_rows_free(&ra); dbsp_rows_free(&rb); dbsp_rows_free(&m);
+    tb_free(&a0); tb_free(&b0); tb_free(&a); tb_free(&b);
+}
+
+static void test_join_and_reduce(void) {
+    TBatch a0, b0, a, b;
+    tb_make(&a0, 200, 30, 1, 2); tb_make(&b0, 300, 30, -1, 2);
+    int32_t key = 0;
+    DbspRows ra, rb;
+    CHECK(dbsp_zset_consolidate(&a0.b, &key, 1, &ra) == DBSP_OK);
+    CHECK(dbsp_zset_consolidate(&b0.b, &key, 1, &rb) == DBSP_OK);
+    tb_gather(&a, &a0, ra.idx, ra.weights, ra.n);
+    tb_gather(&b, &b0, rb.idx, rb.weights, rb.n);
+    for (int outer = 0; outer < 2; outer++) {
+        DbspPairs p;
+        CHECK(dbsp_join(&a.b, ra.khash, &key, &b.b, rb.khash, &key, 1, outer, &p) == DBSP_OK);
+        int64_t npairs = 0, wsum = 0, unmatched = 0;
+        for (int64_t x = 0; x < a.n; x++) {
+            int m = 0;
+            for (int64_t y = 0; y < b.n; y++)
+                if (dbsp_bit(a.kvalid, x) && dbsp_bit(b.kvalid, y) && a.k[x] == b.k[y]) { npairs++; wsum += a.w[x] * b.w[y]; m = 1; }
+            if (!m) unmatched++;
+        }
+        int64_t gw = 0, gpairs = 0, gun = 0;
+        for (int64_t i = 0; i < p.n; i++) {
+            if (p.ri[i] < 0) { gun++; continue; }
+            gpairs++; gw += p.w[i];
+            CHECK(a.k[p.li[i]] == b.k[p.ri[i]] && dbsp_bit(a.kvalid, p.li[i]) && dbsp_bit(b.kvalid, p.ri[i]));
+        }
+        CHECK(gpairs == npairs && gw == wsum);
+        CHECK(gun == (outer ? unmatched : 0));
+        dbsp_pairs_free(&p);
+    }
+    /* reduce: count, count_col, min, max of s per key */
+    DbspAggSpec aggs[3] = { { DBSP_AGG_COUNT, -1 }, { DBSP_AGG_COUNT_COL, 1 }, { DBSP_AGG_MAX, 1 } };
+    DbspReduceOut r;
+    CHECK(dbsp_reduce(&b.b, rb.khash, &key, 1, aggs, 3, &r) == DBSP_OK);
+    int64_t groups = 0;
+    for (int64_t y = 0; y < b.n; y++) {
+        int first = 1;
+        for (int64_t z = 0; z < y; z++) if (dbsp_value_cmp(&b.cols[0], y, &b.cols[0], z) == 0) { first = 0; break; }
+        groups += first;
+    }
+    CHECK(r.ngroups == groups);
+    for (int64_t g = 0; g < r.ngroups; g++) {
+        int64_t lead = r.group_row[g], cnt = 0, cc = 0, best = -1;
+        for (int64_t y = 0; y < b.n; y++) {
+            if (dbsp_value_cmp(&b.cols[0], y, &b.cols[0], lead) != 0) continue;
+            cnt += b.w[y];
+            if (dbsp_col_valid(&b.cols[1], y)) {
+                cc += b.w[y];
+                if (b.w[y] > 0 && (best < 0 || dbsp_value_cmp(&b.cols[1], y, &b.cols[1], best) > 0)) best = y;
+            }
+        }
+        CHECK(r.ivals[g * 3 + 0] == cnt);
+        CHECK(r.ivals[g * 3 + 1] == cc);
+        CHECK(r.valid[g * 3 + 2] == (best >= 0));
+        if (best >= 0) CHECK(dbsp_value_cmp(&b.cols[1], r.ivals[g * 3 + 2], &b.cols[1], best) == 0);
+    }
+    dbsp_reduce_free(&r);
+    dbsp_rows_free(&ra); dbsp_rows_free(&rb);
+    tb_free(&a0); tb_free(&b0); tb_free(&a); tb_free(&b);
+}
+
+static void test_partition(void) {
+    int64_t n = 5000;
+    uint64_t *h = malloc((size_t)n * 8);
+    for (int64_t i = 0; i < n; i++) h[i] = next();
+    int32_t map[8] = { 2, 0, 1, 1, 0, 2, 2, 0 };
+    int64_t *perm = malloc((size_t)n * 8), off[4];
+    CHECK(dbsp_partition(h, n, map, 3, 3, perm, off) == DBSP_OK);
+    CHECK(off[0] == 0 && off[3] == n);
+    char *seen = calloc((size_t)n, 1);
+    for (int p = 0; p < 3; p++)
+        for (int64_t x = off[p]; x < off[p + 1]; x++) {
+            CHECK(map[h[perm[x]] >> 61] == p);
+            if (x > off[p]) CHECK(perm[x] > perm[x - 1]);  /* stable */
+            seen[perm[x]]++;
+        }
+    for (int64_t i = 0; i < n; i++) CHECK(seen[i] == 1);
+    int32_t bad[2] = { 0, 3 };
+    CHECK(dbsp_partition(h, n, bad, 1, 3, perm, off) == DBSP_EINVAL);
+    free(h); free(perm); free(seen);
+}
+
+static void test_overflow_and_hash(void) {
+    int64_t k[2] = { 7, 7 }, w[2] = { INT64_MAX, 1 };
+    DbspColumn c = { DBSP_INT64, 0, NULL, k, NULL };
+    DbspBatch b = { 2, 1, &c, w };
+    DbspRows r;
+    CHECK(dbsp_zset_consolidate(&b, NULL, 0, &r) == DBSP_EOVERFLOW);
+    int64_t m[1] = { INT64_MIN }, o[1];
+    CHECK(dbsp_weights_negate(m, 1, o) == DBSP_EOVERFLOW);
+    /* hash v1: int32 and int64 of one value hash alike; known answer for int64 0 */
+    int32_t k32[1] = { 7 };
+    DbspColumn c32 = { DBSP_INT32, 0, NULL, k32, NULL };
+    DbspBatch b32 = { 1, 1, &c32, NULL };
+    uint64_t h64[2], h32[1];
+    CHECK(dbsp_hash_columns(&b, NULL, 0, h64) == DBSP_OK);
+    CHECK(dbsp_hash_columns(&b32, NULL, 0, h32) == DBSP_OK);
+    CHECK(h64[0] == h32[0] && h64[1] == h64[0]);
+    int64_t zero[1] = { 0 };
+    DbspColumn cz = { DBSP_INT64, 0, NULL, zero, NULL };
+    DbspBatch bz = { 1, 1, &cz, NULL };
+    uint64_t hz;
+    dbsp_hash_columns(&bz, NULL, 0, &hz);
+    uint64_t want = dbsp_hash_mix(0x082efa98ec4e6c89ULL * 0x9e3779b97f4a7c15ULL + dbsp_hash_mix(0 ^ 0x243f6a8885a308d3ULL));
+    CHECK(hz == want);
+}
+
+int main(void) {
+    test_consolidate(0, 10, 0);
+    test_consolidate(1, 10, 0);
+    for (int rep = 0; rep < 5; rep++) {
+        test_consolidate(200, 8, 0);
+        test_consolidate(400, 100, 1);
+    }
+    test_consolidate(70000, 500, 0); /* spans several partitions (naive check is O(n^2) only on output rows) */
+    test_merge();
+    test_join_and_reduce();
+    test_partition();
+    test_overflow_and_hash();
+    if (failures) { fprintf(stderr, "%d failures\n", failures); return 1; }
+    printf("kernels_test: all checks passed\n");
+    return 0;
+}
