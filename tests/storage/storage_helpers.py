@@ -1,0 +1,107 @@
+"""Shared helpers of the storage tests: the scripted workload, the version model and contents readers."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+
+from dbsp_core.errors import StorageError
+from dbsp_core.storage import Database, FaultInjector
+
+TABLES = ("alpha", "beta")
+
+
+def contents(h) -> dict:
+    """Every (table, key) -> value of a handle, plus its step."""
+    out = {("__step__", b""): h.get_step()}
+    for t in h.tables():
+        for k, v in h.scan(t):
+            out[(t, k)] = v
+    return out
+
+
+def version_contents(path: str, version: int, tmpdir: str) -> dict:
+    """Contents of one version, read from a copy so the original keeps both versions."""
+    cp = os.path.join(tmpdir, f"copy-{version}")
+    shutil.copyfile(path, cp)
+    try:
+        with Database(cp) as db, db.open(version) as h:
+            return contents(h)
+    finally:
+        os.unlink(cp)
+
+
+def observed(path: str, tmpdir: str) -> dict:
+    """{version: contents} of every openable version of the page file at path."""
+    with Database(path) as db:
+        vs = db.versions()
+        db.check()
+    return {v: version_contents(path, v, tmpdir) for v in vs}
+
+
+def apply_ops(h, model: dict, rng: random.Random, n: int) -> None:
+    """n random puts/deletes (small, medium and overflow values) applied to the handle and the model."""
+    for _ in range(n):
+        t = rng.choice(TABLES)
+        k = b"k%04d" % rng.randrange(400)
+        if rng.random() < 0.75:
+            v = rng.randbytes(rng.choice([1, 30, 300, 1500, 9000]))
+            h.put(t, k, v)
+            model[(t, k)] = v
+        else:
+            h.delete(t, k)
+            model.pop((t, k), None)
+
+
+def build_base(path: str, seed: int, versions: int = 2) -> tuple[dict, dict]:
+    """Commits `versions` versions (1..versions) of random data; returns ({version: contents}, last model)."""
+    rng = random.Random(seed)
+    model = {("__step__", b""): 0}
+    states = {}
+    with Database(path) as db:
+        states[0] = dict(model)
+        for v in range(versions):
+            with db.open(v) as h:
+                apply_ops(h, model, rng, 300)
+                h.set_step(100 + v)
+                model[("__step__", b"")] = 100 + v
+                h.commit()
+            states[v + 1] = dict(model)
+    return states, model
+
+
+def run_session(path: str, base: int, model: dict, seed: int, vfs: str = "fault") -> tuple[dict, bool, BaseException | None]:
+    """open(base) -> random ops -> commit on the given VFS; returns (new model, committed?, exception)."""
+    rng = random.Random(seed)
+    new = dict(model)
+    committed = False
+    err = None
+    try:
+        with Database(path, vfs=vfs, cache_pages=64) as db:
+            with db.open(base) as h:
+                apply_ops(h, new, rng, 120)
+                h.set_step(1000 + base)
+                new[("__step__", b"")] = 1000 + base
+                h.commit()
+                committed = True
+    except StorageError as e:
+        err = e
+    return new, committed, err
+
+
+def dry_run_ops(path: str, base: int, model: dict, seed: int, tmpdir: str) -> int:
+    """How many fault-VFS operations the session performs without faults."""
+    cp = os.path.join(tmpdir, "dry")
+    shutil.copyfile(path, cp)
+    FaultInjector.arm()
+    _, ok, err = run_session(cp, base, model, seed)
+    n = FaultInjector.ops()
+    FaultInjector.disarm()
+    os.unlink(cp)
+    assert ok and err is None
+    return n
+
+
+def same(a: dict, b: dict) -> bool:
+    return a == b
