@@ -3,9 +3,9 @@
 Invariants (enforced here):
   1. Every batch is a consolidated IndexedZSet on the trace's key, rows ascending by key hash; the trace's
      content is the sum of its batches (the same row may sit in several batches until they merge).
-  2. Batch sizes shrink geometrically from oldest to newest: a newer batch holding at least half as many
-     rows as its older neighbour is merged into it. So a trace of n rows has O(log n) batches and each
-     row is merged O(log n) times (an insert costs O(|batch| log n) amortized).
+  2. Batch sizes strictly shrink from oldest to newest: a newer batch holding at least as many rows as its
+     older neighbour is merged into it (a binary counter). So a trace of n rows has at most log2(n) + 1
+     batches and each row is merged at most log2(n) times (an insert costs O(|batch| log n) amortized).
   3. A lookup touches only the rows whose key hash is asked for (binary search per batch), never a whole
      batch, so per-step cost grows with the change, not with the state.
   4. State is grouped by shard: a shard (top ``shard_bits`` bits of the key hash) is a contiguous row range
@@ -88,22 +88,27 @@ class Trace:
             return
         self.batches.append(batch)
         bs = self.batches
-        while len(bs) >= 2 and 2 * len(bs[-1]) >= len(bs[-2]):
+        while len(bs) >= 2 and len(bs[-1]) >= len(bs[-2]):
             newer = bs.pop()
             bs[-1] = bs[-1].merge(newer)
             if len(bs[-1]) == 0:
                 bs.pop()
 
-    def lookup(self, hashes: np.ndarray) -> list["IndexedZSet"]:
+    def lookup(self, hashes: np.ndarray, dense_ratio: float = 0.0) -> list["IndexedZSet"]:
         """The rows of each batch whose key hash is in ``hashes`` (ascending, distinct uint64).
 
         Rows whose hash collides with an asked hash but whose key differs are included; callers
-        match keys exactly (join kernel, or grouping by the key).
+        match keys exactly (join kernel, or grouping by the key). With ``dense_ratio`` > 0, a batch
+        with fewer than ``dense_ratio * len(hashes)`` rows is returned whole instead of searched
+        (for callers such as join that ignore non-matching rows anyway).
         """
         out = []
         if len(hashes) == 0:
             return out
         for b in self.batches:
+            if len(b) < dense_ratio * len(hashes):
+                out.append(b)
+                continue
             kh = b.key_hash
             lo = np.searchsorted(kh, hashes, side="left")
             hi = np.searchsorted(kh, hashes, side="right")

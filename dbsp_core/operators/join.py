@@ -65,6 +65,9 @@ def join_schema(left: pa.Schema, right: pa.Schema, left_on: Sequence[str], right
     return pa.schema(fields), kept
 
 
+DENSE = 4.0  # join a change against a whole trace batch when the batch has < 4 rows per changed key
+
+
 class Join(Operator):
     """Inner equi-join of two streams on ``left_on`` = ``right_on``."""
 
@@ -109,10 +112,10 @@ class _JoinState:
         if db is not None:
             self.right.insert(db)
         if da is not None and len(da):
-            for batch in self.right.lookup(unique_sorted(da.key_hash)):
+            for batch in self.right.lookup(unique_sorted(da.key_hash), DENSE):
                 parts.append(op.pairs(da, batch))
         if db is not None and len(db):
-            for batch in self.left.lookup(unique_sorted(db.key_hash)):
+            for batch in self.left.lookup(unique_sorted(db.key_hash), DENSE):
                 parts.append(op.pairs(batch, db))
         if da is not None:
             self.left.insert(da)

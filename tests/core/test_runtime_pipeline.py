@@ -136,7 +136,7 @@ def test_trace_spine_merges_and_extracts_shards() -> None:
         total = total + z
     assert len(t.batches) <= 8
     sizes = [len(b) for b in t.batches]
-    assert all(2 * sizes[i + 1] < sizes[i] for i in range(len(sizes) - 1))
+    assert all(sizes[i + 1] < sizes[i] for i in range(len(sizes) - 1))
     assert t.consolidated().zset == total
     parts = [t.shard(3, s).zset for s in range(8)]
     assert dbsp.ZSet.concat(parts) == total

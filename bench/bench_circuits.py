@@ -1,0 +1,202 @@
+"""Circuit benchmarks: (a) 1k-row changes against 1M-row state vs DuckDB recompute, (b) 10M rows in 100k-row steps through join then aggregate vs DuckDB and pandas, (c) W=2 vs W=1.
+
+Run from the repository root:  python bench/bench_circuits.py  (``--quick`` for a smaller smoke run).
+Every number comes from the same data in the same run; medians of repeated measurements are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import duckdb
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import dbsp_core as dbsp  # noqa: E402
+
+BIDS = pa.schema([("auction", pa.int64()), ("bidder", pa.int64()), ("price", pa.int64())])
+AUCTIONS = pa.schema([("id", pa.int64()), ("category", pa.int64())])
+
+
+def bids_table(rng: np.random.Generator, n: int, n_auctions: int) -> pa.Table:
+    return pa.table({"auction": rng.integers(0, n_auctions, n), "bidder": rng.integers(0, 1000, n),
+                     "price": rng.integers(1, 10_000, n)}, schema=BIDS)
+
+
+def auctions_table(n: int, n_categories: int) -> pa.Table:
+    ids = np.arange(n)
+    return pa.table({"id": ids, "category": ids % n_categories}, schema=AUCTIONS)
+
+
+def median_ms(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e3
+
+
+# ---------------------------------------------------------------- (a)
+
+QUERIES_A = {
+    "group_by-sum": (lambda b, a: b.group_by("auction").agg(total=dbsp.sum("price")),
+                     "SELECT auction, SUM(price) AS total FROM bids GROUP BY auction"),
+    "join": (lambda b, a: b.join(a, left_on="auction", right_on="id"),
+             "SELECT * FROM bids JOIN auctions ON bids.auction = auctions.id"),
+    "distinct": (lambda b, a: b.select(auction="auction", bidder="bidder").distinct(),
+                 "SELECT DISTINCT auction, bidder FROM bids"),
+}
+
+
+def bench_a(state_rows: int, change_rows: int, steps: int, workers: int = 1) -> list[dict]:
+    results = []
+    n_auctions = state_rows // 10
+    for name, (build, sql) in QUERIES_A.items():
+        rng = np.random.default_rng(1)
+        c = dbsp.Circuit()
+        b, a = c.input("bids", BIDS), c.input("auctions", AUCTIONS)
+        c.output("v", build(b, a))
+        base = bids_table(rng, state_rows, n_auctions)
+        auctions = auctions_table(n_auctions, 1000)
+        con = duckdb.connect()
+        con.execute("CREATE TABLE bids AS SELECT * FROM base")
+        con.execute("CREATE TABLE auctions AS SELECT * FROM auctions")
+        with dbsp.Pipeline(c, workers=workers) as p:
+            p.push("bids", base)
+            p.push("auctions", auctions)
+            t0 = time.perf_counter()
+            p.step()
+            load_s = time.perf_counter() - t0
+            ours, theirs = [], []
+            for i in range(steps):
+                ins = bids_table(rng, change_rows - change_rows // 10, n_auctions)
+                dels = base.slice(i * (change_rows // 10), change_rows // 10)  # retract existing rows
+                change = dbsp.ZSet.concat([dbsp.ZSet.from_arrow(ins), dbsp.ZSet.from_arrow(dels, weights=np.full(
+                    dels.num_rows, -1))])
+                t0 = time.perf_counter()
+                p.push("bids", change)
+                p.step()
+                ours.append(time.perf_counter() - t0)
+                con.execute("INSERT INTO bids SELECT * FROM ins")  # the change, applied outside the timing
+                t0 = time.perf_counter()
+                con.execute(f"CREATE OR REPLACE TABLE v AS {sql}")
+                theirs.append(time.perf_counter() - t0)
+        con.close()
+        results.append({"query": name, "ours_ms": median_ms(ours), "duckdb_ms": median_ms(theirs),
+                        "speedup": statistics.median(theirs) / statistics.median(ours), "load_s": load_s})
+        r = results[-1]
+        print(f"(a) {name:>13}: step {r['ours_ms']:8.2f} ms | DuckDB recompute {r['duckdb_ms']:8.2f} ms | "
+              f"{r['speedup']:7.1f}x  (initial load of {state_rows} rows: {load_s:.2f} s)", flush=True)
+    return results
+
+
+# ---------------------------------------------------------------- (b), (c)
+
+def join_agg_circuit() -> dbsp.Circuit:
+    c = dbsp.Circuit()
+    b, a = c.input("bids", BIDS), c.input("auctions", AUCTIONS)
+    j = b.join(a, left_on="auction", right_on="id")
+    c.output("v", j.group_by("category").agg(n=dbsp.count(), total=dbsp.sum("price")))
+    return c
+
+
+JOIN_AGG_SQL = ("SELECT category, COUNT(*) AS n, SUM(price) AS total FROM bids JOIN auctions "
+                "ON bids.auction = auctions.id GROUP BY category")
+
+
+def make_stream(total_rows: int, step_rows: int, n_auctions: int) -> list[pa.Table]:
+    rng = np.random.default_rng(2)
+    return [bids_table(rng, step_rows, n_auctions) for _ in range(total_rows // step_rows)]
+
+
+def run_ours(batches: list[pa.Table], auctions: pa.Table, workers: int) -> tuple[float, list[float]]:
+    c = join_agg_circuit()
+    with dbsp.Pipeline(c, workers=workers) as p:
+        p.push("auctions", auctions)
+        p.step()
+        per_step = []
+        t_start = time.perf_counter()
+        for bt in batches:
+            t0 = time.perf_counter()
+            p.push("bids", bt)
+            p.step()
+            per_step.append(time.perf_counter() - t0)
+        return time.perf_counter() - t_start, per_step
+
+
+def sampled_recompute(batches: list[pa.Table], auctions: pa.Table, samples: int) -> tuple[float, float, float]:
+    """Total time to recompute the view after every step, for DuckDB and pandas, estimated from ``samples``
+    evenly spaced steps (time per step is linear in the rows so far); also pandas on all rows once."""
+    n = len(batches)
+    at = sorted(set(np.linspace(0, n - 1, samples).astype(int).tolist()))
+    con = duckdb.connect()
+    con.execute("CREATE TABLE auctions AS SELECT * FROM auctions")
+    con.execute("CREATE TABLE bids (auction BIGINT, bidder BIGINT, price BIGINT)")
+    adf = auctions.to_pandas()
+    duck, pand = [], []
+    frames = []
+    for i, bt in enumerate(batches):
+        con.execute("INSERT INTO bids SELECT * FROM bt")
+        frames.append(bt)
+        if i in at:
+            t0 = time.perf_counter()
+            con.execute(f"CREATE OR REPLACE TABLE v AS {JOIN_AGG_SQL}")
+            duck.append(time.perf_counter() - t0)
+            df = pa.concat_tables(frames).to_pandas()
+            t0 = time.perf_counter()
+            df.merge(adf, left_on="auction", right_on="id").groupby("category").agg(
+                n=("price", "size"), total=("price", "sum"))
+            pand.append(time.perf_counter() - t0)
+    con.close()
+    # sum the per-step times over all steps, interpolating linearly between the sampled steps
+    steps = np.arange(n)
+    duck_total = float(np.interp(steps, at, duck).sum())
+    pand_total = float(np.interp(steps, at, pand).sum())
+    return duck_total, pand_total, pand[-1]
+
+
+def bench_b_c(total_rows: int, step_rows: int, samples: int) -> dict:
+    n_auctions = 100_000
+    auctions = auctions_table(n_auctions, 1000)
+    batches = make_stream(total_rows, step_rows, n_auctions)
+    res = {}
+    for w in (1, 2):
+        total, per_step = run_ours(batches, auctions, w)
+        res[w] = (total, per_step)
+        print(f"(b) W={w}: {total_rows} rows in {len(batches)} steps: {total:.2f} s, "
+              f"{total_rows / total / 1e6:.2f} M rows/s, {total_rows / total / w / 1e6:.2f} M rows/s/core, "
+              f"median step {median_ms(per_step):.1f} ms", flush=True)
+    duck_total, pand_total, pand_once = sampled_recompute(batches, auctions, samples)
+    ours1 = res[1][0]
+    print(f"(b) DuckDB recompute after every step (est. from {samples} samples): {duck_total:.1f} s total, "
+          f"{total_rows / duck_total / 1e6:.3f} M rows/s; ours W=1 is {duck_total / ours1:.1f}x faster", flush=True)
+    print(f"(b) pandas recompute after every step (est.): {pand_total:.1f} s total, "
+          f"{total_rows / pand_total / 1e6:.3f} M rows/s; ours W=1 is {pand_total / ours1:.1f}x faster", flush=True)
+    print(f"(b) pandas once over all {total_rows} rows: {pand_once:.2f} s = {total_rows / pand_once / 1e6:.2f} M rows/s "
+          f"(not incremental; for scale)", flush=True)
+    speedup = res[1][0] / res[2][0]
+    print(f"(c) W=2 vs W=1 throughput: {speedup:.2f}x", flush=True)
+    return {"ours": {w: r[0] for w, r in res.items()}, "duckdb": duck_total, "pandas": pand_total,
+            "pandas_once": pand_once, "w2_speedup": speedup}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    ap.add_argument("--only", choices=["a", "bc"], default=None)
+    args = ap.parse_args(argv)
+    state, change, steps_a = (100_000, 1_000, 10) if args.quick else (1_000_000, 1_000, 30)
+    total, step_rows, samples = (1_000_000, 100_000, 3) if args.quick else (10_000_000, 100_000, 6)
+    print(f"machine: {os.cpu_count()} cores; dbsp_core {dbsp.__version__}; duckdb {duckdb.__version__}; "
+          f"pandas {pd.__version__}; pyarrow {pa.__version__}", flush=True)
+    if args.only in (None, "a"):
+        bench_a(state, change, steps_a)
+    if args.only in (None, "bc"):
+        bench_b_c(total, step_rows, samples)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
