@@ -1243,6 +1243,7 @@ int dbsp_cursor_open(DbspTxn *t, const void *table, size_t tlen, const void *sta
         rc = table_find(t, table, tlen, 0, &tb);
         if (rc && rc != DBSP_ENOTFOUND) return rc;
         root = rc ? 0 : tb->root;
+        rc = DBSP_OK;
     } else {
         if ((rc = catalog_sync(t))) return rc;
         root = t->m.catalog;

@@ -1,0 +1,190 @@
+"""Database: the seed-000 version contract, ordered scans, overflow values, shards, and a Hypothesis model test."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from dbsp_core.errors import StorageError
+from dbsp_core.storage import Database, shard_key, shard_of_key
+
+
+def test_new_database_is_version_0_empty(tmp_path):
+    with Database(tmp_path / "db") as db:
+        assert db.versions() == range(0, 1)
+        with db.open(0) as h:
+            assert h.version == 1 and h.get_step() == 0
+            assert h.get("t", b"k") is None and list(h.scan("t")) == [] and h.tables() == []
+
+
+def test_version_contract(tmp_path):
+    p = tmp_path / "db"
+    with Database(p) as db:
+        with db.open(0) as h:
+            h.put("t", b"a", b"1")
+            h.commit()
+        assert db.versions() == range(0, 2)
+        with db.open(1) as h:  # discards 0
+            h.put("t", b"a", b"2")
+            h.close()  # no commit: keeps 1 only
+        assert db.versions() == range(1, 2)
+        with pytest.raises(KeyError):
+            db.open(0)
+        with db.open(1) as h:
+            assert h.get("t", b"a") == b"1"
+            h.put("t", b"b", b"x")
+            h.set_step(9)
+            h.commit()
+        assert db.versions() == range(1, 3)
+        with db.open(1) as h:  # open the older one: discards 2
+            assert h.get("t", b"b") is None and h.get_step() == 0
+        assert db.versions() == range(1, 2)
+    with Database(p) as db:
+        assert db.versions() == range(1, 2)
+        db.check()
+
+
+def test_one_handle_at_a_time_and_closed_handles(tmp_path):
+    with Database(tmp_path / "db") as db:
+        h = db.open(0)
+        with pytest.raises(StorageError, match="already open"):
+            db.open(0)
+        h.commit()
+        with pytest.raises(StorageError, match="closed"):
+            h.put("t", b"k", b"v")
+        h2 = db.open(1)
+    with pytest.raises(StorageError):
+        h2.get("t", b"k")
+
+
+def test_scan_ranges_prefix_and_tables(tmp_path):
+    with Database(tmp_path / "db") as db, db.open(0) as h:
+        keys = sorted(os.urandom(8) for _ in range(3000))
+        for k in keys:
+            h.put("big", k, k[::-1])
+        h.put("other", b"\xff\xff", b"x")
+        assert [k for k, _ in h.scan("big")] == keys
+        lo, hi = keys[100], keys[2000]
+        assert [k for k, _ in h.scan("big", lo, hi)] == keys[100:2000]
+        pre = keys[500][:1]
+        assert [k for k, _ in h.scan("big", prefix=pre)] == [k for k in keys if k.startswith(pre)]
+        assert [k for k, _ in h.scan("other", prefix=b"\xff")] == [b"\xff\xff"]
+        assert sorted(h.tables()) == ["big", "other"]
+        it = h.scan("big")
+        next(it)
+        h.put("big", b"new", b"v")
+        with pytest.raises(StorageError, match="changed"):
+            list(it)
+
+
+def test_large_values_and_limits(tmp_path):
+    p = tmp_path / "db"
+    big = os.urandom(3 << 20)
+    with Database(p) as db:
+        with db.open(0) as h:
+            h.put("batches", b"b1", big)
+            h.put("batches", b"b2", b"")
+            with pytest.raises(ValueError, match="key"):
+                h.put("t", b"k" * 2000, b"v")
+            h.commit()
+        pages1 = db.stats()["pages"]
+        with db.open(1) as h:
+            assert h.get("batches", b"b1") == big and h.get("batches", b"b2") == b""
+            h.put("batches", b"b1", big[:100])  # the old chain becomes free in version 2
+            h.commit()
+        with db.open(2) as h:  # now the pages of version 1's chain are reusable
+            h.put("batches", b"b3", big)
+            h.commit()
+        assert db.stats()["pages"] < pages1 * 1.2  # reused instead of growing by another 3 MiB
+        db.check()
+    with Database(p) as db, db.open(3) as h:
+        assert h.get("batches", b"b1") == big[:100] and h.get("batches", b"b3") == big
+
+
+def test_shard_export_import(tmp_path):
+    with Database(tmp_path / "a") as a, Database(tmp_path / "b") as b:
+        with a.open(0) as h:
+            for s in range(4):
+                for i in range(50):
+                    h.put("state", shard_key(s, b"%d" % i), b"s%d-%d" % (s, i))
+                    h.put("index", shard_key(s, b"i%d" % i), b"")
+            rows = h.export_shard(2)
+            assert len(rows) == 100 and all(shard_of_key(k) == 2 for _, k, _ in rows)
+            assert h.delete_shard(2) == 100
+            assert h.export_shard(2) == []
+            h.commit()
+        with b.open(0) as g:
+            assert g.import_shard(rows) == 100
+            g.commit()
+        with b.open(1) as g:
+            assert sorted(g.export_shard(2)) == sorted(rows)
+
+
+def test_reopen_after_many_commits_reuses_pages(tmp_path):
+    p = tmp_path / "db"
+    with Database(p) as db:
+        for v in range(30):
+            with db.open(v) as h:
+                for i in range(200):
+                    h.put("t", b"%05d" % ((v * 37 + i * 11) % 1000), os.urandom(100))
+                h.commit()
+        db.check()
+        st = db.stats()
+    assert st["pages"] < 200  # ~1000 keys of 100 bytes; copy-on-write garbage is recycled
+
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("put"), st.sampled_from(["t", "u"]), st.binary(max_size=12), st.binary(max_size=2500)),
+    st.tuples(st.just("del"), st.sampled_from(["t", "u"]), st.binary(max_size=12)),
+    st.tuples(st.just("commit")),
+    st.tuples(st.just("close")),
+    st.tuples(st.just("reopen")),
+    st.tuples(st.just("open_older")),
+), max_size=60)
+
+
+@settings(max_examples=40)
+@given(ops)
+def test_matches_two_version_model(tmp_path_factory, script):
+    """A dict-of-versions reference model: versions(), contents and steps agree after every operation."""
+    p = tmp_path_factory.mktemp("m") / "db"
+    model = {0: {}}  # version -> {(table, key): value}
+    steps = {0: 0}
+    db = Database(p, cache_pages=16)
+    base = 0
+    h = db.open(base)
+    cur = dict(model[base])
+    model = {base: model[base]}
+    for i, op in enumerate(script):
+        if op[0] == "put":
+            h.put(op[1], op[2], op[3])
+            cur[(op[1], op[2])] = op[3]
+        elif op[0] == "del":
+            assert h.delete(op[1], op[2]) == ((op[1], op[2]) in cur)
+            cur.pop((op[1], op[2]), None)
+        else:
+            if op[0] == "commit":
+                h.set_step(i)
+                h.commit()
+                model[base + 1] = cur
+                steps[base + 1] = i
+            else:
+                h.close()
+            if op[0] == "reopen":
+                db.close()
+                db = Database(p, cache_pages=16)
+            assert db.versions() == range(min(model), max(model) + 1)
+            base = min(model) if op[0] == "open_older" else max(model)
+            h = db.open(base)
+            model = {base: model[base]}
+            cur = dict(model[base])
+            assert h.get_step() == steps[base]
+        got = {}
+        for t in ("t", "u"):
+            got.update({(t, k): v for k, v in h.scan(t)})
+        assert got == cur
+    h.close()
+    db.check()
+    db.close()
