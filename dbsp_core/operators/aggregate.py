@@ -108,13 +108,14 @@ class Aggregate(Operator):
         return totals if pc.all(mask).as_py() is not False else totals.filter(mask)
 
     def output(self, new: pa.Table | None, old: pa.Table | None) -> "ZSet":
-        """The change: +finalize(new) - finalize(old), consolidated (unchanged groups cancel)."""
+        """The change: +finalize(new) - finalize(old), unconsolidated (rows of unchanged groups cancel when a
+        consumer consolidates: the next operator's index or the pipeline's output)."""
         parts = []
         if new is not None and new.num_rows:
             parts.append(make(self.finalize(new), np.ones(new.num_rows, dtype=np.int64), self.schema))
         if old is not None and old.num_rows:
             parts.append(make(self.finalize(old), np.full(old.num_rows, -1, dtype=np.int64), self.schema))
-        return concat(parts, self.schema).consolidate()
+        return concat(parts, self.schema)
 
 
 def reduce_groups(ix: "IndexedZSet", kernel: list[tuple[str, str | None]]) -> pa.Table:
@@ -146,6 +147,10 @@ class _RecomputeState:
     def __init__(self, op: Aggregate) -> None:
         self.op = op
         self.trace = Trace(op.in_schema, op.keys)
+
+    def traces(self) -> dict[str, Trace]:
+        """The operator's state, by name (each trace can be read per shard)."""
+        return {"input": self.trace}
 
     def _reduce(self, z: "ZSet") -> pa.Table | None:
         if z.num_rows == 0:
@@ -180,6 +185,10 @@ class _LinearState:
         self.names = list(op.keys) + self.slots
         self.combine = [("sum", s) for s in self.slots]
         self.trace = Trace(self.pschema, op.keys)
+
+    def traces(self) -> dict[str, Trace]:
+        """The operator's state, by name (each trace can be read per shard)."""
+        return {"partials": self.trace}
         self.nk = nk
 
     def _partials(self, table: pa.Table) -> "ZSet":

@@ -6,7 +6,9 @@ Invariants (every operator subclass keeps them):
   2. ``partitioning`` names the key columns the output is sharded by across workers (rows with equal
      key hash live in one worker), or is None when rows may sit in any worker.
   3. ``instance()`` returns the per-worker runtime object; a stateless operator returns itself, a
-     stateful one a fresh object owning its traces, so W copies never share state.
+     stateful one a fresh object owning its traces, so W copies never share state. Keyed stateful
+     instances expose ``traces() -> {name: Trace}``: all their state, sorted by key hash, so it can be
+     read and moved by shard.
   4. Operators never iterate over rows in Python: they call Arrow compute, numpy or the Z-set kernels.
 """
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from dbsp_core.operators.base import Operator, concat, conform, empty, positive_set
+from dbsp_core.operators.base import Operator, concat, conform, empty, negate, positive_set
 from dbsp_core.trace import Trace, unique_sorted
 
 if TYPE_CHECKING:
@@ -41,6 +41,10 @@ class _DistinctState:
         self.cols = list(op.schema.names)
         self.trace = Trace(op.schema, tuple(self.cols))
 
+    def traces(self) -> dict[str, Trace]:
+        """The operator's state, by name (each trace can be read per shard)."""
+        return {"input": self.trace}
+
     def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
         z = inputs[0]
         if z.num_rows == 0:
@@ -53,4 +57,4 @@ class _DistinctState:
         self.trace.insert(dix)
         if old.num_rows == 0:
             return positive_set(new)
-        return positive_set(new) - positive_set(old.consolidate())
+        return concat([positive_set(new), negate(positive_set(old.consolidate()))], self.schema)

@@ -103,6 +103,10 @@ class _JoinState:
         self.left = Trace(op.lschema, op.left_on)
         self.right = Trace(op.rschema, op.right_on)
 
+    def traces(self) -> dict[str, Trace]:
+        """The operator's state, by name (each trace can be read per shard)."""
+        return {"left": self.left, "right": self.right}
+
     def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
         op = self.op
         a, b = inputs

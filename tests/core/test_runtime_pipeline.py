@@ -146,3 +146,22 @@ def test_trace_spine_merges_and_extracts_shards() -> None:
     assert set(k for (k, _v) in looked.to_dict()) == keys
 
 
+
+
+def test_keyed_state_lives_in_the_shards_of_its_worker() -> None:
+    c = dbsp.Circuit()
+    b = c.input("bids", BIDS)
+    c.output("g", b.group_by("auction").agg(n=dbsp.count(), lo=dbsp.min("price")))
+    c.output("d", b.distinct())
+    with dbsp.Pipeline(c, workers=2, shard_bits=4) as p:
+        p.push("bids", to_zset({(i, "a", i % 7, None): 1 for i in range(200)}, BIDS))
+        p.step()
+        total_rows = 0
+        for w, worker in enumerate(p._workers):
+            for inst in worker.instances.values():
+                for trace in getattr(inst, "traces", dict)().values():
+                    for s in range(16):
+                        rows = len(trace.shard(4, s))
+                        total_rows += rows
+                        assert rows == 0 or p.shard_map.worker_of(s) == w
+        assert total_rows == 400  # 200 rows in the aggregate's input trace, 200 in distinct's
