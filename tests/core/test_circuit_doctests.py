@@ -1,0 +1,18 @@
+"""Runs the docstring examples of the circuit and runtime modules (the public API's runnable examples)."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ["dbsp_core.circuit", "dbsp_core.runtime", "dbsp_core.shard", "dbsp_core.trace", "dbsp_core.aggregates",
+           "dbsp_core.demo"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name: str) -> None:
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0
+    assert result.attempted > 0
