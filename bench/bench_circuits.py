@@ -226,12 +226,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     state, change, steps_a = (100_000, 1_000, 10) if args.quick else (1_000_000, 1_000, 30)
     total, step_rows, samples = (1_000_000, 100_000, 3) if args.quick else (10_000_000, 100_000, 6)
-    print(f"machine: {os.cpu_count()} cores; dbsp_core {dbsp.__version__}; duckdb {duckdb.__version__}; "
-          f"pandas {pd.__version__}; pyarrow {pa.__version__}", flush=True)
+    threads = duckdb.execute("SELECT current_setting('threads')").fetchone()[0]
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start; dbsp_core "
+          f"{dbsp.__version__}; duckdb {duckdb.__version__} ({threads} threads); pandas {pd.__version__}; "
+          f"pyarrow {pa.__version__}", flush=True)
     if args.only in (None, "a"):
         bench_a(state, change, steps_a)
     if args.only in (None, "bc"):
         bench_b_c(total, step_rows, samples)
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
     return 0
 
 

@@ -10,7 +10,6 @@ Invariants (enforced here and in operators/aggregate.py):
 
 from __future__ import annotations
 
-import builtins
 
 import pyarrow as pa
 import pyarrow.types as pat
@@ -124,4 +123,3 @@ def avg(column: str) -> Aggregate:
 
 
 __all__ = ["Aggregate", "count", "sum", "min", "max", "avg"]
-_ = builtins  # builtins.sum/min/max stay reachable for code in this module

@@ -237,25 +237,22 @@ class Pipeline:
                 results = [self._run_worker(0, inputs[0])]
             else:
                 futures = [self._pool.submit(self._run_worker, w, inputs[w]) for w in range(1, self.workers)]
-                first_exc: BaseException | None = None
+                errors: list[BaseException] = []
                 results = []
                 try:
                     results.append(self._run_worker(0, inputs[0]))
                 except BaseException as exc:  # wait for the others before reporting
-                    first_exc = exc
+                    errors.append(exc)
                 for f in futures:
                     try:
                         results.append(f.result())
-                    except threading.BrokenBarrierError:
-                        pass
                     except BaseException as exc:
-                        first_exc = first_exc or exc
-                if first_exc is not None:
-                    raise first_exc
+                        errors.append(exc)
+                if errors:  # report the root cause, not a worker released from the barrier by it
+                    real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+                    raise (real or errors)[0]
         except BaseException as exc:
-            if isinstance(exc, threading.BrokenBarrierError):
-                exc = DbspError("a worker failed during the step")
-            self._broken = exc
+            self._broken = exc  # invariant 5
             raise
         self.steps += 1
         out = {}

@@ -165,3 +165,20 @@ def test_keyed_state_lives_in_the_shards_of_its_worker() -> None:
                         total_rows += rows
                         assert rows == 0 or p.shard_map.worker_of(s) == w
         assert total_rows == 400  # 200 rows in the aggregate's input trace, 200 in distinct's
+
+
+def test_a_worker_failing_alone_reports_its_own_error() -> None:
+    c = dbsp.Circuit()
+    b = c.input("bids", BIDS)
+
+    def fail_on_two(batch: pa.RecordBatch) -> pa.RecordBatch:
+        if 2 in batch.column(0).to_pylist():
+            raise ValueError("row 2 is bad")
+        return batch
+
+    c.output("x", b.flat_map(fail_on_two, schema=BIDS).distinct())
+    for workers in (2, 4):
+        with dbsp.Pipeline(c, workers=workers) as p:
+            p.push("bids", to_zset({(i, "a", i, None): 1 for i in range(8)}, BIDS))
+            with pytest.raises(ValueError, match="row 2 is bad"):
+                p.step()
