@@ -6,8 +6,8 @@ Invariants (enforced here):
   2. Batch sizes strictly shrink from oldest to newest: a newer batch holding at least as many rows as its
      older neighbour is merged into it (a binary counter). So a trace of n rows has at most log2(n) + 1
      batches and each row is merged at most log2(n) times (an insert costs O(|batch| log n) amortized).
-  3. A lookup touches only the rows whose key hash is asked for (binary search per batch), never a whole
-     batch, so per-step cost grows with the change, not with the state.
+  3. A lookup touches only the rows whose key hash is asked for (binary search per batch), or whole batches
+     smaller than a few rows per asked key, so per-step cost grows with the change, not with the state.
   4. State is grouped by shard: a shard (top ``shard_bits`` bits of the key hash) is a contiguous row range
      of every batch, so :meth:`Trace.shard` extracts one shard's state without scanning the others.
 """
@@ -94,13 +94,14 @@ class Trace:
             if len(bs[-1]) == 0:
                 bs.pop()
 
-    def lookup(self, hashes: np.ndarray, dense_ratio: float = 0.0) -> list["IndexedZSet"]:
+    def lookup(self, hashes: np.ndarray, dense_ratio: float = 1.0) -> list["IndexedZSet"]:
         """The rows of each batch whose key hash is in ``hashes`` (ascending, distinct uint64).
 
-        Rows whose hash collides with an asked hash but whose key differs are included; callers
-        match keys exactly (join kernel, or grouping by the key). With ``dense_ratio`` > 0, a batch
-        with fewer than ``dense_ratio * len(hashes)`` rows is returned whole instead of searched
-        (for callers such as join that ignore non-matching rows anyway).
+        May return more: rows whose hash collides with an asked hash, and whole batches with fewer than
+        ``dense_ratio * len(hashes)`` rows (cheaper to pass on than to search). Callers must be indifferent
+        to extra keys: the join kernel skips them, and operators that compare a key's old and new state
+        find them unchanged (the extra rows cancel), so this costs at most ``dense_ratio`` rows per key
+        and batch.
         """
         out = []
         if len(hashes) == 0:

@@ -173,42 +173,69 @@ class _RecomputeState:
 
 
 class _LinearState:
-    """Invariant 3, linear strategy: keep one partial row per group and add the change's partials."""
+    """Invariant 3, linear strategy: keep one partial row per group and add the change's partials.
+
+    A step needs a single grouping pass: the change's rows, each turned into a partial row (count 1, the value
+    with nulls as 0, 1 if the value is not null), are grouped together with the groups' old partial rows;
+    weighted sums give the new totals, and sums over the old rows only (the ``q_j`` copies, 0 on change rows)
+    give the old totals, so neither the change nor the old rows need a pass of their own.
+    """
 
     def __init__(self, op: Aggregate) -> None:
         self.op = op
-        nk = len(op.keys)
-        self.slots = [f"p_{j}" for j in range(len(op.kernel))]
-        fields = [pa.field(k, op.in_schema.field(k).type) for k in op.keys]
-        fields += [pa.field(s, pa.int64()) for s in self.slots]
-        self.pschema = pa.schema(fields)
-        self.names = list(op.keys) + self.slots
-        self.combine = [("sum", s) for s in self.slots]
+        self.keys = list(op.keys)
+        nslots = len(op.kernel)
+        self.p = [f"p_{j}" for j in range(nslots)]
+        self.q = [f"q_{j}" for j in range(nslots)]
+        keys = [pa.field(k, op.in_schema.field(k).type) for k in op.keys]
+        self.pschema = pa.schema(keys + [pa.field(c, pa.int64()) for c in self.p])
+        self.wschema = pa.schema(list(self.pschema) + [pa.field(c, pa.int64()) for c in self.q])
+        self.combine = [("sum", c) for c in self.p + self.q]
         self.trace = Trace(self.pschema, op.keys)
 
     def traces(self) -> dict[str, Trace]:
         """The operator's state, by name (each trace can be read per shard)."""
         return {"partials": self.trace}
-        self.nk = nk
 
-    def _partials(self, table: pa.Table) -> "ZSet":
-        table = table.rename_columns(self.names)
-        return make(table, np.ones(table.num_rows, dtype=np.int64), self.pschema)
+    def _rowwise(self, z: "ZSet") -> "ZSet":
+        """Each row of the change as a partial row of its own (weight kept), with q_j = 0."""
+        data, n = z.data, z.num_rows
+        cols = [data.column(k) for k in self.keys]
+        zeros = pa.array(np.zeros(n, dtype=np.int64))
+        for kind, col in self.op.kernel:
+            if kind == "count":
+                cols.append(pa.array(np.ones(n, dtype=np.int64)))
+            elif kind == "count_col":
+                cols.append(pc.cast(pc.is_valid(data.column(col)), pa.int64()))
+            else:  # integer sum
+                cols.append(pc.cast(pc.fill_null(data.column(col), 0), pa.int64()))
+        cols += [zeros] * len(self.q)
+        return make(pa.Table.from_arrays(cols, schema=self.wschema), z.weights, self.wschema)
+
+    def _with_q(self, old: "ZSet") -> "ZSet":
+        data = old.data
+        for c, q in zip(self.p, self.q):
+            data = data.append_column(q, data.column(c))
+        return make(data, old.weights, self.wschema)
+
+    def _totals(self, table: pa.Table, cols: list[str]) -> pa.Table:
+        """Key columns plus the given total columns (renamed to the p_j names), groups with count 0 dropped."""
+        t = table.select(self.keys + cols).rename_columns(self.keys + self.p)
+        return self.op.nonempty(t)
 
     def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
         op = self.op
         z = inputs[0]
         if z.num_rows == 0:
             return empty(op.schema)
-        dix = conform(z, op.in_schema).index_by(list(op.keys))
-        if len(dix) == 0:
-            return empty(op.schema)
-        delta = self._partials(reduce_groups(dix, op.kernel))
-        old = concat([b.zset for b in self.trace.lookup(unique_sorted(dix.key_hash))], self.pschema)
-        if old.num_rows:
-            old = old.consolidate()
-        both = concat([old, delta], self.pschema).index_by(list(op.keys))
-        new = self._partials(op.nonempty(both.reduce(self.combine)))
-        change = concat([new, negate(old)], self.pschema)
-        self.trace.insert(change.index_by(list(op.keys)))
-        return op.output(new.data, old.data if old.num_rows else None)
+        z = conform(z, op.in_schema)
+        old = concat([b.zset for b in self.trace.lookup(np.unique(z.hash(self.keys)))], self.pschema)
+        both = concat([self._with_q(old), self._rowwise(z)], self.wschema).index_by(self.keys)
+        sums = both.reduce(self.combine).rename_columns(self.keys + self.p + self.q)
+        new, prev = self._totals(sums, self.p), self._totals(sums, self.q)
+        ones = np.ones(new.num_rows, dtype=np.int64)
+        minus = np.full(prev.num_rows, -1, dtype=np.int64)
+        change = concat([make(new, ones, self.pschema), make(prev, minus, self.pschema)], self.pschema)
+        if change.num_rows:
+            self.trace.insert(change.index_by(self.keys))
+        return op.output(new, prev)
