@@ -123,10 +123,10 @@ cdef class PageStore:
         check(st)
 
     def stats(self):
-        cdef uint64_t pc, nf
+        cdef uint64_t pc, nf, lc
         self.alive()
-        check(dbsp_pagestore_stats(self.ps, &pc, &nf))
-        return pc, nf
+        check(dbsp_pagestore_stats(self.ps, &pc, &nf, &lc))
+        return pc, nf, lc
 
     def begin(self, uint64_t v):
         cdef DbspTxn *t

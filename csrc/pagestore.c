@@ -124,6 +124,7 @@ struct DbspPageStore {
     size_t cap, count, nclean, clean_limit, hand;
     DbspTxn *txn;
     int failed;
+    uint64_t last_commit_pages; /* pages written by the last commit (for benchmarks) */
 };
 
 struct DbspTxn {
@@ -948,8 +949,9 @@ int dbsp_pagestore_versions(DbspPageStore *ps, uint64_t *first, uint64_t *count)
     return DBSP_OK;
 }
 
-int dbsp_pagestore_stats(DbspPageStore *ps, uint64_t *page_count, uint64_t *free_pages) {
+int dbsp_pagestore_stats(DbspPageStore *ps, uint64_t *page_count, uint64_t *free_pages, uint64_t *last_commit_pages) {
     int s = newest_slot(ps);
+    *last_commit_pages = ps->last_commit_pages;
     *page_count = ps->meta[s].page_count;
     *free_pages = ps->meta[s].nfree;
     return DBSP_OK;
@@ -1174,6 +1176,7 @@ static int freelist_build(DbspTxn *t) {
 static int write_dirty(DbspTxn *t) {
     DbspPageStore *ps = t->ps;
     Vec *d = &t->dirty;
+    ps->last_commit_pages = 0;
     qsort(d->a, d->n, sizeof *d->a, cmp_u64);
     enum { RUN = 256 };
     unsigned char *stage = malloc((size_t)RUN * PS);
@@ -1188,6 +1191,7 @@ static int write_dirty(DbspTxn *t) {
             e = cache_find(ps, d->a[i]);
             if (!e || !e->dirty) continue; /* freed again within the transaction */
         }
+        if (e) ps->last_commit_pages++;
         if (run_len && (!e || d->a[i] != run_start + run_len || run_len == RUN)) {
             if ((rc = ps->vfs->pwrite(ps->f, stage, run_len * PS, run_start * PS))) break;
             run_len = 0;

@@ -23,8 +23,8 @@ void dbsp_pagestore_close(DbspPageStore *ps);
 int dbsp_pagestore_versions(DbspPageStore *ps, uint64_t *first, uint64_t *count);
 /* Checks the invariants (1)-(6) of pagestore.c on every openable version; DBSP_ECORRUPT if one fails. */
 int dbsp_pagestore_check(DbspPageStore *ps);
-/* Page count and free-page count of the newest version (for tests and benchmarks). */
-int dbsp_pagestore_stats(DbspPageStore *ps, uint64_t *page_count, uint64_t *free_pages);
+/* Page count and free-page count of the newest version, and pages written by the last commit. */
+int dbsp_pagestore_stats(DbspPageStore *ps, uint64_t *page_count, uint64_t *free_pages, uint64_t *last_commit_pages);
 
 /* Starts writing version v+1 as a copy of v and durably discards every other version. One transaction at a time. */
 int dbsp_pagestore_begin(DbspPageStore *ps, uint64_t v, DbspTxn **out);

@@ -131,9 +131,9 @@ class Database:
         self._ps.check()
 
     def stats(self) -> dict:
-        """Page count and free-page count of the newest version."""
-        pages, free = self._ps.stats()
-        return {"pages": pages, "free_pages": free}
+        """Page count and free-page count of the newest version, and pages written by the last commit."""
+        pages, free, last = self._ps.stats()
+        return {"pages": pages, "free_pages": free, "last_commit_pages": last}
 
     def close(self) -> None:
         """Closes the file; an open handle is closed without commit (its base version is kept)."""
