@@ -1,4 +1,4 @@
-# zset.pxd: declarations mirroring the Z-set kernel headers of csrc/ (column, rows, hash, zset, partition, join, reduce).
+# zset.pxd: declarations mirroring the Z-set kernel headers of csrc/ (column, rows, hash, zset, partition, join, agg, reduce).
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 
 cdef extern from "status.h" nogil:
@@ -80,7 +80,7 @@ cdef extern from "join.h" nogil:
                   const CBatch *b, const uint64_t *bkh, const int32_t *bkeys, int32_t nkeys,
                   int left_outer, CPairs *out)
 
-cdef extern from "reduce.h" nogil:
+cdef extern from "agg.h" nogil:
     enum:
         DBSP_AGG_COUNT
         DBSP_AGG_COUNT_COL
@@ -90,14 +90,19 @@ cdef extern from "reduce.h" nogil:
     ctypedef struct CAggSpec "DbspAggSpec":
         int32_t kind
         int32_t col
+
+cdef extern from "reduce.h" nogil:
     ctypedef struct CReduceOut "DbspReduceOut":
         int64_t ngroups
         int64_t cap
         int32_t naggs
         int64_t *group_row
+        int64_t *khash
         int64_t *ivals
         double *fvals
         uint8_t *valid
     void dbsp_reduce_free(CReduceOut *r)
     int dbsp_reduce(const CBatch *b, const uint64_t *kh, const int32_t *keys, int32_t nkeys,
                     const CAggSpec *aggs, int32_t naggs, CReduceOut *out)
+    int dbsp_group_reduce(const CBatch *b, const int32_t *keys, int32_t nkeys,
+                          const CAggSpec *aggs, int32_t naggs, CReduceOut *out)

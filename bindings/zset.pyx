@@ -294,39 +294,63 @@ def join(ta, wa, kha, akeys, tb, wb, khb, bkeys, bint left_outer=False):
     return li, ri, w
 
 
-def reduce(table, weights, khash, keys, aggs):
-    """(group_row, ivals, fvals, valid) of a grouped aggregation; aggs is a list of (kind name, column position)."""
-    cdef BatchView v = BatchView(table, weights)
-    kh = np.ascontiguousarray(khash, dtype=np.uint64)
-    cdef const uint64_t *pk = u64_ptr(kh)
-    cdef int32_t *k = int32_list(keys)
-    cdef int32_t nk = len(keys)
-    cdef int32_t na = len(aggs)
-    cdef CAggSpec *specs = <CAggSpec *>malloc(max(na, 1) * sizeof(CAggSpec))
+cdef CAggSpec *agg_specs(object aggs) except NULL:
+    cdef CAggSpec *specs = <CAggSpec *>malloc(max(len(aggs), 1) * sizeof(CAggSpec))
     if specs == NULL:
-        free(k)
         raise MemoryError()
     for i, (kind, col) in enumerate(aggs):
         if kind not in AGG_KINDS:
-            free(k); free(specs)
+            free(specs)
             raise ValueError(f"unknown aggregate {kind!r}; expected one of {sorted(AGG_KINDS)}")
         specs[i].kind = AGG_KINDS[kind]
         specs[i].col = -1 if col is None else col
+    return specs
+
+
+cdef object reduce_result(CReduceOut *r, int32_t na):
+    """Hand a DbspReduceOut's arrays to numpy (ownership moves) as (group_row, khash, ivals, fvals, valid)."""
+    g = r.ngroups
+    group_row = own_array(r.group_row, g, np.int64)
+    khash = own_array(r.khash, g, np.uint64)
+    ivals = own_array(r.ivals, g * na, np.int64).reshape(g, na)
+    fvals = own_array(r.fvals, g * na, np.float64).reshape(g, na)
+    valid = own_array(r.valid, g * na, np.uint8).reshape(g, na)
+    r.group_row = NULL; r.khash = NULL; r.ivals = NULL; r.fvals = NULL; r.valid = NULL
+    return group_row, khash, ivals, fvals, valid
+
+
+def reduce(table, weights, khash, keys, aggs):
+    """(group_row, khash, ivals, fvals, valid) of an indexed batch's groups; aggs: (kind name, column position)."""
+    cdef BatchView v = BatchView(table, weights)
+    kh = np.ascontiguousarray(khash, dtype=np.uint64)
+    cdef const uint64_t *pk = u64_ptr(kh)
+    cdef CAggSpec *specs = agg_specs(aggs)
+    cdef int32_t *k = int32_list(keys)
+    cdef int32_t nk = len(keys)
+    cdef int32_t na = len(aggs)
     cdef CReduceOut r
     cdef int st
     with nogil:
         st = dbsp_reduce(&v.c, pk, k, nk, specs, na, &r)
     free(k); free(specs)
     check_status(st, "reduce")
-    g = r.ngroups
-    group_row = own_array(r.group_row, g, np.int64)
-    ivals = own_array(r.ivals, g * na, np.int64).reshape(g, na) if na else np.empty((g, 0), np.int64)
-    fvals = own_array(r.fvals, g * na, np.float64).reshape(g, na) if na else np.empty((g, 0), np.float64)
-    valid = own_array(r.valid, g * na, np.uint8).reshape(g, na) if na else np.empty((g, 0), np.uint8)
-    if not na:
-        free(r.ivals); free(r.fvals); free(r.valid)
-    r.group_row = NULL; r.ivals = NULL; r.fvals = NULL; r.valid = NULL
-    return group_row, ivals, fvals, valid
+    return reduce_result(&r, na)
+
+
+def group_reduce(table, weights, keys, aggs):
+    """Like reduce, for any batch (no index), by hash grouping; groups in key-hash order."""
+    cdef BatchView v = BatchView(table, weights)
+    cdef CAggSpec *specs = agg_specs(aggs)
+    cdef int32_t *k = int32_list(keys)
+    cdef int32_t nk = len(keys)
+    cdef int32_t na = len(aggs)
+    cdef CReduceOut r
+    cdef int st
+    with nogil:
+        st = dbsp_group_reduce(&v.c, k, nk, specs, na, &r)
+    free(k); free(specs)
+    check_status(st, "group_reduce")
+    return reduce_result(&r, na)
 
 
 def check_order(table, weights, khash, keys):

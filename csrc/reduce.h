@@ -1,13 +1,10 @@
-/* reduce.h: weight-aware grouped aggregation (count, count of a column, sum, min, max) over an indexed batch. */
+/* reduce.h: weight-aware grouped aggregation (count, count of a column, sum, min, max), indexed or by hashing. */
 #ifndef DBSP_REDUCE_H
 #define DBSP_REDUCE_H
 
 #include <stdint.h>
 #include "column.h"
-
-enum { DBSP_AGG_COUNT = 1, DBSP_AGG_COUNT_COL, DBSP_AGG_SUM, DBSP_AGG_MIN, DBSP_AGG_MAX };
-
-typedef struct DbspAggSpec { int32_t kind; int32_t col; } DbspAggSpec;
+#include "agg.h"
 
 /* Results, row-major: value k of group g is at [g * naggs + k].
  *   COUNT      ivals: sum of weights                          (always valid)
@@ -20,6 +17,7 @@ typedef struct DbspReduceOut {
     int64_t ngroups, cap;
     int32_t naggs;
     int64_t *group_row;  /* the first row of each group (it carries the key values) */
+    int64_t *khash;      /* the key hash of each group */
     int64_t *ivals;
     double *fvals;
     uint8_t *valid;
@@ -28,8 +26,14 @@ typedef struct DbspReduceOut {
 void dbsp_reduce_free(DbspReduceOut *r);
 
 /* One group per distinct key of b (keys compared column-wise, null equal to null), in b's order, which must be
- * canonical (key hashes kh ascending, rows.h). Errors: DBSP_EOVERFLOW, DBSP_ETYPE (sum over bytes), DBSP_EINVAL. */
+ * canonical (key hashes kh ascending, rows.h): the cost is one pass over b. Errors: DBSP_EOVERFLOW, DBSP_ETYPE
+ * (sum over bytes), DBSP_EINVAL. */
 int dbsp_reduce(const DbspBatch *b, const uint64_t *kh, const int32_t *keys, int32_t nkeys,
                 const DbspAggSpec *aggs, int32_t naggs, DbspReduceOut *out);
+
+/* The same result for any batch (no index needed), by hash grouping (group.h), groups in key-hash order;
+ * groups whose weights sum to 0 are left out. */
+int dbsp_group_reduce(const DbspBatch *b, const int32_t *keys, int32_t nkeys,
+                      const DbspAggSpec *aggs, int32_t naggs, DbspReduceOut *out);
 
 #endif

@@ -306,6 +306,28 @@ class ZSet:
         idx, w, kh = _zset.consolidate(self._data, self._w, pos)
         return IndexedZSet._make(ZSet._make(_take(self._data, idx), w, consolidated=False), tuple(key_columns), kh)
 
+    def aggregate(self, key_columns: Sequence[str], aggs: Sequence[tuple[str, str | None]]) -> pa.Table:
+        """Grouped aggregates straight from the stored rows, by hash grouping (no index is built).
+
+        Same kinds and result layout as :meth:`IndexedZSet.reduce`. Groups whose weights sum to 0 have no row
+        (for a relation, where every weight is positive, that is SQL's GROUP BY). ``min``/``max`` look at rows
+        by their consolidated weight, so an unconsolidated Z-set is consolidated first when they are asked for.
+
+        Examples
+        --------
+        >>> import pyarrow as pa
+        >>> z = ZSet.from_arrow(pa.table({"k": ["a", "b", "a"], "v": [1.5, 2.0, 4.0]}))
+        >>> z.aggregate(["k"], [("sum", "v"), ("count", None)]).sort_by("k").to_pylist()
+        [{'k': 'a', 'agg_0': 5.5, 'agg_1': 2}, {'k': 'b', 'agg_0': 2.0, 'agg_1': 1}]
+        """
+        pos = _column_positions(self.schema, key_columns, "aggregate")
+        if not pos:
+            raise ValueError("aggregate needs at least one key column")
+        specs = _agg_specs(self.schema, aggs)
+        z = self.consolidate() if any(k in ("min", "max") for k, _ in specs) else self
+        group_row, _, ivals, fvals, valid = _zset.group_reduce(z._data, z._w, pos, specs)
+        return _agg_table(z._data, list(key_columns), specs, group_row, ivals, fvals, valid)
+
     # ---- group operations ----
 
     def __add__(self, other: ZSet) -> ZSet:
@@ -488,45 +510,48 @@ class IndexedZSet:
         >>> sorted(ix.reduce([("count", None), ("sum", "v"), ("max", "v")]).to_pylist(), key=lambda r: r["k"])
         [{'k': 1, 'agg_0': 3, 'agg_1': 11, 'agg_2': 4}, {'k': 2, 'agg_0': 1, 'agg_1': 5, 'agg_2': 5}]
         """
-        specs = []
-        for kind, col in aggs:
-            if kind == "count":
-                specs.append((kind, None))
-                continue
-            if col is None:
-                raise ValueError(f"aggregate {kind!r} needs a column")
-            pos = _column_positions(self.schema, [col], f"reduce {kind}")[0]
-            t = self.schema.field(pos).type
-            if kind == "sum" and not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
-                raise SchemaError(f"reduce: sum over non-numeric column {col!r} ({t})")
-            specs.append((kind, pos))
+        specs = _agg_specs(self.schema, aggs)
         data = self._z._data
-        group_row, ivals, fvals, valid = _zset.reduce(data, self._z._w, self._kh, self._keypos, specs)
-        cols = {k: data.column(k).take(pa.array(group_row)) for k in self._key}
-        for j, (kind, pos) in enumerate(specs):
-            ok = valid[:, j].astype(bool)
-            mask = ~ok if not ok.all() else None
-            if kind in ("count", "count_col"):
-                cols[f"agg_{j}"] = pa.array(ivals[:, j], pa.int64())
-            elif kind == "sum":
-                t = self.schema.field(pos).type
-                if pa.types.is_floating(t):
-                    cols[f"agg_{j}"] = pa.array(fvals[:, j].copy(), pa.float64(), mask=mask)
-                else:
-                    cols[f"agg_{j}"] = pa.array(ivals[:, j].copy(), pa.int64(), mask=mask)
+        group_row, _, ivals, fvals, valid = _zset.reduce(data, self._z._w, self._kh, self._keypos, specs)
+        return _agg_table(data, self._key, specs, group_row, ivals, fvals, valid)
+
+
+def _agg_specs(schema: pa.Schema, aggs: Sequence[tuple[str, str | None]]) -> list[tuple[str, int | None]]:
+    """Validate (kind, column name) aggregates and resolve column positions."""
+    specs = []
+    for kind, col in aggs:
+        if kind == "count":
+            specs.append((kind, None))
+            continue
+        if col is None:
+            raise ValueError(f"aggregate {kind!r} needs a column")
+        pos = _column_positions(schema, [col], f"reduce {kind}")[0]
+        t = schema.field(pos).type
+        if kind == "sum" and not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
+            raise SchemaError(f"reduce: sum over non-numeric column {col!r} ({t})")
+        specs.append((kind, pos))
+    return specs
+
+
+def _agg_table(data: pa.Table, key: Sequence[str], specs, group_row, ivals, fvals, valid) -> pa.Table:
+    """The result table of a grouped reduce: key columns from each group's first row, then agg_0, agg_1, ..."""
+    gr = pa.array(group_row, pa.int64())
+    cols = {k: data.column(k).take(gr) for k in key}
+    for j, (kind, pos) in enumerate(specs):
+        ok = valid[:, j].astype(bool)
+        mask = ~ok if not ok.all() else None
+        if kind in ("count", "count_col"):
+            cols[f"agg_{j}"] = pa.array(ivals[:, j], pa.int64())
+        elif kind == "sum":
+            if pa.types.is_floating(data.schema.field(pos).type):
+                cols[f"agg_{j}"] = pa.array(fvals[:, j].copy(), pa.float64(), mask=mask)
             else:
-                rows = np.where(ok, ivals[:, j], 0)
-                src = data.column(pos)
-                if src.num_chunks != 1:
-                    src = src.combine_chunks()
-                else:
-                    src = src.chunk(0)
-                if len(rows) and len(src) == 0:
-                    raise AssertionError("reduce: min/max row out of range")
-                taken = src.take(pa.array(rows, pa.int64())) if len(src) else pa.array([], src.type)
-                cols[f"agg_{j}"] = taken if mask is None else pc.if_else(
-                    pa.array(ok), taken, pa.scalar(None, type=src.type))
-        return pa.table(cols)
+                cols[f"agg_{j}"] = pa.array(ivals[:, j].copy(), pa.int64(), mask=mask)
+        else:
+            src = data.column(pos)
+            taken = src.take(pa.array(np.where(ok, ivals[:, j], 0), pa.int64())) if len(src) else pa.array([], src.type)
+            cols[f"agg_{j}"] = taken if mask is None else pc.if_else(pa.array(ok), taken, pa.scalar(None, src.type))
+    return _single_chunk(pa.table(cols)) if len(cols) else pa.table({})
 
 
 def _join_compatible(a: pa.DataType, b: pa.DataType) -> bool:

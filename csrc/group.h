@@ -1,0 +1,22 @@
+/* group.h: the hash grouping engine behind consolidate and the unindexed grouped reduce.
+ *
+ * Rows of a batch are grouped by their identity columns; each group yields its first row, its weight sum, its
+ * key hash and one accumulator per aggregate, in canonical order: by key hash, then identity hash, then the
+ * identity columns' values (rows.h invariant 2 when the identity is the whole row).
+ */
+#ifndef DBSP_GROUP_H
+#define DBSP_GROUP_H
+
+#include <stdint.h>
+#include "column.h"
+#include "rows.h"
+#include "agg.h"
+
+/* Group b by icols (NULL: every column), partition and order by the hash of kcols (nkcols == 0: the identity
+ * hash). rows receives each group's first row (idx), weight sum (weights) and key hash (khash); if naggs > 0,
+ * *acc receives rows->n * naggs accumulators (group-major; free with free()). With drop_zero, groups whose
+ * weight sum is 0 are left out. Errors: DBSP_EOVERFLOW, DBSP_ETYPE, DBSP_ETOOBIG, DBSP_ENOMEM, DBSP_EINVAL. */
+int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const int32_t *kcols, int32_t nkcols,
+               const DbspAggSpec *aggs, int32_t naggs, int drop_zero, DbspRows *rows, DbspAcc **acc);
+
+#endif
