@@ -3,9 +3,11 @@
 Invariants (enforced here):
   1. Every batch is a consolidated IndexedZSet on the trace's key, rows ascending by key hash; the trace's
      content is the sum of its batches (the same row may sit in several batches until they merge).
-  2. Batch sizes strictly shrink from oldest to newest: a newer batch holding at least as many rows as its
-     older neighbour is merged into it (a binary counter). So a trace of n rows has at most log2(n) + 1
-     batches and each row is merged at most log2(n) times (an insert costs O(|batch| log n) amortized).
+  2. Merging is lazy: inserted batches wait in ``pending`` (at most MAX_PENDING = 1024 of them) and are settled
+     into the spine before any read. Settled batch sizes strictly shrink from oldest to newest: a newer
+     batch holding at least as many rows as its older neighbour is merged into it (a binary counter), so
+     the spine of n rows has at most log2(n) + 1 batches and each row is merged at most log2(n) times.
+     A trace that is never read (e.g. a join side whose other input never changes) never pays for merges.
   3. A lookup touches only the rows whose key hash is asked for (binary search per batch), or whole batches
      smaller than a few rows per asked key, so per-step cost grows with the change, not with the state.
   4. State is grouped by shard: a shard (top ``shard_bits`` bits of the key hash) is a contiguous row range
@@ -72,27 +74,44 @@ class Trace:
     [{(1, 10): 1}]
     """
 
+    MAX_PENDING = 1024  # bounds the per-batch overhead of a trace that is written but never read
+
     def __init__(self, schema: pa.Schema, key: tuple[str, ...]) -> None:
         self.schema = schema
         self.key = tuple(key)
-        self.batches: list[IndexedZSet] = []
+        self._spine: list[IndexedZSet] = []
+        self.pending: list[IndexedZSet] = []
+
+    @property
+    def batches(self) -> list["IndexedZSet"]:
+        """The settled spine (oldest and largest first); reading it settles pending batches."""
+        self.settle()
+        return self._spine
 
     @property
     def num_rows(self) -> int:
         """Stored rows over all batches (a row may be counted once per batch holding it)."""
-        return sum(len(b) for b in self.batches) if self.batches else 0
+        return sum(len(b) for b in self._spine) + sum(len(b) for b in self.pending)
 
     def insert(self, batch: "IndexedZSet") -> None:
-        """Add a consolidated indexed batch (same key) to the trace, merging to keep invariant 2."""
+        """Add a consolidated indexed batch (same key) to the trace; merging waits for a read (invariant 2)."""
         if len(batch) == 0:
             return
-        self.batches.append(batch)
-        bs = self.batches
-        while len(bs) >= 2 and len(bs[-1]) >= len(bs[-2]):
-            newer = bs.pop()
-            bs[-1] = bs[-1].merge(newer)
-            if len(bs[-1]) == 0:
-                bs.pop()
+        self.pending.append(batch)
+        if len(self.pending) > self.MAX_PENDING:
+            self.settle()
+
+    def settle(self) -> None:
+        """Merge pending batches into the spine as a binary counter (invariant 2)."""
+        bs = self._spine
+        for batch in self.pending:
+            bs.append(batch)
+            while len(bs) >= 2 and len(bs[-1]) >= len(bs[-2]):
+                newer = bs.pop()
+                bs[-1] = bs[-1].merge(newer)
+                if len(bs[-1]) == 0:
+                    bs.pop()
+        self.pending = []
 
     def lookup(self, hashes: np.ndarray, dense_ratio: float = 1.0) -> list["IndexedZSet"]:
         """The rows of each batch whose key hash is in ``hashes`` (ascending, distinct uint64).
@@ -143,7 +162,8 @@ class Trace:
 
     def clear(self) -> None:
         """Drop all state."""
-        self.batches = []
+        self._spine = []
+        self.pending = []
 
     def __repr__(self) -> str:
-        return f"Trace(key={self.key}, batches={[len(b) for b in self.batches]})"
+        return f"Trace(key={self.key}, batches={[len(b) for b in self._spine]}, pending={len(self.pending)})"
