@@ -15,7 +15,8 @@
  *      a number in [2, page_count), a valid checksum and its own number in its header, and is reached once;
  *  (3) a version's free list holds exactly the pages of [2, page_count) it does not reach, each once;
  *  (4) in every B+tree node keys are strictly increasing; every key under child i of a branch is >= key i-1
- *      and < key i of that branch; branches hold >= 1 key; all leaves are at the same depth;
+ *      and < key i of that branch; all leaves are at the same depth and hold >= 1 key; a root branch holds
+ *      >= 1 key, other branches may hold 0 (one child: deletes free whole nodes and never merge);
  *  (5) a transaction based on v only writes pages that are on v's free list or >= v's page_count, so v's
  *      pages are never overwritten while v is openable (the other version was discarded at begin);
  *  (6) data pages are fsynced before the meta slot that makes them reachable.
@@ -666,18 +667,31 @@ static int tree_delete(DbspTxn *t, uint64_t *root, const void *k, size_t kl, int
     if ((old[2] & 1) && (rc = overflow_free(t, rd64(old + 8 + rd16(old))))) return rc;
     node_remove(leaf, path[depth - 1].idx);
     if (nkeys(leaf) > 0) return DBSP_OK;
-    if ((rc = page_free(t, path[depth - 1].pg))) return rc;
-    if (depth == 1) { *root = 0; return DBSP_OK; }
-    PathEl *par = &path[depth - 2];
-    unsigned c = par->idx;
-    if (c == 0) { wr64(par->p + 32, rd64(cell_at(par->p, 0) + 2)); node_remove(par->p, 0); }
-    else node_remove(par->p, c - 1);
-    if (nkeys(par->p) > 0) return DBSP_OK;
-    /* the parent has one child left: splice it into the grandparent */
-    uint64_t only = rd64(par->p + 32);
-    if ((rc = page_free(t, par->pg))) return rc;
-    if (depth == 2) *root = only;
-    else branch_set_child(path[depth - 3].p, path[depth - 3].idx, only);
+    /* the leaf is empty: free it, and every ancestor whose only child it was; then unlink it from the first
+     * ancestor with another child. No merging: depth stays uniform because nodes are only ever removed whole. */
+    int d = depth - 1;
+    if ((rc = page_free(t, path[d].pg))) return rc;
+    for (;;) {
+        if (d == 0) { *root = 0; return DBSP_OK; }
+        PathEl *par = &path[d - 1];
+        if (nkeys(par->p) == 0) {
+            if ((rc = page_free(t, par->pg))) return rc;
+            d--;
+            continue;
+        }
+        if (par->idx == 0) { wr64(par->p + 32, rd64(cell_at(par->p, 0) + 2)); node_remove(par->p, 0); }
+        else node_remove(par->p, par->idx - 1);
+        break;
+    }
+    /* a root branch with a single child is replaced by that child (the whole tree gets one level shorter) */
+    for (;;) {
+        unsigned char *p;
+        if ((rc = page_get(t->ps, *root, &p))) return rc;
+        if (p[4] != T_BRANCH || nkeys(p) > 0) break;
+        uint64_t only = rd64(p + 32);
+        if ((rc = page_free(t, *root))) return rc;
+        *root = only;
+    }
     return DBSP_OK;
 }
 
@@ -793,6 +807,7 @@ static int check_tree(Check *c, uint64_t pg, int depth, int *leaf_depth, const u
     if ((rc = check_node_keys(c, pg, p, lo, lol, has_lo, hi, hil, has_hi))) return rc;
     unsigned n = nkeys(p);
     if (p[4] == T_LEAF) {
+        if (n == 0) return ps_corrupt(c->ps, pg, "empty leaf");
         if (*leaf_depth < 0) *leaf_depth = depth;
         else if (*leaf_depth != depth) return ps_corrupt(c->ps, pg, "leaves at different depths");
         for (unsigned i = 0; i < n; i++) {
@@ -819,7 +834,7 @@ static int check_tree(Check *c, uint64_t pg, int depth, int *leaf_depth, const u
         return DBSP_OK;
     }
     if (p[4] != T_BRANCH) return ps_corrupt(c->ps, pg, "expected a tree node");
-    if (n == 0) return ps_corrupt(c->ps, pg, "branch without keys");
+    if (n == 0 && depth == 0) return ps_corrupt(c->ps, pg, "root branch without keys");
     for (unsigned i = 0; i <= n; i++) {
         size_t cl = 0, ch = 0;
         const unsigned char *clo = lo, *chi = hi;
