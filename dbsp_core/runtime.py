@@ -109,6 +109,9 @@ class Pipeline:
         Number of circuit copies W (threads). Results do not depend on it.
     shard_bits : int
         log2 of the number of shards S (default 8); S must be >= W.
+    storage : None
+        Reserved for durable pipelines (input log, checkpoints, output log); not implemented yet, so anything
+        but None raises NotImplementedError.
 
     Examples
     --------

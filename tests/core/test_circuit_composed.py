@@ -133,3 +133,19 @@ def test_left_join_padded_row_comes_and_goes() -> None:
         assert p.step()["lj"].to_dict() == {(1, None): 1, (1, "car"): -1}
 
 
+
+
+@settings(max_examples=3)
+@given(seed=SEEDS, workers=WORKERS)
+def test_long_run_with_deep_traces(seed: int, workers: int) -> None:
+    # many steps, so every trace holds several spine batches and pending batches between reads
+    def build(c: dbsp.Circuit, s: dict) -> dict:
+        out = _join_then_group(c, s)
+        out["d"] = s["bids"].select(a="auction", b="bidder").distinct()
+        out["g"] = s["bids"].group_by("bidder").agg(lo=dbsp.min("price"), n=dbsp.count(), t=dbsp.sum("price"))
+        return out
+
+    run_against_duckdb(build, {**JOIN_GROUP_SQL,
+                               "d": "SELECT DISTINCT auction, bidder FROM bids",
+                               "g": "SELECT bidder, MIN(price), COUNT(*), SUM(price) FROM bids GROUP BY bidder"},
+                       seed, workers, steps=25, max_rows=25)
