@@ -1,7 +1,7 @@
 /* group.c: radix-partitioned hash grouping on canonically serialized identity values, with inline aggregates.
  *
  * Design notes:
- *  1. Rows are radix-partitioned by the top bits of their key hash into partitions of about 32k rows, so each
+ *  1. Rows are radix-partitioned by the top bits of their key hash into partitions of about 8k rows, so each
  *     partition's hash table (grown with its distinct values) stays in cache, and concatenating the partitions
  *     keeps key-hash order.
  *  2. While scattering, each row's identity columns are serialized in a canonical byte form (a null flag per
@@ -229,7 +229,7 @@ static int rec_sort_hashed(Rec *a, Rec *tmp, int64_t n, int used, const Ident *i
 #define BUCKET(kh) ((int64_t)(((kh) << used) >> (64 - bb)))
     for (int64_t i = 0; i < n; i++) cnt[BUCKET(a[i].kh) + 1]++;
     for (int64_t k = 0; k < nb; k++) cnt[k + 1] += cnt[k];
-    for (int64_t i = 0; i < n; i++) tmp[cnt[BUCKET(a[i].kh)]++] = a[i];
+    for (int64_t i = 0; i < n; i++) memcpy(&tmp[cnt[BUCKET(a[i].kh)]++], &a[i], sizeof(Rec));
 #undef BUCKET
     int64_t s = 0;  /* cnt[k] is now the end of bucket k */
     for (int64_t k = 0; k < nb; k++) {
@@ -245,7 +245,9 @@ static int rec_sort_hashed(Rec *a, Rec *tmp, int64_t n, int used, const Ident *i
 typedef struct { uint32_t h32; uint32_t idx; int64_t w; } EntryHead;
 typedef struct { uint32_t h32; uint32_t len; uint64_t off; int64_t w; uint32_t idx; uint32_t pad; uint64_t key8; } Uniq;
 
-#define ROWS_PER_PART 32768
+#ifndef ROWS_PER_PART
+#define ROWS_PER_PART 8192
+#endif
 #ifndef WC
 #define WC 16  /* entries per write-combining buffer (measured: 1..32 within 5%; 16 among the best) */
 #endif
