@@ -21,6 +21,7 @@ from dbsp_core.aggregates import Aggregate as AggSpec
 from dbsp_core.errors import SchemaError
 from dbsp_core.operators import (Aggregate, Delay, Differentiate, Distinct, Exchange, Filter, FlatMap, Input,
                                  Integrate, Join, Negate, Operator, Plus, Select, left_join)
+from dbsp_core.operators.aggregate import PreAggregate
 from dbsp_core.operators.base import nullable_schema, same_columns
 from dbsp_core.operators.expr import as_expression
 
@@ -314,6 +315,8 @@ class GroupBy:
         s = self.stream
         where = s._where("aggregate")
         op = Aggregate(-1, s.schema, self.keys, aggs, where)  # validate before adding an exchange
+        if op.linear:  # combine each worker's change into partial rows before the exchange
+            s = s.circuit._add(PreAggregate(s.node_id, op, s.op.partitioning))
         src = s._exchanged(self.keys)
         op.inputs = (src.node_id,)
         return s.circuit._add(op)

@@ -12,7 +12,9 @@ Invariants:
      - recompute (min, max, any float sum/avg): the trace keeps the integrated input indexed by key; a step
        re-reduces the affected groups' rows, so min/max stay right when the extreme is deleted, and float
        sums are computed over the group's consolidated rows in one fixed order whatever the split.
-  4. The input is exchanged by the group keys, so a group lives in exactly one worker.
+  4. The input is exchanged by the group keys, so a group lives in exactly one worker. A linear aggregate
+     first turns each worker's change into partial rows (PreAggregate, before the exchange: a combiner), so
+     with W > 1 a large change crosses workers as one row per group instead of one per input row.
 """
 
 from __future__ import annotations
@@ -73,6 +75,9 @@ class Aggregate(Operator):
             self.plan.append((agg.kind, slots))
         self.linear = all(k in ("count", "count_col") or (k == "sum" and pat.is_integer(in_schema.field(c).type))
                           for k, c in self.kernel)
+        self.partial_slots = [f"p_{j}" for j in range(len(self.kernel))]
+        self.pschema = pa.schema([pa.field(k, in_schema.field(k).type) for k in keys]
+                                 + [pa.field(c, pa.int64()) for c in self.partial_slots])
 
     def _slot(self, kind: str, column: str | None) -> int:
         if (kind, column) not in self.kernel:
@@ -172,23 +177,60 @@ class _RecomputeState:
         return op.output(self._reduce(new), self._reduce(old))
 
 
-class _LinearState:
-    """Invariant 3, linear strategy: keep one partial row per group and add the change's partials.
+class PreAggregate(Operator):
+    """The combiner of a linear aggregate: its input change as partial rows (keys, then one int64 per slot).
 
-    A step needs a single grouping pass: the change's rows, each turned into a partial row (count 1, the value
-    with nulls as 0, 1 if the value is not null), are grouped together with the groups' old partial rows;
-    weighted sums give the new totals, and sums over the old rows only (the ``q_j`` copies, 0 on change rows)
-    give the old totals, so neither the change nor the old rows need a pass of their own.
+    A partial row with weight w stands for w times its values. Small changes (or W = 1) become one partial row
+    per input row (vectorized, no grouping pass); large ones on W > 1 are grouped first, one row per group.
+    Both forms sum to the same totals in exact integer arithmetic, so results do not depend on the choice.
+    """
+
+    kind = "pre_aggregate"
+    GROUP_ABOVE = 16_384  # rows; below this, grouping costs more than it saves in the exchange
+
+    def __init__(self, node: int, agg: Aggregate, partitioning: tuple[str, ...] | None) -> None:
+        super().__init__((node,), agg.pschema, partitioning)
+        self.agg = agg
+
+    def rowwise(self, z: "ZSet") -> "ZSet":
+        """Each row as a partial row of its own, weight kept."""
+        data, n = z.data, z.num_rows
+        cols = [data.column(k) for k in self.agg.keys]
+        for kind, col in self.agg.kernel:
+            if kind == "count":
+                cols.append(pa.array(np.ones(n, dtype=np.int64)))
+            elif kind == "count_col":
+                cols.append(pc.cast(pc.is_valid(data.column(col)), pa.int64()))
+            else:  # integer sum
+                cols.append(pc.cast(pc.fill_null(data.column(col), 0), pa.int64()))
+        return make(pa.Table.from_arrays(cols, schema=self.schema), z.weights, self.schema)
+
+    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+        z = inputs[0]
+        if z.num_rows == 0:
+            return empty(self.schema)
+        z = conform(z, self.agg.in_schema)
+        if ctx.shard_map.workers == 1 or z.num_rows < self.GROUP_ABOVE:
+            return self.rowwise(z)
+        ix = z.index_by(list(self.agg.keys))
+        table = reduce_groups(ix, self.agg.kernel).rename_columns(self.schema.names)
+        return make(table, np.ones(table.num_rows, dtype=np.int64), self.schema)
+
+
+class _LinearState:
+    """Invariant 3, linear strategy: keep one partial row per group and add the change's partial rows.
+
+    A step needs a single grouping pass: the change's partial rows are grouped together with the groups' old
+    partial rows; weighted sums give the new totals, and sums over the old rows only (the ``q_j`` copies,
+    0 on change rows) give the old totals, so neither side needs a pass of its own.
     """
 
     def __init__(self, op: Aggregate) -> None:
         self.op = op
         self.keys = list(op.keys)
-        nslots = len(op.kernel)
-        self.p = [f"p_{j}" for j in range(nslots)]
-        self.q = [f"q_{j}" for j in range(nslots)]
-        keys = [pa.field(k, op.in_schema.field(k).type) for k in op.keys]
-        self.pschema = pa.schema(keys + [pa.field(c, pa.int64()) for c in self.p])
+        self.p = op.partial_slots
+        self.q = [f"q_{j}" for j in range(len(self.p))]
+        self.pschema = op.pschema
         self.wschema = pa.schema(list(self.pschema) + [pa.field(c, pa.int64()) for c in self.q])
         self.combine = [("sum", c) for c in self.p + self.q]
         self.trace = Trace(self.pschema, op.keys)
@@ -197,26 +239,12 @@ class _LinearState:
         """The operator's state, by name (each trace can be read per shard)."""
         return {"partials": self.trace}
 
-    def _rowwise(self, z: "ZSet") -> "ZSet":
-        """Each row of the change as a partial row of its own (weight kept), with q_j = 0."""
-        data, n = z.data, z.num_rows
-        cols = [data.column(k) for k in self.keys]
-        zeros = pa.array(np.zeros(n, dtype=np.int64))
-        for kind, col in self.op.kernel:
-            if kind == "count":
-                cols.append(pa.array(np.ones(n, dtype=np.int64)))
-            elif kind == "count_col":
-                cols.append(pc.cast(pc.is_valid(data.column(col)), pa.int64()))
-            else:  # integer sum
-                cols.append(pc.cast(pc.fill_null(data.column(col), 0), pa.int64()))
-        cols += [zeros] * len(self.q)
-        return make(pa.Table.from_arrays(cols, schema=self.wschema), z.weights, self.wschema)
-
-    def _with_q(self, old: "ZSet") -> "ZSet":
-        data = old.data
+    def _with_q(self, z: "ZSet", zero: bool) -> "ZSet":
+        data = z.data
+        zeros = pa.array(np.zeros(z.num_rows, dtype=np.int64)) if zero else None
         for c, q in zip(self.p, self.q):
-            data = data.append_column(q, data.column(c))
-        return make(data, old.weights, self.wschema)
+            data = data.append_column(q, zeros if zero else data.column(c))
+        return make(data, z.weights, self.wschema)
 
     def _totals(self, table: pa.Table, cols: list[str]) -> pa.Table:
         """Key columns plus the given total columns (renamed to the p_j names), groups with count 0 dropped."""
@@ -225,12 +253,12 @@ class _LinearState:
 
     def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
         op = self.op
-        z = inputs[0]
+        z = inputs[0]  # partial rows from PreAggregate
         if z.num_rows == 0:
             return empty(op.schema)
-        z = conform(z, op.in_schema)
+        z = conform(z, self.pschema)
         old = concat([b.zset for b in self.trace.lookup(np.unique(z.hash(self.keys)))], self.pschema)
-        both = concat([self._with_q(old), self._rowwise(z)], self.wschema).index_by(self.keys)
+        both = concat([self._with_q(old, False), self._with_q(z, True)], self.wschema).index_by(self.keys)
         sums = both.reduce(self.combine).rename_columns(self.keys + self.p + self.q)
         new, prev = self._totals(sums, self.p), self._totals(sums, self.q)
         ones = np.ones(new.num_rows, dtype=np.int64)

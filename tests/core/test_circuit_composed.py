@@ -149,3 +149,22 @@ def test_long_run_with_deep_traces(seed: int, workers: int) -> None:
                                "d": "SELECT DISTINCT auction, bidder FROM bids",
                                "g": "SELECT bidder, MIN(price), COUNT(*), SUM(price) FROM bids GROUP BY bidder"},
                        seed, workers, steps=25, max_rows=25)
+
+
+@settings(max_examples=6)
+@given(seed=SEEDS, workers=st.sampled_from([2, 4]))
+def test_pre_aggregation_grouped_path_matches_duckdb(seed: int, workers: int) -> None:
+    # force the combiner to group even tiny changes, the path large changes take on W > 1
+    from dbsp_core.operators.aggregate import PreAggregate
+
+    old, PreAggregate.GROUP_ABOVE = PreAggregate.GROUP_ABOVE, 0
+    try:
+        run_against_duckdb(_join_then_group, JOIN_GROUP_SQL, seed, workers, steps=5)
+        run_against_duckdb(
+            lambda c, s: {"v": s["bids"].group_by("auction", "bidder").agg(n=dbsp.count(), t=dbsp.sum("price"),
+                                                                          m=dbsp.avg("price"), k=dbsp.count("f"))},
+            {"v": "SELECT auction, bidder, COUNT(*), SUM(price), AVG(price), COUNT(f) FROM bids GROUP BY ALL"},
+            seed, workers, inputs=("bids",), steps=5)
+        assert _final_view(seed, workers, [3, 5])["by_cat_lin"] == _final_view(seed, 1, [8])["by_cat_lin"]
+    finally:
+        PreAggregate.GROUP_ABOVE = old
