@@ -230,8 +230,8 @@ class DatabaseHandle:
         ...         h.put("t", shard_key(1, b"x"), b"1"); h.put("t", shard_key(2, b"y"), b"2")
         ...         rows = h.export_shard(1)
         ...     with b.open(0) as g:
-        ...         g.import_shard(rows); print(list(g.scan("t")))
-        [(b'\\x00\\x00\\x00\\x01x', b'1')]
+        ...         n = g.import_shard(rows); print(n, list(g.scan("t")))
+        1 [(b'\\x00\\x00\\x00\\x01x', b'1')]
         """
         prefix = shard_key(shard, b"")
         out = []
