@@ -17,6 +17,7 @@ Invariants (enforced here):
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -153,6 +154,7 @@ class Pipeline:
         self._lock = threading.Lock()
         self._broken: BaseException | None = None
         self.steps = 0
+        self.worker_cpu_seconds = [0.0] * workers  # CPU time each worker's thread spent in steps
 
     # ---- input ----
 
@@ -223,11 +225,14 @@ class Pipeline:
             raise DbspError("the pipeline is closed")
 
     def _run_worker(self, w: int, inputs: dict[str, ZSet]) -> dict[str, ZSet]:
+        t0 = time.thread_time()
         try:
             return self._workers[w].step(inputs)
         except BaseException:
             self._exchanger.barrier.abort()  # release the others waiting at an exchange (invariant 3)
             raise
+        finally:
+            self.worker_cpu_seconds[w] += time.thread_time() - t0
 
     def step(self) -> dict[str, ZSet]:
         """Run one step over everything pushed since the last one; returns ``{output: change of the view}``."""
