@@ -25,3 +25,15 @@ class CorruptionError(StorageError):
 
 class FormatVersionError(StorageError):
     """An on-disk structure has a format version this build cannot read."""
+
+
+class ReplayMismatchError(DbspError):
+    """A step replayed during recovery produced output that differs from what the output log already holds."""
+
+
+class CircuitMismatchError(DbspError, ValueError):
+    """A storage directory was opened with a circuit (or worker count) other than the one that wrote it."""
+
+
+class RecoveryError(DbspError):
+    """Durable state cannot be recovered consistently (e.g. the workers share no database version)."""

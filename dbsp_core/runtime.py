@@ -110,9 +110,10 @@ class Pipeline:
         Number of circuit copies W (threads). Results do not depend on it.
     shard_bits : int
         log2 of the number of shards S (default 8); S must be >= W.
-    storage : None
-        Reserved for durable pipelines (input log, checkpoints, output log); not implemented yet, so anything
-        but None raises NotImplementedError.
+    storage : str or os.PathLike or None
+        A directory makes the pipeline durable (input log, checkpoints, output log; keyword arguments
+        ``checkpoint_interval``, ``replay_check``, ``output_retention``, ``output_sync``): the call returns a
+        ``dbsp_core.durable.DurablePipeline``. None (default) runs in memory.
 
     Examples
     --------
@@ -131,12 +132,28 @@ class Pipeline:
     >>> p.close()
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Pipeline":
+        # Pipeline(..., storage=dir) builds the durable pipeline (dbsp_core.durable) instead
+        storage = args[3] if len(args) > 3 else kwargs.get("storage")
+        if cls is Pipeline and storage is not None:
+            from dbsp_core.durable import DurablePipeline
+
+            return super().__new__(DurablePipeline)
+        return super().__new__(cls)
+
+    @staticmethod
+    def open(path: Any, circuit: Circuit, **kwargs: Any) -> "Pipeline":
+        """Recover the durable pipeline stored in directory ``path`` after a stop or a crash (see dbsp_core.durable)."""
+        from dbsp_core.durable import open_pipeline
+
+        return open_pipeline(path, circuit, **kwargs)
+
     def __init__(self, circuit: Circuit, workers: int = 1, shard_bits: int = DEFAULT_SHARD_BITS,
                  storage: Any = None) -> None:
         if not isinstance(circuit, Circuit):
             raise TypeError(f"Pipeline needs a Circuit, got {type(circuit).__name__}")
-        if storage is not None:
-            raise NotImplementedError("durable pipelines (storage=) are not implemented yet")
+        if storage is not None:  # only reached by subclasses other than DurablePipeline
+            raise NotImplementedError(f"{type(self).__name__} does not support storage=")
         self.circuit = circuit
         self.layout = Layout(ShardMap(workers, shard_bits))
         self.shard_map = self.layout.shard_map

@@ -1,0 +1,127 @@
+"""The checkpoint coordinator of seed 000 over per-worker Databases: choose a version, start, pause, stop at the maximum step, commit.
+
+Invariants (enforced here):
+  1. The coordinator opens every worker at ``v = max(intersection of the workers' versions())``; an empty
+     intersection raises RecoveryError. After a completed checkpoint the next epoch's ``v`` is one more.
+  2. A checkpoint pauses every worker (each returns its step), takes the maximum, stops every worker at that
+     step (a worker behind it would have to run on; in the embedded runtime all workers step in lockstep,
+     so a worker that is not exactly at it is a fatal error), then each worker saves its state, ``set_step``
+     and commits. Only after every worker committed does any worker open the new version; opening it
+     discards the older one, so at every instant the newest version common to all workers is a complete
+     checkpoint.
+  3. The low watermark (the oldest step any worker can still be opened at) is the step of the oldest
+     version that some worker still holds; logs may be truncated below it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from dbsp_core.errors import RecoveryError
+from dbsp_core.snapshot import load_worker, save_worker
+from dbsp_core.storage import Database, DatabaseHandle
+
+
+class WorkerStore:
+    """One worker's side of the protocol: its Database and the handle of the current epoch."""
+
+    def __init__(self, index: int, path: str, instances: dict[int, Any], shard_bits: int) -> None:
+        self.index = index
+        self.db = Database(path)
+        self.instances = instances
+        self.shard_bits = shard_bits
+        self.handle: DatabaseHandle | None = None
+        self.step = 0
+        self._paused: int | None = None
+
+    def versions(self) -> range:
+        return self.db.versions()
+
+    def start(self, version: int, load: bool = False) -> int:
+        """Open ``version`` (discarding the other one); with ``load`` restore operator state. Returns its step."""
+        self.handle = self.db.open(version)
+        self.step = self.handle.get_step()
+        if load:
+            load_worker(self.handle, self.instances, f"{self.db.path} v{version}")
+        self._paused = None
+        return self.step
+
+    def advance(self) -> None:
+        """The worker finished one step."""
+        if self._paused is not None:
+            raise RecoveryError(f"worker {self.index} stepped while paused at {self._paused}")
+        self.step += 1
+
+    def pause(self) -> int:
+        self._paused = self.step
+        return self.step
+
+    def stop(self, step: int, extra: Callable[[DatabaseHandle], None] | None = None) -> None:
+        """Save state at ``step``, ``set_step`` and commit (invariant 2)."""
+        if self.step != step:
+            raise RecoveryError(f"worker {self.index} is at step {self.step}, the checkpoint is at {step}")
+        h = self.handle
+        assert h is not None
+        save_worker(h, self.instances, self.shard_bits)
+        if extra is not None:
+            extra(h)
+        h.set_step(step)
+        h.commit()
+        self.handle = None
+        self._paused = None
+
+    def close(self) -> None:
+        if self.handle is not None and not self.handle.closed:
+            self.handle.close()
+        self.handle = None
+        self.db.close()
+
+
+class Coordinator:
+    """Runs the seed-000 checkpoint protocol over the workers of one pipeline."""
+
+    def __init__(self, stores: list[WorkerStore], crashpoint: Callable[[str], None] = lambda _: None) -> None:
+        self.stores = stores
+        self.version = -1
+        self.checkpoints = 0
+        self._crash = crashpoint
+
+    def choose_version(self) -> int:
+        """Invariant 1: the maximum of the intersection of every worker's versions()."""
+        ranges = [s.versions() for s in self.stores]
+        lo, hi = max(r.start for r in ranges), min(r.stop for r in ranges)
+        if lo >= hi:
+            raise RecoveryError(f"the workers share no database version: {[(r.start, r.stop - 1) for r in ranges]}")
+        return hi - 1
+
+    def start(self, load: bool) -> int:
+        """Open every worker at the chosen version; returns the step all of them are at."""
+        v = self.choose_version()
+        steps = {s.start(v, load=load) for s in self.stores}
+        if len(steps) != 1:
+            raise RecoveryError(f"workers disagree on the step of version {v}: {sorted(steps)}")
+        self.version = v
+        return steps.pop()
+
+    def checkpoint(self, extra0: Callable[[DatabaseHandle], None] | None = None) -> int:
+        """Pause, stop at the maximum step, commit every worker, then open the new version. Returns the step."""
+        step = max(s.pause() for s in self.stores)
+        for i, s in enumerate(self.stores):
+            s.stop(step, extra0 if i == 0 else None)
+            self._crash("checkpoint-commit")
+        self._crash("checkpoint-committed")
+        v = self.version + 1
+        for s in self.stores:
+            s.start(v)  # discards version v - 1 (invariant 2)
+        self.version = v
+        self.checkpoints += 1
+        return step
+
+    def close(self) -> None:
+        for s in self.stores:
+            s.close()
+
+
+def worker_db_path(root: str, w: int) -> str:
+    return os.path.join(root, f"worker-{w}.db")

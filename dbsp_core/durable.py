@@ -1,0 +1,568 @@
+"""The durable, exactly-once Pipeline: input log with producer/seq dedup, a logged division of input into steps with its determinants, an output log, coordinated checkpoints of per-worker Databases, and recovery.
+
+Storage directory layout::
+
+    META              circuit fingerprint, workers, shard bits (versioned, checksummed, replaced atomically)
+    input/            StepLog: pushes (step, handle, producer, seq, Z-set) and one division record per step
+    output/           OutputLog: every step's output and the input ranges that produced it
+    worker-<w>.db     each worker's Database: operator state grouped by shard; worker 0 also the dedup table
+
+Invariants (enforced here):
+  1. ``push`` returns its acknowledgement only after the push's record is durable in the input log. The record
+     carries the step that was open when the push was admitted; a step is closed only when no admitted push is
+     still being appended, and pushes wait while a step closes, so the log's steps never decrease and every
+     record of step s precedes s's division record.
+  2. A ``(producer, seq)`` pair is counted once: it is marked seen only after its record is durable; a retry of
+     a seen pair is acknowledged again (``duplicate=True``) and records nothing; a retry of a pair still being
+     appended waits for it. The seen set is saved with each checkpoint (worker 0's ``dedup`` table) and
+     completed on recovery from the log records after the checkpoint.
+  3. Before a step runs, its division record (step, number of pushes, wall-clock ``now``, random ``seed``) is
+     durable in the input log, so no output of a step exists whose input division could change. Replay uses
+     the logged ``now`` and ``seed``.
+  4. Every step's output goes through ``OutputLog.write`` (discard / verify / append, seed 000); with replay
+     checking on (the default) a replayed step whose output differs raises ReplayMismatchError.
+  5. A checkpoint flushes the output log, then runs the coordinator protocol (coordinator.py). Only after
+     every worker opened the new version are the input log truncated below the checkpoint's step (the low
+     watermark) and old output dropped (output at or after the checkpoint step is always kept, so replays
+     can be verified).
+  6. Recovery opens every worker at the newest common version, restores operator state, replays every
+     divided step from the version's step (verifying output already in the log, appending the rest), then
+     queues the acknowledged pushes never divided into a step for the next step. A directory written by a
+     different circuit, worker count or shard count is refused with CircuitMismatchError.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import threading
+import time
+from typing import Any, Iterator, NamedTuple
+
+import pyarrow as pa
+
+from dbsp_core.circuit import Circuit
+from dbsp_core.codec import decode_json, decode_zset, encode_json, encode_zset
+from dbsp_core.coordinator import Coordinator, WorkerStore, worker_db_path
+from dbsp_core.errors import CircuitMismatchError, CorruptionError, DbspError, RecoveryError
+from dbsp_core.outputlog import OutputLog
+from dbsp_core.runtime import Pipeline, PushData
+from dbsp_core.shard import DEFAULT_SHARD_BITS
+from dbsp_core.snapshot import state_attrs
+from dbsp_core.storage import DatabaseHandle, StepLog
+from dbsp_core.zset import ZSet
+
+FORMAT_VERSION = 1
+DIVISION_HANDLE = "\x00division"
+_DEDUP_TABLE = "dedup"
+
+# ---- crash points for the kill -9 tests: DBSP_CRASHPOINT="name:n" kills this process at the n-th hit ----
+
+_CRASH = os.environ.get("DBSP_CRASHPOINT", "")
+_crash_name, _, _crash_n = _CRASH.partition(":")
+_crash_left = int(_crash_n) if _crash_n.isdigit() else 0
+_crash_lock = threading.Lock()
+
+
+def crashpoint(name: str) -> None:
+    """Kill this process with SIGKILL at the configured hit of crash point ``name`` (tests only; else a no-op)."""
+    global _crash_left
+    if not _crash_left or name != _crash_name:
+        return
+    with _crash_lock:
+        _crash_left -= 1
+        if _crash_left == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Ack(NamedTuple):
+    """The acknowledgement of a durable push: the step it belongs to (None for a duplicate) and its identity."""
+
+    step: int | None
+    producer: str
+    seq: int
+    duplicate: bool
+
+
+class _Seen:
+    """The (producer, seq) pairs already recorded: a dense watermark per producer plus the seqs above it."""
+
+    def __init__(self) -> None:
+        self.wm: dict[str, int] = {}
+        self.above: dict[str, set[int]] = {}
+
+    def has(self, producer: str, seq: int) -> bool:
+        return seq <= self.wm.get(producer, -1) or seq in self.above.get(producer, ())
+
+    def add(self, producer: str, seq: int) -> None:
+        wm = self.wm.get(producer, -1)
+        if seq <= wm:
+            return
+        s = self.above.setdefault(producer, set())
+        s.add(seq)
+        while wm + 1 in s:
+            wm += 1
+            s.discard(wm)
+        self.wm[producer] = wm
+        if not s:
+            del self.above[producer]
+
+    def save(self, h: DatabaseHandle) -> None:
+        old = {k for k, _ in h.scan(_DEDUP_TABLE)}
+        for p, wm in self.wm.items():
+            key = p.encode("utf-8")
+            h.put(_DEDUP_TABLE, key, encode_json(b"DDUP", {"wm": wm, "above": sorted(self.above.get(p, ()))}))
+            old.discard(key)
+        for k in old:
+            h.delete(_DEDUP_TABLE, k)
+
+    def load(self, h: DatabaseHandle, where: str) -> None:
+        for k, v in h.scan(_DEDUP_TABLE):
+            d = decode_json(b"DDUP", v, f"{where} dedup {k!r}")
+            p = k.decode("utf-8")
+            self.wm[p] = int(d["wm"])
+            if d["above"]:
+                self.above[p] = set(int(x) for x in d["above"])
+
+
+def circuit_fingerprint(circuit: Circuit) -> str:
+    """A hash of the circuit's structure: every node's kind, inputs, schema and parameters, inputs and outputs.
+
+    >>> import pyarrow as pa
+    >>> c = Circuit(); s = c.input("x", pa.schema([("a", pa.int64())])); c.output("o", s.distinct())
+    >>> len(circuit_fingerprint(c))
+    64
+    """
+    h = hashlib.sha256()
+    for op in circuit.nodes:
+        parts = [type(op).__name__, getattr(op, "kind", ""), repr(op.inputs), op.schema.to_string(),
+                 repr(op.partitioning)]
+        for k, v in sorted(vars(op).items()):
+            if k in ("node_id", "inputs", "schema", "partitioning"):
+                continue
+            if isinstance(v, (str, int, float, bool, tuple, list, type(None))):
+                parts.append(f"{k}={v!r}")
+            elif isinstance(v, pa.Schema):
+                parts.append(f"{k}={v.to_string()}")
+            elif callable(v):
+                parts.append(f"{k}=<{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', type(v).__name__)}>")
+            else:
+                parts.append(f"{k}={v}")  # e.g. pyarrow compute expressions print their full text
+        h.update("\x1f".join(parts).encode("utf-8") + b"\x1e")
+    h.update(repr(sorted(circuit.inputs.items())).encode() + repr(sorted(circuit.outputs.items())).encode())
+    return h.hexdigest()
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_meta(root: str) -> dict:
+    """The META record of a storage directory; FileNotFoundError if there is none, CorruptionError if bad."""
+    path = os.path.join(root, "META")
+    with open(path, "rb") as f:
+        return decode_json(b"DMET", f.read(), path)
+
+
+def _write_meta(root: str, meta: dict) -> None:
+    path = os.path.join(root, "META")
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(encode_json(b"DMET", meta))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(root)
+
+
+def _ranges(entries: list[tuple[str, str, int]]) -> list[dict]:
+    """Summarize a step's pushes as contiguous seq ranges per (handle, producer)."""
+    by: dict[tuple[str, str], list[int]] = {}
+    for handle, producer, seq in entries:
+        by.setdefault((handle, producer), []).append(seq)
+    out = []
+    for (handle, producer), seqs in sorted(by.items()):
+        if producer == "":
+            out.append({"handle": handle, "producer": "", "first_seq": None, "last_seq": None, "pushes": len(seqs)})
+            continue
+        seqs.sort()
+        lo = prev = seqs[0]
+        for s in seqs[1:] + [None]:
+            if s is not None and s == prev + 1:
+                prev = s
+                continue
+            out.append({"handle": handle, "producer": producer, "first_seq": lo, "last_seq": prev,
+                        "pushes": prev - lo + 1})
+            if s is not None:
+                lo = prev = s
+    return out
+
+
+class DurablePipeline(Pipeline):
+    """A Pipeline whose input, step division, state and output survive ``kill -9``; see the module docstring.
+
+    Built by ``Pipeline(circuit, workers=W, storage=dir, ...)`` or :meth:`Pipeline.open`.
+
+    Parameters
+    ----------
+    circuit, workers, shard_bits
+        As for :class:`~dbsp_core.runtime.Pipeline`; an existing directory must have the same ones.
+    storage : str or os.PathLike
+        The storage directory (created if missing; recovered if it holds a pipeline).
+    checkpoint_interval : float or None
+        Seconds between automatic checkpoints, checked after each step (None: only on demand and on close).
+    replay_check : bool
+        Verify replayed output against the output log (default True).
+    output_retention : int or None
+        Keep at least this many steps of output before the newest checkpoint (None: keep everything).
+    output_sync : bool
+        fsync each step's output record before ``step`` returns (default True).
+
+    Examples
+    --------
+    >>> import tempfile, pyarrow as pa, dbsp_core as dbsp
+    >>> c = dbsp.Circuit()
+    >>> bids = c.input("bids", pa.schema([("auction", pa.int64()), ("price", pa.int64())]))
+    >>> c.output("totals", bids.group_by("auction").agg(total=dbsp.sum("price")))
+    >>> d = tempfile.mkdtemp()
+    >>> p = dbsp.Pipeline(c, workers=2, storage=d)
+    >>> p.push("bids", pa.table({"auction": [1, 1], "price": [10, 5]}), producer="gen", seq=0).duplicate
+    False
+    >>> p.push("bids", pa.table({"auction": [1, 1], "price": [10, 5]}), producer="gen", seq=0).duplicate
+    True
+    >>> p.step()["totals"].to_dict()
+    {(1, 15): 1}
+    >>> p.close()
+    >>> q = dbsp.Pipeline.open(d, c)
+    >>> [(s, z.to_dict()) for s, z in q.read_output("totals")]
+    [(0, {(1, 15): 1})]
+    >>> q.close()
+    """
+
+    def __init__(self, circuit: Circuit, workers: int = 1, shard_bits: int = DEFAULT_SHARD_BITS,
+                 storage: Any = None, *, checkpoint_interval: float | None = 10.0, replay_check: bool = True,
+                 output_retention: int | None = None, output_sync: bool = True) -> None:
+        if storage is None:
+            raise ValueError("DurablePipeline needs storage=<directory>")
+        if checkpoint_interval is not None and not checkpoint_interval > 0:
+            raise ValueError(f"checkpoint_interval must be a positive number of seconds or None, "
+                             f"got {checkpoint_interval!r}")
+        if output_retention is not None and (not isinstance(output_retention, int) or output_retention < 0):
+            raise ValueError(f"output_retention must be a non-negative int or None, got {output_retention!r}")
+        super().__init__(circuit, workers, shard_bits, None)
+        self.storage = root = os.fspath(storage)
+        self.checkpoint_interval = checkpoint_interval
+        self.output_retention = output_retention
+        self.fingerprint = circuit_fingerprint(circuit)
+        os.makedirs(root, exist_ok=True)
+        meta = {"format": FORMAT_VERSION, "fingerprint": self.fingerprint, "workers": workers,
+                "shard_bits": shard_bits, "inputs": sorted(self._inputs), "outputs": sorted(self._out_schemas)}
+        try:
+            old = read_meta(root)
+        except FileNotFoundError:
+            old = None
+        if old is None:
+            if any(n.startswith("worker-") for n in os.listdir(root)):
+                raise RecoveryError(f"{root}: worker databases exist but META is missing")
+            _write_meta(root, meta)
+        else:
+            for k in ("fingerprint", "workers", "shard_bits"):
+                if old.get(k) != meta[k]:
+                    what = "circuit" if k == "fingerprint" else k
+                    raise CircuitMismatchError(
+                        f"{root} was written by a pipeline with a different {what} "
+                        f"({old.get(k)!r} != {meta[k]!r}); open it with the same circuit and scale")
+        self._cond = threading.Condition()
+        self._step_lock = threading.RLock()
+        self._closing = False
+        self._inflight = 0
+        self._inflight_keys: set[tuple[str, int]] = set()
+        self._seen = _Seen()
+        self._dpending: list[tuple[str, ZSet]] = []
+        self._step_inputs: list[tuple[str, str, int]] = []
+        self.now_ns: int | None = None
+        self.seed: int | None = None
+        self.stats = {"pushes": 0, "duplicates": 0, "checkpoints": 0, "last_checkpoint_s": 0.0,
+                      "recovery_s": 0.0, "replayed_steps": 0, "recovered_pushes": 0}
+        self._input = StepLog(os.path.join(root, "input"))
+        self._output = OutputLog(os.path.join(root, "output"), self._out_schemas, check=replay_check,
+                                 sync=output_sync)
+        stores = []
+        for w, wk in enumerate(self._workers):
+            stateful = {i: inst for i, inst in wk.instances.items() if inst is not circuit.nodes[i]}
+            for i, inst in stateful.items():
+                state_attrs(i, inst)  # snapshot invariant 2: refuse state we could not checkpoint
+            stores.append(WorkerStore(w, worker_db_path(root, w), stateful, shard_bits))
+        self._coord = Coordinator(stores, crashpoint)
+        try:
+            self._recover()
+        except BaseException:
+            self._shutdown_storage()
+            super().close()
+            raise
+        self._last_checkpoint = time.monotonic()
+
+    # ---- recovery ----
+
+    def _recover(self) -> None:
+        t0 = time.perf_counter()
+        x = self._coord.start(load=True)
+        store0 = self._coord.stores[0]
+        assert store0.handle is not None
+        self._seen.load(store0.handle, f"{store0.db.path}")
+        out = self._output
+        if out.last < x:
+            raise RecoveryError(f"{self.storage}: the output log ends at step {out.last} but the checkpoint is at "
+                                f"step {x}; output of steps {out.last}..{x - 1} is lost")
+        divisions: dict[int, dict] = {}
+        records: dict[int, list] = {}
+        for r in self._input.iter_from(x):
+            if r.handle == DIVISION_HANDLE:
+                divisions[r.step] = decode_json(b"DDIV", r.payload, f"{self.storage} division of step {r.step}")
+            else:
+                records.setdefault(r.step, []).append(r)
+        step = x
+        while step in divisions:
+            d = divisions.pop(step)
+            recs = records.pop(step, [])
+            if d["step"] != step or d["pushes"] != len(recs):
+                raise CorruptionError(f"{self.storage}: the division of step {step} names {d['pushes']} pushes, "
+                                      f"the log holds {len(recs)}")
+            self._run_step(step, self._decode(recs), d["now_ns"], d["seed"], _ranges(
+                [(r.handle, r.producer, r.seq) for r in recs]))
+            self.stats["replayed_steps"] += 1
+            step += 1
+        if divisions:
+            raise CorruptionError(f"{self.storage}: division records of steps {sorted(divisions)} follow a gap "
+                                  f"at step {step}")
+        tail = records.pop(step, [])
+        if records:
+            raise CorruptionError(f"{self.storage}: input records of undivided steps {sorted(records)} after "
+                                  f"step {step}")
+        for (handle, z), r in zip(self._decode(tail), tail):
+            self._dpending.append((handle, z))
+            self._step_inputs.append((r.handle, r.producer, r.seq))
+            if r.producer:
+                self._seen.add(r.producer, r.seq)
+        self.stats["recovered_pushes"] = len(tail)
+        self.steps = step
+        self._open_step = step
+        self.stats["recovery_s"] = time.perf_counter() - t0
+
+    def _decode(self, recs: list) -> list[tuple[str, ZSet]]:
+        out = []
+        for r in recs:
+            if r.handle not in self._inputs:
+                raise CorruptionError(f"{self.storage}: logged push to unknown input {r.handle!r} at step {r.step}")
+            z = decode_zset(r.payload, self._inputs[r.handle], f"{self.storage} input step {r.step}")
+            if r.producer:
+                self._seen.add(r.producer, r.seq)
+            out.append((r.handle, z))
+        return out
+
+    # ---- input ----
+
+    def push(self, handle: str, data: PushData, weights: Any = None, *, producer: str | None = None,
+             seq: int | None = None) -> Ack:  # type: ignore[override]
+        """Durably record ``data`` for the next step; returns an :class:`Ack` once it is in the input log.
+
+        With ``producer`` and ``seq`` the push is idempotent across crashes: a pair already recorded is
+        acknowledged again with ``duplicate=True`` and counted once. Keep each producer's seqs dense from 0
+        (any order) to keep the dedup state small. Thread-safe; concurrent pushes share fsyncs.
+        """
+        self._check_usable()
+        if (producer is None) != (seq is None):
+            raise TypeError("push: give both producer= and seq=, or neither")
+        if producer is not None:
+            if not isinstance(producer, str) or not producer:
+                raise TypeError(f"push: producer must be a non-empty str, got {producer!r}")
+            if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 2**63:
+                raise TypeError(f"push: seq must be an int in [0, 2**63), got {seq!r}")
+        if handle not in self._inputs:
+            raise KeyError(f"push: unknown input handle {handle!r}; inputs are {sorted(self._inputs)}")
+        z = self._to_zset(handle, data, weights)
+        payload = encode_zset(z)
+        prod, sq = producer or "", seq or 0
+        with self._cond:
+            while True:
+                if self._closing:
+                    self._cond.wait()
+                    continue
+                if producer is not None:
+                    if self._seen.has(prod, sq):
+                        self.stats["duplicates"] += 1
+                        return Ack(None, prod, sq, True)
+                    if (prod, sq) in self._inflight_keys:
+                        self._cond.wait()
+                        continue
+                    self._inflight_keys.add((prod, sq))
+                break
+            step = self._open_step
+            self._inflight += 1
+        try:
+            crashpoint("push-append")
+            self._input.append(step, handle, payload, producer=prod, seq=sq)
+            crashpoint("push-acked")
+        except BaseException:
+            with self._cond:
+                self._inflight -= 1
+                self._inflight_keys.discard((prod, sq))
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._dpending.append((handle, z))
+            self._step_inputs.append((handle, prod, sq))
+            if producer is not None:
+                self._seen.add(prod, sq)
+                self._inflight_keys.discard((prod, sq))
+            self._inflight -= 1
+            self.stats["pushes"] += 1
+            self._cond.notify_all()
+        return Ack(step, prod, sq, False)
+
+    # ---- steps ----
+
+    def _run_step(self, step: int, inputs: list[tuple[str, ZSet]], now_ns: int, seed: int,
+                  ranges: list[dict]) -> dict[str, ZSet]:
+        for handle, z in inputs:
+            Pipeline.push(self, handle, z)
+        self.now_ns, self.seed = now_ns, seed
+        for wk in self._workers:
+            wk.ctx.now_ns = now_ns  # the step's determinants, identical on replay (invariant 3)
+            wk.ctx.seed = seed
+        out = Pipeline.step(self)
+        crashpoint("step-output")
+        try:
+            self._output.write(step, out, ranges)
+        except BaseException as exc:
+            self._broken = exc  # state has advanced past output that is not logged: recover from the checkpoint
+            raise
+        crashpoint("step-written")
+        for s in self._coord.stores:
+            s.advance()
+        return out
+
+    def step(self) -> dict[str, ZSet]:
+        """Divide the acknowledged input into a step (durably, with ``now`` and ``seed``), run it, log its output."""
+        self._check_usable()
+        with self._step_lock:
+            with self._cond:
+                self._closing = True
+                try:
+                    while self._inflight:
+                        self._cond.wait()
+                    step = self._open_step
+                    inputs, self._dpending = self._dpending, []
+                    entries, self._step_inputs = self._step_inputs, []
+                    now_ns, seed = time.time_ns(), random.getrandbits(63)
+                    crashpoint("step-divide")
+                    try:
+                        self._input.append(step, DIVISION_HANDLE, encode_json(
+                            b"DDIV", {"step": step, "pushes": len(inputs), "now_ns": now_ns, "seed": seed}))
+                    except BaseException as exc:
+                        self._broken = exc  # the division may or may not be durable: only recovery knows
+                        raise
+                    self._open_step = step + 1
+                finally:
+                    self._closing = False
+                    self._cond.notify_all()
+            crashpoint("step-run")
+            out = self._run_step(step, inputs, now_ns, seed, _ranges(entries))
+            if self.checkpoint_interval is not None and \
+                    time.monotonic() - self._last_checkpoint >= self.checkpoint_interval:
+                self.checkpoint()
+            return out
+
+    # ---- checkpoints ----
+
+    def checkpoint(self) -> int:
+        """Commit a checkpoint of every worker now (seed-000 protocol); returns its step.
+
+        Pushes continue meanwhile; steps wait. Afterwards the input log is truncated below the checkpoint.
+        """
+        self._check_usable()
+        with self._step_lock:
+            t0 = time.perf_counter()
+            self._output.flush()
+            crashpoint("checkpoint-start")
+            with self._cond:
+                seen = _Seen()
+                seen.wm = dict(self._seen.wm)
+                seen.above = {p: set(s) for p, s in self._seen.above.items()}
+            step = self._coord.checkpoint(seen.save)
+            crashpoint("checkpoint-gc")
+            self._input.truncate_below(step)  # the low watermark: every worker now holds only this version
+            if self.output_retention is not None:
+                self._output.truncate_below(min(step, self._output.last - self.output_retention))
+            self._last_checkpoint = time.monotonic()
+            self.stats["checkpoints"] += 1
+            self.stats["last_checkpoint_s"] = time.perf_counter() - t0
+            return step
+
+    # ---- output ----
+
+    def read_output(self, name: str, from_step: int = 0) -> Iterator[tuple[int, ZSet]]:
+        """Yields ``(step, change)`` of output ``name`` for every logged step from ``from_step``, once each, in order."""
+        return self._output.read(name, from_step)
+
+    def output_inputs(self, step: int) -> list[dict]:
+        """The input (handle, producer, first_seq..last_seq ranges) that produced output step ``step``."""
+        return self._output.inputs_of(step)
+
+    @property
+    def output_steps(self) -> range:
+        """The output steps the log holds."""
+        return range(self._output.first, self._output.last)
+
+    def disk_usage(self) -> dict[str, int]:
+        """Bytes on disk per part of the storage directory."""
+        def du(p: str) -> int:
+            if os.path.isfile(p):
+                return os.path.getsize(p)
+            return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs)
+        parts = {"input": du(os.path.join(self.storage, "input")),
+                 "output": du(os.path.join(self.storage, "output"))}
+        parts["state"] = sum(du(worker_db_path(self.storage, w)) for w in range(self.workers))
+        return parts
+
+    # ---- shutdown ----
+
+    def _shutdown_storage(self) -> None:
+        for f in (self._coord.close, self._input.close, self._output.close):
+            try:
+                f()
+            except Exception:  # pragma: no cover - best effort on an error path
+                pass
+
+    def close(self, checkpoint: bool = True) -> None:  # type: ignore[override]
+        """Checkpoint (unless ``checkpoint=False`` or the pipeline is broken), then release files and threads."""
+        if self._workers is None:
+            return
+        with self._step_lock:
+            if checkpoint and self._broken is None:
+                self.checkpoint()
+            self._shutdown_storage()
+            super().close()
+
+    def __repr__(self) -> str:
+        return f"DurablePipeline({self.storage!r}, workers={self.workers}, steps={self.steps})"
+
+
+def open_pipeline(path: str | os.PathLike, circuit: Circuit, **kwargs: Any) -> DurablePipeline:
+    """Recover the durable pipeline stored in ``path`` (its workers and shard bits come from the directory)."""
+    root = os.fspath(path)
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"Pipeline.open: no storage directory {root!r}")
+    try:
+        meta = read_meta(root)
+    except FileNotFoundError:
+        raise RecoveryError(f"Pipeline.open: {root!r} holds no pipeline (META is missing)") from None
+    if meta.get("format") != FORMAT_VERSION:
+        raise DbspError(f"{root}: storage format {meta.get('format')}, this build reads {FORMAT_VERSION}")
+    return DurablePipeline(circuit, meta["workers"], meta["shard_bits"], root, **kwargs)
