@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 from dbsp_core.aggregates import Aggregate as AggSpec
 from dbsp_core.errors import SchemaError
 from dbsp_core.operators import (Aggregate, Delay, Differentiate, Distinct, Exchange, Filter, FlatMap, Input,
-                                 Integrate, Join, Negate, Operator, Plus, Select, left_join)
+                                 Integrate, Join, LeftJoin, Negate, Operator, Plus, Select)
 from dbsp_core.operators.aggregate import PreAggregate
 from dbsp_core.operators.base import nullable_schema, same_columns
 from dbsp_core.operators.expr import as_expression
@@ -250,8 +250,9 @@ class Stream:
         join_schema(self.schema, other.schema, left_on, right_on, drop_right_keys, where)  # validate first
         left = self._exchanged(tuple(left_on))
         right = other._exchanged(tuple(right_on))
-        return self.circuit._add(Join(left.node_id, right.node_id, self.schema, other.schema, left_on, right_on,
-                                      drop_right_keys, where))
+        cls = LeftJoin if kind == "left_join" else Join
+        return self.circuit._add(cls(left.node_id, right.node_id, self.schema, other.schema, left_on, right_on,
+                                     drop_right_keys, where))
 
     def join(self, other: "Stream", on: str | Sequence[str] | None = None,
              left_on: str | Sequence[str] | None = None, right_on: str | Sequence[str] | None = None
@@ -283,10 +284,7 @@ class Stream:
         ['k', 'y']
         """
         lk, rk, drop = self._keys(on, left_on, right_on, self._where("left_join"))
-        from dbsp_core.operators.join import join_schema
-
-        join_schema(self.schema, other.schema, lk, rk, drop, self._where("left_join"))
-        return left_join(self, other, lk, rk, drop)
+        return self._join(other, lk, rk, drop, kind="left_join")
 
     def group_by(self, *keys: str) -> "GroupBy":
         """Group rows by ``keys``; finish with :meth:`GroupBy.agg`."""

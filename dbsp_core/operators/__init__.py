@@ -11,10 +11,10 @@ from dbsp_core.operators.flat_map import FlatMap
 from dbsp_core.operators.input import Input
 from dbsp_core.operators.integrate import Integrate
 from dbsp_core.operators.join import Join
-from dbsp_core.operators.left_join import left_join
+from dbsp_core.operators.left_join import LeftJoin
 from dbsp_core.operators.negate import Negate
 from dbsp_core.operators.plus import Plus
 from dbsp_core.operators.select import Select
 
 __all__ = ["Aggregate", "Delay", "Differentiate", "Distinct", "Exchange", "Filter", "FlatMap", "Input",
-           "Integrate", "Join", "Negate", "Operator", "Plus", "Select", "left_join"]
+           "Integrate", "Join", "LeftJoin", "Negate", "Operator", "Plus", "Select"]

@@ -100,12 +100,14 @@ def test_left_join_with_deletions(seed: int, workers: int) -> None:
     def build(c: dbsp.Circuit, s: dict) -> dict:
         b, a = s["bids"], s["auctions"]
         return {"lj": b.left_join(a, left_on="auction", right_on="id"),
-                "on": a.left_join(a.select(id="id", c2="category"), on="id")}
+                "on": a.left_join(a.select(id="id", c2="category"), on="id"),
+                "multi": a.left_join(b, left_on=["id", "category"], right_on=["auction", "bidder"])}
 
     run_against_duckdb(build, {
         "lj": "SELECT b.*, a.* FROM bids b LEFT JOIN auctions a ON b.auction = a.id",
         "on": "SELECT a.*, x.category FROM auctions a LEFT JOIN auctions x ON a.id = x.id",
-    }, seed, workers, steps=6)
+        "multi": "SELECT a.*, b.* FROM auctions a LEFT JOIN bids b ON a.id = b.auction AND a.category = b.bidder",
+    }, seed, workers, steps=8, max_rows=12)
 
 
 AGG_SQL = ("SELECT auction, COUNT(*), SUM(price), MIN(price), MAX(price), AVG(price), MIN(bidder), MAX(bidder), "
