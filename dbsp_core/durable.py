@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -45,6 +46,7 @@ import pyarrow as pa
 
 from dbsp_core.circuit import Circuit
 from dbsp_core.codec import decode_json, decode_zset, encode_json, encode_zset
+from dbsp_core.operators.base import Operator
 from dbsp_core.coordinator import Coordinator, WorkerStore, worker_db_path
 from dbsp_core.errors import CircuitMismatchError, CorruptionError, DbspError, RecoveryError
 from dbsp_core.outputlog import OutputLog
@@ -146,10 +148,13 @@ def circuit_fingerprint(circuit: Circuit) -> str:
                 parts.append(f"{k}={v!r}")
             elif isinstance(v, pa.Schema):
                 parts.append(f"{k}={v.to_string()}")
+            elif isinstance(v, Operator):
+                parts.append(f"{k}=node#{v.node_id}")
             elif callable(v):
                 parts.append(f"{k}=<{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', type(v).__name__)}>")
             else:
-                parts.append(f"{k}={v}")  # e.g. pyarrow compute expressions print their full text
+                # e.g. pyarrow compute expressions print their full text; addresses vary between processes
+                parts.append(f"{k}=" + re.sub(r" at 0x[0-9a-fA-F]+", "", str(v)))
         h.update("\x1f".join(parts).encode("utf-8") + b"\x1e")
     h.update(repr(sorted(circuit.inputs.items())).encode() + repr(sorted(circuit.outputs.items())).encode())
     return h.hexdigest()
@@ -337,6 +342,7 @@ class DurablePipeline(Pipeline):
             self._run_step(step, self._decode(recs), d["now_ns"], d["seed"], _ranges(
                 [(r.handle, r.producer, r.seq) for r in recs]))
             self.stats["replayed_steps"] += 1
+            crashpoint("recover-step")
             step += 1
         if divisions:
             raise CorruptionError(f"{self.storage}: division records of steps {sorted(divisions)} follow a gap "
@@ -387,6 +393,8 @@ class DurablePipeline(Pipeline):
         if handle not in self._inputs:
             raise KeyError(f"push: unknown input handle {handle!r}; inputs are {sorted(self._inputs)}")
         z = self._to_zset(handle, data, weights)
+        if not z.weights.flags.writeable:  # Arrow-backed weights are read-only; the kernels need writable ones
+            z = ZSet._make(z.data, z.weights.copy())
         payload = encode_zset(z)
         prod, sq = producer or "", seq or 0
         with self._cond:

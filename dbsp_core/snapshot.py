@@ -62,7 +62,7 @@ def _trace_shards(trace: Trace, shard_bits: int) -> dict[int, ZSet]:
     for s in nz.tolist():
         lo, hi = int(bounds[s]), int(bounds[s + 1])
         out[s] = whole.zset.data.slice(lo, hi - lo), whole.zset.weights[lo:hi]
-    return {s: ZSet._make(t, np.ascontiguousarray(w)) for s, (t, w) in out.items()}
+    return {s: ZSet._make(t, np.array(w, dtype=np.int64, copy=True)) for s, (t, w) in out.items()}
 
 
 def _sync_table(h: DatabaseHandle, table: str, values: dict[bytes, bytes]) -> int:

@@ -1,0 +1,74 @@
+"""Child process of the kill -9 tests: recovers the durable pipeline in a directory, resumes two producer threads from their last acknowledged seq (retrying the unacknowledged one), steps and checkpoints until every batch is in, then closes.
+
+Usage: kill_child.py DIR SEED BATCHES WORKERS. Acknowledgements are appended to DIR/../acks-<producer>.txt
+(written before the next push, so a line is never missing for an ack the producer saw). Prints READY after
+recovery and DONE at the end. DBSP_CRASHPOINT in the environment kills the process at a chosen point.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import threading
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import dbsp_core as dbsp  # noqa: E402
+from workload import PRODUCERS, build_circuit, push_batch  # noqa: E402
+
+
+def acked(path: str) -> int:
+    """Number of batches of a producer acknowledged so far (acks are contiguous from seq 0)."""
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        seqs = [int(x.split()[0]) for x in f.read().split("\n") if x.strip()]
+    assert seqs == list(range(len(seqs))), f"{path}: acks not contiguous"
+    return len(seqs)
+
+
+def main() -> int:
+    d, seed, batches, workers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    run = int(os.environ.get("DBSP_RUN", "0"))
+    root = os.path.dirname(os.path.abspath(d))
+    c = build_circuit()
+    p = dbsp.Pipeline(c, workers=workers, storage=d, checkpoint_interval=None)
+    print("READY", flush=True)
+    rng = random.Random(f"{seed}/{run}")
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def produce(producer: str) -> None:
+        path = os.path.join(root, f"acks-{producer}.txt")
+        start = acked(path)
+        try:
+            with open(path, "a") as f:
+                for seq in range(start, batches):
+                    acks = push_batch(p, seed, producer, seq)
+                    f.write(f"{seq} {int(any(a.duplicate for a in acks))}\n")
+                    f.flush()
+        except BaseException as e:  # pragma: no cover - reported by the parent
+            errors.append(e)
+
+    threads = [threading.Thread(target=produce, args=(pr,)) for pr in PRODUCERS]
+    for t in threads:
+        t.start()
+    n = 0
+    while any(t.is_alive() for t in threads):
+        p.step()
+        n += 1
+        if rng.random() < 0.25:
+            p.checkpoint()
+        for t in threads:
+            t.join(timeout=rng.uniform(0, 0.01))
+    if errors:
+        raise errors[0]
+    p.step()  # the tail pushed after the last step
+    p.close()
+    print("DONE", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
