@@ -199,32 +199,74 @@ class Stream:
         return self.circuit._add(Plus((self.node_id, other.node_id), (1, sign), self.schema, part))
 
     def __add__(self, other: "Stream") -> "Stream":
+        """``s + t``: the sum of two streams of the same columns (bag union)."""
         return self._plus(other, 1, "plus")
 
     def __sub__(self, other: "Stream") -> "Stream":
+        """``s - t``: weights of ``t`` subtracted (weights may go negative)."""
         return self._plus(other, -1, "minus")
 
     def __neg__(self) -> "Stream":
+        """``-s``: every weight negated."""
         return self.circuit._add(Negate((self.node_id,), self.schema, self.op.partitioning))
 
     # ---- time operators ----
 
     def delay(self) -> "Stream":
-        """z^-1: this stream one step later (empty at the first step)."""
+        """z^-1: this stream one step later (empty at the first step).
+
+        >>> import pyarrow as pa
+        >>> import dbsp_core as dbsp
+        >>> c = dbsp.Circuit()
+        >>> t = c.input("t", pa.schema([("x", pa.int64())]))
+        >>> c.output("prev", t.delay())
+        >>> p = dbsp.Pipeline(c)
+        >>> p.push("t", pa.table({"x": [1]}))
+        >>> p.step()["prev"].to_dict(), p.step()["prev"].to_dict()
+        ({}, {(1,): 1})
+        """
         return self.circuit._add(Delay((self.node_id,), self.schema, self.op.partitioning))
 
     def integrate(self) -> "Stream":
-        """The running sum of this stream: the whole view at each step."""
+        """The running sum of this stream: the whole view at each step.
+
+        >>> import pyarrow as pa
+        >>> import dbsp_core as dbsp
+        >>> c = dbsp.Circuit()
+        >>> t = c.input("t", pa.schema([("x", pa.int64())]))
+        >>> c.output("all", t.integrate())
+        >>> p = dbsp.Pipeline(c)
+        >>> p.push("t", pa.table({"x": [1]})); _ = p.step()
+        >>> p.push("t", pa.table({"x": [2]})); sorted(p.step()["all"].to_dict())
+        [(1,), (2,)]
+        """
         return self.circuit._add(Integrate((self.node_id,), self.schema, self.op.partitioning))
 
     def differentiate(self) -> "Stream":
-        """The step-to-step change of this stream."""
+        """The step-to-step change of this stream; ``s.integrate().differentiate()`` is ``s``.
+
+        >>> import pyarrow as pa
+        >>> s = Circuit().input("t", pa.schema([("x", pa.int64())]))
+        >>> s.integrate().differentiate().schema == s.schema
+        True
+        """
         return self.circuit._add(Differentiate((self.node_id,), self.schema, self.op.partitioning))
 
     # ---- keyed operators ----
 
     def distinct(self) -> "Stream":
-        """Each row with positive multiplicity, once (a bag to a set)."""
+        """Each row with positive multiplicity, once (a bag to a set).
+
+        >>> import pyarrow as pa
+        >>> import dbsp_core as dbsp
+        >>> c = dbsp.Circuit()
+        >>> t = c.input("t", pa.schema([("x", pa.int64())]))
+        >>> c.output("set", t.distinct())
+        >>> p = dbsp.Pipeline(c, workers=2)
+        >>> p.push("t", pa.table({"x": [7, 7, 8]}))
+        >>> sorted(p.step()["set"].to_dict().items())
+        [((7,), 1), ((8,), 1)]
+        """
         src = self._exchanged(tuple(self.schema.names))
         return self.circuit._add(Distinct(src.node_id, self.schema))
 
