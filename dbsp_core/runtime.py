@@ -28,6 +28,7 @@ from dbsp_core.circuit import Circuit
 from dbsp_core.errors import DbspError, SchemaError
 from dbsp_core.operators.base import concat, same_columns
 from dbsp_core.shard import DEFAULT_SHARD_BITS, Layout, ShardMap
+from dbsp_core.trace import Trace
 from dbsp_core.zset import ZSet
 
 PushData = ZSet | pa.Table | pa.RecordBatch
@@ -283,6 +284,29 @@ class Pipeline:
         out = {}
         for name, schema in self._out_schemas.items():
             out[name] = concat([r[name] for r in results], schema).consolidate()
+        return out
+
+    def traces(self, worker: int) -> dict[str, "Trace"]:
+        """All keyed state of one worker, as ``{"<operator label>.<trace name>": Trace}``.
+
+        Every trace is sorted by key hash, so ``trace.shard(shard_bits, s)`` reads one shard's state; the shards
+        with rows are those :attr:`shard_map` assigns to ``worker``.
+
+        >>> import pyarrow as pa
+        >>> import dbsp_core as dbsp
+        >>> c = dbsp.Circuit()
+        >>> t = c.input("t", pa.schema([("x", pa.int64())]))
+        >>> c.output("d", t.distinct())
+        >>> sorted(dbsp.Pipeline(c).traces(0))
+        ['distinct#2.input']
+        """
+        self._check_usable()
+        out: dict[str, Trace] = {}
+        for i, inst in self._workers[worker].instances.items():
+            get = getattr(inst, "traces", None)
+            if get is not None:
+                for name, trace in get().items():
+                    out[f"{self.circuit.nodes[i].label}.{name}"] = trace
         return out
 
     def close(self) -> None:

@@ -157,13 +157,12 @@ def test_keyed_state_lives_in_the_shards_of_its_worker() -> None:
         p.push("bids", to_zset({(i, "a", i % 7, None): 1 for i in range(200)}, BIDS))
         p.step()
         total_rows = 0
-        for w, worker in enumerate(p._workers):
-            for inst in worker.instances.values():
-                for trace in getattr(inst, "traces", dict)().values():
-                    for s in range(16):
-                        rows = len(trace.shard(4, s))
-                        total_rows += rows
-                        assert rows == 0 or p.shard_map.worker_of(s) == w
+        for w in range(2):
+            for trace in p.traces(w).values():
+                for s in range(16):
+                    rows = len(trace.shard(4, s))
+                    total_rows += rows
+                    assert rows == 0 or p.shard_map.worker_of(s) == w
         assert total_rows == 400  # 200 rows in the aggregate's input trace, 200 in distinct's
 
 
