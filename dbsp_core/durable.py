@@ -62,10 +62,18 @@ _DEDUP_TABLE = "dedup"
 
 # ---- crash points for the kill -9 tests: DBSP_CRASHPOINT="name:n" kills this process at the n-th hit ----
 
-_CRASH = os.environ.get("DBSP_CRASHPOINT", "")
-_crash_name, _, _crash_n = _CRASH.partition(":")
-_crash_left = int(_crash_n) if _crash_n.isdigit() else 0
+_crash_name, _crash_left = "", 0
 _crash_lock = threading.Lock()
+
+
+def arm_crashpoint(spec: str) -> None:
+    """Tests only: ``"name:n"`` makes the n-th hit of crash point ``name`` kill this process; ``""`` disarms."""
+    global _crash_name, _crash_left
+    name, _, n = spec.partition(":")
+    _crash_name, _crash_left = name, (int(n) if n.isdigit() else 0)
+
+
+arm_crashpoint(os.environ.get("DBSP_CRASHPOINT", ""))
 
 
 def crashpoint(name: str) -> None:

@@ -30,7 +30,26 @@ def acked(path: str) -> int:
 
 def main() -> int:
     d, seed, batches, workers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    run = int(os.environ.get("DBSP_RUN", "0"))
+    return run(d, seed, batches, workers, int(os.environ.get("DBSP_RUN", "0")))
+
+
+def forked(d: str, seed: int, batches: int, workers: int, run_no: int, crash: str) -> None:
+    """Entry point in a process forked from a preloaded server (multiprocessing forkserver); same as main."""
+    import traceback
+
+    from dbsp_core.durable import arm_crashpoint
+
+    arm_crashpoint(crash)
+    try:
+        run(d, seed, batches, workers, run_no)
+    except BaseException:
+        with open(os.path.join(os.path.dirname(os.path.abspath(d)), "child-error.txt"), "a") as f:
+            f.write(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)
+
+
+def run(d: str, seed: int, batches: int, workers: int, run: int) -> int:
     root = os.path.dirname(os.path.abspath(d))
     c = build_circuit()
     p = dbsp.Pipeline(c, workers=workers, storage=d, checkpoint_interval=None)

@@ -12,6 +12,7 @@ DBSP_EO_SEEDS sets the number of seeds (default 200); DBSP_EO_JOBS how many run 
 from __future__ import annotations
 
 import os
+import multiprocessing
 import random
 import signal
 import subprocess
@@ -64,7 +65,40 @@ def run_child(d: str, seed: int, workers: int, run: int, crash: str | None, kill
     return "done"
 
 
-def check_seed(root: str, seed: int) -> dict:
+_CTX = None
+
+
+def _forkserver():
+    """A multiprocessing context whose server imported dbsp_core once: children start in milliseconds."""
+    global _CTX
+    if _CTX is None:
+        repo = os.path.dirname(os.path.dirname(HERE))
+        os.environ["PYTHONPATH"] = os.pathsep.join([repo, HERE] + ([os.environ["PYTHONPATH"]]
+                                                                  if os.environ.get("PYTHONPATH") else []))
+        _CTX = multiprocessing.get_context("forkserver")
+        _CTX.set_forkserver_preload(["kill_child"])
+    return _CTX
+
+
+def run_forked(d: str, seed: int, workers: int, run: int, crash: str | None, kill_after: float | None) -> str:
+    """Like :func:`run_child` in a process forked from the preloaded server; killed with SIGKILL too."""
+    import kill_child
+
+    p = _forkserver().Process(target=kill_child.forked, args=(d, seed, BATCHES, workers, run, crash or ""))
+    p.start()
+    p.join(timeout=kill_after if kill_after is not None else 120)
+    if p.exitcode is None:
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+    if p.exitcode == -signal.SIGKILL:
+        return "killed"
+    err = os.path.join(os.path.dirname(d), "child-error.txt")
+    assert p.exitcode == 0, f"seed {seed} run {run} (crash={crash}, kill_after={kill_after}) failed " \
+                            f"rc={p.exitcode}:\n{open(err).read() if os.path.exists(err) else ''}"
+    return "done"
+
+
+def check_seed(root: str, seed: int, runner=run_forked) -> dict:
     """Kill the child twice (crash point or timer), finish it, then check invariants 1-3."""
     rng = random.Random(seed)
     workers = 1 + seed % 2
@@ -73,14 +107,14 @@ def check_seed(root: str, seed: int) -> dict:
     for run in range(2):
         if rng.random() < 0.7:
             name, hi = rng.choice(POINTS)
-            status = run_child(d, seed, workers, run, f"{name}:{rng.randint(1, hi)}", None)
+            status = runner(d, seed, workers, run, f"{name}:{rng.randint(1, hi)}", None)
         else:
-            status = run_child(d, seed, workers, run, None, rng.uniform(0.05, 1.5))
+            status = runner(d, seed, workers, run, None, rng.uniform(0.01, 0.6))
         kills += status == "killed"
         if status == "done":
             break
     else:
-        assert run_child(d, seed, workers, 9, None, None) == "done"
+        assert runner(d, seed, workers, 9, None, None) == "done"
     # every producer finished, so every batch was acknowledged at least once
     dups = 0
     for pr in PRODUCERS:
@@ -125,6 +159,14 @@ def test_kill9_seeds(tmp_path):
     print(f"\n{SEEDS} seeds, {kills} kill -9s, {sum(r['duplicates'] for r in results)} duplicate acks, "
           f"{sum(r['steps'] for r in results)} steps, {time.time() - t0:.1f}s")
     assert kills >= SEEDS // 2  # the kills really happen (most crash points are reached)
+
+
+def test_kill9_subprocess_seeds(tmp_path):
+    """A few seeds with a freshly exec'd interpreter per run (no fork server), as a control."""
+    for seed in range(1000, 1004):
+        root = tmp_path / f"s{seed}"
+        root.mkdir()
+        check_seed(str(root), seed, run_child)
 
 
 @pytest.mark.parametrize("point", [p for p, _ in POINTS])
