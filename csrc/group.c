@@ -26,8 +26,9 @@
 
 /* ---- large scratch buffers (design note 5) ---- */
 
-#define BIG_ALIGN ((size_t)2 << 20)
-#define CACHE_SLOTS 4
+#define BIG_ALIGN ((size_t)2 << 20)   /* huge-page size: buffers this large are aligned and madvised */
+#define CACHED_MIN ((size_t)64 << 10) /* buffers from this size on go through the cache (glibc would mmap them) */
+#define CACHE_SLOTS 10
 
 typedef struct { void *p; size_t sz; } Slot;
 static __thread Slot cache[CACHE_SLOTS];
@@ -47,9 +48,14 @@ static void cache_init(void) {
     pthread_key_create(&cache_key, cache_release);
 }
 
+static size_t cached_size(size_t bytes) {
+    size_t unit = bytes >= BIG_ALIGN ? BIG_ALIGN : CACHED_MIN;
+    return (bytes + unit - 1) & ~(unit - 1);
+}
+
 static void *big_alloc(size_t bytes) {
-    if (bytes < BIG_ALIGN) return malloc(bytes ? bytes : 1);
-    size_t sz = (bytes + BIG_ALIGN - 1) & ~(BIG_ALIGN - 1);
+    if (bytes < CACHED_MIN) return malloc(bytes ? bytes : 1);
+    size_t sz = cached_size(bytes);
     pthread_once(&cache_once, cache_init);
     int best = -1;
     for (int i = 0; i < CACHE_SLOTS; i++)  /* best fit among cached buffers no more than twice the need */
@@ -60,6 +66,7 @@ static void *big_alloc(size_t bytes) {
         cache[best].p = NULL; cache[best].sz = 0;
         return p;
     }
+    if (sz < BIG_ALIGN) return malloc(sz);
     void *p = NULL;
     if (posix_memalign(&p, BIG_ALIGN, sz)) return NULL;
 #ifdef MADV_HUGEPAGE
@@ -70,8 +77,8 @@ static void *big_alloc(size_t bytes) {
 
 static void big_free(void *p, size_t bytes) {
     if (!p) return;
-    if (bytes < BIG_ALIGN) { free(p); return; }
-    size_t sz = (bytes + BIG_ALIGN - 1) & ~(BIG_ALIGN - 1);
+    if (bytes < CACHED_MIN) { free(p); return; }
+    size_t sz = cached_size(bytes);
     if (sz <= cache_limit) {
         /* make room: evict the smallest cached buffers until this one fits in the limit and a slot */
         for (;;) {
@@ -176,7 +183,7 @@ static inline uint8_t *serialize(const Ident *id, int64_t i, uint8_t *p) {
 
 /* ---- canonical sort of a partition's groups (design note 4) ---- */
 
-typedef struct { uint64_t kh, ih; int64_t idx, w, u; } Rec;
+typedef struct { uint64_t kh, ih; int64_t idx, u; } Rec;  /* 32 bytes: copies are two vector moves */
 
 static inline int rec_cmp(const Rec *x, const Rec *y, const Ident *id) {
     if (x->kh != y->kh) return x->kh < y->kh ? -1 : 1;
@@ -229,7 +236,7 @@ static int rec_sort_hashed(Rec *a, Rec *tmp, int64_t n, int used, const Ident *i
 #define BUCKET(kh) ((int64_t)(((kh) << used) >> (64 - bb)))
     for (int64_t i = 0; i < n; i++) cnt[BUCKET(a[i].kh) + 1]++;
     for (int64_t k = 0; k < nb; k++) cnt[k + 1] += cnt[k];
-    for (int64_t i = 0; i < n; i++) memcpy(&tmp[cnt[BUCKET(a[i].kh)]++], &a[i], sizeof(Rec));
+    for (int64_t i = 0; i < n; i++) tmp[cnt[BUCKET(a[i].kh)]++] = a[i];
 #undef BUCKET
     int64_t s = 0;  /* cnt[k] is now the end of bucket k */
     for (int64_t k = 0; k < nb; k++) {
@@ -294,7 +301,7 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
     Uniq *U = NULL;
     DbspAcc *A = NULL, *accs = NULL;
     Rec *R = NULL, *R2 = NULL;
-    int64_t slots_cap = 0, u_cap = 0, a_cap = 0, r_cap = 0, r2_cap = 0, accs_cap = 0, S_bytes = 0;
+    int64_t slots_cap = 0, u_cap = 0, a_cap = 0, r_cap = 0, accs_cap = 0, S_bytes = 0;
     size_t arena_bytes = 0;
     if (!ih) return DBSP_ENOMEM;
     if ((st = dbsp_hash_columns(b, icols, id.ncols, ih))) goto done;
@@ -390,13 +397,27 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
     }
 #undef PART
 
+    /* per-partition scratch, sized once for the largest partition and taken from the cache */
+    int64_t maxp = 0;
+    for (int64_t p = 0; p < np; p++) if (start[p + 1] - start[p] > maxp) maxp = start[p + 1] - start[p];
+    slots_cap = 1024;
+    while (slots_cap < 2 * maxp) slots_cap *= 2;
+    u_cap = r_cap = maxp;
+    a_cap = maxp * naggs;
+    slots = big_alloc((size_t)slots_cap * 8);
+    U = big_alloc((size_t)u_cap * sizeof(Uniq));
+    R = big_alloc((size_t)r_cap * sizeof(Rec));
+    R2 = big_alloc((size_t)r_cap * sizeof(Rec));
+    A = naggs ? big_alloc((size_t)a_cap * sizeof(DbspAcc)) : NULL;
+    if (!slots || !U || !R || !R2 || (naggs && !A)) { st = DBSP_ENOMEM; goto done; }
+    if ((st = dbsp_rows_reserve(out, maxp < n / np * 2 ? n / np * 2 : maxp))) goto done;
+
     /* per partition: hash aggregation into groups, then the canonical sort */
     const int fast8 = !has_var && F == 8;
     for (int64_t p = 0; p < np; p++) {
         int64_t es = start[p], ee = start[p + 1];
         if (ee == es) continue;
         int64_t cap = 1024;
-        if ((st = ensure((void **)&slots, &slots_cap, cap, 8))) goto done;
         memset(slots, 0, (size_t)cap * 8);
         uint64_t hmask = (uint64_t)cap - 1;
         int64_t nu = 0;
@@ -426,17 +447,14 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
             if (q) {
                 if ((st = dbsp_add_weight(&q->w, h->w))) goto done;
             } else {
-                if ((st = ensure((void **)&U, &u_cap, nu + 1, sizeof(Uniq)))) goto done;
-                if (naggs && (st = ensure((void **)&A, &a_cap, (nu + 1) * naggs, sizeof(DbspAcc)))) goto done;
-                q = &U[nu++];
+                q = &U[nu++];  /* nu <= partition size <= u_cap */
                 q->h32 = h->h32; q->len = len; q->w = h->w; q->idx = h->idx;
                 q->off = has_var ? (uint64_t)(row - arena) : (uint64_t)(row - E);
                 if (fast8) memcpy(&q->key8, row, 8);
                 for (int32_t a = 0; a < naggs; a++) dbsp_acc_init(&A[(nu - 1) * naggs + a], aggs[a].kind);
                 slots[s] = tag | (uint64_t)nu;
                 if (2 * nu > cap) {  /* grow the table and rehash this partition's groups */
-                    cap *= 2;
-                    if ((st = ensure((void **)&slots, &slots_cap, cap, 8))) goto done;
+                    cap *= 2;  /* cap <= slots_cap: the table is at most half full of <= maxp groups */
                     memset(slots, 0, (size_t)cap * 8);
                     hmask = (uint64_t)cap - 1;
                     for (int64_t t = 0; t < nu; t++) {
@@ -461,8 +479,6 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
                 }
             }
         }
-        if ((st = ensure((void **)&R, &r_cap, nu, sizeof(Rec))) || (st = ensure((void **)&R2, &r2_cap, nu, sizeof(Rec))))
-            goto done;
         int64_t nr = 0;
         for (int64_t u = 0; u < nu; u++) {
             if (u + 16 < nu) {
@@ -471,7 +487,7 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
             }
             if (drop_zero && U[u].w == 0) continue;
             Rec *r = &R[nr++];
-            r->ih = ih[U[u].idx]; r->kh = kh ? kh[U[u].idx] : r->ih; r->idx = U[u].idx; r->w = U[u].w; r->u = u;
+            r->ih = ih[U[u].idx]; r->kh = kh ? kh[U[u].idx] : r->ih; r->idx = U[u].idx; r->u = u;
         }
         if ((st = rec_sort_hashed(R, R2, nr, bits, &id, &sort_cnt, &sort_cnt_cap))) goto done;
         if ((st = dbsp_rows_reserve(out, nr))) goto done;
@@ -479,15 +495,17 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
         for (int64_t r = 0; r < nr; r++) {
             if (naggs) memcpy(&accs[out->n * naggs], &A[R[r].u * naggs], (size_t)naggs * sizeof(DbspAcc));
             out->idx[out->n] = R[r].idx;
-            out->weights[out->n] = R[r].w;
+            out->weights[out->n] = U[R[r].u].w;
             out->khash[out->n] = R[r].kh;
             out->n++;
         }
     }
 done:
     big_free(ih, (size_t)n * 8); big_free(kh, (size_t)n * 8); big_free(E, (size_t)(n * S_bytes));
-    big_free(arena, arena_bytes); free(wc); free(fill); free(cnt); free(start); free(bstart); free(bcur); free(slots);
-    free(U); free(A); free(R); free(R2); free(sort_cnt);
+    big_free(arena, arena_bytes); free(wc); free(fill); free(cnt); free(start); free(bstart); free(bcur);
+    big_free(slots, (size_t)slots_cap * 8); big_free(U, (size_t)u_cap * sizeof(Uniq));
+    big_free(R, (size_t)r_cap * sizeof(Rec)); big_free(R2, (size_t)r_cap * sizeof(Rec));
+    big_free(A, (size_t)a_cap * sizeof(DbspAcc)); free(sort_cnt);
     if (st) { dbsp_rows_free(out); free(accs); accs = NULL; }
     if (acc_out) *acc_out = accs; else free(accs);
     return st;
