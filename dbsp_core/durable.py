@@ -236,6 +236,8 @@ class DurablePipeline(Pipeline):
         Keep at least this many steps of output before the newest checkpoint (None: keep everything).
     output_sync : bool
         fsync each step's output record before ``step`` returns (default True).
+    segment_bytes : int
+        Segment size of the input and output logs; garbage collection drops whole segments.
 
     Examples
     --------
@@ -260,7 +262,8 @@ class DurablePipeline(Pipeline):
 
     def __init__(self, circuit: Circuit, workers: int = 1, shard_bits: int = DEFAULT_SHARD_BITS,
                  storage: Any = None, *, checkpoint_interval: float | None = 10.0, replay_check: bool = True,
-                 output_retention: int | None = None, output_sync: bool = True) -> None:
+                 output_retention: int | None = None, output_sync: bool = True,
+                 segment_bytes: int = 64 << 20) -> None:
         if storage is None:
             raise ValueError("DurablePipeline needs storage=<directory>")
         if checkpoint_interval is not None and not checkpoint_interval > 0:
@@ -303,9 +306,11 @@ class DurablePipeline(Pipeline):
         self.seed: int | None = None
         self.stats = {"pushes": 0, "duplicates": 0, "checkpoints": 0, "last_checkpoint_s": 0.0,
                       "recovery_s": 0.0, "replayed_steps": 0, "recovered_pushes": 0}
-        self._input = StepLog(os.path.join(root, "input"))
+        if not isinstance(segment_bytes, int) or segment_bytes < 4096:
+            raise ValueError(f"segment_bytes must be an int >= 4096, got {segment_bytes!r}")
+        self._input = StepLog(os.path.join(root, "input"), segment_bytes=segment_bytes)
         self._output = OutputLog(os.path.join(root, "output"), self._out_schemas, check=replay_check,
-                                 sync=output_sync)
+                                 sync=output_sync, segment_bytes=segment_bytes)
         stores = []
         for w, wk in enumerate(self._workers):
             stateful = {i: inst for i, inst in wk.instances.items() if inst is not circuit.nodes[i]}

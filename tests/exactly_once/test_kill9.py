@@ -87,12 +87,16 @@ def run_forked(d: str, seed: int, workers: int, run: int, crash: str | None, kil
     p = _forkserver().Process(target=kill_child.forked, args=(d, seed, BATCHES, workers, run, crash or ""))
     p.start()
     p.join(timeout=kill_after if kill_after is not None else 120)
-    if p.exitcode is None:
+    err = os.path.join(os.path.dirname(d), "child-error.txt")
+    killed = p.exitcode is None
+    if killed:
         os.kill(p.pid, signal.SIGKILL)
         p.join()
-    if p.exitcode == -signal.SIGKILL:
+    # the fork server reports 255 when it loses a child's status; we know we killed it, and an exception
+    # in the child would have left child-error.txt
+    if p.exitcode == -signal.SIGKILL or (killed and p.exitcode == 255):
+        assert not os.path.exists(err), open(err).read()
         return "killed"
-    err = os.path.join(os.path.dirname(d), "child-error.txt")
     assert p.exitcode == 0, f"seed {seed} run {run} (crash={crash}, kill_after={kill_after}) failed " \
                             f"rc={p.exitcode}:\n{open(err).read() if os.path.exists(err) else ''}"
     return "done"
