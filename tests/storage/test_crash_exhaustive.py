@@ -19,6 +19,9 @@ from dbsp_core.storage import FaultInjector
 from storage_helpers import build_base, dry_run_ops, observed, run_session
 
 MODES = FaultInjector.MODES
+# (mode, seed) pairs tried at every operation: the random modes get several seeds (DBSP_CRASH_SEEDS, default 3).
+SEEDS = int(os.environ.get("DBSP_CRASH_SEEDS", "3"))
+DAMAGE = [(m, 0) for m in ("keep", "drop")] + [(m, s) for m in ("tear", "reorder", "chaos") for s in range(SEEDS)]
 COUNTS = {"crash_points": 0, "error_points": 0, "violations": 0}
 
 
@@ -34,9 +37,9 @@ def test_crash_at_every_operation(tmp_path, base_kind):
     nops = dry_run_ops(path, base, states[base], seed=11, tmpdir=str(tmp_path))
     tried = 0
     for n in range(1, nops + 1):
-        for mode in MODES:
+        for mode, seed in DAMAGE:
             shutil.copyfile(pristine, path)
-            FaultInjector.arm(crash_at=n, mode=mode, seed=n * 31 + len(mode))
+            FaultInjector.arm(crash_at=n, mode=mode, seed=n * 1000 + seed)
             new, committed, err = run_session(path, base, states[base], seed=11)
             crashed = FaultInjector.crashed()
             FaultInjector.disarm()
@@ -48,7 +51,8 @@ def test_crash_at_every_operation(tmp_path, base_kind):
                 COUNTS["violations"] += 1
                 pytest.fail(f"crash at op {n} mode {mode}: versions {sorted(got)} match no allowed outcome")
     COUNTS["crash_points"] += tried
-    print(f"\n[storage crash (a)] base={base_kind}: {nops} operations x {len(MODES)} modes = {tried} crashes, 0 violations")
+    print(f"\n[storage crash (a)] base={base_kind}: {nops} operations x {len(DAMAGE)} (mode, seed) = {tried} crashes, "
+          f"0 violations")
 
 
 @pytest.mark.parametrize("error", ["EIO", "ENOSPC"])
@@ -79,3 +83,39 @@ def test_error_at_every_operation(tmp_path, error):
         assert observed(path, str(tmp_path)) == {v: got[v], v + 1: new2}
     COUNTS["error_points"] += nops
     print(f"\n[storage errors (d)] {error} injected at each of {nops} operations, 0 violations")
+
+
+def test_crash_during_create_and_first_commit(tmp_path):
+    """A crash at every operation of creating a Database and committing version 1: on reopen the store is
+    either version 0 (empty) or versions 0 and 1 with the committed data; never an unreadable file."""
+    from dbsp_core.storage import Database
+
+    tried = 0
+    FaultInjector.arm()
+    p0 = str(tmp_path / "dry")
+    with Database(p0, vfs="fault") as db, db.open(0) as h:
+        h.put("t", b"k", b"v" * 5000)
+        h.commit()
+    nops = FaultInjector.ops()
+    for n in range(1, nops + 1):
+        for mode in MODES:
+            d = tmp_path / f"c{n}{mode}"
+            d.mkdir()
+            path = str(d / "db")
+            FaultInjector.arm(crash_at=n, mode=mode, seed=n)
+            try:
+                with Database(path, vfs="fault") as db, db.open(0) as h:
+                    h.put("t", b"k", b"v" * 5000)
+                    h.commit()
+            except StorageError:
+                pass
+            FaultInjector.disarm()
+            got = observed(path, str(d))
+            assert got in ({0: {("__step__", b""): 0}},
+                           {0: {("__step__", b""): 0}, 1: {("__step__", b""): 0, ("t", b"k"): b"v" * 5000}}), \
+                f"crash at op {n} mode {mode}: {got}"
+            tried += 1
+            shutil.rmtree(d)
+    COUNTS["crash_points"] += tried
+    print(f"\n[storage crash (a)] create + first commit: {nops} operations x {len(MODES)} modes = {tried} crashes, "
+          f"0 violations")
