@@ -117,6 +117,7 @@ cdef class BatchView:
     Holds references to every array it views, so the buffers outlive the view."""
     cdef CBatch c
     cdef CColumn *cols
+    cdef const uint64_t *kh  # the key hashes given with the batch (NULL if none)
     cdef object refs
 
     def __cinit__(self):
@@ -125,11 +126,13 @@ cdef class BatchView:
     def __dealloc__(self):
         free(self.cols)
 
-    def __init__(self, table, weights=None):
+    def __init__(self, table, weights=None, khash=None):
         cdef int32_t ncols = table.num_columns
         cdef int i
         cdef int64_t[::1] wv
+        cdef uint64_t[::1] kv
         self.refs = []
+        self.kh = NULL
         self.cols = <CColumn *>malloc(max(ncols, 1) * sizeof(CColumn))
         if self.cols == NULL:
             raise MemoryError()
@@ -159,20 +162,31 @@ cdef class BatchView:
             if w.shape[0] > 0:
                 wv = w
                 self.c.weights = &wv[0]
+        if khash is not None:
+            kh = np.ascontiguousarray(khash, dtype=np.uint64)
+            if kh.shape[0] != table.num_rows:
+                raise ValueError(f"{kh.shape[0]} key hashes for {table.num_rows} rows")
+            self.refs.append(kh)
+            if kh.shape[0] > 0:
+                kv = kh
+                self.kh = &kv[0]
 
 
-cdef int32_t *int32_list(object xs) except? NULL:
-    cdef int32_t *p = <int32_t *>malloc(max(len(xs), 1) * sizeof(int32_t))
-    if p == NULL:
-        raise MemoryError()
-    for i, x in enumerate(xs):
-        p[i] = x
-    return p
+cdef class Int32s:
+    """An owned C array of int32 (column positions), freed with the object."""
+    cdef int32_t *p
+    cdef int32_t n
 
+    def __cinit__(self, xs):
+        self.n = len(xs)
+        self.p = <int32_t *>malloc(max(self.n, 1) * sizeof(int32_t))
+        if self.p == NULL:
+            raise MemoryError()
+        for i, x in enumerate(xs):
+            self.p[i] = x
 
-cdef const uint64_t *u64_ptr(object a) except? NULL:
-    cdef uint64_t[::1] v = a
-    return &v[0] if v.shape[0] > 0 else NULL
+    def __dealloc__(self):
+        free(self.p)
 
 
 cdef object rows_result(CRows *r):
@@ -187,14 +201,12 @@ cdef object rows_result(CRows *r):
 def hash_columns(table, cols):
     """Row hash (DBSP hash v1) of every row of `table` over column positions `cols`, as uint64."""
     cdef BatchView v = BatchView(table)
+    cdef Int32s c = Int32s(cols)
     out = np.empty(table.num_rows, dtype=np.uint64)
     cdef uint64_t[::1] o = out
-    cdef int32_t *c = int32_list(cols)
-    cdef int32_t nc = len(cols)
     cdef int st
     with nogil:
-        st = dbsp_hash_columns(&v.c, c, nc, &o[0] if o.shape[0] else NULL)
-    free(c)
+        st = dbsp_hash_columns(&v.c, c.p, c.n, &o[0] if o.shape[0] else NULL)
     check_status(st, "hash")
     return out
 
@@ -202,32 +214,24 @@ def hash_columns(table, cols):
 def consolidate(table, weights, keys):
     """(idx, weights, khash): the consolidated rows of (table, weights) in canonical order for key positions `keys`."""
     cdef BatchView v = BatchView(table, weights)
-    cdef int32_t *k = int32_list(keys)
-    cdef int32_t nk = len(keys)
+    cdef Int32s k = Int32s(keys)
     cdef CRows r
     cdef int st
     with nogil:
-        st = dbsp_zset_consolidate(&v.c, k, nk, &r)
-    free(k)
+        st = dbsp_zset_consolidate(&v.c, k.p, k.n, &r)
     check_status(st, "consolidate")
     return rows_result(&r)
 
 
 def merge(ta, wa, kha, tb, wb, khb, keys):
     """(idx, weights, khash) of the consolidated sum of two canonical batches; b's rows are numbered after a's."""
-    cdef BatchView a = BatchView(ta, wa)
-    cdef BatchView b = BatchView(tb, wb)
-    kha = np.ascontiguousarray(kha, dtype=np.uint64)
-    khb = np.ascontiguousarray(khb, dtype=np.uint64)
-    cdef const uint64_t *pa_ = u64_ptr(kha)
-    cdef const uint64_t *pb_ = u64_ptr(khb)
-    cdef int32_t *k = int32_list(keys)
-    cdef int32_t nk = len(keys)
+    cdef BatchView a = BatchView(ta, wa, kha)
+    cdef BatchView b = BatchView(tb, wb, khb)
+    cdef Int32s k = Int32s(keys)
     cdef CRows r
     cdef int st
     with nogil:
-        st = dbsp_zset_merge(&a.c, pa_, &b.c, pb_, k, nk, &r)
-    free(k)
+        st = dbsp_zset_merge(&a.c, a.kh, &b.c, b.kh, k.p, k.n, &r)
     check_status(st, "merge")
     return rows_result(&r)
 
@@ -258,13 +262,13 @@ def partition(khash, part_of_shard, int32_t nparts):
     cdef int64_t n = kh.shape[0]
     perm = np.empty(n, dtype=np.int64)
     offsets = np.empty(nparts + 1, dtype=np.int64)
-    cdef const uint64_t *pk = u64_ptr(kh)
+    cdef uint64_t[::1] pk = kh
     cdef int32_t[::1] ps = pos
     cdef int64_t[::1] pp = perm
     cdef int64_t[::1] po = offsets
     cdef int st
     with nogil:
-        st = dbsp_partition(pk, n, &ps[0], bits, nparts, &pp[0] if n else NULL, &po[0])
+        st = dbsp_partition(&pk[0] if n else NULL, n, &ps[0], bits, nparts, &pp[0] if n else NULL, &po[0])
     check_status(st, "partition")
     return perm, offsets
 
@@ -273,20 +277,14 @@ def join(ta, wa, kha, akeys, tb, wb, khb, bkeys, bint left_outer=False):
     """(li, ri, w): matching row pairs of two indexed batches (ri = -1 for unmatched left rows if left_outer)."""
     if len(akeys) != len(bkeys):
         raise ValueError(f"join: {len(akeys)} left keys but {len(bkeys)} right keys")
-    cdef BatchView a = BatchView(ta, wa)
-    cdef BatchView b = BatchView(tb, wb)
-    kha = np.ascontiguousarray(kha, dtype=np.uint64)
-    khb = np.ascontiguousarray(khb, dtype=np.uint64)
-    cdef const uint64_t *pa_ = u64_ptr(kha)
-    cdef const uint64_t *pb_ = u64_ptr(khb)
-    cdef int32_t *ak = int32_list(akeys)
-    cdef int32_t *bk = int32_list(bkeys)
-    cdef int32_t nk = len(akeys)
+    cdef BatchView a = BatchView(ta, wa, kha)
+    cdef BatchView b = BatchView(tb, wb, khb)
+    cdef Int32s ak = Int32s(akeys)
+    cdef Int32s bk = Int32s(bkeys)
     cdef CPairs p
     cdef int st
     with nogil:
-        st = dbsp_join(&a.c, pa_, ak, &b.c, pb_, bk, nk, left_outer, &p)
-    free(ak); free(bk)
+        st = dbsp_join(&a.c, a.kh, ak.p, &b.c, b.kh, bk.p, ak.n, left_outer, &p)
     check_status(st, "join")
     li = own_array(p.li, p.n, np.int64)
     ri = own_array(p.ri, p.n, np.int64)
@@ -321,18 +319,15 @@ cdef object reduce_result(CReduceOut *r, int32_t na):
 
 def reduce(table, weights, khash, keys, aggs):
     """(group_row, khash, ivals, fvals, valid) of an indexed batch's groups; aggs: (kind name, column position)."""
-    cdef BatchView v = BatchView(table, weights)
-    kh = np.ascontiguousarray(khash, dtype=np.uint64)
-    cdef const uint64_t *pk = u64_ptr(kh)
+    cdef BatchView v = BatchView(table, weights, khash)
+    cdef Int32s k = Int32s(keys)
     cdef CAggSpec *specs = agg_specs(aggs)
-    cdef int32_t *k = int32_list(keys)
-    cdef int32_t nk = len(keys)
     cdef int32_t na = len(aggs)
     cdef CReduceOut r
     cdef int st
     with nogil:
-        st = dbsp_reduce(&v.c, pk, k, nk, specs, na, &r)
-    free(k); free(specs)
+        st = dbsp_reduce(&v.c, v.kh, k.p, k.n, specs, na, &r)
+    free(specs)
     check_status(st, "reduce")
     return reduce_result(&r, na)
 
@@ -340,24 +335,20 @@ def reduce(table, weights, khash, keys, aggs):
 def group_reduce(table, weights, keys, aggs):
     """Like reduce, for any batch (no index), by hash grouping; groups in key-hash order."""
     cdef BatchView v = BatchView(table, weights)
+    cdef Int32s k = Int32s(keys)
     cdef CAggSpec *specs = agg_specs(aggs)
-    cdef int32_t *k = int32_list(keys)
-    cdef int32_t nk = len(keys)
     cdef int32_t na = len(aggs)
     cdef CReduceOut r
     cdef int st
     with nogil:
-        st = dbsp_group_reduce(&v.c, k, nk, specs, na, &r)
-    free(k); free(specs)
+        st = dbsp_group_reduce(&v.c, k.p, k.n, specs, na, &r)
+    free(specs)
     check_status(st, "group_reduce")
     return reduce_result(&r, na)
 
 
 def check_order(table, weights, khash, keys):
     """True if (table, weights) is consolidated and in canonical order for `keys` (a debug checker)."""
-    cdef BatchView v = BatchView(table, weights)
-    kh = np.ascontiguousarray(khash, dtype=np.uint64)
-    cdef int32_t *k = int32_list(keys)
-    cdef int st = dbsp_rows_check_order(&v.c, NULL, v.c.weights, u64_ptr(kh), v.c.nrows, k, len(keys))
-    free(k)
-    return st == 0
+    cdef BatchView v = BatchView(table, weights, khash)
+    cdef Int32s k = Int32s(keys)
+    return dbsp_rows_check_order(&v.c, NULL, v.c.weights, v.kh, v.c.nrows, k.p, k.n) == 0
