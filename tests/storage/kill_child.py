@@ -1,7 +1,7 @@
-"""Child process of the kill -9 test: appends to a StepLog and commits a Database forever, reporting acks on stdout.
+"""Child process of the kill -9 test: 3 threads append to a StepLog, the main thread commits a Database, forever.
 
 Protocol (one line per event, written only after the operation returned):
-  "A <seq>"              the append with sequence number <seq> is durable
+  "A <producer> <seq>"   the append of producer p<producer> with sequence number <seq> is durable
   "C <version> <nseq>"   version <version> is committed and records the log length <nseq>
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+import threading
 import types
 
 # Start fast: load dbsp_core.storage without running the package __init__ (which imports pyarrow).
@@ -25,26 +26,38 @@ def payload(seq: int) -> bytes:
     return (b"%d;" % seq) * (1 + seq % 97)
 
 
+PRODUCERS = 3
+
+
 def main(d: str, seed: int) -> None:
     rng = random.Random(seed)
     log = StepLog(os.path.join(d, "log"), segment_bytes=32 << 10)
     db = Database(os.path.join(d, "db"))
-    last = None
+    next_seq = [0] * PRODUCERS
+    step = 0
     for r in log.iter_from(log.first_step or 0):
-        last = r
-    next_seq = last.seq + 1 if last else 0
-    step = last.step + 1 if last else 0
+        next_seq[int(r.producer[1:])] = r.seq + 1
+        step = r.step + 1
     v = max(db.versions())
-    out = os.fdopen(sys.stdout.fileno(), "wb", buffering=0)
-    out.write(b"READY\n")
+    fd = sys.stdout.fileno()
+    os.write(fd, b"READY\n")
+
+    def produce(p: int, n: int) -> None:  # concurrent appends of one step share fsyncs (group commit)
+        for _ in range(n):
+            s = next_seq[p]
+            log.append(step, "in", payload(s), producer=f"p{p}", seq=s)
+            os.write(fd, b"A %d %d\n" % (p, s))  # one write() per line: atomic on a pipe
+            next_seq[p] = s + 1
+
     while True:
-        for _ in range(rng.randint(1, 8)):
-            log.append(step, "in", payload(next_seq), producer="child", seq=next_seq)
-            out.write(b"A %d\n" % next_seq)
-            next_seq += 1
+        ths = [threading.Thread(target=produce, args=(p, rng.randint(1, 6))) for p in range(PRODUCERS)]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join()
         step += 1
         with db.open(v) as h:
-            h.put("commits", b"%08d" % (v + 1), b"%d" % next_seq)
+            h.put("commits", b"%08d" % (v + 1), b"%d" % sum(next_seq))
             if rng.random() < 0.3:
                 h.put("state", b"blob", os.urandom(rng.choice([100, 5000, 40000])))
             for _ in range(rng.randint(0, 20)):
@@ -52,7 +65,7 @@ def main(d: str, seed: int) -> None:
             h.set_step(step)
             h.commit()
         v += 1
-        out.write(b"C %d %d\n" % (v, next_seq))
+        os.write(fd, b"C %d %d\n" % (v, sum(next_seq)))
 
 
 if __name__ == "__main__":

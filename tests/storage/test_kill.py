@@ -23,7 +23,7 @@ def payload(seq: int) -> bytes:
     return (b"%d;" % seq) * (1 + seq % 97)
 
 
-def run_and_kill(d: str, seed: int, rng: random.Random) -> tuple[list[int], list[tuple[int, int]]]:
+def run_and_kill(d: str, seed: int, rng: random.Random) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(CHILD)))] +
                                         ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -38,8 +38,8 @@ def run_and_kill(d: str, seed: int, rng: random.Random) -> tuple[list[int], list
     acks, commits = [], []
     for line in rest.split(b"\n"):
         parts = line.split()
-        if len(parts) == 2 and parts[0] == b"A":
-            acks.append(int(parts[1]))
+        if len(parts) == 3 and parts[0] == b"A":
+            acks.append((int(parts[1]), int(parts[2])))
         elif len(parts) == 3 and parts[0] == b"C":
             commits.append((int(parts[1]), int(parts[2])))
     return acks, commits
@@ -48,25 +48,29 @@ def run_and_kill(d: str, seed: int, rng: random.Random) -> tuple[list[int], list
 def test_kill9_loop(tmp_path):
     d = str(tmp_path)
     rng = random.Random(2024)
-    acked_max, committed_max = -1, 0
+    acked_max = [-1, -1, -1]  # per producer: highest acknowledged (or known durable) sequence number
+    committed_max = 0
     total_acks = total_commits = 0
     for i in range(KILLS):
         acks, commits = run_and_kill(d, i, rng)
-        assert acks == list(range(acked_max + 1, acked_max + 1 + len(acks))), f"kill {i}: acks out of order"
+        for p in range(3):
+            mine = [s for q, s in acks if q == p]
+            assert mine == list(range(acked_max[p] + 1, acked_max[p] + 1 + len(mine))), f"kill {i}: p{p} acks out of order"
+            if mine:
+                acked_max[p] = mine[-1]
         total_acks += len(acks)
         total_commits += len(commits)
-        if acks:
-            acked_max = max(acked_max, acks[-1])
         if commits:
             committed_max = max(committed_max, commits[-1][0])
         with StepLog(os.path.join(d, "log"), segment_bytes=32 << 10) as log:
             recs = list(log.iter_from(0))
-        seqs = [r.seq for r in recs]
-        assert seqs == list(range(len(seqs))), f"kill {i}: log sequence has gaps or duplicates"
-        assert len(seqs) > acked_max, f"kill {i}: acknowledged append {acked_max} lost (log has {len(seqs)})"
+        assert [r.step for r in recs] == sorted(r.step for r in recs), f"kill {i}: steps decrease"
         assert all(r.payload == payload(r.seq) for r in recs), f"kill {i}: wrong payload"
-        assert [r.step for r in recs] == sorted(r.step for r in recs)
-        acked_max = len(seqs) - 1  # unacknowledged-but-durable records count from now on
+        for p in range(3):
+            seqs = [r.seq for r in recs if r.producer == f"p{p}"]
+            assert seqs == list(range(len(seqs))), f"kill {i}: p{p} has gaps or duplicates"
+            assert len(seqs) > acked_max[p], f"kill {i}: p{p} acknowledged append {acked_max[p]} lost"
+            acked_max[p] = len(seqs) - 1  # durable-but-unacknowledged records count from now on
         with Database(os.path.join(d, "db")) as db:
             vs = db.versions()
             assert vs[-1] >= committed_max, f"kill {i}: acknowledged commit {committed_max} lost ({vs})"
@@ -74,7 +78,8 @@ def test_kill9_loop(tmp_path):
             with db.open(vs[-1]) as h:
                 keys = [int(k) for k, _ in h.scan("commits")]
                 assert keys == list(range(1, vs[-1] + 1)), f"kill {i}: commits table is not 1..{vs[-1]}"
-                assert all(int(v) <= len(seqs) for _, v in h.scan("commits"))
+                assert all(int(v) <= len(recs) for _, v in h.scan("commits"))
         committed_max = vs[-1]
-    print(f"\n[storage kill -9 (b)] {KILLS} kills, {total_acks} acknowledged appends, {total_commits} acknowledged "
-          f"commits, log holds {acked_max + 1} records, database at version {committed_max}, 0 violations")
+    print(f"\n[storage kill -9 (b)] {KILLS} kills, {total_acks} acknowledged appends from 3 threads, "
+          f"{total_commits} acknowledged commits, log holds {len(recs)} records, database at version "
+          f"{committed_max}, 0 violations")
