@@ -360,6 +360,9 @@ class DurablePipeline(Pipeline):
         if divisions:
             raise CorruptionError(f"{self.storage}: division records of steps {sorted(divisions)} follow a gap "
                                   f"at step {step}")
+        if out.last > step:
+            raise CorruptionError(f"{self.storage}: the output log holds steps up to {out.last - 1} but the input "
+                                  f"log divides input only up to step {step - 1}")
         tail = records.pop(step, [])
         if records:
             raise CorruptionError(f"{self.storage}: input records of undivided steps {sorted(records)} after "
