@@ -64,7 +64,8 @@ static int px_open(DbspVfs *vfs, const char *path, int flags, DbspFile **out) {
     int fd;
     do fd = open(path, oflags, 0644); while (fd < 0 && errno == EINTR);
     if (fd < 0) {
-        if (errno == ENOENT) return dbsp_storage_fail(DBSP_ENOTFOUND, ENOENT, "open %s: no such file", path);
+        if (errno == ENOENT && !(flags & DBSP_VFS_CREATE))
+            return dbsp_storage_fail(DBSP_ENOTFOUND, ENOENT, "open %s: no such file", path);
         return io_fail(errno, "open", path);
     }
     DbspFile *f = calloc(1, sizeof *f);

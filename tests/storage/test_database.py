@@ -188,3 +188,9 @@ def test_matches_two_version_model(tmp_path_factory, script):
     h.close()
     db.check()
     db.close()
+
+
+def test_missing_directory_is_a_storage_error(tmp_path):
+    with pytest.raises(StorageError) as ei:
+        Database(tmp_path / "no" / "such" / "db")
+    assert ei.value.errno == 2 and "no/such" in str(ei.value)
