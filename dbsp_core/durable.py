@@ -304,6 +304,7 @@ class DurablePipeline(Pipeline):
         self._step_inputs: list[tuple[str, str, int]] = []
         self.now_ns: int | None = None
         self.seed: int | None = None
+        self._now_floor = 0
         self.stats = {"pushes": 0, "duplicates": 0, "checkpoints": 0, "last_checkpoint_s": 0.0,
                       "recovery_s": 0.0, "replayed_steps": 0, "recovered_pushes": 0}
         if not isinstance(segment_bytes, int) or segment_bytes < 4096:
@@ -334,6 +335,9 @@ class DurablePipeline(Pipeline):
         store0 = self._coord.stores[0]
         assert store0.handle is not None
         self._seen.load(store0.handle, f"{store0.db.path}")
+        clock = store0.handle.get(_DEDUP_TABLE + ".clock", b"now")
+        if clock is not None:
+            self._now_floor = int(decode_json(b"DCLK", clock, f"{store0.db.path} clock")["now_ns"])
         out = self._output
         if out.last < x:
             raise RecoveryError(f"{self.storage}: the output log ends at step {out.last} but the checkpoint is at "
@@ -352,6 +356,7 @@ class DurablePipeline(Pipeline):
             if d["step"] != step or d["pushes"] != len(recs):
                 raise CorruptionError(f"{self.storage}: the division of step {step} names {d['pushes']} pushes, "
                                       f"the log holds {len(recs)}")
+            self._now_floor = max(self._now_floor, d["now_ns"])
             self._run_step(step, self._decode(recs), d["now_ns"], d["seed"], _ranges(
                 [(r.handle, r.producer, r.seq) for r in recs]))
             self.stats["replayed_steps"] += 1
@@ -484,7 +489,8 @@ class DurablePipeline(Pipeline):
                     step = self._open_step
                     inputs, self._dpending = self._dpending, []
                     entries, self._step_inputs = self._step_inputs, []
-                    now_ns, seed = time.time_ns(), random.getrandbits(63)
+                    now_ns, seed = max(time.time_ns(), self._now_floor), random.getrandbits(63)
+                    self._now_floor = now_ns  # now never goes back, even if the wall clock does
                     crashpoint("step-divide")
                     try:
                         self._input.append(step, DIVISION_HANDLE, encode_json(
@@ -519,7 +525,13 @@ class DurablePipeline(Pipeline):
                 seen = _Seen()
                 seen.wm = dict(self._seen.wm)
                 seen.above = {p: set(s) for p, s in self._seen.above.items()}
-            step = self._coord.checkpoint(seen.save)
+            floor = self._now_floor
+
+            def save0(h: DatabaseHandle) -> None:  # worker 0 also keeps the dedup set and the clock floor
+                seen.save(h)
+                h.put(_DEDUP_TABLE + ".clock", b"now", encode_json(b"DCLK", {"now_ns": floor}))
+
+            step = self._coord.checkpoint(save0)
             crashpoint("checkpoint-gc")
             self._input.truncate_below(step)  # the low watermark: every worker now holds only this version
             if self.output_retention is not None:

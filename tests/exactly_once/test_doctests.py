@@ -1,0 +1,17 @@
+"""Runs the docstring examples of the durable pipeline's modules (their public API's runnable examples)."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ["dbsp_core.durable", "dbsp_core.outputlog", "dbsp_core.codec", "dbsp_core.temporal"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name: str) -> None:
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0
+    assert result.attempted > 0
