@@ -36,8 +36,19 @@ cdef int check_status(int st, str where) except -1:
     raise DbspError(f"{where}: native status {st}")
 
 
+_TYPE_CODES = {}
+
+
 def type_code(t):
-    """The C column type for an Arrow type, or None when the type is not supported."""
+    """The C column type for an Arrow type, or None when the type is not supported (cached per type)."""
+    try:
+        return _TYPE_CODES[t]
+    except KeyError:
+        code = _TYPE_CODES[t] = _type_code(t)
+        return code
+
+
+def _type_code(t):
     import pyarrow.types as pt
     if pt.is_boolean(t): return DBSP_BOOL
     if pt.is_int8(t): return DBSP_INT8

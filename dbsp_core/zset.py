@@ -86,6 +86,11 @@ def _require_same_schema(a: pa.Schema, b: pa.Schema, op: str) -> None:
         raise SchemaError(f"{op}: schemas differ: {_fmt_schema(a)} vs {_fmt_schema(b)}")
 
 
+def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`table` with exactly `schema` (same names and types; nullability or metadata may differ): cast if needed."""
+    return table if table.schema.equals(schema) else table.cast(schema)
+
+
 def _fmt_schema(s: pa.Schema) -> str:
     return "(" + ", ".join(f"{f.name}: {f.type}" for f in s) + ")"
 
@@ -211,7 +216,7 @@ class ZSet:
         parts = [z for z in zsets if z.num_rows]
         if len(parts) <= 1:
             return parts[0] if parts else first
-        tables = [parts[0]._data] + [p._data.cast(parts[0]._data.schema) for p in parts[1:]]
+        tables = [parts[0]._data] + [_conform(p._data, parts[0]._data.schema) for p in parts[1:]]
         data = pa.concat_tables(tables)
         return cls._make(data, np.concatenate([p._w for p in parts]))
 
@@ -339,7 +344,7 @@ class ZSet:
             return a
         if a.num_rows == 0:
             return b
-        bd = b._data.cast(a._data.schema)
+        bd = _conform(b._data, a._data.schema)
         idx, w, rh = _zset.merge(a._data, a._w, a._rhash, bd, b._w, b._rhash, [])
         both = _single_chunk(pa.concat_tables([a._data, bd]))
         return ZSet._make(_take(both, idx), w, consolidated=True, rhash=rh)
@@ -449,7 +454,7 @@ class IndexedZSet:
         if len(self) == 0:
             return other
         a, b = self._z, other._z
-        bd = b._data.cast(a._data.schema)
+        bd = _conform(b._data, a._data.schema)
         idx, w, kh = _zset.merge(a._data, a._w, self._kh, bd, b._w, other._kh, self._keypos)
         both = _single_chunk(pa.concat_tables([a._data, bd]))
         return IndexedZSet._make(ZSet._make(_take(both, idx), w), self._key, kh)
