@@ -33,6 +33,7 @@ Invariants (enforced here):
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import random
@@ -168,6 +169,17 @@ def circuit_fingerprint(circuit: Circuit) -> str:
     return h.hexdigest()
 
 
+def _lock_dir(root: str) -> int:
+    """An exclusive lock on ``root/LOCK`` held while a pipeline (or an inspection) uses the directory."""
+    fd = os.open(os.path.join(root, "LOCK"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DbspError(f"{root} is in use by another pipeline (LOCK is held)") from None
+    return fd
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -276,24 +288,8 @@ class DurablePipeline(Pipeline):
         self.checkpoint_interval = checkpoint_interval
         self.output_retention = output_retention
         self.fingerprint = circuit_fingerprint(circuit)
-        os.makedirs(root, exist_ok=True)
-        meta = {"format": FORMAT_VERSION, "fingerprint": self.fingerprint, "workers": workers,
-                "shard_bits": shard_bits, "inputs": sorted(self._inputs), "outputs": sorted(self._out_schemas)}
-        try:
-            old = read_meta(root)
-        except FileNotFoundError:
-            old = None
-        if old is None:
-            if any(n.startswith("worker-") for n in os.listdir(root)):
-                raise RecoveryError(f"{root}: worker databases exist but META is missing")
-            _write_meta(root, meta)
-        else:
-            for k in ("fingerprint", "workers", "shard_bits"):
-                if old.get(k) != meta[k]:
-                    what = "circuit" if k == "fingerprint" else k
-                    raise CircuitMismatchError(
-                        f"{root} was written by a pipeline with a different {what} "
-                        f"({old.get(k)!r} != {meta[k]!r}); open it with the same circuit and scale")
+        if not isinstance(segment_bytes, int) or segment_bytes < 4096:
+            raise ValueError(f"segment_bytes must be an int >= 4096, got {segment_bytes!r}")
         self._cond = threading.Condition()
         self._step_lock = threading.RLock()
         self._closing = False
@@ -307,19 +303,37 @@ class DurablePipeline(Pipeline):
         self._now_floor = 0
         self.stats = {"pushes": 0, "duplicates": 0, "checkpoints": 0, "last_checkpoint_s": 0.0,
                       "recovery_s": 0.0, "replayed_steps": 0, "recovered_pushes": 0}
-        if not isinstance(segment_bytes, int) or segment_bytes < 4096:
-            raise ValueError(f"segment_bytes must be an int >= 4096, got {segment_bytes!r}")
-        self._input = StepLog(os.path.join(root, "input"), segment_bytes=segment_bytes)
-        self._output = OutputLog(os.path.join(root, "output"), self._out_schemas, check=replay_check,
-                                 sync=output_sync, segment_bytes=segment_bytes)
-        stores = []
-        for w, wk in enumerate(self._workers):
-            stateful = {i: inst for i, inst in wk.instances.items() if inst is not circuit.nodes[i]}
-            for i, inst in stateful.items():
-                state_attrs(i, inst)  # snapshot invariant 2: refuse state we could not checkpoint
-            stores.append(WorkerStore(w, worker_db_path(root, w), stateful, shard_bits))
-        self._coord = Coordinator(stores, crashpoint)
+        os.makedirs(root, exist_ok=True)
+        self._lockfd = _lock_dir(root)
+        self._input = self._output = self._coord = None  # type: ignore[assignment]
         try:
+            meta = {"format": FORMAT_VERSION, "fingerprint": self.fingerprint, "workers": workers,
+                    "shard_bits": shard_bits, "inputs": sorted(self._inputs), "outputs": sorted(self._out_schemas)}
+            try:
+                old = read_meta(root)
+            except FileNotFoundError:
+                old = None
+            if old is None:
+                if any(n.startswith("worker-") for n in os.listdir(root)):
+                    raise RecoveryError(f"{root}: worker databases exist but META is missing")
+                _write_meta(root, meta)
+            else:
+                for k in ("fingerprint", "workers", "shard_bits"):
+                    if old.get(k) != meta[k]:
+                        what = "circuit" if k == "fingerprint" else k
+                        raise CircuitMismatchError(
+                            f"{root} was written by a pipeline with a different {what} "
+                            f"({old.get(k)!r} != {meta[k]!r}); open it with the same circuit and scale")
+            self._input = StepLog(os.path.join(root, "input"), segment_bytes=segment_bytes)
+            self._output = OutputLog(os.path.join(root, "output"), self._out_schemas, check=replay_check,
+                                     sync=output_sync, segment_bytes=segment_bytes)
+            stores = []
+            for w, wk in enumerate(self._workers):
+                stateful = {i: inst for i, inst in wk.instances.items() if inst is not circuit.nodes[i]}
+                for i, inst in stateful.items():
+                    state_attrs(i, inst)  # snapshot invariant 2: refuse state we could not checkpoint
+                stores.append(WorkerStore(w, worker_db_path(root, w), stateful, shard_bits))
+            self._coord = Coordinator(stores, crashpoint)
             self._recover()
         except BaseException:
             self._shutdown_storage()
@@ -570,11 +584,15 @@ class DurablePipeline(Pipeline):
     # ---- shutdown ----
 
     def _shutdown_storage(self) -> None:
-        for f in (self._coord.close, self._input.close, self._output.close):
+        for part in (self._coord, self._input, self._output):
             try:
-                f()
+                if part is not None:
+                    part.close()
             except Exception:  # pragma: no cover - best effort on an error path
                 pass
+        if self._lockfd is not None:
+            os.close(self._lockfd)  # releases the directory lock
+            self._lockfd = None
 
     def close(self, checkpoint: bool = True) -> None:  # type: ignore[override]
         """Checkpoint (unless ``checkpoint=False`` or the pipeline is broken), then release files and threads."""
@@ -602,3 +620,65 @@ def open_pipeline(path: str | os.PathLike, circuit: Circuit, **kwargs: Any) -> D
     if meta.get("format") != FORMAT_VERSION:
         raise DbspError(f"{root}: storage format {meta.get('format')}, this build reads {FORMAT_VERSION}")
     return DurablePipeline(circuit, meta["workers"], meta["shard_bits"], root, **kwargs)
+
+
+def inspect_storage(path: str | os.PathLike) -> dict:
+    """A summary of a storage directory without recovering it: scale, checkpoints, logs and sizes.
+
+    Opens the worker databases and logs read-mostly (a torn log tail from a crash may be cut off, as on
+    recovery) and never runs the circuit.
+
+    >>> import tempfile, pyarrow as pa
+    >>> c = Circuit(); s = c.input("x", pa.schema([("a", pa.int64())])); c.output("o", s.distinct())
+    >>> d = tempfile.mkdtemp(); p = Pipeline(c, storage=d); _ = p.push("x", pa.table({"a": [1]})); _ = p.step()
+    >>> p.close()
+    >>> info = inspect_storage(d)
+    >>> info["workers"], info["checkpoint_step"], info["output_steps"]
+    (1, 1, [0, 1])
+    >>> info["divided_steps"]
+    [0, 0]
+    """
+    root = os.fspath(path)
+    meta = read_meta(root)
+    fd = _lock_dir(root)
+    try:
+        return _inspect(root, meta)
+    finally:
+        os.close(fd)
+
+
+def _inspect(root: str, meta: dict) -> dict:
+    info: dict[str, Any] = {"path": root, "workers": meta["workers"], "shard_bits": meta["shard_bits"],
+                            "fingerprint": meta["fingerprint"][:16], "inputs": meta["inputs"],
+                            "outputs": meta["outputs"], "versions": [], "steps_of_versions": []}
+    from dbsp_core.storage import Database
+
+    for w in range(meta["workers"]):
+        with Database(worker_db_path(root, w)) as db:
+            vs = db.versions()
+            info["versions"].append([vs.start, vs.stop - 1])
+            info["db_pages"] = info.get("db_pages", 0) + db.stats()["pages"]
+    lo, hi = max(v[0] for v in info["versions"]), min(v[1] for v in info["versions"])
+    info["checkpoint_version"] = hi if lo <= hi else None
+    info["checkpoint_step"] = None
+    if lo <= hi:  # opening the newest common version discards only what recovery would discard too
+        with Database(worker_db_path(root, 0)) as db, db.open(hi) as h:
+            info["checkpoint_step"] = h.get_step()
+    with StepLog(os.path.join(root, "input")) as log:
+        info["input_steps"] = [log.first_step, log.last_step]
+        info["input_records"] = len(log)
+        info["input_segments"] = log.segments
+        divisions = [r.step for r in log.iter_from(0) if r.handle == DIVISION_HANDLE]
+    info["divided_steps"] = [divisions[0], divisions[-1]] if divisions else None
+    names = sorted(n for n in os.listdir(os.path.join(root, "output")) if n.endswith(".seg"))
+    out = OutputLog(os.path.join(root, "output"), {n: pa.schema([]) for n in meta["outputs"]}, check=False)
+    info["output_steps"] = [out.first, out.last]
+    out.close()
+    info["output_segments"] = len(names)
+    sizes = {}
+    for part in ("input", "output"):
+        p = os.path.join(root, part)
+        sizes[part] = sum(os.path.getsize(os.path.join(p, f)) for f in os.listdir(p))
+    sizes["state"] = sum(os.path.getsize(worker_db_path(root, w)) for w in range(meta["workers"]))
+    info["bytes"] = sizes
+    return info

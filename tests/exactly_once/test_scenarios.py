@@ -286,3 +286,16 @@ def test_last_hour_view_replays_with_the_logged_now(tmp_path):
     got, _ = integral(q, "recent")
     assert got == {} and total > 0  # every row entered the window and left it again, identically on replay
     q.close()
+
+
+def test_one_pipeline_per_directory(tmp_path):
+    d = str(tmp_path / "d")
+    p = dbsp.Pipeline(build_circuit(), workers=2, storage=d)
+    with pytest.raises(dbsp.DbspError, match="in use"):
+        dbsp.Pipeline.open(d, build_circuit())
+    p.close()
+    from dbsp_core.durable import inspect_storage
+
+    info = inspect_storage(d)  # the lock is free again
+    assert info["workers"] == 2 and info["checkpoint_step"] == 0
+    dbsp.Pipeline.open(d, build_circuit()).close()
