@@ -8,8 +8,9 @@
  *  2. fsync is a barrier: it forgets the file's remembered writes. truncate is also treated as durable
  *     (a simplification: the page store never truncates, and the step log fsyncs right after it does).
  *  3. Operation `error_at` fails once with the armed errno (EIO or ENOSPC) and has no effect.
- *  4. Directory operations (create, rename, unlink) are treated as durable once they return; a crash never
- *     undoes them. Callers still fsync the directory, which counts as an operation.
+ *  4. Creating a file and renaming one are not durable until the directory is fsynced: at a crash (in every
+ *     mode but keep; at random in reorder and chaos) an undurable rename is undone and an undurable new file
+ *     is removed. Unlinks are treated as durable once they return, and so is a rename over an existing file.
  */
 #include "vfs.h"
 
@@ -174,6 +175,8 @@ typedef struct FaultState {    /* the unsynced state of one path */
     PendingWrite *w;
     size_t n, cap;
     int open_count;
+    int created;          /* created since its directory was last fsynced */
+    char *renamed_from;   /* renamed from this path since its directory was last fsynced */
     struct FaultState *next;
 } FaultState;
 
@@ -214,6 +217,7 @@ static void fault_free_all(void) {
         state_forget(s);
         free(s->w);
         free(s->path);
+        free(s->renamed_from);
         free(s);
     }
 }
@@ -222,7 +226,7 @@ static void fault_free_all(void) {
 static void fault_do_crash(int mode, uint64_t seed) {
     uint64_t rng = seed * 0x9E3779B97F4A7C15ull + 1;
     for (FaultState *s = fault_files; s; s = s->next) {
-        if (s->n == 0) continue;
+        if (s->n == 0 || !s->path[0]) continue;
         int fd = open(s->path, O_RDWR | O_CLOEXEC);
         if (fd < 0) continue;
         for (size_t i = s->n; i-- > 0;) { /* undo, newest first */
@@ -248,6 +252,17 @@ static void fault_do_crash(int mode, uint64_t seed) {
         }
         close(fd);
         state_forget(s);
+    }
+    for (FaultState *s = fault_files; s; s = s->next) { /* then the directory entries */
+        if (!s->path[0] || mode == DBSP_CRASH_KEEP) continue;
+        int undo = (mode == DBSP_CRASH_REORDER || mode == DBSP_CRASH_CHAOS) ? (int)(rng_next(&rng) & 1) : 1;
+        if (!undo) continue;
+        if (s->renamed_from && rename(s->path, s->renamed_from) == 0) {
+            free(s->path);
+            s->path = s->renamed_from;
+            s->renamed_from = NULL;
+        }
+        if (s->created) unlink(s->path);
     }
     fault_crashed = 1;
 }
@@ -278,10 +293,14 @@ static int fault_tick(const char *op, const char *path) {
 
 static int ft_open(DbspVfs *vfs, const char *path, int flags, DbspFile **out) {
     FAULT_GUARD("open", path);
+    int existed = access(path, F_OK) == 0;
     int rc = px_open(vfs, path, flags, out);
     if (rc == DBSP_OK) {
         FaultState *s = state_get(path, (*out)->fd);
-        if (s) s->open_count++;
+        if (s) {
+            s->open_count++;
+            if (!existed) s->created = 1;
+        }
     }
     pthread_mutex_unlock(&fault_mu);
     return rc;
@@ -356,12 +375,22 @@ static int ft_truncate(DbspFile *f, uint64_t size) {
 
 static int ft_fsync_dir(DbspVfs *vfs, const char *dirpath) {
     FAULT_GUARD("fsync directory", dirpath);
+    for (FaultState *s = fault_files; s; s = s->next) {
+        char *d = s->path[0] ? dbsp_path_dirname(s->path) : NULL;
+        if (d && strcmp(d, dirpath) == 0) {
+            s->created = 0;
+            free(s->renamed_from);
+            s->renamed_from = NULL;
+        }
+        free(d);
+    }
     pthread_mutex_unlock(&fault_mu);
     return DBSP_OK;
 }
 
 static int ft_rename(DbspVfs *vfs, const char *from, const char *to) {
     FAULT_GUARD("rename", from);
+    int target_existed = access(to, F_OK) == 0;
     int rc = px_rename(vfs, from, to);
     if (rc == DBSP_OK) {
         for (FaultState *s = fault_files; s; s = s->next) { /* the target's old state is gone; the source moves */
@@ -370,7 +399,12 @@ static int ft_rename(DbspVfs *vfs, const char *from, const char *to) {
         for (FaultState *s = fault_files; s; s = s->next) {
             if (strcmp(s->path, from) == 0) {
                 char *p = strdup(to);
-                if (p) { free(s->path); s->path = p; }
+                if (p) {
+                    free(s->renamed_from);
+                    s->renamed_from = target_existed ? NULL : s->path;  /* over an existing file: durable */
+                    if (target_existed) free(s->path);
+                    s->path = p;
+                }
             }
         }
     }
