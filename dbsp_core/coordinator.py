@@ -19,7 +19,7 @@ import os
 from typing import Any, Callable
 
 from dbsp_core.errors import RecoveryError
-from dbsp_core.snapshot import load_worker, save_worker
+from dbsp_core.snapshot import WorkerSnapshot
 from dbsp_core.storage import Database, DatabaseHandle
 
 
@@ -29,8 +29,7 @@ class WorkerStore:
     def __init__(self, index: int, path: str, instances: dict[int, Any], shard_bits: int) -> None:
         self.index = index
         self.db = Database(path)
-        self.instances = instances
-        self.shard_bits = shard_bits
+        self.snapshot = WorkerSnapshot(instances, shard_bits)
         self.handle: DatabaseHandle | None = None
         self.step = 0
         self._paused: int | None = None
@@ -43,7 +42,7 @@ class WorkerStore:
         self.handle = self.db.open(version)
         self.step = self.handle.get_step()
         if load:
-            load_worker(self.handle, self.instances, f"{self.db.path} v{version}")
+            self.snapshot.load(self.handle, f"{self.db.path} v{version}")
         self._paused = None
         return self.step
 
@@ -63,7 +62,7 @@ class WorkerStore:
             raise RecoveryError(f"worker {self.index} is at step {self.step}, the checkpoint is at {step}")
         h = self.handle
         assert h is not None
-        save_worker(h, self.instances, self.shard_bits)
+        self.snapshot.save(h)
         if extra is not None:
             extra(h)
         h.set_step(step)

@@ -545,7 +545,13 @@ class DurablePipeline(Pipeline):
                 seen.save(h)
                 h.put(_DEDUP_TABLE + ".clock", b"now", encode_json(b"DCLK", {"now_ns": floor}))
 
-            step = self._coord.checkpoint(save0)
+            try:
+                step = self._coord.checkpoint(save0)
+            except BaseException as exc:
+                # workers may hold different versions and the incremental snapshot state is ahead of the
+                # database: only recovery (Pipeline.open) knows the consistent state again
+                self._broken = exc
+                raise
             crashpoint("checkpoint-gc")
             self._input.truncate_below(step)  # the low watermark: every worker now holds only this version
             if self.output_retention is not None:
