@@ -98,6 +98,8 @@ cdef class PageStore:
         return 0
 
     def close(self):
+        if self.txn is not None and (<Txn>self.txn).busy:
+            raise StorageError(EIO, f"pagestore {self.path}: cannot close while another thread uses its handle")
         if self.txn is not None:
             (<Txn>self.txn).t = NULL  # dbsp_pagestore_close aborts it
             self.txn = None
@@ -152,10 +154,13 @@ cdef class Txn:
     cdef DbspTxn *t
     cdef object store
     cdef readonly uint64_t generation
+    cdef bint busy  # a call is running without the GIL: another thread must not touch the handle
 
     cdef int alive(self) except -1:
         if self.t == NULL:
             raise StorageError(EIO, "pagestore: the handle is closed (committed, closed, or its database closed)")
+        if self.busy:
+            raise StorageError(EIO, "pagestore: the handle is in use by another thread (handles are single-threaded)")
         return 0
 
     @property
@@ -175,8 +180,10 @@ cdef class Txn:
         cdef const char *kp = key
         cdef size_t tl = len(table), kl = len(key)
         self.alive()
+        self.busy = True
         with nogil:
             st = dbsp_txn_get(self.t, tp, tl, kp, kl, &val, &vlen)
+        self.busy = False
         if st == DBSP_ENOTFOUND:
             return None
         check(st)
@@ -192,8 +199,10 @@ cdef class Txn:
         cdef int st
         self.alive()
         self.generation += 1
+        self.busy = True
         with nogil:
             st = dbsp_txn_put(self.t, tp, tl, kp, kl, vp, vl)
+        self.busy = False
         check(st)
 
     def delete(self, bytes table, bytes key):
@@ -203,8 +212,10 @@ cdef class Txn:
         cdef size_t tl = len(table), kl = len(key)
         self.alive()
         self.generation += 1
+        self.busy = True
         with nogil:
             st = dbsp_txn_delete(self.t, tp, tl, kp, kl, &found)
+        self.busy = False
         check(st)
         return bool(found)
 
@@ -224,11 +235,15 @@ cdef class Txn:
         self.alive()
         self.t = NULL
         self.generation += 1
+        self.busy = True
         with nogil:
             st = dbsp_txn_commit(t)
+        self.busy = False
         check(st)
 
     def abort(self):
+        if self.busy:
+            raise StorageError(EIO, "pagestore: the handle is in use by another thread (handles are single-threaded)")
         if self.t != NULL:
             dbsp_txn_abort(self.t)
             self.t = NULL
@@ -293,6 +308,7 @@ cdef class Cursor:
 cdef class Log:
     cdef DbspStepLog *log
     cdef readonly str path
+    cdef int active  # calls running without the GIL; close waits for none
 
     def __cinit__(self, str path, str vfs="posix", uint64_t segment_bytes=0):
         cdef bytes p = path.encode()
@@ -314,6 +330,8 @@ cdef class Log:
         return 0
 
     def close(self):
+        if self.active:
+            raise StorageError(EIO, f"steplog {self.path}: cannot close while {self.active} calls are running")
         if self.log != NULL:
             dbsp_steplog_close(self.log)
             self.log = NULL
@@ -331,8 +349,10 @@ cdef class Log:
         cdef size_t hl = len(handle), pl = len(producer)
         cdef int st
         self.alive()
+        self.active += 1
         with nogil:
             st = dbsp_steplog_append(self.log, step, hp, hl, pp, pl, seq, vp, n)
+        self.active -= 1
         check(st)
 
     def read(self, int64_t from_step, int64_t to_step, size_t max_bytes, uint64_t resume_seg, uint64_t resume_off):
@@ -343,8 +363,10 @@ cdef class Log:
         cdef unsigned int hl, pl
         cdef unsigned char *b
         self.alive()
+        self.active += 1
         with nogil:
             st = dbsp_steplog_read(self.log, from_step, to_step, max_bytes, &resume_seg, &resume_off, &buf, &blen)
+        self.active -= 1
         check(st)
         out = []
         try:
@@ -370,8 +392,10 @@ cdef class Log:
         cdef uint64_t dropped = 0
         cdef int st
         self.alive()
+        self.active += 1
         with nogil:
             st = dbsp_steplog_truncate_below(self.log, step, &dropped)
+        self.active -= 1
         check(st)
         return dropped
 

@@ -158,6 +158,8 @@ class DatabaseHandle:
 
     Leaving a ``with`` block without :meth:`commit` closes the handle and keeps ``base_version``.
     Table names are ``str`` or ``bytes`` (1..255 bytes); keys are at most 1024 bytes; values any size.
+    A handle belongs to one thread at a time (calls release the GIL; a concurrent call raises StorageError).
+    One process at a time may open a page file (there is no file lock).
     """
 
     def __init__(self, db: Database, txn: "_storage.Txn", base_version: int) -> None:
