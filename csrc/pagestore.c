@@ -57,7 +57,16 @@
  * Overflow: u64 next page (0 = last) at 32, data at 40.
  * Free list: u64 next page at 32, u64 page numbers at 40.
  * The catalog is a B+tree whose keys are table names and whose values are 8-byte table root pages.
- * Keys are ordered by memcmp, then length.
+ * Keys are ordered by memcmp, then length. Sharded state uses keys that start with the 4-byte big-endian
+ * shard number (dbsp_core.storage.shard_key), so one shard of a table is one contiguous key range that a
+ * cursor exports and puts import as a unit.
+ *
+ * Free pages. Each version's free list holds every page of [2, page_count) that version does not reach.
+ * A transaction based on v allocates from v's free list (then from the end of the file); the pages of v it
+ * replaces (copy-on-write) or frees, and v's own free-list pages, join the new version's free list but are
+ * not reused until v is discarded by a later begin. Commit work is O(dirty pages + free-list length).
+ *
+ * Not covered: one process opens a file at a time (no lock); nodes are never merged after deletes.
  */
 #include "pagestore.h"
 
