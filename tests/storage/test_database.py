@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -142,6 +143,7 @@ ops = st.lists(st.one_of(
     st.tuples(st.just("close")),
     st.tuples(st.just("reopen")),
     st.tuples(st.just("open_older")),
+    st.tuples(st.just("bulk"), st.integers(0, 2**16)),  # 400 random puts/deletes: node splits and removals
 ), max_size=60)
 
 
@@ -164,6 +166,17 @@ def test_matches_two_version_model(tmp_path_factory, script):
         elif op[0] == "del":
             assert h.delete(op[1], op[2]) == ((op[1], op[2]) in cur)
             cur.pop((op[1], op[2]), None)
+        elif op[0] == "bulk":
+            r = random.Random(op[1])
+            for _ in range(400):
+                t, k = r.choice("tu"), b"%05d" % r.randrange(2000)
+                if r.random() < 0.7:
+                    v = r.randbytes(r.choice([3, 200, 1500]))
+                    h.put(t, k, v)
+                    cur[(t, k)] = v
+                else:
+                    h.delete(t, k)
+                    cur.pop((t, k), None)
         else:
             if op[0] == "commit":
                 h.set_step(i)
