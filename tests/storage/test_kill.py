@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from dbsp_core.storage import Database, StepLog
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kill_child.py")
@@ -46,12 +48,22 @@ def run_and_kill(d: str, seed: int, rng: random.Random) -> tuple[list[tuple[int,
 
 
 def test_kill9_loop(tmp_path):
-    d = str(tmp_path)
+    kill_loop(str(tmp_path), KILLS)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("DBSP_STORAGE_SOAK"),
+                    reason="10k-kill soak run (~30 min): set DBSP_STORAGE_SOAK=1")
+def test_kill9_soak(tmp_path):
+    kill_loop(str(tmp_path), 10_000)
+
+
+def kill_loop(d: str, kills: int) -> None:
     rng = random.Random(2024)
     acked_max = [-1, -1, -1]  # per producer: highest acknowledged (or known durable) sequence number
     committed_max = 0
     total_acks = total_commits = 0
-    for i in range(KILLS):
+    for i in range(kills):
         acks, commits = run_and_kill(d, i, rng)
         for p in range(3):
             mine = [s for q, s in acks if q == p]
@@ -80,6 +92,6 @@ def test_kill9_loop(tmp_path):
                 assert keys == list(range(1, vs[-1] + 1)), f"kill {i}: commits table is not 1..{vs[-1]}"
                 assert all(int(v) <= len(recs) for _, v in h.scan("commits"))
         committed_max = vs[-1]
-    print(f"\n[storage kill -9 (b)] {KILLS} kills, {total_acks} acknowledged appends from 3 threads, "
+    print(f"\n[storage kill -9 (b)] {kills} kills, {total_acks} acknowledged appends from 3 threads, "
           f"{total_commits} acknowledged commits, log holds {len(recs)} records, database at version "
           f"{committed_max}, 0 violations")
