@@ -100,6 +100,7 @@ def main() -> None:
                     p.close(checkpoint=False)
                     p = dbsp.Pipeline.open(d, circuit(), checkpoint_interval=None)  # drop the backlog from memory
                     p.step()
+                    p.checkpoint()  # so the next measurement sees only its own backlog
             # (5) recovery time against replay length
             rec = []
             for k in (0, 5, 20):

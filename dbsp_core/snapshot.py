@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from dbsp_core.codec import decode_zset, encode_zset
+from dbsp_core.codec import decode_batch, decode_zset, encode_batch, encode_zset, zset_batch
 from dbsp_core.errors import DbspError
 from dbsp_core.storage import DatabaseHandle, shard_key, shard_of_key
 from dbsp_core.trace import Trace
@@ -53,16 +53,16 @@ def _is_config_list(val: Any) -> bool:
     return False
 
 
-def _batch_shards(batch: IndexedZSet, shard_bits: int) -> dict[int, ZSet]:
-    """The non-empty per-shard slices of one key-hash-sorted trace batch."""
+def _batch_shards(batch: IndexedZSet, shard_bits: int) -> dict[int, bytes]:
+    """The encoded non-empty per-shard slices of one key-hash-sorted trace batch."""
     if len(batch) == 0:
         return {}
     bounds = batch.shard_bounds(shard_bits)
+    rb = zset_batch(batch.zset)
     out = {}
     for s in np.flatnonzero(np.diff(bounds) > 0).tolist():
         lo, hi = int(bounds[s]), int(bounds[s + 1])
-        out[s] = ZSet._make(batch.zset.data.slice(lo, hi - lo),
-                            np.array(batch.zset.weights[lo:hi], dtype=np.int64, copy=True))
+        out[s] = encode_batch(rb.slice(lo, hi - lo))
     return out
 
 
@@ -116,9 +116,9 @@ class WorkerSnapshot:
                     keys = []
                     number = self._next.to_bytes(8, "big")
                     self._next += 1
-                    for shard, z in _batch_shards(b, self.shard_bits).items():
+                    for shard, blob in _batch_shards(b, self.shard_bits).items():
                         key = shard_key(shard, number)
-                        h.put(table, key, encode_zset(z))
+                        h.put(table, key, blob)
                         keys.append(key)
                     saved[id(b)] = (b, keys)
                     changed += len(keys)
@@ -141,7 +141,7 @@ class WorkerSnapshot:
                 table = f"s{node_id}.{name}"
                 parts, keys = [], []
                 for k, v in h.scan(table):
-                    parts.append(decode_zset(v, trace.schema, f"{where} {table} shard {shard_of_key(k)}"))
+                    parts.append(decode_batch(v, trace.schema, f"{where} {table} shard {shard_of_key(k)}"))
                     keys.append(k)
                 trace.clear()
                 parts = [p for p in parts if p.num_rows]
