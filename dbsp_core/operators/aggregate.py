@@ -28,7 +28,7 @@ import pyarrow.types as pat
 
 from dbsp_core.aggregates import Aggregate as AggSpec
 from dbsp_core.errors import SchemaError
-from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, make, negate
+from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, make
 from dbsp_core.trace import Trace, unique_sorted
 
 if TYPE_CHECKING:
