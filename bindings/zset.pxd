@@ -79,6 +79,8 @@ cdef extern from "join.h" nogil:
     int dbsp_join(const CBatch *a, const uint64_t *akh, const int32_t *akeys,
                   const CBatch *b, const uint64_t *bkh, const int32_t *bkeys, int32_t nkeys,
                   int left_outer, CPairs *out)
+    int dbsp_hash_join(const CBatch *a, const int32_t *akeys, const CBatch *b, const int32_t *bkeys,
+                       int32_t nkeys, int left_outer, CPairs *out)
 
 cdef extern from "agg.h" nogil:
     enum:

@@ -12,95 +12,13 @@
  *  3. Aggregate inputs travel in the entry too (8 bytes each plus a validity mask), so folding never reads
  *     the source columns, except to compare byte strings for MIN/MAX.
  *  4. Each partition's groups are sorted canonically (by the next hash bits, then rec_cmp) and appended.
- *  5. The large scratch buffers (hashes, entries, arena) use transparent huge pages, which cut the page faults
- *     and TLB misses of the scatter, and are kept in a small per-thread cache between calls, so a pipeline that
- *     groups batch after batch does not pay the kernel for fresh zeroed pages each time. The cache holds at
- *     most DBSP_SCRATCH_MB MiB per thread (default 512; 0 disables it) and is released when the thread exits.
+ *  5. The large scratch buffers (hashes, entries, arena, per-partition tables) come from scratch.h.
  */
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <pthread.h>
 #include "group.h"
 #include "hash.h"
-
-/* ---- large scratch buffers (design note 5) ---- */
-
-#define BIG_ALIGN ((size_t)2 << 20)   /* huge-page size: buffers this large are aligned and madvised */
-#define CACHED_MIN ((size_t)64 << 10) /* buffers from this size on go through the cache (glibc would mmap them) */
-#define CACHE_SLOTS 10
-
-typedef struct { void *p; size_t sz; } Slot;
-static __thread Slot cache[CACHE_SLOTS];
-static __thread size_t cached_bytes;
-static pthread_key_t cache_key;
-static pthread_once_t cache_once = PTHREAD_ONCE_INIT;
-static size_t cache_limit;
-
-static void cache_release(void *unused) {
-    for (int i = 0; i < CACHE_SLOTS; i++) { free(cache[i].p); cache[i].p = NULL; cache[i].sz = 0; }
-    cached_bytes = 0;
-}
-
-static void cache_init(void) {
-    const char *e = getenv("DBSP_SCRATCH_MB");
-    cache_limit = (size_t)(e ? strtoull(e, NULL, 10) : 512) << 20;
-    pthread_key_create(&cache_key, cache_release);
-}
-
-static size_t cached_size(size_t bytes) {
-    size_t unit = bytes >= BIG_ALIGN ? BIG_ALIGN : CACHED_MIN;
-    return (bytes + unit - 1) & ~(unit - 1);
-}
-
-static void *big_alloc(size_t bytes) {
-    if (bytes < CACHED_MIN) return malloc(bytes ? bytes : 1);
-    size_t sz = cached_size(bytes);
-    pthread_once(&cache_once, cache_init);
-    int best = -1;
-    for (int i = 0; i < CACHE_SLOTS; i++)  /* best fit among cached buffers no more than twice the need */
-        if (cache[i].p && cache[i].sz >= sz && cache[i].sz <= 2 * sz && (best < 0 || cache[i].sz < cache[best].sz)) best = i;
-    if (best >= 0) {
-        void *p = cache[best].p;
-        cached_bytes -= cache[best].sz;
-        cache[best].p = NULL; cache[best].sz = 0;
-        return p;
-    }
-    if (sz < BIG_ALIGN) return malloc(sz);
-    void *p = NULL;
-    if (posix_memalign(&p, BIG_ALIGN, sz)) return NULL;
-#ifdef MADV_HUGEPAGE
-    madvise(p, sz, MADV_HUGEPAGE);
-#endif
-    return p;
-}
-
-static void big_free(void *p, size_t bytes) {
-    if (!p) return;
-    if (bytes < CACHED_MIN) { free(p); return; }
-    size_t sz = cached_size(bytes);
-    if (sz <= cache_limit) {
-        /* make room: evict the smallest cached buffers until this one fits in the limit and a slot */
-        for (;;) {
-            int free_slot = 0, smallest = -1;
-            for (int i = 0; i < CACHE_SLOTS; i++) {
-                if (!cache[i].p) free_slot = 1;
-                else if (smallest < 0 || cache[i].sz < cache[smallest].sz) smallest = i;
-            }
-            if (free_slot && cached_bytes + sz <= cache_limit) break;
-            cached_bytes -= cache[smallest].sz;
-            free(cache[smallest].p);
-            cache[smallest].p = NULL; cache[smallest].sz = 0;
-        }
-        for (int i = 0; i < CACHE_SLOTS; i++)
-            if (!cache[i].p) {
-                cache[i].p = p; cache[i].sz = sz; cached_bytes += sz;
-                pthread_setspecific(cache_key, (void *)1);  /* arm the thread-exit release */
-                return;
-            }
-    }
-    free(p);
-}
+#include "scratch.h"
 
 /* ---- canonical serialization of the identity columns (design note 2) ---- */
 
@@ -292,7 +210,7 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
     if (n == 0) return DBSP_OK;
     if (n >= (int64_t)UINT32_MAX) return DBSP_ETOOBIG;
 
-    uint64_t *ih = big_alloc((size_t)n * 8), *kh = NULL;
+    uint64_t *ih = dbsp_scratch_alloc((size_t)n * 8), *kh = NULL;
     uint8_t *E = NULL, *arena = NULL;
     int64_t *cnt = NULL, *start = NULL, *bstart = NULL, *bcur = NULL, *sort_cnt = NULL, sort_cnt_cap = 0;
     uint64_t *slots = NULL;  /* (hash tag << 32) | (group number + 1); 0 = empty */
@@ -306,7 +224,7 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
     if (!ih) return DBSP_ENOMEM;
     if ((st = dbsp_hash_columns(b, icols, id.ncols, ih))) goto done;
     if (nkcols > 0) {
-        kh = big_alloc((size_t)n * 8);
+        kh = dbsp_scratch_alloc((size_t)n * 8);
         if (!kh) { st = DBSP_ENOMEM; goto done; }
         if ((st = dbsp_hash_columns(b, kcols, nkcols, kh))) goto done;
     }
@@ -350,8 +268,8 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
     }
     S_bytes = S;
     arena_bytes = has_var ? (size_t)(bstart[np] ? bstart[np] : 1) : 0;
-    E = big_alloc((size_t)(n * S));
-    arena = has_var ? big_alloc(arena_bytes) : NULL;
+    E = dbsp_scratch_alloc((size_t)(n * S));
+    arena = has_var ? dbsp_scratch_alloc(arena_bytes) : NULL;
     if (!E || (has_var && !arena)) { st = DBSP_ENOMEM; goto done; }
     /* pass 2: scatter through per-partition write-combining buffers of WC entries (cnt becomes the entry
      * cursor, bcur the arena cursor, fill the buffer fill) */
@@ -404,11 +322,11 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
     while (slots_cap < 2 * maxp) slots_cap *= 2;
     u_cap = r_cap = maxp;
     a_cap = maxp * naggs;
-    slots = big_alloc((size_t)slots_cap * 8);
-    U = big_alloc((size_t)u_cap * sizeof(Uniq));
-    R = big_alloc((size_t)r_cap * sizeof(Rec));
-    R2 = big_alloc((size_t)r_cap * sizeof(Rec));
-    A = naggs ? big_alloc((size_t)a_cap * sizeof(DbspAcc)) : NULL;
+    slots = dbsp_scratch_alloc((size_t)slots_cap * 8);
+    U = dbsp_scratch_alloc((size_t)u_cap * sizeof(Uniq));
+    R = dbsp_scratch_alloc((size_t)r_cap * sizeof(Rec));
+    R2 = dbsp_scratch_alloc((size_t)r_cap * sizeof(Rec));
+    A = naggs ? dbsp_scratch_alloc((size_t)a_cap * sizeof(DbspAcc)) : NULL;
     if (!slots || !U || !R || !R2 || (naggs && !A)) { st = DBSP_ENOMEM; goto done; }
     if ((st = dbsp_rows_reserve(out, maxp < n / np * 2 ? n / np * 2 : maxp))) goto done;
 
@@ -501,11 +419,11 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
         }
     }
 done:
-    big_free(ih, (size_t)n * 8); big_free(kh, (size_t)n * 8); big_free(E, (size_t)(n * S_bytes));
-    big_free(arena, arena_bytes); free(wc); free(fill); free(cnt); free(start); free(bstart); free(bcur);
-    big_free(slots, (size_t)slots_cap * 8); big_free(U, (size_t)u_cap * sizeof(Uniq));
-    big_free(R, (size_t)r_cap * sizeof(Rec)); big_free(R2, (size_t)r_cap * sizeof(Rec));
-    big_free(A, (size_t)a_cap * sizeof(DbspAcc)); free(sort_cnt);
+    dbsp_scratch_free(ih, (size_t)n * 8); dbsp_scratch_free(kh, (size_t)n * 8); dbsp_scratch_free(E, (size_t)(n * S_bytes));
+    dbsp_scratch_free(arena, arena_bytes); free(wc); free(fill); free(cnt); free(start); free(bstart); free(bcur);
+    dbsp_scratch_free(slots, (size_t)slots_cap * 8); dbsp_scratch_free(U, (size_t)u_cap * sizeof(Uniq));
+    dbsp_scratch_free(R, (size_t)r_cap * sizeof(Rec)); dbsp_scratch_free(R2, (size_t)r_cap * sizeof(Rec));
+    dbsp_scratch_free(A, (size_t)a_cap * sizeof(DbspAcc)); free(sort_cnt);
     if (st) { dbsp_rows_free(out); free(accs); accs = NULL; }
     if (acc_out) *acc_out = accs; else free(accs);
     return st;

@@ -1,4 +1,4 @@
-/* join.h: equi-join of two indexed batches (both in canonical key-hash order); weights multiply. */
+/* join.h: equi-joins (weights multiply): a merge join of indexed batches, and a hash join of any batches. */
 #ifndef DBSP_JOIN_H
 #define DBSP_JOIN_H
 
@@ -20,6 +20,13 @@ void dbsp_pairs_free(DbspPairs *p);
 int dbsp_join(const DbspBatch *a, const uint64_t *akh, const int32_t *akeys,
               const DbspBatch *b, const uint64_t *bkh, const int32_t *bkeys, int32_t nkeys,
               int left_outer, DbspPairs *out);
+
+/* The same pairs for any two batches (no index, no consolidation: the join is bilinear), by radix-partitioned
+ * hashing: both sides are split by the top bits of their key hash, each partition of b becomes a chained hash
+ * table that stays in cache, and a's rows of that partition probe it. Pairs come partition by partition, in
+ * a's row order within each; left_outer as above. */
+int dbsp_hash_join(const DbspBatch *a, const int32_t *akeys, const DbspBatch *b, const int32_t *bkeys,
+                   int32_t nkeys, int left_outer, DbspPairs *out);
 
 /* First index in [lo, hi) with h[index] >= target (hi if none), by exponential then binary search from lo. */
 int64_t dbsp_gallop(const uint64_t *h, int64_t lo, int64_t hi, uint64_t target);

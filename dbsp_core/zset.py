@@ -333,6 +333,39 @@ class ZSet:
         group_row, _, ivals, fvals, valid = _zset.group_reduce(z._data, z._w, pos, specs)
         return _agg_table(z._data, list(key_columns), specs, group_row, ivals, fvals, valid)
 
+    def join_rows(self, other: ZSet, left_on: Sequence[str], right_on: Sequence[str],
+                  left_outer: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Pairs of stored rows with equal keys, by hashing: (left rows, right rows, weight products).
+
+        The one-shot form of :meth:`IndexedZSet.join` for batches that have no index: neither side needs to be
+        consolidated (a join is bilinear, so the pairs sum to the same Z-set). Nulls never match; with
+        `left_outer`, each left row matching nothing appears once with right row -1 and its own weight; whether
+        a key matches depends on the right side's consolidated content, so the right side is consolidated first
+        (the returned right rows then index ``other.consolidate().data``).
+
+        Examples
+        --------
+        >>> import pyarrow as pa
+        >>> a = ZSet.from_arrow(pa.table({"k": [1, 2, None]}))
+        >>> b = ZSet.from_arrow(pa.table({"id": [2, 2, None], "x": [7, 8, 9]}))
+        >>> li, ri, w = a.join_rows(b, ["k"], ["id"])
+        >>> sorted(b.data.column("x").take(ri).to_pylist())
+        [7, 8]
+        """
+        if not isinstance(other, ZSet):
+            raise TypeError(f"join_rows expects a ZSet, got {type(other).__name__}")
+        lpos = _column_positions(self.schema, left_on, "join_rows (left)")
+        rpos = _column_positions(other.schema, right_on, "join_rows (right)")
+        if len(lpos) != len(rpos) or not lpos:
+            raise SchemaError(f"join_rows: {len(lpos)} left key columns but {len(rpos)} right key columns")
+        for lk, rk in zip(lpos, rpos):
+            lt, rt = self.schema.field(lk).type, other.schema.field(rk).type
+            if not _join_compatible(lt, rt):
+                raise SchemaError(f"join_rows: key {self.schema.names[lk]!r} ({lt}) cannot match key "
+                                  f"{other.schema.names[rk]!r} ({rt})")
+        right = other.consolidate() if left_outer else other
+        return _zset.hash_join(self._data, self._w, lpos, right._data, right._w, rpos, bool(left_outer))
+
     # ---- group operations ----
 
     def __add__(self, other: ZSet) -> ZSet:

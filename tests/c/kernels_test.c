@@ -156,6 +156,21 @@ static void test_join_and_reduce(void) {
         CHECK(gun == (outer ? unmatched : 0));
         dbsp_pairs_free(&p);
     }
+    /* hash join of the raw (unconsolidated) batches: the same pairs as a nested loop over raw rows */
+    {
+        DbspPairs p;
+        CHECK(dbsp_hash_join(&a0.b, &key, &b0.b, &key, 1, 0, &p) == DBSP_OK);
+        int64_t npairs = 0, wsum = 0, gw = 0;
+        for (int64_t x = 0; x < a0.n; x++)
+            for (int64_t y = 0; y < b0.n; y++)
+                if (dbsp_bit(a0.kvalid, x) && dbsp_bit(b0.kvalid, y) && a0.k[x] == b0.k[y]) { npairs++; wsum += a0.w[x] * b0.w[y]; }
+        for (int64_t i = 0; i < p.n; i++) {
+            gw += p.w[i];
+            CHECK(a0.k[p.li[i]] == b0.k[p.ri[i]]);
+        }
+        CHECK(p.n == npairs && gw == wsum);
+        dbsp_pairs_free(&p);
+    }
     /* reduce: count, count_col, min, max of s per key */
     DbspAggSpec aggs[3] = { { DBSP_AGG_COUNT, -1 }, { DBSP_AGG_COUNT_COL, 1 }, { DBSP_AGG_MAX, 1 } };
     DbspReduceOut r;

@@ -291,6 +291,27 @@ def test_join_matches_nested_loop_model(inp, left_outer):
         assert (ri >= 0).all()
 
 
+@given(join_inputs(), st.booleans())
+def test_hash_join_equals_indexed_join(inp, left_outer):
+    lt, lw, rt, rw = inp
+    zl, zr = dbsp.ZSet.from_arrow(lt, weights=lw), dbsp.ZSet.from_arrow(rt, weights=rw)
+
+    def pairs(left, right, li, ri, w):
+        lrows = list(zip(*[c.to_pylist() for c in left.data.columns]))
+        rrows = list(zip(*[c.to_pylist() for c in right.data.columns]))
+        acc: dict = defaultdict(int)
+        for x, y, ww in zip(li.tolist(), ri.tolist(), w.tolist()):
+            acc[canon_row(lrows[x] + (rrows[y] if y >= 0 else (None, None)))] += ww
+        return {k: v for k, v in acc.items() if v}
+
+    hashed = pairs(zl, zr, *zl.join_rows(zr, ["k"], ["id"], left_outer=left_outer))
+    L, R = zl.index_by(["k"]), zr.index_by(["id"])
+    indexed = pairs(L.zset, R.zset, *L.join(R, left_outer=left_outer))
+    if left_outer:  # right rows index the consolidated right side
+        hashed = pairs(zl, zr.consolidate(), *zl.join_rows(zr, ["k"], ["id"], left_outer=True))
+    assert hashed == indexed
+
+
 def test_join_small_against_large_does_not_scan():
     big = dbsp.ZSet.from_arrow(pa.table({"id": np.arange(200_000), "v": np.arange(200_000)})).index_by(["id"])
     small = dbsp.ZSet.from_arrow(pa.table({"k": [5, 199_999, -1]})).index_by(["k"])
