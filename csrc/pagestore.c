@@ -1000,14 +1000,6 @@ int dbsp_pagestore_begin(DbspPageStore *ps, uint64_t v, DbspTxn **out) {
         return dbsp_storage_fail(DBSP_ENOTFOUND, 0, "pagestore %s: version %llu is not openable", ps->path,
                                  (unsigned long long)v);
     int rc;
-    if (ps->valid[!s]) { /* discard the other version durably before any of its pages can be reused */
-        unsigned char zero[META_USED] = {0};
-        ps->valid[!s] = 0;
-        if ((rc = ps->vfs->pwrite(ps->f, zero, sizeof zero, (uint64_t)(!s) * PS)) || (rc = ps->vfs->fsync(ps->f))) {
-            ps->failed = 1;
-            return rc;
-        }
-    }
     DbspTxn *t = calloc(1, sizeof *t);
     if (!t) return oom();
     t->ps = ps;
@@ -1029,6 +1021,15 @@ int dbsp_pagestore_begin(DbspPageStore *ps, uint64_t v, DbspTxn **out) {
     }
     if (t->pool.n != ps->meta[s].nfree) { rc = ps_corrupt(ps, ps->meta[s].freelist, "free count differs from meta"); goto fail; }
     qsort(t->pool.a, t->pool.n, sizeof *t->pool.a, cmp_u64_desc); /* pop the lowest page first */
+    /* only now that v's free list checked out: discard the other version durably before reusing its pages */
+    if (ps->valid[!s]) {
+        unsigned char zero[META_USED] = {0};
+        ps->valid[!s] = 0;
+        if ((rc = ps->vfs->pwrite(ps->f, zero, sizeof zero, (uint64_t)(!s) * PS)) || (rc = ps->vfs->fsync(ps->f))) {
+            ps->failed = 1;
+            goto fail;
+        }
+    }
     ps->txn = t;
     *out = t;
     return DBSP_OK;
