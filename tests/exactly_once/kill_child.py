@@ -52,7 +52,8 @@ def forked(d: str, seed: int, batches: int, workers: int, run_no: int, crash: st
 def run(d: str, seed: int, batches: int, workers: int, run: int) -> int:
     root = os.path.dirname(os.path.abspath(d))
     c = build_circuit()
-    p = dbsp.Pipeline(c, workers=workers, storage=d, checkpoint_interval=None)
+    # small log segments, so checkpoints truncate the input log (GC runs under the kills too)
+    p = dbsp.Pipeline(c, workers=workers, storage=d, checkpoint_interval=None, segment_bytes=4096)
     print("READY", flush=True)
     rng = random.Random(f"{seed}/{run}")
     done = threading.Event()

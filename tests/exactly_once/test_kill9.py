@@ -145,9 +145,10 @@ def check_seed(root: str, seed: int, runner=run_forked) -> dict:
         expect_keys = {(f"{pr}.{k}", s) for pr in PRODUCERS for s in range(BATCHES)
                        for k in range(len(batch(seed, pr, s)))}
         assert set(seen) == expect_keys, f"seed {seed}: pushes missing {sorted(expect_keys - set(seen))[:5]}"
+        truncated = (p._input.first_step or 0) > 0  # the input log was garbage-collected under the kills
     finally:
         p.close(checkpoint=False)
-    return {"kills": kills, "duplicates": dups, "steps": last}
+    return {"kills": kills, "duplicates": dups, "steps": last, "truncated": truncated}
 
 
 def test_kill9_seeds(tmp_path):
@@ -161,8 +162,10 @@ def test_kill9_seeds(tmp_path):
         results = list(ex.map(one, range(SEEDS)))
     kills = sum(r["kills"] for r in results)
     print(f"\n{SEEDS} seeds, {kills} kill -9s, {sum(r['duplicates'] for r in results)} duplicate acks, "
-          f"{sum(r['steps'] for r in results)} steps, {time.time() - t0:.1f}s")
+          f"{sum(r['steps'] for r in results)} steps, {sum(r['truncated'] for r in results)} seeds with a "
+          f"truncated input log, {time.time() - t0:.1f}s")
     assert kills >= SEEDS // 2  # the kills really happen (most crash points are reached)
+    assert sum(r["truncated"] for r in results) >= SEEDS // 10  # and GC really runs
 
 
 def test_kill9_subprocess_seeds(tmp_path):
