@@ -17,7 +17,7 @@ import pytest
 
 from dbsp_core.storage import Database, StepLog
 
-CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kill_child.py")
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "storage_kill_child.py")
 KILLS = int(os.environ.get("DBSP_STORAGE_KILLS", "200"))
 
 
