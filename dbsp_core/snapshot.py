@@ -25,7 +25,7 @@ import pyarrow as pa
 
 from dbsp_core.codec import decode_batch, decode_zset, encode_batch, encode_zset, zset_batch
 from dbsp_core.errors import DbspError
-from dbsp_core.storage import DatabaseHandle, shard_key, shard_of_key
+from dbsp_core.storage import SHARD_PREFIX_BYTES, DatabaseHandle, shard_key, shard_of_key
 from dbsp_core.trace import Trace
 from dbsp_core.zset import IndexedZSet, ZSet
 
@@ -139,25 +139,29 @@ class WorkerSnapshot:
             for name in traces:
                 trace: Trace = getattr(inst, name)
                 table = f"s{node_id}.{name}"
-                parts, keys = [], []
-                for k, v in h.scan(table):
+                groups: dict[bytes, tuple[list[ZSet], list[bytes]]] = {}
+                for k, v in h.scan(table):  # keys sort by shard, then batch number
+                    parts, keys = groups.setdefault(k[SHARD_PREFIX_BYTES:], ([], []))
                     parts.append(decode_batch(v, trace.schema, f"{where} {table} shard {shard_of_key(k)}"))
                     keys.append(k)
                 trace.clear()
-                parts = [p for p in parts if p.num_rows]
-                if parts:
+                batches = []
+                for number in sorted(groups):  # batch number order is spine order
+                    parts, keys = groups[number]
                     z = parts[0] if len(parts) == 1 else ZSet.concat(parts)
-                    trace.insert(z.index_by(list(trace.key)))
+                    # shard slices of one key-hash-sorted batch, in shard order: the batch itself
+                    b = IndexedZSet._make(ZSet._make(z.data, z.weights), trace.key, z.hash(list(trace.key)))
+                    trace.insert(b)
+                    batches.append((b, keys))
                     rows += z.num_rows
-                    spine = trace.batches
-                    # the restored batch stands for every stored key until it is merged away
-                    self._saved[table] = {id(spine[0]): (spine[0], keys)} if len(spine) == 1 else {}
-                    if len(spine) != 1:  # pragma: no cover - index_by yields one batch
+                spine = {id(b) for b in trace.batches}
+                saved = {id(b): (b, keys) for b, keys in batches}
+                if set(saved) != spine:  # pragma: no cover - settling merged restored batches: rewrite them all
+                    for _, keys in batches:
                         for k in keys:
                             h.delete(table, k)
-                elif keys:
-                    for k in keys:
-                        h.delete(table, k)
+                    saved = {}
+                self._saved[table] = saved
             for name in zsets:
                 cur: ZSet = getattr(inst, name)
                 table = f"z{node_id}.{name}"
