@@ -567,6 +567,28 @@ class DurablePipeline(Pipeline):
         """Yields ``(step, change)`` of output ``name`` for every logged step from ``from_step``, once each, in order."""
         return self._output.read(name, from_step)
 
+    def read_input(self, step: int) -> dict[str, ZSet]:
+        """The input of a divided step as one Z-set per input handle (seed 000 ``read(step)``).
+
+        Raises LookupError if the step is not divided yet or its records were truncated below the low watermark.
+        """
+        if not 0 <= step < self._open_step:
+            raise LookupError(f"step {step} is not divided yet (the next step is {self._open_step})")
+        first = self._input.first_step
+        if first is None or step < first:
+            raise LookupError(f"the input of step {step} was truncated below the low watermark")
+        parts: dict[str, list[ZSet]] = {h: [] for h in self._inputs}
+        divided = False
+        for r in self._input.iter_from(step, step):
+            if r.handle == DIVISION_HANDLE:
+                divided = True
+            else:
+                parts[r.handle].append(decode_zset(r.payload, self._inputs[r.handle], f"{self.storage} step {step}"))
+        if not divided:
+            raise LookupError(f"the input of step {step} was truncated below the low watermark")
+        return {h: (ZSet.concat(ps).consolidate() if len(ps) > 1 else ps[0].consolidate() if ps
+                    else ZSet.empty(self._inputs[h])) for h, ps in parts.items()}
+
     def output_inputs(self, step: int) -> list[dict]:
         """The input (handle, producer, first_seq..last_seq ranges) that produced output step ``step``."""
         return self._output.inputs_of(step)

@@ -381,3 +381,30 @@ def test_damaged_input_log_or_state_is_an_error_not_wrong_data(tmp_path):
     # gone, and recovery refuses because the output log shows that step 1 happened
     with pytest.raises(CorruptionError, match="divides input only up to step 0"):
         dbsp.Pipeline.open(d, build_circuit())
+
+
+def test_read_input_returns_each_step_as_divided(tmp_path):
+    s = Stream(str(tmp_path / "d"))
+    s.add(2)
+    s.step()
+    s.add(1)
+    s.step()
+    s.stop(checkpoint=False)
+    s.restart()
+    whole = {}
+    for step in range(2):
+        for h, z in s.p.read_input(step).items():
+            whole[h] = z if h not in whole else whole[h] + z
+    s.counts = {pr: 3 for pr in PRODUCERS}
+    from workload import batch as wbatch, to_table  # noqa: E402
+
+    want = {}
+    for pr in PRODUCERS:
+        for seq in range(3):
+            for h, rows, weights in wbatch(s.seed, pr, seq):
+                z = dbsp.ZSet.from_arrow(to_table(h, rows, weights).drop_columns(["weight"]), weights=weights)
+                want[h] = z if h not in want else want[h] + z
+    assert all(whole[h] == want[h] for h in want)
+    with pytest.raises(LookupError):
+        s.p.read_input(2)
+    s.stop()
