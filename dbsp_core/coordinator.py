@@ -5,10 +5,10 @@ Invariants (enforced here):
      intersection raises RecoveryError. After a completed checkpoint the next epoch's ``v`` is one more.
   2. A checkpoint pauses every worker (each returns its step), takes the maximum, stops every worker at that
      step (a worker behind it would have to run on; in the embedded runtime all workers step in lockstep,
-     so a worker that is not exactly at it is a fatal error), then each worker saves its state, ``set_step``
-     and commits. Only after every worker committed does any worker open the new version; opening it
-     discards the older one, so at every instant the newest version common to all workers is a complete
-     checkpoint.
+     so a worker that is not exactly at it is a fatal error) and captures its state there (a snapshot plan of
+     immutable batches). Then, possibly while later steps run, each worker writes the plan, ``set_step`` and
+     commits. Only after every worker committed does any worker open the new version; opening it discards
+     the older one, so at every instant the newest version common to all workers is a complete checkpoint.
   3. The low watermark (the oldest step any worker can still be opened at) is the step of the oldest
      version that some worker still holds; logs may be truncated below it.
 """
@@ -46,6 +46,10 @@ class WorkerStore:
         self._paused = None
         return self.step
 
+    def reopen(self, version: int) -> None:
+        """Open ``version`` after this worker committed it; the worker's step (maybe past it) is unchanged."""
+        self.handle = self.db.open(version)
+
     def advance(self) -> None:
         """The worker finished one step."""
         if self._paused is not None:
@@ -56,19 +60,24 @@ class WorkerStore:
         self._paused = self.step
         return self.step
 
-    def stop(self, step: int, extra: Callable[[DatabaseHandle], None] | None = None) -> None:
-        """Save state at ``step``, ``set_step`` and commit (invariant 2)."""
+    def stop(self, step: int) -> list[tuple]:
+        """Stop at ``step``: capture the state to save (a snapshot plan) and resume stepping (invariant 2)."""
         if self.step != step:
             raise RecoveryError(f"worker {self.index} is at step {self.step}, the checkpoint is at {step}")
+        plan = self.snapshot.prepare()
+        self._paused = None
+        return plan
+
+    def commit(self, step: int, plan: list[tuple], extra: Callable[[DatabaseHandle], None] | None = None) -> None:
+        """Write the captured state, ``set_step(step)`` and commit (may run while later steps go on)."""
         h = self.handle
         assert h is not None
-        self.snapshot.save(h)
+        self.snapshot.apply(h, plan)
         if extra is not None:
             extra(h)
         h.set_step(step)
         h.commit()
         self.handle = None
-        self._paused = None
 
     def close(self) -> None:
         if self.handle is not None and not self.handle.closed:
@@ -103,19 +112,29 @@ class Coordinator:
         self.version = v
         return steps.pop()
 
-    def checkpoint(self, extra0: Callable[[DatabaseHandle], None] | None = None) -> int:
-        """Pause, stop at the maximum step, commit every worker, then open the new version. Returns the step."""
+    def begin_checkpoint(self) -> tuple[int, list[list[tuple]]]:
+        """Pause every worker, take the maximum step and stop every worker there, capturing its state."""
         step = max(s.pause() for s in self.stores)
-        for i, s in enumerate(self.stores):
-            s.stop(step, extra0 if i == 0 else None)
+        return step, [s.stop(step) for s in self.stores]
+
+    def finish_checkpoint(self, step: int, plans: list[list[tuple]],
+                          extra0: Callable[[DatabaseHandle], None] | None = None) -> int:
+        """Commit every worker's captured state at ``step``, then open the new version everywhere (invariant 2)."""
+        for i, (s, plan) in enumerate(zip(self.stores, plans)):
+            s.commit(step, plan, extra0 if i == 0 else None)
             self._crash("checkpoint-commit")
         self._crash("checkpoint-committed")
         v = self.version + 1
         for s in self.stores:
-            s.start(v)  # discards version v - 1 (invariant 2)
+            s.reopen(v)  # discards version v - 1 (invariant 2)
         self.version = v
         self.checkpoints += 1
         return step
+
+    def checkpoint(self, extra0: Callable[[DatabaseHandle], None] | None = None) -> int:
+        """Pause, stop at the maximum step, commit every worker, then open the new version. Returns the step."""
+        step, plans = self.begin_checkpoint()
+        return self.finish_checkpoint(step, plans, extra0)
 
     def close(self) -> None:
         for s in self.stores:

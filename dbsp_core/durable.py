@@ -21,10 +21,11 @@ Invariants (enforced here):
      the logged ``now`` and ``seed``.
   4. Every step's output goes through ``OutputLog.write`` (discard / verify / append, seed 000); with replay
      checking on (the default) a replayed step whose output differs raises ReplayMismatchError.
-  5. A checkpoint flushes the output log, then runs the coordinator protocol (coordinator.py). Only after
-     every worker opened the new version are the input log truncated below the checkpoint's step (the low
-     watermark) and old output dropped (output at or after the checkpoint step is always kept, so replays
-     can be verified).
+  5. A checkpoint runs the coordinator protocol (coordinator.py): steps pause while every worker's state is
+     captured, then the output log is flushed and every worker commits (on a background thread for timer
+     checkpoints, while later steps run). Only after every worker opened the new version are the input log
+     truncated below the checkpoint's step (the low watermark) and old output dropped (output at or after
+     the checkpoint step is always kept, so replays can be verified).
   6. Recovery opens every worker at the newest common version, restores operator state, replays every
      divided step from the version's step (verifying output already in the log, appending the rest), then
      queues the acknowledged pushes never divided into a step for the next step. A directory written by a
@@ -301,6 +302,7 @@ class DurablePipeline(Pipeline):
         self.now_ns: int | None = None
         self.seed: int | None = None
         self._now_floor = 0
+        self._ckpt_thread: threading.Thread | None = None
         self.stats = {"pushes": 0, "duplicates": 0, "checkpoints": 0, "last_checkpoint_s": 0.0,
                       "recovery_s": 0.0, "replayed_steps": 0, "recovered_pushes": 0}
         os.makedirs(root, exist_ok=True)
@@ -520,20 +522,23 @@ class DurablePipeline(Pipeline):
             out = self._run_step(step, inputs, now_ns, seed, _ranges(entries))
             if self.checkpoint_interval is not None and \
                     time.monotonic() - self._last_checkpoint >= self.checkpoint_interval:
-                self.checkpoint()
+                self.checkpoint(wait=False)
             return out
 
     # ---- checkpoints ----
 
-    def checkpoint(self) -> int:
-        """Commit a checkpoint of every worker now (seed-000 protocol); returns its step.
+    def checkpoint(self, wait: bool = True) -> int:
+        """Take a checkpoint of every worker (seed-000 protocol); returns its step.
 
-        Pushes continue meanwhile; steps wait. Afterwards the input log is truncated below the checkpoint.
+        Steps pause only while each worker's state is captured (cheap: immutable batches); the state is then
+        written and committed, before this returns with ``wait=True`` (on demand) or on a background thread with
+        ``wait=False`` (the timer), while later steps run. Pushes never wait. After the commit the input log is
+        truncated below the checkpoint's step. One checkpoint runs at a time.
         """
         self._check_usable()
         with self._step_lock:
+            self._join_checkpoint()
             t0 = time.perf_counter()
-            self._output.flush()
             crashpoint("checkpoint-start")
             with self._cond:
                 seen = _Seen()
@@ -546,20 +551,49 @@ class DurablePipeline(Pipeline):
                 h.put(_DEDUP_TABLE + ".clock", b"now", encode_json(b"DCLK", {"now_ns": floor}))
 
             try:
-                step = self._coord.checkpoint(save0)
+                step, plans = self._coord.begin_checkpoint()
             except BaseException as exc:
-                # workers may hold different versions and the incremental snapshot state is ahead of the
-                # database: only recovery (Pipeline.open) knows the consistent state again
                 self._broken = exc
                 raise
-            crashpoint("checkpoint-gc")
-            self._input.truncate_below(step)  # the low watermark: every worker now holds only this version
-            if self.output_retention is not None:
-                self._output.truncate_below(min(step, self._output.last - self.output_retention))
+
+            def finish() -> None:
+                try:
+                    self._output.flush()  # output of every step below the checkpoint is durable before it
+                    self._coord.finish_checkpoint(step, plans, save0)
+                    crashpoint("checkpoint-gc")
+                    self._input.truncate_below(step)  # the low watermark: every worker now holds only this version
+                    if self.output_retention is not None:
+                        self._output.truncate_below(min(step, self._output.last - self.output_retention))
+                    self.stats["checkpoints"] += 1
+                    self.stats["last_checkpoint_s"] = time.perf_counter() - t0
+                except BaseException as exc:
+                    # workers may hold different versions and the incremental snapshot state is ahead of the
+                    # database: only recovery (Pipeline.open) knows the consistent state again
+                    self._broken = exc
+                    raise
+
             self._last_checkpoint = time.monotonic()
-            self.stats["checkpoints"] += 1
-            self.stats["last_checkpoint_s"] = time.perf_counter() - t0
+            if wait:
+                finish()
+            else:
+                self._ckpt_thread = threading.Thread(target=self._background, args=(finish,),
+                                                     name="dbsp-checkpoint", daemon=True)
+                self._ckpt_thread.start()
             return step
+
+    def _background(self, finish: Any) -> None:
+        try:
+            finish()
+        except BaseException:  # recorded in self._broken; raised by the next call
+            pass
+
+    def _join_checkpoint(self) -> None:
+        """Wait for a background checkpoint; raise if it failed."""
+        t = self._ckpt_thread
+        if t is not None:
+            t.join()
+            self._ckpt_thread = None
+        self._check_usable()
 
     # ---- output ----
 
@@ -627,6 +661,10 @@ class DurablePipeline(Pipeline):
         if self._workers is None:
             return
         with self._step_lock:
+            t = self._ckpt_thread
+            if t is not None:
+                t.join()
+                self._ckpt_thread = None
             if checkpoint and self._broken is None:
                 self.checkpoint()
             self._shutdown_storage()

@@ -53,19 +53,6 @@ def _is_config_list(val: Any) -> bool:
     return False
 
 
-def _batch_shards(batch: IndexedZSet, shard_bits: int) -> dict[int, bytes]:
-    """The encoded non-empty per-shard slices of one key-hash-sorted trace batch."""
-    if len(batch) == 0:
-        return {}
-    bounds = batch.shard_bounds(shard_bits)
-    rb = zset_batch(batch.zset)
-    out = {}
-    for s in np.flatnonzero(np.diff(bounds) > 0).tolist():
-        lo, hi = int(bounds[s]), int(bounds[s + 1])
-        out[s] = encode_batch(rb.slice(lo, hi - lo))
-    return out
-
-
 def _sync_table(h: DatabaseHandle, table: str, values: dict[bytes, bytes]) -> int:
     """Make ``table`` hold exactly ``values``; returns how many keys were written or deleted."""
     changed = 0
@@ -96,9 +83,13 @@ class WorkerSnapshot:
         self._saved: dict[str, dict[int, tuple[Any, list[bytes]]]] = {}
         self._next = 0  # batch number of the next batch written
 
-    def save(self, h: DatabaseHandle) -> int:
-        """Write the state into ``h``; returns the number of keys written or deleted."""
-        changed = 0
+    def prepare(self) -> list[tuple]:
+        """Capture what the next save writes, without encoding or I/O (cheap; call it while steps are paused).
+
+        Returns a plan for :meth:`apply`: it holds only immutable batches and Z-sets, so steps may run on
+        while another thread applies it. Marks the planned batches as saved.
+        """
+        plan: list[tuple] = []
         for node_id, inst in self.instances.items():
             traces, zsets = state_attrs(node_id, inst)
             for name in traces:
@@ -107,26 +98,48 @@ class WorkerSnapshot:
                 spine = getattr(inst, name).batches  # settles pending batches
                 live = {id(b) for b in spine}
                 for bid in [k for k in saved if k not in live]:
-                    for key in saved.pop(bid)[1]:
-                        h.delete(table, key)
-                        changed += 1
+                    plan.append(("delete", table, saved.pop(bid)[1]))
                 for b in spine:
                     if id(b) in saved:
                         continue
-                    keys = []
                     number = self._next.to_bytes(8, "big")
                     self._next += 1
-                    for shard, blob in _batch_shards(b, self.shard_bits).items():
-                        key = shard_key(shard, number)
-                        h.put(table, key, blob)
-                        keys.append(key)
+                    bounds = b.shard_bounds(self.shard_bits) if len(b) else np.zeros(1, dtype=np.int64)
+                    shards = np.flatnonzero(np.diff(bounds) > 0).tolist()
+                    keys = [shard_key(sh, number) for sh in shards]
                     saved[id(b)] = (b, keys)
-                    changed += len(keys)
+                    plan.append(("batch", table, b, bounds, shards, keys))
             for name in zsets:
-                z = getattr(inst, name)
-                changed += _sync_table(h, f"z{node_id}.{name}", {b"all": encode_zset(z)} if z.num_rows else {})
-        h.put("snapshot", b"next", self._next.to_bytes(8, "big"))
+                plan.append(("zset", f"z{node_id}.{name}", getattr(inst, name)))
+        plan.append(("next", self._next))
+        return plan
+
+    @staticmethod
+    def apply(h: DatabaseHandle, plan: list[tuple]) -> int:
+        """Encode and write a :meth:`prepare` plan into ``h``; returns the number of keys written or deleted."""
+        changed = 0
+        for op in plan:
+            if op[0] == "delete":
+                for key in op[2]:
+                    h.delete(op[1], key)
+                changed += len(op[2])
+            elif op[0] == "batch":
+                _, table, b, bounds, shards, keys = op
+                rb = zset_batch(b.zset)
+                for sh, key in zip(shards, keys):
+                    lo, hi = int(bounds[sh]), int(bounds[sh + 1])
+                    h.put(table, key, encode_batch(rb.slice(lo, hi - lo)))
+                changed += len(keys)
+            elif op[0] == "zset":
+                z = op[2]
+                changed += _sync_table(h, op[1], {b"all": encode_zset(z)} if z.num_rows else {})
+            else:
+                h.put("snapshot", b"next", op[1].to_bytes(8, "big"))
         return changed
+
+    def save(self, h: DatabaseHandle) -> int:
+        """Write the state into ``h`` (:meth:`prepare` then :meth:`apply`); returns the keys written or deleted."""
+        return self.apply(h, self.prepare())
 
     def load(self, h: DatabaseHandle, where: str) -> int:
         """Restore the state saved by :meth:`save` into fresh instances; returns the number of rows loaded."""

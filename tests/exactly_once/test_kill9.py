@@ -105,7 +105,7 @@ def run_forked(d: str, seed: int, workers: int, run: int, crash: str | None, kil
 def check_seed(root: str, seed: int, runner=run_forked) -> dict:
     """Kill the child twice (crash point or timer), finish it, then check invariants 1-3."""
     rng = random.Random(seed)
-    workers = 1 + seed % 3
+    workers = 1 + (seed // 2) % 3
     d = os.path.join(root, "store")
     kills = 0
     for run in range(2):

@@ -85,17 +85,19 @@ def test_restart_in_the_middle_of_a_checkpoint(tmp_path, monkeypatch):
     s.step()
     s.add(1)
     s.step()
-    real_stop = WorkerStore.stop
+    real_commit = WorkerStore.commit
 
-    def stop(self, step, extra=None):
+    def commit(self, step, plan, extra=None):
         if self.index == 1:  # worker 0 has committed the new version, worker 1 "crashes" before its commit
             raise OSError("simulated crash during the checkpoint commit")
-        return real_stop(self, step, extra)
+        return real_commit(self, step, plan, extra)
 
-    monkeypatch.setattr(WorkerStore, "stop", stop)
+    monkeypatch.setattr(WorkerStore, "commit", commit)
     with pytest.raises(OSError):
         s.p.checkpoint()
-    monkeypatch.setattr(WorkerStore, "stop", real_stop)
+    monkeypatch.setattr(WorkerStore, "commit", real_commit)
+    with pytest.raises(dbsp.DbspError, match="broken"):  # a failed checkpoint breaks the pipeline
+        s.p.step()
     s.p._shutdown_storage()  # abandon the process state, as a crash would
     versions = [dbsp.storage.Database(os.path.join(s.d, f"worker-{w}.db")).versions() for w in range(2)]
     assert versions[0] != versions[1]  # worker 0 holds one version more than worker 1
