@@ -394,6 +394,8 @@ class DurablePipeline(Pipeline):
             if r.producer:
                 self._seen.add(r.producer, r.seq)
         self.stats["recovered_pushes"] = len(tail)
+        if self.now_ns is None and self._now_floor:
+            self.now_ns = self._now_floor  # the now of the latest step, from the checkpoint
         self.steps = step
         self._open_step = step
         self.stats["recovery_s"] = time.perf_counter() - t0
