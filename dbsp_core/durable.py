@@ -456,8 +456,11 @@ class DurablePipeline(Pipeline):
             crashpoint("push-append")
             self._input.append(step, handle, payload, producer=prod, seq=sq)
             crashpoint("push-acked")
-        except BaseException:
+        except BaseException as exc:
+            # the record may or may not be durable: only recovery (which reads the log) can tell, so a retry in
+            # this process could count it twice; stop accepting work (like a failed fsync in a database)
             with self._cond:
+                self._broken = exc
                 self._inflight -= 1
                 self._inflight_keys.discard((prod, sq))
                 self._cond.notify_all()

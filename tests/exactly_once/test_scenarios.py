@@ -410,3 +410,29 @@ def test_read_input_returns_each_step_as_divided(tmp_path):
     with pytest.raises(LookupError):
         s.p.read_input(2)
     s.stop()
+
+
+def test_failed_append_breaks_the_pipeline_and_recovery_counts_the_push_once(tmp_path, monkeypatch):
+    d = str(tmp_path / "d")
+    s = Stream(d)
+    log = s.p._input
+    real = type(log).append
+
+    def append_then_fail(self, *a, **kw):  # the record reaches the log, then the call reports an error
+        real(self, *a, **kw)
+        raise dbsp.StorageError("simulated EIO after the write")
+
+    monkeypatch.setattr(type(log), "append", append_then_fail)
+    with pytest.raises(dbsp.StorageError):
+        push_batch(s.p, s.seed, "p0", 0)
+    monkeypatch.setattr(type(log), "append", real)
+    with pytest.raises(dbsp.DbspError, match="broken"):
+        push_batch(s.p, s.seed, "p0", 0)  # the retry is refused in this process...
+    s.p.close()
+    s.restart()
+    assert all(a.duplicate for a in push_batch(s.p, s.seed, "p0", 0))  # ...and after recovery counted once
+    push_batch(s.p, s.seed, "p1", 0)
+    s.step()
+    s.counts = {"p0": 1, "p1": 1}
+    s.check()
+    s.stop()
