@@ -161,7 +161,11 @@ def circuit_fingerprint(circuit: Circuit) -> str:
             elif isinstance(v, Operator):
                 parts.append(f"{k}=node#{v.node_id}")
             elif callable(v):
-                parts.append(f"{k}=<{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', type(v).__name__)}>")
+                code = getattr(v, "__code__", None)  # the function's body too, so two lambdas differ
+                body = "" if code is None else hashlib.sha256(code.co_code + re.sub(
+                    r" at 0x[0-9a-fA-F]+", "", repr(code.co_consts) + repr(code.co_names)).encode()).hexdigest()
+                parts.append(f"{k}=<{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', type(v).__name__)}"
+                             f":{body}>")
             else:
                 # e.g. pyarrow compute expressions print their full text; addresses vary between processes
                 parts.append(f"{k}=" + re.sub(r" at 0x[0-9a-fA-F]+", "", str(v)))
