@@ -314,7 +314,8 @@ class DurablePipeline(Pipeline):
         self._input = self._output = self._coord = None  # type: ignore[assignment]
         try:
             meta = {"format": FORMAT_VERSION, "fingerprint": self.fingerprint, "workers": workers,
-                    "shard_bits": shard_bits, "inputs": sorted(self._inputs), "outputs": sorted(self._out_schemas)}
+                    "shard_bits": shard_bits, "inputs": sorted(self._inputs), "outputs": sorted(self._out_schemas),
+                    "output_schemas": {n: sch.serialize().to_pybytes().hex() for n, sch in self._out_schemas.items()}}
             try:
                 old = read_meta(root)
             except FileNotFoundError:
@@ -695,6 +696,31 @@ def open_pipeline(path: str | os.PathLike, circuit: Circuit, **kwargs: Any) -> D
     if meta.get("format") != FORMAT_VERSION:
         raise DbspError(f"{root}: storage format {meta.get('format')}, this build reads {FORMAT_VERSION}")
     return DurablePipeline(circuit, meta["workers"], meta["shard_bits"], root, **kwargs)
+
+
+def open_output(path: str | os.PathLike) -> OutputLog:
+    """The output log of a storage directory, read-only, for consumers in other processes (no circuit needed).
+
+    It may be read while the pipeline runs: :meth:`OutputLog.refresh` picks up new steps, a record being
+    written is not shown until it is complete, and steps dropped by retention raise LookupError.
+
+    >>> import tempfile, pyarrow as pa
+    >>> c = Circuit(); s = c.input("x", pa.schema([("a", pa.int64())])); c.output("o", s.distinct())
+    >>> d = tempfile.mkdtemp(); p = Pipeline(c, storage=d); _ = p.push("x", pa.table({"a": [1]})); _ = p.step()
+    >>> log = open_output(d)
+    >>> [(step, z.to_dict()) for step, z in log.read("o", 0)]
+    [(0, {(1,): 1})]
+    >>> _ = p.push("x", pa.table({"a": [2]})); _ = p.step(); log.refresh()
+    >>> range(log.first, log.last)
+    range(0, 2)
+    >>> p.close(); log.close()
+    """
+    root = os.fspath(path)
+    meta = read_meta(root)
+    if "output_schemas" not in meta:
+        raise DbspError(f"{root} was written before output schemas were recorded; open it with Pipeline.open")
+    schemas = {n: pa.ipc.read_schema(pa.py_buffer(bytes.fromhex(h))) for n, h in meta["output_schemas"].items()}
+    return OutputLog(os.path.join(root, "output"), {n: schemas[n] for n in meta["outputs"]}, readonly=True)
 
 
 def inspect_storage(path: str | os.PathLike) -> dict:

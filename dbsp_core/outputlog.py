@@ -76,15 +76,17 @@ class OutputLog:
     """
 
     def __init__(self, path: str, schemas: dict[str, pa.Schema], *, check: bool = True, sync: bool = True,
-                 segment_bytes: int = 16 << 20) -> None:
+                 segment_bytes: int = 16 << 20, readonly: bool = False) -> None:
         self.path = os.fspath(path)
         self.schemas = dict(schemas)
         self.names = list(self.schemas)
         self.check = check
         self.sync = sync
         self.segment_bytes = segment_bytes
+        self.readonly = readonly
         self._lock = threading.Lock()
-        os.makedirs(self.path, exist_ok=True)
+        if not readonly:
+            os.makedirs(self.path, exist_ok=True)
         self._index: dict[int, tuple[str, int, int]] = {}  # step -> (segment file, offset, frame length)
         self._segments: list[tuple[int, str]] = []  # (first step, file name), ascending
         self.first = 0
@@ -96,6 +98,7 @@ class OutputLog:
     # ---- open ----
 
     def _scan(self) -> None:
+        self._index, self._segments = {}, []
         names = sorted(n for n in os.listdir(self.path) if n.startswith("out-") and n.endswith(".seg"))
         expect = None
         for k, name in enumerate(names):
@@ -112,6 +115,8 @@ class OutputLog:
                 if rec is None:
                     if not newest:
                         raise CorruptionError(f"{fpath}: bad record at offset {off} of a sealed segment")
+                    if self.readonly:  # a record being written (or a torn one the writer will cut off)
+                        break
                     os.truncate(fpath, off)  # torn tail of the newest segment (invariant 2)
                     data = data[:off]
                     break
@@ -128,9 +133,17 @@ class OutputLog:
         if self._segments:
             self.first = self._segments[0][0]
             self.last = expect if expect is not None else self.first
-            self._open_tail(self._segments[-1][1])
+            if not self.readonly:
+                self._open_tail(self._segments[-1][1])
+        elif self.readonly:
+            self.first = self.last = 0
         else:
             self._new_segment(0)
+
+    def refresh(self) -> None:
+        """A read-only log: pick up records appended (and segments dropped) by the writer since the last scan."""
+        with self._lock:
+            self._scan()
 
     def _parse(self, data: bytes, off: int, where: str) -> tuple[int, int] | None:
         if len(data) - off < _HEAD.size:
@@ -180,6 +193,8 @@ class OutputLog:
 
         ``inputs`` describes the input that produced the step (see :meth:`inputs_of`).
         """
+        if self.readonly:
+            raise ValueError("output log: opened read-only")
         with self._lock:
             if step < self.first:
                 return "discarded"
@@ -217,9 +232,12 @@ class OutputLog:
     def _read_locked(self, step: int) -> tuple[dict, dict[str, ZSet]]:
         name, off, length = self._index[step]
         fpath = os.path.join(self.path, name)
-        with open(fpath, "rb") as f:
-            f.seek(off)
-            data = f.read(length)
+        try:
+            with open(fpath, "rb") as f:
+                f.seek(off)
+                data = f.read(length)
+        except FileNotFoundError:
+            raise LookupError(f"output step {step} was dropped by retention") from None
         rec = self._parse(data, 0, fpath)
         if rec is None or rec[0] != step:
             raise CorruptionError(f"{fpath}: record of step {step} at offset {off} fails its checksum")
@@ -230,10 +248,10 @@ class OutputLog:
             parts.append(body[pos + 4:pos + 4 + n])
             pos += 4 + n
         meta = json.loads(parts[0].decode("utf-8"))
-        if meta["outputs"] != self.names:
+        if sorted(meta["outputs"]) != sorted(self.names) or len(parts) != len(self.names) + 1:
             raise CorruptionError(f"{fpath}: step {step} holds outputs {meta['outputs']}, expected {self.names}")
         zs = {n: decode_zset(p, self.schemas[n], f"{fpath} step {step} output {n}")
-              for n, p in zip(self.names, parts[1:])}
+              for n, p in zip(meta["outputs"], parts[1:])}
         return meta, zs
 
     def get(self, step: int) -> dict[str, ZSet]:

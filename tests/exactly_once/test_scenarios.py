@@ -467,3 +467,31 @@ def test_filter_now_replays_and_its_predicate_is_part_of_the_fingerprint(tmp_pat
     got, _ = integral(q, "due")
     assert got == {(k, t + k * 1_000_000): 1 for k in range(8) if t + k * 1_000_000 <= q.now_ns}
     q.close()
+
+
+def test_a_consumer_process_reads_the_output_log_while_the_pipeline_runs(tmp_path):
+    from dbsp_core.durable import open_output
+
+    d = str(tmp_path / "d")
+    s = Stream(d, segment_bytes=4096, output_retention=2)
+    log = open_output(d)  # read-only, no circuit; another process would do the same
+    seen = []
+    for _ in range(10):
+        s.add(1)
+        s.step()
+        log.refresh()
+        for step, z in log.read("by_cat", seen[-1][0] + 1 if seen else 0):
+            seen.append((step, z))
+        s.p.checkpoint()
+    assert [st for st, _ in seen] == list(range(10))  # every step once, in order, while retention drops old ones
+    acc = {}
+    for _, z in seen:
+        for row, w in z.to_dict().items():
+            acc[row] = acc.get(row, 0) + w
+    assert {r: w for r, w in acc.items() if w} == oracle(s.seed, s.counts)["by_cat"]
+    log.refresh()
+    assert log.first > 0
+    with pytest.raises(ValueError, match="read-only"):
+        log.write(log.last, {})
+    log.close()
+    s.stop()
