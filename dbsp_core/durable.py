@@ -772,7 +772,7 @@ def _inspect(root: str, meta: dict) -> dict:
         divisions = [r.step for r in log.iter_from(0) if r.handle == DIVISION_HANDLE]
     info["divided_steps"] = [divisions[0], divisions[-1]] if divisions else None
     names = sorted(n for n in os.listdir(os.path.join(root, "output")) if n.endswith(".seg"))
-    out = OutputLog(os.path.join(root, "output"), {n: pa.schema([]) for n in meta["outputs"]}, check=False)
+    out = OutputLog(os.path.join(root, "output"), {n: pa.schema([]) for n in meta["outputs"]}, readonly=True)
     info["output_steps"] = [out.first, out.last]
     out.close()
     info["output_segments"] = len(names)
