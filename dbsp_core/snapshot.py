@@ -73,7 +73,9 @@ class WorkerSnapshot:
     A trace is saved batch by batch: every settled spine batch is written once, split by shard, under
     ``shard_key(shard, batch number)``; a later checkpoint writes only the batches that appeared since
     (new changes and merge results) and deletes the keys of batches that were merged away. So a checkpoint
-    costs what the trace's merges cost, amortized, not the size of the state.
+    costs what the trace's merges cost, amortized, not the size of the state. It keeps a reference to every
+    saved batch (so ids stay unique), so a batch merged away stays in memory until the next checkpoint:
+    at most about the size of the trace again.
     """
 
     def __init__(self, instances: dict[int, Any], shard_bits: int) -> None:
