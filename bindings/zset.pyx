@@ -140,8 +140,8 @@ cdef class BatchView:
     def __init__(self, table, weights=None, khash=None):
         cdef int32_t ncols = table.num_columns
         cdef int i
-        cdef int64_t[::1] wv
-        cdef uint64_t[::1] kv
+        cdef const int64_t[::1] wv
+        cdef const uint64_t[::1] kv
         self.refs = []
         self.kh = NULL
         self.cols = <CColumn *>malloc(max(ncols, 1) * sizeof(CColumn))
@@ -251,7 +251,7 @@ def negate(weights):
     """-weights as a new int64 array; WeightOverflowError for INT64_MIN."""
     w = np.ascontiguousarray(weights, dtype=np.int64)
     out = np.empty_like(w)
-    cdef int64_t[::1] wi = w
+    cdef const int64_t[::1] wi = w
     cdef int64_t[::1] wo = out
     cdef int64_t n = w.shape[0]
     cdef int st = DBSP_OK
@@ -273,8 +273,8 @@ def partition(khash, part_of_shard, int32_t nparts):
     cdef int64_t n = kh.shape[0]
     perm = np.empty(n, dtype=np.int64)
     offsets = np.empty(nparts + 1, dtype=np.int64)
-    cdef uint64_t[::1] pk = kh
-    cdef int32_t[::1] ps = pos
+    cdef const uint64_t[::1] pk = kh
+    cdef const int32_t[::1] ps = pos
     cdef int64_t[::1] pp = perm
     cdef int64_t[::1] po = offsets
     cdef int st

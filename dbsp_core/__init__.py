@@ -14,11 +14,14 @@ from dbsp_core.errors import (
     WeightOverflowError,
 )
 
+from dbsp_core.storage import Database, StepLog
 from dbsp_core.zset import HASH_VERSION, IndexedZSet, ZSet
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Database",
+    "StepLog",
     "HASH_VERSION",
     "IndexedZSet",
     "ZSet",

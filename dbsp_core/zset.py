@@ -148,6 +148,11 @@ class ZSet:
         z._data = _single_chunk(data)
         z._w = weights
         z._consolidated = consolidated
+        if consolidated and rhash is None:
+            # invariant 2 is checked, not trusted, when the caller cannot hand over the row hashes
+            rhash = _zset.hash_columns(z._data, list(range(z._data.num_columns)))
+            consolidated = _zset.check_order(z._data, weights, rhash, [])
+            z._consolidated = consolidated
         z._rhash = rhash if consolidated else None
         return z
 

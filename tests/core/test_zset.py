@@ -475,3 +475,16 @@ def test_aggregate_drops_empty_groups_and_validates():
         z.aggregate(["x"], [("count", None)])
     with pytest.raises(ValueError, match="at least one key"):
         z.aggregate([], [("count", None)])
+
+
+def test_read_only_arrays_and_unverified_consolidation_claims():
+    w = np.array([1, 2, 3], np.int64)
+    w.setflags(write=False)
+    z = dbsp.ZSet.from_arrow(pa.table({"k": [1, 1, 2]}), weights=w)
+    assert z.to_dict() == {(1,): 3, (2,): 3}
+    pos = np.array([0, 1], np.int32)
+    pos.setflags(write=False)
+    assert sum(p.num_rows for p in z.partition(["k"], pos, 2)) == 3
+    # a claim of consolidation without row hashes is checked: rows out of canonical order are not trusted
+    c = dbsp.ZSet._make(pa.table({"k": [2, 1]}), np.array([1, 1], np.int64), consolidated=True)
+    assert (c + z).to_dict() == {(1,): 4, (2,): 4}
