@@ -49,8 +49,9 @@ class Operator:
         """Per-worker runtime object with a ``step(inputs, ctx) -> ZSet`` method."""
         return self
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":  # pragma: no cover - abstract
-        raise NotImplementedError
+    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":  # pragma: no cover - a subclass bug
+        raise TypeError(f"{self.label} defines neither step() nor an instance() with a step(): every operator "
+                        "must compute its output from its inputs one way or the other")
 
 
 def nullable_schema(schema: pa.Schema) -> pa.Schema:
