@@ -164,7 +164,9 @@ def foreach_batch(pipeline: Any, handle: str | None = None, *, producer: str | N
         The sink id used for dedup (default: ``"spark-query:<query id>"``, stable across restarts of the query
         from the same checkpointLocation). Two queries into one pipeline need two ids.
     on_output : callable, optional
-        Called as ``on_output(batch_id, step, outputs)`` after each step the sink runs.
+        Called as ``on_output(batch_id, step, outputs)`` after each step the sink runs. A batch that is
+        delivered again after it was applied runs no step and is not passed again, so after a crash a consumer
+        that must see every step once reads the pipeline's output log (``read_output``) by step instead.
     scan_limit : int
         How many output-log steps a new sink object reads back to find the last batch it applied.
 
