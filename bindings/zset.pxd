@@ -1,4 +1,4 @@
-# zset.pxd: declarations mirroring the Z-set kernel headers of csrc/ (column, rows, hash, zset, partition, join, agg, reduce).
+# zset.pxd: declarations mirroring the Z-set kernel headers of csrc/ (column, rows, hash, zset, partition, join, lookup, agg, reduce).
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 
 cdef extern from "status.h" nogil:
@@ -82,6 +82,10 @@ cdef extern from "join.h" nogil:
     int dbsp_hash_join(const CBatch *a, const int32_t *akeys, const CBatch *b, const int32_t *bkeys,
                        int32_t nkeys, int left_outer, CPairs *out)
 
+cdef extern from "lookup.h" nogil:
+    int dbsp_lookup(const uint64_t *kh, int64_t n, const uint64_t *want, int64_t nwant, int64_t **idx, int64_t *nidx)
+    int dbsp_match_weights(const CBatch *a, const uint64_t *akh, const CBatch *b, const uint64_t *bkh, int64_t *acc)
+
 cdef extern from "agg.h" nogil:
     enum:
         DBSP_AGG_COUNT
@@ -108,3 +112,5 @@ cdef extern from "reduce.h" nogil:
                     const CAggSpec *aggs, int32_t naggs, CReduceOut *out)
     int dbsp_group_reduce(const CBatch *b, const int32_t *keys, int32_t nkeys,
                           const CAggSpec *aggs, int32_t naggs, CReduceOut *out)
+    int dbsp_group_reduce_all(const CBatch *b, const int32_t *keys, int32_t nkeys,
+                              const CAggSpec *aggs, int32_t naggs, CReduceOut *out)

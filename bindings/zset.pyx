@@ -365,8 +365,9 @@ def reduce(table, weights, khash, keys, aggs):
     return reduce_result(&r, na)
 
 
-def group_reduce(table, weights, keys, aggs):
-    """Like reduce, for any batch (no index), by hash grouping; groups in key-hash order."""
+def group_reduce(table, weights, keys, aggs, bint keep_zero=False):
+    """Like reduce, for any batch (no index), by hash grouping; groups in key-hash order. Groups whose weights
+    sum to 0 are left out unless `keep_zero`."""
     cdef BatchView v = BatchView(table, weights)
     cdef Int32s k = Int32s(keys)
     cdef CAggSpec *specs = agg_specs(aggs)
@@ -374,7 +375,10 @@ def group_reduce(table, weights, keys, aggs):
     cdef CReduceOut r
     cdef int st
     with nogil:
-        st = dbsp_group_reduce(&v.c, k.p, k.n, specs, na, &r)
+        if keep_zero:
+            st = dbsp_group_reduce_all(&v.c, k.p, k.n, specs, na, &r)
+        else:
+            st = dbsp_group_reduce(&v.c, k.p, k.n, specs, na, &r)
     free(specs)
     check_status(st, "group_reduce")
     return reduce_result(&r, na)
@@ -385,3 +389,36 @@ def check_order(table, weights, khash, keys):
     cdef BatchView v = BatchView(table, weights, khash)
     cdef Int32s k = Int32s(keys)
     return dbsp_rows_check_order(&v.c, NULL, v.c.weights, v.kh, v.c.nrows, k.p, k.n) == 0
+
+
+def lookup(khash, want):
+    """Row numbers (ascending int64) of the rows whose key hash (`khash`, ascending uint64) occurs in `want`
+    (ascending uint64, duplicates allowed), by galloping: the cost grows with `want`, not with `khash`."""
+    kh = np.ascontiguousarray(khash, dtype=np.uint64)
+    wq = np.ascontiguousarray(want, dtype=np.uint64)
+    cdef const uint64_t[::1] pk = kh
+    cdef const uint64_t[::1] pw = wq
+    cdef int64_t n = kh.shape[0], nw = wq.shape[0], m = 0
+    cdef int64_t *idx = NULL
+    cdef int st
+    with nogil:
+        st = dbsp_lookup(&pk[0] if n else NULL, n, &pw[0] if nw else NULL, nw, &idx, &m)
+    check_status(st, "lookup")
+    return own_array(idx, m, np.int64)
+
+
+def match_weights(ta, wa, kha, tb, wb, khb, acc):
+    """acc[i] += the weight of b's row equal to a's row i (both canonical for one key); `acc` is int64, updated
+    in place."""
+    cdef BatchView a = BatchView(ta, wa, kha)
+    cdef BatchView b = BatchView(tb, wb, khb)
+    cdef int64_t[::1] out = acc
+    if out.shape[0] != ta.num_rows:
+        raise ValueError(f"match_weights: {out.shape[0]} accumulators for {ta.num_rows} rows")
+    cdef int st
+    if ta.num_rows == 0 or tb.num_rows == 0:
+        return acc
+    with nogil:
+        st = dbsp_match_weights(&a.c, a.kh, &b.c, b.kh, &out[0])
+    check_status(st, "match_weights")
+    return acc

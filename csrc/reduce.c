@@ -85,12 +85,12 @@ done:
     return st;
 }
 
-int dbsp_group_reduce(const DbspBatch *b, const int32_t *keys, int32_t nkeys,
-                      const DbspAggSpec *aggs, int32_t naggs, DbspReduceOut *out) {
+static int group_reduce(const DbspBatch *b, const int32_t *keys, int32_t nkeys,
+                        const DbspAggSpec *aggs, int32_t naggs, int drop_zero, DbspReduceOut *out) {
     memset(out, 0, sizeof *out);
     DbspRows rows;
     DbspAcc *acc = NULL;
-    int st = dbsp_group(b, keys, nkeys, NULL, 0, aggs, naggs, 1, &rows, naggs ? &acc : NULL);
+    int st = dbsp_group(b, keys, nkeys, NULL, 0, aggs, naggs, drop_zero, &rows, naggs ? &acc : NULL);
     if (st) return st;
     if ((st = alloc_out(out, rows.n, naggs))) goto done;
     out->ngroups = rows.n;
@@ -101,4 +101,14 @@ done:
     dbsp_rows_free(&rows);
     free(acc);
     return st;
+}
+
+int dbsp_group_reduce(const DbspBatch *b, const int32_t *keys, int32_t nkeys,
+                      const DbspAggSpec *aggs, int32_t naggs, DbspReduceOut *out) {
+    return group_reduce(b, keys, nkeys, aggs, naggs, 1, out);
+}
+
+int dbsp_group_reduce_all(const DbspBatch *b, const int32_t *keys, int32_t nkeys,
+                          const DbspAggSpec *aggs, int32_t naggs, DbspReduceOut *out) {
+    return group_reduce(b, keys, nkeys, aggs, naggs, 0, out);
 }

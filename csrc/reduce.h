@@ -36,4 +36,9 @@ int dbsp_reduce(const DbspBatch *b, const uint64_t *kh, const int32_t *keys, int
 int dbsp_group_reduce(const DbspBatch *b, const int32_t *keys, int32_t nkeys,
                       const DbspAggSpec *aggs, int32_t naggs, DbspReduceOut *out);
 
+/* dbsp_group_reduce keeping every group, also those whose weights sum to 0 (their sums need not be 0: a
+ * batch of partial rows, where a row's values stand for several source rows, is one). */
+int dbsp_group_reduce_all(const DbspBatch *b, const int32_t *keys, int32_t nkeys,
+                          const DbspAggSpec *aggs, int32_t naggs, DbspReduceOut *out);
+
 #endif

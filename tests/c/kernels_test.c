@@ -8,6 +8,7 @@
 #include "partition.h"
 #include "join.h"
 #include "reduce.h"
+#include "lookup.h"
 
 static int failures = 0;
 #define CHECK(cond) do { if (!(cond)) { fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); failures++; } } while (0)
@@ -248,6 +249,83 @@ static void test_overflow_and_hash(void) {
     CHECK(hz == want);
 }
 
+/* lookup: against a linear scan, with duplicate wanted hashes, runs of equal batch hashes and empty inputs */
+static void test_lookup(void) {
+    for (int rep = 0; rep < 20; rep++) {
+        int64_t n = rep == 0 ? 0 : (int64_t)(next() % 3000), nw = rep == 1 ? 0 : (int64_t)(next() % 200);
+        uint64_t dom = 1 + next() % 5000;
+        uint64_t *kh = malloc((size_t)(n ? n : 1) * 8), *want = malloc((size_t)(nw ? nw : 1) * 8);
+        for (int64_t i = 0; i < n; i++) kh[i] = next() % dom;
+        for (int64_t i = 0; i < nw; i++) want[i] = next() % dom;
+        /* insertion sorts keep the test free of qsort callbacks */
+        for (int64_t i = 1; i < n; i++) { uint64_t x = kh[i]; int64_t j = i - 1; while (j >= 0 && kh[j] > x) { kh[j + 1] = kh[j]; j--; } kh[j + 1] = x; }
+        for (int64_t i = 1; i < nw; i++) { uint64_t x = want[i]; int64_t j = i - 1; while (j >= 0 && want[j] > x) { want[j + 1] = want[j]; j--; } want[j + 1] = x; }
+        int64_t *idx, m;
+        CHECK(dbsp_lookup(kh, n, want, nw, &idx, &m) == DBSP_OK);
+        int64_t expect = 0, at = 0;
+        for (int64_t i = 0; i < n; i++) {
+            int hit = 0;
+            for (int64_t q = 0; q < nw; q++) if (want[q] == kh[i]) { hit = 1; break; }
+            if (hit) { expect++; if (at < m) CHECK(idx[at] == i); at++; }
+        }
+        CHECK(m == expect);
+        free(idx);
+        if (nw >= 2) {  /* unsorted wanted hashes are refused */
+            uint64_t t = want[0]; want[0] = want[nw - 1] + 1; 
+            CHECK(dbsp_lookup(kh, n, want, nw, &idx, &m) == DBSP_EINVAL);
+            want[0] = t;
+        }
+        free(kh); free(want);
+    }
+}
+
+/* match_weights: for distinct's index (the whole row is the key) against a naive search of b */
+static void test_match_weights(void) {
+    TBatch a0, b0, a, b;
+    tb_make(&a0, 300, 20, -2, 2); tb_make(&b0, 400, 20, -3, 3);
+    DbspRows ra, rb;
+    CHECK(dbsp_zset_consolidate(&a0.b, NULL, 0, &ra) == DBSP_OK);
+    CHECK(dbsp_zset_consolidate(&b0.b, NULL, 0, &rb) == DBSP_OK);
+    tb_gather(&a, &a0, ra.idx, ra.weights, ra.n);
+    tb_gather(&b, &b0, rb.idx, rb.weights, rb.n);
+    int64_t *acc = calloc((size_t)(a.n ? a.n : 1), 8);
+    for (int64_t i = 0; i < a.n; i++) acc[i] = 5;
+    CHECK(dbsp_match_weights(&a.b, ra.khash, &b.b, rb.khash, acc) == DBSP_OK);
+    for (int64_t i = 0; i < a.n; i++) CHECK(acc[i] == 5 + naive_weight(&b.b, &a.b, i));
+    /* overflow of an accumulator is reported */
+    int64_t any = -1;
+    for (int64_t i = 0; i < a.n && any < 0; i++) if (naive_weight(&b.b, &a.b, i) > 0) any = i;
+    CHECK(any >= 0);
+    for (int64_t i = 0; i < a.n; i++) acc[i] = INT64_MAX;
+    CHECK(dbsp_match_weights(&a.b, ra.khash, &b.b, rb.khash, acc) == DBSP_EOVERFLOW);
+    free(acc);
+    dbsp_rows_free(&ra); dbsp_rows_free(&rb);
+    tb_free(&a0); tb_free(&b0); tb_free(&a); tb_free(&b);
+}
+
+/* group_reduce_all keeps groups whose weights sum to 0; group_reduce drops them; the sums agree */
+static void test_group_reduce_all(void) {
+    int64_t k[4] = { 1, 1, 2, 3 }, v[4] = { 5, 7, 4, 9 }, w[4] = { 1, -1, 1, 2 };
+    DbspColumn cols[2] = { { DBSP_INT64, 0, NULL, k, NULL }, { DBSP_INT64, 0, NULL, v, NULL } };
+    DbspBatch b = { 4, 2, cols, w };
+    int32_t key = 0;
+    DbspAggSpec aggs[2] = { { DBSP_AGG_COUNT, -1 }, { DBSP_AGG_SUM, 1 } };
+    DbspReduceOut all, some;
+    CHECK(dbsp_group_reduce_all(&b, &key, 1, aggs, 2, &all) == DBSP_OK);
+    CHECK(dbsp_group_reduce(&b, &key, 1, aggs, 2, &some) == DBSP_OK);
+    CHECK(all.ngroups == 3 && some.ngroups == 2);
+    int64_t seen = 0;
+    for (int64_t g = 0; g < all.ngroups; g++) {
+        int64_t kk = k[all.group_row[g]];
+        if (kk == 1) { CHECK(all.ivals[g * 2] == 0 && all.ivals[g * 2 + 1] == -2); seen |= 1; }
+        if (kk == 2) { CHECK(all.ivals[g * 2] == 1 && all.ivals[g * 2 + 1] == 4); seen |= 2; }
+        if (kk == 3) { CHECK(all.ivals[g * 2] == 2 && all.ivals[g * 2 + 1] == 18); seen |= 4; }
+        if (g) CHECK((uint64_t)all.khash[g - 1] <= (uint64_t)all.khash[g]);
+    }
+    CHECK(seen == 7);
+    dbsp_reduce_free(&all); dbsp_reduce_free(&some);
+}
+
 int main(void) {
     test_consolidate(0, 10, 0);
     test_consolidate(1, 10, 0);
@@ -260,6 +338,9 @@ int main(void) {
     test_join_and_reduce();
     test_partition();
     test_overflow_and_hash();
+    test_lookup();
+    test_match_weights();
+    test_group_reduce_all();
     if (failures) { fprintf(stderr, "%d failures\n", failures); return 1; }
     printf("kernels_test: all checks passed\n");
     return 0;
