@@ -140,16 +140,18 @@ def spark_session(workers: int):
 
 
 def spark_stream(spark, query: Callable[[Any], Any], sources: list[tuple[str, pa.Schema]], mode: str,
-                 ckpt: str, rows_per_batch: list[int], warmup: int) -> dict[str, float]:
-    """Run ``query`` over file streams of ``sources`` to the noop sink, one file per trigger, until all are read."""
+                 ckpt: str, rows_per_batch: list[int], warmup: int, sink: Any = None) -> dict[str, float]:
+    """Run ``query`` over file streams of ``sources`` to the noop sink (or ``foreachBatch(sink)``), one file per
+    trigger, until all are read."""
     from pyspark.sql.types import LongType, StructField, StructType
 
     streams = []
     for d, schema in sources:
         st = StructType([StructField(f.name, LongType(), False) for f in schema])
         streams.append(spark.readStream.schema(st).option("maxFilesPerTrigger", 1).parquet(d))
-    q = (query(*streams).writeStream.format("noop").outputMode(mode)
-         .option("checkpointLocation", ckpt).trigger(availableNow=True).start())
+    w = query(*streams).writeStream
+    w = w.format("noop").outputMode(mode) if sink is None else w.foreachBatch(sink)
+    q = w.option("checkpointLocation", ckpt).trigger(availableNow=True).start()
     q.awaitTermination()
     if q.exception() is not None:
         raise RuntimeError(f"Spark query failed: {q.exception()}")
@@ -266,6 +268,15 @@ def main() -> None:
                 agg_circuit(), workers=W, storage=os.path.join(root, "dur-agg"), checkpoint_interval=1.0),
                 [("s", fs)])
             _check_agg(mem["outs"], dur["outs"], fs)
+            from spark_glue.streaming import foreach_batch
+
+            p = dbsp.Pipeline(agg_circuit(), workers=W, storage=os.path.join(root, "fb-agg"), checkpoint_interval=1.0)
+            r = spark_stream(spark, lambda s: s, [(d, AGG)], "append", os.path.join(root, "ck-fb-agg"),
+                             [a.rows] * a.batches, a.warmup, sink=foreach_batch(p, "s"))
+            assert p.output_steps == range(a.batches)
+            p.close()
+            print(fmt("  Spark SS source -> foreach_batch -> dbsp durable", r) + f"; {loadavg()}", flush=True)
+            results.append(("agg", "Spark SS -> foreach_batch -> dbsp durable", r))
             if SP is not None:
                 ours("SparkPipeline", "agg", lambda: SP(spark, agg_circuit(), workers=W,
                                                         storage=os.path.join(root, "sp-agg")),
