@@ -334,13 +334,7 @@ class DurablePipeline(Pipeline):
             self._input = StepLog(os.path.join(root, "input"), segment_bytes=segment_bytes)
             self._output = OutputLog(os.path.join(root, "output"), self._out_schemas, check=replay_check,
                                      sync=output_sync, segment_bytes=segment_bytes)
-            stores = []
-            for w, wk in enumerate(self._workers):
-                stateful = {i: inst for i, inst in wk.instances.items() if inst is not circuit.nodes[i]}
-                for i, inst in stateful.items():
-                    state_attrs(i, inst)  # snapshot invariant 2: refuse state we could not checkpoint
-                stores.append(WorkerStore(w, worker_db_path(root, w), stateful, shard_bits))
-            self._coord = Coordinator(stores, crashpoint)
+            self._open_state()
             self._recover()
         except BaseException:
             self._shutdown_storage()
@@ -348,10 +342,21 @@ class DurablePipeline(Pipeline):
             raise
         self._last_checkpoint = time.monotonic()
 
-    # ---- recovery ----
+    # ---- recovery (hooks: _open_state, _restore_state, _replay_step, _replay_done; see dbsp_core.staged) ----
 
-    def _recover(self) -> None:
-        t0 = time.perf_counter()
+    def _open_state(self) -> None:
+        """Open the operator state: one WorkerStore per worker under a Coordinator."""
+        stores = []
+        for w, wk in enumerate(self._workers):
+            stateful = {i: inst for i, inst in wk.instances.items() if inst is not self.circuit.nodes[i]}
+            for i, inst in stateful.items():
+                state_attrs(i, inst)  # snapshot invariant 2: refuse state we could not checkpoint
+            stores.append(WorkerStore(w, worker_db_path(self.storage, w), stateful, self.shard_map.shard_bits))
+        self._coord = Coordinator(stores, crashpoint)
+
+    def _restore_state(self) -> int:
+        """Open every worker at the newest common version, load its state, the dedup set and the clock floor;
+        returns the version's step (the first step to replay)."""
         x = self._coord.start(load=True)
         store0 = self._coord.stores[0]
         assert store0.handle is not None
@@ -359,6 +364,21 @@ class DurablePipeline(Pipeline):
         clock = store0.handle.get(_DEDUP_TABLE + ".clock", b"now")
         if clock is not None:
             self._now_floor = int(decode_json(b"DCLK", clock, f"{store0.db.path} clock")["now_ns"])
+        return x
+
+    def _replay_step(self, step: int, inputs: list[tuple[str, ZSet]], now_ns: int, seed: int,
+                     ranges: list[dict]) -> None:
+        """Re-run a logged step during recovery (its output is verified against the output log)."""
+        self._run_step(step, inputs, now_ns, seed, ranges)
+        self.stats["replayed_steps"] += 1
+        crashpoint("recover-step")
+
+    def _replay_done(self) -> None:
+        """Every logged step was handed to :meth:`_replay_step` (a runner that batches steps runs them now)."""
+
+    def _recover(self) -> None:
+        t0 = time.perf_counter()
+        x = self._restore_state()
         out = self._output
         if out.last < x:
             raise RecoveryError(f"{self.storage}: the output log ends at step {out.last} but the checkpoint is at "
@@ -378,11 +398,10 @@ class DurablePipeline(Pipeline):
                 raise CorruptionError(f"{self.storage}: the division of step {step} names {d['pushes']} pushes, "
                                       f"the log holds {len(recs)}")
             self._now_floor = max(self._now_floor, d["now_ns"])
-            self._run_step(step, self._decode(recs), d["now_ns"], d["seed"], _ranges(
+            self._replay_step(step, self._decode(recs), d["now_ns"], d["seed"], _ranges(
                 [(r.handle, r.producer, r.seq) for r in recs]))
-            self.stats["replayed_steps"] += 1
-            crashpoint("recover-step")
             step += 1
+        self._replay_done()
         if divisions:
             raise CorruptionError(f"{self.storage}: division records of steps {sorted(divisions)} follow a gap "
                                   f"at step {step}")
@@ -507,33 +526,39 @@ class DurablePipeline(Pipeline):
         """Divide the acknowledged input into a step (durably, with ``now`` and ``seed``), run it, log its output."""
         self._check_usable()
         with self._step_lock:
-            with self._cond:
-                self._closing = True
-                try:
-                    while self._inflight:
-                        self._cond.wait()
-                    step = self._open_step
-                    inputs, self._dpending = self._dpending, []
-                    entries, self._step_inputs = self._step_inputs, []
-                    now_ns, seed = max(time.time_ns(), self._now_floor), random.getrandbits(63)
-                    self._now_floor = now_ns  # now never goes back, even if the wall clock does
-                    crashpoint("step-divide")
-                    try:
-                        self._input.append(step, DIVISION_HANDLE, encode_json(
-                            b"DDIV", {"step": step, "pushes": len(inputs), "now_ns": now_ns, "seed": seed}))
-                    except BaseException as exc:
-                        self._broken = exc  # the division may or may not be durable: only recovery knows
-                        raise
-                    self._open_step = step + 1
-                finally:
-                    self._closing = False
-                    self._cond.notify_all()
+            step, inputs, now_ns, seed, ranges = self._divide()
             crashpoint("step-run")
-            out = self._run_step(step, inputs, now_ns, seed, _ranges(entries))
+            out = self._run_step(step, inputs, now_ns, seed, ranges)
             if self.checkpoint_interval is not None and \
                     time.monotonic() - self._last_checkpoint >= self.checkpoint_interval:
                 self.checkpoint(wait=False)
             return out
+
+    def _divide(self) -> tuple[int, list[tuple[str, ZSet]], int, int, list[dict]]:
+        """Close the open step: durably log its division record (invariant 3); returns
+        ``(step, pushes, now_ns, seed, input ranges)``. Call with ``_step_lock`` held."""
+        with self._cond:
+            self._closing = True
+            try:
+                while self._inflight:
+                    self._cond.wait()
+                step = self._open_step
+                inputs, self._dpending = self._dpending, []
+                entries, self._step_inputs = self._step_inputs, []
+                now_ns, seed = max(time.time_ns(), self._now_floor), random.getrandbits(63)
+                self._now_floor = now_ns  # now never goes back, even if the wall clock does
+                crashpoint("step-divide")
+                try:
+                    self._input.append(step, DIVISION_HANDLE, encode_json(
+                        b"DDIV", {"step": step, "pushes": len(inputs), "now_ns": now_ns, "seed": seed}))
+                except BaseException as exc:
+                    self._broken = exc  # the division may or may not be durable: only recovery knows
+                    raise
+                self._open_step = step + 1
+            finally:
+                self._closing = False
+                self._cond.notify_all()
+        return step, inputs, now_ns, seed, _ranges(entries)
 
     # ---- checkpoints ----
 

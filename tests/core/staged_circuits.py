@@ -1,0 +1,111 @@
+"""Circuits shared by the staged-runtime tests (tests/core/test_stages.py) and the Spark tests: each with the DuckDB query of every output, and seeded random changes split into steps."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import pyarrow.compute as pc
+from oracle import SCHEMAS, ChangeGen, accumulate, duckdb_query, normalize, to_zset
+
+import dbsp_core as dbsp
+
+
+def _group_agg(c: dbsp.Circuit, s: dict) -> dict:
+    return {"g": s["bids"].group_by("auction").agg(n=dbsp.count(), total=dbsp.sum("price"), lo=dbsp.min("price"))}
+
+
+def _join_agg(c: dbsp.Circuit, s: dict) -> dict:
+    j = s["bids"].join(s["auctions"], left_on="auction", right_on="id")
+    return {"j": j.group_by("category").agg(n=dbsp.count(), total=dbsp.sum("price"))}
+
+
+def _distinct(c: dbsp.Circuit, s: dict) -> dict:
+    return {"d": s["bids"].filter(pc.field("price") >= 1).select(a="auction", b="bidder").distinct()}
+
+
+def _left_join(c: dbsp.Circuit, s: dict) -> dict:
+    return {"lj": s["bids"].left_join(s["auctions"], left_on="auction", right_on="id")}
+
+
+def _carried(c: dbsp.Circuit, s: dict) -> dict:
+    # auctions is exchanged into stage 1 and read in stage 2; a stage-0 value is carried into stage 2
+    pairs = s["bids"].select(auction="auction", bidder="bidder").distinct()
+    j = pairs.join(s["auctions"], left_on="auction", right_on="id")
+    mix = j.select(a="auction") + s["bids"].select(a="auction")
+    return {"mix": mix, "raw": s["bids"].filter(pc.field("price") > 3)}
+
+
+CIRCUITS: dict[str, tuple[Callable, dict[str, str]]] = {
+    "group_agg": (_group_agg, {"g": "SELECT auction, COUNT(*), SUM(price), MIN(price) FROM bids GROUP BY auction"}),
+    "join_agg": (_join_agg, {"j": "SELECT a.category, COUNT(*), SUM(b.price) FROM bids b JOIN auctions a "
+                                  "ON b.auction = a.id GROUP BY a.category"}),
+    "distinct": (_distinct, {"d": "SELECT DISTINCT auction, bidder FROM bids WHERE price >= 1"}),
+    "left_join": (_left_join, {"lj": "SELECT b.*, a.* FROM bids b LEFT JOIN auctions a ON b.auction = a.id"}),
+    "carried": (_carried, {"mix": "SELECT p.auction FROM (SELECT DISTINCT auction, bidder FROM bids) p JOIN auctions a "
+                                  "ON p.auction = a.id UNION ALL SELECT auction FROM bids",
+                           "raw": "SELECT * FROM bids WHERE price > 3"}),
+}
+
+
+def build(name: str) -> tuple[dbsp.Circuit, dict[str, str]]:
+    """The circuit ``name`` over inputs bids and auctions, and its outputs' SQL."""
+    fn, sql = CIRCUITS[name]
+    c = dbsp.Circuit()
+    streams = {n: c.input(n, SCHEMAS[n]) for n in ("bids", "auctions")}
+    for out, stream in fn(c, streams).items():
+        c.output(out, stream)
+    return c, sql
+
+
+def changes(seed: int, steps: int, max_rows: int = 8) -> tuple[list[list[tuple[str, dbsp.ZSet]]], list[dict]]:
+    """``steps`` steps of random pushes (a step's change to an input may arrive in two pushes) and the bags of
+    each input after every step."""
+    rng = np.random.default_rng(seed)
+    gens = {n: ChangeGen(rng, SCHEMAS[n]) for n in ("bids", "auctions")}
+    out, bags = [], []
+    for _ in range(steps):
+        pushes = []
+        for n, g in gens.items():
+            ch = g.change(max_rows)
+            rows = list(ch)
+            if rows and rng.random() < 0.4:
+                cut = int(rng.integers(0, len(rows) + 1))
+                pushes += [(n, to_zset({r: ch[r] for r in part}, SCHEMAS[n])) for part in (rows[:cut], rows[cut:])
+                           if part]
+            elif rows:
+                pushes.append((n, to_zset(ch, SCHEMAS[n])))
+        out.append(pushes)
+        bags.append({n: (SCHEMAS[n], dict(g.bag)) for n, g in gens.items()})
+    return out, bags
+
+
+def embedded(circuit: dbsp.Circuit, steps: list[list[tuple[str, dbsp.ZSet]]], workers: int = 1) -> list[dict]:
+    """Every step's outputs from the embedded runtime (the reference)."""
+    res = []
+    with dbsp.Pipeline(circuit, workers=workers) as p:
+        for pushes in steps:
+            for h, z in pushes:
+                p.push(h, z)
+            res.append(p.step())
+    return res
+
+
+def check_duckdb(sql: dict[str, str], outs: list[dict], bags: list[dict], every: int = 1) -> None:
+    """The integral of every output after each ``every``-th step (and the last) equals DuckDB over the bags."""
+    views: dict[str, dict] = {n: {} for n in sql}
+    for i, out in enumerate(outs):
+        for n in sql:
+            accumulate(views[n], out[n])
+        if i % every == 0 or i == len(outs) - 1:
+            for n, q in sql.items():
+                assert normalize(views[n]) == duckdb_query(q, bags[i]), f"output {n} differs from DuckDB after step {i}"
+
+
+def same_outputs(a: list[dict], b: list[dict]) -> None:
+    """Step-by-step equality of two runs' outputs (consolidated Z-sets, exact)."""
+    assert len(a) == len(b), (len(a), len(b))
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert set(x) == set(y)
+        for n in x:
+            assert x[n].consolidate() == y[n].consolidate(), f"step {i} output {n}: {x[n].to_dict()} != {y[n].to_dict()}"

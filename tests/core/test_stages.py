@@ -1,0 +1,284 @@
+"""The staged runtime (dbsp_core.stages, dbsp_core.staged) against the embedded runtime and DuckDB: stage workers run by hand, the staged pipeline with any W and any grouping of steps into jobs, retried tasks, stale attempts, cache loss and recovery after a partial job."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from oracle import BIDS
+from staged_circuits import CIRCUITS, build, changes, check_duckdb, embedded, same_outputs
+
+import dbsp_core as dbsp
+from dbsp_core import stages
+from dbsp_core.errors import DbspError, ReplayMismatchError
+from dbsp_core.operators.base import concat
+from dbsp_core.staged import Job, LocalJobRunner, StagedPipeline
+from dbsp_core.stages import StagePlan, StageWorker, StaleAttemptError, run_stage_task
+
+NAMES = sorted(CIRCUITS)
+
+
+def by_hand(circuit: dbsp.Circuit, steps: list[list[tuple[str, dbsp.ZSet]]], workers: int, rng) -> list[dict]:
+    """Run every stage worker by hand, routing sends and carried values like a shuffle; each push goes to a
+    random worker (a result must not depend on where input lands)."""
+    plan = StagePlan(circuit)
+    sm = dbsp.ShardMap(workers)
+    sw = [[StageWorker(circuit, plan, k, w, sm) for w in range(workers)] for k in range(plan.num_stages)]
+    res = []
+    for pushes in steps:
+        box: dict[tuple[int, int], list[tuple[int, dbsp.ZSet]]] = {}  # (node, worker) -> [(src, z)]
+        for h, z in pushes:
+            if h in plan.inputs:
+                box.setdefault((plan.inputs[h], int(rng.integers(workers))), []).append((-1, z))
+        outs: dict[str, list[dbsp.ZSet]] = {n: [] for n in plan.output_names}
+        for k in range(plan.num_stages):
+            for w in range(workers):
+                got = {j: concat([z for _, z in sorted(box.get((j, w), []), key=lambda t: t[0])],
+                                 circuit.nodes[j].schema) for j in plan.receive[k]}
+                r = sw[k][w].step(got)
+                for x, parts in r.sends.items():
+                    for p, z in enumerate(parts):
+                        box.setdefault((x, p), []).append((w, z))
+                for j, z in r.carried.items():
+                    box.setdefault((j, w), []).append((w, z))
+                for n, z in r.outputs.items():
+                    outs[n].append(z)
+        res.append({n: concat(zs, plan.output_schemas[n]).consolidate() for n, zs in outs.items()})
+    return res
+
+
+@settings(max_examples=12)
+@given(name=st.sampled_from(NAMES), workers=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**31 - 1))
+def test_stage_workers_by_hand_match_embedded(name: str, workers: int, seed: int) -> None:
+    c, _ = build(name)
+    steps, _ = changes(seed, 6)
+    same_outputs(by_hand(c, steps, workers, np.random.default_rng(seed)), embedded(c, steps, workers=2))
+
+
+def test_plan_of_carried_circuit() -> None:
+    c, _ = build("carried")
+    plan = StagePlan(c)
+    assert plan.num_stages == 3
+    assert plan.stateful == [False, True, True]
+    carried = [j for k in range(3) for j in plan.emit[k]]
+    assert carried and all(plan.stage_of[j] == 0 for j in carried)
+    # auctions' exchange is received in stage 1 and read in stage 2: it is forwarded
+    x = [j for j in plan.receive[1] if plan.last_needed[j] == 2]
+    assert x and all(plan.forwards(j, 1) for j in x)
+
+
+def _run_staged(tmp, name: str, workers: int, steps, groups: list[int], runner=None) -> list[dict]:
+    c, _ = build(name)
+    p = StagedPipeline(c, workers=workers, storage=str(tmp), runner=runner)
+    outs: list[dict] = []
+    i = 0
+    for g in groups:
+        for pushes in steps[i:i + g]:
+            for h, z in pushes:
+                p.push(h, z)
+            p.queue_step()
+        outs.extend(p.run_queued())
+        i += g
+    p.close()
+    return outs
+
+
+@settings(max_examples=10)
+@given(name=st.sampled_from(NAMES), workers=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**31 - 1),
+       groups=st.lists(st.integers(1, 4), min_size=1, max_size=4))
+def test_staged_pipeline_matches_embedded_and_duckdb(tmp_path_factory, name, workers, seed, groups) -> None:
+    n = sum(groups)
+    steps, bags = changes(seed, n)
+    c, sql = build(name)
+    outs = _run_staged(tmp_path_factory.mktemp("staged"), name, workers, steps, groups)
+    same_outputs(outs, embedded(c, steps, workers=1))
+    check_duckdb(sql, outs, bags)
+
+
+@pytest.mark.parametrize("point", ["before-commit", "after-commit"])
+@pytest.mark.parametrize("name", ["join_agg", "carried"])
+def test_retried_tasks_give_the_same_output_once(tmp_path, name: str, point: str) -> None:
+    steps, _ = changes(7, 6)
+    c, _ = build(name)
+    plan = StagePlan(c)
+    faults = {(k, point, w) for k in range(plan.num_stages) for w in range(2)}
+    runner = LocalJobRunner(fail_first=faults)
+    before = dict(stages.cache_stats)
+    outs = _run_staged(tmp_path, name, 2, steps, [2, 1, 3], runner=runner)
+    assert runner.retries == len(faults)
+    same_outputs(outs, embedded(c, steps))
+    if point == "after-commit":  # the retry found the committed version and returned the stored result
+        assert stages.cache_stats["replayed_results"] > before["replayed_results"]
+    else:  # the retry in this process rolled the cached instances back
+        assert stages.cache_stats["rollbacks"] > before["rollbacks"]
+    q = StagedPipeline.open(str(tmp_path), c)
+    assert [z for _, z in q.read_output(next(iter(outs[0])))] == [o[next(iter(o))] for o in outs]  # exactly once
+    q.close()
+
+
+def _job_and_blobs(tmp_path, workers: int = 2):
+    """A pipeline after one step, and the stage-1 task and input blobs of its next job (run by hand)."""
+    c, _ = build("group_agg")
+    p = StagedPipeline(c, workers=workers, storage=str(tmp_path))
+    steps, _ = changes(3, 2)
+    for h, z in steps[0]:
+        p.push(h, z)
+    p.step()
+    p.push("bids", pa.table({"auction": [1, 2, 3, 4], "bidder": ["a", "b", "c", "d"], "price": [5, 6, 7, 8],
+                             "f": [0.5, 1.0, 1.5, 2.0]}))
+    step = p._divide()
+    job: Job = p._make_job([step])
+    t0, t1 = job.tasks
+    mid = pa.concat_tables([run_stage_task(t0, w, job.inputs.filter(pa.compute.equal(job.inputs["part"], w)))
+                            for w in range(workers)])
+    return p, t1, mid
+
+
+def test_duplicate_attempt_returns_the_committed_result_and_keeps_the_versions(tmp_path) -> None:
+    p, t1, mid = _job_and_blobs(tmp_path)
+    mine = mid.filter(pa.compute.equal(mid["part"], 0))
+    first = run_stage_task(t1, 0, mine)
+    path = stages.stage_db_path(p.storage, 1, 0)
+    with dbsp.Database(path) as db:
+        vs = db.versions()
+    stages.drop_cache()
+    again = run_stage_task(t1, 0, mine)  # a speculative duplicate after the first attempt committed
+    assert again.equals(first)
+    with dbsp.Database(path) as db:
+        assert db.versions() == vs == range(t1.version, t1.version + 2)
+    p.close(checkpoint=False)
+
+
+def test_stale_attempt_raises_and_changes_nothing(tmp_path) -> None:
+    p, t1, mid = _job_and_blobs(tmp_path)
+    mine = mid.filter(pa.compute.equal(mid["part"], 0))
+    run_stage_task(t1, 0, mine)  # job 1 commits version 2
+    old = dataclasses.replace(t1, version=t1.version - 1, steps=t1.steps[:1])  # a zombie of job 0 arrives late
+    path = stages.stage_db_path(p.storage, 1, 0)
+    with dbsp.Database(path) as db:
+        vs = db.versions()
+    with pytest.raises(StaleAttemptError, match="stale attempt"):
+        run_stage_task(old, 0, mine)
+    with dbsp.Database(path) as db:
+        assert db.versions() == vs
+    p.close(checkpoint=False)
+
+
+def test_misrouted_blob_is_refused(tmp_path) -> None:
+    p, t1, mid = _job_and_blobs(tmp_path)
+    with pytest.raises(DbspError, match="misrouted"):
+        assert mid.num_rows
+        wrong = mid.set_column(0, "part", pa.array(np.ones(mid.num_rows, dtype=np.int32)))
+        run_stage_task(t1, 0, wrong)
+    p.close(checkpoint=False)
+
+
+def test_cache_loss_between_jobs_loads_state_from_the_databases(tmp_path) -> None:
+    class Forgetful(LocalJobRunner):
+        def run_job(self, job):
+            stages.drop_cache()
+            return super().run_job(job)
+
+    steps, bags = changes(11, 6)
+    c, sql = build("carried")
+    before = stages.cache_stats["loads"]
+    outs = _run_staged(tmp_path, "carried", 3, steps, [1, 2, 3], runner=Forgetful())
+    assert stages.cache_stats["loads"] > before
+    same_outputs(outs, embedded(c, steps))
+    check_duckdb(sql, outs, bags)
+
+
+class PartialJob(LocalJobRunner):
+    """Runs the first ``n`` jobs, then commits only worker 0 of every stateful stage and fails (a crashed job)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def run_job(self, job):
+        if self.n:
+            self.n -= 1
+            return super().run_job(job)
+        blobs = job.inputs
+        for task in job.tasks:
+            blobs = run_stage_task(task, 0, blobs.filter(pa.compute.equal(blobs["part"], 0)))
+            break
+        raise RuntimeError("the driver lost the job")
+
+
+@pytest.mark.parametrize("name", ["join_agg", "left_join"])
+def test_reopen_after_a_partial_job_recovers_exactly(tmp_path, name: str) -> None:
+    steps, bags = changes(5, 7)
+    c, sql = build(name)
+    ref = embedded(c, steps)
+    p = StagedPipeline(c, workers=2, storage=str(tmp_path), runner=PartialJob(2), checkpoint_interval=None)
+    for pushes in steps[:2]:
+        for h, z in pushes:
+            p.push(h, z)
+        p.step()
+    for pushes in steps[2:4]:
+        for h, z in pushes:
+            p.push(h, z)
+        p.queue_step()
+    for h, z in steps[4][:1]:  # acknowledged but never divided
+        p.push(h, z)
+    with pytest.raises(RuntimeError, match="lost the job"):
+        p.run_queued()
+    with pytest.raises(DbspError, match="broken"):
+        p.step()
+    p.close()  # broken: no checkpoint, files released
+    q = StagedPipeline.open(str(tmp_path), c)
+    assert q.steps == 4 and q.stats["replayed_steps"] >= 2
+    for h, z in steps[4][1:]:
+        q.push(h, z)
+    q.step()
+    for pushes in steps[5:]:
+        for h, z in pushes:
+            q.push(h, z)
+        q.step()
+    name_out = next(iter(sql))
+    got = [z for _, z in q.read_output(name_out)]
+    same_outputs([{name_out: z} for z in got], [{name_out: r[name_out]} for r in ref])
+    q.close()
+
+
+def test_replayed_steps_are_verified_against_the_output_log(tmp_path) -> None:
+    c = dbsp.Circuit()
+    bids = c.input("bids", BIDS)
+    c.output("raw", bids.filter(pa.compute.field("price") > 3))  # no state: the checkpoint is the driver's
+    p = StagedPipeline(c, workers=2, storage=str(tmp_path), checkpoint_interval=None)
+    for i in range(3):
+        p.push("bids", pa.table({"auction": [i], "bidder": ["x"], "price": [10 + i], "f": [0.0]}))
+        p.step()
+        if i == 0:
+            p.checkpoint()
+    p.close(checkpoint=False)
+    q = StagedPipeline.open(str(tmp_path), c)
+    assert q.stats["replayed_steps"] == 2
+    assert [z.to_dict() for _, z in q.read_output("raw")] == [{(i, "x", 10 + i, 0.0): 1} for i in range(3)]
+    q.close(checkpoint=False)
+
+    class Tamper(LocalJobRunner):
+        def run_job(self, job):
+            out = super().run_job(job)
+            return out.filter(pa.compute.greater_equal(out["node"], 0))  # every output share lost
+
+    with pytest.raises(ReplayMismatchError, match="replayed step 1"):
+        StagedPipeline.open(str(tmp_path), c, runner=Tamper())
+
+
+def test_push_validation_records_nothing(tmp_path) -> None:
+    c, _ = build("group_agg")
+    p = StagedPipeline(c, workers=2, storage=str(tmp_path))
+    with pytest.raises(KeyError, match="unknown input handle"):
+        p.push("nope", pa.table({"x": [1]}))
+    with pytest.raises(dbsp.SchemaError, match="do not match"):
+        p.push("bids", pa.table({"auction": [1]}))
+    assert all(not z.num_rows for z in p.step().values())
+    assert p.read_input(0) == {h: dbsp.ZSet.empty(s) for h, s in p._inputs.items()}
+    p.close()
