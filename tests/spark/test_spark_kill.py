@@ -28,6 +28,7 @@ sys.path.insert(0, HERE)
 pytest.importorskip("pyspark")
 
 import dbsp_core as dbsp  # noqa: E402
+import spark_glue  # noqa: E402
 from stream_workload import build_circuit, duckdb_expected, integral, write_batches  # noqa: E402
 
 pytestmark = pytest.mark.spark
@@ -124,3 +125,67 @@ def test_driver_kill_under_a_streaming_query(tmp_path):
             assert integral(p, name) == want[name], name
     finally:
         p.close()
+
+
+RUNTIMES = os.environ.get("DBSP_SPARK_KILL_RUNTIMES", "spark").split(",")
+
+
+def log_views(storage: str) -> tuple[dict[str, dict[tuple, int]], list[list[dict]]]:
+    """The integral of every output in the output log and every step's input ranges (read-only)."""
+    from dbsp_core.durable import open_output
+
+    log = open_output(storage)
+    try:
+        views = {}
+        for name in ("agg", "big"):
+            acc: dict[tuple, int] = {}
+            for _, z in log.read(name, 0):
+                for row, w in z.to_dict().items():
+                    acc[row] = acc.get(row, 0) + w
+                    if acc[row] == 0:
+                        del acc[row]
+            views[name] = acc
+        return views, [log.inputs_of(s) for s in range(log.first, log.last)]
+    finally:
+        log.close()
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_driver_kill_and_open(tmp_path, runtime):
+    """The driver process is killed at random moments while it pushes, steps and checkpoints; every restart
+    recovers with ``open`` and resumes the producer after its last acknowledged batch."""
+    from kill_workload import batch
+
+    if runtime == "spark" and not hasattr(spark_glue, "SparkPipeline"):
+        pytest.skip("spark_glue.SparkPipeline is not in this checkout yet")
+    storage, seed, batches = str(tmp_path / "p"), 21, 14
+    rng = random.Random(int(os.environ.get("DBSP_SPARK_KILL_SEED", "6")) + 1)
+    args = [os.path.join(HERE, "kill_child.py"), "driver", runtime, storage, str(seed), str(batches), "2"]
+    tried = killed = 0
+    at = []
+    status = "killed"
+    while tried < KILLS:
+        tried += 1
+        status = run_killed(args, rng.uniform(0.2, 6.0), str(tmp_path / "child.log"))
+        if status == "done":
+            break
+        killed += 1
+        at.append(steps_logged(storage))
+    if status != "done":
+        assert run_killed(args, None, str(tmp_path / "child.log")) == "done"
+    print(f"\ndriver kills of the {runtime} pipeline: {tried} tried, {killed} landed "
+          f"(steps in the output log at each kill: {at})")
+    acks = [int(x) for x in (tmp_path / "acks.txt").read_text().split()]
+    assert acks == list(range(batches))
+    data = tmp_path / "acked"
+    data.mkdir()
+    import pyarrow.parquet as pq
+
+    for i in acks:
+        pq.write_table(batch(seed, i), str(data / f"part-{i:05d}.parquet"))
+    views, ranges = log_views(storage)
+    want = duckdb_expected(str(data))
+    assert views == {name: want[name] for name in views}
+    counted = sorted(b for rs in ranges for r in rs if r["producer"] == "gen"
+                     for b in range(r["first_seq"], r["last_seq"] + 1))
+    assert counted == acks  # every acknowledged batch in exactly one step
