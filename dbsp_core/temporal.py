@@ -8,8 +8,10 @@ Invariants (enforced here):
   2. The durable pipeline makes now non-decreasing across steps and restarts, so a row older than the window
      never re-enters it; the state drops such rows once their retraction is emitted, and holds only the rows
      of the window and of the future.
-  3. The state is two Z-sets per worker (pending rows and the current window), checkpointed like any other
-     Z-set state; the operator is linear in its input, so each worker handles its own rows.
+  3. The state is a trace of the held rows (window and future) indexed by time bucket, plus a one-row Z-set
+     holding the previous step's now; both are checkpointed like any other state. A step reads only the
+     buckets the window's ends crossed, so it costs O(change + rows entering or leaving the window). The
+     operator is linear in its input, so each worker handles its own rows.
   4. ``filter_now``: after every step, integral(output) == filter(integral(input), predicate(now)). Its state is
      the whole integral of its input (a row may come back into the filter), so a step costs O(state);
      prefer ``within_last`` for sliding windows.
@@ -26,7 +28,9 @@ import pyarrow.compute as pc
 import pyarrow.types as pat
 
 from dbsp_core.errors import SchemaError
-from dbsp_core.operators.base import Operator, check_columns, conform, empty
+from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty
+from dbsp_core.operators.aggregate import lookup_exact
+from dbsp_core.trace import Trace
 
 if TYPE_CHECKING:
     from dbsp_core.circuit import Stream
@@ -45,6 +49,7 @@ class WithinLast(Operator):
                  ) -> None:
         super().__init__((node,), schema, partitioning)
         self.column = column
+        self.state_format = 2  # part of the circuit fingerprint: format 1 state (whole-window Z-sets) is refused
         self.window_ns = window_ns
         self.unit_ns = unit_ns
 
@@ -53,45 +58,108 @@ class WithinLast(Operator):
 
 
 class _WithinLastState:
+    """Invariants 1-3 at a cost that follows the rows entering and leaving the window, not the rows inside it.
+
+    ``held`` is the integral of the input minus the rows that left the window for good (event time below the
+    window's low end), indexed by a time bucket (``window / 64`` wide) so a step reads only the buckets that
+    the window's two ends crossed since the previous step's now (kept in ``clock``, a one-row Z-set, so it is
+    checkpointed with the rows). A step emits: the change's rows inside the window; minus the held rows that
+    the low end passed; plus the held future rows that the high end reached.
+    """
+
+    MAX_BUCKETS = 4096  # a longer jump of now (a long pause) reads the whole state once instead
+
     def __init__(self, op: WithinLast) -> None:
         self.op = op
         self.schema = op.schema
-        self.pending = empty(op.schema)  # integral of the input, minus rows that left the window for good
-        self.window = empty(op.schema)   # integral of the output so far
+        self.bucket_ns = max(1, op.window_ns // 64)
+        self.hschema = pa.schema(list(op.schema) + [pa.field("__bucket", pa.int64())])
+        self.held = Trace(self.hschema, ("__bucket",))
+        self.clock = empty(_CLOCK)  # one row: the previous step's now (empty before the first step)
 
-    def _times_ns(self, z: "ZSet") -> np.ndarray:
-        col = z.data.column(self.op.column)
-        if pat.is_timestamp(col.type):
-            col = pc.cast(col, pa.int64())
-        t = col.to_numpy(zero_copy_only=False)
-        if z.data.column(self.op.column).null_count:
-            t = np.where(pc.is_null(z.data.column(self.op.column)).to_numpy(zero_copy_only=False), np.iinfo(np.int64).min,
-                         t)
-        return t.astype(np.int64) * self.op.unit_ns
+    def traces(self) -> dict[str, "Trace"]:
+        """The operator's keyed state, by name."""
+        return {"held": self.held}
+
+    def _times_ns(self, data: pa.Table) -> np.ndarray:
+        col = data.column(self.op.column)
+        raw = pc.cast(col, pa.int64()) if pat.is_timestamp(col.type) else col
+        t = np.asarray(pc.fill_null(raw, np.iinfo(np.int64).min).to_numpy(zero_copy_only=False), dtype=np.int64)
+        unit = self.op.unit_ns
+        if unit == 1:
+            return t
+        lo, hi = np.iinfo(np.int64).min // unit, np.iinfo(np.int64).max // unit
+        return np.clip(t, lo, hi) * unit  # nulls (and times beyond the int64 ns range) saturate
+
+    def _rows(self, data: pa.Table, weights: np.ndarray, mask: np.ndarray, sign: int) -> "ZSet":
+        from dbsp_core.zset import ZSet
+
+        if not mask.any():
+            return empty(self.schema)
+        rows = data.filter(pa.array(mask)).select(self.schema.names)
+        return ZSet._make(rows, np.asarray(weights[mask], dtype=np.int64) * sign)
+
+    def _held_between(self, ranges: list[tuple[int, int]]) -> "ZSet":
+        """The held rows (consolidated) of every bucket meeting the time ranges [a, b] (may hold more)."""
+        from dbsp_core.zset import ZSet
+
+        ids = [np.arange(a // self.bucket_ns, b // self.bucket_ns + 1, dtype=np.int64) for a, b in ranges if a <= b]
+        n = sum(len(x) for x in ids)
+        if n == 0:
+            return empty(self.hschema)
+        if n > self.MAX_BUCKETS:
+            return self.held.consolidated().zset
+        keys = np.unique(np.concatenate(ids))
+        hashes = np.unique(ZSet.from_arrow(pa.table({"__bucket": keys})).hash(["__bucket"]))
+        return lookup_exact(self.held, hashes, self.hschema).consolidate()
 
     def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+        from dbsp_core.zset import ZSet
+
         now = getattr(ctx, "now_ns", None)
         if now is None:
             now = time.time_ns()
+        prev = int(self.clock.data.column(0)[0].as_py()) if self.clock.num_rows else None
+        if prev is not None:
+            now = max(now, prev)  # the window never moves back (the durable pipeline's now never does)
+        win = self.op.window_ns
+        lo = now - win
+        out: list[ZSet] = []
+        # held rows that the window's ends passed since the previous step (before this step's change is held)
+        if prev is None:
+            old = self.held.consolidated().zset
+            prev_lo, prev_hi = np.iinfo(np.int64).min, np.iinfo(np.int64).min
+        else:
+            old = self._held_between([(prev - win, lo - 1), (prev + 1, now)])
+            prev_lo, prev_hi = prev - win, prev
+        if old.num_rows:
+            t = self._times_ns(old.data)
+            was_in = (t >= prev_lo) & (t <= prev_hi)
+            is_in = (t >= lo) & (t <= now)
+            out.append(self._rows(old.data, old.weights, was_in & ~is_in, -1))
+            out.append(self._rows(old.data, old.weights, is_in & ~was_in, 1))
+            gone = t < lo  # invariant 2: these can never come back; drop them from the state
+            if gone.any():
+                rows = old.data.filter(pa.array(gone))
+                self.held.insert(ZSet._make(rows, -np.asarray(old.weights[gone], dtype=np.int64))
+                                 .index_by(["__bucket"]))
         z = inputs[0]
         if z.num_rows:
-            self.pending = (self.pending + conform(z, self.schema)).consolidate()
-        if self.pending.num_rows == 0 and self.window.num_rows == 0:
-            return empty(self.schema)
-        t = self._times_ns(self.pending)
-        lo = now - self.op.window_ns
-        inside = (t >= lo) & (t <= now)
-        new = self.pending.data.filter(pa.array(inside))
-        from dbsp_core.zset import ZSet
+            z = conform(z, self.schema)
+            t = self._times_ns(z.data)
+            out.append(self._rows(z.data, z.weights, (t >= lo) & (t <= now), 1))
+            keep = t >= lo
+            if keep.any():
+                buckets = pa.array(np.floor_divide(t[keep], self.bucket_ns))
+                rows = z.data.filter(pa.array(keep)).append_column("__bucket", buckets)
+                self.held.insert(ZSet._make(rows, np.asarray(z.weights[keep], dtype=np.int64))
+                                 .index_by(["__bucket"]))
+        if prev != now:
+            self.clock = ZSet._make(pa.table({"now_ns": pa.array([now], pa.int64())}), np.ones(1, dtype=np.int64))
+        return concat(out, self.schema)
 
-        new_window = ZSet._make(new, np.array(self.pending.weights[inside], dtype=np.int64))
-        out = new_window - self.window
-        self.window = new_window
-        keep = t >= lo  # invariant 2: older rows can never come back
-        if not keep.all():
-            self.pending = ZSet._make(self.pending.data.filter(pa.array(keep)),
-                                      np.array(self.pending.weights[keep], dtype=np.int64))
-        return out
+
+_CLOCK = pa.schema([("now_ns", pa.int64())])
 
 
 def within_last(stream: "Stream", column: str, seconds: float, unit: str = "s") -> "Stream":

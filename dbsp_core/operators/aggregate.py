@@ -9,9 +9,16 @@ Invariants:
      - linear (only count, and sum/avg over integer columns): the trace keeps one partial row per group
        (count, sums, non-null counts as int64); a step adds the change's partials to the old ones. Integer
        arithmetic is exact, so the result does not depend on the split into steps or workers.
-     - recompute (min, max, any float sum/avg): the trace keeps the integrated input indexed by key; a step
-       re-reduces the affected groups' rows, so min/max stay right when the extreme is deleted, and float
-       sums are computed over the group's consolidated rows in one fixed order whatever the split.
+     - extremes (min/max with only count and integer sum/avg besides): one trace keeps each group's current
+       totals row (linear slots and extremes), and one trace per min/max column keeps the multiset of the
+       group's non-null values ((keys, value) rows with their counts). A step folds the change into the old
+       totals in one grouping pass: linear slots add, and an extreme becomes the extreme of the old one and
+       the inserted values, unless a deleted value reaches the old extreme (for min: is not strictly greater
+       than it); only those groups are re-reduced, over their value multisets. So an insert-only step costs
+       O(change), and deleting an extreme costs O(distinct values of that group), never O(state).
+     - recompute (any float sum/avg): the trace keeps the integrated input indexed by key; a step re-reduces
+       the affected groups' rows, so float sums are computed over the group's consolidated rows in one fixed
+       order whatever the split (exact results that do not depend on steps or workers).
   4. The input is exchanged by the group keys, so a group lives in exactly one worker. A linear aggregate
      first turns each worker's change into partial rows (PreAggregate, before the exchange: a combiner), so
      a large change crosses workers as one row per group instead of one per input row.
@@ -27,7 +34,7 @@ import pyarrow.compute as pc
 import pyarrow.types as pat
 
 from dbsp_core.aggregates import Aggregate as AggSpec
-from dbsp_core.errors import SchemaError
+from dbsp_core.errors import DbspError, SchemaError
 from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, make
 from dbsp_core.trace import Trace, unique_sorted
 
@@ -59,6 +66,7 @@ class Aggregate(Operator):
                 raise SchemaError(f"{where}: output column {name!r} clashes with a group_by column")
             fields.append(pa.field(name, agg.output_type(in_schema, where)))
         super().__init__((node,), pa.schema(fields), keys)
+        self.state_format = 2  # part of the circuit fingerprint: state saved by format 1 (no extremes) is refused
         self.in_schema = in_schema
         self.keys = keys
         self.names = list(aggs)
@@ -84,8 +92,13 @@ class Aggregate(Operator):
             self.kernel.append((kind, column))
         return self.kernel.index((kind, column))
 
-    def instance(self) -> "_LinearState | _RecomputeState":
-        return _LinearState(self) if self.linear else _RecomputeState(self)
+    def instance(self) -> "_LinearState | _ExtremesState | _RecomputeState":
+        if self.linear:
+            return _LinearState(self)
+        if all(k in ("count", "count_col", "min", "max") or pat.is_integer(self.in_schema.field(c).type)
+               for k, c in self.kernel):
+            return _ExtremesState(self)
+        return _RecomputeState(self)
 
     def finalize(self, totals: pa.Table) -> pa.Table:
         """User rows from a table of keys then one column per kernel slot (positional)."""
@@ -269,3 +282,209 @@ class _LinearState:
         if change.num_rows:
             self.trace.insert(change.index_by(self.keys))
         return op.output(new, prev)
+
+
+class _ExtremesState:
+    """Invariant 3, extremes strategy: current totals per group plus, per min/max column, the group's values.
+
+    One grouping pass over a combined table folds the change into the old totals. Its rows are the groups'
+    old totals rows (weight 1), the change rows (their weight) and a copy of the change's negative rows
+    (weight negated, so the weight-aware min/max kernel sees them). Per kernel slot j the columns are:
+
+    - linear slots: ``p_j`` (old total / the row's partial value, summed with weights: the new total) and
+      ``q_j`` (old total on old rows, 0 elsewhere: the old total);
+    - extreme slots: ``e_j`` (old extreme and the change's values: min/max over positive rows is the extreme
+      of the old one and the inserted values), ``o_j`` (the old extreme) and ``d_j`` (the deleted values: their
+      min for a min slot, max for a max slot).
+
+    A group whose deleted extreme is not strictly beyond its old extreme is re-reduced from the value traces.
+    """
+
+    def __init__(self, op: Aggregate) -> None:
+        self.op = op
+        self.keys = list(op.keys)
+        key_fields = [pa.field(k, op.in_schema.field(k).type) for k in op.keys]
+        self.lin = tuple(j for j, (kind, _) in enumerate(op.kernel) if kind not in ("min", "max"))
+        self.ext = tuple((j, kind, col) for j, (kind, col) in enumerate(op.kernel) if kind in ("min", "max"))
+        cols = sorted({col for _, _, col in self.ext})
+        self.val_cols = tuple((col, f"values_{i}") for i, col in enumerate(cols))  # (column, attribute)
+        for col, attr in self.val_cols:
+            setattr(self, attr, Trace(pa.schema(key_fields + [op.in_schema.field(col)]), op.keys))
+        slot_type = {j: op.in_schema.field(col).type for j, _, col in self.ext}
+        self.sschema = pa.schema(key_fields + [pa.field(f"s_{j}", slot_type.get(j, pa.int64()))
+                                               for j in range(len(op.kernel))])
+        self.totals = Trace(self.sschema, op.keys)
+        fields = list(key_fields)
+        aggs: list[tuple[str, str | None]] = []
+        for j in self.lin:
+            fields += [pa.field(f"p_{j}", pa.int64()), pa.field(f"q_{j}", pa.int64())]
+            aggs += [("sum", f"p_{j}"), ("sum", f"q_{j}")]
+        for j, kind, _ in self.ext:
+            fields += [pa.field(f"{r}_{j}", slot_type[j]) for r in "eod"]
+            aggs += [(kind, f"e_{j}"), ("max", f"o_{j}"), (kind, f"d_{j}")]
+        self.cschema = pa.schema(fields)
+        self.aggs = tuple(aggs)
+        self.names = tuple(f.name for f in fields)  # reduce output: the keys, then one column per agg
+
+    def traces(self) -> dict[str, Trace]:
+        """The operator's state, by name (each trace can be read per shard)."""
+        out = {"totals": self.totals}
+        for col, attr in self.val_cols:
+            out[f"values.{col}"] = getattr(self, attr)
+        return out
+
+    def _partial(self, data: pa.Table, j: int, n: int) -> pa.Array:
+        kind, col = self.op.kernel[j]
+        if kind == "count":
+            return pa.array(np.ones(n, dtype=np.int64))
+        if kind == "count_col":
+            return pc.cast(pc.is_valid(data.column(col)), pa.int64())
+        return pc.cast(pc.fill_null(data.column(col), 0), pa.int64())  # integer sum
+
+    def _combined(self, old: pa.Table, change: "ZSet") -> "ZSet":
+        data, w = change.data, change.weights
+        n_o, n_c = old.num_rows, change.num_rows
+        neg = w < 0
+        negd = data.filter(pa.array(neg)) if neg.any() else data.slice(0, 0)
+        n_n = negd.num_rows
+        zeros = pa.array(np.zeros(max(n_c, n_n), dtype=np.int64))
+        parts = {k: [old.column(k), data.column(k), negd.column(k)] for k in self.keys}
+        for j in self.lin:
+            s = old.column(f"s_{j}")
+            parts[f"p_{j}"] = [s, self._partial(data, j, n_c), zeros.slice(0, n_n)]
+            parts[f"q_{j}"] = [s, zeros.slice(0, n_c), zeros.slice(0, n_n)]
+        for j, _, col in self.ext:
+            s, t = old.column(f"s_{j}"), old.schema.field(f"s_{j}").type
+            parts[f"e_{j}"] = [s, data.column(col), pa.nulls(n_n, t)]
+            parts[f"o_{j}"] = [s, pa.nulls(n_c, t), pa.nulls(n_n, t)]
+            parts[f"d_{j}"] = [pa.nulls(n_o, t), pa.nulls(n_c, t), negd.column(col)]
+        table = pa.Table.from_arrays([_joined(parts[f.name], f.type) for f in self.cschema], schema=self.cschema)
+        weights = np.concatenate([np.ones(n_o, dtype=np.int64), w, -w[neg]])
+        return make(table, weights, self.cschema)
+
+    def _need_recompute(self, sums: pa.Table) -> pa.Array | None:
+        need = None
+        for j, kind, _ in self.ext:
+            d, o = sums.column(f"d_{j}"), sums.column(f"o_{j}")
+            beyond = pc.greater(d, o) if kind == "min" else pc.less(d, o)  # null when either is null
+            m = pc.and_(pc.is_valid(d), pc.invert(pc.fill_null(beyond, False)))
+            need = m if need is None else pc.or_(need, m)
+        return need if need is not None and pc.any(need).as_py() else None
+
+    def _recompute(self, sums: pa.Table, need: pa.Array) -> pa.Table:
+        """``sums`` with the extremes of the ``need`` groups re-reduced over their whole value multisets."""
+        from dbsp_core.zset import ZSet
+
+        n = sums.num_rows
+        keys = sums.select(self.keys)
+        hashes = np.unique(ZSet._make(keys.filter(need), np.ones(int(pc.sum(need).as_py()), np.int64)).hash(
+            self.keys))
+        parts = {name: [sums.column(name)] for name in self.names}
+        for j, _, _ in self.ext:
+            parts[f"e_{j}"] = [pc.if_else(need, pa.scalar(None, sums.schema.field(f"e_{j}").type),
+                                          sums.column(f"e_{j}"))]
+        weights = [np.ones(n, dtype=np.int64)]
+        for col, attr in self.val_cols:
+            trace: Trace = getattr(self, attr)
+            vals = lookup_exact(trace, hashes, trace.schema).consolidate()
+            m = vals.num_rows
+            if m == 0:
+                continue
+            for k in self.keys:
+                parts[k].append(vals.data.column(k))
+            zeros = pa.array(np.zeros(m, dtype=np.int64))
+            for j in self.lin:
+                parts[f"p_{j}"].append(zeros)
+                parts[f"q_{j}"].append(zeros)
+            for j, _, c in self.ext:
+                t = self.cschema.field(f"e_{j}").type
+                parts[f"e_{j}"].append(vals.data.column(col) if c == col else pa.nulls(m, t))
+                parts[f"o_{j}"].append(pa.nulls(m, t))
+                parts[f"d_{j}"].append(pa.nulls(m, t))
+            weights.append(vals.weights)
+        table = pa.Table.from_arrays([_joined(parts[f.name], f.type) for f in self.cschema], schema=self.cschema)
+        z = make(table, np.concatenate(weights), self.cschema)
+        return z.index_by(self.keys).reduce(list(self.aggs)).rename_columns(list(self.names))
+
+    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+        op = self.op
+        z = inputs[0]
+        if z.num_rows == 0:
+            return empty(op.schema)
+        dix = conform(z, op.in_schema).index_by(self.keys)
+        if len(dix) == 0:
+            return empty(op.schema)
+        change = dix.zset
+        for col, attr in self.val_cols:  # the value multisets first: a recompute must see this step's values
+            proj = change.data.select(self.keys + [col])
+            valid = pc.is_valid(proj.column(col))
+            if pc.all(valid).as_py() is False:
+                mask = np.asarray(valid.to_numpy(zero_copy_only=False), dtype=bool)
+                proj, w = proj.filter(valid), change.weights[mask]
+            else:
+                w = change.weights
+            if proj.num_rows:
+                trace: Trace = getattr(self, attr)
+                trace.insert(make(proj, w, trace.schema).index_by(self.keys))
+        old_z = lookup_exact(self.totals, unique_sorted(dix.key_hash), self.sschema).consolidate()
+        if old_z.num_rows and not bool((old_z.weights == 1).all()):
+            raise DbspError(f"{op.label}: aggregate state holds a group with weight other than 1 "
+                            f"({sorted(set(old_z.weights.tolist()))[:4]}); the state is corrupt")
+        sums = self._combined(old_z.data, change).index_by(self.keys).reduce(list(self.aggs)).rename_columns(list(self.names))
+        need = self._need_recompute(sums)
+        if need is not None:
+            sums = self._recompute(sums, need)
+        nk = len(self.keys)
+        new_cols, old_cols = [], []
+        for j in range(len(op.kernel)):
+            if j in self.lin:
+                new_cols.append(f"p_{j}")
+                old_cols.append(f"q_{j}")
+            else:
+                new_cols.append(f"e_{j}")
+                old_cols.append(f"o_{j}")
+        slot_names = self.sschema.names[nk:]
+        new = op.nonempty(sums.select(self.keys + new_cols).rename_columns(self.keys + slot_names))
+        prev = op.nonempty(sums.select(self.keys + old_cols).rename_columns(self.keys + slot_names))
+        delta = concat([make(new, np.ones(new.num_rows, dtype=np.int64), self.sschema),
+                        make(prev, np.full(prev.num_rows, -1, dtype=np.int64), self.sschema)], self.sschema)
+        if delta.num_rows:
+            self.totals.insert(delta.index_by(self.keys))
+        return op.output(new, prev)
+
+
+def _joined(parts: list, typ: pa.DataType) -> pa.Array:
+    """One contiguous array from arrays and chunked arrays (their chunks, in order)."""
+    chunks = []
+    for p in parts:
+        if isinstance(p, pa.ChunkedArray):
+            chunks.extend(c for c in p.chunks if len(c))
+        elif len(p):
+            chunks.append(p)
+    if not chunks:
+        return pa.array([], typ)
+    if len(chunks) == 1:
+        return chunks[0] if chunks[0].type.equals(typ) else chunks[0].cast(typ)
+    return pa.concat_arrays([c if c.type.equals(typ) else c.cast(typ) for c in chunks])
+
+
+def lookup_exact(trace: Trace, hashes: np.ndarray, schema: pa.Schema) -> "ZSet":
+    """The rows of ``trace`` whose key hash is in ``hashes`` (ascending, distinct), unconsolidated.
+
+    :meth:`Trace.lookup` may hand back whole small batches, i.e. some rows of keys not asked for, without
+    those keys' rows in the other batches; a caller that consolidates per key must drop them (a key's
+    history is only complete for the keys asked for).
+    """
+    from dbsp_core.zset import ZSet
+
+    parts = []
+    for b in trace.lookup(hashes):
+        kh = b.key_hash
+        pos = np.searchsorted(hashes, kh)
+        pos[pos == len(hashes)] = 0
+        keep = hashes[pos] == kh
+        if keep.all():
+            parts.append(b.zset)
+        elif keep.any():
+            parts.append(ZSet._make(b.zset.data.filter(pa.array(keep)), np.asarray(b.zset.weights[keep])))
+    return concat(parts, schema)

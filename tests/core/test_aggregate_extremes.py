@@ -1,0 +1,79 @@
+"""min/max aggregates (the extremes strategy) against a dict model over long runs of small steps.
+
+Long runs matter: the traces then hold many spine batches of different sizes, so lookups hand back whole
+small batches with partial histories of keys not asked for, and deletions of a group's current extreme
+force re-reductions from the value multisets. Checked after every step, W in {1, 2}, with nulls in values
+and keys, duplicates, and groups that empty and come back.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import dbsp_core as dbsp
+
+SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64()), ("s", pa.utf8())])
+
+
+def _model(bag: Counter) -> dict:
+    groups: dict = {}
+    for (k, v, s), w in bag.items():
+        g = groups.setdefault(k, {"n": 0, "vs": [], "ss": [], "total": 0, "nv": 0})
+        g["n"] += w
+        if v is not None:
+            g["vs"] += [v] * w
+            g["total"] += v * w
+            g["nv"] += w
+        if s is not None:
+            g["ss"] += [s] * w
+    out = {}
+    for k, g in groups.items():
+        if g["n"]:
+            out[(k, g["n"], min(g["vs"], default=None), max(g["vs"], default=None), min(g["ss"], default=None),
+                 g["total"] if g["nv"] else None)] = 1
+    return out
+
+
+@pytest.mark.parametrize("workers,seed", [(1, 1), (2, 2), (2, 3)])
+def test_min_max_long_run(workers: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    c = dbsp.Circuit()
+    t = c.input("t", SCHEMA)
+    c.output("g", t.group_by("k").agg(n=dbsp.count(), lo=dbsp.min("v"), hi=dbsp.max("v"), first=dbsp.min("s"),
+                                      total=dbsp.sum("v")))
+    p = dbsp.Pipeline(c, workers=workers)
+    bag: Counter = Counter()
+    view: Counter = Counter()
+    for step in range(150):
+        delta: Counter = Counter()
+        for _ in range(int(rng.integers(0, 10))):
+            present = [r for r, w in (bag + delta).items() if w > 0]
+            roll = rng.random()
+            if present and roll < 0.45:  # delete, preferring a group's current extreme
+                if roll < 0.25:
+                    k = present[int(rng.integers(len(present)))][0]
+                    rows = [r for r in present if r[0] == k and r[1] is not None]
+                    if rows:
+                        r = max(rows, key=lambda r: r[1]) if roll < 0.12 else min(rows, key=lambda r: r[1])
+                        delta[r] -= 1
+                        continue
+                delta[present[int(rng.integers(len(present)))]] -= 1
+            else:
+                k = None if rng.random() < 0.05 else int(rng.integers(0, 25))
+                v = None if rng.random() < 0.1 else int(rng.integers(-50, 50))
+                s = None if rng.random() < 0.1 else str(rng.choice(["a", "b", "zz", ""]))
+                delta[(k, v, s)] += int(rng.choice([1, 1, 2]))
+        delta = Counter({r: w for r, w in delta.items() if w})
+        bag.update(delta)
+        bag = Counter({r: w for r, w in bag.items() if w})
+        if delta:
+            p.push("t", dbsp.ZSet.from_rows(list(delta), SCHEMA, weights=list(delta.values())))
+        for r, w in p.step()["g"].to_dict().items():
+            view[r] += w
+        view = Counter({r: w for r, w in view.items() if w})
+        assert dict(view) == _model(bag), f"step {step}"
+    p.close()
