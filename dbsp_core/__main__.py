@@ -1,21 +1,87 @@
-"""The ``dbsp`` command line: ``python -m dbsp_core demo`` runs the main job."""
+"""The ``dbsp`` command line (also ``python -m dbsp_core``).
+
+- ``dbsp demo [options]``: the main job, a durable auction pipeline (``dbsp demo --help``);
+- ``dbsp inspect DIR [--json]``: what a storage directory holds (scale, checkpoint, logs, output steps, sizes),
+  without running its circuit;
+- ``dbsp read DIR VIEW [--from-step N] [--limit K]``: the changes of one view from the output log.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    from dbsp_core.durable import inspect_storage
+
+    info = inspect_storage(args.dir)
+    if args.json:
+        print(json.dumps(info, indent=2, sort_keys=True))
+        return 0
+    b = info["bytes"]
+    ck = info["checkpoint_step"]
+    out = info["output_steps"]
+    print(f"storage      {info['path']}")
+    print(f"scale        {info['workers']} workers, {1 << info['shard_bits']} shards; circuit {info['fingerprint']}")
+    print(f"inputs       {', '.join(info['inputs'])}")
+    print(f"outputs      {', '.join(info['outputs'])}")
+    print(f"checkpoint   {'none consistent' if ck is None else f'step {ck}'} "
+          f"(versions per worker: {', '.join(f'{a}..{z}' for a, z in info['versions'])})")
+    div = info["divided_steps"]
+    print(f"input log    {info['input_records']} records in {info['input_segments']} segments, steps "
+          f"{info['input_steps'][0]}..{info['input_steps'][1]}"
+          + (f", divided steps {div[0]}..{div[1]}" if div else ", no divided step"))
+    print(f"output log   steps {out[0]}..{out[1] - 1} ({out[1] - out[0]} steps) in {info['output_segments']} segments")
+    print(f"disk         input {b['input']:,} B, output {b['output']:,} B, state {b['state']:,} B")
+    return 0
+
+
+def _read(args: argparse.Namespace) -> int:
+    from dbsp_core.durable import open_output
+
+    log = open_output(args.dir)
+    try:
+        if args.view not in log.schemas:
+            print(f"error: no view {args.view!r}; views are {sorted(log.schemas)}", file=sys.stderr)
+            return 2
+        shown = 0
+        for step, z in log.read(args.view, args.from_step):
+            print(f"step {step}: {len(z)} changed rows")
+            for row in z.to_arrow().slice(0, args.limit).to_pylist():
+                print(f"  {row}")
+            shown += 1
+        if not shown:
+            print(f"no output steps from step {args.from_step}")
+    finally:
+        log.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dbsp", description="dbsp_core command line")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="run the demo pipeline on the embedded runtime")
-    args = parser.parse_args(argv)
-    if args.command == "demo":
+    args_list = sys.argv[1:] if argv is None else list(argv)
+    if args_list[:1] == ["demo"]:  # the demo parses its own options (dbsp demo --help)
         from dbsp_core.demo import run_demo
 
-        return run_demo()
-    return 2
+        return run_demo(args_list[1:])
+    parser = argparse.ArgumentParser(prog="dbsp", description="dbsp_core command line")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("demo", help="run the main job: the durable auction pipeline demo (dbsp demo --help)")
+    ins = sub.add_parser("inspect", help="summarize a storage directory")
+    ins.add_argument("dir")
+    ins.add_argument("--json", action="store_true", help="print the summary as JSON")
+    rd = sub.add_parser("read", help="print the changes of one view from a storage directory's output log")
+    rd.add_argument("dir")
+    rd.add_argument("view")
+    rd.add_argument("--from-step", type=int, default=0)
+    rd.add_argument("--limit", type=int, default=10, help="rows shown per step (default 10)")
+    args = parser.parse_args(args_list)
+    try:
+        return _inspect(args) if args.command == "inspect" else _read(args)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        print(f"error: {args.dir} is not a dbsp storage directory ({exc})", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
