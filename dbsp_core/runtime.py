@@ -154,7 +154,8 @@ class Pipeline:
         if not isinstance(circuit, Circuit):
             raise TypeError(f"Pipeline needs a Circuit, got {type(circuit).__name__}")
         if storage is not None:  # only reached by subclasses other than DurablePipeline
-            raise TypeError(f"{type(self).__name__} keeps no storage; use dbsp.Pipeline(circuit, storage=dir) for a durable pipeline")
+            raise TypeError(f"{type(self).__name__} keeps no storage; use dbsp.Pipeline(circuit, storage=dir) "
+                            f"for a durable pipeline")
         self.circuit = circuit
         self.layout = Layout(ShardMap(workers, shard_bits))
         self.shard_map = self.layout.shard_map
