@@ -63,7 +63,7 @@ def partition_codes(spark: Any, workers: int) -> list[int]:
     raise RuntimeError(f"no int hashes to every one of {workers} Spark partitions")  # pragma: no cover
 
 
-def _stage_fn(task: StageTask, fault: tuple[int, str, int] | None):
+def _stage_fn(task: StageTask, fault: tuple[int, str, int] | None, fault_attempts: int):
     """The mapInArrow function of one stage: gather the partition's blobs, run the stage task, yield its blobs."""
 
     def run(batches):
@@ -72,8 +72,8 @@ def _stage_fn(task: StageTask, fault: tuple[int, str, int] | None):
         tc = TaskContext.get()
         worker = tc.partitionId()
         t = task
-        if fault is not None and fault[0] == task.stage and fault[2] == worker and tc.attemptNumber() == 0:
-            t = dataclasses.replace(task, fault=(fault[1], worker))  # tests: fail the first attempt only
+        if fault is not None and fault[0] == task.stage and fault[2] == worker and tc.attemptNumber() < fault_attempts:
+            t = dataclasses.replace(task, fault=(fault[1], worker))  # tests: fail the first attempt(s)
         bs = list(batches)
         table = pa.Table.from_batches(bs) if bs else BLOB_SCHEMA.empty_table()
         out = run_stage_task(t, worker, table)
@@ -85,9 +85,9 @@ def _stage_fn(task: StageTask, fault: tuple[int, str, int] | None):
 class SparkJobRunner:
     """Runs a job's stage tasks as one Spark job (dbsp_core.staged.JobRunner); see the module docstring.
 
-    ``fault`` (tests only): ``(stage, point, worker)`` makes the first attempt of that task raise at ``point``
-    (``"before-commit"`` or ``"after-commit"``); Spark then retries it (needs task retries enabled:
-    ``local[N,F]`` with F >= 2, or ``spark.task.maxFailures`` >= 2 on a cluster).
+    ``fault`` (tests only): ``(stage, point, worker)`` makes the first ``fault_attempts`` attempts of that task
+    raise at ``point`` (``"before-commit"`` or ``"after-commit"``); Spark retries a failed task when task
+    retries are enabled (``local[N,F]`` with F >= 2, or ``spark.task.maxFailures`` >= 2 on a cluster).
     """
 
     def __init__(self, spark: Any, workers: int) -> None:
@@ -95,6 +95,7 @@ class SparkJobRunner:
         self.workers = workers
         self.codes = partition_codes(spark, workers)
         self.fault: tuple[int, str, int] | None = None
+        self.fault_attempts = 1
 
     def _route(self, df: Any) -> Any:
         from pyspark.sql import functions as F
@@ -106,7 +107,7 @@ class SparkJobRunner:
     def run_job(self, job: Job) -> pa.Table:
         df = self.spark.createDataFrame(job.inputs, schema=BLOB_DDL)
         for task in job.tasks:
-            df = self._route(df).mapInArrow(_stage_fn(task, self.fault), BLOB_DDL)
+            df = self._route(df).mapInArrow(_stage_fn(task, self.fault, self.fault_attempts), BLOB_DDL)
         return df.toArrow()
 
 

@@ -1,0 +1,66 @@
+"""Spark fixtures for tests/spark: a small local session and a local-cluster session (separate executor JVMs), one per test module, and the shared circuits of tests/core on the import path.
+
+Both sessions run the Python workers with this interpreter and allow task retries: ``local[2,4]`` is two
+threads with up to 4 attempts per task (plain ``local[2]`` never retries a task), and
+``local-cluster[2,1,1024]`` (2 executors of 1 core and 1 GiB) keeps ``spark.task.maxFailures`` at 4.
+local-cluster mode launches executors from a Spark distribution: it needs ``SPARK_HOME`` pointing at the
+pyspark package directory (set here when missing) and gets ``PYTHONPATH`` (this checkout) and
+``PYSPARK_PYTHON`` through ``spark.executorEnv``. Tests are skipped, with the reason, when Java is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, os.path.join(REPO, "tests", "core"))  # oracle.py, staged_circuits.py
+
+
+def _java() -> bool:
+    home = os.environ.get("JAVA_HOME")
+    return bool(shutil.which("java") or (home and os.path.exists(os.path.join(home, "bin", "java"))))
+
+
+def _session(master: str, app: str, **conf: str):
+    if not _java():
+        pytest.skip("Java is not installed (needed by pyspark)")
+    pyspark = pytest.importorskip("pyspark")
+    from pyspark.sql import SparkSession
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("SPARK_HOME", os.path.dirname(pyspark.__file__))
+    active = SparkSession.getActiveSession()
+    if active is not None and active.sparkContext.master != master:
+        active.stop()  # one SparkContext per process: another module's session of another master goes first
+    b = (SparkSession.builder.master(master).appName(app)
+         .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+         .config("spark.sql.shuffle.partitions", "2").config("spark.default.parallelism", "2"))
+    for k, v in conf.items():
+        b = b.config(k, v)
+    s = b.getOrCreate()
+    s.sparkContext.setLogLevel("ERROR")
+    return s
+
+
+@pytest.fixture(scope="module")
+def spark_local():
+    """A ``local[2,4]`` session (two task threads, task retries on), stopped after the module."""
+    s = _session("local[2,4]", "dbsp-tests-local")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def spark_cluster():
+    """A ``local-cluster[2,1,1024]`` session: two executor JVMs, each with its own Python workers."""
+    pythonpath = os.pathsep.join([REPO] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+    s = _session("local-cluster[2,1,1024]", "dbsp-tests-cluster", **{
+        "spark.executorEnv.PYTHONPATH": pythonpath, "spark.executorEnv.PYSPARK_PYTHON": sys.executable,
+        "spark.task.maxFailures": "4", "spark.executor.memory": "512m"})
+    yield s
+    s.stop()
