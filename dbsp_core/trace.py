@@ -8,7 +8,7 @@ Invariants (enforced here):
      batch holding at least as many rows as its older neighbour is merged into it (a binary counter), so
      the spine of n rows has at most log2(n) + 1 batches and each row is merged at most log2(n) times.
      A trace that is never read (e.g. a join side whose other input never changes) never pays for merges.
-  3. A lookup touches only the rows whose key hash is asked for (binary search per batch), or whole batches
+  3. A lookup touches only the rows whose key hash is asked for (a galloping C search per batch), or whole batches
      smaller than a few rows per asked key, so per-step cost grows with the change, not with the state.
   4. State is grouped by shard: a shard (top ``shard_bits`` bits of the key hash) is a contiguous row range
      of every batch, so :meth:`Trace.shard` extracts one shard's state without scanning the others.
@@ -114,7 +114,7 @@ class Trace:
         self.pending = []
 
     def lookup(self, hashes: np.ndarray, dense_ratio: float = 1.0) -> list["IndexedZSet"]:
-        """The rows of each batch whose key hash is in ``hashes`` (ascending, distinct uint64).
+        """The rows of each batch whose key hash is in ``hashes`` (ascending uint64; duplicates allowed).
 
         May return more: rows whose hash collides with an asked hash, and whole batches with fewer than
         ``dense_ratio * len(hashes)`` rows (cheaper to pass on than to search). Callers must be indifferent
@@ -129,15 +129,21 @@ class Trace:
             if len(b) < dense_ratio * len(hashes):
                 out.append(b)
                 continue
-            kh = b.key_hash
-            lo = np.searchsorted(kh, hashes, side="left")
-            hi = np.searchsorted(kh, hashes, side="right")
-            idx = ranges_to_indices(lo, hi)
-            if len(idx) == len(kh):
+            idx = b.lookup(hashes)  # one galloping C call per batch
+            if len(idx) == len(b):
                 out.append(b)
             elif len(idx):
                 out.append(b.take(idx))
         return out
+
+    def match_weights(self, change: "IndexedZSet") -> np.ndarray:
+        """The trace's weight of each row of ``change`` (same schema and key; whole-row identity), 0 for rows it
+        does not hold: one galloping C walk per batch, so the cost grows with the change, not the state."""
+        acc = np.zeros(len(change), dtype=np.int64)
+        if len(change):
+            for b in self.batches:
+                change.match_weights(b, acc)
+        return acc
 
     def consolidated(self) -> "IndexedZSet":
         """The whole trace as one consolidated batch (merges a copy; the spine is unchanged)."""

@@ -3,9 +3,9 @@
 Invariants:
   1. After every step, integral(output) == {row: 1 for rows with integral(input)[row] > 0}; rows with
      zero or negative accumulated weight are absent. Row identity treats null as equal to null.
-  2. The trace holds the integral of the input, indexed by all columns; a step reads only the rows whose
-     hash occurs in the change (so its cost grows with the change) and emits +1 for rows that become
-     positive, -1 for rows that stop being positive.
+  2. The trace holds the integral of the input, indexed by all columns; a step reads only the weights of
+     the change's rows in each trace batch (a galloping C walk, so its cost grows with the change) and emits
+     +1 for rows that become positive, -1 for rows that stop being positive, consolidated.
   3. The input is exchanged by all columns, so each row's whole history lives in one worker.
 """
 
@@ -13,14 +13,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pyarrow as pa
 
-from dbsp_core.operators.base import Operator, concat, conform, empty, negate, positive_set
-from dbsp_core.trace import Trace, unique_sorted
+from dbsp_core.errors import WeightOverflowError
+from dbsp_core.operators.base import Operator, conform, empty
+from dbsp_core.trace import Trace
+from dbsp_core.zset import ZSet
 
 if TYPE_CHECKING:
     from dbsp_core.runtime import WorkerContext
-    from dbsp_core.zset import ZSet
 
 
 class Distinct(Operator):
@@ -52,9 +54,17 @@ class _DistinctState:
         dix = conform(z, self.schema).index_by(self.cols)
         if len(dix) == 0:
             return empty(self.schema)
-        old = concat([b.zset for b in self.trace.lookup(unique_sorted(dix.key_hash))], self.schema)
-        new = concat([old, dix.zset], self.schema).consolidate()
+        old = self.trace.match_weights(dix)  # each changed row's accumulated weight before this step
+        d = dix.zset.weights
+        new = old + d
+        if bool((((old ^ new) & (d ^ new)) < 0).any()):
+            raise WeightOverflowError("distinct: a row's accumulated weight overflows int64")
         self.trace.insert(dix)
-        if old.num_rows == 0:
-            return positive_set(new)
-        return concat([positive_set(new), negate(positive_set(old.consolidate()))], self.schema)
+        flip = np.flatnonzero((old > 0) != (new > 0))
+        if len(flip) == 0:
+            return empty(self.schema)
+        # the flipped rows keep dix's order, which is canonical (the key is the whole row, so the key hash is
+        # the row hash): the output is consolidated as it stands
+        w = np.where(new[flip] > 0, 1, -1).astype(np.int64)
+        return ZSet._make(dix.zset.data.take(pa.array(flip, pa.int64())), w, consolidated=True,
+                          rhash=dix.key_hash[flip])

@@ -115,11 +115,13 @@ class _JoinState:
         parts = []
         if db is not None:
             self.right.insert(db)
+        # the join kernel gallops over the other side's key hashes, so a change is joined with each whole trace
+        # batch: its cost grows with the change (and the matches), and no rows are copied out of the batch first
         if da is not None and len(da):
-            for batch in self.right.lookup(unique_sorted(da.key_hash), DENSE):
+            for batch in self.right.batches:
                 parts.append(op.pairs(da, batch))
         if db is not None and len(db):
-            for batch in self.left.lookup(unique_sorted(db.key_hash), DENSE):
+            for batch in self.left.batches:
                 parts.append(op.pairs(batch, db))
         if da is not None:
             self.left.insert(da)
