@@ -35,7 +35,6 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-import dbsp_core as dbsp
 from dbsp_core.errors import DbspError
 from dbsp_core.zset import ZSet
 
@@ -74,8 +73,8 @@ class ForeachBatch:
         self.producer = producer
         self.on_output = on_output
         self.scan_limit = scan_limit
-        # the embedded runtimes take Arrow; a Spark runtime takes the DataFrame as it is (it stays distributed)
-        self.to_arrow = isinstance(pipeline, dbsp.Pipeline)
+        # a pipeline with a SparkSession (SparkPipeline) takes the DataFrame itself; the embedded ones take Arrow
+        self.to_arrow = getattr(pipeline, "spark", None) is None
         self._last: int | None = None
         self._scanned = False
         self._steps: dict[int, int | None] = {}

@@ -189,3 +189,91 @@ def test_driver_kill_and_open(tmp_path, runtime):
     counted = sorted(b for rs in ranges for r in rs if r["producer"] == "gen"
                      for b in range(r["first_seq"], r["last_seq"] + 1))
     assert counted == acks  # every acknowledged batch in exactly one step
+
+
+def ancestors(pid: int) -> list[int]:
+    """``pid`` and its parents up to init."""
+    out = []
+    while pid > 1:
+        out.append(pid)
+        with open(f"/proc/{pid}/stat") as f:
+            pid = int(f.read().rsplit(")", 1)[1].split()[1])
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def kill_executor_of(worker_pid: int) -> list[int]:
+    """SIGKILL the executor JVM that runs Python worker ``worker_pid``, with its Python daemon and workers (what a
+    lost node or a killed container does). Returns the pids killed, the JVM first."""
+    chain = ancestors(worker_pid)
+    jvm = next((p for p in chain if "CoarseGrainedExecutorBackend" in cmdline(p)), None)
+    assert jvm is not None, f"no executor JVM above Python worker {worker_pid}: {[cmdline(p)[:80] for p in chain]}"
+    victims = [jvm] + chain[:chain.index(jvm)][::-1]
+    for p in victims:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return victims
+
+
+TASK_KILLS = [("worker", "local[2,4]"), ("executor", "local-cluster[2,1,1024]")]
+
+
+@pytest.mark.parametrize("mode, master", TASK_KILLS, ids=[m for m, _ in TASK_KILLS])
+def test_task_kill_mid_step(tmp_path, mode, master):
+    """A Python worker (os._exit inside its task) or an executor JVM (SIGKILL from here while its task runs) dies in
+    the middle of step TARGET, on the first attempt only; Spark retries the task. Every step completes once: its
+    output, returned by ``step`` and in the output log, equals the embedded runtime's, and no step is doubled."""
+    import pickle
+
+    from kill_workload import batch, build_circuit as kill_circuit
+
+    if not hasattr(spark_glue, "SparkPipeline"):
+        pytest.skip("spark_glue.SparkPipeline is not in this checkout yet")
+    storage, marker, out = str(tmp_path / "p"), tmp_path / "marker", str(tmp_path / "out.pkl")
+    marker.mkdir()
+    seed, batches, target = 31, 5, 2
+    args = [os.path.join(HERE, "kill_child.py"), "task", mode, storage, str(seed), str(batches), "2", str(marker),
+            master, str(target), out]
+    log = str(tmp_path / "child.log")
+    with open(log, "ab") as err:
+        proc = subprocess.Popen([sys.executable, *args], env=child_env(), stdout=subprocess.PIPE, stderr=err)
+        killed: list[int] = []
+        if mode == "executor":
+            deadline = time.monotonic() + 400
+            pidfile = marker / "executor.pid"
+            while not pidfile.exists() or not pidfile.read_text().endswith("\n"):
+                assert proc.poll() is None and time.monotonic() < deadline, "the trap never fired"
+                time.sleep(0.1)
+            killed = kill_executor_of(int(pidfile.read_text().split()[0]))
+        stdout, _ = proc.communicate(timeout=900)
+    if proc.returncode != 0 or b"DONE" not in stdout:
+        raise AssertionError(f"child exited {proc.returncode}:\n{open(log).read()[-5000:]}")
+    fired = (marker / f"{mode}.pid").read_text().split()
+    print(f"\n{mode} kill on {master}: the task of stage {fired[1]}, worker {fired[2]} (attempt {fired[3]}) in step "
+          f"{target} died" + (f"; SIGKILL to executor JVM {killed[0]} and its Python processes {killed[1:]}"
+                               if killed else " by os._exit"))
+    got = pickle.load(open(out, "rb"))
+    ref = dbsp.Pipeline(kill_circuit(), workers=2)
+    want = []
+    for i in range(batches):
+        ref.push("s", batch(seed, i, poison=i == target))
+        want.append({name: sorted(z.to_dict().items()) for name, z in ref.step().items()})
+    ref.close()
+    assert got == want
+    from dbsp_core.durable import open_output
+
+    lg = open_output(storage)
+    try:
+        assert (lg.first, lg.last) == (0, batches)
+        assert [{name: sorted(z.to_dict().items()) for name, z in lg.get(s).items()} for s in range(batches)] == want
+    finally:
+        lg.close()
