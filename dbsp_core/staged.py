@@ -48,7 +48,7 @@ from dbsp_core.durable import _DEDUP_TABLE, DurablePipeline, read_meta
 from dbsp_core.errors import DbspError, RecoveryError
 from dbsp_core.operators.base import concat
 from dbsp_core.shard import DEFAULT_SHARD_BITS
-from dbsp_core.stages import (ACK_NODE, BLOB_SCHEMA, InjectedFault, StagePlan, StageTask, StepInfo, choose_version,
+from dbsp_core.stages import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, control_blobs, InjectedFault, StagePlan, StageTask, StepInfo, choose_version,
                               encode_blobs, gather, open_stage_databases, read_acks, run_stage_task)
 from dbsp_core.storage import Database
 from dbsp_core.zset import ZSet
@@ -300,7 +300,8 @@ class StagedPipeline(DurablePipeline):
         infos = [StepInfo(s[0], s[2], s[3]) for s in steps]
         tasks = [StageTask(self.plan, k, self.workers, self.shard_map.shard_bits, self.storage, self.run_id,
                            self.version, infos) for k in range(self.plan.num_stages)]
-        return Job(tasks, self._input_blobs(steps), self.workers)
+        inputs = pa.concat_tables([self._input_blobs(steps), control_blobs(self.workers, steps[0][0])])
+        return Job(tasks, inputs, self.workers)
 
     def _run_job(self, steps: list[tuple]) -> list[dict[str, ZSet]]:
         if not steps:
@@ -344,8 +345,13 @@ class StagedPipeline(DurablePipeline):
             raise RecoveryError(f"job for steps {first}..{end - 1}: commit acknowledgements {sorted(got)} "
                                 f"(bad: {bad}) do not match the stateful (stage, worker) set {sorted(want)}")
         nodes = result.column("node")
-        outb = result.filter(pc.and_(pc.less(nodes, 0), pc.not_equal(nodes, ACK_NODE)))
-        other = result.num_rows - outb.num_rows - len(acks)
+        control = result.filter(pc.equal(nodes, CONTROL_NODE)).column("part").to_pylist()
+        if sorted(control) != list(range(self.workers)):
+            raise DbspError(f"job for steps {first}..{end - 1}: control blobs came back from workers {sorted(control)}, "
+                            f"expected one from each of 0..{self.workers - 1}")
+        outb = result.filter(pc.and_(pc.less(nodes, 0), pc.and_(pc.not_equal(nodes, ACK_NODE),
+                                                                  pc.not_equal(nodes, CONTROL_NODE))))
+        other = result.num_rows - outb.num_rows - len(acks) - len(control)
         if other:
             raise DbspError(f"job for steps {first}..{end - 1}: {other} blobs were left unconsumed after the last stage")
         got_out = gather(self.plan, outb, f"job {first}..{end - 1} output")

@@ -9,8 +9,9 @@ stage in between.
 
 Data between stages travels as a table of **blobs** (:data:`BLOB_SCHEMA`): ``part`` (destination worker),
 ``src`` (sending worker), ``node`` (the node whose value this is; ``-1 - k`` for output handle ``k``;
-:data:`ACK_NODE` for a commit acknowledgement), ``step`` and ``payload`` (a checksummed codec.py Z-set
-encoding). The value of node ``i`` at worker ``w`` in step ``s`` is the concatenation of the blobs
+:data:`ACK_NODE` for a commit acknowledgement; :data:`CONTROL_NODE` for the one empty blob per worker that
+every stage forwards, so no stage of a job ever sees an empty input, which an engine could optimize away),
+``step`` and ``payload`` (a checksummed codec.py Z-set encoding). The value of node ``i`` at worker ``w`` in step ``s`` is the concatenation of the blobs
 ``(part=w, node=i, step=s)`` in ``src`` order, and an absent blob is the empty Z-set.
 
 Invariants (enforced here):
@@ -63,12 +64,13 @@ from dbsp_core.storage import Database
 from dbsp_core.trace import Trace
 from dbsp_core.zset import ZSet
 
-__all__ = ["BLOB_SCHEMA", "ACK_NODE", "StagePlan", "StageWorker", "StageTask", "StepInfo", "StaleAttemptError",
+__all__ = ["BLOB_SCHEMA", "ACK_NODE", "CONTROL_NODE", "control_blobs", "StagePlan", "StageWorker", "StageTask", "StepInfo", "StaleAttemptError",
            "InjectedFault", "run_stage_task", "encode_blobs", "stage_db_path", "live_nodes", "output_node"]
 
 BLOB_SCHEMA = pa.schema([pa.field("part", pa.int32()), pa.field("src", pa.int32()), pa.field("node", pa.int32()),
                          pa.field("step", pa.int64()), pa.field("payload", pa.binary())])
 ACK_NODE = -(1 << 30)
+CONTROL_NODE = ACK_NODE + 1
 _RESULT_MAGIC = b"DSTR"
 
 
@@ -292,6 +294,13 @@ def _ack_blob(stage: int, worker: int, version: int, step: int, first: int) -> p
     body = json.dumps({"stage": stage, "worker": worker, "version": version, "step": step}).encode()
     return pa.table([pa.array([worker], pa.int32()), pa.array([worker], pa.int32()), pa.array([ACK_NODE], pa.int32()),
                      pa.array([first], pa.int64()), pa.array([body], pa.binary())], schema=BLOB_SCHEMA)
+
+
+def control_blobs(workers: int, step: int) -> pa.Table:
+    """One control blob per worker (see the module docstring); a job's input carries them to every stage."""
+    return pa.table([pa.array(range(workers), pa.int32()), pa.array([-1] * workers, pa.int32()),
+                     pa.array([CONTROL_NODE] * workers, pa.int32()), pa.array([step] * workers, pa.int64()),
+                     pa.array([b""] * workers, pa.binary())], schema=BLOB_SCHEMA)
 
 
 def read_acks(blobs: pa.Table) -> list[dict]:

@@ -149,6 +149,7 @@ def test_reopen_after_close_continues_exactly(spark_local, tmp_path) -> None:
 def test_dataframe_input_and_dataframe_outputs(spark_local, tmp_path) -> None:
     c, _ = build("group_agg")
     p = SparkPipeline(spark_local, c, workers=2, storage=str(tmp_path))
+    assert p.step()["g"].num_rows == 0  # an empty step still runs (and commits) every stage task
     rows = pa.table({"auction": [1, 1, 2, None], "bidder": ["a", "b", None, "c"], "price": [10, 5, 7, 1],
                      "f": [0.5, 1.0, 0.0, 2.0]}, schema=BIDS)
     df = spark_local.createDataFrame(rows.to_pandas())  # Spark's own types: long, string, long, double
@@ -163,7 +164,7 @@ def test_dataframe_input_and_dataframe_outputs(spark_local, tmp_path) -> None:
         p.push("bids", df.selectExpr("auction", "bidder", "bidder as price", "f"))
     p.push("bids", dbsp.ZSet.from_rows([(1, "a", 10, 0.5)], BIDS, weights=[-1]))
     second = p.step()["g"]
-    assert p.read_input(1)["bids"].num_rows == 1  # the refused pushes recorded nothing
+    assert p.read_input(2)["bids"].num_rows == 1  # the refused pushes recorded nothing
     change = p.output_df("g").toArrow()
     assert dbsp.ZSet.from_arrow(change.drop_columns(["weight"]), weights=change.column("weight")) == second
     view: dict = {}
@@ -171,5 +172,5 @@ def test_dataframe_input_and_dataframe_outputs(spark_local, tmp_path) -> None:
     accumulate(view, second)
     t = p.view_df("g").toArrow()
     assert dbsp.ZSet.from_arrow(t.drop_columns(["weight"]), weights=t.column("weight")).to_dict() == view
-    assert p.output_df("g", step=0).count() == len(first)
+    assert p.output_df("g", step=1).count() == len(first)
     p.close()
