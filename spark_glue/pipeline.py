@@ -4,8 +4,11 @@ The engine-side logic is dbsp_core's (``dbsp_core.stages``: stages, stage tasks,
 retries; ``dbsp_core.staged``: step division, input and output logs, checkpoints, recovery). This module only
 moves blobs: one Spark job runs a batch of queued steps as::
 
-    createDataFrame(stage-0 input blobs)
-      -> [shuffle to partition = part] -> mapInArrow(stage 0) -> [shuffle] -> mapInArrow(stage 1) -> ...
+    parallelize(stage-0 input blobs, one slice per worker)
+      -> mapInArrow(stage 0) -> [shuffle to partition = part] -> mapInArrow(stage 1) -> [shuffle] -> ...
+
+(a job whose stage-0 input is under ``SparkJobRunner.INLINE_BYTES`` ships it inside the stage-0 function
+over ``spark.range(W)`` instead, one Python pass fewer).
       -> toArrow() on the driver (output shares and commit acknowledgements)
 
 Design notes (each is a requirement this module keeps):
@@ -13,7 +16,8 @@ Design notes (each is a requirement this module keeps):
      ``(part, src, node, step, payload)`` rows, W x nodes x steps of them per job, whatever the data size.
   2. Exact placement: the shuffle is ``repartition(W, code)`` where ``code`` is a per-destination int chosen
      on the driver so that Spark's hash partitioning (``pmod(murmur3(code, 42), W)``) sends it to partition
-     ``part``; the codes are computed by Spark itself (``F.hash``), not re-implemented. ``repartition`` with an
+     ``part``; the codes are computed by Spark itself (``F.hash``), not re-implemented. Stage 0 reads the
+     input from ``parallelize`` with one slice per worker, which places it without a shuffle. ``repartition`` with an
      explicit count is never coalesced by adaptive execution. Inside a task the worker id is
      ``TaskContext.partitionId()``, and every stage task refuses a blob addressed to another worker
      (dbsp_core.stages invariant 2), so a placement bug fails loudly instead of producing wrong data.
@@ -63,8 +67,12 @@ def partition_codes(spark: Any, workers: int) -> list[int]:
     raise RuntimeError(f"no int hashes to every one of {workers} Spark partitions")  # pragma: no cover
 
 
-def _stage_fn(task: StageTask, fault: tuple[int, str, int] | None, fault_attempts: int):
-    """The mapInArrow function of one stage: gather the partition's blobs, run the stage task, yield its blobs."""
+def _stage_fn(task: StageTask, fault: tuple[int, str, int] | None, fault_attempts: int,
+              inline: pa.Table | None = None):
+    """The mapInArrow function of one stage: gather the partition's blobs, run the stage task, yield its blobs.
+
+    With ``inline`` (stage 0 of a small job) the blobs come with the function and the input rows are ignored.
+    """
 
     def run(batches):
         from pyspark import TaskContext
@@ -75,7 +83,11 @@ def _stage_fn(task: StageTask, fault: tuple[int, str, int] | None, fault_attempt
         if fault is not None and fault[0] == task.stage and fault[2] == worker and tc.attemptNumber() < fault_attempts:
             t = dataclasses.replace(task, fault=(fault[1], worker))  # tests: fail the first attempt(s)
         bs = list(batches)
-        table = pa.Table.from_batches(bs) if bs else BLOB_SCHEMA.empty_table()
+        if inline is not None:
+            parts = inline.column("part").to_numpy()
+            table = inline.filter(pa.array(parts == worker))
+        else:
+            table = pa.Table.from_batches(bs) if bs else BLOB_SCHEMA.empty_table()
         out = run_stage_task(t, worker, table)
         yield from out.combine_chunks().to_batches()
 
@@ -90,24 +102,46 @@ class SparkJobRunner:
     retries are enabled (``local[N,F]`` with F >= 2, or ``spark.task.maxFailures`` >= 2 on a cluster).
     """
 
+    INLINE_BYTES = 1 << 20  # stage-0 input up to this size travels inside the task (no input data source)
+
     def __init__(self, spark: Any, workers: int) -> None:
+        from pyspark.sql import functions as F
+
         self.spark = spark
         self.workers = workers
         self.codes = partition_codes(spark, workers)
+        self._code = F.element_at(F.array(*[F.lit(c) for c in self.codes]), F.col("part") + 1)
         self.fault: tuple[int, str, int] | None = None
         self.fault_attempts = 1
 
     def _route(self, df: Any) -> Any:
-        from pyspark.sql import functions as F
+        """Shuffle so that a blob with ``part = p`` lands in partition ``p`` (design note 2)."""
+        return df.repartition(self.workers, self._code)
 
-        codes = F.array(*[F.lit(c) for c in self.codes])
-        return (df.withColumn("__code", F.element_at(codes, F.col("part") + 1))
-                .repartition(self.workers, "__code").drop("__code"))
+    def _inputs(self, blobs: pa.Table) -> Any:
+        """The stage-0 blobs as a DataFrame whose partition ``w`` holds exactly the blobs for worker ``w``.
+
+        ``parallelize`` of W per-worker lists into W slices puts list ``w`` in partition ``w`` (one element per
+        slice), so stage 0 needs no shuffle; the stage task checks the placement anyway.
+        """
+        per: list[list[tuple]] = [[] for _ in range(self.workers)]
+        cols = [blobs.column(n).to_pylist() for n in BLOB_SCHEMA.names]  # one Python tuple per blob, not per row
+        for row in zip(*cols):
+            per[row[0]].append(row)
+        rdd = self.spark.sparkContext.parallelize(per, self.workers).flatMap(lambda rows: rows)
+        return self.spark.createDataFrame(rdd, BLOB_DDL, verifySchema=False)
 
     def run_job(self, job: Job) -> pa.Table:
-        df = self.spark.createDataFrame(job.inputs, schema=BLOB_DDL)
+        inline = job.inputs if job.inputs.nbytes <= self.INLINE_BYTES else None
+        if inline is not None:  # W one-row partitions (range splits evenly): partition w runs worker w
+            df = self.spark.range(0, self.workers, 1, self.workers)
+        else:
+            df = self._inputs(job.inputs)
         for task in job.tasks:
-            df = self._route(df).mapInArrow(_stage_fn(task, self.fault, self.fault_attempts), BLOB_DDL)
+            if task.stage:
+                df = self._route(df)
+            df = df.mapInArrow(_stage_fn(task, self.fault, self.fault_attempts, inline if task.stage == 0 else None),
+                               BLOB_DDL)
         return df.toArrow()
 
 
