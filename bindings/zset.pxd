@@ -85,6 +85,9 @@ cdef extern from "join.h" nogil:
 cdef extern from "lookup.h" nogil:
     int dbsp_lookup(const uint64_t *kh, int64_t n, const uint64_t *want, int64_t nwant, int64_t **idx, int64_t *nidx)
     int dbsp_match_weights(const CBatch *a, const uint64_t *akh, const CBatch *b, const uint64_t *bkh, int64_t *acc)
+    int dbsp_match_sums(const CBatch *a, const uint64_t *akh, const int64_t *sel, int64_t n, const int32_t *akeys,
+                        const CBatch *b, const uint64_t *bkh, const int32_t *bkeys, int32_t nkeys,
+                        const int32_t *cols, int32_t ncols, int64_t *acc)
 
 cdef extern from "agg.h" nogil:
     enum:

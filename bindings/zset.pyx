@@ -422,3 +422,36 @@ def match_weights(ta, wa, kha, tb, wb, khb, acc):
         st = dbsp_match_weights(&a.c, a.kh, &b.c, b.kh, &out[0])
     check_status(st, "match_weights")
     return acc
+
+
+def match_sums(ta, akh, sel, akeys, tb, wb, khb, bkeys, cols, acc):
+    """acc[i, c] += sum over b's rows whose key equals that of a's row sel[i] of weight * b[cols[c]] (int64 columns);
+    `akh` holds the key hashes of the selected rows, ascending; `acc` is an int64 (len(sel), len(cols)) array,
+    updated in place."""
+    if len(akeys) != len(bkeys):
+        raise ValueError(f"match_sums: {len(akeys)} left keys but {len(bkeys)} right keys")
+    kh = np.ascontiguousarray(akh, dtype=np.uint64)
+    sl = np.ascontiguousarray(sel, dtype=np.int64)
+    cdef int64_t n = sl.shape[0]
+    if kh.shape[0] != n:
+        raise ValueError(f"match_sums: {kh.shape[0]} key hashes for {n} selected rows")
+    if n and (sl.min() < 0 or sl.max() >= ta.num_rows):
+        raise ValueError("match_sums: a selected row is out of range")
+    if acc.dtype != np.int64 or acc.ndim != 2 or acc.shape[0] != n or acc.shape[1] != len(cols) \
+            or not acc.flags.c_contiguous:
+        raise ValueError(f"match_sums: acc must be a C-contiguous int64 array of shape ({n}, {len(cols)})")
+    cdef BatchView a = BatchView(ta)
+    cdef BatchView b = BatchView(tb, wb, khb)
+    cdef Int32s ak = Int32s(akeys)
+    cdef Int32s bk = Int32s(bkeys)
+    cdef Int32s cs = Int32s(cols)
+    cdef const uint64_t[::1] pk = kh
+    cdef const int64_t[::1] ps = sl
+    cdef int64_t[:, ::1] out = acc
+    cdef int st
+    if n == 0 or tb.num_rows == 0 or len(cols) == 0:
+        return acc
+    with nogil:
+        st = dbsp_match_sums(&a.c, &pk[0], &ps[0], n, ak.p, &b.c, b.kh, bk.p, ak.n, cs.p, cs.n, &out[0, 0])
+    check_status(st, "match_sums")
+    return acc

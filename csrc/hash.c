@@ -108,3 +108,10 @@ int dbsp_hash_columns(const DbspBatch *b, const int32_t *cols, int32_t ncols, ui
     }
     return DBSP_OK;
 }
+
+uint64_t dbsp_hash_row(const DbspBatch *b, int64_t i, const int32_t *cols, int32_t ncols) {
+    if (!cols) ncols = b->ncols;
+    uint64_t h = ROW_SEED;
+    for (int32_t k = 0; k < ncols; k++) COMBINE(h, dbsp_hash_value(&b->cols[cols ? cols[k] : k], i));
+    return h;
+}

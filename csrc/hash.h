@@ -29,6 +29,10 @@
 /* out[i] = row hash of row i of b over columns cols[0..ncols) (cols NULL = all columns in order). */
 int dbsp_hash_columns(const DbspBatch *b, const int32_t *cols, int32_t ncols, uint64_t *out);
 
+/* The row hash of row i of b over columns cols[0..ncols) (cols NULL = all columns): out[i] of
+ * dbsp_hash_columns, for one row (column indices must be valid). */
+uint64_t dbsp_hash_row(const DbspBatch *b, int64_t i, const int32_t *cols, int32_t ncols);
+
 /* The hash of one value (exposed for tests and for documentation of the spec). */
 uint64_t dbsp_hash_value(const DbspColumn *c, int64_t i);
 uint64_t dbsp_hash_mix(uint64_t z);

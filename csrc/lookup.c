@@ -55,3 +55,42 @@ int dbsp_match_weights(const DbspBatch *a, const uint64_t *akh, const DbspBatch 
     }
     return DBSP_OK;
 }
+
+int dbsp_match_sums(const DbspBatch *a, const uint64_t *akh, const int64_t *sel, int64_t n, const int32_t *akeys,
+                    const DbspBatch *b, const uint64_t *bkh, const int32_t *bkeys, int32_t nkeys,
+                    const int32_t *cols, int32_t ncols, int64_t *acc) {
+    for (int32_t k = 0; k < nkeys; k++) {
+        if (akeys[k] < 0 || akeys[k] >= a->ncols || bkeys[k] < 0 || bkeys[k] >= b->ncols) return DBSP_EINVAL;
+        if (dbsp_type_class(a->cols[akeys[k]].type) != dbsp_type_class(b->cols[bkeys[k]].type)) return DBSP_ETYPE;
+    }
+    for (int32_t c = 0; c < ncols; c++) {
+        if (cols[c] < 0 || cols[c] >= b->ncols) return DBSP_EINVAL;
+        if (b->cols[cols[c]].type != DBSP_INT64) return DBSP_ETYPE;
+    }
+    int64_t nb = b->nrows, i = 0, j = 0;
+    while (i < n && j < nb) {
+        uint64_t h = akh[i];
+        int64_t ie = i + 1;
+        while (ie < n && akh[ie] == h) ie++;
+        j = dbsp_gallop(bkh, j, nb, h);
+        int64_t je = j;
+        while (je < nb && bkh[je] == h) je++;
+        for (int64_t y = j; y < je; y++) {
+            for (int64_t x = i; x < ie; x++) {
+                int64_t r = sel ? sel[x] : x;
+                if (dbsp_row_cmp(a, r, akeys, b, y, bkeys, nkeys) != 0) continue;
+                int64_t wy = b->weights ? b->weights[y] : 1;
+                for (int32_t c = 0; c < ncols; c++) {
+                    const DbspColumn *col = &b->cols[cols[c]];
+                    int64_t v = dbsp_col_valid(col, y) ? ((const int64_t *)col->values)[col->offset + y] : 0, p;
+                    if (__builtin_mul_overflow(v, wy, &p) || dbsp_add_weight(&acc[x * ncols + c], p))
+                        return DBSP_EOVERFLOW;
+                }
+                break;  /* the selected rows have distinct keys: at most one matches */
+            }
+        }
+        i = ie;
+        j = je;
+    }
+    return DBSP_OK;
+}

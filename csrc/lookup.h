@@ -23,4 +23,15 @@ int dbsp_lookup(const uint64_t *kh, int64_t n, const uint64_t *want, int64_t nwa
 int dbsp_match_weights(const DbspBatch *a, const uint64_t *akh, const DbspBatch *b, const uint64_t *bkh,
                        int64_t *acc);
 
+/* Weighted sums of b's int64 columns per key of a: for the i-th selected row of a (row sel[i], or row i when sel is
+ * NULL; i < n), whose key hash akh[i] is ascending in i and whose key columns akeys[0..nkeys) are distinct from
+ * the other selected rows' (group identity, null equal to null), add to acc[i * ncols + c] the sum, over the
+ * rows y of b with an equal key (bkeys), of weight(y) * cols[c](y) (a null value counts as 0). b is in
+ * canonical order for bkeys, with key hashes bkh. So a change's groups read their old totals from a trace batch
+ * without copying its rows. Errors: DBSP_ETYPE (a key class differs, a sum column is not int64), DBSP_EINVAL
+ * (a column position out of range), DBSP_EOVERFLOW (a product or sum leaves int64; acc is then partly updated). */
+int dbsp_match_sums(const DbspBatch *a, const uint64_t *akh, const int64_t *sel, int64_t n, const int32_t *akeys,
+                    const DbspBatch *b, const uint64_t *bkh, const int32_t *bkeys, int32_t nkeys,
+                    const int32_t *cols, int32_t ncols, int64_t *acc);
+
 #endif

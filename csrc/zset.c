@@ -49,15 +49,6 @@ int dbsp_zset_merge(const DbspBatch *a, const uint64_t *akh, const DbspBatch *b,
     if (a->ncols != b->ncols) return DBSP_EINVAL;
     for (int32_t c = 0; c < a->ncols; c++)
         if (dbsp_type_class(a->cols[c].type) != dbsp_type_class(b->cols[c].type)) return DBSP_ETYPE;
-    const uint64_t *arh = akh, *brh = bkh;
-    uint64_t *arh_own = NULL, *brh_own = NULL;
-    if (nkeys > 0) {
-        arh_own = malloc((size_t)(a->nrows ? a->nrows : 1) * 8);
-        brh_own = malloc((size_t)(b->nrows ? b->nrows : 1) * 8);
-        if (!arh_own || !brh_own) { st = DBSP_ENOMEM; goto done; }
-        if ((st = dbsp_hash_columns(a, NULL, 0, arh_own)) || (st = dbsp_hash_columns(b, NULL, 0, brh_own))) goto done;
-        arh = arh_own; brh = brh_own;
-    }
 #ifdef DBSP_CHECK_INVARIANTS
     assert(dbsp_rows_check_order(a, NULL, a->weights, akh, a->nrows, keys, nkeys) == 0);
     assert(dbsp_rows_check_order(b, NULL, b->weights, bkh, b->nrows, keys, nkeys) == 0);
@@ -65,13 +56,24 @@ int dbsp_zset_merge(const DbspBatch *a, const uint64_t *akh, const DbspBatch *b,
     if ((st = dbsp_rows_reserve(out, a->nrows + b->nrows))) goto done;
     int64_t i = 0, j = 0, na = a->nrows, nb = b->nrows;
     const int64_t *aw = a->weights, *bw = b->weights;
+    /* With a key, rows of equal key hash are ordered by row hash: it is computed only for rows whose key hash
+     * occurs on both sides (one row hash per row, remembered while the walk stays on it), not for every row. */
+    int64_t arh_at = -1, brh_at = -1;
+    uint64_t arh = 0, brh = 0;
     while (i < na || j < nb) {
         int c;
         if (i == na) c = 1;
         else if (j == nb) c = -1;
         else if (akh[i] != bkh[j]) c = akh[i] < bkh[j] ? -1 : 1;
-        else if (arh[i] != brh[j]) c = arh[i] < brh[j] ? -1 : 1;
-        else c = dbsp_row_cmp(a, i, NULL, b, j, NULL, a->ncols);
+        else {
+            if (nkeys > 0) {
+                if (arh_at != i) { arh = dbsp_hash_row(a, i, NULL, 0); arh_at = i; }
+                if (brh_at != j) { brh = dbsp_hash_row(b, j, NULL, 0); brh_at = j; }
+            } else {
+                arh = akh[i]; brh = bkh[j];
+            }
+            c = arh != brh ? (arh < brh ? -1 : 1) : dbsp_row_cmp(a, i, NULL, b, j, NULL, a->ncols);
+        }
         int64_t k = out->n;
         if (c < 0) {
             out->idx[k] = i; out->weights[k] = aw ? aw[i] : 1; out->khash[k] = akh[i]; out->n++; i++;
@@ -85,7 +87,6 @@ int dbsp_zset_merge(const DbspBatch *a, const uint64_t *akh, const DbspBatch *b,
         }
     }
 done:
-    free(arh_own); free(brh_own);
     if (st) dbsp_rows_free(out);
     return st;
 }

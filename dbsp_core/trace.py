@@ -145,6 +145,16 @@ class Trace:
                 change.match_weights(b, acc)
         return acc
 
+    def key_sums(self, probe: pa.Table, probe_keys: list[str], khash: np.ndarray, rows: np.ndarray,
+                 columns: list[str]) -> np.ndarray:
+        """The trace's weighted sums of int64 ``columns`` per probed key (:meth:`IndexedZSet.key_sums`, summed
+        over every batch): one galloping C walk per batch, no rows copied, so the cost grows with the probe."""
+        acc = np.zeros((len(rows), len(columns)), dtype=np.int64)
+        if len(rows):
+            for b in self.batches:
+                b.key_sums(probe, probe_keys, khash, rows, columns, acc)
+        return acc
+
     def consolidated(self) -> "IndexedZSet":
         """The whole trace as one consolidated batch (merges a copy; the spine is unchanged)."""
         from dbsp_core.zset import IndexedZSet

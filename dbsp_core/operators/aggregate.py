@@ -34,8 +34,9 @@ import pyarrow.compute as pc
 import pyarrow.types as pat
 
 from dbsp_core.aggregates import Aggregate as AggSpec
-from dbsp_core.errors import DbspError, SchemaError
+from dbsp_core.errors import DbspError, SchemaError, WeightOverflowError
 from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, make
+from dbsp_core import _zset
 from dbsp_core.trace import Trace, unique_sorted
 
 if TYPE_CHECKING:
@@ -235,36 +236,26 @@ class PreAggregate(Operator):
 class _LinearState:
     """Invariant 3, linear strategy: keep one partial row per group and add the change's partial rows.
 
-    A step needs a single grouping pass: the change's partial rows are grouped together with the groups' old
-    partial rows; weighted sums give the new totals, and sums over the old rows only (the ``q_j`` copies,
-    0 on change rows) give the old totals, so neither side needs a pass of its own.
+    A step groups the change's partial rows once (a C hash grouping that keeps groups whose weights sum to 0,
+    since a partial row stands for several rows: their sums need not be 0), then reads each group's old totals
+    from every trace batch with a galloping C walk that sums the matching partial rows in place (no rows are
+    copied out of the trace). New totals are old plus the change's sums; only groups whose totals changed
+    produce output and trace rows.
     """
 
     def __init__(self, op: Aggregate) -> None:
         self.op = op
         self.keys = list(op.keys)
         self.p = op.partial_slots
-        self.q = [f"q_{j}" for j in range(len(self.p))]
         self.pschema = op.pschema
-        self.wschema = pa.schema(list(self.pschema) + [pa.field(c, pa.int64()) for c in self.q])
-        self.combine = [("sum", c) for c in self.p + self.q]
+        nk = len(self.keys)
+        self.keypos = tuple(range(nk))
+        self.combine = [("sum", nk + j) for j in range(len(self.p))]  # the p_j columns of pschema
         self.trace = Trace(self.pschema, op.keys)
 
     def traces(self) -> dict[str, Trace]:
         """The operator's state, by name (each trace can be read per shard)."""
         return {"partials": self.trace}
-
-    def _with_q(self, z: "ZSet", zero: bool) -> "ZSet":
-        data = z.data
-        zeros = pa.array(np.zeros(z.num_rows, dtype=np.int64)) if zero else None
-        for c, q in zip(self.p, self.q):
-            data = data.append_column(q, zeros if zero else data.column(c))
-        return make(data, z.weights, self.wschema)
-
-    def _totals(self, table: pa.Table, cols: list[str]) -> pa.Table:
-        """Key columns plus the given total columns (renamed to the p_j names), groups with count 0 dropped."""
-        t = table.select(self.keys + cols).rename_columns(self.keys + self.p)
-        return self.op.nonempty(t)
 
     def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
         op = self.op
@@ -272,16 +263,26 @@ class _LinearState:
         if z.num_rows == 0:
             return empty(op.schema)
         z = conform(z, self.pschema)
-        old = concat([b.zset for b in self.trace.lookup(np.unique(z.hash(self.keys)))], self.pschema)
-        both = concat([self._with_q(old, False), self._with_q(z, True)], self.wschema).index_by(self.keys)
-        sums = both.reduce(self.combine).rename_columns(self.keys + self.p + self.q)
-        new, prev = self._totals(sums, self.p), self._totals(sums, self.q)
-        ones = np.ones(new.num_rows, dtype=np.int64)
-        minus = np.full(prev.num_rows, -1, dtype=np.int64)
-        change = concat([make(new, ones, self.pschema), make(prev, minus, self.pschema)], self.pschema)
-        if change.num_rows:
-            self.trace.insert(change.index_by(self.keys))
-        return op.output(new, prev)
+        data = z.data
+        # the change's groups (group_row: a row carrying the key), their key hashes (ascending) and partial sums
+        group_row, khash, delta, _, _ = _zset.group_reduce(data, z.weights, self.keypos, self.combine, True)
+        old = self.trace.key_sums(data, self.keys, khash.view(np.uint64), group_row, self.p)
+        new = old + delta
+        if bool((((old ^ new) & (delta ^ new)) < 0).any()):
+            raise WeightOverflowError(f"{op.label}: a group's count or integer sum overflows int64")
+        changed = (delta != 0).any(axis=1)
+        add = np.flatnonzero(changed & (new[:, 0] != 0))  # groups with count 0 have no row (invariant 1)
+        sub = np.flatnonzero(changed & (old[:, 0] != 0))
+        if len(add) + len(sub) == 0:
+            return empty(op.schema)
+        rows = np.concatenate([group_row[add], group_row[sub]])
+        vals = np.concatenate([new[add], old[sub]])
+        w = np.concatenate([np.ones(len(add), dtype=np.int64), np.full(len(sub), -1, dtype=np.int64)])
+        keys = data.select(list(self.keypos)).take(pa.array(rows, pa.int64()))
+        partials = pa.Table.from_arrays(list(keys.columns) + [pa.array(np.ascontiguousarray(vals[:, j]))
+                                                             for j in range(len(self.p))], schema=self.pschema)
+        self.trace.insert(make(partials, w, self.pschema).index_by(self.keys))
+        return make(op.finalize(partials), w, op.schema)
 
 
 class _ExtremesState:

@@ -103,27 +103,45 @@ static void test_consolidate(int64_t n, int64_t kdom, int keyed) {
     tb_free(&t);
 }
 
-static void test_merge(void) {
+static void test_merge(int keyed) {
     TBatch a0, b0, a, b;
     tb_make(&a0, 300, 40, -2, 2); tb_make(&b0, 250, 40, -2, 2);
     DbspRows ra, rb, m;
-    CHECK(dbsp_zset_consolidate(&a0.b, NULL, 0, &ra) == DBSP_OK);
-    CHECK(dbsp_zset_consolidate(&b0.b, NULL, 0, &rb) == DBSP_OK);
+    int32_t key = 0;
+    const int32_t *keys = keyed ? &key : NULL;
+    int32_t nkeys = keyed ? 1 : 0;
+    CHECK(dbsp_zset_consolidate(&a0.b, keys, nkeys, &ra) == DBSP_OK);
+    CHECK(dbsp_zset_consolidate(&b0.b, keys, nkeys, &rb) == DBSP_OK);
     tb_gather(&a, &a0, ra.idx, ra.weights, ra.n);
     tb_gather(&b, &b0, rb.idx, rb.weights, rb.n);
-    CHECK(dbsp_zset_merge(&a.b, ra.khash, &b.b, rb.khash, NULL, 0, &m) == DBSP_OK);
+    CHECK(dbsp_zset_merge(&a.b, ra.khash, &b.b, rb.khash, keys, nkeys, &m) == DBSP_OK);
+    /* row hashes of both sides, computed whole-batch, to check the canonical order independently */
+    uint64_t *arh = malloc((size_t)(a.n + 1) * 8), *brh = malloc((size_t)(b.n + 1) * 8);
+    CHECK(dbsp_hash_columns(&a.b, NULL, 0, arh) == DBSP_OK);
+    CHECK(dbsp_hash_columns(&b.b, NULL, 0, brh) == DBSP_OK);
+    for (int64_t i = 0; i < a.n; i++) CHECK(dbsp_hash_row(&a.b, i, NULL, 0) == arh[i]);
     for (int64_t x = 0; x < m.n; x++) {
         int64_t src = m.idx[x];
         const DbspBatch *sb = src < a.n ? &a.b : &b.b;
         int64_t si = src < a.n ? src : src - a.n;
         CHECK(m.weights[x] == naive_weight(&a0.b, sb, si) + naive_weight(&b0.b, sb, si));
         CHECK(m.weights[x] != 0);
+        if (x > 0) {
+            int64_t ps = m.idx[x - 1];
+            const DbspBatch *pb = ps < a.n ? &a.b : &b.b;
+            int64_t pi = ps < a.n ? ps : ps - a.n;
+            uint64_t prh = ps < a.n ? arh[pi] : brh[pi], crh = src < a.n ? arh[si] : brh[si];
+            int ord = m.khash[x - 1] != m.khash[x] ? (m.khash[x - 1] < m.khash[x] ? -1 : 1)
+                    : prh != crh ? (prh < crh ? -1 : 1) : dbsp_row_cmp(pb, pi, NULL, sb, si, NULL, 2);
+            CHECK(ord < 0);
+        }
     }
     /* every row with a non-zero total in a0 + b0 is in the merge */
     int64_t want = 0;
     for (int64_t i = 0; i < a.n; i++) if (naive_weight(&a0.b, &a.b, i) + naive_weight(&b0.b, &a.b, i) != 0) want++;
     for (int64_t j = 0; j < b.n; j++) if (naive_weight(&a.b, &b.b, j) == 0 && naive_weight(&b0.b, &b.b, j) != 0) want++;
     CHECK(m.n == want);
+    free(arh); free(brh);
     dbsp_rows_free(&ra); dbsp_rows_free(&rb); dbsp_rows_free(&m);
     tb_free(&a0); tb_free(&b0); tb_free(&a); tb_free(&b);
 }
@@ -303,6 +321,33 @@ static void test_match_weights(void) {
     tb_free(&a0); tb_free(&b0); tb_free(&a); tb_free(&b);
 }
 
+/* match_sums: per selected key of a, the weighted sum of b's int64 column over b's rows with an equal key */
+static void test_match_sums(void) {
+    TBatch a0, b0, b;
+    tb_make(&a0, 200, 60, 1, 1); tb_make(&b0, 500, 60, -3, 3);
+    int32_t key = 0, vcol = 0;
+    DbspRows ga, rb;
+    /* a's distinct keys in key-hash order: consolidating a's key column alone groups by key */
+    DbspBatch akeys = { a0.n, 1, a0.cols, NULL };
+    CHECK(dbsp_zset_consolidate(&akeys, NULL, 0, &ga) == DBSP_OK);
+    CHECK(dbsp_zset_consolidate(&b0.b, &key, 1, &rb) == DBSP_OK);
+    tb_gather(&b, &b0, rb.idx, rb.weights, rb.n);
+    /* the sum column: b's k itself (int64, nullable: a null counts as 0) */
+    int64_t *acc = calloc((size_t)(ga.n ? ga.n : 1), 8);
+    CHECK(dbsp_match_sums(&a0.b, ga.khash, ga.idx, ga.n, &key, &b.b, rb.khash, &key, 1, &vcol, 1, acc) == DBSP_OK);
+    for (int64_t g = 0; g < ga.n; g++) {
+        int64_t r = ga.idx[g], want = 0;
+        for (int64_t y = 0; y < b0.n; y++)
+            if (dbsp_value_cmp(&a0.cols[0], r, &b0.cols[0], y) == 0 && dbsp_bit(b0.kvalid, y)) want += b0.w[y] * b0.k[y];
+        CHECK(acc[g] == want);
+    }
+    int32_t scol = 1;  /* a utf8 column cannot be summed */
+    CHECK(dbsp_match_sums(&a0.b, ga.khash, ga.idx, ga.n, &key, &b.b, rb.khash, &key, 1, &scol, 1, acc) == DBSP_ETYPE);
+    free(acc);
+    dbsp_rows_free(&ga); dbsp_rows_free(&rb);
+    tb_free(&a0); tb_free(&b0); tb_free(&b);
+}
+
 /* group_reduce_all keeps groups whose weights sum to 0; group_reduce drops them; the sums agree */
 static void test_group_reduce_all(void) {
     int64_t k[4] = { 1, 1, 2, 3 }, v[4] = { 5, 7, 4, 9 }, w[4] = { 1, -1, 1, 2 };
@@ -334,12 +379,14 @@ int main(void) {
         test_consolidate(400, 100, 1);
     }
     test_consolidate(70000, 500, 0); /* spans several partitions (naive check is O(n^2) only on output rows) */
-    test_merge();
+    test_merge(0);
+    test_merge(1);
     test_join_and_reduce();
     test_partition();
     test_overflow_and_hash();
     test_lookup();
     test_match_weights();
+    test_match_sums();
     test_group_reduce_all();
     if (failures) { fprintf(stderr, "%d failures\n", failures); return 1; }
     printf("kernels_test: all checks passed\n");

@@ -86,3 +86,52 @@ def test_match_weights_validates():
         a.match_weights(a, np.zeros(3, dtype=np.int64))
     with pytest.raises(ValueError, match="acc"):
         a.match_weights(a, np.zeros(2, dtype=np.int32))
+
+
+@given(st.data())
+def test_key_sums_is_the_models_weighted_sum_per_key(data):
+    kschema = data.draw(schemas(max_cols=2))
+    schema = pa.schema(list(kschema) + [("v", pa.int64())])
+    key = list(kschema.names)
+    vals = st.one_of(st.none(), st.integers(-1000, 1000))
+    tb = data.draw(tables(schema=kschema, max_rows=40))
+    v = pa.array(data.draw(st.lists(vals, min_size=tb.num_rows, max_size=tb.num_rows)), pa.int64())
+    tb = tb.append_column("v", v)
+    wb = weights_for(data.draw, tb.num_rows)
+    ix = dbsp.ZSet.from_arrow(tb, weights=wb).index_by(key)
+    probe = data.draw(tables(schema=kschema, max_rows=20))
+    # the probe's distinct keys, in key-hash order: the first row of each, ordered by its hash
+    pz = dbsp.ZSet.from_arrow(probe)
+    kh = pz.hash(key)
+    seen, rows = set(), []
+    for i, k in enumerate(_keys_of(probe, key)):
+        if k not in seen:
+            seen.add(k)
+            rows.append(i)
+    rows = np.array(sorted(rows, key=lambda i: int(kh[i])), dtype=np.int64)
+    sums = ix.key_sums(probe, key, kh[rows], rows, ["v"])
+    model: dict = {}
+    for k, x, w in zip(_keys_of(tb, key), tb.column("v").to_pylist(), wb.tolist()):
+        model[k] = model.get(k, 0) + (x or 0) * w
+    pkeys = _keys_of(probe, key)
+    assert sums[:, 0].tolist() == [model.get(pkeys[i], 0) for i in rows]
+    # a trace sums over its batches
+    tr = Trace(schema, tuple(key))
+    half = tb.num_rows // 2
+    tr.insert(dbsp.ZSet.from_arrow(tb.slice(0, half), weights=wb[:half]).index_by(key))
+    tr.insert(dbsp.ZSet.from_arrow(tb.slice(half), weights=wb[half:]).index_by(key))
+    assert tr.key_sums(probe, key, kh[rows], rows, ["v"]).tolist() == sums.tolist()
+
+
+def test_key_sums_validates():
+    ix = dbsp.ZSet.from_arrow(pa.table({"k": [1], "s": ["x"], "v": [3]})).index_by(["k"])
+    probe = pa.table({"k": [1]})
+    kh = dbsp.ZSet.from_arrow(probe).hash(["k"])
+    with pytest.raises(SchemaError, match="not int64"):
+        ix.key_sums(probe, ["k"], kh, np.array([0]), ["s"])
+    with pytest.raises(SchemaError, match="probe key"):
+        ix.key_sums(pa.table({"k": [1], "j": [2]}), ["k", "j"], kh, np.array([0]), ["v"])
+    with pytest.raises(ValueError, match="acc"):
+        ix.key_sums(probe, ["k"], kh, np.array([0]), ["v"], np.zeros((2, 1), dtype=np.int64))
+    with pytest.raises(ValueError, match="out of range"):
+        ix.key_sums(probe, ["k"], kh, np.array([5]), ["v"])
