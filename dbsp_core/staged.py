@@ -38,7 +38,6 @@ import time
 import uuid
 from typing import Any, NamedTuple, Protocol
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -48,8 +47,9 @@ from dbsp_core.durable import _DEDUP_TABLE, DurablePipeline, read_meta
 from dbsp_core.errors import DbspError, RecoveryError
 from dbsp_core.operators.base import concat
 from dbsp_core.shard import DEFAULT_SHARD_BITS
-from dbsp_core.stages import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, control_blobs, InjectedFault, StagePlan, StageTask, StepInfo, choose_version,
-                              encode_blobs, gather, open_stage_databases, read_acks, run_stage_task)
+from dbsp_core.stages import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, InjectedFault, StagePlan, StageTask, StepInfo,
+                              choose_version, control_blobs, encode_blobs, gather, open_stage_databases, read_acks,
+                              run_stage_task)
 from dbsp_core.storage import Database
 from dbsp_core.zset import ZSet
 
@@ -272,7 +272,8 @@ class StagedPipeline(DurablePipeline):
         return outs
 
     def _input_blobs(self, steps: list[tuple]) -> pa.Table:
-        """Stage-0 blobs of a job: each push spread in contiguous slices over the workers (like the embedded runtime)."""
+        """Stage-0 blobs of a job: each push spread in contiguous slices over the workers (as the embedded runtime
+        does)."""
         rows = []
         wk = self.workers
         for step, inputs, _, _, _ in steps:
@@ -347,13 +348,14 @@ class StagedPipeline(DurablePipeline):
         nodes = result.column("node")
         control = result.filter(pc.equal(nodes, CONTROL_NODE)).column("part").to_pylist()
         if sorted(control) != list(range(self.workers)):
-            raise DbspError(f"job for steps {first}..{end - 1}: control blobs came back from workers {sorted(control)}, "
-                            f"expected one from each of 0..{self.workers - 1}")
+            raise DbspError(f"job for steps {first}..{end - 1}: control blobs came back from workers "
+                            f"{sorted(control)}, expected one from each of 0..{self.workers - 1}")
         outb = result.filter(pc.and_(pc.less(nodes, 0), pc.and_(pc.not_equal(nodes, ACK_NODE),
                                                                   pc.not_equal(nodes, CONTROL_NODE))))
         other = result.num_rows - outb.num_rows - len(acks) - len(control)
         if other:
-            raise DbspError(f"job for steps {first}..{end - 1}: {other} blobs were left unconsumed after the last stage")
+            raise DbspError(f"job for steps {first}..{end - 1}: {other} blobs were left unconsumed after the last "
+                            "stage")
         got_out = gather(self.plan, outb, f"job {first}..{end - 1} output")
         names = self.plan.output_names
         outs = []

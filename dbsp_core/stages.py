@@ -11,7 +11,8 @@ Data between stages travels as a table of **blobs** (:data:`BLOB_SCHEMA`): ``par
 ``src`` (sending worker), ``node`` (the node whose value this is; ``-1 - k`` for output handle ``k``;
 :data:`ACK_NODE` for a commit acknowledgement; :data:`CONTROL_NODE` for the one empty blob per worker that
 every stage forwards, so no stage of a job ever sees an empty input, which an engine could optimize away),
-``step`` and ``payload`` (a checksummed codec.py Z-set encoding). The value of node ``i`` at worker ``w`` in step ``s`` is the concatenation of the blobs
+``step`` and ``payload`` (a checksummed codec.py Z-set encoding). The value of node ``i`` at worker ``w`` in
+step ``s`` is the concatenation of the blobs
 ``(part=w, node=i, step=s)`` in ``src`` order, and an absent blob is the empty Z-set.
 
 Invariants (enforced here):
@@ -45,8 +46,8 @@ import json
 import os
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -58,14 +59,15 @@ from dbsp_core.errors import DbspError, RecoveryError
 from dbsp_core.operators.base import concat
 from dbsp_core.operators.exchange import Exchange
 from dbsp_core.operators.input import Input
+from dbsp_core.runtime import _live_nodes
 from dbsp_core.shard import ShardMap
 from dbsp_core.snapshot import WorkerSnapshot, state_attrs
 from dbsp_core.storage import Database
 from dbsp_core.trace import Trace
 from dbsp_core.zset import ZSet
 
-__all__ = ["BLOB_SCHEMA", "ACK_NODE", "CONTROL_NODE", "control_blobs", "StagePlan", "StageWorker", "StageTask", "StepInfo", "StaleAttemptError",
-           "InjectedFault", "run_stage_task", "encode_blobs", "stage_db_path", "live_nodes", "output_node"]
+__all__ = ["BLOB_SCHEMA", "ACK_NODE", "CONTROL_NODE", "control_blobs", "StagePlan", "StageWorker", "StageTask",
+           "StepInfo", "StaleAttemptError", "InjectedFault", "run_stage_task", "encode_blobs", "stage_db_path", "live_nodes", "output_node"]
 
 BLOB_SCHEMA = pa.schema([pa.field("part", pa.int32()), pa.field("src", pa.int32()), pa.field("node", pa.int32()),
                          pa.field("step", pa.int64()), pa.field("payload", pa.binary())])
@@ -88,12 +90,8 @@ def output_node(k: int) -> int:
 
 
 def live_nodes(circuit: Circuit) -> list[int]:
-    """The nodes that feed an output, in id order (the nodes a pipeline runs)."""
-    live = set(circuit.outputs.values())
-    for i in range(len(circuit.nodes) - 1, -1, -1):
-        if i in live:
-            live.update(circuit.nodes[i].inputs)
-    return sorted(live)
+    """The nodes that feed an output, in id order (the nodes a pipeline runs, as in the embedded runtime)."""
+    return _live_nodes(circuit)
 
 
 def stage_db_path(storage: str, stage: int, worker: int) -> str:
@@ -357,7 +355,6 @@ class StageTask:
     version: int
     steps: list[StepInfo]
     fault: tuple[str, int] | None = None
-    stats: dict = field(default_factory=dict)
 
 
 class _Entry:
@@ -617,8 +614,3 @@ def drop_cache() -> None:
     with _CACHE_LOCK:
         _CACHE.clear()
 
-
-def cached(storage: str, stage: int, worker: int) -> Any:
-    """The cache entry of (storage, stage, worker) as ``(run, version, step)``, or None."""
-    e = _CACHE.get((storage, stage, worker))
-    return None if e is None else (e.run, e.version, e.step)

@@ -227,7 +227,8 @@ class SparkPipeline(StagedPipeline):
     # ---- outputs as DataFrames ----
 
     def output_df(self, name: str, step: int | None = None) -> Any:
-        """The change of output ``name`` in ``step`` (default: the latest step) as a DataFrame with a ``weight`` column."""
+        """The change of output ``name`` in ``step`` (default: the latest step) as a DataFrame with a ``weight``
+        column."""
         if name not in self._out_schemas:
             raise KeyError(f"unknown output {name!r}; outputs are {sorted(self._out_schemas)}")
         if step is None:
@@ -257,7 +258,8 @@ class SparkPipeline(StagedPipeline):
         return self.spark.createDataFrame(t)
 
     def __repr__(self) -> str:
-        return f"SparkPipeline({self.storage!r}, workers={self.workers}, steps={self.steps}, stages={self.plan.num_stages})"
+        return (f"SparkPipeline({self.storage!r}, workers={self.workers}, steps={self.steps}, "
+                f"stages={self.plan.num_stages})")
 
 
 def _conform_arrow(t: pa.Table, schema: pa.Schema, handle: str) -> pa.Table:

@@ -108,4 +108,5 @@ def same_outputs(a: list[dict], b: list[dict]) -> None:
     for i, (x, y) in enumerate(zip(a, b)):
         assert set(x) == set(y)
         for n in x:
-            assert x[n].consolidate() == y[n].consolidate(), f"step {i} output {n}: {x[n].to_dict()} != {y[n].to_dict()}"
+            assert x[n].consolidate() == y[n].consolidate(), \
+                f"step {i} output {n}: {x[n].to_dict()} != {y[n].to_dict()}"

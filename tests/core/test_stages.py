@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 import pyarrow as pa
@@ -283,3 +282,12 @@ def test_push_validation_records_nothing(tmp_path) -> None:
     assert all(not z.num_rows for z in p.step().values())
     assert p.read_input(0) == {h: dbsp.ZSet.empty(s) for h, s in p._inputs.items()}
     p.close()
+
+
+@pytest.mark.parametrize("name", ["dbsp_core.stages", "dbsp_core.staged"])
+def test_docstring_examples(name: str) -> None:
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
