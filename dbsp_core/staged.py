@@ -9,6 +9,7 @@ reference); ``spark_glue`` runs them as Spark tasks with the shuffle as the rout
 Storage directory layout (in addition to the durable pipeline's ``META``, ``input/`` and ``output/``)::
 
     stages/stage-<k>/worker-<w>.db   state of each stateful (stage, worker) (stages.py invariant 3)
+    stages/JOB                       the running (or last) job: base version and steps (invariant 4)
     driver.db                        the dedup set and the clock floor at the last checkpoint, and its step
 
 Invariants (enforced here):
@@ -22,8 +23,11 @@ Invariants (enforced here):
   3. ``checkpoint()`` saves the dedup set and clock floor in ``driver.db`` at the step all stage databases
      are at, then truncates the input log below that step (recovery never picks an older version: a job in
      flight opens its base version everywhere it runs, and a database that has not run it still holds it).
-  4. Recovery opens every stage database at the maximum of the intersection of their versions (discarding a
-     partial job), loads the dedup set from ``driver.db`` and completes it from the log records up to the
+  4. Before a job runs, ``stages/JOB`` durably records its base version ``v`` and steps. Stage tasks commit
+     ``v + 1`` before the driver logs the job's output, so recovery opens every stage database at the maximum
+     of the intersection of their versions, but not above ``v`` when the output log lacks some step of that
+     job (the job then runs again, its logged steps verified); this discards a partial job. It loads the
+     dedup set from ``driver.db`` and completes it from the log records up to the
      stage step, replays every divided step from there in jobs (output verified by the output log), then
      queues the acknowledged input never divided into a step.
   5. Results do not depend on W, on how steps are grouped into jobs, nor on task retries (stages.py invariants
@@ -187,9 +191,34 @@ class StagedPipeline(DurablePipeline):
     def _open_state(self) -> None:
         self._coord = _StageState(self.storage, self.plan, self.workers)  # type: ignore[assignment]
 
+    def _job_path(self) -> str:
+        return os.path.join(self.storage, "stages", "JOB")
+
+    def _record_job(self, first: int, end: int) -> None:
+        """Durably record the job about to run (invariant 4)."""
+        path = self._job_path()
+        with open(path + ".tmp", "wb") as f:
+            f.write(encode_json(b"DJOB", {"version": self.version, "first": first, "end": end}))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+        fd = os.open(os.path.dirname(path), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
     def _restore_state(self) -> int:
         st: _StageState = self._coord  # type: ignore[assignment]
-        v, x = choose_version(st.paths)
+        at_most = None
+        try:
+            with open(self._job_path(), "rb") as f:
+                job = decode_json(b"DJOB", f.read(), self._job_path())
+            if job["end"] > self._output.last:  # its output is not all logged: run it again from its base
+                at_most = job["version"]
+        except FileNotFoundError:
+            pass
+        v, x = choose_version(st.paths, at_most)
         self.version = v
         db = st.driver
         dv = db.versions().stop - 1
@@ -312,6 +341,8 @@ class StagedPipeline(DurablePipeline):
             raise DbspError(f"job for steps {first}..{end - 1} but the pipeline is at step {self.steps}")
         t0 = time.perf_counter()
         try:
+            if self.plan.stateful and any(self.plan.stateful):
+                self._record_job(first, end)
             job = self._make_job(steps)
             result = self.runner.run_job(job)
             outs = self._collect(result, first, end)

@@ -28,7 +28,7 @@ Invariants (enforced here):
      runs the steps, saves the changed state, ``set_step(n+k)`` and commits ``v+1``, once per job. Every task
      of a job commits, so all stage databases move through the same versions in lockstep.
   4. Retries never corrupt state nor change output: before committing, a task durably writes the blobs it
-     produced to ``worker-<w>.result`` (tagged with the job). An attempt that finds ``v+1`` already committed
+     produced to ``worker-<w>.result`` (tagged with the job: base version and steps). An attempt that finds ``v+1`` already committed
      (an earlier attempt got that far) returns that file's blobs and leaves the database alone, so a
      speculative duplicate cannot discard a version the job has already used; an attempt that finds
      neither ``v`` as the newest version nor ``v+1`` is stale and raises without touching anything.
@@ -450,7 +450,9 @@ def _read_result(path: str, tag: dict) -> pa.Table:
         raise RecoveryError(f"{path}: missing, but the database holds the committed version of this job") from None
     n = int.from_bytes(body[:4], "little")
     got = json.loads(body[4:4 + n])
-    if got != tag:
+    # the same job (base version and steps) of any driver incarnation: its input division is logged, so its
+    # result is the same (a zombie of a dead driver may have committed it)
+    if {k: v for k, v in got.items() if k != "run"} != {k: v for k, v in tag.items() if k != "run"}:
         raise RecoveryError(f"{path}: holds the result of job {got}, expected {tag}")
     return pa.ipc.open_stream(pa.py_buffer(body[4 + n:])).read_all()
 
@@ -569,12 +571,13 @@ def open_stage_databases(storage: str, plan: StagePlan, workers: int) -> list[tu
     return out
 
 
-def choose_version(paths: list[str]) -> tuple[int, int]:
+def choose_version(paths: list[str], at_most: int | None = None) -> tuple[int, int]:
     """Seed 000 recovery over stage databases: open every one at ``max(intersection of versions())``.
 
-    Opening discards any newer version (a job that did not complete everywhere); returns ``(version, step)``.
-    Takes each database's lock, so no task may run meanwhile. RecoveryError if the intersection is empty or
-    the databases disagree on the step.
+    With ``at_most``, the newest common version not above it (the driver passes the base version of a job
+    whose output it did not log). Opening discards any other version (e.g. a job that did not complete
+    everywhere); returns ``(version, step)``. Takes each database's lock, so no task may run meanwhile.
+    RecoveryError if no common version qualifies or the databases disagree on the step.
     """
     if not paths:
         return 0, 0
@@ -592,7 +595,9 @@ def choose_version(paths: list[str]) -> tuple[int, int]:
             if lo >= hi:
                 raise RecoveryError(f"the stage databases share no version: "
                                     f"{[(p, r.start, r.stop - 1) for p, r in zip(paths, ranges)]}")
-            v = hi - 1
+            v = hi - 1 if at_most is None else min(hi - 1, at_most)
+            if v < lo:
+                raise RecoveryError(f"the stage databases share versions {lo}..{hi - 1}, none at or below {at_most}")
             steps = set()
             for db in dbs:
                 h = db.open(v)  # discards the other version

@@ -291,3 +291,78 @@ def test_docstring_examples(name: str) -> None:
 
     result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+class CrashAfterCommit(LocalJobRunner):
+    """Runs the first ``n`` jobs; the next one runs completely (every stage database commits) and then the
+    driver dies before it logs any output."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def run_job(self, job):
+        out = super().run_job(job)
+        if self.n:
+            self.n -= 1
+            return out
+        raise RuntimeError("the driver died after the commits")
+
+
+@pytest.mark.parametrize("name", ["group_agg", "carried"])
+def test_reopen_after_commits_without_logged_output_reruns_the_job(tmp_path, name: str) -> None:
+    steps, bags = changes(9, 6)
+    c, sql = build(name)
+    p = StagedPipeline(c, workers=2, storage=str(tmp_path), runner=CrashAfterCommit(1))
+    for pushes in steps[:1]:
+        for h, z in pushes:
+            p.push(h, z)
+        p.step()
+    for pushes in steps[1:4]:
+        for h, z in pushes:
+            p.push(h, z)
+        p.queue_step()
+    with pytest.raises(RuntimeError, match="died"):
+        p.run_queued()
+    p.close()
+    q = StagedPipeline.open(str(tmp_path), c)  # the databases are at step 4, the output log at step 1
+    assert q.steps == 4 and q.stats["replayed_steps"] == 3
+    for pushes in steps[4:]:
+        for h, z in pushes:
+            q.push(h, z)
+        q.step()
+    outs = [q._output.get(s) for s in range(len(steps))]
+    q.close()
+    same_outputs(outs, embedded(c, steps))
+    check_duckdb(sql, outs, bags)
+
+
+def test_reopen_after_part_of_a_jobs_output_was_logged(tmp_path, monkeypatch) -> None:
+    steps, bags = changes(10, 5)
+    c, sql = build("join_agg")
+    p = StagedPipeline(c, workers=3, storage=str(tmp_path))
+    for pushes in steps[:4]:
+        for h, z in pushes:
+            p.push(h, z)
+        p.queue_step()
+    real = type(p._output).write
+
+    def write(self, step, out, inputs=None):
+        if step == 2:
+            raise OSError("disk gone while logging step 2")
+        return real(self, step, out, inputs)
+
+    monkeypatch.setattr(type(p._output), "write", write)
+    with pytest.raises(OSError, match="disk gone"):
+        p.run_queued()
+    monkeypatch.undo()
+    p.close()
+    q = StagedPipeline.open(str(tmp_path), c)  # steps 0 and 1 are logged, 2 and 3 are not
+    assert q.steps == 4 and q.stats["replayed_steps"] == 4
+    for h, z in steps[4]:
+        q.push(h, z)
+    q.step()
+    outs = [q._output.get(s) for s in range(len(steps))]
+    q.close()
+    same_outputs(outs, embedded(c, steps))
+    check_duckdb(sql, outs, bags)
