@@ -12,8 +12,9 @@ Data between stages travels as a table of **blobs** (:data:`BLOB_SCHEMA`): ``par
 :data:`ACK_NODE` for a commit acknowledgement; :data:`CONTROL_NODE` for the one empty blob per worker that
 every stage forwards, so no stage of a job ever sees an empty input, which an engine could optimize away),
 ``step`` and ``payload`` (a checksummed codec.py Z-set encoding). The value of node ``i`` at worker ``w`` in
-step ``s`` is the concatenation of the blobs
-``(part=w, node=i, step=s)`` in ``src`` order, and an absent blob is the empty Z-set.
+step ``s`` is the concatenation of the blobs ``(part=w, node=i, step=s)`` in ``src`` order (a shuffle delivers
+blobs in any order; ``src`` makes a retried or replayed task see the same input), and an absent blob is the
+empty Z-set.
 
 Invariants (enforced here):
   1. For any W and any split of the input over workers, running every stage for every worker in stage order
@@ -28,11 +29,13 @@ Invariants (enforced here):
      runs the steps, saves the changed state, ``set_step(n+k)`` and commits ``v+1``, once per job. Every task
      of a job commits, so all stage databases move through the same versions in lockstep.
   4. Retries never corrupt state nor change output: before committing, a task durably writes the blobs it
-     produced to ``worker-<w>.result`` (tagged with the job: base version and steps). An attempt that finds ``v+1`` already committed
-     (an earlier attempt got that far) returns that file's blobs and leaves the database alone, so a
-     speculative duplicate cannot discard a version the job has already used; an attempt that finds
-     neither ``v`` as the newest version nor ``v+1`` is stale and raises without touching anything.
-     Attempts of one (stage, worker) are serialized by a lock file.
+     produced to ``worker-<w>.result`` (tagged with the job: base version and steps). An attempt that finds
+     ``v+1`` already committed (an earlier attempt got that far) returns that file's blobs and leaves the
+     database alone, so a speculative duplicate cannot discard a version the job has already used (seed 000's
+     "reopen v and redo" would, and if the duplicate then died, that database would hold no version the
+     others share); an attempt that finds neither ``v`` as the newest version nor ``v+1`` is stale (a zombie
+     of an earlier job) and raises without touching anything. Attempts of one (stage, worker) are serialized
+     by a lock file (``flock``; on a shared mount it needs working POSIX locks, e.g. NFSv4).
   5. Executors cache live operator instances per (storage, stage, worker) with the run, version and step they
      are at; a cache entry is used only when all three match the job, else state is loaded from the
      Database. A failed attempt in the same process rolls the cached instances back to the job's start
