@@ -188,6 +188,31 @@ def dbsp_run(make_pipeline: Callable[[], Any], inputs: list[tuple[str, list[str]
     return summary(lat, rows, warmup), outs
 
 
+def dbsp_run_grouped(make_pipeline: Callable[[], Any], inputs: list[tuple[str, list[str]]], warmup: int,
+                     group: int) -> dict[str, float]:
+    """Like dbsp_run, but ``group`` batches become ``group`` queued steps run as one Spark job; the latency
+    reported is the job's (from its first read to its last step's output), the rows its ``group`` batches."""
+    p = make_pipeline()
+    lat, rows = [], []
+    try:
+        nb = len(inputs[0][1])
+        for g in range(0, nb, group):
+            t0 = time.perf_counter()
+            n = 0
+            for i in range(g, min(g + group, nb)):
+                for handle, fs in inputs:
+                    t = pq.read_table(fs[i])
+                    n += t.num_rows
+                    p.push(handle, t)
+                p.queue_step()
+            p.run_queued()
+            lat.append(time.perf_counter() - t0)
+            rows.append(n)
+    finally:
+        p.close()
+    return summary(lat, rows, max(1, warmup // group))
+
+
 def spark_pipeline_cls():
     """Our Spark runtime, when this checkout has it (it is built in parallel with this benchmark)."""
     try:
@@ -232,6 +257,7 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=100_000)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--group", type=int, default=4, help="steps per Spark job in the queued SparkPipeline runs")
     ap.add_argument("--reps", type=int, default=20, help="repetitions of the empty jobs")
     ap.add_argument("--only", default="agg,join,empty")
     ap.add_argument("--no-spark-pipeline", action="store_true", help="skip spark_glue.SparkPipeline")
@@ -279,8 +305,20 @@ def main() -> None:
             results.append(("agg", "Spark SS -> foreach_batch -> dbsp durable", r))
             if SP is not None:
                 ours("SparkPipeline", "agg", lambda: SP(spark, agg_circuit(), workers=W,
-                                                        storage=os.path.join(root, "sp-agg")),
+                                                        storage=os.path.join(root, "sp-agg"), checkpoint_interval=1.0),
                      [("s", fs)])
+                p = SP(spark, agg_circuit(), workers=W, storage=os.path.join(root, "fb-sp-agg"), checkpoint_interval=1.0)
+                r = spark_stream(spark, lambda s: s, [(d, AGG)], "append", os.path.join(root, "ck-fb-sp-agg"),
+                                 [a.rows] * a.batches, a.warmup, sink=foreach_batch(p, "s"))
+                assert p.output_steps == range(a.batches)
+                p.close()
+                print(fmt("  Spark SS source -> foreach_batch -> SparkPipeline", r) + f"; {loadavg()}", flush=True)
+                results.append(("agg", "Spark SS -> foreach_batch -> SparkPipeline", r))
+                r = dbsp_run_grouped(lambda: SP(spark, agg_circuit(), workers=W, storage=os.path.join(root, "spq-agg"),
+                                                checkpoint_interval=1.0), [("s", fs)], a.warmup, a.group)
+                print(fmt(f"  SparkPipeline, {a.group} steps per job (latency = job)", r) + f"; {loadavg()}",
+                      flush=True)
+                results.append(("agg", f"SparkPipeline, {a.group} steps per job (latency = job)", r))
         if "join" in only:
             do, dp = write_join_batches(root, a.batches, a.rows)
             fo, fp = files(do), files(dp)
@@ -297,7 +335,13 @@ def main() -> None:
             assert n_out == a.rows * a.batches, (n_out, a.rows * a.batches)  # every payment joins one order
             if SP is not None:
                 ours("SparkPipeline", "join", lambda: SP(spark, join_circuit(), workers=W,
-                                                         storage=os.path.join(root, "sp-join")), inputs)
+                                                         storage=os.path.join(root, "sp-join"), checkpoint_interval=1.0),
+                     inputs)
+                r = dbsp_run_grouped(lambda: SP(spark, join_circuit(), workers=W, storage=os.path.join(root, "spq-join"),
+                                                checkpoint_interval=1.0), inputs, a.warmup, a.group)
+                print(fmt(f"  SparkPipeline, {a.group} steps per job (latency = job)", r) + f"; {loadavg()}",
+                      flush=True)
+                results.append(("join", f"SparkPipeline, {a.group} steps per job (latency = job)", r))
         if "empty" in only:
             e = empty_jobs(spark, a.reps)
             print(f"(c) empty Spark job (parallelize([], 2).count()): median {e['empty_ms']:.1f} ms; 2-partition "
@@ -305,28 +349,43 @@ def main() -> None:
             results.append(("empty", "Spark empty job", {"p50_ms": e["empty_ms"]}))
             results.append(("empty", "Spark mapInArrow+shuffle job", {"p50_ms": e["arrow_shuffle_ms"]}))
             if SP is not None:
-                results.append(("empty", "SparkPipeline empty step", {"p50_ms": empty_step_ms(spark, SP, W, root,
-                                                                                              a.reps)}))
-                print(f"  SparkPipeline empty step: median {results[-1][2]['p50_ms']:.1f} ms; {loadavg()}")
+                q = 8
+                e2 = empty_step_ms(spark, SP, W, root, a.reps, q)
+                results.append(("empty", f"SparkPipeline empty step ({e2['stages']} stages, one job)",
+                                {"p50_ms": e2["one_ms"]}))
+                results.append(("empty", f"SparkPipeline empty step, {q} queued steps per job",
+                                {"p50_ms": e2["queued_ms"]}))
+                print(f"  SparkPipeline empty step, {e2['stages']} stages: median {e2['one_ms']:.1f} ms as one job, "
+                      f"{e2['queued_ms']:.1f} ms per step with {q} steps per job; {loadavg()}", flush=True)
     finally:
         spark.stop()
         shutil.rmtree(root, ignore_errors=True)
     print_table(results)
 
 
-def empty_step_ms(spark, SP, W: int, root: str, reps: int) -> float:
-    p = SP(spark, agg_circuit(), workers=W, storage=os.path.join(root, "sp-empty"))
+def empty_step_ms(spark, SP, W: int, root: str, reps: int, queued: int) -> dict[str, float]:
+    """Median time of a SparkPipeline step with no input (one Spark job), and per step when ``queued`` empty
+    steps run as one job (``queue_step`` then ``run_queued``)."""
+    p = SP(spark, agg_circuit(), workers=W, storage=os.path.join(root, "sp-empty"), checkpoint_interval=None)
     try:
         p.push("s", pa.table({"k": [1], "v": [1]}, schema=AGG))
         p.step()
-        ts = []
+        p.step()
+        one, many = [], []
         for _ in range(reps):
             t0 = time.perf_counter()
             p.step()
-            ts.append(time.perf_counter() - t0)
+            one.append(time.perf_counter() - t0)
+        for _ in range(max(3, reps // 4)):
+            t0 = time.perf_counter()
+            for _ in range(queued):
+                p.queue_step()
+            p.run_queued()
+            many.append((time.perf_counter() - t0) / queued)
     finally:
         p.close()
-    return 1e3 * statistics.median(ts)
+    return {"one_ms": 1e3 * statistics.median(one), "queued_ms": 1e3 * statistics.median(many),
+            "stages": p.plan.num_stages}
 
 
 def _check_agg(mem: list[dict], dur: list[dict], fs: list[str]) -> None:
