@@ -79,15 +79,23 @@ cdef extern from "join.h" nogil:
     int dbsp_join(const CBatch *a, const uint64_t *akh, const int32_t *akeys,
                   const CBatch *b, const uint64_t *bkh, const int32_t *bkeys, int32_t nkeys,
                   int left_outer, CPairs *out)
+    int dbsp_join_fenced(const CBatch *a, const uint64_t *akh, const uint64_t *afence, const int32_t *akeys,
+                         const CBatch *b, const uint64_t *bkh, const uint64_t *bfence, const int32_t *bkeys,
+                         int32_t nkeys, int left_outer, CPairs *out)
     int dbsp_hash_join(const CBatch *a, const int32_t *akeys, const CBatch *b, const int32_t *bkeys,
                        int32_t nkeys, int left_outer, CPairs *out)
 
 cdef extern from "lookup.h" nogil:
+    int DBSP_FENCE_SHIFT
     int dbsp_lookup(const uint64_t *kh, int64_t n, const uint64_t *want, int64_t nwant, int64_t **idx, int64_t *nidx)
+    int dbsp_lookup_fenced(const uint64_t *kh, int64_t n, const uint64_t *fence, const uint64_t *want, int64_t nwant,
+                           int64_t **idx, int64_t *nidx)
     int dbsp_match_weights(const CBatch *a, const uint64_t *akh, const CBatch *b, const uint64_t *bkh, int64_t *acc)
+    int dbsp_match_weights_fenced(const CBatch *a, const uint64_t *akh, const CBatch *b, const uint64_t *bkh,
+                                  const uint64_t *bfence, int64_t *acc)
     int dbsp_match_sums(const CBatch *a, const uint64_t *akh, const int64_t *sel, int64_t n, const int32_t *akeys,
-                        const CBatch *b, const uint64_t *bkh, const int32_t *bkeys, int32_t nkeys,
-                        const int32_t *cols, int32_t ncols, int64_t *acc)
+                        const CBatch *b, const uint64_t *bkh, const uint64_t *bfence, const int32_t *bkeys,
+                        int32_t nkeys, const int32_t *cols, int32_t ncols, int64_t *acc)
 
 cdef extern from "agg.h" nogil:
     enum:

@@ -129,6 +129,7 @@ cdef class BatchView:
     cdef CBatch c
     cdef CColumn *cols
     cdef const uint64_t *kh  # the key hashes given with the batch (NULL if none)
+    cdef const uint64_t *fence  # a fence of kh (lookup.h; NULL if none)
     cdef object refs
 
     def __cinit__(self):
@@ -137,6 +138,22 @@ cdef class BatchView:
     def __dealloc__(self):
         free(self.cols)
 
+    @property
+    def num_rows(self):
+        return self.c.nrows
+
+    def set_fence(self, fence):
+        """Attach a fence of the key hashes (fence(khash)): kernels then seek through it instead of galloping."""
+        cdef const uint64_t[::1] fv
+        if self.kh == NULL:
+            raise ValueError("set_fence: the view has no key hashes")
+        f = np.ascontiguousarray(fence, dtype=np.uint64)
+        if f.shape[0] != (self.c.nrows + (1 << DBSP_FENCE_SHIFT) - 1) >> DBSP_FENCE_SHIFT:
+            raise ValueError(f"set_fence: {f.shape[0]} fence entries for {self.c.nrows} rows")
+        self.refs.append(f)
+        fv = f
+        self.fence = &fv[0] if f.shape[0] else NULL
+
     def __init__(self, table, weights=None, khash=None):
         cdef int32_t ncols = table.num_columns
         cdef int i
@@ -144,6 +161,7 @@ cdef class BatchView:
         cdef const uint64_t[::1] kv
         self.refs = []
         self.kh = NULL
+        self.fence = NULL
         self.cols = <CColumn *>malloc(max(ncols, 1) * sizeof(CColumn))
         if self.cols == NULL:
             raise MemoryError()
@@ -183,6 +201,14 @@ cdef class BatchView:
                 self.kh = &kv[0]
 
 
+cdef BatchView view_of(table, weights=None, khash=None):
+    """`table` itself when it is already a BatchView (built once for a batch that is read many times; it carries
+    its own weights and key hashes), else a new view of (table, weights, khash)."""
+    if isinstance(table, BatchView):
+        return <BatchView>table
+    return BatchView(table, weights, khash)
+
+
 cdef class Int32s:
     """An owned C array of int32 (column positions), freed with the object."""
     cdef int32_t *p
@@ -211,7 +237,7 @@ cdef object rows_result(CRows *r):
 
 def hash_columns(table, cols):
     """Row hash (DBSP hash v1) of every row of `table` over column positions `cols`, as uint64."""
-    cdef BatchView v = BatchView(table)
+    cdef BatchView v = view_of(table)
     cdef Int32s c = Int32s(cols)
     out = np.empty(table.num_rows, dtype=np.uint64)
     cdef uint64_t[::1] o = out
@@ -224,7 +250,7 @@ def hash_columns(table, cols):
 
 def consolidate(table, weights, keys):
     """(idx, weights, khash): the consolidated rows of (table, weights) in canonical order for key positions `keys`."""
-    cdef BatchView v = BatchView(table, weights)
+    cdef BatchView v = view_of(table, weights)
     cdef Int32s k = Int32s(keys)
     cdef CRows r
     cdef int st
@@ -236,8 +262,8 @@ def consolidate(table, weights, keys):
 
 def merge(ta, wa, kha, tb, wb, khb, keys):
     """(idx, weights, khash) of the consolidated sum of two canonical batches; b's rows are numbered after a's."""
-    cdef BatchView a = BatchView(ta, wa, kha)
-    cdef BatchView b = BatchView(tb, wb, khb)
+    cdef BatchView a = view_of(ta, wa, kha)
+    cdef BatchView b = view_of(tb, wb, khb)
     cdef Int32s k = Int32s(keys)
     cdef CRows r
     cdef int st
@@ -288,14 +314,14 @@ def join(ta, wa, kha, akeys, tb, wb, khb, bkeys, bint left_outer=False):
     """(li, ri, w): matching row pairs of two indexed batches (ri = -1 for unmatched left rows if left_outer)."""
     if len(akeys) != len(bkeys):
         raise ValueError(f"join: {len(akeys)} left keys but {len(bkeys)} right keys")
-    cdef BatchView a = BatchView(ta, wa, kha)
-    cdef BatchView b = BatchView(tb, wb, khb)
+    cdef BatchView a = view_of(ta, wa, kha)
+    cdef BatchView b = view_of(tb, wb, khb)
     cdef Int32s ak = Int32s(akeys)
     cdef Int32s bk = Int32s(bkeys)
     cdef CPairs p
     cdef int st
     with nogil:
-        st = dbsp_join(&a.c, a.kh, ak.p, &b.c, b.kh, bk.p, ak.n, left_outer, &p)
+        st = dbsp_join_fenced(&a.c, a.kh, a.fence, ak.p, &b.c, b.kh, b.fence, bk.p, ak.n, left_outer, &p)
     check_status(st, "join")
     return pairs_result(&p)
 
@@ -304,8 +330,8 @@ def hash_join(ta, wa, akeys, tb, wb, bkeys, bint left_outer=False):
     """(li, ri, w): matching row pairs of any two batches, by hashing (no index needed)."""
     if len(akeys) != len(bkeys):
         raise ValueError(f"join: {len(akeys)} left keys but {len(bkeys)} right keys")
-    cdef BatchView a = BatchView(ta, wa)
-    cdef BatchView b = BatchView(tb, wb)
+    cdef BatchView a = view_of(ta, wa)
+    cdef BatchView b = view_of(tb, wb)
     cdef Int32s ak = Int32s(akeys)
     cdef Int32s bk = Int32s(bkeys)
     cdef CPairs p
@@ -352,7 +378,7 @@ cdef object reduce_result(CReduceOut *r, int32_t na):
 
 def reduce(table, weights, khash, keys, aggs):
     """(group_row, khash, ivals, fvals, valid) of an indexed batch's groups; aggs: (kind name, column position)."""
-    cdef BatchView v = BatchView(table, weights, khash)
+    cdef BatchView v = view_of(table, weights, khash)
     cdef Int32s k = Int32s(keys)
     cdef CAggSpec *specs = agg_specs(aggs)
     cdef int32_t na = len(aggs)
@@ -368,7 +394,7 @@ def reduce(table, weights, khash, keys, aggs):
 def group_reduce(table, weights, keys, aggs, bint keep_zero=False):
     """Like reduce, for any batch (no index), by hash grouping; groups in key-hash order. Groups whose weights
     sum to 0 are left out unless `keep_zero`."""
-    cdef BatchView v = BatchView(table, weights)
+    cdef BatchView v = view_of(table, weights)
     cdef Int32s k = Int32s(keys)
     cdef CAggSpec *specs = agg_specs(aggs)
     cdef int32_t na = len(aggs)
@@ -386,23 +412,41 @@ def group_reduce(table, weights, keys, aggs, bint keep_zero=False):
 
 def check_order(table, weights, khash, keys):
     """True if (table, weights) is consolidated and in canonical order for `keys` (a debug checker)."""
-    cdef BatchView v = BatchView(table, weights, khash)
+    cdef BatchView v = view_of(table, weights, khash)
     cdef Int32s k = Int32s(keys)
     return dbsp_rows_check_order(&v.c, NULL, v.c.weights, v.kh, v.c.nrows, k.p, k.n) == 0
 
 
-def lookup(khash, want):
+FENCE_SHIFT = DBSP_FENCE_SHIFT
+
+
+def fence(khash):
+    """The fence of an ascending key-hash array (every 64th hash, lookup.h), for set_fence and lookup."""
+    return np.ascontiguousarray(np.asarray(khash, dtype=np.uint64)[::1 << DBSP_FENCE_SHIFT])
+
+
+def lookup(khash, want, fence=None):
     """Row numbers (ascending int64) of the rows whose key hash (`khash`, ascending uint64) occurs in `want`
-    (ascending uint64, duplicates allowed), by galloping: the cost grows with `want`, not with `khash`."""
+    (ascending uint64, duplicates allowed), by galloping (or seeking through `fence`, the fence of `khash`): the
+    cost grows with `want`, not with `khash`."""
     kh = np.ascontiguousarray(khash, dtype=np.uint64)
     wq = np.ascontiguousarray(want, dtype=np.uint64)
     cdef const uint64_t[::1] pk = kh
     cdef const uint64_t[::1] pw = wq
+    cdef const uint64_t[::1] pf
+    cdef const uint64_t *fp = NULL
     cdef int64_t n = kh.shape[0], nw = wq.shape[0], m = 0
     cdef int64_t *idx = NULL
     cdef int st
+    if fence is not None:
+        fa = np.ascontiguousarray(fence, dtype=np.uint64)
+        if fa.shape[0] != (n + (1 << DBSP_FENCE_SHIFT) - 1) >> DBSP_FENCE_SHIFT:
+            raise ValueError(f"lookup: {fa.shape[0]} fence entries for {n} hashes")
+        if fa.shape[0]:
+            pf = fa
+            fp = &pf[0]
     with nogil:
-        st = dbsp_lookup(&pk[0] if n else NULL, n, &pw[0] if nw else NULL, nw, &idx, &m)
+        st = dbsp_lookup_fenced(&pk[0] if n else NULL, n, fp, &pw[0] if nw else NULL, nw, &idx, &m)
     check_status(st, "lookup")
     return own_array(idx, m, np.int64)
 
@@ -410,8 +454,8 @@ def lookup(khash, want):
 def match_weights(ta, wa, kha, tb, wb, khb, acc):
     """acc[i] += the weight of b's row equal to a's row i (both canonical for one key); `acc` is int64, updated
     in place."""
-    cdef BatchView a = BatchView(ta, wa, kha)
-    cdef BatchView b = BatchView(tb, wb, khb)
+    cdef BatchView a = view_of(ta, wa, kha)
+    cdef BatchView b = view_of(tb, wb, khb)
     cdef int64_t[::1] out = acc
     if out.shape[0] != ta.num_rows:
         raise ValueError(f"match_weights: {out.shape[0]} accumulators for {ta.num_rows} rows")
@@ -419,7 +463,7 @@ def match_weights(ta, wa, kha, tb, wb, khb, acc):
     if ta.num_rows == 0 or tb.num_rows == 0:
         return acc
     with nogil:
-        st = dbsp_match_weights(&a.c, a.kh, &b.c, b.kh, &out[0])
+        st = dbsp_match_weights_fenced(&a.c, a.kh, &b.c, b.kh, b.fence, &out[0])
     check_status(st, "match_weights")
     return acc
 
@@ -440,8 +484,8 @@ def match_sums(ta, akh, sel, akeys, tb, wb, khb, bkeys, cols, acc):
     if acc.dtype != np.int64 or acc.ndim != 2 or acc.shape[0] != n or acc.shape[1] != len(cols) \
             or not acc.flags.c_contiguous:
         raise ValueError(f"match_sums: acc must be a C-contiguous int64 array of shape ({n}, {len(cols)})")
-    cdef BatchView a = BatchView(ta)
-    cdef BatchView b = BatchView(tb, wb, khb)
+    cdef BatchView a = view_of(ta)
+    cdef BatchView b = view_of(tb, wb, khb)
     cdef Int32s ak = Int32s(akeys)
     cdef Int32s bk = Int32s(bkeys)
     cdef Int32s cs = Int32s(cols)
@@ -452,6 +496,7 @@ def match_sums(ta, akh, sel, akeys, tb, wb, khb, bkeys, cols, acc):
     if n == 0 or tb.num_rows == 0 or len(cols) == 0:
         return acc
     with nogil:
-        st = dbsp_match_sums(&a.c, &pk[0], &ps[0], n, ak.p, &b.c, b.kh, bk.p, ak.n, cs.p, cs.n, &out[0, 0])
+        st = dbsp_match_sums(&a.c, &pk[0], &ps[0], n, ak.p, &b.c, b.kh, b.fence, bk.p, ak.n, cs.p, cs.n,
+                             &out[0, 0])
     check_status(st, "match_sums")
     return acc

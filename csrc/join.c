@@ -2,6 +2,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "join.h"
+#include "lookup.h"
 #include "status.h"
 #include "hash.h"
 #include "scratch.h"
@@ -50,6 +51,12 @@ static inline int key_has_null(const DbspBatch *b, int64_t i, const int32_t *key
 int dbsp_join(const DbspBatch *a, const uint64_t *akh, const int32_t *akeys,
               const DbspBatch *b, const uint64_t *bkh, const int32_t *bkeys, int32_t nkeys,
               int left_outer, DbspPairs *out) {
+    return dbsp_join_fenced(a, akh, NULL, akeys, b, bkh, NULL, bkeys, nkeys, left_outer, out);
+}
+
+int dbsp_join_fenced(const DbspBatch *a, const uint64_t *akh, const uint64_t *afence, const int32_t *akeys,
+                     const DbspBatch *b, const uint64_t *bkh, const uint64_t *bfence, const int32_t *bkeys,
+                     int32_t nkeys, int left_outer, DbspPairs *out) {
     memset(out, 0, sizeof *out);
     for (int32_t k = 0; k < nkeys; k++) {
         int ca = dbsp_type_class(a->cols[akeys[k]].type), cb = dbsp_type_class(b->cols[bkeys[k]].type);
@@ -62,12 +69,12 @@ int dbsp_join(const DbspBatch *a, const uint64_t *akh, const int32_t *akeys,
         uint64_t h = akh[i];
         int64_t ie = i + 1;
         while (ie < na && akh[ie] == h) ie++;
-        j = dbsp_gallop(bkh, j, nb, h);
+        j = dbsp_seek(bkh, nb, bfence, j, h);
         int64_t je = j;
         while (je < nb && bkh[je] == h) je++;
         if (je == j && !left_outer) {
             /* no right row has this hash: skip straight to the next left hash that can match */
-            i = j < nb ? dbsp_gallop(akh, ie, na, bkh[j]) : na;
+            i = j < nb ? dbsp_seek(akh, na, afence, ie, bkh[j]) : na;
             continue;
         }
         for (int64_t x = i; x < ie; x++) {

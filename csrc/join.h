@@ -21,6 +21,11 @@ int dbsp_join(const DbspBatch *a, const uint64_t *akh, const int32_t *akeys,
               const DbspBatch *b, const uint64_t *bkh, const int32_t *bkeys, int32_t nkeys,
               int left_outer, DbspPairs *out);
 
+/* dbsp_join seeking in each side through a fence of its key hashes (lookup.h; NULL: gallop). */
+int dbsp_join_fenced(const DbspBatch *a, const uint64_t *akh, const uint64_t *afence, const int32_t *akeys,
+                     const DbspBatch *b, const uint64_t *bkh, const uint64_t *bfence, const int32_t *bkeys,
+                     int32_t nkeys, int left_outer, DbspPairs *out);
+
 /* The same pairs for any two batches (no index, no consolidation: the join is bilinear), by radix-partitioned
  * hashing: both sides are split by the top bits of their key hash, each partition of b becomes a chained hash
  * table that stays in cache, and a's rows of that partition probe it. Pairs come partition by partition, in

@@ -5,7 +5,27 @@
 #include "rows.h"
 #include "status.h"
 
+int64_t dbsp_seek(const uint64_t *kh, int64_t n, const uint64_t *fence, int64_t lo, uint64_t target) {
+    if (!fence) return dbsp_gallop(kh, lo, n, target);
+    if (lo >= n || kh[lo] >= target) return lo;
+    /* kh[lo] < target: the first fence entry >= target bounds the answer from above */
+    int64_t nf = dbsp_fence_len(n);
+    int64_t k = dbsp_gallop(fence, (lo >> DBSP_FENCE_SHIFT) + 1, nf, target);
+    int64_t s = (k - 1) << DBSP_FENCE_SHIFT, e = k < nf ? k << DBSP_FENCE_SHIFT : n;
+    if (s < lo) s = lo;
+    while (s < e) {  /* first index in [s, e) with kh >= target; e itself qualifies when e < n */
+        int64_t m = s + (e - s) / 2;
+        if (kh[m] < target) s = m + 1; else e = m;
+    }
+    return s;
+}
+
 int dbsp_lookup(const uint64_t *kh, int64_t n, const uint64_t *want, int64_t nwant, int64_t **idx, int64_t *nidx) {
+    return dbsp_lookup_fenced(kh, n, NULL, want, nwant, idx, nidx);
+}
+
+int dbsp_lookup_fenced(const uint64_t *kh, int64_t n, const uint64_t *fence, const uint64_t *want, int64_t nwant,
+                       int64_t **idx, int64_t *nidx) {
     *idx = NULL;
     *nidx = 0;
     for (int64_t q = 1; q < nwant; q++)
@@ -15,7 +35,7 @@ int dbsp_lookup(const uint64_t *kh, int64_t n, const uint64_t *want, int64_t nwa
     for (int64_t q = 0; q < nwant && j < n; q++) {
         uint64_t h = want[q];
         if (q > 0 && h == want[q - 1]) continue;
-        j = dbsp_gallop(kh, j, n, h);
+        j = dbsp_seek(kh, n, fence, j, h);
         while (j < n && kh[j] == h) {
             if (m == cap) {
                 int64_t c = cap ? cap * 2 : (nwant < 64 ? 64 : nwant);
@@ -33,6 +53,11 @@ int dbsp_lookup(const uint64_t *kh, int64_t n, const uint64_t *want, int64_t nwa
 
 int dbsp_match_weights(const DbspBatch *a, const uint64_t *akh, const DbspBatch *b, const uint64_t *bkh,
                        int64_t *acc) {
+    return dbsp_match_weights_fenced(a, akh, b, bkh, NULL, acc);
+}
+
+int dbsp_match_weights_fenced(const DbspBatch *a, const uint64_t *akh, const DbspBatch *b, const uint64_t *bkh,
+                              const uint64_t *bfence, int64_t *acc) {
     if (a->ncols != b->ncols) return DBSP_ETYPE;
     for (int32_t c = 0; c < a->ncols; c++)
         if (dbsp_type_class(a->cols[c].type) != dbsp_type_class(b->cols[c].type)) return DBSP_ETYPE;
@@ -41,7 +66,7 @@ int dbsp_match_weights(const DbspBatch *a, const uint64_t *akh, const DbspBatch 
         uint64_t h = akh[i];
         int64_t ie = i + 1;
         while (ie < na && akh[ie] == h) ie++;
-        j = dbsp_gallop(bkh, j, nb, h);
+        j = dbsp_seek(bkh, nb, bfence, j, h);
         int64_t je = j;
         while (je < nb && bkh[je] == h) je++;
         for (int64_t x = i; x < ie && je > j; x++)
@@ -57,8 +82,8 @@ int dbsp_match_weights(const DbspBatch *a, const uint64_t *akh, const DbspBatch 
 }
 
 int dbsp_match_sums(const DbspBatch *a, const uint64_t *akh, const int64_t *sel, int64_t n, const int32_t *akeys,
-                    const DbspBatch *b, const uint64_t *bkh, const int32_t *bkeys, int32_t nkeys,
-                    const int32_t *cols, int32_t ncols, int64_t *acc) {
+                    const DbspBatch *b, const uint64_t *bkh, const uint64_t *bfence, const int32_t *bkeys,
+                    int32_t nkeys, const int32_t *cols, int32_t ncols, int64_t *acc) {
     for (int32_t k = 0; k < nkeys; k++) {
         if (akeys[k] < 0 || akeys[k] >= a->ncols || bkeys[k] < 0 || bkeys[k] >= b->ncols) return DBSP_EINVAL;
         if (dbsp_type_class(a->cols[akeys[k]].type) != dbsp_type_class(b->cols[bkeys[k]].type)) return DBSP_ETYPE;
@@ -72,7 +97,7 @@ int dbsp_match_sums(const DbspBatch *a, const uint64_t *akh, const int64_t *sel,
         uint64_t h = akh[i];
         int64_t ie = i + 1;
         while (ie < n && akh[ie] == h) ie++;
-        j = dbsp_gallop(bkh, j, nb, h);
+        j = dbsp_seek(bkh, nb, bfence, j, h);
         int64_t je = j;
         while (je < nb && bkh[je] == h) je++;
         for (int64_t y = j; y < je; y++) {

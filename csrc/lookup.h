@@ -10,10 +10,26 @@
 #include <stdint.h>
 #include "column.h"
 
+/* A fence over an ascending key-hash array kh[0..n): fence[k] = kh[k << DBSP_FENCE_SHIFT] for k < ceil(n / 64).
+ * Seeking through the fence reads a few cache lines of a small array and one 512-byte block of kh, where a
+ * gallop over a large, cache-cold kh misses the cache a dozen times per sought hash. */
+#define DBSP_FENCE_SHIFT 6
+
+/* The fence length for n hashes. */
+static inline int64_t dbsp_fence_len(int64_t n) { return (n + (1 << DBSP_FENCE_SHIFT) - 1) >> DBSP_FENCE_SHIFT; }
+
+/* First index in [lo, n) with kh[index] >= target (n if none), by the fence when it is not NULL, else by
+ * galloping from lo (dbsp_gallop). */
+int64_t dbsp_seek(const uint64_t *kh, int64_t n, const uint64_t *fence, int64_t lo, uint64_t target);
+
 /* The rows of a batch whose key hash kh[0..n) (ascending) occurs in want[0..nwant) (ascending; duplicates
  * allowed and skipped). *idx receives the row numbers, ascending (caller frees with free(); NULL when none),
  * *nidx their count. Errors: DBSP_EINVAL if want is not ascending, DBSP_ENOMEM. */
 int dbsp_lookup(const uint64_t *kh, int64_t n, const uint64_t *want, int64_t nwant, int64_t **idx, int64_t *nidx);
+
+/* dbsp_lookup seeking through a fence of kh (NULL: none). */
+int dbsp_lookup_fenced(const uint64_t *kh, int64_t n, const uint64_t *fence, const uint64_t *want, int64_t nwant,
+                       int64_t **idx, int64_t *nidx);
 
 /* For every row i of a, acc[i] += the weight of the row of b equal to it (whole-row identity, column.h
  * invariant 2; 0 if b has none). a and b have one schema (same value class per column) and are consolidated
@@ -23,15 +39,19 @@ int dbsp_lookup(const uint64_t *kh, int64_t n, const uint64_t *want, int64_t nwa
 int dbsp_match_weights(const DbspBatch *a, const uint64_t *akh, const DbspBatch *b, const uint64_t *bkh,
                        int64_t *acc);
 
+/* dbsp_match_weights seeking in b through a fence of bkh (NULL: none). */
+int dbsp_match_weights_fenced(const DbspBatch *a, const uint64_t *akh, const DbspBatch *b, const uint64_t *bkh,
+                              const uint64_t *bfence, int64_t *acc);
+
 /* Weighted sums of b's int64 columns per key of a: for the i-th selected row of a (row sel[i], or row i when sel is
  * NULL; i < n), whose key hash akh[i] is ascending in i and whose key columns akeys[0..nkeys) are distinct from
  * the other selected rows' (group identity, null equal to null), add to acc[i * ncols + c] the sum, over the
  * rows y of b with an equal key (bkeys), of weight(y) * cols[c](y) (a null value counts as 0). b is in
- * canonical order for bkeys, with key hashes bkh. So a change's groups read their old totals from a trace batch
+ * canonical order for bkeys, with key hashes bkh and optionally a fence of them (NULL: none). So a change's groups read their old totals from a trace batch
  * without copying its rows. Errors: DBSP_ETYPE (a key class differs, a sum column is not int64), DBSP_EINVAL
  * (a column position out of range), DBSP_EOVERFLOW (a product or sum leaves int64; acc is then partly updated). */
 int dbsp_match_sums(const DbspBatch *a, const uint64_t *akh, const int64_t *sel, int64_t n, const int32_t *akeys,
-                    const DbspBatch *b, const uint64_t *bkh, const int32_t *bkeys, int32_t nkeys,
-                    const int32_t *cols, int32_t ncols, int64_t *acc);
+                    const DbspBatch *b, const uint64_t *bkh, const uint64_t *bfence, const int32_t *bkeys,
+                    int32_t nkeys, const int32_t *cols, int32_t ncols, int64_t *acc);
 
 #endif

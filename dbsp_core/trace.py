@@ -139,20 +139,33 @@ class Trace:
     def match_weights(self, change: "IndexedZSet") -> np.ndarray:
         """The trace's weight of each row of ``change`` (same schema and key; whole-row identity), 0 for rows it
         does not hold: one galloping C walk per batch, so the cost grows with the change, not the state."""
+        from dbsp_core import _zset
+
         acc = np.zeros(len(change), dtype=np.int64)
-        if len(change):
-            for b in self.batches:
-                change.match_weights(b, acc)
+        batches = self.batches if len(change) else []
+        if batches:
+            change._check_compatible(batches[0], "match_weights")  # every batch has the trace's schema and key
+            view, schema = change._view(), change.schema
+            for b in batches:
+                if len(b):
+                    _zset.match_weights(view, None, None, b._view_as(schema), None, None, acc)
         return acc
 
     def key_sums(self, probe: pa.Table, probe_keys: list[str], khash: np.ndarray, rows: np.ndarray,
                  columns: list[str]) -> np.ndarray:
         """The trace's weighted sums of int64 ``columns`` per probed key (:meth:`IndexedZSet.key_sums`, summed
         over every batch): one galloping C walk per batch, no rows copied, so the cost grows with the probe."""
+        from dbsp_core import _zset
+        from dbsp_core.zset import _key_sums_positions
+
         acc = np.zeros((len(rows), len(columns)), dtype=np.int64)
-        if len(rows):
-            for b in self.batches:
-                b.key_sums(probe, probe_keys, khash, rows, columns, acc)
+        batches = self.batches if len(rows) else []
+        if batches:
+            ppos, cpos = _key_sums_positions(batches[0], probe, probe_keys, columns)
+            view = _zset.BatchView(probe)  # built once for every batch
+            for b in batches:
+                if len(b):
+                    b._key_sums(view, ppos, khash, rows, cpos, acc)
         return acc
 
     def consolidated(self) -> "IndexedZSet":

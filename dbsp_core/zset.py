@@ -438,11 +438,39 @@ class IndexedZSet:
     contiguous range, so state can be kept, looked up and moved by shard.
     """
 
-    __slots__ = ("_z", "_key", "_kh", "_keypos")
+    __slots__ = ("_z", "_key", "_kh", "_keypos", "_cv", "_fx")
     __hash__ = None  # type: ignore[assignment]
 
     def __init__(self) -> None:
         raise TypeError("build an IndexedZSet with ZSet.index_by or IndexedZSet.empty")
+
+    FENCE_MIN = 4096  # rows from which kernels seek through a fence of the key hashes (csrc/lookup.h)
+
+    def _view(self) -> Any:
+        """The C view of (rows, weights, key hashes), built on first use and kept: trace batches are read by
+        every step, and building a view costs a few microseconds per column. A large batch's view carries a
+        fence of its key hashes, so seeks into it touch few cache lines."""
+        v = self._cv
+        if v is None:
+            v = self._cv = _zset.BatchView(self._z._data, self._z._w, self._kh)
+            f = self._fence()
+            if f is not None:
+                v.set_fence(f)
+        return v
+
+    def _fence(self) -> np.ndarray | None:
+        """Every 64th key hash (built once; None for small batches, where galloping is as cheap)."""
+        if len(self._kh) < self.FENCE_MIN:
+            return None
+        f = self._fx
+        if f is None:
+            f = self._fx = _zset.fence(self._kh)
+        return f
+
+    def _view_as(self, schema: pa.Schema) -> Any:
+        """:meth:`_view`, or a fresh view of the rows cast to ``schema`` when their types differ only there."""
+        data = _conform(self._z._data, schema)
+        return self._view() if data is self._z._data else _zset.BatchView(data, self._z._w, self._kh)
 
     @classmethod
     def _make(cls, z: ZSet, key: tuple[str, ...], kh: np.ndarray) -> IndexedZSet:
@@ -450,6 +478,8 @@ class IndexedZSet:
         ix._z = z
         ix._key = tuple(key)
         ix._kh = kh
+        ix._cv = None
+        ix._fx = None
         ix._keypos = _column_positions(z.schema, key, "index")
         return ix
 
@@ -498,7 +528,7 @@ class IndexedZSet:
             return other
         a, b = self._z, other._z
         bd = _conform(b._data, a._data.schema)
-        idx, w, kh = _zset.merge(a._data, a._w, self._kh, bd, b._w, other._kh, self._keypos)
+        idx, w, kh = _zset.merge(self._view(), None, None, other._view_as(a._data.schema), None, None, self._keypos)
         both = _single_chunk(pa.concat_tables([a._data, bd]))
         return IndexedZSet._make(ZSet._make(_take(both, idx), w), self._key, kh)
 
@@ -514,7 +544,7 @@ class IndexedZSet:
         >>> ix.zset.data.column("k").take(ix.lookup(want)).to_pylist()
         [2]
         """
-        return _zset.lookup(self._kh, hashes)
+        return _zset.lookup(self._kh, hashes, self._fence())
 
     def match_weights(self, other: IndexedZSet, acc: np.ndarray | None = None) -> np.ndarray:
         """For each row of this batch, the weight of the equal row (whole-row identity) in `other`, 0 if none.
@@ -538,9 +568,7 @@ class IndexedZSet:
                   and acc.flags.c_contiguous and acc.flags.writeable):
             raise ValueError(f"match_weights: acc must be a writable contiguous int64 array of {len(self)} values")
         if len(self) and len(other):
-            b = other._z
-            _zset.match_weights(self._z._data, self._z._w, self._kh, _conform(b._data, self._z._data.schema), b._w,
-                                other._kh, acc)
+            _zset.match_weights(self._view(), None, None, other._view_as(self._z._data.schema), None, None, acc)
         return acc
 
     def key_sums(self, probe: pa.Table, probe_keys: Sequence[str], khash: np.ndarray, rows: np.ndarray,
@@ -564,19 +592,17 @@ class IndexedZSet:
         >>> dict(zip(probe.column("k").take(order).to_pylist(), sums[:, 0].tolist()))[1]
         50
         """
-        ppos = _column_positions(probe.schema, probe_keys, "key_sums (probe)")
-        if len(ppos) != len(self._keypos):
-            raise SchemaError(f"key_sums: {len(ppos)} probe key columns but the index has {len(self._keypos)}")
-        cpos = _column_positions(self.schema, columns, "key_sums")
-        for c in cpos:
-            if not pa.types.is_int64(self.schema.field(c).type):
-                raise SchemaError(f"key_sums: column {self.schema.names[c]!r} is {self.schema.field(c).type}, "
-                                  "not int64")
+        ppos, cpos = _key_sums_positions(self, probe, probe_keys, columns)
         if acc is None:
             acc = np.zeros((len(rows), len(cpos)), dtype=np.int64)
         if len(self):
-            _zset.match_sums(probe, khash, rows, ppos, self._z._data, self._z._w, self._kh, self._keypos, cpos, acc)
+            self._key_sums(probe, ppos, khash, rows, cpos, acc)
         return acc
+
+    def _key_sums(self, probe: Any, ppos: Sequence[int], khash: np.ndarray, rows: np.ndarray, cpos: Sequence[int],
+                  acc: np.ndarray) -> None:
+        """:meth:`key_sums` with resolved positions; `probe` may be a prebuilt view (one per step, many batches)."""
+        _zset.match_sums(probe, khash, rows, ppos, self._view(), None, None, self._keypos, cpos, acc)
 
     def take(self, indices: np.ndarray) -> IndexedZSet:
         """The rows at `indices` (ascending indices keep the index order)."""
@@ -617,8 +643,8 @@ class IndexedZSet:
             lt, rt = self.schema.field(lk).type, other.schema.field(rk).type
             if not _join_compatible(lt, rt):
                 raise SchemaError(f"join: key {lk!r} ({lt}) cannot match key {rk!r} ({rt})")
-        return _zset.join(self._z._data, self._z._w, self._kh, self._keypos,
-                          other._z._data, other._z._w, other._kh, other._keypos, bool(left_outer))
+        return _zset.join(self._view(), None, None, self._keypos, other._view(), None, None, other._keypos,
+                          bool(left_outer))
 
     def reduce(self, aggs: Sequence[tuple[str, str | None]]) -> pa.Table:
         """Grouped aggregates, one row per distinct key: the key columns, then ``agg_0``, ``agg_1``, ...
@@ -636,8 +662,21 @@ class IndexedZSet:
         """
         specs = _agg_specs(self.schema, aggs)
         data = self._z._data
-        group_row, _, ivals, fvals, valid = _zset.reduce(data, self._z._w, self._kh, self._keypos, specs)
+        group_row, _, ivals, fvals, valid = _zset.reduce(self._view(), None, None, self._keypos, specs)
         return _agg_table(data, self._key, specs, group_row, ivals, fvals, valid)
+
+
+def _key_sums_positions(ix: IndexedZSet, probe: pa.Table, probe_keys: Sequence[str], columns: Sequence[str]
+                        ) -> tuple[list[int], list[int]]:
+    """Validated probe key positions and int64 sum column positions for :meth:`IndexedZSet.key_sums`."""
+    ppos = _column_positions(probe.schema, probe_keys, "key_sums (probe)")
+    if len(ppos) != len(ix._keypos):
+        raise SchemaError(f"key_sums: {len(ppos)} probe key columns but the index has {len(ix._keypos)}")
+    cpos = _column_positions(ix.schema, columns, "key_sums")
+    for c in cpos:
+        if not pa.types.is_int64(ix.schema.field(c).type):
+            raise SchemaError(f"key_sums: column {ix.schema.names[c]!r} is {ix.schema.field(c).type}, not int64")
+    return ppos, cpos
 
 
 def _agg_specs(schema: pa.Schema, aggs: Sequence[tuple[str, str | None]]) -> list[tuple[str, int | None]]:

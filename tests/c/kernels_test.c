@@ -155,9 +155,13 @@ static void test_join_and_reduce(void) {
     CHECK(dbsp_zset_consolidate(&b0.b, &key, 1, &rb) == DBSP_OK);
     tb_gather(&a, &a0, ra.idx, ra.weights, ra.n);
     tb_gather(&b, &b0, rb.idx, rb.weights, rb.n);
-    for (int outer = 0; outer < 2; outer++) {
+    uint64_t *af = malloc((size_t)(dbsp_fence_len(a.n) + 1) * 8), *bf = malloc((size_t)(dbsp_fence_len(b.n) + 1) * 8);
+    for (int64_t k = 0; k < dbsp_fence_len(a.n); k++) af[k] = ra.khash[k << DBSP_FENCE_SHIFT];
+    for (int64_t k = 0; k < dbsp_fence_len(b.n); k++) bf[k] = rb.khash[k << DBSP_FENCE_SHIFT];
+    for (int outer = 0; outer < 4; outer++) {
         DbspPairs p;
-        CHECK(dbsp_join(&a.b, ra.khash, &key, &b.b, rb.khash, &key, 1, outer, &p) == DBSP_OK);
+        if (outer < 2) CHECK(dbsp_join(&a.b, ra.khash, &key, &b.b, rb.khash, &key, 1, outer, &p) == DBSP_OK);
+        else CHECK(dbsp_join_fenced(&a.b, ra.khash, af, &key, &b.b, rb.khash, bf, &key, 1, outer - 2, &p) == DBSP_OK);
         int64_t npairs = 0, wsum = 0, unmatched = 0;
         for (int64_t x = 0; x < a.n; x++) {
             int m = 0;
@@ -172,9 +176,10 @@ static void test_join_and_reduce(void) {
             CHECK(a.k[p.li[i]] == b.k[p.ri[i]] && dbsp_bit(a.kvalid, p.li[i]) && dbsp_bit(b.kvalid, p.ri[i]));
         }
         CHECK(gpairs == npairs && gw == wsum);
-        CHECK(gun == (outer ? unmatched : 0));
+        CHECK(gun == (outer & 1 ? unmatched : 0));
         dbsp_pairs_free(&p);
     }
+    free(af); free(bf);
     /* hash join of the raw (unconsolidated) batches: the same pairs as a nested loop over raw rows */
     {
         DbspPairs p;
@@ -279,7 +284,22 @@ static void test_lookup(void) {
         for (int64_t i = 1; i < n; i++) { uint64_t x = kh[i]; int64_t j = i - 1; while (j >= 0 && kh[j] > x) { kh[j + 1] = kh[j]; j--; } kh[j + 1] = x; }
         for (int64_t i = 1; i < nw; i++) { uint64_t x = want[i]; int64_t j = i - 1; while (j >= 0 && want[j] > x) { want[j + 1] = want[j]; j--; } want[j + 1] = x; }
         int64_t *idx, m;
+        uint64_t *fence = malloc((size_t)(dbsp_fence_len(n) + 1) * 8);
+        for (int64_t k = 0; k < dbsp_fence_len(n); k++) fence[k] = kh[k << DBSP_FENCE_SHIFT];
+        for (int64_t t = 0; t < 50; t++) {  /* seek: first index >= lo with kh >= target, fenced or not */
+            int64_t lo = n ? (int64_t)(next() % (uint64_t)(n + 1)) : 0;
+            uint64_t target = next() % (dom + 2);
+            int64_t want_at = lo;
+            while (want_at < n && kh[want_at] < target) want_at++;
+            CHECK(dbsp_seek(kh, n, fence, lo, target) == want_at);
+            CHECK(dbsp_seek(kh, n, NULL, lo, target) == want_at);
+        }
+        int64_t *fidx, fm;
+        CHECK(dbsp_lookup_fenced(kh, n, fence, want, nw, &fidx, &fm) == DBSP_OK);
         CHECK(dbsp_lookup(kh, n, want, nw, &idx, &m) == DBSP_OK);
+        CHECK(fm == m);
+        for (int64_t x = 0; x < m && x < fm; x++) CHECK(fidx[x] == idx[x]);
+        free(fidx); free(fence);
         int64_t expect = 0, at = 0;
         for (int64_t i = 0; i < n; i++) {
             int hit = 0;
@@ -310,6 +330,11 @@ static void test_match_weights(void) {
     for (int64_t i = 0; i < a.n; i++) acc[i] = 5;
     CHECK(dbsp_match_weights(&a.b, ra.khash, &b.b, rb.khash, acc) == DBSP_OK);
     for (int64_t i = 0; i < a.n; i++) CHECK(acc[i] == 5 + naive_weight(&b.b, &a.b, i));
+    uint64_t *bf = malloc((size_t)(dbsp_fence_len(b.n) + 1) * 8);
+    for (int64_t k = 0; k < dbsp_fence_len(b.n); k++) bf[k] = rb.khash[k << DBSP_FENCE_SHIFT];
+    CHECK(dbsp_match_weights_fenced(&a.b, ra.khash, &b.b, rb.khash, bf, acc) == DBSP_OK);
+    for (int64_t i = 0; i < a.n; i++) CHECK(acc[i] == 5 + 2 * naive_weight(&b.b, &a.b, i));
+    free(bf);
     /* overflow of an accumulator is reported */
     int64_t any = -1;
     for (int64_t i = 0; i < a.n && any < 0; i++) if (naive_weight(&b.b, &a.b, i) > 0) any = i;
@@ -334,7 +359,12 @@ static void test_match_sums(void) {
     tb_gather(&b, &b0, rb.idx, rb.weights, rb.n);
     /* the sum column: b's k itself (int64, nullable: a null counts as 0) */
     int64_t *acc = calloc((size_t)(ga.n ? ga.n : 1), 8);
-    CHECK(dbsp_match_sums(&a0.b, ga.khash, ga.idx, ga.n, &key, &b.b, rb.khash, &key, 1, &vcol, 1, acc) == DBSP_OK);
+    uint64_t *bf = malloc((size_t)(dbsp_fence_len(b.n) + 1) * 8);
+    for (int64_t k = 0; k < dbsp_fence_len(b.n); k++) bf[k] = rb.khash[k << DBSP_FENCE_SHIFT];
+    CHECK(dbsp_match_sums(&a0.b, ga.khash, ga.idx, ga.n, &key, &b.b, rb.khash, NULL, &key, 1, &vcol, 1, acc) == DBSP_OK);
+    CHECK(dbsp_match_sums(&a0.b, ga.khash, ga.idx, ga.n, &key, &b.b, rb.khash, bf, &key, 1, &vcol, 1, acc) == DBSP_OK);
+    for (int64_t g = 0; g < ga.n; g++) acc[g] /= 2;
+    free(bf);
     for (int64_t g = 0; g < ga.n; g++) {
         int64_t r = ga.idx[g], want = 0;
         for (int64_t y = 0; y < b0.n; y++)
@@ -342,7 +372,7 @@ static void test_match_sums(void) {
         CHECK(acc[g] == want);
     }
     int32_t scol = 1;  /* a utf8 column cannot be summed */
-    CHECK(dbsp_match_sums(&a0.b, ga.khash, ga.idx, ga.n, &key, &b.b, rb.khash, &key, 1, &scol, 1, acc) == DBSP_ETYPE);
+    CHECK(dbsp_match_sums(&a0.b, ga.khash, ga.idx, ga.n, &key, &b.b, rb.khash, NULL, &key, 1, &scol, 1, acc) == DBSP_ETYPE);
     free(acc);
     dbsp_rows_free(&ga); dbsp_rows_free(&rb);
     tb_free(&a0); tb_free(&b0); tb_free(&b);

@@ -135,3 +135,40 @@ def test_key_sums_validates():
         ix.key_sums(probe, ["k"], kh, np.array([0]), ["v"], np.zeros((2, 1), dtype=np.int64))
     with pytest.raises(ValueError, match="out of range"):
         ix.key_sums(probe, ["k"], kh, np.array([5]), ["v"])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_fenced_seeks_equal_the_model_on_large_batches(seed):
+    """Batches of FENCE_MIN rows and more are searched through a fence: same answers as the model."""
+    from dbsp_core.zset import IndexedZSet
+
+    rng = np.random.default_rng(seed)
+    n = IndexedZSet.FENCE_MIN * 3 + int(rng.integers(0, 100))
+    big_t = pa.table({"k": rng.integers(0, n // 3, n), "s": pa.array(rng.choice(["a", "bb", None], n))})
+    big_w = rng.integers(-2, 3, n)
+    big_w[big_w == 0] = 1
+    big = dbsp.ZSet.from_arrow(big_t, weights=big_w).index_by(["k", "s"])
+    assert big._fence() is not None
+    ch_t = pa.table({"k": rng.integers(0, n // 3, 300), "s": pa.array(rng.choice(["a", "bb", None], 300))})
+    change = dbsp.ZSet.from_arrow(ch_t).index_by(["k", "s"])
+    model = model_of(big_t, big_w)
+    cols = [c.to_pylist() for c in change.zset.data.columns]
+    assert change.match_weights(big).tolist() == [model.get(canon_row(r), 0) for r in zip(*cols)]
+    want = np.sort(change.key_hash)
+    assert big.lookup(want).tolist() == np.flatnonzero(np.isin(big.key_hash, want)).tolist()
+    # key_sums over a key prefix, and the join, through the fenced view of the large side
+    by_k = dbsp.ZSet.from_arrow(big_t.append_column("v", pa.array(rng.integers(-5, 6, n))),
+                                weights=big_w).index_by(["k"])
+    probe = pa.table({"k": np.unique(rng.integers(0, n // 3, 200))})
+    kh = dbsp.ZSet.from_arrow(probe).hash(["k"])
+    order = np.argsort(kh, kind="stable")
+    sums = by_k.key_sums(probe, ["k"], kh[order], order, ["v"])
+    ks = by_k.zset.data.column("k").to_numpy()
+    vs = by_k.zset.data.column("v").to_numpy() * by_k.zset.weights
+    expect = [int(vs[ks == k].sum()) for k in probe.column("k").to_numpy()[order]]
+    assert sums[:, 0].tolist() == expect
+    small = dbsp.ZSet.from_arrow(probe).index_by(["k"])
+    li, ri, w = small.join(by_k)
+    pairs = sorted(zip(small.zset.data.column("k").take(li).to_pylist(), by_k.zset.data.column("k").take(ri).to_pylist()))
+    assert all(a == b for a, b in pairs)
+    assert len(pairs) == int(np.isin(ks, probe.column("k").to_numpy()).sum())
