@@ -71,9 +71,10 @@ def test_plan_of_carried_circuit() -> None:
     assert x and all(plan.forwards(j, 1) for j in x)
 
 
-def _run_staged(tmp, name: str, workers: int, steps, groups: list[int], runner=None) -> list[dict]:
+def _run_staged(tmp, name: str, workers: int, steps, groups: list[int], runner=None, shard_bits: int = 8
+                ) -> list[dict]:
     c, _ = build(name)
-    p = StagedPipeline(c, workers=workers, storage=str(tmp), runner=runner)
+    p = StagedPipeline(c, workers=workers, shard_bits=shard_bits, storage=str(tmp), runner=runner)
     outs: list[dict] = []
     i = 0
     for g in groups:
@@ -89,12 +90,13 @@ def _run_staged(tmp, name: str, workers: int, steps, groups: list[int], runner=N
 
 @settings(max_examples=10)
 @given(name=st.sampled_from(NAMES), workers=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**31 - 1),
-       groups=st.lists(st.integers(1, 4), min_size=1, max_size=4))
-def test_staged_pipeline_matches_embedded_and_duckdb(tmp_path_factory, name, workers, seed, groups) -> None:
+       groups=st.lists(st.integers(1, 4), min_size=1, max_size=4), shard_bits=st.sampled_from([2, 3, 8]))
+def test_staged_pipeline_matches_embedded_and_duckdb(tmp_path_factory, name, workers, seed, groups,
+                                                     shard_bits) -> None:
     n = sum(groups)
     steps, bags = changes(seed, n)
     c, sql = build(name)
-    outs = _run_staged(tmp_path_factory.mktemp("staged"), name, workers, steps, groups)
+    outs = _run_staged(tmp_path_factory.mktemp("staged"), name, workers, steps, groups, shard_bits=shard_bits)
     same_outputs(outs, embedded(c, steps, workers=1))
     check_duckdb(sql, outs, bags)
 

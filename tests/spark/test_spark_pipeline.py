@@ -41,14 +41,15 @@ def run(p: SparkPipeline, steps, rng) -> list[dict]:
     return outs
 
 
-@pytest.mark.parametrize("name,workers", [("group_agg", 1), ("group_agg", 2), ("group_agg", 3), ("join_agg", 2),
-                                          ("join_agg", 3), ("distinct", 3), ("left_join", 2), ("left_join", 3),
-                                          ("carried", 2), ("carried", 3)])
-def test_matches_embedded_and_duckdb(spark_local, tmp_path, name: str, workers: int) -> None:
+@pytest.mark.parametrize("name,workers,shard_bits", [
+    ("group_agg", 1, 8), ("group_agg", 2, 8), ("group_agg", 3, 2), ("join_agg", 2, 8), ("join_agg", 3, 8),
+    ("distinct", 3, 8), ("left_join", 2, 1), ("left_join", 3, 8), ("carried", 2, 8), ("carried", 3, 2)])
+def test_matches_embedded_and_duckdb(spark_local, tmp_path, name: str, workers: int, shard_bits: int) -> None:
+    """Layouts: shard_bits=2 with W=3 gives workers 2, 1, 1 shards; shard_bits=1 with W=2 one shard each."""
     seed = zlib.crc32(f"{name}/{workers}".encode()) % 1000
     steps, bags = changes(seed, 6)
     c, sql = build(name)
-    p = SparkPipeline(spark_local, c, workers=workers, storage=str(tmp_path))
+    p = SparkPipeline(spark_local, c, workers=workers, storage=str(tmp_path), shard_bits=shard_bits)
     if workers == 3:
         p.runner.INLINE_BYTES = 0  # stage-0 input through parallelize (the path of large inputs)
     outs = run(p, steps, np.random.default_rng(seed))
