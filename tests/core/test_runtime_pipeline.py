@@ -163,7 +163,8 @@ def test_keyed_state_lives_in_the_shards_of_its_worker() -> None:
                     rows = len(trace.shard(4, s))
                     total_rows += rows
                     assert rows == 0 or p.shard_map.worker_of(s) == w
-        assert total_rows == 400  # 200 rows in the aggregate's input trace, 200 in distinct's
+        # the aggregate keeps 200 group totals and 200 (auction, price) values for min; distinct keeps 200 rows
+        assert total_rows == 600
 
 
 def test_a_worker_failing_alone_reports_its_own_error() -> None:

@@ -28,7 +28,7 @@ sys.path.insert(0, HERE)
 import dbsp_core as dbsp  # noqa: E402
 from workload import PRODUCERS, batch, build_circuit, integral, oracle  # noqa: E402
 
-CHILD = os.path.join(HERE, "kill_child.py")
+CHILD = os.path.join(HERE, "eo_kill_child.py")
 SEEDS = int(os.environ.get("DBSP_EO_SEEDS", "200"))
 JOBS = int(os.environ.get("DBSP_EO_JOBS", "2"))
 BATCHES = 10
@@ -76,15 +76,16 @@ def _forkserver():
         os.environ["PYTHONPATH"] = os.pathsep.join([repo, HERE] + ([os.environ["PYTHONPATH"]]
                                                                   if os.environ.get("PYTHONPATH") else []))
         _CTX = multiprocessing.get_context("forkserver")
-        _CTX.set_forkserver_preload(["kill_child"])
+        _CTX.set_forkserver_preload(["eo_kill_child"])
     return _CTX
 
 
 def run_forked(d: str, seed: int, workers: int, run: int, crash: str | None, kill_after: float | None) -> str:
     """Like :func:`run_child` in a process forked from the preloaded server; killed with SIGKILL too."""
-    import kill_child
+    import eo_kill_child
 
-    p = _forkserver().Process(target=kill_child.forked, args=(d, seed, BATCHES, workers, run, crash or ""))
+    p = _forkserver().Process(target=eo_kill_child.forked,
+                              args=(d, seed, BATCHES, workers, run, crash or ""))
     p.start()
     p.join(timeout=kill_after if kill_after is not None else 120)
     err = os.path.join(os.path.dirname(d), "child-error.txt")

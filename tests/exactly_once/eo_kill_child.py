@@ -1,6 +1,6 @@
 """Child process of the kill -9 tests: recovers the durable pipeline in a directory, resumes two producer threads from their last acknowledged seq (retrying the unacknowledged one), steps and checkpoints until every batch is in, then closes.
 
-Usage: kill_child.py DIR SEED BATCHES WORKERS. Acknowledgements are appended to DIR/../acks-<producer>.txt
+Usage: eo_kill_child.py DIR SEED BATCHES WORKERS. Acknowledgements are appended to DIR/../acks-<producer>.txt
 (written before the next push, so a line is never missing for an ack the producer saw). Prints READY after
 recovery and DONE at the end. DBSP_CRASHPOINT in the environment kills the process at a chosen point.
 """
