@@ -368,3 +368,66 @@ def test_reopen_after_part_of_a_jobs_output_was_logged(tmp_path, monkeypatch) ->
     q.close()
     same_outputs(outs, embedded(c, steps))
     check_duckdb(sql, outs, bags)
+
+
+class Crashy(LocalJobRunner):
+    """Runs jobs normally until job ``at``, which it runs up to stage ``stage``, then only the first ``workers``
+    tasks of that stage (``stage`` past the last one: the whole job, committed), then the driver dies."""
+
+    def __init__(self, at: int, stage: int, workers: int) -> None:
+        super().__init__()
+        self.at, self.stage, self.workers = at, stage, workers
+
+    def run_job(self, job):
+        if self.at:
+            self.at -= 1
+            return super().run_job(job)
+        blobs = job.inputs
+        for task in job.tasks:
+            parts = blobs.column("part").to_numpy()
+            n = job.workers if task.stage < self.stage else self.workers if task.stage == self.stage else 0
+            outs = [run_stage_task(task, w, blobs.filter(pa.array(parts == w))) for w in range(n)]
+            if n < job.workers:
+                break
+            blobs = pa.concat_tables(outs)
+        raise RuntimeError("the driver died in a job")
+
+
+@settings(max_examples=20)
+@given(name=st.sampled_from(NAMES), workers=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**31 - 1),
+       groups=st.lists(st.integers(1, 3), min_size=2, max_size=5), at=st.integers(0, 3), stage=st.integers(0, 3),
+       crash_workers=st.integers(0, 2), checkpoints=st.lists(st.booleans(), min_size=5, max_size=5))
+def test_a_crash_anywhere_in_a_job_then_reopen_gives_every_step_once(tmp_path_factory, name, workers, seed, groups,
+                                                                     at, stage, crash_workers, checkpoints) -> None:
+    steps, bags = changes(seed, sum(groups))
+    c, sql = build(name)
+    d = str(tmp_path_factory.mktemp("crash"))
+    p = StagedPipeline(c, workers=workers, storage=d, runner=Crashy(at, stage, min(crash_workers, workers - 1)),
+                       checkpoint_interval=None)
+    i = 0
+    crashed = False
+    for g, ck in zip(groups, checkpoints):
+        for pushes in steps[i:i + g]:
+            for h, z in pushes:
+                p.push(h, z)
+            p.queue_step()
+        i += g
+        try:
+            p.run_queued()
+        except RuntimeError:
+            crashed = True
+            break
+        if ck:
+            p.checkpoint()
+    p.close()
+    q = StagedPipeline.open(d, c)
+    assert q.steps == i  # every divided step ran (again) exactly once
+    for pushes in steps[i:]:
+        for h, z in pushes:
+            q.push(h, z)
+        q.step()
+    outs = [q._output.get(s) for s in range(len(steps))]
+    q.close()
+    assert crashed or at >= len(groups)
+    same_outputs(outs, embedded(c, steps))
+    check_duckdb(sql, outs, bags, every=3)
