@@ -431,3 +431,21 @@ def test_a_crash_anywhere_in_a_job_then_reopen_gives_every_step_once(tmp_path_fa
     assert crashed or at >= len(groups)
     same_outputs(outs, embedded(c, steps))
     check_duckdb(sql, outs, bags, every=3)
+
+
+def test_producer_retries_count_once_across_reopens(tmp_path) -> None:
+    c, _ = build("group_agg")
+    row = pa.table({"auction": [1], "bidder": ["a"], "price": [5], "f": [0.0]})
+    p = StagedPipeline(c, workers=2, storage=str(tmp_path), checkpoint_interval=None)
+    assert not p.push("bids", row, producer="gen", seq=0).duplicate
+    p.step()
+    p.checkpoint()  # driver.db: seq 0 seen, at step 1
+    assert not p.push("bids", row, producer="gen", seq=1).duplicate
+    p.step()  # the stage databases move on to step 2; driver.db stays at step 1
+    assert not p.push("bids", row, producer="gen", seq=2).duplicate  # acknowledged, not divided
+    p.close(checkpoint=False)
+    q = StagedPipeline.open(str(tmp_path), c)
+    assert q.steps == 2
+    assert all(q.push("bids", row, producer="gen", seq=s).duplicate for s in range(3))
+    assert q.step()["g"].to_dict() == {(1, 2, 10, 5): -1, (1, 3, 15, 5): 1}  # seq 2 counted once
+    q.close()
