@@ -223,6 +223,9 @@ class Pipeline:
             return
         with self._lock:
             wk = self.workers
+            if wk == 1:  # one worker takes the whole push, no slicing
+                self._pending[0].setdefault(handle, []).append(z)
+                return
             base, extra = divmod(n, wk)
             start = 0
             for k in range(wk):  # contiguous, even slices, starting at the round-robin cursor
