@@ -376,6 +376,9 @@ class StagedPipeline(DurablePipeline):
         if got != want or len(acks) != len(want) or bad:
             raise RecoveryError(f"job for steps {first}..{end - 1}: commit acknowledgements {sorted(got)} "
                                 f"(bad: {bad}) do not match the stateful (stage, worker) set {sorted(want)}")
+        for a in acks:  # executor cache effectiveness (stages.py invariant 5)
+            key = "state_loads" if a.get("loaded") else "state_cache_hits"
+            self.stats[key] = self.stats.get(key, 0) + 1
         nodes = result.column("node")
         control = result.filter(pc.equal(nodes, CONTROL_NODE)).column("part").to_pylist()
         if sorted(control) != list(range(self.workers)):

@@ -291,8 +291,9 @@ def encode_blobs(rows: list[tuple[int, int, int, int, ZSet]]) -> pa.Table:
                      pa.array([encode_zset(r[4]) for r in rows], pa.binary())], schema=BLOB_SCHEMA)
 
 
-def _ack_blob(stage: int, worker: int, version: int, step: int, first: int) -> pa.Table:
-    body = json.dumps({"stage": stage, "worker": worker, "version": version, "step": step}).encode()
+def _ack_blob(stage: int, worker: int, version: int, step: int, first: int, loaded: bool) -> pa.Table:
+    body = json.dumps({"stage": stage, "worker": worker, "version": version, "step": step,
+                       "loaded": loaded}).encode()
     return pa.table([pa.array([worker], pa.int32()), pa.array([worker], pa.int32()), pa.array([ACK_NODE], pa.int32()),
                      pa.array([first], pa.int64()), pa.array([body], pa.binary())], schema=BLOB_SCHEMA)
 
@@ -305,7 +306,8 @@ def control_blobs(workers: int, step: int) -> pa.Table:
 
 
 def read_acks(blobs: pa.Table) -> list[dict]:
-    """The commit acknowledgements in a blob table: ``[{stage, worker, version, step}]``."""
+    """The commit acknowledgements in a blob table: ``[{stage, worker, version, step, loaded}]`` (``loaded``:
+    the committing attempt loaded the state from its database instead of finding it in its process's cache)."""
     acks = blobs.filter(pc.equal(blobs.column("node"), ACK_NODE))
     return [json.loads(b) for b in acks.column("payload").to_pylist()]
 
@@ -527,14 +529,16 @@ def _run_stateful(task: StageTask, worker: int, sm: ShardMap, received: dict[tup
                     snap.load(h, f"{where} v{v}")
                     entry = _Entry(task.run, v, first, sw, snap)
                     cache_stats["loads"] += 1
+                    loaded = True
                 else:
+                    loaded = False
                     cache_stats["hits"] += 1
                 saved = _capture(entry)
                 try:
                     out = _run_steps(task, entry.worker, received)
                     entry.snapshot.save(h)
                     h.set_step(end)
-                    out = pa.concat_tables([out, _ack_blob(k, worker, v + 1, end, first)])
+                    out = pa.concat_tables([out, _ack_blob(k, worker, v + 1, end, first, loaded)])
                     _write_result(_result_path(task.storage, k, worker), tag, out)
                     _fault(task, worker, "before-commit")
                     h.commit()
