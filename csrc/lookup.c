@@ -51,6 +51,52 @@ int dbsp_lookup_fenced(const uint64_t *kh, int64_t n, const uint64_t *fence, con
     return DBSP_OK;
 }
 
+/* ---- batched seeks with software prefetching: a small change against a large, cache-cold batch is bound by
+ * memory latency, so the blocks and rows that the next few wanted hashes need are requested early ---- */
+
+#define PF_AHEAD 8
+
+/* pos[i] = the first index with kh >= want[i] (n if none), for ascending want[0..m). */
+static void seek_all(const uint64_t *kh, int64_t n, const uint64_t *fence, const uint64_t *want, int64_t m,
+                     int64_t *pos) {
+    if (!fence) {
+        int64_t j = 0;
+        for (int64_t i = 0; i < m; i++) pos[i] = j = dbsp_gallop(kh, j, n, want[i]);
+        return;
+    }
+    int64_t nf = dbsp_fence_len(n), k = 0;
+    for (int64_t i = 0; i < m; i++) pos[i] = k = dbsp_gallop(fence, k, nf, want[i]);  /* first fence entry >= */
+    for (int64_t i = 0; i < m; i++) {
+        if (i + PF_AHEAD < m) {
+            int64_t kb = pos[i + PF_AHEAD];
+            int64_t s = kb ? (kb - 1) << DBSP_FENCE_SHIFT : 0, e = kb < nf ? kb << DBSP_FENCE_SHIFT : n;
+            for (int64_t t = s; t < e; t += 8) __builtin_prefetch(&kh[t]);
+        }
+        /* fence[kb - 1] < want[i] <= fence[kb]: the answer is in ((kb - 1) * 64, kb * 64] */
+        int64_t kb = pos[i];
+        int64_t s = kb ? ((kb - 1) << DBSP_FENCE_SHIFT) + 1 : 0, e = kb < nf ? kb << DBSP_FENCE_SHIFT : n;
+        while (s < e) {
+            int64_t mid = s + (e - s) / 2;
+            if (kh[mid] < want[i]) s = mid + 1; else e = mid;
+        }
+        pos[i] = s;
+    }
+}
+
+/* request the values of row y of b in the listed columns (NULL: all) and its weight */
+static inline void prefetch_row(const DbspBatch *b, int64_t y, const int32_t *cols, int32_t ncols) {
+    if (b->weights) __builtin_prefetch(&b->weights[y]);
+    for (int32_t k = 0; k < ncols; k++) {
+        const DbspColumn *c = &b->cols[cols ? cols[k] : k];
+        int w = dbsp_type_width(c->type);
+        int64_t at = c->offset + y;
+        if (c->type == DBSP_BOOL) __builtin_prefetch((const uint8_t *)c->values + (at >> 3));
+        else if (w) __builtin_prefetch((const uint8_t *)c->values + at * w);
+        else if (c->type == DBSP_LARGE_UTF8 || c->type == DBSP_LARGE_BINARY) __builtin_prefetch((const int64_t *)c->values + at);
+        else __builtin_prefetch((const int32_t *)c->values + at);
+    }
+}
+
 int dbsp_match_weights(const DbspBatch *a, const uint64_t *akh, const DbspBatch *b, const uint64_t *bkh,
                        int64_t *acc) {
     return dbsp_match_weights_fenced(a, akh, b, bkh, NULL, acc);
@@ -61,24 +107,30 @@ int dbsp_match_weights_fenced(const DbspBatch *a, const uint64_t *akh, const Dbs
     if (a->ncols != b->ncols) return DBSP_ETYPE;
     for (int32_t c = 0; c < a->ncols; c++)
         if (dbsp_type_class(a->cols[c].type) != dbsp_type_class(b->cols[c].type)) return DBSP_ETYPE;
-    int64_t na = a->nrows, nb = b->nrows, i = 0, j = 0;
-    while (i < na && j < nb) {
+    int64_t na = a->nrows, nb = b->nrows;
+    if (na == 0 || nb == 0) return DBSP_OK;
+    int64_t *pos = malloc((size_t)na * 8);
+    if (!pos) return DBSP_ENOMEM;
+    seek_all(bkh, nb, bfence, akh, na, pos);
+    int st = DBSP_OK;
+    for (int64_t i = 0; i < na;) {
         uint64_t h = akh[i];
         int64_t ie = i + 1;
         while (ie < na && akh[ie] == h) ie++;
-        j = dbsp_seek(bkh, nb, bfence, j, h);
-        int64_t je = j;
+        if (ie + PF_AHEAD < na && pos[ie + PF_AHEAD] < nb) prefetch_row(b, pos[ie + PF_AHEAD], NULL, b->ncols);
+        int64_t j = pos[i], je = j;
         while (je < nb && bkh[je] == h) je++;
         for (int64_t x = i; x < ie && je > j; x++)
             for (int64_t y = j; y < je; y++)
                 if (dbsp_row_cmp(a, x, NULL, b, y, NULL, a->ncols) == 0) {
-                    if (dbsp_add_weight(&acc[x], b->weights ? b->weights[y] : 1)) return DBSP_EOVERFLOW;
+                    if (dbsp_add_weight(&acc[x], b->weights ? b->weights[y] : 1)) { st = DBSP_EOVERFLOW; goto done; }
                     break;  /* b is consolidated: at most one equal row */
                 }
         i = ie;
-        j = je;
     }
-    return DBSP_OK;
+done:
+    free(pos);
+    return st;
 }
 
 int dbsp_match_sums(const DbspBatch *a, const uint64_t *akh, const int64_t *sel, int64_t n, const int32_t *akeys,
@@ -92,13 +144,21 @@ int dbsp_match_sums(const DbspBatch *a, const uint64_t *akh, const int64_t *sel,
         if (cols[c] < 0 || cols[c] >= b->ncols) return DBSP_EINVAL;
         if (b->cols[cols[c]].type != DBSP_INT64) return DBSP_ETYPE;
     }
-    int64_t nb = b->nrows, i = 0, j = 0;
-    while (i < n && j < nb) {
+    int64_t nb = b->nrows;
+    if (n == 0 || nb == 0) return DBSP_OK;
+    int64_t *pos = malloc((size_t)n * 8);
+    if (!pos) return DBSP_ENOMEM;
+    seek_all(bkh, nb, bfence, akh, n, pos);
+    int st = DBSP_OK;
+    for (int64_t i = 0; i < n;) {
         uint64_t h = akh[i];
         int64_t ie = i + 1;
         while (ie < n && akh[ie] == h) ie++;
-        j = dbsp_seek(bkh, nb, bfence, j, h);
-        int64_t je = j;
+        if (ie + PF_AHEAD < n && pos[ie + PF_AHEAD] < nb) {
+            prefetch_row(b, pos[ie + PF_AHEAD], bkeys, nkeys);
+            prefetch_row(b, pos[ie + PF_AHEAD], cols, ncols);
+        }
+        int64_t j = pos[i], je = j;
         while (je < nb && bkh[je] == h) je++;
         for (int64_t y = j; y < je; y++) {
             for (int64_t x = i; x < ie; x++) {
@@ -108,14 +168,17 @@ int dbsp_match_sums(const DbspBatch *a, const uint64_t *akh, const int64_t *sel,
                 for (int32_t c = 0; c < ncols; c++) {
                     const DbspColumn *col = &b->cols[cols[c]];
                     int64_t v = dbsp_col_valid(col, y) ? ((const int64_t *)col->values)[col->offset + y] : 0, p;
-                    if (__builtin_mul_overflow(v, wy, &p) || dbsp_add_weight(&acc[x * ncols + c], p))
-                        return DBSP_EOVERFLOW;
+                    if (__builtin_mul_overflow(v, wy, &p) || dbsp_add_weight(&acc[x * ncols + c], p)) {
+                        st = DBSP_EOVERFLOW;
+                        goto done;
+                    }
                 }
                 break;  /* the selected rows have distinct keys: at most one matches */
             }
         }
         i = ie;
-        j = je;
     }
-    return DBSP_OK;
+done:
+    free(pos);
+    return st;
 }

@@ -35,7 +35,7 @@ int dbsp_lookup_fenced(const uint64_t *kh, int64_t n, const uint64_t *fence, con
  * invariant 2; 0 if b has none). a and b have one schema (same value class per column) and are consolidated
  * in canonical order for the same key, with key hashes akh and bkh (rows.h). Inside a run of one key hash the
  * rows are compared pairwise, so it is meant for keys that are (nearly) whole rows, e.g. distinct's.
- * Errors: DBSP_ETYPE (schemas differ), DBSP_EOVERFLOW (a sum leaves int64; acc is then partly updated). */
+ * Errors: DBSP_ETYPE (schemas differ), DBSP_EOVERFLOW (a sum leaves int64; acc is then partly updated), DBSP_ENOMEM. */
 int dbsp_match_weights(const DbspBatch *a, const uint64_t *akh, const DbspBatch *b, const uint64_t *bkh,
                        int64_t *acc);
 
@@ -49,7 +49,7 @@ int dbsp_match_weights_fenced(const DbspBatch *a, const uint64_t *akh, const Dbs
  * rows y of b with an equal key (bkeys), of weight(y) * cols[c](y) (a null value counts as 0). b is in
  * canonical order for bkeys, with key hashes bkh and optionally a fence of them (NULL: none). So a change's groups read their old totals from a trace batch
  * without copying its rows. Errors: DBSP_ETYPE (a key class differs, a sum column is not int64), DBSP_EINVAL
- * (a column position out of range), DBSP_EOVERFLOW (a product or sum leaves int64; acc is then partly updated). */
+ * (a column position out of range), DBSP_EOVERFLOW (a product or sum leaves int64; acc is then partly updated), DBSP_ENOMEM. */
 int dbsp_match_sums(const DbspBatch *a, const uint64_t *akh, const int64_t *sel, int64_t n, const int32_t *akeys,
                     const DbspBatch *b, const uint64_t *bkh, const uint64_t *bfence, const int32_t *bkeys,
                     int32_t nkeys, const int32_t *cols, int32_t ncols, int64_t *acc);
