@@ -83,10 +83,12 @@ def main() -> None:
                 assert len(outs) == k
 
             ms = median_ms(job, max(3, a.reps * 4 // (k + 3)), warm=1) / k
-            hits, loads = p.stats.get("state_cache_hits", 0), p.stats.get("state_loads", 0)
+            hits, part = p.stats.get("state_cache_hits", 0), p.stats.get("state_partial_loads", 0)
+            full = p.stats.get("state_loads", 0)
             print(f"SparkPipeline, {k:>2} step(s) per job, {a.rows} rows/step: {ms:.1f} ms per step = "
-                  f"{ms / empty:.2f}x the empty job ({ms / bare:.2f}x mapInArrow+shuffle); state from the executor "
-                  f"cache in {hits}/{hits + loads} tasks; load {os.getloadavg()[0]:.2f}", flush=True)
+                  f"{ms / empty:.2f}x the empty job ({ms / bare:.2f}x mapInArrow+shuffle); stateful tasks: "
+                  f"{hits} cache hits, {part} partial and {full} full loads; load {os.getloadavg()[0]:.2f}",
+                  flush=True)
             p.close()
     finally:
         spark.stop()

@@ -143,8 +143,17 @@ class WorkerSnapshot:
         """Write the state into ``h`` (:meth:`prepare` then :meth:`apply`); returns the keys written or deleted."""
         return self.apply(h, self.prepare())
 
-    def load(self, h: DatabaseHandle, where: str) -> int:
-        """Restore the state saved by :meth:`save` into fresh instances; returns the number of rows loaded."""
+    def load(self, h: DatabaseHandle, where: str, reuse: "WorkerSnapshot | None" = None) -> int:
+        """Restore the state saved by :meth:`save` into fresh instances; returns the number of rows loaded.
+
+        ``reuse``: an older snapshot of the same worker's state, saved into an earlier version of the same
+        database. A batch is saved once under a number never given again, so a stored batch whose number and
+        shard keys ``reuse`` holds is that batch: it is taken from memory instead of being decoded and hashed.
+        """
+        known: dict[str, dict[bytes, tuple[Any, list[bytes]]]] = {}
+        if reuse is not None:
+            for table, saved in reuse._saved.items():
+                known[table] = {keys[0][SHARD_PREFIX_BYTES:]: (b, keys) for b, keys in saved.values() if keys}
         rows = 0
         nxt = h.get("snapshot", b"next")
         self._next = int.from_bytes(nxt, "big") if nxt is not None else 0
@@ -154,21 +163,28 @@ class WorkerSnapshot:
             for name in traces:
                 trace: Trace = getattr(inst, name)
                 table = f"s{node_id}.{name}"
-                groups: dict[bytes, tuple[list[ZSet], list[bytes]]] = {}
+                groups: dict[bytes, tuple[list[bytes], list[bytes]]] = {}
                 for k, v in h.scan(table):  # keys sort by shard, then batch number
-                    parts, keys = groups.setdefault(k[SHARD_PREFIX_BYTES:], ([], []))
-                    parts.append(decode_batch(v, trace.schema, f"{where} {table} shard {shard_of_key(k)}"))
+                    blobs, keys = groups.setdefault(k[SHARD_PREFIX_BYTES:], ([], []))
+                    blobs.append(v)
                     keys.append(k)
                 trace.clear()
                 batches = []
+                mine = known.get(table, {})
                 for number in sorted(groups):  # batch number order is spine order
-                    parts, keys = groups[number]
-                    z = parts[0] if len(parts) == 1 else ZSet.concat(parts)
-                    # shard slices of one key-hash-sorted batch, in shard order: the batch itself
-                    b = IndexedZSet._make(ZSet._make(z.data, z.weights), trace.key, z.hash(list(trace.key)))
+                    blobs, keys = groups[number]
+                    old = mine.get(number)
+                    if old is not None and sorted(old[1]) == sorted(keys):
+                        b = old[0]
+                    else:
+                        parts = [decode_batch(v, trace.schema, f"{where} {table} shard {shard_of_key(k)}")
+                                 for k, v in zip(keys, blobs)]
+                        z = parts[0] if len(parts) == 1 else ZSet.concat(parts)
+                        # shard slices of one key-hash-sorted batch, in shard order: the batch itself
+                        b = IndexedZSet._make(ZSet._make(z.data, z.weights), trace.key, z.hash(list(trace.key)))
                     trace.insert(b)
                     batches.append((b, keys))
-                    rows += z.num_rows
+                    rows += len(b)
                 spine = {id(b) for b in trace.batches}
                 saved = {id(b): (b, keys) for b, keys in batches}
                 if set(saved) != spine:  # pragma: no cover - settling merged restored batches: rewrite them all

@@ -377,7 +377,7 @@ class StagedPipeline(DurablePipeline):
             raise RecoveryError(f"job for steps {first}..{end - 1}: commit acknowledgements {sorted(got)} "
                                 f"(bad: {bad}) do not match the stateful (stage, worker) set {sorted(want)}")
         for a in acks:  # executor cache effectiveness (stages.py invariant 5)
-            key = "state_loads" if a.get("loaded") else "state_cache_hits"
+            key = {"cache": "state_cache_hits", "partial": "state_partial_loads"}.get(a.get("loaded"), "state_loads")
             self.stats[key] = self.stats.get(key, 0) + 1
         nodes = result.column("node")
         control = result.filter(pc.equal(nodes, CONTROL_NODE)).column("part").to_pylist()

@@ -38,8 +38,10 @@ Invariants (enforced here):
      by a lock file (``flock``; on a shared mount it needs working POSIX locks, e.g. NFSv4).
   5. Executors cache live operator instances per (storage, stage, worker) with the run, version and step they
      are at; a cache entry is used only when all three match the job, else state is loaded from the
-     Database. A failed attempt in the same process rolls the cached instances back to the job's start
-     (traces are spines of immutable batches, so the rollback keeps references, not copies).
+     Database, reusing the batches a stale entry of the same run still holds (Spark gives a task any of an
+     executor's Python workers, so the previous job of a (stage, worker) often ran in another process). A
+     failed attempt in the same process rolls the cached instances back to the job's start (traces are
+     spines of immutable batches, so the rollback keeps references, not copies).
 """
 
 from __future__ import annotations
@@ -291,7 +293,7 @@ def encode_blobs(rows: list[tuple[int, int, int, int, ZSet]]) -> pa.Table:
                      pa.array([encode_zset(r[4]) for r in rows], pa.binary())], schema=BLOB_SCHEMA)
 
 
-def _ack_blob(stage: int, worker: int, version: int, step: int, first: int, loaded: bool) -> pa.Table:
+def _ack_blob(stage: int, worker: int, version: int, step: int, first: int, loaded: str) -> pa.Table:
     body = json.dumps({"stage": stage, "worker": worker, "version": version, "step": step,
                        "loaded": loaded}).encode()
     return pa.table([pa.array([worker], pa.int32()), pa.array([worker], pa.int32()), pa.array([ACK_NODE], pa.int32()),
@@ -307,7 +309,8 @@ def control_blobs(workers: int, step: int) -> pa.Table:
 
 def read_acks(blobs: pa.Table) -> list[dict]:
     """The commit acknowledgements in a blob table: ``[{stage, worker, version, step, loaded}]`` (``loaded``:
-    the committing attempt loaded the state from its database instead of finding it in its process's cache)."""
+    where the committing attempt found its state: ``"cache"`` (this process ran the previous job),
+    ``"partial"`` (a stale cache entry: only batches saved since were read) or ``"full"`` (the database))."""
     acks = blobs.filter(pc.equal(blobs.column("node"), ACK_NODE))
     return [json.loads(b) for b in acks.column("payload").to_pylist()]
 
@@ -373,7 +376,7 @@ class _Entry:
 _CACHE: "OrderedDict[tuple[str, int, int], _Entry]" = OrderedDict()
 _CACHE_MAX = 64
 _CACHE_LOCK = threading.Lock()
-cache_stats = {"hits": 0, "loads": 0, "replayed_results": 0, "rollbacks": 0}
+cache_stats = {"hits": 0, "loads": 0, "partial_loads": 0, "replayed_results": 0, "rollbacks": 0}
 
 
 def _capture(entry: _Entry) -> list:
@@ -524,14 +527,16 @@ def _run_stateful(task: StageTask, worker: int, sm: ShardMap, received: dict[tup
                 with _CACHE_LOCK:
                     entry = _CACHE.pop(key, None)
                 if entry is None or (entry.run, entry.version, entry.step) != (task.run, v, first):
+                    # a stale entry of this run (another process ran the jobs since) still holds most batches
+                    stale = entry.snapshot if entry is not None and entry.run == task.run else None
                     sw = StageWorker(plan.circuit, plan, k, worker, sm)
                     snap = WorkerSnapshot(sw.stateful, task.shard_bits)
-                    snap.load(h, f"{where} v{v}")
+                    snap.load(h, f"{where} v{v}", reuse=stale)
                     entry = _Entry(task.run, v, first, sw, snap)
-                    cache_stats["loads"] += 1
-                    loaded = True
+                    loaded = "partial" if stale is not None else "full"
+                    cache_stats["loads" if stale is None else "partial_loads"] += 1
                 else:
-                    loaded = False
+                    loaded = "cache"
                     cache_stats["hits"] += 1
                 saved = _capture(entry)
                 try:

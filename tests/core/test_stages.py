@@ -449,3 +449,45 @@ def test_producer_retries_count_once_across_reopens(tmp_path) -> None:
     assert all(q.push("bids", row, producer="gen", seq=s).duplicate for s in range(3))
     assert q.step()["g"].to_dict() == {(1, 2, 10, 5): -1, (1, 3, 15, 5): 1}  # seq 2 counted once
     q.close()
+
+
+class TwoProcesses(LocalJobRunner):
+    """Jobs alternate between two simulated executor processes, each with its own stage cache, so every stateful
+    task finds a cache entry one job stale (as when Spark hands a task another Python worker)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.caches = [dict(), dict()]
+        self.n = 0
+
+    def run_job(self, job):
+        mine = self.caches[self.n % 2]
+        self.n += 1
+        outside = dict(stages._CACHE)
+        stages._CACHE.clear()
+        stages._CACHE.update(mine)
+        try:
+            return super().run_job(job)
+        finally:
+            mine.clear()
+            mine.update(stages._CACHE)
+            stages._CACHE.clear()
+            stages._CACHE.update(outside)
+
+
+@pytest.mark.parametrize("name", ["join_agg", "left_join", "carried"])
+def test_stale_cache_entries_give_partial_loads_and_the_same_results(tmp_path, name: str) -> None:
+    steps, bags = changes(17, 12, max_rows=12)
+    c, sql = build(name)
+    before = stages.cache_stats["partial_loads"]
+    p = StagedPipeline(c, workers=2, storage=str(tmp_path), runner=TwoProcesses())
+    outs = []
+    for pushes in steps:
+        for h, z in pushes:
+            p.push(h, z)
+        outs.append(p.step())
+    assert p.stats.get("state_partial_loads", 0) >= len(steps) - 2 and not p.stats.get("state_cache_hits")
+    assert stages.cache_stats["partial_loads"] > before
+    p.close()
+    same_outputs(outs, embedded(c, steps))
+    check_duckdb(sql, outs, bags, every=4)
