@@ -112,7 +112,9 @@ class Aggregate(Operator):
                 col = pc.if_else(pc.equal(n, 0.0), pa.scalar(None, pa.float64()), pc.divide(s, n))
             elif kind == "sum":
                 s, n = totals.column(nk + slots[0]), totals.column(nk + slots[1])
-                col = pc.if_else(pc.equal(n, 0), pa.scalar(None, s.type), s)
+                if n.null_count or not bool(n.to_numpy().all()):  # null where the group has no non-null value
+                    s = pc.if_else(pc.equal(n, 0), pa.scalar(None, s.type), s)
+                col = s
             else:
                 col = totals.column(nk + slots[0])
             if not col.type.equals(field.type):
@@ -212,13 +214,18 @@ class PreAggregate(Operator):
         """Each row as a partial row of its own, weight kept."""
         data, n = z.data, z.num_rows
         cols = [data.column(k) for k in self.agg.keys]
+        ones = None
         for kind, col in self.agg.kernel:
-            if kind == "count":
-                cols.append(pa.array(np.ones(n, dtype=np.int64)))
+            c = data.column(col) if col is not None else None
+            if kind == "count" or (kind == "count_col" and c.null_count == 0):
+                ones = pa.array(np.ones(n, dtype=np.int64)) if ones is None else ones
+                cols.append(ones)
             elif kind == "count_col":
-                cols.append(pc.cast(pc.is_valid(data.column(col)), pa.int64()))
-            else:  # integer sum
-                cols.append(pc.cast(pc.fill_null(data.column(col), 0), pa.int64()))
+                cols.append(pc.cast(pc.is_valid(c), pa.int64()))
+            elif c.null_count == 0 and pat.is_int64(c.type):  # integer sum of an int64 column without nulls
+                cols.append(c)
+            else:
+                cols.append(pc.cast(pc.fill_null(c, 0), pa.int64()))
         return make(pa.Table.from_arrays(cols, schema=self.schema), z.weights, self.schema)
 
     def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
@@ -270,9 +277,9 @@ class _LinearState:
         new = old + delta
         if bool((((old ^ new) & (delta ^ new)) < 0).any()):
             raise WeightOverflowError(f"{op.label}: a group's count or integer sum overflows int64")
-        changed = (delta != 0).any(axis=1)
-        add = np.flatnonzero(changed & (new[:, 0] != 0))  # groups with count 0 have no row (invariant 1)
-        sub = np.flatnonzero(changed & (old[:, 0] != 0))
+        cg = np.flatnonzero((delta != 0).any(axis=1))  # changed groups, in key-hash order
+        has_add, has_sub = new[cg, 0] != 0, old[cg, 0] != 0  # groups with count 0 have no row (invariant 1)
+        add, sub = cg[has_add], cg[has_sub]
         if len(add) + len(sub) == 0:
             return empty(op.schema)
         rows = np.concatenate([group_row[add], group_row[sub]])
@@ -281,8 +288,36 @@ class _LinearState:
         keys = data.select(list(self.keypos)).take(pa.array(rows, pa.int64()))
         partials = pa.Table.from_arrays(list(keys.columns) + [pa.array(np.ascontiguousarray(vals[:, j]))
                                                              for j in range(len(self.p))], schema=self.pschema)
-        self.trace.insert(make(partials, w, self.pschema).index_by(self.keys))
+        self.trace.insert(self._indexed(partials, w, khash[cg], has_add, has_sub))
         return make(op.finalize(partials), w, op.schema)
+
+    def _indexed(self, partials: pa.Table, w: np.ndarray, kh: np.ndarray, has_add: np.ndarray,
+                 has_sub: np.ndarray) -> "IndexedZSet":
+        """The trace batch of a step's partial rows (new rows of the groups with ``has_add``, then old rows of
+        those with ``has_sub``; the groups' key hashes ``kh`` ascending), in index order without a grouping pass.
+
+        Rows are ordered by key hash, then row hash (zset.py invariant 3): the groups already come in key-hash
+        order, so only a group's two rows need ordering by their row hashes. Two groups of one key hash, or two
+        rows of one group with one row hash, need value comparisons: those rare batches are indexed by the
+        kernel instead.
+        """
+        from dbsp_core.zset import IndexedZSet, ZSet
+
+        rh = _zset.hash_columns(partials, list(range(partials.num_columns)))
+        na, ng = int(has_add.sum()), len(kh)
+        rh_add, rh_sub = np.zeros(ng, np.uint64), np.zeros(ng, np.uint64)
+        rh_add[has_add], rh_sub[has_sub] = rh[:na], rh[na:]
+        both = has_add & has_sub
+        if bool((rh_add[both] == rh_sub[both]).any()) or (ng > 1 and bool((kh[1:] == kh[:-1]).any())):
+            return make(partials, w, self.pschema).index_by(self.keys)
+        sub_first = both & (rh_sub < rh_add)
+        cnt = has_add.astype(np.int64) + has_sub
+        start = np.cumsum(cnt) - cnt
+        perm = np.empty(len(w), dtype=np.int64)
+        perm[start[has_add] + sub_first[has_add]] = np.arange(na)
+        perm[start[has_sub] + (both & ~sub_first)[has_sub]] = np.arange(na, len(w))
+        data = partials.take(pa.array(perm, pa.int64()))
+        return IndexedZSet._make(ZSet._make(data, w[perm]), tuple(self.keys), np.repeat(kh, cnt))
 
 
 class _ExtremesState:
