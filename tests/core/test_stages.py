@@ -491,3 +491,32 @@ def test_stale_cache_entries_give_partial_loads_and_the_same_results(tmp_path, n
     p.close()
     same_outputs(outs, embedded(c, steps))
     check_duckdb(sql, outs, bags, every=4)
+
+
+def test_stateful_stage_zero_and_plain_zset_state(tmp_path) -> None:
+    """Delay and integrate keep plain Z-set state in stage 0 (before any exchange): one database per worker
+    there too, and results equal the embedded runtime's however steps are grouped into jobs."""
+    c = dbsp.Circuit()
+    bids = c.input("bids", BIDS)
+    prev = bids.select(a="auction").delay()
+    c.output("prev", prev)
+    c.output("seen", (bids.select(a="auction") + prev).integrate().distinct())
+    plan = StagePlan(c)
+    assert plan.stateful[0] and plan.stateful[-1]
+    steps, _ = changes(23, 7)
+    steps = [[(h, z) for h, z in pushes if h == "bids"] for pushes in steps]
+    p = StagedPipeline(c, workers=3, storage=str(tmp_path), runner=TwoProcesses())
+    outs = []
+    for g in (1, 3, 1, 2):
+        for pushes in steps[len(outs):len(outs) + g]:
+            for h, z in pushes:
+                p.push(h, z)
+            p.queue_step()
+        outs.extend(p.run_queued())
+    p.close()
+    q = StagedPipeline.open(str(tmp_path), c)
+    for h, z in steps[0]:
+        q.push(h, z)
+    outs.append(q.step())
+    q.close()
+    same_outputs(outs, embedded(c, steps + steps[:1]))
