@@ -65,16 +65,27 @@ int dbsp_join_fenced(const DbspBatch *a, const uint64_t *akh, const uint64_t *af
     }
     int st = DBSP_OK;
     int64_t na = a->nrows, nb = b->nrows, i = 0, j = 0;
+    int64_t *pos = NULL;
+    if (na > 0 && na * 4 <= nb) {  /* a small a against a large b: seek all of a's hashes in b at once (lookup.h) */
+        pos = malloc((size_t)na * 8);
+        if (!pos) return DBSP_ENOMEM;
+        dbsp_seek_all(bkh, nb, bfence, akh, na, pos);
+    }
     while (i < na) {
         uint64_t h = akh[i];
         int64_t ie = i + 1;
         while (ie < na && akh[ie] == h) ie++;
-        j = dbsp_seek(bkh, nb, bfence, j, h);
+        if (pos) {
+            j = pos[i];
+            if (ie + 8 < na && pos[ie + 8] < nb) dbsp_prefetch_row(b, pos[ie + 8], bkeys, nkeys);
+        } else {
+            j = dbsp_seek(bkh, nb, bfence, j, h);
+        }
         int64_t je = j;
         while (je < nb && bkh[je] == h) je++;
         if (je == j && !left_outer) {
             /* no right row has this hash: skip straight to the next left hash that can match */
-            i = j < nb ? dbsp_seek(akh, na, afence, ie, bkh[j]) : na;
+            i = pos ? ie : j < nb ? dbsp_seek(akh, na, afence, ie, bkh[j]) : na;
             continue;
         }
         for (int64_t x = i; x < ie; x++) {
@@ -94,8 +105,10 @@ int dbsp_join_fenced(const DbspBatch *a, const uint64_t *akh, const uint64_t *af
         i = ie;
         j = je;
     }
+    free(pos);
     return DBSP_OK;
 fail:
+    free(pos);
     dbsp_pairs_free(out);
     return st;
 }

@@ -56,8 +56,7 @@ int dbsp_lookup_fenced(const uint64_t *kh, int64_t n, const uint64_t *fence, con
 
 #define PF_AHEAD 8
 
-/* pos[i] = the first index with kh >= want[i] (n if none), for ascending want[0..m). */
-static void seek_all(const uint64_t *kh, int64_t n, const uint64_t *fence, const uint64_t *want, int64_t m,
+void dbsp_seek_all(const uint64_t *kh, int64_t n, const uint64_t *fence, const uint64_t *want, int64_t m,
                      int64_t *pos) {
     if (!fence) {
         int64_t j = 0;
@@ -83,8 +82,7 @@ static void seek_all(const uint64_t *kh, int64_t n, const uint64_t *fence, const
     }
 }
 
-/* request the values of row y of b in the listed columns (NULL: all) and its weight */
-static inline void prefetch_row(const DbspBatch *b, int64_t y, const int32_t *cols, int32_t ncols) {
+void dbsp_prefetch_row(const DbspBatch *b, int64_t y, const int32_t *cols, int32_t ncols) {
     if (b->weights) __builtin_prefetch(&b->weights[y]);
     for (int32_t k = 0; k < ncols; k++) {
         const DbspColumn *c = &b->cols[cols ? cols[k] : k];
@@ -111,13 +109,13 @@ int dbsp_match_weights_fenced(const DbspBatch *a, const uint64_t *akh, const Dbs
     if (na == 0 || nb == 0) return DBSP_OK;
     int64_t *pos = malloc((size_t)na * 8);
     if (!pos) return DBSP_ENOMEM;
-    seek_all(bkh, nb, bfence, akh, na, pos);
+    dbsp_seek_all(bkh, nb, bfence, akh, na, pos);
     int st = DBSP_OK;
     for (int64_t i = 0; i < na;) {
         uint64_t h = akh[i];
         int64_t ie = i + 1;
         while (ie < na && akh[ie] == h) ie++;
-        if (ie + PF_AHEAD < na && pos[ie + PF_AHEAD] < nb) prefetch_row(b, pos[ie + PF_AHEAD], NULL, b->ncols);
+        if (ie + PF_AHEAD < na && pos[ie + PF_AHEAD] < nb) dbsp_prefetch_row(b, pos[ie + PF_AHEAD], NULL, b->ncols);
         int64_t j = pos[i], je = j;
         while (je < nb && bkh[je] == h) je++;
         for (int64_t x = i; x < ie && je > j; x++)
@@ -148,15 +146,15 @@ int dbsp_match_sums(const DbspBatch *a, const uint64_t *akh, const int64_t *sel,
     if (n == 0 || nb == 0) return DBSP_OK;
     int64_t *pos = malloc((size_t)n * 8);
     if (!pos) return DBSP_ENOMEM;
-    seek_all(bkh, nb, bfence, akh, n, pos);
+    dbsp_seek_all(bkh, nb, bfence, akh, n, pos);
     int st = DBSP_OK;
     for (int64_t i = 0; i < n;) {
         uint64_t h = akh[i];
         int64_t ie = i + 1;
         while (ie < n && akh[ie] == h) ie++;
         if (ie + PF_AHEAD < n && pos[ie + PF_AHEAD] < nb) {
-            prefetch_row(b, pos[ie + PF_AHEAD], bkeys, nkeys);
-            prefetch_row(b, pos[ie + PF_AHEAD], cols, ncols);
+            dbsp_prefetch_row(b, pos[ie + PF_AHEAD], bkeys, nkeys);
+            dbsp_prefetch_row(b, pos[ie + PF_AHEAD], cols, ncols);
         }
         int64_t j = pos[i], je = j;
         while (je < nb && bkh[je] == h) je++;

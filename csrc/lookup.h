@@ -22,6 +22,15 @@ static inline int64_t dbsp_fence_len(int64_t n) { return (n + (1 << DBSP_FENCE_S
  * galloping from lo (dbsp_gallop). */
 int64_t dbsp_seek(const uint64_t *kh, int64_t n, const uint64_t *fence, int64_t lo, uint64_t target);
 
+/* pos[i] = dbsp_seek(kh, n, fence, 0, want[i]) for every i < m, for ascending want (duplicates allowed), in one
+ * pass that prefetches the fence blocks the next few hashes need: a small change against a large, cache-cold
+ * batch is bound by memory latency. */
+void dbsp_seek_all(const uint64_t *kh, int64_t n, const uint64_t *fence, const uint64_t *want, int64_t m,
+                   int64_t *pos);
+
+/* Prefetch row y of b: its values in columns cols[0..ncols) (cols NULL: the first ncols columns) and its weight. */
+void dbsp_prefetch_row(const DbspBatch *b, int64_t y, const int32_t *cols, int32_t ncols);
+
 /* The rows of a batch whose key hash kh[0..n) (ascending) occurs in want[0..nwant) (ascending; duplicates
  * allowed and skipped). *idx receives the row numbers, ascending (caller frees with free(); NULL when none),
  * *nidx their count. Errors: DBSP_EINVAL if want is not ascending, DBSP_ENOMEM. */

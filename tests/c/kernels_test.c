@@ -146,9 +146,9 @@ static void test_merge(int keyed) {
     tb_free(&a0); tb_free(&b0); tb_free(&a); tb_free(&b);
 }
 
-static void test_join_and_reduce(void) {
+static void test_join_and_reduce(int64_t na, int64_t nb) {
     TBatch a0, b0, a, b;
-    tb_make(&a0, 200, 30, 1, 2); tb_make(&b0, 300, 30, -1, 2);
+    tb_make(&a0, na, 30, 1, 2); tb_make(&b0, nb, 30, -1, 2);
     int32_t key = 0;
     DbspRows ra, rb;
     CHECK(dbsp_zset_consolidate(&a0.b, &key, 1, &ra) == DBSP_OK);
@@ -411,7 +411,8 @@ int main(void) {
     test_consolidate(70000, 500, 0); /* spans several partitions (naive check is O(n^2) only on output rows) */
     test_merge(0);
     test_merge(1);
-    test_join_and_reduce();
+    test_join_and_reduce(200, 300);
+    test_join_and_reduce(12, 1500);  /* a small a against a large b: the batched seek */
     test_partition();
     test_overflow_and_hash();
     test_lookup();
