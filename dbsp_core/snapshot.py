@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from dbsp_core.codec import decode_batch, decode_zset, encode_batch, encode_zset, zset_batch
-from dbsp_core.errors import DbspError
+from dbsp_core.errors import CorruptionError, DbspError
 from dbsp_core.storage import SHARD_PREFIX_BYTES, DatabaseHandle, shard_key, shard_of_key
 from dbsp_core.trace import Trace
 from dbsp_core.zset import IndexedZSet, ZSet
@@ -65,6 +65,13 @@ def _sync_table(h: DatabaseHandle, table: str, values: dict[bytes, bytes]) -> in
             h.put(table, k, v)
             changed += 1
     return changed
+
+
+def _must_get(h: DatabaseHandle, table: str, key: bytes, where: str) -> bytes:
+    v = h.get(table, key)
+    if v is None:
+        raise CorruptionError(f"{where} {table}: listed key {key!r} is missing")
+    return v
 
 
 class WorkerSnapshot:
@@ -143,12 +150,16 @@ class WorkerSnapshot:
         """Write the state into ``h`` (:meth:`prepare` then :meth:`apply`); returns the keys written or deleted."""
         return self.apply(h, self.prepare())
 
-    def load(self, h: DatabaseHandle, where: str, reuse: "WorkerSnapshot | None" = None) -> int:
+    def load(self, h: DatabaseHandle, where: str, reuse: "WorkerSnapshot | None" = None,
+             listing: dict[str, list[bytes]] | None = None) -> int:
         """Restore the state saved by :meth:`save` into fresh instances; returns the number of rows loaded.
 
         ``reuse``: an older snapshot of the same worker's state, saved into an earlier version of the same
         database. A batch is saved once under a number never given again, so a stored batch whose number and
         shard keys ``reuse`` holds is that batch: it is taken from memory instead of being decoded and hashed.
+        ``listing``: every key of every trace table (``{table: keys}``), when the caller knows them (e.g. from
+        a log of the saves since ``reuse``): the tables are then not scanned and only values of batches not
+        taken from ``reuse`` are read.
         """
         known: dict[str, dict[bytes, tuple[Any, list[bytes]]]] = {}
         if reuse is not None:
@@ -164,7 +175,8 @@ class WorkerSnapshot:
                 trace: Trace = getattr(inst, name)
                 table = f"s{node_id}.{name}"
                 groups: dict[bytes, tuple[list[bytes], list[bytes]]] = {}
-                for k, v in h.scan(table):  # keys sort by shard, then batch number
+                listed = h.scan(table) if listing is None else ((k, None) for k in sorted(listing.get(table, ())))
+                for k, v in listed:  # keys sort by shard, then batch number
                     blobs, keys = groups.setdefault(k[SHARD_PREFIX_BYTES:], ([], []))
                     blobs.append(v)
                     keys.append(k)
@@ -177,8 +189,8 @@ class WorkerSnapshot:
                     if old is not None and sorted(old[1]) == sorted(keys):
                         b = old[0]
                     else:
-                        parts = [decode_batch(v, trace.schema, f"{where} {table} shard {shard_of_key(k)}")
-                                 for k, v in zip(keys, blobs)]
+                        parts = [decode_batch(v if v is not None else _must_get(h, table, k, where), trace.schema,
+                                              f"{where} {table} shard {shard_of_key(k)}") for k, v in zip(keys, blobs)]
                         z = parts[0] if len(parts) == 1 else ZSet.concat(parts)
                         # shard slices of one key-hash-sorted batch, in shard order: the batch itself
                         b = IndexedZSet._make(ZSet._make(z.data, z.weights), trace.key, z.hash(list(trace.key)))

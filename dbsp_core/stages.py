@@ -39,7 +39,9 @@ Invariants (enforced here):
   5. Executors cache live operator instances per (storage, stage, worker) with the run, version and step they
      are at; a cache entry is used only when all three match the job, else state is loaded from the
      Database, reusing the batches a stale entry of the same run still holds (Spark gives a task any of an
-     executor's Python workers, so the previous job of a (stage, worker) often ran in another process). A
+     executor's Python workers, so the previous job of a (stage, worker) often ran in another process); each
+     commit logs the trace keys its save added and deleted (table ``stagelog``, the last 16 versions), so a
+     stale entry reads only the batches saved since it, without scanning the state. A
      failed attempt in the same process rolls the cached instances back to the job's start (traces are
      spines of immutable batches, so the rollback keeps references, not copies).
 """
@@ -52,14 +54,14 @@ import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from dbsp_core.circuit import Circuit
-from dbsp_core.codec import decode_zset, encode_zset, frame, unframe
+from dbsp_core.codec import decode_json, decode_zset, encode_json, encode_zset, frame, unframe
 from dbsp_core.errors import DbspError, RecoveryError
 from dbsp_core.operators.base import concat
 from dbsp_core.operators.exchange import Exchange
@@ -376,7 +378,8 @@ class _Entry:
 _CACHE: "OrderedDict[tuple[str, int, int], _Entry]" = OrderedDict()
 _CACHE_MAX = 64
 _CACHE_LOCK = threading.Lock()
-cache_stats = {"hits": 0, "loads": 0, "partial_loads": 0, "replayed_results": 0, "rollbacks": 0}
+cache_stats = {"hits": 0, "loads": 0, "partial_loads": 0, "listed_loads": 0, "replayed_results": 0,
+               "rollbacks": 0}
 
 
 def _capture(entry: _Entry) -> list:
@@ -465,6 +468,41 @@ def _read_result(path: str, tag: dict) -> pa.Table:
     return pa.ipc.open_stream(pa.py_buffer(body[4 + n:])).read_all()
 
 
+_SAVELOG = "stagelog"
+_SAVELOG_KEEP = 16  # versions of save records kept: a cache entry at most this stale catches up without a scan
+
+
+def _log_saves(h: Any, version: int, saves: list[tuple]) -> None:
+    """Record which trace keys the save of ``version`` added and deleted (and drop records too old to use)."""
+    added: dict[str, list[str]] = {}
+    deleted: dict[str, list[str]] = {}
+    for op in saves:
+        if op[0] == "batch":
+            added.setdefault(op[1], []).extend(k.hex() for k in op[5])
+        elif op[0] == "delete":
+            deleted.setdefault(op[1], []).extend(k.hex() for k in op[2])
+    h.put(_SAVELOG, version.to_bytes(8, "big"), encode_json(b"DSVL", {"added": added, "deleted": deleted}))
+    if version > _SAVELOG_KEEP:
+        for k in [k for k, _ in h.scan(_SAVELOG, end=(version - _SAVELOG_KEEP).to_bytes(8, "big"))]:
+            h.delete(_SAVELOG, k)
+
+
+def _listing(h: Any, entry: _Entry, version: int, where: str) -> dict[str, list[bytes]] | None:
+    """Every trace key of ``version``: the stale entry's saved keys plus the logged saves since; None if a
+    record is gone (the entry is too stale)."""
+    keys = {t: {k for _, ks in saved.values() for k in ks} for t, saved in entry.snapshot._saved.items()}
+    for ver in range(entry.version + 1, version + 1):
+        rec = h.get(_SAVELOG, ver.to_bytes(8, "big"))
+        if rec is None:
+            return None
+        d = decode_json(b"DSVL", rec, f"{where} save log of version {ver}")
+        for t, ks in d["deleted"].items():
+            keys.setdefault(t, set()).difference_update(bytes.fromhex(x) for x in ks)
+        for t, ks in d["added"].items():
+            keys.setdefault(t, set()).update(bytes.fromhex(x) for x in ks)
+    return {t: sorted(ks) for t, ks in keys.items()}
+
+
 def run_stage_task(task: StageTask, worker: int, blobs: pa.Table) -> pa.Table:
     """Run stage ``task.stage`` of one job for ``worker`` over the blobs addressed to it; returns the blobs it emits.
 
@@ -527,21 +565,27 @@ def _run_stateful(task: StageTask, worker: int, sm: ShardMap, received: dict[tup
                 with _CACHE_LOCK:
                     entry = _CACHE.pop(key, None)
                 if entry is None or (entry.run, entry.version, entry.step) != (task.run, v, first):
-                    # a stale entry of this run (another process ran the jobs since) still holds most batches
-                    stale = entry.snapshot if entry is not None and entry.run == task.run else None
+                    # a stale entry of this run (another process ran the jobs since) still holds most batches,
+                    # and the save log says which keys those jobs added and deleted
+                    fresh = entry is not None and entry.run == task.run and entry.version < v
+                    stale = entry.snapshot if fresh else None
+                    listing = _listing(h, entry, v, where) if fresh else None
                     sw = StageWorker(plan.circuit, plan, k, worker, sm)
                     snap = WorkerSnapshot(sw.stateful, task.shard_bits)
-                    snap.load(h, f"{where} v{v}", reuse=stale)
+                    snap.load(h, f"{where} v{v}", reuse=stale, listing=listing)
                     entry = _Entry(task.run, v, first, sw, snap)
                     loaded = "partial" if stale is not None else "full"
                     cache_stats["loads" if stale is None else "partial_loads"] += 1
+                    cache_stats["listed_loads"] += listing is not None
                 else:
                     loaded = "cache"
                     cache_stats["hits"] += 1
                 saved = _capture(entry)
                 try:
                     out = _run_steps(task, entry.worker, received)
-                    entry.snapshot.save(h)
+                    saves = entry.snapshot.prepare()
+                    WorkerSnapshot.apply(h, saves)
+                    _log_saves(h, v + 1, saves)
                     h.set_step(end)
                     out = pa.concat_tables([out, _ack_blob(k, worker, v + 1, end, first, loaded)])
                     _write_result(_result_path(task.storage, k, worker), tag, out)

@@ -452,16 +452,16 @@ def test_producer_retries_count_once_across_reopens(tmp_path) -> None:
 
 
 class TwoProcesses(LocalJobRunner):
-    """Jobs alternate between two simulated executor processes, each with its own stage cache, so every stateful
-    task finds a cache entry one job stale (as when Spark hands a task another Python worker)."""
+    """Jobs rotate over ``n`` simulated executor processes (default 2), each with its own stage cache, so every
+    stateful task finds a cache entry ``n - 1`` jobs stale (as when Spark hands a task another Python worker)."""
 
-    def __init__(self) -> None:
+    def __init__(self, n: int = 2) -> None:
         super().__init__()
-        self.caches = [dict(), dict()]
+        self.caches = [dict() for _ in range(n)]
         self.n = 0
 
     def run_job(self, job):
-        mine = self.caches[self.n % 2]
+        mine = self.caches[self.n % len(self.caches)]
         self.n += 1
         outside = dict(stages._CACHE)
         stages._CACHE.clear()
@@ -475,19 +475,25 @@ class TwoProcesses(LocalJobRunner):
             stages._CACHE.update(outside)
 
 
-@pytest.mark.parametrize("name", ["join_agg", "left_join", "carried"])
-def test_stale_cache_entries_give_partial_loads_and_the_same_results(tmp_path, name: str) -> None:
+@pytest.mark.parametrize("name,processes,keep", [("join_agg", 2, 16), ("left_join", 3, 16), ("carried", 3, 0),
+                                                 ("carried", 2, 16)])
+def test_stale_cache_entries_give_partial_loads_and_the_same_results(tmp_path, monkeypatch, name: str,
+                                                                     processes: int, keep: int) -> None:
+    """With the save log (keep=16) a stale entry reads only new batches; with it cut short (keep=0 and entries
+    two jobs stale) it scans the state and still reuses the batches it holds."""
+    monkeypatch.setattr(stages, "_SAVELOG_KEEP", keep)
     steps, bags = changes(17, 12, max_rows=12)
     c, sql = build(name)
-    before = stages.cache_stats["partial_loads"]
-    p = StagedPipeline(c, workers=2, storage=str(tmp_path), runner=TwoProcesses())
+    before, listed = stages.cache_stats["partial_loads"], stages.cache_stats["listed_loads"]
+    p = StagedPipeline(c, workers=2, storage=str(tmp_path), runner=TwoProcesses(processes))
     outs = []
     for pushes in steps:
         for h, z in pushes:
             p.push(h, z)
         outs.append(p.step())
-    assert p.stats.get("state_partial_loads", 0) >= len(steps) - 2 and not p.stats.get("state_cache_hits")
+    assert p.stats.get("state_partial_loads", 0) >= len(steps) - processes and not p.stats.get("state_cache_hits")
     assert stages.cache_stats["partial_loads"] > before
+    assert (stages.cache_stats["listed_loads"] > listed) == (keep > 0)
     p.close()
     same_outputs(outs, embedded(c, steps))
     check_duckdb(sql, outs, bags, every=4)
