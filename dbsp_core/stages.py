@@ -74,7 +74,8 @@ from dbsp_core.trace import Trace
 from dbsp_core.zset import ZSet
 
 __all__ = ["BLOB_SCHEMA", "ACK_NODE", "CONTROL_NODE", "control_blobs", "StagePlan", "StageWorker", "StageTask",
-           "StepInfo", "StaleAttemptError", "InjectedFault", "run_stage_task", "encode_blobs", "stage_db_path", "live_nodes", "output_node"]
+           "StepInfo", "StaleAttemptError", "InjectedFault", "run_stage_task", "encode_blobs", "stage_db_path",
+           "live_nodes", "output_node"]
 
 BLOB_SCHEMA = pa.schema([pa.field("part", pa.int32()), pa.field("src", pa.int32()), pa.field("node", pa.int32()),
                          pa.field("step", pa.int64()), pa.field("payload", pa.binary())])
