@@ -93,11 +93,11 @@ def conform(z: "ZSet", schema: pa.Schema) -> "ZSet":
 
 def make(table: pa.Table, weights: np.ndarray, schema: pa.Schema) -> "ZSet":
     """Build an operator output from a table whose columns match ``schema`` (re-chunked to one chunk each)."""
-    from dbsp_core.zset import ZSet
+    from dbsp_core.zset import ZSet, _single_chunk
 
     if table.num_rows == 0:
         return ZSet.empty(schema)
-    table = table.combine_chunks()
+    table = _single_chunk(table)
     if not table.schema.equals(schema):
         table = table.cast(schema)
     w = np.ascontiguousarray(weights, dtype=np.int64)

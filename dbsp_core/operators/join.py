@@ -20,7 +20,7 @@ import pyarrow.types as pat
 
 from dbsp_core.errors import SchemaError
 from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, make
-from dbsp_core.trace import Trace, unique_sorted
+from dbsp_core.trace import Trace
 
 if TYPE_CHECKING:
     from dbsp_core.runtime import WorkerContext
@@ -125,6 +125,11 @@ class _JoinState:
                 parts.append(op.pairs(batch, db))
         if da is not None:
             self.left.insert(da)
+        parts = [p for p in parts if p.num_rows]
+        if len(parts) == 1:
+            # pairs of rows of two consolidated batches are distinct rows, so ordering them by row hash
+            # consolidates the output (the pipeline's output then costs nothing more)
+            return parts[0]._consolidate_distinct()
         return concat(parts, op.schema)
 
 
