@@ -393,8 +393,6 @@ def _check_agg(mem: list[dict], dur: list[dict], fs: list[str]) -> None:
     integ_m = sum((o["out"] for o in mem[1:]), mem[0]["out"])
     integ_d = sum((o["out"] for o in dur[1:]), dur[0]["out"])
     assert integ_m.to_dict() == integ_d.to_dict()
-    import pyarrow.compute as pc  # noqa: F401
-
     t = pa.concat_tables([pq.read_table(f) for f in fs]).group_by("k").aggregate([("v", "count"), ("v", "sum")])
     assert len(integ_m) == t.num_rows, (len(integ_m), t.num_rows)
 

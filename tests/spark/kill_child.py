@@ -4,7 +4,8 @@ Usage:
   kill_child.py driver RUNTIME STORAGE SEED BATCHES WORKERS
       Create or recover (``open``) the pipeline in STORAGE and push batch i with ``producer="gen", seq=i``
       from the first batch not acknowledged yet (the unacknowledged one is pushed again, the same seq), step
-      after each push and checkpoint every third step. Each acknowledgement is appended to STORAGE/../acks.txt
+      after each push (SparkPipeline: queue even batches' steps, so each job runs two) and checkpoint every
+      third batch. Each acknowledgement is appended to STORAGE/../acks.txt
       (fsync'd) before the step. Prints READY after recovery and DONE at the end.
   kill_child.py task MODE STORAGE SEED BATCHES WORKERS MARKER MASTER TARGET OUT
       A new pipeline on MASTER whose circuit kills the task holding the poison row of batch TARGET (MODE
@@ -62,7 +63,10 @@ def driver(runtime: str, storage: str, seed: int, batches: int, workers: int) ->
             f.flush()
             os.fsync(f.fileno())
         assert ack.seq == i
-        p.step()
+        if hasattr(p, "queue_step") and i % 2 == 0:
+            p.queue_step()  # SparkPipeline: this step runs in one job with the next one
+        else:
+            p.step()
         if i % 3 == 2:
             p.checkpoint()
     p.close()

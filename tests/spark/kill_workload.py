@@ -72,8 +72,10 @@ def build_circuit(marker_dir: str | None = None, mode: str = "worker") -> dbsp.C
 
 def session(master: str):
     """A small Spark session for a kill child: UI off, 2 shuffle partitions, executors that find this checkout."""
+    import pyspark
     from pyspark.sql import SparkSession
 
+    os.environ.setdefault("SPARK_HOME", os.path.dirname(pyspark.__file__))  # local-cluster launches executors from it
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     here = os.path.dirname(os.path.abspath(__file__))
     pp = os.pathsep.join([repo, here])

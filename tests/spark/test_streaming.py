@@ -163,3 +163,12 @@ def test_redelivered_batch_counts_once_after_a_driver_crash(tmp_path, runtime, c
             assert {r: w for r, w in acc.items() if w} == want[name], name
     finally:
         log.close()
+
+
+def test_docstring_examples():
+    import doctest
+
+    import spark_glue.streaming
+
+    result = doctest.testmod(spark_glue.streaming, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
