@@ -272,10 +272,11 @@ class ZSet:
         return ZSet._make(_take(self._data, idx), w, consolidated=True, rhash=rh)
 
     def _consolidate_distinct(self) -> ZSet:
-        """:meth:`consolidate` for stored rows the caller knows to be distinct with non-zero weights (e.g. the
-        join of two consolidated batches): ordering by row hash suffices, unless two hashes tie (then the
-        kernel decides, as for any Z-set)."""
-        if self._consolidated or self.num_rows == 0:
+        """:meth:`consolidate`, cheaper for stored rows that are likely distinct (e.g. the join of two
+        consolidated batches, an aggregate's change): when no weight is 0 and no two row hashes tie, the rows
+        are distinct and ordering them by row hash consolidates them; otherwise the kernel decides, as for any
+        Z-set (equal rows have equal hashes, so the result is always the consolidated Z-set)."""
+        if self._consolidated or self.num_rows == 0 or not bool(self._w.all()):
             return self.consolidate()
         rh = _zset.hash_columns(self._data, list(range(self._data.num_columns)))
         order = np.argsort(rh, kind="stable")
