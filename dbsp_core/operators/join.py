@@ -125,11 +125,6 @@ class _JoinState:
                 parts.append(op.pairs(batch, db))
         if da is not None:
             self.left.insert(da)
-        parts = [p for p in parts if p.num_rows]
-        if len(parts) == 1:
-            # pairs of rows of two consolidated batches are distinct rows, so ordering them by row hash
-            # consolidates the output (the pipeline's output then costs nothing more)
-            return parts[0]._consolidate_distinct()
-        return concat(parts, op.schema)
+        return concat(parts, op.schema)  # unconsolidated: a consumer that needs it consolidates once
 
 
