@@ -287,7 +287,7 @@ class Pipeline:
         self.steps += 1
         out = {}
         for name, schema in self._out_schemas.items():
-            out[name] = concat([r[name] for r in results], schema)._consolidate_distinct()
+            out[name] = concat([r[name] for r in results], schema).consolidate()
         return out
 
     def traces(self, worker: int) -> dict[str, "Trace"]:

@@ -271,20 +271,6 @@ class ZSet:
         idx, w, rh = _zset.consolidate(self._data, self._w, [])
         return ZSet._make(_take(self._data, idx), w, consolidated=True, rhash=rh)
 
-    def _consolidate_distinct(self) -> ZSet:
-        """:meth:`consolidate`, cheaper for stored rows that are likely distinct (e.g. the join of two
-        consolidated batches, an aggregate's change): when no weight is 0 and no two row hashes tie, the rows
-        are distinct and ordering them by row hash consolidates them; otherwise the kernel decides, as for any
-        Z-set (equal rows have equal hashes, so the result is always the consolidated Z-set)."""
-        if self._consolidated or self.num_rows == 0 or not bool(self._w.all()):
-            return self.consolidate()
-        rh = _zset.hash_columns(self._data, list(range(self._data.num_columns)))
-        order = np.argsort(rh, kind="stable")
-        rh = rh[order]
-        if len(rh) > 1 and bool((rh[1:] == rh[:-1]).any()):
-            return self.consolidate()
-        return ZSet._make(_take(self._data, order), self._w[order], consolidated=True, rhash=rh)
-
     def hash(self, columns: Sequence[str]) -> np.ndarray:
         """The DBSP key hash (version ``HASH_VERSION``) of each stored row over `columns`, as uint64.
 

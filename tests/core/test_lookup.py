@@ -12,7 +12,7 @@ import dbsp_core as dbsp
 from dbsp_core.errors import SchemaError
 from dbsp_core.trace import Trace
 
-from zset_model import add_models, canon_dict, canon_row, canon_value, model_of, schemas, tables, weights_for
+from zset_model import add_models, canon_row, canon_value, model_of, schemas, tables, weights_for
 
 
 @st.composite
@@ -172,25 +172,3 @@ def test_fenced_seeks_equal_the_model_on_large_batches(seed):
     pairs = sorted(zip(small.zset.data.column("k").take(li).to_pylist(), by_k.zset.data.column("k").take(ri).to_pylist()))
     assert all(a == b for a, b in pairs)
     assert len(pairs) == int(np.isin(ks, probe.column("k").to_numpy()).sum())
-
-
-@given(st.data())
-def test_consolidate_distinct_equals_consolidate(data):
-    """The shortcut (distinct rows ordered by row hash) gives the consolidated Z-set, and falls back to the kernel
-    for equal rows or zero weights."""
-    t = data.draw(tables(max_rows=30))
-    z = dbsp.ZSet.from_arrow(t).consolidate()  # distinct rows
-    if data.draw(st.booleans()):
-        z = dbsp.ZSet.from_arrow(t)  # maybe equal rows
-    pool = [-2, -1, 1, 3] + ([0] if data.draw(st.booleans()) else [])
-    w = np.array(data.draw(st.lists(st.sampled_from(pool), min_size=z.num_rows, max_size=z.num_rows)), dtype=np.int64)
-    perm = np.array(data.draw(st.permutations(list(range(z.num_rows)))), dtype=np.int64)
-    shuffled = dbsp.ZSet.from_arrow(z.data.take(pa.array(perm, pa.int64())), weights=w)
-    got = shuffled._consolidate_distinct()
-    want = shuffled.consolidate()
-    assert canon_dict(got.to_dict()) == model_of(shuffled.data, shuffled.weights)
-    assert got.is_consolidated
-    # the same rows in the same (canonical) order; compared by identity, since NaN != NaN for Arrow's equals
-    assert got._rhash.tolist() == want._rhash.tolist() and got.weights.tolist() == want.weights.tolist()
-    assert [canon_row(r) for r in zip(*[c.to_pylist() for c in got.data.columns])] == \
-        [canon_row(r) for r in zip(*[c.to_pylist() for c in want.data.columns])]
