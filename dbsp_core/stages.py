@@ -62,7 +62,7 @@ import pyarrow.compute as pc
 
 from dbsp_core.circuit import Circuit
 from dbsp_core.codec import decode_json, decode_zset, encode_json, encode_zset, frame, unframe
-from dbsp_core.errors import DbspError, RecoveryError
+from dbsp_core.errors import CorruptionError, DbspError, RecoveryError
 from dbsp_core.operators.base import concat
 from dbsp_core.operators.exchange import Exchange
 from dbsp_core.operators.input import Input
@@ -379,8 +379,8 @@ class _Entry:
 _CACHE: "OrderedDict[tuple[str, int, int], _Entry]" = OrderedDict()
 _CACHE_MAX = 64
 _CACHE_LOCK = threading.Lock()
-cache_stats = {"hits": 0, "loads": 0, "partial_loads": 0, "listed_loads": 0, "replayed_results": 0,
-               "rollbacks": 0}
+cache_stats = {"hits": 0, "loads": 0, "partial_loads": 0, "listed_loads": 0, "listing_fallbacks": 0,
+               "replayed_results": 0, "rollbacks": 0}
 
 
 def _capture(entry: _Entry) -> list:
@@ -573,7 +573,16 @@ def _run_stateful(task: StageTask, worker: int, sm: ShardMap, received: dict[tup
                     listing = _listing(h, entry, v, where) if fresh else None
                     sw = StageWorker(plan.circuit, plan, k, worker, sm)
                     snap = WorkerSnapshot(sw.stateful, task.shard_bits)
-                    snap.load(h, f"{where} v{v}", reuse=stale, listing=listing)
+                    try:
+                        snap.load(h, f"{where} v{v}", reuse=stale, listing=listing)
+                    except CorruptionError:
+                        if listing is None:
+                            raise
+                        listing = None  # a listed key is gone (a save the log missed): read the tables instead
+                        cache_stats["listing_fallbacks"] += 1
+                        sw = StageWorker(plan.circuit, plan, k, worker, sm)
+                        snap = WorkerSnapshot(sw.stateful, task.shard_bits)
+                        snap.load(h, f"{where} v{v}", reuse=stale)
                     entry = _Entry(task.run, v, first, sw, snap)
                     loaded = "partial" if stale is not None else "full"
                     cache_stats["loads" if stale is None else "partial_loads"] += 1

@@ -526,3 +526,29 @@ def test_stateful_stage_zero_and_plain_zset_state(tmp_path) -> None:
     outs.append(q.step())
     q.close()
     same_outputs(outs, embedded(c, steps + steps[:1]))
+
+
+def test_a_save_log_that_lists_a_missing_key_falls_back_to_reading_the_tables(tmp_path) -> None:
+    steps, _ = changes(31, 6)
+    c, _ = build("join_agg")
+    runner = TwoProcesses()
+    p = StagedPipeline(c, workers=2, storage=str(tmp_path), runner=runner)
+    outs = []
+    for pushes in steps[:3]:
+        for h, z in pushes:
+            p.push(h, z)
+        outs.append(p.step())
+    for cache in runner.caches:  # make every stale entry claim a batch key the database never held
+        for entry in cache.values():
+            for saved in entry.snapshot._saved.values():
+                if saved:
+                    b, keys = next(iter(saved.values()))
+                    keys.append(keys[0][:4] + b"\xff" * 8)
+    before = stages.cache_stats["listing_fallbacks"]
+    for pushes in steps[3:]:
+        for h, z in pushes:
+            p.push(h, z)
+        outs.append(p.step())
+    assert stages.cache_stats["listing_fallbacks"] > before
+    p.close()
+    same_outputs(outs, embedded(c, steps))
