@@ -8,6 +8,8 @@
 int64_t dbsp_seek(const uint64_t *kh, int64_t n, const uint64_t *fence, int64_t lo, uint64_t target) {
     if (!fence) return dbsp_gallop(kh, lo, n, target);
     if (lo >= n || kh[lo] >= target) return lo;
+    int64_t near = lo + (1 << DBSP_FENCE_SHIFT);
+    if (near >= n || kh[near] >= target) return dbsp_gallop(kh, lo, near < n ? near : n, target);  /* dense walk */
     /* kh[lo] < target: the first fence entry >= target bounds the answer from above */
     int64_t nf = dbsp_fence_len(n);
     int64_t k = dbsp_gallop(fence, (lo >> DBSP_FENCE_SHIFT) + 1, nf, target);
