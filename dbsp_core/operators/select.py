@@ -32,10 +32,15 @@ class Select(Operator):
         super().__init__((node,), schema, part)
         self.names = names
         self.exprs = exprs
+        # a select of plain column references is a zero-copy column pick, no expression engine needed
+        picks = [next((c for c in in_schema.names if e.equals(pc.field(c))), None) for e in exprs]
+        self.picks = tuple(picks) if all(p is not None for p in picks) else None
 
     def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
         z = inputs[0]
         if z.num_rows == 0:
             return empty(self.schema)
+        if self.picks is not None:
+            return make(z.data.select(list(self.picks)).rename_columns(self.names), z.weights, self.schema)
         data, w = project_rows(z.data, z.weights, self.exprs, self.names)
         return make(data, w, self.schema)
