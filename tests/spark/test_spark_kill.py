@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,7 +32,8 @@ import dbsp_core as dbsp  # noqa: E402
 import spark_glue  # noqa: E402
 from stream_workload import duckdb_expected, write_batches  # noqa: E402
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark,
+              pytest.mark.skipif(shutil.which("java") is None, reason="Java is not installed (needed by pyspark)")]
 KILLS = int(os.environ.get("DBSP_SPARK_KILLS", "2"))
 REPO = os.path.dirname(os.path.dirname(HERE))
 

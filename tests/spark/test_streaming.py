@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -19,20 +20,9 @@ import spark_glue  # noqa: E402
 from spark_glue.streaming import StaleBatchError  # noqa: E402
 from stream_workload import build_circuit, duckdb_expected, integral, spark_schema, write_batches  # noqa: E402
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark,
+              pytest.mark.skipif(shutil.which("java") is None, reason="Java is not installed (needed by pyspark)")]
 CHILD = os.path.join(HERE, "stream_child.py")
-
-
-@pytest.fixture(scope="module")
-def session():
-    from pyspark.sql import SparkSession
-
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    s = (SparkSession.builder.master("local[2]").appName("test-streaming")
-         .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-         .config("spark.sql.shuffle.partitions", "2").getOrCreate())
-    s.sparkContext.setLogLevel("ERROR")
-    yield s
 
 
 def run_query(spark, data: str, ckpt: str, sink) -> None:
@@ -50,13 +40,13 @@ def check_views(p, data: str) -> None:
         assert integral(p, name) == want[name], name
 
 
-def test_query_into_durable_pipeline_equals_duckdb(session, tmp_path):
+def test_query_into_durable_pipeline_equals_duckdb(spark_local, tmp_path):
     data, ckpt = str(tmp_path / "data"), str(tmp_path / "ck")
     write_batches(data, 6, 400, seed=1)
     p = dbsp.Pipeline(build_circuit(), workers=2, storage=str(tmp_path / "p"), checkpoint_interval=None)
     seen = []
     sink = spark_glue.foreach_batch(p, on_output=lambda b, s, out: seen.append((b, s, sorted(out))))
-    run_query(session, data, ckpt, sink)
+    run_query(spark_local, data, ckpt, sink)
     assert sink.producer.startswith("spark-query:")
     assert sink.stats == {"batches": 6, "redelivered": 0, "pending": 0}
     assert sink.batch_steps == {b: b for b in range(6)}  # a fresh pipeline: batch id = step
@@ -70,7 +60,7 @@ def test_query_into_durable_pipeline_equals_duckdb(session, tmp_path):
     write_batches(data, 3, 400, seed=2, first=6)
     p = dbsp.Pipeline.open(str(tmp_path / "p"), build_circuit(), checkpoint_interval=None)
     sink2 = spark_glue.foreach_batch(p)
-    run_query(session, data, ckpt, sink2)
+    run_query(spark_local, data, ckpt, sink2)
     assert sink2.producer == sink.producer  # the query id survives the restart
     assert sink2.stats == {"batches": 3, "redelivered": 0, "pending": 0}
     assert {b: s for b, s in sink2.batch_steps.items() if b >= 6} == {6: 6, 7: 7, 8: 8}
@@ -79,7 +69,7 @@ def test_query_into_durable_pipeline_equals_duckdb(session, tmp_path):
     # the same sink id on a query with a new checkpoint starts again at batch 0: refused, nothing applied
     sink3 = spark_glue.foreach_batch(p, producer=sink.producer)
     with pytest.raises(Exception, match="StaleBatchError|below the last applied batch 8"):
-        run_query(session, data, str(tmp_path / "ck-new"), sink3)
+        run_query(spark_local, data, str(tmp_path / "ck-new"), sink3)
     assert list(p.output_steps) == list(range(9))
     check_views(p, data)
     p.close()
