@@ -1,4 +1,4 @@
-"""The staged durable pipeline: the driver side of running a circuit as jobs of stage tasks (stages.py) on an engine that moves blobs between workers, with the durable pipeline's input log, step division, dedup and output log, and recovery by seed 000's rule over the stage databases.
+"""The staged durable pipeline: the driver side of running a circuit as jobs of stage tasks (stages.py, stagetask.py) on an engine that moves blobs between workers, with the durable pipeline's input log, step division, dedup and output log, and recovery by seed 000's rule over the stage databases.
 
 A **job** runs one or more consecutive divided steps: the driver encodes each step's input as blobs (each push
 spread in contiguous slices over the W workers), hands the job to a :class:`JobRunner` (one task per stage and
@@ -30,8 +30,8 @@ Invariants (enforced here):
      dedup set from ``driver.db`` and completes it from the log records up to the
      stage step, replays every divided step from there in jobs (output verified by the output log), then
      queues the acknowledged input never divided into a step.
-  5. Results do not depend on W, on how steps are grouped into jobs, nor on task retries (stages.py invariants
-     1 and 4).
+  5. Results do not depend on W, on how steps are grouped into jobs, nor on task retries (stages.py invariant 1,
+     stagetask.py invariant 3).
 """
 
 from __future__ import annotations
@@ -51,9 +51,10 @@ from dbsp_core.durable import _DEDUP_TABLE, DurablePipeline, read_meta
 from dbsp_core.errors import DbspError, RecoveryError
 from dbsp_core.operators.base import concat
 from dbsp_core.shard import DEFAULT_SHARD_BITS
-from dbsp_core.stages import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, InjectedFault, StagePlan, StageTask, StepInfo,
-                              choose_version, control_blobs, encode_blobs, gather, open_stage_databases, read_acks,
-                              run_stage_task)
+from dbsp_core.stages import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, StagePlan, control_blobs, encode_blobs, gather,
+                              read_acks)
+from dbsp_core.stagetask import (InjectedFault, StageTask, StepInfo, choose_version, open_stage_databases,
+                                 run_stage_task)
 from dbsp_core.storage import Database
 from dbsp_core.zset import ZSet
 
@@ -78,7 +79,7 @@ class LocalJobRunner:
     """Runs a job's tasks one after another in this process, routing blobs by ``part`` (the reference runner).
 
     ``fail_first`` (tests): ``{(stage, point, worker), ...}``; the first attempt of each such task raises
-    :class:`~dbsp_core.stages.InjectedFault` at ``point`` and is retried once, as Spark retries a failed task.
+    :class:`~dbsp_core.stagetask.InjectedFault` at ``point`` and is retried once, as Spark retries a failed task.
     """
 
     def __init__(self, fail_first: set[tuple[int, str, int]] | None = None) -> None:
@@ -164,7 +165,7 @@ class StagedPipeline(DurablePipeline):
         self.plan = StagePlan(circuit)
         self.runner: JobRunner = runner if runner is not None else LocalJobRunner()
         self.max_steps_per_job = max_steps_per_job
-        self.run_id = uuid.uuid4().hex  # cache entries of an earlier incarnation are never used (stages inv. 5)
+        self.run_id = uuid.uuid4().hex  # cache entries of an earlier incarnation are never used (stagetask inv. 4)
         self.version = 0
         self.jobs = 0
         self.job_seconds = 0.0
@@ -376,7 +377,7 @@ class StagedPipeline(DurablePipeline):
         if got != want or len(acks) != len(want) or bad:
             raise RecoveryError(f"job for steps {first}..{end - 1}: commit acknowledgements {sorted(got)} "
                                 f"(bad: {bad}) do not match the stateful (stage, worker) set {sorted(want)}")
-        for a in acks:  # executor cache effectiveness (stages.py invariant 5)
+        for a in acks:  # executor cache effectiveness (stagetask.py invariant 4)
             key = {"cache": "state_cache_hits", "partial": "state_partial_loads"}.get(a.get("loaded"), "state_loads")
             self.stats[key] = self.stats.get(key, 0) + 1
         nodes = result.column("node")

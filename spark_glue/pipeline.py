@@ -1,8 +1,8 @@
 """SparkPipeline: a durable pipeline whose steps run as Spark jobs, one task per (stage, worker), with Spark's shuffle as the exchange, executors as the workers and the driver as the coordinator.
 
-The engine-side logic is dbsp_core's (``dbsp_core.stages``: stages, stage tasks, per-(stage, worker) state,
-retries; ``dbsp_core.staged``: step division, input and output logs, checkpoints, recovery). This module only
-moves blobs: one Spark job runs a batch of queued steps as::
+The engine-side logic is dbsp_core's (``dbsp_core.stages`` and ``dbsp_core.stagetask``: stages, stage tasks,
+per-(stage, worker) state, retries; ``dbsp_core.staged``: step division, input and output logs, checkpoints,
+recovery). This module only moves blobs: one Spark job runs a batch of queued steps as::
 
     parallelize(stage-0 input blobs, one slice per worker)
       -> mapInArrow(stage 0) -> [shuffle to partition = part] -> mapInArrow(stage 1) -> [shuffle] -> ...
@@ -20,7 +20,7 @@ Design notes (each is a requirement this module keeps):
      input from ``parallelize`` with one slice per worker, which places it without a shuffle. ``repartition`` with an
      explicit count is never coalesced by adaptive execution. Inside a task the worker id is
      ``TaskContext.partitionId()``, and every stage task refuses a blob addressed to another worker
-     (dbsp_core.stages invariant 2), so a placement bug fails loudly instead of producing wrong data.
+     (dbsp_core.stagetask invariant 1), so a placement bug fails loudly instead of producing wrong data.
   3. A DataFrame pushed as input is gathered to the driver (``toArrow``): the driver is where the input log
      is, and a push is acknowledged only once logged. Outputs are small changes collected to the driver;
      ``output_df`` / ``view_df`` build DataFrames from logged data, never from the job's lineage, so Spark can
@@ -42,7 +42,8 @@ from dbsp_core.circuit import Circuit
 from dbsp_core.errors import SchemaError
 from dbsp_core.shard import DEFAULT_SHARD_BITS
 from dbsp_core.staged import Job, StagedPipeline
-from dbsp_core.stages import BLOB_SCHEMA, StageTask, run_stage_task
+from dbsp_core.stages import BLOB_SCHEMA
+from dbsp_core.stagetask import StageTask, run_stage_task
 from dbsp_core.zset import ZSet
 
 __all__ = ["SparkPipeline", "SparkJobRunner", "partition_codes"]

@@ -1,4 +1,4 @@
-"""The staged runtime (dbsp_core.stages, dbsp_core.staged) against the embedded runtime and DuckDB: stage workers run by hand, the staged pipeline with any W and any grouping of steps into jobs, retried tasks, stale attempts, cache loss and recovery after a partial job."""
+"""The staged runtime (dbsp_core.stages, dbsp_core.stagetask, dbsp_core.staged) against the embedded runtime and DuckDB: stage workers run by hand, the staged pipeline with any W and any grouping of steps into jobs, retried tasks, stale attempts, cache loss and recovery after a partial job."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from oracle import BIDS
 from staged_circuits import CIRCUITS, build, changes, check_duckdb, embedded, same_outputs
 
 import dbsp_core as dbsp
-from dbsp_core import stages
+from dbsp_core import stagetask
 from dbsp_core.errors import DbspError, ReplayMismatchError
 from dbsp_core.operators.base import concat
 from dbsp_core.staged import Job, LocalJobRunner, StagedPipeline
-from dbsp_core.stages import StagePlan, StageWorker, StaleAttemptError, run_stage_task
+from dbsp_core.stages import StagePlan, StageWorker
+from dbsp_core.stagetask import StaleAttemptError, run_stage_task
 
 NAMES = sorted(CIRCUITS)
 
@@ -109,14 +110,14 @@ def test_retried_tasks_give_the_same_output_once(tmp_path, name: str, point: str
     plan = StagePlan(c)
     faults = {(k, point, w) for k in range(plan.num_stages) for w in range(2)}
     runner = LocalJobRunner(fail_first=faults)
-    before = dict(stages.cache_stats)
+    before = dict(stagetask.cache_stats)
     outs = _run_staged(tmp_path, name, 2, steps, [2, 1, 3], runner=runner)
     assert runner.retries == len(faults)
     same_outputs(outs, embedded(c, steps))
     if point == "after-commit":  # the retry found the committed version and returned the stored result
-        assert stages.cache_stats["replayed_results"] > before["replayed_results"]
+        assert stagetask.cache_stats["replayed_results"] > before["replayed_results"]
     else:  # the retry in this process rolled the cached instances back
-        assert stages.cache_stats["rollbacks"] > before["rollbacks"]
+        assert stagetask.cache_stats["rollbacks"] > before["rollbacks"]
     q = StagedPipeline.open(str(tmp_path), c)
     assert [z for _, z in q.read_output(next(iter(outs[0])))] == [o[next(iter(o))] for o in outs]  # exactly once
     q.close()
@@ -144,10 +145,10 @@ def test_duplicate_attempt_returns_the_committed_result_and_keeps_the_versions(t
     p, t1, mid = _job_and_blobs(tmp_path)
     mine = mid.filter(pa.compute.equal(mid["part"], 0))
     first = run_stage_task(t1, 0, mine)
-    path = stages.stage_db_path(p.storage, 1, 0)
+    path = stagetask.stage_db_path(p.storage, 1, 0)
     with dbsp.Database(path) as db:
         vs = db.versions()
-    stages.drop_cache()
+    stagetask.drop_cache()
     again = run_stage_task(t1, 0, mine)  # a speculative duplicate after the first attempt committed
     assert again.equals(first)
     with dbsp.Database(path) as db:
@@ -160,7 +161,7 @@ def test_stale_attempt_raises_and_changes_nothing(tmp_path) -> None:
     mine = mid.filter(pa.compute.equal(mid["part"], 0))
     run_stage_task(t1, 0, mine)  # job 1 commits version 2
     old = dataclasses.replace(t1, version=t1.version - 1, steps=t1.steps[:1])  # a zombie of job 0 arrives late
-    path = stages.stage_db_path(p.storage, 1, 0)
+    path = stagetask.stage_db_path(p.storage, 1, 0)
     with dbsp.Database(path) as db:
         vs = db.versions()
     with pytest.raises(StaleAttemptError, match="stale attempt"):
@@ -182,14 +183,14 @@ def test_misrouted_blob_is_refused(tmp_path) -> None:
 def test_cache_loss_between_jobs_loads_state_from_the_databases(tmp_path) -> None:
     class Forgetful(LocalJobRunner):
         def run_job(self, job):
-            stages.drop_cache()
+            stagetask.drop_cache()
             return super().run_job(job)
 
     steps, bags = changes(11, 6)
     c, sql = build("carried")
-    before = stages.cache_stats["loads"]
+    before = stagetask.cache_stats["loads"]
     outs = _run_staged(tmp_path, "carried", 3, steps, [1, 2, 3], runner=Forgetful())
-    assert stages.cache_stats["loads"] > before
+    assert stagetask.cache_stats["loads"] > before
     same_outputs(outs, embedded(c, steps))
     check_duckdb(sql, outs, bags)
 
@@ -286,7 +287,7 @@ def test_push_validation_records_nothing(tmp_path) -> None:
     p.close()
 
 
-@pytest.mark.parametrize("name", ["dbsp_core.stages", "dbsp_core.staged"])
+@pytest.mark.parametrize("name", ["dbsp_core.stages", "dbsp_core.stagetask", "dbsp_core.staged"])
 def test_docstring_examples(name: str) -> None:
     import doctest
     import importlib
@@ -463,16 +464,16 @@ class TwoProcesses(LocalJobRunner):
     def run_job(self, job):
         mine = self.caches[self.n % len(self.caches)]
         self.n += 1
-        outside = dict(stages._CACHE)
-        stages._CACHE.clear()
-        stages._CACHE.update(mine)
+        outside = dict(stagetask._CACHE)
+        stagetask._CACHE.clear()
+        stagetask._CACHE.update(mine)
         try:
             return super().run_job(job)
         finally:
             mine.clear()
-            mine.update(stages._CACHE)
-            stages._CACHE.clear()
-            stages._CACHE.update(outside)
+            mine.update(stagetask._CACHE)
+            stagetask._CACHE.clear()
+            stagetask._CACHE.update(outside)
 
 
 @pytest.mark.parametrize("name,processes,keep", [("join_agg", 2, 16), ("left_join", 3, 16), ("carried", 3, 0),
@@ -481,10 +482,10 @@ def test_stale_cache_entries_give_partial_loads_and_the_same_results(tmp_path, m
                                                                      processes: int, keep: int) -> None:
     """With the save log (keep=16) a stale entry reads only new batches; with it cut short (keep=0 and entries
     two jobs stale) it scans the state and still reuses the batches it holds."""
-    monkeypatch.setattr(stages, "_SAVELOG_KEEP", keep)
+    monkeypatch.setattr(stagetask, "_SAVELOG_KEEP", keep)
     steps, bags = changes(17, 12, max_rows=12)
     c, sql = build(name)
-    before, listed = stages.cache_stats["partial_loads"], stages.cache_stats["listed_loads"]
+    before, listed = stagetask.cache_stats["partial_loads"], stagetask.cache_stats["listed_loads"]
     p = StagedPipeline(c, workers=2, storage=str(tmp_path), runner=TwoProcesses(processes))
     outs = []
     for pushes in steps:
@@ -492,8 +493,8 @@ def test_stale_cache_entries_give_partial_loads_and_the_same_results(tmp_path, m
             p.push(h, z)
         outs.append(p.step())
     assert p.stats.get("state_partial_loads", 0) >= len(steps) - processes and not p.stats.get("state_cache_hits")
-    assert stages.cache_stats["partial_loads"] > before
-    assert (stages.cache_stats["listed_loads"] > listed) == (keep > 0)
+    assert stagetask.cache_stats["partial_loads"] > before
+    assert (stagetask.cache_stats["listed_loads"] > listed) == (keep > 0)
     p.close()
     same_outputs(outs, embedded(c, steps))
     check_duckdb(sql, outs, bags, every=4)
@@ -544,11 +545,11 @@ def test_a_save_log_that_lists_a_missing_key_falls_back_to_reading_the_tables(tm
                 if saved:
                     b, keys = next(iter(saved.values()))
                     keys.append(keys[0][:4] + b"\xff" * 8)
-    before = stages.cache_stats["listing_fallbacks"]
+    before = stagetask.cache_stats["listing_fallbacks"]
     for pushes in steps[3:]:
         for h, z in pushes:
             p.push(h, z)
         outs.append(p.step())
-    assert stages.cache_stats["listing_fallbacks"] > before
+    assert stagetask.cache_stats["listing_fallbacks"] > before
     p.close()
     same_outputs(outs, embedded(c, steps))

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("pyspark")
 
 import dbsp_core as dbsp  # noqa: E402
-from dbsp_core import stages  # noqa: E402
+from dbsp_core import stagetask  # noqa: E402
 from dbsp_core.errors import DbspError, SchemaError  # noqa: E402
 from oracle import BIDS, accumulate  # noqa: E402
 from spark_glue import SparkPipeline  # noqa: E402
@@ -139,7 +139,7 @@ def test_reopen_after_close_continues_exactly(spark_local, tmp_path) -> None:
     for i, (h, z) in enumerate(steps[3]):  # acknowledged, not yet a step
         p.push(h, z, producer="gen", seq=i)
     p.close()
-    stages.drop_cache()  # a new driver: executors' cached state must not be trusted blindly
+    stagetask.drop_cache()  # a new driver: executors' cached state must not be trusted blindly
     q = SparkPipeline.open(spark_local, str(tmp_path), c)
     assert q.steps == 3 and q.stats["replayed_steps"] == 0 and q.stats["recovered_pushes"] == len(steps[3])
     outs.append(q.step())
