@@ -7,7 +7,8 @@ Checked after every run:
   3. no child failed other than by SIGKILL.
 
 DBSP_SPARK_KILLS sets how many kills each test tries (default 2, for CI); the tried and effective kills are
-printed (run with -s to see them).
+printed (run with -s to see them). A kill waits for READY and for the output log to grow by 0-2 steps, then
+lands 0-1.5 s later, so every restart makes progress and kills fall at random moments inside steps.
 """
 
 from __future__ import annotations
@@ -47,14 +48,18 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_killed(args: list[str], delay: float | None, log: str) -> str:
-    """Run a child; with ``delay``, SIGKILL it that many seconds after it prints READY. Returns 'killed' or
-    'done'; any other exit fails the test with the child's output."""
+def run_killed(args: list[str], delay: float | None, log: str, storage: str | None = None, after_steps: int = 0) -> str:
+    """Run a child; with ``delay``, SIGKILL it ``delay`` seconds after it printed READY and the output log in
+    ``storage`` grew by ``after_steps`` steps (so every kill lands after some progress, at a random moment of a
+    step). Returns 'killed' or 'done'; any other exit fails the test with the child's output."""
     with open(log, "ab") as out:
         proc = subprocess.Popen([sys.executable, *args], env=child_env(), stdout=subprocess.PIPE, stderr=out)
         assert proc.stdout is not None
         line = proc.stdout.readline()
         if delay is not None and line.startswith(b"READY"):
+            goal = (steps_logged(storage) or 0) + after_steps if storage else 0
+            while storage and proc.poll() is None and (steps_logged(storage) or 0) < goal:
+                time.sleep(0.1)
             time.sleep(delay)
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGKILL)
@@ -129,7 +134,7 @@ def test_driver_kill_under_a_streaming_query(tmp_path, runtime):
     status, at = "killed", []
     while tried < KILLS:
         tried += 1
-        status = run_killed(args, rng.uniform(0.3, 8.0), str(tmp_path / "child.log"))
+        status = run_killed(args, rng.uniform(0.0, 1.5), str(tmp_path / "child.log"), storage, rng.randint(0, 2))
         if status == "done":
             break
         killed += 1
@@ -166,7 +171,7 @@ def test_driver_kill_and_open(tmp_path, runtime):
     status = "killed"
     while tried < KILLS:
         tried += 1
-        status = run_killed(args, rng.uniform(0.2, 6.0), str(tmp_path / "child.log"))
+        status = run_killed(args, rng.uniform(0.0, 1.5), str(tmp_path / "child.log"), storage, rng.randint(0, 2))
         if status == "done":
             break
         killed += 1
