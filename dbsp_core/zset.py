@@ -123,6 +123,11 @@ def _column_positions(schema: pa.Schema, columns: Sequence[str], op: str) -> lis
     return pos
 
 
+_NO_WEIGHTS = np.zeros(0, dtype=np.int64)
+_NO_HASHES = np.zeros(0, dtype=np.uint64)
+_EMPTY: dict[int, tuple[pa.Schema, "ZSet"]] = {}  # ZSet.empty's cache, by id of the schema object
+
+
 class ZSet:
     """A Z-set: rows (an Arrow table) with non-zero int64 weights; a table's change or a table itself.
 
@@ -209,10 +214,20 @@ class ZSet:
 
     @classmethod
     def empty(cls, schema: pa.Schema) -> ZSet:
-        """The zero Z-set of a schema."""
+        """The zero Z-set of a schema (one shared value per schema object: Z-sets are immutable)."""
+        hit = _EMPTY.get(id(schema))
+        if hit is not None and hit[0] is schema:
+            return hit[1]
+        if not isinstance(schema, pa.Schema):
+            raise TypeError(f"schema must be a pyarrow Schema, got {type(schema).__name__}")
         _check_schema(schema)
-        t = pa.table({f.name: pa.array([], type=f.type) for f in schema}, schema=schema)
-        return cls._make(t, np.zeros(0, dtype=np.int64), consolidated=True, rhash=np.zeros(0, dtype=np.uint64))
+        t = schema.empty_table()
+        z = object.__new__(cls)
+        z._data, z._w, z._consolidated, z._rhash = t, _NO_WEIGHTS, True, _NO_HASHES
+        if len(_EMPTY) >= 4096:  # schemas are few (one per operator); this only bounds a pathological caller
+            _EMPTY.clear()
+        _EMPTY[id(schema)] = (schema, z)  # the entry keeps the schema alive, so its id is not reused
+        return z
 
     @classmethod
     def concat(cls, zsets: Sequence[ZSet]) -> ZSet:
