@@ -63,6 +63,21 @@ cdef extern from "zset.h" nogil:
     int dbsp_weights_negate(const int64_t *w, int64_t n, int64_t *out)
     int dbsp_rows_check_order(const CBatch *b, const int64_t *sel, const int64_t *weights, const uint64_t *khash,
                               int64_t n, const int32_t *keys, int32_t nkeys)
+    int64_t dbsp_small_rows
+
+cdef extern from "cdata.h" nogil:
+    struct ArrowSchema:
+        const char *format
+        int64_t n_children
+        void (*release)(ArrowSchema *)
+
+    struct ArrowArray:
+        int64_t length
+        void (*release)(ArrowArray *)
+
+    int32_t dbsp_cdata_type(const ArrowSchema *s)
+    int dbsp_cdata_view(const ArrowSchema *s, const ArrowArray *a, int32_t ncols, CColumn *cols, int64_t *nrows,
+                        const uint8_t *empty, int32_t *bad)
 
 cdef extern from "partition.h" nogil:
     int dbsp_partition(const uint64_t *khash, int64_t n, const int32_t *part_of_shard, int shard_bits,

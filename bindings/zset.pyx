@@ -3,6 +3,8 @@ from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t, uintptr_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset
 from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_WRITABLE
+from cpython.pycapsule cimport PyCapsule_GetPointer
+from libc.string cimport memcpy
 
 from zset cimport *
 
@@ -123,20 +125,31 @@ cdef uintptr_t buf_addr(object buf):
 
 
 cdef class BatchView:
-    """A C batch (DbspBatch) viewing the columns of a pyarrow Table and an int64 weight array, without copying.
+    """A C batch (DbspBatch) viewing the columns of a pyarrow Table or RecordBatch and an int64 weight array, without
+    copying.
 
-    Holds references to every array it views, so the buffers outlive the view."""
+    The rows are exported once through the Arrow C data interface (``__arrow_c_array__``) and the exported structs are
+    owned by the view (released with it), so the buffers outlive the view; the weights, key hashes and fence are
+    kept as references."""
     cdef CBatch c
     cdef CColumn *cols
     cdef const uint64_t *kh  # the key hashes given with the batch (NULL if none)
     cdef const uint64_t *fence  # a fence of kh (lookup.h; NULL if none)
     cdef object refs
+    cdef ArrowSchema schema
+    cdef ArrowArray array
 
     def __cinit__(self):
         self.cols = NULL
+        self.schema.release = NULL
+        self.array.release = NULL
 
     def __dealloc__(self):
         free(self.cols)
+        if self.array.release != NULL:
+            self.array.release(&self.array)
+        if self.schema.release != NULL:
+            self.schema.release(&self.schema)
 
     @property
     def num_rows(self):
@@ -156,9 +169,11 @@ cdef class BatchView:
 
     def __init__(self, table, weights=None, khash=None):
         cdef int32_t ncols = table.num_columns
-        cdef int i
-        cdef const int64_t[::1] wv
-        cdef const uint64_t[::1] kv
+        cdef int64_t nrows = 0
+        cdef int32_t bad = -1
+        cdef int st
+        cdef ArrowSchema *ps
+        cdef ArrowArray *pa_
         self.refs = []
         self.kh = NULL
         self.fence = NULL
@@ -166,39 +181,65 @@ cdef class BatchView:
         if self.cols == NULL:
             raise MemoryError()
         memset(self.cols, 0, max(ncols, 1) * sizeof(CColumn))
-        for i in range(ncols):
-            col = table.column(i)
-            arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
-            code = type_code(arr.type)
-            if code is None:
-                raise SchemaError(f"column {table.schema.names[i]!r} has unsupported type {arr.type}")
-            bufs = arr.buffers()
-            self.cols[i].type = code
-            self.cols[i].offset = arr.offset
-            self.cols[i].validity = NULL if (arr.null_count == 0 or bufs[0] is None) else <const uint8_t *>buf_addr(bufs[0])
-            self.cols[i].values = <const void *>buf_addr(bufs[1])
-            self.cols[i].data = <const uint8_t *>buf_addr(bufs[2]) if len(bufs) > 2 else NULL
-            self.refs.append(arr)
-        self.c.nrows = table.num_rows
+        if ncols == 0:  # no columns to view: only the row count
+            self.c.nrows = table.num_rows
+            self.c.ncols = 0
+            self.c.cols = self.cols
+            self.c.weights = NULL
+            self._attach(weights, khash)
+            return
+        batch = _one_batch(table)
+        schema_capsule, array_capsule = batch.__arrow_c_array__()
+        ps = <ArrowSchema *>PyCapsule_GetPointer(schema_capsule, "arrow_schema")
+        pa_ = <ArrowArray *>PyCapsule_GetPointer(array_capsule, "arrow_array")
+        # move the structs out of the capsules (the C data interface's move: the source is marked released)
+        memcpy(&self.schema, ps, sizeof(ArrowSchema))
+        ps.release = NULL
+        memcpy(&self.array, pa_, sizeof(ArrowArray))
+        pa_.release = NULL
+        st = dbsp_cdata_view(&self.schema, &self.array, ncols, self.cols, &nrows, _EMPTY_BYTES, &bad)
+        if st == DBSP_ETYPE:
+            f = table.schema.field(bad)
+            raise SchemaError(f"column {f.name!r} has unsupported type {f.type}")
+        if st != DBSP_OK:
+            raise ValueError(f"BatchView: the exported batch does not match its schema ({ncols} columns)")
+        self.c.nrows = nrows
         self.c.ncols = ncols
         self.c.cols = self.cols
         self.c.weights = NULL
+        self._attach(weights, khash)
+
+    cdef _attach(self, weights, khash):
+        """Point the batch at its weights and key hashes (checked against the row count), keeping references."""
+        cdef const int64_t[::1] wv
+        cdef const uint64_t[::1] kv
+        cdef int64_t nrows = self.c.nrows
         if weights is not None:
             w = np.ascontiguousarray(weights, dtype=np.int64)
-            if w.shape[0] != table.num_rows:
-                raise ValueError(f"{w.shape[0]} weights for {table.num_rows} rows")
+            if w.shape[0] != nrows:
+                raise ValueError(f"{w.shape[0]} weights for {nrows} rows")
             self.refs.append(w)
             if w.shape[0] > 0:
                 wv = w
                 self.c.weights = &wv[0]
         if khash is not None:
             kh = np.ascontiguousarray(khash, dtype=np.uint64)
-            if kh.shape[0] != table.num_rows:
-                raise ValueError(f"{kh.shape[0]} key hashes for {table.num_rows} rows")
+            if kh.shape[0] != nrows:
+                raise ValueError(f"{kh.shape[0]} key hashes for {nrows} rows")
             self.refs.append(kh)
             if kh.shape[0] > 0:
                 kv = kh
                 self.kh = &kv[0]
+
+
+cdef object _one_batch(table):
+    """`table` as one RecordBatch (a Table of one chunk per column is the common case: no copy)."""
+    if isinstance(table, pa.RecordBatch):
+        return table
+    batches = table.to_batches()
+    if len(batches) == 1:
+        return batches[0]
+    return pa.RecordBatch.from_arrays([col.combine_chunks() for col in table.columns], schema=table.schema)
 
 
 cdef BatchView view_of(table, weights=None, khash=None):
@@ -271,6 +312,18 @@ def merge(ta, wa, kha, tb, wb, khb, keys):
         st = dbsp_zset_merge(&a.c, a.kh, &b.c, b.kh, k.p, k.n, &r)
     check_status(st, "merge")
     return rows_result(&r)
+
+
+def small_rows(n=None):
+    """The row count up to which consolidate sorts instead of running the grouping engine (csrc/zset.h); with
+    `n`, set it and return the previous value (tests force either path; both give the same result)."""
+    global dbsp_small_rows
+    old = dbsp_small_rows
+    if n is not None:
+        if n < 0:
+            raise ValueError(f"small_rows must be >= 0, got {n}")
+        dbsp_small_rows = n
+    return old
 
 
 def negate(weights):

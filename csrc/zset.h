@@ -11,6 +11,11 @@
  * with dbsp_rows_free). Errors: DBSP_EOVERFLOW if a sum leaves int64, DBSP_ETOOBIG past 2^32-1 rows. */
 int dbsp_zset_consolidate(const DbspBatch *b, const int32_t *keys, int32_t nkeys, DbspRows *out);
 
+/* Batches of at most this many rows are consolidated by sorting instead of the grouping engine (same result;
+ * zset.c "small-batch design notes"). A variable so tests can force either path. */
+#define DBSP_SMALL_ROWS 4096
+extern int64_t dbsp_small_rows;
+
 /* Merge two consolidated batches of one schema, both in canonical order for the same key, given their key
  * hashes: the result is the consolidated sum, in canonical order; rows of b are numbered from a->nrows. */
 int dbsp_zset_merge(const DbspBatch *a, const uint64_t *akh, const DbspBatch *b, const uint64_t *bkh,

@@ -103,6 +103,51 @@ static void test_consolidate(int64_t n, int64_t kdom, int keyed) {
     tb_free(&t);
 }
 
+/* the sorting path for small batches (dbsp_small_rows) gives the grouping engine's result exactly: same rows,
+ * representatives, weights, key hashes and order, or the same error */
+static void consolidate_paths_on(TBatch *t, int keyed) {
+    int32_t key = 0;
+    DbspRows small, big;
+    int64_t saved = dbsp_small_rows;
+    dbsp_small_rows = t->n;
+    int s1 = dbsp_zset_consolidate(&t->b, keyed ? &key : NULL, keyed ? 1 : 0, &small);
+    dbsp_small_rows = 0;
+    int s2 = dbsp_zset_consolidate(&t->b, keyed ? &key : NULL, keyed ? 1 : 0, &big);
+    dbsp_small_rows = saved;
+    CHECK(s1 == s2);
+    if (s1 == DBSP_OK && s2 == DBSP_OK) {
+        CHECK(small.n == big.n);
+        for (int64_t x = 0; x < small.n && x < big.n; x++) {
+            CHECK(small.idx[x] == big.idx[x]);
+            CHECK(small.weights[x] == big.weights[x]);
+            CHECK(small.khash[x] == big.khash[x]);
+        }
+        dbsp_rows_free(&small); dbsp_rows_free(&big);
+    }
+}
+
+/* the sorting path for small batches (dbsp_small_rows) gives the grouping engine's result exactly: same rows,
+ * representatives, weights, key hashes and order, or the same error */
+static void test_consolidate_paths(int64_t n, int64_t kdom, int keyed, int wlo, int whi) {
+    TBatch t; tb_make(&t, n, kdom, wlo, whi);
+    consolidate_paths_on(&t, keyed);
+    tb_free(&t);
+}
+
+static void test_consolidate_paths_overflow(void) {
+    TBatch t; tb_make(&t, 8, 1, 1, 1);
+    for (int64_t i = 0; i <= 8; i++) t.soff[i] = 0;  /* eight equal rows: (0, "") */
+    for (int64_t i = 0; i < 8; i++) { t.k[i] = 0; set_bit(t.kvalid, i, 1); set_bit(t.svalid, i, 1); t.w[i] = INT64_MAX / 4; }
+    int32_t key = 0;
+    DbspRows r;
+    dbsp_small_rows = 8;
+    CHECK(dbsp_zset_consolidate(&t.b, &key, 1, &r) == DBSP_EOVERFLOW);
+    dbsp_small_rows = DBSP_SMALL_ROWS;
+    consolidate_paths_on(&t, 1);
+    consolidate_paths_on(&t, 0);
+    tb_free(&t);
+}
+
 static void test_merge(int keyed) {
     TBatch a0, b0, a, b;
     tb_make(&a0, 300, 40, -2, 2); tb_make(&b0, 250, 40, -2, 2);
@@ -409,6 +454,12 @@ int main(void) {
         test_consolidate(400, 100, 1);
     }
     test_consolidate(70000, 500, 0); /* spans several partitions (naive check is O(n^2) only on output rows) */
+    for (int rep = 0; rep < 20; rep++) {
+        int64_t n = 1 + (int64_t)(next() % 3000);
+        test_consolidate_paths(n, 1 + (int64_t)(next() % 200), rep & 1, -2, 2);
+        test_consolidate_paths(n, 4, rep & 1, 1, 1);  /* few distinct rows: long runs in one bucket */
+    }
+    test_consolidate_paths_overflow();
     test_merge(0);
     test_merge(1);
     test_join_and_reduce(200, 300);

@@ -56,6 +56,25 @@ def test_consolidate_matches_model(tw):
 
 
 @given(st.data())
+def test_small_batch_path_equals_grouping_engine(data):
+    """Batches up to _zset.small_rows() rows are consolidated by sorting; the result (representative rows, weights,
+    key hashes, order) is the grouping engine's, bit for bit, for every type, key and weight pattern."""
+    t, w = data.draw(zsets(max_rows=60))
+    keys = data.draw(st.lists(st.integers(0, t.num_columns - 1), max_size=t.num_columns, unique=True))
+    w = np.asarray(w, dtype=np.int64)
+    old = _zset.small_rows()
+    try:
+        _zset.small_rows(1 << 30)
+        small = _zset.consolidate(t, w, keys)
+        _zset.small_rows(0)
+        big = _zset.consolidate(t, w, keys)
+    finally:
+        _zset.small_rows(old)
+    for a, b in zip(small, big):
+        assert np.array_equal(a, b)
+
+
+@given(st.data())
 def test_add_sub_neg_match_model(data):
     schema = data.draw(schemas())
     (ta, wa), (tb, wb) = data.draw(zsets(schema=schema)), data.draw(zsets(schema=schema))
