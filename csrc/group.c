@@ -208,6 +208,10 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
     if ((st = dbsp_aggs_check(b, aggs, naggs))) return st;
     if (naggs && !acc_out) return DBSP_EINVAL;
     if (n == 0) return DBSP_OK;
+    if (naggs == 0 && dbsp_group_int_applies(b, icols, nicols, kcols, nkcols, aggs, naggs)) {
+        st = dbsp_group_int(b, icols, NULL, 0, drop_zero, out, NULL);  /* one integer column: group_int.c */
+        if (st != DBSP_GROUP_INT_NO) return st;
+    }
     if (n >= (int64_t)UINT32_MAX) return DBSP_ETOOBIG;
 
     uint64_t *ih = dbsp_scratch_alloc((size_t)n * 8), *kh = NULL;

@@ -488,3 +488,86 @@ def test_read_only_arrays_and_unverified_consolidation_claims():
     # a claim of consolidation without row hashes is checked: rows out of canonical order are not trusted
     c = dbsp.ZSet._make(pa.table({"k": [2, 1]}), np.array([1, 1], np.int64), consolidated=True)
     assert (c + z).to_dict() == {(1,): 4, (2,): 4}
+
+
+# ---- one non-null integer key: the grouping fast path (csrc/group_int.c) ----
+
+_I64 = 2**63
+
+
+@st.composite
+def int_key_inputs(draw):
+    kt = draw(st.sampled_from([pa.int64(), pa.uint64(), pa.timestamp("us")]))
+    n = draw(st.integers(0, 60))
+    kpool = POOLS[kt] if kt in POOLS else [0, 1, -1, 7]
+    keys = draw(st.lists(st.sampled_from(kpool) if draw(st.booleans()) else st.integers(0, 2**40), min_size=n, max_size=n))
+    vals = draw(st.lists(st.sampled_from([0, 1, -1, 1000, 2**62, -(2**62), 2**63 - 1, -(2**63)])
+                         if draw(st.booleans()) else st.integers(-1000, 1000), min_size=n, max_size=n))
+    big = draw(st.booleans())
+    w = [draw(st.sampled_from([-(2**40), 2**31, 2**62]) if big and draw(st.booleans()) else st.integers(-3, 3))
+         for _ in range(n)]
+    return pa.table({"k": pa.array(keys, kt), "v": pa.array(vals, pa.int64())}), np.array(w, dtype=np.int64)
+
+
+def _int_key_model(t: pa.Table, w: np.ndarray):
+    """{key: (weight sum, sum of v * w)} for groups with a non-zero weight sum, folding rows in order; None if an
+    int64 product or partial sum overflows (as the kernels report it)."""
+    groups: dict = {}
+    for k, v, wt in zip(t.column("k").cast(pa.int64()).to_pylist() if t.schema.field("k").type != pa.uint64()
+                        else t.column("k").to_pylist(), t.column("v").to_pylist(), w.tolist()):
+        g = groups.setdefault(k, [0, 0])
+        g[0] += wt
+        g[1] += v * wt
+        if not (-_I64 <= v * wt < _I64 and -_I64 <= g[0] < _I64 and -_I64 <= g[1] < _I64):
+            return None
+    return {k: (ws, s) for k, (ws, s) in groups.items() if ws != 0}
+
+
+@given(int_key_inputs())
+def test_int_key_aggregate_and_consolidate_match_model(tw):
+    t, w = tw
+    z = dbsp.ZSet.from_arrow(t, weights=w)
+    want = _int_key_model(t, w)
+    if want is None:
+        with pytest.raises(WeightOverflowError):
+            z.aggregate(["k"], [("sum", "v"), ("count", None)])
+    else:
+        res = z.aggregate(["k"], [("sum", "v"), ("count", None)])
+        keys = res.column("k").cast(pa.int64()).to_pylist() if res.schema.field("k").type != pa.uint64() \
+            else res.column("k").to_pylist()
+        assert {k: (c, s) for k, s, c in zip(keys, res.column("agg_0").to_pylist(), res.column("agg_1").to_pylist())} == want
+        kh = dbsp.ZSet.from_arrow(res.select(["k"])).hash(["k"])
+        assert (np.diff(kh.astype(np.uint64)) > 0).all()  # groups in key-hash order (one hash per value)
+    # consolidating the key column alone: weight sums only, overflow of a partial sum in row order
+    one = dbsp.ZSet.from_arrow(t.select(["k"]), weights=w)
+    wsum: dict = defaultdict(int)
+    overflow = False
+    for k, wt in zip(t.column("k").to_pylist(), w.tolist()):
+        wsum[k] += wt
+        overflow |= not -_I64 <= wsum[k] < _I64
+    if overflow:
+        with pytest.raises(WeightOverflowError):
+            one.consolidate()
+        return
+    c = one.consolidate()
+    assert canon_dict(c.to_dict()) == model_of(t.select(["k"]), w)
+    assert is_canonical(c)
+
+def test_int_key_aggregate_across_partitions():
+    rng = np.random.default_rng(11)
+    n = 200_000  # several radix partitions, tables that grow
+    k = rng.integers(0, 30_000, n)
+    v = rng.integers(-10**6, 10**6, n)
+    w = rng.integers(-1, 3, n)
+    z = dbsp.ZSet.from_arrow(pa.table({"k": k, "v": v}), weights=w)
+    res = z.aggregate(["k"], [("sum", "v"), ("count", None)])
+    uniq, inv = np.unique(k, return_inverse=True)
+    cnt = np.bincount(inv, weights=w).astype(np.int64)
+    sums = np.zeros(len(uniq), dtype=np.int64)
+    np.add.at(sums, inv, v * w)
+    want = {int(u): (int(s), int(c)) for u, s, c in zip(uniq, sums, cnt) if c}
+    got = dict(zip(res.column("k").to_pylist(), zip(res.column("agg_0").to_pylist(), res.column("agg_1").to_pylist())))
+    assert got == want
+    c = dbsp.ZSet.from_arrow(pa.table({"k": k}), weights=w).consolidate()
+    assert is_canonical(c)
+    assert c.to_dict() == {(u,): c_ for u, (_, c_) in want.items()}
