@@ -10,6 +10,7 @@
 #include "reduce.h"
 #include "lookup.h"
 #include "group.h"
+#include "gather.h"
 
 static int failures = 0;
 #define CHECK(cond) do { if (!(cond)) { fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); failures++; } } while (0)
@@ -500,6 +501,77 @@ static void test_group_int(void) {
     dbsp_rows_free(&rows);
 }
 
+/* gather: every column kind against a naive copy, at random indices with repeats, from a sliced batch */
+static void test_gather(void) {
+    TBatch t; tb_make(&t, 3000, 1000, 1, 1);
+    int64_t off = 7, n = t.n - off, m = 5000;  /* view rows 7.. as the batch (non-zero Arrow offsets) */
+    int64_t *idx = malloc((size_t)m * 8);
+    for (int64_t i = 0; i < m; i++) idx[i] = (int64_t)(next() % (uint64_t)n);
+    uint8_t *bools = calloc((size_t)(t.n / 8 + 1), 1);
+    int16_t *i16 = malloc((size_t)t.n * 2);
+    int64_t *loff = malloc((size_t)(t.n + 1) * 8);
+    for (int64_t i = 0; i < t.n; i++) { set_bit(bools, i, (int)(next() & 1)); i16[i] = (int16_t)next(); }
+    /* strings of 0-20 random bytes, the last ones short, in a buffer of exactly the bytes in use (ASan sees any
+     * over-read of the 16-byte copies), with the last rows among the gathered ones */
+    int32_t *soff = malloc((size_t)(t.n + 1) * 4);
+    uint8_t *exact = malloc((size_t)t.n * 20 + 1);
+    soff[0] = 0;
+    for (int64_t i = 0; i < t.n; i++) {
+        int32_t len = i >= t.n - 6 ? (int32_t)(i % 3) + 1 : (int32_t)(next() % 21);
+        for (int32_t b = 0; b < len; b++) exact[soff[i] + b] = (uint8_t)next();
+        soff[i + 1] = soff[i] + len;
+    }
+    exact = realloc(exact, (size_t)soff[t.n]);
+    for (int64_t i = 0; i <= t.n; i++) loff[i] = soff[i];
+    for (int64_t i = 0; i < 6; i++) idx[i] = n - 1 - i;
+    DbspColumn cols[5] = {
+        { DBSP_INT64, off, t.kvalid, t.k, NULL }, { DBSP_UTF8, off, t.svalid, soff, exact },
+        { DBSP_BOOL, off, NULL, bools, NULL }, { DBSP_INT16, off, t.kvalid, i16, NULL },
+        { DBSP_LARGE_BINARY, off, NULL, loff, exact },
+    };
+    CHECK(dbsp_gather_check(idx, m, n) == DBSP_OK);
+    idx[m / 2] = n;
+    CHECK(dbsp_gather_check(idx, m, n) == DBSP_EINVAL);
+    idx[m / 2] = -1;
+    CHECK(dbsp_gather_check(idx, m, n) == DBSP_EINVAL);
+    idx[m / 2] = 0;
+    uint8_t *validity = malloc((size_t)(m / 8 + 1)), *values = malloc((size_t)(m + 1) * 8);
+    int64_t *src = malloc((size_t)m * 8);
+    for (int c = 0; c < 5; c++) {
+        int64_t nulls = -1, nbytes = -1;
+        const DbspColumn *col = &cols[c];
+        CHECK(dbsp_gather_column(col, idx, m, validity, values, src, &nulls, &nbytes) == DBSP_OK);
+        int64_t want_nulls = 0;
+        for (int64_t i = 0; i < m; i++) {
+            int valid = dbsp_col_valid(col, idx[i]);
+            want_nulls += !valid;
+            if (col->validity) CHECK(dbsp_bit(validity, i) == valid);
+        }
+        CHECK(nulls == want_nulls);
+        if (c == 0) for (int64_t i = 0; i < m; i++) CHECK(((int64_t *)values)[i] == t.k[off + idx[i]]);
+        if (c == 2) for (int64_t i = 0; i < m; i++) CHECK(dbsp_bit(values, i) == dbsp_bit(bools, off + idx[i]));
+        if (c == 3) for (int64_t i = 0; i < m; i++) CHECK(((int16_t *)values)[i] == i16[off + idx[i]]);
+        if (c == 1 || c == 4) {
+            uint8_t *data = malloc((size_t)nbytes + 16);
+            CHECK(dbsp_gather_data(col, n, m, values, src, data) == DBSP_OK);
+            int64_t at = 0;
+            for (int64_t i = 0; i < m; i++) {
+                int64_t len, o0 = c == 1 ? ((int32_t *)values)[i] : ((int64_t *)values)[i];
+                int64_t o1 = c == 1 ? ((int32_t *)values)[i + 1] : ((int64_t *)values)[i + 1];
+                const uint8_t *want = dbsp_col_bytes(col, idx[i], &len);
+                CHECK(o0 == at && o1 - o0 == len && memcmp(data + o0, want, (size_t)len) == 0);
+                at = o1;
+            }
+            CHECK(at == nbytes);
+            free(data);
+        } else {
+            CHECK(nbytes == 0);
+        }
+    }
+    free(idx); free(bools); free(i16); free(loff); free(validity); free(values); free(src); free(exact); free(soff);
+    tb_free(&t);
+}
+
 int main(void) {
     test_consolidate(0, 10, 0);
     test_consolidate(1, 10, 0);
@@ -519,6 +591,7 @@ int main(void) {
     test_match_sums();
     test_group_reduce_all();
     test_group_int();
+    test_gather();
     if (failures) { fprintf(stderr, "%d failures\n", failures); return 1; }
     printf("kernels_test: all checks passed\n");
     return 0;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 import subprocess
 import sys
 from collections import defaultdict
@@ -571,3 +572,40 @@ def test_int_key_aggregate_across_partitions():
     c = dbsp.ZSet.from_arrow(pa.table({"k": k}), weights=w).consolidate()
     assert is_canonical(c)
     assert c.to_dict() == {(u,): c_ for u, (_, c_) in want.items()}
+
+
+# ---- the prefetching gather behind large takes (csrc/gather.c) ----
+
+def _bits(col: pa.ChunkedArray) -> list:
+    """Values with floats as their exact bits (so -0.0, NaN payloads and 0.0 stay distinct), None for nulls."""
+    return [struct.pack("<d", v) if isinstance(v, float) else v for v in col.to_pylist()]
+
+
+@given(tables(max_rows=60), st.data())
+def test_gather_equals_arrow_take(t, data):
+    n = t.num_rows
+    idx = np.array(data.draw(st.lists(st.integers(0, n - 1), max_size=90)) if n else [], dtype=np.int64)
+    got = _zset.gather(t, idx)
+    want = t.take(pa.array(idx, pa.int64()))
+    assert got.schema == t.schema and got.num_rows == len(idx)
+    for g, w in zip(got.columns, want.columns):
+        assert g.num_chunks == 1 and g.null_count == w.null_count
+        assert _bits(g) == _bits(w)
+    if n:
+        with pytest.raises(IndexError):
+            _zset.gather(t, np.array([0, n], dtype=np.int64))
+        with pytest.raises(IndexError):
+            _zset.gather(t, np.array([-1], dtype=np.int64))
+
+
+def test_large_take_uses_gather_and_matches_arrow():
+    from dbsp_core.zset import _GATHER_MIN, _take
+    rng = np.random.default_rng(3)
+    n = 4 * _GATHER_MIN
+    t = pa.table({"k": pa.array(rng.integers(0, 9, n), mask=rng.random(n) < 0.1),
+                  "s": pa.array([("v" * int(i % 23)) if i % 7 else None for i in range(n)], pa.large_string()),
+                  "b": pa.array(rng.random(n) < 0.5), "f": pa.array(rng.random(n).astype(np.float32))}).slice(5)
+    idx = rng.integers(0, t.num_rows, _GATHER_MIN + 1)
+    got = _take(t, idx)
+    assert got.equals(t.take(pa.array(idx)))
+    assert all(c.num_chunks == 1 for c in got.columns)
