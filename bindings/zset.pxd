@@ -1,4 +1,4 @@
-# zset.pxd: declarations mirroring the Z-set kernel headers of csrc/ (column, rows, hash, zset, partition, join, lookup, agg, reduce).
+# zset.pxd: declarations mirroring the Z-set kernel headers of csrc/ (column, rows, hash, zset, partition, join, lookup, agg, reduce, gather).
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 
 cdef extern from "status.h" nogil:
@@ -140,3 +140,10 @@ cdef extern from "reduce.h" nogil:
                           const CAggSpec *aggs, int32_t naggs, CReduceOut *out)
     int dbsp_group_reduce_all(const CBatch *b, const int32_t *keys, int32_t nkeys,
                               const CAggSpec *aggs, int32_t naggs, CReduceOut *out)
+
+cdef extern from "gather.h" nogil:
+    int dbsp_gather_check(const int64_t *idx, int64_t m, int64_t n)
+    int dbsp_gather_column(const CColumn *c, const int64_t *idx, int64_t m, uint8_t *validity, void *values,
+                           int64_t *src, int64_t *null_count, int64_t *data_bytes)
+    int dbsp_gather_data(const CColumn *c, int64_t nrows, int64_t m, const void *offsets, const int64_t *src,
+                         uint8_t *data)

@@ -167,8 +167,13 @@ static int rec_sort_hashed(Rec *a, Rec *tmp, int64_t n, int used, const Ident *i
 
 /* ---- the engine ---- */
 
-typedef struct { uint32_t h32; uint32_t idx; int64_t w; } EntryHead;
-typedef struct { uint32_t h32; uint32_t len; uint64_t off; int64_t w; uint32_t idx; uint32_t pad; uint64_t key8; } Uniq;
+/* an entry's head: the identity hash (whole: groups need it for the canonical sort, and reading it from the hash
+ * array would cost a cache miss per group), the row, and its weight, or W_FAR when it is outside int32 (then read
+ * from the weights, which is rare) */
+typedef struct { uint64_t h; uint32_t idx; int32_t w; } EntryHead;
+typedef struct { uint64_t h; uint32_t len; uint32_t idx; uint64_t off; int64_t w; uint64_t key8; } Uniq;
+#define W_FAR INT32_MIN
+#define ENTRY_W(hd) ((hd)->w != W_FAR ? (int64_t)(hd)->w : b->weights[(hd)->idx])
 
 #ifndef ROWS_PER_PART
 #define ROWS_PER_PART 8192
@@ -208,6 +213,10 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
     if ((st = dbsp_aggs_check(b, aggs, naggs))) return st;
     if (naggs && !acc_out) return DBSP_EINVAL;
     if (n == 0) return DBSP_OK;
+    if (naggs == 0 && dbsp_group_int_applies(b, icols, nicols, kcols, nkcols, aggs, naggs)) {
+        st = dbsp_group_int(b, icols, NULL, 0, drop_zero, out, NULL);  /* one integer column: group_int.c */
+        if (st != DBSP_GROUP_INT_NO) return st;
+    }
     if (n >= (int64_t)UINT32_MAX) return DBSP_ETOOBIG;
 
     uint64_t *ih = dbsp_scratch_alloc((size_t)n * 8), *kh = NULL;
@@ -283,9 +292,9 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
             int64_t p = PART(pkh[i]);
             uint8_t *e = wc + (p * WC + fill[p]) * S;
             EntryHead *h = (EntryHead *)e;
-            h->h32 = (uint32_t)ih[i];
+            h->h = ih[i];
             h->idx = (uint32_t)i;
-            h->w = w ? w[i] : 1;
+            h->w = !w ? 1 : (w[i] > W_FAR && w[i] <= INT32_MAX) ? (int32_t)w[i] : W_FAR;
             if (has_var) {
                 uint8_t *dst = arena + bcur[p];
                 uint32_t len = (uint32_t)(serialize(&id, i, dst) - dst);
@@ -332,10 +341,12 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
 
     /* per partition: hash aggregation into groups, then the canonical sort */
     const int fast8 = !has_var && F == 8;
+    int64_t prev_nu = 0, rows_seen = 0;
     for (int64_t p = 0; p < np; p++) {
         int64_t es = start[p], ee = start[p + 1];
         if (ee == es) continue;
-        int64_t cap = 1024;
+        int64_t cap = 1024;  /* sized for the previous partition's groups: uniform hashes spread them evenly */
+        while (cap < slots_cap && cap < 2 * (prev_nu + prev_nu / 4)) cap *= 2;
         memset(slots, 0, (size_t)cap * 8);
         uint64_t hmask = (uint64_t)cap - 1;
         int64_t nu = 0;
@@ -347,9 +358,10 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
             const uint8_t *row;
             if (has_var) { memcpy(&len, e + sizeof(EntryHead), 4); row = arena + off; off += len; }
             else { len = (uint32_t)F; row = e + sizeof(EntryHead); }
-            uint64_t s = h->h32 & hmask;
+            uint64_t s = (uint32_t)h->h & hmask;
             Uniq *q = NULL;
-            const uint64_t tag = (uint64_t)h->h32 << 32;
+            const uint64_t tag = h->h << 32;
+            const int64_t ew = ENTRY_W(h);
             for (;;) {
                 uint64_t sl = slots[s];
                 if (sl == 0) break;
@@ -363,10 +375,10 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
                 s = (s + 1) & hmask;
             }
             if (q) {
-                if ((st = dbsp_add_weight(&q->w, h->w))) goto done;
+                if ((st = dbsp_add_weight(&q->w, ew))) goto done;
             } else {
                 q = &U[nu++];  /* nu <= partition size <= u_cap */
-                q->h32 = h->h32; q->len = len; q->w = h->w; q->idx = h->idx;
+                q->h = h->h; q->len = len; q->w = ew; q->idx = h->idx;
                 q->off = has_var ? (uint64_t)(row - arena) : (uint64_t)(row - E);
                 if (fast8) memcpy(&q->key8, row, 8);
                 for (int32_t a = 0; a < naggs; a++) dbsp_acc_init(&A[(nu - 1) * naggs + a], aggs[a].kind);
@@ -376,9 +388,9 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
                     memset(slots, 0, (size_t)cap * 8);
                     hmask = (uint64_t)cap - 1;
                     for (int64_t t = 0; t < nu; t++) {
-                        uint64_t s2 = U[t].h32 & hmask;
+                        uint64_t s2 = (uint32_t)U[t].h & hmask;
                         while (slots[s2]) s2 = (s2 + 1) & hmask;
-                        slots[s2] = ((uint64_t)U[t].h32 << 32) | (uint64_t)(t + 1);
+                        slots[s2] = (U[t].h << 32) | (uint64_t)(t + 1);
                     }
                 }
             }
@@ -393,21 +405,24 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
                         v.valid = (int)((mask >> a) & 1);
                     }
                     const DbspColumn *c = aggs[a].kind == DBSP_AGG_COUNT ? NULL : &b->cols[aggs[a].col];
-                    if ((st = dbsp_acc_fold(&acc[a], aggs[a].kind, c, h->idx, v, h->w))) goto done;
+                    if ((st = dbsp_acc_fold(&acc[a], aggs[a].kind, c, h->idx, v, ew))) goto done;
                 }
             }
         }
+        prev_nu = nu;
         int64_t nr = 0;
         for (int64_t u = 0; u < nu; u++) {
-            if (u + 16 < nu) {
-                __builtin_prefetch(&ih[U[u + 16].idx]);
-                if (kh) __builtin_prefetch(&kh[U[u + 16].idx]);
-            }
+            if (kh && u + 16 < nu) __builtin_prefetch(&kh[U[u + 16].idx]);
             if (drop_zero && U[u].w == 0) continue;
             Rec *r = &R[nr++];
-            r->ih = ih[U[u].idx]; r->kh = kh ? kh[U[u].idx] : r->ih; r->idx = U[u].idx; r->u = u;
+            r->ih = U[u].h; r->kh = kh ? kh[U[u].idx] : r->ih; r->idx = U[u].idx; r->u = u;
         }
         if ((st = rec_sort_hashed(R, R2, nr, bits, &id, &sort_cnt, &sort_cnt_cap))) goto done;
+        rows_seen += ee - es;
+        if (out->n + nr > out->cap) {  /* reserve for the groups this share of the rows predicts */
+            int64_t guess = (int64_t)((double)(out->n + nr) * ((double)n / (double)rows_seen) * 1.05) + 1024;
+            if ((st = dbsp_rows_reserve(out, (guess < n ? guess : n) - out->n))) goto done;
+        }
         if ((st = dbsp_rows_reserve(out, nr))) goto done;
         if (naggs && (st = ensure((void **)&accs, &accs_cap, (out->n + nr) * naggs, sizeof(DbspAcc)))) goto done;
         for (int64_t r = 0; r < nr; r++) {

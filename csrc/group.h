@@ -19,4 +19,20 @@
 int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const int32_t *kcols, int32_t nkcols,
                const DbspAggSpec *aggs, int32_t naggs, int drop_zero, DbspRows *rows, DbspAcc **acc);
 
+/* Internal status of dbsp_group_int: the input does not qualify (a weight outside int32); run dbsp_group. */
+#define DBSP_GROUP_INT_NO (-1)
+
+/* 1 if dbsp_group_int serves this call of dbsp_group: the identity is one 64-bit integer column without nulls
+ * (int64, uint64, timestamp), the key is that column or none, fewer than 2^31 rows, and every aggregate is COUNT
+ * or a SUM of a non-null int64/timestamp column (at most 4 SUMs). */
+int dbsp_group_int_applies(const DbspBatch *b, const int32_t *icols, int32_t nicols, const int32_t *kcols,
+                           int32_t nkcols, const DbspAggSpec *aggs, int32_t naggs);
+
+/* dbsp_group for the calls dbsp_group_int_applies accepts (group_int.c), with the aggregates' results written
+ * straight to *ivals (rows->n * naggs int64, group-major: COUNT = the weight sum, SUM = the sum; free with
+ * free()), the form dbsp_reduce exports. Same groups, order, values and errors as dbsp_group, or
+ * DBSP_GROUP_INT_NO (nothing allocated) when a weight is outside int32. */
+int dbsp_group_int(const DbspBatch *b, const int32_t *icols, const DbspAggSpec *aggs, int32_t naggs, int drop_zero,
+                   DbspRows *rows, int64_t **ivals);
+
 #endif

@@ -2,21 +2,13 @@
 #include "hash.h"
 #include "status.h"
 
-#define H_NULL 0x9ae16a3b2f90404fULL
-#define S_INT 0x243f6a8885a308d3ULL
-#define S_FLOAT 0x13198a2e03707344ULL
-#define S_BYTES 0xa4093822299f31d0ULL
-#define ROW_SEED 0x082efa98ec4e6c89ULL
-#define K_GOLD 0x9e3779b97f4a7c15ULL
-
-static inline uint64_t mix(uint64_t z) {
-    z ^= z >> 30;
-    z *= 0xbf58476d1ce4e5b9ULL;
-    z ^= z >> 27;
-    z *= 0x94d049bb133111ebULL;
-    z ^= z >> 31;
-    return z;
-}
+#define H_NULL DBSP_HASH_NULL
+#define S_INT DBSP_HASH_S_INT
+#define S_FLOAT DBSP_HASH_S_FLOAT
+#define S_BYTES DBSP_HASH_S_BYTES
+#define ROW_SEED DBSP_HASH_ROW_SEED
+#define K_GOLD DBSP_HASH_K_GOLD
+#define mix dbsp_mix
 
 uint64_t dbsp_hash_mix(uint64_t z) { return mix(z); }
 

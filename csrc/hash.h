@@ -26,6 +26,29 @@
 
 #define DBSP_HASH_VERSION 1
 
+#define DBSP_HASH_NULL 0x9ae16a3b2f90404fULL
+#define DBSP_HASH_S_INT 0x243f6a8885a308d3ULL
+#define DBSP_HASH_S_FLOAT 0x13198a2e03707344ULL
+#define DBSP_HASH_S_BYTES 0xa4093822299f31d0ULL
+#define DBSP_HASH_ROW_SEED 0x082efa98ec4e6c89ULL
+#define DBSP_HASH_K_GOLD 0x9e3779b97f4a7c15ULL
+
+/* mix(z) of the specification (splitmix64's finalizer, a bijection of 64-bit words) */
+static inline uint64_t dbsp_mix(uint64_t z) {
+    z ^= z >> 30;
+    z *= 0xbf58476d1ce4e5b9ULL;
+    z ^= z >> 27;
+    z *= 0x94d049bb133111ebULL;
+    z ^= z >> 31;
+    return z;
+}
+
+/* The row hash of a row whose only column is a non-null integer u (as 64 bits): out[i] of dbsp_hash_columns
+ * over that column, inline. A bijection of u, so distinct values never share a hash. */
+static inline uint64_t dbsp_hash_int_row(uint64_t u) {
+    return dbsp_mix(DBSP_HASH_ROW_SEED * DBSP_HASH_K_GOLD + dbsp_mix(u ^ DBSP_HASH_S_INT));
+}
+
 /* out[i] = row hash of row i of b over columns cols[0..ncols) (cols NULL = all columns in order). */
 int dbsp_hash_columns(const DbspBatch *b, const int32_t *cols, int32_t ncols, uint64_t *out);
 

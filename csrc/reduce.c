@@ -90,12 +90,43 @@ static int group_reduce(const DbspBatch *b, const int32_t *keys, int32_t nkeys,
     memset(out, 0, sizeof *out);
     DbspRows rows;
     DbspAcc *acc = NULL;
-    int st = dbsp_group(b, keys, nkeys, NULL, 0, aggs, naggs, drop_zero, &rows, naggs ? &acc : NULL);
+    int st;
+    if (naggs > 0 && dbsp_aggs_check(b, aggs, naggs) == DBSP_OK && dbsp_group_int_applies(b, keys, nkeys, NULL, 0, aggs, naggs)) {
+        /* one integer key, COUNT and int64 SUM: group_int.c writes the results in place */
+        int64_t *ivals = NULL;
+        st = dbsp_group_int(b, keys, aggs, naggs, drop_zero, &rows, &ivals);
+        if (st == DBSP_OK && rows.n == 0) {
+            dbsp_rows_free(&rows);
+            free(ivals);
+            return alloc_out(out, 0, naggs);
+        }
+        if (st == DBSP_OK) {
+            out->naggs = naggs;
+            out->ngroups = out->cap = rows.n;
+            out->group_row = rows.idx;
+            out->khash = (int64_t *)rows.khash;
+            out->ivals = ivals;
+            free(rows.weights);
+            size_t g = (size_t)(rows.n ? rows.n : 1), k = (size_t)naggs;
+            out->fvals = calloc(g * k, 8);
+            out->valid = malloc(g * k);
+            if (!out->group_row || !out->khash || !out->ivals || !out->fvals || !out->valid) {
+                dbsp_reduce_free(out);
+                return DBSP_ENOMEM;
+            }
+            memset(out->valid, 1, g * k);
+            return DBSP_OK;
+        }
+        if (st != DBSP_GROUP_INT_NO) return st;
+    }
+    st = dbsp_group(b, keys, nkeys, NULL, 0, aggs, naggs, drop_zero, &rows, naggs ? &acc : NULL);
     if (st) return st;
     if ((st = alloc_out(out, rows.n, naggs))) goto done;
     out->ngroups = rows.n;
-    memcpy(out->group_row, rows.idx, (size_t)rows.n * 8);
-    memcpy(out->khash, rows.khash, (size_t)rows.n * 8);
+    if (rows.n) {
+        memcpy(out->group_row, rows.idx, (size_t)rows.n * 8);
+        memcpy(out->khash, rows.khash, (size_t)rows.n * 8);
+    }
     export_accs(acc, rows.n, aggs, naggs, out);
 done:
     dbsp_rows_free(&rows);

@@ -6,7 +6,8 @@
  *     consolidate; buffers of CACHED_MIN bytes and more are therefore kept in a small per-thread cache and
  *     reused by the next call of similar size (best fit, at most twice the need).
  *  2. Buffers of BIG_ALIGN (2 MiB) and more are aligned to it and madvise(MADV_HUGEPAGE)d, which cuts the TLB
- *     misses of scattered writes.
+ *     misses of scattered writes; so are large result buffers (dbsp_alloc_result), which cuts the page faults
+ *     of filling them.
  *  3. The cache holds at most DBSP_SCRATCH_MB MiB per thread (read once; default 512, 0 disables it), evicting
  *     its smallest buffers to make room, and is released when the thread exits.
  *  4. A buffer must be freed with the byte count it was allocated with (it decides malloc vs cache).
@@ -58,6 +59,12 @@ void *dbsp_scratch_alloc(size_t bytes) {
         return p;
     }
     if (sz < BIG_ALIGN) return malloc(sz);
+    return dbsp_alloc_result(sz);
+}
+
+void *dbsp_alloc_result(size_t bytes) {
+    if (bytes < BIG_ALIGN) return malloc(bytes ? bytes : 1);
+    size_t sz = cached_size(bytes);
     void *p = NULL;
     if (posix_memalign(&p, BIG_ALIGN, sz)) return NULL;
 #ifdef MADV_HUGEPAGE

@@ -9,6 +9,8 @@
 #include "join.h"
 #include "reduce.h"
 #include "lookup.h"
+#include "group.h"
+#include "gather.h"
 
 static int failures = 0;
 #define CHECK(cond) do { if (!(cond)) { fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); failures++; } } while (0)
@@ -144,6 +146,26 @@ static void test_consolidate_paths_overflow(void) {
     CHECK(dbsp_zset_consolidate(&t.b, &key, 1, &r) == DBSP_EOVERFLOW);
     dbsp_small_rows = DBSP_SMALL_ROWS;
     consolidate_paths_on(&t, 1);
+    consolidate_paths_on(&t, 0);
+    tb_free(&t);
+}
+
+/* weights outside int32 travel outside the grouping engine's entries: same sums as the naive model */
+static void test_consolidate_far_weights(void) {
+    TBatch t; tb_make(&t, 3000, 50, -2, 2);
+    for (int64_t i = 0; i < t.n; i += 3) t.w[i] *= (int64_t)1 << 35;
+    t.w[1] = INT32_MIN; t.w[2] = (int64_t)INT32_MAX + 1;
+    DbspRows r;
+    dbsp_small_rows = 0;  /* the grouping engine's entries (the sorting path is compared below) */
+    CHECK(dbsp_zset_consolidate(&t.b, NULL, 0, &r) == DBSP_OK);
+    dbsp_small_rows = DBSP_SMALL_ROWS;
+    CHECK(dbsp_rows_check_order(&t.b, r.idx, r.weights, r.khash, r.n, NULL, 0) == 0);
+    for (int64_t x = 0; x < r.n; x++) CHECK(r.weights[x] == naive_weight(&t.b, &t.b, r.idx[x]));
+    int64_t total = 0, got = 0;
+    for (int64_t i = 0; i < t.n; i++) total += t.w[i];
+    for (int64_t x = 0; x < r.n; x++) got += r.weights[x];
+    CHECK(total == got);
+    dbsp_rows_free(&r);
     consolidate_paths_on(&t, 0);
     tb_free(&t);
 }
@@ -446,6 +468,175 @@ static void test_group_reduce_all(void) {
     dbsp_reduce_free(&all); dbsp_reduce_free(&some);
 }
 
+/* group_int.c against the general engine: the same batch with an all-valid validity bitmap on every column takes
+ * the general path (dbsp_group_int_applies refuses nullable columns) and must give the same result, bit for bit */
+static void check_group_int_case(int64_t n, uint64_t kdom, int ktype, int64_t wlo, int64_t whi, int big_vals) {
+    int64_t *k = malloc((size_t)(n ? n : 1) * 8), *v = malloc((size_t)(n ? n : 1) * 8), *v2 = malloc((size_t)(n ? n : 1) * 8);
+    int64_t *w = malloc((size_t)(n ? n : 1) * 8);
+    uint8_t *ones = malloc((size_t)(n / 8 + 1));
+    memset(ones, 0xff, (size_t)(n / 8 + 1));
+    for (int64_t i = 0; i < n; i++) {
+        k[i] = (int64_t)(next() % kdom) - (int64_t)(kdom / 2);
+        v[i] = big_vals ? (int64_t)(next() >> 1) * (next() % 2 ? 1 : -1) : (int64_t)(next() % 2001) - 1000;
+        v2[i] = (int64_t)(next() % 7);
+        w[i] = wlo + (int64_t)(next() % (uint64_t)(whi - wlo + 1));
+    }
+    DbspColumn fast[3] = { { ktype, 0, NULL, k, NULL }, { DBSP_INT64, 0, NULL, v, NULL }, { DBSP_TIMESTAMP, 0, NULL, v2, NULL } };
+    DbspColumn slow[3] = { { ktype, 0, ones, k, NULL }, { DBSP_INT64, 0, ones, v, NULL }, { DBSP_TIMESTAMP, 0, ones, v2, NULL } };
+    DbspBatch bf = { n, 3, fast, w }, bs = { n, 3, slow, w };
+    int32_t key = 0;
+    DbspAggSpec specs[5][3] = {
+        { { DBSP_AGG_SUM, 1 } },
+        { { DBSP_AGG_COUNT, -1 }, { DBSP_AGG_SUM, 1 } },
+        { { DBSP_AGG_SUM, 2 }, { DBSP_AGG_COUNT, -1 }, { DBSP_AGG_SUM, 1 } },
+        { { DBSP_AGG_COUNT, -1 } },
+        { { DBSP_AGG_SUM, 1 }, { DBSP_AGG_SUM, 1 }, { DBSP_AGG_SUM, 2 } },
+    };
+    int32_t nspecs[5] = { 1, 2, 3, 1, 3 };
+    for (int s = 0; s < 5; s++)
+        for (int all = 0; all < 2; all++) {
+            CHECK(dbsp_group_int_applies(&bf, &key, 1, NULL, 0, specs[s], nspecs[s]) == 1);
+            CHECK(dbsp_group_int_applies(&bs, &key, 1, NULL, 0, specs[s], nspecs[s]) == 0);
+            DbspReduceOut rf, rs;
+            int sf = all ? dbsp_group_reduce_all(&bf, &key, 1, specs[s], nspecs[s], &rf) : dbsp_group_reduce(&bf, &key, 1, specs[s], nspecs[s], &rf);
+            int ss = all ? dbsp_group_reduce_all(&bs, &key, 1, specs[s], nspecs[s], &rs) : dbsp_group_reduce(&bs, &key, 1, specs[s], nspecs[s], &rs);
+            CHECK(sf == ss);
+            if (sf == DBSP_OK && ss == DBSP_OK) {
+                CHECK(rf.ngroups == rs.ngroups);
+                for (int64_t g = 0; g < rf.ngroups && g < rs.ngroups; g++) {
+                    CHECK(rf.group_row[g] == rs.group_row[g]);
+                    CHECK(rf.khash[g] == rs.khash[g]);
+                    for (int32_t a = 0; a < nspecs[s]; a++) {
+                        int64_t at = g * nspecs[s] + a;
+                        CHECK(rf.ivals[at] == rs.ivals[at]);
+                        CHECK(rf.valid[at] == rs.valid[at]);
+                        CHECK(memcmp(&rf.fvals[at], &rs.fvals[at], 8) == 0);
+                    }
+                }
+            }
+            if (sf == DBSP_OK) dbsp_reduce_free(&rf);
+            if (ss == DBSP_OK) dbsp_reduce_free(&rs);
+        }
+    /* consolidate of the key column alone (whole row, and keyed by it) */
+    DbspBatch cf = { n, 1, fast, w }, cs = { n, 1, slow, w };
+    for (int keyed = 0; keyed < 2; keyed++) {
+        DbspRows of, os;
+        int sf = dbsp_zset_consolidate(&cf, keyed ? &key : NULL, keyed, &of);
+        int ss = dbsp_zset_consolidate(&cs, keyed ? &key : NULL, keyed, &os);
+        CHECK(sf == ss);
+        if (sf == DBSP_OK && ss == DBSP_OK) {
+            CHECK(of.n == os.n);
+            for (int64_t x = 0; x < of.n && x < os.n; x++)
+                CHECK(of.idx[x] == os.idx[x] && of.weights[x] == os.weights[x] && of.khash[x] == os.khash[x]);
+            CHECK(dbsp_rows_check_order(&cf, of.idx, of.weights, of.khash, of.n, keyed ? &key : NULL, keyed) == 0);
+        }
+        if (sf == DBSP_OK) dbsp_rows_free(&of);
+        if (ss == DBSP_OK) dbsp_rows_free(&os);
+    }
+    free(k); free(v); free(v2); free(w); free(ones);
+}
+
+static void test_group_int(void) {
+    check_group_int_case(0, 10, DBSP_INT64, -2, 2, 0);
+    check_group_int_case(1, 10, DBSP_INT64, 1, 1, 0);
+    check_group_int_case(300, 20, DBSP_INT64, -2, 2, 0);         /* zero-weight groups */
+    check_group_int_case(3000, 1ULL << 62, DBSP_UINT64, 1, 3, 0); /* nearly all distinct */
+    check_group_int_case(5000, 50, DBSP_TIMESTAMP, -3, 3, 1);    /* sums overflow */
+    check_group_int_case(2000, 40, DBSP_INT64, -(1LL << 40), 1LL << 40, 0);  /* weights outside int32: general path */
+    check_group_int_case(150000, 9000, DBSP_INT64, -1, 2, 0);    /* several partitions, tables that grow */
+    check_group_int_case(140000, 140000, DBSP_INT64, 1, 1, 0);
+    /* overflow in row order: MAX + 1 overflows before -1 arrives; MAX - 1 + 1 does not */
+    int64_t k[3] = { 4, 4, 4 }, up[3] = { INT64_MAX, 1, -1 }, down[3] = { INT64_MAX, -1, 1 }, wt[3] = { 1, 1, 1 };
+    DbspColumn cu[2] = { { DBSP_INT64, 0, NULL, k, NULL }, { DBSP_INT64, 0, NULL, up, NULL } };
+    DbspColumn cd[2] = { { DBSP_INT64, 0, NULL, k, NULL }, { DBSP_INT64, 0, NULL, down, NULL } };
+    DbspBatch bu = { 3, 2, cu, wt }, bd = { 3, 2, cd, wt };
+    int32_t key = 0;
+    DbspAggSpec sum = { DBSP_AGG_SUM, 1 };
+    DbspReduceOut r;
+    CHECK(dbsp_group_reduce(&bu, &key, 1, &sum, 1, &r) == DBSP_EOVERFLOW);
+    CHECK(dbsp_group_reduce(&bd, &key, 1, &sum, 1, &r) == DBSP_OK);
+    CHECK(r.ngroups == 1 && r.ivals[0] == INT64_MAX && r.group_row[0] == 0);
+    dbsp_reduce_free(&r);
+    int64_t wbig[2] = { INT32_MAX, INT32_MAX }, kk[2] = { 9, 9 };  /* weight sums leave int32, not int64 */
+    DbspColumn c1 = { DBSP_INT64, 0, NULL, kk, NULL };
+    DbspBatch b1 = { 2, 1, &c1, wbig };
+    DbspRows rows;
+    CHECK(dbsp_zset_consolidate(&b1, NULL, 0, &rows) == DBSP_OK);
+    CHECK(rows.n == 1 && rows.weights[0] == 2 * (int64_t)INT32_MAX);
+    dbsp_rows_free(&rows);
+}
+
+/* gather: every column kind against a naive copy, at random indices with repeats, from a sliced batch */
+static void test_gather(void) {
+    TBatch t; tb_make(&t, 3000, 1000, 1, 1);
+    int64_t off = 7, n = t.n - off, m = 5000;  /* view rows 7.. as the batch (non-zero Arrow offsets) */
+    int64_t *idx = malloc((size_t)m * 8);
+    for (int64_t i = 0; i < m; i++) idx[i] = (int64_t)(next() % (uint64_t)n);
+    uint8_t *bools = calloc((size_t)(t.n / 8 + 1), 1);
+    int16_t *i16 = malloc((size_t)t.n * 2);
+    int64_t *loff = malloc((size_t)(t.n + 1) * 8);
+    for (int64_t i = 0; i < t.n; i++) { set_bit(bools, i, (int)(next() & 1)); i16[i] = (int16_t)next(); }
+    /* strings of 0-20 random bytes, the last ones short, in a buffer of exactly the bytes in use (ASan sees any
+     * over-read of the 16-byte copies), with the last rows among the gathered ones */
+    int32_t *soff = malloc((size_t)(t.n + 1) * 4);
+    uint8_t *exact = malloc((size_t)t.n * 20 + 1);
+    soff[0] = 0;
+    for (int64_t i = 0; i < t.n; i++) {
+        int32_t len = i >= t.n - 6 ? (int32_t)(i % 3) + 1 : (int32_t)(next() % 21);
+        for (int32_t b = 0; b < len; b++) exact[soff[i] + b] = (uint8_t)next();
+        soff[i + 1] = soff[i] + len;
+    }
+    exact = realloc(exact, (size_t)soff[t.n]);
+    for (int64_t i = 0; i <= t.n; i++) loff[i] = soff[i];
+    for (int64_t i = 0; i < 6; i++) idx[i] = n - 1 - i;
+    DbspColumn cols[5] = {
+        { DBSP_INT64, off, t.kvalid, t.k, NULL }, { DBSP_UTF8, off, t.svalid, soff, exact },
+        { DBSP_BOOL, off, NULL, bools, NULL }, { DBSP_INT16, off, t.kvalid, i16, NULL },
+        { DBSP_LARGE_BINARY, off, NULL, loff, exact },
+    };
+    CHECK(dbsp_gather_check(idx, m, n) == DBSP_OK);
+    idx[m / 2] = n;
+    CHECK(dbsp_gather_check(idx, m, n) == DBSP_EINVAL);
+    idx[m / 2] = -1;
+    CHECK(dbsp_gather_check(idx, m, n) == DBSP_EINVAL);
+    idx[m / 2] = 0;
+    uint8_t *validity = malloc((size_t)(m / 8 + 1)), *values = malloc((size_t)(m + 1) * 8);
+    int64_t *src = malloc((size_t)m * 8);
+    for (int c = 0; c < 5; c++) {
+        int64_t nulls = -1, nbytes = -1;
+        const DbspColumn *col = &cols[c];
+        CHECK(dbsp_gather_column(col, idx, m, validity, values, src, &nulls, &nbytes) == DBSP_OK);
+        int64_t want_nulls = 0;
+        for (int64_t i = 0; i < m; i++) {
+            int valid = dbsp_col_valid(col, idx[i]);
+            want_nulls += !valid;
+            if (col->validity) CHECK(dbsp_bit(validity, i) == valid);
+        }
+        CHECK(nulls == want_nulls);
+        if (c == 0) for (int64_t i = 0; i < m; i++) CHECK(((int64_t *)values)[i] == t.k[off + idx[i]]);
+        if (c == 2) for (int64_t i = 0; i < m; i++) CHECK(dbsp_bit(values, i) == dbsp_bit(bools, off + idx[i]));
+        if (c == 3) for (int64_t i = 0; i < m; i++) CHECK(((int16_t *)values)[i] == i16[off + idx[i]]);
+        if (c == 1 || c == 4) {
+            uint8_t *data = malloc((size_t)nbytes + 16);
+            CHECK(dbsp_gather_data(col, n, m, values, src, data) == DBSP_OK);
+            int64_t at = 0;
+            for (int64_t i = 0; i < m; i++) {
+                int64_t len, o0 = c == 1 ? ((int32_t *)values)[i] : ((int64_t *)values)[i];
+                int64_t o1 = c == 1 ? ((int32_t *)values)[i + 1] : ((int64_t *)values)[i + 1];
+                const uint8_t *want = dbsp_col_bytes(col, idx[i], &len);
+                CHECK(o0 == at && o1 - o0 == len && memcmp(data + o0, want, (size_t)len) == 0);
+                at = o1;
+            }
+            CHECK(at == nbytes);
+            free(data);
+        } else {
+            CHECK(nbytes == 0);
+        }
+    }
+    free(idx); free(bools); free(i16); free(loff); free(validity); free(values); free(src); free(exact); free(soff);
+    tb_free(&t);
+}
+
 int main(void) {
     test_consolidate(0, 10, 0);
     test_consolidate(1, 10, 0);
@@ -460,6 +651,7 @@ int main(void) {
         test_consolidate_paths(n, 4, rep & 1, 1, 1);  /* few distinct rows: long runs in one bucket */
     }
     test_consolidate_paths_overflow();
+    test_consolidate_far_weights();
     test_merge(0);
     test_merge(1);
     test_join_and_reduce(200, 300);
@@ -470,6 +662,8 @@ int main(void) {
     test_match_weights();
     test_match_sums();
     test_group_reduce_all();
+    test_group_int();
+    test_gather();
     if (failures) { fprintf(stderr, "%d failures\n", failures); return 1; }
     printf("kernels_test: all checks passed\n");
     return 0;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import struct
 import subprocess
 import sys
 from collections import defaultdict
@@ -507,3 +508,123 @@ def test_read_only_arrays_and_unverified_consolidation_claims():
     # a claim of consolidation without row hashes is checked: rows out of canonical order are not trusted
     c = dbsp.ZSet._make(pa.table({"k": [2, 1]}), np.array([1, 1], np.int64), consolidated=True)
     assert (c + z).to_dict() == {(1,): 4, (2,): 4}
+
+
+# ---- one non-null integer key: the grouping fast path (csrc/group_int.c) ----
+
+_I64 = 2**63
+
+
+@st.composite
+def int_key_inputs(draw):
+    kt = draw(st.sampled_from([pa.int64(), pa.uint64(), pa.timestamp("us")]))
+    n = draw(st.integers(0, 60))
+    kpool = POOLS[kt] if kt in POOLS else [0, 1, -1, 7]
+    keys = draw(st.lists(st.sampled_from(kpool) if draw(st.booleans()) else st.integers(0, 2**40), min_size=n, max_size=n))
+    vals = draw(st.lists(st.sampled_from([0, 1, -1, 1000, 2**62, -(2**62), 2**63 - 1, -(2**63)])
+                         if draw(st.booleans()) else st.integers(-1000, 1000), min_size=n, max_size=n))
+    big = draw(st.booleans())
+    w = [draw(st.sampled_from([-(2**40), 2**31, 2**62]) if big and draw(st.booleans()) else st.integers(-3, 3))
+         for _ in range(n)]
+    return pa.table({"k": pa.array(keys, kt), "v": pa.array(vals, pa.int64())}), np.array(w, dtype=np.int64)
+
+
+def _int_key_model(t: pa.Table, w: np.ndarray):
+    """{key: (weight sum, sum of v * w)} for groups with a non-zero weight sum, folding rows in order; None if an
+    int64 product or partial sum overflows (as the kernels report it)."""
+    groups: dict = {}
+    for k, v, wt in zip(t.column("k").cast(pa.int64()).to_pylist() if t.schema.field("k").type != pa.uint64()
+                        else t.column("k").to_pylist(), t.column("v").to_pylist(), w.tolist()):
+        g = groups.setdefault(k, [0, 0])
+        g[0] += wt
+        g[1] += v * wt
+        if not (-_I64 <= v * wt < _I64 and -_I64 <= g[0] < _I64 and -_I64 <= g[1] < _I64):
+            return None
+    return {k: (ws, s) for k, (ws, s) in groups.items() if ws != 0}
+
+
+@given(int_key_inputs())
+def test_int_key_aggregate_and_consolidate_match_model(tw):
+    t, w = tw
+    z = dbsp.ZSet.from_arrow(t, weights=w)
+    want = _int_key_model(t, w)
+    if want is None:
+        with pytest.raises(WeightOverflowError):
+            z.aggregate(["k"], [("sum", "v"), ("count", None)])
+    else:
+        res = z.aggregate(["k"], [("sum", "v"), ("count", None)])
+        keys = res.column("k").cast(pa.int64()).to_pylist() if res.schema.field("k").type != pa.uint64() \
+            else res.column("k").to_pylist()
+        assert {k: (c, s) for k, s, c in zip(keys, res.column("agg_0").to_pylist(), res.column("agg_1").to_pylist())} == want
+        kh = dbsp.ZSet.from_arrow(res.select(["k"])).hash(["k"])
+        assert (np.diff(kh.astype(np.uint64)) > 0).all()  # groups in key-hash order (one hash per value)
+    # consolidating the key column alone: weight sums only, overflow of a partial sum in row order
+    one = dbsp.ZSet.from_arrow(t.select(["k"]), weights=w)
+    wsum: dict = defaultdict(int)
+    overflow = False
+    for k, wt in zip(t.column("k").to_pylist(), w.tolist()):
+        wsum[k] += wt
+        overflow |= not -_I64 <= wsum[k] < _I64
+    if overflow:
+        with pytest.raises(WeightOverflowError):
+            one.consolidate()
+        return
+    c = one.consolidate()
+    assert canon_dict(c.to_dict()) == model_of(t.select(["k"]), w)
+    assert is_canonical(c)
+
+def test_int_key_aggregate_across_partitions():
+    rng = np.random.default_rng(11)
+    n = 200_000  # several radix partitions, tables that grow
+    k = rng.integers(0, 30_000, n)
+    v = rng.integers(-10**6, 10**6, n)
+    w = rng.integers(-1, 3, n)
+    z = dbsp.ZSet.from_arrow(pa.table({"k": k, "v": v}), weights=w)
+    res = z.aggregate(["k"], [("sum", "v"), ("count", None)])
+    uniq, inv = np.unique(k, return_inverse=True)
+    cnt = np.bincount(inv, weights=w).astype(np.int64)
+    sums = np.zeros(len(uniq), dtype=np.int64)
+    np.add.at(sums, inv, v * w)
+    want = {int(u): (int(s), int(c)) for u, s, c in zip(uniq, sums, cnt) if c}
+    got = dict(zip(res.column("k").to_pylist(), zip(res.column("agg_0").to_pylist(), res.column("agg_1").to_pylist())))
+    assert got == want
+    c = dbsp.ZSet.from_arrow(pa.table({"k": k}), weights=w).consolidate()
+    assert is_canonical(c)
+    assert c.to_dict() == {(u,): c_ for u, (_, c_) in want.items()}
+
+
+# ---- the prefetching gather behind large takes (csrc/gather.c) ----
+
+def _bits(col: pa.ChunkedArray) -> list:
+    """Values with floats as their exact bits (so -0.0, NaN payloads and 0.0 stay distinct), None for nulls."""
+    return [struct.pack("<d", v) if isinstance(v, float) else v for v in col.to_pylist()]
+
+
+@given(tables(max_rows=60), st.data())
+def test_gather_equals_arrow_take(t, data):
+    n = t.num_rows
+    idx = np.array(data.draw(st.lists(st.integers(0, n - 1), max_size=90)) if n else [], dtype=np.int64)
+    got = _zset.gather(t, idx)
+    want = t.take(pa.array(idx, pa.int64()))
+    assert got.schema == t.schema and got.num_rows == len(idx)
+    for g, w in zip(got.columns, want.columns):
+        assert g.num_chunks == 1 and g.null_count == w.null_count
+        assert _bits(g) == _bits(w)
+    if n:
+        with pytest.raises(IndexError):
+            _zset.gather(t, np.array([0, n], dtype=np.int64))
+        with pytest.raises(IndexError):
+            _zset.gather(t, np.array([-1], dtype=np.int64))
+
+
+def test_large_take_uses_gather_and_matches_arrow():
+    from dbsp_core.zset import _GATHER_MIN, _take
+    rng = np.random.default_rng(3)
+    n = 4 * _GATHER_MIN
+    t = pa.table({"k": pa.array(rng.integers(0, 9, n), mask=rng.random(n) < 0.1),
+                  "s": pa.array([("v" * int(i % 23)) if i % 7 else None for i in range(n)], pa.large_string()),
+                  "b": pa.array(rng.random(n) < 0.5), "f": pa.array(rng.random(n).astype(np.float32))}).slice(5)
+    idx = rng.integers(0, t.num_rows, _GATHER_MIN + 1)
+    got = _take(t, idx)
+    assert got.equals(t.take(pa.array(idx)))
+    assert all(c.num_chunks == 1 for c in got.columns)
