@@ -71,6 +71,8 @@ cdef extern from "cdata.h" nogil:
         int64_t n_children
         void (*release)(ArrowSchema *)
 
+    int dbsp_cdata_same_type(const ArrowSchema *t, int64_t k, const ArrowSchema *s, int32_t col)
+
     struct ArrowArray:
         int64_t length
         void (*release)(ArrowArray *)
@@ -78,6 +80,10 @@ cdef extern from "cdata.h" nogil:
     int32_t dbsp_cdata_type(const ArrowSchema *s)
     int dbsp_cdata_view(const ArrowSchema *s, const ArrowArray *a, int32_t ncols, CColumn *cols, int64_t *nrows,
                         const uint8_t *empty, int32_t *bad)
+    int dbsp_cdata_gather(const CBatch *b, const int64_t *idx, int64_t m, ArrowArray *out)
+    int dbsp_cdata_gather2(const CBatch *a, const int32_t *acols, int32_t na, const int64_t *aidx,
+                           const CBatch *b, const int32_t *bcols, int32_t nb, const int64_t *bidx, int64_t m,
+                           ArrowArray *out)
 
 cdef extern from "partition.h" nogil:
     int dbsp_partition(const uint64_t *khash, int64_t n, const int32_t *part_of_shard, int shard_bits,

@@ -1,6 +1,8 @@
 /* cdata.c: DbspColumn views of record batches exported through the Arrow C data interface (see cdata.h). */
+#include <stdlib.h>
 #include <string.h>
 #include "cdata.h"
+#include "gather.h"
 #include "status.h"
 
 static int has_extension_name(const char *metadata) {
@@ -51,6 +53,14 @@ int32_t dbsp_cdata_type(const struct ArrowSchema *s) {
     return 0;
 }
 
+int dbsp_cdata_same_type(const struct ArrowSchema *t, int64_t k, const struct ArrowSchema *s, int32_t col) {
+    if (k < 0 || k >= t->n_children || col < 0 || col >= s->n_children) return 0;
+    const struct ArrowSchema *a = t->children[k], *b = s->children[col];
+    if (!a->format || !b->format || a->dictionary || b->dictionary) return 0;
+    if (has_extension_name(a->metadata) || has_extension_name(b->metadata)) return 0;
+    return strcmp(a->format, b->format) == 0;
+}
+
 int dbsp_cdata_view(const struct ArrowSchema *s, const struct ArrowArray *a, int32_t ncols, DbspColumn *cols,
                     int64_t *nrows, const uint8_t *empty, int32_t *bad) {
     *bad = -1;
@@ -72,4 +82,111 @@ int dbsp_cdata_view(const struct ArrowSchema *s, const struct ArrowArray *a, int
         cols[k].data = var ? (b[2] ? (const uint8_t *)b[2] : empty) : NULL;
     }
     return DBSP_OK;
+}
+
+/* ---- export of gathered rows (invariant 4) ---- */
+
+typedef struct {
+    const void *bufs[3];
+    void *owned[3];
+} ChildPriv;
+
+static void release_child(struct ArrowArray *a) {
+    ChildPriv *p = a->private_data;
+    for (int i = 0; i < 3; i++) free(p->owned[i]);
+    free(p);
+    a->release = NULL;
+}
+
+typedef struct {
+    const void *bufs[1];
+    struct ArrowArray *kids;       /* the children, contiguous */
+    struct ArrowArray **kid_ptrs;
+    int64_t n;
+} RootPriv;
+
+static void release_root(struct ArrowArray *a) {
+    RootPriv *p = a->private_data;
+    for (int64_t k = 0; k < p->n; k++)
+        if (p->kids[k].release) p->kids[k].release(&p->kids[k]);
+    free(p->kids); free(p->kid_ptrs); free(p);
+    a->release = NULL;
+}
+
+static int gather_child(const DbspColumn *c, int64_t nrows, const int64_t *idx, int64_t m, struct ArrowArray *out) {
+    int var = dbsp_type_class(c->type) == DBSP_CLASS_BYTES;
+    int64_t vbytes;
+    if (c->type == DBSP_BOOL) vbytes = (m + 7) / 8;
+    else if (var) vbytes = (m + 1) * ((c->type == DBSP_LARGE_UTF8 || c->type == DBSP_LARGE_BINARY) ? 8 : 4);
+    else vbytes = m * dbsp_type_width(c->type);
+    ChildPriv *p = calloc(1, sizeof *p);
+    int64_t *src = NULL, nulls = 0, nbytes = 0;
+    int st = DBSP_ENOMEM;
+    if (!p) return DBSP_ENOMEM;
+    p->owned[1] = malloc((size_t)(vbytes ? vbytes : 1));
+    if (c->validity) p->owned[0] = malloc((size_t)((m + 7) / 8 + 1));
+    if (var) src = malloc((size_t)(m ? m : 1) * 8);
+    if (!p->owned[1] || (c->validity && !p->owned[0]) || (var && !src)) goto fail;
+    if ((st = dbsp_gather_column(c, idx, m, p->owned[0], p->owned[1], src, &nulls, &nbytes))) goto fail;
+    if (var) {
+        st = DBSP_ENOMEM;
+        if (!(p->owned[2] = malloc((size_t)nbytes + 16))) goto fail;
+        if ((st = dbsp_gather_data(c, nrows, m, p->owned[1], src, p->owned[2]))) goto fail;
+    }
+    free(src);
+    if (nulls == 0) { free(p->owned[0]); p->owned[0] = NULL; }
+    for (int i = 0; i < 3; i++) p->bufs[i] = p->owned[i];
+    memset(out, 0, sizeof *out);
+    out->length = m;
+    out->null_count = nulls;
+    out->n_buffers = var ? 3 : 2;
+    out->buffers = p->bufs;
+    out->release = release_child;
+    out->private_data = p;
+    return DBSP_OK;
+fail:
+    free(src);
+    for (int i = 0; i < 3; i++) free(p->owned[i]);
+    free(p);
+    return st;
+}
+
+int dbsp_cdata_gather2(const DbspBatch *a, const int32_t *acols, int32_t na, const int64_t *aidx,
+                       const DbspBatch *b, const int32_t *bcols, int32_t nb, const int64_t *bidx, int64_t m,
+                       struct ArrowArray *out) {
+    int64_t n = (int64_t)na + (b ? nb : 0);
+    RootPriv *p = calloc(1, sizeof *p);
+    if (!p) return DBSP_ENOMEM;
+    p->kids = calloc((size_t)(n ? n : 1), sizeof(struct ArrowArray));
+    p->kid_ptrs = calloc((size_t)(n ? n : 1), sizeof(struct ArrowArray *));
+    if (!p->kids || !p->kid_ptrs) { free(p->kids); free(p->kid_ptrs); free(p); return DBSP_ENOMEM; }
+    for (int64_t k = 0; k < n; k++) {
+        const DbspBatch *src = k < na ? a : b;
+        const int32_t *cols = k < na ? acols : bcols;
+        int64_t j = k < na ? k : k - na;
+        int32_t c = cols ? cols[j] : (int32_t)j;
+        int st = (c < 0 || c >= src->ncols) ? DBSP_EINVAL
+               : gather_child(&src->cols[c], src->nrows, k < na ? aidx : bidx, m, &p->kids[k]);
+        if (st) {
+            p->n = k;
+            struct ArrowArray tmp = { .private_data = p };
+            release_root(&tmp);
+            return st;
+        }
+        p->kid_ptrs[k] = &p->kids[k];
+    }
+    p->n = n;
+    memset(out, 0, sizeof *out);
+    out->length = m;
+    out->n_buffers = 1;
+    out->buffers = p->bufs;  /* no validity: a record batch has no null rows */
+    out->n_children = n;
+    out->children = p->kid_ptrs;
+    out->release = release_root;
+    out->private_data = p;
+    return DBSP_OK;
+}
+
+int dbsp_cdata_gather(const DbspBatch *b, const int64_t *idx, int64_t m, struct ArrowArray *out) {
+    return dbsp_cdata_gather2(b, NULL, b->ncols, idx, NULL, NULL, 0, NULL, m, out);
 }

@@ -6,6 +6,8 @@
  *  2. A column maps to a DbspType by its format string alone; dictionary-encoded columns and extension types
  *     (metadata key "ARROW:extension:name") are unsupported, like every format not listed in cdata.c.
  *  3. The view borrows the buffers: the caller keeps the exported structs alive (unreleased) while it is used.
+ *  4. A batch this file exports owns its buffers: releasing the root releases every child not moved away, and
+ *     each child frees its own buffers, so a consumer may keep some columns and drop the rest.
  */
 #ifndef DBSP_CDATA_H
 #define DBSP_CDATA_H
@@ -48,11 +50,28 @@ struct ArrowArray {
 /* The DbspType of an exported column's schema, or 0 when the type is unsupported (invariant 2). */
 int32_t dbsp_cdata_type(const struct ArrowSchema *s);
 
+/* 1 if child k of record batch schema t and child col of s have the same type (format strings; no dictionaries or
+ * extension types on either side), else 0. */
+int dbsp_cdata_same_type(const struct ArrowSchema *t, int64_t k, const struct ArrowSchema *s, int32_t col);
+
 /* Fill cols[0..ncols) and *nrows from an exported record batch (invariant 1). `empty` stands in for absent
  * (NULL) buffers, so every pointer of a view is valid; it must hold at least 8 zero bytes.
  * Returns DBSP_OK, DBSP_EINVAL if the structs are not a record batch of ncols columns with the buffers their
  * types need, or DBSP_ETYPE with *bad = the first unsupported column. */
 int dbsp_cdata_view(const struct ArrowSchema *s, const struct ArrowArray *a, int32_t ncols, DbspColumn *cols,
                     int64_t *nrows, const uint8_t *empty, int32_t *bad);
+
+/* The rows idx[0..m) of b (indices already checked: dbsp_gather_check) as a newly exported record batch: *out
+ * becomes a struct array ("+s", no nulls) with one child per column of b, in b's types, holding malloc'ed buffers
+ * that its release callback frees (invariant 4). Columns are gathered with gather.h. Errors (nothing exported):
+ * DBSP_ENOMEM, DBSP_ETOOBIG (a utf8/binary result past 2^31-1 bytes), DBSP_ETYPE. */
+int dbsp_cdata_gather(const DbspBatch *b, const int64_t *idx, int64_t m, struct ArrowArray *out);
+
+/* The columns acols[0..na) of a at rows aidx[0..m), then (b not NULL) columns bcols[0..nb) of b at rows
+ * bidx[0..m), side by side as one exported record batch (a join's output rows); NULL column lists mean every
+ * column in order. Indices already checked; DBSP_EINVAL for a column outside its batch. */
+int dbsp_cdata_gather2(const DbspBatch *a, const int32_t *acols, int32_t na, const int64_t *aidx,
+                       const DbspBatch *b, const int32_t *bcols, int32_t nb, const int64_t *bidx, int64_t m,
+                       struct ArrowArray *out);
 
 #endif

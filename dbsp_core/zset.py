@@ -102,17 +102,23 @@ def _fmt_schema(s: pa.Schema) -> str:
     return "(" + ", ".join(f"{f.name}: {f.type}" for f in s) + ")"
 
 
-_GATHER_MIN = 1 << 12  # rows from which _take gathers in C: below, Arrow's take costs less per call
+_GATHER_MIN = 1 << 12  # rows from which _take uses the gather whose buffers come from Arrow's pool (large takes)
 
 
-def _take(table: pa.Table, idx: np.ndarray) -> pa.Table:
-    """Rows of `table` at `idx`, each column one chunk (no Python per row). Large takes use the prefetching C
-    gather (csrc/gather.h: a consolidated batch's rows come in hash order, i.e. randomly), small ones Arrow's."""
-    if idx.shape[0] == table.num_rows and (idx.shape[0] == 0 or (idx[0] == 0 and np.array_equal(idx, np.arange(idx.shape[0])))):
+def _take(table: pa.Table, idx: np.ndarray, view: Any = None) -> pa.Table:
+    """Rows of `table` at `idx`, each column one chunk (no Python per row), by a C gather: large takes into Arrow's
+    memory pool (csrc/gather.h; a consolidated batch's rows come in hash order, i.e. randomly, so it prefetches),
+    small ones in one call over every column handed over through the C data interface (csrc/cdata.h), which
+    costs a fraction of Arrow's take per call. `view` is a BatchView of `table` the caller already holds."""
+    n = idx.shape[0]
+    if n == table.num_rows and (n == 0 or (idx[0] == 0 and idx[n - 1] == n - 1
+                                          and np.array_equal(idx, np.arange(n)))):
         return table
-    if idx.shape[0] >= _GATHER_MIN and table.num_columns:
+    if table.num_columns == 0:
+        return _single_chunk(table.take(pa.array(idx, type=pa.int64())))
+    if n >= _GATHER_MIN:
         return _zset.gather(table, idx)
-    return _single_chunk(table.take(pa.array(idx, type=pa.int64())))
+    return _zset.take(table if view is None else view, idx)
 
 
 def _column_positions(schema: pa.Schema, columns: Sequence[str], op: str) -> list[int]:
@@ -289,8 +295,9 @@ class ZSet:
         """The same Z-set with equal rows merged, zero weights dropped, in canonical order."""
         if self._consolidated:
             return self
-        idx, w, rh = _zset.consolidate(self._data, self._w, [])
-        return ZSet._make(_take(self._data, idx), w, consolidated=True, rhash=rh)
+        v = _zset.BatchView(self._data, self._w)  # one view for the kernel and the take
+        idx, w, rh = _zset.consolidate(v, None, [])
+        return ZSet._make(_take(self._data, idx, v), w, consolidated=True, rhash=rh)
 
     def hash(self, columns: Sequence[str]) -> np.ndarray:
         """The DBSP key hash (version ``HASH_VERSION``) of each stored row over `columns`, as uint64.
@@ -341,8 +348,9 @@ class ZSet:
         pos = _column_positions(self.schema, key_columns, "index_by")
         if not pos:
             raise ValueError("index_by needs at least one key column")
-        idx, w, kh = _zset.consolidate(self._data, self._w, pos)
-        return IndexedZSet._make(ZSet._make(_take(self._data, idx), w, consolidated=False), tuple(key_columns), kh)
+        v = _zset.BatchView(self._data, self._w)  # one view for the kernel and the take
+        idx, w, kh = _zset.consolidate(v, None, pos)
+        return IndexedZSet._make(ZSet._make(_take(self._data, idx, v), w, consolidated=False), tuple(key_columns), kh)
 
     def aggregate(self, key_columns: Sequence[str], aggs: Sequence[tuple[str, str | None]]) -> pa.Table:
         """Grouped aggregates straight from the stored rows, by hash grouping (no index is built).

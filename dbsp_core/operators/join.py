@@ -18,13 +18,15 @@ from typing import TYPE_CHECKING, Sequence
 import pyarrow as pa
 import pyarrow.types as pat
 
+from dbsp_core import _zset
 from dbsp_core.errors import SchemaError
 from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, make
 from dbsp_core.trace import Trace
+from dbsp_core.zset import ZSet
 
 if TYPE_CHECKING:
     from dbsp_core.runtime import WorkerContext
-    from dbsp_core.zset import IndexedZSet, ZSet
+    from dbsp_core.zset import IndexedZSet
 
 
 def _key_class(t: pa.DataType) -> object:
@@ -80,21 +82,19 @@ class Join(Operator):
         self.lschema, self.rschema = lschema, rschema
         self.left_on, self.right_on = tuple(left_on), tuple(right_on)
         self.right_kept = kept
+        self.right_kept_pos = [rschema.get_field_index(c) for c in kept]
 
     def instance(self) -> "_JoinState":
         return _JoinState(self)
 
     def pairs(self, left: "IndexedZSet", right: "IndexedZSet") -> "ZSet":
-        """The join of two indexed batches as a Z-set of output rows (C join kernel + Arrow take)."""
-        li, ri, w = left.join(right)
+        """The join of two indexed batches as a Z-set of output rows: the C join kernel, then one C gather of the
+        left rows' columns and the kept right columns (key types were checked when the operator was built)."""
+        lv, rv = left._view(), right._view()
+        li, ri, w = _zset.join(lv, None, None, left._keypos, rv, None, None, right._keypos, False)
         if len(li) == 0:
             return empty(self.schema)
-        ltab = left.zset.data.take(li)
-        cols = list(ltab.columns)
-        if self.right_kept:
-            rtab = right.zset.data.select(self.right_kept).take(ri)
-            cols += list(rtab.columns)
-        return make(pa.Table.from_arrays(cols, schema=self.schema), w, self.schema)
+        return ZSet._make(_zset.take_pairs(lv, li, rv, ri, self.right_kept_pos, self.schema), w)
 
 
 class _JoinState:
