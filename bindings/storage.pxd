@@ -68,6 +68,10 @@ cdef extern from "steplog.h" nogil:
     void dbsp_steplog_close(DbspStepLog *log)
     int dbsp_steplog_append(DbspStepLog *log, int64_t step, const void *handle, size_t hlen, const void *producer,
                             size_t plen, uint64_t seq, const void *payload, size_t len)
+    int dbsp_steplog_enqueue(DbspStepLog *log, int64_t step, const void *handle, size_t hlen,
+                             const void *producer, size_t plen, uint64_t seq, const void *payload, size_t len,
+                             uint64_t *ticket)
+    int dbsp_steplog_sync(DbspStepLog *log, uint64_t ticket)
     int dbsp_steplog_read(DbspStepLog *log, int64_t from_step, int64_t to_step, size_t max_bytes,
                           uint64_t *resume_seg, uint64_t *resume_off, unsigned char **out, size_t *outlen)
     int dbsp_steplog_truncate_below(DbspStepLog *log, int64_t step, uint64_t *segments_dropped)

@@ -355,6 +355,34 @@ cdef class Log:
         self.active -= 1
         check(st)
 
+    def enqueue(self, int64_t step, bytes handle, bytes producer, uint64_t seq, payload):
+        """Buffer one record in log order without writing it; returns its ticket for :meth:`sync`."""
+        cdef const unsigned char[::1] v = as_view(payload)
+        cdef size_t n = v.shape[0]
+        cdef const void *vp = &v[0] if n else NULL
+        cdef const char *hp = handle
+        cdef const char *pp = producer
+        cdef size_t hl = len(handle), pl = len(producer)
+        cdef uint64_t ticket = 0
+        cdef int st
+        self.alive()
+        self.active += 1
+        with nogil:
+            st = dbsp_steplog_enqueue(self.log, step, hp, hl, pp, pl, seq, vp, n, &ticket)
+        self.active -= 1
+        check(st)
+        return ticket
+
+    def sync(self, uint64_t ticket):
+        """Return once every record up to ``ticket`` is durable."""
+        cdef int st
+        self.alive()
+        self.active += 1
+        with nogil:
+            st = dbsp_steplog_sync(self.log, ticket)
+        self.active -= 1
+        check(st)
+
     def read(self, int64_t from_step, int64_t to_step, size_t max_bytes, uint64_t resume_seg, uint64_t resume_off):
         """(list of (step, handle, producer, seq, payload), resume_seg, resume_off)."""
         cdef unsigned char *buf = NULL
