@@ -7,13 +7,17 @@ Invariants (enforced here):
      attribute is configuration rebuilt by ``instance()``. Each instance is checked once when the pipeline is
      built: an attribute of another mutable kind (list, dict, ndarray, IndexedZSet) raises, so state can never
      be silently left out.
-  3. A trace is stored as its spine batches, each split by shard: one value per (non-empty shard, batch) under
-     :func:`shard_key` ``(shard, batch number)`` in table ``s<node>.<attr>``, so a shard's state is one
-     contiguous key range and moves as a unit; the trace is the sum of the values.
+  3. A trace is stored as its batches, settled and pending alike (saving never settles a trace, so it never
+     merges what the running pipeline would not), each split by shard: one value per (non-empty shard, batch)
+     under :func:`shard_key` ``(shard, batch number)`` in table ``s<node>.<attr>``, so a shard's state is one
+     contiguous key range and moves as a unit; the trace is the sum of the values. Key ``order.<table>`` of
+     table ``snapshot`` lists the batch numbers in trace order and how many of them are settled, so a restored
+     trace has the same spine and pending batches (without it, as written before it existed: number order, all
+     settled).
      A plain Z-set (integrate, delay, differentiate state, not keyed) is stored whole under key ``b"all"``
      in table ``z<node>.<attr>``. Every value is a checksummed, versioned Z-set encoding.
-  4. Saving writes only spine batches not saved before and deletes the keys of batches merged away, so the
-     stored state equals the in-memory state after every save, at a cost that follows the trace's merges.
+  4. Saving writes only batches not saved before and deletes the keys of batches merged away, so the stored
+     state equals the in-memory state after every save, at a cost that follows the trace's merges.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from dbsp_core.codec import decode_batch, decode_zset, encode_batch, encode_zset, zset_batch
+from dbsp_core.codec import decode_batch, decode_json, decode_zset, encode_batch, encode_json, encode_zset, zset_batch
 from dbsp_core.errors import CorruptionError, DbspError
 from dbsp_core.storage import SHARD_PREFIX_BYTES, DatabaseHandle, shard_key, shard_of_key
 from dbsp_core.trace import Trace
@@ -67,6 +71,15 @@ def _sync_table(h: DatabaseHandle, table: str, values: dict[bytes, bytes]) -> in
     return changed
 
 
+def _trace_batches(trace: Trace) -> tuple[list[IndexedZSet], list[IndexedZSet]]:
+    """The settled spine and the pending batches of ``trace``, without settling it (trace invariant 2)."""
+    return trace._spine, trace.pending
+
+
+def _order_key(table: str) -> bytes:
+    return b"order." + table.encode("utf-8")
+
+
 def _must_get(h: DatabaseHandle, table: str, key: bytes, where: str) -> bytes:
     v = h.get(table, key)
     if v is None:
@@ -77,7 +90,7 @@ def _must_get(h: DatabaseHandle, table: str, key: bytes, where: str) -> bytes:
 class WorkerSnapshot:
     """The checkpointed state of one worker's stateful instances, saved incrementally (invariants 3 and 4).
 
-    A trace is saved batch by batch: every settled spine batch is written once, split by shard, under
+    A trace is saved batch by batch: every batch (settled or pending) is written once, split by shard, under
     ``shard_key(shard, batch number)``; a later checkpoint writes only the batches that appeared since
     (new changes and merge results) and deletes the keys of batches that were merged away. So a checkpoint
     costs what the trace's merges cost, amortized, not the size of the state. It keeps a reference to every
@@ -104,20 +117,26 @@ class WorkerSnapshot:
             for name in traces:
                 table = f"s{node_id}.{name}"
                 saved = self._saved.setdefault(table, {})
-                spine = getattr(inst, name).batches  # settles pending batches
-                live = {id(b) for b in spine}
+                settled, pending = _trace_batches(getattr(inst, name))  # no settling: no merges to pay here
+                batches = settled + pending
+                live = {id(b) for b in batches}
                 for bid in [k for k in saved if k not in live]:
                     plan.append(("delete", table, saved.pop(bid)[1]))
-                for b in spine:
-                    if id(b) in saved:
-                        continue
-                    number = self._next.to_bytes(8, "big")
-                    self._next += 1
-                    bounds = b.shard_bounds(self.shard_bits) if len(b) else np.zeros(1, dtype=np.int64)
-                    shards = np.flatnonzero(np.diff(bounds) > 0).tolist()
-                    keys = [shard_key(sh, number) for sh in shards]
-                    saved[id(b)] = (b, keys)
-                    plan.append(("batch", table, b, bounds, shards, keys))
+                order, in_spine = [], 0
+                for i, b in enumerate(batches):
+                    if id(b) not in saved:
+                        number = self._next.to_bytes(8, "big")
+                        self._next += 1
+                        bounds = b.shard_bounds(self.shard_bits) if len(b) else np.zeros(1, dtype=np.int64)
+                        shards = np.flatnonzero(np.diff(bounds) > 0).tolist()
+                        keys = [shard_key(sh, number) for sh in shards]
+                        saved[id(b)] = (b, keys)
+                        plan.append(("batch", table, b, bounds, shards, keys))
+                    keys = saved[id(b)][1]
+                    if keys:  # an empty batch stores nothing (traces hold none)
+                        order.append(int.from_bytes(keys[0][SHARD_PREFIX_BYTES:], "big"))
+                        in_spine += i < len(settled)
+                plan.append(("order", table, order, in_spine))
             for name in zsets:
                 plan.append(("zset", f"z{node_id}.{name}", getattr(inst, name)))
         plan.append(("next", self._next))
@@ -139,6 +158,9 @@ class WorkerSnapshot:
                     lo, hi = int(bounds[sh]), int(bounds[sh + 1])
                     h.put(table, key, encode_batch(rb.slice(lo, hi - lo)))
                 changed += len(keys)
+            elif op[0] == "order":
+                h.put("snapshot", _order_key(op[1]), encode_json(b"DORD", {"numbers": op[2], "settled": op[3]}))
+                changed += 1
             elif op[0] == "zset":
                 z = op[2]
                 changed += _sync_table(h, op[1], {b"all": encode_zset(z)} if z.num_rows else {})
@@ -183,7 +205,16 @@ class WorkerSnapshot:
                 trace.clear()
                 batches = []
                 mine = known.get(table, {})
-                for number in sorted(groups):  # batch number order is spine order
+                rec = h.get("snapshot", _order_key(table))
+                if rec is None:  # written before the order was recorded: every batch settled, in number order
+                    numbers, settled = sorted(groups), len(groups)
+                else:
+                    d = decode_json(b"DORD", rec, f"{where} snapshot order of {table}")
+                    numbers, settled = [int(n).to_bytes(8, "big") for n in d["numbers"]], int(d["settled"])
+                    if sorted(numbers) != sorted(groups) or not 0 <= settled <= len(numbers):
+                        raise CorruptionError(f"{where} {table}: the recorded batch order names {len(numbers)} "
+                                              f"batches, the table holds {len(groups)}")
+                for pos, number in enumerate(numbers):
                     blobs, keys = groups[number]
                     old = mine.get(number)
                     if old is not None and sorted(old[1]) == sorted(keys):
@@ -194,10 +225,14 @@ class WorkerSnapshot:
                         z = parts[0] if len(parts) == 1 else ZSet.concat(parts)
                         # shard slices of one key-hash-sorted batch, in shard order: the batch itself
                         b = IndexedZSet._make(ZSet._make(z.data, z.weights), trace.key, z.hash(list(trace.key)))
-                    trace.insert(b)
+                    if pos == settled:
+                        trace.settle()  # the settled batches shrink strictly (trace invariant 2): no merges
+                    trace.insert(b)  # the rest stay pending, as they were saved
                     batches.append((b, keys))
                     rows += len(b)
-                spine = {id(b) for b in trace.batches}
+                if settled == len(numbers):
+                    trace.settle()
+                spine = {id(b) for b in sum(_trace_batches(trace), [])}
                 saved = {id(b): (b, keys) for b, keys in batches}
                 if set(saved) != spine:  # pragma: no cover - settling merged restored batches: rewrite them all
                     for _, keys in batches:
