@@ -60,12 +60,25 @@ def encode_zset(z: ZSet, magic: bytes = b"DZS1") -> bytes:
     >>> decode_zset(encode_zset(z), z.schema, "t").to_dict() == z.to_dict()
     True
     """
+    return b"".join(encode_zset_parts(z, magic))
+
+
+def encode_zset_parts(z: ZSet, magic: bytes = b"DZS1") -> tuple[bytes, pa.Buffer]:
+    """:func:`encode_zset` as (header, body) without joining them (the body is Arrow's buffer, not copied), for
+    writers that gather.
+
+    >>> import pyarrow as pa
+    >>> z = ZSet.from_rows([(1,)], pa.schema([("x", pa.int64())]))
+    >>> b"".join(encode_zset_parts(z)) == encode_zset(z)
+    True
+    """
     table = z.data.append_column(pa.field(WEIGHT_COLUMN, pa.int64(), nullable=False),
                                  pa.array(np.asarray(z.weights, dtype=np.int64), pa.int64()))
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as w:
         w.write_table(table)
-    return frame(magic, sink.getvalue().to_pybytes())
+    body = sink.getvalue()
+    return _HEAD.pack(magic, FORMAT_VERSION, zlib.crc32(body)), body
 
 
 def decode_zset(blob: bytes, schema: pa.Schema, where: str, magic: bytes = b"DZS1") -> ZSet:
