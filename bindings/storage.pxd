@@ -22,6 +22,7 @@ cdef extern from "storage_status.h" nogil:
 
 cdef extern from "crc32c.h" nogil:
     unsigned int dbsp_crc32c(unsigned int crc, const void *data, size_t len)
+    unsigned int dbsp_crc32c_portable(unsigned int crc, const void *data, size_t len)
 
 cdef extern from "vfs.h" nogil:
     ctypedef struct DbspVfs:
