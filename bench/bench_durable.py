@@ -1,12 +1,16 @@
 """Benchmarks of the durable pipeline: throughput with storage against in memory, push latency, checkpoint time against state size and against a pushed-but-unstepped backlog, and recovery time against replay length.
 
-Run: python bench/bench_durable.py [--quick]. Prints one line per measurement (copied into RESULTS.md).
+Run: python bench/bench_durable.py [--quick] [--rounds N] [--only-throughput]. Prints one line per measurement
+(copied into RESULTS.md). The throughput runs alternate in memory and durable (same data, same process), ROUNDS
+times each (the order flips every round), and report medians, the per-round ratios and CPU seconds (process time:
+every thread, including checkpoint and fsync threads), with the load average before and after.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -62,30 +66,56 @@ def run_concurrent(p, steps: int, n: int, auctions: int, seed: int = 1) -> float
     return time.perf_counter() - t0
 
 
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def compare(label: str, runner, root: str, steps: int, n: int, auctions: int, rounds: int) -> None:
+    """In memory and durable (checkpoint every 1 s) ``rounds`` times each, alternating; prints medians."""
+    rows = steps * n
+    res: dict[str, list[tuple[float, float]]] = {"mem": [], "dur": []}
+    cks, nsteps = [], []
+    before = load()
+    for r in range(rounds):
+        for mode in (("mem", "dur") if r % 2 == 0 else ("dur", "mem")):
+            d = os.path.join(root, f"{label}-{r}")
+            if mode == "mem":
+                p = dbsp.Pipeline(circuit(), workers=2)
+            else:
+                p = dbsp.Pipeline(circuit(), workers=2, storage=d, checkpoint_interval=1.0)
+            c0 = time.process_time()
+            wall = runner(p, steps, n, auctions)
+            cpu = time.process_time() - c0
+            if mode == "dur":
+                cks.append(p.stats["checkpoints"])
+                nsteps.append(p.steps)
+            p.close()
+            shutil.rmtree(d, ignore_errors=True)
+            res[mode].append((wall, cpu))
+    mem = statistics.median(w for w, _ in res["mem"])
+    dur = statistics.median(w for w, _ in res["dur"])
+    ratios = sorted(m[0] / d[0] for m, d in zip(res["mem"], res["dur"]))
+    cpu_m = statistics.median(c for _, c in res["mem"])
+    cpu_d = statistics.median(c for _, c in res["dur"])
+    print(f"throughput, {label}, {steps} x {n} bids, W=2, medians of {rounds} alternating rounds: in memory "
+          f"{rows / mem:,.0f} rows/s, durable {rows / dur:,.0f} rows/s ({statistics.median(nsteps):.0f} steps, "
+          f"{statistics.median(cks):.0f} checkpoints) = {mem / dur:.0%} of in memory (per round "
+          f"{', '.join(f'{x:.0%}' for x in ratios)}); CPU {cpu_m:.2f} s vs {cpu_d:.2f} s "
+          f"(+{cpu_d / cpu_m - 1:.0%}); load {before} -> {load()}")
+
+
 def main() -> None:
     quick = "--quick" in sys.argv
     steps, n, auctions = (20, 10_000, 50_000) if quick else (60, 20_000, 200_000)
+    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else (3 if quick else 7)
     root = tempfile.mkdtemp(prefix="bench-durable-")
     try:
         # (1) throughput: in memory against durable with a checkpoint every second
-        with dbsp.Pipeline(circuit(), workers=2) as p:
-            mem = run(p, steps, n, auctions)
-        p = dbsp.Pipeline(circuit(), workers=2, storage=os.path.join(root, "t"), checkpoint_interval=1.0)
-        dur = run(p, steps, n, auctions)
-        cks = p.stats["checkpoints"]
-        p.close()
-        rows = steps * n
-        print(f"throughput, push then step in one thread, {steps} x {n} bids, W=2: in memory {rows / mem:,.0f} "
-              f"rows/s, durable {rows / dur:,.0f} rows/s ({cks} checkpoints) = {mem / dur:.0%} of in memory")
-        with dbsp.Pipeline(circuit(), workers=2) as p:
-            mem = run_concurrent(p, steps, n, auctions)
-        p = dbsp.Pipeline(circuit(), workers=2, storage=os.path.join(root, "c"), checkpoint_interval=1.0)
-        dur = run_concurrent(p, steps, n, auctions)
-        cks, nsteps = p.stats["checkpoints"], p.steps
-        p.close()
-        print(f"throughput, a producer thread pushing while the pipeline steps, {steps} x {n} bids, W=2: in memory "
-              f"{rows / mem:,.0f} rows/s, durable {rows / dur:,.0f} rows/s ({nsteps} steps, {cks} checkpoints) "
-              f"= {mem / dur:.0%} of in memory")
+        compare("push then step in one thread", run, root, steps, n, auctions, rounds)
+        compare("a producer thread pushing while the pipeline steps", run_concurrent, root, steps, n, auctions,
+                rounds)
+        if "--only-throughput" in sys.argv:
+            return
 
         # (2) durable push latency (one small push, fsync'd before it returns)
         p = dbsp.Pipeline(circuit(), workers=1, storage=os.path.join(root, "lat"), checkpoint_interval=None)

@@ -22,6 +22,7 @@ cdef extern from "storage_status.h" nogil:
 
 cdef extern from "crc32c.h" nogil:
     unsigned int dbsp_crc32c(unsigned int crc, const void *data, size_t len)
+    unsigned int dbsp_crc32c_portable(unsigned int crc, const void *data, size_t len)
 
 cdef extern from "vfs.h" nogil:
     ctypedef struct DbspVfs:
@@ -68,6 +69,10 @@ cdef extern from "steplog.h" nogil:
     void dbsp_steplog_close(DbspStepLog *log)
     int dbsp_steplog_append(DbspStepLog *log, int64_t step, const void *handle, size_t hlen, const void *producer,
                             size_t plen, uint64_t seq, const void *payload, size_t len)
+    int dbsp_steplog_enqueue(DbspStepLog *log, int64_t step, const void *handle, size_t hlen,
+                             const void *producer, size_t plen, uint64_t seq, const void *payload, size_t len,
+                             uint64_t *ticket)
+    int dbsp_steplog_sync(DbspStepLog *log, uint64_t ticket)
     int dbsp_steplog_read(DbspStepLog *log, int64_t from_step, int64_t to_step, size_t max_bytes,
                           uint64_t *resume_seg, uint64_t *resume_off, unsigned char **out, size_t *outlen)
     int dbsp_steplog_truncate_below(DbspStepLog *log, int64_t step, uint64_t *segments_dropped)

@@ -53,6 +53,13 @@ def crc32c(data, unsigned int crc=0):
     return dbsp_crc32c(crc, &view[0] if n else NULL, n)
 
 
+def crc32c_portable(data, unsigned int crc=0):
+    """The same CRC-32C by the portable slicing-by-8 code only (for tests against the hardware path)."""
+    cdef const unsigned char[::1] view = memoryview(data).cast("B")
+    cdef size_t n = view.shape[0]
+    return dbsp_crc32c_portable(crc, &view[0] if n else NULL, n)
+
+
 def fault_arm(uint64_t crash_at=0, str mode="drop", uint64_t seed=0, uint64_t error_at=0, str error="EIO"):
     if mode not in CRASH_MODES:
         raise ValueError(f"unknown crash mode {mode!r}; expected one of {sorted(CRASH_MODES)}")
@@ -352,6 +359,34 @@ cdef class Log:
         self.active += 1
         with nogil:
             st = dbsp_steplog_append(self.log, step, hp, hl, pp, pl, seq, vp, n)
+        self.active -= 1
+        check(st)
+
+    def enqueue(self, int64_t step, bytes handle, bytes producer, uint64_t seq, payload):
+        """Buffer one record in log order without writing it; returns its ticket for :meth:`sync`."""
+        cdef const unsigned char[::1] v = as_view(payload)
+        cdef size_t n = v.shape[0]
+        cdef const void *vp = &v[0] if n else NULL
+        cdef const char *hp = handle
+        cdef const char *pp = producer
+        cdef size_t hl = len(handle), pl = len(producer)
+        cdef uint64_t ticket = 0
+        cdef int st
+        self.alive()
+        self.active += 1
+        with nogil:
+            st = dbsp_steplog_enqueue(self.log, step, hp, hl, pp, pl, seq, vp, n, &ticket)
+        self.active -= 1
+        check(st)
+        return ticket
+
+    def sync(self, uint64_t ticket):
+        """Return once every record up to ``ticket`` is durable."""
+        cdef int st
+        self.alive()
+        self.active += 1
+        with nogil:
+            st = dbsp_steplog_sync(self.log, ticket)
         self.active -= 1
         check(st)
 

@@ -1,4 +1,5 @@
-/* crc32c.c: table-driven CRC-32C (reflected polynomial 0x82F63B78) using slicing-by-8; tables built once at first use. */
+/* crc32c.c: CRC-32C (reflected polynomial 0x82F63B78): the SSE4.2 crc32 instruction where the CPU has it, else
+ * table-driven slicing-by-8 (tables built once at first use); both give the same checksum. */
 #include "crc32c.h"
 
 #include <pthread.h>
@@ -6,6 +7,28 @@
 
 static uint32_t crc_table[8][256];
 static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
+static int crc_hw; /* set once by crc_init: use the instruction */
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define DBSP_CRC_HW 1
+/* About 8 GB/s against about 1 GB/s for slicing-by-8: pushes and output records are checksummed on the step path. */
+__attribute__((target("sse4.2"))) static uint32_t crc_sse42(uint32_t crc, const unsigned char *p, size_t len) {
+    uint64_t c = (uint32_t)~crc;
+    while (len && ((uintptr_t)p & 7)) {
+        c = __builtin_ia32_crc32qi((uint32_t)c, *p++);
+        len--;
+    }
+    while (len >= 8) {
+        uint64_t v;
+        memcpy(&v, p, 8);
+        c = __builtin_ia32_crc32di(c, v);
+        p += 8;
+        len -= 8;
+    }
+    while (len--) c = __builtin_ia32_crc32qi((uint32_t)c, *p++);
+    return ~(uint32_t)c;
+}
+#endif
 
 static void crc_init(void) {
     for (uint32_t i = 0; i < 256; i++) {
@@ -20,9 +43,21 @@ static void crc_init(void) {
             crc_table[t][i] = c;
         }
     }
+#ifdef DBSP_CRC_HW
+    __builtin_cpu_init();
+    crc_hw = __builtin_cpu_supports("sse4.2");
+#endif
 }
 
 uint32_t dbsp_crc32c(uint32_t crc, const void *data, size_t len) {
+    pthread_once(&crc_once, crc_init);
+#ifdef DBSP_CRC_HW
+    if (crc_hw) return crc_sse42(crc, data, len);
+#endif
+    return dbsp_crc32c_portable(crc, data, len);
+}
+
+uint32_t dbsp_crc32c_portable(uint32_t crc, const void *data, size_t len) {
     pthread_once(&crc_once, crc_init);
     const unsigned char *p = data;
     uint32_t c = ~crc;

@@ -23,7 +23,10 @@
  *
  * Group commit: appenders copy their frame into a shared buffer under `mu` and wait; the first waiter without
  * a sync in flight becomes the leader, takes the whole buffer, writes it with one pwrite, fsyncs once and wakes
- * every appender whose record it covered.
+ * every appender whose record it covered. `append` is `enqueue` (copy the frame into the buffer, in log order,
+ * and take a ticket) then `sync(ticket)` (wait, or lead, until every record up to the ticket is durable); a
+ * caller may split the two to overlap the fsync with other work. A record is written to the file only by a
+ * sync, so before its sync returns it may or may not be durable, and readers never see it before it is.
  */
 #include "steplog.h"
 
@@ -355,8 +358,8 @@ static int failed_status(DbspStepLog *log) {
     return dbsp_storage_fail(log->fail_status, log->fail_errno, "%s (the log must be reopened)", log->fail_msg);
 }
 
-int dbsp_steplog_append(DbspStepLog *log, int64_t step, const void *handle, size_t hlen, const void *producer,
-                        size_t plen, uint64_t seq, const void *payload, size_t len) {
+int dbsp_steplog_enqueue(DbspStepLog *log, int64_t step, const void *handle, size_t hlen, const void *producer,
+                         size_t plen, uint64_t seq, const void *payload, size_t len, uint64_t *ticket) {
     if (hlen > 65535 || plen > 65535 || len > DBSP_STEPLOG_MAX_PAYLOAD)
         return dbsp_storage_fail(DBSP_ETOOBIG, 0, "steplog %s: record too large (handle %zu, producer %zu, payload %zu bytes)",
                                  log->dir, hlen, plen, len);
@@ -400,8 +403,15 @@ int dbsp_steplog_append(DbspStepLog *log, int64_t step, const void *handle, size
     log->blen += frame;
     log->has_last = 1;
     log->last_step = step;
-    uint64_t ticket = ++log->next_ticket;
+    *ticket = ++log->next_ticket;
+    pthread_mutex_unlock(&log->mu);
+    return DBSP_OK;
+}
+
+int dbsp_steplog_sync(DbspStepLog *log, uint64_t ticket) {
     int rc = DBSP_OK;
+    pthread_mutex_lock(&log->mu);
+    if (ticket > log->next_ticket) ticket = log->next_ticket;
     while (log->durable_ticket < ticket) {
         if (log->failed) { rc = failed_status(log); break; }
         if (log->syncing) { pthread_cond_wait(&log->cv, &log->mu); continue; }
@@ -435,6 +445,13 @@ int dbsp_steplog_append(DbspStepLog *log, int64_t step, const void *handle, size
     }
     pthread_mutex_unlock(&log->mu);
     return rc;
+}
+
+int dbsp_steplog_append(DbspStepLog *log, int64_t step, const void *handle, size_t hlen, const void *producer,
+                        size_t plen, uint64_t seq, const void *payload, size_t len) {
+    uint64_t ticket = 0;
+    int rc = dbsp_steplog_enqueue(log, step, handle, hlen, producer, plen, seq, payload, len, &ticket);
+    return rc ? rc : dbsp_steplog_sync(log, ticket);
 }
 
 int dbsp_steplog_read(DbspStepLog *log, int64_t from_step, int64_t to_step, size_t max_bytes, uint64_t *resume_seg,

@@ -24,6 +24,14 @@ void dbsp_steplog_close(DbspStepLog *log);
 int dbsp_steplog_append(DbspStepLog *log, int64_t step, const void *handle, size_t hlen, const void *producer,
                         size_t plen, uint64_t seq, const void *payload, size_t len);
 
+/* Copies one record into the group-commit buffer (in log order) without writing it; *ticket names it for
+ * dbsp_steplog_sync. The record is durable only once a sync covering its ticket returned DBSP_OK. */
+int dbsp_steplog_enqueue(DbspStepLog *log, int64_t step, const void *handle, size_t hlen, const void *producer,
+                         size_t plen, uint64_t seq, const void *payload, size_t len, uint64_t *ticket);
+/* Returns once every record up to `ticket` is durable (writing and fsyncing the buffer if no other caller is);
+ * concurrent callers share fsyncs. Fails (and the log refuses appends) after a failed write or fsync. */
+int dbsp_steplog_sync(DbspStepLog *log, uint64_t ticket);
+
 /* Reads durable records with from_step <= step <= to_step, as concatenated frames "u32 body length, body" into a
  * malloc'd *out (free it with free()). Stops after about max_bytes (never before one record); *resume_seg and
  * *resume_off (0, 0 to start) say where to continue; *resume_seg is 0 when done. */

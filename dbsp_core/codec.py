@@ -60,12 +60,25 @@ def encode_zset(z: ZSet, magic: bytes = b"DZS1") -> bytes:
     >>> decode_zset(encode_zset(z), z.schema, "t").to_dict() == z.to_dict()
     True
     """
+    return b"".join(encode_zset_parts(z, magic))
+
+
+def encode_zset_parts(z: ZSet, magic: bytes = b"DZS1") -> tuple[bytes, pa.Buffer]:
+    """:func:`encode_zset` as (header, body) without joining them (the body is Arrow's buffer, not copied), for
+    writers that gather.
+
+    >>> import pyarrow as pa
+    >>> z = ZSet.from_rows([(1,)], pa.schema([("x", pa.int64())]))
+    >>> b"".join(encode_zset_parts(z)) == encode_zset(z)
+    True
+    """
     table = z.data.append_column(pa.field(WEIGHT_COLUMN, pa.int64(), nullable=False),
                                  pa.array(np.asarray(z.weights, dtype=np.int64), pa.int64()))
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as w:
         w.write_table(table)
-    return frame(magic, sink.getvalue().to_pybytes())
+    body = sink.getvalue()
+    return _HEAD.pack(magic, FORMAT_VERSION, zlib.crc32(body)), body
 
 
 def decode_zset(blob: bytes, schema: pa.Schema, where: str, magic: bytes = b"DZS1") -> ZSet:
@@ -121,12 +134,54 @@ def encode_batch(rb: pa.RecordBatch, magic: bytes = b"DRB1") -> bytes:
     >>> decode_batch(encode_batch(rb.slice(1, 1)), z.schema, "t").to_dict()
     {(2,): -1}
     """
-    return frame(magic, rb.serialize().to_pybytes())
+    body = rb.serialize()  # joined with its header in one copy
+    return b"".join((_HEAD.pack(magic, FORMAT_VERSION, zlib.crc32(body)), body))
+
+
+_COUNT = struct.Struct("<I")
+
+
+def encode_runs(rb: pa.RecordBatch, counts: list[int], magic: bytes = b"DRBG") -> bytes:
+    """Consecutive runs of rows (``counts[i]`` rows each, summing to ``rb.num_rows``) as one :func:`encode_batch`
+    message behind the run count and lengths, so several small pieces cost one Arrow message.
+
+    >>> import pyarrow as pa
+    >>> z = ZSet.from_rows([(1,), (2,), (3,)], pa.schema([("x", pa.int64())]))
+    >>> [p.to_dict() for p in decode_runs(encode_runs(zset_batch(z), [2, 0, 1]), z.schema, "t")]
+    [{(1,): 1, (2,): 1}, {}, {(3,): 1}]
+    """
+    if sum(counts) != rb.num_rows:
+        raise ValueError(f"encode_runs: runs of {sum(counts)} rows for a {rb.num_rows}-row batch")
+    head = _COUNT.pack(len(counts)) + struct.pack(f"<{len(counts)}I", *counts)
+    body = rb.serialize()
+    return b"".join((_HEAD.pack(magic, FORMAT_VERSION, zlib.crc32(body, zlib.crc32(head))), head, body))
+
+
+def decode_runs(blob: bytes, schema: pa.Schema, where: str, magic: bytes = b"DRBG") -> list[ZSet]:
+    """The runs of an :func:`encode_runs` blob as Z-sets (empty runs included); CorruptionError if bad."""
+    body = unframe(magic, blob, where)
+    if len(body) < _COUNT.size:
+        raise CorruptionError(f"{where}: run header is cut short")
+    (k,) = _COUNT.unpack_from(body)
+    if len(body) < _COUNT.size * (k + 1):
+        raise CorruptionError(f"{where}: {k} run lengths do not fit in {len(body)} bytes")
+    counts = struct.unpack_from(f"<{k}I", body, _COUNT.size)
+    z = _decode_message(body[_COUNT.size * (k + 1):], schema, where)
+    if sum(counts) != z.num_rows:
+        raise CorruptionError(f"{where}: runs of {sum(counts)} rows in a {z.num_rows}-row batch")
+    out, lo = [], 0
+    for n in counts:
+        out.append(ZSet._make(z.data.slice(lo, n), z.weights[lo:lo + n]) if n else ZSet.empty(schema))
+        lo += n
+    return out
 
 
 def decode_batch(blob: bytes, schema: pa.Schema, where: str, magic: bytes = b"DRB1") -> ZSet:
     """The Z-set of an :func:`encode_batch` blob whose data columns are ``schema``; CorruptionError if bad."""
-    body = unframe(magic, blob, where)
+    return _decode_message(unframe(magic, blob, where), schema, where)
+
+
+def _decode_message(body: bytes, schema: pa.Schema, where: str) -> ZSet:
     full = pa.schema(list(schema) + [pa.field(WEIGHT_COLUMN, pa.int64(), nullable=False)])
     try:
         rb = pa.ipc.read_record_batch(pa.py_buffer(body), full)

@@ -29,7 +29,7 @@ class WorkerStore:
     def __init__(self, index: int, path: str, instances: dict[int, Any], shard_bits: int) -> None:
         self.index = index
         self.db = Database(path)
-        self.snapshot = WorkerSnapshot(instances, shard_bits)
+        self.snapshot = WorkerSnapshot(instances, shard_bits, group_pending=True)
         self.handle: DatabaseHandle | None = None
         self.step = 0
         self._paused: int | None = None

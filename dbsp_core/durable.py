@@ -16,9 +16,14 @@ Invariants (enforced here):
      a seen pair is acknowledged again (``duplicate=True``) and records nothing; a retry of a pair still being
      appended waits for it. The seen set is saved with each checkpoint (worker 0's ``dedup`` table) and
      completed on recovery from the log records after the checkpoint.
-  3. Before a step runs, its division record (step, number of pushes, wall-clock ``now``, random ``seed``) is
-     durable in the input log, so no output of a step exists whose input division could change. Replay uses
-     the logged ``now`` and ``seed``.
+  3. A step's division record (step, number of pushes, wall-clock ``now``, random ``seed``) takes its place in
+     the input log's order when the step closes (before any push of the next step), and is durable before any
+     output of the step is written to the output log or returned by ``step``, so no output of a step exists
+     whose input division could change. ``step`` overlaps the record's fsync with running the circuit (seed 000
+     "Input/output synchronization": block until the division commits after running the circuit, before
+     writing the output); everything else that makes a step's effects durable (``queue_step``, staged jobs
+     that commit stage state) appends it durably before the step runs. Replay uses the logged ``now`` and
+     ``seed``.
   4. Every step's output goes through ``OutputLog.write`` (discard / verify / append, seed 000); with replay
      checking on (the default) a replayed step whose output differs raises ReplayMismatchError.
   5. A checkpoint runs the coordinator protocol (coordinator.py): steps pause while every worker's state is
@@ -42,6 +47,7 @@ import re
 import signal
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator, NamedTuple
 
 import pyarrow as pa
@@ -307,6 +313,8 @@ class DurablePipeline(Pipeline):
         self.seed: int | None = None
         self._now_floor = 0
         self._ckpt_thread: threading.Thread | None = None
+        self._syncer: ThreadPoolExecutor | None = None  # fsyncs division records while the step runs
+        self._division_sync: Future | None = None
         self.stats = {"pushes": 0, "duplicates": 0, "checkpoints": 0, "last_checkpoint_s": 0.0,
                       "recovery_s": 0.0, "replayed_steps": 0, "recovered_pushes": 0}
         os.makedirs(root, exist_ok=True)
@@ -511,6 +519,8 @@ class DurablePipeline(Pipeline):
             wk.ctx.now_ns = now_ns  # the step's determinants, identical on replay (invariant 3)
             wk.ctx.seed = seed
         out = Pipeline.step(self)
+        crashpoint("step-computed")  # the division record may or may not be durable yet
+        self._await_division()  # invariant 3: durable before any output is written or returned
         crashpoint("step-output")
         try:
             self._output.write(step, out, ranges)
@@ -526,17 +536,25 @@ class DurablePipeline(Pipeline):
         """Divide the acknowledged input into a step (durably, with ``now`` and ``seed``), run it, log its output."""
         self._check_usable()
         with self._step_lock:
-            step, inputs, now_ns, seed, ranges = self._divide()
+            step, inputs, now_ns, seed, ranges = self._divide(wait=False)
             crashpoint("step-run")
-            out = self._run_step(step, inputs, now_ns, seed, ranges)
+            try:
+                out = self._run_step(step, inputs, now_ns, seed, ranges)
+            finally:
+                if self._division_sync is not None:  # the step failed before waiting: settle the fsync
+                    self._await_division(quiet=True)
             if self.checkpoint_interval is not None and \
                     time.monotonic() - self._last_checkpoint >= self.checkpoint_interval:
                 self.checkpoint(wait=False)
             return out
 
-    def _divide(self) -> tuple[int, list[tuple[str, ZSet]], int, int, list[dict]]:
-        """Close the open step: durably log its division record (invariant 3); returns
-        ``(step, pushes, now_ns, seed, input ranges)``. Call with ``_step_lock`` held."""
+    def _divide(self, wait: bool = True) -> tuple[int, list[tuple[str, ZSet]], int, int, list[dict]]:
+        """Close the open step: log its division record (invariant 3); returns
+        ``(step, pushes, now_ns, seed, input ranges)``. Call with ``_step_lock`` held.
+
+        With ``wait`` the record is durable when this returns; without, it is placed in the log's order and
+        fsync'd on a background thread, and :meth:`_await_division` must return before any output of the step
+        is written or released."""
         with self._cond:
             self._closing = True
             try:
@@ -548,9 +566,15 @@ class DurablePipeline(Pipeline):
                 now_ns, seed = max(time.time_ns(), self._now_floor), random.getrandbits(63)
                 self._now_floor = now_ns  # now never goes back, even if the wall clock does
                 crashpoint("step-divide")
+                record = encode_json(b"DDIV", {"step": step, "pushes": len(inputs), "now_ns": now_ns, "seed": seed})
                 try:
-                    self._input.append(step, DIVISION_HANDLE, encode_json(
-                        b"DDIV", {"step": step, "pushes": len(inputs), "now_ns": now_ns, "seed": seed}))
+                    if wait:
+                        self._input.append(step, DIVISION_HANDLE, record)
+                    else:
+                        ticket = self._input.enqueue(step, DIVISION_HANDLE, record)
+                        if self._syncer is None:
+                            self._syncer = ThreadPoolExecutor(1, thread_name_prefix="dbsp-division-sync")
+                        self._division_sync = self._syncer.submit(self._input.sync, ticket)
                 except BaseException as exc:
                     self._broken = exc  # the division may or may not be durable: only recovery knows
                     raise
@@ -559,6 +583,18 @@ class DurablePipeline(Pipeline):
                 self._closing = False
                 self._cond.notify_all()
         return step, inputs, now_ns, seed, _ranges(entries)
+
+    def _await_division(self, quiet: bool = False) -> None:
+        """Wait until the division record of the last :meth:`_divide` ``(wait=False)`` is durable (invariant 3)."""
+        f, self._division_sync = self._division_sync, None
+        if f is None:
+            return
+        try:
+            f.result()
+        except BaseException as exc:
+            self._broken = exc  # the division may or may not be durable: only recovery knows
+            if not quiet:
+                raise
 
     # ---- checkpoints ----
 
@@ -681,6 +717,11 @@ class DurablePipeline(Pipeline):
     # ---- shutdown ----
 
     def _shutdown_storage(self) -> None:
+        if self._division_sync is not None:
+            self._await_division(quiet=True)
+        if self._syncer is not None:
+            self._syncer.shutdown(wait=True)
+            self._syncer = None
         for part in (self._coord, self._input, self._output):
             try:
                 if part is not None:

@@ -7,13 +7,23 @@ Invariants (enforced here):
      attribute is configuration rebuilt by ``instance()``. Each instance is checked once when the pipeline is
      built: an attribute of another mutable kind (list, dict, ndarray, IndexedZSet) raises, so state can never
      be silently left out.
-  3. A trace is stored as its spine batches, each split by shard: one value per (non-empty shard, batch) under
-     :func:`shard_key` ``(shard, batch number)`` in table ``s<node>.<attr>``, so a shard's state is one
-     contiguous key range and moves as a unit; the trace is the sum of the values.
+  3. A trace is stored as its batches, settled and pending alike (saving never settles a trace, so it never
+     merges what the running pipeline would not), each split by shard: one value per (non-empty shard, batch)
+     under :func:`shard_key` ``(shard, batch number)`` in table ``s<node>.<attr>``, so a shard's state is one
+     contiguous key range and moves as a unit; the trace is the sum of the values. Key ``order.<table>`` of
+     table ``snapshot`` lists the batch numbers in trace order and how many of them are settled, so a restored
+     trace has the same spine and pending batches (without it, as written before it existed: number order, all
+     settled).
      A plain Z-set (integrate, delay, differentiate state, not keyed) is stored whole under key ``b"all"``
      in table ``z<node>.<attr>``. Every value is a checksummed, versioned Z-set encoding.
-  4. Saving writes only spine batches not saved before and deletes the keys of batches merged away, so the
-     stored state equals the in-memory state after every save, at a cost that follows the trace's merges.
+  4. Saving writes only batches not saved before and deletes the keys of batches merged away, so the stored
+     state equals the in-memory state after every save, at a cost that follows the trace's merges.
+  5. With ``group_pending`` (the durable pipeline), consecutive new pending batches of a trace are saved as one
+     group: one value per shard holding that shard's rows of each batch in turn plus the run lengths, so a
+     trace written every step but rarely read (a join side) costs one Arrow message per shard and checkpoint,
+     not one per shard and step. A group is one entry of the order record (with its batch count) and loads
+     back as the same batches; once any of its batches is merged away, the group is deleted and its
+     remaining batches are saved again.
 """
 
 from __future__ import annotations
@@ -23,10 +33,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from dbsp_core.codec import decode_batch, decode_zset, encode_batch, encode_zset, zset_batch
+from dbsp_core.codec import (decode_batch, decode_json, decode_runs, decode_zset, encode_batch, encode_json,
+                             encode_runs, encode_zset, zset_batch)
 from dbsp_core.errors import CorruptionError, DbspError
 from dbsp_core.storage import SHARD_PREFIX_BYTES, DatabaseHandle, shard_key, shard_of_key
-from dbsp_core.trace import Trace
+from dbsp_core.trace import Trace, ranges_to_indices
 from dbsp_core.zset import IndexedZSet, ZSet
 
 _CONFIG_TYPES = (str, int, float, bool, bytes, tuple, pa.Schema, type(None))
@@ -67,6 +78,38 @@ def _sync_table(h: DatabaseHandle, table: str, values: dict[bytes, bytes]) -> in
     return changed
 
 
+def _trace_batches(trace: Trace) -> tuple[list[IndexedZSet], list[IndexedZSet]]:
+    """The settled spine and the pending batches of ``trace``, without settling it (trace invariant 2)."""
+    return trace._spine, trace.pending
+
+
+def _order_key(table: str) -> bytes:
+    return b"order." + table.encode("utf-8")
+
+
+def _put_group(h: DatabaseHandle, table: str, run: list, bounds: list[np.ndarray], shards: list[int],
+               keys: list[bytes]) -> int:
+    """Write consecutive batches as one value per shard: each shard's rows of every batch, batch after batch,
+    with the run lengths (invariant 5): one Arrow message per shard instead of one per batch and shard."""
+    rbs = [zset_batch(b.zset) for b in run]
+    if hasattr(pa, "concat_batches"):  # pyarrow >= 19
+        whole = pa.concat_batches(rbs)
+    else:  # pragma: no cover - older pyarrow
+        whole = pa.Table.from_batches(rbs).combine_chunks().to_batches()[0]
+    offs = np.cumsum([0] + [rb.num_rows for rb in rbs])[:-1]
+    sel = np.asarray(shards, dtype=np.int64)
+    lo = np.stack([bd[:-1][sel] + o for bd, o in zip(bounds, offs)], axis=1)  # (shard, batch) row ranges
+    hi = np.stack([bd[1:][sel] + o for bd, o in zip(bounds, offs)], axis=1)
+    rows = whole.take(pa.array(ranges_to_indices(lo.ravel(), hi.ravel())))  # grouped by shard, then batch
+    counts = (hi - lo).tolist()
+    start, tname = 0, table.encode("utf-8")
+    for key, cnt in zip(keys, counts):
+        n = sum(cnt)
+        h.put(tname, key, encode_runs(rows.slice(start, n), cnt))
+        start += n
+    return len(keys)
+
+
 def _must_get(h: DatabaseHandle, table: str, key: bytes, where: str) -> bytes:
     v = h.get(table, key)
     if v is None:
@@ -77,7 +120,7 @@ def _must_get(h: DatabaseHandle, table: str, key: bytes, where: str) -> bytes:
 class WorkerSnapshot:
     """The checkpointed state of one worker's stateful instances, saved incrementally (invariants 3 and 4).
 
-    A trace is saved batch by batch: every settled spine batch is written once, split by shard, under
+    A trace is saved batch by batch: every batch (settled or pending) is written once, split by shard, under
     ``shard_key(shard, batch number)``; a later checkpoint writes only the batches that appeared since
     (new changes and merge results) and deletes the keys of batches that were merged away. So a checkpoint
     costs what the trace's merges cost, amortized, not the size of the state. It keeps a reference to every
@@ -85,12 +128,44 @@ class WorkerSnapshot:
     at most about the size of the trace again.
     """
 
-    def __init__(self, instances: dict[int, Any], shard_bits: int) -> None:
+    def __init__(self, instances: dict[int, Any], shard_bits: int, group_pending: bool = False) -> None:
         self.instances = instances
         self.shard_bits = shard_bits
-        # (table) -> {id(batch): (batch, [keys written for it])}; holding the batch keeps its id unique
+        self.group_pending = group_pending
+        # (table) -> {id(batch): (batch, [keys written for it])}; holding the batch keeps its id unique. The
+        # batches of a group (saved together, invariant 5) share one keys list object.
         self._saved: dict[str, dict[int, tuple[Any, list[bytes]]]] = {}
         self._next = 0  # batch number of the next batch written
+
+    def _unsave_broken(self, table: str, saved: dict, batches: list, plan: list) -> None:
+        """Delete every saved group (or single batch) that is no longer a consecutive run of live batches, and
+        forget its live members so they are saved again."""
+        size: dict[int, int] = {}
+        for _, keys in saved.values():
+            size[id(keys)] = size.get(id(keys), 0) + 1
+        good: set[int] = set()
+        seen: set[int] = set()
+        i = 0
+        while i < len(batches):
+            e = saved.get(id(batches[i]))
+            if e is None:
+                i += 1
+                continue
+            lid, j = id(e[1]), i
+            while j < len(batches) and id(batches[j]) in saved and id(saved[id(batches[j])][1]) == lid:
+                j += 1
+            if lid not in seen and j - i == size[lid]:
+                good.add(lid)
+            else:
+                good.discard(lid)
+            seen.add(lid)
+            i = j
+        gone: dict[int, list[bytes]] = {}
+        for bid in [k for k, (_, keys) in saved.items() if id(keys) not in good]:
+            keys = saved.pop(bid)[1]
+            gone[id(keys)] = keys
+        for keys in gone.values():
+            plan.append(("delete", table, keys))
 
     def prepare(self) -> list[tuple]:
         """Capture what the next save writes, without encoding or I/O (cheap; call it while steps are paused).
@@ -104,20 +179,49 @@ class WorkerSnapshot:
             for name in traces:
                 table = f"s{node_id}.{name}"
                 saved = self._saved.setdefault(table, {})
-                spine = getattr(inst, name).batches  # settles pending batches
-                live = {id(b) for b in spine}
-                for bid in [k for k in saved if k not in live]:
-                    plan.append(("delete", table, saved.pop(bid)[1]))
-                for b in spine:
-                    if id(b) in saved:
+                settled, pending = _trace_batches(getattr(inst, name))  # no settling: no merges to pay here
+                batches = settled + pending
+                self._unsave_broken(table, saved, batches, plan)
+                i = 0
+                while i < len(batches):  # new batches: runs of pending ones as groups, the others one by one
+                    if id(batches[i]) in saved:
+                        i += 1
                         continue
+                    j = i + 1
+                    if self.group_pending and i >= len(settled):
+                        while j < len(batches) and id(batches[j]) not in saved:
+                            j += 1
+                    run = batches[i:j]
                     number = self._next.to_bytes(8, "big")
                     self._next += 1
-                    bounds = b.shard_bounds(self.shard_bits) if len(b) else np.zeros(1, dtype=np.int64)
-                    shards = np.flatnonzero(np.diff(bounds) > 0).tolist()
+                    bounds = [b.shard_bounds(self.shard_bits) if len(b) else np.zeros(1, dtype=np.int64)
+                              for b in run]
+                    nonempty = np.zeros(len(bounds[0]) - 1, dtype=bool)
+                    for bd in bounds:
+                        nonempty |= np.diff(bd) > 0
+                    shards = np.flatnonzero(nonempty).tolist()
                     keys = [shard_key(sh, number) for sh in shards]
-                    saved[id(b)] = (b, keys)
-                    plan.append(("batch", table, b, bounds, shards, keys))
+                    for b in run:
+                        saved[id(b)] = (b, keys)
+                    if len(run) == 1:
+                        plan.append(("batch", table, run[0], bounds[0], shards, keys))
+                    else:
+                        plan.append(("group", table, run, bounds, shards, keys))
+                    i = j
+                numbers, counts, in_spine = [], [], 0
+                prev = None
+                for i, b in enumerate(batches):  # the trace order of the stored values (invariant 3)
+                    keys = saved[id(b)][1]
+                    if not keys:  # an empty batch stores nothing (traces hold none)
+                        continue
+                    if keys is prev:
+                        counts[-1] += 1
+                    else:
+                        numbers.append(int.from_bytes(keys[0][SHARD_PREFIX_BYTES:], "big"))
+                        counts.append(1)
+                    prev = keys
+                    in_spine += i < len(settled)
+                plan.append(("order", table, numbers, counts, in_spine))
             for name in zsets:
                 plan.append(("zset", f"z{node_id}.{name}", getattr(inst, name)))
         plan.append(("next", self._next))
@@ -134,11 +238,21 @@ class WorkerSnapshot:
                 changed += len(op[2])
             elif op[0] == "batch":
                 _, table, b, bounds, shards, keys = op
-                rb = zset_batch(b.zset)
+                rb, put, tname = zset_batch(b.zset), h.put, table.encode("utf-8")
+                edges = bounds.tolist()
                 for sh, key in zip(shards, keys):
-                    lo, hi = int(bounds[sh]), int(bounds[sh + 1])
-                    h.put(table, key, encode_batch(rb.slice(lo, hi - lo)))
+                    put(tname, key, encode_batch(rb.slice(edges[sh], edges[sh + 1] - edges[sh])))
                 changed += len(keys)
+            elif op[0] == "group":
+                _, table, run, bounds, shards, keys = op
+                changed += _put_group(h, table, run, bounds, shards, keys)
+            elif op[0] == "order":
+                _, table, numbers, counts, settled = op
+                rec = {"numbers": numbers, "settled": settled}
+                if any(c != 1 for c in counts):
+                    rec["counts"] = counts
+                h.put("snapshot", _order_key(table), encode_json(b"DORD", rec))
+                changed += 1
             elif op[0] == "zset":
                 z = op[2]
                 changed += _sync_table(h, op[1], {b"all": encode_zset(z)} if z.num_rows else {})
@@ -183,21 +297,50 @@ class WorkerSnapshot:
                 trace.clear()
                 batches = []
                 mine = known.get(table, {})
-                for number in sorted(groups):  # batch number order is spine order
+                rec = h.get("snapshot", _order_key(table))
+                if rec is None:  # written before the order was recorded: every batch settled, in number order
+                    numbers, counts, settled = sorted(groups), [1] * len(groups), len(groups)
+                else:
+                    d = decode_json(b"DORD", rec, f"{where} snapshot order of {table}")
+                    numbers, settled = [int(n).to_bytes(8, "big") for n in d["numbers"]], int(d["settled"])
+                    counts = [int(c) for c in d.get("counts", [1] * len(numbers))]
+                    if sorted(numbers) != sorted(groups) or len(counts) != len(numbers) or \
+                            not 0 <= settled <= sum(counts) or min(counts, default=1) < 1:
+                        raise CorruptionError(f"{where} {table}: the recorded batch order names {len(numbers)} "
+                                              f"batches, the table holds {len(groups)}")
+                restored: list[tuple[Any, list[bytes]]] = []
+                for number, count in zip(numbers, counts):
                     blobs, keys = groups[number]
                     old = mine.get(number)
-                    if old is not None and sorted(old[1]) == sorted(keys):
-                        b = old[0]
+                    if count == 1 and old is not None and sorted(old[1]) == sorted(keys):
+                        restored.append((old[0], keys))
+                        continue
+                    values = [(v if v is not None else _must_get(h, table, k, where),
+                               f"{where} {table} shard {shard_of_key(k)}") for k, v in zip(keys, blobs)]
+                    if count == 1:
+                        members = [[decode_batch(v, trace.schema, w) for v, w in values]]
                     else:
-                        parts = [decode_batch(v if v is not None else _must_get(h, table, k, where), trace.schema,
-                                              f"{where} {table} shard {shard_of_key(k)}") for k, v in zip(keys, blobs)]
+                        runs = [decode_runs(v, trace.schema, w) for v, w in values]
+                        if any(len(r) != count for r in runs):
+                            raise CorruptionError(f"{where} {table}: a value of batch group {number.hex()} does "
+                                                  f"not hold {count} runs")
+                        members = [[r[i] for r in runs if r[i].num_rows] for i in range(count)]
+                    for parts in members:
+                        if not parts:
+                            raise CorruptionError(f"{where} {table}: batch group {number.hex()} holds an empty batch")
                         z = parts[0] if len(parts) == 1 else ZSet.concat(parts)
                         # shard slices of one key-hash-sorted batch, in shard order: the batch itself
                         b = IndexedZSet._make(ZSet._make(z.data, z.weights), trace.key, z.hash(list(trace.key)))
-                    trace.insert(b)
+                        restored.append((b, keys))  # a group's batches share its keys list (see _saved)
+                for pos, (b, keys) in enumerate(restored):
+                    if pos == settled:
+                        trace.settle()  # the settled batches shrink strictly (trace invariant 2): no merges
+                    trace.insert(b)  # the rest stay pending, as they were saved
                     batches.append((b, keys))
                     rows += len(b)
-                spine = {id(b) for b in trace.batches}
+                if settled == len(restored):
+                    trace.settle()
+                spine = {id(b) for b in sum(_trace_batches(trace), [])}
                 saved = {id(b): (b, keys) for b, keys in batches}
                 if set(saved) != spine:  # pragma: no cover - settling merged restored batches: rewrite them all
                     for _, keys in batches:

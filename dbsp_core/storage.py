@@ -331,6 +331,25 @@ class StepLog:
         """Appends one record and returns once it is durable. Steps must not decrease. Thread-safe; releases the GIL."""
         self._log.append(step, _name(handle), _name(producer), seq, payload)
 
+    def enqueue(self, step: int, handle: Name, payload: BytesLike, *, producer: Name = "", seq: int = 0) -> int:
+        """Places one record in the log's order without waiting for it; returns a ticket for :meth:`sync`.
+
+        The record is durable (and visible to readers) only once a :meth:`sync` covering its ticket returned, or
+        an :meth:`append` enqueued after it did; until then a crash may lose it. Steps must not decrease.
+
+        >>> import tempfile, os
+        >>> with StepLog(os.path.join(tempfile.mkdtemp(), "log")) as log:
+        ...     t = log.enqueue(0, "bids", b"batch-1")
+        ...     print(len(log)); log.sync(t); print(len(log))
+        0
+        1
+        """
+        return self._log.enqueue(step, _name(handle), _name(producer), seq, payload)
+
+    def sync(self, ticket: int) -> None:
+        """Returns once every record up to ``ticket`` (from :meth:`enqueue`) is durable; releases the GIL."""
+        self._log.sync(ticket)
+
     def read(self, step: int) -> list[LogRecord]:
         """Every record of ``step``, in append order."""
         return list(self.iter_from(step, step))

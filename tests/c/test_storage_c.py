@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from dbsp_core._storage import PageStore, crc32c, fault_arm, fault_crashed, fault_ops
+from dbsp_core._storage import PageStore, crc32c, crc32c_portable, fault_arm, fault_crashed, fault_ops
 from dbsp_core.errors import StorageError
 
 
@@ -19,6 +19,18 @@ def test_crc32c_vectors():
     data = os.urandom(4099)
     for cut in (0, 1, 7, 8, 9, 4098):  # slicing-by-8 alignment paths agree with the byte path
         assert crc32c(data[cut:], crc32c(data[:cut])) == crc32c(data)
+
+
+def test_crc32c_hardware_and_portable_paths_agree():
+    rng = random.Random(7)
+    buf = rng.randbytes(70_000)
+    assert crc32c_portable(b"123456789") == 0xE3069283
+    for _ in range(400):  # every alignment and tail length, chained and not
+        lo = rng.randrange(0, 64)
+        n = rng.choice([0, 1, 3, 7, 8, 9, 15, 16, 17, 63, 64, 65, 4096, rng.randrange(70_000 - 64)])
+        seed = rng.choice([0, rng.getrandbits(32)])
+        view = memoryview(buf)[lo:lo + n]
+        assert crc32c(view, seed) == crc32c_portable(view, seed), (lo, n, seed)
 
 
 def scan(txn, table):

@@ -1,4 +1,4 @@
-"""Kill -9 tests of the durable pipeline: a real child process is killed at random moments and at named crash points (push, step division, step run, output write, checkpoint, commit, garbage collection, recovery), restarted until it finishes, and the output log is checked against DuckDB.
+"""Kill -9 tests of the durable pipeline: a real child process is killed at random moments and at named crash points (push, step division, step run, division fsync in flight, output write, checkpoint, commit, garbage collection, recovery), restarted until it finishes, and the output log is checked against DuckDB.
 
 Checked after every seed:
   1. the integral of every output in the log equals DuckDB over all acknowledged input;
@@ -17,6 +17,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -32,9 +33,9 @@ CHILD = os.path.join(HERE, "eo_kill_child.py")
 SEEDS = int(os.environ.get("DBSP_EO_SEEDS", "200"))
 JOBS = int(os.environ.get("DBSP_EO_JOBS", "2"))
 BATCHES = 10
-POINTS = [("push-append", 12), ("push-acked", 12), ("step-divide", 6), ("step-run", 6), ("step-output", 6),
-          ("step-written", 6), ("checkpoint-start", 3), ("checkpoint-commit", 4), ("checkpoint-committed", 3),
-          ("checkpoint-gc", 3), ("recover-step", 3)]
+POINTS = [("push-append", 12), ("push-acked", 12), ("step-divide", 6), ("step-run", 6), ("step-computed", 6),
+          ("step-output", 6), ("step-written", 6), ("checkpoint-start", 3), ("checkpoint-commit", 4),
+          ("checkpoint-committed", 3), ("checkpoint-gc", 3), ("recover-step", 3)]
 
 
 def _env(extra: dict[str, str]) -> dict[str, str]:
@@ -66,6 +67,10 @@ def run_child(d: str, seed: int, workers: int, run: int, crash: str | None, kill
 
 
 _CTX = None
+# Reading a forked child's exit status from the fork server is not thread-safe: Process.start() in one seed's
+# thread polls every live child (multiprocessing.process._cleanup), and if that read races with the owning
+# thread's join, one reader gets EOF and reports exit code 255. Starts and status reads hold this lock.
+_MP_LOCK = threading.Lock()
 
 
 def _forkserver():
@@ -84,16 +89,23 @@ def run_forked(d: str, seed: int, workers: int, run: int, crash: str | None, kil
     """Like :func:`run_child` in a process forked from the preloaded server; killed with SIGKILL too."""
     import eo_kill_child
 
+    from multiprocessing.connection import wait
+
     p = _forkserver().Process(target=eo_kill_child.forked,
                               args=(d, seed, BATCHES, workers, run, crash or ""))
-    p.start()
-    p.join(timeout=kill_after if kill_after is not None else 120)
+    with _MP_LOCK:  # start() polls every other child (multiprocessing.process._cleanup): see _MP_LOCK
+        p.start()
+    wait([p.sentinel], timeout=kill_after if kill_after is not None else 120)
     err = os.path.join(os.path.dirname(d), "child-error.txt")
+    with _MP_LOCK:
+        p.join(0)
     killed = p.exitcode is None
     if killed:
         os.kill(p.pid, signal.SIGKILL)
-        p.join()
-    # the fork server reports 255 when it loses a child's status; we know we killed it, and an exception
+        wait([p.sentinel])
+        with _MP_LOCK:
+            p.join(0)
+    # the fork server may report 255 for a child we killed (its status lost); we know we killed it, and an exception
     # in the child would have left child-error.txt
     if p.exitcode == -signal.SIGKILL or (killed and p.exitcode == 255):
         assert not os.path.exists(err), open(err).read()

@@ -147,9 +147,11 @@ def test_headers_are_checked(tmp_path):
         StepLog(p)
 
 
-def test_crash_at_every_operation_of_appends(tmp_path):
+@pytest.mark.parametrize("group", [1, 3])
+def test_crash_at_every_operation_of_appends(tmp_path, group):
     """Crash (every damage mode) at every I/O operation of a run of appends across segment rotations:
-    the reopened log holds every acknowledged record, in order, then at most the in-flight one."""
+    the reopened log holds every acknowledged record, in order, then at most the in-flight ones. With
+    ``group`` > 1 the records are enqueued ``group`` at a time and acknowledged by one sync of the last."""
     base = str(tmp_path / "base")
     with StepLog(base, segment_bytes=1500) as log:
         for i in range(5):
@@ -163,9 +165,14 @@ def test_crash_at_every_operation_of_appends(tmp_path):
         acked = []
         try:
             with StepLog(work, segment_bytes=1500, vfs="fault") as log:
-                for i, pl in enumerate(payloads):
-                    log.append(1 + i // 3, "h", pl, seq=100 + i)
-                    acked.append(100 + i)
+                for lo in range(0, len(payloads), group):
+                    if group == 1:
+                        log.append(1 + lo // 3, "h", payloads[lo], seq=100 + lo)
+                    else:
+                        tickets = [log.enqueue(1 + i // 3, "h", payloads[i], seq=100 + i)
+                                   for i in range(lo, min(lo + group, len(payloads)))]
+                        log.sync(tickets[-1])
+                    acked.extend(100 + i for i in range(lo, min(lo + group, len(payloads))))
         except StorageError:
             pass
         return acked
@@ -186,11 +193,60 @@ def test_crash_at_every_operation_of_appends(tmp_path):
             assert seqs[:5] == list(range(5)), f"op {n} {mode}: base records lost"
             rest = seqs[5:]
             assert rest[:len(acked)] == acked, f"op {n} {mode}: acknowledged record lost"
-            assert rest == [100 + i for i in range(len(rest))] and len(rest) <= len(acked) + 1, \
+            assert rest == [100 + i for i in range(len(rest))] and len(rest) <= len(acked) + group, \
                 f"op {n} {mode}: unexpected records {rest}"
             assert all(recs[s] == payloads[s - 100] for s in rest)
             tried += 1
-    print(f"\n[steplog crash] {nops} operations x {len(FaultInjector.MODES)} modes = {tried} crashes, 0 violations")
+    print(f"\n[steplog crash, groups of {group}] {nops} operations x {len(FaultInjector.MODES)} modes = {tried} crashes, 0 violations")
+
+
+def test_enqueued_records_are_durable_and_visible_only_after_a_sync(tmp_path):
+    p = str(tmp_path / "log")
+    log = StepLog(p)
+    log.append(0, "h", b"a", seq=1)
+    log.enqueue(1, "h", b"b", seq=2)
+    assert [r.seq for r in log.iter_from(0)] == [1] and len(log) == 1  # readers see durable records only
+    with pytest.raises(ValueError, match="below the last logged step"):
+        log.enqueue(0, "h", b"late")  # a record takes its place in the order when it is enqueued
+    log.close()  # like a crash before any sync: the enqueued record is not in the log
+    with StepLog(p) as log:
+        assert [r.seq for r in log.iter_from(0)] == [1]
+        t2 = log.enqueue(1, "h", b"b", seq=2)
+        t3 = log.enqueue(1, "h", b"c", seq=3)
+        f0 = log.fsyncs
+        log.sync(t3)  # one write and fsync covers both
+        assert log.fsyncs == f0 + 1 and [r.seq for r in log.iter_from(0)] == [1, 2, 3]
+        log.sync(t2)  # already durable: nothing to do
+        assert log.fsyncs == f0 + 1
+        log.enqueue(2, "h", b"d", seq=4)
+        log.append(2, "h", b"e", seq=5)  # an append makes every record enqueued before it durable too
+        assert [r.seq for r in log.iter_from(0)] == [1, 2, 3, 4, 5] and log.fsyncs == f0 + 2
+    with StepLog(p) as log:
+        assert [(r.seq, r.payload) for r in log.iter_from(0)] == [(1, b"a"), (2, b"b"), (3, b"c"), (4, b"d"),
+                                                                   (5, b"e")]
+
+
+def test_sync_waits_for_a_leader_in_another_thread(tmp_path):
+    """A sync whose records another thread is writing waits for that write instead of returning early."""
+    with StepLog(str(tmp_path / "log")) as log:
+        stop = threading.Event()
+
+        def hammer():
+            i = 0
+            while not stop.is_set():
+                log.append(0, "h", b"x" * 1000, producer="a", seq=i)
+                i += 1
+
+        th = threading.Thread(target=hammer)
+        th.start()
+        try:
+            for k in range(200):
+                t = log.enqueue(0, "h", b"mine", producer="b", seq=k)
+                log.sync(t)
+                assert any(r.producer == "b" and r.seq == k for r in log.iter_from(0)), k
+        finally:
+            stop.set()
+            th.join()
 
 
 @pytest.mark.parametrize("error", ["EIO", "ENOSPC"])

@@ -1,0 +1,220 @@
+"""Checkpoints save a trace's pending batches as they are (snapshot invariant 3): no merges the running pipeline would not do, and recovery restores the same spine and pending batches."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import dbsp_core as dbsp
+from dbsp_core.coordinator import worker_db_path
+from dbsp_core.errors import CorruptionError
+from dbsp_core.snapshot import WorkerSnapshot
+from dbsp_core.storage import Database
+from dbsp_core.trace import Trace
+from dbsp_core.zset import IndexedZSet
+
+BIDS = pa.schema([("auction", pa.int64()), ("price", pa.int64())])
+AUCTIONS = pa.schema([("id", pa.int64()), ("category", pa.int64())])
+
+
+def circuit() -> dbsp.Circuit:
+    """A join whose bids side is written every step but read only when auctions change."""
+    c = dbsp.Circuit()
+    bids = c.input("bids", BIDS)
+    auctions = c.input("auctions", AUCTIONS)
+    j = bids.join(auctions, left_on="auction", right_on="id")
+    c.output("by_cat", j.group_by("category").agg(n=dbsp.count(), total=dbsp.sum("price")))
+    return c
+
+
+def bids(k: int, n: int = 300) -> pa.Table:
+    rng = np.random.default_rng(k)
+    return pa.table({"auction": rng.integers(0, 50, n), "price": rng.integers(1, 100, n)}, schema=BIDS)
+
+
+def traces(p) -> dict:
+    """Every trace's (settled batch sizes, pending batch sizes, consolidated content) per worker and name."""
+    out = {}
+    for w in range(p.workers):
+        for name, t in p.traces(w).items():
+            parts = [b.zset for b in t._spine + t.pending]  # no settling: reading t.batches would merge
+            whole = dbsp.ZSet.concat(parts).to_dict() if parts else {}
+            out[(w, name)] = ([len(b) for b in t._spine], [len(b) for b in t.pending], whole)
+    return out
+
+
+def expected(k: int) -> dict:
+    """by_cat's view after bids 0..k-1 and auctions 0..49 (category id % 5)."""
+    acc: dict = {}
+    for i in range(k):
+        t = bids(i)
+        for a, pr in zip(t.column("auction").to_pylist(), t.column("price").to_pylist()):
+            n, s = acc.get(a % 5, (0, 0))
+            acc[a % 5] = (n + 1, s + pr)
+    return {(c, n, s): 1 for c, (n, s) in acc.items()}
+
+
+def view(p) -> dict:
+    acc: dict = {}
+    for _, z in p.read_output("by_cat"):
+        for row, w in z.to_dict().items():
+            acc[row] = acc.get(row, 0) + w
+    return {r: w for r, w in acc.items() if w}
+
+
+def test_checkpoints_keep_pending_batches_pending_and_recovery_restores_them(tmp_path, monkeypatch):
+    d = str(tmp_path / "d")
+    p = dbsp.Pipeline(circuit(), workers=2, storage=d, checkpoint_interval=None)
+    p.push("auctions", pa.table({"id": np.arange(50), "category": np.arange(50) % 5}, schema=AUCTIONS))
+    p.step()
+    for k in range(6):
+        p.push("bids", bids(k))
+        p.step()
+    before = traces(p)
+    merges = []
+    real_merge = IndexedZSet.merge
+    monkeypatch.setattr(IndexedZSet, "merge", lambda self, other: merges.append(1) or real_merge(self, other))
+    p.checkpoint()
+    assert merges == [], "the checkpoint merged trace batches"
+    assert traces(p) == before
+    bid_side = [v for (w, name), v in before.items() if "join" in name and len(v[1]) >= 5]
+    assert len(bid_side) == 2, before  # each worker's bids trace: six batches still pending
+    monkeypatch.undo()
+    for k in range(6, 9):  # more pending batches after the checkpoint, saved by the next one
+        p.push("bids", bids(k))
+        p.step()
+    p.checkpoint()
+    before = traces(p)
+    p.close(checkpoint=False)
+    p = dbsp.Pipeline.open(d, circuit(), checkpoint_interval=None)
+    assert p.stats["replayed_steps"] == 0
+    assert traces(p) == before  # the same settled and pending batches, not merged on load
+    groups = _group_counts(d, 2)
+    assert any(c >= 3 for c in groups.values()), groups  # the pending bids batches were saved as groups
+    p.push("auctions", pa.table({"id": [1000], "category": [0]}, schema=AUCTIONS))  # matches no bid, but the
+    p.push("bids", bids(9))  # join looks it up in the bids trace: reading it settles (merges) its batches
+    p.step()
+    left = [pend for (w, name), (_, pend, _) in traces(p).items() if "join" in name and "left" in name]
+    assert len(left) == 2 and min(len(pend) for pend in left) <= 1, left  # settled, then bids(9) inserted
+    p.checkpoint()  # merged-away batches and broken groups are deleted, the merges and survivors saved
+    before = traces(p)
+    p.close(checkpoint=False)
+    p = dbsp.Pipeline.open(d, circuit(), checkpoint_interval=None)
+    assert traces(p) == before
+    assert view(p) == expected(10)
+    p.close()
+
+
+def _group_counts(d: str, workers: int) -> dict:
+    """{(worker, table): largest batch count of one stored group} of the newest version."""
+    from dbsp_core.codec import decode_json
+
+    out = {}
+    for w in range(workers):
+        with Database(worker_db_path(d, w)) as db, db.open(db.versions().stop - 1) as h:
+            for k, v in h.scan("snapshot", prefix=b"order."):
+                out[(w, k[6:].decode())] = max(decode_json(b"DORD", v, "t").get("counts", [1]))
+    return out
+
+
+class _Holder:
+    def __init__(self) -> None:
+        self.t = Trace(pa.schema([("k", pa.int64()), ("v", pa.int64())]), ("k",))
+
+
+def _shape(t: Trace) -> tuple:
+    return ([b.zset.to_dict() for b in t._spine], [b.zset.to_dict() for b in t.pending])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_saved_batches_and_groups_load_back_as_the_same_trace(tmp_path, seed):
+    """Random inserts, reads (settles) and saves: after every save a fresh load has the same settled and pending
+    batches, and a save after loading writes nothing new (a model test of snapshot invariants 3-5)."""
+    import random
+
+    rng = random.Random(seed)
+    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    h, v = _Holder(), 0
+    snap = WorkerSnapshot({1: h}, 3, group_pending=bool(seed % 4))
+    with Database(str(tmp_path / "db")) as db:
+        for rnd in range(14):
+            for _ in range(rng.choice([0, 1, 1, 2, 4])):
+                rows = [(rng.randrange(30), rng.randrange(4)) for _ in range(rng.randrange(1, 3 * (rnd + 2)))]
+                z = dbsp.ZSet.from_rows(rows, schema, weights=[rng.choice([1, 1, -1]) for _ in rows])
+                ix = z.index_by(["k"])
+                if len(ix):
+                    h.t.insert(ix)
+            if rng.random() < 0.3:
+                h.t.batches  # a read settles the pending batches
+            with db.open(v) as txn:
+                snap.save(txn)
+                txn.commit()
+            v += 1
+            g = _Holder()
+            again = WorkerSnapshot({1: g}, 3, group_pending=snap.group_pending)
+            with db.open(v) as txn:
+                again.load(txn, "test")
+                assert _shape(g.t) == _shape(h.t), rnd
+                assert [op for op in again.prepare() if op[0] in ("batch", "group", "delete")] == []
+            if rng.random() < 0.3:  # go on from the loaded copy, as recovery does
+                h, snap = g, again
+
+
+def _drop_order_records(d: str, workers: int) -> None:
+    """Rewrite every worker's newest version without the batch-order records (a checkpoint written before them)."""
+    for w in range(workers):
+        with Database(worker_db_path(d, w)) as db:
+            v = db.versions().stop - 1
+            with db.open(v) as h:
+                for k, _ in list(h.scan("snapshot", prefix=b"order.")):
+                    h.delete("snapshot", k)
+                h.commit()
+
+
+def test_checkpoints_without_batch_order_records_load_in_number_order(tmp_path):
+    d = str(tmp_path / "d")
+    p = dbsp.Pipeline(circuit(), workers=2, storage=d, checkpoint_interval=None)
+    for s in p._coord.stores:
+        s.snapshot.group_pending = False  # as saved before batch groups (and order records) existed
+    p.push("auctions", pa.table({"id": np.arange(50), "category": np.arange(50) % 5}, schema=AUCTIONS))
+    for k in range(5):
+        p.push("bids", bids(k))
+        p.step()
+    p.close()  # checkpoints with pending batches
+    _drop_order_records(d, 2)
+    p = dbsp.Pipeline.open(d, circuit(), checkpoint_interval=None)
+    assert all(not pend for _, pend, _ in traces(p).values())  # loaded as one settled spine, as before
+    p.push("bids", bids(5))
+    p.step()
+    p.close()
+    p = dbsp.Pipeline.open(d, circuit(), checkpoint_interval=None)
+    p.push("auctions", pa.table({"id": [0], "category": [0]}, schema=AUCTIONS).slice(0, 0))
+    p.step()
+    assert view(p) == expected(6)
+    p.close()
+
+
+def test_a_batch_order_record_that_does_not_match_the_table_is_corruption(tmp_path):
+    d = str(tmp_path / "d")
+    p = dbsp.Pipeline(circuit(), workers=1, storage=d, checkpoint_interval=None)
+    p.push("auctions", pa.table({"id": np.arange(50), "category": np.arange(50) % 5}, schema=AUCTIONS))
+    for k in range(3):
+        p.push("bids", bids(k))
+        p.step()
+    p.close()
+    from dbsp_core.codec import decode_json, encode_json
+
+    with Database(worker_db_path(d, 0)) as db:
+        v = db.versions().stop - 1
+        with db.open(v) as h:
+            key, rec = next((k, v) for k, v in h.scan("snapshot", prefix=b"order.")
+                            if len(decode_json(b"DORD", v, "t")["numbers"]) > 1)
+            got = decode_json(b"DORD", rec, "t")
+            h.put("snapshot", key, encode_json(b"DORD", {"numbers": got["numbers"][1:], "settled": 0}))
+            h.commit()
+    with pytest.raises(CorruptionError, match="recorded batch order"):
+        dbsp.Pipeline.open(d, circuit(), checkpoint_interval=None)
+    assert os.path.exists(d)
