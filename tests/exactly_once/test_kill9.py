@@ -33,6 +33,7 @@ CHILD = os.path.join(HERE, "eo_kill_child.py")
 SEEDS = int(os.environ.get("DBSP_EO_SEEDS", "200"))
 JOBS = int(os.environ.get("DBSP_EO_JOBS", "2"))
 BATCHES = 10
+HANG_S = 180  # a crash-point run still going after this long is a hang (a run takes about a second)
 POINTS = [("push-append", 12), ("push-acked", 12), ("step-divide", 6), ("step-run", 6), ("step-computed", 6),
           ("step-output", 6), ("step-written", 6), ("checkpoint-start", 3), ("checkpoint-commit", 4),
           ("checkpoint-committed", 3), ("checkpoint-gc", 3), ("recover-step", 3)]
@@ -95,7 +96,7 @@ def run_forked(d: str, seed: int, workers: int, run: int, crash: str | None, kil
                               args=(d, seed, BATCHES, workers, run, crash or ""))
     with _MP_LOCK:  # start() polls every other child (multiprocessing.process._cleanup): see _MP_LOCK
         p.start()
-    wait([p.sentinel], timeout=kill_after if kill_after is not None else 120)
+    wait([p.sentinel], timeout=kill_after if kill_after is not None else HANG_S)
     err = os.path.join(os.path.dirname(d), "child-error.txt")
     with _MP_LOCK:
         p.join(0)
@@ -105,6 +106,9 @@ def run_forked(d: str, seed: int, workers: int, run: int, crash: str | None, kil
         wait([p.sentinel])
         with _MP_LOCK:
             p.join(0)
+        # only a timer run is killed by us; a crash-point run ends by itself (its crash point, or it finishes), so
+        # one still running after HANG_S seconds is a hang (e.g. a deadlock), never a kill to count
+        assert kill_after is not None, f"seed {seed} run {run} (crash={crash}) hung: still running after {HANG_S} s"
     # the fork server may report 255 for a child we killed (its status lost); we know we killed it, and an exception
     # in the child would have left child-error.txt
     if p.exitcode == -signal.SIGKILL or (killed and p.exitcode == 255):

@@ -260,7 +260,10 @@ def test_disk_stays_bounded_with_retention(tmp_path):
     s.stop()
 
 
-def test_last_hour_view_replays_with_the_logged_now(tmp_path):
+def test_last_hour_view_replays_with_the_logged_now(tmp_path, monkeypatch):
+    """Rows enter and leave a 2 ms window as the steps' now moves on; the replay after a crash uses the logged now,
+    not the clock, so it reproduces every change (the replay check compares them). The wall clock is a fake that
+    the test advances, so the outcome never depends on how fast the machine is."""
     import time
 
     from dbsp_core.temporal import within_last
@@ -271,22 +274,26 @@ def test_last_hour_view_replays_with_the_logged_now(tmp_path):
         c.output("recent", within_last(b, "ts", 0.002, unit="ms"))  # a 2 ms window: rows expire between steps
         return c
 
+    clock = [time.time_ns()]
+    monkeypatch.setattr(time, "time_ns", lambda: clock[0])
     d = str(tmp_path / "d")
     p = dbsp.Pipeline(circ(), workers=2, storage=d, checkpoint_interval=None)
-    now_ms = time.time_ns() // 10**6
-    p.push("bids", pa.table({"id": list(range(6)), "ts": [now_ms + k for k in range(6)]}))
-    p.step()
+    now_ms = clock[0] // 10**6
+    p.push("bids", pa.table({"id": list(range(6)), "ts": [now_ms + 3 * k for k in range(6)]}))
+    first = p.step()["recent"]  # now = now_ms: rows 0 (ts = now) in the window, the others in the future
     p.checkpoint()
     outs = []
-    for _ in range(5):
-        time.sleep(0.003)
+    for _ in range(8):
+        clock[0] += 3 * 10**6  # 3 ms per step: one row enters and the one before leaves
         outs.append(p.step()["recent"])
-    total = sum(o.num_rows for o in outs)
+    assert first.to_dict() == {(0, now_ms): 1}
+    assert [len(o) for o in outs] == [2, 2, 2, 2, 2, 1, 0, 0]
     p.close(checkpoint=False)
-    q = dbsp.Pipeline.open(d, circ())  # replays 5 steps; the replay check compares every change
-    assert q.stats["replayed_steps"] == 5
+    clock[0] += 10**12  # the replay must not see the clock: a step run with this now would expire every row
+    q = dbsp.Pipeline.open(d, circ())  # replays 8 steps; the replay check compares every change
+    assert q.stats["replayed_steps"] == 8
     got, _ = integral(q, "recent")
-    assert got == {} and total > 0  # every row entered the window and left it again, identically on replay
+    assert got == {}  # every row entered the window and left it again, identically on replay
     q.close()
 
 
