@@ -85,6 +85,10 @@ cdef extern from "cdata.h" nogil:
                            const CBatch *b, const int32_t *bcols, int32_t nb, const int64_t *bidx, int64_t m,
                            ArrowArray *out)
 
+cdef extern from "fold.h" nogil:
+    int dbsp_linear_fold(int64_t ng, int32_t ns, const int64_t *old, const int64_t *delta, const uint64_t *khash,
+                         int64_t *grp, int64_t *w, uint64_t *kh, int64_t *vals, int64_t *n, int *ordered)
+
 cdef extern from "partition.h" nogil:
     int dbsp_partition(const uint64_t *khash, int64_t n, const int32_t *part_of_shard, int shard_bits,
                        int32_t nparts, int64_t *perm, int64_t *offsets)

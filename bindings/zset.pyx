@@ -655,17 +655,27 @@ cdef object import_batch(ArrowArray *out, schema):
     return pa.Table.from_batches([batch], schema=schema)
 
 
-def take(table, idx, schema=None):
+def take(table, idx, schema=None, cols=None):
     """The rows of `table` (a Table, RecordBatch or BatchView) at `idx` (int64, each in range, else IndexError) as a
     Table of one chunk per column: Arrow's take value for value, by one C call over every column (csrc/cdata.h)
-    whose buffers are handed to Arrow through the C data interface. The result has the table's schema, or
-    `schema` (TypeError unless its types are the table's). For small takes: per call it costs a fraction of
-    Arrow's compute dispatch."""
+    whose buffers are handed to Arrow through the C data interface. With `cols` (positions), only those columns.
+    The result has the table's schema, or `schema` (required with `cols`; TypeError unless its types are the
+    gathered columns'). For small takes: per call it costs a fraction of Arrow's compute dispatch."""
     cdef BatchView v = view_of(table)
+    cdef Int32s c = Int32s(cols if cols is not None else [])
+    cdef const int32_t *cp = c.p if cols is not None else NULL
+    cdef int32_t nc = c.n if cols is not None else v.c.ncols
+    cdef int32_t k
+    if cols is not None:
+        for k in range(nc):
+            if cp[k] < 0 or cp[k] >= v.c.ncols:
+                raise IndexError(f"take: column {cp[k]} is outside 0..{v.c.ncols - 1}")
+        if schema is None:
+            raise ValueError("take: a column selection needs its schema")
     if schema is None:
         schema = v.pyschema  # the types the view was built from
-    elif v.c.ncols:
-        check_types(schema, v, NULL, v.c.ncols, None, NULL, 0)
+    elif nc:
+        check_types(schema, v, cp, nc, None, NULL, 0)
     ix = np.ascontiguousarray(idx, dtype=np.int64)
     cdef const int64_t[::1] pi = ix
     cdef int64_t m = ix.shape[0]
@@ -676,7 +686,7 @@ def take(table, idx, schema=None):
     with nogil:
         st = dbsp_gather_check(p, m, v.c.nrows)
         if st == DBSP_OK:
-            st = dbsp_cdata_gather(&v.c, p, m, &out)
+            st = dbsp_cdata_gather2(&v.c, cp, nc, p, NULL, NULL, 0, NULL, m, &out)
     if st == DBSP_EINVAL:
         raise IndexError(f"take: an index is outside 0..{v.c.nrows - 1}")
     check_status(st, "take")
@@ -716,3 +726,35 @@ def take_pairs(left, lidx, rright, ridx, rcols, schema):
         raise IndexError("take_pairs: a row index or column position is out of range")
     check_status(st, "take_pairs")
     return import_batch(&out, schema)
+
+
+def linear_fold(old, delta, khash):
+    """A linear aggregate's step (csrc/fold.h): for `ng` groups with old totals `old` and a step's sums `delta`
+    ((ng, ns) int64, slot 0 the row count) and key hashes `khash` (ng, ascending), the rows of new (+1) and old
+    (-1) totals of the changed groups: (group of each row, weights, key hashes, slot values as an (ns, n) array,
+    whether the rows are in canonical index order). WeightOverflowError if a total leaves int64."""
+    o = np.ascontiguousarray(old, dtype=np.int64)
+    d = np.ascontiguousarray(delta, dtype=np.int64)
+    kh = np.ascontiguousarray(khash, dtype=np.uint64)
+    if o.ndim != 2 or d.shape != o.shape or kh.shape != (o.shape[0],):
+        raise ValueError(f"linear_fold: old {o.shape}, delta {d.shape} and khash {kh.shape} do not match")
+    cdef int64_t ng = o.shape[0], cap = 2 * o.shape[0], n = 0
+    cdef int32_t ns = o.shape[1]
+    cdef int ordered = 1, st
+    grp = np.empty(max(cap, 1), dtype=np.int64)
+    w = np.empty(max(cap, 1), dtype=np.int64)
+    kho = np.empty(max(cap, 1), dtype=np.uint64)
+    vals = np.empty((ns, max(cap, 1)), dtype=np.int64)
+    cdef const int64_t[:, ::1] po = o
+    cdef const int64_t[:, ::1] pd = d
+    cdef const uint64_t[::1] pk = kh
+    cdef int64_t[::1] pg = grp
+    cdef int64_t[::1] pw = w
+    cdef uint64_t[::1] pkh = kho
+    cdef int64_t[:, ::1] pv = vals
+    if ng == 0 or ns == 0:
+        return grp[:0], w[:0], kho[:0], vals[:, :0], True
+    with nogil:
+        st = dbsp_linear_fold(ng, ns, &po[0, 0], &pd[0, 0], &pk[0], &pg[0], &pw[0], &pkh[0], &pv[0, 0], &n, &ordered)
+    check_status(st, "linear_fold")
+    return grp[:n], w[:n], kho[:n], vals[:, :n], bool(ordered)

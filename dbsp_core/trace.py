@@ -152,9 +152,10 @@ class Trace:
         return acc
 
     def key_sums(self, probe: pa.Table, probe_keys: list[str], khash: np.ndarray, rows: np.ndarray,
-                 columns: list[str]) -> np.ndarray:
+                 columns: list[str], view: object = None) -> np.ndarray:
         """The trace's weighted sums of int64 ``columns`` per probed key (:meth:`IndexedZSet.key_sums`, summed
-        over every batch): one galloping C walk per batch, no rows copied, so the cost grows with the probe."""
+        over every batch): one galloping C walk per batch, no rows copied, so the cost grows with the probe.
+        ``view`` is a ``_zset.BatchView`` of ``probe`` the caller already holds (else one is built)."""
         from dbsp_core import _zset
         from dbsp_core.zset import _key_sums_positions
 
@@ -162,7 +163,8 @@ class Trace:
         batches = self.batches if len(rows) else []
         if batches:
             ppos, cpos = _key_sums_positions(batches[0], probe, probe_keys, columns)
-            view = _zset.BatchView(probe)  # built once for every batch
+            if view is None:
+                view = _zset.BatchView(probe)  # built once for every batch
             for b in batches:
                 if len(b):
                     b._key_sums(view, ppos, khash, rows, cpos, acc)

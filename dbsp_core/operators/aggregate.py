@@ -38,10 +38,10 @@ from dbsp_core.errors import DbspError, SchemaError, WeightOverflowError
 from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, make
 from dbsp_core import _zset
 from dbsp_core.trace import Trace, unique_sorted
+from dbsp_core.zset import IndexedZSet, ZSet
 
 if TYPE_CHECKING:
     from dbsp_core.runtime import WorkerContext
-    from dbsp_core.zset import IndexedZSet, ZSet
 
 
 class Aggregate(Operator):
@@ -258,6 +258,7 @@ class _LinearState:
         nk = len(self.keys)
         self.keypos = tuple(range(nk))
         self.combine = [("sum", nk + j) for j in range(len(self.p))]  # the p_j columns of pschema
+        self.kschema = pa.schema(list(self.pschema)[:nk])  # the key columns of pschema
         self.trace = Trace(self.pschema, op.keys)
 
     def traces(self) -> dict[str, Trace]:
@@ -271,53 +272,25 @@ class _LinearState:
             return empty(op.schema)
         z = conform(z, self.pschema)
         data = z.data
+        view = _zset.BatchView(data, z.weights)  # one view for the grouping pass, the probes and the take
         # the change's groups (group_row: a row carrying the key), their key hashes (ascending) and partial sums
-        group_row, khash, delta, _, _ = _zset.group_reduce(data, z.weights, self.keypos, self.combine, True)
-        old = self.trace.key_sums(data, self.keys, khash.view(np.uint64), group_row, self.p)
-        new = old + delta
-        if bool((((old ^ new) & (delta ^ new)) < 0).any()):
-            raise WeightOverflowError(f"{op.label}: a group's count or integer sum overflows int64")
-        cg = np.flatnonzero((delta != 0).any(axis=1))  # changed groups, in key-hash order
-        has_add, has_sub = new[cg, 0] != 0, old[cg, 0] != 0  # groups with count 0 have no row (invariant 1)
-        add, sub = cg[has_add], cg[has_sub]
-        if len(add) + len(sub) == 0:
+        group_row, khash, delta, _, _ = _zset.group_reduce(view, None, self.keypos, self.combine, True)
+        old = self.trace.key_sums(data, self.keys, khash, group_row, self.p, view)
+        try:  # the changed groups' rows of new (+1) and old (-1) totals, in index order (csrc/fold.h)
+            grp, w, kh, vals, ordered = _zset.linear_fold(old, delta, khash)
+        except WeightOverflowError:
+            raise WeightOverflowError(f"{op.label}: a group's count or integer sum overflows int64") from None
+        if len(grp) == 0:
             return empty(op.schema)
-        rows = np.concatenate([group_row[add], group_row[sub]])
-        vals = np.concatenate([new[add], old[sub]])
-        w = np.concatenate([np.ones(len(add), dtype=np.int64), np.full(len(sub), -1, dtype=np.int64)])
-        keys = data.select(list(self.keypos)).take(pa.array(rows, pa.int64()))
-        partials = pa.Table.from_arrays(list(keys.columns) + [pa.array(np.ascontiguousarray(vals[:, j]))
-                                                             for j in range(len(self.p))], schema=self.pschema)
-        self.trace.insert(self._indexed(partials, w, khash[cg], has_add, has_sub))
+        keys = _zset.take(view, group_row[grp], self.kschema, self.keypos)
+        partials = pa.Table.from_arrays(list(keys.columns) + [pa.array(vals[j]) for j in range(len(self.p))],
+                                        schema=self.pschema)
+        if ordered:  # groups by key hash, a group's two rows by row hash: the trace batch as it stands
+            batch = IndexedZSet._make(ZSet._make(partials, w), tuple(self.keys), kh)
+        else:  # a key-hash or row-hash tie (rare): values decide the order
+            batch = make(partials, w, self.pschema).index_by(self.keys)
+        self.trace.insert(batch)
         return make(op.finalize(partials), w, op.schema)
-
-    def _indexed(self, partials: pa.Table, w: np.ndarray, kh: np.ndarray, has_add: np.ndarray,
-                 has_sub: np.ndarray) -> "IndexedZSet":
-        """The trace batch of a step's partial rows (new rows of the groups with ``has_add``, then old rows of
-        those with ``has_sub``; the groups' key hashes ``kh`` ascending), in index order without a grouping pass.
-
-        Rows are ordered by key hash, then row hash (zset.py invariant 3): the groups already come in key-hash
-        order, so only a group's two rows need ordering by their row hashes. Two groups of one key hash, or two
-        rows of one group with one row hash, need value comparisons: those rare batches are indexed by the
-        kernel instead.
-        """
-        from dbsp_core.zset import IndexedZSet, ZSet
-
-        rh = _zset.hash_columns(partials, list(range(partials.num_columns)))
-        na, ng = int(has_add.sum()), len(kh)
-        rh_add, rh_sub = np.zeros(ng, np.uint64), np.zeros(ng, np.uint64)
-        rh_add[has_add], rh_sub[has_sub] = rh[:na], rh[na:]
-        both = has_add & has_sub
-        if bool((rh_add[both] == rh_sub[both]).any()) or (ng > 1 and bool((kh[1:] == kh[:-1]).any())):
-            return make(partials, w, self.pschema).index_by(self.keys)
-        sub_first = both & (rh_sub < rh_add)
-        cnt = has_add.astype(np.int64) + has_sub
-        start = np.cumsum(cnt) - cnt
-        perm = np.empty(len(w), dtype=np.int64)
-        perm[start[has_add] + sub_first[has_add]] = np.arange(na)
-        perm[start[has_sub] + (both & ~sub_first)[has_sub]] = np.arange(na, len(w))
-        data = partials.take(pa.array(perm, pa.int64()))
-        return IndexedZSet._make(ZSet._make(data, w[perm]), tuple(self.keys), np.repeat(kh, cnt))
 
 
 class _ExtremesState:
