@@ -559,7 +559,10 @@ class IndexedZSet:
             return other
         a, b = self._z, other._z
         bd = _conform(b._data, a._data.schema)
-        idx, w, kh = _zset.merge(self._view(), None, None, other._view_as(a._data.schema), None, None, self._keypos)
+        # a key of every column in order hashes like the whole row: the kernel then reuses the key hashes as
+        # row hashes ([] = whole-row key) instead of hashing rows whose key hashes meet
+        keys = [] if self._keypos == list(range(a._data.num_columns)) else self._keypos
+        idx, w, kh = _zset.merge(self._view(), None, None, other._view_as(a._data.schema), None, None, keys)
         both = _single_chunk(pa.concat_tables([a._data, bd]))
         return IndexedZSet._make(ZSet._make(_take(both, idx), w), self._key, kh)
 
