@@ -118,12 +118,6 @@ cdef object own_array(void *ptr, int64_t n, object dtype):
     return np.frombuffer(b, dtype=dt, count=n)
 
 
-cdef uintptr_t buf_addr(object buf):
-    if buf is None or buf.size == 0:
-        return <uintptr_t>_EMPTY_BYTES
-    return <uintptr_t>buf.address
-
-
 cdef class BatchView:
     """A C batch (DbspBatch) viewing the columns of a pyarrow Table or RecordBatch and an int64 weight array, without
     copying.
