@@ -20,7 +20,7 @@ How the comparison is kept fair (documented in bench/RESULTS.md):
   Throughput = rows of the measured batches / the sum of their latencies; the first ``--warmup`` batches of
   every run are excluded for both (JIT, caches).
 
-Run: python bench/bench_spark.py [--quick] [--batches N] [--rows N] [--groups N] [--only agg,join,empty]
+Run: python bench/bench_spark.py [--quick] [--batches N] [--rows N] [--groups N] [--group 4,8] [--only agg,join,empty]
 Prints one line per measurement and a final markdown table (copied into RESULTS.md).
 """
 
@@ -257,7 +257,7 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=100_000)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--group", type=int, default=4, help="steps per Spark job in the queued SparkPipeline runs")
+    ap.add_argument("--group", default="4", help="steps per Spark job in the queued SparkPipeline runs (a list: 4,8)")
     ap.add_argument("--reps", type=int, default=20, help="repetitions of the empty jobs")
     ap.add_argument("--only", default="agg,join,empty")
     ap.add_argument("--no-spark-pipeline", action="store_true", help="skip spark_glue.SparkPipeline")
@@ -265,6 +265,7 @@ def main() -> None:
     if a.quick:
         a.batches, a.rows, a.groups, a.reps = 5, 20_000, 20_000, 5
     only = set(a.only.split(","))
+    groups = [int(g) for g in str(a.group).split(",")]
     W = a.workers
     root = tempfile.mkdtemp(prefix="bench-spark-")
     results: list[tuple[str, str, dict[str, float]]] = []
@@ -314,11 +315,13 @@ def main() -> None:
                 p.close()
                 print(fmt("  Spark SS source -> foreach_batch -> SparkPipeline", r) + f"; {loadavg()}", flush=True)
                 results.append(("agg", "Spark SS -> foreach_batch -> SparkPipeline", r))
-                r = dbsp_run_grouped(lambda: SP(spark, agg_circuit(), workers=W, storage=os.path.join(root, "spq-agg"),
-                                                checkpoint_interval=1.0), [("s", fs)], a.warmup, a.group)
-                print(fmt(f"  SparkPipeline, {a.group} steps per job (latency = job)", r) + f"; {loadavg()}",
-                      flush=True)
-                results.append(("agg", f"SparkPipeline, {a.group} steps per job (latency = job)", r))
+                for g in groups:
+                    r = dbsp_run_grouped(lambda: SP(spark, agg_circuit(), workers=W,
+                                                    storage=os.path.join(root, f"spq{g}-agg"), checkpoint_interval=1.0),
+                                         [("s", fs)], a.warmup, g)
+                    print(fmt(f"  SparkPipeline, {g} steps per job (latency = job)", r) + f"; {loadavg()}",
+                          flush=True)
+                    results.append(("agg", f"SparkPipeline, {g} steps per job (latency = job)", r))
         if "join" in only:
             do, dp = write_join_batches(root, a.batches, a.rows)
             fo, fp = files(do), files(dp)
@@ -337,11 +340,12 @@ def main() -> None:
                 ours("SparkPipeline", "join", lambda: SP(spark, join_circuit(), workers=W,
                                                          storage=os.path.join(root, "sp-join"), checkpoint_interval=1.0),
                      inputs)
-                r = dbsp_run_grouped(lambda: SP(spark, join_circuit(), workers=W, storage=os.path.join(root, "spq-join"),
-                                                checkpoint_interval=1.0), inputs, a.warmup, a.group)
-                print(fmt(f"  SparkPipeline, {a.group} steps per job (latency = job)", r) + f"; {loadavg()}",
-                      flush=True)
-                results.append(("join", f"SparkPipeline, {a.group} steps per job (latency = job)", r))
+                for g in groups:
+                    r = dbsp_run_grouped(lambda: SP(spark, join_circuit(), workers=W, checkpoint_interval=1.0,
+                                                    storage=os.path.join(root, f"spq{g}-join")), inputs, a.warmup, g)
+                    print(fmt(f"  SparkPipeline, {g} steps per job (latency = job)", r) + f"; {loadavg()}",
+                          flush=True)
+                    results.append(("join", f"SparkPipeline, {g} steps per job (latency = job)", r))
         if "empty" in only:
             e = empty_jobs(spark, a.reps)
             print(f"(c) empty Spark job (parallelize([], 2).count()): median {e['empty_ms']:.1f} ms; 2-partition "

@@ -24,12 +24,16 @@ Invariants (enforced here):
      stale entry reads only the batches saved since it, without scanning the state. A
      failed attempt in the same process rolls the cached instances back to the job's start (traces are
      spines of immutable batches, so the rollback keeps references, not copies).
+  5. With ``outputs_in_result`` (a runner sets it on a stateful last stage), a task returns its blobs without
+     its output shares, and the driver reads those from the result files (:func:`read_result_outputs`) once
+     the job has succeeded: the files hold exactly the committed attempt's blobs (invariant 3) under the job's
+     tag, so the driver gets every output share once, whichever attempt committed, without moving them
+     through the engine (the job's last shuffle output and the collect).
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import threading
 from collections import OrderedDict
@@ -39,17 +43,19 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from dbsp_core.codec import decode_json, encode_json, frame, unframe
+from dbsp_core.codec import decode_json, encode_json
 from dbsp_core.errors import CorruptionError, DbspError, RecoveryError
 from dbsp_core.shard import ShardMap
 from dbsp_core.snapshot import WorkerSnapshot, state_attrs
-from dbsp_core.stages import BLOB_SCHEMA, StagePlan, StageWorker, ack_blob, encode_blobs, gather, output_node
+from dbsp_core.jobfiles import read_table_file, write_table_file
+from dbsp_core.stages import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, StagePlan, StageWorker, ack_blob, encode_blobs,
+                              gather, output_node)
 from dbsp_core.storage import Database
 from dbsp_core.trace import Trace
 from dbsp_core.zset import ZSet
 
 __all__ = ["StageTask", "StepInfo", "StaleAttemptError", "InjectedFault", "run_stage_task", "stage_db_path",
-           "open_stage_databases", "choose_version", "drop_cache", "cache_stats"]
+           "open_stage_databases", "choose_version", "drop_cache", "cache_stats", "job_tag", "read_result_outputs"]
 
 _RESULT_MAGIC = b"DSTR"
 
@@ -88,7 +94,8 @@ class StageTask:
     ``version`` is the base version every stage database is at when the job starts. ``fault`` is for tests
     only: ``(point, worker)`` raises :class:`InjectedFault` at ``point`` (``"before-commit"`` or
     ``"after-commit"``; for a stateless stage both mean "after computing") when running ``worker``, if the
-    caller asks for it (e.g. on a task's first attempt only).
+    caller asks for it (e.g. on a task's first attempt only). ``outputs_in_result`` (a stateful stage only):
+    the output shares are left in the result file for the driver, not returned (invariant 5).
     """
 
     plan: StagePlan
@@ -100,6 +107,7 @@ class StageTask:
     version: int
     steps: list[StepInfo]
     fault: tuple[str, int] | None = None
+    outputs_in_result: bool = False
 
 
 class _Entry:
@@ -170,37 +178,50 @@ def _result_path(storage: str, stage: int, worker: int) -> str:
 
 
 def _write_result(path: str, tag: dict, table: pa.Table) -> None:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as wr:
-        wr.write_table(table)
-    head = json.dumps(tag, sort_keys=True).encode()
-    blob = frame(_RESULT_MAGIC, len(head).to_bytes(4, "little") + head + sink.getvalue().to_pybytes())
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(os.path.dirname(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_table_file(path, _RESULT_MAGIC, tag, table, sync=True)
 
 
 def _read_result(path: str, tag: dict) -> pa.Table:
     try:
-        with open(path, "rb") as f:
-            body = unframe(_RESULT_MAGIC, f.read(), path)
+        got, table = read_table_file(path, _RESULT_MAGIC, path)
     except FileNotFoundError:
         raise RecoveryError(f"{path}: missing, but the database holds the committed version of this job") from None
-    n = int.from_bytes(body[:4], "little")
-    got = json.loads(body[4:4 + n])
     # the same job (base version and steps) of any driver incarnation: its input division is logged, so its
     # result is the same (a zombie of a dead driver may have committed it)
     if {k: v for k, v in got.items() if k != "run"} != {k: v for k, v in tag.items() if k != "run"}:
         raise RecoveryError(f"{path}: holds the result of job {got}, expected {tag}")
-    return pa.ipc.open_stream(pa.py_buffer(body[4 + n:])).read_all()
+    return table
+
+
+def _is_output(blobs: pa.Table) -> Any:
+    """A mask of the output shares among ``blobs`` (node < 0, neither an acknowledgement nor a control blob)."""
+    nodes = blobs.column("node").to_numpy()
+    return (nodes < 0) & (nodes != ACK_NODE) & (nodes != CONTROL_NODE)
+
+
+def _returned(task: StageTask, produced: pa.Table) -> pa.Table:
+    """What a stateful task returns of the blobs it produced: all of them, or without the output shares when
+    the driver reads those from the result file (``task.outputs_in_result``, invariant 5)."""
+    if not task.outputs_in_result:
+        return produced
+    return produced.filter(pa.array(~_is_output(produced)))
+
+
+def job_tag(task: StageTask) -> dict:
+    """The tag of the job ``task`` belongs to: driver incarnation, base version and steps."""
+    return {"run": task.run, "version": task.version, "first": task.steps[0].step, "end": task.steps[-1].step + 1}
+
+
+def read_result_outputs(task: StageTask, workers: int) -> pa.Table:
+    """The output shares that every worker's task of ``task.stage`` left in its result file (invariant 5);
+    RecoveryError if a file is missing or holds another job's result. Call it after the job succeeded."""
+    assert task.storage is not None
+    tag = job_tag(task)
+    outs = []
+    for w in range(workers):
+        t = _read_result(_result_path(task.storage, task.stage, w), tag)
+        outs.append(t.filter(pa.array(_is_output(t))))
+    return pa.concat_tables(outs) if outs else BLOB_SCHEMA.empty_table()
 
 
 _SAVELOG = "stagelog"
@@ -261,6 +282,8 @@ def run_stage_task(task: StageTask, worker: int, blobs: pa.Table) -> pa.Table:
                       f"stage {k} worker {worker}")
     sm = ShardMap(task.workers, task.shard_bits)
     where = f"stage {k} worker {worker}"
+    if task.outputs_in_result and not plan.stateful[k]:
+        raise DbspError(f"{where}: outputs_in_result needs a stateful stage (a stateless one writes no result)")
     if not plan.stateful[k]:
         out = _run_steps(task, StageWorker(plan.circuit, plan, k, worker, sm), received)
         _fault(task, worker, "before-commit")
@@ -277,7 +300,7 @@ def _run_stateful(task: StageTask, worker: int, sm: ShardMap, received: dict[tup
     assert task.storage is not None
     path = stage_db_path(task.storage, k, worker)
     first, end = task.steps[0].step, task.steps[-1].step + 1
-    tag = {"run": task.run, "version": v, "first": first, "end": end}
+    tag = job_tag(task)
     where = f"{path}"
     os.makedirs(os.path.dirname(path), exist_ok=True)
     lockfd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
@@ -288,7 +311,7 @@ def _run_stateful(task: StageTask, worker: int, sm: ShardMap, received: dict[tup
             vs = db.versions()
             if vs == range(v, v + 2):  # an earlier attempt committed this job: return what it produced
                 cache_stats["replayed_results"] += 1
-                return _read_result(_result_path(task.storage, k, worker), tag)
+                return _returned(task, _read_result(_result_path(task.storage, k, worker), tag))
             if vs.stop - 1 != v:
                 raise StaleAttemptError(f"{where}: holds versions {vs.start}..{vs.stop - 1}, this attempt is for "
                                         f"base version {v} (a stale attempt of an earlier job)")
@@ -350,7 +373,7 @@ def _run_stateful(task: StageTask, worker: int, sm: ShardMap, received: dict[tup
                 if not h.closed:
                     h.close()
             _fault(task, worker, "after-commit")
-            return out
+            return _returned(task, out)
         finally:
             db.close()
     finally:

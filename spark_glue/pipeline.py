@@ -4,21 +4,21 @@ The engine-side logic is dbsp_core's (``dbsp_core.stages`` and ``dbsp_core.stage
 per-(stage, worker) state, retries; ``dbsp_core.staged``: step division, input and output logs, checkpoints,
 recovery). This module only moves blobs: one Spark job runs a batch of queued steps as::
 
-    parallelize(stage-0 input blobs, one slice per worker)
-      -> mapInArrow(stage 0) -> [shuffle to partition = part] -> mapInArrow(stage 1) -> [shuffle] -> ...
+    spark.range(W) in W partitions
+      -> mapInArrow(stage 0 over the worker's job input file) -> [shuffle to partition = part]
+      -> mapInArrow(stage 1) -> [shuffle] -> ... -> toArrow() on the driver (commit acknowledgements)
+      -> the driver reads the last stage's output shares from its result files
 
-(a job whose stage-0 input is under ``SparkJobRunner.INLINE_BYTES`` ships it inside the stage-0 function
-over ``spark.range(W)`` instead, one Python pass fewer).
-      -> toArrow() on the driver (output shares and commit acknowledgements)
+(a stateless last stage returns its output shares through ``toArrow()`` instead).
 
 Design notes (each is a requirement this module keeps):
   1. Rows never cross Python one by one: a blob is one Z-set (Arrow IPC with a checksum); the shuffle moves
      ``(part, src, node, step, payload)`` rows, W x nodes x steps of them per job, whatever the data size.
   2. Exact placement: the shuffle is ``repartition(W, code)`` where ``code`` is a per-destination int chosen
      on the driver so that Spark's hash partitioning (``pmod(murmur3(code, 42), W)``) sends it to partition
-     ``part``; the codes are computed by Spark itself (``F.hash``), not re-implemented. Stage 0 reads the
-     input from ``parallelize`` with one slice per worker, which places it without a shuffle. ``repartition`` with an
-     explicit count is never coalesced by adaptive execution. Inside a task the worker id is
+     ``part``; the codes are computed by Spark itself (``F.hash``), not re-implemented. Stage 0 runs over
+     ``spark.range(W)`` in W partitions and task ``w`` reads worker ``w``'s input, so it needs no shuffle.
+     ``repartition`` with an explicit count is never coalesced by adaptive execution. Inside a task the worker id is
      ``TaskContext.partitionId()``, and every stage task refuses a blob addressed to another worker
      (dbsp_core.stagetask invariant 1), so a placement bug fails loudly instead of producing wrong data.
   3. A DataFrame pushed as input is gathered to the driver (``toArrow``): the driver is where the input log
@@ -27,28 +27,43 @@ Design notes (each is a requirement this module keeps):
      never re-run a stage task of a finished job by re-evaluating a DataFrame.
   4. The storage directory must be visible at the same path to the driver and every executor (a local path
      in local mode, a shared mount on a cluster); stage state is under ``<storage>/stages``.
+  5. Input and output rows cross the JVM only in the shuffle: the driver writes each worker's stage-0 blobs
+     to a job input file under the storage directory (dbsp_core.jobfiles: checksummed, named by the job,
+     removed when the job ends), and when the last stage is stateful its tasks leave their output shares in
+     the result files they write before committing (dbsp_core.stagetask invariants 3 and 5), which the driver
+     reads after the job, checking that each holds this job's committed result. Spark's ``toArrow()`` then
+     carries only the commit acknowledgements and control blobs.
+  6. A job's DataFrame holds nothing job-specific: the job (driver run id, base version, steps with their
+     ``now`` and seed) is described in its control blobs, which the input file carries to stage 0 and every
+     stage forwards, and each task builds its StageTask from the one it receives (a stage-0 task checks it
+     against the file header). So the next job's DataFrame is built ahead, in a background thread, while the
+     driver reads a job's results; each job still gets a DataFrame of its own (an executed DataFrame would
+     reuse its shuffle output), and every guarantee of the stage tasks holds as before, since they check the
+     job against their databases (dbsp_core.stagetask invariant 3).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from dbsp_core.circuit import Circuit
-from dbsp_core.errors import SchemaError
+from dbsp_core.errors import DbspError, SchemaError
+from dbsp_core.jobfiles import read_job_input, remove_job_inputs, write_job_inputs
 from dbsp_core.shard import DEFAULT_SHARD_BITS
 from dbsp_core.staged import Job, StagedPipeline
-from dbsp_core.stages import BLOB_SCHEMA
-from dbsp_core.stagetask import StageTask, run_stage_task
+from dbsp_core.stages import BLOB_SCHEMA, CONTROL_NODE, StagePlan, control_blobs
+from dbsp_core.stagetask import StageTask, StepInfo, read_result_outputs, run_stage_task
 from dbsp_core.zset import ZSet
 
 __all__ = ["SparkPipeline", "SparkJobRunner", "partition_codes"]
-
-BLOB_DDL = "part int, src int, node int, step long, payload binary"
 
 
 def partition_codes(spark: Any, workers: int) -> list[int]:
@@ -68,28 +83,53 @@ def partition_codes(spark: Any, workers: int) -> list[int]:
     raise RuntimeError(f"no int hashes to every one of {workers} Spark partitions")  # pragma: no cover
 
 
-def _stage_fn(task: StageTask, fault: tuple[int, str, int] | None, fault_attempts: int,
-              inline: pa.Table | None = None):
-    """The mapInArrow function of one stage: gather the partition's blobs, run the stage task, yield its blobs.
+def _blob_struct() -> Any:
+    """The Spark schema of a blob table (a StructType: mapInArrow then parses no DDL string through the JVM)."""
+    from pyspark.sql.types import BinaryType, IntegerType, LongType, StructField, StructType
 
-    With ``inline`` (stage 0 of a small job) the blobs come with the function and the input rows are ignored.
-    """
+    return StructType([StructField("part", IntegerType()), StructField("src", IntegerType()),
+                       StructField("node", IntegerType()), StructField("step", LongType()),
+                       StructField("payload", BinaryType())])
+
+
+def _describe(task: StageTask, fault: tuple[int, str, int] | None, attempts: int) -> dict:
+    """The job-specific part of a job's stage tasks, which travels with the blobs (design note 6)."""
+    return {"run": task.run, "version": task.version, "steps": [list(s) for s in task.steps],
+            "fault": None if fault is None else [*fault, attempts]}
+
+
+def _job_of(blobs: pa.Table, where: str) -> dict:
+    """The job description in the control blob among ``blobs`` (design note 6)."""
+    ctl = blobs.filter(pc.equal(blobs.column("node"), CONTROL_NODE)).column("payload")
+    if len(ctl) != 1:
+        raise DbspError(f"{where}: {len(ctl)} control blobs, expected one (it carries the job)")
+    return json.loads(ctl[0].as_py())
+
+
+def _stage_fn(plan: StagePlan, stage: int, workers: int, shard_bits: int, storage: str, outputs_in_result: bool):
+    """The mapInArrow function of one stage of any job: take the partition's blobs (stage 0: the worker's input
+    file), build the stage task from the job description they carry, run it and yield its blobs."""
 
     def run(batches):
         from pyspark import TaskContext
 
         tc = TaskContext.get()
         worker = tc.partitionId()
-        t = task
-        if fault is not None and fault[0] == task.stage and fault[2] == worker and tc.attemptNumber() < fault_attempts:
-            t = dataclasses.replace(task, fault=(fault[1], worker))  # tests: fail the first attempt(s)
+        where = f"stage {stage} worker {worker}"
         bs = list(batches)
-        if inline is not None:
-            parts = inline.column("part").to_numpy()
-            table = inline.filter(pa.array(parts == worker))
+        if stage == 0:
+            head, table = read_job_input(storage, worker)
         else:
             table = pa.Table.from_batches(bs) if bs else BLOB_SCHEMA.empty_table()
-        out = run_stage_task(t, worker, table)
+        job = _job_of(table, where)
+        if stage == 0 and head != job:
+            raise DbspError(f"{where}: the input file of job {head} carries the job {job}")
+        task = StageTask(plan, stage, workers, shard_bits, storage, job["run"], job["version"],
+                         [StepInfo(*s) for s in job["steps"]], outputs_in_result=outputs_in_result)
+        f = job["fault"]
+        if f is not None and f[0] == stage and f[2] == worker and tc.attemptNumber() < f[3]:
+            task = dataclasses.replace(task, fault=(f[1], worker))  # tests: fail the first attempt(s)
+        out = run_stage_task(task, worker, table)
         yield from out.combine_chunks().to_batches()
 
     return run
@@ -101,9 +141,10 @@ class SparkJobRunner:
     ``fault`` (tests only): ``(stage, point, worker)`` makes the first ``fault_attempts`` attempts of that task
     raise at ``point`` (``"before-commit"`` or ``"after-commit"``); Spark retries a failed task when task
     retries are enabled (``local[N,F]`` with F >= 2, or ``spark.task.maxFailures`` >= 2 on a cluster).
+    ``outputs_by_file`` (default on): a stateful last stage leaves its output shares in its result files and
+    the driver reads them there (design note 5). ``prebuild`` (default on): the next job's DataFrame is
+    built in a background thread while the driver reads a job's results (design note 6).
     """
-
-    INLINE_BYTES = 1 << 20  # stage-0 input up to this size travels inside the task (no input data source)
 
     def __init__(self, spark: Any, workers: int) -> None:
         from pyspark.sql import functions as F
@@ -112,38 +153,80 @@ class SparkJobRunner:
         self.workers = workers
         self.codes = partition_codes(spark, workers)
         self._code = F.element_at(F.array(*[F.lit(c) for c in self.codes]), F.col("part") + 1)
+        self._schema = _blob_struct()
         self.fault: tuple[int, str, int] | None = None
         self.fault_attempts = 1
+        self.outputs_by_file = True
+        self.prebuild = True
+        self._pool: ThreadPoolExecutor | None = None
+        self._next: tuple[tuple, Future] | None = None
 
     def _route(self, df: Any) -> Any:
         """Shuffle so that a blob with ``part = p`` lands in partition ``p`` (design note 2)."""
         return df.repartition(self.workers, self._code)
 
-    def _inputs(self, blobs: pa.Table) -> Any:
-        """The stage-0 blobs as a DataFrame whose partition ``w`` holds exactly the blobs for worker ``w``.
+    def _build(self, key: tuple, plan: StagePlan) -> Any:
+        """A new DataFrame running every stage of a job (any job with these static parameters: design note 6)."""
+        storage, shard_bits, by_file = key[1:]
+        df = self.spark.range(0, self.workers, 1, self.workers)  # W one-row partitions: partition w = worker w
+        last = plan.num_stages - 1
+        for k in range(plan.num_stages):
+            if k:
+                df = self._route(df)
+            df = df.mapInArrow(_stage_fn(plan, k, self.workers, shard_bits, storage, by_file and k == last),
+                               self._schema)
+        return df
 
-        ``parallelize`` of W per-worker lists into W slices puts list ``w`` in partition ``w`` (one element per
-        slice), so stage 0 needs no shuffle; the stage task checks the placement anyway.
-        """
-        per: list[list[tuple]] = [[] for _ in range(self.workers)]
-        cols = [blobs.column(n).to_pylist() for n in BLOB_SCHEMA.names]  # one Python tuple per blob, not per row
-        for row in zip(*cols):
-            per[row[0]].append(row)
-        rdd = self.spark.sparkContext.parallelize(per, self.workers).flatMap(lambda rows: rows)
-        return self.spark.createDataFrame(rdd, BLOB_DDL, verifySchema=False)
+    def _dataframe(self, key: tuple, plan: StagePlan) -> Any:
+        """The prebuilt DataFrame when there is one for ``key`` (a failed prebuild is built again here)."""
+        nxt, self._next = self._next, None
+        if nxt is not None and nxt[0] == key:
+            try:
+                return nxt[1].result()
+            except Exception:  # e.g. the session was busy stopping: build it in this thread instead
+                pass
+        return self._build(key, plan)
 
     def run_job(self, job: Job) -> pa.Table:
-        inline = job.inputs if job.inputs.nbytes <= self.INLINE_BYTES else None
-        if inline is not None:  # W one-row partitions (range splits evenly): partition w runs worker w
-            df = self.spark.range(0, self.workers, 1, self.workers)
-        else:
-            df = self._inputs(job.inputs)
-        for task in job.tasks:
-            if task.stage:
-                df = self._route(df)
-            df = df.mapInArrow(_stage_fn(task, self.fault, self.fault_attempts, inline if task.stage == 0 else None),
-                               BLOB_DDL)
-        return df.toArrow()
+        tasks = job.tasks
+        t0 = tasks[0]
+        plan, storage, last = t0.plan, t0.storage, len(tasks) - 1
+        if storage is None:
+            raise DbspError("SparkJobRunner: stage tasks need a storage directory every executor can see")
+        by_file = self.outputs_by_file and plan.stateful[last]
+        key = (id(plan), storage, t0.shard_bits, by_file)
+        df = self._dataframe(key, plan)
+        desc = _describe(t0, self.fault, self.fault_attempts)
+        inputs = job.inputs
+        ctl = inputs.column("node").to_numpy() == CONTROL_NODE
+        inputs = pa.concat_tables([inputs.filter(pa.array(~ctl)), _control(self.workers, t0.steps[0].step, desc)])
+        write_job_inputs(storage, desc, inputs, self.workers)
+        try:
+            result = df.toArrow()
+        finally:
+            remove_job_inputs(storage, self.workers)
+        if self.prebuild:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="dbsp-spark-plan")
+            self._next = (key, self._pool.submit(self._build, key, plan))
+        if not by_file:
+            return result
+        if result.schema != BLOB_SCHEMA:
+            result = result.select(BLOB_SCHEMA.names).cast(BLOB_SCHEMA)
+        return pa.concat_tables([result, read_result_outputs(tasks[last], self.workers)])
+
+    def close(self) -> None:
+        """Wait for a prebuild in flight and stop its thread."""
+        self._next = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def _control(workers: int, step: int, desc: dict) -> pa.Table:
+    """The job's control blobs (stages.control_blobs) carrying the job description (design note 6)."""
+    t = control_blobs(workers, step)
+    return t.set_column(4, "payload", pa.array([json.dumps(desc, sort_keys=True).encode()] * workers, pa.binary()))
 
 
 class SparkPipeline(StagedPipeline):
@@ -257,6 +340,13 @@ class SparkPipeline(StagedPipeline):
     def _df(self, z: ZSet) -> Any:
         t = z.to_arrow()
         return self.spark.createDataFrame(t)
+
+    def close(self, checkpoint: bool = True) -> None:  # type: ignore[override]
+        """Checkpoint (unless ``checkpoint=False`` or the pipeline is broken), then release files and threads."""
+        try:
+            super().close(checkpoint)
+        finally:
+            self.runner.close()  # type: ignore[attr-defined]
 
     def __repr__(self) -> str:
         return (f"SparkPipeline({self.storage!r}, workers={self.workers}, steps={self.steps}, "

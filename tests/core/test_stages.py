@@ -14,10 +14,10 @@ from staged_circuits import CIRCUITS, build, changes, check_duckdb, embedded, sa
 
 import dbsp_core as dbsp
 from dbsp_core import stagetask
-from dbsp_core.errors import DbspError, ReplayMismatchError
+from dbsp_core.errors import DbspError, RecoveryError, ReplayMismatchError
 from dbsp_core.operators.base import concat
 from dbsp_core.staged import Job, LocalJobRunner, StagedPipeline
-from dbsp_core.stages import StagePlan, StageWorker
+from dbsp_core.stages import StagePlan, StageWorker, read_acks
 from dbsp_core.stagetask import StaleAttemptError, run_stage_task
 
 NAMES = sorted(CIRCUITS)
@@ -553,3 +553,56 @@ def test_a_save_log_that_lists_a_missing_key_falls_back_to_reading_the_tables(tm
     assert stagetask.cache_stats["listing_fallbacks"] > before
     p.close()
     same_outputs(outs, embedded(c, steps))
+
+
+class OutputsInResult(LocalJobRunner):
+    """Like the Spark runner: a stateful last stage leaves its output shares in its result files, which are read
+    after the job (stagetask.py invariant 5)."""
+
+    def __init__(self, fail_first=None) -> None:
+        super().__init__(fail_first)
+        self.by_file = 0
+
+    def run_job(self, job):
+        last = len(job.tasks) - 1
+        if not job.tasks[last].plan.stateful[last]:
+            return super().run_job(job)
+        tasks = job.tasks[:last] + [dataclasses.replace(job.tasks[last], outputs_in_result=True)]
+        got = super().run_job(job._replace(tasks=tasks))
+        own = [-1 - k for k, _, _ in job.tasks[last].plan.outputs[last]]  # outputs of earlier stages are forwarded
+        assert not np.isin(got.column("node").to_numpy(), own).any()
+        self.by_file += 1
+        return pa.concat_tables([got, stagetask.read_result_outputs(tasks[last], job.workers)])
+
+
+@pytest.mark.parametrize("point", [None, "before-commit", "after-commit"])
+@pytest.mark.parametrize("name", ["join_agg", "carried", "group_agg"])
+def test_outputs_read_from_the_result_files_match_embedded(tmp_path, name: str, point: str | None) -> None:
+    steps, bags = changes(13, 6)
+    c, sql = build(name)
+    plan = StagePlan(c)
+    last = plan.num_stages - 1
+    runner = OutputsInResult({(last, point, w) for w in range(2)} if point else None)
+    outs = _run_staged(tmp_path, name, 2, steps, [2, 1, 3], runner=runner)
+    assert runner.by_file == 3 and runner.retries == (2 if point else 0)
+    same_outputs(outs, embedded(c, steps))
+    check_duckdb(sql, outs, bags)
+
+
+def test_result_outputs_of_another_job_are_refused(tmp_path) -> None:
+    p, t1, mid = _job_and_blobs(tmp_path)
+    t1 = dataclasses.replace(t1, outputs_in_result=True)
+    for w in range(2):
+        back = run_stage_task(t1, w, mid.filter(pa.compute.equal(mid["part"], w)))
+        assert len(read_acks(back)) == 1 and not stagetask._is_output(back).any()  # acknowledgement and control
+    outs = stagetask.read_result_outputs(t1, 2)
+    assert outs.num_rows > 0
+    with pytest.raises(RecoveryError, match="holds the result of job"):
+        stagetask.read_result_outputs(dataclasses.replace(t1, version=t1.version + 1), 2)
+    with pytest.raises(DbspError, match="needs a stateful stage"):
+        run_stage_task(dataclasses.replace(t1, stage=0, outputs_in_result=True), 0, mid.slice(0, 0))
+    # a duplicate attempt that wants its outputs back gets exactly the shares the driver reads from the file
+    mine = mid.filter(pa.compute.equal(mid["part"], 0))
+    whole = run_stage_task(dataclasses.replace(t1, outputs_in_result=False), 0, mine)
+    assert whole.filter(pa.array(stagetask._is_output(whole))).equals(outs.filter(pa.compute.equal(outs["part"], 0)))
+    p.close(checkpoint=False)

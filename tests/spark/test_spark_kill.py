@@ -147,7 +147,10 @@ def test_driver_kill_under_a_streaming_query(tmp_path, runtime):
     assert jvms() <= before, "a killed driver left its Spark JVM running"
     st = json.loads(open(stats).read())
     views, ranges = log_views(storage)
-    assert len(ranges) == batches  # one step per micro-batch
+    # one step per micro-batch: usually one per file, but a query killed after its file source logged the next
+    # files and before it logged the batch's offsets plans that batch again over all of them on restart
+    micro_batches = len([n for n in os.listdir(os.path.join(ckpt, "commits")) if n.isdigit()])
+    assert len(ranges) == micro_batches and micro_batches <= batches
     for s, rs in enumerate(ranges):
         mine = [(r["first_seq"], r["last_seq"]) for r in rs if r["producer"] == st["producer"]]
         assert mine == [(s, s)], (s, mine)

@@ -50,8 +50,8 @@ def test_matches_embedded_and_duckdb(spark_local, tmp_path, name: str, workers: 
     steps, bags = changes(seed, 6)
     c, sql = build(name)
     p = SparkPipeline(spark_local, c, workers=workers, storage=str(tmp_path), shard_bits=shard_bits)
-    if workers == 3:
-        p.runner.INLINE_BYTES = 0  # stage-0 input through parallelize (the path of large inputs)
+    if workers == 3:  # the other paths: outputs through toArrow, each job's DataFrame built when it runs
+        p.runner.outputs_by_file, p.runner.prebuild = False, False
     outs = run(p, steps, np.random.default_rng(seed))
     assert p.jobs < len(steps) or len(steps) == 1
     p.close()
