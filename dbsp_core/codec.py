@@ -26,30 +26,49 @@ WEIGHT_COLUMN = "__dbsp_weight"
 _HEAD = struct.Struct("<4sBI")  # magic, format version, crc32 of the body
 
 
+def frame_head(magic: bytes, *parts: Any) -> bytes:
+    """The header :func:`frame` puts before the concatenation of ``parts`` (bytes or Arrow buffers), computed
+    without joining them, for writers that write or gather the parts themselves.
+
+    >>> frame_head(b"TEST", b"a", b"bc") + b"abc" == frame(b"TEST", b"abc")
+    True
+    """
+    assert len(magic) == 4
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return _HEAD.pack(magic, FORMAT_VERSION, crc)
+
+
 def frame(magic: bytes, body: bytes) -> bytes:
     """``body`` behind a header of ``magic`` (4 bytes), the format version and the body's CRC-32.
 
     >>> unframe(b"TEST", frame(b"TEST", b"abc"), "x")
     b'abc'
     """
-    assert len(magic) == 4
-    return _HEAD.pack(magic, FORMAT_VERSION, zlib.crc32(body)) + body
+    return frame_head(magic, body) + body
 
 
-def unframe(magic: bytes, blob: bytes, where: str) -> bytes:
-    """The body of a :func:`frame` blob; CorruptionError or FormatVersionError naming ``where`` if it is bad."""
-    blob = bytes(blob)
-    if len(blob) < _HEAD.size:
-        raise CorruptionError(f"{where}: {len(blob)}-byte record is shorter than its header")
-    m, version, crc = _HEAD.unpack_from(blob)
+def unframe_view(magic: bytes, blob: Any, where: str) -> memoryview:
+    """The body of a :func:`frame` blob (bytes or an Arrow buffer) as a view into it, not a copy; CorruptionError
+    or FormatVersionError naming ``where`` if it is bad."""
+    view = memoryview(blob)
+    if view.nbytes < _HEAD.size:
+        raise CorruptionError(f"{where}: {view.nbytes}-byte record is shorter than its header")
+    m, version, crc = _HEAD.unpack_from(view)
     if m != magic:
         raise CorruptionError(f"{where}: bad magic {m!r}, expected {magic!r}")
     if version != FORMAT_VERSION:
         raise FormatVersionError(f"{where}: format version {version}, this build reads {FORMAT_VERSION}")
-    body = blob[_HEAD.size:]
+    body = view[_HEAD.size:]
     if zlib.crc32(body) != crc:
         raise CorruptionError(f"{where}: checksum mismatch")
     return body
+
+
+def unframe(magic: bytes, blob: bytes, where: str) -> bytes:
+    """The body of a :func:`frame` blob; CorruptionError or FormatVersionError naming ``where`` if it is bad."""
+    return bytes(unframe_view(magic, blob, where))
 
 
 def encode_zset(z: ZSet, magic: bytes = b"DZS1") -> bytes:
@@ -78,7 +97,7 @@ def encode_zset_parts(z: ZSet, magic: bytes = b"DZS1") -> tuple[bytes, pa.Buffer
     with pa.ipc.new_stream(sink, table.schema) as w:
         w.write_table(table)
     body = sink.getvalue()
-    return _HEAD.pack(magic, FORMAT_VERSION, zlib.crc32(body)), body
+    return frame_head(magic, body), body
 
 
 def decode_zset(blob: bytes, schema: pa.Schema, where: str, magic: bytes = b"DZS1") -> ZSet:
@@ -135,7 +154,7 @@ def encode_batch(rb: pa.RecordBatch, magic: bytes = b"DRB1") -> bytes:
     {(2,): -1}
     """
     body = rb.serialize()  # joined with its header in one copy
-    return b"".join((_HEAD.pack(magic, FORMAT_VERSION, zlib.crc32(body)), body))
+    return b"".join((frame_head(magic, body), body))
 
 
 _COUNT = struct.Struct("<I")
@@ -154,7 +173,7 @@ def encode_runs(rb: pa.RecordBatch, counts: list[int], magic: bytes = b"DRBG") -
         raise ValueError(f"encode_runs: runs of {sum(counts)} rows for a {rb.num_rows}-row batch")
     head = _COUNT.pack(len(counts)) + struct.pack(f"<{len(counts)}I", *counts)
     body = rb.serialize()
-    return b"".join((_HEAD.pack(magic, FORMAT_VERSION, zlib.crc32(body, zlib.crc32(head))), head, body))
+    return b"".join((frame_head(magic, head, body), head, body))
 
 
 def decode_runs(blob: bytes, schema: pa.Schema, where: str, magic: bytes = b"DRBG") -> list[ZSet]:

@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 
 import pyarrow as pa
 
-from dbsp_core.codec import _HEAD, FORMAT_VERSION
-from dbsp_core.errors import CorruptionError, FormatVersionError
+from dbsp_core.codec import frame_head, unframe_view
+from dbsp_core.errors import CorruptionError
 
 __all__ = ["write_table_file", "read_table_file", "input_dir", "input_path", "write_job_inputs",
            "read_job_input", "remove_job_inputs"]
@@ -42,10 +41,9 @@ def write_table_file(path: str, magic: bytes, tag: dict, table: pa.Table, sync: 
     ipc = sink.getvalue()
     head = json.dumps(tag, sort_keys=True).encode()
     prefix = len(head).to_bytes(4, "little") + head
-    crc = zlib.crc32(ipc, zlib.crc32(prefix))
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
-        f.write(_HEAD.pack(magic, FORMAT_VERSION, crc))
+        f.write(frame_head(magic, prefix, ipc))
         f.write(prefix)
         f.write(ipc)
         if sync:
@@ -64,21 +62,13 @@ def read_table_file(path: str, magic: bytes, where: str) -> tuple[dict, pa.Table
     """The ``(tag, table)`` of a :func:`write_table_file` file; FileNotFoundError if it is missing,
     CorruptionError / FormatVersionError (naming ``where``) if it is torn or damaged."""
     with open(path, "rb") as f:  # one read into memory: blobs decoded from it never pin the file
-        buf = pa.py_buffer(f.read())
-    if buf.size < _HEAD.size + 4:
-        raise CorruptionError(f"{where}: {buf.size}-byte file is shorter than its header")
-    m, version, crc = _HEAD.unpack_from(buf)
-    if m != magic:
-        raise CorruptionError(f"{where}: bad magic {m!r}, expected {magic!r}")
-    if version != FORMAT_VERSION:
-        raise FormatVersionError(f"{where}: format version {version}, this build reads {FORMAT_VERSION}")
-    body = buf.slice(_HEAD.size)
-    if zlib.crc32(body) != crc:
-        raise CorruptionError(f"{where}: checksum mismatch")
-    n = int.from_bytes(body.slice(0, 4).to_pybytes(), "little")
+        body = unframe_view(magic, f.read(), where)
+    if body.nbytes < 4:
+        raise CorruptionError(f"{where}: {body.nbytes}-byte body is shorter than its tag length")
+    n = int.from_bytes(body[:4], "little")
     try:
-        tag = json.loads(body.slice(4, n).to_pybytes())
-        table = pa.ipc.open_stream(body.slice(4 + n)).read_all()
+        tag = json.loads(bytes(body[4:4 + n]))
+        table = pa.ipc.open_stream(pa.py_buffer(body[4 + n:])).read_all()
     except (ValueError, pa.ArrowInvalid, OSError) as e:
         raise CorruptionError(f"{where}: unreadable body ({e})") from e
     return tag, table

@@ -30,7 +30,6 @@ sys.path.insert(0, HERE)
 pytest.importorskip("pyspark")
 
 import dbsp_core as dbsp  # noqa: E402
-import spark_glue  # noqa: E402
 from stream_workload import duckdb_expected, write_batches  # noqa: E402
 
 pytestmark = [pytest.mark.spark,
@@ -164,8 +163,6 @@ def test_driver_kill_and_open(tmp_path, runtime):
     recovers with ``open`` and resumes the producer after its last acknowledged batch."""
     from kill_workload import batch
 
-    if runtime == "spark" and not hasattr(spark_glue, "SparkPipeline"):
-        pytest.skip("spark_glue.SparkPipeline is not in this checkout yet")
     storage, seed, batches = str(tmp_path / "p"), 21, 10
     rng = random.Random(int(os.environ.get("DBSP_SPARK_KILL_SEED", "6")) + 1)
     args = [os.path.join(HERE, "kill_child.py"), "driver", runtime, storage, str(seed), str(batches), "2"]
@@ -244,8 +241,6 @@ def test_task_kill_mid_step(tmp_path, mode, master):
 
     from kill_workload import batch, build_circuit as kill_circuit
 
-    if not hasattr(spark_glue, "SparkPipeline"):
-        pytest.skip("spark_glue.SparkPipeline is not in this checkout yet")
     storage, marker, out = str(tmp_path / "p"), tmp_path / "marker", str(tmp_path / "out.pkl")
     marker.mkdir()
     seed, batches, target = 31, 5, 2
