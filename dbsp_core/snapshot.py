@@ -78,11 +78,6 @@ def _sync_table(h: DatabaseHandle, table: str, values: dict[bytes, bytes]) -> in
     return changed
 
 
-def _trace_batches(trace: Trace) -> tuple[list[IndexedZSet], list[IndexedZSet]]:
-    """The settled spine and the pending batches of ``trace``, without settling it (trace invariant 2)."""
-    return trace._spine, trace.pending
-
-
 def _order_key(table: str) -> bytes:
     return b"order." + table.encode("utf-8")
 
@@ -179,7 +174,7 @@ class WorkerSnapshot:
             for name in traces:
                 table = f"s{node_id}.{name}"
                 saved = self._saved.setdefault(table, {})
-                settled, pending = _trace_batches(getattr(inst, name))  # no settling: no merges to pay here
+                settled, pending = getattr(inst, name).parts()  # no settling: no merges to pay here
                 batches = settled + pending
                 self._unsave_broken(table, saved, batches, plan)
                 i = 0
@@ -340,7 +335,7 @@ class WorkerSnapshot:
                     rows += len(b)
                 if settled == len(restored):
                     trace.settle()
-                spine = {id(b) for b in sum(_trace_batches(trace), [])}
+                spine = {id(b) for b in sum(trace.parts(), [])}
                 saved = {id(b): (b, keys) for b, keys in batches}
                 if set(saved) != spine:  # pragma: no cover - settling merged restored batches: rewrite them all
                     for _, keys in batches:

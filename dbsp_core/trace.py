@@ -88,6 +88,11 @@ class Trace:
         self.settle()
         return self._spine
 
+    def parts(self) -> tuple[list["IndexedZSet"], list["IndexedZSet"]]:
+        """The settled spine and the pending batches as they are, without settling (no merges): what a
+        checkpoint saves. The lists are the trace's own; do not modify them."""
+        return self._spine, self.pending
+
     @property
     def num_rows(self) -> int:
         """Stored rows over all batches (a row may be counted once per batch holding it)."""

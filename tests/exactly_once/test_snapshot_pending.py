@@ -40,9 +40,10 @@ def traces(p) -> dict:
     out = {}
     for w in range(p.workers):
         for name, t in p.traces(w).items():
-            parts = [b.zset for b in t._spine + t.pending]  # no settling: reading t.batches would merge
+            spine, pending = t.parts()  # no settling: reading t.batches would merge
+            parts = [b.zset for b in spine + pending]
             whole = dbsp.ZSet.concat(parts).to_dict() if parts else {}
-            out[(w, name)] = ([len(b) for b in t._spine], [len(b) for b in t.pending], whole)
+            out[(w, name)] = ([len(b) for b in spine], [len(b) for b in pending], whole)
     return out
 
 
@@ -126,7 +127,8 @@ class _Holder:
 
 
 def _shape(t: Trace) -> tuple:
-    return ([b.zset.to_dict() for b in t._spine], [b.zset.to_dict() for b in t.pending])
+    spine, pending = t.parts()
+    return ([b.zset.to_dict() for b in spine], [b.zset.to_dict() for b in pending])
 
 
 @pytest.mark.parametrize("seed", range(8))
