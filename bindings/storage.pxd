@@ -47,6 +47,7 @@ cdef extern from "pagestore.h" nogil:
     int dbsp_pagestore_check(DbspPageStore *ps)
     int dbsp_pagestore_stats(DbspPageStore *ps, uint64_t *page_count, uint64_t *free_pages, uint64_t *last_commit_pages)
     int dbsp_pagestore_begin(DbspPageStore *ps, uint64_t v, DbspTxn **out)
+    int dbsp_pagestore_read(DbspPageStore *ps, uint64_t v, DbspTxn **out)
     int dbsp_txn_commit(DbspTxn *t)
     void dbsp_txn_abort(DbspTxn *t)
     int dbsp_txn_get(DbspTxn *t, const void *table, size_t tlen, const void *key, size_t klen,

@@ -137,14 +137,19 @@ cdef class PageStore:
         check(dbsp_pagestore_stats(self.ps, &pc, &nf, &lc))
         return pc, nf, lc
 
-    def begin(self, uint64_t v):
+    def begin(self, uint64_t v, bint readonly=False):
+        """A transaction writing v+1 from v (discarding the other version), or with ``readonly`` one reading v
+        as it is (discarding nothing, refusing writes)."""
         cdef DbspTxn *t
         cdef int st
         self.alive()
         if self.txn is not None and (<Txn>self.txn).t != NULL:
             raise StorageError(EIO, f"pagestore {self.path}: a handle is already open")
         with nogil:
-            st = dbsp_pagestore_begin(self.ps, v, &t)
+            if readonly:
+                st = dbsp_pagestore_read(self.ps, v, &t)
+            else:
+                st = dbsp_pagestore_begin(self.ps, v, &t)
         check(st)
         tx = Txn.__new__(Txn)
         (<Txn>tx).t = t

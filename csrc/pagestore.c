@@ -149,6 +149,7 @@ struct DbspTxn {
     size_t scratch_cap;
     uint64_t mods;
     int failed;
+    int readonly;        /* from dbsp_pagestore_read: reads v in place, writes nothing */
 };
 
 struct DbspCursor {
@@ -992,18 +993,36 @@ static void txn_free(DbspTxn *t) {
     free(t);
 }
 
-int dbsp_pagestore_begin(DbspPageStore *ps, uint64_t v, DbspTxn **out) {
+static int txn_new(DbspPageStore *ps, uint64_t v, DbspTxn **out) {
     if (ps->failed) return dbsp_storage_fail(DBSP_ESTATE, 0, "pagestore %s: an earlier write failed; reopen it", ps->path);
     if (ps->txn) return dbsp_storage_fail(DBSP_ESTATE, 0, "pagestore %s: a transaction is already open", ps->path);
     int s = (int)(v % 2);
     if (!ps->valid[s] || ps->meta[s].version != v)
         return dbsp_storage_fail(DBSP_ENOTFOUND, 0, "pagestore %s: version %llu is not openable", ps->path,
                                  (unsigned long long)v);
-    int rc;
     DbspTxn *t = calloc(1, sizeof *t);
     if (!t) return oom();
     t->ps = ps;
     t->m = ps->meta[s];
+    *out = t;
+    return DBSP_OK;
+}
+
+int dbsp_pagestore_read(DbspPageStore *ps, uint64_t v, DbspTxn **out) {
+    DbspTxn *t;
+    int rc = txn_new(ps, v, &t);
+    if (rc) return rc;
+    t->readonly = 1;  /* m.version stays v; no free list is loaded and no version is discarded */
+    ps->txn = t;
+    *out = t;
+    return DBSP_OK;
+}
+
+int dbsp_pagestore_begin(DbspPageStore *ps, uint64_t v, DbspTxn **out) {
+    DbspTxn *t;
+    int rc = txn_new(ps, v, &t);
+    if (rc) return rc;
+    int s = (int)(v % 2);
     t->m.version = v + 1;
     for (uint64_t fl = ps->meta[s].freelist; fl;) {
         unsigned char *p;
@@ -1117,9 +1136,16 @@ int dbsp_txn_get(DbspTxn *t, const void *table, size_t tlen, const void *key, si
     return cell_value(t, cell_at(p, i), &t->scratch, &t->scratch_cap, val, vlen);
 }
 
+static int txn_writable(DbspTxn *t) {
+    int rc = txn_usable(t);
+    if (!rc && t->readonly)
+        rc = dbsp_storage_fail(DBSP_ESTATE, 0, "pagestore %s: a read-only handle cannot write", t->ps->path);
+    return rc;
+}
+
 int dbsp_txn_put(DbspTxn *t, const void *table, size_t tlen, const void *key, size_t klen, const void *val,
                  size_t vlen) {
-    int rc = txn_usable(t);
+    int rc = txn_writable(t);
     if (rc || (rc = check_key(table, tlen, klen))) return rc;
     Table *tb;
     if ((rc = table_find(t, table, tlen, 1, &tb))) return rc;
@@ -1132,7 +1158,7 @@ int dbsp_txn_put(DbspTxn *t, const void *table, size_t tlen, const void *key, si
 }
 
 int dbsp_txn_delete(DbspTxn *t, const void *table, size_t tlen, const void *key, size_t klen, int *found) {
-    int rc = txn_usable(t);
+    int rc = txn_writable(t);
     *found = 0;
     if (rc || (rc = check_key(table, tlen, klen))) return rc;
     Table *tb;
@@ -1148,7 +1174,11 @@ int dbsp_txn_delete(DbspTxn *t, const void *table, size_t tlen, const void *key,
 }
 
 int dbsp_txn_get_step(DbspTxn *t, int64_t *step) { *step = t->m.step; return DBSP_OK; }
-int dbsp_txn_set_step(DbspTxn *t, int64_t step) { t->m.step = step; return DBSP_OK; }
+int dbsp_txn_set_step(DbspTxn *t, int64_t step) {
+    int rc = txn_writable(t);
+    if (!rc) t->m.step = step;
+    return rc;
+}
 
 /* Writes every dirty table root into the catalog tree. */
 static int catalog_sync(DbspTxn *t) {
@@ -1233,7 +1263,7 @@ static int write_dirty(DbspTxn *t) {
 
 int dbsp_txn_commit(DbspTxn *t) {
     DbspPageStore *ps = t->ps;
-    int rc = txn_usable(t);
+    int rc = txn_writable(t);
     if (rc) { dbsp_txn_abort(t); return rc; }
     if ((rc = catalog_sync(t)) || (rc = freelist_build(t))) { dbsp_txn_abort(t); return rc; }
     if ((rc = write_dirty(t)) || (rc = ps->vfs->fsync(ps->f))) goto io_fail;

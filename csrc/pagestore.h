@@ -28,6 +28,9 @@ int dbsp_pagestore_stats(DbspPageStore *ps, uint64_t *page_count, uint64_t *free
 
 /* Starts writing version v+1 as a copy of v and durably discards every other version. One transaction at a time. */
 int dbsp_pagestore_begin(DbspPageStore *ps, uint64_t v, DbspTxn **out);
+/* Reads version v as it is: discards nothing and refuses put, delete, set_step and commit (DBSP_ESTATE); close it
+ * with dbsp_txn_abort. One transaction at a time, like dbsp_pagestore_begin. */
+int dbsp_pagestore_read(DbspPageStore *ps, uint64_t v, DbspTxn **out);
 /* Makes v and v+1 openable; frees the transaction whatever the outcome. On failure the store must be reopened. */
 int dbsp_txn_commit(DbspTxn *t);
 /* Drops the transaction; the store keeps v. */

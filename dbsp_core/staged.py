@@ -37,6 +37,7 @@ Invariants (enforced here):
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
 import time
 import uuid
@@ -51,10 +52,11 @@ from dbsp_core.durable import _DEDUP_TABLE, DurablePipeline, read_meta
 from dbsp_core.errors import DbspError, RecoveryError
 from dbsp_core.operators.base import concat
 from dbsp_core.shard import DEFAULT_SHARD_BITS
-from dbsp_core.stages import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, StagePlan, control_blobs, encode_blobs, gather,
-                              read_acks)
+from dbsp_core.snapshot import WorkerSnapshot
+from dbsp_core.stages import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, StagePlan, StageWorker, control_blobs,
+                              encode_blobs, gather, read_acks)
 from dbsp_core.stagetask import (InjectedFault, StageTask, StepInfo, choose_version, open_stage_databases,
-                                 run_stage_task)
+                                 run_stage_task, stage_db_path)
 from dbsp_core.storage import Database
 from dbsp_core.zset import ZSet
 
@@ -437,8 +439,43 @@ class StagedPipeline(DurablePipeline):
     # ---- inspection ----
 
     def traces(self, worker: int) -> dict:  # type: ignore[override]
-        raise NotImplementedError(f"{type(self).__name__}: operator state lives in the stage databases "
-                                  f"({self.storage}/stages), not in this process")
+        """All keyed state of one worker after the steps run so far (queued steps not yet run are not in it), as
+        ``{"<operator label>.<trace name>": Trace}`` like :meth:`Pipeline.traces`.
+
+        The state lives in the stage databases, not in this process: each stateful stage's database of
+        ``worker`` is read at the pipeline's current version through a read-only handle (no version is
+        discarded, nothing is written), under the lock stage tasks take, and loaded into fresh traces.
+        """
+        self._check_usable()
+        if not 0 <= worker < self.workers:
+            raise ValueError(f"traces: worker {worker} is outside 0..{self.workers - 1}")
+        out: dict = {}
+        with self._step_lock:
+            v = self.version
+            for k in range(self.plan.num_stages):
+                if not self.plan.stateful[k]:
+                    continue
+                path = stage_db_path(self.storage, k, worker)
+                sw = StageWorker(self.circuit, self.plan, k, worker, self.shard_map)
+                lockfd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(lockfd, fcntl.LOCK_EX)  # no stage task of this (stage, worker) meanwhile
+                    db = Database(path)
+                    try:
+                        if v not in db.versions():
+                            raise RecoveryError(f"{path}: holds versions {db.versions()}, the pipeline is at {v}")
+                        with db.read(v) as h:
+                            WorkerSnapshot(sw.stateful, self.shard_map.shard_bits).load(h, f"{path} v{v}")
+                    finally:
+                        db.close()
+                finally:
+                    os.close(lockfd)
+                for i, inst in sw.stateful.items():
+                    get = getattr(inst, "traces", None)
+                    if get is not None:
+                        for name, trace in get().items():
+                            out[f"{self.circuit.nodes[i].label}.{name}"] = trace
+        return out
 
     def disk_usage(self) -> dict[str, int]:
         def du(p: str) -> int:

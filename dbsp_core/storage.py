@@ -126,6 +126,35 @@ class Database:
             raise KeyError(f"{self.path}: version {version} is not openable; versions() is {self.versions()}") from e
         return DatabaseHandle(self, txn, version)
 
+    def read(self, version: int) -> "DatabaseHandle":
+        """A read-only handle on ``version`` as it is: unlike :meth:`open` it discards no version, and ``put``,
+        ``delete``, ``set_step`` and ``commit`` raise StorageError. Close it (or leave its ``with`` block) before
+        opening another handle.
+
+        >>> import tempfile, os
+        >>> db = Database(os.path.join(tempfile.mkdtemp(), "db"))
+        >>> with db.open(0) as h:
+        ...     h.put("t", b"k", b"v"); h.commit()
+        >>> with db.read(0) as r:
+        ...     print(r.get("t", b"k"), r.readonly)
+        None True
+        >>> with db.read(1) as r:
+        ...     print(r.get("t", b"k"), r.version)
+        b'v' 1
+        >>> db.versions()
+        range(0, 2)
+
+        Raises
+        ------
+        KeyError
+            If ``version`` is not in :meth:`versions`.
+        """
+        try:
+            txn = self._ps.begin(version, True)
+        except _storage.NotFound as e:
+            raise KeyError(f"{self.path}: version {version} is not readable; versions() is {self.versions()}") from e
+        return DatabaseHandle(self, txn, version, readonly=True)
+
     def check(self) -> None:
         """Verifies every openable version (checksums, tree order, free-page accounting); raises CorruptionError."""
         self._ps.check()
@@ -162,15 +191,16 @@ class DatabaseHandle:
     One process at a time may open a page file (there is no file lock).
     """
 
-    def __init__(self, db: Database, txn: "_storage.Txn", base_version: int) -> None:
+    def __init__(self, db: Database, txn: "_storage.Txn", base_version: int, readonly: bool = False) -> None:
         self._db = db
         self._txn = txn
         self.base_version = base_version
+        self.readonly = readonly
 
     @property
     def version(self) -> int:
-        """The version being written (``base_version + 1``)."""
-        return self.base_version + 1
+        """The version being written (``base_version + 1``), or the version read by a :meth:`Database.read` handle."""
+        return self.base_version if self.readonly else self.base_version + 1
 
     @property
     def closed(self) -> bool:

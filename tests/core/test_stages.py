@@ -19,6 +19,7 @@ from dbsp_core.operators.base import concat
 from dbsp_core.staged import Job, LocalJobRunner, StagedPipeline
 from dbsp_core.stages import StagePlan, StageWorker, read_acks
 from dbsp_core.stagetask import StaleAttemptError, run_stage_task
+from dbsp_core.storage import Database
 
 NAMES = sorted(CIRCUITS)
 
@@ -287,7 +288,7 @@ def test_push_validation_records_nothing(tmp_path) -> None:
     p.close()
 
 
-@pytest.mark.parametrize("name", ["dbsp_core.stages", "dbsp_core.stagetask", "dbsp_core.staged"])
+@pytest.mark.parametrize("name", ["dbsp_core.stages", "dbsp_core.stagetask", "dbsp_core.staged", "dbsp_core.jobfiles"])
 def test_docstring_examples(name: str) -> None:
     import doctest
     import importlib
@@ -605,4 +606,45 @@ def test_result_outputs_of_another_job_are_refused(tmp_path) -> None:
     mine = mid.filter(pa.compute.equal(mid["part"], 0))
     whole = run_stage_task(dataclasses.replace(t1, outputs_in_result=False), 0, mine)
     assert whole.filter(pa.array(stagetask._is_output(whole))).equals(outs.filter(pa.compute.equal(outs["part"], 0)))
+    p.close(checkpoint=False)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_traces_read_from_the_stage_databases_match_embedded(tmp_path, name: str) -> None:
+    """``StagedPipeline.traces`` loads each worker's keyed state from its stage databases (read-only: their
+    versions do not change) and holds the same names and contents as the embedded runtime's traces."""
+    steps, _ = changes(5, 4)
+    c, _ = build(name)
+    p = StagedPipeline(c, workers=2, storage=str(tmp_path))
+    ref = dbsp.Pipeline(c, workers=2)
+    for i, pushes in enumerate(steps):
+        for h, z in pushes:
+            p.push(h, z)
+            ref.push(h, z)
+        if i % 2:
+            p.queue_step()
+            p.run_queued()
+        else:
+            p.step()
+        ref.step()
+    p.queue_step()  # queued, not run: not in the traces yet
+    paths = [path for _, _, path in stagetask.open_stage_databases(str(tmp_path), p.plan, 2)]
+
+    def versions() -> list[range]:
+        out = []
+        for path in paths:
+            with Database(path) as db:
+                out.append(db.versions())
+        return out
+
+    before = versions()
+    for w in range(2):
+        got, want = p.traces(w), ref.traces(w)
+        assert sorted(got) == sorted(want) and got
+        for label, t in want.items():
+            assert got[label].consolidated().zset.to_dict() == t.consolidated().zset.to_dict(), label
+    assert versions() == before
+    with pytest.raises(ValueError, match="outside"):
+        p.traces(2)
+    ref.close()
     p.close(checkpoint=False)

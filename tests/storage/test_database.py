@@ -47,6 +47,39 @@ def test_version_contract(tmp_path):
         db.check()
 
 
+def test_read_only_handle_discards_nothing_and_refuses_writes(tmp_path):
+    p = tmp_path / "db"
+    with Database(p) as db:
+        with db.open(0) as h:
+            h.put("t", b"a", b"1")
+            h.set_step(4)
+            h.commit()
+        assert db.versions() == range(0, 2)
+        for v, want, step in [(0, None, 0), (1, b"1", 4)]:  # each version as it is, the older one too
+            with db.read(v) as r:
+                assert r.readonly and r.version == v and r.get_step() == step
+                assert r.get("t", b"a") == want
+                assert list(r.scan("t")) == ([] if want is None else [(b"a", b"1")])
+                for write in (lambda: r.put("t", b"b", b"2"), lambda: r.delete("t", b"a"),
+                              lambda: r.set_step(9)):
+                    with pytest.raises(StorageError, match="read-only"):
+                        write()
+            assert db.versions() == range(0, 2)  # reading version 0 did not discard version 1, nor 1 version 0
+        r = db.read(0)
+        with pytest.raises(StorageError, match="a handle is already open"):
+            db.open(1)
+        with pytest.raises(StorageError, match="read-only"):
+            r.commit()
+        with pytest.raises(KeyError, match="not readable"):
+            db.read(7)
+        with db.open(1) as h:  # the failed commit closed the read handle; writing works as before
+            assert h.get("t", b"a") == b"1"
+            h.commit()
+        assert db.versions() == range(1, 3)
+    with Database(p) as db:
+        assert db.versions() == range(1, 3)
+
+
 def test_one_handle_at_a_time_and_closed_handles(tmp_path):
     with Database(tmp_path / "db") as db:
         h = db.open(0)
