@@ -19,7 +19,7 @@ import os
 from typing import Any, Callable
 
 from dbsp_core.errors import RecoveryError
-from dbsp_core.snapshot import WorkerSnapshot
+from dbsp_core.storage.snapshot import WorkerSnapshot
 from dbsp_core.storage import Database, DatabaseHandle
 
 

@@ -57,10 +57,10 @@ from dbsp_core.codec import decode_json, decode_zset, encode_json, encode_zset
 from dbsp_core.operators.base import Operator
 from dbsp_core.coordinator import Coordinator, WorkerStore, worker_db_path
 from dbsp_core.errors import CircuitMismatchError, CorruptionError, DbspError, RecoveryError
-from dbsp_core.outputlog import OutputLog
+from dbsp_core.storage.outputlog import OutputLog
 from dbsp_core.runtime import Pipeline, PushData
 from dbsp_core.shard import DEFAULT_SHARD_BITS
-from dbsp_core.snapshot import state_attrs
+from dbsp_core.storage.snapshot import state_attrs
 from dbsp_core.storage import DatabaseHandle, StepLog
 from dbsp_core.zset import ZSet
 

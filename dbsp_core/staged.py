@@ -52,7 +52,7 @@ from dbsp_core.durable import _DEDUP_TABLE, DurablePipeline, read_meta
 from dbsp_core.errors import DbspError, RecoveryError
 from dbsp_core.operators.base import concat
 from dbsp_core.shard import DEFAULT_SHARD_BITS
-from dbsp_core.snapshot import WorkerSnapshot
+from dbsp_core.storage.snapshot import WorkerSnapshot
 from dbsp_core.stages import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, StagePlan, StageWorker, control_blobs,
                               encode_blobs, gather, read_acks)
 from dbsp_core.stagetask import (InjectedFault, StageTask, StepInfo, choose_version, open_stage_databases,

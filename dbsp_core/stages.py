@@ -39,7 +39,7 @@ from dbsp_core.operators.exchange import Exchange
 from dbsp_core.operators.input import Input
 from dbsp_core.runtime import _live_nodes
 from dbsp_core.shard import ShardMap
-from dbsp_core.snapshot import state_attrs
+from dbsp_core.storage.snapshot import state_attrs
 from dbsp_core.zset import ZSet
 
 __all__ = ["BLOB_SCHEMA", "ACK_NODE", "CONTROL_NODE", "StagePlan", "StageWorker", "StageResult", "encode_blobs",

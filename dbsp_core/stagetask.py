@@ -46,7 +46,7 @@ import pyarrow as pa
 from dbsp_core.codec import decode_json, encode_json
 from dbsp_core.errors import CorruptionError, DbspError, RecoveryError
 from dbsp_core.shard import ShardMap
-from dbsp_core.snapshot import WorkerSnapshot, state_attrs
+from dbsp_core.storage.snapshot import WorkerSnapshot, state_attrs
 from dbsp_core.jobfiles import read_table_file, write_table_file
 from dbsp_core.stages import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, StagePlan, StageWorker, ack_blob, encode_blobs,
                               gather, output_node)

@@ -11,7 +11,7 @@ import pytest
 import dbsp_core as dbsp
 from dbsp_core.coordinator import worker_db_path
 from dbsp_core.errors import CorruptionError
-from dbsp_core.snapshot import WorkerSnapshot
+from dbsp_core.storage.snapshot import WorkerSnapshot
 from dbsp_core.storage import Database
 from dbsp_core.trace import Trace
 from dbsp_core.zset import IndexedZSet

@@ -36,7 +36,7 @@ import pyarrow as pa
 from dbsp_core.codec import (decode_batch, decode_json, decode_runs, decode_zset, encode_batch, encode_json,
                              encode_runs, encode_zset, zset_batch)
 from dbsp_core.errors import CorruptionError, DbspError
-from dbsp_core.storage import SHARD_PREFIX_BYTES, DatabaseHandle, shard_key, shard_of_key
+from dbsp_core.storage.database import SHARD_PREFIX_BYTES, DatabaseHandle, shard_key, shard_of_key
 from dbsp_core.trace import Trace, ranges_to_indices
 from dbsp_core.zset import IndexedZSet, ZSet
 

@@ -1,35 +1,18 @@
-"""Durable storage: the two-version per-worker ``Database`` and the write-ahead ``StepLog`` (C core in csrc/).
+"""The two-version per-worker ``Database`` (seed 000 "Database") over the C page store, and the shard-grouped key helpers.
 
 ``Database`` keeps exactly the versions seed 000 allows: ``versions()`` is a range of length 1 or 2,
 ``open(v)`` writes version ``v + 1`` (a copy of ``v``) and discards every other version, ``commit()`` makes
 ``v`` and ``v + 1`` openable, and a crash at any point leaves ``v``, or ``v`` and ``v + 1``, never a mix.
-
-``StepLog`` durably records input (step, input handle, producer id, sequence number, payload) before an
-append returns; concurrent appenders share one fsync (group commit).
-
-``FaultInjector`` controls the fault-injecting VFS that tests pass as ``vfs="fault"``.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Iterator, NamedTuple, Optional, Union
+from typing import Iterator, Optional, Union
 
 from dbsp_core import _storage
-from dbsp_core.errors import CorruptionError, FormatVersionError, StorageError
 
-__all__ = [
-    "CorruptionError",
-    "Database",
-    "DatabaseHandle",
-    "FaultInjector",
-    "FormatVersionError",
-    "LogRecord",
-    "StepLog",
-    "StorageError",
-    "shard_key",
-    "shard_of_key",
-]
+__all__ = ["Database", "DatabaseHandle", "SHARD_PREFIX_BYTES", "shard_key", "shard_of_key"]
 
 BytesLike = Union[bytes, bytearray, memoryview]
 Name = Union[str, bytes]
@@ -312,167 +295,3 @@ class DatabaseHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class LogRecord(NamedTuple):
-    """One input record of the step log."""
-
-    step: int
-    handle: str
-    producer: str
-    seq: int
-    payload: bytes
-
-
-def _record(r: tuple) -> LogRecord:
-    step, handle, producer, seq, payload = r
-    return LogRecord(step, handle.decode("utf-8", "surrogateescape"), producer.decode("utf-8", "surrogateescape"),
-                     seq, payload)
-
-
-class StepLog:
-    """The durable input log: records (step, handle, producer, seq, payload), durable when append returns.
-
-    Parameters
-    ----------
-    path
-        A directory (created if missing) holding the ``LOG`` header and the ``*.seg`` segments.
-    segment_bytes
-        Size after which appends go to a new segment (whole segments are dropped by :meth:`truncate_below`).
-    vfs
-        ``"posix"`` or ``"fault"``.
-
-    Examples
-    --------
-    >>> import tempfile, os
-    >>> d = tempfile.mkdtemp()
-    >>> with StepLog(os.path.join(d, "log")) as log:
-    ...     log.append(0, "bids", b"batch-1", producer="gen-1", seq=1)
-    ...     log.append(1, "bids", b"batch-2", producer="gen-1", seq=2)
-    ...     print([r.payload for r in log.read(1)])
-    [b'batch-2']
-    """
-
-    def __init__(self, path: Union[str, os.PathLike], *, segment_bytes: int = 64 << 20, vfs: str = "posix") -> None:
-        self.path = os.fspath(path)
-        self._log = _storage.Log(self.path, vfs, segment_bytes)
-
-    def append(self, step: int, handle: Name, payload: BytesLike, *, producer: Name = "", seq: int = 0) -> None:
-        """Appends one record and returns once it is durable. Steps must not decrease. Thread-safe; releases the GIL."""
-        self._log.append(step, _name(handle), _name(producer), seq, payload)
-
-    def enqueue(self, step: int, handle: Name, payload: BytesLike, *, producer: Name = "", seq: int = 0) -> int:
-        """Places one record in the log's order without waiting for it; returns a ticket for :meth:`sync`.
-
-        The record is durable (and visible to readers) only once a :meth:`sync` covering its ticket returned, or
-        an :meth:`append` enqueued after it did; until then a crash may lose it. Steps must not decrease.
-
-        >>> import tempfile, os
-        >>> with StepLog(os.path.join(tempfile.mkdtemp(), "log")) as log:
-        ...     t = log.enqueue(0, "bids", b"batch-1")
-        ...     print(len(log)); log.sync(t); print(len(log))
-        0
-        1
-        """
-        return self._log.enqueue(step, _name(handle), _name(producer), seq, payload)
-
-    def sync(self, ticket: int) -> None:
-        """Returns once every record up to ``ticket`` (from :meth:`enqueue`) is durable; releases the GIL."""
-        self._log.sync(ticket)
-
-    def read(self, step: int) -> list[LogRecord]:
-        """Every record of ``step``, in append order."""
-        return list(self.iter_from(step, step))
-
-    def iter_from(self, step: int, to_step: int = 2**63 - 1, *, chunk_bytes: int = 4 << 20) -> Iterator[LogRecord]:
-        """Records with ``step <= record.step <= to_step``, in log order, read ``chunk_bytes`` at a time."""
-        seg = off = 0
-        while True:
-            recs, seg, off = self._log.read(step, to_step, chunk_bytes, seg, off)
-            for r in recs:
-                yield _record(r)
-            if not seg:
-                return
-
-    def truncate_below(self, step: int) -> int:
-        """Drops whole segments whose records all have a smaller step (the low watermark); returns how many."""
-        return self._log.truncate_below(step)
-
-    def _info(self) -> tuple:
-        return self._log.info()
-
-    @property
-    def first_step(self) -> Optional[int]:
-        """The smallest step in the log, or None if it is empty."""
-        has, first, _, _, _, _ = self._log.info()
-        return first if has else None
-
-    @property
-    def last_step(self) -> Optional[int]:
-        """The largest step in the log, or None if it is empty."""
-        has, _, last, _, _, _ = self._log.info()
-        return last if has else None
-
-    @property
-    def segments(self) -> int:
-        return self._log.info()[4]
-
-    @property
-    def fsyncs(self) -> int:
-        """Number of group-commit fsyncs since open (appends / fsyncs = the batching factor)."""
-        return self._log.info()[5]
-
-    def __len__(self) -> int:
-        return self._log.info()[3]
-
-    def close(self) -> None:
-        """Closes the log; no append may be in progress."""
-        self._log.close()
-
-    @property
-    def closed(self) -> bool:
-        return self._log.closed
-
-    def __enter__(self) -> "StepLog":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class FaultInjector:
-    """Process-wide control of the fault-injecting VFS (``vfs="fault"``), modelled on SQLite's test6.c.
-
-    ``arm(crash_at=N, mode=...)`` makes the N-th I/O operation simulate a crash: unsynced writes are kept,
-    dropped, torn, reordered or mixed (``mode`` in ``keep, drop, tear, reorder, chaos``) and every later
-    operation fails. ``arm(error_at=N, error="EIO"|"ENOSPC")`` fails the N-th operation once.
-
-    Examples
-    --------
-    >>> FaultInjector.arm()          # count operations, inject nothing
-    >>> FaultInjector.ops()
-    0
-    """
-
-    MODES = tuple(_storage.CRASH_MODES)
-
-    @staticmethod
-    def arm(crash_at: int = 0, mode: str = "drop", seed: int = 0, error_at: int = 0, error: str = "EIO") -> None:
-        _storage.fault_arm(crash_at, mode, seed, error_at, error)
-
-    @staticmethod
-    def disarm() -> None:
-        _storage.fault_arm()
-
-    @staticmethod
-    def ops() -> int:
-        """I/O operations counted since the last :meth:`arm`."""
-        return _storage.fault_ops()
-
-    @staticmethod
-    def crashed() -> bool:
-        return _storage.fault_crashed()
-
-    @staticmethod
-    def crash_now(mode: str = "drop", seed: int = 0) -> None:
-        _storage.fault_crash_now(mode, seed)
