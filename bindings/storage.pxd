@@ -42,6 +42,8 @@ cdef extern from "pagestore.h" nogil:
     ctypedef struct DbspCursor:
         pass
     int dbsp_pagestore_open(const char *path, DbspVfs *vfs, size_t cache_pages, DbspPageStore **out)
+    int dbsp_pagestore_create(const char *path, DbspVfs *vfs, uint64_t version, size_t cache_pages,
+                              DbspPageStore **out)
     void dbsp_pagestore_close(DbspPageStore *ps)
     int dbsp_pagestore_versions(DbspPageStore *ps, uint64_t *first, uint64_t *count)
     int dbsp_pagestore_check(DbspPageStore *ps)
@@ -79,3 +81,8 @@ cdef extern from "steplog.h" nogil:
     int dbsp_steplog_truncate_below(DbspStepLog *log, int64_t step, uint64_t *segments_dropped)
     int dbsp_steplog_info(DbspStepLog *log, int *has, int64_t *first_step, int64_t *last_step, uint64_t *records,
                           uint64_t *segments, uint64_t *fsyncs)
+
+cdef extern from "smallfile.h" nogil:
+    int dbsp_file_replace(DbspVfs *vfs, const char *path, const void *data, size_t len)
+    int dbsp_file_read(DbspVfs *vfs, const char *path, unsigned char **out, size_t *len)
+    int dbsp_file_remove(DbspVfs *vfs, const char *path)

@@ -85,14 +85,19 @@ cdef class PageStore:
     cdef object txn
     cdef readonly str path
 
-    def __cinit__(self, str path, str vfs="posix", size_t cache_pages=65536):
+    def __cinit__(self, str path, str vfs="posix", size_t cache_pages=65536, create_version=None):
         cdef bytes p = path.encode()
         cdef const char *cp = p
         cdef DbspVfs *v = pick_vfs(vfs)
         cdef int st
+        cdef uint64_t cv = 0 if create_version is None else create_version
+        cdef bint create = create_version is not None
         self.path = path
         with nogil:
-            st = dbsp_pagestore_open(cp, v, cache_pages, &self.ps)
+            if create:
+                st = dbsp_pagestore_create(cp, v, cv, cache_pages, &self.ps)
+            else:
+                st = dbsp_pagestore_open(cp, v, cache_pages, &self.ps)
         check(st)
 
     def __dealloc__(self):
@@ -447,3 +452,49 @@ cdef class Log:
         self.alive()
         check(dbsp_steplog_info(self.log, &has, &first, &last, &records, &segments, &fsyncs))
         return bool(has), first, last, records, segments, fsyncs
+
+
+# ---- small files replaced atomically (csrc/smallfile.h) ----
+
+def file_replace(str path, data, str vfs="posix"):
+    """Make ``path`` durably hold ``data`` (temporary file, fsync, rename, fsync of the directory)."""
+    cdef bytes p = path.encode()
+    cdef const char *cp = p
+    cdef const unsigned char[::1] view = as_view(data)
+    cdef size_t n = view.shape[0]
+    cdef const void *dp = &view[0] if n else NULL
+    cdef DbspVfs *v = pick_vfs(vfs)
+    cdef int st
+    with nogil:
+        st = dbsp_file_replace(v, cp, dp, n)
+    check(st)
+
+
+def file_read(str path, str vfs="posix"):
+    """The bytes of ``path``, or None if it does not exist."""
+    cdef bytes p = path.encode()
+    cdef const char *cp = p
+    cdef DbspVfs *v = pick_vfs(vfs)
+    cdef unsigned char *buf = NULL
+    cdef size_t n = 0
+    cdef int st
+    with nogil:
+        st = dbsp_file_read(v, cp, &buf, &n)
+    if st == DBSP_ENOTFOUND:
+        return None
+    check(st)
+    try:
+        return PyBytes_FromStringAndSize(<char *>buf, n)
+    finally:
+        free(buf)
+
+
+def file_remove(str path, str vfs="posix"):
+    """Durably remove ``path`` (unlink and fsync of its directory); a missing file is fine."""
+    cdef bytes p = path.encode()
+    cdef const char *cp = p
+    cdef DbspVfs *v = pick_vfs(vfs)
+    cdef int st
+    with nogil:
+        st = dbsp_file_remove(v, cp)
+    check(st)

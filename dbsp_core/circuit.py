@@ -12,6 +12,8 @@ Invariants (enforced here):
 
 from __future__ import annotations
 
+import hashlib
+import re
 from typing import Callable, Sequence
 
 import pyarrow as pa
@@ -360,3 +362,38 @@ class GroupBy:
         src = s._exchanged(self.keys)
         op.inputs = (src.node_id,)
         return s.circuit._add(op)
+
+
+def circuit_fingerprint(circuit: Circuit) -> str:
+    """A hash of the circuit's structure: every node's kind, inputs, schema and parameters, inputs and outputs.
+
+    >>> import pyarrow as pa
+    >>> c = Circuit(); s = c.input("x", pa.schema([("a", pa.int64())])); c.output("o", s.distinct())
+    >>> len(circuit_fingerprint(c))
+    64
+    """
+    h = hashlib.sha256()
+    for op in circuit.nodes:
+        parts = [type(op).__name__, getattr(op, "kind", ""), repr(op.inputs), op.schema.to_string(),
+                 repr(op.partitioning)]
+        for k, v in sorted(vars(op).items()):
+            if k in ("node_id", "inputs", "schema", "partitioning"):
+                continue
+            if isinstance(v, (str, int, float, bool, tuple, list, type(None))):
+                parts.append(f"{k}={v!r}")
+            elif isinstance(v, pa.Schema):
+                parts.append(f"{k}={v.to_string()}")
+            elif isinstance(v, Operator):
+                parts.append(f"{k}=node#{v.node_id}")
+            elif callable(v):
+                code = getattr(v, "__code__", None)  # the function's body too, so two lambdas differ
+                body = "" if code is None else hashlib.sha256(code.co_code + re.sub(
+                    r" at 0x[0-9a-fA-F]+", "", repr(code.co_consts) + repr(code.co_names)).encode()).hexdigest()
+                parts.append(f"{k}=<{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', type(v).__name__)}"
+                             f":{body}>")
+            else:
+                # e.g. pyarrow compute expressions print their full text; addresses vary between processes
+                parts.append(f"{k}=" + re.sub(r" at 0x[0-9a-fA-F]+", "", str(v)))
+        h.update("\x1f".join(parts).encode("utf-8") + b"\x1e")
+    h.update(repr(sorted(circuit.inputs.items())).encode() + repr(sorted(circuit.outputs.items())).encode())
+    return h.hexdigest()

@@ -41,7 +41,7 @@ from dbsp_core.trace import Trace, unique_sorted
 from dbsp_core.zset import IndexedZSet, ZSet
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.runtime.context import StepContext
 
 
 class Aggregate(Operator):
@@ -179,7 +179,7 @@ class _RecomputeState:
         ix = z.index_by(list(self.op.keys))
         return self.op.nonempty(reduce_groups(ix, self.op.kernel)) if len(ix) else None
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
         z = inputs[0]
         if z.num_rows == 0:
@@ -228,7 +228,7 @@ class PreAggregate(Operator):
                 cols.append(pc.cast(pc.fill_null(c, 0), pa.int64()))
         return make(pa.Table.from_arrays(cols, schema=self.schema), z.weights, self.schema)
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         z = inputs[0]
         if z.num_rows == 0:
             return empty(self.schema)
@@ -265,7 +265,7 @@ class _LinearState:
         """The operator's state, by name (each trace can be read per shard)."""
         return {"partials": self.trace}
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
         z = inputs[0]  # partial rows from PreAggregate
         if z.num_rows == 0:
@@ -415,7 +415,7 @@ class _ExtremesState:
         z = make(table, np.concatenate(weights), self.cschema)
         return z.index_by(self.keys).reduce(list(self.aggs)).rename_columns(list(self.names))
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
         z = inputs[0]
         if z.num_rows == 0:

@@ -22,7 +22,7 @@ from dbsp_core.trace import Trace
 from dbsp_core.zset import ZSet
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.runtime.context import StepContext
 
 
 class Distinct(Operator):
@@ -47,7 +47,7 @@ class _DistinctState:
         """The operator's state, by name (each trace can be read per shard)."""
         return {"input": self.trace}
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         z = inputs[0]
         if z.num_rows == 0:
             return empty(self.schema)

@@ -9,7 +9,7 @@ import pyarrow as pa
 from dbsp_core.operators.base import Operator, empty
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.runtime.context import StepContext
     from dbsp_core.zset import ZSet
 
 
@@ -22,6 +22,6 @@ class Input(Operator):
         super().__init__((), schema, None)
         self.name = name
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         z = ctx.inputs.get(self.name)
         return empty(self.schema) if z is None else z

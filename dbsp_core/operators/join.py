@@ -25,7 +25,7 @@ from dbsp_core.trace import Trace
 from dbsp_core.zset import ZSet
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.runtime.context import StepContext
     from dbsp_core.zset import IndexedZSet
 
 
@@ -107,7 +107,7 @@ class _JoinState:
         """The operator's state, by name (each trace can be read per shard)."""
         return {"left": self.left, "right": self.right}
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
         a, b = inputs
         da = conform(a, op.lschema).index_by(list(op.left_on)) if a.num_rows else None

@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-MODULES = ["dbsp_core.circuit", "dbsp_core.runtime", "dbsp_core.shard", "dbsp_core.trace", "dbsp_core.aggregates",
+MODULES = ["dbsp_core.circuit", "dbsp_core.runtime.driver", "dbsp_core.runtime.executor", "dbsp_core.runtime.context", "dbsp_core.layout", "dbsp_core.trace", "dbsp_core.aggregates",
            "dbsp_core.demo"]
 
 
