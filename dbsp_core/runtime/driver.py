@@ -304,7 +304,8 @@ class Pipeline:
             raise CircuitMismatchError(f"{root} holds a pipeline of {layout.workers} workers, not {workers}; "
                                        f"Pipeline.open({root!r}, circuit, workers={workers}) rescales it")
         self.executor.start(self.circuit, layout, root)
-        resolve(root, self.executor, crashpoint, self._vfs)  # an interrupted layout change: forward or back
+        # an interrupted layout change: finish it or undo it
+        self.stats["rescale_recovery"] = resolve(root, self.executor, crashpoint, self._vfs)
         layout, self.last_rescale = read_layout(root, self._vfs)
         self.executor.start(self.circuit, layout, root)
         self._input = StepLog(os.path.join(root, INPUT_DIR), segment_bytes=segment_bytes)

@@ -1,9 +1,12 @@
 """Moving operator state between the databases of a group of workers, shard by shard, without decoding it: what a layout change does to stored state.
 
 Invariants (enforced here):
-  1. A shard moves as its values: every value under ``shard_key(shard, ·)`` of every state table of the
-     source database is put, byte for byte, into the destination and deleted from the source. Nothing else is
-     copied between databases, so the bytes written to other databases are exactly the moved shards' bytes.
+  1. A shard moves as its values: every value under ``shard_key(shard, ·)`` of every state table of its old
+     owner's database is put, byte for byte, into its new owner's database and deleted from the old one. State
+     that is not keyed (a Z-set attribute) has values under every shard in every worker's database, and any
+     placement of it is correct; it moves with the shards its worker owned, and a worker that leaves gives up
+     all of its values, each to its shard's new owner. Nothing else is copied between databases, so the bytes
+     written to other databases are exactly the moved values' bytes.
   2. Moved values get new numbers from the destination's counter (a number is never reused in a database);
      the values of one source batch that move to one destination share one new number, so they load back as
      one batch (their shards are disjoint key-hash ranges, concatenated in shard order). Moved trace batches
@@ -225,13 +228,15 @@ def relayout_group(handles: dict[int, DatabaseHandle], old: Layout, new: Layout,
     # exports first (nothing is deleted until every move is read), per destination: (src, table, key, value)
     incoming: dict[int, list[tuple[int, str, bytes, bytes]]] = {w: [] for w in handles}
     outgoing: dict[int, dict[str, list[bytes]]] = {w: {} for w in handles}
-    prefixes = {int(s): shard_key(int(s), b"") for s in moving}
     for w, tables in g.values.items():
+        leaving = w >= new.workers
         for t, kv in tables.items():
             for k, v in kv.items():
                 s = int.from_bytes(k[:SHARD_PREFIX_BYTES], "big")
-                if s in prefixes:
-                    dst = int(dst_owner[s])
+                dst = int(dst_owner[s])
+                # invariant 1: a shard's values leave its old owner; a leaving worker gives up every value it holds
+                # (state that is not keyed, e.g. an integral, sits in every worker's database under every shard)
+                if dst != w and (leaving or src_owner[s] == w):
                     incoming[dst].append((w, t, k, v))
                     outgoing[w].setdefault(t, []).append(k)
                     moved_bytes += len(v)

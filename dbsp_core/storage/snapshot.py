@@ -210,6 +210,9 @@ class WorkerSnapshot:
         self._saved: dict[str, dict[int, tuple[Any, list[bytes]]]] = {}
         # (table) -> (the Z-set object saved last, the keys its pieces were written under)
         self._saved_z: dict[str, tuple[ZSet, list[bytes]]] = {}
+        # (table) -> keys of stored values no live batch maps to any more (a group that lost members to a move,
+        # batches merged while loading): deleted by the next save
+        self._orphans: dict[str, list[list[bytes]]] = {}
         self._next = 0  # number of the next value written
 
     def tables(self) -> dict[str, TableSpec]:
@@ -273,6 +276,8 @@ class WorkerSnapshot:
 
     def _prepare_trace(self, table: str, trace: Trace, plan: list) -> None:
         saved = self._saved.setdefault(table, {})
+        for keys in self._orphans.pop(table, []):
+            plan.append(("delete", table, keys))
         settled, pending = trace.parts()  # no settling: no merges to pay here
         batches = settled + pending
         self._unsave_broken(table, saved, batches, plan)
@@ -375,7 +380,7 @@ class WorkerSnapshot:
                 known[table] = {keys[0][SHARD_PREFIX_BYTES:]: (b, keys) for b, keys in saved.values() if keys}
         rows = 0
         self._next = read_next(h)
-        self._saved, self._saved_z = {}, {}
+        self._saved, self._saved_z, self._orphans = {}, {}, {}
         for node_id, inst in self.instances.items():
             traces, zsets = state_attrs(node_id, inst)
             for name in traces:
@@ -416,6 +421,7 @@ class WorkerSnapshot:
             raise CorruptionError(f"{where} {table}: the recorded batch order names {len(numbers)} batches, the "
                                   f"table holds {len(groups)}")
         restored: list[tuple[Any, list[bytes], bool]] = []  # (batch, keys, settled)
+        partial: set[int] = set()  # groups some of whose batches moved away entirely: saved again
         pos = 0
         for number, count in zip(numbers, counts):
             blobs, keys = groups[number]
@@ -435,6 +441,8 @@ class WorkerSnapshot:
                     raise CorruptionError(f"{where} {table}: a value of batch group {number.hex()} does not "
                                           f"hold {count} runs")
                 members = [[r[i] for r in runs if r[i].num_rows] for i in range(count)]
+                if any(not parts for parts in members):
+                    partial.add(id(keys))
             for parts in members:
                 if not parts:
                     continue  # every shard of this member of a group moved to another worker
@@ -453,14 +461,11 @@ class WorkerSnapshot:
         if not settled_done:
             trace.settle()
         spine = {id(b) for b in sum(trace.parts(), [])}
-        saved = {id(b): (b, keys) for b, keys, _ in restored}
-        if set(saved) != spine:  # settling merged restored batches: forget them, they are saved again
-            saved = {k: v for k, v in saved.items() if k in spine}
-            gone = {id(keys): keys for b, keys, _ in restored if id(b) not in spine}
-            if not h.readonly:  # a read-only load (inspection) is never saved again
-                for keys in gone.values():
-                    for k in keys:
-                        h.delete(table, k)
-            saved = {k: v for k, v in saved.items() if id(v[1]) not in gone}
-        self._saved[table] = saved
+        # values whose batches are not all live as saved (merged while settling, or a group that lost members):
+        # their live batches are saved again and their keys deleted by the next save
+        gone = {id(keys): keys for b, keys, _ in restored if id(b) not in spine or id(keys) in partial}
+        self._saved[table] = {id(b): (b, keys) for b, keys, _ in restored
+                              if id(b) in spine and id(keys) not in gone}
+        if gone:
+            self._orphans[table] = list(gone.values())
         return rows
