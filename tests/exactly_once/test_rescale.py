@@ -1,7 +1,8 @@
 """Cold rescaling: sequences of worker-count changes at random steps (embedded and staged executors, every operator kind, deletions, a window over now) give the output of a never-rescaled run step by step and DuckDB's answer over all input; only the shards that change owner move (moved bytes near the ideal); S doubles and halves; and an interrupted change (at each named point of the protocol, and at every I/O operation through the fault VFS with every damage mode) leaves the old layout or the new one, never a mix.
 
 Seeds vary between runs (``DBSP_RESCALE_SEED`` replays one; the seed is printed); ``DBSP_RESCALE_SEEDS`` sets how many
-random sequences run per executor (default 3).
+random sequences run per executor (default 3); ``DBSP_RESCALE_CRASH_FULL=1`` adds the keep and chaos damage modes to
+drop, tear and reorder in the crash-at-every-operation test.
 """
 
 from __future__ import annotations
@@ -223,7 +224,9 @@ def test_a_crash_at_every_io_operation_of_a_rescale_leaves_one_layout(tmp_path, 
                        vfs="fault").close(checkpoint=False)
     nops = FaultInjector.ops()
     FaultInjector.disarm()
-    modes = [("keep", 0), ("drop", 0), ("tear", 1), ("reorder", 2), ("chaos", 3)]
+    modes = [("drop", 0), ("tear", 1), ("reorder", 2)]  # DBSP_RESCALE_CRASH_FULL=1 adds keep and chaos
+    if os.environ.get("DBSP_RESCALE_CRASH_FULL") == "1":
+        modes += [("keep", 0), ("chaos", 3)]
     tried = outcomes = 0
     layouts = {2: 0, 3: 0}
     for n in range(1, nops + 1):
