@@ -214,7 +214,7 @@ static int check_invariants(const DbspStepLog *log) {
         if (s->format) {
             if (s->format < fmt || s->size < SEG_HDR) return 0;
             fmt = s->format;
-        } else if (s->size || s->records || i + 1 != log->nsegs) {
+        } else if (!readonly(log) || s->size || s->records || i + 1 != log->nsegs) {
             return 0;
         }
         if (!readonly(log) && s->synced > s->size) return 0;
@@ -389,9 +389,9 @@ static int seg_load(DbspStepLog *log, Seg *s, int is_last, int64_t floor) {
         if ((rc = log->vfs->size(s->f, &fsize))) goto out;
         if (fsize < s->size) seg_forget(s); /* a reader: a writer rewrote the file after a crash; read it afresh */
         uint64_t base = s->size;
-        if (fsize <= base) goto out;
-        if (!(data = malloc(fsize - base))) { rc = oom(); goto out; }
-        if ((rc = dbsp_vfs_read_exact(s->f, data, fsize - base, base, "segment"))) goto out;
+        if (base && fsize == base) goto out; /* nothing new (a file without a header still needs the check below) */
+        if (!(data = malloc(fsize - base + 1))) { rc = oom(); goto out; }
+        if (fsize > base && (rc = dbsp_vfs_read_exact(s->f, data, fsize - base, base, "segment"))) goto out;
         if (base == 0) {
             uint32_t format = 0;
             int hrc = fsize >= SEG_HDR ? check_header(data, "DBSPSSEG", s->num, path, &format)
