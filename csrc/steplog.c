@@ -24,7 +24,10 @@
  *      tail; format-1 segments carry no marks, so in the last one every invalid record starts a torn tail;
  *  (7) a reader (DBSP_STEPLOG_READONLY) never creates, writes, truncates or removes a file; it shows a record
  *      only once the record is complete and valid; refresh adds what the writer appended and forgets segments
- *      its truncation removed (a file it already opened stays readable until then);
+ *      its truncation removed (a file it already opened stays readable until then). An invalid record in the
+ *      last segment may be one the writer is writing: the reader stops before it and reads on at the next
+ *      refresh; it reads a file once more before it reports damage (or a gap in the segment numbers, which
+ *      truncation can show while it runs);
  *  (8) the log writes format 2 and reads formats 1 and 2. It appends to a format-1 directory by starting a new
  *      segment of format 2, after rewriting LOG to say 2 (so a format-1 build refuses the directory instead of
  *      misreading it); a format-1 segment never follows a format-2 one.

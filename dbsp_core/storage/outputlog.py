@@ -109,9 +109,9 @@ class OutputLog:
                 self._log.close()
                 raise
         else:
-            os.makedirs(self.path, exist_ok=True)
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             self._v1 = Format1Segments(self.path)  # read first: nothing below changes a file before it is checked
-            self._log = _storage.Log(self.path, vfs, segment_bytes, False, False)
+            self._log = _storage.Log(self.path, vfs, segment_bytes, False, False)  # creates the directory durably
         try:
             self._load()
         except BaseException:

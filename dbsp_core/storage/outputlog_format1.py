@@ -60,7 +60,10 @@ class Format1Segments:
         """Read every format-1 segment of the directory (again)."""
         index: dict[int, tuple[str, int, int]] = {}
         segments: list[tuple[int, str]] = []
-        names = sorted(n for n in os.listdir(self.path) if is_format1_segment(n))
+        try:
+            names = sorted(n for n in os.listdir(self.path) if is_format1_segment(n))
+        except FileNotFoundError:  # a new log: its directory is created by the step log
+            names = []
         expect = None
         for k, name in enumerate(names):
             fpath = os.path.join(self.path, name)

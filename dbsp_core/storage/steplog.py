@@ -50,7 +50,8 @@ class StepLog:
         what the writer appended (and forgets segments it dropped) since.
 
     A damaged record that a later write proves had been fsynced raises CorruptionError (naming the file and the
-    offset) and changes nothing; a torn tail of unsynced writes is cut off (csrc/steplog.c, invariant 6).
+    offset) and changes nothing; a torn tail of unsynced writes is cut off (csrc/steplog.c, invariant 6). Logs
+    of format 1 are read as they are; appending to one starts a segment of the current format (invariant 8).
 
     Examples
     --------
