@@ -1,7 +1,7 @@
 # storage.pyx: cdef classes owning the C page store, transactions, cursors and step log (dbsp_core._storage).
 from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport free, malloc
-from libc.errno cimport EIO, ENOENT, ENOSPC
+from libc.errno cimport EIO, ENOSPC
 from cpython.bytes cimport PyBytes_FromStringAndSize
 
 from storage cimport *
@@ -334,8 +334,6 @@ cdef class Log:
         self.is_readonly = readonly
         with nogil:
             st = dbsp_steplog_open(cp, v, segment_bytes, flags, &self.log)
-        if st == DBSP_ENOTFOUND:
-            raise FileNotFoundError(ENOENT, dbsp_storage_errmsg().decode("utf-8", "replace"), path)
         check(st)
 
     def __dealloc__(self):

@@ -68,6 +68,8 @@ class StepLog:
                  readonly: bool = False) -> None:
         self.path = os.fspath(path)
         self.readonly = readonly
+        if readonly and not os.path.isdir(self.path):
+            raise FileNotFoundError(f"steplog {self.path}: no such directory")
         self._log = _storage.Log(self.path, vfs, segment_bytes, readonly)
 
     def refresh(self) -> None:
