@@ -7,8 +7,10 @@
  *  (2) steps never decrease along the log (across records and segments);
  *  (3) only the last segment is ever written; a segment is sealed (never written again) once a later one exists,
  *      and every byte of a sealed segment was fsynced before the next segment was created;
- *  (4) segment numbers are consecutive; truncation removes segments from the front only, and never the last
- *      segment nor the one holding the newest record (so a log that held a record always knows its last step);
+ *  (4) segment numbers are consecutive; truncation first makes every enqueued record durable (so it never
+ *      removes a durable record while the later records that replace it could still be lost), then removes
+ *      segments from the front only, never the last segment nor the one holding the newest record (so a log
+ *      that held a record always knows its last step);
  *  (5) every format-2 record carries a mark M: a length of its segment that had been fsynced when the write
  *      carrying the record was issued (32 <= M <= the record's offset; records of one write share M, and marks
  *      never decrease along a segment). A writer fsyncs the last segment when it opens the log, so the length
@@ -909,9 +911,10 @@ out:
 }
 
 int dbsp_steplog_truncate_below(DbspStepLog *log, int64_t step, uint64_t *dropped) {
-    int rc = DBSP_OK;
     *dropped = 0;
     if (readonly(log)) return refuse_readonly(log, "truncate");
+    int rc = dbsp_steplog_sync(log, UINT64_MAX); /* invariant 4 */
+    if (rc) return rc;
     pthread_rwlock_wrlock(&log->seg_lock);
     size_t keep = log->nsegs - 1; /* invariant 4: never the active segment, nor the one holding the newest record */
     for (size_t i = log->nsegs; i-- > 0;)

@@ -74,8 +74,8 @@ int dbsp_steplog_sync(DbspStepLog *log, uint64_t ticket);
 int dbsp_steplog_read(DbspStepLog *log, int64_t from_step, int64_t to_step, size_t max_bytes, uint64_t *resume_seg,
                       uint64_t *resume_off, unsigned char **out, size_t *outlen);
 
-/* Drops every whole segment (other than the active one and the one holding the newest record) whose records all
- * have step < step. */
+/* Makes every enqueued record durable, then drops every whole segment (other than the active one and the one
+ * holding the newest record) whose records all have step < step. */
 int dbsp_steplog_truncate_below(DbspStepLog *log, int64_t step, uint64_t *segments_dropped);
 
 /* Smallest and largest step held (*has = 0 if the log is empty), number of records and segments, fsyncs. */

@@ -14,8 +14,9 @@ Invariants (enforced here):
      later write proves had been fsynced raises CorruptionError naming the file and offset and changes
      nothing. A directory written by format 1 of this log (``out-<first step>.seg`` files) is read in place
      (dbsp_core.storage.outputlog_format1); its steps come first and it is never written again.
-  4. Retention drops whole segments only, oldest first (format-1 ones before any step-log segment), and
-     never the one holding the newest step, so ``first`` and ``last`` are always known.
+  4. Retention first makes every appended step durable, then drops whole segments only, oldest first
+     (format-1 ones before any step-log segment), and never the one holding the newest step, so ``first``
+     and ``last`` are always known and no crash leaves the log without the steps that were kept.
   5. ``readonly=True`` never changes a file and may run in another process while the writer appends: a
      record is shown only once it is complete, and :meth:`OutputLog.refresh` shows new steps and forgets
      dropped ones.
@@ -272,10 +273,13 @@ class OutputLog:
     # ---- retention ----
 
     def truncate_below(self, step: int) -> int:
-        """Drops whole segments whose steps are all below ``step`` (never the newest); returns how many."""
+        """Makes every appended step durable, then drops whole segments whose steps are all below ``step`` (never
+        the newest); returns how many."""
         if self.readonly:
             raise ValueError("output log: opened read-only")
         with self._lock:
+            if self._ticket:  # invariant 4: what follows a dropped segment is durable before it goes
+                self._log.sync(self._ticket)
             span = self._step_log_range()
             dropped = self._v1.drop_below(step, span[0] if span is not None else None)
             if not self._v1.segments:  # invariant 4: the step log's segments only once the format-1 ones are gone

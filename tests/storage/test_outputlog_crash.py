@@ -27,10 +27,14 @@ COUNTS = {"crash_points": 0, "error_points": 0, "violations": 0}
 
 # name: (base, steps written, sync, flush every, truncate after write #, replay write #)
 CONFIGS = {
-    "sync": ("native", 12, True, None, None, 2),
-    "group": ("native", 12, False, 3, None, 4),
-    "retention": ("native", 12, True, None, 7, None),
-    "format1": ("format1", 10, False, 4, 6, 1),
+    "sync": ("native", 16, True, None, None, 2),
+    "group": ("native", 16, False, 3, None, 4),
+    "retention": ("native", 16, True, None, 10, None),
+    # retention while the newest segment holds only unsynced steps (steps 12..14 after the flush of 11)
+    "group-retention": ("native", 16, False, 8, 10, None),
+    "format1": ("format1", 12, False, 4, 6, 1),
+    # retention while every step-log record is unsynced: it must sync them before dropping format-1 segments
+    "format1-unflushed": ("format1", 8, False, 100, 3, None),
 }
 
 

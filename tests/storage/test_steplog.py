@@ -434,3 +434,22 @@ def test_format1_fixture_input_opens_and_continues(tmp_path):
         assert list(log.iter_from(0)) == recs + [LogRecord(9, "bids", "gen-bids", 10, b"more"),
                                                  LogRecord(10, "bids", "gen-bids", 11, b"later")]
         assert [r.payload for r in log.read(9)][-1] == b"more"
+
+
+def test_truncation_makes_enqueued_records_durable_first(tmp_path):
+    """Truncation syncs before it removes a segment, so a crash never leaves the log without both the dropped
+    records and the (unsynced) ones that replaced them."""
+    p = str(tmp_path / "log")
+    with StepLog(p, segment_bytes=1024) as log:
+        for i in range(10):
+            log.append(i, "h", b"d" * 300, seq=i)
+    FaultInjector.arm()
+    with StepLog(p, segment_bytes=1024, vfs="fault") as log:
+        ticket = log.enqueue(10, "h", b"d" * 300, seq=10)
+        log._log.write(ticket)  # written, not synced
+        f0 = log.fsyncs
+        assert log.truncate_below(11) > 0 and log.fsyncs == f0 + 1
+        FaultInjector.crash_now("drop")
+    FaultInjector.disarm()
+    with StepLog(p) as log:
+        assert [r.seq for r in log.iter_from(0)] == [10]
