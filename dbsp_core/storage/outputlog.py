@@ -48,7 +48,6 @@ from dbsp_core.zset import ZSet
 __all__ = ["OutputLog"]
 
 _U32 = struct.Struct("<I")
-_NO_STEP = 2**63 - 1
 
 
 class OutputLog:
