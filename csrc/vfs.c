@@ -60,7 +60,7 @@ static int io_fail(int err, const char *op, const char *path) {
 /* ---------- POSIX ---------- */
 
 static int px_open(DbspVfs *vfs, const char *path, int flags, DbspFile **out) {
-    int oflags = O_RDWR | O_CLOEXEC;
+    int oflags = ((flags & DBSP_VFS_READONLY) ? O_RDONLY : O_RDWR) | O_CLOEXEC;
     if (flags & DBSP_VFS_CREATE) oflags |= O_CREAT;
     if (flags & DBSP_VFS_EXCL) oflags |= O_EXCL;
     int fd;

@@ -58,6 +58,7 @@ from dbsp_core.runtime.dedup import SeenSet
 from dbsp_core.runtime.embedded import EmbeddedExecutor
 from dbsp_core.runtime.executor import Executor, StepInput
 from dbsp_core.runtime.rescale import cold_rescale, resolve
+from dbsp_core.runtime.upgrade import is_format1, upgrade_format1
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.directory import lock_dir, read_layout, read_meta, unlock_dir, write_layout, write_meta
 from dbsp_core.storage.formats import (CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE, DIVISION_HANDLE, DIVISION_MAGIC,
@@ -282,6 +283,12 @@ class Pipeline:
         meta = {"fingerprint": self.fingerprint, "executor": self.executor.kind, "inputs": sorted(self._inputs),
                 "outputs": sorted(self._out_schemas), "hash_version": HASH_VERSION,
                 "output_schemas": {n: sch.serialize().to_pybytes().hex() for n, sch in self._out_schemas.items()}}
+        legacy = is_format1(root)
+        if legacy is not None:  # the previous release's directory: converted, then opened as any other
+            self.executor.start(self.circuit, Layout.local(int(legacy.get("workers", 1)),
+                                                           int(legacy.get("shard_bits", DEFAULT_SHARD_BITS))), root)
+            upgrade_format1(root, legacy, self.executor, self.fingerprint, self._vfs)
+            self.stats["upgraded_from_format"] = 1
         try:
             old = read_meta(root)
         except FileNotFoundError:

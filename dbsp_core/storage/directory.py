@@ -79,18 +79,18 @@ def remove_record(path: str, vfs: str = "posix") -> None:
     _storage.file_remove(path, vfs)
 
 
-def read_meta(root: str) -> dict:
+def read_meta(root: str, formats: tuple[int, ...] = (DIRECTORY_FORMAT,)) -> dict:
     """The META record of a storage directory; FileNotFoundError if there is none, FormatVersionError if it is
-    of another directory format, CorruptionError if it is damaged (invariant 3)."""
+    of a directory format not in ``formats``, CorruptionError if it is damaged (invariant 3)."""
     path = os.path.join(root, META_FILE)
     meta = read_record(path, META_MAGIC)
     if meta is None:
         raise FileNotFoundError(path)
     fmt = meta.get("format")
-    if fmt != DIRECTORY_FORMAT:
-        hint = " (written by dbsp-core 0.1.0; open it with that release)" if fmt == 1 else ""
-        raise FormatVersionError(f"{root}: storage directory format {fmt!r}{hint}; this build reads format "
-                                 f"{DIRECTORY_FORMAT}")
+    if fmt not in formats:
+        hint = " (dbsp-core 0.1.0; Pipeline.open upgrades it)" if fmt == 1 else ""
+        raise FormatVersionError(f"{root}: storage directory format {fmt!r}{hint}; this reader takes formats "
+                                 f"{list(formats)}")
     return meta
 
 

@@ -57,9 +57,12 @@ Formats below this module's level, specified byte by byte where they are written
 (``DBSPMETA`` meta slots, csrc/pagestore.c), the step log (``DBSPSLOG`` header and ``DBSPSSEG`` segments,
 csrc/steplog.c), the output log (dbsp_core/storage/outputlog.py).
 
-Directory format 1 (written by releases before the layout became data) kept ``workers`` and ``shard_bits`` in
-META, worker databases at ``worker-<w>.db`` in the root and stage databases under ``stages/``; it is refused
-with FormatVersionError naming the release that reads it.
+Directory format 1 (dbsp-core 0.1.0, before the layout became data) kept ``workers`` and ``shard_bits`` in
+META, worker databases at ``worker-<w>.db`` in the root and stage databases under ``stages/``, a Z-set
+attribute as one value under key ``all``, and the embedded driver's dedup set and clock in worker 0's database;
+``Pipeline.open`` converts such a directory to format 2 (dbsp_core.runtime.upgrade), and its input and output
+logs are read in place (the step log reads its format-1 segments; dbsp_core.storage.outputlog_format1 reads
+the ``DOUT`` output segments).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def open_output(path: str | os.PathLike) -> OutputLog:
     >>> p.close(); log.close()
     """
     root = os.fspath(path)
-    meta = read_meta(root)
+    meta = read_meta(root, formats=(1, 2))  # the output log of the previous release's directories reads the same
     schemas = {n: pa.ipc.read_schema(pa.py_buffer(bytes.fromhex(h))) for n, h in meta["output_schemas"].items()}
     return OutputLog(os.path.join(root, OUTPUT_DIR), {n: schemas[n] for n in meta["outputs"]}, readonly=True)
 

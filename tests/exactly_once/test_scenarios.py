@@ -386,10 +386,12 @@ def test_damaged_input_log_or_state_is_an_error_not_wrong_data(tmp_path):
     path = os.path.join(d, "input", seg)
     good = open(path, "rb").read()
     _flip(path, len(good) // 2)
-    # the step log cuts a damaged record off like a torn tail; the records after it (step 1's division) are
-    # gone, and recovery refuses because the output log shows that step 1 happened
-    with pytest.raises(CorruptionError, match="divides input only up to step 0"):
+    damaged = open(path, "rb").read()
+    # records written after the damaged one carry marks proving it had been fsynced: the step log refuses to
+    # open, names the file and the offset, and cuts nothing (it used to cut it off like a torn tail)
+    with pytest.raises(CorruptionError, match=rf"{seg}: damaged record at offset \d+"):
         dbsp.Pipeline.open(d, build_circuit())
+    assert open(path, "rb").read() == damaged
 
 
 def test_read_input_returns_each_step_as_divided(tmp_path):
