@@ -43,8 +43,8 @@ def open_output(path: str | os.PathLike) -> OutputLog:
 def inspect_storage(path: str | os.PathLike) -> dict:
     """A summary of a storage directory without recovering it: layout, checkpoints, logs and sizes.
 
-    Opens the state databases and logs read-mostly (a torn log tail from a crash may be cut off, as on
-    recovery) and never runs the circuit.
+    Reads the state databases (read-only handles) and the logs (read-only: a torn tail is left as it is) and never
+    runs the circuit.
 
     >>> import tempfile, pyarrow as pa, dbsp_core as dbsp
     >>> c = dbsp.Circuit(); s = c.input("x", pa.schema([("a", pa.int64())])); c.output("o", s.distinct())
@@ -97,7 +97,7 @@ def _inspect(root: str, meta: dict) -> dict:
                 info["driver_step"] = h.get_step()
                 if not paths:
                     info["checkpoint_step"] = info["driver_step"]
-    with StepLog(os.path.join(root, INPUT_DIR)) as log:
+    with StepLog(os.path.join(root, INPUT_DIR), readonly=True) as log:  # never cuts a torn tail
         info["input_steps"] = [log.first_step, log.last_step]
         info["input_records"] = len(log)
         info["input_segments"] = log.segments
