@@ -58,6 +58,7 @@ from dbsp_core.operators.base import Operator
 from dbsp_core.coordinator import Coordinator, WorkerStore, worker_db_path
 from dbsp_core.errors import CircuitMismatchError, CorruptionError, DbspError, RecoveryError
 from dbsp_core.storage.outputlog import OutputLog
+from dbsp_core.time.watermark import advance  # watermark hook
 from dbsp_core.runtime import Pipeline, PushData
 from dbsp_core.shard import DEFAULT_SHARD_BITS
 from dbsp_core.storage.snapshot import state_attrs
@@ -312,6 +313,8 @@ class DurablePipeline(Pipeline):
         self.now_ns: int | None = None
         self.seed: int | None = None
         self._now_floor = 0
+        self._wm_divided = dict(self.watermarks)  # watermark hook: the watermarks after the last divided step
+        self._division_watermarks: dict[int, dict[str, int]] = {}  # watermark hook: logged, by step, until run
         self._ckpt_thread: threading.Thread | None = None
         self._syncer: ThreadPoolExecutor | None = None  # fsyncs division records while the step runs
         self._division_sync: Future | None = None
@@ -371,7 +374,11 @@ class DurablePipeline(Pipeline):
         self._seen.load(store0.handle, f"{store0.db.path}")
         clock = store0.handle.get(_DEDUP_TABLE + ".clock", b"now")
         if clock is not None:
-            self._now_floor = int(decode_json(b"DCLK", clock, f"{store0.db.path} clock")["now_ns"])
+            clk = decode_json(b"DCLK", clock, f"{store0.db.path} clock")
+            self._now_floor = int(clk["now_ns"])
+            if "watermarks" in clk:  # watermark hook: the watermarks after the checkpoint's last step
+                self.watermarks = {k: int(v) for k, v in clk["watermarks"].items()}
+                self._wm_divided = dict(self.watermarks)
         return x
 
     def _replay_step(self, step: int, inputs: list[tuple[str, ZSet]], now_ns: int, seed: int,
@@ -406,6 +413,8 @@ class DurablePipeline(Pipeline):
                 raise CorruptionError(f"{self.storage}: the division of step {step} names {d['pushes']} pushes, "
                                       f"the log holds {len(recs)}")
             self._now_floor = max(self._now_floor, d["now_ns"])
+            if "watermarks" in d:  # watermark hook: replay with the logged watermarks
+                self._wm_divided = self._division_watermarks[step] = {k: int(v) for k, v in d["watermarks"].items()}
             self._replay_step(step, self._decode(recs), d["now_ns"], d["seed"], _ranges(
                 [(r.handle, r.producer, r.seq) for r in recs]))
             step += 1
@@ -515,6 +524,7 @@ class DurablePipeline(Pipeline):
         for handle, z in inputs:
             Pipeline.push(self, handle, z)
         self.now_ns, self.seed = now_ns, seed
+        self._logged_watermarks = self._division_watermarks.pop(step, None)  # watermark hook
         for wk in self._workers:
             wk.ctx.now_ns = now_ns  # the step's determinants, identical on replay (invariant 3)
             wk.ctx.seed = seed
@@ -566,7 +576,11 @@ class DurablePipeline(Pipeline):
                 now_ns, seed = max(time.time_ns(), self._now_floor), random.getrandbits(63)
                 self._now_floor = now_ns  # now never goes back, even if the wall clock does
                 crashpoint("step-divide")
-                record = encode_json(b"DDIV", {"step": step, "pushes": len(inputs), "now_ns": now_ns, "seed": seed})
+                division = {"step": step, "pushes": len(inputs), "now_ns": now_ns, "seed": seed}
+                if self._event_time:  # watermark hook: the step's watermarks, logged with its division
+                    self._wm_divided, _ = advance(self._event_time, self._wm_divided, inputs)
+                    division["watermarks"] = self._division_watermarks[step] = dict(self._wm_divided)
+                record = encode_json(b"DDIV", division)
                 try:
                     if wait:
                         self._input.append(step, DIVISION_HANDLE, record)
@@ -616,10 +630,13 @@ class DurablePipeline(Pipeline):
                 seen.wm = dict(self._seen.wm)
                 seen.above = {p: set(s) for p, s in self._seen.above.items()}
             floor = self._now_floor
+            clock = {"now_ns": floor}
+            if self._event_time:  # watermark hook: the watermarks after the checkpoint's last step
+                clock["watermarks"] = dict(self.watermarks)
 
             def save0(h: DatabaseHandle) -> None:  # worker 0 also keeps the dedup set and the clock floor
                 seen.save(h)
-                h.put(_DEDUP_TABLE + ".clock", b"now", encode_json(b"DCLK", {"now_ns": floor}))
+                h.put(_DEDUP_TABLE + ".clock", b"now", encode_json(b"DCLK", clock))
 
             try:
                 step, plans = self._coord.begin_checkpoint()

@@ -28,6 +28,7 @@ from dbsp_core.circuit import Circuit
 from dbsp_core.errors import DbspError, SchemaError
 from dbsp_core.operators.base import concat, same_columns
 from dbsp_core.shard import DEFAULT_SHARD_BITS, Layout, ShardMap
+from dbsp_core.time.watermark import NO_WATERMARK, advance, specs_of  # watermark hook
 from dbsp_core.trace import Trace
 from dbsp_core.zset import ZSet
 
@@ -57,6 +58,7 @@ class WorkerContext:
         self.shard_map = shard_map
         self.exchanger = exchanger
         self.inputs: dict[str, ZSet] = {}
+        self.watermarks: dict[str, int] = {}  # watermark hook: the step's watermarks, input -> int (time/watermark.py)
 
     def exchange(self, node_id: int, z: ZSet, key: tuple[str, ...], schema: pa.Schema) -> ZSet:
         """Send each row of ``z`` to the worker owning its key's shard; return the rows sent here."""
@@ -173,6 +175,12 @@ class Pipeline:
         self._lock = threading.Lock()
         self._broken: BaseException | None = None
         self.steps = 0
+        # watermark hook: the event-time inputs, their watermarks after the last step, the late rows dropped so far
+        # (time/watermark.py), and the watermarks a durable runtime logged for the step about to run
+        self._event_time = specs_of(circuit)
+        self.watermarks: dict[str, int] = {name: NO_WATERMARK for name in self._event_time}
+        self.late_rows: dict[str, int] = {name: 0 for name in self._event_time}
+        self._logged_watermarks: dict[str, int] | None = None
         # CPU time each worker's thread spent in steps, counted only while ``measure_cpu`` is set: reading a
         # thread's CPU clock is a system call (4-40 us on this VM), a measurable share of a 1k-row step
         self.measure_cpu = False
@@ -266,6 +274,9 @@ class Pipeline:
         with self._lock:
             pending, self._pending = self._pending, [{} for _ in range(self.workers)]
         inputs = [{h: concat(parts, self._inputs[h]) for h, parts in p.items()} for p in pending]
+        watermarks, late = self._step_watermarks(inputs)  # watermark hook
+        for wk in self._workers:
+            wk.ctx.watermarks = watermarks
         try:
             if self._pool is None:
                 results = [self._run_worker(0, inputs[0])]
@@ -289,10 +300,24 @@ class Pipeline:
             self._broken = exc  # invariant 5
             raise
         self.steps += 1
+        self.watermarks = watermarks  # watermark hook
+        for name, n in late.items():
+            self.late_rows[name] += n
         out = {}
         for name, schema in self._out_schemas.items():
             out[name] = concat([r[name] for r in results], schema).consolidate()
         return out
+
+    def _step_watermarks(self, inputs: list[dict[str, ZSet]]) -> tuple[dict[str, int], dict[str, int]]:
+        """The step's watermarks and late rows per event-time input, from the step's pushes (watermark hook)."""
+        if not self._event_time:
+            return {}, {}
+        pushes = [(h, z) for per_worker in inputs for h, z in per_worker.items()]
+        watermarks, late = advance(self._event_time, self.watermarks, pushes)
+        logged, self._logged_watermarks = self._logged_watermarks, None
+        if logged is not None and logged != watermarks:
+            raise DbspError(f"the step's watermarks {watermarks} differ from those logged with its division {logged}")
+        return watermarks, late
 
     def traces(self, worker: int) -> dict[str, "Trace"]:
         """All keyed state of one worker, as ``{"<operator label>.<trace name>": Trace}``.
