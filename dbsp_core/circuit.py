@@ -75,8 +75,9 @@ class Circuit:
 
         ``event_time`` names an integer or timestamp column holding each row's event time; the input then has a
         watermark, the largest event time pushed so far minus ``lateness`` (an int in the column's unit, or a
-        ``datetime.timedelta`` for a timestamp column). Rows whose event time is below the watermark of their
-        step (or null) are *late*: dropped, and counted in ``Pipeline.late_rows`` (dbsp_core/time/watermark.py).
+        ``datetime.timedelta`` for a timestamp column). Rows whose event time is below the watermark in force in
+        their step (the one computed from the earlier steps), or null, are *late*: dropped, and counted in
+        ``Pipeline.late_rows`` (dbsp_core/time/watermark.py).
         Windows and joins keyed by event time then drop the state that no later row can reach.
 
         >>> import pyarrow as pa

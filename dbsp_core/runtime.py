@@ -58,7 +58,7 @@ class WorkerContext:
         self.shard_map = shard_map
         self.exchanger = exchanger
         self.inputs: dict[str, ZSet] = {}
-        self.watermarks: dict[str, int] = {}  # watermark hook: the step's watermarks, input -> int (time/watermark.py)
+        self.watermarks: dict[str, int] = {}  # watermark hook: those in force in the step, input -> int (time/watermark.py)
 
     def exchange(self, node_id: int, z: ZSet, key: tuple[str, ...], schema: pa.Schema) -> ZSet:
         """Send each row of ``z`` to the worker owning its key's shard; return the rows sent here."""
@@ -175,8 +175,9 @@ class Pipeline:
         self._lock = threading.Lock()
         self._broken: BaseException | None = None
         self.steps = 0
-        # watermark hook: the event-time inputs, their watermarks after the last step, the late rows dropped so far
-        # (time/watermark.py), and the watermarks a durable runtime logged for the step about to run
+        # watermark hook: the event-time inputs, their watermarks after the last step (in force in the next one), the
+        # late rows dropped so far (time/watermark.py), and the watermarks a durable runtime logged with the
+        # division of the step about to run (those after it)
         self._event_time = specs_of(circuit)
         self.watermarks: dict[str, int] = {name: NO_WATERMARK for name in self._event_time}
         self.late_rows: dict[str, int] = {name: 0 for name in self._event_time}
@@ -274,9 +275,9 @@ class Pipeline:
         with self._lock:
             pending, self._pending = self._pending, [{} for _ in range(self.workers)]
         inputs = [{h: concat(parts, self._inputs[h]) for h, parts in p.items()} for p in pending]
-        watermarks, late = self._step_watermarks(inputs)  # watermark hook
+        watermarks, late = self._step_watermarks(inputs)  # watermark hook: operators see those in force
         for wk in self._workers:
-            wk.ctx.watermarks = watermarks
+            wk.ctx.watermarks = self.watermarks
         try:
             if self._pool is None:
                 results = [self._run_worker(0, inputs[0])]
@@ -309,7 +310,8 @@ class Pipeline:
         return out
 
     def _step_watermarks(self, inputs: list[dict[str, ZSet]]) -> tuple[dict[str, int], dict[str, int]]:
-        """The step's watermarks and late rows per event-time input, from the step's pushes (watermark hook)."""
+        """The watermarks after the step and its late rows per event-time input, from the step's pushes (watermark
+        hook)."""
         if not self._event_time:
             return {}, {}
         pushes = [(h, z) for per_worker in inputs for h, z in per_worker.items()]

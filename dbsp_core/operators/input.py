@@ -3,8 +3,8 @@
 Invariants:
   1. Without event time, the output is exactly the pushed Z-set.
   2. With ``event_time`` (dbsp_core/time/watermark.py), the output is the pushed rows whose event time is not null
-     and at or above the step's watermark ``ctx.watermarks[name]``; the runtime computes that watermark from the
-     step's pushes (and counts the rows dropped here with the same rule). A runtime that gives no watermarks
+     and at or above the watermark in force in the step, ``ctx.watermarks[name]`` (computed by the runtime from
+     the pushes of the steps before; it counts the rows dropped here with the same rule). A runtime that gives no watermarks
      cannot run such an input: the step raises DbspError naming it.
 """
 

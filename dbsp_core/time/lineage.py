@@ -1,8 +1,9 @@
 """Time lineage: which columns of a stream are bounded below by an input's watermark, so that operators keyed by them know which state no later change can reach.
 
-A stream's lineage maps a column to ``(input, offset)``: at every step after step s, every row of the stream's
-change (insertion or deletion) has ``column >= W_s[input] + offset`` (column as int64 in the input's time unit,
-W_s as in watermark.py). The circuit derives it node by node when the node is built.
+A stream's lineage maps a column to ``(input, offset)``: from the step in which ``ctx.watermarks[input]`` is W
+on, every row of the stream's change (insertion or deletion) has ``column >= W + offset`` (column as int64 in
+the input's time unit; watermarks as in watermark.py). The circuit derives it node by node when the node is
+built.
 
 Invariants (the rules below keep the law above):
   1. An input with event time gives its time column offset 0 (late rows are dropped, watermark.py invariant 2).

@@ -1,15 +1,17 @@
 """Watermarks: the pure, vectorized function from the previous watermarks and one step's pushes to the step's watermarks and late-row counts, which the runtime computes once per step and logs with the step's division.
 
 Invariants (enforced here):
-  1. An input declared with ``event_time=column, lateness=L`` has at step s the watermark
+  1. An input declared with ``event_time=column, lateness=L`` has after step s the watermark
      ``W_s = max(W_{s-1}, max event time of the rows pushed in step s - L)`` (``W_{-1}`` = :data:`NO_WATERMARK`,
      below every time): non-decreasing, and a function of the previous watermarks and the step's pushes only,
-     so a replayed step computes (and the durable runtime logs) the same value. Every row pushed counts,
-     whatever its weight; null times do not move it.
-  2. A row of step s is *late* when its event time is null or below ``W_s``. The input operator drops late rows
-     (operators/input.py), so every row that enters the circuit at step s or later has event time >= ``W_s``:
-     what time-aware operators rely on to drop state (cleanup.py). :func:`advance` counts the late rows per input
-     with the same rule, for the pipeline's statistics.
+     so a replayed step computes (and the durable runtime logs with the step's division) the same value. Null
+     times do not move it.
+  2. The watermark *in force* during step s is ``W_{s-1}``, computed from the steps before it: operators read it
+     as ``ctx.watermarks``. A row of step s is *late* when its event time is null or below it; the input operator
+     drops late rows (operators/input.py), and :func:`advance` counts them with the same rule for the pipeline's
+     statistics. So every row that enters the circuit at step s or later has event time >= ``W_{s-1}``, which is
+     what time-aware operators rely on to drop state at the start of step s (cleanup.py). A late row is below
+     ``W_{s-1}``, so it could not have moved the watermark anyway.
   3. Times are int64 in the column's own unit: an integer column as it is, a timestamp column as its int64
      value (e.g. milliseconds since the epoch for ``timestamp[ms]``); the lateness is in the same unit.
 """
@@ -86,15 +88,16 @@ def advance(specs: dict[str, EventTime], previous: dict[str, int], pushes: Itera
             ) -> tuple[dict[str, int], dict[str, int]]:
     """The watermarks after a step and the late rows of each input in it (invariants 1 and 2).
 
-    ``specs``: the inputs that declare event time; ``previous``: their watermarks after the previous step (an
-    input missing is at :data:`NO_WATERMARK`); ``pushes``: the step's pushes as ``(input, Z-set or Arrow table)``
-    in any order (pushes to other inputs are ignored). Returns ``(watermarks, late)``, both with one entry per
-    input of ``specs``. Costs two vectorized passes over the pushed time columns.
+    ``specs``: the inputs that declare event time; ``previous``: their watermarks after the previous step, in
+    force during this one (an input missing is at :data:`NO_WATERMARK`); ``pushes``: the step's pushes as
+    ``(input, Z-set or Arrow table)`` in any order (pushes to other inputs are ignored). Returns
+    ``(watermarks, late)``, both with one entry per input of ``specs``. Costs two vectorized passes over the
+    pushed time columns.
 
     >>> import pyarrow as pa
     >>> specs = {"bid": EventTime("t", 10)}
     >>> advance(specs, {}, [("bid", pa.table({"t": [100, 95, 80]}))])
-    ({'bid': 90}, {'bid': 1})
+    ({'bid': 90}, {'bid': 0})
     >>> advance(specs, {"bid": 90}, [("bid", pa.table({"t": [85, 120]}))])
     ({'bid': 110}, {'bid': 1})
     """
@@ -104,16 +107,14 @@ def advance(specs: dict[str, EventTime], previous: dict[str, int], pushes: Itera
             tables[name].append(data if isinstance(data, (pa.Table, pa.RecordBatch)) else data.data)
     out, late = {}, {}
     for name, spec in specs.items():
-        wm = int(previous.get(name, NO_WATERMARK))
+        prev = wm = int(previous.get(name, NO_WATERMARK))
+        n = 0
         for t in tables[name]:
             if t.num_rows:
                 top = pc.max(time_array(t.column(spec.column))).as_py()
                 if top is not None:
                     wm = max(wm, max(int(top) - spec.lateness, NO_WATERMARK))
-        n = 0
-        for t in tables[name]:
-            if t.num_rows:
-                n += t.num_rows - (pc.sum(pc.cast(late_mask(t, spec.column, wm), pa.int64())).as_py() or 0)
+                n += t.num_rows - (pc.sum(pc.cast(late_mask(t, spec.column, prev), pa.int64())).as_py() or 0)
         out[name], late[name] = wm, n
     return out, late
 

@@ -121,8 +121,11 @@ def tumble(stream: "Stream", column: str, size: int, start: str = "window_start"
     >>> c.output("w", bid.tumble("t", 10).group_by("window_start").agg(n=dbsp.count()))
     >>> p = dbsp.Pipeline(c)
     >>> p.push("bid", pa.table({"price": [1, 2, 3], "t": [3, 12, 14]}))
-    >>> sorted(p.step()["w"].to_dict()), p.watermarks, p.late_rows  # t=3 is below 14 - 5: late, dropped
-    ([(10, 2)], {'bid': 9}, {'bid': 1})
+    >>> sorted(p.step()["w"].to_dict()), p.watermarks
+    ([(0, 1), (10, 2)], {'bid': 9})
+    >>> p.push("bid", pa.table({"price": [4], "t": [8]}))  # below the watermark 14 - 5: late, dropped
+    >>> p.step()["w"].to_dict(), p.late_rows
+    ({}, {'bid': 1})
     """
     return _window(stream, column, "tumble", _positive(size, "size", stream._where("tumble")), 0, 0, 0, start, end,
                    "tumble")

@@ -36,14 +36,14 @@ class EventGen:
                 t = self.clock + int(rng.integers(-2 * self.lateness - 3, 4))
                 delta[(int(rng.integers(0, self.keys)), int(rng.integers(0, 5)), t)] += 1
         delta = Counter({r: w for r, w in delta.items() if w})
-        # the model: the step's watermark from every pushed row, then rows below it are late
-        if delta:
-            self.watermark = max(self.watermark, max(r[2] for r in delta) - self.lateness)
+        # the model: rows below the watermark in force are late; then the step's rows move the watermark
         for r, w in delta.items():
             if r[2] < self.watermark:
                 self.late += 1
             else:
                 self.accepted[r] += w
+        if delta:
+            self.watermark = max(self.watermark, max(r[2] for r in delta) - self.lateness)
         self.accepted = Counter({r: w for r, w in self.accepted.items() if w})
         return dict(delta)
 
