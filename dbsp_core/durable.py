@@ -319,7 +319,8 @@ class DurablePipeline(Pipeline):
         self._syncer: ThreadPoolExecutor | None = None  # fsyncs division records while the step runs
         self._division_sync: Future | None = None
         self.stats = {"pushes": 0, "duplicates": 0, "checkpoints": 0, "last_checkpoint_s": 0.0,
-                      "recovery_s": 0.0, "replayed_steps": 0, "recovered_pushes": 0}
+                      "recovery_s": 0.0, "replayed_steps": 0, "recovered_pushes": 0,
+                      "late_rows": self.late_rows}  # watermark hook: late rows per event-time input, since open
         os.makedirs(root, exist_ok=True)
         self._lockfd = _lock_dir(root)
         self._input = self._output = self._coord = None  # type: ignore[assignment]

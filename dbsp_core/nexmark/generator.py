@@ -22,6 +22,7 @@ Invariants (enforced here):
 from __future__ import annotations
 
 import datetime
+import functools
 from typing import Iterator
 
 import numpy as np
@@ -95,8 +96,13 @@ def _strings(rng: np.random.Generator, n: int, lo: int, hi: int, alphabet: str =
     return ["".join(p) for p in np.split(flat, cuts)]
 
 
+@functools.lru_cache(maxsize=4)
+def _pools(seed: int) -> "_Pools":
+    return _Pools(seed)
+
+
 class _Pools:
-    """The string pools of one seed (drawn once; rows take from them by index)."""
+    """The string pools of one seed (drawn once per process; rows take from them by index)."""
 
     def __init__(self, seed: int) -> None:
         rng = np.random.default_rng([seed, 0x4E58])
@@ -180,7 +186,7 @@ def generate(events: int, seed: int = 0, batch: int = 1_000_000, rate: int = DEF
     """
     if events < 0 or batch < 1 or rate < 1:
         raise ValueError(f"generate: events >= 0, batch >= 1 and rate >= 1 are needed, got {events}, {batch}, {rate}")
-    pools = _Pools(seed)
+    pools = _pools(seed)
     base_ms = int(base_time.timestamp() * 1000)
     horizon_ms = (NUM_IN_FLIGHT_AUCTIONS * TOTAL_PROPORTION // AUCTION_PROPORTION) * 1000 // rate
     for start in range(first_event, first_event + events, batch):
