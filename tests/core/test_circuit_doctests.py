@@ -8,7 +8,8 @@ import importlib
 import pytest
 
 MODULES = ["dbsp_core.circuit", "dbsp_core.runtime", "dbsp_core.shard", "dbsp_core.trace", "dbsp_core.aggregates",
-           "dbsp_core.demo"]
+           "dbsp_core.demo", "dbsp_core.time.watermark", "dbsp_core.time.window", "dbsp_core.nexmark.generator",
+           "dbsp_core.nexmark.queries"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -167,3 +167,45 @@ def test_durable_pipeline_logs_watermarks_and_replays_them(tmp_path) -> None:
     assert [z for _, z in q.read_output("w")] == outs
     assert sum(late.values()) > 0
     q.close()
+
+
+def test_pruned_state_checkpoints_and_recovers(tmp_path, monkeypatch) -> None:
+    from dbsp_core.trace import Trace
+
+    monkeypatch.setattr(Trace, "PRUNE_MIN", 1)  # prune at every step that inserted anything
+
+    def circuit():
+        c = dbsp.Circuit()
+        a = c.input("a", EV, event_time="t", lateness=3)
+        b = c.input("b", EV, event_time="t", lateness=3)
+        w = a.tumble("t", 10)
+        c.output("agg", w.group_by("k", "window_start").agg(n=dbsp.count(), hi=dbsp.max("v")))
+        c.output("top", w.group_by("window_start").top_k(2, ("v", "descending")))
+        c.output("join", a.interval_join(b, "t", "t", -4, 4, on="k"))
+        return c
+
+    rng = np.random.default_rng(5)
+    pushes = [{n: pa.table({"k": rng.integers(0, 3, 15), "v": rng.integers(0, 50, 15),
+                            "t": s * 6 + rng.integers(0, 6, 15)}, schema=EV) for n in ("a", "b")} for s in range(16)]
+    outs = []
+    with dbsp.Pipeline(circuit(), workers=2) as ref:
+        for step in pushes:
+            for n, t in step.items():
+                ref.push(n, t)
+            outs.append(ref.step())
+        pruned_rows = sum(tr.num_rows for w in range(2) for tr in ref.traces(w).values())
+    p = dbsp.Pipeline(circuit(), workers=2, storage=tmp_path, checkpoint_interval=None)
+    for i, step in enumerate(pushes[:10]):
+        for n, t in step.items():
+            p.push(n, t)
+        assert p.step() == outs[i]
+        if i in (4, 7):
+            p.checkpoint()
+    p.close()
+    q = dbsp.Pipeline.open(tmp_path, circuit())
+    for i, step in enumerate(pushes[10:], start=10):
+        for n, t in step.items():
+            q.push(n, t)
+        assert q.step() == outs[i], i
+    assert sum(tr.num_rows for w in range(2) for tr in q.traces(w).values()) <= 2 * pruned_rows + 100
+    q.close()
