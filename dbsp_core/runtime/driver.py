@@ -13,8 +13,9 @@ Invariants (enforced here):
      a seen pair is acknowledged again (``duplicate=True``) and records nothing; a retry of a pair still being
      appended waits for it. The seen set is saved in ``driver.db`` at each checkpoint and completed on
      recovery from the log records after it.
-  3. A step's division record (step, number of pushes, wall-clock ``now``, random ``seed``, ``watermarks``)
-     takes its place in the input log when the step closes, and is durable before any output of the step is
+  3. A step's division record (step, number of pushes, wall-clock ``now``, random ``seed``, and for a circuit
+     with event time the ``watermarks`` after the step, dbsp_core.time.watermark) takes its place in the input
+     log when the step closes, and is durable before any output of the step is
      written to the output log or returned. An executor whose state commits while steps run
      (``division_first``) gets the step only once its division is durable; otherwise the record's fsync
      overlaps with running the step (seed 000 "Input/output synchronization"). ``now`` never decreases, also
@@ -65,6 +66,7 @@ from dbsp_core.storage.formats import (CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE, DIVI
                                        DRIVER_DB, INPUT_DIR, META_FILE, OUTPUT_DIR, STATE_DIR)
 from dbsp_core.storage.outputlog import OutputLog
 from dbsp_core.storage.steplog import StepLog
+from dbsp_core.time.watermark import NO_WATERMARK, advance, specs_of
 from dbsp_core.trace import Trace
 from dbsp_core.zset import ZSet
 
@@ -83,10 +85,13 @@ class Ack(NamedTuple):
 
 
 class _Divided(NamedTuple):
-    """A divided step waiting to run, with the input ranges its output record names."""
+    """A divided step waiting to run, with the input ranges its output record names, the watermarks after it and
+    the late rows its input operators drop (dbsp_core.time.watermark)."""
 
     input: StepInput
     ranges: list[dict]
+    watermarks_after: dict[str, int]
+    late: dict[str, int]
 
 
 def _ranges(entries: list[tuple[str, str, int]]) -> list[dict]:
@@ -230,6 +235,12 @@ class Pipeline:
         self._last_now: int | None = None  # now of the last step run (the next step's prev_now)
         self.now_ns: int | None = None
         self.seed: int | None = None
+        # event time (dbsp_core.time.watermark): the watermarks after the last step run (in force in the next),
+        # after the last step divided, and the late rows dropped since the pipeline was opened
+        self._event_time = specs_of(circuit)
+        self.watermarks: dict[str, int] = {name: NO_WATERMARK for name in self._event_time}
+        self._wm_divided = dict(self.watermarks)
+        self.late_rows: dict[str, int] = {name: 0 for name in self._event_time}
         self.last_rescale: dict | None = None
         self.fingerprint = circuit_fingerprint(circuit)
         self._ckpt_thread: threading.Thread | None = None
@@ -241,7 +252,8 @@ class Pipeline:
         self._lockfd: int | None = None
         self.stats = self.executor.stats  # one dict: the executor's counters beside the driver's
         self.stats.update({"pushes": 0, "duplicates": 0, "checkpoints": 0, "last_checkpoint_s": 0.0,
-                           "recovery_s": 0.0, "replayed_steps": 0, "recovered_pushes": 0})
+                           "recovery_s": 0.0, "replayed_steps": 0, "recovered_pushes": 0,
+                           "late_rows": self.late_rows})
         self._last_checkpoint = time.monotonic()
         if self.storage is None:
             self.executor.start(circuit, Layout.local(workers, shard_bits), None)
@@ -348,6 +360,10 @@ class Pipeline:
             if clock is not None:
                 c = decode_json(CLOCK_MAGIC, clock, f"{db.path} clock")
                 self._now_floor, prev_now = int(c["now_ns"]), c.get("prev_now_ns")
+                for name, wm in (c.get("watermarks") or {}).items():  # after the checkpoint's last step
+                    if name in self.watermarks:
+                        self.watermarks[name] = int(wm)
+                self._wm_divided = dict(self.watermarks)
             return h.get_step(), prev_now
 
     def _recover(self, x: int, d: int, prev_now: int | None) -> None:
@@ -373,12 +389,14 @@ class Pipeline:
                 raise CorruptionError(f"{root}: the input log has no division of step {s}, which the state holds")
             self._now_floor = max(self._now_floor, int(dv["now_ns"]))
             prev_now = int(dv["now_ns"])
+            self._logged_watermarks(dv, s)
             for r in records.pop(s, []):
                 if r.producer:
                     self._seen.add(r.producer, r.seq)
         self.steps = self._open_step = x
         self._last_now = prev_now
         self.now_ns = prev_now
+        self.watermarks = dict(self._wm_divided)
         step = x
         batch: list[_Divided] = []
         while step in divisions:
@@ -388,9 +406,14 @@ class Pipeline:
                 raise CorruptionError(f"{root}: the division of step {step} names {dv['pushes']} pushes, the log "
                                       f"holds {len(recs)}")
             self._now_floor = max(self._now_floor, int(dv["now_ns"]))
-            batch.append(_Divided(StepInput(step, self._decode(recs), int(dv["now_ns"]), None, int(dv["seed"]),
-                                            dict(dv.get("watermarks") or {})),
-                                  _ranges([(r.handle, r.producer, r.seq) for r in recs])))
+            pushes = self._decode(recs)
+            in_force = dict(self._wm_divided)
+            after, late = advance(self._event_time, in_force, pushes) if self._event_time else ({}, {})
+            logged = self._logged_watermarks(dv, step)
+            if logged is not None and logged != after:
+                raise CorruptionError(f"{root}: step {step} logged watermarks {logged}, its pushes give {after}")
+            batch.append(_Divided(StepInput(step, pushes, int(dv["now_ns"]), None, int(dv["seed"]), in_force),
+                                  _ranges([(r.handle, r.producer, r.seq) for r in recs]), after, late))
             step += 1
             if len(batch) >= 64:
                 self._replay(batch)
@@ -410,6 +433,18 @@ class Pipeline:
             self._step_inputs.append((r.handle, r.producer, r.seq))
         self.stats["recovered_pushes"] = len(tail)
         self._open_step = step
+
+    def _logged_watermarks(self, dv: dict, step: int) -> dict[str, int] | None:
+        """The watermarks a division record logged (after its step), which become the ones in force next."""
+        wms = dv.get("watermarks")
+        if not self._event_time:
+            return None
+        if not wms:
+            raise CorruptionError(f"{self.storage}: the division of step {step} logs no watermarks, but the circuit "
+                                  f"declares event time on {sorted(self._event_time)}")
+        got = {name: int(wms.get(name, NO_WATERMARK)) for name in self._event_time}
+        self._wm_divided = dict(got)
+        return got
 
     def _replay(self, batch: list[_Divided]) -> None:
         if batch:
@@ -560,11 +595,14 @@ class Pipeline:
                 entries, self._step_inputs = self._step_inputs, []
                 now_ns, seed = max(int(self._clock()), self._now_floor), random.getrandbits(63)
                 self._now_floor = now_ns  # now never goes back, even if the wall clock does
-                watermarks: dict[str, int] = {}
+                in_force = dict(self._wm_divided)  # operators see the watermarks after the previous step
+                after, late = advance(self._event_time, in_force, pushes) if self._event_time else ({}, {})
                 if self._input is not None:
                     crashpoint("step-divide")
-                    record = encode_json(DIVISION_MAGIC, {"step": step, "pushes": len(pushes), "now_ns": now_ns,
-                                                          "seed": seed, "watermarks": watermarks})
+                    division = {"step": step, "pushes": len(pushes), "now_ns": now_ns, "seed": seed}
+                    if self._event_time:
+                        division["watermarks"] = after
+                    record = encode_json(DIVISION_MAGIC, division)
                     try:
                         if wait:
                             self._input.append(step, DIVISION_HANDLE, record)
@@ -577,10 +615,11 @@ class Pipeline:
                         self._broken = exc  # the division may or may not be durable: only recovery knows
                         raise
                 self._open_step = step + 1
+                self._wm_divided = after if self._event_time else self._wm_divided
             finally:
                 self._closing = False
                 self._cond.notify_all()
-        return _Divided(StepInput(step, pushes, now_ns, None, seed, watermarks), _ranges(entries))
+        return _Divided(StepInput(step, pushes, now_ns, None, seed, in_force), _ranges(entries), after, late)
 
     def _await_division(self, quiet: bool = False) -> None:
         """Wait until the division record of the last ``_divide(wait=False)`` is durable (invariant 3)."""
@@ -620,6 +659,11 @@ class Pipeline:
         self.steps = last.step + 1
         self._last_now = self.now_ns = last.now_ns
         self.seed = last.seed
+        if self._event_time:
+            self.watermarks = dict(batch[-1].watermarks_after)
+            for d in batch:
+                for name, n in d.late.items():
+                    self.late_rows[name] += n
         return outs
 
     def step(self) -> dict[str, ZSet]:
@@ -685,7 +729,7 @@ class Pipeline:
             step = self.steps
             with self._cond:
                 seen = self._seen.copy()
-            floor, prev_now = self._now_floor, self._last_now
+            floor, prev_now, wms = self._now_floor, self._last_now, dict(self.watermarks)
             try:
                 make_durable = self.executor.checkpoint(step)
             except BaseException as exc:
@@ -701,8 +745,10 @@ class Pipeline:
                     crashpoint("checkpoint-state")
                     with db.open(db.versions().stop - 1) as h:  # invariant 5: the driver's record at the step
                         seen.save(h)
-                        h.put(CLOCK_TABLE, CLOCK_KEY, encode_json(CLOCK_MAGIC, {"now_ns": floor,
-                                                                                "prev_now_ns": prev_now}))
+                        clock = {"now_ns": floor, "prev_now_ns": prev_now}
+                        if wms:
+                            clock["watermarks"] = wms  # after the checkpoint's last step: in force at its step
+                        h.put(CLOCK_TABLE, CLOCK_KEY, encode_json(CLOCK_MAGIC, clock))
                         h.set_step(step)
                         h.commit()
                     crashpoint("checkpoint-gc")

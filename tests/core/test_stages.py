@@ -1,4 +1,4 @@
-"""The staged runtime (dbsp_core.stages, dbsp_core.stagetask, dbsp_core.staged) against the embedded runtime and DuckDB: stage workers run by hand, the staged pipeline with any W and any grouping of steps into jobs, retried tasks, stale attempts, cache loss and recovery after a partial job."""
+"""The staged executor (dbsp_core.runtime.stage_plan, stage_task, staged) against the embedded runtime and DuckDB: stage workers run by hand, the staged pipeline with any W and any grouping of steps into jobs, retried tasks, stale attempts, cache loss and recovery after a partial job."""
 
 from __future__ import annotations
 
