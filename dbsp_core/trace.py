@@ -12,6 +12,12 @@ Invariants (enforced here):
      smaller than a few rows per asked key, so per-step cost grows with the change, not with the state.
   4. State is grouped by shard: a shard (top ``shard_bits`` bits of the key hash) is a contiguous row range
      of every batch, so :meth:`Trace.shard` extracts one shard's state without scanning the others.
+  5. :meth:`Trace.drop_below` forgets the rows whose time key columns are below a bound (state that no later
+     change can reach, dbsp_core/time/cleanup.py): every batch keeps its other rows in order (still
+     consolidated and key-hash sorted; emptied batches leave), and the spine is re-merged into the shape of
+     invariant 2. It scans the trace only once the rows inserted since the last scan reach the rows kept by
+     it (and at least ``PRUNE_MIN``), so its cost is O(1) amortized per inserted row and the trace holds at
+     most about twice the rows it must keep.
 """
 
 from __future__ import annotations
@@ -75,12 +81,15 @@ class Trace:
     """
 
     MAX_PENDING = 1024  # bounds the per-batch overhead of a trace that is written but never read
+    PRUNE_MIN = 4096  # rows inserted before drop_below scans at all (invariant 5)
 
     def __init__(self, schema: pa.Schema, key: tuple[str, ...]) -> None:
         self.schema = schema
         self.key = tuple(key)
         self._spine: list[IndexedZSet] = []
         self.pending: list[IndexedZSet] = []
+        self._grown = 0  # rows inserted since drop_below last scanned (amortization only, not state)
+        self._kept = 0  # rows it kept then
 
     @property
     def batches(self) -> list["IndexedZSet"]:
@@ -102,6 +111,7 @@ class Trace:
         """Add a consolidated indexed batch (same key) to the trace; merging waits for a read (invariant 2)."""
         if len(batch) == 0:
             return
+        self._grown += len(batch)
         self.pending.append(batch)
         if len(self.pending) > self.MAX_PENDING:
             self.settle()
@@ -195,6 +205,53 @@ class Trace:
             if hi > lo:
                 acc = acc.merge(b.take(np.arange(lo, hi, dtype=np.int64)))
         return acc
+
+    def drop_below(self, bounds: dict[str, int], force: bool = False) -> int:
+        """Forget the rows whose column ``c`` is below ``bounds[c]`` for any ``c`` (invariant 5); returns the rows
+        dropped. Columns hold integers or timestamps (compared as int64 in their own unit); nulls are kept.
+        Unless ``force``, does nothing until the rows inserted since the last scan reach the rows it kept.
+
+        >>> import pyarrow as pa
+        >>> from dbsp_core import ZSet
+        >>> t = Trace(pa.schema([("w", pa.int64()), ("v", pa.int64())]), ("w",))
+        >>> t.insert(ZSet.from_rows([(1, 10), (5, 20)], t.schema).index_by(["w"]))
+        >>> t.drop_below({"w": 3}, force=True), [b.zset.to_dict() for b in t.batches]
+        (1, [{(5, 20): 1}])
+        """
+        if not bounds or (not force and self._grown < max(self._kept, self.PRUNE_MIN)):
+            return 0
+        import pyarrow.compute as pc
+
+        def filtered(batches: list["IndexedZSet"]) -> list["IndexedZSet"]:
+            out = []
+            for b in batches:
+                keep = None
+                for col, bound in bounds.items():
+                    c = b.zset.data.column(col)
+                    if not pa.types.is_integer(c.type):
+                        c = pc.cast(c, pa.int64())
+                    k = pc.fill_null(pc.greater_equal(c, pa.scalar(int(bound), pa.int64())), True)
+                    keep = k if keep is None else pc.and_(keep, k)
+                n = pc.sum(pc.cast(keep, pa.int64())).as_py() or 0
+                if n == len(b):
+                    out.append(b)
+                elif n:
+                    mask = np.asarray(keep.to_numpy(zero_copy_only=False), dtype=bool)
+                    out.append(b.take(np.flatnonzero(mask)))
+            return out
+
+        before = self.num_rows
+        spine, self.pending = filtered(self._spine), filtered(self.pending)
+        self._spine = []
+        for batch in spine:  # re-merge into the shape of invariant 2
+            self._spine.append(batch)
+            while len(self._spine) >= 2 and len(self._spine[-1]) >= len(self._spine[-2]):
+                newer = self._spine.pop()
+                self._spine[-1] = self._spine[-1].merge(newer)
+                if len(self._spine[-1]) == 0:
+                    self._spine.pop()
+        self._kept, self._grown = self.num_rows, 0
+        return before - self._kept
 
     def clear(self) -> None:
         """Drop all state."""

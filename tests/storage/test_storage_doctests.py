@@ -1,13 +1,18 @@
-"""Runs the docstring examples of the storage module (the public API's runnable examples)."""
+"""Runs the docstring examples of the storage modules (the public API's runnable examples)."""
 
 from __future__ import annotations
 
 import doctest
+import importlib
 
-import dbsp_core.storage
+import pytest
+
+MODULES = ["dbsp_core.storage.database", "dbsp_core.storage.steplog", "dbsp_core.storage.faults",
+           "dbsp_core.storage.outputlog_format1"]
 
 
-def test_storage_docstring_examples() -> None:
-    result = doctest.testmod(dbsp_core.storage, optionflags=doctest.ELLIPSIS)
+@pytest.mark.parametrize("name", MODULES)
+def test_storage_docstring_examples(name: str) -> None:
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0
     assert result.attempted > 0

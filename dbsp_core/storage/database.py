@@ -1,0 +1,316 @@
+"""The two-version per-worker ``Database`` (seed 000 "Database") over the C page store, and the shard-grouped key helpers.
+
+``Database`` keeps exactly the versions seed 000 allows: ``versions()`` is a range of length 1 or 2,
+``open(v)`` writes version ``v + 1`` (a copy of ``v``) and discards every other version, ``commit()`` makes
+``v`` and ``v + 1`` openable, and a crash at any point leaves ``v``, or ``v`` and ``v + 1``, never a mix.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator, Optional, Union
+
+from dbsp_core import _storage
+
+__all__ = ["Database", "DatabaseHandle", "SHARD_PREFIX_BYTES", "shard_key", "shard_of_key"]
+
+BytesLike = Union[bytes, bytearray, memoryview]
+Name = Union[str, bytes]
+
+SHARD_PREFIX_BYTES = 4
+"""Sharded keys start with the shard number as 4 big-endian bytes, so a shard is one contiguous key range."""
+
+
+def _name(x: Name) -> bytes:
+    return x.encode("utf-8") if isinstance(x, str) else bytes(x)
+
+
+def shard_key(shard: int, key: BytesLike) -> bytes:
+    """The key ``key`` grouped under ``shard``: 4 big-endian shard bytes, then ``key``.
+
+    Examples
+    --------
+    >>> shard_key(3, b"k")
+    b'\\x00\\x00\\x00\\x03k'
+    """
+    if not 0 <= shard < 2**32:
+        raise ValueError(f"shard {shard} is outside 0..2**32-1")
+    return shard.to_bytes(SHARD_PREFIX_BYTES, "big") + bytes(key)
+
+
+def shard_of_key(key: bytes) -> int:
+    """The shard number of a key built by :func:`shard_key`."""
+    if len(key) < SHARD_PREFIX_BYTES:
+        raise ValueError(f"key {key!r} is shorter than the {SHARD_PREFIX_BYTES}-byte shard prefix")
+    return int.from_bytes(key[:SHARD_PREFIX_BYTES], "big")
+
+
+def _prefix_end(prefix: bytes) -> Optional[bytes]:
+    """The smallest key greater than every key starting with prefix (None if there is none)."""
+    p = bytearray(prefix)
+    while p and p[-1] == 0xFF:
+        p.pop()
+    if not p:
+        return None
+    p[-1] += 1
+    return bytes(p)
+
+
+class Database:
+    """A per-worker key-value database that keeps one or two committed versions.
+
+    Parameters
+    ----------
+    path
+        The page file; created (at version 0, empty) if missing. Its directory must exist.
+    cache_pages
+        How many clean 4 KiB pages to keep cached in memory.
+    vfs
+        ``"posix"`` (default) or ``"fault"`` (the fault-injecting layer driven by :class:`FaultInjector`).
+
+    Examples
+    --------
+    >>> import tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> with Database(os.path.join(d, "db")) as db:
+    ...     print(db.versions())
+    ...     with db.open(0) as h:
+    ...         h.put("t", b"k", b"v")
+    ...         h.set_step(5)
+    ...         h.commit()
+    ...     print(db.versions())
+    ...     with db.open(1) as h:
+    ...         print(h.get("t", b"k"), h.get_step())
+    range(0, 1)
+    range(0, 2)
+    b'v' 5
+    """
+
+    def __init__(self, path: Union[str, os.PathLike], *, cache_pages: int = 65536, vfs: str = "posix",
+                 _create_version: Optional[int] = None) -> None:
+        self.path = os.fspath(path)
+        self.vfs = vfs
+        self._ps = _storage.PageStore(self.path, vfs, cache_pages, _create_version)
+
+    @classmethod
+    def create(cls, path: Union[str, os.PathLike], version: int, *, cache_pages: int = 65536,
+               vfs: str = "posix") -> "Database":
+        """A new, empty database whose only version is ``version`` (step 0); StorageError if ``path`` exists.
+
+        A database that joins others at version ``v`` (the state of a worker added by a rescale) starts at
+        ``v``, so the coordinator's "newest version every database holds" rule covers it from the start.
+
+        >>> import tempfile, os
+        >>> with Database.create(os.path.join(tempfile.mkdtemp(), "db"), 7) as db:
+        ...     print(db.versions())
+        range(7, 8)
+        """
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ValueError(f"Database.create: version must be a non-negative int, got {version!r}")
+        return cls(path, cache_pages=cache_pages, vfs=vfs, _create_version=version)
+
+    def versions(self) -> range:
+        """The versions that :meth:`open` accepts: a range of length 1 or 2."""
+        first, count = self._ps.versions()
+        return range(first, first + count)
+
+    def open(self, version: int) -> "DatabaseHandle":
+        """Starts writing version ``version + 1`` as a copy of ``version`` and discards every other version.
+
+        Raises
+        ------
+        KeyError
+            If ``version`` is not in :meth:`versions`.
+        """
+        try:
+            txn = self._ps.begin(version)
+        except _storage.NotFound as e:
+            raise KeyError(f"{self.path}: version {version} is not openable; versions() is {self.versions()}") from e
+        return DatabaseHandle(self, txn, version)
+
+    def read(self, version: int) -> "DatabaseHandle":
+        """A read-only handle on ``version`` as it is: unlike :meth:`open` it discards no version, and ``put``,
+        ``delete``, ``set_step`` and ``commit`` raise StorageError. Close it (or leave its ``with`` block) before
+        opening another handle.
+
+        >>> import tempfile, os
+        >>> db = Database(os.path.join(tempfile.mkdtemp(), "db"))
+        >>> with db.open(0) as h:
+        ...     h.put("t", b"k", b"v"); h.commit()
+        >>> with db.read(0) as r:
+        ...     print(r.get("t", b"k"), r.readonly)
+        None True
+        >>> with db.read(1) as r:
+        ...     print(r.get("t", b"k"), r.version)
+        b'v' 1
+        >>> db.versions()
+        range(0, 2)
+
+        Raises
+        ------
+        KeyError
+            If ``version`` is not in :meth:`versions`.
+        """
+        try:
+            txn = self._ps.begin(version, True)
+        except _storage.NotFound as e:
+            raise KeyError(f"{self.path}: version {version} is not readable; versions() is {self.versions()}") from e
+        return DatabaseHandle(self, txn, version, readonly=True)
+
+    def check(self) -> None:
+        """Verifies every openable version (checksums, tree order, free-page accounting); raises CorruptionError."""
+        self._ps.check()
+
+    def stats(self) -> dict:
+        """Page count and free-page count of the newest version, and pages written by the last commit."""
+        pages, free, last = self._ps.stats()
+        return {"pages": pages, "free_pages": free, "last_commit_pages": last}
+
+    def close(self) -> None:
+        """Closes the file; an open handle is closed without commit (its base version is kept)."""
+        self._ps.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._ps.closed
+
+    def __enter__(self) -> "Database":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Database({self.path!r})" if self.closed else f"Database({self.path!r}, versions={self.versions()})"
+
+
+class DatabaseHandle:
+    """Reads and writes version ``base_version + 1`` of a :class:`Database`; see :meth:`Database.open`.
+
+    Leaving a ``with`` block without :meth:`commit` closes the handle and keeps ``base_version``.
+    Table names are ``str`` or ``bytes`` (1..255 bytes); keys are at most 1024 bytes; values any size.
+    A handle belongs to one thread at a time (calls release the GIL; a concurrent call raises StorageError).
+    One process at a time may open a page file (there is no file lock).
+    """
+
+    def __init__(self, db: Database, txn: "_storage.Txn", base_version: int, readonly: bool = False) -> None:
+        self._db = db
+        self._txn = txn
+        self.base_version = base_version
+        self.readonly = readonly
+
+    @property
+    def version(self) -> int:
+        """The version being written (``base_version + 1``), or the version read by a :meth:`Database.read` handle."""
+        return self.base_version if self.readonly else self.base_version + 1
+
+    @property
+    def closed(self) -> bool:
+        return self._txn.closed
+
+    def get(self, table: Name, key: BytesLike) -> Optional[bytes]:
+        """The value of ``key`` in ``table``, or None if either is absent."""
+        return self._txn.get(_name(table), bytes(key))
+
+    def put(self, table: Name, key: BytesLike, value: BytesLike) -> None:
+        """Sets ``key`` to ``value`` in ``table`` (created if missing)."""
+        self._txn.put(_name(table), bytes(key), value)
+
+    def delete(self, table: Name, key: BytesLike) -> bool:
+        """Removes ``key``; returns whether it was present."""
+        return self._txn.delete(_name(table), bytes(key))
+
+    def scan(self, table: Name, start: Optional[BytesLike] = None, end: Optional[BytesLike] = None, *,
+             prefix: Optional[BytesLike] = None) -> Iterator[tuple[bytes, bytes]]:
+        """Yields ``(key, value)`` in key order for keys in ``[start, end)`` or starting with ``prefix``.
+
+        Modifying the handle while iterating raises StorageError.
+        """
+        if prefix is not None:
+            if start is not None or end is not None:
+                raise ValueError("scan: give either prefix or start/end, not both")
+            start, end = bytes(prefix), _prefix_end(bytes(prefix))
+        cur = self._txn.cursor(_name(table), None if start is None else bytes(start), None if end is None else bytes(end))
+        while True:
+            batch = cur.next_batch()
+            if not batch:
+                return
+            yield from batch
+
+    def tables(self) -> list[str]:
+        """Names of the tables of this version (decoded as UTF-8 where possible)."""
+        cur = self._txn.cursor(None)
+        names = []
+        while True:
+            batch = cur.next_batch()
+            if not batch:
+                break
+            for k, _ in batch:
+                try:
+                    names.append(k.decode("utf-8"))
+                except UnicodeDecodeError:
+                    names.append(k)
+        return names
+
+    def export_shard(self, shard: int, tables: Optional[list[Name]] = None) -> list[tuple[str, bytes, bytes]]:
+        """Every ``(table, key, value)`` whose key starts with :func:`shard_key` ``(shard, b"")``.
+
+        Examples
+        --------
+        >>> import tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> with Database(os.path.join(d, "a")) as a, Database(os.path.join(d, "b")) as b:
+        ...     with a.open(0) as h:
+        ...         h.put("t", shard_key(1, b"x"), b"1"); h.put("t", shard_key(2, b"y"), b"2")
+        ...         rows = h.export_shard(1)
+        ...     with b.open(0) as g:
+        ...         n = g.import_shard(rows); print(n, list(g.scan("t")))
+        1 [(b'\\x00\\x00\\x00\\x01x', b'1')]
+        """
+        prefix = shard_key(shard, b"")
+        out = []
+        for t in (self.tables() if tables is None else tables):
+            out.extend((t, k, v) for k, v in self.scan(t, prefix=prefix))
+        return out
+
+    def import_shard(self, entries: list[tuple[Name, bytes, bytes]]) -> int:
+        """Puts every ``(table, key, value)`` of an :meth:`export_shard` result; returns how many."""
+        n = 0
+        for t, k, v in entries:
+            self.put(t, k, v)
+            n += 1
+        return n
+
+    def delete_shard(self, shard: int) -> int:
+        """Deletes every key of ``shard`` in every table (after it moved elsewhere); returns how many."""
+        prefix = shard_key(shard, b"")
+        n = 0
+        for t in self.tables():
+            for k in [k for k, _ in self.scan(t, prefix=prefix)]:
+                n += self.delete(t, k)
+        return n
+
+    def get_step(self) -> int:
+        """The step stored with this version (0 in a new database)."""
+        return self._txn.get_step()
+
+    def set_step(self, step: int) -> None:
+        """Stores ``step`` with the version being written."""
+        self._txn.set_step(step)
+
+    def commit(self) -> None:
+        """Durably commits; afterwards ``versions() == range(base_version, base_version + 2)`` and the handle is closed.
+
+        On an I/O error the Database must be closed and reopened; reopening shows a consistent state.
+        """
+        self._txn.commit()
+
+    def close(self) -> None:
+        """Closes without commit: the database keeps ``base_version`` only."""
+        self._txn.abort()
+
+    def __enter__(self) -> "DatabaseHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

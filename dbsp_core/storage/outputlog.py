@@ -1,0 +1,303 @@
+"""The durable output log of a pipeline: one step-log record per step holding every output handle's change and the input (producer, seq) ranges that produced it.
+
+Invariants (enforced here):
+  1. The log holds the steps ``first..last`` contiguously, each exactly once. ``write(step, ...)`` follows
+     seed 000: ``step < first`` is discarded; ``first <= step < last`` is a replay: discarded, and with
+     ``check=True`` (the default) compared with the stored record, raising ReplayMismatchError on any
+     difference; ``step == last`` is appended and increments ``last``; ``step > last`` raises ValueError.
+  2. An appended step is durable (fsynced) before ``write`` returns when ``sync=True``. With ``sync=False``
+     it is written (visible to readers, here and in other processes) before ``write`` returns and durable
+     after the next :meth:`OutputLog.flush` or :meth:`OutputLog.close` (group commit); a crash before then
+     keeps a prefix of the appended steps.
+  3. Records live in the C step log (csrc/steplog.c, format 2, no LOG file) in the log's directory, so its
+     recovery rules hold: a torn tail of unsynced writes is cut off on open, and a damaged record that a
+     later write proves had been fsynced raises CorruptionError naming the file and offset and changes
+     nothing. A directory written by format 1 of this log (``out-<first step>.seg`` files) is read in place
+     (dbsp_core.storage.outputlog_format1); its steps come first and it is never written again.
+  4. Retention first makes every appended step durable, then drops whole segments only, oldest first
+     (format-1 ones before any step-log segment), and never the one holding the newest step, so ``first``
+     and ``last`` are always known and no crash leaves the log without the steps that were kept.
+  5. ``readonly=True`` never changes a file and may run in another process while the writer appends: a
+     record is shown only once it is complete, and :meth:`OutputLog.refresh` shows new steps and forgets
+     dropped ones.
+
+Byte layout of a record (step-log record: step = the step, empty handle and producer, seq 0; little-endian):
+the payload is ``u32 n`` (the number of outputs + 1) | ``u32 m`` | ``m`` bytes of UTF-8 JSON
+``{"step": s, "outputs": [names in order], "inputs": [{"handle", "producer", "first_seq", "last_seq",
+"pushes"}]}`` | then per output, in the order named: ``u32 k`` | ``k`` bytes of
+:func:`dbsp_core.codec.encode_zset` (header ``DZS1``, version, CRC-32, then an Arrow IPC stream of the
+columns and ``__dbsp_weight``). This is byte for byte the body of a format-1 record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+from typing import Iterator
+
+import pyarrow as pa
+
+from dbsp_core import _storage
+from dbsp_core.codec import decode_zset, encode_zset_parts
+from dbsp_core.errors import CorruptionError, ReplayMismatchError
+from dbsp_core.storage.outputlog_format1 import Format1Segments
+from dbsp_core.zset import ZSet
+
+__all__ = ["OutputLog"]
+
+_U32 = struct.Struct("<I")
+
+
+class OutputLog:
+    """Step-numbered output of every output handle of one pipeline.
+
+    Parameters
+    ----------
+    path
+        Directory (created if missing) holding the step log's ``<segment number>.seg`` segments (and any
+        format-1 ``out-<first step>.seg`` segments of an older release).
+    schemas
+        ``{output name: schema}``; records hold every output, in this order.
+    check
+        Verify replayed steps against the stored record (invariant 1).
+    sync
+        fsync each appended record before :meth:`write` returns; with False, :meth:`flush` makes them durable.
+    segment_bytes
+        Size after which a new segment starts (retention drops whole segments).
+    readonly
+        Only read, possibly while a writer in another process appends (invariant 5).
+    vfs
+        ``"posix"`` or ``"fault"`` (the fault-injecting I/O layer of the crash tests).
+
+    Examples
+    --------
+    >>> import tempfile, pyarrow as pa
+    >>> s = pa.schema([("x", pa.int64())])
+    >>> log = OutputLog(tempfile.mkdtemp(), {"v": s})
+    >>> log.write(0, {"v": ZSet.from_rows([(1,)], s)})
+    'appended'
+    >>> log.write(0, {"v": ZSet.from_rows([(1,)], s)})
+    'replayed'
+    >>> [(step, z.to_dict()) for step, z in log.read("v", 0)]
+    [(0, {(1,): 1})]
+    >>> log.close()
+    """
+
+    def __init__(self, path: str, schemas: dict[str, pa.Schema], *, check: bool = True, sync: bool = True,
+                 segment_bytes: int = 16 << 20, readonly: bool = False, vfs: str = "posix") -> None:
+        self.path = os.fspath(path)
+        self.schemas = dict(schemas)
+        self.names = list(self.schemas)
+        self.check = check
+        self.sync = sync
+        self.segment_bytes = segment_bytes
+        self.readonly = readonly
+        self._lock = threading.Lock()
+        self._ticket = 0  # of the newest appended record (flush syncs up to it)
+        self.first = self.last = 0
+        if readonly:
+            if not os.path.isdir(self.path):
+                raise FileNotFoundError(f"output log {self.path}: no such directory")
+            # the step log before the format-1 part: the writer drops format-1 segments before it drops any of
+            # the step log's, so a format-1 part that still exists afterwards existed when the step log was read
+            self._log = _storage.Log(self.path, vfs, segment_bytes, True, False)
+            try:
+                self._v1 = Format1Segments(self.path)
+            except BaseException:
+                self._log.close()
+                raise
+        else:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            self._v1 = Format1Segments(self.path)  # read first: nothing below changes a file before it is checked
+            self._log = _storage.Log(self.path, vfs, segment_bytes, False, False)  # creates the directory durably
+        try:
+            self._load()
+        except BaseException:
+            self._log.close()
+            raise
+
+    # ---- open ----
+
+    def _seg_path(self, num: int) -> str:
+        return os.path.join(self.path, f"{num:020d}.seg")
+
+    def _step_log_range(self) -> tuple[int, int] | None:
+        """(first, last + 1) of the step log's records, checking one record per consecutive step."""
+        span = None
+        for num, _fmt, _size, records, steps, lo, hi in self._log.segments():
+            if not records:
+                continue
+            if records != steps or hi - lo + 1 != records or (span is not None and lo != span[1]):
+                after = f" after step {span[1] - 1}" if span is not None else ""
+                raise CorruptionError(f"{self._seg_path(num)}: {records} records of steps {lo}..{hi}{after}; the "
+                                      f"output log holds one record per step, consecutively")
+            span = (lo if span is None else span[0], hi + 1)
+        return span
+
+    def _load(self) -> None:
+        span = self._step_log_range()
+        v1 = self._v1
+        if v1.segments:
+            if span is not None and span[0] != v1.last:
+                raise CorruptionError(f"{self.path}: the format-1 segments end before step {v1.last} but the step "
+                                      f"log starts at step {span[0]}")
+            self.first, self.last = v1.first, span[1] if span is not None else v1.last
+        elif span is not None:
+            self.first, self.last = span
+        else:
+            self.first = self.last = 0
+
+    def refresh(self) -> None:
+        """A read-only log: pick up records appended (and segments dropped) by the writer since the last scan."""
+        if not self.readonly:
+            return  # a writer's view is always current
+        with self._lock:
+            self._log.refresh()
+            self._v1.scan()
+            self._load()
+
+    # ---- write ----
+
+    def _encode(self, step: int, outputs: dict[str, ZSet], inputs: list) -> list:
+        """The payload of ``step``'s record as a list of buffers (gathered by the log, not joined here)."""
+        meta = json.dumps({"step": step, "outputs": self.names, "inputs": inputs}).encode("utf-8")
+        chunks: list = [_U32.pack(len(self.names) + 1), _U32.pack(len(meta)), meta]
+        for n in self.names:
+            head, blob = encode_zset_parts(outputs[n].consolidate())
+            chunks += [_U32.pack(len(head) + blob.size), head, blob]
+        return chunks
+
+    def write(self, step: int, outputs: dict[str, ZSet], inputs: list | None = None) -> str:
+        """Record ``outputs`` (``{name: change}``) of ``step``; returns 'discarded', 'replayed' or 'appended'.
+
+        ``inputs`` describes the input that produced the step (see :meth:`inputs_of`).
+        """
+        if self.readonly:
+            raise ValueError("output log: opened read-only")
+        with self._lock:
+            if step < self.first:
+                return "discarded"
+            if step < self.last:
+                if self.check:
+                    old = self._read_locked(step)[1]
+                    for n in self.names:
+                        if not (old[n] == outputs[n]):
+                            raise ReplayMismatchError(
+                                f"replayed step {step} produced a different change of output {n!r} than the "
+                                f"one in the output log ({len(outputs[n].consolidate())} vs {len(old[n])} rows)")
+                return "replayed"
+            if step > self.last:
+                raise ValueError(f"output log: write of step {step} but the next step is {self.last}")
+            ticket = self._log.enqueue(step, b"", b"", 0, self._encode(step, outputs, inputs or []))
+            if self.sync:
+                self._log.sync(ticket)
+            else:
+                self._log.write(ticket)
+            self._ticket = ticket
+            self.last = step + 1
+            return "appended"
+
+    def flush(self) -> None:
+        """Make every appended step durable (a no-op for durability when ``sync=True``)."""
+        with self._lock:
+            if not self.readonly and self._ticket:
+                self._log.sync(self._ticket)
+
+    # ---- read ----
+
+    def _read_locked(self, step: int) -> tuple[dict, dict[str, ZSet]]:
+        if step in self._v1:
+            body, where = self._v1.body(step)
+        else:
+            recs, _, _ = self._log.read(step, step, 0, 0, 0)
+            if not recs:
+                raise LookupError(f"output step {step} was dropped by retention")
+            body, where = recs[0][4], self.path
+        return self._decode(step, memoryview(body), where)
+
+    def _decode(self, step: int, body: memoryview, where: str) -> tuple[dict, dict[str, ZSet]]:
+        try:
+            (count,), pos, parts = _U32.unpack_from(body), _U32.size, []
+            for _ in range(count):
+                (n,) = _U32.unpack_from(body, pos)
+                if pos + 4 + n > len(body):
+                    raise struct.error("part runs past the record")
+                parts.append(body[pos + 4:pos + 4 + n])
+                pos += 4 + n
+            meta = json.loads(bytes(parts[0]).decode("utf-8"))
+        except (struct.error, IndexError, ValueError) as e:
+            raise CorruptionError(f"{where}: record of output step {step} is malformed ({e})") from e
+        if meta.get("step", step) != step:
+            raise CorruptionError(f"{where}: the record of output step {step} names step {meta['step']}")
+        if sorted(meta["outputs"]) != sorted(self.names) or len(parts) != len(self.names) + 1:
+            raise CorruptionError(f"{where}: step {step} holds outputs {meta['outputs']}, expected {self.names}")
+        zs = {n: decode_zset(bytes(p), self.schemas[n], f"{where} step {step} output {n}")
+              for n, p in zip(meta["outputs"], parts[1:])}
+        return meta, zs
+
+    def get(self, step: int) -> dict[str, ZSet]:
+        """Every output's change of ``step``; KeyError if the step is not (or no longer) in the log."""
+        with self._lock:
+            if not self.first <= step < self.last:
+                raise KeyError(f"output step {step} is not in the log (it holds {self.first}..{self.last})")
+            return self._read_locked(step)[1]
+
+    def inputs_of(self, step: int) -> list[dict]:
+        """The input that produced ``step``: ``[{"handle", "producer", "first_seq", "last_seq", "pushes"}]``."""
+        with self._lock:
+            if not self.first <= step < self.last:
+                raise KeyError(f"output step {step} is not in the log (it holds {self.first}..{self.last})")
+            return self._read_locked(step)[0]["inputs"]
+
+    def read(self, name: str, from_step: int = 0) -> Iterator[tuple[int, ZSet]]:
+        """Yields ``(step, change of output name)`` for every step from ``from_step`` to the current end, once each.
+
+        Raises KeyError for an unknown output and LookupError if ``from_step`` was dropped by retention.
+        """
+        if name not in self.schemas:
+            raise KeyError(f"unknown output {name!r}; outputs are {self.names}")
+        if from_step < self.first:
+            raise LookupError(f"output steps below {self.first} were dropped by retention; asked from {from_step}")
+        step = from_step
+        while True:
+            with self._lock:
+                if step >= self.last:
+                    return
+                z = self._read_locked(step)[1][name]
+            yield step, z
+            step += 1
+
+    # ---- retention ----
+
+    def truncate_below(self, step: int) -> int:
+        """Makes every appended step durable, then drops whole segments whose steps are all below ``step`` (never
+        the newest); returns how many."""
+        if self.readonly:
+            raise ValueError("output log: opened read-only")
+        with self._lock:
+            if self._ticket:  # invariant 4: what follows a dropped segment is durable before it goes
+                self._log.sync(self._ticket)
+            span = self._step_log_range()
+            dropped = self._v1.drop_below(step, span[0] if span is not None else None)
+            if not self._v1.segments:  # invariant 4: the step log's segments only once the format-1 ones are gone
+                dropped += self._log.truncate_below(step)
+            if dropped:
+                span = self._step_log_range()
+                self.first = self._v1.first if self._v1.segments else span[0] if span is not None else self.last
+        return dropped
+
+    def disk_bytes(self) -> int:
+        return self._v1.disk_bytes() + sum(seg[2] for seg in self._log.segments())
+
+    def close(self) -> None:
+        """Make every appended step durable (a writer) and release the files."""
+        with self._lock:
+            if self._log.closed:
+                return
+            try:
+                if not self.readonly and self._ticket:
+                    self._log.sync(self._ticket)
+            finally:
+                self._log.close()
