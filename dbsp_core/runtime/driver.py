@@ -243,6 +243,7 @@ class Pipeline:
         self.late_rows: dict[str, int] = {name: 0 for name in self._event_time}
         self.last_rescale: dict | None = None
         self._rescaling = False  # a live rescale is moving shards: timer checkpoints wait (rescale.py invariant 4)
+        self._waiting = 0  # steps waiting for the step lock (a live rescale lets them run between its batches)
         self.fingerprint = circuit_fingerprint(circuit)
         self._ckpt_thread: threading.Thread | None = None
         self._syncer: ThreadPoolExecutor | None = None
@@ -684,12 +685,21 @@ class Pipeline:
         """Divide the acknowledged input into a step (with storage: durably, with ``now`` and ``seed``), run it
         with any queued steps, log its output; returns ``{output: change of the view}`` of this step."""
         self._check_usable()
-        with self._step_lock:
+        with self._cond:
+            self._waiting += 1
+        try:
+            self._step_lock.acquire()
+        finally:
+            with self._cond:
+                self._waiting -= 1
+        try:
             self._check_usable()
             self._queue.append(self._divide(wait=self.storage is None or self.executor.division_first
                                             or bool(self._queue)))
             crashpoint("step-run")
             return self._run_queue()[-1]
+        finally:
+            self._step_lock.release()
 
     def queue_step(self) -> int:
         """Divide the acknowledged input into a step (durably) without running it; returns the step number.
@@ -873,6 +883,7 @@ class Pipeline:
                     pauses.append(time.perf_counter() - p0)
                     crashpoint("live-batch")
                 prev = lay
+                self._let_steps_run()
             if self.storage is not None and getattr(self.executor, "state_in_memory", False):
                 root, groups = self.storage, self.executor.groups(old)
 
@@ -896,6 +907,9 @@ class Pipeline:
         finally:
             self._rescaling = False
         rep = self._live_report(old, final, moved, total, len(steps), pauses, t0)
+        if self.storage is not None and not getattr(self.executor, "state_in_memory", False):
+            with self._step_lock:  # LAYOUT holds the last batch's report: make it the whole change's
+                write_layout(self.storage, final, rep, self._vfs)
         self.last_rescale = rep
         return rep
 
@@ -906,6 +920,15 @@ class Pipeline:
                 "total_bytes": total if total is not None else self.executor.disk_bytes(), "batches": batches,
                 "max_pause_ms": round(max(pauses, default=0.0) * 1000, 3),
                 "seconds": round(time.perf_counter() - t0, 6), "kind": "live", "step": self.steps}
+
+    def _let_steps_run(self, timeout: float = 0.05) -> None:
+        """Between two batches of a live rescale: if a step waits for the lock, let it run first (a thread that
+        releases a lock and takes it again at once would starve it)."""
+        if not self._waiting:
+            return
+        steps, deadline = self.steps, time.monotonic() + timeout
+        while self.steps == steps and self._waiting and time.monotonic() < deadline:
+            time.sleep(0.0005)
 
     def _move_batch(self, prev: Layout, lay: Layout, final: Layout) -> int:
         """Move one batch of shards from layout ``prev`` to ``lay`` (the caller holds the step lock)."""

@@ -285,11 +285,9 @@ class EmbeddedExecutor:
                 assert self._coord is not None
                 st.step = self._coord.stores[0].step
                 self._coord.stores.append(st)
-        src_owner = old.shard_map.part_of_shard
-        if old.shard_bits != bits:
-            d = bits - old.shard_bits
-            src_owner = np.repeat(src_owner, 1 << d) if d > 0 else src_owner[:: 1 << -d]
-        dst_owner = layout.shard_map.part_of_shard
+        fine = max(bits, old.shard_bits)  # owners compare at the finer count (a merge moves odd children)
+        src_owner = np.repeat(old.shard_map.part_of_shard, 1 << (fine - old.shard_bits))
+        dst_owner = np.repeat(layout.shard_map.part_of_shard, 1 << (fine - bits))
         moved = 0
         stores = {st.index: st for st in self._coord.stores} if self._coord is not None else {}
         for a in range(len(self._workers)):
@@ -299,11 +297,11 @@ class EmbeddedExecutor:
                 mask = (src_owner == a) & (dst_owner == b)
                 if mask.any():
                     snap = stores[a].snapshot if a in stores else None
-                    moved += move_shards(nodes, self._workers[a].stateful(), self._workers[b].stateful(), mask, bits,
+                    moved += move_shards(nodes, self._workers[a].stateful(), self._workers[b].stateful(), mask, fine,
                                          snap)
         for a in range(W, len(self._workers)):  # leaving workers hand over what they still hold
             moved += hand_over(nodes, self._workers[a].stateful(), [wk.stateful() for wk in self._workers[:W]],
-                               dst_owner, bits)
+                               dst_owner, fine)
             if self._coord is not None:
                 st = stores[a]
                 st.close()  # never committed again; the driver deletes its database once the layout is durable

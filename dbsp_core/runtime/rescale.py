@@ -237,17 +237,22 @@ def _settle_live_memory(root: str, executor: Executor, target: Layout, vfs: str)
         return None
     dbs = [(w, Database(p, vfs=vfs)) for w, p in present]
     try:
-        ranges = [db.versions() for _, db in dbs]
-        lo, hi = max(r.start for r in ranges), min(r.stop for r in ranges)
-        if lo >= hi:
-            raise RecoveryError(f"{root}: the state databases of a live rescale share no version")
-        v = hi - 1
-        done = len(present) >= len(groups) * target.workers and \
-            all(w >= target.workers or _epoch_at(db, v, read_worker_layout) == target.epoch for w, db in dbs)
-        if not done:
+        # every target worker committed the change's last checkpoint (its databases may have moved on to it only)
+        tgt = [db for w, db in dbs if w < target.workers]
+        done = False
+        if len(tgt) == len(groups) * target.workers:
+            tr = [db.versions() for db in tgt]
+            lo, hi = max(r.start for r in tr), min(r.stop for r in tr)
+            done = lo < hi and all(_epoch_at(db, hi - 1, read_worker_layout) == target.epoch for db in tgt)
+        if not done:  # the newest version every database of the change holds: the checkpoint before it
+            ranges = [db.versions() for _, db in dbs]
+            lo, hi = max(r.start for r in ranges), min(r.stop for r in ranges)
+            if lo >= hi:
+                raise RecoveryError(f"{root}: the state databases of an unfinished live rescale share no version: "
+                                    f"{[(r.start, r.stop - 1) for r in ranges]}")
             for _, db in dbs:
-                if db.versions().stop - 1 != v:
-                    db.open(v).close()  # discards the partly committed version
+                if db.versions().stop - 1 != hi - 1:
+                    db.open(hi - 1).close()  # discards the partly committed version
     finally:
         for _, db in dbs:
             db.close()
