@@ -244,6 +244,8 @@ class Pipeline:
         self.last_rescale: dict | None = None
         self._rescaling = False  # a live rescale is moving shards: timer checkpoints wait (rescale.py invariant 4)
         self._waiting = 0  # steps waiting for the step lock (a live rescale lets them run between its batches)
+        # a live rescale in progress: {from_workers, to_workers, batches, done, moved_shards, last_pause_ms}
+        self.rescale_progress: dict | None = None
         self.fingerprint = circuit_fingerprint(circuit)
         self._ckpt_thread: threading.Thread | None = None
         self._syncer: ThreadPoolExecutor | None = None
@@ -859,17 +861,18 @@ class Pipeline:
             self._join_checkpoint()
             old = self.layout
             if workers == old.workers:
-                return {"from_workers": workers, "to_workers": workers, "moved_shards": 0, "moved_bytes": 0,
-                        "total_bytes": 0, "batches": 0, "max_pause_ms": 0.0, "seconds": 0.0, "kind": "live"}
+                return self._live_report(old, old, 0, 0, 0, [], t0)
             steps = old.steps_to(old.rebalance(workers), batch_shards)
             final = steps[-1]
             self._rescaling = True
-            total = self.executor.state_bytes() if getattr(self.executor, "state_in_memory", False) else None
+            total = None
             if self.storage is not None:
                 begin_live(self.storage, old, final, self._vfs)
                 crashpoint("live-begin")
         pauses: list[float] = []
         moved = 0
+        self.rescale_progress = {"from_workers": old.workers, "to_workers": final.workers, "batches": len(steps),
+                                 "done": 0, "moved_shards": 0, "last_pause_ms": 0.0}
         try:
             prepare = getattr(self.executor, "prepare_relayout", None)
             if prepare is not None:
@@ -882,8 +885,13 @@ class Pipeline:
                     moved += self._move_batch(prev, lay, final)
                     pauses.append(time.perf_counter() - p0)
                     crashpoint("live-batch")
+                self.rescale_progress.update(done=len(pauses), moved_shards=len(old.moved_shards(lay)),
+                                             last_pause_ms=round(pauses[-1] * 1000, 2))
                 prev = lay
                 self._let_steps_run()
+            if getattr(self.executor, "state_in_memory", False):
+                with self._step_lock:  # the state the new layout holds (steps ran during the move: it grew)
+                    total = self.executor.state_bytes()
             if self.storage is not None and getattr(self.executor, "state_in_memory", False):
                 root, groups = self.storage, self.executor.groups(old)
 
@@ -906,6 +914,7 @@ class Pipeline:
             raise
         finally:
             self._rescaling = False
+            self.rescale_progress = None
         rep = self._live_report(old, final, moved, total, len(steps), pauses, t0)
         if self.storage is not None and not getattr(self.executor, "state_in_memory", False):
             with self._step_lock:  # LAYOUT holds the last batch's report: make it the whole change's

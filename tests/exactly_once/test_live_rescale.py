@@ -32,11 +32,12 @@ def _executor(kind: str):
 class Live:
     """A pipeline over a workload, stepped by a background thread while the test rescales it."""
 
-    def __init__(self, d: str | None, w: Workload, kind: str, workers: int = 2, shard_bits: int = 8) -> None:
+    def __init__(self, d: str | None, w: Workload, kind: str, workers: int = 2, shard_bits: int = 8,
+                 interval: float | None = 0.05) -> None:
         self.d, self.w, self.kind, self.cur = d, w, kind, 0
         self.outs: list[dict] = []
         self.p = dbsp.Pipeline(build_circuit(), workers, shard_bits, d, executor=_executor(kind),
-                               checkpoint_interval=0.05 if d else None, clock=self._clock)
+                               checkpoint_interval=interval if d else None, clock=self._clock)
 
     def _clock(self) -> int:
         return self.w.clock(self.cur)
@@ -153,7 +154,7 @@ def test_a_live_rescale_interrupted_anywhere_finishes_on_open(tmp_path, monkeypa
                                                                hit: int) -> None:
     w = Workload(BASE_SEED + 11, 12)
     ref = reference(w)
-    r = Live(str(tmp_path / "d"), w, kind, workers=3)
+    r = Live(str(tmp_path / "d"), w, kind, workers=3, interval=None)  # no timer checkpoint hits the points first
     r.run_to(5)
     r.p.checkpoint()
     r.run_to(7)  # steps after the checkpoint: recovery replays them
