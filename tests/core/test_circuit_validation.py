@@ -94,8 +94,9 @@ def test_fingerprint_follows_source_text_not_bytecode(tmp_path) -> None:
 
     from dbsp_core.circuit import circuit_fingerprint
 
-    def load(name: str, body: str, optimize: int):
-        path = tmp_path / f"{name}.py"
+    def load(name: str, body: str, optimize: int, file: str = "a"):
+        path = tmp_path / file / f"{name}.py"
+        path.parent.mkdir(exist_ok=True)
         path.write_text(f"def f(b):\n    assert b is not None, 'a batch'\n    return {body}\n")
         spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
@@ -114,5 +115,5 @@ def test_fingerprint_follows_source_text_not_bytecode(tmp_path) -> None:
     assert a0.__code__.co_code != a2.__code__.co_code  # the assert is compiled out at -OO
     assert fp(a0) == fp(a2)
     before = fp(a0)
-    b0 = load("fp_mod_b", "b.slice(0, 0)", 0)
+    b0 = load("fp_mod_a", "b.slice(0, 0)", 0, file="b")  # same module and name, another body
     assert fp(b0) != before
