@@ -182,3 +182,35 @@ def test_a_live_rescale_interrupted_anywhere_finishes_on_open(tmp_path, monkeypa
 
 def test_report_live_counts() -> None:
     print(f"\n[live rescale] totals this run: {COUNTS}")
+
+
+def test_live_moved_bytes_are_near_the_ideal() -> None:
+    """W -> W+1 and W -> W-1 for W in 1..8, live: the minimum number of shards moves, and the bytes moved (the
+    in-memory state cut out and handed over) are within 1.1x of the state's bytes times that fraction."""
+    import numpy as np
+    import pyarrow as pa
+
+    c = dbsp.Circuit()
+    t = c.input("t", pa.schema([("k", pa.int64()), ("v", pa.int64())]))
+    c.output("g", t.group_by("k").agg(n=dbsp.count(), s=dbsp.sum("v")))
+    c.output("d", t.distinct())
+    worst = 0.0
+    for w in range(1, 9):
+        for to in (w + 1, w - 1):
+            if to < 1:
+                continue
+            p = dbsp.Pipeline(c, w)
+            rng = np.random.default_rng(7)
+            for _ in range(4):
+                p.push("t", pa.table({"k": rng.integers(0, 40_000, 10_000), "v": rng.integers(0, 100, 10_000)}))
+                p.step()
+            before = p.layout
+            r = p.rescale(to)
+            counts = [len(before.shard_map.shards_of(x)) for x in range(w)]
+            need = before.shards // to if to > w else counts[w - 1]
+            assert r["moved_shards"] == need, (w, to, r)
+            ratio = r["moved_bytes"] / (r["total_bytes"] * need / before.shards)
+            worst = max(worst, ratio)
+            assert ratio <= 1.1, f"{w} -> {to}: {ratio:.3f}x the ideal"
+            p.close()
+    print(f"\n[live rescale] moved bytes / ideal, worst over W -> W+-1, W in 1..8: {worst:.3f}")
