@@ -143,6 +143,63 @@ class Circuit:
         z = value if isinstance(value, ZSet) else ZSet.from_arrow(value)  # type: ignore[arg-type]
         return self._add(Constant(z))
 
+    def recursive(self, body: Callable[..., "Stream"], inputs: Sequence["Stream"] = (),
+                  schema: pa.Schema | None = None, distinct: bool = True, max_iterations: int = 100_000
+                  ) -> "Stream":
+        """The least fixed point R of ``R = body(R, *inputs)`` (then ``distinct()``, as SQL's recursive UNION),
+        iterated within each step and maintained incrementally under insertions and deletions of the inputs
+        (operators/fixpoint.py).
+
+        ``body`` gets a stream for R (of ``schema``, default the first input's) and one stream per input, all in a
+        nested circuit, and returns R's next value; it may use filter, select, ``+``/``-``, negate, flat_map,
+        windows, (inner) join and distinct. With ``distinct=False`` R is a bag (SQL's UNION ALL): it converges
+        only when the body reaches zero (no cycles), else the step fails after ``max_iterations`` iterations.
+
+        >>> import pyarrow as pa
+        >>> import dbsp_core as dbsp
+        >>> c = dbsp.Circuit()
+        >>> e = c.input("e", pa.schema([("src", pa.int64()), ("dst", pa.int64())]))
+        >>> step = lambda r, e: e + r.join(e, left_on="dst", right_on="src").select(src="src", dst="dst_right")
+        >>> c.output("reach", c.recursive(step, [e]))
+        >>> p = dbsp.Pipeline(c, workers=2)
+        >>> p.push("e", pa.table({"src": [1, 2], "dst": [2, 3]}))
+        >>> sorted(p.step()["reach"].to_dict())
+        [(1, 2), (1, 3), (2, 3)]
+        >>> p.push("e", dbsp.ZSet.from_rows([(2, 3)], e.schema, weights=[-1]))
+        >>> sorted(p.step()["reach"].to_dict().items())
+        [((1, 3), -1), ((2, 3), -1)]
+        """
+        from dbsp_core.operators.fixpoint import Fixpoint
+        from dbsp_core.operators.keyless_aggregate import GLOBAL_KEY, AddGlobalKey
+
+        where = self._where("recursive")
+        inputs = [self._own(s, where) for s in inputs]
+        if schema is None:
+            if not inputs:
+                raise TypeError(f"{where}: give schema= (there is no input to take it from)")
+            schema = inputs[0].schema
+        if not isinstance(schema, pa.Schema):
+            raise TypeError(f"{where}: schema must be a pyarrow.Schema, got {schema!r}")
+        inner = Circuit()
+        rec = inner.input("__dbsp_rec", schema)
+        imports = [inner.input(f"__dbsp_in{k}", s.schema) for k, s in enumerate(inputs)]
+        out = body(rec, *imports)
+        if not isinstance(out, Stream) or out.circuit is not inner:
+            raise TypeError(f"{where}: body must return a stream built from the streams it is given")
+        if distinct:
+            out = out.distinct()
+        if not same_columns(out.schema, rec.schema):
+            raise SchemaError(f"{where}: the body returns {out.schema.names} {out.schema.types}, but R has "
+                              f"{rec.schema.names} {rec.schema.types}")
+        inner.output("__dbsp_out", out)
+        gathered = []
+        for s in inputs:  # fixpoint invariant 3: the inputs gathered by a constant key
+            g = self._add(AddGlobalKey(s.node_id, s.schema, s.op.partitioning, where), s.times)
+            gathered.append(g._exchanged((GLOBAL_KEY,)).node_id)
+        op = Fixpoint(gathered, inner, rec.node_id, [s.node_id for s in imports], out.node_id, max_iterations,
+                      where)
+        return self._add(op)
+
     def output(self, name: str, stream: "Stream") -> None:
         """Declare output handle ``name``: each step yields the change of ``stream``."""
         if not isinstance(name, str) or not name:

@@ -55,6 +55,11 @@ class StepContext:
         self.now_ns, self.prev_now_ns, self.seed = now_ns, prev_now_ns, seed
         self.watermarks = watermarks or {}
 
+    @property
+    def can_exchange(self) -> bool:
+        """Whether :meth:`exchange` works here (False in a stage task, where exchanges are stage boundaries)."""
+        return self._exchanger is not None
+
     def exchange(self, node_id: int, z: "ZSet", key: tuple[str, ...], schema: pa.Schema) -> "ZSet":
         """Send each row of ``z`` to the worker owning its key's shard; return the rows sent to this worker."""
         if self._exchanger is None:
