@@ -179,7 +179,11 @@ class Planner:
                 raise self.src.error(node.args[key] if isinstance(node.args[key], exp.Expression) else node,
                                      f"{key.upper()} is not supported")
         where = conjuncts(node.args["where"].this) if node.args.get("where") else []
-        rel, where = self.from_clause(node, where)
+        ranked = self.ranked_subquery(node, where)
+        if ranked is not None:
+            rel, where = ranked
+        else:
+            rel, where = self.from_clause(node, where)
         rel = apply_where(self, rel, where, outer)
         items = self.select_items(node, rel)
         having = node.args.get("having")
@@ -204,9 +208,14 @@ class Planner:
         for item in node.expressions:
             if isinstance(item, exp.Star) or (isinstance(item, exp.Column) and isinstance(item.this, exp.Star)):
                 table = ident(item.args["table"]) if isinstance(item, exp.Column) and item.args.get("table") else None
-                if isinstance(item, exp.Star) and (item.args.get("except") or item.args.get("replace")):
-                    raise self.src.error(item, "* EXCLUDE / REPLACE is not supported")
+                if isinstance(item, exp.Star) and item.args.get("replace"):
+                    raise self.src.error(item, "* REPLACE is not supported")
                 cols = rel.star_cols(table)
+                excluded = {ident(x) for x in (item.args.get("except") or [])} if isinstance(item, exp.Star) else set()
+                for x in excluded:
+                    if not any(c.name == x for c in cols):
+                        raise self.src.error(item, f"* EXCLUDE names {x!r}, which is not a column here")
+                cols = [c for c in cols if c.name not in excluded]
                 if table is not None and not cols:
                     raise self.src.error(item, f"{table}.* names no table of this query")
                 for c in cols:
@@ -305,6 +314,68 @@ class Planner:
         if hidden:
             top = top.select(**{c.field: F(c.field) for c in out.cols})
         return Rel(top, out.cols)
+
+    # ---- ranking (top-k per partition) ----
+
+    def ranked_subquery(self, node: exp.Select, where: list[exp.Expression]
+                        ) -> tuple[Rel, list[exp.Expression]] | None:
+        """``SELECT ... FROM (SELECT ..., ROW_NUMBER() OVER (PARTITION BY p ORDER BY o) AS rn FROM ...) WHERE rn <= k``
+        (or RANK(), which keeps ties) as a top-k per partition; the rank itself cannot be selected."""
+        from_ = node.args.get("from_")
+        if from_ is None or node.args.get("joins") or not isinstance(from_.this, exp.Subquery):
+            return None
+        sub = from_.this
+        inner = sub.this
+        if not isinstance(inner, exp.Select):
+            return None
+        wins = [(i, it) for i, it in enumerate(inner.expressions)
+                if isinstance(it, exp.Alias) and isinstance(it.this, exp.Window)]
+        if not wins:
+            return None
+        if len(wins) > 1:
+            raise self.src.error(wins[1][1], "one ranking window per subquery is supported")
+        i, item = wins[0]
+        alias, w = ident(item.args["alias"]), item.this
+        if not isinstance(w.this, (exp.RowNumber, exp.Rank)):
+            raise self.src.error(w, "window functions are supported only as ROW_NUMBER() or RANK() <= k (a top-k)")
+        if w.args.get("spec") is not None:
+            raise self.src.error(w, "window frames are not supported")
+        k, used = None, None
+        for c in where:
+            lhs, rhs, op = c.this if isinstance(c, exp.Binary) else None, getattr(c, "expression", None), type(c)
+            if isinstance(rhs, exp.Column) and isinstance(lhs, exp.Literal):  # k >= rn
+                lhs, rhs = rhs, lhs
+                op = {exp.GTE: exp.LTE, exp.GT: exp.LT, exp.EQ: exp.EQ}.get(op)
+            if (isinstance(lhs, exp.Column) and ident(lhs.this) == alias and isinstance(rhs, exp.Literal)
+                    and not rhs.is_string and rhs.this.isdigit()):
+                n = int(rhs.this)
+                k = {exp.LTE: n, exp.LT: n - 1, exp.EQ: 1 if n == 1 else None}.get(op)
+                if k is not None and k >= 1:
+                    used = c
+                    break
+        if used is None:
+            raise self.src.error(w, f"{alias!r} needs a condition '{alias} <= k' (or '< k', '= 1') in the WHERE of the "
+                                    f"enclosing query: a ranking is maintained as a top-k per partition")
+        where = [c for c in where if c is not used]
+        order = w.args.get("order")
+        if order is None or not order.expressions:
+            raise self.src.error(w, "a ranking needs ORDER BY")
+        extra = [exp.alias_(p, f"__p{j}", quoted=True) for j, p in enumerate(w.args.get("partition_by") or [])]
+        extra += [exp.alias_(o.this, f"__o{j}", quoted=True) for j, o in enumerate(order.expressions)]
+        for o in order.expressions:
+            if o.args.get("nulls_first"):
+                raise self.src.error(o, "NULLS FIRST is not supported (nulls sort last)")
+        mod = inner.copy()
+        mod.set("expressions", [x for j, x in enumerate(inner.expressions) if j != i] + extra)
+        rel = self.query(mod)
+        field = {c.name: c.field for c in rel.cols}
+        pf = [field[f"__p{j}"] for j in range(len(w.args.get("partition_by") or []))]
+        spec = [(field[f"__o{j}"], "descending" if o.args.get("desc") else "ascending")
+                for j, o in enumerate(order.expressions)]
+        top = rel.stream.group_by(*pf).top_k(k, spec, with_ties=isinstance(w.this, exp.Rank))
+        cols = [c for c in rel.cols if not c.name.startswith("__")]
+        alias_node = sub.args.get("alias")
+        return Rel(top, cols).qualified(ident(alias_node.this) if alias_node is not None else None), where
 
     # ---- FROM ----
 

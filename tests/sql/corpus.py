@@ -20,6 +20,7 @@ TABLES = {
     "e": pa.schema([("src", pa.int32()), ("dst", pa.int32())]),
     "ev": pa.schema([("k", pa.int32()), ("v", pa.int64()), ("ts", pa.timestamp("ms"))]),
 }
+RATES = {"e": (9, 0.04)}  # (most rows changed per step, null rate): a graph of a dozen edges on six nodes
 
 
 @dataclass
@@ -264,4 +265,125 @@ NESTED = [
       "CREATE VIEW n5 AS SELECT a.src, b.dst FROM n5a a JOIN n5a b ON a.dst = b.src;"),
 ]
 
-CORPUS: list[V] = PROJECT + FILTER + JOIN + AGG + SETOPS + SUBQ + TOPK + NESTED
+RANKED = _views("r", [
+    "SELECT id, k, v FROM (SELECT id, k, v, ROW_NUMBER() OVER (PARTITION BY k ORDER BY v DESC, id) AS rn FROM t) "
+    "WHERE rn <= 2",
+    "SELECT * EXCLUDE (rn) FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY s ORDER BY id, k, v, f, b, d) AS rn "
+    "FROM t) WHERE rn = 1",
+    "SELECT k, v FROM (SELECT k, v, RANK() OVER (PARTITION BY k ORDER BY v) AS r FROM t) x WHERE r <= 1",
+    "SELECT src, dst FROM (SELECT src, dst, ROW_NUMBER() OVER (ORDER BY src DESC, dst DESC) AS n FROM e) WHERE n < 3",
+    "SELECT t.id, u.w FROM (SELECT id, w, ROW_NUMBER() OVER (PARTITION BY id ORDER BY w DESC, s) AS rn FROM u) u "
+    "JOIN t ON t.id = u.id WHERE u.rn = 1"[:0] or
+    "SELECT id, w FROM (SELECT id, w, s, ROW_NUMBER() OVER (PARTITION BY id ORDER BY w DESC, s) AS rn FROM u) x "
+    "WHERE rn <= 1",
+    "SELECT k, n FROM (SELECT k, n, ROW_NUMBER() OVER (ORDER BY n DESC, k) AS p FROM "
+    "(SELECT k, count(*) AS n FROM t GROUP BY k) c) WHERE p <= 2",
+])
+
+MIN_MS = 60_000
+
+
+def _tumble(size_ms: int) -> str:
+    return f"epoch_ms(CAST(floor(epoch_ms(ts) / {size_ms}) AS BIGINT) * {size_ms})"
+
+
+WINDOWS = [
+    V("CREATE VIEW win0 AS SELECT window_start, window_end, count(*) AS n FROM TABLE(TUMBLE(TABLE ev, "
+      "DESCRIPTOR(ts), INTERVAL '1' MINUTE)) GROUP BY window_start, window_end;",
+      f"CREATE VIEW win0 AS SELECT {_tumble(MIN_MS)} AS ws, {_tumble(MIN_MS)} + INTERVAL 1 MINUTE, count(*) FROM ev "
+      f"WHERE ts IS NOT NULL GROUP BY ALL;"),
+    V("CREATE VIEW win1 AS SELECT k, window_start, sum(v) AS total, max(v) FROM TUMBLE(ev, DESCRIPTOR(ts), "
+      "INTERVAL '30' SECONDS) GROUP BY k, window_start;",
+      f"CREATE VIEW win1 AS SELECT k, {_tumble(30_000)} AS ws, sum(v), max(v) FROM ev WHERE ts IS NOT NULL "
+      f"GROUP BY ALL;"),
+    V("CREATE VIEW win2 AS SELECT k, v, ts, window_start FROM TABLE(TUMBLE(TABLE ev, DESCRIPTOR(ts), "
+      "INTERVAL '2' MINUTES)) w WHERE w.v > 1;",
+      f"CREATE VIEW win2 AS SELECT k, v, ts, {_tumble(120_000)} FROM ev WHERE ts IS NOT NULL AND v > 1;"),
+    V("CREATE VIEW win3 AS SELECT window_start, count(*) AS n, count(DISTINCT k) FROM TABLE(HOP(TABLE ev, "
+      "DESCRIPTOR(ts), INTERVAL '30' SECOND, INTERVAL '1' MINUTE)) GROUP BY window_start;",
+      "CREATE VIEW win3 AS SELECT epoch_ms((CAST(floor(epoch_ms(ts) / 30000) AS BIGINT) - i) * 30000) AS ws, "
+      "count(*), count(DISTINCT k) FROM ev, range(2) r(i) WHERE ts IS NOT NULL GROUP BY ws;"),
+    V("CREATE VIEW win4 AS SELECT window_start, window_end, k, avg(v) FROM TABLE(HOP(TABLE ev, DESCRIPTOR(ts), "
+      "INTERVAL '1' MINUTE, INTERVAL '3' MINUTE)) GROUP BY window_start, window_end, k;",
+      "CREATE VIEW win4 AS SELECT epoch_ms((CAST(floor(epoch_ms(ts) / 60000) AS BIGINT) - i) * 60000) AS ws, "
+      "epoch_ms((CAST(floor(epoch_ms(ts) / 60000) AS BIGINT) - i) * 60000 + 180000), k, avg(v) FROM ev, "
+      "range(3) r(i) WHERE ts IS NOT NULL GROUP BY ALL;"),
+    V("CREATE VIEW win5 AS SELECT a.window_start, a.k, a.n, b.n FROM (SELECT window_start, k, count(*) AS n FROM "
+      "TABLE(TUMBLE(TABLE ev, DESCRIPTOR(ts), INTERVAL '1' MINUTE)) GROUP BY window_start, k) a JOIN "
+      "(SELECT window_start, count(*) AS n FROM TABLE(TUMBLE(TABLE ev, DESCRIPTOR(ts), INTERVAL '1' MINUTE)) "
+      "GROUP BY window_start) b ON a.window_start = b.window_start;",
+      f"CREATE VIEW win5 AS SELECT a.ws, a.k, a.n, b.n FROM (SELECT {_tumble(MIN_MS)} AS ws, k, count(*) AS n FROM ev "
+      f"WHERE ts IS NOT NULL GROUP BY ALL) a JOIN (SELECT {_tumble(MIN_MS)} AS ws, count(*) AS n FROM ev WHERE ts IS "
+      f"NOT NULL GROUP BY ALL) b ON a.ws = b.ws;"),
+    V("CREATE VIEW win6 AS SELECT window_start, k, v FROM (SELECT window_start, k, v, ROW_NUMBER() OVER (PARTITION BY "
+      "window_start ORDER BY v DESC, k) AS rn FROM TABLE(TUMBLE(TABLE ev, DESCRIPTOR(ts), INTERVAL '1' MINUTE))) "
+      "WHERE rn <= 2;",
+      f"CREATE VIEW win6 AS SELECT ws, k, v FROM (SELECT {_tumble(MIN_MS)} AS ws, k, v, ts, ROW_NUMBER() OVER "
+      f"(PARTITION BY {_tumble(MIN_MS)} ORDER BY v DESC NULLS LAST, k NULLS LAST, ts) AS rn FROM ev WHERE ts IS "
+      f"NOT NULL) WHERE rn <= 2;"),
+    V("CREATE VIEW win7 AS SELECT k, window_start FROM TABLE(TUMBLE(TABLE t2w, DESCRIPTOR(v), 2)) GROUP BY k, "
+      "window_start;"[:0] or
+      "CREATE VIEW win7 AS SELECT window_start, window_end, count(*) FROM TABLE(TUMBLE(TABLE t, DESCRIPTOR(v), 2)) "
+      "GROUP BY window_start, window_end;",
+      "CREATE VIEW win7 AS SELECT (v // 2) * 2, (v // 2) * 2 + 2, count(*) FROM t WHERE v IS NOT NULL GROUP BY ALL;"),
+]
+
+CLOSURE = "WITH RECURSIVE r(a, b) AS (SELECT src, dst FROM e UNION SELECT r.a, e.dst FROM r JOIN e ON r.b = e.src) "
+RECURSIVE = _views("rec", [
+    CLOSURE + "SELECT * FROM r",
+    CLOSURE + "SELECT b FROM r WHERE a = 0",
+    CLOSURE + "SELECT a, count(*) FROM r GROUP BY a",
+    CLOSURE + "SELECT a FROM r WHERE a = b",
+    "WITH RECURSIVE r(a, b) AS (SELECT src, dst FROM e WHERE src = 1 UNION SELECT r.a, e.dst FROM r, e "
+    "WHERE r.b = e.src) SELECT * FROM r",
+    "WITH RECURSIVE r(n) AS (SELECT src FROM e WHERE src = 0 UNION SELECT e.dst FROM r JOIN e ON e.src = r.n) "
+    "SELECT * FROM r",
+    "WITH RECURSIVE u2(a, b) AS (SELECT src, dst FROM e UNION ALL SELECT dst, src FROM e), "
+    "r(a, b) AS (SELECT a, b FROM u2 UNION SELECT r.a, u2.b FROM r JOIN u2 ON r.b = u2.a) "
+    "SELECT a, min(b) AS comp FROM r GROUP BY a",
+    "WITH RECURSIVE r(a, b, n) AS (SELECT src, dst, 1 FROM e UNION ALL SELECT r.a, e.dst, r.n + 1 FROM r JOIN e "
+    "ON r.b = e.src WHERE r.n < 3) SELECT * FROM r",
+    "WITH RECURSIVE r(a, b) AS (SELECT src, dst FROM e WHERE src < dst UNION ALL SELECT r.a, e.dst FROM r JOIN e "
+    "ON r.b = e.src WHERE e.src < e.dst) SELECT a, b, count(*) FROM r GROUP BY a, b",
+    "WITH RECURSIVE n(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM n WHERE x < 5) SELECT * FROM n",
+    "WITH RECURSIVE n(x) AS (SELECT k FROM t WHERE k IS NOT NULL UNION SELECT x - 1 FROM n WHERE x > 0) "
+    "SELECT * FROM n",
+    "WITH RECURSIVE c(id, k) AS (SELECT id, k FROM t UNION SELECT c.id, t.k FROM c JOIN t ON c.k = t.id) "
+    "SELECT * FROM c",
+    CLOSURE + "SELECT r.a, r.b, u.w FROM r JOIN u ON r.b = u.id",
+    "WITH RECURSIVE r(a, b) AS (SELECT src, dst FROM e UNION SELECT r.a, e.dst FROM r JOIN e ON r.b = e.src), "
+    "s(a, b) AS (SELECT b, a FROM r UNION SELECT s.a, r.b FROM s JOIN r ON s.b = r.a) SELECT * FROM s",
+    "WITH RECURSIVE r(a, b) AS (SELECT src, dst FROM e WHERE src <> dst UNION SELECT r.a, e.dst FROM r JOIN e "
+    "ON r.b = e.src AND e.src <> e.dst) SELECT a, b FROM r EXCEPT SELECT src, dst FROM e",
+    "WITH RECURSIVE r(a, b) AS (SELECT src, dst FROM e UNION SELECT e.src, r.b FROM e JOIN r ON e.dst = r.a) "
+    "SELECT * FROM r",
+    "WITH RECURSIVE r(a, d) AS (SELECT DISTINCT src, 0 FROM e WHERE src IS NOT NULL UNION SELECT e.dst, r.d + 1 "
+    "FROM r JOIN e ON r.a = e.src WHERE r.d < 3) SELECT a, min(d) FROM r GROUP BY a",
+])
+
+MORE = _views("m", [
+    "SELECT * FROM (VALUES (1, 'one'), (2, 'two'), (NULL, 'none')) AS x(n, w)",
+    "SELECT t.id, x.w FROM t JOIN (VALUES (1, 'one'), (2, 'two')) AS x(n, w) ON t.k = x.n",
+    "SELECT k, sum(v) FILTER (WHERE v > 1) AS s1, count(v) FILTER (WHERE s IS NULL) FROM t GROUP BY k",
+    "SELECT count(k), count(*) - count(k) AS nulls FROM t",
+    "SELECT k, min(s), max(s) FROM t GROUP BY k HAVING min(s) IS NOT NULL",
+    "SELECT avg(f) FROM t WHERE f IS NOT NULL",
+    "SELECT k, v FROM t WHERE v > ALL (SELECT w FROM u WHERE w IS NOT NULL)"[:0] or
+    "SELECT k, v FROM t WHERE NOT EXISTS (SELECT 1 FROM u WHERE u.w >= t.v)"[:0] or
+    "SELECT k, v FROM t WHERE v IS NOT NULL AND NOT EXISTS (SELECT 1 FROM u WHERE u.k = t.k AND u.w = t.v)",
+    "SELECT s, count(*) FROM (SELECT s FROM t UNION ALL SELECT s FROM u) x GROUP BY s",
+    "SELECT DISTINCT t.k FROM t JOIN u ON t.k = u.k WHERE t.v > u.w",
+    "SELECT k, count(*) FROM t GROUP BY k HAVING k IN (SELECT k FROM u)",
+    "SELECT t.k, count(u.id) FROM t LEFT JOIN u ON t.k = u.k GROUP BY t.k",
+    "SELECT u.k, sum(t.v) FROM t RIGHT JOIN u ON t.k = u.k GROUP BY u.k",
+    "SELECT coalesce(t.k, u.k) AS key, count(*) FROM t FULL JOIN u ON t.k = u.k GROUP BY coalesce(t.k, u.k)",
+    "SELECT id, v FROM t WHERE s IN (SELECT s FROM u WHERE u.w > 1) AND k NOT IN (SELECT src FROM e "
+    "WHERE src IS NOT NULL)",
+    "SELECT id, CASE WHEN k IN (SELECT k FROM u) THEN 'both' ELSE 'only' END AS where_ FROM t",
+    "SELECT k FROM t WHERE k IS NOT NULL EXCEPT SELECT k FROM u WHERE k IS NOT NULL",
+    "SELECT CAST(d AS TIMESTAMP) AS dt, CAST(d AS VARCHAR) AS ds FROM t",
+    "SELECT k, count(*) FROM t WHERE s LIKE 'A%' OR s ILIKE 'a%' GROUP BY k",
+])
+
+CORPUS: list[V] = (PROJECT + FILTER + JOIN + AGG + SETOPS + SUBQ + TOPK + NESTED + RANKED + WINDOWS + RECURSIVE
+                   + MORE)

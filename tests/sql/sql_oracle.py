@@ -118,7 +118,8 @@ def view_names(text: str) -> list[str]:
 
 
 def run_views(ddl: str, tables: dict[str, pa.Schema], entries: list, seed: int, workers: int, steps: int = 6,
-              max_rows: int = 6, null_rate: float = 0.15, label: str = "") -> None:
+              max_rows: int = 6, null_rate: float = 0.15, label: str = "",
+              rates: dict[str, tuple[int, float]] | None = None) -> None:
     """Compile the entries' views, feed random steps, compare every view with DuckDB after every step.
     ``entries``: objects with ``sql`` (our CREATE VIEW statements) and ``duck`` (DuckDB's, or None)."""
     rng = np.random.default_rng(seed)
@@ -126,12 +127,13 @@ def run_views(ddl: str, tables: dict[str, pa.Schema], entries: list, seed: int, 
     c = sql.compile(text)
     names = [v for e in entries for v in view_names(e.sql)]
     duck_text = "\n".join((e.duck or e.sql) for e in entries)
-    bags = {name: Bag(rng, schema, null_rate) for name, schema in tables.items()}
+    rates = rates or {}
+    bags = {name: Bag(rng, schema, rates.get(name, (max_rows, null_rate))[1]) for name, schema in tables.items()}
     views: dict[str, dict] = {v: {} for v in names}
     with dbsp.Pipeline(c, workers=workers) as p:
         for step in range(steps):
             for name, bag in bags.items():
-                change = bag.change(max_rows)
+                change = bag.change(rates.get(name, (max_rows, null_rate))[0])
                 if change:
                     rows = list(change)
                     z = dbsp.ZSet.from_rows(rows, tables[name], weights=[change[r] for r in rows])

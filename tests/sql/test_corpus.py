@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from corpus import CORPUS, DDL, TABLES
+from corpus import CORPUS, DDL, RATES, TABLES
 from sql_oracle import run_views, select
 
 SEED, CHOSEN = select(CORPUS)
@@ -12,4 +12,5 @@ SEED, CHOSEN = select(CORPUS)
 
 @pytest.mark.parametrize("entry,workers", CHOSEN, ids=[f"{e.name}-W{w}" for e, w in CHOSEN])
 def test_view_matches_duckdb(entry, workers: int) -> None:
-    run_views(DDL, TABLES, [entry], SEED + workers, workers, label=f"corpus view {entry.name}")
+    run_views(DDL, TABLES, [entry], SEED + workers, workers, label=f"corpus view {entry.name}",
+              rates=RATES)
