@@ -224,7 +224,7 @@ def table_def(src: Source, st: Statement) -> TableDef:
             try:
                 typ = arrow_type(item.args["kind"])
             except TypeProblem as e:
-                raise src.error(item.args["kind"], f"column {col!r}: {e}") from None
+                raise src.error(item, f"column {col!r}: {e}") from None
             fields.append(pa.field(col, typ))
             for c in item.args.get("constraints") or []:
                 kind = c.args.get("kind")
