@@ -62,7 +62,7 @@ def compile(text: str) -> Circuit:  # noqa: A001 - the name the issue asks for
     >>> sql.compile("CREATE TABLE t (a INT); CREATE VIEW v AS SELECT a FROM t ORDER BY a LIMIT 1 OFFSET 2")
     Traceback (most recent call last):
     ...
-    dbsp_core.sql.errors.SqlError: line 1, column 70: OFFSET is not supported (LIMIT is, with ORDER BY)
+    dbsp_core.sql.errors.SqlError: line 1, column 84: OFFSET is not supported (LIMIT is, with ORDER BY)
     """
     if not isinstance(text, str):
         raise TypeError(f"compile expects SQL text (str), got {type(text).__name__}")

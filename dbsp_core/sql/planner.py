@@ -235,19 +235,17 @@ class Planner:
         """The SELECT list over ``rel`` as a new Rel (output fields named after the columns, made unique); with
         ``keep_order`` the ORDER BY expressions that are not output columns become extra (hidden) fields."""
         ex = self.exprs(rel, subst, "SELECT")
-        used: set[str] = set()
         fields: dict[str, pc.Expression] = {}
         cols = []
         for name, node in items:
-            field = name if name and not name.startswith("__") else "col"
-            base, k = field, 1
-            while field in used:
-                field = f"{base}_{k}"
-                k += 1
-            used.add(field)
             e, t = ex.typed(node)
             if pat.is_null(t):
                 e = e.cast(storable(t))
+            same = next((f for f, x in fields.items() if x.equals(e)), None)
+            if same is not None:  # the same expression twice is one field read by two columns (view_output
+                cols.append(Col(name, None, same))  # names them apart)
+                continue
+            field = name if name and not name.startswith("__") and name not in fields else self.fresh()
             fields[field] = e
             cols.append(Col(name, None, field))
         hidden = []

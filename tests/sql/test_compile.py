@@ -134,3 +134,19 @@ def test_compiled_views_run_embedded_durable_and_staged_alike() -> None:
     got += [_feed(p, s) for s in range(3, 5)]
     p.close()
     assert got == want
+
+
+def test_cli_prints_the_plan_of_each_view(tmp_path, capsys) -> None:
+    from dbsp_core.__main__ import main
+
+    f = tmp_path / "v.sql"
+    f.write_text(VIEWS)
+    assert main(["sql", str(f), "--view", "reach", "--view", "big"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("view reach (a int32, b int32): ")
+    assert "fixpoint#" in out and "shard by (__dbsp_global)" in out and "body:" in out
+    assert "view big (auction int64, n int64, total int64): 5 operators, 1 exchanges, 1 traces" in out
+    assert "state: trace: trace keyed by (auction)" in out
+    f.write_text("CREATE TABLE t (a INT);\nCREATE VIEW v AS SELECT b FROM t")
+    assert main(["sql", str(f)]) == 2
+    assert capsys.readouterr().err.startswith(f"{f}:2:25: unknown column b")
