@@ -27,7 +27,7 @@ from sqlglot.optimizer.normalize_identifiers import normalize_identifiers
 
 from dbsp_core.circuit import Circuit
 from dbsp_core.sql.errors import Source, SqlError
-from dbsp_core.sql.parse import DIALECT, TableDef, ident, parse_program, table_def
+from dbsp_core.sql.parse import DIALECT, TableDef, ident, parse_program, table_def, tname
 from dbsp_core.sql.planner import Planner, view_output
 from dbsp_core.sql.relation import Col, Rel
 
@@ -72,7 +72,7 @@ def compile(text: str) -> Circuit:  # noqa: A001 - the name the issue asks for
     program = SqlProgram()
     for st in parse_program(src):
         src.fallback = st.start
-        node = normalize_identifiers(st.node, dialect=DIALECT)
+        node = normalize_identifiers(st.node, dialect="postgres")  # unquoted names fold, quoted keep case
         if isinstance(node, exp.Create) and (node.args.get("kind") or "").upper() == "TABLE":
             td = table_def(src, st)
             _add_table(src, planner, program, td, node)
@@ -101,7 +101,7 @@ def _add_view(src: Source, planner: Planner, program: SqlProgram, node: exp.Crea
     if isinstance(target, exp.Schema):
         cols = [ident(c) for c in target.expressions]
         target = target.this
-    name = ident(target)
+    name = tname(target)
     if name in planner.relations:
         raise src.error(node, f"{name!r} is already defined")
     query = node.expression

@@ -25,7 +25,7 @@ from sqlglot import exp
 
 import dbsp_core as dbsp
 from dbsp_core.sql.expr import AGGREGATES, call, lit, null
-from dbsp_core.sql.parse import DIALECT, ident
+from dbsp_core.sql.parse import DIALECT, ident, tname
 from dbsp_core.sql.relation import Col, Rel
 from dbsp_core.sql.types import is_numeric
 
@@ -227,11 +227,11 @@ def plan_aggregate(planner: "Planner", rel: Rel, node: exp.Select | None, items:
     stream = results[0]
     for other in results[1:]:
         stream = _join_on_keys(planner, stream, other, keys)
-    cols = [Col(ident(g.this), ident(g.args["table"]) if g.args.get("table") else None, key_of[g])
+    cols = [Col(ident(g.this), tname(g.args["table"]) if g.args.get("table") else None, key_of[g])
             for g in groups if isinstance(g, exp.Column)]
     for g in groups:
         if isinstance(g, exp.Column):  # also under the input's qualifiers of that column
-            for c in rel.find(ident(g.args["table"]) if g.args.get("table") else None, ident(g.this)):
+            for c in rel.find(tname(g.args["table"]) if g.args.get("table") else None, ident(g.this)):
                 cols.append(Col(c.name, c.table, key_of[g]))
     subst: dict = dict(key_of)
     subst.update(names)

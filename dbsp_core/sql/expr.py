@@ -26,7 +26,7 @@ from sqlglot import exp
 from dbsp_core.errors import SchemaError
 from dbsp_core.operators.expr import project_schema
 from dbsp_core.sql.errors import Source, SqlError
-from dbsp_core.sql.parse import DIALECT, ident, interval_value
+from dbsp_core.sql.parse import DIALECT, ident, interval_value, tname
 from dbsp_core.sql.relation import Rel
 from dbsp_core.sql.types import TypeProblem, arrow_type, common_type, int_literal_type, is_numeric, is_string
 
@@ -107,7 +107,7 @@ class Exprs:
         return e, self.type_of(e, node)
 
     def _field(self, node: exp.Column) -> pc.Expression:
-        table = ident(node.args["table"]) if node.args.get("table") else None
+        table = tname(node.args["table"]) if node.args.get("table") else None
         name = ident(node.this)
         hits = self.rel.find(table, name)
         if len(hits) == 1:

@@ -67,6 +67,11 @@ def ident(node: Any) -> str:
     return node.name.lower()
 
 
+def tname(node: Any) -> str:
+    """The name of a table, view, CTE or alias: lower case (tables are case-insensitive, quoted or not)."""
+    return ident(node).lower()
+
+
 def _matching(tokens: list[Token], i: int) -> int:
     """The index of the parenthesis closing the one at ``i``."""
     depth = 0
@@ -214,7 +219,7 @@ def table_def(src: Source, st: Statement) -> TableDef:
     schema_node = node.this
     if not isinstance(schema_node, exp.Schema):
         raise src.error(node, "CREATE TABLE needs a column list (CREATE TABLE ... AS SELECT is not supported)")
-    name = ident(schema_node.this)
+    name = tname(schema_node.this)
     fields, pk, not_null = [], [], []
     for item in schema_node.expressions:
         if isinstance(item, exp.ColumnDef):

@@ -27,7 +27,7 @@ from dbsp_core.circuit import Circuit, Stream
 from dbsp_core.operators.join import _key_class
 from dbsp_core.sql.errors import Source, SqlError
 from dbsp_core.sql.expr import Exprs, call, lit, null
-from dbsp_core.sql.parse import DIALECT, ident, interval_value
+from dbsp_core.sql.parse import DIALECT, ident, interval_value, tname
 from dbsp_core.sql.relation import Col, Names, Rel, SchemaRel
 from dbsp_core.sql.types import common_type, storable
 
@@ -74,7 +74,7 @@ def has_subquery(node: exp.Expression) -> bool:
 
 
 def resolves(rel: Rel, col: exp.Column) -> bool:
-    table = ident(col.args["table"]) if col.args.get("table") else None
+    table = tname(col.args["table"]) if col.args.get("table") else None
     return len(rel.find(table, ident(col.this))) >= 1
 
 
@@ -207,7 +207,7 @@ class Planner:
         out: list[tuple[str, exp.Expression]] = []
         for item in node.expressions:
             if isinstance(item, exp.Star) or (isinstance(item, exp.Column) and isinstance(item.this, exp.Star)):
-                table = ident(item.args["table"]) if isinstance(item, exp.Column) and item.args.get("table") else None
+                table = tname(item.args["table"]) if isinstance(item, exp.Column) and item.args.get("table") else None
                 if isinstance(item, exp.Star) and item.args.get("replace"):
                     raise self.src.error(item, "* REPLACE is not supported")
                 cols = rel.star_cols(table)
@@ -373,7 +373,7 @@ class Planner:
         top = rel.stream.group_by(*pf).top_k(k, spec, with_ties=isinstance(w.this, exp.Rank))
         cols = [c for c in rel.cols if not c.name.startswith("__")]
         alias_node = sub.args.get("alias")
-        return Rel(top, cols).qualified(ident(alias_node.this) if alias_node is not None else None), where
+        return Rel(top, cols).qualified(tname(alias_node.this) if alias_node is not None else None), where
 
     # ---- FROM ----
 
@@ -396,7 +396,7 @@ class Planner:
 
     def table_ref(self, node: exp.Expression) -> Rel:
         alias_node = node.args.get("alias")
-        alias = ident(alias_node.this) if alias_node is not None and alias_node.this is not None else None
+        alias = tname(alias_node.this) if alias_node is not None and alias_node.this is not None else None
         col_aliases = [ident(c) for c in alias_node.columns] if alias_node is not None and alias_node.columns else []
         if isinstance(node, exp.Table):
             if isinstance(node.this, exp.Anonymous) and node.this.name.upper() in ("TUMBLE", "HOP"):
@@ -406,7 +406,7 @@ class Planner:
             else:
                 if node.args.get("db") or node.args.get("catalog"):
                     raise self.src.error(node, "schema-qualified names are not supported")
-                name = ident(node.this)
+                name = tname(node.this)
                 rel = self.lookup(node, name).qualified(alias or name)
         elif isinstance(node, exp.Subquery):
             rel = self.query(node.this)
@@ -461,7 +461,7 @@ class Planner:
         table, desc = args[0], args[1]
         if not isinstance(table, (exp.Column, exp.Table)):
             raise self.src.error(table, f"{name}'s first argument must name a table or view")
-        rel = self.lookup(table, ident(table))
+        rel = self.lookup(table, tname(table))
         if not (isinstance(desc, exp.Anonymous) and desc.name.upper() == "DESCRIPTOR" and len(desc.expressions) == 1):
             raise self.src.error(desc, f"{name}'s second argument must be DESCRIPTOR(<time column>)")
         hits = rel.find(None, ident(desc.expressions[0]))

@@ -22,7 +22,7 @@ from sqlglot import exp
 
 from dbsp_core.errors import SchemaError
 from dbsp_core.sql.errors import SqlError
-from dbsp_core.sql.parse import ident
+from dbsp_core.sql.parse import ident, tname
 from dbsp_core.sql.relation import Col, Rel
 from dbsp_core.sql.types import storable
 
@@ -33,7 +33,7 @@ F = pc.field
 
 
 def _references(node: exp.Expression, name: str) -> list[exp.Table]:
-    return [t for t in node.find_all(exp.Table) if isinstance(t.this, exp.Identifier) and ident(t.this) == name
+    return [t for t in node.find_all(exp.Table) if isinstance(t.this, exp.Identifier) and tname(t.this) == name
             and not t.args.get("db")]
 
 
@@ -41,11 +41,11 @@ def _names(node: exp.Expression) -> list[str]:
     out = []
     for t in node.find_all(exp.Table):
         if isinstance(t.this, exp.Identifier) and not t.args.get("db"):
-            out.append(ident(t.this))
+            out.append(tname(t.this))
         elif isinstance(t.this, exp.Anonymous):  # TUMBLE(t, ...) / HOP(t, ...)
             first = t.this.expressions[0] if t.this.expressions else None
             if isinstance(first, (exp.Column, exp.Table)):
-                out.append(ident(first))
+                out.append(tname(first))
     return list(dict.fromkeys(out))
 
 
@@ -55,7 +55,7 @@ def define_ctes(planner: "Planner", with_: exp.With) -> None:
     frame = planner.scopes[-1]
     for cte in with_.expressions:
         alias = cte.args.get("alias")
-        name = ident(alias.this)
+        name = tname(alias.this)
         cols = [ident(c) for c in alias.columns] if alias is not None and alias.columns else []
         if name in frame:
             raise planner.src.error(cte, f"CTE {name!r} is defined twice")
