@@ -69,9 +69,9 @@ JOIN (SELECT DISTINCT seller, window_start AS starttime, window_end AS endtime
   ON P.id = A.seller AND P.starttime = A.starttime AND P.endtime = A.endtime;
 
 CREATE VIEW q9 AS
-SELECT id, "itemName", description, "initialBid", reserve, "dateTime", expires, seller, category,
-       auction, bidder, price, extra, "bid_dateTime", bid_extra
-FROM (SELECT A.*, B.auction, B.bidder, B.price, B."dateTime" AS "bid_dateTime", B.extra AS bid_extra,
+SELECT * EXCLUDE (rn)
+FROM (SELECT A.id, A."itemName", A.description, A."initialBid", A.reserve, A."dateTime", A.expires, A.seller,
+             A.category, B.auction, B.bidder, B.price, A.extra, B."dateTime" AS "bid_dateTime", B.extra AS bid_extra,
              ROW_NUMBER() OVER (PARTITION BY A.id ORDER BY B.price DESC, B."dateTime", B.bidder, B.extra) AS rn
       FROM auction AS A, bid AS B
       WHERE A.id = B.auction AND B."dateTime" BETWEEN A."dateTime" AND A.expires) AS W

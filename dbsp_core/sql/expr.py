@@ -256,9 +256,41 @@ class Exprs:
             if not (is_numeric(t) or pat.is_null(t)):
                 raise self.src.error(node, f"{node.sql(dialect=DIALECT)}: arithmetic needs numbers, got {t}")
 
+    def _pair(self, x: exp.Expression, y: exp.Expression
+              ) -> tuple[tuple[pc.Expression, pa.DataType], tuple[pc.Expression, pa.DataType]]:
+        """Both operands typed; a numeric literal takes the other operand's numeric type when its value fits
+        (as SQL engines cast a constant to the column's type), so no cast runs per row."""
+        (a, ta), (b, tb) = self._t(x), self._t(y)
+        b2 = self._retyped(y, ta)
+        if b2 is not None:
+            return (a, ta), (b2, ta)
+        a2 = self._retyped(x, tb)
+        if a2 is not None:
+            return (a2, tb), (b, tb)
+        return (a, ta), (b, tb)
+
+    def _retyped(self, node: exp.Expression, t: pa.DataType) -> pc.Expression | None:
+        neg = isinstance(node, exp.Neg)
+        n = node.this if neg else node
+        if not (isinstance(n, exp.Literal) and not n.is_string and is_numeric(t)) or self.subst.get(node):
+            return None
+        try:
+            v = int(n.this) if re.fullmatch(r"\d+", n.this) else float(n.this)
+        except ValueError:
+            return None
+        v = -v if neg else v
+        if pat.is_integer(t):
+            if isinstance(v, float):
+                return None
+            try:
+                return lit(pa.scalar(v, t).as_py(), t)
+            except (pa.ArrowInvalid, OverflowError):
+                return None
+        return lit(float(v), t)
+
     def _comparable(self, x: exp.Expression, y: exp.Expression, node: exp.Expression
                     ) -> tuple[pc.Expression, pc.Expression]:
-        (a, ta), (b, tb) = self._t(x), self._t(y)
+        (a, ta), (b, tb) = self._pair(x, y)
         if common_type(ta, tb) is None:
             raise self.src.error(node, f"cannot compare {ta} with {tb} in {node.sql(dialect=DIALECT)}")
         if pat.is_timestamp(ta) and pat.is_date(tb):
@@ -300,7 +332,7 @@ class Exprs:
                 a, ta = a.cast(pa.timestamp("s")), pa.timestamp("s")
             d = lit(delta, pa.duration(unit))
             return call("add" if isinstance(node, exp.Add) else "subtract", a, d)
-        (a, ta), (b, tb) = self._t(x), self._t(y)
+        (a, ta), (b, tb) = self._pair(x, y)
         if isinstance(node, exp.Sub) and (pat.is_timestamp(ta) or pat.is_date(ta)):
             return call("subtract", a, b)
         self._numeric(node, ta, tb)

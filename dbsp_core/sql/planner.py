@@ -577,15 +577,31 @@ class Planner:
         return Rel(stream, [Col(c.name, c.table, ren[c.field], c.star, c.merged) for c in right.cols])
 
     def inner(self, left: Rel, right: Rel, keys: list, residual: list[exp.Expression]) -> Rel:
-        right = self._disjoint(left, right)
+        right = self._suffixable(left, right)
         if keys:
             left, right, lk, rk = self.key_fields(left, right, keys)
         else:  # a cross join: both sides on one constant key
             k = self.fresh()
             left, right = self.with_key(left, k), self.with_key(right, k + "_")
             lk, rk = [k], [k + "_"]
-        rel = Rel(left.stream.join(right.stream, left_on=lk, right_on=rk), left.cols + right.cols)
+        stream = left.stream.join(right.stream, left_on=lk, right_on=rk)
+        rel = Rel(stream, left.cols + self._suffixed(left, right))
         return self.filter(rel, residual)
+
+    def _suffixable(self, left: Rel, right: Rel) -> Rel:
+        """``right`` as a join's right side: a join suffixes its fields that clash with the left's with "_right"
+        (operators/join.py); only fields whose suffixed name would clash again are renamed first."""
+        names = set(left.schema.names)
+        if not any(f + "_right" in names or (f in names and f + "_right" in right.schema.names)
+                   for f in right.schema.names):
+            return right
+        return self._disjoint(left, right)
+
+    @staticmethod
+    def _suffixed(left: Rel, right: Rel) -> list[Col]:
+        names = set(left.schema.names)
+        return [Col(c.name, c.table, c.field + "_right" if c.field in names else c.field, c.star, c.merged)
+                for c in right.cols]
 
     def filter(self, rel: Rel, conds: list[exp.Expression], subst: dict | None = None) -> Rel:
         if not conds:
@@ -599,12 +615,13 @@ class Planner:
 
     def outer(self, left: Rel, right: Rel, keys: list, residual: list[exp.Expression], side: str) -> Rel:
         """LEFT, RIGHT or FULL join (invariant 3)."""
-        right = self._disjoint(left, right)
         if keys and not residual:
+            right = self._suffixable(left, right)
             left, right, lk, rk = self.key_fields(left, right, keys)
             method = {"left": left.stream.left_join, "right": left.stream.right_join,
                       "full": left.stream.full_join}[side]
-            return Rel(method(right.stream, left_on=lk, right_on=rk), left.cols + right.cols)
+            return Rel(method(right.stream, left_on=lk, right_on=rk), left.cols + self._suffixed(left, right))
+        right = self._disjoint(left, right)
         inner = self.inner(left, right, keys, residual)
         out_fields = list(inner.schema.names)
         parts = [inner.stream]

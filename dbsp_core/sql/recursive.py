@@ -97,7 +97,8 @@ def plan_recursive(planner: "Planner", name: str, cols: list[str], q: exp.Expres
     names = cols or [c.name for c in base.cols]
     if len(names) != len(base.cols):
         raise src.error(q, f"recursive CTE {name!r} names {len(names)} columns, its base query has {len(base.cols)}")
-    fields = [f"c{i}" for i in range(len(names))]
+    plain = len(set(names)) == len(names) and not any(n.startswith("__") for n in names)
+    fields = list(names) if plain else [f"c{i}" for i in range(len(names))]
     types = [storable(base.type_of(c.field)) for c in base.cols]
     base_stream = base.stream.select(**{f: (F(c.field) if base.type_of(c.field).equals(t) else F(c.field).cast(t))
                                         for f, c, t in zip(fields, base.cols, types)})
@@ -107,7 +108,17 @@ def plan_recursive(planner: "Planner", name: str, cols: list[str], q: exp.Expres
     outer_rels = [planner.lookup(step_node, n) for n in imported]
     distinct = q.args.get("distinct", True) is not False
 
-    def body(rec, base_in, *imps):
+    # the nested circuit's inputs: the base and the named relations, each stream once (a base that is a table the
+    # step also reads is gathered once)
+    streams = [base_stream] + [r.stream for r in outer_rels]
+    uniq: list = []
+    for st in streams:
+        if not any(st.node_id == u.node_id for u in uniq):
+            uniq.append(st)
+    slot = [next(k for k, u in enumerate(uniq) if u.node_id == st.node_id) for st in streams]
+
+    def body(rec, *ins):
+        base_in, imps = ins[slot[0]], [ins[k] for k in slot[1:]]
         saved = planner.circuit
         planner.circuit = rec.circuit
         frame = {"__barrier__": True, name: Rel(rec, [Col(n, name, f) for n, f in zip(names, fields)])}
@@ -122,13 +133,13 @@ def plan_recursive(planner: "Planner", name: str, cols: list[str], q: exp.Expres
         if len(step.cols) != len(fields):
             raise src.error(step_node, f"the recursive query of {name!r} has {len(step.cols)} columns, the base "
                                        f"query {len(fields)}")
-        shaped = step.stream.select(**{f: (F(c.field) if step.type_of(c.field).equals(t) else F(c.field).cast(t))
-                                       for f, c, t in zip(fields, step.cols, types)})
+        shaped = step.stream if _shaped(step, fields, types) else step.stream.select(
+            **{f: (F(c.field) if step.type_of(c.field).equals(t) else F(c.field).cast(t))
+               for f, c, t in zip(fields, step.cols, types)})
         return base_in + shaped
 
     try:
-        stream = planner.circuit.recursive(body, [base_stream] + [r.stream for r in outer_rels],
-                                           schema=base_stream.schema, distinct=distinct)
+        stream = planner.circuit.recursive(body, uniq, schema=base_stream.schema, distinct=distinct)
     except SqlError:
         raise
     except SchemaError as e:
