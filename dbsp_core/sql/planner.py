@@ -245,7 +245,11 @@ class Planner:
             if same is not None:  # the same expression twice is one field read by two columns (view_output
                 cols.append(Col(name, None, same))  # names them apart)
                 continue
-            field = name if name and not name.startswith("__") and name not in fields else self.fresh()
+            field = name if name and not name.startswith("__") and name not in fields else None
+            if field is None:  # a hidden column: keep its source field's name when it is free
+                src_field = next((f for f in rel.schema.names if e.equals(F(f))), None)
+                taken = set(fields) | {n for n, _ in items}
+                field = src_field if src_field is not None and src_field not in taken else self.fresh()
             fields[field] = e
             cols.append(Col(name, None, field))
         hidden = []

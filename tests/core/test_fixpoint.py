@@ -126,3 +126,24 @@ def test_recursive_on_the_staged_executor(workers: int) -> None:
 
     _run(7 + workers, workers, 9, lambda c, w: dbsp.Pipeline(c, workers=w, storage=d, executor=StagedExecutor()),
          reopen)
+
+
+def test_recursive_staged_task_retries_rebuild_the_cache() -> None:
+    """A stage task that fails (before or after committing) and is retried leaves the fixpoint's cached traces
+    behind the rolled-back mirrors: the retry must rebuild them, and the views stay exact."""
+    from dbsp_core.runtime.staged import LocalJobRunner
+
+    d = tempfile.mkdtemp()
+    plan_stage = None
+
+    def make(c, w):
+        nonlocal plan_stage
+        from dbsp_core.runtime.stage_plan import StagePlan
+
+        plan = StagePlan(c)
+        plan_stage = next(k for k in range(plan.num_stages)
+                          if any(c.nodes[i].kind == "fixpoint" for i in plan.compute[k]))
+        runner = LocalJobRunner(fail_first={(plan_stage, "before-commit", 0), (plan_stage, "after-commit", 1)})
+        return dbsp.Pipeline(c, workers=w, storage=d, executor=StagedExecutor(runner))
+
+    _run(5, 2, 6, make)
