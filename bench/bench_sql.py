@@ -170,7 +170,7 @@ def main() -> int:
     args = ap.parse_args()
     args.nexmark = [q for q in args.nexmark.split(",") if q]
     if args.quick:
-        args.rows, args.change, args.steps, args.nodes = 20_000, 1_000, 12, 2_000
+        args.rows, args.change, args.steps, args.nodes = 20_000, 1_000, 100, 2_000
     rows = run(args)
     worst = max(r for *_, r in rows)
     print(f"worst ratio {worst:.2f} (limit {args.limit})")

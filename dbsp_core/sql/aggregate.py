@@ -123,6 +123,7 @@ def plan_aggregate(planner: "Planner", rel: Rel, node: exp.Select | None, items:
     """Invariants 1-4. ``extra_keys`` (fields of ``rel``) lead the group keys (a correlated subquery's
     correlation columns); ``keyless_row=False`` leaves out the default row of a keyless aggregate."""
     src = planner.src
+    rel = _through_picks(rel)
     groups = group_nodes(planner, node, items, rel) if node is not None else []
     for g in groups:
         if aggregate_calls(planner, [g]):
@@ -239,6 +240,21 @@ def plan_aggregate(planner: "Planner", rel: Rel, node: exp.Select | None, items:
     out_rel.grouped = True  # type: ignore[attr-defined]
     out_rel.count_fields = counts  # type: ignore[attr-defined]
     return out_rel, subst
+
+
+def _through_picks(rel: Rel) -> Rel:
+    """``rel`` read from before a select that only picks and renames columns (a subquery's SELECT list): the
+    aggregate reads just the fields it names, so the select would only cost a step of its own."""
+    from dbsp_core.operators.select import Select
+
+    op = rel.stream.op
+    if not isinstance(op, Select) or op.picks is None:
+        return rel
+    source = dict(zip(op.names, op.picks))
+    from dbsp_core.circuit import Stream
+
+    upstream = Stream(rel.stream.circuit, op.inputs[0])
+    return Rel(upstream, [Col(c.name, c.table, source[c.field], c.star, c.merged) for c in rel.cols])
 
 
 def _with_default_row(planner: "Planner", x: Any, counts: set[str]) -> Any:
