@@ -83,6 +83,8 @@ class Exprs:
 
     def predicate(self, node: exp.Expression) -> pc.Expression:
         e, t = self.typed(node)
+        if pat.is_null(t):
+            return null(pa.bool_())
         if not (pat.is_boolean(t) or pat.is_null(t)):
             raise self.src.error(node, f"{node.sql(dialect=DIALECT)} is {t}, not a boolean condition")
         return e
@@ -147,10 +149,10 @@ class Exprs:
         if isinstance(node, exp.Boolean):
             return lit(bool(node.this), pa.bool_())
         if isinstance(node, (exp.And, exp.Or)):
-            a, b = self._c(node.this), self._c(node.expression)
+            a, b = self._bool(node.this), self._bool(node.expression)
             return call("and_kleene" if isinstance(node, exp.And) else "or_kleene", a, b)
         if isinstance(node, exp.Not):
-            return call("invert", self._c(node.this))
+            return call("invert", self._bool(node.this))
         if isinstance(node, (exp.EQ, exp.NEQ, exp.GT, exp.GTE, exp.LT, exp.LTE)):
             name = {exp.EQ: "equal", exp.NEQ: "not_equal", exp.GT: "greater", exp.GTE: "greater_equal",
                     exp.LT: "less", exp.LTE: "less_equal"}[type(node)]
@@ -214,7 +216,7 @@ class Exprs:
         if isinstance(node, exp.Case):
             return self._case(node)
         if isinstance(node, exp.If):
-            cond = call("coalesce", self._c(node.this), lit(False))
+            cond = call("coalesce", self._bool(node.this), lit(False))
             f = node.args.get("false")
             return call("if_else", cond, self._c(node.args["true"]), self._c(f) if f is not None else null())
         if isinstance(node, exp.Coalesce):
@@ -225,6 +227,8 @@ class Exprs:
             return call("if_else", call("coalesce", call("equal", a, b), lit(False)), null(), self._c(node.this))
         if isinstance(node, (exp.Greatest, exp.Least)):
             args = self._unified([node.this] + list(node.expressions), node)
+            if all(pat.is_null(self.type_of(x)) for x in args):
+                return null()
             name = "max_element_wise" if isinstance(node, exp.Greatest) else "min_element_wise"
             return call(name, *args, options=pc.ElementWiseAggregateOptions(skip_nulls=True))
         if isinstance(node, (exp.Cast, exp.TryCast)):
@@ -233,7 +237,7 @@ class Exprs:
             pat_node = node.expression
             if node.args.get("escape") is not None or not (isinstance(pat_node, exp.Literal) and pat_node.is_string):
                 raise src.error(node, "LIKE needs a string literal pattern (without ESCAPE)")
-            e = call("match_like", self._c(node.this),
+            e = call("match_like", self._as_string(node.this),
                      options=pc.MatchSubstringOptions(pat_node.this, ignore_case=isinstance(node, exp.ILike)))
             return call("invert", e) if node.args.get("negate") else e
         if isinstance(node, exp.Interval):
@@ -293,6 +297,12 @@ class Exprs:
         (a, ta), (b, tb) = self._pair(x, y)
         if common_type(ta, tb) is None:
             raise self.src.error(node, f"cannot compare {ta} with {tb} in {node.sql(dialect=DIALECT)}")
+        if pat.is_null(ta) and pat.is_null(tb):  # NULL = NULL: a boolean NULL, whatever the (untyped) sides
+            return null(pa.bool_()), null(pa.bool_())
+        if pat.is_null(ta):
+            a = null(tb)
+        elif pat.is_null(tb):
+            b = null(ta)
         if pat.is_timestamp(ta) and pat.is_date(tb):
             b = b.cast(ta)
         elif pat.is_date(ta) and pat.is_timestamp(tb):
@@ -307,7 +317,12 @@ class Exprs:
             if c is None:
                 raise self.src.error(node, f"{node.sql(dialect=DIALECT)}: no common type for {target} and {t}")
             target = c
-        return [e if t.equals(target) or pat.is_null(target) else e.cast(target) for e, t in typed]
+        return [e if t.equals(target) else e.cast(target) for e, t in typed]  # only NULLs: they stay untyped
+
+    def _bool(self, node: exp.Expression) -> pc.Expression:
+        """A boolean operand (a bare NULL is a boolean NULL)."""
+        e, t = self._t(node)
+        return null(pa.bool_()) if pat.is_null(t) else e
 
     def _as_string(self, node: exp.Expression) -> pc.Expression:
         e, t = self._t(node)
@@ -352,7 +367,7 @@ class Exprs:
             t = self.type_of(values[0])
             out = null(t) if not pat.is_null(t) else out
         for (cond, _), v in reversed(list(zip(branches, values[:len(branches)]))):
-            out = call("if_else", call("coalesce", self._c(cond), lit(False)), v, out)
+            out = call("if_else", call("coalesce", self._bool(cond), lit(False)), v, out)
         return out
 
     def _cast(self, node: exp.Expression) -> pc.Expression:
@@ -410,11 +425,11 @@ class Exprs:
         src = self.src
         a = node.this if isinstance(node.this, exp.Expression) else None
         if isinstance(node, exp.Upper):
-            return call("utf8_upper", self._c(a))
+            return call("utf8_upper", self._as_string(a))
         if isinstance(node, exp.Lower):
-            return call("utf8_lower", self._c(a))
+            return call("utf8_lower", self._as_string(a))
         if isinstance(node, exp.Length):
-            return call("utf8_length", self._c(a)).cast(pa.int64())
+            return call("utf8_length", self._as_string(a)).cast(pa.int64())
         if isinstance(node, exp.Substring):
             start = self._int_arg(node.args["start"], "the SUBSTRING start")
             length = node.args.get("length")
@@ -422,7 +437,7 @@ class Exprs:
             begin = max(start - 1, 0)
             if stop is not None and stop <= begin:
                 return call("if_else", call("is_null", self._c(a)), null(pa.string()), lit(""))
-            return call("utf8_slice_codeunits", self._c(a),
+            return call("utf8_slice_codeunits", self._as_string(a),
                         options=pc.SliceOptions(begin, stop if stop is not None else 2**31 - 1))
         if isinstance(node, exp.Left):
             n = self._int_arg(node.expression, "the LEFT length")
@@ -436,29 +451,29 @@ class Exprs:
             pos = (node.args.get("position") or "BOTH").upper()
             fn = {"BOTH": "utf8_trim", "LEADING": "utf8_ltrim", "TRAILING": "utf8_rtrim"}[pos]
             if chars is None:
-                return call(fn + "_whitespace", self._c(a))
-            return call(fn, self._c(a), options=pc.TrimOptions(self._str_arg(chars, "the TRIM characters")))
+                return call(fn + "_whitespace", self._as_string(a))
+            return call(fn, self._as_string(a), options=pc.TrimOptions(self._str_arg(chars, "the TRIM characters")))
         if isinstance(node, exp.Replace):
             old = self._str_arg(node.expression, "the REPLACE pattern")
             new = self._str_arg(node.args["replacement"], "the REPLACE replacement")
-            return call("replace_substring", self._c(a), options=pc.ReplaceSubstringOptions(old, new))
+            return call("replace_substring", self._as_string(a), options=pc.ReplaceSubstringOptions(old, new))
         if isinstance(node, exp.StrPosition):
             sub = self._str_arg(node.args["substr"], "the searched string")
-            return call("add", call("find_substring", self._c(a), options=pc.MatchSubstringOptions(sub)),
+            return call("add", call("find_substring", self._as_string(a), options=pc.MatchSubstringOptions(sub)),
                         lit(1, pa.int32())).cast(pa.int64())
         if isinstance(node, exp.StartsWith):
-            return call("starts_with", self._c(a),
+            return call("starts_with", self._as_string(a),
                         options=pc.MatchSubstringOptions(self._str_arg(node.expression, "the prefix")))
         if isinstance(node, exp.Pad):
             width = self._int_arg(node.expression, "the pad width")
             fill = node.args.get("fill_pattern")
             ch = " " if fill is None else self._str_arg(fill, "the pad character")
-            return call("utf8_lpad" if node.args.get("is_left") else "utf8_rpad", self._c(a),
+            return call("utf8_lpad" if node.args.get("is_left") else "utf8_rpad", self._as_string(a),
                         options=pc.PadOptions(width, ch))
         if isinstance(node, exp.SplitPart):
             sep = self._str_arg(node.args["delimiter"], "the SPLIT_PART delimiter")
             k = self._int_arg(node.args["part_index"], "the SPLIT_PART index")
-            parts = call("split_pattern", self._c(a), options=pc.SplitPatternOptions(sep))
+            parts = call("split_pattern", self._as_string(a), options=pc.SplitPatternOptions(sep))
             n = call("list_value_length", parts)
             safe = call("if_else", call("greater_equal", n, lit(k, pa.int32())), parts,
                         lit([""] * k, pa.list_(pa.string())))
