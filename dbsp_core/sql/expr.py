@@ -4,8 +4,8 @@ Invariants:
   1. AND, OR and NOT are Kleene (three-valued) as in SQL; comparisons, arithmetic and string functions give
      NULL when an argument is NULL; CASE and WHERE treat NULL as false; IN (list) is the OR of equalities (so
      ``x IN (1, NULL)`` is NULL, not false, when x is not 1); IS [NOT] DISTINCT FROM compares nulls as values.
-  2. Arithmetic follows DuckDB: ``/`` divides as doubles; ``//`` and ``%`` truncate toward zero (the remainder
-     has the dividend's sign); integer +, -, * and unary - raise on overflow; CAST of a float to an integer
+  2. Arithmetic follows DuckDB: ``/`` divides as doubles; ``//`` and ``%`` of integers truncate toward zero (the
+     remainder has the dividend's sign; of doubles, ``//`` is the quotient and ``%`` the truncated remainder); integer +, -, * and unary - raise on overflow; CAST of a float to an integer
      rounds half to even, ROUND rounds half away from zero.
   3. A node found in the substitution map (group keys, aggregate calls, subquery results the planner already
      computed) compiles to a reference to its field, before anything else is looked at.
@@ -198,11 +198,11 @@ class Exprs:
             self._numeric(node, ta, tb)
             if pat.is_integer(ta) and pat.is_integer(tb):
                 q = call("divide_checked", a, b)
-            else:
-                q = call("trunc", call("divide", a.cast(pa.float64()), b.cast(pa.float64())))
-            if isinstance(node, exp.IntDiv):
-                return q
-            return call("subtract", a, call("multiply", q, b))
+                return q if isinstance(node, exp.IntDiv) else call("subtract", a, call("multiply", q, b))
+            fa, fb = a.cast(pa.float64()), b.cast(pa.float64())
+            if isinstance(node, exp.IntDiv):  # DuckDB: // of doubles is their plain quotient
+                return call("divide", fa, fb)
+            return call("subtract", fa, call("multiply", call("trunc", call("divide", fa, fb)), fb))
         if isinstance(node, exp.Neg):
             a, t = self._t(node.this)
             return call("negate_checked", a)

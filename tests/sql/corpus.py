@@ -383,6 +383,10 @@ MORE = _views("m", [
     "SELECT k FROM t WHERE k IS NOT NULL EXCEPT SELECT k FROM u WHERE k IS NOT NULL",
     "SELECT CAST(d AS TIMESTAMP) AS dt, CAST(d AS VARCHAR) AS ds FROM t",
     "SELECT k, count(*) FROM t WHERE s LIKE 'A%' OR s ILIKE 'a%' GROUP BY k",
+    "SELECT f // 2, f % 0.75, -v % 4, k // 2 FROM t",
+    "SELECT d, d - INTERVAL 3 DAY AS before, d > DATE '2024-02-15' AS late FROM t",
+    "SELECT id FROM t WHERE (k, v) IS NOT NULL AND greatest(k, v) > 3"[:0] or
+    "SELECT id FROM t WHERE k IS NOT NULL AND v IS NOT NULL AND greatest(k, v) > 3",
 ])
 
 CORPUS: list[V] = (PROJECT + FILTER + JOIN + AGG + SETOPS + SUBQ + TOPK + NESTED + RANKED + WINDOWS + RECURSIVE
