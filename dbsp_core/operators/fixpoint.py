@@ -1,4 +1,6 @@
-"""The fixpoint operator: a nested circuit (a recursive view's body) iterated within each step until its output stops changing, incremental over steps and iterations as in DBSP (``Circuit.recursive``, SQL ``WITH RECURSIVE``).
+"""The fixpoint operator: a nested circuit (a recursive view's body) iterated within each step until its output stops changing.
+
+It is incremental over steps and iterations as in DBSP (``Circuit.recursive``, SQL ``WITH RECURSIVE``).
 
 The view R is the least fixed point of ``R = body(R, inputs)`` (the body ends with a distinct for SQL's UNION).
 Each step runs iterations i = 0, 1, ...: iteration i feeds the body the body's output change of iteration i-1

@@ -1,4 +1,6 @@
-"""The SQL front end: ``compile(text)`` turns CREATE TABLE and CREATE [MATERIALIZED] VIEW statements into a Circuit whose inputs are the tables and whose outputs are the views, built from the same operators as the Python API.
+"""The SQL front end: ``compile(text)`` turns CREATE TABLE and CREATE VIEW statements into a Circuit (tables in, views out).
+
+The views are built from the same operators as the Python API.
 
 Invariants:
   1. Each table becomes the input of its (lower-case) name with its columns' types, and, when it declares a

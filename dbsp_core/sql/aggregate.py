@@ -1,4 +1,6 @@
-"""GROUP BY and aggregates of the SQL planner: COUNT, COUNT(DISTINCT), SUM, AVG, MIN, MAX (with DISTINCT and FILTER) over group keys that may be expressions, and keyless aggregates with SQL's one row over an empty input.
+"""GROUP BY and aggregates of the SQL planner: COUNT, SUM, AVG, MIN, MAX (with DISTINCT and FILTER) over any group keys.
+
+A query without GROUP BY gives SQL's one row, also over an empty input.
 
 Invariants:
   1. After every step, the plan's integral holds one row per group of the integrated input (keys, then one

@@ -126,7 +126,8 @@ def explain(circuit: Circuit, views: list[str] | None = None) -> str:
     """The plan of ``views`` (default: every output) as text (invariants 1-3).
 
     >>> from dbsp_core import sql
-    >>> c = sql.compile("CREATE TABLE t (k INT, v BIGINT); CREATE VIEW s AS SELECT k, sum(v) AS total FROM t GROUP BY k")
+    >>> c = sql.compile("CREATE TABLE t (k INT, v BIGINT); "
+    ...                 "CREATE VIEW s AS SELECT k, sum(v) AS total FROM t GROUP BY k")
     >>> print(explain(c))  # doctest: +NORMALIZE_WHITESPACE
     view s (k int32, total int64): 4 operators, 1 exchanges, 1 traces
       SELECT k, SUM(v) AS total FROM t GROUP BY k

@@ -485,7 +485,7 @@ class Planner:
             if size % slide:
                 raise self.src.error(fn, f"HOP: the size ({size}) must be a multiple of the slide ({slide})")
             s = rel.stream.hop(field, size, slide)
-        cols = [c for c in rel.cols] + [Col("window_start", None, "window_start"), Col("window_end", None, "window_end")]
+        cols = rel.cols + [Col("window_start", None, "window_start"), Col("window_end", None, "window_end")]
         return Rel(s, cols)
 
     def time_units(self, node: exp.Expression, typ: pa.DataType, what: str) -> int:

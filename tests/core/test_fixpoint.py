@@ -1,4 +1,7 @@
-"""The fixpoint (Circuit.recursive) checked against DuckDB's recursive CTEs over the integrated edges, after random steps of edge insertions and deletions, at several worker counts, durable (checkpoint, reopen, rescale) and on the staged executor."""
+"""The fixpoint (Circuit.recursive) checked against DuckDB's recursive CTEs after random edge insertions and deletions.
+
+At several worker counts, durable (checkpoint, reopen, rescale) and on the staged executor (with task retries).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""The DuckDB reference for SQL views: random changes (inserts with duplicates, deletions, nulls) to the corpus tables, the compiled views run step by step, and after every step each view's integral compared with DuckDB running the same CREATE VIEW statements over the integrated tables.
+"""The DuckDB reference for SQL views: each view's integral, after every random step, against DuckDB's answer.
+
+Steps change the corpus tables at random (inserts with duplicates, deletions, nulls); DuckDB runs the same CREATE
+VIEW statements over the integrated tables.
 
 The corpus selection: ``DBSP_SQL_CORPUS=all`` runs every view at W = 1, 2 and 4; otherwise a quarter of the
 views, chosen by a seed (``DBSP_SQL_SEED``, default: the day), at one worker count each, so CI's subset rotates.
@@ -38,7 +41,8 @@ def _value(rng: np.random.Generator, t: pa.DataType, null_rate: float) -> object
     if pa.types.is_date32(t):
         return datetime.date(2024, 1, 1) + datetime.timedelta(days=int(rng.integers(0, 70)))
     if pa.types.is_timestamp(t):
-        return BASE_TS + datetime.timedelta(seconds=int(rng.integers(0, 240)), milliseconds=int(rng.integers(0, 4)) * 250)
+        return BASE_TS + datetime.timedelta(seconds=int(rng.integers(0, 240)),
+                                            milliseconds=int(rng.integers(0, 4)) * 250)
     raise TypeError(t)
 
 

@@ -1,4 +1,8 @@
-"""Random SQL expressions (arithmetic, comparisons, CASE, COALESCE, NULLIF, IN, BETWEEN, IS [NOT] DISTINCT FROM, string functions) over columns with NULLs, as SELECT items and WHERE conditions, checked against DuckDB by Hypothesis: SQL's three-valued NULL logic, in every combination."""
+"""Random SQL expressions over columns with NULLs, as SELECT items and WHERE conditions, checked against DuckDB by Hypothesis.
+
+The expressions combine arithmetic, comparisons, CASE, COALESCE, NULLIF, IN, BETWEEN, IS [NOT] DISTINCT FROM and
+string functions, so SQL's three-valued NULL logic is checked in many combinations.
+"""
 
 from __future__ import annotations
 
