@@ -17,8 +17,8 @@ Invariants (enforced here):
      the runtime and fixed for a storage directory, since it is bound to one executor kind:
      - distributed (a runtime that exchanges within a step: the embedded executor): every worker runs every
        iteration; the body's exchanges go through ``ctx.exchange`` under a mailbox id of their own per
-       iteration, and the workers agree on the last iteration by one more exchange per iteration (each sends a
-       row to every worker when it has more to do). State: the nested traces ``n<node>_<input>``, keyed by the
+       iteration, and the workers agree on the last iteration through ``ctx.anyone`` (one barrier per
+       iteration; workers that own no shard, as during a live rescale, take part too). State: the nested traces ``n<node>_<input>``, keyed by the
        body operators' exchange keys, so rows sit with their shard's owner.
      - gathered (a stage task of the staged executor, where an exchange is a stage boundary): the whole body
        runs on the worker owning the constant key's shard, its exchanges are the identity. State: the mirrors
@@ -58,9 +58,6 @@ if TYPE_CHECKING:
     from dbsp_core.runtime.context import StepContext
 
 LINEAR = (Filter, Select, Plus, Negate, FlatMap, AddGlobalKey)
-_GO = "__dbsp_go"
-_GO_SCHEMA = pa.schema([pa.field(_GO, pa.int64())])
-_ROUTES: dict[tuple[int, bytes], np.ndarray] = {}
 
 
 def _linear(op: Operator) -> bool:
@@ -69,32 +66,17 @@ def _linear(op: Operator) -> bool:
     return isinstance(op, LINEAR + (Window,)) and op.instance() is op
 
 
-def worker_keys(ctx: "StepContext") -> np.ndarray:
-    """One int64 value per worker whose hash lands in a shard that worker owns (for a broadcast by exchange)."""
-    sm = ctx.shard_map
-    owners = sm.part_of_shard
-    key = (sm.shard_bits, owners.tobytes())
-    got = _ROUTES.get(key)
-    if got is None:
-        vals = np.arange(64 * sm.shards + 1024, dtype=np.int64)
-        z = ZSet._make(pa.table({_GO: vals}), np.ones(len(vals), dtype=np.int64))
-        owner = owners[sm.shard_of_hash(z.hash([_GO]))]
-        first = np.full(sm.workers, -1, dtype=np.int64)
-        for w in range(sm.workers):  # once per layout
-            hit = np.flatnonzero(owner == w)
-            if len(hit) == 0:
-                raise DbspError(f"fixpoint: worker {w} owns no shard reachable by a small key")
-            first[w] = vals[hit[0]]
-        if len(_ROUTES) > 64:
-            _ROUTES.clear()
-        _ROUTES[key] = got = first
-    return got
-
-
 class Fixpoint(Operator):
     """The fixed point of a body circuit (see the module docstring); build it with ``Circuit.recursive``."""
 
     kind = "fixpoint"
+
+
+    @property
+    def state_placed(self) -> bool:
+        """The nested traces are keyed by the body's exchange keys (invariant 3), though the output is not
+        partitioned: a live rescale must move them with their shards."""
+        return True
 
     def __init__(self, inputs: Sequence[int], body: "Circuit", rec: int, imports: Sequence[int], out: int,
                  max_iterations: int, where: str) -> None:
@@ -227,16 +209,8 @@ class _FixpointState:
         return concat(total, op.schema) if total else empty(op.schema)
 
     def _anyone(self, ctx: "StepContext", more: bool, i: int) -> bool:
-        """Whether any worker has more to do (invariant 2): each one that has sends a row to every worker."""
-        if ctx.shard_map.workers == 1:
-            return more
-        if more:
-            keys = worker_keys(ctx)
-            z = ZSet._make(pa.table({_GO: keys}), np.ones(len(keys), dtype=np.int64))
-        else:
-            z = empty(_GO_SCHEMA)
-        got = ctx.exchange((self.op.node_id, -1, i), z, (_GO,), _GO_SCHEMA)
-        return got.num_rows > 0
+        """Whether any worker has more to do (invariant 2), agreed through the runtime (StepContext.anyone)."""
+        return ctx.anyone((self.op.node_id, -1, i), more)
 
     def _finish(self, distributed: bool, olds: Any) -> None:
         """Add the step's tagged changes to the state (nested.py invariant 1) and, gathered, to the mirrors."""

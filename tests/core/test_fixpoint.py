@@ -150,3 +150,29 @@ def test_recursive_staged_task_retries_rebuild_the_cache() -> None:
         return dbsp.Pipeline(c, workers=w, storage=d, executor=StagedExecutor(runner))
 
     _run(5, 2, 6, make)
+
+
+@settings(max_examples=3)
+@given(seed=SEEDS)
+def test_recursive_across_live_rescales(seed: int) -> None:
+    """Steps run while p.rescale moves shards in batches: through layouts where a worker owns no shard yet, whose
+    worker must still take part in every iteration's agreement (and receives nothing)."""
+    import threading
+
+    targets = iter([4, 1, 3])
+    pending: list[threading.Thread] = []
+
+    def reopen(p, c, step):
+        for t in pending:
+            t.join()
+        pending.clear()
+        t = threading.Thread(target=p.rescale, args=(next(targets, 2),), kwargs={"batch_shards": 8})
+        t.start()
+        pending.append(t)
+        return p
+
+    try:
+        _run(seed, 2, 10, lambda c, w: dbsp.Pipeline(c, workers=w), reopen)
+    finally:
+        for t in pending:
+            t.join()
