@@ -197,8 +197,16 @@ class Circuit:
             g = self._add(AddGlobalKey(s.node_id, s.schema, s.op.partitioning, where), s.times)
             gathered.append(g._exchanged((GLOBAL_KEY,)).node_id)
         op = Fixpoint(gathered, inner, rec.node_id, [s.node_id for s in imports], out.node_id, max_iterations,
-                      where)
+                      where, fingerprint=circuit_fingerprint(inner), live=inner.live_nodes())
         return self._add(op)
+
+    def live_nodes(self) -> list[int]:
+        """The nodes that feed an output, in id order (the nodes a pipeline runs)."""
+        live = set(self.outputs.values())
+        for i in range(len(self.nodes) - 1, -1, -1):
+            if i in live:
+                live.update(self.nodes[i].inputs)
+        return sorted(live)
 
     def output(self, name: str, stream: "Stream") -> None:
         """Declare output handle ``name``: each step yields the change of ``stream``."""

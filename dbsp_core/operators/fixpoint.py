@@ -79,18 +79,17 @@ class Fixpoint(Operator):
         return True
 
     def __init__(self, inputs: Sequence[int], body: "Circuit", rec: int, imports: Sequence[int], out: int,
-                 max_iterations: int, where: str) -> None:
-        from dbsp_core.circuit import circuit_fingerprint
-        from dbsp_core.runtime.executor import live_nodes
-
+                 max_iterations: int, where: str, *, fingerprint: str, live: Sequence[int]) -> None:
+        """``fingerprint`` and ``live`` are the body's fingerprint and live nodes, computed by the builder
+        (``Circuit.recursive``), which owns those notions."""
         if isinstance(max_iterations, bool) or not isinstance(max_iterations, int) or max_iterations < 1:
             raise ValueError(f"{where}: max_iterations must be a positive int, got {max_iterations!r}")
         super().__init__(inputs, nullable_schema(body.nodes[out].schema), None)
         self.body = body
-        self.body_fingerprint = circuit_fingerprint(body)
+        self.body_fingerprint = fingerprint
         self.rec, self.imports, self.out = rec, tuple(imports), out
         self.max_iterations = max_iterations
-        live = [j for j in live_nodes(body) if True]
+        live = sorted(live)
         for j in live:  # invariant 4
             node = body.nodes[j]
             if isinstance(node, (Input, Exchange)) or _linear(node) or type(node) in (Join, Distinct):

@@ -30,52 +30,13 @@ from dbsp_core.sql.expr import Exprs, call, lit, null
 from dbsp_core.sql.parse import DIALECT, ident, interval_value, tname
 from dbsp_core.sql.relation import Col, Names, Rel, SchemaRel
 from dbsp_core.sql.types import common_type, storable
+from dbsp_core.sql.walk import columns_of, conjuncts, has_subquery, resolves
 
 if TYPE_CHECKING:
     from dbsp_core.sql.parse import TableDef
 
 F = pc.field
 _DEFAULTS = {"int": 0, "float": 0.0, "string": "", "bool": False}
-
-
-def conjuncts(node: exp.Expression | None) -> list[exp.Expression]:
-    """The ANDed parts of a condition."""
-    if node is None:
-        return []
-    if isinstance(node, exp.Paren) and isinstance(node.this, exp.And):
-        return conjuncts(node.this)
-    if isinstance(node, exp.And):
-        return conjuncts(node.this) + conjuncts(node.expression)
-    return [node]
-
-
-def columns_of(node: exp.Expression) -> list[exp.Column]:
-    """The column references of an expression, not looking into subqueries."""
-    out = []
-
-    def walk(n: Any) -> None:
-        if isinstance(n, exp.Column):
-            out.append(n)
-            return
-        if isinstance(n, (exp.Subquery, exp.Select, exp.Exists)) or (isinstance(n, exp.In) and n.args.get("query")):
-            if isinstance(n, exp.In):
-                walk(n.this)
-            return
-        for child in n.iter_expressions() if isinstance(n, exp.Expression) else []:
-            walk(child)
-
-    walk(node)
-    return out
-
-
-def has_subquery(node: exp.Expression) -> bool:
-    return any(isinstance(n, (exp.Subquery, exp.Exists)) or (isinstance(n, exp.In) and n.args.get("query"))
-               for n in node.walk())
-
-
-def resolves(rel: Rel, col: exp.Column) -> bool:
-    table = tname(col.args["table"]) if col.args.get("table") else None
-    return len(rel.find(table, ident(col.this))) >= 1
 
 
 class Planner:

@@ -29,8 +29,8 @@ from sqlglot import exp
 import dbsp_core as dbsp
 from dbsp_core.sql.expr import call, lit, null
 from dbsp_core.sql.parse import DIALECT
-from dbsp_core.sql.planner import columns_of, conjuncts, has_subquery, resolves
 from dbsp_core.sql.relation import Col, Rel
+from dbsp_core.sql.walk import columns_of, conjuncts, has_subquery, resolves
 
 if TYPE_CHECKING:
     from dbsp_core.sql.planner import Planner
