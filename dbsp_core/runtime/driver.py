@@ -593,6 +593,12 @@ class Pipeline:
             self._cond.notify_all()
         return Ack(step, prod, sq, False)
 
+    def acknowledged(self, producer: str, seq: int) -> bool:
+        """Whether the push ``(producer, seq)`` is durably recorded, so pushing it again would be a duplicate
+        (a source that restarts skips reading what it had pushed)."""
+        with self._cond:
+            return self._seen.has(producer, seq)
+
     # ---- steps ----
 
     def _divide(self, wait: bool) -> _Divided:
