@@ -130,7 +130,8 @@ def gather(p: Any, state: bool = True) -> dict:
     out["replayed_steps"] = p.stats.get("replayed_steps", 0)
     out["recovery_seconds"] = p.stats.get("recovery_s", 0.0)
     if p.storage is not None:
-        out["log_bytes"] = {"input": p.disk_usage()["input"], "output": p._output.disk_bytes()}
+        du = p.disk_usage()
+        out["log_bytes"] = {"input": du["input"], "output": du["output"]}
         out["output_steps"] = [p.output_steps.start, p.output_steps.stop]
         out["consumers"] = p.consumers.list()
     if state:
@@ -171,7 +172,8 @@ def _families(m: dict) -> list:
         cum.append(("+Inf" if bound == math.inf else repr(float(bound)), acc))
     hist = HistogramMetricFamily("dbsp_step_seconds", "Seconds per step (a batch of queued steps shares its time)")
     hist.add_metric([], cum, lat["sum"])
-    fams = [counter("steps", "Steps run since the pipeline was opened", m["steps"]),
+    fams = [counter("steps", "Steps run since the pipeline was opened (recovery's replayed steps included)",
+                    m["steps"]),
             counter("pushes", "Pushes accepted", m["pushes"]),
             counter("duplicate_pushes", "Pushes acknowledged as duplicates of a seen (producer, seq)",
                     m["duplicate_pushes"]),

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import pyarrow as pa
 
-from dbsp_core.storage.consumers import ConsumerRegistry
+from dbsp_core.storage.consumers import ConsumerRegistry, consumer_name_ok
 from dbsp_core.storage.inspect import open_output
 from dbsp_core.zset import ZSet
 
@@ -55,7 +55,8 @@ class OutputReader:
             self.schema = {name: c.nodes[i].schema for name, i in c.outputs.items()}.get(view)
         if self.schema is None:
             raise KeyError(f"OutputReader: no output {view!r}")
-        self.registry._path(consumer)  # validates the name before anything is written
+        if not consumer_name_ok(consumer):
+            raise ValueError(f"consumer name {consumer!r}: use 1-200 letters, digits or _ . : = - (not a leading dot)")
 
     def first(self) -> int:
         """The output log's first step (after picking up the writer's changes)."""

@@ -2,9 +2,9 @@
 
 Invariants (enforced here):
   1. Step ``s`` is the file ``step-<s, 20 digits>.parquet`` in the sink's directory: the change's columns and
-     an int64 ``weight`` column (the form ``ZSet.to_arrow`` returns). It is written to a hidden temporary file
-     (``.tmp-...``), fsynced, renamed over the final name and the directory fsynced, so the name holds the whole
-     file or nothing. A step is written at most once per name, whatever the crashes: a replay writes the same
+     an int64 ``weight`` column (the form ``ZSet.to_arrow`` returns). It is written by the storage layer's
+     atomic replace (csrc/smallfile.c: a temporary file, fsync, rename over the name, fsync of the directory),
+     so the name holds the whole file or nothing. A step is written at most once per name, whatever the crashes: a replay writes the same
      bytes' worth of rows again under the same name.
   2. The sink acknowledges ``next`` to the output log's consumer registry only after the files of every step
      below it are durable (connectors.output invariant 2), so the log keeps every step the sink may still
@@ -27,8 +27,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dbsp_core._storage import file_replace
 from dbsp_core.connectors.output import OutputReader
-from dbsp_core.storage.directory import fsync_dir
 from dbsp_core.zset import ZSet
 
 __all__ = ["ParquetSink", "read_parquet_view", "step_file"]
@@ -39,23 +39,10 @@ def step_file(directory: str, step: int) -> str:
     return os.path.join(directory, f"step-{step:020d}.parquet")
 
 
-def _replace_atomically(path: str, write: Any) -> None:
-    """Write ``path`` through a temporary file, fsync it, rename it into place and fsync the directory."""
-    d = os.path.dirname(path)
-    tmp = os.path.join(d, f".tmp-{os.getpid()}-{os.path.basename(path)}")
-    write(tmp)
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(d)
-
-
-def _write_text(path: str, text: str) -> None:
-    with open(path, "w", encoding="ascii") as f:
-        f.write(text)
+def _parquet_bytes(table: pa.Table) -> pa.Buffer:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue()
 
 
 class ParquetSink:
@@ -96,8 +83,6 @@ class ParquetSink:
         self.reader = OutputReader(source, view, consumer or f"parquet-{view}")
         self.skip_empty = skip_empty
         os.makedirs(self.directory, exist_ok=True)
-        for tmp in glob.glob(os.path.join(self.directory, ".tmp-*")):  # left by a crash mid-write
-            os.remove(tmp)
         self.next = self.reader.register(0)
         self.stats = {"steps": 0, "files": 0, "rows": 0}
 
@@ -107,13 +92,13 @@ class ParquetSink:
         for step, z in self.reader.changes(start, limit):
             if z.num_rows or not self.skip_empty:
                 table = z.to_arrow()
-                _replace_atomically(step_file(self.directory, step), lambda tmp: pq.write_table(table, tmp))
+                file_replace(step_file(self.directory, step), _parquet_bytes(table))  # invariant 1
                 self.stats["files"] += 1
                 self.stats["rows"] += table.num_rows
             self.next = step + 1
             self.stats["steps"] += 1
         if self.next > start:
-            _replace_atomically(os.path.join(self.directory, "_next"), lambda tmp: _write_text(tmp, f"{self.next}\n"))
+            file_replace(os.path.join(self.directory, "_next"), f"{self.next}\n".encode("ascii"))
             self.reader.ack(self.next)  # invariant 2: every file below is durable
         return self.next - start
 

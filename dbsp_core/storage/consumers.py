@@ -6,7 +6,8 @@ Here the output log is that state, and a consumer's acknowledgement is the first
 
 Invariants (enforced here):
   1. A consumer is registered while its record file ``consumers/<name>`` exists (a framed ``DCSM`` record,
-     dbsp_core.storage.formats, replaced atomically through the VFS). The record holds ``next``: every output
+     dbsp_core.storage.formats, replaced atomically through the VFS; a ``<name>.tmp`` left by a writer killed
+     mid-replace is no record and is ignored). The record holds ``next``: every output
      step below it is durably applied by the consumer. Each record has one writer, the consumer itself, so
      consumers in other processes never share a file with the pipeline or with each other.
   2. ``next`` never decreases: an acknowledgement below the recorded one changes nothing (a consumer that
@@ -51,8 +52,10 @@ _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:=-]{0,199}\Z")
 
 
 def consumer_name_ok(name: Any) -> bool:
-    """Whether ``name`` can name a consumer (a file name: letters, digits, ``_ . : = -``, not starting with a dot)."""
-    return isinstance(name, str) and bool(_NAME.match(name)) and name != CONSUMERS_LOCK
+    """Whether ``name`` can name a consumer (a file name: letters, digits, ``_ . : = -``, not starting with a dot,
+    not ending in ``.tmp``, the suffix of the temporary file an atomic replace leaves behind when it is killed)."""
+    return (isinstance(name, str) and bool(_NAME.match(name)) and name != CONSUMERS_LOCK
+            and not name.endswith(".tmp"))
 
 
 class ConsumerRegistry:

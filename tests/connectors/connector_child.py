@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dbsp_core as dbsp  # noqa: E402
 from dbsp_core.connectors import FileSource, ParquetSink, SqliteSink  # noqa: E402
-from workload import circuit  # noqa: E402
+from connector_workload import circuit  # noqa: E402
 
 
 def writer(storage: str, inbox: str, sqlite: str, pdir: str, expected: int) -> None:

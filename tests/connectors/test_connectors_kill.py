@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from workload import circuit, make_files, publish, reference  # noqa: E402
+from connector_workload import circuit, make_files, publish, reference  # noqa: E402
 
 KILLS = int(os.environ.get("DBSP_CONNECTOR_KILLS", "12"))
 CHILD = os.path.join(HERE, "connector_child.py")

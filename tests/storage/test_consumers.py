@@ -88,7 +88,7 @@ def test_register_below_the_log_and_bad_names(tmp_path) -> None:
     with pytest.raises(LookupError, match="already dropped"):
         p.consumers.register("late", from_step=0, log_first=lambda: p.output_steps.start)
     assert p.consumers.register("late", from_step=first, log_first=lambda: p.output_steps.start) == first
-    for bad in ("", ".hidden", "a/b", "LOCK", 7):
+    for bad in ("", ".hidden", "a/b", "LOCK", "x.tmp", 7):
         with pytest.raises(ValueError):
             p.consumers.register(bad)
     with pytest.raises(KeyError):
@@ -120,6 +120,8 @@ def test_a_reader_in_another_process_registers_and_acks(tmp_path) -> None:
 
 def test_registry_alone(tmp_path) -> None:
     reg = ConsumerRegistry(tmp_path)
+    os.makedirs(os.path.join(tmp_path, CONSUMERS_DIR))
+    open(os.path.join(tmp_path, CONSUMERS_DIR, "a.tmp"), "wb").close()  # a replace killed midway: no record
     assert reg.list() == {} and reg.truncation_bound(5, 10, None) is None
     reg.register("a", 3)
     assert reg.truncation_bound(5, 10, None) == 3 and reg.truncation_bound(2, 10, None) == 2
