@@ -1,4 +1,4 @@
-"""A progress line on the terminal for long operations (recovery replay, rescale, a checkpoint of a large state): shown on stderr only when it is a terminal (or ``DBSP_PROGRESS=1``), only once the operation has lasted a second, and never with ``DBSP_PROGRESS=0``.
+"""A progress line on the terminal for long operations (recovery replay, rescale, a checkpoint of a large state): shown on stderr only when it is a terminal (or ``DBSP_PROGRESS=1``), only once the operation has lasted a second (``DBSP_PROGRESS_DELAY`` seconds), and never with ``DBSP_PROGRESS=0``.
 
 A ticker thread redraws the line every ``interval`` seconds with the elapsed time and, where the caller reports
 it, ``done/total``; the line is cleared (or, if it was shown, ended with the final figures) when the operation
@@ -91,4 +91,4 @@ class Progress:
 
 def progress(what: str, total: int | None = None, unit: str = "") -> Progress:
     """A :class:`Progress` on stderr: ``with progress("recovery replay", total=n) as pr: ... pr.update(k)``."""
-    return Progress(what, total, unit)
+    return Progress(what, total, unit, delay=float(os.environ.get("DBSP_PROGRESS_DELAY", "1.0")))

@@ -73,3 +73,29 @@ def test_progress_line_only_for_long_operations() -> None:
     with Progress("replay", total=10, stream=out, delay=0, interval=0.01, force=True) as pr:
         pr.update(4)
     assert "replay 4/10 (40%)" in out.getvalue() and out.getvalue().endswith(" done\n")
+
+
+def test_recovery_replay_draws_a_progress_line(tmp_path) -> None:
+    """Pipeline.open replaying steps since the last checkpoint shows 'recovery replay n/n steps' on stderr."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = (
+        "import sys, pyarrow as pa, dbsp_core as dbsp\n"
+        "c = dbsp.Circuit(); t = c.input('t', pa.schema([('k', pa.int64())]))\n"
+        "c.output('n', t.group_by('k').agg(n=dbsp.count()))\n"
+        "if sys.argv[2] == 'write':\n"
+        "    p = dbsp.Pipeline(c, storage=sys.argv[1], checkpoint_interval=None)\n"
+        "    for i in range(70):\n"
+        "        p.push('t', pa.table({'k': [i % 7]})); p.step()\n"
+        "    p.close(checkpoint=False)\n"
+        "else:\n"
+        "    dbsp.Pipeline.open(sys.argv[1], c).close()\n")
+    env = dict(os.environ, PYTHONPATH=root, DBSP_PROGRESS="1", DBSP_PROGRESS_DELAY="0")
+    for mode in ("write", "open"):
+        r = subprocess.run([sys.executable, "-c", code, str(tmp_path), mode], capture_output=True, text=True,
+                           env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+    assert "recovery replay 70/70 steps (100%)" in r.stderr and r.stderr.rstrip().endswith("done"), r.stderr
