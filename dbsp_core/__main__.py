@@ -1,8 +1,8 @@
 """The ``dbsp`` command line (also ``python -m dbsp_core``).
 
 - ``dbsp demo [options]``: the main job, a durable auction pipeline (``dbsp demo --help``);
-- ``dbsp inspect DIR [--json]``: what a storage directory holds (scale, checkpoint, logs, output steps, sizes),
-  without running its circuit;
+- ``dbsp inspect DIR [--json]``: what a storage directory holds (scale, checkpoint, logs, output steps, sizes,
+  state bytes per worker and shard, consumers, the metrics of the last checkpoint), without running its circuit;
 - ``dbsp read DIR VIEW [--from-step N] [--limit K]``: the changes of one view from the output log;
 - ``dbsp sql FILE.sql [--view NAME]``: compile CREATE TABLE / CREATE VIEW statements and print the plan of each
   view (operators, exchanges, state).
@@ -49,6 +49,21 @@ def _inspect(args: argparse.Namespace) -> int:
           + (f", divided steps {div[0]}..{div[1]}" if div else ", no divided step"))
     print(f"output log   steps {out[0]}..{out[1] - 1} ({out[1] - out[0]} steps) in {info['output_segments']} segments")
     print(f"disk         input {b['input']:,} B, output {b['output']:,} B, state {b['state']:,} B")
+    for w, shards in sorted(info["state_bytes"].items(), key=lambda kv: int(kv[0])):
+        top = sorted(shards.items(), key=lambda kv: -kv[1])[:3]
+        print(f"state w{w:<9} {sum(shards.values()):,} B in {len(shards)} shards"
+              + (f" (largest: {', '.join(f'shard {s} {n:,} B' for s, n in top)})" if top else ""))
+    cons = info["consumers"]
+    print(f"consumers    {', '.join(f'{n} needs step {s}+' for n, s in cons.items()) if cons else 'none registered'}")
+    m = info["metrics"]
+    if m:
+        lat = m["step_seconds"]
+        ms = (lambda x: "-" if x is None else f"{x * 1000:.1f} ms")
+        print(f"last run     {m['steps']} steps, {m['pushes']} pushes; rows in "
+              f"{', '.join(f'{k} {v:,}' for k, v in m['rows_in'].items())}; rows out "
+              f"{', '.join(f'{k} {v:,}' for k, v in m['rows_out'].items())}")
+        print(f"             step latency mean {ms(lat['mean'])}, p50 {ms(lat.get('p50'))}, p99 {ms(lat.get('p99'))}; "
+              f"{m['checkpoints']} checkpoints, last {m['checkpoint_seconds']:.3f} s (as of the last checkpoint)")
     return 0
 
 

@@ -65,6 +65,7 @@ from dbsp_core.runtime.stage_plan import BLOB_SCHEMA, CONTROL_NODE, StagePlan, S
 from dbsp_core.runtime.stage_task import StageTask, read_result_outputs, run_stage_task
 from dbsp_core.runtime.staged import Job
 from dbsp_core.zset import ZSet
+from spark_glue.check import check_executors
 
 __all__ = ["SparkPipeline", "SparkJobRunner", "partition_codes"]
 
@@ -279,6 +280,7 @@ class SparkPipeline(Pipeline):
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"SparkPipeline: workers must be a positive int, got {workers!r}")
         self.spark = spark
+        check_executors(spark)  # fails at once, saying what to set, if the workers cannot import the engine
         if storage is None:
             storage = tempfile.mkdtemp(prefix="dbsp-spark-")
         self._views: dict[str, tuple[int, ZSet]] = {}

@@ -53,17 +53,22 @@ from dbsp_core.circuit import Circuit, circuit_fingerprint
 from dbsp_core.codec import decode_json, decode_zset, encode_json, encode_zset
 from dbsp_core.errors import CircuitMismatchError, CorruptionError, DbspError, RecoveryError, SchemaError
 from dbsp_core.layout import DEFAULT_SHARD_BITS, HASH_VERSION, Layout, ShardMap
+from dbsp_core.metrics import Metrics, gather, serve
 from dbsp_core.operators.base import same_columns
+from dbsp_core.progress import progress
 from dbsp_core.runtime.crashpoints import crashpoint
 from dbsp_core.runtime.dedup import SeenSet
 from dbsp_core.runtime.embedded import EmbeddedExecutor
 from dbsp_core.runtime.executor import Executor, StepInput
 from dbsp_core.runtime.rescale import begin_live, cold_rescale, end_live, live_target, remove_leaving, resolve
 from dbsp_core.runtime.upgrade import is_format1, upgrade_format1
+from dbsp_core.storage.consumers import ConsumerRegistry
 from dbsp_core.storage.database import Database
-from dbsp_core.storage.directory import lock_dir, read_layout, read_meta, unlock_dir, write_layout, write_meta
+from dbsp_core.storage.directory import (lock_dir, read_layout, read_meta, unlock_dir, write_layout, write_meta,
+                                         write_record)
 from dbsp_core.storage.formats import (CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE, DIVISION_HANDLE, DIVISION_MAGIC,
-                                       DRIVER_DB, INPUT_DIR, META_FILE, OUTPUT_DIR, STATE_DIR)
+                                       DRIVER_DB, INPUT_DIR, META_FILE, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR,
+                                       STATE_DIR)
 from dbsp_core.storage.outputlog import OutputLog
 from dbsp_core.storage.steplog import StepLog
 from dbsp_core.time.watermark import NO_WATERMARK, advance, specs_of
@@ -258,6 +263,8 @@ class Pipeline:
         self.stats.update({"pushes": 0, "duplicates": 0, "checkpoints": 0, "last_checkpoint_s": 0.0,
                            "recovery_s": 0.0, "replayed_steps": 0, "recovered_pushes": 0,
                            "late_rows": self.late_rows})
+        self._metrics = Metrics(list(self._inputs), list(self._out_schemas))  # dbsp_core.metrics
+        self.consumers: ConsumerRegistry | None = None  # with storage: who still needs which output steps
         self._last_checkpoint = time.monotonic()
         if self.storage is None:
             self.executor.start(circuit, Layout.local(workers, shard_bits), None)
@@ -335,6 +342,7 @@ class Pipeline:
         self._output = OutputLog(os.path.join(root, OUTPUT_DIR), self._out_schemas, check=replay_check,
                                  sync=output_sync, segment_bytes=segment_bytes)
         self._driver_db = Database(os.path.join(root, DRIVER_DB), vfs=self._vfs)
+        self.consumers = ConsumerRegistry(root, self._vfs)
         out = self._output
         if hasattr(self.executor, "output_steps"):
             self.executor.output_steps = lambda: out.last  # type: ignore[attr-defined]
@@ -355,14 +363,16 @@ class Pipeline:
             self.stats["rescale_recovery"] = "finished"
         if rescale_to is not None and rescale_to != layout.workers:
             new = layout.rebalance(rescale_to)
-            self.last_rescale = cold_rescale(root, self.executor, layout, new, version,
-                                             -1 if step is None else step, crashpoint, self._vfs)
+            with progress(f"rescale {layout.workers} -> {new.workers} workers"):
+                self.last_rescale = cold_rescale(root, self.executor, layout, new, version,
+                                                 -1 if step is None else step, crashpoint, self._vfs)
             self.executor.start(self.circuit, new, root)
             version, step = self.executor.open_state()
         d, prev_now = self._read_driver_record()
         x = d if step is None else step  # an executor without state resumes where the driver's record is
         self.executor.load_state(x)
-        self._recover(x, d, prev_now)
+        with progress("recovery replay", unit=" steps") as self._replay_progress:
+            self._recover(x, d, prev_now)
         self.stats["recovery_s"] = time.perf_counter() - t0
 
     def _read_driver_record(self) -> tuple[int, int | None]:
@@ -416,6 +426,8 @@ class Pipeline:
         self.watermarks = dict(self._wm_divided)
         step = x
         batch: list[_Divided] = []
+        shown = self._replay_progress
+        shown.total = sum(1 for s in divisions if s >= x)
         while step in divisions:
             dv = divisions.pop(step)
             recs = records.pop(step, [])
@@ -435,7 +447,9 @@ class Pipeline:
             if len(batch) >= 64:
                 self._replay(batch)
                 batch = []
+                shown.update(step - x)
         self._replay(batch)
+        shown.update(step - x)
         if divisions:
             raise CorruptionError(f"{root}: division records of steps {sorted(divisions)} follow a gap at step "
                                   f"{step}")
@@ -545,6 +559,7 @@ class Pipeline:
             raise KeyError(f"push: unknown input handle {handle!r}; inputs are {sorted(self._inputs)}")
         z = self._to_zset(handle, data, weights)
         if self.storage is None:
+            self._metrics.pushed(handle, z.num_rows)
             if z.num_rows:
                 with self._cond:
                     self._pending.append((handle, z))
@@ -591,8 +606,15 @@ class Pipeline:
                 self._inflight_keys.discard((prod, sq))
             self._inflight -= 1
             self.stats["pushes"] += 1
+            self._metrics.pushed(handle, z.num_rows)
             self._cond.notify_all()
         return Ack(step, prod, sq, False)
+
+    def acknowledged(self, producer: str, seq: int) -> bool:
+        """Whether the push ``(producer, seq)`` is durably recorded, so pushing it again would be a duplicate
+        (a source that restarts skips reading what it had pushed)."""
+        with self._cond:
+            return self._seen.has(producer, seq)
 
     # ---- steps ----
 
@@ -657,6 +679,7 @@ class Pipeline:
         for d in batch:
             steps.append(d.input._replace(prev_now_ns=prev))
             prev = d.input.now_ns
+        t0 = time.perf_counter()
         try:
             outs = self.executor.run(steps)
             crashpoint("step-computed")  # the division record may or may not be durable yet
@@ -672,6 +695,7 @@ class Pipeline:
         finally:
             if self._division_sync is not None:  # the step failed before waiting: settle the fsync
                 self._await_division(quiet=True)
+        self._metrics.stepped([d.input.step for d in batch], outs, time.perf_counter() - t0)
         last = batch[-1].input
         self.steps = last.step + 1
         self._last_now = self.now_ns = last.now_ns
@@ -769,13 +793,14 @@ class Pipeline:
             except BaseException as exc:
                 self._broken = exc
                 raise
-            output, inp, db = self._output, self._input, self._driver_db
-            assert output is not None and inp is not None and db is not None
+            output, inp, db, consumers, root = self._output, self._input, self._driver_db, self.consumers, self.storage
+            assert output is not None and inp is not None and db is not None and consumers is not None
 
             def finish() -> None:
                 try:
                     output.flush()  # output of every step below the checkpoint is durable before it
-                    make_durable()
+                    with progress(f"checkpoint at step {step}"):
+                        make_durable()
                     crashpoint("checkpoint-state")
                     if after_state is not None:
                         after_state()
@@ -789,10 +814,12 @@ class Pipeline:
                         h.commit()
                     crashpoint("checkpoint-gc")
                     inp.truncate_below(step)  # the low watermark: the state and driver.db are both at step
-                    if self.output_retention is not None:
-                        output.truncate_below(min(step, output.last - self.output_retention))
+                    # below every consumer's acknowledged step and the retention setting (storage.consumers)
+                    consumers.truncate(output, step, self.output_retention)
                     self.stats["checkpoints"] += 1
                     self.stats["last_checkpoint_s"] = time.perf_counter() - t0
+                    self._metrics.checkpointed(self.stats["last_checkpoint_s"])
+                    write_record(os.path.join(root, METRICS_FILE), METRICS_MAGIC, self._metrics.snapshot(), self._vfs)
                 except BaseException as exc:
                     # databases may hold different versions and the incremental snapshot state is ahead of them:
                     # only recovery (Pipeline.open) knows the consistent state again
@@ -1041,6 +1068,20 @@ class Pipeline:
         self._check_usable()
         with self._step_lock:
             return self.executor.traces(worker)
+
+    def metrics(self, state: bool = True) -> dict:
+        """What the pipeline is doing (dbsp_core.metrics): ``steps``, ``pushes``, ``rows_in`` / ``rows_out`` per
+        input / output, ``step_seconds`` (histogram, mean, p50, p99 of the newest steps), ``checkpoints``,
+        ``checkpoint_seconds``, ``replayed_steps``, ``late_rows``, ``workers``, ``shards``; with storage
+        ``log_bytes``, ``output_steps`` and ``consumers``; with ``state`` ``state_bytes`` per worker (total
+        and per shard)."""
+        self._check_usable()
+        return gather(self, state)
+
+    def serve_metrics(self, port: int = 0, addr: str = "127.0.0.1") -> tuple[Any, int]:
+        """Serve :meth:`metrics` as Prometheus text at ``http://addr:port/metrics`` (port 0: any free one);
+        returns the server (``.shutdown()`` stops it) and its port."""
+        return serve(self, port, addr)
 
     def disk_usage(self) -> dict[str, int]:
         """Bytes on disk per part of the storage directory."""

@@ -16,6 +16,9 @@ Directory format 2 (``DIRECTORY_FORMAT``)::
       state/stage-<k>/worker-<w>.db.lock  staged: flock(2)ed by a stage task attempt
       state/JOB                 staged: the job running or last run (base version and steps)
       state/jobs/worker-<w>.input   staged: a job's stage-0 input while it runs (spark_glue)
+      consumers/<name>          one consumer of the output log: the first step it still needs (storage.consumers)
+      consumers/LOCK            flock(2)ed while a consumer registers or the output log is truncated (empty)
+      METRICS                   the pipeline's metrics at its last checkpoint (dbsp_core.metrics), for inspect
 
 Framed records (dbsp_core.codec): ``magic (4 bytes) | format version (u8) | CRC-32 of the body (u32 LE) | body``.
 The body of a JSON record is UTF-8 JSON with sorted keys.
@@ -48,6 +51,9 @@ magic       where                                   body
 ``DSTR``    state/stage-<k>/worker-<w>.result       job tag + an Arrow IPC blob table (dbsp_core.runtime.job_files)
 ``DJIN``    state/jobs/worker-<w>.input             job tag + an Arrow IPC blob table
 ``DSVL``    table ``stagelog`` of stage databases    JSON: trace keys added and deleted by the save of a version
+``DCSM``    consumers/<name>                        JSON: name, next (every output step below it is durably
+                                                    applied by the consumer; never decreases)
+``DMTR``    METRICS                                 JSON: dbsp_core.metrics.Metrics.snapshot() at a checkpoint
 ==========  ======================================  =======================================================
 
 State values are keyed by :func:`dbsp_core.storage.database.shard_key` ``(shard, number)``: the shard as 4
@@ -82,6 +88,9 @@ OUTPUT_DIR = "output"
 STATE_DIR = "state"
 JOB_FILE = "JOB"
 JOB_INPUT_DIR = "jobs"
+CONSUMERS_DIR = "consumers"
+CONSUMERS_LOCK = "LOCK"
+METRICS_FILE = "METRICS"
 
 META_MAGIC = b"DMET"
 LAYOUT_MAGIC = b"DLAY"
@@ -98,6 +107,8 @@ JOB_MAGIC = b"DJOB"
 RESULT_MAGIC = b"DSTR"
 JOB_INPUT_MAGIC = b"DJIN"
 SAVELOG_MAGIC = b"DSVL"
+CONSUMER_MAGIC = b"DCSM"
+METRICS_MAGIC = b"DMTR"
 
 DIVISION_HANDLE = "\x00division"  # the input log's handle of division records
 SNAPSHOT_TABLE = "snapshot"

@@ -1,4 +1,4 @@
-"""Reading a storage directory without running its circuit: a summary for ``dbsp inspect`` and the output log for consumers in other processes."""
+"""Reading a storage directory without running its circuit: a summary for ``dbsp inspect`` (with the metrics of the last checkpoint, state bytes per worker and shard, and the output log's consumers) and the output log for consumers in other processes."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from typing import Any
 
 import pyarrow as pa
 
-from dbsp_core.storage.database import Database
-from dbsp_core.storage.directory import lock_dir, read_layout, read_meta, read_rescale, unlock_dir
-from dbsp_core.storage.formats import DIVISION_HANDLE, DRIVER_DB, INPUT_DIR, OUTPUT_DIR, STATE_DIR
+from dbsp_core.storage.consumers import ConsumerRegistry
+from dbsp_core.storage.database import SHARD_PREFIX_BYTES, Database
+from dbsp_core.storage.directory import lock_dir, read_layout, read_meta, read_record, read_rescale, unlock_dir
+from dbsp_core.storage.formats import (DIVISION_HANDLE, DRIVER_DB, INPUT_DIR, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR,
+                                       STATE_DIR, is_state_table)
 from dbsp_core.storage.outputlog import OutputLog
 from dbsp_core.storage.steplog import StepLog
 
@@ -53,8 +55,8 @@ def inspect_storage(path: str | os.PathLike) -> dict:
     >>> info = inspect_storage(d)
     >>> info["workers"], info["shards"], info["checkpoint_step"], info["output_steps"]
     (1, 256, 1, [0, 1])
-    >>> info["divided_steps"]
-    [0, 0]
+    >>> info["divided_steps"], info["consumers"], info["metrics"]["steps"], sum(info["state_bytes"]["0"].values()) > 0
+    ([0, 0], {}, 1, True)
     """
     root = os.fspath(path)
     meta = read_meta(root)
@@ -80,6 +82,7 @@ def _inspect(root: str, meta: dict) -> dict:
             vs = db.versions()
             info["versions"].append([vs.start, vs.stop - 1])
             info["db_pages"] += db.stats()["pages"]
+    info["state_bytes"] = _state_bytes(paths, layout)
     if paths:
         lo, hi = max(v[0] for v in info["versions"]), min(v[1] for v in info["versions"])
         info["checkpoint_version"] = hi if lo <= hi else None
@@ -113,5 +116,22 @@ def _inspect(root: str, meta: dict) -> dict:
         p = os.path.join(root, part)
         sizes[part] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs)
     info["bytes"] = sizes
+    info["consumers"] = ConsumerRegistry(root).list()
+    info["metrics"] = read_record(os.path.join(root, METRICS_FILE), METRICS_MAGIC)
     return info
+
+
+def _state_bytes(paths: list[str], layout: Any) -> dict[str, dict[int, int]]:
+    """Bytes of stored operator state (keys and values of the newest version) per worker and shard."""
+    out: dict[str, dict[int, int]] = {}
+    for p in paths:
+        worker = os.path.basename(p)[len("worker-"):-len(".db")]
+        shards = out.setdefault(worker, {})
+        with Database(p) as db, db.read(db.versions().stop - 1) as h:
+            for table in h.tables():
+                if isinstance(table, str) and is_state_table(table):
+                    for k, v in h.scan(table):
+                        s = int.from_bytes(k[:SHARD_PREFIX_BYTES], "big")
+                        shards[s] = shards.get(s, 0) + len(k) + len(v)
+    return out
 
