@@ -81,6 +81,7 @@ cdef extern from "steplog.h" nogil:
         int64_t last_step
     enum:
         DBSP_STEPLOG_FORMAT
+        DBSP_STEPLOG_MAX_PAYLOAD
         DBSP_STEPLOG_READONLY
         DBSP_STEPLOG_NO_LOG_FILE
     int dbsp_steplog_open(const char *dir, DbspVfs *vfs, uint64_t segment_bytes, int flags, DbspStepLog **out)

@@ -513,6 +513,7 @@ cdef class Log:
 
 
 STEPLOG_FORMAT = DBSP_STEPLOG_FORMAT
+MAX_PAYLOAD = DBSP_STEPLOG_MAX_PAYLOAD  # the largest payload of one step-log record (bytes)
 
 # ---- small files replaced atomically (csrc/smallfile.h) ----
 

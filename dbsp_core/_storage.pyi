@@ -58,3 +58,4 @@ class Log:
     def segments(self) -> list[tuple[int, int, int, int, int, int, int]]: ...
 
 STEPLOG_FORMAT: int
+MAX_PAYLOAD: int

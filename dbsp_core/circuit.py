@@ -4,7 +4,8 @@ Invariants (enforced here):
   1. Nodes are appended in topological order: a node's inputs are always earlier nodes of the same circuit,
      so running nodes in id order is a valid schedule.
   2. Every Stream has a schema, inferred when its node is built; an unknown column, mismatched join key
-     types or a sum over a non-numeric column raise SchemaError naming the operator and the column.
+     types, a sum over a non-numeric column, or an output column of a type Z-sets cannot hold (or no column
+     at all) raise SchemaError naming the operator and the column.
   3. Every keyed operator (join, distinct, aggregate) reads its inputs through an Exchange on its key,
      unless the input is already partitioned by that key; one exchange per (stream, key) is shared.
   4. Input and output names are unique within a circuit.
@@ -60,6 +61,12 @@ class Circuit:
     def _add(self, op: Operator, times: Times | None = None, in_times: Sequence[Times] = ()) -> "Stream":
         for i in op.inputs:  # invariant 1
             assert 0 <= i < len(self.nodes), "operator inputs must be earlier nodes"
+        from dbsp_core.zset import ZSet
+
+        try:  # invariant 2: a type no step can hold (decimal, float16, ...) is refused now, not at the first step
+            ZSet.empty(op.schema)
+        except SchemaError as exc:
+            raise SchemaError(f"{op.kind}#{len(self.nodes)}: its output {exc}") from None
         if any(in_times):  # invariant 5: set only when there is one, so other circuits keep their fingerprint
             op.in_times = tuple(in_times)
         op.node_id = len(self.nodes)

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from dbsp_core.zset import ZSet
 
 _UNIT_NS = {"s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}
+_MAX_WINDOW_NS = 2**62  # the window's low end (now minus the window) stays inside int64 nanoseconds
 
 
 class WithinLast(Operator):
@@ -179,14 +180,17 @@ def within_last(stream: "Stream", column: str, seconds: float, unit: str = "s") 
     where = stream._where("within_last")
     check_columns(stream.schema, [column], where)
     typ = stream.schema.field(column).type
-    if not (pat.is_integer(typ) or pat.is_timestamp(typ)):
-        raise SchemaError(f"{where}: column {column!r} must be a timestamp or an integer time, got {typ}")
+    if not (pat.is_signed_integer(typ) or pat.is_timestamp(typ)):
+        raise SchemaError(f"{where}: column {column!r} must be a timestamp or a signed integer time, got {typ}")
     if pat.is_timestamp(typ):
         unit = typ.unit
     if unit not in _UNIT_NS:
         raise ValueError(f"{where}: unit must be one of {sorted(_UNIT_NS)}, got {unit!r}")
-    if not isinstance(seconds, (int, float)) or not seconds > 0:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
         raise ValueError(f"{where}: seconds must be a positive number, got {seconds!r}")
+    if not seconds * 10**9 <= _MAX_WINDOW_NS:
+        raise ValueError(f"{where}: a window of {seconds!r} s is longer than the limit of {_MAX_WINDOW_NS // 10**9} s "
+                         f"(about 146 years: now minus the window must be a time in nanoseconds in int64)")
     op = WithinLast(stream.node_id, stream.schema, column, int(seconds * 10**9), _UNIT_NS[unit])
     return stream.circuit._add(op)
 

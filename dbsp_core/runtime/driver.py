@@ -4,7 +4,8 @@ In memory (no ``storage``) the driver keeps pushes until the next step and hands
 storage directory (dbsp_core.storage.formats lists every file) it is exactly once across ``kill -9``:
 
 Invariants (enforced here):
-  1. A push is validated completely (handle, type, schema, weights, producer and seq) before anything is
+  1. A push is validated completely (handle, type, schema, weights, producer and seq, and the limits: a
+     producer id of at most 1024 bytes of UTF-8, a batch of at most 1 GiB encoded) before anything is
      recorded; a bad push raises and changes nothing. With storage, ``push`` returns its acknowledgement only
      after the push's record is durable in the input log. The record carries the step that was open when the
      push was admitted; a step is closed only when no admitted push is still being appended, and pushes wait
@@ -49,6 +50,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import numpy as np
 import pyarrow as pa
 
+from dbsp_core import _storage
 from dbsp_core.circuit import Circuit, circuit_fingerprint
 from dbsp_core.codec import decode_json, decode_zset, encode_json, encode_zset
 from dbsp_core.errors import CircuitMismatchError, CorruptionError, DbspError, RecoveryError, SchemaError
@@ -68,9 +70,11 @@ from dbsp_core.storage.outputlog import OutputLog
 from dbsp_core.storage.steplog import StepLog
 from dbsp_core.time.watermark import NO_WATERMARK, advance, specs_of
 from dbsp_core.trace import Trace
-from dbsp_core.zset import ZSet
+from dbsp_core.zset import ZSet, weight_column
 
 PushData = ZSet | pa.Table | pa.RecordBatch
+MAX_PRODUCER_BYTES = 1024  # a producer id is a key of driver.db's dedup table (the page store's key limit)
+MAX_PUSH_BYTES = _storage.MAX_PAYLOAD  # one push is one input-log record
 
 __all__ = ["Ack", "Pipeline", "PushData"]
 
@@ -479,12 +483,13 @@ class Pipeline:
             z = data
         elif isinstance(data, (pa.Table, pa.RecordBatch)):
             table = pa.Table.from_batches([data]) if isinstance(data, pa.RecordBatch) else data
-            if weights is None and "weight" in table.schema.names and "weight" not in schema.names:
-                col = table.column("weight")  # the to_arrow() form: data columns + "weight"
+            wname = weight_column(schema)  # the to_arrow() form: data columns + the weight column
+            if weights is None and table.num_columns == len(schema) + 1 and table.schema.names[-1] == wname:
+                col = table.column(len(schema))
                 if not pa.types.is_integer(col.type):
-                    raise TypeError(f"push({handle!r}): the 'weight' column must be an integer type, got {col.type}")
+                    raise TypeError(f"push({handle!r}): the {wname!r} column must be an integer type, got {col.type}")
                 weights = col
-                table = table.drop_columns(["weight"])
+                table = table.remove_column(len(schema))
             if not same_columns(table.schema, schema):
                 raise SchemaError(f"push({handle!r}): data columns {_fmt(table.schema)} do not match the input "
                                   f"schema {_fmt(schema)}")
@@ -522,6 +527,14 @@ class Pipeline:
                 raise TypeError("push: producer= and seq= need a durable pipeline (storage=<dir>)")
             if not isinstance(producer, str) or not producer:
                 raise TypeError(f"push: producer must be a non-empty str, got {producer!r}")
+            try:
+                size = len(producer.encode("utf-8"))
+            except UnicodeEncodeError as e:
+                raise ValueError(f"push: the producer id must be valid UTF-8 (it is stored and logged as UTF-8): "
+                                 f"{e.reason} at index {e.start} of {producer[:40]!r}") from None
+            if size > MAX_PRODUCER_BYTES:
+                raise ValueError(f"push: a producer id of {size} bytes is longer than the limit of "
+                                 f"{MAX_PRODUCER_BYTES} bytes (UTF-8)")
             if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 2**63:
                 raise TypeError(f"push: seq must be an int in [0, 2**63), got {seq!r}")
         if handle not in self._inputs:
@@ -535,6 +548,9 @@ class Pipeline:
         if not z.weights.flags.writeable:  # Arrow-backed weights are read-only; the kernels need writable ones
             z = ZSet._make(z.data, z.weights.copy())
         payload = encode_zset(z)
+        if len(payload) > MAX_PUSH_BYTES:  # invariant 1: refused before anything is recorded
+            raise ValueError(f"push({handle!r}): the batch is {len(payload)} bytes encoded, more than the limit of "
+                             f"{MAX_PUSH_BYTES} bytes of one input-log record; push it in smaller parts")
         prod, sq = producer or "", seq or 0
         with self._cond:
             while True:
@@ -559,9 +575,11 @@ class Pipeline:
             crashpoint("push-acked")
         except BaseException as exc:
             # the record may or may not be durable: only recovery (which reads the log) can tell, so a retry in
-            # this process could count it twice; stop accepting work (like a failed fsync in a database)
+            # this process could count it twice; stop accepting work (like a failed fsync in a database). A
+            # ValueError is the log refusing the record before it entered the log: nothing was written.
             with self._cond:
-                self._broken = exc
+                if not isinstance(exc, ValueError):
+                    self._broken = exc
                 self._inflight -= 1
                 self._inflight_keys.discard((prod, sq))
                 self._cond.notify_all()

@@ -22,7 +22,16 @@ SHARD_PREFIX_BYTES = 4
 
 
 def _name(x: Name) -> bytes:
-    return x.encode("utf-8") if isinstance(x, str) else bytes(x)
+    if isinstance(x, str):
+        return x.encode("utf-8")
+    return _bytes(x, "table name")
+
+
+def _bytes(x: BytesLike, what: str) -> bytes:
+    """``x`` as bytes; TypeError unless it is bytes-like (``bytes(5)`` would be five zero bytes, not a key)."""
+    if not isinstance(x, (bytes, bytearray, memoryview)):
+        raise TypeError(f"database {what} must be bytes, bytearray or memoryview, got {type(x).__name__} {x!r:.40}")
+    return bytes(x)
 
 
 def shard_key(shard: int, key: BytesLike) -> bytes:
@@ -210,15 +219,17 @@ class DatabaseHandle:
 
     def get(self, table: Name, key: BytesLike) -> Optional[bytes]:
         """The value of ``key`` in ``table``, or None if either is absent."""
-        return self._txn.get(_name(table), bytes(key))
+        return self._txn.get(_name(table), _bytes(key, "key"))
 
     def put(self, table: Name, key: BytesLike, value: BytesLike) -> None:
         """Sets ``key`` to ``value`` in ``table`` (created if missing)."""
-        self._txn.put(_name(table), bytes(key), value)
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise TypeError(f"database value must be bytes, bytearray or memoryview, got {type(value).__name__}")
+        self._txn.put(_name(table), _bytes(key, "key"), value)
 
     def delete(self, table: Name, key: BytesLike) -> bool:
         """Removes ``key``; returns whether it was present."""
-        return self._txn.delete(_name(table), bytes(key))
+        return self._txn.delete(_name(table), _bytes(key, "key"))
 
     def scan(self, table: Name, start: Optional[BytesLike] = None, end: Optional[BytesLike] = None, *,
              prefix: Optional[BytesLike] = None) -> Iterator[tuple[bytes, bytes]]:
@@ -229,8 +240,9 @@ class DatabaseHandle:
         if prefix is not None:
             if start is not None or end is not None:
                 raise ValueError("scan: give either prefix or start/end, not both")
-            start, end = bytes(prefix), _prefix_end(bytes(prefix))
-        cur = self._txn.cursor(_name(table), None if start is None else bytes(start), None if end is None else bytes(end))
+            start, end = _bytes(prefix, "prefix"), _prefix_end(_bytes(prefix, "prefix"))
+        cur = self._txn.cursor(_name(table), None if start is None else _bytes(start, "scan start"),
+                               None if end is None else _bytes(end, "scan end"))
         while True:
             batch = cur.next_batch()
             if not batch:

@@ -258,6 +258,10 @@ class OutputLog:
         """
         if name not in self.schemas:
             raise KeyError(f"unknown output {name!r}; outputs are {self.names}")
+        if isinstance(from_step, bool) or not isinstance(from_step, int):
+            raise TypeError(f"read of output {name!r}: from_step must be an int step number, got {from_step!r}")
+        if from_step < 0:
+            raise ValueError(f"read of output {name!r}: from_step must be >= 0 (steps count from 0), got {from_step}")
         if from_step < self.first:
             raise LookupError(f"output steps below {self.first} were dropped by retention; asked from {from_step}")
         step = from_step

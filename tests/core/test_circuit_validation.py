@@ -84,3 +84,27 @@ def test_other_builder_errors(streams) -> None:
     c.output("v", b)
     with pytest.raises(ValueError):
         c.output("v", b)
+
+
+def test_types_no_step_can_hold_are_refused_when_built() -> None:
+    """decimal and float16 in select, a uint64 within_last column and huge intervals passed circuit building and
+    failed at the first step; they are refused when the circuit is built, naming the operator and the column."""
+    c = dbsp.Circuit()
+    t = c.input("t", pa.schema([("a", pa.int64()), ("u", pa.uint64()), ("ts", pa.int64())]))
+    with pytest.raises(SchemaError, match=r"select#\d+: its output column 'd' has unsupported type decimal"):
+        t.select(d=pc.field("a").cast(pa.decimal128(10, 2)))
+    with pytest.raises(SchemaError, match=r"select#\d+: its output column 'h' has unsupported type halffloat"):
+        t.select(h=pc.field("a").cast(pa.float16()))
+    with pytest.raises(SchemaError, match="'u' must be a timestamp or a signed integer time, got uint64"):
+        dbsp.within_last(t, "u", 10)
+    with pytest.raises(ValueError, match="longer than the limit"):
+        dbsp.within_last(t, "ts", 1e12)
+    with pytest.raises(ValueError, match="size 18446744073709551616 is larger than the limit"):
+        t.tumble("ts", 2**64)
+    with pytest.raises(ValueError, match="windows per row is more than the limit"):
+        t.hop("ts", 2**40, 1)
+    with pytest.raises(ValueError, match="lower .* is outside the limit"):
+        t.interval_join(t, "ts", "ts", -(2**63), 0, on="a")
+    with pytest.raises(ValueError, match="lateness .* is larger than the limit"):
+        c.input("late", pa.schema([("ts", pa.int64())]), event_time="ts", lateness=2**63)
+    assert len(c.nodes) == 1  # nothing was added by the refused calls

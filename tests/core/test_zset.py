@@ -732,3 +732,40 @@ def test_take_pairs_equals_two_arrow_takes(data):
             _zset.take_pairs(lt, li, rt, np.full(m, rt.num_rows, np.int64), rcols, schema)
     with pytest.raises(IndexError):
         _zset.take_pairs(lt, li, rt, ri, rcols + [rt.num_columns], schema)
+
+
+# ---- boundaries (zero columns, the weight column's name, the caller's arrays) ----
+
+def test_zero_column_zsets_are_refused_at_the_boundary():
+    """A Z-set without columns lost its rows (len() 0, to_arrow raised): it is refused where it would be built."""
+    t = pa.table({"a": [1, 2]}).drop_columns(["a"])
+    with pytest.raises(SchemaError, match="at least one column"):
+        dbsp.ZSet.from_arrow(t)
+    with pytest.raises(SchemaError, match="at least one column"):
+        dbsp.ZSet.from_rows([(), ()], pa.schema([]))
+    with pytest.raises(SchemaError, match="at least one column"):
+        dbsp.ZSet.empty(pa.schema([]))
+    with pytest.raises(SchemaError, match="input 'e': a Z-set needs at least one column"):
+        dbsp.Circuit().input("e", pa.schema([]))
+
+
+@pytest.mark.parametrize("name", ["weight", "_weight", "__dbsp_weight", "__dbsp_weight__", "w"])
+def test_a_data_column_may_have_any_name(name):
+    """A column called ``weight`` was shadowed by the weight column of to_arrow (two ``weight`` columns)."""
+    schema = pa.schema([(name, pa.int64()), ("x", pa.utf8())])
+    z = dbsp.ZSet.from_rows([(7, "a"), (8, "b"), (7, "a")], schema, weights=[2, -1, 3])
+    t = z.to_arrow()
+    assert len(set(t.column_names)) == 3 and t.column_names[:2] == [name, "x"]
+    wname = dbsp.zset.weight_column(schema)
+    assert wname not in schema.names and t.column_names[2] == wname
+    assert sorted(t.to_pylist(), key=lambda r: r[name]) == [{name: 7, "x": "a", wname: 5}, {name: 8, "x": "b", wname: -1}]
+    from dbsp_core.codec import decode_zset, encode_zset
+    assert decode_zset(encode_zset(z), schema, "test") == z
+
+
+def test_from_arrow_copies_the_callers_weights():
+    """ZSet.from_arrow kept the caller's array: changing it later changed a Z-set (and pushed data)."""
+    w = np.array([1, 2], dtype=np.int64)
+    z = dbsp.ZSet.from_arrow(pa.table({"a": [1, 2]}), weights=w)
+    w[0] = 99
+    assert z.to_dict() == {(1,): 1, (2,): 2}

@@ -240,3 +240,19 @@ def test_missing_directory_is_a_storage_error(tmp_path):
     with pytest.raises(StorageError) as ei:
         Database(tmp_path / "no" / "such" / "db")
     assert ei.value.errno == 2 and "no/such" in str(ei.value)
+
+
+def test_keys_and_values_must_be_bytes(tmp_path):
+    """``put(table, 5, ...)`` stored the key ``bytes(5)`` (five zero bytes): non-bytes keys are refused."""
+    with Database(str(tmp_path / "db")) as db, db.open(0) as h:
+        for bad in (5, "k", None, 1.5):
+            with pytest.raises(TypeError, match="key must be bytes"):
+                h.put("t", bad, b"v")
+            with pytest.raises(TypeError, match="key must be bytes"):
+                h.get("t", bad)
+            with pytest.raises(TypeError, match="key must be bytes"):
+                h.delete("t", bad)
+        with pytest.raises(TypeError, match="value must be bytes"):
+            h.put("t", b"k", 5)
+        h.put("t", bytearray(b"k"), memoryview(b"v"))
+        assert list(h.scan("t")) == [(b"k", b"v")]
