@@ -34,8 +34,15 @@ Invariants (enforced here):
      records of steps D..X-1, replays every divided step from X (verifying output already in the log,
      appending the rest), then queues the acknowledged pushes never divided into a step. A directory written
      by a different circuit or another kind of executor is refused with CircuitMismatchError.
-  7. If a step fails, the pipeline is marked broken: state may be half-updated, so every later push or step
-     raises DbspError until the directory is reopened with :meth:`Pipeline.open`.
+  7. A step that fails on its data (an operator raising anything but an I/O, memory or exchange failure)
+     raises StepError naming its pushes: the executor is back where it was before the step (executor.py
+     invariant 4), nothing of the step is output, the step stays divided (its division record and
+     determinants stand) at the head of the queue, and the pipeline stays usable. ``discard(producer, seq)``
+     logs a record dropping one unstepped push before it changes anything in memory (recovery drops the
+     same push; the pair stays seen), and the next ``step`` runs the waiting step again. A replay that fails
+     the same way during recovery leaves the step waiting the same way, so ``open`` works after a crash at
+     any point. Any other failure of a step marks the pipeline broken: state may be half-updated, so every
+     later push or step raises DbspError until the directory is reopened with :meth:`Pipeline.open`.
 """
 
 from __future__ import annotations
@@ -53,7 +60,8 @@ import pyarrow as pa
 from dbsp_core import _storage
 from dbsp_core.circuit import Circuit, circuit_fingerprint
 from dbsp_core.codec import decode_json, decode_zset, encode_json, encode_zset
-from dbsp_core.errors import CircuitMismatchError, CorruptionError, DbspError, RecoveryError, SchemaError
+from dbsp_core.errors import (CircuitMismatchError, CorruptionError, DbspError, RecoveryError, SchemaError,
+                              StepError)
 from dbsp_core.layout import DEFAULT_SHARD_BITS, HASH_VERSION, Layout, ShardMap
 from dbsp_core.operators.base import same_columns
 from dbsp_core.runtime.crashpoints import crashpoint
@@ -64,8 +72,9 @@ from dbsp_core.runtime.rescale import cold_rescale, resolve
 from dbsp_core.runtime.upgrade import is_format1, upgrade_format1
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.directory import lock_dir, read_layout, read_meta, unlock_dir, write_layout, write_meta
-from dbsp_core.storage.formats import (CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE, DIVISION_HANDLE, DIVISION_MAGIC,
-                                       DRIVER_DB, INPUT_DIR, META_FILE, OUTPUT_DIR, STATE_DIR)
+from dbsp_core.storage.formats import (CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE, DISCARD_HANDLE, DISCARD_MAGIC,
+                                       DIVISION_HANDLE, DIVISION_MAGIC, DRIVER_DB, INPUT_DIR, META_FILE, OUTPUT_DIR,
+                                       STATE_DIR)
 from dbsp_core.storage.outputlog import OutputLog
 from dbsp_core.storage.steplog import StepLog
 from dbsp_core.time.watermark import NO_WATERMARK, advance, specs_of
@@ -89,13 +98,14 @@ class Ack(NamedTuple):
 
 
 class _Divided(NamedTuple):
-    """A divided step waiting to run, with the input ranges its output record names, the watermarks after it and
-    the late rows its input operators drop (dbsp_core.time.watermark)."""
+    """A divided step waiting to run, with the input ranges its output record names, the watermarks after it,
+    the late rows its input operators drop (dbsp_core.time.watermark) and its pushes' ``(input, producer, seq)``."""
 
     input: StepInput
     ranges: list[dict]
     watermarks_after: dict[str, int]
     late: dict[str, int]
+    entries: list[tuple[str, str, int]]
 
 
 def _ranges(entries: list[tuple[str, str, int]]) -> list[dict]:
@@ -231,6 +241,8 @@ class Pipeline:
         self._seen = SeenSet()
         self._pending: list[tuple[str, ZSet]] = []
         self._step_inputs: list[tuple[str, str, int]] = []
+        self._anon_seq = 0  # the seq of the next anonymous push: its identity for StepError and discard
+        self.step_error: StepError | None = None  # the failure of the step waiting at the head of the queue
         self._queue: list[_Divided] = []
         self._broken: BaseException | None = None
         self.steps = 0  # steps run
@@ -382,11 +394,17 @@ class Pipeline:
             raise RecoveryError(f"{root}: driver.db is at step {d} but the state only at step {x}")
         divisions: dict[int, dict] = {}
         records: dict[int, list] = {}
+        discards: set[tuple[str, int]] = set()  # (producer, seq) of pushes dropped by discard (invariant 7)
         for r in self._input.iter_from(d):
             if r.handle == DIVISION_HANDLE:
                 divisions[r.step] = decode_json(DIVISION_MAGIC, r.payload, f"{root} division of step {r.step}")
+            elif r.handle == DISCARD_HANDLE:
+                decode_json(DISCARD_MAGIC, r.payload, f"{root} discard record of step {r.step}")
+                discards.add((r.producer, r.seq))
             else:
                 records.setdefault(r.step, []).append(r)
+            if not r.producer and r.handle != DIVISION_HANDLE:
+                self._anon_seq = max(self._anon_seq, r.seq + 1)
         for s in range(d, x):  # the steps the state holds but the driver record does not: seen pairs and clock
             dv = divisions.pop(s, None)
             if dv is None:
@@ -403,6 +421,7 @@ class Pipeline:
         self.watermarks = dict(self._wm_divided)
         step = x
         batch: list[_Divided] = []
+        rewritten = False  # a discard changed a replayed step: the watermarks logged after it are recomputed
         while step in divisions:
             dv = divisions.pop(step)
             recs = records.pop(step, [])
@@ -410,14 +429,19 @@ class Pipeline:
                 raise CorruptionError(f"{root}: the division of step {step} names {dv['pushes']} pushes, the log "
                                       f"holds {len(recs)}")
             self._now_floor = max(self._now_floor, int(dv["now_ns"]))
-            pushes = self._decode(recs)
+            live = self._live(recs, discards)
+            rewritten |= len(live) != len(recs)
+            pushes = self._decode(live)
             in_force = dict(self._wm_divided)
             after, late = advance(self._event_time, in_force, pushes) if self._event_time else ({}, {})
             logged = self._logged_watermarks(dv, step)
-            if logged is not None and logged != after:
+            if rewritten:
+                self._wm_divided = dict(after) if self._event_time else self._wm_divided
+            elif logged is not None and logged != after:
                 raise CorruptionError(f"{root}: step {step} logged watermarks {logged}, its pushes give {after}")
+            entries = [(r.handle, r.producer, r.seq) for r in live]
             batch.append(_Divided(StepInput(step, pushes, int(dv["now_ns"]), None, int(dv["seed"]), in_force),
-                                  _ranges([(r.handle, r.producer, r.seq) for r in recs]), after, late))
+                                  _ranges(entries), after, late, entries))
             step += 1
             if len(batch) >= 64:
                 self._replay(batch)
@@ -429,7 +453,7 @@ class Pipeline:
         if out.last > step:
             raise CorruptionError(f"{root}: the output log holds steps up to {out.last - 1} but the input log "
                                   f"divides input only up to step {step - 1}")
-        tail = records.pop(step, [])
+        tail = self._live(records.pop(step, []), discards)
         if records:
             raise CorruptionError(f"{root}: input records of undivided steps {sorted(records)} after step {step}")
         for (handle, z), r in zip(self._decode(tail), tail):
@@ -450,10 +474,31 @@ class Pipeline:
         self._wm_divided = dict(got)
         return got
 
+    def _live(self, recs: list, discards: set[tuple[str, int]]) -> list:
+        """The records of ``recs`` no discard record names; a discarded push stays seen (a retry is a duplicate)."""
+        if not discards:
+            return recs
+        live = []
+        for r in recs:
+            if (r.producer, r.seq) in discards:
+                if r.producer:
+                    self._seen.add(r.producer, r.seq)
+            else:
+                live.append(r)
+        return live
+
     def _replay(self, batch: list[_Divided]) -> None:
-        if batch:
+        """Run divided steps again; once one fails on its data (invariant 7), it and every later one wait."""
+        if not batch:
+            return
+        if self.step_error is not None:
+            self._queue.extend(batch)
+            return
+        try:
             self._run(batch, replay=True)
-            self.stats["replayed_steps"] += len(batch)
+        except StepError:  # _run queued the failed step and the rest of the batch
+            pass
+        self.stats["replayed_steps"] += len(batch) - len(self._queue)
 
     def _decode(self, recs: list) -> list[tuple[str, ZSet]]:
         out = []
@@ -541,9 +586,10 @@ class Pipeline:
             raise KeyError(f"push: unknown input handle {handle!r}; inputs are {sorted(self._inputs)}")
         z = self._to_zset(handle, data, weights)
         if self.storage is None:
-            if z.num_rows:
-                with self._cond:
-                    self._pending.append((handle, z))
+            with self._cond:
+                self._pending.append((handle, z))
+                self._step_inputs.append((handle, "", self._anon_seq))
+                self._anon_seq += 1
             return None
         if not z.weights.flags.writeable:  # Arrow-backed weights are read-only; the kernels need writable ones
             z = ZSet._make(z.data, z.weights.copy())
@@ -553,6 +599,8 @@ class Pipeline:
                              f"{MAX_PUSH_BYTES} bytes of one input-log record; push it in smaller parts")
         prod, sq = producer or "", seq or 0
         with self._cond:
+            if producer is None:
+                sq, self._anon_seq = self._anon_seq, self._anon_seq + 1  # an anonymous push's own seq
             while True:
                 if self._closing:
                     self._cond.wait()
@@ -637,7 +685,7 @@ class Pipeline:
             finally:
                 self._closing = False
                 self._cond.notify_all()
-        return _Divided(StepInput(step, pushes, now_ns, None, seed, in_force), _ranges(entries), after, late)
+        return _Divided(StepInput(step, pushes, now_ns, None, seed, in_force), _ranges(entries), after, late, entries)
 
     def _await_division(self, quiet: bool = False) -> None:
         """Wait until the division record of the last ``_divide(wait=False)`` is durable (invariant 3)."""
@@ -658,8 +706,12 @@ class Pipeline:
         for d in batch:
             steps.append(d.input._replace(prev_now_ns=prev))
             prev = d.input.now_ns
+        failed: StepError | None = None
         try:
-            outs = self.executor.run(steps)
+            try:
+                outs = self.executor.run(steps)
+            except StepError as exc:  # invariant 7: the executor is as after the steps before the failed one
+                failed, outs = exc, list(exc.done)
             crashpoint("step-computed")  # the division record may or may not be durable yet
             self._await_division()  # invariant 3: durable before any output is written or returned
             crashpoint("step-output")
@@ -673,6 +725,20 @@ class Pipeline:
         finally:
             if self._division_sync is not None:  # the step failed before waiting: settle the fsync
                 self._await_division(quiet=True)
+        if failed is not None:
+            self._queue[:0] = batch[len(outs):]  # the failed step and those after it wait, divided
+            self._advance(batch[:len(outs)])
+            self.step_error = self._step_failed(failed, batch[len(outs)])
+            crashpoint("step-failed")
+            raise self.step_error from failed.__cause__ or failed
+        self.step_error = None
+        self._advance(batch)
+        return outs
+
+    def _advance(self, batch: list[_Divided]) -> None:
+        """The steps of ``batch`` ran and their output is logged: the pipeline moves past them."""
+        if not batch:
+            return
         last = batch[-1].input
         self.steps = last.step + 1
         self._last_now = self.now_ns = last.now_ns
@@ -682,7 +748,19 @@ class Pipeline:
             for d in batch:
                 for name, n in d.late.items():
                     self.late_rows[name] += n
-        return outs
+
+    def _step_failed(self, exc: StepError, d: _Divided) -> StepError:
+        """The StepError a caller sees for the failed step ``d`` (invariant 7): what failed and the remedy."""
+        self.stats["failed_steps"] = self.stats.get("failed_steps", 0) + 1
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        shown = ", ".join(f"({h!r}, {p!r}, {q})" for h, p, q in d.entries[:20])
+        more = f" and {len(d.entries) - 20} more" if len(d.entries) > 20 else ""
+        where = f" in {exc.node}" if exc.node else ""
+        return StepError(f"step {d.input.step} failed on its data{where}: {type(cause).__name__}: {cause}. The "
+                         f"pipeline stays at step {self.steps}; the step waits with its {len(d.entries)} pushes "
+                         f"(input, producer, seq): [{shown}{more}]. Drop the bad one with "
+                         f"discard(producer, seq), then step() again",
+                         d.input.step, d.entries, exc.node)
 
     def step(self) -> dict[str, ZSet]:
         """Divide the acknowledged input into a step (with storage: durably, with ``now`` and ``seed``), run it
@@ -690,6 +768,8 @@ class Pipeline:
         self._check_usable()
         with self._step_lock:
             self._check_usable()
+            if self.step_error is not None and self._queue:  # invariant 7: the failed step runs again first
+                return self._run_queue()[-1]
             self._queue.append(self._divide(wait=self.storage is None or self.executor.division_first
                                             or bool(self._queue)))
             crashpoint("step-run")
@@ -718,6 +798,73 @@ class Pipeline:
     def queued(self) -> int:
         """How many divided steps wait to run."""
         return len(self._queue)
+
+    def discard(self, producer: str, seq: int) -> tuple[str, int]:
+        """Drop the push ``(producer, seq)`` that no step has run yet, durably; returns ``(input, step)``.
+
+        For a step that failed on its data (:class:`~dbsp_core.errors.StepError` lists its pushes): drop the bad
+        push, then ``step()`` runs the step again without it. An anonymous push has producer ``""`` and the seq
+        the StepError names. With storage the discard is logged before this returns, so recovery drops the
+        same push; the pair stays acknowledged (a retry of it is a duplicate). Raises KeyError if no unstepped
+        push has that identity.
+        """
+        self._check_usable()
+        if not isinstance(producer, str):
+            raise TypeError(f"discard: producer must be a str ('' for an anonymous push), got {producer!r}")
+        if isinstance(seq, bool) or not isinstance(seq, int):
+            raise TypeError(f"discard: seq must be an int, got {seq!r}")
+        with self._step_lock:
+            self._check_usable()
+            with self._cond:
+                while self._inflight:  # a push being appended may be the one named: let it land
+                    self._cond.wait()
+                key = (producer, seq)
+                hits = [(k, i) for k, d in enumerate(self._queue) for i, e in enumerate(d.entries) if e[1:] == key]
+                hits += [(None, i) for i, e in enumerate(self._step_inputs) if e[1:] == key]
+                if not hits:
+                    waiting = [e[1:] for d in self._queue for e in d.entries] + [e[1:] for e in self._step_inputs]
+                    raise KeyError(f"discard: no push ({producer!r}, {seq}) waits for a step; the {len(waiting)} "
+                                   f"waiting are {waiting[:20]}{' ...' if len(waiting) > 20 else ''}")
+                if len(hits) > 1:
+                    raise ValueError(f"discard: {len(hits)} unstepped pushes are ({producer!r}, {seq}) (anonymous "
+                                     f"pushes logged by an older release all have seq 0); it names none of them")
+                k, i = hits[0]
+                handle = (self._queue[k].entries if k is not None else self._step_inputs)[i][0]
+                step = self._queue[k].input.step if k is not None else self._open_step
+                if self._input is not None:  # invariant 7: logged before anything changes in memory
+                    rec = encode_json(DISCARD_MAGIC, {"input": handle, "producer": producer, "seq": seq, "step": step})
+                    try:
+                        self._input.append(self._open_step, DISCARD_HANDLE, rec, producer=producer, seq=seq)
+                        crashpoint("discard-logged")
+                    except BaseException as exc:
+                        if not isinstance(exc, ValueError):
+                            self._broken = exc  # the record may or may not be durable: only recovery knows
+                        raise
+                if k is None:
+                    del self._pending[i], self._step_inputs[i]
+                else:
+                    d = self._queue[k]
+                    self._queue[k] = self._without(d, [x for x in range(len(d.entries)) if x != i])
+                    self._rewatermark()
+                self.stats["discarded"] = self.stats.get("discarded", 0) + 1
+                return handle, step
+
+    def _without(self, d: _Divided, keep: list[int]) -> _Divided:
+        """The divided step ``d`` with only its pushes at positions ``keep``."""
+        entries = [d.entries[i] for i in keep]
+        return d._replace(input=d.input._replace(pushes=[d.input.pushes[i] for i in keep]), ranges=_ranges(entries),
+                          entries=entries)
+
+    def _rewatermark(self) -> None:
+        """Recompute the watermarks of the queued steps from those after the last step run (after a discard)."""
+        if not self._event_time:
+            return
+        wm = dict(self.watermarks)
+        for k, d in enumerate(self._queue):
+            after, late = advance(self._event_time, wm, d.input.pushes)
+            self._queue[k] = d._replace(input=d.input._replace(watermarks=dict(wm)), watermarks_after=after, late=late)
+            wm = after
+        self._wm_divided = dict(wm)
 
     def _run_queue(self) -> list[dict[str, ZSet]]:
         batch, self._queue = self._queue, []

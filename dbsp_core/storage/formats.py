@@ -31,6 +31,8 @@ magic       where                                   body
 ``DLWK``    key ``layout`` of table ``snapshot`` in  JSON: layout epoch, worker index, shard bits of the
             every state database (each version)     values stored in this version
 ``DDIV``    input log record, handle "\\x00division"  JSON: step, pushes, now_ns, seed, watermarks
+``DDSC``    input log record, handle "\\x00discard"   JSON: input, producer, seq (of the push dropped by
+            (its producer and seq name the push)    ``Pipeline.discard``), step (the step it was in)
 ``DZS1``    input log push payloads; values of       Arrow IPC stream of the data columns plus int64
             ``z<node>.<attr>`` state tables          ``__dbsp_weight``
 ``DRB1``    values of ``s<node>.<attr>`` tables      one schema-less Arrow IPC record batch (rows of one
@@ -87,6 +89,7 @@ LAYOUT_MAGIC = b"DLAY"
 RESCALE_MAGIC = b"DRSC"
 WORKER_LAYOUT_MAGIC = b"DLWK"
 DIVISION_MAGIC = b"DDIV"
+DISCARD_MAGIC = b"DDSC"
 ZSET_MAGIC = b"DZS1"
 BATCH_MAGIC = b"DRB1"
 BATCH_GROUP_MAGIC = b"DRBG"
@@ -99,6 +102,7 @@ JOB_INPUT_MAGIC = b"DJIN"
 SAVELOG_MAGIC = b"DSVL"
 
 DIVISION_HANDLE = "\x00division"  # the input log's handle of division records
+DISCARD_HANDLE = "\x00discard"  # the input log's handle of discard records (Pipeline.discard)
 SNAPSHOT_TABLE = "snapshot"
 SNAPSHOT_NEXT = b"next"
 SNAPSHOT_LAYOUT = b"layout"
