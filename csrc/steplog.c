@@ -32,7 +32,10 @@
  *      truncation can show while it runs);
  *  (8) the log writes format 2 and reads formats 1 and 2. It appends to a format-1 directory by starting a new
  *      segment of format 2, after rewriting LOG to say 2 (so a format-1 build refuses the directory instead of
- *      misreading it); a format-1 segment never follows a format-2 one.
+ *      misreading it); a format-1 segment never follows a format-2 one;
+ *  (9) one writer at a time: a writer takes an exclusive flock(2) on the log's directory (creating no file)
+ *      before it reads or repairs anything, without waiting; a second writer (in this process or another)
+ *      fails with DBSP_EBUSY and changes nothing. Readers take no lock (invariant 7 lets them run beside it).
  *
  * On-disk format (little-endian)
  * ------------------------------
@@ -120,6 +123,7 @@ struct DbspStepLog {
     char fail_msg[400];
     int has_last;
     int64_t last_step;
+    int lockfd;                /* a writer's flock(2) on the directory (invariant 9), -1 for a reader */
 };
 
 static int oom(void) { return dbsp_storage_fail(DBSP_ENOMEM, ENOMEM, "steplog: out of memory"); }
@@ -579,6 +583,7 @@ int dbsp_steplog_open(const char *dir, DbspVfs *vfs, uint64_t segment_bytes, int
     log->vfs = vfs ? vfs : dbsp_vfs_posix();
     log->seg_bytes = segment_bytes ? segment_bytes : (64u << 20);
     log->flags = flags;
+    log->lockfd = -1;
     pthread_rwlock_init(&log->seg_lock, NULL);
     pthread_mutex_init(&log->mu, NULL);
     pthread_cond_init(&log->cv, NULL);
@@ -599,6 +604,7 @@ int dbsp_steplog_open(const char *dir, DbspVfs *vfs, uint64_t segment_bytes, int
         rc = dbsp_storage_fail(dbsp_storage_status_of_errno(errno), errno, "steplog mkdir %s: %s", dir, strerror(errno));
         goto fail;
     }
+    if (!readonly(log) && (rc = dbsp_dir_lock(dir, 1, "steplog", &log->lockfd))) goto fail; /* invariant 9 */
     if (!(flags & DBSP_STEPLOG_NO_LOG_FILE) && (rc = open_log_file(log))) goto fail;
     if ((rc = rescan(log))) goto fail;
     if (!readonly(log)) {
@@ -632,6 +638,7 @@ void dbsp_steplog_close(DbspStepLog *log) {
     free(log->buf);
     free(log->spare);
     free(log->dir);
+    dbsp_dir_unlock(log->lockfd);
     pthread_rwlock_destroy(&log->seg_lock);
     pthread_mutex_destroy(&log->mu);
     pthread_cond_destroy(&log->cv);

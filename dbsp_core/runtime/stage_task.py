@@ -376,7 +376,10 @@ def _run_stateful(task: StageTask, worker: int, sm: Any, received: dict[tuple[in
 
 
 def open_stage_databases(storage: str, plan: StagePlan, workers: int) -> list[tuple[int, int, str]]:
-    """Create (if missing) the Database of every stateful (stage, worker); returns ``[(stage, worker, path)]``."""
+    """Create (if missing) the Database of every stateful (stage, worker); returns ``[(stage, worker, path)]``.
+
+    Takes each database's lock file, as a task attempt does (invariant 3), so a task still running (a zombie)
+    is waited for rather than met by the database's own lock (InUseError)."""
     out = []
     for k in range(plan.num_stages):
         if not plan.stateful[k]:
@@ -384,7 +387,12 @@ def open_stage_databases(storage: str, plan: StagePlan, workers: int) -> list[tu
         for w in range(workers):
             path = stage_db_path(storage, k, w)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            Database(path).close()
+            fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                Database(path).close()
+            finally:
+                os.close(fd)
             out.append((k, w, path))
     return out
 

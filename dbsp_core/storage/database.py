@@ -76,6 +76,13 @@ class Database:
         How many clean 4 KiB pages to keep cached in memory.
     vfs
         ``"posix"`` (default) or ``"fault"`` (the fault-injecting layer driven by :class:`FaultInjector`).
+    readonly
+        Open an existing file for reading only (:meth:`read`, :meth:`versions`, :meth:`stats`, :meth:`check`):
+        nothing is created or written, and :meth:`open` raises StorageError.
+
+    One open Database writes a file at a time: opening takes an OS lock on it (exclusive; shared for
+    ``readonly``) and raises InUseError while another open Database (in this process or another) holds a
+    conflicting one (csrc/pagestore.c invariant 7), instead of letting two writers lose each other's commits.
 
     Examples
     --------
@@ -96,10 +103,13 @@ class Database:
     """
 
     def __init__(self, path: Union[str, os.PathLike], *, cache_pages: int = 65536, vfs: str = "posix",
-                 _create_version: Optional[int] = None) -> None:
+                 readonly: bool = False, _create_version: Optional[int] = None) -> None:
         self.path = os.fspath(path)
         self.vfs = vfs
-        self._ps = _storage.PageStore(self.path, vfs, cache_pages, _create_version)
+        self.readonly = readonly
+        if readonly and not os.path.exists(self.path):
+            raise FileNotFoundError(f"database {self.path}: no such file (a read-only open creates nothing)")
+        self._ps = _storage.PageStore(self.path, vfs, cache_pages, _create_version, readonly)
 
     @classmethod
     def create(cls, path: Union[str, os.PathLike], version: int, *, cache_pages: int = 65536,
@@ -199,7 +209,7 @@ class DatabaseHandle:
     Leaving a ``with`` block without :meth:`commit` closes the handle and keeps ``base_version``.
     Table names are ``str`` or ``bytes`` (1..255 bytes); keys are at most 1024 bytes; values any size.
     A handle belongs to one thread at a time (calls release the GIL; a concurrent call raises StorageError).
-    One process at a time may open a page file (there is no file lock).
+    One open Database writes a page file at a time (an OS lock; see :class:`Database`).
     """
 
     def __init__(self, db: Database, txn: "_storage.Txn", base_version: int, readonly: bool = False) -> None:

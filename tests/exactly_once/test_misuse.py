@@ -122,6 +122,34 @@ def test_a_column_named_like_the_weight_works_everywhere(tmp_path, capsys, col):
     assert f"'{col}': 30" in printed and f"'{col}': 10" in printed and "': 5}" in printed, printed
 
 
+def test_dbsp_inspect_only_reads(tmp_path):
+    """``dbsp inspect`` created files (it took the directory lock by creating LOCK) in the directory it inspects."""
+    d = str(tmp_path / "d")
+    p = dbsp.Pipeline(_circuit(), storage=d, checkpoint_interval=None)
+    p.push("t", _rows())
+    p.step()
+    p.close()
+    os.unlink(os.path.join(d, "LOCK"))
+    before = {os.path.join(r, f): os.stat(os.path.join(r, f)).st_mtime_ns for r, _, fs in os.walk(d) for f in fs}
+    assert cli(["inspect", d]) == 0
+    after = {os.path.join(r, f): os.stat(os.path.join(r, f)).st_mtime_ns for r, _, fs in os.walk(d) for f in fs}
+    assert after == before
+
+
+def test_dbsp_inspect_reads_while_the_pipeline_runs(tmp_path, capsys):
+    """The logs can be read beside a running pipeline; its databases are locked, and inspect says so."""
+    d = str(tmp_path / "d")
+    p = dbsp.Pipeline(_circuit(), storage=d, checkpoint_interval=None)
+    p.push("t", _rows())
+    p.step()
+    assert cli(["inspect", d]) == 0
+    out = capsys.readouterr().out
+    assert "in use by a running pipeline" in out and "output log   steps 0..0" in out, out
+    p.close()
+    assert cli(["inspect", d]) == 0
+    assert "checkpoint   step 1" in capsys.readouterr().out
+
+
 def test_a_pipeline_is_refused_while_another_one_holds_the_directory(tmp_path):
     d = str(tmp_path / "d")
     p = dbsp.Pipeline(_circuit(), storage=d, checkpoint_interval=None)
