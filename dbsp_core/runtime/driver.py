@@ -33,7 +33,10 @@ Invariants (enforced here):
      state, loads the seen set and clock from ``driver.db`` (step D <= X) and completes them from the log
      records of steps D..X-1, replays every divided step from X (verifying output already in the log,
      appending the rest), then queues the acknowledged pushes never divided into a step. A directory written
-     by a different circuit or another kind of executor is refused with CircuitMismatchError.
+     by a different circuit or another kind of executor is refused with CircuitMismatchError. A damaged input
+     log raises CorruptionError naming the file and offset and changes nothing (``dbsp repair`` is the way
+     forward); a damaged output log is rebuilt when every step it lost is one the replay computes again, and
+     refused otherwise (dbsp_core.storage.repair, invariants 1 and 4).
   7. A step that fails on its data (an operator raising anything but an I/O, memory or exchange failure)
      raises StepError naming its pushes: the executor is back where it was before the step (executor.py
      invariant 4), nothing of the step is output, the step stays divided (its division record and
@@ -76,6 +79,7 @@ from dbsp_core.storage.formats import (CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE, DISC
                                        DIVISION_HANDLE, DIVISION_MAGIC, DRIVER_DB, INPUT_DIR, META_FILE, OUTPUT_DIR,
                                        STATE_DIR)
 from dbsp_core.storage.outputlog import OutputLog
+from dbsp_core.storage.repair import finish_repair, rebuild_output
 from dbsp_core.storage.steplog import StepLog
 from dbsp_core.time.watermark import NO_WATERMARK, advance, specs_of
 from dbsp_core.trace import Trace
@@ -308,6 +312,7 @@ class Pipeline:
         assert root is not None
         os.makedirs(root, exist_ok=True)
         self._lockfd = lock_dir(root)
+        finish_repair(root)  # a repair a crash interrupted: swap in the repaired logs (storage/repair.py)
         meta = {"fingerprint": self.fingerprint, "executor": self.executor.kind, "inputs": sorted(self._inputs),
                 "outputs": sorted(self._out_schemas), "hash_version": HASH_VERSION,
                 "output_schemas": {n: sch.serialize().to_pybytes().hex() for n, sch in self._out_schemas.items()}}
@@ -344,8 +349,14 @@ class Pipeline:
         layout, self.last_rescale = read_layout(root, self._vfs)
         self.executor.start(self.circuit, layout, root)
         self._input = StepLog(os.path.join(root, INPUT_DIR), segment_bytes=segment_bytes)
-        self._output = OutputLog(os.path.join(root, OUTPUT_DIR), self._out_schemas, check=replay_check,
-                                 sync=output_sync, segment_bytes=segment_bytes)
+        try:
+            self._output = OutputLog(os.path.join(root, OUTPUT_DIR), self._out_schemas, check=replay_check,
+                                     sync=output_sync, segment_bytes=segment_bytes)
+        except CorruptionError:  # output is a function of input: rebuild it if the lost steps are replayed
+            rebuilt = rebuild_output(root)
+            self.stats["output_rebuilt"] = {k: rebuilt[k] for k in ("kept", "missing", "backup")}
+            self._output = OutputLog(os.path.join(root, OUTPUT_DIR), self._out_schemas, check=replay_check,
+                                     sync=output_sync, segment_bytes=segment_bytes, expect=rebuilt["expect"])
         self._driver_db = Database(os.path.join(root, DRIVER_DB), vfs=self._vfs)
         out = self._output
         if hasattr(self.executor, "output_steps"):

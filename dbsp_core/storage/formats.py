@@ -6,6 +6,8 @@ Directory format 2 (``DIRECTORY_FORMAT``)::
       META                      the pipeline: circuit fingerprint, executor, inputs, outputs, output schemas
       LAYOUT                    the layout in force (shards, owner table, epoch) and the last rescale's report
       RESCALE                   only while a layout change is in progress: from, to, base version, step
+      REPAIR                    only while ``dbsp repair`` (or an output rebuild) swaps in repaired logs
+      repair-<n>/               what a repair replaced: the old input/ or output/, damaged segments as they were
       LOCK                      flock(2)ed by the process that owns the directory (empty)
       driver.db                 Database: the dedup set and the clock at the driver's last checkpoint
       input/                    StepLog: pushes and one division record per step
@@ -28,6 +30,8 @@ magic       where                                   body
 ``DLAY``    LAYOUT                                  JSON: layout (dbsp_core.layout.Layout.to_dict),
                                                     last_rescale (report or null)
 ``DRSC``    RESCALE                                 JSON: from and to (layout records), version, step
+``DRPR``    REPAIR                                  JSON: backup (the repair-<n> directory), parts (log
+                                                    directories being replaced by their ``.new`` twins)
 ``DLWK``    key ``layout`` of table ``snapshot`` in  JSON: layout epoch, worker index, shard bits of the
             every state database (each version)     values stored in this version
 ``DDIV``    input log record, handle "\\x00division"  JSON: step, pushes, now_ns, seed, watermarks
@@ -76,6 +80,7 @@ DIRECTORY_FORMAT = 2
 META_FILE = "META"
 LAYOUT_FILE = "LAYOUT"
 RESCALE_FILE = "RESCALE"
+REPAIR_FILE = "REPAIR"
 LOCK_FILE = "LOCK"
 DRIVER_DB = "driver.db"
 INPUT_DIR = "input"
@@ -87,6 +92,7 @@ JOB_INPUT_DIR = "jobs"
 META_MAGIC = b"DMET"
 LAYOUT_MAGIC = b"DLAY"
 RESCALE_MAGIC = b"DRSC"
+REPAIR_MAGIC = b"DRPR"
 WORKER_LAYOUT_MAGIC = b"DLWK"
 DIVISION_MAGIC = b"DDIV"
 DISCARD_MAGIC = b"DDSC"
