@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import given, settings
+from hypothesis_profile import examples
 from hypothesis import strategies as st
 
 import dbsp_core as dbsp
@@ -56,7 +57,7 @@ def _run(seed: int, workers: int, steps: int, unit: str) -> None:
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(seed=st.integers(0, 2**32 - 1))
 def test_within_last_matches_model(workers: int, seed: int) -> None:
     _run(seed, workers, steps=30, unit="s")

@@ -7,6 +7,7 @@ import random
 
 import pytest
 from hypothesis import given, settings, strategies as st
+from hypothesis_profile import examples
 
 from dbsp_core.errors import StorageError
 from dbsp_core.storage import Database, shard_key, shard_of_key
@@ -180,7 +181,7 @@ ops = st.lists(st.one_of(
 ), max_size=60)
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(ops)
 def test_matches_two_version_model(tmp_path_factory, script):
     """A dict-of-versions reference model: versions(), contents and steps agree after every operation."""
