@@ -75,7 +75,8 @@ from dbsp_core.runtime.rescale import cold_rescale, resolve
 from dbsp_core.runtime.upgrade import is_format1, upgrade_format1
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.directory import lock_dir, read_layout, read_meta, unlock_dir, write_layout, write_meta
-from dbsp_core.storage.formats import (CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE, DISCARD_HANDLE, DISCARD_MAGIC,
+from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE,
+                                       DISCARD_HANDLE, DISCARD_MAGIC,
                                        DIVISION_HANDLE, DIVISION_MAGIC, DRIVER_DB, INPUT_DIR, META_FILE, OUTPUT_DIR,
                                        STATE_DIR)
 from dbsp_core.storage.outputlog import OutputLog
@@ -1093,8 +1094,22 @@ class Pipeline:
             try:
                 if checkpoint and self.storage is not None and self._broken is None:
                     self.checkpoint()
+                if self.storage is not None and self._broken is None:
+                    self._record_acked()
             finally:
                 self._shutdown()
+
+    def _record_acked(self) -> None:
+        """At a clean close: record in driver.db (same step) the named pushes the input log holds from driver.db's
+        step on, so ``dbsp repair`` can name every one a damaged log lost (dbsp_core.storage.repair)."""
+        db, inp = self._driver_db, self._input
+        assert db is not None and inp is not None
+        with db.open(db.versions().stop - 1) as h:
+            d = h.get_step()
+            pushes = sorted({(r.producer, r.seq) for r in inp.iter_from(d)
+                             if r.producer and r.handle not in (DIVISION_HANDLE, DISCARD_HANDLE)})
+            h.put(ACKED_TABLE, ACKED_KEY, encode_json(ACKED_MAGIC, {"step": d, "pushes": pushes}))
+            h.commit()
 
     def __enter__(self) -> "Pipeline":
         return self

@@ -49,6 +49,8 @@ magic       where                                   body
             producer id (UTF-8)                     above wm)
 ``DCLK``    key ``now`` of table ``clock``,          JSON: now_ns (floor of the next step's now), prev_now_ns
             driver.db                               (now of the step before the checkpoint)
+``DACK``    key ``since`` of table ``acked``,         JSON: step (driver.db's), pushes ([producer, seq] of every
+            driver.db (written by a clean close)    named push the input log holds from that step on)
 ``DJOB``    state/JOB                               JSON: version (base), first, end (steps)
 ``DSTR``    state/stage-<k>/worker-<w>.result       job tag + an Arrow IPC blob table (dbsp_core.runtime.job_files)
 ``DJIN``    state/jobs/worker-<w>.input             job tag + an Arrow IPC blob table
@@ -102,6 +104,7 @@ BATCH_GROUP_MAGIC = b"DRBG"
 ORDER_MAGIC = b"DORD"
 DEDUP_MAGIC = b"DDUP"
 CLOCK_MAGIC = b"DCLK"
+ACKED_MAGIC = b"DACK"
 JOB_MAGIC = b"DJOB"
 RESULT_MAGIC = b"DSTR"
 JOB_INPUT_MAGIC = b"DJIN"
@@ -115,6 +118,8 @@ SNAPSHOT_LAYOUT = b"layout"
 DEDUP_TABLE = "dedup"
 CLOCK_TABLE = "clock"
 CLOCK_KEY = b"now"
+ACKED_TABLE = "acked"
+ACKED_KEY = b"since"
 SAVELOG_TABLE = "stagelog"
 
 

@@ -12,12 +12,14 @@ Invariants (enforced here):
      ``step()`` divides them anew (their old division is gone with the lost pushes). Output of steps ``s``
      and later is withdrawn (it could not be computed again without the lost pushes).
   3. A push is reported lost by name when a record of the pipeline names it but no valid record holds it:
-     the output log's input ranges of a step, or a gap in a producer's seqs after what the checkpoint's dedup
-     set had seen; the number of lost pushes of a step whose division survived is exact. A lost push is not
-     marked seen, so its producer can push it again.
+     the list of the pushes the input log held that a clean close writes to driver.db, the output log's input
+     ranges of a step, or a gap in a producer's seqs after what the checkpoint's dedup set had seen; the
+     number of lost pushes of a step whose division survived is exact. A lost push is not marked seen, so its
+     producer can push it again. After a crash nothing names the pushes of the newest write, and a cut of it
+     passes for a torn tail (csrc/steplog.c invariant 10 marks the end only at a clean close).
   4. A damaged output log is rebuilt (at open) only when every step it lacks is one recovery computes again
      (at or after the resume step): the new log holds the intact records below the first missing step, and
-     the intact records after it are kept to verify the steps computed again. Otherwise RecoveryError names
+     the intact records after it are kept to verify the steps computed again. Otherwise CorruptionError names
      the damaged file and the steps that cannot be recomputed, and nothing changes.
 """
 
@@ -36,7 +38,8 @@ from dbsp_core.errors import CorruptionError, RecoveryError
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.directory import fsync_dir, lock_dir, read_record, read_rescale, remove_record, unlock_dir, \
     write_record
-from dbsp_core.storage.formats import (DEDUP_TABLE, DISCARD_HANDLE, DIVISION_HANDLE, DIVISION_MAGIC, DRIVER_DB,
+from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, DEDUP_TABLE, DISCARD_HANDLE,
+                                       DIVISION_HANDLE, DIVISION_MAGIC, DRIVER_DB,
                                        INPUT_DIR, JOB_FILE, JOB_MAGIC, OUTPUT_DIR, REPAIR_FILE, REPAIR_MAGIC,
                                        STATE_DIR)
 from dbsp_core.storage.salvage import Record, Salvaged, salvage
@@ -145,7 +148,7 @@ def _output_steps(got: Salvaged, where: str) -> dict[int, bytes]:
 def rebuild_output(root: str, below: int | None = None, backup: str | None = None) -> dict[str, Any]:
     """Rebuild the output log from its intact records (invariant 4): the new log ends before the first step it
     lacks (and before ``below``); returns ``{"kept": (first, end), "expect": {step: payload}, "missing": [...],
-    "backup": dir}``, the intact records after the cut in ``expect``. RecoveryError (nothing changed) if a
+    "backup": dir}``, the intact records after the cut in ``expect``. CorruptionError (nothing changed) if a
     step it lacks is below the step recovery resumes at."""
     odir = os.path.join(root, OUTPUT_DIR)
     got = salvage(odir)
@@ -160,12 +163,12 @@ def rebuild_output(root: str, below: int | None = None, backup: str | None = Non
     x = resume_step(root, cut)
     where = ", ".join(f"{n} bytes {a}..{b}" for n, a, b in got.damaged)
     if cut < x:
-        raise RecoveryError(f"{odir}: damaged ({where}); output steps {missing[:20]} are missing, and the state's "
+        raise CorruptionError(f"{odir}: damaged ({where}); output steps {missing[:20]} are missing, and the state's "
                             f"checkpoint is at step {x}: they cannot be computed again (their input is gone). "
                             f"Nothing was changed")
-    if head and first > x:
-        raise RecoveryError(f"{odir}: damaged before its first intact record ({where}), which is of step {first}, "
-                            f"after the checkpoint at step {x}: steps {x}..{first - 1} cannot be placed. Nothing was "
+    if head:  # the steps before the first intact record are unknown (retention may have dropped some)
+        raise CorruptionError(f"{odir}: damaged before its first intact record ({where}), which is of step {first}: "
+                            f"the steps before it cannot be told apart from steps retention dropped. Nothing was "
                             f"changed")
     backup = backup or _backup_dir(root)
     _write_log(odir + ".new", [(s, "", "", 0, intact[s]) for s in range(first, cut)], False)
@@ -187,6 +190,22 @@ def _dedup(root: str) -> dict[str, tuple[int, set[int]]]:
             rec = decode_json(b"DDUP", v, f"{dpath} dedup {k!r}")
             out[k.decode("utf-8", "surrogateescape")] = (int(rec["wm"]), {int(x) for x in rec["above"]})
     return out
+
+
+def _acked(root: str) -> list[tuple[str, int]]:
+    """The named pushes a clean close recorded in driver.db as held by the input log (empty if none)."""
+    dpath = os.path.join(root, DRIVER_DB)
+    if not os.path.exists(dpath):
+        return []
+    try:
+        with Database(dpath, readonly=True) as db, db.read(db.versions().stop - 1) as h:
+            rec = h.get(ACKED_TABLE, ACKED_KEY)
+            if rec is None:
+                return []
+            got = decode_json(ACKED_MAGIC, rec, f"{dpath} acked")
+            return [(p, q) for p, q in got["pushes"]] if got.get("step") == h.get_step() else []
+    except (CorruptionError, KeyError, TypeError, ValueError):
+        return []
 
 
 def _named_outputs(root: str, steps: range) -> dict[int, list[dict]]:
@@ -253,14 +272,21 @@ def _repair(root: str) -> dict[str, Any]:
                             f"opening the pipeline computes the rest again from the input")
         return report
     got = salvage(idir)
-    report["input_damaged"] = [{"segment": n, "from": a, "to": b} for n, a, b in got.damaged]
-    for n in sorted({n for n, _, _ in got.damaged}):  # invariant 1: a copy of each damaged segment, as it is
+    # the log refused to open: an invalid tail is damage too (a log closed cleanly was cut), and a cut at a
+    # record boundary leaves no invalid byte at all: then the damage is after the last valid record
+    damaged_ranges = got.damaged + ([got.torn] if got.torn else [])
+    if not damaged_ranges and got.segments:
+        last = got.segments[-1]
+        end = os.path.getsize(os.path.join(idir, last))
+        damaged_ranges = [(last, end, end)]
+    report["input_damaged"] = [{"segment": n, "from": a, "to": b} for n, a, b in damaged_ranges]
+    for n in sorted({n for n, _, _ in damaged_ranges}):  # invariant 1: a copy of each damaged segment, as it is
         shutil.copy2(os.path.join(idir, n), os.path.join(backup, n))
     # the steps each damaged range may have held: from the valid record before it to the one after it
     recs = got.records
     where = [(r.segment, r.offset) for r in recs]
     spans = []
-    for n, a, b in got.damaged:
+    for n, a, b in damaged_ranges:
         i, j = bisect.bisect_left(where, (n, a)), bisect.bisect_left(where, (n, b))
         lo = recs[i - 1].step if i else None
         if i and recs[i - 1].handle == DIVISION_HANDLE:
@@ -354,6 +380,11 @@ def _lost(root: str, s: int, last: int, tail: list[Record], divisions: dict[int,
                         lost.setdefault((rg["producer"], q), step)
             elif not rg["producer"]:
                 by_step[step] = by_step.get(step, 0) + rg["pushes"]
+    stepped = {(rg["producer"], q) for st, ranges in _named_outputs(root, range(0, s)).items() for rg in ranges
+               if rg["producer"] and rg["first_seq"] is not None for q in range(rg["first_seq"], rg["last_seq"] + 1)}
+    for key in _acked(root):  # a clean close recorded every push the log held: those gone are lost by name
+        if key not in have and key not in stepped:
+            lost.setdefault(key, -1)
     seen = _dedup(root)
     producers = {r.producer for r in tail if r.producer}
     for p in producers:  # gaps in a producer's seqs after what the checkpoint had seen
