@@ -17,6 +17,10 @@ How the pieces fit (each module states its own invariants):
   (dbsp_core.storage.shardmove), commits one new version of every state database, and switches ``LAYOUT``;
   a ``RESCALE`` record lets recovery finish or undo an interrupted change.
 
+- ``rollback.py``: puts operator instances back as they were before a step that failed on its data (StepError:
+  the step waits, divided, until ``Pipeline.discard`` drops a bad push; a discard record in the input log makes
+  recovery do the same).
+
 Step: push -> (input log) -> divide (division record) -> executor.run -> output log -> returned.
 Checkpoint at X: executor captures state (steps paused) -> output log flushed -> state committed -> driver.db
 at X -> input log truncated below X. Open: resolve RESCALE -> executor.open_state (version v, step X) ->

@@ -76,9 +76,8 @@ from dbsp_core.runtime.upgrade import is_format1, upgrade_format1
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.directory import lock_dir, read_layout, read_meta, unlock_dir, write_layout, write_meta
 from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE,
-                                       DISCARD_HANDLE, DISCARD_MAGIC,
-                                       DIVISION_HANDLE, DIVISION_MAGIC, DRIVER_DB, INPUT_DIR, META_FILE, OUTPUT_DIR,
-                                       STATE_DIR)
+                                       DISCARD_HANDLE, DISCARD_MAGIC, DIVISION_HANDLE, DIVISION_MAGIC, DRIVER_DB,
+                                       INPUT_DIR, META_FILE, OUTPUT_DIR, STATE_DIR)
 from dbsp_core.storage.outputlog import OutputLog
 from dbsp_core.storage.repair import finish_repair, rebuild_output
 from dbsp_core.storage.steplog import StepLog
