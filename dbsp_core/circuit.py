@@ -35,6 +35,19 @@ from dbsp_core.operators.top_k import TopK, order_spec
 from dbsp_core.time.lineage import Times, meet, passed
 
 
+MAX_NAME_BYTES = 1024  # input and output names are logged with every push and output record
+
+
+def _check_name(name: str, what: str) -> None:
+    """ValueError unless ``name`` is UTF-8 of at most MAX_NAME_BYTES bytes (it is stored and logged as such)."""
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} name {name[:40]!r} is not valid UTF-8 ({e.reason} at index {e.start})") from None
+    if size > MAX_NAME_BYTES:
+        raise ValueError(f"{what} name of {size} bytes is longer than the limit of {MAX_NAME_BYTES} bytes (UTF-8)")
+
+
 class Circuit:
     """A dataflow graph of operators; build it with :meth:`input`, Stream methods and :meth:`output`.
 
@@ -97,6 +110,7 @@ class Circuit:
         """
         if not isinstance(name, str) or not name:
             raise TypeError(f"input name must be a non-empty str, got {name!r}")
+        _check_name(name, "input")
         if name in self.inputs:
             raise ValueError(f"input {name!r} is already declared")
         if not isinstance(schema, pa.Schema):
@@ -134,6 +148,7 @@ class Circuit:
         """Declare output handle ``name``: each step yields the change of ``stream``."""
         if not isinstance(name, str) or not name:
             raise TypeError(f"output name must be a non-empty str, got {name!r}")
+        _check_name(name, "output")
         if name in self.outputs:
             raise ValueError(f"output {name!r} is already declared")
         self._own(stream, "output")

@@ -108,3 +108,15 @@ def test_types_no_step_can_hold_are_refused_when_built() -> None:
     with pytest.raises(ValueError, match="lateness .* is larger than the limit"):
         c.input("late", pa.schema([("ts", pa.int64())]), event_time="ts", lateness=2**63)
     assert len(c.nodes) == 1  # nothing was added by the refused calls
+
+
+def test_input_and_output_names_have_limits() -> None:
+    """Names are logged with every push: a name the log could not hold is refused when the circuit is built."""
+    c = dbsp.Circuit()
+    with pytest.raises(ValueError, match="input name of 1025 bytes is longer than the limit of 1024"):
+        c.input("x" * 1025, pa.schema([("a", pa.int64())]))
+    with pytest.raises(ValueError, match="is not valid UTF-8"):
+        c.input("a\udc80", pa.schema([("a", pa.int64())]))
+    t = c.input("t", pa.schema([("a", pa.int64())]))
+    with pytest.raises(ValueError, match="output name of 2048 bytes"):
+        c.output("é" * 1024, t)
