@@ -393,7 +393,7 @@ def _lost(root: str, s: int, last: int, tail: list[Record], divisions: dict[int,
         if not qs:
             continue
         for q in range(wm + 1, qs[-1]):
-            if q not in above and (p, q) not in have:
+            if q not in above and (p, q) not in have and (p, q) not in stepped:
                 lost.setdefault((p, q), -1)
     unnamed = 0
     for step, dv in divisions.items():  # a division counts its pushes: those not named are lost without a name
