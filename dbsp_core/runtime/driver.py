@@ -412,6 +412,8 @@ class Pipeline:
             elif r.handle == DISCARD_HANDLE:
                 decode_json(DISCARD_MAGIC, r.payload, f"{root} discard record of step {r.step}")
                 discards.add((r.producer, r.seq))
+                if r.producer:  # a discarded push was acknowledged: it stays seen, whether or not its record is
+                    self._seen.add(r.producer, r.seq)
             else:
                 records.setdefault(r.step, []).append(r)
             if not r.producer and r.handle != DIVISION_HANDLE:

@@ -10,7 +10,9 @@ Invariants (enforced here):
      checkpoint that damage may have touched (``resume_step``: the step recovery resumes at); the valid pushes
      and discard records of steps ``s`` and later are logged again, undivided, at step ``s``, so the next
      ``step()`` divides them anew (their old division is gone with the lost pushes). Output of steps ``s``
-     and later is withdrawn (it could not be computed again without the lost pushes).
+     and later is withdrawn (it could not be computed again without the lost pushes). Of the steps the state
+     holds past driver.db's step, recovery only reads the clock and the pushes (to keep them seen): a lost
+     division of one is made up, and a lost push an output step names gets a discard record (it stays seen).
   3. A push is reported lost by name when a record of the pipeline names it but no valid record holds it:
      the list of the pushes the input log held that a clean close writes to driver.db, the output log's input
      ranges of a step, or a gap in a producer's seqs after what the checkpoint's dedup set had seen; the
@@ -33,13 +35,14 @@ import shutil
 from typing import Any
 
 from dbsp_core import _storage
-from dbsp_core.codec import decode_json
+from dbsp_core.codec import decode_json, encode_json
 from dbsp_core.errors import CorruptionError, RecoveryError
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.directory import fsync_dir, lock_dir, read_record, read_rescale, remove_record, unlock_dir, \
     write_record
-from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, DEDUP_TABLE, DISCARD_HANDLE,
-                                       DIVISION_HANDLE, DIVISION_MAGIC, DRIVER_DB,
+from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE,
+                                       DEDUP_TABLE, DISCARD_HANDLE, DISCARD_MAGIC, DIVISION_HANDLE, DIVISION_MAGIC,
+                                       DRIVER_DB,
                                        INPUT_DIR, JOB_FILE, JOB_MAGIC, OUTPUT_DIR, REPAIR_FILE, REPAIR_MAGIC,
                                        STATE_DIR)
 from dbsp_core.storage.salvage import Record, Salvaged, salvage
@@ -302,7 +305,7 @@ def _repair(root: str) -> dict[str, Any]:
         s = max(x, min(lo for lo, h in zip(lows, highs) if h >= x))
     report["resume_step"] = x
     if s is None:
-        _write_log(idir + ".new", [(r.step, r.handle, r.producer, r.seq, r.payload) for r in recs], True)
+        _write_log(idir + ".new", _held(root, recs, x, report), True)
         _swap(root, backup, [INPUT_DIR])
         report["result"] = (f"the damaged records were of steps below the checkpoint (step {x}), which holds "
                             f"their effect: no push is lost")
@@ -319,8 +322,7 @@ def _repair(root: str) -> dict[str, Any]:
     report["lost"] = [{"producer": p, "seq": q, "step": st} for p, q, st in lost]
     report["lost_unnamed"] = unnamed
     report["requeued_pushes"] = sum(1 for r in tail if r.handle != DISCARD_HANDLE)
-    new = [(r.step, r.handle, r.producer, r.seq, r.payload) for r in head] + \
-          [(s, r.handle, r.producer, r.seq, r.payload) for r in tail]
+    new = _held(root, head, x, report) + [(s, r.handle, r.producer, r.seq, r.payload) for r in tail]
     _write_log(idir + ".new", new, True)
     parts = [INPUT_DIR]
     if out_last > s or out_damaged:
@@ -341,6 +343,60 @@ def _repair(root: str) -> dict[str, Any]:
                            f"withdrawn (read them again after the next steps)" if report["withdrawn_output"] else "")
                         + f"; the old logs are in {backup}")
     return report
+
+
+def _held(root: str, recs: list[Record], x: int, report: dict) -> list[tuple[int, str, str, int, bytes]]:
+    """``recs`` as records to log again, with what recovery needs of the steps ``d..x-1`` that the state holds
+    but driver.db (at step ``d``) does not (invariant 2): a division per step, made up when damage took it
+    (its ``now`` the latest one logged before it: recovery only keeps the clock from it), and a discard record
+    per push an intact output step names but no record holds, so that push stays seen (its effect is in the
+    state: it is not lost, and a retry must stay a duplicate)."""
+    out = [(r.step, r.handle, r.producer, r.seq, r.payload) for r in recs]
+    dpath = os.path.join(root, DRIVER_DB)
+    try:
+        with Database(dpath, readonly=True) as db, db.read(db.versions().stop - 1) as h:
+            d = h.get_step()
+            clock = h.get(CLOCK_TABLE, CLOCK_KEY)
+            floor = int(decode_json(CLOCK_MAGIC, clock, f"{dpath} clock")["now_ns"]) if clock is not None else 0
+    except (OSError, CorruptionError, KeyError, ValueError):
+        return out
+    divs = {r.step: decode_json(DIVISION_MAGIC, r.payload, f"division of step {r.step}") for r in recs
+            if r.handle == DIVISION_HANDLE}
+    missing = [t for t in range(d, x) if t not in divs]
+    if not missing:
+        return out
+    present = {(r.producer, r.seq) for r in recs if r.producer and r.handle not in (DIVISION_HANDLE, DISCARD_HANDLE)}
+    named = _named_outputs(root, range(d, x))
+    extra: dict[int, list[tuple[int, str, str, int, bytes]]] = {}
+    held = []
+    for t in range(d, x):
+        for rg in named.get(t, []):
+            if rg["producer"] and rg["first_seq"] is not None:
+                for q in range(rg["first_seq"], rg["last_seq"] + 1):
+                    if (rg["producer"], q) not in present:
+                        held.append((rg["producer"], q, t))
+                        extra.setdefault(t, []).append((t, DISCARD_HANDLE, rg["producer"], q, encode_json(
+                            DISCARD_MAGIC, {"input": rg["handle"], "producer": rg["producer"], "seq": q, "step": t})))
+        if t in missing:
+            before = [dv for st, dv in divs.items() if st < t]
+            last = max(before, key=lambda dv: dv["step"]) if before else None
+            dv = {"step": t, "pushes": sum(1 for r in recs if r.step == t and r.handle not in (DIVISION_HANDLE,
+                                                                                            DISCARD_HANDLE)),
+                  "now_ns": max(floor, int(last["now_ns"])) if last else floor, "seed": 0}
+            if last is not None and "watermarks" in last:
+                dv["watermarks"] = last["watermarks"]
+            divs[t] = dv
+            extra.setdefault(t, []).append((t, DIVISION_HANDLE, "", 0, encode_json(DIVISION_MAGIC, dv)))
+    report["held_by_the_state"] = [{"producer": p, "seq": q, "step": t} for p, q, t in held]
+    report["made_up_divisions"] = missing
+    merged: list[tuple[int, str, str, int, bytes]] = []
+    for rec in out:
+        for t in sorted(k for k in extra if k < rec[0]):
+            merged.extend(extra.pop(t))
+        merged.append(rec)
+    for t in sorted(extra):
+        merged.extend(extra[t])
+    return merged
 
 
 def _output_last(root: str) -> int:

@@ -199,3 +199,33 @@ def test_an_interrupted_repair_is_finished_by_open(tmp_path, monkeypatch):
     assert views(p) == model(where)
     p.close()
     assert not finish_repair(d)
+
+
+def test_damage_to_steps_the_state_holds_but_driver_db_does_not(tmp_path):
+    """The staged executor commits its state with every job, driver.db only at checkpoints: a division and a
+    push of such a step were damaged. Repair makes up the division (recovery keeps only the clock of it) and
+    marks the push seen with a discard record: its effect is in the state, so it is not lost and stays a
+    duplicate; the directory opens with every view right."""
+    from dbsp_core.runtime.staged import StagedExecutor
+
+    d = str(tmp_path / "d")
+    p = dbsp.Pipeline(circuit(), workers=2, storage=d, checkpoint_interval=None, segment_bytes=1 << 20,
+                      executor=StagedExecutor())
+    where = {}
+    for s in range(6):
+        for pr in ("a", "b"):
+            p.push("t", batch(pr, s), producer=pr, seq=s)
+            where[(pr, s)] = s
+        p.step()
+        if s == 1:
+            p.checkpoint()
+    p.close(checkpoint=False)
+    flip(d, "input", lambda r: r.handle == "\x00division" and r.step == 3)
+    flip(d, "input", lambda r: r.producer == "a" and r.seq == 4)
+    rep = repair(d)
+    assert rep["lost"] == [] and rep["made_up_divisions"] == [3], rep
+    assert rep["held_by_the_state"] == [{"producer": "a", "seq": 4, "step": 4}], rep
+    q = dbsp.Pipeline.open(d, circuit(), executor=StagedExecutor())
+    assert q.steps == 6 and views(q) == model(where)
+    assert q.push("t", batch("a", 4), producer="a", seq=4).duplicate
+    q.close()
