@@ -103,12 +103,13 @@ class _WithinLastState:
         """The held rows (consolidated) of every bucket meeting the time ranges [a, b] (may hold more)."""
         from dbsp_core.zset import ZSet
 
-        ids = [np.arange(a // self.bucket_ns, b // self.bucket_ns + 1, dtype=np.int64) for a, b in ranges if a <= b]
-        n = sum(len(x) for x in ids)
+        spans = [(a // self.bucket_ns, b // self.bucket_ns) for a, b in ranges if a <= b]
+        n = sum(hi - lo + 1 for lo, hi in spans)  # counted before anything is allocated: now may jump by years
         if n == 0:
             return empty(self.hschema)
         if n > self.MAX_BUCKETS:
             return self.held.consolidated().zset
+        ids = [np.arange(lo, hi + 1, dtype=np.int64) for lo, hi in spans]
         keys = np.unique(np.concatenate(ids))
         hashes = np.unique(ZSet.from_arrow(pa.table({"__bucket": keys})).hash(["__bucket"]))
         return lookup_exact(self.held, hashes, self.hschema).consolidate()
