@@ -17,6 +17,10 @@ How the pieces fit (each module states its own invariants):
   (dbsp_core.storage.shardmove), commits one new version of every state database, and switches ``LAYOUT``;
   a ``RESCALE`` record lets recovery finish or undo an interrupted change.
 
+- ``rollback.py``: puts operator instances back as they were before a step that failed on its data (StepError:
+  the step waits, divided, until ``Pipeline.discard`` drops a bad push; a discard record in the input log makes
+  recovery do the same).
+
 The driver also updates a ``dbsp_core.metrics.Metrics`` (``Pipeline.metrics()``, Prometheus text) on push, step
 and checkpoint, and truncates the output log through the consumer registry (dbsp_core.storage.consumers): below
 the lowest step every registered consumer acknowledged, and the retention setting.
