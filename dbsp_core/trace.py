@@ -1,16 +1,33 @@
-"""A Trace is the integrated, indexed state of a stateful operator: a spine of consolidated IndexedZSets sorted by key hash, merged in amortized fashion.
+"""A Trace is the integrated, indexed state of a stateful operator: consolidated batches kept in levels by the work that went into them, merged a little on every insert.
 
 Invariants (enforced here):
   1. Every batch is a consolidated IndexedZSet on the trace's key, rows ascending by key hash; the trace's
-     content is the sum of its batches (the same row may sit in several batches until they merge).
-  2. Merging is lazy: inserted batches wait in ``pending`` (at most MAX_PENDING = 1024 of them) and are settled
-     into the spine before any read. Settled batch sizes strictly shrink from oldest to newest: a newer
-     batch holding at least as many rows as its older neighbour is merged into it (a binary counter), so
-     the spine of n rows has at most log2(n) + 1 batches and each row is merged at most log2(n) times.
-     A trace that is never read (e.g. a join side whose other input never changes) never pays for merges.
-  3. A lookup touches only the rows whose key hash is asked for (a galloping C search per batch), or whole batches
-     smaller than a few rows per asked key, so per-step cost grows with the change, not with the state.
-  4. State is grouped by shard: a shard (top ``shard_bits`` bits of the key hash) is a contiguous row range
+     content is the sum of its batches: the loose batches of every level, both inputs of every merge in
+     progress, and the pending batches (the same row may sit in several batches until they merge).
+  2. A batch's work is the number of rows inserted into it, not its size: an inserted batch's work is its row
+     count; a merge's output has its inputs' summed work, capped at WORK_CAP times its own rows. The batch
+     sits at level ``ceil(log2(work))``, and a merge only joins two batches of one level. So the output of a
+     merge that did not shrink moves at least one level up and never meets the same batches again: a merge
+     at level L needs 2**(L-1) newly inserted rows behind it, while its inputs hold at most 2**(L+1) rows.
+     The cap only lets an output that shrank to half its work or less stay low (its rows are few), so the
+     level count is at most log2(WORK_CAP * rows) + 1 even when the key set is saturated and every merge
+     returns a batch of the same size.
+  3. Merging is paid by inserts, in bounded steps: inserting n rows first advances each level's merge in
+     progress (starting one where a level holds two loose batches) by FUEL * n input rows (a resumable C
+     merge, csrc/merge.h), then places the batch. A merge at level L then finishes before the 2**(L-1) rows
+     that could bring its level another batch are in, so levels hold about one batch each, and a step's
+     merge work is at most FUEL times its rows per level, amortized at most its rows per level: the cost of
+     a step grows with the change, never with the state.
+  4. Reads (lookup, match_weights, key_sums, batches, consolidated, shard) never merge: they read every batch
+     of invariant 1 as it stands, O(log n) batches. A merge's inputs stay readable until it finishes; then
+     its output replaces them.
+  5. Inserts into a fresh trace (new, or just cleared: a checkpoint being restored) stay pending, in order,
+     until the first read or MAX_PENDING of them, which inserts them as above; settle() places pending
+     batches without merging. So a restore that inserts the batches of ``parts()`` and settles gets the same
+     batches back, and ``parts()`` lists placed batches in the order they were placed.
+  6. A lookup touches only the rows whose key hash is asked for (a galloping C search per batch), or whole
+     batches smaller than a few rows per asked key, so its cost grows with the change, not with the state.
+  7. State is grouped by shard: a shard (top ``shard_bits`` bits of the key hash) is a contiguous row range
      of every batch, so :meth:`Trace.shard` extracts one shard's state without scanning the others.
 """
 
@@ -51,8 +68,45 @@ def unique_sorted(hashes: np.ndarray) -> np.ndarray:
     return hashes[keep]
 
 
+def level_of(work: int) -> int:
+    """The level of a batch with ``work`` inserted rows: ``ceil(log2(work))`` (invariant 2).
+
+    >>> [level_of(w) for w in (1, 2, 3, 4, 5, 1024, 1025)]
+    [0, 1, 2, 2, 3, 10, 11]
+    """
+    return (work - 1).bit_length()
+
+
+class _Merge:
+    """A merge in progress of two batches of one level; its inputs stay readable until it finishes."""
+
+    __slots__ = ("a", "b", "work", "merger")
+
+    def __init__(self, a: tuple[int, "IndexedZSet", int], b: tuple[int, "IndexedZSet", int]) -> None:
+        from dbsp_core.zset import merger
+
+        self.a, self.b = a, b  # (placement number, batch, work)
+        self.work = a[2] + b[2]
+        self.merger = merger(a[1], b[1])
+
+    def result(self) -> "IndexedZSet":
+        from dbsp_core.zset import merged
+
+        return merged(self.a[1], self.merger)
+
+
+class _Level:
+    """The batches of one level: loose ones (placement number, batch, work), oldest first, and a merge."""
+
+    __slots__ = ("loose", "merge")
+
+    def __init__(self) -> None:
+        self.loose: list[tuple[int, IndexedZSet, int]] = []
+        self.merge: _Merge | None = None
+
+
 class Trace:
-    """A spine of consolidated, key-hash-sorted batches: the integral of an indexed stream.
+    """Consolidated, key-hash-sorted batches in levels by work: the integral of an indexed stream.
 
     Parameters
     ----------
@@ -74,49 +128,125 @@ class Trace:
     [{(1, 10): 1}]
     """
 
-    MAX_PENDING = 1024  # bounds the per-batch overhead of a trace that is written but never read
+    FUEL = 4  # merge input rows per inserted row, per level with a merge to advance (invariant 3)
+    WORK_CAP = 2  # a merge's output counts at most this many times its rows as work (invariant 2)
+    MAX_PENDING = 64  # a fresh trace's pending batches beyond which it places them (invariant 5)
 
     def __init__(self, schema: pa.Schema, key: tuple[str, ...]) -> None:
         self.schema = schema
         self.key = tuple(key)
-        self._spine: list[IndexedZSet] = []
+        self.merged_rows = 0  # input rows consumed by merges, ever (counts, not timings, for tests and benchmarks)
+        self.inserted_rows = 0  # rows inserted, ever
+        self.clear()
+
+    def clear(self) -> None:
+        """Drop all state; the trace is fresh again (invariant 5)."""
+        self._levels: list[_Level] = []
         self.pending: list[IndexedZSet] = []
+        self._fresh = True
+        self._placed = 0  # placement numbers handed out
+
+    # ---- writing ----
+
+    def insert(self, batch: "IndexedZSet") -> None:
+        """Add a consolidated indexed batch (same key): pay its share of merge work, then place it (invariant 3)."""
+        if len(batch) == 0:
+            return
+        self.inserted_rows += len(batch)
+        if self._fresh:
+            self.pending.append(batch)
+            if len(self.pending) > self.MAX_PENDING:
+                self._unfresh()
+            return
+        self._work(len(batch))
+        self._place(batch, len(batch))
+
+    def settle(self) -> None:
+        """Place the pending batches into their levels, merging nothing (invariant 5: a restore inserts the batches
+        of :meth:`parts` and settles; merges go on as later inserts pay for them)."""
+        for b in self.pending:
+            self._place(b, len(b))
+        self.pending = []
+
+    def _unfresh(self) -> None:
+        """End freshness: insert the pending batches, each paying its merge work (invariant 5)."""
+        pending, self.pending, self._fresh = self.pending, [], False
+        for b in pending:
+            self._work(len(b))
+            self._place(b, len(b))
+
+    def _place(self, batch: "IndexedZSet", work: int) -> None:
+        lvl = level_of(work)
+        while len(self._levels) <= lvl:
+            self._levels.append(_Level())
+        self._levels[lvl].loose.append((self._placed, batch, work))
+        self._placed += 1
+
+    def _work(self, rows: int) -> None:
+        """Advance every level's merge by FUEL * rows input rows, lowest level first (invariant 3)."""
+        fuel = self.FUEL * rows
+        lvl = 0
+        while lvl < len(self._levels):  # a finished merge may add a level above
+            level = self._levels[lvl]
+            budget = fuel
+            while budget > 0:
+                m = level.merge
+                if m is None:
+                    if len(level.loose) < 2:
+                        break
+                    m = level.merge = _Merge(level.loose.pop(0), level.loose.pop(0))
+                used = m.merger.step(budget)
+                budget -= used
+                self.merged_rows += used
+                if m.merger.done:
+                    level.merge = None
+                    out = m.result()
+                    if len(out):
+                        self._place(out, min(m.work, self.WORK_CAP * len(out)))
+            lvl += 1
+
+    # ---- reading ----
+
+    def _read(self) -> list["IndexedZSet"]:
+        """Every batch of invariant 1, placed ones first (a read ends a trace's freshness: invariant 5)."""
+        if self._fresh:
+            self._unfresh()
+        return self._spine() + self.pending
+
+    def _spine(self) -> list["IndexedZSet"]:
+        """The placed batches (merge inputs included), in the order they were placed."""
+        entries = []
+        for level in self._levels:
+            entries.extend(level.loose)
+            if level.merge is not None:
+                entries.append(level.merge.a)
+                entries.append(level.merge.b)
+        entries.sort(key=lambda e: e[0])
+        return [e[1] for e in entries]
 
     @property
     def batches(self) -> list["IndexedZSet"]:
-        """The settled spine (oldest and largest first); reading it settles pending batches."""
-        self.settle()
-        return self._spine
+        """Every batch the trace's content is the sum of (invariant 1); reading it merges nothing."""
+        return self._read()
 
     def parts(self) -> tuple[list["IndexedZSet"], list["IndexedZSet"]]:
-        """The settled spine and the pending batches as they are, without settling (no merges): what a
-        checkpoint saves. The lists are the trace's own; do not modify them."""
-        return self._spine, self.pending
+        """The placed batches (in placement order) and the pending ones, as they are: what a checkpoint saves.
+        Inserting both lists into a cleared trace, with :meth:`settle` between them, restores it (invariant 5)."""
+        return self._spine(), list(self.pending)
+
+    def levels(self) -> list[tuple[int, list[int], tuple[int, int] | None]]:
+        """Per non-empty level: its number, its loose batches' sizes and its merge's input sizes (for tests)."""
+        out = []
+        for lvl, level in enumerate(self._levels):
+            m = level.merge
+            if level.loose or m is not None:
+                out.append((lvl, [len(e[1]) for e in level.loose], (len(m.a[1]), len(m.b[1])) if m else None))
+        return out
 
     @property
     def num_rows(self) -> int:
         """Stored rows over all batches (a row may be counted once per batch holding it)."""
-        return sum(len(b) for b in self._spine) + sum(len(b) for b in self.pending)
-
-    def insert(self, batch: "IndexedZSet") -> None:
-        """Add a consolidated indexed batch (same key) to the trace; merging waits for a read (invariant 2)."""
-        if len(batch) == 0:
-            return
-        self.pending.append(batch)
-        if len(self.pending) > self.MAX_PENDING:
-            self.settle()
-
-    def settle(self) -> None:
-        """Merge pending batches into the spine as a binary counter (invariant 2)."""
-        bs = self._spine
-        for batch in self.pending:
-            bs.append(batch)
-            while len(bs) >= 2 and len(bs[-1]) >= len(bs[-2]):
-                newer = bs.pop()
-                bs[-1] = bs[-1].merge(newer)
-                if len(bs[-1]) == 0:
-                    bs.pop()
-        self.pending = []
+        return sum(len(b) for b in self._spine()) + sum(len(b) for b in self.pending)
 
     def lookup(self, hashes: np.ndarray, dense_ratio: float = 1.0) -> list["IndexedZSet"]:
         """The rows of each batch whose key hash is in ``hashes`` (ascending uint64; duplicates allowed).
@@ -130,7 +260,7 @@ class Trace:
         out = []
         if len(hashes) == 0:
             return out
-        for b in self.batches:
+        for b in self._read():
             if len(b) < dense_ratio * len(hashes):
                 out.append(b)
                 continue
@@ -147,13 +277,12 @@ class Trace:
         from dbsp_core import _zset
 
         acc = np.zeros(len(change), dtype=np.int64)
-        batches = self.batches if len(change) else []
+        batches = self._read() if len(change) else []
         if batches:
             change._check_compatible(batches[0], "match_weights")  # every batch has the trace's schema and key
             view, schema = change._view(), change.schema
             for b in batches:
-                if len(b):
-                    _zset.match_weights(view, None, None, b._view_as(schema), None, None, acc)
+                _zset.match_weights(view, None, None, b._view_as(schema), None, None, acc)
         return acc
 
     def key_sums(self, probe: pa.Table, probe_keys: list[str], khash: np.ndarray, rows: np.ndarray,
@@ -165,41 +294,35 @@ class Trace:
         from dbsp_core.zset import _key_sums_positions
 
         acc = np.zeros((len(rows), len(columns)), dtype=np.int64)
-        batches = self.batches if len(rows) else []
+        batches = self._read() if len(rows) else []
         if batches:
             ppos, cpos = _key_sums_positions(batches[0], probe, probe_keys, columns)
             if view is None:
                 view = _zset.BatchView(probe)  # built once for every batch
             for b in batches:
-                if len(b):
-                    b._key_sums(view, ppos, khash, rows, cpos, acc)
+                b._key_sums(view, ppos, khash, rows, cpos, acc)
         return acc
 
     def consolidated(self) -> "IndexedZSet":
-        """The whole trace as one consolidated batch (merges a copy; the spine is unchanged)."""
+        """The whole trace as one consolidated batch (merges a copy; the trace is unchanged)."""
         from dbsp_core.zset import IndexedZSet
 
         acc = IndexedZSet.empty(self.schema, self.key)
-        for b in self.batches:
+        for b in self._read():
             acc = acc.merge(b)
         return acc
 
     def shard(self, shard_bits: int, shard: int) -> "IndexedZSet":
-        """The consolidated state of one shard (invariant 4)."""
+        """The consolidated state of one shard (invariant 7)."""
         from dbsp_core.zset import IndexedZSet
 
         acc = IndexedZSet.empty(self.schema, self.key)
-        for b in self.batches:
+        for b in self._read():
             bounds = b.shard_bounds(shard_bits)
             lo, hi = int(bounds[shard]), int(bounds[shard + 1])
             if hi > lo:
                 acc = acc.merge(b.take(np.arange(lo, hi, dtype=np.int64)))
         return acc
 
-    def clear(self) -> None:
-        """Drop all state."""
-        self._spine = []
-        self.pending = []
-
     def __repr__(self) -> str:
-        return f"Trace(key={self.key}, batches={[len(b) for b in self._spine]}, pending={len(self.pending)})"
+        return f"Trace(key={self.key}, levels={self.levels()}, pending={len(self.pending)})"

@@ -551,20 +551,16 @@ class IndexedZSet:
             raise SchemaError(f"{op}: keys differ: {self._key} vs {other._key}")
 
     def merge(self, other: IndexedZSet) -> IndexedZSet:
-        """The consolidated sum of two indexed Z-sets with the same schema and key, in linear time."""
+        """The consolidated sum of two indexed Z-sets with the same schema and key, in linear time (one pass of
+        the resumable C merge run to the end, :func:`merger`)."""
         self._check_compatible(other, "merge")
         if len(other) == 0:
             return self
         if len(self) == 0:
             return other
-        a, b = self._z, other._z
-        bd = _conform(b._data, a._data.schema)
-        # a key of every column in order hashes like the whole row: the kernel then reuses the key hashes as
-        # row hashes ([] = whole-row key) instead of hashing rows whose key hashes meet
-        keys = [] if self._keypos == list(range(a._data.num_columns)) else self._keypos
-        idx, w, kh = _zset.merge(self._view(), None, None, other._view_as(a._data.schema), None, None, keys)
-        both = _single_chunk(pa.concat_tables([a._data, bd]))
-        return IndexedZSet._make(ZSet._make(_take(both, idx), w), self._key, kh)
+        m = merger(self, other)
+        m.step(len(self) + len(other))
+        return merged(self, m)
 
     def lookup(self, hashes: np.ndarray) -> np.ndarray:
         """Row numbers (ascending, int64) of the rows whose key hash is in `hashes` (ascending uint64; duplicates
@@ -698,6 +694,21 @@ class IndexedZSet:
         data = self._z._data
         group_row, _, ivals, fvals, valid = _zset.reduce(self._view(), None, None, self._keypos, specs)
         return _agg_table(data, self._key, specs, group_row, ivals, fvals, valid)
+
+
+def merger(a: IndexedZSet, b: IndexedZSet) -> Any:
+    """A resumable merge of two non-empty indexed Z-sets of one schema (types) and key (csrc/merge.h): ``step(n)``
+    merges at least n more input rows, ``done`` tells when every row is in; :func:`merged` then gives the sum."""
+    # a key of every column in order hashes like the whole row: the kernel then reuses the key hashes as row
+    # hashes ([] = whole-row key) instead of hashing rows whose key hashes meet
+    keys = [] if a._keypos == list(range(a._z._data.num_columns)) else a._keypos
+    return _zset.Merger(a._view(), b._view_as(a._z._data.schema), keys)
+
+
+def merged(a: IndexedZSet, m: Any) -> IndexedZSet:
+    """The result of a finished :func:`merger` whose first input is ``a``, as an indexed Z-set."""
+    table, w, kh = m.result()
+    return IndexedZSet._make(ZSet._make(table, w), a._key, kh)
 
 
 def _key_sums_positions(ix: IndexedZSet, probe: pa.Table, probe_keys: Sequence[str], columns: Sequence[str]

@@ -21,7 +21,8 @@ AUCTIONS = pa.schema([("id", pa.int64()), ("category", pa.int64())])
 
 
 def circuit() -> dbsp.Circuit:
-    """A join whose bids side is written every step but read only when auctions change."""
+    """A join whose bids side is written every step but read only when auctions change (a fresh trace that is
+    never read keeps its batches pending: trace invariant 5)."""
     c = dbsp.Circuit()
     bids = c.input("bids", BIDS)
     auctions = c.input("auctions", AUCTIONS)
@@ -69,9 +70,7 @@ def view(p) -> dict:
 def test_checkpoints_keep_pending_batches_pending_and_recovery_restores_them(tmp_path, monkeypatch):
     d = str(tmp_path / "d")
     p = dbsp.Pipeline(circuit(), workers=2, storage=d, checkpoint_interval=None)
-    p.push("auctions", pa.table({"id": np.arange(50), "category": np.arange(50) % 5}, schema=AUCTIONS))
-    p.step()
-    for k in range(6):
+    for k in range(6):  # no auctions yet: nothing reads the bids trace
         p.push("bids", bids(k))
         p.step()
     before = traces(p)
@@ -95,8 +94,9 @@ def test_checkpoints_keep_pending_batches_pending_and_recovery_restores_them(tmp
     assert traces(p) == before  # the same settled and pending batches, not merged on load
     groups = _group_counts(d, 2)
     assert any(c >= 3 for c in groups.values()), groups  # the pending bids batches were saved as groups
-    p.push("auctions", pa.table({"id": [1000], "category": [0]}, schema=AUCTIONS))  # matches no bid, but the
-    p.push("bids", bids(9))  # join looks it up in the bids trace: reading it settles (merges) its batches
+    p.push("auctions", pa.table({"id": np.append(np.arange(50), 1000), "category": np.append(np.arange(50) % 5, 0)},
+                                schema=AUCTIONS))  # the join looks them up in the bids trace: the read inserts
+    p.push("bids", bids(9))  # (and merges) its pending batches
     p.step()
     left = [pend for (w, name), (_, pend, _) in traces(p).items() if "join" in name and "left" in name]
     assert len(left) == 2 and min(len(pend) for pend in left) <= 1, left  # settled, then bids(9) inserted
