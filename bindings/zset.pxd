@@ -79,9 +79,9 @@ cdef extern from "merge.h" nogil:
     void dbsp_merge_sizes(const CColumn *a, int64_t na, const CColumn *b, int64_t nb, int64_t *validity,
                           int64_t *values, int64_t *data)
     int dbsp_merge_init(const CBatch *a, const CBatch *b, CMerge *m, COutColumn *out)
-    int dbsp_merge_step(const CBatch *a, const uint64_t *akh, const CBatch *b, const uint64_t *bkh,
-                        const int32_t *keys, int32_t nkeys, int64_t budget, CMerge *m, COutColumn *out,
-                        int64_t *w, uint64_t *kh)
+    int dbsp_merge_step(const CBatch *a, const uint64_t *akh, const uint64_t *arh, const CBatch *b,
+                        const uint64_t *bkh, const uint64_t *brh, const int32_t *keys, int32_t nkeys, int64_t budget,
+                        CMerge *m, COutColumn *out, int64_t *w, uint64_t *kh, uint64_t *rh)
 
 cdef extern from "scratch.h" nogil:
     void *dbsp_region_alloc(size_t nbytes, size_t *mapped)

@@ -364,25 +364,36 @@ cdef class Merger:
     """A merge of two canonical batches (BatchViews with key hashes, of one schema and key) advanced in bounded
     steps (csrc/merge.h): ``step(budget)`` consumes at least `budget` input rows (or the rest) and writes their
     consolidated sum into buffers sized for both inputs; ``result()`` then hands the rows to Arrow and numpy
-    (unused pages returned to the system). The output is dbsp_zset_merge's, row for row."""
+    (unused pages returned to the system). The output is dbsp_zset_merge's, row for row. Given a side's row
+    hashes (`arh`, `brh`: uint64 in index order) its rows of meeting keys are ordered without hashing; with
+    `row_hashes` the result carries the output's row hashes (computed for rows of a side without them)."""
     cdef BatchView a
     cdef BatchView b
+    cdef object arh_ref
+    cdef object brh_ref
+    cdef const uint64_t *arh
+    cdef const uint64_t *brh
     cdef Int32s keys
     cdef CMerge m
     cdef COutColumn *out
     cdef list regions  # per column: [validity or None, values, data or None]
     cdef Region w
     cdef Region kh
+    cdef Region rh
     cdef readonly object schema
     cdef bint finished
 
     def __cinit__(self):
         self.out = NULL
+        self.arh = NULL
+        self.brh = NULL
 
     def __dealloc__(self):
         free(self.out)
 
-    def __init__(self, a, b, keys):
+    def __init__(self, a, b, keys, arh=None, brh=None, bint row_hashes=False):
+        cdef const uint64_t[::1] av
+        cdef const uint64_t[::1] bv
         cdef int32_t c, ncols
         cdef int64_t nv = 0, nx = 0, nd = 0, cap
         cdef int st
@@ -393,6 +404,18 @@ cdef class Merger:
             raise ValueError("Merger: both views need their key hashes")
         self.keys = Int32s(keys)
         self.schema = self.a.pyschema
+        if arh is not None and self.a.c.nrows:
+            self.arh_ref = np.ascontiguousarray(arh, dtype=np.uint64)
+            if self.arh_ref.shape[0] != self.a.c.nrows:
+                raise ValueError("Merger: one row hash per row")
+            av = self.arh_ref
+            self.arh = &av[0]
+        if brh is not None and self.b.c.nrows:
+            self.brh_ref = np.ascontiguousarray(brh, dtype=np.uint64)
+            if self.brh_ref.shape[0] != self.b.c.nrows:
+                raise ValueError("Merger: one row hash per row")
+            bv = self.brh_ref
+            self.brh = &bv[0]
         ncols = self.a.c.ncols
         if ncols == 0 or self.b.c.ncols != ncols:
             raise ValueError(f"Merger: {ncols} columns against {self.b.c.ncols} (a merge needs key columns)")
@@ -416,6 +439,7 @@ cdef class Merger:
             self.regions.append([rv, rx, rd])
         self.w = new_region(cap * 8)
         self.kh = new_region(cap * 8)
+        self.rh = new_region(cap * 8) if row_hashes else None
         st = dbsp_merge_init(&self.a.c, &self.b.c, &self.m, self.out)
         check_status(st, "merge")
         self.finished = False
@@ -440,14 +464,16 @@ cdef class Merger:
         cdef int st
         if self.finished:
             raise ValueError("Merger.step: the result was already taken")
+        cdef uint64_t *rh = <uint64_t *>self.rh.ptr if self.rh is not None else NULL
         with nogil:
-            st = dbsp_merge_step(&self.a.c, self.a.kh, &self.b.c, self.b.kh, self.keys.p, self.keys.n, budget,
-                                 &self.m, self.out, <int64_t *>self.w.ptr, <uint64_t *>self.kh.ptr)
+            st = dbsp_merge_step(&self.a.c, self.a.kh, self.arh, &self.b.c, self.b.kh, self.brh, self.keys.p, self.keys.n,
+                                 budget, &self.m, self.out, <int64_t *>self.w.ptr, <uint64_t *>self.kh.ptr, rh)
         check_status(st, "merge")
         return self.m.ia + self.m.ib - before
 
     def result(self):
-        """(table, weights, key hashes) of the finished merge, over its own buffers (trimmed to size)."""
+        """(table, weights, key hashes, row hashes or None) of the finished merge, over its own buffers (trimmed
+        to size)."""
         cdef int32_t c
         cdef int64_t n = self.m.n, nbytes
         cdef Region rv, rx, rd
@@ -485,7 +511,11 @@ cdef class Merger:
         self.kh.trim(n * 8)
         w = np.frombuffer(self.w, dtype=np.int64, count=n)
         kh = np.frombuffer(self.kh, dtype=np.uint64, count=n)
-        return pa.Table.from_arrays(arrays, schema=self.schema), w, kh
+        rh = None
+        if self.rh is not None:
+            self.rh.trim(n * 8)
+            rh = np.frombuffer(self.rh, dtype=np.uint64, count=n)
+        return pa.Table.from_arrays(arrays, schema=self.schema), w, kh, rh
 
 
 def small_rows(n=None):

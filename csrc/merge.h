@@ -2,7 +2,8 @@
  *
  * Invariants (of a DbspMerge between steps; checked by the tests against dbsp_zset_merge):
  *  1. Rows a[0..ia) and b[0..ib) are consumed, and output rows [0, n) are their consolidated sum in canonical
- *     order (rows.h), with their weights and key hashes: exactly the first n rows of dbsp_zset_merge's result.
+ *     order (rows.h), with their weights, key hashes and (when asked for) row hashes: exactly the first n rows
+ *     of dbsp_zset_merge's result.
  *     Two equal rows (one per side) are consumed together, so a step never splits a row's weight.
  *  2. The output buffers hold room for a->nrows + b->nrows rows (and all of both sides' bytes), so no step
  *     reallocates: a step costs O(rows consumed), whatever has been merged before.
@@ -40,12 +41,15 @@ void dbsp_merge_sizes(const DbspColumn *a, int64_t na, const DbspColumn *b, int6
 int dbsp_merge_init(const DbspBatch *a, const DbspBatch *b, DbspMerge *m, DbspOutColumn *out);
 
 /* Advance merge m of a and b (consolidated, canonical for key columns keys[0..nkeys), nkeys == 0: the whole row,
- * with key hashes akh and bkh) by at least `budget` consumed input rows, or to the end: writes output rows
- * [m->n, ...) into out, w (weights) and kh (key hashes). Returns DBSP_OK; the merge is finished when
- * m->ia == a->nrows and m->ib == b->nrows. DBSP_EOVERFLOW if two weights sum past int64 (the cursor then stands
- * before those rows), DBSP_ETOOBIG if a utf8/binary column's output passes 2^31-1 bytes. */
-int dbsp_merge_step(const DbspBatch *a, const uint64_t *akh, const DbspBatch *b, const uint64_t *bkh,
-                    const int32_t *keys, int32_t nkeys, int64_t budget, DbspMerge *m, DbspOutColumn *out,
-                    int64_t *w, uint64_t *kh);
+ * with key hashes akh and bkh, and row hashes arh and brh or NULL) by at least `budget` consumed input rows, or to
+ * the end: writes output rows [m->n, ...) into out, w (weights), kh (key hashes) and, unless NULL, rh (row
+ * hashes). Where key hashes meet, rows are ordered by row hash: taken from arh/brh, else computed (only for
+ * rows that are not equal), so batches that keep their row hashes merge without hashing. Returns DBSP_OK; the
+ * merge is finished when m->ia == a->nrows and m->ib == b->nrows. DBSP_EOVERFLOW if two weights sum past int64
+ * (the cursor then stands before those rows), DBSP_ETOOBIG if a utf8/binary column's output passes 2^31-1
+ * bytes. */
+int dbsp_merge_step(const DbspBatch *a, const uint64_t *akh, const uint64_t *arh, const DbspBatch *b,
+                    const uint64_t *bkh, const uint64_t *brh, const int32_t *keys, int32_t nkeys, int64_t budget,
+                    DbspMerge *m, DbspOutColumn *out, int64_t *w, uint64_t *kh, uint64_t *rh);
 
 #endif

@@ -12,12 +12,12 @@ Invariants (enforced here):
      The cap only lets an output that shrank to half its work or less stay low (its rows are few), so the
      level count is at most log2(WORK_CAP * rows) + 1 even when the key set is saturated and every merge
      returns a batch of the same size.
-  3. Merging is paid by inserts, in bounded steps: inserting n rows first advances each level's merge in
-     progress (starting one where a level holds two loose batches) by FUEL * n input rows (a resumable C
-     merge, csrc/merge.h), then places the batch. A merge at level L then finishes before the 2**(L-1) rows
-     that could bring its level another batch are in, so levels hold about one batch each, and a step's
-     merge work is at most FUEL times its rows per level, amortized at most its rows per level: the cost of
-     a step grows with the change, never with the state.
+  3. Merging is paid by inserts, in bounded steps: inserting n rows places the batch, then advances each
+     level's merge in progress (starting one where a level holds two loose batches) by FUEL * n input rows (a
+     resumable C merge, csrc/merge.h). A merge at level L then finishes before the 2**(L-1) rows that could
+     bring its level another batch are in, so levels hold about one batch each (a batch that arrives earlier
+     waits, loose), and a step's merge work is at most FUEL times its rows per level, amortized at most its
+     rows per level: the cost of a step grows with the change, never with the state.
   4. Reads (lookup, match_weights, key_sums, batches, consolidated, shard) never merge: they read every batch
      of invariant 1 as it stands, O(log n) batches. A merge's inputs stay readable until it finishes; then
      its output replaces them.
@@ -87,7 +87,7 @@ class _Merge:
 
         self.a, self.b = a, b  # (placement number, batch, work)
         self.work = a[2] + b[2]
-        self.merger = merger(a[1], b[1])
+        self.merger = merger(a[1], b[1], row_hashes=True)
 
     def result(self) -> "IndexedZSet":
         from dbsp_core.zset import merged
@@ -149,17 +149,18 @@ class Trace:
     # ---- writing ----
 
     def insert(self, batch: "IndexedZSet") -> None:
-        """Add a consolidated indexed batch (same key): pay its share of merge work, then place it (invariant 3)."""
+        """Add a consolidated indexed batch (same key): place it, then pay its share of merge work (invariant 3)."""
         if len(batch) == 0:
             return
+        batch._row_hashes()  # kept with the batch: merges order meeting keys without hashing (csrc/merge.h)
         self.inserted_rows += len(batch)
         if self._fresh:
             self.pending.append(batch)
             if len(self.pending) > self.MAX_PENDING:
                 self._unfresh()
             return
-        self._work(len(batch))
         self._place(batch, len(batch))
+        self._work(len(batch))
 
     def settle(self) -> None:
         """Place the pending batches into their levels, merging nothing (invariant 5: a restore inserts the batches
@@ -172,8 +173,8 @@ class Trace:
         """End freshness: insert the pending batches, each paying its merge work (invariant 5)."""
         pending, self.pending, self._fresh = self.pending, [], False
         for b in pending:
-            self._work(len(b))
             self._place(b, len(b))
+            self._work(len(b))
 
     def _place(self, batch: "IndexedZSet", work: int) -> None:
         lvl = level_of(work)

@@ -216,7 +216,7 @@ static void test_merge(int keyed) {
 
 /* dbsp_merge_step in random budgets writes exactly dbsp_zset_merge's rows (taken from a or b), weights and key
  * hashes, and a consistent Arrow layout (offsets, bits, null counts) */
-static void test_merge_steps(int keyed, int64_t na0, int64_t nb0) {
+static void test_merge_steps(int keyed, int64_t na0, int64_t nb0, int given_rh) {
     TBatch a0, b0, a, b;
     tb_make(&a0, na0, 40, -2, 2); tb_make(&b0, nb0, 40, -2, 2);
     DbspRows ra, rb, m;
@@ -242,13 +242,17 @@ static void test_merge_steps(int keyed, int64_t na0, int64_t nb0) {
     CHECK(sz[1][0] == cap * 8 && sz[1][1] == (cap + 1) * 4);
     CHECK(sz[2][1] == (int64_t)a.soff[a.n] + b.soff[b.n]);
     int64_t *w = malloc((size_t)(cap + 1) * 8);
-    uint64_t *kh = malloc((size_t)(cap + 1) * 8);
+    uint64_t *kh = malloc((size_t)(cap + 1) * 8), *rh = malloc((size_t)(cap + 1) * 8);
+    uint64_t *arh = malloc((size_t)(a.n + 1) * 8), *brh = malloc((size_t)(b.n + 1) * 8);
+    CHECK(dbsp_hash_columns(&a.b, NULL, 0, arh) == DBSP_OK);
+    CHECK(dbsp_hash_columns(&b.b, NULL, 0, brh) == DBSP_OK);
     DbspMerge st;
     CHECK(dbsp_merge_init(&a.b, &b.b, &st, out) == DBSP_OK);
     int guard = 0;
     while ((st.ia < a.n || st.ib < b.n) && guard++ < 100000) {
         int64_t before = st.ia + st.ib, budget = (int64_t)(next() % 7);
-        CHECK(dbsp_merge_step(&a.b, ra.khash, &b.b, rb.khash, keys, nkeys, budget, &st, out, w, kh) == DBSP_OK);
+        CHECK(dbsp_merge_step(&a.b, ra.khash, given_rh & 1 ? arh : NULL, &b.b, rb.khash, given_rh & 2 ? brh : NULL,
+                              keys, nkeys, budget, &st, out, w, kh, rh) == DBSP_OK);
         CHECK(st.ia + st.ib >= before + budget || (st.ia == a.n && st.ib == b.n));
         CHECK(st.ia + st.ib <= before + budget + 1);  /* a pair of equal rows is consumed together */
     }
@@ -259,6 +263,7 @@ static void test_merge_steps(int keyed, int64_t na0, int64_t nb0) {
         const TBatch *sb = src < a.n ? &a : &b;
         int64_t si = src < a.n ? src : src - a.n;
         CHECK(w[x] == m.weights[x] && kh[x] == m.khash[x]);
+        CHECK(rh[x] == (src < a.n ? arh[si] : brh[si]));
         int kv = dbsp_bit(out[0].validity, x), sv = dbsp_bit(out[1].validity, x);
         CHECK(kv == dbsp_bit(sb->kvalid, si) && sv == dbsp_bit(sb->svalid, si));
         nulls[0] += !kv; nulls[1] += !sv;
@@ -270,7 +275,7 @@ static void test_merge_steps(int keyed, int64_t na0, int64_t nb0) {
     CHECK(out[0].null_count == nulls[0] && out[1].null_count == nulls[1]);
     for (int64_t x = st.n; x < ((st.n + 7) & ~7); x++) CHECK(dbsp_bit(out[0].validity, x) == 0);
     for (int c = 0; c < 2; c++) { free(out[c].validity); free(out[c].values); free(out[c].data); }
-    free(w); free(kh);
+    free(w); free(kh); free(rh); free(arh); free(brh);
     dbsp_rows_free(&ra); dbsp_rows_free(&rb); dbsp_rows_free(&m);
     tb_free(&a0); tb_free(&b0); tb_free(&a); tb_free(&b);
 }
@@ -716,10 +721,10 @@ int main(void) {
     test_consolidate_far_weights();
     test_merge(0);
     test_merge(1);
-    for (int rep = 0; rep < 10; rep++) {
-        test_merge_steps(rep & 1, (int64_t)(next() % 400), 1 + (int64_t)(next() % 400));
+    for (int rep = 0; rep < 16; rep++) {
+        test_merge_steps(rep & 1, (int64_t)(next() % 400), 1 + (int64_t)(next() % 400), (rep >> 1) & 3);
     }
-    test_merge_steps(1, 0, 50);
+    test_merge_steps(1, 0, 50, 3);
     test_join_and_reduce(200, 300);
     test_join_and_reduce(12, 1500);  /* a small a against a large b: the batched seek */
     test_partition();
