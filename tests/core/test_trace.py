@@ -92,6 +92,7 @@ def test_any_inserts_reads_settles_and_restores_match_the_model(steps, cls):
         else:  # what a checkpoint restore does: insert parts() into a cleared trace, settling between them
             spine, pending = t.parts()
             t = cls(SCHEMA, ("k",))
+            t.clear()  # fresh, as a snapshot restore makes it
             for b in spine:
                 t.insert(b)
             t.settle()
@@ -104,7 +105,7 @@ def test_any_inserts_reads_settles_and_restores_match_the_model(steps, cls):
         batches = t.parts()[0] + t.parts()[1]
         assert all(len(b) for b in batches)
         assert dbsp.ZSet.concat([b.zset for b in batches] or [dbsp.ZSet.empty(SCHEMA)]).to_dict() == model
-        assert len(t.parts()[0]) <= _batch_bound(t) or t._fresh
+        assert len(t.parts()[0]) <= _batch_bound(t) or t.pending
     assert t.consolidated().zset.to_dict() == model
 
 
@@ -112,8 +113,6 @@ def test_reads_merge_nothing_and_parts_keeps_placement_order():
     t = SlowTrace(SCHEMA, ("k",))
     for i in range(40):
         t.insert(_batch(i, 30, 1000)[0].index_by(["k"]))
-        if i == 0:
-            t.batches  # ends freshness: from now on every insert pays merge work
     assert any(m is not None for _, _, m in t.levels()), "FUEL = 1 leaves merges in progress"
     before, merged = t.parts(), t.merged_rows
     t.lookup(_hashes(list(range(50))))
@@ -131,7 +130,6 @@ def _saturated_run(groups: int, keys_per_step: int, steps: int, seed: int = 1):
     t = Trace(SCHEMA, ("k",))
     val = np.zeros(groups, dtype=np.int64)
     t.insert(dbsp.ZSet.from_arrow(pa.table({"k": np.arange(groups), "v": val}, schema=SCHEMA)).index_by(["k"]))
-    t.batches
     per_step, rows = [], []
     for _ in range(steps):
         ks = rng.choice(groups, keys_per_step, replace=False)
