@@ -1,6 +1,6 @@
 """A Trace is the integrated, indexed state of a stateful operator: consolidated batches kept in levels by the work that went into them, merged a little on every insert.
 
-Invariants (enforced here):
+Invariants (enforced here; :meth:`Trace.check` asserts 1, 2 and 5):
   1. Every batch is a consolidated IndexedZSet on the trace's key, rows ascending by key hash; the trace's
      content is the sum of its batches: the loose batches of every level, both inputs of every merge in
      progress, and the pending batches (the same row may sit in several batches until they merge).
@@ -183,7 +183,7 @@ class Trace:
 
     def _work(self, rows: int) -> None:
         """Advance every level's merge by FUEL * rows input rows, lowest level first (invariant 3)."""
-        fuel = self.FUEL * rows
+        fuel = max(1, int(self.FUEL * rows))
         lvl = 0
         while lvl < len(self._levels):  # a finished merge may add a level above
             level = self._levels[lvl]
@@ -242,6 +242,28 @@ class Trace:
             if level.loose or m is not None:
                 out.append((lvl, [len(e[1]) for e in level.loose], (len(m.a[1]), len(m.b[1])) if m else None))
         return out
+
+    def check(self) -> None:
+        """Raise AssertionError unless invariants 1, 2 and 5 hold (tests and debugging; reads every row): each batch
+        non-empty and consolidated in canonical order for the key, with the row hashes it keeps; each loose batch
+        and merge at the level of its work; placement numbers distinct and below the next one."""
+        from dbsp_core import _zset
+
+        seen = set()
+        for lvl, level in enumerate(self._levels):
+            entries = list(level.loose) + ([level.merge.a, level.merge.b] if level.merge is not None else [])
+            for placed, b, work in entries:
+                assert placed < self._placed and placed not in seen, (lvl, placed)
+                seen.add(placed)
+                assert len(b) and work >= 1, (lvl, len(b), work)
+                assert level_of(work) == lvl, (lvl, work)
+            if level.merge is not None:
+                assert level.merge.work == level.merge.a[2] + level.merge.b[2]
+        for b in self._spine() + self.pending:
+            keypos = [b.schema.get_field_index(k) for k in b.key]
+            assert _zset.check_order(b.zset.data, b.zset.weights, b.key_hash, keypos), "a batch out of canonical order"
+            if b._rh is not None:
+                assert np.array_equal(b._rh, _zset.hash_columns(b.zset.data, list(range(len(b.schema))))), "row hashes"
 
     @property
     def num_rows(self) -> int:
