@@ -35,7 +35,7 @@ Invariants (enforced here; :meth:`Trace.check` asserts 1, 2 and 5):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -82,7 +82,7 @@ def level_of(work: int) -> int:
 class _Merge:
     """A merge in progress of two batches of one level; its inputs stay readable until it finishes."""
 
-    __slots__ = ("a", "b", "work", "merger")
+    __slots__ = ("a", "b", "work", "merger", "_out")
 
     def __init__(self, a: tuple[int, "IndexedZSet", int], b: tuple[int, "IndexedZSet", int]) -> None:
         from dbsp_core.zset import merger
@@ -90,21 +90,26 @@ class _Merge:
         self.a, self.b = a, b  # (placement number, batch, work)
         self.work = a[2] + b[2]
         self.merger = merger(a[1], b[1], row_hashes=True)
+        self._out: IndexedZSet | None = None
 
     def result(self) -> "IndexedZSet":
+        """The finished merge's output (the same object every time: a rolled-back trace may finish it again)."""
         from dbsp_core.zset import merged
 
-        return merged(self.a[1], self.merger)
+        if self._out is None:
+            self._out = merged(self.a[1], self.merger)
+        return self._out
 
 
-class _Level:
-    """The batches of one level: loose ones (placement number, batch, work), oldest first, and a merge."""
+class _Level(NamedTuple):
+    """The batches of one level: loose ones (placement number, batch, work), oldest first, and a merge.
 
-    __slots__ = ("loose", "merge")
+    Immutable (a change replaces the level), so a shallow copy of the trace's attributes is a snapshot of it:
+    the staged runtime rolls a failed attempt back that way (dbsp_core/stagetask.py). A merge's progress is not
+    part of the content (its inputs are), so a rolled-back trace may find its merges further along."""
 
-    def __init__(self) -> None:
-        self.loose: list[tuple[int, IndexedZSet, int]] = []
-        self.merge: _Merge | None = None
+    loose: tuple = ()
+    merge: _Merge | None = None
 
 
 class Trace:
@@ -178,7 +183,8 @@ class Trace:
         lvl = level_of(work)
         while len(self._levels) <= lvl:
             self._levels.append(_Level())
-        self._levels[lvl].loose.append((self._placed, batch, work))
+        level = self._levels[lvl]
+        self._levels[lvl] = level._replace(loose=level.loose + ((self._placed, batch, work),))
         self._placed += 1
 
     def _work(self, rows: int) -> None:
@@ -186,19 +192,21 @@ class Trace:
         fuel = max(1, int(self.FUEL * rows))
         lvl = 0
         while lvl < len(self._levels):  # a finished merge may add a level above
-            level = self._levels[lvl]
             budget = fuel
             while budget > 0:
+                level = self._levels[lvl]
                 m = level.merge
                 if m is None:
                     if len(level.loose) < 2:
                         break
-                    m = level.merge = _Merge(level.loose.pop(0), level.loose.pop(0))
-                used = m.merger.step(budget)
-                budget -= used
-                self.merged_rows += used
+                    m = _Merge(level.loose[0], level.loose[1])
+                    self._levels[lvl] = _Level(level.loose[2:], m)
+                if not m.merger.done:
+                    used = m.merger.step(budget)
+                    budget -= used
+                    self.merged_rows += used
                 if m.merger.done:
-                    level.merge = None
+                    self._levels[lvl] = self._levels[lvl]._replace(merge=None)
                     out = m.result()
                     if len(out):
                         self._place(out, min(m.work, self.WORK_CAP * len(out)))

@@ -169,3 +169,33 @@ def test_merge_work_on_a_saturated_trace_stays_within_a_constant_factor_of_the_i
     assert merged.max() < groups
     assert len(t.batches) <= _batch_bound(t)
     t.check()
+
+
+def test_a_shallow_copy_of_the_attributes_rolls_the_trace_back():
+    """The staged runtime rolls a failed attempt back by restoring a shallow copy of a trace's attributes
+    (dbsp_core/stagetask.py): later inserts, merges in progress and finished merges must not leak into it."""
+    t = SlowTrace(SCHEMA, ("k",))
+    model: dict = {}
+
+    def insert(seed: int, n: int) -> None:
+        z, d = _batch(seed, n, 60)
+        t.insert(z.index_by(["k"]))
+        for r, w in d.items():
+            model[r] = model.get(r, 0) + w
+
+    for i in range(12):
+        insert(i, 10)
+    saved_vars = {k: (list(v) if isinstance(v, list) else v) for k, v in vars(t).items()}
+    saved_model = {r: w for r, w in model.items() if w}
+    assert any(m is not None for _, _, m in t.levels())
+    for i in range(12, 60):  # finishes the merges in progress at the capture and starts others
+        insert(i, 40)
+    vars(t).clear()
+    vars(t).update({k: (list(x) if isinstance(x, list) else x) for k, x in saved_vars.items()})
+    assert t.consolidated().zset.to_dict() == saved_model
+    t.check()
+    model = dict(saved_model)
+    for i in range(100, 130):  # merges finished after the capture finish again, with the same outputs
+        insert(i, 10)
+        t.check()
+    assert t.consolidated().zset.to_dict() == {r: w for r, w in model.items() if w}
