@@ -1,7 +1,7 @@
 """Step latency against state size: 1k-row steps into group-by, join and distinct holding 1M to 100M rows of state, mean and p99 over consecutive steps (merges included).
 
-Run from the repository root (the big sizes need memory: about 60 bytes per state row for the join, which keeps
-every bid, and take minutes to load):
+Run from the repository root (the big sizes need memory: the join keeps every bid, about 50 bytes a row in its
+trace and up to twice that while its largest merge runs, so 100M rows want ~10 GB; and they take minutes to load):
 
     python bench/bench_scaling.py                                  # every query at 1M:100k,10M:1M,50M:5M,100M:10M
     python bench/bench_scaling.py --sizes 1M:100k,10M:5M,20M:5M,50M:5M --queries group_by
