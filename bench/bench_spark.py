@@ -389,7 +389,7 @@ def empty_step_ms(spark, SP, W: int, root: str, reps: int, queued: int) -> dict[
     finally:
         p.close()
     return {"one_ms": 1e3 * statistics.median(one), "queued_ms": 1e3 * statistics.median(many),
-            "stages": p.plan.num_stages}
+            "stages": p.executor.plan.num_stages}
 
 
 def _check_agg(mem: list[dict], dur: list[dict], fs: list[str]) -> None:

@@ -42,6 +42,8 @@ cdef extern from "pagestore.h" nogil:
     ctypedef struct DbspCursor:
         pass
     int dbsp_pagestore_open(const char *path, DbspVfs *vfs, size_t cache_pages, DbspPageStore **out)
+    int dbsp_pagestore_create(const char *path, DbspVfs *vfs, uint64_t version, size_t cache_pages,
+                              DbspPageStore **out)
     void dbsp_pagestore_close(DbspPageStore *ps)
     int dbsp_pagestore_versions(DbspPageStore *ps, uint64_t *first, uint64_t *count)
     int dbsp_pagestore_check(DbspPageStore *ps)
@@ -66,16 +68,42 @@ cdef extern from "pagestore.h" nogil:
 cdef extern from "steplog.h" nogil:
     ctypedef struct DbspStepLog:
         pass
-    int dbsp_steplog_open(const char *dir, DbspVfs *vfs, uint64_t segment_bytes, DbspStepLog **out)
+    ctypedef struct DbspSlice:
+        const void *data
+        size_t len
+    ctypedef struct DbspStepLogSegment:
+        uint64_t num
+        unsigned int format
+        uint64_t bytes
+        uint64_t records
+        uint64_t steps
+        int64_t first_step
+        int64_t last_step
+    enum:
+        DBSP_STEPLOG_FORMAT
+        DBSP_STEPLOG_READONLY
+        DBSP_STEPLOG_NO_LOG_FILE
+    int dbsp_steplog_open(const char *dir, DbspVfs *vfs, uint64_t segment_bytes, int flags, DbspStepLog **out)
     void dbsp_steplog_close(DbspStepLog *log)
+    int dbsp_steplog_refresh(DbspStepLog *log)
     int dbsp_steplog_append(DbspStepLog *log, int64_t step, const void *handle, size_t hlen, const void *producer,
                             size_t plen, uint64_t seq, const void *payload, size_t len)
     int dbsp_steplog_enqueue(DbspStepLog *log, int64_t step, const void *handle, size_t hlen,
                              const void *producer, size_t plen, uint64_t seq, const void *payload, size_t len,
                              uint64_t *ticket)
+    int dbsp_steplog_enqueuev(DbspStepLog *log, int64_t step, const void *handle, size_t hlen,
+                              const void *producer, size_t plen, uint64_t seq, const DbspSlice *parts, size_t nparts,
+                              uint64_t *ticket)
+    int dbsp_steplog_write(DbspStepLog *log, uint64_t ticket)
     int dbsp_steplog_sync(DbspStepLog *log, uint64_t ticket)
     int dbsp_steplog_read(DbspStepLog *log, int64_t from_step, int64_t to_step, size_t max_bytes,
                           uint64_t *resume_seg, uint64_t *resume_off, unsigned char **out, size_t *outlen)
     int dbsp_steplog_truncate_below(DbspStepLog *log, int64_t step, uint64_t *segments_dropped)
     int dbsp_steplog_info(DbspStepLog *log, int *has, int64_t *first_step, int64_t *last_step, uint64_t *records,
                           uint64_t *segments, uint64_t *fsyncs)
+    int dbsp_steplog_segments(DbspStepLog *log, DbspStepLogSegment *out, size_t cap, size_t *count)
+
+cdef extern from "smallfile.h" nogil:
+    int dbsp_file_replace(DbspVfs *vfs, const char *path, const void *data, size_t len)
+    int dbsp_file_read(DbspVfs *vfs, const char *path, unsigned char **out, size_t *len)
+    int dbsp_file_remove(DbspVfs *vfs, const char *path)

@@ -1,6 +1,6 @@
 # storage.pyx: cdef classes owning the C page store, transactions, cursors and step log (dbsp_core._storage).
 from libc.stdint cimport int64_t, uint64_t
-from libc.stdlib cimport free
+from libc.stdlib cimport free, malloc
 from libc.errno cimport EIO, ENOSPC
 from cpython.bytes cimport PyBytes_FromStringAndSize
 
@@ -85,14 +85,19 @@ cdef class PageStore:
     cdef object txn
     cdef readonly str path
 
-    def __cinit__(self, str path, str vfs="posix", size_t cache_pages=65536):
+    def __cinit__(self, str path, str vfs="posix", size_t cache_pages=65536, create_version=None):
         cdef bytes p = path.encode()
         cdef const char *cp = p
         cdef DbspVfs *v = pick_vfs(vfs)
         cdef int st
+        cdef uint64_t cv = 0 if create_version is None else create_version
+        cdef bint create = create_version is not None
         self.path = path
         with nogil:
-            st = dbsp_pagestore_open(cp, v, cache_pages, &self.ps)
+            if create:
+                st = dbsp_pagestore_create(cp, v, cv, cache_pages, &self.ps)
+            else:
+                st = dbsp_pagestore_open(cp, v, cache_pages, &self.ps)
         check(st)
 
     def __dealloc__(self):
@@ -320,16 +325,20 @@ cdef class Cursor:
 cdef class Log:
     cdef DbspStepLog *log
     cdef readonly str path
+    cdef readonly bint is_readonly
     cdef int active  # calls running without the GIL; close waits for none
 
-    def __cinit__(self, str path, str vfs="posix", uint64_t segment_bytes=0):
+    def __cinit__(self, str path, str vfs="posix", uint64_t segment_bytes=0, bint readonly=False,
+                  bint log_file=True):
         cdef bytes p = path.encode()
         cdef const char *cp = p
         cdef DbspVfs *v = pick_vfs(vfs)
         cdef int st
+        cdef int flags = (DBSP_STEPLOG_READONLY if readonly else 0) | (0 if log_file else DBSP_STEPLOG_NO_LOG_FILE)
         self.path = path
+        self.is_readonly = readonly
         with nogil:
-            st = dbsp_steplog_open(cp, v, segment_bytes, &self.log)
+            st = dbsp_steplog_open(cp, v, segment_bytes, flags, &self.log)
         check(st)
 
     def __dealloc__(self):
@@ -352,6 +361,16 @@ cdef class Log:
     def closed(self):
         return self.log == NULL
 
+    def refresh(self):
+        """A read-only log: read what the writer appended (and forget what it dropped) since the last scan."""
+        cdef int st
+        self.alive()
+        self.active += 1
+        with nogil:
+            st = dbsp_steplog_refresh(self.log)
+        self.active -= 1
+        check(st)
+
     def append(self, int64_t step, bytes handle, bytes producer, uint64_t seq, payload):
         cdef const unsigned char[::1] v = as_view(payload)
         cdef size_t n = v.shape[0]
@@ -368,22 +387,46 @@ cdef class Log:
         check(st)
 
     def enqueue(self, int64_t step, bytes handle, bytes producer, uint64_t seq, payload):
-        """Buffer one record in log order without writing it; returns its ticket for :meth:`sync`."""
-        cdef const unsigned char[::1] v = as_view(payload)
-        cdef size_t n = v.shape[0]
-        cdef const void *vp = &v[0] if n else NULL
+        """Buffer one record in log order without writing it; returns its ticket for :meth:`write` / :meth:`sync`.
+
+        ``payload`` is one bytes-like object or a list of them, gathered back to back (never joined first)."""
+        cdef list parts = list(payload) if isinstance(payload, (list, tuple)) else [payload]
+        cdef Py_ssize_t n = len(parts), i
+        cdef DbspSlice *sl = <DbspSlice *>malloc((n if n else 1) * sizeof(DbspSlice))
+        cdef const unsigned char[::1] v
         cdef const char *hp = handle
         cdef const char *pp = producer
         cdef size_t hl = len(handle), pl = len(producer)
         cdef uint64_t ticket = 0
         cdef int st
+        if sl == NULL:
+            raise MemoryError("steplog: out of memory")
+        views = []  # holds every part's buffer until the copy into the log's buffer is done
+        try:
+            for i in range(n):
+                v = as_view(parts[i])
+                views.append(v)
+                sl[i].data = &v[0] if v.shape[0] else NULL
+                sl[i].len = v.shape[0]
+            self.alive()
+            self.active += 1
+            with nogil:
+                st = dbsp_steplog_enqueuev(self.log, step, hp, hl, pp, pl, seq, sl, n, &ticket)
+            self.active -= 1
+            check(st)
+        finally:
+            free(sl)
+        return ticket
+
+    def write(self, uint64_t ticket):
+        """Return once every record up to ``ticket`` is written (visible to readers), without an fsync."""
+        cdef int st
         self.alive()
         self.active += 1
         with nogil:
-            st = dbsp_steplog_enqueue(self.log, step, hp, hl, pp, pl, seq, vp, n, &ticket)
+            st = dbsp_steplog_write(self.log, ticket)
         self.active -= 1
         check(st)
-        return ticket
 
     def sync(self, uint64_t ticket):
         """Return once every record up to ``ticket`` is durable."""
@@ -447,3 +490,71 @@ cdef class Log:
         self.alive()
         check(dbsp_steplog_info(self.log, &has, &first, &last, &records, &segments, &fsyncs))
         return bool(has), first, last, records, segments, fsyncs
+
+    def segments(self):
+        """[(number, format, bytes, records, distinct steps, first step, last step)], oldest first."""
+        cdef size_t count = 0, cap = 0, i
+        cdef DbspStepLogSegment *segs = NULL
+        self.alive()
+        while True:
+            check(dbsp_steplog_segments(self.log, segs, cap, &count))
+            if count <= cap:
+                break
+            free(segs)
+            cap = count + 4
+            segs = <DbspStepLogSegment *>malloc(cap * sizeof(DbspStepLogSegment))
+            if segs == NULL:
+                raise MemoryError("steplog: out of memory")
+        try:
+            return [(segs[i].num, segs[i].format, segs[i].bytes, segs[i].records, segs[i].steps,
+                     segs[i].first_step, segs[i].last_step) for i in range(count)]
+        finally:
+            free(segs)
+
+
+STEPLOG_FORMAT = DBSP_STEPLOG_FORMAT
+
+# ---- small files replaced atomically (csrc/smallfile.h) ----
+
+def file_replace(str path, data, str vfs="posix"):
+    """Make ``path`` durably hold ``data`` (temporary file, fsync, rename, fsync of the directory)."""
+    cdef bytes p = path.encode()
+    cdef const char *cp = p
+    cdef const unsigned char[::1] view = as_view(data)
+    cdef size_t n = view.shape[0]
+    cdef const void *dp = &view[0] if n else NULL
+    cdef DbspVfs *v = pick_vfs(vfs)
+    cdef int st
+    with nogil:
+        st = dbsp_file_replace(v, cp, dp, n)
+    check(st)
+
+
+def file_read(str path, str vfs="posix"):
+    """The bytes of ``path``, or None if it does not exist."""
+    cdef bytes p = path.encode()
+    cdef const char *cp = p
+    cdef DbspVfs *v = pick_vfs(vfs)
+    cdef unsigned char *buf = NULL
+    cdef size_t n = 0
+    cdef int st
+    with nogil:
+        st = dbsp_file_read(v, cp, &buf, &n)
+    if st == DBSP_ENOTFOUND:
+        return None
+    check(st)
+    try:
+        return PyBytes_FromStringAndSize(<char *>buf, n)
+    finally:
+        free(buf)
+
+
+def file_remove(str path, str vfs="posix"):
+    """Durably remove ``path`` (unlink and fsync of its directory); a missing file is fine."""
+    cdef bytes p = path.encode()
+    cdef const char *cp = p
+    cdef DbspVfs *v = pick_vfs(vfs)
+    cdef int st
+    with nogil:
+        st = dbsp_file_remove(v, cp)
+    check(st)

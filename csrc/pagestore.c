@@ -899,7 +899,7 @@ int dbsp_pagestore_check(DbspPageStore *ps) {
 }
 
 /* ---------- open / close ---------- */
-static int create_file(DbspPageStore *ps) {
+static int create_file(DbspPageStore *ps, uint64_t version) {
     char *tmp = malloc(strlen(ps->path) + 8);
     char *dir = dbsp_path_dirname(ps->path);
     int rc = DBSP_OK;
@@ -910,8 +910,8 @@ static int create_file(DbspPageStore *ps) {
     if ((rc = ps->vfs->truncate(f, 0))) goto out;
     unsigned char page[2 * PS];
     memset(page, 0, sizeof page);
-    Meta m = {0, 0, 0, 0, 2, 0};
-    meta_encode(&m, page);
+    Meta m = {version, 0, 0, 0, 2, 0};
+    meta_encode(&m, page + (version % 2) * PS); /* version N lives in slot N % 2 */
     if ((rc = ps->vfs->pwrite(f, page, sizeof page, 0)) || (rc = ps->vfs->fsync(f))) goto out;
     if ((rc = ps->vfs->rename(ps->vfs, tmp, ps->path))) goto out;
     rc = ps->vfs->fsync_dir(ps->vfs, dir);
@@ -922,7 +922,8 @@ out:
     return rc;
 }
 
-int dbsp_pagestore_open(const char *path, DbspVfs *vfs, size_t cache_pages, DbspPageStore **out) {
+static int pagestore_open(const char *path, DbspVfs *vfs, size_t cache_pages, int create, uint64_t version,
+                          DbspPageStore **out) {
     DbspPageStore *ps = calloc(1, sizeof *ps);
     if (!ps) return oom();
     ps->vfs = vfs ? vfs : dbsp_vfs_posix();
@@ -933,8 +934,13 @@ int dbsp_pagestore_open(const char *path, DbspVfs *vfs, size_t cache_pages, Dbsp
     int rc = DBSP_OK;
     if (!ps->path || !ps->slots) { rc = oom(); goto fail; }
     rc = ps->vfs->open(ps->vfs, path, 0, &ps->f);
-    if (rc == DBSP_ENOTFOUND) {
-        if ((rc = create_file(ps))) goto fail;
+    if (rc == DBSP_OK && create == 2) {
+        rc = dbsp_storage_fail(DBSP_ESTATE, EEXIST, "pagestore %s: exists; cannot create it at version %llu", path,
+                               (unsigned long long)version);
+        goto fail;
+    }
+    if (rc == DBSP_ENOTFOUND && create) {
+        if ((rc = create_file(ps, version))) goto fail;
         rc = ps->vfs->open(ps->vfs, path, 0, &ps->f);
     }
     if (rc) goto fail;
@@ -947,6 +953,14 @@ int dbsp_pagestore_open(const char *path, DbspVfs *vfs, size_t cache_pages, Dbsp
 fail:
     dbsp_pagestore_close(ps);
     return rc;
+}
+
+int dbsp_pagestore_open(const char *path, DbspVfs *vfs, size_t cache_pages, DbspPageStore **out) {
+    return pagestore_open(path, vfs, cache_pages, 1, 0, out);
+}
+
+int dbsp_pagestore_create(const char *path, DbspVfs *vfs, uint64_t version, size_t cache_pages, DbspPageStore **out) {
+    return pagestore_open(path, vfs, cache_pages, 2, version, out);
 }
 
 static void cache_clear(DbspPageStore *ps, int dirty_only) {

@@ -17,6 +17,9 @@ typedef struct DbspCursor DbspCursor;
 
 /* Opens the page file at `path`, creating it (version 0, empty) if missing; cache_pages bounds the clean page cache. */
 int dbsp_pagestore_open(const char *path, DbspVfs *vfs, size_t cache_pages, DbspPageStore **out);
+/* Creates a new page file at `path` whose only version is `version` (empty, step 0) and opens it; DBSP_ESTATE if the
+ * file exists. A store joining others at version v (a worker added by a rescale) starts at v. */
+int dbsp_pagestore_create(const char *path, DbspVfs *vfs, uint64_t version, size_t cache_pages, DbspPageStore **out);
 /* Closes the store; an open transaction is aborted (its version keeps the state it had at begin). */
 void dbsp_pagestore_close(DbspPageStore *ps);
 /* The openable versions: first .. first+count-1 (count is 1 or 2). */

@@ -1,32 +1,60 @@
-/* steplog.c: the append-only, segmented step log with group commit (the durable record of input, seed 000 "Input").
+/* steplog.c: the append-only, segmented step log with group commit: the durable record of input (seed 000 "Input") and of output (dbsp_core/storage/outputlog.py).
  *
  * DESIGN NOTES
  * ============
  * Invariants:
- *  (1) every acknowledged append is in a record that was fsynced before the acknowledgement;
+ *  (1) every record covered by a sync that returned DBSP_OK was fsynced before that sync returned;
  *  (2) steps never decrease along the log (across records and segments);
  *  (3) only the last segment is ever written; a segment is sealed (never written again) once a later one exists,
  *      and every byte of a sealed segment was fsynced before the next segment was created;
- *  (4) segment numbers are consecutive; truncation removes segments from the front only;
- *  (5) recovery accepts a prefix of valid records per segment: the first invalid record of the last segment
- *      starts a torn tail that is cut off (and fsynced); an invalid record in a sealed segment is corruption.
+ *  (4) segment numbers are consecutive; truncation first makes every enqueued record durable (so it never
+ *      removes a durable record while the later records that replace it could still be lost), then removes
+ *      segments from the front only, never the last segment nor the one holding the newest record (so a log
+ *      that held a record always knows its last step);
+ *  (5) every format-2 record carries a mark M: a length of its segment that had been fsynced when the write
+ *      carrying the record was issued (32 <= M <= the record's offset; records of one write share M, and marks
+ *      never decrease along a segment). A writer fsyncs the last segment when it opens the log, so the length
+ *      it recovers counts as fsynced. An unsynced write therefore never vouches for another unsynced write,
+ *      whatever order a crash persists them in;
+ *  (6) recovery accepts a prefix of valid records per segment. An invalid record at offset B is DAMAGE when it
+ *      lies in a sealed segment, or when a valid format-2 record after it has a mark M > B (B's bytes had been
+ *      fsynced before that record was written): open fails with DBSP_ECORRUPT naming the file and B and changes
+ *      no file. Otherwise B starts a TORN TAIL (unsynced writes a crash dropped, tore or reordered), which a
+ *      writer cuts off (and fsyncs) and a reader ignores. A segment header that fails its check is damage when
+ *      a valid record follows it, else (last segment only) a crash while the segment was created.
+ *      Limits: a record damaged in the newest write has no later write to vouch for it and is cut like a torn
+ *      tail; format-1 segments carry no marks, so in the last one every invalid record starts a torn tail;
+ *  (7) a reader (DBSP_STEPLOG_READONLY) never creates, writes, truncates or removes a file; it shows a record
+ *      only once the record is complete and valid; refresh adds what the writer appended and forgets segments
+ *      its truncation removed (a file it already opened stays readable until then). An invalid record in the
+ *      last segment may be one the writer is writing: the reader stops before it and reads on at the next
+ *      refresh; it reads a file once more before it reports damage (or a gap in the segment numbers, which
+ *      truncation can show while it runs);
+ *  (8) the log writes format 2 and reads formats 1 and 2. It appends to a format-1 directory by starting a new
+ *      segment of format 2, after rewriting LOG to say 2 (so a format-1 build refuses the directory instead of
+ *      misreading it); a format-1 segment never follows a format-2 one.
  *
  * On-disk format (little-endian)
  * ------------------------------
- * <dir>/LOG (32 bytes): "DBSPSLOG" | u32 format (1) | 16 zero bytes | u32 reserved | u32 CRC32C of bytes 0..27.
- * <dir>/<20-digit segment number>.seg: a 32-byte header "DBSPSSEG" | u32 format (1) | u32 header length (32) |
- *   u64 segment number | u32 zero | u32 CRC32C of bytes 0..27, then records back to back:
- *   u32 body length L (>= 24, <= 24 + 2*65535 + 1 GiB) | u32 CRC32C over the 4 length bytes and the body | body:
- *   i64 step | u64 seq | u16 handle length | u16 producer length | u32 zero | handle | producer | payload.
- * Validity rule of a record: the whole frame lies inside the file, L is in range, the CRC matches, handle and
- * producer lengths fit in L, and the step is >= the previous record's.
+ * <dir>/LOG (32 bytes; absent with DBSP_STEPLOG_NO_LOG_FILE): "DBSPSLOG" | u32 format (1 or 2: the newest
+ *   segment format the directory may hold) | 16 zero bytes | u32 reserved | u32 CRC32C of bytes 0..27.
+ * <dir>/<20-digit segment number>.seg: a 32-byte header "DBSPSSEG" | u32 format (1 or 2) | u32 header length
+ *   (32) | u64 segment number | u32 zero | u32 CRC32C of bytes 0..27, then records of that format back to back.
+ * Format-2 record: a 24-byte frame header "DSLR" | u32 body length L | u64 mark M (invariant 5) | u32 CRC32C of
+ *   the body | u32 CRC32C of frame header bytes 0..19, then the body.
+ * Format-1 record: u32 body length L | u32 CRC32C over the 4 length bytes and the body | body.
+ * Body (both formats; 24 <= L <= 24 + 2*65535 + 1 GiB): i64 step | u64 seq | u16 handle length | u16 producer
+ *   length | u32 zero | handle | producer | payload.
+ * Validity rule of a record: the whole frame lies inside the file, L is in range, the checksums match, handle
+ * and producer lengths fit in L, the step is >= the previous record's, and (format 2) the magic matches and
+ * 32 <= M <= the record's offset.
  *
- * Group commit: appenders copy their frame into a shared buffer under `mu` and wait; the first waiter without
- * a sync in flight becomes the leader, takes the whole buffer, writes it with one pwrite, fsyncs once and wakes
- * every appender whose record it covered. `append` is `enqueue` (copy the frame into the buffer, in log order,
- * and take a ticket) then `sync(ticket)` (wait, or lead, until every record up to the ticket is durable); a
- * caller may split the two to overlap the fsync with other work. A record is written to the file only by a
- * sync, so before its sync returns it may or may not be durable, and readers never see it before it is.
+ * Group commit: appenders copy their frame into a shared buffer under `mu` and take a ticket; the first waiter
+ * without a write in flight becomes the leader, takes the whole buffer, stamps every frame's mark, writes it
+ * with one pwrite, fsyncs once (for a sync) and wakes every caller whose records it covered. `append` is
+ * `enqueue` then `sync(ticket)`; `write(ticket)` is a sync without the fsync (write-behind: the records become
+ * visible to readers now and durable at a later sync). A record is visible to readers (dbsp_steplog_read, and
+ * readers in other processes) once a write or sync covering it returned.
  */
 #include "steplog.h"
 
@@ -37,12 +65,18 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 
 #include "crc32c.h"
 
 #define SEG_HDR 32u
 #define LOG_HDR 32u
-#define MAX_BODY (DBSP_STEPLOG_BODY_HEADER + 2u * 65535u + DBSP_STEPLOG_MAX_PAYLOAD)
+#define BODY_HDR DBSP_STEPLOG_BODY_HEADER
+#define MAX_BODY (BODY_HDR + 2u * 65535u + DBSP_STEPLOG_MAX_PAYLOAD)
+#define F1_HDR 8u  /* format-1 frame header */
+#define F2_HDR 24u /* format-2 frame header */
+
+static const unsigned char REC_MAGIC[4] = {'D', 'S', 'L', 'R'};
 
 static inline uint16_t rd16(const unsigned char *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static inline uint32_t rd32(const unsigned char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
@@ -52,27 +86,36 @@ static inline void wr32(unsigned char *p, uint32_t v) { memcpy(p, &v, 4); }
 static inline void wr64(unsigned char *p, uint64_t v) { memcpy(p, &v, 8); }
 
 typedef struct {
+    int64_t step;
+    uint64_t off;
+} StepStart; /* where the first record of a step starts in its segment */
+
+typedef struct {
     uint64_t num;
     DbspFile *f;
-    uint64_t size;       /* durable bytes */
+    uint32_t format;  /* 0: a reader has not seen a valid header yet (the writer is creating the segment) */
+    uint64_t size;    /* end of the valid records: what readers see (0 until the header was read) */
+    uint64_t synced;  /* writer: bytes known to be fsynced (<= size) */
     int64_t min_step, max_step;
     uint64_t records;
+    StepStart *idx;   /* one entry per distinct step, in log order: reads seek by step */
+    size_t nidx, idxcap;
 } Seg;
 
 struct DbspStepLog {
     DbspVfs *vfs;
     char *dir;
     uint64_t seg_bytes;
-    pthread_rwlock_t seg_lock; /* guards segs (readers: read, truncate; writer: leader on rotate/size update) */
+    int flags;
+    uint32_t log_format;       /* the format LOG names (0 if there is none) */
+    pthread_rwlock_t seg_lock; /* guards segs (readers: read, info; writers: leader updates, truncate, refresh) */
     Seg *segs;
     size_t nsegs, segcap;
     pthread_mutex_t mu;        /* guards everything below */
     pthread_cond_t cv;
     unsigned char *buf, *spare;
     size_t blen, bcap, spare_cap;
-    int64_t buf_min, buf_max;
-    uint64_t buf_records;
-    uint64_t next_ticket, durable_ticket, fsyncs;
+    uint64_t next_ticket, written_ticket, durable_ticket, fsyncs;
     int syncing, failed, fail_status, fail_errno;
     char fail_msg[400];
     int has_last;
@@ -81,31 +124,74 @@ struct DbspStepLog {
 
 static int oom(void) { return dbsp_storage_fail(DBSP_ENOMEM, ENOMEM, "steplog: out of memory"); }
 
-static char *seg_path(DbspStepLog *log, uint64_t num) {
+static int readonly(const DbspStepLog *log) { return (log->flags & DBSP_STEPLOG_READONLY) != 0; }
+
+static int refuse_readonly(const DbspStepLog *log, const char *what) {
+    return dbsp_storage_fail(DBSP_EINVAL, 0, "steplog %s: opened read-only, cannot %s", log->dir, what);
+}
+
+static char *seg_path(const DbspStepLog *log, uint64_t num) {
     char name[32];
     snprintf(name, sizeof name, "%020llu.seg", (unsigned long long)num);
     return dbsp_path_join(log->dir, name);
 }
 
-static void encode_header(unsigned char *h, const char *magic, uint64_t num) {
+static void encode_header(unsigned char *h, const char *magic, uint32_t format, uint64_t num) {
     memset(h, 0, 32);
     memcpy(h, magic, 8);
-    wr32(h + 8, DBSP_STEPLOG_FORMAT);
+    wr32(h + 8, format);
     wr32(h + 12, 32);
     wr64(h + 16, num);
     wr32(h + 28, dbsp_crc32c(0, h, 28));
 }
 
-/* 0 valid, else a status (ECORRUPT / EFORMAT) with the message set. */
-static int check_header(const unsigned char *h, const char *magic, uint64_t num, const char *path) {
+/* 0 valid (*format set), else a status (ECORRUPT / EFORMAT) with the message set. */
+static int check_header(const unsigned char *h, const char *magic, uint64_t num, const char *path, uint32_t *format) {
     if (memcmp(h, magic, 8) != 0 || rd32(h + 28) != dbsp_crc32c(0, h, 28))
         return dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: header magic or checksum is wrong", path);
-    if (rd32(h + 8) != DBSP_STEPLOG_FORMAT)
-        return dbsp_storage_fail(DBSP_EFORMAT, 0, "steplog %s: format version %u, this build reads %u", path,
-                                 rd32(h + 8), DBSP_STEPLOG_FORMAT);
+    uint32_t v = rd32(h + 8);
+    if (v < DBSP_STEPLOG_FORMAT_MIN || v > DBSP_STEPLOG_FORMAT)
+        return dbsp_storage_fail(DBSP_EFORMAT, 0, "steplog %s: format version %u, this build reads %u..%u", path, v,
+                                 DBSP_STEPLOG_FORMAT_MIN, DBSP_STEPLOG_FORMAT);
     if (rd32(h + 12) != 32 || rd64(h + 16) != num)
         return dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: header names segment %llu", path,
                                  (unsigned long long)rd64(h + 16));
+    *format = v;
+    return DBSP_OK;
+}
+
+static void seg_forget(Seg *s) {
+    free(s->idx);
+    s->idx = NULL;
+    s->nidx = s->idxcap = 0;
+    s->size = s->synced = 0;
+    s->records = 0;
+    s->min_step = 0;
+    s->max_step = -1;
+    s->format = 0;
+}
+
+static void seg_free(DbspStepLog *log, Seg *s) {
+    if (s->f) log->vfs->close(s->f);
+    s->f = NULL;
+    seg_forget(s);
+}
+
+/* Adds the record of `step` starting at `off` to the segment's counts and step index. */
+static int seg_add(Seg *s, int64_t step, uint64_t off) {
+    if (!s->records || step != s->max_step) {
+        if (s->nidx == s->idxcap) {
+            size_t cap = s->idxcap ? s->idxcap * 2 : 64;
+            StepStart *n = realloc(s->idx, cap * sizeof *n);
+            if (!n) return oom();
+            s->idx = n;
+            s->idxcap = cap;
+        }
+        s->idx[s->nidx++] = (StepStart){step, off};
+    }
+    if (!s->records) s->min_step = step;
+    s->max_step = step;
+    s->records++;
     return DBSP_OK;
 }
 
@@ -121,13 +207,166 @@ static int segs_push(DbspStepLog *log, Seg s) {
     return DBSP_OK;
 }
 
-/* Creates segment `num` with its header, durably (file and directory). */
+#ifdef DBSP_CHECK_INVARIANTS
+#include <assert.h>
+/* Debug checker of invariants 2, 3 (formats, sizes), 4 (numbering) and the step index; caller holds seg_lock. */
+static int check_invariants(const DbspStepLog *log) {
+    int64_t prev = INT64_MIN;
+    uint32_t fmt = 0;
+    for (size_t i = 0; i < log->nsegs; i++) {
+        const Seg *s = &log->segs[i];
+        if (i && s->num != log->segs[i - 1].num + 1) return 0;
+        if (s->format) {
+            if (s->format < fmt || s->size < SEG_HDR) return 0;
+            fmt = s->format;
+        } else if (!readonly(log) || s->size || s->records || i + 1 != log->nsegs) {
+            return 0;
+        }
+        if (!readonly(log) && s->synced > s->size) return 0;
+        if ((s->records == 0) != (s->nidx == 0)) return 0;
+        for (size_t k = 0; k < s->nidx; k++) {
+            if (s->idx[k].step < prev || (k && s->idx[k].step == prev) || s->idx[k].off < SEG_HDR ||
+                s->idx[k].off >= s->size)
+                return 0;
+            prev = s->idx[k].step;
+        }
+        if (s->records && (s->idx[0].step != s->min_step || s->idx[s->nidx - 1].step != s->max_step)) return 0;
+    }
+    return 1;
+}
+#define CHECK_INVARIANTS(log) assert(check_invariants(log))
+#else
+#define CHECK_INVARIANTS(log) ((void)0)
+#endif
+
+/* ---------- record frames ---------- */
+
+/* A format-2 frame header at b (offset `off` of its segment, `avail` bytes readable): 1 and the body length and
+ * mark if magic, header checksum and ranges are right. */
+static int f2_head_ok(const unsigned char *b, uint64_t avail, uint64_t off, uint32_t *blen, uint64_t *mark) {
+    if (avail < F2_HDR || memcmp(b, REC_MAGIC, 4) != 0 || dbsp_crc32c(0, b, 20) != rd32(b + 20)) return 0;
+    uint32_t len = rd32(b + 4);
+    uint64_t m = rd64(b + 8);
+    if (len < BODY_HDR || len > MAX_BODY || m < SEG_HDR || m > off) return 0;
+    *blen = len;
+    *mark = m;
+    return 1;
+}
+
+/* Validates the record at b (offset `off`, `avail` bytes readable) but for the step order; returns its frame
+ * length (and its step and mark, 0 for format 1), or 0 if it is not a valid record. */
+static uint64_t frame_check(uint32_t format, const unsigned char *b, uint64_t avail, uint64_t off, int64_t *step,
+                            uint64_t *mark) {
+    const unsigned char *body;
+    uint32_t len;
+    uint64_t hdr;
+    if (format == 1) {
+        if (avail < F1_HDR) return 0;
+        len = rd32(b);
+        if (len < BODY_HDR || len > MAX_BODY || (uint64_t)len + F1_HDR > avail) return 0;
+        if (dbsp_crc32c(dbsp_crc32c(0, b, 4), b + F1_HDR, len) != rd32(b + 4)) return 0;
+        hdr = F1_HDR;
+        *mark = 0;
+    } else {
+        if (!f2_head_ok(b, avail, off, &len, mark) || (uint64_t)len + F2_HDR > avail) return 0;
+        if (dbsp_crc32c(0, b + F2_HDR, len) != rd32(b + 16)) return 0;
+        hdr = F2_HDR;
+    }
+    body = b + hdr;
+    if ((size_t)rd16(body + 16) + rd16(body + 18) > len - BODY_HDR) return 0;
+    *step = (int64_t)rd64(body);
+    return hdr + len;
+}
+
+/* The offset of the first valid format-2 record at or after `from` whose mark exceeds `above` (0 if none);
+ * data holds the segment's bytes [base, end). Follows valid records and skips bytes to the next magic between. */
+static uint64_t find_marked(const unsigned char *data, uint64_t base, uint64_t from, uint64_t end, uint64_t above) {
+    uint64_t off = from;
+    while (off + F2_HDR <= end) {
+        const unsigned char *b = data + (off - base);
+        int64_t step;
+        uint64_t m, n = frame_check(2, b, end - off, off, &step, &m);
+        if (n) {
+            if (m > above) return off;
+            off += n;
+            continue;
+        }
+        const unsigned char *next = memchr(b + 1, REC_MAGIC[0], (size_t)(end - off - 1));
+        if (!next) break;
+        off += (uint64_t)(next - b);
+    }
+    return 0;
+}
+
+/* Invariant 6: the offset of a record proving that the invalid record at `bad` had been fsynced, or 0. */
+static uint64_t find_proof(const unsigned char *data, uint64_t base, uint64_t bad, uint64_t end) {
+    uint32_t len;
+    uint64_t m, from = bad + 1;
+    if (f2_head_ok(data + (bad - base), end - bad, bad, &len, &m)) { /* its length is trustworthy: skip it */
+        if (bad + F2_HDR + len > end) return 0; /* it runs past the end of the file: nothing follows it */
+        from = bad + F2_HDR + len;
+    }
+    return find_marked(data, base, from, end, bad);
+}
+
+/* Sets every frame's mark in a batch of format-2 frames and seals its header checksum. */
+static void stamp_marks(unsigned char *data, size_t len, uint64_t mark) {
+    for (size_t off = 0; off < len; off += F2_HDR + rd32(data + off + 4)) {
+        wr64(data + off + 8, mark);
+        wr32(data + off + 20, dbsp_crc32c(0, data + off, 20));
+    }
+}
+
+/* ---------- files ---------- */
+
+static int write_log_file(DbspStepLog *log, uint32_t format) {
+    char *path = dbsp_path_join(log->dir, "LOG"), *tmp = dbsp_path_join(log->dir, "LOG.create");
+    DbspFile *f = NULL;
+    unsigned char h[LOG_HDR];
+    int rc;
+    if (!path || !tmp) { rc = oom(); goto out; }
+    encode_header(h, "DBSPSLOG", format, 0);
+    if ((rc = log->vfs->open(log->vfs, tmp, DBSP_VFS_CREATE, &f)) || (rc = log->vfs->truncate(f, 0)) ||
+        (rc = log->vfs->pwrite(f, h, LOG_HDR, 0)) || (rc = log->vfs->fsync(f)))
+        goto out;
+    log->vfs->close(f);
+    f = NULL;
+    if ((rc = log->vfs->rename(log->vfs, tmp, path)) || (rc = log->vfs->fsync_dir(log->vfs, log->dir))) goto out;
+    log->log_format = format;
+out:
+    if (f) log->vfs->close(f);
+    free(path);
+    free(tmp);
+    return rc;
+}
+
+/* Reads and checks LOG (a writer creates it when missing; a reader notes that there is none). */
+static int open_log_file(DbspStepLog *log) {
+    char *path = dbsp_path_join(log->dir, "LOG");
+    DbspFile *f = NULL;
+    unsigned char h[LOG_HDR];
+    int rc;
+    if (!path) return oom();
+    rc = log->vfs->open(log->vfs, path, readonly(log) ? DBSP_VFS_READONLY : 0, &f);
+    if (rc == DBSP_ENOTFOUND) {
+        free(path);
+        if (readonly(log)) { log->log_format = 0; return DBSP_OK; }
+        return write_log_file(log, DBSP_STEPLOG_FORMAT);
+    }
+    if (!rc) rc = dbsp_vfs_read_exact(f, h, LOG_HDR, 0, "log header");
+    if (!rc) rc = check_header(h, "DBSPSLOG", 0, path, &log->log_format);
+    if (f) log->vfs->close(f);
+    free(path);
+    return rc;
+}
+
+/* Creates segment `num` (format 2) with its header, durably (file and directory). */
 static int seg_create(DbspStepLog *log, uint64_t num, Seg *out) {
     char *path = seg_path(log, num);
     if (!path) return oom();
     DbspFile *f = NULL;
     unsigned char h[SEG_HDR];
-    encode_header(h, "DBSPSSEG", num);
+    encode_header(h, "DBSPSSEG", DBSP_STEPLOG_FORMAT, num);
     int rc = log->vfs->open(log->vfs, path, DBSP_VFS_CREATE, &f);
     if (!rc) rc = log->vfs->truncate(f, 0);
     if (!rc) rc = log->vfs->pwrite(f, h, SEG_HDR, 0);
@@ -135,74 +374,86 @@ static int seg_create(DbspStepLog *log, uint64_t num, Seg *out) {
     if (!rc) rc = log->vfs->fsync_dir(log->vfs, log->dir);
     free(path);
     if (rc) { if (f) log->vfs->close(f); return rc; }
-    *out = (Seg){num, f, SEG_HDR, 0, -1, 0};
+    *out = (Seg){.num = num, .f = f, .format = DBSP_STEPLOG_FORMAT, .size = SEG_HDR, .synced = SEG_HDR,
+                 .min_step = 0, .max_step = -1};
     return DBSP_OK;
 }
 
-/* Validates one frame at buf[0..avail); returns its total length, or 0 if it is not a valid record. */
-static size_t frame_check(const unsigned char *b, size_t avail, int64_t min_step, int64_t *step) {
-    if (avail < 8) return 0;
-    uint32_t len = rd32(b);
-    if (len < DBSP_STEPLOG_BODY_HEADER || len > MAX_BODY || (size_t)len + 8 > avail) return 0;
-    uint32_t crc = dbsp_crc32c(dbsp_crc32c(0, b, 4), b + 8, len);
-    if (crc != rd32(b + 4)) return 0;
-    const unsigned char *body = b + 8;
-    if ((size_t)rd16(body + 16) + rd16(body + 18) > len - DBSP_STEPLOG_BODY_HEADER) return 0;
-    *step = (int64_t)rd64(body);
-    if (*step < min_step) return 0;
-    return (size_t)len + 8;
-}
-
-/* Scans a segment: fills min/max/records/size; a torn tail of the last segment is cut off. */
-static int seg_recover(DbspStepLog *log, Seg *s, int is_last, int64_t *prev_step, int *has_prev) {
+/* Brings segment s up to date with its file (invariant 6): checks the header if it was not read yet, then adds the
+ * valid records after s->size. `floor` is the previous segment's last step (INT64_MIN if none). At an invalid
+ * record: damage is an error; a writer cuts a torn tail of the last segment, a reader stops before it. */
+static int seg_load(DbspStepLog *log, Seg *s, int is_last, int64_t floor) {
     char *path = seg_path(log, s->num);
-    if (!path) return oom();
-    uint64_t size;
-    int rc = log->vfs->size(s->f, &size);
     unsigned char *data = NULL;
-    if (rc) goto out;
-    if (size < SEG_HDR) {
-        if (!is_last) { rc = dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: sealed segment shorter than its header", path); goto out; }
-        goto reinit;
-    }
-    if (!(data = malloc(size))) { rc = oom(); goto out; }
-    if ((rc = dbsp_vfs_read_exact(s->f, data, size, 0, "segment"))) goto out;
-    if ((rc = check_header(data, "DBSPSSEG", s->num, path))) {
-        if (rc == DBSP_ECORRUPT && is_last) goto reinit; /* a crash while creating it */
-        goto out;
-    }
-    uint64_t off = SEG_HDR;
-    int64_t floor = *has_prev ? *prev_step : INT64_MIN;
-    s->records = 0;
-    while (off < size) {
-        int64_t step;
-        size_t n = frame_check(data + off, size - off, floor, &step);
-        if (!n) break;
-        if (!s->records) s->min_step = step;
-        s->max_step = step;
-        s->records++;
-        floor = step;
-        off += n;
-    }
-    if (s->records) { *prev_step = s->max_step; *has_prev = 1; }
-    if (off != size) {
-        if (!is_last) {
-            rc = dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: invalid record at offset %llu of a sealed segment", path,
-                                   (unsigned long long)off);
+    int rc = DBSP_OK, ro = readonly(log);
+    if (!path) return oom();
+    for (int attempt = 0;; attempt++) { /* a reader reads again once before it calls anything damage */
+        uint64_t fsize;
+        free(data);
+        data = NULL;
+        if ((rc = log->vfs->size(s->f, &fsize))) goto out;
+        if (fsize < s->size) seg_forget(s); /* a reader: a writer rewrote the file after a crash; read it afresh */
+        uint64_t base = s->size;
+        if (base && fsize == base) goto out; /* nothing new (a file without a header still needs the check below) */
+        if (!(data = malloc(fsize - base + 1))) { rc = oom(); goto out; }
+        if (fsize > base && (rc = dbsp_vfs_read_exact(s->f, data, fsize - base, base, "segment"))) goto out;
+        if (base == 0) {
+            uint32_t format = 0;
+            int hrc = fsize >= SEG_HDR ? check_header(data, "DBSPSSEG", s->num, path, &format)
+                                       : dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: shorter than its header", path);
+            if (hrc == DBSP_EFORMAT) { rc = hrc; goto out; }
+            if (hrc) {
+                int64_t step;
+                uint64_t m;
+                int follows = fsize > SEG_HDR && (frame_check(1, data + SEG_HDR, fsize - SEG_HDR, SEG_HDR, &step, &m) ||
+                                                  find_marked(data, 0, SEG_HDR, fsize, 0));
+                if (follows || !is_last) {
+                    if (ro && !attempt) continue;
+                    rc = dbsp_storage_fail(DBSP_ECORRUPT, 0, follows ? "steplog %s: damaged segment header at offset 0 "
+                                           "with valid records after it" : "steplog %s: invalid header at offset 0 of a "
+                                           "sealed segment", path);
+                    goto out;
+                }
+                if (ro) goto out; /* being created: empty for now */
+                unsigned char h[SEG_HDR]; /* a crash while creating it: write the header again */
+                encode_header(h, "DBSPSSEG", DBSP_STEPLOG_FORMAT, s->num);
+                if ((rc = log->vfs->truncate(s->f, 0)) || (rc = log->vfs->pwrite(s->f, h, SEG_HDR, 0)) ||
+                    (rc = log->vfs->fsync(s->f)))
+                    goto out;
+                s->format = DBSP_STEPLOG_FORMAT;
+                s->size = s->synced = SEG_HDR;
+                goto out;
+            }
+            s->format = format;
+            s->size = SEG_HDR;
+        }
+        uint64_t off = s->size;
+        int64_t fl = s->records ? s->max_step : floor;
+        while (off < fsize) {
+            int64_t step;
+            uint64_t m, n = frame_check(s->format, data + (off - base), fsize - off, off, &step, &m);
+            if (!n || step < fl) break;
+            if ((rc = seg_add(s, step, off))) goto out;
+            fl = step;
+            off += n;
+        }
+        s->size = off;
+        if (off == fsize) goto out;
+        uint64_t proof = is_last && s->format == 2 ? find_proof(data, base, off, fsize) : 0;
+        if (proof || !is_last) {
+            if (ro && !attempt) continue;
+            if (!is_last)
+                rc = dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: invalid record at offset %llu of a sealed segment "
+                                       "(nothing was changed)", path, (unsigned long long)off);
+            else
+                rc = dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: damaged record at offset %llu: the valid record at "
+                                       "offset %llu was written after offset %llu had been fsynced, so this is not a "
+                                       "torn write (nothing was changed)", path, (unsigned long long)off,
+                                       (unsigned long long)proof, (unsigned long long)off);
             goto out;
         }
-        if ((rc = log->vfs->truncate(s->f, off)) || (rc = log->vfs->fsync(s->f))) goto out;
-    }
-    s->size = off;
-    goto out;
-reinit: {
-        unsigned char h[SEG_HDR];
-        encode_header(h, "DBSPSSEG", s->num);
-        if ((rc = log->vfs->truncate(s->f, 0)) || (rc = log->vfs->pwrite(s->f, h, SEG_HDR, 0)) ||
-            (rc = log->vfs->fsync(s->f)))
-            goto out;
-        s->size = SEG_HDR;
-        s->records = 0;
+        if (!ro && ((rc = log->vfs->truncate(s->f, off)) || (rc = log->vfs->fsync(s->f)))) goto out; /* torn tail */
+        goto out;
     }
 out:
     free(data);
@@ -215,46 +466,131 @@ static int cmp_u64(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
-static int open_log_file(DbspStepLog *log) {
-    char *path = dbsp_path_join(log->dir, "LOG"), *tmp = dbsp_path_join(log->dir, "LOG.create");
-    DbspFile *f = NULL;
-    unsigned char h[LOG_HDR];
-    int rc;
-    if (!path || !tmp) { rc = oom(); goto out; }
-    rc = log->vfs->open(log->vfs, path, 0, &f);
-    if (rc == DBSP_ENOTFOUND) {
-        encode_header(h, "DBSPSLOG", 0);
-        if ((rc = log->vfs->open(log->vfs, tmp, DBSP_VFS_CREATE, &f)) || (rc = log->vfs->truncate(f, 0)) ||
-            (rc = log->vfs->pwrite(f, h, LOG_HDR, 0)) || (rc = log->vfs->fsync(f)))
-            goto out;
-        log->vfs->close(f);
-        f = NULL;
-        if ((rc = log->vfs->rename(log->vfs, tmp, path)) || (rc = log->vfs->fsync_dir(log->vfs, log->dir))) goto out;
-        goto out;
+/* The segment numbers in the directory (names of exactly 20 digits and ".seg"), sorted. */
+static int list_segments(DbspStepLog *log, uint64_t **out, size_t *count) {
+    DIR *d = opendir(log->dir);
+    if (!d) {
+        if (errno == ENOENT) return dbsp_storage_fail(DBSP_ENOTFOUND, ENOENT, "steplog %s: no such directory", log->dir);
+        return dbsp_storage_fail(DBSP_EIO, errno, "steplog opendir %s: %s", log->dir, strerror(errno));
     }
-    if (rc) goto out;
-    if ((rc = dbsp_vfs_read_exact(f, h, LOG_HDR, 0, "log header"))) goto out;
-    rc = check_header(h, "DBSPSLOG", 0, path);
+    uint64_t *nums = NULL;
+    size_t n = 0, cap = 0;
+    struct dirent *de;
+    while ((de = readdir(d))) {
+        const char *name = de->d_name;
+        if (strlen(name) != 24 || strcmp(name + 20, ".seg") != 0 || strspn(name, "0123456789") != 20) continue;
+        if (n == cap) {
+            cap = cap ? cap * 2 : 16;
+            uint64_t *n2 = realloc(nums, cap * sizeof *n2);
+            if (!n2) { closedir(d); free(nums); return oom(); }
+            nums = n2;
+        }
+        nums[n++] = strtoull(name, NULL, 10);
+    }
+    closedir(d);
+    if (n) qsort(nums, n, sizeof *nums, cmp_u64);
+    *out = nums;
+    *count = n;
+    return DBSP_OK;
+}
+
+/* Brings segs up to date with the directory (open; a reader's refresh): forgets segments truncation removed from
+ * the front, reads on from the valid end of the last known segment, opens and reads new ones. Caller holds
+ * seg_lock for writing (or owns the log). */
+static int rescan(DbspStepLog *log) {
+    int rc = DBSP_OK, ro = readonly(log);
+    uint64_t *nums = NULL;
+    size_t nn = 0;
+    for (int attempt = 0;; attempt++) {
+        free(nums);
+        nums = NULL;
+        if ((rc = list_segments(log, &nums, &nn))) return rc;
+        size_t gap = 0;
+        for (size_t i = 1; i < nn && !gap; i++)
+            if (nums[i] != nums[i - 1] + 1) gap = i;
+        if (gap && ro && attempt < 20) { /* a reader may list while the writer drops segments: look again */
+            nanosleep(&(struct timespec){0, 1000000}, NULL);
+            continue;
+        }
+        if (gap) {
+            rc = dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: segment %llu is missing", log->dir,
+                                   (unsigned long long)(nums[gap - 1] + 1));
+            goto out;
+        }
+        /* forget what truncation removed (from the front only, invariant 4) */
+        size_t k = 0;
+        while (k < log->nsegs && (!nn || log->segs[k].num < nums[0])) seg_free(log, &log->segs[k++]);
+        if (k) {
+            memmove(log->segs, log->segs + k, (log->nsegs - k) * sizeof *log->segs);
+            log->nsegs -= k;
+        }
+        if (log->nsegs && (log->segs[0].num != nums[0] || log->segs[log->nsegs - 1].num > nums[nn - 1])) {
+            rc = dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: segments %llu..%llu were seen, the directory now holds "
+                                   "%llu..%llu", log->dir, (unsigned long long)log->segs[0].num,
+                                   (unsigned long long)log->segs[log->nsegs - 1].num, (unsigned long long)nums[0],
+                                   (unsigned long long)nums[nn - 1]);
+            goto out;
+        }
+        int retry = 0;
+        int64_t floor = INT64_MIN;
+        uint32_t fmt = DBSP_STEPLOG_FORMAT_MIN;
+        for (size_t i = 0; i < nn; i++) {
+            if (i + 1 < log->nsegs) { /* already read while another segment followed it: sealed, complete */
+                Seg *s = &log->segs[i];
+                if (s->records) floor = s->max_step;
+                fmt = s->format;
+                continue;
+            }
+            if (i == log->nsegs) {
+                char *path = seg_path(log, nums[i]);
+                if (!path) { rc = oom(); goto out; }
+                Seg s = {.num = nums[i], .min_step = 0, .max_step = -1};
+                rc = log->vfs->open(log->vfs, path, ro ? DBSP_VFS_READONLY : 0, &s.f);
+                free(path);
+                if (rc == DBSP_ENOTFOUND && ro && attempt < 20) { retry = 1; rc = DBSP_OK; break; } /* dropped meanwhile */
+                if (rc) goto out;
+                if ((rc = segs_push(log, s))) { log->vfs->close(s.f); goto out; }
+            }
+            Seg *s = &log->segs[i];
+            if ((rc = seg_load(log, s, i + 1 == nn, floor))) goto out;
+            if (s->format && s->format < fmt) {
+                rc = dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: segment %llu has format %u after format %u",
+                                       log->dir, (unsigned long long)s->num, s->format, fmt);
+                goto out;
+            }
+            if (!s->format && i + 1 < nn) {
+                rc = dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: segment %llu has no valid header", log->dir,
+                                       (unsigned long long)s->num);
+                goto out;
+            }
+            if (s->format) fmt = s->format;
+            if (s->records) floor = s->max_step;
+        }
+        if (!retry) break;
+    }
 out:
-    if (f) log->vfs->close(f);
-    free(path);
-    free(tmp);
+    free(nums);
     return rc;
 }
 
-int dbsp_steplog_open(const char *dir, DbspVfs *vfs, uint64_t segment_bytes, DbspStepLog **out) {
+int dbsp_steplog_open(const char *dir, DbspVfs *vfs, uint64_t segment_bytes, int flags, DbspStepLog **out) {
     DbspStepLog *log = calloc(1, sizeof *log);
     if (!log) return oom();
     log->vfs = vfs ? vfs : dbsp_vfs_posix();
     log->seg_bytes = segment_bytes ? segment_bytes : (64u << 20);
+    log->flags = flags;
     pthread_rwlock_init(&log->seg_lock, NULL);
     pthread_mutex_init(&log->mu, NULL);
     pthread_cond_init(&log->cv, NULL);
     int rc = DBSP_OK;
-    uint64_t *nums = NULL;
-    size_t nn = 0, ncap = 0;
     if (!(log->dir = strdup(dir))) { rc = oom(); goto fail; }
-    if (mkdir(dir, 0755) == 0) {
+    if (readonly(log)) {
+        struct stat st;
+        if (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
+            rc = dbsp_storage_fail(DBSP_ENOTFOUND, ENOENT, "steplog %s: no such directory", dir);
+            goto fail;
+        }
+    } else if (mkdir(dir, 0755) == 0) {
         char *parent = dbsp_path_dirname(dir);
         rc = parent ? log->vfs->fsync_dir(log->vfs, parent) : oom();
         free(parent);
@@ -263,59 +599,35 @@ int dbsp_steplog_open(const char *dir, DbspVfs *vfs, uint64_t segment_bytes, Dbs
         rc = dbsp_storage_fail(dbsp_storage_status_of_errno(errno), errno, "steplog mkdir %s: %s", dir, strerror(errno));
         goto fail;
     }
-    if ((rc = open_log_file(log))) goto fail;
-    DIR *d = opendir(dir);
-    if (!d) { rc = dbsp_storage_fail(DBSP_EIO, errno, "steplog opendir %s: %s", dir, strerror(errno)); goto fail; }
-    struct dirent *de;
-    while ((de = readdir(d))) {
-        size_t l = strlen(de->d_name);
-        if (l != 24 || strcmp(de->d_name + 20, ".seg") != 0) continue;
-        if (nn == ncap) {
-            ncap = ncap ? ncap * 2 : 16;
-            uint64_t *n2 = realloc(nums, ncap * sizeof *n2);
-            if (!n2) { closedir(d); rc = oom(); goto fail; }
-            nums = n2;
+    if (!(flags & DBSP_STEPLOG_NO_LOG_FILE) && (rc = open_log_file(log))) goto fail;
+    if ((rc = rescan(log))) goto fail;
+    if (!readonly(log)) {
+        if (!log->nsegs) {
+            Seg s;
+            if ((rc = seg_create(log, 1, &s))) goto fail;
+            if ((rc = segs_push(log, s))) { log->vfs->close(s.f); goto fail; }
         }
-        nums[nn++] = strtoull(de->d_name, NULL, 10);
+        Seg *a = &log->segs[log->nsegs - 1]; /* invariant 5: what was recovered counts as fsynced from now on */
+        if ((rc = log->vfs->fsync(a->f))) goto fail;
+        for (size_t i = 0; i < log->nsegs; i++) log->segs[i].synced = log->segs[i].size;
     }
-    closedir(d);
-    qsort(nums, nn, sizeof *nums, cmp_u64);
-    int64_t prev = 0;
-    int has_prev = 0;
-    for (size_t i = 0; i < nn; i++) {
-        if (i && nums[i] != nums[i - 1] + 1) {
-            rc = dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: segment %llu is missing", dir,
-                                   (unsigned long long)(nums[i - 1] + 1));
-            goto fail;
+    for (size_t i = log->nsegs; i-- > 0;)
+        if (log->segs[i].records) {
+            log->has_last = 1;
+            log->last_step = log->segs[i].max_step;
+            break;
         }
-        char *path = seg_path(log, nums[i]);
-        if (!path) { rc = oom(); goto fail; }
-        Seg s = {nums[i], NULL, 0, 0, -1, 0};
-        rc = log->vfs->open(log->vfs, path, 0, &s.f);
-        free(path);
-        if (rc) goto fail;
-        if ((rc = segs_push(log, s))) { log->vfs->close(s.f); goto fail; }
-        if ((rc = seg_recover(log, &log->segs[log->nsegs - 1], i + 1 == nn, &prev, &has_prev))) goto fail;
-    }
-    if (!log->nsegs) {
-        Seg s;
-        if ((rc = seg_create(log, 1, &s))) goto fail;
-        if ((rc = segs_push(log, s))) { log->vfs->close(s.f); goto fail; }
-    }
-    log->has_last = has_prev;
-    log->last_step = prev;
-    free(nums);
+    CHECK_INVARIANTS(log);
     *out = log;
     return DBSP_OK;
 fail:
-    free(nums);
     dbsp_steplog_close(log);
     return rc;
 }
 
 void dbsp_steplog_close(DbspStepLog *log) {
     if (!log) return;
-    for (size_t i = 0; i < log->nsegs; i++) log->vfs->close(log->segs[i].f);
+    for (size_t i = 0; i < log->nsegs; i++) seg_free(log, &log->segs[i]);
     free(log->segs);
     free(log->buf);
     free(log->spare);
@@ -326,57 +638,104 @@ void dbsp_steplog_close(DbspStepLog *log) {
     free(log);
 }
 
-/* Leader: writes one batch into the active segment (rotating first if it is full) and fsyncs it. */
-static int write_batch(DbspStepLog *log, const unsigned char *data, size_t len, int64_t bmin, int64_t bmax,
-                       uint64_t nrec) {
+int dbsp_steplog_refresh(DbspStepLog *log) {
+    if (!readonly(log)) return DBSP_OK;
+    pthread_rwlock_wrlock(&log->seg_lock);
+    int rc = rescan(log);
+    CHECK_INVARIANTS(log);
+    pthread_rwlock_unlock(&log->seg_lock);
+    return rc;
+}
+
+/* ---------- group commit ---------- */
+
+/* Leader: seals the active segment (fsyncing what is unsynced, invariant 3) and starts the next one in format 2
+ * (rewriting LOG first if it names an older format, invariant 8). */
+static int rotate(DbspStepLog *log, Seg *act) {
+    int rc;
+    if (act->synced < act->size) {
+        if ((rc = log->vfs->fsync(act->f))) return rc;
+        pthread_rwlock_wrlock(&log->seg_lock);
+        log->segs[log->nsegs - 1].synced = act->size;
+        pthread_rwlock_unlock(&log->seg_lock);
+    }
+    if (!(log->flags & DBSP_STEPLOG_NO_LOG_FILE) && log->log_format < DBSP_STEPLOG_FORMAT &&
+        (rc = write_log_file(log, DBSP_STEPLOG_FORMAT)))
+        return rc;
+    Seg s;
+    if ((rc = seg_create(log, act->num + 1, &s))) return rc;
+    pthread_rwlock_wrlock(&log->seg_lock);
+    rc = segs_push(log, s);
+    pthread_rwlock_unlock(&log->seg_lock);
+    if (rc) { log->vfs->close(s.f); return rc; }
+    *act = s;
+    return DBSP_OK;
+}
+
+/* Leader: writes one batch of format-2 frames to the active segment (rotating first if it is full or older than
+ * this format), stamped with the segment's fsynced length (invariant 5); with `durable`, fsyncs it. */
+static int write_batch(DbspStepLog *log, unsigned char *data, size_t len, int durable) {
     /* only the leader changes the active segment; truncate_below may move the array, so copy under the lock */
     pthread_rwlock_rdlock(&log->seg_lock);
     Seg act = log->segs[log->nsegs - 1];
     pthread_rwlock_unlock(&log->seg_lock);
-    int rc;
-    if (act.size > SEG_HDR && act.size + len > log->seg_bytes) {
-        Seg s;
-        if ((rc = seg_create(log, act.num + 1, &s))) return rc;
-        pthread_rwlock_wrlock(&log->seg_lock);
-        rc = segs_push(log, s);
-        pthread_rwlock_unlock(&log->seg_lock);
-        if (rc) { log->vfs->close(s.f); return rc; }
-        act = s;
+    int rc = DBSP_OK;
+    if (len && (act.format != DBSP_STEPLOG_FORMAT || (act.size > SEG_HDR && act.size + len > log->seg_bytes)) &&
+        (rc = rotate(log, &act)))
+        return rc;
+    if (len) {
+        stamp_marks(data, len, act.synced);
+        if ((rc = log->vfs->pwrite(act.f, data, len, act.size))) return rc;
     }
-    if ((rc = log->vfs->pwrite(act.f, data, len, act.size)) || (rc = log->vfs->fsync(act.f))) return rc;
+    uint64_t synced = act.synced;
+    if (durable && synced < act.size + len) {
+        if ((rc = log->vfs->fsync(act.f))) return rc;
+        synced = act.size + len;
+    }
     pthread_rwlock_wrlock(&log->seg_lock);
     Seg *a = &log->segs[log->nsegs - 1];
-    if (!a->records) a->min_step = bmin;
-    a->max_step = bmax;
-    a->records += nrec;
-    a->size += len;
+    for (size_t off = 0; off < len && !rc; off += F2_HDR + rd32(data + off + 4))
+        rc = seg_add(a, (int64_t)rd64(data + off + F2_HDR), a->size + off);
+    if (!rc) {
+        a->size += len;
+        a->synced = synced;
+    }
+    CHECK_INVARIANTS(log);
     pthread_rwlock_unlock(&log->seg_lock);
-    return DBSP_OK;
+    return rc;
 }
 
 static int failed_status(DbspStepLog *log) {
     return dbsp_storage_fail(log->fail_status, log->fail_errno, "%s (the log must be reopened)", log->fail_msg);
 }
 
-int dbsp_steplog_enqueue(DbspStepLog *log, int64_t step, const void *handle, size_t hlen, const void *producer,
-                         size_t plen, uint64_t seq, const void *payload, size_t len, uint64_t *ticket) {
+int dbsp_steplog_enqueuev(DbspStepLog *log, int64_t step, const void *handle, size_t hlen, const void *producer,
+                          size_t plen, uint64_t seq, const DbspSlice *parts, size_t nparts, uint64_t *ticket) {
+    if (readonly(log)) return refuse_readonly(log, "append");
+    size_t len = 0;
+    for (size_t i = 0; i < nparts; i++) {
+        len += parts[i].len;
+        if (len > DBSP_STEPLOG_MAX_PAYLOAD) break;
+    }
     if (hlen > 65535 || plen > 65535 || len > DBSP_STEPLOG_MAX_PAYLOAD)
         return dbsp_storage_fail(DBSP_ETOOBIG, 0, "steplog %s: record too large (handle %zu, producer %zu, payload %zu bytes)",
                                  log->dir, hlen, plen, len);
-    size_t body = DBSP_STEPLOG_BODY_HEADER + hlen + plen + len, frame = body + 8;
-    unsigned char h[8 + DBSP_STEPLOG_BODY_HEADER]; /* frame and body header; the CRC is computed before locking */
-    wr32(h, (uint32_t)body);
-    wr64(h + 8, (uint64_t)step);
-    wr64(h + 16, seq);
-    wr16(h + 24, (uint16_t)hlen);
-    wr16(h + 26, (uint16_t)plen);
-    wr32(h + 28, 0);
-    uint32_t crc = dbsp_crc32c(0, h, 4);
-    crc = dbsp_crc32c(crc, h + 8, DBSP_STEPLOG_BODY_HEADER);
-    crc = dbsp_crc32c(crc, handle, hlen);
-    crc = dbsp_crc32c(crc, producer, plen);
-    if (len) crc = dbsp_crc32c(crc, payload, len);
-    wr32(h + 4, crc);
+    size_t body = BODY_HDR + hlen + plen + len, frame = F2_HDR + body;
+    unsigned char h[F2_HDR + BODY_HDR]; /* frame and body header; the body CRC is computed before locking */
+    memset(h, 0, sizeof h);
+    memcpy(h, REC_MAGIC, 4);
+    wr32(h + 4, (uint32_t)body);
+    unsigned char *bh = h + F2_HDR;
+    wr64(bh, (uint64_t)step);
+    wr64(bh + 8, seq);
+    wr16(bh + 16, (uint16_t)hlen);
+    wr16(bh + 18, (uint16_t)plen);
+    uint32_t crc = dbsp_crc32c(0, bh, BODY_HDR);
+    if (hlen) crc = dbsp_crc32c(crc, handle, hlen);
+    if (plen) crc = dbsp_crc32c(crc, producer, plen);
+    for (size_t i = 0; i < nparts; i++)
+        if (parts[i].len) crc = dbsp_crc32c(crc, parts[i].data, parts[i].len);
+    wr32(h + 16, crc); /* the mark and the header CRC are stamped by the leader that writes it */
     pthread_mutex_lock(&log->mu);
     if (log->failed) { int rc = failed_status(log); pthread_mutex_unlock(&log->mu); return rc; }
     if (log->has_last && step < log->last_step) {
@@ -394,12 +753,11 @@ int dbsp_steplog_enqueue(DbspStepLog *log, int64_t step, const void *handle, siz
     }
     unsigned char *b = log->buf + log->blen;
     memcpy(b, h, sizeof h);
-    if (hlen) memcpy(b + sizeof h, handle, hlen);
-    if (plen) memcpy(b + sizeof h + hlen, producer, plen);
-    if (len) memcpy(b + sizeof h + hlen + plen, payload, len);
-    if (!log->buf_records) log->buf_min = step;
-    log->buf_max = step;
-    log->buf_records++;
+    b += sizeof h;
+    if (hlen) { memcpy(b, handle, hlen); b += hlen; }
+    if (plen) { memcpy(b, producer, plen); b += plen; }
+    for (size_t i = 0; i < nparts; i++)
+        if (parts[i].len) { memcpy(b, parts[i].data, parts[i].len); b += parts[i].len; }
     log->blen += frame;
     log->has_last = 1;
     log->last_step = step;
@@ -408,38 +766,46 @@ int dbsp_steplog_enqueue(DbspStepLog *log, int64_t step, const void *handle, siz
     return DBSP_OK;
 }
 
-int dbsp_steplog_sync(DbspStepLog *log, uint64_t ticket) {
+int dbsp_steplog_enqueue(DbspStepLog *log, int64_t step, const void *handle, size_t hlen, const void *producer,
+                         size_t plen, uint64_t seq, const void *payload, size_t len, uint64_t *ticket) {
+    DbspSlice part = {payload, len};
+    return dbsp_steplog_enqueuev(log, step, handle, hlen, producer, plen, seq, &part, 1, ticket);
+}
+
+/* Returns once every record up to `ticket` is written (and with `durable`, fsynced), leading a write if no other
+ * caller is. */
+static int flush_to(DbspStepLog *log, uint64_t ticket, int durable) {
+    if (readonly(log)) return refuse_readonly(log, "write");
     int rc = DBSP_OK;
     pthread_mutex_lock(&log->mu);
     if (ticket > log->next_ticket) ticket = log->next_ticket;
-    while (log->durable_ticket < ticket) {
+    while ((durable ? log->durable_ticket : log->written_ticket) < ticket) {
         if (log->failed) { rc = failed_status(log); break; }
         if (log->syncing) { pthread_cond_wait(&log->cv, &log->mu); continue; }
         /* become the leader for everything buffered so far */
         log->syncing = 1;
         unsigned char *data = log->buf;
         size_t dlen = log->blen, dcap = log->bcap;
-        int64_t bmin = log->buf_min, bmax = log->buf_max;
-        uint64_t nrec = log->buf_records, target = log->next_ticket;
+        uint64_t target = log->next_ticket;
         log->buf = log->spare;
         log->bcap = log->spare_cap;
         log->blen = 0;
-        log->buf_records = 0;
         log->spare = NULL;
         log->spare_cap = 0;
         pthread_mutex_unlock(&log->mu);
-        int wrc = write_batch(log, data, dlen, bmin, bmax, nrec);
+        int wrc = write_batch(log, data, dlen, durable);
         pthread_mutex_lock(&log->mu);
         if (!log->spare) { log->spare = data; log->spare_cap = dcap; } else free(data);
         log->syncing = 0;
-        log->fsyncs++;
+        if (durable) log->fsyncs++;
         if (wrc) {
             log->failed = 1;
             log->fail_status = wrc;
             log->fail_errno = dbsp_storage_errno();
             snprintf(log->fail_msg, sizeof log->fail_msg, "%s", dbsp_storage_errmsg());
         } else {
-            log->durable_ticket = target;
+            log->written_ticket = target;
+            if (durable) log->durable_ticket = target;
         }
         pthread_cond_broadcast(&log->cv);
     }
@@ -447,11 +813,27 @@ int dbsp_steplog_sync(DbspStepLog *log, uint64_t ticket) {
     return rc;
 }
 
+int dbsp_steplog_write(DbspStepLog *log, uint64_t ticket) { return flush_to(log, ticket, 0); }
+
+int dbsp_steplog_sync(DbspStepLog *log, uint64_t ticket) { return flush_to(log, ticket, 1); }
+
 int dbsp_steplog_append(DbspStepLog *log, int64_t step, const void *handle, size_t hlen, const void *producer,
                         size_t plen, uint64_t seq, const void *payload, size_t len) {
     uint64_t ticket = 0;
     int rc = dbsp_steplog_enqueue(log, step, handle, hlen, producer, plen, seq, payload, len, &ticket);
     return rc ? rc : dbsp_steplog_sync(log, ticket);
+}
+
+/* ---------- reads and retention ---------- */
+
+/* The offset of the first record of segment s with step >= `step` (s->size if there is none). */
+static uint64_t seek_step(const Seg *s, int64_t step) {
+    size_t lo = 0, hi = s->nidx;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (s->idx[mid].step < step) lo = mid + 1; else hi = mid;
+    }
+    return lo < s->nidx ? s->idx[lo].off : s->size;
 }
 
 int dbsp_steplog_read(DbspStepLog *log, int64_t from_step, int64_t to_step, size_t max_bytes, uint64_t *resume_seg,
@@ -467,17 +849,27 @@ int dbsp_steplog_read(DbspStepLog *log, int64_t from_step, int64_t to_step, size
         if (i < log->nsegs && log->segs[i].num == *resume_seg) off = *resume_off;
     } else {
         while (i + 1 < log->nsegs && (!log->segs[i].records || log->segs[i].max_step < from_step)) i++;
+        if (i < log->nsegs) off = seek_step(&log->segs[i], from_step);
     }
     *resume_seg = 0;
     for (; i < log->nsegs; i++, off = SEG_HDR) {
         Seg *s = &log->segs[i];
         if (s->records && s->min_step > to_step) break;
+        uint64_t hdr = s->format == 1 ? F1_HDR : F2_HDR;
         while (off < s->size) {
-            unsigned char fh[8];
-            if ((rc = dbsp_vfs_read_exact(s->f, fh, 8, off, "record header"))) goto out;
-            uint32_t len = rd32(fh);
-            if (len < DBSP_STEPLOG_BODY_HEADER || len > MAX_BODY || off + 8 + len > s->size) {
-                rc = dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: segment %llu: bad record length at offset %llu",
+            unsigned char fh[F2_HDR];
+            uint32_t len;
+            uint64_t mark;
+            int ok;
+            if ((rc = dbsp_vfs_read_exact(s->f, fh, hdr, off, "record header"))) goto out;
+            if (s->format == 1) {
+                len = rd32(fh);
+                ok = len >= BODY_HDR && len <= MAX_BODY;
+            } else {
+                ok = f2_head_ok(fh, hdr, off, &len, &mark);
+            }
+            if (!ok || off + hdr + len > s->size) {
+                rc = dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: segment %llu: bad record header at offset %llu",
                                        log->dir, (unsigned long long)s->num, (unsigned long long)off);
                 goto out;
             }
@@ -490,13 +882,14 @@ int dbsp_steplog_read(DbspStepLog *log, int64_t from_step, int64_t to_step, size
                 bcap = cap;
             }
             unsigned char *body = buf + blen + 4;
-            if ((rc = dbsp_vfs_read_exact(s->f, body, len, off + 8, "record body"))) goto out;
-            if (dbsp_crc32c(dbsp_crc32c(0, fh, 4), body, len) != rd32(fh + 4)) {
+            if ((rc = dbsp_vfs_read_exact(s->f, body, len, off + hdr, "record body"))) goto out;
+            uint32_t crc = s->format == 1 ? dbsp_crc32c(dbsp_crc32c(0, fh, 4), body, len) : dbsp_crc32c(0, body, len);
+            if (crc != rd32(fh + (s->format == 1 ? 4 : 16))) {
                 rc = dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: segment %llu: checksum mismatch at offset %llu",
                                        log->dir, (unsigned long long)s->num, (unsigned long long)off);
                 goto out;
             }
-            off += 8 + len;
+            off += hdr + len;
             int64_t step = (int64_t)rd64(body);
             if (step > to_step) goto out;
             if (step < from_step) continue;
@@ -518,17 +911,22 @@ out:
 }
 
 int dbsp_steplog_truncate_below(DbspStepLog *log, int64_t step, uint64_t *dropped) {
-    int rc = DBSP_OK;
     *dropped = 0;
+    if (readonly(log)) return refuse_readonly(log, "truncate");
+    int rc = dbsp_steplog_sync(log, UINT64_MAX); /* invariant 4 */
+    if (rc) return rc;
     pthread_rwlock_wrlock(&log->seg_lock);
+    size_t keep = log->nsegs - 1; /* invariant 4: never the active segment, nor the one holding the newest record */
+    for (size_t i = log->nsegs; i-- > 0;)
+        if (log->segs[i].records) { if (i < keep) keep = i; break; }
     size_t k = 0;
-    while (k + 1 < log->nsegs && (!log->segs[k].records || log->segs[k].max_step < step)) {
+    while (k < keep && (!log->segs[k].records || log->segs[k].max_step < step)) {
         char *path = seg_path(log, log->segs[k].num);
         if (!path) { rc = oom(); break; }
         rc = log->vfs->unlink(log->vfs, path);
         free(path);
         if (rc) break;
-        log->vfs->close(log->segs[k].f);
+        seg_free(log, &log->segs[k]);
         k++;
     }
     if (k) {
@@ -537,6 +935,7 @@ int dbsp_steplog_truncate_below(DbspStepLog *log, int64_t step, uint64_t *droppe
         int drc = log->vfs->fsync_dir(log->vfs, log->dir);
         if (!rc) rc = drc;
     }
+    CHECK_INVARIANTS(log);
     pthread_rwlock_unlock(&log->seg_lock);
     *dropped = k;
     return rc;
@@ -560,5 +959,17 @@ int dbsp_steplog_info(DbspStepLog *log, int *has, int64_t *first_step, int64_t *
     pthread_mutex_lock(&log->mu);
     *fsyncs = log->fsyncs;
     pthread_mutex_unlock(&log->mu);
+    return DBSP_OK;
+}
+
+int dbsp_steplog_segments(DbspStepLog *log, DbspStepLogSegment *out, size_t cap, size_t *count) {
+    pthread_rwlock_rdlock(&log->seg_lock);
+    *count = log->nsegs;
+    for (size_t i = 0; i < log->nsegs && i < cap; i++) {
+        const Seg *s = &log->segs[i];
+        out[i] = (DbspStepLogSegment){s->num, s->format, s->size, s->records, s->nidx,
+                                      s->records ? s->min_step : 0, s->records ? s->max_step : 0};
+    }
+    pthread_rwlock_unlock(&log->seg_lock);
     return DBSP_OK;
 }

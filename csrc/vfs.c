@@ -10,7 +10,8 @@
  *  3. Operation `error_at` fails once with the armed errno (EIO or ENOSPC) and has no effect.
  *  4. Creating a file and renaming one are not durable until the directory is fsynced: at a crash (in every
  *     mode but keep; at random in reorder and chaos) an undurable rename is undone and an undurable new file
- *     is removed. Unlinks are treated as durable once they return, and so is a rename over an existing file.
+ *     is removed. Unlinks are treated as durable once they return, and so is a rename over an existing file
+ *     (also when the renamed file was new: the existing name is replaced atomically, never left absent).
  */
 #include "vfs.h"
 
@@ -59,7 +60,7 @@ static int io_fail(int err, const char *op, const char *path) {
 /* ---------- POSIX ---------- */
 
 static int px_open(DbspVfs *vfs, const char *path, int flags, DbspFile **out) {
-    int oflags = O_RDWR | O_CLOEXEC;
+    int oflags = ((flags & DBSP_VFS_READONLY) ? O_RDONLY : O_RDWR) | O_CLOEXEC;
     if (flags & DBSP_VFS_CREATE) oflags |= O_CREAT;
     if (flags & DBSP_VFS_EXCL) oflags |= O_EXCL;
     int fd;
@@ -402,7 +403,10 @@ static int ft_rename(DbspVfs *vfs, const char *from, const char *to) {
                 if (p) {
                     free(s->renamed_from);
                     s->renamed_from = target_existed ? NULL : s->path;  /* over an existing file: durable */
-                    if (target_existed) free(s->path);
+                    if (target_existed) {
+                        free(s->path);
+                        s->created = 0; /* the name existed: a crash leaves it (old or new), never removes it */
+                    }
                     s->path = p;
                 }
             }

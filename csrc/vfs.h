@@ -10,7 +10,7 @@
 typedef struct DbspVfs DbspVfs;
 typedef struct DbspFile DbspFile;
 
-enum { DBSP_VFS_CREATE = 1, DBSP_VFS_EXCL = 2 };
+enum { DBSP_VFS_CREATE = 1, DBSP_VFS_EXCL = 2, DBSP_VFS_READONLY = 4 /* open for reading only */ };
 
 /* Every entry returns DBSP_OK or a storage status with the thread's message set.
  * pread returns fewer bytes than asked only at end of file (*nread says how many). */

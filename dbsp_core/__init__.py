@@ -34,12 +34,12 @@ __all__ = [
 ]
 
 # circuits, operators and the embedded runtime
-from dbsp_core.aggregates import avg, count, max, min, sum  # noqa: E402,A004
+from dbsp_core.aggregates import avg, count, count_distinct, max, min, sum  # noqa: E402,A004
 from dbsp_core.circuit import Circuit, Stream  # noqa: E402
+from dbsp_core.layout import Layout, ShardMap  # noqa: E402
 from dbsp_core.runtime import Pipeline  # noqa: E402
-from dbsp_core.shard import Layout, ShardMap  # noqa: E402
 
-__all__ += ["Circuit", "Stream", "Pipeline", "count", "sum", "min", "max", "avg", "ShardMap", "Layout"]
+__all__ += ["Circuit", "Stream", "Pipeline", "count", "count_distinct", "sum", "min", "max", "avg", "ShardMap", "Layout"]
 
 # views over the step's logged wall-clock now
 from dbsp_core.temporal import filter_now, within_last  # noqa: E402

@@ -14,7 +14,7 @@ import sys
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from dbsp_core.durable import inspect_storage
+    from dbsp_core.storage.inspect import inspect_storage
 
     info = inspect_storage(args.dir)
     if args.json:
@@ -23,8 +23,20 @@ def _inspect(args: argparse.Namespace) -> int:
     b = info["bytes"]
     ck = info["checkpoint_step"]
     out = info["output_steps"]
-    print(f"storage      {info['path']}")
-    print(f"scale        {info['workers']} workers, {1 << info['shard_bits']} shards; circuit {info['fingerprint']}")
+    print(f"storage      {info['path']} ({info['executor']} executor)")
+    per = info["shards_per_worker"]
+    print(f"layout       {info['workers']} workers, {info['shards']} shards (epoch {info['layout_epoch']}; "
+          f"{min(per)}..{max(per)} shards per worker); circuit {info['fingerprint']}")
+    last = info["last_rescale"]
+    if info["rescale_in_progress"]:
+        print("rescale      a layout change was interrupted; the next open finishes or undoes it")
+    if last:
+        moved = last.get("moved_bytes")
+        frac = f" ({moved / last['total_bytes']:.1%} of state)" if moved is not None and last.get("total_bytes") \
+            else ""
+        print(f"last change  {last.get('kind', '?')} rescale {last.get('from_workers')} -> {last.get('to_workers')} "
+              f"workers at step {last.get('step')}: {last.get('moved_shards')} shards, "
+              f"{moved if moved is not None else '?':,} B moved{frac} in {last.get('seconds', 0):.3f} s")
     print(f"inputs       {', '.join(info['inputs'])}")
     print(f"outputs      {', '.join(info['outputs'])}")
     print(f"checkpoint   {'none consistent' if ck is None else f'step {ck}'} "
@@ -39,7 +51,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _read(args: argparse.Namespace) -> int:
-    from dbsp_core.durable import open_output
+    from dbsp_core.storage.inspect import open_output
 
     log = open_output(args.dir)
     try:

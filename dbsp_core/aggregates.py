@@ -1,4 +1,4 @@
-"""Aggregate descriptors for ``group_by(...).agg(...)``: count, sum, min, max and avg with SQL-on-bags semantics.
+"""Aggregate descriptors for ``group_by(...).agg(...)``: count, count_distinct, sum, min, max and avg with SQL-on-bags semantics.
 
 Invariants (enforced here and in operators/aggregate.py):
   1. ``count()`` counts rows with multiplicity; ``count(col)`` counts rows whose ``col`` is not null.
@@ -6,6 +6,8 @@ Invariants (enforced here and in operators/aggregate.py):
   3. ``sum`` and ``avg`` accept only integer and floating-point columns; ``sum`` of integers is int64
      (overflow raises, never wraps), of floats float64; ``avg`` is float64.
   4. ``min`` and ``max`` return the column's own type.
+  5. ``count_distinct(col)`` counts the distinct non-null values of ``col`` in the group (int64, 0 when all
+     are null); it combines with count and integer sum/avg only (operators/count_distinct.py).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pyarrow.types as pat
 
 from dbsp_core.errors import SchemaError
 
-KINDS = ("count", "sum", "min", "max", "avg")
+KINDS = ("count", "count_distinct", "sum", "min", "max", "avg")
 
 
 class Aggregate:
@@ -53,7 +55,7 @@ class Aggregate:
             raise SchemaError(f"{where}: {self!r} refers to unknown column {self.column!r}; "
                               f"input columns are {schema.names}")
         t = schema.field(idx).type
-        if self.kind == "count":
+        if self.kind in ("count", "count_distinct"):
             return pa.int64()
         if self.kind in ("sum", "avg"):
             if pat.is_integer(t):
@@ -84,6 +86,15 @@ def count(column: str | None = None) -> Aggregate:
     (count(), count('price'))
     """
     return Aggregate("count", column)
+
+
+def count_distinct(column: str) -> Aggregate:
+    """The number of distinct non-null values of ``column`` in the group (SQL ``COUNT(DISTINCT column)``).
+
+    >>> count_distinct("bidder")
+    count_distinct('bidder')
+    """
+    return Aggregate("count_distinct", column)
 
 
 def sum(column: str) -> Aggregate:  # noqa: A001 - mirrors SQL
@@ -122,4 +133,4 @@ def avg(column: str) -> Aggregate:
     return Aggregate("avg", column)
 
 
-__all__ = ["Aggregate", "count", "sum", "min", "max", "avg"]
+__all__ = ["Aggregate", "count", "count_distinct", "sum", "min", "max", "avg"]

@@ -8,10 +8,14 @@ Invariants (enforced here):
   3. Every keyed operator (join, distinct, aggregate) reads its inputs through an Exchange on its key,
      unless the input is already partitioned by that key; one exchange per (stream, key) is shared.
   4. Input and output names are unique within a circuit.
+  5. Every node's time lineage (dbsp_core/time/lineage.py) is derived when it is built, and a stateful
+     operator whose input has one gets it as ``in_times``, so it can drop the state no later change can reach.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 from typing import Callable, Sequence
 
 import pyarrow as pa
@@ -23,7 +27,11 @@ from dbsp_core.operators import (Aggregate, Delay, Differentiate, Distinct, Exch
                                  Integrate, Join, LeftJoin, Negate, Operator, Plus, Select)
 from dbsp_core.operators.aggregate import PreAggregate
 from dbsp_core.operators.base import nullable_schema, same_columns
+from dbsp_core.operators.count_distinct import CountDistinct
 from dbsp_core.operators.expr import as_expression
+from dbsp_core.operators.keyless_aggregate import GLOBAL_KEY, AddGlobalKey
+from dbsp_core.operators.top_k import TopK, order_spec
+from dbsp_core.time.lineage import Times, meet, passed
 
 
 class Circuit:
@@ -47,23 +55,38 @@ class Circuit:
         self.inputs: dict[str, int] = {}
         self.outputs: dict[str, int] = {}
         self._exchanges: dict[tuple[int, tuple[str, ...]], int] = {}
+        self.times: dict[int, Times] = {}  # node -> time lineage of its output, when it has one (invariant 5)
 
-    def _add(self, op: Operator) -> "Stream":
+    def _add(self, op: Operator, times: Times | None = None, in_times: Sequence[Times] = ()) -> "Stream":
         for i in op.inputs:  # invariant 1
             assert 0 <= i < len(self.nodes), "operator inputs must be earlier nodes"
+        if any(in_times):  # invariant 5: set only when there is one, so other circuits keep their fingerprint
+            op.in_times = tuple(in_times)
         op.node_id = len(self.nodes)
         self.nodes.append(op)
+        if times:
+            self.times[op.node_id] = dict(times)
         return Stream(self, op.node_id)
 
     def _where(self, kind: str) -> str:
         return f"{kind}#{len(self.nodes)}"
 
-    def input(self, name: str, schema: pa.Schema) -> "Stream":
+    def input(self, name: str, schema: pa.Schema, event_time: str | None = None, lateness: object = 0
+              ) -> "Stream":
         """Declare input handle ``name`` with ``schema``; returns its stream.
+
+        ``event_time`` names an integer or timestamp column holding each row's event time; the input then has a
+        watermark, the largest event time pushed so far minus ``lateness`` (an int in the column's unit, or a
+        ``datetime.timedelta`` for a timestamp column). Rows whose event time is below the watermark in force in
+        their step (the one computed from the earlier steps), or null, are *late*: dropped, and counted in
+        ``Pipeline.late_rows`` (dbsp_core/time/watermark.py).
+        Windows and joins keyed by event time then drop the state that no later row can reach.
 
         >>> import pyarrow as pa
         >>> Circuit().input("t", pa.schema([("a", pa.int32())])).schema.names
         ['a']
+        >>> Circuit().input("b", pa.schema([("t", pa.timestamp("ms"))]), event_time="t", lateness=4000).times
+        {'t': ('b', 0)}
         """
         if not isinstance(name, str) or not name:
             raise TypeError(f"input name must be a non-empty str, got {name!r}")
@@ -79,7 +102,24 @@ class Circuit:
             ZSet.empty(schema)  # rejects unsupported column types
         except SchemaError as exc:
             raise SchemaError(f"input {name!r}: {exc}") from None
-        s = self._add(Input(name, nullable_schema(schema)))
+        times: Times = {}
+        if event_time is not None:
+            import pyarrow.types as pat
+
+            from dbsp_core.time.watermark import lateness_units
+
+            where = f"input {name!r}"
+            if not isinstance(event_time, str) or schema.get_field_index(event_time) < 0:
+                raise SchemaError(f"{where}: event_time must name a column of {schema.names}, got {event_time!r}")
+            typ = schema.field(event_time).type
+            if not (pat.is_integer(typ) or pat.is_timestamp(typ)):
+                raise SchemaError(f"{where}: event-time column {event_time!r} must be an integer or a timestamp, "
+                                  f"got {typ}")
+            lateness = lateness_units(lateness, typ, where)
+            times = {event_time: (name, 0)}
+        elif lateness:
+            raise TypeError(f"input {name!r}: lateness= needs event_time=")
+        s = self._add(Input(name, nullable_schema(schema), event_time, int(lateness)), times)
         self.inputs[name] = s.node_id
         return s
 
@@ -133,6 +173,11 @@ class Stream:
         """The schema of the Z-sets on this stream (inferred)."""
         return self.op.schema
 
+    @property
+    def times(self) -> Times:
+        """The stream's time lineage: ``{column: (input, offset)}`` (dbsp_core/time/lineage.py)."""
+        return self.circuit.times.get(self.node_id, {})
+
     def _where(self, kind: str) -> str:
         return self.circuit._where(kind)
 
@@ -143,7 +188,7 @@ class Stream:
             return self
         cache = self.circuit._exchanges
         if (self.node_id, key) not in cache:
-            cache[(self.node_id, key)] = self.circuit._add(Exchange(self.node_id, self.schema, key)).node_id
+            cache[(self.node_id, key)] = self.circuit._add(Exchange(self.node_id, self.schema, key), self.times).node_id
         return Stream(self.circuit, cache[(self.node_id, key)])
 
     # ---- linear operators ----
@@ -159,7 +204,8 @@ class Stream:
         where = self._where("filter")
         if not isinstance(predicate, pc.Expression):
             raise TypeError(f"{where}: expected a pyarrow.compute expression, got {predicate!r}")
-        return self.circuit._add(Filter(self.node_id, self.schema, self.op.partitioning, predicate, where))
+        return self.circuit._add(Filter(self.node_id, self.schema, self.op.partitioning, predicate, where),
+                                 self.times)
 
     def select(self, **columns: pc.Expression | str) -> "Stream":
         """One output column per keyword: ``name=expression`` (or a column name), in order.
@@ -173,7 +219,9 @@ class Stream:
         if not columns:
             raise SchemaError(f"{where}: select needs at least one column")
         exprs = {name: as_expression(e, where) for name, e in columns.items()}
-        return self.circuit._add(Select(self.node_id, self.schema, self.op.partitioning, exprs, where))
+        op = Select(self.node_id, self.schema, self.op.partitioning, exprs, where)
+        refs = {name: c for name, e in exprs.items() for c in self.times if e.equals(pc.field(c))}
+        return self.circuit._add(op, passed(self.times, refs))
 
     def flat_map(self, fn: Callable[[pa.RecordBatch], pa.RecordBatch], schema: pa.Schema | None = None
                  ) -> "Stream":
@@ -196,7 +244,8 @@ class Stream:
             raise SchemaError(f"{where}: schemas differ: {self.schema.names} {self.schema.types} vs "
                               f"{other.schema.names} {other.schema.types}")
         part = self.op.partitioning if self.op.partitioning == other.op.partitioning else None
-        return self.circuit._add(Plus((self.node_id, other.node_id), (1, sign), self.schema, part))
+        return self.circuit._add(Plus((self.node_id, other.node_id), (1, sign), self.schema, part),
+                                 meet(self.times, other.times))
 
     def __add__(self, other: "Stream") -> "Stream":
         """``s + t``: the sum of two streams of the same columns (bag union)."""
@@ -208,7 +257,7 @@ class Stream:
 
     def __neg__(self) -> "Stream":
         """``-s``: every weight negated."""
-        return self.circuit._add(Negate((self.node_id,), self.schema, self.op.partitioning))
+        return self.circuit._add(Negate((self.node_id,), self.schema, self.op.partitioning), self.times)
 
     # ---- time operators ----
 
@@ -268,7 +317,7 @@ class Stream:
         [((7,), 1), ((8,), 1)]
         """
         src = self._exchanged(tuple(self.schema.names))
-        return self.circuit._add(Distinct(src.node_id, self.schema))
+        return self.circuit._add(Distinct(src.node_id, self.schema), src.times, (src.times,))
 
     @staticmethod
     def _keys(on: object, left_on: object, right_on: object, where: str) -> tuple[list[str], list[str], bool]:
@@ -293,8 +342,12 @@ class Stream:
         left = self._exchanged(tuple(left_on))
         right = other._exchanged(tuple(right_on))
         cls = LeftJoin if kind == "left_join" else Join
-        return self.circuit._add(cls(left.node_id, right.node_id, self.schema, other.schema, left_on, right_on,
-                                     drop_right_keys, where))
+        op = cls(left.node_id, right.node_id, self.schema, other.schema, left_on, right_on, drop_right_keys, where)
+        if kind == "left_join":  # lineage invariant 4: no lineage, no cleanup
+            return self.circuit._add(op)
+        keys = meet(passed(left.times, {k: k for k in left_on}),
+                    passed(right.times, {lk: rk for lk, rk in zip(left_on, right_on)}))
+        return self.circuit._add(op, keys, (left.times, right.times))
 
     def join(self, other: "Stream", on: str | Sequence[str] | None = None,
              left_on: str | Sequence[str] | None = None, right_on: str | Sequence[str] | None = None
@@ -329,8 +382,32 @@ class Stream:
         return self._join(other, lk, rk, drop, kind="left_join")
 
     def group_by(self, *keys: str) -> "GroupBy":
-        """Group rows by ``keys``; finish with :meth:`GroupBy.agg`."""
+        """Group rows by ``keys`` (none: the whole stream is one group); finish with :meth:`GroupBy.agg`,
+        :meth:`GroupBy.top_k`, :meth:`GroupBy.argmax` or :meth:`GroupBy.argmin`."""
         return GroupBy(self, keys)
+
+    # ---- event time (dbsp_core/time) ----
+
+    def tumble(self, column: str, size: int, start: str = "window_start", end: str = "window_end") -> "Stream":
+        """Tumbling windows of ``size`` over time ``column``: adds ``start`` / ``end`` (see dbsp_core.time.window)."""
+        from dbsp_core.time.window import tumble
+
+        return tumble(self, column, size, start, end)
+
+    def hop(self, column: str, size: int, slide: int, start: str = "window_start", end: str = "window_end"
+            ) -> "Stream":
+        """Hopping windows of ``size`` every ``slide`` over time ``column`` (see dbsp_core.time.window)."""
+        from dbsp_core.time.window import hop
+
+        return hop(self, column, size, slide, start, end)
+
+    def interval_join(self, other: "Stream", left_time: str, right_time: str, lower: int, upper: int,
+                      on: str | Sequence[str] | None = None, left_on: str | Sequence[str] | None = None,
+                      right_on: str | Sequence[str] | None = None) -> "Stream":
+        """Equi-join on keys of the pairs with ``right_time + lower <= left_time <= right_time + upper``."""
+        from dbsp_core.time.window import interval_join
+
+        return interval_join(self, other, left_time, right_time, lower, upper, on, left_on, right_on)
 
     def __repr__(self) -> str:
         return f"Stream({self.op.label}, {self.schema.names})"
@@ -343,20 +420,110 @@ class GroupBy:
         self.stream = stream
         self.keys = tuple(keys)
 
+    def _keyed(self, where: str) -> tuple[Stream, tuple[str, ...], str | None]:
+        """The stream to group and its keys: a keyless group_by() groups by a hidden constant key."""
+        s = self.stream
+        if self.keys:
+            return s, self.keys, None
+        s = s.circuit._add(AddGlobalKey(s.node_id, s.schema, s.op.partitioning, where), s.times)
+        return s, (GLOBAL_KEY,), GLOBAL_KEY
+
     def agg(self, **aggs: AggSpec) -> Stream:
-        """One row per non-empty group: the keys, then one column per ``name=dbsp.count()/sum/min/max/avg``.
+        """One row per non-empty group: the keys, then one column per ``name=dbsp.count()/sum/min/max/avg`` or
+        ``dbsp.count_distinct(col)``. With no keys, one row over the whole stream (none once it is empty).
 
         >>> import pyarrow as pa
         >>> import dbsp_core as dbsp
         >>> s = dbsp.Circuit().input("t", pa.schema([("k", pa.utf8()), ("v", pa.int64())]))
         >>> s.group_by("k").agg(total=dbsp.sum("v")).schema.types
         [DataType(string), DataType(int64)]
+        >>> s.group_by().agg(n=dbsp.count(), keys=dbsp.count_distinct("k")).schema.names
+        ['n', 'keys']
         """
-        s = self.stream
-        where = s._where("aggregate")
-        op = Aggregate(-1, s.schema, self.keys, aggs, where)  # validate before adding an exchange
+        s0 = self.stream
+        where = s0._where("aggregate")
+        keys0 = self.keys if self.keys else (GLOBAL_KEY,)
+        schema0 = s0.schema if self.keys else pa.schema(list(s0.schema) + [pa.field(GLOBAL_KEY, pa.int64())])
+        Aggregate(-1, schema0, keys0, aggs, where, output_keys=bool(self.keys))  # validate before adding nodes
+        s, keys, hidden = self._keyed(where)
+        op = Aggregate(-1, s.schema, keys, aggs, where, output_keys=hidden is None)
+        circuit = s.circuit
         if op.linear:  # combine each worker's change into partial rows before the exchange
-            s = s.circuit._add(PreAggregate(s.node_id, op, s.op.partitioning))
-        src = s._exchanged(self.keys)
+            pre = circuit._add(PreAggregate(s.node_id, op, s.op.partitioning), passed(s.times, {k: k for k in keys}))
+            src = pre._exchanged(keys)
+            for col in op.distinct_columns:  # count_distinct: value flips per group, as partial rows
+                vals = s.select(**{c: c for c in dict.fromkeys(keys + (col,))})._exchanged(keys)
+                flips = circuit._add(CountDistinct(vals.node_id, vals.schema, op, col),
+                                     passed(vals.times, {k: k for k in keys}), (vals.times,))
+                src = src + flips
+        else:
+            src = s._exchanged(keys)
         op.inputs = (src.node_id,)
-        return s.circuit._add(op)
+        return circuit._add(op, passed(src.times, {k: k for k in keys}) if hidden is None else {}, (src.times,))
+
+    def top_k(self, k: int, order_by: object, with_ties: bool = False) -> Stream:
+        """The first ``k`` rows of each group in ``order_by`` order (columns, or ``(column, "descending")``),
+        ties broken by the other columns; ``with_ties`` also keeps rows tied with the k-th (operators/top_k.py).
+
+        >>> import pyarrow as pa
+        >>> import dbsp_core as dbsp
+        >>> c = dbsp.Circuit()
+        >>> t = c.input("t", pa.schema([("k", pa.int64()), ("v", pa.int64())]))
+        >>> c.output("top", t.group_by("k").top_k(2, ("v", "descending")))
+        >>> p = dbsp.Pipeline(c)
+        >>> p.push("t", pa.table({"k": [1, 1, 1, 2], "v": [5, 9, 7, 1]}))
+        >>> sorted(p.step()["top"].to_dict())
+        [(1, 7), (1, 9), (2, 1)]
+        """
+        s0 = self.stream
+        where = s0._where("top_k")
+        order = order_spec(order_by, where)
+        schema0 = s0.schema if self.keys else pa.schema(list(s0.schema) + [pa.field(GLOBAL_KEY, pa.int64())])
+        TopK(-1, schema0, self.keys or (GLOBAL_KEY,), order, k, with_ties, where)  # validate before adding nodes
+        s, keys, hidden = self._keyed(where)
+        src = s._exchanged(keys)
+        op = TopK(src.node_id, src.schema, keys, order, k, with_ties, where, hidden)
+        return s.circuit._add(op, passed(src.times, {c: c for c in keys if c != hidden}), (src.times,))
+
+    def argmax(self, column: str, with_ties: bool = True) -> Stream:
+        """The rows of each group with the largest ``column`` (all of them, unless ``with_ties=False``)."""
+        return self.top_k(1, (column, "descending"), with_ties)
+
+    def argmin(self, column: str, with_ties: bool = True) -> Stream:
+        """The rows of each group with the smallest ``column`` (all of them, unless ``with_ties=False``)."""
+        return self.top_k(1, (column, "ascending"), with_ties)
+
+
+def circuit_fingerprint(circuit: Circuit) -> str:
+    """A hash of the circuit's structure: every node's kind, inputs, schema and parameters, inputs and outputs.
+
+    >>> import pyarrow as pa
+    >>> c = Circuit(); s = c.input("x", pa.schema([("a", pa.int64())])); c.output("o", s.distinct())
+    >>> len(circuit_fingerprint(c))
+    64
+    """
+    h = hashlib.sha256()
+    for op in circuit.nodes:
+        parts = [type(op).__name__, getattr(op, "kind", ""), repr(op.inputs), op.schema.to_string(),
+                 repr(op.partitioning)]
+        for k, v in sorted(vars(op).items()):
+            if k in ("node_id", "inputs", "schema", "partitioning"):
+                continue
+            if isinstance(v, (str, int, float, bool, tuple, list, type(None))):
+                parts.append(f"{k}={v!r}")
+            elif isinstance(v, pa.Schema):
+                parts.append(f"{k}={v.to_string()}")
+            elif isinstance(v, Operator):
+                parts.append(f"{k}=node#{v.node_id}")
+            elif callable(v):
+                code = getattr(v, "__code__", None)  # the function's body too, so two lambdas differ
+                body = "" if code is None else hashlib.sha256(code.co_code + re.sub(
+                    r" at 0x[0-9a-fA-F]+", "", repr(code.co_consts) + repr(code.co_names)).encode()).hexdigest()
+                parts.append(f"{k}=<{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', type(v).__name__)}"
+                             f":{body}>")
+            else:
+                # e.g. pyarrow compute expressions print their full text; addresses vary between processes
+                parts.append(f"{k}=" + re.sub(r" at 0x[0-9a-fA-F]+", "", str(v)))
+        h.update("\x1f".join(parts).encode("utf-8") + b"\x1e")
+    h.update(repr(sorted(circuit.inputs.items())).encode() + repr(sorted(circuit.outputs.items())).encode())
+    return h.hexdigest()

@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 import dbsp_core as dbsp
-from dbsp_core.durable import inspect_storage
+from dbsp_core.storage.inspect import inspect_storage
 
 
 PERSONS = pa.schema([("id", pa.int64()), ("name", pa.utf8()), ("city", pa.utf8())])

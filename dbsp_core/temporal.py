@@ -8,10 +8,12 @@ Invariants (enforced here):
   2. The durable pipeline makes now non-decreasing across steps and restarts, so a row older than the window
      never re-enters it; the state drops such rows once their retraction is emitted, and holds only the rows
      of the window and of the future.
-  3. The state is a trace of the held rows (window and future) indexed by time bucket, plus a one-row Z-set
-     holding the previous step's now; both are checkpointed like any other state. A step reads only the
-     buckets the window's ends crossed, so it costs O(change + rows entering or leaving the window). The
-     operator is linear in its input, so each worker handles its own rows.
+  3. The state is a trace of the held rows (window and future) indexed by time bucket, checkpointed like any
+     other state; the previous step's now comes from the step context (``ctx.prev_now_ns``, logged like now).
+     A step reads only the buckets the window's ends crossed, so it costs O(change + rows entering or leaving
+     the window). The operator is linear in its input, so each worker handles its own rows, and its output is
+     not partitioned: the held rows are grouped by time bucket, so a layout change may move a row to another
+     worker than its input's key would (any placement of a linear operator's state gives the same sum).
   4. ``filter_now``: after every step, integral(output) == filter(integral(input), predicate(now)). Its state is
      the whole integral of its input (a row may come back into the filter), so a step costs O(state);
      prefer ``within_last`` for sliding windows.
@@ -34,7 +36,7 @@ from dbsp_core.trace import Trace
 
 if TYPE_CHECKING:
     from dbsp_core.circuit import Stream
-    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.runtime.context import StepContext
     from dbsp_core.zset import ZSet
 
 _UNIT_NS = {"s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}
@@ -45,11 +47,10 @@ class WithinLast(Operator):
 
     kind = "within_last"
 
-    def __init__(self, node: int, schema: pa.Schema, partitioning, column: str, window_ns: int, unit_ns: int
-                 ) -> None:
-        super().__init__((node,), schema, partitioning)
+    def __init__(self, node: int, schema: pa.Schema, column: str, window_ns: int, unit_ns: int) -> None:
+        super().__init__((node,), schema, None)  # invariant 3: state grouped by bucket, not by the input's key
         self.column = column
-        self.state_format = 2  # part of the circuit fingerprint: format 1 state (whole-window Z-sets) is refused
+        self.state_format = 3  # part of the circuit fingerprint: older state (with a clock Z-set) is refused
         self.window_ns = window_ns
         self.unit_ns = unit_ns
 
@@ -62,8 +63,7 @@ class _WithinLastState:
 
     ``held`` is the integral of the input minus the rows that left the window for good (event time below the
     window's low end), indexed by a time bucket (``window / 64`` wide) so a step reads only the buckets that
-    the window's two ends crossed since the previous step's now (kept in ``clock``, a one-row Z-set, so it is
-    checkpointed with the rows). A step emits: the change's rows inside the window; minus the held rows that
+    the window's two ends crossed since the previous step's now (``ctx.prev_now_ns``). A step emits: the change's rows inside the window; minus the held rows that
     the low end passed; plus the held future rows that the high end reached.
     """
 
@@ -75,7 +75,6 @@ class _WithinLastState:
         self.bucket_ns = max(1, op.window_ns // 64)
         self.hschema = pa.schema(list(op.schema) + [pa.field("__bucket", pa.int64())])
         self.held = Trace(self.hschema, ("__bucket",))
-        self.clock = empty(_CLOCK)  # one row: the previous step's now (empty before the first step)
 
     def traces(self) -> dict[str, "Trace"]:
         """The operator's keyed state, by name."""
@@ -113,15 +112,13 @@ class _WithinLastState:
         hashes = np.unique(ZSet.from_arrow(pa.table({"__bucket": keys})).hash(["__bucket"]))
         return lookup_exact(self.held, hashes, self.hschema).consolidate()
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         from dbsp_core.zset import ZSet
 
-        now = getattr(ctx, "now_ns", None)
-        if now is None:
-            now = time.time_ns()
-        prev = int(self.clock.data.column(0)[0].as_py()) if self.clock.num_rows else None
+        now = ctx.now_ns if ctx.now_ns is not None else time.time_ns()
+        prev = ctx.prev_now_ns
         if prev is not None:
-            now = max(now, prev)  # the window never moves back (the durable pipeline's now never does)
+            now = max(now, prev)  # the window never moves back (the driver's now never does)
         win = self.op.window_ns
         lo = now - win
         out: list[ZSet] = []
@@ -154,12 +151,7 @@ class _WithinLastState:
                 rows = z.data.filter(pa.array(keep)).append_column("__bucket", buckets)
                 self.held.insert(ZSet._make(rows, np.asarray(z.weights[keep], dtype=np.int64))
                                  .index_by(["__bucket"]))
-        if prev != now:
-            self.clock = ZSet._make(pa.table({"now_ns": pa.array([now], pa.int64())}), np.ones(1, dtype=np.int64))
         return concat(out, self.schema)
-
-
-_CLOCK = pa.schema([("now_ns", pa.int64())])
 
 
 def within_last(stream: "Stream", column: str, seconds: float, unit: str = "s") -> "Stream":
@@ -195,8 +187,7 @@ def within_last(stream: "Stream", column: str, seconds: float, unit: str = "s") 
         raise ValueError(f"{where}: unit must be one of {sorted(_UNIT_NS)}, got {unit!r}")
     if not isinstance(seconds, (int, float)) or not seconds > 0:
         raise ValueError(f"{where}: seconds must be a positive number, got {seconds!r}")
-    op = WithinLast(stream.node_id, stream.schema, stream.op.partitioning, column, int(seconds * 10**9),
-                    _UNIT_NS[unit])
+    op = WithinLast(stream.node_id, stream.schema, column, int(seconds * 10**9), _UNIT_NS[unit])
     return stream.circuit._add(op)
 
 
@@ -220,12 +211,10 @@ class _FilterNowState:
         self.acc = empty(op.schema)   # integral of the input
         self.shown = empty(op.schema)  # integral of the output so far
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         from dbsp_core.zset import ZSet
 
-        now = getattr(ctx, "now_ns", None)
-        if now is None:
-            now = time.time_ns()
+        now = ctx.now_ns if ctx.now_ns is not None else time.time_ns()
         z = inputs[0]
         if z.num_rows:
             self.acc = (self.acc + conform(z, self.schema)).consolidate()

@@ -1,8 +1,9 @@
 """SparkPipeline: a durable pipeline whose steps run as Spark jobs, one task per (stage, worker), with Spark's shuffle as the exchange, executors as the workers and the driver as the coordinator.
 
-The engine-side logic is dbsp_core's (``dbsp_core.stages`` and ``dbsp_core.stagetask``: stages, stage tasks,
-per-(stage, worker) state, retries; ``dbsp_core.staged``: step division, input and output logs, checkpoints,
-recovery). This module only moves blobs: one Spark job runs a batch of queued steps as::
+The engine-side logic is dbsp_core's: the driver (``dbsp_core.runtime.driver``: step division, input and output
+logs, checkpoints, recovery, layout changes) over the staged executor (``dbsp_core.runtime.staged``, with
+``stage_plan`` and ``stage_task``: stages, stage tasks, per-(stage, worker) state, retries). This module only
+supplies the job runner, which moves blobs: one Spark job runs a batch of queued steps as::
 
     spark.range(W) in W partitions
       -> mapInArrow(stage 0 over the worker's job input file) -> [shuffle to partition = part]
@@ -20,26 +21,27 @@ Design notes (each is a requirement this module keeps):
      ``spark.range(W)`` in W partitions and task ``w`` reads worker ``w``'s input, so it needs no shuffle.
      ``repartition`` with an explicit count is never coalesced by adaptive execution. Inside a task the worker id is
      ``TaskContext.partitionId()``, and every stage task refuses a blob addressed to another worker
-     (dbsp_core.stagetask invariant 1), so a placement bug fails loudly instead of producing wrong data.
+     (dbsp_core.runtime.stage_task invariant 1), so a placement bug fails loudly instead of producing wrong data.
   3. A DataFrame pushed as input is gathered to the driver (``toArrow``): the driver is where the input log
      is, and a push is acknowledged only once logged. Outputs are small changes collected to the driver;
      ``output_df`` / ``view_df`` build DataFrames from logged data, never from the job's lineage, so Spark can
      never re-run a stage task of a finished job by re-evaluating a DataFrame.
   4. The storage directory must be visible at the same path to the driver and every executor (a local path
-     in local mode, a shared mount on a cluster); stage state is under ``<storage>/stages``.
+     in local mode, a shared mount on a cluster); stage state is under ``<storage>/state``.
   5. Input and output rows cross the JVM only in the shuffle: the driver writes each worker's stage-0 blobs
-     to a job input file under the storage directory (dbsp_core.jobfiles: checksummed, named by the job,
-     removed when the job ends), and when the last stage is stateful its tasks leave their output shares in
-     the result files they write before committing (dbsp_core.stagetask invariants 3 and 5), which the driver
+     to a job input file under the storage directory (dbsp_core.runtime.job_files: checksummed, named by the
+     job, removed when the job ends), and when the last stage is stateful its tasks leave their output shares in
+     the result files they write before committing (dbsp_core.runtime.stage_task invariants 3 and 5), which the driver
      reads after the job, checking that each holds this job's committed result. Spark's ``toArrow()`` then
      carries only the commit acknowledgements and control blobs.
-  6. A job's DataFrame holds nothing job-specific: the job (driver run id, base version, steps with their
-     ``now`` and seed) is described in its control blobs, which the input file carries to stage 0 and every
+  6. A job's DataFrame holds nothing job-specific but the worker count: the job (driver run id, layout, base
+     version, steps with their ``now`` and seed) is described in its control blobs, which the input file carries to stage 0 and every
      stage forwards, and each task builds its StageTask from the one it receives (a stage-0 task checks it
      against the file header). So the next job's DataFrame is built ahead, in a background thread, while the
      driver reads a job's results; each job still gets a DataFrame of its own (an executed DataFrame would
      reuse its shuffle output), and every guarantee of the stage tasks holds as before, since they check the
-     job against their databases (dbsp_core.stagetask invariant 3).
+     job against their databases (dbsp_core.runtime.stage_task invariant 3). A layout change between jobs only
+     changes the number of tasks per stage (the DataFrame of the new worker count) and the job description.
 """
 
 from __future__ import annotations
@@ -56,11 +58,12 @@ import pyarrow.compute as pc
 
 from dbsp_core.circuit import Circuit
 from dbsp_core.errors import DbspError, SchemaError
-from dbsp_core.jobfiles import read_job_input, remove_job_inputs, write_job_inputs
-from dbsp_core.shard import DEFAULT_SHARD_BITS
-from dbsp_core.staged import Job, StagedPipeline
-from dbsp_core.stages import BLOB_SCHEMA, CONTROL_NODE, StagePlan, control_blobs
-from dbsp_core.stagetask import StageTask, StepInfo, read_result_outputs, run_stage_task
+from dbsp_core.layout import DEFAULT_SHARD_BITS, Layout
+from dbsp_core.runtime import Pipeline, StagedExecutor
+from dbsp_core.runtime.job_files import read_job_input, remove_job_inputs, write_job_inputs
+from dbsp_core.runtime.stage_plan import BLOB_SCHEMA, CONTROL_NODE, StagePlan, StepInfo, control_blobs
+from dbsp_core.runtime.stage_task import StageTask, read_result_outputs, run_stage_task
+from dbsp_core.runtime.staged import Job
 from dbsp_core.zset import ZSet
 
 __all__ = ["SparkPipeline", "SparkJobRunner", "partition_codes"]
@@ -94,8 +97,8 @@ def _blob_struct() -> Any:
 
 def _describe(task: StageTask, fault: tuple[int, str, int] | None, attempts: int) -> dict:
     """The job-specific part of a job's stage tasks, which travels with the blobs (design note 6)."""
-    return {"run": task.run, "version": task.version, "steps": [list(s) for s in task.steps],
-            "fault": None if fault is None else [*fault, attempts]}
+    return {"run": task.run, "version": task.version, "layout": task.layout.to_dict(),
+            "steps": [list(s) for s in task.steps], "fault": None if fault is None else [*fault, attempts]}
 
 
 def _job_of(blobs: pa.Table, where: str) -> dict:
@@ -106,7 +109,7 @@ def _job_of(blobs: pa.Table, where: str) -> dict:
     return json.loads(ctl[0].as_py())
 
 
-def _stage_fn(plan: StagePlan, stage: int, workers: int, shard_bits: int, storage: str, outputs_in_result: bool):
+def _stage_fn(plan: StagePlan, stage: int, storage: str, outputs_in_result: bool):
     """The mapInArrow function of one stage of any job: take the partition's blobs (stage 0: the worker's input
     file), build the stage task from the job description they carry, run it and yield its blobs."""
 
@@ -124,7 +127,7 @@ def _stage_fn(plan: StagePlan, stage: int, workers: int, shard_bits: int, storag
         job = _job_of(table, where)
         if stage == 0 and head != job:
             raise DbspError(f"{where}: the input file of job {head} carries the job {job}")
-        task = StageTask(plan, stage, workers, shard_bits, storage, job["run"], job["version"],
+        task = StageTask(plan, stage, Layout.from_dict(job["layout"], where), storage, job["run"], job["version"],
                          [StepInfo(*s) for s in job["steps"]], outputs_in_result=outputs_in_result)
         f = job["fault"]
         if f is not None and f[0] == stage and f[2] == worker and tc.attemptNumber() < f[3]:
@@ -136,7 +139,7 @@ def _stage_fn(plan: StagePlan, stage: int, workers: int, shard_bits: int, storag
 
 
 class SparkJobRunner:
-    """Runs a job's stage tasks as one Spark job (dbsp_core.staged.JobRunner); see the module docstring.
+    """Runs a job's stage tasks as one Spark job (dbsp_core.runtime.staged.JobRunner); see the module docstring.
 
     ``fault`` (tests only): ``(stage, point, worker)`` makes the first ``fault_attempts`` attempts of that task
     raise at ``point`` (``"before-commit"`` or ``"after-commit"``); Spark retries a failed task when task
@@ -146,13 +149,9 @@ class SparkJobRunner:
     built in a background thread while the driver reads a job's results (design note 6).
     """
 
-    def __init__(self, spark: Any, workers: int) -> None:
-        from pyspark.sql import functions as F
-
+    def __init__(self, spark: Any) -> None:
         self.spark = spark
-        self.workers = workers
-        self.codes = partition_codes(spark, workers)
-        self._code = F.element_at(F.array(*[F.lit(c) for c in self.codes]), F.col("part") + 1)
+        self._codes: dict[int, list[int]] = {}
         self._schema = _blob_struct()
         self.fault: tuple[int, str, int] | None = None
         self.fault_attempts = 1
@@ -161,20 +160,28 @@ class SparkJobRunner:
         self._pool: ThreadPoolExecutor | None = None
         self._next: tuple[tuple, Future] | None = None
 
-    def _route(self, df: Any) -> Any:
+    def codes(self, workers: int) -> list[int]:
+        """The partition codes of ``workers`` Spark partitions (design note 2), computed once per worker count."""
+        if workers not in self._codes:
+            self._codes[workers] = partition_codes(self.spark, workers)
+        return self._codes[workers]
+
+    def _route(self, df: Any, workers: int) -> Any:
         """Shuffle so that a blob with ``part = p`` lands in partition ``p`` (design note 2)."""
-        return df.repartition(self.workers, self._code)
+        from pyspark.sql import functions as F
+
+        code = F.element_at(F.array(*[F.lit(c) for c in self.codes(workers)]), F.col("part") + 1)
+        return df.repartition(workers, code)
 
     def _build(self, key: tuple, plan: StagePlan) -> Any:
         """A new DataFrame running every stage of a job (any job with these static parameters: design note 6)."""
-        storage, shard_bits, by_file = key[1:]
-        df = self.spark.range(0, self.workers, 1, self.workers)  # W one-row partitions: partition w = worker w
+        storage, workers, by_file = key[1:]
+        df = self.spark.range(0, workers, 1, workers)  # W one-row partitions: partition w = worker w
         last = plan.num_stages - 1
         for k in range(plan.num_stages):
             if k:
-                df = self._route(df)
-            df = df.mapInArrow(_stage_fn(plan, k, self.workers, shard_bits, storage, by_file and k == last),
-                               self._schema)
+                df = self._route(df, workers)
+            df = df.mapInArrow(_stage_fn(plan, k, storage, by_file and k == last), self._schema)
         return df
 
     def _dataframe(self, key: tuple, plan: StagePlan) -> Any:
@@ -194,17 +201,18 @@ class SparkJobRunner:
         if storage is None:
             raise DbspError("SparkJobRunner: stage tasks need a storage directory every executor can see")
         by_file = self.outputs_by_file and plan.stateful[last]
-        key = (id(plan), storage, t0.shard_bits, by_file)
+        W = job.workers
+        key = (id(plan), storage, W, by_file)
         df = self._dataframe(key, plan)
         desc = _describe(t0, self.fault, self.fault_attempts)
         inputs = job.inputs
         ctl = inputs.column("node").to_numpy() == CONTROL_NODE
-        inputs = pa.concat_tables([inputs.filter(pa.array(~ctl)), _control(self.workers, t0.steps[0].step, desc)])
-        write_job_inputs(storage, desc, inputs, self.workers)
+        inputs = pa.concat_tables([inputs.filter(pa.array(~ctl)), _control(W, t0.steps[0].step, desc)])
+        write_job_inputs(storage, desc, inputs, W)
         try:
             result = df.toArrow()
         finally:
-            remove_job_inputs(storage, self.workers)
+            remove_job_inputs(storage, W)
         if self.prebuild:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="dbsp-spark-plan")
@@ -213,7 +221,7 @@ class SparkJobRunner:
             return result
         if result.schema != BLOB_SCHEMA:
             result = result.select(BLOB_SCHEMA.names).cast(BLOB_SCHEMA)
-        return pa.concat_tables([result, read_result_outputs(tasks[last], self.workers)])
+        return pa.concat_tables([result, read_result_outputs(tasks[last], W)])
 
     def close(self) -> None:
         """Wait for a prebuild in flight and stop its thread."""
@@ -229,8 +237,9 @@ def _control(workers: int, step: int, desc: dict) -> pa.Table:
     return t.set_column(4, "payload", pa.array([json.dumps(desc, sort_keys=True).encode()] * workers, pa.binary()))
 
 
-class SparkPipeline(StagedPipeline):
-    """The durable :class:`dbsp_core.Pipeline` surface over a SparkSession: each batch of steps is one Spark job.
+class SparkPipeline(Pipeline):
+    """The :class:`dbsp_core.Pipeline` driver over the staged executor with a Spark job runner: each batch of steps
+    is one Spark job. It adds Spark DataFrames as input and output; everything else is the Pipeline's.
 
     Parameters
     ----------
@@ -244,7 +253,7 @@ class SparkPipeline(StagedPipeline):
         Directory for the input log, output log and stage state; every executor must see it at the same path
         (None: a new temporary directory, for local mode).
     shard_bits, max_steps_per_job, checkpoint_interval, replay_check, output_retention, output_sync
-        As for ``dbsp_core.staged.StagedPipeline``.
+        As for ``dbsp_core.Pipeline`` and ``dbsp_core.runtime.StagedExecutor``.
 
     Examples
     --------
@@ -257,11 +266,12 @@ class SparkPipeline(StagedPipeline):
         outs = p.run_queued()                                 # several steps in one job
         p.output_df("totals").show(); p.view_df("totals").show()
         p.close()
-        p = SparkPipeline.open(spark, "/shared/pipe", circuit) # recover after a stop or a crash
+        p = SparkPipeline.open(spark, "/shared/pipe", circuit)             # recover after a stop or a crash
+        p = SparkPipeline.open(spark, "/shared/pipe", circuit, workers=4)  # ... at another worker count
     """
 
     def __init__(self, spark: Any, circuit: Circuit, workers: int = 1, storage: Any = None, *,
-                 shard_bits: int = DEFAULT_SHARD_BITS, **kwargs: Any) -> None:
+                 shard_bits: int = DEFAULT_SHARD_BITS, max_steps_per_job: int = 64, **kwargs: Any) -> None:
         from pyspark.sql import SparkSession
 
         if not isinstance(spark, SparkSession):
@@ -272,22 +282,27 @@ class SparkPipeline(StagedPipeline):
         if storage is None:
             storage = tempfile.mkdtemp(prefix="dbsp-spark-")
         self._views: dict[str, tuple[int, ZSet]] = {}
-        super().__init__(circuit, workers, shard_bits, storage, runner=SparkJobRunner(spark, workers), **kwargs)
+        executor = StagedExecutor(SparkJobRunner(spark), max_steps_per_job=max_steps_per_job)
+        super().__init__(circuit, workers, shard_bits, storage, executor=executor, **kwargs)
 
     @classmethod
-    def open(cls, spark: Any, path: Any, circuit: Circuit, **kwargs: Any) -> "SparkPipeline":  # type: ignore[override]
-        """Recover the pipeline stored in ``path`` (workers and shard bits come from the directory)."""
-        from dbsp_core.durable import read_meta
+    def open(cls, spark: Any, path: Any, circuit: Circuit, workers: int | None = None,  # type: ignore[override]
+             **kwargs: Any) -> "SparkPipeline":
+        """Recover the pipeline stored in ``path``; ``workers`` continues it at another worker count (a cold
+        rescale, as :meth:`dbsp_core.Pipeline.open`)."""
         from dbsp_core.errors import RecoveryError
 
         root = os.fspath(path)
         if not os.path.isdir(root):
             raise FileNotFoundError(f"SparkPipeline.open: no storage directory {root!r}")
-        try:
-            meta = read_meta(root)
-        except FileNotFoundError:
-            raise RecoveryError(f"SparkPipeline.open: {root!r} holds no pipeline (META is missing)") from None
-        return cls(spark, circuit, meta["workers"], root, shard_bits=meta["shard_bits"], **kwargs)
+        if not os.path.exists(os.path.join(root, "META")):
+            raise RecoveryError(f"SparkPipeline.open: {root!r} holds no pipeline (META is missing)")
+        return cls(spark, circuit, 1, root, _rescale_to=workers, _open_only=True, **kwargs)
+
+    @property
+    def runner(self) -> "SparkJobRunner":
+        """The Spark job runner (tests set its fault injection)."""
+        return self.executor.runner  # type: ignore[attr-defined,return-value]
 
     # ---- input ----
 
@@ -341,16 +356,8 @@ class SparkPipeline(StagedPipeline):
         t = z.to_arrow()
         return self.spark.createDataFrame(t)
 
-    def close(self, checkpoint: bool = True) -> None:  # type: ignore[override]
-        """Checkpoint (unless ``checkpoint=False`` or the pipeline is broken), then release files and threads."""
-        try:
-            super().close(checkpoint)
-        finally:
-            self.runner.close()  # type: ignore[attr-defined]
-
     def __repr__(self) -> str:
-        return (f"SparkPipeline({self.storage!r}, workers={self.workers}, steps={self.steps}, "
-                f"stages={self.plan.num_stages})")
+        return f"SparkPipeline({self.storage!r}, workers={self.workers}, steps={self.steps})"
 
 
 def _conform_arrow(t: pa.Table, schema: pa.Schema, handle: str) -> pa.Table:

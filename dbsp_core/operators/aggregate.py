@@ -22,6 +22,8 @@ Invariants:
   4. The input is exchanged by the group keys, so a group lives in exactly one worker. A linear aggregate
      first turns each worker's change into partial rows (PreAggregate, before the exchange: a combiner), so
      a large change crosses workers as one row per group instead of one per input row.
+  5. When a group key column has a time lineage (dbsp_core/time), the groups below its bound are dropped from
+     every trace at the start of a step (dbsp_core/time/cleanup.py): no later change can reach them.
 """
 
 from __future__ import annotations
@@ -37,20 +39,25 @@ from dbsp_core.aggregates import Aggregate as AggSpec
 from dbsp_core.errors import DbspError, SchemaError, WeightOverflowError
 from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, make
 from dbsp_core import _zset
+from dbsp_core.time.cleanup import prune
+from dbsp_core.time.lineage import input_times
 from dbsp_core.trace import Trace, unique_sorted
 from dbsp_core.zset import IndexedZSet, ZSet
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.runtime.context import StepContext
 
 
 class Aggregate(Operator):
     """``group_by(*keys).agg(name=aggregate, ...)``."""
 
     kind = "aggregate"
+    output_keys = True  # the key columns lead the output (False: a keyless aggregate's hidden key)
+    distinct_columns: tuple[str, ...] = ()  # columns of count_distinct slots (partials from CountDistinct)
+    in_times: tuple = ()  # time lineage of the input, set by the circuit when there is one (dbsp_core.time)
 
     def __init__(self, node: int, in_schema: pa.Schema, keys: Sequence[str], aggs: dict[str, AggSpec],
-                 where: str) -> None:
+                 where: str, output_keys: bool = True) -> None:
         keys = tuple(keys)
         if not keys:
             raise SchemaError(f"{where}: group_by needs at least one key column")
@@ -59,14 +66,16 @@ class Aggregate(Operator):
             raise SchemaError(f"{where}: duplicate group_by column in {list(keys)}")
         if not aggs:
             raise SchemaError(f"{where}: agg() needs at least one aggregate")
-        fields = [pa.field(k, in_schema.field(k).type) for k in keys]
+        if not output_keys:  # the keys are hidden (a keyless aggregate's constant key); set only when not the
+            self.output_keys = False  # default, so circuits written before keep their fingerprint
+        fields = [pa.field(k, in_schema.field(k).type) for k in keys] if output_keys else []
         for name, agg in aggs.items():
             if not isinstance(agg, AggSpec):
                 raise TypeError(f"{where}: {name}= must be an aggregate such as dbsp.count(), got {agg!r}")
-            if name in keys:
+            if name in keys and output_keys:
                 raise SchemaError(f"{where}: output column {name!r} clashes with a group_by column")
             fields.append(pa.field(name, agg.output_type(in_schema, where)))
-        super().__init__((node,), pa.schema(fields), keys)
+        super().__init__((node,), pa.schema(fields), keys if output_keys else None)
         self.state_format = 2  # part of the circuit fingerprint: state saved by format 1 (no extremes) is refused
         self.in_schema = in_schema
         self.keys = keys
@@ -77,13 +86,21 @@ class Aggregate(Operator):
         for agg in aggs.values():
             if agg.kind == "count":
                 slots = [0] if agg.column is None else [self._slot("count_col", agg.column)]
+            elif agg.kind == "count_distinct":  # partials come from operators/count_distinct.py
+                slots = [self._slot("count_distinct", agg.column)]
             elif agg.kind in ("sum", "avg"):  # the non-null count decides when the result is null
                 slots = [self._slot("sum", agg.column), self._slot("count_col", agg.column)]
             else:
                 slots = [self._slot(agg.kind, agg.column)]
             self.plan.append((agg.kind, slots))
-        self.linear = all(k in ("count", "count_col") or (k == "sum" and pat.is_integer(in_schema.field(c).type))
-                          for k, c in self.kernel)
+        self.linear = all(k in ("count", "count_col", "count_distinct")
+                          or (k == "sum" and pat.is_integer(in_schema.field(c).type)) for k, c in self.kernel)
+        distinct_columns = tuple(c for k, c in self.kernel if k == "count_distinct")
+        if distinct_columns:
+            self.distinct_columns = distinct_columns
+        if distinct_columns and not self.linear:
+            raise SchemaError(f"{where}: count_distinct combines only with count and integer sum/avg in one agg(); "
+                              f"compute min/max and float aggregates in another agg() and join the results")
         self.partial_slots = [f"p_{j}" for j in range(len(self.kernel))]
         self.pschema = pa.schema([pa.field(k, in_schema.field(k).type) for k in keys]
                                  + [pa.field(c, pa.int64()) for c in self.partial_slots])
@@ -104,8 +121,8 @@ class Aggregate(Operator):
     def finalize(self, totals: pa.Table) -> pa.Table:
         """User rows from a table of keys then one column per kernel slot (positional)."""
         nk = len(self.keys)
-        cols = [totals.column(i) for i in range(nk)]
-        for (kind, slots), field in zip(self.plan, list(self.schema)[nk:]):
+        cols = [totals.column(i) for i in range(nk)] if self.output_keys else []
+        for (kind, slots), field in zip(self.plan, list(self.schema)[len(cols):]):
             if kind == "avg":
                 s = pc.cast(totals.column(nk + slots[0]), pa.float64())
                 n = pc.cast(totals.column(nk + slots[1]), pa.float64())
@@ -146,7 +163,11 @@ def reduce_groups(ix: "IndexedZSet", kernel: list[tuple[str, str | None]]) -> pa
     extra: dict[str, pa.ChunkedArray] = {}
     kern = []
     for kind, col in kernel:
-        if kind == "sum" and col is not None and data.column(col).null_count:
+        if kind == "count_distinct":  # its partials come from operators/count_distinct.py: 0 here
+            if "__zero" not in extra:
+                extra["__zero"] = pa.chunked_array([np.zeros(data.num_rows, dtype=np.int64)], pa.int64())
+            kern.append(("sum", "__zero"))
+        elif kind == "sum" and col is not None and data.column(col).null_count:
             name = f"__nonnull_{col}"
             if name not in extra:
                 extra[name] = pc.fill_null(data.column(col), 0)
@@ -179,8 +200,9 @@ class _RecomputeState:
         ix = z.index_by(list(self.op.keys))
         return self.op.nonempty(reduce_groups(ix, self.op.kernel)) if len(ix) else None
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
+        prune(self, input_times(op), ctx)  # groups no later change can reach (dbsp_core.time.cleanup)
         z = inputs[0]
         if z.num_rows == 0:
             return empty(op.schema)
@@ -217,7 +239,9 @@ class PreAggregate(Operator):
         ones = None
         for kind, col in self.agg.kernel:
             c = data.column(col) if col is not None else None
-            if kind == "count" or (kind == "count_col" and c.null_count == 0):
+            if kind == "count_distinct":  # its partials come from operators/count_distinct.py
+                cols.append(pa.array(np.zeros(n, dtype=np.int64)))
+            elif kind == "count" or (kind == "count_col" and c.null_count == 0):
                 ones = pa.array(np.ones(n, dtype=np.int64)) if ones is None else ones
                 cols.append(ones)
             elif kind == "count_col":
@@ -228,7 +252,7 @@ class PreAggregate(Operator):
                 cols.append(pc.cast(pc.fill_null(c, 0), pa.int64()))
         return make(pa.Table.from_arrays(cols, schema=self.schema), z.weights, self.schema)
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         z = inputs[0]
         if z.num_rows == 0:
             return empty(self.schema)
@@ -265,8 +289,9 @@ class _LinearState:
         """The operator's state, by name (each trace can be read per shard)."""
         return {"partials": self.trace}
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
+        prune(self, input_times(op), ctx)  # groups no later change can reach (dbsp_core.time.cleanup)
         z = inputs[0]  # partial rows from PreAggregate
         if z.num_rows == 0:
             return empty(op.schema)
@@ -415,8 +440,9 @@ class _ExtremesState:
         z = make(table, np.concatenate(weights), self.cschema)
         return z.index_by(self.keys).reduce(list(self.aggs)).rename_columns(list(self.names))
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
+        prune(self, input_times(op), ctx)  # groups no later change can reach (dbsp_core.time.cleanup)
         z = inputs[0]
         if z.num_rows == 0:
             return empty(op.schema)

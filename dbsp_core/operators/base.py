@@ -22,7 +22,7 @@ import pyarrow as pa
 from dbsp_core.errors import SchemaError, WeightOverflowError
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.runtime.context import StepContext
     from dbsp_core.zset import ZSet
 
 INT64_MIN = np.iinfo(np.int64).min
@@ -49,7 +49,7 @@ class Operator:
         """Per-worker runtime object with a ``step(inputs, ctx) -> ZSet`` method."""
         return self
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":  # pragma: no cover - a subclass bug
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":  # pragma: no cover - a subclass bug
         raise TypeError(f"{self.label} defines neither step() nor an instance() with a step(): every operator "
                         "must compute its output from its inputs one way or the other")
 

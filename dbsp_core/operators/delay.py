@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from dbsp_core.operators.base import Operator, empty
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.runtime.context import StepContext
     from dbsp_core.zset import ZSet
 
 
@@ -27,6 +27,6 @@ class _DelayState:
     def __init__(self, op: Delay) -> None:
         self.prev = empty(op.schema)
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         out, self.prev = self.prev, inputs[0]
         return out

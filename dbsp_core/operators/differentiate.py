@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from dbsp_core.operators.base import Operator, conform, empty
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.runtime.context import StepContext
     from dbsp_core.zset import ZSet
 
 
@@ -28,7 +28,7 @@ class _DifferentiateState:
         self.schema = op.schema
         self.prev = empty(op.schema)
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         z = conform(inputs[0], self.schema)
         out = z - self.prev
         self.prev = z

@@ -7,6 +7,8 @@ Invariants:
      the change's rows in each trace batch (a galloping C walk, so its cost grows with the change) and emits
      +1 for rows that become positive, -1 for rows that stop being positive, consolidated.
   3. The input is exchanged by all columns, so each row's whole history lives in one worker.
+  4. Rows whose time columns (dbsp_core/time lineage) are below their bounds are dropped from the trace: no later
+     change can carry them.
 """
 
 from __future__ import annotations
@@ -18,17 +20,20 @@ import pyarrow as pa
 
 from dbsp_core.errors import WeightOverflowError
 from dbsp_core.operators.base import Operator, conform, empty
+from dbsp_core.time.cleanup import prune
+from dbsp_core.time.lineage import input_times
 from dbsp_core.trace import Trace
 from dbsp_core.zset import ZSet
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.runtime.context import StepContext
 
 
 class Distinct(Operator):
     """``s.distinct()``."""
 
     kind = "distinct"
+    in_times: tuple = ()  # time lineage of the input, set by the circuit when there is one (dbsp_core.time)
 
     def __init__(self, node: int, schema: pa.Schema) -> None:
         super().__init__((node,), schema, tuple(schema.names))
@@ -39,6 +44,7 @@ class Distinct(Operator):
 
 class _DistinctState:
     def __init__(self, op: Distinct) -> None:
+        self.op = op
         self.schema = op.schema
         self.cols = list(op.schema.names)
         self.trace = Trace(op.schema, tuple(self.cols))
@@ -47,7 +53,8 @@ class _DistinctState:
         """The operator's state, by name (each trace can be read per shard)."""
         return {"input": self.trace}
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
+        prune(self, input_times(self.op), ctx)  # invariant 4
         z = inputs[0]
         if z.num_rows == 0:
             return empty(self.schema)

@@ -16,7 +16,7 @@ import pyarrow as pa
 from dbsp_core.operators.base import Operator
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.runtime.context import StepContext
     from dbsp_core.zset import ZSet
 
 
@@ -29,5 +29,5 @@ class Exchange(Operator):
         super().__init__((node,), schema, tuple(key))
         self.key = tuple(key)
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         return ctx.exchange(self.node_id, inputs[0], self.key, self.schema)

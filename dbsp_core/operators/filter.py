@@ -11,7 +11,7 @@ from dbsp_core.operators.base import Operator, empty, make
 from dbsp_core.operators.expr import check_predicate, filter_rows
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.runtime.context import StepContext
     from dbsp_core.zset import ZSet
 
 
@@ -26,7 +26,7 @@ class Filter(Operator):
         super().__init__((node,), schema, partitioning)
         self.predicate = predicate
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         z = inputs[0]
         if z.num_rows == 0:
             return empty(self.schema)

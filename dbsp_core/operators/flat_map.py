@@ -19,7 +19,7 @@ from dbsp_core.errors import SchemaError
 from dbsp_core.operators.base import Operator, concat, empty, make, nullable_schema, same_columns
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.runtime.context import StepContext
     from dbsp_core.zset import ZSet
 
 FlatMapFn = Callable[[pa.RecordBatch], "pa.RecordBatch | pa.Table"]
@@ -62,7 +62,7 @@ class FlatMap(Operator):
                               f"{self.schema}")
         return out
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         z = inputs[0]
         if z.num_rows == 0:
             return empty(self.schema)

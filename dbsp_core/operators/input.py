@@ -1,15 +1,25 @@
-"""The input operator: a circuit's source, yielding each step the Z-set pushed to its handle on this worker."""
+"""The input operator: a circuit's source, yielding each step the Z-set pushed to its handle on this worker, less its late rows when the input declares event time.
+
+Invariants:
+  1. Without event time, the output is exactly the pushed Z-set.
+  2. With ``event_time`` (dbsp_core/time/watermark.py), the output is the pushed rows whose event time is not null
+     and at or above the watermark in force in the step, ``ctx.watermarks[name]`` (computed by the runtime from
+     the pushes of the steps before; it counts the rows dropped here with the same rule). A runtime that gives no watermarks
+     cannot run such an input: the step raises DbspError naming it.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pyarrow as pa
 
+from dbsp_core.errors import DbspError
 from dbsp_core.operators.base import Operator, empty
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.runtime.context import StepContext
     from dbsp_core.zset import ZSet
 
 
@@ -17,11 +27,33 @@ class Input(Operator):
     """Source node of input handle ``name``; its rows may sit in any worker (no partitioning)."""
 
     kind = "input"
+    event_time: str | None = None  # the event-time column; set (with ``lateness``) only when declared
+    lateness = 0
 
-    def __init__(self, name: str, schema: pa.Schema) -> None:
+    def __init__(self, name: str, schema: pa.Schema, event_time: str | None = None, lateness: int = 0) -> None:
         super().__init__((), schema, None)
         self.name = name
+        if event_time is not None:  # set only when declared: circuits without event time keep their fingerprint
+            self.event_time = event_time
+            self.lateness = int(lateness)
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         z = ctx.inputs.get(self.name)
-        return empty(self.schema) if z is None else z
+        if z is None:
+            z = empty(self.schema)
+        if self.event_time is None:
+            return z
+        wms = getattr(ctx, "watermarks", None)
+        if wms is None or self.name not in wms:
+            raise DbspError(f"input {self.name!r} declares event time, but this runtime passes no watermarks to its "
+                            f"operators (the embedded Pipeline and its durable form do)")
+        if z.num_rows == 0:
+            return z
+        from dbsp_core.time.watermark import late_mask
+        from dbsp_core.zset import ZSet
+
+        keep = late_mask(z.data, self.event_time, wms[self.name])
+        mask = np.asarray(keep.to_numpy(zero_copy_only=False), dtype=bool)
+        if mask.all():
+            return z
+        return ZSet._make(z.data.filter(pa.array(mask)), np.ascontiguousarray(z.weights[mask]))

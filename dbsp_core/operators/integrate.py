@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from dbsp_core.operators.base import Operator, conform, empty
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.runtime.context import StepContext
     from dbsp_core.zset import ZSet
 
 
@@ -29,7 +29,7 @@ class _IntegrateState:
         self.schema = op.schema
         self.acc = empty(op.schema)
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         z = inputs[0]
         if z.num_rows:
             self.acc = self.acc + conform(z, self.schema)

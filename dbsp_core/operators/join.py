@@ -9,6 +9,9 @@ Invariants:
      strings together, otherwise the same type; else SchemaError naming the operator and the columns.
   4. Both inputs are exchanged by their keys, so matching rows meet in one worker; the output's weight is
      the product of the weights (WeightOverflowError on overflow).
+  5. When a key column of one side has a time lineage (dbsp_core/time), the other side's rows whose matching
+     key is below that bound are dropped at the start of a step: no later change of the first side can match
+     them (dbsp_core/time/cleanup.py invariant 2).
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ import pyarrow.types as pat
 from dbsp_core import _zset
 from dbsp_core.errors import SchemaError
 from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, make
+from dbsp_core.time.cleanup import prune_trace
+from dbsp_core.time.lineage import input_times
 from dbsp_core.trace import Trace
 from dbsp_core.zset import ZSet
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.runtime.context import StepContext
     from dbsp_core.zset import IndexedZSet
 
 
@@ -74,6 +79,7 @@ class Join(Operator):
     """Inner equi-join of two streams on ``left_on`` = ``right_on``."""
 
     kind = "join"
+    in_times: tuple = ()  # time lineage of both inputs, set by the circuit when there is one (dbsp_core.time)
 
     def __init__(self, left: int, right: int, lschema: pa.Schema, rschema: pa.Schema,
                  left_on: Sequence[str], right_on: Sequence[str], drop_right_keys: bool, where: str) -> None:
@@ -107,8 +113,13 @@ class _JoinState:
         """The operator's state, by name (each trace can be read per shard)."""
         return {"left": self.left, "right": self.right}
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
+        if op.in_times:  # invariant 5
+            lt, rt = input_times(op, 0), input_times(op, 1)
+            pairs = list(zip(op.left_on, op.right_on))
+            prune_trace(self.left, {lk: rt[rk] for lk, rk in pairs if rk in rt}, ctx)
+            prune_trace(self.right, {rk: lt[lk] for lk, rk in pairs if lk in lt}, ctx)
         a, b = inputs
         da = conform(a, op.lschema).index_by(list(op.left_on)) if a.num_rows else None
         db = conform(b, op.rschema).index_by(list(op.right_on)) if b.num_rows else None

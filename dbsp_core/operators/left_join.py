@@ -25,7 +25,7 @@ from dbsp_core.operators.join import Join
 from dbsp_core.trace import Trace, unique_sorted
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.runtime.context import StepContext
     from dbsp_core.zset import IndexedZSet, ZSet
 
 OLD = "__dbsp_old__"
@@ -84,7 +84,7 @@ class _LeftJoinState:
         ix = rows.index_by(list(self.op.right_on))
         return ix.reduce([("count", None), ("sum", OLD)])
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
         a, b = inputs
         da = conform(a, op.lschema).index_by(list(op.left_on)) if a.num_rows else None

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from dbsp_core.operators.base import Operator, negate
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.runtime.context import StepContext
     from dbsp_core.zset import ZSet
 
 
@@ -16,5 +16,5 @@ class Negate(Operator):
 
     kind = "negate"
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         return negate(inputs[0])

@@ -9,7 +9,7 @@ import pyarrow as pa
 from dbsp_core.operators.base import Operator, concat, conform, negate
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.runtime.context import StepContext
     from dbsp_core.zset import ZSet
 
 
@@ -25,7 +25,7 @@ class Plus(Operator):
         if self.signs == (1, -1):
             self.kind = "minus"
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         parts = []
         for z, sign in zip(inputs, self.signs):
             if z.num_rows:

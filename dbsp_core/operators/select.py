@@ -11,7 +11,7 @@ from dbsp_core.operators.base import Operator, empty, make
 from dbsp_core.operators.expr import project_rows, project_schema
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime import WorkerContext
+    from dbsp_core.runtime.context import StepContext
     from dbsp_core.zset import ZSet
 
 
@@ -36,7 +36,7 @@ class Select(Operator):
         picks = [next((c for c in in_schema.names if e.equals(pc.field(c))), None) for e in exprs]
         self.picks = tuple(picks) if all(p is not None for p in picks) else None
 
-    def step(self, inputs: list["ZSet"], ctx: "WorkerContext") -> "ZSet":
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         z = inputs[0]
         if z.num_rows == 0:
             return empty(self.schema)

@@ -86,9 +86,28 @@ class Database:
     b'v' 5
     """
 
-    def __init__(self, path: Union[str, os.PathLike], *, cache_pages: int = 65536, vfs: str = "posix") -> None:
+    def __init__(self, path: Union[str, os.PathLike], *, cache_pages: int = 65536, vfs: str = "posix",
+                 _create_version: Optional[int] = None) -> None:
         self.path = os.fspath(path)
-        self._ps = _storage.PageStore(self.path, vfs, cache_pages)
+        self.vfs = vfs
+        self._ps = _storage.PageStore(self.path, vfs, cache_pages, _create_version)
+
+    @classmethod
+    def create(cls, path: Union[str, os.PathLike], version: int, *, cache_pages: int = 65536,
+               vfs: str = "posix") -> "Database":
+        """A new, empty database whose only version is ``version`` (step 0); StorageError if ``path`` exists.
+
+        A database that joins others at version ``v`` (the state of a worker added by a rescale) starts at
+        ``v``, so the coordinator's "newest version every database holds" rule covers it from the start.
+
+        >>> import tempfile, os
+        >>> with Database.create(os.path.join(tempfile.mkdtemp(), "db"), 7) as db:
+        ...     print(db.versions())
+        range(7, 8)
+        """
+        if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+            raise ValueError(f"Database.create: version must be a non-negative int, got {version!r}")
+        return cls(path, cache_pages=cache_pages, vfs=vfs, _create_version=version)
 
     def versions(self) -> range:
         """The versions that :meth:`open` accepts: a range of length 1 or 2."""

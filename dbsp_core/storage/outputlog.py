@@ -1,15 +1,32 @@
-"""The durable output log of a pipeline: one checksummed record per step holding every output handle's change and the input (producer, seq) ranges that produced it.
+"""The durable output log of a pipeline: one step-log record per step holding every output handle's change and the input (producer, seq) ranges that produced it.
 
 Invariants (enforced here):
   1. The log holds the steps ``first..last`` contiguously, each exactly once. ``write(step, ...)`` follows
      seed 000: ``step < first`` is discarded; ``first <= step < last`` is a replay: discarded, and with
      ``check=True`` (the default) compared with the stored record, raising ReplayMismatchError on any
-     difference; ``step == last`` is appended (fsync'd before ``write`` returns when ``sync=True``) and
-     increments ``last``; ``step > last`` raises ValueError.
-  2. Every record is framed as magic ``DOUT``, format version, CRC-32, step and length. On open, a bad or
-     short frame at the end of the newest segment is a torn write from a crash and is cut off; a bad frame
-     anywhere else raises CorruptionError. Reads re-check the CRC.
-  3. Retention drops whole segments only, never the newest one, so ``first`` is always known.
+     difference; ``step == last`` is appended and increments ``last``; ``step > last`` raises ValueError.
+  2. An appended step is durable (fsynced) before ``write`` returns when ``sync=True``. With ``sync=False``
+     it is written (visible to readers, here and in other processes) before ``write`` returns and durable
+     after the next :meth:`OutputLog.flush` or :meth:`OutputLog.close` (group commit); a crash before then
+     keeps a prefix of the appended steps.
+  3. Records live in the C step log (csrc/steplog.c, format 2, no LOG file) in the log's directory, so its
+     recovery rules hold: a torn tail of unsynced writes is cut off on open, and a damaged record that a
+     later write proves had been fsynced raises CorruptionError naming the file and offset and changes
+     nothing. A directory written by format 1 of this log (``out-<first step>.seg`` files) is read in place
+     (dbsp_core.storage.outputlog_format1); its steps come first and it is never written again.
+  4. Retention first makes every appended step durable, then drops whole segments only, oldest first
+     (format-1 ones before any step-log segment), and never the one holding the newest step, so ``first``
+     and ``last`` are always known and no crash leaves the log without the steps that were kept.
+  5. ``readonly=True`` never changes a file and may run in another process while the writer appends: a
+     record is shown only once it is complete, and :meth:`OutputLog.refresh` shows new steps and forgets
+     dropped ones.
+
+Byte layout of a record (step-log record: step = the step, empty handle and producer, seq 0; little-endian):
+the payload is ``u32 n`` (the number of outputs + 1) | ``u32 m`` | ``m`` bytes of UTF-8 JSON
+``{"step": s, "outputs": [names in order], "inputs": [{"handle", "producer", "first_seq", "last_seq",
+"pushes"}]}`` | then per output, in the order named: ``u32 k`` | ``k`` bytes of
+:func:`dbsp_core.codec.encode_zset` (header ``DZS1``, version, CRC-32, then an Arrow IPC stream of the
+columns and ``__dbsp_weight``). This is byte for byte the body of a format-1 record.
 """
 
 from __future__ import annotations
@@ -18,42 +35,19 @@ import json
 import os
 import struct
 import threading
-import zlib
 from typing import Iterator
 
 import pyarrow as pa
 
+from dbsp_core import _storage
 from dbsp_core.codec import decode_zset, encode_zset_parts
-from dbsp_core.errors import CorruptionError, FormatVersionError, ReplayMismatchError
+from dbsp_core.errors import CorruptionError, ReplayMismatchError
+from dbsp_core.storage.outputlog_format1 import Format1Segments
 from dbsp_core.zset import ZSet
 
-FORMAT_VERSION = 1
-_MAGIC = b"DOUT"
-_HEAD = struct.Struct("<4sBIQI")  # magic, version, crc32(step bytes + body), step, body length
+__all__ = ["OutputLog"]
+
 _U32 = struct.Struct("<I")
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, chunks: list, length: int) -> None:
-    """Append ``chunks`` (``length`` bytes in all) with one gathered write (and more if it comes up short)."""
-    if len(chunks) > 512:  # IOV_MAX is 1024 on Linux
-        chunks = [b"".join(chunks)]
-    done = os.writev(fd, chunks)
-    if done < length:
-        rest = memoryview(b"".join(bytes(c) if not isinstance(c, bytes) else c for c in chunks))[done:]
-        while len(rest):
-            rest = rest[os.write(fd, rest):]
-
-
-def _seg_name(first_step: int) -> str:
-    return f"out-{first_step:016d}.seg"
 
 
 class OutputLog:
@@ -62,15 +56,20 @@ class OutputLog:
     Parameters
     ----------
     path
-        Directory (created if missing) holding ``out-<first step>.seg`` segments.
+        Directory (created if missing) holding the step log's ``<segment number>.seg`` segments (and any
+        format-1 ``out-<first step>.seg`` segments of an older release).
     schemas
         ``{output name: schema}``; records hold every output, in this order.
     check
         Verify replayed steps against the stored record (invariant 1).
     sync
-        fsync each appended record before :meth:`write` returns.
+        fsync each appended record before :meth:`write` returns; with False, :meth:`flush` makes them durable.
     segment_bytes
         Size after which a new segment starts (retention drops whole segments).
+    readonly
+        Only read, possibly while a writer in another process appends (invariant 5).
+    vfs
+        ``"posix"`` or ``"fault"`` (the fault-injecting I/O layer of the crash tests).
 
     Examples
     --------
@@ -87,7 +86,7 @@ class OutputLog:
     """
 
     def __init__(self, path: str, schemas: dict[str, pa.Schema], *, check: bool = True, sync: bool = True,
-                 segment_bytes: int = 16 << 20, readonly: bool = False) -> None:
+                 segment_bytes: int = 16 << 20, readonly: bool = False, vfs: str = "posix") -> None:
         self.path = os.fspath(path)
         self.schemas = dict(schemas)
         self.names = list(self.schemas)
@@ -96,115 +95,79 @@ class OutputLog:
         self.segment_bytes = segment_bytes
         self.readonly = readonly
         self._lock = threading.Lock()
-        if not readonly:
-            os.makedirs(self.path, exist_ok=True)
-        self._index: dict[int, tuple[str, int, int]] = {}  # step -> (segment file, offset, frame length)
-        self._segments: list[tuple[int, str]] = []  # (first step, file name), ascending
-        self.first = 0
-        self.last = 0
-        self._fd: int | None = None
-        self._size = 0
-        self._scan()
+        self._ticket = 0  # of the newest appended record (flush syncs up to it)
+        self.first = self.last = 0
+        if readonly:
+            if not os.path.isdir(self.path):
+                raise FileNotFoundError(f"output log {self.path}: no such directory")
+            # the step log before the format-1 part: the writer drops format-1 segments before it drops any of
+            # the step log's, so a format-1 part that still exists afterwards existed when the step log was read
+            self._log = _storage.Log(self.path, vfs, segment_bytes, True, False)
+            try:
+                self._v1 = Format1Segments(self.path)
+            except BaseException:
+                self._log.close()
+                raise
+        else:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            self._v1 = Format1Segments(self.path)  # read first: nothing below changes a file before it is checked
+            self._log = _storage.Log(self.path, vfs, segment_bytes, False, False)  # creates the directory durably
+        try:
+            self._load()
+        except BaseException:
+            self._log.close()
+            raise
 
     # ---- open ----
 
-    def _scan(self) -> None:
-        self._index, self._segments = {}, []
-        names = sorted(n for n in os.listdir(self.path) if n.startswith("out-") and n.endswith(".seg"))
-        expect = None
-        for k, name in enumerate(names):
-            newest = k == len(names) - 1
-            fpath = os.path.join(self.path, name)
-            with open(fpath, "rb") as f:
-                data = f.read()
-            off = 0
-            seg_first = int(name[4:-4])
-            if expect is not None and seg_first != expect:
-                raise CorruptionError(f"{fpath}: segment starts at step {seg_first}, expected {expect}")
-            while off < len(data):
-                rec = self._parse(data, off, fpath)
-                if rec is None:
-                    if not newest:
-                        raise CorruptionError(f"{fpath}: bad record at offset {off} of a sealed segment")
-                    if self.readonly:  # a record being written (or a torn one the writer will cut off)
-                        break
-                    os.truncate(fpath, off)  # torn tail of the newest segment (invariant 2)
-                    data = data[:off]
-                    break
-                step, length = rec
-                want = seg_first if expect is None else expect
-                if step != want:
-                    raise CorruptionError(f"{fpath}: record for step {step} at offset {off}, expected {want}")
-                self._index[step] = (name, off, length)
-                expect = step + 1
-                off += length
-            if expect is None:
-                expect = seg_first
-            self._segments.append((seg_first, name))
-        if self._segments:
-            self.first = self._segments[0][0]
-            self.last = expect if expect is not None else self.first
-            if not self.readonly:
-                self._open_tail(self._segments[-1][1])
-        elif self.readonly:
-            self.first = self.last = 0
+    def _seg_path(self, num: int) -> str:
+        return os.path.join(self.path, f"{num:020d}.seg")
+
+    def _step_log_range(self) -> tuple[int, int] | None:
+        """(first, last + 1) of the step log's records, checking one record per consecutive step."""
+        span = None
+        for num, _fmt, _size, records, steps, lo, hi in self._log.segments():
+            if not records:
+                continue
+            if records != steps or hi - lo + 1 != records or (span is not None and lo != span[1]):
+                after = f" after step {span[1] - 1}" if span is not None else ""
+                raise CorruptionError(f"{self._seg_path(num)}: {records} records of steps {lo}..{hi}{after}; the "
+                                      f"output log holds one record per step, consecutively")
+            span = (lo if span is None else span[0], hi + 1)
+        return span
+
+    def _load(self) -> None:
+        span = self._step_log_range()
+        v1 = self._v1
+        if v1.segments:
+            if span is not None and span[0] != v1.last:
+                raise CorruptionError(f"{self.path}: the format-1 segments end before step {v1.last} but the step "
+                                      f"log starts at step {span[0]}")
+            self.first, self.last = v1.first, span[1] if span is not None else v1.last
+        elif span is not None:
+            self.first, self.last = span
         else:
-            self._new_segment(0)
+            self.first = self.last = 0
 
     def refresh(self) -> None:
         """A read-only log: pick up records appended (and segments dropped) by the writer since the last scan."""
+        if not self.readonly:
+            return  # a writer's view is always current
         with self._lock:
-            self._scan()
-
-    def _parse(self, data: bytes, off: int, where: str) -> tuple[int, int] | None:
-        if len(data) - off < _HEAD.size:
-            return None
-        magic, version, crc, step, n = _HEAD.unpack_from(data, off)
-        if magic != _MAGIC:
-            return None
-        if version != FORMAT_VERSION:
-            raise FormatVersionError(f"{where}: output record format version {version}, this build reads "
-                                     f"{FORMAT_VERSION}")
-        end = off + _HEAD.size + n
-        if end > len(data):
-            return None
-        if zlib.crc32(data[off + _HEAD.size:end], zlib.crc32(struct.pack("<Q", step))) != crc:
-            return None
-        return step, _HEAD.size + n
-
-    def _open_tail(self, name: str) -> None:
-        fpath = os.path.join(self.path, name)
-        self._fd = os.open(fpath, os.O_WRONLY | os.O_APPEND)
-        self._size = os.fstat(self._fd).st_size
-
-    def _new_segment(self, first_step: int) -> None:
-        if self._fd is not None:
-            os.fsync(self._fd)
-            os.close(self._fd)
-        name = _seg_name(first_step)
-        fd = os.open(os.path.join(self.path, name), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.fsync(fd)
-        _fsync_dir(self.path)
-        self._fd, self._size = fd, 0
-        self._segments.append((first_step, name))
-        if len(self._segments) == 1:
-            self.first = self.last = first_step
+            self._log.refresh()
+            self._v1.scan()
+            self._load()
 
     # ---- write ----
 
     def _encode(self, step: int, outputs: dict[str, ZSet], inputs: list) -> list:
-        """The record of ``step`` as a list of buffers to write back to back (gathered, not joined: the outputs
-        are not copied again after Arrow wrote them)."""
+        """The payload of ``step``'s record as a list of buffers (gathered by the log, not joined here)."""
         meta = json.dumps({"step": step, "outputs": self.names, "inputs": inputs}).encode("utf-8")
         chunks: list = [_U32.pack(len(self.names) + 1), _U32.pack(len(meta)), meta]
         for n in self.names:
             head, blob = encode_zset_parts(outputs[n].consolidate())
             chunks += [_U32.pack(len(head) + blob.size), head, blob]
-        crc, size = zlib.crc32(struct.pack("<Q", step)), 0
-        for c in chunks:
-            crc = zlib.crc32(c, crc)
-            size += len(c) if isinstance(c, bytes) else c.size
-        return [_HEAD.pack(_MAGIC, FORMAT_VERSION, crc, step, size)] + chunks
+        return chunks
 
     def write(self, step: int, outputs: dict[str, ZSet], inputs: list | None = None) -> str:
         """Record ``outputs`` (``{name: change}``) of ``step``; returns 'discarded', 'replayed' or 'appended'.
@@ -227,49 +190,50 @@ class OutputLog:
                 return "replayed"
             if step > self.last:
                 raise ValueError(f"output log: write of step {step} but the next step is {self.last}")
-            rec = self._encode(step, outputs, inputs or [])
-            length = _HEAD.size + _HEAD.unpack_from(rec[0])[4]
-            if self._size >= self.segment_bytes:
-                self._new_segment(step)
-            name = self._segments[-1][1]
-            _write_all(self._fd, rec, length)
+            ticket = self._log.enqueue(step, b"", b"", 0, self._encode(step, outputs, inputs or []))
             if self.sync:
-                os.fsync(self._fd)
-            self._index[step] = (name, self._size, length)
-            self._size += length
+                self._log.sync(ticket)
+            else:
+                self._log.write(ticket)
+            self._ticket = ticket
             self.last = step + 1
             return "appended"
 
     def flush(self) -> None:
-        """fsync the newest segment (a no-op for durability when ``sync=True``)."""
+        """Make every appended step durable (a no-op for durability when ``sync=True``)."""
         with self._lock:
-            if self._fd is not None:
-                os.fsync(self._fd)
+            if not self.readonly and self._ticket:
+                self._log.sync(self._ticket)
 
     # ---- read ----
 
     def _read_locked(self, step: int) -> tuple[dict, dict[str, ZSet]]:
-        name, off, length = self._index[step]
-        fpath = os.path.join(self.path, name)
+        if step in self._v1:
+            body, where = self._v1.body(step)
+        else:
+            recs, _, _ = self._log.read(step, step, 0, 0, 0)
+            if not recs:
+                raise LookupError(f"output step {step} was dropped by retention")
+            body, where = recs[0][4], self.path
+        return self._decode(step, memoryview(body), where)
+
+    def _decode(self, step: int, body: memoryview, where: str) -> tuple[dict, dict[str, ZSet]]:
         try:
-            with open(fpath, "rb") as f:
-                f.seek(off)
-                data = f.read(length)
-        except FileNotFoundError:
-            raise LookupError(f"output step {step} was dropped by retention") from None
-        rec = self._parse(data, 0, fpath)
-        if rec is None or rec[0] != step:
-            raise CorruptionError(f"{fpath}: record of step {step} at offset {off} fails its checksum")
-        body = data[_HEAD.size:]
-        (count,), pos, parts = _U32.unpack_from(body), _U32.size, []
-        for _ in range(count):
-            (n,) = _U32.unpack_from(body, pos)
-            parts.append(body[pos + 4:pos + 4 + n])
-            pos += 4 + n
-        meta = json.loads(parts[0].decode("utf-8"))
+            (count,), pos, parts = _U32.unpack_from(body), _U32.size, []
+            for _ in range(count):
+                (n,) = _U32.unpack_from(body, pos)
+                if pos + 4 + n > len(body):
+                    raise struct.error("part runs past the record")
+                parts.append(body[pos + 4:pos + 4 + n])
+                pos += 4 + n
+            meta = json.loads(bytes(parts[0]).decode("utf-8"))
+        except (struct.error, IndexError, ValueError) as e:
+            raise CorruptionError(f"{where}: record of output step {step} is malformed ({e})") from e
+        if meta.get("step", step) != step:
+            raise CorruptionError(f"{where}: the record of output step {step} names step {meta['step']}")
         if sorted(meta["outputs"]) != sorted(self.names) or len(parts) != len(self.names) + 1:
-            raise CorruptionError(f"{fpath}: step {step} holds outputs {meta['outputs']}, expected {self.names}")
-        zs = {n: decode_zset(p, self.schemas[n], f"{fpath} step {step} output {n}")
+            raise CorruptionError(f"{where}: step {step} holds outputs {meta['outputs']}, expected {self.names}")
+        zs = {n: decode_zset(bytes(p), self.schemas[n], f"{where} step {step} output {n}")
               for n, p in zip(meta["outputs"], parts[1:])}
         return meta, zs
 
@@ -308,25 +272,32 @@ class OutputLog:
     # ---- retention ----
 
     def truncate_below(self, step: int) -> int:
-        """Drops whole segments whose steps are all below ``step`` (never the newest); returns how many."""
-        dropped = 0
+        """Makes every appended step durable, then drops whole segments whose steps are all below ``step`` (never
+        the newest); returns how many."""
+        if self.readonly:
+            raise ValueError("output log: opened read-only")
         with self._lock:
-            while len(self._segments) > 1 and self._segments[1][0] <= step:
-                _, name = self._segments.pop(0)
-                os.unlink(os.path.join(self.path, name))
-                for s in [s for s, v in self._index.items() if v[0] == name]:
-                    del self._index[s]
-                dropped += 1
+            if self._ticket:  # invariant 4: what follows a dropped segment is durable before it goes
+                self._log.sync(self._ticket)
+            span = self._step_log_range()
+            dropped = self._v1.drop_below(step, span[0] if span is not None else None)
+            if not self._v1.segments:  # invariant 4: the step log's segments only once the format-1 ones are gone
+                dropped += self._log.truncate_below(step)
             if dropped:
-                _fsync_dir(self.path)
-                self.first = self._segments[0][0]
+                span = self._step_log_range()
+                self.first = self._v1.first if self._v1.segments else span[0] if span is not None else self.last
         return dropped
 
     def disk_bytes(self) -> int:
-        return sum(os.path.getsize(os.path.join(self.path, n)) for _, n in self._segments)
+        return self._v1.disk_bytes() + sum(seg[2] for seg in self._log.segments())
 
     def close(self) -> None:
+        """Make every appended step durable (a writer) and release the files."""
         with self._lock:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            if self._log.closed:
+                return
+            try:
+                if not self.readonly and self._ticket:
+                    self._log.sync(self._ticket)
+            finally:
+                self._log.close()

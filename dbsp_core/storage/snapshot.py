@@ -1,4 +1,4 @@
-"""Saving and restoring the operator state of one worker in its Database, grouped by shard.
+"""Saving and restoring the operator state of one worker in its Database, every value grouped by shard so a shard's state moves between workers as a unit.
 
 Invariants (enforced here):
   1. Only stateful operator instances (``node.instance() is not node``) persist anything; stateless operators
@@ -7,28 +7,34 @@ Invariants (enforced here):
      attribute is configuration rebuilt by ``instance()``. Each instance is checked once when the pipeline is
      built: an attribute of another mutable kind (list, dict, ndarray, IndexedZSet) raises, so state can never
      be silently left out.
-  3. A trace is stored as its batches, settled and pending alike (saving never settles a trace, so it never
-     merges what the running pipeline would not), each split by shard: one value per (non-empty shard, batch)
-     under :func:`shard_key` ``(shard, batch number)`` in table ``s<node>.<attr>``, so a shard's state is one
-     contiguous key range and moves as a unit; the trace is the sum of the values. Key ``order.<table>`` of
-     table ``snapshot`` lists the batch numbers in trace order and how many of them are settled, so a restored
-     trace has the same spine and pending batches (without it, as written before it existed: number order, all
-     settled).
-     A plain Z-set (integrate, delay, differentiate state, not keyed) is stored whole under key ``b"all"``
-     in table ``z<node>.<attr>``. Every value is a checksummed, versioned Z-set encoding.
-  4. Saving writes only batches not saved before and deletes the keys of batches merged away, so the stored
+  3. Every stored value holds the rows of ONE shard and sits under :func:`shard_key` ``(shard, number)``, so a
+     shard's state is one contiguous key range of each table: moving a shard moves those values and nothing
+     else (dbsp_core.storage.shardmove). ``number`` comes from one counter per database (``snapshot/next``),
+     never reused; the state of a table is the sum of its values.
+  4. A trace (table ``s<node>.<attr>``) is stored as its batches, settled and pending alike (saving never
+     settles, so it never merges what the running pipeline would not), each split into its shards' row ranges
+     (a trace batch is sorted by key hash, and the trace's key decides where its rows live: keyed operators
+     read their input exchanged by that key). Key ``order.<table>`` of table ``snapshot`` lists the batch
+     numbers in trace order, how many batches each number holds and how many of them are settled, so a
+     restored trace has the same spine and pending batches. The values of one number, in shard order,
+     concatenate to the batch (or to the part of it still in this database after a move).
+  5. A plain Z-set (table ``z<node>.<attr>``: integrate, delay, differentiate, filter-now state) is split by the
+     hash of the node's partitioning columns (rows of a partitioned stream live with their key's shard), or of
+     all its columns when the node is not partitioned; each piece is one value. A Z-set is rewritten only
+     when the attribute holds another object than the one saved last.
+  6. Saving writes only values not saved before and deletes the keys of batches merged away, so the stored
      state equals the in-memory state after every save, at a cost that follows the trace's merges.
-  5. With ``group_pending`` (the durable pipeline), consecutive new pending batches of a trace are saved as one
-     group: one value per shard holding that shard's rows of each batch in turn plus the run lengths, so a
-     trace written every step but rarely read (a join side) costs one Arrow message per shard and checkpoint,
-     not one per shard and step. A group is one entry of the order record (with its batch count) and loads
-     back as the same batches; once any of its batches is merged away, the group is deleted and its
-     remaining batches are saved again.
+  7. With ``group_pending`` (the embedded durable pipeline), consecutive new pending batches of a trace are
+     saved as one group: one value per shard holding that shard's rows of each batch in turn plus the run
+     lengths, so a trace written every step but rarely read (a join side) costs one Arrow message per shard
+     and checkpoint, not one per shard and step. A group is one entry of the order record (with its batch
+     count) and loads back as the same batches (minus any that moved away entirely); once any of its batches
+     is merged away, the group is deleted and its remaining batches are saved again.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -37,10 +43,24 @@ from dbsp_core.codec import (decode_batch, decode_json, decode_runs, decode_zset
                              encode_runs, encode_zset, zset_batch)
 from dbsp_core.errors import CorruptionError, DbspError
 from dbsp_core.storage.database import SHARD_PREFIX_BYTES, DatabaseHandle, shard_key, shard_of_key
+from dbsp_core.storage.formats import (BATCH_GROUP_MAGIC, BATCH_MAGIC, ORDER_MAGIC, SNAPSHOT_NEXT, SNAPSHOT_TABLE,
+                                       ZSET_MAGIC, order_key, trace_table, zset_table)
 from dbsp_core.trace import Trace, ranges_to_indices
 from dbsp_core.zset import IndexedZSet, ZSet
 
 _CONFIG_TYPES = (str, int, float, bool, bytes, tuple, pa.Schema, type(None))
+
+
+class TableSpec(NamedTuple):
+    """What one state table holds, for code that handles stored state without the live instances (rescaling).
+
+    ``kind`` is ``"trace"`` (values are batches of rows sorted by the hash of ``key``) or ``"zset"`` (values are
+    Z-set pieces grouped by the hash of ``key``); ``schema`` is the rows' data columns.
+    """
+
+    kind: str
+    schema: pa.Schema
+    key: tuple[str, ...]
 
 
 def state_attrs(node_id: int, inst: Any) -> tuple[list[str], list[str]]:
@@ -64,28 +84,41 @@ def _is_config_list(val: Any) -> bool:
     return False
 
 
-def _sync_table(h: DatabaseHandle, table: str, values: dict[bytes, bytes]) -> int:
-    """Make ``table`` hold exactly ``values``; returns how many keys were written or deleted."""
-    changed = 0
-    old = dict(h.scan(table))
-    for k in old.keys() - values.keys():
-        h.delete(table, k)
-        changed += 1
-    for k, v in values.items():
-        if old.get(k) != v:
-            h.put(table, k, v)
-            changed += 1
-    return changed
+def state_tables(instances: dict[int, Any], groupings: dict[int, tuple[str, ...] | None]) -> dict[str, TableSpec]:
+    """``{table: TableSpec}`` of every state table of ``instances`` (``{node id: instance}``); ``groupings[i]`` is
+    node ``i``'s partitioning (None: not partitioned)."""
+    out: dict[str, TableSpec] = {}
+    for node_id, inst in instances.items():
+        traces, zsets = state_attrs(node_id, inst)
+        for name in traces:
+            t: Trace = getattr(inst, name)
+            out[trace_table(node_id, name)] = TableSpec("trace", t.schema, tuple(t.key))
+        for name in zsets:
+            z: ZSet = getattr(inst, name)
+            out[zset_table(node_id, name)] = TableSpec("zset", z.schema, zset_grouping(z.schema, groupings.get(node_id)))
+    return out
 
 
-def _order_key(table: str) -> bytes:
-    return b"order." + table.encode("utf-8")
+def zset_grouping(schema: pa.Schema, partitioning: tuple[str, ...] | None) -> tuple[str, ...]:
+    """The columns whose hash groups a Z-set attribute by shard (invariant 5)."""
+    if partitioning:
+        return tuple(partitioning)
+    return tuple(schema.names)
+
+
+def zset_pieces(z: ZSet, columns: tuple[str, ...], shard_bits: int) -> list[tuple[int, ZSet]]:
+    """``[(shard, rows of z in that shard)]`` for every non-empty shard, by the hash of ``columns``."""
+    if z.num_rows == 0:
+        return []
+    nshards = 1 << shard_bits
+    parts = z.partition(list(columns), np.arange(nshards, dtype=np.int32), nshards)
+    return [(s, p) for s, p in enumerate(parts) if p.num_rows]
 
 
 def _put_group(h: DatabaseHandle, table: str, run: list, bounds: list[np.ndarray], shards: list[int],
                keys: list[bytes]) -> int:
     """Write consecutive batches as one value per shard: each shard's rows of every batch, batch after batch,
-    with the run lengths (invariant 5): one Arrow message per shard instead of one per batch and shard."""
+    with the run lengths (invariant 7): one Arrow message per shard instead of one per batch and shard."""
     rbs = [zset_batch(b.zset) for b in run]
     if hasattr(pa, "concat_batches"):  # pyarrow >= 19
         whole = pa.concat_batches(rbs)
@@ -100,7 +133,7 @@ def _put_group(h: DatabaseHandle, table: str, run: list, bounds: list[np.ndarray
     start, tname = 0, table.encode("utf-8")
     for key, cnt in zip(keys, counts):
         n = sum(cnt)
-        h.put(tname, key, encode_runs(rows.slice(start, n), cnt))
+        h.put(tname, key, encode_runs(rows.slice(start, n), cnt, BATCH_GROUP_MAGIC))
         start += n
     return len(keys)
 
@@ -112,25 +145,79 @@ def _must_get(h: DatabaseHandle, table: str, key: bytes, where: str) -> bytes:
     return v
 
 
+def read_order(h: DatabaseHandle, table: str, where: str) -> tuple[list[int], list[int], int] | None:
+    """The order record of trace table ``table``: ``(numbers, counts, settled)``, or None if it has none."""
+    rec = h.get(SNAPSHOT_TABLE, order_key(table))
+    if rec is None:
+        return None
+    d = decode_json(ORDER_MAGIC, rec, f"{where} snapshot order of {table}")
+    numbers = [int(n) for n in d["numbers"]]
+    counts = [int(c) for c in d.get("counts", [1] * len(numbers))]
+    settled = int(d["settled"])
+    if len(counts) != len(numbers) or min(counts, default=1) < 1 or not 0 <= settled <= sum(counts):
+        raise CorruptionError(f"{where} {table}: inconsistent order record {d}")
+    return numbers, counts, settled
+
+
+def write_order(h: DatabaseHandle, table: str, numbers: list[int], counts: list[int], settled: int) -> None:
+    """Store the order record of trace table ``table`` (invariant 4)."""
+    rec: dict[str, Any] = {"numbers": numbers, "settled": settled}
+    if any(c != 1 for c in counts):
+        rec["counts"] = counts
+    h.put(SNAPSHOT_TABLE, order_key(table), encode_json(ORDER_MAGIC, rec))
+
+
+def read_next(h: DatabaseHandle) -> int:
+    """The database's next unused value number (invariant 3)."""
+    nxt = h.get(SNAPSHOT_TABLE, SNAPSHOT_NEXT)
+    return int.from_bytes(nxt, "big") if nxt is not None else 0
+
+
+def write_next(h: DatabaseHandle, n: int) -> None:
+    h.put(SNAPSHOT_TABLE, SNAPSHOT_NEXT, n.to_bytes(8, "big"))
+
+
 class WorkerSnapshot:
-    """The checkpointed state of one worker's stateful instances, saved incrementally (invariants 3 and 4).
+    """The checkpointed state of one worker's stateful instances, saved incrementally (invariants 3-7).
 
     A trace is saved batch by batch: every batch (settled or pending) is written once, split by shard, under
-    ``shard_key(shard, batch number)``; a later checkpoint writes only the batches that appeared since
-    (new changes and merge results) and deletes the keys of batches that were merged away. So a checkpoint
-    costs what the trace's merges cost, amortized, not the size of the state. It keeps a reference to every
-    saved batch (so ids stay unique), so a batch merged away stays in memory until the next checkpoint:
-    at most about the size of the trace again.
+    ``shard_key(shard, number)``; a later checkpoint writes only the batches that appeared since (new changes
+    and merge results) and deletes the keys of batches that were merged away. So a checkpoint costs what the
+    trace's merges cost, amortized, not the size of the state. It keeps a reference to every saved batch (so
+    ids stay unique), so a batch merged away stays in memory until the next checkpoint: at most about the size
+    of the trace again.
+
+    Parameters
+    ----------
+    instances : dict
+        ``{node id: stateful instance}``.
+    shard_bits : int
+        The layout's shard bits: values are grouped by these shards.
+    group_pending : bool
+        Save consecutive new pending batches of a trace as one group (invariant 7).
+    groupings : dict or None
+        ``{node id: partitioning columns or None}``: how Z-set attributes are grouped (invariant 5).
     """
 
-    def __init__(self, instances: dict[int, Any], shard_bits: int, group_pending: bool = False) -> None:
+    def __init__(self, instances: dict[int, Any], shard_bits: int, group_pending: bool = False,
+                 groupings: dict[int, tuple[str, ...] | None] | None = None) -> None:
         self.instances = instances
         self.shard_bits = shard_bits
         self.group_pending = group_pending
+        self.groupings = dict(groupings or {})
         # (table) -> {id(batch): (batch, [keys written for it])}; holding the batch keeps its id unique. The
-        # batches of a group (saved together, invariant 5) share one keys list object.
+        # batches of a group (saved together, invariant 7) share one keys list object.
         self._saved: dict[str, dict[int, tuple[Any, list[bytes]]]] = {}
-        self._next = 0  # batch number of the next batch written
+        # (table) -> (the Z-set object saved last, the keys its pieces were written under)
+        self._saved_z: dict[str, tuple[ZSet, list[bytes]]] = {}
+        # (table) -> keys of stored values no live batch maps to any more (a group that lost members to a move,
+        # batches merged while loading): deleted by the next save
+        self._orphans: dict[str, list[list[bytes]]] = {}
+        self._next = 0  # number of the next value written
+
+    def tables(self) -> dict[str, TableSpec]:
+        """The state tables this snapshot saves (see :func:`state_tables`)."""
+        return state_tables(self.instances, self.groupings)
 
     def _unsave_broken(self, table: str, saved: dict, batches: list, plan: list) -> None:
         """Delete every saved group (or single batch) that is no longer a consecutive run of live batches, and
@@ -172,55 +259,68 @@ class WorkerSnapshot:
         for node_id, inst in self.instances.items():
             traces, zsets = state_attrs(node_id, inst)
             for name in traces:
-                table = f"s{node_id}.{name}"
-                saved = self._saved.setdefault(table, {})
-                settled, pending = getattr(inst, name).parts()  # no settling: no merges to pay here
-                batches = settled + pending
-                self._unsave_broken(table, saved, batches, plan)
-                i = 0
-                while i < len(batches):  # new batches: runs of pending ones as groups, the others one by one
-                    if id(batches[i]) in saved:
-                        i += 1
-                        continue
-                    j = i + 1
-                    if self.group_pending and i >= len(settled):
-                        while j < len(batches) and id(batches[j]) not in saved:
-                            j += 1
-                    run = batches[i:j]
-                    number = self._next.to_bytes(8, "big")
-                    self._next += 1
-                    bounds = [b.shard_bounds(self.shard_bits) if len(b) else np.zeros(1, dtype=np.int64)
-                              for b in run]
-                    nonempty = np.zeros(len(bounds[0]) - 1, dtype=bool)
-                    for bd in bounds:
-                        nonempty |= np.diff(bd) > 0
-                    shards = np.flatnonzero(nonempty).tolist()
-                    keys = [shard_key(sh, number) for sh in shards]
-                    for b in run:
-                        saved[id(b)] = (b, keys)
-                    if len(run) == 1:
-                        plan.append(("batch", table, run[0], bounds[0], shards, keys))
-                    else:
-                        plan.append(("group", table, run, bounds, shards, keys))
-                    i = j
-                numbers, counts, in_spine = [], [], 0
-                prev = None
-                for i, b in enumerate(batches):  # the trace order of the stored values (invariant 3)
-                    keys = saved[id(b)][1]
-                    if not keys:  # an empty batch stores nothing (traces hold none)
-                        continue
-                    if keys is prev:
-                        counts[-1] += 1
-                    else:
-                        numbers.append(int.from_bytes(keys[0][SHARD_PREFIX_BYTES:], "big"))
-                        counts.append(1)
-                    prev = keys
-                    in_spine += i < len(settled)
-                plan.append(("order", table, numbers, counts, in_spine))
+                self._prepare_trace(trace_table(node_id, name), getattr(inst, name), plan)
             for name in zsets:
-                plan.append(("zset", f"z{node_id}.{name}", getattr(inst, name)))
+                table = zset_table(node_id, name)
+                z: ZSet = getattr(inst, name)
+                old = self._saved_z.get(table)
+                if old is not None and old[0] is z:
+                    continue
+                keys: list[bytes] = []  # filled in by apply: which shards have rows is known only there
+                plan.append(("zset", table, z, [] if old is None else old[1], self._next, keys,
+                             zset_grouping(z.schema, self.groupings.get(node_id)), self.shard_bits))
+                self._next += 1
+                self._saved_z[table] = (z, keys)
         plan.append(("next", self._next))
         return plan
+
+    def _prepare_trace(self, table: str, trace: Trace, plan: list) -> None:
+        saved = self._saved.setdefault(table, {})
+        for keys in self._orphans.pop(table, []):
+            plan.append(("delete", table, keys))
+        settled, pending = trace.parts()  # no settling: no merges to pay here
+        batches = settled + pending
+        self._unsave_broken(table, saved, batches, plan)
+        i = 0
+        while i < len(batches):  # new batches: runs of pending ones as groups, the others one by one
+            if id(batches[i]) in saved:
+                i += 1
+                continue
+            j = i + 1
+            if self.group_pending and i >= len(settled):
+                while j < len(batches) and id(batches[j]) not in saved:
+                    j += 1
+            run = batches[i:j]
+            number = self._next.to_bytes(8, "big")
+            self._next += 1
+            bounds = [b.shard_bounds(self.shard_bits) if len(b) else np.zeros((1 << self.shard_bits) + 1,
+                                                                              dtype=np.int64) for b in run]
+            nonempty = np.zeros(len(bounds[0]) - 1, dtype=bool)
+            for bd in bounds:
+                nonempty |= np.diff(bd) > 0
+            shards = np.flatnonzero(nonempty).tolist()
+            keys = [shard_key(sh, number) for sh in shards]
+            for b in run:
+                saved[id(b)] = (b, keys)
+            if len(run) == 1:
+                plan.append(("batch", table, run[0], bounds[0], shards, keys))
+            else:
+                plan.append(("group", table, run, bounds, shards, keys))
+            i = j
+        numbers, counts, in_spine = [], [], 0
+        prev = None
+        for i, b in enumerate(batches):  # the trace order of the stored values (invariant 4)
+            keys = saved[id(b)][1]
+            if not keys:  # an empty batch stores nothing (traces hold none)
+                continue
+            if keys is prev:
+                counts[-1] += 1
+            else:
+                numbers.append(int.from_bytes(keys[0][SHARD_PREFIX_BYTES:], "big"))
+                counts.append(1)
+            prev = keys
+            in_spine += i < len(settled)
+        plan.append(("order", table, numbers, counts, in_spine))
 
     @staticmethod
     def apply(h: DatabaseHandle, plan: list[tuple]) -> int:
@@ -236,23 +336,27 @@ class WorkerSnapshot:
                 rb, put, tname = zset_batch(b.zset), h.put, table.encode("utf-8")
                 edges = bounds.tolist()
                 for sh, key in zip(shards, keys):
-                    put(tname, key, encode_batch(rb.slice(edges[sh], edges[sh + 1] - edges[sh])))
+                    put(tname, key, encode_batch(rb.slice(edges[sh], edges[sh + 1] - edges[sh]), BATCH_MAGIC))
                 changed += len(keys)
             elif op[0] == "group":
                 _, table, run, bounds, shards, keys = op
                 changed += _put_group(h, table, run, bounds, shards, keys)
             elif op[0] == "order":
                 _, table, numbers, counts, settled = op
-                rec = {"numbers": numbers, "settled": settled}
-                if any(c != 1 for c in counts):
-                    rec["counts"] = counts
-                h.put("snapshot", _order_key(table), encode_json(b"DORD", rec))
+                write_order(h, table, numbers, counts, settled)
                 changed += 1
             elif op[0] == "zset":
-                z = op[2]
-                changed += _sync_table(h, op[1], {b"all": encode_zset(z)} if z.num_rows else {})
+                _, table, z, old_keys, number, keys, grouping, bits = op
+                for k in old_keys:
+                    h.delete(table, k)
+                keys.clear()
+                for sh, piece in zset_pieces(z, grouping, bits):
+                    key = shard_key(sh, number.to_bytes(8, "big"))
+                    h.put(table, key, encode_zset(piece, ZSET_MAGIC))
+                    keys.append(key)
+                changed += len(old_keys) + len(keys)
             else:
-                h.put("snapshot", b"next", op[1].to_bytes(8, "big"))
+                write_next(h, op[1])
         return changed
 
     def save(self, h: DatabaseHandle) -> int:
@@ -264,7 +368,7 @@ class WorkerSnapshot:
         """Restore the state saved by :meth:`save` into fresh instances; returns the number of rows loaded.
 
         ``reuse``: an older snapshot of the same worker's state, saved into an earlier version of the same
-        database. A batch is saved once under a number never given again, so a stored batch whose number and
+        database. A value is saved once under a number never given again, so a stored batch whose number and
         shard keys ``reuse`` holds is that batch: it is taken from memory instead of being decoded and hashed.
         ``listing``: every key of every trace table (``{table: keys}``), when the caller knows them (e.g. from
         a log of the saves since ``reuse``): the tables are then not scanned and only values of batches not
@@ -275,79 +379,93 @@ class WorkerSnapshot:
             for table, saved in reuse._saved.items():
                 known[table] = {keys[0][SHARD_PREFIX_BYTES:]: (b, keys) for b, keys in saved.values() if keys}
         rows = 0
-        nxt = h.get("snapshot", b"next")
-        self._next = int.from_bytes(nxt, "big") if nxt is not None else 0
-        self._saved = {}
+        self._next = read_next(h)
+        self._saved, self._saved_z, self._orphans = {}, {}, {}
         for node_id, inst in self.instances.items():
             traces, zsets = state_attrs(node_id, inst)
             for name in traces:
-                trace: Trace = getattr(inst, name)
-                table = f"s{node_id}.{name}"
-                groups: dict[bytes, tuple[list[bytes], list[bytes]]] = {}
-                listed = h.scan(table) if listing is None else ((k, None) for k in sorted(listing.get(table, ())))
-                for k, v in listed:  # keys sort by shard, then batch number
-                    blobs, keys = groups.setdefault(k[SHARD_PREFIX_BYTES:], ([], []))
-                    blobs.append(v)
-                    keys.append(k)
-                trace.clear()
-                batches = []
-                mine = known.get(table, {})
-                rec = h.get("snapshot", _order_key(table))
-                if rec is None:  # written before the order was recorded: every batch settled, in number order
-                    numbers, counts, settled = sorted(groups), [1] * len(groups), len(groups)
-                else:
-                    d = decode_json(b"DORD", rec, f"{where} snapshot order of {table}")
-                    numbers, settled = [int(n).to_bytes(8, "big") for n in d["numbers"]], int(d["settled"])
-                    counts = [int(c) for c in d.get("counts", [1] * len(numbers))]
-                    if sorted(numbers) != sorted(groups) or len(counts) != len(numbers) or \
-                            not 0 <= settled <= sum(counts) or min(counts, default=1) < 1:
-                        raise CorruptionError(f"{where} {table}: the recorded batch order names {len(numbers)} "
-                                              f"batches, the table holds {len(groups)}")
-                restored: list[tuple[Any, list[bytes]]] = []
-                for number, count in zip(numbers, counts):
-                    blobs, keys = groups[number]
-                    old = mine.get(number)
-                    if count == 1 and old is not None and sorted(old[1]) == sorted(keys):
-                        restored.append((old[0], keys))
-                        continue
-                    values = [(v if v is not None else _must_get(h, table, k, where),
-                               f"{where} {table} shard {shard_of_key(k)}") for k, v in zip(keys, blobs)]
-                    if count == 1:
-                        members = [[decode_batch(v, trace.schema, w) for v, w in values]]
-                    else:
-                        runs = [decode_runs(v, trace.schema, w) for v, w in values]
-                        if any(len(r) != count for r in runs):
-                            raise CorruptionError(f"{where} {table}: a value of batch group {number.hex()} does "
-                                                  f"not hold {count} runs")
-                        members = [[r[i] for r in runs if r[i].num_rows] for i in range(count)]
-                    for parts in members:
-                        if not parts:
-                            raise CorruptionError(f"{where} {table}: batch group {number.hex()} holds an empty batch")
-                        z = parts[0] if len(parts) == 1 else ZSet.concat(parts)
-                        # shard slices of one key-hash-sorted batch, in shard order: the batch itself
-                        b = IndexedZSet._make(ZSet._make(z.data, z.weights), trace.key, z.hash(list(trace.key)))
-                        restored.append((b, keys))  # a group's batches share its keys list (see _saved)
-                for pos, (b, keys) in enumerate(restored):
-                    if pos == settled:
-                        trace.settle()  # the settled batches shrink strictly (trace invariant 2): no merges
-                    trace.insert(b)  # the rest stay pending, as they were saved
-                    batches.append((b, keys))
-                    rows += len(b)
-                if settled == len(restored):
-                    trace.settle()
-                spine = {id(b) for b in sum(trace.parts(), [])}
-                saved = {id(b): (b, keys) for b, keys in batches}
-                if set(saved) != spine:  # pragma: no cover - settling merged restored batches: rewrite them all
-                    for _, keys in batches:
-                        for k in keys:
-                            h.delete(table, k)
-                    saved = {}
-                self._saved[table] = saved
+                rows += self._load_trace(h, trace_table(node_id, name), getattr(inst, name), where,
+                                         known.get(trace_table(node_id, name), {}), listing)
             for name in zsets:
                 cur: ZSet = getattr(inst, name)
-                table = f"z{node_id}.{name}"
-                v = h.get(table, b"all")
-                z = ZSet.empty(cur.schema) if v is None else decode_zset(v, cur.schema, f"{where} {table}")
+                table = zset_table(node_id, name)
+                parts, keys = [], []
+                for k, v in h.scan(table):
+                    parts.append(decode_zset(v, cur.schema, f"{where} {table} shard {shard_of_key(k)}", ZSET_MAGIC))
+                    keys.append(k)
+                z = (ZSet.concat(parts) if len(parts) > 1 else parts[0]).consolidate() if parts \
+                    else ZSet.empty(cur.schema)
                 setattr(inst, name, z)
+                self._saved_z[table] = (z, keys)
                 rows += z.num_rows
+        return rows
+
+    def _load_trace(self, h: DatabaseHandle, table: str, trace: Trace, where: str, mine: dict,
+                    listing: dict[str, list[bytes]] | None) -> int:
+        groups: dict[bytes, tuple[list[bytes], list[bytes]]] = {}
+        listed = h.scan(table) if listing is None else ((k, None) for k in sorted(listing.get(table, ())))
+        for k, v in listed:  # keys sort by shard, then number
+            blobs, keys = groups.setdefault(k[SHARD_PREFIX_BYTES:], ([], []))
+            blobs.append(v)
+            keys.append(k)
+        trace.clear()
+        order = read_order(h, table, where)
+        if order is None:
+            if groups:
+                raise CorruptionError(f"{where} {table}: {len(groups)} stored batches but no order record")
+            numbers_i, counts, settled = [], [], 0
+        else:
+            numbers_i, counts, settled = order
+        numbers = [n.to_bytes(8, "big") for n in numbers_i]
+        if sorted(numbers) != sorted(groups):
+            raise CorruptionError(f"{where} {table}: the recorded batch order names {len(numbers)} batches, the "
+                                  f"table holds {len(groups)}")
+        restored: list[tuple[Any, list[bytes], bool]] = []  # (batch, keys, settled)
+        partial: set[int] = set()  # groups some of whose batches moved away entirely: saved again
+        pos = 0
+        for number, count in zip(numbers, counts):
+            blobs, keys = groups[number]
+            old = mine.get(number)
+            is_settled = pos < settled
+            pos += count
+            if count == 1 and old is not None and sorted(old[1]) == sorted(keys):
+                restored.append((old[0], keys, is_settled))
+                continue
+            values = [(v if v is not None else _must_get(h, table, k, where),
+                       f"{where} {table} shard {shard_of_key(k)}") for k, v in zip(keys, blobs)]
+            if count == 1:
+                members = [[decode_batch(v, trace.schema, w, BATCH_MAGIC) for v, w in values]]
+            else:
+                runs = [decode_runs(v, trace.schema, w, BATCH_GROUP_MAGIC) for v, w in values]
+                if any(len(r) != count for r in runs):
+                    raise CorruptionError(f"{where} {table}: a value of batch group {number.hex()} does not "
+                                          f"hold {count} runs")
+                members = [[r[i] for r in runs if r[i].num_rows] for i in range(count)]
+                if any(not parts for parts in members):
+                    partial.add(id(keys))
+            for parts in members:
+                if not parts:
+                    continue  # every shard of this member of a group moved to another worker
+                z = parts[0] if len(parts) == 1 else ZSet.concat(parts)
+                # shard slices of one key-hash-sorted batch, in shard order: the batch itself
+                b = IndexedZSet._make(ZSet._make(z.data, z.weights), trace.key, z.hash(list(trace.key)))
+                restored.append((b, keys, is_settled))  # a group's batches share its keys list (see _saved)
+        rows = 0
+        settled_done = False
+        for b, keys, is_settled in restored:
+            if not is_settled and not settled_done:
+                trace.settle()  # the settled batches shrink strictly (trace invariant 2): no merges
+                settled_done = True
+            trace.insert(b)  # the rest stay pending, as they were saved
+            rows += len(b)
+        if not settled_done:
+            trace.settle()
+        spine = {id(b) for b in sum(trace.parts(), [])}
+        # values whose batches are not all live as saved (merged while settling, or a group that lost members):
+        # their live batches are saved again and their keys deleted by the next save
+        gone = {id(keys): keys for b, keys, _ in restored if id(b) not in spine or id(keys) in partial}
+        self._saved[table] = {id(b): (b, keys) for b, keys, _ in restored
+                              if id(b) in spine and id(keys) not in gone}
+        if gone:
+            self._orphans[table] = list(gone.values())
         return rows

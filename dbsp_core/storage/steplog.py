@@ -44,6 +44,14 @@ class StepLog:
         Size after which appends go to a new segment (whole segments are dropped by :meth:`truncate_below`).
     vfs
         ``"posix"`` or ``"fault"``.
+    readonly
+        Open an existing log for reading only, possibly while a writer (in another process) appends: no file is
+        created, written, cut or removed, a torn or half-written tail is not shown, and :meth:`refresh` shows
+        what the writer appended (and forgets segments it dropped) since.
+
+    A damaged record that a later write proves had been fsynced raises CorruptionError (naming the file and the
+    offset) and changes nothing; a torn tail of unsynced writes is cut off (csrc/steplog.c, invariant 6). Logs
+    of format 1 are read as they are; appending to one starts a segment of the current format (invariant 8).
 
     Examples
     --------
@@ -56,9 +64,17 @@ class StepLog:
     [b'batch-2']
     """
 
-    def __init__(self, path: Union[str, os.PathLike], *, segment_bytes: int = 64 << 20, vfs: str = "posix") -> None:
+    def __init__(self, path: Union[str, os.PathLike], *, segment_bytes: int = 64 << 20, vfs: str = "posix",
+                 readonly: bool = False) -> None:
         self.path = os.fspath(path)
-        self._log = _storage.Log(self.path, vfs, segment_bytes)
+        self.readonly = readonly
+        if readonly and not os.path.isdir(self.path):
+            raise FileNotFoundError(f"steplog {self.path}: no such directory")
+        self._log = _storage.Log(self.path, vfs, segment_bytes, readonly)
+
+    def refresh(self) -> None:
+        """A read-only log: show records the writer appended and forget segments it dropped since the last scan."""
+        self._log.refresh()
 
     def append(self, step: int, handle: Name, payload: BytesLike, *, producer: Name = "", seq: int = 0) -> None:
         """Appends one record and returns once it is durable. Steps must not decrease. Thread-safe; releases the GIL."""

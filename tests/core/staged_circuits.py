@@ -110,3 +110,19 @@ def same_outputs(a: list[dict], b: list[dict]) -> None:
         for n in x:
             assert x[n].consolidate() == y[n].consolidate(), \
                 f"step {i} output {n}: {x[n].to_dict()} != {y[n].to_dict()}"
+
+
+def staged_pipeline(c: dbsp.Circuit, workers: int = 1, storage=None, runner=None, shard_bits: int = 8,
+                    max_steps_per_job: int = 64, **kwargs) -> dbsp.Pipeline:
+    """A durable Pipeline over the staged executor (with ``runner``, default the in-process reference runner)."""
+    from dbsp_core.runtime import StagedExecutor
+
+    return dbsp.Pipeline(c, workers, shard_bits, storage,
+                         executor=StagedExecutor(runner, max_steps_per_job=max_steps_per_job), **kwargs)
+
+
+def open_staged(path, c: dbsp.Circuit, runner=None, workers=None, **kwargs) -> dbsp.Pipeline:
+    """:meth:`dbsp.Pipeline.open` over the staged executor."""
+    from dbsp_core.runtime import StagedExecutor
+
+    return dbsp.Pipeline.open(path, c, workers, executor=StagedExecutor(runner), **kwargs)

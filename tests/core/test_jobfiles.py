@@ -1,4 +1,4 @@
-"""Job files: a blob table written under a tag reads back exactly, and a torn, damaged or foreign file raises instead of being read (dbsp_core.jobfiles invariants 1 and 2)."""
+"""Job files: a blob table written under a tag reads back exactly, and a torn, damaged or foreign file raises instead of being read (dbsp_core.runtime.job_files invariants 1 and 2)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 
 import dbsp_core as dbsp
 from dbsp_core.errors import CorruptionError
-from dbsp_core.jobfiles import (input_path, read_job_input, read_table_file, remove_job_inputs, write_job_inputs,
+from dbsp_core.runtime.job_files import (input_path, read_job_input, read_table_file, remove_job_inputs, write_job_inputs,
                                 write_table_file)
-from dbsp_core.stages import BLOB_SCHEMA, control_blobs, encode_blobs
+from dbsp_core.runtime.stage_plan import BLOB_SCHEMA, control_blobs, encode_blobs
 
 SCHEMA = pa.schema([("k", pa.int64()), ("s", pa.utf8())])
 

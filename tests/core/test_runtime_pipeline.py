@@ -9,6 +9,7 @@ from oracle import BIDS, to_zset
 
 import dbsp_core as dbsp
 from dbsp_core.errors import DbspError, SchemaError
+from dbsp_core.runtime.executor import spread
 from dbsp_core.trace import Trace
 
 
@@ -56,10 +57,11 @@ def test_push_forms_are_equivalent() -> None:
 
 
 def test_push_spreads_rows_evenly_over_workers() -> None:
-    with _pipeline(workers=4) as p:
-        p.push("bids", to_zset({(i, "a", i, None): 1 for i in range(10)}, BIDS))
-        p.push("bids", to_zset({(100, "b", 1, None): 1}, BIDS))
-        sizes = [sum(z.num_rows for z in pend.get("bids", [])) for pend in p._pending]
+    pushes = [("bids", to_zset({(i, "a", i, None): 1 for i in range(10)}, BIDS)),
+              ("bids", to_zset({(100, "b", 1, None): 1}, BIDS))]
+    for cursor in range(4):
+        per = spread(pushes, 4, cursor)
+        sizes = [sum(z.num_rows for z in pend.get("bids", [])) for pend in per]
         assert sorted(sizes) == [2, 3, 3, 3]
 
 
@@ -107,12 +109,12 @@ def test_exchange_routes_rows_by_shard_owner() -> None:
     c.output("x", b._exchanged(("auction",)))
     with dbsp.Pipeline(c, workers=2, shard_bits=3) as p:
         z = to_zset({(i, "a", i, None): 1 for i in range(40)}, BIDS)
-        p.push("bids", z)
-        inputs = [{"bids": dbsp.ZSet.concat(pend["bids"])} for pend in p._pending]
+        for w, pend in enumerate(spread([("bids", z)], 2, 0)):
+            p.executor._workers[w].ctx.begin({"bids": dbsp.ZSet.concat(pend["bids"])}, None, None, None)
         import threading
 
         got = [None, None]
-        ts = [threading.Thread(target=lambda w=w: got.__setitem__(w, p._workers[w].step(inputs[w])["x"]))
+        ts = [threading.Thread(target=lambda w=w: got.__setitem__(w, p.executor._workers[w].step()["x"]))
               for w in range(2)]
         for t in ts:
             t.start()

@@ -1,4 +1,4 @@
-"""The staged runtime (dbsp_core.stages, dbsp_core.stagetask, dbsp_core.staged) against the embedded runtime and DuckDB: stage workers run by hand, the staged pipeline with any W and any grouping of steps into jobs, retried tasks, stale attempts, cache loss and recovery after a partial job."""
+"""The staged executor (dbsp_core.runtime.stage_plan, stage_task, staged) against the embedded runtime and DuckDB: stage workers run by hand, the staged pipeline with any W and any grouping of steps into jobs, retried tasks, stale attempts, cache loss and recovery after a partial job."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from oracle import BIDS
-from staged_circuits import CIRCUITS, build, changes, check_duckdb, embedded, same_outputs
+from staged_circuits import CIRCUITS, build, changes, check_duckdb, embedded, open_staged, same_outputs, staged_pipeline
 
 import dbsp_core as dbsp
-from dbsp_core import stagetask
+from dbsp_core.runtime import stage_task as stagetask
 from dbsp_core.errors import DbspError, RecoveryError, ReplayMismatchError
 from dbsp_core.operators.base import concat
-from dbsp_core.staged import Job, LocalJobRunner, StagedPipeline
-from dbsp_core.stages import StagePlan, StageWorker, read_acks
-from dbsp_core.stagetask import StaleAttemptError, run_stage_task
+from dbsp_core.runtime.staged import Job, LocalJobRunner
+from dbsp_core.runtime.stage_plan import StagePlan, StageWorker, read_acks
+from dbsp_core.runtime.stage_task import StaleAttemptError, run_stage_task
 from dbsp_core.storage import Database
 
 NAMES = sorted(CIRCUITS)
@@ -76,7 +76,7 @@ def test_plan_of_carried_circuit() -> None:
 def _run_staged(tmp, name: str, workers: int, steps, groups: list[int], runner=None, shard_bits: int = 8
                 ) -> list[dict]:
     c, _ = build(name)
-    p = StagedPipeline(c, workers=workers, shard_bits=shard_bits, storage=str(tmp), runner=runner)
+    p = staged_pipeline(c, workers=workers, shard_bits=shard_bits, storage=str(tmp), runner=runner)
     outs: list[dict] = []
     i = 0
     for g in groups:
@@ -119,7 +119,7 @@ def test_retried_tasks_give_the_same_output_once(tmp_path, name: str, point: str
         assert stagetask.cache_stats["replayed_results"] > before["replayed_results"]
     else:  # the retry in this process rolled the cached instances back
         assert stagetask.cache_stats["rollbacks"] > before["rollbacks"]
-    q = StagedPipeline.open(str(tmp_path), c)
+    q = open_staged(str(tmp_path), c)
     assert [z for _, z in q.read_output(next(iter(outs[0])))] == [o[next(iter(o))] for o in outs]  # exactly once
     q.close()
 
@@ -127,15 +127,15 @@ def test_retried_tasks_give_the_same_output_once(tmp_path, name: str, point: str
 def _job_and_blobs(tmp_path, workers: int = 2):
     """A pipeline after one step, and the stage-1 task and input blobs of its next job (run by hand)."""
     c, _ = build("group_agg")
-    p = StagedPipeline(c, workers=workers, storage=str(tmp_path))
+    p = staged_pipeline(c, workers=workers, storage=str(tmp_path))
     steps, _ = changes(3, 2)
     for h, z in steps[0]:
         p.push(h, z)
     p.step()
     p.push("bids", pa.table({"auction": [1, 2, 3, 4], "bidder": ["a", "b", "c", "d"], "price": [5, 6, 7, 8],
                              "f": [0.5, 1.0, 1.5, 2.0]}))
-    step = p._divide()
-    job: Job = p._make_job([step])
+    step = p._divide(wait=True).input
+    job: Job = p.executor._make_job([step])
     t0, t1 = job.tasks
     mid = pa.concat_tables([run_stage_task(t0, w, job.inputs.filter(pa.compute.equal(job.inputs["part"], w)))
                             for w in range(workers)])
@@ -219,7 +219,7 @@ def test_reopen_after_a_partial_job_recovers_exactly(tmp_path, name: str) -> Non
     steps, bags = changes(5, 7)
     c, sql = build(name)
     ref = embedded(c, steps)
-    p = StagedPipeline(c, workers=2, storage=str(tmp_path), runner=PartialJob(2), checkpoint_interval=None)
+    p = staged_pipeline(c, workers=2, storage=str(tmp_path), runner=PartialJob(2), checkpoint_interval=None)
     for pushes in steps[:2]:
         for h, z in pushes:
             p.push(h, z)
@@ -235,7 +235,7 @@ def test_reopen_after_a_partial_job_recovers_exactly(tmp_path, name: str) -> Non
     with pytest.raises(DbspError, match="broken"):
         p.step()
     p.close()  # broken: no checkpoint, files released
-    q = StagedPipeline.open(str(tmp_path), c)
+    q = open_staged(str(tmp_path), c)
     assert q.steps == 4 and q.stats["replayed_steps"] >= 2
     for h, z in steps[4][1:]:
         q.push(h, z)
@@ -254,14 +254,14 @@ def test_replayed_steps_are_verified_against_the_output_log(tmp_path) -> None:
     c = dbsp.Circuit()
     bids = c.input("bids", BIDS)
     c.output("raw", bids.filter(pa.compute.field("price") > 3))  # no state: the checkpoint is the driver's
-    p = StagedPipeline(c, workers=2, storage=str(tmp_path), checkpoint_interval=None)
+    p = staged_pipeline(c, workers=2, storage=str(tmp_path), checkpoint_interval=None)
     for i in range(3):
         p.push("bids", pa.table({"auction": [i], "bidder": ["x"], "price": [10 + i], "f": [0.0]}))
         p.step()
         if i == 0:
             p.checkpoint()
     p.close(checkpoint=False)
-    q = StagedPipeline.open(str(tmp_path), c)
+    q = open_staged(str(tmp_path), c)
     assert q.stats["replayed_steps"] == 2
     assert [z.to_dict() for _, z in q.read_output("raw")] == [{(i, "x", 10 + i, 0.0): 1} for i in range(3)]
     q.close(checkpoint=False)
@@ -273,12 +273,12 @@ def test_replayed_steps_are_verified_against_the_output_log(tmp_path) -> None:
             return out.filter(pa.compute.invert(lost))  # every output share lost
 
     with pytest.raises(ReplayMismatchError, match="replayed step 1"):
-        StagedPipeline.open(str(tmp_path), c, runner=Tamper())
+        open_staged(str(tmp_path), c, runner=Tamper())
 
 
 def test_push_validation_records_nothing(tmp_path) -> None:
     c, _ = build("group_agg")
-    p = StagedPipeline(c, workers=2, storage=str(tmp_path))
+    p = staged_pipeline(c, workers=2, storage=str(tmp_path))
     with pytest.raises(KeyError, match="unknown input handle"):
         p.push("nope", pa.table({"x": [1]}))
     with pytest.raises(dbsp.SchemaError, match="do not match"):
@@ -288,7 +288,7 @@ def test_push_validation_records_nothing(tmp_path) -> None:
     p.close()
 
 
-@pytest.mark.parametrize("name", ["dbsp_core.stages", "dbsp_core.stagetask", "dbsp_core.staged", "dbsp_core.jobfiles"])
+@pytest.mark.parametrize("name", ["dbsp_core.runtime.stage_plan", "dbsp_core.runtime.stage_task", "dbsp_core.runtime.staged", "dbsp_core.runtime.job_files"])
 def test_docstring_examples(name: str) -> None:
     import doctest
     import importlib
@@ -317,7 +317,7 @@ class CrashAfterCommit(LocalJobRunner):
 def test_reopen_after_commits_without_logged_output_reruns_the_job(tmp_path, name: str) -> None:
     steps, bags = changes(9, 6)
     c, sql = build(name)
-    p = StagedPipeline(c, workers=2, storage=str(tmp_path), runner=CrashAfterCommit(1))
+    p = staged_pipeline(c, workers=2, storage=str(tmp_path), runner=CrashAfterCommit(1))
     for pushes in steps[:1]:
         for h, z in pushes:
             p.push(h, z)
@@ -329,7 +329,7 @@ def test_reopen_after_commits_without_logged_output_reruns_the_job(tmp_path, nam
     with pytest.raises(RuntimeError, match="died"):
         p.run_queued()
     p.close()
-    q = StagedPipeline.open(str(tmp_path), c)  # the databases are at step 4, the output log at step 1
+    q = open_staged(str(tmp_path), c)  # the databases are at step 4, the output log at step 1
     assert q.steps == 4 and q.stats["replayed_steps"] == 3
     for pushes in steps[4:]:
         for h, z in pushes:
@@ -344,7 +344,7 @@ def test_reopen_after_commits_without_logged_output_reruns_the_job(tmp_path, nam
 def test_reopen_after_part_of_a_jobs_output_was_logged(tmp_path, monkeypatch) -> None:
     steps, bags = changes(10, 5)
     c, sql = build("join_agg")
-    p = StagedPipeline(c, workers=3, storage=str(tmp_path))
+    p = staged_pipeline(c, workers=3, storage=str(tmp_path))
     for pushes in steps[:4]:
         for h, z in pushes:
             p.push(h, z)
@@ -361,7 +361,7 @@ def test_reopen_after_part_of_a_jobs_output_was_logged(tmp_path, monkeypatch) ->
         p.run_queued()
     monkeypatch.undo()
     p.close()
-    q = StagedPipeline.open(str(tmp_path), c)  # steps 0 and 1 are logged, 2 and 3 are not
+    q = open_staged(str(tmp_path), c)  # steps 0 and 1 are logged, 2 and 3 are not
     assert q.steps == 4 and q.stats["replayed_steps"] == 4
     for h, z in steps[4]:
         q.push(h, z)
@@ -404,7 +404,7 @@ def test_a_crash_anywhere_in_a_job_then_reopen_gives_every_step_once(tmp_path_fa
     steps, bags = changes(seed, sum(groups))
     c, sql = build(name)
     d = str(tmp_path_factory.mktemp("crash"))
-    p = StagedPipeline(c, workers=workers, storage=d, runner=Crashy(at, stage, min(crash_workers, workers - 1)),
+    p = staged_pipeline(c, workers=workers, storage=d, runner=Crashy(at, stage, min(crash_workers, workers - 1)),
                        checkpoint_interval=None)
     i = 0
     crashed = False
@@ -422,7 +422,7 @@ def test_a_crash_anywhere_in_a_job_then_reopen_gives_every_step_once(tmp_path_fa
         if ck:
             p.checkpoint()
     p.close()
-    q = StagedPipeline.open(d, c)
+    q = open_staged(d, c)
     assert q.steps == i  # every divided step ran (again) exactly once
     for pushes in steps[i:]:
         for h, z in pushes:
@@ -438,7 +438,7 @@ def test_a_crash_anywhere_in_a_job_then_reopen_gives_every_step_once(tmp_path_fa
 def test_producer_retries_count_once_across_reopens(tmp_path) -> None:
     c, _ = build("group_agg")
     row = pa.table({"auction": [1], "bidder": ["a"], "price": [5], "f": [0.0]})
-    p = StagedPipeline(c, workers=2, storage=str(tmp_path), checkpoint_interval=None)
+    p = staged_pipeline(c, workers=2, storage=str(tmp_path), checkpoint_interval=None)
     assert not p.push("bids", row, producer="gen", seq=0).duplicate
     p.step()
     p.checkpoint()  # driver.db: seq 0 seen, at step 1
@@ -446,7 +446,7 @@ def test_producer_retries_count_once_across_reopens(tmp_path) -> None:
     p.step()  # the stage databases move on to step 2; driver.db stays at step 1
     assert not p.push("bids", row, producer="gen", seq=2).duplicate  # acknowledged, not divided
     p.close(checkpoint=False)
-    q = StagedPipeline.open(str(tmp_path), c)
+    q = open_staged(str(tmp_path), c)
     assert q.steps == 2
     assert all(q.push("bids", row, producer="gen", seq=s).duplicate for s in range(3))
     assert q.step()["g"].to_dict() == {(1, 2, 10, 5): -1, (1, 3, 15, 5): 1}  # seq 2 counted once
@@ -487,7 +487,7 @@ def test_stale_cache_entries_give_partial_loads_and_the_same_results(tmp_path, m
     steps, bags = changes(17, 12, max_rows=12)
     c, sql = build(name)
     before, listed = stagetask.cache_stats["partial_loads"], stagetask.cache_stats["listed_loads"]
-    p = StagedPipeline(c, workers=2, storage=str(tmp_path), runner=TwoProcesses(processes))
+    p = staged_pipeline(c, workers=2, storage=str(tmp_path), runner=TwoProcesses(processes))
     outs = []
     for pushes in steps:
         for h, z in pushes:
@@ -513,7 +513,7 @@ def test_stateful_stage_zero_and_plain_zset_state(tmp_path) -> None:
     assert plan.stateful[0] and plan.stateful[-1]
     steps, _ = changes(23, 7)
     steps = [[(h, z) for h, z in pushes if h == "bids"] for pushes in steps]
-    p = StagedPipeline(c, workers=3, storage=str(tmp_path), runner=TwoProcesses())
+    p = staged_pipeline(c, workers=3, storage=str(tmp_path), runner=TwoProcesses())
     outs = []
     for g in (1, 3, 1, 2):
         for pushes in steps[len(outs):len(outs) + g]:
@@ -522,7 +522,7 @@ def test_stateful_stage_zero_and_plain_zset_state(tmp_path) -> None:
             p.queue_step()
         outs.extend(p.run_queued())
     p.close()
-    q = StagedPipeline.open(str(tmp_path), c)
+    q = open_staged(str(tmp_path), c)
     for h, z in steps[0]:
         q.push(h, z)
     outs.append(q.step())
@@ -534,7 +534,7 @@ def test_a_save_log_that_lists_a_missing_key_falls_back_to_reading_the_tables(tm
     steps, _ = changes(31, 6)
     c, _ = build("join_agg")
     runner = TwoProcesses()
-    p = StagedPipeline(c, workers=2, storage=str(tmp_path), runner=runner)
+    p = staged_pipeline(c, workers=2, storage=str(tmp_path), runner=runner)
     outs = []
     for pushes in steps[:3]:
         for h, z in pushes:
@@ -615,7 +615,7 @@ def test_traces_read_from_the_stage_databases_match_embedded(tmp_path, name: str
     versions do not change) and holds the same names and contents as the embedded runtime's traces."""
     steps, _ = changes(5, 4)
     c, _ = build(name)
-    p = StagedPipeline(c, workers=2, storage=str(tmp_path))
+    p = staged_pipeline(c, workers=2, storage=str(tmp_path))
     ref = dbsp.Pipeline(c, workers=2)
     for i, pushes in enumerate(steps):
         for h, z in pushes:
@@ -628,7 +628,7 @@ def test_traces_read_from_the_stage_databases_match_embedded(tmp_path, name: str
             p.step()
         ref.step()
     p.queue_step()  # queued, not run: not in the traces yet
-    paths = [path for _, _, path in stagetask.open_stage_databases(str(tmp_path), p.plan, 2)]
+    paths = [path for _, _, path in stagetask.open_stage_databases(str(tmp_path), p.executor.plan, 2)]
 
     def versions() -> list[range]:
         out = []

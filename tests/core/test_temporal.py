@@ -25,8 +25,9 @@ def _run(seed: int, workers: int, steps: int, unit: str) -> None:
     c = dbsp.Circuit()
     src = c.input("ev", SCHEMA)
     c.output("w", within_last(src, "ts", WINDOW, unit=unit))
-    p = dbsp.Pipeline(c, workers=workers)
     now_s = 1_000_000
+    clock = [now_s * 10**9]
+    p = dbsp.Pipeline(c, workers=workers, clock=lambda: clock[0])
     bag: Counter = Counter()
     view: Counter = Counter()
     for _ in range(steps):
@@ -44,8 +45,7 @@ def _run(seed: int, workers: int, steps: int, unit: str) -> None:
         bag = Counter({r: w for r, w in bag.items() if w})
         if rows:
             p.push("ev", dbsp.ZSet.from_rows(list(rows), SCHEMA, weights=list(rows.values())))
-        for wk in p._workers:
-            wk.ctx.now_ns = now_s * 10**9
+        clock[0] = now_s * 10**9
         for r, w in p.step()["w"].to_dict().items():
             view[r] += w
         view = Counter({r: w for r, w in view.items() if w})

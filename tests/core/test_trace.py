@@ -70,6 +70,7 @@ ops = st.lists(st.one_of(
     st.tuples(st.just("read"), st.lists(st.integers(0, 60), max_size=6)),
     st.tuples(st.just("settle")),
     st.tuples(st.just("restore")),
+    st.tuples(st.just("drop"), st.integers(0, 30)),
 ), max_size=60)
 
 
@@ -89,6 +90,11 @@ def test_any_inserts_reads_settles_and_restores_match_the_model(steps, cls):
             _check_reads(t, model, op[1])
         elif op[0] == "settle":
             t.settle()
+        elif op[0] == "drop":  # invariant 8: forget keys below a bound, merges in progress included
+            gone = sum(abs(w) for (k, _), w in model.items() if k < op[1])
+            dropped = t.drop_below({"k": op[1]}, force=True)
+            model = {r: w for r, w in model.items() if r[0] >= op[1]}
+            assert dropped >= (1 if gone else 0)
         else:  # what a checkpoint restore does: insert parts() into a cleared trace, settling between them
             spine, pending = t.parts()
             t = cls(SCHEMA, ("k",))

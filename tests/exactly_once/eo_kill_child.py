@@ -37,7 +37,7 @@ def forked(d: str, seed: int, batches: int, workers: int, run_no: int, crash: st
     """Entry point in a process forked from a preloaded server (multiprocessing forkserver); same as main."""
     import traceback
 
-    from dbsp_core.durable import arm_crashpoint
+    from dbsp_core.runtime.crashpoints import arm_crashpoint
 
     arm_crashpoint(crash)
     try:

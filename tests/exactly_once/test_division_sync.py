@@ -14,7 +14,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import dbsp_core as dbsp  # noqa: E402
-from dbsp_core.durable import DIVISION_HANDLE  # noqa: E402
+from dbsp_core.storage.formats import DIVISION_HANDLE  # noqa: E402
 from dbsp_core.storage import StepLog  # noqa: E402
 from workload import PRODUCERS, build_circuit, integral, oracle, push_batch  # noqa: E402
 
@@ -66,7 +66,7 @@ CHILD = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {here!r})
     import dbsp_core as dbsp
-    from dbsp_core.durable import arm_crashpoint
+    from dbsp_core.runtime.crashpoints import arm_crashpoint
     from dbsp_core.storage import StepLog
     from workload import PRODUCERS, build_circuit, push_batch
     p = dbsp.Pipeline(build_circuit(), workers=2, storage={d!r}, checkpoint_interval=None)

@@ -14,7 +14,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import dbsp_core as dbsp  # noqa: E402
-from dbsp_core.coordinator import WorkerStore  # noqa: E402
+from dbsp_core.runtime.coordinator import WorkerStore  # noqa: E402
 from dbsp_core.errors import (CircuitMismatchError, CorruptionError, RecoveryError,  # noqa: E402
                               ReplayMismatchError)
 from workload import PRODUCERS, build_circuit, integral, oracle, push_batch  # noqa: E402
@@ -87,10 +87,10 @@ def test_restart_in_the_middle_of_a_checkpoint(tmp_path, monkeypatch):
     s.step()
     real_commit = WorkerStore.commit
 
-    def commit(self, step, plan, extra=None):
+    def commit(self, step, plan):
         if self.index == 1:  # worker 0 has committed the new version, worker 1 "crashes" before its commit
             raise OSError("simulated crash during the checkpoint commit")
-        return real_commit(self, step, plan, extra)
+        return real_commit(self, step, plan)
 
     monkeypatch.setattr(WorkerStore, "commit", commit)
     with pytest.raises(OSError):
@@ -98,8 +98,8 @@ def test_restart_in_the_middle_of_a_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(WorkerStore, "commit", real_commit)
     with pytest.raises(dbsp.DbspError, match="broken"):  # a failed checkpoint breaks the pipeline
         s.p.step()
-    s.p._shutdown_storage()  # abandon the process state, as a crash would
-    versions = [dbsp.storage.Database(os.path.join(s.d, f"worker-{w}.db")).versions() for w in range(2)]
+    s.p._shutdown()  # abandon the process state, as a crash would
+    versions = [dbsp.storage.Database(os.path.join(s.d, "state", f"worker-{w}.db")).versions() for w in range(2)]
     assert versions[0] != versions[1]  # worker 0 holds one version more than worker 1
     s.restart()
     assert s.p.stats["replayed_steps"] == 2  # recovery chose the older, common version
@@ -212,7 +212,7 @@ def test_determinants_are_logged_and_replayed(tmp_path):
     p.step()
     p.step()
     now, seed = p.now_ns, p.seed
-    assert p._workers[1].ctx.now_ns == now and p._workers[0].ctx.seed == seed
+    assert p.executor._workers[1].ctx.now_ns == now and p.executor._workers[0].ctx.seed == seed
     p.close(checkpoint=False)
     q = dbsp.Pipeline.open(d, build_circuit())
     assert q.stats["replayed_steps"] == 2 and (q.now_ns, q.seed) == (now, seed)
@@ -303,7 +303,7 @@ def test_one_pipeline_per_directory(tmp_path):
     with pytest.raises(dbsp.DbspError, match="in use"):
         dbsp.Pipeline.open(d, build_circuit())
     p.close()
-    from dbsp_core.durable import inspect_storage
+    from dbsp_core.storage.inspect import inspect_storage
 
     info = inspect_storage(d)  # the lock is free again
     assert info["workers"] == 2 and info["checkpoint_step"] == 0
@@ -313,7 +313,7 @@ def test_one_pipeline_per_directory(tmp_path):
 def _state(p) -> dict:
     """Every worker's stateful instances' traces and Z-sets, consolidated, as dicts."""
     out = {}
-    for w, wk in enumerate(p._workers):
+    for w, wk in enumerate(p.executor._workers):
         for i, inst in wk.instances.items():
             if inst is p.circuit.nodes[i]:
                 continue
@@ -386,10 +386,12 @@ def test_damaged_input_log_or_state_is_an_error_not_wrong_data(tmp_path):
     path = os.path.join(d, "input", seg)
     good = open(path, "rb").read()
     _flip(path, len(good) // 2)
-    # the step log cuts a damaged record off like a torn tail; the records after it (step 1's division) are
-    # gone, and recovery refuses because the output log shows that step 1 happened
-    with pytest.raises(CorruptionError, match="divides input only up to step 0"):
+    damaged = open(path, "rb").read()
+    # records written after the damaged one carry marks proving it had been fsynced: the step log refuses to
+    # open, names the file and the offset, and cuts nothing (it used to cut it off like a torn tail)
+    with pytest.raises(CorruptionError, match=rf"{seg}: damaged record at offset \d+"):
         dbsp.Pipeline.open(d, build_circuit())
+    assert open(path, "rb").read() == damaged
 
 
 def test_read_input_returns_each_step_as_divided(tmp_path):
@@ -477,7 +479,7 @@ def test_filter_now_replays_and_its_predicate_is_part_of_the_fingerprint(tmp_pat
 
 
 def test_a_consumer_process_reads_the_output_log_while_the_pipeline_runs(tmp_path):
-    from dbsp_core.durable import open_output
+    from dbsp_core.storage.inspect import open_output
 
     d = str(tmp_path / "d")
     s = Stream(d, segment_bytes=4096, output_retention=2)

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 import dbsp_core as dbsp
-from dbsp_core.coordinator import worker_db_path
+from dbsp_core.storage.formats import state_db_path
 from dbsp_core.errors import CorruptionError
 from dbsp_core.storage.snapshot import WorkerSnapshot
 from dbsp_core.storage import Database
@@ -122,7 +122,7 @@ def _group_counts(d: str, workers: int) -> dict:
 
     out = {}
     for w in range(workers):
-        with Database(worker_db_path(d, w)) as db, db.open(db.versions().stop - 1) as h:
+        with Database(state_db_path(d, None, w)) as db, db.open(db.versions().stop - 1) as h:
             for k, v in h.scan("snapshot", prefix=b"order."):
                 out[(w, k[6:].decode())] = max(decode_json(b"DORD", v, "t").get("counts", [1]))
     return out
@@ -172,40 +172,6 @@ def test_saved_batches_and_groups_load_back_as_the_same_trace(tmp_path, seed):
                 h, snap = g, again
 
 
-def _drop_order_records(d: str, workers: int) -> None:
-    """Rewrite every worker's newest version without the batch-order records (a checkpoint written before them)."""
-    for w in range(workers):
-        with Database(worker_db_path(d, w)) as db:
-            v = db.versions().stop - 1
-            with db.open(v) as h:
-                for k, _ in list(h.scan("snapshot", prefix=b"order.")):
-                    h.delete("snapshot", k)
-                h.commit()
-
-
-def test_checkpoints_without_batch_order_records_load_in_number_order(tmp_path):
-    d = str(tmp_path / "d")
-    p = dbsp.Pipeline(circuit(), workers=2, storage=d, checkpoint_interval=None)
-    for s in p._coord.stores:
-        s.snapshot.group_pending = False  # as saved before batch groups (and order records) existed
-    p.push("auctions", pa.table({"id": np.arange(50), "category": np.arange(50) % 5}, schema=AUCTIONS))
-    for k in range(5):
-        p.push("bids", bids(k))
-        p.step()
-    p.close()  # checkpoints with pending batches
-    _drop_order_records(d, 2)
-    p = dbsp.Pipeline.open(d, circuit(), checkpoint_interval=None)
-    assert all(not pend for _, pend, _ in traces(p).values())  # loaded as one settled spine, as before
-    p.push("bids", bids(5))
-    p.step()
-    p.close()
-    p = dbsp.Pipeline.open(d, circuit(), checkpoint_interval=None)
-    p.push("auctions", pa.table({"id": [0], "category": [0]}, schema=AUCTIONS).slice(0, 0))
-    p.step()
-    assert view(p) == expected(6)
-    p.close()
-
-
 def test_a_batch_order_record_that_does_not_match_the_table_is_corruption(tmp_path):
     d = str(tmp_path / "d")
     p = dbsp.Pipeline(circuit(), workers=1, storage=d, checkpoint_interval=None)
@@ -216,7 +182,7 @@ def test_a_batch_order_record_that_does_not_match_the_table_is_corruption(tmp_pa
     p.close()
     from dbsp_core.codec import decode_json, encode_json
 
-    with Database(worker_db_path(d, 0)) as db:
+    with Database(state_db_path(d, None, 0)) as db:
         v = db.versions().stop - 1
         with db.open(v) as h:
             key, rec = next((k, v) for k, v in h.scan("snapshot", prefix=b"order.")

@@ -27,3 +27,35 @@ def test_cluster_matches_embedded_with_a_retry_and_a_reopen(spark_cluster, tmp_p
     q.close()
     same_outputs(outs, embedded(c, steps))
     check_duckdb(sql, outs, bags)
+
+
+def test_cluster_cold_rescales_match_a_never_rescaled_run(spark_cluster, tmp_path) -> None:
+    """SparkPipeline.open(..., workers=N) through 1 -> 2 -> 3 -> 8 -> 2 -> 1 workers (the number of tasks per
+    stage changes between jobs) gives the never-rescaled run's output at every step, and DuckDB's answer."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "exactly_once"))
+    from rescale_workload import Workload, build_circuit, check_log_against_duckdb, reference
+
+    w = Workload(77, 12)
+    ref = reference(w)
+    cur = [0]
+    d = str(tmp_path / "d")
+    p = SparkPipeline(spark_cluster, build_circuit(), workers=1, storage=d, checkpoint_interval=None,
+                      clock=lambda: w.clock(cur[0]))
+    outs = []
+    plan = {2: 2, 4: 3, 5: 8, 7: 2, 9: 1}
+    for s in range(12):
+        if s in plan:
+            p.close(checkpoint=s % 2 == 0)  # odd steps: the new layout replays the steps since the checkpoint
+            p = SparkPipeline.open(spark_cluster, d, build_circuit(), workers=plan[s], checkpoint_interval=None,
+                                   clock=lambda: w.clock(cur[0]))
+            assert p.layout.workers == plan[s] and p.last_rescale["to_workers"] == plan[s]
+        cur[0] = s
+        for name, z in w.pushes[s]:
+            p.push(name, z, producer=f"gen-{name}", seq=s)
+        outs.append({k: v.to_dict() for k, v in p.step().items()})
+    assert outs == ref
+    check_log_against_duckdb(p, w, 11)
+    p.close()

@@ -75,7 +75,7 @@ def run_killed(args: list[str], delay: float | None, log: str, storage: str | No
 
 def steps_logged(storage: str) -> int | None:
     """How many steps the output log holds (read-only; None before the pipeline was first created)."""
-    from dbsp_core.durable import open_output
+    from dbsp_core.storage.inspect import open_output
 
     try:
         log = open_output(storage)
@@ -99,7 +99,7 @@ RUNTIMES = os.environ.get("DBSP_SPARK_KILL_RUNTIMES", "spark").split(",")
 
 def log_views(storage: str) -> tuple[dict[str, dict[tuple, int]], list[list[dict]]]:
     """The integral of every output in the output log and every step's input ranges (read-only)."""
-    from dbsp_core.durable import open_output
+    from dbsp_core.storage.inspect import open_output
 
     log = open_output(storage)
     try:
@@ -272,7 +272,7 @@ def test_task_kill_mid_step(tmp_path, mode, master):
         want.append({name: sorted(z.to_dict().items()) for name, z in ref.step().items()})
     ref.close()
     assert got == want
-    from dbsp_core.durable import open_output
+    from dbsp_core.storage.inspect import open_output
 
     lg = open_output(storage)
     try:

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("pyspark")
 
 import dbsp_core as dbsp  # noqa: E402
-from dbsp_core import stagetask  # noqa: E402
+from dbsp_core.runtime import stage_task as stagetask  # noqa: E402
 from dbsp_core.errors import DbspError, SchemaError  # noqa: E402
 from oracle import BIDS, accumulate  # noqa: E402
 from spark_glue import SparkPipeline  # noqa: E402
@@ -53,7 +53,7 @@ def test_matches_embedded_and_duckdb(spark_local, tmp_path, name: str, workers: 
     if workers == 3:  # the other paths: outputs through toArrow, each job's DataFrame built when it runs
         p.runner.outputs_by_file, p.runner.prebuild = False, False
     outs = run(p, steps, np.random.default_rng(seed))
-    assert p.jobs < len(steps) or len(steps) == 1
+    assert p.executor.jobs < len(steps) or len(steps) == 1
     p.close()
     same_outputs(outs, embedded(c, steps, workers=2))
     check_duckdb(sql, outs, bags)
@@ -96,7 +96,7 @@ def test_retried_task_gives_the_same_output_once(spark_local, tmp_path, point: s
         for stage in tracker.getJobInfo(job).stageIds:
             info = tracker.getStageInfo(stage)
             failed += info.numFailedTasks if info is not None else 0
-    assert failed >= p.jobs  # Spark did retry: one failed attempt per job
+    assert failed >= p.executor.jobs  # Spark did retry: one failed attempt per job
     same_outputs(outs, embedded(c, steps))
     check_duckdb(sql, outs, bags)
     q = SparkPipeline.open(spark_local, str(tmp_path), c)

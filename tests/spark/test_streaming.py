@@ -137,7 +137,7 @@ def test_redelivered_batch_counts_once_after_a_driver_crash(tmp_path, runtime, c
     assert _child(data, storage, ckpt, str(tmp_path / "s2.json"), runtime, None) == 0
     st = json.loads((tmp_path / "s2.json").read_text())
     assert st["stats"] == expect
-    from dbsp_core.durable import open_output
+    from dbsp_core.storage.inspect import open_output
 
     log = open_output(storage)  # the output log of either runtime, read-only
     try:

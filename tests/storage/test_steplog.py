@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import struct
 import threading
@@ -287,3 +288,213 @@ def test_error_at_every_operation_of_appends(tmp_path, error):
             seqs = [r.seq for r in log.iter_from(0)]
         assert seqs[:len(acked)] == acked and len(seqs) <= len(acked) + 1, f"{error} at op {n}: {seqs} vs {acked}"
     print(f"\n[steplog errors] {error} at each of {nops} operations, 0 violations")
+
+
+def _frames(seg):
+    """(offset, end, mark) of every format-2 record of a segment (csrc/steplog.c byte layout)."""
+    data = open(seg, "rb").read()
+    out, off = [], 32
+    while off + 24 <= len(data) and data[off:off + 4] == b"DSLR":
+        length, mark = struct.unpack_from("<IQ", data, off + 4)
+        out.append((off, off + 24 + length, mark))
+        off += 24 + length
+    return out
+
+
+def _snapshot(p):
+    return {n: open(os.path.join(p, n), "rb").read() for n in sorted(os.listdir(p))}
+
+
+def test_mid_log_damage_is_refused_and_a_torn_tail_is_still_cut(tmp_path):
+    """A byte flip in an acknowledged record that a later write follows raises CorruptionError naming the file and
+    the offset, and changes nothing (writer or reader); a flip in the last write is cut like a torn tail."""
+    p = str(tmp_path / "log")
+    with StepLog(p, segment_bytes=1 << 20) as log:
+        seq = 0
+        for batch in range(6):  # single appends and groups of three sharing one write
+            for _ in range(1 if batch % 2 == 0 else 3):
+                seq += 1
+                ticket = log.enqueue(batch, "h", b"v%d" % seq * (40 + seq), seq=seq)
+            log.sync(ticket)
+    seg = os.path.join(p, _segments(p)[-1])
+    recs = _frames(seg)
+    last_write = recs[-1][2]
+    pristine = str(tmp_path / "pristine")
+    shutil.copytree(p, pristine)
+    refused = cut = 0
+    for off, end, mark in recs:
+        for at in (off + 1, off + 12, off + 26, (off + end) // 2, end - 1):
+            shutil.rmtree(p)
+            shutil.copytree(pristine, p)
+            data = bytearray(open(seg, "rb").read())
+            data[at] ^= 0x04
+            open(seg, "wb").write(bytes(data))
+            damaged = _snapshot(p)
+            if mark < last_write:  # a later write carries a mark above this record
+                for ro in (True, False):
+                    with pytest.raises(CorruptionError, match=rf"{re.escape(seg)}: damaged record at offset {off}\b"):
+                        StepLog(p, readonly=ro)
+                    assert _snapshot(p) == damaged
+                refused += 1
+            else:
+                with StepLog(p) as log:
+                    assert [r.seq for r in log.iter_from(0)] == list(range(1, 1 + recs.index((off, end, mark))))
+                cut += 1
+    assert refused and cut
+    print(f"\n[steplog damage] {refused} flips in synced records refused with file and offset, {cut} in the last "
+          f"write cut as a torn tail")
+
+
+def test_reordered_unsynced_writes_are_a_torn_tail_not_damage(tmp_path):
+    """Two writes without an fsync between them (dbsp_steplog_write) carry the same mark: if a crash keeps the
+    later one and loses the earlier, open cuts both instead of calling it damage."""
+    p = str(tmp_path / "log")
+    with StepLog(p) as log:
+        log.append(0, "h", b"synced", seq=1)
+        t1 = log.enqueue(1, "h", b"a" * 300, seq=2)
+        log._log.write(t1)
+        t2 = log.enqueue(1, "h", b"b" * 300, seq=3)
+        log._log.write(t2)
+    seg = os.path.join(p, _segments(p)[-1])
+    (o0, e0, m0), (o1, e1, m1), (o2, e2, m2) = _frames(seg)
+    assert m1 == m2 == o1  # both written after the first record was fsynced, neither vouches for the other
+    data = bytearray(open(seg, "rb").read())
+    data[o1:e1] = bytes(e1 - o1)  # the earlier write never reached the disk, the later one did
+    open(seg, "wb").write(bytes(data))
+    with StepLog(p) as log:
+        assert [r.seq for r in log.iter_from(0)] == [1]
+    assert os.path.getsize(seg) == e0
+
+
+def test_damaged_segment_header_with_records_is_refused(tmp_path):
+    p = str(tmp_path / "log")
+    with StepLog(p) as log:
+        for i in range(3):
+            log.append(i, "h", b"x" * 50, seq=i)
+    seg = os.path.join(p, _segments(p)[-1])
+    data = bytearray(open(seg, "rb").read())
+    data[17] ^= 1
+    open(seg, "wb").write(bytes(data))
+    with pytest.raises(CorruptionError, match="damaged segment header at offset 0"):
+        StepLog(p)
+    assert open(seg, "rb").read() == bytes(data)
+    os.truncate(seg, 20)  # a header torn while the segment was created, nothing after it: started again
+    with StepLog(p) as log:
+        assert len(log) == 0 and os.path.getsize(seg) == 32
+
+
+def test_reader_sees_appends_and_truncation_and_changes_nothing(tmp_path):
+    p = str(tmp_path / "log")
+    with pytest.raises(FileNotFoundError):
+        StepLog(p, readonly=True)
+    w = StepLog(p, segment_bytes=1024)
+    r = StepLog(p, readonly=True)
+    assert len(r) == 0
+    for i in range(20):
+        w.append(i, "h", b"y" * 200, seq=i)
+    assert len(r) == 0
+    r.refresh()
+    assert [x.seq for x in r.iter_from(0)] == list(range(20))
+    with pytest.raises(ValueError, match="read-only"):
+        r.append(20, "h", b"z")
+    with pytest.raises(ValueError, match="read-only"):
+        r.truncate_below(5)
+    w.truncate_below(10)
+    seg = os.path.join(p, _segments(p)[-1])
+    with open(seg, "ab") as f:
+        f.write(b"DSLR" + os.urandom(40))  # a record being written
+    before = _snapshot(p)
+    r.refresh()
+    assert r.first_step == w.first_step and [x.seq for x in r.iter_from(0)][-1] == 19
+    assert _snapshot(p) == before
+    r.close()
+    w.close()
+
+
+def test_format1_fixture_input_opens_and_continues(tmp_path):
+    """The previous release's input log (format 1) is read as it is, and appending starts a format-2 segment
+    after LOG is rewritten to say 2; the format-1 segment is never written."""
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "format1-embedded",
+                       "input")
+    p = str(tmp_path / "input")
+    shutil.copytree(src, p)
+    old = open(os.path.join(p, _segments(p)[0]), "rb").read()
+    with StepLog(p, readonly=True) as r:
+        recs = list(r.iter_from(0))
+    assert len(recs) == 29 and (recs[0].step, recs[-1].step) == (0, 9)
+    assert _snapshot(p) == _snapshot(src)
+    with StepLog(p) as log:
+        assert list(log.iter_from(0)) == recs
+        log.append(9, "bids", b"more", producer="gen-bids", seq=10)
+        log.append(10, "bids", b"later", producer="gen-bids", seq=11)
+        assert [seg[1] for seg in log._log.segments()] == [1, 2]  # (number, format, ...)
+    assert open(os.path.join(p, _segments(p)[0]), "rb").read() == old
+    assert struct.unpack_from("<I", open(os.path.join(p, "LOG"), "rb").read(), 8)[0] == 2
+    with StepLog(p) as log:
+        assert list(log.iter_from(0)) == recs + [LogRecord(9, "bids", "gen-bids", 10, b"more"),
+                                                 LogRecord(10, "bids", "gen-bids", 11, b"later")]
+        assert [r.payload for r in log.read(9)][-1] == b"more"
+
+
+def test_truncation_makes_enqueued_records_durable_first(tmp_path):
+    """Truncation syncs before it removes a segment, so a crash never leaves the log without both the dropped
+    records and the (unsynced) ones that replaced them."""
+    p = str(tmp_path / "log")
+    with StepLog(p, segment_bytes=1024) as log:
+        for i in range(10):
+            log.append(i, "h", b"d" * 300, seq=i)
+    FaultInjector.arm()
+    with StepLog(p, segment_bytes=1024, vfs="fault") as log:
+        ticket = log.enqueue(10, "h", b"d" * 300, seq=10)
+        log._log.write(ticket)  # written, not synced
+        f0 = log.fsyncs
+        assert log.truncate_below(11) > 0 and log.fsyncs == f0 + 1
+        FaultInjector.crash_now("drop")
+    FaultInjector.disarm()
+    with StepLog(p) as log:
+        assert [r.seq for r in log.iter_from(0)] == [10]
+
+
+def test_crash_at_every_operation_of_continuing_a_format1_log(tmp_path):
+    """Appending to a format-1 log rewrites LOG and starts a format-2 segment; a crash at any operation of that
+    (every damage mode) leaves every format-1 record and every acknowledged append, in order, and a log that opens."""
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "format1-embedded",
+                       "input")
+    base = str(tmp_path / "base")
+    shutil.copytree(src, base)
+    with StepLog(base, readonly=True) as r:
+        old = list(r.iter_from(0))
+    work = str(tmp_path / "work")
+
+    def session():
+        acked = []
+        try:
+            with StepLog(work, segment_bytes=2000, vfs="fault") as log:
+                for i in range(8):
+                    log.append(9 + i // 3, "h", b"n%d" % i * (50 + 40 * i), seq=1000 + i)
+                    acked.append(1000 + i)
+        except StorageError:
+            pass
+        return acked
+
+    shutil.copytree(base, work)
+    FaultInjector.arm()
+    assert len(session()) == 8
+    nops = FaultInjector.ops()
+    FaultInjector.disarm()
+    tried = 0
+    for n in range(1, nops + 1):
+        for mode in FaultInjector.MODES:
+            shutil.rmtree(work)
+            shutil.copytree(base, work)
+            FaultInjector.arm(crash_at=n, mode=mode, seed=n)
+            acked = session()
+            FaultInjector.disarm()
+            with StepLog(work) as log:
+                recs = list(log.iter_from(0))
+            assert recs[:len(old)] == old, f"op {n} {mode}: a format-1 record changed"
+            new = [r.seq for r in recs[len(old):]]
+            assert new == list(range(1000, 1000 + len(new))) and new[:len(acked)] == acked, f"op {n} {mode}: {new}"
+            tried += 1
+    print(f"\n[steplog crash] continuing a format-1 log: {nops} operations x {len(FaultInjector.MODES)} modes = "
+          f"{tried} crashes, 0 violations")

@@ -7,7 +7,8 @@ import importlib
 
 import pytest
 
-MODULES = ["dbsp_core.storage.database", "dbsp_core.storage.steplog", "dbsp_core.storage.faults"]
+MODULES = ["dbsp_core.storage.database", "dbsp_core.storage.steplog", "dbsp_core.storage.faults",
+           "dbsp_core.storage.outputlog_format1"]
 
 
 @pytest.mark.parametrize("name", MODULES)

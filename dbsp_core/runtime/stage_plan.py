@@ -1,4 +1,4 @@
-"""Stages: a circuit cut at its exchanges into pieces that run one worker at a time, with their inputs and outputs as encoded blobs, so any engine that can move blobs between workers (Spark's shuffle) can run a circuit step by step.
+"""Stage plans: a circuit cut at its exchanges into pieces that run one worker at a time, with their inputs and outputs as encoded blobs, so any engine that can move blobs between workers (Spark's shuffle) can run a circuit step by step.
 
 A **stage** is a set of live nodes. Stage 0 holds the input-side nodes; an exchange ends a stage on its sending
 side (the sender partitions its input by the ShardMap) and its output belongs to a later stage (the receiver
@@ -14,7 +14,7 @@ every stage forwards, so no stage of a job ever sees an empty input, which an en
 ``step`` and ``payload`` (a checksummed codec.py Z-set encoding). The value of node ``i`` at worker ``w`` in
 step ``s`` is the concatenation of the blobs ``(part=w, node=i, step=s)`` in ``src`` order (a shuffle delivers
 blobs in any order; ``src`` makes a retried or replayed task see the same input), and an absent blob is the
-empty Z-set. Running a stage task against its state, with retries: stagetask.py.
+empty Z-set. Running a stage task against its state, with retries: stage_task.py.
 
 Invariants (enforced here):
   1. For any W and any split of the input over workers, running every stage for every worker in stage order
@@ -26,24 +26,24 @@ Invariants (enforced here):
 from __future__ import annotations
 
 import json
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from dbsp_core.circuit import Circuit
 from dbsp_core.codec import decode_zset, encode_zset
-from dbsp_core.errors import DbspError
+from dbsp_core.layout import ShardMap
 from dbsp_core.operators.base import concat
 from dbsp_core.operators.exchange import Exchange
 from dbsp_core.operators.input import Input
-from dbsp_core.runtime import _live_nodes
-from dbsp_core.shard import ShardMap
+from dbsp_core.runtime.context import StepContext
+from dbsp_core.runtime.executor import live_nodes
 from dbsp_core.storage.snapshot import state_attrs
 from dbsp_core.zset import ZSet
 
-__all__ = ["BLOB_SCHEMA", "ACK_NODE", "CONTROL_NODE", "StagePlan", "StageWorker", "StageResult", "encode_blobs",
-           "ack_blob", "control_blobs", "read_acks", "gather", "live_nodes", "output_node"]
+__all__ = ["BLOB_SCHEMA", "ACK_NODE", "CONTROL_NODE", "StagePlan", "StageWorker", "StageResult", "StepInfo",
+           "encode_blobs", "ack_blob", "control_blobs", "read_acks", "gather", "output_node"]
 
 BLOB_SCHEMA = pa.schema([pa.field("part", pa.int32()), pa.field("src", pa.int32()), pa.field("node", pa.int32()),
                          pa.field("step", pa.int64()), pa.field("payload", pa.binary())])
@@ -56,9 +56,14 @@ def output_node(k: int) -> int:
     return -1 - k
 
 
-def live_nodes(circuit: Circuit) -> list[int]:
-    """The nodes that feed an output, in id order (the nodes a pipeline runs, as in the embedded runtime)."""
-    return _live_nodes(circuit)
+class StepInfo(NamedTuple):
+    """A step of a job and its logged determinants (dbsp_core.runtime.context)."""
+
+    step: int
+    now_ns: int | None
+    prev_now_ns: int | None
+    seed: int | None
+    watermarks: dict[str, Any]
 
 
 class StagePlan:
@@ -149,20 +154,6 @@ class StagePlan:
         return f"StagePlan({self.num_stages} stages, stateful={self.stateful})"
 
 
-class _StageContext:
-    """What an operator instance sees of its worker inside a stage (the embedded WorkerContext's fields)."""
-
-    def __init__(self, worker: int, shard_map: ShardMap) -> None:
-        self.worker = worker
-        self.shard_map = shard_map
-        self.inputs: dict[str, ZSet] = {}
-        self.now_ns: int | None = None
-        self.seed: int | None = None
-
-    def exchange(self, node_id: int, z: ZSet, key: tuple[str, ...], schema: pa.Schema) -> ZSet:
-        raise DbspError(f"exchange#{node_id} ran inside a stage: exchanges are stage boundaries")  # pragma: no cover
-
-
 class StageResult(NamedTuple):
     """What one stage produced for one worker in one step."""
 
@@ -204,23 +195,27 @@ class StageWorker:
         if not 0 <= worker < shard_map.workers:
             raise ValueError(f"StageWorker: worker {worker} is outside 0..{shard_map.workers - 1}")
         self.circuit, self.plan, self.stage, self.worker, self.shard_map = circuit, plan, stage, worker, shard_map
-        self.ctx = _StageContext(worker, shard_map)
+        self.ctx = StepContext(worker, shard_map)  # no exchanger: exchanges are stage boundaries
         nodes = circuit.nodes
         self.instances = {i: nodes[i].instance() for i in plan.compute[stage]}
         self.stateful = {i: inst for i, inst in self.instances.items() if inst is not nodes[i]}
         for i, inst in self.stateful.items():
             state_attrs(i, inst)  # refuse state that could not be checkpointed (snapshot invariant 2)
 
-    def step(self, received: dict[int, ZSet], now_ns: int | None = None, seed: int | None = None) -> StageResult:
-        """Run the stage's nodes for one step over the values ``received`` (``{node: Z-set}``; absent = empty)."""
+    def step(self, received: dict[int, ZSet], info: StepInfo | None = None) -> StageResult:
+        """Run the stage's nodes for one step over the values ``received`` (``{node: Z-set}``; absent = empty)
+        with the step's determinants ``info``."""
         plan, nodes, k = self.plan, self.circuit.nodes, self.stage
         ctx = self.ctx
-        ctx.now_ns, ctx.seed = now_ns, seed
         values: dict[int, ZSet] = {}
         for j in plan.receive[k]:
             z = received.get(j)
             values[j] = z if z is not None else ZSet.empty(nodes[j].schema)
-        ctx.inputs = {nodes[i].name: values[i] for i in plan.receive[k] if isinstance(nodes[i], Input)}
+        inputs = {nodes[i].name: values[i] for i in plan.receive[k] if isinstance(nodes[i], Input)}
+        if info is None:
+            ctx.begin(inputs, None, None, None)
+        else:
+            ctx.begin(inputs, info.now_ns, info.prev_now_ns, info.seed, info.watermarks)
         for i in plan.compute[k]:
             op = nodes[i]
             values[i] = self.instances[i].step([values[j] for j in op.inputs], ctx)

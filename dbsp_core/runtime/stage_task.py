@@ -1,10 +1,12 @@
-"""Stage tasks: one stage of one job for one worker, run against that (stage, worker)'s state in its Database, safe under task retries, speculative duplicates and zombie attempts, with an executor-side cache of live operator instances; and recovery's choice of a common version (see stages.py for stages and blobs).
+"""Stage tasks (the code that runs inside a task, on an executor): one stage of one job for one worker, run against that (stage, worker)'s state in its Database, safe under task retries, speculative duplicates and zombie attempts, with an executor-side cache of live operator instances; and recovery's choice of a common version (see stage_plan.py for stages and blobs).
 
 Invariants (enforced here):
   1. A stage task for worker ``w`` accepts only blobs addressed to ``w`` and raises otherwise, so a
      misrouted shuffle can never produce a wrong result silently.
   2. State: a stage with stateful operators keeps one Database per worker under
-     ``<storage>/stages/stage-<k>/worker-<w>.db`` (operator state grouped by shard, snapshot.py). A task runs
+     ``<storage>/state/stage-<k>/worker-<w>.db`` (operator state grouped by shard, dbsp_core.storage.snapshot),
+     each version recording the layout (epoch) and worker it belongs to; a task refuses a database written for
+     another layout or worker (a zombie of a job before a layout change). A task runs
      a job of consecutive steps ``n..n+k-1`` against base version ``v`` whose step is ``n``: it opens ``v``,
      runs the steps, saves the changed state, ``set_step(n+k)`` and commits ``v+1``, once per job. Every task
      of a job commits, so all stage databases move through the same versions in lockstep.
@@ -45,19 +47,20 @@ import pyarrow as pa
 
 from dbsp_core.codec import decode_json, encode_json
 from dbsp_core.errors import CorruptionError, DbspError, RecoveryError
-from dbsp_core.shard import ShardMap
+from dbsp_core.layout import Layout
+from dbsp_core.runtime.executor import groupings
+from dbsp_core.runtime.job_files import read_table_file, write_table_file
+from dbsp_core.runtime.stage_plan import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, StagePlan, StageWorker, StepInfo,
+                                          ack_blob, encode_blobs, gather, output_node)
+from dbsp_core.storage.database import Database
+from dbsp_core.storage.formats import RESULT_MAGIC, SAVELOG_MAGIC, SAVELOG_TABLE, state_db_path
+from dbsp_core.storage.shardmove import read_worker_layout, write_worker_layout
 from dbsp_core.storage.snapshot import WorkerSnapshot, state_attrs
-from dbsp_core.jobfiles import read_table_file, write_table_file
-from dbsp_core.stages import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, StagePlan, StageWorker, ack_blob, encode_blobs,
-                              gather, output_node)
-from dbsp_core.storage import Database
 from dbsp_core.trace import Trace
 from dbsp_core.zset import ZSet
 
-__all__ = ["StageTask", "StepInfo", "StaleAttemptError", "InjectedFault", "run_stage_task", "stage_db_path",
-           "open_stage_databases", "choose_version", "drop_cache", "cache_stats", "job_tag", "read_result_outputs"]
-
-_RESULT_MAGIC = b"DSTR"
+__all__ = ["StageTask", "StaleAttemptError", "InjectedFault", "run_stage_task", "stage_db_path",
+           "open_stage_databases", "choose_stage_version", "drop_cache", "cache_stats", "job_tag", "read_result_outputs"]
 
 
 class StaleAttemptError(DbspError):
@@ -72,26 +75,19 @@ def stage_db_path(storage: str, stage: int, worker: int) -> str:
     """The Database of ``worker`` in ``stage`` (invariant 2).
 
     >>> stage_db_path("/data/pipe", 1, 0)
-    '/data/pipe/stages/stage-1/worker-0.db'
+    '/data/pipe/state/stage-1/worker-0.db'
     """
-    return os.path.join(storage, "stages", f"stage-{stage}", f"worker-{worker}.db")
-
-
-class StepInfo(NamedTuple):
-    """A step of a job and its logged determinants."""
-
-    step: int
-    now_ns: int | None
-    seed: int | None
+    return state_db_path(storage, stage, worker)
 
 
 @dataclass
 class StageTask:
     """Everything a task needs to run one stage of one job for any worker (picklable; sent to executors).
 
-    ``storage`` is the pipeline's directory (state of stateful stages lives under it, invariant 2); ``run`` is
-    a random id of the driver's incarnation (cache entries of an earlier incarnation are never used);
-    ``version`` is the base version every stage database is at when the job starts. ``fault`` is for tests
+    ``storage`` is the pipeline's directory (state of stateful stages lives under it, invariant 2); ``layout``
+    routes exchanged rows and names the layout the stage databases must be at; ``run`` is a random id of the
+    driver's incarnation (cache entries of an earlier incarnation are never used); ``version`` is the base
+    version every stage database is at when the job starts. ``fault`` is for tests
     only: ``(point, worker)`` raises :class:`InjectedFault` at ``point`` (``"before-commit"`` or
     ``"after-commit"``; for a stateless stage both mean "after computing") when running ``worker``, if the
     caller asks for it (e.g. on a task's first attempt only). ``outputs_in_result`` (a stateful stage only):
@@ -100,8 +96,7 @@ class StageTask:
 
     plan: StagePlan
     stage: int
-    workers: int
-    shard_bits: int
+    layout: Layout
     storage: str | None
     run: str
     version: int
@@ -159,7 +154,7 @@ def _run_steps(task: StageTask, sw: StageWorker, received: dict[tuple[int, int],
     rows: list[tuple[int, int, int, int, ZSet]] = []
     for st in task.steps:
         vals = {j: received[(j, st.step)] for j in task.plan.receive[k] if (j, st.step) in received}
-        r = sw.step(vals, st.now_ns, st.seed)
+        r = sw.step(vals, st)
         for x, parts in r.sends.items():
             rows.extend((p, w, x, st.step, z) for p, z in enumerate(parts))
         rows.extend((w, w, j, st.step, z) for j, z in r.carried.items())
@@ -178,12 +173,12 @@ def _result_path(storage: str, stage: int, worker: int) -> str:
 
 
 def _write_result(path: str, tag: dict, table: pa.Table) -> None:
-    write_table_file(path, _RESULT_MAGIC, tag, table, sync=True)
+    write_table_file(path, RESULT_MAGIC, tag, table, sync=True)
 
 
 def _read_result(path: str, tag: dict) -> pa.Table:
     try:
-        got, table = read_table_file(path, _RESULT_MAGIC, path)
+        got, table = read_table_file(path, RESULT_MAGIC, path)
     except FileNotFoundError:
         raise RecoveryError(f"{path}: missing, but the database holds the committed version of this job") from None
     # the same job (base version and steps) of any driver incarnation: its input division is logged, so its
@@ -224,7 +219,7 @@ def read_result_outputs(task: StageTask, workers: int) -> pa.Table:
     return pa.concat_tables(outs) if outs else BLOB_SCHEMA.empty_table()
 
 
-_SAVELOG = "stagelog"
+_SAVELOG = SAVELOG_TABLE
 _SAVELOG_KEEP = 16  # versions of save records kept: a cache entry at most this stale catches up without a scan
 
 
@@ -237,7 +232,7 @@ def _log_saves(h: Any, version: int, saves: list[tuple]) -> None:
             added.setdefault(op[1], []).extend(k.hex() for k in op[5])
         elif op[0] == "delete":
             deleted.setdefault(op[1], []).extend(k.hex() for k in op[2])
-    h.put(_SAVELOG, version.to_bytes(8, "big"), encode_json(b"DSVL", {"added": added, "deleted": deleted}))
+    h.put(_SAVELOG, version.to_bytes(8, "big"), encode_json(SAVELOG_MAGIC, {"added": added, "deleted": deleted}))
     if version > _SAVELOG_KEEP:
         for k in [k for k, _ in h.scan(_SAVELOG, end=(version - _SAVELOG_KEEP).to_bytes(8, "big"))]:
             h.delete(_SAVELOG, k)
@@ -251,7 +246,7 @@ def _listing(h: Any, entry: _Entry, version: int, where: str) -> dict[str, list[
         rec = h.get(_SAVELOG, ver.to_bytes(8, "big"))
         if rec is None:
             return None
-        d = decode_json(b"DSVL", rec, f"{where} save log of version {ver}")
+        d = decode_json(SAVELOG_MAGIC, rec, f"{where} save log of version {ver}")
         for t, ks in d["deleted"].items():
             keys.setdefault(t, set()).difference_update(bytes.fromhex(x) for x in ks)
         for t, ks in d["added"].items():
@@ -280,7 +275,7 @@ def run_stage_task(task: StageTask, worker: int, blobs: pa.Table) -> pa.Table:
     forward = blobs.filter(pa.array(np.isin(nodes, np.array(fwd_nodes, dtype=np.int64))))
     received = gather(plan, blobs.filter(pa.array(np.isin(nodes, np.array(use_nodes, dtype=np.int64)))),
                       f"stage {k} worker {worker}")
-    sm = ShardMap(task.workers, task.shard_bits)
+    sm = task.layout.shard_map
     where = f"stage {k} worker {worker}"
     if task.outputs_in_result and not plan.stateful[k]:
         raise DbspError(f"{where}: outputs_in_result needs a stateful stage (a stateless one writes no result)")
@@ -295,7 +290,16 @@ def run_stage_task(task: StageTask, worker: int, blobs: pa.Table) -> pa.Table:
     return pa.concat_tables([produced, forward])
 
 
-def _run_stateful(task: StageTask, worker: int, sm: ShardMap, received: dict[tuple[int, int], ZSet]) -> pa.Table:
+def _check_layout(h: Any, task: StageTask, worker: int, where: str) -> None:
+    """Invariant 2: the database holds the state of this worker under the task's layout (or none yet)."""
+    rec = read_worker_layout(h, where)
+    lay = task.layout
+    if rec is not None and (rec["epoch"], rec["worker"], rec["shard_bits"]) != (lay.epoch, worker, lay.shard_bits):
+        raise StaleAttemptError(f"{where}: holds the state of worker {rec['worker']} of layout epoch {rec['epoch']}, "
+                                f"this attempt is for worker {worker} of epoch {lay.epoch} (a stale attempt)")
+
+
+def _run_stateful(task: StageTask, worker: int, sm: Any, received: dict[tuple[int, int], ZSet]) -> pa.Table:
     plan, k, v = task.plan, task.stage, task.version
     assert task.storage is not None
     path = stage_db_path(task.storage, k, worker)
@@ -319,6 +323,7 @@ def _run_stateful(task: StageTask, worker: int, sm: ShardMap, received: dict[tup
             try:
                 if h.get_step() != first:
                     raise RecoveryError(f"{where}: version {v} is at step {h.get_step()}, the job starts at {first}")
+                _check_layout(h, task, worker, f"{where} v{v}")
                 key = (task.storage, k, worker)
                 with _CACHE_LOCK:
                     entry = _CACHE.pop(key, None)
@@ -329,7 +334,7 @@ def _run_stateful(task: StageTask, worker: int, sm: ShardMap, received: dict[tup
                     stale = entry.snapshot if fresh else None
                     listing = _listing(h, entry, v, where) if fresh else None
                     sw = StageWorker(plan.circuit, plan, k, worker, sm)
-                    snap = WorkerSnapshot(sw.stateful, task.shard_bits)
+                    snap = WorkerSnapshot(sw.stateful, task.layout.shard_bits, groupings=groupings(plan.circuit))
                     try:
                         snap.load(h, f"{where} v{v}", reuse=stale, listing=listing)
                     except CorruptionError:
@@ -338,7 +343,7 @@ def _run_stateful(task: StageTask, worker: int, sm: ShardMap, received: dict[tup
                         listing = None  # a listed key is gone (a save the log missed): read the tables instead
                         cache_stats["listing_fallbacks"] += 1
                         sw = StageWorker(plan.circuit, plan, k, worker, sm)
-                        snap = WorkerSnapshot(sw.stateful, task.shard_bits)
+                        snap = WorkerSnapshot(sw.stateful, task.layout.shard_bits, groupings=groupings(plan.circuit))
                         snap.load(h, f"{where} v{v}", reuse=stale)
                     entry = _Entry(task.run, v, first, sw, snap)
                     loaded = "partial" if stale is not None else "full"
@@ -353,6 +358,7 @@ def _run_stateful(task: StageTask, worker: int, sm: ShardMap, received: dict[tup
                     saves = entry.snapshot.prepare()
                     WorkerSnapshot.apply(h, saves)
                     _log_saves(h, v + 1, saves)
+                    write_worker_layout(h, task.layout, worker)
                     h.set_step(end)
                     out = pa.concat_tables([out, ack_blob(k, worker, v + 1, end, first, loaded)])
                     _write_result(_result_path(task.storage, k, worker), tag, out)
@@ -394,7 +400,7 @@ def open_stage_databases(storage: str, plan: StagePlan, workers: int) -> list[tu
     return out
 
 
-def choose_version(paths: list[str], at_most: int | None = None) -> tuple[int, int]:
+def choose_stage_version(paths: list[str], at_most: int | None = None) -> tuple[int, int]:
     """Seed 000 recovery over stage databases: open every one at ``max(intersection of versions())``.
 
     With ``at_most``, the newest common version not above it (the driver passes the base version of a job

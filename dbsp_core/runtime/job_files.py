@@ -11,7 +11,7 @@ Invariants (enforced here):
      removes when it ends; its header is the job's description, which the stage-0 task runs (and forwards to
      the later stages). So a stage-0 attempt of the running job reads that job's input; an attempt of an
      ended job (a zombie) may read a later job's input, but what it emits goes to a Spark job that no longer
-     exists, and a stateful task refuses a job its database has moved past (stagetask.py invariant 3).
+     exists, and a stateful task refuses a job its database has moved past (stage_task.py invariant 3).
 """
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ import pyarrow as pa
 
 from dbsp_core.codec import frame_head, unframe_view
 from dbsp_core.errors import CorruptionError
+from dbsp_core.storage.formats import JOB_INPUT_DIR, JOB_INPUT_MAGIC, STATE_DIR
 
 __all__ = ["write_table_file", "read_table_file", "input_dir", "input_path", "write_job_inputs",
            "read_job_input", "remove_job_inputs"]
-
-_INPUT_MAGIC = b"DJIN"
 
 
 def write_table_file(path: str, magic: bytes, tag: dict, table: pa.Table, sync: bool) -> None:
@@ -78,16 +77,16 @@ def read_table_file(path: str, magic: bytes, where: str) -> tuple[dict, pa.Table
 
 
 def input_dir(storage: str) -> str:
-    return os.path.join(storage, "stages", "input")
+    return os.path.join(storage, STATE_DIR, JOB_INPUT_DIR)
 
 
 def input_path(storage: str, worker: int) -> str:
     """The stage-0 input file of ``worker`` (one per worker: each job replaces it; invariant 2).
 
     >>> input_path("/p", 1)
-    '/p/stages/input/worker-1.blobs'
+    '/p/state/jobs/worker-1.input'
     """
-    return os.path.join(input_dir(storage), f"worker-{worker}.blobs")
+    return os.path.join(input_dir(storage), f"worker-{worker}.input")
 
 
 def write_job_inputs(storage: str, job: dict, blobs: pa.Table, workers: int) -> None:
@@ -99,14 +98,14 @@ def write_job_inputs(storage: str, job: dict, blobs: pa.Table, workers: int) -> 
     os.makedirs(input_dir(storage), exist_ok=True)
     parts = blobs.column("part").to_numpy()
     for w in range(workers):
-        write_table_file(input_path(storage, w), _INPUT_MAGIC, dict(job, worker=w),
+        write_table_file(input_path(storage, w), JOB_INPUT_MAGIC, dict(job, worker=w),
                          blobs.filter(pa.array(parts == w)), sync=False)
 
 
 def read_job_input(storage: str, worker: int) -> tuple[dict, pa.Table]:
     """The job description and the stage-0 blobs in ``worker``'s input file (invariant 1)."""
     path = input_path(storage, worker)
-    tag, table = read_table_file(path, _INPUT_MAGIC, path)
+    tag, table = read_table_file(path, JOB_INPUT_MAGIC, path)
     if tag.pop("worker", None) != worker:
         raise CorruptionError(f"{path}: holds the input of another worker ({tag})")
     return tag, table

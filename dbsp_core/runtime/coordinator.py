@@ -6,30 +6,36 @@ Invariants (enforced here):
   2. A checkpoint pauses every worker (each returns its step), takes the maximum, stops every worker at that
      step (a worker behind it would have to run on; in the embedded runtime all workers step in lockstep,
      so a worker that is not exactly at it is a fatal error) and captures its state there (a snapshot plan of
-     immutable batches). Then, possibly while later steps run, each worker writes the plan, ``set_step`` and
-     commits. Only after every worker committed does any worker open the new version; opening it discards
-     the older one, so at every instant the newest version common to all workers is a complete checkpoint.
+     immutable batches). Then, possibly while later steps run, each worker writes the plan, the layout it
+     belongs to, ``set_step`` and commits. Only after every worker committed does any worker open the new
+     version; opening it discards the older one, so at every instant the newest version common to all workers
+     is a complete checkpoint.
   3. The low watermark (the oldest step any worker can still be opened at) is the step of the oldest
      version that some worker still holds; logs may be truncated below it.
+  4. A worker loads state only from a version written for its own index under the layout in force (the
+     record of dbsp_core.storage.shardmove.write_worker_layout); anything else is refused.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 from dbsp_core.errors import RecoveryError
+from dbsp_core.layout import Layout
+from dbsp_core.storage.database import Database, DatabaseHandle
+from dbsp_core.storage.shardmove import read_worker_layout, write_worker_layout
 from dbsp_core.storage.snapshot import WorkerSnapshot
-from dbsp_core.storage import Database, DatabaseHandle
 
 
 class WorkerStore:
     """One worker's side of the protocol: its Database and the handle of the current epoch."""
 
-    def __init__(self, index: int, path: str, instances: dict[int, Any], shard_bits: int) -> None:
+    def __init__(self, index: int, path: str, instances: dict[int, Any], layout: Layout,
+                 groupings: dict[int, tuple[str, ...] | None], vfs: str = "posix") -> None:
         self.index = index
-        self.db = Database(path)
-        self.snapshot = WorkerSnapshot(instances, shard_bits, group_pending=True)
+        self.layout = layout
+        self.db = Database(path, vfs=vfs)
+        self.snapshot = WorkerSnapshot(instances, layout.shard_bits, group_pending=True, groupings=groupings)
         self.handle: DatabaseHandle | None = None
         self.step = 0
         self._paused: int | None = None
@@ -42,9 +48,23 @@ class WorkerStore:
         self.handle = self.db.open(version)
         self.step = self.handle.get_step()
         if load:
-            self.snapshot.load(self.handle, f"{self.db.path} v{version}")
+            where = f"{self.db.path} v{version}"
+            rec = read_worker_layout(self.handle, where)
+            if rec is not None and (rec["epoch"], rec["worker"], rec["shard_bits"]) != \
+                    (self.layout.epoch, self.index, self.layout.shard_bits):
+                raise RecoveryError(f"{where}: holds the state of worker {rec['worker']} of layout epoch "
+                                    f"{rec['epoch']} ({1 << rec['shard_bits']} shards); the layout in force is epoch "
+                                    f"{self.layout.epoch} ({self.layout.shards} shards) and this is worker "
+                                    f"{self.index}")
+            self.snapshot.load(self.handle, where)
         self._paused = None
         return self.step
+
+    def close_epoch(self) -> None:
+        """Close the open handle without committing (the database keeps the version it was opened at)."""
+        if self.handle is not None and not self.handle.closed:
+            self.handle.close()
+        self.handle = None
 
     def reopen(self, version: int) -> None:
         """Open ``version`` after this worker committed it; the worker's step (maybe past it) is unchanged."""
@@ -68,22 +88,29 @@ class WorkerStore:
         self._paused = None
         return plan
 
-    def commit(self, step: int, plan: list[tuple], extra: Callable[[DatabaseHandle], None] | None = None) -> None:
-        """Write the captured state, ``set_step(step)`` and commit (may run while later steps go on)."""
+    def commit(self, step: int, plan: list[tuple]) -> None:
+        """Write the captured state and the layout it belongs to, ``set_step(step)`` and commit (may run while
+        later steps go on)."""
         h = self.handle
         assert h is not None
         self.snapshot.apply(h, plan)
-        if extra is not None:
-            extra(h)
+        write_worker_layout(h, self.layout, self.index)
         h.set_step(step)
         h.commit()
         self.handle = None
 
     def close(self) -> None:
-        if self.handle is not None and not self.handle.closed:
-            self.handle.close()
-        self.handle = None
+        self.close_epoch()
         self.db.close()
+
+
+def choose_version(versions: list[range], where: str) -> int:
+    """Invariant 1: the maximum of the intersection of the databases' ``versions()``."""
+    lo, hi = max(r.start for r in versions), min(r.stop for r in versions)
+    if lo >= hi:
+        raise RecoveryError(f"{where}: the state databases share no version: "
+                            f"{[(r.start, r.stop - 1) for r in versions]}")
+    return hi - 1
 
 
 class Coordinator:
@@ -97,11 +124,7 @@ class Coordinator:
 
     def choose_version(self) -> int:
         """Invariant 1: the maximum of the intersection of every worker's versions()."""
-        ranges = [s.versions() for s in self.stores]
-        lo, hi = max(r.start for r in ranges), min(r.stop for r in ranges)
-        if lo >= hi:
-            raise RecoveryError(f"the workers share no database version: {[(r.start, r.stop - 1) for r in ranges]}")
-        return hi - 1
+        return choose_version([s.versions() for s in self.stores], "checkpoint")
 
     def start(self, load: bool) -> int:
         """Open every worker at the chosen version; returns the step all of them are at."""
@@ -117,11 +140,10 @@ class Coordinator:
         step = max(s.pause() for s in self.stores)
         return step, [s.stop(step) for s in self.stores]
 
-    def finish_checkpoint(self, step: int, plans: list[list[tuple]],
-                          extra0: Callable[[DatabaseHandle], None] | None = None) -> int:
+    def finish_checkpoint(self, step: int, plans: list[list[tuple]]) -> int:
         """Commit every worker's captured state at ``step``, then open the new version everywhere (invariant 2)."""
-        for i, (s, plan) in enumerate(zip(self.stores, plans)):
-            s.commit(step, plan, extra0 if i == 0 else None)
+        for s, plan in zip(self.stores, plans):
+            s.commit(step, plan)
             self._crash("checkpoint-commit")
         self._crash("checkpoint-committed")
         v = self.version + 1
@@ -131,15 +153,11 @@ class Coordinator:
         self.checkpoints += 1
         return step
 
-    def checkpoint(self, extra0: Callable[[DatabaseHandle], None] | None = None) -> int:
+    def checkpoint(self) -> int:
         """Pause, stop at the maximum step, commit every worker, then open the new version. Returns the step."""
         step, plans = self.begin_checkpoint()
-        return self.finish_checkpoint(step, plans, extra0)
+        return self.finish_checkpoint(step, plans)
 
     def close(self) -> None:
         for s in self.stores:
             s.close()
-
-
-def worker_db_path(root: str, w: int) -> str:
-    return os.path.join(root, f"worker-{w}.db")

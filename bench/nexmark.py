@@ -1,0 +1,278 @@
+"""Nexmark throughput of dbsp-core (embedded in memory and durable) per query, beside the published figures of Feldera and Flink and Spark Structured Streaming measured in the same run on the same events.
+
+How it measures (the fairness rules of bench/bench_spark.py):
+
+- The events are generated once (``dbsp_core.nexmark.generate``, its own rate printed apart) and written as
+  one parquet file per stream and step; both systems read the same files, one file per stream per step
+  (Spark: the file source with ``maxFilesPerTrigger=1``, ``trigger(availableNow=True)``, the ``noop`` sink).
+- dbsp: each (query, mode, W) runs in a fresh child process, so its peak RSS is its own: read + push + step
+  of every step is timed (q13's side table is pushed before, untimed). ``durable`` is ``storage=<tmp dir>``
+  with the default checkpoint interval (input log fsync'd on every push, division records, output log).
+- Spark: the sum of ``durationMs.triggerExecution`` of the micro-batches; ``local[W]``,
+  ``shuffle.partitions = W``, RocksDB state store. Only queries Structured Streaming can express run (no
+  chained aggregations, no ROW_NUMBER, no COUNT(DISTINCT) on streams).
+- events/s = events of all steps / time; per core = events/s / W (W worker threads, or Spark's local[W]).
+  Published figures are per core, from the engines' own reports, on other machines.
+
+Run:  python bench/nexmark.py --queries q0,q4,q7 --events 1000000 --workers 1,2 --modes memory,durable
+      [--spark] [--write-results]     (small smoke run: --events 20000)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import dbsp_core as dbsp  # noqa: E402
+from dbsp_core import nexmark  # noqa: E402
+
+PUBLISHED = {  # events/s/core, from the engines' published Nexmark reports
+    "Feldera": {"q0": 573_000, "q4": 460_000, "q7": 318_000, "q9": 106_000, "q16": 137_000, "q20": 232_000},
+    "Flink": {"q0": 155_000, "q1": 158_000, "q2": 175_000, "q3": 152_000, "q4": 34_000, "q5": 22_000,
+              "q7": 12_300, "q8": 146_000, "q9": 14_200, "q20": 19_000},
+}
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+BEGIN, END = "<!-- nexmark:begin -->", "<!-- nexmark:end -->"
+
+DAY = "date_format(dateTime, 'yyyy-MM-dd')"
+SPARK_SQL = {  # (SQL over the streams person, auction, bid and the static side_input; output mode)
+    "q0": ("SELECT * FROM bid", "append"),
+    "q1": ("SELECT auction, bidder, 0.908 * price AS price, dateTime, extra FROM bid", "append"),
+    "q2": ("SELECT auction, price FROM bid WHERE auction % 123 = 0", "append"),
+    "q3": ("SELECT P.name, P.city, P.state, A.id FROM auction A JOIN person P ON A.seller = P.id "
+           "WHERE A.category = 10 AND P.state IN ('OR', 'ID', 'CA')", "append"),
+    "q10": ("SELECT auction, bidder, price, dateTime, extra, date_format(dateTime, 'yyyy-MM-dd'), "
+            "date_format(dateTime, 'HH:mm') FROM bid", "append"),
+    "q13": ("SELECT B.auction, B.bidder, B.price, B.dateTime, S.value FROM bid B JOIN side_input S "
+            "ON B.auction % 10000 = S.key", "append"),
+    "q14": ("SELECT auction, bidder, 0.908 * price AS price, CASE WHEN hour(dateTime) BETWEEN 8 AND 18 THEN "
+            "'dayTime' WHEN hour(dateTime) <= 6 OR hour(dateTime) >= 20 THEN 'nightTime' ELSE 'otherTime' END, "
+            "dateTime, extra, length(extra) - length(replace(extra, 'c', '')) FROM bid "
+            "WHERE 0.908 * price > 1000000 AND 0.908 * price < 50000000", "append"),
+    "q17": (f"SELECT auction, {DAY} AS day, count(*), count_if(price < 10000), "
+            f"count_if(price >= 10000 AND price < 1000000), count_if(price >= 1000000), min(price), max(price), "
+            f"avg(price), sum(price) FROM bid GROUP BY auction, {DAY}", "update"),
+    "q20": ("SELECT B.auction, B.bidder, B.price, B.channel, B.url, B.dateTime, B.extra, A.itemName, "
+            "A.description, A.initialBid, A.reserve, A.dateTime, A.expires, A.seller, A.category, A.extra "
+            "FROM bid B JOIN auction A ON B.auction = A.id WHERE A.category = 10", "append"),
+    "q21": ("SELECT auction, bidder, price, channel, CASE lower(channel) WHEN 'apple' THEN '0' WHEN 'google' "
+            "THEN '1' WHEN 'facebook' THEN '2' WHEN 'baidu' THEN '3' ELSE regexp_extract(url, "
+            "'(&|^)channel_id=([^&]*)', 2) END FROM bid WHERE url RLIKE '(&|^)channel_id=' OR lower(channel) IN "
+            "('apple', 'google', 'facebook', 'baidu')", "append"),
+    "q22": ("SELECT auction, bidder, price, channel, split(url, '/')[3], split(url, '/')[4], split(url, '/')[5] "
+            "FROM bid", "append"),
+}
+
+
+def write_events(root: str, events: int, batch: int, seed: int, rate: int) -> tuple[list[dict[str, str]], float]:
+    """One parquet file per stream and step; returns the files and the generator's own events/s."""
+    files, gen_s = [], 0.0
+    for name in nexmark.SCHEMAS:
+        os.makedirs(os.path.join(root, name))
+    next(nexmark.generate(1, seed=seed))  # the seed's string pools, drawn once per process: not the rate
+    it = nexmark.generate(events, seed=seed, batch=batch, rate=rate)
+    while True:
+        t0 = time.perf_counter()
+        b = next(it, None)
+        gen_s += time.perf_counter() - t0
+        if b is None:
+            break
+        step = {}
+        for name, t in b.items():
+            step[name] = os.path.join(root, name, f"part-{len(files):05d}.parquet")
+            pq.write_table(t, step[name])
+        files.append(step)
+    pq.write_table(nexmark.side_input(), os.path.join(root, "side_input.parquet"))
+    return files, events / gen_s if gen_s else float("inf")
+
+
+def run_dbsp(query: str, mode: str, workers: int, files: list[dict[str, str]], root: str) -> dict:
+    """One measurement, in this (child) process."""
+    storage = tempfile.mkdtemp(prefix=f"nexmark-{query}-", dir=root) if mode == "durable" else None
+    c = nexmark.circuit(query)
+    p = dbsp.Pipeline(c, workers=workers, storage=storage) if storage else dbsp.Pipeline(c, workers=workers)
+    try:
+        if query == "q13":
+            p.push("side_input", pq.read_table(os.path.join(root, "side_input.parquet")))
+        events, seconds, out_rows = 0, 0.0, 0
+        for step in files:
+            t0 = time.perf_counter()
+            for name, f in step.items():
+                t = pq.read_table(f)
+                events += t.num_rows
+                p.push(name, t)
+            out = p.step()
+            seconds += time.perf_counter() - t0
+            out_rows += out[query].num_rows
+        late = sum(p.late_rows.values())
+    finally:
+        p.close()
+        if storage:
+            shutil.rmtree(storage, ignore_errors=True)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return {"query": query, "mode": mode, "workers": workers, "events": events, "seconds": seconds,
+            "peak_mib": peak, "out_rows": out_rows, "late": late}
+
+
+def measure_dbsp(query: str, mode: str, workers: int, root: str) -> dict:
+    """run_dbsp in a fresh child process (its own peak memory)."""
+    arg = json.dumps({"query": query, "mode": mode, "workers": workers, "root": root})
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", arg], capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"{query} {mode} W={workers} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def spark_session(workers: int):
+    from pyspark.sql import SparkSession
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    return (SparkSession.builder.master(f"local[{workers}]").appName("bench-nexmark")
+            .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+            .config("spark.driver.memory", "3g").config("spark.sql.shuffle.partitions", str(workers))
+            .config("spark.sql.streaming.stateStore.providerClass",
+                    "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider")
+            .config("spark.sql.streaming.noDataMicroBatches.enabled", "false")
+            .config("spark.sql.session.timeZone", "UTC").getOrCreate())
+
+
+def measure_spark(spark, query: str, root: str, steps: int, events: int) -> dict:
+    """Spark Structured Streaming over the same files: the sum of its micro-batches' trigger times. It reads only
+    the streams its SQL names; the rate counts every event of the run, as for dbsp (which is pushed all three)."""
+    sql, mode = SPARK_SQL[query]
+    read = 0
+    for name in nexmark.SCHEMAS:
+        if f" {name} " in f" {sql} ":
+            d = os.path.join(root, name)
+            read += sum(pq.read_metadata(os.path.join(d, f)).num_rows for f in os.listdir(d))
+        d = os.path.join(root, name)
+        schema = spark.read.parquet(d).schema
+        spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).parquet(d).createOrReplaceTempView(name)
+    spark.read.parquet(os.path.join(root, "side_input.parquet")).createOrReplaceTempView("side_input")
+    ckpt = tempfile.mkdtemp(prefix=f"spark-{query}-", dir=root)
+    q = (spark.sql(sql).writeStream.format("noop").outputMode(mode).option("checkpointLocation", ckpt)
+         .trigger(availableNow=True).start())
+    q.awaitTermination()
+    if q.exception() is not None:
+        raise RuntimeError(f"Spark {query} failed: {q.exception()}")
+    progress = [p for p in q.recentProgress if p["numInputRows"] > 0]
+    seconds = sum(p["durationMs"]["triggerExecution"] for p in progress) / 1e3
+    rows = sum(int(p["numInputRows"]) for p in progress)
+    if rows != read:
+        raise RuntimeError(f"Spark {query} read {rows} rows in {len(progress)} batches, expected {read} in "
+                           f"{steps} (recentProgress keeps 100 batches: use fewer steps)")
+    return {"seconds": seconds, "events": events}
+
+
+def table(rows: list[dict], spark: dict, gen_rate: float, args: argparse.Namespace) -> str:
+    head = (f"{args.events:,} events in steps of {args.batch:,} (seed {args.seed}, {args.rate:,} events/s of event "
+            f"time); generator alone: {gen_rate / 1e6:.2f} M events/s; {os.cpu_count()} cores, "
+            f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; dbsp_core {dbsp.__version__}, "
+            f"pyarrow {pa.__version__}")
+    lines = [head, "", "| query | mode | W | dbsp events/s | dbsp events/s/core | peak MiB | Spark SS events/s/core "
+             "| Feldera events/s/core (published) | Flink events/s/core (published) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        q, w = r["query"], r["workers"]
+        rate = r["events"] / r["seconds"] if r["seconds"] else float("inf")
+        s = spark.get((q, w))
+        s_cell = f"{s['events'] / s['seconds'] / w:,.0f}" if s else ("-" if q in SPARK_SQL else "n/a")
+        pub = [f"{PUBLISHED[e][q]:,}" if q in PUBLISHED[e] else "-" for e in ("Feldera", "Flink")]
+        lines.append(f"| {q} | {r['mode']} | {w} | {rate:,.0f} | {rate / w:,.0f} | {r['peak_mib']:,.0f} | "
+                     f"{s_cell} | {pub[0]} | {pub[1]} |")
+    lines.append("")
+    lines.append("n/a: Structured Streaming cannot express the query (chained aggregations, ROW_NUMBER, "
+                 "COUNT(DISTINCT) on a stream); -: not measured or not published.")
+    return "\n".join(lines)
+
+
+def write_results(text: str, path: str) -> None:
+    """Put ``text`` between the Nexmark markers of ``path`` (appending the section the first time)."""
+    old = open(path).read() if os.path.exists(path) else ""
+    block = f"{BEGIN}\n{text}\n{END}"
+    if BEGIN in old and END in old:
+        new = old[:old.index(BEGIN)] + block + old[old.index(END) + len(END):]
+    else:
+        new = old.rstrip("\n") + "\n\n## Nexmark\n\nCommand: `python bench/nexmark.py --spark --write-results " \
+                                 "...` (see its docstring for how it measures).\n\n" + block + "\n"
+    with open(path, "w") as f:
+        f.write(new)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--queries", default="q0,q1,q2,q3,q4,q5,q7,q8,q9,q16,q20")
+    ap.add_argument("--events", type=int, default=1_000_000)
+    ap.add_argument("--batch", type=int, default=100_000, help="events per step")
+    ap.add_argument("--workers", default="1,2", help="worker counts, e.g. 1,2")
+    ap.add_argument("--modes", default="memory,durable")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rate", type=int, default=nexmark.generator.DEFAULT_RATE, help="events/s of event time")
+    ap.add_argument("--spark", action="store_true", help="also measure Spark Structured Streaming")
+    ap.add_argument("--write-results", action="store_true", help=f"write the table into {RESULTS}")
+    ap.add_argument("--results-file", default=RESULTS)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        a = json.loads(args.child)
+        files = json.load(open(os.path.join(a["root"], "files.json")))
+        print(json.dumps(run_dbsp(a["query"], a["mode"], a["workers"], files, a["root"])))
+        return
+    queries = [q.strip() for q in args.queries.split(",") if q.strip()]
+    for q in queries:
+        if q not in nexmark.QUERIES:
+            sys.exit(f"unknown or unbuilt query {q!r}: {nexmark.NOT_BUILT.get(q, 'the queries are q0..q22')}")
+    workers = [int(w) for w in args.workers.split(",")]
+    modes = [m.strip() for m in args.modes.split(",")]
+    root = tempfile.mkdtemp(prefix="nexmark-bench-")
+    try:
+        files, gen_rate = write_events(root, args.events, args.batch, args.seed, args.rate)
+        json.dump(files, open(os.path.join(root, "files.json"), "w"))
+        print(f"generated {args.events:,} events in {len(files)} steps; generator {gen_rate / 1e6:.2f} M events/s",
+              flush=True)
+        rows = []
+        for q in queries:
+            for mode in modes:
+                for w in workers:
+                    r = measure_dbsp(q, mode, w, root)
+                    rate = r["events"] / r["seconds"]
+                    print(f"{q:>4} {mode:>7} W={w}: {rate:>12,.0f} events/s  {rate / w:>12,.0f} /core  "
+                          f"peak {r['peak_mib']:,.0f} MiB  ({r['out_rows']:,} output rows, {r['late']} late)",
+                          flush=True)
+                    rows.append(r)
+        spark: dict = {}
+        if args.spark:
+            for w in workers:
+                session = spark_session(w)
+                try:
+                    for q in queries:
+                        if q in SPARK_SQL:
+                            spark[(q, w)] = s = measure_spark(session, q, root, len(files), args.events)
+                            print(f"{q:>4}   Spark W={w}: {s['events'] / s['seconds']:>12,.0f} events/s  "
+                                  f"{s['events'] / s['seconds'] / w:>12,.0f} /core", flush=True)
+                finally:
+                    session.stop()
+        text = table(rows, spark, gen_rate, args)
+        print()
+        print(text)
+        if args.write_results:
+            write_results(text, args.results_file)
+            print(f"\nwritten into {args.results_file}")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""The top-k operator: per group, the k first rows in a given order (``ORDER BY ... LIMIT k`` per key, argmax/argmin for k = 1), maintained incrementally and correct under deletion.
+
+Invariants:
+  1. After every step, integral(output) holds, for each group of integral(input), its first k rows (with
+     multiplicity: a row of weight w fills up to w places) in the order of the ``order`` columns, then of the
+     remaining columns ascending (a total order, so ties are broken the same way whatever the split into steps
+     or workers); nulls sort last. With ``with_ties``, every row tied (on the order columns) with a row in the
+     first k is kept as well (SQL ``FETCH FIRST k ROWS WITH TIES``), so a group may show more than k rows.
+  2. The state is two traces indexed by the group keys (the operator's exchange key): ``input``, the
+     integrated input, and ``shown``, the integrated output (the current top rows of every group).
+  3. A step touches only the groups in the change. A group whose change only inserts, or deletes rows ranked
+     after its last shown row while it shows k or more, or deletes from a group showing fewer than k (then
+     every row of the group is shown), is recomputed from its shown rows and the change: O(k + change). Only a
+     group where a deletion reaches its shown rows is recomputed from its whole input: O(group).
+  4. Rows are never iterated in Python: one sort (Arrow) and numpy cumulative sums per step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from dbsp_core.errors import SchemaError
+from dbsp_core.operators.aggregate import lookup_exact
+from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, make
+from dbsp_core.time.cleanup import prune
+from dbsp_core.time.lineage import input_times
+from dbsp_core.trace import Trace, unique_sorted
+from dbsp_core.zset import ZSet
+
+if TYPE_CHECKING:
+    from dbsp_core.runtime.context import StepContext
+
+_TAG = "__dbsp_tag"
+
+
+def order_spec(order_by: object, where: str) -> tuple[tuple[str, str], ...]:
+    """``order_by`` (a column, ``(column, "ascending" | "descending")``, or a list of those) as a tuple of pairs."""
+    items = [order_by] if isinstance(order_by, (str, tuple)) else list(order_by)  # type: ignore[call-overload]
+    out = []
+    for it in items:
+        col, direction = (it, "ascending") if isinstance(it, str) else tuple(it)
+        if direction not in ("ascending", "descending") or not isinstance(col, str):
+            raise SchemaError(f"{where}: order_by items are a column name or (column, 'ascending'|'descending'), "
+                              f"got {it!r}")
+        out.append((col, direction))
+    if not out:
+        raise SchemaError(f"{where}: order_by needs at least one column")
+    return tuple(out)
+
+
+class TopK(Operator):
+    """``group_by(*keys).top_k(k, order_by)``: the first ``k`` rows of each group (invariant 1)."""
+
+    kind = "top_k"
+    in_times: tuple = ()  # time lineage of the input, set by the circuit when there is one (dbsp_core.time)
+
+    def __init__(self, node: int, in_schema: pa.Schema, keys: Sequence[str], order: tuple[tuple[str, str], ...],
+                 k: int, with_ties: bool, where: str, hidden_key: str | None = None) -> None:
+        keys = tuple(keys)
+        check_columns(in_schema, keys, where, "group_by column")
+        check_columns(in_schema, [c for c, _ in order], where, "order_by column")
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(f"{where}: k must be a positive int, got {k!r}")
+        schema = pa.schema([f for f in in_schema if f.name != hidden_key])
+        super().__init__((node,), schema, None if hidden_key else keys)
+        self.in_schema = in_schema
+        self.keys = keys
+        self.order = order
+        self.k = int(k)
+        self.with_ties = bool(with_ties)
+        self.hidden_key = hidden_key
+        ordered = set(keys) | {c for c, _ in order}
+        self.rest = tuple(c for c in in_schema.names if c not in ordered)
+
+    def instance(self) -> "_TopKState":
+        return _TopKState(self)
+
+    def sort_keys(self, extra: Sequence[tuple[str, str]] = ()) -> list[tuple[str, str]]:
+        """Group keys, the order, the remaining columns (the total order of invariant 1), then ``extra``."""
+        return ([(c, "ascending") for c in self.keys] + list(self.order) + [(c, "ascending") for c in self.rest]
+                + list(extra))
+
+
+def _boundaries(table: pa.Table, columns: Sequence[str]) -> np.ndarray:
+    """True at row 0 and where any of ``columns`` differs from the row before (null equals null)."""
+    n = table.num_rows
+    out = np.zeros(n, dtype=bool)
+    if n == 0:
+        return out
+    out[0] = True
+    for c in columns:
+        col = table.column(c)
+        a, b = col.slice(1), col.slice(0, n - 1)
+        differ = pc.or_(pc.not_equal(pc.is_valid(a), pc.is_valid(b)), pc.fill_null(pc.not_equal(a, b), False))
+        out[1:] |= np.asarray(differ.to_numpy(zero_copy_only=False), dtype=bool)
+    return out
+
+
+_PER_KEY_NULLS = tuple(int(x) for x in pa.__version__.split(".")[:1]) >= (25,)  # null placement per sort key
+
+
+def _sorted(op: TopK, table: pa.Table, extra: Sequence[tuple[str, str]] = ()) -> np.ndarray:
+    """The row order of invariant 1 (nulls last), then ``extra``."""
+    keys = op.sort_keys(extra)
+    if _PER_KEY_NULLS:
+        idx = pc.sort_indices(table, sort_keys=[(c, d, "at_end") for c, d in keys])
+    else:  # pragma: no cover - pyarrow < 25
+        idx = pc.sort_indices(table, sort_keys=keys, null_placement="at_end")
+    return np.asarray(idx, dtype=np.int64)
+
+
+def top_rows(op: TopK, z: ZSet) -> ZSet:
+    """The top rows of every group of ``z`` (consolidated; rows of weight <= 0 are ignored), invariant 1."""
+    pos = z.weights > 0
+    if not pos.all():
+        z = ZSet._make(z.data.filter(pa.array(pos)), z.weights[pos])
+    if z.num_rows == 0:
+        return empty(op.in_schema)
+    idx = _sorted(op, z.data)
+    t = z.data.take(pa.array(idx))
+    w = z.weights[idx]
+    ng = _boundaries(t, op.keys)
+    gid = np.cumsum(ng) - 1
+    cw = np.cumsum(w)
+    first = cw - w  # weight before each row, over the whole table
+    base = first[ng][gid]  # weight before each row's group
+    if op.with_ties:
+        nr = ng | _boundaries(t, [c for c, _ in op.order])
+        before = first[nr][np.cumsum(nr) - 1] - base  # weight of the group before the row's run of ties
+        out = np.where(before < op.k, w, 0)
+    else:
+        out = np.clip(op.k - (first - base), 0, w)
+    keep = out > 0
+    return make(t.filter(pa.array(keep)), out[keep], op.in_schema)
+
+
+def reaching(op: TopK, shown: ZSet, deleted: ZSet) -> np.ndarray:
+    """For each row of ``deleted``: may its deletion change its group's top rows (invariant 3)? True when the
+    group shows at least k rows and the row sorts at or before the group's last shown row."""
+    n_s, n_d = shown.num_rows, deleted.num_rows
+    tag = pa.array(np.concatenate([np.zeros(n_s, np.int8), np.ones(n_d, np.int8)]))
+    both = pa.concat_tables([shown.data, deleted.data]).append_column(_TAG, tag)
+    idx = _sorted(op, both, [(_TAG, "descending")])  # a deleted row sorts before an identical shown one
+    t = both.take(pa.array(idx))
+    w = np.concatenate([shown.weights, np.zeros(n_d, np.int64)])[idx]
+    is_shown = idx < n_s
+    ng = _boundaries(t, op.keys)
+    starts = np.flatnonzero(ng)
+    gid = np.cumsum(ng) - 1
+    total = np.add.reduceat(np.where(is_shown, w, 0), starts)
+    last = np.maximum.reduceat(np.where(is_shown, np.arange(len(idx)), -1), starts)
+    reach_sorted = (~is_shown) & (total[gid] >= op.k) & (np.arange(len(idx)) < last[gid])
+    out = np.zeros(n_d, dtype=bool)
+    out[idx[~is_shown] - n_s] = reach_sorted[~is_shown]
+    return out
+
+
+class _TopKState:
+    """Invariants 2 and 3."""
+
+    def __init__(self, op: TopK) -> None:
+        self.op = op
+        self.keys = list(op.keys)
+        self.input = Trace(op.in_schema, op.keys)
+        self.shown = Trace(op.in_schema, op.keys)
+
+    def traces(self) -> dict[str, Trace]:
+        """The operator's state, by name (each trace can be read per shard)."""
+        return {"input": self.input, "shown": self.shown}
+
+    def step(self, inputs: list[ZSet], ctx: "StepContext") -> ZSet:
+        op = self.op
+        prune(self, input_times(op), ctx)  # state no later change can reach (dbsp_core.time.cleanup)
+        z = inputs[0]
+        if z.num_rows == 0:
+            return empty(op.schema)
+        dix = conform(z, op.in_schema).index_by(self.keys)
+        if len(dix) == 0:
+            return empty(op.schema)
+        change = dix.zset
+        old = lookup_exact(self.shown, unique_sorted(dix.key_hash), op.in_schema).consolidate()
+        parts = [change]
+        neg = change.weights < 0
+        redo = np.zeros(0, dtype=np.uint64)
+        if neg.any():
+            deleted = ZSet._make(change.data.filter(pa.array(neg)), change.weights[neg])
+            hit = reaching(op, old, deleted) if old.num_rows else np.zeros(int(neg.sum()), dtype=bool)
+            if hit.any():
+                redo = np.unique(dix.key_hash[neg][hit])
+        if len(redo):  # whole groups from the input trace, in place of their shown rows
+            parts.append(lookup_exact(self.input, redo, op.in_schema))
+            in_redo = np.isin(old.hash(self.keys), redo) if old.num_rows else np.zeros(0, dtype=bool)
+            if (~in_redo).any():
+                parts.append(ZSet._make(old.data.filter(pa.array(~in_redo)), old.weights[~in_redo]))
+        else:
+            parts.append(old)
+        new = top_rows(op, concat(parts, op.in_schema).consolidate())
+        self.input.insert(dix)
+        delta = (new - old) if old.num_rows else new
+        if delta.num_rows == 0:
+            return empty(op.schema)
+        self.shown.insert(delta.index_by(self.keys))
+        if op.hidden_key is not None:
+            return make(delta.data.drop_columns([op.hidden_key]), delta.weights, op.schema)
+        return delta

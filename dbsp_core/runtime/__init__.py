@@ -1,0 +1,35 @@
+"""Running circuits: the driver (``Pipeline``) over pluggable executors (embedded threads, or staged jobs on a job runner), the step context operators see, and layout changes.
+
+How the pieces fit (each module states its own invariants):
+
+- ``driver.py``: one ``Pipeline`` class. It validates and (durably) logs pushes with producer/seq dedup, divides
+  input into steps with their determinants (now, seed, watermarks), hands divided steps to the executor, logs
+  their output, takes checkpoints, recovers, and changes layouts. Nothing here depends on how steps run.
+- ``executor.py``: the protocol between driver and executor, and the step record they share.
+- ``embedded.py``: W threads in this process; state in memory, checkpointed by ``coordinator.py`` (seed 000).
+- ``staged.py`` (driver side), ``stage_plan.py`` (the circuit cut into stages; blobs), ``stage_task.py`` (runs
+  inside a task, against its stage database), ``job_files.py`` (blob files between driver and tasks); a job
+  runner moves blobs between tasks (``LocalJobRunner`` here, ``spark_glue.SparkJobRunner`` on Spark).
+- ``context.py``: the ``StepContext`` every operator instance gets.
+- ``rescale.py``: cold layout changes. The layout (dbsp_core.layout: S shards, owner table) is saved in
+  ``LAYOUT`` and in every state database; every stored value belongs to one shard (dbsp_core.storage.snapshot),
+  so a change of worker count moves the values of the shards whose owner changes
+  (dbsp_core.storage.shardmove), commits one new version of every state database, and switches ``LAYOUT``;
+  a ``RESCALE`` record lets recovery finish or undo an interrupted change.
+
+Step: push -> (input log) -> divide (division record) -> executor.run -> output log -> returned.
+Checkpoint at X: executor captures state (steps paused) -> output log flushed -> state committed -> driver.db
+at X -> input log truncated below X. Open: resolve RESCALE -> executor.open_state (version v, step X) ->
+optional cold rescale (v -> v+1) -> load -> complete dedup from the log -> replay divided steps >= X.
+"""
+
+from __future__ import annotations
+
+from dbsp_core.runtime.context import StepContext
+from dbsp_core.runtime.driver import Ack, Pipeline
+from dbsp_core.runtime.embedded import EmbeddedExecutor
+from dbsp_core.runtime.executor import Executor, StepInput
+from dbsp_core.runtime.staged import Job, JobRunner, LocalJobRunner, StagedExecutor
+
+__all__ = ["Ack", "EmbeddedExecutor", "Executor", "Job", "JobRunner", "LocalJobRunner", "Pipeline",
+           "StagedExecutor", "StepContext", "StepInput"]

@@ -1,0 +1,933 @@
+"""The driver: one Pipeline class that owns everything common to every way of running a circuit (push validation and dedup, the division of input into steps with its determinants, the output log, checkpoint cadence, open and recovery, format checks, layout changes) and drives an executor (executor.py) that runs the steps.
+
+In memory (no ``storage``) the driver keeps pushes until the next step and hands them to the executor. With a
+storage directory (dbsp_core.storage.formats lists every file) it is exactly once across ``kill -9``:
+
+Invariants (enforced here):
+  1. A push is validated completely (handle, type, schema, weights, producer and seq) before anything is
+     recorded; a bad push raises and changes nothing. With storage, ``push`` returns its acknowledgement only
+     after the push's record is durable in the input log. The record carries the step that was open when the
+     push was admitted; a step is closed only when no admitted push is still being appended, and pushes wait
+     while a step closes, so the log's steps never decrease and every record of step s precedes s's division.
+  2. A ``(producer, seq)`` pair is counted once: it is marked seen only after its record is durable; a retry of
+     a seen pair is acknowledged again (``duplicate=True``) and records nothing; a retry of a pair still being
+     appended waits for it. The seen set is saved in ``driver.db`` at each checkpoint and completed on
+     recovery from the log records after it.
+  3. A step's division record (step, number of pushes, wall-clock ``now``, random ``seed``, and for a circuit
+     with event time the ``watermarks`` after the step, dbsp_core.time.watermark) takes its place in the input
+     log when the step closes, and is durable before any output of the step is
+     written to the output log or returned. An executor whose state commits while steps run
+     (``division_first``) gets the step only once its division is durable; otherwise the record's fsync
+     overlaps with running the step (seed 000 "Input/output synchronization"). ``now`` never decreases, also
+     across restarts (the floor is saved with the checkpoint). Replay uses the logged determinants.
+  4. Every step's output goes through ``OutputLog.write`` (discard / verify / append, seed 000); with replay
+     checking on (the default) a replayed step whose output differs raises ReplayMismatchError.
+  5. A checkpoint at step X captures the executor's state at X while steps pause, then (possibly on a
+     background thread, while later steps run) flushes the output log, makes the state durable, commits the
+     driver's own record (seen set, clock) at X in ``driver.db``, and only then truncates the input log below
+     X (the low watermark) and drops old output (output at or after X is always kept, so replays can be
+     verified). ``driver.db``'s step never exceeds the executor's.
+  6. Recovery resolves an interrupted layout change (rescale.py), lets the executor put its state on the
+     newest version every database holds (step X), changes the layout if asked (cold rescale), loads the
+     state, loads the seen set and clock from ``driver.db`` (step D <= X) and completes them from the log
+     records of steps D..X-1, replays every divided step from X (verifying output already in the log,
+     appending the rest), then queues the acknowledged pushes never divided into a step. A directory written
+     by a different circuit or another kind of executor is refused with CircuitMismatchError.
+  7. If a step fails, the pipeline is marked broken: state may be half-updated, so every later push or step
+     raises DbspError until the directory is reopened with :meth:`Pipeline.open`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterator, NamedTuple
+
+import numpy as np
+import pyarrow as pa
+
+from dbsp_core.circuit import Circuit, circuit_fingerprint
+from dbsp_core.codec import decode_json, decode_zset, encode_json, encode_zset
+from dbsp_core.errors import CircuitMismatchError, CorruptionError, DbspError, RecoveryError, SchemaError
+from dbsp_core.layout import DEFAULT_SHARD_BITS, HASH_VERSION, Layout, ShardMap
+from dbsp_core.operators.base import same_columns
+from dbsp_core.runtime.crashpoints import crashpoint
+from dbsp_core.runtime.dedup import SeenSet
+from dbsp_core.runtime.embedded import EmbeddedExecutor
+from dbsp_core.runtime.executor import Executor, StepInput
+from dbsp_core.runtime.rescale import cold_rescale, resolve
+from dbsp_core.runtime.upgrade import is_format1, upgrade_format1
+from dbsp_core.storage.database import Database
+from dbsp_core.storage.directory import lock_dir, read_layout, read_meta, unlock_dir, write_layout, write_meta
+from dbsp_core.storage.formats import (CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE, DIVISION_HANDLE, DIVISION_MAGIC,
+                                       DRIVER_DB, INPUT_DIR, META_FILE, OUTPUT_DIR, STATE_DIR)
+from dbsp_core.storage.outputlog import OutputLog
+from dbsp_core.storage.steplog import StepLog
+from dbsp_core.time.watermark import NO_WATERMARK, advance, specs_of
+from dbsp_core.trace import Trace
+from dbsp_core.zset import ZSet
+
+PushData = ZSet | pa.Table | pa.RecordBatch
+
+__all__ = ["Ack", "Pipeline", "PushData"]
+
+
+class Ack(NamedTuple):
+    """The acknowledgement of a durable push: the step it belongs to (None for a duplicate) and its identity."""
+
+    step: int | None
+    producer: str
+    seq: int
+    duplicate: bool
+
+
+class _Divided(NamedTuple):
+    """A divided step waiting to run, with the input ranges its output record names, the watermarks after it and
+    the late rows its input operators drop (dbsp_core.time.watermark)."""
+
+    input: StepInput
+    ranges: list[dict]
+    watermarks_after: dict[str, int]
+    late: dict[str, int]
+
+
+def _ranges(entries: list[tuple[str, str, int]]) -> list[dict]:
+    """Summarize a step's pushes as contiguous seq ranges per (handle, producer)."""
+    by: dict[tuple[str, str], list[int]] = {}
+    for handle, producer, seq in entries:
+        by.setdefault((handle, producer), []).append(seq)
+    out = []
+    for (handle, producer), seqs in sorted(by.items()):
+        if producer == "":
+            out.append({"handle": handle, "producer": "", "first_seq": None, "last_seq": None, "pushes": len(seqs)})
+            continue
+        seqs.sort()
+        lo = prev = seqs[0]
+        for s in seqs[1:] + [None]:
+            if s is not None and s == prev + 1:
+                prev = s
+                continue
+            out.append({"handle": handle, "producer": producer, "first_seq": lo, "last_seq": prev,
+                        "pushes": prev - lo + 1})
+            if s is not None:
+                lo = prev = s
+    return out
+
+
+def _fmt(s: pa.Schema) -> str:
+    return "(" + ", ".join(f"{f.name}: {f.type}" for f in s) + ")"
+
+
+class Pipeline:
+    """Runs a circuit: embedded in this process by default, or on any executor; in memory, or durable and
+    exactly once with a storage directory (see the module docstring).
+
+    Parameters
+    ----------
+    circuit : Circuit
+        The circuit; nodes added after the pipeline is created are not run.
+    workers : int
+        Number of circuit copies W. Results do not depend on it.
+    shard_bits : int
+        log2 of the number of shards S of a new pipeline's layout (default 8); S must be >= W. Rescaling may
+        double or halve S later (dbsp_core.layout).
+    storage : str or os.PathLike or None
+        A directory makes the pipeline durable (input log, checkpoints, output log). None runs in memory. An
+        existing directory is recovered (its worker count must be ``workers``; use :meth:`open` to rescale).
+    executor : Executor or None
+        What runs the steps: ``EmbeddedExecutor()`` (default: threads in this process) or a
+        ``StagedExecutor(runner=...)`` (stage tasks on a job runner, e.g. Spark through spark_glue).
+    checkpoint_interval : float or None
+        Seconds between automatic checkpoints, checked after each step (None: only on demand and on close).
+    replay_check : bool
+        Verify replayed output against the output log (default True).
+    output_retention : int or None
+        Keep at least this many steps of output before the newest checkpoint (None: keep everything).
+    output_sync : bool
+        fsync each step's output record before ``step`` returns (default True).
+    segment_bytes : int
+        Segment size of the input and output logs; garbage collection drops whole segments.
+    clock : callable or None
+        Returns the wall-clock time in nanoseconds since the epoch that a step logs as its ``now`` (default
+        ``time.time_ns``; a simulation or a test passes its own). ``now`` never decreases whatever it returns.
+
+    Examples
+    --------
+    >>> import pyarrow as pa
+    >>> import dbsp_core as dbsp
+    >>> c = dbsp.Circuit()
+    >>> bids = c.input("bids", pa.schema([("auction", pa.int64()), ("price", pa.int64())]))
+    >>> c.output("totals", bids.group_by("auction").agg(total=dbsp.sum("price")))
+    >>> p = dbsp.Pipeline(c, workers=2)
+    >>> p.push("bids", pa.table({"auction": [1, 1, 2], "price": [10, 5, 7]}))
+    >>> sorted(p.step()["totals"].to_dict().items())
+    [((1, 15), 1), ((2, 7), 1)]
+    >>> p.push("bids", dbsp.ZSet.from_rows([(1, 5)], bids.schema, weights=[-1]))
+    >>> sorted(p.step()["totals"].to_dict().items())
+    [((1, 10), 1), ((1, 15), -1)]
+    >>> p.close()
+
+    Durable, exactly once:
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> p = dbsp.Pipeline(c, workers=2, storage=d)
+    >>> p.push("bids", pa.table({"auction": [1, 1], "price": [10, 5]}), producer="gen", seq=0).duplicate
+    False
+    >>> p.push("bids", pa.table({"auction": [1, 1], "price": [10, 5]}), producer="gen", seq=0).duplicate
+    True
+    >>> p.step()["totals"].to_dict()
+    {(1, 15): 1}
+    >>> p.close()
+    >>> q = dbsp.Pipeline.open(d, c, workers=3)       # continue at another worker count (cold rescale)
+    >>> q.layout.workers, q.last_rescale["from_workers"], [(s, z.to_dict()) for s, z in q.read_output("totals")]
+    (3, 2, [(0, {(1, 15): 1})])
+    >>> q.close()
+    """
+
+    def __init__(self, circuit: Circuit, workers: int = 1, shard_bits: int = DEFAULT_SHARD_BITS,
+                 storage: Any = None, *, executor: Executor | None = None,
+                 checkpoint_interval: float | None = 10.0, replay_check: bool = True,
+                 output_retention: int | None = None, output_sync: bool = True, segment_bytes: int = 64 << 20,
+                 clock: Callable[[], int] | None = None, vfs: str = "posix", _rescale_to: int | None = None,
+                 _open_only: bool = False) -> None:
+        if not isinstance(circuit, Circuit):
+            raise TypeError(f"Pipeline needs a Circuit, got {type(circuit).__name__}")
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+            raise ValueError(f"Pipeline: workers must be a positive int, got {workers!r}")
+        if checkpoint_interval is not None and not (isinstance(checkpoint_interval, (int, float))
+                                                    and checkpoint_interval > 0):
+            raise ValueError(f"checkpoint_interval must be a positive number of seconds or None, "
+                             f"got {checkpoint_interval!r}")
+        if output_retention is not None and (not isinstance(output_retention, int) or output_retention < 0):
+            raise ValueError(f"output_retention must be a non-negative int or None, got {output_retention!r}")
+        if not isinstance(segment_bytes, int) or segment_bytes < 4096:
+            raise ValueError(f"segment_bytes must be an int >= 4096, got {segment_bytes!r}")
+        if clock is not None and not callable(clock):
+            raise TypeError(f"clock must be a callable returning nanoseconds since the epoch, got {clock!r}")
+        ShardMap(workers, shard_bits)  # validates shard_bits against workers before anything is created
+        self.circuit = circuit
+        self.executor: Executor = executor if executor is not None else EmbeddedExecutor(vfs=vfs)
+        self.storage: str | None = None if storage is None else os.fspath(storage)
+        self.checkpoint_interval = checkpoint_interval
+        self.output_retention = output_retention
+        self._vfs = vfs
+        self._clock = clock if clock is not None else time.time_ns
+        self._inputs = {name: circuit.nodes[i].schema for name, i in circuit.inputs.items()}
+        self._out_schemas = {name: circuit.nodes[i].schema for name, i in circuit.outputs.items()}
+        self._cond = threading.Condition()
+        self._step_lock = threading.RLock()
+        self._closing = False
+        self._closed = False
+        self._inflight = 0
+        self._inflight_keys: set[tuple[str, int]] = set()
+        self._seen = SeenSet()
+        self._pending: list[tuple[str, ZSet]] = []
+        self._step_inputs: list[tuple[str, str, int]] = []
+        self._queue: list[_Divided] = []
+        self._broken: BaseException | None = None
+        self.steps = 0  # steps run
+        self._open_step = 0  # the step the next push belongs to
+        self._now_floor = 0
+        self._last_now: int | None = None  # now of the last step run (the next step's prev_now)
+        self.now_ns: int | None = None
+        self.seed: int | None = None
+        # event time (dbsp_core.time.watermark): the watermarks after the last step run (in force in the next),
+        # after the last step divided, and the late rows dropped since the pipeline was opened
+        self._event_time = specs_of(circuit)
+        self.watermarks: dict[str, int] = {name: NO_WATERMARK for name in self._event_time}
+        self._wm_divided = dict(self.watermarks)
+        self.late_rows: dict[str, int] = {name: 0 for name in self._event_time}
+        self.last_rescale: dict | None = None
+        self.fingerprint = circuit_fingerprint(circuit)
+        self._ckpt_thread: threading.Thread | None = None
+        self._syncer: ThreadPoolExecutor | None = None
+        self._division_sync: Future | None = None
+        self._input: StepLog | None = None
+        self._output: OutputLog | None = None
+        self._driver_db: Database | None = None
+        self._lockfd: int | None = None
+        self.stats = self.executor.stats  # one dict: the executor's counters beside the driver's
+        self.stats.update({"pushes": 0, "duplicates": 0, "checkpoints": 0, "last_checkpoint_s": 0.0,
+                           "recovery_s": 0.0, "replayed_steps": 0, "recovered_pushes": 0,
+                           "late_rows": self.late_rows})
+        self._last_checkpoint = time.monotonic()
+        if self.storage is None:
+            self.executor.start(circuit, Layout.local(workers, shard_bits), None)
+            return
+        try:
+            self._open_storage(workers, shard_bits, segment_bytes, replay_check, output_sync, _rescale_to,
+                               _open_only)
+        except BaseException:
+            self._shutdown()
+            raise
+        self._last_checkpoint = time.monotonic()
+
+    @classmethod
+    def open(cls, path: Any, circuit: Circuit, workers: int | None = None, **kwargs: Any) -> "Pipeline":
+        """Recover the pipeline stored in directory ``path`` after a stop or a crash.
+
+        ``workers`` continues it at another worker count (a cold rescale: only the shards whose owner changes
+        are copied, committed atomically as a new checkpoint version; see dbsp_core.runtime.rescale); None keeps
+        the stored count. ``p.last_rescale`` reports what moved. Other keyword arguments are as for the
+        constructor (``executor`` must be of the kind that wrote the directory).
+        """
+        root = os.fspath(path)
+        if not os.path.isdir(root):
+            raise FileNotFoundError(f"Pipeline.open: no storage directory {root!r}")
+        if not os.path.exists(os.path.join(root, META_FILE)):
+            raise RecoveryError(f"Pipeline.open: {root!r} holds no pipeline (META is missing)")
+        if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
+            raise ValueError(f"Pipeline.open: workers must be a positive int or None, got {workers!r}")
+        return cls(circuit, 1, DEFAULT_SHARD_BITS, root, _rescale_to=workers, _open_only=True, **kwargs)
+
+    # ---- storage: create or recover ----
+
+    def _open_storage(self, workers: int, shard_bits: int, segment_bytes: int, replay_check: bool,
+                      output_sync: bool, rescale_to: int | None, open_only: bool) -> None:
+        root = self.storage
+        assert root is not None
+        os.makedirs(root, exist_ok=True)
+        self._lockfd = lock_dir(root)
+        meta = {"fingerprint": self.fingerprint, "executor": self.executor.kind, "inputs": sorted(self._inputs),
+                "outputs": sorted(self._out_schemas), "hash_version": HASH_VERSION,
+                "output_schemas": {n: sch.serialize().to_pybytes().hex() for n, sch in self._out_schemas.items()}}
+        legacy = is_format1(root)
+        if legacy is not None:  # the previous release's directory: converted, then opened as any other
+            self.executor.start(self.circuit, Layout.local(int(legacy.get("workers", 1)),
+                                                           int(legacy.get("shard_bits", DEFAULT_SHARD_BITS))), root)
+            upgrade_format1(root, legacy, self.executor, self.fingerprint, self._vfs)
+            self.stats["upgraded_from_format"] = 1
+        try:
+            old = read_meta(root)
+        except FileNotFoundError:
+            old = None
+        if old is None:
+            if open_only:
+                raise RecoveryError(f"Pipeline.open: {root!r} holds no pipeline (META is missing)")
+            if os.path.exists(os.path.join(root, STATE_DIR)) or os.path.exists(os.path.join(root, DRIVER_DB)):
+                raise RecoveryError(f"{root}: state databases exist but META is missing")
+            write_layout(root, Layout.local(workers, shard_bits), None, self._vfs)
+            write_meta(root, meta, self._vfs)  # META last: the directory holds a pipeline from here on
+        else:
+            for k, what in (("fingerprint", "circuit"), ("executor", "executor kind")):
+                if old.get(k) != meta[k]:
+                    raise CircuitMismatchError(
+                        f"{root} was written by a pipeline with a different {what} ({old.get(k)!r} != {meta[k]!r}); "
+                        f"open it with the same circuit and executor")
+        layout, self.last_rescale = read_layout(root, self._vfs)
+        if old is not None and not open_only and layout.workers != workers:
+            raise CircuitMismatchError(f"{root} holds a pipeline of {layout.workers} workers, not {workers}; "
+                                       f"Pipeline.open({root!r}, circuit, workers={workers}) rescales it")
+        self.executor.start(self.circuit, layout, root)
+        # an interrupted layout change: finish it or undo it
+        self.stats["rescale_recovery"] = resolve(root, self.executor, crashpoint, self._vfs)
+        layout, self.last_rescale = read_layout(root, self._vfs)
+        self.executor.start(self.circuit, layout, root)
+        self._input = StepLog(os.path.join(root, INPUT_DIR), segment_bytes=segment_bytes)
+        self._output = OutputLog(os.path.join(root, OUTPUT_DIR), self._out_schemas, check=replay_check,
+                                 sync=output_sync, segment_bytes=segment_bytes)
+        self._driver_db = Database(os.path.join(root, DRIVER_DB), vfs=self._vfs)
+        out = self._output
+        if hasattr(self.executor, "output_steps"):
+            self.executor.output_steps = lambda: out.last  # type: ignore[attr-defined]
+        t0 = time.perf_counter()
+        version, step = self.executor.open_state()
+        if rescale_to is not None and rescale_to != layout.workers:
+            new = layout.rebalance(rescale_to)
+            self.last_rescale = cold_rescale(root, self.executor, layout, new, version,
+                                             -1 if step is None else step, crashpoint, self._vfs)
+            self.executor.start(self.circuit, new, root)
+            version, step = self.executor.open_state()
+        d, prev_now = self._read_driver_record()
+        x = d if step is None else step  # an executor without state resumes where the driver's record is
+        self.executor.load_state(x)
+        self._recover(x, d, prev_now)
+        self.stats["recovery_s"] = time.perf_counter() - t0
+
+    def _read_driver_record(self) -> tuple[int, int | None]:
+        """Load the seen set and the clock floor from the newest ``driver.db`` version; returns its step and the
+        now of the step before it."""
+        assert self._driver_db is not None
+        db = self._driver_db
+        prev_now = None
+        with db.open(db.versions().stop - 1) as h:  # the newest committed driver record; discards an older one
+            self._seen.load(h, db.path)
+            clock = h.get(CLOCK_TABLE, CLOCK_KEY)
+            if clock is not None:
+                c = decode_json(CLOCK_MAGIC, clock, f"{db.path} clock")
+                self._now_floor, prev_now = int(c["now_ns"]), c.get("prev_now_ns")
+                for name, wm in (c.get("watermarks") or {}).items():  # after the checkpoint's last step
+                    if name in self.watermarks:
+                        self.watermarks[name] = int(wm)
+                self._wm_divided = dict(self.watermarks)
+            return h.get_step(), prev_now
+
+    def _recover(self, x: int, d: int, prev_now: int | None) -> None:
+        """Invariant 6 from the executor's step ``x`` on, the driver record being at step ``d``."""
+        assert self._input is not None and self._output is not None
+        root = self.storage
+        out = self._output
+        if out.last < x:
+            raise RecoveryError(f"{root}: the output log ends at step {out.last} but the state is at step {x}; "
+                                f"output of steps {out.last}..{x - 1} is lost")
+        if d > x:
+            raise RecoveryError(f"{root}: driver.db is at step {d} but the state only at step {x}")
+        divisions: dict[int, dict] = {}
+        records: dict[int, list] = {}
+        for r in self._input.iter_from(d):
+            if r.handle == DIVISION_HANDLE:
+                divisions[r.step] = decode_json(DIVISION_MAGIC, r.payload, f"{root} division of step {r.step}")
+            else:
+                records.setdefault(r.step, []).append(r)
+        for s in range(d, x):  # the steps the state holds but the driver record does not: seen pairs and clock
+            dv = divisions.pop(s, None)
+            if dv is None:
+                raise CorruptionError(f"{root}: the input log has no division of step {s}, which the state holds")
+            self._now_floor = max(self._now_floor, int(dv["now_ns"]))
+            prev_now = int(dv["now_ns"])
+            self._logged_watermarks(dv, s)
+            for r in records.pop(s, []):
+                if r.producer:
+                    self._seen.add(r.producer, r.seq)
+        self.steps = self._open_step = x
+        self._last_now = prev_now
+        self.now_ns = prev_now
+        self.watermarks = dict(self._wm_divided)
+        step = x
+        batch: list[_Divided] = []
+        while step in divisions:
+            dv = divisions.pop(step)
+            recs = records.pop(step, [])
+            if dv["step"] != step or dv["pushes"] != len(recs):
+                raise CorruptionError(f"{root}: the division of step {step} names {dv['pushes']} pushes, the log "
+                                      f"holds {len(recs)}")
+            self._now_floor = max(self._now_floor, int(dv["now_ns"]))
+            pushes = self._decode(recs)
+            in_force = dict(self._wm_divided)
+            after, late = advance(self._event_time, in_force, pushes) if self._event_time else ({}, {})
+            logged = self._logged_watermarks(dv, step)
+            if logged is not None and logged != after:
+                raise CorruptionError(f"{root}: step {step} logged watermarks {logged}, its pushes give {after}")
+            batch.append(_Divided(StepInput(step, pushes, int(dv["now_ns"]), None, int(dv["seed"]), in_force),
+                                  _ranges([(r.handle, r.producer, r.seq) for r in recs]), after, late))
+            step += 1
+            if len(batch) >= 64:
+                self._replay(batch)
+                batch = []
+        self._replay(batch)
+        if divisions:
+            raise CorruptionError(f"{root}: division records of steps {sorted(divisions)} follow a gap at step "
+                                  f"{step}")
+        if out.last > step:
+            raise CorruptionError(f"{root}: the output log holds steps up to {out.last - 1} but the input log "
+                                  f"divides input only up to step {step - 1}")
+        tail = records.pop(step, [])
+        if records:
+            raise CorruptionError(f"{root}: input records of undivided steps {sorted(records)} after step {step}")
+        for (handle, z), r in zip(self._decode(tail), tail):
+            self._pending.append((handle, z))
+            self._step_inputs.append((r.handle, r.producer, r.seq))
+        self.stats["recovered_pushes"] = len(tail)
+        self._open_step = step
+
+    def _logged_watermarks(self, dv: dict, step: int) -> dict[str, int] | None:
+        """The watermarks a division record logged (after its step), which become the ones in force next."""
+        wms = dv.get("watermarks")
+        if not self._event_time:
+            return None
+        if not wms:
+            raise CorruptionError(f"{self.storage}: the division of step {step} logs no watermarks, but the circuit "
+                                  f"declares event time on {sorted(self._event_time)}")
+        got = {name: int(wms.get(name, NO_WATERMARK)) for name in self._event_time}
+        self._wm_divided = dict(got)
+        return got
+
+    def _replay(self, batch: list[_Divided]) -> None:
+        if batch:
+            self._run(batch, replay=True)
+            self.stats["replayed_steps"] += len(batch)
+
+    def _decode(self, recs: list) -> list[tuple[str, ZSet]]:
+        out = []
+        for r in recs:
+            if r.handle not in self._inputs:
+                raise CorruptionError(f"{self.storage}: logged push to unknown input {r.handle!r} at step {r.step}")
+            out.append((r.handle, decode_zset(r.payload, self._inputs[r.handle], f"{self.storage} input step "
+                                                                                  f"{r.step}")))
+            if r.producer:
+                self._seen.add(r.producer, r.seq)
+        return out
+
+    # ---- input ----
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise DbspError(f"the pipeline is broken by a failed step ({self._broken!r}); "
+                            + ("reopen it with Pipeline.open" if self.storage else "create a new one"))
+        if self._closed:
+            raise DbspError("the pipeline is closed")
+
+    def _to_zset(self, handle: str, data: Any, weights: Any) -> ZSet:
+        schema = self._inputs[handle]
+        if isinstance(data, ZSet):
+            if weights is not None:
+                raise TypeError(f"push({handle!r}): weights= is only for Arrow data; a ZSet carries its own")
+            z = data
+        elif isinstance(data, (pa.Table, pa.RecordBatch)):
+            table = pa.Table.from_batches([data]) if isinstance(data, pa.RecordBatch) else data
+            if weights is None and "weight" in table.schema.names and "weight" not in schema.names:
+                col = table.column("weight")  # the to_arrow() form: data columns + "weight"
+                if not pa.types.is_integer(col.type):
+                    raise TypeError(f"push({handle!r}): the 'weight' column must be an integer type, got {col.type}")
+                weights = col
+                table = table.drop_columns(["weight"])
+            if not same_columns(table.schema, schema):
+                raise SchemaError(f"push({handle!r}): data columns {_fmt(table.schema)} do not match the input "
+                                  f"schema {_fmt(schema)}")
+            if weights is not None and isinstance(weights, np.ndarray) and weights.dtype.kind not in "iu":
+                raise TypeError(f"push({handle!r}): weights must be integers, got dtype {weights.dtype}")
+            z = ZSet.from_arrow(table, weights=weights)
+        else:
+            raise TypeError(f"push({handle!r}): expected a ZSet, pyarrow Table or RecordBatch, "
+                            f"got {type(data).__name__}")
+        if not same_columns(z.schema, schema):
+            raise SchemaError(f"push({handle!r}): Z-set columns {_fmt(z.schema)} do not match the input schema "
+                              f"{_fmt(schema)}")
+        if not z.schema.equals(schema):
+            z = ZSet._make(z.data.cast(schema), z.weights)
+        return z
+
+    def push(self, handle: str, data: PushData, weights: Any = None, *, producer: str | None = None,
+             seq: int | None = None) -> Ack | None:
+        """Queue ``data`` (a change: ZSet, or Arrow rows with optional int ``weights``) for the next step.
+
+        A pa.Table with an extra integer ``weight`` column (the form :meth:`ZSet.to_arrow` returns) is taken as
+        rows with weights. Raises (KeyError, TypeError, SchemaError) and records nothing if the handle is unknown,
+        the data is not a Z-set or Arrow batch, its columns differ from the input schema, or weights are not ints.
+
+        With storage, returns an :class:`Ack` once the push is durable in the input log; with ``producer`` and
+        ``seq`` the push is idempotent across crashes: a pair already recorded is acknowledged again with
+        ``duplicate=True`` and counted once. Keep each producer's seqs dense from 0 (any order) to keep the
+        dedup state small. Thread-safe: concurrent pushes share fsyncs. In memory, returns None.
+        """
+        self._check_usable()
+        if (producer is None) != (seq is None):
+            raise TypeError("push: give both producer= and seq=, or neither")
+        if producer is not None:
+            if self.storage is None:
+                raise TypeError("push: producer= and seq= need a durable pipeline (storage=<dir>)")
+            if not isinstance(producer, str) or not producer:
+                raise TypeError(f"push: producer must be a non-empty str, got {producer!r}")
+            if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 2**63:
+                raise TypeError(f"push: seq must be an int in [0, 2**63), got {seq!r}")
+        if handle not in self._inputs:
+            raise KeyError(f"push: unknown input handle {handle!r}; inputs are {sorted(self._inputs)}")
+        z = self._to_zset(handle, data, weights)
+        if self.storage is None:
+            if z.num_rows:
+                with self._cond:
+                    self._pending.append((handle, z))
+            return None
+        if not z.weights.flags.writeable:  # Arrow-backed weights are read-only; the kernels need writable ones
+            z = ZSet._make(z.data, z.weights.copy())
+        payload = encode_zset(z)
+        prod, sq = producer or "", seq or 0
+        with self._cond:
+            while True:
+                if self._closing:
+                    self._cond.wait()
+                    continue
+                if producer is not None:
+                    if self._seen.has(prod, sq):
+                        self.stats["duplicates"] += 1
+                        return Ack(None, prod, sq, True)
+                    if (prod, sq) in self._inflight_keys:
+                        self._cond.wait()
+                        continue
+                    self._inflight_keys.add((prod, sq))
+                break
+            step = self._open_step
+            self._inflight += 1
+        try:
+            crashpoint("push-append")
+            assert self._input is not None
+            self._input.append(step, handle, payload, producer=prod, seq=sq)
+            crashpoint("push-acked")
+        except BaseException as exc:
+            # the record may or may not be durable: only recovery (which reads the log) can tell, so a retry in
+            # this process could count it twice; stop accepting work (like a failed fsync in a database)
+            with self._cond:
+                self._broken = exc
+                self._inflight -= 1
+                self._inflight_keys.discard((prod, sq))
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            self._pending.append((handle, z))
+            self._step_inputs.append((handle, prod, sq))
+            if producer is not None:
+                self._seen.add(prod, sq)
+                self._inflight_keys.discard((prod, sq))
+            self._inflight -= 1
+            self.stats["pushes"] += 1
+            self._cond.notify_all()
+        return Ack(step, prod, sq, False)
+
+    # ---- steps ----
+
+    def _divide(self, wait: bool) -> _Divided:
+        """Close the open step (invariant 3); with storage, log its division record. Call with ``_step_lock``.
+
+        With ``wait`` the record is durable when this returns; without, it is placed in the log's order and
+        fsync'd on a background thread, and :meth:`_await_division` must return before any output of the step
+        is written or released."""
+        with self._cond:
+            self._closing = True
+            try:
+                while self._inflight:
+                    self._cond.wait()
+                step = self._open_step
+                pushes, self._pending = self._pending, []
+                entries, self._step_inputs = self._step_inputs, []
+                now_ns, seed = max(int(self._clock()), self._now_floor), random.getrandbits(63)
+                self._now_floor = now_ns  # now never goes back, even if the wall clock does
+                in_force = dict(self._wm_divided)  # operators see the watermarks after the previous step
+                after, late = advance(self._event_time, in_force, pushes) if self._event_time else ({}, {})
+                if self._input is not None:
+                    crashpoint("step-divide")
+                    division = {"step": step, "pushes": len(pushes), "now_ns": now_ns, "seed": seed}
+                    if self._event_time:
+                        division["watermarks"] = after
+                    record = encode_json(DIVISION_MAGIC, division)
+                    try:
+                        if wait:
+                            self._input.append(step, DIVISION_HANDLE, record)
+                        else:
+                            ticket = self._input.enqueue(step, DIVISION_HANDLE, record)
+                            if self._syncer is None:
+                                self._syncer = ThreadPoolExecutor(1, thread_name_prefix="dbsp-division-sync")
+                            self._division_sync = self._syncer.submit(self._input.sync, ticket)
+                    except BaseException as exc:
+                        self._broken = exc  # the division may or may not be durable: only recovery knows
+                        raise
+                self._open_step = step + 1
+                self._wm_divided = after if self._event_time else self._wm_divided
+            finally:
+                self._closing = False
+                self._cond.notify_all()
+        return _Divided(StepInput(step, pushes, now_ns, None, seed, in_force), _ranges(entries), after, late)
+
+    def _await_division(self, quiet: bool = False) -> None:
+        """Wait until the division record of the last ``_divide(wait=False)`` is durable (invariant 3)."""
+        f, self._division_sync = self._division_sync, None
+        if f is None:
+            return
+        try:
+            f.result()
+        except BaseException as exc:
+            self._broken = exc  # the division may or may not be durable: only recovery knows
+            if not quiet:
+                raise
+
+    def _run(self, batch: list[_Divided], replay: bool = False) -> list[dict[str, ZSet]]:
+        """Run divided steps on the executor and log their output (invariants 3 and 4). Call with ``_step_lock``."""
+        steps = []
+        prev = self._last_now
+        for d in batch:
+            steps.append(d.input._replace(prev_now_ns=prev))
+            prev = d.input.now_ns
+        try:
+            outs = self.executor.run(steps)
+            crashpoint("step-computed")  # the division record may or may not be durable yet
+            self._await_division()  # invariant 3: durable before any output is written or returned
+            crashpoint("step-output")
+            if self._output is not None:
+                for d, out in zip(batch, outs):
+                    self._output.write(d.input.step, out, d.ranges)
+                    crashpoint("step-written" if not replay else "recover-step")
+        except BaseException as exc:
+            self._broken = exc  # state has advanced past output that is not logged: recover from the checkpoint
+            raise
+        finally:
+            if self._division_sync is not None:  # the step failed before waiting: settle the fsync
+                self._await_division(quiet=True)
+        last = batch[-1].input
+        self.steps = last.step + 1
+        self._last_now = self.now_ns = last.now_ns
+        self.seed = last.seed
+        if self._event_time:
+            self.watermarks = dict(batch[-1].watermarks_after)
+            for d in batch:
+                for name, n in d.late.items():
+                    self.late_rows[name] += n
+        return outs
+
+    def step(self) -> dict[str, ZSet]:
+        """Divide the acknowledged input into a step (with storage: durably, with ``now`` and ``seed``), run it
+        with any queued steps, log its output; returns ``{output: change of the view}`` of this step."""
+        self._check_usable()
+        with self._step_lock:
+            self._check_usable()
+            self._queue.append(self._divide(wait=self.storage is None or self.executor.division_first
+                                            or bool(self._queue)))
+            crashpoint("step-run")
+            return self._run_queue()[-1]
+
+    def queue_step(self) -> int:
+        """Divide the acknowledged input into a step (durably) without running it; returns the step number.
+
+        Queued steps run together (an executor may run them in one job) at the next :meth:`run_queued` or
+        :meth:`step` (or on recovery, if the pipeline stops first).
+        """
+        self._check_usable()
+        with self._step_lock:
+            self._check_usable()
+            self._queue.append(self._divide(wait=True))
+            return self._queue[-1].input.step
+
+    def run_queued(self) -> list[dict[str, ZSet]]:
+        """Run every queued step; returns each one's ``{output: change}``, in step order."""
+        self._check_usable()
+        with self._step_lock:
+            self._check_usable()
+            return self._run_queue() if self._queue else []
+
+    @property
+    def queued(self) -> int:
+        """How many divided steps wait to run."""
+        return len(self._queue)
+
+    def _run_queue(self) -> list[dict[str, ZSet]]:
+        batch, self._queue = self._queue, []
+        outs = self._run(batch)
+        if self.storage is not None and self.checkpoint_interval is not None and \
+                time.monotonic() - self._last_checkpoint >= self.checkpoint_interval:
+            self.checkpoint(wait=False)
+        return outs
+
+    # ---- checkpoints ----
+
+    def checkpoint(self, wait: bool = True) -> int:
+        """Take a checkpoint at the step the pipeline has run to (invariant 5); returns its step.
+
+        Steps pause only while the executor captures its state (cheap: immutable batches); the state is then
+        written and committed before this returns with ``wait=True`` (on demand) or on a background thread with
+        ``wait=False`` (the timer), while later steps run. Pushes never wait. Queued steps are not run; they
+        stay in the log. One checkpoint runs at a time.
+        """
+        self._check_usable()
+        if self.storage is None:
+            raise DbspError("checkpoint: an in-memory pipeline keeps nothing on disk; give storage=<dir>")
+        with self._step_lock:
+            self._join_checkpoint()
+            t0 = time.perf_counter()
+            crashpoint("checkpoint-start")
+            step = self.steps
+            with self._cond:
+                seen = self._seen.copy()
+            floor, prev_now, wms = self._now_floor, self._last_now, dict(self.watermarks)
+            try:
+                make_durable = self.executor.checkpoint(step)
+            except BaseException as exc:
+                self._broken = exc
+                raise
+            output, inp, db = self._output, self._input, self._driver_db
+            assert output is not None and inp is not None and db is not None
+
+            def finish() -> None:
+                try:
+                    output.flush()  # output of every step below the checkpoint is durable before it
+                    make_durable()
+                    crashpoint("checkpoint-state")
+                    with db.open(db.versions().stop - 1) as h:  # invariant 5: the driver's record at the step
+                        seen.save(h)
+                        clock = {"now_ns": floor, "prev_now_ns": prev_now}
+                        if wms:
+                            clock["watermarks"] = wms  # after the checkpoint's last step: in force at its step
+                        h.put(CLOCK_TABLE, CLOCK_KEY, encode_json(CLOCK_MAGIC, clock))
+                        h.set_step(step)
+                        h.commit()
+                    crashpoint("checkpoint-gc")
+                    inp.truncate_below(step)  # the low watermark: the state and driver.db are both at step
+                    if self.output_retention is not None:
+                        output.truncate_below(min(step, output.last - self.output_retention))
+                    self.stats["checkpoints"] += 1
+                    self.stats["last_checkpoint_s"] = time.perf_counter() - t0
+                except BaseException as exc:
+                    # databases may hold different versions and the incremental snapshot state is ahead of them:
+                    # only recovery (Pipeline.open) knows the consistent state again
+                    self._broken = exc
+                    raise
+
+            self._last_checkpoint = time.monotonic()
+            if wait:
+                finish()
+            else:
+                self._ckpt_thread = threading.Thread(target=self._background, args=(finish,),
+                                                     name="dbsp-checkpoint", daemon=True)
+                self._ckpt_thread.start()
+            return step
+
+    def _background(self, finish: Any) -> None:
+        try:
+            finish()
+        except BaseException:  # recorded in self._broken; raised by the next call
+            pass
+
+    def _join_checkpoint(self) -> None:
+        """Wait for a background checkpoint; raise if it failed."""
+        t = self._ckpt_thread
+        if t is not None:
+            t.join()
+            self._ckpt_thread = None
+        self._check_usable()
+
+    # ---- layout ----
+
+    @property
+    def layout(self) -> Layout:
+        """The layout in force: ``.workers``, ``.shards`` and ``.owner(shard) -> worker``."""
+        lay = self.executor.layout
+        assert lay is not None
+        return lay
+
+    @property
+    def workers(self) -> int:
+        """Number of workers W of the layout in force."""
+        return self.layout.workers
+
+    @property
+    def shard_map(self) -> ShardMap:
+        """The routing table of the layout in force (shard -> worker)."""
+        return self.layout.shard_map
+
+    # ---- output ----
+
+    def _need_storage(self, what: str) -> None:
+        if self.storage is None:
+            raise DbspError(f"{what}: an in-memory pipeline keeps no logs; give storage=<dir>")
+
+    def read_output(self, name: str, from_step: int = 0) -> Iterator[tuple[int, ZSet]]:
+        """Yields ``(step, change)`` of output ``name`` for every logged step from ``from_step``, once each, in order."""
+        self._need_storage("read_output")
+        assert self._output is not None
+        return self._output.read(name, from_step)
+
+    def read_input(self, step: int) -> dict[str, ZSet]:
+        """The input of a divided step as one Z-set per input handle (seed 000 ``read(step)``).
+
+        Raises LookupError if the step is not divided yet or its records were truncated below the low watermark.
+        """
+        self._need_storage("read_input")
+        assert self._input is not None
+        if not 0 <= step < self._open_step:
+            raise LookupError(f"step {step} is not divided yet (the next step is {self._open_step})")
+        first = self._input.first_step
+        if first is None or step < first:
+            raise LookupError(f"the input of step {step} was truncated below the low watermark")
+        parts: dict[str, list[ZSet]] = {h: [] for h in self._inputs}
+        divided = False
+        for r in self._input.iter_from(step, step):
+            if r.handle == DIVISION_HANDLE:
+                divided = True
+            else:
+                parts[r.handle].append(decode_zset(r.payload, self._inputs[r.handle], f"{self.storage} step {step}"))
+        if not divided:
+            raise LookupError(f"the input of step {step} was truncated below the low watermark")
+        return {h: (ZSet.concat(ps).consolidate() if len(ps) > 1 else ps[0].consolidate() if ps
+                    else ZSet.empty(self._inputs[h])) for h, ps in parts.items()}
+
+    def output_inputs(self, step: int) -> list[dict]:
+        """The input (handle, producer, first_seq..last_seq ranges) that produced output step ``step``."""
+        self._need_storage("output_inputs")
+        assert self._output is not None
+        return self._output.inputs_of(step)
+
+    @property
+    def output_steps(self) -> range:
+        """The output steps the log holds."""
+        self._need_storage("output_steps")
+        assert self._output is not None
+        return range(self._output.first, self._output.last)
+
+    def traces(self, worker: int) -> dict[str, Trace]:
+        """All keyed state of one worker, as ``{"<operator label>.<trace name>": Trace}``.
+
+        Every trace is sorted by key hash, so ``trace.shard(shard_bits, s)`` reads one shard's state; the shards
+        with rows are those the layout assigns to ``worker``.
+
+        >>> import pyarrow as pa
+        >>> import dbsp_core as dbsp
+        >>> c = dbsp.Circuit()
+        >>> t = c.input("t", pa.schema([("x", pa.int64())]))
+        >>> c.output("d", t.distinct())
+        >>> sorted(dbsp.Pipeline(c).traces(0))
+        ['distinct#2.input']
+        """
+        self._check_usable()
+        with self._step_lock:
+            return self.executor.traces(worker)
+
+    def disk_usage(self) -> dict[str, int]:
+        """Bytes on disk per part of the storage directory."""
+        self._need_storage("disk_usage")
+        root = self.storage
+        assert root is not None
+
+        def du(p: str) -> int:
+            if os.path.isfile(p):
+                return os.path.getsize(p)
+            return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs)
+        return {"input": du(os.path.join(root, INPUT_DIR)), "output": du(os.path.join(root, OUTPUT_DIR)),
+                "state": du(os.path.join(root, STATE_DIR))}
+
+    # ---- shutdown ----
+
+    def _shutdown(self) -> None:
+        if self._division_sync is not None:
+            self._await_division(quiet=True)
+        if self._syncer is not None:
+            self._syncer.shutdown(wait=True)
+            self._syncer = None
+        for part in (self.executor, self._input, self._output, self._driver_db):
+            try:
+                if part is not None:
+                    part.close()
+            except Exception:  # pragma: no cover - best effort on an error path
+                pass
+        if self._lockfd is not None:
+            unlock_dir(self._lockfd)
+            self._lockfd = None
+        self._closed = True
+
+    def close(self, checkpoint: bool = True) -> None:
+        """Checkpoint (with storage, unless ``checkpoint=False`` or the pipeline is broken), then release files
+        and threads; the pipeline cannot be used afterwards."""
+        if self._closed:
+            return
+        with self._step_lock:
+            t = self._ckpt_thread
+            if t is not None:
+                t.join()
+                self._ckpt_thread = None
+            try:
+                if checkpoint and self.storage is not None and self._broken is None:
+                    self.checkpoint()
+            finally:
+                self._shutdown()
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        where = f"{self.storage!r}, " if self.storage else ""
+        lay = self.executor.layout
+        return (f"Pipeline({where}workers={lay.workers if lay else '?'}, steps={self.steps}, "
+                f"executor={self.executor.kind})")

@@ -1,0 +1,140 @@
+"""The executor protocol: what the driver (dbsp_core.runtime.driver.Pipeline) asks of whatever runs a circuit's steps, and the step record both sides share.
+
+The driver owns everything common to every way of running a circuit (push and dedup, the division of input
+into steps with its determinants, the output log, checkpoint cadence, open and recovery, format checks,
+layout changes). An executor owns the operator state and runs steps over it:
+
+- ``EmbeddedExecutor`` (embedded.py): W threads in this process, exchange by the shard map, state in memory,
+  checkpointed into one Database per worker by the seed-000 coordinator.
+- ``StagedExecutor`` (staged.py): the circuit cut into stages at its exchanges, one task per (stage, worker)
+  run by a job runner over blobs, state in a Database per (stage, worker) committed by every job; spark_glue
+  supplies a runner that runs the tasks on Spark.
+
+Invariants (every executor keeps them):
+  1. ``run(steps)`` runs consecutive steps starting at the executor's current step and returns each step's
+     ``{output: change}``, consolidated; results do not depend on the number of workers, on the layout, nor on
+     how the steps are grouped into calls.
+  2. Durable state moves only through versions of its databases, all of them at the same version and step
+     after every checkpoint (embedded) or job (staged); ``open_state`` puts every database back on the newest
+     version they all hold (discarding a partial one) and returns it, without loading anything.
+  3. The state of one layout's workers is one *group* of databases per stateful part of the executor (one group
+     for the embedded executor, one per stateful stage for the staged one), each group one database per
+     worker, every value grouped by shard (dbsp_core.storage.snapshot), so a layout change moves shards
+     between the databases of a group and touches nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Protocol
+
+from dbsp_core.circuit import Circuit
+from dbsp_core.layout import Layout
+from dbsp_core.storage.snapshot import TableSpec
+from dbsp_core.trace import Trace
+from dbsp_core.zset import ZSet
+
+
+class StepInput(NamedTuple):
+    """One divided step as the driver hands it to an executor: its pushes and its logged determinants."""
+
+    step: int
+    pushes: list[tuple[str, ZSet]]  # (input handle, change), in the order they were acknowledged
+    now_ns: int | None
+    prev_now_ns: int | None
+    seed: int | None
+    watermarks: dict[str, int]
+
+
+class StateGroup(NamedTuple):
+    """One group of state databases (invariant 3): a path per worker and what their state tables hold."""
+
+    name: str
+    path_of: Callable[[int], str]  # worker -> database path
+    tables: dict[str, TableSpec]
+
+
+class Executor(Protocol):
+    """Runs the steps of one circuit over one layout; see the module docstring."""
+
+    kind: str  # "embedded" or "staged": recorded in META, a directory is reopened with the same kind
+    division_first: bool  # the division of a step must be durable before it runs (state commits while it runs)
+    layout: Layout | None  # the layout of the workers built by the last start()
+    stats: dict  # counters, shared with the driver's (the driver adds its own to the same dict)
+
+    def start(self, circuit: Circuit, layout: Layout, storage: str | None) -> None:
+        """Build the workers of ``layout`` (no state is loaded); ``storage`` None runs in memory."""
+
+    def groups(self, layout: Layout) -> list[StateGroup]:
+        """The state groups of ``layout`` under the storage directory (invariant 3)."""
+
+    def open_state(self) -> tuple[int, int | None]:
+        """Normalize every state database to the newest version all hold; returns ``(version, step)``, the step
+        None when the executor keeps no state (the driver's record says where to resume)."""
+
+    def load_state(self, step: int) -> None:
+        """Resume at ``step`` with the state of the version :meth:`open_state` chose (an executor that loads
+        lazily only takes note of the step)."""
+
+    def run(self, steps: list[StepInput]) -> list[dict[str, ZSet]]:
+        """Run consecutive steps (invariant 1)."""
+
+    def checkpoint(self, step: int) -> Callable[[], None]:
+        """Capture the state at ``step`` (steps are paused); the returned function makes it durable (it may
+        run on another thread while later steps run)."""
+
+    def traces(self, worker: int) -> dict[str, Trace]:
+        """All keyed state of one worker as ``{"<operator label>.<trace name>": Trace}``."""
+
+    def disk_bytes(self) -> int:
+        """Bytes of state on disk."""
+
+    def close(self) -> None:
+        """Release threads and files."""
+
+
+def spread(pushes: list[tuple[str, ZSet]], workers: int, cursor: int, keep: Any = None
+           ) -> list[dict[str, list[ZSet]]]:
+    """Each push split in contiguous, even slices over the workers, starting at worker ``cursor`` and moving on
+    by the rows placed (so small pushes spread too): ``[{handle: [parts]} per worker]``. Pushes to a handle
+    not in ``keep`` (if given) are dropped. Results never depend on the split: it only balances the work.
+
+    >>> import pyarrow as pa
+    >>> z = ZSet.from_arrow(pa.table({"x": [1, 2, 3]}))
+    >>> [{h: [p.num_rows for p in ps] for h, ps in w.items()} for w in spread([("t", z)], 2, 1)]
+    [{'t': [1]}, {'t': [2]}]
+    """
+    out: list[dict[str, list[ZSet]]] = [{} for _ in range(workers)]
+    for handle, z in pushes:
+        if keep is not None and handle not in keep:
+            continue
+        n = z.num_rows
+        if n == 0:
+            continue
+        if workers == 1:
+            out[0].setdefault(handle, []).append(z)
+            continue
+        base, extra = divmod(n, workers)
+        start = 0
+        for k in range(workers):
+            size = base + (1 if k < extra else 0)
+            if size == 0:
+                continue
+            w = (cursor + k) % workers
+            out[w].setdefault(handle, []).append(ZSet._make(z.data.slice(start, size), z.weights[start:start + size]))
+            start += size
+        cursor = (cursor + n) % workers
+    return out
+
+
+def live_nodes(circuit: Circuit) -> list[int]:
+    """The nodes that feed an output, in id order (the nodes a pipeline runs)."""
+    live = set(circuit.outputs.values())
+    for i in range(len(circuit.nodes) - 1, -1, -1):
+        if i in live:
+            live.update(circuit.nodes[i].inputs)
+    return sorted(live)
+
+
+def groupings(circuit: Circuit) -> dict[int, tuple[str, ...] | None]:
+    """Every node's partitioning: how its Z-set state is grouped by shard (dbsp_core.storage.snapshot inv. 5)."""
+    return {i: op.partitioning for i, op in enumerate(circuit.nodes)}

@@ -1,0 +1,338 @@
+"""The staged executor (driver side): runs a circuit's steps as jobs of stage tasks (stage_plan.py, stage_task.py) on a job runner that moves blobs between workers, with the state of each stateful (stage, worker) in its own Database, committed by every job.
+
+A **job** runs one or more consecutive divided steps: the executor encodes each step's input as blobs (each push
+spread in contiguous slices over the W workers), hands the job to a :class:`JobRunner` (one task per stage and
+worker, stages in order, blobs routed by their ``part``), and gets back every output share and one commit
+acknowledgement per stateful (stage, worker). :class:`LocalJobRunner` runs the tasks in this process (the
+reference); ``spark_glue`` runs them as Spark tasks with the shuffle as the router.
+
+Invariants (enforced here):
+  1. Every job commits every stateful stage database once, from the common base version ``v`` to ``v + 1``;
+     the executor checks that it got an acknowledgement of ``v + 1`` at the job's end step from every stateful
+     (stage, worker) before it returns any of the job's output, else it raises (the driver marks the pipeline
+     broken; recover with ``open``). So after each job the stage databases are a consistent checkpoint, and
+     a step's division must be durable before the step runs (``division_first``).
+  2. Before a job runs, ``state/JOB`` durably records its base version ``v`` and steps. Stage tasks commit
+     ``v + 1`` before the driver logs the job's output, so :meth:`StagedExecutor.open_state` opens every stage
+     database at the maximum of the intersection of their versions, but not above ``v`` when the output log
+     lacks some step of that job (the job then runs again, its logged steps verified); this discards a
+     partial job. Once every database holds that one version, the record has done its work and is removed.
+  3. Results do not depend on W, on the layout, on how steps are grouped into jobs, nor on task retries
+     (stage_plan.py invariant 1, stage_task.py invariant 3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import os
+import time
+import uuid
+from typing import Callable, NamedTuple, Protocol
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from dbsp_core.circuit import Circuit
+from dbsp_core.errors import DbspError, RecoveryError
+from dbsp_core.layout import Layout
+from dbsp_core.operators.base import concat
+from dbsp_core.runtime.executor import StateGroup, StepInput, groupings, spread
+from dbsp_core.runtime.stage_plan import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, StagePlan, StageWorker, StepInfo,
+                                          control_blobs, encode_blobs, gather, read_acks)
+from dbsp_core.runtime.stage_task import (InjectedFault, StageTask, choose_stage_version, open_stage_databases,
+                                          run_stage_task, stage_db_path)
+from dbsp_core.storage.database import Database
+from dbsp_core.storage.directory import read_record, remove_record, write_record
+from dbsp_core.storage.formats import JOB_FILE, JOB_MAGIC, STATE_DIR
+from dbsp_core.storage.snapshot import WorkerSnapshot, state_tables
+from dbsp_core.trace import Trace
+from dbsp_core.zset import ZSet
+
+__all__ = ["Job", "JobRunner", "LocalJobRunner", "StagedExecutor"]
+
+
+class Job(NamedTuple):
+    """One job: a task description per stage (in stage order) and the stage-0 input blobs."""
+
+    tasks: list[StageTask]
+    inputs: pa.Table
+    workers: int
+
+
+class JobRunner(Protocol):
+    """Runs every stage task of a job for every worker and returns the blobs left after the last stage."""
+
+    def run_job(self, job: Job) -> pa.Table: ...
+
+
+class LocalJobRunner:
+    """Runs a job's tasks one after another in this process, routing blobs by ``part`` (the reference runner).
+
+    ``fail_first`` (tests): ``{(stage, point, worker), ...}``; the first attempt of each such task raises
+    :class:`~dbsp_core.runtime.stage_task.InjectedFault` at ``point`` and is retried once, as Spark retries a
+    failed task.
+    """
+
+    def __init__(self, fail_first: set[tuple[int, str, int]] | None = None) -> None:
+        self.fail_first = set(fail_first or ())
+        self.retries = 0
+
+    def run_job(self, job: Job) -> pa.Table:
+        blobs = job.inputs
+        for task in job.tasks:
+            parts = blobs.column("part").to_numpy()
+            outs = []
+            for w in range(job.workers):
+                mine = blobs.filter(pa.array(parts == w))
+                for k, point, wk in sorted(self.fail_first):
+                    if (k, wk) == (task.stage, w):  # a failed first attempt, then the retry below
+                        self.fail_first.discard((k, point, wk))
+                        try:
+                            run_stage_task(dataclasses.replace(task, fault=(point, w)), w, mine)
+                        except InjectedFault:
+                            self.retries += 1
+                outs.append(run_stage_task(task, w, mine))
+            blobs = pa.concat_tables(outs) if outs else blobs.slice(0, 0)
+        return blobs
+
+
+class StagedExecutor:
+    """Runs a circuit's steps as jobs of stage tasks on a :class:`JobRunner` (see the module docstring).
+
+    Parameters
+    ----------
+    runner : JobRunner or None
+        Where the tasks run (default: :class:`LocalJobRunner`, in this process).
+    max_steps_per_job : int
+        At most this many consecutive steps run in one job.
+
+    Examples
+    --------
+    >>> import tempfile, pyarrow as pa, dbsp_core as dbsp
+    >>> c = dbsp.Circuit()
+    >>> bids = c.input("bids", pa.schema([("auction", pa.int64()), ("price", pa.int64())]))
+    >>> c.output("totals", bids.group_by("auction").agg(total=dbsp.sum("price")))
+    >>> d = tempfile.mkdtemp()
+    >>> p = dbsp.Pipeline(c, workers=2, storage=d, executor=StagedExecutor())
+    >>> _ = p.push("bids", pa.table({"auction": [1, 1], "price": [10, 5]}))
+    >>> p.queue_step()
+    0
+    >>> _ = p.push("bids", pa.table({"auction": [1], "price": [1]}))
+    >>> p.queue_step()
+    1
+    >>> [out["totals"].to_dict() for out in p.run_queued()]   # both steps in one job
+    [{(1, 15): 1}, {(1, 15): -1, (1, 16): 1}]
+    >>> p.executor.jobs
+    1
+    >>> p.close()
+    >>> q = dbsp.Pipeline.open(d, c, executor=StagedExecutor())
+    >>> [(s, z.to_dict()) for s, z in q.read_output("totals", from_step=1)]
+    [(1, {(1, 15): -1, (1, 16): 1})]
+    >>> q.close()
+    """
+
+    kind = "staged"
+    division_first = True  # invariant 1: a job commits state, so its steps' divisions are durable first
+
+    def __init__(self, runner: JobRunner | None = None, max_steps_per_job: int = 64) -> None:
+        if not isinstance(max_steps_per_job, int) or max_steps_per_job < 1:
+            raise ValueError(f"max_steps_per_job must be a positive int, got {max_steps_per_job!r}")
+        self.runner: JobRunner = runner if runner is not None else LocalJobRunner()
+        self.max_steps_per_job = max_steps_per_job
+        self.run_id = uuid.uuid4().hex  # cache entries of an earlier incarnation are never used (stage_task inv. 4)
+        self.version = 0
+        self.step = 0
+        self.jobs = 0
+        self.job_seconds = 0.0
+        self.stats: dict[str, int] = {}
+        self.output_steps: Callable[[], int] = lambda: 2**62  # the driver's output log end (invariant 2)
+        self.circuit: Circuit | None = None
+        self.layout: Layout | None = None
+        self.storage: str | None = None
+
+    # ---- setup ----
+
+    def start(self, circuit: Circuit, layout: Layout, storage: str | None) -> None:
+        if storage is None:
+            raise DbspError("the staged executor keeps its state in a storage directory; give storage=<dir>")
+        self.circuit, self.layout, self.storage = circuit, layout, storage
+        self.plan = StagePlan(circuit)
+        self._out_schemas = {name: circuit.nodes[i].schema for name, i in circuit.outputs.items()}
+        self._in_schemas = {name: circuit.nodes[i].schema for name, i in circuit.inputs.items()}
+
+    def groups(self, layout: Layout) -> list[StateGroup]:
+        assert self.storage is not None and self.circuit is not None
+        root, out = self.storage, []
+        for k in range(self.plan.num_stages):
+            if not self.plan.stateful[k]:
+                continue
+            sw = StageWorker(self.circuit, self.plan, k, 0, layout.shard_map)
+            out.append(StateGroup(f"stage-{k}", lambda w, k=k: stage_db_path(root, k, w),
+                                  state_tables(sw.stateful, groupings(self.circuit))))
+        return out
+
+    def _job_path(self) -> str:
+        assert self.storage is not None
+        return os.path.join(self.storage, STATE_DIR, JOB_FILE)
+
+    def open_state(self) -> tuple[int, int | None]:
+        assert self.storage is not None and self.layout is not None
+        paths = [p for _, _, p in open_stage_databases(self.storage, self.plan, self.layout.workers)]
+        at_most = None
+        job = read_record(self._job_path(), JOB_MAGIC)
+        if job is not None and job["end"] > self.output_steps():
+            at_most = job["version"]  # invariant 2: its output is not all logged; run it again from its base
+        v, x = choose_stage_version(paths, at_most)
+        if job is not None:
+            remove_record(self._job_path())  # every database now holds v only: the record did its work
+        self.version, self.step = v, x
+        return v, (x if paths else None)
+
+    def load_state(self, step: int) -> None:
+        """Stage tasks load their state themselves (stage_task.py invariant 4); only the step is noted."""
+        self.step = step
+
+    # ---- steps ----
+
+    def run(self, steps: list[StepInput]) -> list[dict[str, ZSet]]:
+        outs: list[dict[str, ZSet]] = []
+        for lo in range(0, len(steps), self.max_steps_per_job):
+            outs.extend(self._run_job(steps[lo:lo + self.max_steps_per_job]))
+        return outs
+
+    def _input_blobs(self, steps: list[StepInput]) -> pa.Table:
+        """Stage-0 blobs of a job: each push spread in contiguous slices over the workers."""
+        assert self.layout is not None
+        rows = []
+        W = self.layout.workers
+        for s in steps:
+            for w, per in enumerate(spread(s.pushes, W, s.step % W, keep=self.plan.inputs)):
+                for handle, parts in per.items():
+                    rows.append((w, -1, self.plan.inputs[handle], s.step, concat(parts, self._in_schemas[handle])))
+        return encode_blobs(rows)
+
+    def _make_job(self, steps: list[StepInput]) -> Job:
+        assert self.layout is not None
+        infos = [StepInfo(s.step, s.now_ns, s.prev_now_ns, s.seed, dict(s.watermarks)) for s in steps]
+        tasks = [StageTask(self.plan, k, self.layout, self.storage, self.run_id, self.version, infos)
+                 for k in range(self.plan.num_stages)]
+        inputs = pa.concat_tables([self._input_blobs(steps), control_blobs(self.layout.workers, steps[0].step)])
+        return Job(tasks, inputs, self.layout.workers)
+
+    def _run_job(self, steps: list[StepInput]) -> list[dict[str, ZSet]]:
+        if not steps:
+            return []
+        first, end = steps[0].step, steps[-1].step + 1
+        if first != self.step:
+            raise DbspError(f"job for steps {first}..{end - 1} but the executor is at step {self.step}")
+        t0 = time.perf_counter()
+        stateful = any(self.plan.stateful)
+        if stateful:
+            write_record(self._job_path(), JOB_MAGIC, {"version": self.version, "first": first, "end": end})
+        result = self.runner.run_job(self._make_job(steps))
+        outs = self._collect(result, first, end)
+        self.job_seconds += time.perf_counter() - t0
+        self.jobs += 1
+        if stateful:
+            self.version += 1
+        self.step = end
+        return outs
+
+    def _collect(self, result: pa.Table, first: int, end: int) -> list[dict[str, ZSet]]:
+        """Each step's outputs from the final blobs, after checking every commit acknowledgement (invariant 1)."""
+        assert self.layout is not None
+        W = self.layout.workers
+        if result.schema != BLOB_SCHEMA:
+            result = result.select(BLOB_SCHEMA.names).cast(BLOB_SCHEMA)
+        want = {(k, w) for k in range(self.plan.num_stages) if self.plan.stateful[k] for w in range(W)}
+        acks = read_acks(result)
+        got = {(a["stage"], a["worker"]) for a in acks}
+        bad = [a for a in acks if (a["version"], a["step"]) != (self.version + 1, end)]
+        if got != want or len(acks) != len(want) or bad:
+            raise RecoveryError(f"job for steps {first}..{end - 1}: commit acknowledgements {sorted(got)} "
+                                f"(bad: {bad}) do not match the stateful (stage, worker) set {sorted(want)}")
+        for a in acks:  # executor cache effectiveness (stage_task.py invariant 4)
+            key = {"cache": "state_cache_hits", "partial": "state_partial_loads"}.get(a.get("loaded"), "state_loads")
+            self.stats[key] = self.stats.get(key, 0) + 1
+        nodes = result.column("node")
+        control = result.filter(pc.equal(nodes, CONTROL_NODE)).column("part").to_pylist()
+        if sorted(control) != list(range(W)):
+            raise DbspError(f"job for steps {first}..{end - 1}: control blobs came back from workers "
+                            f"{sorted(control)}, expected one from each of 0..{W - 1}")
+        outb = result.filter(pc.and_(pc.less(nodes, 0), pc.and_(pc.not_equal(nodes, ACK_NODE),
+                                                                  pc.not_equal(nodes, CONTROL_NODE))))
+        other = result.num_rows - outb.num_rows - len(acks) - len(control)
+        if other:
+            raise DbspError(f"job for steps {first}..{end - 1}: {other} blobs were left unconsumed after the last "
+                            "stage")
+        got_out = gather(self.plan, outb, f"job {first}..{end - 1} output")
+        outs = []
+        for step in range(first, end):
+            out = {}
+            for k, name in enumerate(self.plan.output_names):
+                z = got_out.get((-1 - k, step))
+                out[name] = z.consolidate() if z is not None else ZSet.empty(self._out_schemas[name])
+            outs.append(out)
+        return outs
+
+    # ---- durability ----
+
+    def checkpoint(self, step: int) -> Callable[[], None]:
+        """Every job commits the stage databases (invariant 1): the state is durable at the executor's step."""
+        if step != self.step:
+            raise DbspError(f"checkpoint at step {step}, but the stage databases are at step {self.step}")
+        return lambda: None
+
+    # ---- inspection ----
+
+    def traces(self, worker: int) -> dict[str, Trace]:
+        """All keyed state of one worker after the steps run so far, loaded from the stage databases.
+
+        Each stateful stage's database of ``worker`` is read at the current version through a read-only
+        handle (no version is discarded, nothing is written), under the lock stage tasks take.
+        """
+        assert self.layout is not None and self.storage is not None and self.circuit is not None
+        if not 0 <= worker < self.layout.workers:
+            raise ValueError(f"traces: worker {worker} is outside 0..{self.layout.workers - 1}")
+        out: dict[str, Trace] = {}
+        v = self.version
+        for k in range(self.plan.num_stages):
+            if not self.plan.stateful[k]:
+                continue
+            path = stage_db_path(self.storage, k, worker)
+            sw = StageWorker(self.circuit, self.plan, k, worker, self.layout.shard_map)
+            lockfd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(lockfd, fcntl.LOCK_EX)  # no stage task of this (stage, worker) meanwhile
+                db = Database(path)
+                try:
+                    if v not in db.versions():
+                        raise RecoveryError(f"{path}: holds versions {db.versions()}, the pipeline is at {v}")
+                    with db.read(v) as h:
+                        WorkerSnapshot(sw.stateful, self.layout.shard_bits,
+                                       groupings=groupings(self.circuit)).load(h, f"{path} v{v}")
+                finally:
+                    db.close()
+            finally:
+                os.close(lockfd)
+            for i, inst in sw.stateful.items():
+                get = getattr(inst, "traces", None)
+                if get is not None:
+                    for name, trace in get().items():
+                        out[f"{self.circuit.nodes[i].label}.{name}"] = trace
+        return out
+
+    def disk_bytes(self) -> int:
+        assert self.storage is not None
+        root = os.path.join(self.storage, STATE_DIR)
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+
+    def close(self) -> None:
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    def __repr__(self) -> str:
+        return f"StagedExecutor(stages={getattr(self, 'plan', None)}, jobs={self.jobs})"
+

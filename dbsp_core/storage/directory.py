@@ -1,0 +1,128 @@
+"""The storage directory as a whole: its lock, and the small framed records at its root (META, LAYOUT, RESCALE, the staged executor's JOB) written atomically through the VFS.
+
+Invariants (enforced here):
+  1. A record file holds one framed record (dbsp_core.codec: magic, format version, CRC-32) and is replaced
+     atomically (dbsp_core._storage.file_replace: temporary file, fsync, rename, fsync of the directory), so a
+     reader finds the old record or the new one, never a mix; a torn or damaged record raises CorruptionError
+     naming the file.
+  2. One process owns a directory at a time: :func:`lock_dir` takes an exclusive ``flock`` on ``LOCK`` and a
+     second opener gets a clear error instead of sharing the files.
+  3. META is written once, when the directory is created, and names the directory format; a directory of
+     another format is refused with FormatVersionError before anything else is read.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from typing import Any
+
+from dbsp_core import _storage
+from dbsp_core.codec import decode_json, encode_json
+from dbsp_core.errors import CorruptionError, DbspError, FormatVersionError
+from dbsp_core.layout import Layout
+from dbsp_core.storage.formats import (DIRECTORY_FORMAT, LAYOUT_FILE, LAYOUT_MAGIC, LOCK_FILE, META_FILE, META_MAGIC,
+                                       RESCALE_FILE, RESCALE_MAGIC)
+
+__all__ = ["lock_dir", "unlock_dir", "read_record", "write_record", "remove_record", "read_meta", "write_meta",
+           "read_layout", "write_layout", "read_rescale", "write_rescale", "remove_rescale", "fsync_dir"]
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def lock_dir(root: str) -> int:
+    """An exclusive lock on ``root/LOCK`` held while a pipeline uses the directory (invariant 2)."""
+    fd = os.open(os.path.join(root, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DbspError(f"{root} is in use by another pipeline (LOCK is held)") from None
+    return fd
+
+
+def unlock_dir(fd: int) -> None:
+    os.close(fd)  # releases the lock
+
+
+def read_record(path: str, magic: bytes, vfs: str = "posix") -> Any | None:
+    """The JSON object of the record file ``path``, or None if there is none (invariant 1).
+
+    >>> import tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "REC")
+    >>> read_record(path, b"TEST") is None
+    True
+    >>> write_record(path, b"TEST", {"a": 1}); read_record(path, b"TEST")
+    {'a': 1}
+    >>> remove_record(path); os.path.exists(path)
+    False
+    """
+    blob = _storage.file_read(path, vfs)
+    if blob is None:
+        return None
+    return decode_json(magic, blob, path)
+
+
+def write_record(path: str, magic: bytes, obj: Any, vfs: str = "posix") -> None:
+    """Replace the record file ``path`` atomically and durably (invariant 1)."""
+    _storage.file_replace(path, encode_json(magic, obj), vfs)
+
+
+def remove_record(path: str, vfs: str = "posix") -> None:
+    """Remove the record file ``path`` durably (a missing file is fine)."""
+    _storage.file_remove(path, vfs)
+
+
+def read_meta(root: str, formats: tuple[int, ...] = (DIRECTORY_FORMAT,)) -> dict:
+    """The META record of a storage directory; FileNotFoundError if there is none, FormatVersionError if it is
+    of a directory format not in ``formats``, CorruptionError if it is damaged (invariant 3)."""
+    path = os.path.join(root, META_FILE)
+    meta = read_record(path, META_MAGIC)
+    if meta is None:
+        raise FileNotFoundError(path)
+    fmt = meta.get("format")
+    if fmt not in formats:
+        hint = " (dbsp-core 0.1.0; Pipeline.open upgrades it)" if fmt == 1 else ""
+        raise FormatVersionError(f"{root}: storage directory format {fmt!r}{hint}; this reader takes formats "
+                                 f"{list(formats)}")
+    return meta
+
+
+def write_meta(root: str, meta: dict, vfs: str = "posix") -> None:
+    write_record(os.path.join(root, META_FILE), META_MAGIC, dict(meta, format=DIRECTORY_FORMAT), vfs)
+
+
+def read_layout(root: str, vfs: str = "posix") -> tuple[Layout, dict | None]:
+    """The layout in force and the report of the last layout change (None if there was none)."""
+    path = os.path.join(root, LAYOUT_FILE)
+    rec = read_record(path, LAYOUT_MAGIC, vfs)
+    if rec is None:
+        raise CorruptionError(f"{path}: missing; the directory holds a pipeline (META) but no layout")
+    try:
+        return Layout.from_dict(rec["layout"], path), rec.get("last_rescale")
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptionError(f"{path}: {e}") from None
+
+
+def write_layout(root: str, layout: Layout, last_rescale: dict | None, vfs: str = "posix") -> None:
+    write_record(os.path.join(root, LAYOUT_FILE), LAYOUT_MAGIC,
+                 {"layout": layout.to_dict(), "last_rescale": last_rescale}, vfs)
+
+
+def read_rescale(root: str, vfs: str = "posix") -> dict | None:
+    """The record of a layout change in progress, or None."""
+    return read_record(os.path.join(root, RESCALE_FILE), RESCALE_MAGIC, vfs)
+
+
+def write_rescale(root: str, rec: dict, vfs: str = "posix") -> None:
+    write_record(os.path.join(root, RESCALE_FILE), RESCALE_MAGIC, rec, vfs)
+
+
+def remove_rescale(root: str, vfs: str = "posix") -> None:
+    remove_record(os.path.join(root, RESCALE_FILE), vfs)

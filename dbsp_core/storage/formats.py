@@ -1,0 +1,139 @@
+"""Every on-disk format of a storage directory in one place: file names, magics, versions and byte layouts.
+
+Directory format 2 (``DIRECTORY_FORMAT``)::
+
+    <root>/
+      META                      the pipeline: circuit fingerprint, executor, inputs, outputs, output schemas
+      LAYOUT                    the layout in force (shards, owner table, epoch) and the last rescale's report
+      RESCALE                   only while a layout change is in progress: from, to, base version, step
+      LOCK                      flock(2)ed by the process that owns the directory (empty)
+      driver.db                 Database: the dedup set and the clock at the driver's last checkpoint
+      input/                    StepLog: pushes and one division record per step
+      output/                   OutputLog: each step's output change and the input ranges that produced it
+      state/worker-<w>.db       embedded executor: worker w's operator state
+      state/stage-<k>/worker-<w>.db   staged executor: the state of stage k on worker w
+      state/stage-<k>/worker-<w>.result   staged: the blobs of the committed attempt of the last job
+      state/stage-<k>/worker-<w>.db.lock  staged: flock(2)ed by a stage task attempt
+      state/JOB                 staged: the job running or last run (base version and steps)
+      state/jobs/worker-<w>.input   staged: a job's stage-0 input while it runs (spark_glue)
+
+Framed records (dbsp_core.codec): ``magic (4 bytes) | format version (u8) | CRC-32 of the body (u32 LE) | body``.
+The body of a JSON record is UTF-8 JSON with sorted keys.
+
+==========  ======================================  =======================================================
+magic       where                                   body
+==========  ======================================  =======================================================
+``DMET``    META                                    JSON: format, fingerprint, executor, inputs, outputs,
+                                                    output_schemas (hex Arrow schemas), hash_version
+``DLAY``    LAYOUT                                  JSON: layout (dbsp_core.layout.Layout.to_dict),
+                                                    last_rescale (report or null)
+``DRSC``    RESCALE                                 JSON: from and to (layout records), version, step
+``DLWK``    key ``layout`` of table ``snapshot`` in  JSON: layout epoch, worker index, shard bits of the
+            every state database (each version)     values stored in this version
+``DDIV``    input log record, handle "\\x00division"  JSON: step, pushes, now_ns, seed, watermarks
+``DZS1``    input log push payloads; values of       Arrow IPC stream of the data columns plus int64
+            ``z<node>.<attr>`` state tables          ``__dbsp_weight``
+``DRB1``    values of ``s<node>.<attr>`` tables      one schema-less Arrow IPC record batch (rows of one
+                                                    shard of one trace batch, sorted by key hash)
+``DRBG``    values of ``s<node>.<attr>`` tables      u32 run count, u32 run lengths, then one Arrow IPC
+                                                    record batch: one shard's rows of several batches
+``DORD``    key ``order.<table>`` of ``snapshot``    JSON: numbers (batch numbers in trace order), counts
+                                                    (batches per number, if any is not 1), settled
+``DDUP``    table ``dedup`` of driver.db, key =      JSON: wm (every seq <= wm seen), above (seen seqs
+            producer id (UTF-8)                     above wm)
+``DCLK``    key ``now`` of table ``clock``,          JSON: now_ns (floor of the next step's now), prev_now_ns
+            driver.db                               (now of the step before the checkpoint)
+``DJOB``    state/JOB                               JSON: version (base), first, end (steps)
+``DSTR``    state/stage-<k>/worker-<w>.result       job tag + an Arrow IPC blob table (dbsp_core.runtime.job_files)
+``DJIN``    state/jobs/worker-<w>.input             job tag + an Arrow IPC blob table
+``DSVL``    table ``stagelog`` of stage databases    JSON: trace keys added and deleted by the save of a version
+==========  ======================================  =======================================================
+
+State values are keyed by :func:`dbsp_core.storage.database.shard_key` ``(shard, number)``: the shard as 4
+big-endian bytes, then the value's number as 8 big-endian bytes (snapshot.py invariant 3); key ``next`` of
+table ``snapshot`` holds the next unused number (8 big-endian bytes).
+
+Formats below this module's level, specified byte by byte where they are written: the page file of a Database
+(``DBSPMETA`` meta slots, csrc/pagestore.c), the step log (``DBSPSLOG`` header and ``DBSPSSEG`` segments,
+csrc/steplog.c), the output log (dbsp_core/storage/outputlog.py).
+
+Directory format 1 (dbsp-core 0.1.0, before the layout became data) kept ``workers`` and ``shard_bits`` in
+META, worker databases at ``worker-<w>.db`` in the root and stage databases under ``stages/``, a Z-set
+attribute as one value under key ``all``, and the embedded driver's dedup set and clock in worker 0's database;
+``Pipeline.open`` converts such a directory to format 2 (dbsp_core.runtime.upgrade), and its input and output
+logs are read in place (the step log reads its format-1 segments; dbsp_core.storage.outputlog_format1 reads
+the ``DOUT`` output segments).
+"""
+
+from __future__ import annotations
+
+import os
+
+DIRECTORY_FORMAT = 2
+
+META_FILE = "META"
+LAYOUT_FILE = "LAYOUT"
+RESCALE_FILE = "RESCALE"
+LOCK_FILE = "LOCK"
+DRIVER_DB = "driver.db"
+INPUT_DIR = "input"
+OUTPUT_DIR = "output"
+STATE_DIR = "state"
+JOB_FILE = "JOB"
+JOB_INPUT_DIR = "jobs"
+
+META_MAGIC = b"DMET"
+LAYOUT_MAGIC = b"DLAY"
+RESCALE_MAGIC = b"DRSC"
+WORKER_LAYOUT_MAGIC = b"DLWK"
+DIVISION_MAGIC = b"DDIV"
+ZSET_MAGIC = b"DZS1"
+BATCH_MAGIC = b"DRB1"
+BATCH_GROUP_MAGIC = b"DRBG"
+ORDER_MAGIC = b"DORD"
+DEDUP_MAGIC = b"DDUP"
+CLOCK_MAGIC = b"DCLK"
+JOB_MAGIC = b"DJOB"
+RESULT_MAGIC = b"DSTR"
+JOB_INPUT_MAGIC = b"DJIN"
+SAVELOG_MAGIC = b"DSVL"
+
+DIVISION_HANDLE = "\x00division"  # the input log's handle of division records
+SNAPSHOT_TABLE = "snapshot"
+SNAPSHOT_NEXT = b"next"
+SNAPSHOT_LAYOUT = b"layout"
+DEDUP_TABLE = "dedup"
+CLOCK_TABLE = "clock"
+CLOCK_KEY = b"now"
+SAVELOG_TABLE = "stagelog"
+
+
+def trace_table(node_id: int, attr: str) -> str:
+    """The state table of trace attribute ``attr`` of node ``node_id``."""
+    return f"s{node_id}.{attr}"
+
+
+def zset_table(node_id: int, attr: str) -> str:
+    """The state table of Z-set attribute ``attr`` of node ``node_id``."""
+    return f"z{node_id}.{attr}"
+
+
+def is_state_table(name: str) -> bool:
+    """Whether table ``name`` of a state database holds operator state (values keyed by shard)."""
+    return len(name) > 1 and name[0] in "sz" and name[1].isdigit()
+
+
+def order_key(table: str) -> bytes:
+    """The key of a trace table's order record in table ``snapshot``."""
+    return b"order." + table.encode("utf-8")
+
+
+def state_db_path(root: str, stage: int | None, worker: int) -> str:
+    """The state database of ``worker`` (of ``stage`` for the staged executor, None for the embedded one).
+
+    >>> state_db_path("/data/pipe", None, 2), state_db_path("/data/pipe", 1, 0)
+    ('/data/pipe/state/worker-2.db', '/data/pipe/state/stage-1/worker-0.db')
+    """
+    if stage is None:
+        return os.path.join(root, STATE_DIR, f"worker-{worker}.db")
+    return os.path.join(root, STATE_DIR, f"stage-{stage}", f"worker-{worker}.db")

@@ -1,0 +1,304 @@
+"""Moving operator state between the databases of a group of workers, shard by shard, without decoding it: what a layout change does to stored state.
+
+Invariants (enforced here):
+  1. A shard moves as its values: every value under ``shard_key(shard, ·)`` of every state table of its old
+     owner's database is put, byte for byte, into its new owner's database and deleted from the old one. State
+     that is not keyed (a Z-set attribute) has values under every shard in every worker's database, and any
+     placement of it is correct; it moves with the shards its worker owned, and a worker that leaves gives up
+     all of its values, each to its shard's new owner. Nothing else is copied between databases, so the bytes
+     written to other databases are exactly the moved values' bytes.
+  2. Moved values get new numbers from the destination's counter (a number is never reused in a database);
+     the values of one source batch that move to one destination share one new number, so they load back as
+     one batch (their shards are disjoint key-hash ranges, concatenated in shard order). Moved trace batches
+     join the end of the destination's order record as pending batches; the source's order record drops the
+     numbers that kept no value. The content of every trace (the sum of its values over all databases) is
+     unchanged.
+  3. A change of the shard count re-keys values inside each database, never across databases: doubling S
+     splits each value at the child boundary of the key hash (decoding it: the only place stored rows are
+     read), halving S concatenates the values of the two children of a shard (moves run first at the finer
+     count, so both children are in the same database by then).
+  4. Everything happens in the caller's open handles (each writing version v+1 of its database): the change
+     is durable only when the caller commits them all, so a crash before leaves version v everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+from dbsp_core.codec import (decode_batch, decode_json, decode_runs, decode_zset, encode_batch, encode_json,
+                             encode_runs, encode_zset, zset_batch)
+from dbsp_core.errors import CorruptionError
+from dbsp_core.layout import Layout
+from dbsp_core.storage.database import SHARD_PREFIX_BYTES, DatabaseHandle, shard_key
+from dbsp_core.storage.formats import (BATCH_GROUP_MAGIC, BATCH_MAGIC, SNAPSHOT_LAYOUT, SNAPSHOT_TABLE,
+                                       WORKER_LAYOUT_MAGIC, ZSET_MAGIC, is_state_table, order_key)
+from dbsp_core.storage.snapshot import TableSpec, read_next, read_order, write_next, write_order
+from dbsp_core.zset import ZSet
+
+__all__ = ["relayout_group", "state_bytes", "write_worker_layout", "read_worker_layout"]
+
+
+def _state_tables(h: DatabaseHandle) -> list[str]:
+    return [t for t in h.tables() if isinstance(t, str) and is_state_table(t)]
+
+
+def _entries(h: DatabaseHandle) -> Iterator[tuple[str, bytes, bytes]]:
+    for t in _state_tables(h):
+        for k, v in h.scan(t):
+            yield t, k, v
+
+
+def state_bytes(h: DatabaseHandle) -> int:
+    """Bytes of every stored state value of one database version (the size a full copy would move)."""
+    return sum(len(v) for _, _, v in _entries(h))
+
+
+def write_worker_layout(h: DatabaseHandle, layout: Layout, worker: int) -> None:
+    """Record in this version which layout (epoch) and worker the state belongs to and its shard bits."""
+    h.put(SNAPSHOT_TABLE, SNAPSHOT_LAYOUT, encode_json(WORKER_LAYOUT_MAGIC, {
+        "epoch": layout.epoch, "worker": worker, "shard_bits": layout.shard_bits, "workers": layout.workers}))
+
+
+def read_worker_layout(h: DatabaseHandle, where: str) -> dict | None:
+    """The record :func:`write_worker_layout` stored, or None (a database that never held state)."""
+    rec = h.get(SNAPSHOT_TABLE, SNAPSHOT_LAYOUT)
+    return None if rec is None else decode_json(WORKER_LAYOUT_MAGIC, rec, f"{where} layout record")
+
+
+def _resampled(layout: Layout, bits: int) -> np.ndarray:
+    owners = layout.shard_map.part_of_shard
+    d = bits - layout.shard_bits
+    return np.repeat(owners, 1 << d) if d > 0 else owners
+
+
+def _halves_at(z: ZSet, key: tuple[str, ...], bit: int) -> tuple[ZSet, ZSet]:
+    """Rows of ``z`` whose key-hash bit ``bit`` (0 = least significant) is 0, then those where it is 1."""
+    if z.num_rows == 0:
+        return z, z
+    hashes = np.asarray(z.hash(list(key)), dtype=np.uint64)
+    upper = ((hashes >> np.uint64(bit)) & np.uint64(1)).astype(bool)
+    lo_idx, hi_idx = np.flatnonzero(~upper), np.flatnonzero(upper)
+    return _take(z, lo_idx), _take(z, hi_idx)
+
+
+def _take(z: ZSet, idx: np.ndarray) -> ZSet:
+    import pyarrow as pa
+
+    if len(idx) == z.num_rows:
+        return z
+    return ZSet._make(z.data.take(pa.array(idx, pa.int64())), np.asarray(z.weights[idx], dtype=np.int64))
+
+
+class _Group:
+    """The open handles of one group's databases and what each holds, read once."""
+
+    def __init__(self, handles: dict[int, DatabaseHandle], specs: dict[str, TableSpec], where: str) -> None:
+        self.h = handles
+        self.specs = specs
+        self.where = where
+        # worker -> table -> {key: value}, and the batch count of every number of every trace table as read
+        self.values: dict[int, dict[str, dict[bytes, bytes]]] = {}
+        self.counts: dict[int, dict[str, dict[int, int]]] = {}
+        for w, h in handles.items():
+            tables: dict[str, dict[bytes, bytes]] = {}
+            for t, k, v in _entries(h):
+                if t not in specs:
+                    raise CorruptionError(f"{where} worker {w}: state table {t!r} belongs to no operator of this "
+                                          f"circuit")
+                tables.setdefault(t, {})[k] = v
+            self.values[w] = tables
+            self.counts[w] = {}
+            for t in tables:
+                if specs[t].kind == "trace":
+                    order = read_order(h, t, f"{where} worker {w}")
+                    self.counts[w][t] = dict(zip(order[0], order[1])) if order is not None else {}
+
+    def total_bytes(self) -> int:
+        return sum(len(v) for tables in self.values.values() for kv in tables.values() for v in kv.values())
+
+
+def _rekey(g: _Group, w: int, bits: int, to_bits: int) -> None:
+    """Re-key every value of worker ``w`` from ``bits`` to ``to_bits`` shard bits (invariant 3)."""
+    h, tables = g.h[w], g.values[w]
+    for t, kv in tables.items():
+        spec = g.specs[t]
+        new: dict[bytes, list[bytes]] = {}
+        for k, v in kv.items():
+            shard, number = int.from_bytes(k[:SHARD_PREFIX_BYTES], "big"), k[SHARD_PREFIX_BYTES:]
+            where = f"{g.where} worker {w} {t} shard {shard}"
+            if to_bits > bits:
+                vals = [(shard, v)]
+                for b in range(bits, to_bits):  # one level at a time: bit (63 - b) decides the child
+                    nxt = []
+                    for s, val in vals:
+                        lo, hi = _split_with_bit(t, spec, val, 63 - b, where)
+                        if lo is not None:
+                            nxt.append((2 * s, lo))
+                        if hi is not None:
+                            nxt.append((2 * s + 1, hi))
+                    vals = nxt
+                for s, val in vals:
+                    new.setdefault(shard_key(s, number), []).append(val)
+            else:
+                new.setdefault(shard_key(shard >> (bits - to_bits), number), []).append(v)
+            h.delete(t, k)
+        kv.clear()
+        for k, vals in new.items():
+            val = vals[0] if len(vals) == 1 else _concat_values(t, spec, vals, f"{g.where} worker {w} {t}")
+            h.put(t, k, val)
+            kv[k] = val
+
+
+def _split_with_bit(table: str, spec: TableSpec, value: bytes, bit: int, where: str
+                    ) -> tuple[bytes | None, bytes | None]:
+    magic = value[:4]
+    if spec.kind == "zset":
+        lo, hi = _halves_at(decode_zset(value, spec.schema, where, ZSET_MAGIC), spec.key, bit)
+        return (None if lo.num_rows == 0 else encode_zset(lo, ZSET_MAGIC),
+                None if hi.num_rows == 0 else encode_zset(hi, ZSET_MAGIC))
+    if magic == BATCH_MAGIC:
+        lo, hi = _halves_at(decode_batch(value, spec.schema, where, BATCH_MAGIC), spec.key, bit)
+        return (None if lo.num_rows == 0 else encode_batch(zset_batch(lo), BATCH_MAGIC),
+                None if hi.num_rows == 0 else encode_batch(zset_batch(hi), BATCH_MAGIC))
+    if magic == BATCH_GROUP_MAGIC:
+        runs = decode_runs(value, spec.schema, where, BATCH_GROUP_MAGIC)
+        sides = list(zip(*[_halves_at(r, spec.key, bit) for r in runs]))
+        return _encode_runs(sides[0], spec), _encode_runs(sides[1], spec)
+    raise CorruptionError(f"{where}: unknown value kind {magic!r} in {table}")
+
+
+def _encode_runs(runs: tuple[ZSet, ...], spec: TableSpec) -> bytes | None:
+    parts = [r for r in runs if r.num_rows]
+    if not parts:
+        return None
+    whole = ZSet.concat(parts) if len(parts) > 1 else parts[0]
+    return encode_runs(zset_batch(whole), [r.num_rows for r in runs], BATCH_GROUP_MAGIC)
+
+
+def _concat_values(table: str, spec: TableSpec, vals: list[bytes], where: str) -> bytes:
+    """One value holding the rows of ``vals`` (children of a merged shard, in child order)."""
+    if spec.kind == "zset":
+        return encode_zset(ZSet.concat([decode_zset(v, spec.schema, where, ZSET_MAGIC) for v in vals]), ZSET_MAGIC)
+    kinds = {v[:4] for v in vals}
+    if kinds == {BATCH_MAGIC}:
+        parts = [decode_batch(v, spec.schema, where, BATCH_MAGIC) for v in vals]
+        return encode_batch(zset_batch(ZSet.concat(parts)), BATCH_MAGIC)
+    if kinds == {BATCH_GROUP_MAGIC}:
+        runs = [decode_runs(v, spec.schema, where, BATCH_GROUP_MAGIC) for v in vals]
+        if len({len(r) for r in runs}) != 1:
+            raise CorruptionError(f"{where}: the children of a merged shard hold groups of different sizes")
+        merged = tuple(_cat([r[i] for r in runs], spec) for i in range(len(runs[0])))
+        out = _encode_runs(merged, spec)
+        assert out is not None
+        return out
+    raise CorruptionError(f"{where}: the children of a merged shard hold values of different kinds {kinds}")
+
+
+def _cat(parts: list[ZSet], spec: TableSpec) -> ZSet:
+    parts = [p for p in parts if p.num_rows]
+    if not parts:
+        return ZSet.empty(spec.schema)
+    return ZSet.concat(parts) if len(parts) > 1 else parts[0]
+
+
+def relayout_group(handles: dict[int, DatabaseHandle], old: Layout, new: Layout, specs: dict[str, TableSpec],
+                   where: str) -> dict:
+    """Change the state of one group of databases from layout ``old`` to ``new`` (invariants 1-4).
+
+    ``handles`` holds an open write handle for every worker of either layout (a worker only in ``new`` has an
+    empty database; one only in ``old`` ends empty). Returns ``{"moved_shards", "moved_bytes", "total_bytes",
+    "rekeyed_values"}``; the caller commits every handle.
+    """
+    missing = sorted(set(range(max(old.workers, new.workers))) - set(handles))
+    if missing:
+        raise ValueError(f"relayout_group: no handle for workers {missing}")
+    g = _Group(handles, specs, where)
+    total = g.total_bytes()
+    fine = max(old.shard_bits, new.shard_bits)
+    rekeyed = 0
+    if old.shard_bits < fine:
+        for w in handles:
+            rekeyed += sum(len(kv) for kv in g.values[w].values())
+            _rekey(g, w, old.shard_bits, fine)
+    src_owner, dst_owner = _resampled(old, fine), _resampled(new, fine)
+    moving = np.flatnonzero(src_owner != dst_owner)
+    moved_bytes = 0
+    # exports first (nothing is deleted until every move is read), per destination: (src, table, key, value)
+    incoming: dict[int, list[tuple[int, str, bytes, bytes]]] = {w: [] for w in handles}
+    outgoing: dict[int, dict[str, list[bytes]]] = {w: {} for w in handles}
+    for w, tables in g.values.items():
+        leaving = w >= new.workers
+        for t, kv in tables.items():
+            for k, v in kv.items():
+                s = int.from_bytes(k[:SHARD_PREFIX_BYTES], "big")
+                dst = int(dst_owner[s])
+                # invariant 1: a shard's values leave its old owner; a leaving worker gives up every value it holds
+                # (state that is not keyed, e.g. an integral, sits in every worker's database under every shard)
+                if dst != w and (leaving or src_owner[s] == w):
+                    incoming[dst].append((w, t, k, v))
+                    outgoing[w].setdefault(t, []).append(k)
+                    moved_bytes += len(v)
+    for w, tables in outgoing.items():  # the sources: drop the values and the numbers left without one
+        h = handles[w]
+        for t, keys in tables.items():
+            kv = g.values[w][t]
+            for k in keys:
+                h.delete(t, k)
+                del kv[k]
+            if g.specs[t].kind == "trace":
+                _drop_numbers(h, t, {k[SHARD_PREFIX_BYTES:] for k in kv}, f"{where} worker {w}")
+    for w, items in incoming.items():  # the destinations: new numbers, pending batches at the end
+        if not items:
+            continue
+        h = handles[w]
+        nxt = read_next(h)
+        renumber: dict[tuple[int, str, bytes], int] = {}
+        added: dict[str, list[int]] = {}
+        for src, t, k, v in sorted(items, key=lambda x: (x[1], x[0], x[2][SHARD_PREFIX_BYTES:], x[2])):
+            num = k[SHARD_PREFIX_BYTES:]
+            ident = (src, t, num)
+            if ident not in renumber:
+                renumber[ident] = nxt
+                nxt += 1
+                added.setdefault(t, []).append(renumber[ident])
+            key = k[:SHARD_PREFIX_BYTES] + renumber[ident].to_bytes(8, "big")
+            h.put(t, key, v)
+            g.values[w].setdefault(t, {})[key] = v
+        for t, numbers in added.items():
+            if g.specs[t].kind != "trace":
+                continue
+            order = read_order(h, t, f"{where} worker {w}") or ([], [], 0)
+            back = {n: (src, num) for (src, tt, num), n in renumber.items() if tt == t}
+            counts = [g.counts[back[n][0]][t].get(int.from_bytes(back[n][1], "big"), 1) for n in numbers]
+            write_order(h, t, order[0] + numbers, order[1] + counts, order[2])
+        write_next(h, nxt)
+    if new.shard_bits < fine:
+        for w in handles:
+            rekeyed += sum(len(kv) for kv in g.values[w].values())
+            _rekey(g, w, fine, new.shard_bits)
+    for w, h in handles.items():
+        write_worker_layout(h, new, w)
+    return {"moved_shards": int(len(moving)), "moved_bytes": int(moved_bytes), "total_bytes": int(total),
+            "rekeyed_values": int(rekeyed)}
+
+
+def _drop_numbers(h: DatabaseHandle, table: str, kept: set[bytes], where: str) -> None:
+    """Remove from a trace table's order record every number that holds no value any more (invariant 2)."""
+    order = read_order(h, table, where)
+    if order is None:
+        return
+    numbers, counts, settled = order
+    keep_n, keep_c, pos, new_settled = [], [], 0, 0
+    for n, c in zip(numbers, counts):
+        if n.to_bytes(8, "big") in kept:
+            keep_n.append(n)
+            keep_c.append(c)
+            if pos < settled:
+                new_settled += min(c, settled - pos)
+        pos += c
+    if keep_n:
+        write_order(h, table, keep_n, keep_c, new_settled)
+    else:
+        h.delete(SNAPSHOT_TABLE, order_key(table))

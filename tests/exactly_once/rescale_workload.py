@@ -1,0 +1,142 @@
+"""The rescale test workload: a circuit with every stateful operator kind (join, left join, distinct, linear / extremes / recompute aggregates, integrate and delay of keyed and unkeyed streams, a window over the step's now), deterministic random changes with deletions, the DuckDB query of every output, and a never-rescaled reference run."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "core"))
+
+import dbsp_core as dbsp  # noqa: E402
+from dbsp_core.temporal import within_last  # noqa: E402
+from oracle import AUCTIONS, BIDS, ChangeGen, duckdb_query, normalize, to_zset  # noqa: E402
+
+EVENTS = pa.schema([("id", pa.int64()), ("ts", pa.int64())])
+SCHEMAS = {"bids": BIDS, "auctions": AUCTIONS, "events": EVENTS}
+WINDOW = 100  # seconds
+T0 = 1_700_000_000
+
+
+def build_circuit() -> dbsp.Circuit:
+    c = dbsp.Circuit()
+    bids, auctions, events = (c.input(n, SCHEMAS[n]) for n in ("bids", "auctions", "events"))
+    j = bids.join(auctions, left_on="auction", right_on="id")
+    c.output("joined", j.group_by("category").agg(n=dbsp.count(), total=dbsp.sum("price")))
+    c.output("extremes", bids.group_by("auction").agg(lo=dbsp.min("price"), hi=dbsp.max("price"), n=dbsp.count()))
+    c.output("fsum", bids.group_by("bidder").agg(s=dbsp.sum("f"), a=dbsp.avg("f")))
+    c.output("distinct", bids.select(b=pc.field("bidder"), p=pc.field("price")).distinct())
+    c.output("lj", auctions.left_join(bids, left_on="id", right_on="auction"))
+    c.output("integ", bids.filter(pc.field("price") > 2).integrate().differentiate())
+    counts = bids.group_by("auction").agg(n=dbsp.count())  # partitioned by auction: keyed Z-set state below
+    c.output("keyed_integ", counts.integrate().differentiate())
+    c.output("delayed", bids.select(a=pc.field("auction")).delay())
+    c.output("window", within_last(events, "ts", WINDOW))
+    return c
+
+
+QUERIES = {
+    "joined": "SELECT a.category, COUNT(*), SUM(b.price) FROM bids b JOIN auctions a ON b.auction = a.id "
+              "GROUP BY a.category",
+    "extremes": "SELECT auction, MIN(price), MAX(price), COUNT(*) FROM bids GROUP BY auction",
+    "fsum": "SELECT bidder, SUM(f), AVG(f) FROM bids GROUP BY bidder",
+    "distinct": "SELECT DISTINCT bidder, price FROM bids",
+    "lj": "SELECT a.id, a.category, a.reserve, b.auction, b.bidder, b.price, b.f FROM auctions a "
+          "LEFT JOIN bids b ON a.id = b.auction",
+    "integ": "SELECT * FROM bids WHERE price > 2",
+    "keyed_integ": "SELECT auction, COUNT(*) FROM bids GROUP BY auction",
+    "delayed": "SELECT auction FROM bids_prev",
+    "window": "SELECT * FROM events WHERE ts BETWEEN {lo} AND {hi}",
+}
+
+
+class Workload:
+    """``steps`` steps of changes (each a list of pushes) and the wall clock (ns) of each step, from ``seed``."""
+
+    def __init__(self, seed: int, steps: int, max_rows: int = 8) -> None:
+        rng = np.random.default_rng(seed)
+        gens = {n: ChangeGen(rng, SCHEMAS[n]) for n in ("bids", "auctions")}
+        events: Counter = Counter()
+        self.pushes: list[list[tuple[str, dbsp.ZSet]]] = []
+        self.now_s: list[int] = []
+        self.bags: list[dict[str, dict]] = []  # the integrated inputs after each step
+        now = T0
+        for _ in range(steps):
+            now += int(rng.choice([0, 1, 30, 99, 150, 400]))
+            step = []
+            for name, g in gens.items():
+                change = g.change(max_rows)
+                if change:
+                    step.append((name, to_zset(change, SCHEMAS[name])))
+            ev: Counter = Counter()
+            for _ in range(int(rng.integers(0, 6))):
+                present = [r for r, w in (events + ev).items() if w > 0]
+                if present and rng.random() < 0.3:
+                    ev[present[int(rng.integers(len(present)))]] -= 1
+                else:
+                    ev[(int(rng.integers(0, 4)), now + int(rng.integers(-2 * WINDOW, WINDOW // 2)))] += 1
+            ev = Counter({r: w for r, w in ev.items() if w})
+            events.update(ev)
+            events = Counter({r: w for r, w in events.items() if w})
+            if ev:
+                step.append(("events", to_zset(dict(ev), EVENTS)))
+            self.pushes.append(step)
+            self.now_s.append(now)
+            self.bags.append({"bids": dict(gens["bids"].bag), "auctions": dict(gens["auctions"].bag),
+                              "events": dict(events)})
+
+    def clock(self, step: int) -> int:
+        return self.now_s[step] * 10**9
+
+
+def reference(w: Workload) -> list[dict[str, dict]]:
+    """Each step's output changes ({output: {row: weight}}) of a never-rescaled, in-memory, one-worker run."""
+    cur = [0]
+    p = dbsp.Pipeline(build_circuit(), workers=1, clock=lambda: w.clock(cur[0]))
+    outs = []
+    for step, pushes in enumerate(w.pushes):
+        cur[0] = step
+        for name, z in pushes:
+            p.push(name, z)
+        outs.append({k: v.to_dict() for k, v in p.step().items()})
+    p.close()
+    return outs
+
+
+def duckdb_views(w: Workload, upto: int) -> dict[str, dict]:
+    """DuckDB's answer for every output over the inputs integrated up to step ``upto`` (inclusive)."""
+    bags = w.bags[upto]
+    tables = {n: (SCHEMAS[n], bags[n]) for n in SCHEMAS}
+    tables["bids_prev"] = (BIDS, w.bags[upto - 1]["bids"] if upto > 0 else {})
+    now = w.now_s[upto]
+    return {name: duckdb_query(sql.format(lo=now - WINDOW, hi=now), tables) for name, sql in QUERIES.items()}
+
+
+def integrals(log_outputs: dict[str, list[dict]]) -> dict[str, dict]:
+    """{output: normalized integral} of per-step changes."""
+    out = {}
+    for name, changes in log_outputs.items():
+        acc: Counter = Counter()
+        for ch in changes:
+            acc.update(ch)
+        out[name] = normalize({r: v for r, v in acc.items() if v})
+    return out
+
+
+def check_log_against_duckdb(p: dbsp.Pipeline, w: Workload, upto: int) -> None:
+    """The output log's integral of every output equals DuckDB over all input up to step ``upto``."""
+    got = integrals({name: [z.to_dict() for s, z in p.read_output(name) if s <= upto] for name in QUERIES})
+    want = duckdb_views(w, upto)
+    for name in QUERIES:
+        assert got[name] == want[name], (f"output {name!r} after step {upto} differs from DuckDB\n"
+                                         f"only in the log: {_diff(got[name], want[name])}\n"
+                                         f"only in DuckDB: {_diff(want[name], got[name])}")
+
+
+def _diff(a: dict, b: dict) -> dict:
+    return {r: v - b.get(r, 0) for r, v in a.items() if b.get(r, 0) != v}
