@@ -494,8 +494,31 @@ class GroupBy:
         return self.top_k(1, (column, "ascending"), with_ties)
 
 
+def _source_hash(fn: object) -> str:
+    """A hash of a function's source text (dedented, blank lines dropped), not of its bytecode: the same code gives
+    the same hash under another Python version; "" when the source is not available (functions built at run
+    time), so only the function's name counts then."""
+    import inspect
+    import linecache
+    import textwrap
+
+    try:
+        path = inspect.getsourcefile(fn)  # type: ignore[arg-type]
+        if path:
+            linecache.checkcache(path)  # a file changed since it was read: read it again
+        src = inspect.getsource(fn)  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return ""
+    text = "\n".join(line.rstrip() for line in textwrap.dedent(src).splitlines() if line.strip())
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 def circuit_fingerprint(circuit: Circuit) -> str:
     """A hash of the circuit's structure: every node's kind, inputs, schema and parameters, inputs and outputs.
+
+    It depends on what the circuit computes as written (schemas, expression text, the source text of functions
+    given to ``flat_map`` or ``filter_now``), never on Python bytecode or object addresses, so the same circuit
+    has the same fingerprint in every process and after a Python or library upgrade (rolling upgrade).
 
     >>> import pyarrow as pa
     >>> c = Circuit(); s = c.input("x", pa.schema([("a", pa.int64())])); c.output("o", s.distinct())
@@ -516,11 +539,8 @@ def circuit_fingerprint(circuit: Circuit) -> str:
             elif isinstance(v, Operator):
                 parts.append(f"{k}=node#{v.node_id}")
             elif callable(v):
-                code = getattr(v, "__code__", None)  # the function's body too, so two lambdas differ
-                body = "" if code is None else hashlib.sha256(code.co_code + re.sub(
-                    r" at 0x[0-9a-fA-F]+", "", repr(code.co_consts) + repr(code.co_names)).encode()).hexdigest()
                 parts.append(f"{k}=<{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', type(v).__name__)}"
-                             f":{body}>")
+                             f":{_source_hash(v)}>")
             else:
                 # e.g. pyarrow compute expressions print their full text; addresses vary between processes
                 parts.append(f"{k}=" + re.sub(r" at 0x[0-9a-fA-F]+", "", str(v)))

@@ -197,14 +197,39 @@ class _Progress:
             self.last = now
 
 
+class _Rescaler(threading.Thread):
+    """Rescales the pipeline live to each worker count of ``targets`` in turn, the k-th once ``k+1`` equal parts
+    of the batches are in (while the producer pushes and the main thread steps)."""
+
+    def __init__(self, p: Any, prod: "_Producer", total: int, targets: list[int]) -> None:
+        super().__init__(name="dbsp-demo-rescaler", daemon=True)
+        self.p, self.prod, self.total, self.targets = p, prod, total, targets
+        self.reports: list[dict] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            for k, n in enumerate(self.targets):
+                at = (k + 1) * self.total // (len(self.targets) + 1)
+                while self.prod.batches_done < at and self.prod.is_alive():
+                    time.sleep(0.01)
+                self.reports.append(self.p.rescale(n))
+        except BaseException as exc:  # reported by the stepping thread
+            self.error = exc
+
+
 def _run(p: Any, gen: Generator, total: int, record: list | None, sizes: dict[str, int], progress: _Progress,
-         crash_at_step: int | None = None) -> dict[str, Any]:
-    """Feed batches from a producer thread and step until every acknowledged push is stepped."""
+         crash_at_step: int | None = None, rescale: list[int] | None = None) -> dict[str, Any]:
+    """Feed batches from a producer thread and step until every acknowledged push is stepped (rescaling live to
+    the worker counts of ``rescale`` along the way)."""
     prod = _Producer(p, gen, total, lead=2, record=record)
+    resc = _Rescaler(p, prod, total, rescale) if rescale else None
     t0 = time.perf_counter()
     step_ms: list[float] = []
     stepped = -1 if p.stats["recovered_pushes"] else 0  # recovered input waits for a step of its own
     prod.start()
+    if resc is not None:
+        resc.start()
     while True:
         with prod.cond:
             while prod.acked_pushes == stepped and prod.is_alive() and prod.error is None:
@@ -212,6 +237,8 @@ def _run(p: Any, gen: Generator, total: int, record: list | None, sizes: dict[st
             acked = prod.acked_pushes
         if prod.error is not None:
             raise prod.error
+        if resc is not None and resc.error is not None:
+            raise resc.error
         if acked == stepped and not prod.is_alive():
             break
         s0 = time.perf_counter()
@@ -223,20 +250,27 @@ def _run(p: Any, gen: Generator, total: int, record: list | None, sizes: dict[st
             sizes[name] += int(z.weights.sum())
         el = time.perf_counter() - t0
         view_text = " ".join(f"{n}={s:,}" for n, s in sizes.items())
-        progress.show(f"step {p.steps - 1:>4} | batches {prod.batches_done}/{total} | {prod.sent_rows:,} rows "
-                      f"({prod.sent_rows / el / 1e3:,.0f}k rows/s) | checkpoints {p.stats['checkpoints']} | "
+        rp = p.rescale_progress
+        scale = (f"W {rp['from_workers']}->{rp['to_workers']}: {rp['moved_shards']} shards moved, batch "
+                 f"{rp['done']}/{rp['batches']}, pause {rp['last_pause_ms']:.1f} ms" if rp else f"W={p.workers}")
+        progress.show(f"step {p.steps - 1:>4} | {scale} | batches {prod.batches_done}/{total} | {prod.sent_rows:,} "
+                      f"rows ({prod.sent_rows / el / 1e3:,.0f}k rows/s) | checkpoints {p.stats['checkpoints']} | "
                       f"{view_text}")
         if crash_at_step is not None and p.steps - 1 >= crash_at_step:
             progress.show(f"step {p.steps - 1}: kill -9 of this process now (producer mid-push, no cleanup)",
                           final=True)
             os.kill(os.getpid(), signal.SIGKILL)
     prod.join()
+    if resc is not None:
+        resc.join()
+        if resc.error is not None:
+            raise resc.error
     el = time.perf_counter() - t0
     progress.show(f"step {p.steps - 1:>4} | batches {total}/{total} | {prod.sent_rows:,} rows "
                   f"({prod.sent_rows / el / 1e3:,.0f}k rows/s) | checkpoints {p.stats['checkpoints']} | "
                   + " ".join(f"{n}={s:,}" for n, s in sizes.items()), final=True)
     return {"seconds": el, "rows": prod.sent_rows, "duplicates": prod.duplicates, "steps": len(step_ms),
-            "step_ms": step_ms}
+            "step_ms": step_ms, "rescales": resc.reports if resc is not None else []}
 
 
 def _views_from_log(p: Any, circuit: dbsp.Circuit) -> dict[str, dbsp.ZSet]:
@@ -321,6 +355,16 @@ def _positive(text: str) -> int:
     return v
 
 
+def _workers_list(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected worker counts like 2,4,1, got {text!r}") from None
+    if not out or any(n < 1 for n in out):
+        raise argparse.ArgumentTypeError(f"expected positive worker counts like 2,4,1, got {text!r}")
+    return out
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=_positive, default=40, help="input batches to generate (default 40)")
     parser.add_argument("--bids", type=_positive, default=25_000, help="bids per batch (default 25000)")
@@ -331,6 +375,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kill-after", type=_positive, default=None, metavar="N",
                         help="run in a child process that kill -9s itself after step N, recover with "
                              "Pipeline.open, finish, and check the views against DuckDB")
+    parser.add_argument("--rescale", type=_workers_list, default=None, metavar="W1,W2,...",
+                        help="rescale live to these worker counts at evenly spaced points of the run, while it runs")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--no-verify", action="store_true", help="skip the final DuckDB check")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
@@ -423,7 +469,13 @@ def _demo(args: argparse.Namespace, root: str) -> int:
     gen = Generator(args.seed, t0_ms, args.bids)
     progress = _Progress("  [child] " if child else "  ", args.quiet)
     try:
-        res = _run(p, gen, args.batches, record, sizes, progress, crash_at_step=args.crash_at_step)
+        res = _run(p, gen, args.batches, record, sizes, progress, crash_at_step=args.crash_at_step,
+                   rescale=args.rescale if not child else None)
+        for r in res["rescales"]:
+            print(f"live rescale {r['from_workers']} -> {r['to_workers']} workers while running: {r['moved_shards']} "
+                  f"of {r['to_shards']} shards ({r['moved_bytes']:,} of {r['total_bytes']:,} bytes of state) moved in "
+                  f"{r['batches']} batches; longest pause {r['max_pause_ms']:.1f} ms; {r['seconds']:.2f} s in all",
+                  flush=True)
         now_ns = p.now_ns
         steps = p.steps
         ckpt = p.checkpoint()

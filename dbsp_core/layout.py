@@ -16,6 +16,12 @@ Invariants (enforced here):
   5. Owner tables compare at the finer of two shard counts: shard ``s`` at ``b`` bits covers the shards
      ``s << d .. (s + 1) << d`` at ``b + d`` bits, so :meth:`Layout.moved_shards` is exact across a split or
      a merge.
+  6. :meth:`Layout.steps_to` cuts a change into layouts that each move at most ``batch`` shards, in shard order
+     (neighbouring shards move together, so each batch is few contiguous key-hash ranges). The layouts in
+     between keep ``max(W, W')`` workers, some of which may own no shard yet (growing) or any more
+     (shrinking); the last one is the target itself. A change of the shard count comes first, as a layout
+     of its own that moves nothing (a split) or that first gathers every pair of children with the owner
+     of the even child (a merge).
 """
 
 from __future__ import annotations
@@ -88,8 +94,10 @@ class ShardMap:
         self._workers, self._shard_bits, self._part_of_shard = workers, shard_bits, owners
 
     @classmethod
-    def from_owners(cls, owners: Iterable[int], workers: int | None = None) -> "ShardMap":
-        """A map with the given owner of every shard (length a power of two; invariant 1)."""
+    def from_owners(cls, owners: Iterable[int], workers: int | None = None, allow_empty: bool = False
+                    ) -> "ShardMap":
+        """A map with the given owner of every shard (length a power of two; invariant 1). ``allow_empty``: a
+        worker may own no shard (the layouts a live rescale passes through, invariant 6)."""
         arr = np.array(list(owners) if not isinstance(owners, np.ndarray) else owners, dtype=np.int64)
         n = len(arr)
         if n == 0 or n & (n - 1):
@@ -99,7 +107,7 @@ class ShardMap:
         w = int(arr.max()) + 1 if workers is None else workers
         if not isinstance(w, int) or w < 1 or arr.min() < 0 or arr.max() >= w:
             raise ValueError(f"ShardMap.from_owners: owners must lie in 0..{w - 1}")
-        if len(np.unique(arr)) != w:
+        if len(np.unique(arr)) != w and not allow_empty:
             missing = sorted(set(range(w)) - set(np.unique(arr).tolist()))
             raise ValueError(f"ShardMap.from_owners: workers {missing[:8]} own no shard")
         m = cls.__new__(cls)
@@ -149,7 +157,7 @@ class ShardMap:
         return np.flatnonzero(a != b).tolist()
 
     def __reduce__(self) -> tuple:
-        return (ShardMap.from_owners, (self._part_of_shard.copy(), self._workers))
+        return (ShardMap.from_owners, (self._part_of_shard.copy(), self._workers, True))
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, ShardMap) and other._workers == self._workers
@@ -290,6 +298,33 @@ class Layout:
         hosts = self.hosts[:workers] + ("local",) * max(0, workers - self.workers)
         return Layout(ShardMap.from_owners(owners, workers), hosts, self.epoch + 1, self.min_shard_bits)
 
+    def steps_to(self, target: "Layout", batch: int) -> list["Layout"]:
+        """The layouts a live change to ``target`` passes through, ending with ``target`` (invariant 6)."""
+        if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
+            raise ValueError(f"steps_to: batch must be a positive int, got {batch!r}")
+        out: list[Layout] = []
+        cur, epoch = self, self.epoch
+        W = max(self.workers, target.workers)
+        if target.shard_bits != self.shard_bits:
+            owners = _resample(cur.shard_map.part_of_shard, cur.shard_bits, target.shard_bits)
+            epoch += 1
+            cur = Layout(ShardMap.from_owners(owners, cur.workers, True), cur.hosts, epoch, self.min_shard_bits)
+            out.append(cur)
+        owners = cur.shard_map.part_of_shard.astype(np.int64).copy()
+        goal = target.shard_map.part_of_shard
+        moving = np.flatnonzero(owners != goal)
+        hosts = (self.hosts + target.hosts[len(self.hosts):])[:W] if W > self.workers else self.hosts
+        for lo in range(0, len(moving), batch):
+            sel = moving[lo:lo + batch]
+            owners[sel] = goal[sel]
+            epoch += 1
+            last = lo + batch >= len(moving)
+            if last:
+                break
+            out.append(Layout(ShardMap.from_owners(owners, W, True), hosts, epoch, self.min_shard_bits))
+        out.append(Layout(target.shard_map, target.hosts, epoch + (0 if len(moving) else 1), target.min_shard_bits))
+        return out
+
     # ---- persistence ----
 
     def to_dict(self) -> dict:
@@ -315,7 +350,7 @@ class Layout:
             owners = np.concatenate([np.full(int(n), int(o), dtype=np.int64) for o, n in d["owners"]])
             if len(owners) != 1 << int(d["shard_bits"]):
                 raise ValueError(f"{len(owners)} owners for {1 << int(d['shard_bits'])} shards")
-            sm = ShardMap.from_owners(owners, int(d["workers"]))
+            sm = ShardMap.from_owners(owners, int(d["workers"]), True)
             return cls(sm, tuple(d.get("hosts") or ()), int(d["epoch"]), int(d["min_shard_bits"]))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{where}: not a valid layout record: {e}") from None

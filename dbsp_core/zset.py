@@ -647,6 +647,19 @@ class IndexedZSet:
         """:meth:`key_sums` with resolved positions; `probe` may be a prebuilt view (one per step, many batches)."""
         _zset.match_sums(probe, khash, rows, ppos, self._view(), None, None, self._keypos, cpos, acc)
 
+    def slice(self, lo: int, hi: int) -> IndexedZSet:
+        """Rows ``lo .. hi - 1`` as a view of the same buffers (no copy); the index order is kept.
+
+        >>> import pyarrow as pa
+        >>> ix = ZSet.from_arrow(pa.table({"k": [3, 1, 2]})).index_by(["k"])
+        >>> len(ix.slice(1, 3)), sorted(ix.slice(0, 3).zset.to_dict()) == sorted(ix.zset.to_dict())
+        (2, True)
+        """
+        z = self._z
+        rh = z._rhash[lo:hi] if z._rhash is not None else None
+        part = ZSet._make(z._data.slice(lo, hi - lo), z._w[lo:hi], consolidated=z._consolidated, rhash=rh)
+        return IndexedZSet._make(part, self._key, self._kh[lo:hi])
+
     def take(self, indices: np.ndarray) -> IndexedZSet:
         """The rows at `indices` (ascending indices keep the index order)."""
         idx = np.ascontiguousarray(indices, dtype=np.int64)

@@ -80,21 +80,23 @@ class WorkerStore:
         self._paused = self.step
         return self.step
 
-    def stop(self, step: int) -> list[tuple]:
-        """Stop at ``step``: capture the state to save (a snapshot plan) and resume stepping (invariant 2)."""
+    def stop(self, step: int) -> tuple[list[tuple], Layout]:
+        """Stop at ``step``: capture the state to save (a snapshot plan) and the layout it belongs to, and resume
+        stepping (invariant 2)."""
         if self.step != step:
             raise RecoveryError(f"worker {self.index} is at step {self.step}, the checkpoint is at {step}")
         plan = self.snapshot.prepare()
         self._paused = None
-        return plan
+        return plan, self.layout
 
-    def commit(self, step: int, plan: list[tuple]) -> None:
+    def commit(self, step: int, captured: tuple[list[tuple], Layout]) -> None:
         """Write the captured state and the layout it belongs to, ``set_step(step)`` and commit (may run while
         later steps go on)."""
         h = self.handle
         assert h is not None
+        plan, layout = captured
         self.snapshot.apply(h, plan)
-        write_worker_layout(h, self.layout, self.index)
+        write_worker_layout(h, layout, self.index)
         h.set_step(step)
         h.commit()
         self.handle = None
@@ -135,19 +137,19 @@ class Coordinator:
         self.version = v
         return steps.pop()
 
-    def begin_checkpoint(self) -> tuple[int, list[list[tuple]]]:
+    def begin_checkpoint(self) -> tuple[int, list[tuple[WorkerStore, tuple[list[tuple], Layout]]]]:
         """Pause every worker, take the maximum step and stop every worker there, capturing its state."""
         step = max(s.pause() for s in self.stores)
-        return step, [s.stop(step) for s in self.stores]
+        return step, [(s, s.stop(step)) for s in self.stores]
 
-    def finish_checkpoint(self, step: int, plans: list[list[tuple]]) -> int:
-        """Commit every worker's captured state at ``step``, then open the new version everywhere (invariant 2)."""
-        for s, plan in zip(self.stores, plans):
-            s.commit(step, plan)
+    def finish_checkpoint(self, step: int, plans: list[tuple[WorkerStore, tuple[list[tuple], Layout]]]) -> int:
+        """Commit every captured worker's state at ``step``, then open the new version everywhere (invariant 2)."""
+        for s, captured in plans:
+            s.commit(step, captured)
             self._crash("checkpoint-commit")
         self._crash("checkpoint-committed")
         v = self.version + 1
-        for s in self.stores:
+        for s, _ in plans:
             s.reopen(v)  # discards version v - 1 (invariant 2)
         self.version = v
         self.checkpoints += 1

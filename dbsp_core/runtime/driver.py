@@ -58,7 +58,7 @@ from dbsp_core.runtime.crashpoints import crashpoint
 from dbsp_core.runtime.dedup import SeenSet
 from dbsp_core.runtime.embedded import EmbeddedExecutor
 from dbsp_core.runtime.executor import Executor, StepInput
-from dbsp_core.runtime.rescale import cold_rescale, resolve
+from dbsp_core.runtime.rescale import begin_live, cold_rescale, end_live, live_target, remove_leaving, resolve
 from dbsp_core.runtime.upgrade import is_format1, upgrade_format1
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.directory import lock_dir, read_layout, read_meta, unlock_dir, write_layout, write_meta
@@ -242,6 +242,10 @@ class Pipeline:
         self._wm_divided = dict(self.watermarks)
         self.late_rows: dict[str, int] = {name: 0 for name in self._event_time}
         self.last_rescale: dict | None = None
+        self._rescaling = False  # a live rescale is moving shards: timer checkpoints wait (rescale.py invariant 4)
+        self._waiting = 0  # steps waiting for the step lock (a live rescale lets them run between its batches)
+        # a live rescale in progress: {from_workers, to_workers, batches, done, moved_shards, last_pause_ms}
+        self.rescale_progress: dict | None = None
         self.fingerprint = circuit_fingerprint(circuit)
         self._ckpt_thread: threading.Thread | None = None
         self._syncer: ThreadPoolExecutor | None = None
@@ -336,6 +340,19 @@ class Pipeline:
             self.executor.output_steps = lambda: out.last  # type: ignore[attr-defined]
         t0 = time.perf_counter()
         version, step = self.executor.open_state()
+        target = live_target(root, self._vfs)  # a live rescale a crash interrupted: finish the move
+        if target is not None:
+            if target.epoch != layout.epoch:
+                rep = cold_rescale(root, self.executor, layout, target, version, -1 if step is None else step,
+                                   crashpoint, self._vfs)
+                self.last_rescale = dict(rep, kind="live", finished_by_recovery=True)
+                write_layout(root, target, self.last_rescale, self._vfs)
+                layout = target
+                self.executor.start(self.circuit, layout, root)
+                version, step = self.executor.open_state()
+            else:
+                end_live(root, self._vfs)
+            self.stats["rescale_recovery"] = "finished"
         if rescale_to is not None and rescale_to != layout.workers:
             new = layout.rebalance(rescale_to)
             self.last_rescale = cold_rescale(root, self.executor, layout, new, version,
@@ -670,12 +687,21 @@ class Pipeline:
         """Divide the acknowledged input into a step (with storage: durably, with ``now`` and ``seed``), run it
         with any queued steps, log its output; returns ``{output: change of the view}`` of this step."""
         self._check_usable()
-        with self._step_lock:
+        with self._cond:
+            self._waiting += 1
+        try:
+            self._step_lock.acquire()
+        finally:
+            with self._cond:
+                self._waiting -= 1
+        try:
             self._check_usable()
             self._queue.append(self._divide(wait=self.storage is None or self.executor.division_first
                                             or bool(self._queue)))
             crashpoint("step-run")
             return self._run_queue()[-1]
+        finally:
+            self._step_lock.release()
 
     def queue_step(self) -> int:
         """Divide the acknowledged input into a step (durably) without running it; returns the step number.
@@ -704,7 +730,7 @@ class Pipeline:
     def _run_queue(self) -> list[dict[str, ZSet]]:
         batch, self._queue = self._queue, []
         outs = self._run(batch)
-        if self.storage is not None and self.checkpoint_interval is not None and \
+        if self.storage is not None and self.checkpoint_interval is not None and not self._rescaling and \
                 time.monotonic() - self._last_checkpoint >= self.checkpoint_interval:
             self.checkpoint(wait=False)
         return outs
@@ -717,11 +743,19 @@ class Pipeline:
         Steps pause only while the executor captures its state (cheap: immutable batches); the state is then
         written and committed before this returns with ``wait=True`` (on demand) or on a background thread with
         ``wait=False`` (the timer), while later steps run. Pushes never wait. Queued steps are not run; they
-        stay in the log. One checkpoint runs at a time.
+        stay in the log. One checkpoint runs at a time; during a live rescale a checkpoint waits for its end
+        (the rescale ends with one).
         """
         self._check_usable()
         if self.storage is None:
             raise DbspError("checkpoint: an in-memory pipeline keeps nothing on disk; give storage=<dir>")
+        while self._rescaling:
+            time.sleep(0.005)
+        return self._checkpoint(wait)
+
+    def _checkpoint(self, wait: bool, after_state: Callable[[], None] | None = None) -> int:
+        """:meth:`checkpoint`; ``after_state`` runs between the state's commit and the driver's record (a live
+        rescale switches LAYOUT there: rescale.py invariant 4)."""
         with self._step_lock:
             self._join_checkpoint()
             t0 = time.perf_counter()
@@ -743,6 +777,8 @@ class Pipeline:
                     output.flush()  # output of every step below the checkpoint is durable before it
                     make_durable()
                     crashpoint("checkpoint-state")
+                    if after_state is not None:
+                        after_state()
                     with db.open(db.versions().stop - 1) as h:  # invariant 5: the driver's record at the step
                         seen.save(h)
                         clock = {"now_ns": floor, "prev_now_ns": prev_now}
@@ -787,6 +823,140 @@ class Pipeline:
         self._check_usable()
 
     # ---- layout ----
+
+    def rescale(self, workers: int, *, batch_shards: int = 16) -> dict:
+        """Change the number of workers while the pipeline runs (other threads may push and step meanwhile);
+        returns once the new layout is in force (and, with storage, durable).
+
+        The shards that change owner move ``batch_shards`` at a time: each batch is one short pause between two
+        steps (steps wait; pushes never do). The embedded executor cuts the moving shards' rows out of the
+        traces in memory (zero-copy slices) and hands them to their new owners; the staged executor moves their
+        stored values between the stage databases, each batch committed atomically. With storage, the target is
+        recorded first, so a crash at any point ends, on the next open, with the move finished (rescale.py
+        invariant 4). Returns (and keeps in :attr:`last_rescale`) ``{from_workers, to_workers, moved_shards,
+        moved_bytes, total_bytes, batches, max_pause_ms, seconds}``.
+
+        >>> import pyarrow as pa, dbsp_core as dbsp
+        >>> c = dbsp.Circuit()
+        >>> t = c.input("t", pa.schema([("k", pa.int64())]))
+        >>> c.output("n", t.group_by("k").agg(n=dbsp.count()))
+        >>> p = dbsp.Pipeline(c, workers=2)
+        >>> p.push("t", pa.table({"k": list(range(100))})); _ = p.step()
+        >>> r = p.rescale(3)
+        >>> (r["from_workers"], r["to_workers"], r["moved_shards"], p.layout.workers)
+        (2, 3, 85, 3)
+        >>> p.push("t", pa.table({"k": [5]})); p.step()["n"].to_dict()
+        {(5, 1): -1, (5, 2): 1}
+        >>> p.close()
+        """
+        if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+            raise ValueError(f"rescale: workers must be a positive int, got {workers!r}")
+        if not isinstance(batch_shards, int) or isinstance(batch_shards, bool) or batch_shards < 1:
+            raise ValueError(f"rescale: batch_shards must be a positive int, got {batch_shards!r}")
+        self._check_usable()
+        t0 = time.perf_counter()
+        with self._step_lock:
+            if self._rescaling:
+                raise DbspError("rescale: another rescale of this pipeline is in progress")
+            self._join_checkpoint()
+            old = self.layout
+            if workers == old.workers:
+                return self._live_report(old, old, 0, 0, 0, [], t0)
+            steps = old.steps_to(old.rebalance(workers), batch_shards)
+            final = steps[-1]
+            self._rescaling = True
+            total = None
+            if self.storage is not None:
+                begin_live(self.storage, old, final, self._vfs)
+                crashpoint("live-begin")
+        pauses: list[float] = []
+        moved = 0
+        self.rescale_progress = {"from_workers": old.workers, "to_workers": final.workers, "batches": len(steps),
+                                 "done": 0, "moved_shards": 0, "last_pause_ms": 0.0}
+        try:
+            prepare = getattr(self.executor, "prepare_relayout", None)
+            if prepare is not None:
+                prepare(final)  # new workers' databases and copies of the circuit, outside any pause
+            prev = old
+            for lay in steps:
+                with self._step_lock:  # one pause: steps wait while this batch of shards moves
+                    p0 = time.perf_counter()
+                    self._check_usable()
+                    moved += self._move_batch(prev, lay, final)
+                    pauses.append(time.perf_counter() - p0)
+                    crashpoint("live-batch")
+                self.rescale_progress.update(done=len(pauses), moved_shards=len(old.moved_shards(lay)),
+                                             last_pause_ms=round(pauses[-1] * 1000, 2))
+                prev = lay
+                self._let_steps_run()
+            if getattr(self.executor, "state_in_memory", False):
+                with self._step_lock:  # the state the new layout holds (steps ran during the move: it grew)
+                    total = self.executor.state_bytes()
+            if self.storage is not None and getattr(self.executor, "state_in_memory", False):
+                root, groups = self.storage, self.executor.groups(old)
+
+                def switch() -> None:  # the new layout's state is committed: LAYOUT follows, then the logs
+                    crashpoint("live-switch")
+                    report["seconds"] = round(time.perf_counter() - t0, 6)
+                    write_layout(root, final, report, self._vfs)
+                    crashpoint("live-layout")
+                    remove_leaving(root, groups, old, final, self._vfs)
+                    end_live(root, self._vfs)
+
+                report = self._live_report(old, final, moved, total, len(steps), pauses, t0)
+                self._checkpoint(False, switch)  # captured under the step lock, committed in the background
+                t = self._ckpt_thread
+                if t is not None:
+                    t.join()  # steps go on meanwhile
+                self._join_checkpoint_quiet()
+        except BaseException as exc:
+            self._broken = exc  # state may be between layouts: Pipeline.open finishes the move
+            raise
+        finally:
+            self._rescaling = False
+            self.rescale_progress = None
+        rep = self._live_report(old, final, moved, total, len(steps), pauses, t0)
+        if self.storage is not None and not getattr(self.executor, "state_in_memory", False):
+            with self._step_lock:  # LAYOUT holds the last batch's report: make it the whole change's
+                write_layout(self.storage, final, rep, self._vfs)
+        self.last_rescale = rep
+        return rep
+
+    def _live_report(self, old: Layout, final: Layout, moved: int, total: int | None, batches: int,
+                     pauses: list[float], t0: float) -> dict:
+        return {"from_workers": old.workers, "to_workers": final.workers, "from_shards": old.shards,
+                "to_shards": final.shards, "moved_shards": len(old.moved_shards(final)), "moved_bytes": moved,
+                "total_bytes": total if total is not None else self.executor.disk_bytes(), "batches": batches,
+                "max_pause_ms": round(max(pauses, default=0.0) * 1000, 3),
+                "seconds": round(time.perf_counter() - t0, 6), "kind": "live", "step": self.steps}
+
+    def _let_steps_run(self, timeout: float = 0.05) -> None:
+        """Between two batches of a live rescale: if a step waits for the lock, let it run first (a thread that
+        releases a lock and takes it again at once would starve it)."""
+        if not self._waiting:
+            return
+        steps, deadline = self.steps, time.monotonic() + timeout
+        while self.steps == steps and self._waiting and time.monotonic() < deadline:
+            time.sleep(0.0005)
+
+    def _move_batch(self, prev: Layout, lay: Layout, final: Layout) -> int:
+        """Move one batch of shards from layout ``prev`` to ``lay`` (the caller holds the step lock)."""
+        if getattr(self.executor, "state_in_memory", False):
+            return self.executor.relayout(lay)  # type: ignore[attr-defined]
+        assert self.storage is not None
+        version = self.executor.version  # type: ignore[attr-defined]  # every stage database is at it (a job
+        rep = cold_rescale(self.storage, self.executor, prev, lay, version, self.steps,  # commits them all)
+                           crashpoint, self._vfs, target=final, measure_total=False)
+        self.executor.start(self.circuit, lay, self.storage)
+        self.executor.resume(version + 1, self.steps)  # type: ignore[attr-defined]
+        return int(rep["moved_bytes"])
+
+    def _join_checkpoint_quiet(self) -> None:
+        t = self._ckpt_thread
+        if t is not None:
+            t.join()
+            self._ckpt_thread = None
+        self._check_usable()
 
     @property
     def layout(self) -> Layout:

@@ -22,6 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+import numpy as np
 import pyarrow as pa
 
 from dbsp_core.circuit import Circuit
@@ -32,6 +33,7 @@ from dbsp_core.runtime.context import StepContext
 from dbsp_core.runtime.coordinator import Coordinator, WorkerStore, choose_version
 from dbsp_core.runtime.crashpoints import crashpoint
 from dbsp_core.runtime.executor import StateGroup, StepInput, groupings, live_nodes, spread
+from dbsp_core.runtime.migrate import hand_over, move_shards
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.formats import state_db_path
 from dbsp_core.storage.snapshot import state_attrs, state_tables
@@ -96,6 +98,7 @@ class EmbeddedExecutor:
 
     kind = "embedded"
     division_first = False  # state becomes durable only at checkpoints: a step may run while its division syncs
+    state_in_memory = True  # a live rescale moves state here (relayout); the driver makes it durable
 
     def __init__(self, vfs: str = "posix") -> None:
         self.vfs = vfs
@@ -233,6 +236,105 @@ class EmbeddedExecutor:
                 st.advance()
         return {name: concat([r[name] for r in results], schema).consolidate()
                 for name, schema in self._out_schemas.items()}
+
+    # ---- live layout changes ----
+
+    def prepare_relayout(self, final: Layout) -> None:
+        """Build the workers ``final`` adds (a fresh copy of the circuit and, with storage, a database created at
+        the checkpoint version every worker holds, opened for the next checkpoint), so that :meth:`relayout` only
+        attaches them. Call it with no checkpoint in flight and none starting until the change ends; it does
+        file I/O and needs no step lock."""
+        assert self.circuit is not None and self.layout is not None
+        self._joining = getattr(self, "_joining", {})
+        for w in range(len(self._workers), final.workers):
+            if w in self._joining:
+                continue
+            wk = _Worker(self.circuit, self._live, StepContext(w, final.shard_map, None))
+            st = None
+            if self._coord is not None:
+                assert self.storage is not None
+                path = state_db_path(self.storage, None, w)
+                if os.path.exists(path):
+                    os.unlink(path)  # a database of a worker an earlier change removed, or an undone one
+                Database.create(path, self._coord.version, vfs=self.vfs).close()
+                st = WorkerStore(w, path, wk.stateful(), final, self._groupings, self.vfs)
+                st.start(self._coord.version)
+            self._joining[w] = (wk, st)
+
+    def relayout(self, layout: Layout) -> int:
+        """Switch to ``layout`` between steps, moving in memory the state of the shards whose owner changes
+        (dbsp_core.runtime.migrate); returns the bytes moved. Workers join (a fresh copy of the circuit and, with
+        storage, a database created at the checkpoint version every worker holds) or leave (handing over what
+        they hold) as the layout's worker count changes. The caller holds the step lock and no checkpoint is in
+        flight."""
+        assert self.circuit is not None and self.layout is not None
+        old = self.layout
+        nodes = self.circuit.nodes
+        bits = layout.shard_bits
+        if bits != old.shard_bits:  # shards split or merge: owners compared at the new count
+            if self._coord is not None:
+                for st in self._coord.stores:
+                    st.snapshot.set_shard_bits(bits)
+        W = layout.workers
+        if len(self._workers) < W:
+            self.prepare_relayout(layout)
+        while len(self._workers) < W:  # joining workers: prepared (copy of the circuit, database) beforehand
+            wk, st = self._joining.pop(len(self._workers))
+            self._workers.append(wk)
+            if st is not None:
+                assert self._coord is not None
+                st.step = self._coord.stores[0].step
+                self._coord.stores.append(st)
+        fine = max(bits, old.shard_bits)  # owners compare at the finer count (a merge moves odd children)
+        src_owner = np.repeat(old.shard_map.part_of_shard, 1 << (fine - old.shard_bits))
+        dst_owner = np.repeat(layout.shard_map.part_of_shard, 1 << (fine - bits))
+        moved = 0
+        stores = {st.index: st for st in self._coord.stores} if self._coord is not None else {}
+        for a in range(len(self._workers)):
+            for b in range(W):
+                if a == b:
+                    continue
+                mask = (src_owner == a) & (dst_owner == b)
+                if mask.any():
+                    snap = stores[a].snapshot if a in stores else None
+                    moved += move_shards(nodes, self._workers[a].stateful(), self._workers[b].stateful(), mask, fine,
+                                         snap)
+        for a in range(W, len(self._workers)):  # leaving workers hand over what they still hold
+            moved += hand_over(nodes, self._workers[a].stateful(), [wk.stateful() for wk in self._workers[:W]],
+                               dst_owner, fine)
+            if self._coord is not None:
+                st = stores[a]
+                st.close()  # never committed again; the driver deletes its database once the layout is durable
+                self._coord.stores.remove(st)
+        del self._workers[W:]
+        self.layout = layout
+        self._exchanger = _Exchanger(layout)
+        for w, wk in enumerate(self._workers):
+            wk.ctx.shard_map = layout.shard_map
+            wk.ctx._exchanger = self._exchanger
+        for st in (self._coord.stores if self._coord is not None else []):
+            st.layout = layout
+        if old.workers != W:  # the pool's size follows the worker count
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self._pool = ThreadPoolExecutor(max_workers=W - 1, thread_name_prefix="dbsp-worker") if W > 1 else None
+        self.worker_cpu_seconds = (self.worker_cpu_seconds + [0.0] * W)[:W]
+        return moved
+
+    def state_bytes(self) -> int:
+        """Bytes of every worker's state in memory (the Arrow buffers of its traces and Z-sets)."""
+        assert self.circuit is not None
+        total = 0
+        for wk in self._workers:
+            for i, inst in wk.stateful().items():
+                traces, zsets = state_attrs(i, inst)
+                for name in traces:
+                    placed, pending = getattr(inst, name).parts()
+                    total += sum(int(b.zset.data.nbytes) + int(b.zset.weights.nbytes) for b in placed + pending)
+                for name in zsets:
+                    z = getattr(inst, name)
+                    total += int(z.data.nbytes) + int(z.weights.nbytes)
+        return total
 
     # ---- durability ----
 

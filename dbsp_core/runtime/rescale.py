@@ -1,4 +1,4 @@
-"""Cold layout changes of a storage directory: move the shards whose owner changes between the state databases of the old and new workers, commit the change as one new checkpoint version everywhere, and finish or undo an interrupted change on the next open.
+"""Layout changes of a storage directory: move the shards whose owner changes between the state databases of the old and new workers, commit the change as one new checkpoint version everywhere, and finish or undo an interrupted change on the next open; a live change records its target so that a crash midway ends with the move finished.
 
 The protocol (seed 000 "cold" layout change, atomic across every database of every state group):
 
@@ -24,6 +24,14 @@ Invariants (enforced here):
      replay identically in either.
   3. Only shards whose owner changes are copied between databases; the report says how many and how many
      bytes, against the bytes of all state (``moved_bytes / total_bytes`` is the fraction that moved).
+  4. A live change (``Pipeline.rescale``) first records its target layout in RESCALE (``live`` with no change in
+     progress). The staged executor then makes each batch of moved shards a change of the protocol above (the
+     record keeps the target while a batch is in progress and after it); the embedded executor moves batches in
+     memory and makes only the target durable, by the checkpoint that ends the change, whose state commit is
+     followed by LAYOUT before ``driver.db`` and the input log's truncation. So after a crash, recovery ends any
+     batch in progress (invariant 1), reads the target from RESCALE, and finishes the move as a cold change from
+     the layout in LAYOUT: the directory ends in the target layout, with its output exactly once (the steps since
+     the checkpoint replay in the new layout, verified against the output log).
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from dbsp_core.storage.directory import (read_layout, read_rescale, remove_recor
                                          write_rescale)
 from dbsp_core.storage.shardmove import relayout_group
 
-__all__ = ["cold_rescale", "resolve"]
+__all__ = ["begin_live", "cold_rescale", "end_live", "live_target", "remove_leaving", "resolve"]
 
 
 def _worker_files(path: str) -> list[str]:
@@ -54,33 +62,66 @@ def _remove_worker(path: str, vfs: str) -> None:
             remove_record(p, vfs)
 
 
+def _record(old: Layout, new: Layout, version: int, step: int, committed: bool, target: Layout | None,
+            report: dict | None = None) -> dict:
+    rec = {"kind": "cold" if target is None else "live", "from": old.to_dict(), "to": new.to_dict(),
+           "version": version, "step": step, "committed": committed}
+    if target is not None:
+        rec["target"] = target.to_dict()
+    if report is not None:
+        rec["report"] = report
+    return rec
+
+
+def begin_live(root: str, old: Layout, target: Layout, vfs: str = "posix") -> None:
+    """Record the target of a live change before anything moves (invariant 4)."""
+    write_rescale(root, {"kind": "live", "from": old.to_dict(), "target": target.to_dict()}, vfs)
+
+
+def end_live(root: str, vfs: str = "posix") -> None:
+    """The live change is complete (LAYOUT holds its target): forget it."""
+    remove_rescale(root, vfs)
+
+
+def live_target(root: str, vfs: str = "posix") -> Layout | None:
+    """The target of a live change recorded in RESCALE (with no batch in progress), or None."""
+    rec = read_rescale(root, vfs)
+    if rec is None or rec.get("kind") != "live" or "to" in rec:
+        return None
+    return Layout.from_dict(rec["target"], f"{root}/RESCALE target")
+
+
 def cold_rescale(root: str, executor: Executor, old: Layout, new: Layout, version: int, step: int,
-                 crashpoint: Callable[[str], None], vfs: str = "posix") -> dict:
+                 crashpoint: Callable[[str], None], vfs: str = "posix", target: Layout | None = None,
+                 measure_total: bool = True) -> dict:
     """Change the stored state of ``root`` from layout ``old`` to ``new`` (the protocol above); returns the report
-    ``{from_workers, to_workers, from_shards, to_shards, moved_shards, moved_bytes, total_bytes, seconds}``."""
+    ``{from_workers, to_workers, from_shards, to_shards, moved_shards, moved_bytes, total_bytes, seconds}``.
+
+    ``target``: ``new`` is one batch of a live change to ``target`` (invariant 4): RESCALE keeps the target after
+    the change instead of being removed, unless ``new`` is the target."""
     t0 = time.perf_counter()
     groups = executor.groups(new)
-    write_rescale(root, {"from": old.to_dict(), "to": new.to_dict(), "version": version, "step": step,
-                         "committed": False}, vfs)
+    if target is not None and target == new:
+        target = None  # the last batch: the protocol's end removes RESCALE
+    write_rescale(root, _record(old, new, version, step, False, target), vfs)
     crashpoint("rescale-intent")
     totals = {"moved_shards": len(old.moved_shards(new)), "moved_bytes": 0, "total_bytes": 0}
     for g in groups:
-        rep = _relayout(g, old, new, version, step, crashpoint, vfs)
+        rep = _relayout(g, old, new, version, step, crashpoint, vfs, measure_total)
         totals["moved_bytes"] += rep["moved_bytes"]
-        totals["total_bytes"] += rep["total_bytes"]
+        totals["total_bytes"] += rep["total_bytes"] or 0
         crashpoint("rescale-group")
     report = {"from_workers": old.workers, "to_workers": new.workers, "from_shards": old.shards,
               "to_shards": new.shards, **totals, "seconds": round(time.perf_counter() - t0, 6),
               "kind": "cold", "step": step}
-    write_rescale(root, {"from": old.to_dict(), "to": new.to_dict(), "version": version, "step": step,
-                         "committed": True, "report": report}, vfs)
+    write_rescale(root, _record(old, new, version, step, True, target, report), vfs)
     crashpoint("rescale-committed")
-    _finish(root, groups, old, new, report, crashpoint, vfs)
+    _finish(root, groups, old, new, report, crashpoint, vfs, target)
     return report
 
 
 def _relayout(g: StateGroup, old: Layout, new: Layout, version: int, step: int,
-              crashpoint: Callable[[str], None], vfs: str) -> dict:
+              crashpoint: Callable[[str], None], vfs: str, measure_total: bool = True) -> dict:
     """Step 2 of the protocol for one state group."""
     n = max(old.workers, new.workers)
     dbs: dict[int, Database] = {}
@@ -88,14 +129,14 @@ def _relayout(g: StateGroup, old: Layout, new: Layout, version: int, step: int,
     try:
         for w in range(n):
             path = g.path_of(w)
-            if w >= old.workers:
+            if w >= old.workers or not os.path.exists(path):
                 _remove_worker(path, vfs)  # a leftover of an attempt that was rolled back
                 os.makedirs(os.path.dirname(path), exist_ok=True)
                 dbs[w] = Database.create(path, version, vfs=vfs)
             else:
                 dbs[w] = Database(path, vfs=vfs)
             handles[w] = dbs[w].open(version)
-        rep = relayout_group(handles, old, new, g.tables, f"{g.name}")
+        rep = relayout_group(handles, old, new, g.tables, f"{g.name}", measure_total)
         for w in range(n):
             handles[w].set_step(step)  # a new worker's database starts at step 0
             handles[w].commit()
@@ -110,14 +151,25 @@ def _relayout(g: StateGroup, old: Layout, new: Layout, version: int, step: int,
 
 
 def _finish(root: str, groups: list[StateGroup], old: Layout, new: Layout, report: dict,
-            crashpoint: Callable[[str], None], vfs: str) -> None:
-    """Step 3: switch LAYOUT, delete the leaving workers' databases, remove RESCALE (idempotent)."""
+            crashpoint: Callable[[str], None], vfs: str, target: Layout | None = None) -> None:
+    """Step 3: switch LAYOUT, delete the leaving workers' databases, remove RESCALE or, inside a live change,
+    leave only its target in it (idempotent)."""
     write_layout(root, new, report, vfs)
     crashpoint("rescale-layout")
     for g in groups:
         for w in range(new.workers, old.workers):
             _remove_worker(g.path_of(w), vfs)
-    remove_rescale(root, vfs)
+    if target is not None and target != new:
+        begin_live(root, old, target, vfs)
+    else:
+        remove_rescale(root, vfs)
+
+
+def remove_leaving(root: str, groups: list[StateGroup], old: Layout, new: Layout, vfs: str = "posix") -> None:
+    """Delete the databases of the workers of ``old`` that ``new`` does not have (after ``new`` is durable)."""
+    for g in groups:
+        for w in range(new.workers, max(old.workers, new.workers)):
+            _remove_worker(g.path_of(w), vfs)
 
 
 def resolve(root: str, executor: Executor, crashpoint: Callable[[str], None], vfs: str = "posix") -> str | None:
@@ -126,15 +178,20 @@ def resolve(root: str, executor: Executor, crashpoint: Callable[[str], None], vf
     rec = read_rescale(root, vfs)
     if rec is None:
         return None
+    if rec.get("kind") == "live" and "to" not in rec:  # only a live change's target: the driver finishes it
+        if getattr(executor, "state_in_memory", False):
+            return _settle_live_memory(root, executor, Layout.from_dict(rec["target"], f"{root}/RESCALE"), vfs)
+        return None
     try:
         old, new = Layout.from_dict(rec["from"], "RESCALE from"), Layout.from_dict(rec["to"], "RESCALE to")
         version = int(rec["version"])
+        target = Layout.from_dict(rec["target"], "RESCALE target") if "target" in rec else None
     except (KeyError, TypeError, ValueError) as e:
         raise RecoveryError(f"{root}/RESCALE: unreadable layout change record ({e})") from None
     current, _ = read_layout(root, vfs)
     groups = executor.groups(new)
     if current.epoch == new.epoch:  # LAYOUT switched already: only the clean-up was interrupted
-        _finish(root, groups, old, new, rec.get("report") or {}, crashpoint, vfs)
+        _finish(root, groups, old, new, rec.get("report") or {}, crashpoint, vfs, target)
         return "forward"
     if current.epoch != old.epoch:
         raise RecoveryError(f"{root}: RESCALE changes layout epoch {old.epoch} to {new.epoch}, but LAYOUT is at "
@@ -143,7 +200,7 @@ def resolve(root: str, executor: Executor, crashpoint: Callable[[str], None], vf
     if committed:
         report = rec.get("report") or {"from_workers": old.workers, "to_workers": new.workers, "kind": "cold",
                                        "completed_by_recovery": True}
-        _finish(root, groups, old, new, report, crashpoint, vfs)
+        _finish(root, groups, old, new, report, crashpoint, vfs, target)
         return "forward"
     for g in groups:  # roll back: every old database at v again, the new workers' databases gone
         for w in range(old.workers):
@@ -156,8 +213,64 @@ def resolve(root: str, executor: Executor, crashpoint: Callable[[str], None], vf
         for w in range(old.workers, new.workers):
             _remove_worker(g.path_of(w), vfs)
     crashpoint("rescale-rollback")
-    remove_rescale(root, vfs)
+    if target is not None:
+        begin_live(root, old, target, vfs)  # the batch is undone; the live change's target stays
+    else:
+        remove_rescale(root, vfs)
     return "back"
+
+
+def _settle_live_memory(root: str, executor: Executor, target: Layout, vfs: str) -> str | None:
+    """A live change of an executor whose state is in memory (invariant 4) ends with a checkpoint that commits
+    the target layout's workers, then switches LAYOUT. If every target worker committed it, only the switch was
+    lost: do it (``"forward"``). Otherwise put every database of the old and new workers back on their newest
+    common version (the last checkpoint before the change: a partly committed final checkpoint is discarded)
+    and leave the finishing cold change to the driver (None)."""
+    from dbsp_core.storage.shardmove import read_worker_layout
+
+    current, _ = read_layout(root, vfs)
+    union = max(current.workers, target.workers)
+    groups = executor.groups(target)
+    paths = [(w, g.path_of(w)) for g in groups for w in range(union)]
+    present = [(w, p) for w, p in paths if os.path.exists(p)]
+    if not present:
+        return None
+    dbs = [(w, Database(p, vfs=vfs)) for w, p in present]
+    try:
+        # every target worker committed the change's last checkpoint (its databases may have moved on to it only)
+        tgt = [db for w, db in dbs if w < target.workers]
+        done = False
+        if len(tgt) == len(groups) * target.workers:
+            tr = [db.versions() for db in tgt]
+            lo, hi = max(r.start for r in tr), min(r.stop for r in tr)
+            done = lo < hi and all(_epoch_at(db, hi - 1, read_worker_layout) == target.epoch for db in tgt)
+        if not done:  # the newest version every database of the change holds: the checkpoint before it
+            ranges = [db.versions() for _, db in dbs]
+            lo, hi = max(r.start for r in ranges), min(r.stop for r in ranges)
+            if lo >= hi:
+                raise RecoveryError(f"{root}: the state databases of an unfinished live rescale share no version: "
+                                    f"{[(r.start, r.stop - 1) for r in ranges]}")
+            for _, db in dbs:
+                if db.versions().stop - 1 != hi - 1:
+                    db.open(hi - 1).close()  # discards the partly committed version
+    finally:
+        for _, db in dbs:
+            db.close()
+    if done:
+        _finish(root, groups, current, target, {"kind": "live", "from_workers": current.workers,
+                                                 "to_workers": target.workers, "completed_by_recovery": True},
+                lambda _: None, vfs)
+        return "forward"
+    for g in groups:
+        for w in range(current.workers, union):
+            _remove_worker(g.path_of(w), vfs)  # the finishing cold change creates them again
+    return None
+
+
+def _epoch_at(db: Database, version: int, read: Callable) -> int | None:
+    with db.read(version) as h:
+        rec = read(h, db.path)
+    return None if rec is None else int(rec["epoch"])
 
 
 def _all_hold(groups: list[StateGroup], workers: int, version: int, vfs: str) -> bool:

@@ -193,6 +193,11 @@ class StagedExecutor:
         """Stage tasks load their state themselves (stage_task.py invariant 4); only the step is noted."""
         self.step = step
 
+    def resume(self, version: int, step: int) -> None:
+        """Every stage database now holds ``version`` at ``step`` (a layout change committed it): jobs go on from
+        there."""
+        self.version, self.step = version, step
+
     # ---- steps ----
 
     def run(self, steps: list[StepInput]) -> list[dict[str, ZSet]]:

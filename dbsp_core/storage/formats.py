@@ -27,9 +27,10 @@ magic       where                                   body
                                                     output_schemas (hex Arrow schemas), hash_version
 ``DLAY``    LAYOUT                                  JSON: layout (dbsp_core.layout.Layout.to_dict),
                                                     last_rescale (report or null)
-``DRSC``    RESCALE                                 JSON: from and to (layout records), version, step
+``DRSC``    RESCALE                                 JSON: kind (cold or live), from and to (layout records),
+                                                    version, step, committed, report
 ``DLWK``    key ``layout`` of table ``snapshot`` in  JSON: layout epoch, worker index, shard bits of the
-            every state database (each version)     values stored in this version
+            every state database (each version)     values stored in this version, and the layout itself
 ``DDIV``    input log record, handle "\\x00division"  JSON: step, pushes, now_ns, seed, watermarks
 ``DZS1``    input log push payloads; values of       Arrow IPC stream of the data columns plus int64
             ``z<node>.<attr>`` state tables          ``__dbsp_weight``

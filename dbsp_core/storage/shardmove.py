@@ -56,9 +56,11 @@ def state_bytes(h: DatabaseHandle) -> int:
 
 
 def write_worker_layout(h: DatabaseHandle, layout: Layout, worker: int) -> None:
-    """Record in this version which layout (epoch) and worker the state belongs to and its shard bits."""
+    """Record in this version the layout the state belongs to (the whole layout: a live rescale passes through
+    layouts recorded nowhere else), the worker, and the shard bits of its values."""
     h.put(SNAPSHOT_TABLE, SNAPSHOT_LAYOUT, encode_json(WORKER_LAYOUT_MAGIC, {
-        "epoch": layout.epoch, "worker": worker, "shard_bits": layout.shard_bits, "workers": layout.workers}))
+        "epoch": layout.epoch, "worker": worker, "shard_bits": layout.shard_bits, "workers": layout.workers,
+        "layout": layout.to_dict()}))
 
 
 def read_worker_layout(h: DatabaseHandle, where: str) -> dict | None:
@@ -203,17 +205,101 @@ def _cat(parts: list[ZSet], spec: TableSpec) -> ZSet:
     return ZSet.concat(parts) if len(parts) > 1 else parts[0]
 
 
+def _runs(shards: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal runs ``[a, b)`` of consecutive shard numbers in an ascending array."""
+    out: list[tuple[int, int]] = []
+    for s in shards.tolist():
+        if out and out[-1][1] == s:
+            out[-1] = (out[-1][0], s + 1)
+        else:
+            out.append((s, s + 1))
+    return out
+
+
+def _move_same_bits(handles: dict[int, DatabaseHandle], old: Layout, new: Layout, specs: dict[str, TableSpec],
+                    where: str, measure_total: bool) -> dict:
+    """:func:`relayout_group` when the shard count stays: reads only the values that move (key ranges of the
+    shards each worker gives up; everything of a leaving worker), so its cost follows the moved bytes."""
+    src_owner, dst_owner = old.shard_map.part_of_shard, new.shard_map.part_of_shard
+    moving = np.flatnonzero(src_owner != dst_owner)
+    total = sum(state_bytes(h) for h in handles.values()) if measure_total else None
+    incoming: dict[int, list[tuple[int, str, bytes, bytes]]] = {w: [] for w in handles}
+    counts: dict[tuple[int, str], dict[int, int]] = {}
+    moved_bytes = 0
+    for w, h in handles.items():
+        tables = _state_tables(h)
+        for t in tables:
+            if t not in specs:
+                raise CorruptionError(f"{where} worker {w}: state table {t!r} belongs to no operator of this circuit")
+        if w >= new.workers:
+            ranges: list[tuple[bytes | None, bytes | None]] = [(None, None)]
+        else:
+            away = np.flatnonzero((src_owner == w) & (dst_owner != w))
+            ranges = [(shard_key(a, b""), shard_key(b, b"") if b < len(src_owner) else None) for a, b in _runs(away)]
+        for t in tables:
+            out = []
+            for a, b in ranges:
+                out.extend(h.scan(t, a, b))
+            out = [(k, v) for k, v in out if int(dst_owner[int.from_bytes(k[:SHARD_PREFIX_BYTES], "big")]) != w]
+            if not out:
+                continue
+            if specs[t].kind == "trace":
+                order = read_order(h, t, f"{where} worker {w}")
+                counts[(w, t)] = dict(zip(order[0], order[1])) if order is not None else {}
+            for k, v in out:
+                incoming[int(dst_owner[int.from_bytes(k[:SHARD_PREFIX_BYTES], "big")])].append((w, t, k, v))
+                moved_bytes += len(v)
+                h.delete(t, k)  # the source's order record keeps the number; a load skips numbers with no value
+    _import(handles, incoming, specs, counts, where)
+    for w, h in handles.items():
+        write_worker_layout(h, new, w)
+    return {"moved_shards": int(len(moving)), "moved_bytes": int(moved_bytes), "total_bytes": total,
+            "rekeyed_values": 0}
+
+
+def _import(handles: dict[int, DatabaseHandle], incoming: dict[int, list[tuple[int, str, bytes, bytes]]],
+            specs: dict[str, TableSpec], counts: dict[tuple[int, str], dict[int, int]], where: str) -> None:
+    """Put moved values into their destinations under new numbers; moved trace batches join the end of the
+    destination's order record as pending batches (invariant 2)."""
+    for w, items in incoming.items():
+        if not items:
+            continue
+        h = handles[w]
+        nxt = read_next(h)
+        renumber: dict[tuple[int, str, bytes], int] = {}
+        added: dict[str, list[int]] = {}
+        for src, t, k, v in sorted(items, key=lambda x: (x[1], x[0], x[2][SHARD_PREFIX_BYTES:], x[2])):
+            num = k[SHARD_PREFIX_BYTES:]
+            ident = (src, t, num)
+            if ident not in renumber:
+                renumber[ident] = nxt
+                nxt += 1
+                added.setdefault(t, []).append(renumber[ident])
+            h.put(t, k[:SHARD_PREFIX_BYTES] + renumber[ident].to_bytes(8, "big"), v)
+        for t, numbers in added.items():
+            if specs[t].kind != "trace":
+                continue
+            order = read_order(h, t, f"{where} worker {w}") or ([], [], 0)
+            back = {n: (src, num) for (src, tt, num), n in renumber.items() if tt == t}
+            cnt = [counts.get((back[n][0], t), {}).get(int.from_bytes(back[n][1], "big"), 1) for n in numbers]
+            write_order(h, t, order[0] + numbers, order[1] + cnt, order[2])
+        write_next(h, nxt)
+
+
 def relayout_group(handles: dict[int, DatabaseHandle], old: Layout, new: Layout, specs: dict[str, TableSpec],
-                   where: str) -> dict:
+                   where: str, measure_total: bool = True) -> dict:
     """Change the state of one group of databases from layout ``old`` to ``new`` (invariants 1-4).
 
     ``handles`` holds an open write handle for every worker of either layout (a worker only in ``new`` has an
     empty database; one only in ``old`` ends empty). Returns ``{"moved_shards", "moved_bytes", "total_bytes",
-    "rekeyed_values"}``; the caller commits every handle.
+    "rekeyed_values"}`` (``total_bytes`` None unless ``measure_total``, which reads every value); the caller
+    commits every handle.
     """
     missing = sorted(set(range(max(old.workers, new.workers))) - set(handles))
     if missing:
         raise ValueError(f"relayout_group: no handle for workers {missing}")
+    if old.shard_bits == new.shard_bits:
+        return _move_same_bits(handles, old, new, specs, where, measure_total)
     g = _Group(handles, specs, where)
     total = g.total_bytes()
     fine = max(old.shard_bits, new.shard_bits)

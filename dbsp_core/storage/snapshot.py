@@ -17,7 +17,8 @@ Invariants (enforced here):
      read their input exchanged by that key). Key ``order.<table>`` of table ``snapshot`` lists the batch
      numbers in trace order, how many batches each number holds and how many of them are settled, so a
      restored trace has the same spine and pending batches. The values of one number, in shard order,
-     concatenate to the batch (or to the part of it still in this database after a move).
+     concatenate to the batch (or to the part of it still in this database after a move); a listed number
+     whose values all moved away loads as nothing.
   5. A plain Z-set (table ``z<node>.<attr>``: integrate, delay, differentiate, filter-now state) is split by the
      hash of the node's partitioning columns (rows of a partitioned stream live with their key's shard), or of
      all its columns when the node is not partitioned; each piece is one value. A Z-set is rewritten only
@@ -106,13 +107,27 @@ def zset_grouping(schema: pa.Schema, partitioning: tuple[str, ...] | None) -> tu
     return tuple(schema.names)
 
 
+def zset_shards(z: ZSet, columns: tuple[str, ...], shard_bits: int) -> np.ndarray:
+    """The shard of every row of ``z`` by the hash of ``columns`` (int64 array)."""
+    if shard_bits == 0:
+        return np.zeros(z.num_rows, dtype=np.int64)
+    h = np.asarray(z.hash(list(columns)), dtype=np.uint64)
+    return (h >> np.uint64(64 - shard_bits)).astype(np.int64)
+
+
 def zset_pieces(z: ZSet, columns: tuple[str, ...], shard_bits: int) -> list[tuple[int, ZSet]]:
     """``[(shard, rows of z in that shard)]`` for every non-empty shard, by the hash of ``columns``."""
     if z.num_rows == 0:
         return []
-    nshards = 1 << shard_bits
-    parts = z.partition(list(columns), np.arange(nshards, dtype=np.int32), nshards)
-    return [(s, p) for s, p in enumerate(parts) if p.num_rows]
+    sh = zset_shards(z, columns, shard_bits)
+    order = np.argsort(sh, kind="stable")
+    ssh = sh[order]
+    shards, starts = np.unique(ssh, return_index=True)
+    ends = np.append(starts[1:], len(ssh))
+    data = z.data.take(pa.array(order, pa.int64()))
+    w = np.asarray(z.weights, dtype=np.int64)[order]
+    return [(int(s), ZSet._make(data.slice(int(a), int(b - a)), w[a:b]))
+            for s, a, b in zip(shards.tolist(), starts.tolist(), ends.tolist())]
 
 
 def _put_group(h: DatabaseHandle, table: str, run: list, bounds: list[np.ndarray], shards: list[int],
@@ -219,6 +234,47 @@ class WorkerSnapshot:
         """The state tables this snapshot saves (see :func:`state_tables`)."""
         return state_tables(self.instances, self.groupings)
 
+    def rebind(self, node_id: int, attr: str, changed: dict[int, list], mask: np.ndarray) -> None:
+        """A trace's batches were cut by shard (dbsp_core.runtime.migrate): each kept slice owns the stored values of
+        the shards it covers, and the values of the cut shards (``mask``) are deleted by the next save, so a cut
+        writes nothing where the rows stay. ``changed``: ``{id(old batch): [(slice, first shard, end shard)]}``.
+        A batch saved in a group gives its whole group up (saved again)."""
+        table = trace_table(node_id, attr)
+        saved = self._saved.get(table)
+        if not saved:
+            return
+        sharing: dict[int, int] = {}
+        for _, keys in saved.values():
+            sharing[id(keys)] = sharing.get(id(keys), 0) + 1
+        for oid, kept in changed.items():
+            entry = saved.pop(oid, None)
+            if entry is None:
+                continue  # never saved: nothing stored to rebind
+            keys = entry[1]
+            if sharing.get(id(keys), 1) > 1:  # a group: every member is saved again
+                for bid in [k for k, (_, ks) in saved.items() if ks is keys]:
+                    del saved[bid]
+                self._orphans.setdefault(table, []).append(keys)
+                continue
+            by_shard = {shard_of_key(k): k for k in keys}
+            for piece, lo, hi in kept:
+                saved[id(piece)] = (piece, [k for sh, k in sorted(by_shard.items()) if lo <= sh < hi])
+            cut = [k for sh, k in by_shard.items() if mask[sh]]
+            if cut:
+                self._orphans.setdefault(table, []).append(cut)
+
+    def set_shard_bits(self, bits: int) -> None:
+        """The layout's shard count changed: every stored value is deleted and saved again at the new count."""
+        if bits == self.shard_bits:
+            return
+        for table, saved in self._saved.items():
+            lists = {id(keys): keys for _, keys in saved.values()}
+            self._orphans.setdefault(table, []).extend(lists.values())
+        for table, (_, keys) in self._saved_z.items():
+            self._orphans.setdefault(table, []).append(keys)
+        self._saved, self._saved_z = {}, {}
+        self.shard_bits = bits
+
     def _unsave_broken(self, table: str, saved: dict, batches: list, plan: list) -> None:
         """Delete every saved group (or single batch) that is no longer a consecutive run of live batches, and
         forget its live members so they are saved again."""
@@ -262,6 +318,8 @@ class WorkerSnapshot:
                 self._prepare_trace(trace_table(node_id, name), getattr(inst, name), plan)
             for name in zsets:
                 table = zset_table(node_id, name)
+                for keys in self._orphans.pop(table, []):
+                    plan.append(("delete", table, keys))
                 z: ZSet = getattr(inst, name)
                 old = self._saved_z.get(table)
                 if old is not None and old[0] is z:
@@ -308,16 +366,20 @@ class WorkerSnapshot:
                 plan.append(("group", table, run, bounds, shards, keys))
             i = j
         numbers, counts, in_spine = [], [], 0
-        prev = None
+        prev, listed = None, set()
         for i, b in enumerate(batches):  # the trace order of the stored values (invariant 4)
             keys = saved[id(b)][1]
             if not keys:  # an empty batch stores nothing (traces hold none)
                 continue
+            number = int.from_bytes(keys[0][SHARD_PREFIX_BYTES:], "big")
             if keys is prev:
                 counts[-1] += 1
+            elif number in listed:  # a slice of a batch listed already (rebind): its values load with that batch
+                continue
             else:
-                numbers.append(int.from_bytes(keys[0][SHARD_PREFIX_BYTES:], "big"))
+                numbers.append(number)
                 counts.append(1)
+                listed.add(number)
             prev = keys
             in_spine += i < len(settled)
         plan.append(("order", table, numbers, counts, in_spine))
@@ -416,10 +478,21 @@ class WorkerSnapshot:
             numbers_i, counts, settled = [], [], 0
         else:
             numbers_i, counts, settled = order
-        numbers = [n.to_bytes(8, "big") for n in numbers_i]
-        if sorted(numbers) != sorted(groups):
-            raise CorruptionError(f"{where} {table}: the recorded batch order names {len(numbers)} batches, the "
-                                  f"table holds {len(groups)}")
+        listed = [n.to_bytes(8, "big") for n in numbers_i]
+        if not set(groups) <= set(listed) or len(set(listed)) != len(listed):
+            raise CorruptionError(f"{where} {table}: the recorded batch order names {len(listed)} batches, the "
+                                  f"table holds {len(groups)} that are not all among them")
+        # a listed number without values moved to another worker entirely (dbsp_core.storage.shardmove)
+        keep = [i for i, n in enumerate(listed) if n in groups]
+        keepset = set(keep)
+        pos, kept_settled = 0, 0
+        for i, c in enumerate(counts):
+            if i in keepset and pos < settled:
+                kept_settled += min(c, settled - pos)
+            pos += c
+        numbers = [listed[i] for i in keep]
+        counts = [counts[i] for i in keep]
+        settled = kept_settled
         restored: list[tuple[Any, list[bytes], bool]] = []  # (batch, keys, settled)
         partial: set[int] = set()  # groups some of whose batches moved away entirely: saved again
         pos = 0

@@ -84,3 +84,36 @@ def test_other_builder_errors(streams) -> None:
     c.output("v", b)
     with pytest.raises(ValueError):
         c.output("v", b)
+
+
+def test_fingerprint_follows_source_text_not_bytecode(tmp_path) -> None:
+    """The same function compiled differently (another optimization level: other bytecode, as after a Python
+    upgrade) gives the same fingerprint; another function body gives another one."""
+    import importlib.util
+    import sys
+
+    from dbsp_core.circuit import circuit_fingerprint
+
+    def load(name: str, body: str, optimize: int, file: str = "a"):
+        path = tmp_path / file / f"{name}.py"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(f"def f(b):\n    assert b is not None, 'a batch'\n    return {body}\n")
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        code = compile(path.read_text(), str(path), "exec", optimize=optimize)
+        exec(code, mod.__dict__)
+        sys.modules[name] = mod
+        return mod.f
+
+    def fp(fn) -> str:
+        c = dbsp.Circuit()
+        s = c.input("t", pa.schema([("x", pa.int64())]))
+        c.output("o", s.flat_map(fn, schema=s.schema))
+        return circuit_fingerprint(c)
+
+    a0, a2 = load("fp_mod_a", "b", 0), load("fp_mod_a", "b", 2)
+    assert a0.__code__.co_code != a2.__code__.co_code  # the assert is compiled out at -OO
+    assert fp(a0) == fp(a2)
+    before = fp(a0)
+    b0 = load("fp_mod_a", "b.slice(0, 0)", 0, file="b")  # same module and name, another body
+    assert fp(b0) != before

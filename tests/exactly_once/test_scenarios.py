@@ -87,10 +87,10 @@ def test_restart_in_the_middle_of_a_checkpoint(tmp_path, monkeypatch):
     s.step()
     real_commit = WorkerStore.commit
 
-    def commit(self, step, plan):
+    def commit(self, step, captured):
         if self.index == 1:  # worker 0 has committed the new version, worker 1 "crashes" before its commit
             raise OSError("simulated crash during the checkpoint commit")
-        return real_commit(self, step, plan)
+        return real_commit(self, step, captured)
 
     monkeypatch.setattr(WorkerStore, "commit", commit)
     with pytest.raises(OSError):

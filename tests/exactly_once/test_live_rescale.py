@@ -1,0 +1,216 @@
+"""Live rescaling: ``p.rescale(workers)`` while another thread pushes and steps (embedded in memory, embedded durable, staged), through growing and shrinking by several workers and changes of the shard count, gives the output of a never-rescaled run step by step and DuckDB's answer; and a crash at each named point of the live protocol (in process) ends, on the next open, in the target layout with every step's output once.
+
+Seeds vary between runs (``DBSP_LIVE_SEED`` replays one; printed).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import threading
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import dbsp_core as dbsp  # noqa: E402
+import dbsp_core.runtime.driver as driver_module  # noqa: E402
+from dbsp_core.runtime import StagedExecutor  # noqa: E402
+from dbsp_core.storage.directory import read_layout, read_rescale  # noqa: E402
+from rescale_workload import Workload, build_circuit, check_log_against_duckdb, reference  # noqa: E402
+
+BASE_SEED = int(os.environ.get("DBSP_LIVE_SEED", str(random.SystemRandom().randrange(2**31))))
+COUNTS = {"live_rescales": 0, "batches": 0, "crash_points": 0, "finished_by_recovery": 0}
+
+
+def _executor(kind: str):
+    return StagedExecutor() if kind == "staged" else None
+
+
+class Live:
+    """A pipeline over a workload, stepped by a background thread while the test rescales it."""
+
+    def __init__(self, d: str | None, w: Workload, kind: str, workers: int = 2, shard_bits: int = 8,
+                 interval: float | None = 0.05) -> None:
+        self.d, self.w, self.kind, self.cur = d, w, kind, 0
+        self.outs: list[dict] = []
+        self.p = dbsp.Pipeline(build_circuit(), workers, shard_bits, d, executor=_executor(kind),
+                               checkpoint_interval=interval if d else None, clock=self._clock)
+
+    def _clock(self) -> int:
+        return self.w.clock(self.cur)
+
+    def step(self) -> None:
+        s = len(self.outs)
+        self.cur = s
+        for name, z in self.w.pushes[s]:
+            if self.d:
+                self.p.push(name, z, producer=f"gen-{name}", seq=s)
+            else:
+                self.p.push(name, z)
+        self.outs.append({k: v.to_dict() for k, v in self.p.step().items()})
+
+    def run_to(self, n: int) -> None:
+        while len(self.outs) < n:
+            self.step()
+
+    def rescale_while_stepping(self, workers: int, until: int, batch: int) -> dict:
+        errors: list[BaseException] = []
+
+        def steps() -> None:
+            try:
+                self.run_to(until)
+            except BaseException as e:  # pragma: no cover - reported below
+                errors.append(e)
+
+        t = threading.Thread(target=steps)
+        t.start()
+        rep = self.p.rescale(workers, batch_shards=batch)
+        t.join()
+        if errors:
+            raise errors[0]
+        return rep
+
+
+@pytest.mark.parametrize("kind,durable", [("embedded", False), ("embedded", True), ("staged", True)])
+def test_live_rescales_while_stepping_match_a_never_rescaled_run(tmp_path, kind: str, durable: bool) -> None:
+    seed = BASE_SEED + {"embedded": 0, "staged": 1}[kind] + 2 * durable
+    print(f"\n[live rescale] {kind} durable={durable} seed {seed} (replay: DBSP_LIVE_SEED={BASE_SEED})")
+    rng = random.Random(seed)
+    steps = 24
+    w = Workload(seed, steps)
+    ref = reference(w)
+    r = Live(str(tmp_path / "d") if durable else None, w, kind, workers=2, shard_bits=4 if kind == "embedded" else 8)
+    r.run_to(3)
+    at = 3
+    for workers in (3, 1, 5, 2):
+        until = min(steps, at + rng.randint(1, 4))
+        rep = r.rescale_while_stepping(workers, until, rng.choice([1, 3, 8, 32]))
+        at = until
+        assert r.p.layout.workers == workers and rep["to_workers"] == workers
+        assert rep["batches"] >= 1 and rep["max_pause_ms"] >= 0 and rep["moved_shards"] > 0
+        assert r.p.last_rescale is rep
+        COUNTS["live_rescales"] += 1
+        COUNTS["batches"] += rep["batches"]
+    r.run_to(steps)
+    for s, (got, want) in enumerate(zip(r.outs, ref)):
+        assert got == want, f"step {s} differs from the never-rescaled run (seed {seed})"
+    if durable:
+        check_log_against_duckdb(r.p, w, steps - 1)
+        r.p.close()
+        lay, last = read_layout(r.d)
+        assert lay.workers == 2 and last["kind"] == "live" and read_rescale(r.d) is None
+        q = dbsp.Pipeline.open(r.d, build_circuit(), executor=_executor(kind), checkpoint_interval=None)
+        assert q.layout.workers == 2 and q.steps == steps
+        q.close()
+    else:
+        r.p.close()
+
+
+def test_live_rescale_splits_and_merges_shards(tmp_path) -> None:
+    """From 16 shards: 2 -> 3 workers splits to 32 shards (a layout of its own), 8 -> 128, back to 1 -> 16."""
+    w = Workload(BASE_SEED + 7, 16)
+    ref = reference(w)
+    r = Live(str(tmp_path / "d"), w, "embedded", workers=2, shard_bits=4)
+    r.run_to(2)
+    seen = []
+    for workers, until in ((3, 5), (8, 9), (1, 13)):
+        rep = r.rescale_while_stepping(workers, until, 8)
+        seen.append((rep["from_shards"], rep["to_shards"]))
+    assert seen == [(16, 32), (32, 128), (128, 16)]
+    r.run_to(16)
+    assert r.outs == ref
+    check_log_against_duckdb(r.p, w, 15)
+    r.p.close()
+
+
+class _Stop(Exception):
+    pass
+
+
+def _crash_at(name: str, hit: int):
+    left = [hit]
+
+    def point(n: str) -> None:
+        if n == name:
+            left[0] -= 1
+            if left[0] == 0:
+                raise _Stop(f"{name}:{hit}")
+    return point
+
+
+POINTS = {
+    "embedded": [("live-begin", 1), ("live-batch", 1), ("live-batch", 4), ("checkpoint-start", 1),
+                 ("checkpoint-state", 1), ("live-switch", 1), ("live-layout", 1)],
+    "staged": [("live-begin", 1), ("rescale-intent", 1), ("rescale-commit", 2), ("rescale-committed", 2),
+               ("rescale-layout", 3), ("live-batch", 2)],
+}
+
+
+@pytest.mark.parametrize("kind,point,hit", [(k, p, h) for k, ps in POINTS.items() for p, h in ps])
+def test_a_live_rescale_interrupted_anywhere_finishes_on_open(tmp_path, monkeypatch, kind: str, point: str,
+                                                               hit: int) -> None:
+    w = Workload(BASE_SEED + 11, 12)
+    ref = reference(w)
+    r = Live(str(tmp_path / "d"), w, kind, workers=3, interval=None)  # no timer checkpoint hits the points first
+    r.run_to(5)
+    r.p.checkpoint()
+    r.run_to(7)  # steps after the checkpoint: recovery replays them
+    monkeypatch.setattr(driver_module, "crashpoint", _crash_at(point, hit))
+    # a crash point on the checkpoint thread breaks the pipeline instead (the rescale then raises DbspError)
+    with pytest.raises((_Stop, dbsp.DbspError)) as err:
+        r.p.rescale(2, batch_shards=16)
+        pytest.fail(f"{point}:{hit} was not reached")
+    assert isinstance(err.value, _Stop) or "_Stop" in repr(err.value), err.value
+    monkeypatch.undo()
+    r.p._shutdown()  # abandon the process state, as kill -9 would
+    q = dbsp.Pipeline.open(r.d, build_circuit(), executor=_executor(kind), checkpoint_interval=None,
+                           clock=r._clock)
+    assert q.layout.workers == 2, f"{point}:{hit}: ended in {q.layout.workers} workers, not the target"
+    assert read_rescale(r.d) is None
+    COUNTS["crash_points"] += 1
+    COUNTS["finished_by_recovery"] += q.stats.get("rescale_recovery") is not None
+    r.p = q
+    r.outs = r.outs[:q.steps]
+    r.run_to(12)
+    assert r.outs == ref
+    check_log_against_duckdb(q, w, 11)
+    q.close()
+
+
+def test_report_live_counts() -> None:
+    print(f"\n[live rescale] totals this run: {COUNTS}")
+
+
+def test_live_moved_bytes_are_near_the_ideal() -> None:
+    """W -> W+1 and W -> W-1 for W in 1..8, live: the minimum number of shards moves, and the bytes moved (the
+    in-memory state cut out and handed over) are within 1.1x of the state's bytes times that fraction."""
+    import numpy as np
+    import pyarrow as pa
+
+    c = dbsp.Circuit()
+    t = c.input("t", pa.schema([("k", pa.int64()), ("v", pa.int64())]))
+    c.output("g", t.group_by("k").agg(n=dbsp.count(), s=dbsp.sum("v")))
+    c.output("d", t.distinct())
+    worst = 0.0
+    for w in range(1, 9):
+        for to in (w + 1, w - 1):
+            if to < 1:
+                continue
+            p = dbsp.Pipeline(c, w)
+            rng = np.random.default_rng(7)
+            for _ in range(4):
+                p.push("t", pa.table({"k": rng.integers(0, 40_000, 10_000), "v": rng.integers(0, 100, 10_000)}))
+                p.step()
+            before = p.layout
+            r = p.rescale(to)
+            counts = [len(before.shard_map.shards_of(x)) for x in range(w)]
+            need = before.shards // to if to > w else counts[w - 1]
+            assert r["moved_shards"] == need, (w, to, r)
+            ratio = r["moved_bytes"] / (r["total_bytes"] * need / before.shards)
+            worst = max(worst, ratio)
+            assert ratio <= 1.1, f"{w} -> {to}: {ratio:.3f}x the ideal"
+            p.close()
+    print(f"\n[live rescale] moved bytes / ideal, worst over W -> W+-1, W in 1..8: {worst:.3f}")
