@@ -648,7 +648,8 @@ class IndexedZSet:
         _zset.match_sums(probe, khash, rows, ppos, self._view(), None, None, self._keypos, cpos, acc)
 
     def slice(self, lo: int, hi: int) -> IndexedZSet:
-        """Rows ``lo .. hi - 1`` as a view of the same buffers (no copy); the index order is kept.
+        """Rows ``lo .. hi - 1`` as a view of the same buffers (no copy); the index order and the row hashes the
+        batch keeps are kept.
 
         >>> import pyarrow as pa
         >>> ix = ZSet.from_arrow(pa.table({"k": [3, 1, 2]})).index_by(["k"])
@@ -658,7 +659,11 @@ class IndexedZSet:
         z = self._z
         rh = z._rhash[lo:hi] if z._rhash is not None else None
         part = ZSet._make(z._data.slice(lo, hi - lo), z._w[lo:hi], consolidated=z._consolidated, rhash=rh)
-        return IndexedZSet._make(part, self._key, self._kh[lo:hi])
+        out = IndexedZSet._make(part, self._key, self._kh[lo:hi])
+        # the row hashes the batch keeps (index order) slice with it: a trace that takes the slice (a shard cut,
+        # dbsp_core/runtime/migrate.py) must not hash its rows again
+        out._rh = self._rh[lo:hi] if self._rh is not None else None
+        return out
 
     def take(self, indices: np.ndarray) -> IndexedZSet:
         """The rows at `indices` (ascending indices keep the index order)."""
