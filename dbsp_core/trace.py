@@ -37,6 +37,12 @@ Invariants (enforced here; :meth:`Trace.check` asserts 1, 2 and 5):
      output is (invariant 2); a merge whose inputs lost rows starts again from them. It scans the trace only
      once the rows inserted since the last scan reach the rows kept by it (and at least ``PRUNE_MIN``), so its
      cost is O(1) amortized per inserted row and the trace holds at most about twice the rows it must keep.
+  9. :meth:`Trace.replace` puts pieces of batches in their place (what a shard cut keeps of each batch,
+     dbsp_core/runtime/migrate.py: zero-copy slices that keep the batch's row hashes): each piece at the level of
+     its batch's work capped as a merge's output is (invariant 2), in the batch's place in placement order
+     (invariant 5); a merge whose inputs changed starts again from their pieces, every other merge goes on;
+     pending batches stay pending and freshness is unchanged. It merges nothing, reads no rows and hashes
+     nothing: its cost grows with the number of batches, not with the rows they hold.
 """
 
 from __future__ import annotations
@@ -98,6 +104,14 @@ class _Merge:
         self.merger = merger(a[1], b[1], row_hashes=True)
         self._out: IndexedZSet | None = None
 
+    def renumbered(self, pa_: int, pb: int) -> "_Merge":
+        """The same merge (sharing its progress) with its inputs at placement numbers ``pa_`` and ``pb``: a new
+        object, so a shallow copy of the trace taken before still sees the old numbers."""
+        m = object.__new__(_Merge)
+        m.a, m.b = (pa_,) + self.a[1:], (pb,) + self.b[1:]
+        m.work, m.merger, m._out = self.work, self.merger, self._out
+        return m
+
     def result(self) -> "IndexedZSet":
         """The finished merge's output (the same object every time: a rolled-back trace may finish it again)."""
         from dbsp_core.zset import merged
@@ -105,6 +119,13 @@ class _Merge:
         if self._out is None:
             self._out = merged(self.a[1], self.merger)
         return self._out
+
+
+def _check_pieces(batch: "IndexedZSet", pieces: list["IndexedZSet"]) -> None:
+    """Pieces of ``batch`` (:meth:`Trace.replace`) hold at most its rows, on its key (a cheap guard, no row read)."""
+    if sum(len(x) for x in pieces) > len(batch) or any(x.key != batch.key for x in pieces):
+        raise ValueError(f"Trace.replace: pieces of a {len(batch)}-row batch on {batch.key} hold "
+                         f"{[len(x) for x in pieces]} rows on {[x.key for x in pieces]}")
 
 
 class _Level(NamedTuple):
@@ -419,6 +440,84 @@ class Trace:
         self.pending = [x for x in map(kept, self.pending) if x is not None]
         self._kept, self._grown = self.num_rows, 0
         return before - self._kept
+
+    def replace(self, pieces: dict[int, list["IndexedZSet"]]) -> None:
+        """Put pieces of batches in their place (invariant 9): ``pieces`` maps ``id(batch)`` of batches of
+        :meth:`parts` to the batches that replace it, in order (an empty list drops it). Each piece must hold some
+        of its batch's rows, consolidated and in index order (a zero-copy slice, :meth:`IndexedZSet.slice`);
+        the trace's content loses the rows the pieces leave out. Merges nothing, reads no rows.
+
+        >>> import pyarrow as pa
+        >>> from dbsp_core import ZSet
+        >>> t = Trace(pa.schema([("k", pa.int64())]), ("k",))
+        >>> t.insert(ZSet.from_rows([(i,) for i in range(8)], t.schema).index_by(["k"]))
+        >>> b = t.batches[0]
+        >>> t.replace({id(b): [b.slice(0, 3), b.slice(5, 8)]})
+        >>> [len(x) for x in t.batches], t.merged_rows
+        ([3, 3], 0)
+        """
+        if not pieces:
+            return
+        entries: list[tuple[int, "IndexedZSet", int]] = []  # every placed batch outside a merge that goes on
+        merges: list[tuple[int, _Merge]] = []  # (level, merge) that go on
+        for lvl, level in enumerate(self._levels):
+            m = level.merge
+            if m is not None:
+                if id(m.a[1]) in pieces or id(m.b[1]) in pieces:
+                    entries += [m.a, m.b]  # starts again from the pieces of its inputs
+                else:
+                    merges.append((lvl, m))
+            entries.extend(level.loose)
+        # one list in placement order, merge inputs included, renumbered from _placed on (pieces are new
+        # batches and need numbers of their own, in their batch's place: invariant 5)
+        items: list[tuple[int, int, tuple]] = [(e[0], 0, ("loose", e)) for e in entries]
+        for lvl, m in merges:
+            items.append((m.a[0], 0, ("a", lvl, m)))
+            items.append((m.b[0], 1, ("b", lvl, m)))
+        items.sort(key=lambda it: (it[0], it[1]))
+        nxt = self._placed
+        loose: list[tuple[int, "IndexedZSet", int]] = []
+        newnum: dict[tuple[int, str], int] = {}
+        for _, _, it in items:
+            if it[0] == "loose":
+                _, b, w = it[1]
+                got = pieces.get(id(b))
+                if got is None:
+                    loose.append((nxt, b, w))
+                    nxt += 1
+                    continue
+                _check_pieces(b, got)
+                for x in got:
+                    if len(x):
+                        loose.append((nxt, x, min(w, self.WORK_CAP * len(x))))
+                        nxt += 1
+            else:
+                newnum[(id(it[2]), it[0])] = nxt
+                nxt += 1
+        self._placed = nxt
+        levels: list[_Level] = []
+
+        def at(lvl: int) -> _Level:
+            while len(levels) <= lvl:
+                levels.append(_Level())
+            return levels[lvl]
+
+        for lvl, m in merges:
+            at(lvl)
+            levels[lvl] = _Level((), m.renumbered(newnum[(id(m), "a")], newnum[(id(m), "b")]))
+        for e in loose:  # oldest first within each level
+            lvl = level_of(e[2])
+            levels[lvl] = at(lvl)._replace(loose=at(lvl).loose + (e,))
+        self._levels = levels
+        pending = []
+        for b in self.pending:
+            got = pieces.get(id(b))
+            if got is None:
+                pending.append(b)
+            else:
+                _check_pieces(b, got)
+                pending.extend(x for x in got if len(x))
+        self.pending = pending
 
     def __repr__(self) -> str:
         return f"Trace(key={self.key}, levels={self.levels()}, pending={len(self.pending)})"
