@@ -1,4 +1,4 @@
-# zset.pxd: declarations mirroring the Z-set kernel headers of csrc/ (column, rows, hash, zset, partition, join, lookup, agg, reduce, gather).
+# zset.pxd: declarations mirroring the Z-set kernel headers of csrc/ (column, rows, hash, zset, merge, scratch, partition, join, lookup, agg, reduce, gather).
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 
 cdef extern from "status.h" nogil:
@@ -64,6 +64,29 @@ cdef extern from "zset.h" nogil:
     int dbsp_rows_check_order(const CBatch *b, const int64_t *sel, const int64_t *weights, const uint64_t *khash,
                               int64_t n, const int32_t *keys, int32_t nkeys)
     int64_t dbsp_small_rows
+
+cdef extern from "merge.h" nogil:
+    ctypedef struct COutColumn "DbspOutColumn":
+        int32_t type
+        uint8_t *validity
+        void *values
+        uint8_t *data
+        int64_t null_count
+    ctypedef struct CMerge "DbspMerge":
+        int64_t ia
+        int64_t ib
+        int64_t n
+    void dbsp_merge_sizes(const CColumn *a, int64_t na, const CColumn *b, int64_t nb, int64_t *validity,
+                          int64_t *values, int64_t *data)
+    int dbsp_merge_init(const CBatch *a, const CBatch *b, CMerge *m, COutColumn *out)
+    int dbsp_merge_step(const CBatch *a, const uint64_t *akh, const uint64_t *arh, const CBatch *b,
+                        const uint64_t *bkh, const uint64_t *brh, const int32_t *keys, int32_t nkeys, int64_t budget,
+                        CMerge *m, COutColumn *out, int64_t *w, uint64_t *kh, uint64_t *rh)
+
+cdef extern from "scratch.h" nogil:
+    void *dbsp_region_alloc(size_t nbytes, size_t *mapped)
+    size_t dbsp_region_trim(void *p, size_t mapped, size_t keep)
+    void dbsp_region_free(void *p, size_t mapped)
 
 cdef extern from "cdata.h" nogil:
     struct ArrowSchema:

@@ -122,7 +122,7 @@ int dbsp_match_weights_fenced(const DbspBatch *a, const uint64_t *akh, const Dbs
         while (je < nb && bkh[je] == h) je++;
         for (int64_t x = i; x < ie && je > j; x++)
             for (int64_t y = j; y < je; y++)
-                if (dbsp_row_cmp(a, x, NULL, b, y, NULL, a->ncols) == 0) {
+                if (dbsp_row_cmp_eqfast(a, x, NULL, b, y, NULL, a->ncols) == 0) {
                     if (dbsp_add_weight(&acc[x], b->weights ? b->weights[y] : 1)) { st = DBSP_EOVERFLOW; goto done; }
                     break;  /* b is consolidated: at most one equal row */
                 }
@@ -163,7 +163,7 @@ int dbsp_match_sums(const DbspBatch *a, const uint64_t *akh, const int64_t *sel,
         for (int64_t y = j; y < je; y++) {
             for (int64_t x = i; x < ie; x++) {
                 int64_t r = sel ? sel[x] : x;
-                if (dbsp_row_cmp(a, r, akeys, b, y, bkeys, nkeys) != 0) continue;
+                if (dbsp_row_cmp_eqfast(a, r, akeys, b, y, bkeys, nkeys) != 0) continue;
                 int64_t wy = b->weights ? b->weights[y] : 1;
                 for (int32_t c = 0; c < ncols; c++) {
                     const DbspColumn *col = &b->cols[cols[c]];

@@ -14,4 +14,19 @@ void dbsp_scratch_free(void *p, size_t bytes);
  * aligned and madvised for transparent huge pages, so filling it faults once per 2 MiB instead of per 4 KiB */
 void *dbsp_alloc_result(size_t bytes);
 
+/* Memory for a result that may end up shorter than allocated (a merge's output, merge.h): from
+ * DBSP_REGION_MAP_MIN bytes on, anonymous mapped pages (madvised for huge pages from 2 MiB), whose unused tail
+ * dbsp_region_trim returns to the system without moving the head; below, plain malloc (*mapped = 0). NULL when
+ * out of memory. */
+#define DBSP_REGION_MAP_MIN ((size_t)1 << 20)
+void *dbsp_region_alloc(size_t bytes, size_t *mapped);
+
+/* Unmap the pages of a region past its first `keep` bytes; returns the new mapped size (a malloc'ed region,
+ * mapped == 0, is kept whole). */
+size_t dbsp_region_trim(void *p, size_t mapped, size_t keep);
+
+/* Free a region given its current mapped size (0: a malloc'ed region). Mapped regions are kept for reuse by
+ * dbsp_region_alloc, up to DBSP_REGION_CACHE_MB MiB in all (read once; default 256, 0 disables it). */
+void dbsp_region_free(void *p, size_t mapped);
+
 #endif

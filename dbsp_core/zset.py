@@ -495,7 +495,7 @@ class IndexedZSet:
     contiguous range, so state can be kept, looked up and moved by shard.
     """
 
-    __slots__ = ("_z", "_key", "_kh", "_keypos", "_cv", "_fx")
+    __slots__ = ("_z", "_key", "_kh", "_keypos", "_cv", "_fx", "_rh")
     __hash__ = None  # type: ignore[assignment]
 
     def __init__(self) -> None:
@@ -524,6 +524,18 @@ class IndexedZSet:
             f = self._fx = _zset.fence(self._kh)
         return f
 
+    def _row_hashes(self) -> np.ndarray:
+        """The row hash of each row, in index order: kept once computed (or handed over by the merge that made
+        the batch), so merging batches whose key hashes meet needs no hashing (csrc/merge.h)."""
+        rh = self._rh
+        if rh is None:
+            if self._keypos == list(range(self._z._data.num_columns)):
+                rh = self._kh  # a whole-row key: the key hash is the row hash
+            else:
+                rh = _zset.hash_columns(self._z._data, list(range(self._z._data.num_columns)))
+            self._rh = rh
+        return rh
+
     def _view_as(self, schema: pa.Schema) -> Any:
         """:meth:`_view`, or a fresh view of the rows cast to ``schema`` when their types differ only there."""
         data = _conform(self._z._data, schema)
@@ -537,6 +549,7 @@ class IndexedZSet:
         ix._kh = kh
         ix._cv = None
         ix._fx = None
+        ix._rh = None
         ix._keypos = _column_positions(z.schema, key, "index")
         return ix
 
@@ -577,20 +590,16 @@ class IndexedZSet:
             raise SchemaError(f"{op}: keys differ: {self._key} vs {other._key}")
 
     def merge(self, other: IndexedZSet) -> IndexedZSet:
-        """The consolidated sum of two indexed Z-sets with the same schema and key, in linear time."""
+        """The consolidated sum of two indexed Z-sets with the same schema and key, in linear time (one pass of
+        the resumable C merge run to the end, :func:`merger`)."""
         self._check_compatible(other, "merge")
         if len(other) == 0:
             return self
         if len(self) == 0:
             return other
-        a, b = self._z, other._z
-        bd = _conform(b._data, a._data.schema)
-        # a key of every column in order hashes like the whole row: the kernel then reuses the key hashes as
-        # row hashes ([] = whole-row key) instead of hashing rows whose key hashes meet
-        keys = [] if self._keypos == list(range(a._data.num_columns)) else self._keypos
-        idx, w, kh = _zset.merge(self._view(), None, None, other._view_as(a._data.schema), None, None, keys)
-        both = _single_chunk(pa.concat_tables([a._data, bd]))
-        return IndexedZSet._make(ZSet._make(_take(both, idx), w), self._key, kh)
+        m = merger(self, other)
+        m.step(len(self) + len(other))
+        return merged(self, m)
 
     def lookup(self, hashes: np.ndarray) -> np.ndarray:
         """Row numbers (ascending, int64) of the rows whose key hash is in `hashes` (ascending uint64; duplicates
@@ -665,7 +674,8 @@ class IndexedZSet:
         _zset.match_sums(probe, khash, rows, ppos, self._view(), None, None, self._keypos, cpos, acc)
 
     def slice(self, lo: int, hi: int) -> IndexedZSet:
-        """Rows ``lo .. hi - 1`` as a view of the same buffers (no copy); the index order is kept.
+        """Rows ``lo .. hi - 1`` as a view of the same buffers (no copy); the index order and the row hashes the
+        batch keeps are kept.
 
         >>> import pyarrow as pa
         >>> ix = ZSet.from_arrow(pa.table({"k": [3, 1, 2]})).index_by(["k"])
@@ -675,12 +685,18 @@ class IndexedZSet:
         z = self._z
         rh = z._rhash[lo:hi] if z._rhash is not None else None
         part = ZSet._make(z._data.slice(lo, hi - lo), z._w[lo:hi], consolidated=z._consolidated, rhash=rh)
-        return IndexedZSet._make(part, self._key, self._kh[lo:hi])
+        out = IndexedZSet._make(part, self._key, self._kh[lo:hi])
+        # the row hashes the batch keeps (index order) slice with it: a trace that takes the slice (a shard cut,
+        # dbsp_core/runtime/migrate.py) must not hash its rows again
+        out._rh = self._rh[lo:hi] if self._rh is not None else None
+        return out
 
     def take(self, indices: np.ndarray) -> IndexedZSet:
         """The rows at `indices` (ascending indices keep the index order)."""
         idx = np.ascontiguousarray(indices, dtype=np.int64)
-        return IndexedZSet._make(ZSet._make(_take(self._z._data, idx), self._z._w[idx]), self._key, self._kh[idx])
+        out = IndexedZSet._make(ZSet._make(_take(self._z._data, idx), self._z._w[idx]), self._key, self._kh[idx])
+        out._rh = self._rh[idx] if self._rh is not None else None
+        return out
 
     def shard_bounds(self, shard_bits: int) -> np.ndarray:
         """Row range of every shard: shard s holds rows ``bounds[s]:bounds[s+1]`` (length 2**shard_bits + 1)."""
@@ -737,6 +753,25 @@ class IndexedZSet:
         data = self._z._data
         group_row, _, ivals, fvals, valid = _zset.reduce(self._view(), None, None, self._keypos, specs)
         return _agg_table(data, self._key, specs, group_row, ivals, fvals, valid)
+
+
+def merger(a: IndexedZSet, b: IndexedZSet, row_hashes: bool = False) -> Any:
+    """A resumable merge of two non-empty indexed Z-sets of one schema (types) and key (csrc/merge.h): ``step(n)``
+    merges at least n more input rows, ``done`` tells when every row is in; :func:`merged` then gives the sum.
+    Rows of meeting keys are ordered by the row hashes the inputs keep (else computed where needed); with
+    ``row_hashes`` the sum keeps its own."""
+    # a key of every column in order hashes like the whole row: the kernel then reuses the key hashes as row
+    # hashes ([] = whole-row key) instead of hashing rows whose key hashes meet
+    keys = [] if a._keypos == list(range(a._z._data.num_columns)) else a._keypos
+    return _zset.Merger(a._view(), b._view_as(a._z._data.schema), keys, a._rh, b._rh, row_hashes and bool(keys))
+
+
+def merged(a: IndexedZSet, m: Any) -> IndexedZSet:
+    """The result of a finished :func:`merger` whose first input is ``a``, as an indexed Z-set."""
+    table, w, kh, rh = m.result()
+    out = IndexedZSet._make(ZSet._make(table, w), a._key, kh)
+    out._rh = rh
+    return out
 
 
 def _key_sums_positions(ix: IndexedZSet, probe: pa.Table, probe_keys: Sequence[str], columns: Sequence[str]

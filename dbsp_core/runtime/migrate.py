@@ -11,9 +11,10 @@ Invariants (enforced here):
      results are the sum over workers) stays where it is, except that a worker leaving the layout hands all of
      it over (each row to the new owner of its shard).
   3. A cut costs what the moved rows cost, not what the source holds: a trace batch is sorted by key hash, so a
-     run of consecutive shards is one row range, cut out and kept as zero-copy slices (IndexedZSet.slice); the
-     trace is rebuilt from the same batches (Trace.parts / clear / insert / settle), which places them without
-     merging. A Z-set is split by shard (it is small next to traces: the partitioned Z-set state of a circuit).
+     run of consecutive shards is one row range, cut out and kept as zero-copy slices (IndexedZSet.slice, which
+     keep the batch's row hashes); the kept slices take their batch's place (Trace.replace: same level, merges
+     of untouched batches go on), so the cut merges nothing and hashes nothing. A Z-set is split by shard (it
+     is small next to traces: the partitioned Z-set state of a circuit).
   4. The snapshot of a source worker learns which stored values the cut kept and which it moved
      (WorkerSnapshot.rebind), so the next checkpoint writes the moved rows once, to their new owner, and only
      deletes keys at the source.
@@ -70,34 +71,26 @@ def cut_trace(trace: Trace, mask: np.ndarray, bits: int) -> tuple[list[IndexedZS
     """Cut the rows of the shards in ``mask`` (a boolean array over the ``2**bits`` shards) out of ``trace``.
 
     Returns the moved slices and ``{id(old batch): [(kept slice, first shard, end shard), ...]}`` for the
-    batches that changed (for :meth:`WorkerSnapshot.rebind`). The trace keeps the rest of every batch, placed
-    without merging (invariant 3).
+    batches that changed (for :meth:`WorkerSnapshot.rebind`). The trace keeps the rest of every batch in its
+    place (:meth:`Trace.replace`: each slice at its batch's level, merges of untouched batches going on,
+    pending batches pending), so a cut merges nothing and hashes nothing (invariant 3): the slices keep their
+    batch's row hashes.
     """
     runs = _runs(mask)
     if not runs:
         return [], {}
     placed, pending = trace.parts()
-    placed, pending = list(placed), list(pending)
     moved: list[IndexedZSet] = []
     changed: dict[int, list] = {}
-    new_parts: list[list[IndexedZSet]] = [[], []]
-    for part, batches in enumerate((placed, pending)):
-        for b in batches:
-            kept, out = _split(b, bits, runs)
-            if not out:
-                new_parts[part].append(b)
-                continue
-            moved.extend(out)
-            changed[id(b)] = kept
-            new_parts[part].extend(k for k, _, _ in kept)
+    for b in list(placed) + list(pending):
+        kept, out = _split(b, bits, runs)
+        if not out:
+            continue
+        moved.extend(out)
+        changed[id(b)] = kept
     if not moved:
         return [], {}
-    trace.clear()
-    for b in new_parts[0]:
-        trace.insert(b)
-    trace.settle()
-    for b in new_parts[1]:
-        trace.insert(b)
+    trace.replace({oid: [k for k, _, _ in kept] for oid, kept in changed.items()})
     return moved, changed
 
 

@@ -11,6 +11,7 @@
 #include "lookup.h"
 #include "group.h"
 #include "gather.h"
+#include "merge.h"
 
 static int failures = 0;
 #define CHECK(cond) do { if (!(cond)) { fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); failures++; } } while (0)
@@ -209,6 +210,72 @@ static void test_merge(int keyed) {
     for (int64_t j = 0; j < b.n; j++) if (naive_weight(&a.b, &b.b, j) == 0 && naive_weight(&b0.b, &b.b, j) != 0) want++;
     CHECK(m.n == want);
     free(arh); free(brh);
+    dbsp_rows_free(&ra); dbsp_rows_free(&rb); dbsp_rows_free(&m);
+    tb_free(&a0); tb_free(&b0); tb_free(&a); tb_free(&b);
+}
+
+/* dbsp_merge_step in random budgets writes exactly dbsp_zset_merge's rows (taken from a or b), weights and key
+ * hashes, and a consistent Arrow layout (offsets, bits, null counts) */
+static void test_merge_steps(int keyed, int64_t na0, int64_t nb0, int given_rh) {
+    TBatch a0, b0, a, b;
+    tb_make(&a0, na0, 40, -2, 2); tb_make(&b0, nb0, 40, -2, 2);
+    DbspRows ra, rb, m;
+    int32_t key = 0;
+    const int32_t *keys = keyed ? &key : NULL;
+    int32_t nkeys = keyed ? 1 : 0;
+    CHECK(dbsp_zset_consolidate(&a0.b, keys, nkeys, &ra) == DBSP_OK);
+    CHECK(dbsp_zset_consolidate(&b0.b, keys, nkeys, &rb) == DBSP_OK);
+    tb_gather(&a, &a0, ra.idx, ra.weights, ra.n);
+    tb_gather(&b, &b0, rb.idx, rb.weights, rb.n);
+    CHECK(dbsp_zset_merge(&a.b, ra.khash, &b.b, rb.khash, keys, nkeys, &m) == DBSP_OK);
+    int64_t cap = a.n + b.n, sz[3][2];
+    DbspOutColumn out[2];
+    memset(out, 0, sizeof out);
+    for (int c = 0; c < 2; c++) {
+        dbsp_merge_sizes(&a.cols[c], a.n, &b.cols[c], b.n, &sz[0][c], &sz[1][c], &sz[2][c]);
+        CHECK(sz[0][c] == (cap + 7) / 8);  /* both sides have validity bitmaps */
+        out[c].validity = malloc((size_t)sz[0][c] + 1);
+        memset(out[c].validity, 0xff, (size_t)sz[0][c] + 1);  /* garbage: the kernel zeroes each new byte */
+        out[c].values = malloc((size_t)sz[1][c] + 1);
+        out[c].data = sz[2][c] || c == 1 ? malloc((size_t)sz[2][c] + 1) : NULL;
+    }
+    CHECK(sz[1][0] == cap * 8 && sz[1][1] == (cap + 1) * 4);
+    CHECK(sz[2][1] == (int64_t)a.soff[a.n] + b.soff[b.n]);
+    int64_t *w = malloc((size_t)(cap + 1) * 8);
+    uint64_t *kh = malloc((size_t)(cap + 1) * 8), *rh = malloc((size_t)(cap + 1) * 8);
+    uint64_t *arh = malloc((size_t)(a.n + 1) * 8), *brh = malloc((size_t)(b.n + 1) * 8);
+    CHECK(dbsp_hash_columns(&a.b, NULL, 0, arh) == DBSP_OK);
+    CHECK(dbsp_hash_columns(&b.b, NULL, 0, brh) == DBSP_OK);
+    DbspMerge st;
+    CHECK(dbsp_merge_init(&a.b, &b.b, &st, out) == DBSP_OK);
+    int guard = 0;
+    while ((st.ia < a.n || st.ib < b.n) && guard++ < 100000) {
+        int64_t before = st.ia + st.ib, budget = (int64_t)(next() % 7);
+        CHECK(dbsp_merge_step(&a.b, ra.khash, given_rh & 1 ? arh : NULL, &b.b, rb.khash, given_rh & 2 ? brh : NULL,
+                              keys, nkeys, budget, &st, out, w, kh, rh) == DBSP_OK);
+        CHECK(st.ia + st.ib >= before + budget || (st.ia == a.n && st.ib == b.n));
+        CHECK(st.ia + st.ib <= before + budget + 1);  /* a pair of equal rows is consumed together */
+    }
+    CHECK(st.n == m.n);
+    int64_t nulls[2] = { 0, 0 };
+    for (int64_t x = 0; x < m.n && x < st.n; x++) {
+        int64_t src = m.idx[x];
+        const TBatch *sb = src < a.n ? &a : &b;
+        int64_t si = src < a.n ? src : src - a.n;
+        CHECK(w[x] == m.weights[x] && kh[x] == m.khash[x]);
+        CHECK(rh[x] == (src < a.n ? arh[si] : brh[si]));
+        int kv = dbsp_bit(out[0].validity, x), sv = dbsp_bit(out[1].validity, x);
+        CHECK(kv == dbsp_bit(sb->kvalid, si) && sv == dbsp_bit(sb->svalid, si));
+        nulls[0] += !kv; nulls[1] += !sv;
+        CHECK(((int64_t *)out[0].values)[x] == sb->k[si]);
+        const int32_t *oo = (const int32_t *)out[1].values;
+        int32_t l = sb->soff[si + 1] - sb->soff[si];
+        CHECK(oo[x + 1] - oo[x] == l && memcmp(out[1].data + oo[x], sb->sdata + sb->soff[si], (size_t)l) == 0);
+    }
+    CHECK(out[0].null_count == nulls[0] && out[1].null_count == nulls[1]);
+    for (int64_t x = st.n; x < ((st.n + 7) & ~7); x++) CHECK(dbsp_bit(out[0].validity, x) == 0);
+    for (int c = 0; c < 2; c++) { free(out[c].validity); free(out[c].values); free(out[c].data); }
+    free(w); free(kh); free(rh); free(arh); free(brh);
     dbsp_rows_free(&ra); dbsp_rows_free(&rb); dbsp_rows_free(&m);
     tb_free(&a0); tb_free(&b0); tb_free(&a); tb_free(&b);
 }
@@ -678,6 +745,10 @@ int main(void) {
     test_consolidate_far_weights();
     test_merge(0);
     test_merge(1);
+    for (int rep = 0; rep < 16; rep++) {
+        test_merge_steps(rep & 1, (int64_t)(next() % 400), 1 + (int64_t)(next() % 400), (rep >> 1) & 3);
+    }
+    test_merge_steps(1, 0, 50, 3);
     test_join_and_reduce(200, 300);
     test_join_and_reduce(12, 1500);  /* a small a against a large b: the batched seek */
     test_partition();

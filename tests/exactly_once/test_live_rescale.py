@@ -25,6 +25,31 @@ BASE_SEED = int(os.environ.get("DBSP_LIVE_SEED", str(random.SystemRandom().randr
 COUNTS = {"live_rescales": 0, "batches": 0, "crash_points": 0, "finished_by_recovery": 0}
 
 
+def _check_traces(p) -> None:
+    """Every trace of an in-memory embedded pipeline passes Trace.check after a live rescale (the shard cuts keep
+    the level trace's invariants and the row hashes of the slices they move), and a trace of a partitioned node
+    holds rows of its worker's shards only."""
+    import numpy as np
+
+    from dbsp_core.trace import Trace
+
+    ex = p.executor
+    if not hasattr(ex, "_workers"):
+        return
+    lay = p.layout
+    owner = np.asarray(lay.shard_map.part_of_shard)
+    for w, wk in enumerate(ex._workers):
+        for i, inst in wk.stateful().items():
+            for t in vars(inst).values():
+                if not isinstance(t, Trace):
+                    continue
+                t.check()
+                if ex.circuit.nodes[i].partitioning is not None:
+                    for b in sum(t.parts(), []):
+                        rows = np.diff(b.shard_bounds(lay.shard_bits))
+                        assert not rows[owner != w].any(), f"worker {w} holds rows of shards it does not own"
+
+
 def _executor(kind: str):
     return StagedExecutor() if kind == "staged" else None
 
@@ -92,6 +117,7 @@ def test_live_rescales_while_stepping_match_a_never_rescaled_run(tmp_path, kind:
         assert r.p.layout.workers == workers and rep["to_workers"] == workers
         assert rep["batches"] >= 1 and rep["max_pause_ms"] >= 0 and rep["moved_shards"] > 0
         assert r.p.last_rescale is rep
+        _check_traces(r.p)
         COUNTS["live_rescales"] += 1
         COUNTS["batches"] += rep["batches"]
     r.run_to(steps)
@@ -119,6 +145,7 @@ def test_live_rescale_splits_and_merges_shards(tmp_path) -> None:
     for workers, until in ((3, 5), (8, 9), (1, 13)):
         rep = r.rescale_while_stepping(workers, until, 8)
         seen.append((rep["from_shards"], rep["to_shards"]))
+        _check_traces(r.p)
     assert seen == [(16, 32), (32, 128), (128, 16)]
     r.run_to(16)
     assert r.outs == ref

@@ -1,0 +1,207 @@
+"""The trace (dbsp_core/trace.py) against a dict model: content and reads after any inserts, reads, settles and restores, batch counts, and merge work counted in rows."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dbsp_core as dbsp
+from dbsp_core.trace import Trace, level_of
+
+SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+
+
+class SlowTrace(Trace):
+    """Merges advance by a row per four inserted rows: they stay in progress across many inserts and reads."""
+
+    FUEL = 0.25
+    MAX_PENDING = 5
+
+
+def _batch(seed: int, n: int, keys: int) -> tuple[dbsp.ZSet, dict]:
+    rng = np.random.default_rng(seed)
+    k, v = rng.integers(0, keys, n), rng.integers(0, 4, n)
+    w = rng.choice(np.array([-2, -1, 1, 1, 2], dtype=np.int64), n)
+    z = dbsp.ZSet.from_arrow(pa.table({"k": k, "v": v}, schema=SCHEMA), weights=w)
+    return z, z.to_dict()
+
+
+def _hashes(keys: list[int]) -> np.ndarray:
+    if not keys:
+        return np.zeros(0, dtype=np.uint64)
+    return np.sort(dbsp.ZSet.from_arrow(pa.table({"k": keys}, schema=pa.schema([("k", pa.int64())]))).hash(["k"]))
+
+
+def _check_reads(t: Trace, model: dict, keys: list[int]) -> None:
+    want = {r: w for r, w in model.items() if r[0] in keys}
+    got: dict = {}
+    for b in t.lookup(_hashes(keys)):
+        for (k, v), w in b.zset.to_dict().items():
+            if k in keys:
+                got[(k, v)] = got.get((k, v), 0) + w
+    assert {r: w for r, w in got.items() if w} == want
+    probe = pa.table({"k": sorted(set(keys))}, schema=pa.schema([("k", pa.int64())]))
+    kh = dbsp.ZSet.from_arrow(probe).hash(["k"])
+    order = np.argsort(kh, kind="stable")
+    sums = t.key_sums(probe, ["k"], kh[order], order, ["v"])
+    for i, r in enumerate(order.tolist()):
+        k = probe.column("k")[r].as_py()
+        assert sums[i, 0] == sum(v * w for (kk, v), w in model.items() if kk == k)
+    rows = [(k, v) for k in sorted(set(keys)) for v in range(4)]
+    if rows:
+        change = dbsp.ZSet.from_rows(rows, SCHEMA).index_by(["k"])
+        data = change.zset.data
+        got_w = dict(zip(zip(data.column("k").to_pylist(), data.column("v").to_pylist()),
+                         t.match_weights(change).tolist()))
+        assert got_w == {r: model.get(r, 0) for r in got_w}
+
+
+def _batch_bound(t: Trace) -> int:
+    """O(log n) batches: two per level, levels up to ceil(log2(rows inserted))."""
+    return 2 * (level_of(max(t.inserted_rows, 2)) + 1) + len(t.pending)
+
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("insert"), st.integers(0, 2**31), st.sampled_from([10, 10, 10, 10, 1, 3, 40, 200])),
+    st.tuples(st.just("read"), st.lists(st.integers(0, 60), max_size=6)),
+    st.tuples(st.just("settle")),
+    st.tuples(st.just("restore")),
+    st.tuples(st.just("drop"), st.integers(0, 30)),
+), max_size=60)
+
+
+@settings(deadline=None)
+@given(ops, st.sampled_from([Trace, SlowTrace]))
+def test_any_inserts_reads_settles_and_restores_match_the_model(steps, cls):
+    t = cls(SCHEMA, ("k",))
+    model: dict = {}
+    for op in steps:
+        if op[0] == "insert":
+            z, d = _batch(op[1], op[2], 60)
+            t.insert(z.index_by(["k"]))
+            for r, w in d.items():
+                model[r] = model.get(r, 0) + w
+            model = {r: w for r, w in model.items() if w}
+        elif op[0] == "read":
+            _check_reads(t, model, op[1])
+        elif op[0] == "settle":
+            t.settle()
+        elif op[0] == "drop":  # invariant 8: forget keys below a bound, merges in progress included
+            gone = sum(abs(w) for (k, _), w in model.items() if k < op[1])
+            dropped = t.drop_below({"k": op[1]}, force=True)
+            model = {r: w for r, w in model.items() if r[0] >= op[1]}
+            assert dropped >= (1 if gone else 0)
+        else:  # what a checkpoint restore does: insert parts() into a cleared trace, settling between them
+            spine, pending = t.parts()
+            t = cls(SCHEMA, ("k",))
+            t.clear()  # fresh, as a snapshot restore makes it
+            for b in spine:
+                t.insert(b)
+            t.settle()
+            for b in pending:
+                t.insert(b)
+            if len(spine) + len(pending) <= cls.MAX_PENDING:  # (more: the overflow inserts them, merging)
+                assert [id(b) for b in t.parts()[0]] == [id(b) for b in spine]
+                assert [id(b) for b in t.parts()[1]] == [id(b) for b in pending]
+                assert t.merged_rows == 0
+        batches = t.parts()[0] + t.parts()[1]
+        assert all(len(b) for b in batches)
+        assert dbsp.ZSet.concat([b.zset for b in batches] or [dbsp.ZSet.empty(SCHEMA)]).to_dict() == model
+        assert len(t.parts()[0]) <= _batch_bound(t) or t.pending
+        t.check()
+    assert t.consolidated().zset.to_dict() == model
+
+
+def test_reads_merge_nothing_and_parts_keeps_placement_order():
+    t = SlowTrace(SCHEMA, ("k",))
+    for i in range(40):
+        t.insert(_batch(i, 30, 1000)[0].index_by(["k"]))
+    assert any(m is not None for _, _, m in t.levels()), "a small FUEL leaves merges in progress"
+    before, merged = t.parts(), t.merged_rows
+    t.lookup(_hashes(list(range(50))))
+    t.key_sums(pa.table({"k": [1]}), ["k"], _hashes([1]), np.zeros(1, dtype=np.int64), ["v"])
+    t.consolidated()
+    t.shard(2, 1)
+    assert t.merged_rows == merged
+    assert [id(b) for b in t.parts()[0]] == [id(b) for b in before[0]]
+
+
+def _saturated_run(groups: int, keys_per_step: int, steps: int, seed: int = 1):
+    """A linear aggregate's trace: one row per group, then each step retracts and replaces the rows of a few
+    groups (2 rows per group): the key set never grows, so every merge above a few levels returns the same size."""
+    rng = np.random.default_rng(seed)
+    t = Trace(SCHEMA, ("k",))
+    val = np.zeros(groups, dtype=np.int64)
+    t.insert(dbsp.ZSet.from_arrow(pa.table({"k": np.arange(groups), "v": val}, schema=SCHEMA)).index_by(["k"]))
+    per_step, rows = [], []
+    for _ in range(steps):
+        ks = rng.choice(groups, keys_per_step, replace=False)
+        old = val[ks].copy()
+        val[ks] += 1
+        z = dbsp.ZSet.from_arrow(pa.table({"k": np.concatenate([ks, ks]), "v": np.concatenate([old, val[ks]])},
+                                          schema=SCHEMA),
+                                 weights=np.repeat(np.array([-1, 1], dtype=np.int64), keys_per_step))
+        before = t.merged_rows
+        t.key_sums(pa.table({"k": ks}), ["k"], *_probe(ks))  # a step reads, then inserts
+        t.insert(z.index_by(["k"]))
+        per_step.append(t.merged_rows - before)
+        rows.append(2 * keys_per_step)
+    return t, val, np.array(per_step), np.array(rows)
+
+
+def _probe(ks: np.ndarray):
+    kh = dbsp.ZSet.from_arrow(pa.table({"k": ks})).hash(["k"])
+    order = np.argsort(kh, kind="stable")
+    return kh[order], order, ["v"]
+
+
+def test_merge_work_on_a_saturated_trace_stays_within_a_constant_factor_of_the_inserted_rows():
+    groups, per, steps = 4096, 16, 3000
+    t, val, merged, rows = _saturated_run(groups, per, steps)
+    # content: one row per group with its current value
+    assert t.consolidated().zset.to_dict() == {(k, int(v)): 1 for k, v in enumerate(val)}
+    # amortized: each inserted row is merged about once per level between the step's size and the state's
+    levels = math.log2(2 * groups / (2 * per)) + 3
+    half = steps // 2
+    first, second = merged[:half].sum() / rows[:half].sum(), merged[half:].sum() / rows[half:].sum()
+    assert second <= levels, (first, second)
+    assert second <= 1.25 * first + 1, (first, second)  # does not grow with the length of the run
+    # per step: at most FUEL times the step's rows per level (no step pays for the whole state)
+    assert merged.max() <= Trace.FUEL * rows.max() * (level_of(t.inserted_rows) + 1)
+    assert merged.max() < groups
+    assert len(t.batches) <= _batch_bound(t)
+    t.check()
+
+
+def test_a_shallow_copy_of_the_attributes_rolls_the_trace_back():
+    """The staged runtime rolls a failed attempt back by restoring a shallow copy of a trace's attributes
+    (dbsp_core/stagetask.py): later inserts, merges in progress and finished merges must not leak into it."""
+    t = SlowTrace(SCHEMA, ("k",))
+    model: dict = {}
+
+    def insert(seed: int, n: int) -> None:
+        z, d = _batch(seed, n, 60)
+        t.insert(z.index_by(["k"]))
+        for r, w in d.items():
+            model[r] = model.get(r, 0) + w
+
+    for i in range(12):
+        insert(i, 10)
+    saved_vars = {k: (list(v) if isinstance(v, list) else v) for k, v in vars(t).items()}
+    saved_model = {r: w for r, w in model.items() if w}
+    assert any(m is not None for _, _, m in t.levels())
+    for i in range(12, 60):  # finishes the merges in progress at the capture and starts others
+        insert(i, 40)
+    vars(t).clear()
+    vars(t).update({k: (list(x) if isinstance(x, list) else x) for k, x in saved_vars.items()})
+    assert t.consolidated().zset.to_dict() == saved_model
+    t.check()
+    model = dict(saved_model)
+    for i in range(100, 130):  # merges finished after the capture finish again, with the same outputs
+        insert(i, 10)
+        t.check()
+    assert t.consolidated().zset.to_dict() == {r: w for r, w in model.items() if w}
