@@ -401,6 +401,14 @@ class Stream:
 
         return hop(self, column, size, slide, start, end)
 
+    def proc_tumble(self, size: int, unit: str = "ms", start: str = "window_start", end: str = "window_end"
+                    ) -> "Stream":
+        """Tumbling windows of processing time: each row gets the window of ``size`` ``unit`` holding the now of
+        the step in which it arrives (``timestamp[unit]`` columns; see dbsp_core.time.proctime)."""
+        from dbsp_core.time.proctime import proc_tumble
+
+        return proc_tumble(self, size, unit, start, end)
+
     def session(self, column: str, gap: int, by: str | Sequence[str] = (), start: str = "session_start",
                 end: str = "session_end") -> "Stream":
         """Session windows over time ``column`` per group of ``by`` (none: one group): each row with its
