@@ -5,6 +5,6 @@ package does not start a JVM.
 """
 
 from spark_glue.pipeline import SparkJobRunner, SparkPipeline  # noqa: F401,E402  steps as Spark jobs
-from spark_glue.streaming import ForeachBatch, StaleBatchError, foreach_batch  # noqa: F401,E402  Structured Streaming sink
+from spark_glue.streaming import ForeachBatch, StaleBatchError, foreach_batch, tidy_checkpoint  # noqa: F401,E402  Structured Streaming sink
 
-__all__ = ["SparkPipeline", "SparkJobRunner", "foreach_batch", "ForeachBatch", "StaleBatchError"]
+__all__ = ["SparkPipeline", "SparkJobRunner", "foreach_batch", "ForeachBatch", "StaleBatchError", "tidy_checkpoint"]

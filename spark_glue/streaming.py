@@ -30,6 +30,8 @@ Design notes (enforced here):
 
 from __future__ import annotations
 
+import os
+import re
 import threading
 from typing import Any, Callable
 
@@ -193,6 +195,36 @@ def foreach_batch(pipeline: Any, handle: str | None = None, *, producer: str | N
     >>> p.close()
     """
     return ForeachBatch(pipeline, handle, producer=producer, on_output=on_output, scan_limit=scan_limit)
+
+
+_SPARK_TEMP = re.compile(r"^\.?\.\d+\.[0-9a-f-]{36}\.tmp(\.crc)?$")
+
+
+def tidy_checkpoint(location: str) -> list[str]:
+    """Remove the temporary files a killed query left in its checkpoint's ``offsets`` and ``commits`` logs.
+
+    Spark writes each log entry to ``.<batch>.<uuid>.tmp`` and renames it; a driver killed between the two leaves
+    the temporary file, which Spark never reads. Recent Spark releases (SPARK-53103; seen with 4.3) refuse to
+    start a query whose offset log has no entry yet when that directory is not empty
+    (``STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY``), so a kill during the very first batch's offset write would
+    lock the query out of its checkpoint. Call this
+    before ``writeStream...start()`` on a restart; it removes only files named like those temporaries (never an
+    entry, which is named by its batch number) and returns the paths it removed. A local or mounted path only.
+    """
+    if not isinstance(location, str) or not location:
+        raise DbspError("tidy_checkpoint: location must be a non-empty path string")
+    if location.startswith("file:"):
+        location = location[len("file:"):]
+    removed = []
+    for log in ("offsets", "commits"):
+        d = os.path.join(location, log)
+        if not os.path.isdir(d):
+            continue
+        for name in sorted(os.listdir(d)):
+            if _SPARK_TEMP.match(name):
+                os.remove(os.path.join(d, name))
+                removed.append(os.path.join(d, name))
+    return removed
 
 
 def _input_names(pipeline: Any) -> dict[str, pa.Schema]:

@@ -76,7 +76,11 @@ def test_kill9_during_live_rescales(tmp_path, kind: str) -> None:
     p.close()
     stats = {"kills": 0, "named": 0, "timed": 0, "finished_on_open": 0, "completed": 0}
     goal = 3
-    for _ in range(KILLS):
+    rounds = 0
+    # Rounds go on until KILLS kills landed (at most 4x as many rounds): a timed kill can come after the child
+    # finished, and the count must not depend on the machine's speed.
+    while stats["kills"] < KILLS and rounds < 4 * KILLS:
+        rounds += 1
         goal = min(STEPS, goal + rng.randint(1, 3))
         cur_w = read_layout(d)[0].workers
         targets = [rng.choice([t for t in (1, 2, 3, 4) if t != cur_w])]
@@ -105,5 +109,5 @@ def test_kill9_during_live_rescales(tmp_path, kind: str) -> None:
         assert got == ref[s], f"output step {s} differs from the never-rescaled run (seed {seed})"
     check_log_against_duckdb(q, w, STEPS - 1)
     q.close()
-    print(f"[live kill] {kind}: {stats}; 0 rows lost, 0 doubled")
-    assert stats["kills"] >= KILLS // 2
+    print(f"[live kill] {kind}: {rounds} rounds, {stats}; 0 rows lost, 0 doubled")
+    assert stats["kills"] >= KILLS, f"only {stats['kills']} of {KILLS} kills landed in {rounds} rounds"

@@ -1,7 +1,7 @@
 """kill -9 during cold rescales: a real child process opens a directory at another worker count and is killed at each named point of the layout-change protocol (rescale.py) and at random moments; the next open finishes or undoes the change, a following run rescales again, and in the end the output log equals a never-rescaled run step by step and DuckDB over all input, with 0 rows lost or doubled.
 
 Seeds vary between runs (``DBSP_RESCALE_KILL_SEED`` replays one; printed); ``DBSP_RESCALE_KILLS`` sets the number of
-kill rounds per executor (default 12).
+kills per executor (default 12; rounds go on until that many landed).
 """
 
 from __future__ import annotations
@@ -79,7 +79,11 @@ def test_kill9_during_cold_rescales(tmp_path, kind: str) -> None:
     p.close(checkpoint=False)  # the first rescale starts from a state that needs replaying
     stats = {"kills": 0, "named": 0, "timed": 0, "forward": 0, "back": 0, "rescales": 0}
     steps_done = 3
-    for k in range(KILLS):
+    rounds = 0
+    # A named point is not reached on every path and a timed kill can come after the child finished: go on until
+    # KILLS kills landed (at most 4x as many rounds), so the count does not depend on the machine's speed.
+    while stats["kills"] < KILLS and rounds < 4 * KILLS:
+        rounds += 1
         target = rng.choice([t for t in (1, 2, 3, 4, 5) if t != read_layout(d)[0].workers])
         goal = min(STEPS, steps_done + rng.choice([0, 1, 2]))
         if rng.random() < 0.6:
@@ -110,5 +114,5 @@ def test_kill9_during_cold_rescales(tmp_path, kind: str) -> None:
         assert got == ref[s], f"output step {s} differs from the never-rescaled run (seed {seed})"
     check_log_against_duckdb(q, w, STEPS - 1)
     q.close()
-    print(f"[rescale kill] {kind}: {stats}; 0 rows lost, 0 doubled")
-    assert stats["kills"] >= KILLS // 2
+    print(f"[rescale kill] {kind}: {rounds} rounds, {stats}; 0 rows lost, 0 doubled")
+    assert stats["kills"] >= KILLS, f"only {stats['kills']} of {KILLS} kills landed in {rounds} rounds"

@@ -22,7 +22,7 @@ sys.path.insert(0, HERE)
 from stream_workload import build_circuit, spark_schema  # noqa: E402
 
 import dbsp_core as dbsp  # noqa: E402
-from spark_glue.streaming import foreach_batch  # noqa: E402
+from spark_glue.streaming import foreach_batch, tidy_checkpoint  # noqa: E402
 
 
 def main() -> int:
@@ -53,6 +53,7 @@ def main() -> int:
 
     sink = foreach_batch(p, "s", on_output=on_output)
     print("READY", flush=True)
+    tidy_checkpoint(ckpt)  # a kill during the first offset write leaves a temp file Spark 4.1 refuses to start on
     df = spark.readStream.schema(spark_schema()).option("maxFilesPerTrigger", 1).parquet(data)
     q = df.writeStream.foreachBatch(sink).option("checkpointLocation", ckpt).trigger(availableNow=True).start()
     q.awaitTermination()

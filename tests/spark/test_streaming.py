@@ -162,3 +162,22 @@ def test_docstring_examples():
 
     result = doctest.testmod(spark_glue.streaming, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_tidy_checkpoint_removes_only_spark_temporaries(tmp_path):
+    """What a driver killed during its first offset write leaves (seen in a CI run): only the temporaries go."""
+    ck = tmp_path / "ck"
+    (ck / "offsets").mkdir(parents=True)
+    (ck / "commits").mkdir()
+    tmp = ".0.5904b7bc-59bb-4cc8-9c71-8fe416ad20ec.tmp"
+    for name in (tmp, "." + tmp + ".crc", "0", ".0.crc", "notes.tmp"):
+        (ck / "offsets" / name).write_text("x")
+    (ck / "commits" / ".3.5904b7bc-59bb-4cc8-9c71-8fe416ad20ec.tmp").write_text("x")
+    (ck / "metadata").write_text("{}")
+    removed = spark_glue.tidy_checkpoint("file:" + str(ck))
+    assert sorted(os.path.basename(r) for r in removed) == sorted(
+        [tmp, "." + tmp + ".crc", ".3.5904b7bc-59bb-4cc8-9c71-8fe416ad20ec.tmp"])
+    assert sorted(os.listdir(ck / "offsets")) == [".0.crc", "0", "notes.tmp"]
+    assert spark_glue.tidy_checkpoint(str(tmp_path / "missing")) == []
+    with pytest.raises(dbsp.DbspError):
+        spark_glue.tidy_checkpoint("")
