@@ -191,10 +191,6 @@ def proc_tumble(stream: "Stream", size: int | datetime.timedelta, unit: str = "m
     [(1, '1970-01-01 00:00:10', 2, -1), (1, '1970-01-01 00:00:10', 3, 1)]
     [(2, '1970-01-01 00:00:20', 1, 1)]
     """
-    from dbsp_core.circuit import Stream
-
-    if not isinstance(stream, Stream):
-        raise TypeError(f"proc_tumble: expected a Stream, got {type(stream).__name__}")
     where = stream._where("proc_tumble")
     if isinstance(size, datetime.timedelta):
         if unit not in UNIT_NS:
