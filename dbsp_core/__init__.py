@@ -45,3 +45,12 @@ __all__ += ["Circuit", "Stream", "Pipeline", "count", "count_distinct", "sum", "
 from dbsp_core.temporal import filter_now, within_last  # noqa: E402
 
 __all__ += ["within_last", "filter_now"]
+
+
+def __getattr__(name: str) -> object:
+    """``dbsp.sql`` (the SQL front end) and ``dbsp.nexmark``, imported on first use (sqlglot loads only then)."""
+    if name in ("sql", "nexmark"):
+        import importlib
+
+        return importlib.import_module(f"dbsp_core.{name}")
+    raise AttributeError(f"module 'dbsp_core' has no attribute {name!r}")

@@ -3,7 +3,9 @@
 - ``dbsp demo [options]``: the main job, a durable auction pipeline (``dbsp demo --help``);
 - ``dbsp inspect DIR [--json]``: what a storage directory holds (scale, checkpoint, logs, output steps, sizes),
   without running its circuit;
-- ``dbsp read DIR VIEW [--from-step N] [--limit K]``: the changes of one view from the output log.
+- ``dbsp read DIR VIEW [--from-step N] [--limit K]``: the changes of one view from the output log;
+- ``dbsp sql FILE.sql [--view NAME]``: compile CREATE TABLE / CREATE VIEW statements and print the plan of each
+  view (operators, exchanges, state).
 """
 
 from __future__ import annotations
@@ -71,6 +73,25 @@ def _read(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sql(args: argparse.Namespace) -> int:
+    from dbsp_core.sql import SqlError, compile
+    from dbsp_core.sql.explain import explain
+
+    with open(args.file, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        c = compile(text)
+    except SqlError as e:
+        print(f"{args.file}:{e.line}:{e.column}: {str(e).split(': ', 1)[-1]}", file=sys.stderr)
+        return 2
+    try:
+        print(explain(c, args.view or None))
+    except KeyError as e:
+        print(f"error: {e.args[0]}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else list(argv)
     if args_list[:1] == ["demo"]:  # the demo parses its own options (dbsp demo --help)
@@ -88,7 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     rd.add_argument("view")
     rd.add_argument("--from-step", type=int, default=0)
     rd.add_argument("--limit", type=int, default=10, help="rows shown per step (default 10)")
+    sq = sub.add_parser("sql", help="compile a SQL file and print the plan of each view")
+    sq.add_argument("file")
+    sq.add_argument("--view", action="append", help="only this view (repeatable)")
     args = parser.parse_args(args_list)
+    if args.command == "sql":
+        try:
+            return _sql(args)
+        except OSError as exc:
+            print(f"error: cannot read {args.file}: {exc}", file=sys.stderr)
+            return 2
     try:
         return _inspect(args) if args.command == "inspect" else _read(args)
     except (FileNotFoundError, NotADirectoryError) as exc:

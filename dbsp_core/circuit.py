@@ -27,9 +27,12 @@ from dbsp_core.operators import (Aggregate, Delay, Differentiate, Distinct, Exch
                                  Integrate, Join, LeftJoin, Negate, Operator, Plus, Select)
 from dbsp_core.operators.aggregate import PreAggregate
 from dbsp_core.operators.base import nullable_schema, same_columns
+from dbsp_core.operators.constant import Constant
 from dbsp_core.operators.count_distinct import CountDistinct
 from dbsp_core.operators.expr import as_expression
 from dbsp_core.operators.keyless_aggregate import GLOBAL_KEY, AddGlobalKey
+from dbsp_core.operators.outer_join import OuterJoin
+from dbsp_core.operators.semi_join import SemiJoin
 from dbsp_core.operators.top_k import TopK, order_spec
 from dbsp_core.time.lineage import Times, meet, passed
 
@@ -122,6 +125,88 @@ class Circuit:
         s = self._add(Input(name, nullable_schema(schema), event_time, int(lateness)), times)
         self.inputs[name] = s.node_id
         return s
+
+    def constant(self, value: "pa.Table | object") -> "Stream":
+        """A stream whose integral is ``value`` (a ZSet or an Arrow table) from the first step on: it is emitted
+        at the pipeline's first step only (operators/constant.py).
+
+        >>> import pyarrow as pa
+        >>> import dbsp_core as dbsp
+        >>> c = dbsp.Circuit()
+        >>> c.output("one", c.constant(pa.table({"x": [1]})))
+        >>> p = dbsp.Pipeline(c)
+        >>> p.step()["one"].to_dict(), p.step()["one"].to_dict()
+        ({(1,): 1}, {})
+        """
+        from dbsp_core.zset import ZSet
+
+        z = value if isinstance(value, ZSet) else ZSet.from_arrow(value)  # type: ignore[arg-type]
+        return self._add(Constant(z))
+
+    def recursive(self, body: Callable[..., "Stream"], inputs: Sequence["Stream"] = (),
+                  schema: pa.Schema | None = None, distinct: bool = True, max_iterations: int = 100_000
+                  ) -> "Stream":
+        """The least fixed point R of ``R = body(R, *inputs)`` (then ``distinct()``, as SQL's recursive UNION),
+        iterated within each step and maintained incrementally under insertions and deletions of the inputs
+        (operators/fixpoint.py).
+
+        ``body`` gets a stream for R (of ``schema``, default the first input's) and one stream per input, all in a
+        nested circuit, and returns R's next value; it may use filter, select, ``+``/``-``, negate, flat_map,
+        windows, (inner) join and distinct. With ``distinct=False`` R is a bag (SQL's UNION ALL): it converges
+        only when the body reaches zero (no cycles), else the step fails after ``max_iterations`` iterations.
+
+        >>> import pyarrow as pa
+        >>> import dbsp_core as dbsp
+        >>> c = dbsp.Circuit()
+        >>> e = c.input("e", pa.schema([("src", pa.int64()), ("dst", pa.int64())]))
+        >>> step = lambda r, e: e + r.join(e, left_on="dst", right_on="src").select(src="src", dst="dst_right")
+        >>> c.output("reach", c.recursive(step, [e]))
+        >>> p = dbsp.Pipeline(c, workers=2)
+        >>> p.push("e", pa.table({"src": [1, 2], "dst": [2, 3]}))
+        >>> sorted(p.step()["reach"].to_dict())
+        [(1, 2), (1, 3), (2, 3)]
+        >>> p.push("e", dbsp.ZSet.from_rows([(2, 3)], e.schema, weights=[-1]))
+        >>> sorted(p.step()["reach"].to_dict().items())
+        [((1, 3), -1), ((2, 3), -1)]
+        """
+        from dbsp_core.operators.fixpoint import Fixpoint
+        from dbsp_core.operators.keyless_aggregate import GLOBAL_KEY, AddGlobalKey
+
+        where = self._where("recursive")
+        inputs = [self._own(s, where) for s in inputs]
+        if schema is None:
+            if not inputs:
+                raise TypeError(f"{where}: give schema= (there is no input to take it from)")
+            schema = inputs[0].schema
+        if not isinstance(schema, pa.Schema):
+            raise TypeError(f"{where}: schema must be a pyarrow.Schema, got {schema!r}")
+        inner = Circuit()
+        rec = inner.input("__dbsp_rec", schema)
+        imports = [inner.input(f"__dbsp_in{k}", s.schema) for k, s in enumerate(inputs)]
+        out = body(rec, *imports)
+        if not isinstance(out, Stream) or out.circuit is not inner:
+            raise TypeError(f"{where}: body must return a stream built from the streams it is given")
+        if distinct:
+            out = out.distinct()
+        if not same_columns(out.schema, rec.schema):
+            raise SchemaError(f"{where}: the body returns {out.schema.names} {out.schema.types}, but R has "
+                              f"{rec.schema.names} {rec.schema.types}")
+        inner.output("__dbsp_out", out)
+        gathered = []
+        for s in inputs:  # fixpoint invariant 3: the inputs gathered by a constant key
+            g = self._add(AddGlobalKey(s.node_id, s.schema, s.op.partitioning, where), s.times)
+            gathered.append(g._exchanged((GLOBAL_KEY,)).node_id)
+        op = Fixpoint(gathered, inner, rec.node_id, [s.node_id for s in imports], out.node_id, max_iterations,
+                      where, fingerprint=circuit_fingerprint(inner), live=inner.live_nodes())
+        return self._add(op)
+
+    def live_nodes(self) -> list[int]:
+        """The nodes that feed an output, in id order (the nodes a pipeline runs)."""
+        live = set(self.outputs.values())
+        for i in range(len(self.nodes) - 1, -1, -1):
+            if i in live:
+                live.update(self.nodes[i].inputs)
+        return sorted(live)
 
     def output(self, name: str, stream: "Stream") -> None:
         """Declare output handle ``name``: each step yields the change of ``stream``."""
@@ -341,8 +426,10 @@ class Stream:
         join_schema(self.schema, other.schema, left_on, right_on, drop_right_keys, where)  # validate first
         left = self._exchanged(tuple(left_on))
         right = other._exchanged(tuple(right_on))
-        cls = LeftJoin if kind == "left_join" else Join
-        op = cls(left.node_id, right.node_id, self.schema, other.schema, left_on, right_on, drop_right_keys, where)
+        args = (left.node_id, right.node_id, self.schema, other.schema, left_on, right_on, drop_right_keys, where)
+        if kind in ("right_join", "full_join"):
+            return self.circuit._add(OuterJoin(*args, how=kind[:-5]))  # lineage invariant 4: none
+        op = (LeftJoin if kind == "left_join" else Join)(*args)
         if kind == "left_join":  # lineage invariant 4: no lineage, no cleanup
             return self.circuit._add(op)
         keys = meet(passed(left.times, {k: k for k in left_on}),
@@ -380,6 +467,96 @@ class Stream:
         """
         lk, rk, drop = self._keys(on, left_on, right_on, self._where("left_join"))
         return self._join(other, lk, rk, drop, kind="left_join")
+
+    def right_join(self, other: "Stream", on: str | Sequence[str] | None = None,
+                   left_on: str | Sequence[str] | None = None, right_on: str | Sequence[str] | None = None
+                   ) -> "Stream":
+        """Right outer equi-join: like :meth:`join`, plus each right row without a match, with null left columns
+        (with ``on=``, the kept key columns hold the right row's key, as SQL's ``USING``).
+
+        >>> import pyarrow as pa
+        >>> import dbsp_core as dbsp
+        >>> c = dbsp.Circuit()
+        >>> a = c.input("a", pa.schema([("k", pa.int64()), ("x", pa.utf8())]))
+        >>> b = c.input("b", pa.schema([("k", pa.int64()), ("y", pa.utf8())]))
+        >>> c.output("j", a.right_join(b, on="k"))
+        >>> p = dbsp.Pipeline(c)
+        >>> p.push("a", pa.table({"k": [1], "x": ["a"]})); p.push("b", pa.table({"k": [1, 2], "y": ["p", "q"]}))
+        >>> sorted(p.step()["j"].to_dict())
+        [(1, 'a', 'p'), (2, None, 'q')]
+        """
+        lk, rk, drop = self._keys(on, left_on, right_on, self._where("right_join"))
+        return self._join(other, lk, rk, drop, kind="right_join")
+
+    def full_join(self, other: "Stream", on: str | Sequence[str] | None = None,
+                  left_on: str | Sequence[str] | None = None, right_on: str | Sequence[str] | None = None
+                  ) -> "Stream":
+        """Full outer equi-join: the inner join, plus the unmatched rows of both sides padded with nulls.
+
+        >>> import pyarrow as pa
+        >>> import dbsp_core as dbsp
+        >>> c = dbsp.Circuit()
+        >>> a = c.input("a", pa.schema([("k", pa.int64()), ("x", pa.utf8())]))
+        >>> b = c.input("b", pa.schema([("k", pa.int64()), ("y", pa.utf8())]))
+        >>> c.output("j", a.full_join(b, on="k"))
+        >>> p = dbsp.Pipeline(c)
+        >>> p.push("a", pa.table({"k": [1, 3], "x": ["a", "c"]})); p.push("b", pa.table({"k": [1, 2], "y": ["p", "q"]}))
+        >>> sorted(p.step()["j"].to_dict(), key=str)
+        [(1, 'a', 'p'), (2, None, 'q'), (3, 'c', None)]
+        """
+        lk, rk, drop = self._keys(on, left_on, right_on, self._where("full_join"))
+        return self._join(other, lk, rk, drop, kind="full_join")
+
+    def _semi(self, other: "Stream", on: object, left_on: object, right_on: object, anti: bool) -> "Stream":
+        where = self._where("anti_join" if anti else "semi_join")
+        self.circuit._own(other, where)
+        lk, rk, _ = self._keys(on, left_on, right_on, where)
+        from dbsp_core.operators.join import join_schema
+
+        join_schema(self.schema, other.schema, lk, rk, False, where)  # validate before adding nodes
+        keys = other if list(other.schema.names) == rk else other.select(**{k: k for k in rk})
+        left, right = self._exchanged(tuple(lk)), keys._exchanged(tuple(rk))
+        # lineage invariant 4: none (a change of the right side re-emits old left rows)
+        return self.circuit._add(SemiJoin(left.node_id, right.node_id, self.schema, keys.schema, lk, rk, anti,
+                                          where))
+
+    def semi_join(self, other: "Stream", on: str | Sequence[str] | None = None,
+                  left_on: str | Sequence[str] | None = None, right_on: str | Sequence[str] | None = None
+                  ) -> "Stream":
+        """The rows of this stream whose key has a match in ``other`` (SQL ``EXISTS`` / ``IN``), each with its
+        own multiplicity; the output has this stream's columns (operators/semi_join.py).
+
+        >>> import pyarrow as pa
+        >>> import dbsp_core as dbsp
+        >>> c = dbsp.Circuit()
+        >>> a = c.input("a", pa.schema([("k", pa.int64())]))
+        >>> b = c.input("b", pa.schema([("id", pa.int64()), ("v", pa.int64())]))
+        >>> c.output("s", a.semi_join(b, left_on="k", right_on="id"))
+        >>> p = dbsp.Pipeline(c)
+        >>> p.push("a", pa.table({"k": [1, 1, 2]})); p.push("b", pa.table({"id": [1, 1], "v": [5, 6]}))
+        >>> p.step()["s"].to_dict()
+        {(1,): 2}
+        """
+        return self._semi(other, on, left_on, right_on, anti=False)
+
+    def anti_join(self, other: "Stream", on: str | Sequence[str] | None = None,
+                  left_on: str | Sequence[str] | None = None, right_on: str | Sequence[str] | None = None
+                  ) -> "Stream":
+        """The rows of this stream whose key has no match in ``other`` (SQL ``NOT EXISTS``); a null key never
+        matches, so such rows are kept.
+
+        >>> import pyarrow as pa
+        >>> import dbsp_core as dbsp
+        >>> c = dbsp.Circuit()
+        >>> a = c.input("a", pa.schema([("k", pa.int64())]))
+        >>> b = c.input("b", pa.schema([("k", pa.int64())]))
+        >>> c.output("s", a.anti_join(b, on="k"))
+        >>> p = dbsp.Pipeline(c)
+        >>> p.push("a", pa.table({"k": [1, 2, None]})); p.push("b", pa.table({"k": [1]}))
+        >>> sorted(p.step()["s"].to_dict().items(), key=str)
+        [((2,), 1), ((None,), 1)]
+        """
+        return self._semi(other, on, left_on, right_on, anti=True)
 
     def group_by(self, *keys: str) -> "GroupBy":
         """Group rows by ``keys`` (none: the whole stream is one group); finish with :meth:`GroupBy.agg`,

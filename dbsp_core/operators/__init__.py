@@ -2,6 +2,7 @@
 
 from dbsp_core.operators.aggregate import Aggregate
 from dbsp_core.operators.base import Operator
+from dbsp_core.operators.constant import Constant
 from dbsp_core.operators.delay import Delay
 from dbsp_core.operators.differentiate import Differentiate
 from dbsp_core.operators.distinct import Distinct
@@ -13,8 +14,10 @@ from dbsp_core.operators.integrate import Integrate
 from dbsp_core.operators.join import Join
 from dbsp_core.operators.left_join import LeftJoin
 from dbsp_core.operators.negate import Negate
+from dbsp_core.operators.outer_join import OuterJoin
 from dbsp_core.operators.plus import Plus
 from dbsp_core.operators.select import Select
+from dbsp_core.operators.semi_join import SemiJoin
 
-__all__ = ["Aggregate", "Delay", "Differentiate", "Distinct", "Exchange", "Filter", "FlatMap", "Input",
-           "Integrate", "Join", "LeftJoin", "Negate", "Operator", "Plus", "Select"]
+__all__ = ["Aggregate", "Constant", "Delay", "Differentiate", "Distinct", "Exchange", "Filter", "FlatMap", "Input",
+           "Integrate", "Join", "LeftJoin", "Negate", "Operator", "OuterJoin", "Plus", "Select", "SemiJoin"]

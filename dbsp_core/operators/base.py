@@ -9,7 +9,11 @@ Invariants (every operator subclass keeps them):
      stateful one a fresh object owning its traces, so W copies never share state. Keyed stateful
      instances expose ``traces() -> {name: Trace}``: all their state, sorted by key hash, so it can be
      read and moved by shard.
-  4. Operators never iterate over rows in Python: they call Arrow compute, numpy or the Z-set kernels.
+  4. ``state_placed`` says whether the instance's state must sit with the owner of each row's key shard (a
+     live rescale moves it shard by shard; otherwise it stays until its worker leaves). It defaults to
+     "the output is partitioned"; an operator whose state is keyed internally though its output is not (the
+     fixpoint's nested traces) sets it True.
+  5. Operators never iterate over rows in Python: they call Arrow compute, numpy or the Z-set kernels.
 """
 
 from __future__ import annotations
@@ -40,6 +44,11 @@ class Operator:
         self.inputs = tuple(inputs)
         self.schema = schema
         self.partitioning = partitioning
+
+    @property
+    def state_placed(self) -> bool:
+        """Whether this node's per-worker state must live with its key's shard owner (invariant 4)."""
+        return self.partitioning is not None
 
     @property
     def label(self) -> str:

@@ -26,7 +26,7 @@ from dbsp_core.errors import SchemaError
 from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, make
 from dbsp_core.time.cleanup import prune_trace
 from dbsp_core.time.lineage import input_times
-from dbsp_core.trace import Trace
+from dbsp_core.trace import Trace, unique_sorted
 from dbsp_core.zset import ZSet
 
 if TYPE_CHECKING:
@@ -101,6 +101,22 @@ class Join(Operator):
         if len(li) == 0:
             return empty(self.schema)
         return ZSet._make(_zset.take_pairs(lv, li, rv, ri, self.right_kept_pos, self.schema), w)
+
+
+def inner_change(op: Join, left: Trace, right: Trace, da: "IndexedZSet | None", db: "IndexedZSet | None"
+                 ) -> list["ZSet"]:
+    """The inner join's change ``da JOIN (R + db) + L JOIN db`` (invariant 1) for the outer and semi joins, which
+    look up only the changed keys: inserts ``db`` into ``right``; the caller inserts ``da`` into ``left`` after."""
+    parts = []
+    if db is not None:
+        right.insert(db)
+    if da is not None:
+        for batch in right.lookup(unique_sorted(da.key_hash), DENSE):
+            parts.append(op.pairs(da, batch))
+    if db is not None:
+        for batch in left.lookup(unique_sorted(db.key_hash), DENSE):
+            parts.append(op.pairs(batch, db))
+    return parts
 
 
 class _JoinState:

@@ -55,6 +55,19 @@ class StepContext:
         self.now_ns, self.prev_now_ns, self.seed = now_ns, prev_now_ns, seed
         self.watermarks = watermarks or {}
 
+    @property
+    def can_exchange(self) -> bool:
+        """Whether :meth:`exchange` works here (False in a stage task, where exchanges are stage boundaries)."""
+        return self._exchanger is not None
+
+    def anyone(self, node_id: object, flag: bool) -> bool:
+        """Whether any worker passes ``flag`` True at this point (every worker calls it once per ``node_id`` and
+        step, like :meth:`exchange`); a runtime whose exchanger cannot agree across workers refuses it."""
+        agree = getattr(self._exchanger, "anyone", None)
+        if agree is None:
+            raise DbspError("this runtime cannot agree across workers within a step (a fixpoint needs it)")
+        return bool(agree(self.worker, node_id, flag))
+
     def exchange(self, node_id: int, z: "ZSet", key: tuple[str, ...], schema: pa.Schema) -> "ZSet":
         """Send each row of ``z`` to the worker owning its key's shard; return the rows sent to this worker."""
         if self._exchanger is None:

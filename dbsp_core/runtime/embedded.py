@@ -68,6 +68,16 @@ class _Exchanger:
         mine = [row[worker] for row in box if row is not None]
         return concat(mine, schema)
 
+    def anyone(self, worker: int, node_id: object, flag: bool) -> bool:
+        """Whether any worker passes ``flag`` True under mailbox ``node_id`` (one barrier, like an exchange): how
+        the workers of a fixpoint agree on its last iteration, also with workers that own no shard."""
+        if self.workers == 1:
+            return flag
+        box = self._grid(node_id)  # type: ignore[arg-type]
+        box[worker] = [flag]  # type: ignore[list-item]
+        self.barrier.wait()
+        return any(row is not None and row[0] for row in box)
+
 
 class _Worker:
     """One copy of the circuit: an operator instance per live node, and its step context."""

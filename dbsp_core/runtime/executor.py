@@ -128,11 +128,7 @@ def spread(pushes: list[tuple[str, ZSet]], workers: int, cursor: int, keep: Any 
 
 def live_nodes(circuit: Circuit) -> list[int]:
     """The nodes that feed an output, in id order (the nodes a pipeline runs)."""
-    live = set(circuit.outputs.values())
-    for i in range(len(circuit.nodes) - 1, -1, -1):
-        if i in live:
-            live.update(circuit.nodes[i].inputs)
-    return sorted(live)
+    return circuit.live_nodes()
 
 
 def groupings(circuit: Circuit) -> dict[int, tuple[str, ...] | None]:

@@ -2,7 +2,7 @@
 
 Invariants (enforced here):
   1. State whose placement the circuit relies on moves with its shard: the traces and Z-sets of a node whose
-     output is partitioned (keyed operators read their input exchanged by their key, so a key's state must sit
+     output is partitioned or whose state is keyed inside it (``Operator.state_placed``: the fixpoint) (keyed operators read their input exchanged by their key, so a key's state must sit
      with the owner of its shard, and partitioned Z-set state feeds operators that rely on the same placement).
      For each moving shard the rows of the old owner's state in that shard's key-hash range are cut out and
      handed to the new owner; nothing else changes, so the sum over workers of every piece of state is the
@@ -125,7 +125,7 @@ def move_shards(nodes: list, src: dict[int, Any], dst: dict[int, Any], mask: np.
     kind (invariant 2). Returns the bytes moved (Arrow buffers of the moved rows)."""
     moved_bytes = 0
     for i, inst in src.items():
-        bound = nodes[i].partitioning is not None
+        bound = nodes[i].state_placed
         if bound == placement_free:
             continue
         other = dst[i]

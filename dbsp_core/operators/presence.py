@@ -1,0 +1,106 @@
+"""Match presence: the change, in one step, of the rows of one join side that have no match on the other side, which left, right, full outer, semi and anti joins are all built from.
+
+Invariants (enforced here; every caller keeps the order of calls):
+  1. ``unmatched_change(L, R, dl, dr, ...)`` is called before ``dl`` and ``dr`` are inserted into the traces ``L``
+     and ``R`` (the integrated left and right sides, keyed by their join keys). Its result, summed, is
+     ``U(L + dl, R + dr) - U(L, R)`` where ``U(L, R)`` is the rows of L whose key has no row in R (a key "has rows"
+     when their weights sum to more than 0; a null key never has any).
+  2. The result has two parts: the new left rows whose key has no right rows after the step, and, for every key
+     whose right side turns empty (or non-empty) in the step, the old left rows of that key with weight +1 (or
+     -1). The right side's per-key row counts before and after the step come from one grouping pass over the
+     right rows of the touched keys, so the cost grows with the change and the rows of its keys.
+  3. The parts are returned as ``(batch, rows, weights)``: indices into an indexed left batch and the weights
+     of the chosen rows, so a caller builds what it outputs (padded rows, plain rows) with one take.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from dbsp_core.operators.base import concat, make
+from dbsp_core.trace import Trace, unique_sorted
+
+if TYPE_CHECKING:
+    from dbsp_core.zset import IndexedZSet, ZSet
+
+OLD = "__dbsp_old__"
+
+Part = tuple["IndexedZSet", np.ndarray, np.ndarray]
+
+
+class Presence:
+    """What :func:`unmatched_change` needs to know about the right side: its schema and key columns."""
+
+    def __init__(self, rschema: pa.Schema, right_on: Sequence[str]) -> None:
+        self.right_on = tuple(right_on)
+        self.keyschema = pa.schema([pa.field(k, rschema.field(k).type) for k in self.right_on])
+        self.counts_schema = pa.schema(list(rschema) + [pa.field(OLD, pa.int64())])
+
+    def keys_with_weights(self, keys: pa.Table, weights: np.ndarray) -> "IndexedZSet":
+        """A Z-set of right-key tuples, indexed by the right key, for matching left rows with the join kernel."""
+        return make(keys.select(list(self.right_on)), weights, self.keyschema).index_by(list(self.right_on))
+
+    def _with_old(self, z: "ZSet", old: bool) -> "ZSet":
+        flag = np.full(z.num_rows, 1 if old else 0, dtype=np.int64)
+        return make(z.data.append_column(OLD, pa.array(flag)), z.weights, self.counts_schema)
+
+    def right_counts(self, right: Trace, hashes: np.ndarray, dr: "IndexedZSet | None") -> pa.Table | None:
+        """Per touched right key: its right row count after the step and before it (invariant 2)."""
+        old = [self._with_old(b.zset, True) for b in right.lookup(hashes)]
+        new = [self._with_old(dr.zset, False)] if dr is not None and len(dr) else []
+        rows = concat(old + new, self.counts_schema)
+        if rows.num_rows == 0:
+            return None
+        return rows.index_by(list(self.right_on)).reduce([("count", None), ("sum", OLD)])
+
+
+def touched_keys(*changes: "IndexedZSet | None") -> np.ndarray:
+    """The distinct key hashes (ascending) of the given indexed changes (None: no change)."""
+    hashes = [x.key_hash for x in changes if x is not None]
+    if not hashes:
+        return np.zeros(0, dtype=np.uint64)
+    return np.unique(np.concatenate(hashes)) if len(hashes) > 1 else unique_sorted(hashes[0])
+
+
+def unmatched_change(presence: Presence, left: Trace, right: Trace, dl: "IndexedZSet | None",
+                     dr: "IndexedZSet | None") -> list[Part]:
+    """The change of the left rows without a right match (invariants 1-3), as ``[(batch, rows, weights)]``."""
+    if dl is None and dr is None:
+        return []
+    counts = presence.right_counts(right, touched_keys(dl, dr), dr)
+    nk = len(presence.right_on)
+    new_n = counts.column(nk).to_numpy() if counts is not None else np.zeros(0, dtype=np.int64)
+    old_n = counts.column(nk + 1).to_numpy() if counts is not None else np.zeros(0, dtype=np.int64)
+    parts: list[Part] = []
+    # old left rows of keys whose right side turns empty (+1) or non-empty (-1)
+    flip = np.where((old_n > 0) & (new_n <= 0), 1, np.where((old_n <= 0) & (new_n > 0), -1, 0))
+    if counts is not None and flip.any():
+        sel = np.flatnonzero(flip)
+        flips = presence.keys_with_weights(counts.take(pa.array(sel)), flip[sel].astype(np.int64))
+        for batch in left.lookup(unique_sorted(flips.key_hash)):
+            li, _ri, w = batch.join(flips)
+            if len(li):
+                parts.append((batch, li, w))
+    # new left rows whose key has no right rows after the step
+    if dl is not None and len(dl):
+        present = np.flatnonzero(new_n > 0)
+        if len(present):
+            keys = presence.keys_with_weights(counts.take(pa.array(present)), np.ones(len(present), dtype=np.int64))
+            li, ri, w = dl.join(keys, left_outer=True)
+            miss = ri < 0
+            parts.append((dl, li[miss], w[miss]))
+        else:
+            parts.append((dl, np.arange(len(dl), dtype=np.int64), dl.zset.weights))
+    return parts
+
+
+def take_parts(parts: list[Part], schema: pa.Schema) -> "ZSet":
+    """The left rows of ``parts`` as one Z-set of ``schema`` (the left side's columns)."""
+    out = []
+    for batch, li, w in parts:
+        if len(li):
+            out.append(make(batch.zset.data.take(pa.array(li, pa.int64())), w, schema))
+    return concat(out, schema)

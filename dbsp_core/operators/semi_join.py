@@ -1,0 +1,73 @@
+"""The semi and anti join operator: the rows of the left side whose key has (semi) or has not (anti) a row on the right side, with their own multiplicity (SQL ``EXISTS`` / ``IN`` and ``NOT EXISTS``).
+
+Invariants:
+  1. After every step, integral(output) is the rows of integral(left), each with its whole weight, whose key
+     has right rows (semi join) or has none (anti join) in integral(right); a key "has right rows" when their
+     weights sum to more than 0, and a null key never has any (so an anti join keeps every left row whose key
+     holds a null, as SQL's ``NOT EXISTS`` does; ``NOT IN`` adds its own null rules on top, see dbsp_core.sql).
+  2. The right side holds only the key columns (the Stream API projects it); the output has the left columns.
+  3. A step emits the anti part's change from presence.py ``unmatched_change``; the semi join's change is the
+     left change minus it (semi = left - anti), so both cost what the changed keys cost.
+  4. Both inputs are exchanged by their keys; the traces hold the integrated left rows and right keys.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import pyarrow as pa
+
+from dbsp_core.operators.base import Operator, concat, conform, empty, negate
+from dbsp_core.operators.join import join_schema
+from dbsp_core.operators.presence import Presence, take_parts, unmatched_change
+from dbsp_core.trace import Trace
+
+if TYPE_CHECKING:
+    from dbsp_core.runtime.context import StepContext
+    from dbsp_core.zset import ZSet
+
+
+class SemiJoin(Operator):
+    """``left.semi_join(right, ...)`` (``anti=False``) and ``left.anti_join(right, ...)`` (``anti=True``)."""
+
+    def __init__(self, left: int, right: int, lschema: pa.Schema, rschema: pa.Schema,
+                 left_on: Sequence[str], right_on: Sequence[str], anti: bool, where: str) -> None:
+        join_schema(lschema, rschema, left_on, right_on, False, where)  # validates the keys (join invariant 3)
+        super().__init__((left, right), lschema, tuple(left_on))
+        self.kind = "anti_join" if anti else "semi_join"
+        self.anti = bool(anti)
+        self.lschema, self.rschema = lschema, rschema
+        self.left_on, self.right_on = tuple(left_on), tuple(right_on)
+
+    def instance(self) -> "_SemiJoinState":
+        return _SemiJoinState(self)
+
+
+class _SemiJoinState:
+    def __init__(self, op: SemiJoin) -> None:
+        self.op = op
+        self.left = Trace(op.lschema, op.left_on)
+        self.right = Trace(op.rschema, op.right_on)
+        self.presence = Presence(op.rschema, op.right_on)
+
+    def traces(self) -> dict[str, Trace]:
+        """The operator's state, by name (each trace can be read per shard)."""
+        return {"left": self.left, "right": self.right}
+
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
+        op = self.op
+        a, b = inputs
+        da = conform(a, op.lschema).index_by(list(op.left_on)) if a.num_rows else None
+        db = conform(b, op.rschema).index_by(list(op.right_on)) if b.num_rows else None
+        da = da if da is not None and len(da) else None
+        db = db if db is not None and len(db) else None
+        if da is None and db is None:
+            return empty(op.schema)
+        anti = take_parts(unmatched_change(self.presence, self.left, self.right, da, db), op.schema)
+        if da is not None:
+            self.left.insert(da)
+        if db is not None:
+            self.right.insert(db)
+        if op.anti:
+            return anti
+        return concat([da.zset if da is not None else empty(op.schema), negate(anti)], op.schema)

@@ -1,0 +1,286 @@
+"""GROUP BY and aggregates of the SQL planner: COUNT, SUM, AVG, MIN, MAX (with DISTINCT and FILTER) over any group keys.
+
+A query without GROUP BY gives SQL's one row, also over an empty input.
+
+Invariants:
+  1. After every step, the plan's integral holds one row per group of the integrated input (keys, then one
+     field per distinct aggregate call); a query without GROUP BY holds exactly one row, also over an empty
+     input (COUNT 0, the others NULL), as SQL requires: the keyless aggregate's row, plus a constant default
+     row minus the default row once per aggregate row (so the default shows exactly while the input is empty).
+  2. Aggregates run in as few aggregate operators as their kinds allow (operators/aggregate.py): one for the
+     plain ones, one for COUNT(DISTINCT) when the plain ones are not all linear, one per column of
+     SUM/AVG(DISTINCT) over the distinct (keys, value) pairs; several are joined on the keys, nulls matching.
+  3. ``agg(x) FILTER (WHERE c)`` is ``agg(CASE WHEN c THEN x END)`` (``COUNT(*) FILTER`` counts the rows where c
+     holds); MIN/MAX(DISTINCT x) are MIN/MAX(x).
+  4. The result Rel names the plain-column group keys (so ``SELECT t.a ... GROUP BY a`` works); the
+     substitution map sends every group-key expression and aggregate call to its field.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.types as pat
+from sqlglot import exp
+
+import dbsp_core as dbsp
+from dbsp_core.sql.expr import AGGREGATES, call, lit, null
+from dbsp_core.sql.parse import DIALECT, ident, tname
+from dbsp_core.sql.relation import Col, Rel
+from dbsp_core.sql.types import is_numeric
+
+if TYPE_CHECKING:
+    from dbsp_core.sql.planner import Planner
+
+F = pc.field
+_KINDS = {exp.Count: "count", exp.Sum: "sum", exp.Min: "min", exp.Max: "max", exp.Avg: "avg"}
+
+
+def _is_agg(n: Any) -> bool:
+    return isinstance(n, AGGREGATES) or (isinstance(n, exp.Filter) and isinstance(n.this, AGGREGATES))
+
+
+def aggregate_calls(planner: "Planner", nodes: list[exp.Expression]) -> list[exp.Expression]:
+    """The distinct aggregate calls (FILTER included) in ``nodes``, not looking into subqueries."""
+    out: list[exp.Expression] = []
+
+    def walk(n: Any, inside: exp.Expression | None) -> None:
+        if not isinstance(n, exp.Expression):
+            return
+        if isinstance(n, (exp.Subquery, exp.Select, exp.Exists)):
+            return
+        if isinstance(n, exp.AggFunc) and not isinstance(n, AGGREGATES):
+            raise planner.src.error(n, f"aggregate {n.sql(dialect=DIALECT).split('(')[0]} is not supported "
+                                       f"(COUNT, SUM, AVG, MIN and MAX are)")
+        if _is_agg(n) and not (isinstance(n, AGGREGATES) and isinstance(n.parent, exp.Filter)):
+            if inside is not None:
+                raise planner.src.error(n, "an aggregate cannot contain another aggregate")
+            if n not in out:
+                out.append(n)
+            for child in n.iter_expressions():
+                walk(child, n)
+            return
+        if isinstance(n, exp.Window):
+            return
+        for child in n.iter_expressions():
+            walk(child, inside)
+
+    for node in nodes:
+        walk(node, None)
+    return out
+
+
+def _parts(planner: "Planner", node: exp.Expression) -> tuple[str, exp.Expression | None, bool, exp.Expression | None]:
+    """(kind, argument, distinct, filter condition) of an aggregate call."""
+    cond = None
+    if isinstance(node, exp.Filter):
+        cond = node.expression.this if isinstance(node.expression, exp.Where) else node.expression
+        node = node.this
+    kind = _KINDS[type(node)]
+    arg = node.this
+    distinct = False
+    if isinstance(arg, exp.Distinct):
+        if len(arg.expressions) != 1:
+            raise planner.src.error(node, f"{kind.upper()}(DISTINCT ...) takes one expression")
+        distinct, arg = True, arg.expressions[0]
+    if isinstance(arg, exp.Star):
+        if kind != "count" or distinct:
+            raise planner.src.error(node, f"{kind.upper()}(*) is not valid SQL")
+        arg = None
+    elif node.expressions:
+        raise planner.src.error(node, f"{kind.upper()} takes one argument")
+    return kind, arg, distinct, cond
+
+
+def group_nodes(planner: "Planner", node: exp.Select, items: list[tuple[str, exp.Expression]], rel: Rel
+                ) -> list[exp.Expression]:
+    """The GROUP BY expressions, ordinals and output aliases resolved to the expressions they stand for."""
+    group = node.args.get("group")
+    if group is None:
+        return []
+    if group.args.get("all"):
+        return [e for _, e in items if not aggregate_calls(planner, [e])]
+    out = []
+    for g in group.expressions:
+        if isinstance(g, exp.Literal) and not g.is_string and g.this.isdigit():
+            k = int(g.this)
+            if not 1 <= k <= len(items):
+                raise planner.src.error(g, f"GROUP BY {k}: the SELECT list has {len(items)} columns")
+            out.append(items[k - 1][1])
+        elif (isinstance(g, exp.Column) and not g.args.get("table") and not rel.find(None, ident(g.this))
+              and any(n == ident(g.this) for n, _ in items)):
+            out.append(next(e for n, e in items if n == ident(g.this)))
+        else:
+            if isinstance(g, (exp.Cube, exp.Rollup, exp.GroupingSets)):
+                raise planner.src.error(g, "GROUPING SETS, CUBE and ROLLUP are not supported")
+            out.append(g)
+    return out
+
+
+def plan_aggregate(planner: "Planner", rel: Rel, node: exp.Select | None, items: list[tuple[str, exp.Expression]],
+                   aggs: list[exp.Expression], extra_keys: list[str] | None = None,
+                   keyless_row: bool = True) -> tuple[Rel, dict]:
+    """Invariants 1-4. ``extra_keys`` (fields of ``rel``) lead the group keys (a correlated subquery's
+    correlation columns); ``keyless_row=False`` leaves out the default row of a keyless aggregate."""
+    src = planner.src
+    rel = _through_picks(rel)
+    groups = group_nodes(planner, node, items, rel) if node is not None else []
+    for g in groups:
+        if aggregate_calls(planner, [g]):
+            raise src.error(g, "GROUP BY cannot contain an aggregate")
+    ex = planner.exprs(rel, where="GROUP BY")
+    new: dict[str, pc.Expression] = {}
+    keys = list(extra_keys or [])
+    key_of: dict = {}
+
+    def field_for(e: pc.Expression) -> str:
+        for f in rel.schema.names:
+            if e.equals(F(f)):
+                return f
+        for f, x in new.items():
+            if e.equals(x):
+                return f
+        f = planner.fresh()
+        new[f] = e
+        return f
+
+    for g in groups:
+        f = field_for(ex.compile(g))
+        key_of[g] = f
+        if f not in keys:
+            keys.append(f)
+    # aggregate arguments (invariant 3)
+    alias_of = {e: n for n, e in items if not n.startswith("__")}
+    specs: list[tuple[exp.Expression, str, str | None, bool]] = []  # (call, kind, arg field, distinct)
+    for a in aggs:
+        kind, arg, distinct, cond = _parts(planner, a)
+        if cond is not None:
+            ex.predicate(cond)
+            arg = exp.Case(ifs=[exp.If(this=cond, true=arg if arg is not None else exp.Literal.number(1))])
+        if arg is None:
+            specs.append((a, "count", None, False))
+            continue
+        e, t = ex.typed(arg)
+        if kind in ("sum", "avg") and not (is_numeric(t) or pat.is_null(t)):
+            raise src.error(a, f"{kind.upper()} needs a numeric argument, got {t}")
+        if pat.is_null(t):
+            e = e.cast(pa.int32())
+        if kind in ("min", "max"):
+            distinct = False
+        f = field_for(e)
+        if kind in ("min", "max") and f in keys:  # the extremes strategy keeps (keys, value): a copy, not the key
+            f = planner.fresh()
+            new[f] = e
+        specs.append((a, kind, f, distinct))
+    pre = rel
+    if new:  # only the fields the aggregates read cross the exchange
+        needed = list(dict.fromkeys(keys + [f for _, _, f, _ in specs if f is not None]))
+        cols = {f: (new[f] if f in new else F(f)) for f in needed}
+        pre = Rel(rel.stream.select(**cols), rel.cols)
+    # the aggregate operators (invariant 2)
+    names: dict = {}
+    used = set(keys)
+
+    def out_name(call_node: exp.Expression) -> str:
+        n = alias_of.get(call_node)
+        if n is None or n in used or n.startswith("__") or n in pre.schema.names:
+            n = planner.fresh()
+        used.add(n)
+        return n
+
+    plain: dict[str, Any] = {}
+    counted: dict[str, Any] = {}
+    by_distinct: dict[str, dict[str, Any]] = {}
+    counts: set[str] = set()
+    for call_node, kind, f, distinct in specs:
+        if call_node in names:
+            continue
+        name = names[call_node] = out_name(call_node)
+        if kind == "count":
+            counts.add(name)
+            if distinct:
+                counted[name] = dbsp.count_distinct(f)
+            else:
+                plain[name] = dbsp.count(f) if f is not None else dbsp.count()
+        elif distinct:  # SUM / AVG (DISTINCT x)
+            by_distinct.setdefault(f, {})[name] = getattr(dbsp, kind)(f)
+        else:
+            plain[name] = getattr(dbsp, kind)(f)
+    linear = all(a.kind == "count" or (a.kind in ("sum", "avg") and pat.is_integer(pre.type_of(a.column)))
+                 for a in plain.values())
+    if counted and (linear or not plain):
+        plain.update(counted)
+        counted = {}
+    parts: list[tuple[Any, dict]] = []
+    if plain:
+        parts.append((pre.stream, plain))
+    if counted:
+        parts.append((pre.stream, counted))
+    for f, aggs_f in by_distinct.items():
+        parts.append((planner.narrow(pre, list(dict.fromkeys(keys + [f]))).distinct(), aggs_f))
+    if not parts:  # GROUP BY without aggregates: the distinct keys
+        out = planner.narrow(pre, keys).distinct()
+        results = [out]
+    else:
+        results = [s.group_by(*keys).agg(**a) for s, a in parts]
+    if not keys and keyless_row:
+        results = [_with_default_row(planner, r, counts) for r in results]
+    stream = results[0]
+    for other in results[1:]:
+        stream = _join_on_keys(planner, stream, other, keys)
+    cols = [Col(ident(g.this), tname(g.args["table"]) if g.args.get("table") else None, key_of[g])
+            for g in groups if isinstance(g, exp.Column)]
+    for g in groups:
+        if isinstance(g, exp.Column):  # also under the input's qualifiers of that column
+            for c in rel.find(tname(g.args["table"]) if g.args.get("table") else None, ident(g.this)):
+                cols.append(Col(c.name, c.table, key_of[g]))
+    subst: dict = dict(key_of)
+    subst.update(names)
+    out_rel = Rel(stream, cols)
+    out_rel.grouped = True  # type: ignore[attr-defined]
+    out_rel.count_fields = counts  # type: ignore[attr-defined]
+    return out_rel, subst
+
+
+def _through_picks(rel: Rel) -> Rel:
+    """``rel`` read from before a select that only picks and renames columns (a subquery's SELECT list): the
+    aggregate reads just the fields it names, so the select would only cost a step of its own."""
+    from dbsp_core.operators.select import Select
+
+    op = rel.stream.op
+    if not isinstance(op, Select) or op.picks is None:
+        return rel
+    source = dict(zip(op.names, op.picks))
+    from dbsp_core.circuit import Stream
+
+    upstream = Stream(rel.stream.circuit, op.inputs[0])
+    return Rel(upstream, [Col(c.name, c.table, source[c.field], c.star, c.merged) for c in rel.cols])
+
+
+def _with_default_row(planner: "Planner", x: Any, counts: set[str]) -> Any:
+    """Invariant 1: the keyless aggregate ``x`` plus its default row while the input is empty."""
+    schema = x.schema
+    defaults = {f.name: (0 if f.name in counts else None) for f in schema}
+    table = pa.table({f.name: pa.array([defaults[f.name]], f.type) for f in schema})
+    d = planner.constant(table)
+    as_default = x.select(**{f.name: (lit(defaults[f.name], f.type) if defaults[f.name] is not None else null(f.type))
+                             for f in schema})
+    return x + d - as_default
+
+
+def _join_on_keys(planner: "Planner", a: Any, b: Any, keys: list[str]) -> Any:
+    """Two aggregate results side by side: joined on their keys (nulls matching), or both one row (no keys)."""
+    if not keys:
+        k = planner.fresh()
+        a2 = a.select(**{f: F(f) for f in a.schema.names}, **{k: lit(0, pa.int64())})
+        b2 = b.select(**{f: F(f) for f in b.schema.names}, **{k + "_": lit(0, pa.int64())})
+        j = a2.join(b2, left_on=[k], right_on=[k + "_"])
+        return j.select(**{f: F(f) for f in a.schema.names + b.schema.names})
+    ren = {f: (planner.fresh() if f in keys else f) for f in b.schema.names}
+    b = b.select(**{ren[f]: F(f) for f in b.schema.names})
+    sa, ka = planner.null_safe(a, keys)
+    sb, kb = planner.null_safe(b, [ren[k] for k in keys])
+    j = sa.join(sb, left_on=ka, right_on=kb)
+    return j.select(**{f: F(f) for f in a.schema.names + [ren[f] for f in ren if f not in keys]})

@@ -1,0 +1,153 @@
+"""WITH clauses of the SQL planner: common table expressions, and recursive ones (``WITH RECURSIVE r AS (base UNION [ALL] step)``) compiled to a fixpoint (operators/fixpoint.py).
+
+Invariants:
+  1. A CTE is planned once, where it is defined, and every reference reads its stream (planner invariant 2).
+  2. A recursive CTE is ``base UNION [ALL] step`` where only ``step`` names the CTE, exactly once (linear
+     recursion, as the SQL standard requires and DuckDB evaluates: a non-linear step is refused, since DuckDB's
+     and the fixed point's answers differ for it). Its value is the least fixed point of
+     ``R = base + step(R)``, distinct for UNION (the body ends with a distinct) and a bag for UNION ALL.
+  3. The step is planned inside the fixpoint's nested circuit: the CTE itself and every table, view or CTE the
+     step names are the nested circuit's inputs; the base is one more input. The step's columns are cast to
+     the base's types (the CTE's types, as SQL has them).
+  4. Constructs a fixpoint cannot maintain in its step (aggregates, outer, semi and anti joins, top-k, constant
+     rows) are refused with the position of the step and the operator that is missing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pyarrow.compute as pc
+from sqlglot import exp
+
+from dbsp_core.errors import SchemaError
+from dbsp_core.sql.errors import SqlError
+from dbsp_core.sql.parse import ident, tname
+from dbsp_core.sql.relation import Col, Rel
+from dbsp_core.sql.types import storable
+
+if TYPE_CHECKING:
+    from dbsp_core.sql.planner import Planner
+
+F = pc.field
+
+
+def _references(node: exp.Expression, name: str) -> list[exp.Table]:
+    return [t for t in node.find_all(exp.Table) if isinstance(t.this, exp.Identifier) and tname(t.this) == name
+            and not t.args.get("db")]
+
+
+def _names(node: exp.Expression) -> list[str]:
+    out = []
+    for t in node.find_all(exp.Table):
+        if isinstance(t.this, exp.Identifier) and not t.args.get("db"):
+            out.append(tname(t.this))
+        elif isinstance(t.this, exp.Anonymous):  # TUMBLE(t, ...) / HOP(t, ...)
+            first = t.this.expressions[0] if t.this.expressions else None
+            if isinstance(first, (exp.Column, exp.Table)):
+                out.append(tname(first))
+    return list(dict.fromkeys(out))
+
+
+def define_ctes(planner: "Planner", with_: exp.With) -> None:
+    """Plan the CTEs of a WITH clause into the innermost scope (invariant 1)."""
+    recursive = bool(with_.args.get("recursive"))
+    frame = planner.scopes[-1]
+    for cte in with_.expressions:
+        alias = cte.args.get("alias")
+        name = tname(alias.this)
+        cols = [ident(c) for c in alias.columns] if alias is not None and alias.columns else []
+        if name in frame:
+            raise planner.src.error(cte, f"CTE {name!r} is defined twice")
+        if recursive and _references(cte.this, name):
+            rel = plan_recursive(planner, name, cols, cte.this)
+        else:
+            rel = planner.query(cte.this).qualified(name)
+            if cols:
+                if len(cols) != len(rel.cols):
+                    raise planner.src.error(cte, f"CTE {name!r} names {len(cols)} columns, its query has "
+                                                 f"{len(rel.cols)}")
+                rel = Rel(rel.stream, [Col(n, name, c.field) for n, c in zip(cols, rel.cols)])
+        frame[name] = rel
+
+
+def plan_recursive(planner: "Planner", name: str, cols: list[str], q: exp.Expression) -> Rel:
+    """Invariants 2-4."""
+    src = planner.src
+    if not isinstance(q, exp.Union):
+        raise src.error(q, f"recursive CTE {name!r} must be <base query> UNION [ALL] <recursive query>")
+    base_node, step_node = q.this, q.expression
+    if _references(base_node, name):
+        raise src.error(base_node, f"the base query of recursive CTE {name!r} (before UNION) must not name it")
+    refs = _references(step_node, name)
+    if len(refs) > 1:
+        raise src.error(refs[1], f"recursive CTE {name!r} is named {len(refs)} times in its recursive query; only "
+                                 f"linear recursion (one reference) is supported")
+    for n in step_node.walk():
+        if isinstance(n, exp.AggFunc) or isinstance(n, exp.Group):
+            raise src.error(n, f"aggregates and GROUP BY cannot be maintained inside the recursive query of "
+                               f"{name!r} (aggregate its result outside the CTE)")
+        if isinstance(n, (exp.Exists, exp.Subquery)) or (isinstance(n, exp.In) and n.args.get("query")):
+            if not (isinstance(n, exp.Subquery) and isinstance(n.parent, (exp.From, exp.Join))):
+                raise src.error(n, f"subquery conditions cannot be maintained inside the recursive query of {name!r}")
+        if isinstance(n, exp.Join) and (n.args.get("side") or "").upper() in ("LEFT", "RIGHT", "FULL"):
+            raise src.error(n, f"outer joins cannot be maintained inside the recursive query of {name!r} (only inner "
+                               f"joins, filters, projections and UNION)")
+    base = planner.query(base_node)
+    names = cols or [c.name for c in base.cols]
+    if len(names) != len(base.cols):
+        raise src.error(q, f"recursive CTE {name!r} names {len(names)} columns, its base query has {len(base.cols)}")
+    plain = len(set(names)) == len(names) and not any(n.startswith("__") for n in names)
+    fields = list(names) if plain else [f"c{i}" for i in range(len(names))]
+    types = [storable(base.type_of(c.field)) for c in base.cols]
+    base_stream = base.stream.select(**{f: (F(c.field) if base.type_of(c.field).equals(t) else F(c.field).cast(t))
+                                        for f, c, t in zip(fields, base.cols, types)})
+    if _shaped(base, fields, types):
+        base_stream = base.stream
+    imported = [n for n in _names(step_node) if n != name]
+    outer_rels = [planner.lookup(step_node, n) for n in imported]
+    distinct = q.args.get("distinct", True) is not False
+
+    # the nested circuit's inputs: the base and the named relations, each stream once (a base that is a table the
+    # step also reads is gathered once)
+    streams = [base_stream] + [r.stream for r in outer_rels]
+    uniq: list = []
+    for st in streams:
+        if not any(st.node_id == u.node_id for u in uniq):
+            uniq.append(st)
+    slot = [next(k for k, u in enumerate(uniq) if u.node_id == st.node_id) for st in streams]
+
+    def body(rec, *ins):
+        base_in, imps = ins[slot[0]], [ins[k] for k in slot[1:]]
+        saved = planner.circuit
+        planner.circuit = rec.circuit
+        frame = {"__barrier__": True, name: Rel(rec, [Col(n, name, f) for n, f in zip(names, fields)])}
+        for n, outer, imp in zip(imported, outer_rels, imps):
+            frame[n] = Rel(imp, outer.cols)
+        planner.scopes.append(frame)
+        try:
+            step = planner.query(step_node)
+        finally:
+            planner.scopes.pop()
+            planner.circuit = saved
+        if len(step.cols) != len(fields):
+            raise src.error(step_node, f"the recursive query of {name!r} has {len(step.cols)} columns, the base "
+                                       f"query {len(fields)}")
+        shaped = step.stream if _shaped(step, fields, types) else step.stream.select(
+            **{f: (F(c.field) if step.type_of(c.field).equals(t) else F(c.field).cast(t))
+               for f, c, t in zip(fields, step.cols, types)})
+        return base_in + shaped
+
+    try:
+        stream = planner.circuit.recursive(body, uniq, schema=base_stream.schema, distinct=distinct)
+    except SqlError:
+        raise
+    except SchemaError as e:
+        raise src.error(step_node, f"the recursive query of {name!r} cannot be maintained: "
+                                   f"{str(e).split(': ', 1)[-1]}") from None
+    return Rel(stream, [Col(n, name, f) for n, f in zip(names, fields)])
+
+
+def _shaped(rel: Rel, fields: list[str], types: list) -> bool:
+    return (list(rel.schema.names) == fields and [c.field for c in rel.cols] == fields
+            and all(rel.type_of(f).equals(t) for f, t in zip(fields, types)))

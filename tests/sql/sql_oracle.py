@@ -1,0 +1,177 @@
+"""The DuckDB reference for SQL views: each view's integral, after every random step, against DuckDB's answer.
+
+Steps change the corpus tables at random (inserts with duplicates, deletions, nulls); DuckDB runs the same CREATE
+VIEW statements over the integrated tables.
+
+The corpus selection: ``DBSP_SQL_CORPUS=all`` runs every view at W = 1, 2 and 4; otherwise a quarter of the
+views, chosen by a seed (``DBSP_SQL_SEED``, default: the day), at one worker count each, so CI's subset rotates.
+"""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import math
+import os
+import re
+import time
+from collections import Counter
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+import dbsp_core as dbsp
+from dbsp_core import sql
+
+BASE_TS = datetime.datetime(2024, 3, 1, 12, 0, 0)
+
+
+def _value(rng: np.random.Generator, t: pa.DataType, null_rate: float) -> object:
+    if rng.random() < null_rate:
+        return None
+    if pa.types.is_boolean(t):
+        return bool(rng.integers(0, 2))
+    if pa.types.is_integer(t):
+        return int(rng.integers(0, 6))
+    if pa.types.is_floating(t):
+        return float(rng.integers(-20, 21)) / 4
+    if pa.types.is_string(t):
+        return str(rng.choice(["a", "b", "c", "dd", "", "Ab"]))
+    if pa.types.is_date32(t):
+        return datetime.date(2024, 1, 1) + datetime.timedelta(days=int(rng.integers(0, 70)))
+    if pa.types.is_timestamp(t):
+        return BASE_TS + datetime.timedelta(seconds=int(rng.integers(0, 240)),
+                                            milliseconds=int(rng.integers(0, 4)) * 250)
+    raise TypeError(t)
+
+
+class Bag:
+    """Random valid changes to one table: inserts (duplicates, weights > 1) and deletions of present rows."""
+
+    def __init__(self, rng: np.random.Generator, schema: pa.Schema, null_rate: float = 0.15) -> None:
+        self.rng, self.schema, self.null_rate = rng, schema, null_rate
+        self.bag: Counter = Counter()
+
+    def change(self, max_rows: int) -> dict[tuple, int]:
+        rng, delta = self.rng, Counter()
+        for _ in range(int(rng.integers(0, max_rows + 1))):
+            present = [r for r, w in (self.bag + delta).items() if w > 0]
+            roll = rng.random()
+            if present and roll < 0.3:
+                delta[present[int(rng.integers(len(present)))]] -= 1
+            elif present and roll < 0.4:
+                delta[present[int(rng.integers(len(present)))]] += 1
+            else:
+                row = tuple(_value(rng, f.type, self.null_rate) for f in self.schema)
+                delta[row] += int(rng.choice([1, 1, 1, 2]))
+        delta = Counter({r: w for r, w in delta.items() if w})
+        self.bag.update(delta)
+        self.bag = Counter({r: w for r, w in self.bag.items() if w})
+        return dict(delta)
+
+
+def _norm(v: object) -> object:
+    if isinstance(v, decimal.Decimal):
+        v = float(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        return float(f"{v:.9g}") + 0.0
+    return v
+
+
+def normalize(rows: dict[tuple, int]) -> dict[tuple, int]:
+    out: Counter = Counter()
+    for r, w in rows.items():
+        out[tuple(_norm(v) for v in r)] += w
+    return {r: w for r, w in out.items() if w}
+
+
+def _diff(a: dict, b: dict) -> dict:
+    return {r: w - b.get(r, 0) for r, w in a.items() if b.get(r, 0) != w}
+
+
+def duckdb_views(ddl_tables: dict[str, pa.Schema], bags: dict[str, Counter], statements: str, views: list[str]
+                 ) -> dict[str, dict]:
+    """Each view's rows (as ``{row: multiplicity}``) from DuckDB running ``statements`` over the bags."""
+    con = duckdb.connect()
+    try:
+        for name, schema in ddl_tables.items():
+            bag = bags[name]
+            rows = [r for r, w in bag.items() if w > 0]
+            cols = {f.name: pa.array([r[i] for r in rows], type=f.type) for i, f in enumerate(schema)}
+            cols["__w"] = pa.array([bag[r] for r in rows], type=pa.int64())
+            con.register(f"{name}_w", pa.table(cols))
+            con.execute(f"CREATE VIEW {name} AS SELECT * EXCLUDE (__w, __i) FROM "
+                        f"(SELECT *, UNNEST(range(__w)) AS __i FROM {name}_w)")
+        for st in [s for s in statements.split(";") if s.strip()]:
+            con.execute(re.sub(r"CREATE\s+MATERIALIZED\s+VIEW", "CREATE VIEW", st, flags=re.I))
+        out = {}
+        for v in views:
+            t = con.sql(f"SELECT * FROM {v}").to_arrow_table()
+            cols = [c.to_pylist() for c in t.columns]
+            out[v] = normalize(dict(Counter(zip(*cols))))
+        return out
+    finally:
+        con.close()
+
+
+def view_names(text: str) -> list[str]:
+    return [m.lower() for m in re.findall(r"CREATE\s+(?:MATERIALIZED\s+)?VIEW\s+(\w+)", text, re.I)]
+
+
+def run_views(ddl: str, tables: dict[str, pa.Schema], entries: list, seed: int, workers: int, steps: int = 6,
+              max_rows: int = 6, null_rate: float = 0.15, label: str = "",
+              rates: dict[str, tuple[int, float]] | None = None) -> None:
+    """Compile the entries' views, feed random steps, compare every view with DuckDB after every step.
+    ``entries``: objects with ``sql`` (our CREATE VIEW statements) and ``duck`` (DuckDB's, or None)."""
+    rng = np.random.default_rng(seed)
+    text = ddl + "\n" + "\n".join(e.sql for e in entries)
+    c = sql.compile(text)
+    names = [v for e in entries for v in view_names(e.sql)]
+    duck_text = "\n".join((e.duck or e.sql) for e in entries)
+    rates = rates or {}
+    bags = {name: Bag(rng, schema, rates.get(name, (max_rows, null_rate))[1]) for name, schema in tables.items()}
+    views: dict[str, dict] = {v: {} for v in names}
+    with dbsp.Pipeline(c, workers=workers) as p:
+        for step in range(steps):
+            for name, bag in bags.items():
+                change = bag.change(rates.get(name, (max_rows, null_rate))[0])
+                if change:
+                    rows = list(change)
+                    z = dbsp.ZSet.from_rows(rows, tables[name], weights=[change[r] for r in rows])
+                    p.push(name, z)
+            out = p.step()
+            want = duckdb_views(tables, {n: b.bag for n, b in bags.items()}, duck_text, names)
+            for v in names:
+                for r, w in out[v].to_dict().items():
+                    views[v][r] = views[v].get(r, 0) + w
+                views[v] = {r: w for r, w in views[v].items() if w}
+                got = normalize(views[v])
+                if got != want[v]:
+                    entry = next(e for e in entries if v in view_names(e.sql))
+                    raise AssertionError(
+                        f"view {v} differs from DuckDB after step {step} ({label} seed={seed} W={workers})\n"
+                        f"{entry.sql}\nonly in circuit: {dict(list(_diff(got, want[v]).items())[:8])}\n"
+                        f"only in DuckDB: {dict(list(_diff(want[v], got).items())[:8])}")
+
+
+def corpus_selection() -> tuple[int, int, int, str]:
+    """(seed, views selected, views in all, worker counts) of this run (see the module docstring)."""
+    from corpus import CORPUS
+
+    seed, chosen = select(CORPUS)
+    full = os.environ.get("DBSP_SQL_CORPUS", "") == "all"
+    return seed, len(chosen), len(CORPUS), "1, 2, 4" if full else "one of 1, 2, 4 per view"
+
+
+def select(corpus: list) -> tuple[int, list[tuple[object, int]]]:
+    """The (entry, workers) pairs this run checks."""
+    seed = int(os.environ.get("DBSP_SQL_SEED", int(time.time() // 86400)))
+    if os.environ.get("DBSP_SQL_CORPUS", "") == "all":
+        return seed, [(e, w) for e in corpus for w in (1, 2, 4)]
+    rng = np.random.default_rng(seed)
+    picks = rng.random(len(corpus)) < 0.25
+    ws = rng.choice([1, 2, 4], size=len(corpus))
+    return seed, [(e, int(w)) for e, w, pick in zip(corpus, ws, picks) if pick or e.always]
