@@ -17,6 +17,7 @@ cdef extern from "storage_status.h" nogil:
         DBSP_ECRASHED
         DBSP_ESTATE
         DBSP_ENOTFOUND
+        DBSP_EBUSY
     const char *dbsp_storage_errmsg()
     int dbsp_storage_errno()
 
@@ -42,6 +43,7 @@ cdef extern from "pagestore.h" nogil:
     ctypedef struct DbspCursor:
         pass
     int dbsp_pagestore_open(const char *path, DbspVfs *vfs, size_t cache_pages, DbspPageStore **out)
+    int dbsp_pagestore_open_readonly(const char *path, DbspVfs *vfs, size_t cache_pages, DbspPageStore **out)
     int dbsp_pagestore_create(const char *path, DbspVfs *vfs, uint64_t version, size_t cache_pages,
                               DbspPageStore **out)
     void dbsp_pagestore_close(DbspPageStore *ps)
@@ -81,6 +83,7 @@ cdef extern from "steplog.h" nogil:
         int64_t last_step
     enum:
         DBSP_STEPLOG_FORMAT
+        DBSP_STEPLOG_MAX_PAYLOAD
         DBSP_STEPLOG_READONLY
         DBSP_STEPLOG_NO_LOG_FILE
     int dbsp_steplog_open(const char *dir, DbspVfs *vfs, uint64_t segment_bytes, int flags, DbspStepLog **out)

@@ -6,7 +6,7 @@ from cpython.bytes cimport PyBytes_FromStringAndSize
 
 from storage cimport *
 
-from dbsp_core.errors import CorruptionError, FormatVersionError, StorageError
+from dbsp_core.errors import CorruptionError, FormatVersionError, InUseError, StorageError
 
 CRASH_MODES = {"keep": 0, "drop": 1, "tear": 2, "reorder": 3, "chaos": 4}
 
@@ -27,6 +27,8 @@ cdef int check(int st) except -1:
         raise FormatVersionError(EIO, msg)
     if st == DBSP_ENOSPC:
         raise StorageError(ENOSPC, msg)
+    if st == DBSP_EBUSY:
+        raise InUseError(err or EIO, msg)
     if st == DBSP_EIO or st == DBSP_ECRASHED or st == DBSP_ESTATE:
         raise StorageError(err or EIO, msg)
     if st == DBSP_ENOTFOUND:
@@ -85,7 +87,8 @@ cdef class PageStore:
     cdef object txn
     cdef readonly str path
 
-    def __cinit__(self, str path, str vfs="posix", size_t cache_pages=65536, create_version=None):
+    def __cinit__(self, str path, str vfs="posix", size_t cache_pages=65536, create_version=None,
+                  bint readonly=False):
         cdef bytes p = path.encode()
         cdef const char *cp = p
         cdef DbspVfs *v = pick_vfs(vfs)
@@ -96,6 +99,8 @@ cdef class PageStore:
         with nogil:
             if create:
                 st = dbsp_pagestore_create(cp, v, cv, cache_pages, &self.ps)
+            elif readonly:
+                st = dbsp_pagestore_open_readonly(cp, v, cache_pages, &self.ps)
             else:
                 st = dbsp_pagestore_open(cp, v, cache_pages, &self.ps)
         check(st)
@@ -513,6 +518,7 @@ cdef class Log:
 
 
 STEPLOG_FORMAT = DBSP_STEPLOG_FORMAT
+MAX_PAYLOAD = DBSP_STEPLOG_MAX_PAYLOAD  # the largest payload of one step-log record (bytes)
 
 # ---- small files replaced atomically (csrc/smallfile.h) ----
 

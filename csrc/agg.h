@@ -3,12 +3,15 @@
  * Laws (per group; w is a row's weight, v its value, nulls skipped except by COUNT):
  *   COUNT = sum(w); COUNT_COL = sum(w | v not null); SUM = sum(v * w) (overflow-checked for integers, null when
  *   no value is non-null); MIN/MAX = the extreme v over rows with w > 0, the first such row on ties.
+ * Integer sums are exact (rows.h dbsp_add_exact): DBSP_EOVERFLOW when a group's sum does not fit in int64
+ * (dbsp_acc_check), never for a partial sum, so whether a sum overflows does not depend on the row order.
  */
 #ifndef DBSP_AGG_H
 #define DBSP_AGG_H
 
 #include <stdint.h>
 #include "column.h"
+#include "rows.h"
 #include "status.h"
 
 enum { DBSP_AGG_COUNT = 1, DBSP_AGG_COUNT_COL, DBSP_AGG_SUM, DBSP_AGG_MIN, DBSP_AGG_MAX };
@@ -22,13 +25,14 @@ typedef struct DbspAcc {
     uint64_t best;  /* MIN/MAX of numeric columns: the best value's bits (class of the column) */
     int64_t row;    /* MIN/MAX: the row holding the best value, -1 if none */
     uint8_t valid;
+    int32_t carry;  /* COUNT, COUNT_COL, integer SUM: wraps of i (rows.h dbsp_add_exact); 0 when i is the sum */
 } DbspAcc;
 
 /* a value as the accumulators see it: integers as 64 bits, floats as double bits */
 typedef struct DbspAggValue { uint64_t bits; int valid; } DbspAggValue;
 
 static inline void dbsp_acc_init(DbspAcc *a, int32_t kind) {
-    a->i = 0; a->f = 0.0; a->best = 0; a->row = -1;
+    a->i = 0; a->f = 0.0; a->best = 0; a->row = -1; a->carry = 0;
     a->valid = kind == DBSP_AGG_COUNT || kind == DBSP_AGG_COUNT_COL;
 }
 
@@ -45,9 +49,10 @@ static inline DbspAggValue dbsp_agg_value(const DbspColumn *c, int64_t r) {
 static inline int dbsp_acc_fold(DbspAcc *a, int32_t kind, const DbspColumn *c, int64_t r, DbspAggValue v, int64_t w) {
     switch (kind) {
     case DBSP_AGG_COUNT:
-        return __builtin_add_overflow(a->i, w, &a->i) ? DBSP_EOVERFLOW : DBSP_OK;
+        dbsp_add_exact(&a->i, w, &a->carry);
+        return DBSP_OK;
     case DBSP_AGG_COUNT_COL:
-        if (v.valid && __builtin_add_overflow(a->i, w, &a->i)) return DBSP_EOVERFLOW;
+        if (v.valid) dbsp_add_exact(&a->i, w, &a->carry);
         return DBSP_OK;
     case DBSP_AGG_SUM: {
         if (!v.valid) return DBSP_OK;
@@ -56,7 +61,8 @@ static inline int dbsp_acc_fold(DbspAcc *a, int32_t kind, const DbspColumn *c, i
         if (cls == DBSP_CLASS_FLOAT) { double d; memcpy(&d, &v.bits, 8); a->f += d * (double)w; return DBSP_OK; }
         if (cls == DBSP_CLASS_UNSIGNED && v.bits > (uint64_t)INT64_MAX) return DBSP_EOVERFLOW;
         int64_t p;
-        if (__builtin_mul_overflow((int64_t)v.bits, w, &p) || __builtin_add_overflow(a->i, p, &a->i)) return DBSP_EOVERFLOW;
+        if (__builtin_mul_overflow((int64_t)v.bits, w, &p)) return DBSP_EOVERFLOW;
+        dbsp_add_exact(&a->i, p, &a->carry);
         return DBSP_OK;
     }
     case DBSP_AGG_MIN: case DBSP_AGG_MAX: {
@@ -90,4 +96,6 @@ static inline int dbsp_aggs_check(const DbspBatch *b, const DbspAggSpec *aggs, i
     return DBSP_OK;
 }
 
+/* DBSP_EOVERFLOW if a finished accumulator's integer sum does not fit in int64. */
+static inline int dbsp_acc_check(const DbspAcc *a) { return a->carry ? DBSP_EOVERFLOW : DBSP_OK; }
 #endif

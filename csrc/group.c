@@ -226,6 +226,7 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
     uint8_t *wc = NULL;
     uint32_t *fill = NULL;
     Uniq *U = NULL;
+    int32_t *carry = NULL;  /* wraps of each group's weight sum, allocated at the first one */
     DbspAcc *A = NULL, *accs = NULL;
     Rec *R = NULL, *R2 = NULL;
     int64_t slots_cap = 0, u_cap = 0, a_cap = 0, r_cap = 0, accs_cap = 0, S_bytes = 0;
@@ -351,6 +352,7 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
         uint64_t hmask = (uint64_t)cap - 1;
         int64_t nu = 0;
         uint64_t off = (uint64_t)bstart[p];
+        if (carry) memset(carry, 0, (size_t)u_cap * sizeof *carry);
         for (int64_t k = es; k < ee; k++) {
             const uint8_t *e = E + k * S;
             const EntryHead *h = (const EntryHead *)e;
@@ -375,7 +377,10 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
                 s = (s + 1) & hmask;
             }
             if (q) {
-                if ((st = dbsp_add_weight(&q->w, ew))) goto done;
+                if (__builtin_add_overflow(q->w, ew, &q->w)) {  /* rare: count the wrap (rows.h dbsp_add_exact) */
+                    if (!carry && !(carry = calloc((size_t)u_cap, sizeof *carry))) { st = DBSP_ENOMEM; goto done; }
+                    carry[q - U] += ew > 0 ? 1 : -1;
+                }
             } else {
                 q = &U[nu++];  /* nu <= partition size <= u_cap */
                 q->h = h->h; q->len = len; q->w = ew; q->idx = h->idx;
@@ -413,6 +418,7 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
         int64_t nr = 0;
         for (int64_t u = 0; u < nu; u++) {
             if (kh && u + 16 < nu) __builtin_prefetch(&kh[U[u + 16].idx]);
+            if (carry && carry[u]) { st = DBSP_EOVERFLOW; goto done; }  /* the exact weight sum does not fit */
             if (drop_zero && U[u].w == 0) continue;
             Rec *r = &R[nr++];
             r->ih = U[u].h; r->kh = kh ? kh[U[u].idx] : r->ih; r->idx = U[u].idx; r->u = u;
@@ -438,7 +444,7 @@ done:
     dbsp_scratch_free(arena, arena_bytes); free(wc); free(fill); free(cnt); free(start); free(bstart); free(bcur);
     dbsp_scratch_free(slots, (size_t)slots_cap * 8); dbsp_scratch_free(U, (size_t)u_cap * sizeof(Uniq));
     dbsp_scratch_free(R, (size_t)r_cap * sizeof(Rec)); dbsp_scratch_free(R2, (size_t)r_cap * sizeof(Rec));
-    dbsp_scratch_free(A, (size_t)a_cap * sizeof(DbspAcc)); free(sort_cnt);
+    dbsp_scratch_free(A, (size_t)a_cap * sizeof(DbspAcc)); free(sort_cnt); free(carry);
     if (st) { dbsp_rows_free(out); free(accs); accs = NULL; }
     if (acc_out) *acc_out = accs; else free(accs);
     return st;

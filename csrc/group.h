@@ -31,7 +31,7 @@ int dbsp_group_int_applies(const DbspBatch *b, const int32_t *icols, int32_t nic
 /* dbsp_group for the calls dbsp_group_int_applies accepts (group_int.c), with the aggregates' results written
  * straight to *ivals (rows->n * naggs int64, group-major: COUNT = the weight sum, SUM = the sum; free with
  * free()), the form dbsp_reduce exports. Same groups, order, values and errors as dbsp_group, or
- * DBSP_GROUP_INT_NO (nothing allocated) when a weight is outside int32. */
+ * DBSP_GROUP_INT_NO (nothing allocated) when a weight is outside int32 or a partial sum leaves int64. */
 int dbsp_group_int(const DbspBatch *b, const int32_t *icols, const DbspAggSpec *aggs, int32_t naggs, int drop_zero,
                    DbspRows *rows, int64_t **ivals);
 

@@ -2,8 +2,9 @@
  *
  * Design notes:
  *  1. It returns what dbsp_group (group.c) returns for the same call, bit for bit: the same groups, first rows,
- *     weight sums, key hashes and canonical order, the same sums, and DBSP_EOVERFLOW whenever group.c would
- *     (sums are folded in row order inside each group, as there, so intermediate overflow is the same).
+ *     weight sums, key hashes and canonical order, and the same sums. Sums are exact there (an overflow only
+ *     when a group's sum does not fit); here a partial sum that leaves int64 returns DBSP_GROUP_INT_NO, and
+ *     the caller runs the general engine, which decides.
  *  2. The row hash of one integer column is a bijection of its value (hash.h), so the canonical order (key hash,
  *     row hash, value) is the order of the hashes alone, and a group's hash is computed from its value: no
  *     hash array is stored, and the histogram and scatter passes each recompute the row's hash.
@@ -246,11 +247,11 @@ static inline __attribute__((always_inline)) int group_int(const DbspBatch *b, i
                 }
                 if (ld64(sl) == v) {
                     int64_t ws = (int64_t)ld64(sl + 8);
-                    if (__builtin_add_overflow(ws, (int64_t)(int32_t)ld32(e + 12), &ws)) { st = DBSP_EOVERFLOW; goto done; }
+                    if (__builtin_add_overflow(ws, (int64_t)(int32_t)ld32(e + 12), &ws)) { st = DBSP_GROUP_INT_NO; goto done; }
                     st64(sl + 8, (uint64_t)ws);
                     for (int32_t k = 0; k < ns; k++) {
                         int64_t a = (int64_t)ld64(sl + 24 + 8 * k);
-                        if (__builtin_add_overflow(a, (int64_t)ld64(e + 16 + 8 * k), &a)) { st = DBSP_EOVERFLOW; goto done; }
+                        if (__builtin_add_overflow(a, (int64_t)ld64(e + 16 + 8 * k), &a)) { st = DBSP_GROUP_INT_NO; goto done; }
                         st64(sl + 24 + 8 * k, (uint64_t)a);
                     }
                     break;

@@ -19,7 +19,11 @@
  *      >= 1 key, other branches may hold 0 (one child: deletes free whole nodes and never merge);
  *  (5) a transaction based on v only writes pages that are on v's free list or >= v's page_count, so v's
  *      pages are never overwritten while v is openable (the other version was discarded at begin);
- *  (6) data pages are fsynced before the meta slot that makes them reachable.
+ *  (6) data pages are fsynced before the meta slot that makes them reachable;
+ *  (7) one open store writes a file at a time: an open takes flock(2) on it, exclusive for a writer and shared
+ *      for a read-only open (which never writes), without waiting; a conflicting open fails with DBSP_EBUSY
+ *      and changes nothing, so two Database objects on one path (in one process or two) never both write,
+ *      and a reader never sees pages a writer is rewriting. Invariants (1)-(6) are not checked for it.
  *
  * On-disk format (all integers little-endian, page size 4096)
  * ------------------------------------------------------------
@@ -66,7 +70,7 @@
  * replaces (copy-on-write) or frees, and v's own free-list pages, join the new version's free list but are
  * not reused until v is discarded by a later begin. Commit work is O(dirty pages + free-list length).
  *
- * Not covered: one process opens a file at a time (no lock); nodes are never merged after deletes.
+ * Not covered: nodes are never merged after deletes; a lock needs flock(2) to work on the file system.
  */
 #include "pagestore.h"
 
@@ -134,6 +138,7 @@ struct DbspPageStore {
     size_t cap, count, nclean, clean_limit, hand;
     DbspTxn *txn;
     int failed;
+    int readonly;        /* dbsp_pagestore_open_readonly: a shared lock, reads only */
     uint64_t last_commit_pages; /* pages written by the last commit (for benchmarks) */
 };
 
@@ -923,7 +928,7 @@ out:
 }
 
 static int pagestore_open(const char *path, DbspVfs *vfs, size_t cache_pages, int create, uint64_t version,
-                          DbspPageStore **out) {
+                          int readonly, DbspPageStore **out) {
     DbspPageStore *ps = calloc(1, sizeof *ps);
     if (!ps) return oom();
     ps->vfs = vfs ? vfs : dbsp_vfs_posix();
@@ -933,7 +938,8 @@ static int pagestore_open(const char *path, DbspVfs *vfs, size_t cache_pages, in
     ps->clean_limit = cache_pages ? cache_pages : 65536;
     int rc = DBSP_OK;
     if (!ps->path || !ps->slots) { rc = oom(); goto fail; }
-    rc = ps->vfs->open(ps->vfs, path, 0, &ps->f);
+    ps->readonly = readonly;
+    rc = ps->vfs->open(ps->vfs, path, readonly ? DBSP_VFS_READONLY : 0, &ps->f);
     if (rc == DBSP_OK && create == 2) {
         rc = dbsp_storage_fail(DBSP_ESTATE, EEXIST, "pagestore %s: exists; cannot create it at version %llu", path,
                                (unsigned long long)version);
@@ -944,6 +950,7 @@ static int pagestore_open(const char *path, DbspVfs *vfs, size_t cache_pages, in
         rc = ps->vfs->open(ps->vfs, path, 0, &ps->f);
     }
     if (rc) goto fail;
+    if ((rc = dbsp_vfs_lock(ps->f, !readonly, "pagestore"))) goto fail; /* invariant (7) */
     if ((rc = read_metas(ps))) goto fail;
 #ifdef DBSP_CHECK_INVARIANTS
     if ((rc = dbsp_pagestore_check(ps))) goto fail;
@@ -956,11 +963,15 @@ fail:
 }
 
 int dbsp_pagestore_open(const char *path, DbspVfs *vfs, size_t cache_pages, DbspPageStore **out) {
-    return pagestore_open(path, vfs, cache_pages, 1, 0, out);
+    return pagestore_open(path, vfs, cache_pages, 1, 0, 0, out);
+}
+
+int dbsp_pagestore_open_readonly(const char *path, DbspVfs *vfs, size_t cache_pages, DbspPageStore **out) {
+    return pagestore_open(path, vfs, cache_pages, 0, 0, 1, out);
 }
 
 int dbsp_pagestore_create(const char *path, DbspVfs *vfs, uint64_t version, size_t cache_pages, DbspPageStore **out) {
-    return pagestore_open(path, vfs, cache_pages, 2, version, out);
+    return pagestore_open(path, vfs, cache_pages, 2, version, 0, out);
 }
 
 static void cache_clear(DbspPageStore *ps, int dirty_only) {
@@ -1033,6 +1044,8 @@ int dbsp_pagestore_read(DbspPageStore *ps, uint64_t v, DbspTxn **out) {
 }
 
 int dbsp_pagestore_begin(DbspPageStore *ps, uint64_t v, DbspTxn **out) {
+    if (ps->readonly)
+        return dbsp_storage_fail(DBSP_ESTATE, 0, "pagestore %s: opened read-only; open(v) writes (use read(v))", ps->path);
     DbspTxn *t;
     int rc = txn_new(ps, v, &t);
     if (rc) return rc;

@@ -15,8 +15,12 @@ typedef struct DbspCursor DbspCursor;
 #define DBSP_PAGESTORE_MAX_KEY 1024u
 #define DBSP_PAGESTORE_MAX_TABLE_NAME 255u
 
-/* Opens the page file at `path`, creating it (version 0, empty) if missing; cache_pages bounds the clean page cache. */
+/* Opens the page file at `path`, creating it (version 0, empty) if missing; cache_pages bounds the clean page cache.
+ * Takes an exclusive lock on the file: DBSP_EBUSY if another open store holds it (pagestore.c invariant 7). */
 int dbsp_pagestore_open(const char *path, DbspVfs *vfs, size_t cache_pages, DbspPageStore **out);
+/* Opens an existing page file for reading only: a shared lock (pagestore.c invariant 7; DBSP_EBUSY while a writer
+ * has it open), versions, stats, check and dbsp_pagestore_read; dbsp_pagestore_begin fails with DBSP_ESTATE. */
+int dbsp_pagestore_open_readonly(const char *path, DbspVfs *vfs, size_t cache_pages, DbspPageStore **out);
 /* Creates a new page file at `path` whose only version is `version` (empty, step 0) and opens it; DBSP_ESTATE if the
  * file exists. A store joining others at version v (a worker added by a rescale) starts at v. */
 int dbsp_pagestore_create(const char *path, DbspVfs *vfs, uint64_t version, size_t cache_pages, DbspPageStore **out);

@@ -24,17 +24,19 @@ static int alloc_out(DbspReduceOut *o, int64_t ngroups, int32_t naggs) {
     return DBSP_OK;
 }
 
-/* write the accumulators of `ngroups` groups into the result arrays */
-static void export_accs(const DbspAcc *acc, int64_t ngroups, const DbspAggSpec *aggs, int32_t naggs, DbspReduceOut *o) {
+/* write the accumulators of `ngroups` groups into the result arrays; DBSP_EOVERFLOW if a sum does not fit */
+static int export_accs(const DbspAcc *acc, int64_t ngroups, const DbspAggSpec *aggs, int32_t naggs, DbspReduceOut *o) {
     for (int64_t g = 0; g < ngroups; g++)
         for (int32_t k = 0; k < naggs; k++) {
             const DbspAcc *a = &acc[g * naggs + k];
             int64_t at = g * naggs + k;
+            if (dbsp_acc_check(a)) return DBSP_EOVERFLOW;
             int minmax = aggs[k].kind == DBSP_AGG_MIN || aggs[k].kind == DBSP_AGG_MAX;
             o->ivals[at] = minmax ? a->row : a->i;
             o->fvals[at] = a->f;
             o->valid[at] = a->valid;
         }
+    return DBSP_OK;
 }
 
 int dbsp_reduce(const DbspBatch *b, const uint64_t *kh, const int32_t *keys, int32_t nkeys,
@@ -78,7 +80,7 @@ int dbsp_reduce(const DbspBatch *b, const uint64_t *kh, const int32_t *keys, int
     if ((st = alloc_out(out, ng, naggs))) goto done;
     out->ngroups = ng;
     for (int64_t g = 0; g < ng; g++) { out->group_row[g] = lead[g]; out->khash[g] = (int64_t)kh[lead[g]]; }
-    export_accs(acc, ng, aggs, naggs, out);
+    st = export_accs(acc, ng, aggs, naggs, out);
 done:
     free(lead); free(acc);
     if (st) dbsp_reduce_free(out);
@@ -127,10 +129,11 @@ static int group_reduce(const DbspBatch *b, const int32_t *keys, int32_t nkeys,
         memcpy(out->group_row, rows.idx, (size_t)rows.n * 8);
         memcpy(out->khash, rows.khash, (size_t)rows.n * 8);
     }
-    export_accs(acc, rows.n, aggs, naggs, out);
+    st = export_accs(acc, rows.n, aggs, naggs, out);
 done:
     dbsp_rows_free(&rows);
     free(acc);
+    if (st) dbsp_reduce_free(out);
     return st;
 }
 

@@ -31,4 +31,11 @@ static inline int dbsp_add_weight(int64_t *acc, int64_t w) {
     return __builtin_add_overflow(*acc, w, acc) ? DBSP_EOVERFLOW : DBSP_OK;
 }
 
+/* Adds w to *acc exactly, whatever the order of the terms: the int64 sum wraps and *carry counts the wraps
+ * (+1 past INT64_MAX, -1 past INT64_MIN), so the true sum is *acc + *carry * 2^64, and it fits in int64 iff
+ * *carry == 0 once every term is added. An overflow is then reported for a sum, never for a partial sum. */
+static inline void dbsp_add_exact(int64_t *acc, int64_t w, int32_t *carry) {
+    if (__builtin_add_overflow(*acc, w, acc)) *carry += w > 0 ? 1 : -1;
+}
+
 #endif

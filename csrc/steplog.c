@@ -32,12 +32,24 @@
  *      truncation can show while it runs);
  *  (8) the log writes format 2 and reads formats 1 and 2. It appends to a format-1 directory by starting a new
  *      segment of format 2, after rewriting LOG to say 2 (so a format-1 build refuses the directory instead of
- *      misreading it); a format-1 segment never follows a format-2 one.
+ *      misreading it); a format-1 segment never follows a format-2 one;
+ *  (9) one writer at a time: a writer takes an exclusive flock(2) on the log's directory (creating no file)
+ *      before it reads or repairs anything, without waiting; a second writer (in this process or another)
+ *      fails with DBSP_EBUSY and changes nothing. Readers take no lock (invariant 7 lets them run beside it);
+ * (10) a clean close marks the log's end: a writer whose every record is durable writes LOG again with a close
+ *      mark, the newest segment's number and length. Nothing vouches for the newest write otherwise (invariant
+ *      6), so a cut of a log closed cleanly is damage, not a torn tail: that segment shorter than the marked
+ *      length, an invalid record before it, or that segment missing fails the open with DBSP_ECORRUPT and
+ *      changes nothing. A writer removes the mark (rewriting LOG, durably) once its open succeeded, before it
+ *      writes anything, so a later crash's torn tail is cut as before. A log whose newest segment is past the
+ *      marked one was appended to by a build that does not know close marks; the mark is then ignored.
  *
  * On-disk format (little-endian)
  * ------------------------------
  * <dir>/LOG (32 bytes; absent with DBSP_STEPLOG_NO_LOG_FILE): "DBSPSLOG" | u32 format (1 or 2: the newest
- *   segment format the directory may hold) | 16 zero bytes | u32 reserved | u32 CRC32C of bytes 0..27.
+ *   segment format the directory may hold) | 16 zero bytes | u32 reserved | u32 CRC32C of bytes 0..27; after a
+ *   clean close 32 more bytes, the close mark (invariant 10): "DBSPCLSD" | u64 segment | u64 length | u32 zero |
+ *   u32 CRC32C of the mark's bytes 0..27.
  * <dir>/<20-digit segment number>.seg: a 32-byte header "DBSPSSEG" | u32 format (1 or 2) | u32 header length
  *   (32) | u64 segment number | u32 zero | u32 CRC32C of bytes 0..27, then records of that format back to back.
  * Format-2 record: a 24-byte frame header "DSLR" | u32 body length L | u64 mark M (invariant 5) | u32 CRC32C of
@@ -108,6 +120,8 @@ struct DbspStepLog {
     uint64_t seg_bytes;
     int flags;
     uint32_t log_format;       /* the format LOG names (0 if there is none) */
+    uint64_t closed_seg, closed_size; /* LOG's close mark (invariant 10): the newest segment and its length at a
+                                         clean close; closed_seg 0 = no mark */
     pthread_rwlock_t seg_lock; /* guards segs (readers: read, info; writers: leader updates, truncate, refresh) */
     Seg *segs;
     size_t nsegs, segcap;
@@ -120,6 +134,8 @@ struct DbspStepLog {
     char fail_msg[400];
     int has_last;
     int64_t last_step;
+    int lockfd;                /* a writer's flock(2) on the directory (invariant 9), -1 for a reader */
+    int opened;                /* the open succeeded (a failed open's cleanup writes no close mark) */
 };
 
 static int oom(void) { return dbsp_storage_fail(DBSP_ENOMEM, ENOMEM, "steplog: out of memory"); }
@@ -319,20 +335,34 @@ static void stamp_marks(unsigned char *data, size_t len, uint64_t mark) {
 
 /* ---------- files ---------- */
 
-static int write_log_file(DbspStepLog *log, uint32_t format) {
+/* The close mark (invariant 10), 32 bytes after LOG's header: "DBSPCLSD" | u64 segment | u64 length | u32 zero |
+ * u32 CRC32C of bytes 0..27. */
+static void encode_close_mark(unsigned char *h, uint64_t seg, uint64_t size) {
+    memset(h, 0, 32);
+    memcpy(h, "DBSPCLSD", 8);
+    wr64(h + 8, seg);
+    wr64(h + 16, size);
+    wr32(h + 28, dbsp_crc32c(0, h, 28));
+}
+
+/* Replaces LOG (durably): its header, and with mark_seg != 0 the close mark of invariant 10. */
+static int write_log_file(DbspStepLog *log, uint32_t format, uint64_t mark_seg, uint64_t mark_size) {
     char *path = dbsp_path_join(log->dir, "LOG"), *tmp = dbsp_path_join(log->dir, "LOG.create");
     DbspFile *f = NULL;
-    unsigned char h[LOG_HDR];
+    unsigned char h[2 * LOG_HDR];
     int rc;
     if (!path || !tmp) { rc = oom(); goto out; }
     encode_header(h, "DBSPSLOG", format, 0);
+    if (mark_seg) encode_close_mark(h + LOG_HDR, mark_seg, mark_size);
     if ((rc = log->vfs->open(log->vfs, tmp, DBSP_VFS_CREATE, &f)) || (rc = log->vfs->truncate(f, 0)) ||
-        (rc = log->vfs->pwrite(f, h, LOG_HDR, 0)) || (rc = log->vfs->fsync(f)))
+        (rc = log->vfs->pwrite(f, h, mark_seg ? 2 * LOG_HDR : LOG_HDR, 0)) || (rc = log->vfs->fsync(f)))
         goto out;
     log->vfs->close(f);
     f = NULL;
     if ((rc = log->vfs->rename(log->vfs, tmp, path)) || (rc = log->vfs->fsync_dir(log->vfs, log->dir))) goto out;
     log->log_format = format;
+    log->closed_seg = mark_seg;
+    log->closed_size = mark_size;
 out:
     if (f) log->vfs->close(f);
     free(path);
@@ -351,10 +381,18 @@ static int open_log_file(DbspStepLog *log) {
     if (rc == DBSP_ENOTFOUND) {
         free(path);
         if (readonly(log)) { log->log_format = 0; return DBSP_OK; }
-        return write_log_file(log, DBSP_STEPLOG_FORMAT);
+        return write_log_file(log, DBSP_STEPLOG_FORMAT, 0, 0);
     }
     if (!rc) rc = dbsp_vfs_read_exact(f, h, LOG_HDR, 0, "log header");
     if (!rc) rc = check_header(h, "DBSPSLOG", 0, path, &log->log_format);
+    uint64_t fsize = 0;
+    unsigned char mark[LOG_HDR];
+    if (!rc && !(rc = log->vfs->size(f, &fsize)) && fsize >= 2 * LOG_HDR &&
+        !(rc = dbsp_vfs_read_exact(f, mark, LOG_HDR, LOG_HDR, "log close mark"))) {
+        if (memcmp(mark, "DBSPCLSD", 8) != 0 || rd32(mark + 28) != dbsp_crc32c(0, mark, 28) || !rd64(mark + 8))
+            rc = dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: the close mark after the header is damaged", path);
+        else { log->closed_seg = rd64(mark + 8); log->closed_size = rd64(mark + 16); }
+    }
     if (f) log->vfs->close(f);
     free(path);
     return rc;
@@ -392,6 +430,12 @@ static int seg_load(DbspStepLog *log, Seg *s, int is_last, int64_t floor) {
         free(data);
         data = NULL;
         if ((rc = log->vfs->size(s->f, &fsize))) goto out;
+        if (s->num == log->closed_seg && fsize < log->closed_size) { /* invariant 10: a log closed cleanly was cut */
+            rc = dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: %llu bytes, but the log was closed cleanly with "
+                                   "%llu bytes in it: its end was cut (nothing was changed)", path,
+                                   (unsigned long long)fsize, (unsigned long long)log->closed_size);
+            goto out;
+        }
         if (fsize < s->size) seg_forget(s); /* a reader: a writer rewrote the file after a crash; read it afresh */
         uint64_t base = s->size;
         if (base && fsize == base) goto out; /* nothing new (a file without a header still needs the check below) */
@@ -440,9 +484,15 @@ static int seg_load(DbspStepLog *log, Seg *s, int is_last, int64_t floor) {
         s->size = off;
         if (off == fsize) goto out;
         uint64_t proof = is_last && s->format == 2 ? find_proof(data, base, off, fsize) : 0;
-        if (proof || !is_last) {
+        int closed = !proof && s->num == log->closed_seg && off < log->closed_size; /* invariant 10 */
+        if (proof || closed || !is_last) {
             if (ro && !attempt) continue;
-            if (!is_last)
+            if (closed)
+                rc = dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: damaged record at offset %llu, before the end "
+                                       "the log had at its clean close (%llu bytes), so this is not a torn write "
+                                       "(nothing was changed)", path, (unsigned long long)off,
+                                       (unsigned long long)log->closed_size);
+            else if (!is_last)
                 rc = dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: invalid record at offset %llu of a sealed segment "
                                        "(nothing was changed)", path, (unsigned long long)off);
             else
@@ -568,6 +618,10 @@ static int rescan(DbspStepLog *log) {
         }
         if (!retry) break;
     }
+    if (!rc && log->closed_seg && (!log->nsegs || log->segs[log->nsegs - 1].num < log->closed_seg))
+        rc = dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: the log was closed cleanly with segment %llu as its "
+                               "newest, which is missing (nothing was changed)", log->dir,
+                               (unsigned long long)log->closed_seg);
 out:
     free(nums);
     return rc;
@@ -579,6 +633,7 @@ int dbsp_steplog_open(const char *dir, DbspVfs *vfs, uint64_t segment_bytes, int
     log->vfs = vfs ? vfs : dbsp_vfs_posix();
     log->seg_bytes = segment_bytes ? segment_bytes : (64u << 20);
     log->flags = flags;
+    log->lockfd = -1;
     pthread_rwlock_init(&log->seg_lock, NULL);
     pthread_mutex_init(&log->mu, NULL);
     pthread_cond_init(&log->cv, NULL);
@@ -599,6 +654,7 @@ int dbsp_steplog_open(const char *dir, DbspVfs *vfs, uint64_t segment_bytes, int
         rc = dbsp_storage_fail(dbsp_storage_status_of_errno(errno), errno, "steplog mkdir %s: %s", dir, strerror(errno));
         goto fail;
     }
+    if (!readonly(log) && (rc = dbsp_dir_lock(dir, 1, "steplog", &log->lockfd))) goto fail; /* invariant 9 */
     if (!(flags & DBSP_STEPLOG_NO_LOG_FILE) && (rc = open_log_file(log))) goto fail;
     if ((rc = rescan(log))) goto fail;
     if (!readonly(log)) {
@@ -609,6 +665,7 @@ int dbsp_steplog_open(const char *dir, DbspVfs *vfs, uint64_t segment_bytes, int
         }
         Seg *a = &log->segs[log->nsegs - 1]; /* invariant 5: what was recovered counts as fsynced from now on */
         if ((rc = log->vfs->fsync(a->f))) goto fail;
+        if (log->closed_seg && (rc = write_log_file(log, log->log_format, 0, 0))) goto fail; /* invariant 10 */
         for (size_t i = 0; i < log->nsegs; i++) log->segs[i].synced = log->segs[i].size;
     }
     for (size_t i = log->nsegs; i-- > 0;)
@@ -618,6 +675,7 @@ int dbsp_steplog_open(const char *dir, DbspVfs *vfs, uint64_t segment_bytes, int
             break;
         }
     CHECK_INVARIANTS(log);
+    log->opened = 1;
     *out = log;
     return DBSP_OK;
 fail:
@@ -627,11 +685,18 @@ fail:
 
 void dbsp_steplog_close(DbspStepLog *log) {
     if (!log) return;
+    /* invariant 10: a writer whose every record is durable marks its end in LOG (best effort: no mark is what a
+     * crash leaves) */
+    if (log->opened && !readonly(log) && !(log->flags & DBSP_STEPLOG_NO_LOG_FILE) && !log->failed && !log->blen &&
+        log->durable_ticket == log->next_ticket && log->nsegs &&
+        log->segs[log->nsegs - 1].synced == log->segs[log->nsegs - 1].size && log->log_format == DBSP_STEPLOG_FORMAT)
+        (void)write_log_file(log, log->log_format, log->segs[log->nsegs - 1].num, log->segs[log->nsegs - 1].size);
     for (size_t i = 0; i < log->nsegs; i++) seg_free(log, &log->segs[i]);
     free(log->segs);
     free(log->buf);
     free(log->spare);
     free(log->dir);
+    dbsp_dir_unlock(log->lockfd);
     pthread_rwlock_destroy(&log->seg_lock);
     pthread_mutex_destroy(&log->mu);
     pthread_cond_destroy(&log->cv);
@@ -660,7 +725,7 @@ static int rotate(DbspStepLog *log, Seg *act) {
         pthread_rwlock_unlock(&log->seg_lock);
     }
     if (!(log->flags & DBSP_STEPLOG_NO_LOG_FILE) && log->log_format < DBSP_STEPLOG_FORMAT &&
-        (rc = write_log_file(log, DBSP_STEPLOG_FORMAT)))
+        (rc = write_log_file(log, DBSP_STEPLOG_FORMAT, 0, 0)))
         return rc;
     Seg s;
     if ((rc = seg_create(log, act->num + 1, &s))) return rc;

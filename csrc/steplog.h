@@ -36,7 +36,8 @@ typedef struct {
     int64_t first_step, last_step; /* meaningful when records > 0 */
 } DbspStepLogSegment;
 
-/* Opens the log directory. A writer creates it if missing and recovers: it scans every segment, fails with
+/* Opens the log directory. A writer takes an exclusive flock(2) on the directory first (DBSP_EBUSY if another
+ * writer has the log open, steplog.c invariant 9), creates it if missing and recovers: it scans every segment, fails with
  * DBSP_ECORRUPT (changing nothing) on damage, cuts a torn tail of the last segment, and fsyncs that segment.
  * A reader (DBSP_STEPLOG_READONLY) needs the directory to exist and never changes a file: it shows the valid
  * records and ignores a torn or half-written tail. segment_bytes is the size after which a new segment starts

@@ -12,7 +12,8 @@ enum {
     DBSP_EFORMAT = 103,   /* an on-disk structure has an unknown format version */
     DBSP_ECRASHED = 104,  /* the fault VFS simulated a crash; every later operation fails */
     DBSP_ESTATE = 105,    /* the object is closed or failed and must be reopened */
-    DBSP_ENOTFOUND = 106  /* the requested version, table or record does not exist */
+    DBSP_ENOTFOUND = 106, /* the requested version, table or record does not exist */
+    DBSP_EBUSY = 107      /* another open object holds the file's OS lock (a second writer would lose data) */
 };
 
 /* Records a formatted message for the calling thread and returns `status` (so callers can `return dbsp_storage_fail(...)`). */

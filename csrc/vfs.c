@@ -17,6 +17,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -41,6 +42,31 @@ char *dbsp_path_dirname(const char *path) {
     if (!slash) return strdup(".");
     if (slash == path) return strdup("/");
     return strndup(path, (size_t)(slash - path));
+}
+
+static int lock_fd(int fd, int exclusive, const char *path, const char *what) {
+    if (flock(fd, (exclusive ? LOCK_EX : LOCK_SH) | LOCK_NB) == 0) return DBSP_OK;
+    if (errno == EWOULDBLOCK)
+        return dbsp_storage_fail(DBSP_EBUSY, EWOULDBLOCK, "%s %s is in use: another open %s holds its lock (a "
+                                 "second writer would lose committed writes, a reader could see pages being "
+                                 "rewritten); close the other one first", what, path, what);
+    return dbsp_storage_fail(DBSP_EIO, errno, "%s %s: flock: %s", what, path, strerror(errno));
+}
+
+int dbsp_vfs_lock(DbspFile *f, int exclusive, const char *what) { return lock_fd(f->fd, exclusive, f->path, what); }
+
+int dbsp_dir_lock(const char *dir, int exclusive, const char *what, int *out) {
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return dbsp_storage_fail(dbsp_storage_status_of_errno(errno), errno, "%s %s: open: %s", what, dir,
+                                         strerror(errno));
+    int rc = lock_fd(fd, exclusive, dir, what);
+    if (rc) { close(fd); return rc; }
+    *out = fd;
+    return DBSP_OK;
+}
+
+void dbsp_dir_unlock(int fd) {
+    if (fd >= 0) close(fd); /* releases the lock */
 }
 
 int dbsp_vfs_read_exact(DbspFile *f, void *buf, size_t len, uint64_t off, const char *what) {

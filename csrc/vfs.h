@@ -63,6 +63,14 @@ int dbsp_vfs_fault_crashed(void);
 /* Simulates a crash now (same as reaching crash_at). */
 void dbsp_vfs_fault_crash_now(int mode, uint64_t seed);
 
+/* OS locks (flock(2): per open file, so two opens in one process exclude each other too; released when the file
+ * is closed or its process dies). dbsp_vfs_lock takes an exclusive (writer) or shared (reader) lock on an open
+ * file without waiting; DBSP_EBUSY if another open file holds a conflicting one. dbsp_dir_lock does the same on
+ * a directory (it creates nothing) and returns the descriptor to pass to dbsp_dir_unlock. */
+int dbsp_vfs_lock(DbspFile *f, int exclusive, const char *what);
+int dbsp_dir_lock(const char *dir, int exclusive, const char *what, int *fd);
+void dbsp_dir_unlock(int fd);
+
 /* Helpers on top of the table. */
 int dbsp_vfs_read_exact(DbspFile *f, void *buf, size_t len, uint64_t off, const char *what);
 char *dbsp_path_join(const char *dir, const char *name);

@@ -75,7 +75,8 @@ static void srec_insertion_sort(SRec *a, int64_t n, const DbspBatch *b) {
  *     bucket per row, and each bucket is insertion-sorted with the full comparison (srec_cmp), so many rows of
  *     one key (one bucket) still sort correctly, only more slowly.
  *  2. The result equals the grouping engine's bit for bit: the same canonical order, each group represented by
- *     its first source row, its weights summed in source row order (so an overflow is reported alike), and
+ *     its first source row, its weights summed exactly (rows.h dbsp_add_exact: an overflow is reported when a
+ *     sum does not fit, whatever the row order), and
  *     zero sums dropped. It avoids the engine's fixed costs (partition tables, write-combining buffers, hash
  *     table clearing), which dominate below a few thousand rows.
  */
@@ -109,11 +110,13 @@ static int consolidate_small(const DbspBatch *b, const int32_t *keys, int32_t nk
     const int64_t *w = b->weights;
     for (int64_t i = 0; i < n;) {
         int64_t j = i + 1, sum = w ? w[t[i].idx] : 1;
+        int32_t carry = 0;
         while (j < n && t[j].kh == t[i].kh && t[j].rh == t[i].rh
                && dbsp_row_cmp(b, t[i].idx, NULL, b, t[j].idx, NULL, b->ncols) == 0) {
-            if ((st = dbsp_add_weight(&sum, w ? w[t[j].idx] : 1))) goto done;
+            dbsp_add_exact(&sum, w ? w[t[j].idx] : 1, &carry);
             j++;
         }
+        if (carry) { st = DBSP_EOVERFLOW; goto done; }
         if (sum != 0) {
             out->idx[out->n] = t[i].idx; out->weights[out->n] = sum; out->khash[out->n] = t[i].kh; out->n++;
         }

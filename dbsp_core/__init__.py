@@ -10,6 +10,7 @@ from dbsp_core.errors import (
     DbspError,
     FormatVersionError,
     SchemaError,
+    StepError,
     StorageError,
     WeightOverflowError,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "DbspError",
     "FormatVersionError",
     "SchemaError",
+    "StepError",
     "StorageError",
     "WeightOverflowError",
 ]

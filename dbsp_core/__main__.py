@@ -1,11 +1,13 @@
 """The ``dbsp`` command line (also ``python -m dbsp_core``).
 
 - ``dbsp demo [options]``: the main job, a durable auction pipeline (``dbsp demo --help``);
-- ``dbsp inspect DIR [--json]``: what a storage directory holds (scale, checkpoint, logs, output steps, sizes),
-  without running its circuit;
+- ``dbsp inspect DIR [--json]``: what a storage directory holds (scale, checkpoint, logs, output steps, sizes,
+  state bytes per worker and shard, consumers, the metrics of the last checkpoint), without running its circuit;
 - ``dbsp read DIR VIEW [--from-step N] [--limit K]``: the changes of one view from the output log;
 - ``dbsp sql FILE.sql [--view NAME]``: compile CREATE TABLE / CREATE VIEW statements and print the plan of each
   view (operators, exchanges, state).
+- ``dbsp repair DIR [--json]``: the way forward from a damaged input log: keeps a copy of what it replaces,
+  reports exactly which pushes are lost, and leaves a directory that opens (dbsp_core.storage.repair).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+from dbsp_core.errors import DbspError
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -41,14 +45,32 @@ def _inspect(args: argparse.Namespace) -> int:
               f"{moved if moved is not None else '?':,} B moved{frac} in {last.get('seconds', 0):.3f} s")
     print(f"inputs       {', '.join(info['inputs'])}")
     print(f"outputs      {', '.join(info['outputs'])}")
-    print(f"checkpoint   {'none consistent' if ck is None else f'step {ck}'} "
-          f"(versions per worker: {', '.join(f'{a}..{z}' for a, z in info['versions'])})")
+    if info["in_use"]:
+        print(f"checkpoint   not read: {', '.join(info['in_use'])} in use by a running pipeline")
+    else:
+        print(f"checkpoint   {'none consistent' if ck is None else f'step {ck}'} "
+              f"(versions per worker: {', '.join(f'{a}..{z}' for a, z in info['versions'])})")
     div = info["divided_steps"]
     print(f"input log    {info['input_records']} records in {info['input_segments']} segments, steps "
           f"{info['input_steps'][0]}..{info['input_steps'][1]}"
           + (f", divided steps {div[0]}..{div[1]}" if div else ", no divided step"))
     print(f"output log   steps {out[0]}..{out[1] - 1} ({out[1] - out[0]} steps) in {info['output_segments']} segments")
     print(f"disk         input {b['input']:,} B, output {b['output']:,} B, state {b['state']:,} B")
+    for w, shards in sorted(info["state_bytes"].items(), key=lambda kv: int(kv[0])):
+        top = sorted(shards.items(), key=lambda kv: -kv[1])[:3]
+        print(f"state w{w:<9} {sum(shards.values()):,} B in {len(shards)} shards"
+              + (f" (largest: {', '.join(f'shard {s} {n:,} B' for s, n in top)})" if top else ""))
+    cons = info["consumers"]
+    print(f"consumers    {', '.join(f'{n} needs step {s}+' for n, s in cons.items()) if cons else 'none registered'}")
+    m = info["metrics"]
+    if m:
+        lat = m["step_seconds"]
+        ms = (lambda x: "-" if x is None else f"{x * 1000:.1f} ms")
+        print(f"last run     {m['steps']} steps, {m['pushes']} pushes; rows in "
+              f"{', '.join(f'{k} {v:,}' for k, v in m['rows_in'].items())}; rows out "
+              f"{', '.join(f'{k} {v:,}' for k, v in m['rows_out'].items())}")
+        print(f"             step latency mean {ms(lat['mean'])}, p50 {ms(lat.get('p50'))}, p99 {ms(lat.get('p99'))}; "
+              f"{m['checkpoints']} checkpoints, last {m['checkpoint_seconds']:.3f} s (as of the last checkpoint)")
     return 0
 
 
@@ -92,6 +114,25 @@ def _sql(args: argparse.Namespace) -> int:
     return 0
 
 
+def _repair(args: argparse.Namespace) -> int:
+    from dbsp_core.storage.repair import repair
+
+    report = repair(args.dir)
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+        return 0
+    print(f"repair       {report['path']}")
+    for d in report["input_damaged"]:
+        print(f"damaged      input/{d['segment']} bytes {d['from']}..{d['to']}")
+    for lost in report["lost"]:
+        print(f"lost         producer {lost['producer']!r} seq {lost['seq']}"
+              + (f" (step {lost['step']})" if lost["step"] >= 0 else ""))
+    if report["lost_unnamed"]:
+        print(f"lost         {report['lost_unnamed']} more pushes that no record names (anonymous ones)")
+    print(f"result       {report['result']}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else list(argv)
     if args_list[:1] == ["demo"]:  # the demo parses its own options (dbsp demo --help)
@@ -112,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     sq = sub.add_parser("sql", help="compile a SQL file and print the plan of each view")
     sq.add_argument("file")
     sq.add_argument("--view", action="append", help="only this view (repeatable)")
+    rp = sub.add_parser("repair", help="repair a storage directory whose input log is damaged")
+    rp.add_argument("dir")
+    rp.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(args_list)
     if args.command == "sql":
         try:
@@ -120,10 +164,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot read {args.file}: {exc}", file=sys.stderr)
             return 2
     try:
-        return _inspect(args) if args.command == "inspect" else _read(args)
+        return {"inspect": _inspect, "read": _read, "repair": _repair}[args.command](args)
     except (FileNotFoundError, NotADirectoryError) as exc:
         print(f"error: {args.dir} is not a dbsp storage directory ({exc})", file=sys.stderr)
         return 2
+    except DbspError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ Invariants (enforced here):
   1. Nodes are appended in topological order: a node's inputs are always earlier nodes of the same circuit,
      so running nodes in id order is a valid schedule.
   2. Every Stream has a schema, inferred when its node is built; an unknown column, mismatched join key
-     types or a sum over a non-numeric column raise SchemaError naming the operator and the column.
+     types, a sum over a non-numeric column, or an output column of a type Z-sets cannot hold (or no column
+     at all) raise SchemaError naming the operator and the column.
   3. Every keyed operator (join, distinct, aggregate) reads its inputs through an Exchange on its key,
      unless the input is already partitioned by that key; one exchange per (stream, key) is shared.
   4. Input and output names are unique within a circuit.
@@ -37,6 +38,19 @@ from dbsp_core.operators.top_k import TopK, order_spec
 from dbsp_core.time.lineage import Times, meet, passed
 
 
+MAX_NAME_BYTES = 1024  # input and output names are logged with every push and output record
+
+
+def _check_name(name: str, what: str) -> None:
+    """ValueError unless ``name`` is UTF-8 of at most MAX_NAME_BYTES bytes (it is stored and logged as such)."""
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} name {name[:40]!r} is not valid UTF-8 ({e.reason} at index {e.start})") from None
+    if size > MAX_NAME_BYTES:
+        raise ValueError(f"{what} name of {size} bytes is longer than the limit of {MAX_NAME_BYTES} bytes (UTF-8)")
+
+
 class Circuit:
     """A dataflow graph of operators; build it with :meth:`input`, Stream methods and :meth:`output`.
 
@@ -63,6 +77,12 @@ class Circuit:
     def _add(self, op: Operator, times: Times | None = None, in_times: Sequence[Times] = ()) -> "Stream":
         for i in op.inputs:  # invariant 1
             assert 0 <= i < len(self.nodes), "operator inputs must be earlier nodes"
+        from dbsp_core.zset import ZSet
+
+        try:  # invariant 2: a type no step can hold (decimal, float16, ...) is refused now, not at the first step
+            ZSet.empty(op.schema)
+        except SchemaError as exc:
+            raise SchemaError(f"{op.kind}#{len(self.nodes)}: its output {exc}") from None
         if any(in_times):  # invariant 5: set only when there is one, so other circuits keep their fingerprint
             op.in_times = tuple(in_times)
         op.node_id = len(self.nodes)
@@ -93,6 +113,7 @@ class Circuit:
         """
         if not isinstance(name, str) or not name:
             raise TypeError(f"input name must be a non-empty str, got {name!r}")
+        _check_name(name, "input")
         if name in self.inputs:
             raise ValueError(f"input {name!r} is already declared")
         if not isinstance(schema, pa.Schema):
@@ -212,6 +233,7 @@ class Circuit:
         """Declare output handle ``name``: each step yields the change of ``stream``."""
         if not isinstance(name, str) or not name:
             raise TypeError(f"output name must be a non-empty str, got {name!r}")
+        _check_name(name, "output")
         if name in self.outputs:
             raise ValueError(f"output {name!r} is already declared")
         self._own(stream, "output")

@@ -107,10 +107,11 @@ def decode_zset(blob: bytes, schema: pa.Schema, where: str, magic: bytes = b"DZS
         table = pa.ipc.open_stream(pa.py_buffer(body)).read_all()
     except (pa.ArrowInvalid, OSError) as e:
         raise CorruptionError(f"{where}: unreadable Arrow IPC body ({e})") from e
-    if WEIGHT_COLUMN not in table.schema.names:
+    last = table.num_columns - 1  # the weight is the last column, whatever the data columns are called
+    if last < 0 or table.schema.names[last] != WEIGHT_COLUMN or table.schema.field(last).type != pa.int64():
         raise CorruptionError(f"{where}: no weight column")
-    w = table.column(WEIGHT_COLUMN).to_numpy().astype(np.int64, copy=True)
-    data = table.drop_columns([WEIGHT_COLUMN])
+    w = table.column(last).to_numpy().astype(np.int64, copy=True)
+    data = table.remove_column(last)
     if data.schema.names != schema.names or not all(a.type.equals(b.type) for a, b in zip(data.schema, schema)):
         raise CorruptionError(f"{where}: stored columns {data.schema.names} do not match {schema.names}")
     data = data.cast(schema) if not data.schema.equals(schema) else data

@@ -37,3 +37,29 @@ class CircuitMismatchError(DbspError, ValueError):
 
 class RecoveryError(DbspError):
     """Durable state cannot be recovered consistently (e.g. the workers share no database version)."""
+
+
+class StepError(DbspError):
+    """A step failed on its data (an integer overflow, a division by zero, a user function's exception, ...).
+
+    The pipeline stays usable at the step before it: no state was changed, nothing of the step was output, and
+    the step waits, divided, until it can run. ``inputs`` lists the step's pushes as ``(input, producer, seq)``
+    (an anonymous push has producer ``""`` and a seq of its own); ``Pipeline.discard(producer, seq)`` drops
+    one durably, and the next ``step()`` runs the step again. ``step`` is the failed step's number, ``node`` the
+    operator that failed (e.g. ``"aggregate#3"``) when known; the original exception is ``__cause__``.
+    """
+
+    def __init__(self, message: str, step: int | None = None, inputs: list | tuple = (), node: str | None = None,
+                 done: list | tuple = ()) -> None:
+        super().__init__(message)
+        self.step = step
+        self.inputs = list(inputs)
+        self.node = node
+        self.done = list(done)  # executor -> driver: the outputs of the steps that ran before the failing one
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (type(self), (self.args[0] if self.args else "", self.step, self.inputs, self.node))
+
+
+class InUseError(StorageError):
+    """A file or directory is held by another open object (an OS lock): a second writer would lose data."""

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from dbsp_core.zset import ZSet
 
 _UNIT_NS = {"s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}
+_MAX_WINDOW_NS = 2**62  # the window's low end (now minus the window) stays inside int64 nanoseconds
 
 
 class WithinLast(Operator):
@@ -102,12 +103,13 @@ class _WithinLastState:
         """The held rows (consolidated) of every bucket meeting the time ranges [a, b] (may hold more)."""
         from dbsp_core.zset import ZSet
 
-        ids = [np.arange(a // self.bucket_ns, b // self.bucket_ns + 1, dtype=np.int64) for a, b in ranges if a <= b]
-        n = sum(len(x) for x in ids)
+        spans = [(a // self.bucket_ns, b // self.bucket_ns) for a, b in ranges if a <= b]
+        n = sum(hi - lo + 1 for lo, hi in spans)  # counted before anything is allocated: now may jump by years
         if n == 0:
             return empty(self.hschema)
         if n > self.MAX_BUCKETS:
             return self.held.consolidated().zset
+        ids = [np.arange(lo, hi + 1, dtype=np.int64) for lo, hi in spans]
         keys = np.unique(np.concatenate(ids))
         hashes = np.unique(ZSet.from_arrow(pa.table({"__bucket": keys})).hash(["__bucket"]))
         return lookup_exact(self.held, hashes, self.hschema).consolidate()
@@ -179,14 +181,17 @@ def within_last(stream: "Stream", column: str, seconds: float, unit: str = "s") 
     where = stream._where("within_last")
     check_columns(stream.schema, [column], where)
     typ = stream.schema.field(column).type
-    if not (pat.is_integer(typ) or pat.is_timestamp(typ)):
-        raise SchemaError(f"{where}: column {column!r} must be a timestamp or an integer time, got {typ}")
+    if not (pat.is_signed_integer(typ) or pat.is_timestamp(typ)):
+        raise SchemaError(f"{where}: column {column!r} must be a timestamp or a signed integer time, got {typ}")
     if pat.is_timestamp(typ):
         unit = typ.unit
     if unit not in _UNIT_NS:
         raise ValueError(f"{where}: unit must be one of {sorted(_UNIT_NS)}, got {unit!r}")
-    if not isinstance(seconds, (int, float)) or not seconds > 0:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
         raise ValueError(f"{where}: seconds must be a positive number, got {seconds!r}")
+    if not seconds * 10**9 <= _MAX_WINDOW_NS:
+        raise ValueError(f"{where}: a window of {seconds!r} s is longer than the limit of {_MAX_WINDOW_NS // 10**9} s "
+                         f"(about 146 years: now minus the window must be a time in nanoseconds in int64)")
     op = WithinLast(stream.node_id, stream.schema, column, int(seconds * 10**9), _UNIT_NS[unit])
     return stream.circuit._add(op)
 

@@ -23,13 +23,15 @@ import pyarrow.compute as pc
 from dbsp_core import _zset
 from dbsp_core.errors import SchemaError
 
-__all__ = ["ZSet", "IndexedZSet", "HASH_VERSION"]
+__all__ = ["ZSet", "IndexedZSet", "HASH_VERSION", "weight_column"]
 
 HASH_VERSION: int = _zset.HASH_VERSION
 """Version of the row/key hash (csrc/hash.h); shard placement depends on it."""
 
 
 def _check_schema(schema: pa.Schema) -> None:
+    if len(schema) == 0:
+        raise SchemaError("a Z-set needs at least one column; the schema has none")
     for field in schema:
         if _zset.type_code(field.type) is None:
             raise SchemaError(
@@ -79,7 +81,24 @@ def _as_weights(weights: Any, n: int) -> np.ndarray:
         raise ValueError("weights must fit in int64")
     if w.shape[0] != n:
         raise ValueError(f"got {w.shape[0]} weights for {n} rows")
-    return np.ascontiguousarray(w, dtype=np.int64)
+    out = np.ascontiguousarray(w, dtype=np.int64)
+    if np.shares_memory(out, w) and w.flags.writeable:  # a Z-set is a value: the caller's array may change later
+        out = out.copy()
+    return out
+
+
+def weight_column(schema: pa.Schema) -> str:
+    """The name of the weight column :meth:`ZSet.to_arrow` adds to rows of ``schema``: ``"weight"``, or when a
+    data column has that name, the first of ``"_weight"``, ``"__weight"``, ... that none has.
+
+    >>> weight_column(pa.schema([("x", pa.int64())])), weight_column(pa.schema([("weight", pa.int64())]))
+    ('weight', '_weight')
+    """
+    names = set(schema.names)
+    name = "weight"
+    while name in names:
+        name = "_" + name
+    return name
 
 
 def _same_columns(a: pa.Schema, b: pa.Schema) -> bool:
@@ -442,9 +461,16 @@ class ZSet:
     # ---- export ----
 
     def to_arrow(self) -> pa.Table:
-        """The consolidated rows plus an int64 column ``weight`` (canonical order, no zero weights)."""
+        """The consolidated rows plus an int64 weight column (canonical order, no zero weights), named ``weight``
+        unless a data column has that name (then see :func:`weight_column`).
+
+        >>> import pyarrow as pa
+        >>> ZSet.from_arrow(pa.table({"weight": [7]}), weights=[2]).to_arrow().column_names
+        ['weight', '_weight']
+        """
         z = self.consolidate()
-        return z._data.append_column(pa.field("weight", pa.int64(), nullable=False), pa.array(z._w, pa.int64()))
+        return z._data.append_column(pa.field(weight_column(z._data.schema), pa.int64(), nullable=False),
+                                     pa.array(z._w, pa.int64()))
 
     def to_dict(self) -> dict[tuple, int]:
         """``{row tuple: weight}`` of the consolidated Z-set (Python objects; for small data and tests)."""

@@ -64,7 +64,8 @@ from dbsp_core.runtime.job_files import read_job_input, remove_job_inputs, write
 from dbsp_core.runtime.stage_plan import BLOB_SCHEMA, CONTROL_NODE, StagePlan, StepInfo, control_blobs
 from dbsp_core.runtime.stage_task import StageTask, read_result_outputs, run_stage_task
 from dbsp_core.runtime.staged import Job
-from dbsp_core.zset import ZSet
+from dbsp_core.zset import ZSet, weight_column
+from spark_glue.check import check_executors
 
 __all__ = ["SparkPipeline", "SparkJobRunner", "partition_codes"]
 
@@ -279,6 +280,7 @@ class SparkPipeline(Pipeline):
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"SparkPipeline: workers must be a positive int, got {workers!r}")
         self.spark = spark
+        check_executors(spark)  # fails at once, saying what to set, if the workers cannot import the engine
         if storage is None:
             storage = tempfile.mkdtemp(prefix="dbsp-spark-")
         self._views: dict[str, tuple[int, ZSet]] = {}
@@ -362,11 +364,12 @@ class SparkPipeline(Pipeline):
 
 def _conform_arrow(t: pa.Table, schema: pa.Schema, handle: str) -> pa.Table:
     """A DataFrame's Arrow table with the input's types (by name; safe casts only); SchemaError otherwise."""
-    names = [n for n in t.column_names if n != "weight"] if "weight" not in schema.names else t.column_names
+    wname = weight_column(schema)
+    names = [n for n in t.column_names if n != wname]
     if names != schema.names:
         raise SchemaError(f"push({handle!r}): DataFrame columns {t.column_names} do not match the input columns "
                           f"{schema.names}")
-    target = pa.schema(list(schema) + ([pa.field("weight", pa.int64())] if len(t.column_names) > len(names) else []))
+    target = pa.schema(list(schema) + ([pa.field(wname, pa.int64())] if len(t.column_names) > len(names) else []))
     try:
         return t.cast(target, safe=True)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:

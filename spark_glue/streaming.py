@@ -38,7 +38,7 @@ from typing import Any, Callable
 import pyarrow as pa
 
 from dbsp_core.errors import DbspError
-from dbsp_core.zset import ZSet
+from dbsp_core.zset import ZSet, weight_column
 
 __all__ = ["ForeachBatch", "StaleBatchError", "foreach_batch"]
 
@@ -137,8 +137,9 @@ class ForeachBatch:
             return batch_df
         t = batch_df.toArrow()
         names = list(self.schema.names)
-        if "weight" in t.schema.names and "weight" not in names:
-            names.append("weight")  # Z-set form: data columns + integer weights
+        wname = weight_column(self.schema)
+        if wname in t.schema.names:
+            names.append(wname)  # Z-set form: data columns + integer weights
         if all(n in t.schema.names for n in names):
             t = t.select(names)
             want = pa.schema([self.schema.field(n) if n in self.schema.names else t.schema.field(n) for n in names])

@@ -10,6 +10,7 @@ Invariants:
 from __future__ import annotations
 
 import re
+from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -64,15 +65,26 @@ def check_predicate(schema: pa.Schema, expr: pc.Expression, where: str) -> None:
         raise SchemaError(f"{where}: the predicate must be boolean, got {t}")
 
 
-def with_weights(data: pa.Table, weights: np.ndarray) -> pa.Table:
-    """``data`` plus the hidden weight column."""
-    return data.append_column(WEIGHT_COL, pa.array(weights, type=pa.int64()))
+def hidden_column(schema: pa.Schema, also: Sequence[str] = ()) -> str:
+    """The name of the hidden weight column over ``schema``: ``WEIGHT_COL``, lengthened until no data column (nor
+    a name in ``also``) has it, so any column name works."""
+    names = set(schema.names) | set(also)
+    name = WEIGHT_COL
+    while name in names:
+        name += "_"
+    return name
+
+
+def with_weights(data: pa.Table, weights: np.ndarray, hidden: str | None = None) -> pa.Table:
+    """``data`` plus the hidden weight column (the last one)."""
+    return data.append_column(hidden or hidden_column(data.schema), pa.array(weights, type=pa.int64()))
 
 
 def split_weights(table: pa.Table) -> tuple[pa.Table, np.ndarray]:
     """Inverse of :func:`with_weights`."""
-    w = np.array(table.column(WEIGHT_COL).to_numpy(), dtype=np.int64)  # a writable copy
-    return table.drop_columns([WEIGHT_COL]), w
+    last = table.num_columns - 1
+    w = np.array(table.column(last).to_numpy(), dtype=np.int64)  # a writable copy
+    return table.remove_column(last), w
 
 
 def filter_rows(data: pa.Table, weights: np.ndarray, expr: pc.Expression) -> tuple[pa.Table, np.ndarray]:
@@ -84,7 +96,8 @@ def filter_rows(data: pa.Table, weights: np.ndarray, expr: pc.Expression) -> tup
 def project_rows(data: pa.Table, weights: np.ndarray, exprs: list[pc.Expression], names: list[str]
                  ) -> tuple[pa.Table, np.ndarray]:
     """Evaluate ``exprs`` (named ``names``) on every row, with the rows' weights."""
-    exprs = list(exprs) + [pc.field(WEIGHT_COL)]
-    names = list(names) + [WEIGHT_COL]
-    out = _run(with_weights(data, weights), ac.Declaration("project", ac.ProjectNodeOptions(exprs, names)))
+    hidden = hidden_column(data.schema, names)
+    exprs = list(exprs) + [pc.field(hidden)]
+    names = list(names) + [hidden]
+    out = _run(with_weights(data, weights, hidden), ac.Declaration("project", ac.ProjectNodeOptions(exprs, names)))
     return split_weights(out)

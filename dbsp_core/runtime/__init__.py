@@ -17,10 +17,19 @@ How the pieces fit (each module states its own invariants):
   (dbsp_core.storage.shardmove), commits one new version of every state database, and switches ``LAYOUT``;
   a ``RESCALE`` record lets recovery finish or undo an interrupted change.
 
+- ``rollback.py``: puts operator instances back as they were before a step that failed on its data (StepError:
+  the step waits, divided, until ``Pipeline.discard`` drops a bad push; a discard record in the input log makes
+  recovery do the same).
+
+The driver also updates a ``dbsp_core.metrics.Metrics`` (``Pipeline.metrics()``, Prometheus text) on push, step
+and checkpoint, and truncates the output log through the consumer registry (dbsp_core.storage.consumers): below
+the lowest step every registered consumer acknowledged, and the retention setting.
+
 Step: push -> (input log) -> divide (division record) -> executor.run -> output log -> returned.
 Checkpoint at X: executor captures state (steps paused) -> output log flushed -> state committed -> driver.db
-at X -> input log truncated below X. Open: resolve RESCALE -> executor.open_state (version v, step X) ->
-optional cold rescale (v -> v+1) -> load -> complete dedup from the log -> replay divided steps >= X.
+at X -> input log truncated below X -> output log truncated below min(X, consumers, retention) -> METRICS.
+Open: resolve RESCALE -> executor.open_state (version v, step X) -> optional cold rescale (v -> v+1) -> load ->
+complete dedup from the log -> replay divided steps >= X.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ In memory (no ``storage``) the driver keeps pushes until the next step and hands
 storage directory (dbsp_core.storage.formats lists every file) it is exactly once across ``kill -9``:
 
 Invariants (enforced here):
-  1. A push is validated completely (handle, type, schema, weights, producer and seq) before anything is
+  1. A push is validated completely (handle, type, schema, weights, producer and seq, and the limits: a
+     producer id of at most 1024 bytes of UTF-8, a batch of at most 1 GiB encoded) before anything is
      recorded; a bad push raises and changes nothing. With storage, ``push`` returns its acknowledgement only
      after the push's record is durable in the input log. The record carries the step that was open when the
      push was admitted; a step is closed only when no admitted push is still being appended, and pushes wait
@@ -32,9 +33,19 @@ Invariants (enforced here):
      state, loads the seen set and clock from ``driver.db`` (step D <= X) and completes them from the log
      records of steps D..X-1, replays every divided step from X (verifying output already in the log,
      appending the rest), then queues the acknowledged pushes never divided into a step. A directory written
-     by a different circuit or another kind of executor is refused with CircuitMismatchError.
-  7. If a step fails, the pipeline is marked broken: state may be half-updated, so every later push or step
-     raises DbspError until the directory is reopened with :meth:`Pipeline.open`.
+     by a different circuit or another kind of executor is refused with CircuitMismatchError. A damaged input
+     log raises CorruptionError naming the file and offset and changes nothing (``dbsp repair`` is the way
+     forward); a damaged output log is rebuilt when every step it lost is one the replay computes again, and
+     refused otherwise (dbsp_core.storage.repair, invariants 1 and 4).
+  7. A step that fails on its data (an operator raising anything but an I/O, memory or exchange failure)
+     raises StepError naming its pushes: the executor is back where it was before the step (executor.py
+     invariant 4), nothing of the step is output, the step stays divided (its division record and
+     determinants stand) at the head of the queue, and the pipeline stays usable. ``discard(producer, seq)``
+     logs a record dropping one unstepped push before it changes anything in memory (recovery drops the
+     same push; the pair stays seen), and the next ``step`` runs the waiting step again. A replay that fails
+     the same way during recovery leaves the step waiting the same way, so ``open`` works after a crash at
+     any point. Any other failure of a step marks the pipeline broken: state may be half-updated, so every
+     later push or step raises DbspError until the directory is reopened with :meth:`Pipeline.open`.
 """
 
 from __future__ import annotations
@@ -49,28 +60,38 @@ from typing import Any, Callable, Iterator, NamedTuple
 import numpy as np
 import pyarrow as pa
 
+from dbsp_core import _storage
 from dbsp_core.circuit import Circuit, circuit_fingerprint
 from dbsp_core.codec import decode_json, decode_zset, encode_json, encode_zset
-from dbsp_core.errors import CircuitMismatchError, CorruptionError, DbspError, RecoveryError, SchemaError
+from dbsp_core.errors import (CircuitMismatchError, CorruptionError, DbspError, RecoveryError, SchemaError,
+                              StepError)
 from dbsp_core.layout import DEFAULT_SHARD_BITS, HASH_VERSION, Layout, ShardMap
+from dbsp_core.metrics import Metrics, gather, serve
 from dbsp_core.operators.base import same_columns
+from dbsp_core.progress import progress
 from dbsp_core.runtime.crashpoints import crashpoint
 from dbsp_core.runtime.dedup import SeenSet
 from dbsp_core.runtime.embedded import EmbeddedExecutor
 from dbsp_core.runtime.executor import Executor, StepInput
 from dbsp_core.runtime.rescale import begin_live, cold_rescale, end_live, live_target, remove_leaving, resolve
 from dbsp_core.runtime.upgrade import is_format1, upgrade_format1
+from dbsp_core.storage.consumers import ConsumerRegistry
 from dbsp_core.storage.database import Database
-from dbsp_core.storage.directory import lock_dir, read_layout, read_meta, unlock_dir, write_layout, write_meta
-from dbsp_core.storage.formats import (CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE, DIVISION_HANDLE, DIVISION_MAGIC,
-                                       DRIVER_DB, INPUT_DIR, META_FILE, OUTPUT_DIR, STATE_DIR)
+from dbsp_core.storage.directory import (lock_dir, read_layout, read_meta, unlock_dir, write_layout, write_meta,
+                                         write_record)
+from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE,
+                                       DISCARD_HANDLE, DISCARD_MAGIC, DIVISION_HANDLE, DIVISION_MAGIC, DRIVER_DB,
+                                       INPUT_DIR, META_FILE, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR, STATE_DIR)
 from dbsp_core.storage.outputlog import OutputLog
+from dbsp_core.storage.repair import finish_repair, rebuild_output
 from dbsp_core.storage.steplog import StepLog
 from dbsp_core.time.watermark import NO_WATERMARK, advance, specs_of
 from dbsp_core.trace import Trace
-from dbsp_core.zset import ZSet
+from dbsp_core.zset import ZSet, weight_column
 
 PushData = ZSet | pa.Table | pa.RecordBatch
+MAX_PRODUCER_BYTES = 1024  # a producer id is a key of driver.db's dedup table (the page store's key limit)
+MAX_PUSH_BYTES = _storage.MAX_PAYLOAD  # one push is one input-log record
 
 __all__ = ["Ack", "Pipeline", "PushData"]
 
@@ -85,13 +106,14 @@ class Ack(NamedTuple):
 
 
 class _Divided(NamedTuple):
-    """A divided step waiting to run, with the input ranges its output record names, the watermarks after it and
-    the late rows its input operators drop (dbsp_core.time.watermark)."""
+    """A divided step waiting to run, with the input ranges its output record names, the watermarks after it,
+    the late rows its input operators drop (dbsp_core.time.watermark) and its pushes' ``(input, producer, seq)``."""
 
     input: StepInput
     ranges: list[dict]
     watermarks_after: dict[str, int]
     late: dict[str, int]
+    entries: list[tuple[str, str, int]]
 
 
 def _ranges(entries: list[tuple[str, str, int]]) -> list[dict]:
@@ -227,6 +249,8 @@ class Pipeline:
         self._seen = SeenSet()
         self._pending: list[tuple[str, ZSet]] = []
         self._step_inputs: list[tuple[str, str, int]] = []
+        self._anon_seq = 0  # the seq of the next anonymous push: its identity for StepError and discard
+        self.step_error: StepError | None = None  # the failure of the step waiting at the head of the queue
         self._queue: list[_Divided] = []
         self._broken: BaseException | None = None
         self.steps = 0  # steps run
@@ -258,6 +282,8 @@ class Pipeline:
         self.stats.update({"pushes": 0, "duplicates": 0, "checkpoints": 0, "last_checkpoint_s": 0.0,
                            "recovery_s": 0.0, "replayed_steps": 0, "recovered_pushes": 0,
                            "late_rows": self.late_rows})
+        self._metrics = Metrics(list(self._inputs), list(self._out_schemas))  # dbsp_core.metrics
+        self.consumers: ConsumerRegistry | None = None  # with storage: who still needs which output steps
         self._last_checkpoint = time.monotonic()
         if self.storage is None:
             self.executor.start(circuit, Layout.local(workers, shard_bits), None)
@@ -296,6 +322,7 @@ class Pipeline:
         assert root is not None
         os.makedirs(root, exist_ok=True)
         self._lockfd = lock_dir(root)
+        finish_repair(root)  # a repair a crash interrupted: swap in the repaired logs (storage/repair.py)
         meta = {"fingerprint": self.fingerprint, "executor": self.executor.kind, "inputs": sorted(self._inputs),
                 "outputs": sorted(self._out_schemas), "hash_version": HASH_VERSION,
                 "output_schemas": {n: sch.serialize().to_pybytes().hex() for n, sch in self._out_schemas.items()}}
@@ -332,9 +359,16 @@ class Pipeline:
         layout, self.last_rescale = read_layout(root, self._vfs)
         self.executor.start(self.circuit, layout, root)
         self._input = StepLog(os.path.join(root, INPUT_DIR), segment_bytes=segment_bytes)
-        self._output = OutputLog(os.path.join(root, OUTPUT_DIR), self._out_schemas, check=replay_check,
-                                 sync=output_sync, segment_bytes=segment_bytes)
+        try:
+            self._output = OutputLog(os.path.join(root, OUTPUT_DIR), self._out_schemas, check=replay_check,
+                                     sync=output_sync, segment_bytes=segment_bytes)
+        except CorruptionError:  # output is a function of input: rebuild it if the lost steps are replayed
+            rebuilt = rebuild_output(root)
+            self.stats["output_rebuilt"] = {k: rebuilt[k] for k in ("kept", "missing", "backup")}
+            self._output = OutputLog(os.path.join(root, OUTPUT_DIR), self._out_schemas, check=replay_check,
+                                     sync=output_sync, segment_bytes=segment_bytes, expect=rebuilt["expect"])
         self._driver_db = Database(os.path.join(root, DRIVER_DB), vfs=self._vfs)
+        self.consumers = ConsumerRegistry(root, self._vfs)
         out = self._output
         if hasattr(self.executor, "output_steps"):
             self.executor.output_steps = lambda: out.last  # type: ignore[attr-defined]
@@ -355,14 +389,16 @@ class Pipeline:
             self.stats["rescale_recovery"] = "finished"
         if rescale_to is not None and rescale_to != layout.workers:
             new = layout.rebalance(rescale_to)
-            self.last_rescale = cold_rescale(root, self.executor, layout, new, version,
-                                             -1 if step is None else step, crashpoint, self._vfs)
+            with progress(f"rescale {layout.workers} -> {new.workers} workers"):
+                self.last_rescale = cold_rescale(root, self.executor, layout, new, version,
+                                                 -1 if step is None else step, crashpoint, self._vfs)
             self.executor.start(self.circuit, new, root)
             version, step = self.executor.open_state()
         d, prev_now = self._read_driver_record()
         x = d if step is None else step  # an executor without state resumes where the driver's record is
         self.executor.load_state(x)
-        self._recover(x, d, prev_now)
+        with progress("recovery replay", unit=" steps") as self._replay_progress:
+            self._recover(x, d, prev_now)
         self.stats["recovery_s"] = time.perf_counter() - t0
 
     def _read_driver_record(self) -> tuple[int, int | None]:
@@ -395,11 +431,19 @@ class Pipeline:
             raise RecoveryError(f"{root}: driver.db is at step {d} but the state only at step {x}")
         divisions: dict[int, dict] = {}
         records: dict[int, list] = {}
+        discards: set[tuple[str, int]] = set()  # (producer, seq) of pushes dropped by discard (invariant 7)
         for r in self._input.iter_from(d):
             if r.handle == DIVISION_HANDLE:
                 divisions[r.step] = decode_json(DIVISION_MAGIC, r.payload, f"{root} division of step {r.step}")
+            elif r.handle == DISCARD_HANDLE:
+                decode_json(DISCARD_MAGIC, r.payload, f"{root} discard record of step {r.step}")
+                discards.add((r.producer, r.seq))
+                if r.producer:  # a discarded push was acknowledged: it stays seen, whether or not its record is
+                    self._seen.add(r.producer, r.seq)
             else:
                 records.setdefault(r.step, []).append(r)
+            if not r.producer and r.handle != DIVISION_HANDLE:
+                self._anon_seq = max(self._anon_seq, r.seq + 1)
         for s in range(d, x):  # the steps the state holds but the driver record does not: seen pairs and clock
             dv = divisions.pop(s, None)
             if dv is None:
@@ -416,6 +460,9 @@ class Pipeline:
         self.watermarks = dict(self._wm_divided)
         step = x
         batch: list[_Divided] = []
+        shown = self._replay_progress
+        shown.total = sum(1 for s in divisions if s >= x)
+        rewritten = False  # a discard changed a replayed step: the watermarks logged after it are recomputed
         while step in divisions:
             dv = divisions.pop(step)
             recs = records.pop(step, [])
@@ -423,26 +470,33 @@ class Pipeline:
                 raise CorruptionError(f"{root}: the division of step {step} names {dv['pushes']} pushes, the log "
                                       f"holds {len(recs)}")
             self._now_floor = max(self._now_floor, int(dv["now_ns"]))
-            pushes = self._decode(recs)
+            live = self._live(recs, discards)
+            rewritten |= len(live) != len(recs)
+            pushes = self._decode(live)
             in_force = dict(self._wm_divided)
             after, late = advance(self._event_time, in_force, pushes) if self._event_time else ({}, {})
             logged = self._logged_watermarks(dv, step)
-            if logged is not None and logged != after:
+            if rewritten:
+                self._wm_divided = dict(after) if self._event_time else self._wm_divided
+            elif logged is not None and logged != after:
                 raise CorruptionError(f"{root}: step {step} logged watermarks {logged}, its pushes give {after}")
+            entries = [(r.handle, r.producer, r.seq) for r in live]
             batch.append(_Divided(StepInput(step, pushes, int(dv["now_ns"]), None, int(dv["seed"]), in_force),
-                                  _ranges([(r.handle, r.producer, r.seq) for r in recs]), after, late))
+                                  _ranges(entries), after, late, entries))
             step += 1
             if len(batch) >= 64:
                 self._replay(batch)
                 batch = []
+                shown.update(step - x)
         self._replay(batch)
+        shown.update(step - x)
         if divisions:
             raise CorruptionError(f"{root}: division records of steps {sorted(divisions)} follow a gap at step "
                                   f"{step}")
         if out.last > step:
             raise CorruptionError(f"{root}: the output log holds steps up to {out.last - 1} but the input log "
                                   f"divides input only up to step {step - 1}")
-        tail = records.pop(step, [])
+        tail = self._live(records.pop(step, []), discards)
         if records:
             raise CorruptionError(f"{root}: input records of undivided steps {sorted(records)} after step {step}")
         for (handle, z), r in zip(self._decode(tail), tail):
@@ -463,10 +517,31 @@ class Pipeline:
         self._wm_divided = dict(got)
         return got
 
+    def _live(self, recs: list, discards: set[tuple[str, int]]) -> list:
+        """The records of ``recs`` no discard record names; a discarded push stays seen (a retry is a duplicate)."""
+        if not discards:
+            return recs
+        live = []
+        for r in recs:
+            if (r.producer, r.seq) in discards:
+                if r.producer:
+                    self._seen.add(r.producer, r.seq)
+            else:
+                live.append(r)
+        return live
+
     def _replay(self, batch: list[_Divided]) -> None:
-        if batch:
+        """Run divided steps again; once one fails on its data (invariant 7), it and every later one wait."""
+        if not batch:
+            return
+        if self.step_error is not None:
+            self._queue.extend(batch)
+            return
+        try:
             self._run(batch, replay=True)
-            self.stats["replayed_steps"] += len(batch)
+        except StepError:  # _run queued the failed step and the rest of the batch
+            pass
+        self.stats["replayed_steps"] += len(batch) - len(self._queue)
 
     def _decode(self, recs: list) -> list[tuple[str, ZSet]]:
         out = []
@@ -496,12 +571,13 @@ class Pipeline:
             z = data
         elif isinstance(data, (pa.Table, pa.RecordBatch)):
             table = pa.Table.from_batches([data]) if isinstance(data, pa.RecordBatch) else data
-            if weights is None and "weight" in table.schema.names and "weight" not in schema.names:
-                col = table.column("weight")  # the to_arrow() form: data columns + "weight"
+            wname = weight_column(schema)  # the to_arrow() form: data columns + the weight column
+            if weights is None and table.num_columns == len(schema) + 1 and table.schema.names[-1] == wname:
+                col = table.column(len(schema))
                 if not pa.types.is_integer(col.type):
-                    raise TypeError(f"push({handle!r}): the 'weight' column must be an integer type, got {col.type}")
+                    raise TypeError(f"push({handle!r}): the {wname!r} column must be an integer type, got {col.type}")
                 weights = col
-                table = table.drop_columns(["weight"])
+                table = table.remove_column(len(schema))
             if not same_columns(table.schema, schema):
                 raise SchemaError(f"push({handle!r}): data columns {_fmt(table.schema)} do not match the input "
                                   f"schema {_fmt(schema)}")
@@ -539,21 +615,36 @@ class Pipeline:
                 raise TypeError("push: producer= and seq= need a durable pipeline (storage=<dir>)")
             if not isinstance(producer, str) or not producer:
                 raise TypeError(f"push: producer must be a non-empty str, got {producer!r}")
+            try:
+                size = len(producer.encode("utf-8"))
+            except UnicodeEncodeError as e:
+                raise ValueError(f"push: the producer id must be valid UTF-8 (it is stored and logged as UTF-8): "
+                                 f"{e.reason} at index {e.start} of {producer[:40]!r}") from None
+            if size > MAX_PRODUCER_BYTES:
+                raise ValueError(f"push: a producer id of {size} bytes is longer than the limit of "
+                                 f"{MAX_PRODUCER_BYTES} bytes (UTF-8)")
             if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 2**63:
                 raise TypeError(f"push: seq must be an int in [0, 2**63), got {seq!r}")
         if handle not in self._inputs:
             raise KeyError(f"push: unknown input handle {handle!r}; inputs are {sorted(self._inputs)}")
         z = self._to_zset(handle, data, weights)
         if self.storage is None:
-            if z.num_rows:
-                with self._cond:
-                    self._pending.append((handle, z))
+            self._metrics.pushed(handle, z.num_rows)
+            with self._cond:
+                self._pending.append((handle, z))
+                self._step_inputs.append((handle, "", self._anon_seq))
+                self._anon_seq += 1
             return None
         if not z.weights.flags.writeable:  # Arrow-backed weights are read-only; the kernels need writable ones
             z = ZSet._make(z.data, z.weights.copy())
         payload = encode_zset(z)
+        if len(payload) > MAX_PUSH_BYTES:  # invariant 1: refused before anything is recorded
+            raise ValueError(f"push({handle!r}): the batch is {len(payload)} bytes encoded, more than the limit of "
+                             f"{MAX_PUSH_BYTES} bytes of one input-log record; push it in smaller parts")
         prod, sq = producer or "", seq or 0
         with self._cond:
+            if producer is None:
+                sq, self._anon_seq = self._anon_seq, self._anon_seq + 1  # an anonymous push's own seq
             while True:
                 if self._closing:
                     self._cond.wait()
@@ -576,9 +667,11 @@ class Pipeline:
             crashpoint("push-acked")
         except BaseException as exc:
             # the record may or may not be durable: only recovery (which reads the log) can tell, so a retry in
-            # this process could count it twice; stop accepting work (like a failed fsync in a database)
+            # this process could count it twice; stop accepting work (like a failed fsync in a database). A
+            # ValueError is the log refusing the record before it entered the log: nothing was written.
             with self._cond:
-                self._broken = exc
+                if not isinstance(exc, ValueError):
+                    self._broken = exc
                 self._inflight -= 1
                 self._inflight_keys.discard((prod, sq))
                 self._cond.notify_all()
@@ -591,8 +684,15 @@ class Pipeline:
                 self._inflight_keys.discard((prod, sq))
             self._inflight -= 1
             self.stats["pushes"] += 1
+            self._metrics.pushed(handle, z.num_rows)
             self._cond.notify_all()
         return Ack(step, prod, sq, False)
+
+    def acknowledged(self, producer: str, seq: int) -> bool:
+        """Whether the push ``(producer, seq)`` is durably recorded, so pushing it again would be a duplicate
+        (a source that restarts skips reading what it had pushed)."""
+        with self._cond:
+            return self._seen.has(producer, seq)
 
     # ---- steps ----
 
@@ -636,7 +736,7 @@ class Pipeline:
             finally:
                 self._closing = False
                 self._cond.notify_all()
-        return _Divided(StepInput(step, pushes, now_ns, None, seed, in_force), _ranges(entries), after, late)
+        return _Divided(StepInput(step, pushes, now_ns, None, seed, in_force), _ranges(entries), after, late, entries)
 
     def _await_division(self, quiet: bool = False) -> None:
         """Wait until the division record of the last ``_divide(wait=False)`` is durable (invariant 3)."""
@@ -657,8 +757,13 @@ class Pipeline:
         for d in batch:
             steps.append(d.input._replace(prev_now_ns=prev))
             prev = d.input.now_ns
+        t0 = time.perf_counter()
+        failed: StepError | None = None
         try:
-            outs = self.executor.run(steps)
+            try:
+                outs = self.executor.run(steps)
+            except StepError as exc:  # invariant 7: the executor is as after the steps before the failed one
+                failed, outs = exc, list(exc.done)
             crashpoint("step-computed")  # the division record may or may not be durable yet
             self._await_division()  # invariant 3: durable before any output is written or returned
             crashpoint("step-output")
@@ -672,6 +777,21 @@ class Pipeline:
         finally:
             if self._division_sync is not None:  # the step failed before waiting: settle the fsync
                 self._await_division(quiet=True)
+        self._metrics.stepped([d.input.step for d in batch[:len(outs)]], outs, time.perf_counter() - t0)
+        if failed is not None:
+            self._queue[:0] = batch[len(outs):]  # the failed step and those after it wait, divided
+            self._advance(batch[:len(outs)])
+            self.step_error = self._step_failed(failed, batch[len(outs)])
+            crashpoint("step-failed")
+            raise self.step_error from failed.__cause__ or failed
+        self.step_error = None
+        self._advance(batch)
+        return outs
+
+    def _advance(self, batch: list[_Divided]) -> None:
+        """The steps of ``batch`` ran and their output is logged: the pipeline moves past them."""
+        if not batch:
+            return
         last = batch[-1].input
         self.steps = last.step + 1
         self._last_now = self.now_ns = last.now_ns
@@ -681,7 +801,19 @@ class Pipeline:
             for d in batch:
                 for name, n in d.late.items():
                     self.late_rows[name] += n
-        return outs
+
+    def _step_failed(self, exc: StepError, d: _Divided) -> StepError:
+        """The StepError a caller sees for the failed step ``d`` (invariant 7): what failed and the remedy."""
+        self.stats["failed_steps"] = self.stats.get("failed_steps", 0) + 1
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        shown = ", ".join(f"({h!r}, {p!r}, {q})" for h, p, q in d.entries[:20])
+        more = f" and {len(d.entries) - 20} more" if len(d.entries) > 20 else ""
+        where = f" in {exc.node}" if exc.node else ""
+        return StepError(f"step {d.input.step} failed on its data{where}: {type(cause).__name__}: {cause}. The "
+                         f"pipeline stays at step {self.steps}; the step waits with its {len(d.entries)} pushes "
+                         f"(input, producer, seq): [{shown}{more}]. Drop the bad one with "
+                         f"discard(producer, seq), then step() again",
+                         d.input.step, d.entries, exc.node)
 
     def step(self) -> dict[str, ZSet]:
         """Divide the acknowledged input into a step (with storage: durably, with ``now`` and ``seed``), run it
@@ -696,6 +828,8 @@ class Pipeline:
                 self._waiting -= 1
         try:
             self._check_usable()
+            if self.step_error is not None and self._queue:  # invariant 7: the failed step runs again first
+                return self._run_queue()[-1]
             self._queue.append(self._divide(wait=self.storage is None or self.executor.division_first
                                             or bool(self._queue)))
             crashpoint("step-run")
@@ -726,6 +860,73 @@ class Pipeline:
     def queued(self) -> int:
         """How many divided steps wait to run."""
         return len(self._queue)
+
+    def discard(self, producer: str, seq: int) -> tuple[str, int]:
+        """Drop the push ``(producer, seq)`` that no step has run yet, durably; returns ``(input, step)``.
+
+        For a step that failed on its data (:class:`~dbsp_core.errors.StepError` lists its pushes): drop the bad
+        push, then ``step()`` runs the step again without it. An anonymous push has producer ``""`` and the seq
+        the StepError names. With storage the discard is logged before this returns, so recovery drops the
+        same push; the pair stays acknowledged (a retry of it is a duplicate). Raises KeyError if no unstepped
+        push has that identity.
+        """
+        self._check_usable()
+        if not isinstance(producer, str):
+            raise TypeError(f"discard: producer must be a str ('' for an anonymous push), got {producer!r}")
+        if isinstance(seq, bool) or not isinstance(seq, int):
+            raise TypeError(f"discard: seq must be an int, got {seq!r}")
+        with self._step_lock:
+            self._check_usable()
+            with self._cond:
+                while self._inflight:  # a push being appended may be the one named: let it land
+                    self._cond.wait()
+                key = (producer, seq)
+                hits = [(k, i) for k, d in enumerate(self._queue) for i, e in enumerate(d.entries) if e[1:] == key]
+                hits += [(None, i) for i, e in enumerate(self._step_inputs) if e[1:] == key]
+                if not hits:
+                    waiting = [e[1:] for d in self._queue for e in d.entries] + [e[1:] for e in self._step_inputs]
+                    raise KeyError(f"discard: no push ({producer!r}, {seq}) waits for a step; the {len(waiting)} "
+                                   f"waiting are {waiting[:20]}{' ...' if len(waiting) > 20 else ''}")
+                if len(hits) > 1:
+                    raise ValueError(f"discard: {len(hits)} unstepped pushes are ({producer!r}, {seq}) (anonymous "
+                                     f"pushes logged by an older release all have seq 0); it names none of them")
+                k, i = hits[0]
+                handle = (self._queue[k].entries if k is not None else self._step_inputs)[i][0]
+                step = self._queue[k].input.step if k is not None else self._open_step
+                if self._input is not None:  # invariant 7: logged before anything changes in memory
+                    rec = encode_json(DISCARD_MAGIC, {"input": handle, "producer": producer, "seq": seq, "step": step})
+                    try:
+                        self._input.append(self._open_step, DISCARD_HANDLE, rec, producer=producer, seq=seq)
+                        crashpoint("discard-logged")
+                    except BaseException as exc:
+                        if not isinstance(exc, ValueError):
+                            self._broken = exc  # the record may or may not be durable: only recovery knows
+                        raise
+                if k is None:
+                    del self._pending[i], self._step_inputs[i]
+                else:
+                    d = self._queue[k]
+                    self._queue[k] = self._without(d, [x for x in range(len(d.entries)) if x != i])
+                    self._rewatermark()
+                self.stats["discarded"] = self.stats.get("discarded", 0) + 1
+                return handle, step
+
+    def _without(self, d: _Divided, keep: list[int]) -> _Divided:
+        """The divided step ``d`` with only its pushes at positions ``keep``."""
+        entries = [d.entries[i] for i in keep]
+        return d._replace(input=d.input._replace(pushes=[d.input.pushes[i] for i in keep]), ranges=_ranges(entries),
+                          entries=entries)
+
+    def _rewatermark(self) -> None:
+        """Recompute the watermarks of the queued steps from those after the last step run (after a discard)."""
+        if not self._event_time:
+            return
+        wm = dict(self.watermarks)
+        for k, d in enumerate(self._queue):
+            after, late = advance(self._event_time, wm, d.input.pushes)
+            self._queue[k] = d._replace(input=d.input._replace(watermarks=dict(wm)), watermarks_after=after, late=late)
+            wm = after
+        self._wm_divided = dict(wm)
 
     def _run_queue(self) -> list[dict[str, ZSet]]:
         batch, self._queue = self._queue, []
@@ -769,13 +970,14 @@ class Pipeline:
             except BaseException as exc:
                 self._broken = exc
                 raise
-            output, inp, db = self._output, self._input, self._driver_db
-            assert output is not None and inp is not None and db is not None
+            output, inp, db, consumers, root = self._output, self._input, self._driver_db, self.consumers, self.storage
+            assert output is not None and inp is not None and db is not None and consumers is not None
 
             def finish() -> None:
                 try:
                     output.flush()  # output of every step below the checkpoint is durable before it
-                    make_durable()
+                    with progress(f"checkpoint at step {step}"):
+                        make_durable()
                     crashpoint("checkpoint-state")
                     if after_state is not None:
                         after_state()
@@ -789,10 +991,12 @@ class Pipeline:
                         h.commit()
                     crashpoint("checkpoint-gc")
                     inp.truncate_below(step)  # the low watermark: the state and driver.db are both at step
-                    if self.output_retention is not None:
-                        output.truncate_below(min(step, output.last - self.output_retention))
+                    # below every consumer's acknowledged step and the retention setting (storage.consumers)
+                    consumers.truncate(output, step, self.output_retention)
                     self.stats["checkpoints"] += 1
                     self.stats["last_checkpoint_s"] = time.perf_counter() - t0
+                    self._metrics.checkpointed(self.stats["last_checkpoint_s"])
+                    write_record(os.path.join(root, METRICS_FILE), METRICS_MAGIC, self._metrics.snapshot(), self._vfs)
                 except BaseException as exc:
                     # databases may hold different versions and the incremental snapshot state is ahead of them:
                     # only recovery (Pipeline.open) knows the consistent state again
@@ -1042,6 +1246,20 @@ class Pipeline:
         with self._step_lock:
             return self.executor.traces(worker)
 
+    def metrics(self, state: bool = True) -> dict:
+        """What the pipeline is doing (dbsp_core.metrics): ``steps``, ``pushes``, ``rows_in`` / ``rows_out`` per
+        input / output, ``step_seconds`` (histogram, mean, p50, p99 of the newest steps), ``checkpoints``,
+        ``checkpoint_seconds``, ``replayed_steps``, ``late_rows``, ``workers``, ``shards``; with storage
+        ``log_bytes``, ``output_steps`` and ``consumers``; with ``state`` ``state_bytes`` per worker (total
+        and per shard)."""
+        self._check_usable()
+        return gather(self, state)
+
+    def serve_metrics(self, port: int = 0, addr: str = "127.0.0.1") -> tuple[Any, int]:
+        """Serve :meth:`metrics` as Prometheus text at ``http://addr:port/metrics`` (port 0: any free one);
+        returns the server (``.shutdown()`` stops it) and its port."""
+        return serve(self, port, addr)
+
     def disk_usage(self) -> dict[str, int]:
         """Bytes on disk per part of the storage directory."""
         self._need_storage("disk_usage")
@@ -1087,8 +1305,22 @@ class Pipeline:
             try:
                 if checkpoint and self.storage is not None and self._broken is None:
                     self.checkpoint()
+                if self.storage is not None and self._broken is None:
+                    self._record_acked()
             finally:
                 self._shutdown()
+
+    def _record_acked(self) -> None:
+        """At a clean close: record in driver.db (same step) the named pushes the input log holds from driver.db's
+        step on, so ``dbsp repair`` can name every one a damaged log lost (dbsp_core.storage.repair)."""
+        db, inp = self._driver_db, self._input
+        assert db is not None and inp is not None
+        with db.open(db.versions().stop - 1) as h:
+            d = h.get_step()
+            pushes = sorted({(r.producer, r.seq) for r in inp.iter_from(d)
+                             if r.producer and r.handle not in (DIVISION_HANDLE, DISCARD_HANDLE)})
+            h.put(ACKED_TABLE, ACKED_KEY, encode_json(ACKED_MAGIC, {"step": d, "pushes": pushes}))
+            h.commit()
 
     def __enter__(self) -> "Pipeline":
         return self

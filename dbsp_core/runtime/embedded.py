@@ -26,14 +26,15 @@ import numpy as np
 import pyarrow as pa
 
 from dbsp_core.circuit import Circuit
-from dbsp_core.errors import DbspError
+from dbsp_core.errors import DbspError, StepError
 from dbsp_core.layout import Layout
 from dbsp_core.operators.base import concat
 from dbsp_core.runtime.context import StepContext
 from dbsp_core.runtime.coordinator import Coordinator, WorkerStore, choose_version
 from dbsp_core.runtime.crashpoints import crashpoint
-from dbsp_core.runtime.executor import StateGroup, StepInput, groupings, live_nodes, spread
+from dbsp_core.runtime.executor import StateGroup, StepInput, as_step_error, groupings, live_nodes, spread
 from dbsp_core.runtime.migrate import hand_over, move_shards
+from dbsp_core.runtime.rollback import capture, restore
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.formats import state_db_path
 from dbsp_core.storage.snapshot import state_attrs, state_tables
@@ -94,9 +95,16 @@ class _Worker:
 
     def step(self) -> dict[str, ZSet]:
         values: dict[int, ZSet] = {}
-        for i in self.live:
-            op = self.nodes[i]
-            values[i] = self.instances[i].step([values[j] for j in op.inputs], self.ctx)
+        i = -1
+        try:
+            for i in self.live:
+                op = self.nodes[i]
+                values[i] = self.instances[i].step([values[j] for j in op.inputs], self.ctx)
+        except Exception as exc:
+            err = as_step_error(exc, self.nodes[i].label, None)  # executor.py invariant 4
+            if err is exc:
+                raise
+            raise err from exc
         return {name: values[i] for name, i in self.outputs.items()}
 
 
@@ -209,7 +217,16 @@ class EmbeddedExecutor:
                 self.worker_cpu_seconds[w] += time.thread_time() - t0
 
     def run(self, steps: list[StepInput]) -> list[dict[str, ZSet]]:
-        return [self._run_one(s) for s in steps]
+        done: list[dict[str, ZSet]] = []
+        for s in steps:
+            saved = capture(inst for wk in self._workers for inst in wk.stateful().values())
+            try:
+                done.append(self._run_one(s))
+            except StepError as exc:  # executor.py invariant 4: as if the step never ran
+                restore(saved)
+                exc.step, exc.done = s.step, done
+                raise
+        return done
 
     def _run_one(self, s: StepInput) -> dict[str, ZSet]:
         assert self.circuit is not None and self.layout is not None and self._exchanger is not None

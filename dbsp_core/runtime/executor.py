@@ -21,13 +21,20 @@ Invariants (every executor keeps them):
      for the embedded executor, one per stateful stage for the staged one), each group one database per
      worker, every value grouped by shard (dbsp_core.storage.snapshot), so a layout change moves shards
      between the databases of a group and touches nothing else.
+  4. A step that fails on its data (an operator raising anything but an I/O, memory or exchange failure:
+     :func:`as_step_error`) makes ``run`` raise StepError with ``done`` holding the outputs of the steps of
+     the call that completed before it; the state is then as after those steps (in memory and on disk), so
+     the failed step can run again, e.g. after the driver discarded one of its pushes.
 """
 
 from __future__ import annotations
 
+import re
+import threading
 from typing import Any, Callable, NamedTuple, Protocol
 
 from dbsp_core.circuit import Circuit
+from dbsp_core.errors import RecoveryError, StepError
 from dbsp_core.layout import Layout
 from dbsp_core.storage.snapshot import TableSpec
 from dbsp_core.trace import Trace
@@ -134,3 +141,43 @@ def live_nodes(circuit: Circuit) -> list[int]:
 def groupings(circuit: Circuit) -> dict[int, tuple[str, ...] | None]:
     """Every node's partitioning: how its Z-set state is grouped by shard (dbsp_core.storage.snapshot inv. 5)."""
     return {i: op.partitioning for i, op in enumerate(circuit.nodes)}
+
+
+_NOT_DATA = (OSError, MemoryError, threading.BrokenBarrierError, RecoveryError)
+
+
+def as_step_error(exc: Exception, node: str, step: int | None) -> Exception:
+    """``exc``, raised by operator ``node`` in ``step``, as a StepError when it is a failure on the step's data
+    (invariant 4): anything but an I/O error, running out of memory, a broken exchange or a recovery error.
+
+    >>> e = as_step_error(ZeroDivisionError("division by zero"), "filter#1", 4)
+    >>> type(e).__name__, e.node, e.step, str(e)
+    ('StepError', 'filter#1', 4, 'filter#1 failed on the data of step 4: ZeroDivisionError: division by zero')
+    >>> type(as_step_error(OSError("disk"), "filter#1", 4)).__name__
+    'OSError'
+    """
+    if isinstance(exc, StepError) or isinstance(exc, _NOT_DATA):
+        return exc
+    where = f"the data of step {step}" if step is not None else "its data"
+    err = StepError(f"{node} failed on {where}: {type(exc).__name__}: {exc}", step, (), node)
+    err.__cause__ = exc
+    return err
+
+
+_REMOTE = re.compile(r"StepError: (\S+) failed on (?:the data of step (\d+)|its data): ([^\n]*)")
+
+
+def step_error_of(exc: BaseException) -> StepError | None:
+    """The StepError behind ``exc``: itself, or one raised in a task in another process whose traceback a job
+    runner (Spark) reports as text; None if ``exc`` is not a failure on a step's data.
+
+    >>> step_error_of(RuntimeError("...dbsp_core.errors.StepError: join#3 failed on the data of step 7: boom"))
+    StepError('join#3 failed on the data of step 7: RuntimeError: boom')
+    """
+    if isinstance(exc, StepError):
+        return exc
+    m = _REMOTE.search(str(exc))
+    if m is None:
+        return None
+    node, step = m.group(1), None if m.group(2) is None else int(m.group(2))
+    return as_step_error(RuntimeError(m.group(3)), node, step)  # type: ignore[return-value]

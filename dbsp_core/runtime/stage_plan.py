@@ -38,7 +38,7 @@ from dbsp_core.operators.base import concat
 from dbsp_core.operators.exchange import Exchange
 from dbsp_core.operators.input import Input
 from dbsp_core.runtime.context import StepContext
-from dbsp_core.runtime.executor import live_nodes
+from dbsp_core.runtime.executor import as_step_error, live_nodes
 from dbsp_core.storage.snapshot import state_attrs
 from dbsp_core.zset import ZSet
 
@@ -64,6 +64,7 @@ class StepInfo(NamedTuple):
     prev_now_ns: int | None
     seed: int | None
     watermarks: dict[str, Any]
+    pushes: int = 0  # the step's number of pushes: a step run again after a push was discarded is another job
 
 
 class StagePlan:
@@ -216,9 +217,16 @@ class StageWorker:
             ctx.begin(inputs, None, None, None)
         else:
             ctx.begin(inputs, info.now_ns, info.prev_now_ns, info.seed, info.watermarks)
-        for i in plan.compute[k]:
-            op = nodes[i]
-            values[i] = self.instances[i].step([values[j] for j in op.inputs], ctx)
+        i = -1
+        try:
+            for i in plan.compute[k]:
+                op = nodes[i]
+                values[i] = self.instances[i].step([values[j] for j in op.inputs], ctx)
+        except Exception as exc:
+            err = as_step_error(exc, nodes[i].label, info.step if info is not None else None)  # executor.py inv. 4
+            if err is exc:
+                raise
+            raise err from exc
         w = self.shard_map.workers
         sends: dict[int, list[ZSet]] = {}
         for x in plan.sends[k]:

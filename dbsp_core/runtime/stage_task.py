@@ -50,13 +50,13 @@ from dbsp_core.errors import CorruptionError, DbspError, RecoveryError
 from dbsp_core.layout import Layout
 from dbsp_core.runtime.executor import groupings
 from dbsp_core.runtime.job_files import read_table_file, write_table_file
+from dbsp_core.runtime.rollback import capture, restore
 from dbsp_core.runtime.stage_plan import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, StagePlan, StageWorker, StepInfo,
                                           ack_blob, encode_blobs, gather, output_node)
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.formats import RESULT_MAGIC, SAVELOG_MAGIC, SAVELOG_TABLE, state_db_path
 from dbsp_core.storage.shardmove import read_worker_layout, write_worker_layout
-from dbsp_core.storage.snapshot import WorkerSnapshot, state_attrs
-from dbsp_core.trace import Trace
+from dbsp_core.storage.snapshot import WorkerSnapshot
 from dbsp_core.zset import ZSet
 
 __all__ = ["StageTask", "StaleAttemptError", "InjectedFault", "run_stage_task", "stage_db_path",
@@ -120,32 +120,15 @@ cache_stats = {"hits": 0, "loads": 0, "partial_loads": 0, "listed_loads": 0, "li
                "replayed_results": 0, "rollbacks": 0}
 
 
-def _capture(entry: _Entry) -> list:
+def _capture(entry: _Entry) -> tuple:
     """What :func:`_rollback` needs to put the cached state back where it is now (references, not copies)."""
-    saved: list = []
-    for i, inst in entry.worker.stateful.items():
-        traces, zsets = state_attrs(i, inst)
-        for name in traces:
-            t: Trace = getattr(inst, name)
-            saved.append((inst, name, t, {k: (list(v) if isinstance(v, list) else v) for k, v in vars(t).items()}))
-        for name in zsets:
-            saved.append((inst, name, None, getattr(inst, name)))
     snap = entry.snapshot
-    saved.append(({t: dict(d) for t, d in snap._saved.items()}, snap._next))
-    return saved
+    return capture(entry.worker.stateful.values()), ({t: dict(d) for t, d in snap._saved.items()}, snap._next)
 
 
-def _rollback(entry: _Entry, saved: list) -> None:
-    snap_saved, snap_next = saved[-1]
-    for inst, name, t, v in saved[:-1]:
-        if t is None:
-            setattr(inst, name, v)
-        else:
-            vars(t).clear()
-            vars(t).update({k: (list(x) if isinstance(x, list) else x) for k, x in v.items()})
-            setattr(inst, name, t)
-    entry.snapshot._saved = snap_saved
-    entry.snapshot._next = snap_next
+def _rollback(entry: _Entry, saved: tuple) -> None:
+    restore(saved[0])
+    entry.snapshot._saved, entry.snapshot._next = saved[1]
 
 
 def _run_steps(task: StageTask, sw: StageWorker, received: dict[tuple[int, int], ZSet]) -> pa.Table:
@@ -181,9 +164,14 @@ def _read_result(path: str, tag: dict) -> pa.Table:
         got, table = read_table_file(path, RESULT_MAGIC, path)
     except FileNotFoundError:
         raise RecoveryError(f"{path}: missing, but the database holds the committed version of this job") from None
-    # the same job (base version and steps) of any driver incarnation: its input division is logged, so its
-    # result is the same (a zombie of a dead driver may have committed it)
-    if {k: v for k, v in got.items() if k != "run"} != {k: v for k, v in tag.items() if k != "run"}:
+    # the same job (base version, steps and push counts) of any driver incarnation: its input division is logged,
+    # so its result is the same (a zombie of a dead driver may have committed it); a job run again after one of
+    # its pushes was discarded has fewer pushes, so a zombie of the failed attempt is never taken for it (a tag
+    # of an older release has no push counts)
+    mine, want = {k: v for k, v in got.items() if k != "run"}, {k: v for k, v in tag.items() if k != "run"}
+    if "pushes" not in mine:
+        want.pop("pushes", None)
+    if mine != want:
         raise RecoveryError(f"{path}: holds the result of job {got}, expected {tag}")
     return table
 
@@ -203,8 +191,9 @@ def _returned(task: StageTask, produced: pa.Table) -> pa.Table:
 
 
 def job_tag(task: StageTask) -> dict:
-    """The tag of the job ``task`` belongs to: driver incarnation, base version and steps."""
-    return {"run": task.run, "version": task.version, "first": task.steps[0].step, "end": task.steps[-1].step + 1}
+    """The tag of the job ``task`` belongs to: driver incarnation, base version, steps and their push counts."""
+    return {"run": task.run, "version": task.version, "first": task.steps[0].step, "end": task.steps[-1].step + 1,
+            "pushes": [s.pushes for s in task.steps]}
 
 
 def read_result_outputs(task: StageTask, workers: int) -> pa.Table:
@@ -387,7 +376,10 @@ def _run_stateful(task: StageTask, worker: int, sm: Any, received: dict[tuple[in
 
 
 def open_stage_databases(storage: str, plan: StagePlan, workers: int) -> list[tuple[int, int, str]]:
-    """Create (if missing) the Database of every stateful (stage, worker); returns ``[(stage, worker, path)]``."""
+    """Create (if missing) the Database of every stateful (stage, worker); returns ``[(stage, worker, path)]``.
+
+    Takes each database's lock file, as a task attempt does (invariant 3), so a task still running (a zombie)
+    is waited for rather than met by the database's own lock (InUseError)."""
     out = []
     for k in range(plan.num_stages):
         if not plan.stateful[k]:
@@ -395,7 +387,12 @@ def open_stage_databases(storage: str, plan: StagePlan, workers: int) -> list[tu
         for w in range(workers):
             path = stage_db_path(storage, k, w)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            Database(path).close()
+            fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                Database(path).close()
+            finally:
+                os.close(fd)
             out.append((k, w, path))
     return out
 

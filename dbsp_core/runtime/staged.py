@@ -37,7 +37,7 @@ from dbsp_core.circuit import Circuit
 from dbsp_core.errors import DbspError, RecoveryError
 from dbsp_core.layout import Layout
 from dbsp_core.operators.base import concat
-from dbsp_core.runtime.executor import StateGroup, StepInput, groupings, spread
+from dbsp_core.runtime.executor import StateGroup, StepInput, groupings, spread, step_error_of
 from dbsp_core.runtime.stage_plan import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, StagePlan, StageWorker, StepInfo,
                                           control_blobs, encode_blobs, gather, read_acks)
 from dbsp_core.runtime.stage_task import (InjectedFault, StageTask, choose_stage_version, open_stage_databases,
@@ -203,8 +203,32 @@ class StagedExecutor:
     def run(self, steps: list[StepInput]) -> list[dict[str, ZSet]]:
         outs: list[dict[str, ZSet]] = []
         for lo in range(0, len(steps), self.max_steps_per_job):
-            outs.extend(self._run_job(steps[lo:lo + self.max_steps_per_job]))
+            job = steps[lo:lo + self.max_steps_per_job]
+            try:
+                outs.extend(self._run_job(job))
+            except Exception as exc:
+                err = step_error_of(exc)
+                if err is None:
+                    raise
+                self._undo_job()  # executor.py invariant 4: every stage database back at the job's base version
+                if err.step is None or not job[0].step <= err.step <= job[-1].step:
+                    err.step = job[0].step
+                err.done = outs
+                if err is exc:
+                    raise
+                raise err from exc
         return outs
+
+    def _undo_job(self) -> None:
+        """After a job failed on its data: discard the version its tasks committed (some may have) and the JOB
+        record, so every stage database is at ``self.version`` again, at ``self.step``."""
+        assert self.storage is not None and self.layout is not None
+        paths = [p for _, _, p in open_stage_databases(self.storage, self.plan, self.layout.workers)]
+        v, _ = choose_stage_version(paths, self.version)
+        if v != self.version:
+            raise RecoveryError(f"{self.storage}: after a failed job the stage databases are at version {v}, not "
+                                f"{self.version}")
+        remove_record(self._job_path())
 
     def _input_blobs(self, steps: list[StepInput]) -> pa.Table:
         """Stage-0 blobs of a job: each push spread in contiguous slices over the workers."""
@@ -219,7 +243,7 @@ class StagedExecutor:
 
     def _make_job(self, steps: list[StepInput]) -> Job:
         assert self.layout is not None
-        infos = [StepInfo(s.step, s.now_ns, s.prev_now_ns, s.seed, dict(s.watermarks)) for s in steps]
+        infos = [StepInfo(s.step, s.now_ns, s.prev_now_ns, s.seed, dict(s.watermarks), len(s.pushes)) for s in steps]
         tasks = [StageTask(self.plan, k, self.layout, self.storage, self.run_id, self.version, infos)
                  for k in range(self.plan.num_stages)]
         inputs = pa.concat_tables([self._input_blobs(steps), control_blobs(self.layout.workers, steps[0].step)])

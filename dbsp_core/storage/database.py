@@ -22,7 +22,16 @@ SHARD_PREFIX_BYTES = 4
 
 
 def _name(x: Name) -> bytes:
-    return x.encode("utf-8") if isinstance(x, str) else bytes(x)
+    if isinstance(x, str):
+        return x.encode("utf-8")
+    return _bytes(x, "table name")
+
+
+def _bytes(x: BytesLike, what: str) -> bytes:
+    """``x`` as bytes; TypeError unless it is bytes-like (``bytes(5)`` would be five zero bytes, not a key)."""
+    if not isinstance(x, (bytes, bytearray, memoryview)):
+        raise TypeError(f"database {what} must be bytes, bytearray or memoryview, got {type(x).__name__} {x!r:.40}")
+    return bytes(x)
 
 
 def shard_key(shard: int, key: BytesLike) -> bytes:
@@ -67,6 +76,13 @@ class Database:
         How many clean 4 KiB pages to keep cached in memory.
     vfs
         ``"posix"`` (default) or ``"fault"`` (the fault-injecting layer driven by :class:`FaultInjector`).
+    readonly
+        Open an existing file for reading only (:meth:`read`, :meth:`versions`, :meth:`stats`, :meth:`check`):
+        nothing is created or written, and :meth:`open` raises StorageError.
+
+    One open Database writes a file at a time: opening takes an OS lock on it (exclusive; shared for
+    ``readonly``) and raises InUseError while another open Database (in this process or another) holds a
+    conflicting one (csrc/pagestore.c invariant 7), instead of letting two writers lose each other's commits.
 
     Examples
     --------
@@ -87,10 +103,13 @@ class Database:
     """
 
     def __init__(self, path: Union[str, os.PathLike], *, cache_pages: int = 65536, vfs: str = "posix",
-                 _create_version: Optional[int] = None) -> None:
+                 readonly: bool = False, _create_version: Optional[int] = None) -> None:
         self.path = os.fspath(path)
         self.vfs = vfs
-        self._ps = _storage.PageStore(self.path, vfs, cache_pages, _create_version)
+        self.readonly = readonly
+        if readonly and not os.path.exists(self.path):
+            raise FileNotFoundError(f"database {self.path}: no such file (a read-only open creates nothing)")
+        self._ps = _storage.PageStore(self.path, vfs, cache_pages, _create_version, readonly)
 
     @classmethod
     def create(cls, path: Union[str, os.PathLike], version: int, *, cache_pages: int = 65536,
@@ -190,7 +209,7 @@ class DatabaseHandle:
     Leaving a ``with`` block without :meth:`commit` closes the handle and keeps ``base_version``.
     Table names are ``str`` or ``bytes`` (1..255 bytes); keys are at most 1024 bytes; values any size.
     A handle belongs to one thread at a time (calls release the GIL; a concurrent call raises StorageError).
-    One process at a time may open a page file (there is no file lock).
+    One open Database writes a page file at a time (an OS lock; see :class:`Database`).
     """
 
     def __init__(self, db: Database, txn: "_storage.Txn", base_version: int, readonly: bool = False) -> None:
@@ -210,15 +229,17 @@ class DatabaseHandle:
 
     def get(self, table: Name, key: BytesLike) -> Optional[bytes]:
         """The value of ``key`` in ``table``, or None if either is absent."""
-        return self._txn.get(_name(table), bytes(key))
+        return self._txn.get(_name(table), _bytes(key, "key"))
 
     def put(self, table: Name, key: BytesLike, value: BytesLike) -> None:
         """Sets ``key`` to ``value`` in ``table`` (created if missing)."""
-        self._txn.put(_name(table), bytes(key), value)
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise TypeError(f"database value must be bytes, bytearray or memoryview, got {type(value).__name__}")
+        self._txn.put(_name(table), _bytes(key, "key"), value)
 
     def delete(self, table: Name, key: BytesLike) -> bool:
         """Removes ``key``; returns whether it was present."""
-        return self._txn.delete(_name(table), bytes(key))
+        return self._txn.delete(_name(table), _bytes(key, "key"))
 
     def scan(self, table: Name, start: Optional[BytesLike] = None, end: Optional[BytesLike] = None, *,
              prefix: Optional[BytesLike] = None) -> Iterator[tuple[bytes, bytes]]:
@@ -229,8 +250,9 @@ class DatabaseHandle:
         if prefix is not None:
             if start is not None or end is not None:
                 raise ValueError("scan: give either prefix or start/end, not both")
-            start, end = bytes(prefix), _prefix_end(bytes(prefix))
-        cur = self._txn.cursor(_name(table), None if start is None else bytes(start), None if end is None else bytes(end))
+            start, end = _bytes(prefix, "prefix"), _prefix_end(_bytes(prefix, "prefix"))
+        cur = self._txn.cursor(_name(table), None if start is None else _bytes(start, "scan start"),
+                               None if end is None else _bytes(end, "scan end"))
         while True:
             batch = cur.next_batch()
             if not batch:

@@ -6,6 +6,8 @@ Directory format 2 (``DIRECTORY_FORMAT``)::
       META                      the pipeline: circuit fingerprint, executor, inputs, outputs, output schemas
       LAYOUT                    the layout in force (shards, owner table, epoch) and the last rescale's report
       RESCALE                   only while a layout change is in progress: from, to, base version, step
+      REPAIR                    only while ``dbsp repair`` (or an output rebuild) swaps in repaired logs
+      repair-<n>/               what a repair replaced: the old input/ or output/, damaged segments as they were
       LOCK                      flock(2)ed by the process that owns the directory (empty)
       driver.db                 Database: the dedup set and the clock at the driver's last checkpoint
       input/                    StepLog: pushes and one division record per step
@@ -16,6 +18,9 @@ Directory format 2 (``DIRECTORY_FORMAT``)::
       state/stage-<k>/worker-<w>.db.lock  staged: flock(2)ed by a stage task attempt
       state/JOB                 staged: the job running or last run (base version and steps)
       state/jobs/worker-<w>.input   staged: a job's stage-0 input while it runs (spark_glue)
+      consumers/<name>          one consumer of the output log: the first step it still needs (storage.consumers)
+      consumers/LOCK            flock(2)ed while a consumer registers or the output log is truncated (empty)
+      METRICS                   the pipeline's metrics at its last checkpoint (dbsp_core.metrics), for inspect
 
 Framed records (dbsp_core.codec): ``magic (4 bytes) | format version (u8) | CRC-32 of the body (u32 LE) | body``.
 The body of a JSON record is UTF-8 JSON with sorted keys.
@@ -29,9 +34,13 @@ magic       where                                   body
                                                     last_rescale (report or null)
 ``DRSC``    RESCALE                                 JSON: kind (cold or live), from and to (layout records),
                                                     version, step, committed, report
+``DRPR``    REPAIR                                  JSON: backup (the repair-<n> directory), parts (log
+                                                    directories being replaced by their ``.new`` twins)
 ``DLWK``    key ``layout`` of table ``snapshot`` in  JSON: layout epoch, worker index, shard bits of the
             every state database (each version)     values stored in this version, and the layout itself
 ``DDIV``    input log record, handle "\\x00division"  JSON: step, pushes, now_ns, seed, watermarks
+``DDSC``    input log record, handle "\\x00discard"   JSON: input, producer, seq (of the push dropped by
+            (its producer and seq name the push)    ``Pipeline.discard``), step (the step it was in)
 ``DZS1``    input log push payloads; values of       Arrow IPC stream of the data columns plus int64
             ``z<node>.<attr>`` state tables          ``__dbsp_weight``
 ``DRB1``    values of ``s<node>.<attr>`` tables      one schema-less Arrow IPC record batch (rows of one
@@ -44,10 +53,15 @@ magic       where                                   body
             producer id (UTF-8)                     above wm)
 ``DCLK``    key ``now`` of table ``clock``,          JSON: now_ns (floor of the next step's now), prev_now_ns
             driver.db                               (now of the step before the checkpoint)
+``DACK``    key ``since`` of table ``acked``,         JSON: step (driver.db's), pushes ([producer, seq] of every
+            driver.db (written by a clean close)    named push the input log holds from that step on)
 ``DJOB``    state/JOB                               JSON: version (base), first, end (steps)
 ``DSTR``    state/stage-<k>/worker-<w>.result       job tag + an Arrow IPC blob table (dbsp_core.runtime.job_files)
 ``DJIN``    state/jobs/worker-<w>.input             job tag + an Arrow IPC blob table
 ``DSVL``    table ``stagelog`` of stage databases    JSON: trace keys added and deleted by the save of a version
+``DCSM``    consumers/<name>                        JSON: name, next (every output step below it is durably
+                                                    applied by the consumer; never decreases)
+``DMTR``    METRICS                                 JSON: dbsp_core.metrics.Metrics.snapshot() at a checkpoint
 ==========  ======================================  =======================================================
 
 State values are keyed by :func:`dbsp_core.storage.database.shard_key` ``(shard, number)``: the shard as 4
@@ -75,6 +89,7 @@ DIRECTORY_FORMAT = 2
 META_FILE = "META"
 LAYOUT_FILE = "LAYOUT"
 RESCALE_FILE = "RESCALE"
+REPAIR_FILE = "REPAIR"
 LOCK_FILE = "LOCK"
 DRIVER_DB = "driver.db"
 INPUT_DIR = "input"
@@ -82,30 +97,41 @@ OUTPUT_DIR = "output"
 STATE_DIR = "state"
 JOB_FILE = "JOB"
 JOB_INPUT_DIR = "jobs"
+CONSUMERS_DIR = "consumers"
+CONSUMERS_LOCK = "LOCK"
+METRICS_FILE = "METRICS"
 
 META_MAGIC = b"DMET"
 LAYOUT_MAGIC = b"DLAY"
 RESCALE_MAGIC = b"DRSC"
+REPAIR_MAGIC = b"DRPR"
 WORKER_LAYOUT_MAGIC = b"DLWK"
 DIVISION_MAGIC = b"DDIV"
+DISCARD_MAGIC = b"DDSC"
 ZSET_MAGIC = b"DZS1"
 BATCH_MAGIC = b"DRB1"
 BATCH_GROUP_MAGIC = b"DRBG"
 ORDER_MAGIC = b"DORD"
 DEDUP_MAGIC = b"DDUP"
 CLOCK_MAGIC = b"DCLK"
+ACKED_MAGIC = b"DACK"
 JOB_MAGIC = b"DJOB"
 RESULT_MAGIC = b"DSTR"
 JOB_INPUT_MAGIC = b"DJIN"
 SAVELOG_MAGIC = b"DSVL"
+CONSUMER_MAGIC = b"DCSM"
+METRICS_MAGIC = b"DMTR"
 
 DIVISION_HANDLE = "\x00division"  # the input log's handle of division records
+DISCARD_HANDLE = "\x00discard"  # the input log's handle of discard records (Pipeline.discard)
 SNAPSHOT_TABLE = "snapshot"
 SNAPSHOT_NEXT = b"next"
 SNAPSHOT_LAYOUT = b"layout"
 DEDUP_TABLE = "dedup"
 CLOCK_TABLE = "clock"
 CLOCK_KEY = b"now"
+ACKED_TABLE = "acked"
+ACKED_KEY = b"since"
 SAVELOG_TABLE = "stagelog"
 
 

@@ -1,4 +1,4 @@
-"""Reading a storage directory without running its circuit: a summary for ``dbsp inspect`` and the output log for consumers in other processes."""
+"""Reading a storage directory without running its circuit: a summary for ``dbsp inspect`` (with the metrics of the last checkpoint, state bytes per worker and shard, and the output log's consumers) and the output log for consumers in other processes."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ from typing import Any
 
 import pyarrow as pa
 
-from dbsp_core.storage.database import Database
-from dbsp_core.storage.directory import lock_dir, read_layout, read_meta, read_rescale, unlock_dir
-from dbsp_core.storage.formats import DIVISION_HANDLE, DRIVER_DB, INPUT_DIR, OUTPUT_DIR, STATE_DIR
+from dbsp_core.errors import InUseError
+from dbsp_core.storage.consumers import ConsumerRegistry
+from dbsp_core.storage.database import SHARD_PREFIX_BYTES, Database
+from dbsp_core.storage.directory import read_layout, read_meta, read_record, read_rescale
+from dbsp_core.storage.formats import (DIVISION_HANDLE, DRIVER_DB, INPUT_DIR, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR,
+                                       STATE_DIR, is_state_table)
 from dbsp_core.storage.outputlog import OutputLog
 from dbsp_core.storage.steplog import StepLog
 
@@ -43,8 +46,10 @@ def open_output(path: str | os.PathLike) -> OutputLog:
 def inspect_storage(path: str | os.PathLike) -> dict:
     """A summary of a storage directory without recovering it: layout, checkpoints, logs and sizes.
 
-    Reads the state databases (read-only handles) and the logs (read-only: a torn tail is left as it is) and never
-    runs the circuit.
+    Only reads: it creates, writes or locks no file of the directory (not even ``LOCK``), and never runs the
+    circuit. The logs are read read-only (a torn tail is left as it is), so they can be read while a pipeline
+    runs; the state databases are opened read-only, which their locks refuse while a pipeline has them open:
+    ``info["in_use"]`` then lists them and the checkpoint fields are None.
 
     >>> import tempfile, pyarrow as pa, dbsp_core as dbsp
     >>> c = dbsp.Circuit(); s = c.input("x", pa.schema([("a", pa.int64())])); c.output("o", s.distinct())
@@ -53,16 +58,11 @@ def inspect_storage(path: str | os.PathLike) -> dict:
     >>> info = inspect_storage(d)
     >>> info["workers"], info["shards"], info["checkpoint_step"], info["output_steps"]
     (1, 256, 1, [0, 1])
-    >>> info["divided_steps"]
-    [0, 0]
+    >>> info["divided_steps"], info["consumers"], info["metrics"]["steps"], sum(info["state_bytes"]["0"].values()) > 0
+    ([0, 0], {}, 1, True)
     """
     root = os.fspath(path)
-    meta = read_meta(root)
-    fd = lock_dir(root)
-    try:
-        return _inspect(root, meta)
-    finally:
-        unlock_dir(fd)
+    return _inspect(root, read_meta(root))
 
 
 def _inspect(root: str, meta: dict) -> dict:
@@ -72,31 +72,37 @@ def _inspect(root: str, meta: dict) -> dict:
                             "shards": layout.shards, "layout_epoch": layout.epoch, "shards_per_worker": counts,
                             "last_rescale": last, "rescale_in_progress": read_rescale(root) is not None,
                             "fingerprint": meta["fingerprint"][:16], "inputs": meta["inputs"],
-                            "outputs": meta["outputs"], "versions": [], "db_pages": 0}
+                            "outputs": meta["outputs"], "versions": [], "db_pages": 0, "in_use": []}
     paths = sorted(glob.glob(os.path.join(root, STATE_DIR, "worker-*.db"))
                    + glob.glob(os.path.join(root, STATE_DIR, "stage-*", "worker-*.db")))
-    for p in paths:
-        with Database(p) as db:
-            vs = db.versions()
-            info["versions"].append([vs.start, vs.stop - 1])
-            info["db_pages"] += db.stats()["pages"]
-    if paths:
-        lo, hi = max(v[0] for v in info["versions"]), min(v[1] for v in info["versions"])
-        info["checkpoint_version"] = hi if lo <= hi else None
-        info["checkpoint_step"] = None
-        if lo <= hi:
-            with Database(paths[0]) as db, db.read(hi) as h:
-                info["checkpoint_step"] = h.get_step()
-    else:
-        info["checkpoint_version"] = None
-        info["checkpoint_step"] = None
+    info["checkpoint_version"] = info["checkpoint_step"] = None
+    try:
+        for p in paths:
+            with Database(p, readonly=True) as db:
+                vs = db.versions()
+                info["versions"].append([vs.start, vs.stop - 1])
+                info["db_pages"] += db.stats()["pages"]
+        if paths:
+            lo, hi = max(v[0] for v in info["versions"]), min(v[1] for v in info["versions"])
+            info["checkpoint_version"] = hi if lo <= hi else None
+            if lo <= hi:
+                with Database(paths[0], readonly=True) as db, db.read(hi) as h:
+                    info["checkpoint_step"] = h.get_step()
+        info["state_bytes"] = _state_bytes(paths, layout)
+    except InUseError:  # a pipeline runs: its databases are being written
+        info["in_use"].append(STATE_DIR)
+        info["versions"], info["checkpoint_version"], info["checkpoint_step"] = [], None, None
+        info["state_bytes"] = {}
     dpath = os.path.join(root, DRIVER_DB)
     if os.path.exists(dpath):
-        with Database(dpath) as db:
-            with db.read(db.versions().stop - 1) as h:
-                info["driver_step"] = h.get_step()
-                if not paths:
-                    info["checkpoint_step"] = info["driver_step"]
+        try:
+            with Database(dpath, readonly=True) as db:
+                with db.read(db.versions().stop - 1) as h:
+                    info["driver_step"] = h.get_step()
+                    if not paths:
+                        info["checkpoint_step"] = info["driver_step"]
+        except InUseError:
+            info["in_use"].append(DRIVER_DB)
     with StepLog(os.path.join(root, INPUT_DIR), readonly=True) as log:  # never cuts a torn tail
         info["input_steps"] = [log.first_step, log.last_step]
         info["input_records"] = len(log)
@@ -113,5 +119,22 @@ def _inspect(root: str, meta: dict) -> dict:
         p = os.path.join(root, part)
         sizes[part] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs)
     info["bytes"] = sizes
+    info["consumers"] = ConsumerRegistry(root).list()
+    info["metrics"] = read_record(os.path.join(root, METRICS_FILE), METRICS_MAGIC)
     return info
+
+
+def _state_bytes(paths: list[str], layout: Any) -> dict[str, dict[int, int]]:
+    """Bytes of stored operator state (keys and values of the newest version) per worker and shard."""
+    out: dict[str, dict[int, int]] = {}
+    for p in paths:
+        worker = os.path.basename(p)[len("worker-"):-len(".db")]
+        shards = out.setdefault(worker, {})
+        with Database(p, readonly=True) as db, db.read(db.versions().stop - 1) as h:
+            for table in h.tables():
+                if isinstance(table, str) and is_state_table(table):
+                    for k, v in h.scan(table):
+                        s = int.from_bytes(k[:SHARD_PREFIX_BYTES], "big")
+                        shards[s] = shards.get(s, 0) + len(k) + len(v)
+    return out
 

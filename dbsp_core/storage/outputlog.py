@@ -70,6 +70,9 @@ class OutputLog:
         Only read, possibly while a writer in another process appends (invariant 5).
     vfs
         ``"posix"`` or ``"fault"`` (the fault-injecting I/O layer of the crash tests).
+    expect
+        ``{step: record payload}``: records of a damaged log kept by its rebuild (dbsp_core.storage.repair); an
+        appended step found here is verified against it, as a replayed step is (invariant 1).
 
     Examples
     --------
@@ -86,7 +89,8 @@ class OutputLog:
     """
 
     def __init__(self, path: str, schemas: dict[str, pa.Schema], *, check: bool = True, sync: bool = True,
-                 segment_bytes: int = 16 << 20, readonly: bool = False, vfs: str = "posix") -> None:
+                 segment_bytes: int = 16 << 20, readonly: bool = False, vfs: str = "posix",
+                 expect: dict[int, bytes] | None = None) -> None:
         self.path = os.fspath(path)
         self.schemas = dict(schemas)
         self.names = list(self.schemas)
@@ -96,6 +100,7 @@ class OutputLog:
         self.readonly = readonly
         self._lock = threading.Lock()
         self._ticket = 0  # of the newest appended record (flush syncs up to it)
+        self._expect = dict(expect or {})
         self.first = self.last = 0
         if readonly:
             if not os.path.isdir(self.path):
@@ -190,6 +195,14 @@ class OutputLog:
                 return "replayed"
             if step > self.last:
                 raise ValueError(f"output log: write of step {step} but the next step is {self.last}")
+            kept = self._expect.pop(step, None)
+            if kept is not None and self.check:  # a record a rebuild kept: the step computed again must match it
+                old = self._decode(step, memoryview(kept), f"{self.path} (kept by the rebuild)")[1]
+                for n in self.names:
+                    if not (old[n] == outputs[n]):
+                        raise ReplayMismatchError(
+                            f"step {step} computed again after the output log's rebuild gave a different change of "
+                            f"output {n!r} than the intact record the rebuild kept")
             ticket = self._log.enqueue(step, b"", b"", 0, self._encode(step, outputs, inputs or []))
             if self.sync:
                 self._log.sync(ticket)
@@ -258,6 +271,10 @@ class OutputLog:
         """
         if name not in self.schemas:
             raise KeyError(f"unknown output {name!r}; outputs are {self.names}")
+        if isinstance(from_step, bool) or not isinstance(from_step, int):
+            raise TypeError(f"read of output {name!r}: from_step must be an int step number, got {from_step!r}")
+        if from_step < 0:
+            raise ValueError(f"read of output {name!r}: from_step must be >= 0 (steps count from 0), got {from_step}")
         if from_step < self.first:
             raise LookupError(f"output steps below {self.first} were dropped by retention; asked from {from_step}")
         step = from_step

@@ -54,6 +54,9 @@ def lateness_units(lateness: Any, typ: pa.DataType, where: str) -> int:
         raise TypeError(f"{where}: lateness must be an int (column units) or a datetime.timedelta, got {lateness!r}")
     if lateness < 0:
         raise ValueError(f"{where}: lateness must be >= 0, got {lateness}")
+    if lateness > 2**62:
+        raise ValueError(f"{where}: lateness {lateness} is larger than the limit of 2**62 column units (the watermark, "
+                         f"an event time minus it, must stay inside int64)")
     return int(lateness)
 
 

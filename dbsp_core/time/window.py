@@ -37,9 +37,16 @@ if TYPE_CHECKING:
 BUCKET = "__dbsp_bucket"
 
 
+MAX_SPAN = 2**62  # sizes, slides and interval bounds: a time plus or minus one stays inside int64
+MAX_HOPS = 2**20  # windows per row of a hop (size // slide): each row is copied that many times
+
+
 def _positive(value: object, what: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise ValueError(f"{where}: {what} must be a positive int (time-column units), got {value!r}")
+    if value > MAX_SPAN:
+        raise ValueError(f"{where}: {what} {value} is larger than the limit of 2**62 time units (a window's end "
+                         f"must stay inside int64)")
     return int(value)
 
 
@@ -148,6 +155,9 @@ def hop(stream: "Stream", column: str, size: int, slide: int, start: str = "wind
     size, slide = _positive(size, "size", where), _positive(slide, "slide", where)
     if size % slide:
         raise ValueError(f"{where}: size ({size}) must be a multiple of slide ({slide})")
+    if size // slide > MAX_HOPS:
+        raise ValueError(f"{where}: size / slide = {size // slide} windows per row is more than the limit of "
+                         f"{MAX_HOPS}")
     return _window(stream, column, "hop", size, slide, 0, 0, start, end, "hop")
 
 
@@ -175,8 +185,13 @@ def interval_join(left: "Stream", right: "Stream", left_time: str, right_time: s
     for v, what in ((lower, "lower"), (upper, "upper")):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
             raise ValueError(f"{where}: {what} must be an int (time-column units), got {v!r}")
+        if abs(v) > MAX_SPAN:
+            raise ValueError(f"{where}: {what} {v} is outside the limit of +-2**62 time units")
     if lower > upper:
         raise ValueError(f"{where}: lower ({lower}) must not exceed upper ({upper})")
+    if upper - lower + 1 > MAX_SPAN:
+        raise ValueError(f"{where}: upper - lower + 1 = {upper - lower + 1} is larger than the limit of 2**62 time "
+                         f"units")
     lk, rk, drop = type(left)._keys(on, left_on, right_on, where)  # Stream's rule for on= / left_on= / right_on=
     size = int(upper - lower + 1)
     lb = _window(left, left_time, "tumble", size, 0, 0, 0, BUCKET, None, "interval_join")

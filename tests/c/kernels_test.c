@@ -545,7 +545,7 @@ static void test_group_int(void) {
     check_group_int_case(2000, 40, DBSP_INT64, -(1LL << 40), 1LL << 40, 0);  /* weights outside int32: general path */
     check_group_int_case(150000, 9000, DBSP_INT64, -1, 2, 0);    /* several partitions, tables that grow */
     check_group_int_case(140000, 140000, DBSP_INT64, 1, 1, 0);
-    /* overflow in row order: MAX + 1 overflows before -1 arrives; MAX - 1 + 1 does not */
+    /* sums are exact whatever the row order: MAX + 1 - 1 and MAX - 1 + 1 are both MAX; MAX + 1 overflows */
     int64_t k[3] = { 4, 4, 4 }, up[3] = { INT64_MAX, 1, -1 }, down[3] = { INT64_MAX, -1, 1 }, wt[3] = { 1, 1, 1 };
     DbspColumn cu[2] = { { DBSP_INT64, 0, NULL, k, NULL }, { DBSP_INT64, 0, NULL, up, NULL } };
     DbspColumn cd[2] = { { DBSP_INT64, 0, NULL, k, NULL }, { DBSP_INT64, 0, NULL, down, NULL } };
@@ -553,10 +553,34 @@ static void test_group_int(void) {
     int32_t key = 0;
     DbspAggSpec sum = { DBSP_AGG_SUM, 1 };
     DbspReduceOut r;
-    CHECK(dbsp_group_reduce(&bu, &key, 1, &sum, 1, &r) == DBSP_EOVERFLOW);
+    CHECK(dbsp_group_reduce(&bu, &key, 1, &sum, 1, &r) == DBSP_OK);
+    CHECK(r.ngroups == 1 && r.ivals[0] == INT64_MAX && r.group_row[0] == 0);
+    dbsp_reduce_free(&r);
     CHECK(dbsp_group_reduce(&bd, &key, 1, &sum, 1, &r) == DBSP_OK);
     CHECK(r.ngroups == 1 && r.ivals[0] == INT64_MAX && r.group_row[0] == 0);
     dbsp_reduce_free(&r);
+    CHECK(dbsp_group_reduce(&bu, &key, 1, &sum, 1, &r) == DBSP_OK);
+    dbsp_reduce_free(&r);
+    bu.nrows = 2;  /* MAX + 1 */
+    CHECK(dbsp_group_reduce(&bu, &key, 1, &sum, 1, &r) == DBSP_EOVERFLOW);
+    /* weight sums likewise: [MAX, 1, -2] and [-2, 1, MAX] both consolidate to MAX - 1 */
+    int64_t w1[3] = { INT64_MAX, 1, -2 }, w2[3] = { -2, 1, INT64_MAX };
+    DbspColumn ck = { DBSP_INT64, 0, NULL, k, NULL };
+    DbspBatch o1 = { 3, 1, &ck, w1 }, o2 = { 3, 1, &ck, w2 };
+    for (int path = 0; path < 2; path++) {  /* the small-batch sort and the grouping engine */
+        dbsp_small_rows = path ? 0 : DBSP_SMALL_ROWS;
+        DbspRows x;
+        CHECK(dbsp_zset_consolidate(&o1, NULL, 0, &x) == DBSP_OK);
+        CHECK(x.n == 1 && x.weights[0] == INT64_MAX - 1);
+        dbsp_rows_free(&x);
+        CHECK(dbsp_zset_consolidate(&o2, NULL, 0, &x) == DBSP_OK);
+        CHECK(x.n == 1 && x.weights[0] == INT64_MAX - 1);
+        dbsp_rows_free(&x);
+        o1.nrows = 2;
+        CHECK(dbsp_zset_consolidate(&o1, NULL, 0, &x) == DBSP_EOVERFLOW);
+        o1.nrows = 3;
+    }
+    dbsp_small_rows = DBSP_SMALL_ROWS;
     int64_t wbig[2] = { INT32_MAX, INT32_MAX }, kk[2] = { 9, 9 };  /* weight sums leave int32, not int64 */
     DbspColumn c1 = { DBSP_INT64, 0, NULL, kk, NULL };
     DbspBatch b1 = { 2, 1, &c1, wbig };

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow.compute as pc
 from hypothesis import given, settings
+from hypothesis_profile import examples
 from hypothesis import strategies as st
 from oracle import AUCTIONS, BIDS, ChangeGen, run_against_duckdb, to_zset
 
@@ -12,7 +13,7 @@ import dbsp_core as dbsp
 
 SEEDS = st.integers(0, 2**31 - 1)
 WORKERS = st.sampled_from([1, 2, 4])
-FEW = settings(max_examples=8)
+FEW = settings(max_examples=examples(8))
 
 
 def _join_then_group(c: dbsp.Circuit, s: dict) -> dict:
@@ -96,7 +97,7 @@ def _final_view(seed: int, workers: int, splits: list[int]) -> dict[str, dbsp.ZS
     return totals
 
 
-@settings(max_examples=6)
+@settings(max_examples=examples(6))
 @given(seed=SEEDS, workers=st.sampled_from([2, 4]),
        splits=st.lists(st.integers(1, 3), min_size=1, max_size=8).map(lambda xs: xs + [8]))
 def test_results_identical_for_every_w_and_split(seed: int, workers: int, splits: list[int]) -> None:
@@ -135,7 +136,7 @@ def test_left_join_padded_row_comes_and_goes() -> None:
 
 
 
-@settings(max_examples=3)
+@settings(max_examples=examples(3))
 @given(seed=SEEDS, workers=WORKERS)
 def test_long_run_with_deep_traces(seed: int, workers: int) -> None:
     # many steps, so every trace holds several spine batches and pending batches between reads
@@ -151,7 +152,7 @@ def test_long_run_with_deep_traces(seed: int, workers: int) -> None:
                        seed, workers, steps=25, max_rows=25)
 
 
-@settings(max_examples=6)
+@settings(max_examples=examples(6))
 @given(seed=SEEDS, workers=st.sampled_from([2, 4]))
 def test_pre_aggregation_grouped_path_matches_duckdb(seed: int, workers: int) -> None:
     # force the combiner to group even tiny changes, the path large changes take on W > 1

@@ -6,6 +6,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 from hypothesis import given, settings
+from hypothesis_profile import examples
 from hypothesis import strategies as st
 
 import dbsp_core as dbsp
@@ -13,7 +14,7 @@ from oracle import BIDS, run_against_duckdb, to_zset
 
 SEEDS = st.integers(0, 2**31 - 1)
 WORKERS = st.sampled_from([1, 2, 4])
-FEW = settings(max_examples=8)
+FEW = settings(max_examples=examples(8))
 ORDER = "ORDER BY price DESC NULLS LAST, bidder ASC NULLS LAST, f ASC NULLS LAST"
 
 

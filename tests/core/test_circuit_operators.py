@@ -5,6 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 from hypothesis import given, settings
+from hypothesis_profile import examples
 from hypothesis import strategies as st
 
 import dbsp_core as dbsp
@@ -12,7 +13,7 @@ from oracle import run_against_duckdb
 
 SEEDS = st.integers(0, 2**31 - 1)
 WORKERS = st.sampled_from([1, 2, 4])
-FEW = settings(max_examples=8)
+FEW = settings(max_examples=examples(8))
 
 
 @FEW

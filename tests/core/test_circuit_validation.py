@@ -117,3 +117,39 @@ def test_fingerprint_follows_source_text_not_bytecode(tmp_path) -> None:
     before = fp(a0)
     b0 = load("fp_mod_a", "b.slice(0, 0)", 0, file="b")  # same module and name, another body
     assert fp(b0) != before
+
+
+def test_types_no_step_can_hold_are_refused_when_built() -> None:
+    """decimal and float16 in select, a uint64 within_last column and huge intervals passed circuit building and
+    failed at the first step; they are refused when the circuit is built, naming the operator and the column."""
+    c = dbsp.Circuit()
+    t = c.input("t", pa.schema([("a", pa.int64()), ("u", pa.uint64()), ("ts", pa.int64())]))
+    with pytest.raises(SchemaError, match=r"select#\d+: its output column 'd' has unsupported type decimal"):
+        t.select(d=pc.field("a").cast(pa.decimal128(10, 2)))
+    with pytest.raises(SchemaError, match=r"select#\d+: its output column 'h' has unsupported type halffloat"):
+        t.select(h=pc.field("a").cast(pa.float16()))
+    with pytest.raises(SchemaError, match="'u' must be a timestamp or a signed integer time, got uint64"):
+        dbsp.within_last(t, "u", 10)
+    with pytest.raises(ValueError, match="longer than the limit"):
+        dbsp.within_last(t, "ts", 1e12)
+    with pytest.raises(ValueError, match="size 18446744073709551616 is larger than the limit"):
+        t.tumble("ts", 2**64)
+    with pytest.raises(ValueError, match="windows per row is more than the limit"):
+        t.hop("ts", 2**40, 1)
+    with pytest.raises(ValueError, match="lower .* is outside the limit"):
+        t.interval_join(t, "ts", "ts", -(2**63), 0, on="a")
+    with pytest.raises(ValueError, match="lateness .* is larger than the limit"):
+        c.input("late", pa.schema([("ts", pa.int64())]), event_time="ts", lateness=2**63)
+    assert len(c.nodes) == 1  # nothing was added by the refused calls
+
+
+def test_input_and_output_names_have_limits() -> None:
+    """Names are logged with every push: a name the log could not hold is refused when the circuit is built."""
+    c = dbsp.Circuit()
+    with pytest.raises(ValueError, match="input name of 1025 bytes is longer than the limit of 1024"):
+        c.input("x" * 1025, pa.schema([("a", pa.int64())]))
+    with pytest.raises(ValueError, match="is not valid UTF-8"):
+        c.input("a\udc80", pa.schema([("a", pa.int64())]))
+    t = c.input("t", pa.schema([("a", pa.int64())]))
+    with pytest.raises(ValueError, match="output name of 2048 bytes"):
+        c.output("é" * 1024, t)

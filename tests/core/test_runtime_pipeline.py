@@ -8,7 +8,7 @@ import pytest
 from oracle import BIDS, to_zset
 
 import dbsp_core as dbsp
-from dbsp_core.errors import DbspError, SchemaError
+from dbsp_core.errors import DbspError, SchemaError, StepError
 from dbsp_core.runtime.executor import spread
 from dbsp_core.trace import Trace
 
@@ -73,19 +73,29 @@ def test_step_without_input_and_closed_pipeline() -> None:
         p.step()
 
 
-def test_failed_step_breaks_the_pipeline() -> None:
+def test_a_step_failing_on_its_data_keeps_the_pipeline_and_other_failures_break_it() -> None:
+    """A user function raising on the data: StepError, and the pipeline stays usable (the step waits); an I/O
+    error (not the data's fault) still breaks the pipeline."""
     c = dbsp.Circuit()
     b = c.input("bids", BIDS)
+    fail = {"with": RuntimeError("boom")}
 
     def boom(batch: pa.RecordBatch) -> pa.RecordBatch:
-        raise RuntimeError("boom")
+        if fail["with"] is not None and batch.num_rows:
+            raise fail["with"]
+        return batch
 
     c.output("x", b.flat_map(boom, schema=BIDS).distinct())
     with dbsp.Pipeline(c, workers=2) as p:
         p.push("bids", GOOD)
-        with pytest.raises(RuntimeError):
+        with pytest.raises(StepError, match="step 0 failed on its data in flat_map#1: RuntimeError: boom") as info:
             p.step()
-        with pytest.raises(DbspError):
+        assert isinstance(info.value.__cause__, RuntimeError) and p.steps == 0
+        p.push("bids", GOOD)
+        fail["with"] = OSError(5, "disk gone")
+        with pytest.raises(OSError):
+            p.step()
+        with pytest.raises(DbspError, match="broken"):
             p.push("bids", GOOD)
 
 
@@ -182,5 +192,6 @@ def test_a_worker_failing_alone_reports_its_own_error() -> None:
     for workers in (2, 4):
         with dbsp.Pipeline(c, workers=workers) as p:
             p.push("bids", to_zset({(i, "a", i, None): 1 for i in range(8)}, BIDS))
-            with pytest.raises(ValueError, match="row 2 is bad"):
+            with pytest.raises(StepError, match="ValueError: row 2 is bad") as info:
                 p.step()
+            assert isinstance(info.value.__cause__, ValueError)

@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import given, settings
+from hypothesis_profile import examples
 from hypothesis import strategies as st
 from oracle import BIDS
 from staged_circuits import CIRCUITS, build, changes, check_duckdb, embedded, open_staged, same_outputs, staged_pipeline
@@ -53,7 +54,7 @@ def by_hand(circuit: dbsp.Circuit, steps: list[list[tuple[str, dbsp.ZSet]]], wor
     return res
 
 
-@settings(max_examples=12)
+@settings(max_examples=examples(12))
 @given(name=st.sampled_from(NAMES), workers=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**31 - 1))
 def test_stage_workers_by_hand_match_embedded(name: str, workers: int, seed: int) -> None:
     c, _ = build(name)
@@ -90,7 +91,7 @@ def _run_staged(tmp, name: str, workers: int, steps, groups: list[int], runner=N
     return outs
 
 
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(name=st.sampled_from(NAMES), workers=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**31 - 1),
        groups=st.lists(st.integers(1, 4), min_size=1, max_size=4), shard_bits=st.sampled_from([2, 3, 8]))
 def test_staged_pipeline_matches_embedded_and_duckdb(tmp_path_factory, name, workers, seed, groups,
@@ -395,7 +396,7 @@ class Crashy(LocalJobRunner):
         raise RuntimeError("the driver died in a job")
 
 
-@settings(max_examples=20)
+@settings(max_examples=examples(20))
 @given(name=st.sampled_from(NAMES), workers=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**31 - 1),
        groups=st.lists(st.integers(1, 3), min_size=2, max_size=5), at=st.integers(0, 3), stage=st.integers(0, 3),
        crash_workers=st.integers(0, 2), checkpoints=st.lists(st.booleans(), min_size=5, max_size=5))

@@ -10,6 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import given, settings
+from hypothesis_profile import examples
 from hypothesis import strategies as st
 
 import dbsp_core as dbsp
@@ -56,7 +57,7 @@ def _run(seed: int, workers: int, steps: int, unit: str) -> None:
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-@settings(max_examples=25)
+@settings(max_examples=examples(25))
 @given(seed=st.integers(0, 2**32 - 1))
 def test_within_last_matches_model(workers: int, seed: int) -> None:
     _run(seed, workers, steps=30, unit="s")
@@ -64,3 +65,23 @@ def test_within_last_matches_model(workers: int, seed: int) -> None:
 
 def test_within_last_milliseconds_many_steps() -> None:
     _run(12345, 2, steps=300, unit="ms")
+
+
+def test_a_long_jump_of_now_reads_the_state_once_without_allocating_per_bucket() -> None:
+    """A pause of ten years with a 1 ms window is ~2e13 time buckets: the step used to build an array of
+    every bucket id before noticing it would rather read the whole state (MemoryError, on every replay)."""
+    import pyarrow as pa
+
+    import dbsp_core as dbsp
+    from dbsp_core.temporal import within_last
+
+    clock = [10**18]
+    c = dbsp.Circuit()
+    t = c.input("t", pa.schema([("id", pa.int64()), ("ts", pa.int64())]))
+    c.output("recent", within_last(t, "ts", 0.001, unit="ms"))
+    p = dbsp.Pipeline(c, clock=lambda: clock[0])
+    now_ms = clock[0] // 10**6
+    p.push("t", pa.table({"id": [1, 2], "ts": [now_ms, now_ms + 10 * 365 * 86_400_000]}))
+    assert p.step()["recent"].to_dict() == {(1, now_ms): 1}
+    clock[0] += 10 * 365 * 86_400 * 10**9  # ten years later
+    assert p.step()["recent"].to_dict() == {(1, now_ms): -1, (2, now_ms + 10 * 365 * 86_400_000): 1}

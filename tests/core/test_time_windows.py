@@ -8,6 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import given, settings
+from hypothesis_profile import examples
 from hypothesis import strategies as st
 
 import dbsp_core as dbsp
@@ -23,7 +24,7 @@ def fl(col: str, n: int) -> str:
 
 
 WORKERS = st.sampled_from([1, 2, 4])
-FEW = settings(max_examples=6)
+FEW = settings(max_examples=examples(6))
 
 
 @given(st.lists(st.lists(st.lists(st.one_of(st.none(), st.integers(-50, 50)), max_size=5), max_size=3), max_size=6),

@@ -445,6 +445,55 @@ def test_weight_overflow_raises():
         j.join(j)
 
 
+_EXTREMES = [2**63 - 1, -(2**63), 2**62, -(2**62), 1, -1, -2, 2]
+
+
+@st.composite
+def extreme_weights(draw):
+    """Rows of few distinct values (so many rows merge) with weights near the int64 limits, and a permutation."""
+    n = draw(st.integers(1, 12))
+    keys = draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
+    w = draw(st.lists(st.sampled_from(_EXTREMES), min_size=n, max_size=n))
+    perm = draw(st.permutations(list(range(n))))
+    big = draw(st.booleans())  # past the small-batch path: the grouping engine (csrc/group.c)
+    return keys, w, perm, big
+
+
+@given(extreme_weights())
+def test_weight_overflow_does_not_depend_on_row_order(case):
+    """A weight sum overflows iff the exact sum of a row's weights leaves int64, in every row order: [M, 1, -2]
+    and [-2, 1, M] both give M - 1, [M, 1] raises in both orders (consolidate, count and sum)."""
+    keys, w, perm, big = case
+    pad = 5000 if big else 0  # distinct filler rows with weight 1
+    exact: dict = defaultdict(int)
+    for k, x in zip(keys, w):
+        exact[k] += x
+    fits = all(-_I64 <= s < _I64 for s in exact.values())
+    for order in (list(range(len(keys))), perm):
+        ks = [keys[i] for i in order] + list(range(100, 100 + pad))
+        ws = [w[i] for i in order] + [1] * pad
+        z = dbsp.ZSet.from_arrow(pa.table({"k": pa.array(ks, pa.int64()), "s": pa.array([str(k) for k in ks])}),
+                                 weights=np.array(ws, dtype=np.int64))
+        one = dbsp.ZSet.from_arrow(pa.table({"k": pa.array(ks, pa.int64())}), weights=np.array(ws, dtype=np.int64))
+        ones = dbsp.ZSet.from_arrow(pa.table({"k": pa.array(ks, pa.int64()), "u": pa.array([1] * len(ks))}),
+                                    weights=np.array(ws, dtype=np.int64))
+        if not fits:
+            for run in (z.consolidate, one.consolidate, lambda: z.aggregate(["s"], [("count", None)]),
+                        lambda: one.aggregate(["k"], [("count", None)]),
+                        lambda: ones.aggregate(["k"], [("sum", "u")])):
+                with pytest.raises(WeightOverflowError):
+                    run()
+            continue
+        want = {(k,): s for k, s in exact.items() if s != 0}
+        got = {r: x for r, x in one.consolidate().to_dict().items() if r[0] < 100}
+        assert got == want
+        got2 = {(k,): x for (k, _), x in z.consolidate().to_dict().items() if k < 100}
+        assert got2 == want
+        agg = ones.aggregate(["k"], [("count", None), ("sum", "u")]).to_pylist()
+        assert {(r["k"],): r["agg_0"] for r in agg if r["k"] < 100 and r["agg_0"]} == want
+        assert {(r["k"],): r["agg_1"] for r in agg if r["k"] < 100 and r["agg_1"]} == want
+
+
 def test_bad_input_is_named():
     s = pa.schema([("a", pa.int64())])
     with pytest.raises(SchemaError, match="schemas differ"):
@@ -548,16 +597,18 @@ def int_key_inputs(draw):
 
 
 def _int_key_model(t: pa.Table, w: np.ndarray):
-    """{key: (weight sum, sum of v * w)} for groups with a non-zero weight sum, folding rows in order; None if an
-    int64 product or partial sum overflows (as the kernels report it)."""
+    """{key: (weight sum, sum of v * w)} for groups with a non-zero weight sum; None if an int64 product
+    overflows or a group's (exact) sum does not fit in int64, whatever the row order."""
     groups: dict = {}
     for k, v, wt in zip(t.column("k").cast(pa.int64()).to_pylist() if t.schema.field("k").type != pa.uint64()
                         else t.column("k").to_pylist(), t.column("v").to_pylist(), w.tolist()):
         g = groups.setdefault(k, [0, 0])
         g[0] += wt
         g[1] += v * wt
-        if not (-_I64 <= v * wt < _I64 and -_I64 <= g[0] < _I64 and -_I64 <= g[1] < _I64):
+        if not -_I64 <= v * wt < _I64:
             return None
+    if any(not (-_I64 <= ws < _I64 and -_I64 <= s < _I64) for ws, s in groups.values()):
+        return None
     return {k: (ws, s) for k, (ws, s) in groups.items() if ws != 0}
 
 
@@ -576,14 +627,12 @@ def test_int_key_aggregate_and_consolidate_match_model(tw):
         assert {k: (c, s) for k, s, c in zip(keys, res.column("agg_0").to_pylist(), res.column("agg_1").to_pylist())} == want
         kh = dbsp.ZSet.from_arrow(res.select(["k"])).hash(["k"])
         assert (np.diff(kh.astype(np.uint64)) > 0).all()  # groups in key-hash order (one hash per value)
-    # consolidating the key column alone: weight sums only, overflow of a partial sum in row order
+    # consolidating the key column alone: weight sums only, an overflow when a sum does not fit
     one = dbsp.ZSet.from_arrow(t.select(["k"]), weights=w)
     wsum: dict = defaultdict(int)
-    overflow = False
     for k, wt in zip(t.column("k").to_pylist(), w.tolist()):
         wsum[k] += wt
-        overflow |= not -_I64 <= wsum[k] < _I64
-    if overflow:
+    if any(not -_I64 <= ws < _I64 for ws in wsum.values()):
         with pytest.raises(WeightOverflowError):
             one.consolidate()
         return
@@ -683,3 +732,40 @@ def test_take_pairs_equals_two_arrow_takes(data):
             _zset.take_pairs(lt, li, rt, np.full(m, rt.num_rows, np.int64), rcols, schema)
     with pytest.raises(IndexError):
         _zset.take_pairs(lt, li, rt, ri, rcols + [rt.num_columns], schema)
+
+
+# ---- boundaries (zero columns, the weight column's name, the caller's arrays) ----
+
+def test_zero_column_zsets_are_refused_at_the_boundary():
+    """A Z-set without columns lost its rows (len() 0, to_arrow raised): it is refused where it would be built."""
+    t = pa.table({"a": [1, 2]}).drop_columns(["a"])
+    with pytest.raises(SchemaError, match="at least one column"):
+        dbsp.ZSet.from_arrow(t)
+    with pytest.raises(SchemaError, match="at least one column"):
+        dbsp.ZSet.from_rows([(), ()], pa.schema([]))
+    with pytest.raises(SchemaError, match="at least one column"):
+        dbsp.ZSet.empty(pa.schema([]))
+    with pytest.raises(SchemaError, match="input 'e': a Z-set needs at least one column"):
+        dbsp.Circuit().input("e", pa.schema([]))
+
+
+@pytest.mark.parametrize("name", ["weight", "_weight", "__dbsp_weight", "__dbsp_weight__", "w"])
+def test_a_data_column_may_have_any_name(name):
+    """A column called ``weight`` was shadowed by the weight column of to_arrow (two ``weight`` columns)."""
+    schema = pa.schema([(name, pa.int64()), ("x", pa.utf8())])
+    z = dbsp.ZSet.from_rows([(7, "a"), (8, "b"), (7, "a")], schema, weights=[2, -1, 3])
+    t = z.to_arrow()
+    assert len(set(t.column_names)) == 3 and t.column_names[:2] == [name, "x"]
+    wname = dbsp.zset.weight_column(schema)
+    assert wname not in schema.names and t.column_names[2] == wname
+    assert sorted(t.to_pylist(), key=lambda r: r[name]) == [{name: 7, "x": "a", wname: 5}, {name: 8, "x": "b", wname: -1}]
+    from dbsp_core.codec import decode_zset, encode_zset
+    assert decode_zset(encode_zset(z), schema, "test") == z
+
+
+def test_from_arrow_copies_the_callers_weights():
+    """ZSet.from_arrow kept the caller's array: changing it later changed a Z-set (and pushed data)."""
+    w = np.array([1, 2], dtype=np.int64)
+    z = dbsp.ZSet.from_arrow(pa.table({"a": [1, 2]}), weights=w)
+    w[0] = 99
+    assert z.to_dict() == {(1,): 1, (2,): 2}

@@ -241,22 +241,44 @@ def test_corrupt_meta_and_lost_output_are_reported(tmp_path):
         dbsp.Pipeline.open(d, build_circuit())
 
 
-def test_disk_stays_bounded_with_retention(tmp_path):
+def _segments(log) -> list[tuple[int, int]]:
+    """(records, last step) of every segment of a step log, oldest first."""
+    return [(records, hi) for _, _, _, records, _, _, hi in log.segments()]
+
+
+@pytest.mark.parametrize("retention", [5, None])
+def test_logs_are_truncated_below_the_checkpoint_and_bounded_with_retention(tmp_path, retention):
+    """After every checkpoint at step X, no input-log segment but the newest holds only steps below X (it was
+    dropped), and with retention R no output segment but the newest holds only steps below min(X, last - R).
+    So the logs stay bounded with retention, and the output log grows without it (the bound is not vacuous)."""
     d = str(tmp_path / "d")
-    s = Stream(d, segment_bytes=8192, output_retention=5)
+    s = Stream(d, segment_bytes=8192, output_retention=retention)
     sizes = []
     for i in range(60):
         s.add(1)
         s.step()
         if i % 3 == 2:
-            s.p.checkpoint()
+            x = s.p.checkpoint()
+            segs = _segments(s.p._input._log)
+            assert len(segs) >= 1 and all(hi >= x for n, hi in segs[:-1] if n), (x, segs)
+            assert s.p._input.first_step >= x - 10  # a segment holds a few steps
+            out = _segments(s.p._output._log)
+            bound = min(x, s.p._output.last - retention) if retention is not None else 0
+            assert all(hi >= bound for n, hi in out[:-1] if n), (bound, out)
         if i % 10 == 9:
             u = s.p.disk_usage()
-            sizes.append(u["input"] + u["output"])
-    assert s.p.output_steps.start > 0  # old output was dropped
-    assert max(sizes[2:]) <= 2 * min(sizes[2:]) + 65536, sizes  # logs do not grow with the run
-    with pytest.raises(LookupError):
-        next(s.p.read_output("big", 0))
+            sizes.append((u["input"], u["output"]))
+    assert s.p._input.first_step >= 50
+    inputs, outputs = [a for a, _ in sizes], [b for _, b in sizes]
+    assert max(inputs) <= 2 * min(inputs) + 8192, inputs  # truncated at every checkpoint
+    if retention is not None:
+        assert s.p.output_steps.start >= 60 - retention - 10
+        assert max(outputs) <= 2 * min(outputs) + 8192, outputs
+        with pytest.raises(LookupError):
+            next(s.p.read_output("big", 0))
+    else:
+        assert s.p.output_steps.start == 0
+        assert outputs[-1] >= 4 * outputs[0], outputs  # every step's output is kept
     s.stop()
 
 

@@ -93,8 +93,10 @@ def test_checkpoints_keep_pending_batches_pending_and_recovery_restores_them(tmp
     p = dbsp.Pipeline.open(d, circuit(), checkpoint_interval=None)
     assert p.stats["replayed_steps"] == 0
     assert traces(p) == before  # the same settled and pending batches, not merged on load
+    p.close(checkpoint=False)  # the databases are locked while the pipeline has them open
     groups = _group_counts(d, 2)
     assert any(c >= 3 for c in groups.values()), groups  # the pending bids batches were saved as groups
+    p = dbsp.Pipeline.open(d, circuit(), checkpoint_interval=None)
     p.push("auctions", pa.table({"id": [1000], "category": [0]}, schema=AUCTIONS))  # matches no bid, but the
     p.push("bids", bids(9))  # join looks it up in the bids trace: reading it settles (merges) its batches
     p.step()
@@ -115,7 +117,7 @@ def _group_counts(d: str, workers: int) -> dict:
 
     out = {}
     for w in range(workers):
-        with Database(state_db_path(d, None, w)) as db, db.open(db.versions().stop - 1) as h:
+        with Database(state_db_path(d, None, w), readonly=True) as db, db.read(db.versions().stop - 1) as h:
             for k, v in h.scan("snapshot", prefix=b"order."):
                 out[(w, k[6:].decode())] = max(decode_json(b"DORD", v, "t").get("counts", [1]))
     return out

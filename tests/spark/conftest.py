@@ -26,6 +26,24 @@ def _java() -> bool:
     return bool(shutil.which("java") or (home and os.path.exists(os.path.join(home, "bin", "java"))))
 
 
+def _missing() -> str | None:
+    """Why the Spark tests cannot run here (None if they can)."""
+    if not _java():
+        return "Java is not installed (needed by pyspark)"
+    try:
+        import pyspark  # noqa: F401
+    except ImportError:
+        return "pyspark is not installed (pip install -e .[spark])"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """DBSP_REQUIRE_SPARK=1 (CI): a missing Java or pyspark fails the run instead of skipping these tests."""
+    why = _missing()
+    if why and os.environ.get("DBSP_REQUIRE_SPARK") == "1":
+        raise pytest.UsageError(f"DBSP_REQUIRE_SPARK=1 but the Spark tests cannot run: {why}")
+
+
 def _session(master: str, app: str, **conf: str):
     if not _java():
         pytest.skip("Java is not installed (needed by pyspark)")

@@ -142,6 +142,7 @@ def test_driver_kill_under_a_streaming_query(tmp_path, runtime):
         assert run_killed(args, None, str(tmp_path / "child.log")) == "done"
     print(f"\ndriver kills under a streaming query into the {runtime} pipeline: {tried} tried, {killed} landed before the query finished "
           f"(steps in the output log at each kill: {at})")
+    assert killed >= 1, f"no kill landed ({tried} tried): the test checked a run that was never killed"
     time.sleep(1.0)
     assert jvms() <= before, "a killed driver left its Spark JVM running"
     st = json.loads(open(stats).read())
@@ -180,6 +181,7 @@ def test_driver_kill_and_open(tmp_path, runtime):
         assert run_killed(args, None, str(tmp_path / "child.log")) == "done"
     print(f"\ndriver kills of the {runtime} pipeline: {tried} tried, {killed} landed "
           f"(steps in the output log at each kill: {at})")
+    assert killed >= 1, f"no kill landed ({tried} tried): the test checked a run that was never killed"
     acks = [int(x) for x in (tmp_path / "acks.txt").read_text().split()]
     assert acks == list(range(batches))
     data = tmp_path / "acked"
@@ -260,6 +262,7 @@ def test_task_kill_mid_step(tmp_path, mode, master):
         stdout, _ = proc.communicate(timeout=900)
     if proc.returncode != 0 or b"DONE" not in stdout:
         raise AssertionError(f"child exited {proc.returncode}:\n{open(log).read()[-5000:]}")
+    assert (marker / f"{mode}.pid").exists(), f"the {mode} kill never fired: the test checked a run without one"
     fired = (marker / f"{mode}.pid").read_text().split()
     print(f"\n{mode} kill on {master}: the task of stage {fired[1]}, worker {fired[2]} (attempt {fired[3]}) in step "
           f"{target} died" + (f"; SIGKILL to executor JVM {killed[0]} and its Python processes {killed[1:]}"

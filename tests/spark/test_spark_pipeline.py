@@ -177,3 +177,30 @@ def test_dataframe_input_and_dataframe_outputs(spark_local, tmp_path) -> None:
     assert dbsp.ZSet.from_arrow(t.drop_columns(["weight"]), weights=t.column("weight")).to_dict() == view
     assert p.output_df("g", step=1).count() == len(first)
     p.close()
+
+
+def test_a_step_failing_on_its_data_on_spark_raises_step_error_and_discard_lets_it_run(spark_local, tmp_path
+                                                                                       ) -> None:
+    """A poison push fails its stage task on every attempt; the job fails, the driver reads the StepError
+    from Spark's report, puts the stage databases back at the job's base version, and the pipeline stays
+    usable: discard the push and the step runs, with the output of the embedded runtime."""
+    c = dbsp.Circuit()
+    t = c.input("t", pa.schema([("k", pa.int64()), ("v", pa.int64())]))
+    c.output("sums", t.group_by("k").agg(s=dbsp.sum("v"), n=dbsp.count()))
+    p = SparkPipeline(spark_local, c, workers=2, storage=str(tmp_path), checkpoint_interval=None)
+    p.push("t", pa.table({"k": [1, 2], "v": [1, 2]}), producer="g", seq=0)
+    first = p.step()
+    p.push("t", pa.table({"k": [9, 9], "v": [2**62, 2**62]}), producer="bad", seq=0)
+    p.push("t", pa.table({"k": [1], "v": [5]}), producer="g", seq=1)
+    with pytest.raises(dbsp.StepError) as info:
+        p.step()
+    assert info.value.step == 1 and ("t", "bad", 0) in info.value.inputs and p.steps == 1
+    p.discard("bad", 0)
+    second = p.step()
+    p.close()
+    ref = dbsp.Pipeline(c, workers=2)
+    ref.push("t", pa.table({"k": [1, 2], "v": [1, 2]}))
+    want = [ref.step()]
+    ref.push("t", pa.table({"k": [1], "v": [5]}))
+    want.append(ref.step())
+    assert [o["sums"].to_dict() for o in (first, second)] == [o["sums"].to_dict() for o in want]

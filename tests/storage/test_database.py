@@ -7,6 +7,7 @@ import random
 
 import pytest
 from hypothesis import given, settings, strategies as st
+from hypothesis_profile import examples
 
 from dbsp_core.errors import StorageError
 from dbsp_core.storage import Database, shard_key, shard_of_key
@@ -180,7 +181,7 @@ ops = st.lists(st.one_of(
 ), max_size=60)
 
 
-@settings(max_examples=40)
+@settings(max_examples=examples(40))
 @given(ops)
 def test_matches_two_version_model(tmp_path_factory, script):
     """A dict-of-versions reference model: versions(), contents and steps agree after every operation."""
@@ -240,3 +241,19 @@ def test_missing_directory_is_a_storage_error(tmp_path):
     with pytest.raises(StorageError) as ei:
         Database(tmp_path / "no" / "such" / "db")
     assert ei.value.errno == 2 and "no/such" in str(ei.value)
+
+
+def test_keys_and_values_must_be_bytes(tmp_path):
+    """``put(table, 5, ...)`` stored the key ``bytes(5)`` (five zero bytes): non-bytes keys are refused."""
+    with Database(str(tmp_path / "db")) as db, db.open(0) as h:
+        for bad in (5, "k", None, 1.5):
+            with pytest.raises(TypeError, match="key must be bytes"):
+                h.put("t", bad, b"v")
+            with pytest.raises(TypeError, match="key must be bytes"):
+                h.get("t", bad)
+            with pytest.raises(TypeError, match="key must be bytes"):
+                h.delete("t", bad)
+        with pytest.raises(TypeError, match="value must be bytes"):
+            h.put("t", b"k", 5)
+        h.put("t", bytearray(b"k"), memoryview(b"v"))
+        assert list(h.scan("t")) == [(b"k", b"v")]

@@ -1,0 +1,23 @@
+"""Connectors that move data in and out of a pipeline exactly once: a directory of files as a source, and sinks that keep a view as a Parquet directory or a SQLite table.
+
+- ``files.FileSource``: new Parquet / CSV / JSON-lines files in a directory become pushes with
+  ``(file, row group)`` as ``(producer, seq)``, so a restart neither skips nor repeats one.
+- ``parquet_sink.ParquetSink``: each step's change of a view as ``step-<step>.parquet``, written with an atomic
+  rename; a replay rewrites the same file.
+- ``sqlite_sink.SqliteSink``: a view kept as a SQLite table (through sqlite-utils); each step's change and the
+  step number commit in one transaction.
+- ``output.OutputReader``: what both sinks stand on: a view's changes by step from a running pipeline or from a
+  storage directory in another process, as a registered consumer of the output log
+  (dbsp_core.storage.consumers).
+
+Kafka has no connector here: read it with Spark's Kafka source into ``spark_glue.foreach_batch`` (README).
+"""
+
+from __future__ import annotations
+
+from dbsp_core.connectors.files import FileSource
+from dbsp_core.connectors.output import OutputReader
+from dbsp_core.connectors.parquet_sink import ParquetSink, read_parquet_view
+from dbsp_core.connectors.sqlite_sink import SqliteSink, read_sqlite_view
+
+__all__ = ["FileSource", "OutputReader", "ParquetSink", "SqliteSink", "read_parquet_view", "read_sqlite_view"]

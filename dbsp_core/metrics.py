@@ -1,0 +1,237 @@
+"""What a running pipeline is doing, as numbers: counters and a step-latency histogram the driver updates, gathered with log sizes, state bytes per worker and shard and late rows by ``Pipeline.metrics()``, and served as Prometheus text.
+
+Invariants (enforced here):
+  1. Updating costs O(1) per push, per step and per checkpoint (no per-row work): rows are counted from a
+     Z-set's length, latencies go into fixed buckets.
+  2. Counters only grow while a pipeline object lives; they start at zero when a pipeline is opened (the
+     output log and the input log remain the durable record of what ran). ``METRICS`` (dbsp_core.storage.formats,
+     written atomically at each checkpoint) keeps the last checkpoint's snapshot for ``dbsp inspect``.
+  3. State bytes are the Arrow buffer sizes of every trace batch, split over shards by the batch's rows per
+     shard (a batch is sorted by key hash, so each shard's rows are one range): they add up to the total.
+
+The Prometheus names (``dbsp_`` prefix): ``steps_total``, ``pushes_total``, ``duplicate_pushes_total``,
+``rows_in_total{input}``, ``rows_out_total{output}``, ``step_seconds`` (histogram), ``checkpoints_total``,
+``checkpoint_seconds`` (last), ``checkpoint_time_seconds_total``, ``replayed_steps_total``, ``recovery_seconds``,
+``log_bytes{log}``, ``state_bytes{worker}``, ``state_shard_bytes{worker,shard}``, ``late_rows_total{input}``,
+``output_steps{end}`` (first, last), ``consumer_next_step{consumer}``, ``workers``, ``shards``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import math
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Metrics", "STEP_BUCKETS", "gather", "prometheus_text", "serve", "state_bytes"]
+
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+"""Upper bounds (seconds) of the step-latency histogram's buckets; one more bucket holds everything above."""
+
+
+class Metrics:
+    """The counters one pipeline updates (invariants 1 and 2); read them with :meth:`snapshot`.
+
+    >>> m = Metrics(["bids"], ["totals"])
+    >>> from dbsp_core import ZSet
+    >>> import pyarrow as pa
+    >>> m.pushed("bids", 3); m.stepped([0], [{"totals": ZSet.from_arrow(pa.table({"k": [1, 2]}))}], 0.004)
+    >>> s = m.snapshot(); s["steps"], s["rows_in"], s["rows_out"], s["step_seconds"]["count"]
+    (1, {'bids': 3}, {'totals': 2}, 1)
+    """
+
+    def __init__(self, inputs: list[str], outputs: list[str], recent: int = 4096) -> None:
+        self._lock = threading.Lock()
+        self.started = time.time()
+        self.steps = 0
+        self.pushes = 0
+        self.rows_in = {name: 0 for name in inputs}
+        self.rows_out = {name: 0 for name in outputs}
+        self.buckets = [0] * (len(STEP_BUCKETS) + 1)
+        self.step_sum = 0.0
+        self.recent: collections.deque = collections.deque(maxlen=recent)  # (step, seconds) of the newest steps
+        self.checkpoints = 0
+        self.checkpoint_last = 0.0
+        self.checkpoint_sum = 0.0
+
+    def pushed(self, handle: str, rows: int) -> None:
+        with self._lock:
+            self.pushes += 1
+            self.rows_in[handle] = self.rows_in.get(handle, 0) + rows
+
+    def stepped(self, steps: list[int], outs: list[dict[str, Any]], seconds: float) -> None:
+        """``steps`` ran in ``seconds`` together; each is observed at its share of the time. ``outs`` holds each
+        step's ``{output: change}`` (Z-sets: their stored rows are counted)."""
+        per = seconds / max(1, len(steps))
+        slot = bisect.bisect_left(STEP_BUCKETS, per)
+        with self._lock:
+            for step, out in zip(steps, outs):
+                self.steps += 1
+                self.buckets[slot] += 1
+                self.step_sum += per
+                self.recent.append((step, per))
+                for name, z in out.items():
+                    self.rows_out[name] = self.rows_out.get(name, 0) + z.num_rows
+
+    def checkpointed(self, seconds: float) -> None:
+        with self._lock:
+            self.checkpoints += 1
+            self.checkpoint_last = seconds
+            self.checkpoint_sum += seconds
+
+    def snapshot(self) -> dict:
+        """The counters as plain data (JSON-able): what ``METRICS`` stores and :func:`gather` starts from."""
+        with self._lock:
+            lat = sorted(s for _, s in self.recent)
+            pct = {f"p{q}": (lat[min(len(lat) - 1, math.ceil(q / 100 * len(lat)) - 1)] if lat else None)
+                   for q in (50, 99)}
+            return {"steps": self.steps, "pushes": self.pushes, "rows_in": dict(self.rows_in),
+                    "rows_out": dict(self.rows_out),
+                    "step_seconds": {"buckets": list(STEP_BUCKETS), "counts": list(self.buckets),
+                                     "count": sum(self.buckets), "sum": self.step_sum,
+                                     "mean": self.step_sum / self.steps if self.steps else None, **pct},
+                    "checkpoints": self.checkpoints, "checkpoint_seconds": self.checkpoint_last,
+                    "checkpoint_seconds_sum": self.checkpoint_sum, "since": self.started}
+
+    def recent_latencies(self) -> list[tuple[int, float]]:
+        """``(step, seconds)`` of the newest steps (up to ``recent``), oldest first."""
+        with self._lock:
+            return list(self.recent)
+
+
+def state_bytes(traces: dict[str, Any], shard_bits: int) -> tuple[int, dict[int, int]]:
+    """Bytes of a worker's traces in total and per shard with any state (invariant 3)."""
+    per = np.zeros(1 << shard_bits, dtype=np.float64)
+    total = 0
+    for trace in traces.values():
+        spine, pending = trace.parts()
+        for b in list(spine) + list(pending):
+            n = len(b)
+            if not n:
+                continue
+            nbytes = b.zset.data.nbytes + b.zset.weights.nbytes + b.key_hash.nbytes
+            total += nbytes
+            per += np.diff(b.shard_bounds(shard_bits)) * (nbytes / n)
+    shards = {int(s): int(round(per[s])) for s in np.flatnonzero(per)}
+    return total, shards
+
+
+def gather(p: Any, state: bool = True) -> dict:
+    """Everything :meth:`dbsp_core.Pipeline.metrics` returns (see there)."""
+    out = p._metrics.snapshot()
+    out["workers"] = p.layout.workers
+    out["shards"] = p.layout.shards
+    out["late_rows"] = dict(p.late_rows)
+    out["duplicate_pushes"] = p.stats.get("duplicates", 0)
+    out["replayed_steps"] = p.stats.get("replayed_steps", 0)
+    out["recovery_seconds"] = p.stats.get("recovery_s", 0.0)
+    if p.storage is not None:
+        du = p.disk_usage()
+        out["log_bytes"] = {"input": du["input"], "output": du["output"]}
+        out["output_steps"] = [p.output_steps.start, p.output_steps.stop]
+        out["consumers"] = p.consumers.list()
+    if state:
+        bits = p.layout.shard_bits
+        out["state_bytes"] = {}
+        for w in range(p.layout.workers):
+            total, shards = state_bytes(p.traces(w), bits)
+            out["state_bytes"][w] = {"total": total, "shards": shards}
+    return out
+
+
+def _families(m: dict) -> list:
+    """Prometheus metric families of a :func:`gather` dict."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    def counter(name: str, doc: str, value: Any = None, labels: tuple = (), rows: dict | None = None) -> Any:
+        f = CounterMetricFamily("dbsp_" + name, doc, labels=list(labels) or None)
+        if rows is None:
+            f.add_metric([], value)
+        else:
+            for k, v in rows.items():
+                f.add_metric([str(k)], v)
+        return f
+
+    def gauge(name: str, doc: str, value: Any = None, labels: tuple = (), rows: dict | None = None) -> Any:
+        f = GaugeMetricFamily("dbsp_" + name, doc, labels=list(labels) or None)
+        if rows is None:
+            f.add_metric([], value)
+        else:
+            for k, v in rows.items():
+                f.add_metric(list(k) if isinstance(k, tuple) else [str(k)], v)
+        return f
+
+    lat = m["step_seconds"]
+    cum, acc = [], 0
+    for bound, c in zip(list(lat["buckets"]) + [math.inf], lat["counts"]):
+        acc += c
+        cum.append(("+Inf" if bound == math.inf else repr(float(bound)), acc))
+    hist = HistogramMetricFamily("dbsp_step_seconds", "Seconds per step (a batch of queued steps shares its time)")
+    hist.add_metric([], cum, lat["sum"])
+    fams = [counter("steps", "Steps run since the pipeline was opened (recovery's replayed steps included)",
+                    m["steps"]),
+            counter("pushes", "Pushes accepted", m["pushes"]),
+            counter("duplicate_pushes", "Pushes acknowledged as duplicates of a seen (producer, seq)",
+                    m["duplicate_pushes"]),
+            counter("rows_in", "Z-set rows pushed, per input", labels=("input",), rows=m["rows_in"]),
+            counter("rows_out", "Z-set rows of the views' changes, per output", labels=("output",),
+                    rows=m["rows_out"]),
+            hist,
+            counter("checkpoints", "Checkpoints taken", m["checkpoints"]),
+            gauge("checkpoint_seconds", "Duration of the last checkpoint", m["checkpoint_seconds"]),
+            counter("checkpoint_time_seconds", "Seconds spent in checkpoints", m["checkpoint_seconds_sum"]),
+            counter("replayed_steps", "Steps replayed by recovery", m["replayed_steps"]),
+            gauge("recovery_seconds", "Duration of the last recovery", m["recovery_seconds"]),
+            counter("late_rows", "Rows dropped below the watermark, per input", labels=("input",),
+                    rows=m["late_rows"]),
+            gauge("workers", "Workers of the layout in force", m["workers"]),
+            gauge("shards", "Shards of the layout in force", m["shards"])]
+    if "log_bytes" in m:
+        fams += [gauge("log_bytes", "Bytes on disk of the input and output logs", labels=("log",),
+                       rows=m["log_bytes"]),
+                 gauge("output_steps", "First and end (last + 1) step of the output log", labels=("end",),
+                       rows={"first": m["output_steps"][0], "last": m["output_steps"][1]}),
+                 gauge("consumer_next_step", "First output step a registered consumer still needs",
+                       labels=("consumer",), rows=m["consumers"])]
+    if "state_bytes" in m:
+        fams += [gauge("state_bytes", "Bytes of operator state per worker", labels=("worker",),
+                       rows={w: v["total"] for w, v in m["state_bytes"].items()}),
+                 gauge("state_shard_bytes", "Bytes of operator state per worker and shard",
+                       labels=("worker", "shard"),
+                       rows={(str(w), str(s)): b for w, v in m["state_bytes"].items()
+                             for s, b in v["shards"].items()})]
+    return fams
+
+
+class _Collector:
+    """A prometheus_client collector that reads the pipeline on every scrape."""
+
+    def __init__(self, p: Any) -> None:
+        self.p = p
+
+    def collect(self) -> Any:
+        return iter(_families(gather(self.p)))
+
+
+def prometheus_text(p: Any) -> str:
+    """The Prometheus text exposition of ``p.metrics()``."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(_Collector(p))
+    return generate_latest(reg).decode("utf-8")
+
+
+def serve(p: Any, port: int = 0, addr: str = "127.0.0.1") -> tuple[Any, int]:
+    """Serve ``p``'s metrics at ``http://addr:port/metrics`` from a daemon thread (port 0: any free port);
+    returns the server (``.shutdown()`` stops it) and the port."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(_Collector(p))
+    server, _thread = start_http_server(port, addr=addr, registry=reg)
+    return server, server.server_address[1]

@@ -1,0 +1,51 @@
+"""Putting operator instances back where they were before a step (or a job) that failed: a capture of their state by reference, not by copy, because traces are spines of immutable batches.
+
+Invariants (enforced here):
+  1. :func:`capture` records every attribute of every instance and, for each Trace attribute, the Trace's own
+     attributes with their lists copied (the spine and the pending batches are lists of immutable
+     IndexedZSets, so copying the lists is enough); Z-set attributes are values. It costs O(attributes and
+     spine lengths), never O(rows).
+  2. :func:`restore` puts back exactly what :func:`capture` recorded, keeping the identity of every Trace
+     object (snapshots and caches refer to them), so the instances behave as if the steps after the capture
+     never ran. Operator state is only ever held in such attributes (dbsp_core.storage.snapshot invariant 2
+     refuses anything else).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from dbsp_core.trace import Trace
+
+__all__ = ["capture", "restore"]
+
+
+def capture(instances: Iterable[Any]) -> list:
+    """What :func:`restore` needs to put ``instances`` back in their present state (invariant 1).
+
+    >>> import pyarrow as pa
+    >>> from dbsp_core import ZSet
+    >>> class Op:
+    ...     def __init__(self): self.t = Trace(pa.schema([("k", pa.int64())]), ("k",)); self.n = 0
+    >>> op = Op(); saved = capture([op])
+    >>> op.t.insert(ZSet.from_rows([(1,)], op.t.schema).index_by(["k"])); op.n = 5
+    >>> restore(saved); op.t.num_rows, op.n
+    (0, 0)
+    """
+    saved = []
+    for inst in instances:
+        attrs = dict(vars(inst))
+        traces = [(t, {k: (list(v) if isinstance(v, list) else v) for k, v in vars(t).items()})
+                  for t in attrs.values() if isinstance(t, Trace)]
+        saved.append((inst, attrs, traces))
+    return saved
+
+
+def restore(saved: list) -> None:
+    """Put back the state :func:`capture` recorded (invariant 2)."""
+    for inst, attrs, traces in saved:
+        vars(inst).clear()
+        vars(inst).update(attrs)
+        for t, tv in traces:
+            vars(t).clear()
+            vars(t).update({k: (list(v) if isinstance(v, list) else v) for k, v in tv.items()})

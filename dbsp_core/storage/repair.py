@@ -1,0 +1,467 @@
+"""Ways forward from damaged logs: ``dbsp repair DIR`` for a damaged input log (it keeps a copy of what it replaces, reports exactly which pushes are lost, and leaves a directory that opens), and the rebuild of a damaged output log at ``Pipeline.open`` (its damaged steps are computed again from the input).
+
+Invariants (enforced here):
+  1. Nothing is destroyed: a log part (``input/`` or ``output/``) is replaced only by renaming the old one into
+     the repair's backup directory ``repair-<n>/`` (every byte of it, damaged segments included), after the
+     new one is complete and durable. A ``REPAIR`` record at the root says which parts are being swapped;
+     :func:`finish_repair` (run by ``dbsp repair`` and by ``Pipeline.open`` before anything else) completes an
+     interrupted swap, so a crash leaves the old directory or the repaired one, never a log part missing.
+  2. The input log keeps every valid record of the steps before ``s``, the first step at or after the
+     checkpoint that damage may have touched (``resume_step``: the step recovery resumes at); the valid pushes
+     and discard records of steps ``s`` and later are logged again, undivided, at step ``s``, so the next
+     ``step()`` divides them anew (their old division is gone with the lost pushes). Output of steps ``s``
+     and later is withdrawn (it could not be computed again without the lost pushes). Of the steps the state
+     holds past driver.db's step, recovery only reads the clock and the pushes (to keep them seen): a lost
+     division of one is made up, and a lost push an output step names gets a discard record (it stays seen).
+  3. A push is reported lost by name when a record of the pipeline names it but no valid record holds it:
+     the list of the pushes the input log held that a clean close writes to driver.db, the output log's input
+     ranges of a step, or a gap in a producer's seqs after what the checkpoint's dedup set had seen; the
+     number of lost pushes of a step whose division survived is exact. A lost push is not marked seen, so its
+     producer can push it again. After a crash nothing names the pushes of the newest write, and a cut of it
+     passes for a torn tail (csrc/steplog.c invariant 10 marks the end only at a clean close).
+  4. A damaged output log is rebuilt (at open) only when every step it lacks is one recovery computes again
+     (at or after the resume step): the new log holds the intact records below the first missing step, and
+     the intact records after it are kept to verify the steps computed again. Otherwise CorruptionError names
+     the damaged file and the steps that cannot be recomputed, and nothing changes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob
+import json
+import os
+import shutil
+from typing import Any
+
+from dbsp_core import _storage
+from dbsp_core.codec import decode_json, encode_json
+from dbsp_core.errors import CorruptionError, RecoveryError
+from dbsp_core.storage.database import Database
+from dbsp_core.storage.directory import fsync_dir, lock_dir, read_record, read_rescale, remove_record, unlock_dir, \
+    write_record
+from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE,
+                                       DEDUP_TABLE, DISCARD_HANDLE, DISCARD_MAGIC, DIVISION_HANDLE, DIVISION_MAGIC,
+                                       DRIVER_DB,
+                                       INPUT_DIR, JOB_FILE, JOB_MAGIC, OUTPUT_DIR, REPAIR_FILE, REPAIR_MAGIC,
+                                       STATE_DIR)
+from dbsp_core.storage.salvage import Record, Salvaged, salvage
+
+__all__ = ["finish_repair", "rebuild_output", "repair", "resume_step"]
+
+
+# ---- the swap (invariant 1) ----
+
+def finish_repair(root: str) -> bool:
+    """Complete a repair a crash interrupted (invariant 1); returns whether there was one."""
+    path = os.path.join(root, REPAIR_FILE)
+    rec = read_record(path, REPAIR_MAGIC)
+    if rec is None:
+        return False
+    backup = os.path.join(root, rec["backup"])
+    for part in rec["parts"]:
+        new = os.path.join(root, part + ".new")
+        if not os.path.isdir(new):
+            continue  # swapped already
+        cur = os.path.join(root, part)
+        if os.path.exists(cur):
+            os.rename(cur, os.path.join(backup, part))
+            fsync_dir(root)
+        os.rename(new, cur)
+        fsync_dir(root)
+    remove_record(path)
+    return True
+
+
+def _backup_dir(root: str) -> str:
+    n = 1
+    while os.path.exists(os.path.join(root, f"repair-{n}")):
+        n += 1
+    path = os.path.join(root, f"repair-{n}")
+    os.mkdir(path)
+    fsync_dir(root)
+    return path
+
+
+def _swap(root: str, backup: str, parts: list[str]) -> None:
+    for part in parts:
+        fsync_dir(os.path.join(root, part + ".new"))
+    write_record(os.path.join(root, REPAIR_FILE), REPAIR_MAGIC, {"backup": os.path.basename(backup), "parts": parts})
+    finish_repair(root)
+
+
+def _write_log(path: str, records: list[tuple[int, str, str, int, bytes]], log_file: bool) -> None:
+    """A new step log at ``path`` holding ``records`` (step, handle, producer, seq, payload), durable."""
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    log = _storage.Log(path, "posix", 64 << 20, False, log_file)
+    try:
+        ticket = 0
+        for step, handle, producer, seq, payload in records:
+            ticket = log.enqueue(step, handle.encode("utf-8", "surrogateescape"),
+                                 producer.encode("utf-8", "surrogateescape"), seq, payload)
+        if ticket:
+            log.sync(ticket)
+    finally:
+        log.close()
+
+
+# ---- where recovery resumes ----
+
+def _state_paths(root: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(root, STATE_DIR, "worker-*.db"))
+                  + glob.glob(os.path.join(root, STATE_DIR, "stage-*", "worker-*.db")))
+
+
+def resume_step(root: str, out_last: int) -> int:
+    """The step recovery resumes at (the state's checkpoint), read without changing anything: the step of the
+    newest version every state database holds (not above the base version of a staged job whose output ends
+    past ``out_last``), or driver.db's step when there is no state database."""
+    paths = _state_paths(root)
+    if not paths:
+        dpath = os.path.join(root, DRIVER_DB)
+        if not os.path.exists(dpath):
+            return 0
+        with Database(dpath, readonly=True) as db, db.read(db.versions().stop - 1) as h:
+            return h.get_step()
+    ranges = []
+    for p in paths:
+        with Database(p, readonly=True) as db:
+            ranges.append(db.versions())
+    lo, hi = max(r.start for r in ranges), min(r.stop for r in ranges) - 1
+    if lo > hi:
+        raise RecoveryError(f"{root}: the state databases share no version: {[(r.start, r.stop - 1) for r in ranges]}")
+    job = read_record(os.path.join(root, STATE_DIR, JOB_FILE), JOB_MAGIC)
+    v = hi if job is None or job["end"] <= out_last else min(hi, job["version"])
+    with Database(paths[0], readonly=True) as db, db.read(v) as h:
+        return h.get_step()
+
+
+# ---- the output log ----
+
+def _output_steps(got: Salvaged, where: str) -> dict[int, bytes]:
+    out: dict[int, bytes] = {}
+    for r in got.records:
+        if r.step in out:
+            raise CorruptionError(f"{where}: two valid records of output step {r.step}")
+        out[r.step] = r.payload
+    return out
+
+
+def rebuild_output(root: str, below: int | None = None, backup: str | None = None) -> dict[str, Any]:
+    """Rebuild the output log from its intact records (invariant 4): the new log ends before the first step it
+    lacks (and before ``below``); returns ``{"kept": (first, end), "expect": {step: payload}, "missing": [...],
+    "backup": dir}``, the intact records after the cut in ``expect``. CorruptionError (nothing changed) if a
+    step it lacks is below the step recovery resumes at."""
+    odir = os.path.join(root, OUTPUT_DIR)
+    got = salvage(odir)
+    intact = _output_steps(got, odir)
+    steps = sorted(intact)
+    first = steps[0] if steps else 0
+    end = steps[-1] + 1 if steps else 0
+    head = bool(got.damaged) and (not got.records or (got.damaged[0][0], got.damaged[0][1]) <
+                                  (got.records[0].segment, got.records[0].offset))
+    missing = [s for s in range(first, end) if s not in intact]
+    cut = min(missing + ([below] if below is not None else []) + [end])
+    x = resume_step(root, cut)
+    where = ", ".join(f"{n} bytes {a}..{b}" for n, a, b in got.damaged)
+    if cut < x:
+        raise CorruptionError(f"{odir}: damaged ({where}); output steps {missing[:20]} are missing, and the state's "
+                            f"checkpoint is at step {x}: they cannot be computed again (their input is gone). "
+                            f"Nothing was changed")
+    if head:  # the steps before the first intact record are unknown (retention may have dropped some)
+        raise CorruptionError(f"{odir}: damaged before its first intact record ({where}), which is of step {first}: "
+                            f"the steps before it cannot be told apart from steps retention dropped. Nothing was "
+                            f"changed")
+    backup = backup or _backup_dir(root)
+    _write_log(odir + ".new", [(s, "", "", 0, intact[s]) for s in range(first, cut)], False)
+    _swap(root, backup, [OUTPUT_DIR])
+    return {"kept": (first, cut), "expect": {s: intact[s] for s in steps if s >= cut}, "missing": missing,
+            "backup": backup, "damaged": got.damaged}
+
+
+# ---- the input log (dbsp repair) ----
+
+def _dedup(root: str) -> dict[str, tuple[int, set[int]]]:
+    """The checkpoint's dedup set: producer -> (every seq <= wm seen, seen seqs above wm)."""
+    dpath = os.path.join(root, DRIVER_DB)
+    out: dict[str, tuple[int, set[int]]] = {}
+    if not os.path.exists(dpath):
+        return out
+    with Database(dpath, readonly=True) as db, db.read(db.versions().stop - 1) as h:
+        for k, v in h.scan(DEDUP_TABLE):
+            rec = decode_json(b"DDUP", v, f"{dpath} dedup {k!r}")
+            out[k.decode("utf-8", "surrogateescape")] = (int(rec["wm"]), {int(x) for x in rec["above"]})
+    return out
+
+
+def _acked(root: str) -> list[tuple[str, int]]:
+    """The named pushes a clean close recorded in driver.db as held by the input log (empty if none)."""
+    dpath = os.path.join(root, DRIVER_DB)
+    if not os.path.exists(dpath):
+        return []
+    try:
+        with Database(dpath, readonly=True) as db, db.read(db.versions().stop - 1) as h:
+            rec = h.get(ACKED_TABLE, ACKED_KEY)
+            if rec is None:
+                return []
+            got = decode_json(ACKED_MAGIC, rec, f"{dpath} acked")
+            return [(p, q) for p, q in got["pushes"]] if got.get("step") == h.get_step() else []
+    except (CorruptionError, KeyError, TypeError, ValueError):
+        return []
+
+
+def _named_outputs(root: str, steps: range) -> dict[int, list[dict]]:
+    """The input ranges the output log records for ``steps`` (those it holds intact)."""
+    odir = os.path.join(root, OUTPUT_DIR)
+    if not os.path.isdir(odir):
+        return {}
+    out = {}
+    for r in salvage(odir).records:
+        if r.step in steps:
+            try:  # the record's JSON part (dbsp_core/storage/outputlog.py byte layout)
+                n = int.from_bytes(r.payload[4:8], "little")
+                out[r.step] = json.loads(r.payload[8:8 + n].decode("utf-8"))["inputs"]
+            except (ValueError, UnicodeDecodeError, KeyError):
+                continue
+    return out
+
+
+def repair(root: str) -> dict[str, Any]:
+    """Repair a storage directory whose input log is damaged (invariants 1-3); returns the report.
+
+    Raises RecoveryError if the directory holds no pipeline or a layout change is in progress (open the
+    pipeline first), DbspError if a pipeline has it open.
+    """
+    root = os.fspath(root)
+    if not os.path.exists(os.path.join(root, "META")):
+        raise RecoveryError(f"dbsp repair: {root!r} holds no pipeline (META is missing)")
+    fd = lock_dir(root)
+    try:
+        finish_repair(root)
+        if read_rescale(root) is not None:
+            raise RecoveryError(f"dbsp repair: {root}: a layout change is in progress; Pipeline.open finishes it")
+        return _repair(root)
+    finally:
+        unlock_dir(fd)
+
+
+def _repair(root: str) -> dict[str, Any]:
+    idir = os.path.join(root, INPUT_DIR)
+    report: dict[str, Any] = {"path": root, "input_damaged": [], "lost": [], "lost_unnamed": 0,
+                              "withdrawn_output": None, "backup": None, "requeued_pushes": 0}
+    try:
+        _storage.Log(idir, "posix", 64 << 20, False, True).close()  # opens (cutting a torn tail as open would)
+        damaged = False
+    except CorruptionError as exc:
+        damaged = True
+        report["error"] = str(exc)
+    try:
+        from dbsp_core.storage.outputlog import OutputLog
+
+        OutputLog(os.path.join(root, OUTPUT_DIR), {}, readonly=True).close()
+        out_damaged = False
+    except CorruptionError:
+        out_damaged = True
+    if not damaged and not out_damaged:
+        report["result"] = "nothing to repair: the input and output logs are intact"
+        return report
+    backup = _backup_dir(root)
+    report["backup"] = backup
+    if not damaged:  # only the output log: the rebuild Pipeline.open would do
+        r = rebuild_output(root, backup=backup)
+        report["withdrawn_output"] = [r["kept"][1], None]
+        report["result"] = (f"the output log was damaged; it holds steps {r['kept'][0]}..{r['kept'][1] - 1} now, and "
+                            f"opening the pipeline computes the rest again from the input")
+        return report
+    got = salvage(idir)
+    # the log refused to open: an invalid tail is damage too (a log closed cleanly was cut), and a cut at a
+    # record boundary leaves no invalid byte at all: then the damage is after the last valid record
+    damaged_ranges = got.damaged + ([got.torn] if got.torn else [])
+    if not damaged_ranges and got.segments:
+        last = got.segments[-1]
+        end = os.path.getsize(os.path.join(idir, last))
+        damaged_ranges = [(last, end, end)]
+    report["input_damaged"] = [{"segment": n, "from": a, "to": b} for n, a, b in damaged_ranges]
+    for n in sorted({n for n, _, _ in damaged_ranges}):  # invariant 1: a copy of each damaged segment, as it is
+        shutil.copy2(os.path.join(idir, n), os.path.join(backup, n))
+    # the steps each damaged range may have held: from the valid record before it to the one after it
+    recs = got.records
+    where = [(r.segment, r.offset) for r in recs]
+    spans = []
+    for n, a, b in damaged_ranges:
+        i, j = bisect.bisect_left(where, (n, a)), bisect.bisect_left(where, (n, b))
+        lo = recs[i - 1].step if i else None
+        if i and recs[i - 1].handle == DIVISION_HANDLE:
+            lo = recs[i - 1].step + 1  # every push of a step precedes its division: the damage is of later steps
+        spans.append((lo, recs[j].step if j < len(recs) else None))
+    out_last = _output_last(root)
+    x = resume_step(root, out_last)
+    lows = [lo if lo is not None else -1 for lo, _ in spans]
+    highs = [hi if hi is not None else 2**62 for _, hi in spans]
+    if all(h < x for h in highs):
+        s = None  # every damaged record was of a step the checkpoint holds: nothing is lost
+    else:
+        s = max(x, min(lo for lo, h in zip(lows, highs) if h >= x))
+    report["resume_step"] = x
+    if s is None:
+        _write_log(idir + ".new", _held(root, recs, x, report), True)
+        _swap(root, backup, [INPUT_DIR])
+        report["result"] = (f"the damaged records were of steps below the checkpoint (step {x}), which holds "
+                            f"their effect: no push is lost")
+        return report
+    # invariant 2: steps < s as they are; the valid pushes (and discards) of steps >= s again, undivided, at s
+    head = [r for r in recs if r.step < s]
+    tail = [r for r in recs if r.step >= s and r.handle != DIVISION_HANDLE]
+    divisions = {r.step: decode_json(DIVISION_MAGIC, r.payload, f"{idir} division of step {r.step}")
+                 for r in recs if r.step >= s and r.handle == DIVISION_HANDLE}
+    last_step = max([r.step for r in recs] + [out_last - 1, s])
+    lost, unnamed = _lost(root, s, last_step, [r for r in tail if r.handle != DISCARD_HANDLE], divisions,
+                          {(r.producer, r.seq) for r in recs if r.producer and r.handle not in (DIVISION_HANDLE,
+                                                                                                DISCARD_HANDLE)})
+    report["lost"] = [{"producer": p, "seq": q, "step": st} for p, q, st in lost]
+    report["lost_unnamed"] = unnamed
+    report["requeued_pushes"] = sum(1 for r in tail if r.handle != DISCARD_HANDLE)
+    new = _held(root, head, x, report) + [(s, r.handle, r.producer, r.seq, r.payload) for r in tail]
+    _write_log(idir + ".new", new, True)
+    parts = [INPUT_DIR]
+    if out_last > s or out_damaged:
+        r_out = rebuild_output_to(root, s)
+        if r_out < x:
+            raise RecoveryError(f"dbsp repair: {root}: the output log is damaged too, at step {r_out}, below the "
+                                f"checkpoint at step {x}: that output cannot be computed again. Nothing was changed "
+                                f"(the new logs were left in {idir}.new and {root}/output.new)")
+        parts.append(OUTPUT_DIR)
+        report["withdrawn_output"] = [r_out, out_last - 1] if out_last > r_out else None
+    _swap(root, backup, parts)
+    named = ", ".join(f"({p!r}, {q})" for p, q, _ in lost[:50]) + (" ..." if len(lost) > 50 else "")
+    report["result"] = (f"input of steps {s} and later was damaged: {len(lost)} pushes are lost by name"
+                        + (f" [{named}]" if lost else "") + (f" and {unnamed} more without a name (anonymous, or "
+                                                              f"counted by a division only)" if unnamed else "")
+                        + f"; {report['requeued_pushes']} valid pushes of those steps wait for the next step"
+                        + (f"; output steps {report['withdrawn_output'][0]}..{report['withdrawn_output'][1]} are "
+                           f"withdrawn (read them again after the next steps)" if report["withdrawn_output"] else "")
+                        + f"; the old logs are in {backup}")
+    return report
+
+
+def _held(root: str, recs: list[Record], x: int, report: dict) -> list[tuple[int, str, str, int, bytes]]:
+    """``recs`` as records to log again, with what recovery needs of the steps ``d..x-1`` that the state holds
+    but driver.db (at step ``d``) does not (invariant 2): a division per step, made up when damage took it
+    (its ``now`` the latest one logged before it: recovery only keeps the clock from it), and a discard record
+    per push an intact output step names but no record holds, so that push stays seen (its effect is in the
+    state: it is not lost, and a retry must stay a duplicate)."""
+    out = [(r.step, r.handle, r.producer, r.seq, r.payload) for r in recs]
+    dpath = os.path.join(root, DRIVER_DB)
+    try:
+        with Database(dpath, readonly=True) as db, db.read(db.versions().stop - 1) as h:
+            d = h.get_step()
+            clock = h.get(CLOCK_TABLE, CLOCK_KEY)
+            floor = int(decode_json(CLOCK_MAGIC, clock, f"{dpath} clock")["now_ns"]) if clock is not None else 0
+    except (OSError, CorruptionError, KeyError, ValueError):
+        return out
+    divs = {r.step: decode_json(DIVISION_MAGIC, r.payload, f"division of step {r.step}") for r in recs
+            if r.handle == DIVISION_HANDLE}
+    missing = [t for t in range(d, x) if t not in divs]
+    if not missing:
+        return out
+    present = {(r.producer, r.seq) for r in recs if r.producer and r.handle not in (DIVISION_HANDLE, DISCARD_HANDLE)}
+    named = _named_outputs(root, range(d, x))
+    extra: dict[int, list[tuple[int, str, str, int, bytes]]] = {}
+    held = []
+    for t in range(d, x):
+        for rg in named.get(t, []):
+            if rg["producer"] and rg["first_seq"] is not None:
+                for q in range(rg["first_seq"], rg["last_seq"] + 1):
+                    if (rg["producer"], q) not in present:
+                        held.append((rg["producer"], q, t))
+                        extra.setdefault(t, []).append((t, DISCARD_HANDLE, rg["producer"], q, encode_json(
+                            DISCARD_MAGIC, {"input": rg["handle"], "producer": rg["producer"], "seq": q, "step": t})))
+        if t in missing:
+            before = [dv for st, dv in divs.items() if st < t]
+            last = max(before, key=lambda dv: dv["step"]) if before else None
+            dv = {"step": t, "pushes": sum(1 for r in recs if r.step == t and r.handle not in (DIVISION_HANDLE,
+                                                                                            DISCARD_HANDLE)),
+                  "now_ns": max(floor, int(last["now_ns"])) if last else floor, "seed": 0}
+            if last is not None and "watermarks" in last:
+                dv["watermarks"] = last["watermarks"]
+            divs[t] = dv
+            extra.setdefault(t, []).append((t, DIVISION_HANDLE, "", 0, encode_json(DIVISION_MAGIC, dv)))
+    report["held_by_the_state"] = [{"producer": p, "seq": q, "step": t} for p, q, t in held]
+    report["made_up_divisions"] = missing
+    merged: list[tuple[int, str, str, int, bytes]] = []
+    for rec in out:
+        for t in sorted(k for k in extra if k < rec[0]):
+            merged.extend(extra.pop(t))
+        merged.append(rec)
+    for t in sorted(extra):
+        merged.extend(extra[t])
+    return merged
+
+
+def _output_last(root: str) -> int:
+    odir = os.path.join(root, OUTPUT_DIR)
+    if not os.path.isdir(odir):
+        return 0
+    steps = [r.step for r in salvage(odir).records]
+    return max(steps) + 1 if steps else 0
+
+
+def rebuild_output_to(root: str, s: int) -> int:
+    """Write ``output.new``: the intact contiguous output records below step ``s``; returns where it ends."""
+    odir = os.path.join(root, OUTPUT_DIR)
+    intact = _output_steps(salvage(odir), odir) if os.path.isdir(odir) else {}
+    steps = sorted(intact)
+    first = steps[0] if steps else 0
+    end = first
+    while end < s and end in intact:
+        end += 1
+    _write_log(odir + ".new", [(t, "", "", 0, intact[t]) for t in range(first, end)], False)
+    return end
+
+
+def _lost(root: str, s: int, last: int, tail: list[Record], divisions: dict[int, dict], logged: set
+          ) -> tuple[list[tuple[str, int, int]], int]:
+    """Invariant 3: ``[(producer, seq, step)]`` lost by name, and how many more are lost without a name;
+    ``tail`` the valid pushes of steps ``s`` and later, ``logged`` every (producer, seq) a valid record holds."""
+    have = {(r.producer, r.seq) for r in tail} | logged
+    lost: dict[tuple[str, int], int] = {}
+    named_outputs = _named_outputs(root, range(s, last + 1))
+    by_step: dict[int, int] = {}
+    for step, ranges in named_outputs.items():  # the output log names the pushes of the steps it holds
+        for rg in ranges:
+            if rg["producer"] and rg["first_seq"] is not None:
+                for q in range(rg["first_seq"], rg["last_seq"] + 1):
+                    if (rg["producer"], q) not in have:
+                        lost.setdefault((rg["producer"], q), step)
+            elif not rg["producer"]:
+                by_step[step] = by_step.get(step, 0) + rg["pushes"]
+    stepped = {(rg["producer"], q) for st, ranges in _named_outputs(root, range(0, s)).items() for rg in ranges
+               if rg["producer"] and rg["first_seq"] is not None for q in range(rg["first_seq"], rg["last_seq"] + 1)}
+    for key in _acked(root):  # a clean close recorded every push the log held: those gone are lost by name
+        if key not in have and key not in stepped:
+            lost.setdefault(key, -1)
+    seen = _dedup(root)
+    producers = {r.producer for r in tail if r.producer}
+    for p in producers:  # gaps in a producer's seqs after what the checkpoint had seen
+        wm, above = seen.get(p, (-1, set()))
+        qs = sorted(q for pp, q in have if pp == p and q > wm)
+        if not qs:
+            continue
+        for q in range(wm + 1, qs[-1]):
+            if q not in above and (p, q) not in have and (p, q) not in stepped:
+                lost.setdefault((p, q), -1)
+    unnamed = 0
+    for step, dv in divisions.items():  # a division counts its pushes: those not named are lost without a name
+        held = sum(1 for r in tail if r.step == step)
+        named_here = sum(1 for st in lost.values() if st == step)
+        unnamed += max(0, int(dv.get("pushes", 0)) - held - named_here)
+    unnamed = max(0, unnamed - sum(1 for st in lost.values() if st == -1))  # gaps name some of them
+    anon_held = {}
+    for r in tail:
+        if not r.producer:
+            anon_held[r.step] = anon_held.get(r.step, 0) + 1
+    for step, n in by_step.items():
+        if step not in divisions:
+            unnamed += max(0, n - anon_held.get(step, 0))
+    return sorted((p, q, st) for (p, q), st in lost.items()), unnamed

@@ -1,0 +1,101 @@
+"""Pipeline.metrics(), the Prometheus endpoint and the progress line: counts against what was pushed and
+returned, state bytes that add up per shard, and the endpoint's text over HTTP on loopback."""
+
+from __future__ import annotations
+
+import io
+import urllib.request
+
+import pyarrow as pa
+
+import dbsp_core as dbsp
+from dbsp_core.progress import Progress
+
+
+def _pipeline(**kw) -> tuple[dbsp.Pipeline, dbsp.Circuit]:
+    c = dbsp.Circuit()
+    t = c.input("t", pa.schema([("k", pa.int64()), ("v", pa.int64()), ("ts", pa.int64())]), event_time="ts",
+                lateness=0)
+    c.output("sums", t.group_by("k").agg(s=dbsp.sum("v")))
+    return dbsp.Pipeline(c, workers=2, **kw), c
+
+
+def test_counts_match_what_was_pushed_and_returned(tmp_path) -> None:
+    p, _ = _pipeline(storage=tmp_path, checkpoint_interval=None)
+    rows_out = 0
+    for i in range(12):
+        p.push("t", pa.table({"k": [i % 5, i % 7, 100 + i], "v": [1, 2, 3], "ts": [i, i, i]}),
+               producer="g", seq=i)
+        p.push("t", pa.table({"k": [1], "v": [1], "ts": [i]}), producer="g", seq=i)  # a duplicate
+        rows_out += p.step()["sums"].num_rows
+    p.push("t", pa.table({"k": [1], "v": [1], "ts": [0]}))  # late: below the watermark 11
+    p.step()
+    p.checkpoint()
+    m = p.metrics()
+    assert m["steps"] == 13 and m["pushes"] == 13 and m["duplicate_pushes"] == 12
+    assert m["rows_in"] == {"t": 37} and m["rows_out"]["sums"] == rows_out
+    assert m["late_rows"] == {"t": 1}
+    assert m["step_seconds"]["count"] == 13 and sum(m["step_seconds"]["counts"]) == 13
+    assert m["step_seconds"]["p99"] >= m["step_seconds"]["p50"] > 0
+    assert m["checkpoints"] == 1 and m["checkpoint_seconds"] > 0
+    assert m["log_bytes"]["input"] > 0 and m["log_bytes"]["output"] > 0 and m["output_steps"] == [0, 13]
+    assert set(m["state_bytes"]) == {0, 1}
+    for w, v in m["state_bytes"].items():
+        assert v["total"] > 0 and abs(sum(v["shards"].values()) - v["total"]) <= len(v["shards"])
+        assert all(p.layout.owner(s) == w for s in v["shards"])
+    p.close()
+    q, c = _pipeline(storage=tmp_path, checkpoint_interval=None)
+    assert q.metrics()["steps"] == 0  # counters start with the pipeline object; the logs are the record
+    q.close()
+
+
+def test_prometheus_endpoint_serves_the_same_numbers() -> None:
+    p, _ = _pipeline()
+    p.push("t", pa.table({"k": [1, 2], "v": [1, 2], "ts": [0, 0]}))
+    p.step()
+    server, port = p.serve_metrics()
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        server.shutdown()
+    for line in ("dbsp_steps_total 1.0", 'dbsp_rows_in_total{input="t"} 2.0', 'dbsp_rows_out_total{output="sums"} 2.0',
+                 'dbsp_step_seconds_bucket{le="+Inf"} 1.0', "dbsp_workers 2.0", 'dbsp_late_rows_total{input="t"} 0.0'):
+        assert line in text, line
+    assert 'dbsp_state_bytes{worker="0"}' in text and "dbsp_state_shard_bytes{" in text
+    p.close()
+
+
+def test_progress_line_only_for_long_operations() -> None:
+    out = io.StringIO()
+    with Progress("replay", total=10, stream=out, delay=60, force=True) as pr:
+        pr.update(10)
+    assert out.getvalue() == ""  # shorter than the delay: nothing printed
+    with Progress("replay", total=10, stream=out, delay=0, interval=0.01, force=True) as pr:
+        pr.update(4)
+    assert "replay 4/10 (40%)" in out.getvalue() and out.getvalue().endswith(" done\n")
+
+
+def test_recovery_replay_draws_a_progress_line(tmp_path) -> None:
+    """Pipeline.open replaying steps since the last checkpoint shows 'recovery replay n/n steps' on stderr."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    code = (
+        "import sys, pyarrow as pa, dbsp_core as dbsp\n"
+        "c = dbsp.Circuit(); t = c.input('t', pa.schema([('k', pa.int64())]))\n"
+        "c.output('n', t.group_by('k').agg(n=dbsp.count()))\n"
+        "if sys.argv[2] == 'write':\n"
+        "    p = dbsp.Pipeline(c, storage=sys.argv[1], checkpoint_interval=None)\n"
+        "    for i in range(70):\n"
+        "        p.push('t', pa.table({'k': [i % 7]})); p.step()\n"
+        "    p.close(checkpoint=False)\n"
+        "else:\n"
+        "    dbsp.Pipeline.open(sys.argv[1], c).close()\n")
+    env = dict(os.environ, PYTHONPATH=root, DBSP_PROGRESS="1", DBSP_PROGRESS_DELAY="0")
+    for mode in ("write", "open"):
+        r = subprocess.run([sys.executable, "-c", code, str(tmp_path), mode], capture_output=True, text=True,
+                           env=env, timeout=120)
+        assert r.returncode == 0, r.stderr
+    assert "recovery replay 70/70 steps (100%)" in r.stderr and r.stderr.rstrip().endswith("done"), r.stderr
