@@ -582,7 +582,7 @@ class Stream:
 
     def group_by(self, *keys: str) -> "GroupBy":
         """Group rows by ``keys`` (none: the whole stream is one group); finish with :meth:`GroupBy.agg`,
-        :meth:`GroupBy.top_k`, :meth:`GroupBy.argmax` or :meth:`GroupBy.argmin`."""
+        :meth:`GroupBy.top_k`, :meth:`GroupBy.argmax`, :meth:`GroupBy.argmin` or :meth:`GroupBy.session`."""
         return GroupBy(self, keys)
 
     # ---- event time (dbsp_core/time) ----
@@ -599,6 +599,26 @@ class Stream:
         from dbsp_core.time.window import hop
 
         return hop(self, column, size, slide, start, end)
+
+    def proc_tumble(self, size: int, unit: str = "ms", start: str = "window_start", end: str = "window_end"
+                    ) -> "Stream":
+        """Tumbling windows of processing time: each row gets the window of ``size`` ``unit`` holding the now of
+        the step in which it arrives (``timestamp[unit]`` columns; see dbsp_core.time.proctime)."""
+        from dbsp_core.time.proctime import proc_tumble
+
+        return proc_tumble(self, size, unit, start, end)
+
+    def session(self, column: str, gap: int, by: str | Sequence[str] = (), start: str = "session_start",
+                end: str = "session_end") -> "Stream":
+        """Session windows over time ``column`` per group of ``by`` (none: one group): each row with its
+        session's ``start`` and ``end`` columns; ``group_by(*by).session(column, gap)`` (dbsp_core.time.session).
+
+        >>> import pyarrow as pa
+        >>> s = Circuit().input("t", pa.schema([("k", pa.int64()), ("t", pa.int64())]))
+        >>> s.session("t", 10, by="k").schema.names
+        ['k', 't', 'session_start', 'session_end']
+        """
+        return self.group_by(*([by] if isinstance(by, str) else by)).session(column, gap, start, end)
 
     def interval_join(self, other: "Stream", left_time: str, right_time: str, lower: int, upper: int,
                       on: str | Sequence[str] | None = None, left_on: str | Sequence[str] | None = None,
@@ -683,6 +703,40 @@ class GroupBy:
         src = s._exchanged(keys)
         op = TopK(src.node_id, src.schema, keys, order, k, with_ties, where, hidden)
         return s.circuit._add(op, passed(src.times, {c: c for c in keys if c != hidden}), (src.times,))
+
+    def session(self, column: str, gap: int, start: str = "session_start", end: str = "session_end") -> Stream:
+        """Session windows per group over time ``column``: every row followed by its session's ``start`` (first
+        time) and ``end`` (last time + ``gap``), a session ending where the next row of the group comes more than
+        ``gap`` time units later (dbsp_core/time/session.py). Aggregate by the keys and the session columns for
+        per-session results; sessions a watermark closes leave the state.
+
+        >>> import pyarrow as pa
+        >>> import dbsp_core as dbsp
+        >>> c = dbsp.Circuit()
+        >>> bid = c.input("bid", pa.schema([("bidder", pa.int64()), ("t", pa.int64())]), event_time="t", lateness=15)
+        >>> s = bid.group_by("bidder").session("t", 10)
+        >>> c.output("n", s.group_by("bidder", "session_start", "session_end").agg(n=dbsp.count()))
+        >>> p = dbsp.Pipeline(c)
+        >>> p.push("bid", pa.table({"bidder": [1, 1, 1, 2], "t": [0, 8, 25, 5]}))
+        >>> sorted(p.step()["n"].to_dict())
+        [(1, 0, 18, 2), (1, 25, 35, 1), (2, 5, 15, 1)]
+        >>> p.push("bid", pa.table({"bidder": [1], "t": [17]}))  # bridges the two sessions of bidder 1
+        >>> sorted(p.step()["n"].to_dict().items())
+        [((1, 0, 18, 2), -1), ((1, 0, 35, 4), 1), ((1, 25, 35, 1), -1)]
+        """
+        from dbsp_core.time.session import Session
+
+        s0 = self.stream
+        where = s0._where("session")
+        schema0 = s0.schema if self.keys else pa.schema(list(s0.schema) + [pa.field(GLOBAL_KEY, pa.int64())])
+        Session(-1, schema0, self.keys or (GLOBAL_KEY,), column, gap, start, end, where)  # validate first
+        s, keys, hidden = self._keyed(where)
+        src = s._exchanged(keys)
+        op = Session(src.node_id, src.schema, keys, column, gap, start, end, where, hidden)
+        times = passed(src.times, {c: c for c in keys if c != hidden})
+        if column in src.times:  # session.py invariant 5
+            times[end] = src.times[column]
+        return s.circuit._add(op, times, (src.times,))
 
     def argmax(self, column: str, with_ties: bool = True) -> Stream:
         """The rows of each group with the largest ``column`` (all of them, unless ``with_ties=False``)."""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from dbsp_core.errors import SchemaError, WeightOverflowError
 
@@ -144,3 +145,31 @@ def concat(parts: list["ZSet"], schema: pa.Schema) -> "ZSet":
     if len(parts) == 1:
         return parts[0]
     return ZSet.concat(parts)
+
+
+def run_starts(table: pa.Table, columns: Sequence[str]) -> np.ndarray:
+    """True at row 0 and where any of ``columns`` differs from the row before (null equals null): the first row
+    of each run of equal keys in a sorted table."""
+    n = table.num_rows
+    out = np.zeros(n, dtype=bool)
+    if n == 0:
+        return out
+    out[0] = True
+    for c in columns:
+        col = table.column(c)
+        a, b = col.slice(1), col.slice(0, n - 1)
+        differ = pc.or_(pc.not_equal(pc.is_valid(a), pc.is_valid(b)), pc.fill_null(pc.not_equal(a, b), False))
+        out[1:] |= np.asarray(differ.to_numpy(zero_copy_only=False), dtype=bool)
+    return out
+
+
+_PER_KEY_NULLS = tuple(int(x) for x in pa.__version__.split(".")[:1]) >= (25,)  # null placement per sort key
+
+
+def sort_order(table: pa.Table, keys: Sequence[tuple[str, str]]) -> np.ndarray:
+    """The row indices of ``table`` sorted by ``keys`` (``(column, "ascending" | "descending")``), nulls last."""
+    if _PER_KEY_NULLS:
+        idx = pc.sort_indices(table, sort_keys=[(c, d, "at_end") for c, d in keys])
+    else:  # pragma: no cover - pyarrow < 25
+        idx = pc.sort_indices(table, sort_keys=list(keys), null_placement="at_end")
+    return np.asarray(idx, dtype=np.int64)

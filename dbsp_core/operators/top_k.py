@@ -21,11 +21,10 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from dbsp_core.errors import SchemaError
 from dbsp_core.operators.aggregate import lookup_exact
-from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, make
+from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, make, run_starts, sort_order
 from dbsp_core.time.cleanup import prune
 from dbsp_core.time.lineage import input_times
 from dbsp_core.trace import Trace, unique_sorted
@@ -85,32 +84,9 @@ class TopK(Operator):
                 + list(extra))
 
 
-def _boundaries(table: pa.Table, columns: Sequence[str]) -> np.ndarray:
-    """True at row 0 and where any of ``columns`` differs from the row before (null equals null)."""
-    n = table.num_rows
-    out = np.zeros(n, dtype=bool)
-    if n == 0:
-        return out
-    out[0] = True
-    for c in columns:
-        col = table.column(c)
-        a, b = col.slice(1), col.slice(0, n - 1)
-        differ = pc.or_(pc.not_equal(pc.is_valid(a), pc.is_valid(b)), pc.fill_null(pc.not_equal(a, b), False))
-        out[1:] |= np.asarray(differ.to_numpy(zero_copy_only=False), dtype=bool)
-    return out
-
-
-_PER_KEY_NULLS = tuple(int(x) for x in pa.__version__.split(".")[:1]) >= (25,)  # null placement per sort key
-
-
 def _sorted(op: TopK, table: pa.Table, extra: Sequence[tuple[str, str]] = ()) -> np.ndarray:
     """The row order of invariant 1 (nulls last), then ``extra``."""
-    keys = op.sort_keys(extra)
-    if _PER_KEY_NULLS:
-        idx = pc.sort_indices(table, sort_keys=[(c, d, "at_end") for c, d in keys])
-    else:  # pragma: no cover - pyarrow < 25
-        idx = pc.sort_indices(table, sort_keys=keys, null_placement="at_end")
-    return np.asarray(idx, dtype=np.int64)
+    return sort_order(table, op.sort_keys(extra))
 
 
 def top_rows(op: TopK, z: ZSet) -> ZSet:
@@ -123,13 +99,13 @@ def top_rows(op: TopK, z: ZSet) -> ZSet:
     idx = _sorted(op, z.data)
     t = z.data.take(pa.array(idx))
     w = z.weights[idx]
-    ng = _boundaries(t, op.keys)
+    ng = run_starts(t, op.keys)
     gid = np.cumsum(ng) - 1
     cw = np.cumsum(w)
     first = cw - w  # weight before each row, over the whole table
     base = first[ng][gid]  # weight before each row's group
     if op.with_ties:
-        nr = ng | _boundaries(t, [c for c, _ in op.order])
+        nr = ng | run_starts(t, [c for c, _ in op.order])
         before = first[nr][np.cumsum(nr) - 1] - base  # weight of the group before the row's run of ties
         out = np.where(before < op.k, w, 0)
     else:
@@ -148,7 +124,7 @@ def reaching(op: TopK, shown: ZSet, deleted: ZSet) -> np.ndarray:
     t = both.take(pa.array(idx))
     w = np.concatenate([shown.weights, np.zeros(n_d, np.int64)])[idx]
     is_shown = idx < n_s
-    ng = _boundaries(t, op.keys)
+    ng = run_starts(t, op.keys)
     starts = np.flatnonzero(ng)
     gid = np.cumsum(ng) - 1
     total = np.add.reduceat(np.where(is_shown, w, 0), starts)

@@ -9,7 +9,7 @@ import pytest
 
 MODULES = ["dbsp_core.circuit", "dbsp_core.runtime.driver", "dbsp_core.runtime.executor", "dbsp_core.runtime.context",
            "dbsp_core.layout", "dbsp_core.trace", "dbsp_core.aggregates", "dbsp_core.demo", "dbsp_core.time.watermark",
-           "dbsp_core.time.window", "dbsp_core.nexmark.generator", "dbsp_core.nexmark.queries",
+           "dbsp_core.time.window", "dbsp_core.time.proctime", "dbsp_core.nexmark.generator", "dbsp_core.nexmark.queries",
            "dbsp_core.nexmark.sql_queries", "dbsp_core.sql", "dbsp_core.sql.explain", "dbsp_core.metrics",
            "dbsp_core.progress"]
 

@@ -189,28 +189,35 @@ def test_pruned_state_checkpoints_and_recovers(tmp_path, monkeypatch) -> None:
         c.output("agg", w.group_by("k", "window_start").agg(n=dbsp.count(), hi=dbsp.max("v")))
         c.output("top", w.group_by("window_start").top_k(2, ("v", "descending")))
         c.output("join", a.interval_join(b, "t", "t", -4, 4, on="k"))
+        sessions = b.group_by("k").session("t", 2)
+        c.output("sessions", sessions.group_by("k", "session_start", "session_end").agg(n=dbsp.count()))
+        c.output("proc", a.proc_tumble(30).group_by("k", "window_start").agg(n=dbsp.count()))
         return c
 
     rng = np.random.default_rng(5)
     pushes = [{n: pa.table({"k": rng.integers(0, 3, 15), "v": rng.integers(0, 50, 15),
                             "t": s * 6 + rng.integers(0, 6, 15)}, schema=EV) for n in ("a", "b")} for s in range(16)]
-    outs = []
-    with dbsp.Pipeline(circuit(), workers=2) as ref:
-        for step in pushes:
+    outs, now = [], [0]
+    clock = lambda: now[0]  # noqa: E731 - proc_tumble's now: 11 ms per step, the same in every pipeline
+    with dbsp.Pipeline(circuit(), workers=2, clock=clock) as ref:
+        for i, step in enumerate(pushes):
+            now[0] = (i + 1) * 11 * 10**6
             for n, t in step.items():
                 ref.push(n, t)
             outs.append(ref.step())
         pruned_rows = sum(tr.num_rows for w in range(2) for tr in ref.traces(w).values())
-    p = dbsp.Pipeline(circuit(), workers=2, storage=tmp_path, checkpoint_interval=None)
+    p = dbsp.Pipeline(circuit(), workers=2, storage=tmp_path, checkpoint_interval=None, clock=clock)
     for i, step in enumerate(pushes[:10]):
+        now[0] = (i + 1) * 11 * 10**6
         for n, t in step.items():
             p.push(n, t)
         assert p.step() == outs[i]
         if i in (4, 7):
             p.checkpoint()
     p.close()
-    q = dbsp.Pipeline.open(tmp_path, circuit())
+    q = dbsp.Pipeline.open(tmp_path, circuit(), clock=clock)
     for i, step in enumerate(pushes[10:], start=10):
+        now[0] = (i + 1) * 11 * 10**6
         for n, t in step.items():
             q.push(n, t)
         assert q.step() == outs[i], i

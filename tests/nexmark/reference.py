@@ -1,4 +1,4 @@
-"""The Nexmark queries in DuckDB SQL, column for column as dbsp_core.nexmark builds them (ties of ROW_NUMBER broken by the remaining columns, as top_k does)."""
+"""The Nexmark queries in DuckDB SQL, column for column as dbsp_core.nexmark builds them (ties of ROW_NUMBER broken by the remaining columns, as top_k does; q11's sessions by LAG over each bidder's distinct times; q12's processing time as a column ``p_time`` of bid: the now of the step that brought the bid)."""
 
 MS = "epoch_ms(dateTime)"
 
@@ -47,6 +47,17 @@ SQL = {
           f"A.seller, A.category, B.auction, B.bidder, A.extra, B.extra) AS rn {AUCTION_BIDS}) WHERE rn = 1",
     "q10": "SELECT auction, bidder, price, dateTime, extra, strftime(dateTime, '%Y-%m-%d'), "
            "strftime(dateTime, '%H:%M') FROM bid",
+    "q11": "WITH d AS (SELECT DISTINCT bidder, epoch_ms(dateTime) AS t FROM bid), "
+           "f AS (SELECT bidder, t, CASE WHEN t - lag(t) OVER (PARTITION BY bidder ORDER BY t) <= 10000 THEN 0 "
+           "ELSE 1 END AS n FROM d), "
+           "g AS (SELECT bidder, t, sum(n) OVER (PARTITION BY bidder ORDER BY t) AS sid FROM f), "
+           "s AS (SELECT bidder, sid, min(t) AS ss, max(t) + 10000 AS se FROM g GROUP BY bidder, sid) "
+           "SELECT B.bidder, count(*), epoch_ms(s.ss), epoch_ms(s.se) FROM bid B "
+           "JOIN g ON B.bidder = g.bidder AND epoch_ms(B.dateTime) = g.t "
+           "JOIN s ON g.bidder = s.bidder AND g.sid = s.sid "
+           "GROUP BY B.bidder, s.ss, s.se",
+    "q12": f"SELECT bidder, count(*), ws, ws + INTERVAL 10 SECOND FROM (SELECT bidder, {win('p_time')} AS ws "
+           f"FROM bid) GROUP BY bidder, ws",
     "q13": "SELECT B.auction, B.bidder, B.price, B.dateTime, S.value FROM bid B JOIN side_input S "
            "ON B.auction % 10000 = S.key",
     "q14": "SELECT auction, bidder, CAST(price AS DOUBLE) * 0.908, CASE WHEN hour(dateTime) BETWEEN 8 AND 18 THEN "
