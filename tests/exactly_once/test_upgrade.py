@@ -1,4 +1,4 @@
-"""The previous release's storage directories (tests/fixtures/format1-*: format-1 input log and DOUT output segments) open with this release, replay and verify their logged steps, and continue, with every step's output equal to an in-memory run of the same workload."""
+"""Storage directories of earlier releases open with this release and continue: tests/fixtures/format1-* (the previous release: format-1 input log and DOUT output segments; replayed, verified, upgraded) and format2-* (written by this release and kept as written, so every later release is held to opening them), with every step's output equal to an in-memory run of the same workload."""
 
 from __future__ import annotations
 
@@ -109,4 +109,40 @@ def test_an_interrupted_upgrade_leaves_format1_and_a_wrong_circuit_changes_nothi
         _push(m, step, durable=False)
         for name, z in m.step().items():
             assert got[name][step] == z, f"{kind}: output {name} of step {step} differs after upgrade + rescale"
+    m.close()
+
+
+@pytest.mark.parametrize("kind", ["embedded", "staged"])
+@pytest.mark.parametrize("workers", [None, 3])
+def test_format2_directory_opens_and_continues(tmp_path, kind, workers):
+    """The directories this release writes (tests/fixtures/format2-*, see make_format2.py) are kept as written:
+    every later release must open them (with a replay of the steps after the checkpoint and the pushes that
+    were acknowledged but never stepped), also at another worker count, and continue exactly once."""
+    d = str(tmp_path / kind)
+    shutil.copytree(os.path.join(FIXTURES, f"format2-{kind}"), d)
+
+    def open_(path, c, **kw):
+        return dbsp.Pipeline.open(path, c, executor=StagedExecutor() if kind == "staged" else None, **kw)
+
+    p = open_(d, w.build_circuit(), checkpoint_interval=None, workers=workers)
+    assert p.output_steps == range(0, w.PENDING_STEP)
+    assert p.workers == (workers or 2)
+    p.step()  # the pushes acknowledged before the fixture was closed
+    for step in range(w.PENDING_STEP + 1, LAST):
+        _push(p, step)
+        p.step()
+    _push(p, LAST - 1)  # a producer's retry after the crash is a duplicate: no second copy
+    p.close()
+    q = open_(d, w.build_circuit(), checkpoint_interval=None)
+    try:
+        assert q.output_steps == range(0, LAST) and q.stats["replayed_steps"] == 0
+        got = {name: dict(q.read_output(name, 0)) for name in w.build_circuit().outputs}
+    finally:
+        q.close()
+    m = dbsp.Pipeline(w.build_circuit(), workers=2)
+    for step in range(LAST):
+        _push(m, step, durable=False)
+        want = m.step()
+        for name, z in want.items():
+            assert got[name][step] == z, f"{kind}: output {name} of step {step} differs from the in-memory run"
     m.close()
