@@ -82,3 +82,10 @@ def spark_cluster():
         "spark.task.maxFailures": "4", "spark.executor.memory": "512m"})
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="session")
+def spark_session_factory():
+    """``_session(master, app, **conf)`` for tests that build a session of their own (a fixture, because a
+    ``from conftest import`` names whichever tests/*/conftest.py was imported first)."""
+    return _session

@@ -51,9 +51,9 @@ def batch(i: int) -> pa.Table:
 
 
 @pytest.fixture(scope="module")
-def upgrade_cluster(tmp_path_factory):
+def upgrade_cluster(tmp_path_factory, spark_session_factory):
     """A local-cluster session whose executors import the engine from a code directory of their own."""
-    from conftest import _session
+    _session = spark_session_factory
 
     code = tmp_path_factory.mktemp("code")
     for pkg in ("dbsp_core", "spark_glue"):
