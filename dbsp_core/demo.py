@@ -137,7 +137,9 @@ HANDLE = {"persons": "persons", "auctions": "auctions", "bids": "bids", "cancels
 
 
 class _Producer(threading.Thread):
-    """Pushes batches ``0..total-1`` with (producer, seq) = ("gen.<stream>", batch), at most ``lead`` ahead."""
+    """Pushes batches ``0..total-1`` with (producer, seq) = ("gen.<stream>", batch), at most ``lead`` ahead; times
+    its two parts apart: generating batches (``gen_s``) and pushing them (``push_s``: encoding, the input log's
+    append and fsync, dedup)."""
 
     def __init__(self, p: Any, gen: Generator, total: int, lead: int, record: list | None) -> None:
         super().__init__(name="dbsp-demo-producer", daemon=True)
@@ -147,22 +149,27 @@ class _Producer(threading.Thread):
         self.error: BaseException | None = None
         self.cond = threading.Condition()
         self.acked_pushes = 0
+        self.gen_s = self.push_s = 0.0
 
     def run(self) -> None:
         try:
             for k in range(self.total):
+                t = time.perf_counter()
                 batch = self.gen.batch()
+                self.gen_s += time.perf_counter() - t
                 if self.record is not None:
                     self.record.append(batch)
                 new = False
                 for stream, (rows, w) in batch.items():
+                    t = time.perf_counter()
                     ack = self.p.push(HANDLE[stream], rows, weights=w, producer=f"gen.{stream}", seq=k)
+                    self.push_s += time.perf_counter() - t
                     if ack.duplicate:
                         self.duplicates += 1
                     else:
                         new = True
-                        self.sent_rows += rows.num_rows
-                        with self.cond:
+                        with self.cond:  # rows and pushes move together: the stepping thread reads both
+                            self.sent_rows += rows.num_rows
                             self.acked_pushes += 1
                             self.cond.notify_all()
                 self.batches_done = k + 1
@@ -226,25 +233,39 @@ def _run(p: Any, gen: Generator, total: int, record: list | None, sizes: dict[st
     resc = _Rescaler(p, prod, total, rescale) if rescale else None
     t0 = time.perf_counter()
     step_ms: list[float] = []
+    engine_ms: list[float] = []
+    step_rows: list[int] = []
+    engine0, log0 = p.stats["step_engine_s"], p.stats["step_log_s"]  # recovery's replayed steps are not ours
+    ex = p.executor
+    measure_cpu = hasattr(ex, "measure_cpu") and not rescale  # a rescale resizes the per-worker counters
+    if measure_cpu:  # the embedded executor: CPU time of the worker threads in steps
+        ex.measure_cpu = True
+    cpu0 = sum(ex.worker_cpu_seconds) if measure_cpu else 0.0
+    wait_s = 0.0
     stepped = -1 if p.stats["recovered_pushes"] else 0  # recovered input waits for a step of its own
+    stepped_rows = 0
     prod.start()
     if resc is not None:
         resc.start()
     while True:
+        w0 = time.perf_counter()
         with prod.cond:
             while prod.acked_pushes == stepped and prod.is_alive() and prod.error is None:
                 prod.cond.wait(0.05)
-            acked = prod.acked_pushes
+            acked, acked_rows = prod.acked_pushes, prod.sent_rows
+        wait_s += time.perf_counter() - w0
         if prod.error is not None:
             raise prod.error
         if resc is not None and resc.error is not None:
             raise resc.error
         if acked == stepped and not prod.is_alive():
             break
-        s0 = time.perf_counter()
+        s0, e0 = time.perf_counter(), p.stats["step_engine_s"]
         out = p.step()
         step_ms.append((time.perf_counter() - s0) * 1e3)
-        stepped = acked
+        engine_ms.append((p.stats["step_engine_s"] - e0) * 1e3)
+        step_rows.append(acked_rows - stepped_rows)  # rows acknowledged before the step divided its input
+        stepped, stepped_rows = acked, acked_rows
         prod.allowed.release()
         for name, z in out.items():
             sizes[name] += int(z.weights.sum())
@@ -253,9 +274,10 @@ def _run(p: Any, gen: Generator, total: int, record: list | None, sizes: dict[st
         rp = p.rescale_progress
         scale = (f"W {rp['from_workers']}->{rp['to_workers']}: {rp['moved_shards']} shards moved, batch "
                  f"{rp['done']}/{rp['batches']}, pause {rp['last_pause_ms']:.1f} ms" if rp else f"W={p.workers}")
+        engine_s = p.stats["step_engine_s"] - engine0
         progress.show(f"step {p.steps - 1:>4} | {scale} | batches {prod.batches_done}/{total} | {prod.sent_rows:,} "
-                      f"rows ({prod.sent_rows / el / 1e3:,.0f}k rows/s) | checkpoints {p.stats['checkpoints']} | "
-                      f"{view_text}")
+                      f"rows | end to end {prod.sent_rows / el / 1e3:,.0f}k rows/s | engine "
+                      f"{_rate(stepped_rows, engine_s)} | checkpoints {p.stats['checkpoints']} | {view_text}")
         if crash_at_step is not None and p.steps - 1 >= crash_at_step:
             progress.show(f"step {p.steps - 1}: kill -9 of this process now (producer mid-push, no cleanup)",
                           final=True)
@@ -266,11 +288,20 @@ def _run(p: Any, gen: Generator, total: int, record: list | None, sizes: dict[st
         if resc.error is not None:
             raise resc.error
     el = time.perf_counter() - t0
-    progress.show(f"step {p.steps - 1:>4} | batches {total}/{total} | {prod.sent_rows:,} rows "
-                  f"({prod.sent_rows / el / 1e3:,.0f}k rows/s) | checkpoints {p.stats['checkpoints']} | "
-                  + " ".join(f"{n}={s:,}" for n, s in sizes.items()), final=True)
+    engine_s = p.stats["step_engine_s"] - engine0
+    progress.show(f"step {p.steps - 1:>4} | batches {total}/{total} | {prod.sent_rows:,} rows | end to end "
+                  f"{prod.sent_rows / el / 1e3:,.0f}k rows/s | engine {_rate(stepped_rows, engine_s)} | "
+                  f"checkpoints {p.stats['checkpoints']} | " + " ".join(f"{n}={s:,}" for n, s in sizes.items()),
+                  final=True)
     return {"seconds": el, "rows": prod.sent_rows, "duplicates": prod.duplicates, "steps": len(step_ms),
-            "step_ms": step_ms, "rescales": resc.reports if resc is not None else []}
+            "step_ms": step_ms, "engine_ms": engine_ms, "step_rows": step_rows, "engine_s": engine_s,
+            "log_s": p.stats["step_log_s"] - log0, "wait_s": wait_s, "gen_s": prod.gen_s, "push_s": prod.push_s,
+            "cpu_s": sum(ex.worker_cpu_seconds) - cpu0 if measure_cpu else None,
+            "batches": prod.batches_done, "rescales": resc.reports if resc is not None else []}
+
+
+def _rate(rows: int, seconds: float) -> str:
+    return f"{rows / seconds / 1e3:,.0f}k rows/s" if seconds > 0 and rows else "-"
 
 
 def _views_from_log(p: Any, circuit: dbsp.Circuit) -> dict[str, dbsp.ZSet]:
@@ -480,9 +511,12 @@ def _demo(args: argparse.Namespace, root: str) -> int:
         steps = p.steps
         ckpt = p.checkpoint()
         med = float(np.median(res["step_ms"])) if res["step_ms"] else 0.0
-        print(f"done: {res['rows']:,} new rows in {res['seconds']:.2f} s ({res['rows'] / res['seconds'] / 1e3:,.0f}k "
-              f"rows/s), {res['steps']} steps (median {med:.1f} ms), {p.stats['checkpoints']} checkpoint(s) "
-              f"(the last covers steps 0..{ckpt - 1}), {res['duplicates']} duplicate pushes recognized", flush=True)
+        print(f"done: {res['rows']:,} new rows in {res['seconds']:.2f} s end to end "
+              f"({res['rows'] / res['seconds'] / 1e3:,.0f}k rows/s), {res['steps']} steps (median {med:.1f} ms of "
+              f"step()), {p.stats['checkpoints']} checkpoint(s) (the last covers steps 0..{ckpt - 1}), "
+              f"{res['duplicates']} duplicate pushes recognized", flush=True)
+        if not child:
+            print(_breakdown(res, p), flush=True)
         if record is None:
             return 0
         views = _views_from_log(p, circuit)
@@ -507,6 +541,32 @@ def _demo(args: argparse.Namespace, root: str) -> int:
               f"max {row['hi']}, mean {row['mean']:.1f}")
     print(f"  ... and {len(views['category_stats']) - 5} more categories")
     return 0
+
+
+def _breakdown(res: dict[str, Any], p: Any) -> str:
+    """Where the run's time went, each part measured on its own thread: the engine (the executor running the
+    circuit), the output log, the producer's generating and pushing, checkpoints, and the stepping thread's
+    waits for input. The parts overlap (threads), so they do not add up to the wall-clock time."""
+    eng = np.array(res["engine_ms"]) if res["engine_ms"] else np.zeros(1)
+    rows = np.array(res["step_rows"]) if res["step_rows"] else np.zeros(1, np.int64)
+    ck = p.metrics(state=False)
+    lines = [
+        f"  where the time went (threads overlap on {os.cpu_count()} CPU(s), so the parts do not add up to the "
+        f"{res['seconds']:.2f} s):",
+        f"    engine (the executor running all {len(p.circuit.outputs)} views on W={p.workers}"
+        f"{' at the end, rescaled live' if res['rescales'] else ''}, in step()): "
+        f"{res['engine_s']:.2f} s, {_rate(int(rows.sum()), res['engine_s'])}; per step median "
+        f"{np.median(eng):.1f} ms, p99 {np.percentile(eng, 99):.1f} ms, max {eng.max():.1f} ms, for a median of "
+        f"{int(np.median(rows)):,} rows a step" + (
+            f"; the worker threads' CPU time {res['cpu_s']:.2f} s" if res["cpu_s"] is not None else ""),
+        f"    durability: output log {res['log_s']:.2f} s (in step(): write + fsync, waiting for the step's "
+        f"division record); pushes {res['push_s']:.2f} s (producer thread: encode, input log append + fsync); "
+        f"{ck['checkpoints']} checkpoint(s) {ck['checkpoint_seconds_sum']:.2f} s (the final one included; the others on a background thread beside "
+        f"the steps)",
+        f"    producer: generating {res['batches']} batches {res['gen_s']:.2f} s; the stepping thread waited "
+        f"{res['wait_s']:.2f} s for acknowledged input",
+    ]
+    return "\n".join(lines)
 
 
 def _describe(info: dict) -> str:

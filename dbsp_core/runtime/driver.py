@@ -281,7 +281,9 @@ class Pipeline:
         self.stats = self.executor.stats  # one dict: the executor's counters beside the driver's
         self.stats.update({"pushes": 0, "duplicates": 0, "checkpoints": 0, "last_checkpoint_s": 0.0,
                            "recovery_s": 0.0, "replayed_steps": 0, "recovered_pushes": 0,
-                           "late_rows": self.late_rows})
+                           "late_rows": self.late_rows,
+                           # seconds of step() in the executor (the circuit) and in logging its output
+                           "step_engine_s": 0.0, "step_log_s": 0.0})
         self._metrics = Metrics(list(self._inputs), list(self._out_schemas))  # dbsp_core.metrics
         self.consumers: ConsumerRegistry | None = None  # with storage: who still needs which output steps
         self._last_checkpoint = time.monotonic()
@@ -764,6 +766,8 @@ class Pipeline:
                 outs = self.executor.run(steps)
             except StepError as exc:  # invariant 7: the executor is as after the steps before the failed one
                 failed, outs = exc, list(exc.done)
+            t1 = time.perf_counter()
+            self.stats["step_engine_s"] += t1 - t0
             crashpoint("step-computed")  # the division record may or may not be durable yet
             self._await_division()  # invariant 3: durable before any output is written or returned
             crashpoint("step-output")
@@ -771,6 +775,7 @@ class Pipeline:
                 for d, out in zip(batch, outs):
                     self._output.write(d.input.step, out, d.ranges)
                     crashpoint("step-written" if not replay else "recover-step")
+            self.stats["step_log_s"] += time.perf_counter() - t1
         except BaseException as exc:
             self._broken = exc  # state has advanced past output that is not logged: recover from the checkpoint
             raise

@@ -1,0 +1,115 @@
+"""Where the demo's time goes: its data generator, its pushes, the engine's steps (per view and all five), and durability (input-log fsyncs, output-log writes, checkpoints), each timed alone on one thread.
+
+Run from the repository root (takes about a minute at the demo's default size):
+
+    python bench/profile_demo.py                       # 40 batches of 25,000 bids, W=2, like `dbsp demo`
+    python bench/profile_demo.py --batches 20 --bids 10000 --workers 1
+
+Nothing overlaps here (the demo runs its producer thread beside the steps): each phase is timed with
+``perf_counter`` around the call that does it, over the same batches of ``dbsp_core.demo.Generator``, so the
+sums say what each part would cost if it had the machine to itself. Per-view rows run the circuit with only that
+view as output (the nodes no output needs are not run), in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import dbsp_core as dbsp  # noqa: E402
+from dbsp_core.demo import HANDLE, Generator, build_circuit  # noqa: E402
+
+
+def _batches(args: argparse.Namespace) -> tuple[list, float]:
+    gen = Generator(args.seed, time.time_ns() // 10**6, args.bids)  # as the demo: bids within the last hour
+    t0 = time.perf_counter()
+    out = [gen.batch() for _ in range(args.batches)]
+    return out, time.perf_counter() - t0
+
+
+def _rows(batches: list) -> int:
+    return sum(rows.num_rows for b in batches for rows, _ in b.values())
+
+
+def _steps(p: dbsp.Pipeline, batches: list, durable: bool) -> dict[str, float]:
+    """Push each batch and step once per batch; seconds spent pushing, in the executor, and in the rest of step."""
+    run = p.executor.run
+    spent = {"push": 0.0, "engine": 0.0, "step": 0.0}
+
+    def timed_run(steps):  # the executor's share of step(): the circuit itself, all workers
+        t = time.perf_counter()
+        try:
+            return run(steps)
+        finally:
+            spent["engine"] += time.perf_counter() - t
+
+    p.executor.run = timed_run
+    for k, b in enumerate(batches):
+        t = time.perf_counter()
+        for stream, (rows, w) in b.items():
+            if durable:
+                p.push(HANDLE[stream], rows, weights=w, producer=f"gen.{stream}", seq=k)
+            else:
+                p.push(HANDLE[stream], rows, weights=w)
+        spent["push"] += time.perf_counter() - t
+        t = time.perf_counter()
+        p.step()
+        spent["step"] += time.perf_counter() - t
+    t = time.perf_counter()
+    p.close()
+    spent["close"] = time.perf_counter() - t
+    return spent
+
+
+def _one_view(name: str) -> dbsp.Circuit:
+    c = build_circuit()
+    for other in [o for o in c.outputs if o != name]:
+        del c.outputs[other]
+    return c
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", type=int, default=40)
+    ap.add_argument("--bids", type=int, default=25_000)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--checkpoint-interval", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=7)
+    args = ap.parse_args()
+    batches, gen_s = _batches(args)
+    rows = _rows(batches)
+    print(f"# {args.batches} batches of {args.bids:,} bids ({rows:,} rows), W={args.workers}; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print("| phase | seconds | ms per batch | k rows/s |")
+    print("|---|---|---|---|")
+
+    def line(what: str, s: float) -> None:
+        print(f"| {what} | {s:.2f} | {s / args.batches * 1e3:.1f} | {rows / s / 1e3:,.0f} |", flush=True)
+
+    line("generate (Generator.batch)", gen_s)
+    mem = _steps(dbsp.Pipeline(build_circuit(), workers=args.workers), batches, durable=False)
+    line("in memory: push", mem["push"])
+    line("in memory: step, five views", mem["step"])
+    for name in build_circuit().outputs:
+        one = _steps(dbsp.Pipeline(_one_view(name), workers=args.workers), batches, durable=False)
+        line(f"in memory: step, {name} alone", one["step"])
+    with tempfile.TemporaryDirectory(prefix="dbsp-profile-") as d:
+        p = dbsp.Pipeline(build_circuit(), workers=args.workers, storage=d,
+                          checkpoint_interval=args.checkpoint_interval)
+        dur = _steps(p, batches, durable=True)
+        ckpts = p.stats["checkpoints"]
+    line("durable: push (encode, input log, fsync)", dur["push"])
+    line("durable: step, executor (the engine)", dur["engine"])
+    line("durable: step, the rest (division, output log, checkpoint start)", dur["step"] - dur["engine"])
+    line(f"durable: close (final checkpoint; {ckpts} in all)", dur["close"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
