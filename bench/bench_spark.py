@@ -21,6 +21,7 @@ How the comparison is kept fair (documented in bench/RESULTS.md):
   every run are excluded for both (JIT, caches).
 
 Run: python bench/bench_spark.py [--quick] [--batches N] [--rows N] [--groups N] [--group 4,8] [--only agg,join,empty]
+     [--state-store rocksdb|rocksdb-changelog|default]
 Prints one line per measurement and a final markdown table (copied into RESULTS.md).
 """
 
@@ -47,6 +48,14 @@ AGG = pa.schema([("k", pa.int64()), ("v", pa.int64())])
 ORDERS = pa.schema([("order_id", pa.int64()), ("customer", pa.int64())])
 PAYMENTS = pa.schema([("order_id", pa.int64()), ("amount", pa.int64())])
 ROCKSDB = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
+HDFS = "org.apache.spark.sql.execution.streaming.state.HDFSBackedStateStoreProvider"  # Spark's default
+STATE_STORES = {  # --state-store: the provider and its settings, and the label printed beside Spark's figures
+    "rocksdb": ({"spark.sql.streaming.stateStore.providerClass": ROCKSDB}, "RocksDB"),
+    "rocksdb-changelog": ({"spark.sql.streaming.stateStore.providerClass": ROCKSDB,
+                           "spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled": "true"},
+                          "RocksDB changelog"),
+    "default": ({"spark.sql.streaming.stateStore.providerClass": HDFS}, "default HDFS-backed store"),
+}
 
 
 # ---- data: written once, read by both systems ----
@@ -124,16 +133,18 @@ def loadavg() -> str:
 
 # ---- Spark Structured Streaming ----
 
-def spark_session(workers: int):
+def spark_session(workers: int, store: str = "rocksdb"):
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors' Python workers need our pyarrow
-    return (SparkSession.builder.master(f"local[{workers}]").appName("bench-spark")
+    b = SparkSession.builder
+    for k, v in STATE_STORES[store][0].items():
+        b = b.config(k, v)
+    return (b.master(f"local[{workers}]").appName("bench-spark")
             .config("spark.ui.enabled", "false")
             .config("spark.ui.showConsoleProgress", "false")
             .config("spark.driver.memory", "3g")
             .config("spark.sql.shuffle.partitions", str(workers))
-            .config("spark.sql.streaming.stateStore.providerClass", ROCKSDB)
             .config("spark.sql.streaming.noDataMicroBatches.enabled", "false")
             .config("spark.sql.adaptive.enabled", "false")  # AQE does not apply to streaming plans anyway
             .getOrCreate())
@@ -260,6 +271,8 @@ def main() -> None:
     ap.add_argument("--group", default="4", help="steps per Spark job in the queued SparkPipeline runs (a list: 4,8)")
     ap.add_argument("--reps", type=int, default=20, help="repetitions of the empty jobs")
     ap.add_argument("--only", default="agg,join,empty")
+    ap.add_argument("--state-store", default="rocksdb", choices=sorted(STATE_STORES),
+                    help="Spark's state store: rocksdb (default here), rocksdb-changelog, or Spark's default")
     ap.add_argument("--no-spark-pipeline", action="store_true", help="skip spark_glue.SparkPipeline")
     a = ap.parse_args()
     if a.quick:
@@ -269,8 +282,9 @@ def main() -> None:
     W = a.workers
     root = tempfile.mkdtemp(prefix="bench-spark-")
     results: list[tuple[str, str, dict[str, float]]] = []
-    spark = spark_session(W)
+    spark = spark_session(W, a.state_store)
     spark.sparkContext.setLogLevel("ERROR")
+    store = STATE_STORES[a.state_store][1]
     SP = None if a.no_spark_pipeline else spark_pipeline_cls()
     print(f"# W={W}, {a.batches} batches x {a.rows:,} rows, warm-up {a.warmup}; pyspark {spark.version}; "
           f"SparkPipeline {'present' if SP else 'absent'}; {loadavg()}", flush=True)
@@ -288,7 +302,7 @@ def main() -> None:
             print(f"(a) group-by count/sum, {a.groups:,} groups", flush=True)
             r = spark_stream(spark, lambda s: s.groupBy("k").agg({"*": "count", "v": "sum"}), [(d, AGG)],
                              "update", os.path.join(root, "ck-agg"), [a.rows] * a.batches, a.warmup)
-            print(fmt("  Spark SS (RocksDB, update, noop sink)", r) + f"; {loadavg()}", flush=True)
+            print(fmt(f"  Spark SS ({store}, update, noop sink)", r) + f"; {loadavg()}", flush=True)
             results.append(("agg", "Spark SS", r))
             mem = ours("dbsp in memory", "agg", lambda: dbsp.Pipeline(agg_circuit(), workers=W), [("s", fs)])
             dur = ours("dbsp durable", "agg", lambda: dbsp.Pipeline(
@@ -328,7 +342,7 @@ def main() -> None:
             print(f"(b) stream-stream inner join, {a.rows:,} orders + {a.rows:,} payments per batch", flush=True)
             r = spark_stream(spark, lambda o, p: o.join(p, "order_id"), [(do, ORDERS), (dp, PAYMENTS)], "append",
                              os.path.join(root, "ck-join"), [2 * a.rows] * a.batches, a.warmup)
-            print(fmt("  Spark SS (RocksDB, append, noop sink)", r) + f"; {loadavg()}", flush=True)
+            print(fmt(f"  Spark SS ({store}, append, noop sink)", r) + f"; {loadavg()}", flush=True)
             results.append(("join", "Spark SS", r))
             inputs = [("orders", fo), ("payments", fp)]
             mem = ours("dbsp in memory", "join", lambda: dbsp.Pipeline(join_circuit(), workers=W), inputs)
