@@ -141,6 +141,8 @@ cdef extern from "lookup.h" nogil:
     int dbsp_match_weights(const CBatch *a, const uint64_t *akh, const CBatch *b, const uint64_t *bkh, int64_t *acc)
     int dbsp_match_weights_fenced(const CBatch *a, const uint64_t *akh, const CBatch *b, const uint64_t *bkh,
                                   const uint64_t *bfence, int64_t *acc)
+    int dbsp_match_weights_rh(const CBatch *a, const uint64_t *akh, const uint64_t *arh, const CBatch *b,
+                              const uint64_t *bkh, const uint64_t *bfence, const uint64_t *brh, int64_t *acc)
     int dbsp_match_sums(const CBatch *a, const uint64_t *akh, const int64_t *sel, int64_t n, const int32_t *akeys,
                         const CBatch *b, const uint64_t *bkh, const uint64_t *bfence, const int32_t *bkeys,
                         int32_t nkeys, const int32_t *cols, int32_t ncols, int64_t *acc)

@@ -708,9 +708,10 @@ def lookup(khash, want, fence=None):
     return own_array(idx, m, np.int64)
 
 
-def match_weights(ta, wa, kha, tb, wb, khb, acc):
+def match_weights(ta, wa, kha, tb, wb, khb, acc, rha=None, rhb=None):
     """acc[i] += the weight of b's row equal to a's row i (both canonical for one key); `acc` is int64, updated
-    in place."""
+    in place. With the row hashes of both sides (`rha`, `rhb`: uint64, one per row in row order) the rows of a
+    key are found by galloping over b's row hashes, so a big group costs log of its size, not its size."""
     cdef BatchView a = view_of(ta, wa, kha)
     cdef BatchView b = view_of(tb, wb, khb)
     cdef int64_t[::1] out = acc
@@ -719,8 +720,19 @@ def match_weights(ta, wa, kha, tb, wb, khb, acc):
     cdef int st
     if ta.num_rows == 0 or tb.num_rows == 0:
         return acc
+    cdef const uint64_t[::1] ra
+    cdef const uint64_t[::1] rb
+    cdef const uint64_t *pra = NULL
+    cdef const uint64_t *prb = NULL
+    if rha is not None and rhb is not None:
+        ra = np.ascontiguousarray(rha, dtype=np.uint64)
+        rb = np.ascontiguousarray(rhb, dtype=np.uint64)
+        if ra.shape[0] != ta.num_rows or rb.shape[0] != tb.num_rows:
+            raise ValueError(f"match_weights: {ra.shape[0]} and {rb.shape[0]} row hashes for {ta.num_rows} and "
+                             f"{tb.num_rows} rows")
+        pra, prb = &ra[0], &rb[0]
     with nogil:
-        st = dbsp_match_weights_fenced(&a.c, a.kh, &b.c, b.kh, b.fence, &out[0])
+        st = dbsp_match_weights_rh(&a.c, a.kh, pra, &b.c, b.kh, b.fence, prb, &out[0])
     check_status(st, "match_weights")
     return acc
 

@@ -51,6 +51,11 @@ int dbsp_match_weights(const DbspBatch *a, const uint64_t *akh, const DbspBatch 
 /* dbsp_match_weights seeking in b through a fence of bkh (NULL: none). */
 int dbsp_match_weights_fenced(const DbspBatch *a, const uint64_t *akh, const DbspBatch *b, const uint64_t *bkh,
                               const uint64_t *bfence, int64_t *acc);
+/* dbsp_match_weights_fenced with the row hashes of both sides (arh, brh: one per row, in row order; NULL: the
+ * plain walk). Rows of one key are in row-hash order in a canonical batch, so each row of a is found by
+ * galloping over the row hashes of b's run: O(|a| log run) instead of O(|a| x run) for a big group. */
+int dbsp_match_weights_rh(const DbspBatch *a, const uint64_t *akh, const uint64_t *arh, const DbspBatch *b,
+                          const uint64_t *bkh, const uint64_t *bfence, const uint64_t *brh, int64_t *acc);
 
 /* Weighted sums of b's int64 columns per key of a: for the i-th selected row of a (row sel[i], or row i when sel is
  * NULL; i < n), whose key hash akh[i] is ascending in i and whose key columns akeys[0..nkeys) are distinct from

@@ -342,8 +342,11 @@ class Trace:
         if batches:
             change._check_compatible(batches[0], "match_weights")  # every batch has the trace's schema and key
             view, schema = change._view(), change.schema
+            rh = change._row_hashes()  # rows of one key are in row-hash order: gallop within a big group's run
             for b in batches:
-                _zset.match_weights(view, None, None, b._view_as(schema), None, None, acc)
+                same = b.schema.equals(schema)  # a cast batch's hashes are not the change's: walk it plainly
+                _zset.match_weights(view, None, None, b._view_as(schema), None, None, acc,
+                                    rh if same else None, b._row_hashes() if same else None)
         return acc
 
     def key_sums(self, probe: pa.Table, probe_keys: list[str], khash: np.ndarray, rows: np.ndarray,

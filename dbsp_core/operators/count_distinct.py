@@ -8,13 +8,10 @@ Invariants:
      with the sign in this column's ``count_distinct`` slot and 0 in every other slot, weight 1. Summed by the
      linear aggregate, these give exactly the number of distinct non-null values per group, whatever the
      split into steps and workers.
-  3. A step reads only the multiplicities of the change's pairs (a galloping C walk per trace batch). Known
-     limit: the walk finds a pair's group by key hash and then compares rows within the group's run, so a
-     step costs O(change) per small group but up to (change rows x stored pairs) of one big group. With few,
-     large groups (Nexmark q15/q16: a handful of (channel, day) groups with 10^5-10^6 distinct bidders) the
-     step time grows with the state. The fix is to index the pairs by (keys, value) and exchange by them
-     (flips then exchanged by the keys), which changes the circuit's plan and stored state: it needs an
-     upgrade path for existing directories, not done yet (bench/RESULTS.md, Nexmark).
+  3. A step reads only the multiplicities of the change's pairs: one galloping C walk per trace batch by
+     key hash, then, inside a group's run, by row hash (a canonical batch keeps a key's rows in row-hash
+     order), so a big group costs log of its size per changed pair, not its size (Nexmark q15/q16 have a
+     handful of (channel, day) groups holding 10^5-10^6 distinct values each).
 """
 
 from __future__ import annotations

@@ -172,3 +172,30 @@ def test_fenced_seeks_equal_the_model_on_large_batches(seed):
     pairs = sorted(zip(small.zset.data.column("k").take(li).to_pylist(), by_k.zset.data.column("k").take(ri).to_pylist()))
     assert all(a == b for a, b in pairs)
     assert len(pairs) == int(np.isin(ks, probe.column("k").to_numpy()).sum())
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_trace_match_weights_in_big_groups_equals_the_model(seed):
+    """A few keys with thousands of rows each, over several trace batches (merged or not): the row-hash gallop
+    inside a key's run (csrc/lookup.c dbsp_match_weights_rh) finds exactly the model's weight of every row."""
+    rng = np.random.default_rng(seed)
+    schema = pa.schema([("g", pa.int64()), ("v", pa.int64()), ("s", pa.string())])
+    t = Trace(schema, ("g",))
+    model: dict[tuple, int] = {}
+
+    def batch(n: int) -> tuple[pa.Table, np.ndarray]:
+        g, v = rng.integers(0, 3, n), rng.integers(0, 4000, n)
+        tab = pa.table({"g": g, "v": v, "s": [f"x{x % 7}" for x in v]}, schema=schema)
+        return tab, rng.choice(np.array([-2, -1, 1, 2, 3]), n)
+
+    for _ in range(6):
+        tab, w = batch(int(rng.integers(500, 3000)))
+        t.insert(dbsp.ZSet.from_arrow(tab, weights=w).index_by(["g"]))
+        for row, wt in zip(zip(*(tab.column(c).to_pylist() for c in schema.names)), w.tolist()):
+            model[row] = model.get(row, 0) + wt
+    tab, w = batch(2000)  # probes: some stored rows, some new
+    change = dbsp.ZSet.from_arrow(tab, weights=w).index_by(["g"])
+    got = t.match_weights(change)
+    rows = list(zip(*(change.zset.data.column(c).to_pylist() for c in schema.names)))
+    assert got.tolist() == [model.get(r, 0) for r in rows]
+    assert len(t.parts()) >= 1
