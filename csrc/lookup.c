@@ -104,6 +104,11 @@ int dbsp_match_weights(const DbspBatch *a, const uint64_t *akh, const DbspBatch 
 
 int dbsp_match_weights_fenced(const DbspBatch *a, const uint64_t *akh, const DbspBatch *b, const uint64_t *bkh,
                               const uint64_t *bfence, int64_t *acc) {
+    return dbsp_match_weights_rh(a, akh, NULL, b, bkh, bfence, NULL, acc);
+}
+
+int dbsp_match_weights_rh(const DbspBatch *a, const uint64_t *akh, const uint64_t *arh, const DbspBatch *b,
+                          const uint64_t *bkh, const uint64_t *bfence, const uint64_t *brh, int64_t *acc) {
     if (a->ncols != b->ncols) return DBSP_ETYPE;
     for (int32_t c = 0; c < a->ncols; c++)
         if (dbsp_type_class(a->cols[c].type) != dbsp_type_class(b->cols[c].type)) return DBSP_ETYPE;
@@ -112,6 +117,7 @@ int dbsp_match_weights_fenced(const DbspBatch *a, const uint64_t *akh, const Dbs
     int64_t *pos = malloc((size_t)na * 8);
     if (!pos) return DBSP_ENOMEM;
     dbsp_seek_all(bkh, nb, bfence, akh, na, pos);
+    int by_row_hash = arh && brh;
     int st = DBSP_OK;
     for (int64_t i = 0; i < na;) {
         uint64_t h = akh[i];
@@ -119,44 +125,14 @@ int dbsp_match_weights_fenced(const DbspBatch *a, const uint64_t *akh, const Dbs
         while (ie < na && akh[ie] == h) ie++;
         if (ie + PF_AHEAD < na && pos[ie + PF_AHEAD] < nb) dbsp_prefetch_row(b, pos[ie + PF_AHEAD], NULL, b->ncols);
         int64_t j = pos[i], je = j;
-        while (je < nb && bkh[je] == h) je++;
-        for (int64_t x = i; x < ie && je > j; x++)
-            for (int64_t y = j; y < je; y++)
-                if (dbsp_row_cmp_eqfast(a, x, NULL, b, y, NULL, a->ncols) == 0) {
-                    if (dbsp_add_weight(&acc[x], b->weights ? b->weights[y] : 1)) { st = DBSP_EOVERFLOW; goto done; }
-                    break;  /* b is consolidated: at most one equal row */
-                }
-        i = ie;
-    }
-done:
-    free(pos);
-    return st;
-}
-
-int dbsp_match_weights_rh(const DbspBatch *a, const uint64_t *akh, const uint64_t *arh, const DbspBatch *b,
-                          const uint64_t *bkh, const uint64_t *bfence, const uint64_t *brh, int64_t *acc) {
-    if (!arh || !brh) return dbsp_match_weights_fenced(a, akh, b, bkh, bfence, acc);
-    if (a->ncols != b->ncols) return DBSP_ETYPE;
-    for (int32_t c = 0; c < a->ncols; c++)
-        if (dbsp_type_class(a->cols[c].type) != dbsp_type_class(b->cols[c].type)) return DBSP_ETYPE;
-    int64_t na = a->nrows, nb = b->nrows;
-    if (na == 0 || nb == 0) return DBSP_OK;
-    int64_t *pos = malloc((size_t)na * 8);
-    if (!pos) return DBSP_ENOMEM;
-    dbsp_seek_all(bkh, nb, bfence, akh, na, pos);
-    int st = DBSP_OK;
-    for (int64_t i = 0; i < na;) {
-        uint64_t h = akh[i];
-        int64_t ie = i + 1;
-        while (ie < na && akh[ie] == h) ie++;
-        int64_t j = pos[i], je = j;
         /* the end of b's run: gallop, not walk (a run can hold a big group's every row) */
         if (j < nb && bkh[j] == h) je = h == UINT64_MAX ? nb : dbsp_gallop(bkh, j, nb, h + 1);
-        /* both runs are in row-hash order (canonical order: key hash, row hash, value): gallop by row hash */
         int64_t y = j;
         for (int64_t x = i; x < ie && y < je; x++) {
-            y = dbsp_gallop(brh, y, je, arh[x]);
-            for (int64_t z = y; z < je && brh[z] == arh[x]; z++)
+            /* with row hashes: both runs are in row-hash order (key hash, row hash, value), so gallop to the
+             * rows of x's row hash; without: compare x with every row of the run */
+            int64_t z = by_row_hash ? (y = dbsp_gallop(brh, y, je, arh[x])) : j;
+            for (; z < je && (!by_row_hash || brh[z] == arh[x]); z++)
                 if (dbsp_row_cmp_eqfast(a, x, NULL, b, z, NULL, a->ncols) == 0) {
                     if (dbsp_add_weight(&acc[x], b->weights ? b->weights[z] : 1)) { st = DBSP_EOVERFLOW; goto done; }
                     break;  /* b is consolidated: at most one equal row */
