@@ -420,6 +420,30 @@ class Trace:
         if len(out):
             self._place(out, min(m.work, self.WORK_CAP * len(out)))
 
+    def install_finished(self, merger: "BackgroundMerger | None" = None) -> int:
+        """Install the merges a merger's thread has finished (invariant 10), from any thread while the inserting one
+        is between steps, so a checkpoint or a layout change sees merged batches; with ``merger``, also start the
+        merges the installed outputs make possible and hand them to it. Merges nothing, waits for nothing; returns
+        the merges installed."""
+        if not self._handed:
+            return 0
+        installed, handed = 0, False
+        for lvl in range(len(self._levels)):  # a level's output lands higher up: one pass sees it
+            level = self._levels[lvl]
+            m = level.merge
+            if m is not None and m.shared is not None and m.finished(wait=False):
+                self._install(lvl, m)
+                installed += 1
+                level, m = self._levels[lvl], None
+            if m is None and merger is not None and len(level.loose) >= 2:
+                m = _Merge(level.loose[0], level.loose[1])
+                m.shared = _Shared()
+                self._levels[lvl] = _Level(level.loose[2:], m)
+            handed = handed or (m is not None and m.shared is not None)
+        if merger is not None and handed:
+            merger.submit(self)
+        return installed
+
     def _unfinished(self) -> "_Merge | None":
         """A handed-over merge not finished yet, lowest level first (the merger's thread calls this)."""
         for level in list(self._levels):

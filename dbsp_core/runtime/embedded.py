@@ -318,6 +318,7 @@ class EmbeddedExecutor:
         they hold) as the layout's worker count changes. The caller holds the step lock and no checkpoint is in
         flight."""
         assert self.circuit is not None and self.layout is not None
+        self._install_merges(settle=True)  # cut merged batches, not a merge's two inputs
         old = self.layout
         nodes = self.circuit.nodes
         bits = layout.shard_bits
@@ -371,9 +372,26 @@ class EmbeddedExecutor:
         self.worker_cpu_seconds = (self.worker_cpu_seconds + [0.0] * W)[:W]
         return moved
 
+    def _install_merges(self, settle: bool = False) -> None:
+        """Between steps (the caller holds the step lock): every trace installs the merges the merger's thread
+        finished (trace invariant 10), so what is saved, moved or measured next is merged. With ``settle``, waits
+        for the merger until no merge it was handed is left (what a shard cut needs: merged batches move fewer
+        bytes than their inputs; the wait is merge work the steps before would have done without the merger)."""
+        if self._merger is None:
+            return
+        traces = [t for wk in self._workers for inst in wk.stateful().values() for t in vars(inst).values()
+                  if isinstance(t, Trace)]
+        while True:
+            installed = sum(t.install_finished(self._merger if settle else None) for t in traces)
+            if not settle or (not installed and all(not t._handed or t._unfinished() is None for t in traces)
+                              and self._merger.wait_idle(0)):
+                return
+            self._merger.wait_idle()
+
     def state_bytes(self) -> int:
         """Bytes of every worker's state in memory (the Arrow buffers of its traces and Z-sets)."""
         assert self.circuit is not None
+        self._install_merges()
         total = 0
         for wk in self._workers:
             for i, inst in wk.stateful().items():
@@ -391,6 +409,7 @@ class EmbeddedExecutor:
     def checkpoint(self, step: int) -> Callable[[], None]:
         if self._coord is None:
             raise DbspError("checkpoint: this executor keeps no state on disk")
+        self._install_merges()
         at, plans = self._coord.begin_checkpoint()
         if at != step:
             raise DbspError(f"checkpoint at step {step}, but the workers are at step {at}")
