@@ -69,8 +69,8 @@ QUERIES_A = {  # name: (circuit, DuckDB query); every bid's auction exists excep
 SPARSE_AUCTIONS = {"left_join"}  # one auction in ten is missing, so a tenth of the bids have no partner
 
 
-def bench_a(state_rows: int, change_rows: int, steps: int, workers: int = 1, only: set[str] | None = None
-            ) -> list[dict]:
+def bench_a(state_rows: int, change_rows: int, steps: int, workers: int = 1, only: set[str] | None = None,
+            background_merge: bool | None = None) -> list[dict]:
     """Per-step latency of a ``change_rows`` change (90% inserts, 10% deletions of existing rows) against
     ``state_rows`` rows of state, then DuckDB recomputing the view over the same data after each change."""
     results = []
@@ -92,7 +92,9 @@ def bench_a(state_rows: int, change_rows: int, steps: int, workers: int = 1, onl
         b, a = c.input("bids", BIDS), c.input("auctions", AUCTIONS)
         c.output("v", build(b, a))
         ours = []
-        with dbsp.Pipeline(c, workers=workers) as p:
+        from dbsp_core.runtime.embedded import EmbeddedExecutor
+
+        with dbsp.Pipeline(c, workers=workers, executor=EmbeddedExecutor(background_merge=background_merge)) as p:
             p.push("bids", base)
             p.push("auctions", auctions)
             t0 = time.perf_counter()
@@ -269,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     ap.add_argument("--only", choices=["a", "bc"], default=None)
     ap.add_argument("--queries", default=None, help=f"comma-separated subset of (a): {','.join(QUERIES_A)}")
+    ap.add_argument("--background-merge", choices=["auto", "on", "off"], default="auto",
+                    help="(a): merges on a merger thread (on), on the worker's thread (off), or the default rule")
     ap.add_argument("--steps", type=int, default=None, help="steps of (a) per query (default 200, quick 20)")
     args = ap.parse_args(argv)
     state, change, steps_a = (100_000, 1_000, 20) if args.quick else (1_000_000, 1_000, 200)
@@ -282,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         unknown = sorted((only or set()) - set(QUERIES_A))
         if unknown:
             ap.error(f"unknown --queries {unknown}; known: {list(QUERIES_A)}")
-        bench_a(state, change, args.steps or steps_a, only=only)
+        bench_a(state, change, args.steps or steps_a, only=only,
+                background_merge={"auto": None, "on": True, "off": False}[args.background_merge])
     if args.only in (None, "bc"):
         bench_b_c(total, step_rows, samples)
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
