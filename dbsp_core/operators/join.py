@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.types as pat
 
@@ -80,6 +81,7 @@ class Join(Operator):
 
     kind = "join"
     in_times: tuple = ()  # time lineage of both inputs, set by the circuit when there is one (dbsp_core.time)
+    pad_types: list[pa.DataType]  # the right columns' types, set by the joins that pad left rows (padded_left)
 
     def __init__(self, left: int, right: int, lschema: pa.Schema, rschema: pa.Schema,
                  left_on: Sequence[str], right_on: Sequence[str], drop_right_keys: bool, where: str) -> None:
@@ -101,6 +103,14 @@ class Join(Operator):
         if len(li) == 0:
             return empty(self.schema)
         return ZSet._make(_zset.take_pairs(lv, li, rv, ri, self.right_kept_pos, self.schema), w)
+
+    def padded_left(self, left: "IndexedZSet", li: np.ndarray, w: np.ndarray) -> "ZSet":
+        """Left rows ``li`` of ``left`` with null right columns and weights ``w``: the unmatched left rows of a left
+        or full outer join."""
+        if len(li) == 0:
+            return empty(self.schema)
+        cols = list(left.zset.data.take(li).columns) + [pa.nulls(len(li), t) for t in self.pad_types]
+        return make(pa.Table.from_arrays(cols, schema=self.schema), w, self.schema)
 
 
 def inner_change(op: Join, left: Trace, right: Trace, da: "IndexedZSet | None", db: "IndexedZSet | None"

@@ -16,17 +16,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-import numpy as np
 import pyarrow as pa
 
-from dbsp_core.operators.base import concat, conform, empty, make
+from dbsp_core.operators.base import concat, empty
 from dbsp_core.operators.join import Join, inner_change
-from dbsp_core.operators.presence import Presence, unmatched_change
-from dbsp_core.trace import Trace
+from dbsp_core.operators.presence import PresenceState
 
 if TYPE_CHECKING:
     from dbsp_core.runtime.context import StepContext
-    from dbsp_core.zset import IndexedZSet, ZSet
+    from dbsp_core.zset import ZSet
 
 class LeftJoin(Join):
     """``left.left_join(right, ...)``: the inner join plus unmatched left rows padded with nulls."""
@@ -44,40 +42,17 @@ class LeftJoin(Join):
     def instance(self) -> "_LeftJoinState":
         return _LeftJoinState(self)
 
-    def padded(self, left: "IndexedZSet", li: np.ndarray, w: np.ndarray) -> "ZSet":
-        """Left rows ``li`` with null right columns and weights ``w``."""
-        if len(li) == 0:
-            return empty(self.schema)
-        cols = list(left.zset.data.take(li).columns) + [pa.nulls(len(li), t) for t in self.pad_types]
-        return make(pa.Table.from_arrays(cols, schema=self.schema), w, self.schema)
 
-
-class _LeftJoinState:
-    def __init__(self, op: LeftJoin) -> None:
-        self.op = op
-        self.left = Trace(op.lschema, op.left_on)
-        self.right = Trace(op.rschema, op.right_on)
-        self.presence = Presence(op.rschema, op.right_on)
-
-    def traces(self) -> dict[str, Trace]:
-        """The operator's state, by name (each trace can be read per shard)."""
-        return {"left": self.left, "right": self.right}
-
+class _LeftJoinState(PresenceState):
     def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
-        a, b = inputs
-        da = conform(a, op.lschema).index_by(list(op.left_on)) if a.num_rows else None
-        db = conform(b, op.rschema).index_by(list(op.right_on)) if b.num_rows else None
-        if da is not None and len(da) == 0:
-            da = None
-        if db is not None and len(db) == 0:
-            db = None
+        da, db = self.changes(inputs)
         if da is None and db is None:
             return empty(op.schema)
-        unmatched = unmatched_change(self.presence, self.left, self.right, da, db)  # before the inserts
+        unmatched = self.unmatched_left(da, db)  # before the inserts
         parts = inner_change(op, self.left, self.right, da, db)  # invariant 2, first part
         # the padded part's change (invariant 2, second part): operators/presence.py
-        parts.extend(op.padded(batch, li, w) for batch, li, w in unmatched)
+        parts.extend(op.padded_left(batch, li, w) for batch, li, w in unmatched)
         if da is not None:
             self.left.insert(da)
         return concat(parts, op.schema)

@@ -20,10 +20,9 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import pyarrow as pa
 
-from dbsp_core.operators.base import concat, conform, empty, make
+from dbsp_core.operators.base import concat, empty, make
 from dbsp_core.operators.join import Join, inner_change
-from dbsp_core.operators.presence import Presence, unmatched_change
-from dbsp_core.trace import Trace
+from dbsp_core.operators.presence import Presence, PresenceState, unmatched_change
 
 if TYPE_CHECKING:
     from dbsp_core.runtime.context import StepContext
@@ -54,13 +53,6 @@ class OuterJoin(Join):
     def instance(self) -> "_OuterJoinState":
         return _OuterJoinState(self)
 
-    def padded_left(self, left: "IndexedZSet", li: np.ndarray, w: np.ndarray) -> "ZSet":
-        """Left rows ``li`` with null right columns and weights ``w``."""
-        if len(li) == 0:
-            return empty(self.schema)
-        cols = list(left.zset.data.take(li).columns) + [pa.nulls(len(li), t) for t in self.pad_types]
-        return make(pa.Table.from_arrays(cols, schema=self.schema), w, self.schema)
-
     def padded_right(self, right: "IndexedZSet", ri: np.ndarray, w: np.ndarray) -> "ZSet":
         """Right rows ``ri`` with null left columns (but the kept key columns, invariant 3) and weights ``w``."""
         if len(ri) == 0:
@@ -73,30 +65,19 @@ class OuterJoin(Join):
         return make(pa.Table.from_arrays(cols, names=self.schema.names), w, self.schema)
 
 
-class _OuterJoinState:
+class _OuterJoinState(PresenceState):
     def __init__(self, op: OuterJoin) -> None:
-        self.op = op
-        self.left = Trace(op.lschema, op.left_on)
-        self.right = Trace(op.rschema, op.right_on)
-        self.left_presence = Presence(op.rschema, op.right_on)  # left rows against the right side
+        super().__init__(op)  # self.presence: left rows against the right side
         self.right_presence = Presence(op.lschema, op.left_on)  # right rows against the left side
-
-    def traces(self) -> dict[str, Trace]:
-        """The operator's state, by name (each trace can be read per shard)."""
-        return {"left": self.left, "right": self.right}
 
     def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
-        a, b = inputs
-        da = conform(a, op.lschema).index_by(list(op.left_on)) if a.num_rows else None
-        db = conform(b, op.rschema).index_by(list(op.right_on)) if b.num_rows else None
-        da = da if da is not None and len(da) else None
-        db = db if db is not None and len(db) else None
+        da, db = self.changes(inputs)
         if da is None and db is None:
             return empty(op.schema)
         # both padded parts are computed before either trace takes the change (presence.py invariant 1)
         right_only = unmatched_change(self.right_presence, self.right, self.left, db, da)
-        left_only = unmatched_change(self.left_presence, self.left, self.right, da, db) if op.how == "full" else []
+        left_only = self.unmatched_left(da, db) if op.how == "full" else []
         parts = inner_change(op, self.left, self.right, da, db)
         parts.extend(op.padded_right(batch, ri, w) for batch, ri, w in right_only)
         parts.extend(op.padded_left(batch, li, w) for batch, li, w in left_only)

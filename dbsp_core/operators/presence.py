@@ -11,6 +11,8 @@ Invariants (enforced here; every caller keeps the order of calls):
      right rows of the touched keys, so the cost grows with the change and the rows of its keys.
   3. The parts are returned as ``(batch, rows, weights)``: indices into an indexed left batch and the weights
      of the chosen rows, so a caller builds what it outputs (padded rows, plain rows) with one take.
+  4. ``PresenceState`` is what the states of those joins share: the two traces, each step's changes indexed by
+     the join keys (None for a side without rows), and the unmatched left rows' change (invariant 1).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import pyarrow as pa
 
-from dbsp_core.operators.base import concat, make
+from dbsp_core.operators.base import Operator, concat, conform, make
 from dbsp_core.trace import Trace, unique_sorted
 
 if TYPE_CHECKING:
@@ -95,6 +97,34 @@ def unmatched_change(presence: Presence, left: Trace, right: Trace, dl: "Indexed
         else:
             parts.append((dl, np.arange(len(dl), dtype=np.int64), dl.zset.weights))
     return parts
+
+
+class PresenceState:
+    """The state of a left, right or full outer, semi or anti join (invariant 4): the integrated left and right
+    inputs, each a trace keyed by its join keys, and the presence of the left rows' keys on the right side.
+    ``op`` has ``lschema``, ``rschema``, ``left_on`` and ``right_on``."""
+
+    def __init__(self, op: Operator) -> None:
+        self.op = op
+        self.left = Trace(op.lschema, op.left_on)
+        self.right = Trace(op.rschema, op.right_on)
+        self.presence = Presence(op.rschema, op.right_on)  # left rows against the right side
+
+    def traces(self) -> dict[str, Trace]:
+        """The operator's state, by name (each trace can be read per shard)."""
+        return {"left": self.left, "right": self.right}
+
+    def changes(self, inputs: list["ZSet"]) -> tuple["IndexedZSet | None", "IndexedZSet | None"]:
+        """A step's left and right changes, indexed by their join keys; None for a side without rows."""
+        op = self.op
+        a, b = inputs
+        da = conform(a, op.lschema).index_by(list(op.left_on)) if a.num_rows else None
+        db = conform(b, op.rschema).index_by(list(op.right_on)) if b.num_rows else None
+        return (da if da is not None and len(da) else None), (db if db is not None and len(db) else None)
+
+    def unmatched_left(self, da: "IndexedZSet | None", db: "IndexedZSet | None") -> list[Part]:
+        """The change of the left rows without a right match (invariant 1: before ``da``, ``db`` are inserted)."""
+        return unmatched_change(self.presence, self.left, self.right, da, db)
 
 
 def take_parts(parts: list[Part], schema: pa.Schema) -> "ZSet":

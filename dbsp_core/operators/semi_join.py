@@ -17,10 +17,9 @@ from typing import TYPE_CHECKING, Sequence
 
 import pyarrow as pa
 
-from dbsp_core.operators.base import Operator, concat, conform, empty, negate
+from dbsp_core.operators.base import Operator, concat, empty, negate
 from dbsp_core.operators.join import join_schema
-from dbsp_core.operators.presence import Presence, take_parts, unmatched_change
-from dbsp_core.trace import Trace
+from dbsp_core.operators.presence import PresenceState, take_parts
 
 if TYPE_CHECKING:
     from dbsp_core.runtime.context import StepContext
@@ -43,27 +42,13 @@ class SemiJoin(Operator):
         return _SemiJoinState(self)
 
 
-class _SemiJoinState:
-    def __init__(self, op: SemiJoin) -> None:
-        self.op = op
-        self.left = Trace(op.lschema, op.left_on)
-        self.right = Trace(op.rschema, op.right_on)
-        self.presence = Presence(op.rschema, op.right_on)
-
-    def traces(self) -> dict[str, Trace]:
-        """The operator's state, by name (each trace can be read per shard)."""
-        return {"left": self.left, "right": self.right}
-
+class _SemiJoinState(PresenceState):
     def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
-        a, b = inputs
-        da = conform(a, op.lschema).index_by(list(op.left_on)) if a.num_rows else None
-        db = conform(b, op.rschema).index_by(list(op.right_on)) if b.num_rows else None
-        da = da if da is not None and len(da) else None
-        db = db if db is not None and len(db) else None
+        da, db = self.changes(inputs)
         if da is None and db is None:
             return empty(op.schema)
-        anti = take_parts(unmatched_change(self.presence, self.left, self.right, da, db), op.schema)
+        anti = take_parts(self.unmatched_left(da, db), op.schema)
         if da is not None:
             self.left.insert(da)
         if db is not None:

@@ -258,9 +258,13 @@ def _move_same_bits(handles: dict[int, DatabaseHandle], old: Layout, new: Layout
 
 
 def _import(handles: dict[int, DatabaseHandle], incoming: dict[int, list[tuple[int, str, bytes, bytes]]],
-            specs: dict[str, TableSpec], counts: dict[tuple[int, str], dict[int, int]], where: str) -> None:
+            specs: dict[str, TableSpec], counts: dict[tuple[int, str], dict[int, int]], where: str,
+            written: dict[int, dict[str, dict[bytes, bytes]]] | None = None) -> None:
     """Put moved values into their destinations under new numbers; moved trace batches join the end of the
-    destination's order record as pending batches (invariant 2)."""
+    destination's order record as pending batches (invariant 2). ``incoming``: per destination, the moved
+    ``(source, table, key, value)``; ``counts``: per ``(source, table)`` of a trace, the batch count of each
+    number as the source's order record had it (1 when it has none); ``written``, when given: every value put
+    is also recorded in ``written[destination][table][new key]``."""
     for w, items in incoming.items():
         if not items:
             continue
@@ -275,7 +279,10 @@ def _import(handles: dict[int, DatabaseHandle], incoming: dict[int, list[tuple[i
                 renumber[ident] = nxt
                 nxt += 1
                 added.setdefault(t, []).append(renumber[ident])
-            h.put(t, k[:SHARD_PREFIX_BYTES] + renumber[ident].to_bytes(8, "big"), v)
+            key = k[:SHARD_PREFIX_BYTES] + renumber[ident].to_bytes(8, "big")
+            h.put(t, key, v)
+            if written is not None:
+                written[w].setdefault(t, {})[key] = v
         for t, numbers in added.items():
             if specs[t].kind != "trace":
                 continue
@@ -335,31 +342,9 @@ def relayout_group(handles: dict[int, DatabaseHandle], old: Layout, new: Layout,
                 del kv[k]
             if g.specs[t].kind == "trace":
                 _drop_numbers(h, t, {k[SHARD_PREFIX_BYTES:] for k in kv}, f"{where} worker {w}")
-    for w, items in incoming.items():  # the destinations: new numbers, pending batches at the end
-        if not items:
-            continue
-        h = handles[w]
-        nxt = read_next(h)
-        renumber: dict[tuple[int, str, bytes], int] = {}
-        added: dict[str, list[int]] = {}
-        for src, t, k, v in sorted(items, key=lambda x: (x[1], x[0], x[2][SHARD_PREFIX_BYTES:], x[2])):
-            num = k[SHARD_PREFIX_BYTES:]
-            ident = (src, t, num)
-            if ident not in renumber:
-                renumber[ident] = nxt
-                nxt += 1
-                added.setdefault(t, []).append(renumber[ident])
-            key = k[:SHARD_PREFIX_BYTES] + renumber[ident].to_bytes(8, "big")
-            h.put(t, key, v)
-            g.values[w].setdefault(t, {})[key] = v
-        for t, numbers in added.items():
-            if g.specs[t].kind != "trace":
-                continue
-            order = read_order(h, t, f"{where} worker {w}") or ([], [], 0)
-            back = {n: (src, num) for (src, tt, num), n in renumber.items() if tt == t}
-            counts = [g.counts[back[n][0]][t].get(int.from_bytes(back[n][1], "big"), 1) for n in numbers]
-            write_order(h, t, order[0] + numbers, order[1] + counts, order[2])
-        write_next(h, nxt)
+    # the destinations: new numbers, pending batches at the end (the counts as every source's order record had them)
+    counts = {(src, t): c for src, tables in g.counts.items() for t, c in tables.items()}
+    _import(handles, incoming, g.specs, counts, where, written=g.values)
     if new.shard_bits < fine:
         for w in handles:
             rekeyed += sum(len(kv) for kv in g.values[w].values())

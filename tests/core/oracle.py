@@ -38,12 +38,19 @@ def random_row(rng: np.random.Generator, schema: pa.Schema) -> tuple:
 
 
 class ChangeGen:
-    """Random valid changes to a bag: inserts (with duplicates and weights > 1) and deletions of present rows."""
+    """Random valid changes to a bag: inserts (with duplicates and weights > 1) and deletions of present rows.
+    A subclass draws its own rows (``row``) and duplicates more or less often (``dup``: 0.3 + the chance)."""
+
+    dup = 0.45  # a roll below 0.3 deletes a present row; below this, duplicates one
 
     def __init__(self, rng: np.random.Generator, schema: pa.Schema) -> None:
         self.rng = rng
         self.schema = schema
         self.bag: Counter = Counter()
+
+    def row(self) -> tuple:
+        """A new random row of the schema."""
+        return random_row(self.rng, self.schema)
 
     def change(self, max_rows: int = 8) -> dict[tuple, int]:
         rng, delta = self.rng, Counter()
@@ -52,10 +59,10 @@ class ChangeGen:
             roll = rng.random()
             if present and roll < 0.3:  # delete a present row
                 delta[present[int(rng.integers(len(present)))]] -= 1
-            elif present and roll < 0.45:  # duplicate a present row
+            elif present and roll < self.dup:  # duplicate a present row
                 delta[present[int(rng.integers(len(present)))]] += 1
             else:
-                delta[random_row(rng, self.schema)] += int(rng.choice([1, 1, 1, 2]))
+                delta[self.row()] += int(rng.choice([1, 1, 1, 2]))
         delta = Counter({r: w for r, w in delta.items() if w})
         self.bag.update(delta)
         self.bag = Counter({r: w for r, w in self.bag.items() if w})
@@ -75,11 +82,25 @@ def _norm(v: object) -> object:
     return v
 
 
-def normalize(rows: dict[tuple, int]) -> dict[tuple, int]:
+def normalize(rows: dict[tuple, int], norm: Callable[[object], object] = _norm) -> dict[tuple, int]:
+    """``rows`` with every value passed through ``norm`` (rows that become equal add up; weight 0 dropped)."""
     out: Counter = Counter()
     for r, w in rows.items():
-        out[tuple(_norm(v) for v in r)] += w
+        out[tuple(norm(v) for v in r)] += w
     return {r: w for r, w in out.items() if w}
+
+
+def register_bags(con: duckdb.DuckDBPyConnection, tables: dict[str, tuple[pa.Schema, dict[tuple, int]]]) -> None:
+    """Make each bag (``{name: (schema, {row: multiplicity})}``) a view ``<name>`` of DuckDB connection ``con``
+    with each row as many times as its multiplicity (none when it is not positive), and a table ``<name>_w`` of
+    the rows once each with their weight in an extra ``__w`` column."""
+    for name, (schema, bag) in tables.items():
+        rows = [r for r, w in bag.items() if w]
+        cols = {f.name: pa.array([r[i] for r in rows], type=f.type) for i, f in enumerate(schema)}
+        cols["__w"] = pa.array([bag[r] for r in rows], type=pa.int64())
+        con.register(f"{name}_w", pa.table(cols))
+        con.execute(f"CREATE VIEW {name} AS SELECT * EXCLUDE (__w, __i) FROM "
+                    f"(SELECT *, UNNEST(range(CASE WHEN __w > 0 THEN __w ELSE 0 END)) AS __i FROM {name}_w)")
 
 
 def duckdb_query(sql: str, tables: dict[str, tuple[pa.Schema, dict[tuple, int]]]) -> dict[tuple, int]:
@@ -90,13 +111,7 @@ def duckdb_query(sql: str, tables: dict[str, tuple[pa.Schema, dict[tuple, int]]]
     """
     con = duckdb.connect()
     try:
-        for name, (schema, bag) in tables.items():
-            rows = [r for r, w in bag.items() if w]
-            cols = {f.name: pa.array([r[i] for r in rows], type=f.type) for i, f in enumerate(schema)}
-            cols["__w"] = pa.array([bag[r] for r in rows], type=pa.int64())
-            con.register(f"{name}_w", pa.table(cols))
-            con.execute(f"CREATE VIEW {name} AS SELECT * EXCLUDE (__w, __i) FROM "
-                        f"(SELECT *, UNNEST(range(CASE WHEN __w > 0 THEN __w ELSE 0 END)) AS __i FROM {name}_w)")
+        register_bags(con, tables)
         result = con.sql(sql).to_arrow_table()
     finally:
         con.close()

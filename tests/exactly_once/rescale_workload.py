@@ -1,10 +1,14 @@
-"""The rescale test workload: a circuit with every stateful operator kind (join, left join, distinct, linear / extremes / recompute aggregates, integrate and delay of keyed and unkeyed streams, a window over the step's now), deterministic random changes with deletions, the DuckDB query of every output, and a never-rescaled reference run."""
+"""The rescale test workload: a circuit with every stateful operator kind (join, left join, distinct, linear / extremes / recompute aggregates, integrate and delay of keyed and unkeyed streams, a window over the step's now), deterministic random changes with deletions, the DuckDB query of every output, and a never-rescaled reference run; and what the kill -9 rescale tests share: their child processes, the directory they start from, the kill rounds and the final check."""
 
 from __future__ import annotations
 
+import json
 import os
+import random
+import subprocess
 import sys
 from collections import Counter
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -14,6 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "core"))
 
 import dbsp_core as dbsp  # noqa: E402
+from dbsp_core.runtime import StagedExecutor  # noqa: E402
 from dbsp_core.temporal import within_last  # noqa: E402
 from oracle import AUCTIONS, BIDS, ChangeGen, duckdb_query, normalize, to_zset  # noqa: E402
 
@@ -140,3 +145,91 @@ def check_log_against_duckdb(p: dbsp.Pipeline, w: Workload, upto: int) -> None:
 
 def _diff(a: dict, b: dict) -> dict:
     return {r: v - b.get(r, 0) for r, v in a.items() if b.get(r, 0) != v}
+
+
+# --- the kill -9 rescale tests (test_rescale_kill.py, test_live_rescale_kill.py) ---
+
+def executor(kind: str) -> StagedExecutor | None:
+    """The executor of a test kind: "staged" or "embedded" (the default one)."""
+    return StagedExecutor() if kind == "staged" else None
+
+
+def start_storage(w: Workload, d: str, kind: str, checkpoint: bool) -> None:
+    """Run the workload's first 3 steps at 2 workers into the directory ``d`` (each push under its (producer,
+    seq), as the children push), and close with or without a checkpoint."""
+    cur = [0]
+    p = dbsp.Pipeline(build_circuit(), 2, storage=d, executor=executor(kind), checkpoint_interval=None,
+                      clock=lambda: w.clock(cur[0]))
+    for s in range(3):
+        cur[0] = s
+        for name, z in w.pushes[s]:
+            p.push(name, z, producer=f"gen-{name}", seq=s)
+        p.step()
+    p.close(checkpoint=checkpoint)
+
+
+def run_child(argv: list[str], crash: str | None, kill_after: float | None, hang_after: float, what: str
+              ) -> tuple[str, dict | None]:
+    """Run a child process (``argv`` after the interpreter, with this checkout first on PYTHONPATH) and return
+    ("killed", None) when it was killed: by ``DBSP_CRASHPOINT=crash`` (-9) or after ``kill_after`` seconds;
+    else ("done", the JSON of its last line). Without ``kill_after``, a child still running after ``hang_after``
+    seconds is a hang (AssertionError naming ``what``); a child that fails otherwise is an AssertionError."""
+    env = dict(os.environ)
+    repo = os.path.dirname(os.path.dirname(HERE))
+    env["PYTHONPATH"] = os.pathsep.join([repo] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.pop("DBSP_CRASHPOINT", None)
+    if crash:
+        env["DBSP_CRASHPOINT"] = crash
+    p = subprocess.Popen([sys.executable] + argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                         text=True)
+    try:
+        out, err = p.communicate(timeout=kill_after if kill_after is not None else hang_after)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        if kill_after is None:
+            raise AssertionError(f"{what} still ran after {hang_after:.0f} s (a hang)")
+        return "killed", None
+    if p.returncode == -9:
+        return "killed", None
+    assert p.returncode == 0, f"child failed (rc {p.returncode}):\n{err[-3000:]}"
+    return "done", json.loads(out.strip().splitlines()[-1])
+
+
+def kill_rounds(rng: random.Random, kills: int, stats: dict, points: list[str], kill_after: tuple[float, float],
+                one_round: Callable[[Callable[..., tuple[str, dict | None]]], None]) -> int:
+    """Run rounds until ``kills`` kills landed (at most 4x as many rounds) and return the number of rounds.
+
+    A named point is not reached on every path and a timed kill can come after the child finished: counting the
+    kills that landed, not the rounds, keeps the count from depending on the machine's speed. ``one_round(kill)``
+    is one round: it draws its choices from ``rng`` and calls ``kill(child)`` once, where ``child(crash=...,
+    kill_after=...)`` runs its child; ``kill`` kills it at a point of ``points`` (6 in 10) or after a time drawn
+    from ``kill_after`` seconds, and counts a kill that landed in ``stats`` ("kills", and "named" or "timed").
+    """
+    def kill(child: Callable[..., tuple[str, dict | None]]) -> None:
+        if rng.random() < 0.6:
+            how, _ = child(crash=rng.choice(points))
+            stats["named"] += how == "killed"
+        else:
+            how, _ = child(kill_after=rng.uniform(*kill_after))
+            stats["timed"] += how == "killed"
+        stats["kills"] += how == "killed"
+
+    rounds = 0
+    while stats["kills"] < kills and rounds < 4 * kills:
+        rounds += 1
+        one_round(kill)
+    return rounds
+
+
+def check_against_reference(d: str, kind: str, w: Workload, ref: list[dict[str, dict]], steps: int, seed: int
+                            ) -> None:
+    """The directory ``d`` holds all ``steps`` steps, each output step equals the never-rescaled run ``ref``, and
+    the output log's integral equals DuckDB over all input."""
+    q = dbsp.Pipeline.open(d, build_circuit(), executor=executor(kind), checkpoint_interval=None)
+    assert q.steps == steps and list(q.output_steps) == list(range(steps))
+    for s in range(steps):
+        got = {name: z.to_dict() for name, z in q._output.get(s).items()}
+        assert got == ref[s], f"output step {s} differs from the never-rescaled run (seed {seed})"
+    check_log_against_duckdb(q, w, steps - 1)
+    q.close()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import decimal
-import math
 import os
 import re
 import time
@@ -23,6 +22,7 @@ import pyarrow as pa
 
 import dbsp_core as dbsp
 from dbsp_core import sql
+from oracle import ChangeGen, _diff, _norm, normalize, register_bags  # tests/core, on the path by conftest.py
 
 BASE_TS = datetime.datetime(2024, 3, 1, 12, 0, 0)
 
@@ -46,50 +46,23 @@ def _value(rng: np.random.Generator, t: pa.DataType, null_rate: float) -> object
     raise TypeError(t)
 
 
-class Bag:
-    """Random valid changes to one table: inserts (duplicates, weights > 1) and deletions of present rows."""
+class Bag(ChangeGen):
+    """oracle.ChangeGen over the SQL tables' types (with their null rate), duplicating a present row less often."""
+
+    dup = 0.4
 
     def __init__(self, rng: np.random.Generator, schema: pa.Schema, null_rate: float = 0.15) -> None:
-        self.rng, self.schema, self.null_rate = rng, schema, null_rate
-        self.bag: Counter = Counter()
+        super().__init__(rng, schema)
+        self.null_rate = null_rate
 
-    def change(self, max_rows: int) -> dict[tuple, int]:
-        rng, delta = self.rng, Counter()
-        for _ in range(int(rng.integers(0, max_rows + 1))):
-            present = [r for r, w in (self.bag + delta).items() if w > 0]
-            roll = rng.random()
-            if present and roll < 0.3:
-                delta[present[int(rng.integers(len(present)))]] -= 1
-            elif present and roll < 0.4:
-                delta[present[int(rng.integers(len(present)))]] += 1
-            else:
-                row = tuple(_value(rng, f.type, self.null_rate) for f in self.schema)
-                delta[row] += int(rng.choice([1, 1, 1, 2]))
-        delta = Counter({r: w for r, w in delta.items() if w})
-        self.bag.update(delta)
-        self.bag = Counter({r: w for r, w in self.bag.items() if w})
-        return dict(delta)
+    def row(self) -> tuple:
+        return tuple(_value(self.rng, f.type, self.null_rate) for f in self.schema)
 
 
-def _norm(v: object) -> object:
-    if isinstance(v, decimal.Decimal):
-        v = float(v)
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        return float(f"{v:.9g}") + 0.0
-    return v
-
-
-def normalize(rows: dict[tuple, int]) -> dict[tuple, int]:
-    out: Counter = Counter()
-    for r, w in rows.items():
-        out[tuple(_norm(v) for v in r)] += w
-    return {r: w for r, w in out.items() if w}
-
-
-def _diff(a: dict, b: dict) -> dict:
-    return {r: w - b.get(r, 0) for r, w in a.items() if b.get(r, 0) != w}
+def _sql_norm(v: object) -> object:
+    """oracle's value normalization after turning DuckDB's decimals into floats (a decimal literal is a float64 in
+    the circuit: dbsp_core/sql/types.py invariant 2)."""
+    return _norm(float(v) if isinstance(v, decimal.Decimal) else v)
 
 
 def duckdb_views(ddl_tables: dict[str, pa.Schema], bags: dict[str, Counter], statements: str, views: list[str]
@@ -97,21 +70,15 @@ def duckdb_views(ddl_tables: dict[str, pa.Schema], bags: dict[str, Counter], sta
     """Each view's rows (as ``{row: multiplicity}``) from DuckDB running ``statements`` over the bags."""
     con = duckdb.connect()
     try:
-        for name, schema in ddl_tables.items():
-            bag = bags[name]
-            rows = [r for r, w in bag.items() if w > 0]
-            cols = {f.name: pa.array([r[i] for r in rows], type=f.type) for i, f in enumerate(schema)}
-            cols["__w"] = pa.array([bag[r] for r in rows], type=pa.int64())
-            con.register(f"{name}_w", pa.table(cols))
-            con.execute(f"CREATE VIEW {name} AS SELECT * EXCLUDE (__w, __i) FROM "
-                        f"(SELECT *, UNNEST(range(__w)) AS __i FROM {name}_w)")
+        # a Bag's weights are all > 0: each row stands in its view as many times as its weight
+        register_bags(con, {name: (schema, bags[name]) for name, schema in ddl_tables.items()})
         for st in [s for s in statements.split(";") if s.strip()]:
             con.execute(re.sub(r"CREATE\s+MATERIALIZED\s+VIEW", "CREATE VIEW", st, flags=re.I))
         out = {}
         for v in views:
             t = con.sql(f"SELECT * FROM {v}").to_arrow_table()
             cols = [c.to_pylist() for c in t.columns]
-            out[v] = normalize(dict(Counter(zip(*cols))))
+            out[v] = normalize(dict(Counter(zip(*cols))), _sql_norm)
         return out
     finally:
         con.close()
@@ -148,7 +115,7 @@ def run_views(ddl: str, tables: dict[str, pa.Schema], entries: list, seed: int, 
                 for r, w in out[v].to_dict().items():
                     views[v][r] = views[v].get(r, 0) + w
                 views[v] = {r: w for r, w in views[v].items() if w}
-                got = normalize(views[v])
+                got = normalize(views[v], _sql_norm)
                 if got != want[v]:
                     entry = next(e for e in entries if v in view_names(e.sql))
                     raise AssertionError(
