@@ -372,6 +372,11 @@ class EmbeddedExecutor:
         self.worker_cpu_seconds = (self.worker_cpu_seconds + [0.0] * W)[:W]
         return moved
 
+    def settle_merges(self) -> None:
+        """Wait until the merger thread has no merge left and every trace has installed what it merged (after a
+        bulk load, say, so later steps do not share the machine with the load's merges). Call between steps."""
+        self._install_merges(settle=True)
+
     def _install_merges(self, settle: bool = False) -> None:
         """Between steps (the caller holds the step lock): every trace installs the merges the merger's thread
         finished (trace invariant 10), so what is saved, moved or measured next is merged. With ``settle``, waits

@@ -125,3 +125,23 @@ def test_a_merge_that_failed_on_the_merger_thread_fails_the_insert_that_needs_it
             with pytest.raises(MemoryError, match="merge buffers"):
                 for i in range(3, 50):  # soon the merge is due and the inserting thread needs it
                     t.insert(_z(i, 300).index_by(["k"]))
+
+
+def test_settle_merges_leaves_no_merge_in_flight_and_the_state_unchanged():
+    ex = EmbeddedExecutor(background_merge=True)
+    c = dbsp.Circuit()
+    t = c.input("t", S)
+    c.output("n", t.group_by("k").agg(n=dbsp.count()))
+    with dbsp.Pipeline(c, workers=1, executor=ex) as p:
+        for i in range(30):
+            p.push("t", _z(i, 4000).data)
+            p.step()
+        before = {k: v for k, v in ex.traces(0).items()}
+        content = {k: tr.consolidated().zset.to_dict() for k, tr in before.items()}
+        ex.settle_merges()
+        assert ex._merger.wait_idle(0)
+        for name, tr in ex.traces(0).items():
+            for _, _, m in tr.levels():
+                assert m is None, f"{name}: a merge still in progress after settle_merges: {tr}"
+            assert tr.consolidated().zset.to_dict() == content[name]
+            tr.check()
