@@ -185,9 +185,10 @@ class BackgroundMerger:
     """
 
     CHUNK = 131_072  # rows a GIL-free call merges (~1-3 ms): between chunks this thread takes the GIL for a few
-    # Python lines, and every C call of a step that returns meanwhile waits for it; 16k-row chunks slowed 1k-row
-    # steps beside a big merge by up to 2x (a GIL convoy), while a step that needs a merge the thread holds
-    # (invariant 10: due) waits at most one chunk
+    # Python lines (fewer hand-offs than 16k-row chunks; the difference in step latency was within noise), and a
+    # step that needs a merge this thread holds (invariant 10: due) waits at most one chunk. What does slow
+    # steps is a big merge running beside them on a state that does not fit in cache (memory traffic): up to
+    # ~1.8x at 50M rows; EmbeddedExecutor.settle_merges() lets a bulk load's merges finish first
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
