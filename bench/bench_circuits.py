@@ -46,25 +46,43 @@ def p99_ms(xs: list[float]) -> float:
 
 # ---------------------------------------------------------------- (a)
 
-QUERIES_A = {
+QUERIES_A = {  # name: (circuit, DuckDB query); every bid's auction exists except in left_join's data (below)
+    "group_by-count": (lambda b, a: b.group_by("auction").agg(n=dbsp.count()),
+                       "SELECT auction, COUNT(*) AS n FROM bids GROUP BY auction"),
     "group_by-sum": (lambda b, a: b.group_by("auction").agg(total=dbsp.sum("price")),
                      "SELECT auction, SUM(price) AS total FROM bids GROUP BY auction"),
+    "group_by-avg": (lambda b, a: b.group_by("auction").agg(m=dbsp.avg("price")),
+                     "SELECT auction, AVG(price) AS m FROM bids GROUP BY auction"),
+    "group_by-min-max": (lambda b, a: b.group_by("auction").agg(lo=dbsp.min("price"), hi=dbsp.max("price")),
+                         "SELECT auction, MIN(price) AS lo, MAX(price) AS hi FROM bids GROUP BY auction"),
     "join": (lambda b, a: b.join(a, left_on="auction", right_on="id"),
              "SELECT * FROM bids JOIN auctions ON bids.auction = auctions.id"),
+    "left_join": (lambda b, a: b.left_join(a, left_on="auction", right_on="id"),
+                  "SELECT * FROM bids LEFT JOIN auctions ON bids.auction = auctions.id"),
     "distinct": (lambda b, a: b.select(auction="auction", bidder="bidder").distinct(),
                  "SELECT DISTINCT auction, bidder FROM bids"),
+    "join-group_by": (lambda b, a: b.join(a, left_on="auction", right_on="id").group_by("category").agg(
+                          n=dbsp.count(), total=dbsp.sum("price")),
+                      "SELECT category, COUNT(*) AS n, SUM(price) AS total FROM bids JOIN auctions "
+                      "ON bids.auction = auctions.id GROUP BY category"),
 }
+SPARSE_AUCTIONS = {"left_join"}  # one auction in ten is missing, so a tenth of the bids have no partner
 
 
-def bench_a(state_rows: int, change_rows: int, steps: int, workers: int = 1) -> list[dict]:
+def bench_a(state_rows: int, change_rows: int, steps: int, workers: int = 1, only: set[str] | None = None,
+            background_merge: bool | None = None) -> list[dict]:
     """Per-step latency of a ``change_rows`` change (90% inserts, 10% deletions of existing rows) against
     ``state_rows`` rows of state, then DuckDB recomputing the view over the same data after each change."""
     results = []
     n_auctions = state_rows // 10
     for name, (build, sql) in QUERIES_A.items():
+        if only and name not in only:
+            continue
         rng = np.random.default_rng(1)
         base = bids_table(rng, state_rows, n_auctions)
         auctions = auctions_table(n_auctions, 1000)
+        if name in SPARSE_AUCTIONS:
+            auctions = auctions.filter(pa.array(np.arange(n_auctions) % 10 != 0))
         changes = []
         for i in range(steps):
             ins = bids_table(rng, change_rows - change_rows // 10, n_auctions)
@@ -74,7 +92,9 @@ def bench_a(state_rows: int, change_rows: int, steps: int, workers: int = 1) -> 
         b, a = c.input("bids", BIDS), c.input("auctions", AUCTIONS)
         c.output("v", build(b, a))
         ours = []
-        with dbsp.Pipeline(c, workers=workers) as p:
+        from dbsp_core.runtime.embedded import EmbeddedExecutor
+
+        with dbsp.Pipeline(c, workers=workers, executor=EmbeddedExecutor(background_merge=background_merge)) as p:
             p.push("bids", base)
             p.push("auctions", auctions)
             t0 = time.perf_counter()
@@ -130,11 +150,15 @@ def make_stream(total_rows: int, step_rows: int, n_auctions: int) -> list[pa.Tab
     return [bids_table(rng, step_rows, n_auctions) for _ in range(total_rows // step_rows)]
 
 
-def run_ours(batches: list[pa.Table], auctions: pa.Table, workers: int
+def run_ours(batches: list[pa.Table], auctions: pa.Table, workers: int, background_merge: bool | None = False
              ) -> tuple[float, list[float], float, list[float]]:
-    """Wall time, per-step times, process CPU time and per-worker CPU time of the join-aggregate run."""
+    """Wall time, per-step times, process CPU time and per-worker CPU time of the join-aggregate run. Merges run
+    on the workers' threads unless ``background_merge`` (None: the default rule, a merger thread while the
+    workers leave a core free), so that W workers use W cores and (c) compares like with like."""
+    from dbsp_core.runtime.embedded import EmbeddedExecutor
+
     c = join_agg_circuit()
-    with dbsp.Pipeline(c, workers=workers) as p:
+    with dbsp.Pipeline(c, workers=workers, executor=EmbeddedExecutor(background_merge=background_merge)) as p:
         p.executor.measure_cpu = True  # per-worker CPU time for (c); 2 clock reads per worker and 100k-row step
         p.push("auctions", auctions)
         p.step()
@@ -147,6 +171,9 @@ def run_ours(batches: list[pa.Table], auctions: pa.Table, workers: int
             p.push("bids", bt)
             p.step()
             per_step.append(time.perf_counter() - t0)
+        merger = getattr(p.executor, "_merger", None)
+        if merger is not None:  # merges handed over but not done yet are work of this run: wait for them
+            merger.wait_idle()
         wall = time.perf_counter() - t_start
         return wall, per_step, time.process_time() - cpu0, [b - a for a, b in zip(worker0, p.executor.worker_cpu_seconds)]
 
@@ -176,11 +203,13 @@ def parallel_control(rows: int = 1_000_000, reps: int = 3) -> float:
     return seq / (time.perf_counter() - t0)
 
 
-def sampled_recompute(batches: list[pa.Table], auctions: pa.Table, samples: int) -> tuple[float, float, float]:
-    """Total time to recompute the view after every step, for DuckDB and pandas, estimated from ``samples``
-    evenly spaced steps (time per step is linear in the rows so far); also pandas on all rows once."""
+def sampled_recompute(batches: list[pa.Table], auctions: pa.Table, samples: int | None
+                      ) -> tuple[float, float, float]:
+    """Total time to recompute the view after every step, for DuckDB and pandas: measured at every step
+    (``samples`` None), or estimated from ``samples`` evenly spaced steps (time per step is linear in the rows
+    so far); also pandas on all rows once."""
     n = len(batches)
-    at = sorted(set(np.linspace(0, n - 1, samples).astype(int).tolist()))
+    at = list(range(n)) if samples is None else sorted(set(np.linspace(0, n - 1, samples).astype(int).tolist()))
     con = duckdb.connect()
     con.execute("CREATE TABLE auctions AS SELECT * FROM auctions")
     con.execute("CREATE TABLE bids (auction BIGINT, bidder BIGINT, price BIGINT)")
@@ -212,24 +241,29 @@ def bench_b_c(total_rows: int, step_rows: int, samples: int) -> dict:
     auctions = auctions_table(n_auctions, 1000)
     batches = make_stream(total_rows, step_rows, n_auctions)
     res = {}
-    for w in (1, 2):
-        total, per_step, cpu, wcpu = run_ours(batches, auctions, w)
+    run_ours(batches[:len(batches) // 3], auctions, 1)  # untimed warm-up: the first run in a process pays for
+    # growing the heap (page faults), 30-45% of a W=1 run's time, which made (c) look better than it is
+    for w, bgm in ((1, False), (2, False), ("1+merger", True)):
+        total, per_step, cpu, wcpu = run_ours(batches, auctions, 1 if w == "1+merger" else w, bgm)
         res[w] = (total, per_step, cpu, wcpu)
+        cores = 2 if w == 2 else 1
         print(f"(b) W={w}: {total_rows} rows in {len(batches)} steps: {total:.2f} s, "
-              f"{total_rows / total / 1e6:.2f} M rows/s, {total_rows / total / w / 1e6:.2f} M rows/s/core, "
-              f"median step {median_ms(per_step):.1f} ms, CPU {cpu:.2f} s", flush=True)
+              f"{total_rows / total / 1e6:.2f} M rows/s, {total_rows / total / cores / 1e6:.2f} M rows/s/worker, "
+              f"median step {median_ms(per_step):.1f} ms, CPU {cpu:.2f} s"
+              + ("  (merges on a merger thread: the default while a core is free)" if bgm else ""), flush=True)
     duck_total, pand_total, pand_once = sampled_recompute(batches, auctions, samples)
     ours1 = res[1][0]
-    print(f"(b) DuckDB recompute after every step (est. from {samples} samples): {duck_total:.1f} s total, "
+    how = "measured at every step" if samples is None else f"est. from {samples} samples"
+    print(f"(b) DuckDB recompute after every step ({how}): {duck_total:.1f} s total, "
           f"{total_rows / duck_total / 1e6:.3f} M rows/s; ours W=1 is {duck_total / ours1:.1f}x faster", flush=True)
-    print(f"(b) pandas recompute after every step (est.): {pand_total:.1f} s total, "
+    print(f"(b) pandas recompute after every step ({how}): {pand_total:.1f} s total, "
           f"{total_rows / pand_total / 1e6:.3f} M rows/s; ours W=1 is {pand_total / ours1:.1f}x faster", flush=True)
     print(f"(b) pandas once over all {total_rows} rows: {pand_once:.2f} s = {total_rows / pand_once / 1e6:.2f} M rows/s "
           f"(not incremental; for scale)", flush=True)
     speedup = res[1][0] / res[2][0]
     control = parallel_control()
     bound = sum(res[1][3]) / max(res[2][3])
-    print(f"(c) W=2 vs W=1 throughput: {speedup:.2f}x; CPU seconds W=2/W=1: {res[2][2] / res[1][2]:.2f}; "
+    print(f"(c) W=2 vs W=1 throughput (merges on the workers' threads in both): {speedup:.2f}x; CPU seconds W=2/W=1: {res[2][2] / res[1][2]:.2f}; "
           f"worker CPU seconds W=1 {['%.2f' % x for x in res[1][3]]}, W=2 {['%.2f' % x for x in res[2][3]]} "
           f"-> at most {bound:.2f}x on two idle cores; control (2 threads of a GIL-free kernel vs 1, same moment): "
           f"{control:.2f}x", flush=True)
@@ -241,15 +275,24 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
     ap.add_argument("--only", choices=["a", "bc"], default=None)
+    ap.add_argument("--queries", default=None, help=f"comma-separated subset of (a): {','.join(QUERIES_A)}")
+    ap.add_argument("--background-merge", choices=["auto", "on", "off"], default="auto",
+                    help="(a): merges on a merger thread (on), on the worker's thread (off), or the default rule")
+    ap.add_argument("--steps", type=int, default=None, help="steps of (a) per query (default 200, quick 20)")
     args = ap.parse_args(argv)
-    state, change, steps_a = (100_000, 1_000, 10) if args.quick else (1_000_000, 1_000, 30)
-    total, step_rows, samples = (1_000_000, 100_000, 3) if args.quick else (10_000_000, 100_000, 6)
+    state, change, steps_a = (100_000, 1_000, 20) if args.quick else (1_000_000, 1_000, 200)
+    total, step_rows, samples = (1_000_000, 100_000, None) if args.quick else (10_000_000, 100_000, None)
     threads = duckdb.execute("SELECT current_setting('threads')").fetchone()[0]
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start; dbsp_core "
           f"{dbsp.__version__}; duckdb {duckdb.__version__} ({threads} threads); pandas {pd.__version__}; "
           f"pyarrow {pa.__version__}", flush=True)
     if args.only in (None, "a"):
-        bench_a(state, change, steps_a)
+        only = set(args.queries.split(",")) if args.queries else None
+        unknown = sorted((only or set()) - set(QUERIES_A))
+        if unknown:
+            ap.error(f"unknown --queries {unknown}; known: {list(QUERIES_A)}")
+        bench_a(state, change, args.steps or steps_a, only=only,
+                background_merge={"auto": None, "on": True, "off": False}[args.background_merge])
     if args.only in (None, "bc"):
         bench_b_c(total, step_rows, samples)
     print(f"load average at end: {os.getloadavg()[0]:.2f}")

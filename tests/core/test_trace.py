@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dbsp_core as dbsp
-from dbsp_core.trace import Trace, level_of
+from dbsp_core.trace import BackgroundMerger, Trace, level_of, merging
 
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
 
@@ -60,9 +60,21 @@ def _check_reads(t: Trace, model: dict, keys: list[int]) -> None:
         assert got_w == {r: model.get(r, 0) for r in got_w}
 
 
-def _batch_bound(t: Trace) -> int:
-    """O(log n) batches: two per level, levels up to ceil(log2(rows inserted))."""
-    return 2 * (level_of(max(t.inserted_rows, 2)) + 1) + len(t.pending)
+def _batch_bound(t: Trace, per_level: int = 2) -> int:
+    """O(log n) batches: two per level (three with a background merger: a merge and two loose batches, trace
+    invariant 10), levels up to ceil(log2(rows inserted))."""
+    return per_level * (level_of(max(t.inserted_rows, 2)) + 1) + len(t.pending)
+
+
+_MERGER: BackgroundMerger | None = None
+
+
+def _merger() -> BackgroundMerger:
+    """One merger thread for the tests of this module (a thread per example would be slow to start)."""
+    global _MERGER
+    if _MERGER is None:
+        _MERGER = BackgroundMerger()
+    return _MERGER
 
 
 ops = st.lists(st.one_of(
@@ -71,12 +83,20 @@ ops = st.lists(st.one_of(
     st.tuples(st.just("settle")),
     st.tuples(st.just("restore")),
     st.tuples(st.just("drop"), st.integers(0, 30)),
+    st.tuples(st.just("idle")),
 ), max_size=60)
 
 
 @settings(deadline=None)
-@given(ops, st.sampled_from([Trace, SlowTrace]))
-def test_any_inserts_reads_settles_and_restores_match_the_model(steps, cls):
+@given(ops, st.sampled_from([Trace, SlowTrace]), st.booleans())
+def test_any_inserts_reads_settles_and_restores_match_the_model(steps, cls, bg):
+    """Also with a background merger (invariant 10): the same content and reads whatever the merger's thread
+    has done when they happen ("idle" waits until it has finished every merge handed to it)."""
+    with merging(_merger() if bg else None):
+        _run_ops(steps, cls, bg)
+
+
+def _run_ops(steps, cls, bg):
     t = cls(SCHEMA, ("k",))
     model: dict = {}
     for op in steps:
@@ -90,6 +110,8 @@ def test_any_inserts_reads_settles_and_restores_match_the_model(steps, cls):
             _check_reads(t, model, op[1])
         elif op[0] == "settle":
             t.settle()
+        elif op[0] == "idle":
+            assert _merger().wait_idle(30)
         elif op[0] == "drop":  # invariant 8: forget keys below a bound, merges in progress included
             gone = sum(abs(w) for (k, _), w in model.items() if k < op[1])
             dropped = t.drop_below({"k": op[1]}, force=True)
@@ -111,7 +133,7 @@ def test_any_inserts_reads_settles_and_restores_match_the_model(steps, cls):
         batches = t.parts()[0] + t.parts()[1]
         assert all(len(b) for b in batches)
         assert dbsp.ZSet.concat([b.zset for b in batches] or [dbsp.ZSet.empty(SCHEMA)]).to_dict() == model
-        assert len(t.parts()[0]) <= _batch_bound(t) or t.pending
+        assert len(t.parts()[0]) <= _batch_bound(t, 3 if bg else 2) or t.pending
         t.check()
     assert t.consolidated().zset.to_dict() == model
 
