@@ -227,10 +227,11 @@ def _settle_live_memory(root: str, executor: Executor, target: Layout, vfs: str,
     the target layout's workers, then switches LAYOUT, then deletes the leaving workers' databases. If every
     target worker committed it, only the switch or the clean-up was lost: do them (``"forward"``; ``start``, the
     layout the change began from, names the leaving workers when LAYOUT already holds the target). Otherwise
-    put the databases of LAYOUT's workers back on their newest common version (the last checkpoint before the
-    change: a partly committed final checkpoint is discarded), delete any database beyond them (a joining
-    worker's, or one an earlier crash left behind: the finishing change creates them afresh) and leave the
-    finishing cold change to the driver (None)."""
+    put every database of the old and new workers back on their newest common version (the last checkpoint
+    before the change: a partly committed final checkpoint is discarded), delete the joining workers' ones (the
+    finishing change creates them afresh; also one an earlier crash left behind, older than every version
+    LAYOUT's workers hold, which is no part of this change) and leave the finishing cold change to the driver
+    (None)."""
     from dbsp_core.storage.shardmove import read_worker_layout
 
     current, _ = read_layout(root, vfs)
@@ -249,17 +250,23 @@ def _settle_live_memory(root: str, executor: Executor, target: Layout, vfs: str,
             tr = [db.versions() for db in tgt]
             lo, hi = max(r.start for r in tr), min(r.stop for r in tr)
             done = lo < hi and all(_epoch_at(db, hi - 1, read_worker_layout) == target.epoch for db in tgt)
-        if not done:  # the newest version LAYOUT's workers all hold: the checkpoint before the change
-            ranges = [db.versions() for w, db in dbs if w < current.workers]
-            if len(ranges) != len(groups) * current.workers:
-                raise RecoveryError(f"{root}: an unfinished live rescale left {len(ranges)} of the "
+        if not done:  # the newest version every database of the change holds: the checkpoint before it
+            cur = [db.versions() for w, db in dbs if w < current.workers]
+            if len(cur) != len(groups) * current.workers:
+                raise RecoveryError(f"{root}: an unfinished live rescale left {len(cur)} of the "
                                     f"{len(groups) * current.workers} state databases of LAYOUT's workers")
+            # a joining worker's database is created at a version LAYOUT's workers all hold and commits with them
+            # from then on; one whose newest version is older than that is not this change's (an earlier crash
+            # left it behind): it is deleted below with the joining ones, and ignored here
+            floor = max(r.start for r in cur)
+            part = [(w, db) for w, db in dbs if w < current.workers or db.versions().stop - 1 >= floor]
+            ranges = [db.versions() for _, db in part]
             lo, hi = max(r.start for r in ranges), min(r.stop for r in ranges)
             if lo >= hi:
                 raise RecoveryError(f"{root}: the state databases of an unfinished live rescale share no version: "
                                     f"{[(r.start, r.stop - 1) for r in ranges]}")
-            for w, db in dbs:
-                if w < current.workers and db.versions().stop - 1 != hi - 1:
+            for _, db in part:
+                if db.versions().stop - 1 != hi - 1:
                     db.open(hi - 1).close()  # discards the partly committed version
     finally:
         for _, db in dbs:
