@@ -180,7 +180,8 @@ def resolve(root: str, executor: Executor, crashpoint: Callable[[str], None], vf
         return None
     if rec.get("kind") == "live" and "to" not in rec:  # only a live change's target: the driver finishes it
         if getattr(executor, "state_in_memory", False):
-            return _settle_live_memory(root, executor, Layout.from_dict(rec["target"], f"{root}/RESCALE"), vfs)
+            return _settle_live_memory(root, executor, Layout.from_dict(rec["target"], f"{root}/RESCALE"), vfs,
+                                       Layout.from_dict(rec["from"], f"{root}/RESCALE") if "from" in rec else None)
         return None
     try:
         old, new = Layout.from_dict(rec["from"], "RESCALE from"), Layout.from_dict(rec["to"], "RESCALE to")
@@ -220,12 +221,17 @@ def resolve(root: str, executor: Executor, crashpoint: Callable[[str], None], vf
     return "back"
 
 
-def _settle_live_memory(root: str, executor: Executor, target: Layout, vfs: str) -> str | None:
+def _settle_live_memory(root: str, executor: Executor, target: Layout, vfs: str, start: Layout | None = None
+                        ) -> str | None:
     """A live change of an executor whose state is in memory (invariant 4) ends with a checkpoint that commits
-    the target layout's workers, then switches LAYOUT. If every target worker committed it, only the switch was
-    lost: do it (``"forward"``). Otherwise put every database of the old and new workers back on their newest
-    common version (the last checkpoint before the change: a partly committed final checkpoint is discarded)
-    and leave the finishing cold change to the driver (None)."""
+    the target layout's workers, then switches LAYOUT, then deletes the leaving workers' databases. If every
+    target worker committed it, only the switch or the clean-up was lost: do them (``"forward"``; ``start``, the
+    layout the change began from, names the leaving workers when LAYOUT already holds the target). Otherwise
+    put every database of the old and new workers back on their newest common version (the last checkpoint
+    before the change: a partly committed final checkpoint is discarded), delete the joining workers' ones (the
+    finishing change creates them afresh; also one an earlier crash left behind, older than every version
+    LAYOUT's workers hold, which is no part of this change) and leave the finishing cold change to the driver
+    (None)."""
     from dbsp_core.storage.shardmove import read_worker_layout
 
     current, _ = read_layout(root, vfs)
@@ -245,19 +251,31 @@ def _settle_live_memory(root: str, executor: Executor, target: Layout, vfs: str)
             lo, hi = max(r.start for r in tr), min(r.stop for r in tr)
             done = lo < hi and all(_epoch_at(db, hi - 1, read_worker_layout) == target.epoch for db in tgt)
         if not done:  # the newest version every database of the change holds: the checkpoint before it
-            ranges = [db.versions() for _, db in dbs]
+            cur = [db.versions() for w, db in dbs if w < current.workers]
+            if len(cur) != len(groups) * current.workers:
+                raise RecoveryError(f"{root}: an unfinished live rescale left {len(cur)} of the "
+                                    f"{len(groups) * current.workers} state databases of LAYOUT's workers")
+            # a joining worker's database is created at a version LAYOUT's workers all hold and commits with them
+            # from then on; one whose newest version is older than that is not this change's (an earlier crash
+            # left it behind): it is deleted below with the joining ones, and ignored here
+            floor = max(r.start for r in cur)
+            part = [(w, db) for w, db in dbs if w < current.workers or db.versions().stop - 1 >= floor]
+            ranges = [db.versions() for _, db in part]
             lo, hi = max(r.start for r in ranges), min(r.stop for r in ranges)
             if lo >= hi:
                 raise RecoveryError(f"{root}: the state databases of an unfinished live rescale share no version: "
                                     f"{[(r.start, r.stop - 1) for r in ranges]}")
-            for _, db in dbs:
+            for _, db in part:
                 if db.versions().stop - 1 != hi - 1:
                     db.open(hi - 1).close()  # discards the partly committed version
     finally:
         for _, db in dbs:
             db.close()
     if done:
-        _finish(root, groups, current, target, {"kind": "live", "from_workers": current.workers,
+        old = current
+        if current.epoch == target.epoch and start is not None:  # LAYOUT switched: the clean-up was lost
+            old = start
+        _finish(root, groups, old, target, {"kind": "live", "from_workers": old.workers,
                                                  "to_workers": target.workers, "completed_by_recovery": True},
                 lambda _: None, vfs)
         return "forward"

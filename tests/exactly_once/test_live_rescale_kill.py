@@ -69,3 +69,22 @@ def test_kill9_during_live_rescales(tmp_path, kind: str) -> None:
     check_against_reference(d, kind, w, ref, STEPS, seed)
     print(f"[live kill] {kind}: {rounds} rounds, {stats}; 0 rows lost, 0 doubled")
     assert stats["kills"] >= KILLS, f"only {stats['kills']} of {KILLS} kills landed in {rounds} rounds"
+
+
+def test_a_crash_after_the_layout_switch_leaves_no_database_of_a_leaving_worker(tmp_path) -> None:
+    """A kill between the switch of LAYOUT and the deletion of the leaving workers' databases (live-layout) is
+    finished on open; the leaving databases must go then too, or a later change from the smaller layout finds
+    them, older than the rest, and cannot open (seed 1995503886 of the test above found it: 2 -> 1 killed at
+    live-layout, then 1 -> 4 killed at live-begin)."""
+    from dbsp_core.storage.formats import state_db_path
+
+    seed = 7
+    d = str(tmp_path / "d")
+    start_storage(Workload(seed, STEPS), d, "embedded", checkpoint=True)  # 2 workers
+    assert _child(d, seed, 5, "embedded", [1], crash="live-layout:1")[0] == "killed"
+    how, info = _child(d, seed, 6, "embedded", [])
+    assert how == "done" and info["recovery"] == "forward" and info["workers"] == 1
+    assert read_rescale(d) is None and not os.path.exists(state_db_path(d, None, 1))
+    assert _child(d, seed, 8, "embedded", [4], crash="live-begin:1")[0] == "killed"
+    how, info = _child(d, seed, 9, "embedded", [3])
+    assert how == "done" and info["workers"] == 3
