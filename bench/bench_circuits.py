@@ -271,10 +271,32 @@ def bench_b_c(total_rows: int, step_rows: int, samples: int) -> dict:
             "pandas_once": pand_once, "w2_speedup": speedup, "control": control, "idle_bound": bound}
 
 
+def bench_c_alternating(total_rows: int, step_rows: int, rounds: int) -> list[float]:
+    """(c) alone: W=1 and W=2 (merges on the workers' threads) alternated ``rounds`` times over the same stream
+    in one process after a warm-up; prints each round's ratio, the control and the median."""
+    n_auctions = 100_000
+    auctions = auctions_table(n_auctions, 1000)
+    batches = make_stream(total_rows, step_rows, n_auctions)
+    run_ours(batches[:len(batches) // 3], auctions, 1)  # warm-up (see bench_b_c)
+    ratios = []
+    for r in range(rounds):
+        order = (1, 2) if r % 2 == 0 else (2, 1)
+        t = {w: run_ours(batches, auctions, w)[0] for w in order}
+        control = parallel_control()
+        ratios.append(t[1] / t[2])
+        print(f"(c) round {r + 1}: W=1 {t[1]:.2f} s, W=2 {t[2]:.2f} s -> {ratios[-1]:.2f}x (control {control:.2f}x, "
+              f"load {os.getloadavg()[0]:.2f})", flush=True)
+    print(f"(c) W=2 / W=1 over {rounds} alternating rounds: median {statistics.median(ratios):.2f}x, "
+          f"range {min(ratios):.2f}x-{max(ratios):.2f}x", flush=True)
+    return ratios
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-    ap.add_argument("--only", choices=["a", "bc"], default=None)
+    ap.add_argument("--only", choices=["a", "bc", "c"], default=None,
+                    help="c: only (c), W=1 and W=2 alternated --rounds times (no peers)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of --only c")
     ap.add_argument("--queries", default=None, help=f"comma-separated subset of (a): {','.join(QUERIES_A)}")
     ap.add_argument("--background-merge", choices=["auto", "on", "off"], default="auto",
                     help="(a): merges on a merger thread (on), on the worker's thread (off), or the default rule")
@@ -295,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                 background_merge={"auto": None, "on": True, "off": False}[args.background_merge])
     if args.only in (None, "bc"):
         bench_b_c(total, step_rows, samples)
+    if args.only == "c":
+        bench_c_alternating(total, step_rows, args.rounds)
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -60,6 +60,13 @@ STATE_STORES = {  # --state-store: the provider and its settings, and the label 
 
 # ---- data: written once, read by both systems ----
 
+def _one_core_each():
+    """Merges on the workers' threads: Spark runs local[W], so W worker threads are all the cores dbsp may use."""
+    from dbsp_core.runtime.embedded import EmbeddedExecutor
+
+    return EmbeddedExecutor(background_merge=False)
+
+
 def write_agg_batches(root: str, batches: int, rows: int, groups: int, seed: int = 7) -> str:
     d = os.path.join(root, "agg")
     os.makedirs(d)
@@ -304,14 +311,13 @@ def main() -> None:
                              "update", os.path.join(root, "ck-agg"), [a.rows] * a.batches, a.warmup)
             print(fmt(f"  Spark SS ({store}, update, noop sink)", r) + f"; {loadavg()}", flush=True)
             results.append(("agg", "Spark SS", r))
-            mem = ours("dbsp in memory", "agg", lambda: dbsp.Pipeline(agg_circuit(), workers=W), [("s", fs)])
-            dur = ours("dbsp durable", "agg", lambda: dbsp.Pipeline(
-                agg_circuit(), workers=W, storage=os.path.join(root, "dur-agg"), checkpoint_interval=1.0),
+            mem = ours("dbsp in memory", "agg", lambda: dbsp.Pipeline(agg_circuit(), workers=W, executor=_one_core_each()), [("s", fs)])
+            dur = ours("dbsp durable", "agg", lambda: dbsp.Pipeline(agg_circuit(), workers=W, executor=_one_core_each(), storage=os.path.join(root, "dur-agg"), checkpoint_interval=1.0),
                 [("s", fs)])
             _check_agg(mem["outs"], dur["outs"], fs)
             from spark_glue.streaming import foreach_batch
 
-            p = dbsp.Pipeline(agg_circuit(), workers=W, storage=os.path.join(root, "fb-agg"), checkpoint_interval=1.0)
+            p = dbsp.Pipeline(agg_circuit(), workers=W, executor=_one_core_each(), storage=os.path.join(root, "fb-agg"), checkpoint_interval=1.0)
             r = spark_stream(spark, lambda s: s, [(d, AGG)], "append", os.path.join(root, "ck-fb-agg"),
                              [a.rows] * a.batches, a.warmup, sink=foreach_batch(p, "s"))
             assert p.output_steps == range(a.batches)
@@ -345,9 +351,8 @@ def main() -> None:
             print(fmt(f"  Spark SS ({store}, append, noop sink)", r) + f"; {loadavg()}", flush=True)
             results.append(("join", "Spark SS", r))
             inputs = [("orders", fo), ("payments", fp)]
-            mem = ours("dbsp in memory", "join", lambda: dbsp.Pipeline(join_circuit(), workers=W), inputs)
-            ours("dbsp durable", "join", lambda: dbsp.Pipeline(
-                join_circuit(), workers=W, storage=os.path.join(root, "dur-join"), checkpoint_interval=1.0), inputs)
+            mem = ours("dbsp in memory", "join", lambda: dbsp.Pipeline(join_circuit(), workers=W, executor=_one_core_each()), inputs)
+            ours("dbsp durable", "join", lambda: dbsp.Pipeline(join_circuit(), workers=W, executor=_one_core_each(), storage=os.path.join(root, "dur-join"), checkpoint_interval=1.0), inputs)
             n_out = sum(len(o["out"]) for o in mem["outs"])
             assert n_out == a.rows * a.batches, (n_out, a.rows * a.batches)  # every payment joins one order
             if SP is not None:

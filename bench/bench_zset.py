@@ -109,7 +109,38 @@ def case_merge(n, repeat):
         "pandas": timeit(lambda: (lambda r: r[r != 0])(pd.concat([da, db_]).groupby(["k", "v"], sort=False)["weight"].sum()), repeat),
         "numpy": timeit(np_merge, repeat),
     }
-    return f"merge two consolidated {half/1e6:g}M-row batches", n, res
+    return (f"merge two consolidated {half/1e6:g}M-row batches (dbsp: the two sorted batches a trace keeps, merged; "
+            f"peers: the union of the same rows regrouped)", n, res)
+
+
+def case_merge_raw(n, repeat):
+    """The merge row's equal-work twin: every side starts from the same raw rows (the union of the two batches,
+    unsorted) and returns the consolidated sum."""
+    rng = np.random.default_rng(3)
+    half = n // 2
+    ta = pa.table({"k": rng.integers(0, n, half), "v": rng.integers(0, 100, half)})
+    tb = pa.table({"k": rng.integers(0, n, half), "v": rng.integers(0, 100, half)})
+    wa, wb = np.ones(half, np.int64), rng.choice(np.array([-1, 1], np.int64), half)
+    union = pa.concat_tables([ta, tb])
+    w = np.concatenate([wa, wb])
+    con = duck()
+    con.register("u", union.append_column("weight", pa.array(w)))
+    df = union.append_column("weight", pa.array(w)).to_pandas()
+    key = union.column("k").to_numpy() * 128 + union.column("v").to_numpy()
+
+    def np_merge():
+        u, inv = np.unique(key, return_inverse=True)
+        s = np.bincount(inv, weights=w)
+        return u[s != 0]
+
+    res = {
+        "dbsp": timeit(lambda: dbsp.ZSet.from_arrow(union, weights=w).consolidate(), repeat),
+        "duckdb": timeit(lambda: con.sql("SELECT k, v, SUM(weight) w FROM u GROUP BY k, v HAVING SUM(weight) <> 0")
+                         .to_arrow_table(), repeat),
+        "pandas": timeit(lambda: (lambda r: r[r != 0])(df.groupby(["k", "v"], sort=False)["weight"].sum()), repeat),
+        "numpy": timeit(np_merge, repeat),
+    }
+    return f"consolidate the union of two {half/1e6:g}M-row batches from raw rows (equal work on every side)", n, res
 
 
 def case_join(n, repeat):
@@ -184,6 +215,7 @@ CASES = {
     "consolidate_int64": (case_consolidate_int64, 10_000_000),
     "consolidate_str": (case_consolidate_str, 10_000_000),
     "merge": (case_merge, 10_000_000),
+    "merge_raw": (case_merge_raw, 10_000_000),
     "join": (case_join, 1_000_000),
     "group_sum": (case_group_sum, 10_000_000),
 }

@@ -113,7 +113,12 @@ def run_dbsp(query: str, mode: str, workers: int, files: list[dict[str, str]], r
     """One measurement, in this (child) process."""
     storage = tempfile.mkdtemp(prefix=f"nexmark-{query}-", dir=root) if mode == "durable" else None
     c = nexmark.circuit(query)
-    p = dbsp.Pipeline(c, workers=workers, storage=storage) if storage else dbsp.Pipeline(c, workers=workers)
+    from dbsp_core.runtime.embedded import EmbeddedExecutor
+
+    # merges on the workers' threads: per-core figures divide by W, so W threads must be all the cores used
+    ex = EmbeddedExecutor(background_merge=False)
+    p = dbsp.Pipeline(c, workers=workers, storage=storage, executor=ex) if storage else \
+        dbsp.Pipeline(c, workers=workers, executor=ex)
     try:
         if query == "q13":
             p.push("side_input", pq.read_table(os.path.join(root, "side_input.parquet")))
