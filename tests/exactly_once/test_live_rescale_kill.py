@@ -1,6 +1,6 @@
 """kill -9 during live rescales: a child process steps on one thread while its main thread rescales live, and is killed at named points of the live protocol (and of the batches' and checkpoints' commits) and at random moments; the next run finishes the move on open and goes on rescaling; in the end the output log equals a never-rescaled run step by step and DuckDB over all input, with 0 rows lost or doubled.
 
-``DBSP_LIVE_KILLS`` sets the rounds per executor (default 10); ``DBSP_LIVE_KILL_SEED`` replays a seed (printed).
+``DBSP_LIVE_KILLS`` sets the kills that must land per executor (default 10); ``DBSP_LIVE_KILL_SEED`` replays a seed (printed).
 """
 
 from __future__ import annotations
