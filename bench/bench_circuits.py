@@ -19,6 +19,7 @@ import pyarrow as pa
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dbsp_core as dbsp  # noqa: E402
+from dbsp_core.runtime.embedded import EmbeddedExecutor  # noqa: E402
 
 BIDS = pa.schema([("auction", pa.int64()), ("bidder", pa.int64()), ("price", pa.int64())])
 AUCTIONS = pa.schema([("id", pa.int64()), ("category", pa.int64())])
@@ -92,8 +93,6 @@ def bench_a(state_rows: int, change_rows: int, steps: int, workers: int = 1, onl
         b, a = c.input("bids", BIDS), c.input("auctions", AUCTIONS)
         c.output("v", build(b, a))
         ours = []
-        from dbsp_core.runtime.embedded import EmbeddedExecutor
-
         with dbsp.Pipeline(c, workers=workers, executor=EmbeddedExecutor(background_merge=background_merge)) as p:
             p.push("bids", base)
             p.push("auctions", auctions)
@@ -155,8 +154,6 @@ def run_ours(batches: list[pa.Table], auctions: pa.Table, workers: int, backgrou
     """Wall time, per-step times, process CPU time and per-worker CPU time of the join-aggregate run. Merges run
     on the workers' threads unless ``background_merge`` (None: the default rule, a merger thread while the
     workers leave a core free), so that W workers use W cores and (c) compares like with like."""
-    from dbsp_core.runtime.embedded import EmbeddedExecutor
-
     c = join_agg_circuit()
     with dbsp.Pipeline(c, workers=workers, executor=EmbeddedExecutor(background_merge=background_merge)) as p:
         p.executor.measure_cpu = True  # per-worker CPU time for (c); 2 clock reads per worker and 100k-row step
@@ -171,9 +168,7 @@ def run_ours(batches: list[pa.Table], auctions: pa.Table, workers: int, backgrou
             p.push("bids", bt)
             p.step()
             per_step.append(time.perf_counter() - t0)
-        merger = getattr(p.executor, "_merger", None)
-        if merger is not None:  # merges handed over but not done yet are work of this run: wait for them
-            merger.wait_idle()
+        p.executor.settle_merges()  # merges handed to a merger thread and not done yet are work of this run
         wall = time.perf_counter() - t_start
         return wall, per_step, time.process_time() - cpu0, [b - a for a, b in zip(worker0, p.executor.worker_cpu_seconds)]
 

@@ -384,12 +384,12 @@ class EmbeddedExecutor:
         bytes than their inputs; the wait is merge work the steps before would have done without the merger)."""
         if self._merger is None:
             return
-        traces = [t for wk in self._workers for inst in wk.stateful().values() for t in vars(inst).values()
-                  if isinstance(t, Trace)]
+        traces = [getattr(inst, name) for wk in self._workers for i, inst in wk.stateful().items()
+                  for name in state_attrs(i, inst)[0]]
         while True:
             installed = sum(t.install_finished(self._merger if settle else None) for t in traces)
-            if not settle or (not installed and all(not t._handed or t._unfinished() is None for t in traces)
-                              and self._merger.wait_idle(0)):
+            # nothing left to install and an idle merger (no merge handed over and unfinished): settled
+            if not settle or (not installed and self._merger.wait_idle(0)):
                 return
             self._merger.wait_idle()
 

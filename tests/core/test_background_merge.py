@@ -136,8 +136,7 @@ def test_settle_merges_leaves_no_merge_in_flight_and_the_state_unchanged():
         for i in range(30):
             p.push("t", _z(i, 4000).data)
             p.step()
-        before = {k: v for k, v in ex.traces(0).items()}
-        content = {k: tr.consolidated().zset.to_dict() for k, tr in before.items()}
+        content = {k: tr.consolidated().zset.to_dict() for k, tr in ex.traces(0).items()}
         ex.settle_merges()
         assert ex._merger.wait_idle(0)
         for name, tr in ex.traces(0).items():
