@@ -284,6 +284,7 @@ class _LinearState:
         self.combine = [("sum", nk + j) for j in range(len(self.p))]  # the p_j columns of pschema
         self.kschema = pa.schema(list(self.pschema)[:nk])  # the key columns of pschema
         self.trace = Trace(self.pschema, op.keys)
+        self.trace.keep_index(tuple(self.p))  # a group's old totals in one probe (trace invariant 11)
 
     def traces(self) -> dict[str, Trace]:
         """The operator's state, by name (each trace can be read per shard)."""

@@ -48,6 +48,7 @@ class _DistinctState:
         self.schema = op.schema
         self.cols = list(op.schema.names)
         self.trace = Trace(op.schema, tuple(self.cols))
+        self.trace.keep_index((None,), on="row")  # each row's weight in one probe (trace invariant 11)
 
     def traces(self) -> dict[str, Trace]:
         """The operator's state, by name (each trace can be read per shard)."""

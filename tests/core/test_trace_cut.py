@@ -72,6 +72,9 @@ def _restore(cls, t: Trace) -> Trace:
     """What a checkpoint restore does: a fresh trace given parts(), settled between placed and pending."""
     spine, pending = t.parts()
     r = cls(t.schema, t.key)
+    if t._kix_spec is not None:  # the operator asks for its key index again (trace invariant 11)
+        on, cols = t._kix_spec
+        r.keep_index(cols, on=on)
     r.clear()
     for b in spine:
         r.insert(b)
@@ -90,10 +93,15 @@ ops = st.lists(st.one_of(
 
 
 @settings(deadline=None, max_examples=150)
-@given(ops, st.sampled_from([Trace, SlowTrace]))
-def test_any_cuts_between_inserts_reads_and_restores_match_the_model(steps, cls):
+@given(ops, st.sampled_from([Trace, SlowTrace]), st.sampled_from([None, "key", "row"]))
+def test_any_cuts_between_inserts_reads_and_restores_match_the_model(steps, cls, index):
+    """With a key index (trace invariant 11), a cut subtracts the moved rows and the index stays current (no
+    rebuild); every step's check() compares it with the batches."""
     t = cls(SCHEMA, ("k",))
     dst = cls(SCHEMA, ("k",))  # where the moved slices go, as move_shards inserts them
+    if index is not None:
+        for x in (t, dst):
+            assert x.keep_index(("v",) if index == "key" else (None,), on=index)
     model: dict = {}
     moved_model: dict = {}
     for op in steps:
@@ -130,6 +138,8 @@ def test_any_cuts_between_inserts_reads_and_restores_match_the_model(steps, cls)
                 assert len(p) and all(mask[shard[k]] for k in p.zset.data.column("k").to_pylist())
                 dst.insert(p)
             moved_model = _add(moved_model, gone)
+            if index is not None:
+                assert t._kix is not None and t._kix.token == t._token, "a cut left the key index stale"
         t.check()
         dst.check()
         assert _content(sum(t.parts(), [])) == model
