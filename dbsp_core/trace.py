@@ -57,9 +57,11 @@ Invariants (enforced here; :meth:`Trace.check` asserts 1, 2, 5 and 11):
      cache: the batches stay the state (checkpoints, shard cuts, rollback and merges never read it). Every change of
      content takes a fresh token (``_token``, from one process-wide counter); the index holds the token of the
      content its sums match, so it is read only while the two are equal. An insert adds the batch to the sums, a
-     shard cut subtracts the moved rows, a clear starts an empty index; anything else (drop_below, a rollback that
-     puts back an earlier token) leaves the index stale, and the next read that wants it rebuilds it from the
-     batches, O(rows) once. Reads through a current index give exactly what the walk over the batches gives.
+     shard cut subtracts the moved rows; anything else (clear, drop_below, a rollback that puts back an earlier
+     token) leaves the index stale. A stale index is rebuilt from the batches, O(rows) once, by the third read
+     that wants it (the first two walk the batches), so a trace that is loaded afresh for every job (a stage task
+     without its cache) never pays for an index it would not keep. Reads through a current index give exactly
+     what the walk over the batches gives.
 """
 
 from __future__ import annotations
@@ -340,6 +342,7 @@ class Trace:
     WORK_CAP = 2  # a merge's output counts at most this many times its rows as work (invariant 2)
     MAX_PENDING = 64  # a fresh trace's pending batches beyond which it inserts the oldest (invariant 5)
     PRUNE_MIN = 4096  # rows inserted before drop_below scans at all (invariant 8)
+    INDEX_WAIT = 2  # reads that walk the batches before a stale key index is rebuilt (invariant 11)
 
     def __init__(self, schema: pa.Schema, key: tuple[str, ...]) -> None:
         self.schema = schema
@@ -358,6 +361,7 @@ class Trace:
         self._kix_spec: tuple | None = None  # ("key" | "row", sum columns) of the key index kept, if any
         self._kix = None  # the key index (a _zset.KeyIndex), current while its token is self._token
         self._kix_off = False  # the index failed (overflow, memory, size): this trace walks its batches
+        self._kix_wait = 0  # reads that walk the batches before a stale index is rebuilt (invariant 11)
 
     def clear(self) -> None:
         """Drop all state; the trace is fresh (invariant 5): what a restore does before inserting saved batches."""
@@ -365,7 +369,7 @@ class Trace:
         self.pending = []
         self._fresh = True
         self._token = next(_TOKENS)
-        self._kix = self._new_index() if self._kix_spec is not None and not self._kix_off else None
+        self._kix, self._kix_wait = None, self.INDEX_WAIT
 
     # ---- the key index (invariant 11) ----
 
@@ -419,7 +423,7 @@ class Trace:
         if ix is None:
             return
         if ix.token != prev:
-            self._kix = None
+            self._kix, self._kix_wait = None, self.INDEX_WAIT
             return
         ix.token = None  # a failure half way leaves it stale
         try:
@@ -443,6 +447,9 @@ class Trace:
         ix = self._kix
         if ix is not None and ix.token == self._token:
             return ix
+        if self._kix_wait > 0:
+            self._kix_wait -= 1
+            return None
         self._kix = self._new_index()
         self._index_fold(batches, 1, self._token)
         return self._kix
@@ -787,7 +794,7 @@ class Trace:
         self.pending = [x for x in map(kept, self.pending) if x is not None]
         self._kept, self._grown = self.num_rows, 0
         if self._kept != before:  # rows left: the key index goes stale (invariant 11)
-            self._token, self._kix = next(_TOKENS), None
+            self._token, self._kix, self._kix_wait = next(_TOKENS), None, self.INDEX_WAIT
         return before - self._kept
 
     def replace(self, pieces: dict[int, list["IndexedZSet"]], removed: list["IndexedZSet"] | None = None) -> None:
@@ -812,7 +819,7 @@ class Trace:
         prev, self._token = self._token, next(_TOKENS)
         if self._kix is not None:
             if removed is None:
-                self._kix = None
+                self._kix, self._kix_wait = None, self.INDEX_WAIT
             else:
                 self._index_fold(removed, -1, prev)
         entries: list[tuple[int, "IndexedZSet", int]] = []  # every placed batch outside a merge that goes on
