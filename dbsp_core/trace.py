@@ -398,6 +398,11 @@ class Trace:
             self._kix = self._new_index()
         return True
 
+    @property
+    def index_bytes(self) -> int:
+        """Memory held by the key index (its slot table), 0 without one."""
+        return int(self._kix.nbytes) if self._kix is not None else 0
+
     def _new_index(self) -> Any:
         from dbsp_core import _zset
 
