@@ -723,6 +723,29 @@ class Trace:
                 b._key_sums(view, ppos, khash, rows, cpos, acc)
         return acc
 
+    def key_weights(self, probe: pa.Table, probe_keys: list[str], khash: np.ndarray, rows: np.ndarray,
+                    view: object = None) -> np.ndarray | None:
+        """The trace's summed weight per probed key (row ``rows[i]`` of ``probe``, key hash ``khash[i]``) through
+        the key index kept with ``keep_index((None,))`` (invariant 11): one probe per key. None when the trace
+        keeps no such index, or its index is stale and not rebuilt yet, or the probe's key types differ from the
+        trace's: the caller then reads the batches."""
+        from dbsp_core import _zset
+        from dbsp_core.zset import _column_positions
+
+        batches = self._read()
+        if not batches or not len(rows):
+            return np.zeros(len(rows), dtype=np.int64) if self._kix_spec == ("key", (None,)) else None
+        ppos = _column_positions(probe.schema, probe_keys, "key_weights (probe)")
+        if len(ppos) != len(self.key) or not all(probe.schema.field(p).type.equals(self.schema.field(k).type)
+                                                  for p, k in zip(ppos, self.key)):
+            return None
+        ix = self._index(("key", (None,)), batches)
+        if ix is None:
+            return None
+        acc = np.zeros((len(rows), 1), dtype=np.int64)
+        ix.get(view if view is not None else _zset.BatchView(probe), ppos, khash, acc, sel=rows)
+        return acc[:, 0]
+
     def consolidated(self) -> "IndexedZSet":
         """The whole trace as one consolidated batch (merges a copy; the trace is unchanged)."""
         from dbsp_core.zset import IndexedZSet
