@@ -117,7 +117,7 @@ cdef extern from "keyindex.h" nogil:
         pass
     int DBSP_KEYINDEX_MAX_KEYS
     int DBSP_KEYINDEX_MAX_VALS
-    int dbsp_keyindex_new(const int32_t *types, int32_t nkeys, int32_t nvals, CKeyIndex **out)
+    int dbsp_keyindex_new(const int32_t *types, int32_t nkeys, int32_t nvals, int64_t max_bytes, CKeyIndex **out)
     void dbsp_keyindex_free(CKeyIndex *ix)
     int64_t dbsp_keyindex_len(const CKeyIndex *ix)
     int64_t dbsp_keyindex_bytes(const CKeyIndex *ix)

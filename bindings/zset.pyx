@@ -985,14 +985,14 @@ cdef class KeyIndex:
     cdef readonly tuple types
     cdef public object token
 
-    def __cinit__(self, types, int32_t nvals):
+    def __cinit__(self, types, int32_t nvals, int64_t max_bytes=0):
         cdef Int32s t = Int32s([type_code(x) if type_code(x) is not None else -1 for x in types])
         self.ix = NULL
         self.nkeys = t.n
         self.nvals = nvals
         self.types = tuple(types)
         self.token = None
-        check_status(dbsp_keyindex_new(t.p, t.n, nvals, &self.ix), "KeyIndex")
+        check_status(dbsp_keyindex_new(t.p, t.n, nvals, max_bytes, &self.ix), "KeyIndex")
 
     def __dealloc__(self):
         dbsp_keyindex_free(self.ix)
@@ -1045,7 +1045,8 @@ cdef class KeyIndex:
     def add(self, table, weights, keys, khash, cols, int64_t sign=1):
         """Fold every row of ``table`` (weights int64 or None for +1) into the sums of its key (columns ``keys``,
         key hash ``khash[i]``): sum v += weight * sign * table[cols[v]] (an int64 column), or weight * sign where
-        cols[v] is -1. Raises WeightOverflowError (the index is then broken)."""
+        cols[v] is -1. Raises WeightOverflowError, MemoryError, or ValueError past ``max_bytes`` (the index is then
+        broken)."""
         cdef BatchView b = view_of(table, weights)
         cdef Int32s k = Int32s(keys)
         cdef Int32s c = Int32s(cols)

@@ -14,6 +14,7 @@ struct DbspKeyIndex {
     int32_t nkeys, nvals, stride; /* stride = 2 + nkeys + nvals words: hash, tag, key words, sums */
     int32_t types[DBSP_KEYINDEX_MAX_KEYS];
     int64_t cap, count; /* cap: a power of two */
+    int64_t max_bytes;  /* the slot table's limit (0: none) */
     int broken;
     uint64_t *slots;
 };
@@ -32,7 +33,7 @@ static uint64_t *alloc_slots(size_t n) {
 
 static int fixed_width(int32_t t) { return t > 0 && t < DBSP_TYPE_END && dbsp_type_width(t) != 0; }
 
-int dbsp_keyindex_new(const int32_t *types, int32_t nkeys, int32_t nvals, DbspKeyIndex **out) {
+int dbsp_keyindex_new(const int32_t *types, int32_t nkeys, int32_t nvals, int64_t max_bytes, DbspKeyIndex **out) {
     *out = NULL;
     if (nkeys < 1 || nkeys > DBSP_KEYINDEX_MAX_KEYS || nvals < 1 || nvals > DBSP_KEYINDEX_MAX_VALS)
         return DBSP_EINVAL;
@@ -43,6 +44,7 @@ int dbsp_keyindex_new(const int32_t *types, int32_t nkeys, int32_t nvals, DbspKe
     ix->nkeys = nkeys;
     ix->nvals = nvals;
     ix->stride = 2 + nkeys + nvals;
+    ix->max_bytes = max_bytes;
     memcpy(ix->types, types, (size_t)nkeys * sizeof(int32_t));
     ix->cap = 64;
     ix->slots = alloc_slots((size_t)ix->cap * (size_t)ix->stride * 8);
@@ -192,6 +194,10 @@ int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
         uint64_t *s = find(ix, kh[i], tag, w);
         if (s[1] == 0) { /* a new entry: grow first if the table would pass 3/4 (invariant 3) */
             if ((ix->count + 1) * 4 > ix->cap * 3) {
+                if (ix->max_bytes && ix->cap * 2 * ix->stride * 8 > ix->max_bytes) {
+                    ix->broken = 1;
+                    return DBSP_ETOOBIG;
+                }
                 if (resize(ix, ix->cap * 2) != DBSP_OK) {
                     ix->broken = 1;
                     return DBSP_ENOMEM;

@@ -27,9 +27,10 @@
 
 typedef struct DbspKeyIndex DbspKeyIndex;
 
-/* A new empty index for keys of the given column types (fixed width only) and nvals sums per key.
- * Errors: DBSP_ETYPE (a variable-width type), DBSP_EINVAL (counts out of range), DBSP_ENOMEM. */
-int dbsp_keyindex_new(const int32_t *types, int32_t nkeys, int32_t nvals, DbspKeyIndex **out);
+/* A new empty index for keys of the given column types (fixed width only) and nvals sums per key, whose slot
+ * table never grows past max_bytes (0: no limit). Errors: DBSP_ETYPE (a variable-width type), DBSP_EINVAL
+ * (counts out of range), DBSP_ENOMEM. */
+int dbsp_keyindex_new(const int32_t *types, int32_t nkeys, int32_t nvals, int64_t max_bytes, DbspKeyIndex **out);
 void dbsp_keyindex_free(DbspKeyIndex *ix);
 
 /* Entries held, and bytes of the slot table. */
@@ -45,7 +46,8 @@ int dbsp_keyindex_get(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t 
 /* For every row i < b->nrows, with weight w (b->weights, +1 when NULL) times sign (+1 or -1): sum v of the entry
  * of row i's key (columns keys[0..nkeys), key hash kh[i]) += w * b[cols[v]][i] for cols[v] >= 0 (an int64
  * column; a null value counts 0), += w for cols[v] < 0. Entries are created and removed as invariant 2 says.
- * Errors: DBSP_ETYPE, DBSP_EINVAL, DBSP_EOVERFLOW (invariant 4), DBSP_ENOMEM (the index is then broken too). */
+ * Errors: DBSP_ETYPE, DBSP_EINVAL, DBSP_EOVERFLOW (invariant 4), DBSP_ENOMEM, DBSP_ETOOBIG (the table would
+ * pass max_bytes); after the last three the index is broken. */
 int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
                       const int32_t *cols, int64_t sign);
 

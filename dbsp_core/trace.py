@@ -408,7 +408,7 @@ class Trace:
 
         on, cols = self._kix_spec
         names = self.key if on == "key" else self.schema.names
-        ix = _zset.KeyIndex([self.schema.field(n).type for n in names], len(cols))
+        ix = _zset.KeyIndex([self.schema.field(n).type for n in names], len(cols), int(KEY_INDEX_MB * 2**20))
         ix.token = self._token
         return ix
 
@@ -437,9 +437,6 @@ class Trace:
                     view, keys, kh, cpos = self._index_args(b)
                     ix.add(view, None, keys, kh, cpos, sign)
         except (ArithmeticError, MemoryError, ValueError):  # WeightOverflowError, SchemaError included: walk instead
-            self._kix, self._kix_off = None, True
-            return
-        if ix.nbytes > KEY_INDEX_MB * 2**20:
             self._kix, self._kix_off = None, True
             return
         ix.token = self._token

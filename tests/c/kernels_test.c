@@ -738,7 +738,7 @@ static void test_keyindex(int64_t n, int64_t kdom) {
     uint64_t *kh = malloc((size_t)(n ? n : 1) * 8);
     CHECK(dbsp_hash_columns(&t.b, &key, 1, kh) == DBSP_OK);
     DbspKeyIndex *ix = NULL;
-    CHECK(dbsp_keyindex_new(types, 1, 2, &ix) == DBSP_OK);
+    CHECK(dbsp_keyindex_new(types, 1, 2, 0, &ix) == DBSP_OK);
     CHECK(dbsp_keyindex_add(ix, &t.b, &key, kh, cols, 1) == DBSP_OK);
     CHECK(dbsp_keyindex_check(ix) == DBSP_OK);
     int64_t *acc = calloc((size_t)(n ? n : 1) * 2, 8);
@@ -760,7 +760,11 @@ static void test_keyindex(int64_t n, int64_t kdom) {
     CHECK(dbsp_keyindex_len(ix) == 0 && dbsp_keyindex_check(ix) == DBSP_OK);
     int32_t bad[1] = { DBSP_UTF8 };
     DbspKeyIndex *no = NULL;
-    CHECK(dbsp_keyindex_new(bad, 1, 1, &no) == DBSP_ETYPE && no == NULL);
+    CHECK(dbsp_keyindex_new(bad, 1, 1, 0, &no) == DBSP_ETYPE && no == NULL);
+    DbspKeyIndex *small = NULL;  /* a limit of 4 KiB: 64 slots of 4 words fit, 128 do not */
+    CHECK(dbsp_keyindex_new(types, 1, 2, 4096, &small) == DBSP_OK);
+    if (n > 1000) CHECK(dbsp_keyindex_add(small, &t.b, &key, kh, cols, 1) == DBSP_ETOOBIG);
+    dbsp_keyindex_free(small);
     dbsp_keyindex_free(ix);
     free(acc); free(kh); tb_free(&t);
 }

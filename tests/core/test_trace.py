@@ -279,3 +279,21 @@ def test_an_index_that_overflows_is_dropped_and_reads_walk_the_batches():
     with pytest.raises(dbsp.WeightOverflowError):
         t.key_sums(probe, ["k"], kh, np.zeros(1, dtype=np.int64), ["v"])
     assert t.num_rows == 2
+
+
+def test_an_index_past_its_size_limit_is_dropped_before_it_grows(monkeypatch):
+    """DBSP_KEY_INDEX_MB (trace.KEY_INDEX_MB): the index refuses to grow past it (no transient table of twice the
+    limit), the trace turns it off and its reads walk the batches, with the same results."""
+    import dbsp_core.trace as trace_mod
+
+    monkeypatch.setattr(trace_mod, "KEY_INDEX_MB", 64 / 1024)  # 64 KiB: 2048 slots of 4 words
+    t = _new(Trace, "key")
+    model: dict = {}
+    for i in range(40):
+        z, d = _batch(i, 200, 10_000)
+        t.insert(z.index_by(["k"]))
+        for r, w in d.items():
+            model[r] = model.get(r, 0) + w
+    model = {r: w for r, w in model.items() if w}
+    assert t._kix is None and t._kix_off
+    _check_reads(t, model, list(range(0, 10_000, 97)))
