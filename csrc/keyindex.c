@@ -167,9 +167,10 @@ int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
         if (cols[j] >= b->ncols) return DBSP_EINVAL;
         if (cols[j] >= 0 && b->cols[cols[j]].type != DBSP_INT64) return DBSP_ETYPE;
     }
-    uint64_t w[DBSP_KEYINDEX_MAX_KEYS];
+    uint64_t w[DBSP_KEYINDEX_MAX_KEYS], lw[DBSP_KEYINDEX_MAX_KEYS], ltag = 0;
     int64_t d[DBSP_KEYINDEX_MAX_VALS];
     int64_t n = b->nrows;
+    uint64_t *last = NULL; /* the slot of the previous row's key: rows of one key are adjacent in index order */
     for (int64_t i = 0; i < n; i++) {
         if (i + PF_AHEAD < n)
             __builtin_prefetch(ix->slots + (kh[i + PF_AHEAD] & ((uint64_t)ix->cap - 1)) * (uint64_t)ix->stride);
@@ -191,7 +192,9 @@ int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
         }
         if (!nonzero) continue;
         uint64_t tag = key_words(ix, b, keys, i, w);
-        uint64_t *s = find(ix, kh[i], tag, w);
+        uint64_t *s = last && last[0] == kh[i] && ltag == tag && memcmp(lw, w, (size_t)ix->nkeys * 8) == 0
+                          ? last : find(ix, kh[i], tag, w);
+        last = NULL;
         if (s[1] == 0) { /* a new entry: grow first if the table would pass 3/4 (invariant 3) */
             if ((ix->count + 1) * 4 > ix->cap * 3) {
                 if (ix->max_bytes && ix->cap * 2 * ix->stride * 8 > ix->max_bytes) {
@@ -209,6 +212,7 @@ int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
             memcpy(s + 2, w, (size_t)ix->nkeys * 8);
             memcpy(s + 2 + ix->nkeys, d, (size_t)ix->nvals * 8);
             ix->count++;
+            last = s, ltag = tag, memcpy(lw, w, (size_t)ix->nkeys * 8);
             continue;
         }
         int64_t *v = (int64_t *)(s + 2 + ix->nkeys);
@@ -217,7 +221,11 @@ int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
             if (__builtin_add_overflow(v[j], d[j], &v[j])) goto overflow;
             zero &= v[j] == 0;
         }
-        if (zero) remove_slot(ix, s); /* invariant 2 */
+        if (zero) {
+            remove_slot(ix, s); /* invariant 2; entries may have shifted: no slot is remembered */
+        } else {
+            last = s, ltag = tag, memcpy(lw, w, (size_t)ix->nkeys * 8);
+        }
     }
     if (ix->cap > 64 && ix->count * 16 < ix->cap) { /* mostly emptied: shrink (a failure to shrink is harmless) */
         int64_t cap = ix->cap;
