@@ -112,6 +112,22 @@ cdef extern from "fold.h" nogil:
     int dbsp_linear_fold(int64_t ng, int32_t ns, const int64_t *old, const int64_t *delta, const uint64_t *khash,
                          int64_t *grp, int64_t *w, uint64_t *kh, int64_t *vals, int64_t *n, int *ordered)
 
+cdef extern from "keyindex.h" nogil:
+    ctypedef struct CKeyIndex "DbspKeyIndex":
+        pass
+    int DBSP_KEYINDEX_MAX_KEYS
+    int DBSP_KEYINDEX_MAX_VALS
+    int dbsp_keyindex_new(const int32_t *types, int32_t nkeys, int32_t nvals, int64_t max_bytes, CKeyIndex **out)
+    void dbsp_keyindex_free(CKeyIndex *ix)
+    int64_t dbsp_keyindex_len(const CKeyIndex *ix)
+    int64_t dbsp_keyindex_bytes(const CKeyIndex *ix)
+    int dbsp_keyindex_broken(const CKeyIndex *ix)
+    int dbsp_keyindex_get(const CKeyIndex *ix, const CBatch *b, const int32_t *keys, const int64_t *sel,
+                          const uint64_t *kh, int64_t n, int64_t *acc)
+    int dbsp_keyindex_add(CKeyIndex *ix, const CBatch *b, const int32_t *keys, const uint64_t *kh,
+                          const int32_t *cols, int64_t sign)
+    int dbsp_keyindex_check(const CKeyIndex *ix)
+
 cdef extern from "partition.h" nogil:
     int dbsp_partition(const uint64_t *khash, int64_t n, const int32_t *part_of_shard, int shard_bits,
                        int32_t nparts, int64_t *perm, int64_t *offsets)

@@ -972,3 +972,109 @@ def linear_fold(old, delta, khash):
         st = dbsp_linear_fold(ng, ns, &po[0, 0], &pd[0, 0], &pk[0], &pg[0], &pw[0], &pkh[0], &pv[0, 0], &n, &ordered)
     check_status(st, "linear_fold")
     return grp[:n], w[:n], kho[:n], vals[:, :n], bool(ordered)
+
+
+cdef class KeyIndex:
+    """A hash index from a key of fixed-width columns to int64 sums (csrc/keyindex.h): ``get`` adds each probed
+    key's sums to an accumulator with one probe per key, ``add`` folds a batch's rows into the sums (weight times
+    int64 columns, or the weight alone for a column position of -1). ``token`` is free for the owner's use (a
+    Trace records which state of its batches the sums match)."""
+    cdef CKeyIndex *ix
+    cdef readonly int32_t nkeys
+    cdef readonly int32_t nvals
+    cdef readonly tuple types
+    cdef public object token
+
+    def __cinit__(self, types, int32_t nvals, int64_t max_bytes=0):
+        cdef Int32s t = Int32s([type_code(x) if type_code(x) is not None else -1 for x in types])
+        self.ix = NULL
+        self.nkeys = t.n
+        self.nvals = nvals
+        self.types = tuple(types)
+        self.token = None
+        check_status(dbsp_keyindex_new(t.p, t.n, nvals, max_bytes, &self.ix), "KeyIndex")
+
+    def __dealloc__(self):
+        dbsp_keyindex_free(self.ix)
+
+    def __len__(self):
+        return dbsp_keyindex_len(self.ix)
+
+    @property
+    def nbytes(self):
+        """Bytes of the slot table."""
+        return dbsp_keyindex_bytes(self.ix)
+
+    @property
+    def broken(self):
+        """True after an update failed (overflow, memory): the sums are partly updated and must not be read."""
+        return bool(dbsp_keyindex_broken(self.ix))
+
+    def get(self, table, keys, khash, acc, sel=None):
+        """acc[i, v] += sum v of the key of row ``sel[i]`` (or row i) of ``table`` (a Table or BatchView) over the
+        key columns ``keys``, whose key hash is ``khash[i]``; ``acc`` is a C-contiguous int64 (n, nvals) array."""
+        cdef BatchView b = view_of(table)
+        cdef Int32s k = Int32s(keys)
+        kh = np.ascontiguousarray(khash, dtype=np.uint64)
+        cdef int64_t n = kh.shape[0]
+        if k.n != self.nkeys:
+            raise ValueError(f"KeyIndex.get: {k.n} key columns for an index of {self.nkeys}")
+        if acc.dtype != np.int64 or acc.ndim != 2 or acc.shape[0] != n or acc.shape[1] != self.nvals \
+                or not acc.flags.c_contiguous:
+            raise ValueError(f"KeyIndex.get: acc must be a C-contiguous int64 array of shape ({n}, {self.nvals})")
+        cdef const int64_t[::1] ps
+        cdef const int64_t *psel = NULL
+        if sel is not None:
+            sl = np.ascontiguousarray(sel, dtype=np.int64)
+            if sl.shape[0] != n:
+                raise ValueError(f"KeyIndex.get: {sl.shape[0]} selected rows for {n} key hashes")
+            ps = sl
+            psel = &ps[0] if n else NULL
+        elif n != b.c.nrows:
+            raise ValueError(f"KeyIndex.get: {n} key hashes for {b.c.nrows} rows")
+        cdef const uint64_t[::1] pk = kh
+        cdef int64_t[:, ::1] out = acc
+        cdef int st
+        if n == 0:
+            return acc
+        with nogil:
+            st = dbsp_keyindex_get(self.ix, &b.c, k.p, psel, &pk[0], n, &out[0, 0])
+        check_status(st, "KeyIndex.get")
+        return acc
+
+    def add(self, table, weights, keys, khash, cols, int64_t sign=1):
+        """Fold every row of ``table`` (weights int64 or None for +1) into the sums of its key (columns ``keys``,
+        key hash ``khash[i]``): sum v += weight * sign * table[cols[v]] (an int64 column), or weight * sign where
+        cols[v] is -1. Raises WeightOverflowError, MemoryError, or ValueError past ``max_bytes`` (the index is then
+        broken)."""
+        cdef BatchView b = view_of(table, weights)
+        cdef Int32s k = Int32s(keys)
+        cdef Int32s c = Int32s(cols)
+        kh = np.ascontiguousarray(khash, dtype=np.uint64)
+        if k.n != self.nkeys or c.n != self.nvals:
+            raise ValueError(f"KeyIndex.add: {k.n} keys and {c.n} columns for an index of {self.nkeys} and "
+                             f"{self.nvals}")
+        if kh.shape[0] != b.c.nrows:
+            raise ValueError(f"KeyIndex.add: {kh.shape[0]} key hashes for {b.c.nrows} rows")
+        cdef const uint64_t[::1] pk = kh
+        cdef int st
+        if b.c.nrows == 0:
+            return
+        with nogil:
+            st = dbsp_keyindex_add(self.ix, &b.c, k.p, &pk[0], c.p, sign)
+        check_status(st, "KeyIndex.add")
+
+    def check(self):
+        """Raise AssertionError unless csrc/keyindex.h invariants 1-3 hold (tests)."""
+        assert dbsp_keyindex_check(self.ix) == DBSP_OK, "KeyIndex invariants violated"
+
+
+def keyindex_supports(types):
+    """Whether a KeyIndex can key on columns of these Arrow types (fixed width, at most DBSP_KEYINDEX_MAX_KEYS)."""
+    if not 1 <= len(types) <= DBSP_KEYINDEX_MAX_KEYS:
+        return False
+    for t in types:
+        code = type_code(t)
+        if code is None or code in (DBSP_UTF8, DBSP_LARGE_UTF8, DBSP_BINARY, DBSP_LARGE_BINARY):
+            return False
+    return True

@@ -12,7 +12,8 @@ Invariants (enforced here):
 The Prometheus names (``dbsp_`` prefix): ``steps_total``, ``pushes_total``, ``duplicate_pushes_total``,
 ``rows_in_total{input}``, ``rows_out_total{output}``, ``step_seconds`` (histogram), ``checkpoints_total``,
 ``checkpoint_seconds`` (last), ``checkpoint_time_seconds_total``, ``replayed_steps_total``, ``recovery_seconds``,
-``log_bytes{log}``, ``state_bytes{worker}``, ``state_shard_bytes{worker,shard}``, ``late_rows_total{input}``,
+``log_bytes{log}``, ``state_bytes{worker}``, ``state_shard_bytes{worker,shard}``, ``key_index_bytes{worker}``
+(the traces' key indexes, memory beside the state: dbsp_core/trace.py invariant 11), ``late_rows_total{input}``,
 ``output_steps{end}`` (first, last), ``consumer_next_step{consumer}``, ``workers``, ``shards``.
 """
 
@@ -138,8 +139,10 @@ def gather(p: Any, state: bool = True) -> dict:
         bits = p.layout.shard_bits
         out["state_bytes"] = {}
         for w in range(p.layout.workers):
-            total, shards = state_bytes(p.traces(w), bits)
-            out["state_bytes"][w] = {"total": total, "shards": shards}
+            traces = p.traces(w)
+            total, shards = state_bytes(traces, bits)
+            out["state_bytes"][w] = {"total": total, "shards": shards,
+                                     "key_index": sum(t.index_bytes for t in traces.values())}
     return out
 
 
@@ -200,6 +203,8 @@ def _families(m: dict) -> list:
     if "state_bytes" in m:
         fams += [gauge("state_bytes", "Bytes of operator state per worker", labels=("worker",),
                        rows={w: v["total"] for w, v in m["state_bytes"].items()}),
+                 gauge("key_index_bytes", "Bytes of the traces' key indexes per worker (beside the state)",
+                       labels=("worker",), rows={w: v.get("key_index", 0) for w, v in m["state_bytes"].items()}),
                  gauge("state_shard_bytes", "Bytes of operator state per worker and shard",
                        labels=("worker", "shard"),
                        rows={(str(w), str(s)): b for w, v in m["state_bytes"].items()

@@ -1,6 +1,6 @@
 """A Trace is the integrated, indexed state of a stateful operator: consolidated batches kept in levels by the work that went into them, merged a little on every insert.
 
-Invariants (enforced here; :meth:`Trace.check` asserts 1, 2 and 5):
+Invariants (enforced here; :meth:`Trace.check` asserts 1, 2, 5 and 11):
   1. Every batch is a consolidated IndexedZSet on the trace's key, rows ascending by key hash; the trace's
      content is the sum of its batches: the loose batches of every level, both inputs of every merge in
      progress, and the pending batches (the same row may sit in several batches until they merge).
@@ -52,12 +52,24 @@ Invariants (enforced here; :meth:`Trace.check` asserts 1, 2 and 5):
      (invariant 5); a merge whose inputs changed starts again from their pieces, every other merge goes on;
      pending batches stay pending and freshness is unchanged. It merges nothing, reads no rows and hashes
      nothing: its cost grows with the number of batches, not with the rows they hold.
+ 11. A trace may keep a key index (:meth:`Trace.keep_index`, csrc/keyindex.h): per key (the trace key, or the whole
+     row), the sums over the trace's content of weight times some int64 columns (or of the weight alone). It is a
+     cache: the batches stay the state (checkpoints, shard cuts, rollback and merges never read it). Every change of
+     content takes a fresh token (``_token``, from one process-wide counter); the index holds the token of the
+     content its sums match, so it is read only while the two are equal. An insert adds the batch to the sums, a
+     shard cut subtracts the moved rows; anything else (clear, drop_below, a rollback that puts back an earlier
+     token) leaves the index stale. A stale index is rebuilt from the batches, O(rows) once, by the third read
+     that wants it (the first two walk the batches), so a trace that is loaded afresh for every job (a stage task
+     without its cache) never pays for an index it would not keep. Reads through a current index give exactly
+     what the walk over the batches gives.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import threading
-from typing import TYPE_CHECKING, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 from contextlib import contextmanager
 
 import numpy as np
@@ -65,6 +77,11 @@ import pyarrow as pa
 
 if TYPE_CHECKING:
     from dbsp_core.zset import IndexedZSet
+
+
+_TOKENS = itertools.count(1)  # content tokens (invariant 11): unique in the process, never reused
+KEY_INDEX = os.environ.get("DBSP_KEY_INDEX", "1") != "0"  # DBSP_KEY_INDEX=0: no trace keeps a key index
+KEY_INDEX_MB = float(os.environ.get("DBSP_KEY_INDEX_MB", "512"))  # above this, a trace drops its index for good
 
 
 def ranges_to_indices(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -325,6 +342,7 @@ class Trace:
     WORK_CAP = 2  # a merge's output counts at most this many times its rows as work (invariant 2)
     MAX_PENDING = 64  # a fresh trace's pending batches beyond which it inserts the oldest (invariant 5)
     PRUNE_MIN = 4096  # rows inserted before drop_below scans at all (invariant 8)
+    INDEX_WAIT = 2  # reads that walk the batches before a stale key index is rebuilt (invariant 11)
 
     def __init__(self, schema: pa.Schema, key: tuple[str, ...]) -> None:
         self.schema = schema
@@ -339,12 +357,104 @@ class Trace:
         self._kept = 0  # rows it kept then
         self._bg_seq = 0  # hand-overs to a BackgroundMerger (invariant 10: it drops a trace only when unchanged)
         self._handed = False  # merges were handed to a BackgroundMerger: the next read installs finished ones
+        self._token = next(_TOKENS)  # the content's token (invariant 11)
+        self._kix_spec: tuple | None = None  # ("key" | "row", sum columns) of the key index kept, if any
+        self._kix = None  # the key index (a _zset.KeyIndex), current while its token is self._token
+        self._kix_off = False  # the index failed (overflow, memory, size): this trace walks its batches
+        self._kix_wait = 0  # reads that walk the batches before a stale index is rebuilt (invariant 11)
 
     def clear(self) -> None:
         """Drop all state; the trace is fresh (invariant 5): what a restore does before inserting saved batches."""
         self._levels = []
         self.pending = []
         self._fresh = True
+        self._token = next(_TOKENS)
+        self._kix, self._kix_wait = None, self.INDEX_WAIT
+
+    # ---- the key index (invariant 11) ----
+
+    def keep_index(self, columns: tuple[str | None, ...], on: str = "key") -> bool:
+        """Keep a key index of the sums of weight times each int64 column of ``columns`` (None: the weight alone),
+        per trace key (``on="key"``: serves :meth:`key_sums` of those columns) or per whole row (``on="row"`` with
+        ``(None,)``: serves :meth:`match_weights`). Returns whether the index is kept: only for keys of fixed-width
+        columns (no strings), and not when ``DBSP_KEY_INDEX=0``. Costs memory beside the batches (about 8 bytes
+        per key column and sum, plus 16, per key, over a table at most 3/4 full); a trace whose index would pass
+        ``DBSP_KEY_INDEX_MB`` (default 512) drops it and walks its batches as without one."""
+        from dbsp_core import _zset
+
+        if on not in ("key", "row"):
+            raise ValueError(f"keep_index: on must be 'key' or 'row', got {on!r}")
+        if on == "row" and tuple(columns) != (None,):
+            raise ValueError("keep_index: a whole-row index keeps the weights only (columns=(None,))")
+        names = list(self.key) if on == "key" else list(self.schema.names)
+        for c in columns:
+            if c is not None and not pa.types.is_int64(self.schema.field(c).type):
+                raise ValueError(f"keep_index: column {c!r} is {self.schema.field(c).type}, not int64")
+        if not KEY_INDEX or not columns or not _zset.keyindex_supports([self.schema.field(n).type for n in names]):
+            return False
+        self._kix_spec = (on, tuple(columns))
+        self._kix = None  # built from the batches at the first read that wants it
+        if not self._levels and not self.pending:  # empty: an empty index is current, inserts keep it so
+            self._kix = self._new_index()
+        return True
+
+    @property
+    def index_bytes(self) -> int:
+        """Memory held by the key index (its slot table), 0 without one."""
+        return int(self._kix.nbytes) if self._kix is not None else 0
+
+    def _new_index(self) -> Any:
+        from dbsp_core import _zset
+
+        on, cols = self._kix_spec
+        names = self.key if on == "key" else self.schema.names
+        ix = _zset.KeyIndex([self.schema.field(n).type for n in names], len(cols), int(KEY_INDEX_MB * 2**20))
+        ix.token = self._token
+        return ix
+
+    def _index_args(self, b: "IndexedZSet") -> tuple:
+        """(view, key positions, key hashes, sum positions) of a batch for the key index."""
+        on, cols = self._kix_spec
+        ncols = len(b.schema)
+        cpos = [-1 if c is None else b.schema.get_field_index(c) for c in cols]
+        if on == "key":
+            return b._view(), b._keypos, b._kh, cpos
+        return b._view(), list(range(ncols)), b._row_hashes(), cpos
+
+    def _index_fold(self, batches: list["IndexedZSet"], sign: int, prev: int) -> None:
+        """Fold ``batches`` into the index (sign +1: inserted, -1: removed) if it matched the content of token
+        ``prev``; the content is now at ``self._token``. A stale index is dropped; a failing one turns it off."""
+        ix = self._kix
+        if ix is None:
+            return
+        if ix.token != prev:
+            self._kix, self._kix_wait = None, self.INDEX_WAIT
+            return
+        ix.token = None  # a failure half way leaves it stale
+        try:
+            for b in batches:
+                if len(b):
+                    view, keys, kh, cpos = self._index_args(b)
+                    ix.add(view, None, keys, kh, cpos, sign)
+        except (ArithmeticError, MemoryError, ValueError):  # WeightOverflowError, SchemaError included: walk instead
+            self._kix, self._kix_off = None, True
+            return
+        ix.token = self._token
+
+    def _index(self, spec: tuple, batches: list["IndexedZSet"]) -> Any:
+        """The key index for ``spec`` matching the content (``batches``: every batch, as read), rebuilt if stale;
+        None when the trace keeps no such index."""
+        if self._kix_spec != spec or self._kix_off:
+            return None
+        ix = self._kix
+        if ix is not None and ix.token == self._token:
+            return ix
+        if self._kix_wait > 0:
+            self._kix_wait -= 1
+            return None
+        self._kix = self._new_index()
+        self._index_fold(batches, 1, self._token)
+        return self._kix
 
     # ---- writing ----
 
@@ -353,6 +463,9 @@ class Trace:
         if len(batch) == 0:
             return
         batch._row_hashes()  # kept with the batch: merges order meeting keys without hashing (csrc/merge.h)
+        prev, self._token = self._token, next(_TOKENS)
+        if self._kix is not None:
+            self._index_fold([batch], 1, prev)
         self.inserted_rows += len(batch)
         self._grown += len(batch)
         if self._fresh:
@@ -514,6 +627,20 @@ class Trace:
                 assert level_of(work) == lvl, (lvl, work)
             if level.merge is not None:
                 assert level.merge.work == level.merge.a[2] + level.merge.b[2]
+        ix = self._kix
+        if ix is not None and ix.token == self._token:  # invariant 11: the index holds the batches' sums
+            ix.check()
+            fresh = self._new_index()
+            for b in self._spine() + self.pending:
+                view, keys, kh, cpos = self._index_args(b)
+                fresh.add(view, None, keys, kh, cpos)
+            assert len(fresh) == len(ix), ("key index entries", len(ix), len(fresh))
+            for b in self._spine() + self.pending:
+                view, keys, kh, _ = self._index_args(b)
+                got, want = (np.zeros((len(b), ix.nvals), dtype=np.int64) for _ in range(2))
+                ix.get(view, keys, kh, got)
+                fresh.get(view, keys, kh, want)
+                assert np.array_equal(got, want), "key index sums differ from the batches'"
         for b in self._spine() + self.pending:
             keypos = [b.schema.get_field_index(k) for k in b.key]
             assert _zset.check_order(b.zset.data, b.zset.weights, b.key_hash, keypos), "a batch out of canonical order"
@@ -557,6 +684,11 @@ class Trace:
         batches = self._read() if len(change) else []
         if batches:
             change._check_compatible(batches[0], "match_weights")  # every batch has the trace's schema and key
+            ix = self._index(("row", (None,)), batches) if change.schema.equals(self.schema) else None
+            if ix is not None:  # invariant 11: one probe per row instead of a walk per batch
+                out = acc.reshape(-1, 1)
+                ix.get(change._view(), list(range(len(change.schema))), change._row_hashes(), out)
+                return acc
             view, schema = change._view(), change.schema
             rh = change._row_hashes()  # rows of one key are in row-hash order: gallop within a big group's run
             for b in batches:
@@ -579,9 +711,37 @@ class Trace:
             ppos, cpos = _key_sums_positions(batches[0], probe, probe_keys, columns)
             if view is None:
                 view = _zset.BatchView(probe)  # built once for every batch
+            ix = self._index(("key", tuple(columns)), batches)
+            if ix is not None and all(probe.schema.field(p).type.equals(self.schema.field(k).type)
+                                      for p, k in zip(ppos, self.key)):
+                ix.get(view, ppos, khash, acc, sel=rows)  # invariant 11: one probe per key
+                return acc
             for b in batches:
                 b._key_sums(view, ppos, khash, rows, cpos, acc)
         return acc
+
+    def key_weights(self, probe: pa.Table, probe_keys: list[str], khash: np.ndarray, rows: np.ndarray,
+                    view: object = None) -> np.ndarray | None:
+        """The trace's summed weight per probed key (row ``rows[i]`` of ``probe``, key hash ``khash[i]``) through
+        the key index kept with ``keep_index((None,))`` (invariant 11): one probe per key. None when the trace
+        keeps no such index, or its index is stale and not rebuilt yet, or the probe's key types differ from the
+        trace's: the caller then reads the batches."""
+        from dbsp_core import _zset
+        from dbsp_core.zset import _column_positions
+
+        batches = self._read()
+        if not batches or not len(rows):
+            return np.zeros(len(rows), dtype=np.int64) if self._kix_spec == ("key", (None,)) else None
+        ppos = _column_positions(probe.schema, probe_keys, "key_weights (probe)")
+        if len(ppos) != len(self.key) or not all(probe.schema.field(p).type.equals(self.schema.field(k).type)
+                                                  for p, k in zip(ppos, self.key)):
+            return None
+        ix = self._index(("key", (None,)), batches)
+        if ix is None:
+            return None
+        acc = np.zeros((len(rows), 1), dtype=np.int64)
+        ix.get(view if view is not None else _zset.BatchView(probe), ppos, khash, acc, sel=rows)
+        return acc[:, 0]
 
     def consolidated(self) -> "IndexedZSet":
         """The whole trace as one consolidated batch (merges a copy; the trace is unchanged)."""
@@ -658,13 +818,17 @@ class Trace:
             self._levels[lvl] = level._replace(loose=level.loose + ((p, b, w),))
         self.pending = [x for x in map(kept, self.pending) if x is not None]
         self._kept, self._grown = self.num_rows, 0
+        if self._kept != before:  # rows left: the key index goes stale (invariant 11)
+            self._token, self._kix, self._kix_wait = next(_TOKENS), None, self.INDEX_WAIT
         return before - self._kept
 
-    def replace(self, pieces: dict[int, list["IndexedZSet"]]) -> None:
+    def replace(self, pieces: dict[int, list["IndexedZSet"]], removed: list["IndexedZSet"] | None = None) -> None:
         """Put pieces of batches in their place (invariant 9): ``pieces`` maps ``id(batch)`` of batches of
         :meth:`parts` to the batches that replace it, in order (an empty list drops it). Each piece must hold some
         of its batch's rows, consolidated and in index order (a zero-copy slice, :meth:`IndexedZSet.slice`);
-        the trace's content loses the rows the pieces leave out. Merges nothing, reads no rows.
+        the trace's content loses the rows the pieces leave out. Merges nothing, reads no rows. ``removed``, when
+        given, is exactly those rows (a shard cut's moved slices): a key index then subtracts them and stays
+        current (invariant 11); without it the index goes stale.
 
         >>> import pyarrow as pa
         >>> from dbsp_core import ZSet
@@ -677,6 +841,12 @@ class Trace:
         """
         if not pieces:
             return
+        prev, self._token = self._token, next(_TOKENS)
+        if self._kix is not None:
+            if removed is None:
+                self._kix, self._kix_wait = None, self.INDEX_WAIT
+            else:
+                self._index_fold(removed, -1, prev)
         entries: list[tuple[int, "IndexedZSet", int]] = []  # every placed batch outside a merge that goes on
         merges: list[tuple[int, _Merge]] = []  # (level, merge) that go on
         for lvl, level in enumerate(self._levels):

@@ -269,9 +269,10 @@ class _LinearState:
 
     A step groups the change's partial rows once (a C hash grouping that keeps groups whose weights sum to 0,
     since a partial row stands for several rows: their sums need not be 0), then reads each group's old totals
-    from every trace batch with a galloping C walk that sums the matching partial rows in place (no rows are
-    copied out of the trace). New totals are old plus the change's sums; only groups whose totals changed
-    produce output and trace rows.
+    with one probe into the trace's key index (trace invariant 11; for keys with string columns, or while the
+    index is off or stale, a galloping C walk over every trace batch that sums the matching partial rows in
+    place). New totals are old plus the change's sums; only groups whose totals changed produce output and
+    trace rows.
     """
 
     def __init__(self, op: Aggregate) -> None:
@@ -284,6 +285,7 @@ class _LinearState:
         self.combine = [("sum", nk + j) for j in range(len(self.p))]  # the p_j columns of pschema
         self.kschema = pa.schema(list(self.pschema)[:nk])  # the key columns of pschema
         self.trace = Trace(self.pschema, op.keys)
+        self.trace.keep_index(tuple(self.p))  # a group's old totals in one probe (trace invariant 11)
 
     def traces(self) -> dict[str, Trace]:
         """The operator's state, by name (each trace can be read per shard)."""

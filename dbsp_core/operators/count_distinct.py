@@ -57,6 +57,7 @@ class _CountDistinctState:
         self.op = op
         self.keys = list(op.keys)
         self.values = Trace(op.vschema, op.keys)
+        self.values.keep_index((None,), on="row")  # each pair's multiplicity in one probe (trace invariant 11)
 
     def traces(self) -> dict[str, Trace]:
         """The operator's state, by name (each trace can be read per shard)."""

@@ -4,8 +4,9 @@ Invariants:
   1. After every step, integral(output) == {row: 1 for rows with integral(input)[row] > 0}; rows with
      zero or negative accumulated weight are absent. Row identity treats null as equal to null.
   2. The trace holds the integral of the input, indexed by all columns; a step reads only the weights of
-     the change's rows in each trace batch (a galloping C walk, so its cost grows with the change) and emits
-     +1 for rows that become positive, -1 for rows that stop being positive, consolidated.
+     the change's rows, one probe each into the trace's key index (trace invariant 11; for rows with string
+     columns, a galloping C walk over each trace batch), so its cost grows with the change, and emits +1 for
+     rows that become positive, -1 for rows that stop being positive, consolidated.
   3. The input is exchanged by all columns, so each row's whole history lives in one worker.
   4. Rows whose time columns (dbsp_core/time lineage) are below their bounds are dropped from the trace: no later
      change can carry them.
@@ -48,6 +49,7 @@ class _DistinctState:
         self.schema = op.schema
         self.cols = list(op.schema.names)
         self.trace = Trace(op.schema, tuple(self.cols))
+        self.trace.keep_index((None,), on="row")  # each row's weight in one probe (trace invariant 11)
 
     def traces(self) -> dict[str, Trace]:
         """The operator's state, by name (each trace can be read per shard)."""

@@ -69,6 +69,7 @@ class _OuterJoinState(PresenceState):
     def __init__(self, op: OuterJoin) -> None:
         super().__init__(op)  # self.presence: left rows against the right side
         self.right_presence = Presence(op.lschema, op.left_on)  # right rows against the left side
+        self.left.keep_index((None,))  # each touched key's left row count in one probe (trace invariant 11)
 
     def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op

@@ -8,7 +8,9 @@ Invariants (enforced here; every caller keeps the order of calls):
   2. The result has two parts: the new left rows whose key has no right rows after the step, and, for every key
      whose right side turns empty (or non-empty) in the step, the old left rows of that key with weight +1 (or
      -1). The right side's per-key row counts before and after the step come from one grouping pass over the
-     right rows of the touched keys, so the cost grows with the change and the rows of its keys.
+     right rows of the touched keys, so the cost grows with the change and the rows of its keys; when the right
+     trace keeps a key index of its weights (trace invariant 11) and both sides' key types are equal, the old
+     counts come from it instead (one probe per touched key) and the grouping pass sees only the change's keys.
   3. The parts are returned as ``(batch, rows, weights)``: indices into an indexed left batch and the weights
      of the chosen rows, so a caller builds what it outputs (padded rows, plain rows) with one take.
   4. ``PresenceState`` is what the states of those joins share: the two traces, each step's changes indexed by
@@ -49,14 +51,53 @@ class Presence:
         flag = np.full(z.num_rows, 1 if old else 0, dtype=np.int64)
         return make(z.data.append_column(OLD, pa.array(flag)), z.weights, self.counts_schema)
 
-    def right_counts(self, right: Trace, hashes: np.ndarray, dr: "IndexedZSet | None") -> pa.Table | None:
+    def right_counts(self, right: Trace, dl: "IndexedZSet | None", dr: "IndexedZSet | None") -> pa.Table | None:
         """Per touched right key: its right row count after the step and before it (invariant 2)."""
+        counts = self._indexed_counts(right, dl, dr)
+        if counts is not None:
+            return counts
+        hashes = touched_keys(dl, dr)
         old = [self._with_old(b.zset, True) for b in right.lookup(hashes)]
         new = [self._with_old(dr.zset, False)] if dr is not None and len(dr) else []
         rows = concat(old + new, self.counts_schema)
         if rows.num_rows == 0:
             return None
         return rows.index_by(list(self.right_on)).reduce([("count", None), ("sum", OLD)])
+
+    def _indexed_counts(self, right: Trace, dl: "IndexedZSet | None", dr: "IndexedZSet | None") -> pa.Table | None:
+        """:meth:`right_counts` from the right trace's key index (trace invariant 11): the touched keys grouped
+        once (the change's right rows with their weights, the left rows' keys with weight 0), each key's old count
+        in one probe. None when the index cannot serve (no current index, key types that differ between sides):
+        the caller then looks the right rows up."""
+        from dbsp_core import _zset
+
+        if right._kix_spec != ("key", (None,)) or right._kix_off:
+            return None
+        names = list(self.right_on)
+        parts, weights = [], []
+        if dr is not None and len(dr):
+            parts.append(dr.zset.data.select(names))
+            weights.append(dr.zset.weights)
+        if dl is not None and len(dl):
+            keys = dl.zset.data.select(list(dl.key)).rename_columns(names)
+            if not keys.schema.equals(self.keyschema):
+                return None
+            parts.append(keys)
+            weights.append(np.zeros(len(dl), dtype=np.int64))
+        if not parts:
+            return None
+        table = parts[0] if len(parts) == 1 else pa.concat_tables(parts).combine_chunks()
+        w = weights[0] if len(weights) == 1 else np.concatenate(weights)
+        keypos = list(range(len(names)))
+        view = _zset.BatchView(table, w)
+        group_row, khash, delta, _, _ = _zset.group_reduce(view, None, keypos, [("count", None)], True)
+        old = right.key_weights(table, names, khash, group_row, view)
+        if old is None:
+            return None
+        new = old + np.asarray(delta[:, 0], dtype=np.int64)
+        keys = _zset.take(view, group_row, self.keyschema, keypos)
+        return pa.Table.from_arrays(list(keys.columns) + [pa.array(new), pa.array(old)],
+                                    names=names + ["agg_0", "agg_1"])
 
 
 def touched_keys(*changes: "IndexedZSet | None") -> np.ndarray:
@@ -72,7 +113,7 @@ def unmatched_change(presence: Presence, left: Trace, right: Trace, dl: "Indexed
     """The change of the left rows without a right match (invariants 1-3), as ``[(batch, rows, weights)]``."""
     if dl is None and dr is None:
         return []
-    counts = presence.right_counts(right, touched_keys(dl, dr), dr)
+    counts = presence.right_counts(right, dl, dr)
     nk = len(presence.right_on)
     new_n = counts.column(nk).to_numpy() if counts is not None else np.zeros(0, dtype=np.int64)
     old_n = counts.column(nk + 1).to_numpy() if counts is not None else np.zeros(0, dtype=np.int64)
@@ -108,6 +149,7 @@ class PresenceState:
         self.op = op
         self.left = Trace(op.lschema, op.left_on)
         self.right = Trace(op.rschema, op.right_on)
+        self.right.keep_index((None,))  # each touched key's right row count in one probe (trace invariant 11)
         self.presence = Presence(op.rschema, op.right_on)  # left rows against the right side
 
     def traces(self) -> dict[str, Trace]:

@@ -1255,8 +1255,9 @@ class Pipeline:
         """What the pipeline is doing (dbsp_core.metrics): ``steps``, ``pushes``, ``rows_in`` / ``rows_out`` per
         input / output, ``step_seconds`` (histogram, mean, p50, p99 of the newest steps), ``checkpoints``,
         ``checkpoint_seconds``, ``replayed_steps``, ``late_rows``, ``workers``, ``shards``; with storage
-        ``log_bytes``, ``output_steps`` and ``consumers``; with ``state`` ``state_bytes`` per worker (total
-        and per shard)."""
+        ``log_bytes``, ``output_steps`` and ``consumers``; with ``state`` ``state_bytes`` per worker (total,
+        per shard, and ``key_index``: the bytes of the traces' key indexes, memory kept beside the state; a
+        staged executor's tasks keep theirs in their own processes, not counted here)."""
         self._check_usable()
         return gather(self, state)
 

@@ -90,7 +90,7 @@ def cut_trace(trace: Trace, mask: np.ndarray, bits: int) -> tuple[list[IndexedZS
         changed[id(b)] = kept
     if not moved:
         return [], {}
-    trace.replace({oid: [k for k, _, _ in kept] for oid, kept in changed.items()})
+    trace.replace({oid: [k for k, _, _ in kept] for oid, kept in changed.items()}, removed=moved)
     return moved, changed
 
 

@@ -9,6 +9,7 @@
 #include "join.h"
 #include "reduce.h"
 #include "lookup.h"
+#include "keyindex.h"
 #include "group.h"
 #include "gather.h"
 #include "merge.h"
@@ -728,6 +729,46 @@ static void test_gather(void) {
     tb_free(&t);
 }
 
+/* the key index (keyindex.h) against naive sums: weight and weight * k per key k (null = null), after adds and
+ * removals, with every invariant checked; emptied, it holds nothing */
+static void test_keyindex(int64_t n, int64_t kdom) {
+    TBatch t;
+    tb_make(&t, n, kdom, -2, 2);
+    int32_t key = 0, types[1] = { DBSP_INT64 }, cols[2] = { -1, 0 };
+    uint64_t *kh = malloc((size_t)(n ? n : 1) * 8);
+    CHECK(dbsp_hash_columns(&t.b, &key, 1, kh) == DBSP_OK);
+    DbspKeyIndex *ix = NULL;
+    CHECK(dbsp_keyindex_new(types, 1, 2, 0, &ix) == DBSP_OK);
+    CHECK(dbsp_keyindex_add(ix, &t.b, &key, kh, cols, 1) == DBSP_OK);
+    CHECK(dbsp_keyindex_check(ix) == DBSP_OK);
+    int64_t *acc = calloc((size_t)(n ? n : 1) * 2, 8);
+    CHECK(dbsp_keyindex_get(ix, &t.b, &key, NULL, kh, n, acc) == DBSP_OK);
+    int64_t live = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t w = 0, wk = 0, first = 1;
+        for (int64_t j = 0; j < n; j++) {
+            if (dbsp_value_cmp(&t.cols[0], i, &t.cols[0], j) != 0) continue;
+            if (j < i) first = 0;
+            w += t.w[j];
+            wk += t.w[j] * (dbsp_col_valid(&t.cols[0], j) ? t.k[j] : 0);
+        }
+        CHECK(acc[2 * i] == w && acc[2 * i + 1] == wk);
+        live += first && (w != 0 || wk != 0);
+    }
+    CHECK(dbsp_keyindex_len(ix) == live);
+    CHECK(dbsp_keyindex_add(ix, &t.b, &key, kh, cols, -1) == DBSP_OK);  /* every row out again */
+    CHECK(dbsp_keyindex_len(ix) == 0 && dbsp_keyindex_check(ix) == DBSP_OK);
+    int32_t bad[1] = { DBSP_UTF8 };
+    DbspKeyIndex *no = NULL;
+    CHECK(dbsp_keyindex_new(bad, 1, 1, 0, &no) == DBSP_ETYPE && no == NULL);
+    DbspKeyIndex *small = NULL;  /* a limit of 4 KiB: 64 slots of 4 words fit, 128 do not */
+    CHECK(dbsp_keyindex_new(types, 1, 2, 4096, &small) == DBSP_OK);
+    if (n > 1000) CHECK(dbsp_keyindex_add(small, &t.b, &key, kh, cols, 1) == DBSP_ETOOBIG);
+    dbsp_keyindex_free(small);
+    dbsp_keyindex_free(ix);
+    free(acc); free(kh); tb_free(&t);
+}
+
 int main(void) {
     test_consolidate(0, 10, 0);
     test_consolidate(1, 10, 0);
@@ -759,6 +800,9 @@ int main(void) {
     test_group_reduce_all();
     test_group_int();
     test_gather();
+    test_keyindex(0, 10);
+    test_keyindex(300, 40);
+    test_keyindex(3000, 100000);  /* grows past several resizes */
     if (failures) { fprintf(stderr, "%d failures\n", failures); return 1; }
     printf("kernels_test: all checks passed\n");
     return 0;

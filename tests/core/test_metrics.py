@@ -43,6 +43,7 @@ def test_counts_match_what_was_pushed_and_returned(tmp_path) -> None:
     for w, v in m["state_bytes"].items():
         assert v["total"] > 0 and abs(sum(v["shards"].values()) - v["total"]) <= len(v["shards"])
         assert all(p.layout.owner(s) == w for s in v["shards"])
+        assert v["key_index"] > 0  # the aggregate's key index (trace invariant 11), counted beside the state
     p.close()
     q, c = _pipeline(storage=tmp_path, checkpoint_interval=None)
     assert q.metrics()["steps"] == 0  # counters start with the pipeline object; the logs are the record
@@ -62,6 +63,7 @@ def test_prometheus_endpoint_serves_the_same_numbers() -> None:
                  'dbsp_step_seconds_bucket{le="+Inf"} 1.0', "dbsp_workers 2.0", 'dbsp_late_rows_total{input="t"} 0.0'):
         assert line in text, line
     assert 'dbsp_state_bytes{worker="0"}' in text and "dbsp_state_shard_bytes{" in text
+    assert 'dbsp_key_index_bytes{worker="0"}' in text
     p.close()
 
 

@@ -194,3 +194,45 @@ def test_a_worker_failing_alone_reports_its_own_error() -> None:
             with pytest.raises(StepError, match="ValueError: row 2 is bad") as info:
                 p.step()
             assert isinstance(info.value.__cause__, ValueError)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_failed_step_leaves_no_trace_in_the_key_indexes(workers: int) -> None:
+    """Trace invariant 11 under executor invariant 4: the distinct's and the aggregate's traces (and their key
+    indexes) take the failing step's rows before a later operator raises; after the rollback and a discard, every
+    step's output is what a pipeline that never saw the bad push gives, and the indexes match the batches."""
+    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+
+    def circuit() -> dbsp.Circuit:
+        c = dbsp.Circuit()
+        t = c.input("t", schema)
+        c.output("d", t.select(k="k").distinct())
+        c.output("s", t.group_by("k").agg(n=dbsp.count(), s=dbsp.sum("v")))
+
+        def boom(batch: pa.RecordBatch) -> pa.RecordBatch:  # fails after both stateful operators have run
+            if batch.num_rows and 666 in batch.column("v").to_pylist():
+                raise ValueError("poison")
+            return batch
+        c.output("x", t.flat_map(boom, schema=schema))  # a later node id: runs after distinct and group_by
+        return c
+
+    rng = np.random.default_rng(3)
+    steps = [pa.table({"k": rng.integers(0, 20, 30), "v": rng.integers(0, 50, 30)}, schema=schema) for _ in range(6)]
+    poison = pa.table({"k": [1, 2, 3, 99], "v": [5, 6, 666, 7]}, schema=schema)
+    with dbsp.Pipeline(circuit(), workers=workers) as p, dbsp.Pipeline(circuit(), workers=workers) as ref:
+        for i, data in enumerate(steps):
+            p.push("t", data)
+            ref.push("t", data)
+            if i == 2:
+                p.push("t", poison)
+                with pytest.raises(StepError) as info:
+                    p.step()
+                producer, seq = info.value.inputs[-1][1:]
+                p.discard(producer, seq)
+            got, want = p.step(), ref.step()
+            assert {n: z.to_dict() for n, z in got.items()} == {n: z.to_dict() for n, z in want.items()}
+        for wk in p.executor._workers:
+            for inst in wk.stateful().values():
+                for tr in vars(inst).values():
+                    if isinstance(tr, Trace):
+                        tr.check()

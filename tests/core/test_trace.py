@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pyarrow as pa
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -87,17 +88,28 @@ ops = st.lists(st.one_of(
 ), max_size=60)
 
 
-@settings(deadline=None)
-@given(ops, st.sampled_from([Trace, SlowTrace]), st.booleans())
-def test_any_inserts_reads_settles_and_restores_match_the_model(steps, cls, bg):
-    """Also with a background merger (invariant 10): the same content and reads whatever the merger's thread
-    has done when they happen ("idle" waits until it has finished every merge handed to it)."""
-    with merging(_merger() if bg else None):
-        _run_ops(steps, cls, bg)
+INDEXES = {None: None, "key": (("v",), "key"), "row": ((None,), "row")}
 
 
-def _run_ops(steps, cls, bg):
+def _new(cls, index):
     t = cls(SCHEMA, ("k",))
+    if index is not None:  # invariant 11: key_sums of "v" ("key") or match_weights ("row") read through the index
+        assert t.keep_index(*INDEXES[index])
+    return t
+
+
+@settings(deadline=None)
+@given(ops, st.sampled_from([Trace, SlowTrace]), st.booleans(), st.sampled_from(list(INDEXES)))
+def test_any_inserts_reads_settles_and_restores_match_the_model(steps, cls, bg, index):
+    """Also with a background merger (invariant 10): the same content and reads whatever the merger's thread
+    has done when they happen ("idle" waits until it has finished every merge handed to it); and with a key index
+    (invariant 11), which every step's check() compares with the batches."""
+    with merging(_merger() if bg else None):
+        _run_ops(steps, cls, bg, index)
+
+
+def _run_ops(steps, cls, bg, index=None):
+    t = _new(cls, index)
     model: dict = {}
     for op in steps:
         if op[0] == "insert":
@@ -119,7 +131,7 @@ def _run_ops(steps, cls, bg):
             assert dropped >= (1 if gone else 0)
         else:  # what a checkpoint restore does: insert parts() into a cleared trace, settling between them
             spine, pending = t.parts()
-            t = cls(SCHEMA, ("k",))
+            t = _new(cls, index)
             t.clear()  # fresh, as a snapshot restore makes it
             for b in spine:
                 t.insert(b)
@@ -227,3 +239,61 @@ def test_a_shallow_copy_of_the_attributes_rolls_the_trace_back():
         insert(i, 10)
         t.check()
     assert t.consolidated().zset.to_dict() == {r: w for r, w in model.items() if w}
+
+
+def test_a_rollback_leaves_the_key_index_stale_and_reads_rebuild_it():
+    """Invariant 11: a rollback puts back the trace's attributes (its token among them) but not the index's own
+    token, so an index that took inserts after the capture is never read; the next read rebuilds it."""
+    for index in ("key", "row"):
+        t = _new(SlowTrace, index)
+        model: dict = {}
+        for i in range(8):
+            z, d = _batch(i, 10, 60)
+            t.insert(z.index_by(["k"]))
+            for r, w in d.items():
+                model[r] = model.get(r, 0) + w
+        model = {r: w for r, w in model.items() if w}
+        _check_reads(t, model, list(range(60)))
+        ix = t._kix
+        saved = {k: (list(v) if isinstance(v, list) else v) for k, v in vars(t).items()}
+        for i in range(8, 20):  # the index takes these, then the rollback drops them from the batches
+            t.insert(_batch(i, 40, 60)[0].index_by(["k"]))
+        vars(t).clear()
+        vars(t).update({k: (list(x) if isinstance(x, list) else x) for k, x in saved.items()})
+        assert t._kix is ix and ix.token != t._token  # the same object, known stale
+        _check_reads(t, model, list(range(60)))  # rebuilt from the batches: the model's sums, not the index's
+        assert t._kix is not ix and t._kix.token == t._token
+        t.check()
+
+
+def test_an_index_that_overflows_is_dropped_and_reads_walk_the_batches():
+    """Invariant 11: sums beyond int64 in the index turn it off; the walk over the batches then reports the
+    overflow as it would without an index, and the content is untouched."""
+    t = _new(Trace, "key")
+    big = dbsp.ZSet.from_arrow(pa.table({"k": [1], "v": [2**62]}, schema=SCHEMA))
+    t.insert(big.index_by(["k"]))
+    t.insert(dbsp.ZSet.from_arrow(pa.table({"k": [1], "v": [2**62 + 1]}, schema=SCHEMA)).index_by(["k"]))
+    assert t._kix is None and t._kix_off
+    probe = pa.table({"k": [1]}, schema=pa.schema([("k", pa.int64())]))
+    kh = dbsp.ZSet.from_arrow(probe).hash(["k"])
+    with pytest.raises(dbsp.WeightOverflowError):
+        t.key_sums(probe, ["k"], kh, np.zeros(1, dtype=np.int64), ["v"])
+    assert t.num_rows == 2
+
+
+def test_an_index_past_its_size_limit_is_dropped_before_it_grows(monkeypatch):
+    """DBSP_KEY_INDEX_MB (trace.KEY_INDEX_MB): the index refuses to grow past it (no transient table of twice the
+    limit), the trace turns it off and its reads walk the batches, with the same results."""
+    import dbsp_core.trace as trace_mod
+
+    monkeypatch.setattr(trace_mod, "KEY_INDEX_MB", 64 / 1024)  # 64 KiB: 2048 slots of 4 words
+    t = _new(Trace, "key")
+    model: dict = {}
+    for i in range(40):
+        z, d = _batch(i, 200, 10_000)
+        t.insert(z.index_by(["k"]))
+        for r, w in d.items():
+            model[r] = model.get(r, 0) + w
+    model = {r: w for r, w in model.items() if w}
+    assert t._kix is None and t._kix_off
+    _check_reads(t, model, list(range(0, 10_000, 97)))

@@ -72,6 +72,9 @@ def _restore(cls, t: Trace) -> Trace:
     """What a checkpoint restore does: a fresh trace given parts(), settled between placed and pending."""
     spine, pending = t.parts()
     r = cls(t.schema, t.key)
+    if t._kix_spec is not None:  # the operator asks for its key index again (trace invariant 11)
+        on, cols = t._kix_spec
+        r.keep_index(cols, on=on)
     r.clear()
     for b in spine:
         r.insert(b)
@@ -90,10 +93,15 @@ ops = st.lists(st.one_of(
 
 
 @settings(deadline=None, max_examples=150)
-@given(ops, st.sampled_from([Trace, SlowTrace]))
-def test_any_cuts_between_inserts_reads_and_restores_match_the_model(steps, cls):
+@given(ops, st.sampled_from([Trace, SlowTrace]), st.sampled_from([None, "key", "row"]))
+def test_any_cuts_between_inserts_reads_and_restores_match_the_model(steps, cls, index):
+    """With a key index (trace invariant 11), a cut subtracts the moved rows and the index stays current (no
+    rebuild); every step's check() compares it with the batches."""
     t = cls(SCHEMA, ("k",))
     dst = cls(SCHEMA, ("k",))  # where the moved slices go, as move_shards inserts them
+    if index is not None:
+        for x in (t, dst):
+            assert x.keep_index(("v",) if index == "key" else (None,), on=index)
     model: dict = {}
     moved_model: dict = {}
     for op in steps:
@@ -103,6 +111,14 @@ def test_any_cuts_between_inserts_reads_and_restores_match_the_model(steps, cls)
             model = _add(model, d)
         elif op[0] == "read":
             t.batches
+            if index is not None:  # reads that want the index (a stale one is rebuilt by the third)
+                probe = pa.table({"k": [0, 1]}, schema=pa.schema([("k", pa.int64())]))
+                kh = dbsp.ZSet.from_arrow(probe).hash(["k"])
+                order = np.argsort(kh, kind="stable")
+                if index == "key":
+                    t.key_sums(probe, ["k"], kh[order], order, ["v"])
+                else:
+                    t.match_weights(dbsp.ZSet.from_rows([(0, 1)], SCHEMA).index_by(["k"]))
         elif op[0] == "restore":
             t = _restore(cls, t)
         else:
@@ -112,6 +128,7 @@ def test_any_cuts_between_inserts_reads_and_restores_match_the_model(steps, cls)
                                                                b.zset.data.column("k").to_pylist()}), bits)
             before_parts = t.parts()
             merged, fresh, placed = t.merged_rows, t._fresh, t._placed
+            current = t._kix is not None and t._kix.token == t._token
             moved, changed = cut_trace(t, mask, bits)
             assert t.merged_rows == merged, "a cut merged rows"
             assert t._fresh == fresh, "a cut changed the trace's freshness"
@@ -130,6 +147,8 @@ def test_any_cuts_between_inserts_reads_and_restores_match_the_model(steps, cls)
                 assert len(p) and all(mask[shard[k]] for k in p.zset.data.column("k").to_pylist())
                 dst.insert(p)
             moved_model = _add(moved_model, gone)
+            if current:
+                assert t._kix is not None and t._kix.token == t._token, "a cut left the key index stale"
         t.check()
         dst.check()
         assert _content(sum(t.parts(), [])) == model

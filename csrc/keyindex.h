@@ -1,0 +1,58 @@
+/* keyindex.h: a hash index from a key of fixed-width columns to int64 sums, kept beside a trace so that a step
+ * finds a key's accumulated weight or sums with one probe instead of one galloping walk per trace batch.
+ *
+ * Invariants (enforced here; dbsp_keyindex_check verifies 1-3):
+ *  1. An entry holds a key of nkeys columns (at most DBSP_KEYINDEX_MAX_KEYS), each a fixed-width type, as one
+ *     canonical 64-bit word per column: integers sign- or zero-extended (bool 0/1, date32 and timestamps as
+ *     integers), floats as their canonical bits (-0.0 as 0.0, every NaN alike: column.h invariant 2), a null as
+ *     the word 0 with its bit set in the entry's null mask. The column types are fixed when the index is made;
+ *     batches read or added must have the same types at the key positions (DBSP_ETYPE otherwise), so two rows
+ *     have one entry exactly when their keys are equal by row identity. No hash decides equality: the hash given
+ *     with each row (the row's key hash, hash.h) only places the entry.
+ *  2. An entry holds nvals int64 sums, and never all of them zero: an update that brings every sum of an entry
+ *     to zero removes it, so an absent key reads as all zeros, which is what the sums of no rows are.
+ *  3. Open addressing with linear probing over a power-of-two table of slots, at most 3/4 full; a removal shifts
+ *     the entries after the hole back (no tombstones), so every probe ends at the first empty slot.
+ *  4. Every product weight * value and every sum is checked: one outside int64 returns DBSP_EOVERFLOW and leaves
+ *     the index broken (dbsp_keyindex_broken): the caller must drop it, its sums are then partly updated.
+ */
+#ifndef DBSP_KEYINDEX_H
+#define DBSP_KEYINDEX_H
+
+#include <stdint.h>
+#include "column.h"
+
+#define DBSP_KEYINDEX_MAX_KEYS 8
+#define DBSP_KEYINDEX_MAX_VALS 64
+
+typedef struct DbspKeyIndex DbspKeyIndex;
+
+/* A new empty index for keys of the given column types (fixed width only) and nvals sums per key, whose slot
+ * table never grows past max_bytes (0: no limit). Errors: DBSP_ETYPE (a variable-width type), DBSP_EINVAL
+ * (counts out of range), DBSP_ENOMEM. */
+int dbsp_keyindex_new(const int32_t *types, int32_t nkeys, int32_t nvals, int64_t max_bytes, DbspKeyIndex **out);
+void dbsp_keyindex_free(DbspKeyIndex *ix);
+
+/* Entries held, and bytes of the slot table. */
+int64_t dbsp_keyindex_len(const DbspKeyIndex *ix);
+int64_t dbsp_keyindex_bytes(const DbspKeyIndex *ix);
+int dbsp_keyindex_broken(const DbspKeyIndex *ix);
+
+/* For i < n: acc[i * nvals + v] += sum v of the entry of the key of row r = (sel ? sel[i] : i) of b, whose key
+ * columns are keys[0..nkeys) and whose key hash is kh[i]. Errors: DBSP_ETYPE, DBSP_EINVAL. */
+int dbsp_keyindex_get(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const int64_t *sel,
+                      const uint64_t *kh, int64_t n, int64_t *acc);
+
+/* For every row i < b->nrows, with weight w (b->weights, +1 when NULL) times sign (+1 or -1): sum v of the entry
+ * of row i's key (columns keys[0..nkeys), key hash kh[i]) += w * b[cols[v]][i] for cols[v] >= 0 (an int64
+ * column; a null value counts 0), += w for cols[v] < 0. Entries are created and removed as invariant 2 says.
+ * Errors: DBSP_ETYPE, DBSP_EINVAL, DBSP_EOVERFLOW (invariant 4), DBSP_ENOMEM, DBSP_ETOOBIG (the table would
+ * pass max_bytes); after the last three the index is broken. */
+int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
+                      const int32_t *cols, int64_t sign);
+
+/* DBSP_OK when invariants 1-3 hold (each entry findable from its slot's hash, no all-zero entry, load bound), else
+ * DBSP_EINVAL. */
+int dbsp_keyindex_check(const DbspKeyIndex *ix);
+
+#endif

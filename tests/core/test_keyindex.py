@@ -1,0 +1,132 @@
+"""The key index (csrc/keyindex.h, dbsp_core._zset.KeyIndex) against a dict model: sums per key after any adds and
+removals, over every fixed-width type, nulls, -0.0 and NaN (row identity), and its refusals."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dbsp_core import _zset
+from dbsp_core.errors import SchemaError, WeightOverflowError
+from tests.hypothesis_profile import examples
+
+TYPES = [pa.bool_(), pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint32(), pa.uint64(),
+         pa.float32(), pa.float64(), pa.date32(), pa.timestamp("ms")]
+VALUES = {  # a few values per type, so that keys repeat
+    "bool": [True, False], "int8": [-128, -1, 0, 5], "int16": [-3, 0, 300], "int32": [-1, 0, 7, 2**31 - 1],
+    "int64": [-(2**63), -1, 0, 1, 2**62], "uint8": [0, 1, 255], "uint32": [0, 7, 2**32 - 1], "uint64": [0, 2**64 - 1, 9],
+    "float": [0.0, -0.0, float("nan"), 1.5, -2.25], "double": [0.0, -0.0, float("nan"), 1.5, float("inf")],
+    "date32[day]": [0, 1, -5], "timestamp[ms]": [0, 1000, -1],
+}
+
+
+def _ident(v):
+    """Row identity of one value (column.h invariant 2): null = null, -0.0 = 0.0, NaN = NaN."""
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else (0.0 if v == 0 else v)
+    return v
+
+
+@st.composite
+def cases(draw):
+    types = draw(st.lists(st.sampled_from(TYPES), min_size=1, max_size=3))
+    nvals = draw(st.integers(1, 3))
+    batches = []
+    for _ in range(draw(st.integers(1, 6))):
+        n = draw(st.integers(0, 30))
+        cols = []
+        for t in types:
+            vals = VALUES[str(t)]
+            cols.append([draw(st.one_of(st.sampled_from(vals), st.none())) for _ in range(n)])
+        sums = [[draw(st.integers(-3, 3)) for _ in range(n)] for _ in range(nvals)]
+        w = [draw(st.sampled_from([-2, -1, 1, 1, 2])) for _ in range(n)]
+        sign = draw(st.sampled_from([1, 1, -1]))
+        use_weight = draw(st.lists(st.booleans(), min_size=nvals, max_size=nvals))  # -1: the weight alone
+        batches.append((cols, sums, w, sign, use_weight))
+    return types, nvals, batches
+
+
+def _table(types, cols, sums):
+    arrays = [pa.array(c, t) for c, t in zip(cols, types)]
+    arrays += [pa.array(s, pa.int64()) for s in sums]
+    names = [f"k{i}" for i in range(len(types))] + [f"v{j}" for j in range(len(sums))]
+    return pa.Table.from_arrays(arrays, names=names)
+
+
+@settings(deadline=None, max_examples=examples(150))
+@given(cases())
+def test_sums_per_key_match_a_dict_model(case):
+    types, nvals, batches = case
+    nk = len(types)
+    ix = _zset.KeyIndex(types, nvals)
+    model: dict = {}
+    probes = []
+    for cols, sums, w, sign, use_weight in batches:
+        t = _table(types, cols, sums)
+        kh = _zset.hash_columns(t, list(range(nk))) if t.num_rows else np.zeros(0, np.uint64)
+        cpos = [-1 if use_weight[j] else nk + j for j in range(nvals)]
+        ix.add(t, np.array(w, dtype=np.int64), list(range(nk)), kh, cpos, sign)
+        for i in range(t.num_rows):
+            key = tuple(_ident(c[i]) for c in cols)
+            d = [sign * w[i] * (1 if use_weight[j] else sums[j][i]) for j in range(nvals)]
+            model[key] = [a + b for a, b in zip(model.get(key, [0] * nvals), d)]
+        probes.append((t, kh, cols))
+        ix.check()
+        assert len(ix) == sum(1 for v in model.values() if any(v)), "an all-zero entry is kept, or one is lost"
+    for t, kh, cols in probes:
+        acc = np.zeros((t.num_rows, nvals), dtype=np.int64)
+        ix.get(t, list(range(nk)), kh, acc)
+        for i in range(t.num_rows):
+            key = tuple(_ident(c[i]) for c in cols)
+            assert acc[i].tolist() == model.get(key, [0] * nvals)
+
+
+def test_growing_and_emptying_keeps_every_key_findable():
+    """Resizes (growing past 3/4, shrinking when mostly empty) and backward-shift removals (invariant 3)."""
+    n = 50_000
+    t = pa.table({"k": np.arange(n, dtype=np.int64), "v": np.arange(n, dtype=np.int64) % 7 + 1})
+    kh = _zset.hash_columns(t, [0])
+    ix = _zset.KeyIndex([pa.int64()], 2)
+    ix.add(t, None, [0], kh, [-1, 1])
+    assert len(ix) == n
+    ix.check()
+    half = t.slice(0, n // 2)
+    ix.add(half, None, [0], kh[: n // 2], [-1, 1], -1)  # remove the first half
+    ix.check()
+    assert len(ix) == n - n // 2
+    acc = np.zeros((n, 2), dtype=np.int64)
+    ix.get(t, [0], kh, acc)
+    assert (acc[: n // 2] == 0).all()
+    assert (acc[n // 2:, 0] == 1).all() and (acc[n // 2:, 1] == t.column("v").to_numpy()[n // 2:]).all()
+    big = ix.nbytes
+    ix.add(t.slice(n // 2), None, [0], kh[n // 2:], [-1, 1], -1)
+    assert len(ix) == 0 and ix.nbytes < big  # shrunk
+    ix.check()
+
+
+def test_refusals_name_the_problem():
+    with pytest.raises(SchemaError):  # variable width keys are not indexed
+        _zset.KeyIndex([pa.string()], 1)
+    assert not _zset.keyindex_supports([pa.string()])
+    assert _zset.keyindex_supports([pa.int64(), pa.float64()])
+    ix = _zset.KeyIndex([pa.int64()], 1)
+    t = pa.table({"k": pa.array([1], pa.int32())})
+    with pytest.raises(SchemaError):  # the key's type must be the index's
+        ix.get(t, [0], _zset.hash_columns(t, [0]), np.zeros((1, 1), dtype=np.int64))
+    with pytest.raises(ValueError):
+        ix.get(t, [0], _zset.hash_columns(t, [0]), np.zeros((2, 1), dtype=np.int64))
+
+
+def test_an_overflowing_sum_raises_and_breaks_the_index():
+    t = pa.table({"k": [1, 1], "v": [2**62, 2**62]})
+    ix = _zset.KeyIndex([pa.int64()], 1)
+    with pytest.raises(WeightOverflowError):
+        ix.add(t, None, [0], _zset.hash_columns(t, [0]), [1])
+    assert ix.broken
+    with pytest.raises(ValueError):  # a broken index takes no more updates
+        ix.add(t, None, [0], _zset.hash_columns(t, [0]), [1])
