@@ -241,18 +241,23 @@ def test_a_shallow_copy_of_the_attributes_rolls_the_trace_back():
     assert t.consolidated().zset.to_dict() == {r: w for r, w in model.items() if w}
 
 
+def _fill(t: Trace, seeds, n: int, keys: int) -> dict:
+    """Insert one random batch per seed into ``t``; returns the model of its content."""
+    model: dict = {}
+    for i in seeds:
+        z, d = _batch(i, n, keys)
+        t.insert(z.index_by(["k"]))
+        for r, w in d.items():
+            model[r] = model.get(r, 0) + w
+    return {r: w for r, w in model.items() if w}
+
+
 def test_a_rollback_leaves_the_key_index_stale_and_reads_rebuild_it():
     """Invariant 11: a rollback puts back the trace's attributes (its token among them) but not the index's own
     token, so an index that took inserts after the capture is never read; the next read rebuilds it."""
     for index in ("key", "row"):
         t = _new(SlowTrace, index)
-        model: dict = {}
-        for i in range(8):
-            z, d = _batch(i, 10, 60)
-            t.insert(z.index_by(["k"]))
-            for r, w in d.items():
-                model[r] = model.get(r, 0) + w
-        model = {r: w for r, w in model.items() if w}
+        model = _fill(t, range(8), 10, 60)
         _check_reads(t, model, list(range(60)))
         ix = t._kix
         saved = {k: (list(v) if isinstance(v, list) else v) for k, v in vars(t).items()}
@@ -288,12 +293,6 @@ def test_an_index_past_its_size_limit_is_dropped_before_it_grows(monkeypatch):
 
     monkeypatch.setattr(trace_mod, "KEY_INDEX_MB", 64 / 1024)  # 64 KiB: 2048 slots of 4 words
     t = _new(Trace, "key")
-    model: dict = {}
-    for i in range(40):
-        z, d = _batch(i, 200, 10_000)
-        t.insert(z.index_by(["k"]))
-        for r, w in d.items():
-            model[r] = model.get(r, 0) + w
-    model = {r: w for r, w in model.items() if w}
+    model = _fill(t, range(40), 200, 10_000)
     assert t._kix is None and t._kix_off
     _check_reads(t, model, list(range(0, 10_000, 97)))
