@@ -299,8 +299,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--background-merge", choices=["auto", "on", "off"], default="auto",
                     help="(a): merges on a merger thread (on), on the worker's thread (off), or the default rule")
     ap.add_argument("--steps", type=int, default=None, help="steps of (a) per query (default 200, quick 20)")
+    ap.add_argument("--state-rows", type=int, default=None,
+                    help="rows of state of (a) (default 1,000,000, quick 100,000; auctions are a tenth of it)")
     args = ap.parse_args(argv)
     state, change, steps_a = (100_000, 1_000, 20) if args.quick else (1_000_000, 1_000, 200)
+    if args.state_rows is not None:
+        need = (args.steps or steps_a) * (change // 10)  # every step deletes a tenth of its change from the load
+        if args.state_rows < need:
+            ap.error(f"--state-rows must be at least {need}: each step deletes {change // 10} loaded rows")
+        state = args.state_rows
     total, step_rows, samples = (1_000_000, 100_000, None) if args.quick else (10_000_000, 100_000, None)
     threads = duckdb.execute("SELECT current_setting('threads')").fetchone()[0]
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start; dbsp_core "
