@@ -1070,11 +1070,10 @@ cdef class KeyIndex:
 
 
 def keyindex_supports(types):
-    """Whether a KeyIndex can key on columns of these Arrow types (fixed width, at most DBSP_KEYINDEX_MAX_KEYS)."""
-    if not 1 <= len(types) <= DBSP_KEYINDEX_MAX_KEYS:
+    """Whether a KeyIndex can key on columns of these Arrow types (the C constructor's rule: fixed width, at most
+    DBSP_KEYINDEX_MAX_KEYS columns)."""
+    try:
+        KeyIndex(types, 1)
+    except (SchemaError, ValueError):
         return False
-    for t in types:
-        code = type_code(t)
-        if code is None or code in (DBSP_UTF8, DBSP_LARGE_UTF8, DBSP_BINARY, DBSP_LARGE_BINARY):
-            return False
     return True

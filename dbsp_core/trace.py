@@ -368,8 +368,8 @@ class Trace:
         self._levels = []
         self.pending = []
         self._fresh = True
-        self._token = next(_TOKENS)
-        self._kix, self._kix_wait = None, self.INDEX_WAIT
+        self._changed()
+        self._stale_index()
 
     # ---- the key index (invariant 11) ----
 
@@ -397,6 +397,21 @@ class Trace:
         if not self._levels and not self.pending:  # empty: an empty index is current, inserts keep it so
             self._kix = self._new_index()
         return True
+
+    @property
+    def index_spec(self) -> tuple | None:
+        """``(on, columns)`` of the key index this trace keeps (:meth:`keep_index`), None when it keeps none (not
+        asked for, not supported for its key, or turned off after a failure)."""
+        return None if self._kix_off else self._kix_spec
+
+    def _changed(self) -> int:
+        """The content changes: take a fresh token (invariant 11); returns the previous one."""
+        prev, self._token = self._token, next(_TOKENS)
+        return prev
+
+    def _stale_index(self) -> None:
+        """Drop the key index: the third read that wants it rebuilds it from the batches (invariant 11)."""
+        self._kix, self._kix_wait = None, self.INDEX_WAIT
 
     @property
     def index_bytes(self) -> int:
@@ -428,7 +443,7 @@ class Trace:
         if ix is None:
             return
         if ix.token != prev:
-            self._kix, self._kix_wait = None, self.INDEX_WAIT
+            self._stale_index()
             return
         ix.token = None  # a failure half way leaves it stale
         try:
@@ -440,6 +455,25 @@ class Trace:
             self._kix, self._kix_off = None, True
             return
         ix.token = self._token
+
+    def _index_sums(self, spec: tuple, batches: list["IndexedZSet"], view: Any, ppos: list[int], khash: np.ndarray,
+                    rows: np.ndarray | None, acc: np.ndarray) -> bool:
+        """Add the sums of the key index for ``spec`` to ``acc`` (one row per probed row: ``rows[i]`` of ``view``,
+        or row i without ``rows``; key columns ``ppos``, key hashes ``khash``); False, with ``acc`` untouched, when
+        the index cannot serve: none kept for ``spec``, stale and not rebuilt yet, or probe key types that differ
+        from the trace's (the caller then walks the batches)."""
+        if self._kix_spec != spec or self._kix_off:
+            return False
+        names = self.key if spec[0] == "key" else self.schema.names
+        probe = view.pyschema
+        if len(ppos) != len(names) or not all(probe.field(p).type.equals(self.schema.field(n).type)
+                                              for p, n in zip(ppos, names)):
+            return False
+        ix = self._index(spec, batches)
+        if ix is None:
+            return False
+        ix.get(view, ppos, khash, acc, sel=rows)
+        return True
 
     def _index(self, spec: tuple, batches: list["IndexedZSet"]) -> Any:
         """The key index for ``spec`` matching the content (``batches``: every batch, as read), rebuilt if stale;
@@ -463,7 +497,7 @@ class Trace:
         if len(batch) == 0:
             return
         batch._row_hashes()  # kept with the batch: merges order meeting keys without hashing (csrc/merge.h)
-        prev, self._token = self._token, next(_TOKENS)
+        prev = self._changed()
         if self._kix is not None:
             self._index_fold([batch], 1, prev)
         self.inserted_rows += len(batch)
@@ -684,11 +718,9 @@ class Trace:
         batches = self._read() if len(change) else []
         if batches:
             change._check_compatible(batches[0], "match_weights")  # every batch has the trace's schema and key
-            ix = self._index(("row", (None,)), batches) if change.schema.equals(self.schema) else None
-            if ix is not None:  # invariant 11: one probe per row instead of a walk per batch
-                out = acc.reshape(-1, 1)
-                ix.get(change._view(), list(range(len(change.schema))), change._row_hashes(), out)
-                return acc
+            if self._index_sums(("row", (None,)), batches, change._view(), list(range(len(change.schema))),
+                                change._row_hashes(), None, acc.reshape(-1, 1)):
+                return acc  # invariant 11: one probe per row instead of a walk per batch
             view, schema = change._view(), change.schema
             rh = change._row_hashes()  # rows of one key are in row-hash order: gallop within a big group's run
             for b in batches:
@@ -711,11 +743,8 @@ class Trace:
             ppos, cpos = _key_sums_positions(batches[0], probe, probe_keys, columns)
             if view is None:
                 view = _zset.BatchView(probe)  # built once for every batch
-            ix = self._index(("key", tuple(columns)), batches)
-            if ix is not None and all(probe.schema.field(p).type.equals(self.schema.field(k).type)
-                                      for p, k in zip(ppos, self.key)):
-                ix.get(view, ppos, khash, acc, sel=rows)  # invariant 11: one probe per key
-                return acc
+            if self._index_sums(("key", tuple(columns)), batches, view, ppos, khash, rows, acc):
+                return acc  # invariant 11: one probe per key
             for b in batches:
                 b._key_sums(view, ppos, khash, rows, cpos, acc)
         return acc
@@ -729,18 +758,15 @@ class Trace:
         from dbsp_core import _zset
         from dbsp_core.zset import _column_positions
 
+        spec = ("key", (None,))
         batches = self._read()
-        if not batches or not len(rows):
-            return np.zeros(len(rows), dtype=np.int64) if self._kix_spec == ("key", (None,)) else None
-        ppos = _column_positions(probe.schema, probe_keys, "key_weights (probe)")
-        if len(ppos) != len(self.key) or not all(probe.schema.field(p).type.equals(self.schema.field(k).type)
-                                                  for p, k in zip(ppos, self.key)):
-            return None
-        ix = self._index(("key", (None,)), batches)
-        if ix is None:
-            return None
         acc = np.zeros((len(rows), 1), dtype=np.int64)
-        ix.get(view if view is not None else _zset.BatchView(probe), ppos, khash, acc, sel=rows)
+        if not batches or not len(rows):
+            return acc[:, 0] if self.index_spec == spec else None
+        ppos = _column_positions(probe.schema, probe_keys, "key_weights (probe)")
+        if not self._index_sums(spec, batches, view if view is not None else _zset.BatchView(probe), ppos, khash,
+                                rows, acc):
+            return None
         return acc[:, 0]
 
     def consolidated(self) -> "IndexedZSet":
@@ -819,7 +845,8 @@ class Trace:
         self.pending = [x for x in map(kept, self.pending) if x is not None]
         self._kept, self._grown = self.num_rows, 0
         if self._kept != before:  # rows left: the key index goes stale (invariant 11)
-            self._token, self._kix, self._kix_wait = next(_TOKENS), None, self.INDEX_WAIT
+            self._changed()
+            self._stale_index()
         return before - self._kept
 
     def replace(self, pieces: dict[int, list["IndexedZSet"]], removed: list["IndexedZSet"] | None = None) -> None:
@@ -841,10 +868,10 @@ class Trace:
         """
         if not pieces:
             return
-        prev, self._token = self._token, next(_TOKENS)
+        prev = self._changed()
         if self._kix is not None:
             if removed is None:
-                self._kix, self._kix_wait = None, self.INDEX_WAIT
+                self._stale_index()
             else:
                 self._index_fold(removed, -1, prev)
         entries: list[tuple[int, "IndexedZSet", int]] = []  # every placed batch outside a merge that goes on

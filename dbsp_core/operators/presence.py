@@ -71,7 +71,7 @@ class Presence:
         the caller then looks the right rows up."""
         from dbsp_core import _zset
 
-        if right._kix_spec != ("key", (None,)) or right._kix_off:
+        if right.index_spec != ("key", (None,)):
             return None
         names = list(self.right_on)
         parts, weights = [], []

@@ -72,8 +72,8 @@ def _restore(cls, t: Trace) -> Trace:
     """What a checkpoint restore does: a fresh trace given parts(), settled between placed and pending."""
     spine, pending = t.parts()
     r = cls(t.schema, t.key)
-    if t._kix_spec is not None:  # the operator asks for its key index again (trace invariant 11)
-        on, cols = t._kix_spec
+    if t.index_spec is not None:  # the operator asks for its key index again (trace invariant 11)
+        on, cols = t.index_spec
         r.keep_index(cols, on=on)
     r.clear()
     for b in spine:
