@@ -1002,8 +1002,14 @@ cdef class KeyIndex:
 
     @property
     def nbytes(self):
-        """Bytes of the slot table."""
+        """Bytes of the slot tables (the new and the old one while growing)."""
         return dbsp_keyindex_bytes(self.ix)
+
+    @property
+    def growing(self):
+        """True while the index moves its entries into a table of twice the slots, a few per new entry
+        (csrc/keyindex.h invariant 5)."""
+        return bool(dbsp_keyindex_growing(self.ix))
 
     @property
     def broken(self):
