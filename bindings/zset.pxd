@@ -110,7 +110,8 @@ cdef extern from "cdata.h" nogil:
 
 cdef extern from "fold.h" nogil:
     int dbsp_linear_fold(int64_t ng, int32_t ns, const int64_t *old, const int64_t *delta, const uint64_t *khash,
-                         int64_t *grp, int64_t *w, uint64_t *kh, int64_t *vals, int64_t *n, int *ordered)
+                         int64_t *grp, int64_t *w, uint64_t *kh, int64_t *vals, int64_t *n, int *ordered,
+                         uint64_t *rh)
 
 cdef extern from "keyindex.h" nogil:
     ctypedef struct CKeyIndex "DbspKeyIndex":
@@ -127,6 +128,11 @@ cdef extern from "keyindex.h" nogil:
                           const uint64_t *kh, int64_t n, int64_t *acc)
     int dbsp_keyindex_add(CKeyIndex *ix, const CBatch *b, const int32_t *keys, const uint64_t *kh,
                           const int32_t *cols, int64_t sign)
+    int dbsp_keyindex_get_slots(CKeyIndex *ix, const CBatch *b, const int32_t *keys, const int64_t *sel,
+                                const uint64_t *kh, int64_t n, int64_t *acc, int64_t **slots)
+    void dbsp_keyindex_set_slot(CKeyIndex *ix, int64_t *slot, const int64_t *vals, int64_t vstride)
+    int dbsp_keyindex_put(CKeyIndex *ix, const CBatch *b, const int32_t *keys, int64_t r, uint64_t h,
+                          const int64_t *vals, int64_t vstride, int64_t more)
     int dbsp_keyindex_check(const CKeyIndex *ix)
 
 cdef extern from "partition.h" nogil:

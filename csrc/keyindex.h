@@ -53,6 +53,14 @@ int dbsp_keyindex_growing(const DbspKeyIndex *ix);
 int dbsp_keyindex_get(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const int64_t *sel,
                       const uint64_t *kh, int64_t n, int64_t *acc);
 
+/* dbsp_keyindex_get that also sets slots[i] to where the sums of probed key i live (NULL when absent), for
+ * dbsp_keyindex_set_slot. A slot stays valid until the index next changes shape: an entry added or removed, or
+ * slots moved while growing (any dbsp_keyindex_add or dbsp_keyindex_put). */
+int dbsp_keyindex_get_slots(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const int64_t *sel,
+                            const uint64_t *kh, int64_t n, int64_t *acc, int64_t **slots);
+/* Overwrite the sums at a slot from dbsp_keyindex_get_slots with vals[v * vstride] (not all zero: invariant 2). */
+void dbsp_keyindex_set_slot(DbspKeyIndex *ix, int64_t *slot, const int64_t *vals, int64_t vstride);
+
 /* For every row i < b->nrows, with weight w (b->weights, +1 when NULL) times sign (+1 or -1): sum v of the entry
  * of row i's key (columns keys[0..nkeys), key hash kh[i]) += w * b[cols[v]][i] for cols[v] >= 0 (an int64
  * column; a null value counts 0), += w for cols[v] < 0. Entries are created and removed as invariant 2 says.
@@ -60,6 +68,13 @@ int dbsp_keyindex_get(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t 
  * pass max_bytes); after the last three the index is broken. */
 int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
                       const int32_t *cols, int64_t sign);
+
+/* Set the sums of the key of row r of b (key columns keys, key hash h) to vals[v * vstride] for v < nvals, or
+ * remove the key when vals is NULL or all zero (invariant 2): what a caller that computed a key's new sums itself
+ * (the linear aggregate, csrc/fold.h) stores instead of adding its rows. `more`: keys the caller will still put
+ * (a hint for the table it may grow). Errors as dbsp_keyindex_add's (no overflow: nothing is summed). */
+int dbsp_keyindex_put(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int64_t r, uint64_t h,
+                      const int64_t *vals, int64_t vstride, int64_t more);
 
 /* DBSP_OK when invariants 1-3 and 5 hold (each entry findable from its slot's hash, in one table only, no all-zero
  * entry, load bound, the moved part of an old table empty), else DBSP_EINVAL. */

@@ -490,15 +490,49 @@ class Trace:
         self._index_fold(batches, 1, self._token)
         return self._kix
 
+    def index_for_update(self, spec: tuple) -> Any:
+        """The key index kept for ``spec`` (invariant 11), current with the content, for a caller that stores a
+        batch's effect in it itself (the linear aggregate's one-pass step, ``_zset.linear_step``) and then inserts
+        that batch with ``insert(batch, indexed=ix)``, or calls :meth:`index_done` when it inserts nothing. Until
+        then the index counts as stale, so a failure in between leaves it to be rebuilt, never read. None when the
+        trace keeps no such index, or it is stale and not rebuilt yet: the caller then reads with :meth:`key_sums`
+        and inserts plainly."""
+        if self._kix_spec != spec or self._kix_off:
+            return None
+        ix = self._kix
+        if ix is None or ix.token != self._token:
+            ix = self._index(spec, self._read())  # a stale index: the third read that wants it rebuilds it
+            if ix is None:
+                return None
+        ix.token = None
+        return ix
+
+    def index_done(self, ix: Any, failed: bool = False) -> None:
+        """The caller of :meth:`index_for_update` left ``ix`` as it found it (nothing to insert), or, with
+        ``failed``, broke it half way (memory, size limit): the trace then walks its batches from now on."""
+        if ix is not self._kix:
+            return
+        if failed:
+            self._kix, self._kix_off = None, True
+        else:
+            ix.token = self._token
+
     # ---- writing ----
 
-    def insert(self, batch: "IndexedZSet") -> None:
-        """Add a consolidated indexed batch (same key): place it, then pay its share of merge work (invariant 3)."""
+    def insert(self, batch: "IndexedZSet", indexed: Any = None) -> None:
+        """Add a consolidated indexed batch (same key): place it, then pay its share of merge work (invariant 3).
+        ``indexed``: the key index from :meth:`index_for_update`, which the caller already brought up to this
+        batch (invariant 11: it then matches the new content); else an index kept is updated here."""
         if len(batch) == 0:
+            if indexed is not None:
+                self.index_done(indexed)
             return
         batch._row_hashes()  # kept with the batch: merges order meeting keys without hashing (csrc/merge.h)
         prev = self._changed()
-        if self._kix is not None:
+        if indexed is not None:
+            if indexed is self._kix:
+                indexed.token = self._token
+        elif self._kix is not None:
             self._index_fold([batch], 1, prev)
         self.inserted_rows += len(batch)
         self._grown += len(batch)

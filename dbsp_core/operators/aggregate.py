@@ -269,10 +269,11 @@ class _LinearState:
 
     A step groups the change's partial rows once (a C hash grouping that keeps groups whose weights sum to 0,
     since a partial row stands for several rows: their sums need not be 0), then reads each group's old totals
-    with one probe into the trace's key index (trace invariant 11; for keys with string columns, or while the
-    index is off or stale, a galloping C walk over every trace batch that sums the matching partial rows in
-    place). New totals are old plus the change's sums; only groups whose totals changed produce output and
-    trace rows.
+    with one probe into the trace's key index (trace invariant 11) and stores its new ones there, all in one C
+    call (``_zset.linear_step``); for keys with string columns, or while the index is off or stale, the old
+    totals come from a galloping C walk over every trace batch that sums the matching partial rows in place, and
+    the trace's insert updates an index it keeps. New totals are old plus the change's sums; only groups whose
+    totals changed produce output and trace rows.
     """
 
     def __init__(self, op: Aggregate) -> None:
@@ -285,11 +286,41 @@ class _LinearState:
         self.combine = [("sum", nk + j) for j in range(len(self.p))]  # the p_j columns of pschema
         self.kschema = pa.schema(list(self.pschema)[:nk])  # the key columns of pschema
         self.trace = Trace(self.pschema, op.keys)
+        self.spec = ("key", tuple(self.p))
+        self.slotpos = tuple(nk + j for j in range(len(self.p)))  # the p_j columns of pschema
         self.trace.keep_index(tuple(self.p))  # a group's old totals in one probe (trace invariant 11)
 
     def traces(self) -> dict[str, Trace]:
         """The operator's state, by name (each trace can be read per shard)."""
         return {"partials": self.trace}
+
+    def _through_index(self, view: "_zset.BatchView") -> tuple | None:
+        """The step's groups and rows through the trace's key index in one C call (``_zset.linear_step``), which
+        also stores the new totals in the index; None when the trace cannot serve it (no index, or a stale one)."""
+        ix = self.trace.index_for_update(self.spec)
+        if ix is None:
+            return None
+        try:
+            rows, w, kh, rh, vals, ordered = _zset.linear_step(view, self.keypos, self.slotpos, ix)
+        except WeightOverflowError:
+            self.trace.index_done(ix)  # refused before anything was stored
+            raise
+        except (MemoryError, ValueError):
+            if not ix.broken:
+                raise
+            self.trace.index_done(ix, failed=True)  # the index's memory or size limit: walk the batches instead
+            return None
+        return rows, w, kh, vals, rh, ordered, ix
+
+    def _through_batches(self, view: "_zset.BatchView", data: pa.Table) -> tuple:
+        """The same as :meth:`_through_index` by a grouping pass, old totals read with :meth:`Trace.key_sums` (the
+        index, or a galloping walk over every batch), and the fold."""
+        # the change's groups (group_row: a row carrying the key), their key hashes (ascending) and partial sums
+        group_row, khash, delta, _, _ = _zset.group_reduce(view, None, self.keypos, self.combine, True)
+        old = self.trace.key_sums(data, self.keys, khash, group_row, self.p, view)
+        # the changed groups' rows of new (+1) and old (-1) totals, in index order (csrc/fold.h)
+        grp, w, kh, vals, ordered = _zset.linear_fold(old, delta, khash)
+        return group_row[grp], w, kh, vals, None, ordered, None
 
     def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
@@ -300,23 +331,25 @@ class _LinearState:
         z = conform(z, self.pschema)
         data = z.data
         view = _zset.BatchView(data, z.weights)  # one view for the grouping pass, the probes and the take
-        # the change's groups (group_row: a row carrying the key), their key hashes (ascending) and partial sums
-        group_row, khash, delta, _, _ = _zset.group_reduce(view, None, self.keypos, self.combine, True)
-        old = self.trace.key_sums(data, self.keys, khash, group_row, self.p, view)
-        try:  # the changed groups' rows of new (+1) and old (-1) totals, in index order (csrc/fold.h)
-            grp, w, kh, vals, ordered = _zset.linear_fold(old, delta, khash)
+        try:
+            found = self._through_index(view) or self._through_batches(view, data)
         except WeightOverflowError:
             raise WeightOverflowError(f"{op.label}: a group's count or integer sum overflows int64") from None
-        if len(grp) == 0:
+        rows, w, kh, vals, rh, ordered, ix = found  # per output row: the change's row carrying its key, ...
+        if len(rows) == 0:
+            if ix is not None:
+                self.trace.index_done(ix)
             return empty(op.schema)
-        keys = _zset.take(view, group_row[grp], self.kschema, self.keypos)
+        keys = _zset.take(view, rows, self.kschema, self.keypos)
         partials = pa.Table.from_arrays(list(keys.columns) + [pa.array(vals[j]) for j in range(len(self.p))],
                                         schema=self.pschema)
         if ordered:  # groups by key hash, a group's two rows by row hash: the trace batch as it stands
             batch = IndexedZSet._make(ZSet._make(partials, w), tuple(self.keys), kh)
+            if rh is not None:
+                batch._rh = rh  # the row hashes of (keys, slots), which the fold computed (trace merges use them)
         else:  # a key-hash or row-hash tie (rare): values decide the order
             batch = make(partials, w, self.pschema).index_by(self.keys)
-        self.trace.insert(batch)
+        self.trace.insert(batch, indexed=ix)
         return make(op.finalize(partials), w, op.schema)
 
 
