@@ -61,6 +61,7 @@ cdef extern from "zset.h" nogil:
     int dbsp_zset_merge(const CBatch *a, const uint64_t *akh, const CBatch *b, const uint64_t *bkh,
                         const int32_t *keys, int32_t nkeys, CRows *out)
     int dbsp_weights_negate(const int64_t *w, int64_t n, int64_t *out)
+    int dbsp_zset_sum_adjacent(const CBatch *b, const uint64_t *h, int64_t *idx, int64_t *w, int64_t *n)
     int dbsp_rows_check_order(const CBatch *b, const int64_t *sel, const int64_t *weights, const uint64_t *khash,
                               int64_t n, const int32_t *keys, int32_t nkeys)
     int64_t dbsp_small_rows

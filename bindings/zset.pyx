@@ -667,6 +667,28 @@ def group_reduce(table, weights, keys, aggs, bint keep_zero=False):
     return reduce_result(&r, na)
 
 
+def sum_adjacent(table, weights, h):
+    """The runs of adjacent equal rows of (table, weights) that share a hash h[i], summed (csrc/zset.h): (idx,
+    weights) of the rows kept, zero sums dropped; None when no run has two rows (every row stays as it is)."""
+    cdef BatchView v = view_of(table, weights)
+    hh = np.ascontiguousarray(h, dtype=np.uint64)
+    cdef int64_t m = v.c.nrows, n = 0
+    if hh.shape[0] != m:
+        raise ValueError(f"sum_adjacent: {hh.shape[0]} hashes for {m} rows")
+    if m == 0:
+        return None
+    idx = np.empty(m, dtype=np.int64)
+    w = np.empty(m, dtype=np.int64)
+    cdef const uint64_t[::1] ph = hh
+    cdef int64_t[::1] pi = idx
+    cdef int64_t[::1] pw = w
+    cdef int st
+    with nogil:
+        st = dbsp_zset_sum_adjacent(&v.c, &ph[0], &pi[0], &pw[0], &n)
+    check_status(st, "sum_adjacent")
+    return None if n == m else (idx[:n], w[:n])
+
+
 def check_order(table, weights, khash, keys):
     """True if (table, weights) is consolidated and in canonical order for `keys` (a debug checker)."""
     cdef BatchView v = view_of(table, weights, khash)

@@ -42,7 +42,7 @@ from dbsp_core import _zset
 from dbsp_core.time.cleanup import prune
 from dbsp_core.time.lineage import input_times
 from dbsp_core.trace import Trace, unique_sorted
-from dbsp_core.zset import IndexedZSet, ZSet
+from dbsp_core.zset import IndexedZSet, ZSet, sum_adjacent
 
 if TYPE_CHECKING:
     from dbsp_core.runtime.context import StepContext
@@ -175,7 +175,7 @@ def reduce_groups(ix: "IndexedZSet", kernel: list[tuple[str, str | None]]) -> pa
         else:
             kern.append((kind, col))
     if extra:
-        from dbsp_core.zset import IndexedZSet, ZSet
+        from dbsp_core.zset import IndexedZSet, ZSet, sum_adjacent
 
         for name, col in extra.items():
             data = data.append_column(name, col)
@@ -350,7 +350,9 @@ class _LinearState:
         else:  # a key-hash or row-hash tie (rare): values decide the order
             batch = make(partials, w, self.pschema).index_by(self.keys)
         self.trace.insert(batch, indexed=ix)
-        return make(op.finalize(partials), w, op.schema)
+        # a group's new and old rows sit side by side: they cancel when the view's columns did not change (a sum
+        # that a 0 left as it was), and rows of two groups differ in their keys, so no sort makes it distinct
+        return sum_adjacent(make(op.finalize(partials), w, op.schema), kh)
 
 
 class _ExtremesState:
