@@ -206,3 +206,11 @@ cdef extern from "gather.h" nogil:
                            int64_t *src, int64_t *null_count, int64_t *data_bytes)
     int dbsp_gather_data(const CColumn *c, int64_t nrows, int64_t m, const void *offsets, const int64_t *src,
                          uint8_t *data)
+
+cdef extern from "extremes.h" nogil:
+    int dbsp_extremes_probe(const CKeyIndex *ix, const CBatch *b, const uint64_t *kh, const int32_t *keys,
+                            int32_t nkeys, const CAggSpec *slots, int32_t ns, int64_t *group_row, uint64_t *gkh,
+                            int64_t *old, int64_t *nw, uint8_t *need, int64_t *ng)
+    int dbsp_extremes_store(CKeyIndex *ix, const CBatch *b, const int32_t *keys, int64_t ng, int32_t nv,
+                            const int64_t *group_row, const uint64_t *gkh, const int64_t *old, const int64_t *nw,
+                            int64_t *grp, int64_t *w, int64_t *n)

@@ -1064,6 +1064,74 @@ def linear_step(table, keys, cols, KeyIndex ix):
             buf[3 * cap:3 * cap + n].view(np.uint64), buf[4 * cap:].reshape(ns, cap)[:, :n], bool(ordered))
 
 
+def extremes_probe(table, keys, slots, KeyIndex ix):
+    """A min/max aggregate's step, phase 1 (csrc/extremes.h): the groups of the indexed change `table` (a BatchView
+    with weights and key hashes, in canonical order for the key columns `keys`), their old totals read from `ix`
+    and their new ones for the kernel `slots` ((kind, column) pairs). Returns (group_row, gkh, old, nw, need):
+    old and nw are (ng, V) int64 arrays (V = slots, then one "not null" flag per extreme), need a bool array of the
+    groups whose extremes must be recomputed from their values. Reads only."""
+    cdef BatchView v = view_of(table)
+    cdef Int32s k = Int32s(keys)
+    cdef int32_t ns = len(slots), ne = sum(1 for kind, _ in slots if kind in ("min", "max"))
+    cdef int32_t V = ns + ne
+    if v.kh == NULL and v.c.nrows:
+        raise ValueError("extremes_probe: the change needs its key hashes")
+    if k.n != ix.nkeys or V != ix.nvals:
+        raise ValueError(f"extremes_probe: {k.n} keys and {V} values for an index of {ix.nkeys} and {ix.nvals}")
+    cdef int64_t n = v.c.nrows, ng = 0
+    group_row = np.empty(max(n, 1), dtype=np.int64)
+    gkh = np.empty(max(n, 1), dtype=np.uint64)
+    old = np.empty((max(n, 1), V), dtype=np.int64)
+    nw = np.empty((max(n, 1), V), dtype=np.int64)
+    need = np.zeros(max(n, 1), dtype=np.uint8)
+    if n == 0:
+        return group_row[:0], gkh[:0], old[:0], nw[:0], need[:0].view(bool)
+    cdef CAggSpec *specs = agg_specs(slots)
+    cdef int64_t[::1] pg = group_row
+    cdef uint64_t[::1] pk = gkh
+    cdef int64_t[:, ::1] po = old
+    cdef int64_t[:, ::1] pn = nw
+    cdef uint8_t[::1] pe = need
+    cdef int st
+    with nogil:
+        st = dbsp_extremes_probe(ix.ix, &v.c, v.kh, k.p, k.n, specs, ns, &pg[0], &pk[0], &po[0, 0], &pn[0, 0],
+                                 &pe[0], &ng)
+    free(specs)
+    check_status(st, "extremes_probe")
+    return group_row[:ng], gkh[:ng], old[:ng], nw[:ng], need[:ng].view(bool)
+
+
+def extremes_store(table, keys, group_row, gkh, old, nw, KeyIndex ix):
+    """Phase 2 (csrc/extremes.h): the rows of the groups whose totals changed, -old then +new, as (grp, w), with
+    `ix` left holding the new totals `nw`. A MemoryError or ValueError (past its size limit) leaves it broken."""
+    cdef BatchView v = view_of(table)
+    cdef Int32s k = Int32s(keys)
+    gr = np.ascontiguousarray(group_row, dtype=np.int64)
+    kh = np.ascontiguousarray(gkh, dtype=np.uint64)
+    o = np.ascontiguousarray(old, dtype=np.int64)
+    x = np.ascontiguousarray(nw, dtype=np.int64)
+    cdef int64_t ng = gr.shape[0], n = 0
+    cdef int32_t nv = ix.nvals
+    if o.ndim != 2 or o.shape != x.shape or o.shape[0] != ng or kh.shape[0] != ng or o.shape[1] != ix.nvals:
+        raise ValueError("extremes_store: group rows, hashes, old and new totals do not match")
+    grp = np.empty(max(2 * ng, 1), dtype=np.int64)
+    w = np.empty(max(2 * ng, 1), dtype=np.int64)
+    if ng == 0:
+        return grp[:0], w[:0]
+    cdef const int64_t[::1] pg = gr
+    cdef const uint64_t[::1] pk = kh
+    cdef const int64_t[:, ::1] po = o
+    cdef const int64_t[:, ::1] px = x
+    cdef int64_t[::1] pgo = grp
+    cdef int64_t[::1] pw = w
+    cdef int st
+    with nogil:
+        st = dbsp_extremes_store(ix.ix, &v.c, k.p, ng, nv, &pg[0], &pk[0], &po[0, 0], &px[0, 0],
+                                 &pgo[0], &pw[0], &n)
+    check_status(st, "extremes_store")
+    return grp[:n], w[:n]
+
+
 cdef class KeyIndex:
     """A hash index from a key of fixed-width columns to int64 sums (csrc/keyindex.h): ``get`` adds each probed
     key's sums to an accumulator with one probe per key, ``add`` folds a batch's rows into the sums (weight times

@@ -110,6 +110,12 @@ int64_t dbsp_keyindex_bytes(const DbspKeyIndex *ix) { return (ix->cur.cap + ix->
 int dbsp_keyindex_broken(const DbspKeyIndex *ix) { return ix->broken; }
 int dbsp_keyindex_growing(const DbspKeyIndex *ix) { return ix->old.slots != NULL; }
 
+/* Whether a column's values can be summed as int64 (dbsp_keyindex_add): integers that fit, dates, timestamps. */
+static int summable(int32_t t) {
+    int cls = dbsp_type_class(t);
+    return (cls == DBSP_CLASS_SIGNED || cls == DBSP_CLASS_UNSIGNED) && t != DBSP_UINT64;
+}
+
 static int check_keys(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys) {
     for (int32_t k = 0; k < ix->nkeys; k++) {
         if (keys[k] < 0 || keys[k] >= b->ncols) return DBSP_EINVAL;
@@ -296,8 +302,9 @@ int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
     int st = check_keys(ix, b, keys);
     if (st != DBSP_OK) return st;
     for (int32_t j = 0; j < ix->nvals; j++) {
-        if (cols[j] >= b->ncols) return DBSP_EINVAL;
-        if (cols[j] >= 0 && b->cols[cols[j]].type != DBSP_INT64) return DBSP_ETYPE;
+        int32_t c = cols[j] <= -2 ? -2 - cols[j] : cols[j];
+        if (c >= b->ncols) return DBSP_EINVAL;
+        if (cols[j] >= 0 && !summable(b->cols[c].type)) return DBSP_ETYPE;
     }
     uint64_t w[DBSP_KEYINDEX_MAX_KEYS], lw[DBSP_KEYINDEX_MAX_KEYS], ltag = 0;
     int64_t d[DBSP_KEYINDEX_MAX_VALS];
@@ -313,11 +320,15 @@ int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
         }
         int nonzero = 0;
         for (int32_t j = 0; j < ix->nvals; j++) {
-            if (cols[j] < 0) {
+            if (cols[j] == -1) {
                 d[j] = wt;
+            } else if (cols[j] <= -2) {
+                d[j] = dbsp_col_valid(&b->cols[-2 - cols[j]], i) ? wt : 0;
             } else {
                 const DbspColumn *c = &b->cols[cols[j]];
-                int64_t x = dbsp_col_valid(c, i) ? ((const int64_t *)c->values)[c->offset + i] : 0;
+                int64_t x = !dbsp_col_valid(c, i) ? 0
+                            : c->type == DBSP_INT64 ? ((const int64_t *)c->values)[c->offset + i]
+                                                    : (int64_t)dbsp_col_u64(c, i);
                 if (__builtin_mul_overflow(x, wt, &d[j])) goto overflow;
             }
             nonzero |= d[j] != 0;

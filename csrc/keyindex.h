@@ -62,8 +62,10 @@ int dbsp_keyindex_get_slots(DbspKeyIndex *ix, const DbspBatch *b, const int32_t 
 void dbsp_keyindex_set_slot(DbspKeyIndex *ix, int64_t *slot, const int64_t *vals, int64_t vstride);
 
 /* For every row i < b->nrows, with weight w (b->weights, +1 when NULL) times sign (+1 or -1): sum v of the entry
- * of row i's key (columns keys[0..nkeys), key hash kh[i]) += w * b[cols[v]][i] for cols[v] >= 0 (an int64
- * column; a null value counts 0), += w for cols[v] < 0. Entries are created and removed as invariant 2 says.
+ * of row i's key (columns keys[0..nkeys), key hash kh[i]) += w * b[cols[v]][i] for cols[v] >= 0 (an integer
+ * column other than uint64, a date or a timestamp, as int64; a null value counts 0), += w for cols[v] == -1, and
+ * += w if b[c][i] is not null for cols[v] == -2 - c (the weighted count of a column's values, which tells a sum
+ * of 0 from a null). Entries are created and removed as invariant 2 says.
  * Errors: DBSP_ETYPE, DBSP_EINVAL, DBSP_EOVERFLOW (invariant 4), DBSP_ENOMEM, DBSP_ETOOBIG (the table would
  * pass max_bytes); after the last three the index is broken. */
 int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,

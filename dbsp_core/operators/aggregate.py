@@ -41,7 +41,7 @@ from dbsp_core.operators.base import Operator, check_columns, concat, conform, e
 from dbsp_core import _zset
 from dbsp_core.time.cleanup import prune
 from dbsp_core.time.lineage import input_times
-from dbsp_core.trace import Trace, unique_sorted
+from dbsp_core.trace import Trace, summable, unique_sorted
 from dbsp_core.zset import IndexedZSet, ZSet, sum_adjacent
 
 if TYPE_CHECKING:
@@ -396,6 +396,15 @@ class _ExtremesState:
         self.cschema = pa.schema(fields)
         self.aggs = tuple(aggs)
         self.names = tuple(f.name for f in fields)  # reduce output: the keys, then one column per agg
+        # the one-pass step (csrc/extremes.h) through a key index of the totals: per group its slots, then one
+        # "not null" flag per extreme; only where every extreme's values sum as int64 (integers, dates, timestamps)
+        self.keypos = tuple(op.in_schema.get_field_index(k) for k in op.keys)
+        self.slot_specs = tuple((kind, None if col is None else op.in_schema.get_field_index(col))
+                                for kind, col in op.kernel)
+        self.spec = ("key", tuple(f"s_{j}" for j in range(len(op.kernel)))
+                     + tuple(("valid", f"s_{j}") for j, _, _ in self.ext))
+        if not (all(summable(slot_type[j]) for j, _, _ in self.ext) and self.totals.keep_index(self.spec[1])):
+            self.spec = None
 
     def traces(self) -> dict[str, Trace]:
         """The operator's state, by name (each trace can be read per shard)."""
@@ -498,6 +507,104 @@ class _ExtremesState:
             if proj.num_rows:
                 trace: Trace = getattr(self, attr)
                 trace.insert(make(proj, w, trace.schema).index_by(self.keys))
+        ix = self.totals.index_for_update(self.spec) if self.spec is not None else None
+        if ix is not None:
+            try:
+                out = self._through_index(dix, ix)
+            except WeightOverflowError:
+                self.totals.index_done(ix)  # refused before anything was stored
+                raise
+            except (MemoryError, ValueError):
+                if not ix.broken:
+                    raise
+                self.totals.index_done(ix, failed=True)  # the index's memory or size limit: read the batches
+                out = None
+            if out is not None:
+                return out
+        return self._through_totals(dix)
+
+    def _through_index(self, dix: "IndexedZSet", ix: object) -> "ZSet | None":
+        """The step's totals through the key index of the totals (csrc/extremes.h): each group's old totals in one
+        probe, new ones folded in C, the few extremes a deleted value reached recomputed from the value multisets,
+        then the changed groups' rows and the index's new values; None (nothing stored) when two recomputed groups'
+        keys share a hash, which the caller then reads from the batches."""
+        op = self.op
+        view = dix._view()
+        group_row, gkh, old, nw, need = _zset.extremes_probe(view, self.keypos, self.slot_specs, ix)
+        if need.any() and not self._recompute_into(dix, group_row, gkh, np.flatnonzero(need), nw):
+            self.totals.index_done(ix)
+            return None
+        grp, w = _zset.extremes_store(view, self.keypos, group_row, gkh, old, nw, ix)
+        if len(grp) == 0:
+            self.totals.index_done(ix)
+            return empty(op.schema)
+        vals = np.where((w > 0)[:, None], nw[grp], old[grp])
+        nk, ns = len(self.keys), len(op.kernel)
+        keys = _zset.take(view, group_row[grp], pa.schema(list(self.sschema)[:nk]), list(self.keypos))
+        cols = list(keys.columns)
+        ext = {j: e for e, (j, _, _) in enumerate(self.ext)}
+        for j in range(ns):
+            typ = self.sschema.field(nk + j).type
+            if j in ext:
+                cols.append(_int_array(vals[:, j], typ, vals[:, ns + ext[j]] == 0))
+            else:
+                cols.append(pa.array(vals[:, j], pa.int64()))
+        table = pa.Table.from_arrays(cols, schema=self.sschema)
+        self.totals.insert(make(table, w, self.sschema).index_by(self.keys), indexed=ix)
+        # a group's old and new rows sit side by side: they cancel when the view's columns did not change
+        return sum_adjacent(make(op.finalize(table), w, op.schema), gkh[grp])
+
+    def _recompute_into(self, dix: "IndexedZSet", group_row: np.ndarray, gkh: np.ndarray, need: np.ndarray,
+                        nw: np.ndarray) -> bool:
+        """Fill in ``nw`` the extremes of groups ``need`` (positions into the probe's groups), reduced over their
+        whole value multisets (csrc/extremes.h design note 2); False when two keys share a hash (the caller then
+        takes the path that matches rows by key)."""
+        from dbsp_core.zset import ZSet
+
+        ns = len(self.op.kernel)
+        hashes = gkh[need]
+        want = unique_sorted(hashes)
+        if len(want) != len(hashes):
+            return False
+        nk = len(self.keys)
+        keys = _zset.take(dix._view(), group_row[need], pa.schema(list(self.sschema)[:nk]), list(self.keypos))
+        for col, attr in self.val_cols:
+            trace: Trace = getattr(self, attr)
+            vals = lookup_exact(trace, want, trace.schema).consolidate()
+            pos_rows = vals.weights > 0  # an extreme is over values with positive weight
+            if not pos_rows.all():
+                vals = ZSet._make(vals.data.filter(pa.array(pos_rows)), vals.weights[pos_rows])
+            if vals.num_rows:
+                vix = vals.index_by(self.keys)
+                group, khash, ivals, _, valid = _zset.reduce(vix._view(), None, None, vix._keypos,
+                                                             [("min", nk), ("max", nk)])
+            else:
+                group = khash = np.zeros(0, np.int64)
+            pos = np.searchsorted(khash.astype(np.uint64), hashes) if len(group) else np.zeros(len(hashes), np.int64)
+            found = pos < len(group)
+            found[found] = khash.astype(np.uint64)[pos[found]] == hashes[found]
+            if found.any():  # the found groups' keys must be the asked keys, not a hash collision's
+                got = vix.zset.data.select(self.keys).take(pa.array(group[pos[found]], pa.int64()))
+                asked = keys.filter(pa.array(found))
+                if not all(got.column(k).equals(asked.column(k)) for k in self.keys):
+                    return False
+            for e, (j, kind, c) in enumerate(self.ext):
+                if c != col:
+                    continue
+                rows = ivals[pos[found], 0 if kind == "min" else 1] if found.any() else np.zeros(0, np.int64)
+                best = np.zeros(len(hashes), np.int64)
+                if found.any():
+                    v = vix.zset.data.column(col).take(pa.array(rows, pa.int64())).combine_chunks()
+                    best[found] = _int64_values(v)
+                nw[need, j] = best
+                nw[need, ns + e] = found.astype(np.int64)
+        return True
+
+    def _through_totals(self, dix: "IndexedZSet") -> "ZSet":
+        """The step's totals read from the batches of the totals trace, folded by one grouping pass (the class's
+        docstring); extremes whose deleted values reached them re-reduced over their value multisets."""
+        op = self.op
+        change = dix.zset
         old_z = lookup_exact(self.totals, unique_sorted(dix.key_hash), self.sschema).consolidate()
         if old_z.num_rows and not bool((old_z.weights == 1).all()):
             raise DbspError(f"{op.label}: aggregate state holds a group with weight other than 1 "
@@ -523,6 +630,29 @@ class _ExtremesState:
         if delta.num_rows:
             self.totals.insert(delta.index_by(self.keys))
         return op.output(new, prev)
+
+
+def _int64_values(arr: pa.Array) -> np.ndarray:
+    """The values of a null-free integer-like array (integers, date32, timestamps) as int64, as the key index holds
+    them (csrc/extremes.h)."""
+    if pa.types.is_timestamp(arr.type):
+        arr = arr.view(pa.int64())
+    elif pa.types.is_date32(arr.type):
+        arr = arr.view(pa.int32())
+    return arr.to_numpy().astype(np.int64, copy=False)
+
+
+def _int_array(values: np.ndarray, typ: pa.DataType, null: np.ndarray) -> pa.Array:
+    """An Arrow array of integer-like type ``typ`` (integers, date32, timestamps) from int64 ``values``, null where
+    ``null`` (the key index holds such extremes as int64: csrc/extremes.h)."""
+    mask = null if null.any() else None
+    if pa.types.is_int64(typ):
+        return pa.array(values, pa.int64(), mask=mask)
+    if pa.types.is_timestamp(typ):
+        return pa.array(values, pa.int64(), mask=mask).view(typ)
+    if pa.types.is_date32(typ):
+        return pa.array(values.astype(np.int32), pa.int32(), mask=mask).view(typ)
+    return pa.array(values.astype(typ.to_pandas_dtype()), typ, mask=mask)
 
 
 def _joined(parts: list, typ: pa.DataType) -> pa.Array:
