@@ -61,6 +61,7 @@ cdef extern from "zset.h" nogil:
     int dbsp_zset_merge(const CBatch *a, const uint64_t *akh, const CBatch *b, const uint64_t *bkh,
                         const int32_t *keys, int32_t nkeys, CRows *out)
     int dbsp_weights_negate(const int64_t *w, int64_t n, int64_t *out)
+    int dbsp_zset_sum_adjacent(const CBatch *b, const uint64_t *h, int64_t *idx, int64_t *w, int64_t *n)
     int dbsp_rows_check_order(const CBatch *b, const int64_t *sel, const int64_t *weights, const uint64_t *khash,
                               int64_t n, const int32_t *keys, int32_t nkeys)
     int64_t dbsp_small_rows
@@ -110,7 +111,8 @@ cdef extern from "cdata.h" nogil:
 
 cdef extern from "fold.h" nogil:
     int dbsp_linear_fold(int64_t ng, int32_t ns, const int64_t *old, const int64_t *delta, const uint64_t *khash,
-                         int64_t *grp, int64_t *w, uint64_t *kh, int64_t *vals, int64_t *n, int *ordered)
+                         int64_t *grp, int64_t *w, uint64_t *kh, int64_t *vals, int64_t *n, int *ordered,
+                         uint64_t *rh)
 
 cdef extern from "keyindex.h" nogil:
     ctypedef struct CKeyIndex "DbspKeyIndex":
@@ -122,10 +124,16 @@ cdef extern from "keyindex.h" nogil:
     int64_t dbsp_keyindex_len(const CKeyIndex *ix)
     int64_t dbsp_keyindex_bytes(const CKeyIndex *ix)
     int dbsp_keyindex_broken(const CKeyIndex *ix)
+    int dbsp_keyindex_growing(const CKeyIndex *ix)
     int dbsp_keyindex_get(const CKeyIndex *ix, const CBatch *b, const int32_t *keys, const int64_t *sel,
                           const uint64_t *kh, int64_t n, int64_t *acc)
     int dbsp_keyindex_add(CKeyIndex *ix, const CBatch *b, const int32_t *keys, const uint64_t *kh,
                           const int32_t *cols, int64_t sign)
+    int dbsp_keyindex_get_slots(CKeyIndex *ix, const CBatch *b, const int32_t *keys, const int64_t *sel,
+                                const uint64_t *kh, int64_t n, int64_t *acc, int64_t **slots)
+    void dbsp_keyindex_set_slot(CKeyIndex *ix, int64_t *slot, const int64_t *vals, int64_t vstride)
+    int dbsp_keyindex_put(CKeyIndex *ix, const CBatch *b, const int32_t *keys, int64_t r, uint64_t h,
+                          const int64_t *vals, int64_t vstride, int64_t more)
     int dbsp_keyindex_check(const CKeyIndex *ix)
 
 cdef extern from "partition.h" nogil:
@@ -198,3 +206,11 @@ cdef extern from "gather.h" nogil:
                            int64_t *src, int64_t *null_count, int64_t *data_bytes)
     int dbsp_gather_data(const CColumn *c, int64_t nrows, int64_t m, const void *offsets, const int64_t *src,
                          uint8_t *data)
+
+cdef extern from "extremes.h" nogil:
+    int dbsp_extremes_probe(const CKeyIndex *ix, const CBatch *b, const uint64_t *kh, const int32_t *keys,
+                            int32_t nkeys, const CAggSpec *slots, int32_t ns, int64_t *group_row, uint64_t *gkh,
+                            int64_t *old, int64_t *nw, uint8_t *need, int64_t *ng)
+    int dbsp_extremes_store(CKeyIndex *ix, const CBatch *b, const int32_t *keys, int64_t ng, int32_t nv,
+                            const int64_t *group_row, const uint64_t *gkh, const int64_t *old, const int64_t *nw,
+                            int64_t *grp, int64_t *w, int64_t *n)

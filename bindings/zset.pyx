@@ -1,6 +1,6 @@
 # zset.pyx: cdef classes that view Arrow columns as C batches and own the C kernels' results (dbsp_core._zset).
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t, uintptr_t
-from libc.stdlib cimport malloc, free
+from libc.stdlib cimport calloc, malloc, free
 from libc.string cimport memset
 from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_WRITABLE
 from cpython.pycapsule cimport PyCapsule_GetPointer
@@ -667,6 +667,28 @@ def group_reduce(table, weights, keys, aggs, bint keep_zero=False):
     return reduce_result(&r, na)
 
 
+def sum_adjacent(table, weights, h):
+    """The runs of adjacent equal rows of (table, weights) that share a hash h[i], summed (csrc/zset.h): (idx,
+    weights) of the rows kept, zero sums dropped; None when no run has two rows (every row stays as it is)."""
+    cdef BatchView v = view_of(table, weights)
+    hh = np.ascontiguousarray(h, dtype=np.uint64)
+    cdef int64_t m = v.c.nrows, n = 0
+    if hh.shape[0] != m:
+        raise ValueError(f"sum_adjacent: {hh.shape[0]} hashes for {m} rows")
+    if m == 0:
+        return None
+    idx = np.empty(m, dtype=np.int64)
+    w = np.empty(m, dtype=np.int64)
+    cdef const uint64_t[::1] ph = hh
+    cdef int64_t[::1] pi = idx
+    cdef int64_t[::1] pw = w
+    cdef int st
+    with nogil:
+        st = dbsp_zset_sum_adjacent(&v.c, &ph[0], &pi[0], &pw[0], &n)
+    check_status(st, "sum_adjacent")
+    return None if n == m else (idx[:n], w[:n])
+
+
 def check_order(table, weights, khash, keys):
     """True if (table, weights) is consolidated and in canonical order for `keys` (a debug checker)."""
     cdef BatchView v = view_of(table, weights, khash)
@@ -969,9 +991,145 @@ def linear_fold(old, delta, khash):
     if ng == 0 or ns == 0:
         return grp[:0], w[:0], kho[:0], vals[:, :0], True
     with nogil:
-        st = dbsp_linear_fold(ng, ns, &po[0, 0], &pd[0, 0], &pk[0], &pg[0], &pw[0], &pkh[0], &pv[0, 0], &n, &ordered)
+        st = dbsp_linear_fold(ng, ns, &po[0, 0], &pd[0, 0], &pk[0], &pg[0], &pw[0], &pkh[0], &pv[0, 0], &n, &ordered,
+                              NULL)
     check_status(st, "linear_fold")
     return grp[:n], w[:n], kho[:n], vals[:, :n], bool(ordered)
+
+
+def linear_step(table, keys, cols, KeyIndex ix):
+    """A linear aggregate's step through its key index, in one call: group the rows of `table` (a Table or BatchView
+    with weights) by the key columns `keys`, summing weight times each int64 column of `cols` (csrc/reduce.h); read
+    each group's old sums from `ix` (whose sums are those columns' totals per key); emit the rows of new (+1) and old
+    (-1) totals of the changed groups (csrc/fold.h); then store each changed group's new totals in `ix` (in place
+    where the key was found), or drop the group when its new count (slot 0) is 0. Returns (rows, w, kh, rh, vals,
+    ordered): per emitted row, the row of `table` carrying its key, its weight, key hash and row hash; the slot
+    values as an (ns, n) array; and whether the rows are in canonical index order (linear_fold's). A
+    WeightOverflowError (a sum or total leaves int64) leaves `ix` unchanged; a MemoryError or ValueError (past its
+    size limit) while storing leaves it broken."""
+    cdef BatchView v = view_of(table)
+    cdef Int32s k = Int32s(keys)
+    cdef int32_t ns = len(cols)
+    if k.n != ix.nkeys or ns != ix.nvals or ns == 0:
+        raise ValueError(f"linear_step: {k.n} keys and {ns} columns for an index of {ix.nkeys} and {ix.nvals}")
+    cdef CAggSpec *specs = agg_specs([("sum", c) for c in cols])
+    cdef CReduceOut r
+    cdef int st
+    memset(&r, 0, sizeof(r))
+    with nogil:
+        st = dbsp_group_reduce_all(&v.c, k.p, k.n, specs, ns, &r)
+    free(specs)
+    if st != DBSP_OK:
+        dbsp_reduce_free(&r)
+        check_status(st, "linear_step")
+    cdef int64_t ng = r.ngroups, cap = max(2 * r.ngroups, 1), n = 0, i, g
+    cdef int ordered = 1
+    buf = np.empty(cap * (4 + ns), dtype=np.int64)  # rows, w, kh, rh, then the slots: one allocation
+    cdef int64_t[::1] pb = buf
+    cdef int64_t *rows = &pb[0]
+    cdef int64_t *w = rows + cap
+    cdef uint64_t *kh = <uint64_t *>(rows + 2 * cap)
+    cdef uint64_t *rh = <uint64_t *>(rows + 3 * cap)
+    cdef int64_t *vals = rows + 4 * cap
+    cdef int64_t *old = <int64_t *>calloc(max(ng * ns, 1), 8)
+    cdef int64_t *grp = <int64_t *>malloc(cap * 8)
+    cdef int64_t **slots = <int64_t **>malloc(max(ng, 1) * sizeof(int64_t *))
+    if old == NULL or grp == NULL or slots == NULL:
+        free(old); free(grp); free(slots); dbsp_reduce_free(&r)
+        raise MemoryError("linear_step: out of memory")
+    with nogil:
+        if ng:
+            st = dbsp_keyindex_get_slots(ix.ix, &v.c, k.p, r.group_row, <uint64_t *>r.khash, ng, old, slots)
+            if st == DBSP_OK:
+                st = dbsp_linear_fold(ng, ns, old, r.ivals, <uint64_t *>r.khash, grp, w, kh, vals, &n, &ordered, rh)
+        if st == DBSP_OK:
+            for i in range(n):  # new totals of keys the index holds: in place, before anything changes its shape
+                g = grp[i]
+                rows[i] = r.group_row[g]
+                if w[i] > 0 and slots[g] != NULL:
+                    dbsp_keyindex_set_slot(ix.ix, slots[g], vals + i, cap)
+            i = 0
+            while st == DBSP_OK and i < n:  # then new keys, and groups whose new count is 0 (their old row alone)
+                g = grp[i]
+                if w[i] > 0:
+                    if slots[g] == NULL:
+                        st = dbsp_keyindex_put(ix.ix, &v.c, k.p, rows[i], kh[i], vals + i, cap, n - i)
+                elif (i + 1 >= n or grp[i + 1] != g) and (i == 0 or grp[i - 1] != g):
+                    st = dbsp_keyindex_put(ix.ix, &v.c, k.p, rows[i], kh[i], NULL, cap, n - i)
+                i += 1
+    free(old); free(grp); free(slots)
+    dbsp_reduce_free(&r)
+    check_status(st, "linear_step")
+    return (buf[:n], buf[cap:cap + n], buf[2 * cap:2 * cap + n].view(np.uint64),
+            buf[3 * cap:3 * cap + n].view(np.uint64), buf[4 * cap:].reshape(ns, cap)[:, :n], bool(ordered))
+
+
+def extremes_probe(table, keys, slots, KeyIndex ix):
+    """A min/max aggregate's step, phase 1 (csrc/extremes.h): the groups of the indexed change `table` (a BatchView
+    with weights and key hashes, in canonical order for the key columns `keys`), their old totals read from `ix`
+    and their new ones for the kernel `slots` ((kind, column) pairs). Returns (group_row, gkh, old, nw, need):
+    old and nw are (ng, V) int64 arrays (V = slots, then one "not null" flag per extreme), need a bool array of the
+    groups whose extremes must be recomputed from their values. Reads only."""
+    cdef BatchView v = view_of(table)
+    cdef Int32s k = Int32s(keys)
+    cdef int32_t ns = len(slots), ne = sum(1 for kind, _ in slots if kind in ("min", "max"))
+    cdef int32_t V = ns + ne
+    if v.kh == NULL and v.c.nrows:
+        raise ValueError("extremes_probe: the change needs its key hashes")
+    if k.n != ix.nkeys or V != ix.nvals:
+        raise ValueError(f"extremes_probe: {k.n} keys and {V} values for an index of {ix.nkeys} and {ix.nvals}")
+    cdef int64_t n = v.c.nrows, ng = 0
+    group_row = np.empty(max(n, 1), dtype=np.int64)
+    gkh = np.empty(max(n, 1), dtype=np.uint64)
+    old = np.empty((max(n, 1), V), dtype=np.int64)
+    nw = np.empty((max(n, 1), V), dtype=np.int64)
+    need = np.zeros(max(n, 1), dtype=np.uint8)
+    if n == 0:
+        return group_row[:0], gkh[:0], old[:0], nw[:0], need[:0].view(bool)
+    cdef CAggSpec *specs = agg_specs(slots)
+    cdef int64_t[::1] pg = group_row
+    cdef uint64_t[::1] pk = gkh
+    cdef int64_t[:, ::1] po = old
+    cdef int64_t[:, ::1] pn = nw
+    cdef uint8_t[::1] pe = need
+    cdef int st
+    with nogil:
+        st = dbsp_extremes_probe(ix.ix, &v.c, v.kh, k.p, k.n, specs, ns, &pg[0], &pk[0], &po[0, 0], &pn[0, 0],
+                                 &pe[0], &ng)
+    free(specs)
+    check_status(st, "extremes_probe")
+    return group_row[:ng], gkh[:ng], old[:ng], nw[:ng], need[:ng].view(bool)
+
+
+def extremes_store(table, keys, group_row, gkh, old, nw, KeyIndex ix):
+    """Phase 2 (csrc/extremes.h): the rows of the groups whose totals changed, -old then +new, as (grp, w), with
+    `ix` left holding the new totals `nw`. A MemoryError or ValueError (past its size limit) leaves it broken."""
+    cdef BatchView v = view_of(table)
+    cdef Int32s k = Int32s(keys)
+    gr = np.ascontiguousarray(group_row, dtype=np.int64)
+    kh = np.ascontiguousarray(gkh, dtype=np.uint64)
+    o = np.ascontiguousarray(old, dtype=np.int64)
+    x = np.ascontiguousarray(nw, dtype=np.int64)
+    cdef int64_t ng = gr.shape[0], n = 0
+    cdef int32_t nv = ix.nvals
+    if o.ndim != 2 or o.shape != x.shape or o.shape[0] != ng or kh.shape[0] != ng or o.shape[1] != ix.nvals:
+        raise ValueError("extremes_store: group rows, hashes, old and new totals do not match")
+    grp = np.empty(max(2 * ng, 1), dtype=np.int64)
+    w = np.empty(max(2 * ng, 1), dtype=np.int64)
+    if ng == 0:
+        return grp[:0], w[:0]
+    cdef const int64_t[::1] pg = gr
+    cdef const uint64_t[::1] pk = kh
+    cdef const int64_t[:, ::1] po = o
+    cdef const int64_t[:, ::1] px = x
+    cdef int64_t[::1] pgo = grp
+    cdef int64_t[::1] pw = w
+    cdef int st
+    with nogil:
+        st = dbsp_extremes_store(ix.ix, &v.c, k.p, ng, nv, &pg[0], &pk[0], &po[0, 0], &px[0, 0],
+                                 &pgo[0], &pw[0], &n)
+    check_status(st, "extremes_store")
+    return grp[:n], w[:n]
 
 
 cdef class KeyIndex:
@@ -1002,8 +1160,14 @@ cdef class KeyIndex:
 
     @property
     def nbytes(self):
-        """Bytes of the slot table."""
+        """Bytes of the slot tables (the new and the old one while growing)."""
         return dbsp_keyindex_bytes(self.ix)
+
+    @property
+    def growing(self):
+        """True while the index moves its entries into a table of twice the slots, a few per new entry
+        (csrc/keyindex.h invariant 5)."""
+        return bool(dbsp_keyindex_growing(self.ix))
 
     @property
     def broken(self):

@@ -12,7 +12,7 @@ static inline uint64_t extend(uint64_t h, const int64_t *v, int32_t ns, int64_t 
 }
 
 int dbsp_linear_fold(int64_t ng, int32_t ns, const int64_t *old, const int64_t *delta, const uint64_t *khash,
-                     int64_t *grp, int64_t *w, uint64_t *kh, int64_t *vals, int64_t *n, int *ordered) {
+                     int64_t *grp, int64_t *w, uint64_t *kh, int64_t *vals, int64_t *n, int *ordered, uint64_t *rh) {
     const int64_t cap = 2 * ng;
     int64_t k = 0;
     int in_order = 1, have_prev = 0;
@@ -55,7 +55,12 @@ int dbsp_linear_fold(int64_t ng, int32_t ns, const int64_t *old, const int64_t *
                     vals[j * cap + ks] = t;
                 }
                 w[ka] = -1; w[ks] = 1;
+                uint64_t t = ra; ra = rs; rs = t;
             }
+            if (rh) rh[ka] = ra, rh[ks] = rs;
+        } else if (rh) {
+            int64_t kk = add ? ka : ks;
+            rh[kk] = extend(khash[g], vals + kk, ns, cap);
         }
     }
     *n = k;

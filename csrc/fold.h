@@ -12,9 +12,9 @@
  * key hash by the slots as int64 columns (hash.h). Outputs (room for 2 * ng rows): grp[k] the group, w[k],
  * kh[k] its key hash, vals[j * cap + k] slot j of row k (column-major, cap = 2 * ng); *n the row count;
  * *ordered = 0 when two emitted groups share a key hash or a group's two rows share a row hash (the rows are
- * then emitted but their order is not canonical: the caller sorts them). DBSP_EOVERFLOW if old + delta leaves
- * int64 (nothing is emitted). */
+ * then emitted but their order is not canonical: the caller sorts them). With rh (room for 2 * ng), rh[k] is
+ * row k's row hash. DBSP_EOVERFLOW if old + delta leaves int64 (nothing is emitted). */
 int dbsp_linear_fold(int64_t ng, int32_t ns, const int64_t *old, const int64_t *delta, const uint64_t *khash,
-                     int64_t *grp, int64_t *w, uint64_t *kh, int64_t *vals, int64_t *n, int *ordered);
+                     int64_t *grp, int64_t *w, uint64_t *kh, int64_t *vals, int64_t *n, int *ordered, uint64_t *rh);
 
 #endif

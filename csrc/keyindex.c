@@ -8,27 +8,71 @@
 
 #define OCCUPIED (1ULL << 63)
 #define PF_AHEAD 16 /* probes prefetched ahead: a large index is bound by memory latency */
-#define HUGE_ALIGN ((size_t)2 << 20) /* tables this large sit on 2 MiB pages: a probe then rarely misses the TLB */
+#define HUGE_ALIGN ((size_t)2 << 20) /* tables this large are mapped pages, aligned for 2 MiB (huge) pages */
+#define MOVE_PER_ROW 4 /* old slots moved per probing row while growing (invariant 5: at least 2 per new entry) */
+
+/* A slot table: cap (a power of two) slots of stride words. */
+typedef struct {
+    uint64_t *slots;
+    int64_t cap;
+    void *base;    /* what to unmap (mapped tables), NULL for a calloc'ed one */
+    size_t mapped; /* bytes mapped at base */
+} Table;
 
 struct DbspKeyIndex {
     int32_t nkeys, nvals, stride; /* stride = 2 + nkeys + nvals words: hash, tag, key words, sums */
     int32_t types[DBSP_KEYINDEX_MAX_KEYS];
-    int64_t cap, count; /* cap: a power of two */
-    int64_t max_bytes;  /* the slot table's limit (0: none) */
+    int64_t count;      /* entries in both tables */
+    int64_t max_bytes;  /* the slot tables' limit (0: none) */
     int broken;
-    uint64_t *slots;
+    Table cur;          /* the table new entries go to */
+    Table old;          /* while growing (old.slots != NULL): the table being moved into cur (invariant 5) */
+    uint64_t start;     /* growing: the old slot the move began at (empty when it began) */
+    uint64_t moved;     /* growing: old slots moved so far, from start on (so [start, start + moved) is empty) */
+    int huge_later;     /* cur was mapped without huge-page advice: give it once growing ends */
 };
 
-/* A zeroed slot table of n bytes; large ones aligned to and advised for huge pages (as csrc/scratch.c does). */
-static uint64_t *alloc_slots(size_t n) {
-    if (n < HUGE_ALIGN) return calloc(n, 1);
-    void *p = NULL;
-    if (posix_memalign(&p, HUGE_ALIGN, n) != 0) return NULL;
+/* A zeroed table of cap slots. Small ones come from calloc; large ones are anonymous pages aligned to 2 MiB, which
+ * the kernel zeroes as they are first written (1.4-2 us per 4 KiB page here: 55-80 ms for a 160 MiB table). With `huge`
+ * (a bulk add that will write most of the table anyway) they are advised for transparent huge pages at once, which
+ * halves the cost of a cold probe. A table that grows by small steps is not: the first write of each 2 MiB page
+ * would then fault in a whole zeroed huge page (and, on a fragmented host, compact memory first: measured 0.35 s
+ * for 160 MiB) inside a step. It gets the advice once growing ends (khugepaged then collapses it in the background);
+ * meanwhile its 4 KiB pages fault in one by one as the move and new keys reach them, spread over the steps that grow
+ * it. (Prefaulting them on a thread of their own was tried: on two cores, with a merger thread beside the steps, it
+ * took CPU from the steps and their p99 rose.) */
+static int table_alloc(Table *t, int64_t cap, int32_t stride, int huge) {
+    size_t n = (size_t)cap * (size_t)stride * 8;
+    memset(t, 0, sizeof *t);
+    t->cap = cap;
+    if (n < HUGE_ALIGN) {
+        t->slots = calloc(n, 1);
+        return t->slots ? DBSP_OK : DBSP_ENOMEM;
+    }
+    size_t len = n + HUGE_ALIGN;
+    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return DBSP_ENOMEM;
+    t->base = p;
+    t->mapped = len;
+    t->slots = (uint64_t *)(((uintptr_t)p + HUGE_ALIGN - 1) & ~(uintptr_t)(HUGE_ALIGN - 1));
 #ifdef MADV_HUGEPAGE
-    madvise(p, n, MADV_HUGEPAGE);
+    if (huge) madvise(t->slots, n, MADV_HUGEPAGE);
 #endif
-    memset(p, 0, n);
-    return p;
+    return DBSP_OK;
+}
+
+static void table_free(Table *t) {
+    if (t->base) munmap(t->base, t->mapped);
+    else free(t->slots);
+    memset(t, 0, sizeof *t);
+}
+
+static void table_advise_huge(Table *t, int32_t stride) {
+#ifdef MADV_HUGEPAGE
+    if (t->base) madvise(t->slots, (size_t)t->cap * (size_t)stride * 8, MADV_HUGEPAGE);
+#else
+    (void)t, (void)stride;
+#endif
 }
 
 static int fixed_width(int32_t t) { return t > 0 && t < DBSP_TYPE_END && dbsp_type_width(t) != 0; }
@@ -46,9 +90,7 @@ int dbsp_keyindex_new(const int32_t *types, int32_t nkeys, int32_t nvals, int64_
     ix->stride = 2 + nkeys + nvals;
     ix->max_bytes = max_bytes;
     memcpy(ix->types, types, (size_t)nkeys * sizeof(int32_t));
-    ix->cap = 64;
-    ix->slots = alloc_slots((size_t)ix->cap * (size_t)ix->stride * 8);
-    if (!ix->slots) {
+    if (table_alloc(&ix->cur, 64, ix->stride, 0) != DBSP_OK) {
         free(ix);
         return DBSP_ENOMEM;
     }
@@ -58,13 +100,21 @@ int dbsp_keyindex_new(const int32_t *types, int32_t nkeys, int32_t nvals, int64_
 
 void dbsp_keyindex_free(DbspKeyIndex *ix) {
     if (!ix) return;
-    free(ix->slots);
+    table_free(&ix->cur);
+    table_free(&ix->old);
     free(ix);
 }
 
 int64_t dbsp_keyindex_len(const DbspKeyIndex *ix) { return ix->count; }
-int64_t dbsp_keyindex_bytes(const DbspKeyIndex *ix) { return ix->cap * ix->stride * 8; }
+int64_t dbsp_keyindex_bytes(const DbspKeyIndex *ix) { return (ix->cur.cap + ix->old.cap) * ix->stride * 8; }
 int dbsp_keyindex_broken(const DbspKeyIndex *ix) { return ix->broken; }
+int dbsp_keyindex_growing(const DbspKeyIndex *ix) { return ix->old.slots != NULL; }
+
+/* Whether a column's values can be summed as int64 (dbsp_keyindex_add): integers that fit, dates, timestamps. */
+static int summable(int32_t t) {
+    int cls = dbsp_type_class(t);
+    return (cls == DBSP_CLASS_SIGNED || cls == DBSP_CLASS_UNSIGNED) && t != DBSP_UINT64;
+}
 
 static int check_keys(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys) {
     for (int32_t k = 0; k < ix->nkeys; k++) {
@@ -92,69 +142,157 @@ static inline uint64_t key_words(const DbspKeyIndex *ix, const DbspBatch *b, con
     return tag;
 }
 
-/* The slot holding (h, tag, w), or the empty slot where it would go. */
-static inline uint64_t *find(const DbspKeyIndex *ix, uint64_t h, uint64_t tag, const uint64_t *w) {
-    uint64_t mask = (uint64_t)ix->cap - 1;
+static inline int same_words(const uint64_t *a, const uint64_t *b, int32_t n) {
+    for (int32_t k = 0; k < n; k++)  /* a loop, not memcmp: keys are a few words, and a libc call per probe
+                                        measured 6% of a 1k-row group-by step */
+        if (a[k] != b[k]) return 0;
+    return 1;
+}
+
+/* The slot of table t holding (h, tag, w), or the empty slot where it would go. */
+static inline uint64_t *find(const DbspKeyIndex *ix, const Table *t, uint64_t h, uint64_t tag, const uint64_t *w) {
+    uint64_t mask = (uint64_t)t->cap - 1;
     for (uint64_t i = h & mask;; i = (i + 1) & mask) {
-        uint64_t *s = ix->slots + i * (uint64_t)ix->stride;
+        uint64_t *s = t->slots + i * (uint64_t)ix->stride;
         if (s[1] == 0) return s;
-        if (s[0] == h && s[1] == tag && memcmp(s + 2, w, (size_t)ix->nkeys * 8) == 0) return s;
+        if (s[0] == h && s[1] == tag && same_words(s + 2, w, ix->nkeys)) return s;
     }
 }
 
-static int resize(DbspKeyIndex *ix, int64_t cap) {
-    uint64_t *old = ix->slots;
-    int64_t ocap = ix->cap;
-    uint64_t *fresh = alloc_slots((size_t)cap * (size_t)ix->stride * 8);
-    if (!fresh) return DBSP_ENOMEM;
-    ix->slots = fresh;
-    ix->cap = cap;
-    for (int64_t i = 0; i < ocap; i++) {
-        const uint64_t *s = old + i * ix->stride;
-        if (s[1] == 0) continue;
-        uint64_t *d = find(ix, s[0], s[1], s + 2);
-        memcpy(d, s, (size_t)ix->stride * 8);
+/* Whether old slot i lies in the part already moved into cur (growing only). */
+static inline int old_moved(const DbspKeyIndex *ix, uint64_t i) {
+    return ((i - ix->start) & ((uint64_t)ix->old.cap - 1)) < ix->moved;
+}
+
+/* The slot holding the key (h, tag, w) in either table (invariant 5: in old only when its home there is not moved
+ * yet), or NULL. */
+static inline uint64_t *lookup(const DbspKeyIndex *ix, uint64_t h, uint64_t tag, const uint64_t *w) {
+    uint64_t *s = find(ix, &ix->cur, h, tag, w);
+    if (s[1] != 0) return s;
+    if (ix->old.slots && !old_moved(ix, h & ((uint64_t)ix->old.cap - 1))) {
+        s = find(ix, &ix->old, h, tag, w);
+        if (s[1] != 0) return s;
     }
-    free(old);
+    return NULL;
+}
+
+/* Move the next old slots into cur: at least `budget`, then on to the end of the cluster (the next empty slot),
+ * so that a key's whole probe run moves at once (invariant 5). Ends growing once every old slot is moved. */
+static void move_some(DbspKeyIndex *ix, int64_t budget) {
+    uint64_t st = (uint64_t)ix->stride, omask = (uint64_t)ix->old.cap - 1;
+    while (ix->moved < (uint64_t)ix->old.cap) {
+        uint64_t *s = ix->old.slots + ((ix->start + ix->moved) & omask) * st;
+        if (s[1] == 0 && budget <= 0) return; /* at a cluster boundary with the budget spent */
+        if (s[1] != 0) {
+            memcpy(find(ix, &ix->cur, s[0], s[1], s + 2), s, st * 8);
+            memset(s, 0, st * 8);
+        }
+        ix->moved++;
+        budget--;
+    }
+    table_free(&ix->old);
+    ix->start = ix->moved = 0;
+    if (ix->huge_later) {
+        table_advise_huge(&ix->cur, ix->stride);
+        ix->huge_later = 0;
+    }
+}
+
+/* Start growing into a table of twice the slots (invariant 5): the current one becomes old and moves over as new
+ * entries arrive. `bulk`: the add that grows it brings at least an eighth of the new table's slots in rows. */
+static int grow(DbspKeyIndex *ix, int bulk) {
+    int64_t cap = ix->cur.cap * 2;
+    if (ix->max_bytes && (cap + ix->cur.cap) * ix->stride * 8 > ix->max_bytes) {
+        ix->broken = 1;
+        return DBSP_ETOOBIG;
+    }
+    Table fresh;
+    if (table_alloc(&fresh, cap, ix->stride, bulk) != DBSP_OK) {
+        ix->broken = 1;
+        return DBSP_ENOMEM;
+    }
+    ix->huge_later = fresh.base != NULL && !bulk;
+    ix->old = ix->cur;
+    ix->cur = fresh;
+    uint64_t st = (uint64_t)ix->stride, omask = (uint64_t)ix->old.cap - 1;
+    uint64_t i = 0;
+    while (ix->old.slots[i * st + 1] != 0) i = (i + 1) & omask; /* an empty slot: at most 3/4 are full */
+    ix->start = i;
+    ix->moved = 0;
     return DBSP_OK;
 }
 
-/* Empty slot s, shifting back the entries after it that probed past it (invariant 3). */
-static void remove_slot(DbspKeyIndex *ix, uint64_t *s) {
-    uint64_t mask = (uint64_t)ix->cap - 1, st = (uint64_t)ix->stride;
-    uint64_t i = (uint64_t)(s - ix->slots) / st, j = i;
+/* Rehash every entry into a fresh table of cap slots at once (shrinking a mostly emptied index; not growing). */
+static int rehash(DbspKeyIndex *ix, int64_t cap) {
+    Table fresh;
+    if (table_alloc(&fresh, cap, ix->stride, 0) != DBSP_OK) return DBSP_ENOMEM;
+    for (int64_t i = 0; i < ix->cur.cap; i++) {
+        const uint64_t *s = ix->cur.slots + i * ix->stride;
+        if (s[1] == 0) continue;
+        memcpy(find(ix, &fresh, s[0], s[1], s + 2), s, (size_t)ix->stride * 8);
+    }
+    table_free(&ix->cur);
+    ix->cur = fresh;
+    return DBSP_OK;
+}
+
+/* Empty slot s of table t, shifting back the entries after it that probed past it (invariant 3). */
+static void remove_slot(DbspKeyIndex *ix, Table *t, uint64_t *s) {
+    uint64_t mask = (uint64_t)t->cap - 1, st = (uint64_t)ix->stride;
+    uint64_t i = (uint64_t)(s - t->slots) / st, j = i;
     for (;;) {
         j = (j + 1) & mask;
-        uint64_t *sj = ix->slots + j * st;
+        uint64_t *sj = t->slots + j * st;
         if (sj[1] == 0) break;
         uint64_t k = sj[0] & mask; /* where the entry at j wants to be */
         int stays = i <= j ? (i < k && k <= j) : (i < k || k <= j);
         if (stays) continue;
-        memcpy(ix->slots + i * st, sj, st * 8);
+        memcpy(t->slots + i * st, sj, st * 8);
         i = j;
     }
-    memset(ix->slots + i * st, 0, st * 8);
+    memset(t->slots + i * st, 0, st * 8);
     ix->count--;
 }
 
-int dbsp_keyindex_get(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const int64_t *sel,
-                      const uint64_t *kh, int64_t n, int64_t *acc) {
+static inline void prefetch_key(const DbspKeyIndex *ix, uint64_t h) {
+    __builtin_prefetch(ix->cur.slots + (h & ((uint64_t)ix->cur.cap - 1)) * (uint64_t)ix->stride);
+    if (ix->old.slots) __builtin_prefetch(ix->old.slots + (h & ((uint64_t)ix->old.cap - 1)) * (uint64_t)ix->stride);
+}
+
+static int get_into(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const int64_t *sel,
+                    const uint64_t *kh, int64_t n, int64_t *acc, int64_t **slots) {
     int st = check_keys(ix, b, keys);
     if (st != DBSP_OK) return st;
-    uint64_t w[DBSP_KEYINDEX_MAX_KEYS], mask = (uint64_t)ix->cap - 1;
+    uint64_t w[DBSP_KEYINDEX_MAX_KEYS];
     for (int64_t i = 0; i < n; i++) {
-        if (i + PF_AHEAD < n) __builtin_prefetch(ix->slots + (kh[i + PF_AHEAD] & mask) * (uint64_t)ix->stride);
+        if (i + PF_AHEAD < n) prefetch_key(ix, kh[i + PF_AHEAD]);
         int64_t r = sel ? sel[i] : i;
         if (r < 0 || r >= b->nrows) return DBSP_EINVAL;
         uint64_t tag = key_words(ix, b, keys, r, w);
-        const uint64_t *s = find(ix, kh[i], tag, w);
-        if (s[1] == 0) continue; /* absent: all sums zero (invariant 2) */
+        uint64_t *s = lookup(ix, kh[i], tag, w);
+        if (slots) slots[i] = s ? (int64_t *)(s + 2 + ix->nkeys) : NULL;
+        if (!s) continue; /* absent: all sums zero (invariant 2) */
         const int64_t *v = (const int64_t *)(s + 2 + ix->nkeys);
         int64_t *a = acc + i * ix->nvals;
         for (int32_t j = 0; j < ix->nvals; j++)
             if (__builtin_add_overflow(a[j], v[j], &a[j])) return DBSP_EOVERFLOW;
     }
     return DBSP_OK;
+}
+
+int dbsp_keyindex_get(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const int64_t *sel,
+                      const uint64_t *kh, int64_t n, int64_t *acc) {
+    return get_into(ix, b, keys, sel, kh, n, acc, NULL);
+}
+
+int dbsp_keyindex_get_slots(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const int64_t *sel,
+                            const uint64_t *kh, int64_t n, int64_t *acc, int64_t **slots) {
+    if (ix->broken) return DBSP_EINVAL;
+    return get_into(ix, b, keys, sel, kh, n, acc, slots);
+}
+
+void dbsp_keyindex_set_slot(DbspKeyIndex *ix, int64_t *slot, const int64_t *vals, int64_t vstride) {
+    for (int32_t j = 0; j < ix->nvals; j++) slot[j] = vals[j * vstride];
 }
 
 int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
@@ -164,16 +302,17 @@ int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
     int st = check_keys(ix, b, keys);
     if (st != DBSP_OK) return st;
     for (int32_t j = 0; j < ix->nvals; j++) {
-        if (cols[j] >= b->ncols) return DBSP_EINVAL;
-        if (cols[j] >= 0 && b->cols[cols[j]].type != DBSP_INT64) return DBSP_ETYPE;
+        int32_t c = cols[j] <= -2 ? -2 - cols[j] : cols[j];
+        if (c >= b->ncols) return DBSP_EINVAL;
+        if (cols[j] >= 0 && !summable(b->cols[c].type)) return DBSP_ETYPE;
     }
     uint64_t w[DBSP_KEYINDEX_MAX_KEYS], lw[DBSP_KEYINDEX_MAX_KEYS], ltag = 0;
     int64_t d[DBSP_KEYINDEX_MAX_VALS];
     int64_t n = b->nrows;
     uint64_t *last = NULL; /* the slot of the previous row's key: rows of one key are adjacent in index order */
+    Table *ltab = NULL;    /* the table it is in */
     for (int64_t i = 0; i < n; i++) {
-        if (i + PF_AHEAD < n)
-            __builtin_prefetch(ix->slots + (kh[i + PF_AHEAD] & ((uint64_t)ix->cap - 1)) * (uint64_t)ix->stride);
+        if (i + PF_AHEAD < n) prefetch_key(ix, kh[i + PF_AHEAD]);
         int64_t wt = b->weights ? b->weights[i] : 1;
         if (sign < 0) {
             if (wt == INT64_MIN) goto overflow;
@@ -181,38 +320,45 @@ int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
         }
         int nonzero = 0;
         for (int32_t j = 0; j < ix->nvals; j++) {
-            if (cols[j] < 0) {
+            if (cols[j] == -1) {
                 d[j] = wt;
+            } else if (cols[j] <= -2) {
+                d[j] = dbsp_col_valid(&b->cols[-2 - cols[j]], i) ? wt : 0;
             } else {
                 const DbspColumn *c = &b->cols[cols[j]];
-                int64_t x = dbsp_col_valid(c, i) ? ((const int64_t *)c->values)[c->offset + i] : 0;
+                int64_t x = !dbsp_col_valid(c, i) ? 0
+                            : c->type == DBSP_INT64 ? ((const int64_t *)c->values)[c->offset + i]
+                                                    : (int64_t)dbsp_col_u64(c, i);
                 if (__builtin_mul_overflow(x, wt, &d[j])) goto overflow;
             }
             nonzero |= d[j] != 0;
         }
         if (!nonzero) continue;
         uint64_t tag = key_words(ix, b, keys, i, w);
-        uint64_t *s = last && last[0] == kh[i] && ltag == tag && memcmp(lw, w, (size_t)ix->nkeys * 8) == 0
-                          ? last : find(ix, kh[i], tag, w);
+        uint64_t *s;
+        Table *tab;
+        if (last && last[0] == kh[i] && ltag == tag && same_words(lw, w, ix->nkeys)) {
+            s = last, tab = ltab;
+        } else {
+            if (ix->old.slots) move_some(ix, MOVE_PER_ROW); /* growing: every fresh probe moves a few slots first */
+            s = lookup(ix, kh[i], tag, w);
+            tab = s && ix->old.slots && (uint64_t)(s - ix->old.slots) < (uint64_t)ix->old.cap * ix->stride
+                      ? &ix->old : &ix->cur;
+        }
         last = NULL;
-        if (s[1] == 0) { /* a new entry: grow first if the table would pass 3/4 (invariant 3) */
-            if ((ix->count + 1) * 4 > ix->cap * 3) {
-                if (ix->max_bytes && ix->cap * 2 * ix->stride * 8 > ix->max_bytes) {
-                    ix->broken = 1;
-                    return DBSP_ETOOBIG;
-                }
-                if (resize(ix, ix->cap * 2) != DBSP_OK) {
-                    ix->broken = 1;
-                    return DBSP_ENOMEM;
-                }
-                s = find(ix, kh[i], tag, w);
+        if (!s) { /* a new entry, in cur; past 3/4, start growing (invariants 3, 5) */
+            if (!ix->old.slots && (ix->count + 1) * 4 > ix->cur.cap * 3) {
+                st = grow(ix, (n - i) * 8 >= ix->cur.cap * 2);
+                if (st != DBSP_OK) return st;
+                move_some(ix, MOVE_PER_ROW);
             }
+            s = find(ix, &ix->cur, kh[i], tag, w);
             s[0] = kh[i];
             s[1] = tag;
             memcpy(s + 2, w, (size_t)ix->nkeys * 8);
             memcpy(s + 2 + ix->nkeys, d, (size_t)ix->nvals * 8);
             ix->count++;
-            last = s, ltag = tag, memcpy(lw, w, (size_t)ix->nkeys * 8);
+            last = s, ltab = &ix->cur, ltag = tag, memcpy(lw, w, (size_t)ix->nkeys * 8);
             continue;
         }
         int64_t *v = (int64_t *)(s + 2 + ix->nkeys);
@@ -222,15 +368,16 @@ int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
             zero &= v[j] == 0;
         }
         if (zero) {
-            remove_slot(ix, s); /* invariant 2; entries may have shifted: no slot is remembered */
+            remove_slot(ix, tab, s); /* invariant 2; entries may have shifted: no slot is remembered */
         } else {
-            last = s, ltag = tag, memcpy(lw, w, (size_t)ix->nkeys * 8);
+            last = s, ltab = tab, ltag = tag, memcpy(lw, w, (size_t)ix->nkeys * 8);
         }
     }
-    if (ix->cap > 64 && ix->count * 16 < ix->cap) { /* mostly emptied: shrink (a failure to shrink is harmless) */
-        int64_t cap = ix->cap;
+    if (!ix->old.slots && ix->cur.cap > 64 && ix->count * 16 < ix->cur.cap) {
+        /* mostly emptied: shrink at once (a failure to shrink is harmless) */
+        int64_t cap = ix->cur.cap;
         while (cap > 64 && ix->count * 4 < cap) cap >>= 1;
-        (void)resize(ix, cap);
+        (void)rehash(ix, cap);
     }
     return DBSP_OK;
 overflow:
@@ -238,18 +385,77 @@ overflow:
     return DBSP_EOVERFLOW;
 }
 
-int dbsp_keyindex_check(const DbspKeyIndex *ix) {
-    int64_t seen = 0;
-    if (ix->count * 4 > ix->cap * 3) return DBSP_EINVAL;
-    for (int64_t i = 0; i < ix->cap; i++) {
-        const uint64_t *s = ix->slots + i * ix->stride;
+int dbsp_keyindex_put(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int64_t r, uint64_t h,
+                      const int64_t *vals, int64_t vstride, int64_t more) {
+    if (ix->broken) return DBSP_EINVAL;
+    int st = check_keys(ix, b, keys);
+    if (st != DBSP_OK) return st;
+    if (r < 0 || r >= b->nrows) return DBSP_EINVAL;
+    uint64_t w[DBSP_KEYINDEX_MAX_KEYS];
+    uint64_t tag = key_words(ix, b, keys, r, w);
+    int zero = 1;
+    if (vals)
+        for (int32_t j = 0; j < ix->nvals; j++) zero &= vals[j * vstride] == 0;
+    if (ix->old.slots) move_some(ix, MOVE_PER_ROW);
+    uint64_t *s = lookup(ix, h, tag, w);
+    if (s) {
+        Table *tab = ix->old.slots && (uint64_t)(s - ix->old.slots) < (uint64_t)ix->old.cap * ix->stride
+                         ? &ix->old : &ix->cur;
+        if (zero) {
+            remove_slot(ix, tab, s);
+        } else {
+            int64_t *v = (int64_t *)(s + 2 + ix->nkeys);
+            for (int32_t j = 0; j < ix->nvals; j++) v[j] = vals[j * vstride];
+        }
+        return DBSP_OK;
+    }
+    if (zero) return DBSP_OK; /* absent already (invariant 2) */
+    if (!ix->old.slots && (ix->count + 1) * 4 > ix->cur.cap * 3) {
+        st = grow(ix, more * 8 >= ix->cur.cap * 2);
+        if (st != DBSP_OK) return st;
+        move_some(ix, MOVE_PER_ROW);
+    }
+    s = find(ix, &ix->cur, h, tag, w);
+    s[0] = h;
+    s[1] = tag;
+    memcpy(s + 2, w, (size_t)ix->nkeys * 8);
+    int64_t *v = (int64_t *)(s + 2 + ix->nkeys);
+    for (int32_t j = 0; j < ix->nvals; j++) v[j] = vals[j * vstride];
+    ix->count++;
+    return DBSP_OK;
+}
+
+/* DBSP_OK when every entry of table t (old: its part not moved yet) is findable from its home, else DBSP_EINVAL;
+ * counts the entries into *seen. */
+static int check_table(const DbspKeyIndex *ix, const Table *t, int old, int64_t *seen) {
+    for (int64_t i = 0; i < t->cap; i++) {
+        const uint64_t *s = t->slots + i * ix->stride;
         if (s[1] == 0) continue;
-        seen++;
-        if (find(ix, s[0], s[1], s + 2) != s) return DBSP_EINVAL;
+        if (old && old_moved(ix, (uint64_t)i)) return DBSP_EINVAL; /* the moved part is empty */
+        (*seen)++;
+        if (find(ix, t, s[0], s[1], s + 2) != s) return DBSP_EINVAL;
+        if (old && old_moved(ix, s[0] & ((uint64_t)t->cap - 1))) return DBSP_EINVAL; /* home moved, entry not */
+        if (!old && ix->old.slots && !old_moved(ix, s[0] & ((uint64_t)ix->old.cap - 1))
+            && find(ix, &ix->old, s[0], s[1], s + 2)[1] != 0)
+            return DBSP_EINVAL; /* in both tables */
         const int64_t *v = (const int64_t *)(s + 2 + ix->nkeys);
         int zero = 1;
         for (int32_t j = 0; j < ix->nvals; j++) zero &= v[j] == 0;
         if (zero) return DBSP_EINVAL;
+    }
+    return DBSP_OK;
+}
+
+int dbsp_keyindex_check(const DbspKeyIndex *ix) {
+    int64_t seen = 0;
+    if (ix->count * 4 > ix->cur.cap * 3) return DBSP_EINVAL;
+    if (check_table(ix, &ix->cur, 0, &seen) != DBSP_OK) return DBSP_EINVAL;
+    if (ix->old.slots) {
+        if (ix->moved >= (uint64_t)ix->old.cap || ix->cur.cap != 2 * ix->old.cap) return DBSP_EINVAL;
+        if (check_table(ix, &ix->old, 1, &seen) != DBSP_OK) return DBSP_EINVAL;
+        /* the next old slot to move is a cluster boundary (empty), unless nothing moved yet */
+        uint64_t next = (ix->start + ix->moved) & ((uint64_t)ix->old.cap - 1);
+        if (ix->old.slots[next * ix->stride + 1] != 0) return DBSP_EINVAL;
     }
     return seen == ix->count ? DBSP_OK : DBSP_EINVAL;
 }

@@ -229,3 +229,18 @@ int dbsp_rows_check_order(const DbspBatch *b, const int64_t *sel, const int64_t 
     free(rh); free(kh);
     return bad ? -1 : 0;
 }
+
+int dbsp_zset_sum_adjacent(const DbspBatch *b, const uint64_t *h, int64_t *idx, int64_t *w, int64_t *n) {
+    int64_t k = 0, m = b->nrows;
+    for (int64_t i = 0; i < m;) {
+        int64_t s = b->weights ? b->weights[i] : 1, j = i + 1;
+        while (j < m && h[j] == h[i] && dbsp_row_cmp_eqfast(b, i, NULL, b, j, NULL, b->ncols) == 0) {
+            if (__builtin_add_overflow(s, b->weights ? b->weights[j] : 1, &s)) return DBSP_EOVERFLOW;
+            j++;
+        }
+        if (s != 0) idx[k] = i, w[k] = s, k++;
+        i = j;
+    }
+    *n = k;
+    return DBSP_OK;
+}

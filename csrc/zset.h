@@ -21,6 +21,13 @@ extern int64_t dbsp_small_rows;
 int dbsp_zset_merge(const DbspBatch *a, const uint64_t *akh, const DbspBatch *b, const uint64_t *bkh,
                     const int32_t *keys, int32_t nkeys, DbspRows *out);
 
+/* Sum the runs of adjacent equal rows of b whose hashes h are equal (h: any hash that equal rows share, such
+ * as the key hash of a batch in index order), dropping zero sums: rows that can only be equal when adjacent (a
+ * linear aggregate's step emits a group's old and new row side by side) are consolidated without sorting. The
+ * kept rows are idx[0..*n) (each run's first row) with weights w (room for b->nrows each); *n == b->nrows when
+ * no run has two rows. DBSP_EOVERFLOW if a sum leaves int64. */
+int dbsp_zset_sum_adjacent(const DbspBatch *b, const uint64_t *h, int64_t *idx, int64_t *w, int64_t *n);
+
 /* out[i] = -w[i]; DBSP_EOVERFLOW for INT64_MIN. out may equal w. */
 int dbsp_weights_negate(const int64_t *w, int64_t n, int64_t *out);
 

@@ -110,6 +110,17 @@ def unique_sorted(hashes: np.ndarray) -> np.ndarray:
     return hashes[keep]
 
 
+def summable(t: pa.DataType) -> bool:
+    """Whether a key index can sum a column of type ``t`` as int64 (csrc/keyindex.h): integers other than uint64,
+    dates (date32) and timestamps.
+
+    >>> summable(pa.int32()), summable(pa.timestamp("ms")), summable(pa.uint64()), summable(pa.float64())
+    (True, True, False, False)
+    """
+    return ((pa.types.is_integer(t) and not pa.types.is_uint64(t)) or pa.types.is_date32(t)
+            or pa.types.is_timestamp(t))
+
+
 def level_of(work: int) -> int:
     """The level of a batch with ``work`` inserted rows: ``ceil(log2(work))`` (invariant 2).
 
@@ -373,13 +384,15 @@ class Trace:
 
     # ---- the key index (invariant 11) ----
 
-    def keep_index(self, columns: tuple[str | None, ...], on: str = "key") -> bool:
-        """Keep a key index of the sums of weight times each int64 column of ``columns`` (None: the weight alone),
-        per trace key (``on="key"``: serves :meth:`key_sums` of those columns) or per whole row (``on="row"`` with
-        ``(None,)``: serves :meth:`match_weights`). Returns whether the index is kept: only for keys of fixed-width
-        columns (no strings), and not when ``DBSP_KEY_INDEX=0``. Costs memory beside the batches (about 8 bytes
-        per key column and sum, plus 16, per key, over a table at most 3/4 full); a trace whose index would pass
-        ``DBSP_KEY_INDEX_MB`` (default 512) drops it and walks its batches as without one."""
+    def keep_index(self, columns: tuple, on: str = "key") -> bool:
+        """Keep a key index of the sums of weight times each column of ``columns`` (an integer column other than
+        uint64, a date or a timestamp, summed as int64; None: the weight alone; ``("valid", c)``: the weight where
+        column ``c`` is not null), per trace key (``on="key"``: serves :meth:`key_sums` of int64 columns, and
+        :meth:`index_for_update`) or per whole row (``on="row"`` with ``(None,)``: serves :meth:`match_weights`).
+        Returns whether the index is kept: only for keys of fixed-width columns (no strings), and not when
+        ``DBSP_KEY_INDEX=0``. Costs memory beside the batches (about 8 bytes per key column and sum, plus 16, per
+        key, over a table at most 3/4 full); a trace whose index would pass ``DBSP_KEY_INDEX_MB`` (default 512)
+        drops it and walks its batches as without one."""
         from dbsp_core import _zset
 
         if on not in ("key", "row"):
@@ -388,8 +401,11 @@ class Trace:
             raise ValueError("keep_index: a whole-row index keeps the weights only (columns=(None,))")
         names = list(self.key) if on == "key" else list(self.schema.names)
         for c in columns:
-            if c is not None and not pa.types.is_int64(self.schema.field(c).type):
-                raise ValueError(f"keep_index: column {c!r} is {self.schema.field(c).type}, not int64")
+            if isinstance(c, tuple):
+                if len(c) != 2 or c[0] != "valid" or self.schema.get_field_index(c[1]) < 0:
+                    raise ValueError(f"keep_index: {c!r} is not ('valid', <column>)")
+            elif c is not None and not summable(self.schema.field(c).type):
+                raise ValueError(f"keep_index: column {c!r} is {self.schema.field(c).type}, which does not sum as int64")
         if not KEY_INDEX or not columns or not _zset.keyindex_supports([self.schema.field(n).type for n in names]):
             return False
         self._kix_spec = (on, tuple(columns))
@@ -431,7 +447,8 @@ class Trace:
         """(view, key positions, key hashes, sum positions) of a batch for the key index."""
         on, cols = self._kix_spec
         ncols = len(b.schema)
-        cpos = [-1 if c is None else b.schema.get_field_index(c) for c in cols]
+        cpos = [-1 if c is None else -2 - b.schema.get_field_index(c[1]) if isinstance(c, tuple)
+                else b.schema.get_field_index(c) for c in cols]
         if on == "key":
             return b._view(), b._keypos, b._kh, cpos
         return b._view(), list(range(ncols)), b._row_hashes(), cpos
@@ -490,15 +507,49 @@ class Trace:
         self._index_fold(batches, 1, self._token)
         return self._kix
 
+    def index_for_update(self, spec: tuple) -> Any:
+        """The key index kept for ``spec`` (invariant 11), current with the content, for a caller that stores a
+        batch's effect in it itself (the linear aggregate's one-pass step, ``_zset.linear_step``) and then inserts
+        that batch with ``insert(batch, indexed=ix)``, or calls :meth:`index_done` when it inserts nothing. Until
+        then the index counts as stale, so a failure in between leaves it to be rebuilt, never read. None when the
+        trace keeps no such index, or it is stale and not rebuilt yet: the caller then reads with :meth:`key_sums`
+        and inserts plainly."""
+        if self._kix_spec != spec or self._kix_off:
+            return None
+        ix = self._kix
+        if ix is None or ix.token != self._token:
+            ix = self._index(spec, self._read())  # a stale index: the third read that wants it rebuilds it
+            if ix is None:
+                return None
+        ix.token = None
+        return ix
+
+    def index_done(self, ix: Any, failed: bool = False) -> None:
+        """The caller of :meth:`index_for_update` left ``ix`` as it found it (nothing to insert), or, with
+        ``failed``, broke it half way (memory, size limit): the trace then walks its batches from now on."""
+        if ix is not self._kix:
+            return
+        if failed:
+            self._kix, self._kix_off = None, True
+        else:
+            ix.token = self._token
+
     # ---- writing ----
 
-    def insert(self, batch: "IndexedZSet") -> None:
-        """Add a consolidated indexed batch (same key): place it, then pay its share of merge work (invariant 3)."""
+    def insert(self, batch: "IndexedZSet", indexed: Any = None) -> None:
+        """Add a consolidated indexed batch (same key): place it, then pay its share of merge work (invariant 3).
+        ``indexed``: the key index from :meth:`index_for_update`, which the caller already brought up to this
+        batch (invariant 11: it then matches the new content); else an index kept is updated here."""
         if len(batch) == 0:
+            if indexed is not None:
+                self.index_done(indexed)
             return
         batch._row_hashes()  # kept with the batch: merges order meeting keys without hashing (csrc/merge.h)
         prev = self._changed()
-        if self._kix is not None:
+        if indexed is not None:
+            if indexed is self._kix:
+                indexed.token = self._token
+        elif self._kix is not None:
             self._index_fold([batch], 1, prev)
         self.inserted_rows += len(batch)
         self._grown += len(batch)

@@ -5,7 +5,9 @@ Invariants:
     int64 numpy array with one weight per row of ``_data``.
  2. When ``_consolidated`` is true, no two rows are equal (null == null, -0.0 == 0.0, NaN == NaN), no weight is
     zero, and rows are in canonical order (csrc/rows.h): by row hash, then by value; ``_rhash`` then holds the
-    row hashes in that order.
+    row hashes in that order. When ``_distinct`` is true (always when ``_consolidated`` is), no two rows are equal
+    and no weight is zero, in any order: the Z-set's consolidated content, as an operator that produces its rows
+    distinct hands it over (a step's output needs no sort to be read).
  3. An IndexedZSet's ZSet is consolidated and in canonical order for its key: by key hash, then row hash, then
     value; ``key_hash`` holds the key hashes, ascending.
 Every operation validates its inputs before touching any state and never mutates a ZSet: Z-sets are values.
@@ -46,6 +48,19 @@ def _as_table(data: Any, what: str = "data") -> pa.Table:
     if isinstance(data, pa.Table):
         return data
     raise TypeError(f"{what} must be a pyarrow Table or RecordBatch, got {type(data).__name__}")
+
+
+def _concat_batches(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
+    """One record batch of the rows of ``batches`` (one schema), each column one contiguous array: one Arrow call
+    (a third of concatenating tables and combining their chunks)."""
+    if len(batches) == 1:
+        return batches[0]
+    if _CONCAT_BATCHES is not None:
+        return _CONCAT_BATCHES(batches)
+    return pa.Table.from_batches(batches).combine_chunks().to_batches()[0]
+
+
+_CONCAT_BATCHES = getattr(pa, "concat_batches", None)  # pyarrow >= 19
 
 
 def _single_chunk(table: pa.Table) -> pa.Table:
@@ -175,7 +190,7 @@ class ZSet:
     {}
     """
 
-    __slots__ = ("_data", "_w", "_consolidated", "_rhash")
+    __slots__ = ("_data", "_w", "_consolidated", "_rhash", "_distinct")
     __hash__ = None  # type: ignore[assignment]
 
     def __init__(self) -> None:
@@ -185,8 +200,9 @@ class ZSet:
 
     @classmethod
     def _make(cls, data: pa.Table, weights: np.ndarray, consolidated: bool = False,
-              rhash: np.ndarray | None = None) -> ZSet:
-        """Internal constructor without validation (invariant 1 is the caller's duty)."""
+              rhash: np.ndarray | None = None, distinct: bool = False) -> ZSet:
+        """Internal constructor without validation (invariants 1 and 2 are the caller's duty, except that a claim of
+        canonical order without row hashes is checked)."""
         z = object.__new__(cls)
         z._data = _single_chunk(data)
         z._w = weights
@@ -197,6 +213,7 @@ class ZSet:
             consolidated = _zset.check_order(z._data, weights, rhash, [])
             z._consolidated = consolidated
         z._rhash = rhash if consolidated else None
+        z._distinct = distinct or consolidated
         return z
 
     @classmethod
@@ -254,7 +271,7 @@ class ZSet:
         _check_schema(schema)
         t = schema.empty_table()
         z = object.__new__(cls)
-        z._data, z._w, z._consolidated, z._rhash = t, _NO_WEIGHTS, True, _NO_HASHES
+        z._data, z._w, z._consolidated, z._rhash, z._distinct = t, _NO_WEIGHTS, True, _NO_HASHES, True
         if len(_EMPTY) >= 4096:  # schemas are few (one per operator); this only bounds a pathological caller
             _EMPTY.clear()
         _EMPTY[id(schema)] = (schema, z)  # the entry keeps the schema alive, so its id is not reused
@@ -275,7 +292,8 @@ class ZSet:
         if len(parts) <= 1:
             return parts[0] if parts else first
         tables = [parts[0]._data] + [_conform(p._data, parts[0]._data.schema) for p in parts[1:]]
-        data = pa.concat_tables(tables)
+        batches = [b for t in tables for b in t.to_batches()]  # one each (invariant 1: one chunk per column)
+        data = pa.Table.from_batches([_concat_batches(batches)]) if batches else pa.concat_tables(tables)
         return cls._make(data, np.concatenate([p._w for p in parts]))
 
     # ---- accessors ----
@@ -306,7 +324,12 @@ class ZSet:
 
     def __len__(self) -> int:
         """The number of distinct rows with non-zero weight."""
-        return self.consolidate().num_rows
+        return self._data.num_rows if self._distinct else self.consolidate().num_rows
+
+    def _distinct_rows(self) -> ZSet:
+        """This Z-set with no two equal rows and no zero weight (invariant 2): itself when it is so already, in
+        whatever order its rows are, else consolidated (canonical order)."""
+        return self if self._distinct else self.consolidate()
 
     # ---- kernels ----
 
@@ -443,7 +466,7 @@ class ZSet:
         return ZSet._make(_take(both, idx), w, consolidated=True, rhash=rh)
 
     def __neg__(self) -> ZSet:
-        return ZSet._make(self._data, _zset.negate(self._w), self._consolidated, self._rhash)
+        return ZSet._make(self._data, _zset.negate(self._w), self._consolidated, self._rhash, self._distinct)
 
     def __sub__(self, other: ZSet) -> ZSet:
         if not isinstance(other, ZSet):
@@ -461,20 +484,22 @@ class ZSet:
     # ---- export ----
 
     def to_arrow(self) -> pa.Table:
-        """The consolidated rows plus an int64 weight column (canonical order, no zero weights), named ``weight``
-        unless a data column has that name (then see :func:`weight_column`).
+        """The consolidated rows (no two equal, no zero weights) plus an int64 weight column, named ``weight``
+        unless a data column has that name (then see :func:`weight_column`). Rows are in canonical order, except
+        for a step's output that its operator produced distinct (an aggregate's change, in key order): reading it
+        sorts nothing.
 
         >>> import pyarrow as pa
         >>> ZSet.from_arrow(pa.table({"weight": [7]}), weights=[2]).to_arrow().column_names
         ['weight', '_weight']
         """
-        z = self.consolidate()
+        z = self._distinct_rows()
         return z._data.append_column(pa.field(weight_column(z._data.schema), pa.int64(), nullable=False),
                                      pa.array(z._w, pa.int64()))
 
     def to_dict(self) -> dict[tuple, int]:
         """``{row tuple: weight}`` of the consolidated Z-set (Python objects; for small data and tests)."""
-        z = self.consolidate()
+        z = self._distinct_rows()
         cols = [c.to_pylist() for c in z._data.columns]
         rows = zip(*cols) if cols else [() for _ in range(z.num_rows)]
         return {tuple(r): int(w) for r, w in zip(rows, z._w.tolist())}
@@ -484,7 +509,7 @@ class ZSet:
         return self.to_arrow().to_pandas()
 
     def __repr__(self) -> str:
-        state = "consolidated" if self._consolidated else "unconsolidated"
+        state = "consolidated" if self._consolidated else "distinct" if self._distinct else "unconsolidated"
         return f"ZSet({_fmt_schema(self.schema)}, {self.num_rows} rows, {state})"
 
 
@@ -753,6 +778,20 @@ class IndexedZSet:
         data = self._z._data
         group_row, _, ivals, fvals, valid = _zset.reduce(self._view(), None, None, self._keypos, specs)
         return _agg_table(data, self._key, specs, group_row, ivals, fvals, valid)
+
+
+def sum_adjacent(z: ZSet, h: np.ndarray) -> ZSet:
+    """``z`` with its runs of adjacent equal rows summed, flagged distinct (invariant 2), when equal rows of ``z``
+    can only sit side by side with equal hashes ``h[i]`` (a linear aggregate's step emits a group's new and old
+    row next to each other, in key-hash order; rows of other groups differ in their keys): a consolidation that
+    sorts nothing (csrc/zset.h)."""
+    if z.num_rows == 0 or z._distinct:
+        return z
+    found = _zset.sum_adjacent(z._data, z._w, h)
+    if found is None:
+        return ZSet._make(z._data, z._w, distinct=True)
+    idx, w = found
+    return ZSet._make(_take(z._data, idx), np.ascontiguousarray(w), distinct=True)
 
 
 def merger(a: IndexedZSet, b: IndexedZSet, row_hashes: bool = False) -> Any:

@@ -41,8 +41,8 @@ from dbsp_core.operators.base import Operator, check_columns, concat, conform, e
 from dbsp_core import _zset
 from dbsp_core.time.cleanup import prune
 from dbsp_core.time.lineage import input_times
-from dbsp_core.trace import Trace, unique_sorted
-from dbsp_core.zset import IndexedZSet, ZSet
+from dbsp_core.trace import Trace, summable, unique_sorted
+from dbsp_core.zset import IndexedZSet, ZSet, sum_adjacent
 
 if TYPE_CHECKING:
     from dbsp_core.runtime.context import StepContext
@@ -175,7 +175,7 @@ def reduce_groups(ix: "IndexedZSet", kernel: list[tuple[str, str | None]]) -> pa
         else:
             kern.append((kind, col))
     if extra:
-        from dbsp_core.zset import IndexedZSet, ZSet
+        from dbsp_core.zset import IndexedZSet, ZSet, sum_adjacent
 
         for name, col in extra.items():
             data = data.append_column(name, col)
@@ -269,10 +269,11 @@ class _LinearState:
 
     A step groups the change's partial rows once (a C hash grouping that keeps groups whose weights sum to 0,
     since a partial row stands for several rows: their sums need not be 0), then reads each group's old totals
-    with one probe into the trace's key index (trace invariant 11; for keys with string columns, or while the
-    index is off or stale, a galloping C walk over every trace batch that sums the matching partial rows in
-    place). New totals are old plus the change's sums; only groups whose totals changed produce output and
-    trace rows.
+    with one probe into the trace's key index (trace invariant 11) and stores its new ones there, all in one C
+    call (``_zset.linear_step``); for keys with string columns, or while the index is off or stale, the old
+    totals come from a galloping C walk over every trace batch that sums the matching partial rows in place, and
+    the trace's insert updates an index it keeps. New totals are old plus the change's sums; only groups whose
+    totals changed produce output and trace rows.
     """
 
     def __init__(self, op: Aggregate) -> None:
@@ -285,11 +286,41 @@ class _LinearState:
         self.combine = [("sum", nk + j) for j in range(len(self.p))]  # the p_j columns of pschema
         self.kschema = pa.schema(list(self.pschema)[:nk])  # the key columns of pschema
         self.trace = Trace(self.pschema, op.keys)
+        self.spec = ("key", tuple(self.p))
+        self.slotpos = tuple(nk + j for j in range(len(self.p)))  # the p_j columns of pschema
         self.trace.keep_index(tuple(self.p))  # a group's old totals in one probe (trace invariant 11)
 
     def traces(self) -> dict[str, Trace]:
         """The operator's state, by name (each trace can be read per shard)."""
         return {"partials": self.trace}
+
+    def _through_index(self, view: "_zset.BatchView") -> tuple | None:
+        """The step's groups and rows through the trace's key index in one C call (``_zset.linear_step``), which
+        also stores the new totals in the index; None when the trace cannot serve it (no index, or a stale one)."""
+        ix = self.trace.index_for_update(self.spec)
+        if ix is None:
+            return None
+        try:
+            rows, w, kh, rh, vals, ordered = _zset.linear_step(view, self.keypos, self.slotpos, ix)
+        except WeightOverflowError:
+            self.trace.index_done(ix)  # refused before anything was stored
+            raise
+        except (MemoryError, ValueError):
+            if not ix.broken:
+                raise
+            self.trace.index_done(ix, failed=True)  # the index's memory or size limit: walk the batches instead
+            return None
+        return rows, w, kh, vals, rh, ordered, ix
+
+    def _through_batches(self, view: "_zset.BatchView", data: pa.Table) -> tuple:
+        """The same as :meth:`_through_index` by a grouping pass, old totals read with :meth:`Trace.key_sums` (the
+        index, or a galloping walk over every batch), and the fold."""
+        # the change's groups (group_row: a row carrying the key), their key hashes (ascending) and partial sums
+        group_row, khash, delta, _, _ = _zset.group_reduce(view, None, self.keypos, self.combine, True)
+        old = self.trace.key_sums(data, self.keys, khash, group_row, self.p, view)
+        # the changed groups' rows of new (+1) and old (-1) totals, in index order (csrc/fold.h)
+        grp, w, kh, vals, ordered = _zset.linear_fold(old, delta, khash)
+        return group_row[grp], w, kh, vals, None, ordered, None
 
     def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
@@ -300,24 +331,28 @@ class _LinearState:
         z = conform(z, self.pschema)
         data = z.data
         view = _zset.BatchView(data, z.weights)  # one view for the grouping pass, the probes and the take
-        # the change's groups (group_row: a row carrying the key), their key hashes (ascending) and partial sums
-        group_row, khash, delta, _, _ = _zset.group_reduce(view, None, self.keypos, self.combine, True)
-        old = self.trace.key_sums(data, self.keys, khash, group_row, self.p, view)
-        try:  # the changed groups' rows of new (+1) and old (-1) totals, in index order (csrc/fold.h)
-            grp, w, kh, vals, ordered = _zset.linear_fold(old, delta, khash)
+        try:
+            found = self._through_index(view) or self._through_batches(view, data)
         except WeightOverflowError:
             raise WeightOverflowError(f"{op.label}: a group's count or integer sum overflows int64") from None
-        if len(grp) == 0:
+        rows, w, kh, vals, rh, ordered, ix = found  # per output row: the change's row carrying its key, ...
+        if len(rows) == 0:
+            if ix is not None:
+                self.trace.index_done(ix)
             return empty(op.schema)
-        keys = _zset.take(view, group_row[grp], self.kschema, self.keypos)
+        keys = _zset.take(view, rows, self.kschema, self.keypos)
         partials = pa.Table.from_arrays(list(keys.columns) + [pa.array(vals[j]) for j in range(len(self.p))],
                                         schema=self.pschema)
         if ordered:  # groups by key hash, a group's two rows by row hash: the trace batch as it stands
             batch = IndexedZSet._make(ZSet._make(partials, w), tuple(self.keys), kh)
+            if rh is not None:
+                batch._rh = rh  # the row hashes of (keys, slots), which the fold computed (trace merges use them)
         else:  # a key-hash or row-hash tie (rare): values decide the order
             batch = make(partials, w, self.pschema).index_by(self.keys)
-        self.trace.insert(batch)
-        return make(op.finalize(partials), w, op.schema)
+        self.trace.insert(batch, indexed=ix)
+        # a group's new and old rows sit side by side: they cancel when the view's columns did not change (a sum
+        # that a 0 left as it was), and rows of two groups differ in their keys, so no sort makes it distinct
+        return sum_adjacent(make(op.finalize(partials), w, op.schema), kh)
 
 
 class _ExtremesState:
@@ -361,6 +396,15 @@ class _ExtremesState:
         self.cschema = pa.schema(fields)
         self.aggs = tuple(aggs)
         self.names = tuple(f.name for f in fields)  # reduce output: the keys, then one column per agg
+        # the one-pass step (csrc/extremes.h) through a key index of the totals: per group its slots, then one
+        # "not null" flag per extreme; only where every extreme's values sum as int64 (integers, dates, timestamps)
+        self.keypos = tuple(op.in_schema.get_field_index(k) for k in op.keys)
+        self.slot_specs = tuple((kind, None if col is None else op.in_schema.get_field_index(col))
+                                for kind, col in op.kernel)
+        self.spec = ("key", tuple(f"s_{j}" for j in range(len(op.kernel)))
+                     + tuple(("valid", f"s_{j}") for j, _, _ in self.ext))
+        if not (all(summable(slot_type[j]) for j, _, _ in self.ext) and self.totals.keep_index(self.spec[1])):
+            self.spec = None
 
     def traces(self) -> dict[str, Trace]:
         """The operator's state, by name (each trace can be read per shard)."""
@@ -463,6 +507,104 @@ class _ExtremesState:
             if proj.num_rows:
                 trace: Trace = getattr(self, attr)
                 trace.insert(make(proj, w, trace.schema).index_by(self.keys))
+        ix = self.totals.index_for_update(self.spec) if self.spec is not None else None
+        if ix is not None:
+            try:
+                out = self._through_index(dix, ix)
+            except WeightOverflowError:
+                self.totals.index_done(ix)  # refused before anything was stored
+                raise
+            except (MemoryError, ValueError):
+                if not ix.broken:
+                    raise
+                self.totals.index_done(ix, failed=True)  # the index's memory or size limit: read the batches
+                out = None
+            if out is not None:
+                return out
+        return self._through_totals(dix)
+
+    def _through_index(self, dix: "IndexedZSet", ix: object) -> "ZSet | None":
+        """The step's totals through the key index of the totals (csrc/extremes.h): each group's old totals in one
+        probe, new ones folded in C, the few extremes a deleted value reached recomputed from the value multisets,
+        then the changed groups' rows and the index's new values; None (nothing stored) when two recomputed groups'
+        keys share a hash, which the caller then reads from the batches."""
+        op = self.op
+        view = dix._view()
+        group_row, gkh, old, nw, need = _zset.extremes_probe(view, self.keypos, self.slot_specs, ix)
+        if need.any() and not self._recompute_into(dix, group_row, gkh, np.flatnonzero(need), nw):
+            self.totals.index_done(ix)
+            return None
+        grp, w = _zset.extremes_store(view, self.keypos, group_row, gkh, old, nw, ix)
+        if len(grp) == 0:
+            self.totals.index_done(ix)
+            return empty(op.schema)
+        vals = np.where((w > 0)[:, None], nw[grp], old[grp])
+        nk, ns = len(self.keys), len(op.kernel)
+        keys = _zset.take(view, group_row[grp], pa.schema(list(self.sschema)[:nk]), list(self.keypos))
+        cols = list(keys.columns)
+        ext = {j: e for e, (j, _, _) in enumerate(self.ext)}
+        for j in range(ns):
+            typ = self.sschema.field(nk + j).type
+            if j in ext:
+                cols.append(_int_array(vals[:, j], typ, vals[:, ns + ext[j]] == 0))
+            else:
+                cols.append(pa.array(vals[:, j], pa.int64()))
+        table = pa.Table.from_arrays(cols, schema=self.sschema)
+        self.totals.insert(make(table, w, self.sschema).index_by(self.keys), indexed=ix)
+        # a group's old and new rows sit side by side: they cancel when the view's columns did not change
+        return sum_adjacent(make(op.finalize(table), w, op.schema), gkh[grp])
+
+    def _recompute_into(self, dix: "IndexedZSet", group_row: np.ndarray, gkh: np.ndarray, need: np.ndarray,
+                        nw: np.ndarray) -> bool:
+        """Fill in ``nw`` the extremes of groups ``need`` (positions into the probe's groups), reduced over their
+        whole value multisets (csrc/extremes.h design note 2); False when two keys share a hash (the caller then
+        takes the path that matches rows by key)."""
+        from dbsp_core.zset import ZSet
+
+        ns = len(self.op.kernel)
+        hashes = gkh[need]
+        want = unique_sorted(hashes)
+        if len(want) != len(hashes):
+            return False
+        nk = len(self.keys)
+        keys = _zset.take(dix._view(), group_row[need], pa.schema(list(self.sschema)[:nk]), list(self.keypos))
+        for col, attr in self.val_cols:
+            trace: Trace = getattr(self, attr)
+            vals = lookup_exact(trace, want, trace.schema).consolidate()
+            pos_rows = vals.weights > 0  # an extreme is over values with positive weight
+            if not pos_rows.all():
+                vals = ZSet._make(vals.data.filter(pa.array(pos_rows)), vals.weights[pos_rows])
+            if vals.num_rows:
+                vix = vals.index_by(self.keys)
+                group, khash, ivals, _, valid = _zset.reduce(vix._view(), None, None, vix._keypos,
+                                                             [("min", nk), ("max", nk)])
+            else:
+                group = khash = np.zeros(0, np.int64)
+            pos = np.searchsorted(khash.astype(np.uint64), hashes) if len(group) else np.zeros(len(hashes), np.int64)
+            found = pos < len(group)
+            found[found] = khash.astype(np.uint64)[pos[found]] == hashes[found]
+            if found.any():  # the found groups' keys must be the asked keys, not a hash collision's
+                got = vix.zset.data.select(self.keys).take(pa.array(group[pos[found]], pa.int64()))
+                asked = keys.filter(pa.array(found))
+                if not all(got.column(k).equals(asked.column(k)) for k in self.keys):
+                    return False
+            for e, (j, kind, c) in enumerate(self.ext):
+                if c != col:
+                    continue
+                rows = ivals[pos[found], 0 if kind == "min" else 1] if found.any() else np.zeros(0, np.int64)
+                best = np.zeros(len(hashes), np.int64)
+                if found.any():
+                    v = vix.zset.data.column(col).take(pa.array(rows, pa.int64())).combine_chunks()
+                    best[found] = _int64_values(v)
+                nw[need, j] = best
+                nw[need, ns + e] = found.astype(np.int64)
+        return True
+
+    def _through_totals(self, dix: "IndexedZSet") -> "ZSet":
+        """The step's totals read from the batches of the totals trace, folded by one grouping pass (the class's
+        docstring); extremes whose deleted values reached them re-reduced over their value multisets."""
+        op = self.op
+        change = dix.zset
         old_z = lookup_exact(self.totals, unique_sorted(dix.key_hash), self.sschema).consolidate()
         if old_z.num_rows and not bool((old_z.weights == 1).all()):
             raise DbspError(f"{op.label}: aggregate state holds a group with weight other than 1 "
@@ -488,6 +630,29 @@ class _ExtremesState:
         if delta.num_rows:
             self.totals.insert(delta.index_by(self.keys))
         return op.output(new, prev)
+
+
+def _int64_values(arr: pa.Array) -> np.ndarray:
+    """The values of a null-free integer-like array (integers, date32, timestamps) as int64, as the key index holds
+    them (csrc/extremes.h)."""
+    if pa.types.is_timestamp(arr.type):
+        arr = arr.view(pa.int64())
+    elif pa.types.is_date32(arr.type):
+        arr = arr.view(pa.int32())
+    return arr.to_numpy().astype(np.int64, copy=False)
+
+
+def _int_array(values: np.ndarray, typ: pa.DataType, null: np.ndarray) -> pa.Array:
+    """An Arrow array of integer-like type ``typ`` (integers, date32, timestamps) from int64 ``values``, null where
+    ``null`` (the key index holds such extremes as int64: csrc/extremes.h)."""
+    mask = null if null.any() else None
+    if pa.types.is_int64(typ):
+        return pa.array(values, pa.int64(), mask=mask)
+    if pa.types.is_timestamp(typ):
+        return pa.array(values, pa.int64(), mask=mask).view(typ)
+    if pa.types.is_date32(typ):
+        return pa.array(values.astype(np.int32), pa.int32(), mask=mask).view(typ)
+    return pa.array(values.astype(typ.to_pandas_dtype()), typ, mask=mask)
 
 
 def _joined(parts: list, typ: pa.DataType) -> pa.Array:

@@ -27,7 +27,7 @@ from dbsp_core.errors import SchemaError
 from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, make
 from dbsp_core.time.cleanup import prune_trace
 from dbsp_core.time.lineage import input_times
-from dbsp_core.trace import Trace, unique_sorted
+from dbsp_core.trace import Trace
 from dbsp_core.zset import ZSet
 
 if TYPE_CHECKING:
@@ -73,9 +73,6 @@ def join_schema(left: pa.Schema, right: pa.Schema, left_on: Sequence[str], right
     return pa.schema(fields), kept
 
 
-DENSE = 4.0  # join a change against a whole trace batch when the batch has < 4 rows per changed key
-
-
 class Join(Operator):
     """Inner equi-join of two streams on ``left_on`` = ``right_on``."""
 
@@ -115,16 +112,17 @@ class Join(Operator):
 
 def inner_change(op: Join, left: Trace, right: Trace, da: "IndexedZSet | None", db: "IndexedZSet | None"
                  ) -> list["ZSet"]:
-    """The inner join's change ``da JOIN (R + db) + L JOIN db`` (invariant 1) for the outer and semi joins, which
-    look up only the changed keys: inserts ``db`` into ``right``; the caller inserts ``da`` into ``left`` after."""
+    """The inner join's change ``da JOIN (R + db) + L JOIN db`` (invariant 1), as the join operator computes it: a
+    change joined with each whole trace batch (the kernel gallops over the batch's key hashes, so no rows are
+    copied out first). Inserts ``db`` into ``right``; the caller inserts ``da`` into ``left`` after."""
     parts = []
     if db is not None:
         right.insert(db)
-    if da is not None:
-        for batch in right.lookup(unique_sorted(da.key_hash), DENSE):
+    if da is not None and len(da):
+        for batch in right.batches:
             parts.append(op.pairs(da, batch))
-    if db is not None:
-        for batch in left.lookup(unique_sorted(db.key_hash), DENSE):
+    if db is not None and len(db):
+        for batch in left.batches:
             parts.append(op.pairs(batch, db))
     return parts
 
@@ -149,17 +147,7 @@ class _JoinState:
         a, b = inputs
         da = conform(a, op.lschema).index_by(list(op.left_on)) if a.num_rows else None
         db = conform(b, op.rschema).index_by(list(op.right_on)) if b.num_rows else None
-        parts = []
-        if db is not None:
-            self.right.insert(db)
-        # the join kernel gallops over the other side's key hashes, so a change is joined with each whole trace
-        # batch: its cost grows with the change (and the matches), and no rows are copied out of the batch first
-        if da is not None and len(da):
-            for batch in self.right.batches:
-                parts.append(op.pairs(da, batch))
-        if db is not None and len(db):
-            for batch in self.left.batches:
-                parts.append(op.pairs(batch, db))
+        parts = inner_change(op, self.left, self.right, da, db)
         if da is not None:
             self.left.insert(da)
         return concat(parts, op.schema)  # unconsolidated: a consumer that needs it consolidates once

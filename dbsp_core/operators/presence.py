@@ -10,7 +10,8 @@ Invariants (enforced here; every caller keeps the order of calls):
      -1). The right side's per-key row counts before and after the step come from one grouping pass over the
      right rows of the touched keys, so the cost grows with the change and the rows of its keys; when the right
      trace keeps a key index of its weights (trace invariant 11) and both sides' key types are equal, the old
-     counts come from it instead (one probe per touched key) and the grouping pass sees only the change's keys.
+     counts come from it instead (one probe per touched key) and the grouping pass sees only the change's keys;
+     in a step that changes only the left side, each new left row's key is probed once and nothing is grouped.
   3. The parts are returned as ``(batch, rows, weights)``: indices into an indexed left batch and the weights
      of the chosen rows, so a caller builds what it outputs (padded rows, plain rows) with one take.
   4. ``PresenceState`` is what the states of those joins share: the two traces, each step's changes indexed by
@@ -113,6 +114,17 @@ def unmatched_change(presence: Presence, left: Trace, right: Trace, dl: "Indexed
     """The change of the left rows without a right match (invariants 1-3), as ``[(batch, rows, weights)]``."""
     if dl is None and dr is None:
         return []
+    if dr is None and len(dl):  # the right side does not change: no key flips, only the new left rows count
+        found = right.key_weights(dl.zset.data, list(dl.key), dl.key_hash, np.arange(len(dl), dtype=np.int64),
+                                  dl._view())
+        if found is not None:  # each new left row's key probed once in the right trace's key index (invariant 2)
+            nomatch = found <= 0
+            for k in dl.key:  # a null key never matches (the index counts it as a key like any other)
+                col = dl.zset.data.column(k)
+                if col.null_count:
+                    nomatch |= col.is_null().to_numpy(zero_copy_only=False)
+            miss = np.flatnonzero(nomatch)
+            return [(dl, miss, dl.zset.weights[miss])] if len(miss) else []
     counts = presence.right_counts(right, dl, dr)
     nk = len(presence.right_on)
     new_n = counts.column(nk).to_numpy() if counts is not None else np.zeros(0, dtype=np.int64)

@@ -573,6 +573,8 @@ class Pipeline:
             z = data
         elif isinstance(data, (pa.Table, pa.RecordBatch)):
             table = pa.Table.from_batches([data]) if isinstance(data, pa.RecordBatch) else data
+            if weights is None and table.schema.equals(schema):  # the input's own schema (its types were checked
+                return ZSet._make(table, np.ones(table.num_rows, dtype=np.int64))  # when declared): rows at +1
             wname = weight_column(schema)  # the to_arrow() form: data columns + the weight column
             if weights is None and table.num_columns == len(schema) + 1 and table.schema.names[-1] == wname:
                 col = table.column(len(schema))

@@ -6,9 +6,11 @@ Invariants (enforced here):
   2. A step runs every live node (one that feeds an output) in id order on every worker; each worker reaches
      each exchange exactly once, so the barrier at an exchange is met by all W workers or the step fails
      (a failing worker aborts the barrier, releasing the others).
-  3. A step's output for a handle is the consolidated sum of the workers' outputs. Because keyed operators
-     see all rows of a key in one worker and linear operators commute with the sum, results do not depend
-     on W, on the layout, nor on how input is split into steps.
+  3. A step's output for a handle is the consolidated sum of the workers' outputs: sorted into canonical order,
+     unless each worker's output is distinct already (zset.py invariant 2) and rows of two workers cannot be
+     equal (the output is sharded by columns it keeps), when their concatenation is handed over as it is.
+     Because keyed operators see all rows of a key in one worker and linear operators commute with the sum,
+     results do not depend on W, on the layout, nor on how input is split into steps.
   4. With storage, worker ``w``'s state lives in ``state/worker-<w>.db`` (dbsp_core.storage.formats), grouped by
      shard (dbsp_core.storage.snapshot), in the version the coordinator last committed; the workers' step
      counters advance with every step and must all equal the checkpoint's step.
@@ -149,6 +151,10 @@ class EmbeddedExecutor:
     def start(self, circuit: Circuit, layout: Layout, storage: str | None) -> None:
         self.circuit, self.storage = circuit, storage
         self._out_schemas = {name: circuit.nodes[i].schema for name, i in circuit.outputs.items()}
+        # outputs whose rows in two workers always differ: sharded by columns they keep (equal rows, equal shard)
+        self._disjoint = {name: circuit.nodes[i].partitioning is not None
+                          and set(circuit.nodes[i].partitioning) <= set(circuit.nodes[i].schema.names)
+                          for name, i in circuit.outputs.items()}
         self._live = live_nodes(circuit)
         self._groupings = groupings(circuit)
         self._build(layout)
@@ -284,8 +290,15 @@ class EmbeddedExecutor:
         if self._coord is not None:
             for st in self._coord.stores:
                 st.advance()
-        return {name: concat([r[name] for r in results], schema).consolidate()
-                for name, schema in self._out_schemas.items()}
+        out = {}
+        for name, schema in self._out_schemas.items():
+            parts = [r[name] for r in results]
+            z = concat(parts, schema)
+            if z._distinct or (self._disjoint[name] and all(p._distinct for p in parts)):  # invariant 3: distinct
+                out[name] = z if z._distinct else ZSet._make(z.data, z.weights, distinct=True)  # parts need no sort
+            else:
+                out[name] = z.consolidate()
+        return out
 
     # ---- live layout changes ----
 

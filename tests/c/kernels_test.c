@@ -769,6 +769,43 @@ static void test_keyindex(int64_t n, int64_t kdom) {
     free(acc); free(kh); tb_free(&t);
 }
 
+/* the key index growing a few slots per row (keyindex.h invariant 5): rows added in small chunks, every invariant
+ * checked after each, give the sums of one bulk add of the same rows (checked against naive sums above), and
+ * taking every row out again in chunks empties it */
+static void test_keyindex_growing(int64_t n, int64_t kdom, int64_t chunk) {
+    TBatch t;
+    tb_make(&t, n, kdom, -2, 2);
+    int32_t key = 0, types[1] = { DBSP_INT64 }, cols[2] = { -1, 0 };
+    uint64_t *kh = malloc((size_t)n * 8);
+    CHECK(dbsp_hash_columns(&t.b, &key, 1, kh) == DBSP_OK);
+    DbspKeyIndex *bulk = NULL, *ix = NULL;
+    CHECK(dbsp_keyindex_new(types, 1, 2, 0, &bulk) == DBSP_OK && dbsp_keyindex_new(types, 1, 2, 0, &ix) == DBSP_OK);
+    CHECK(dbsp_keyindex_add(bulk, &t.b, &key, kh, cols, 1) == DBSP_OK);
+    int growing = 0;
+    for (int sign = 1; sign >= -1; sign -= 2) {
+        for (int64_t s = 0; s < n; s += chunk) {
+            DbspColumn c[2] = { t.cols[0], t.cols[1] };
+            c[0].offset += s, c[1].offset += s;
+            DbspBatch part = { n - s < chunk ? n - s : chunk, 2, c, t.w + s };
+            CHECK(dbsp_keyindex_add(ix, &part, &key, kh + s, cols, sign) == DBSP_OK);
+            CHECK(dbsp_keyindex_check(ix) == DBSP_OK);
+            growing += dbsp_keyindex_growing(ix);
+        }
+        if (sign == 1) {
+            int64_t *a = calloc((size_t)n * 2, 8), *b = calloc((size_t)n * 2, 8);
+            CHECK(dbsp_keyindex_get(ix, &t.b, &key, NULL, kh, n, a) == DBSP_OK);
+            CHECK(dbsp_keyindex_get(bulk, &t.b, &key, NULL, kh, n, b) == DBSP_OK);
+            CHECK(memcmp(a, b, (size_t)n * 16) == 0 && dbsp_keyindex_len(ix) == dbsp_keyindex_len(bulk));
+            free(a); free(b);
+        }
+    }
+    CHECK(growing > 0);  /* the chunks met the index while it grew */
+    CHECK(dbsp_keyindex_len(ix) == 0 && dbsp_keyindex_check(ix) == DBSP_OK);
+    dbsp_keyindex_free(bulk);
+    dbsp_keyindex_free(ix);
+    free(kh); tb_free(&t);
+}
+
 int main(void) {
     test_consolidate(0, 10, 0);
     test_consolidate(1, 10, 0);
@@ -803,6 +840,8 @@ int main(void) {
     test_keyindex(0, 10);
     test_keyindex(300, 40);
     test_keyindex(3000, 100000);  /* grows past several resizes */
+    test_keyindex_growing(60000, 200000, 97);
+    test_keyindex_growing(5000, 300, 7);  /* few keys: updates and removals while it grows */
     if (failures) { fprintf(stderr, "%d failures\n", failures); return 1; }
     printf("kernels_test: all checks passed\n");
     return 0;

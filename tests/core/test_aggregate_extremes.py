@@ -77,3 +77,79 @@ def test_min_max_long_run(workers: int, seed: int) -> None:
         view = Counter({r: w for r, w in view.items() if w})
         assert dict(view) == _model(bag), f"step {step}"
     p.close()
+
+
+INT_SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int32()), ("t", pa.timestamp("ms")), ("d", pa.date32())])
+
+
+def _int_model(bag: Counter) -> dict:
+    groups: dict = {}
+    for (k, v, t, d), w in bag.items():
+        g = groups.setdefault(k, {"n": 0, "v": [], "t": [], "d": [], "total": 0, "nv": 0})
+        g["n"] += w
+        for name, x in (("v", v), ("t", t), ("d", d)):
+            if x is not None:
+                g[name] += [x] * w
+        if v is not None:
+            g["total"] += v * w
+            g["nv"] += w
+    return {(k, g["n"], min(g["v"], default=None), max(g["v"], default=None), max(g["t"], default=None),
+             min(g["d"], default=None), g["total"] if g["nv"] else None): 1 for k, g in groups.items() if g["n"]}
+
+
+@pytest.mark.parametrize("workers,seed,storage", [(1, 4, False), (2, 5, False), (1, 6, True), (2, 7, True)])
+def test_min_max_through_the_key_index_long_run(tmp_path, workers: int, seed: int, storage: bool) -> None:
+    """Extremes of integer-like columns only (int32, timestamp, date32): a step folds each group's totals through
+    the key index of the totals trace (csrc/extremes.h) and recomputes only extremes that a deleted value reached.
+    Views match the model after every step; the totals' index agrees with their batches (Trace.check); with
+    storage, the pipeline is reopened from its checkpoint every 40 steps (the index is then rebuilt from the
+    batches, its "not null" flags included)."""
+    import datetime
+
+    rng = np.random.default_rng(seed)
+    c = dbsp.Circuit()
+    src = c.input("t", INT_SCHEMA)
+    c.output("g", src.group_by("k").agg(n=dbsp.count(), lo=dbsp.min("v"), hi=dbsp.max("v"), last=dbsp.max("t"),
+                                        first=dbsp.min("d"), total=dbsp.sum("v")))
+    kw = {"storage": str(tmp_path / "s")} if storage else {}
+    p = dbsp.Pipeline(c, workers=workers, **kw)
+    indexed = [tr for w in range(workers) for name, tr in p.traces(w).items() if name.endswith("totals")]
+    assert indexed and all(tr.index_spec is not None for tr in indexed), "the totals keep no key index"
+    bag: Counter = Counter()
+    view: Counter = Counter()
+    epoch = datetime.datetime(2026, 1, 1)
+    for step in range(160):
+        delta: Counter = Counter()
+        for _ in range(int(rng.integers(0, 12))):
+            present = [r for r, w in (bag + delta).items() if w > 0]
+            roll = rng.random()
+            if present and roll < 0.45:  # delete, often a group's current extreme
+                if roll < 0.3:
+                    k = present[int(rng.integers(len(present)))][0]
+                    rows = [r for r in present if r[0] == k and r[1] is not None]
+                    if rows:
+                        delta[max(rows, key=lambda r: r[1]) if roll < 0.15 else min(rows, key=lambda r: r[1])] -= 1
+                        continue
+                delta[present[int(rng.integers(len(present)))]] -= 1
+            else:
+                k = None if rng.random() < 0.05 else int(rng.integers(0, 20))
+                v = None if rng.random() < 0.1 else int(rng.integers(-30, 30))
+                t = None if rng.random() < 0.1 else epoch + datetime.timedelta(seconds=int(rng.integers(0, 50)))
+                d = None if rng.random() < 0.1 else datetime.date(2026, 1, 1 + int(rng.integers(0, 20)))
+                delta[(k, v, t, d)] += int(rng.choice([1, 1, 2]))
+        delta = Counter({r: w for r, w in delta.items() if w})
+        bag.update(delta)
+        bag = Counter({r: w for r, w in bag.items() if w})
+        if delta:
+            p.push("t", dbsp.ZSet.from_rows(list(delta), INT_SCHEMA, weights=list(delta.values())))
+        for r, w in p.step()["g"].to_dict().items():
+            view[r] += w
+        view = Counter({r: w for r, w in view.items() if w})
+        assert dict(view) == _int_model(bag), f"step {step}"
+        for w in range(workers):
+            for tr in p.traces(w).values():
+                tr.check()
+        if storage and step % 40 == 39:
+            p.close()
+            p = dbsp.Pipeline.open(str(tmp_path / "s"), c)
+    p.close()

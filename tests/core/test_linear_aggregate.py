@@ -103,3 +103,127 @@ def test_linear_fold_overflow_emits_nothing():
     old = np.array([[1, 2**63 - 1]], np.int64)
     with pytest.raises(WeightOverflowError):
         _zset.linear_fold(old, np.array([[1, 1]], np.int64), np.array([5], np.uint64))
+
+
+INT_SCHEMA = pa.schema([("k", pa.int64()), ("j", pa.int32()), ("v", pa.int64())])
+int_rows = st.tuples(st.one_of(st.none(), st.integers(0, 6)), st.integers(0, 2), st.one_of(st.none(), st.integers(-5, 5)))
+
+
+@given(st.lists(st.lists(st.tuples(int_rows, st.sampled_from([1, 1, 2, -1])), max_size=12), min_size=1, max_size=6),
+       st.sampled_from([1, 2]))
+def test_linear_aggregate_through_the_key_index_matches_model(steps, workers):
+    """Fixed-width keys: a step reads and stores totals through the key index in one call (_zset.linear_step);
+    views match the model and every trace's batches and index agree (Trace.check)."""
+    c = dbsp.Circuit()
+    t = c.input("t", INT_SCHEMA)
+    c.output("g", t.group_by("k", "j").agg(n=dbsp.count(), total=dbsp.sum("v"), nv=dbsp.count("v")))
+    bag: dict = {}
+    view: dict = {}
+    with dbsp.Pipeline(c, workers=workers) as p:
+        kept = [tr for wk in range(workers) for tr in p.traces(wk).values() if tr.index_spec is not None]
+        assert kept, "the aggregate's trace keeps no key index: the test would not exercise linear_step"
+        for step in steps:
+            for r, w in step:
+                if w < 0 and bag.get(r, 0) <= 0:
+                    continue
+                bag[r] = bag.get(r, 0) + w
+                p.push("t", dbsp.ZSet.from_rows([r], INT_SCHEMA, weights=[w]))
+            for row, w in p.step()["g"].to_dict().items():
+                view[row] = view.get(row, 0) + w
+            view = {r: w for r, w in view.items() if w}
+            assert all(w == 1 for w in view.values())
+            assert {(k, j): (n, tot, nv) for (k, j, n, tot, nv) in view} == _model(bag)
+            for tr in kept:
+                tr.check()
+
+
+@given(st.lists(st.lists(st.tuples(st.one_of(st.none(), st.integers(0, 40)), st.integers(-3, 3),
+                                   st.sampled_from([1, 1, 2, -1, -2])), max_size=40), min_size=1, max_size=8))
+def test_linear_step_equals_the_fold_over_a_separately_kept_index(steps):
+    """_zset.linear_step (group, probe, fold, store in one call) gives linear_fold's rows for the old totals of an
+    index kept by adding every emitted row, the row hashes of those rows, and leaves its index equal to that one."""
+    import numpy as np
+
+    schema = pa.schema([("k", pa.int64()), ("p_0", pa.int64()), ("p_1", pa.int64())])
+    fused, kept = _zset.KeyIndex([pa.int64()], 2), _zset.KeyIndex([pa.int64()], 2)
+    seen: set = set()
+    for step in steps:
+        if not step:
+            continue
+        t = pa.table({"k": pa.array([r[0] for r in step], pa.int64()), "p_0": pa.array([1] * len(step), pa.int64()),
+                      "p_1": pa.array([r[1] for r in step], pa.int64())}, schema=schema)
+        w = np.array([r[2] for r in step], np.int64)
+        view = _zset.BatchView(t, w)
+        rows, fw, fkh, rh, fvals, ordered = _zset.linear_step(view, (0,), (1, 2), fused)
+        # the same step the long way: group, read the other index, fold
+        group_row, khash, delta, _, _ = _zset.group_reduce(view, None, (0,), [("sum", 1), ("sum", 2)], True)
+        old = np.zeros((len(group_row), 2), np.int64)
+        if len(group_row):
+            kept.get(view, [0], khash, old, sel=group_row)
+        grp, w2, kh2, vals2, ordered2 = _zset.linear_fold(old, delta, khash)
+        assert (rows == group_row[grp]).all() and (fw == w2).all() and (fkh == kh2).all()
+        assert (fvals == vals2).all() and ordered == ordered2
+        out = pa.table({"k": t.column("k").take(pa.array(rows, pa.int64())), "p_0": pa.array(fvals[0]),
+                        "p_1": pa.array(fvals[1])}, schema=schema)
+        if len(rows):
+            assert (rh == _zset.hash_columns(out, [0, 1, 2])).all()
+            kept.add(out, fw, [0], fkh, [1, 2])
+        fused.check()
+        seen.update(t.column("k").to_pylist())
+        probe = pa.table({"k": pa.array(sorted(seen, key=lambda x: (x is None, x)), pa.int64())})
+        ph = _zset.hash_columns(probe, [0])
+        a, b = np.zeros((len(seen), 2), np.int64), np.zeros((len(seen), 2), np.int64)
+        fused.get(probe, [0], ph, a)
+        kept.get(probe, [0], ph, b)
+        assert (a == b).all() and len(fused) == len(kept)
+
+
+def test_linear_step_overflow_leaves_the_index_unchanged():
+    import numpy as np
+    import pytest
+
+    from dbsp_core.errors import WeightOverflowError
+
+    ix = _zset.KeyIndex([pa.int64()], 2)
+    t = pa.table({"k": [1, 2], "p_0": [1, 1], "p_1": [5, 2**62]})
+    _zset.linear_step(_zset.BatchView(t, np.ones(2, np.int64)), (0,), (1, 2), ix)
+    big = pa.table({"k": [1, 2], "p_0": [1, 1], "p_1": [1, 2**62]})
+    with pytest.raises(WeightOverflowError):  # key 2's total would pass int64; key 1's must not be stored either
+        _zset.linear_step(_zset.BatchView(big, np.ones(2, np.int64)), (0,), (1, 2), ix)
+    acc = np.zeros((2, 2), np.int64)
+    ix.get(t, [0], _zset.hash_columns(t, [0]), acc)
+    assert acc.tolist() == [[1, 5], [1, 2**62]] and not ix.broken
+
+
+@given(st.lists(st.lists(st.tuples(st.integers(0, 4), st.integers(-2, 2), st.sampled_from([1, 1, -1])), max_size=8),
+                min_size=1, max_size=6), st.sampled_from([1, 2, 3]))
+def test_aggregate_output_is_distinct_without_a_sort(steps, workers):
+    """A step's change of a sum-only view: a group whose sum did not change (a 0 added, or +x -x) has equal new and
+    old rows, which cancel (zset.sum_adjacent); the output the pipeline hands over is distinct (no two equal rows, no
+    zero weight) without being sorted, and its integral is the model's."""
+    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    c = dbsp.Circuit()
+    c.output("g", c.input("t", schema).group_by("k").agg(total=dbsp.sum("v")))
+    bag: dict = {}
+    view: dict = {}
+    with dbsp.Pipeline(c, workers=workers) as p:
+        for step in steps:
+            for k, v, w in step:
+                if w < 0 and bag.get((k, v), 0) <= 0:
+                    continue
+                bag[(k, v)] = bag.get((k, v), 0) + w
+                p.push("t", dbsp.ZSet.from_rows([(k, v)], schema, weights=[w]))
+            out = p.step()["g"]
+            t = out.to_arrow()
+            rows = list(zip(t.column("k").to_pylist(), t.column("total").to_pylist()))
+            assert len(set(rows)) == len(rows) == len(out), "equal rows in a step's output"
+            assert 0 not in t.column("weight").to_pylist()
+            assert out.to_dict() == out.consolidate().to_dict()
+            for row, w in out.to_dict().items():
+                view[row] = view.get(row, 0) + w
+            view = {r: w for r, w in view.items() if w}
+            model: dict = {}
+            for (k, v), m in bag.items():
+                if m:
+                    model[k] = (model.get(k, (0, 0))[0] + m, model.get(k, (0, 0))[1] + v * m)
+            assert view == {(k, tot): 1 for k, (n, tot) in model.items() if n}

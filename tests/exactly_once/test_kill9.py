@@ -181,7 +181,10 @@ def test_kill9_seeds(tmp_path):
     print(f"\n{SEEDS} seeds, {kills} kill -9s, {sum(r['duplicates'] for r in results)} duplicate acks, "
           f"{sum(r['steps'] for r in results)} steps, {sum(r['truncated'] for r in results)} seeds with a "
           f"truncated input log, {time.time() - t0:.1f}s")
-    assert kills >= SEEDS // 2  # the kills really happen (most crash points are reached)
+    # the kills really happen: a seed's two runs are killed at a crash point the run may not reach (it finishes
+    # first) or on a timer it may outlive, so about half the seeds' runs end in a kill (measured over 200 seeds:
+    # 94-106 on this code and the code before it); the bound catches kills that stop happening, not their rate
+    assert kills >= SEEDS * 35 // 100
     assert sum(r["truncated"] for r in results) >= SEEDS // 10  # and GC really runs
 
 

@@ -1,0 +1,105 @@
+/* extremes.c: the min/max aggregate's step kernel (extremes.h). */
+#include <string.h>
+#include "extremes.h"
+#include "status.h"
+
+static inline int64_t ival(const DbspColumn *c, int64_t r) {
+    return c->type == DBSP_INT64 ? ((const int64_t *)c->values)[c->offset + r] : (int64_t)dbsp_col_u64(c, r);
+}
+
+static int holdable(int32_t t) {
+    int cls = dbsp_type_class(t);
+    return (cls == DBSP_CLASS_SIGNED || cls == DBSP_CLASS_UNSIGNED) && t != DBSP_UINT64;
+}
+
+int dbsp_extremes_probe(const DbspKeyIndex *ix, const DbspBatch *b, const uint64_t *kh, const int32_t *keys,
+                        int32_t nkeys, const DbspAggSpec *slots, int32_t ns, int64_t *group_row, uint64_t *gkh,
+                        int64_t *old, int64_t *nw, uint8_t *need, int64_t *ng) {
+    int32_t ne = 0;
+    for (int32_t j = 0; j < ns; j++) {
+        int32_t k = slots[j].kind;
+        if (k < DBSP_AGG_COUNT || k > DBSP_AGG_MAX) return DBSP_EINVAL;
+        if (k == DBSP_AGG_COUNT) continue;
+        if (slots[j].col < 0 || slots[j].col >= b->ncols) return DBSP_EINVAL;
+        if (!holdable(b->cols[slots[j].col].type)) return DBSP_ETYPE;
+        ne += k == DBSP_AGG_MIN || k == DBSP_AGG_MAX;
+    }
+    const int32_t V = ns + ne;
+    int64_t n = b->nrows, g = 0;
+    *ng = 0;
+    for (int64_t i = 0; i < n;) { /* the groups: runs of equal keys (design note 3) */
+        int64_t j = i + 1;
+        while (j < n && kh[j] == kh[i] && dbsp_row_cmp_eqfast(b, i, keys, b, j, keys, nkeys) == 0) j++;
+        group_row[g] = i;
+        gkh[g] = kh[i];
+        g++;
+        i = j;
+    }
+    memset(old, 0, (size_t)(g * V) * 8);
+    int st = dbsp_keyindex_get(ix, b, keys, group_row, gkh, g, old);
+    if (st != DBSP_OK) return st;
+    for (int64_t x = 0; x < g; x++) {
+        int64_t lo = group_row[x], hi = x + 1 < g ? group_row[x + 1] : n;
+        const int64_t *o = old + x * V;
+        int64_t *nv = nw + x * V;
+        need[x] = 0;
+        for (int32_t j = 0, e = 0; j < ns; j++) {
+            int32_t k = slots[j].kind;
+            const DbspColumn *c = k == DBSP_AGG_COUNT ? NULL : &b->cols[slots[j].col];
+            if (k == DBSP_AGG_MIN || k == DBSP_AGG_MAX) {
+                int is_min = k == DBSP_AGG_MIN, has_ins = 0, has_del = 0;
+                int64_t ins = 0, del = 0;
+                for (int64_t r = lo; r < hi; r++) {
+                    int64_t w = b->weights ? b->weights[r] : 1;
+                    if (w == 0 || !dbsp_col_valid(c, r)) continue;
+                    int64_t v = ival(c, r);
+                    if (w > 0) {
+                        if (!has_ins || (is_min ? v < ins : v > ins)) ins = v;
+                        has_ins = 1;
+                    } else {
+                        if (!has_del || (is_min ? v < del : v > del)) del = v;
+                        has_del = 1;
+                    }
+                }
+                int64_t valid = o[ns + e]; /* 1 while the old extreme is not null (design note 1) */
+                nv[j] = o[j], nv[ns + e] = valid;
+                if (has_del && (!valid || (is_min ? del <= o[j] : del >= o[j]))) {
+                    need[x] = 1; /* a deleted value reached the extreme: the caller recomputes it */
+                } else if (has_ins && (!valid || (is_min ? ins < o[j] : ins > o[j]))) {
+                    nv[j] = ins, nv[ns + e] = 1;
+                }
+                e++;
+                continue;
+            }
+            int64_t d = 0;
+            for (int64_t r = lo; r < hi; r++) {
+                int64_t w = b->weights ? b->weights[r] : 1, p;
+                if (k == DBSP_AGG_COUNT) p = w;
+                else if (!dbsp_col_valid(c, r)) continue;
+                else if (k == DBSP_AGG_COUNT_COL) p = w;
+                else if (__builtin_mul_overflow(ival(c, r), w, &p)) return DBSP_EOVERFLOW;
+                if (__builtin_add_overflow(d, p, &d)) return DBSP_EOVERFLOW;
+            }
+            if (__builtin_add_overflow(o[j], d, &nv[j])) return DBSP_EOVERFLOW;
+        }
+    }
+    *ng = g;
+    return DBSP_OK;
+}
+
+int dbsp_extremes_store(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int64_t ng, int32_t nv,
+                        const int64_t *group_row, const uint64_t *gkh, const int64_t *old, const int64_t *nw,
+                        int64_t *grp, int64_t *w, int64_t *n) {
+    int64_t k = 0;
+    *n = 0;
+    for (int64_t g = 0; g < ng; g++) {
+        const int64_t *o = old + g * nv, *x = nw + g * nv;
+        if (memcmp(o, x, (size_t)nv * 8) == 0) continue;
+        if (o[0] != 0) grp[k] = g, w[k] = -1, k++;
+        if (x[0] != 0) grp[k] = g, w[k] = 1, k++;
+        int st = dbsp_keyindex_put(ix, b, keys, group_row[g], gkh[g], x[0] != 0 ? x : NULL, 1, ng - g);
+        if (st != DBSP_OK) return st;
+    }
+    *n = k;
+    return DBSP_OK;
+}

@@ -1,0 +1,42 @@
+/* extremes.h: the min/max aggregate's step kernel: a step's groups folded into their totals (linear slots and
+ * extremes) read from and stored in a key index, recomputing an extreme only when a deleted value reached it.
+ *
+ * Design notes:
+ *  1. Slots follow the aggregate's kernel: COUNT, COUNT_COL and SUM (integer) are linear (new = old + the
+ *     change's sum); MIN and MAX are extremes of an integer-class column (dates and timestamps included, no
+ *     uint64, no floats), over values of rows with positive weight. The key index holds, per group, one value
+ *     per slot (an extreme as int64, 0 while null) and then, per extreme slot, 1 while the extreme is not null:
+ *     V = nslots + nextremes values. These are sums over the totals trace's content (keyindex.h: a weight times
+ *     a value, and a weight times "not null"), which per key is its one totals row, so a rebuild of the index
+ *     from the trace's batches gives them back.
+ *  2. A group's new extreme is the extreme of its old one and the change's inserted values, unless a deleted
+ *     value reaches the old extreme (for MIN: is not strictly greater) or the old extreme is null and values
+ *     are deleted: then need[g] is set and the caller recomputes it (value and "not null") from the group's
+ *     values. So an extreme turns null only through a recompute, or with its group's count at 0.
+ *  3. Groups are runs of the indexed change (canonical order for its key: equal keys are adjacent).
+ */
+#ifndef DBSP_EXTREMES_H
+#define DBSP_EXTREMES_H
+
+#include <stdint.h>
+#include "column.h"
+#include "keyindex.h"
+#include "agg.h"
+
+/* Phase 1. For each group of the indexed change b (key columns keys, key hashes kh ascending): group_row[g] (its
+ * first row), gkh[g], old[g * V + v] (the index's values, 0 when absent), nw[g * V + v] (the new ones, design
+ * note 2; an extreme to recompute is left as the old one), need[g]; *ng groups (room for b->nrows). Nothing is
+ * stored. DBSP_EOVERFLOW if a linear total leaves int64, DBSP_ETYPE for an extreme column it cannot hold. */
+int dbsp_extremes_probe(const DbspKeyIndex *ix, const DbspBatch *b, const uint64_t *kh, const int32_t *keys,
+                        int32_t nkeys, const DbspAggSpec *slots, int32_t ns, int64_t *group_row, uint64_t *gkh,
+                        int64_t *old, int64_t *nw, uint8_t *need, int64_t *ng);
+
+/* Phase 2, once the caller filled in the recomputed extremes: for each group whose new values differ from its
+ * old ones, in group order, a row of its old totals (weight -1, when its old count, value 0, is not 0) and one
+ * of its new totals (+1, when the new count is not 0): grp[k] (the group), w[k]; *n rows (room for 2 * ng);
+ * and the index then holds the new values (the key removed at a count of 0). Errors as dbsp_keyindex_put's. */
+int dbsp_extremes_store(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int64_t ng, int32_t nv,
+                        const int64_t *group_row, const uint64_t *gkh, const int64_t *old, const int64_t *nw,
+                        int64_t *grp, int64_t *w, int64_t *n);
+
+#endif
