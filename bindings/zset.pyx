@@ -1228,6 +1228,30 @@ cdef class KeyIndex:
             st = dbsp_keyindex_add(self.ix, &b.c, k.p, &pk[0], c.p, sign)
         check_status(st, "KeyIndex.add")
 
+    def add_distinct(self, table, weights, keys, khash, cols):
+        """:meth:`add` (sign +1) of rows with distinct keys, returning each row's sums before as an (n, nvals) int64
+        array, with one probe per row (csrc/keyindex.h). WeightOverflowError leaves the index unchanged; MemoryError
+        or ValueError (past ``max_bytes``) leave it broken."""
+        cdef BatchView b = view_of(table, weights)
+        cdef Int32s k = Int32s(keys)
+        cdef Int32s c = Int32s(cols)
+        kh = np.ascontiguousarray(khash, dtype=np.uint64)
+        if k.n != self.nkeys or c.n != self.nvals:
+            raise ValueError(f"KeyIndex.add_distinct: {k.n} keys and {c.n} columns for an index of {self.nkeys} and "
+                             f"{self.nvals}")
+        if kh.shape[0] != b.c.nrows:
+            raise ValueError(f"KeyIndex.add_distinct: {kh.shape[0]} key hashes for {b.c.nrows} rows")
+        old = np.zeros((b.c.nrows, self.nvals), dtype=np.int64)
+        if b.c.nrows == 0:
+            return old
+        cdef const uint64_t[::1] pk = kh
+        cdef int64_t[:, ::1] po = old
+        cdef int st
+        with nogil:
+            st = dbsp_keyindex_add_distinct(self.ix, &b.c, k.p, &pk[0], c.p, &po[0, 0])
+        check_status(st, "KeyIndex.add_distinct")
+        return old
+
     def check(self):
         """Raise AssertionError unless csrc/keyindex.h invariants 1-3 hold (tests)."""
         assert dbsp_keyindex_check(self.ix) == DBSP_OK, "KeyIndex invariants violated"
