@@ -43,6 +43,8 @@ cdef extern from "column.h" nogil:
         const CColumn *cols
         const int64_t *weights
 
+    int dbsp_type_width(int32_t t)
+
 cdef extern from "rows.h" nogil:
     ctypedef struct CRows "DbspRows":
         int64_t n
@@ -105,6 +107,8 @@ cdef extern from "cdata.h" nogil:
     int dbsp_cdata_view(const ArrowSchema *s, const ArrowArray *a, int32_t ncols, CColumn *cols, int64_t *nrows,
                         const uint8_t *empty, int32_t *bad)
     int dbsp_cdata_gather(const CBatch *b, const int64_t *idx, int64_t m, ArrowArray *out)
+    int dbsp_cdata_export_regions(int32_t ncols, const int32_t *types, int64_t n, const int64_t *null_counts,
+                                  void **bufs, const size_t *mapped, ArrowArray *out)
     int dbsp_cdata_gather2(const CBatch *a, const int32_t *acols, int32_t na, const int64_t *aidx,
                            const CBatch *b, const int32_t *bcols, int32_t nb, const int64_t *bidx, int64_t m,
                            ArrowArray *out)

@@ -473,40 +473,57 @@ cdef class Merger:
 
     def result(self):
         """(table, weights, key hashes, row hashes or None) of the finished merge, over its own buffers (trimmed
-        to size)."""
-        cdef int32_t c
+        to size): the columns' regions move into one exported record batch that Arrow imports (csrc/cdata.h)."""
+        cdef int32_t c, ncols = self.a.c.ncols
         cdef int64_t n = self.m.n, nbytes
         cdef Region rv, rx, rd
+        cdef ArrowArray out
         if not self.done or self.finished:
             raise ValueError("Merger.result: the merge is not finished" if not self.finished
                              else "Merger.result: the result was already taken")
         self.finished = True
-        arrays = []
-        for c in range(self.a.c.ncols):
-            typ = self.schema.field(c).type
-            rv, rx, rd = self.regions[c]
-            code = self.out[c].type
-            if code == DBSP_BOOL:
-                nbytes = (n + 7) // 8
-            elif rd is not None:
-                if code in (DBSP_LARGE_UTF8, DBSP_LARGE_BINARY):
-                    nbytes = (n + 1) * 8
-                    rd.trim((<int64_t *>rx.ptr)[n])
+        cdef void **bufs = <void **>calloc(max(3 * ncols, 1), sizeof(void *))
+        cdef size_t *mapped = <size_t *>calloc(max(3 * ncols, 1), sizeof(size_t))
+        cdef int32_t *types = <int32_t *>malloc(max(ncols, 1) * sizeof(int32_t))
+        cdef int64_t *nulls = <int64_t *>malloc(max(ncols, 1) * sizeof(int64_t))
+        cdef int st
+        try:
+            if bufs == NULL or mapped == NULL or types == NULL or nulls == NULL:
+                raise MemoryError("Merger.result: out of memory")
+            for c in range(ncols):
+                rv, rx, rd = self.regions[c]
+                code = self.out[c].type
+                if code == DBSP_BOOL:
+                    nbytes = (n + 7) // 8
+                elif rd is not None:
+                    if code in (DBSP_LARGE_UTF8, DBSP_LARGE_BINARY):
+                        nbytes = (n + 1) * 8
+                        rd.trim((<int64_t *>rx.ptr)[n])
+                    else:
+                        nbytes = (n + 1) * 4
+                        rd.trim((<int32_t *>rx.ptr)[n])
                 else:
-                    nbytes = (n + 1) * 4
-                    rd.trim((<int32_t *>rx.ptr)[n])
-            else:
-                nbytes = n * (typ.bit_width // 8)
-            rx.trim(nbytes)
-            bufs = [None, pa.py_buffer(rx)]
-            if rv is not None:
-                rv.trim((n + 7) // 8)
-                if self.out[c].null_count:
-                    bufs[0] = pa.py_buffer(rv)
-            if rd is not None:
-                bufs.append(pa.py_buffer(rd))
-            arrays.append(pa.Array.from_buffers(typ, n, bufs, null_count=self.out[c].null_count))
+                    nbytes = n * dbsp_type_width(code)
+                rx.trim(nbytes)
+                if rv is not None:
+                    rv.trim((n + 7) // 8)
+                types[c] = code
+                nulls[c] = self.out[c].null_count
+                for i, r in enumerate((rv, rx, rd)):
+                    if r is not None:
+                        bufs[3 * c + i] = (<Region>r).ptr
+                        mapped[3 * c + i] = (<Region>r).mapped
+            out.release = NULL
+            st = dbsp_cdata_export_regions(ncols, types, n, nulls, bufs, mapped, &out)
+            check_status(st, "Merger.result")
+            for c in range(ncols):  # the regions now belong to the export
+                for r in self.regions[c]:
+                    if r is not None:
+                        (<Region>r).ptr = NULL
+        finally:
+            free(bufs); free(mapped); free(types); free(nulls)
         self.regions = []
+        table = import_batch(&out, self.schema)
         self.w.trim(n * 8)
         self.kh.trim(n * 8)
         w = np.frombuffer(self.w, dtype=np.int64, count=n)
@@ -515,7 +532,7 @@ cdef class Merger:
         if self.rh is not None:
             self.rh.trim(n * 8)
             rh = np.frombuffer(self.rh, dtype=np.uint64, count=n)
-        return pa.Table.from_arrays(arrays, schema=self.schema), w, kh, rh
+        return table, w, kh, rh
 
 
 def small_rows(n=None):
