@@ -60,6 +60,7 @@ cdef extern from "hash.h" nogil:
 
 cdef extern from "zset.h" nogil:
     int dbsp_zset_consolidate(const CBatch *b, const int32_t *keys, int32_t nkeys, CRows *out)
+    int dbsp_zset_consolidate_rh(const CBatch *b, const int32_t *keys, int32_t nkeys, CRows *out, uint64_t **rhash)
     int dbsp_zset_merge(const CBatch *a, const uint64_t *akh, const CBatch *b, const uint64_t *bkh,
                         const int32_t *keys, int32_t nkeys, CRows *out)
     int dbsp_weights_negate(const int64_t *w, int64_t n, int64_t *out)

@@ -285,16 +285,22 @@ def hash_columns(table, cols):
     return out
 
 
-def consolidate(table, weights, keys):
-    """(idx, weights, khash): the consolidated rows of (table, weights) in canonical order for key positions `keys`."""
+def consolidate(table, weights, keys, bint row_hashes=False):
+    """(idx, weights, khash): the consolidated rows of (table, weights) in canonical order for key positions `keys`;
+    with `row_hashes`, (idx, weights, khash, rhash) where rhash holds the rows' row hashes when the kernel had
+    them (batches of at most small_rows() rows), else None."""
     cdef BatchView v = view_of(table, weights)
     cdef Int32s k = Int32s(keys)
     cdef CRows r
+    cdef uint64_t *rh = NULL
     cdef int st
     with nogil:
-        st = dbsp_zset_consolidate(&v.c, k.p, k.n, &r)
+        st = dbsp_zset_consolidate_rh(&v.c, k.p, k.n, &r, &rh if row_hashes else NULL)
     check_status(st, "consolidate")
-    return rows_result(&r)
+    out = rows_result(&r)
+    if not row_hashes:
+        return out
+    return out + ((own_array(rh, out[0].shape[0], np.uint64) if rh != NULL else None),)
 
 
 def merge(ta, wa, kha, tb, wb, khb, keys):
