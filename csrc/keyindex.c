@@ -198,10 +198,13 @@ static void move_some(DbspKeyIndex *ix, int64_t budget) {
     }
 }
 
-/* Start growing into a table of twice the slots (invariant 5): the current one becomes old and moves over as new
- * entries arrive. `bulk`: the add that grows it brings at least an eighth of the new table's slots in rows. */
-static int grow(DbspKeyIndex *ix, int bulk) {
+/* Start growing into a table of twice the slots (invariant 5): the current one becomes old and moves over as rows
+ * arrive. `rows`: the rows of the call that grows it; a bulk call (at least a quarter of the new table's slots in
+ * rows, such as a load) moves every slot at once, its cost a part of the call's own, and the new table gets the
+ * huge-page advice at once (table_alloc). */
+static int grow(DbspKeyIndex *ix, int64_t rows) {
     int64_t cap = ix->cur.cap * 2;
+    int bulk = rows * 4 >= cap;
     if (ix->max_bytes && (cap + ix->cur.cap) * ix->stride * 8 > ix->max_bytes) {
         ix->broken = 1;
         return DBSP_ETOOBIG;
@@ -219,6 +222,7 @@ static int grow(DbspKeyIndex *ix, int bulk) {
     while (ix->old.slots[i * st + 1] != 0) i = (i + 1) & omask; /* an empty slot: at most 3/4 are full */
     ix->start = i;
     ix->moved = 0;
+    if (bulk) move_some(ix, ix->old.cap);
     return DBSP_OK;
 }
 
@@ -348,7 +352,7 @@ int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
         last = NULL;
         if (!s) { /* a new entry, in cur; past 3/4, start growing (invariants 3, 5) */
             if (!ix->old.slots && (ix->count + 1) * 4 > ix->cur.cap * 3) {
-                st = grow(ix, (n - i) * 8 >= ix->cur.cap * 2);
+                st = grow(ix, n);
                 if (st != DBSP_OK) return st;
                 move_some(ix, MOVE_PER_ROW);
             }
@@ -462,7 +466,7 @@ int dbsp_keyindex_put(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
     }
     if (zero) return DBSP_OK; /* absent already (invariant 2) */
     if (!ix->old.slots && (ix->count + 1) * 4 > ix->cur.cap * 3) {
-        st = grow(ix, more * 8 >= ix->cur.cap * 2);
+        st = grow(ix, more);
         if (st != DBSP_OK) return st;
         move_some(ix, MOVE_PER_ROW);
     }

@@ -22,7 +22,8 @@
  *     (its whole probe run is then unmoved too), so a probe looks in the new table, then in the old. Moved old
  *     slots are empty, and the next one to move is empty (a cluster boundary). A step that adds a few keys to a
  *     large index so pays a few slot moves per key instead of a pause of O(index) (measured: 0.3 s at 1.6M keys).
- *     Shrinking (an index emptied to 1/16) still rehashes at once.
+ *     A bulk call (rows at least a quarter of the new table's slots, such as a load) moves everything at once:
+ *     that work is a part of its own. Shrinking (an index emptied to 1/16) still rehashes at once.
  */
 #ifndef DBSP_KEYINDEX_H
 #define DBSP_KEYINDEX_H
