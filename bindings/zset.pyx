@@ -1229,11 +1229,13 @@ cdef class KeyIndex:
         check_status(st, "KeyIndex.get")
         return acc
 
-    def add(self, table, weights, keys, khash, cols, int64_t sign=1):
+    def add(self, table, weights, keys, khash, cols, int64_t sign=1, before=None):
         """Fold every row of ``table`` (weights int64 or None for +1) into the sums of its key (columns ``keys``,
-        key hash ``khash[i]``): sum v += weight * sign * table[cols[v]] (an int64 column), or weight * sign where
-        cols[v] is -1. Raises WeightOverflowError, MemoryError, or ValueError past ``max_bytes`` (the index is then
-        broken)."""
+        key hash ``khash[i]``): sum v += weight * sign * table[cols[v]] (an integer column), weight * sign where
+        cols[v] is -1, weight * sign where column -2 - cols[v] is not null for cols[v] <= -2. With ``before`` (a
+        C-contiguous int64 (n, nvals) array), also the sums of each row's key just before that row (the sums before
+        the call, for rows with distinct keys). Raises WeightOverflowError, MemoryError, or ValueError past
+        ``max_bytes`` (the index is then broken)."""
         cdef BatchView b = view_of(table, weights)
         cdef Int32s k = Int32s(keys)
         cdef Int32s c = Int32s(cols)
@@ -1244,36 +1246,22 @@ cdef class KeyIndex:
         if kh.shape[0] != b.c.nrows:
             raise ValueError(f"KeyIndex.add: {kh.shape[0]} key hashes for {b.c.nrows} rows")
         cdef const uint64_t[::1] pk = kh
+        cdef int64_t[:, ::1] pb
+        cdef int64_t *pbefore = NULL
         cdef int st
+        if before is not None:
+            if before.dtype != np.int64 or before.ndim != 2 or before.shape[0] != b.c.nrows \
+                    or before.shape[1] != self.nvals or not before.flags.c_contiguous:
+                raise ValueError(f"KeyIndex.add: before must be a C-contiguous int64 array of shape "
+                                 f"({b.c.nrows}, {self.nvals})")
+            if b.c.nrows:
+                pb = before
+                pbefore = &pb[0, 0]
         if b.c.nrows == 0:
             return
         with nogil:
-            st = dbsp_keyindex_add(self.ix, &b.c, k.p, &pk[0], c.p, sign)
+            st = dbsp_keyindex_add_before(self.ix, &b.c, k.p, &pk[0], c.p, sign, pbefore)
         check_status(st, "KeyIndex.add")
-
-    def add_distinct(self, table, weights, keys, khash, cols):
-        """:meth:`add` (sign +1) of rows with distinct keys, returning each row's sums before as an (n, nvals) int64
-        array, with one probe per row (csrc/keyindex.h). WeightOverflowError leaves the index unchanged; MemoryError
-        or ValueError (past ``max_bytes``) leave it broken."""
-        cdef BatchView b = view_of(table, weights)
-        cdef Int32s k = Int32s(keys)
-        cdef Int32s c = Int32s(cols)
-        kh = np.ascontiguousarray(khash, dtype=np.uint64)
-        if k.n != self.nkeys or c.n != self.nvals:
-            raise ValueError(f"KeyIndex.add_distinct: {k.n} keys and {c.n} columns for an index of {self.nkeys} and "
-                             f"{self.nvals}")
-        if kh.shape[0] != b.c.nrows:
-            raise ValueError(f"KeyIndex.add_distinct: {kh.shape[0]} key hashes for {b.c.nrows} rows")
-        old = np.zeros((b.c.nrows, self.nvals), dtype=np.int64)
-        if b.c.nrows == 0:
-            return old
-        cdef const uint64_t[::1] pk = kh
-        cdef int64_t[:, ::1] po = old
-        cdef int st
-        with nogil:
-            st = dbsp_keyindex_add_distinct(self.ix, &b.c, k.p, &pk[0], c.p, &po[0, 0])
-        check_status(st, "KeyIndex.add_distinct")
-        return old
 
     def check(self):
         """Raise AssertionError unless csrc/keyindex.h invariants 1-3 hold (tests)."""

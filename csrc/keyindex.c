@@ -301,6 +301,11 @@ void dbsp_keyindex_set_slot(DbspKeyIndex *ix, int64_t *slot, const int64_t *vals
 
 int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
                       const int32_t *cols, int64_t sign) {
+    return dbsp_keyindex_add_before(ix, b, keys, kh, cols, sign, NULL);
+}
+
+int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
+                             const int32_t *cols, int64_t sign, int64_t *before) {
     if (ix->broken) return DBSP_EINVAL;
     if (sign != 1 && sign != -1) return DBSP_EINVAL;
     int st = check_keys(ix, b, keys);
@@ -337,7 +342,7 @@ int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
             }
             nonzero |= d[j] != 0;
         }
-        if (!nonzero) continue;
+        if (!nonzero && !before) continue;
         uint64_t tag = key_words(ix, b, keys, i, w);
         uint64_t *s;
         Table *tab;
@@ -350,6 +355,15 @@ int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
                       ? &ix->old : &ix->cur;
         }
         last = NULL;
+        if (before) { /* the key's sums before this row */
+            int64_t *o = before + i * ix->nvals;
+            if (s) memcpy(o, s + 2 + ix->nkeys, (size_t)ix->nvals * 8);
+            else memset(o, 0, (size_t)ix->nvals * 8);
+        }
+        if (!nonzero) {
+            if (s) last = s, ltab = tab, ltag = tag, memcpy(lw, w, (size_t)ix->nkeys * 8);
+            continue;
+        }
         if (!s) { /* a new entry, in cur; past 3/4, start growing (invariants 3, 5) */
             if (!ix->old.slots && (ix->count + 1) * 4 > ix->cur.cap * 3) {
                 st = grow(ix, n);
@@ -387,57 +401,6 @@ int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
 overflow:
     ix->broken = 1;
     return DBSP_EOVERFLOW;
-}
-
-int dbsp_keyindex_add_distinct(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
-                               const int32_t *cols, int64_t *old) {
-    if (ix->broken) return DBSP_EINVAL;
-    int st = check_keys(ix, b, keys);
-    if (st != DBSP_OK) return st;
-    for (int32_t j = 0; j < ix->nvals; j++) {
-        int32_t c = cols[j] <= -2 ? -2 - cols[j] : cols[j];
-        if (c >= b->ncols) return DBSP_EINVAL;
-        if (cols[j] >= 0 && !summable(b->cols[c].type)) return DBSP_ETYPE;
-    }
-    int64_t n = b->nrows, V = ix->nvals;
-    if (n == 0) return DBSP_OK;
-    int64_t **slots = malloc((size_t)n * sizeof *slots), *nw = malloc((size_t)(n * V) * 8);
-    if (!slots || !nw) {
-        free(slots), free(nw);
-        return DBSP_ENOMEM;
-    }
-    memset(old, 0, (size_t)(n * V) * 8);
-    st = get_into(ix, b, keys, NULL, kh, n, old, slots);
-    for (int64_t i = 0; st == DBSP_OK && i < n; i++) { /* every new sum first: an overflow changes nothing */
-        int64_t wt = b->weights ? b->weights[i] : 1;
-        for (int32_t j = 0; j < V && st == DBSP_OK; j++) {
-            int64_t d;
-            if (cols[j] == -1) {
-                d = wt;
-            } else if (cols[j] <= -2) {
-                d = dbsp_col_valid(&b->cols[-2 - cols[j]], i) ? wt : 0;
-            } else {
-                const DbspColumn *c = &b->cols[cols[j]];
-                int64_t x = dbsp_col_valid(c, i) ? (int64_t)dbsp_col_u64(c, i) : 0;
-                if (__builtin_mul_overflow(x, wt, &d)) st = DBSP_EOVERFLOW;
-            }
-            if (st == DBSP_OK && __builtin_add_overflow(old[i * V + j], d, &nw[i * V + j])) st = DBSP_EOVERFLOW;
-        }
-    }
-    if (st == DBSP_OK) {
-        for (int64_t i = 0; i < n; i++) { /* keys the index holds and keeps: in place, before its shape changes */
-            int zero = 1;
-            for (int32_t j = 0; j < V; j++) zero &= nw[i * V + j] == 0;
-            if (slots[i] && !zero) dbsp_keyindex_set_slot(ix, slots[i], nw + i * V, 1);
-        }
-        for (int64_t i = 0; st == DBSP_OK && i < n; i++) { /* then keys that appear or vanish */
-            int zero = 1;
-            for (int32_t j = 0; j < V; j++) zero &= nw[i * V + j] == 0;
-            if (!slots[i] ? !zero : zero) st = dbsp_keyindex_put(ix, b, keys, i, kh[i], zero ? NULL : nw + i * V, 1, n - i);
-        }
-    }
-    free(slots), free(nw);
-    return st;
 }
 
 int dbsp_keyindex_put(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int64_t r, uint64_t h,

@@ -72,12 +72,11 @@ void dbsp_keyindex_set_slot(DbspKeyIndex *ix, int64_t *slot, const int64_t *vals
 int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
                       const int32_t *cols, int64_t sign);
 
-/* dbsp_keyindex_add (sign +1) for a batch whose rows have distinct keys (a consolidated change keyed by its whole
- * row), that also returns each row's sums before: old[i * nvals + v]. One probe per row: sums of keys the index
- * holds are overwritten where they are, then new keys are added and emptied ones removed. DBSP_EOVERFLOW
- * (checked for every row before anything is stored) leaves the index unchanged. */
-int dbsp_keyindex_add_distinct(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
-                               const int32_t *cols, int64_t *old);
+/* dbsp_keyindex_add that also sets before[i * nvals + v] to the sums of row i's key just before row i is added
+ * (so, for rows with distinct keys, the sums before the call): a reader of old sums that then adds the same rows
+ * (distinct) probes once per row. As with dbsp_keyindex_add, a failure leaves the index broken. */
+int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
+                             const int32_t *cols, int64_t sign, int64_t *before);
 
 /* Set the sums of the key of row r of b (key columns keys, key hash h) to vals[v * vstride] for v < nvals, or
  * remove the key when vals is NULL or all zero (invariant 2): what a caller that computed a key's new sums itself

@@ -783,18 +783,18 @@ class Trace:
     def match_and_insert(self, change: "IndexedZSet") -> np.ndarray:
         """:meth:`match_weights` of ``change`` (a consolidated batch on the trace's whole-row key), then
         ``insert(change)``: through a whole-row key index (invariant 11) one probe per row reads each row's weight
-        and stores its new one (``KeyIndex.add_distinct``); else the walk and the insert. A WeightOverflowError
-        (a row's weight leaving int64) is raised before anything changes."""
+        and adds the change's (``KeyIndex.add(before=)``); else the walk and the insert. A WeightOverflowError (a row's
+        weight leaving int64) leaves the trace unchanged (an index it broke is stale, rebuilt by a later read)."""
         from dbsp_core.errors import WeightOverflowError
 
         spec = ("row", (None,))
         ix = self.index_for_update(spec) if len(change) else None
         if ix is not None:
+            old = np.zeros((len(change), 1), dtype=np.int64)
             try:
-                old = ix.add_distinct(change._view(), None, list(range(len(change.schema))), change._row_hashes(),
-                                      [-1])
-            except WeightOverflowError:
-                self.index_done(ix)  # refused before anything was stored
+                ix.add(change._view(), None, list(range(len(change.schema))), change._row_hashes(), [-1],
+                       before=old)
+            except WeightOverflowError:  # the index is broken, and stale (index_for_update): a later read rebuilds it
                 raise
             except (MemoryError, ValueError):
                 if not ix.broken:

@@ -175,9 +175,9 @@ def test_an_overflowing_sum_raises_and_breaks_the_index():
 @given(st.lists(st.dictionaries(st.one_of(st.none(), st.integers(0, 30)), st.tuples(st.integers(-3, 3),
                                                                                  st.sampled_from([-2, -1, 1, 2])),
                                 max_size=25), min_size=1, max_size=8))
-def test_add_distinct_returns_the_old_sums_and_adds_like_add(steps):
-    """add_distinct (one probe per row, for rows with distinct keys) returns each key's sums before and leaves the
-    index as add would (a dict model), across growth, updates in place, new keys and emptied keys."""
+def test_add_before_returns_the_old_sums_and_adds(steps):
+    """add(before=) over rows with distinct keys returns each key's sums before the call and leaves the index as
+    add does (a dict model), across growth, updates in place, new keys and emptied keys."""
     ix = _zset.KeyIndex([pa.int64()], 2)
     model: dict = {}
     for rows in steps:
@@ -185,7 +185,8 @@ def test_add_distinct_returns_the_old_sums_and_adds_like_add(steps):
         t = pa.table({"k": pa.array(keys, pa.int64()), "v": pa.array([rows[k][0] for k in keys], pa.int64())})
         w = np.array([rows[k][1] for k in keys], np.int64)
         kh = _zset.hash_columns(t, [0]) if keys else np.zeros(0, np.uint64)
-        old = ix.add_distinct(t, w, [0], kh, [-1, 1])
+        old = np.zeros((len(keys), 2), np.int64)
+        ix.add(t, w, [0], kh, [-1, 1], before=old)
         for i, k in enumerate(keys):
             before = model.get(k, (0, 0))
             assert tuple(old[i]) == before
@@ -196,15 +197,3 @@ def test_add_distinct_returns_the_old_sums_and_adds_like_add(steps):
                 model[k] = after
         ix.check()
         assert len(ix) == len(model)
-
-
-def test_add_distinct_overflow_changes_nothing():
-    ix = _zset.KeyIndex([pa.int64()], 1)
-    t = pa.table({"k": [1, 2]})
-    kh = _zset.hash_columns(t, [0])
-    ix.add_distinct(t, np.array([5, 2**62], np.int64), [0], kh, [-1])
-    with pytest.raises(WeightOverflowError):  # key 2 would pass int64; key 1 must not change either
-        ix.add_distinct(t, np.array([1, 2**62], np.int64), [0], kh, [-1])
-    acc = np.zeros((2, 1), np.int64)
-    ix.get(t, [0], kh, acc)
-    assert acc[:, 0].tolist() == [5, 2**62] and not ix.broken
