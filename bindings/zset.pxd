@@ -43,6 +43,8 @@ cdef extern from "column.h" nogil:
         const CColumn *cols
         const int64_t *weights
 
+    int dbsp_type_width(int32_t t)
+
 cdef extern from "rows.h" nogil:
     ctypedef struct CRows "DbspRows":
         int64_t n
@@ -58,6 +60,7 @@ cdef extern from "hash.h" nogil:
 
 cdef extern from "zset.h" nogil:
     int dbsp_zset_consolidate(const CBatch *b, const int32_t *keys, int32_t nkeys, CRows *out)
+    int dbsp_zset_consolidate_rh(const CBatch *b, const int32_t *keys, int32_t nkeys, CRows *out, uint64_t **rhash)
     int dbsp_zset_merge(const CBatch *a, const uint64_t *akh, const CBatch *b, const uint64_t *bkh,
                         const int32_t *keys, int32_t nkeys, CRows *out)
     int dbsp_weights_negate(const int64_t *w, int64_t n, int64_t *out)
@@ -105,6 +108,8 @@ cdef extern from "cdata.h" nogil:
     int dbsp_cdata_view(const ArrowSchema *s, const ArrowArray *a, int32_t ncols, CColumn *cols, int64_t *nrows,
                         const uint8_t *empty, int32_t *bad)
     int dbsp_cdata_gather(const CBatch *b, const int64_t *idx, int64_t m, ArrowArray *out)
+    int dbsp_cdata_export_regions(int32_t ncols, const int32_t *types, int64_t n, const int64_t *null_counts,
+                                  void **bufs, const size_t *mapped, ArrowArray *out)
     int dbsp_cdata_gather2(const CBatch *a, const int32_t *acols, int32_t na, const int64_t *aidx,
                            const CBatch *b, const int32_t *bcols, int32_t nb, const int64_t *bidx, int64_t m,
                            ArrowArray *out)
@@ -132,6 +137,8 @@ cdef extern from "keyindex.h" nogil:
     int dbsp_keyindex_get_slots(CKeyIndex *ix, const CBatch *b, const int32_t *keys, const int64_t *sel,
                                 const uint64_t *kh, int64_t n, int64_t *acc, int64_t **slots)
     void dbsp_keyindex_set_slot(CKeyIndex *ix, int64_t *slot, const int64_t *vals, int64_t vstride)
+    int dbsp_keyindex_add_before(CKeyIndex *ix, const CBatch *b, const int32_t *keys, const uint64_t *kh,
+                                 const int32_t *cols, int64_t sign, int64_t *before)
     int dbsp_keyindex_put(CKeyIndex *ix, const CBatch *b, const int32_t *keys, int64_t r, uint64_t h,
                           const int64_t *vals, int64_t vstride, int64_t more)
     int dbsp_keyindex_check(const CKeyIndex *ix)

@@ -285,16 +285,22 @@ def hash_columns(table, cols):
     return out
 
 
-def consolidate(table, weights, keys):
-    """(idx, weights, khash): the consolidated rows of (table, weights) in canonical order for key positions `keys`."""
+def consolidate(table, weights, keys, bint row_hashes=False):
+    """(idx, weights, khash): the consolidated rows of (table, weights) in canonical order for key positions `keys`;
+    with `row_hashes`, (idx, weights, khash, rhash) where rhash holds the rows' row hashes when the kernel had
+    them (batches of at most small_rows() rows), else None."""
     cdef BatchView v = view_of(table, weights)
     cdef Int32s k = Int32s(keys)
     cdef CRows r
+    cdef uint64_t *rh = NULL
     cdef int st
     with nogil:
-        st = dbsp_zset_consolidate(&v.c, k.p, k.n, &r)
+        st = dbsp_zset_consolidate_rh(&v.c, k.p, k.n, &r, &rh if row_hashes else NULL)
     check_status(st, "consolidate")
-    return rows_result(&r)
+    out = rows_result(&r)
+    if not row_hashes:
+        return out
+    return out + ((own_array(rh, out[0].shape[0], np.uint64) if rh != NULL else None),)
 
 
 def merge(ta, wa, kha, tb, wb, khb, keys):
@@ -473,40 +479,57 @@ cdef class Merger:
 
     def result(self):
         """(table, weights, key hashes, row hashes or None) of the finished merge, over its own buffers (trimmed
-        to size)."""
-        cdef int32_t c
+        to size): the columns' regions move into one exported record batch that Arrow imports (csrc/cdata.h)."""
+        cdef int32_t c, ncols = self.a.c.ncols
         cdef int64_t n = self.m.n, nbytes
         cdef Region rv, rx, rd
+        cdef ArrowArray out
         if not self.done or self.finished:
             raise ValueError("Merger.result: the merge is not finished" if not self.finished
                              else "Merger.result: the result was already taken")
         self.finished = True
-        arrays = []
-        for c in range(self.a.c.ncols):
-            typ = self.schema.field(c).type
-            rv, rx, rd = self.regions[c]
-            code = self.out[c].type
-            if code == DBSP_BOOL:
-                nbytes = (n + 7) // 8
-            elif rd is not None:
-                if code in (DBSP_LARGE_UTF8, DBSP_LARGE_BINARY):
-                    nbytes = (n + 1) * 8
-                    rd.trim((<int64_t *>rx.ptr)[n])
+        cdef void **bufs = <void **>calloc(max(3 * ncols, 1), sizeof(void *))
+        cdef size_t *mapped = <size_t *>calloc(max(3 * ncols, 1), sizeof(size_t))
+        cdef int32_t *types = <int32_t *>malloc(max(ncols, 1) * sizeof(int32_t))
+        cdef int64_t *nulls = <int64_t *>malloc(max(ncols, 1) * sizeof(int64_t))
+        cdef int st
+        try:
+            if bufs == NULL or mapped == NULL or types == NULL or nulls == NULL:
+                raise MemoryError("Merger.result: out of memory")
+            for c in range(ncols):
+                rv, rx, rd = self.regions[c]
+                code = self.out[c].type
+                if code == DBSP_BOOL:
+                    nbytes = (n + 7) // 8
+                elif rd is not None:
+                    if code in (DBSP_LARGE_UTF8, DBSP_LARGE_BINARY):
+                        nbytes = (n + 1) * 8
+                        rd.trim((<int64_t *>rx.ptr)[n])
+                    else:
+                        nbytes = (n + 1) * 4
+                        rd.trim((<int32_t *>rx.ptr)[n])
                 else:
-                    nbytes = (n + 1) * 4
-                    rd.trim((<int32_t *>rx.ptr)[n])
-            else:
-                nbytes = n * (typ.bit_width // 8)
-            rx.trim(nbytes)
-            bufs = [None, pa.py_buffer(rx)]
-            if rv is not None:
-                rv.trim((n + 7) // 8)
-                if self.out[c].null_count:
-                    bufs[0] = pa.py_buffer(rv)
-            if rd is not None:
-                bufs.append(pa.py_buffer(rd))
-            arrays.append(pa.Array.from_buffers(typ, n, bufs, null_count=self.out[c].null_count))
+                    nbytes = n * dbsp_type_width(code)
+                rx.trim(nbytes)
+                if rv is not None:
+                    rv.trim((n + 7) // 8)
+                types[c] = code
+                nulls[c] = self.out[c].null_count
+                for i, r in enumerate((rv, rx, rd)):
+                    if r is not None:
+                        bufs[3 * c + i] = (<Region>r).ptr
+                        mapped[3 * c + i] = (<Region>r).mapped
+            out.release = NULL
+            st = dbsp_cdata_export_regions(ncols, types, n, nulls, bufs, mapped, &out)
+            check_status(st, "Merger.result")
+            for c in range(ncols):  # the regions now belong to the export
+                for r in self.regions[c]:
+                    if r is not None:
+                        (<Region>r).ptr = NULL
+        finally:
+            free(bufs); free(mapped); free(types); free(nulls)
         self.regions = []
+        table = import_batch(&out, self.schema)
         self.w.trim(n * 8)
         self.kh.trim(n * 8)
         w = np.frombuffer(self.w, dtype=np.int64, count=n)
@@ -515,7 +538,7 @@ cdef class Merger:
         if self.rh is not None:
             self.rh.trim(n * 8)
             rh = np.frombuffer(self.rh, dtype=np.uint64, count=n)
-        return pa.Table.from_arrays(arrays, schema=self.schema), w, kh, rh
+        return table, w, kh, rh
 
 
 def small_rows(n=None):
@@ -1206,11 +1229,13 @@ cdef class KeyIndex:
         check_status(st, "KeyIndex.get")
         return acc
 
-    def add(self, table, weights, keys, khash, cols, int64_t sign=1):
+    def add(self, table, weights, keys, khash, cols, int64_t sign=1, before=None):
         """Fold every row of ``table`` (weights int64 or None for +1) into the sums of its key (columns ``keys``,
-        key hash ``khash[i]``): sum v += weight * sign * table[cols[v]] (an int64 column), or weight * sign where
-        cols[v] is -1. Raises WeightOverflowError, MemoryError, or ValueError past ``max_bytes`` (the index is then
-        broken)."""
+        key hash ``khash[i]``): sum v += weight * sign * table[cols[v]] (an integer column), weight * sign where
+        cols[v] is -1, weight * sign where column -2 - cols[v] is not null for cols[v] <= -2. With ``before`` (a
+        C-contiguous int64 (n, nvals) array), also the sums of each row's key just before that row (the sums before
+        the call, for rows with distinct keys). Raises WeightOverflowError, MemoryError, or ValueError past
+        ``max_bytes`` (the index is then broken)."""
         cdef BatchView b = view_of(table, weights)
         cdef Int32s k = Int32s(keys)
         cdef Int32s c = Int32s(cols)
@@ -1221,11 +1246,21 @@ cdef class KeyIndex:
         if kh.shape[0] != b.c.nrows:
             raise ValueError(f"KeyIndex.add: {kh.shape[0]} key hashes for {b.c.nrows} rows")
         cdef const uint64_t[::1] pk = kh
+        cdef int64_t[:, ::1] pb
+        cdef int64_t *pbefore = NULL
         cdef int st
+        if before is not None:
+            if before.dtype != np.int64 or before.ndim != 2 or before.shape[0] != b.c.nrows \
+                    or before.shape[1] != self.nvals or not before.flags.c_contiguous:
+                raise ValueError(f"KeyIndex.add: before must be a C-contiguous int64 array of shape "
+                                 f"({b.c.nrows}, {self.nvals})")
+            if b.c.nrows:
+                pb = before
+                pbefore = &pb[0, 0]
         if b.c.nrows == 0:
             return
         with nogil:
-            st = dbsp_keyindex_add(self.ix, &b.c, k.p, &pk[0], c.p, sign)
+            st = dbsp_keyindex_add_before(self.ix, &b.c, k.p, &pk[0], c.p, sign, pbefore)
         check_status(st, "KeyIndex.add")
 
     def check(self):

@@ -3,6 +3,7 @@
 #include <string.h>
 #include "cdata.h"
 #include "gather.h"
+#include "scratch.h"
 #include "status.h"
 
 static int has_extension_name(const char *metadata) {
@@ -189,4 +190,71 @@ int dbsp_cdata_gather2(const DbspBatch *a, const int32_t *acols, int32_t na, con
 
 int dbsp_cdata_gather(const DbspBatch *b, const int64_t *idx, int64_t m, struct ArrowArray *out) {
     return dbsp_cdata_gather2(b, NULL, b->ncols, idx, NULL, NULL, 0, NULL, m, out);
+}
+
+/* ---- export of region-owned columns (a merge's output) ---- */
+
+typedef struct {
+    const void *bufs[3];
+    void *owned[3];
+    size_t mapped[3];
+} RegionPriv;
+
+static void release_region_child(struct ArrowArray *a) {
+    RegionPriv *p = a->private_data;
+    for (int i = 0; i < 3; i++) dbsp_region_free(p->owned[i], p->mapped[i]);
+    free(p);
+    a->release = NULL;
+}
+
+int dbsp_cdata_export_regions(int32_t ncols, const int32_t *types, int64_t n, const int64_t *null_counts,
+                              void **bufs, const size_t *mapped, struct ArrowArray *out) {
+    RootPriv *p = calloc(1, sizeof *p);
+    if (!p) return DBSP_ENOMEM;
+    p->kids = calloc((size_t)(ncols ? ncols : 1), sizeof(struct ArrowArray));
+    p->kid_ptrs = calloc((size_t)(ncols ? ncols : 1), sizeof(struct ArrowArray *));
+    if (!p->kids || !p->kid_ptrs) {
+        free(p->kids); free(p->kid_ptrs); free(p);
+        return DBSP_ENOMEM;
+    }
+    for (int32_t k = 0; k < ncols; k++) {  /* allocate first: nothing can fail once the regions are taken */
+        RegionPriv *c = malloc(sizeof *c);
+        if (!c) {
+            for (int32_t j = 0; j < k; j++) free(p->kids[j].private_data);
+            free(p->kids); free(p->kid_ptrs); free(p);
+            return DBSP_ENOMEM;
+        }
+        p->kids[k].private_data = c;
+    }
+    for (int32_t k = 0; k < ncols; k++) {
+        RegionPriv *c = p->kids[k].private_data;
+        int var = dbsp_type_class(types[k]) == DBSP_CLASS_BYTES;
+        for (int i = 0; i < 3; i++) {
+            c->owned[i] = bufs[k * 3 + i];
+            c->mapped[i] = mapped[k * 3 + i];
+            c->bufs[i] = c->owned[i];
+        }
+        if (null_counts[k] == 0) c->bufs[0] = NULL;  /* no nulls: no validity buffer (its region is freed with it) */
+        struct ArrowArray *a = &p->kids[k];
+        a->length = n;
+        a->null_count = null_counts[k];
+        a->offset = 0;
+        a->n_buffers = var ? 3 : 2;
+        a->buffers = c->bufs;
+        a->n_children = 0;
+        a->children = NULL;
+        a->dictionary = NULL;
+        a->release = release_region_child;
+        p->kid_ptrs[k] = a;
+    }
+    p->n = ncols;
+    memset(out, 0, sizeof *out);
+    out->length = n;
+    out->n_buffers = 1;
+    out->buffers = p->bufs;
+    out->n_children = ncols;
+    out->children = p->kid_ptrs;
+    out->release = release_root;
+    out->private_data = p;
+    return DBSP_OK;
 }

@@ -45,6 +45,13 @@ struct ArrowArray {
     void (*release)(struct ArrowArray *);
     void *private_data;
 };
+/* Columns whose buffers are regions (scratch.h: dbsp_region_alloc) exported as a record batch of n rows that owns
+ * them: column k has type types[k], null count null_counts[k] and buffers bufs[3k..3k+2] (validity or NULL, values,
+ * character data or NULL) with mapped sizes mapped[3k..3k+2]; releasing a column frees its regions. On success
+ * the regions belong to *out; on DBSP_ENOMEM nothing is taken. */
+int dbsp_cdata_export_regions(int32_t ncols, const int32_t *types, int64_t n, const int64_t *null_counts,
+                              void **bufs, const size_t *mapped, struct ArrowArray *out);
+
 #endif
 
 /* The DbspType of an exported column's schema, or 0 when the type is unsupported (invariant 2). */
@@ -73,5 +80,12 @@ int dbsp_cdata_gather(const DbspBatch *b, const int64_t *idx, int64_t m, struct 
 int dbsp_cdata_gather2(const DbspBatch *a, const int32_t *acols, int32_t na, const int64_t *aidx,
                        const DbspBatch *b, const int32_t *bcols, int32_t nb, const int64_t *bidx, int64_t m,
                        struct ArrowArray *out);
+
+/* Columns whose buffers are regions (scratch.h: dbsp_region_alloc) exported as a record batch of n rows that owns
+ * them: column k has type types[k], null count null_counts[k] and buffers bufs[3k..3k+2] (validity or NULL, values,
+ * character data or NULL) with mapped sizes mapped[3k..3k+2]; releasing a column frees its regions. On success
+ * the regions belong to *out; on DBSP_ENOMEM nothing is taken. */
+int dbsp_cdata_export_regions(int32_t ncols, const int32_t *types, int64_t n, const int64_t *null_counts,
+                              void **bufs, const size_t *mapped, struct ArrowArray *out);
 
 #endif

@@ -198,10 +198,13 @@ static void move_some(DbspKeyIndex *ix, int64_t budget) {
     }
 }
 
-/* Start growing into a table of twice the slots (invariant 5): the current one becomes old and moves over as new
- * entries arrive. `bulk`: the add that grows it brings at least an eighth of the new table's slots in rows. */
-static int grow(DbspKeyIndex *ix, int bulk) {
+/* Start growing into a table of twice the slots (invariant 5): the current one becomes old and moves over as rows
+ * arrive. `rows`: the rows of the call that grows it; a bulk call (at least a quarter of the new table's slots in
+ * rows, such as a load) moves every slot at once, its cost a part of the call's own, and the new table gets the
+ * huge-page advice at once (table_alloc). */
+static int grow(DbspKeyIndex *ix, int64_t rows) {
     int64_t cap = ix->cur.cap * 2;
+    int bulk = rows * 4 >= cap;
     if (ix->max_bytes && (cap + ix->cur.cap) * ix->stride * 8 > ix->max_bytes) {
         ix->broken = 1;
         return DBSP_ETOOBIG;
@@ -219,6 +222,7 @@ static int grow(DbspKeyIndex *ix, int bulk) {
     while (ix->old.slots[i * st + 1] != 0) i = (i + 1) & omask; /* an empty slot: at most 3/4 are full */
     ix->start = i;
     ix->moved = 0;
+    if (bulk) move_some(ix, ix->old.cap);
     return DBSP_OK;
 }
 
@@ -297,6 +301,11 @@ void dbsp_keyindex_set_slot(DbspKeyIndex *ix, int64_t *slot, const int64_t *vals
 
 int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
                       const int32_t *cols, int64_t sign) {
+    return dbsp_keyindex_add_before(ix, b, keys, kh, cols, sign, NULL);
+}
+
+int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
+                             const int32_t *cols, int64_t sign, int64_t *before) {
     if (ix->broken) return DBSP_EINVAL;
     if (sign != 1 && sign != -1) return DBSP_EINVAL;
     int st = check_keys(ix, b, keys);
@@ -333,7 +342,7 @@ int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
             }
             nonzero |= d[j] != 0;
         }
-        if (!nonzero) continue;
+        if (!nonzero && !before) continue;
         uint64_t tag = key_words(ix, b, keys, i, w);
         uint64_t *s;
         Table *tab;
@@ -346,9 +355,18 @@ int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
                       ? &ix->old : &ix->cur;
         }
         last = NULL;
+        if (before) { /* the key's sums before this row */
+            int64_t *o = before + i * ix->nvals;
+            if (s) memcpy(o, s + 2 + ix->nkeys, (size_t)ix->nvals * 8);
+            else memset(o, 0, (size_t)ix->nvals * 8);
+        }
+        if (!nonzero) {
+            if (s) last = s, ltab = tab, ltag = tag, memcpy(lw, w, (size_t)ix->nkeys * 8);
+            continue;
+        }
         if (!s) { /* a new entry, in cur; past 3/4, start growing (invariants 3, 5) */
             if (!ix->old.slots && (ix->count + 1) * 4 > ix->cur.cap * 3) {
-                st = grow(ix, (n - i) * 8 >= ix->cur.cap * 2);
+                st = grow(ix, n);
                 if (st != DBSP_OK) return st;
                 move_some(ix, MOVE_PER_ROW);
             }
@@ -411,7 +429,7 @@ int dbsp_keyindex_put(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
     }
     if (zero) return DBSP_OK; /* absent already (invariant 2) */
     if (!ix->old.slots && (ix->count + 1) * 4 > ix->cur.cap * 3) {
-        st = grow(ix, more * 8 >= ix->cur.cap * 2);
+        st = grow(ix, more);
         if (st != DBSP_OK) return st;
         move_some(ix, MOVE_PER_ROW);
     }

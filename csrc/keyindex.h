@@ -22,7 +22,8 @@
  *     (its whole probe run is then unmoved too), so a probe looks in the new table, then in the old. Moved old
  *     slots are empty, and the next one to move is empty (a cluster boundary). A step that adds a few keys to a
  *     large index so pays a few slot moves per key instead of a pause of O(index) (measured: 0.3 s at 1.6M keys).
- *     Shrinking (an index emptied to 1/16) still rehashes at once.
+ *     A bulk call (rows at least a quarter of the new table's slots, such as a load) moves everything at once:
+ *     that work is a part of its own. Shrinking (an index emptied to 1/16) still rehashes at once.
  */
 #ifndef DBSP_KEYINDEX_H
 #define DBSP_KEYINDEX_H
@@ -70,6 +71,12 @@ void dbsp_keyindex_set_slot(DbspKeyIndex *ix, int64_t *slot, const int64_t *vals
  * pass max_bytes); after the last three the index is broken. */
 int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
                       const int32_t *cols, int64_t sign);
+
+/* dbsp_keyindex_add that also sets before[i * nvals + v] to the sums of row i's key just before row i is added
+ * (so, for rows with distinct keys, the sums before the call): a reader of old sums that then adds the same rows
+ * (distinct) probes once per row. As with dbsp_keyindex_add, a failure leaves the index broken. */
+int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
+                             const int32_t *cols, int64_t sign, int64_t *before);
 
 /* Set the sums of the key of row r of b (key columns keys, key hash h) to vals[v * vstride] for v < nvals, or
  * remove the key when vals is NULL or all zero (invariant 2): what a caller that computed a key's new sums itself

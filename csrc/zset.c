@@ -80,7 +80,8 @@ static void srec_insertion_sort(SRec *a, int64_t n, const DbspBatch *b) {
  *     zero sums dropped. It avoids the engine's fixed costs (partition tables, write-combining buffers, hash
  *     table clearing), which dominate below a few thousand rows.
  */
-static int consolidate_small(const DbspBatch *b, const int32_t *keys, int32_t nkeys, DbspRows *out) {
+static int consolidate_small(const DbspBatch *b, const int32_t *keys, int32_t nkeys, DbspRows *out,
+                             uint64_t *orh) {
     int64_t n = b->nrows;
     int st = DBSP_OK;
     int bits = 0;
@@ -118,6 +119,7 @@ static int consolidate_small(const DbspBatch *b, const int32_t *keys, int32_t nk
         }
         if (carry) { st = DBSP_EOVERFLOW; goto done; }
         if (sum != 0) {
+            if (orh) orh[out->n] = t[i].rh;
             out->idx[out->n] = t[i].idx; out->weights[out->n] = sum; out->khash[out->n] = t[i].kh; out->n++;
         }
         i = j;
@@ -129,14 +131,24 @@ done:
 }
 
 int dbsp_zset_consolidate(const DbspBatch *b, const int32_t *keys, int32_t nkeys, DbspRows *out) {
+    return dbsp_zset_consolidate_rh(b, keys, nkeys, out, NULL);
+}
+
+int dbsp_zset_consolidate_rh(const DbspBatch *b, const int32_t *keys, int32_t nkeys, DbspRows *out,
+                             uint64_t **rhash) {
     int st;
+    if (rhash) *rhash = NULL;
     if (b->nrows > 0 && b->nrows <= dbsp_small_rows) {
         memset(out, 0, sizeof *out);
         for (int32_t k = 0; k < b->ncols; k++)
             if (dbsp_type_class(b->cols[k].type) == 0) return DBSP_ETYPE;
         for (int32_t k = 0; k < nkeys; k++)
             if (keys[k] < 0 || keys[k] >= b->ncols) return DBSP_EINVAL;
-        st = consolidate_small(b, keys, nkeys, out);
+        uint64_t *rh = rhash ? malloc((size_t)b->nrows * 8) : NULL;
+        if (rhash && !rh) return DBSP_ENOMEM;
+        st = consolidate_small(b, keys, nkeys, out, rh);
+        if (st == DBSP_OK && rhash) *rhash = rh;
+        else free(rh);
     } else {
         st = dbsp_group(b, NULL, 0, keys, nkeys, NULL, 0, 1, out, NULL);
     }

@@ -11,6 +11,12 @@
  * with dbsp_rows_free). Errors: DBSP_EOVERFLOW if a sum leaves int64, DBSP_ETOOBIG past 2^32-1 rows. */
 int dbsp_zset_consolidate(const DbspBatch *b, const int32_t *keys, int32_t nkeys, DbspRows *out);
 
+/* dbsp_zset_consolidate that also hands over the output rows' row hashes (over every column) when it has them: for
+ * a batch of at most dbsp_small_rows rows, *rhash is a malloc'ed array of out->n hashes (the caller frees it);
+ * otherwise NULL. */
+int dbsp_zset_consolidate_rh(const DbspBatch *b, const int32_t *keys, int32_t nkeys, DbspRows *out,
+                             uint64_t **rhash);
+
 /* Batches of at most this many rows are consolidated by sorting instead of the grouping engine (same result;
  * zset.c "small-batch design notes"). A variable so tests can force either path. */
 #define DBSP_SMALL_ROWS 4096

@@ -780,6 +780,37 @@ class Trace:
                                     rh if same else None, b._row_hashes() if same else None)
         return acc
 
+    def match_and_insert(self, change: "IndexedZSet") -> np.ndarray:
+        """:meth:`match_weights` of ``change`` (a consolidated batch on the trace's whole-row key), then
+        ``insert(change)``: through a whole-row key index (invariant 11) one probe per row reads each row's weight
+        and adds the change's (``KeyIndex.add(before=)``); else the walk and the insert. A WeightOverflowError (a row's
+        weight leaving int64) leaves the trace unchanged (an index it broke is stale, rebuilt by a later read)."""
+        from dbsp_core.errors import WeightOverflowError
+
+        spec = ("row", (None,))
+        ix = self.index_for_update(spec) if len(change) else None
+        if ix is not None:
+            old = np.zeros((len(change), 1), dtype=np.int64)
+            try:
+                ix.add(change._view(), None, list(range(len(change.schema))), change._row_hashes(), [-1],
+                       before=old)
+            except WeightOverflowError:  # the index is broken, and stale (index_for_update): a later read rebuilds it
+                raise
+            except (MemoryError, ValueError):
+                if not ix.broken:
+                    raise
+                self.index_done(ix, failed=True)  # past its memory or size limit: walk the batches from now on
+            else:
+                self.insert(change, indexed=ix)
+                return old[:, 0]
+        old = self.match_weights(change)
+        d = change.zset.weights
+        new = old + d
+        if bool((((old ^ new) & (d ^ new)) < 0).any()):
+            raise WeightOverflowError("a row's accumulated weight overflows int64")
+        self.insert(change)
+        return old
+
     def key_sums(self, probe: pa.Table, probe_keys: list[str], khash: np.ndarray, rows: np.ndarray,
                  columns: list[str], view: object = None) -> np.ndarray:
         """The trace's weighted sums of int64 ``columns`` per probed key (:meth:`IndexedZSet.key_sums`, summed

@@ -391,8 +391,10 @@ class ZSet:
         if not pos:
             raise ValueError("index_by needs at least one key column")
         v = _zset.BatchView(self._data, self._w)  # one view for the kernel and the take
-        idx, w, kh = _zset.consolidate(v, None, pos)
-        return IndexedZSet._make(ZSet._make(_take(self._data, idx, v), w, consolidated=False), tuple(key_columns), kh)
+        idx, w, kh, rh = _zset.consolidate(v, None, pos, True)
+        out = IndexedZSet._make(ZSet._make(_take(self._data, idx, v), w, consolidated=False), tuple(key_columns), kh)
+        out._rh = rh  # the row hashes, when the kernel had them (small batches): trace merges use them
+        return out
 
     def aggregate(self, key_columns: Sequence[str], aggs: Sequence[tuple[str, str | None]]) -> pa.Table:
         """Grouped aggregates straight from the stored rows, by hash grouping (no index is built).

@@ -83,12 +83,11 @@ class _CountDistinctState:
 
     def _flips(self, dix) -> "ZSet":
         op = self.op
-        old = self.values.match_weights(dix)  # each pair's accumulated multiplicity before this step
-        d = dix.zset.weights
-        new = old + d
-        if bool((((old ^ new) & (d ^ new)) < 0).any()):
-            raise WeightOverflowError(f"{op.label}: a value's accumulated multiplicity overflows int64")
-        self.values.insert(dix)
+        try:  # each pair's accumulated multiplicity before this step, and the change into the trace
+            old = self.values.match_and_insert(dix)
+        except WeightOverflowError:
+            raise WeightOverflowError(f"{op.label}: a value's accumulated multiplicity overflows int64") from None
+        new = old + dix.zset.weights
         flip = np.flatnonzero((old > 0) != (new > 0))
         if len(flip) == 0:
             return empty(op.schema)

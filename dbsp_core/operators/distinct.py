@@ -4,9 +4,10 @@ Invariants:
   1. After every step, integral(output) == {row: 1 for rows with integral(input)[row] > 0}; rows with
      zero or negative accumulated weight are absent. Row identity treats null as equal to null.
   2. The trace holds the integral of the input, indexed by all columns; a step reads only the weights of
-     the change's rows, one probe each into the trace's key index (trace invariant 11; for rows with string
-     columns, a galloping C walk over each trace batch), so its cost grows with the change, and emits +1 for
-     rows that become positive, -1 for rows that stop being positive, consolidated.
+     the change's rows, one probe each into the trace's key index, which also stores their new weights
+     (trace invariant 11, Trace.match_and_insert; for rows with string columns, a galloping C walk over each
+     trace batch), so its cost grows with the change, and emits +1 for rows that become positive, -1 for rows
+     that stop being positive, consolidated.
   3. The input is exchanged by all columns, so each row's whole history lives in one worker.
   4. Rows whose time columns (dbsp_core/time lineage) are below their bounds are dropped from the trace: no later
      change can carry them.
@@ -63,12 +64,11 @@ class _DistinctState:
         dix = conform(z, self.schema).index_by(self.cols)
         if len(dix) == 0:
             return empty(self.schema)
-        old = self.trace.match_weights(dix)  # each changed row's accumulated weight before this step
-        d = dix.zset.weights
-        new = old + d
-        if bool((((old ^ new) & (d ^ new)) < 0).any()):
-            raise WeightOverflowError("distinct: a row's accumulated weight overflows int64")
-        self.trace.insert(dix)
+        try:  # each changed row's accumulated weight before this step, and the change into the trace
+            old = self.trace.match_and_insert(dix)
+        except WeightOverflowError:
+            raise WeightOverflowError("distinct: a row's accumulated weight overflows int64") from None
+        new = old + dix.zset.weights
         flip = np.flatnonzero((old > 0) != (new > 0))
         if len(flip) == 0:
             return empty(self.schema)

@@ -99,7 +99,10 @@ class Join(Operator):
         li, ri, w = _zset.join(lv, None, None, left._keypos, rv, None, None, right._keypos, False)
         if len(li) == 0:
             return empty(self.schema)
-        return ZSet._make(_zset.take_pairs(lv, li, rv, ri, self.right_kept_pos, self.schema), w)
+        # distinct (zset.py invariant 2): both batches are consolidated, so no two pairs are equal rows (two right
+        # rows that meet one left row share its key, so they differ in a column the output keeps), and a product
+        # of non-zero weights is not zero; a step whose change meets one batch needs no sort of its output
+        return ZSet._make(_zset.take_pairs(lv, li, rv, ri, self.right_kept_pos, self.schema), w, distinct=True)
 
     def padded_left(self, left: "IndexedZSet", li: np.ndarray, w: np.ndarray) -> "ZSet":
         """Left rows ``li`` of ``left`` with null right columns and weights ``w``: the unmatched left rows of a left

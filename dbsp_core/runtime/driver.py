@@ -573,8 +573,12 @@ class Pipeline:
             z = data
         elif isinstance(data, (pa.Table, pa.RecordBatch)):
             table = pa.Table.from_batches([data]) if isinstance(data, pa.RecordBatch) else data
-            if weights is None and table.schema.equals(schema):  # the input's own schema (its types were checked
-                return ZSet._make(table, np.ones(table.num_rows, dtype=np.int64))  # when declared): rows at +1
+            if table.schema.equals(schema):  # the input's own schema (its types were checked when declared)
+                if weights is None:
+                    return ZSet._make(table, np.ones(table.num_rows, dtype=np.int64))
+                if (isinstance(weights, np.ndarray) and weights.dtype == np.int64 and weights.ndim == 1
+                        and weights.shape[0] == table.num_rows):
+                    return ZSet._make(table, weights.copy())  # a copy: a Z-set is a value
             wname = weight_column(schema)  # the to_arrow() form: data columns + the weight column
             if weights is None and table.num_columns == len(schema) + 1 and table.schema.names[-1] == wname:
                 col = table.column(len(schema))

@@ -94,17 +94,20 @@ class _Worker:
         self.nodes = circuit.nodes
         self.instances = {i: circuit.nodes[i].instance() for i in live}
         self.outputs = dict(circuit.outputs)
+        # the instances with state, fixed for the worker's life (a restore changes their attributes, not them)
+        self._stateful = {i: inst for i, inst in self.instances.items() if inst is not self.nodes[i]}
+        self._steps = [(self.instances[i].step, self.nodes[i].inputs, i) for i in live]
 
     def stateful(self) -> dict[int, Any]:
-        return {i: inst for i, inst in self.instances.items() if inst is not self.nodes[i]}
+        return self._stateful
 
     def step(self) -> dict[str, ZSet]:
         values: dict[int, ZSet] = {}
         i = -1
+        ctx = self.ctx
         try:
-            for i in self.live:
-                op = self.nodes[i]
-                values[i] = self.instances[i].step([values[j] for j in op.inputs], self.ctx)
+            for step, inputs, i in self._steps:
+                values[i] = step([values[j] for j in inputs], ctx)
         except Exception as exc:
             err = as_step_error(exc, self.nodes[i].label, None)  # executor.py invariant 4
             if err is exc:

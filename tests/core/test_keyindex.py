@@ -169,3 +169,31 @@ def test_an_overflowing_sum_raises_and_breaks_the_index():
     assert ix.broken
     with pytest.raises(ValueError):  # a broken index takes no more updates
         ix.add(t, None, [0], _zset.hash_columns(t, [0]), [1])
+
+
+@settings(deadline=None, max_examples=examples(60))
+@given(st.lists(st.dictionaries(st.one_of(st.none(), st.integers(0, 30)), st.tuples(st.integers(-3, 3),
+                                                                                 st.sampled_from([-2, -1, 1, 2])),
+                                max_size=25), min_size=1, max_size=8))
+def test_add_before_returns_the_old_sums_and_adds(steps):
+    """add(before=) over rows with distinct keys returns each key's sums before the call and leaves the index as
+    add does (a dict model), across growth, updates in place, new keys and emptied keys."""
+    ix = _zset.KeyIndex([pa.int64()], 2)
+    model: dict = {}
+    for rows in steps:
+        keys = list(rows)
+        t = pa.table({"k": pa.array(keys, pa.int64()), "v": pa.array([rows[k][0] for k in keys], pa.int64())})
+        w = np.array([rows[k][1] for k in keys], np.int64)
+        kh = _zset.hash_columns(t, [0]) if keys else np.zeros(0, np.uint64)
+        old = np.zeros((len(keys), 2), np.int64)
+        ix.add(t, w, [0], kh, [-1, 1], before=old)
+        for i, k in enumerate(keys):
+            before = model.get(k, (0, 0))
+            assert tuple(old[i]) == before
+            after = (before[0] + int(w[i]), before[1] + int(w[i]) * rows[k][0])
+            if after == (0, 0):
+                model.pop(k, None)
+            else:
+                model[k] = after
+        ix.check()
+        assert len(ix) == len(model)
