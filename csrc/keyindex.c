@@ -205,7 +205,7 @@ static void move_some(DbspKeyIndex *ix, int64_t budget) {
 static int grow(DbspKeyIndex *ix, int64_t rows) {
     int64_t cap = ix->cur.cap * 2;
     int bulk = rows * 4 >= cap;
-    if (ix->max_bytes && (cap + ix->cur.cap) * ix->stride * 8 > ix->max_bytes) {
+    if (ix->max_bytes && cap * ix->stride * 8 > ix->max_bytes) { /* the table it grows to (the old one is freed) */
         ix->broken = 1;
         return DBSP_ETOOBIG;
     }

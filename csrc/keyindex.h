@@ -37,7 +37,7 @@
 typedef struct DbspKeyIndex DbspKeyIndex;
 
 /* A new empty index for keys of the given column types (fixed width only) and nvals sums per key, whose slot
- * tables (the new and the old one while growing) never pass max_bytes together (0: no limit). Errors: DBSP_ETYPE (a variable-width type), DBSP_EINVAL
+ * table never grows past max_bytes (0: no limit; while it grows, the old table, half that, is held beside it). Errors: DBSP_ETYPE (a variable-width type), DBSP_EINVAL
  * (counts out of range), DBSP_ENOMEM. */
 int dbsp_keyindex_new(const int32_t *types, int32_t nkeys, int32_t nvals, int64_t max_bytes, DbspKeyIndex **out);
 void dbsp_keyindex_free(DbspKeyIndex *ix);

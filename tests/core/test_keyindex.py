@@ -197,3 +197,21 @@ def test_add_before_returns_the_old_sums_and_adds(steps):
                 model[k] = after
         ix.check()
         assert len(ix) == len(model)
+
+
+def test_the_size_limit_bounds_the_table_it_grows_to_not_the_old_one_beside_it():
+    """max_bytes caps the table an index grows to; the old table it is moving out of (half that) does not count,
+    so an index whose table fits keeps growing (a 5M-group aggregate's 384 MiB table under the default 512 MiB
+    limit once turned its index off for the old 192 MiB beside it)."""
+    limit = 4096 * 4 * 8  # 4096 slots of 4 words (hash, tag, one key, one sum)
+    ix = _zset.KeyIndex([pa.int64()], 1, limit)
+    keys = np.arange(3000, dtype=np.int64)  # needs 4096 slots (at most 3/4 full), grown to from 2048 beside it
+    for lo in range(0, 3000, 10):
+        t = pa.table({"k": keys[lo:lo + 10]})
+        ix.add(t, None, [0], _zset.hash_columns(t, [0]), [-1])
+    assert not ix.broken and len(ix) == 3000
+    ix.check()
+    t = pa.table({"k": np.arange(3000, 3100, dtype=np.int64)})  # past 3/4 of 4096: 8192 slots would pass the limit
+    with pytest.raises(ValueError):
+        ix.add(t, None, [0], _zset.hash_columns(t, [0]), [-1])
+    assert ix.broken
