@@ -75,6 +75,8 @@ from contextlib import contextmanager
 import numpy as np
 import pyarrow as pa
 
+from dbsp_core.errors import WeightOverflowError
+
 if TYPE_CHECKING:
     from dbsp_core.zset import IndexedZSet
 
@@ -534,6 +536,28 @@ class Trace:
         else:
             ix.token = self._token
 
+    def through_index(self, spec: tuple, fn: Any) -> Any:
+        """``fn(ix)`` with the key index for ``spec`` handed out by :meth:`index_for_update` (``fn`` reads and stores
+        through it, then inserts with ``insert(batch, indexed=ix)`` or calls :meth:`index_done`, or returns None
+        having called it); None when no current index serves. A WeightOverflowError is raised with the index left
+        as found when the failed call stored nothing, else stale; a failure that broke the index on its memory or
+        size limit turns it off (the trace walks its batches from then on) and returns None, so the caller takes
+        the path without it."""
+        ix = self.index_for_update(spec)
+        if ix is None:
+            return None
+        try:
+            return fn(ix)
+        except WeightOverflowError:
+            if not ix.broken:  # refused before anything was stored
+                self.index_done(ix)
+            raise  # else broken half way, and stale since index_for_update: a later read rebuilds it
+        except (MemoryError, ValueError):
+            if not ix.broken:
+                raise
+            self.index_done(ix, failed=True)
+            return None
+
     # ---- writing ----
 
     def insert(self, batch: "IndexedZSet", indexed: Any = None) -> None:
@@ -785,24 +809,15 @@ class Trace:
         ``insert(change)``: through a whole-row key index (invariant 11) one probe per row reads each row's weight
         and adds the change's (``KeyIndex.add(before=)``); else the walk and the insert. A WeightOverflowError (a row's
         weight leaving int64) leaves the trace unchanged (an index it broke is stale, rebuilt by a later read)."""
-        from dbsp_core.errors import WeightOverflowError
+        def add(ix: Any) -> np.ndarray:
+            before = np.zeros((len(change), 1), dtype=np.int64)
+            ix.add(change._view(), None, list(range(len(change.schema))), change._row_hashes(), [-1], before=before)
+            self.insert(change, indexed=ix)
+            return before[:, 0]
 
-        spec = ("row", (None,))
-        ix = self.index_for_update(spec) if len(change) else None
-        if ix is not None:
-            old = np.zeros((len(change), 1), dtype=np.int64)
-            try:
-                ix.add(change._view(), None, list(range(len(change.schema))), change._row_hashes(), [-1],
-                       before=old)
-            except WeightOverflowError:  # the index is broken, and stale (index_for_update): a later read rebuilds it
-                raise
-            except (MemoryError, ValueError):
-                if not ix.broken:
-                    raise
-                self.index_done(ix, failed=True)  # past its memory or size limit: walk the batches from now on
-            else:
-                self.insert(change, indexed=ix)
-                return old[:, 0]
+        found = self.through_index(("row", (None,)), add) if len(change) else None
+        if found is not None:
+            return found
         old = self.match_weights(change)
         d = change.zset.weights
         new = old + d

@@ -297,20 +297,11 @@ class _LinearState:
     def _through_index(self, view: "_zset.BatchView") -> tuple | None:
         """The step's groups and rows through the trace's key index in one C call (``_zset.linear_step``), which
         also stores the new totals in the index; None when the trace cannot serve it (no index, or a stale one)."""
-        ix = self.trace.index_for_update(self.spec)
-        if ix is None:
-            return None
-        try:
+        def step(ix: object) -> tuple:
             rows, w, kh, rh, vals, ordered = _zset.linear_step(view, self.keypos, self.slotpos, ix)
-        except WeightOverflowError:
-            self.trace.index_done(ix)  # refused before anything was stored
-            raise
-        except (MemoryError, ValueError):
-            if not ix.broken:
-                raise
-            self.trace.index_done(ix, failed=True)  # the index's memory or size limit: walk the batches instead
-            return None
-        return rows, w, kh, vals, rh, ordered, ix
+            return rows, w, kh, vals, rh, ordered, ix
+
+        return self.trace.through_index(self.spec, step)
 
     def _through_batches(self, view: "_zset.BatchView", data: pa.Table) -> tuple:
         """The same as :meth:`_through_index` by a grouping pass, old totals read with :meth:`Trace.key_sums` (the
@@ -507,21 +498,10 @@ class _ExtremesState:
             if proj.num_rows:
                 trace: Trace = getattr(self, attr)
                 trace.insert(make(proj, w, trace.schema).index_by(self.keys))
-        ix = self.totals.index_for_update(self.spec) if self.spec is not None else None
-        if ix is not None:
-            try:
-                out = self._through_index(dix, ix)
-            except WeightOverflowError:
-                self.totals.index_done(ix)  # refused before anything was stored
-                raise
-            except (MemoryError, ValueError):
-                if not ix.broken:
-                    raise
-                self.totals.index_done(ix, failed=True)  # the index's memory or size limit: read the batches
-                out = None
-            if out is not None:
-                return out
-        return self._through_totals(dix)
+        out = None
+        if self.spec is not None:
+            out = self.totals.through_index(self.spec, lambda ix: self._through_index(dix, ix))
+        return out if out is not None else self._through_totals(dix)
 
     def _through_index(self, dix: "IndexedZSet", ix: object) -> "ZSet | None":
         """The step's totals through the key index of the totals (csrc/extremes.h): each group's old totals in one

@@ -38,6 +38,27 @@ def _model(bag: Counter) -> dict:
     return out
 
 
+def _random_delta(rng, bag: Counter, moves: int, new_row, extreme: float, max_below: float) -> Counter:
+    """A step's change of ``moves`` moves over the rows ``bag`` holds: a deletion of a present row (for a roll below
+    ``extreme``, a group's current max of column 1 below ``max_below``, else its min), or an insertion of
+    ``new_row(rng)`` with weight 1 or 2; zero weights dropped."""
+    delta: Counter = Counter()
+    for _ in range(moves):
+        present = [r for r, w in (bag + delta).items() if w > 0]
+        roll = rng.random()
+        if present and roll < 0.45:  # delete, often a group's current extreme
+            if roll < extreme:
+                k = present[int(rng.integers(len(present)))][0]
+                rows = [r for r in present if r[0] == k and r[1] is not None]
+                if rows:
+                    delta[max(rows, key=lambda r: r[1]) if roll < max_below else min(rows, key=lambda r: r[1])] -= 1
+                    continue
+            delta[present[int(rng.integers(len(present)))]] -= 1
+        else:
+            delta[new_row(rng)] += int(rng.choice([1, 1, 2]))
+    return Counter({r: w for r, w in delta.items() if w})
+
+
 @pytest.mark.parametrize("workers,seed", [(1, 1), (2, 2), (2, 3)])
 def test_min_max_long_run(workers: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
@@ -48,26 +69,14 @@ def test_min_max_long_run(workers: int, seed: int) -> None:
     p = dbsp.Pipeline(c, workers=workers)
     bag: Counter = Counter()
     view: Counter = Counter()
+    def new_row(rng):
+        k = None if rng.random() < 0.05 else int(rng.integers(0, 25))
+        v = None if rng.random() < 0.1 else int(rng.integers(-50, 50))
+        s = None if rng.random() < 0.1 else str(rng.choice(["a", "b", "zz", ""]))
+        return (k, v, s)
+
     for step in range(150):
-        delta: Counter = Counter()
-        for _ in range(int(rng.integers(0, 10))):
-            present = [r for r, w in (bag + delta).items() if w > 0]
-            roll = rng.random()
-            if present and roll < 0.45:  # delete, preferring a group's current extreme
-                if roll < 0.25:
-                    k = present[int(rng.integers(len(present)))][0]
-                    rows = [r for r in present if r[0] == k and r[1] is not None]
-                    if rows:
-                        r = max(rows, key=lambda r: r[1]) if roll < 0.12 else min(rows, key=lambda r: r[1])
-                        delta[r] -= 1
-                        continue
-                delta[present[int(rng.integers(len(present)))]] -= 1
-            else:
-                k = None if rng.random() < 0.05 else int(rng.integers(0, 25))
-                v = None if rng.random() < 0.1 else int(rng.integers(-50, 50))
-                s = None if rng.random() < 0.1 else str(rng.choice(["a", "b", "zz", ""]))
-                delta[(k, v, s)] += int(rng.choice([1, 1, 2]))
-        delta = Counter({r: w for r, w in delta.items() if w})
+        delta = _random_delta(rng, bag, int(rng.integers(0, 10)), new_row, 0.25, 0.12)
         bag.update(delta)
         bag = Counter({r: w for r, w in bag.items() if w})
         if delta:
@@ -118,26 +127,15 @@ def test_min_max_through_the_key_index_long_run(tmp_path, workers: int, seed: in
     bag: Counter = Counter()
     view: Counter = Counter()
     epoch = datetime.datetime(2026, 1, 1)
+    def new_row(rng):
+        k = None if rng.random() < 0.05 else int(rng.integers(0, 20))
+        v = None if rng.random() < 0.1 else int(rng.integers(-30, 30))
+        t = None if rng.random() < 0.1 else epoch + datetime.timedelta(seconds=int(rng.integers(0, 50)))
+        d = None if rng.random() < 0.1 else datetime.date(2026, 1, 1 + int(rng.integers(0, 20)))
+        return (k, v, t, d)
+
     for step in range(160):
-        delta: Counter = Counter()
-        for _ in range(int(rng.integers(0, 12))):
-            present = [r for r, w in (bag + delta).items() if w > 0]
-            roll = rng.random()
-            if present and roll < 0.45:  # delete, often a group's current extreme
-                if roll < 0.3:
-                    k = present[int(rng.integers(len(present)))][0]
-                    rows = [r for r in present if r[0] == k and r[1] is not None]
-                    if rows:
-                        delta[max(rows, key=lambda r: r[1]) if roll < 0.15 else min(rows, key=lambda r: r[1])] -= 1
-                        continue
-                delta[present[int(rng.integers(len(present)))]] -= 1
-            else:
-                k = None if rng.random() < 0.05 else int(rng.integers(0, 20))
-                v = None if rng.random() < 0.1 else int(rng.integers(-30, 30))
-                t = None if rng.random() < 0.1 else epoch + datetime.timedelta(seconds=int(rng.integers(0, 50)))
-                d = None if rng.random() < 0.1 else datetime.date(2026, 1, 1 + int(rng.integers(0, 20)))
-                delta[(k, v, t, d)] += int(rng.choice([1, 1, 2]))
-        delta = Counter({r: w for r, w in delta.items() if w})
+        delta = _random_delta(rng, bag, int(rng.integers(0, 12)), new_row, 0.3, 0.15)
         bag.update(delta)
         bag = Counter({r: w for r, w in bag.items() if w})
         if delta:

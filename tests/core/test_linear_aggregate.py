@@ -30,25 +30,34 @@ def test_linear_aggregate_matches_model_and_keeps_trace_batches_in_index_order(s
     c = dbsp.Circuit()
     t = c.input("t", SCHEMA)
     c.output("g", t.group_by("k", "s").agg(n=dbsp.count(), total=dbsp.sum("v"), nv=dbsp.count("v")))
+    def in_index_order(p):
+        for wk in range(workers):
+            for trace in p.traces(wk).values():
+                for b in trace.batches:
+                    keypos = [b.schema.get_field_index(k) for k in b.key]
+                    assert _zset.check_order(b.zset.data, b.zset.weights, b.key_hash, keypos)
+
+    with dbsp.Pipeline(c, workers=workers) as p:
+        _steps_match_model(p, steps, SCHEMA, in_index_order)
+
+
+def _steps_match_model(p, steps, schema, check) -> None:
+    """Push each step's rows (deleting only rows that are there: a relation), step, and compare the integrated view
+    of output "g" (key, key, n, total, nv) with :func:`_model` after every step; ``check(p)`` runs after each."""
     bag: dict = {}
     view: dict = {}
-    with dbsp.Pipeline(c, workers=workers) as p:
-        for step in steps:
-            for r, w in step:
-                if w < 0 and bag.get(r, 0) <= 0:
-                    continue  # delete only rows that are there (a relation)
-                bag[r] = bag.get(r, 0) + w
-                p.push("t", dbsp.ZSet.from_rows([r], SCHEMA, weights=[w]))
-            for row, w in p.step()["g"].to_dict().items():
-                view[row] = view.get(row, 0) + w
-            view = {r: w for r, w in view.items() if w}
-            assert all(w == 1 for w in view.values())
-            assert {(k, s): (n, tot, nv) for (k, s, n, tot, nv) in view} == _model(bag)
-            for wk in range(workers):
-                for trace in p.traces(wk).values():
-                    for b in trace.batches:
-                        keypos = [b.schema.get_field_index(k) for k in b.key]
-                        assert _zset.check_order(b.zset.data, b.zset.weights, b.key_hash, keypos)
+    for step in steps:
+        for r, w in step:
+            if w < 0 and bag.get(r, 0) <= 0:
+                continue
+            bag[r] = bag.get(r, 0) + w
+            p.push("t", dbsp.ZSet.from_rows([r], schema, weights=[w]))
+        for row, w in p.step()["g"].to_dict().items():
+            view[row] = view.get(row, 0) + w
+        view = {r: w for r, w in view.items() if w}
+        assert all(w == 1 for w in view.values())
+        assert {(a, b): (n, tot, nv) for (a, b, n, tot, nv) in view} == _model(bag)
+        check(p)
 
 
 def _fold_model(old, delta, khash):
@@ -117,24 +126,10 @@ def test_linear_aggregate_through_the_key_index_matches_model(steps, workers):
     c = dbsp.Circuit()
     t = c.input("t", INT_SCHEMA)
     c.output("g", t.group_by("k", "j").agg(n=dbsp.count(), total=dbsp.sum("v"), nv=dbsp.count("v")))
-    bag: dict = {}
-    view: dict = {}
     with dbsp.Pipeline(c, workers=workers) as p:
         kept = [tr for wk in range(workers) for tr in p.traces(wk).values() if tr.index_spec is not None]
         assert kept, "the aggregate's trace keeps no key index: the test would not exercise linear_step"
-        for step in steps:
-            for r, w in step:
-                if w < 0 and bag.get(r, 0) <= 0:
-                    continue
-                bag[r] = bag.get(r, 0) + w
-                p.push("t", dbsp.ZSet.from_rows([r], INT_SCHEMA, weights=[w]))
-            for row, w in p.step()["g"].to_dict().items():
-                view[row] = view.get(row, 0) + w
-            view = {r: w for r, w in view.items() if w}
-            assert all(w == 1 for w in view.values())
-            assert {(k, j): (n, tot, nv) for (k, j, n, tot, nv) in view} == _model(bag)
-            for tr in kept:
-                tr.check()
+        _steps_match_model(p, steps, INT_SCHEMA, lambda p: [tr.check() for tr in kept])
 
 
 @given(st.lists(st.lists(st.tuples(st.one_of(st.none(), st.integers(0, 40)), st.integers(-3, 3),
