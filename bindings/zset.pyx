@@ -1193,6 +1193,11 @@ cdef class KeyIndex:
         return bool(dbsp_keyindex_growing(self.ix))
 
     @property
+    def spills(self):
+        """New keys that spilled into the new table while growing, ever (csrc/keyindex.h invariant 5; for tests)."""
+        return dbsp_keyindex_spills(self.ix)
+
+    @property
     def broken(self):
         """True after an update failed (overflow, memory): the sums are partly updated and must not be read."""
         return bool(dbsp_keyindex_broken(self.ix))

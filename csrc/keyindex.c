@@ -9,7 +9,7 @@
 #define OCCUPIED (1ULL << 63)
 #define PF_AHEAD 16 /* probes prefetched ahead: a large index is bound by memory latency */
 #define HUGE_ALIGN ((size_t)2 << 20) /* tables this large are mapped pages, aligned for 2 MiB (huge) pages */
-#define MOVE_PER_ROW 4 /* old slots moved per probing row while growing (invariant 5: at least 2 per new entry) */
+#define MOVE_PER_ROW 8 /* old slots moved per probing row while growing (invariant 5) */
 
 /* A slot table: cap (a power of two) slots of stride words. */
 typedef struct {
@@ -29,6 +29,9 @@ struct DbspKeyIndex {
     Table old;          /* while growing (old.slots != NULL): the table being moved into cur (invariant 5) */
     uint64_t start;     /* growing: the old slot the move began at (empty when it began) */
     uint64_t moved;     /* growing: old slots moved so far, from start on (so [start, start + moved) is empty) */
+    int64_t old_added;  /* growing: new keys put in the old table (at most an eighth of its slots) */
+    int64_t spilled;    /* growing: new keys put in cur though their old home is not moved (lookups look twice) */
+    int64_t spills;     /* spilled keys, ever (tests) */
     int huge_later;     /* cur was mapped without huge-page advice: give it once growing ends */
 };
 
@@ -109,6 +112,7 @@ int64_t dbsp_keyindex_len(const DbspKeyIndex *ix) { return ix->count; }
 int64_t dbsp_keyindex_bytes(const DbspKeyIndex *ix) { return (ix->cur.cap + ix->old.cap) * ix->stride * 8; }
 int dbsp_keyindex_broken(const DbspKeyIndex *ix) { return ix->broken; }
 int dbsp_keyindex_growing(const DbspKeyIndex *ix) { return ix->old.slots != NULL; }
+int64_t dbsp_keyindex_spills(const DbspKeyIndex *ix) { return ix->spills; }
 
 /* Whether a column's values can be summed as int64 (dbsp_keyindex_add): integers that fit, dates, timestamps. */
 static int summable(int32_t t) {
@@ -164,16 +168,37 @@ static inline int old_moved(const DbspKeyIndex *ix, uint64_t i) {
     return ((i - ix->start) & ((uint64_t)ix->old.cap - 1)) < ix->moved;
 }
 
-/* The slot holding the key (h, tag, w) in either table (invariant 5: in old only when its home there is not moved
- * yet), or NULL. */
+/* The slot holding the key (h, tag, w), or NULL (invariant 5: a key whose old home is moved is in cur; one whose
+ * old home is not moved yet is in old, or in cur only when some new key spilled there). */
 static inline uint64_t *lookup(const DbspKeyIndex *ix, uint64_t h, uint64_t tag, const uint64_t *w) {
-    uint64_t *s = find(ix, &ix->cur, h, tag, w);
-    if (s[1] != 0) return s;
     if (ix->old.slots && !old_moved(ix, h & ((uint64_t)ix->old.cap - 1))) {
-        s = find(ix, &ix->old, h, tag, w);
+        uint64_t *s = find(ix, &ix->old, h, tag, w);
         if (s[1] != 0) return s;
+        if (!ix->spilled) return NULL;
     }
-    return NULL;
+    uint64_t *s = find(ix, &ix->cur, h, tag, w);
+    return s[1] != 0 ? s : NULL;
+}
+
+/* The empty slot for a new key, and its table (invariant 5): while growing, in old when the key's home there is not
+ * moved yet, so that the new table's pages are first written by the move, in order, rather than by new keys at
+ * random (each first write of a page costs a page fault and its zeroing); in cur when the old table holds its
+ * share of new keys already or the key's probe run reaches the moved part (a spill). */
+static uint64_t *new_slot(DbspKeyIndex *ix, uint64_t h, uint64_t tag, const uint64_t *w, Table **tab) {
+    if (ix->old.slots && !old_moved(ix, h & ((uint64_t)ix->old.cap - 1))) {
+        if (ix->old_added * 8 < ix->old.cap) {
+            uint64_t *s = find(ix, &ix->old, h, tag, w);
+            if (!old_moved(ix, (uint64_t)(s - ix->old.slots) / (uint64_t)ix->stride)) {
+                ix->old_added++;
+                *tab = &ix->old;
+                return s;
+            }
+        }
+        ix->spilled++;
+        ix->spills++;
+    }
+    *tab = &ix->cur;
+    return find(ix, &ix->cur, h, tag, w);
 }
 
 /* Move the next old slots into cur: at least `budget`, then on to the end of the cluster (the next empty slot),
@@ -192,6 +217,7 @@ static void move_some(DbspKeyIndex *ix, int64_t budget) {
     }
     table_free(&ix->old);
     ix->start = ix->moved = 0;
+    ix->old_added = ix->spilled = 0;
     if (ix->huge_later) {
         table_advise_huge(&ix->cur, ix->stride);
         ix->huge_later = 0;
@@ -370,13 +396,13 @@ int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t
                 if (st != DBSP_OK) return st;
                 move_some(ix, MOVE_PER_ROW);
             }
-            s = find(ix, &ix->cur, kh[i], tag, w);
+            s = new_slot(ix, kh[i], tag, w, &tab);
             s[0] = kh[i];
             s[1] = tag;
             memcpy(s + 2, w, (size_t)ix->nkeys * 8);
             memcpy(s + 2 + ix->nkeys, d, (size_t)ix->nvals * 8);
             ix->count++;
-            last = s, ltab = &ix->cur, ltag = tag, memcpy(lw, w, (size_t)ix->nkeys * 8);
+            last = s, ltab = tab, ltag = tag, memcpy(lw, w, (size_t)ix->nkeys * 8);
             continue;
         }
         int64_t *v = (int64_t *)(s + 2 + ix->nkeys);
@@ -433,7 +459,8 @@ int dbsp_keyindex_put(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
         if (st != DBSP_OK) return st;
         move_some(ix, MOVE_PER_ROW);
     }
-    s = find(ix, &ix->cur, h, tag, w);
+    Table *tab;
+    s = new_slot(ix, h, tag, w, &tab);
     s[0] = h;
     s[1] = tag;
     memcpy(s + 2, w, (size_t)ix->nkeys * 8);
@@ -454,8 +481,8 @@ static int check_table(const DbspKeyIndex *ix, const Table *t, int old, int64_t 
         if (find(ix, t, s[0], s[1], s + 2) != s) return DBSP_EINVAL;
         if (old && old_moved(ix, s[0] & ((uint64_t)t->cap - 1))) return DBSP_EINVAL; /* home moved, entry not */
         if (!old && ix->old.slots && !old_moved(ix, s[0] & ((uint64_t)ix->old.cap - 1))
-            && find(ix, &ix->old, s[0], s[1], s + 2)[1] != 0)
-            return DBSP_EINVAL; /* in both tables */
+            && (!ix->spilled || find(ix, &ix->old, s[0], s[1], s + 2)[1] != 0))
+            return DBSP_EINVAL; /* in cur though its old home is not moved, with no spill; or in both tables */
         const int64_t *v = (const int64_t *)(s + 2 + ix->nkeys);
         int zero = 1;
         for (int32_t j = 0; j < ix->nvals; j++) zero &= v[j] == 0;
@@ -471,9 +498,7 @@ int dbsp_keyindex_check(const DbspKeyIndex *ix) {
     if (ix->old.slots) {
         if (ix->moved >= (uint64_t)ix->old.cap || ix->cur.cap != 2 * ix->old.cap) return DBSP_EINVAL;
         if (check_table(ix, &ix->old, 1, &seen) != DBSP_OK) return DBSP_EINVAL;
-        /* the next old slot to move is a cluster boundary (empty), unless nothing moved yet */
-        uint64_t next = (ix->start + ix->moved) & ((uint64_t)ix->old.cap - 1);
-        if (ix->old.slots[next * ix->stride + 1] != 0) return DBSP_EINVAL;
+        if (ix->old_added * 8 > ix->old.cap) return DBSP_EINVAL;
     }
     return seen == ix->count ? DBSP_OK : DBSP_EINVAL;
 }

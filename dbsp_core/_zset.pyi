@@ -47,6 +47,7 @@ class KeyIndex:
     nbytes: int
     broken: bool
     growing: bool
+    spills: int
     def __init__(self, types: Sequence[pa.DataType], nvals: int, max_bytes: int = ...) -> None: ...
     def __len__(self) -> int: ...
     def get(self, table: pa.Table | BatchView, keys: Sequence[int], khash: np.ndarray, acc: np.ndarray,
