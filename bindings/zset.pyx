@@ -1076,9 +1076,9 @@ def linear_step(table, keys, cols, KeyIndex ix):
                 g = grp[i]
                 if w[i] > 0:
                     if slots[g] == NULL:
-                        st = dbsp_keyindex_put(ix.ix, &v.c, k.p, rows[i], kh[i], vals + i, cap, n - i)
+                        st = dbsp_keyindex_put(ix.ix, &v.c, k.p, rows[i], kh[i], vals + i, cap, n)
                 elif (i + 1 >= n or grp[i + 1] != g) and (i == 0 or grp[i - 1] != g):
-                    st = dbsp_keyindex_put(ix.ix, &v.c, k.p, rows[i], kh[i], NULL, cap, n - i)
+                    st = dbsp_keyindex_put(ix.ix, &v.c, k.p, rows[i], kh[i], NULL, cap, n)
                 i += 1
     free(old); free(grp); free(slots)
     dbsp_reduce_free(&r)

@@ -99,7 +99,7 @@ int dbsp_extremes_store(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *key
         if (memcmp(o, x, (size_t)nv * 8) == 0) continue;
         if (o[0] != 0) grp[k] = g, w[k] = -1, k++;
         if (x[0] != 0) grp[k] = g, w[k] = 1, k++;
-        int st = dbsp_keyindex_put(ix, b, keys, group_row[g], gkh[g], x[0] != 0 ? x : NULL, 1, ng - g);
+        int st = dbsp_keyindex_put(ix, b, keys, group_row[g], gkh[g], x[0] != 0 ? x : NULL, 1, ng);
         if (st != DBSP_OK) return st;
     }
     *n = k;
