@@ -1076,9 +1076,9 @@ def linear_step(table, keys, cols, KeyIndex ix):
                 g = grp[i]
                 if w[i] > 0:
                     if slots[g] == NULL:
-                        st = dbsp_keyindex_put(ix.ix, &v.c, k.p, rows[i], kh[i], vals + i, cap, n - i)
+                        st = dbsp_keyindex_put(ix.ix, &v.c, k.p, rows[i], kh[i], vals + i, cap, n)
                 elif (i + 1 >= n or grp[i + 1] != g) and (i == 0 or grp[i - 1] != g):
-                    st = dbsp_keyindex_put(ix.ix, &v.c, k.p, rows[i], kh[i], NULL, cap, n - i)
+                    st = dbsp_keyindex_put(ix.ix, &v.c, k.p, rows[i], kh[i], NULL, cap, n)
                 i += 1
     free(old); free(grp); free(slots)
     dbsp_reduce_free(&r)
@@ -1122,6 +1122,53 @@ def extremes_probe(table, keys, slots, KeyIndex ix):
     free(specs)
     check_status(st, "extremes_probe")
     return group_row[:ng], gkh[:ng], old[:ng], nw[:ng], need[:ng].view(bool)
+
+
+def extremes_scan(table, keys, rows, khash, batches, vkeys, int32_t vcol):
+    """Extremes recomputed from a value trace (csrc/extremes.h): for each row ``rows[i]`` of ``table`` (a Table or
+    BatchView; key columns ``keys``, key hash ``khash[i]``), over the rows of ``batches`` (BatchViews with key
+    hashes: a value trace's batches, key columns ``vkeys``) holding its key, equal values' weights summed across
+    batches, the least and greatest value of column ``vcol`` with a positive sum. Returns (has, mn, mx): a bool
+    array and two int64 arrays (0 where has is False)."""
+    cdef BatchView v = view_of(table)
+    cdef Int32s k = Int32s(keys)
+    cdef Int32s vk = Int32s(vkeys)
+    if vk.n != k.n:
+        raise ValueError(f"extremes_scan: {k.n} key columns against {vk.n}")
+    r = np.ascontiguousarray(rows, dtype=np.int64)
+    kh = np.ascontiguousarray(khash, dtype=np.uint64)
+    cdef int64_t n = r.shape[0]
+    if kh.shape[0] != n:
+        raise ValueError(f"extremes_scan: {kh.shape[0]} key hashes for {n} rows")
+    views = [<BatchView?>b for b in batches]
+    cdef int32_t nb = len(views), i
+    for bv in views:
+        if (<BatchView>bv).kh == NULL and (<BatchView>bv).c.nrows:
+            raise ValueError("extremes_scan: every batch needs its key hashes")
+    has = np.zeros(max(n, 1), dtype=np.uint8)
+    mn = np.zeros(max(n, 1), dtype=np.int64)
+    mx = np.zeros(max(n, 1), dtype=np.int64)
+    if n == 0:
+        return has[:0].view(bool), mn[:0], mx[:0]
+    cdef const CBatch **pb = <const CBatch **>malloc(max(nb, 1) * sizeof(CBatch *))
+    cdef const uint64_t **pk = <const uint64_t **>malloc(max(nb, 1) * sizeof(uint64_t *))
+    if pb == NULL or pk == NULL:
+        free(pb); free(pk)
+        raise MemoryError("extremes_scan: out of memory")
+    for i in range(nb):
+        pb[i] = &(<BatchView>views[i]).c
+        pk[i] = (<BatchView>views[i]).kh
+    cdef const int64_t[::1] pr = r
+    cdef const uint64_t[::1] pkh = kh
+    cdef uint8_t[::1] ph = has
+    cdef int64_t[::1] pmn = mn
+    cdef int64_t[::1] pmx = mx
+    cdef int st
+    with nogil:
+        st = dbsp_extremes_scan(&v.c, k.p, k.n, &pr[0], &pkh[0], n, pb, pk, nb, vk.p, vcol, &ph[0], &pmn[0], &pmx[0])
+    free(pb); free(pk)
+    check_status(st, "extremes_scan")
+    return has[:n].view(bool), mn[:n], mx[:n]
 
 
 def extremes_store(table, keys, group_row, gkh, old, nw, KeyIndex ix):

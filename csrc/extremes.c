@@ -1,6 +1,8 @@
 /* extremes.c: the min/max aggregate's step kernel (extremes.h). */
+#include <stdlib.h>
 #include <string.h>
 #include "extremes.h"
+#include "join.h"
 #include "status.h"
 
 static inline int64_t ival(const DbspColumn *c, int64_t r) {
@@ -97,9 +99,81 @@ int dbsp_extremes_store(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *key
         if (memcmp(o, x, (size_t)nv * 8) == 0) continue;
         if (o[0] != 0) grp[k] = g, w[k] = -1, k++;
         if (x[0] != 0) grp[k] = g, w[k] = 1, k++;
-        int st = dbsp_keyindex_put(ix, b, keys, group_row[g], gkh[g], x[0] != 0 ? x : NULL, 1, ng - g);
+        int st = dbsp_keyindex_put(ix, b, keys, group_row[g], gkh[g], x[0] != 0 ? x : NULL, 1, ng);
         if (st != DBSP_OK) return st;
     }
     *n = k;
     return DBSP_OK;
+}
+
+typedef struct { int64_t v, w; } ValW;
+
+static int valw_cmp(const void *a, const void *b) {
+    int64_t x = ((const ValW *)a)->v, y = ((const ValW *)b)->v;
+    return (x > y) - (x < y);
+}
+
+int dbsp_extremes_scan(const DbspBatch *b, const int32_t *keys, int32_t nkeys, const int64_t *rows, const uint64_t *kh,
+                       int64_t n, const DbspBatch *const *vb, const uint64_t *const *vkh, int32_t nb,
+                       const int32_t *vkeys, int32_t vcol, uint8_t *has, int64_t *mn, int64_t *mx) {
+    for (int32_t k = 0; k < nb; k++) {
+        if (vcol < 0 || vcol >= vb[k]->ncols || !holdable(vb[k]->cols[vcol].type)) return DBSP_ETYPE;
+        for (int32_t j = 0; j < nkeys; j++)
+            if (vkeys[j] < 0 || vkeys[j] >= vb[k]->ncols) return DBSP_EINVAL;
+    }
+    int64_t cap = 64, m;
+    ValW *buf = malloc((size_t)cap * sizeof *buf);
+    int64_t *at = calloc((size_t)(nb ? nb : 1), sizeof *at);  /* per batch: where the last seek ended (kh ascend) */
+    if (!buf || !at) { free(buf); free(at); return DBSP_ENOMEM; }
+    int st = DBSP_OK;
+    for (int64_t i = 0; i < n && st == DBSP_OK; i++) {
+        if (rows[i] < 0 || rows[i] >= b->nrows) { st = DBSP_EINVAL; break; }
+        m = 0;
+        for (int32_t k = 0; k < nb; k++) {  /* the key's rows of every batch, with their weights */
+            const DbspBatch *v = vb[k];
+            int64_t lo = dbsp_gallop(vkh[k], i && kh[i] >= kh[i - 1] ? at[k] : 0, v->nrows, kh[i]);
+            at[k] = lo;
+            for (int64_t r = lo; r < v->nrows && vkh[k][r] == kh[i]; r++) {
+                if (dbsp_row_cmp_eqfast(b, rows[i], keys, v, r, vkeys, nkeys) != 0) continue;  /* another key */
+                const DbspColumn *c = &v->cols[vcol];
+                if (!dbsp_col_valid(c, r)) continue;
+                if (m == cap) {
+                    ValW *g = realloc(buf, (size_t)(cap *= 2) * sizeof *buf);
+                    if (!g) { st = DBSP_ENOMEM; break; }
+                    buf = g;
+                }
+                buf[m].v = (int64_t)dbsp_col_u64(c, r);
+                buf[m].w = v->weights ? v->weights[r] : 1;
+                m++;
+            }
+        }
+        if (m > 24) {  /* by value, equal values side by side: a group may hold many values */
+            qsort(buf, (size_t)m, sizeof *buf, valw_cmp);
+        } else {
+            for (int64_t x = 1; x < m; x++) {
+                ValW t = buf[x];
+                int64_t y = x - 1;
+                while (y >= 0 && buf[y].v > t.v) { buf[y + 1] = buf[y]; y--; }
+                buf[y + 1] = t;
+            }
+        }
+        has[i] = 0;
+        for (int64_t x = 0; x < m;) {
+            int64_t y = x, w = 0;
+            while (y < m && buf[y].v == buf[x].v) {
+                if (__builtin_add_overflow(w, buf[y].w, &w)) st = DBSP_EOVERFLOW;
+                y++;
+            }
+            if (st != DBSP_OK) break;
+            if (w > 0) {
+                if (!has[i]) mn[i] = buf[x].v;
+                mx[i] = buf[x].v;
+                has[i] = 1;
+            }
+            x = y;
+        }
+    }
+    free(buf);
+    free(at);
+    return st;
 }

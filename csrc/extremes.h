@@ -39,4 +39,14 @@ int dbsp_extremes_store(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *key
                         const int64_t *group_row, const uint64_t *gkh, const int64_t *old, const int64_t *nw,
                         int64_t *grp, int64_t *w, int64_t *n);
 
+/* The extremes a deleted value reached, recomputed (design note 2): for i < n, the key of row rows[i] of b (key
+ * columns keys) with key hash kh[i], over the rows of the value batches vb[0..nb) (a value trace's batches, each
+ * canonical for its key columns vkeys, key hashes vkh[k]) that hold that key, the weights of equal values summed
+ * across batches: has[i] = 1 and the least and greatest value of column vcol (integer-like, as int64) among
+ * those with a positive sum in mn[i], mx[i]; has[i] = 0 when none has. Cost: a galloping seek per batch and key,
+ * then the key's rows; never the trace's size. */
+int dbsp_extremes_scan(const DbspBatch *b, const int32_t *keys, int32_t nkeys, const int64_t *rows, const uint64_t *kh,
+                       int64_t n, const DbspBatch *const *vb, const uint64_t *const *vkh, int32_t nb,
+                       const int32_t *vkeys, int32_t vcol, uint8_t *has, int64_t *mn, int64_t *mx);
+
 #endif

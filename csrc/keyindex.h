@@ -86,8 +86,10 @@ int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t
 
 /* Set the sums of the key of row r of b (key columns keys, key hash h) to vals[v * vstride] for v < nvals, or
  * remove the key when vals is NULL or all zero (invariant 2): what a caller that computed a key's new sums itself
- * (the linear aggregate, csrc/fold.h) stores instead of adding its rows. `more`: keys the caller will still put
- * (a hint for the table it may grow). Errors as dbsp_keyindex_add's (no overflow: nothing is summed). */
+ * (the linear aggregate, csrc/fold.h) stores instead of adding its rows. `more`: the keys the caller's whole call
+ * puts, this one included: as for dbsp_keyindex_add's rows, a call of at least a quarter of the slots of the table
+ * it grows to finishes that growth at once, so that a load's growth is not left to the small steps after it.
+ * Errors as dbsp_keyindex_add's (no overflow: nothing is summed). */
 int dbsp_keyindex_put(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int64_t r, uint64_t h,
                       const int64_t *vals, int64_t vstride, int64_t more);
 

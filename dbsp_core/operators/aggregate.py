@@ -503,17 +503,15 @@ class _ExtremesState:
             out = self.totals.through_index(self.spec, lambda ix: self._through_index(dix, ix))
         return out if out is not None else self._through_totals(dix)
 
-    def _through_index(self, dix: "IndexedZSet", ix: object) -> "ZSet | None":
+    def _through_index(self, dix: "IndexedZSet", ix: object) -> "ZSet":
         """The step's totals through the key index of the totals (csrc/extremes.h): each group's old totals in one
         probe, new ones folded in C, the few extremes a deleted value reached recomputed from the value multisets,
-        then the changed groups' rows and the index's new values; None (nothing stored) when two recomputed groups'
-        keys share a hash, which the caller then reads from the batches."""
+        then the changed groups' rows and the index's new values."""
         op = self.op
         view = dix._view()
         group_row, gkh, old, nw, need = _zset.extremes_probe(view, self.keypos, self.slot_specs, ix)
-        if need.any() and not self._recompute_into(dix, group_row, gkh, np.flatnonzero(need), nw):
-            self.totals.index_done(ix)
-            return None
+        if need.any():
+            self._recompute_into(dix, group_row, gkh, np.flatnonzero(need), nw)
         grp, w = _zset.extremes_store(view, self.keypos, group_row, gkh, old, nw, ix)
         if len(grp) == 0:
             self.totals.index_done(ix)
@@ -535,50 +533,22 @@ class _ExtremesState:
         return sum_adjacent(make(op.finalize(table), w, op.schema), gkh[grp])
 
     def _recompute_into(self, dix: "IndexedZSet", group_row: np.ndarray, gkh: np.ndarray, need: np.ndarray,
-                        nw: np.ndarray) -> bool:
+                        nw: np.ndarray) -> None:
         """Fill in ``nw`` the extremes of groups ``need`` (positions into the probe's groups), reduced over their
-        whole value multisets (csrc/extremes.h design note 2); False when two keys share a hash (the caller then
-        takes the path that matches rows by key)."""
-        from dbsp_core.zset import ZSet
-
+        whole value multisets (csrc/extremes.h design note 2): one C pass per value column over the value trace's
+        batches, seeking each group's key in each (``_zset.extremes_scan``)."""
         ns = len(self.op.kernel)
-        hashes = gkh[need]
-        want = unique_sorted(hashes)
-        if len(want) != len(hashes):
-            return False
+        rows, hashes = group_row[need], gkh[need]
         nk = len(self.keys)
-        keys = _zset.take(dix._view(), group_row[need], pa.schema(list(self.sschema)[:nk]), list(self.keypos))
+        view = dix._view()
         for col, attr in self.val_cols:
             trace: Trace = getattr(self, attr)
-            vals = lookup_exact(trace, want, trace.schema).consolidate()
-            pos_rows = vals.weights > 0  # an extreme is over values with positive weight
-            if not pos_rows.all():
-                vals = ZSet._make(vals.data.filter(pa.array(pos_rows)), vals.weights[pos_rows])
-            if vals.num_rows:
-                vix = vals.index_by(self.keys)
-                group, khash, ivals, _, valid = _zset.reduce(vix._view(), None, None, vix._keypos,
-                                                             [("min", nk), ("max", nk)])
-            else:
-                group = khash = np.zeros(0, np.int64)
-            pos = np.searchsorted(khash.astype(np.uint64), hashes) if len(group) else np.zeros(len(hashes), np.int64)
-            found = pos < len(group)
-            found[found] = khash.astype(np.uint64)[pos[found]] == hashes[found]
-            if found.any():  # the found groups' keys must be the asked keys, not a hash collision's
-                got = vix.zset.data.select(self.keys).take(pa.array(group[pos[found]], pa.int64()))
-                asked = keys.filter(pa.array(found))
-                if not all(got.column(k).equals(asked.column(k)) for k in self.keys):
-                    return False
+            batches = [b._view() for b in trace.batches]
+            has, lo, hi = _zset.extremes_scan(view, self.keypos, rows, hashes, batches, list(range(nk)), nk)
             for e, (j, kind, c) in enumerate(self.ext):
-                if c != col:
-                    continue
-                rows = ivals[pos[found], 0 if kind == "min" else 1] if found.any() else np.zeros(0, np.int64)
-                best = np.zeros(len(hashes), np.int64)
-                if found.any():
-                    v = vix.zset.data.column(col).take(pa.array(rows, pa.int64())).combine_chunks()
-                    best[found] = _int64_values(v)
-                nw[need, j] = best
-                nw[need, ns + e] = found.astype(np.int64)
-        return True
+                if c == col:
+                    nw[need, j] = np.where(has, lo if kind == "min" else hi, 0)
+                    nw[need, ns + e] = has.astype(np.int64)
 
     def _through_totals(self, dix: "IndexedZSet") -> "ZSet":
         """The step's totals read from the batches of the totals trace, folded by one grouping pass (the class's

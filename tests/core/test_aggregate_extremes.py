@@ -151,3 +151,33 @@ def test_min_max_through_the_key_index_long_run(tmp_path, workers: int, seed: in
             p.close()
             p = dbsp.Pipeline.open(str(tmp_path / "s"), c)
     p.close()
+
+
+@pytest.mark.parametrize("workers,seed", [(1, 8), (2, 9)])
+def test_min_max_of_large_groups(workers: int, seed: int) -> None:
+    """Few groups holding hundreds of distinct values each, their extremes deleted often: the recomputation of a
+    group's extremes (csrc/extremes.c, dbsp_extremes_scan) then sorts a long run of values, gathered from several
+    spine batches with weights that cancel across them."""
+    rng = np.random.default_rng(seed)
+    c = dbsp.Circuit()
+    src = c.input("t", INT_SCHEMA)
+    c.output("g", src.group_by("k").agg(n=dbsp.count(), lo=dbsp.min("v"), hi=dbsp.max("v"), last=dbsp.max("t"),
+                                        first=dbsp.min("d"), total=dbsp.sum("v")))
+    p = dbsp.Pipeline(c, workers=workers)
+    bag: Counter = Counter()
+    view: Counter = Counter()
+    def new_row(rng):
+        return (int(rng.integers(0, 3)), int(rng.integers(-1000, 1000)), None, None)
+
+    for step in range(80):
+        delta = _random_delta(rng, bag, int(rng.integers(5, 40)), new_row, 0.35, 0.2)
+        bag.update(delta)
+        bag = Counter({r: w for r, w in bag.items() if w})
+        if delta:
+            p.push("t", dbsp.ZSet.from_rows(list(delta), INT_SCHEMA, weights=list(delta.values())))
+        for r, w in p.step()["g"].to_dict().items():
+            view[r] += w
+        view = Counter({r: w for r, w in view.items() if w})
+        assert dict(view) == _int_model(bag), f"step {step}"
+    assert max(Counter(k for k, *_ in bag).values()) > 100, "the groups stayed small"
+    p.close()
