@@ -59,6 +59,29 @@ def _random_delta(rng, bag: Counter, moves: int, new_row, extreme: float, max_be
     return Counter({r: w for r, w in delta.items() if w})
 
 
+def _steps_against_model(p, rng, steps: int, moves: tuple[int, int], new_row, extreme: float, max_below: float,
+                         schema: pa.Schema, model, after=None) -> Counter:
+    """``steps`` steps of random changes (:func:`_random_delta`, a number of moves drawn from ``moves``) pushed to
+    input "t" of ``p``; after each, the integrated view "g" equals ``model(bag)``; ``after(step, p)`` (which may
+    return a pipeline to go on with) runs after each check. Closes the pipeline; returns the bag of rows pushed."""
+    bag: Counter = Counter()
+    view: Counter = Counter()
+    for step in range(steps):
+        delta = _random_delta(rng, bag, int(rng.integers(*moves)), new_row, extreme, max_below)
+        bag.update(delta)
+        bag = Counter({r: w for r, w in bag.items() if w})
+        if delta:
+            p.push("t", dbsp.ZSet.from_rows(list(delta), schema, weights=list(delta.values())))
+        for r, w in p.step()["g"].to_dict().items():
+            view[r] += w
+        view = Counter({r: w for r, w in view.items() if w})
+        assert dict(view) == model(bag), f"step {step}"
+        if after is not None:
+            p = after(step, p) or p
+    p.close()
+    return bag
+
+
 @pytest.mark.parametrize("workers,seed", [(1, 1), (2, 2), (2, 3)])
 def test_min_max_long_run(workers: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
@@ -67,25 +90,13 @@ def test_min_max_long_run(workers: int, seed: int) -> None:
     c.output("g", t.group_by("k").agg(n=dbsp.count(), lo=dbsp.min("v"), hi=dbsp.max("v"), first=dbsp.min("s"),
                                       total=dbsp.sum("v")))
     p = dbsp.Pipeline(c, workers=workers)
-    bag: Counter = Counter()
-    view: Counter = Counter()
     def new_row(rng):
         k = None if rng.random() < 0.05 else int(rng.integers(0, 25))
         v = None if rng.random() < 0.1 else int(rng.integers(-50, 50))
         s = None if rng.random() < 0.1 else str(rng.choice(["a", "b", "zz", ""]))
         return (k, v, s)
 
-    for step in range(150):
-        delta = _random_delta(rng, bag, int(rng.integers(0, 10)), new_row, 0.25, 0.12)
-        bag.update(delta)
-        bag = Counter({r: w for r, w in bag.items() if w})
-        if delta:
-            p.push("t", dbsp.ZSet.from_rows(list(delta), SCHEMA, weights=list(delta.values())))
-        for r, w in p.step()["g"].to_dict().items():
-            view[r] += w
-        view = Counter({r: w for r, w in view.items() if w})
-        assert dict(view) == _model(bag), f"step {step}"
-    p.close()
+    _steps_against_model(p, rng, 150, (0, 10), new_row, 0.25, 0.12, SCHEMA, _model)
 
 
 INT_SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int32()), ("t", pa.timestamp("ms")), ("d", pa.date32())])
@@ -124,8 +135,6 @@ def test_min_max_through_the_key_index_long_run(tmp_path, workers: int, seed: in
     p = dbsp.Pipeline(c, workers=workers, **kw)
     indexed = [tr for w in range(workers) for name, tr in p.traces(w).items() if name.endswith("totals")]
     assert indexed and all(tr.index_spec is not None for tr in indexed), "the totals keep no key index"
-    bag: Counter = Counter()
-    view: Counter = Counter()
     epoch = datetime.datetime(2026, 1, 1)
     def new_row(rng):
         k = None if rng.random() < 0.05 else int(rng.integers(0, 20))
@@ -134,23 +143,16 @@ def test_min_max_through_the_key_index_long_run(tmp_path, workers: int, seed: in
         d = None if rng.random() < 0.1 else datetime.date(2026, 1, 1 + int(rng.integers(0, 20)))
         return (k, v, t, d)
 
-    for step in range(160):
-        delta = _random_delta(rng, bag, int(rng.integers(0, 12)), new_row, 0.3, 0.15)
-        bag.update(delta)
-        bag = Counter({r: w for r, w in bag.items() if w})
-        if delta:
-            p.push("t", dbsp.ZSet.from_rows(list(delta), INT_SCHEMA, weights=list(delta.values())))
-        for r, w in p.step()["g"].to_dict().items():
-            view[r] += w
-        view = Counter({r: w for r, w in view.items() if w})
-        assert dict(view) == _int_model(bag), f"step {step}"
+    def after(step, p):
         for w in range(workers):
             for tr in p.traces(w).values():
                 tr.check()
         if storage and step % 40 == 39:
             p.close()
-            p = dbsp.Pipeline.open(str(tmp_path / "s"), c)
-    p.close()
+            return dbsp.Pipeline.open(str(tmp_path / "s"), c)
+        return None
+
+    _steps_against_model(p, rng, 160, (0, 12), new_row, 0.3, 0.15, INT_SCHEMA, _int_model, after=after)
 
 
 @pytest.mark.parametrize("workers,seed", [(1, 8), (2, 9)])
@@ -164,20 +166,8 @@ def test_min_max_of_large_groups(workers: int, seed: int) -> None:
     c.output("g", src.group_by("k").agg(n=dbsp.count(), lo=dbsp.min("v"), hi=dbsp.max("v"), last=dbsp.max("t"),
                                         first=dbsp.min("d"), total=dbsp.sum("v")))
     p = dbsp.Pipeline(c, workers=workers)
-    bag: Counter = Counter()
-    view: Counter = Counter()
     def new_row(rng):
         return (int(rng.integers(0, 3)), int(rng.integers(-1000, 1000)), None, None)
 
-    for step in range(80):
-        delta = _random_delta(rng, bag, int(rng.integers(5, 40)), new_row, 0.35, 0.2)
-        bag.update(delta)
-        bag = Counter({r: w for r, w in bag.items() if w})
-        if delta:
-            p.push("t", dbsp.ZSet.from_rows(list(delta), INT_SCHEMA, weights=list(delta.values())))
-        for r, w in p.step()["g"].to_dict().items():
-            view[r] += w
-        view = Counter({r: w for r, w in view.items() if w})
-        assert dict(view) == _int_model(bag), f"step {step}"
+    bag = _steps_against_model(p, rng, 80, (5, 40), new_row, 0.35, 0.2, INT_SCHEMA, _int_model)
     assert max(Counter(k for k, *_ in bag).values()) > 100, "the groups stayed small"
-    p.close()
