@@ -12,7 +12,8 @@
  *  2. A group's new extreme is the extreme of its old one and the change's inserted values, unless a deleted
  *     value reaches the old extreme (for MIN: is not strictly greater) or the old extreme is null and values
  *     are deleted: then need[g] is set and the caller recomputes it (value and "not null") from the group's
- *     values. So an extreme turns null only through a recompute, or with its group's count at 0.
+ *     values (dbsp_extremes_scan, over the batches of the column's value multiset: a seek per batch and group,
+ *     never a pass over the trace). So an extreme turns null only through a recompute, or with its group's count at 0.
  *  3. Groups are runs of the indexed change (canonical order for its key: equal keys are adjacent).
  */
 #ifndef DBSP_EXTREMES_H
