@@ -23,7 +23,8 @@ Invariants (enforced here; :meth:`Trace.check` asserts 1, 2, 5 and 11):
      its output replaces them.
  10. Background merging (a :class:`BackgroundMerger` in force on the inserting thread, see :func:`merging`):
      invariant 3's merges are the same, but the thread that inserts only starts them and hands them to the
-     merger's thread, which advances them in GIL-free chunks while steps run; the inserting thread pays
+     merger's thread, which advances them in GIL-free chunks while steps run (merges of at most INLINE_MERGE
+     rows of work are not handed over: they advance by fuel as in invariant 3); the inserting thread pays
      invariant 3's fuel itself only for a merge that is due (its level already holds two more loose batches:
      the merger fell behind), so a level holds at most a merge and two loose batches and the bound on
      batches, and on a step's merge work, stays that of invariant 3. Only the inserting thread changes the
@@ -356,6 +357,9 @@ class Trace:
     MAX_PENDING = 64  # a fresh trace's pending batches beyond which it inserts the oldest (invariant 5)
     PRUNE_MIN = 4096  # rows inserted before drop_below scans at all (invariant 8)
     INDEX_WAIT = 2  # reads that walk the batches before a stale key index is rebuilt (invariant 11)
+    INLINE_MERGE = 4096  # work (input rows) up to which a merge is not handed to a merger thread (invariant 10):
+    # handing over a small step's merge (lock, wake-up, GIL hand-offs) cost more than merging it by fuel here
+    # (1k-row steps on 1M rows, 600 steps alternated twice: mean 5-15% lower for distinct, group_by and join)
 
     def __init__(self, schema: pa.Schema, key: tuple[str, ...]) -> None:
         self.schema = schema
@@ -616,7 +620,7 @@ class Trace:
                     if len(level.loose) < 2:
                         break
                     m = _Merge(level.loose[0], level.loose[1])
-                    if bg is not None:
+                    if bg is not None and m.work > self.INLINE_MERGE:
                         m.shared = _Shared()
                     level = self._levels[lvl] = _Level(level.loose[2:], m)
                 if bg is not None and m.shared is not None and len(level.loose) < 2:  # not due: the merger's
@@ -664,7 +668,8 @@ class Trace:
                 level, m = self._levels[lvl], None
             if m is None and merger is not None and len(level.loose) >= 2:
                 m = _Merge(level.loose[0], level.loose[1])
-                m.shared = _Shared()
+                if m.work > self.INLINE_MERGE:
+                    m.shared = _Shared()
                 self._levels[lvl] = _Level(level.loose[2:], m)
             handed = handed or (m is not None and m.shared is not None)
         if merger is not None and handed:

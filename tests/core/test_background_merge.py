@@ -91,7 +91,13 @@ def _z(seed: int, n: int) -> dbsp.ZSet:
     return dbsp.ZSet.from_arrow(pa.table({"k": rng.integers(0, 5000, n), "v": rng.integers(0, 3, n)}, schema=S))
 
 
-def test_a_rollback_under_a_merger_keeps_the_content_it_captured():
+@pytest.fixture
+def hand_over_all(monkeypatch):
+    """Every merge handed to the merger thread, however small (Trace.INLINE_MERGE keeps small ones inline)."""
+    monkeypatch.setattr(Trace, "INLINE_MERGE", 0)
+
+
+def test_a_rollback_under_a_merger_keeps_the_content_it_captured(hand_over_all):
     with BackgroundMerger() as bg, merging(bg):
         t = Trace(S, ("k",))
         model = dbsp.ZSet.empty(S)
@@ -112,7 +118,7 @@ def test_a_rollback_under_a_merger_keeps_the_content_it_captured():
         assert t.consolidated().zset.to_dict() == dbsp.ZSet.concat([model, _z(999, 500)]).to_dict()
 
 
-def test_a_merge_that_failed_on_the_merger_thread_fails_the_insert_that_needs_it():
+def test_a_merge_that_failed_on_the_merger_thread_fails_the_insert_that_needs_it(hand_over_all):
     with BackgroundMerger() as bg:
         bg.close()  # a stopped merger: handed merges stay where they are, so the test controls them
         with merging(bg):
@@ -127,7 +133,7 @@ def test_a_merge_that_failed_on_the_merger_thread_fails_the_insert_that_needs_it
                     t.insert(_z(i, 300).index_by(["k"]))
 
 
-def test_settle_merges_leaves_no_merge_in_flight_and_the_state_unchanged():
+def test_settle_merges_leaves_no_merge_in_flight_and_the_state_unchanged(hand_over_all):
     ex = EmbeddedExecutor(background_merge=True)
     c = dbsp.Circuit()
     t = c.input("t", S)
@@ -144,3 +150,24 @@ def test_settle_merges_leaves_no_merge_in_flight_and_the_state_unchanged():
                 assert m is None, f"{name}: a merge still in progress after settle_merges: {tr}"
             assert tr.consolidated().zset.to_dict() == content[name]
             tr.check()
+
+
+def test_small_merges_stay_on_the_inserting_thread_and_large_ones_are_handed_over():
+    """Trace.INLINE_MERGE: a merge of at most that many rows of work advances by fuel on the inserting thread (a
+    hand-over costs more than the merge), so a merger serving small steps merges nothing; a larger one goes to the
+    merger's thread. The content is the same either way."""
+    with BackgroundMerger() as bg, merging(bg):
+        t = Trace(S, ("k",))
+        model = dbsp.ZSet.empty(S)
+        for i in range(16):  # 16 x 200 rows: every merge's work is at most 3,200 rows
+            z = _z(i, 200)
+            t.insert(z.index_by(["k"]))
+            model = dbsp.ZSet.concat([model, z])
+        assert bg.wait_idle(30) and bg.merged_rows == 0 and t.merged_rows > 0
+        for i in range(16, 20):  # two 5,000-row batches make a merge of 10,000 rows: handed over
+            z = _z(i, 5000)
+            t.insert(z.index_by(["k"]))
+            model = dbsp.ZSet.concat([model, z])
+        assert bg.wait_idle(30) and bg.merged_rows > 0
+        assert t.consolidated().zset.to_dict() == model.to_dict()
+        t.check()

@@ -99,13 +99,19 @@ def _new(cls, index):
 
 
 @settings(deadline=None)
-@given(ops, st.sampled_from([Trace, SlowTrace]), st.booleans(), st.sampled_from(list(INDEXES)))
-def test_any_inserts_reads_settles_and_restores_match_the_model(steps, cls, bg, index):
+@given(ops, st.sampled_from([Trace, SlowTrace]), st.booleans(), st.sampled_from(list(INDEXES)), st.sampled_from([0, 64]))
+def test_any_inserts_reads_settles_and_restores_match_the_model(steps, cls, bg, index, inline):
     """Also with a background merger (invariant 10): the same content and reads whatever the merger's thread
-    has done when they happen ("idle" waits until it has finished every merge handed to it); and with a key index
-    (invariant 11), which every step's check() compares with the batches."""
-    with merging(_merger() if bg else None):
-        _run_ops(steps, cls, bg, index)
+    has done when they happen ("idle" waits until it has finished every merge handed to it), with every merge
+    handed over or those of at most 64 rows kept inline (Trace.INLINE_MERGE); and with a key index (invariant
+    11), which every step's check() compares with the batches."""
+    saved = Trace.INLINE_MERGE
+    Trace.INLINE_MERGE = inline
+    try:
+        with merging(_merger() if bg else None):
+            _run_ops(steps, cls, bg, index)
+    finally:
+        Trace.INLINE_MERGE = saved
 
 
 def _run_ops(steps, cls, bg, index=None):
