@@ -511,7 +511,7 @@ class _ExtremesState:
         view = dix._view()
         group_row, gkh, old, nw, need = _zset.extremes_probe(view, self.keypos, self.slot_specs, ix)
         if need.any():
-            self._recompute_into(dix, group_row, gkh, np.flatnonzero(need), nw)
+            self._recompute_into(view, group_row, gkh, np.flatnonzero(need), nw)
         grp, w = _zset.extremes_store(view, self.keypos, group_row, gkh, old, nw, ix)
         if len(grp) == 0:
             self.totals.index_done(ix)
@@ -532,15 +532,14 @@ class _ExtremesState:
         # a group's old and new rows sit side by side: they cancel when the view's columns did not change
         return sum_adjacent(make(op.finalize(table), w, op.schema), gkh[grp])
 
-    def _recompute_into(self, dix: "IndexedZSet", group_row: np.ndarray, gkh: np.ndarray, need: np.ndarray,
+    def _recompute_into(self, view: "_zset.BatchView", group_row: np.ndarray, gkh: np.ndarray, need: np.ndarray,
                         nw: np.ndarray) -> None:
-        """Fill in ``nw`` the extremes of groups ``need`` (positions into the probe's groups), reduced over their
-        whole value multisets (csrc/extremes.h design note 2): one C pass per value column over the value trace's
-        batches, seeking each group's key in each (``_zset.extremes_scan``)."""
+        """Fill in ``nw`` the extremes of groups ``need`` (positions into the probe's groups over ``view``, the
+        indexed change), reduced over their whole value multisets (csrc/extremes.h design note 2): one C pass per
+        value column over the value trace's batches, seeking each group's key in each (``_zset.extremes_scan``)."""
         ns = len(self.op.kernel)
         rows, hashes = group_row[need], gkh[need]
         nk = len(self.keys)
-        view = dix._view()
         for col, attr in self.val_cols:
             trace: Trace = getattr(self, attr)
             batches = [b._view() for b in trace.batches]
@@ -581,15 +580,6 @@ class _ExtremesState:
             self.totals.insert(delta.index_by(self.keys))
         return op.output(new, prev)
 
-
-def _int64_values(arr: pa.Array) -> np.ndarray:
-    """The values of a null-free integer-like array (integers, date32, timestamps) as int64, as the key index holds
-    them (csrc/extremes.h)."""
-    if pa.types.is_timestamp(arr.type):
-        arr = arr.view(pa.int64())
-    elif pa.types.is_date32(arr.type):
-        arr = arr.view(pa.int32())
-    return arr.to_numpy().astype(np.int64, copy=False)
 
 
 def _int_array(values: np.ndarray, typ: pa.DataType, null: np.ndarray) -> pa.Array:
