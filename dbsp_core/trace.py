@@ -84,7 +84,51 @@ if TYPE_CHECKING:
 
 _TOKENS = itertools.count(1)  # content tokens (invariant 11): unique in the process, never reused
 KEY_INDEX = os.environ.get("DBSP_KEY_INDEX", "1") != "0"  # DBSP_KEY_INDEX=0: no trace keeps a key index
-KEY_INDEX_MB = float(os.environ.get("DBSP_KEY_INDEX_MB", "512"))  # above this, a trace drops its index for good
+
+
+def memory_bytes() -> int | None:
+    """The memory this process may use: the machine's physical memory, or a cgroup's limit (a container) when lower;
+    None when neither can be read."""
+    limits = []
+    try:
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # cgroup v2, v1
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) > 0:  # "max" (v2) or a huge number (v1) when unlimited
+            limits.append(int(text))
+    limits = [x for x in limits if x > 0]
+    return min(limits) if limits else None
+
+
+def key_index_mb(env: str | None, memory: int | None) -> float:
+    """The size limit of one key index in MiB (invariant 11): ``DBSP_KEY_INDEX_MB`` when set (a positive number),
+    else an eighth of the process's memory (:func:`memory_bytes`), at least 512 MiB (512 MiB when unknown). An
+    index holds about 1.5 to 3 times its trace's bytes per key (a table 3/8 to 3/4 full), so a limit that does not
+    grow with the machine would turn the indexes off exactly where the state is large (at 10M groups a two-sum
+    index needs 640 MiB).
+
+    >>> key_index_mb(None, 24 * 2**30), key_index_mb(None, 2 * 2**30), key_index_mb(None, None), key_index_mb("64", None)
+    (3072.0, 512.0, 512.0, 64.0)
+    """
+    if env is not None and env.strip():
+        try:
+            mb = float(env)
+        except ValueError:
+            mb = float("nan")
+        if not mb > 0 or mb == float("inf"):
+            raise ValueError(f"DBSP_KEY_INDEX_MB must be a positive number of MiB, got {env!r}")
+        return mb
+    return max(512.0, memory / 8 / 2**20) if memory else 512.0
+
+
+# above this, a trace drops its index for good
+KEY_INDEX_MB = key_index_mb(os.environ.get("DBSP_KEY_INDEX_MB"), memory_bytes())
 
 
 def ranges_to_indices(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -397,8 +441,9 @@ class Trace:
         :meth:`index_for_update`) or per whole row (``on="row"`` with ``(None,)``: serves :meth:`match_weights`).
         Returns whether the index is kept: only for keys of fixed-width columns (no strings), and not when
         ``DBSP_KEY_INDEX=0``. Costs memory beside the batches (about 8 bytes per key column and sum, plus 16, per
-        key, over a table at most 3/4 full); a trace whose index would pass ``DBSP_KEY_INDEX_MB`` (default 512)
-        drops it and walks its batches as without one."""
+        key, over a table at most 3/4 full); a trace whose index would pass ``KEY_INDEX_MB`` (:func:`key_index_mb`:
+        ``DBSP_KEY_INDEX_MB``, by default an eighth of the memory, at least 512 MiB) drops it and walks its batches
+        as without one."""
         from dbsp_core import _zset
 
         if on not in ("key", "row"):

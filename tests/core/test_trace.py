@@ -292,6 +292,23 @@ def test_an_index_that_overflows_is_dropped_and_reads_walk_the_batches():
     assert t.num_rows == 2
 
 
+def test_the_key_index_limit_grows_with_memory_and_refuses_bad_settings():
+    """trace.key_index_mb: DBSP_KEY_INDEX_MB when set; else an eighth of the memory (a 10M-group index of two sums,
+    640 MiB, fits on a 24 GiB machine), never below 512 MiB; a setting that is not a positive number is refused with
+    the variable's name instead of turning the indexes off or on silently."""
+    from dbsp_core.trace import key_index_mb, memory_bytes
+
+    assert key_index_mb(None, 24 * 2**30) == 3072.0
+    assert key_index_mb("", 64 * 2**30) == 8192.0
+    assert key_index_mb(None, 1 * 2**30) == 512.0 and key_index_mb(None, None) == 512.0
+    assert key_index_mb(" 100.5 ", 64 * 2**30) == 100.5
+    for bad in ("0", "-5", "lots", "nan", "inf"):
+        with pytest.raises(ValueError, match="DBSP_KEY_INDEX_MB"):
+            key_index_mb(bad, None)
+    mem = memory_bytes()
+    assert mem is None or mem > 2**26  # this process can use more than 64 MiB
+
+
 def test_an_index_past_its_size_limit_is_dropped_before_it_grows(monkeypatch):
     """DBSP_KEY_INDEX_MB (trace.KEY_INDEX_MB): the index refuses to grow past it (no transient table of twice the
     limit), the trace turns it off and its reads walk the batches, with the same results."""
