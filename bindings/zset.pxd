@@ -131,6 +131,9 @@ cdef extern from "keyindex.h" nogil:
     int dbsp_keyindex_broken(const CKeyIndex *ix)
     int dbsp_keyindex_growing(const CKeyIndex *ix)
     int64_t dbsp_keyindex_spills(const CKeyIndex *ix)
+    void dbsp_keyindex_set_budget(int64_t bytes)
+    int64_t dbsp_keyindex_budget()
+    int64_t dbsp_keyindex_total_bytes()
     int dbsp_keyindex_get(const CKeyIndex *ix, const CBatch *b, const int32_t *keys, const int64_t *sel,
                           const uint64_t *kh, int64_t n, int64_t *acc)
     int dbsp_keyindex_add(CKeyIndex *ix, const CBatch *b, const int32_t *keys, const uint64_t *kh,

@@ -1320,6 +1320,22 @@ cdef class KeyIndex:
         assert dbsp_keyindex_check(self.ix) == DBSP_OK, "KeyIndex invariants violated"
 
 
+def keyindex_budget(bytes=None):
+    """The process-wide budget on the slot tables of every KeyIndex (csrc/keyindex.h invariant 6), in bytes (0:
+    none); with ``bytes``, set it first (an int >= 0). A growth that would pass it fails as one past the index's
+    own ``max_bytes`` does."""
+    if bytes is not None:
+        if isinstance(bytes, bool) or not isinstance(bytes, int) or bytes < 0:
+            raise ValueError(f"keyindex_budget: bytes must be an int >= 0, got {bytes!r}")
+        dbsp_keyindex_set_budget(bytes)
+    return dbsp_keyindex_budget()
+
+
+def keyindex_total_bytes():
+    """Bytes held by the slot tables of every KeyIndex in the process now (csrc/keyindex.h invariant 6)."""
+    return dbsp_keyindex_total_bytes()
+
+
 def keyindex_supports(types):
     """Whether a KeyIndex can key on columns of these Arrow types (the C constructor's rule: fixed width, at most
     DBSP_KEYINDEX_MAX_KEYS columns)."""

@@ -1,4 +1,5 @@
 /* keyindex.c: the hash index from fixed-width keys to int64 sums (keyindex.h). */
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -10,6 +11,10 @@
 #define PF_AHEAD 16 /* probes prefetched ahead: a large index is bound by memory latency */
 #define HUGE_ALIGN ((size_t)2 << 20) /* tables this large are mapped pages, aligned for 2 MiB (huge) pages */
 #define MOVE_PER_ROW 8 /* old slots moved per probing row while growing (invariant 5) */
+
+/* Invariant 6: bytes of every index's slot tables in the process, and the budget on them (0: none). */
+static _Atomic int64_t g_total = 0;
+static _Atomic int64_t g_limit = 0;
 
 /* A slot table: cap (a power of two) slots of stride words. */
 typedef struct {
@@ -47,14 +52,16 @@ struct DbspKeyIndex {
 static int table_alloc(Table *t, int64_t cap, int32_t stride, int huge) {
     size_t n = (size_t)cap * (size_t)stride * 8;
     memset(t, 0, sizeof *t);
-    t->cap = cap;
     if (n < HUGE_ALIGN) {
         t->slots = calloc(n, 1);
-        return t->slots ? DBSP_OK : DBSP_ENOMEM;
+        if (!t->slots) return DBSP_ENOMEM;
+        t->cap = cap;
+        return DBSP_OK;
     }
     size_t len = n + HUGE_ALIGN;
     void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return DBSP_ENOMEM;
+    t->cap = cap;
     t->base = p;
     t->mapped = len;
     t->slots = (uint64_t *)(((uintptr_t)p + HUGE_ALIGN - 1) & ~(uintptr_t)(HUGE_ALIGN - 1));
@@ -64,11 +71,28 @@ static int table_alloc(Table *t, int64_t cap, int32_t stride, int huge) {
     return DBSP_OK;
 }
 
-static void table_free(Table *t) {
+static void table_free(Table *t, int32_t stride) {
+    if (t->slots) atomic_fetch_sub(&g_total, t->cap * (int64_t)stride * 8);
     if (t->base) munmap(t->base, t->mapped);
     else free(t->slots);
     memset(t, 0, sizeof *t);
 }
+
+/* Invariant 6: count `bytes` of a table about to be allocated against the process-wide budget; 0 (nothing counted)
+ * when the tables held plus these would pass it. One atomic add, so indexes growing on several worker threads at
+ * once cannot pass the budget together. `check` 0: count without checking (a new index's first table, a shrink). */
+static int budget_take(int64_t bytes, int check) {
+    int64_t after = atomic_fetch_add(&g_total, bytes) + bytes, limit = atomic_load(&g_limit);
+    if (check && limit > 0 && after > limit) {
+        atomic_fetch_sub(&g_total, bytes);
+        return 0;
+    }
+    return 1;
+}
+
+void dbsp_keyindex_set_budget(int64_t bytes) { atomic_store(&g_limit, bytes > 0 ? bytes : 0); }
+int64_t dbsp_keyindex_budget(void) { return atomic_load(&g_limit); }
+int64_t dbsp_keyindex_total_bytes(void) { return atomic_load(&g_total); }
 
 static void table_advise_huge(Table *t, int32_t stride) {
 #ifdef MADV_HUGEPAGE
@@ -97,14 +121,15 @@ int dbsp_keyindex_new(const int32_t *types, int32_t nkeys, int32_t nvals, int64_
         free(ix);
         return DBSP_ENOMEM;
     }
+    budget_take(64 * (int64_t)ix->stride * 8, 0);
     *out = ix;
     return DBSP_OK;
 }
 
 void dbsp_keyindex_free(DbspKeyIndex *ix) {
     if (!ix) return;
-    table_free(&ix->cur);
-    table_free(&ix->old);
+    table_free(&ix->cur, ix->stride);
+    table_free(&ix->old, ix->stride);
     free(ix);
 }
 
@@ -215,7 +240,7 @@ static void move_some(DbspKeyIndex *ix, int64_t budget) {
         ix->moved++;
         budget--;
     }
-    table_free(&ix->old);
+    table_free(&ix->old, ix->stride);
     ix->start = ix->moved = 0;
     ix->old_added = ix->spilled = 0;
     if (ix->huge_later) {
@@ -231,12 +256,14 @@ static void move_some(DbspKeyIndex *ix, int64_t budget) {
 static int grow(DbspKeyIndex *ix, int64_t rows) {
     int64_t cap = ix->cur.cap * 2;
     int bulk = rows * 4 >= cap;
-    if (ix->max_bytes && cap * ix->stride * 8 > ix->max_bytes) { /* the table it grows to (the old one is freed) */
+    if ((ix->max_bytes && cap * ix->stride * 8 > ix->max_bytes) /* the table it grows to (the old one is freed) */
+        || !budget_take(cap * ix->stride * 8, 1)) {            /* invariant 6: beside every table held now */
         ix->broken = 1;
         return DBSP_ETOOBIG;
     }
     Table fresh;
     if (table_alloc(&fresh, cap, ix->stride, bulk) != DBSP_OK) {
+        atomic_fetch_sub(&g_total, cap * (int64_t)ix->stride * 8);
         ix->broken = 1;
         return DBSP_ENOMEM;
     }
@@ -256,12 +283,13 @@ static int grow(DbspKeyIndex *ix, int64_t rows) {
 static int rehash(DbspKeyIndex *ix, int64_t cap) {
     Table fresh;
     if (table_alloc(&fresh, cap, ix->stride, 0) != DBSP_OK) return DBSP_ENOMEM;
+    budget_take(cap * (int64_t)ix->stride * 8, 0); /* smaller than the table it replaces */
     for (int64_t i = 0; i < ix->cur.cap; i++) {
         const uint64_t *s = ix->cur.slots + i * ix->stride;
         if (s[1] == 0) continue;
         memcpy(find(ix, &fresh, s[0], s[1], s + 2), s, (size_t)ix->stride * 8);
     }
-    table_free(&ix->cur);
+    table_free(&ix->cur, ix->stride);
     ix->cur = fresh;
     return DBSP_OK;
 }

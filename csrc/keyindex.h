@@ -28,6 +28,11 @@
  *     0.3 s at 1.6M keys). A bulk call (rows at least a quarter of the new table's slots, such as a load) moves
  *     everything at once: that work is a part of its own. Shrinking (an index emptied to 1/16) still rehashes at
  *     once.
+ *  6. A process-wide budget bounds the bytes of every index's slot tables together (dbsp_keyindex_set_budget; 0:
+ *     none): a growth that would pass it fails like one past the index's own max_bytes (DBSP_ETOOBIG, the index
+ *     broken), so its owner drops that index and the others keep theirs. The new table is counted beside every
+ *     table held at that moment, the growing index's old one included, with one atomic add (indexes on several
+ *     threads grow at once); a new index's first table (64 slots) and a shrink are counted, never refused.
  */
 #ifndef DBSP_KEYINDEX_H
 #define DBSP_KEYINDEX_H
@@ -45,6 +50,12 @@ typedef struct DbspKeyIndex DbspKeyIndex;
  * (counts out of range), DBSP_ENOMEM. */
 int dbsp_keyindex_new(const int32_t *types, int32_t nkeys, int32_t nvals, int64_t max_bytes, DbspKeyIndex **out);
 void dbsp_keyindex_free(DbspKeyIndex *ix);
+
+/* Invariant 6: set the process-wide budget on the slot tables of all indexes (bytes; 0 or less: none), read it, and
+ * read the bytes held now. Tables held when a lower budget is set stay; only later growth is refused. */
+void dbsp_keyindex_set_budget(int64_t bytes);
+int64_t dbsp_keyindex_budget(void);
+int64_t dbsp_keyindex_total_bytes(void);
 
 /* Entries held, bytes of the slot tables (both while growing), whether it is broken (invariant 4) or growing
  * (invariant 5). */

@@ -63,3 +63,8 @@ class StepError(DbspError):
 
 class InUseError(StorageError):
     """A file or directory is held by another open object (an OS lock): a second writer would lose data."""
+
+
+class IndexDroppedWarning(RuntimeWarning):
+    """A trace dropped its key index (past its size limit, the process-wide budget, or out of memory): steps on it
+    keep their results but walk its batches from then on, which is slower on a large state."""

@@ -70,13 +70,14 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import warnings
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 from contextlib import contextmanager
 
 import numpy as np
 import pyarrow as pa
 
-from dbsp_core.errors import WeightOverflowError
+from dbsp_core.errors import IndexDroppedWarning, WeightOverflowError
 
 if TYPE_CHECKING:
     from dbsp_core.zset import IndexedZSet
@@ -106,7 +107,7 @@ def memory_bytes() -> int | None:
     return min(limits) if limits else None
 
 
-def key_index_mb(env: str | None, memory: int | None) -> float:
+def key_index_mb(env: str | None, memory: int | None, name: str = "DBSP_KEY_INDEX_MB") -> float:
     """The size limit of one key index in MiB (invariant 11): ``DBSP_KEY_INDEX_MB`` when set (a positive number),
     else an eighth of the process's memory (:func:`memory_bytes`), at least 512 MiB (512 MiB when unknown). An
     index holds about 1.5 to 3 times its trace's bytes per key (a table 3/8 to 3/4 full), so a limit that does not
@@ -122,13 +123,37 @@ def key_index_mb(env: str | None, memory: int | None) -> float:
         except ValueError:
             mb = float("nan")
         if not mb > 0 or mb == float("inf"):
-            raise ValueError(f"DBSP_KEY_INDEX_MB must be a positive number of MiB, got {env!r}")
+            raise ValueError(f"{name} must be a positive number of MiB, got {env!r}")
         return mb
     return max(512.0, memory / 8 / 2**20) if memory else 512.0
 
 
-# above this, a trace drops its index for good
-KEY_INDEX_MB = key_index_mb(os.environ.get("DBSP_KEY_INDEX_MB"), memory_bytes())
+def key_index_total_mb(env: str | None, memory: int | None) -> float:
+    """The budget on every key index of the process together, in MiB (csrc/keyindex.h invariant 6):
+    ``DBSP_KEY_INDEX_TOTAL_MB`` when set (a positive number), else a quarter of the process's memory
+    (:func:`memory_bytes`), at least 1024 MiB (1024 MiB when unknown). It keeps many large indexes (one per stateful
+    operator and worker) from taking the memory the state needs: the index that would pass it is dropped instead.
+
+    >>> key_index_total_mb(None, 24 * 2**30), key_index_total_mb(None, None), key_index_total_mb("2048", None)
+    (6144.0, 1024.0, 2048.0)
+    """
+    if env is not None and env.strip():
+        return key_index_mb(env, None, "DBSP_KEY_INDEX_TOTAL_MB")
+    return max(1024.0, memory / 4 / 2**20) if memory else 1024.0
+
+
+_MEMORY = memory_bytes()
+KEY_INDEX_MB = key_index_mb(os.environ.get("DBSP_KEY_INDEX_MB"), _MEMORY)  # above this, a trace drops its index
+KEY_INDEX_TOTAL_MB = key_index_total_mb(os.environ.get("DBSP_KEY_INDEX_TOTAL_MB"), _MEMORY)
+
+
+def _set_key_index_budget() -> None:
+    from dbsp_core import _zset
+
+    _zset.keyindex_budget(int(KEY_INDEX_TOTAL_MB * 2**20))
+
+
+_set_key_index_budget()
 
 
 def ranges_to_indices(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -442,8 +467,9 @@ class Trace:
         Returns whether the index is kept: only for keys of fixed-width columns (no strings), and not when
         ``DBSP_KEY_INDEX=0``. Costs memory beside the batches (about 8 bytes per key column and sum, plus 16, per
         key, over a table at most 3/4 full); a trace whose index would pass ``KEY_INDEX_MB`` (:func:`key_index_mb`:
-        ``DBSP_KEY_INDEX_MB``, by default an eighth of the memory, at least 512 MiB) drops it and walks its batches
-        as without one."""
+        ``DBSP_KEY_INDEX_MB``, by default an eighth of the memory, at least 512 MiB), or take the indexes of the
+        process past ``KEY_INDEX_TOTAL_MB`` together (:func:`key_index_total_mb`), drops it with an
+        IndexDroppedWarning and walks its batches as without one."""
         from dbsp_core import _zset
 
         if on not in ("key", "row"):
@@ -519,8 +545,8 @@ class Trace:
                 if len(b):
                     view, keys, kh, cpos = self._index_args(b)
                     ix.add(view, None, keys, kh, cpos, sign)
-        except (ArithmeticError, MemoryError, ValueError):  # WeightOverflowError, SchemaError included: walk instead
-            self._kix, self._kix_off = None, True
+        except (ArithmeticError, MemoryError, ValueError) as exc:  # WeightOverflowError, SchemaError included: walk
+            self._drop_index(exc)  # instead
             return
         ix.token = self._token
 
@@ -575,15 +601,37 @@ class Trace:
         ix.token = None
         return ix
 
-    def index_done(self, ix: Any, failed: bool = False) -> None:
+    def index_done(self, ix: Any, failed: bool | BaseException = False) -> None:
         """The caller of :meth:`index_for_update` left ``ix`` as it found it (nothing to insert), or, with
-        ``failed``, broke it half way (memory, size limit): the trace then walks its batches from now on."""
+        ``failed`` (True or the error), broke it half way (memory, size limit): the trace then walks its batches
+        from now on."""
         if ix is not self._kix:
             return
-        if failed:
-            self._kix, self._kix_off = None, True
+        if failed is not False:
+            self._drop_index(failed if isinstance(failed, BaseException) else None)
         else:
             ix.token = self._token
+
+    def _drop_index(self, exc: BaseException | None) -> None:
+        """Turn the key index off for good (it failed with ``exc``; None: a size limit met half way): this trace
+        walks its batches from now on, and says so once with an IndexDroppedWarning."""
+        ix, self._kix, self._kix_off = self._kix, None, True
+        from dbsp_core import _zset
+
+        if isinstance(exc, ArithmeticError):
+            why = f"a sum leaves int64 ({exc})"
+        elif isinstance(exc, MemoryError):
+            why = f"out of memory ({exc})"
+        elif exc is None or (type(exc) is ValueError and ix is not None and ix.broken):  # the size limits
+            why = (f"growing past {int(ix.nbytes if ix is not None else 0) / 2**20:.1f} MiB would pass "
+                   f"DBSP_KEY_INDEX_MB ({KEY_INDEX_MB:.0f}) or the budget of all indexes together, "
+                   f"DBSP_KEY_INDEX_TOTAL_MB ({KEY_INDEX_TOTAL_MB:.0f}; {_zset.keyindex_total_bytes() / 2**20:.0f} MiB "
+                   f"held now)")
+        else:
+            why = f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"a trace on key {list(self.key)} dropped its key index ({len(ix) if ix is not None else 0} "
+                      f"keys): {why}. Its results stay exact; its steps walk the batches from now on, slower on a "
+                      f"large state", IndexDroppedWarning, stacklevel=2)
 
     def through_index(self, spec: tuple, fn: Any) -> Any:
         """``fn(ix)`` with the key index for ``spec`` handed out by :meth:`index_for_update` (``fn`` reads and stores
@@ -601,10 +649,10 @@ class Trace:
             if not ix.broken:  # refused before anything was stored
                 self.index_done(ix)
             raise  # else broken half way, and stale since index_for_update: a later read rebuilds it
-        except (MemoryError, ValueError):
+        except (MemoryError, ValueError) as exc:
             if not ix.broken:
                 raise
-            self.index_done(ix, failed=True)
+            self.index_done(ix, failed=exc)
             return None
 
     # ---- writing ----

@@ -217,6 +217,51 @@ def test_the_size_limit_bounds_the_table_it_grows_to_not_the_old_one_beside_it()
     assert ix.broken
 
 
+def test_the_process_budget_counts_every_table_and_refuses_the_growth_that_would_pass_it():
+    """Invariant 6: keyindex_total_bytes counts the slot tables of every index (a growing one's old table too) and
+    gives them back when freed; with a budget set, the growth that would pass it fails as one past max_bytes does
+    (ValueError, the index broken), while another index under it goes on."""
+    import gc
+
+    gc.collect()
+    saved = _zset.keyindex_budget()
+    base = _zset.keyindex_total_bytes()
+    try:
+        _zset.keyindex_budget(0)
+        a = _zset.KeyIndex([pa.int64()], 1)
+        assert _zset.keyindex_total_bytes() - base == a.nbytes == 64 * 4 * 8
+        keys = np.arange(3000, dtype=np.int64)
+        for lo in range(0, 3000, 10):  # small adds: growth in steps, old table beside the new one
+            t = pa.table({"k": keys[lo:lo + 10]})
+            a.add(t, None, [0], _zset.hash_columns(t, [0]), [-1])
+            assert _zset.keyindex_total_bytes() - base == a.nbytes
+        assert a.nbytes >= 4096 * 4 * 8
+        # a budget that holds a's table and a second index's first growths, not a table of 4096 slots more
+        _zset.keyindex_budget(_zset.keyindex_total_bytes() + 2048 * 4 * 8)
+        b = _zset.KeyIndex([pa.int64()], 1)
+        with pytest.raises(ValueError):
+            for lo in range(0, 3000, 10):
+                t = pa.table({"k": keys[lo:lo + 10]})
+                b.add(t, None, [0], _zset.hash_columns(t, [0]), [-1])
+        assert b.broken and not a.broken
+        assert _zset.keyindex_total_bytes() - base <= _zset.keyindex_budget() - base
+        t = pa.table({"k": np.arange(3000, 3010, dtype=np.int64)})  # a still takes keys that need no growth
+        a.add(t, None, [0], _zset.hash_columns(t, [0]), [-1])
+        a.check()
+        assert len(a) == 3010
+        held_b = b.nbytes
+        del b
+        gc.collect()
+        assert _zset.keyindex_total_bytes() - base == a.nbytes, held_b
+        del a
+        gc.collect()
+        assert _zset.keyindex_total_bytes() == base
+        with pytest.raises(ValueError, match="bytes must be an int"):
+            _zset.keyindex_budget(-1)
+    finally:
+        _zset.keyindex_budget(saved)
+
+
 def test_keys_that_spill_into_the_new_table_while_growing_stay_findable():
     """Invariant 5: while growing, a new key whose old home is not moved goes into the old table, unless its probe run
     reaches the moved part: then it spills into the new table, and probes of unmoved homes look in both tables until

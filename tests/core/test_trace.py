@@ -283,13 +283,45 @@ def test_an_index_that_overflows_is_dropped_and_reads_walk_the_batches():
     t = _new(Trace, "key")
     big = dbsp.ZSet.from_arrow(pa.table({"k": [1], "v": [2**62]}, schema=SCHEMA))
     t.insert(big.index_by(["k"]))
-    t.insert(dbsp.ZSet.from_arrow(pa.table({"k": [1], "v": [2**62 + 1]}, schema=SCHEMA)).index_by(["k"]))
+    with pytest.warns(dbsp.IndexDroppedWarning, match="leaves int64"):
+        t.insert(dbsp.ZSet.from_arrow(pa.table({"k": [1], "v": [2**62 + 1]}, schema=SCHEMA)).index_by(["k"]))
     assert t._kix is None and t._kix_off
     probe = pa.table({"k": [1]}, schema=pa.schema([("k", pa.int64())]))
     kh = dbsp.ZSet.from_arrow(probe).hash(["k"])
     with pytest.raises(dbsp.WeightOverflowError):
         t.key_sums(probe, ["k"], kh, np.zeros(1, dtype=np.int64), ["v"])
     assert t.num_rows == 2
+
+
+def test_indexes_past_the_process_budget_are_dropped_with_a_warning_and_reads_stay_exact():
+    """csrc/keyindex.h invariant 6 through traces: under a budget that holds one trace's index, the second trace's
+    index is dropped when its growth would pass it (one IndexDroppedWarning naming the budget), its reads walk the
+    batches and match the model, and the first keeps its index."""
+    import gc
+    import warnings
+
+    from dbsp_core import _zset
+
+    gc.collect()
+    saved = _zset.keyindex_budget()
+    try:
+        first = _new(Trace, "key")
+        _zset.keyindex_budget(0)
+        m1 = _fill(first, range(10), 200, 1_000)
+        assert first._kix is not None and not first._kix_off
+        _zset.keyindex_budget(_zset.keyindex_total_bytes() + 16 * 1024)  # room for a few small growths only
+        second = _new(Trace, "key")
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            m2 = _fill(second, range(10, 40), 200, 10_000)
+        dropped = [w for w in seen if issubclass(w.category, dbsp.IndexDroppedWarning)]
+        assert len(dropped) == 1 and "DBSP_KEY_INDEX_TOTAL_MB" in str(dropped[0].message), [str(w.message) for w in seen]
+        assert second._kix is None and second._kix_off and first._kix is not None
+        _check_reads(second, m2, list(range(0, 10_000, 97)))
+        _check_reads(first, m1, list(range(0, 1_000, 7)))
+        assert first._kix is not None  # still kept: its reads went through it
+    finally:
+        _zset.keyindex_budget(saved)
 
 
 def test_the_key_index_limit_grows_with_memory_and_refuses_bad_settings():
@@ -316,6 +348,7 @@ def test_an_index_past_its_size_limit_is_dropped_before_it_grows(monkeypatch):
 
     monkeypatch.setattr(trace_mod, "KEY_INDEX_MB", 64 / 1024)  # 64 KiB: 2048 slots of 4 words
     t = _new(Trace, "key")
-    model = _fill(t, range(40), 200, 10_000)
+    with pytest.warns(dbsp.IndexDroppedWarning, match="DBSP_KEY_INDEX_MB"):
+        model = _fill(t, range(40), 200, 10_000)
     assert t._kix is None and t._kix_off
     _check_reads(t, model, list(range(0, 10_000, 97)))
