@@ -16,8 +16,12 @@ from dbsp_core.errors import (
     WeightOverflowError,
 )
 
-from dbsp_core.storage import Database, StepLog
-from dbsp_core.zset import HASH_VERSION, IndexedZSet, ZSet
+from dbsp_core.envvars import check_native
+
+check_native()  # DBSP_SCRATCH_MB, DBSP_REGION_CACHE_MB: checked before a kernel reads them
+
+from dbsp_core.storage import Database, StepLog  # noqa: E402
+from dbsp_core.zset import HASH_VERSION, IndexedZSet, ZSet  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -13,7 +13,12 @@ import threading
 import time
 from typing import IO, Any
 
+from dbsp_core.envvars import env_number
+
 __all__ = ["Progress", "progress"]
+
+_delay = env_number("DBSP_PROGRESS_DELAY")  # checked at import, not when a recovery first shows its progress
+DELAY = 1.0 if _delay is None else _delay
 
 
 def _enabled(stream: IO[str]) -> bool:
@@ -91,4 +96,4 @@ class Progress:
 
 def progress(what: str, total: int | None = None, unit: str = "") -> Progress:
     """A :class:`Progress` on stderr: ``with progress("recovery replay", total=n) as pr: ... pr.update(k)``."""
-    return Progress(what, total, unit, delay=float(os.environ.get("DBSP_PROGRESS_DELAY", "1.0")))
+    return Progress(what, total, unit, delay=DELAY)

@@ -77,6 +77,7 @@ from contextlib import contextmanager
 import numpy as np
 import pyarrow as pa
 
+from dbsp_core.envvars import parse_number
 from dbsp_core.errors import IndexDroppedWarning, WeightOverflowError
 
 if TYPE_CHECKING:
@@ -118,13 +119,7 @@ def key_index_mb(env: str | None, memory: int | None, name: str = "DBSP_KEY_INDE
     (3072.0, 512.0, 512.0, 64.0)
     """
     if env is not None and env.strip():
-        try:
-            mb = float(env)
-        except ValueError:
-            mb = float("nan")
-        if not mb > 0 or mb == float("inf"):
-            raise ValueError(f"{name} must be a positive number of MiB, got {env!r}")
-        return mb
+        return parse_number(env, name, positive=True)
     return max(512.0, memory / 8 / 2**20) if memory else 512.0
 
 
