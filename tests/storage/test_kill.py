@@ -70,6 +70,7 @@ def kill_loop(d: str, kills: int, full_every: int = 1) -> None:
     committed_max = 0
     total_acks = total_commits = 0
     from_step, before, before_seqs = 0, 0, [0, 0, 0]  # checked: the records of steps < from_step, per producer
+    seen_version = 0  # the newest database version the last round checked
     full_reads = 0
     for i in range(kills):
         acks, commits = run_and_kill(d, i, rng)
@@ -108,13 +109,13 @@ def kill_loop(d: str, kills: int, full_every: int = 1) -> None:
             vs = db.versions()
             assert vs[-1] >= committed_max, f"kill {i}: acknowledged commit {committed_max} lost ({vs})"
             db.check()
-            with db.open(vs[-1]) as h:  # between full rounds: the commits since the last round checked, on
-                lo = 1 if full else max(1, committed_max)  # from its last one (the version it saw)
+            with db.open(vs[-1]) as h:  # between full rounds: the commits from the version the last round saw on
+                lo = 1 if full else max(1, seen_version)
                 rows = list(h.scan("commits", start=b"%08d" % lo))
                 keys = [int(k) for k, _ in rows]
                 assert keys == list(range(lo, vs[-1] + 1)), f"kill {i}: commits table is not 1..{vs[-1]} (from {lo})"
                 assert all(int(v) <= total for _, v in rows)
-        committed_max = vs[-1]
+        committed_max = seen_version = vs[-1]
     print(f"\n[storage kill -9 (b)] {kills} kills, {total_acks} acknowledged appends from 3 threads, "
           f"{total_commits} acknowledged commits, log holds {total} records ({full_reads} full reads), database "
           f"at version {committed_max}, 0 violations")
