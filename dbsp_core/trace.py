@@ -133,7 +133,7 @@ def key_index_total_mb(env: str | None, memory: int | None) -> float:
     (6144.0, 1024.0, 2048.0)
     """
     if env is not None and env.strip():
-        return key_index_mb(env, None, "DBSP_KEY_INDEX_TOTAL_MB")
+        return parse_number(env, "DBSP_KEY_INDEX_TOTAL_MB", positive=True)
     return max(1024.0, memory / 4 / 2**20) if memory else 1024.0
 
 
@@ -142,13 +142,9 @@ KEY_INDEX_MB = key_index_mb(os.environ.get("DBSP_KEY_INDEX_MB"), _MEMORY)  # abo
 KEY_INDEX_TOTAL_MB = key_index_total_mb(os.environ.get("DBSP_KEY_INDEX_TOTAL_MB"), _MEMORY)
 
 
-def _set_key_index_budget() -> None:
-    from dbsp_core import _zset
+from dbsp_core import _zset as _native  # noqa: E402  (the C core: the budget is process-wide, set once)
 
-    _zset.keyindex_budget(int(KEY_INDEX_TOTAL_MB * 2**20))
-
-
-_set_key_index_budget()
+_native.keyindex_budget(int(KEY_INDEX_TOTAL_MB * 2**20))
 
 
 def ranges_to_indices(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -596,14 +592,13 @@ class Trace:
         ix.token = None
         return ix
 
-    def index_done(self, ix: Any, failed: bool | BaseException = False) -> None:
-        """The caller of :meth:`index_for_update` left ``ix`` as it found it (nothing to insert), or, with
-        ``failed`` (True or the error), broke it half way (memory, size limit): the trace then walks its batches
-        from now on."""
+    def index_done(self, ix: Any, failed: BaseException | None = None) -> None:
+        """The caller of :meth:`index_for_update` left ``ix`` as it found it (nothing to insert), or broke it half
+        way with the error ``failed`` (memory, size limit): the trace then walks its batches from now on."""
         if ix is not self._kix:
             return
-        if failed is not False:
-            self._drop_index(failed if isinstance(failed, BaseException) else None)
+        if failed is not None:
+            self._drop_index(failed)
         else:
             ix.token = self._token
 
@@ -707,10 +702,8 @@ class Trace:
                 if m is None:
                     if len(level.loose) < 2:
                         break
-                    m = _Merge(level.loose[0], level.loose[1])
-                    if bg is not None and m.work > self.INLINE_MERGE:
-                        m.shared = _Shared()
-                    level = self._levels[lvl] = _Level(level.loose[2:], m)
+                    m = self._start_merge(lvl, bg is not None)
+                    level = self._levels[lvl]
                 if bg is not None and m.shared is not None and len(level.loose) < 2:  # not due: the merger's
                     # thread advances it
                     if not m.finished(wait=False):
@@ -728,6 +721,17 @@ class Trace:
             self._handed = handed
             if handed:
                 bg.submit(self)
+
+    def _start_merge(self, lvl: int, handing: bool) -> _Merge:
+        """Start merging the two oldest loose batches of level ``lvl`` (it has no merge in progress); with
+        ``handing`` (a merger thread in force) a merge of more than INLINE_MERGE rows of work is made shareable, to
+        be handed over (invariant 10)."""
+        level = self._levels[lvl]
+        m = _Merge(level.loose[0], level.loose[1])
+        if handing and m.work > self.INLINE_MERGE:
+            m.shared = _Shared()
+        self._levels[lvl] = _Level(level.loose[2:], m)
+        return m
 
     def _install(self, lvl: int, m: _Merge) -> None:
         """Replace a finished merge's inputs by its output (invariant 4)."""
@@ -755,10 +759,7 @@ class Trace:
                 installed += 1
                 level, m = self._levels[lvl], None
             if m is None and merger is not None and len(level.loose) >= 2:
-                m = _Merge(level.loose[0], level.loose[1])
-                if m.work > self.INLINE_MERGE:
-                    m.shared = _Shared()
-                self._levels[lvl] = _Level(level.loose[2:], m)
+                m = self._start_merge(lvl, True)
             handed = handed or (m is not None and m.shared is not None)
         if merger is not None and handed:
             merger.submit(self)
