@@ -42,7 +42,13 @@
  *      length, an invalid record before it, or that segment missing fails the open with DBSP_ECORRUPT and
  *      changes nothing. A writer removes the mark (rewriting LOG, durably) once its open succeeded, before it
  *      writes anything, so a later crash's torn tail is cut as before. A log whose newest segment is past the
- *      marked one was appended to by a build that does not know close marks; the mark is then ignored.
+ *      marked one was appended to by a build that does not know close marks; the mark is then ignored;
+ * (11) a log holds at most OPEN_SEALED + 1 segment files open, whatever its number of segments: the last segment
+ *      stays open (the writer appends to it; a reader reads it as it grows) and sealed segments are opened when
+ *      read, in a small cache (least recently used closed first; a file a read is using is pinned and never
+ *      closed under it). So a log of any length opens under any descriptor limit. A reader opens a sealed
+ *      segment read-only when it first reads it; if the writer's truncation removed it since the reader's last
+ *      refresh, that read fails with ENOENT (never a silent skip), and a refresh forgets the segment.
  *
  * On-disk format (little-endian)
  * ------------------------------
@@ -87,6 +93,7 @@
 #define MAX_BODY (BODY_HDR + 2u * 65535u + DBSP_STEPLOG_MAX_PAYLOAD)
 #define F1_HDR 8u  /* format-1 frame header */
 #define F2_HDR 24u /* format-2 frame header */
+#define OPEN_SEALED 16 /* sealed segments' files a log keeps open at most (invariant 11) */
 
 static const unsigned char REC_MAGIC[4] = {'D', 'S', 'L', 'R'};
 
@@ -104,7 +111,9 @@ typedef struct {
 
 typedef struct {
     uint64_t num;
-    DbspFile *f;
+    DbspFile *f;      /* the last segment's is always open; a sealed one's only while cached (invariant 11) */
+    uint32_t pins;    /* reads using f now (guarded by fd_mu) */
+    uint64_t used;    /* fd_mu's clock at the last pin: the cache closes the least recently used */
     uint32_t format;  /* 0: a reader has not seen a valid header yet (the writer is creating the segment) */
     uint64_t size;    /* end of the valid records: what readers see (0 until the header was read) */
     uint64_t synced;  /* writer: bytes known to be fsynced (<= size) */
@@ -135,6 +144,12 @@ struct DbspStepLog {
     int has_last;
     int64_t last_step;
     int lockfd;                /* a writer's flock(2) on the directory (invariant 9), -1 for a reader */
+    pthread_mutex_t fd_mu;     /* guards the cache of sealed segments' files (invariant 11) and Seg.f, pins, used of
+                                  sealed segments; taken inside seg_lock */
+    uint64_t *open_nums;       /* the sealed segments whose file is open: OPEN_SEALED at most but while every one
+                                  of them is pinned */
+    size_t nopen, opencap;
+    uint64_t fd_clock;
     int opened;                /* the open succeeded (a failed open's cleanup writes no close mark) */
 };
 
@@ -187,8 +202,111 @@ static void seg_forget(Seg *s) {
     s->format = 0;
 }
 
+/* ---------- segment files (invariant 11) ---------- */
+
+/* Drops segment `num` from the cache's list if it is there. Caller holds fd_mu (or owns the log). */
+static void cache_remove(DbspStepLog *log, uint64_t num) {
+    for (size_t k = 0; k < log->nopen; k++)
+        if (log->open_nums[k] == num) {
+            log->open_nums[k] = log->open_nums[--log->nopen];
+            return;
+        }
+}
+
+static Seg *seg_of(DbspStepLog *log, uint64_t num) { /* invariant 4: numbers are consecutive */
+    if (!log->nsegs || num < log->segs[0].num || num > log->segs[log->nsegs - 1].num) return NULL;
+    return &log->segs[num - log->segs[0].num];
+}
+
+/* Makes room for one more sealed file in the cache's list: closes the least recently used unpinned file while
+ * OPEN_SEALED are open (if every one is pinned by a read, the list runs over until a read ends). Caller holds fd_mu
+ * and a seg_lock. */
+static int cache_make_room(DbspStepLog *log) {
+    while (log->nopen >= OPEN_SEALED) {
+        size_t victim = SIZE_MAX;
+        uint64_t oldest = UINT64_MAX;
+        for (size_t k = 0; k < log->nopen; k++) {
+            Seg *s = seg_of(log, log->open_nums[k]);
+            if (s && !s->pins && s->used < oldest) { oldest = s->used; victim = k; }
+        }
+        if (victim == SIZE_MAX) break;
+        Seg *s = seg_of(log, log->open_nums[victim]);
+        log->vfs->close(s->f);
+        s->f = NULL;
+        log->open_nums[victim] = log->open_nums[--log->nopen];
+    }
+    if (log->nopen == log->opencap) {
+        size_t cap = log->opencap ? log->opencap * 2 : OPEN_SEALED;
+        uint64_t *n = realloc(log->open_nums, cap * sizeof *n);
+        if (!n) return oom();
+        log->open_nums = n;
+        log->opencap = cap;
+    }
+    return DBSP_OK;
+}
+
+/* The segment before the last one was just sealed (a new last segment was pushed): its open file joins the cache
+ * (or is closed if the list cannot grow). Caller holds seg_lock for writing (or owns the log). */
+static void seal_previous(DbspStepLog *log) {
+    if (log->nsegs < 2) return;
+    Seg *s = &log->segs[log->nsegs - 2];
+    if (!s->f) return;
+    pthread_mutex_lock(&log->fd_mu);
+    if (cache_make_room(log)) {
+        log->vfs->close(s->f); /* out of memory: it is opened again when read */
+        s->f = NULL;
+    } else {
+        log->open_nums[log->nopen++] = s->num;
+        s->used = ++log->fd_clock;
+    }
+    pthread_mutex_unlock(&log->fd_mu);
+}
+
+/* The open file of segment s for a read, pinned until seg_unpin (the last segment's file is always open and is
+ * not pinned). Opens a sealed segment's file read-only if it is not cached. Caller holds seg_lock. */
+static int seg_pin(DbspStepLog *log, Seg *s, DbspFile **f) {
+    if (s == &log->segs[log->nsegs - 1]) { *f = s->f; return DBSP_OK; }
+    int rc = DBSP_OK;
+    pthread_mutex_lock(&log->fd_mu);
+    if (!s->f) {
+        char *path = seg_path(log, s->num);
+        if (!path) { rc = oom(); goto out; }
+        rc = log->vfs->open(log->vfs, path, DBSP_VFS_READONLY, &s->f);
+        if (rc == DBSP_ENOTFOUND)
+            rc = readonly(log) ? dbsp_storage_fail(DBSP_EIO, ENOENT, "steplog %s: segment %llu was removed by the "
+                                                   "writer's truncation after this reader's last refresh; refresh and "
+                                                   "read from the log's first step", log->dir,
+                                                   (unsigned long long)s->num)
+                               : dbsp_storage_fail(DBSP_ECORRUPT, ENOENT, "steplog %s: sealed segment %llu is missing",
+                                                   path, (unsigned long long)s->num);
+        free(path);
+        if (!rc && (rc = cache_make_room(log))) log->vfs->close(s->f);
+        if (rc) { s->f = NULL; goto out; }
+        log->open_nums[log->nopen++] = s->num;
+    }
+    s->pins++;
+    s->used = ++log->fd_clock;
+    *f = s->f;
+out:
+    pthread_mutex_unlock(&log->fd_mu);
+    return rc;
+}
+
+static void seg_unpin(DbspStepLog *log, Seg *s) {
+    if (s == &log->segs[log->nsegs - 1]) return;
+    pthread_mutex_lock(&log->fd_mu);
+    s->pins--;
+    pthread_mutex_unlock(&log->fd_mu);
+}
+
+/* Closes s's file (if open) and forgets what was read of it. Caller holds seg_lock for writing (or owns the log). */
 static void seg_free(DbspStepLog *log, Seg *s) {
-    if (s->f) log->vfs->close(s->f);
+    if (s->f) {
+        pthread_mutex_lock(&log->fd_mu);
+        cache_remove(log, s->num);
+        pthread_mutex_unlock(&log->fd_mu);
+        log->vfs->close(s->f);
+    }
     s->f = NULL;
     seg_forget(s);
 }
@@ -248,6 +366,13 @@ static int check_invariants(const DbspStepLog *log) {
         }
         if (s->records && (s->idx[0].step != s->min_step || s->idx[s->nidx - 1].step != s->max_step)) return 0;
     }
+    size_t open = 0; /* invariant 11: the last segment's file is open, the open sealed ones are the cache's list */
+    for (size_t i = 0; i + 1 < log->nsegs; i++) open += log->segs[i].f != NULL;
+    if (open != log->nopen || (log->nsegs && !log->segs[log->nsegs - 1].f)) return 0;
+    for (size_t k = 0; k < log->nopen; k++)
+        if (log->open_nums[k] < log->segs[0].num || log->open_nums[k] >= log->segs[log->nsegs - 1].num ||
+            !log->segs[log->open_nums[k] - log->segs[0].num].f)
+            return 0;
     return 1;
 }
 #define CHECK_INVARIANTS(log) assert(check_invariants(log))
@@ -600,6 +725,7 @@ static int rescan(DbspStepLog *log) {
                 if (rc == DBSP_ENOTFOUND && ro && attempt < 20) { retry = 1; rc = DBSP_OK; break; } /* dropped meanwhile */
                 if (rc) goto out;
                 if ((rc = segs_push(log, s))) { log->vfs->close(s.f); goto out; }
+                seal_previous(log);
             }
             Seg *s = &log->segs[i];
             if ((rc = seg_load(log, s, i + 1 == nn, floor))) goto out;
@@ -636,6 +762,7 @@ int dbsp_steplog_open(const char *dir, DbspVfs *vfs, uint64_t segment_bytes, int
     log->lockfd = -1;
     pthread_rwlock_init(&log->seg_lock, NULL);
     pthread_mutex_init(&log->mu, NULL);
+    pthread_mutex_init(&log->fd_mu, NULL);
     pthread_cond_init(&log->cv, NULL);
     int rc = DBSP_OK;
     if (!(log->dir = strdup(dir))) { rc = oom(); goto fail; }
@@ -693,12 +820,14 @@ void dbsp_steplog_close(DbspStepLog *log) {
         (void)write_log_file(log, log->log_format, log->segs[log->nsegs - 1].num, log->segs[log->nsegs - 1].size);
     for (size_t i = 0; i < log->nsegs; i++) seg_free(log, &log->segs[i]);
     free(log->segs);
+    free(log->open_nums);
     free(log->buf);
     free(log->spare);
     free(log->dir);
     dbsp_dir_unlock(log->lockfd);
     pthread_rwlock_destroy(&log->seg_lock);
     pthread_mutex_destroy(&log->mu);
+    pthread_mutex_destroy(&log->fd_mu);
     pthread_cond_destroy(&log->cv);
     free(log);
 }
@@ -730,7 +859,7 @@ static int rotate(DbspStepLog *log, Seg *act) {
     Seg s;
     if ((rc = seg_create(log, act->num + 1, &s))) return rc;
     pthread_rwlock_wrlock(&log->seg_lock);
-    rc = segs_push(log, s);
+    if (!(rc = segs_push(log, s))) seal_previous(log);
     pthread_rwlock_unlock(&log->seg_lock);
     if (rc) { log->vfs->close(s.f); return rc; }
     *act = s;
@@ -917,16 +1046,23 @@ int dbsp_steplog_read(DbspStepLog *log, int64_t from_step, int64_t to_step, size
         if (i < log->nsegs) off = seek_step(&log->segs[i], from_step);
     }
     *resume_seg = 0;
+    Seg *pinned = NULL;
+    DbspFile *f = NULL;
     for (; i < log->nsegs; i++, off = SEG_HDR) {
         Seg *s = &log->segs[i];
         if (s->records && s->min_step > to_step) break;
+        if (off >= s->size) continue;
         uint64_t hdr = s->format == 1 ? F1_HDR : F2_HDR;
+        if (pinned) seg_unpin(log, pinned);
+        pinned = NULL;
+        if ((rc = seg_pin(log, s, &f))) goto out;
+        pinned = s;
         while (off < s->size) {
             unsigned char fh[F2_HDR];
             uint32_t len;
             uint64_t mark;
             int ok;
-            if ((rc = dbsp_vfs_read_exact(s->f, fh, hdr, off, "record header"))) goto out;
+            if ((rc = dbsp_vfs_read_exact(f, fh, hdr, off, "record header"))) goto out;
             if (s->format == 1) {
                 len = rd32(fh);
                 ok = len >= BODY_HDR && len <= MAX_BODY;
@@ -947,7 +1083,7 @@ int dbsp_steplog_read(DbspStepLog *log, int64_t from_step, int64_t to_step, size
                 bcap = cap;
             }
             unsigned char *body = buf + blen + 4;
-            if ((rc = dbsp_vfs_read_exact(s->f, body, len, off + hdr, "record body"))) goto out;
+            if ((rc = dbsp_vfs_read_exact(f, body, len, off + hdr, "record body"))) goto out;
             uint32_t crc = s->format == 1 ? dbsp_crc32c(dbsp_crc32c(0, fh, 4), body, len) : dbsp_crc32c(0, body, len);
             if (crc != rd32(fh + (s->format == 1 ? 4 : 16))) {
                 rc = dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: segment %llu: checksum mismatch at offset %llu",
@@ -968,6 +1104,7 @@ int dbsp_steplog_read(DbspStepLog *log, int64_t from_step, int64_t to_step, size
         }
     }
 out:
+    if (pinned) seg_unpin(log, pinned);
     pthread_rwlock_unlock(&log->seg_lock);
     if (rc) { free(buf); *resume_seg = 0; return rc; }
     *out = buf;

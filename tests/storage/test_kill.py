@@ -55,9 +55,9 @@ def test_kill9_loop(tmp_path):
 @pytest.mark.skipif(not os.environ.get("DBSP_STORAGE_SOAK"),
                     reason="10k-kill soak run (~1 h): set DBSP_STORAGE_SOAK=1")
 def test_kill9_soak(tmp_path):
-    """Known to fail at ~8,600 kills on a machine whose open-file limit is 20,000: the log (32 KiB segments, never
-    truncated) then has ~20,000 segments, and a StepLog holds every segment open (csrc/steplog.c), so the next
-    open gets EMFILE. A real log is truncated below each checkpoint and its segments are 64 MiB."""
+    """The log (32 KiB segments, never truncated) grows past 20,000 segments, more than this machine's open-file
+    limit: a StepLog keeps at most 17 of them open (csrc/steplog.c invariant 11). It failed with EMFILE at ~8,600
+    kills while a StepLog held every segment open."""
     kill_loop(str(tmp_path), 10_000, full_every=100)
 
 

@@ -539,3 +539,127 @@ def test_crash_at_every_operation_of_continuing_a_format1_log(tmp_path):
             tried += 1
     print(f"\n[steplog crash] continuing a format-1 log: {nops} operations x {len(FaultInjector.MODES)} modes = "
           f"{tried} crashes, 0 violations")
+
+
+# ---- segment files are opened on demand (steplog.c invariant 11) ----
+
+OPEN_SEALED = 16  # steplog.c: sealed segments' files a log keeps open at most
+
+
+def _fill(p, n, payload=300):
+    """A log of about n segments (one 300-byte record each, synced one by one); returns the records' steps."""
+    with StepLog(p, segment_bytes=256) as log:
+        for i in range(n):
+            log.append(i, "h", bytes([i % 251]) * payload, seq=i)
+        assert log.segments >= n
+    return list(range(n))
+
+
+def _open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd to count open files")
+def test_a_log_holds_a_bounded_number_of_files_open(tmp_path):
+    p = str(tmp_path / "log")
+    steps = _fill(p, 300)
+    base = _open_fds()
+    with StepLog(p, segment_bytes=256) as w, StepLog(p, readonly=True) as r:
+        assert _open_fds() - base <= 2 * (OPEN_SEALED + 1) + 2  # + the writer's directory lock
+        for log in (w, r):
+            assert [x.step for x in log.iter_from(0)] == steps
+            for s in (0, 299, 17, 150, 3, 298):  # hits and misses of the cache
+                assert [x.payload for x in log.read(s)] == [bytes([s % 251]) * 300]
+        w.append(300, "h", b"tail", seq=300)
+        r.refresh()
+        assert [x.payload for x in r.read(300)] == [b"tail"]
+        assert _open_fds() - base <= 2 * (OPEN_SEALED + 1) + 2
+        w.truncate_below(250)
+        r.refresh()
+        assert [x.step for x in r.iter_from(0)] == [x.step for x in w.iter_from(0)] == steps[r.first_step:] + [300]
+    assert _open_fds() == base
+
+
+_LOW_LIMIT_CHILD = r"""
+import os, resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (48, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from dbsp_core.storage import StepLog
+p, n = sys.argv[1], int(sys.argv[2])
+with StepLog(p, segment_bytes=256) as w:
+    assert [x.step for x in w.iter_from(0)] == list(range(n))
+    w.append(n, "h", b"more", seq=n)
+    with StepLog(p, readonly=True) as r:
+        assert [x.step for x in r.iter_from(0)] == list(range(n + 1))
+print("ok", n)
+"""
+
+
+def test_a_log_of_more_segments_than_the_descriptor_limit_opens(tmp_path):
+    """A log used to hold every segment open: ~20k segments met `ulimit -n` and the log could not be reopened."""
+    import subprocess
+    import sys
+    p = str(tmp_path / "log")
+    _fill(p, 200)
+    res = subprocess.run([sys.executable, "-c", _LOW_LIMIT_CHILD, p, "200"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0 and "ok 200" in res.stdout, res.stderr
+
+
+def test_threads_read_through_the_file_cache_while_the_writer_appends(tmp_path):
+    import random
+    p = str(tmp_path / "log")
+    steps = _fill(p, 120)
+    seed = random.randrange(1 << 30)
+    print(f"\n[steplog] file cache threads, seed {seed}")
+    errors = []
+    with StepLog(p, segment_bytes=256) as w, StepLog(p, readonly=True) as r:
+        stop = threading.Event()
+
+        def reader(log, k):
+            rng = random.Random(seed + k)
+            try:
+                for _ in range(300):
+                    s = rng.randrange(len(steps))
+                    got = [x.payload for x in log.read(s)]
+                    assert got == [bytes([s % 251]) * 300], (k, s)
+                    if rng.random() < 0.05:
+                        lo = rng.randrange(len(steps) - 20)
+                        assert [x.step for x in log.iter_from(lo, chunk_bytes=700)][:20] == steps[lo:lo + 20]
+            except BaseException as e:  # reported by the main thread
+                errors.append(e)
+
+        def writer():
+            i = len(steps)
+            while not stop.is_set():  # new segments: the sealed one joins the cache under the readers
+                w.append(i, "h", bytes([i % 251]) * 300, seq=i)
+                i += 1
+
+        def refresher():
+            while not stop.is_set():
+                r.refresh()
+
+        ths = [threading.Thread(target=reader, args=(log, k)) for k, log in enumerate((w, w, r, r))]
+        bg = [threading.Thread(target=writer), threading.Thread(target=refresher)]
+        for t in ths + bg:
+            t.start()
+        for t in ths:
+            t.join()
+        stop.set()
+        for t in bg:
+            t.join()
+        assert not errors, errors[0]
+        r.refresh()
+        assert [x.step for x in r.iter_from(0)] == [x.step for x in w.iter_from(0)] == list(range(w.last_step + 1))
+
+
+def test_a_reader_reading_a_segment_the_writer_removed_is_told_so(tmp_path):
+    """A reader opens a sealed segment when it reads it; if the writer's truncation removed the file since the
+    reader's last refresh, the read fails naming that (never a silent skip), and a refresh forgets the segment."""
+    p = str(tmp_path / "log")
+    steps = _fill(p, 60)
+    with StepLog(p, segment_bytes=256) as w, StepLog(p, readonly=True) as r:
+        w.truncate_below(30)
+        with pytest.raises(StorageError, match="removed by the writer's truncation"):
+            r.read(0)
+        r.refresh()
+        assert r.first_step == w.first_step and [x.step for x in r.iter_from(0)] == steps[w.first_step:]
