@@ -13,8 +13,11 @@
  *     return DBSP_GROUP_INT_NO, and the caller runs the general engine. Partitions start on 64-byte
  *     boundaries, so full write-combining buffers leave with non-temporal stores (no read for ownership).
  *  4. Each partition is folded into a flat open-addressing table of (value, weight sum, first row, sums) that
- *     stays in cache: sized from the previous partition's group count, doubled when half full, and cleared
- *     while its groups are extracted. Groups are then sorted by hash (a counting pass on the next hash bits).
+ *     stays in cache: sized from the previous partition's group count (the first one's for at most 4,096
+ *     groups), and grown when half full to twice the groups its rows so far project for the whole partition
+ *     (new groups per row seen), so a partition of mostly distinct values grows once, not once per doubling;
+ *     cleared while its groups are extracted. Groups are then sorted by hash (a counting pass on the next hash
+ *     bits). The projection only sizes the table: a wrong one costs another growth or a larger table to clear.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -234,13 +237,17 @@ static inline __attribute__((always_inline)) int group_int(const DbspBatch *b, i
                     st64(sl + 8, (uint64_t)(int64_t)(int32_t)ld32(e + 12));
                     st32(sl + 16, ld32(e + 8) + 1);
                     for (int32_t k = 0; k < ns; k++) st64(sl + 24 + 8 * k, ld64(e + 16 + 8 * k));
-                    if (2 * ++ng > (int64_t)mask + 1) {  /* half full: double the table (lg < maxlg, as ng <= maxp) */
+                    if (2 * ++ng > (int64_t)mask + 1) {  /* half full: grow (lg < maxlg, as ng <= maxp) */
+                        /* to twice the groups projected at this partition's rate of new groups per row */
+                        int64_t left = ee - j - 1, proj = ng + (int64_t)((double)ng / (double)(j - es + 1) * (double)left);
+                        int nlg = lg + 1;
+                        while (nlg < maxlg && ((int64_t)1 << nlg) < 2 * proj) nlg++;
                         int64_t m = 0;
                         for (uint64_t t = 0; t <= mask; t++) {
                             uint8_t *q = T + t * SL;
                             if (ld32(q + 16)) { copy_slot(G + m * SL, q, SL); st32(q + 16, 0); m++; }
                         }
-                        lg++;
+                        lg = nlg;
                         mask = ((uint64_t)1 << lg) - 1;
                         for (int64_t g = 0; g < m; g++) {
                             uint64_t s2 = TAB_POS(ld64(G + g * SL), lg);

@@ -35,6 +35,20 @@ def test_index_by_1m(benchmark, bids, key) -> None:
     assert len(ix) == t.num_rows
 
 
+@pytest.mark.parametrize("rows", [1_000, 10_000, 100_000], ids=["1k", "10k", "100k"])
+def test_group_sum_int_key(benchmark, rows) -> None:
+    """count and sum of a change grouped by one int64 key over 100k values (csrc/group_int.c): an aggregate's
+    change; at 10k rows nearly every row is a group of its own, so the partition's table grows while it folds."""
+    from dbsp_core import _zset
+
+    rng = np.random.default_rng(SEED)
+    t = pa.table({"auction": rng.integers(0, 100_000, rows), "c": np.ones(rows, dtype=np.int64),
+                  "s": rng.integers(1, 100, rows)})
+    view = _zset.BatchView(t, np.where(rng.random(rows) < 0.9, 1, -1).astype(np.int64))
+    out = benchmark(_zset.group_reduce, view, None, (0,), [("sum", 1), ("sum", 2)], True)
+    assert len(out[0]) <= rows
+
+
 def test_hash_1m(benchmark, bids) -> None:
     """The DBSP key hash of 1M rows over two int64 columns."""
     z = dbsp.ZSet.from_arrow(bids.select(INTS))
