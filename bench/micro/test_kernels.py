@@ -36,16 +36,20 @@ def test_index_by_1m(benchmark, bids, key) -> None:
 
 
 @pytest.mark.parametrize("rows", [1_000, 10_000, 100_000], ids=["1k", "10k", "100k"])
-def test_group_sum_int_key(benchmark, rows) -> None:
-    """count and sum of a change grouped by one int64 key over 100k values (csrc/group_int.c): an aggregate's
-    change; at 10k rows nearly every row is a group of its own, so the partition's table grows while it folds."""
+@pytest.mark.parametrize("key", ["int", "two", "str"])
+def test_group_sum(benchmark, key, rows) -> None:
+    """count and sum of a change grouped by one int64 key over 100k values (csrc/group_int.c), or by two int64
+    keys or a string key (the general engine, csrc/group.c): an aggregate's change; at 10k rows nearly every
+    row is a group of its own, so a partition's table grows while it folds."""
     from dbsp_core import _zset
 
     rng = np.random.default_rng(SEED)
-    t = pa.table({"auction": rng.integers(0, 100_000, rows), "c": np.ones(rows, dtype=np.int64),
-                  "s": rng.integers(1, 100, rows)})
+    k = rng.integers(0, 100_000, rows)
+    keys = {"int": {"k": k}, "two": {"k": k, "k2": k % 7}, "str": {"k": pa.array(k.astype(str))}}[key]
+    t = pa.table({**keys, "c": np.ones(rows, dtype=np.int64), "s": rng.integers(1, 100, rows)})
     view = _zset.BatchView(t, np.where(rng.random(rows) < 0.9, 1, -1).astype(np.int64))
-    out = benchmark(_zset.group_reduce, view, None, (0,), [("sum", 1), ("sum", 2)], True)
+    nk = len(keys)
+    out = benchmark(_zset.group_reduce, view, None, tuple(range(nk)), [("sum", nk), ("sum", nk + 1)], True)
     assert len(out[0]) <= rows
 
 
