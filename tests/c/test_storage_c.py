@@ -98,6 +98,7 @@ def test_fault_vfs_crash_surfaces(tmp_path):
 from tests.storage.test_steplog import (  # noqa: E402,F401
     test_a_log_holds_a_bounded_number_of_files_open,
     test_a_reader_reading_a_segment_the_writer_removed_is_told_so,
+    test_log_with_more_segments_than_the_file_cache_matches_model,
     test_threads_read_through_the_file_cache_while_the_writer_appends,
     test_truncate_below_drops_whole_segments,
     test_reader_sees_appends_and_truncation_and_changes_nothing,

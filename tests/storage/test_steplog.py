@@ -9,7 +9,7 @@ import struct
 import threading
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from dbsp_core._storage import crc32c
 from dbsp_core.errors import CorruptionError, FormatVersionError, StorageError
@@ -663,3 +663,79 @@ def test_a_reader_reading_a_segment_the_writer_removed_is_told_so(tmp_path):
             r.read(0)
         r.refresh()
         assert r.first_step == w.first_step and [x.step for x in r.iter_from(0)] == steps[w.first_step:]
+
+
+_OPS = st.lists(st.one_of(
+    st.tuples(st.just("append"), st.integers(0, 2), st.integers(1, 400)),  # step increment, payload bytes
+    st.tuples(st.just("bulk"), st.integers(1, 40)),  # that many records, a step and a segment each
+    st.tuples(st.just("read"), st.integers(0, 150)),
+    st.tuples(st.just("reader_read"), st.integers(0, 150)),
+    st.tuples(st.just("truncate"), st.integers(0, 150)),
+    st.tuples(st.just("refresh")),
+    st.tuples(st.just("reopen"))), min_size=1, max_size=120)
+
+
+@given(_OPS)
+@example([("bulk", 30), ("refresh",), ("truncate", 20), ("reader_read", 3), ("reader_read", 29), ("read", 25),
+          ("refresh",), ("reader_read", 25)])  # a read of an evicted, removed segment; a cached one; a refresh
+def test_log_with_more_segments_than_the_file_cache_matches_model(tmp_path_factory, ops):
+    """A writer and a reader over a log of many tiny segments (more than the 16 files it keeps open) agree with a
+    list model through appends, reads by step, truncation, refreshes and reopens (steplog.c invariant 11). A
+    reader's read of a segment truncated since its last refresh either gives what it saw (its file still cached)
+    or fails naming the truncation: never a record that was not written, and never a silent skip."""
+    p = str(tmp_path_factory.mktemp("fdcache") / "log")
+    model: list[tuple[int, bytes]] = []  # (step, payload) of every record written, in order
+    w = StepLog(p, segment_bytes=256)
+    r = StepLog(p, readonly=True)
+    seen: list[tuple[int, bytes]] = []  # what the reader showed at its last refresh
+    truncated = False  # the writer truncated since the reader's last refresh
+    step, seq, low = 0, 0, 0  # low: the highest step truncated below so far
+
+    def kept() -> list[tuple[int, bytes]]:  # truncation drops whole segments from the front: a suffix remains
+        return model[len(model) - len(w):]
+
+    def refreshed() -> list[tuple[int, bytes]]:
+        got = [(x.step, x.payload) for x in r.iter_from(0)]
+        assert got == kept()  # every append was synced: the reader sees all the writer keeps
+        return got
+
+    try:
+        for op in ops:
+            if op[0] in ("append", "bulk"):
+                for inc, size in [op[1:]] if op[0] == "append" else [(1, 200)] * op[1]:
+                    step += inc
+                    payload = bytes([seq % 251]) * size
+                    w.append(step, "h", payload, seq=seq)
+                    model.append((step, payload))
+                    seq += 1
+            elif op[0] == "read":
+                assert [x.payload for x in w.read(op[1])] == [pl for s, pl in kept() if s == op[1]]
+            elif op[0] == "reader_read":
+                want = [pl for s, pl in seen if s == op[1]]
+                try:
+                    got = [x.payload for x in r.read(op[1])]
+                except StorageError as e:
+                    assert truncated and "removed by the writer's truncation" in str(e), e
+                else:
+                    assert got == want
+            elif op[0] == "truncate":
+                before = len(w)
+                w.truncate_below(op[1])
+                truncated = truncated or len(w) < before
+                low = max(low, op[1])
+                # whole segments below the step only, never the newest record (invariant 4)
+                assert all(s < low for s, _ in model[:len(model) - len(w)]) and (len(w) > 0) == (len(model) > 0)
+                assert [(x.step, x.payload) for x in w.iter_from(0)] == kept()
+            elif op[0] == "refresh":
+                r.refresh()
+                seen, truncated = refreshed(), False
+            else:  # reopen both
+                r.close()
+                w.close()
+                w = StepLog(p, segment_bytes=256)
+                r = StepLog(p, readonly=True)
+                seen, truncated = refreshed(), False
+        assert [(x.step, x.payload) for x in w.iter_from(0)] == kept()
+    finally:
+        r.close()
+        w.close()
