@@ -389,10 +389,9 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
                 for (int32_t a = 0; a < naggs; a++) dbsp_acc_init(&A[(nu - 1) * naggs + a], aggs[a].kind);
                 slots[s] = tag | (uint64_t)nu;
                 if (2 * nu > cap) {  /* grow the table and rehash this partition's groups */
-                    /* to twice the groups projected at this partition's rate of new groups per row (one growth,
-                     * not a doubling series, for mostly distinct rows); cap <= slots_cap: the table is at most half
-                     * full of <= maxp groups */
-                    int64_t proj = nu + (int64_t)((double)nu / (double)(k - es + 1) * (double)(ee - k - 1));
+                    /* to twice the projected groups (group.h); cap <= slots_cap: the table is at most half full of
+                     * <= maxp groups */
+                    int64_t proj = dbsp_group_projection(nu, k - es + 1, ee - k - 1);
                     cap *= 2;
                     while (cap < slots_cap && cap < 2 * proj) cap *= 2;
                     memset(slots, 0, (size_t)cap * 8);

@@ -35,4 +35,12 @@ int dbsp_group_int_applies(const DbspBatch *b, const int32_t *icols, int32_t nic
 int dbsp_group_int(const DbspBatch *b, const int32_t *icols, const DbspAggSpec *aggs, int32_t naggs, int drop_zero,
                    DbspRows *rows, int64_t **ivals);
 
+/* Both engines' growth rule for a partition's table (half full after `seen` of its rows, `left` to go): the groups
+ * the whole partition is projected to hold at the rate of new groups per row so far; the table grows to twice
+ * that at once, not by a doubling series. Only sizes the table: a wrong guess costs another growth, or a larger
+ * table to clear. */
+static inline int64_t dbsp_group_projection(int64_t groups, int64_t seen, int64_t left) {
+    return groups + (int64_t)((double)groups / (double)seen * (double)left);
+}
+
 #endif

@@ -238,8 +238,7 @@ static inline __attribute__((always_inline)) int group_int(const DbspBatch *b, i
                     st32(sl + 16, ld32(e + 8) + 1);
                     for (int32_t k = 0; k < ns; k++) st64(sl + 24 + 8 * k, ld64(e + 16 + 8 * k));
                     if (2 * ++ng > (int64_t)mask + 1) {  /* half full: grow (lg < maxlg, as ng <= maxp) */
-                        /* to twice the groups projected at this partition's rate of new groups per row */
-                        int64_t left = ee - j - 1, proj = ng + (int64_t)((double)ng / (double)(j - es + 1) * (double)left);
+                        int64_t proj = dbsp_group_projection(ng, j - es + 1, ee - j - 1); /* group.h */
                         int nlg = lg + 1;
                         while (nlg < maxlg && ((int64_t)1 << nlg) < 2 * proj) nlg++;
                         int64_t m = 0;

@@ -673,6 +673,20 @@ def test_int_key_aggregate_and_consolidate_match_model(tw):
     assert canon_dict(c.to_dict()) == model_of(t.select(["k"]), w)
     assert is_canonical(c)
 
+def _sum_count_model(k: np.ndarray, v: np.ndarray, w: np.ndarray) -> dict:
+    """{key: (sum of v * w, weight sum)} by numpy, for the groups whose weight sum is not 0."""
+    uniq, inv = np.unique(k, return_inverse=True)
+    cnt = np.bincount(inv, weights=w).astype(np.int64)
+    sums = np.zeros(len(uniq), dtype=np.int64)
+    np.add.at(sums, inv, v * w)
+    return {int(u): (int(s), int(c)) for u, s, c in zip(uniq, sums, cnt) if c}
+
+
+def _sum_count_of(res: pa.Table) -> dict:
+    """{k: (agg_0, agg_1)} of an aggregate's result table (sum then count)."""
+    return dict(zip(res.column("k").to_pylist(), zip(res.column("agg_0").to_pylist(), res.column("agg_1").to_pylist())))
+
+
 def test_int_key_aggregate_across_partitions():
     rng = np.random.default_rng(11)
     n = 200_000  # several radix partitions, tables that grow
@@ -681,13 +695,8 @@ def test_int_key_aggregate_across_partitions():
     w = rng.integers(-1, 3, n)
     z = dbsp.ZSet.from_arrow(pa.table({"k": k, "v": v}), weights=w)
     res = z.aggregate(["k"], [("sum", "v"), ("count", None)])
-    uniq, inv = np.unique(k, return_inverse=True)
-    cnt = np.bincount(inv, weights=w).astype(np.int64)
-    sums = np.zeros(len(uniq), dtype=np.int64)
-    np.add.at(sums, inv, v * w)
-    want = {int(u): (int(s), int(c)) for u, s, c in zip(uniq, sums, cnt) if c}
-    got = dict(zip(res.column("k").to_pylist(), zip(res.column("agg_0").to_pylist(), res.column("agg_1").to_pylist())))
-    assert got == want
+    want = _sum_count_model(k, v, w)
+    assert _sum_count_of(res) == want
     c = dbsp.ZSet.from_arrow(pa.table({"k": k}), weights=w).consolidate()
     assert is_canonical(c)
     assert c.to_dict() == {(u,): c_ for u, (_, c_) in want.items()}
@@ -715,13 +724,8 @@ def test_aggregate_when_the_group_rate_changes(key, shape, n):
         cols = {"k": k, "k2": pa.array(k.astype(str)) if key == "str" else k % 7, "v": v}
     res = dbsp.ZSet.from_arrow(pa.table(cols), weights=w).aggregate(["k"] if key == "int" else ["k", "k2"],
                                                                      [("sum", "v"), ("count", None)])
-    uniq, inv = np.unique(k, return_inverse=True)
-    cnt = np.bincount(inv, weights=w).astype(np.int64)
-    sums = np.zeros(len(uniq), dtype=np.int64)
-    np.add.at(sums, inv, v * w)
-    want = {int(u): (int(s), int(c)) for u, s, c in zip(uniq, sums, cnt) if c}
-    got = dict(zip(res.column("k").to_pylist(), zip(res.column("agg_0").to_pylist(), res.column("agg_1").to_pylist())))
-    assert got == want and res.num_rows == len(want)  # one row per group
+    want = _sum_count_model(k, v, w)
+    assert _sum_count_of(res) == want and res.num_rows == len(want)  # one row per group
     kcols = ["k"] if key == "int" else ["k", "k2"]
     kh = dbsp.ZSet.from_arrow(res.select(kcols)).hash(kcols)
     assert (np.diff(kh.astype(np.uint64)) > 0).all()

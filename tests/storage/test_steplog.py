@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import struct
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -547,7 +550,8 @@ OPEN_SEALED = 16  # steplog.c: sealed segments' files a log keeps open at most
 
 
 def _fill(p, n, payload=300):
-    """A log of about n segments (one 300-byte record each, synced one by one); returns the records' steps."""
+    """A log of about n segments (one record of `payload` bytes each at steps 0..n-1, synced one by one); returns
+    the records' steps."""
     with StepLog(p, segment_bytes=256) as log:
         for i in range(n):
             log.append(i, "h", bytes([i % 251]) * payload, seq=i)
@@ -596,8 +600,6 @@ print("ok", n)
 
 def test_a_log_of_more_segments_than_the_descriptor_limit_opens(tmp_path):
     """A log used to hold every segment open: ~20k segments met `ulimit -n` and the log could not be reopened."""
-    import subprocess
-    import sys
     p = str(tmp_path / "log")
     _fill(p, 200)
     res = subprocess.run([sys.executable, "-c", _LOW_LIMIT_CHILD, p, "200"], capture_output=True, text=True,
@@ -606,7 +608,6 @@ def test_a_log_of_more_segments_than_the_descriptor_limit_opens(tmp_path):
 
 
 def test_threads_read_through_the_file_cache_while_the_writer_appends(tmp_path):
-    import random
     p = str(tmp_path / "log")
     steps = _fill(p, 120)
     seed = random.randrange(1 << 30)
