@@ -522,7 +522,8 @@ class IndexedZSet:
     contiguous range, so state can be kept, looked up and moved by shard.
     """
 
-    __slots__ = ("_z", "_key", "_kh", "_keypos", "_cv", "_fx", "_rh")
+    __slots__ = ("_z", "_key", "_kh", "_keypos", "_cv", "_fx", "_rh", "__weakref__")  # a checkpoint's record
+    # of saved batches holds them weakly (dbsp_core.storage.snapshot)
     __hash__ = None  # type: ignore[assignment]
 
     def __init__(self) -> None:

@@ -125,9 +125,11 @@ def move_shards(nodes: list, src: dict[int, Any], dst: dict[int, Any], mask: np.
         traces, zsets = state_attrs(i, inst)
         for name in traces:
             t: Trace = getattr(inst, name)
+            before = t.parts()  # the cut batches stay alive through rebind, which finds their records by id
             pieces, changed = cut_trace(t, mask, bits)
             if src_snapshot is not None and changed:
                 src_snapshot.rebind(i, name, changed, mask)
+            del before
             target: Trace = getattr(other, name)
             for p in pieces:
                 target.insert(p)

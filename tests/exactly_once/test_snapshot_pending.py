@@ -195,3 +195,45 @@ def test_a_batch_order_record_that_does_not_match_the_table_is_corruption(tmp_pa
     with pytest.raises(CorruptionError, match="recorded batch order"):
         dbsp.Pipeline.open(d, circuit(), checkpoint_interval=None)
     assert os.path.exists(d)
+
+
+def test_batches_merged_away_after_a_checkpoint_are_freed_before_the_next(tmp_path):
+    """The checkpoint's record of saved batches holds them weakly: a batch merged away is freed at once, not kept
+    until the next checkpoint (which held up to a second copy of the trace); the next checkpoint deletes its
+    values and a reopen restores exactly the live batches."""
+    import gc
+    import weakref
+
+    d = str(tmp_path / "d")
+    c = dbsp.Circuit()
+    b = c.input("bids", BIDS)
+    c.output("per_auction", b.group_by("auction").agg(n=dbsp.count(), total=dbsp.sum("price")))
+    p = dbsp.Pipeline(c, workers=1, storage=d, checkpoint_interval=None)
+    for k in range(6):
+        p.push("bids", bids(k))
+        p.step()
+    p.checkpoint()
+    saved = [weakref.ref(x) for t in p.traces(0).values() for part in t.parts() for x in part]
+    assert saved
+    def in_trace() -> set[int]:
+        return {id(x) for t in p.traces(0).values() for part in t.parts() for x in part}
+
+    k = 6
+    while all(r() is not None and id(r()) in in_trace() for r in saved):  # steps until some batch saved then
+        p.push("bids", bids(k))  # has been merged away
+        p.step()
+        p.executor.settle_merges()
+        k += 1
+        assert k < 200, "no saved batch was merged away"
+    gone = sum(1 for r in saved if r() is None or id(r()) not in in_trace())
+    gc.collect()
+    live = in_trace()
+    kept = [r() for r in saved if r() is not None and id(r()) not in live]
+    assert gone and kept == [], f"{len(kept)} of {gone} batches merged away are still in memory"
+    p.checkpoint()
+    want = dbsp.ZSet.concat([x.zset for t in p.traces(0).values() for part in t.parts() for x in part])
+    p.close(checkpoint=False)
+    p = dbsp.Pipeline.open(d, c, checkpoint_interval=None)
+    got = dbsp.ZSet.concat([x.zset for t in p.traces(0).values() for part in t.parts() for x in part])
+    assert got.to_dict() == want.to_dict()
+    p.close(checkpoint=False)
