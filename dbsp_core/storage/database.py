@@ -11,6 +11,7 @@ import os
 from typing import Iterator, Optional, Union
 
 from dbsp_core import _storage
+from dbsp_core.envvars import env_number
 
 __all__ = ["Database", "DatabaseHandle", "SHARD_PREFIX_BYTES", "shard_key", "shard_of_key"]
 
@@ -65,6 +66,23 @@ def _prefix_end(prefix: bytes) -> Optional[bytes]:
     return bytes(p)
 
 
+_PAGE_CACHE_ENV = env_number("DBSP_PAGE_CACHE_MB", integer=True, positive=True)  # checked when imported
+# the clean-page cache of each database, MiB. Up to 2026-11-27 it was 256, which a pipeline's databases (one per
+# worker, and the driver's) each filled with the pages of their checkpoints, seldom read again: 0.5 GiB of a W=2
+# pipeline's 1.7 GiB resident memory after ten checkpoints of 15M rows of state.
+PAGE_CACHE_MB = int(_PAGE_CACHE_ENV) if _PAGE_CACHE_ENV is not None else 32
+
+
+def default_cache_pages() -> int:
+    """Clean 4 KiB pages a Database caches unless told: ``DBSP_PAGE_CACHE_MB`` MiB (a whole number >= 1, read
+    when dbsp_core is imported), else 32 MiB.
+
+    >>> default_cache_pages() == PAGE_CACHE_MB * 256
+    True
+    """
+    return PAGE_CACHE_MB * 256
+
+
 class Database:
     """A per-worker key-value database that keeps one or two committed versions.
 
@@ -73,7 +91,9 @@ class Database:
     path
         The page file; created (at version 0, empty) if missing. Its directory must exist.
     cache_pages
-        How many clean 4 KiB pages to keep cached in memory.
+        How many clean 4 KiB pages to keep cached in memory (None: ``DBSP_PAGE_CACHE_MB`` MiB, default 32; a
+        committed page stays cached as a clean copy, so a pipeline's databases, one per worker and the driver's,
+        each hold up to this much after their checkpoints).
     vfs
         ``"posix"`` (default) or ``"fault"`` (the fault-injecting layer driven by :class:`FaultInjector`).
     readonly
@@ -102,8 +122,12 @@ class Database:
     b'v' 5
     """
 
-    def __init__(self, path: Union[str, os.PathLike], *, cache_pages: int = 65536, vfs: str = "posix",
+    def __init__(self, path: Union[str, os.PathLike], *, cache_pages: Optional[int] = None, vfs: str = "posix",
                  readonly: bool = False, _create_version: Optional[int] = None) -> None:
+        if cache_pages is None:
+            cache_pages = default_cache_pages()
+        elif not isinstance(cache_pages, int) or isinstance(cache_pages, bool) or cache_pages < 1:
+            raise ValueError(f"Database: cache_pages must be an int >= 1, got {cache_pages!r}")
         self.path = os.fspath(path)
         self.vfs = vfs
         self.readonly = readonly
@@ -112,7 +136,7 @@ class Database:
         self._ps = _storage.PageStore(self.path, vfs, cache_pages, _create_version, readonly)
 
     @classmethod
-    def create(cls, path: Union[str, os.PathLike], version: int, *, cache_pages: int = 65536,
+    def create(cls, path: Union[str, os.PathLike], version: int, *, cache_pages: Optional[int] = None,
                vfs: str = "posix") -> "Database":
         """A new, empty database whose only version is ``version`` (step 0); StorageError if ``path`` exists.
 

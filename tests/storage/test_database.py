@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -257,3 +259,44 @@ def test_keys_and_values_must_be_bytes(tmp_path):
             h.put("t", b"k", 5)
         h.put("t", bytearray(b"k"), memoryview(b"v"))
         assert list(h.scan("t")) == [(b"k", b"v")]
+
+
+_CACHE_RSS = """
+import ctypes, os, sys
+from dbsp_core.storage import Database
+def anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon"):
+            return int(line.split()[1]) / 1024
+libc = ctypes.CDLL("libc.so.6")
+db = Database(os.path.join(sys.argv[1], "db"))
+val = os.urandom(100_000)
+libc.malloc_trim(0)
+before = anon()
+for r in range(8):  # 8 commits of 25.6 MB of values: 205 MB written
+    with db.open(db.versions()[-1]) as h:
+        for i in range(256):
+            h.put("t", r.to_bytes(2, "big") + i.to_bytes(4, "big"), val)
+        h.commit()
+libc.malloc_trim(0)  # what stays is what the database holds, not free heap
+print(round(anon() - before))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status and glibc's malloc_trim")
+def test_committed_pages_stay_cached_only_up_to_the_page_cache_bound(tmp_path):
+    """A database keeps its committed pages cached as clean copies up to DBSP_PAGE_CACHE_MB (default 32 MiB); it
+    was 256 MiB a database, which a pipeline's checkpoints filled (0.5 GiB of a W=2 pipeline's memory)."""
+    def retained(env_mb: str | None, sub: str) -> int:
+        env = {k: v for k, v in os.environ.items() if k != "DBSP_PAGE_CACHE_MB"}
+        if env_mb is not None:
+            env["DBSP_PAGE_CACHE_MB"] = env_mb
+        d = tmp_path / sub
+        d.mkdir()
+        r = subprocess.run([sys.executable, "-c", _CACHE_RSS, str(d)], env=env, capture_output=True, text=True,
+                           timeout=300, check=True)
+        return int(r.stdout.split()[-1])
+
+    default, big = retained(None, "default"), retained("256", "big")
+    assert default < 96, f"{default} MiB held after writing 205 MB with the default 32 MiB page cache"
+    assert big > 150, f"only {big} MiB held with a 256 MiB page cache: the setting is not in force"
