@@ -26,7 +26,10 @@ the payload is ``u32 n`` (the number of outputs + 1) | ``u32 m`` | ``m`` bytes o
 ``{"step": s, "outputs": [names in order], "inputs": [{"handle", "producer", "first_seq", "last_seq",
 "pushes"}]}`` | then per output, in the order named: ``u32 k`` | ``k`` bytes of
 :func:`dbsp_core.codec.encode_zset` (header ``DZS1``, version, CRC-32, then an Arrow IPC stream of the
-columns and ``__dbsp_weight``). This is byte for byte the body of a format-1 record.
+columns and ``__dbsp_weight``). This is byte for byte the body of a format-1 record. Each output's rows are
+consolidated (no two equal, no zero weight) but in no particular order: a change that a step's operators produced
+distinct is written as it is (since 2026-11-27; earlier records are in canonical order), so a reader that needs
+the order sorts.
 """
 
 from __future__ import annotations
@@ -170,7 +173,10 @@ class OutputLog:
         meta = json.dumps({"step": step, "outputs": self.names, "inputs": inputs}).encode("utf-8")
         chunks: list = [_U32.pack(len(self.names) + 1), _U32.pack(len(meta)), meta]
         for n in self.names:
-            head, blob = encode_zset_parts(outputs[n].consolidate())
+            z = outputs[n]
+            if not z._distinct:  # a change an operator produced distinct (no equal rows, no zero weight) is
+                z = z.consolidate()  # stored as it is: sorting it into canonical order costs, and no reader needs it
+            head, blob = encode_zset_parts(z)
             chunks += [_U32.pack(len(head) + blob.size), head, blob]
         return chunks
 

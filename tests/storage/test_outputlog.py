@@ -328,3 +328,29 @@ def test_payload_layout_is_the_documented_one(tmp_path):
     raw.close()
     assert [(r[0], r[1], r[2], r[3]) for r in recs] == [(s, b"", b"", 0) for s in range(3)]
     assert [r[4] for r in recs] == [body(s) for s in range(3)]
+
+
+def test_a_change_produced_distinct_is_stored_as_it_is_and_others_consolidated(tmp_path):
+    """A step's output that its operators produced distinct (no equal rows, no zero weight) is written in its own
+    order, not sorted first; any other change is consolidated; a replay in another order still matches."""
+    import numpy as np
+    import pyarrow as pa
+
+    from dbsp_core.zset import ZSet
+
+    log = OutputLog(str(tmp_path / "out"), SCHEMAS)
+    keys = [9, 3, 7, 1, 5]  # not canonical order (key hashes decide that)
+    distinct = ZSet._make(pa.table({"k": keys, "n": [1, 1, 1, 1, 1]}, schema=SCHEMAS["counts"]),
+                          np.array([1, -1, 2, 1, -3], dtype=np.int64), distinct=True)
+    names = ZSet.from_rows([("a",), ("a",), ("b",), ("c",)], SCHEMAS["names"], weights=[1, 1, 1, -1])  # "a" twice
+    log.write(0, {"counts": distinct, "names": names}, inputs(0))
+    got = log.get(0)
+    assert got["counts"].data.column("k").to_pylist() == keys, "a distinct change was sorted before it was written"
+    assert got["counts"].weights.tolist() == [1, -1, 2, 1, -3]
+    assert got["names"].to_dict() == {("a",): 2, ("b",): 1, ("c",): -1} and len(got["names"].data) == 3
+    shuffled = ZSet._make(distinct.data.take([4, 2, 0, 3, 1]), distinct.weights[[4, 2, 0, 3, 1]], distinct=True)
+    assert log.write(0, {"counts": shuffled, "names": names}, inputs(0)) == "replayed"
+    other = ZSet._make(distinct.data, distinct.weights * 2, distinct=True)
+    with pytest.raises(ReplayMismatchError, match="output 'counts'"):
+        log.write(0, {"counts": other, "names": names}, inputs(0))
+    log.close()
