@@ -234,6 +234,7 @@ class WorkerSnapshot:
         # batches merged while loading): deleted by the next save
         self._orphans: dict[str, list[list[bytes]]] = {}
         self._next = 0  # number of the next value written
+        self._stale = 0  # the last key under which _put moved an entry whose batch is gone (negative: no id's)
 
     def tables(self) -> dict[str, TableSpec]:
         """The state tables this snapshot saves (see :func:`state_tables`)."""
@@ -265,7 +266,7 @@ class WorkerSnapshot:
                 continue
             by_shard = {shard_of_key(k): k for k in keys}
             for piece, lo, hi in kept:
-                saved[id(piece)] = (weakref.ref(piece), [k for sh, k in sorted(by_shard.items()) if lo <= sh < hi])
+                self._put(saved, piece, [k for sh, k in sorted(by_shard.items()) if lo <= sh < hi])
             cut = [k for sh, k in by_shard.items() if mask[sh]]
             if cut:
                 self._orphans.setdefault(table, []).append(cut)
@@ -339,6 +340,16 @@ class WorkerSnapshot:
         plan.append(("next", self._next))
         return plan
 
+    def _put(self, saved: dict, b: Any, keys: list[bytes]) -> None:
+        """Record ``b`` as saved under ``keys``. An entry under its id whose batch is gone (not purged yet: its id
+        was freed and given to ``b``) moves to a key no batch has, so its keys are still deleted by the next save
+        instead of being forgotten (they would stay in the database, unlisted by the order record)."""
+        e = saved.get(id(b))
+        if e is not None and e[0]() is not b:
+            self._stale -= 1
+            saved[self._stale] = e
+        saved[id(b)] = (weakref.ref(b), keys)
+
     def _purge(self, table: str) -> None:
         """Drop the entries of ``table``'s record whose batch is gone (merged away, dropped by a pruning): their
         keys become orphans, deleted by the next save, and so do those of a group any member of which is gone
@@ -381,7 +392,7 @@ class WorkerSnapshot:
             shards = np.flatnonzero(nonempty).tolist()
             keys = [shard_key(sh, number) for sh in shards]
             for b in run:
-                saved[id(b)] = (weakref.ref(b), keys)
+                self._put(saved, b, keys)
             if len(run) == 1:
                 plan.append(("batch", table, run[0], bounds[0], shards, keys))
             else:

@@ -237,3 +237,37 @@ def test_batches_merged_away_after_a_checkpoint_are_freed_before_the_next(tmp_pa
     got = dbsp.ZSet.concat([x.zset for t in p.traces(0).values() for part in t.parts() for x in part])
     assert got.to_dict() == want.to_dict()
     p.close(checkpoint=False)
+
+
+def test_the_record_of_saved_batches_never_loses_the_keys_of_a_batch_that_is_gone():
+    """An id is unique only among live objects: when a batch that is gone left its entry under an id a new batch
+    now has, recording the new batch keeps the old entry (under a key no batch has) so the next save deletes its
+    keys; a purge turns the keys of gone batches into orphans, and a group any member of which is gone gives up
+    its live members too (saved again)."""
+    import gc
+    import weakref
+
+    def batch(k: int) -> IndexedZSet:
+        return dbsp.ZSet.from_arrow(bids(k, 5)).index_by(["auction"])
+
+    snap = WorkerSnapshot({}, 4)
+    saved = snap._saved.setdefault("t", {})
+    gone = batch(0)
+    dead = weakref.ref(gone)
+    del gone
+    gc.collect()
+    assert dead() is None
+    b = batch(1)
+    saved[id(b)] = (dead, [b"old"])  # what a gone batch leaves when its id is given to b
+    snap._put(saved, b, [b"new"])
+    assert saved[id(b)][0]() is b and saved[id(b)][1] == [b"new"]
+    assert [v[1] for k, v in saved.items() if k != id(b)] == [[b"old"]], "the gone batch's keys were forgotten"
+    g1, g2 = batch(2), batch(3)
+    group = [b"g"]
+    snap._put(saved, g1, group)
+    snap._put(saved, g2, group)
+    del g2
+    gc.collect()
+    snap._purge("t")
+    assert sorted(snap._orphans["t"]) == [[b"g"], [b"old"]]
+    assert list(saved) == [id(b)], "a live member of a group with a member gone kept its entry"
