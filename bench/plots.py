@@ -1,6 +1,6 @@
 """Measures three things people want to see as pictures and draws them as PNGs beside RESULTS.md: throughput against each peer (small changes against large state, and a join-aggregate view kept current over a stream: bench_circuits.py's (a) and (b) workloads), step latency over the steps of a durable pipeline (with its checkpoints), and memory over time (that run, and a windowed view over an endless stream).
 
-Run from the repository root (``pip install -e ".[bench]"`` first; about three minutes on two cores):
+Run from the repository root (``pip install -e ".[bench]"`` first; about a minute and a half on two cores):
 
     python bench/plots.py                 # measure, write bench/plots.json, draw bench/*.png
     python bench/plots.py --replot        # draw again from bench/plots.json
@@ -246,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                            f"{dbsp.__version__}"}
         data["small_changes"] = measure_small_changes(100_000 if q else 1_000_000, 1_000, 20 if q else 200)
         data["throughput"] = measure_throughput(200_000 if q else 10_000_000, 20_000 if q else 100_000)
-        print("small changes (steps/s by mean):", {q: {k: round(v) for k, v in d.items()}
-                                                    for q, d in data["small_changes"]["steps_per_s"].items()})
+        print("small changes (steps/s by mean):", {name: {k: round(v) for k, v in d.items()}
+                                                    for name, d in data["small_changes"]["steps_per_s"].items()})
         print("throughput (M rows/s):", {k: round(v, 3) for k, v in data["throughput"]["mrows_per_s"].items()})
         data["durable"] = _phase("durable", q)
         print(f"durable: mean {data['durable']['mean_ms']:.1f} ms, p99 {data['durable']['p99_ms']:.1f} ms, "
