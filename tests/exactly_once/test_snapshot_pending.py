@@ -48,6 +48,11 @@ def traces(p) -> dict:
     return out
 
 
+def batches(p, w: int = 0) -> list[IndexedZSet]:
+    """Every batch of worker ``w``'s traces, settled then pending (read without settling)."""
+    return [b for t in p.traces(w).values() for part in t.parts() for b in part]
+
+
 def expected(k: int) -> dict:
     """by_cat's view after bids 0..k-1 and auctions 0..49 (category id % 5)."""
     acc: dict = {}
@@ -213,10 +218,10 @@ def test_batches_merged_away_after_a_checkpoint_are_freed_before_the_next(tmp_pa
         p.push("bids", bids(k))
         p.step()
     p.checkpoint()
-    saved = [weakref.ref(x) for t in p.traces(0).values() for part in t.parts() for x in part]
+    saved = [weakref.ref(x) for x in batches(p)]
     assert saved
     def in_trace() -> set[int]:
-        return {id(x) for t in p.traces(0).values() for part in t.parts() for x in part}
+        return {id(x) for x in batches(p)}
 
     k = 6
     while all(r() is not None and id(r()) in in_trace() for r in saved):  # steps until some batch saved then
@@ -231,10 +236,10 @@ def test_batches_merged_away_after_a_checkpoint_are_freed_before_the_next(tmp_pa
     kept = [r() for r in saved if r() is not None and id(r()) not in live]
     assert gone and kept == [], f"{len(kept)} of {gone} batches merged away are still in memory"
     p.checkpoint()
-    want = dbsp.ZSet.concat([x.zset for t in p.traces(0).values() for part in t.parts() for x in part])
+    want = dbsp.ZSet.concat([x.zset for x in batches(p)])
     p.close(checkpoint=False)
     p = dbsp.Pipeline.open(d, c, checkpoint_interval=None)
-    got = dbsp.ZSet.concat([x.zset for t in p.traces(0).values() for part in t.parts() for x in part])
+    got = dbsp.ZSet.concat([x.zset for x in batches(p)])
     assert got.to_dict() == want.to_dict()
     p.close(checkpoint=False)
 
