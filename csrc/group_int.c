@@ -37,6 +37,9 @@
 #define PREFETCH 8     /* entries ahead whose table slot is prefetched */
 #endif
 #define LINE 64
+#ifndef STREAM_MIN_BYTES
+#define STREAM_MIN_BYTES ((size_t)1 << 20) /* entry arrays up to this size are written through the cache */
+#endif
 
 static int is_int64_col(const DbspColumn *c) {
     return c->validity == NULL && (c->type == DBSP_INT64 || c->type == DBSP_UINT64 || c->type == DBSP_TIMESTAMP);
@@ -59,13 +62,16 @@ int dbsp_group_int_applies(const DbspBatch *b, const int32_t *icols, int32_t nic
     return 1;
 }
 
-static inline void flush_stream(uint8_t *dst, const uint8_t *src, size_t bytes) {
+static inline void flush_stream(uint8_t *dst, const uint8_t *src, size_t bytes, int stream) {
 #if defined(__SSE2__)
-    for (size_t o = 0; o < bytes; o += 16)
-        _mm_stream_si128((__m128i *)(void *)(dst + o), _mm_load_si128((const __m128i *)(const void *)(src + o)));
-#else
-    memcpy(dst, src, bytes);
+    if (stream) {
+        for (size_t o = 0; o < bytes; o += 16)
+            _mm_stream_si128((__m128i *)(void *)(dst + o), _mm_load_si128((const __m128i *)(const void *)(src + o)));
+        return;
+    }
 #endif
+    (void)stream;
+    memcpy(dst, src, bytes);
 }
 
 static inline uint64_t ld64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
@@ -172,6 +178,7 @@ static inline __attribute__((always_inline)) int group_int(const DbspBatch *b, i
     wcbase = dbsp_scratch_alloc(wc_bytes);
     if (!Ebase || !wcbase) { st = DBSP_ENOMEM; goto done; }
     uint8_t *E = (uint8_t *)(((uintptr_t)Ebase + LINE - 1) & ~(uintptr_t)(LINE - 1));
+    const int stream = e_bytes > STREAM_MIN_BYTES;  /* design note 3: small entry arrays stay in cache */
     uint8_t *wc = (uint8_t *)(((uintptr_t)wcbase + LINE - 1) & ~(uintptr_t)(LINE - 1));
 
     /* pass 2: scatter entries through write-combining buffers (design note 3) */
@@ -190,7 +197,7 @@ static inline __attribute__((always_inline)) int group_int(const DbspBatch *b, i
             st64(e + 16 + 8 * k, (uint64_t)prod);
         }
         if (++fill[p] == INT_WC) {
-            flush_stream(E + cur[p] * ES, wc + p * INT_WC * ES, (size_t)(INT_WC * ES));
+            flush_stream(E + cur[p] * ES, wc + p * INT_WC * ES, (size_t)(INT_WC * ES), stream);
             cur[p] += INT_WC;
             fill[p] = 0;
         }
@@ -198,7 +205,7 @@ static inline __attribute__((always_inline)) int group_int(const DbspBatch *b, i
     for (int64_t p = 0; p < np; p++)
         if (fill[p]) memcpy(E + cur[p] * ES, wc + p * INT_WC * ES, (size_t)(fill[p] * ES));
 #if defined(__SSE2__)
-    _mm_sfence();
+    if (stream) _mm_sfence();
 #endif
 #undef PART
 
