@@ -545,15 +545,56 @@ static int seg_create(DbspStepLog *log, uint64_t num, Seg *out) {
 /* Brings segment s up to date with its file (invariant 6): checks the header if it was not read yet, then adds the
  * valid records after s->size. `floor` is the previous segment's last step (INT64_MIN if none). At an invalid
  * record: damage is an error; a writer cuts a torn tail of the last segment, a reader stops before it. */
+/* A window [lo, hi) of a segment's bytes held in buf, so an open reads a segment in SCAN_CHUNK pieces into one
+ * reused buffer instead of the whole file into fresh memory (a 64 MiB segment's page faults cost more than
+ * reading and checking it). */
+#define SCAN_CHUNK ((uint64_t)4 << 20)
+typedef struct {
+    unsigned char *buf;
+    uint64_t cap, lo, hi;
+} Window;
+
+/* Makes the window hold [off, off + need) clipped to the file's `fsize` bytes. */
+static int win_cover(Window *w, DbspFile *f, uint64_t off, uint64_t need, uint64_t fsize) {
+    uint64_t end = need > fsize - off ? fsize : off + need;
+    if (off >= w->lo && end <= w->hi) return DBSP_OK;
+    uint64_t want = end - off < SCAN_CHUNK ? SCAN_CHUNK : end - off;
+    if (want > fsize - off) want = fsize - off;
+    if (want > w->cap) {
+        unsigned char *nb = realloc(w->buf, (size_t)want + 1);
+        if (!nb) return oom();
+        w->buf = nb;
+        w->cap = want;
+    }
+    w->lo = w->hi = 0;
+    int rc = want ? dbsp_vfs_read_exact(f, w->buf, (size_t)want, off, "segment") : DBSP_OK;
+    if (rc) return rc;
+    w->lo = off;
+    w->hi = off + want;
+    return DBSP_OK;
+}
+
+/* The bytes [from, fsize) of a segment in fresh memory (the rare paths that look past a bad header or record). */
+static int read_rest(DbspFile *f, uint64_t from, uint64_t fsize, unsigned char **out) {
+    unsigned char *d = malloc((size_t)(fsize - from) + 1);
+    if (!d) return oom();
+    int rc = fsize > from ? dbsp_vfs_read_exact(f, d, (size_t)(fsize - from), from, "segment") : DBSP_OK;
+    if (rc) { free(d); return rc; }
+    *out = d;
+    return DBSP_OK;
+}
+
 static int seg_load(DbspStepLog *log, Seg *s, int is_last, int64_t floor) {
     char *path = seg_path(log, s->num);
     unsigned char *data = NULL;
+    Window w = {0};
     int rc = DBSP_OK, ro = readonly(log);
     if (!path) return oom();
     for (int attempt = 0;; attempt++) { /* a reader reads again once before it calls anything damage */
         uint64_t fsize;
         free(data);
         data = NULL;
+        w.lo = w.hi = 0;
         if ((rc = log->vfs->size(s->f, &fsize))) goto out;
         if (s->num == log->closed_seg && fsize < log->closed_size) { /* invariant 10: a log closed cleanly was cut */
             rc = dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: %llu bytes, but the log was closed cleanly with "
@@ -564,16 +605,20 @@ static int seg_load(DbspStepLog *log, Seg *s, int is_last, int64_t floor) {
         if (fsize < s->size) seg_forget(s); /* a reader: a writer rewrote the file after a crash; read it afresh */
         uint64_t base = s->size;
         if (base && fsize == base) goto out; /* nothing new (a file without a header still needs the check below) */
-        if (!(data = malloc(fsize - base + 1))) { rc = oom(); goto out; }
-        if (fsize > base && (rc = dbsp_vfs_read_exact(s->f, data, fsize - base, base, "segment"))) goto out;
         if (base == 0) {
             uint32_t format = 0;
-            int hrc = fsize >= SEG_HDR ? check_header(data, "DBSPSSEG", s->num, path, &format)
-                                       : dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: shorter than its header", path);
+            int hrc;
+            if (fsize >= SEG_HDR) {
+                if ((rc = win_cover(&w, s->f, 0, SEG_HDR, fsize))) goto out;
+                hrc = check_header(w.buf, "DBSPSSEG", s->num, path, &format);
+            } else {
+                hrc = dbsp_storage_fail(DBSP_ECORRUPT, 0, "steplog %s: shorter than its header", path);
+            }
             if (hrc == DBSP_EFORMAT) { rc = hrc; goto out; }
             if (hrc) {
                 int64_t step;
                 uint64_t m;
+                if ((rc = read_rest(s->f, 0, fsize, &data))) goto out;
                 int follows = fsize > SEG_HDR && (frame_check(1, data + SEG_HDR, fsize - SEG_HDR, SEG_HDR, &step, &m) ||
                                                   find_marked(data, 0, SEG_HDR, fsize, 0));
                 if (follows || !is_last) {
@@ -596,11 +641,19 @@ static int seg_load(DbspStepLog *log, Seg *s, int is_last, int64_t floor) {
             s->format = format;
             s->size = SEG_HDR;
         }
-        uint64_t off = s->size;
+        uint64_t off = s->size, hdr = s->format == 1 ? F1_HDR : F2_HDR;
         int64_t fl = s->records ? s->max_step : floor;
         while (off < fsize) {
             int64_t step;
-            uint64_t m, n = frame_check(s->format, data + (off - base), fsize - off, off, &step, &m);
+            uint64_t m, need = hdr;
+            if ((rc = win_cover(&w, s->f, off, hdr, fsize))) goto out;
+            if (w.hi - off >= hdr) { /* the frame's claimed length, checked by frame_check below */
+                uint32_t len = rd32(w.buf + (off - w.lo) + (s->format == 1 ? 0 : 4));
+                if (len <= MAX_BODY) need += len;
+            }
+            if ((rc = win_cover(&w, s->f, off, need, fsize))) goto out;
+            /* the window holds the whole claimed frame, or the file up to its end: the same check as on all of it */
+            uint64_t n = frame_check(s->format, w.buf + (off - w.lo), w.hi - off, off, &step, &m);
             if (!n || step < fl) break;
             if ((rc = seg_add(s, step, off))) goto out;
             fl = step;
@@ -608,7 +661,11 @@ static int seg_load(DbspStepLog *log, Seg *s, int is_last, int64_t floor) {
         }
         s->size = off;
         if (off == fsize) goto out;
-        uint64_t proof = is_last && s->format == 2 ? find_proof(data, base, off, fsize) : 0;
+        uint64_t proof = 0;
+        if (is_last && s->format == 2) {
+            if ((rc = read_rest(s->f, off, fsize, &data))) goto out;
+            proof = find_proof(data, off, off, fsize);
+        }
         int closed = !proof && s->num == log->closed_seg && off < log->closed_size; /* invariant 10 */
         if (proof || closed || !is_last) {
             if (ro && !attempt) continue;
@@ -632,6 +689,7 @@ static int seg_load(DbspStepLog *log, Seg *s, int is_last, int64_t floor) {
     }
 out:
     free(data);
+    free(w.buf);
     free(path);
     return rc;
 }

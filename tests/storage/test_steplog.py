@@ -740,3 +740,54 @@ def test_log_with_more_segments_than_the_file_cache_matches_model(tmp_path_facto
     finally:
         r.close()
         w.close()
+
+
+def test_open_reads_large_segments_in_pieces_and_still_checks_every_record(tmp_path):
+    """An open reads a segment through a reused 4 MiB window (csrc/steplog.c, seg_load) instead of the whole file:
+    records that straddle the window's edges or outgrow it read back whole, and a flipped byte far past the first
+    window is still refused in a sealed segment, refused in the last one when a later write vouches for it, and
+    cut as a torn tail when it is in the last write."""
+    rng = random.Random(7)
+    p = str(tmp_path / "log")
+    sizes = [rng.choice([90, 5_000, 700_000, 1_300_000, 5_000_000]) for _ in range(30)]
+    payloads = [bytes([i % 251]) * n for i, n in enumerate(sizes)]
+    with StepLog(p, segment_bytes=12 << 20) as log:
+        for i, pl in enumerate(payloads):
+            log.append(i, "h", pl, seq=i)
+    segs = _segments(p)
+    assert len(segs) >= 2
+    for ro in (True, False):
+        with StepLog(p, segment_bytes=12 << 20, readonly=ro) as log:
+            assert [r.payload for r in log.iter_from(0)] == payloads
+    _as_after_a_crash(p)
+    pristine = str(tmp_path / "pristine")
+    shutil.copytree(p, pristine)
+
+    def damaged(seg_name, at):
+        shutil.rmtree(p)
+        shutil.copytree(pristine, p)
+        seg = os.path.join(p, seg_name)
+        with open(seg, "r+b") as f:
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ 0x20]))
+        return seg
+
+    # a sealed segment: a record beyond the first window
+    first = _frames(os.path.join(pristine, segs[0]))
+    off, end, _ = next(fr for fr in first if fr[0] > 4 << 20)
+    seg = damaged(segs[0], (off + end) // 2)
+    with pytest.raises(CorruptionError, match=rf"invalid record at offset {off} of a sealed segment"):
+        StepLog(p, segment_bytes=12 << 20)
+    # the last segment: a synced record that later writes vouch for, then the last write
+    last = _frames(os.path.join(pristine, segs[-1]))
+    assert len(last) >= 2 and last[-1][1] > 4 << 20, "the last segment should hold records past the first window"
+    off, end, _ = last[-2]
+    seg = damaged(segs[-1], end - 1)
+    with pytest.raises(CorruptionError, match=rf"{re.escape(seg)}: damaged record at offset {off}\b"):
+        StepLog(p, segment_bytes=12 << 20)
+    off, end, _ = last[-1]
+    damaged(segs[-1], end - 1)
+    with StepLog(p, segment_bytes=12 << 20) as log:
+        assert [r.payload for r in log.iter_from(0)] == payloads[:-1]
