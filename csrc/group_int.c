@@ -11,7 +11,9 @@
  *  3. Rows are radix-partitioned by the top hash bits (as in group.c) into entries of 16 + 8 * nsums bytes:
  *     value, row number (u32), weight (i32), then value * weight per SUM. A weight outside int32 makes the call
  *     return DBSP_GROUP_INT_NO, and the caller runs the general engine. Partitions start on 64-byte
- *     boundaries, so full write-combining buffers leave with non-temporal stores (no read for ownership).
+ *     boundaries, so full write-combining buffers leave with non-temporal stores (no read for ownership) when
+ *     the entry array is larger than STREAM_MIN_BYTES; a smaller one is written through the cache, where the
+ *     next pass reads it (streamed, a 1k-row call's entries went to memory and came back from there).
  *  4. Each partition is folded into a flat open-addressing table of (value, weight sum, first row, sums) that
  *     stays in cache: sized from the previous partition's group count (the first one's for at most 4,096
  *     groups), and grown when half full to twice the groups its rows so far project for the whole partition
