@@ -173,10 +173,9 @@ class OutputLog:
         meta = json.dumps({"step": step, "outputs": self.names, "inputs": inputs}).encode("utf-8")
         chunks: list = [_U32.pack(len(self.names) + 1), _U32.pack(len(meta)), meta]
         for n in self.names:
-            z = outputs[n]
-            if not z._distinct:  # a change an operator produced distinct (no equal rows, no zero weight) is
-                z = z.consolidate()  # stored as it is: sorting it into canonical order costs, and no reader needs it
-            head, blob = encode_zset_parts(z)
+            # a change an operator produced distinct (no equal rows, no zero weight) is stored as it is: sorting it
+            # into canonical order costs, and no reader needs it
+            head, blob = encode_zset_parts(outputs[n]._distinct_rows())
             chunks += [_U32.pack(len(head) + blob.size), head, blob]
         return chunks
 

@@ -777,7 +777,7 @@ def test_open_reads_large_segments_in_pieces_and_still_checks_every_record(tmp_p
     # a sealed segment: a record beyond the first window
     first = _frames(os.path.join(pristine, segs[0]))
     off, end, _ = next(fr for fr in first if fr[0] > 4 << 20)
-    seg = damaged(segs[0], (off + end) // 2)
+    damaged(segs[0], (off + end) // 2)
     with pytest.raises(CorruptionError, match=rf"invalid record at offset {off} of a sealed segment"):
         StepLog(p, segment_bytes=12 << 20)
     # the last segment: a synced record that later writes vouch for, then the last write
