@@ -98,7 +98,7 @@ def test_a_duplicate_name_is_refused(tmp_path) -> None:
     (tmp_path / "d2").mkdir()
     p = _pipeline(str(tmp_path / "pipe"))
     FileSource(p, "t", tmp_path / "d1", name="in")
-    with pytest.raises(ValueError, match="'in' is already the name of a FileSource"):
+    with pytest.raises(ValueError, match="'in' is already the name of a source"):
         FileSource(p, "u", tmp_path / "d2", name="in")
     FileSource(p, "t", tmp_path / "d1", name="in")  # the same source again (same handle and directory) is fine
     p.close()
