@@ -132,6 +132,10 @@ class FileSource:
         self.recursive = recursive
         self.on_error = on_error
         self.quarantine_dir = os.fspath(quarantine_dir or os.path.join(self.directory, QUARANTINE))
+        inside = os.path.relpath(os.path.realpath(self.quarantine_dir), self._real)
+        if recursive and (inside == "." or not inside.startswith((".", "_"))):
+            raise ValueError(f"FileSource: quarantine_dir {self.quarantine_dir} is a directory the source reads "
+                             "(recursive=True): start its name with '_' or put it outside the directory")
         self._done: dict[str, tuple] = {}  # files fully pushed (in this process) -> their signature
         self._bad: dict[str, tuple] = {}  # files skipped or quarantined -> their signature (a new one is read)
         self.errors: list[tuple[str, str]] = []  # (file, why) of every file skipped or quarantined
