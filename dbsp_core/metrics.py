@@ -8,19 +8,19 @@ Invariants (enforced here):
      written atomically at each checkpoint) keeps the last checkpoint's snapshot for ``dbsp inspect``.
   3. State bytes are the Arrow buffer sizes of every trace batch, split over shards by the batch's rows per
      shard (a batch is sorted by key hash, so each shard's rows are one range): they add up to the total.
+  4. A metrics server (:func:`serve`) lives no longer than its pipeline: ``Pipeline.close`` stops it
+     (:func:`stop_serving`), and a scrape that meets a closed or broken pipeline is answered with HTTP 503 and
+     one line saying why, never a traceback.
 
 The Prometheus names (``dbsp_`` prefix): ``steps_total``, ``pushes_total``, ``duplicate_pushes_total``,
 ``rows_in_total{input}``, ``rows_out_total{output}``, ``step_seconds`` (histogram), ``checkpoints_total``,
 ``checkpoint_seconds`` (last), ``checkpoint_time_seconds_total``, ``replayed_steps_total``, ``recovery_seconds``,
 ``log_bytes{log}``, ``state_bytes{worker}``, ``state_shard_bytes{worker,shard}``, ``key_index_bytes{worker}``
 (the traces' key indexes, memory beside the state: dbsp_core/trace.py invariant 11), ``late_rows_total{input}``,
-``output_steps{end}`` (first, last), ``consumer_next_step{consumer}``, ``workers``, ``shards``; of each live source
+``output_steps{end}`` (first, last), ``consumer_next_step{consumer}``, ``workers``, ``shards``; of each source
 (dbsp_core.connectors.files) ``source_files_total{source}``, ``source_rows_total{source}``,
-``source_bad_files_total{source}``, ``source_quarantined_files_total{source}``, ``source_rewritten_files_total{source}``.
-
-  4. A metrics server (:func:`serve`) lives no longer than its pipeline: ``Pipeline.close`` stops it
-     (:func:`stop_serving`), and a scrape that meets a closed or broken pipeline is answered with HTTP 503 and
-     one line saying why, never a traceback.
+``source_bad_files_total{source}``, ``source_quarantined_files_total{source}``,
+``source_rewritten_files_total{source}``.
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ def test_a_second_opener_gets_in_use_error(tmp_path) -> None:
             attempt()
         assert isinstance(e.value, errors.DbspError) and str(tmp_path) in str(e.value)
     code = ("import sys, dbsp_core as dbsp\nsys.path.insert(0, %r)\nfrom test_public_errors import _circuit\n"
-            "try:\n    dbsp.Pipeline.open(%r, _circuit())\nexcept dbsp.errors.InUseError as e:\n    print('InUseError', e)\n"
+            "try:\n    dbsp.Pipeline.open(%r, _circuit())\n"
+            "except dbsp.errors.InUseError as e:\n    print('InUseError', e)\n"
             % (os.path.dirname(__file__), str(tmp_path)))
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
