@@ -6,10 +6,15 @@ The public surface is listed in ``__all__``; everything else is internal.
 from __future__ import annotations
 
 from dbsp_core.errors import (
+    CircuitMismatchError,
     CorruptionError,
     DbspError,
     FormatVersionError,
     IndexDroppedWarning,
+    InputFileError,
+    InUseError,
+    RecoveryError,
+    ReplayMismatchError,
     SchemaError,
     StepError,
     StorageError,
@@ -31,11 +36,17 @@ __all__ = [
     "HASH_VERSION",
     "IndexedZSet",
     "ZSet",
+    "CircuitMismatchError",
     "CorruptionError",
     "DbspError",
     "FormatVersionError",
     "IndexDroppedWarning",
+    "InputFileError",
+    "InUseError",
+    "RecoveryError",
+    "ReplayMismatchError",
     "SchemaError",
+    "SqlError",  # dbsp_core.sql.errors, imported on first use (below)
     "StepError",
     "StorageError",
     "WeightOverflowError",
@@ -56,9 +67,14 @@ __all__ += ["within_last", "filter_now"]
 
 
 def __getattr__(name: str) -> object:
-    """``dbsp.sql`` (the SQL front end) and ``dbsp.nexmark``, imported on first use (sqlglot loads only then)."""
+    """``dbsp.sql`` (the SQL front end), ``dbsp.nexmark`` and ``dbsp.SqlError``, imported on first use (sqlglot
+    loads only then)."""
     if name in ("sql", "nexmark"):
         import importlib
 
         return importlib.import_module(f"dbsp_core.{name}")
+    if name == "SqlError":
+        from dbsp_core.sql.errors import SqlError
+
+        return SqlError
     raise AttributeError(f"module 'dbsp_core' has no attribute {name!r}")

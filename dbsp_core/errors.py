@@ -61,6 +61,18 @@ class StepError(DbspError):
         return (type(self), (self.args[0] if self.args else "", self.step, self.inputs, self.node))
 
 
+class InputFileError(DbspError, ValueError):
+    """A file a source reads cannot be read or converted (corrupt, empty, a value that does not fit the input's
+    type); the message names the file and what to do, ``path`` is the file."""
+
+    def __init__(self, message: str, path: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (type(self), (self.args[0] if self.args else "", self.path))
+
+
 class InUseError(StorageError):
     """A file or directory is held by another open object (an OS lock): a second writer would lose data."""
 

@@ -8,13 +8,19 @@ Invariants (enforced here):
      written atomically at each checkpoint) keeps the last checkpoint's snapshot for ``dbsp inspect``.
   3. State bytes are the Arrow buffer sizes of every trace batch, split over shards by the batch's rows per
      shard (a batch is sorted by key hash, so each shard's rows are one range): they add up to the total.
+  4. A metrics server (:func:`serve`) lives no longer than its pipeline: ``Pipeline.close`` stops it
+     (:func:`stop_serving`), and a scrape that meets a closed or broken pipeline is answered with HTTP 503 and
+     one line saying why, never a traceback.
 
 The Prometheus names (``dbsp_`` prefix): ``steps_total``, ``pushes_total``, ``duplicate_pushes_total``,
 ``rows_in_total{input}``, ``rows_out_total{output}``, ``step_seconds`` (histogram), ``checkpoints_total``,
 ``checkpoint_seconds`` (last), ``checkpoint_time_seconds_total``, ``replayed_steps_total``, ``recovery_seconds``,
 ``log_bytes{log}``, ``state_bytes{worker}``, ``state_shard_bytes{worker,shard}``, ``key_index_bytes{worker}``
 (the traces' key indexes, memory beside the state: dbsp_core/trace.py invariant 11), ``late_rows_total{input}``,
-``output_steps{end}`` (first, last), ``consumer_next_step{consumer}``, ``workers``, ``shards``.
+``output_steps{end}`` (first, last), ``consumer_next_step{consumer}``, ``workers``, ``shards``; of each source
+(dbsp_core.connectors.files) ``source_files_total{source}``, ``source_rows_total{source}``,
+``source_bad_files_total{source}``, ``source_quarantined_files_total{source}``,
+``source_rewritten_files_total{source}``.
 """
 
 from __future__ import annotations
@@ -22,13 +28,16 @@ from __future__ import annotations
 import bisect
 import collections
 import math
+import socket
 import threading
 import time
+import weakref
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Metrics", "STEP_BUCKETS", "gather", "prometheus_text", "serve", "state_bytes"]
+__all__ = ["Metrics", "STEP_BUCKETS", "attach_source", "gather", "prometheus_text", "serve", "sources", "state_bytes",
+           "stop_serving"]
 
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 """Upper bounds (seconds) of the step-latency histogram's buckets; one more bucket holds everything above."""
@@ -104,6 +113,51 @@ class Metrics:
             return list(self.recent)
 
 
+class _Attached:
+    """What hangs on one pipeline from outside it: its sources by name and its metrics servers."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, tuple[str, str, dict]] = {}  # name -> (input, what it reads, its stats)
+        self.servers: list = []
+
+
+_ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ATTACHED_LOCK = threading.Lock()
+
+
+def _attached(p: Any) -> _Attached:
+    with _ATTACHED_LOCK:
+        a = _ATTACHED.get(p)
+        if a is None:
+            a = _ATTACHED[p] = _Attached()
+        return a
+
+
+def attach_source(p: Any, name: str, handle: str, what: str, stats: dict) -> dict:
+    """Register a source of pipeline ``p`` (dbsp_core.connectors.files invariant 2) and return the stats dict it
+    is to count in: ``stats``, or the one of an earlier source of the same name, input and ``what`` (the same
+    source made again: its counters go on). Another source of that name raises ValueError. :func:`gather`
+    reports every source's stats as long as ``p`` lives."""
+    a = _attached(p)
+    with _ATTACHED_LOCK:
+        had = a.sources.get(name)
+        if had is None:
+            a.sources[name] = (handle, what, stats)
+            return stats
+    if had[:2] != (handle, what):
+        raise ValueError(f"{name!r} is already the name of a source of this pipeline (input {had[0]!r}, "
+                         f"{had[1]}); two sources of one name drop each other's data as duplicates: give this "
+                         "one another name=")
+    return had[2]
+
+
+def sources(p: Any) -> dict[str, dict]:
+    """The counters of every source of ``p`` by name (a copy)."""
+    a = _attached(p)
+    with _ATTACHED_LOCK:
+        return {name: dict(stats) for name, (_, _, stats) in a.sources.items()}
+
+
 def state_bytes(traces: dict[str, Any], shard_bits: int) -> tuple[int, dict[int, int]]:
     """Bytes of a worker's traces in total and per shard with any state (invariant 3)."""
     per = np.zeros(1 << shard_bits, dtype=np.float64)
@@ -130,6 +184,7 @@ def gather(p: Any, state: bool = True) -> dict:
     out["duplicate_pushes"] = p.stats.get("duplicates", 0)
     out["replayed_steps"] = p.stats.get("replayed_steps", 0)
     out["recovery_seconds"] = p.stats.get("recovery_s", 0.0)
+    out["sources"] = sources(p)
     if p.storage is not None:
         du = p.disk_usage()
         out["log_bytes"] = {"input": du["input"], "output": du["output"]}
@@ -193,6 +248,16 @@ def _families(m: dict) -> list:
                     rows=m["late_rows"]),
             gauge("workers", "Workers of the layout in force", m["workers"]),
             gauge("shards", "Shards of the layout in force", m["shards"])]
+    src = m.get("sources", {})
+    if src:
+        fams += [counter(f"source_{key}", doc, labels=("source",), rows={n: v[stat] for n, v in src.items()})
+                 for key, stat, doc in (
+                     ("files", "files", "Files a source has read whole"),
+                     ("rows", "rows", "Rows a source has pushed"),
+                     ("bad_files", "bad_files", "Files a source could not read or convert (raised, skipped or "
+                      "quarantined)"),
+                     ("quarantined_files", "quarantined", "Bad files a source moved to its quarantine directory"),
+                     ("rewritten_files", "rewritten", "Files rewritten under a name a source had read"))]
     if "log_bytes" in m:
         fams += [gauge("log_bytes", "Bytes on disk of the input and output logs", labels=("log",),
                        rows=m["log_bytes"]),
@@ -232,11 +297,43 @@ def prometheus_text(p: Any) -> str:
 
 
 def serve(p: Any, port: int = 0, addr: str = "127.0.0.1") -> tuple[Any, int]:
-    """Serve ``p``'s metrics at ``http://addr:port/metrics`` from a daemon thread (port 0: any free port);
-    returns the server (``.shutdown()`` stops it) and the port."""
-    from prometheus_client import CollectorRegistry, start_http_server
+    """Serve ``p``'s metrics at ``http://addr:port/metrics`` from a daemon thread (port 0: any free port) until
+    ``p`` is closed (invariant 4); returns the server (``.shutdown()`` stops it sooner) and the port."""
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    from prometheus_client import CollectorRegistry, make_wsgi_app
+    from prometheus_client.exposition import ThreadingWSGIServer
 
     reg = CollectorRegistry(auto_describe=False)
     reg.register(_Collector(p))
-    server, _thread = start_http_server(port, addr=addr, registry=reg)
+    inner = make_wsgi_app(reg)
+
+    def app(environ: dict, start_response: Any) -> Any:
+        try:
+            return inner(environ, start_response)  # the text is made before the status is sent
+        except Exception as e:  # noqa: BLE001 - a scrape is answered, never with a traceback
+            closed = getattr(p, "_closed", False) or getattr(p, "_broken", None) is not None
+            status = "503 Service Unavailable" if closed else "500 Internal Server Error"
+            start_response(status, [("Content-Type", "text/plain; charset=utf-8")])
+            return [f"dbsp: no metrics: {type(e).__name__}: {e}\n".encode()]
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - no line per scrape on stderr
+            pass
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+    server = make_server(addr, port, app, Server, handler_class=Quiet)
+    threading.Thread(target=server.serve_forever, name="dbsp-metrics", daemon=True).start()
+    _attached(p).servers.append(server)
     return server, server.server_address[1]
+
+
+def stop_serving(p: Any) -> None:
+    """Stop every metrics server of ``p`` and free its port (invariant 4; ``Pipeline.close`` calls it)."""
+    a = _attached(p)
+    servers, a.servers = a.servers, []
+    for server in servers:
+        server.shutdown()  # returns at once if it was stopped already
+        server.server_close()

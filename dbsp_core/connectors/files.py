@@ -6,30 +6,61 @@ Invariants (enforced here):
      ``seq`` 0. The pipeline's dedup (driver invariant 2) counts each ``(producer, seq)`` once, so a restart
      that pushes a file again (all of it, or the row groups after a crash mid-file) changes nothing it had
      recorded, and a row group is skipped without reading once the pipeline acknowledges it.
-  2. Files are taken in name order, and only complete ones: a file appears by an atomic rename into the
-     directory; names starting with ``.`` or ``_`` (temporary files, markers) are never read. A file must
-     not change once it has appeared (its row groups are its identity).
-  3. Rows are taken by the input's column names (extra columns are ignored) and cast safely to the input's
-     types; an integer ``weight`` column, if present, gives the rows' weights (-1 deletes). A file that does
-     not fit raises SchemaError naming it, and nothing of it that is not already recorded is pushed.
+  2. The name is unique per source: by default ``<input>@<real path of the directory>``, the same whenever the
+     source is made again with the same arguments (so a restart resumes its producers); two live sources on
+     one pipeline with one name and different inputs or directories are refused. A file begun under the former
+     default name ``files`` (a storage directory of an earlier release) finishes under that name.
+  3. Files are taken in name order, and only complete ones: a file appears by an atomic rename into the
+     directory; names starting with ``.`` or ``_`` (temporary files, markers, ``_quarantine``) are never read.
+     A file must not change once it has appeared (its row groups are its identity): one rewritten under a name
+     this source has read (another inode, size or modification time) is not read again, but logged as a
+     warning and counted (``rewritten``). Only what this process has seen is compared: a file rewritten while
+     no source ran goes unnoticed.
+  4. Rows are taken by the input's column names (extra columns are ignored) and cast safely to the input's
+     types; an integer ``weight`` column, if present, gives the rows' weights (-1 deletes). A file is read and
+     converted whole before any of it is pushed (a Parquet file with several row groups left to push is
+     decoded twice), so a file that cannot be read or does not fit (corrupt, empty, a missing column, a value
+     the input's type cannot hold) pushes nothing that was not already recorded. It is named in an
+     InputFileError and, by ``on_error``, stops the poll (``"raise"``: the files after it wait), or is logged,
+     counted (``bad_files``) and passed over: ``"skip"`` leaves it in place (tried again if it is replaced, or
+     after a restart), ``"quarantine"`` moves it under ``quarantine_dir`` beside ``<file>.error``, the reason.
+  5. The source's counters (``stats``) are part of ``Pipeline.metrics()["sources"][name]`` and of the Prometheus
+     text (dbsp_core.metrics) while the pipeline object lives; a source made again (same name, input and
+     directory) counts on in the same counters.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Any
+import shutil
+from typing import Any, Iterator
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
-from dbsp_core.errors import SchemaError
+from dbsp_core import metrics
+from dbsp_core.errors import InputFileError, SchemaError
 
 __all__ = ["FileSource"]
 
+log = logging.getLogger(__name__)
+
 FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl",
            ".ndjson": "jsonl"}
+ON_ERROR = ("raise", "skip", "quarantine")
+LEGACY_NAME = "files"  # the default name before names were unique per source (invariant 2)
+QUARANTINE = "_quarantine"
+
+# what reading or converting a bad file raises (a vanished file, FileNotFoundError, is not a bad file)
+_BAD = (pa.ArrowException, SchemaError, OSError, UnicodeDecodeError)
+
+
+def _signature(path: str) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 class FileSource:
@@ -44,9 +75,16 @@ class FileSource:
     directory
         The directory to watch (files directly in it; subdirectories too with ``recursive``).
     name
-        The source's name, the prefix of every producer id; keep it stable across restarts.
+        The source's name, the prefix of every producer id; keep it stable across restarts. By default
+        ``<handle>@<real path of directory>`` (invariant 2): pass a name if the directory may move.
     formats
         Extensions to read, from ``.parquet``/``.pq``, ``.csv``, ``.jsonl``/``.json``/``.ndjson``.
+    on_error
+        What a file that cannot be read or converted does (invariant 4): ``"raise"`` (InputFileError naming
+        it; the poll stops there), ``"skip"`` (logged, counted, left in place) or ``"quarantine"`` (logged,
+        counted, moved to ``quarantine_dir`` with a ``.error`` file saying why).
+    quarantine_dir
+        Where ``"quarantine"`` moves bad files; by default ``<directory>/_quarantine`` (never read: invariant 3).
 
     Examples
     --------
@@ -57,16 +95,20 @@ class FileSource:
     >>> p = dbsp.Pipeline(c, storage=tempfile.mkdtemp()); d = tempfile.mkdtemp()
     >>> pq.write_table(pa.table({"k": [1, 2, 1], "v": [1, 2, 3]}), os.path.join(d, "a.parquet"), row_group_size=2)
     >>> with open(os.path.join(d, "b.csv"), "w") as f: _ = f.write("k,v\\n2,5\\n")
-    >>> src = FileSource(p, "t", d)
+    >>> with open(os.path.join(d, "c.csv"), "w") as f: _ = f.write("k,v\\n2,five\\n")
+    >>> src = FileSource(p, "t", d, on_error="quarantine")
     >>> src.poll(), src.poll()     # two row groups of a.parquet and b.csv; then nothing new
     (3, 0)
+    >>> src.errors[0][0], sorted(os.listdir(os.path.join(d, "_quarantine")))   # c.csv did not convert
+    ('c.csv', ['c.csv', 'c.csv.error'])
     >>> sorted(p.step()["s"].to_dict().items())
     [((1, 4), 1), ((2, 7), 1)]
     >>> p.close()
     """
 
-    def __init__(self, pipeline: Any, handle: str, directory: str | os.PathLike, *, name: str = "files",
-                 formats: tuple[str, ...] = tuple(FORMATS), recursive: bool = False) -> None:
+    def __init__(self, pipeline: Any, handle: str, directory: str | os.PathLike, *, name: str | None = None,
+                 formats: tuple[str, ...] = tuple(FORMATS), recursive: bool = False, on_error: str = "raise",
+                 quarantine_dir: str | os.PathLike | None = None) -> None:
         if getattr(pipeline, "storage", None) is None:
             raise ValueError("FileSource needs a durable pipeline (storage=<dir>): exactly once rests on its dedup")
         schemas = {n: pipeline.circuit.nodes[i].schema for n, i in pipeline.circuit.inputs.items()}
@@ -75,18 +117,38 @@ class FileSource:
         unknown = [f for f in formats if f not in FORMATS]
         if unknown:
             raise ValueError(f"FileSource: unknown formats {unknown}; known: {sorted(FORMATS)}")
+        if on_error not in ON_ERROR:
+            raise ValueError(f"FileSource: on_error={on_error!r}; it is one of {list(ON_ERROR)}")
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"FileSource: name={name!r}; it is a non-empty string (or None for the default)")
         self.pipeline = pipeline
         self.handle = handle
         self.schema: pa.Schema = schemas[handle]
         self.directory = os.fspath(directory)
-        self.name = name
+        self._real = os.path.realpath(self.directory)
+        self._default_name = name is None
+        self.name = f"{handle}@{self._real}" if name is None else name
         self.formats = tuple(formats)
         self.recursive = recursive
-        self._done: set[str] = set()  # files fully pushed (in this process)
-        self.stats = {"files": 0, "pushes": 0, "duplicates": 0, "skipped": 0, "rows": 0}
+        self.on_error = on_error
+        self.quarantine_dir = os.fspath(quarantine_dir or os.path.join(self.directory, QUARANTINE))
+        inside = os.path.relpath(os.path.realpath(self.quarantine_dir), self._real)
+        if recursive and (inside == "." or not inside.startswith((".", "_"))):
+            raise ValueError(f"FileSource: quarantine_dir {self.quarantine_dir} is a directory the source reads "
+                             "(recursive=True): start its name with '_' or put it outside the directory")
+        self._done: dict[str, tuple] = {}  # files fully pushed (in this process) -> their signature
+        self._bad: dict[str, tuple] = {}  # files skipped or quarantined -> their signature (a new one is read)
+        self.errors: list[tuple[str, str]] = []  # (file, why) of every file skipped or quarantined
+        self.stats = {"files": 0, "pushes": 0, "duplicates": 0, "skipped": 0, "rows": 0, "bad_files": 0,
+                      "quarantined": 0, "rewritten": 0}
+        try:
+            self.stats = metrics.attach_source(pipeline, self.name, handle, f"directory {self._real}", self.stats)
+        except ValueError as e:
+            raise ValueError(f"FileSource: {e}") from None
 
     def pending(self) -> list[str]:
-        """Relative paths of the files not yet known to be fully pushed, in name order (invariant 2)."""
+        """Relative paths of the files not yet known to be fully pushed, in name order (invariant 3); warns about
+        a file rewritten under a name already read."""
         out = []
         for root, dirs, files in os.walk(self.directory):
             dirs[:] = sorted(d for d in dirs if not d.startswith((".", "_"))) if self.recursive else []
@@ -94,60 +156,162 @@ class FileSource:
                 if f.startswith((".", "_")) or os.path.splitext(f)[1].lower() not in self.formats:
                     continue
                 rel = os.path.relpath(os.path.join(root, f), self.directory)
-                if rel not in self._done:
-                    out.append(rel)
+                seen = self._done.get(rel, self._bad.get(rel))
+                if seen is not None:
+                    try:
+                        sig = _signature(os.path.join(root, f))
+                    except FileNotFoundError:
+                        continue
+                    if sig == seen:
+                        continue
+                    if rel in self._done:
+                        self._rewritten(rel, sig)
+                        continue
+                    del self._bad[rel]  # a bad file replaced: read the new one
+                out.append(rel)
         return sorted(out)
 
     def poll(self, max_files: int | None = None) -> int:
-        """Push every new file (at most ``max_files`` of them); returns the number of pushes newly recorded."""
+        """Push every new file (at most ``max_files`` of them); returns the number of pushes newly recorded.
+
+        A file that cannot be read or converted raises InputFileError or is passed over, by ``on_error``."""
         new = 0
         for rel in self.pending()[:max_files]:
-            new += self._push_file(rel)
-            self._done.add(rel)
+            path = os.path.join(self.directory, rel)
+            try:
+                sig = _signature(path)
+                new += self._push_file(rel, path)
+            except FileNotFoundError:
+                log.warning("FileSource %s: %s vanished before it was read whole", self.name, path)
+                continue
+            except InputFileError as e:
+                self._failed(rel, path, sig, e)
+                continue
+            self._done[rel] = sig
             self.stats["files"] += 1
         return new
 
-    def _push_file(self, rel: str) -> int:
-        path = os.path.join(self.directory, rel)
-        producer = f"{self.name}:{rel}"
+    def _rewritten(self, rel: str, sig: tuple) -> None:
+        self._done[rel] = sig  # warn once per rewrite
+        self.stats["rewritten"] += 1
+        log.warning("FileSource %s: %s was rewritten after it was read (a file must not change once it appears, "
+                    "invariant 3); its new content is not read: publish it under a new name", self.name,
+                    os.path.join(self.directory, rel))
+
+    def _failed(self, rel: str, path: str, sig: tuple, e: InputFileError) -> None:
+        self.stats["bad_files"] += 1
+        why = str(e)
+        if self.on_error == "raise":
+            raise InputFileError(f"{why}. Replace it under a new name, or pass on_error='skip' or 'quarantine' to "
+                                 "go past it (the files after it wait until then)", path) from e.__cause__
+        if self.on_error == "quarantine":
+            dest = self._quarantine(rel, path, why)
+            self.stats["quarantined"] += 1
+            log.warning("%s; quarantined as %s", why, dest)
+        else:
+            log.warning("%s; skipped (on_error='skip'): it stays in place and is tried again if it is replaced or "
+                        "the source restarts", why)
+        self._bad[rel] = sig
+        self.errors.append((rel, why))
+
+    def _quarantine(self, rel: str, path: str, why: str) -> str:
+        base = os.path.join(self.quarantine_dir, rel)
+        os.makedirs(os.path.dirname(base), exist_ok=True)
+        dest, n = base, 0
+        while os.path.exists(dest) or os.path.exists(dest + ".error"):  # never replace an earlier one
+            n += 1
+            dest = f"{base}.{n}"
+        try:
+            os.replace(path, dest)
+        except OSError:  # another file system
+            shutil.move(path, dest)
+        with open(dest + ".error", "w") as f:
+            f.write(why + "\n")
+        return dest
+
+    def _producer(self, rel: str) -> str:
+        """``<name>:<rel>``, or the former default's producer for a file begun under it (invariant 2)."""
+        own = f"{self.name}:{rel}"
+        if self._default_name and LEGACY_NAME not in metrics.sources(self.pipeline):  # no source of it is named so
+            old = f"{LEGACY_NAME}:{rel}"
+            if self.pipeline.acknowledged(old, 0) and not self.pipeline.acknowledged(own, 0):
+                return old
+        return own
+
+    def _push_file(self, rel: str, path: str) -> int:
+        producer = self._producer(rel)
         kind = FORMATS[os.path.splitext(rel)[1].lower()]
         p = self.pipeline
+        try:
+            units = pq.ParquetFile(path).num_row_groups if kind == "parquet" else 1
+            todo = [seq for seq in range(units) if not p.acknowledged(producer, seq)]
+            self.stats["skipped"] += units - len(todo)
+            if not todo:
+                return 0
+            if len(todo) == 1:
+                kept = list(self._read(path, kind, todo))
+            else:
+                kept = None
+                for _ in self._read(path, kind, todo):  # checked whole before any of it is pushed (invariant 4)
+                    pass
+        except FileNotFoundError:
+            raise
+        except _BAD as e:
+            raise self._error(path, e) from e
+        batches = iter(kept if kept is not None else self._read(path, kind, todo))  # decoded again
         new = 0
-        if kind == "parquet":
-            f = pq.ParquetFile(path)
-            cols = [n for n in f.schema_arrow.names if n in self.schema.names or n == "weight"]
-            for rg in range(f.num_row_groups):
-                if p.acknowledged(producer, rg):
-                    self.stats["skipped"] += 1
-                    continue
-                new += self._push(producer, rg, f.read_row_group(rg, columns=cols), path)
-            return new
-        if p.acknowledged(producer, 0):
-            self.stats["skipped"] += 1
-            return 0
+        while True:
+            try:
+                item = next(batches, None)
+            except FileNotFoundError:
+                raise
+            except _BAD as e:  # the file changed under the source
+                raise self._error(path, e, pushed=new) from e
+            if item is None:
+                return new
+            new += self._push(producer, *item)
+
+    def _read(self, path: str, kind: str, seqs: list[int]) -> Iterator[tuple[int, pa.Table]]:
+        """``(seq, converted table)`` of each of ``seqs``, one row group at a time."""
+        if kind != "parquet":
+            yield 0, self._convert(self._read_text(path, kind))
+            return
+        f = pq.ParquetFile(path)
+        for seq in seqs:
+            yield seq, self._convert(f.read_row_group(seq, columns=self._columns(f)))
+
+    def _columns(self, f: pq.ParquetFile) -> list[str]:
+        return [n for n in f.schema_arrow.names if n in self.schema.names or n == "weight"]
+
+    def _read_text(self, path: str, kind: str) -> pa.Table:
         types = {n: t for n, t in zip(self.schema.names, self.schema.types)}
         if kind == "csv":
-            table = pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(column_types=types))
-        else:
-            table = pajson.read_json(path, parse_options=pajson.ParseOptions(
-                explicit_schema=pa.schema([pa.field(n, t) for n, t in types.items()])))
-        return self._push(producer, 0, table, path)
+            return pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(column_types=types))
+        return pajson.read_json(path, parse_options=pajson.ParseOptions(
+            explicit_schema=pa.schema([pa.field(n, t) for n, t in types.items()])))
 
-    def _push(self, producer: str, seq: int, table: pa.Table, where: str) -> int:
+    def _error(self, path: str, e: BaseException, pushed: int = 0) -> InputFileError:
+        what = f"{type(e).__name__}: {e}" if not isinstance(e, SchemaError) else str(e)
+        more = f" ({pushed} of its row groups were pushed before it changed)" if pushed else ""
+        return InputFileError(f"FileSource {self.name!r}: cannot read {path}{more}: {what}", path)
+
+    def _convert(self, table: pa.Table) -> pa.Table:
         missing = [n for n in self.schema.names if n not in table.column_names]
         if missing:
-            raise SchemaError(f"FileSource {where}: no column {missing} (the input {self.handle!r} has "
-                              f"{self.schema.names})")
+            raise SchemaError(f"no column {missing} (the input {self.handle!r} has {self.schema.names})")
         names = list(self.schema.names)
         fields = list(self.schema)
         if "weight" in table.column_names and "weight" not in names:
             names.append("weight")
             fields.append(pa.field("weight", pa.int64()))
         try:
-            table = table.select(names).cast(pa.schema(fields), safe=True)
+            return table.select(names).cast(pa.schema(fields), safe=True)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
-            raise SchemaError(f"FileSource {where}: columns {table.schema} do not cast to the input's "
-                              f"{self.schema}: {e}") from None
+            have = ", ".join(f"{f.name} {f.type}" for f in table.schema)
+            want = ", ".join(f"{f.name} {f.type}" for f in fields)
+            raise SchemaError(f"columns ({have}) do not cast to the input's ({want}): {e}") from None
+
+    def _push(self, producer: str, seq: int, table: pa.Table) -> int:
         ack = self.pipeline.push(self.handle, table, producer=producer, seq=seq)
         if ack.duplicate:
             self.stats["duplicates"] += 1

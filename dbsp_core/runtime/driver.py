@@ -66,7 +66,7 @@ from dbsp_core.codec import decode_json, decode_zset, encode_json, encode_zset
 from dbsp_core.errors import (CircuitMismatchError, CorruptionError, DbspError, RecoveryError, SchemaError,
                               StepError)
 from dbsp_core.layout import DEFAULT_SHARD_BITS, HASH_VERSION, Layout, ShardMap
-from dbsp_core.metrics import Metrics, gather, serve
+from dbsp_core.metrics import Metrics, gather, serve, stop_serving
 from dbsp_core.operators.base import same_columns
 from dbsp_core.progress import progress
 from dbsp_core.runtime.crashpoints import crashpoint
@@ -1268,8 +1268,8 @@ class Pipeline:
         return gather(self, state)
 
     def serve_metrics(self, port: int = 0, addr: str = "127.0.0.1") -> tuple[Any, int]:
-        """Serve :meth:`metrics` as Prometheus text at ``http://addr:port/metrics`` (port 0: any free one);
-        returns the server (``.shutdown()`` stops it) and its port."""
+        """Serve :meth:`metrics` as Prometheus text at ``http://addr:port/metrics`` (port 0: any free one) until
+        :meth:`close`; returns the server (``.shutdown()`` stops it sooner) and its port."""
         return serve(self, port, addr)
 
     def disk_usage(self) -> dict[str, int]:
@@ -1288,6 +1288,7 @@ class Pipeline:
     # ---- shutdown ----
 
     def _shutdown(self) -> None:
+        stop_serving(self)  # metrics invariant 4
         if self._division_sync is not None:
             self._await_division(quiet=True)
         if self._syncer is not None:

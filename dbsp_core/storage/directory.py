@@ -6,7 +6,7 @@ Invariants (enforced here):
      reader finds the old record or the new one, never a mix; a torn or damaged record raises CorruptionError
      naming the file.
   2. One process owns a directory at a time: :func:`lock_dir` takes an exclusive ``flock`` on ``LOCK`` and a
-     second opener gets a clear error instead of sharing the files.
+     second opener (in this process or another) gets InUseError instead of sharing the files.
   3. META is written once, when the directory is created, and names the directory format; a directory of
      another format is refused with FormatVersionError before anything else is read.
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 from dbsp_core import _storage
 from dbsp_core.codec import decode_json, encode_json
-from dbsp_core.errors import CorruptionError, DbspError, FormatVersionError
+from dbsp_core.errors import CorruptionError, FormatVersionError, InUseError
 from dbsp_core.layout import Layout
 from dbsp_core.storage.formats import (DIRECTORY_FORMAT, LAYOUT_FILE, LAYOUT_MAGIC, LOCK_FILE, META_FILE, META_MAGIC,
                                        RESCALE_FILE, RESCALE_MAGIC)
@@ -43,7 +43,8 @@ def lock_dir(root: str) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise DbspError(f"{root} is in use by another pipeline (LOCK is held)") from None
+        raise InUseError(f"{root} is in use by another pipeline (LOCK is held): close it (or let its process "
+                         "end) first; `dbsp inspect` reads a directory in use") from None
     return fd
 
 

@@ -4,11 +4,14 @@ returned, state bytes that add up per shard, and the endpoint's text over HTTP o
 from __future__ import annotations
 
 import io
+import urllib.error
 import urllib.request
 
 import pyarrow as pa
+import pytest
 
 import dbsp_core as dbsp
+import dbsp_core.metrics
 from dbsp_core.progress import Progress
 
 
@@ -101,3 +104,36 @@ def test_recovery_replay_draws_a_progress_line(tmp_path) -> None:
                            env=env, timeout=120)
         assert r.returncode == 0, r.stderr
     assert "recovery replay 70/70 steps (100%)" in r.stderr and r.stderr.rstrip().endswith("done"), r.stderr
+
+
+def _scrape(port: int) -> tuple[int, str]:
+    """Status and body of GET /metrics on 127.0.0.1:port (an HTTP error status is returned, not raised)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_metrics_server_stops_when_the_pipeline_closes(tmp_path) -> None:
+    """A scrape after p.close() got HTTP 500 and a traceback on stderr: close now stops the server (the port
+    refuses connections), and a scrape that meets a closed pipeline (a server close did not stop: here one taken
+    off the pipeline's list, as a scrape racing close would see it) gets 503 with one line saying why."""
+    p, _ = _pipeline(storage=tmp_path, checkpoint_interval=None)
+    p.push("t", pa.table({"k": [1], "v": [1], "ts": [0]}))
+    p.step()
+    _server, port = p.serve_metrics()
+    status, text = _scrape(port)
+    assert status == 200 and "dbsp_steps_total 1.0" in text
+    racing, port2 = dbsp.metrics.serve(p)
+    dbsp.metrics._attached(p).servers.remove(racing)
+    p.close()
+    with pytest.raises(urllib.error.URLError) as e:
+        _scrape(port)
+    assert isinstance(e.value.reason, ConnectionRefusedError), e.value
+    try:
+        status, text = _scrape(port2)
+        assert status == 503 and text == "dbsp: no metrics: DbspError: the pipeline is closed\n", (status, text)
+    finally:
+        racing.shutdown()
+        racing.server_close()
