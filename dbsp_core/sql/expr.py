@@ -160,12 +160,12 @@ class Exprs:
             name = {exp.EQ: "equal", exp.NEQ: "not_equal", exp.GT: "greater", exp.GTE: "greater_equal",
                     exp.LT: "less", exp.LTE: "less_equal"}[type(node)]
             a, b = self._comparable(node.this, node.expression, node)
-            return self._compare(name, a, b)
+            return self._compare(name, a, b, node.this, node.expression)
         if isinstance(node, (exp.NullSafeEQ, exp.NullSafeNEQ)):
             a, b = self._comparable(node.this, node.expression, node)
             eq = call("if_else", call("and_kleene", call("is_null", a), call("is_null", b)), lit(True),
                       call("if_else", call("or_kleene", call("is_null", a), call("is_null", b)), lit(False),
-                           self._compare("equal", a, b)))
+                           self._compare("equal", a, b, node.this, node.expression)))
             return eq if isinstance(node, exp.NullSafeEQ) else call("invert", eq)
         if isinstance(node, exp.Is):
             a = self._c(node.this)
@@ -227,7 +227,7 @@ class Exprs:
             return call("coalesce", *self._unified(args, node))
         if isinstance(node, exp.Nullif):
             a, b = self._comparable(node.this, node.expression, node)
-            return call("if_else", call("coalesce", self._compare("equal", a, b), lit(False)), null(),
+            return call("if_else", call("coalesce", self._compare("equal", a, b, node.this, node.expression), lit(False)), null(),
                         self._c(node.this))
         if isinstance(node, (exp.Greatest, exp.Least)):
             args = self._unified([node.this] + list(node.expressions), node)
@@ -319,24 +319,37 @@ class Exprs:
             a = a.cast(tb)
         return a, b
 
-    def _compare(self, name: str, a: pc.Expression, b: pc.Expression) -> pc.Expression:
-        """``name`` (equal, not_equal, less, less_equal, greater, greater_equal) of ``a`` and ``b`` (made comparable
-        by ``_comparable``), with DuckDB's order of floats (invariant 5): IEEE's where neither side is NaN."""
-        fa, fb = pat.is_floating(self.type_of(a)), pat.is_floating(self.type_of(b))
-        if not (fa or fb):
+    def _compare(self, name: str, a: pc.Expression, b: pc.Expression, x: exp.Expression, y: exp.Expression
+                 ) -> pc.Expression:
+        """``name`` (equal, not_equal, less, less_equal, greater, greater_equal) of ``a`` and ``b`` (nodes ``x`` and
+        ``y``, made comparable by ``_comparable``) in DuckDB's order of floats (invariant 5): IEEE's where neither
+        side is NaN, so only a side that may be NaN (a float that is not a numeric literal) costs more."""
+        na, nb = self._may_nan(a, x), self._may_nan(b, y)
+        if not (na or nb):
             return call(name, a, b)
         if name in ("less", "less_equal"):  # a < b is b > a
-            a, b, fa, fb = b, a, fb, fa
+            a, b, na, nb = b, a, nb, na
             name = name.replace("less", "greater")
-        na = call("is_nan", a) if fa else lit(False)  # NULL when a is NULL
-        nb = call("is_nan", b) if fb else lit(False)
-        some = call("or", na, nb)  # not Kleene: NULL whenever a side is NULL, so the result is NULL
+        if name in ("equal", "not_equal") and not (na and nb):
+            return call(name, a, b)  # IEEE already: NaN = x is false, NaN <> x true, for x not NaN
+        if not nb:  # a NaN a is greater than every b; "or" (not Kleene) keeps NULL for a NULL a
+            return call("or", call(name, a, b), call("is_nan", a))
+        if not na:  # a number a is never greater than a NaN b; IEEE's answer is false there already
+            return call(name, a, b)
+        an, bn = call("is_nan", a), call("is_nan", b)  # NULL when the side is NULL
+        some = call("or", an, bn)  # not Kleene: NULL whenever a side is NULL, so the result is NULL
         if name in ("equal", "not_equal"):
-            eq = call("if_else", some, call("and", na, nb), call("equal", a, b))
+            eq = call("if_else", some, call("and", an, bn), call("equal", a, b))
             return eq if name == "equal" else call("invert", eq)
         if name == "greater":
-            return call("if_else", some, call("and", na, call("invert", nb)), call("greater", a, b))
-        return call("if_else", some, na, call("greater_equal", a, b))
+            return call("if_else", some, call("and", an, call("invert", bn)), call("greater", a, b))
+        return call("if_else", some, an, call("greater_equal", a, b))
+
+    def _may_nan(self, e: pc.Expression, node: exp.Expression) -> bool:
+        n = node.this if isinstance(node, exp.Neg) else node
+        if isinstance(n, exp.Literal) and not n.is_string and not self.subst.get(node):
+            return False
+        return pat.is_floating(self.type_of(e))
 
     def _unified(self, nodes: list[exp.Expression], node: exp.Expression) -> list[pc.Expression]:
         typed = [self._t(n) for n in nodes]
