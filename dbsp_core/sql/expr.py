@@ -7,12 +7,12 @@ Invariants:
   2. Arithmetic follows DuckDB: ``/`` divides as doubles; ``//`` and ``%`` of integers truncate toward zero (the
      remainder has the dividend's sign; of doubles, ``//`` is the quotient and ``%`` the truncated remainder); integer +, -, * and unary - raise on overflow; CAST of a float to an integer
      rounds half to even, ROUND rounds half away from zero.
-  5. Floats compare as in DuckDB, not IEEE: NaN equals NaN and is greater than every other number (+inf included),
-     -0.0 equals 0.0; a NULL operand still gives NULL. Every comparison (=, <>, <, <=, >, >=, IS [NOT] DISTINCT
-     FROM, NULLIF, and IN, BETWEEN and CASE through them) goes through ``compare``; GREATEST of a NaN is NaN.
   3. A node found in the substitution map (group keys, aggregate calls, subquery results the planner already
      computed) compiles to a reference to its field, before anything else is looked at.
   4. Anything not covered raises SqlError at the node, saying what is not supported.
+  5. Floats compare as in DuckDB, not IEEE: NaN equals NaN and is greater than every other number (+inf included),
+     -0.0 equals 0.0; a NULL operand still gives NULL. Every comparison (=, <>, <, <=, >, >=, IS [NOT] DISTINCT
+     FROM, NULLIF, and IN, BETWEEN and CASE through them) goes through ``_compare``; GREATEST of a NaN is NaN.
 """
 
 from __future__ import annotations
@@ -227,8 +227,8 @@ class Exprs:
             return call("coalesce", *self._unified(args, node))
         if isinstance(node, exp.Nullif):
             a, b = self._comparable(node.this, node.expression, node)
-            return call("if_else", call("coalesce", self._compare("equal", a, b, node.this, node.expression), lit(False)), null(),
-                        self._c(node.this))
+            eq = self._compare("equal", a, b, node.this, node.expression)
+            return call("if_else", call("coalesce", eq, lit(False)), null(), self._c(node.this))
         if isinstance(node, (exp.Greatest, exp.Least)):
             args = self._unified([node.this] + list(node.expressions), node)
             if all(pat.is_null(self.type_of(x)) for x in args):

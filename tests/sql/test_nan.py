@@ -148,7 +148,8 @@ def _api_circuit() -> dbsp.Circuit:
 API_SQL = {
     "top": "SELECT * FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY k ORDER BY b DESC NULLS LAST, id, c) AS rn "
            "FROM fa) WHERE rn <= 2",
-    "argmax": "SELECT * FROM (SELECT *, RANK() OVER (PARTITION BY k ORDER BY b DESC NULLS LAST) AS r FROM fa) WHERE r = 1",
+    "argmax": "SELECT * FROM (SELECT *, RANK() OVER (PARTITION BY k ORDER BY b DESC NULLS LAST) AS r FROM fa) "
+              "WHERE r = 1",
     "argmin": "SELECT * FROM (SELECT *, RANK() OVER (PARTITION BY b ORDER BY c NULLS LAST) AS r FROM fa) WHERE r = 1",
     "dist": "SELECT DISTINCT b FROM fa",
     "agg": "SELECT b, count(*), min(c), max(c) FROM fa GROUP BY b",
