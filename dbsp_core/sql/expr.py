@@ -330,20 +330,19 @@ class Exprs:
         if name in ("less", "less_equal"):  # a < b is b > a
             a, b, na, nb = b, a, nb, na
             name = name.replace("less", "greater")
-        if name in ("equal", "not_equal") and not (na and nb):
-            return call(name, a, b)  # IEEE already: NaN = x is false, NaN <> x true, for x not NaN
-        if not nb:  # a NaN a is greater than every b; "or" (not Kleene) keeps NULL for a NULL a
-            return call("or", call(name, a, b), call("is_nan", a))
-        if not na:  # a number a is never greater than a NaN b; IEEE's answer is false there already
-            return call(name, a, b)
-        an, bn = call("is_nan", a), call("is_nan", b)  # NULL when the side is NULL
-        some = call("or", an, bn)  # not Kleene: NULL whenever a side is NULL, so the result is NULL
+        # "and" / "or" are not Kleene: a NULL side (is_nan NULL) keeps the result NULL
         if name in ("equal", "not_equal"):
-            eq = call("if_else", some, call("and", an, bn), call("equal", a, b))
+            if not (na and nb):  # IEEE already: NaN = x is false, NaN <> x true, for x not NaN
+                return call(name, a, b)
+            eq = call("or", call("equal", a, b), call("and", call("is_nan", a), call("is_nan", b)))
             return eq if name == "equal" else call("invert", eq)
-        if name == "greater":
-            return call("if_else", some, call("and", an, call("invert", bn)), call("greater", a, b))
-        return call("if_else", some, an, call("greater_equal", a, b))
+        # a > b is NOT (a <= b) (true for a NaN a, as IEEE makes a <= b false), unless b is NaN
+        out = call("invert", call("less_equal" if name == "greater" else "less", a, b))
+        if nb:  # a > NaN is false; a >= NaN only for a NaN a
+            not_nan_b = call("invert", call("is_nan", b))
+            ok = call("or", call("is_nan", a), not_nan_b) if name == "greater_equal" and na else not_nan_b
+            out = call("and", out, ok)
+        return out
 
     def _may_nan(self, e: pc.Expression, node: exp.Expression) -> bool:
         n = node.this if isinstance(node, exp.Neg) else node
