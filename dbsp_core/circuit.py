@@ -303,6 +303,9 @@ class Stream:
     def filter(self, predicate: pc.Expression) -> "Stream":
         """Rows where ``predicate`` (a pyarrow.compute expression) is true; null counts as false.
 
+        The predicate is evaluated by pyarrow with its IEEE 754 rules: a comparison with NaN is false, NaN == NaN
+        included (SQL views compare floats as DuckDB does instead; README "Semantics and formats").
+
         >>> import pyarrow as pa, pyarrow.compute as pc
         >>> s = Circuit().input("t", pa.schema([("x", pa.int64())]))
         >>> s.filter(pc.field("x") > 1).schema.names

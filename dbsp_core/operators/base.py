@@ -148,8 +148,8 @@ def concat(parts: list["ZSet"], schema: pa.Schema) -> "ZSet":
 
 
 def run_starts(table: pa.Table, columns: Sequence[str]) -> np.ndarray:
-    """True at row 0 and where any of ``columns`` differs from the row before (null equals null): the first row
-    of each run of equal keys in a sorted table."""
+    """True at row 0 and where any of ``columns`` differs from the row before (row identity: null equals null,
+    NaN equals NaN, -0.0 equals 0.0): the first row of each run of equal keys in a sorted table."""
     n = table.num_rows
     out = np.zeros(n, dtype=bool)
     if n == 0:
@@ -159,6 +159,8 @@ def run_starts(table: pa.Table, columns: Sequence[str]) -> np.ndarray:
         col = table.column(c)
         a, b = col.slice(1), col.slice(0, n - 1)
         differ = pc.or_(pc.not_equal(pc.is_valid(a), pc.is_valid(b)), pc.fill_null(pc.not_equal(a, b), False))
+        if pa.types.is_floating(col.type):  # two NaNs are one value
+            differ = pc.and_not(differ, pc.fill_null(pc.and_(pc.is_nan(a), pc.is_nan(b)), False))
         out[1:] |= np.asarray(differ.to_numpy(zero_copy_only=False), dtype=bool)
     return out
 
@@ -167,7 +169,17 @@ _PER_KEY_NULLS = tuple(int(x) for x in pa.__version__.split(".")[:1]) >= (25,)  
 
 
 def sort_order(table: pa.Table, keys: Sequence[tuple[str, str]]) -> np.ndarray:
-    """The row indices of ``table`` sorted by ``keys`` (``(column, "ascending" | "descending")``), nulls last."""
+    """The row indices of ``table`` sorted by ``keys`` (``(column, "ascending" | "descending")``), nulls last;
+    floats in DuckDB's order: NaN above every number (first when descending), -0.0 tied with 0.0."""
+    spec: list[tuple[str, str]] = []
+    for i, (c, d) in enumerate(keys):
+        col = table.column(c)
+        if d == "descending" and pa.types.is_floating(col.type) and pc.any(pc.is_nan(col)).as_py():
+            nan = f"__dbsp_nan_{i}"  # Arrow sorts NaN after every number either way: put it first by a flag
+            table = table.append_column(nan, pc.fill_null(pc.is_nan(col), False))
+            spec.append((nan, "descending"))
+        spec.append((c, d))
+    keys = spec
     if _PER_KEY_NULLS:
         idx = pc.sort_indices(table, sort_keys=[(c, d, "at_end") for c, d in keys])
     else:  # pragma: no cover - pyarrow < 25

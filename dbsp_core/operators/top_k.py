@@ -4,8 +4,10 @@ Invariants:
   1. After every step, integral(output) holds, for each group of integral(input), its first k rows (with
      multiplicity: a row of weight w fills up to w places) in the order of the ``order`` columns, then of the
      remaining columns ascending (a total order, so ties are broken the same way whatever the split into steps
-     or workers); nulls sort last. With ``with_ties``, every row tied (on the order columns) with a row in the
-     first k is kept as well (SQL ``FETCH FIRST k ROWS WITH TIES``), so a group may show more than k rows.
+     or workers); nulls sort last, and floats in DuckDB's order (NaN above +inf, so first when descending;
+     -0.0 tied with 0.0: operators/base.py sort_order). With ``with_ties``, every row tied (on the order
+     columns) with a row in the first k is kept as well (SQL ``FETCH FIRST k ROWS WITH TIES``), so a group may
+     show more than k rows.
   2. The state is two traces indexed by the group keys (the operator's exchange key): ``input``, the
      integrated input, and ``shown``, the integrated output (the current top rows of every group).
   3. A step touches only the groups in the change. A group whose change only inserts, or deletes rows ranked

@@ -10,6 +10,9 @@ Invariants:
   3. A node found in the substitution map (group keys, aggregate calls, subquery results the planner already
      computed) compiles to a reference to its field, before anything else is looked at.
   4. Anything not covered raises SqlError at the node, saying what is not supported.
+  5. Floats compare as in DuckDB, not IEEE: NaN equals NaN and is greater than every other number (+inf included),
+     -0.0 equals 0.0; a NULL operand still gives NULL. Every comparison (=, <>, <, <=, >, >=, IS [NOT] DISTINCT
+     FROM, NULLIF, and IN, BETWEEN and CASE through them) goes through ``_compare``; GREATEST of a NaN is NaN.
 """
 
 from __future__ import annotations
@@ -157,12 +160,12 @@ class Exprs:
             name = {exp.EQ: "equal", exp.NEQ: "not_equal", exp.GT: "greater", exp.GTE: "greater_equal",
                     exp.LT: "less", exp.LTE: "less_equal"}[type(node)]
             a, b = self._comparable(node.this, node.expression, node)
-            return call(name, a, b)
+            return self._compare(name, a, b, node.this, node.expression)
         if isinstance(node, (exp.NullSafeEQ, exp.NullSafeNEQ)):
             a, b = self._comparable(node.this, node.expression, node)
             eq = call("if_else", call("and_kleene", call("is_null", a), call("is_null", b)), lit(True),
                       call("if_else", call("or_kleene", call("is_null", a), call("is_null", b)), lit(False),
-                           call("equal", a, b)))
+                           self._compare("equal", a, b, node.this, node.expression)))
             return eq if isinstance(node, exp.NullSafeEQ) else call("invert", eq)
         if isinstance(node, exp.Is):
             a = self._c(node.this)
@@ -224,13 +227,20 @@ class Exprs:
             return call("coalesce", *self._unified(args, node))
         if isinstance(node, exp.Nullif):
             a, b = self._comparable(node.this, node.expression, node)
-            return call("if_else", call("coalesce", call("equal", a, b), lit(False)), null(), self._c(node.this))
+            eq = self._compare("equal", a, b, node.this, node.expression)
+            return call("if_else", call("coalesce", eq, lit(False)), null(), self._c(node.this))
         if isinstance(node, (exp.Greatest, exp.Least)):
             args = self._unified([node.this] + list(node.expressions), node)
             if all(pat.is_null(self.type_of(x)) for x in args):
                 return null()
             name = "max_element_wise" if isinstance(node, exp.Greatest) else "min_element_wise"
-            return call(name, *args, options=pc.ElementWiseAggregateOptions(skip_nulls=True))
+            out = call(name, *args, options=pc.ElementWiseAggregateOptions(skip_nulls=True))
+            t = self.type_of(out)
+            if isinstance(node, exp.Greatest) and pat.is_floating(t):  # Arrow skips NaN; NaN is the greatest
+                nan = [call("coalesce", call("is_nan", x), lit(False)) for x in args
+                       if pat.is_floating(self.type_of(x))]
+                out = call("if_else", _any(nan), lit(float("nan"), t), out)
+            return out
         if isinstance(node, (exp.Cast, exp.TryCast)):
             return self._cast(node)
         if isinstance(node, (exp.Like, exp.ILike)):
@@ -308,6 +318,37 @@ class Exprs:
         elif pat.is_date(ta) and pat.is_timestamp(tb):
             a = a.cast(tb)
         return a, b
+
+    def _compare(self, name: str, a: pc.Expression, b: pc.Expression, x: exp.Expression, y: exp.Expression
+                 ) -> pc.Expression:
+        """``name`` (equal, not_equal, less, less_equal, greater, greater_equal) of ``a`` and ``b`` (nodes ``x`` and
+        ``y``, made comparable by ``_comparable``) in DuckDB's order of floats (invariant 5): IEEE's where neither
+        side is NaN, so only a side that may be NaN (a float that is not a numeric literal) costs more."""
+        na, nb = self._may_nan(a, x), self._may_nan(b, y)
+        if not (na or nb):
+            return call(name, a, b)
+        if name in ("less", "less_equal"):  # a < b is b > a
+            a, b, na, nb = b, a, nb, na
+            name = name.replace("less", "greater")
+        # "and" / "or" are not Kleene: a NULL side (is_nan NULL) keeps the result NULL
+        if name in ("equal", "not_equal"):
+            if not (na and nb):  # IEEE already: NaN = x is false, NaN <> x true, for x not NaN
+                return call(name, a, b)
+            eq = call("or", call("equal", a, b), call("and", call("is_nan", a), call("is_nan", b)))
+            return eq if name == "equal" else call("invert", eq)
+        # a > b is NOT (a <= b) (true for a NaN a, as IEEE makes a <= b false), unless b is NaN
+        out = call("invert", call("less_equal" if name == "greater" else "less", a, b))
+        if nb:  # a > NaN is false; a >= NaN only for a NaN a
+            not_nan_b = call("invert", call("is_nan", b))
+            ok = call("or", call("is_nan", a), not_nan_b) if name == "greater_equal" and na else not_nan_b
+            out = call("and", out, ok)
+        return out
+
+    def _may_nan(self, e: pc.Expression, node: exp.Expression) -> bool:
+        n = node.this if isinstance(node, exp.Neg) else node
+        if isinstance(n, exp.Literal) and not n.is_string and not self.subst.get(node):
+            return False
+        return pat.is_floating(self.type_of(e))
 
     def _unified(self, nodes: list[exp.Expression], node: exp.Expression) -> list[pc.Expression]:
         typed = [self._t(n) for n in nodes]
@@ -566,6 +607,13 @@ class Exprs:
             if pat.is_timestamp(t):
                 return e.cast(pa.timestamp("ms")).cast(pa.int64())
         raise self.src.error(node, f"function {node.name}() is not supported")
+
+
+def _any(conds: list[pc.Expression]) -> pc.Expression:
+    out = conds[0]
+    for c in conds[1:]:
+        out = call("or", out, c)
+    return out
 
 
 def _named_groups(pattern: str) -> tuple[str, int]:

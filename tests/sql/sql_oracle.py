@@ -90,16 +90,17 @@ def view_names(text: str) -> list[str]:
 
 def run_views(ddl: str, tables: dict[str, pa.Schema], entries: list, seed: int, workers: int, steps: int = 6,
               max_rows: int = 6, null_rate: float = 0.15, label: str = "",
-              rates: dict[str, tuple[int, float]] | None = None) -> None:
+              rates: dict[str, tuple[int, float]] | None = None, gen: type[Bag] = Bag) -> None:
     """Compile the entries' views, feed random steps, compare every view with DuckDB after every step.
-    ``entries``: objects with ``sql`` (our CREATE VIEW statements) and ``duck`` (DuckDB's, or None)."""
+    ``entries``: objects with ``sql`` (our CREATE VIEW statements) and ``duck`` (DuckDB's, or None); ``gen``: the
+    change generator of every table."""
     rng = np.random.default_rng(seed)
     text = ddl + "\n" + "\n".join(e.sql for e in entries)
     c = sql.compile(text)
     names = [v for e in entries for v in view_names(e.sql)]
     duck_text = "\n".join((e.duck or e.sql) for e in entries)
     rates = rates or {}
-    bags = {name: Bag(rng, schema, rates.get(name, (max_rows, null_rate))[1]) for name, schema in tables.items()}
+    bags = {name: gen(rng, schema, rates.get(name, (max_rows, null_rate))[1]) for name, schema in tables.items()}
     views: dict[str, dict] = {v: {} for v in names}
     with dbsp.Pipeline(c, workers=workers) as p:
         for step in range(steps):
