@@ -69,6 +69,8 @@ class Exprs:
         self.columns = columns
         self.where = where
         self._types: dict[str, pa.DataType] = {}
+        self._memo: dict[int, tuple[exp.Expression, pc.Expression]] = {}  # the spine of a chain being compiled
+        self._typed: dict[int, tuple[pc.Expression, pa.DataType]] = {}  # its levels' types, by expression object
 
     # ---- entry points ----
 
@@ -90,6 +92,9 @@ class Exprs:
         return e
 
     def type_of(self, e: pc.Expression, node: Any = None) -> pa.DataType:
+        known = self._typed.get(id(e))
+        if known is not None and known[0] is e:
+            return known[1]
         key = str(e)
         t = self._types.get(key)
         if t is None:
@@ -126,9 +131,14 @@ class Exprs:
                                    f"{', '.join(known) or '(none)'}")
 
     def _c(self, node: exp.Expression) -> pc.Expression:  # noqa: C901 - one case per SQL construct
+        done = self._memo.get(id(node))
+        if done is not None and done[0] is node:
+            return done[1]
         hit = self.subst.get(node)
         if hit is not None:
             return F(hit)
+        if isinstance(node, exp.Binary) and isinstance(node.this, exp.Binary) and id(node.this) not in self._memo:
+            return self._chain(node)
         src = self.src
         if isinstance(node, exp.Paren):
             return self._c(node.this)
@@ -237,8 +247,10 @@ class Exprs:
             pat_node = node.expression
             if node.args.get("escape") is not None or not (isinstance(pat_node, exp.Literal) and pat_node.is_string):
                 raise src.error(node, "LIKE needs a string literal pattern (without ESCAPE)")
-            e = call("match_like", self._as_string(node.this),
-                     options=pc.MatchSubstringOptions(pat_node.this, ignore_case=isinstance(node, exp.ILike)))
+            ci = isinstance(node, exp.ILike)
+            opts = self._pattern(pat_node, "match_like", lambda t: pc.MatchSubstringOptions(t, ignore_case=ci),
+                                 "the LIKE pattern")
+            e = call("match_like", self._as_string(node.this), options=opts)
             return call("invert", e) if node.args.get("negate") else e
         if isinstance(node, exp.Interval):
             raise src.error(node, "an INTERVAL can only be added to or subtracted from a date or timestamp")
@@ -252,6 +264,44 @@ class Exprs:
         if isinstance(node, exp.Func):
             return self._function(node)
         raise src.error(node, f"{type(node).__name__} ({node.sql(dialect=DIALECT)}) is not supported")
+
+    def _chain(self, node: exp.Binary) -> pc.Expression:
+        """A binary operator whose left operand is one too: sqlglot nests ``a + b + c`` as ``(a + b) + c``, so a
+        flat chain of thousands of terms is a tree as deep. The left spine compiles bottom-up, each level finding
+        the one below it already compiled, so Python's stack does not grow with the chain (left to right, as
+        SQL evaluates it: overflow and rounding are those of the written order)."""
+        spine: list[exp.Expression] = []
+        n = node.this
+        while isinstance(n, exp.Binary) and id(n) not in self._memo and self.subst.get(n) is None:
+            spine.append(n)
+            n = n.this
+        try:
+            for n in spine[::-1] + [node]:  # bottom-up
+                below = self._memo.get(id(n.this))
+                if below is None:
+                    self._memo[id(n)] = (n, self._c(n))
+                    continue
+                # the level's type, bound with its operands as typed NULLs (the same few shapes at every level,
+                # so the type cache answers): binding each level whole would cost the chain's length again
+                right = n.expression
+                r = None
+                if not isinstance(right, (exp.Interval, exp.Literal)) and id(right) not in self._memo:
+                    r = self._t(right)
+                    self._memo[id(right)] = (right, null(r[1]))
+                self._memo[id(n.this)] = (n.this, null(self.type_of(below[1], n.this)))
+                t = self.type_of(self._c(n), n)
+                self._memo[id(n.this)] = below
+                if r is not None:
+                    self._memo[id(right)] = (right, r[0])
+                e = self._c(n)
+                if r is not None:
+                    del self._memo[id(right)]
+                self._typed[id(e)] = (e, t)
+                self._memo[id(n)] = (n, e)
+            return self._memo[id(node)][1]
+        finally:
+            for n in spine + [node]:
+                self._memo.pop(id(n), None)
 
     # ---- helpers ----
 
@@ -404,6 +454,23 @@ class Exprs:
             raise self.src.error(node, f"{what} must be a string literal")
         return node.this
 
+    def _pattern(self, node: exp.Expression, kernel: str, options: Callable[[str], Any], what: str) -> Any:
+        """The options of ``kernel`` for the string literal pattern ``node``, the pattern checked now by the engine
+        that runs it (Arrow's RE2 or LIKE translation, on a one-row probe): a bad one is a SqlError at the
+        literal, not a failure of every step (invariant 4)."""
+        text = self._str_arg(node, what)
+        opts = options(text)
+        try:
+            pc.call_function(kernel, [pa.array([""], pa.string())], opts)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            msg = str(e).split("\n")[0]
+            raise self.src.error(node, f"{what} {text!r} is not valid: {msg}") from None
+        return opts
+
+    def _regex(self, node: exp.Expression) -> Any:
+        """MatchSubstringOptions of a checked regular expression literal (RE2 syntax, as Arrow runs it)."""
+        return self._pattern(node, "match_substring_regex", pc.MatchSubstringOptions, "the regular expression")
+
     def _temporal(self, node: exp.Expression, arg: exp.Expression) -> tuple[pc.Expression, pa.DataType]:
         e, t = self._t(arg)
         if not (pat.is_timestamp(t) or pat.is_date(t)):
@@ -480,6 +547,7 @@ class Exprs:
             return call("if_else", call("greater_equal", n, lit(k, pa.int32())),
                         call("list_element", safe, lit(k - 1, pa.int32())), lit(""))
         if isinstance(node, exp.RegexpExtract):
+            self._regex(node.expression)
             pattern = self._str_arg(node.expression, "the regular expression")
             group = node.args.get("group")
             g = 0 if group is None else self._int_arg(group, "the group number")
@@ -491,8 +559,7 @@ class Exprs:
             return call("if_else", call("is_null", m), call("if_else", call("is_null", self._c(a)), null(pa.string()),
                                                             lit("")), got)
         if isinstance(node, exp.RegexpLike):
-            pattern = self._str_arg(node.expression, "the regular expression")
-            return call("match_substring_regex", self._c(a), options=pc.MatchSubstringOptions(pattern))
+            return call("match_substring_regex", self._c(a), options=self._regex(node.expression))
         if isinstance(node, exp.Abs):
             return call("abs_checked", self._c(a))
         if isinstance(node, exp.Sign):
@@ -554,8 +621,7 @@ class Exprs:
             e, _ = self._temporal(node, args[0])
             return call("strftime", e, options=pc.StrftimeOptions(fmt))
         if name in ("regexp_matches", "regexp_like") and len(args) == 2:
-            return call("match_substring_regex", self._c(args[0]),
-                        options=pc.MatchSubstringOptions(self._str_arg(args[1], "the regular expression")))
+            return call("match_substring_regex", self._c(args[0]), options=self._regex(args[1]))
         if name == "count_substring" and len(args) == 2:
             return call("count_substring", self._c(args[0]),
                         options=pc.MatchSubstringOptions(self._str_arg(args[1], "the substring"))).cast(pa.int64())
