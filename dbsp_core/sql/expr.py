@@ -293,15 +293,18 @@ class Exprs:
                 self._memo[id(n.this)] = below
                 if r is not None:
                     self._memo[id(right)] = (right, r[0])
-                e = self._c(n)
-                if r is not None:
-                    del self._memo[id(right)]
+                try:
+                    e = self._c(n)
+                finally:
+                    if r is not None:
+                        del self._memo[id(right)]
                 self._typed[id(e)] = (e, t)
                 self._memo[id(n)] = (n, e)
             return self._memo[id(node)][1]
-        finally:
+        finally:  # nothing of the chain stays memoized, also after an error (a caller may compile on)
             for n in spine + [node]:
                 self._memo.pop(id(n), None)
+                self._memo.pop(id(n.expression), None)
 
     # ---- helpers ----
 

@@ -28,7 +28,7 @@ from typing import Iterator
 
 import numpy as np
 
-from dbsp_core.codec import (decode_batch, decode_json, decode_runs, decode_zset, encode_batch, encode_json,
+from dbsp_core.codec import (decode_batch, decode_json, decode_runs, decode_zset, encode_batch,
                              encode_runs, encode_zset, frame, unframe, zset_batch)
 from dbsp_core.errors import CorruptionError
 from dbsp_core.layout import Layout

@@ -23,9 +23,10 @@ T = "CREATE TABLE t (s VARCHAR, b BIGINT);\n"
 
 
 def _rows(rng: random.Random, n: int) -> pa.Table:
-    alphabet = "ab(x)[]."
-    return pa.table({"s": [None if rng.random() < 0.1 else "".join(rng.choice(alphabet) for _ in range(rng.randrange(6)))
-                           for _ in range(n)],
+    def word() -> str | None:
+        return None if rng.random() < 0.1 else "".join(rng.choice("ab(x)[].") for _ in range(rng.randrange(6)))
+
+    return pa.table({"s": [word() for _ in range(n)],
                      "b": [None if rng.random() < 0.1 else rng.randrange(-5, 6) for _ in range(n)]})
 
 
