@@ -33,6 +33,8 @@ from dbsp_core.sql.types import TypeProblem, arrow_type, common_type, int_litera
 F = pc.field
 ROUND = "half_towards_infinity"  # Arrow's name for half away from zero
 AGGREGATES = (exp.Count, exp.Sum, exp.Min, exp.Max, exp.Avg)
+MAX_CHAIN = 4096  # terms of a chain (a + b + ..., x OR y OR ...): Arrow recurses per term (~1 KB of stack each)
+_REGROUPABLE = (exp.And, exp.Or, exp.DPipe)  # exactly associative: compiled as a balanced tree (shallow to bind)
 _TEMPORAL_PARTS = {"YEAR": "year", "MONTH": "month", "DAY": "day", "HOUR": "hour", "MINUTE": "minute",
                    "SECOND": "second", "MILLISECOND": "millisecond", "QUARTER": "quarter", "DOY": "day_of_year",
                    "DAYOFYEAR": "day_of_year", "WEEK": "iso_week", "DOW": "day_of_week", "DAYOFWEEK": "day_of_week",
@@ -275,6 +277,15 @@ class Exprs:
         while isinstance(n, exp.Binary) and id(n) not in self._memo and self.subst.get(n) is None:
             spine.append(n)
             n = n.this
+        same = spine[:next((i for i, x in enumerate(spine) if type(x) is not type(node)), len(spine))]
+        terms = len(same) + 2 if isinstance(node, _REGROUPABLE) and same else len(spine) + 2
+        if terms > MAX_CHAIN:  # Arrow's filter re-flattens AND/OR chains: the limit holds for them too
+            raise self.src.error(node, f"a chain of {terms} terms of {type(node).__name__} is longer than the "
+                                       f"{MAX_CHAIN} an expression may have (Arrow evaluates it recursively and would "
+                                       f"overflow its stack); split it, e.g. into partial results in a subquery or "
+                                       f"IN (list)")
+        if isinstance(node, _REGROUPABLE) and same:
+            return self._regrouped(node, same)
         try:
             for n in spine[::-1] + [node]:  # bottom-up
                 below = self._memo.get(id(n.this))
@@ -305,6 +316,21 @@ class Exprs:
             for n in spine + [node]:
                 self._memo.pop(id(n), None)
                 self._memo.pop(id(n.expression), None)
+
+    def _regrouped(self, node: exp.Expression, spine: list[exp.Expression]) -> pc.Expression:
+        """A chain of one operator that is exactly associative (Kleene AND, Kleene OR, ``||`` with NULL in, NULL
+        out) as a balanced tree: the same result at depth log2(n), bound without a pass per level (Acero's filter
+        still flattens AND/OR chains when it runs them, hence MAX_CHAIN for these too)."""
+        operand = self._as_string if isinstance(node, exp.DPipe) else self._bool
+        xs = [operand(x) for x in [spine[-1].this if spine else node.this]
+              + [x.expression for x in spine[::-1]] + [node.expression]]
+        while len(xs) > 1:
+            pairs = [xs[i:i + 2] for i in range(0, len(xs), 2)]
+            xs = [p[0] if len(p) == 1 else
+                  call("binary_join_element_wise", p[0], p[1], lit(""),
+                       options=pc.JoinOptions(null_handling="emit_null")) if isinstance(node, exp.DPipe) else
+                  call("and_kleene" if isinstance(node, exp.And) else "or_kleene", p[0], p[1]) for p in pairs]
+        return xs[0]
 
     # ---- helpers ----
 

@@ -114,6 +114,23 @@ def test_long_or_and_and_chains_compile_and_run() -> None:
     assert got == Counter((s * 1000,) for s, _ in rows), f"DBSP_SQL_LIMITS_SEED={SEED}"
 
 
+def test_chains_up_to_the_limit_run_and_longer_ones_are_sql_errors() -> None:
+    """A chain of MAX_CHAIN terms runs (in a filter too, which Acero flattens); one more term is a SqlError at the
+    chain, not a segmentation fault (a left-deep tree of 10,000 levels overflows Arrow's stack)."""
+    from dbsp_core.sql.expr import MAX_CHAIN
+
+    data, rows = _data(random.Random(SEED + 2))
+    half = MAX_CHAIN // 2
+    got = _run("SELECT s, b FROM t WHERE " + " OR ".join(["b > 2"] * half + ["b < -2"] * (MAX_CHAIN - half)), data)
+    assert got == Counter(r for r in rows if r[1] is not None and abs(r[1]) > 2), f"DBSP_SQL_LIMITS_SEED={SEED}"
+    for op in ("+", "OR", "||"):
+        with pytest.raises(SqlError) as info:
+            sql.compile(T + "CREATE VIEW v AS SELECT " + f" {op} ".join(["b > 0" if op == "OR" else "b"] *
+                                                                        (MAX_CHAIN + 1)) + " AS x FROM t")
+        e = info.value
+        assert f"a chain of {MAX_CHAIN + 1} terms" in str(e) and (e.line, e.column) == (2, 25), str(e)
+
+
 def _nth_open(expr: str, n: int) -> int:
     """The offset in ``expr`` of its n-th opening token (a parenthesis or CASE)."""
     seen = 0
