@@ -193,6 +193,10 @@ class Exprs:
             if node.args.get("query") is not None or node.args.get("unnest") is not None:
                 raise src.error(node, "IN (subquery) is supported in WHERE and HAVING conditions and the SELECT list "
                                       "of a query with a FROM clause")
+            if len(node.expressions) > MAX_CHAIN:  # an OR of equalities: as deep when Acero flattens it
+                raise src.error(node, f"IN with {len(node.expressions)} values is longer than the {MAX_CHAIN} an "
+                                      f"expression may have (Arrow evaluates it recursively and would overflow its "
+                                      f"stack); put the values in a table and join, or IN (SELECT ...)")
             eqs = [self._c(exp.EQ(this=node.this, expression=v)) for v in node.expressions]
             if not eqs:
                 raise src.error(node, "IN () needs at least one value")

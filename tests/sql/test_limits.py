@@ -129,6 +129,10 @@ def test_chains_up_to_the_limit_run_and_longer_ones_are_sql_errors() -> None:
                                                                         (MAX_CHAIN + 1)) + " AS x FROM t")
         e = info.value
         assert f"a chain of {MAX_CHAIN + 1} terms" in str(e) and (e.line, e.column) == (2, 25), str(e)
+    with pytest.raises(SqlError) as info:  # IN (list) is an OR of equalities: 10,000 values crashed the process
+        sql.compile(T + "CREATE VIEW v AS SELECT s FROM t WHERE b IN (" + ", ".join(map(str, range(10000))) + ")")
+    e = info.value
+    assert "IN with 10000 values" in str(e) and (e.line, e.column) == (2, 40), str(e)
 
 
 def _nth_open(expr: str, n: int) -> int:
