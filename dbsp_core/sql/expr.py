@@ -9,7 +9,12 @@ Invariants:
      rounds half to even, ROUND rounds half away from zero.
   3. A node found in the substitution map (group keys, aggregate calls, subquery results the planner already
      computed) compiles to a reference to its field, before anything else is looked at.
-  4. Anything not covered raises SqlError at the node, saying what is not supported.
+  4. Anything not covered raises SqlError at the node, saying what is not supported. A literal pattern (regular
+     expression, LIKE) is run once at compile time by the kernel that will run it, so a bad one is a SqlError at
+     the literal, never a failure of every step.
+  5. A chain of binary operators (``a + b + ...``, sqlglot's left-deep tree) compiles without recursing per
+     term, in the written order (exactly associative AND, OR and ``||`` as a balanced tree); a chain or IN list
+     longer than MAX_CHAIN terms is a SqlError, since Arrow evaluates it recursively and would overflow its stack.
 """
 
 from __future__ import annotations
