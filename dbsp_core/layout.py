@@ -26,6 +26,7 @@ Invariants (enforced here):
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Iterable
 
@@ -205,7 +206,7 @@ class Layout:
     64
     """
 
-    __slots__ = ("shard_map", "hosts", "epoch", "min_shard_bits")
+    __slots__ = ("shard_map", "hosts", "epoch", "min_shard_bits", "_json")
 
     def __init__(self, shard_map: ShardMap, hosts: tuple[str, ...] = (), epoch: int = 0,
                  min_shard_bits: int | None = None) -> None:
@@ -329,16 +330,23 @@ class Layout:
 
     def to_dict(self) -> dict:
         """A JSON-able record (owners run-length encoded); :meth:`from_dict` reads it back."""
-        owners = self.shard_map.part_of_shard
-        runs: list[list[int]] = []
-        for o in owners.tolist():
-            if runs and runs[-1][0] == o:
-                runs[-1][1] += 1
-            else:
-                runs.append([o, 1])
+        owners = np.asarray(self.shard_map.part_of_shard)
+        starts = np.flatnonzero(np.concatenate(([True], owners[1:] != owners[:-1])))
+        lengths = np.diff(np.append(starts, len(owners)))
+        runs = np.stack([owners[starts], lengths], axis=1).tolist()  # vectorized: O(S) at C speed
         return {"epoch": self.epoch, "workers": self.workers, "shard_bits": self.shard_bits,
                 "min_shard_bits": self.min_shard_bits, "hash_version": HASH_VERSION, "owners": runs,
                 "hosts": list(self.hosts)}
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as compact JSON with sorted keys, computed once per layout (a checkpoint writes it into
+        every worker's database: W copies of an O(S) record must not cost W encodings)."""
+        try:
+            return object.__getattribute__(self, "_json")
+        except AttributeError:
+            text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+            object.__setattr__(self, "_json", text)
+            return text
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "layout") -> "Layout":

@@ -357,15 +357,12 @@ class EmbeddedExecutor:
         dst_owner = np.repeat(layout.shard_map.part_of_shard, 1 << (fine - bits))
         moved = 0
         stores = {st.index: st for st in self._coord.stores} if self._coord is not None else {}
-        for a in range(len(self._workers)):
-            for b in range(W):
-                if a == b:
-                    continue
-                mask = (src_owner == a) & (dst_owner == b)
-                if mask.any():
-                    snap = stores[a].snapshot if a in stores else None
-                    moved += move_shards(nodes, self._workers[a].stateful(), self._workers[b].stateful(), mask, fine,
-                                         snap)
+        # only the (source, target) pairs some shard moves between: a batch costs its shards, not W^2 masks
+        changing = np.flatnonzero(src_owner != dst_owner)
+        for a, b in sorted({(int(src_owner[s]), int(dst_owner[s])) for s in changing.tolist()}):
+            mask = (src_owner == a) & (dst_owner == b)
+            snap = stores[a].snapshot if a in stores else None
+            moved += move_shards(nodes, self._workers[a].stateful(), self._workers[b].stateful(), mask, fine, snap)
         for a in range(W, len(self._workers)):  # leaving workers hand over what they still hold
             moved += hand_over(nodes, self._workers[a].stateful(), [wk.stateful() for wk in self._workers[:W]],
                                dst_owner, fine)

@@ -29,7 +29,7 @@ from sqlglot.optimizer.normalize_identifiers import normalize_identifiers
 
 from dbsp_core.circuit import Circuit
 from dbsp_core.sql.errors import Source, SqlError
-from dbsp_core.sql.parse import DIALECT, TableDef, ident, parse_program, table_def, tname
+from dbsp_core.sql.parse import DIALECT, TableDef, ident, parse_program, table_def, tname, too_deep
 from dbsp_core.sql.planner import Planner, view_output
 from dbsp_core.sql.relation import Col, Rel
 
@@ -74,14 +74,17 @@ def compile(text: str) -> Circuit:  # noqa: A001 - the name the issue asks for
     program = SqlProgram()
     for st in parse_program(src):
         src.fallback = st.start
-        node = normalize_identifiers(st.node, dialect="postgres")  # unquoted names fold, quoted keep case
-        if isinstance(node, exp.Create) and (node.args.get("kind") or "").upper() == "TABLE":
-            td = table_def(src, st)
-            _add_table(src, planner, program, td, node)
-        elif isinstance(node, exp.Create) and (node.args.get("kind") or "").upper() == "VIEW":
-            _add_view(src, planner, program, node, text)
-        else:
-            raise src.error(node, "only CREATE TABLE and CREATE [MATERIALIZED] VIEW statements are supported")
+        try:
+            node = normalize_identifiers(st.node, dialect="postgres")  # unquoted names fold, quoted keep case
+            if isinstance(node, exp.Create) and (node.args.get("kind") or "").upper() == "TABLE":
+                td = table_def(src, st)
+                _add_table(src, planner, program, td, node)
+            elif isinstance(node, exp.Create) and (node.args.get("kind") or "").upper() == "VIEW":
+                _add_view(src, planner, program, node, text)
+            else:
+                raise src.error(node, "only CREATE TABLE and CREATE [MATERIALIZED] VIEW statements are supported")
+        except RecursionError:  # parse.py invariant 3: the circuit being built is dropped with the error
+            raise too_deep(src, st.start) from None
     circuit.sql = program  # type: ignore[attr-defined]
     return circuit
 

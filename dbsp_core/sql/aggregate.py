@@ -45,12 +45,14 @@ def _is_agg(n: Any) -> bool:
 def aggregate_calls(planner: "Planner", nodes: list[exp.Expression]) -> list[exp.Expression]:
     """The distinct aggregate calls (FILTER included) in ``nodes``, not looking into subqueries."""
     out: list[exp.Expression] = []
-
-    def walk(n: Any, inside: exp.Expression | None) -> None:
+    # depth-first, children in order, with an explicit stack: a flat chain of thousands of terms is as deep
+    stack: list[tuple[Any, exp.Expression | None]] = [(node, None) for node in reversed(nodes)]
+    while stack:
+        n, inside = stack.pop()
         if not isinstance(n, exp.Expression):
-            return
+            continue
         if isinstance(n, (exp.Subquery, exp.Select, exp.Exists)):
-            return
+            continue
         if isinstance(n, exp.AggFunc) and not isinstance(n, AGGREGATES):
             raise planner.src.error(n, f"aggregate {n.sql(dialect=DIALECT).split('(')[0]} is not supported "
                                        f"(COUNT, SUM, AVG, MIN and MAX are)")
@@ -59,16 +61,11 @@ def aggregate_calls(planner: "Planner", nodes: list[exp.Expression]) -> list[exp
                 raise planner.src.error(n, "an aggregate cannot contain another aggregate")
             if n not in out:
                 out.append(n)
-            for child in n.iter_expressions():
-                walk(child, n)
-            return
+            stack.extend((child, n) for child in reversed(list(n.iter_expressions())))
+            continue
         if isinstance(n, exp.Window):
-            return
-        for child in n.iter_expressions():
-            walk(child, inside)
-
-    for node in nodes:
-        walk(node, None)
+            continue
+        stack.extend((child, inside) for child in reversed(list(n.iter_expressions())))
     return out
 
 

@@ -9,8 +9,13 @@ Invariants:
      rounds half to even, ROUND rounds half away from zero.
   3. A node found in the substitution map (group keys, aggregate calls, subquery results the planner already
      computed) compiles to a reference to its field, before anything else is looked at.
-  4. Anything not covered raises SqlError at the node, saying what is not supported.
-  5. Floats compare as in DuckDB, not IEEE: NaN equals NaN and is greater than every other number (+inf included),
+  4. Anything not covered raises SqlError at the node, saying what is not supported. A literal pattern (regular
+     expression, LIKE) is run once at compile time by the kernel that will run it, so a bad one is a SqlError at
+     the literal, never a failure of every step.
+  5. A chain of binary operators (``a + b + ...``, sqlglot's left-deep tree) compiles without recursing per
+     term, in the written order (exactly associative AND, OR and ``||`` as a balanced tree); a chain or IN list
+     longer than MAX_CHAIN terms is a SqlError, since Arrow evaluates it recursively and would overflow its stack.
+  6. Floats compare as in DuckDB, not IEEE: NaN equals NaN and is greater than every other number (+inf included),
      -0.0 equals 0.0; a NULL operand still gives NULL. Every comparison (=, <>, <, <=, >, >=, IS [NOT] DISTINCT
      FROM, NULLIF, and IN, BETWEEN and CASE through them) goes through ``_compare``; GREATEST of a NaN is NaN.
 """
@@ -36,6 +41,8 @@ from dbsp_core.sql.types import TypeProblem, arrow_type, common_type, int_litera
 F = pc.field
 ROUND = "half_towards_infinity"  # Arrow's name for half away from zero
 AGGREGATES = (exp.Count, exp.Sum, exp.Min, exp.Max, exp.Avg)
+MAX_CHAIN = 4096  # terms of a chain (a + b + ..., x OR y OR ...): Arrow recurses per term (~1 KB of stack each)
+_REGROUPABLE = (exp.And, exp.Or, exp.DPipe)  # exactly associative: compiled as a balanced tree (shallow to bind)
 _TEMPORAL_PARTS = {"YEAR": "year", "MONTH": "month", "DAY": "day", "HOUR": "hour", "MINUTE": "minute",
                    "SECOND": "second", "MILLISECOND": "millisecond", "QUARTER": "quarter", "DOY": "day_of_year",
                    "DAYOFYEAR": "day_of_year", "WEEK": "iso_week", "DOW": "day_of_week", "DAYOFWEEK": "day_of_week",
@@ -72,6 +79,8 @@ class Exprs:
         self.columns = columns
         self.where = where
         self._types: dict[str, pa.DataType] = {}
+        self._memo: dict[int, tuple[exp.Expression, pc.Expression]] = {}  # the spine of a chain being compiled
+        self._typed: dict[int, tuple[pc.Expression, pa.DataType]] = {}  # its levels' types, by expression object
 
     # ---- entry points ----
 
@@ -93,6 +102,9 @@ class Exprs:
         return e
 
     def type_of(self, e: pc.Expression, node: Any = None) -> pa.DataType:
+        known = self._typed.get(id(e))
+        if known is not None and known[0] is e:
+            return known[1]
         key = str(e)
         t = self._types.get(key)
         if t is None:
@@ -129,9 +141,14 @@ class Exprs:
                                    f"{', '.join(known) or '(none)'}")
 
     def _c(self, node: exp.Expression) -> pc.Expression:  # noqa: C901 - one case per SQL construct
+        done = self._memo.get(id(node))
+        if done is not None and done[0] is node:
+            return done[1]
         hit = self.subst.get(node)
         if hit is not None:
             return F(hit)
+        if isinstance(node, exp.Binary) and isinstance(node.this, exp.Binary) and id(node.this) not in self._memo:
+            return self._chain(node)
         src = self.src
         if isinstance(node, exp.Paren):
             return self._c(node.this)
@@ -184,6 +201,10 @@ class Exprs:
             if node.args.get("query") is not None or node.args.get("unnest") is not None:
                 raise src.error(node, "IN (subquery) is supported in WHERE and HAVING conditions and the SELECT list "
                                       "of a query with a FROM clause")
+            if len(node.expressions) > MAX_CHAIN:  # an OR of equalities: as deep when Acero flattens it
+                raise src.error(node, f"IN with {len(node.expressions)} values is longer than the {MAX_CHAIN} an "
+                                      f"expression may have (Arrow evaluates it recursively and would overflow its "
+                                      f"stack); put the values in a table and join, or IN (SELECT ...)")
             eqs = [self._c(exp.EQ(this=node.this, expression=v)) for v in node.expressions]
             if not eqs:
                 raise src.error(node, "IN () needs at least one value")
@@ -247,8 +268,10 @@ class Exprs:
             pat_node = node.expression
             if node.args.get("escape") is not None or not (isinstance(pat_node, exp.Literal) and pat_node.is_string):
                 raise src.error(node, "LIKE needs a string literal pattern (without ESCAPE)")
-            e = call("match_like", self._as_string(node.this),
-                     options=pc.MatchSubstringOptions(pat_node.this, ignore_case=isinstance(node, exp.ILike)))
+            ci = isinstance(node, exp.ILike)
+            opts = self._pattern(pat_node, "match_like", lambda t: pc.MatchSubstringOptions(t, ignore_case=ci),
+                                 "the LIKE pattern")
+            e = call("match_like", self._as_string(node.this), options=opts)
             return call("invert", e) if node.args.get("negate") else e
         if isinstance(node, exp.Interval):
             raise src.error(node, "an INTERVAL can only be added to or subtracted from a date or timestamp")
@@ -262,6 +285,71 @@ class Exprs:
         if isinstance(node, exp.Func):
             return self._function(node)
         raise src.error(node, f"{type(node).__name__} ({node.sql(dialect=DIALECT)}) is not supported")
+
+    def _chain(self, node: exp.Binary) -> pc.Expression:
+        """A binary operator whose left operand is one too: sqlglot nests ``a + b + c`` as ``(a + b) + c``, so a
+        flat chain of thousands of terms is a tree as deep. The left spine compiles bottom-up, each level finding
+        the one below it already compiled, so Python's stack does not grow with the chain (left to right, as
+        SQL evaluates it: overflow and rounding are those of the written order)."""
+        spine: list[exp.Expression] = []
+        n = node.this
+        while isinstance(n, exp.Binary) and id(n) not in self._memo and self.subst.get(n) is None:
+            spine.append(n)
+            n = n.this
+        same = spine[:next((i for i, x in enumerate(spine) if type(x) is not type(node)), len(spine))]
+        terms = len(same) + 2 if isinstance(node, _REGROUPABLE) and same else len(spine) + 2
+        if terms > MAX_CHAIN:  # Arrow's filter re-flattens AND/OR chains: the limit holds for them too
+            raise self.src.error(node, f"a chain of {terms} terms of {type(node).__name__} is longer than the "
+                                       f"{MAX_CHAIN} an expression may have (Arrow evaluates it recursively and would "
+                                       f"overflow its stack); split it, e.g. into partial results in a subquery or "
+                                       f"IN (list)")
+        if isinstance(node, _REGROUPABLE) and same:
+            return self._regrouped(node, same)
+        try:
+            for n in spine[::-1] + [node]:  # bottom-up
+                below = self._memo.get(id(n.this))
+                if below is None:
+                    self._memo[id(n)] = (n, self._c(n))
+                    continue
+                # the level's type, bound with its operands as typed NULLs (the same few shapes at every level,
+                # so the type cache answers): binding each level whole would cost the chain's length again
+                right = n.expression
+                r = None
+                if not isinstance(right, (exp.Interval, exp.Literal)) and id(right) not in self._memo:
+                    r = self._t(right)
+                    self._memo[id(right)] = (right, null(r[1]))
+                self._memo[id(n.this)] = (n.this, null(self.type_of(below[1], n.this)))
+                t = self.type_of(self._c(n), n)
+                self._memo[id(n.this)] = below
+                if r is not None:
+                    self._memo[id(right)] = (right, r[0])
+                try:
+                    e = self._c(n)
+                finally:
+                    if r is not None:
+                        del self._memo[id(right)]
+                self._typed[id(e)] = (e, t)
+                self._memo[id(n)] = (n, e)
+            return self._memo[id(node)][1]
+        finally:  # nothing of the chain stays memoized, also after an error (a caller may compile on)
+            for n in spine + [node]:
+                self._memo.pop(id(n), None)
+                self._memo.pop(id(n.expression), None)
+
+    def _regrouped(self, node: exp.Expression, spine: list[exp.Expression]) -> pc.Expression:
+        """A chain of one operator that is exactly associative (Kleene AND, Kleene OR, ``||`` with NULL in, NULL
+        out) as a balanced tree: the same result at depth log2(n), bound without a pass per level (Acero's filter
+        still flattens AND/OR chains when it runs them, hence MAX_CHAIN for these too)."""
+        operand = self._as_string if isinstance(node, exp.DPipe) else self._bool
+        xs = [operand(x) for x in [spine[-1].this if spine else node.this]
+              + [x.expression for x in spine[::-1]] + [node.expression]]
+        while len(xs) > 1:
+            pairs = [xs[i:i + 2] for i in range(0, len(xs), 2)]
+            xs = [p[0] if len(p) == 1 else
+                  call("binary_join_element_wise", p[0], p[1], lit(""),
+                       options=pc.JoinOptions(null_handling="emit_null")) if isinstance(node, exp.DPipe) else
+                  call("and_kleene" if isinstance(node, exp.And) else "or_kleene", p[0], p[1]) for p in pairs]
+        return xs[0]
 
     # ---- helpers ----
 
@@ -322,7 +410,7 @@ class Exprs:
     def _compare(self, name: str, a: pc.Expression, b: pc.Expression, x: exp.Expression, y: exp.Expression
                  ) -> pc.Expression:
         """``name`` (equal, not_equal, less, less_equal, greater, greater_equal) of ``a`` and ``b`` (nodes ``x`` and
-        ``y``, made comparable by ``_comparable``) in DuckDB's order of floats (invariant 5): IEEE's where neither
+        ``y``, made comparable by ``_comparable``) in DuckDB's order of floats (invariant 6): IEEE's where neither
         side is NaN, so only a side that may be NaN (a float that is not a numeric literal) costs more."""
         na, nb = self._may_nan(a, x), self._may_nan(b, y)
         if not (na or nb):
@@ -445,6 +533,23 @@ class Exprs:
             raise self.src.error(node, f"{what} must be a string literal")
         return node.this
 
+    def _pattern(self, node: exp.Expression, kernel: str, options: Callable[[str], Any], what: str) -> Any:
+        """The options of ``kernel`` for the string literal pattern ``node``, the pattern checked now by the engine
+        that runs it (Arrow's RE2 or LIKE translation, on a one-row probe): a bad one is a SqlError at the
+        literal, not a failure of every step (invariant 4)."""
+        text = self._str_arg(node, what)
+        opts = options(text)
+        try:
+            pc.call_function(kernel, [pa.array([""], pa.string())], opts)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            msg = str(e).split("\n")[0]
+            raise self.src.error(node, f"{what} {text!r} is not valid: {msg}") from None
+        return opts
+
+    def _regex(self, node: exp.Expression) -> Any:
+        """MatchSubstringOptions of a checked regular expression literal (RE2 syntax, as Arrow runs it)."""
+        return self._pattern(node, "match_substring_regex", pc.MatchSubstringOptions, "the regular expression")
+
     def _temporal(self, node: exp.Expression, arg: exp.Expression) -> tuple[pc.Expression, pa.DataType]:
         e, t = self._t(arg)
         if not (pat.is_timestamp(t) or pat.is_date(t)):
@@ -521,6 +626,7 @@ class Exprs:
             return call("if_else", call("greater_equal", n, lit(k, pa.int32())),
                         call("list_element", safe, lit(k - 1, pa.int32())), lit(""))
         if isinstance(node, exp.RegexpExtract):
+            self._regex(node.expression)
             pattern = self._str_arg(node.expression, "the regular expression")
             group = node.args.get("group")
             g = 0 if group is None else self._int_arg(group, "the group number")
@@ -532,8 +638,7 @@ class Exprs:
             return call("if_else", call("is_null", m), call("if_else", call("is_null", self._c(a)), null(pa.string()),
                                                             lit("")), got)
         if isinstance(node, exp.RegexpLike):
-            pattern = self._str_arg(node.expression, "the regular expression")
-            return call("match_substring_regex", self._c(a), options=pc.MatchSubstringOptions(pattern))
+            return call("match_substring_regex", self._c(a), options=self._regex(node.expression))
         if isinstance(node, exp.Abs):
             return call("abs_checked", self._c(a))
         if isinstance(node, exp.Sign):
@@ -595,8 +700,7 @@ class Exprs:
             e, _ = self._temporal(node, args[0])
             return call("strftime", e, options=pc.StrftimeOptions(fmt))
         if name in ("regexp_matches", "regexp_like") and len(args) == 2:
-            return call("match_substring_regex", self._c(args[0]),
-                        options=pc.MatchSubstringOptions(self._str_arg(args[1], "the regular expression")))
+            return call("match_substring_regex", self._c(args[0]), options=self._regex(args[1]))
         if name == "count_substring" and len(args) == 2:
             return call("count_substring", self._c(args[0]),
                         options=pc.MatchSubstringOptions(self._str_arg(args[1], "the substring"))).cast(pa.int64())

@@ -7,13 +7,20 @@ Invariants:
      ``LATENESS <lateness>`` (Feldera) and ``WATERMARK FOR <column> AS <column> - <lateness>`` (Flink); in FROM,
      the ``TABLE(...)`` wrapper of a window table function and the ``TABLE`` before its table
      (``TABLE(TUMBLE(TABLE bid, DESCRIPTOR(t), INTERVAL '10' SECOND))`` parses as ``TUMBLE(bid, ...)``).
-  3. A lateness is an integer literal (an integer event-time column) or an INTERVAL (a timestamp column); a
+  3. An expression nests at most ``MAX_NESTING`` levels (parentheses, function calls, CASE, subqueries): the
+     parser and the compiler recurse once per level, so deeper nesting is refused from the tokens, at the first
+     token beyond the limit, before anything recurses; a statement that still exhausts Python's stack (a chain
+     of unary operators, a caller deep in its own stack) is a SqlError at its first token, never a
+     RecursionError. Long flat chains (``a + b + ...``, ``x OR y OR ...``) are not nesting: they compile
+     iteratively (expr.py).
+  4. A lateness is an integer literal (an integer event-time column) or an INTERVAL (a timestamp column); a
      table has at most one event-time column.
 """
 
 from __future__ import annotations
 
 import datetime
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +37,9 @@ from dbsp_core.sql.types import TypeProblem, arrow_type
 
 DIALECT = "duckdb"
 WINDOW_FUNCTIONS = ("TUMBLE", "HOP")
+MAX_NESTING = 32  # levels of parentheses, calls, CASE and subqueries (invariant 3): sqlglot parses ~40 at most
+_OPEN = {TokenType.L_PAREN, TokenType.CASE}
+_CLOSE = {TokenType.R_PAREN, TokenType.END}
 _UNITS = {"MICROSECOND": "microseconds", "MILLISECOND": "milliseconds", "SECOND": "seconds", "MINUTE": "minutes",
           "HOUR": "hours", "DAY": "days", "WEEK": "weeks"}
 
@@ -180,9 +190,12 @@ def parse_program(src: Source) -> list[Statement]:
     for chunk in chunks:
         if not chunk:
             continue
+        _check_nesting(src, chunk)
         toks, lateness = _rewrite(src, chunk)
         try:
             nodes = dialect.parser().parse(toks, src.text)
+        except RecursionError:
+            raise too_deep(src, chunk[0].start) from None
         except ParseError as e:
             err = e.errors[0] if getattr(e, "errors", None) else {}
             line, col = err.get("line", 0), err.get("col", 0)
@@ -192,6 +205,28 @@ def parse_program(src: Source) -> list[Statement]:
             if n is not None:
                 out.append(Statement(n, chunk[0].start, lateness))
     return out
+
+
+def _check_nesting(src: Source, tokens: list[Token]) -> None:
+    """Invariant 3: refuse a statement nested deeper than MAX_NESTING, at the first token beyond it."""
+    depth = 0
+    for t in tokens:
+        if t.token_type in _OPEN:
+            depth += 1
+            if depth > MAX_NESTING:
+                raise SqlError(f"the expression is nested more than {MAX_NESTING} levels deep (parentheses, function "
+                               f"calls, CASE and subqueries count); at most {MAX_NESTING} levels are supported: "
+                               f"flatten it (a chain such as a + b + c or x OR y OR z needs no parentheses) or split "
+                               f"it into views", *src.line_col(t.start))
+        elif t.token_type in _CLOSE:
+            depth = max(0, depth - 1)
+
+
+def too_deep(src: Source, offset: int) -> SqlError:
+    """Invariant 3: the SqlError for a statement that exhausted Python's recursion limit anyway."""
+    return SqlError(f"the statement is nested too deeply to compile (more levels of nested operators than Python's "
+                    f"recursion limit of {sys.getrecursionlimit()} frames allows); flatten it or split it into views",
+                    *src.line_col(offset))
 
 
 def interval_value(src: Source, node: exp.Expression, what: str) -> datetime.timedelta:

@@ -13,32 +13,34 @@ __all__ = ["conjuncts", "columns_of", "has_subquery", "resolves"]
 
 
 def conjuncts(node: exp.Expression | None) -> list[exp.Expression]:
-    """The ANDed parts of a condition."""
-    if node is None:
-        return []
-    if isinstance(node, exp.Paren) and isinstance(node.this, exp.And):
-        return conjuncts(node.this)
-    if isinstance(node, exp.And):
-        return conjuncts(node.this) + conjuncts(node.expression)
-    return [node]
+    """The ANDed parts of a condition, in order (iteratively: a chain of thousands of ANDs is as deep)."""
+    out: list[exp.Expression] = []
+    stack = [node] if node is not None else []
+    while stack:
+        n = stack.pop()
+        if isinstance(n, exp.Paren) and isinstance(n.this, exp.And):
+            stack.append(n.this)
+        elif isinstance(n, exp.And):
+            stack += [n.expression, n.this]
+        else:
+            out.append(n)
+    return out
 
 
 def columns_of(node: exp.Expression) -> list[exp.Column]:
-    """The column references of an expression, not looking into subqueries."""
+    """The column references of an expression, in order, not looking into subqueries (iteratively)."""
     out = []
-
-    def walk(n: Any) -> None:
+    stack: list[Any] = [node]
+    while stack:
+        n = stack.pop()
         if isinstance(n, exp.Column):
             out.append(n)
-            return
+            continue
         if isinstance(n, (exp.Subquery, exp.Select, exp.Exists)) or (isinstance(n, exp.In) and n.args.get("query")):
             if isinstance(n, exp.In):
-                walk(n.this)
-            return
-        for child in n.iter_expressions() if isinstance(n, exp.Expression) else []:
-            walk(child)
-
-    walk(node)
+                stack.append(n.this)
+            continue
+        stack.extend(reversed(list(n.iter_expressions())) if isinstance(n, exp.Expression) else [])
     return out
 
 

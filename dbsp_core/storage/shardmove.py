@@ -23,12 +23,13 @@ Invariants (enforced here):
 
 from __future__ import annotations
 
+import re
 from typing import Iterator
 
 import numpy as np
 
-from dbsp_core.codec import (decode_batch, decode_json, decode_runs, decode_zset, encode_batch, encode_json,
-                             encode_runs, encode_zset, zset_batch)
+from dbsp_core.codec import (decode_batch, decode_json, decode_runs, decode_zset, encode_batch,
+                             encode_runs, encode_zset, frame, unframe, zset_batch)
 from dbsp_core.errors import CorruptionError
 from dbsp_core.layout import Layout
 from dbsp_core.storage.database import SHARD_PREFIX_BYTES, DatabaseHandle, shard_key
@@ -58,15 +59,29 @@ def state_bytes(h: DatabaseHandle) -> int:
 def write_worker_layout(h: DatabaseHandle, layout: Layout, worker: int) -> None:
     """Record in this version the layout the state belongs to (the whole layout: a live rescale passes through
     layouts recorded nowhere else), the worker, and the shard bits of its values."""
-    h.put(SNAPSHOT_TABLE, SNAPSHOT_LAYOUT, encode_json(WORKER_LAYOUT_MAGIC, {
-        "epoch": layout.epoch, "worker": worker, "shard_bits": layout.shard_bits, "workers": layout.workers,
-        "layout": layout.to_dict()}))
+    # the bytes encode_json writes for {"epoch", "layout", "shard_bits", "worker", "workers"} (sorted keys), with
+    # the layout's JSON encoded once per layout, not once per worker (W copies of an O(S) record: rescale cost)
+    body = (f'{{"epoch":{int(layout.epoch)},"layout":{layout.to_json()},"shard_bits":{int(layout.shard_bits)},'
+            f'"worker":{int(worker)},"workers":{int(layout.workers)}}}')
+    h.put(SNAPSHOT_TABLE, SNAPSHOT_LAYOUT, frame(WORKER_LAYOUT_MAGIC, body.encode("utf-8")))
 
 
-def read_worker_layout(h: DatabaseHandle, where: str) -> dict | None:
-    """The record :func:`write_worker_layout` stored, or None (a database that never held state)."""
+_HEADER = re.compile(rb'^\{"epoch":(\d+),"layout":\{.*\},"shard_bits":(\d+),"worker":(\d+),"workers":(\d+)\}$', re.S)
+
+
+def read_worker_layout(h: DatabaseHandle, where: str, whole: bool = False) -> dict | None:
+    """The record :func:`write_worker_layout` stored, or None (a database that never held state). Without
+    ``whole``, only its ``epoch``, ``worker``, ``shard_bits`` and ``workers`` (the checksum is verified, the
+    O(S) layout is not decoded: a load of W databases must not decode W layouts); with ``whole``, also
+    ``layout``."""
     rec = h.get(SNAPSHOT_TABLE, SNAPSHOT_LAYOUT)
-    return None if rec is None else decode_json(WORKER_LAYOUT_MAGIC, rec, f"{where} layout record")
+    if rec is None:
+        return None
+    if not whole:
+        m = _HEADER.match(unframe(WORKER_LAYOUT_MAGIC, rec, f"{where} layout record"))
+        if m is not None:
+            return {k: int(v) for k, v in zip(("epoch", "shard_bits", "worker", "workers"), m.groups())}
+    return decode_json(WORKER_LAYOUT_MAGIC, rec, f"{where} layout record")
 
 
 def _resampled(layout: Layout, bits: int) -> np.ndarray:
