@@ -1,4 +1,10 @@
-"""Shared pytest configuration: the Hypothesis profile, with a seed that varies between runs, is printed and replays a run (DBSP_HYPOTHESIS_SEED), and example counts from DBSP_HYPOTHESIS_EXAMPLES."""
+"""Shared pytest configuration: the Hypothesis profile, with a seed that varies between runs, is printed and replays a run (DBSP_HYPOTHESIS_SEED), example counts from DBSP_HYPOTHESIS_EXAMPLES, and the long suite (tests marked ``slow``) kept out of the default run.
+
+The README's test command (``python -m pytest -q tests``) runs every test not marked ``slow`` and stays within
+about ten minutes on two cores. The long suite (kill loops, soaks, full corpora, large data) runs with
+``python -m pytest -q tests -m slow`` (what ``.ci/run`` does after the README command), or together with the
+rest with ``--long`` or ``DBSP_LONG=1``. A deselected test is counted in pytest's summary ("N deselected").
+"""
 
 import os
 import random
@@ -25,6 +31,27 @@ settings.register_profile(
     print_blob=True,
 )
 settings.load_profile("ci")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true", default=False,
+                     help="also run the long suite (tests marked slow); same as DBSP_LONG=1")
+
+
+def _long_suite_wanted(config) -> bool:
+    """True when the tests marked slow should run: --long, DBSP_LONG=1, or a -m expression that names them."""
+    return (config.getoption("--long") or os.environ.get("DBSP_LONG") == "1"
+            or "slow" in (config.getoption("markexpr", "") or ""))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect the long suite (tests marked slow) unless it is asked for (module docstring)."""
+    if _long_suite_wanted(config):
+        return
+    keep = [item for item in items if item.get_closest_marker("slow") is None]
+    if len(keep) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("slow") is not None])
+        items[:] = keep
 
 
 @pytest.hookimpl(tryfirst=True)
