@@ -124,6 +124,8 @@ def _repair(args: argparse.Namespace) -> int:
     print(f"repair       {report['path']}")
     for d in report["input_damaged"]:
         print(f"damaged      input/{d['segment']} bytes {d['from']}..{d['to']}")
+    for n in report.get("input_missing", []):
+        print(f"missing      input/{n} (every record it held is lost)")
     for lost in report["lost"]:
         print(f"lost         producer {lost['producer']!r} seq {lost['seq']}"
               + (f" (step {lost['step']})" if lost["step"] >= 0 else ""))

@@ -278,13 +278,18 @@ def _repair(root: str) -> dict[str, Any]:
     # the log refused to open: an invalid tail is damage too (a log closed cleanly was cut), and a cut at a
     # record boundary leaves no invalid byte at all: then the damage is after the last valid record
     damaged_ranges = got.damaged + ([got.torn] if got.torn else [])
+    # a missing segment (salvage invariant 4) lost all it held: the records between its neighbours' (it sorts
+    # between them by name, so the spans below find the steps it may have held)
+    damaged_ranges = sorted(damaged_ranges + [(n, 0, 0) for n in got.missing])
     if not damaged_ranges and got.segments:
         last = got.segments[-1]
         end = os.path.getsize(os.path.join(idir, last))
         damaged_ranges = [(last, end, end)]
-    report["input_damaged"] = [{"segment": n, "from": a, "to": b} for n, a, b in damaged_ranges]
-    for n in sorted({n for n, _, _ in damaged_ranges}):  # invariant 1: a copy of each damaged segment, as it is
-        shutil.copy2(os.path.join(idir, n), os.path.join(backup, n))
+    report["input_damaged"] = [{"segment": n, "from": a, "to": b} for n, a, b in damaged_ranges
+                               if n not in got.missing]
+    report["input_missing"] = list(got.missing)
+    for n in sorted({n for n, _, _ in damaged_ranges} - set(got.missing)):  # invariant 1: a copy of each
+        shutil.copy2(os.path.join(idir, n), os.path.join(backup, n))       # damaged segment, as it is
     # the steps each damaged range may have held: from the valid record before it to the one after it
     recs = got.records
     where = [(r.segment, r.offset) for r in recs]
