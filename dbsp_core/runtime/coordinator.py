@@ -111,7 +111,8 @@ def choose_version(versions: list[range], where: str) -> int:
     lo, hi = max(r.start for r in versions), min(r.stop for r in versions)
     if lo >= hi:
         raise RecoveryError(f"{where}: the state databases share no version: "
-                            f"{[(r.start, r.stop - 1) for r in versions]}")
+                            f"{[(r.start, r.stop - 1) for r in versions]} (one was lost, replaced or copied from "
+                            f"another time); restore the directory from a backup (`dbsp repair DIR` lists the damage)")
     return hi - 1
 
 

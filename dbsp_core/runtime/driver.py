@@ -369,6 +369,9 @@ class Pipeline:
             self.stats["output_rebuilt"] = {k: rebuilt[k] for k in ("kept", "missing", "backup")}
             self._output = OutputLog(os.path.join(root, OUTPUT_DIR), self._out_schemas, check=replay_check,
                                      sync=output_sync, segment_bytes=segment_bytes, expect=rebuilt["expect"])
+        if not os.path.exists(os.path.join(root, DRIVER_DB)) and self._output.last > 0:
+            raise CorruptionError(f"{root}: {DRIVER_DB} is missing, but the output log holds steps up to "
+                                  f"{self._output.last - 1}: the record of the pushes already counted is lost")
         self._driver_db = Database(os.path.join(root, DRIVER_DB), vfs=self._vfs)
         self.consumers = ConsumerRegistry(root, self._vfs)
         out = self._output

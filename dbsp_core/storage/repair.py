@@ -36,15 +36,15 @@ from typing import Any
 
 from dbsp_core import _storage
 from dbsp_core.codec import decode_json, encode_json
-from dbsp_core.errors import CorruptionError, RecoveryError
+from dbsp_core.errors import CorruptionError, FormatVersionError, RecoveryError, StorageError
 from dbsp_core.storage.database import Database
-from dbsp_core.storage.directory import fsync_dir, lock_dir, read_record, read_rescale, remove_record, unlock_dir, \
-    write_record
+from dbsp_core.storage.directory import (fsync_dir, lock_dir, read_layout, read_meta, read_record, read_rescale,
+                                        remove_record, unlock_dir, write_layout, write_record)
 from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE,
                                        DEDUP_TABLE, DISCARD_HANDLE, DISCARD_MAGIC, DIVISION_HANDLE, DIVISION_MAGIC,
                                        DRIVER_DB,
-                                       INPUT_DIR, JOB_FILE, JOB_MAGIC, OUTPUT_DIR, REPAIR_FILE, REPAIR_MAGIC,
-                                       STATE_DIR)
+                                       INPUT_DIR, JOB_FILE, JOB_MAGIC, LAYOUT_FILE, META_FILE, OUTPUT_DIR,
+                                       REPAIR_FILE, REPAIR_MAGIC, STATE_DIR, state_db_path)
 from dbsp_core.storage.salvage import Record, Salvaged, salvage
 
 __all__ = ["finish_repair", "rebuild_output", "repair", "resume_step"]
@@ -148,13 +148,12 @@ def _output_steps(got: Salvaged, where: str) -> dict[int, bytes]:
     return out
 
 
-def rebuild_output(root: str, below: int | None = None, backup: str | None = None) -> dict[str, Any]:
-    """Rebuild the output log from its intact records (invariant 4): the new log ends before the first step it
-    lacks (and before ``below``); returns ``{"kept": (first, end), "expect": {step: payload}, "missing": [...],
-    "backup": dir}``, the intact records after the cut in ``expect``. CorruptionError (nothing changed) if a
-    step it lacks is below the step recovery resumes at."""
+def _plan_output(root: str, below: int | None, drop: tuple[int, int] | None) -> dict[str, Any]:
+    """What a rebuilt output log keeps (invariants 4 and 5): ``{"intact", "first", "keep": (k, cut), "x",
+    "missing", "damaged", "dropped"}``. CorruptionError (nothing changed) when output history the replay cannot
+    compute again would go and ``drop`` does not consent to exactly that, naming the option that does."""
     odir = os.path.join(root, OUTPUT_DIR)
-    got = salvage(odir)
+    got = salvage(odir) if os.path.isdir(odir) else Salvaged([], [], None, [], [])
     intact = _output_steps(got, odir)
     steps = sorted(intact)
     first = steps[0] if steps else 0
@@ -162,22 +161,51 @@ def rebuild_output(root: str, below: int | None = None, backup: str | None = Non
     head = bool(got.damaged) and (not got.records or (got.damaged[0][0], got.damaged[0][1]) <
                                   (got.records[0].segment, got.records[0].offset))
     missing = [s for s in range(first, end) if s not in intact]
-    cut = min(missing + ([below] if below is not None else []) + [end])
-    x = resume_step(root, cut)
-    where = ", ".join(f"{n} bytes {a}..{b}" for n, a, b in got.damaged)
-    if cut < x:
-        raise CorruptionError(f"{odir}: damaged ({where}); output steps {missing[:20]} are missing, and the state's "
-                            f"checkpoint is at step {x}: they cannot be computed again (their input is gone). "
-                            f"Nothing was changed")
-    if head:  # the steps before the first intact record are unknown (retention may have dropped some)
-        raise CorruptionError(f"{odir}: damaged before its first intact record ({where}), which is of step {first}: "
-                            f"the steps before it cannot be told apart from steps retention dropped. Nothing was "
-                            f"changed")
+    x = resume_step(root, min(missing + ([below] if below is not None else []) + [end]))
+    bad = [m for m in missing if m < x]
+    k = max(bad) + 1 if bad else first  # the new log starts here: every damaged step below x goes
+    cut = min([m for m in missing if m >= k] + ([below] if below is not None else []) + [end])
+    where = ", ".join([f"{n} bytes {a}..{b}" for n, a, b in got.damaged] + [f"{n} missing" for n in got.missing])
+    dropped = None
+    if bad or head:
+        # the steps before the first intact record are unknown when the head is damaged: if the oldest segment
+        # is the log's first, they start at step 0, else retention may have dropped some of them
+        lo = 0 if head else first
+        dropped = (lo, k - 1)
+        why = (f"output steps {bad[:20]} are missing and the state's checkpoint is at step {x}: they cannot be "
+               f"computed again (their input is gone)" if bad else
+               f"it is damaged before its first intact record, which is of step {first}")
+        if k - 1 < lo:
+            dropped = None
+        elif drop is None or tuple(drop) != dropped:
+            given = "" if drop is None else f" (--drop-output {drop[0]}..{drop[1]} was given)"
+            raise CorruptionError(
+                f"{odir}: damaged ({where}); {why}. Nothing was changed{given}. `dbsp repair {root} --drop-output "
+                f"{lo}..{k - 1}` drops the output of steps {lo}..{k - 1} (consumers can no longer read them) "
+                f"and keeps the state and the input; or restore {odir} from a backup")
+    if cut <= k and x > 0:
+        raise CorruptionError(f"{odir}: damaged ({where}); no intact output record is left at or after step {k} "
+                              f"and the state is at step {x}: restore {odir} from a backup. Nothing was changed "
+                              f"(dbsp repair cannot rebuild it)")
+    return {"intact": intact, "keep": (k, cut), "x": x, "missing": missing, "damaged": got.damaged + [
+        (n, 0, 0) for n in got.missing], "dropped": dropped, "first": first}
+
+
+def rebuild_output(root: str, below: int | None = None, backup: str | None = None,
+                   drop: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Rebuild the output log from its intact records (invariants 4 and 5): the new log ends before the first
+    step it lacks (and before ``below``); returns ``{"kept": (first, end), "expect": {step: payload}, "missing":
+    [...], "dropped": (first, last) or None, "backup": dir}``, the intact records after the cut in ``expect``.
+    CorruptionError (nothing changed) if a step it lacks is below the step recovery resumes at and ``drop``
+    does not name exactly the steps that must go for that (see :func:`_plan_output`)."""
+    plan = _plan_output(root, below, drop)
+    intact, (k, cut) = plan["intact"], plan["keep"]
+    odir = os.path.join(root, OUTPUT_DIR)
     backup = backup or _backup_dir(root)
-    _write_log(odir + ".new", [(s, "", "", 0, intact[s]) for s in range(first, cut)], False)
+    _write_log(odir + ".new", [(s, "", "", 0, intact[s]) for s in range(k, cut)], False)
     _swap(root, backup, [OUTPUT_DIR])
-    return {"kept": (first, cut), "expect": {s: intact[s] for s in steps if s >= cut}, "missing": missing,
-            "backup": backup, "damaged": got.damaged}
+    return {"kept": (k, cut), "expect": {s: intact[s] for s in sorted(intact) if s >= cut},
+            "missing": plan["missing"], "backup": backup, "damaged": plan["damaged"], "dropped": plan["dropped"]}
 
 
 # ---- the input log (dbsp repair) ----
@@ -227,29 +255,250 @@ def _named_outputs(root: str, steps: range) -> dict[int, list[dict]]:
     return out
 
 
-def repair(root: str) -> dict[str, Any]:
-    """Repair a storage directory whose input log is damaged (invariants 1-3); returns the report.
+def repair(root: str, drop_output: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Repair a storage directory (invariants 1-7); returns the report.
 
-    Raises RecoveryError if the directory holds no pipeline or a layout change is in progress (open the
-    pipeline first), DbspError if a pipeline has it open.
+    ``drop_output=(first, last)`` consents to dropping the output of steps ``first..last`` when that output is
+    damaged and cannot be computed again (invariant 5); it must name exactly the steps the refusal names.
+    Raises CorruptionError (nothing changed) when the output log needs that consent, RecoveryError if the
+    directory holds no pipeline or a layout change is in progress (open the pipeline first), InUseError-like
+    DbspError if a pipeline has it open. Damage it cannot repair is listed in the report's ``unrepaired``,
+    each entry naming the file, what is wrong and what the user can do.
     """
     root = os.fspath(root)
-    if not os.path.exists(os.path.join(root, "META")):
-        raise RecoveryError(f"dbsp repair: {root!r} holds no pipeline (META is missing)")
+    if not os.path.isdir(root):
+        raise RecoveryError(f"dbsp repair: {root!r} is not a directory")
     fd = lock_dir(root)
     try:
         finish_repair(root)
         if read_rescale(root) is not None:
             raise RecoveryError(f"dbsp repair: {root}: a layout change is in progress; Pipeline.open finishes it")
-        return _repair(root)
+        report: dict[str, Any] = {"path": root, "input_damaged": [], "input_missing": [], "lost": [],
+                                  "lost_unnamed": 0, "withdrawn_output": None, "output_dropped": None,
+                                  "backup": None, "requeued_pushes": 0, "repaired": [], "unrepaired": []}
+        _repair_files(root, report)
+        logs = _repair_logs(root, report, drop_output)
+        done = "; ".join(report["repaired"])
+        bad = "; ".join(f"{u['file']}: {u['problem']} -> {u['action']}" for u in report["unrepaired"])
+        report["result"] = "; ".join(x for x in (done, logs, f"NOT REPAIRED: {bad}" if bad else "") if x) \
+            or "nothing to repair: every file of the directory is intact"
+        return report
     finally:
         unlock_dir(fd)
 
 
-def _repair(root: str) -> dict[str, Any]:
+def _unrepaired(report: dict[str, Any], root: str, path: str, problem: str, action: str) -> None:
+    report["unrepaired"].append({"file": os.path.relpath(path, root), "problem": problem, "action": action})
+
+
+def _version_error(db: Database, v: int) -> str | None:
+    """Why version ``v`` of ``db`` cannot be read in full (every table, every value), or None if it can."""
+    try:
+        db.verify(v)
+    except (CorruptionError, StorageError, KeyError) as exc:
+        return str(exc).split("; run `dbsp repair", 1)[0]
+    return None
+
+
+def _repair_files(root: str, report: dict[str, Any]) -> None:
+    """META, the state databases, LAYOUT and driver.db (invariants 6 and 7): repaired when another file holds
+    what they held, else listed in ``report["unrepaired"]`` with what the user can do."""
+    try:
+        read_meta(root)
+    except FileNotFoundError:
+        _unrepaired(report, root, os.path.join(root, META_FILE), "missing",
+                    "META names the circuit (its fingerprint), the executor kind and the schemas, which no other file "
+                    "holds: restore META from a backup of the directory; nothing else was changed for it")
+    except CorruptionError as exc:
+        _unrepaired(report, root, os.path.join(root, META_FILE), str(exc).split("; run `dbsp repair", 1)[0],
+                    "META names the circuit (its fingerprint), the executor kind and the schemas, which no other file "
+                    "holds: restore META from a backup of the directory; nothing else was changed for it")
+    except FormatVersionError:
+        return  # another directory format: Pipeline.open upgrades it; nothing here reads it
+    x = _repair_state(root, report)
+    try:
+        read_layout(root)
+    except CorruptionError as exc:
+        _repair_layout(root, report, str(exc).split("; run `dbsp repair", 1)[0])
+    if x is not None:
+        _repair_driver(root, report, x)
+
+
+def _repair_state(root: str, report: dict[str, Any]) -> int | None:
+    """Every state database's version recovery opens must be readable in full; if one is not and every database
+    holds the version before it intact, and the input log still holds the steps from there, every database goes
+    back to it (the damaged version is discarded: ``Database.open(v - 1)`` closed without commit). Returns the
+    step the state is at afterwards (None if it is unusable or there is none)."""
+    paths = _state_paths(root)
+    if not paths:
+        return None
+    try:
+        workers = read_layout(root)[0].workers
+    except CorruptionError:
+        workers = 0
+    gone = [p for p in (state_db_path(root, None, w) for w in range(workers)) if p not in paths]
+    if gone and not any(os.sep + "stage-" in p for p in paths):
+        for p in gone:
+            _unrepaired(report, root, p, "missing", "that worker's state is lost (the input log no longer holds the "
+                        "steps that made it): restore the directory from a backup")
+        return None
+    vers: dict[str, range] = {}
+    dbs: dict[str, Database] = {}
+    try:
+        for p in paths:
+            try:
+                dbs[p] = Database(p, readonly=True)
+                vers[p] = dbs[p].versions()
+            except (CorruptionError, StorageError) as exc:
+                _unrepaired(report, root, p, f"no version is readable ({str(exc).split('; run `dbsp repair', 1)[0]})",
+                            "this worker's state is gone: restore the directory from a backup")
+        if len(vers) < len(paths):
+            return None
+        v = min(r.stop for r in vers.values()) - 1
+        if v < max(r.start for r in vers.values()):
+            _unrepaired(report, root, os.path.join(root, STATE_DIR), "the state databases share no version: "
+                        + ", ".join(f"{os.path.relpath(p, root)} {r.start}..{r.stop - 1}" for p, r in vers.items()),
+                        "a database was lost or replaced: restore the directory from a backup")
+            return None
+        bad = {p: e for p in paths if (e := _version_error(dbs[p], v)) is not None}
+        if not bad:
+            with dbs[paths[0]].read(v) as h:
+                return h.get_step()
+        staged = any(os.path.basename(os.path.dirname(p)).startswith("stage-") for p in paths)
+        older = v - 1
+        ok = not staged and all(older in vers[p] and _version_error(dbs[p], older) is None for p in paths)
+        step = None
+        if ok:
+            with dbs[paths[0]].read(older) as h:
+                step = h.get_step()
+            first = _first_division(root)
+            ok = first is not None and first <= step and _driver_step(root, report) in (None, *range(step + 1))
+        if not ok:
+            why = ("the version before it is not intact in every database" if not staged and step is None else
+                   f"the version before it (step {step}) is intact, but the input log or driver.db no longer goes "
+                   f"back to that step" if step is not None else "the staged executor's versions go with its jobs")
+            for p, e in bad.items():
+                _unrepaired(report, root, p, f"version {v} is damaged ({e})",
+                            f"{why}: restore the directory from a backup (the state cannot be computed again)")
+            return None
+    finally:
+        for db in dbs.values():
+            db.close()
+    for p in paths:
+        with Database(p) as db:
+            if v in db.versions():
+                db.open(older).close()  # discards version v: older is the only one (a close keeps the base)
+    report["repaired"].append(
+        "state version " + str(v) + " was damaged in " + ", ".join(os.path.relpath(p, root) for p in bad)
+        + f" ({'; '.join(bad.values())}); every state database is back at version {older} (step {step}), and "
+          f"opening the pipeline computes the later steps again from the input")
+    return step
+
+
+def _first_division(root: str) -> int | None:
+    steps = [r.step for r in salvage(os.path.join(root, INPUT_DIR)).records if r.handle == DIVISION_HANDLE] \
+        if os.path.isdir(os.path.join(root, INPUT_DIR)) else []
+    return min(steps) if steps else None
+
+
+def _driver_step(root: str, report: dict[str, Any]) -> int | None:
+    dpath = os.path.join(root, DRIVER_DB)
+    try:
+        with Database(dpath, readonly=True) as db, db.read(db.versions().stop - 1) as h:
+            return h.get_step()
+    except (OSError, CorruptionError, KeyError):
+        return None
+
+
+def _repair_layout(root: str, report: dict[str, Any], problem: str) -> None:
+    """LAYOUT again from the layout every state database records with its state (shardmove.write_worker_layout)."""
+    from dbsp_core.layout import Layout
+    from dbsp_core.storage.shardmove import read_worker_layout
+
+    path = os.path.join(root, LAYOUT_FILE)
+    found = []
+    for p in _state_paths(root):
+        try:
+            with Database(p, readonly=True) as db, db.read(db.versions().stop - 1) as h:
+                rec = read_worker_layout(h, p)
+        except (OSError, CorruptionError, KeyError):
+            continue
+        if rec is not None:
+            found.append((rec["epoch"], json.dumps(rec["layout"], sort_keys=True)))
+    if not found or len(set(found)) != 1 or found[0][0] != max(e for e, _ in found):
+        _unrepaired(report, root, path, problem,
+                    "the state databases record no layout they agree on (" + (
+                        f"epochs {sorted({e for e, _ in found})}" if found else "none holds state") + "): restore "
+                    "LAYOUT from a backup of the directory")
+        return
+    layout = Layout.from_dict(json.loads(found[0][1]), path)
+    write_layout(root, layout, None)
+    report["repaired"].append(f"LAYOUT was damaged ({problem}); rebuilt from the layout the state databases record "
+                              f"({layout.workers} workers, {layout.shards} shards, epoch {layout.epoch}); the "
+                              f"report of the last layout change is gone")
+
+
+def _repair_driver(root: str, report: dict[str, Any], x: int) -> None:
+    """driver.db missing, or its newest version unreadable: a new one at the state's step ``x``, its seen set
+    from the output log's input ranges of every step below ``x`` (so it needs them all, from step 0) and the
+    pushes the input log still holds, its clock floor the ``now`` of the first division at or after ``x``."""
+    from dbsp_core.runtime.dedup import SeenSet
+
+    dpath = os.path.join(root, DRIVER_DB)
+    if os.path.exists(dpath):
+        try:
+            with Database(dpath, readonly=True) as db:
+                err = _version_error(db, db.versions().stop - 1)
+        except (CorruptionError, StorageError) as exc:
+            err = str(exc).split("; run `dbsp repair", 1)[0]
+        if err is None:
+            return
+        problem = f"its newest version is damaged ({err})"
+    else:
+        problem = "missing"
+    odir, idir = os.path.join(root, OUTPUT_DIR), os.path.join(root, INPUT_DIR)
+    named = _named_outputs(root, range(0, x))
+    irecs = salvage(idir).records if os.path.isdir(idir) else []
+    divs = [decode_json(DIVISION_MAGIC, r.payload, f"{idir} division of step {r.step}") for r in irecs
+            if r.handle == DIVISION_HANDLE]
+    why = None
+    if any(t not in named for t in range(x)):
+        why = (f"the output log ({odir}) does not name the pushes of every step below the state's step {x} (steps "
+               f"{[t for t in range(x) if t not in named][:10]} are gone), so the set of pushes already counted "
+               f"cannot be rebuilt")
+    elif any("watermarks" in dv for dv in divs):
+        why = "the circuit has event time, and the watermarks in force at the checkpoint are recorded nowhere else"
+    if why is not None:
+        _unrepaired(report, root, dpath, problem, f"{why}: restore driver.db from a backup of the directory")
+        return
+    seen = SeenSet()
+    for t in range(x):
+        for rg in named[t]:
+            if rg["producer"] and rg["first_seq"] is not None:
+                for q in range(rg["first_seq"], rg["last_seq"] + 1):
+                    seen.add(rg["producer"], q)
+    for r in irecs:
+        if r.step < x and r.producer and r.handle != DIVISION_HANDLE:
+            seen.add(r.producer, r.seq)
+    after = [int(dv["now_ns"]) for dv in divs if int(dv["step"]) >= x]
+    floor = min(after) if after else max([int(dv["now_ns"]) for dv in divs] + [0])
+    if os.path.exists(dpath):
+        keep = os.path.join(_backup_dir(root), DRIVER_DB)
+        os.rename(dpath, keep)
+        fsync_dir(root)
+    with Database.create(dpath, 0) as db, db.open(0) as h:
+        seen.save(h)
+        h.put(CLOCK_TABLE, CLOCK_KEY, encode_json(CLOCK_MAGIC, {"now_ns": floor, "prev_now_ns": None}))
+        h.set_step(x)
+        h.commit()
+    report["repaired"].append(f"driver.db was {problem}; rebuilt at the state's step {x} from the output log (the "
+                              f"pushes of steps 0..{x - 1}) and the input log" + (
+                                  f"; the damaged one is in {os.path.dirname(keep)}" if problem != "missing" else ""))
+
+
+def _repair_logs(root: str, report: dict[str, Any], drop: tuple[int, int] | None) -> str:
+    """The input and output logs (invariants 2-5); returns what was done ("" for nothing)."""
     idir = os.path.join(root, INPUT_DIR)
-    report: dict[str, Any] = {"path": root, "input_damaged": [], "lost": [], "lost_unnamed": 0,
-                              "withdrawn_output": None, "backup": None, "requeued_pushes": 0}
     try:
         _storage.Log(idir, "posix", 64 << 20, False, True).close()  # opens (cutting a torn tail as open would)
         damaged = False
@@ -264,16 +513,16 @@ def _repair(root: str) -> dict[str, Any]:
     except CorruptionError:
         out_damaged = True
     if not damaged and not out_damaged:
-        report["result"] = "nothing to repair: the input and output logs are intact"
-        return report
-    backup = _backup_dir(root)
-    report["backup"] = backup
-    if not damaged:  # only the output log: the rebuild Pipeline.open would do
-        r = rebuild_output(root, backup=backup)
+        return ""
+    if not damaged:  # only the output log: the rebuild Pipeline.open would do, dropping history if consented
+        r = rebuild_output(root, drop=drop)
+        report["backup"] = r["backup"]
         report["withdrawn_output"] = [r["kept"][1], None]
-        report["result"] = (f"the output log was damaged; it holds steps {r['kept'][0]}..{r['kept'][1] - 1} now, and "
-                            f"opening the pipeline computes the rest again from the input")
-        return report
+        report["output_dropped"] = list(r["dropped"]) if r["dropped"] else None
+        return ((f"the output of steps {r['dropped'][0]}..{r['dropped'][1]} is dropped (consumers can no longer "
+                 f"read it; the state and the input are kept); " if r["dropped"] else "")
+                + f"the output log was damaged; it holds steps {r['kept'][0]}..{r['kept'][1] - 1} now, and opening "
+                  f"the pipeline computes the rest again from the input; the old log is in {r['backup']}")
     got = salvage(idir)
     # the log refused to open: an invalid tail is damage too (a log closed cleanly was cut), and a cut at a
     # record boundary leaves no invalid byte at all: then the damage is after the last valid record
@@ -288,8 +537,6 @@ def _repair(root: str) -> dict[str, Any]:
     report["input_damaged"] = [{"segment": n, "from": a, "to": b} for n, a, b in damaged_ranges
                                if n not in got.missing]
     report["input_missing"] = list(got.missing)
-    for n in sorted({n for n, _, _ in damaged_ranges} - set(got.missing)):  # invariant 1: a copy of each
-        shutil.copy2(os.path.join(idir, n), os.path.join(backup, n))       # damaged segment, as it is
     # the steps each damaged range may have held: from the valid record before it to the one after it
     recs = got.records
     where = [(r.segment, r.offset) for r in recs]
@@ -309,12 +556,19 @@ def _repair(root: str) -> dict[str, Any]:
     else:
         s = max(x, min(lo for lo, h in zip(lows, highs) if h >= x))
     report["resume_step"] = x
+    plan = None
+    if out_damaged or (s is not None and out_last > s):
+        plan = _plan_output(root, s, drop)  # CorruptionError here changes nothing
+    backup = _backup_dir(root)
+    report["backup"] = backup
+    for n in sorted({n for n, _, _ in damaged_ranges} - set(got.missing)):  # invariant 1: a copy of each
+        shutil.copy2(os.path.join(idir, n), os.path.join(backup, n))       # damaged segment, as it is
     if s is None:
         _write_log(idir + ".new", _held(root, recs, x, report), True)
-        _swap(root, backup, [INPUT_DIR])
-        report["result"] = (f"the damaged records were of steps below the checkpoint (step {x}), which holds "
-                            f"their effect: no push is lost")
-        return report
+        parts = [INPUT_DIR] + _write_output(root, plan, report)
+        _swap(root, backup, parts)
+        return (f"the damaged input records were of steps below the checkpoint (step {x}), which holds their "
+                f"effect: no push is lost" + _dropped_text(report) + f"; the old logs are in {backup}")
     # invariant 2: steps < s as they are; the valid pushes (and discards) of steps >= s again, undivided, at s
     head = [r for r in recs if r.step < s]
     tail = [r for r in recs if r.step >= s and r.handle != DIVISION_HANDLE]
@@ -329,25 +583,36 @@ def _repair(root: str) -> dict[str, Any]:
     report["requeued_pushes"] = sum(1 for r in tail if r.handle != DISCARD_HANDLE)
     new = _held(root, head, x, report) + [(s, r.handle, r.producer, r.seq, r.payload) for r in tail]
     _write_log(idir + ".new", new, True)
-    parts = [INPUT_DIR]
-    if out_last > s or out_damaged:
-        r_out = rebuild_output_to(root, s)
-        if r_out < x:
-            raise RecoveryError(f"dbsp repair: {root}: the output log is damaged too, at step {r_out}, below the "
-                                f"checkpoint at step {x}: that output cannot be computed again. Nothing was changed "
-                                f"(the new logs were left in {idir}.new and {root}/output.new)")
-        parts.append(OUTPUT_DIR)
+    parts = [INPUT_DIR] + _write_output(root, plan, report)
+    if plan is not None:
+        r_out = plan["keep"][1]
         report["withdrawn_output"] = [r_out, out_last - 1] if out_last > r_out else None
     _swap(root, backup, parts)
     named = ", ".join(f"({p!r}, {q})" for p, q, _ in lost[:50]) + (" ..." if len(lost) > 50 else "")
-    report["result"] = (f"input of steps {s} and later was damaged: {len(lost)} pushes are lost by name"
-                        + (f" [{named}]" if lost else "") + (f" and {unnamed} more without a name (anonymous, or "
-                                                              f"counted by a division only)" if unnamed else "")
-                        + f"; {report['requeued_pushes']} valid pushes of those steps wait for the next step"
-                        + (f"; output steps {report['withdrawn_output'][0]}..{report['withdrawn_output'][1]} are "
-                           f"withdrawn (read them again after the next steps)" if report["withdrawn_output"] else "")
-                        + f"; the old logs are in {backup}")
-    return report
+    return (f"input of steps {s} and later was damaged: {len(lost)} pushes are lost by name"
+            + (f" [{named}]" if lost else "") + (f" and {unnamed} more without a name (anonymous, or "
+                                                  f"counted by a division only)" if unnamed else "")
+            + f"; {report['requeued_pushes']} valid pushes of those steps wait for the next step"
+            + (f"; output steps {report['withdrawn_output'][0]}..{report['withdrawn_output'][1]} are "
+               f"withdrawn (read them again after the next steps)" if report["withdrawn_output"] else "")
+            + _dropped_text(report) + f"; the old logs are in {backup}")
+
+
+def _write_output(root: str, plan: dict[str, Any] | None, report: dict[str, Any]) -> list[str]:
+    """``output.new`` from ``plan`` (of :func:`_plan_output`); the parts to swap in."""
+    if plan is None:
+        return []
+    k, cut = plan["keep"]
+    _write_log(os.path.join(root, OUTPUT_DIR) + ".new", [(t, "", "", 0, plan["intact"][t]) for t in range(k, cut)],
+               False)
+    report["output_dropped"] = list(plan["dropped"]) if plan["dropped"] else None
+    return [OUTPUT_DIR]
+
+
+def _dropped_text(report: dict[str, Any]) -> str:
+    d = report.get("output_dropped")
+    return (f"; the output of steps {d[0]}..{d[1]} is dropped (consumers can no longer read it; the state and "
+            f"the input are kept)") if d else ""
 
 
 def _held(root: str, recs: list[Record], x: int, report: dict) -> list[tuple[int, str, str, int, bytes]]:
@@ -410,19 +675,6 @@ def _output_last(root: str) -> int:
         return 0
     steps = [r.step for r in salvage(odir).records]
     return max(steps) + 1 if steps else 0
-
-
-def rebuild_output_to(root: str, s: int) -> int:
-    """Write ``output.new``: the intact contiguous output records below step ``s``; returns where it ends."""
-    odir = os.path.join(root, OUTPUT_DIR)
-    intact = _output_steps(salvage(odir), odir) if os.path.isdir(odir) else {}
-    steps = sorted(intact)
-    first = steps[0] if steps else 0
-    end = first
-    while end < s and end in intact:
-        end += 1
-    _write_log(odir + ".new", [(t, "", "", 0, intact[t]) for t in range(first, end)], False)
-    return end
 
 
 def _lost(root: str, s: int, last: int, tail: list[Record], divisions: dict[int, dict], logged: set
