@@ -431,7 +431,8 @@ class Pipeline:
         out = self._output
         if out.last < x:
             raise RecoveryError(f"{root}: the output log ends at step {out.last} but the state is at step {x}; "
-                                f"output of steps {out.last}..{x - 1} is lost")
+                                f"output of steps {out.last}..{x - 1} is lost and cannot be computed again: "
+                                f"restore the directory from a backup (`dbsp repair DIR` lists the damage)")
         if d > x:
             raise RecoveryError(f"{root}: driver.db is at step {d} but the state only at step {x}")
         divisions: dict[int, dict] = {}

@@ -288,6 +288,7 @@ def repair(root: str, drop_output: tuple[int, int] | None = None) -> dict[str, A
 
 
 def _unrepaired(report: dict[str, Any], root: str, path: str, problem: str, action: str) -> None:
+    """List damage repair leaves as it is, with what the user can do."""
     report["unrepaired"].append({"file": os.path.relpath(path, root), "problem": problem, "action": action})
 
 
@@ -315,33 +316,88 @@ def _repair_files(root: str, report: dict[str, Any]) -> None:
                     "holds: restore META from a backup of the directory; nothing else was changed for it")
     except FormatVersionError:
         return  # another directory format: Pipeline.open upgrades it; nothing here reads it
-    x = _repair_state(root, report)
+    if not _repair_job(root, report) or not _repair_state(root, report):
+        return
     try:
         read_layout(root)
     except CorruptionError as exc:
         _repair_layout(root, report, str(exc).split("; run `dbsp repair", 1)[0])
-    if x is not None:
-        _repair_driver(root, report, x)
+    if _state_paths(root):
+        _repair_driver(root, report, resume_step(root, _output_last(root)))
 
 
-def _repair_state(root: str, report: dict[str, Any]) -> int | None:
+def _repair_job(root: str, report: dict[str, Any]) -> bool:
+    """The staged executor's JOB record damaged: it only matters when the job's output is not all logged (then
+    recovery opens the job's base version). Removed when the output log holds every step the state does; made
+    again from the version before the newest when every stage database holds it at a step the output log
+    covers; else listed unrepaired. Returns whether the state can be looked at further."""
+    path = os.path.join(root, STATE_DIR, JOB_FILE)
+    try:
+        read_record(path, JOB_MAGIC)
+        return True
+    except CorruptionError as exc:
+        problem = str(exc).split("; run `dbsp repair", 1)[0]
+    out_last = _output_last(root)
+    paths = _state_paths(root)
+    try:
+        dbs = [Database(p, readonly=True) for p in paths]
+    except (CorruptionError, StorageError, OSError):
+        dbs = []
+    try:
+        if not dbs:
+            return _unrepaired(report, root, path, problem, "the stage databases cannot be read either: restore "
+                               "the directory from a backup") or False
+        lo, hi = max(db.versions().start for db in dbs), min(db.versions().stop for db in dbs) - 1
+        steps = {}
+        for v in (hi - 1, hi):
+            if v >= lo:
+                with dbs[0].read(v) as h:
+                    steps[v] = h.get_step()
+    finally:
+        for db in dbs:
+            db.close()
+    keep = os.path.join(_backup_dir(root), JOB_FILE)
+    if hi in steps and steps[hi] <= out_last:
+        os.rename(path, keep)
+        fsync_dir(os.path.dirname(path))
+        report["repaired"].append(f"state/JOB was damaged ({problem}); the output log holds every step of the state "
+                                  f"(step {steps[hi]}), so the record is not needed: moved to {keep}")
+        return True
+    if hi - 1 in steps and steps[hi - 1] <= out_last:
+        shutil.copy2(path, keep)
+        write_record(path, JOB_MAGIC, {"version": hi - 1, "first": steps[hi - 1], "end": steps[hi]})
+        report["repaired"].append(f"state/JOB was damaged ({problem}); made again: the job from version {hi - 1} "
+                                  f"(step {steps[hi - 1]}) to step {steps[hi]}, whose output is not all logged, runs "
+                                  f"again at open; the damaged record is in {keep}")
+        return True
+    os.rmdir(os.path.dirname(keep)) if not os.listdir(os.path.dirname(keep)) else None
+    _unrepaired(report, root, path, problem, f"the state is at step {steps.get(hi)} and the output log ends at step "
+                f"{out_last}, with no older version to run the job again from: restore the directory from a backup")
+    return False
+
+
+def _repair_state(root: str, report: dict[str, Any]) -> bool:
     """Every state database's version recovery opens must be readable in full; if one is not and every database
     holds the version before it intact, and the input log still holds the steps from there, every database goes
-    back to it (the damaged version is discarded: ``Database.open(v - 1)`` closed without commit). Returns the
-    step the state is at afterwards (None if it is unusable or there is none)."""
+    back to it (the damaged version is discarded: ``Database.open(v - 1)`` closed without commit). A database
+    missing beside others, or holding the state of another layout than LAYOUT's, is listed unrepaired. Returns
+    whether the state is usable (True when there is none)."""
     paths = _state_paths(root)
     if not paths:
-        return None
+        return True
     try:
-        workers = read_layout(root)[0].workers
+        layout = read_layout(root)[0]
     except CorruptionError:
-        workers = 0
-    gone = [p for p in (state_db_path(root, None, w) for w in range(workers)) if p not in paths]
-    if gone and not any(os.sep + "stage-" in p for p in paths):
-        for p in gone:
-            _unrepaired(report, root, p, "missing", "that worker's state is lost (the input log no longer holds the "
-                        "steps that made it): restore the directory from a backup")
-        return None
+        layout = None
+    stages = sorted({os.path.dirname(p) for p in paths if os.sep + "stage-" in p})
+    want = [os.path.join(st, f"worker-{w}.db") for st in stages for w in range(layout.workers)] if stages and layout \
+        else [state_db_path(root, None, w) for w in range(layout.workers)] if layout else []
+    gone = [p for p in want if p not in paths]
+    for p in gone:
+        _unrepaired(report, root, p, "missing", "that worker's state is lost (the input log no longer holds the "
+                    "steps that made it): restore the directory from a backup")
+    if gone:
+        return False
     vers: dict[str, range] = {}
     dbs: dict[str, Database] = {}
     try:
@@ -353,17 +409,16 @@ def _repair_state(root: str, report: dict[str, Any]) -> int | None:
                 _unrepaired(report, root, p, f"no version is readable ({str(exc).split('; run `dbsp repair', 1)[0]})",
                             "this worker's state is gone: restore the directory from a backup")
         if len(vers) < len(paths):
-            return None
+            return False
         v = min(r.stop for r in vers.values()) - 1
         if v < max(r.start for r in vers.values()):
             _unrepaired(report, root, os.path.join(root, STATE_DIR), "the state databases share no version: "
                         + ", ".join(f"{os.path.relpath(p, root)} {r.start}..{r.stop - 1}" for p, r in vers.items()),
                         "a database was lost or replaced: restore the directory from a backup")
-            return None
+            return False
         bad = {p: e for p in paths if (e := _version_error(dbs[p], v)) is not None}
         if not bad:
-            with dbs[paths[0]].read(v) as h:
-                return h.get_step()
+            return _layout_matches(root, report, layout, dbs, v)
         staged = any(os.path.basename(os.path.dirname(p)).startswith("stage-") for p in paths)
         older = v - 1
         ok = not staged and all(older in vers[p] and _version_error(dbs[p], older) is None for p in paths)
@@ -380,7 +435,7 @@ def _repair_state(root: str, report: dict[str, Any]) -> int | None:
             for p, e in bad.items():
                 _unrepaired(report, root, p, f"version {v} is damaged ({e})",
                             f"{why}: restore the directory from a backup (the state cannot be computed again)")
-            return None
+            return False
     finally:
         for db in dbs.values():
             db.close()
@@ -392,7 +447,28 @@ def _repair_state(root: str, report: dict[str, Any]) -> int | None:
         "state version " + str(v) + " was damaged in " + ", ".join(os.path.relpath(p, root) for p in bad)
         + f" ({'; '.join(bad.values())}); every state database is back at version {older} (step {step}), and "
           f"opening the pipeline computes the later steps again from the input")
-    return step
+    return True
+
+
+def _layout_matches(root: str, report: dict[str, Any], layout: Any, dbs: dict[str, Database], v: int) -> bool:
+    """Every database's version ``v`` holds the state of LAYOUT's epoch (no layout change is in progress here:
+    repair refuses while RESCALE exists); else the mismatch is listed unrepaired."""
+    from dbsp_core.storage.shardmove import read_worker_layout
+
+    if layout is None:
+        return True  # LAYOUT itself is damaged: rebuilt from these records next
+    odd = []
+    for p, db in dbs.items():
+        with db.read(v) as h:
+            rec = read_worker_layout(h, p)
+        if rec is not None and rec["epoch"] != layout.epoch:
+            odd.append(f"{os.path.relpath(p, root)} (epoch {rec['epoch']})")
+    if odd:
+        _unrepaired(report, root, os.path.join(root, LAYOUT_FILE), f"LAYOUT is of layout epoch {layout.epoch} but "
+                    f"the state of {', '.join(odd)} is not (a layout change whose RESCALE record is gone, or files "
+                    f"from another time)", "restore the directory from a backup")
+        return False
+    return True
 
 
 def _first_division(root: str) -> int | None:
@@ -512,7 +588,19 @@ def _repair_logs(root: str, report: dict[str, Any], drop: tuple[int, int] | None
         out_damaged = False
     except CorruptionError:
         out_damaged = True
+    front = None if damaged else _front_gap(root)
+    if front is not None:
+        damaged = True
+        report["error"] = front[1]
     if not damaged and not out_damaged:
+        try:
+            x, out_last = resume_step(root, _output_last(root)), _output_last(root)
+        except (CorruptionError, RecoveryError, OSError, KeyError):
+            return ""  # listed by the checks of the files
+        if out_last < x and not report["unrepaired"]:
+            _unrepaired(report, root, os.path.join(root, OUTPUT_DIR), f"it ends at step {out_last} but the state is "
+                        f"at step {x}: the output of steps {out_last}..{x - 1} is lost and cannot be computed again",
+                        "restore the directory from a backup")
         return ""
     if not damaged:  # only the output log: the rebuild Pipeline.open would do, dropping history if consented
         r = rebuild_output(root, drop=drop)
@@ -529,14 +617,15 @@ def _repair_logs(root: str, report: dict[str, Any], drop: tuple[int, int] | None
     damaged_ranges = got.damaged + ([got.torn] if got.torn else [])
     # a missing segment (salvage invariant 4) lost all it held: the records between its neighbours' (it sorts
     # between them by name, so the spans below find the steps it may have held)
-    damaged_ranges = sorted(damaged_ranges + [(n, 0, 0) for n in got.missing])
+    missing = list(got.missing) + ([front[0]] if front is not None else [])
+    damaged_ranges = sorted(damaged_ranges + [(n, 0, 0) for n in missing])
     if not damaged_ranges and got.segments:
         last = got.segments[-1]
         end = os.path.getsize(os.path.join(idir, last))
         damaged_ranges = [(last, end, end)]
     report["input_damaged"] = [{"segment": n, "from": a, "to": b} for n, a, b in damaged_ranges
-                               if n not in got.missing]
-    report["input_missing"] = list(got.missing)
+                               if n not in missing]
+    report["input_missing"] = missing
     # the steps each damaged range may have held: from the valid record before it to the one after it
     recs = got.records
     where = [(r.segment, r.offset) for r in recs]
@@ -561,7 +650,7 @@ def _repair_logs(root: str, report: dict[str, Any], drop: tuple[int, int] | None
         plan = _plan_output(root, s, drop)  # CorruptionError here changes nothing
     backup = _backup_dir(root)
     report["backup"] = backup
-    for n in sorted({n for n, _, _ in damaged_ranges} - set(got.missing)):  # invariant 1: a copy of each
+    for n in sorted({n for n, _, _ in damaged_ranges} - set(missing)):  # invariant 1: a copy of each
         shutil.copy2(os.path.join(idir, n), os.path.join(backup, n))       # damaged segment, as it is
     if s is None:
         _write_log(idir + ".new", _held(root, recs, x, report), True)
@@ -596,6 +685,33 @@ def _repair_logs(root: str, report: dict[str, Any], drop: tuple[int, int] | None
             + (f"; output steps {report['withdrawn_output'][0]}..{report['withdrawn_output'][1]} are "
                f"withdrawn (read them again after the next steps)" if report["withdrawn_output"] else "")
             + _dropped_text(report) + f"; the old logs are in {backup}")
+
+
+def _front_gap(root: str) -> tuple[str, str] | None:
+    """The input log opens, but its oldest records are gone: it starts after driver.db's step, or the division of
+    that step counts more pushes than the log holds (a deleted oldest segment; truncation never removes a
+    record of a step at or after driver.db's). Returns (the name of the missing segment before the oldest one,
+    why), or None."""
+    idir = os.path.join(root, INPUT_DIR)
+    d = _driver_step(root, {})
+    if d is None or not os.path.isdir(idir):
+        return None
+    got = salvage(idir)
+    nums = [int(n[:20]) for n in got.segments]
+    name = f"{max(nums[0] - 1, 0) if nums else 0:020d}.seg"
+    recs = [r for r in got.records if r.step >= d]
+    if not recs:
+        out_last = _output_last(root)
+        return (name, f"{idir}: holds no record of step {d} or later, but the output log holds steps up to "
+                      f"{out_last - 1}") if out_last > d else None
+    if recs[0].step > d:
+        return name, f"{idir}: starts at step {recs[0].step}, but driver.db's checkpoint is at step {d}"
+    div = next((r for r in recs if r.step == d and r.handle == DIVISION_HANDLE), None)
+    held = sum(1 for r in recs if r.step == d and r.handle not in (DIVISION_HANDLE, DISCARD_HANDLE))
+    if div is not None and int(decode_json(DIVISION_MAGIC, div.payload, f"{idir} division of step {d}")["pushes"]) \
+            > held:
+        return name, f"{idir}: the division of step {d} counts more pushes than the log holds"
+    return None
 
 
 def _write_output(root: str, plan: dict[str, Any] | None, report: dict[str, Any]) -> list[str]:
