@@ -206,7 +206,7 @@ class EmbeddedExecutor:
             for db in dbs:  # open(v) below discards v - 1: a damaged v must leave it for dbsp repair to go back to
                 if v - 1 in db.versions():
                     try:
-                        db.verify(v)
+                        db.check(v)
                     except CorruptionError as exc:
                         raise CorruptionError(f"{db.path}: version {v} of the state is damaged ({exc.args[-1]}); "
                                               f"version {v - 1} is kept: `dbsp repair DIR` goes back to it if every "

@@ -1,4 +1,4 @@
-"""Ways forward from damaged logs: ``dbsp repair DIR`` for a damaged input log (it keeps a copy of what it replaces, reports exactly which pushes are lost, and leaves a directory that opens), and the rebuild of a damaged output log at ``Pipeline.open`` (its damaged steps are computed again from the input).
+"""Ways forward from a damaged storage directory: ``dbsp repair DIR`` (it keeps a copy of what it replaces, reports exactly which pushes and which output steps are lost, and leaves a directory that opens, or says which file is damaged and what the user can do), and the rebuild of a damaged output log at ``Pipeline.open`` (its damaged steps are computed again from the input).
 
 Invariants (enforced here):
   1. Nothing is destroyed: a log part (``input/`` or ``output/``) is replaced only by renaming the old one into
@@ -22,7 +22,23 @@ Invariants (enforced here):
   4. A damaged output log is rebuilt (at open) only when every step it lacks is one recovery computes again
      (at or after the resume step): the new log holds the intact records below the first missing step, and
      the intact records after it are kept to verify the steps computed again. Otherwise CorruptionError names
-     the damaged file and the steps that cannot be recomputed, and nothing changes.
+     the damaged file, the steps that cannot be recomputed and the ``--drop-output FIRST..LAST`` of invariant
+     5, and nothing changes. A segment missing between two others is damage (salvage invariant 4), and so is
+     an input log that starts after driver.db's step (its oldest segment is gone: truncation never removes a
+     record of a step at or after it).
+  5. Output history is dropped only with consent naming exactly the steps that go (``drop_output``, CLI
+     ``--drop-output FIRST..LAST``): the output of every step below the last damaged step under the checkpoint
+     goes with it (the log is contiguous), and the new log starts after it, as if retention had dropped them.
+     State and input are kept, so every push still counts once; only their output can no longer be read.
+  6. The other files: META cannot be rebuilt (it names the circuit); a state database's damaged newest version
+     is given up (``Database.open`` of the one before, closed without commit) only when every state database
+     holds that one intact and the input log and driver.db still go back to its step; LAYOUT is rebuilt from
+     the layout every state database records with its state, when they agree; driver.db from the output log's
+     input ranges of every step below the state's (its seen set) and the input log (its clock floor); the
+     staged JOB record is removed or made again from the versions and the output log's end.
+  7. Repair finishes or says exactly why not: damage it leaves is listed in the report's ``unrepaired`` (file,
+     problem, what the user can do) and nothing is changed for it; the CLI then exits with status 1. A
+     directory repair reports as repaired opens (the file fuzz test checks it for every kind of file).
 """
 
 from __future__ import annotations
@@ -293,9 +309,10 @@ def _unrepaired(report: dict[str, Any], root: str, path: str, problem: str, acti
 
 
 def _version_error(db: Database, v: int) -> str | None:
-    """Why version ``v`` of ``db`` cannot be read in full (every table, every value), or None if it can."""
+    """Why version ``v`` of ``db`` fails its check (csrc/pagestore.c invariants 1-4: every page it reaches,
+    its free list), or None if it passes."""
     try:
-        db.verify(v)
+        db.check(v)
     except (CorruptionError, StorageError, KeyError) as exc:
         return str(exc).split("; run `dbsp repair", 1)[0]
     return None
@@ -370,7 +387,8 @@ def _repair_job(root: str, report: dict[str, Any]) -> bool:
                                   f"(step {steps[hi - 1]}) to step {steps[hi]}, whose output is not all logged, runs "
                                   f"again at open; the damaged record is in {keep}")
         return True
-    os.rmdir(os.path.dirname(keep)) if not os.listdir(os.path.dirname(keep)) else None
+    if not os.listdir(os.path.dirname(keep)):
+        os.rmdir(os.path.dirname(keep))
     _unrepaired(report, root, path, problem, f"the state is at step {steps.get(hi)} and the output log ends at step "
                 f"{out_last}, with no older version to run the job again from: restore the directory from a backup")
     return False
@@ -439,6 +457,9 @@ def _repair_state(root: str, report: dict[str, Any]) -> bool:
     finally:
         for db in dbs.values():
             db.close()
+    backup = _backup_dir(root)  # invariant 1: the databases as they were
+    for p in paths:
+        shutil.copy2(p, os.path.join(backup, os.path.relpath(p, root).replace(os.sep, "-")))
     for p in paths:
         with Database(p) as db:
             if v in db.versions():
@@ -446,7 +467,8 @@ def _repair_state(root: str, report: dict[str, Any]) -> bool:
     report["repaired"].append(
         "state version " + str(v) + " was damaged in " + ", ".join(os.path.relpath(p, root) for p in bad)
         + f" ({'; '.join(bad.values())}); every state database is back at version {older} (step {step}), and "
-          f"opening the pipeline computes the later steps again from the input")
+          f"opening the pipeline computes the later steps again from the input; the databases as they were are "
+          f"in {backup}")
     return True
 
 
@@ -508,6 +530,8 @@ def _repair_layout(root: str, report: dict[str, Any], problem: str) -> None:
                     "LAYOUT from a backup of the directory")
         return
     layout = Layout.from_dict(json.loads(found[0][1]), path)
+    if os.path.exists(path):
+        shutil.copy2(path, os.path.join(_backup_dir(root), LAYOUT_FILE))
     write_layout(root, layout, None)
     report["repaired"].append(f"LAYOUT was damaged ({problem}); rebuilt from the layout the state databases record "
                               f"({layout.workers} workers, {layout.shards} shards, epoch {layout.epoch}); the "
