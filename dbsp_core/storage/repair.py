@@ -277,8 +277,8 @@ def repair(root: str, drop_output: tuple[int, int] | None = None) -> dict[str, A
     ``drop_output=(first, last)`` consents to dropping the output of steps ``first..last`` when that output is
     damaged and cannot be computed again (invariant 5); it must name exactly the steps the refusal names.
     Raises CorruptionError (nothing changed) when the output log needs that consent, RecoveryError if the
-    directory holds no pipeline or a layout change is in progress (open the pipeline first), InUseError-like
-    DbspError if a pipeline has it open. Damage it cannot repair is listed in the report's ``unrepaired``,
+    directory is not a directory or a layout change is in progress (open the pipeline first), DbspError if a
+    pipeline has it open. Damage it cannot repair is listed in the report's ``unrepaired``,
     each entry naming the file, what is wrong and what the user can do.
     """
     root = os.fspath(root)
@@ -288,7 +288,9 @@ def repair(root: str, drop_output: tuple[int, int] | None = None) -> dict[str, A
     try:
         finish_repair(root)
         if read_rescale(root) is not None:
-            raise RecoveryError(f"dbsp repair: {root}: a layout change is in progress; Pipeline.open finishes it")
+            raise RecoveryError(f"dbsp repair: {root}: a layout change is in progress (RESCALE); Pipeline.open "
+                                f"finishes or undoes it before it reads anything else: open the pipeline first, and "
+                                f"if open fails on the change itself, restore the directory from a backup")
         report: dict[str, Any] = {"path": root, "input_damaged": [], "input_missing": [], "lost": [],
                                   "lost_unnamed": 0, "withdrawn_output": None, "output_dropped": None,
                                   "backup": None, "requeued_pushes": 0, "repaired": [], "unrepaired": []}
@@ -303,6 +305,11 @@ def repair(root: str, drop_output: tuple[int, int] | None = None) -> dict[str, A
         unlock_dir(fd)
 
 
+def _why(exc: BaseException) -> str:
+    """An error's message without the hint CorruptionError adds (a report names repair already)."""
+    return str(exc).replace("; " + CorruptionError.HINT, "")
+
+
 def _unrepaired(report: dict[str, Any], root: str, path: str, problem: str, action: str) -> None:
     """List damage repair leaves as it is, with what the user can do."""
     report["unrepaired"].append({"file": os.path.relpath(path, root), "problem": problem, "action": action})
@@ -314,7 +321,7 @@ def _version_error(db: Database, v: int) -> str | None:
     try:
         db.check(v)
     except (CorruptionError, StorageError, KeyError) as exc:
-        return str(exc).split("; run `dbsp repair", 1)[0]
+        return _why(exc)
     return None
 
 
@@ -328,7 +335,7 @@ def _repair_files(root: str, report: dict[str, Any]) -> None:
                     "META names the circuit (its fingerprint), the executor kind and the schemas, which no other file "
                     "holds: restore META from a backup of the directory; nothing else was changed for it")
     except CorruptionError as exc:
-        _unrepaired(report, root, os.path.join(root, META_FILE), str(exc).split("; run `dbsp repair", 1)[0],
+        _unrepaired(report, root, os.path.join(root, META_FILE), _why(exc),
                     "META names the circuit (its fingerprint), the executor kind and the schemas, which no other file "
                     "holds: restore META from a backup of the directory; nothing else was changed for it")
     except FormatVersionError:
@@ -338,7 +345,7 @@ def _repair_files(root: str, report: dict[str, Any]) -> None:
     try:
         read_layout(root)
     except CorruptionError as exc:
-        _repair_layout(root, report, str(exc).split("; run `dbsp repair", 1)[0])
+        _repair_layout(root, report, _why(exc))
     if _state_paths(root):
         _repair_driver(root, report, resume_step(root, _output_last(root)))
 
@@ -353,7 +360,7 @@ def _repair_job(root: str, report: dict[str, Any]) -> bool:
         read_record(path, JOB_MAGIC)
         return True
     except CorruptionError as exc:
-        problem = str(exc).split("; run `dbsp repair", 1)[0]
+        problem = _why(exc)
     out_last = _output_last(root)
     paths = _state_paths(root)
     try:
@@ -424,7 +431,7 @@ def _repair_state(root: str, report: dict[str, Any]) -> bool:
                 dbs[p] = Database(p, readonly=True)
                 vers[p] = dbs[p].versions()
             except (CorruptionError, StorageError) as exc:
-                _unrepaired(report, root, p, f"no version is readable ({str(exc).split('; run `dbsp repair', 1)[0]})",
+                _unrepaired(report, root, p, f"no version is readable ({_why(exc)})",
                             "this worker's state is gone: restore the directory from a backup")
         if len(vers) < len(paths):
             return False
@@ -550,7 +557,7 @@ def _repair_driver(root: str, report: dict[str, Any], x: int) -> None:
             with Database(dpath, readonly=True) as db:
                 err = _version_error(db, db.versions().stop - 1)
         except (CorruptionError, StorageError) as exc:
-            err = str(exc).split("; run `dbsp repair", 1)[0]
+            err = _why(exc)
         if err is None:
             return
         problem = f"its newest version is damaged ({err})"
