@@ -328,18 +328,19 @@ def _version_error(db: Database, v: int) -> str | None:
 def _repair_files(root: str, report: dict[str, Any]) -> None:
     """META, the state databases, LAYOUT and driver.db (invariants 6 and 7): repaired when another file holds
     what they held, else listed in ``report["unrepaired"]`` with what the user can do."""
+    meta_problem = None
     try:
         read_meta(root)
     except FileNotFoundError:
-        _unrepaired(report, root, os.path.join(root, META_FILE), "missing",
-                    "META names the circuit (its fingerprint), the executor kind and the schemas, which no other file "
-                    "holds: restore META from a backup of the directory; nothing else was changed for it")
+        meta_problem = "missing"
     except CorruptionError as exc:
-        _unrepaired(report, root, os.path.join(root, META_FILE), _why(exc),
-                    "META names the circuit (its fingerprint), the executor kind and the schemas, which no other file "
-                    "holds: restore META from a backup of the directory; nothing else was changed for it")
+        meta_problem = _why(exc)
     except FormatVersionError:
         return  # another directory format: Pipeline.open upgrades it; nothing here reads it
+    if meta_problem is not None:
+        _unrepaired(report, root, os.path.join(root, META_FILE), meta_problem,
+                    "META names the circuit (its fingerprint), the executor kind and the schemas, which no other file "
+                    "holds: restore META from a backup of the directory; nothing else was changed for it")
     if not _repair_job(root, report) or not _repair_state(root, report):
         return
     try:
