@@ -60,7 +60,7 @@ from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOC
                                        DEDUP_TABLE, DISCARD_HANDLE, DISCARD_MAGIC, DIVISION_HANDLE, DIVISION_MAGIC,
                                        DRIVER_DB,
                                        INPUT_DIR, JOB_FILE, JOB_MAGIC, LAYOUT_FILE, META_FILE, OUTPUT_DIR,
-                                       REPAIR_FILE, REPAIR_MAGIC, STATE_DIR, state_db_path)
+                                       REPAIR_FILE, REPAIR_MAGIC, STATE_DIR, DIRECTORY_FORMAT, state_db_path)
 from dbsp_core.storage.salvage import Record, Salvaged, salvage
 
 __all__ = ["finish_repair", "rebuild_output", "repair", "resume_step"]
@@ -330,22 +330,22 @@ def _repair_files(root: str, report: dict[str, Any]) -> None:
     what they held, else listed in ``report["unrepaired"]`` with what the user can do."""
     meta_problem = None
     try:
-        read_meta(root)
+        if read_meta(root, (1, DIRECTORY_FORMAT)).get("format") == 1:
+            return  # the previous directory format: Pipeline.open upgrades it; nothing here reads it
     except FileNotFoundError:
         meta_problem = "missing"
-    except CorruptionError as exc:
-        meta_problem = _why(exc)
-    except FormatVersionError:
-        return  # another directory format: Pipeline.open upgrades it; nothing here reads it
+    except (CorruptionError, FormatVersionError) as exc:  # a format version no build of ours wrote: a flipped byte
+        meta_problem = _why(exc)                          # (the record's checksum does not cover it) or a newer one
     if meta_problem is not None:
         _unrepaired(report, root, os.path.join(root, META_FILE), meta_problem,
                     "META names the circuit (its fingerprint), the executor kind and the schemas, which no other file "
-                    "holds: restore META from a backup of the directory; nothing else was changed for it")
+                    "holds: restore META from a backup of the directory (or open it with the build that wrote it, if "
+                    "a newer one did); nothing else was changed for it")
     if not _repair_job(root, report) or not _repair_state(root, report):
         return
     try:
         read_layout(root)
-    except CorruptionError as exc:
+    except (CorruptionError, FormatVersionError) as exc:
         _repair_layout(root, report, _why(exc))
     if _state_paths(root):
         _repair_driver(root, report, resume_step(root, _output_last(root)))
@@ -360,7 +360,7 @@ def _repair_job(root: str, report: dict[str, Any]) -> bool:
     try:
         read_record(path, JOB_MAGIC)
         return True
-    except CorruptionError as exc:
+    except (CorruptionError, FormatVersionError) as exc:
         problem = _why(exc)
     out_last = _output_last(root)
     paths = _state_paths(root)
@@ -413,7 +413,7 @@ def _repair_state(root: str, report: dict[str, Any]) -> bool:
         return True
     try:
         layout = read_layout(root)[0]
-    except CorruptionError:
+    except (CorruptionError, FormatVersionError):
         layout = None
     stages = sorted({os.path.dirname(p) for p in paths if os.sep + "stage-" in p})
     want = [os.path.join(st, f"worker-{w}.db") for st in stages for w in range(layout.workers)] if stages and layout \

@@ -105,6 +105,10 @@ def judge(d: str, kind: str) -> dict:
                         del acc[row]
         p.close()
     except (DbspError, OSError) as e:  # open worked but the pipeline cannot go on: a refusal, typed
+        try:  # closed now: left to the garbage collector, its logs would write into the next case's directory
+            p.close()
+        except (DbspError, OSError):
+            pass
         if not _says_what_to_do(e):
             return {"verdict": "wrong", "problems": [f"after open, an error naming no way forward: {e}"[:400]]}
         return {"verdict": "refused", "error": f"after open: {type(e).__name__}: {e}"[:300]}
