@@ -60,7 +60,8 @@ from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOC
                                        DEDUP_TABLE, DISCARD_HANDLE, DISCARD_MAGIC, DIVISION_HANDLE, DIVISION_MAGIC,
                                        DRIVER_DB,
                                        INPUT_DIR, JOB_FILE, JOB_MAGIC, LAYOUT_FILE, META_FILE, OUTPUT_DIR,
-                                       REPAIR_FILE, REPAIR_MAGIC, STATE_DIR, DIRECTORY_FORMAT, state_db_path)
+                                       REPAIR_FILE, REPAIR_MAGIC, RESCALE_FILE, STATE_DIR, DIRECTORY_FORMAT,
+                                       state_db_path)
 from dbsp_core.storage.salvage import Record, Salvaged, salvage
 
 __all__ = ["finish_repair", "rebuild_output", "repair", "resume_step"]
@@ -287,13 +288,20 @@ def repair(root: str, drop_output: tuple[int, int] | None = None) -> dict[str, A
     fd = lock_dir(root)
     try:
         finish_repair(root)
-        if read_rescale(root) is not None:
+        try:
+            rescale = read_rescale(root)
+        except (CorruptionError, FormatVersionError) as exc:
+            report = _empty_report(root)
+            _unrepaired(report, root, os.path.join(root, RESCALE_FILE), _why(exc),
+                        "it describes a layout change in progress, which no other file does: restore the directory "
+                        "from a backup (nothing else was looked at or changed)")
+            report["result"] = f"NOT REPAIRED: RESCALE: {_why(exc)}"
+            return report
+        if rescale is not None:
             raise RecoveryError(f"dbsp repair: {root}: a layout change is in progress (RESCALE); Pipeline.open "
                                 f"finishes or undoes it before it reads anything else: open the pipeline first, and "
                                 f"if open fails on the change itself, restore the directory from a backup")
-        report: dict[str, Any] = {"path": root, "input_damaged": [], "input_missing": [], "lost": [],
-                                  "lost_unnamed": 0, "withdrawn_output": None, "output_dropped": None,
-                                  "backup": None, "requeued_pushes": 0, "repaired": [], "unrepaired": []}
+        report = _empty_report(root)
         _repair_files(root, report)
         logs = _repair_logs(root, report, drop_output)
         done = "; ".join(report["repaired"])
@@ -303,6 +311,12 @@ def repair(root: str, drop_output: tuple[int, int] | None = None) -> dict[str, A
         return report
     finally:
         unlock_dir(fd)
+
+
+def _empty_report(root: str) -> dict[str, Any]:
+    return {"path": root, "input_damaged": [], "input_missing": [], "lost": [], "lost_unnamed": 0,
+            "withdrawn_output": None, "output_dropped": None, "backup": None, "requeued_pushes": 0, "repaired": [],
+            "unrepaired": []}
 
 
 def _why(exc: BaseException) -> str:
