@@ -4,7 +4,7 @@ Required of every case (judged by fuzz_files_child.py): it opens and matches the
 opens and matches the model minus exactly the losses repair named, or is refused with a typed error naming what
 to do; 0 crashes (a signal, or an exception other than a typed DbspError / OSError), 0 hangs, 0 acknowledged
 pushes lost without being named. The default test runs every case kind (file kind x damage) once, in order of a
-seeded shuffle (126 cases, 30-45 s on 2 cores); ``test_damaged_files_long`` (slow, opt-in) runs DBSP_FUZZ_CASES
+seeded shuffle (126 cases, 5-45 s on 2 cores, by load); ``test_damaged_files_long`` (slow, opt-in) runs DBSP_FUZZ_CASES
 cases (e.g. 500, or 10000 for the long run). DBSP_FUZZ_SEED replays a run; the seed, the number of cases and the
 counts per case kind (opened / repaired / refused) are printed.
 """
