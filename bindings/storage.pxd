@@ -49,6 +49,7 @@ cdef extern from "pagestore.h" nogil:
     void dbsp_pagestore_close(DbspPageStore *ps)
     int dbsp_pagestore_versions(DbspPageStore *ps, uint64_t *first, uint64_t *count)
     int dbsp_pagestore_check(DbspPageStore *ps)
+    int dbsp_pagestore_check_version(DbspPageStore *ps, uint64_t version)
     int dbsp_pagestore_stats(DbspPageStore *ps, uint64_t *page_count, uint64_t *free_pages, uint64_t *last_commit_pages)
     int dbsp_pagestore_begin(DbspPageStore *ps, uint64_t v, DbspTxn **out)
     int dbsp_pagestore_read(DbspPageStore *ps, uint64_t v, DbspTxn **out)

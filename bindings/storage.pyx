@@ -141,6 +141,13 @@ cdef class PageStore:
             st = dbsp_pagestore_check(self.ps)
         check(st)
 
+    def check_version(self, uint64_t version):
+        cdef int st
+        self.alive()
+        with nogil:
+            st = dbsp_pagestore_check_version(self.ps, version)
+        check(st)
+
     def stats(self):
         cdef uint64_t pc, nf, lc
         self.alive()

@@ -903,6 +903,14 @@ int dbsp_pagestore_check(DbspPageStore *ps) {
     return DBSP_OK;
 }
 
+int dbsp_pagestore_check_version(DbspPageStore *ps, uint64_t version) {
+    if (ps->txn) return dbsp_storage_fail(DBSP_ESTATE, 0, "pagestore %s: check during a transaction", ps->path);
+    for (int s = 0; s < 2; s++)
+        if (ps->valid[s] && ps->meta[s].version == version) return check_version(ps, &ps->meta[s]);
+    return dbsp_storage_fail(DBSP_ENOTFOUND, 0, "pagestore %s: version %llu is not openable", ps->path,
+                             (unsigned long long)version);
+}
+
 /* ---------- open / close ---------- */
 static int create_file(DbspPageStore *ps, uint64_t version) {
     char *tmp = malloc(strlen(ps->path) + 8);

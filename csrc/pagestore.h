@@ -30,6 +30,8 @@ void dbsp_pagestore_close(DbspPageStore *ps);
 int dbsp_pagestore_versions(DbspPageStore *ps, uint64_t *first, uint64_t *count);
 /* Checks the invariants (1)-(6) of pagestore.c on every openable version; DBSP_ECORRUPT if one fails. */
 int dbsp_pagestore_check(DbspPageStore *ps);
+/* check_version() of one openable version only; DBSP_ENOTFOUND if it is not openable. */
+int dbsp_pagestore_check_version(DbspPageStore *ps, uint64_t version);
 /* Page count and free-page count of the newest version, and pages written by the last commit. */
 int dbsp_pagestore_stats(DbspPageStore *ps, uint64_t *page_count, uint64_t *free_pages, uint64_t *last_commit_pages);
 

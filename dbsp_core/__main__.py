@@ -6,8 +6,10 @@
 - ``dbsp read DIR VIEW [--from-step N] [--limit K]``: the changes of one view from the output log;
 - ``dbsp sql FILE.sql [--view NAME]``: compile CREATE TABLE / CREATE VIEW statements and print the plan of each
   view (operators, exchanges, state).
-- ``dbsp repair DIR [--json]``: the way forward from a damaged input log: keeps a copy of what it replaces,
-  reports exactly which pushes are lost, and leaves a directory that opens (dbsp_core.storage.repair).
+- ``dbsp repair DIR [--drop-output FIRST..LAST] [--json]``: the way forward from damaged files: keeps a copy of
+  what it replaces, reports exactly which pushes are lost, and leaves a directory that opens, or says what is
+  damaged and what to do (exit status 1); ``--drop-output`` consents to dropping output history that cannot be
+  computed again, as the refusal names it (dbsp_core.storage.repair).
 """
 
 from __future__ import annotations
@@ -114,23 +116,48 @@ def _sql(args: argparse.Namespace) -> int:
     return 0
 
 
+def _steps(text: str) -> tuple[int, int]:
+    """``FIRST..LAST`` (or one step) as a pair of ints."""
+    first, _, last = text.partition("..")
+    try:
+        a, b = int(first), int(last or first)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FIRST..LAST (steps, e.g. 0..4), got {text!r}") from None
+    if not 0 <= a <= b:
+        raise argparse.ArgumentTypeError(f"expected 0 <= FIRST <= LAST, got {text!r}")
+    return a, b
+
+
 def _repair(args: argparse.Namespace) -> int:
     from dbsp_core.storage.repair import repair
 
-    report = repair(args.dir)
+    try:
+        report = repair(args.dir, drop_output=args.drop_output)
+    except DbspError as exc:  # nothing was changed; the message says why and what to do
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
-        return 0
+        return 1 if report["unrepaired"] else 0
     print(f"repair       {report['path']}")
     for d in report["input_damaged"]:
         print(f"damaged      input/{d['segment']} bytes {d['from']}..{d['to']}")
+    for n in report["input_missing"]:
+        print(f"missing      input/{n} (every record it held is lost)")
     for lost in report["lost"]:
         print(f"lost         producer {lost['producer']!r} seq {lost['seq']}"
               + (f" (step {lost['step']})" if lost["step"] >= 0 else ""))
     if report["lost_unnamed"]:
         print(f"lost         {report['lost_unnamed']} more pushes that no record names (anonymous ones)")
+    if report["output_dropped"]:
+        a, b = report["output_dropped"]
+        print(f"dropped      the output of steps {a}..{b}")
+    for what in report["repaired"]:
+        print(f"repaired     {what}")
+    for u in report["unrepaired"]:
+        print(f"NOT REPAIRED {u['file']}: {u['problem']}\n             what to do: {u['action']}")
     print(f"result       {report['result']}")
-    return 0
+    return 1 if report["unrepaired"] else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,8 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     sq = sub.add_parser("sql", help="compile a SQL file and print the plan of each view")
     sq.add_argument("file")
     sq.add_argument("--view", action="append", help="only this view (repeatable)")
-    rp = sub.add_parser("repair", help="repair a storage directory whose input log is damaged")
+    rp = sub.add_parser("repair", help="repair a damaged storage directory, or say what is damaged and what to do")
     rp.add_argument("dir")
+    rp.add_argument("--drop-output", type=_steps, metavar="FIRST..LAST", default=None,
+                    help="drop the output of these steps, which is damaged and cannot be computed again (state and "
+                         "input are kept); the refusal names the exact steps")
     rp.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(args_list)
     if args.command == "sql":

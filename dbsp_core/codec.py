@@ -59,7 +59,8 @@ def unframe_view(magic: bytes, blob: Any, where: str) -> memoryview:
     if m != magic:
         raise CorruptionError(f"{where}: bad magic {m!r}, expected {magic!r}")
     if version != FORMAT_VERSION:
-        raise FormatVersionError(f"{where}: format version {version}, this build reads {FORMAT_VERSION}")
+        raise FormatVersionError(f"{where}: format version {version}, this build reads {FORMAT_VERSION} (written by "
+                                 f"another build, or that byte is damaged: `dbsp repair DIR` repairs what it can)")
     body = view[_HEAD.size:]
     if zlib.crc32(body) != crc:
         raise CorruptionError(f"{where}: checksum mismatch")

@@ -20,7 +20,17 @@ class StorageError(DbspError, OSError):
 
 
 class CorruptionError(StorageError):
-    """An on-disk structure failed its checksum or validity rule."""
+    """An on-disk structure failed its checksum or validity rule.
+
+    Its message always names ``dbsp repair`` (the command that reports what is damaged, repairs what can be, and
+    says what the user can do about the rest): a message that does not already say how to use it gets a hint.
+    """
+
+    HINT = "run `dbsp repair DIR`: it says what is damaged, repairs what it can and what to do about the rest"
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        return text if "dbsp repair" in text else f"{text}; {self.HINT}"
 
 
 class FormatVersionError(StorageError):

@@ -55,7 +55,8 @@ class WorkerStore:
                 raise RecoveryError(f"{where}: holds the state of worker {rec['worker']} of layout epoch "
                                     f"{rec['epoch']} ({1 << rec['shard_bits']} shards); the layout in force is epoch "
                                     f"{self.layout.epoch} ({self.layout.shards} shards) and this is worker "
-                                    f"{self.index}")
+                                    f"{self.index}: LAYOUT or RESCALE does not belong with the state; restore the "
+                                    f"directory from a backup (`dbsp repair DIR` lists the damage)")
             self.snapshot.load(self.handle, where)
         self._paused = None
         return self.step
@@ -111,7 +112,8 @@ def choose_version(versions: list[range], where: str) -> int:
     lo, hi = max(r.start for r in versions), min(r.stop for r in versions)
     if lo >= hi:
         raise RecoveryError(f"{where}: the state databases share no version: "
-                            f"{[(r.start, r.stop - 1) for r in versions]}")
+                            f"{[(r.start, r.stop - 1) for r in versions]} (one was lost, replaced or copied from "
+                            f"another time); restore the directory from a backup (`dbsp repair DIR` lists the damage)")
     return hi - 1
 
 

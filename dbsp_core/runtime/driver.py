@@ -369,6 +369,9 @@ class Pipeline:
             self.stats["output_rebuilt"] = {k: rebuilt[k] for k in ("kept", "missing", "backup")}
             self._output = OutputLog(os.path.join(root, OUTPUT_DIR), self._out_schemas, check=replay_check,
                                      sync=output_sync, segment_bytes=segment_bytes, expect=rebuilt["expect"])
+        if not os.path.exists(os.path.join(root, DRIVER_DB)) and self._output.last > 0:
+            raise CorruptionError(f"{root}: {DRIVER_DB} is missing, but the output log holds steps up to "
+                                  f"{self._output.last - 1}: the record of the pushes already counted is lost")
         self._driver_db = Database(os.path.join(root, DRIVER_DB), vfs=self._vfs)
         self.consumers = ConsumerRegistry(root, self._vfs)
         out = self._output
@@ -428,7 +431,8 @@ class Pipeline:
         out = self._output
         if out.last < x:
             raise RecoveryError(f"{root}: the output log ends at step {out.last} but the state is at step {x}; "
-                                f"output of steps {out.last}..{x - 1} is lost")
+                                f"output of steps {out.last}..{x - 1} is lost and cannot be computed again: "
+                                f"restore the directory from a backup (`dbsp repair DIR` lists the damage)")
         if d > x:
             raise RecoveryError(f"{root}: driver.db is at step {d} but the state only at step {x}")
         divisions: dict[int, dict] = {}

@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from dbsp_core.circuit import Circuit
-from dbsp_core.errors import DbspError, StepError
+from dbsp_core.errors import CorruptionError, DbspError, StepError
 from dbsp_core.layout import Layout
 from dbsp_core.operators.base import concat
 from dbsp_core.runtime.context import StepContext
@@ -192,9 +192,25 @@ class EmbeddedExecutor:
         assert self.storage is not None
         paths = self._paths()
         os.makedirs(os.path.dirname(paths[0]), exist_ok=True)
+        gone = [p for p in paths if not os.path.exists(p)]
+        if gone and len(gone) < len(paths):  # a new pipeline creates them all; a lost one must not start empty
+            for p in paths:
+                if p not in gone:
+                    with Database(p, readonly=True, vfs=self.vfs) as db:
+                        if db.versions().stop > 1:
+                            raise CorruptionError(f"{self.storage}: state database {gone[0]} is missing while {p} "
+                                                  f"holds state: that worker's state is lost")
         dbs = [Database(p, vfs=self.vfs) for p in paths]
         try:
             v = choose_version([db.versions() for db in dbs], self.storage)
+            for db in dbs:  # open(v) below discards v - 1: a damaged v must leave it for dbsp repair to go back to
+                if v - 1 in db.versions():
+                    try:
+                        db.check(v)
+                    except CorruptionError as exc:
+                        raise CorruptionError(f"{db.path}: version {v} of the state is damaged ({exc.args[-1]}); "
+                                              f"version {v - 1} is kept: `dbsp repair DIR` goes back to it if every "
+                                              f"worker holds it intact") from None
             steps = set()
             for db in dbs:
                 with db.open(v) as h:  # discards any other version (a checkpoint some worker did not commit)

@@ -420,7 +420,9 @@ def choose_stage_version(paths: list[str], at_most: int | None = None) -> tuple[
             lo, hi = max(r.start for r in ranges), min(r.stop for r in ranges)
             if lo >= hi:
                 raise RecoveryError(f"the stage databases share no version: "
-                                    f"{[(p, r.start, r.stop - 1) for p, r in zip(paths, ranges)]}")
+                                    f"{[(p, r.start, r.stop - 1) for p, r in zip(paths, ranges)]} (one was lost, "
+                                    f"replaced or copied from another time); restore the directory from a backup "
+                                    f"(`dbsp repair DIR` lists the damage)")
             v = hi - 1 if at_most is None else min(hi - 1, at_most)
             if v < lo:
                 raise RecoveryError(f"the stage databases share versions {lo}..{hi - 1}, none at or below {at_most}")

@@ -200,9 +200,17 @@ class Database:
             raise KeyError(f"{self.path}: version {version} is not readable; versions() is {self.versions()}") from e
         return DatabaseHandle(self, txn, version, readonly=True)
 
-    def check(self) -> None:
-        """Verifies every openable version (checksums, tree order, free-page accounting); raises CorruptionError."""
-        self._ps.check()
+    def check(self, version: Optional[int] = None) -> None:
+        """Verifies every openable version, or only ``version`` (checksums of every page it reaches, tree order,
+        free-page accounting); raises CorruptionError, and KeyError if ``version`` is not openable. Reads only:
+        unlike :meth:`open` it discards no version, so a caller can tell whether the other one is intact."""
+        if version is None:
+            self._ps.check()
+            return
+        try:
+            self._ps.check_version(version)
+        except _storage.NotFound as e:
+            raise KeyError(f"{self.path}: version {version} is not openable; versions() is {self.versions()}") from e
 
     def stats(self) -> dict:
         """Page count and free-page count of the newest version, and pages written by the last commit."""

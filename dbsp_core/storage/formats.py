@@ -7,7 +7,9 @@ Directory format 2 (``DIRECTORY_FORMAT``)::
       LAYOUT                    the layout in force (shards, owner table, epoch) and the last rescale's report
       RESCALE                   only while a layout change is in progress: from, to, base version, step
       REPAIR                    only while ``dbsp repair`` (or an output rebuild) swaps in repaired logs
-      repair-<n>/               what a repair replaced: the old input/ or output/, damaged segments as they were
+      repair-<n>/               what a repair replaced: the old input/ or output/, damaged segments as they were,
+                                the state databases before a damaged version was given up (state-worker-<w>.db),
+                                a damaged driver.db, LAYOUT or JOB (dbsp_core.storage.repair)
       LOCK                      flock(2)ed by the process that owns the directory (empty)
       driver.db                 Database: the dedup set and the clock at the driver's last checkpoint
       input/                    StepLog: pushes and one division record per step

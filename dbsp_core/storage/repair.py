@@ -1,4 +1,4 @@
-"""Ways forward from damaged logs: ``dbsp repair DIR`` for a damaged input log (it keeps a copy of what it replaces, reports exactly which pushes are lost, and leaves a directory that opens), and the rebuild of a damaged output log at ``Pipeline.open`` (its damaged steps are computed again from the input).
+"""Ways forward from a damaged storage directory: ``dbsp repair DIR`` (it keeps a copy of what it replaces, reports exactly which pushes and which output steps are lost, and leaves a directory that opens, or says which file is damaged and what the user can do), and the rebuild of a damaged output log at ``Pipeline.open`` (its damaged steps are computed again from the input).
 
 Invariants (enforced here):
   1. Nothing is destroyed: a log part (``input/`` or ``output/``) is replaced only by renaming the old one into
@@ -22,7 +22,23 @@ Invariants (enforced here):
   4. A damaged output log is rebuilt (at open) only when every step it lacks is one recovery computes again
      (at or after the resume step): the new log holds the intact records below the first missing step, and
      the intact records after it are kept to verify the steps computed again. Otherwise CorruptionError names
-     the damaged file and the steps that cannot be recomputed, and nothing changes.
+     the damaged file, the steps that cannot be recomputed and the ``--drop-output FIRST..LAST`` of invariant
+     5, and nothing changes. A segment missing between two others is damage (salvage invariant 4), and so is
+     an input log that starts after driver.db's step (its oldest segment is gone: truncation never removes a
+     record of a step at or after it).
+  5. Output history is dropped only with consent naming exactly the steps that go (``drop_output``, CLI
+     ``--drop-output FIRST..LAST``): the output of every step below the last damaged step under the checkpoint
+     goes with it (the log is contiguous), and the new log starts after it, as if retention had dropped them.
+     State and input are kept, so every push still counts once; only their output can no longer be read.
+  6. The other files: META cannot be rebuilt (it names the circuit); a state database's damaged newest version
+     is given up (``Database.open`` of the one before, closed without commit) only when every state database
+     holds that one intact and the input log and driver.db still go back to its step; LAYOUT is rebuilt from
+     the layout every state database records with its state, when they agree; driver.db from the output log's
+     input ranges of every step below the state's (its seen set) and the input log (its clock floor); the
+     staged JOB record is removed or made again from the versions and the output log's end.
+  7. Repair finishes or says exactly why not: damage it leaves is listed in the report's ``unrepaired`` (file,
+     problem, what the user can do) and nothing is changed for it; the CLI then exits with status 1. A
+     directory repair reports as repaired opens (the file fuzz test checks it for every kind of file).
 """
 
 from __future__ import annotations
@@ -36,15 +52,16 @@ from typing import Any
 
 from dbsp_core import _storage
 from dbsp_core.codec import decode_json, encode_json
-from dbsp_core.errors import CorruptionError, RecoveryError
+from dbsp_core.errors import CorruptionError, FormatVersionError, RecoveryError, StorageError
 from dbsp_core.storage.database import Database
-from dbsp_core.storage.directory import fsync_dir, lock_dir, read_record, read_rescale, remove_record, unlock_dir, \
-    write_record
+from dbsp_core.storage.directory import (fsync_dir, lock_dir, read_layout, read_meta, read_record, read_rescale,
+                                        remove_record, unlock_dir, write_layout, write_record)
 from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE,
                                        DEDUP_TABLE, DISCARD_HANDLE, DISCARD_MAGIC, DIVISION_HANDLE, DIVISION_MAGIC,
                                        DRIVER_DB,
-                                       INPUT_DIR, JOB_FILE, JOB_MAGIC, OUTPUT_DIR, REPAIR_FILE, REPAIR_MAGIC,
-                                       STATE_DIR)
+                                       INPUT_DIR, JOB_FILE, JOB_MAGIC, LAYOUT_FILE, META_FILE, OUTPUT_DIR,
+                                       REPAIR_FILE, REPAIR_MAGIC, RESCALE_FILE, STATE_DIR, DIRECTORY_FORMAT,
+                                       state_db_path)
 from dbsp_core.storage.salvage import Record, Salvaged, salvage
 
 __all__ = ["finish_repair", "rebuild_output", "repair", "resume_step"]
@@ -148,13 +165,12 @@ def _output_steps(got: Salvaged, where: str) -> dict[int, bytes]:
     return out
 
 
-def rebuild_output(root: str, below: int | None = None, backup: str | None = None) -> dict[str, Any]:
-    """Rebuild the output log from its intact records (invariant 4): the new log ends before the first step it
-    lacks (and before ``below``); returns ``{"kept": (first, end), "expect": {step: payload}, "missing": [...],
-    "backup": dir}``, the intact records after the cut in ``expect``. CorruptionError (nothing changed) if a
-    step it lacks is below the step recovery resumes at."""
+def _plan_output(root: str, below: int | None, drop: tuple[int, int] | None) -> dict[str, Any]:
+    """What a rebuilt output log keeps (invariants 4 and 5): ``{"intact", "first", "keep": (k, cut), "x",
+    "missing", "damaged", "dropped"}``. CorruptionError (nothing changed) when output history the replay cannot
+    compute again would go and ``drop`` does not consent to exactly that, naming the option that does."""
     odir = os.path.join(root, OUTPUT_DIR)
-    got = salvage(odir)
+    got = salvage(odir) if os.path.isdir(odir) else Salvaged([], [], None, [], [])
     intact = _output_steps(got, odir)
     steps = sorted(intact)
     first = steps[0] if steps else 0
@@ -162,22 +178,51 @@ def rebuild_output(root: str, below: int | None = None, backup: str | None = Non
     head = bool(got.damaged) and (not got.records or (got.damaged[0][0], got.damaged[0][1]) <
                                   (got.records[0].segment, got.records[0].offset))
     missing = [s for s in range(first, end) if s not in intact]
-    cut = min(missing + ([below] if below is not None else []) + [end])
-    x = resume_step(root, cut)
-    where = ", ".join(f"{n} bytes {a}..{b}" for n, a, b in got.damaged)
-    if cut < x:
-        raise CorruptionError(f"{odir}: damaged ({where}); output steps {missing[:20]} are missing, and the state's "
-                            f"checkpoint is at step {x}: they cannot be computed again (their input is gone). "
-                            f"Nothing was changed")
-    if head:  # the steps before the first intact record are unknown (retention may have dropped some)
-        raise CorruptionError(f"{odir}: damaged before its first intact record ({where}), which is of step {first}: "
-                            f"the steps before it cannot be told apart from steps retention dropped. Nothing was "
-                            f"changed")
+    x = resume_step(root, min(missing + ([below] if below is not None else []) + [end]))
+    bad = [m for m in missing if m < x]
+    k = max(bad) + 1 if bad else first  # the new log starts here: every damaged step below x goes
+    cut = min([m for m in missing if m >= k] + ([below] if below is not None else []) + [end])
+    where = ", ".join([f"{n} bytes {a}..{b}" for n, a, b in got.damaged] + [f"{n} missing" for n in got.missing])
+    dropped = None
+    if bad or head:
+        # the steps before the first intact record are unknown when the head is damaged: if the oldest segment
+        # is the log's first, they start at step 0, else retention may have dropped some of them
+        lo = 0 if head else first
+        dropped = (lo, k - 1)
+        why = (f"output steps {bad[:20]} are missing and the state's checkpoint is at step {x}: they cannot be "
+               f"computed again (their input is gone)" if bad else
+               f"it is damaged before its first intact record, which is of step {first}")
+        if k - 1 < lo:
+            dropped = None
+        elif drop is None or tuple(drop) != dropped:
+            given = "" if drop is None else f" (--drop-output {drop[0]}..{drop[1]} was given)"
+            raise CorruptionError(
+                f"{odir}: damaged ({where}); {why}. Nothing was changed{given}. `dbsp repair {root} --drop-output "
+                f"{lo}..{k - 1}` drops the output of steps {lo}..{k - 1} (consumers can no longer read them) "
+                f"and keeps the state and the input; or restore {odir} from a backup")
+    if cut <= k and x > 0:
+        raise CorruptionError(f"{odir}: damaged ({where}); no intact output record is left at or after step {k} "
+                              f"and the state is at step {x}: restore {odir} from a backup. Nothing was changed "
+                              f"(dbsp repair cannot rebuild it)")
+    return {"intact": intact, "keep": (k, cut), "x": x, "missing": missing, "damaged": got.damaged + [
+        (n, 0, 0) for n in got.missing], "dropped": dropped, "first": first}
+
+
+def rebuild_output(root: str, below: int | None = None, backup: str | None = None,
+                   drop: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Rebuild the output log from its intact records (invariants 4 and 5): the new log ends before the first
+    step it lacks (and before ``below``); returns ``{"kept": (first, end), "expect": {step: payload}, "missing":
+    [...], "dropped": (first, last) or None, "backup": dir}``, the intact records after the cut in ``expect``.
+    CorruptionError (nothing changed) if a step it lacks is below the step recovery resumes at and ``drop``
+    does not name exactly the steps that must go for that (see :func:`_plan_output`)."""
+    plan = _plan_output(root, below, drop)
+    intact, (k, cut) = plan["intact"], plan["keep"]
+    odir = os.path.join(root, OUTPUT_DIR)
     backup = backup or _backup_dir(root)
-    _write_log(odir + ".new", [(s, "", "", 0, intact[s]) for s in range(first, cut)], False)
+    _write_log(odir + ".new", [(s, "", "", 0, intact[s]) for s in range(k, cut)], False)
     _swap(root, backup, [OUTPUT_DIR])
-    return {"kept": (first, cut), "expect": {s: intact[s] for s in steps if s >= cut}, "missing": missing,
-            "backup": backup, "damaged": got.damaged}
+    return {"kept": (k, cut), "expect": {s: intact[s] for s in sorted(intact) if s >= cut},
+            "missing": plan["missing"], "backup": backup, "damaged": plan["damaged"], "dropped": plan["dropped"]}
 
 
 # ---- the input log (dbsp repair) ----
@@ -227,29 +272,355 @@ def _named_outputs(root: str, steps: range) -> dict[int, list[dict]]:
     return out
 
 
-def repair(root: str) -> dict[str, Any]:
-    """Repair a storage directory whose input log is damaged (invariants 1-3); returns the report.
+def repair(root: str, drop_output: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Repair a storage directory (invariants 1-7); returns the report.
 
-    Raises RecoveryError if the directory holds no pipeline or a layout change is in progress (open the
-    pipeline first), DbspError if a pipeline has it open.
+    ``drop_output=(first, last)`` consents to dropping the output of steps ``first..last`` when that output is
+    damaged and cannot be computed again (invariant 5); it must name exactly the steps the refusal names.
+    Raises CorruptionError (nothing changed) when the output log needs that consent, RecoveryError if the
+    directory is not a directory or a layout change is in progress (open the pipeline first), DbspError if a
+    pipeline has it open. Damage it cannot repair is listed in the report's ``unrepaired``,
+    each entry naming the file, what is wrong and what the user can do.
     """
     root = os.fspath(root)
-    if not os.path.exists(os.path.join(root, "META")):
-        raise RecoveryError(f"dbsp repair: {root!r} holds no pipeline (META is missing)")
+    if not os.path.isdir(root):
+        raise RecoveryError(f"dbsp repair: {root!r} is not a directory")
     fd = lock_dir(root)
     try:
         finish_repair(root)
-        if read_rescale(root) is not None:
-            raise RecoveryError(f"dbsp repair: {root}: a layout change is in progress; Pipeline.open finishes it")
-        return _repair(root)
+        try:
+            rescale = read_rescale(root)
+        except (CorruptionError, FormatVersionError) as exc:
+            report = _empty_report(root)
+            _unrepaired(report, root, os.path.join(root, RESCALE_FILE), _why(exc),
+                        "it describes a layout change in progress, which no other file does: restore the directory "
+                        "from a backup (nothing else was looked at or changed)")
+            report["result"] = f"NOT REPAIRED: RESCALE: {_why(exc)}"
+            return report
+        if rescale is not None:
+            raise RecoveryError(f"dbsp repair: {root}: a layout change is in progress (RESCALE); Pipeline.open "
+                                f"finishes or undoes it before it reads anything else: open the pipeline first, and "
+                                f"if open fails on the change itself, restore the directory from a backup")
+        report = _empty_report(root)
+        _repair_files(root, report)
+        logs = _repair_logs(root, report, drop_output)
+        done = "; ".join(report["repaired"])
+        bad = "; ".join(f"{u['file']}: {u['problem']} -> {u['action']}" for u in report["unrepaired"])
+        report["result"] = "; ".join(x for x in (done, logs, f"NOT REPAIRED: {bad}" if bad else "") if x) \
+            or "nothing to repair: every file of the directory is intact"
+        return report
     finally:
         unlock_dir(fd)
 
 
-def _repair(root: str) -> dict[str, Any]:
+def _empty_report(root: str) -> dict[str, Any]:
+    return {"path": root, "input_damaged": [], "input_missing": [], "lost": [], "lost_unnamed": 0,
+            "withdrawn_output": None, "output_dropped": None, "backup": None, "requeued_pushes": 0, "repaired": [],
+            "unrepaired": []}
+
+
+def _why(exc: BaseException) -> str:
+    """An error's message without the hint CorruptionError adds (a report names repair already)."""
+    return str(exc).replace("; " + CorruptionError.HINT, "")
+
+
+def _unrepaired(report: dict[str, Any], root: str, path: str, problem: str, action: str) -> None:
+    """List damage repair leaves as it is, with what the user can do."""
+    report["unrepaired"].append({"file": os.path.relpath(path, root), "problem": problem, "action": action})
+
+
+def _version_error(db: Database, v: int) -> str | None:
+    """Why version ``v`` of ``db`` fails its check (csrc/pagestore.c invariants 1-4: every page it reaches,
+    its free list), or None if it passes."""
+    try:
+        db.check(v)
+    except (CorruptionError, StorageError, KeyError) as exc:
+        return _why(exc)
+    return None
+
+
+def _repair_files(root: str, report: dict[str, Any]) -> None:
+    """META, the state databases, LAYOUT and driver.db (invariants 6 and 7): repaired when another file holds
+    what they held, else listed in ``report["unrepaired"]`` with what the user can do."""
+    meta_problem = None
+    try:
+        if read_meta(root, (1, DIRECTORY_FORMAT)).get("format") == 1:
+            return  # the previous directory format: Pipeline.open upgrades it; nothing here reads it
+    except FileNotFoundError:
+        meta_problem = "missing"
+    except (CorruptionError, FormatVersionError) as exc:  # a format version no build of ours wrote: a flipped byte
+        meta_problem = _why(exc)                          # (the record's checksum does not cover it) or a newer one
+    if meta_problem is not None:
+        _unrepaired(report, root, os.path.join(root, META_FILE), meta_problem,
+                    "META names the circuit (its fingerprint), the executor kind and the schemas, which no other file "
+                    "holds: restore META from a backup of the directory (or open it with the build that wrote it, if "
+                    "a newer one did); nothing else was changed for it")
+    if not _repair_job(root, report) or not _repair_state(root, report):
+        return
+    try:
+        read_layout(root)
+    except (CorruptionError, FormatVersionError) as exc:
+        _repair_layout(root, report, _why(exc))
+    if _state_paths(root):
+        _repair_driver(root, report, resume_step(root, _output_last(root)))
+
+
+def _repair_job(root: str, report: dict[str, Any]) -> bool:
+    """The staged executor's JOB record damaged: it only matters when the job's output is not all logged (then
+    recovery opens the job's base version). Removed when the output log holds every step the state does; made
+    again from the version before the newest when every stage database holds it at a step the output log
+    covers; else listed unrepaired. Returns whether the state can be looked at further."""
+    path = os.path.join(root, STATE_DIR, JOB_FILE)
+    try:
+        read_record(path, JOB_MAGIC)
+        return True
+    except (CorruptionError, FormatVersionError) as exc:
+        problem = _why(exc)
+    out_last = _output_last(root)
+    paths = _state_paths(root)
+    try:
+        dbs = [Database(p, readonly=True) for p in paths]
+    except (CorruptionError, StorageError, OSError):
+        dbs = []
+    try:
+        if not dbs:
+            return _unrepaired(report, root, path, problem, "the stage databases cannot be read either: restore "
+                               "the directory from a backup") or False
+        lo, hi = max(db.versions().start for db in dbs), min(db.versions().stop for db in dbs) - 1
+        steps = {}
+        for v in (hi - 1, hi):
+            if v >= lo:
+                with dbs[0].read(v) as h:
+                    steps[v] = h.get_step()
+    finally:
+        for db in dbs:
+            db.close()
+    keep = os.path.join(_backup_dir(root), JOB_FILE)
+    if hi in steps and steps[hi] <= out_last:
+        os.rename(path, keep)
+        fsync_dir(os.path.dirname(path))
+        report["repaired"].append(f"state/JOB was damaged ({problem}); the output log holds every step of the state "
+                                  f"(step {steps[hi]}), so the record is not needed: moved to {keep}")
+        return True
+    if hi - 1 in steps and steps[hi - 1] <= out_last:
+        shutil.copy2(path, keep)
+        write_record(path, JOB_MAGIC, {"version": hi - 1, "first": steps[hi - 1], "end": steps[hi]})
+        report["repaired"].append(f"state/JOB was damaged ({problem}); made again: the job from version {hi - 1} "
+                                  f"(step {steps[hi - 1]}) to step {steps[hi]}, whose output is not all logged, runs "
+                                  f"again at open; the damaged record is in {keep}")
+        return True
+    if not os.listdir(os.path.dirname(keep)):
+        os.rmdir(os.path.dirname(keep))
+    _unrepaired(report, root, path, problem, f"the state is at step {steps.get(hi)} and the output log ends at step "
+                f"{out_last}, with no older version to run the job again from: restore the directory from a backup")
+    return False
+
+
+def _repair_state(root: str, report: dict[str, Any]) -> bool:
+    """Every state database's version recovery opens must be readable in full; if one is not and every database
+    holds the version before it intact, and the input log still holds the steps from there, every database goes
+    back to it (the damaged version is discarded: ``Database.open(v - 1)`` closed without commit). A database
+    missing beside others, or holding the state of another layout than LAYOUT's, is listed unrepaired. Returns
+    whether the state is usable (True when there is none)."""
+    paths = _state_paths(root)
+    if not paths:
+        return True
+    try:
+        layout = read_layout(root)[0]
+    except (CorruptionError, FormatVersionError):
+        layout = None
+    stages = sorted({os.path.dirname(p) for p in paths if os.sep + "stage-" in p})
+    want = [os.path.join(st, f"worker-{w}.db") for st in stages for w in range(layout.workers)] if stages and layout \
+        else [state_db_path(root, None, w) for w in range(layout.workers)] if layout else []
+    gone = [p for p in want if p not in paths]
+    for p in gone:
+        _unrepaired(report, root, p, "missing", "that worker's state is lost (the input log no longer holds the "
+                    "steps that made it): restore the directory from a backup")
+    if gone:
+        return False
+    vers: dict[str, range] = {}
+    dbs: dict[str, Database] = {}
+    try:
+        for p in paths:
+            try:
+                dbs[p] = Database(p, readonly=True)
+                vers[p] = dbs[p].versions()
+            except (CorruptionError, StorageError) as exc:
+                _unrepaired(report, root, p, f"no version is readable ({_why(exc)})",
+                            "this worker's state is gone: restore the directory from a backup")
+        if len(vers) < len(paths):
+            return False
+        v = min(r.stop for r in vers.values()) - 1
+        if v < max(r.start for r in vers.values()):
+            _unrepaired(report, root, os.path.join(root, STATE_DIR), "the state databases share no version: "
+                        + ", ".join(f"{os.path.relpath(p, root)} {r.start}..{r.stop - 1}" for p, r in vers.items()),
+                        "a database was lost or replaced: restore the directory from a backup")
+            return False
+        bad = {p: e for p in paths if (e := _version_error(dbs[p], v)) is not None}
+        if not bad:
+            return _layout_matches(root, report, layout, dbs, v)
+        staged = any(os.path.basename(os.path.dirname(p)).startswith("stage-") for p in paths)
+        older = v - 1
+        ok = not staged and all(older in vers[p] and _version_error(dbs[p], older) is None for p in paths)
+        step = None
+        if ok:
+            with dbs[paths[0]].read(older) as h:
+                step = h.get_step()
+            first = _first_division(root)
+            ok = first is not None and first <= step and _driver_step(root, report) in (None, *range(step + 1))
+        if not ok:
+            why = ("the version before it is not intact in every database" if not staged and step is None else
+                   f"the version before it (step {step}) is intact, but the input log or driver.db no longer goes "
+                   f"back to that step" if step is not None else "the staged executor's versions go with its jobs")
+            for p, e in bad.items():
+                _unrepaired(report, root, p, f"version {v} is damaged ({e})",
+                            f"{why}: restore the directory from a backup (the state cannot be computed again)")
+            return False
+    finally:
+        for db in dbs.values():
+            db.close()
+    backup = _backup_dir(root)  # invariant 1: the databases as they were
+    for p in paths:
+        shutil.copy2(p, os.path.join(backup, os.path.relpath(p, root).replace(os.sep, "-")))
+    for p in paths:
+        with Database(p) as db:
+            if v in db.versions():
+                db.open(older).close()  # discards version v: older is the only one (a close keeps the base)
+    report["repaired"].append(
+        "state version " + str(v) + " was damaged in " + ", ".join(os.path.relpath(p, root) for p in bad)
+        + f" ({'; '.join(bad.values())}); every state database is back at version {older} (step {step}), and "
+          f"opening the pipeline computes the later steps again from the input; the databases as they were are "
+          f"in {backup}")
+    return True
+
+
+def _layout_matches(root: str, report: dict[str, Any], layout: Any, dbs: dict[str, Database], v: int) -> bool:
+    """Every database's version ``v`` holds the state of LAYOUT's epoch (no layout change is in progress here:
+    repair refuses while RESCALE exists); else the mismatch is listed unrepaired."""
+    from dbsp_core.storage.shardmove import read_worker_layout
+
+    if layout is None:
+        return True  # LAYOUT itself is damaged: rebuilt from these records next
+    odd = []
+    for p, db in dbs.items():
+        with db.read(v) as h:
+            rec = read_worker_layout(h, p)
+        if rec is not None and rec["epoch"] != layout.epoch:
+            odd.append(f"{os.path.relpath(p, root)} (epoch {rec['epoch']})")
+    if odd:
+        _unrepaired(report, root, os.path.join(root, LAYOUT_FILE), f"LAYOUT is of layout epoch {layout.epoch} but "
+                    f"the state of {', '.join(odd)} is not (a layout change whose RESCALE record is gone, or files "
+                    f"from another time)", "restore the directory from a backup")
+        return False
+    return True
+
+
+def _first_division(root: str) -> int | None:
+    steps = [r.step for r in salvage(os.path.join(root, INPUT_DIR)).records if r.handle == DIVISION_HANDLE] \
+        if os.path.isdir(os.path.join(root, INPUT_DIR)) else []
+    return min(steps) if steps else None
+
+
+def _driver_step(root: str, report: dict[str, Any]) -> int | None:
+    dpath = os.path.join(root, DRIVER_DB)
+    try:
+        with Database(dpath, readonly=True) as db, db.read(db.versions().stop - 1) as h:
+            return h.get_step()
+    except (OSError, CorruptionError, KeyError):
+        return None
+
+
+def _repair_layout(root: str, report: dict[str, Any], problem: str) -> None:
+    """LAYOUT again from the layout every state database records with its state (shardmove.write_worker_layout)."""
+    from dbsp_core.layout import Layout
+    from dbsp_core.storage.shardmove import read_worker_layout
+
+    path = os.path.join(root, LAYOUT_FILE)
+    found = []
+    for p in _state_paths(root):
+        try:
+            with Database(p, readonly=True) as db, db.read(db.versions().stop - 1) as h:
+                rec = read_worker_layout(h, p)
+        except (OSError, CorruptionError, KeyError):
+            continue
+        if rec is not None:
+            found.append((rec["epoch"], json.dumps(rec["layout"], sort_keys=True)))
+    if not found or len(set(found)) != 1 or found[0][0] != max(e for e, _ in found):
+        _unrepaired(report, root, path, problem,
+                    "the state databases record no layout they agree on (" + (
+                        f"epochs {sorted({e for e, _ in found})}" if found else "none holds state") + "): restore "
+                    "LAYOUT from a backup of the directory")
+        return
+    layout = Layout.from_dict(json.loads(found[0][1]), path)
+    if os.path.exists(path):
+        shutil.copy2(path, os.path.join(_backup_dir(root), LAYOUT_FILE))
+    write_layout(root, layout, None)
+    report["repaired"].append(f"LAYOUT was damaged ({problem}); rebuilt from the layout the state databases record "
+                              f"({layout.workers} workers, {layout.shards} shards, epoch {layout.epoch}); the "
+                              f"report of the last layout change is gone")
+
+
+def _repair_driver(root: str, report: dict[str, Any], x: int) -> None:
+    """driver.db missing, or its newest version unreadable: a new one at the state's step ``x``, its seen set
+    from the output log's input ranges of every step below ``x`` (so it needs them all, from step 0) and the
+    pushes the input log still holds, its clock floor the ``now`` of the first division at or after ``x``."""
+    from dbsp_core.runtime.dedup import SeenSet
+
+    dpath = os.path.join(root, DRIVER_DB)
+    if os.path.exists(dpath):
+        try:
+            with Database(dpath, readonly=True) as db:
+                err = _version_error(db, db.versions().stop - 1)
+        except (CorruptionError, StorageError) as exc:
+            err = _why(exc)
+        if err is None:
+            return
+        problem = f"its newest version is damaged ({err})"
+    else:
+        problem = "missing"
+    odir, idir = os.path.join(root, OUTPUT_DIR), os.path.join(root, INPUT_DIR)
+    named = _named_outputs(root, range(0, x))
+    irecs = salvage(idir).records if os.path.isdir(idir) else []
+    divs = [decode_json(DIVISION_MAGIC, r.payload, f"{idir} division of step {r.step}") for r in irecs
+            if r.handle == DIVISION_HANDLE]
+    why = None
+    if any(t not in named for t in range(x)):
+        why = (f"the output log ({odir}) does not name the pushes of every step below the state's step {x} (steps "
+               f"{[t for t in range(x) if t not in named][:10]} are gone), so the set of pushes already counted "
+               f"cannot be rebuilt")
+    elif any("watermarks" in dv for dv in divs):
+        why = "the circuit has event time, and the watermarks in force at the checkpoint are recorded nowhere else"
+    if why is not None:
+        _unrepaired(report, root, dpath, problem, f"{why}: restore driver.db from a backup of the directory")
+        return
+    seen = SeenSet()
+    for t in range(x):
+        for rg in named[t]:
+            if rg["producer"] and rg["first_seq"] is not None:
+                for q in range(rg["first_seq"], rg["last_seq"] + 1):
+                    seen.add(rg["producer"], q)
+    for r in irecs:
+        if r.step < x and r.producer and r.handle != DIVISION_HANDLE:
+            seen.add(r.producer, r.seq)
+    after = [int(dv["now_ns"]) for dv in divs if int(dv["step"]) >= x]
+    floor = min(after) if after else max([int(dv["now_ns"]) for dv in divs] + [0])
+    if os.path.exists(dpath):
+        keep = os.path.join(_backup_dir(root), DRIVER_DB)
+        os.rename(dpath, keep)
+        fsync_dir(root)
+    with Database.create(dpath, 0) as db, db.open(0) as h:
+        seen.save(h)
+        h.put(CLOCK_TABLE, CLOCK_KEY, encode_json(CLOCK_MAGIC, {"now_ns": floor, "prev_now_ns": None}))
+        h.set_step(x)
+        h.commit()
+    report["repaired"].append(f"driver.db was {problem}; rebuilt at the state's step {x} from the output log (the "
+                              f"pushes of steps 0..{x - 1}) and the input log" + (
+                                  f"; the damaged one is in {os.path.dirname(keep)}" if problem != "missing" else ""))
+
+
+def _repair_logs(root: str, report: dict[str, Any], drop: tuple[int, int] | None) -> str:
+    """The input and output logs (invariants 2-5); returns what was done ("" for nothing)."""
     idir = os.path.join(root, INPUT_DIR)
-    report: dict[str, Any] = {"path": root, "input_damaged": [], "lost": [], "lost_unnamed": 0,
-                              "withdrawn_output": None, "backup": None, "requeued_pushes": 0}
     try:
         _storage.Log(idir, "posix", 64 << 20, False, True).close()  # opens (cutting a torn tail as open would)
         damaged = False
@@ -263,28 +634,44 @@ def _repair(root: str) -> dict[str, Any]:
         out_damaged = False
     except CorruptionError:
         out_damaged = True
+    front = None if damaged else _front_gap(root)
+    if front is not None:
+        damaged = True
+        report["error"] = front[1]
     if not damaged and not out_damaged:
-        report["result"] = "nothing to repair: the input and output logs are intact"
-        return report
-    backup = _backup_dir(root)
-    report["backup"] = backup
-    if not damaged:  # only the output log: the rebuild Pipeline.open would do
-        r = rebuild_output(root, backup=backup)
+        try:
+            x, out_last = resume_step(root, _output_last(root)), _output_last(root)
+        except (CorruptionError, RecoveryError, OSError, KeyError):
+            return ""  # listed by the checks of the files
+        if out_last < x and not report["unrepaired"]:
+            _unrepaired(report, root, os.path.join(root, OUTPUT_DIR), f"it ends at step {out_last} but the state is "
+                        f"at step {x}: the output of steps {out_last}..{x - 1} is lost and cannot be computed again",
+                        "restore the directory from a backup")
+        return ""
+    if not damaged:  # only the output log: the rebuild Pipeline.open would do, dropping history if consented
+        r = rebuild_output(root, drop=drop)
+        report["backup"] = r["backup"]
         report["withdrawn_output"] = [r["kept"][1], None]
-        report["result"] = (f"the output log was damaged; it holds steps {r['kept'][0]}..{r['kept'][1] - 1} now, and "
-                            f"opening the pipeline computes the rest again from the input")
-        return report
+        report["output_dropped"] = list(r["dropped"]) if r["dropped"] else None
+        return ((f"the output of steps {r['dropped'][0]}..{r['dropped'][1]} is dropped (consumers can no longer "
+                 f"read it; the state and the input are kept); " if r["dropped"] else "")
+                + f"the output log was damaged; it holds steps {r['kept'][0]}..{r['kept'][1] - 1} now, and opening "
+                  f"the pipeline computes the rest again from the input; the old log is in {r['backup']}")
     got = salvage(idir)
     # the log refused to open: an invalid tail is damage too (a log closed cleanly was cut), and a cut at a
     # record boundary leaves no invalid byte at all: then the damage is after the last valid record
     damaged_ranges = got.damaged + ([got.torn] if got.torn else [])
+    # a missing segment (salvage invariant 4) lost all it held: the records between its neighbours' (it sorts
+    # between them by name, so the spans below find the steps it may have held)
+    missing = list(got.missing) + ([front[0]] if front is not None else [])
+    damaged_ranges = sorted(damaged_ranges + [(n, 0, 0) for n in missing])
     if not damaged_ranges and got.segments:
         last = got.segments[-1]
         end = os.path.getsize(os.path.join(idir, last))
         damaged_ranges = [(last, end, end)]
-    report["input_damaged"] = [{"segment": n, "from": a, "to": b} for n, a, b in damaged_ranges]
-    for n in sorted({n for n, _, _ in damaged_ranges}):  # invariant 1: a copy of each damaged segment, as it is
-        shutil.copy2(os.path.join(idir, n), os.path.join(backup, n))
+    report["input_damaged"] = [{"segment": n, "from": a, "to": b} for n, a, b in damaged_ranges
+                               if n not in missing]
+    report["input_missing"] = missing
     # the steps each damaged range may have held: from the valid record before it to the one after it
     recs = got.records
     where = [(r.segment, r.offset) for r in recs]
@@ -304,12 +691,19 @@ def _repair(root: str) -> dict[str, Any]:
     else:
         s = max(x, min(lo for lo, h in zip(lows, highs) if h >= x))
     report["resume_step"] = x
+    plan = None
+    if out_damaged or (s is not None and out_last > s):
+        plan = _plan_output(root, s, drop)  # CorruptionError here changes nothing
+    backup = _backup_dir(root)
+    report["backup"] = backup
+    for n in sorted({n for n, _, _ in damaged_ranges} - set(missing)):  # invariant 1: a copy of each
+        shutil.copy2(os.path.join(idir, n), os.path.join(backup, n))       # damaged segment, as it is
     if s is None:
         _write_log(idir + ".new", _held(root, recs, x, report), True)
-        _swap(root, backup, [INPUT_DIR])
-        report["result"] = (f"the damaged records were of steps below the checkpoint (step {x}), which holds "
-                            f"their effect: no push is lost")
-        return report
+        parts = [INPUT_DIR] + _write_output(root, plan, report)
+        _swap(root, backup, parts)
+        return (f"the damaged input records were of steps below the checkpoint (step {x}), which holds their "
+                f"effect: no push is lost" + _dropped_text(report) + f"; the old logs are in {backup}")
     # invariant 2: steps < s as they are; the valid pushes (and discards) of steps >= s again, undivided, at s
     head = [r for r in recs if r.step < s]
     tail = [r for r in recs if r.step >= s and r.handle != DIVISION_HANDLE]
@@ -324,25 +718,63 @@ def _repair(root: str) -> dict[str, Any]:
     report["requeued_pushes"] = sum(1 for r in tail if r.handle != DISCARD_HANDLE)
     new = _held(root, head, x, report) + [(s, r.handle, r.producer, r.seq, r.payload) for r in tail]
     _write_log(idir + ".new", new, True)
-    parts = [INPUT_DIR]
-    if out_last > s or out_damaged:
-        r_out = rebuild_output_to(root, s)
-        if r_out < x:
-            raise RecoveryError(f"dbsp repair: {root}: the output log is damaged too, at step {r_out}, below the "
-                                f"checkpoint at step {x}: that output cannot be computed again. Nothing was changed "
-                                f"(the new logs were left in {idir}.new and {root}/output.new)")
-        parts.append(OUTPUT_DIR)
+    parts = [INPUT_DIR] + _write_output(root, plan, report)
+    if plan is not None:
+        r_out = plan["keep"][1]
         report["withdrawn_output"] = [r_out, out_last - 1] if out_last > r_out else None
     _swap(root, backup, parts)
     named = ", ".join(f"({p!r}, {q})" for p, q, _ in lost[:50]) + (" ..." if len(lost) > 50 else "")
-    report["result"] = (f"input of steps {s} and later was damaged: {len(lost)} pushes are lost by name"
-                        + (f" [{named}]" if lost else "") + (f" and {unnamed} more without a name (anonymous, or "
-                                                              f"counted by a division only)" if unnamed else "")
-                        + f"; {report['requeued_pushes']} valid pushes of those steps wait for the next step"
-                        + (f"; output steps {report['withdrawn_output'][0]}..{report['withdrawn_output'][1]} are "
-                           f"withdrawn (read them again after the next steps)" if report["withdrawn_output"] else "")
-                        + f"; the old logs are in {backup}")
-    return report
+    return (f"input of steps {s} and later was damaged: {len(lost)} pushes are lost by name"
+            + (f" [{named}]" if lost else "") + (f" and {unnamed} more without a name (anonymous, or "
+                                                  f"counted by a division only)" if unnamed else "")
+            + f"; {report['requeued_pushes']} valid pushes of those steps wait for the next step"
+            + (f"; output steps {report['withdrawn_output'][0]}..{report['withdrawn_output'][1]} are "
+               f"withdrawn (read them again after the next steps)" if report["withdrawn_output"] else "")
+            + _dropped_text(report) + f"; the old logs are in {backup}")
+
+
+def _front_gap(root: str) -> tuple[str, str] | None:
+    """The input log opens, but its oldest records are gone: it starts after driver.db's step, or the division of
+    that step counts more pushes than the log holds (a deleted oldest segment; truncation never removes a
+    record of a step at or after driver.db's). Returns (the name of the missing segment before the oldest one,
+    why), or None."""
+    idir = os.path.join(root, INPUT_DIR)
+    d = _driver_step(root, {})
+    if d is None or not os.path.isdir(idir):
+        return None
+    got = salvage(idir)
+    nums = [int(n[:20]) for n in got.segments]
+    name = f"{max(nums[0] - 1, 0) if nums else 0:020d}.seg"
+    recs = [r for r in got.records if r.step >= d]
+    if not recs:
+        out_last = _output_last(root)
+        return (name, f"{idir}: holds no record of step {d} or later, but the output log holds steps up to "
+                      f"{out_last - 1}") if out_last > d else None
+    if recs[0].step > d:
+        return name, f"{idir}: starts at step {recs[0].step}, but driver.db's checkpoint is at step {d}"
+    div = next((r for r in recs if r.step == d and r.handle == DIVISION_HANDLE), None)
+    held = sum(1 for r in recs if r.step == d and r.handle not in (DIVISION_HANDLE, DISCARD_HANDLE))
+    if div is not None and int(decode_json(DIVISION_MAGIC, div.payload, f"{idir} division of step {d}")["pushes"]) \
+            > held:
+        return name, f"{idir}: the division of step {d} counts more pushes than the log holds"
+    return None
+
+
+def _write_output(root: str, plan: dict[str, Any] | None, report: dict[str, Any]) -> list[str]:
+    """``output.new`` from ``plan`` (of :func:`_plan_output`); the parts to swap in."""
+    if plan is None:
+        return []
+    k, cut = plan["keep"]
+    _write_log(os.path.join(root, OUTPUT_DIR) + ".new", [(t, "", "", 0, plan["intact"][t]) for t in range(k, cut)],
+               False)
+    report["output_dropped"] = list(plan["dropped"]) if plan["dropped"] else None
+    return [OUTPUT_DIR]
+
+
+def _dropped_text(report: dict[str, Any]) -> str:
+    d = report.get("output_dropped")
+    return (f"; the output of steps {d[0]}..{d[1]} is dropped (consumers can no longer read it; the state and "
+            f"the input are kept)") if d else ""
 
 
 def _held(root: str, recs: list[Record], x: int, report: dict) -> list[tuple[int, str, str, int, bytes]]:
@@ -405,19 +837,6 @@ def _output_last(root: str) -> int:
         return 0
     steps = [r.step for r in salvage(odir).records]
     return max(steps) + 1 if steps else 0
-
-
-def rebuild_output_to(root: str, s: int) -> int:
-    """Write ``output.new``: the intact contiguous output records below step ``s``; returns where it ends."""
-    odir = os.path.join(root, OUTPUT_DIR)
-    intact = _output_steps(salvage(odir), odir) if os.path.isdir(odir) else {}
-    steps = sorted(intact)
-    first = steps[0] if steps else 0
-    end = first
-    while end < s and end in intact:
-        end += 1
-    _write_log(odir + ".new", [(t, "", "", 0, intact[t]) for t in range(first, end)], False)
-    return end
 
 
 def _lost(root: str, s: int, last: int, tail: list[Record], divisions: dict[int, dict], logged: set

@@ -10,6 +10,9 @@ Invariants (enforced here):
   3. Every byte after a segment's header is either in a valid record or in one of ``damaged`` ranges; a
      range at the end of the newest segment with no valid record after it is a torn tail (``torn``), which
      the log's own recovery cuts, not damage.
+  4. Segment numbers are consecutive (csrc/steplog.c invariant 4): a number missing between two segment files
+     is a lost segment, listed in ``missing`` (its name); every one of its records is lost. Missing segments
+     before the first file cannot be told apart from truncation and are not listed.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class Salvaged(NamedTuple):
     damaged: list[tuple[str, int, int]]  # (segment file name, first byte, end byte)
     torn: tuple[str, int, int] | None
     segments: list[str]  # every segment file, oldest first
+    missing: list[str] = []  # segment files missing between two that exist (invariant 4), oldest first
 
 
 def segment_files(path: str) -> list[str]:
@@ -149,4 +153,6 @@ def salvage(path: str) -> Salvaged:
                 torn = (name, bad, len(data))
             else:
                 damaged.append((name, bad, len(data)))
-    return Salvaged(records, damaged, torn, names)
+    nums = [int(n[:20]) for n in names]
+    missing = [f"{k:020d}.seg" for a, b in zip(nums, nums[1:]) for k in range(a + 1, b)]
+    return Salvaged(records, damaged, torn, names, missing)

@@ -10,7 +10,7 @@ import pyarrow as pa
 import dbsp_core as dbsp
 
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
-STEPS, PENDING = 6, 2
+STEPS, PENDING = 10, 2
 ACKED = [(pr, s) for s in range(STEPS + PENDING) for pr in ("a", "b")]
 
 
@@ -43,7 +43,7 @@ def model(pushes: list[tuple[str, int]]) -> dict[str, dict]:
 
 
 def build(d: str, kind: str) -> None:
-    """STEPS steps (a checkpoint after the second and the fourth), then PENDING steps' pushes never stepped;
+    """STEPS steps (a checkpoint after the second and the sixth), then PENDING steps' pushes never stepped;
     closed without a checkpoint, so open replays steps and takes the pending pushes."""
     from dbsp_core.runtime.staged import StagedExecutor
 
@@ -54,7 +54,7 @@ def build(d: str, kind: str) -> None:
             p.push("t", batch(pr, s), producer=pr, seq=s)
         if s < STEPS:
             p.step()
-        if s in (1, 3):
+        if s in (1, 5):
             p.checkpoint()
     p.close(checkpoint=False)
 
