@@ -72,7 +72,7 @@ from dbsp_core import _storage
 from dbsp_core.circuit import Circuit, circuit_fingerprint
 from dbsp_core.codec import decode_json, decode_zset, encode_json, encode_zset
 from dbsp_core.errors import (CircuitMismatchError, CorruptionError, DbspError, RecoveryError, SchemaError,
-                              StepError)
+                              StepError, StorageError)
 from dbsp_core.layout import DEFAULT_SHARD_BITS, HASH_VERSION, Layout, ShardMap
 from dbsp_core.metrics import Metrics, gather, serve
 from dbsp_core.operators.base import same_columns
@@ -1258,7 +1258,20 @@ class Pipeline:
         """Yields ``(step, change)`` of output ``name`` for every logged step from ``from_step``, once each, in order."""
         self._need_storage("read_output")
         assert self._output is not None
-        return self._output.read(name, from_step)
+        if self._closed:
+            raise DbspError(f"read_output({name!r}): the pipeline is closed; Pipeline.open(dir, circuit) reads its "
+                            f"output again")
+        return self._reading(self._output.read(name, from_step), name)
+
+    def _reading(self, it: Iterator[tuple[int, ZSet]], name: str) -> Iterator[tuple[int, ZSet]]:
+        """``it``, with the error of a read the pipeline's close cut short saying so (invariant 8)."""
+        try:
+            yield from it
+        except StorageError as exc:
+            if not self._closed:
+                raise
+            raise DbspError(f"read_output({name!r}): the pipeline was closed while its output was read; "
+                            f"Pipeline.open(dir, circuit) reads it again") from exc
 
     def read_input(self, step: int) -> dict[str, ZSet]:
         """The input of a divided step as one Z-set per input handle (seed 000 ``read(step)``).
