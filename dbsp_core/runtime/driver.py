@@ -445,12 +445,16 @@ class Pipeline:
         divisions: dict[int, dict] = {}
         records: dict[int, list] = {}
         discards: set[tuple[str, int]] = set()  # (producer, seq) of pushes dropped by discard (invariant 7)
+        # the step open when each discard was logged: a discard of a push its step's division had not yet closed
+        # (logged while that step was open) is not among the division's pushes; a later one is
+        discarded_at: dict[tuple[str, int], int] = {}
         for r in self._input.iter_from(d):
             if r.handle == DIVISION_HANDLE:
                 divisions[r.step] = decode_json(DIVISION_MAGIC, r.payload, f"{root} division of step {r.step}")
             elif r.handle == DISCARD_HANDLE:
                 decode_json(DISCARD_MAGIC, r.payload, f"{root} discard record of step {r.step}")
                 discards.add((r.producer, r.seq))
+                discarded_at.setdefault((r.producer, r.seq), r.step)
                 if r.producer:  # a discarded push was acknowledged: it stays seen, whether or not its record is
                     self._seen.add(r.producer, r.seq)
             else:
@@ -479,9 +483,10 @@ class Pipeline:
         while step in divisions:
             dv = divisions.pop(step)
             recs = records.pop(step, [])
-            if dv["step"] != step or dv["pushes"] != len(recs):
+            before = sum(1 for r in recs if discarded_at.get((r.producer, r.seq)) == step)
+            if dv["step"] != step or dv["pushes"] != len(recs) - before:
                 raise CorruptionError(f"{root}: the division of step {step} names {dv['pushes']} pushes, the log "
-                                      f"holds {len(recs)}")
+                                      f"holds {len(recs)}" + (f" ({before} discarded before it)" if before else ""))
             self._now_floor = max(self._now_floor, int(dv["now_ns"]))
             live = self._live(recs, discards)
             rewritten |= len(live) != len(recs)
