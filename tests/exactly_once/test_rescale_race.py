@@ -17,7 +17,7 @@ import pytest
 
 import dbsp_core as dbsp
 import dbsp_core.runtime.driver as driver_module
-from dbsp_core.errors import DbspError, RecoveryError
+from dbsp_core.errors import RecoveryError
 from dbsp_core.storage.directory import read_layout, read_rescale
 
 SEED = int(os.environ.get("DBSP_RACE_SEED", str(random.SystemRandom().randrange(2**31))))

@@ -250,7 +250,6 @@ def test_random_operations_killed_with_sigkill_keep_every_acknowledged_push(tmp_
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from collections import Counter
 
-    from ops_harness import Round, batch, executor, log_integral, model
     from rescale_workload import run_child
 
     child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops_kill_child.py")
@@ -276,7 +275,7 @@ def test_random_operations_killed_with_sigkill_keep_every_acknowledged_push(tmp_
 def _check_after_kill(d: str, mode: str, stats) -> None:
     from collections import Counter
 
-    from ops_harness import batch, circuit, executor, log_integral, model
+    from ops_harness import batch, circuit, differ, executor, log_integral, model
 
     log = os.path.join(os.path.dirname(d), "ops-log.txt")
     if not os.path.exists(os.path.join(d, "META")):
@@ -307,7 +306,6 @@ def _check_after_kill(d: str, mode: str, stats) -> None:
                                           f"{sorted((Counter(kept) - counted) + (counted - Counter(kept)))[:10]}")
         got, want = log_integral(q), model([(OPS_SEED, p, s) for p, s in kept])
         assert got == want, (f"{mode} (replay: DBSP_CONCURRENCY_SEED={OPS_SEED}): the log's integral differs from "
-                             f"the model of {len(kept)} pushes: {len(got - want)} rows only in the log, "
-                             f"{len(want - got)} only in the model")
+                             f"the model of {len(kept)} pushes: {differ(got, want)}")
     finally:
         q.close()
