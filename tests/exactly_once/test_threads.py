@@ -289,9 +289,9 @@ def _check_after_kill(d: str, mode: str, stats) -> None:
     stats["rounds_logged"] = sum(x[0] == "round" for x in lines)
     q = dbsp.Pipeline.open(d, circuit(), executor=executor(mode), checkpoint_interval=None)
     try:
-        for p, s in sorted(tried - acked):  # in flight at the kill: durable or not, counted once from now on
+        for p, s in sorted(tried - acked):  # in flight at the kill, or refused: durable or not, counted once now
             ack = q.push("t", batch(OPS_SEED, p, s), producer=p, seq=s)
-            stats["in_flight_at_kill_durable" if ack.duplicate else "in_flight_at_kill_lost"] += 1
+            stats["unacked_in_child_found_durable" if ack.duplicate else "unacked_in_child_pushed_anew"] += 1
             with open(log, "a") as f:
                 f.write(f"ack {p} {s}\n")
         q.step()
