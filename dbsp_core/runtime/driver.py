@@ -46,6 +46,14 @@ Invariants (enforced here):
      the same way during recovery leaves the step waiting the same way, so ``open`` works after a crash at
      any point. Any other failure of a step marks the pipeline broken: state may be half-updated, so every
      later push or step raises DbspError until the directory is reopened with :meth:`Pipeline.open`.
+  8. Every public operation may be called from any thread. Pushes run concurrently; steps, ``queue_step``,
+     ``run_queued``, ``discard``, checkpoints and each batch of a live rescale hold the step lock. A live rescale
+     starts (under the step lock) only with no checkpoint in flight; while it runs, ``checkpoint`` and ``close``
+     wait for its end on one condition of the step lock (deciding and acting under the lock, never between),
+     and another ``rescale`` is refused with DbspError. ``close`` waits for the pushes being appended and
+     refuses later ones. A rescale that fails before or between its batches (not inside a batch's move, nor
+     in the checkpoint that ends it) moves the moved shards back and removes what it created: the pipeline
+     goes on at the old layout.
 """
 
 from __future__ import annotations
@@ -64,7 +72,7 @@ from dbsp_core import _storage
 from dbsp_core.circuit import Circuit, circuit_fingerprint
 from dbsp_core.codec import decode_json, decode_zset, encode_json, encode_zset
 from dbsp_core.errors import (CircuitMismatchError, CorruptionError, DbspError, RecoveryError, SchemaError,
-                              StepError)
+                              StepError, StorageError)
 from dbsp_core.layout import DEFAULT_SHARD_BITS, HASH_VERSION, Layout, ShardMap
 from dbsp_core.metrics import Metrics, gather, serve, stop_serving
 from dbsp_core.operators.base import same_columns
@@ -242,6 +250,8 @@ class Pipeline:
         self._out_schemas = {name: circuit.nodes[i].schema for name, i in circuit.outputs.items()}
         self._cond = threading.Condition()
         self._step_lock = threading.RLock()
+        # invariant 8: checkpoint, close and rescale wait on it (holding the step lock) while a rescale runs
+        self._layout_idle = threading.Condition(self._step_lock)
         self._closing = False
         self._closed = False
         self._inflight = 0
@@ -266,7 +276,8 @@ class Pipeline:
         self._wm_divided = dict(self.watermarks)
         self.late_rows: dict[str, int] = {name: 0 for name in self._event_time}
         self.last_rescale: dict | None = None
-        self._rescaling = False  # a live rescale is moving shards: timer checkpoints wait (rescale.py invariant 4)
+        self._rescaling = False  # a live rescale is moving shards (invariant 8; rescale.py invariant 4)
+        self._stopping = False  # close() began: pushes are refused (invariant 8)
         self._waiting = 0  # steps waiting for the step lock (a live rescale lets them run between its batches)
         # a live rescale in progress: {from_workers, to_workers, batches, done, moved_shards, last_pause_ms}
         self.rescale_progress: dict | None = None
@@ -438,12 +449,16 @@ class Pipeline:
         divisions: dict[int, dict] = {}
         records: dict[int, list] = {}
         discards: set[tuple[str, int]] = set()  # (producer, seq) of pushes dropped by discard (invariant 7)
+        # the step open when each discard was logged: a discard of a push its step's division had not yet closed
+        # (logged while that step was open) is not among the division's pushes; a later one is
+        discarded_at: dict[tuple[str, int], int] = {}
         for r in self._input.iter_from(d):
             if r.handle == DIVISION_HANDLE:
                 divisions[r.step] = decode_json(DIVISION_MAGIC, r.payload, f"{root} division of step {r.step}")
             elif r.handle == DISCARD_HANDLE:
                 decode_json(DISCARD_MAGIC, r.payload, f"{root} discard record of step {r.step}")
                 discards.add((r.producer, r.seq))
+                discarded_at.setdefault((r.producer, r.seq), r.step)
                 if r.producer:  # a discarded push was acknowledged: it stays seen, whether or not its record is
                     self._seen.add(r.producer, r.seq)
             else:
@@ -472,9 +487,10 @@ class Pipeline:
         while step in divisions:
             dv = divisions.pop(step)
             recs = records.pop(step, [])
-            if dv["step"] != step or dv["pushes"] != len(recs):
+            before = sum(1 for r in recs if discarded_at.get((r.producer, r.seq)) == step)
+            if dv["step"] != step or dv["pushes"] != len(recs) - before:
                 raise CorruptionError(f"{root}: the division of step {step} names {dv['pushes']} pushes, the log "
-                                      f"holds {len(recs)}")
+                                      f"holds {len(recs)}" + (f" ({before} discarded before it)" if before else ""))
             self._now_floor = max(self._now_floor, int(dv["now_ns"]))
             live = self._live(recs, discards)
             rewritten |= len(live) != len(recs)
@@ -658,6 +674,8 @@ class Pipeline:
             if producer is None:
                 sq, self._anon_seq = self._anon_seq, self._anon_seq + 1  # an anonymous push's own seq
             while True:
+                if self._stopping:
+                    raise DbspError(f"push({handle!r}): the pipeline is closing; nothing was recorded")
                 if self._closing:
                     self._cond.wait()
                     continue
@@ -965,9 +983,15 @@ class Pipeline:
         self._check_usable()
         if self.storage is None:
             raise DbspError("checkpoint: an in-memory pipeline keeps nothing on disk; give storage=<dir>")
+        with self._step_lock:
+            self._wait_layout_idle()  # invariant 8: decided and taken under the step lock, never between
+            self._check_usable()
+            return self._checkpoint(wait)
+
+    def _wait_layout_idle(self) -> None:
+        """Invariant 8: with the step lock held, wait (releasing it meanwhile) until no live rescale runs."""
         while self._rescaling:
-            time.sleep(0.005)
-        return self._checkpoint(wait)
+            self._layout_idle.wait()
 
     def _checkpoint(self, wait: bool, after_state: Callable[[], None] | None = None) -> int:
         """:meth:`checkpoint`; ``after_state`` runs between the state's commit and the driver's record (a live
@@ -1075,42 +1099,48 @@ class Pipeline:
         self._check_usable()
         t0 = time.perf_counter()
         with self._step_lock:
+            self._check_usable()
             if self._rescaling:
-                raise DbspError("rescale: another rescale of this pipeline is in progress")
-            self._join_checkpoint()
+                raise DbspError("rescale: another rescale of this pipeline is in progress; call rescale again "
+                                "once it returned")
+            self._join_checkpoint()  # invariant 8: no checkpoint in flight, none starts until the end
             old = self.layout
             if workers == old.workers:
                 return self._live_report(old, old, 0, 0, 0, [], t0)
             steps = old.steps_to(old.rebalance(workers), batch_shards)
             final = steps[-1]
-            self._rescaling = True
-            total = None
             if self.storage is not None:
-                begin_live(self.storage, old, final, self._vfs)
-                crashpoint("live-begin")
+                begin_live(self.storage, old, final, self._vfs)  # raises before anything changed, or it is durable
+            self._rescaling = True
         pauses: list[float] = []
         moved = 0
+        total = None
         self.rescale_progress = {"from_workers": old.workers, "to_workers": final.workers, "batches": len(steps),
                                  "done": 0, "moved_shards": 0, "last_pause_ms": 0.0}
+        prev = old
+        undoable = True  # false inside a batch's move and from the final checkpoint on (invariant 8)
         try:
+            if self.storage is not None:
+                crashpoint("live-begin")
             prepare = getattr(self.executor, "prepare_relayout", None)
             if prepare is not None:
                 prepare(final)  # new workers' databases and copies of the circuit, outside any pause
-            prev = old
             for lay in steps:
                 with self._step_lock:  # one pause: steps wait while this batch of shards moves
                     p0 = time.perf_counter()
                     self._check_usable()
+                    undoable = False
                     moved += self._move_batch(prev, lay, final)
+                    prev, undoable = lay, True
                     pauses.append(time.perf_counter() - p0)
                     crashpoint("live-batch")
                 self.rescale_progress.update(done=len(pauses), moved_shards=len(old.moved_shards(lay)),
                                              last_pause_ms=round(pauses[-1] * 1000, 2))
-                prev = lay
                 self._let_steps_run()
             if getattr(self.executor, "state_in_memory", False):
                 with self._step_lock:  # the state the new layout holds (steps ran during the move: it grew)
                     total = self.executor.state_bytes()
+            undoable = False
             if self.storage is not None and getattr(self.executor, "state_in_memory", False):
                 root, groups = self.storage, self.executor.groups(old)
 
@@ -1129,17 +1159,50 @@ class Pipeline:
                     t.join()  # steps go on meanwhile
                 self._join_checkpoint_quiet()
         except BaseException as exc:
-            self._broken = exc  # state may be between layouts: Pipeline.open finishes the move
+            # a failure is undone; a BaseException that is not an Exception (KeyboardInterrupt, SystemExit: the
+            # process is going down, as a kill would) leaves the change to Pipeline.open like a crash does
+            if undoable and isinstance(exc, Exception) and self._broken is None and not self._closed:
+                self._undo_rescale(old, prev, final, exc)
+            else:
+                self._broken = self._broken or exc  # state may be between layouts: Pipeline.open finishes the move
             raise
         finally:
-            self._rescaling = False
-            self.rescale_progress = None
+            with self._step_lock:
+                self._rescaling = False
+                self.rescale_progress = None
+                self._layout_idle.notify_all()
         rep = self._live_report(old, final, moved, total, len(steps), pauses, t0)
         if self.storage is not None and not getattr(self.executor, "state_in_memory", False):
             with self._step_lock:  # LAYOUT holds the last batch's report: make it the whole change's
                 write_layout(self.storage, final, rep, self._vfs)
         self.last_rescale = rep
         return rep
+
+    def _undo_rescale(self, old: Layout, at: Layout, final: Layout, exc: BaseException) -> None:
+        """A live rescale failed before or between batches, at layout ``at`` (invariant 8): move the shards back
+        to ``old``'s owners and remove what the change created, so the pipeline goes on as before it. If that
+        fails too, the pipeline is broken (Pipeline.open finishes or undoes the change from the directory)."""
+        try:
+            with self._step_lock:
+                if getattr(self.executor, "state_in_memory", False):
+                    if at != old:
+                        self.executor.relayout(old)  # type: ignore[attr-defined]
+                    abandon = getattr(self.executor, "abandon_relayout", None)
+                    if abandon is not None:
+                        abandon()  # joining workers prepared and never attached
+                    if self.storage is not None:
+                        remove_leaving(self.storage, self.executor.groups(old), final, old, self._vfs)  # joiners
+                        end_live(self.storage, self._vfs)
+                elif self.storage is not None:  # the staged executor: every batch is durable; one more goes back
+                    if at != old:
+                        back = Layout(old.shard_map, old.hosts, at.epoch + 1, old.min_shard_bits)
+                        self._move_batch(at, back, back)
+                    else:
+                        end_live(self.storage, self._vfs)
+                self.stats["rescales_undone"] = self.stats.get("rescales_undone", 0) + 1
+        except BaseException as undo:
+            self._broken = exc
+            raise undo from exc
 
     def _live_report(self, old: Layout, final: Layout, moved: int, total: int | None, batches: int,
                      pauses: list[float], t0: float) -> dict:
@@ -1204,7 +1267,20 @@ class Pipeline:
         """Yields ``(step, change)`` of output ``name`` for every logged step from ``from_step``, once each, in order."""
         self._need_storage("read_output")
         assert self._output is not None
-        return self._output.read(name, from_step)
+        if self._closed:
+            raise DbspError(f"read_output({name!r}): the pipeline is closed; Pipeline.open(dir, circuit) reads its "
+                            f"output again")
+        return self._reading(self._output.read(name, from_step), name)
+
+    def _reading(self, it: Iterator[tuple[int, ZSet]], name: str) -> Iterator[tuple[int, ZSet]]:
+        """``it``, with the error of a read the pipeline's close cut short saying so (invariant 8)."""
+        try:
+            yield from it
+        except StorageError as exc:
+            if not self._closed:
+                raise
+            raise DbspError(f"read_output({name!r}): the pipeline was closed while its output was read; "
+                            f"Pipeline.open(dir, circuit) reads it again") from exc
 
     def read_input(self, step: int) -> dict[str, ZSet]:
         """The input of a divided step as one Z-set per input handle (seed 000 ``read(step)``).
@@ -1269,7 +1345,9 @@ class Pipeline:
         per shard, and ``key_index``: the bytes of the traces' key indexes, memory kept beside the state; a
         staged executor's tasks keep theirs in their own processes, not counted here)."""
         self._check_usable()
-        return gather(self, state)
+        with self._step_lock:  # invariant 8: one layout, not one a rescale or close changes meanwhile
+            self._check_usable()
+            return gather(self, state)
 
     def serve_metrics(self, port: int = 0, addr: str = "127.0.0.1") -> tuple[Any, int]:
         """Serve :meth:`metrics` as Prometheus text at ``http://addr:port/metrics`` (port 0: any free one) until
@@ -1282,10 +1360,16 @@ class Pipeline:
         root = self.storage
         assert root is not None
 
+        def size(p: str) -> int:
+            try:
+                return os.path.getsize(p)
+            except FileNotFoundError:  # a log segment a background checkpoint truncated meanwhile
+                return 0
+
         def du(p: str) -> int:
             if os.path.isfile(p):
-                return os.path.getsize(p)
-            return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs)
+                return size(p)
+            return sum(size(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs)
         return {"input": du(os.path.join(root, INPUT_DIR)), "output": du(os.path.join(root, OUTPUT_DIR)),
                 "state": du(os.path.join(root, STATE_DIR))}
 
@@ -1315,6 +1399,13 @@ class Pipeline:
         if self._closed:
             return
         with self._step_lock:
+            self._wait_layout_idle()  # invariant 8: a live rescale ends first
+            if self._closed:
+                return
+            with self._cond:  # pushes being appended land; later ones are refused
+                self._stopping = True
+                while self._inflight:
+                    self._cond.wait()
             t = self._ckpt_thread
             if t is not None:
                 t.join()

@@ -343,6 +343,14 @@ class EmbeddedExecutor:
                 st.start(self._coord.version)
             self._joining[w] = (wk, st)
 
+    def abandon_relayout(self) -> None:
+        """A live change ended without attaching the workers :meth:`prepare_relayout` built (it failed and was
+        undone): close their databases (the driver deletes the files)."""
+        for _, st in getattr(self, "_joining", {}).values():
+            if st is not None:
+                st.close()
+        self._joining = {}
+
     def relayout(self, layout: Layout) -> int:
         """Switch to ``layout`` between steps, moving in memory the state of the shards whose owner changes
         (dbsp_core.runtime.migrate); returns the bytes moved. Workers join (a fresh copy of the circuit and, with

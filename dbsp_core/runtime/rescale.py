@@ -32,6 +32,13 @@ Invariants (enforced here):
      batch in progress (invariant 1), reads the target from RESCALE, and finishes the move as a cold change from
      the layout in LAYOUT: the directory ends in the target layout, with its output exactly once (the steps since
      the checkpoint replay in the new layout, verified against the output log).
+  5. A change moves state only from databases that hold it for the layout it moves from: every database of a
+     worker of ``old`` records (dbsp_core.storage.shardmove.write_worker_layout) that worker of ``old``'s epoch
+     at the base version, or holds no state yet. Otherwise (a checkpoint taken in the middle of a live change,
+     by releases before this rule) the moved shards' state would be read from databases that no longer hold
+     it and the move would "finish" with their groups empty: the change is refused with RecoveryError before
+     anything is written, and recovery of a live change rolls back only to a version that holds LAYOUT's
+     epoch in every database, refusing (changing nothing) when no version does.
 """
 
 from __future__ import annotations
@@ -101,6 +108,7 @@ def cold_rescale(root: str, executor: Executor, old: Layout, new: Layout, versio
     the change instead of being removed, unless ``new`` is the target."""
     t0 = time.perf_counter()
     groups = executor.groups(new)
+    _check_sources(root, groups, old, version, vfs)  # invariant 5, before anything is written
     if target is not None and target == new:
         target = None  # the last batch: the protocol's end removes RESCALE
     write_rescale(root, _record(old, new, version, step, False, target), vfs)
@@ -118,6 +126,31 @@ def cold_rescale(root: str, executor: Executor, old: Layout, new: Layout, versio
     crashpoint("rescale-committed")
     _finish(root, groups, old, new, report, crashpoint, vfs, target)
     return report
+
+
+def _check_sources(root: str, groups: list[StateGroup], old: Layout, version: int, vfs: str) -> None:
+    """Invariant 5: every existing database of a worker of ``old`` holds that worker's state of ``old`` at
+    ``version`` (or no state yet); else RecoveryError naming the database, and nothing changes."""
+    from dbsp_core.storage.shardmove import read_worker_layout
+
+    for g in groups:
+        for w in range(old.workers):
+            path = g.path_of(w)
+            if not os.path.exists(path):
+                continue
+            with Database(path, vfs=vfs) as db:
+                if version not in db.versions():
+                    continue  # a database created for this change (or one a rolled-back attempt left): no state
+                with db.read(version) as h:
+                    rec = read_worker_layout(h, path)
+            if rec is not None and (int(rec["epoch"]), int(rec["worker"])) != (old.epoch, w):
+                raise RecoveryError(
+                    f"{root}: moving state from layout epoch {old.epoch} (LAYOUT), but {path} version {version} "
+                    f"holds the state of worker {rec['worker']} of layout epoch {rec['epoch']}: the shards it moved "
+                    f"away would be read from a database that no longer holds them, and their groups would "
+                    f"restart from empty. Nothing was changed. The directory was written mid-way through a live "
+                    f"rescale (a checkpoint taken during the move); restore it from a copy taken before, or run "
+                    f"`dbsp repair` to see what it can save")
 
 
 def _relayout(g: StateGroup, old: Layout, new: Layout, version: int, step: int,
@@ -265,9 +298,22 @@ def _settle_live_memory(root: str, executor: Executor, target: Layout, vfs: str,
             if lo >= hi:
                 raise RecoveryError(f"{root}: the state databases of an unfinished live rescale share no version: "
                                     f"{[(r.start, r.stop - 1) for r in ranges]}")
+            # invariant 5: the newest common version that holds LAYOUT's state in every LAYOUT worker's database
+            mine = [(w, db) for w, db in part if w < current.workers]
+            held = {v: [(w, _epoch_at(db, v, read_worker_layout)) for w, db in mine] for v in range(lo, hi)}
+            good = [v for v in range(lo, hi) if all(e in (None, current.epoch) for _, e in held[v])]
+            if not good:
+                raise RecoveryError(
+                    f"{root}: an unfinished live rescale from layout epoch {current.epoch} (LAYOUT) left state "
+                    f"databases whose versions {list(range(lo, hi))} hold layouts "
+                    f"{ {v: sorted({e for _, e in held[v]}, key=str) for v in held} } (worker, epoch: "
+                    f"{held[hi - 1]}), none of them LAYOUT's in every database: a checkpoint was taken in the "
+                    f"middle of the move. Finishing the move from them would restart the moved shards' groups "
+                    f"from empty; nothing was changed. Restore the directory from a copy taken before, or run "
+                    f"`dbsp repair` to see what it can save")
             for _, db in part:
-                if db.versions().stop - 1 != hi - 1:
-                    db.open(hi - 1).close()  # discards the partly committed version
+                if db.versions().stop - 1 != good[-1]:
+                    db.open(good[-1]).close()  # discards the partly committed (or mid-move) version
     finally:
         for _, db in dbs:
             db.close()

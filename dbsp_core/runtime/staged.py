@@ -195,8 +195,12 @@ class StagedExecutor:
 
     def resume(self, version: int, step: int) -> None:
         """Every stage database now holds ``version`` at ``step`` (a layout change committed it): jobs go on from
-        there."""
+        there, as a new run (stage_task.py invariant 4): the change may have deleted a worker's database and
+        created it again, whose value numbers then start over, so a batch cached from before it under the same
+        number and shard keys is not the stored one (reusing it put rows of shards that had moved away back into
+        a worker: groups counted in two workers)."""
         self.version, self.step = version, step
+        self.run_id = uuid.uuid4().hex
 
     # ---- steps ----
 

@@ -153,8 +153,9 @@ def test_live_rescale_splits_and_merges_shards(tmp_path) -> None:
     r.p.close()
 
 
-class _Stop(Exception):
-    pass
+class _Stop(BaseException):
+    """A simulated crash: not an Exception, so a rescale does not undo itself (driver invariant 8) but stops
+    as a killed process would."""
 
 
 def _crash_at(name: str, hit: int):

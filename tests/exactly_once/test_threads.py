@@ -1,4 +1,8 @@
-"""A pipeline used from several threads at once: pushes run concurrently, steps (and checkpoints, traces, reads) are serialized, and the views equal a dict model of everything pushed, in memory and durable, at W=1 (the integrated view was corrupted) and W=2 (steps deadlocked at the exchange barrier)."""
+"""A pipeline used from several threads at once: pushes run concurrently, steps (and checkpoints, traces, reads) are serialized, and the views equal a dict model of everything pushed, in memory and durable, at W=1 (the integrated view was corrupted) and W=2 (steps deadlocked at the exchange barrier); and the random-operations harness (ops_harness.py: every public operation from many threads, in memory, durable and staged, also under kill -9) with the defects it found.
+
+Opt-in sizes: ``DBSP_CONCURRENCY_ROUNDS`` (harness rounds over the three modes, default 48; 1,000 is the long run),
+``DBSP_CONCURRENCY_KILLS`` (kills that must land per mode, default 2); ``DBSP_CONCURRENCY_SEED`` replays a run.
+"""
 
 from __future__ import annotations
 
@@ -103,3 +107,205 @@ def test_threads_push_and_step_at_once(tmp_path, workers, durable):
         q.close()
     else:
         p.close()
+
+
+def test_metrics_while_another_thread_rescales_or_closes(tmp_path) -> None:
+    """Found by the harness below: ``metrics()`` read the worker count, then each worker's traces, while a rescale
+    on another thread changed the workers (ValueError: traces: worker 1 is outside 0..0), or a close emptied them
+    (worker 0 is outside 0..-1). It must return a consistent dict, or refuse with DbspError once closed."""
+    p = dbsp.Pipeline(circuit(), workers=2, storage=str(tmp_path / "d"), checkpoint_interval=None)
+    p.push("t", batch(0, 0))
+    p.step()
+    stop = threading.Event()
+    seen: list = []
+    errors: list[BaseException] = []
+
+    def poll() -> None:
+        while not stop.is_set():
+            try:
+                m = p.metrics()
+                seen.append((m["workers"], len(m["state_bytes"])))
+            except dbsp.DbspError as e:  # closed: a clear refusal
+                assert "closed" in str(e), e
+                return
+            except BaseException as e:  # reported below
+                errors.append(e)
+                return
+
+    th = threading.Thread(target=poll)
+    th.start()
+    for w in (1, 3, 1, 2, 3, 1, 2) * 2:
+        p.rescale(w, batch_shards=4)
+    p.close()
+    stop.set()
+    th.join(timeout=60)
+    assert not errors, errors[0]
+    assert seen and all(w == n for w, n in seen), seen[:10]
+    assert len({w for w, _ in seen}) > 1, f"metrics never saw a rescale happen: {set(seen)}"
+
+
+def test_read_output_after_or_during_close_says_the_pipeline_is_closed(tmp_path) -> None:
+    """Found by the harness below: a ``read_output`` racing ``close`` (an iterator still being read, or a call
+    after it) raised ``StorageError: [Errno 5] steplog ...``, an I/O error naming a log file, as if the disk had
+    failed. It must raise DbspError saying the pipeline is closed."""
+    p = dbsp.Pipeline(circuit(), workers=2, storage=str(tmp_path / "d"), checkpoint_interval=None)
+    for i in range(3):
+        p.push("t", batch(0, i))
+        p.step()
+    it = p.read_output("sums")
+    assert next(it)[0] == 0
+    p.close()
+    with pytest.raises(dbsp.DbspError, match="closed while its output was read") as err:
+        next(it)
+    assert not isinstance(err.value, dbsp.errors.StorageError)
+    with pytest.raises(dbsp.DbspError, match="the pipeline is closed") as err:
+        next(p.read_output("sums"))
+    assert not isinstance(err.value, dbsp.errors.StorageError)
+
+
+def test_a_push_discarded_before_its_step_is_divided_reopens(tmp_path) -> None:
+    """Found by the harness's kill test: ``discard`` of a push still waiting in the open step, then ``step``, then a
+    crash before a checkpoint: the division record counts the pushes left (2), the log holds 3 records of the
+    step, and recovery refused the directory (CorruptionError: the division of step 0 names 2 pushes, the log
+    holds 3). It must reopen, without the discarded push, and count it as seen."""
+    d = str(tmp_path / "d")
+    p = dbsp.Pipeline(circuit(), workers=2, storage=d, checkpoint_interval=None)
+    for i in range(3):
+        p.push("t", batch(1, i), producer="a", seq=i)
+    assert p.discard("a", 1) == ("t", 0)
+    first = p.step()["sums"].to_dict()
+    p.push("t", batch(1, 3), producer="a", seq=3)  # acknowledged, not yet in a step
+    p._shutdown()  # abandon the process after the step, before any checkpoint, as kill -9 would
+    q = dbsp.Pipeline.open(d, circuit(), checkpoint_interval=None)
+    try:
+        assert q.steps == 1 and dict(q.read_output("sums"))[0].to_dict() == first
+        assert q.push("t", batch(1, 1), producer="a", seq=1).duplicate  # the discarded push stays seen
+        q.step()
+        want: dict = {}
+        for i in (0, 2, 3):
+            b = batch(1, i)
+            for k, v in zip(b.column("k").to_pylist(), b.column("v").to_pylist()):
+                tot, n = want.get(k, (0, 0))
+                want[k] = (tot + v, n + 1)
+        got: dict = {}
+        for _, z in q.read_output("sums"):
+            for row, w in z.to_dict().items():
+                got[row] = got.get(row, 0) + w
+        assert {r: w for r, w in got.items() if w} == {(k, t, n): 1 for k, (t, n) in want.items()}
+    finally:
+        q.close()
+
+
+# ---- the random-operations harness (issue 29 item 2): tests/exactly_once/ops_harness.py ----
+
+OPS_SEED = int(os.environ.get("DBSP_CONCURRENCY_SEED", random.randrange(10**6)))
+OPS_ROUNDS = int(os.environ.get("DBSP_CONCURRENCY_ROUNDS", "48"))  # over the three modes
+OPS_KILLS = int(os.environ.get("DBSP_CONCURRENCY_KILLS", "2"))
+OPS_TOTALS: dict = {}
+
+
+@pytest.mark.parametrize("mode", ["memory", "durable", "staged"])
+def test_random_operations_from_many_threads_keep_every_acknowledged_push(tmp_path, mode) -> None:
+    """``DBSP_CONCURRENCY_ROUNDS`` rounds over the three modes (default 48; 1,000 is the opt-in aim, replay one
+    run with ``DBSP_CONCURRENCY_SEED``): 3 threads issue 10 random public operations each (push, step,
+    queue_step + run_queued, checkpoint, rescale, discard, read_output, metrics, close) on one pipeline; every
+    operation completes or refuses with a typed error, none leaves the pipeline broken, and the integral of the
+    output log after a reopen (in memory: of the steps returned) equals the model of the acknowledged pushes."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from collections import Counter
+
+    from ops_harness import MODES, Round
+
+    totals: Counter = Counter()
+    refusals: Counter = Counter()
+    rounds = OPS_ROUNDS // len(MODES) + (MODES.index(mode) < OPS_ROUNDS % len(MODES))
+    for r in range(rounds):
+        seed = OPS_SEED * 1000 + r
+        rnd = Round(mode, seed, None if mode == "memory" else str(tmp_path / f"d{r}"))
+        p = rnd.open(workers=1 + r % 3)
+        rnd.go(p)
+        rnd.check(p)
+        assert not rnd.failures, (f"{mode} round {r} (replay: DBSP_CONCURRENCY_SEED={OPS_SEED}):\n"
+                                  + "\n".join(rnd.failures))
+        totals.update(rnd.counts)
+        totals["rounds"] += 1
+        refusals.update(rnd.refusals)
+    OPS_TOTALS[mode] = dict(totals)
+    print("\n".join(f"  refused {n}x {what}" for what, n in refusals.most_common()))
+    print(f"\n[ops harness] {mode} DBSP_CONCURRENCY_SEED={OPS_SEED}: {dict(totals)}")
+    assert totals["rounds"] == rounds and (rounds == 0 or totals["ops"] > rounds * 10)
+
+
+@pytest.mark.parametrize("mode", ["durable", "staged"])
+def test_random_operations_killed_with_sigkill_keep_every_acknowledged_push(tmp_path, mode) -> None:
+    """``DBSP_CONCURRENCY_KILLS`` kills per mode must land (default 2): a child process runs harness rounds on one
+    directory and is killed with SIGKILL at a random moment; the parent reopens, pushes again every push the
+    child tried but never saw acknowledged (a duplicate if it was durable), steps, and checks that the output
+    log's integral equals the model of every push minus the discarded ones, and that every such push is in the
+    input of exactly one output step."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from collections import Counter
+
+    from rescale_workload import run_child
+
+    child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ops_kill_child.py")
+    d = str(tmp_path / "d")
+    rng = random.Random(f"{OPS_SEED}/{mode}/kill")
+    stats: Counter = Counter()
+    run = 0
+    while stats["kills"] < OPS_KILLS and run < 4 * OPS_KILLS + 4:
+        try:
+            how, info = run_child([child, d, str(OPS_SEED), str(run), mode, "20"], None, rng.uniform(1.5, 6.0),
+                                  300, "a concurrency-harness child")
+            run += 1
+            stats["kills" if how == "killed" else "finished"] += 1
+            if info is not None:
+                stats.update({k: v for k, v in info.items() if isinstance(v, int)})
+            _check_after_kill(d, mode, stats)
+        except (AssertionError, dbsp.DbspError) as e:
+            raise AssertionError(f"{mode} run {run} (replay: DBSP_CONCURRENCY_SEED={OPS_SEED}): {e!r}") from e
+    print(f"\n[ops kill] {mode} DBSP_CONCURRENCY_SEED={OPS_SEED}: {dict(stats)}")
+    assert stats["kills"] >= OPS_KILLS, f"only {stats['kills']} of {OPS_KILLS} kills landed in {run} runs"
+
+
+def _check_after_kill(d: str, mode: str, stats) -> None:
+    from collections import Counter
+
+    from ops_harness import batch, circuit, differ, executor, log_integral, model
+
+    log = os.path.join(os.path.dirname(d), "ops-log.txt")
+    if not os.path.exists(os.path.join(d, "META")):
+        return  # killed before the pipeline was created
+    with open(log) if os.path.exists(log) else open(os.devnull) as f:
+        lines = [x.split(" ", 2) for x in f.read().splitlines() if x]
+    tried = {(p, int(s)) for w, p, s in (x for x in lines if x[0] == "try")}
+    acked = {(p, int(s)) for w, p, s in (x for x in lines if x[0] == "ack")}
+    dropped = {(p, int(s)) for w, p, s in (x for x in lines if x[0] == "discard-done")}
+    maybe = {(p, int(s)) for w, p, s in (x for x in lines if x[0] == "discard-try")} - dropped
+    stats["rounds_logged"] = sum(x[0] == "round" for x in lines)
+    q = dbsp.Pipeline.open(d, circuit(), executor=executor(mode), checkpoint_interval=None)
+    try:
+        for p, s in sorted(tried - acked):  # in flight at the kill, or refused: durable or not, counted once now
+            ack = q.push("t", batch(OPS_SEED, p, s), producer=p, seq=s)
+            stats["unacked_in_child_found_durable" if ack.duplicate else "unacked_in_child_pushed_anew"] += 1
+            with open(log, "a") as f:
+                f.write(f"ack {p} {s}\n")
+        q.step()
+        counted: Counter = Counter()
+        for step in q.output_steps:
+            for r in q.output_inputs(step):
+                if r["producer"]:
+                    counted.update((r["producer"], x) for x in range(r["first_seq"], r["last_seq"] + 1))
+        kept = {(p, s) for p, s in tried if (p, s) not in dropped and not ((p, s) in maybe and (p, s) not in counted)}
+        assert not (dropped & set(counted)), f"discarded pushes were counted: {sorted(dropped & set(counted))[:5]}"
+        assert counted == Counter(kept), (f"seed {OPS_SEED}: pushes counted other than once: "
+                                          f"{sorted((Counter(kept) - counted) + (counted - Counter(kept)))[:10]}")
+        got, want = log_integral(q), model([(OPS_SEED, p, s) for p, s in kept])
+        assert got == want, (f"{mode} (replay: DBSP_CONCURRENCY_SEED={OPS_SEED}): the log's integral differs from "
+                             f"the model of {len(kept)} pushes: {differ(got, want)}")
+    finally:
+        q.close()
