@@ -540,7 +540,7 @@ def _repair_layout(root: str, report: dict[str, Any], problem: str) -> None:
     for p in _state_paths(root):
         try:
             with Database(p, readonly=True) as db, db.read(db.versions().stop - 1) as h:
-                rec = read_worker_layout(h, p)
+                rec = read_worker_layout(h, p, whole=True)
         except (OSError, CorruptionError, KeyError):
             continue
         if rec is not None:
