@@ -1277,7 +1277,7 @@ class Pipeline:
         try:
             yield from it
         except StorageError as exc:
-            if not self._closed:
+            if not (self._closed or self._stopping):  # _stopping: close() began, its logs may be closed already
                 raise
             raise DbspError(f"read_output({name!r}): the pipeline was closed while its output was read; "
                             f"Pipeline.open(dir, circuit) reads it again") from exc
