@@ -194,7 +194,7 @@ class Exprs:
         if isinstance(node, exp.Div):
             return call("divide", self._f64(node.this), self._f64(node.expression))
         if isinstance(node, (exp.IntDiv, exp.Mod)):
-            (a, ta), (b, tb) = self._t(node.this), self._t(node.expression)
+            (a, ta), (b, tb) = self._pair(node.this, node.expression)
             self._numeric(node, ta, tb)
             if pat.is_integer(ta) and pat.is_integer(tb):
                 q = call("divide_checked", a, b)
@@ -205,6 +205,8 @@ class Exprs:
             return call("subtract", fa, call("multiply", call("trunc", call("divide", fa, fb)), fb))
         if isinstance(node, exp.Neg):
             a, t = self._t(node.this)
+            if pat.is_unsigned_integer(t):  # DuckDB: the same unsigned type, so only -0 has a value
+                return call("subtract_checked", lit(0, t), a)
             return call("negate_checked", a)
         if isinstance(node, exp.DPipe):
             a, b = self._as_string(node.this), self._as_string(node.expression)
@@ -524,9 +526,12 @@ class Exprs:
         if isinstance(node, exp.Exp):
             return call("exp", self._f64(a))
         if isinstance(node, exp.Log):
-            if node.expression is not None:
-                raise src.error(node, "LOG(base, x) is not supported (LN and LOG10 are)")
-            return call("log10", self._f64(a))
+            if node.expression is None:  # LOG(x): base 10, as in DuckDB
+                return call("log10", self._f64(a))
+            base = node.this
+            if isinstance(base, exp.Literal) and not base.is_string and base.this == "10":  # LOG10(x), LOG(10, x)
+                return call("log10", self._f64(node.expression))
+            return call("divide", call("log10", self._f64(node.expression)), call("log10", self._f64(base)))  # DuckDB's
         if isinstance(node, exp.Extract):
             return self._part(node, node.this.name, node.expression)
         for cls, part in ((exp.Year, "YEAR"), (exp.Month, "MONTH"), (exp.Day, "DAY"), (exp.DayOfWeek, "DOW"),
