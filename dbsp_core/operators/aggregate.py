@@ -135,7 +135,11 @@ class Aggregate(Operator):
         nk = len(self.keys)
         cols = [totals.column(i) for i in range(nk)] if self.output_keys else []
         for (kind, slots), field, name in zip(self.plan, list(self.schema)[len(cols):], self.names):
-            if kind == "avg":
+            if kind == "avg" and pat.is_floating(totals.schema.field(nk + slots[0]).type):
+                s = totals.column(nk + slots[0])
+                n = pc.cast(totals.column(nk + slots[1]), pa.float64())
+                col = pc.if_else(pc.equal(n, 0.0), pa.scalar(None, pa.float64()), pc.divide(s, n))
+            elif kind == "avg":  # an integer sum: exact, divided in long double (invariant 5)
                 hi, lo, n = _slot_ints(totals, nk, slots)
                 s = hi.astype(np.longdouble) if lo is None else hi.astype(np.longdouble) * 2**32 + lo
                 with np.errstate(invalid="ignore", divide="ignore"):
