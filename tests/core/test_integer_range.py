@@ -1,4 +1,4 @@
-"""Aggregates (count, sum, min, max, avg) over the full range of every integer type against DuckDB, with random splits into steps, deletions and W in {1, 2}.
+"""count, sum, min, max and avg over the full range of every integer type against DuckDB: random steps, deletions, W in {1, 2}.
 
 The view's integral is compared after every step with DuckDB over the integrated rows. Where DuckDB's SUM (a
 HUGEINT) leaves our result type (int64; uint64 for a uint64 column) the step must fail with a StepError that

@@ -1,7 +1,9 @@
-"""SQL over the full range of every integer type against DuckDB: the aggregates (incrementally, with deletions, W in {1, 2}) and every arithmetic and math function, including overflow, which must fail the step, never give a wrong value.
+"""SQL arithmetic, math functions and aggregates over the full range of every integer type, against DuckDB.
 
-The seed is in the assertion messages (pytest -q shows them); replay with DBSP_HYPOTHESIS_SEED. More examples:
-DBSP_HYPOTHESIS_EXAMPLES.
+Aggregates run incrementally (random steps with deletions, W in {1, 2}); an expression's rows run in one step,
+half of them are deleted in a second, and each row DuckDB refuses (overflow, division by zero) must fail our
+step alone, never give a value. The seed is in the assertion messages (pytest -q shows them); replay with
+DBSP_HYPOTHESIS_SEED. More examples: DBSP_HYPOTHESIS_EXAMPLES.
 """
 
 from __future__ import annotations
