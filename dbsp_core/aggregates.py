@@ -3,8 +3,10 @@
 Invariants (enforced here and in operators/aggregate.py):
   1. ``count()`` counts rows with multiplicity; ``count(col)`` counts rows whose ``col`` is not null.
   2. ``sum``, ``min``, ``max`` and ``avg`` ignore nulls and give null for a group with no non-null value.
-  3. ``sum`` and ``avg`` accept only integer and floating-point columns; ``sum`` of integers is int64
-     (overflow raises, never wraps), of floats float64; ``avg`` is float64.
+  3. ``sum`` and ``avg`` accept only integer and floating-point columns; ``sum`` of integers is int64, of uint64
+     uint64 (a group's sum outside that type fails the step with an error naming the column, never wraps), of
+     floats float64; ``avg`` is float64: the exact sum divided by the count in long double, then rounded (as
+     DuckDB does). Every integer value of every type is accepted (no cast loses or refuses one).
   4. ``min`` and ``max`` return the column's own type.
   5. ``count_distinct(col)`` counts the distinct non-null values of ``col`` in the group (int64, 0 when all
      are null); it combines with count and integer sum/avg only (operators/count_distinct.py).
@@ -59,7 +61,9 @@ class Aggregate:
             return pa.int64()
         if self.kind in ("sum", "avg"):
             if pat.is_integer(t):
-                return pa.int64() if self.kind == "sum" else pa.float64()
+                if self.kind == "avg":
+                    return pa.float64()
+                return pa.uint64() if pat.is_uint64(t) else pa.int64()
             if pat.is_floating(t):
                 return pa.float64()
             raise SchemaError(f"{where}: {self!r} needs a numeric column, but {self.column!r} is {t}")

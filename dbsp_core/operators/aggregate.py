@@ -22,7 +22,14 @@ Invariants:
   4. The input is exchanged by the group keys, so a group lives in exactly one worker. A linear aggregate
      first turns each worker's change into partial rows (PreAggregate, before the exchange: a combiner), so
      a large change crosses workers as one row per group instead of one per input row.
-  5. When a group key column has a time lineage (dbsp_core/time), the groups below its bound are dropped from
+  5. Integer sums are exact whatever the split into steps, workers and rows: a uint64 sum, and an int64 column's
+     sum for avg, are kept as two int64 limb slots (``sum_hi``: the value >> 32, ``sum_lo``: its low 32 bits,
+     :func:`limb`), which no partial sum in a C kernel can overflow; :meth:`Aggregate.finalize` joins them. A
+     group's sum outside the result type (int64, uint64 for a uint64 column) fails the step with a
+     WeightOverflowError naming the aggregate and its column; an int64 ``sum`` keeps one slot (the state format
+     of checkpoints written before), so a step may also fail when a group's old total and the step's values
+     sum, in magnitude, past int64. ``avg`` divides the exact sum by the count in long double (as DuckDB does).
+  6. When a group key column has a time lineage (dbsp_core/time), the groups below its bound are dropped from
      every trace at the start of a step (dbsp_core/time/cleanup.py): no later change can reach them.
 """
 
@@ -89,11 +96,16 @@ class Aggregate(Operator):
             elif agg.kind == "count_distinct":  # partials come from operators/count_distinct.py
                 slots = [self._slot("count_distinct", agg.column)]
             elif agg.kind in ("sum", "avg"):  # the non-null count decides when the result is null
-                slots = [self._slot("sum", agg.column), self._slot("count_col", agg.column)]
+                t = in_schema.field(agg.column).type
+                if pat.is_uint64(t) or (agg.kind == "avg" and pat.is_int64(t)):  # invariant 5: limb slots
+                    slots = [self._slot("sum_hi", agg.column), self._slot("sum_lo", agg.column)]
+                else:
+                    slots = [self._slot("sum", agg.column)]
+                slots.append(self._slot("count_col", agg.column))
             else:
                 slots = [self._slot(agg.kind, agg.column)]
             self.plan.append((agg.kind, slots))
-        self.linear = all(k in ("count", "count_col", "count_distinct")
+        self.linear = all(k in ("count", "count_col", "count_distinct") or k in LIMBS
                           or (k == "sum" and pat.is_integer(in_schema.field(c).type)) for k, c in self.kernel)
         distinct_columns = tuple(c for k, c in self.kernel if k == "count_distinct")
         if distinct_columns:
@@ -122,11 +134,26 @@ class Aggregate(Operator):
         """User rows from a table of keys then one column per kernel slot (positional)."""
         nk = len(self.keys)
         cols = [totals.column(i) for i in range(nk)] if self.output_keys else []
-        for (kind, slots), field in zip(self.plan, list(self.schema)[len(cols):]):
-            if kind == "avg":
-                s = pc.cast(totals.column(nk + slots[0]), pa.float64())
+        for (kind, slots), field, name in zip(self.plan, list(self.schema)[len(cols):], self.names):
+            if kind == "avg" and pat.is_floating(totals.schema.field(nk + slots[0]).type):
+                s = totals.column(nk + slots[0])
                 n = pc.cast(totals.column(nk + slots[1]), pa.float64())
                 col = pc.if_else(pc.equal(n, 0.0), pa.scalar(None, pa.float64()), pc.divide(s, n))
+            elif kind == "avg":  # an integer sum: exact, divided in long double (invariant 5)
+                hi, lo, n = _slot_ints(totals, nk, slots)
+                s = hi.astype(np.longdouble) if lo is None else hi.astype(np.longdouble) * 2**32 + lo
+                with np.errstate(invalid="ignore", divide="ignore"):
+                    col = pa.array((s / n).astype(np.float64), pa.float64(), mask=n == 0)
+            elif kind == "sum" and len(slots) == 3:  # a uint64 sum in limbs (invariant 5)
+                hi, lo, n = _slot_ints(totals, nk, slots)
+                bad = (hi < 0) | (hi >= 2**32)
+                if bad.any():
+                    i = int(np.flatnonzero(bad)[0])
+                    raise WeightOverflowError(
+                        f"{self.label}: sum({self.kernel[slots[0]][1]!r}) as {name!r} of a group is "
+                        f"{int(hi[i]) * 2**32 + int(lo[i])}, outside uint64 (the result type of a uint64 sum)")
+                u = (hi.astype(np.uint64) << np.uint64(32)) | lo.astype(np.uint64)
+                col = pa.array(u, pa.uint64(), mask=n == 0 if (n == 0).any() else None)
             elif kind == "sum":
                 s, n = totals.column(nk + slots[0]), totals.column(nk + slots[1])
                 if n.null_count or not bool(n.to_numpy().all()):  # null where the group has no non-null value
@@ -138,6 +165,16 @@ class Aggregate(Operator):
                 col = pc.cast(col, field.type)
             cols.append(col)
         return pa.Table.from_arrays(cols, schema=self.schema)
+
+    def raise_overflow(self, exc: WeightOverflowError) -> None:
+        """Raise ``exc``, which a kernel raised in a step of this aggregate, as an error naming the aggregate and its
+        one-slot integer sums (invariant 5); ``exc`` itself when it already names the aggregate."""
+        if str(exc).startswith(self.label):
+            raise exc
+        sums = ", ".join(f"{kind}({self.kernel[slots[0]][1]!r}) as {name!r}" for (kind, slots), name
+                         in zip(self.plan, self.names) if kind in ("sum", "avg") and len(slots) == 2)
+        raise WeightOverflowError(f"{self.label}: a group's count or integer sum leaves int64"
+                                  + (f" (integer sums: {sums})" if sums else "")) from exc
 
     def nonempty(self, totals: pa.Table) -> pa.Table:
         """Drop groups whose row count (slot 0) is zero."""
@@ -172,6 +209,11 @@ def reduce_groups(ix: "IndexedZSet", kernel: list[tuple[str, str | None]]) -> pa
             if name not in extra:
                 extra[name] = pc.fill_null(data.column(col), 0)
             kern.append((kind, name))
+        elif kind in LIMBS:
+            name = f"__{kind}_{col}"
+            if name not in extra:
+                extra[name] = limb(kind, data.column(col))
+            kern.append(("sum", name))
         else:
             kern.append((kind, col))
     if extra:
@@ -201,6 +243,12 @@ class _RecomputeState:
         return self.op.nonempty(reduce_groups(ix, self.op.kernel)) if len(ix) else None
 
     def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
+        try:
+            return self._step(inputs, ctx)
+        except WeightOverflowError as e:
+            self.op.raise_overflow(e)
+
+    def _step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
         prune(self, input_times(op), ctx)  # groups no later change can reach (dbsp_core.time.cleanup)
         z = inputs[0]
@@ -246,6 +294,8 @@ class PreAggregate(Operator):
                 cols.append(ones)
             elif kind == "count_col":
                 cols.append(pc.cast(pc.is_valid(c), pa.int64()))
+            elif kind in LIMBS:
+                cols.append(limb(kind, c))
             elif c.null_count == 0 and pat.is_int64(c.type):  # integer sum of an int64 column without nulls
                 cols.append(c)
             else:
@@ -260,7 +310,10 @@ class PreAggregate(Operator):
         if z.num_rows < self.GROUP_ABOVE:
             return self.rowwise(z)
         ix = z.index_by(list(self.agg.keys))
-        table = reduce_groups(ix, self.agg.kernel).rename_columns(self.schema.names)
+        try:
+            table = reduce_groups(ix, self.agg.kernel).rename_columns(self.schema.names)
+        except WeightOverflowError as e:
+            self.agg.raise_overflow(e)
         return make(table, np.ones(table.num_rows, dtype=np.int64), self.schema)
 
 
@@ -324,8 +377,8 @@ class _LinearState:
         view = _zset.BatchView(data, z.weights)  # one view for the grouping pass, the probes and the take
         try:
             found = self._through_index(view) or self._through_batches(view, data)
-        except WeightOverflowError:
-            raise WeightOverflowError(f"{op.label}: a group's count or integer sum overflows int64") from None
+        except WeightOverflowError as e:
+            op.raise_overflow(e)
         rows, w, kh, vals, rh, ordered, ix = found  # per output row: the change's row carrying its key, ...
         if len(rows) == 0:
             if ix is not None:
@@ -390,7 +443,11 @@ class _ExtremesState:
         # the one-pass step (csrc/extremes.h) through a key index of the totals: per group its slots, then one
         # "not null" flag per extreme; only where every extreme's values sum as int64 (integers, dates, timestamps)
         self.keypos = tuple(op.in_schema.get_field_index(k) for k in op.keys)
-        self.slot_specs = tuple((kind, None if col is None else op.in_schema.get_field_index(col))
+        # limb slots sum columns appended to the change (invariant 5): their positions follow the input's
+        self.limbs = tuple((kind, col) for kind, col in op.kernel if kind in LIMBS)
+        nin = len(op.in_schema)
+        self.slot_specs = tuple(("sum", nin + self.limbs.index((kind, col))) if kind in LIMBS
+                                else (kind, None if col is None else op.in_schema.get_field_index(col))
                                 for kind, col in op.kernel)
         self.spec = ("key", tuple(f"s_{j}" for j in range(len(op.kernel)))
                      + tuple(("valid", f"s_{j}") for j, _, _ in self.ext))
@@ -410,6 +467,8 @@ class _ExtremesState:
             return pa.array(np.ones(n, dtype=np.int64))
         if kind == "count_col":
             return pc.cast(pc.is_valid(data.column(col)), pa.int64())
+        if kind in LIMBS:
+            return limb(kind, data.column(col))
         return pc.cast(pc.fill_null(data.column(col), 0), pa.int64())  # integer sum
 
     def _combined(self, old: pa.Table, change: "ZSet") -> "ZSet":
@@ -478,12 +537,24 @@ class _ExtremesState:
         return z.index_by(self.keys).reduce(list(self.aggs)).rename_columns(list(self.names))
 
     def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
+        try:
+            return self._step(inputs, ctx)
+        except WeightOverflowError as e:
+            self.op.raise_overflow(e)
+
+    def _step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
         prune(self, input_times(op), ctx)  # groups no later change can reach (dbsp_core.time.cleanup)
         z = inputs[0]
         if z.num_rows == 0:
             return empty(op.schema)
-        dix = conform(z, op.in_schema).index_by(self.keys)
+        z = conform(z, op.in_schema)
+        if self.limbs:  # the limb columns the one-pass kernel sums (invariant 5)
+            data = z.data
+            for kind, col in self.limbs:
+                data = data.append_column(f"__{kind}_{col}", limb(kind, data.column(col)))
+            z = make(data, z.weights, data.schema)
+        dix = z.index_by(self.keys)
         if len(dix) == 0:
             return empty(op.schema)
         change = dix.zset
@@ -580,6 +651,35 @@ class _ExtremesState:
             self.totals.insert(delta.index_by(self.keys))
         return op.output(new, prev)
 
+
+
+LIMBS = ("sum_hi", "sum_lo")  # the two int64 slots of an exact 64-bit integer sum (invariant 5)
+
+
+def limb(kind: str, col: "pa.Array | pa.ChunkedArray") -> "pa.Array | pa.ChunkedArray":
+    """A limb of integer column ``col`` as int64, nulls as 0 (invariant 5): ``sum_hi`` the value >> 32 (rounded down),
+    ``sum_lo`` its low 32 bits, so that value = hi * 2^32 + lo and both are below 2^32 in magnitude.
+
+    >>> limb("sum_hi", pa.array([-1, 2**40 + 7])).to_pylist(), limb("sum_lo", pa.array([-1, 2**40 + 7])).to_pylist()
+    ([-1, 256], [4294967295, 7])
+    """
+    c = pc.fill_null(col, 0)
+    if kind == "sum_hi":
+        return pc.cast(pc.shift_right(c, pa.scalar(32, c.type)), pa.int64())
+    return pc.cast(pc.bit_wise_and(c, pa.scalar(0xFFFFFFFF, c.type)), pa.int64())
+
+
+def _slot_ints(totals: pa.Table, nk: int, slots: list[int]) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """(sum or high limb, low limb or None, non-null count) of a sum/avg's slots as int64 arrays, nulls as 0; the
+    limbs normalized (low limb in [0, 2^32))."""
+    def ints(j: int) -> np.ndarray:
+        return np.asarray(pc.fill_null(totals.column(nk + j), 0).to_numpy(), dtype=np.int64)
+
+    n = ints(slots[-1])
+    if len(slots) == 2:
+        return ints(slots[0]), None, n
+    hi, lo = ints(slots[0]), ints(slots[1])
+    return hi + (lo >> 32), lo & 0xFFFFFFFF, n
 
 
 def _int_array(values: np.ndarray, typ: pa.DataType, null: np.ndarray) -> pa.Array:

@@ -6,7 +6,8 @@ Invariants:
      ``x IN (1, NULL)`` is NULL, not false, when x is not 1); IS [NOT] DISTINCT FROM compares nulls as values.
   2. Arithmetic follows DuckDB: ``/`` divides as doubles; ``//`` and ``%`` of integers truncate toward zero (the
      remainder has the dividend's sign; of doubles, ``//`` is the quotient and ``%`` the truncated remainder); integer +, -, * and unary - raise on overflow; CAST of a float to an integer
-     rounds half to even, ROUND rounds half away from zero.
+     rounds half to even, ROUND rounds half away from zero. An integer becomes a double (``/``, SQRT, LN, LOG, EXP,
+     POWER, CAST) rounded to the nearest double, as in DuckDB: every int64 and uint64 value is accepted.
   3. A node found in the substitution map (group keys, aggregate calls, subquery results the planner already
      computed) compiles to a reference to its field, before anything else is looked at.
   4. Anything not covered raises SqlError at the node, saying what is not supported. A literal pattern (regular
@@ -215,20 +216,21 @@ class Exprs:
         if isinstance(node, (exp.Add, exp.Sub, exp.Mul)):
             return self._arith(node)
         if isinstance(node, exp.Div):
-            a, b = self._c(node.this), self._c(node.expression)
-            return call("divide", a.cast(pa.float64()), b.cast(pa.float64()))
+            return call("divide", self._f64(node.this), self._f64(node.expression))
         if isinstance(node, (exp.IntDiv, exp.Mod)):
-            (a, ta), (b, tb) = self._t(node.this), self._t(node.expression)
+            (a, ta), (b, tb) = self._pair(node.this, node.expression)
             self._numeric(node, ta, tb)
             if pat.is_integer(ta) and pat.is_integer(tb):
                 q = call("divide_checked", a, b)
                 return q if isinstance(node, exp.IntDiv) else call("subtract", a, call("multiply", q, b))
-            fa, fb = a.cast(pa.float64()), b.cast(pa.float64())
+            fa, fb = a.cast(pa.float64(), safe=False), b.cast(pa.float64(), safe=False)
             if isinstance(node, exp.IntDiv):  # DuckDB: // of doubles is their plain quotient
                 return call("divide", fa, fb)
             return call("subtract", fa, call("multiply", call("trunc", call("divide", fa, fb)), fb))
         if isinstance(node, exp.Neg):
             a, t = self._t(node.this)
+            if pat.is_unsigned_integer(t):  # DuckDB: the same unsigned type, so only -0 has a value
+                return call("subtract_checked", lit(0, t), a)
             return call("negate_checked", a)
         if isinstance(node, exp.DPipe):
             a, b = self._as_string(node.this), self._as_string(node.expression)
@@ -448,6 +450,10 @@ class Exprs:
             target = c
         return [e if t.equals(target) else e.cast(target) for e, t in typed]  # only NULLs: they stay untyped
 
+    def _f64(self, node: exp.Expression) -> pc.Expression:
+        """A numeric operand as a double, integers rounded to the nearest (invariant 2)."""
+        return self._c(node).cast(pa.float64(), safe=False)
+
     def _bool(self, node: exp.Expression) -> pc.Expression:
         """A boolean operand (a bare NULL is a boolean NULL)."""
         e, t = self._t(node)
@@ -515,6 +521,8 @@ class Exprs:
         e, t = self._t(inner)
         if pat.is_floating(t) and pat.is_integer(target):
             e = call("round", e, options=pc.RoundOptions(0, "half_to_even"))
+        if pat.is_integer(t) and pat.is_floating(target):  # invariant 2: rounded to the nearest, never refused
+            return e.cast(target, safe=False)
         if pat.is_boolean(target) and is_string(t):
             e = call("utf8_lower", e)
         return e.cast(target)
@@ -656,17 +664,20 @@ class Exprs:
                 return e
             return call("floor" if isinstance(node, exp.Floor) else "ceil", e)
         if isinstance(node, exp.Sqrt):
-            return call("sqrt", self._c(a).cast(pa.float64()))
+            return call("sqrt", self._f64(a))
         if isinstance(node, exp.Pow):
-            return call("power", self._c(a).cast(pa.float64()), self._c(node.expression).cast(pa.float64()))
+            return call("power", self._f64(a), self._f64(node.expression))
         if isinstance(node, exp.Ln):
-            return call("ln", self._c(a).cast(pa.float64()))
+            return call("ln", self._f64(a))
         if isinstance(node, exp.Exp):
-            return call("exp", self._c(a).cast(pa.float64()))
+            return call("exp", self._f64(a))
         if isinstance(node, exp.Log):
-            if node.expression is not None:
-                raise src.error(node, "LOG(base, x) is not supported (LN and LOG10 are)")
-            return call("log10", self._c(a).cast(pa.float64()))
+            if node.expression is None:  # LOG(x): base 10, as in DuckDB
+                return call("log10", self._f64(a))
+            base = node.this
+            if isinstance(base, exp.Literal) and not base.is_string and base.this == "10":  # LOG10(x), LOG(10, x)
+                return call("log10", self._f64(node.expression))
+            return call("divide", call("log10", self._f64(node.expression)), call("log10", self._f64(base)))  # DuckDB's
         if isinstance(node, exp.Extract):
             return self._part(node, node.this.name, node.expression)
         for cls, part in ((exp.Year, "YEAR"), (exp.Month, "MONTH"), (exp.Day, "DAY"), (exp.DayOfWeek, "DOW"),
@@ -705,7 +716,7 @@ class Exprs:
             return call("count_substring", self._c(args[0]),
                         options=pc.MatchSubstringOptions(self._str_arg(args[1], "the substring"))).cast(pa.int64())
         if name in ("log10",) and len(args) == 1:
-            return call("log10", self._c(args[0]).cast(pa.float64()))
+            return call("log10", self._f64(args[0]))
         if name in ("epoch_ms",) and len(args) == 1:
             e, t = self._t(args[0])
             if pat.is_timestamp(t):
