@@ -400,6 +400,7 @@ class Crashy(LocalJobRunner):
 @given(name=st.sampled_from(NAMES), workers=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**31 - 1),
        groups=st.lists(st.integers(1, 3), min_size=2, max_size=5), at=st.integers(0, 3), stage=st.integers(0, 3),
        crash_workers=st.integers(0, 2), checkpoints=st.lists(st.booleans(), min_size=5, max_size=5))
+@pytest.mark.slow
 def test_a_crash_anywhere_in_a_job_then_reopen_gives_every_step_once(tmp_path_factory, name, workers, seed, groups,
                                                                      at, stage, crash_workers, checkpoints) -> None:
     steps, bags = changes(seed, sum(groups))

@@ -168,6 +168,7 @@ def check_seed(root: str, seed: int, runner=run_forked) -> dict:
     return {"kills": kills, "duplicates": dups, "steps": last, "truncated": truncated}
 
 
+@pytest.mark.slow
 def test_kill9_seeds(tmp_path):
     def one(seed: int) -> dict:
         root = tmp_path / f"s{seed}"

@@ -37,6 +37,7 @@ def _child(d: str, seed: int, steps: int, kind: str, targets: list[int], crash: 
 
 
 @pytest.mark.parametrize("kind", ["embedded", "staged"])
+@pytest.mark.slow
 def test_kill9_during_live_rescales(tmp_path, kind: str) -> None:
     seed = BASE_SEED + (kind == "staged")
     print(f"\n[live kill] {kind} seed {seed} (replay: DBSP_LIVE_KILL_SEED={BASE_SEED})")

@@ -210,6 +210,7 @@ def _child(d: str, executor: str, crash: tuple[str, int] | None) -> str:
 
 
 @pytest.mark.parametrize("executor", ["embedded", "staged"])
+@pytest.mark.slow
 def test_kill_at_every_point_of_the_remedy(tmp_path, executor):
     """The child pushes good and poison batches (named), steps, meets StepError, discards the poison pushes and
     steps on; it is killed at each crash point once, then run again to the end. Every open works, the views

@@ -11,7 +11,7 @@ from spark_glue import SparkPipeline  # noqa: E402
 from staged_circuits import build, changes, check_duckdb, embedded, same_outputs  # noqa: E402
 from test_spark_pipeline import run  # noqa: E402
 
-pytestmark = pytest.mark.spark
+pytestmark = [pytest.mark.spark, pytest.mark.slow]  # local-cluster JVMs: about a minute to start, the long suite
 
 
 def test_cluster_matches_embedded_with_a_retry_and_a_reopen(spark_cluster, tmp_path) -> None:

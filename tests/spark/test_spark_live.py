@@ -51,6 +51,7 @@ def executor_jvms() -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_live_rescale_with_an_executor_killed_mid_move(spark_cluster, tmp_path) -> None:
     w = Workload(91, 20)
     ref = reference(w)

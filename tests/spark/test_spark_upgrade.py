@@ -77,6 +77,7 @@ def _releases(markers) -> dict[int, str]:
     return out
 
 
+@pytest.mark.slow
 def test_rolling_upgrade_replaces_executors_exactly_once(upgrade_cluster, tmp_path) -> None:
     spark, code, markers = upgrade_cluster
     p = SparkPipeline(spark, circuit(), workers=2, storage=str(tmp_path / "d"), checkpoint_interval=None)

@@ -125,6 +125,7 @@ STEPPED = {"batches": 3, "redelivered": 1, "pending": 0}    # batch 2 stepped, S
     ("embedded", "push-acked:3", PUSHED), ("embedded", "step-written:3", STEPPED),
     ("spark", "push-acked:3", PUSHED), ("spark", "after-step:2", STEPPED),
 ])
+@pytest.mark.slow
 def test_redelivered_batch_counts_once_after_a_driver_crash(tmp_path, runtime, crash, expect):
     """The driver dies (SIGKILL, taking its Spark JVM along) inside batch 2: after its push was acknowledged and
     before its step, or after its step and before Spark committed the batch. A new driver recovers the pipeline

@@ -52,6 +52,7 @@ def _job(spark, table: pa.Table, state: str, run: int, workers: int) -> pa.Table
     return routed.mapInArrow(fn, "auction long, n long, total long, weight long").toArrow()
 
 
+@pytest.mark.slow
 def test_partition_state_across_jobs_and_a_retry(spark_cluster, tmp_path) -> None:
     import duckdb
 
@@ -71,6 +72,7 @@ def test_partition_state_across_jobs_and_a_retry(spark_cluster, tmp_path) -> Non
     assert sorted(os.listdir(tmp_path / "state")) == ["part-00000", "part-00001", "part-00002"]
 
 
+@pytest.mark.slow
 def test_executors_that_cannot_import_the_engine_are_named(tmp_path) -> None:
     """A session whose Python workers lack dbsp_core (or have another version) fails at SparkPipeline(...) with
     what to set, not deep inside the first step."""
