@@ -1,4 +1,4 @@
-"""The poison-input workload shared by the StepError tests and their kill -9 child: a circuit whose steps fail on some rows (an int64 sum overflow, a division by zero in a filter, a uint64 sum past int64, a user function's exception), batches with a few poison ones among them, and a dict model of the views over the batches that were not discarded."""
+"""The poison-input workload shared by the StepError tests and their kill -9 child: a circuit whose steps fail on some rows (an int64 sum overflow, a division by zero in a filter, a uint64 sum past uint64, a user function's exception), batches with a few poison ones among them, and a dict model of the views over the batches that were not discarded."""
 
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ def poison(kind: str) -> pa.Table:
         return pa.table({"k": [9, 9], "v": [BIG, BIG], "d": [1, 1], "u": [0, 0]}, schema=SCHEMA)
     if kind == "divide-by-zero":
         return pa.table({"k": [1], "v": [1], "d": [0], "u": [0]}, schema=SCHEMA)
-    if kind == "uint64-sum":  # a uint64 value past int64: its sum cannot be an int64
-        return pa.table({"k": [2], "v": [1], "d": [1], "u": [2**63 + 5]}, schema=SCHEMA)
+    if kind == "uint64-sum":  # two uint64 values past 2^63 in one group: their sum is past uint64
+        return pa.table({"k": [2, 2], "v": [1, 1], "d": [1, 1], "u": [2**63 + 5, 2**63 + 5]}, schema=SCHEMA)
     if kind == "user-function":
         return pa.table({"k": [-1], "v": [1], "d": [1], "u": [0]}, schema=SCHEMA)
     raise ValueError(kind)
