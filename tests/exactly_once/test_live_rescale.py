@@ -23,7 +23,7 @@ from dbsp_core.storage.directory import read_layout, read_rescale  # noqa: E402
 from rescale_workload import Workload, build_circuit, check_log_against_duckdb, reference  # noqa: E402
 
 BASE_SEED = int(os.environ.get("DBSP_LIVE_SEED", str(random.SystemRandom().randrange(2**31))))
-KEYS = 2048  # bulk keys of the workload (rescale_workload.Workload): every shard holds state when it moves
+KEYS = 1024  # bulk keys of the workload (rescale_workload.Workload): every shard holds state when it moves
 
 
 def _check_traces(p) -> None:

@@ -29,7 +29,7 @@ from rescale_workload import (Workload, assert_every_shard_holds_state, build_ci
 
 SEEDS = int(os.environ.get("DBSP_RESCALE_SEEDS", "3"))
 BASE_SEED = int(os.environ.get("DBSP_RESCALE_SEED", str(random.SystemRandom().randrange(2**31))))
-KEYS = 2048  # bulk keys of the workload: every one of 256 shards holds state (asserted before each move)
+KEYS = 1024  # bulk keys of the workload: every one of 256 shards holds state (asserted before each move)
 
 
 def _executor(kind: str):

@@ -27,7 +27,7 @@ BASE_SEED = int(os.environ.get("DBSP_RESCALE_KILL_SEED", str(random.SystemRandom
 POINTS = ["rescale-intent:1", "rescale-group:1", "rescale-commit:1", "rescale-commit:2", "rescale-commit:3",
           "rescale-committed:1", "rescale-layout:1", "step-written:1", "checkpoint-state:1"]
 STEPS = 12
-KEYS = 2048
+KEYS = 1024
 
 
 def _child(d: str, seed: int, steps: int, target: int, kind: str, crash: str | None = None,
