@@ -1,7 +1,7 @@
-"""Shared pytest configuration: the Hypothesis profile, with a seed that varies between runs, is printed and replays a run (DBSP_HYPOTHESIS_SEED), example counts from DBSP_HYPOTHESIS_EXAMPLES, and the long suite (tests marked ``slow``) kept out of the default run.
+"""Shared pytest configuration: the Hypothesis profile, with a seed that varies between runs, is printed (in the header, after the summary, which ``-q`` shows, and in every failure's report) and replays a run (DBSP_HYPOTHESIS_SEED), example counts from DBSP_HYPOTHESIS_EXAMPLES, the long suite (tests marked ``slow``) kept out of the default run, and the ``spark`` marker recorded in the JUnit report (CI's no-Spark-test-skipped check selects by it).
 
 The README's test command (``python -m pytest -q tests``) runs every test not marked ``slow`` and stays within
-about ten minutes on two cores. The long suite (kill loops, soaks, full corpora, large data) runs with
+about ten minutes on two cores. The long suite (kill loops, soaks, local-cluster Spark, large data) runs with
 ``python -m pytest -q tests -m slow`` (what ``.ci/run`` does after the README command), or together with the
 rest with ``--long`` or ``DBSP_LONG=1``. A deselected test is counted in pytest's summary ("N deselected").
 """
@@ -44,7 +44,7 @@ def _long_suite_wanted(config) -> bool:
             or "slow" in (config.getoption("markexpr", "") or ""))
 
 
-def pytest_collection_modifyitems(config, items):
+def _deselect_long_suite(config, items) -> None:
     """Deselect the long suite (tests marked slow) unless it is asked for (module docstring)."""
     if _long_suite_wanted(config):
         return
@@ -66,3 +66,39 @@ def pytest_report_header(config):
     how = "derandomized" if DERANDOMIZE else f"seed {seed} (replay: DBSP_HYPOTHESIS_SEED={seed})"
     return (f"hypothesis: {how}, {settings.default.max_examples} examples per test "
             f"(DBSP_HYPOTHESIS_EXAMPLES)")
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """The seed again after the summary: ``-q`` hides the header."""
+    terminalreporter.write_line(pytest_report_header(config))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test's report names the Hypothesis seed of the run (shown with the failure, also under -q)."""
+    report = yield
+    if report.failed:
+        report.sections.append(("hypothesis seed", pytest_report_header(item.config)))
+    return report
+
+
+SPARK_FIXTURES = {"spark_local", "spark_cluster", "spark_session_factory"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that starts Spark carries the ``spark`` marker (a test under tests/spark or using a Spark
+    fixture without it is a usage error), and the marker goes into the JUnit report as the property
+    ``marker=spark``: .ci/run checks that no test so marked was skipped. Then the long suite leaves the run
+    unless it is asked for."""
+    unmarked = []
+    for item in items:
+        spark_path = "tests/spark/" in item.nodeid or item.nodeid.startswith("spark/")
+        uses = SPARK_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if item.get_closest_marker("spark") is not None:
+            item.user_properties.append(("marker", "spark"))
+        elif spark_path or uses:
+            unmarked.append(item.nodeid)
+    if unmarked:
+        raise pytest.UsageError(f"tests that start Spark without the spark marker (add pytestmark = "
+                                f"pytest.mark.spark): {unmarked[:10]}")
+    _deselect_long_suite(config, items)

@@ -1,11 +1,13 @@
 """The connector tests' workload: a sales circuit, input files of every kind (Parquet with several row groups,
-CSV, JSON lines, some rows deleted again with weight -1) and the views recomputed by DuckDB over all of them."""
+CSV, JSON lines, some rows deleted again with weight -1) and the views recomputed by DuckDB over all of them, as
+multisets (``{row: count}``)."""
 
 from __future__ import annotations
 
 import json
 import os
 import random
+from collections import Counter
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -65,8 +67,8 @@ def publish(staging: str, inbox: str, name: str) -> None:
     os.replace(os.path.join(staging, name), os.path.join(inbox, name))
 
 
-def reference(inbox: str) -> dict[str, set]:
-    """Both views over every file in ``inbox``, by DuckDB, as sets of rows (with the multiplicity last)."""
+def reference(inbox: str) -> dict[str, Counter]:
+    """Both views over every file in ``inbox``, by DuckDB, as multisets of rows (with the multiplicity last)."""
     import duckdb
 
     con = duckdb.connect()
@@ -83,4 +85,4 @@ def reference(inbox: str) -> dict[str, set]:
                             "HAVING sum(weight) <> 0").fetchall()
     big = con.execute("SELECT region, item, amount, sum(weight) AS w FROM sales WHERE amount > 50 "
                       "GROUP BY ALL HAVING w <> 0").fetchall()
-    return {"by_region": {tuple(r) for r in by_region}, "big": {tuple(r) for r in big}}
+    return {"by_region": Counter(tuple(r) for r in by_region), "big": Counter(tuple(r) for r in big)}

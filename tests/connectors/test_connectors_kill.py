@@ -3,7 +3,9 @@ the writer (pipeline, source and sinks in one process) or the reader (the sinks,
 over the storage directory) killed at random points. At the end the SQLite table and the Parquet directory
 equal DuckDB's recomputation over every input file, and no step was applied twice.
 
-``DBSP_CONNECTOR_KILLS`` sets the kills per scenario (default 12)."""
+``DBSP_CONNECTOR_KILLS`` sets the kills per scenario (default 12). The files and the kill moments come from a seed
+new per run, printed (with ``-rA`` and in every failure); ``DBSP_CONNECTOR_SEED`` replays one. Views compare as
+multisets: a row the SQLite sink wrote twice is a failure."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import pytest
 
@@ -27,6 +30,7 @@ sys.path.insert(0, HERE)
 from connector_workload import circuit, make_files, publish, reference  # noqa: E402
 
 KILLS = int(os.environ.get("DBSP_CONNECTOR_KILLS", "12"))
+SEED = int(os.environ.get("DBSP_CONNECTOR_SEED", str(random.SystemRandom().randrange(2**31))))
 CHILD = os.path.join(HERE, "connector_child.py")
 
 
@@ -60,12 +64,12 @@ def _kill_at_random(proc: subprocess.Popen, rng: random.Random) -> tuple[int, in
     return 1, int("START" in seen + out)
 
 
-def _check(inbox: str, sqlite_path: str, pdir: str, steps: int) -> None:
+def _check(inbox: str, sqlite_path: str, pdir: str, steps: int, seed: int) -> None:
     ref = reference(inbox)
     step, table = read_sqlite_view(sqlite_path, "by_region")
     assert step == steps
-    got = {(r["region"], r["n"], r["total"], r["weight"]) for r in table.to_pylist()}
-    assert got == ref["by_region"]
+    got = Counter((r["region"], r["n"], r["total"], r["weight"]) for r in table.to_pylist())
+    assert got == ref["by_region"], f"SQLite differs from DuckDB (replay: DBSP_CONNECTOR_SEED={seed})"
     con = sqlite3.connect(sqlite_path)
     applied = [s for (s,) in con.execute("SELECT step FROM _dbsp_steps ORDER BY step")]
     con.close()
@@ -73,7 +77,8 @@ def _check(inbox: str, sqlite_path: str, pdir: str, steps: int) -> None:
     files = sorted(f for f in os.listdir(pdir) if f.startswith("step-"))
     assert files == [f"step-{s:020d}.parquet" for s in range(steps)]
     big = read_parquet_view(pdir)
-    assert {k + (w,) for k, w in big.to_dict().items()} == ref["big"]
+    assert Counter(k + (w,) for k, w in big.to_dict().items()) == ref["big"], \
+        f"Parquet differs from DuckDB (replay: DBSP_CONNECTOR_SEED={seed})"
 
 
 def _report(capsys, what: str, kills: int, working: int, rounds: int, steps: int) -> None:
@@ -84,9 +89,10 @@ def _report(capsys, what: str, kills: int, working: int, rounds: int, steps: int
 
 @pytest.mark.slow
 def test_kill_the_writer(tmp_path, capsys) -> None:
-    rng = random.Random(11)
+    print(f"[connectors] writer kills: seed {SEED} (replay: DBSP_CONNECTOR_SEED={SEED})")
+    rng = random.Random(SEED)
     staging, inbox = str(tmp_path / "staging"), str(tmp_path / "in")
-    names = make_files(staging, 3 * KILLS + 6, seed=1)
+    names = make_files(staging, 3 * KILLS + 6, seed=SEED + 1)
     storage, sqlite_path, pdir = str(tmp_path / "pipe"), str(tmp_path / "views.db"), str(tmp_path / "big")
     kills = working = rounds = 0
     todo = list(names)
@@ -102,15 +108,17 @@ def test_kill_the_writer(tmp_path, capsys) -> None:
     rounds += 1
     out = _run_to_end(_launch("writer", storage, inbox, sqlite_path, pdir, str(len(names))))
     steps = int(out.split("DONE")[1].split()[0])
-    _check(inbox, sqlite_path, pdir, steps)
+    _check(inbox, sqlite_path, pdir, steps, SEED)
+    assert kills >= KILLS
     _report(capsys, "writer (pipeline + file source + sinks)", kills, working, rounds, steps)
 
 
 @pytest.mark.slow
 def test_kill_the_reader(tmp_path, capsys) -> None:
-    rng = random.Random(12)
+    print(f"[connectors] reader kills: seed {SEED} (replay: DBSP_CONNECTOR_SEED={SEED})")
+    rng = random.Random(SEED + 10)
     staging, inbox = str(tmp_path / "staging"), str(tmp_path / "in")
-    names = make_files(staging, 2 * KILLS + 4, seed=2)
+    names = make_files(staging, 2 * KILLS + 4, seed=SEED + 2)
     storage, sqlite_path, pdir = str(tmp_path / "pipe"), str(tmp_path / "views.db"), str(tmp_path / "big")
     p = dbsp.Pipeline(circuit(), workers=2, storage=storage, checkpoint_interval=None, segment_bytes=4096)
     src = FileSource(p, "sales", inbox)
@@ -139,13 +147,14 @@ def test_kill_the_reader(tmp_path, capsys) -> None:
     assert p.consumers.list() == {"sqlite-by_region": p.steps, "parquet-big": p.steps}
     steps = p.steps
     p.close()
-    _check(inbox, sqlite_path, pdir, steps)
+    _check(inbox, sqlite_path, pdir, steps, SEED)
+    assert kills >= KILLS
     _report(capsys, "reader (SQLite and Parquet sinks over the storage directory)", kills, working, rounds, steps)
 
 
 def test_file_source_restart_neither_skips_nor_repeats(tmp_path) -> None:
     staging, inbox = str(tmp_path / "staging"), str(tmp_path / "in")
-    names = make_files(staging, 8, seed=3)
+    names = make_files(staging, 8, seed=SEED + 3)
     for n in names:
         publish(staging, inbox, n)
     p = dbsp.Pipeline(circuit(), storage=tmp_path / "pipe", checkpoint_interval=None)
@@ -162,5 +171,6 @@ def test_file_source_restart_neither_skips_nor_repeats(tmp_path) -> None:
     for _, z in q.read_output("by_region"):
         for row, w in z.to_dict().items():
             view[row] = view.get(row, 0) + w
-    assert {k + (w,) for k, w in view.items() if w} == reference(inbox)["by_region"]
+    assert Counter(k + (w,) for k, w in view.items() if w) == reference(inbox)["by_region"], \
+        f"the view differs from DuckDB (replay: DBSP_CONNECTOR_SEED={SEED})"
     q.close()

@@ -1,7 +1,8 @@
 """Child process of the rescale kill test: opens the pipeline in DIR at TARGET workers (a cold rescale, or finishing / undoing an interrupted one), then runs the workload's steps up to STEPS (re-pushing each step's changes under its (producer, seq), so a step acknowledged before a kill counts once), checkpointing at random, and closes.
 
-Usage: rescale_kill_child.py DIR SEED STEPS TARGET KIND. Prints READY after open and one JSON line with the
-layout and the recovery outcome at the end. DBSP_CRASHPOINT kills the process at a chosen point.
+Usage: rescale_kill_child.py DIR SEED STEPS TARGET KIND [TOTAL KEYS]: the workload is ``Workload(SEED, TOTAL,
+keys=KEYS)`` (TOTAL defaults to STEPS, KEYS to 0). Prints READY after open and one JSON line with the layout and
+the recovery outcome at the end. DBSP_CRASHPOINT kills the process at a chosen point.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from rescale_workload import Workload, build_circuit  # noqa: E402
 
 def main() -> int:
     d, seed, steps, target, kind = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-    w = Workload(seed, steps)
+    total, keys = (int(sys.argv[6]), int(sys.argv[7])) if len(sys.argv) > 7 else (steps, 0)
+    w = Workload(seed, total, keys=keys)
     cur = [0]
     p = dbsp.Pipeline.open(d, build_circuit(), target, executor=StagedExecutor() if kind == "staged" else None,
                            checkpoint_interval=None, clock=lambda: w.clock(cur[0]))

@@ -61,23 +61,43 @@ QUERIES = {
 
 
 class Workload:
-    """``steps`` steps of changes (each a list of pushes) and the wall clock (ns) of each step, from ``seed``."""
+    """``steps`` steps of changes (each a list of pushes) and the wall clock (ns) of each step, from ``seed``.
 
-    def __init__(self, seed: int, steps: int, max_rows: int = 8) -> None:
+    With ``keys``, step 0 also inserts ``keys`` bids and auctions with distinct keys (auction / id ``i``, bidder
+    ``u<i>``), so that every shard of a 256-shard layout holds state (:func:`assert_every_shard_holds_state`), and
+    the last step deletes every one of them still present: a row a move lost or left at the wrong worker then shows
+    in that step's output (the deletion meets no state, or the wrong state)."""
+
+    def __init__(self, seed: int, steps: int, max_rows: int = 8, keys: int = 0) -> None:
         rng = np.random.default_rng(seed)
         gens = {n: ChangeGen(rng, SCHEMAS[n]) for n in ("bids", "auctions")}
+        bulk = {"bids": Counter((i, f"u{i}", int(rng.integers(0, 100)), float(rng.integers(-20, 21)) / 4)
+                                for i in range(keys)),
+                "auctions": Counter((i, str(rng.choice(["a", "b", "c", "dd", ""])), 100 + int(rng.integers(0, 100)))
+                                    for i in range(keys))}
+        left = {name: sorted(b) for name, b in bulk.items()}  # the bulk rows still present (never drawn by gens)
         events: Counter = Counter()
+        self.keys = keys
         self.pushes: list[list[tuple[str, dbsp.ZSet]]] = []
         self.now_s: list[int] = []
         self.bags: list[dict[str, dict]] = []  # the integrated inputs after each step
         now = T0
-        for _ in range(steps):
+        for step in range(steps):
             now += int(rng.choice([0, 1, 30, 99, 150, 400]))
-            step = []
+            pushes = []
             for name, g in gens.items():
-                change = g.change(max_rows)
+                change = Counter(g.change(max_rows))
+                if step == 0:
+                    change.update(bulk[name])
+                elif keys and step == steps - 1:  # delete what is left of the bulk rows
+                    change.subtract(left[name])
+                    left[name] = []
+                elif keys:  # and a few of them in the other steps
+                    for _ in range(min(len(left[name]), int(rng.integers(0, 4)))):
+                        change[left[name].pop(int(rng.integers(len(left[name]))))] -= 1
+                change = {r: w for r, w in change.items() if w}
                 if change:
-                    step.append((name, to_zset(change, SCHEMAS[name])))
+                    pushes.append((name, to_zset(change, SCHEMAS[name])))
             ev: Counter = Counter()
             for _ in range(int(rng.integers(0, 6))):
                 present = [r for r, w in (events + ev).items() if w > 0]
@@ -89,10 +109,11 @@ class Workload:
             events.update(ev)
             events = Counter({r: w for r, w in events.items() if w})
             if ev:
-                step.append(("events", to_zset(dict(ev), EVENTS)))
-            self.pushes.append(step)
+                pushes.append(("events", to_zset(dict(ev), EVENTS)))
+            self.pushes.append(pushes)
             self.now_s.append(now)
-            self.bags.append({"bids": dict(gens["bids"].bag), "auctions": dict(gens["auctions"].bag),
+            self.bags.append({"bids": {**gens["bids"].bag, **dict.fromkeys(left["bids"], 1)},
+                              "auctions": {**gens["auctions"].bag, **dict.fromkeys(left["auctions"], 1)},
                               "events": dict(events)})
 
     def clock(self, step: int) -> int:
@@ -133,6 +154,23 @@ def integrals(log_outputs: dict[str, list[dict]]) -> dict[str, dict]:
     return out
 
 
+def assert_every_shard_holds_state(d: str, what: str) -> int:
+    """Every shard of the layout of the closed directory ``d`` holds stored operator state in its owner's database
+    (read with ``inspect_storage``, as ``dbsp inspect`` shows it): a move of any shard then has rows to lose.
+    Returns the number of shards."""
+    from dbsp_core.storage.directory import read_layout
+    from dbsp_core.storage.inspect import inspect_storage
+
+    lay, _ = read_layout(d)
+    per_worker = inspect_storage(d)["state_bytes"]
+    owner = lay.shard_map.part_of_shard
+    empty = [s for s in range(lay.shards) if not per_worker.get(str(int(owner[s])), {}).get(s)]
+    assert not empty, (f"{what}: {len(empty)} of {lay.shards} shards hold no state at their owner (first: "
+                       f"{empty[:8]}): a move lost them or left them at another worker, or the workload has too "
+                       f"few keys")
+    return lay.shards
+
+
 def check_log_against_duckdb(p: dbsp.Pipeline, w: Workload, upto: int) -> None:
     """The output log's integral of every output equals DuckDB over all input up to step ``upto``."""
     got = integrals({name: [z.to_dict() for s, z in p.read_output(name) if s <= upto] for name in QUERIES})
@@ -156,7 +194,8 @@ def executor(kind: str) -> StagedExecutor | None:
 
 def start_storage(w: Workload, d: str, kind: str, checkpoint: bool) -> None:
     """Run the workload's first 3 steps at 2 workers into the directory ``d`` (each push under its (producer,
-    seq), as the children push), and close with or without a checkpoint."""
+    seq), as the children push), and close with or without a checkpoint; a bulk-keyed workload checkpoints after
+    step 0 too, so that its rows are stored state however the later steps end."""
     cur = [0]
     p = dbsp.Pipeline(build_circuit(), 2, storage=d, executor=executor(kind), checkpoint_interval=None,
                       clock=lambda: w.clock(cur[0]))
@@ -165,6 +204,8 @@ def start_storage(w: Workload, d: str, kind: str, checkpoint: bool) -> None:
         for name, z in w.pushes[s]:
             p.push(name, z, producer=f"gen-{name}", seq=s)
         p.step()
+        if s == 0 and w.keys:
+            p.checkpoint()
     p.close(checkpoint=checkpoint)
 
 

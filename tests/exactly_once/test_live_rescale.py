@@ -9,6 +9,7 @@ import os
 import random
 import sys
 import threading
+import time
 
 import pytest
 
@@ -22,7 +23,7 @@ from dbsp_core.storage.directory import read_layout, read_rescale  # noqa: E402
 from rescale_workload import Workload, build_circuit, check_log_against_duckdb, reference  # noqa: E402
 
 BASE_SEED = int(os.environ.get("DBSP_LIVE_SEED", str(random.SystemRandom().randrange(2**31))))
-COUNTS = {"live_rescales": 0, "batches": 0, "crash_points": 0, "finished_by_recovery": 0}
+KEYS = 1024  # bulk keys of the workload (rescale_workload.Workload): every shard holds state when it moves
 
 
 def _check_traces(p) -> None:
@@ -81,45 +82,65 @@ class Live:
         while len(self.outs) < n:
             self.step()
 
-    def rescale_while_stepping(self, workers: int, until: int, batch: int) -> dict:
+    def rescale_while_stepping(self, workers: int, until: int, batch: int) -> tuple[dict, int]:
+        """``p.rescale(workers)`` while a thread steps to ``until``; returns the report and the number of steps
+        that ran wholly while the move did (the thread starts stepping once the move has begun, seen in
+        ``p.rescale_progress``, which is set from before the first batch to the end of the change)."""
         errors: list[BaseException] = []
+        finished = threading.Event()
+        during = [0]
 
         def steps() -> None:
             try:
-                self.run_to(until)
+                while self.p.rescale_progress is None and not finished.is_set():
+                    time.sleep(0.0002)
+                while len(self.outs) < until:
+                    inside = self.p.rescale_progress is not None
+                    self.step()
+                    during[0] += inside and self.p.rescale_progress is not None
             except BaseException as e:  # pragma: no cover - reported below
                 errors.append(e)
 
         t = threading.Thread(target=steps)
         t.start()
-        rep = self.p.rescale(workers, batch_shards=batch)
-        t.join()
+        try:
+            rep = self.p.rescale(workers, batch_shards=batch)
+        finally:
+            finished.set()
+            t.join()
         if errors:
             raise errors[0]
-        return rep
+        return rep, during[0]
 
 
-@pytest.mark.parametrize("kind,durable", [("embedded", False), ("embedded", True), ("staged", True)])
+@pytest.mark.parametrize("kind,durable", [("embedded", False), ("embedded", True),
+                                         pytest.param("staged", True, marks=pytest.mark.slow)])
 def test_live_rescales_while_stepping_match_a_never_rescaled_run(tmp_path, kind: str, durable: bool) -> None:
     seed = BASE_SEED + {"embedded": 0, "staged": 1}[kind] + 2 * durable
     print(f"\n[live rescale] {kind} durable={durable} seed {seed} (replay: DBSP_LIVE_SEED={BASE_SEED})")
     rng = random.Random(seed)
     steps = 24
-    w = Workload(seed, steps)
+    w = Workload(seed, steps, keys=KEYS)
     ref = reference(w)
     r = Live(str(tmp_path / "d") if durable else None, w, kind, workers=2, shard_bits=4 if kind == "embedded" else 8)
     r.run_to(3)
-    at = 3
-    for workers in (3, 1, 5, 2):
+    at, multi, during_all = 3, 0, 0
+    for i, workers in enumerate((3, 1, 5, 2)):
         until = min(steps, at + rng.randint(1, 4))
-        rep = r.rescale_while_stepping(workers, until, rng.choice([1, 3, 8, 32]))
+        batch = rng.choice([1, 3, 8, 32]) if i else 1  # the first in batches of one shard: several pauses
+        rep, during = r.rescale_while_stepping(workers, until, batch)
         at = until
         assert r.p.layout.workers == workers and rep["to_workers"] == workers
-        assert rep["batches"] >= 1 and rep["max_pause_ms"] >= 0 and rep["moved_shards"] > 0
+        assert rep["batches"] >= 1 and rep["moved_shards"] > 0 and rep["moved_bytes"] > 0
+        assert 0 < rep["max_pause_ms"] <= rep["seconds"] * 1000
+        if rep["batches"] >= 2:  # steps run between the batches of a move (never only before or after it)
+            multi += 1
+            assert during >= 1, f"no step ran during the move to {workers} workers in {rep['batches']} batches"
+        during_all += during
         assert r.p.last_rescale is rep
         _check_traces(r.p)
-        COUNTS["live_rescales"] += 1
-        COUNTS["batches"] += rep["batches"]
+    assert multi >= 1 and during_all >= 1
+    print(f"[live rescale] 4 moves, {multi} of them in several batches; {during_all} steps ran during a move")
     r.run_to(steps)
     for s, (got, want) in enumerate(zip(r.outs, ref)):
         assert got == want, f"step {s} differs from the never-rescaled run (seed {seed})"
@@ -137,14 +158,15 @@ def test_live_rescales_while_stepping_match_a_never_rescaled_run(tmp_path, kind:
 
 def test_live_rescale_splits_and_merges_shards(tmp_path) -> None:
     """From 16 shards: 2 -> 3 workers splits to 32 shards (a layout of its own), 8 -> 128, back to 1 -> 16."""
-    w = Workload(BASE_SEED + 7, 16)
+    w = Workload(BASE_SEED + 7, 16, keys=KEYS)
     ref = reference(w)
     r = Live(str(tmp_path / "d"), w, "embedded", workers=2, shard_bits=4)
     r.run_to(2)
     seen = []
     for workers, until in ((3, 5), (8, 9), (1, 13)):
-        rep = r.rescale_while_stepping(workers, until, 8)
+        rep, during = r.rescale_while_stepping(workers, until, 8)
         seen.append((rep["from_shards"], rep["to_shards"]))
+        assert rep["batches"] < 2 or during >= 1, f"no step ran during the move to {workers} workers"
         _check_traces(r.p)
     assert seen == [(16, 32), (32, 128), (128, 16)]
     r.run_to(16)
@@ -177,6 +199,9 @@ POINTS = {
 }
 
 
+COMMITTED_BY_THE_MOVE = {("embedded", "checkpoint-state"), ("embedded", "live-switch"), ("embedded", "live-layout")}
+
+
 @pytest.mark.parametrize("kind,point,hit", [(k, p, h) for k, ps in POINTS.items() for p, h in ps])
 def test_a_live_rescale_interrupted_anywhere_finishes_on_open(tmp_path, monkeypatch, kind: str, point: str,
                                                                hit: int) -> None:
@@ -198,18 +223,18 @@ def test_a_live_rescale_interrupted_anywhere_finishes_on_open(tmp_path, monkeypa
                            clock=r._clock)
     assert q.layout.workers == 2, f"{point}:{hit}: ended in {q.layout.workers} workers, not the target"
     assert read_rescale(r.d) is None
-    COUNTS["crash_points"] += 1
-    COUNTS["finished_by_recovery"] += q.stats.get("rescale_recovery") is not None
+    # what recovery did (rescale.py invariant 4): before the checkpoint that ends an embedded move committed its
+    # state, recovery finishes the move from RESCALE's target, moving the shards itself ("finished"); after it, it
+    # only rolls that committed change forward
+    got = (q.stats.get("rescale_recovery"), bool((q.last_rescale or {}).get("finished_by_recovery")))
+    want = ("forward", False) if (kind, point) in COMMITTED_BY_THE_MOVE else ("finished", True)
+    assert got == want, f"{kind} {point}:{hit}: recovery (outcome, moved shards itself) {got}, expected {want}"
     r.p = q
     r.outs = r.outs[:q.steps]
     r.run_to(12)
     assert r.outs == ref
     check_log_against_duckdb(q, w, 11)
     q.close()
-
-
-def test_report_live_counts() -> None:
-    print(f"\n[live rescale] totals this run: {COUNTS}")
 
 
 def test_live_moved_bytes_are_near_the_ideal() -> None:

@@ -12,12 +12,12 @@ def pytest_report_header(config):
     from sql_oracle import corpus_selection
 
     seed, views, total, workers = corpus_selection()
-    return (f"sql corpus: seed {seed} (DBSP_SQL_SEED), {views} of {total} views, workers {workers} "
-            f"(DBSP_SQL_CORPUS=all runs every view at W=1, 2 and 4)")
+    return (f"sql corpus: seed {seed} (replay: DBSP_SQL_SEED={seed}), {views} of {total} views, workers {workers} "
+            f"(DBSP_SQL_CORPUS=all runs every group at W=1, 2 and 4)")
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The seed again at the end (the header is hidden by -q): the seed to rerun a failing selection with."""
+    """The seed again at the end (the header is hidden by -q): the seed to rerun a failing run with."""
     if any(i.nodeid.startswith("tests/sql/test_corpus.py") or "test_corpus" in i.nodeid
            for i in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", [])):
         terminalreporter.write_line(pytest_report_header(None))
