@@ -22,7 +22,7 @@ import dbsp_core as dbsp  # noqa: E402
 from dbsp_core.errors import DbspError  # noqa: E402
 from dbsp_core.runtime.staged import StagedExecutor  # noqa: E402
 from dbsp_core.storage.repair import repair  # noqa: E402
-from fuzz_workload import ACKED, circuit, model  # noqa: E402
+from fuzz_workload import ACKED, circuit, minus, model  # noqa: E402
 
 WAYS = ("dbsp repair", "restore", "Pipeline.open", "open it with")  # a refusal names one of these ways forward
 
@@ -34,18 +34,6 @@ def _open(d: str, kind: str) -> dbsp.Pipeline:
 
 def _says_what_to_do(exc: BaseException) -> bool:
     return any(w in str(exc) for w in WAYS)
-
-
-def _minus(a: dict, b: dict) -> dict:
-    out = {}
-    for name in a:
-        d = dict(a[name])
-        for row, w in b[name].items():
-            d[row] = d.get(row, 0) - w
-            if not d[row]:
-                del d[row]
-        out[name] = d
-    return out
 
 
 def judge(d: str, kind: str) -> dict:
@@ -127,7 +115,7 @@ def judge(d: str, kind: str) -> dict:
         problems.append(f"repair dropped output steps {dropped} but the output log starts at step {start}")
     if lost & set(seen):
         problems.append(f"pushes reported lost but present: {sorted(lost & set(seen))[:5]}")
-    if views != _minus(model(sorted(set(seen) | before)), model(sorted(before))):
+    if views != minus(model(sorted(set(seen) | before)), model(sorted(before))):
         problems.append("the views differ from the model of the pushes the output log names")
     if problems:
         return {"verdict": "wrong", "problems": problems, "start": start, "lost": sorted(lost)[:20]}

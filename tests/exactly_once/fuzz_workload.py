@@ -82,3 +82,16 @@ def build_mid_rescale(d: str) -> None:
     finally:
         driver_module.crashpoint = real
     assert os.path.exists(os.path.join(d, "RESCALE")), "the layout change did not stop in the middle"
+
+
+def minus(a: dict[str, dict], b: dict[str, dict]) -> dict[str, dict]:
+    """Z-set difference per view: the integral of the changes from a step is Q(all) - Q(before it)."""
+    out = {}
+    for name in a:
+        d = dict(a[name])
+        for row, w in b[name].items():
+            d[row] = d.get(row, 0) - w
+            if not d[row]:
+                del d[row]
+        out[name] = d
+    return out

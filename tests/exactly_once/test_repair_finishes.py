@@ -16,6 +16,7 @@ from dbsp_core.storage.repair import repair
 from dbsp_core.storage.salvage import salvage
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fuzz_workload import minus  # noqa: E402
 from test_damage import batch, build, circuit, flip, model, views  # noqa: E402
 
 SEED = int(os.environ.get("DBSP_REPAIR_SEED", random.randrange(10**6)))
@@ -77,19 +78,6 @@ def _from(p: dbsp.Pipeline) -> tuple[int, dict[str, dict]]:
     return start, acc
 
 
-def _minus(a: dict[str, dict], b: dict[str, dict]) -> dict[str, dict]:
-    """Z-set difference per view: the integral of the changes from a step is Q(all) - Q(before it)."""
-    out = {}
-    for name in a:
-        d = dict(a[name])
-        for row, w in b[name].items():
-            d[row] = d.get(row, 0) - w
-            if not d[row]:
-                del d[row]
-        out[name] = d
-    return out
-
-
 def _files(d: str) -> dict[str, bytes]:
     out = {}
     for r, _, fs in os.walk(d):
@@ -137,7 +125,7 @@ def test_damaged_output_history_below_the_checkpoint_is_dropped_on_consent(tmp_p
     start, got = _from(p)
     assert start == last_dropped + 1, (start, out)
     before_start = [k for k, s in where.items() if s < start]
-    assert got == _minus(model(sorted(where)), model(sorted(before_start))), f"seed {SEED}"
+    assert got == minus(model(sorted(where)), model(sorted(before_start))), f"seed {SEED}"
     assert p.push("t", batch("a", 0), producer="a", seq=0).duplicate  # the state keeps every push
     p.close()
     assert repair(d)["result"].startswith("nothing to repair")
