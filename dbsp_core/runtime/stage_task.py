@@ -40,7 +40,7 @@ import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -54,7 +54,8 @@ from dbsp_core.runtime.rollback import capture, restore
 from dbsp_core.runtime.stage_plan import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, StagePlan, StageWorker, StepInfo,
                                           ack_blob, encode_blobs, gather, output_node)
 from dbsp_core.storage.database import Database
-from dbsp_core.storage.formats import RESULT_MAGIC, SAVELOG_MAGIC, SAVELOG_TABLE, state_db_path
+from dbsp_core.storage.formats import (RESULT_MAGIC, SAVELOG_MAGIC, SAVELOG_TABLE, lock_path, result_path,
+                                       state_db_path)
 from dbsp_core.storage.shardmove import read_worker_layout, write_worker_layout
 from dbsp_core.storage.snapshot import WorkerSnapshot
 from dbsp_core.zset import ZSet
@@ -152,7 +153,7 @@ def _fault(task: StageTask, worker: int, point: str) -> None:
 
 
 def _result_path(storage: str, stage: int, worker: int) -> str:
-    return stage_db_path(storage, stage, worker)[:-3] + ".result"
+    return result_path(stage_db_path(storage, stage, worker))
 
 
 def _write_result(path: str, tag: dict, table: pa.Table) -> None:
@@ -296,7 +297,7 @@ def _run_stateful(task: StageTask, worker: int, sm: Any, received: dict[tuple[in
     tag = job_tag(task)
     where = f"{path}"
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    lockfd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    lockfd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(lockfd, fcntl.LOCK_EX)  # invariant 3: one attempt of this (stage, worker) at a time
         db = Database(path)
@@ -387,7 +388,7 @@ def open_stage_databases(storage: str, plan: StagePlan, workers: int) -> list[tu
         for w in range(workers):
             path = stage_db_path(storage, k, w)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 Database(path).close()
@@ -411,7 +412,7 @@ def choose_stage_version(paths: list[str], at_most: int | None = None) -> tuple[
     try:
         dbs = []
         for p in paths:
-            fd = os.open(p + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(lock_path(p), os.O_RDWR | os.O_CREAT, 0o644)
             fcntl.flock(fd, fcntl.LOCK_EX)
             locks.append(fd)
             dbs.append(Database(p))

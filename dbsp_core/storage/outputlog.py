@@ -45,6 +45,7 @@ import pyarrow as pa
 from dbsp_core import _storage
 from dbsp_core.codec import decode_zset, encode_zset_parts
 from dbsp_core.errors import CorruptionError, ReplayMismatchError
+from dbsp_core.storage.formats import segment_name
 from dbsp_core.storage.outputlog_format1 import Format1Segments
 from dbsp_core.zset import ZSet
 
@@ -129,7 +130,7 @@ class OutputLog:
     # ---- open ----
 
     def _seg_path(self, num: int) -> str:
-        return os.path.join(self.path, f"{num:020d}.seg")
+        return os.path.join(self.path, segment_name(num))
 
     def _step_log_range(self) -> tuple[int, int] | None:
         """(first, last + 1) of the step log's records, checking one record per consecutive step."""
