@@ -6,7 +6,8 @@ How the pieces fit (each module states its own invariants):
   input into steps with their determinants (now, seed, watermarks), hands divided steps to the executor, logs
   their output, takes checkpoints, recovers, and changes layouts. Nothing here depends on how steps run.
 - ``executor.py``: the protocol between driver and executor, and the step record they share.
-- ``embedded.py``: W threads in this process; state in memory, checkpointed by ``coordinator.py`` (seed 000).
+- ``embedded.py``: W threads in this process; state in memory, checkpointed by ``coordinator.py`` (all workers
+  pause at one step, commit a version each; the newest version every worker holds is the checkpoint).
 - ``staged.py`` (driver side), ``stage_plan.py`` (the circuit cut into stages; blobs), ``stage_task.py`` (runs
   inside a task, against its stage database), ``job_files.py`` (blob files between driver and tasks); a job
   runner moves blobs between tasks (``LocalJobRunner`` here, ``spark_glue.SparkJobRunner`` on Spark).

@@ -1,6 +1,6 @@
 """Layout changes of a storage directory: move the shards whose owner changes between the state databases of the old and new workers, commit the change as one new checkpoint version everywhere, and finish or undo an interrupted change on the next open; a live change records its target so that a crash midway ends with the move finished.
 
-The protocol (seed 000 "cold" layout change, atomic across every database of every state group):
+The protocol (a "cold" layout change, made while no step runs, atomic across every database of every state group):
 
   1. ``RESCALE`` durably records the change: the old and new layouts, the base version ``v`` every state
      database is at (``open_state`` made it the only one) and its step. (crash point ``rescale-intent``)

@@ -13,7 +13,7 @@ Invariants (enforced here):
   3. Retries never corrupt state nor change output: before committing, a task durably writes the blobs it
      produced to ``worker-<w>.result`` (tagged with the job: base version and steps). An attempt that finds
      ``v+1`` already committed (an earlier attempt got that far) returns that file's blobs and leaves the
-     database alone, so a speculative duplicate cannot discard a version the job has already used (seed 000's
+     database alone, so a speculative duplicate cannot discard a version the job has already used (plain
      "reopen v and redo" would, and if the duplicate then died, that database would hold no version the
      others share); an attempt that finds neither ``v`` as the newest version nor ``v+1`` is stale (a zombie
      of an earlier job) and raises without touching anything. Attempts of one (stage, worker) are serialized
@@ -399,7 +399,7 @@ def open_stage_databases(storage: str, plan: StagePlan, workers: int) -> list[tu
 
 
 def choose_stage_version(paths: list[str], at_most: int | None = None) -> tuple[int, int]:
-    """Seed 000 recovery over stage databases: open every one at ``max(intersection of versions())``.
+    """The coordinator's recovery over stage databases: open every one at ``max(intersection of versions())``.
 
     With ``at_most``, the newest common version not above it (the driver passes the base version of a job
     whose output it did not log). Opening discards any other version (e.g. a job that did not complete

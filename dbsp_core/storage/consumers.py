@@ -1,7 +1,7 @@
 """The durable consumer registry of a storage directory: each consumer of the output log (a sink, a reader in another process) keeps a record of the steps it has durably applied, and the output log is truncated only below the lowest of them.
 
-Seed 003 (Falkirk Wheel, "Inputs and outputs"): a processor that sends external output tells the system which
-times the outside has acknowledged, and only then may the state that regenerates that output be discarded.
+The rule (as in Falkirk Wheel's rollback recovery for dataflow): a processor that sends external output tells the
+system which times the outside has acknowledged, and only then may the state that regenerates that output be discarded.
 Here the output log is that state, and a consumer's acknowledgement is the first step it still needs.
 
 Invariants (enforced here):

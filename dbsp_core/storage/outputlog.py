@@ -1,8 +1,8 @@
 """The durable output log of a pipeline: one step-log record per step holding every output handle's change and the input (producer, seq) ranges that produced it.
 
 Invariants (enforced here):
-  1. The log holds the steps ``first..last`` contiguously, each exactly once. ``write(step, ...)`` follows
-     seed 000: ``step < first`` is discarded; ``first <= step < last`` is a replay: discarded, and with
+  1. The log holds the steps ``first..last`` contiguously, each exactly once. ``write(step, ...)`` is
+     idempotent by step: ``step < first`` is discarded; ``first <= step < last`` is a replay: discarded, and with
      ``check=True`` (the default) compared with the stored record, raising ReplayMismatchError on any
      difference; ``step == last`` is appended and increments ``last``; ``step > last`` raises ValueError.
   2. An appended step is durable (fsynced) before ``write`` returns when ``sync=True``. With ``sync=False``
