@@ -23,7 +23,7 @@ import pyarrow as pa
 
 from dbsp_core.codec import frame_head, unframe_view
 from dbsp_core.errors import CorruptionError
-from dbsp_core.storage.formats import JOB_INPUT_MAGIC, job_input_dir, job_input_path
+from dbsp_core.storage.formats import JOB_INPUT_MAGIC, TMP_SUFFIX, job_input_dir, job_input_path
 
 __all__ = ["write_table_file", "read_table_file", "input_dir", "input_path", "write_job_inputs",
            "read_job_input", "remove_job_inputs"]
@@ -40,7 +40,7 @@ def write_table_file(path: str, magic: bytes, tag: dict, table: pa.Table, sync: 
     ipc = sink.getvalue()
     head = json.dumps(tag, sort_keys=True).encode()
     prefix = len(head).to_bytes(4, "little") + head
-    tmp = path + ".tmp"
+    tmp = path + TMP_SUFFIX
     with open(tmp, "wb") as f:
         f.write(frame_head(magic, prefix, ipc))
         f.write(prefix)

@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator
 
 from dbsp_core.errors import CorruptionError
 from dbsp_core.storage.directory import fsync_dir, read_record, remove_record, write_record
-from dbsp_core.storage.formats import CONSUMER_MAGIC, CONSUMERS_DIR, CONSUMERS_LOCK
+from dbsp_core.storage.formats import CONSUMER_MAGIC, CONSUMERS_DIR, CONSUMERS_LOCK, TMP_SUFFIX
 
 __all__ = ["ConsumerRegistry", "consumer_name_ok"]
 
@@ -55,7 +55,7 @@ def consumer_name_ok(name: Any) -> bool:
     """Whether ``name`` can name a consumer (a file name: letters, digits, ``_ . : = -``, not starting with a dot,
     not ending in ``.tmp``, the suffix of the temporary file an atomic replace leaves behind when it is killed)."""
     return (isinstance(name, str) and bool(_NAME.match(name)) and name != CONSUMERS_LOCK
-            and not name.endswith(".tmp"))
+            and not name.endswith(TMP_SUFFIX))
 
 
 class ConsumerRegistry:

@@ -107,6 +107,7 @@ JOB_INPUT_DIR = "jobs"
 CONSUMERS_DIR = "consumers"
 CONSUMERS_LOCK = "LOCK"
 METRICS_FILE = "METRICS"
+TMP_SUFFIX = ".tmp"  # <file>.tmp: an atomic replace's new content before its rename (csrc/smallfile.c, job_files)
 NEW_SUFFIX = ".new"  # a log directory's repaired twin (``input.new``, ``output.new``) while REPAIR is in force
 REPAIR_BACKUP_PREFIX = "repair-"  # repair-<n>/: what a repair replaced
 LOCK_SUFFIX = ".lock"  # <stage database>.lock: flock(2)ed by a stage task attempt
