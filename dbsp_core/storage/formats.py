@@ -79,8 +79,8 @@ dbsp_core.storage.salvage), the output log (dbsp_core/storage/outputlog.py, over
 
 Directory format 1 (dbsp-core 0.1.0, before the layout became data) kept ``workers`` and ``shard_bits`` in
 META, worker databases at ``worker-<w>.db`` in the root and stage databases under ``stages/stage-<k>/`` (with
-``stages/JOB``), a Z-set
-attribute as one value under key ``all``, and the embedded driver's dedup set and clock in worker 0's database;
+``stages/JOB``), a Z-set attribute as one value under key ``all``, and the embedded driver's dedup set and clock
+in worker 0's database;
 ``Pipeline.open`` converts such a directory to format 2 (dbsp_core.runtime.upgrade), and its input and output
 logs are read in place (the step log reads its format-1 segments; dbsp_core.storage.outputlog_format1 reads
 the ``DOUT`` output segments).
