@@ -1,4 +1,4 @@
-/* pagestore.c: the two-version page store (seed 000 "Database"): copy-on-write B+trees over a page file.
+/* pagestore.c: the two-version page store (the committed version and the one being written): copy-on-write B+trees over a page file.
  *
  * DESIGN NOTES
  * ============

@@ -1,4 +1,4 @@
-/* steplog.c: the append-only, segmented step log with group commit: the durable record of input (seed 000 "Input") and of output (dbsp_core/storage/outputlog.py).
+/* steplog.c: the append-only, segmented step log with group commit: the durable record of input (pushes and step divisions) and of output (dbsp_core/storage/outputlog.py).
  *
  * DESIGN NOTES
  * ============

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from dbsp_core.errors import CorruptionError, FormatVersionError
+from dbsp_core.storage.formats import BATCH_GROUP_MAGIC, BATCH_MAGIC, ZSET_MAGIC
 from dbsp_core.zset import ZSet
 
 FORMAT_VERSION = 1
@@ -72,7 +73,7 @@ def unframe(magic: bytes, blob: bytes, where: str) -> bytes:
     return bytes(unframe_view(magic, blob, where))
 
 
-def encode_zset(z: ZSet, magic: bytes = b"DZS1") -> bytes:
+def encode_zset(z: ZSet, magic: bytes = ZSET_MAGIC) -> bytes:
     """Bytes of ``z`` (Arrow IPC + weights) behind a checksummed header.
 
     >>> import pyarrow as pa
@@ -83,7 +84,7 @@ def encode_zset(z: ZSet, magic: bytes = b"DZS1") -> bytes:
     return b"".join(encode_zset_parts(z, magic))
 
 
-def encode_zset_parts(z: ZSet, magic: bytes = b"DZS1") -> tuple[bytes, pa.Buffer]:
+def encode_zset_parts(z: ZSet, magic: bytes = ZSET_MAGIC) -> tuple[bytes, pa.Buffer]:
     """:func:`encode_zset` as (header, body) without joining them (the body is Arrow's buffer, not copied), for
     writers that gather.
 
@@ -101,7 +102,7 @@ def encode_zset_parts(z: ZSet, magic: bytes = b"DZS1") -> tuple[bytes, pa.Buffer
     return frame_head(magic, body), body
 
 
-def decode_zset(blob: bytes, schema: pa.Schema, where: str, magic: bytes = b"DZS1") -> ZSet:
+def decode_zset(blob: bytes, schema: pa.Schema, where: str, magic: bytes = ZSET_MAGIC) -> ZSet:
     """The Z-set of an :func:`encode_zset` blob, cast to ``schema``; CorruptionError if bytes or columns are bad."""
     body = unframe(magic, blob, where)
     try:
@@ -146,7 +147,7 @@ def zset_batch(z: ZSet) -> pa.RecordBatch:
     return batches[0] if batches else pa.RecordBatch.from_pylist([], schema=table.schema)
 
 
-def encode_batch(rb: pa.RecordBatch, magic: bytes = b"DRB1") -> bytes:
+def encode_batch(rb: pa.RecordBatch, magic: bytes = BATCH_MAGIC) -> bytes:
     """A record batch as one schema-less Arrow IPC message behind a checksummed header (cheap for many slices).
 
     >>> import pyarrow as pa
@@ -162,7 +163,7 @@ def encode_batch(rb: pa.RecordBatch, magic: bytes = b"DRB1") -> bytes:
 _COUNT = struct.Struct("<I")
 
 
-def encode_runs(rb: pa.RecordBatch, counts: list[int], magic: bytes = b"DRBG") -> bytes:
+def encode_runs(rb: pa.RecordBatch, counts: list[int], magic: bytes = BATCH_GROUP_MAGIC) -> bytes:
     """Consecutive runs of rows (``counts[i]`` rows each, summing to ``rb.num_rows``) as one :func:`encode_batch`
     message behind the run count and lengths, so several small pieces cost one Arrow message.
 
@@ -178,7 +179,7 @@ def encode_runs(rb: pa.RecordBatch, counts: list[int], magic: bytes = b"DRBG") -
     return b"".join((frame_head(magic, head, body), head, body))
 
 
-def decode_runs(blob: bytes, schema: pa.Schema, where: str, magic: bytes = b"DRBG") -> list[ZSet]:
+def decode_runs(blob: bytes, schema: pa.Schema, where: str, magic: bytes = BATCH_GROUP_MAGIC) -> list[ZSet]:
     """The runs of an :func:`encode_runs` blob as Z-sets (empty runs included); CorruptionError if bad."""
     body = unframe(magic, blob, where)
     if len(body) < _COUNT.size:
@@ -197,7 +198,7 @@ def decode_runs(blob: bytes, schema: pa.Schema, where: str, magic: bytes = b"DRB
     return out
 
 
-def decode_batch(blob: bytes, schema: pa.Schema, where: str, magic: bytes = b"DRB1") -> ZSet:
+def decode_batch(blob: bytes, schema: pa.Schema, where: str, magic: bytes = BATCH_MAGIC) -> ZSet:
     """The Z-set of an :func:`encode_batch` blob whose data columns are ``schema``; CorruptionError if bad."""
     return _decode_message(unframe(magic, blob, where), schema, where)
 

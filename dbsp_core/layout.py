@@ -1,4 +1,4 @@
-"""Layouts as data: S key-hash shards and an owner table shard -> worker (a ShardMap), rebalanced to a new worker count by moving the fewest shards, with S doubling or halving as the worker count grows or shrinks (dynamic sharding, seed 000).
+"""Layouts as data: S key-hash shards and an owner table shard -> worker (a ShardMap), rebalanced to a new worker count by moving the fewest shards, with S doubling or halving as the worker count grows or shrinks (dynamic sharding: at least W / IMBALANCE shards, so no worker holds much more than its fair share).
 
 Invariants (enforced here):
   1. ``S = 2**shard_bits`` and ``S >= W``; a row's shard is the top ``shard_bits`` bits of its 64-bit key
@@ -37,7 +37,7 @@ DEFAULT_SHARD_BITS = 8
 trace batch of a few thousand rows still has several rows per shard when it is saved shard by shard."""
 
 MAX_SHARD_BITS = 16
-IMBALANCE = 0.1  # k of seed 000's dynamic sharding: S >= W / k
+IMBALANCE = 0.1  # k of dynamic sharding: S >= W / k keeps every worker within about k of its fair share
 HASH_VERSION = 1  # the key hash of csrc/hash.h that shards are defined over (dbsp_core.zset.HASH_VERSION)
 
 

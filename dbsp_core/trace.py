@@ -381,8 +381,8 @@ class _Level(NamedTuple):
     """The batches of one level: loose ones (placement number, batch, work), oldest first, and a merge.
 
     Immutable (a change replaces the level), so a shallow copy of the trace's attributes is a snapshot of it:
-    the staged runtime rolls a failed attempt back that way (dbsp_core/stagetask.py). A merge's progress is not
-    part of the content (its inputs are), so a rolled-back trace may find its merges further along."""
+    a failed step or staged attempt is rolled back that way (dbsp_core/runtime/rollback.py). A merge's progress
+    is not part of the content (its inputs are), so a rolled-back trace may find its merges further along."""
 
     loose: tuple = ()
     merge: _Merge | None = None

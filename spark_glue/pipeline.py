@@ -64,6 +64,7 @@ from dbsp_core.runtime.job_files import read_job_input, remove_job_inputs, write
 from dbsp_core.runtime.stage_plan import BLOB_SCHEMA, CONTROL_NODE, StagePlan, StepInfo, control_blobs
 from dbsp_core.runtime.stage_task import StageTask, read_result_outputs, run_stage_task
 from dbsp_core.runtime.staged import Job
+from dbsp_core.storage.formats import META_FILE
 from dbsp_core.zset import ZSet, weight_column
 from spark_glue.check import check_executors
 
@@ -297,7 +298,7 @@ class SparkPipeline(Pipeline):
         root = os.fspath(path)
         if not os.path.isdir(root):
             raise FileNotFoundError(f"SparkPipeline.open: no storage directory {root!r}")
-        if not os.path.exists(os.path.join(root, "META")):
+        if not os.path.exists(os.path.join(root, META_FILE)):
             raise RecoveryError(f"SparkPipeline.open: {root!r} holds no pipeline (META is missing)")
         return cls(spark, circuit, 1, root, _rescale_to=workers, _open_only=True, **kwargs)
 

@@ -155,12 +155,6 @@ def _next_person(seed: int, ids: np.ndarray, field: int) -> np.ndarray:
     return n - active + _below(seed, ids, field, active + PERSON_ID_LEAD)
 
 
-def _next_auction(seed: int, ids: np.ndarray, field: int) -> np.ndarray:
-    n = _last_auction(ids) + 1
-    active = np.minimum(n, NUM_IN_FLIGHT_AUCTIONS)
-    return n - active + _below(seed, ids, field, active + AUCTION_ID_LEAD)
-
-
 def _times(ids: np.ndarray, rate: int, base_ms: int) -> pa.Array:
     return pa.array(base_ms + (ids * 1_000_000 // rate) // 1000, pa.int64()).cast(TS)
 

@@ -124,17 +124,6 @@ def negate(z: "ZSet") -> "ZSet":
     return -z
 
 
-def positive_set(z: "ZSet") -> "ZSet":
-    """The set of rows of a consolidated ``z`` with weight > 0, each with weight 1 (distinct's view)."""
-    from dbsp_core.zset import ZSet
-
-    mask = z.weights > 0
-    n = int(mask.sum())
-    if n == len(mask):
-        return ZSet._make(z.data, np.ones(n, dtype=np.int64))
-    return ZSet._make(z.data.filter(pa.array(mask)), np.ones(n, dtype=np.int64))
-
-
 def concat(parts: list["ZSet"], schema: pa.Schema) -> "ZSet":
     """Sum of ``parts`` without consolidating (empty parts skipped)."""
     from dbsp_core.zset import ZSet

@@ -3,7 +3,7 @@
 Invariants:
   1. An operator reads nothing about the world but its inputs and this context; every field that is not
      data (``now_ns``, ``prev_now_ns``, ``seed``, ``watermarks``) is logged with the step's input division by
-     a durable pipeline, so a replayed step sees the same values (seed 002: determinants).
+     a durable pipeline, so a replayed step sees the same values (they are the step's determinants).
   2. ``now_ns`` never decreases from one step to the next, also across restarts; ``prev_now_ns`` is the
      previous step's ``now_ns`` (None before a pipeline's first step).
   3. ``exchange`` is the only way rows cross workers: it sends each row to the owner of its key's shard in

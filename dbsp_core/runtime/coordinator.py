@@ -1,4 +1,4 @@
-"""The checkpoint coordinator of seed 000 over per-worker Databases: choose a version, start, pause, stop at the maximum step, commit.
+"""The checkpoint coordinator over per-worker Databases: choose a version, start, pause, stop at the maximum step, commit.
 
 Invariants (enforced here):
   1. The coordinator opens every worker at ``v = max(intersection of the workers' versions())``; an empty
@@ -118,7 +118,7 @@ def choose_version(versions: list[range], where: str) -> int:
 
 
 class Coordinator:
-    """Runs the seed-000 checkpoint protocol over the workers of one pipeline."""
+    """Runs the checkpoint protocol (the module's invariants 1-3) over the workers of one pipeline."""
 
     def __init__(self, stores: list[WorkerStore], crashpoint: Callable[[str], None] = lambda _: None) -> None:
         self.stores = stores

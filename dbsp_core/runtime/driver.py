@@ -19,9 +19,10 @@ Invariants (enforced here):
      log when the step closes, and is durable before any output of the step is
      written to the output log or returned. An executor whose state commits while steps run
      (``division_first``) gets the step only once its division is durable; otherwise the record's fsync
-     overlaps with running the step (seed 000 "Input/output synchronization"). ``now`` never decreases, also
+     overlaps with running the step (a step may run before its input is durable, as long as no output of it
+     leaves before that). ``now`` never decreases, also
      across restarts (the floor is saved with the checkpoint). Replay uses the logged determinants.
-  4. Every step's output goes through ``OutputLog.write`` (discard / verify / append, seed 000); with replay
+  4. Every step's output goes through ``OutputLog.write`` (discard / verify / append by step); with replay
      checking on (the default) a replayed step whose output differs raises ReplayMismatchError.
   5. A checkpoint at step X captures the executor's state at X while steps pause, then (possibly on a
      background thread, while later steps run) flushes the output log, makes the state durable, commits the
@@ -1283,7 +1284,7 @@ class Pipeline:
                             f"Pipeline.open(dir, circuit) reads it again") from exc
 
     def read_input(self, step: int) -> dict[str, ZSet]:
-        """The input of a divided step as one Z-set per input handle (seed 000 ``read(step)``).
+        """The input of a divided step as one Z-set per input handle (the input log read back by step).
 
         Raises LookupError if the step is not divided yet or its records were truncated below the low watermark.
         """

@@ -1,4 +1,4 @@
-"""The embedded executor: W copies of a circuit on W threads of this process, exchanging rows by the layout's shard map before keyed operators, with state in memory and (for a durable pipeline) checkpointed into one Database per worker by the seed-000 coordinator.
+"""The embedded executor: W copies of a circuit on W threads of this process, exchanging rows by the layout's shard map before keyed operators, with state in memory and (for a durable pipeline) checkpointed into one Database per worker by the checkpoint coordinator (coordinator.py).
 
 Invariants (enforced here):
   1. Every worker owns a private instance of every stateful operator; workers share nothing but the

@@ -5,7 +5,7 @@ into steps with its determinants, the output log, checkpoint cadence, open and r
 layout changes). An executor owns the operator state and runs steps over it:
 
 - ``EmbeddedExecutor`` (embedded.py): W threads in this process, exchange by the shard map, state in memory,
-  checkpointed into one Database per worker by the seed-000 coordinator.
+  checkpointed into one Database per worker by the checkpoint coordinator (coordinator.py).
 - ``StagedExecutor`` (staged.py): the circuit cut into stages at its exchanges, one task per (stage, worker)
   run by a job runner over blobs, state in a Database per (stage, worker) committed by every job; spark_glue
   supplies a runner that runs the tasks on Spark.

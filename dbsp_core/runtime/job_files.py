@@ -23,7 +23,7 @@ import pyarrow as pa
 
 from dbsp_core.codec import frame_head, unframe_view
 from dbsp_core.errors import CorruptionError
-from dbsp_core.storage.formats import JOB_INPUT_DIR, JOB_INPUT_MAGIC, STATE_DIR
+from dbsp_core.storage.formats import JOB_INPUT_MAGIC, TMP_SUFFIX, job_input_dir, job_input_path
 
 __all__ = ["write_table_file", "read_table_file", "input_dir", "input_path", "write_job_inputs",
            "read_job_input", "remove_job_inputs"]
@@ -40,7 +40,7 @@ def write_table_file(path: str, magic: bytes, tag: dict, table: pa.Table, sync: 
     ipc = sink.getvalue()
     head = json.dumps(tag, sort_keys=True).encode()
     prefix = len(head).to_bytes(4, "little") + head
-    tmp = path + ".tmp"
+    tmp = path + TMP_SUFFIX
     with open(tmp, "wb") as f:
         f.write(frame_head(magic, prefix, ipc))
         f.write(prefix)
@@ -77,7 +77,7 @@ def read_table_file(path: str, magic: bytes, where: str) -> tuple[dict, pa.Table
 
 
 def input_dir(storage: str) -> str:
-    return os.path.join(storage, STATE_DIR, JOB_INPUT_DIR)
+    return job_input_dir(storage)
 
 
 def input_path(storage: str, worker: int) -> str:
@@ -86,7 +86,7 @@ def input_path(storage: str, worker: int) -> str:
     >>> input_path("/p", 1)
     '/p/state/jobs/worker-1.input'
     """
-    return os.path.join(input_dir(storage), f"worker-{worker}.input")
+    return job_input_path(storage, worker)
 
 
 def write_job_inputs(storage: str, job: dict, blobs: pa.Table, workers: int) -> None:

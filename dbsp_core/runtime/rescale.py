@@ -1,6 +1,6 @@
 """Layout changes of a storage directory: move the shards whose owner changes between the state databases of the old and new workers, commit the change as one new checkpoint version everywhere, and finish or undo an interrupted change on the next open; a live change records its target so that a crash midway ends with the move finished.
 
-The protocol (seed 000 "cold" layout change, atomic across every database of every state group):
+The protocol (a "cold" layout change, made while no step runs, atomic across every database of every state group):
 
   1. ``RESCALE`` durably records the change: the old and new layouts, the base version ``v`` every state
      database is at (``open_state`` made it the only one) and its step. (crash point ``rescale-intent``)
@@ -53,18 +53,14 @@ from dbsp_core.runtime.executor import Executor, StateGroup
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.directory import (read_layout, read_rescale, remove_record, remove_rescale, write_layout,
                                          write_rescale)
+from dbsp_core.storage.formats import worker_files
 from dbsp_core.storage.shardmove import relayout_group
 
 __all__ = ["begin_live", "cold_rescale", "end_live", "live_target", "remove_leaving", "resolve"]
 
 
-def _worker_files(path: str) -> list[str]:
-    """A worker database and the files a stage task keeps beside it."""
-    return [path, path + ".lock", path[:-3] + ".result"]
-
-
 def _remove_worker(path: str, vfs: str) -> None:
-    for p in _worker_files(path):
+    for p in worker_files(path):
         if os.path.exists(p):
             remove_record(p, vfs)
 

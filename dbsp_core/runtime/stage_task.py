@@ -13,7 +13,7 @@ Invariants (enforced here):
   3. Retries never corrupt state nor change output: before committing, a task durably writes the blobs it
      produced to ``worker-<w>.result`` (tagged with the job: base version and steps). An attempt that finds
      ``v+1`` already committed (an earlier attempt got that far) returns that file's blobs and leaves the
-     database alone, so a speculative duplicate cannot discard a version the job has already used (seed 000's
+     database alone, so a speculative duplicate cannot discard a version the job has already used (plain
      "reopen v and redo" would, and if the duplicate then died, that database would hold no version the
      others share); an attempt that finds neither ``v`` as the newest version nor ``v+1`` is stale (a zombie
      of an earlier job) and raises without touching anything. Attempts of one (stage, worker) are serialized
@@ -40,7 +40,7 @@ import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -54,7 +54,8 @@ from dbsp_core.runtime.rollback import capture, restore
 from dbsp_core.runtime.stage_plan import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, StagePlan, StageWorker, StepInfo,
                                           ack_blob, encode_blobs, gather, output_node)
 from dbsp_core.storage.database import Database
-from dbsp_core.storage.formats import RESULT_MAGIC, SAVELOG_MAGIC, SAVELOG_TABLE, state_db_path
+from dbsp_core.storage.formats import (RESULT_MAGIC, SAVELOG_MAGIC, SAVELOG_TABLE, lock_path, result_path,
+                                       state_db_path)
 from dbsp_core.storage.shardmove import read_worker_layout, write_worker_layout
 from dbsp_core.storage.snapshot import WorkerSnapshot
 from dbsp_core.zset import ZSet
@@ -152,7 +153,7 @@ def _fault(task: StageTask, worker: int, point: str) -> None:
 
 
 def _result_path(storage: str, stage: int, worker: int) -> str:
-    return stage_db_path(storage, stage, worker)[:-3] + ".result"
+    return result_path(stage_db_path(storage, stage, worker))
 
 
 def _write_result(path: str, tag: dict, table: pa.Table) -> None:
@@ -296,7 +297,7 @@ def _run_stateful(task: StageTask, worker: int, sm: Any, received: dict[tuple[in
     tag = job_tag(task)
     where = f"{path}"
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    lockfd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    lockfd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(lockfd, fcntl.LOCK_EX)  # invariant 3: one attempt of this (stage, worker) at a time
         db = Database(path)
@@ -387,7 +388,7 @@ def open_stage_databases(storage: str, plan: StagePlan, workers: int) -> list[tu
         for w in range(workers):
             path = stage_db_path(storage, k, w)
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 Database(path).close()
@@ -398,7 +399,7 @@ def open_stage_databases(storage: str, plan: StagePlan, workers: int) -> list[tu
 
 
 def choose_stage_version(paths: list[str], at_most: int | None = None) -> tuple[int, int]:
-    """Seed 000 recovery over stage databases: open every one at ``max(intersection of versions())``.
+    """The coordinator's recovery over stage databases: open every one at ``max(intersection of versions())``.
 
     With ``at_most``, the newest common version not above it (the driver passes the base version of a job
     whose output it did not log). Opening discards any other version (e.g. a job that did not complete
@@ -411,7 +412,7 @@ def choose_stage_version(paths: list[str], at_most: int | None = None) -> tuple[
     try:
         dbs = []
         for p in paths:
-            fd = os.open(p + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(lock_path(p), os.O_RDWR | os.O_CREAT, 0o644)
             fcntl.flock(fd, fcntl.LOCK_EX)
             locks.append(fd)
             dbs.append(Database(p))

@@ -44,7 +44,7 @@ from dbsp_core.runtime.stage_task import (InjectedFault, StageTask, choose_stage
                                           run_stage_task, stage_db_path)
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.directory import read_record, remove_record, write_record
-from dbsp_core.storage.formats import JOB_FILE, JOB_MAGIC, STATE_DIR
+from dbsp_core.storage.formats import JOB_MAGIC, STATE_DIR, job_path, lock_path, stage_dir_name
 from dbsp_core.storage.snapshot import WorkerSnapshot, state_tables
 from dbsp_core.trace import Trace
 from dbsp_core.zset import ZSet
@@ -168,13 +168,13 @@ class StagedExecutor:
             if not self.plan.stateful[k]:
                 continue
             sw = StageWorker(self.circuit, self.plan, k, 0, layout.shard_map)
-            out.append(StateGroup(f"stage-{k}", lambda w, k=k: stage_db_path(root, k, w),
+            out.append(StateGroup(stage_dir_name(k), lambda w, k=k: stage_db_path(root, k, w),
                                   state_tables(sw.stateful, groupings(self.circuit))))
         return out
 
     def _job_path(self) -> str:
         assert self.storage is not None
-        return os.path.join(self.storage, STATE_DIR, JOB_FILE)
+        return job_path(self.storage)
 
     def open_state(self) -> tuple[int, int | None]:
         assert self.storage is not None and self.layout is not None
@@ -335,7 +335,7 @@ class StagedExecutor:
                 continue
             path = stage_db_path(self.storage, k, worker)
             sw = StageWorker(self.circuit, self.plan, k, worker, self.layout.shard_map)
-            lockfd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            lockfd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 fcntl.flock(lockfd, fcntl.LOCK_EX)  # no stage task of this (stage, worker) meanwhile
                 db = Database(path)

@@ -33,8 +33,9 @@ from dbsp_core.runtime.coordinator import choose_version
 from dbsp_core.runtime.executor import Executor, StateGroup
 from dbsp_core.storage.database import Database, shard_key
 from dbsp_core.storage.directory import fsync_dir, read_record, write_layout, write_meta
-from dbsp_core.storage.formats import (CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE, DEDUP_TABLE, DRIVER_DB, JOB_MAGIC,
-                                       META_FILE, META_MAGIC, OUTPUT_DIR, STATE_DIR, ZSET_MAGIC, is_state_table)
+from dbsp_core.storage.formats import (CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE, DEDUP_TABLE, DRIVER_DB, FORMAT1_STAGES_DIR,
+                                       JOB_FILE, JOB_MAGIC, META_FILE, META_MAGIC, OUTPUT_DIR, STATE_DIR, ZSET_MAGIC,
+                                       is_state_table, result_path, worker_db_name, worker_files)
 from dbsp_core.storage.outputlog import OutputLog
 from dbsp_core.storage.shardmove import write_worker_layout
 from dbsp_core.storage.snapshot import TableSpec, read_next, read_order, write_next, write_order, zset_pieces
@@ -46,9 +47,8 @@ _OLD_CLOCK_TABLE = "dedup.clock"
 
 def _old_paths(root: str, group: StateGroup, staged: bool, workers: int) -> list[str]:
     if not staged:
-        return [os.path.join(root, f"worker-{w}.db") for w in range(workers)]
-    k = int(group.name.split("-")[1])
-    return [os.path.join(root, "stages", f"stage-{k}", f"worker-{w}.db") for w in range(workers)]
+        return [os.path.join(root, worker_db_name(w)) for w in range(workers)]
+    return [os.path.join(root, FORMAT1_STAGES_DIR, group.name, worker_db_name(w)) for w in range(workers)]
 
 
 def upgrade_format1(root: str, meta: dict, executor: Executor, fingerprint: str, vfs: str = "posix") -> None:
@@ -58,7 +58,7 @@ def upgrade_format1(root: str, meta: dict, executor: Executor, fingerprint: str,
     if meta.get("fingerprint") != fingerprint:
         raise CircuitMismatchError(f"{root} was written by a pipeline with a different circuit "
                                    f"({meta.get('fingerprint')!r} != {fingerprint!r}); open it with the same circuit")
-    staged = os.path.isdir(os.path.join(root, "stages"))
+    staged = os.path.isdir(os.path.join(root, FORMAT1_STAGES_DIR))
     kind = "staged" if staged else "embedded"
     if executor.kind != kind:
         raise CircuitMismatchError(f"{root} was written by the {kind} executor of the previous release; open it "
@@ -76,7 +76,7 @@ def upgrade_format1(root: str, meta: dict, executor: Executor, fingerprint: str,
     if missing:
         raise RecoveryError(f"{root}: format-1 state databases are missing: {missing[:4]}")
     at_most = None
-    job = read_record(os.path.join(root, "stages", "JOB"), JOB_MAGIC) if staged else None
+    job = read_record(os.path.join(root, FORMAT1_STAGES_DIR, JOB_FILE), JOB_MAGIC) if staged else None
     if job is not None:
         out = OutputLog(os.path.join(root, OUTPUT_DIR), {}, readonly=True)
         try:
@@ -94,10 +94,10 @@ def upgrade_format1(root: str, meta: dict, executor: Executor, fingerprint: str,
                       "outputs": meta["outputs"], "output_schemas": meta["output_schemas"],
                       "hash_version": HASH_VERSION, "upgraded_from": 1}, vfs)
     for p in paths:  # invariant 1: format 2 from here on; the old files are only removed
-        for f in (p, p + ".lock", p[:-3] + ".result"):
+        for f in worker_files(p):
             if os.path.exists(f):
                 os.unlink(f)
-    shutil.rmtree(os.path.join(root, "stages"), ignore_errors=True)
+    shutil.rmtree(os.path.join(root, FORMAT1_STAGES_DIR), ignore_errors=True)
     fsync_dir(root)
 
 
@@ -130,8 +130,8 @@ def _convert_state(root: str, groups: list[StateGroup], old: dict[str, list[str]
             shutil.copyfile(src, dst)
             with open(dst, "rb+") as f:
                 os.fsync(f.fileno())
-            if os.path.exists(src[:-3] + ".result"):
-                shutil.copyfile(src[:-3] + ".result", dst[:-3] + ".result")
+            if os.path.exists(result_path(src)):
+                shutil.copyfile(result_path(src), result_path(dst))
             with Database(dst, vfs=vfs) as db, db.open(v) as h:  # discards any other version of the copy
                 _convert_db(h, g.tables, layout, w, f"{src} v{v}")
                 h.commit()
@@ -171,7 +171,7 @@ def _convert_driver(root: str, staged: bool, step: int | None, vfs: str) -> None
     if staged:
         src = Database(path, vfs=vfs)  # format 1 had driver.db already; its record moves to the format-2 tables
     else:
-        src = Database(os.path.join(root, "worker-0.db"), vfs=vfs)
+        src = Database(os.path.join(root, worker_db_name(0)), vfs=vfs)
     try:
         vs = src.versions()
         if staged:

@@ -47,12 +47,6 @@ class Sub:
         self.rel, self.pairs, self.node, self.items = rel, pairs, node, items
 
 
-def _plain_select(node: exp.Expression) -> bool:
-    return (isinstance(node, exp.Select) and node.args.get("from_") is not None and not node.args.get("with_")
-            and not node.args.get("group") and not node.args.get("having") and not node.args.get("limit")
-            and not node.args.get("distinct"))
-
-
 def plan_sub(planner: "Planner", node: exp.Expression, outer: Rel) -> Sub:
     """Invariant 1: split the subquery's WHERE into its own conditions and correlation pairs."""
     if isinstance(node, exp.Subquery):

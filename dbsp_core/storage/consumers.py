@@ -1,7 +1,7 @@
 """The durable consumer registry of a storage directory: each consumer of the output log (a sink, a reader in another process) keeps a record of the steps it has durably applied, and the output log is truncated only below the lowest of them.
 
-Seed 003 (Falkirk Wheel, "Inputs and outputs"): a processor that sends external output tells the system which
-times the outside has acknowledged, and only then may the state that regenerates that output be discarded.
+The rule (as in Falkirk Wheel's rollback recovery for dataflow): a processor that sends external output tells the
+system which times the outside has acknowledged, and only then may the state that regenerates that output be discarded.
 Here the output log is that state, and a consumer's acknowledgement is the first step it still needs.
 
 Invariants (enforced here):
@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator
 
 from dbsp_core.errors import CorruptionError
 from dbsp_core.storage.directory import fsync_dir, read_record, remove_record, write_record
-from dbsp_core.storage.formats import CONSUMER_MAGIC, CONSUMERS_DIR, CONSUMERS_LOCK
+from dbsp_core.storage.formats import CONSUMER_MAGIC, CONSUMERS_DIR, CONSUMERS_LOCK, TMP_SUFFIX
 
 __all__ = ["ConsumerRegistry", "consumer_name_ok"]
 
@@ -55,7 +55,7 @@ def consumer_name_ok(name: Any) -> bool:
     """Whether ``name`` can name a consumer (a file name: letters, digits, ``_ . : = -``, not starting with a dot,
     not ending in ``.tmp``, the suffix of the temporary file an atomic replace leaves behind when it is killed)."""
     return (isinstance(name, str) and bool(_NAME.match(name)) and name != CONSUMERS_LOCK
-            and not name.endswith(".tmp"))
+            and not name.endswith(TMP_SUFFIX))
 
 
 class ConsumerRegistry:

@@ -1,6 +1,6 @@
-"""The two-version per-worker ``Database`` (seed 000 "Database") over the C page store, and the shard-grouped key helpers.
+"""The two-version per-worker ``Database`` over the C page store, and the shard-grouped key helpers.
 
-``Database`` keeps exactly the versions seed 000 allows: ``versions()`` is a range of length 1 or 2,
+``Database`` keeps at most two versions, the committed one and the one being written: ``versions()`` is a range of length 1 or 2,
 ``open(v)`` writes version ``v + 1`` (a copy of ``v``) and discards every other version, ``commit()`` makes
 ``v`` and ``v + 1`` openable, and a crash at any point leaves ``v``, or ``v`` and ``v + 1``, never a mix.
 """

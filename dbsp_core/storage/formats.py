@@ -64,6 +64,8 @@ magic       where                                   body
 ``DCSM``    consumers/<name>                        JSON: name, next (every output step below it is durably
                                                     applied by the consumer; never decreases)
 ``DMTR``    METRICS                                 JSON: dbsp_core.metrics.Metrics.snapshot() at a checkpoint
+``DOUT``    format-1 output segments                not framed as above: see the format-1 paragraph below
+            (``output/out-<step>.seg``)
 ==========  ======================================  =======================================================
 
 State values are keyed by :func:`dbsp_core.storage.database.shard_key` ``(shard, number)``: the shard as 4
@@ -71,12 +73,14 @@ big-endian bytes, then the value's number as 8 big-endian bytes (snapshot.py inv
 table ``snapshot`` holds the next unused number (8 big-endian bytes).
 
 Formats below this module's level, specified byte by byte where they are written: the page file of a Database
-(``DBSPMETA`` meta slots, csrc/pagestore.c), the step log (``DBSPSLOG`` header and ``DBSPSSEG`` segments,
-csrc/steplog.c), the output log (dbsp_core/storage/outputlog.py).
+(``DBSPMETA`` meta slots, csrc/pagestore.c), the step log (``DBSPSLOG`` header, ``DBSPSSEG`` segments
+``<20-digit number>.seg`` and ``DSLR`` record frames, csrc/steplog.c; read in Python only by
+dbsp_core.storage.salvage), the output log (dbsp_core/storage/outputlog.py, over step log segments).
 
 Directory format 1 (dbsp-core 0.1.0, before the layout became data) kept ``workers`` and ``shard_bits`` in
-META, worker databases at ``worker-<w>.db`` in the root and stage databases under ``stages/``, a Z-set
-attribute as one value under key ``all``, and the embedded driver's dedup set and clock in worker 0's database;
+META, worker databases at ``worker-<w>.db`` in the root and stage databases under ``stages/stage-<k>/`` (with
+``stages/JOB``), a Z-set attribute as one value under key ``all``, and the embedded driver's dedup set and clock
+in worker 0's database;
 ``Pipeline.open`` converts such a directory to format 2 (dbsp_core.runtime.upgrade), and its input and output
 logs are read in place (the step log reads its format-1 segments; dbsp_core.storage.outputlog_format1 reads
 the ``DOUT`` output segments).
@@ -84,6 +88,7 @@ the ``DOUT`` output segments).
 
 from __future__ import annotations
 
+import glob
 import os
 
 DIRECTORY_FORMAT = 2
@@ -102,6 +107,14 @@ JOB_INPUT_DIR = "jobs"
 CONSUMERS_DIR = "consumers"
 CONSUMERS_LOCK = "LOCK"
 METRICS_FILE = "METRICS"
+TMP_SUFFIX = ".tmp"  # <file>.tmp: an atomic replace's new content before its rename (csrc/smallfile.c, job_files)
+NEW_SUFFIX = ".new"  # a log directory's repaired twin (``input.new``, ``output.new``) while REPAIR is in force
+REPAIR_BACKUP_PREFIX = "repair-"  # repair-<n>/: what a repair replaced
+LOCK_SUFFIX = ".lock"  # <stage database>.lock: flock(2)ed by a stage task attempt
+RESULT_SUFFIX = ".result"  # replaces a stage database's ``.db``: the committed attempt's result (DSTR)
+WORKER_DB_PREFIX = "worker-"  # worker-<w>.db: a state database, in state/ (embedded) or state/stage-<k>/ (staged)
+STAGE_DIR_PREFIX = "stage-"  # state/stage-<k>/: the databases of stage k
+FORMAT1_STAGES_DIR = "stages"  # format 1: the staged executor's databases and JOB under stages/
 
 META_MAGIC = b"DMET"
 LAYOUT_MAGIC = b"DLAY"
@@ -123,6 +136,9 @@ JOB_INPUT_MAGIC = b"DJIN"
 SAVELOG_MAGIC = b"DSVL"
 CONSUMER_MAGIC = b"DCSM"
 METRICS_MAGIC = b"DMTR"
+FORMAT1_OUTPUT_MAGIC = b"DOUT"  # a record of a format-1 output segment (dbsp_core.storage.outputlog_format1)
+STEPLOG_SEGMENT_MAGIC = b"DBSPSSEG"  # the header of a step log segment (csrc/steplog.c)
+STEPLOG_RECORD_MAGIC = b"DSLR"  # the frame of a format-2 step log record (csrc/steplog.c)
 
 DIVISION_HANDLE = "\x00division"  # the input log's handle of division records
 DISCARD_HANDLE = "\x00discard"  # the input log's handle of discard records (Pipeline.discard)
@@ -164,5 +180,75 @@ def state_db_path(root: str, stage: int | None, worker: int) -> str:
     ('/data/pipe/state/worker-2.db', '/data/pipe/state/stage-1/worker-0.db')
     """
     if stage is None:
-        return os.path.join(root, STATE_DIR, f"worker-{worker}.db")
-    return os.path.join(root, STATE_DIR, f"stage-{stage}", f"worker-{worker}.db")
+        return os.path.join(root, STATE_DIR, worker_db_name(worker))
+    return os.path.join(root, STATE_DIR, stage_dir_name(stage), worker_db_name(worker))
+
+
+def worker_db_name(worker: int) -> str:
+    """The file name of ``worker``'s state database (in state/, state/stage-<k>/, or format 1's places)."""
+    return f"{WORKER_DB_PREFIX}{worker}.db"
+
+
+def worker_of_db(path: str) -> str:
+    """The worker number of a state database's path, as written in its name (:func:`worker_db_name`)."""
+    return os.path.basename(path)[len(WORKER_DB_PREFIX):-len(".db")]
+
+
+def stage_dir_name(stage: int) -> str:
+    """The directory of ``stage``'s databases (under state/, or format 1's stages/)."""
+    return f"{STAGE_DIR_PREFIX}{stage}"
+
+
+def lock_path(db_path: str) -> str:
+    """The lock file a stage task attempt flock(2)s beside its stage database."""
+    return db_path + LOCK_SUFFIX
+
+
+def result_path(db_path: str) -> str:
+    """The result file of the committed attempt beside a stage database.
+
+    >>> result_path("/p/state/stage-1/worker-0.db")
+    '/p/state/stage-1/worker-0.result'
+    """
+    return db_path[:-len(".db")] + RESULT_SUFFIX
+
+
+def worker_files(db_path: str) -> list[str]:
+    """A state database and the files a stage task keeps beside it."""
+    return [db_path, lock_path(db_path), result_path(db_path)]
+
+
+def job_path(root: str) -> str:
+    """The staged executor's JOB record."""
+    return os.path.join(root, STATE_DIR, JOB_FILE)
+
+
+def job_input_dir(root: str) -> str:
+    """The directory of a job's stage-0 input files."""
+    return os.path.join(root, STATE_DIR, JOB_INPUT_DIR)
+
+
+def job_input_path(root: str, worker: int) -> str:
+    """The stage-0 input file of ``worker``.
+
+    >>> job_input_path("/p", 1)
+    '/p/state/jobs/worker-1.input'
+    """
+    return os.path.join(job_input_dir(root), f"worker-{worker}.input")
+
+
+def state_db_paths(root: str) -> list[str]:
+    """Every state database under ``root/state`` (embedded and staged), sorted."""
+    dbs = worker_db_name("*")
+    return sorted(glob.glob(os.path.join(root, STATE_DIR, dbs))
+                  + glob.glob(os.path.join(root, STATE_DIR, stage_dir_name("*"), dbs)))
+
+
+def segment_name(number: int) -> str:
+    """The file name of step log segment ``number`` (csrc/steplog.c): 20 digits and ``.seg``."""
+    return f"{number:020d}.seg"
+
+
+def is_segment_name(name: str) -> bool:
+    """Whether ``name`` is a step log segment's file name (:func:`segment_name`)."""
+    return len(name) == 24 and name.endswith(".seg") and name[:20].isdigit()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import os
 from typing import Any
 
@@ -13,7 +12,8 @@ from dbsp_core.storage.consumers import ConsumerRegistry
 from dbsp_core.storage.database import SHARD_PREFIX_BYTES, Database
 from dbsp_core.storage.directory import read_layout, read_meta, read_record, read_rescale
 from dbsp_core.storage.formats import (DIVISION_HANDLE, DRIVER_DB, INPUT_DIR, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR,
-                                       STATE_DIR, is_state_table)
+                                       STATE_DIR, is_state_table, state_db_paths,
+                                       worker_of_db)
 from dbsp_core.storage.outputlog import OutputLog
 from dbsp_core.storage.steplog import StepLog
 
@@ -73,8 +73,7 @@ def _inspect(root: str, meta: dict) -> dict:
                             "last_rescale": last, "rescale_in_progress": read_rescale(root) is not None,
                             "fingerprint": meta["fingerprint"][:16], "inputs": meta["inputs"],
                             "outputs": meta["outputs"], "versions": [], "db_pages": 0, "in_use": []}
-    paths = sorted(glob.glob(os.path.join(root, STATE_DIR, "worker-*.db"))
-                   + glob.glob(os.path.join(root, STATE_DIR, "stage-*", "worker-*.db")))
+    paths = state_db_paths(root)
     info["checkpoint_version"] = info["checkpoint_step"] = None
     try:
         for p in paths:
@@ -128,7 +127,7 @@ def _state_bytes(paths: list[str], layout: Any) -> dict[str, dict[int, int]]:
     """Bytes of stored operator state (keys and values of the newest version) per worker and shard."""
     out: dict[str, dict[int, int]] = {}
     for p in paths:
-        worker = os.path.basename(p)[len("worker-"):-len(".db")]
+        worker = worker_of_db(p)
         shards = out.setdefault(worker, {})
         with Database(p, readonly=True) as db, db.read(db.versions().stop - 1) as h:
             for table in h.tables():

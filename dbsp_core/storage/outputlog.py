@@ -1,8 +1,8 @@
 """The durable output log of a pipeline: one step-log record per step holding every output handle's change and the input (producer, seq) ranges that produced it.
 
 Invariants (enforced here):
-  1. The log holds the steps ``first..last`` contiguously, each exactly once. ``write(step, ...)`` follows
-     seed 000: ``step < first`` is discarded; ``first <= step < last`` is a replay: discarded, and with
+  1. The log holds the steps ``first..last`` contiguously, each exactly once. ``write(step, ...)`` is
+     idempotent by step: ``step < first`` is discarded; ``first <= step < last`` is a replay: discarded, and with
      ``check=True`` (the default) compared with the stored record, raising ReplayMismatchError on any
      difference; ``step == last`` is appended and increments ``last``; ``step > last`` raises ValueError.
   2. An appended step is durable (fsynced) before ``write`` returns when ``sync=True``. With ``sync=False``
@@ -45,6 +45,7 @@ import pyarrow as pa
 from dbsp_core import _storage
 from dbsp_core.codec import decode_zset, encode_zset_parts
 from dbsp_core.errors import CorruptionError, ReplayMismatchError
+from dbsp_core.storage.formats import segment_name
 from dbsp_core.storage.outputlog_format1 import Format1Segments
 from dbsp_core.zset import ZSet
 
@@ -129,7 +130,7 @@ class OutputLog:
     # ---- open ----
 
     def _seg_path(self, num: int) -> str:
-        return os.path.join(self.path, f"{num:020d}.seg")
+        return os.path.join(self.path, segment_name(num))
 
     def _step_log_range(self) -> tuple[int, int] | None:
         """(first, last + 1) of the step log's records, checking one record per consecutive step."""

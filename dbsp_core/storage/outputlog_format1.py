@@ -20,11 +20,11 @@ import struct
 import zlib
 
 from dbsp_core.errors import CorruptionError, FormatVersionError
+from dbsp_core.storage.formats import FORMAT1_OUTPUT_MAGIC as MAGIC
 
 __all__ = ["Format1Segments", "is_format1_segment"]
 
 VERSION = 1
-MAGIC = b"DOUT"
 _HEAD = struct.Struct("<4sBIQI")  # magic, version, crc32(step bytes + body), step, body length
 
 

@@ -44,7 +44,6 @@ Invariants (enforced here):
 from __future__ import annotations
 
 import bisect
-import glob
 import json
 import os
 import shutil
@@ -57,11 +56,11 @@ from dbsp_core.storage.database import Database
 from dbsp_core.storage.directory import (fsync_dir, lock_dir, read_layout, read_meta, read_record, read_rescale,
                                         remove_record, unlock_dir, write_layout, write_record)
 from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE,
-                                       DEDUP_TABLE, DISCARD_HANDLE, DISCARD_MAGIC, DIVISION_HANDLE, DIVISION_MAGIC,
-                                       DRIVER_DB,
-                                       INPUT_DIR, JOB_FILE, JOB_MAGIC, LAYOUT_FILE, META_FILE, OUTPUT_DIR,
-                                       REPAIR_FILE, REPAIR_MAGIC, RESCALE_FILE, STATE_DIR, DIRECTORY_FORMAT,
-                                       state_db_path)
+                                       DEDUP_MAGIC, DEDUP_TABLE, DIRECTORY_FORMAT, DISCARD_HANDLE, DISCARD_MAGIC,
+                                       DIVISION_HANDLE, DIVISION_MAGIC, DRIVER_DB, INPUT_DIR, JOB_FILE, JOB_MAGIC,
+                                       LAYOUT_FILE, META_FILE, NEW_SUFFIX, OUTPUT_DIR, REPAIR_BACKUP_PREFIX,
+                                       REPAIR_FILE, REPAIR_MAGIC, RESCALE_FILE, STAGE_DIR_PREFIX, STATE_DIR, job_path,
+                                       segment_name, state_db_path, state_db_paths, worker_db_name)
 from dbsp_core.storage.salvage import Record, Salvaged, salvage
 
 __all__ = ["finish_repair", "rebuild_output", "repair", "resume_step"]
@@ -77,7 +76,7 @@ def finish_repair(root: str) -> bool:
         return False
     backup = os.path.join(root, rec["backup"])
     for part in rec["parts"]:
-        new = os.path.join(root, part + ".new")
+        new = os.path.join(root, part + NEW_SUFFIX)
         if not os.path.isdir(new):
             continue  # swapped already
         cur = os.path.join(root, part)
@@ -92,9 +91,9 @@ def finish_repair(root: str) -> bool:
 
 def _backup_dir(root: str) -> str:
     n = 1
-    while os.path.exists(os.path.join(root, f"repair-{n}")):
+    while os.path.exists(os.path.join(root, f"{REPAIR_BACKUP_PREFIX}{n}")):
         n += 1
-    path = os.path.join(root, f"repair-{n}")
+    path = os.path.join(root, f"{REPAIR_BACKUP_PREFIX}{n}")
     os.mkdir(path)
     fsync_dir(root)
     return path
@@ -102,7 +101,7 @@ def _backup_dir(root: str) -> str:
 
 def _swap(root: str, backup: str, parts: list[str]) -> None:
     for part in parts:
-        fsync_dir(os.path.join(root, part + ".new"))
+        fsync_dir(os.path.join(root, part + NEW_SUFFIX))
     write_record(os.path.join(root, REPAIR_FILE), REPAIR_MAGIC, {"backup": os.path.basename(backup), "parts": parts})
     finish_repair(root)
 
@@ -126,8 +125,7 @@ def _write_log(path: str, records: list[tuple[int, str, str, int, bytes]], log_f
 # ---- where recovery resumes ----
 
 def _state_paths(root: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(root, STATE_DIR, "worker-*.db"))
-                  + glob.glob(os.path.join(root, STATE_DIR, "stage-*", "worker-*.db")))
+    return state_db_paths(root)
 
 
 def resume_step(root: str, out_last: int) -> int:
@@ -148,7 +146,7 @@ def resume_step(root: str, out_last: int) -> int:
     lo, hi = max(r.start for r in ranges), min(r.stop for r in ranges) - 1
     if lo > hi:
         raise RecoveryError(f"{root}: the state databases share no version: {[(r.start, r.stop - 1) for r in ranges]}")
-    job = read_record(os.path.join(root, STATE_DIR, JOB_FILE), JOB_MAGIC)
+    job = read_record(job_path(root), JOB_MAGIC)
     v = hi if job is None or job["end"] <= out_last else min(hi, job["version"])
     with Database(paths[0], readonly=True) as db, db.read(v) as h:
         return h.get_step()
@@ -219,7 +217,7 @@ def rebuild_output(root: str, below: int | None = None, backup: str | None = Non
     intact, (k, cut) = plan["intact"], plan["keep"]
     odir = os.path.join(root, OUTPUT_DIR)
     backup = backup or _backup_dir(root)
-    _write_log(odir + ".new", [(s, "", "", 0, intact[s]) for s in range(k, cut)], False)
+    _write_log(odir + NEW_SUFFIX, [(s, "", "", 0, intact[s]) for s in range(k, cut)], False)
     _swap(root, backup, [OUTPUT_DIR])
     return {"kept": (k, cut), "expect": {s: intact[s] for s in sorted(intact) if s >= cut},
             "missing": plan["missing"], "backup": backup, "damaged": plan["damaged"], "dropped": plan["dropped"]}
@@ -235,7 +233,7 @@ def _dedup(root: str) -> dict[str, tuple[int, set[int]]]:
         return out
     with Database(dpath, readonly=True) as db, db.read(db.versions().stop - 1) as h:
         for k, v in h.scan(DEDUP_TABLE):
-            rec = decode_json(b"DDUP", v, f"{dpath} dedup {k!r}")
+            rec = decode_json(DEDUP_MAGIC, v, f"{dpath} dedup {k!r}")
             out[k.decode("utf-8", "surrogateescape")] = (int(rec["wm"]), {int(x) for x in rec["above"]})
     return out
 
@@ -370,7 +368,7 @@ def _repair_job(root: str, report: dict[str, Any]) -> bool:
     recovery opens the job's base version). Removed when the output log holds every step the state does; made
     again from the version before the newest when every stage database holds it at a step the output log
     covers; else listed unrepaired. Returns whether the state can be looked at further."""
-    path = os.path.join(root, STATE_DIR, JOB_FILE)
+    path = job_path(root)
     try:
         read_record(path, JOB_MAGIC)
         return True
@@ -429,8 +427,8 @@ def _repair_state(root: str, report: dict[str, Any]) -> bool:
         layout = read_layout(root)[0]
     except (CorruptionError, FormatVersionError):
         layout = None
-    stages = sorted({os.path.dirname(p) for p in paths if os.sep + "stage-" in p})
-    want = [os.path.join(st, f"worker-{w}.db") for st in stages for w in range(layout.workers)] if stages and layout \
+    stages = sorted({os.path.dirname(p) for p in paths if os.path.basename(os.path.dirname(p)).startswith(STAGE_DIR_PREFIX)})
+    want = [os.path.join(st, worker_db_name(w)) for st in stages for w in range(layout.workers)] if stages and layout \
         else [state_db_path(root, None, w) for w in range(layout.workers)] if layout else []
     gone = [p for p in want if p not in paths]
     for p in gone:
@@ -459,7 +457,7 @@ def _repair_state(root: str, report: dict[str, Any]) -> bool:
         bad = {p: e for p in paths if (e := _version_error(dbs[p], v)) is not None}
         if not bad:
             return _layout_matches(root, report, layout, dbs, v)
-        staged = any(os.path.basename(os.path.dirname(p)).startswith("stage-") for p in paths)
+        staged = any(os.path.basename(os.path.dirname(p)).startswith(STAGE_DIR_PREFIX) for p in paths)
         older = v - 1
         ok = not staged and all(older in vers[p] and _version_error(dbs[p], older) is None for p in paths)
         step = None
@@ -699,7 +697,7 @@ def _repair_logs(root: str, report: dict[str, Any], drop: tuple[int, int] | None
     for n in sorted({n for n, _, _ in damaged_ranges} - set(missing)):  # invariant 1: a copy of each
         shutil.copy2(os.path.join(idir, n), os.path.join(backup, n))       # damaged segment, as it is
     if s is None:
-        _write_log(idir + ".new", _held(root, recs, x, report), True)
+        _write_log(idir + NEW_SUFFIX, _held(root, recs, x, report), True)
         parts = [INPUT_DIR] + _write_output(root, plan, report)
         _swap(root, backup, parts)
         return (f"the damaged input records were of steps below the checkpoint (step {x}), which holds their "
@@ -717,7 +715,7 @@ def _repair_logs(root: str, report: dict[str, Any], drop: tuple[int, int] | None
     report["lost_unnamed"] = unnamed
     report["requeued_pushes"] = sum(1 for r in tail if r.handle != DISCARD_HANDLE)
     new = _held(root, head, x, report) + [(s, r.handle, r.producer, r.seq, r.payload) for r in tail]
-    _write_log(idir + ".new", new, True)
+    _write_log(idir + NEW_SUFFIX, new, True)
     parts = [INPUT_DIR] + _write_output(root, plan, report)
     if plan is not None:
         r_out = plan["keep"][1]
@@ -744,7 +742,7 @@ def _front_gap(root: str) -> tuple[str, str] | None:
         return None
     got = salvage(idir)
     nums = [int(n[:20]) for n in got.segments]
-    name = f"{max(nums[0] - 1, 0) if nums else 0:020d}.seg"
+    name = segment_name(max(nums[0] - 1, 0) if nums else 0)
     recs = [r for r in got.records if r.step >= d]
     if not recs:
         out_last = _output_last(root)
@@ -765,7 +763,7 @@ def _write_output(root: str, plan: dict[str, Any] | None, report: dict[str, Any]
     if plan is None:
         return []
     k, cut = plan["keep"]
-    _write_log(os.path.join(root, OUTPUT_DIR) + ".new", [(t, "", "", 0, plan["intact"][t]) for t in range(k, cut)],
+    _write_log(os.path.join(root, OUTPUT_DIR) + NEW_SUFFIX, [(t, "", "", 0, plan["intact"][t]) for t in range(k, cut)],
                False)
     report["output_dropped"] = list(plan["dropped"]) if plan["dropped"] else None
     return [OUTPUT_DIR]

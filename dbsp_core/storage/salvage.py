@@ -22,6 +22,7 @@ import struct
 from typing import NamedTuple
 
 from dbsp_core import _storage
+from dbsp_core.storage.formats import STEPLOG_RECORD_MAGIC, STEPLOG_SEGMENT_MAGIC, is_segment_name, segment_name
 
 __all__ = ["Record", "Salvaged", "salvage", "segment_files"]
 
@@ -58,7 +59,7 @@ class Salvaged(NamedTuple):
 
 def segment_files(path: str) -> list[str]:
     """The segment file names of a step-log directory (20 digits and ``.seg``), oldest first."""
-    names = [n for n in os.listdir(path) if len(n) == 24 and n.endswith(".seg") and n[:20].isdigit()]
+    names = [n for n in os.listdir(path) if is_segment_name(n)]
     return sorted(names)
 
 
@@ -79,7 +80,7 @@ def _frame(fmt: int, data: bytes, off: int) -> tuple[int, Record | None]:
         if off + _F2 > n:
             return 0, None
         magic, blen, mark, bcrc, hcrc = _F2HEAD.unpack_from(data, off)
-        if magic != b"DSLR" or _storage.crc32c(data[off:off + 20]) != hcrc:
+        if magic != STEPLOG_RECORD_MAGIC or _storage.crc32c(data[off:off + 20]) != hcrc:
             return 0, None
         if not _BODY <= blen <= _MAX_BODY or off + _F2 + blen > n or not _SEG_HDR <= mark <= off:
             return 0, None
@@ -96,7 +97,7 @@ def _frame(fmt: int, data: bytes, off: int) -> tuple[int, Record | None]:
 
 
 def _header_format(data: bytes, num: int) -> int | None:
-    if len(data) < _SEG_HDR or data[:8] != b"DBSPSSEG" or _storage.crc32c(data[:28]) != _U32.unpack_from(data, 28)[0]:
+    if len(data) < _SEG_HDR or data[:8] != STEPLOG_SEGMENT_MAGIC or _storage.crc32c(data[:28]) != _U32.unpack_from(data, 28)[0]:
         return None
     fmt, hlen, n = struct.unpack_from("<IIQ", data, 8)
     return fmt if fmt in (1, 2) and hlen == _SEG_HDR and n == num else None
@@ -144,7 +145,7 @@ def salvage(path: str) -> Salvaged:
             if bad is None:
                 bad = off
             if fmt == 2:
-                nxt = data.find(b"DSLR", off + 1)
+                nxt = data.find(STEPLOG_RECORD_MAGIC, off + 1)
                 off = nxt if nxt >= 0 else len(data)
             else:
                 off += 1
@@ -154,5 +155,5 @@ def salvage(path: str) -> Salvaged:
             else:
                 damaged.append((name, bad, len(data)))
     nums = [int(n[:20]) for n in names]
-    missing = [f"{k:020d}.seg" for a, b in zip(nums, nums[1:]) for k in range(a + 1, b)]
+    missing = [segment_name(k) for a, b in zip(nums, nums[1:]) for k in range(a + 1, b)]
     return Salvaged(records, damaged, torn, names, missing)

@@ -117,9 +117,6 @@ class StepLog:
         """Drops whole segments whose records all have a smaller step (the low watermark); returns how many."""
         return self._log.truncate_below(step)
 
-    def _info(self) -> tuple:
-        return self._log.info()
-
     @property
     def first_step(self) -> Optional[int]:
         """The smallest step in the log, or None if it is empty."""

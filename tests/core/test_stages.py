@@ -560,7 +560,7 @@ def test_a_save_log_that_lists_a_missing_key_falls_back_to_reading_the_tables(tm
 
 class OutputsInResult(LocalJobRunner):
     """Like the Spark runner: a stateful last stage leaves its output shares in its result files, which are read
-    after the job (stagetask.py invariant 5)."""
+    after the job (stage_task.py invariant 5)."""
 
     def __init__(self, fail_first=None) -> None:
         super().__init__(fail_first)

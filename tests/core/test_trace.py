@@ -218,8 +218,8 @@ def test_merge_work_on_a_saturated_trace_stays_within_a_constant_factor_of_the_i
 
 
 def test_a_shallow_copy_of_the_attributes_rolls_the_trace_back():
-    """The staged runtime rolls a failed attempt back by restoring a shallow copy of a trace's attributes
-    (dbsp_core/stagetask.py): later inserts, merges in progress and finished merges must not leak into it."""
+    """A failed step or staged attempt is rolled back by restoring a shallow copy of a trace's attributes
+    (dbsp_core/runtime/rollback.py): later inserts, merges in progress and finished merges must not leak into it."""
     t = SlowTrace(SCHEMA, ("k",))
     model: dict = {}
 

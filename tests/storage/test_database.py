@@ -1,4 +1,4 @@
-"""Database: the seed-000 version contract, ordered scans, overflow values, shards, and a Hypothesis model test."""
+"""Database: the two-version contract, ordered scans, overflow values, shards, and a Hypothesis model test."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""OutputLog over the C step log: the seed-000 write rules, sync and flush, torn tails cut, mid-log damage refused with the file and offset and nothing changed, a reader process while a writer appends, and format-1 directories (the previous release's DOUT segments) that open and continue."""
+"""OutputLog over the C step log: the write rules (discard, verify, append by step), sync and flush, torn tails cut, mid-log damage refused with the file and offset and nothing changed, a reader process while a writer appends, and format-1 directories (the previous release's DOUT segments) that open and continue."""
 
 from __future__ import annotations
 
