@@ -78,6 +78,18 @@ def _from(p: dbsp.Pipeline) -> tuple[int, dict[str, dict]]:
     return start, acc
 
 
+def _refused_unchanged(d: str, capsys, open_error: str, *says: str) -> None:
+    """Open fails with a CorruptionError matching ``open_error``; repair exits 1 saying each of ``says`` and
+    changes no file."""
+    with pytest.raises(CorruptionError, match=open_error):
+        dbsp.Pipeline.open(d, circuit())
+    before = _files(d)
+    assert cli(["repair", d]) == 1
+    out = capsys.readouterr().out
+    assert all(x in out for x in says), out
+    assert _files(d) == before
+
+
 def _files(d: str) -> dict[str, bytes]:
     out = {}
     for r, _, fs in os.walk(d):
@@ -176,13 +188,8 @@ def test_a_damaged_page_of_the_only_state_version_says_what_to_do(tmp_path, caps
     d = str(tmp_path / "d")
     build(d, steps=8, checkpoint_at=3)
     _flip_page(os.path.join(d, "state", "worker-1.db"), 2)
-    with pytest.raises(CorruptionError, match="dbsp repair"):
-        dbsp.Pipeline.open(d, circuit())
-    before = _files(d)
-    assert cli(["repair", d]) == 1
-    out = capsys.readouterr().out
-    assert "NOT REPAIRED state/worker-1.db: version" in out and "restore the directory from a backup" in out, out
-    assert _files(d) == before
+    _refused_unchanged(d, capsys, "dbsp repair", "NOT REPAIRED state/worker-1.db: version",
+                       "restore the directory from a backup")
 
 
 def test_a_deleted_layout_is_rebuilt_from_the_state_databases(tmp_path, capsys):
@@ -213,13 +220,7 @@ def test_a_damaged_meta_says_what_is_damaged_and_what_to_do(tmp_path, capsys):
         b = f.read(1)
         f.seek(20)
         f.write(bytes([b[0] ^ 0x10]))
-    with pytest.raises(CorruptionError, match=r"META.*dbsp repair"):
-        dbsp.Pipeline.open(d, circuit())
-    before = _files(d)
-    assert cli(["repair", d]) == 1
-    out = capsys.readouterr().out
-    assert "NOT REPAIRED META: " in out and "restore META from a backup" in out, out
-    assert _files(d) == before
+    _refused_unchanged(d, capsys, r"META.*dbsp repair", "NOT REPAIRED META: ", "restore META from a backup")
 
 
 def test_a_deleted_driver_db_is_rebuilt_from_the_output_log(tmp_path, capsys):
