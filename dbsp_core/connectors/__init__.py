@@ -1,4 +1,4 @@
-"""Connectors that move data in and out of a pipeline exactly once: a directory of files as a source, and sinks that keep a view as a Parquet directory or a SQLite table.
+"""Connectors that move data in and out of a pipeline exactly once: a directory of files or a Postgres table as a source, and sinks that keep a view as a Parquet directory, a SQLite or Postgres table, or a Delta table.
 
 - ``files.FileSource``: new Parquet / CSV / JSON-lines files in a directory become pushes with
   ``(file, row group)`` as ``(producer, seq)``, so a restart neither skips nor repeats one.
@@ -6,6 +6,11 @@
   rename; a replay rewrites the same file.
 - ``sqlite_sink.SqliteSink``: a view kept as a SQLite table (through sqlite-utils); each step's change and the
   step number commit in one transaction.
+- ``postgres_source.PostgresSource``: a Postgres table as a snapshot, then its changes through logical
+  replication (pgoutput), batch k pushed as ``(name, k)`` after a write-ahead intent in the source database;
+  the slot advances only past acknowledged batches.
+- ``postgres_sink.PostgresSink``: a view kept as a Postgres table, each step's change and number in one
+  transaction (psycopg 3; ``postgres`` holds what both share).
 - ``output.OutputReader``: what both sinks stand on: a view's changes by step from a running pipeline or from a
   storage directory in another process, as a registered consumer of the output log
   (dbsp_core.storage.consumers).
@@ -18,6 +23,9 @@ from __future__ import annotations
 from dbsp_core.connectors.files import FileSource
 from dbsp_core.connectors.output import OutputReader
 from dbsp_core.connectors.parquet_sink import ParquetSink, read_parquet_view
+from dbsp_core.connectors.postgres_sink import PostgresSink, read_postgres_view
+from dbsp_core.connectors.postgres_source import PostgresSource, postgres_schema
 from dbsp_core.connectors.sqlite_sink import SqliteSink, read_sqlite_view
 
-__all__ = ["FileSource", "OutputReader", "ParquetSink", "SqliteSink", "read_parquet_view", "read_sqlite_view"]
+__all__ = ["FileSource", "OutputReader", "ParquetSink", "PostgresSink", "PostgresSource", "SqliteSink",
+           "postgres_schema", "read_parquet_view", "read_postgres_view", "read_sqlite_view"]

@@ -353,6 +353,10 @@ class PostgresSource:
         self.position = upto
         return new
 
+    def pending(self) -> bool:
+        """Whether committed changes wait to be read."""
+        return any(t.end_lsn > self.position for t in self._peek(None, 1))
+
     def lag(self) -> int:
         """Bytes of WAL between the slot's confirmed position and the server's current one."""
         rows = self._sql("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), confirmed_flush_lsn)::bigint "
