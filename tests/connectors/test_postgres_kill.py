@@ -4,7 +4,7 @@ tests/connectors/pg_child.py) is killed at random moments. At the end the mirror
 table and the totals equal Postgres' own GROUP BY over it, as multisets; every step was applied once; the slot's
 confirmed position followed the changes (the WAL it holds stays bounded).
 
-``DBSP_PG_KILLS`` sets the kills of the long variant (default 20; the short one makes 3). The writer's choices
+``DBSP_PG_KILLS`` sets the kills of the long variant (default 20; the short one makes 2). The writer's choices
 and the kill moments come from a seed new per run, printed; ``DBSP_PG_SEED`` replays one."""
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ def run_kills(pg_server, tmp_path, kills: int, capsys) -> None:
 
 
 def test_kill_pipeline_short(pg_server, tmp_path, capsys) -> None:
-    run_kills(pg_server, tmp_path, 3, capsys)
+    run_kills(pg_server, tmp_path, 2, capsys)
 
 
 @pytest.mark.slow
