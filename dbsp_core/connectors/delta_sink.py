@@ -2,7 +2,8 @@
 
 Invariants (enforced here):
   1. Step ``s`` is exactly one Delta commit whose ``txn`` action is ``(app_id, s)``; an empty step commits no
-     data but the same action, so the table's ``transaction_version(app_id)`` is always the last step it holds.
+     data but the same action (so does a MERGE that changed nothing, which deltalake does not commit), so the
+     table's ``transaction_version(app_id)`` is always the last step it holds.
      Delta's commit (an atomic put of ``_delta_log/<version>.json``) makes the data and the action appear
      together or not at all.
   2. On (re)start the sink continues from ``transaction_version(app_id) + 1`` (0 for a new table); it
@@ -13,7 +14,7 @@ Invariants (enforced here):
      multiplicity: +n inserted, -n deleted) and ``step``; the view is the sum of the rows by weight (DuckDB:
      ``SELECT cols, sum(weight) FROM read_parquet(files) GROUP BY ALL HAVING sum(weight) <> 0``).
      ``mode="merge"``: the table equals the view, which must be keyed by ``key`` (each key at most once, with
-     multiplicity 1; keys never null): each step is one MERGE by key (a key inserted is upserted, a key only
+     multiplicity 1; a null key equals a null key, as in the engine): each step is one MERGE by key (a key inserted is upserted, a key only
      deleted is deleted) carrying the step's ``txn``; a change that breaks the key raises DbspError before
      anything is committed.
 """
@@ -148,6 +149,11 @@ class DeltaSink:
             _deltalake().write_deltalake(self.table, data, mode="append", commit_properties=self._commit(step))
         else:
             self._merge(step, z)
+        self.table.update_incremental()
+        if self.table.transaction_version(self.app_id) != step:  # a MERGE that changed nothing commits nothing
+            empty = self.table.schema().to_arrow()
+            _deltalake().write_deltalake(self.table, pa.schema(empty).empty_table(), mode="append",
+                                         commit_properties=self._commit(step))
         self.stats["steps"] += 1
         self.stats["rows"] += z.num_rows
         self.stats["commits"] += 1
@@ -160,9 +166,6 @@ class DeltaSink:
             raise DbspError(f"{self.what}: step {step} changes a row's multiplicity by more than 1, so the view is "
                             f"not keyed by {self.key}; use mode='append'")
         keys = data.select(self.key)
-        for k in self.key:
-            if keys.column(k).null_count:
-                raise DbspError(f"{self.what}: step {step} has a null in key column {k!r}")
         ins = data.filter(pa.array(w > 0))
         dels = keys.filter(pa.array(w < 0))
         if ins.num_rows and ins.select(self.key).group_by(self.key).aggregate([]).num_rows != ins.num_rows:
@@ -175,7 +178,7 @@ class DeltaSink:
         gone = pa.table({n: dels.column(n) if n in self.key else pa.nulls(dels.num_rows, self.schema.field(n).type)
                          for n in self.columns}).append_column(OP_COLUMN, pa.array(["d"] * dels.num_rows, pa.string()))
         src = pa.concat_tables([up, gone])
-        on = " AND ".join(f"t.{_q(k)} = s.{_q(k)}" for k in self.key)
+        on = " AND ".join(f"t.{_q(k)} IS NOT DISTINCT FROM s.{_q(k)}" for k in self.key)
         cols = {_q(n): f"s.{_q(n)}" for n in self.columns}
         (self.table.merge(src, on, source_alias="s", target_alias="t", commit_properties=self._commit(step))
          .when_matched_update(cols, predicate=f"s.{OP_COLUMN} = 'u'")
@@ -202,9 +205,13 @@ def _q(name: str) -> str:
 
 
 def _key_strings(t: pa.Table, key: list[str]) -> pa.Array:
-    """One string per row identifying its key (for a membership test across tables)."""
-    parts = [pc.cast(t.column(k), pa.string()) for k in key]
-    return pc.binary_join_element_wise(*parts, "\x1f") if len(parts) > 1 else parts[0].combine_chunks()
+    """One string per row identifying its key, null equal to null (for a membership test across tables)."""
+    parts = []
+    for k in key:
+        col = t.column(k).combine_chunks()
+        text = pc.binary_join_element_wise("v", pc.cast(col, pa.string()), "")
+        parts.append(pc.if_else(pc.is_null(col), pa.scalar("n"), text))
+    return pc.binary_join_element_wise(*parts, "\x1f") if len(parts) > 1 else parts[0]
 
 
 def delta_steps(uri: str | os.PathLike, app_id: str) -> list[int]:
