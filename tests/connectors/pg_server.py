@@ -81,6 +81,8 @@ class PostgresServer:
         import psycopg
 
         with psycopg.connect(self.dsn, autocommit=True) as c:
+            c.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = %s",
+                      (name,))  # a database with a logical slot cannot be dropped
             c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
             c.execute(f'CREATE DATABASE "{name}"')
         return f"host=127.0.0.1 port={self.port} user=postgres dbname={name}"

@@ -231,3 +231,12 @@ def test_sink_step_fails_whole_and_is_applied_once(pg_dsn, tmp_path, monkeypatch
     assert _table(pg_dsn, "SELECT step FROM dbsp_sink_steps ORDER BY step") == Counter({(0,): 1, (1,): 1})
     again.close()
     p.close()
+
+
+def test_readme_postgres_example(pg_dsn, monkeypatch) -> None:
+    from test_readme import POSTGRES, _blocks, _run_checked
+
+    blocks = [b for b in _blocks("python") if b.startswith(POSTGRES)]
+    assert len(blocks) == 1
+    monkeypatch.setenv("DBSP_PG_DSN", pg_dsn)
+    _run_checked(blocks[0])
