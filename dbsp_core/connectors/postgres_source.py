@@ -136,7 +136,6 @@ class PostgresSource:
         self.table = table
         self.where = where
         self.name = name or f"pg:{handle}:{table}"
-        self.slot = _ident(self.name, "dbsp")
         self.publication = _ident(self.name, "dbsp_pub")
         self.max_changes = max_changes
         self.what = f"PostgresSource {self.name!r} ({mask_dsn(dsn)})"
@@ -148,6 +147,8 @@ class PostgresSource:
             raise ValueError(f"PostgresSource: {e}") from None
         self.conn = connect(dsn, self.what)
         self._relations: dict[int, Relation] = {}
+        database = self.conn.info.dbname
+        self.slot = _ident(f"{database}:{self.name}", "dbsp")  # slot names are per server, not per database
         try:
             self._columns = self._check_table()
             self._setup()
@@ -210,8 +211,11 @@ class PostgresSource:
                   (self.name, self.slot, seq, _lsn_text(frm), _lsn_text(upto), rows))
 
     def _slot_position(self) -> int | None:
-        rows = self._sql("SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = %s",
-                         (self.slot,))
+        rows = self._sql("SELECT confirmed_flush_lsn::text, database = current_database() FROM pg_replication_slots "
+                         "WHERE slot_name = %s", (self.slot,))
+        if rows and not rows[0][1]:
+            raise DbspError(f"{self.what}: replication slot {self.slot} belongs to another database; name the "
+                            f"source differently")
         return _lsn(rows[0][0]) if rows else None
 
     def _resume(self) -> None:

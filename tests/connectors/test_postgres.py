@@ -131,7 +131,8 @@ def test_crash_before_the_slot_advances_repeats_nothing(pg_dsn, tmp_path, monkey
     assert again.stats["duplicates"] == 0
     p.step()
     assert _view(p, "all") == Counter({r: 1 for r in _table(pg_dsn, "SELECT * FROM t")})
-    (pos,), = _table(pg_dsn, "SELECT confirmed_flush_lsn::text FROM pg_replication_slots")
+    (pos,), = _table(pg_dsn, "SELECT confirmed_flush_lsn::text FROM pg_replication_slots "
+                            "WHERE database = current_database()")
     assert pos == f"{again.position >> 32:X}/{again.position & 0xFFFFFFFF:X}"
     p.close()
 
@@ -149,7 +150,8 @@ def test_unacknowledged_snapshot_is_taken_again(pg_dsn, tmp_path, monkeypatch) -
     assert src.poll() == 0
     p.step()
     assert _view(p, "all") == Counter({(1, 1): 1, (2, 2): 1})
-    assert len(_table(pg_dsn, "SELECT slot_name FROM pg_replication_slots")) == 1
+    assert len(_table(pg_dsn, "SELECT slot_name FROM pg_replication_slots "
+                                           "WHERE database = current_database()")) == 1
     p.close()
 
 
@@ -240,3 +242,18 @@ def test_readme_postgres_example(pg_dsn, monkeypatch) -> None:
     assert len(blocks) == 1
     monkeypatch.setenv("DBSP_PG_DSN", pg_dsn)
     _run_checked(blocks[0])
+
+
+def test_sources_of_one_name_in_two_databases_keep_their_own_slots(pg_server, tmp_path) -> None:
+    dsns = [pg_server.database("slot_a"), pg_server.database("slot_b")]
+    pipes, sources = [], []
+    for i, dsn in enumerate(dsns):
+        _exec(dsn, "CREATE TABLE t (id bigint PRIMARY KEY, amount bigint)", f"INSERT INTO t VALUES ({i}, {i})")
+        pipes.append(_pipeline(tmp_path, postgres_schema(dsn, "t"), sub=f"pipe{i}"))
+        sources.append(PostgresSource(pipes[-1], "t", dsn, "t"))  # slot names are per server: one each
+    for i, dsn in enumerate(dsns):
+        _exec(dsn, f"INSERT INTO t VALUES ({10 + i}, 1)")
+        assert sources[i].poll() == 1
+        pipes[i].step()
+        assert _view(pipes[i], "all") == Counter({(i, i): 1, (10 + i, 1): 1})
+        pipes[i].close()

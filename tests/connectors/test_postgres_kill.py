@@ -65,7 +65,8 @@ class Writer(threading.Thread):
             while not self.stop.is_set():
                 self.one()
                 if self.txns % 20 == 0:
-                    row = self.conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots").fetchone()
+                    row = self.conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots "
+                                             "WHERE database = current_database()").fetchone()
                     if row:
                         self.confirmed.append(row[0])
                 time.sleep(self.rng.uniform(0, 0.01))
@@ -154,7 +155,8 @@ def run_kills(pg_server, tmp_path, kills: int, capsys) -> None:
         assert applied == list(range(steps))
     # the slot followed the changes: it confirmed past the writer's last transaction, and it moved during the run
     (confirmed, retained), = _rows(src, "SELECT confirmed_flush_lsn::text, pg_wal_lsn_diff(pg_current_wal_lsn(), "
-                                        "restart_lsn)::bigint FROM pg_replication_slots")
+                                        "restart_lsn)::bigint FROM pg_replication_slots "
+                                        "WHERE database = current_database()")
     assert _rows(src, f"SELECT '{confirmed}'::pg_lsn > '{before_last}'::pg_lsn")[0][0]
     assert len(set(writer.confirmed)) >= 2, writer.confirmed
     assert retained < 64 << 20, f"the slot holds {retained} bytes of WAL"
