@@ -9,7 +9,7 @@ Invariants (enforced here):
   2. On (re)start the sink continues from ``transaction_version(app_id) + 1`` (0 for a new table); it
      acknowledges a step to the output log's consumer registry only after the commit holding it returned, so
      the log keeps every step the table lacks. A registry step above the table's means the table was replaced
-     by an older one: refused, naming both steps.
+     by an older one: refused, naming both steps (step_sink invariants 1 and 2).
   3. ``mode="append"``: each step appends its change, the view's columns plus ``weight`` (the change's
      multiplicity: +n inserted, -n deleted) and ``step``; the view is the sum of the rows by weight (DuckDB:
      ``SELECT cols, sum(weight) FROM read_parquet(files) GROUP BY ALL HAVING sum(weight) <> 0``).
@@ -29,6 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dbsp_core.connectors.output import OutputReader
+from dbsp_core.connectors.step_sink import StepSink
 from dbsp_core.errors import DbspError, SchemaError
 from dbsp_core.zset import ZSet
 
@@ -46,7 +47,7 @@ def _deltalake() -> Any:
     return deltalake
 
 
-class DeltaSink:
+class DeltaSink(StepSink):
     """Writes view ``view`` of a durable pipeline to the Delta table at ``uri`` (module docstring).
 
     Parameters
@@ -123,12 +124,7 @@ class DeltaSink:
         have = pa.schema(self.table.schema().to_arrow())
         if have.names != table_schema.names:
             raise SchemaError(f"{self.what}: the table has columns {have.names}, the view needs {table_schema.names}")
-        self.next = self._table_next()
-        acked = self.reader.register(self.next)
-        if acked > self.next:
-            raise DbspError(f"{self.what}: the table holds steps below {self.next}, but the sink had acknowledged "
-                            f"steps below {acked}: the table was replaced by an older copy; restore it, or "
-                            f"unregister the consumer and start a new table")
+        self._start(self._table_next(), "the table")
         self.stats = {"steps": 0, "rows": 0, "commits": 0}
 
     def _table_next(self) -> int:
@@ -185,19 +181,6 @@ class DeltaSink:
          .when_matched_delete(predicate=f"s.{OP_COLUMN} = 'd'")
          .when_not_matched_insert(cols, predicate=f"s.{OP_COLUMN} = 'u'")
          .execute())
-
-    def poll(self, limit: int | None = None) -> int:
-        """Commit the logged steps the table lacks (at most ``limit``), one commit each; returns how many."""
-        start = self.next
-        for step, z in self.reader.changes(start, limit):
-            self._apply(step, z)
-            self.next = step + 1
-        if self.next > start:
-            self.reader.ack(self.next)  # invariant 2: after the commits
-        return self.next - start
-
-    def close(self) -> None:
-        self.reader.close()
 
 
 def _q(name: str) -> str:

@@ -21,7 +21,7 @@ import pyarrow.csv as pacsv
 
 from dbsp_core.errors import DbspError, SchemaError
 
-__all__ = ["mask_dsn", "connect", "arrow_type", "postgres_type", "table_columns", "text_columns", "quote_ident",
+__all__ = ["mask_dsn", "scrub", "connect", "execute", "arrow_type", "postgres_type", "table_columns", "text_columns", "quote_ident",
            "csv_bytes"]
 
 SESSION = "-c TimeZone=UTC -c DateStyle=ISO -c extra_float_digits=3"
@@ -80,6 +80,18 @@ def connect(dsn: str, what: str, *, replication: bool = False, autocommit: bool 
         return psycopg.connect(dsn, **kwargs)
     except psycopg.Error as e:
         raise DbspError(f"{what}: cannot connect to {mask_dsn(dsn)}: {scrub(str(e), dsn)}") from None
+
+
+def execute(conn: Any, query: str, params: Any, what: str, dsn: str) -> list:
+    """The rows of ``query`` (none for a statement); a driver error raises DbspError naming ``what``, its text
+    scrubbed of the password (invariant 1). A failed statement's exception is the DbspError's context."""
+    import psycopg
+
+    try:
+        cur = conn.execute(query, params)
+        return cur.fetchall() if cur.description else []
+    except psycopg.Error as e:
+        raise DbspError(f"{what}: {scrub(str(e), dsn)}") from None
 
 
 def quote_ident(name: str) -> str:

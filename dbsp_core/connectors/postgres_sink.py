@@ -13,7 +13,8 @@ Invariants (enforced here; the SQLite sink's, in Postgres):
      returns (``synchronous_commit`` is forced on for the sink's session).
   3. On (re)start the sink continues from its ``next_step``; it acknowledges a step to the output log's consumer
      registry only after the transaction holding it committed, so the registry's step never exceeds the
-     table's. A registry step above the table's means the table was replaced by an older one: refused.
+     table's. A registry step above the table's means the table was replaced by an older one: refused
+     (step_sink invariants 1 and 2).
   4. :func:`read_postgres_view` reads the table and its step in one REPEATABLE READ transaction: the rows are
      exactly the view after the steps below that step.
 """
@@ -25,8 +26,9 @@ from typing import Any
 import pyarrow as pa
 
 from dbsp_core.connectors.output import OutputReader
-from dbsp_core.connectors.postgres import (arrow_type, connect, csv_bytes, mask_dsn, parse_csv, postgres_type,
-                                           quote_ident, scrub, table_columns)
+from dbsp_core.connectors.postgres import (arrow_type, connect, csv_bytes, execute, mask_dsn, parse_csv,
+                                           postgres_type, quote_ident, scrub, table_columns)
+from dbsp_core.connectors.step_sink import StepSink
 from dbsp_core.errors import DbspError, SchemaError
 from dbsp_core.zset import ZSet
 
@@ -38,7 +40,7 @@ HASH_COLUMN = "_dbsp_hash"
 CHANGE_TABLE = "_dbsp_change"
 
 
-class PostgresSink:
+class PostgresSink(StepSink):
     """Keeps view ``view`` of a durable pipeline as table ``table`` of the Postgres database ``dsn`` (module
     docstring).
 
@@ -75,25 +77,14 @@ class PostgresSink:
         try:
             self._sql("SET synchronous_commit = on")
             self._create()
-            self.next = self._table_step()
+            self._start(self._table_step(), f"table {self.table!r}")
         except BaseException:
             self.conn.close()
             raise
-        acked = self.reader.register(self.next)
-        if acked > self.next:
-            raise DbspError(f"{self.what}: table {self.table!r} holds steps below {self.next}, but the sink had "
-                            f"acknowledged steps below {acked}: the database was replaced by an older copy; restore "
-                            f"it, or unregister the consumer and start a new table")
         self.stats = {"steps": 0, "rows": 0}
 
     def _sql(self, query: str, params: Any = None) -> list:
-        import psycopg
-
-        try:
-            cur = self.conn.execute(query, params)
-            return cur.fetchall() if cur.description else []
-        except psycopg.Error as e:
-            raise DbspError(f"{self.what}: {scrub(str(e), self.dsn)}") from None
+        return execute(self.conn, query, params, self.what, self.dsn)
 
     def _table_sql(self) -> str:
         return ".".join(quote_ident(p) for p in self.table.split(".", 1))
@@ -171,18 +162,8 @@ class PostgresSink:
         self.stats["steps"] += 1
         self.stats["rows"] += rows
 
-    def poll(self, limit: int | None = None) -> int:
-        """Apply the logged steps the table lacks (at most ``limit``), one transaction each; returns how many."""
-        start = self.next
-        for step, z in self.reader.changes(start, limit):
-            self._apply(step, z)
-            self.next = step + 1
-        if self.next > start:
-            self.reader.ack(self.next)  # invariant 3: after the commits
-        return self.next - start
-
     def close(self) -> None:
-        self.reader.close()
+        super().close()
         self.conn.close()
 
 

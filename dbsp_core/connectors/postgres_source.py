@@ -39,8 +39,8 @@ import pyarrow as pa
 
 from dbsp_core import metrics
 from dbsp_core.connectors.pgoutput import Relation, decode
-from dbsp_core.connectors.postgres import (arrow_type, connect, mask_dsn, parse_csv, quote_ident, scrub,
-                                           table_columns, text_columns)
+from dbsp_core.connectors.postgres import (arrow_type, connect, execute, mask_dsn, parse_csv, quote_ident,
+                                           scrub, table_columns, text_columns)
 from dbsp_core.errors import DbspError, SchemaError
 from dbsp_core.zset import ZSet
 
@@ -160,13 +160,7 @@ class PostgresSource:
     # ---- setup ----
 
     def _sql(self, query: str, params: Any = None) -> list:
-        import psycopg
-
-        try:
-            cur = self.conn.execute(query, params)
-            return cur.fetchall() if cur.description else []
-        except psycopg.Error as e:
-            raise DbspError(f"{self.what}: {scrub(str(e), self.dsn)}") from None
+        return execute(self.conn, query, params, self.what, self.dsn)
 
     def _check_table(self) -> list[str]:
         cols = dict(table_columns(self.conn, self.table, self.what))

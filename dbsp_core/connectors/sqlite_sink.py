@@ -11,7 +11,7 @@ Invariants (enforced here):
   3. On (re)start the sink continues from its ``next_step``; it acknowledges a step to the output log's consumer
      registry only after the transaction holding it committed, so the registry's step never exceeds the
      table's and the log keeps every step the table lacks. A registry step above the table's means the database
-     was replaced by an older one: refused, naming both steps.
+     was replaced by an older one: refused, naming both steps (step_sink invariants 1 and 2).
   4. :func:`read_sqlite_view` reads the table and its step in one read transaction (a WAL snapshot): the rows
      are exactly the view after the steps below that step.
 
@@ -30,6 +30,7 @@ from typing import Any
 import pyarrow as pa
 
 from dbsp_core.connectors.output import OutputReader
+from dbsp_core.connectors.step_sink import StepSink
 from dbsp_core.errors import DbspError, SchemaError
 from dbsp_core.zset import ZSet
 
@@ -70,7 +71,7 @@ def _connect(path: str) -> sqlite3.Connection:
     return conn
 
 
-class SqliteSink:
+class SqliteSink(StepSink):
     """Keeps view ``view`` of a durable pipeline as table ``table`` of the SQLite database ``path`` (module
     docstring).
 
@@ -123,12 +124,8 @@ class SqliteSink:
         self.conn = _connect(self.path)
         self.db = sqlite_utils.Database(self.conn)
         self._create()
-        self.next = self._table_step()
-        acked = self.reader.register(self.next)
-        if acked > self.next:
-            raise DbspError(f"SqliteSink {self.consumer!r}: {self.path} holds steps below {self.next}, but the sink "
-                            f"had acknowledged steps below {acked}: the database was replaced by an older copy; "
-                            f"restore it, or unregister the consumer and start a new table")
+        self.what = f"SqliteSink {self.consumer!r}"
+        self._start(self._table_step(), self.path)
         self.stats = {"steps": 0, "rows": 0}
 
     # ---- schema ----
@@ -204,18 +201,8 @@ class SqliteSink:
         self.stats["steps"] += 1
         self.stats["rows"] += len(rows)
 
-    def poll(self, limit: int | None = None) -> int:
-        """Apply the logged steps the table lacks (at most ``limit``), one transaction each; returns how many."""
-        start = self.next
-        for step, z in self.reader.changes(start, limit):
-            self._apply(step, z)
-            self.next = step + 1
-        if self.next > start:
-            self.reader.ack(self.next)  # invariant 3: after the commits
-        return self.next - start
-
     def close(self) -> None:
-        self.reader.close()
+        super().close()
         self.conn.close()
 
 
