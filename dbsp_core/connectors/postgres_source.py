@@ -24,7 +24,9 @@ Invariants (enforced here; "batch k" is the source's push with ``(producer, seq)
   5. A TRUNCATE of the table stops the source with DbspError (pgoutput invariant 3).
 
 The pgoutput messages are split in Python (one loop over the changed rows); values convert to Arrow column by
-column (postgres invariant 3). Only the source uses its slot: a second process polling it raises, or waits
+column (postgres invariant 3). The snapshot is read into memory and pushed as one batch, so it is bounded by one
+push (1 GiB encoded: the pipeline refuses a bigger one, and the source stops before pushing anything); a bigger
+table loads through several sources with disjoint ``where`` filters. Only the source uses its slot: a second process polling it raises, or waits
 while a killed predecessor's backend lets go of it.
 """
 

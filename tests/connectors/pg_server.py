@@ -70,7 +70,7 @@ class PostgresServer:
 
     def _run(self, tool: str, *args: str) -> None:
         cmd = self._as + [os.path.join(self.bindir, tool), *args]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=self.root)  # theirs, as root too
         if r.returncode:
             log = os.path.join(self.root, "log")
             more = open(log).read()[-2000:] if os.path.exists(log) else ""
