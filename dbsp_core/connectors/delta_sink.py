@@ -14,9 +14,9 @@ Invariants (enforced here):
      multiplicity: +n inserted, -n deleted) and ``step``; the view is the sum of the rows by weight (DuckDB:
      ``SELECT cols, sum(weight) FROM read_parquet(files) GROUP BY ALL HAVING sum(weight) <> 0``).
      ``mode="merge"``: the table equals the view, which must be keyed by ``key`` (each key at most once, with
-     multiplicity 1; a null key equals a null key, as in the engine): each step is one MERGE by key (a key inserted is upserted, a key only
-     deleted is deleted) carrying the step's ``txn``; a change that breaks the key raises DbspError before
-     anything is committed.
+     multiplicity 1; a null key equals a null key, as in the engine): each step is one MERGE by key (a key
+     inserted is upserted, a key only deleted is deleted) carrying the step's ``txn``; a change that breaks
+     the key raises DbspError before anything is committed.
 """
 
 from __future__ import annotations

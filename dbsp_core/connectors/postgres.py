@@ -21,8 +21,8 @@ import pyarrow.csv as pacsv
 
 from dbsp_core.errors import DbspError, SchemaError
 
-__all__ = ["mask_dsn", "scrub", "connect", "execute", "arrow_type", "postgres_type", "table_columns", "text_columns", "quote_ident",
-           "csv_bytes"]
+__all__ = ["mask_dsn", "scrub", "connect", "execute", "table_sql", "arrow_type", "postgres_type", "table_columns",
+           "text_columns", "parse_csv", "quote_ident", "csv_bytes"]
 
 SESSION = "-c TimeZone=UTC -c DateStyle=ISO -c extra_float_digits=3"
 
@@ -99,6 +99,15 @@ def quote_ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
+def table_sql(table: str) -> str:
+    """A table given as ``name`` or ``schema.name`` (exact spelling, any case) as quoted SQL.
+
+    >>> table_sql("Sales"), table_sql("app.orders")
+    ('"Sales"', '"app"."orders"')
+    """
+    return ".".join(quote_ident(p) for p in table.split(".", 1))
+
+
 def arrow_type(column: str, typname: str, where: str) -> pa.DataType:
     """The Arrow type of a Postgres column (invariant 3)."""
     t = _FROM_PG.get(typname)
@@ -138,7 +147,7 @@ def table_columns(conn: Any, table: str, where: str) -> list[tuple[str, str]]:
         rows = conn.execute(
             "SELECT a.attname, t.typname FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid "
             "WHERE a.attrelid = %s::regclass AND a.attnum > 0 AND NOT a.attisdropped ORDER BY a.attnum",
-            (table,)).fetchall()
+            (table_sql(table),)).fetchall()
     except psycopg.errors.UndefinedTable:
         raise SchemaError(f"{where}: no table {table!r}") from None
     return [(r[0], r[1]) for r in rows]

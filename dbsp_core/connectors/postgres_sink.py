@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from dbsp_core.connectors.output import OutputReader
 from dbsp_core.connectors.postgres import (arrow_type, connect, csv_bytes, execute, mask_dsn, parse_csv,
-                                           postgres_type, quote_ident, scrub, table_columns)
+                                           postgres_type, quote_ident, scrub, table_columns, table_sql)
 from dbsp_core.connectors.step_sink import StepSink
 from dbsp_core.errors import DbspError, SchemaError
 from dbsp_core.zset import ZSet
@@ -86,15 +86,13 @@ class PostgresSink(StepSink):
     def _sql(self, query: str, params: Any = None) -> list:
         return execute(self.conn, query, params, self.what, self.dsn)
 
-    def _table_sql(self) -> str:
-        return ".".join(quote_ident(p) for p in self.table.split(".", 1))
 
     # ---- schema ----
 
     def _create(self) -> None:
-        t = self._table_sql()
+        t = table_sql(self.table)
         want = self.columns + ["weight", HASH_COLUMN]
-        if not self._sql("SELECT to_regclass(%s)", (self.table,))[0][0]:
+        if not self._sql("SELECT to_regclass(%s)", (table_sql(self.table),))[0][0]:
             cols = ", ".join(f"{quote_ident(n)} {ty}" for n, ty in zip(self.columns, self.types))
             self._sql(f"CREATE TABLE {t} ({cols}{', ' if cols else ''}weight bigint NOT NULL, "
                       f"{HASH_COLUMN} bigint NOT NULL)")
@@ -180,7 +178,7 @@ def read_postgres_view(dsn: str, table: str, consumer: str | None = None) -> tup
                            (consumer or f"postgres-{table}",)).fetchone()
         cols = [(c, t) for c, t in table_columns(conn, table, what) if c != HASH_COLUMN]
         schema = pa.schema([(c, arrow_type(c, t, what)) for c, t in cols])
-        tsql = ".".join(quote_ident(p) for p in table.split(".", 1))
+        tsql = table_sql(table)
         data = bytearray()
         with conn.cursor().copy(f"COPY (SELECT {', '.join(quote_ident(c) for c, _ in cols)} FROM {tsql}) TO STDOUT "
                                 "WITH (FORMAT csv)") as cp:

@@ -26,8 +26,8 @@ Invariants (enforced here; "batch k" is the source's push with ``(producer, seq)
 The pgoutput messages are split in Python (one loop over the changed rows); values convert to Arrow column by
 column (postgres invariant 3). The snapshot is read into memory and pushed as one batch, so it is bounded by one
 push (1 GiB encoded: the pipeline refuses a bigger one, and the source stops before pushing anything); a bigger
-table loads through several sources with disjoint ``where`` filters. Only the source uses its slot: a second process polling it raises, or waits
-while a killed predecessor's backend lets go of it.
+table loads through several sources with disjoint ``where`` filters. Only the source uses its slot: a second
+process polling it raises, or waits while a killed predecessor's backend lets go of it.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import pyarrow as pa
 from dbsp_core import metrics
 from dbsp_core.connectors.pgoutput import Relation, decode
 from dbsp_core.connectors.postgres import (arrow_type, connect, execute, mask_dsn, parse_csv, quote_ident,
-                                           scrub, table_columns, text_columns)
+                                           scrub, table_columns, table_sql, text_columns)
 from dbsp_core.errors import DbspError, SchemaError
 from dbsp_core.zset import ZSet
 
@@ -182,15 +182,14 @@ class PostgresSource:
         """The progress table, full replica identity and the publication (idempotent)."""
         self._sql(f"CREATE TABLE IF NOT EXISTS {PROGRESS_TABLE} (name text PRIMARY KEY, slot text NOT NULL, "
                   "seq bigint NOT NULL, from_lsn pg_lsn NOT NULL, upto_lsn pg_lsn NOT NULL, rows bigint NOT NULL)")
-        ident = self._sql("SELECT relreplident FROM pg_class WHERE oid = %s::regclass", (self.table,))[0][0]
+        ident = self._sql("SELECT relreplident FROM pg_class WHERE oid = %s::regclass",
+                          (table_sql(self.table),))[0][0]
         if ident != "f":
-            self._sql(f"ALTER TABLE {self._table_sql()} REPLICA IDENTITY FULL")
+            self._sql(f"ALTER TABLE {table_sql(self.table)} REPLICA IDENTITY FULL")
         if not self._sql("SELECT 1 FROM pg_publication WHERE pubname = %s", (self.publication,)):
             where = f" WHERE ({self.where})" if self.where else ""
-            self._sql(f"CREATE PUBLICATION {quote_ident(self.publication)} FOR TABLE {self._table_sql()}{where}")
+            self._sql(f"CREATE PUBLICATION {quote_ident(self.publication)} FOR TABLE {table_sql(self.table)}{where}")
 
-    def _table_sql(self) -> str:
-        return ".".join(quote_ident(p) for p in self.table.split(".", 1))
 
     def _progress(self) -> tuple[int, int, int] | None:
         rows = self._sql(f"SELECT seq, from_lsn::text, upto_lsn::text, slot FROM {PROGRESS_TABLE} WHERE name = %s",
@@ -251,7 +250,7 @@ class PostgresSource:
             where = f" WHERE ({self.where})" if self.where else ""
             cols = ", ".join(quote_ident(c) for c in self._columns)
             data = bytearray()
-            with rep.cursor().copy(f"COPY (SELECT {cols} FROM {self._table_sql()}{where}) TO STDOUT "
+            with rep.cursor().copy(f"COPY (SELECT {cols} FROM {table_sql(self.table)}{where}) TO STDOUT "
                                    "WITH (FORMAT csv)") as cp:
                 for chunk in cp:
                     data += chunk

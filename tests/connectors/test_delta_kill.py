@@ -127,8 +127,8 @@ def run_kills(tmp_path, kills: int, capsys) -> None:
     orphans = sum(1 for f in os.listdir(app) if f.endswith(".parquet")) - len(files)  # appends remove no file
     with capsys.disabled():
         print(f"\ndelta sinks: {done} kill -9s ({working} while committing) in {rounds} runs, {n} steps; each "
-              f"step's txn once in both logs, {orphans} appended data files left by commits cut short; both tables equal "
-              f"DuckDB (seed {SEED})")
+              f"step's txn once in both logs, {orphans} appended data files left by commits cut short; both "
+              f"tables equal DuckDB (seed {SEED})")
 
 
 def test_kill_delta_sinks_short(tmp_path, capsys) -> None:

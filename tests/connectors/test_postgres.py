@@ -257,3 +257,25 @@ def test_sources_of_one_name_in_two_databases_keep_their_own_slots(pg_server, tm
         pipes[i].step()
         assert _view(pipes[i], "all") == Counter({(i, i): 1, (10 + i, 1): 1})
         pipes[i].close()
+
+
+def test_mixed_case_schema_qualified_tables(pg_dsn, tmp_path) -> None:
+    _exec(pg_dsn, 'CREATE SCHEMA app', 'CREATE TABLE app."Sales" (id bigint PRIMARY KEY, "Region" text)',
+          "INSERT INTO app.\"Sales\" VALUES (1, 'n'), (2, 's')")
+    schema = postgres_schema(pg_dsn, "app.Sales")
+    assert schema.names == ["id", "Region"]
+    p = _pipeline(tmp_path, schema)
+    src = PostgresSource(p, "t", pg_dsn, "app.Sales")
+    _exec(pg_dsn, "UPDATE app.\"Sales\" SET \"Region\" = 'e' WHERE id = 2")
+    src.poll()
+    p.step()
+    sink = PostgresSink(p, "all", pg_dsn, table="app.Out")
+    sink.poll()
+    sink.close()
+    again = PostgresSink(p, "all", pg_dsn, table="app.Out")  # finds the table it made
+    assert again.next == 1  # one step: the snapshot and the update
+    step, rows = read_postgres_view(pg_dsn, "app.Out")
+    assert step == 1 and sorted((r["id"], r["Region"], r["weight"]) for r in rows.to_pylist()) == [
+        (1, "n", 1), (2, "e", 1)]
+    again.close()
+    p.close()
