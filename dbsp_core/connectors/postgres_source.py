@@ -101,7 +101,8 @@ class PostgresSource:
         The table (``name`` or ``schema.name``).
     where
         An optional SQL condition on the table's columns: the source reads the rows that satisfy it (the
-        snapshot's ``WHERE`` and the publication's row filter, evaluated by Postgres on every change).
+        snapshot's ``WHERE`` and the publication's row filter, evaluated by Postgres on every change). It is
+        fixed when the source is first made (the publication keeps it): another filter needs another ``name``.
     name
         The source's name, the producer id of its pushes and the key of its progress; keep it stable across
         restarts. By default ``pg:<handle>:<table>``.
