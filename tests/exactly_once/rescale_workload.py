@@ -16,7 +16,9 @@ import pyarrow.compute as pc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "core"))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "fixtures"))
 
+from auction import by_category  # noqa: E402
 import dbsp_core as dbsp  # noqa: E402
 from dbsp_core.runtime import StagedExecutor  # noqa: E402
 from dbsp_core.temporal import within_last  # noqa: E402
@@ -31,8 +33,7 @@ T0 = 1_700_000_000
 def build_circuit() -> dbsp.Circuit:
     c = dbsp.Circuit()
     bids, auctions, events = (c.input(n, SCHEMAS[n]) for n in ("bids", "auctions", "events"))
-    j = bids.join(auctions, left_on="auction", right_on="id")
-    c.output("joined", j.group_by("category").agg(n=dbsp.count(), total=dbsp.sum("price")))
+    c.output("joined", by_category(bids, auctions))
     c.output("extremes", bids.group_by("auction").agg(lo=dbsp.min("price"), hi=dbsp.max("price"), n=dbsp.count()))
     c.output("fsum", bids.group_by("bidder").agg(s=dbsp.sum("f"), a=dbsp.avg("f")))
     c.output("distinct", bids.select(b=pc.field("bidder"), p=pc.field("price")).distinct())
