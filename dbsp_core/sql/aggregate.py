@@ -18,7 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -26,13 +26,11 @@ import pyarrow.types as pat
 from sqlglot import exp
 
 import dbsp_core as dbsp
+from dbsp_core.sql.build import Builder
 from dbsp_core.sql.expr import AGGREGATES, call, lit, null
 from dbsp_core.sql.parse import DIALECT, ident, tname
 from dbsp_core.sql.relation import Col, Rel
 from dbsp_core.sql.types import is_numeric
-
-if TYPE_CHECKING:
-    from dbsp_core.sql.planner import Planner
 
 F = pc.field
 _KINDS = {exp.Count: "count", exp.Sum: "sum", exp.Min: "min", exp.Max: "max", exp.Avg: "avg"}
@@ -42,7 +40,7 @@ def _is_agg(n: Any) -> bool:
     return isinstance(n, AGGREGATES) or (isinstance(n, exp.Filter) and isinstance(n.this, AGGREGATES))
 
 
-def aggregate_calls(planner: "Planner", nodes: list[exp.Expression]) -> list[exp.Expression]:
+def aggregate_calls(builder: Builder, nodes: list[exp.Expression]) -> list[exp.Expression]:
     """The distinct aggregate calls (FILTER included) in ``nodes``, not looking into subqueries."""
     out: list[exp.Expression] = []
     # depth-first, children in order, with an explicit stack: a flat chain of thousands of terms is as deep
@@ -54,11 +52,11 @@ def aggregate_calls(planner: "Planner", nodes: list[exp.Expression]) -> list[exp
         if isinstance(n, (exp.Subquery, exp.Select, exp.Exists)):
             continue
         if isinstance(n, exp.AggFunc) and not isinstance(n, AGGREGATES):
-            raise planner.src.error(n, f"aggregate {n.sql(dialect=DIALECT).split('(')[0]} is not supported "
+            raise builder.src.error(n, f"aggregate {n.sql(dialect=DIALECT).split('(')[0]} is not supported "
                                        f"(COUNT, SUM, AVG, MIN and MAX are)")
         if _is_agg(n) and not (isinstance(n, AGGREGATES) and isinstance(n.parent, exp.Filter)):
             if inside is not None:
-                raise planner.src.error(n, "an aggregate cannot contain another aggregate")
+                raise builder.src.error(n, "an aggregate cannot contain another aggregate")
             if n not in out:
                 out.append(n)
             stack.extend((child, n) for child in reversed(list(n.iter_expressions())))
@@ -69,7 +67,7 @@ def aggregate_calls(planner: "Planner", nodes: list[exp.Expression]) -> list[exp
     return out
 
 
-def _parts(planner: "Planner", node: exp.Expression) -> tuple[str, exp.Expression | None, bool, exp.Expression | None]:
+def _parts(builder: Builder, node: exp.Expression) -> tuple[str, exp.Expression | None, bool, exp.Expression | None]:
     """(kind, argument, distinct, filter condition) of an aggregate call."""
     cond = None
     if isinstance(node, exp.Filter):
@@ -80,54 +78,54 @@ def _parts(planner: "Planner", node: exp.Expression) -> tuple[str, exp.Expressio
     distinct = False
     if isinstance(arg, exp.Distinct):
         if len(arg.expressions) != 1:
-            raise planner.src.error(node, f"{kind.upper()}(DISTINCT ...) takes one expression")
+            raise builder.src.error(node, f"{kind.upper()}(DISTINCT ...) takes one expression")
         distinct, arg = True, arg.expressions[0]
     if isinstance(arg, exp.Star):
         if kind != "count" or distinct:
-            raise planner.src.error(node, f"{kind.upper()}(*) is not valid SQL")
+            raise builder.src.error(node, f"{kind.upper()}(*) is not valid SQL")
         arg = None
     elif node.expressions:
-        raise planner.src.error(node, f"{kind.upper()} takes one argument")
+        raise builder.src.error(node, f"{kind.upper()} takes one argument")
     return kind, arg, distinct, cond
 
 
-def group_nodes(planner: "Planner", node: exp.Select, items: list[tuple[str, exp.Expression]], rel: Rel
+def group_nodes(builder: Builder, node: exp.Select, items: list[tuple[str, exp.Expression]], rel: Rel
                 ) -> list[exp.Expression]:
     """The GROUP BY expressions, ordinals and output aliases resolved to the expressions they stand for."""
     group = node.args.get("group")
     if group is None:
         return []
     if group.args.get("all"):
-        return [e for _, e in items if not aggregate_calls(planner, [e])]
+        return [e for _, e in items if not aggregate_calls(builder, [e])]
     out = []
     for g in group.expressions:
         if isinstance(g, exp.Literal) and not g.is_string and g.this.isdigit():
             k = int(g.this)
             if not 1 <= k <= len(items):
-                raise planner.src.error(g, f"GROUP BY {k}: the SELECT list has {len(items)} columns")
+                raise builder.src.error(g, f"GROUP BY {k}: the SELECT list has {len(items)} columns")
             out.append(items[k - 1][1])
         elif (isinstance(g, exp.Column) and not g.args.get("table") and not rel.find(None, ident(g.this))
               and any(n == ident(g.this) for n, _ in items)):
             out.append(next(e for n, e in items if n == ident(g.this)))
         else:
             if isinstance(g, (exp.Cube, exp.Rollup, exp.GroupingSets)):
-                raise planner.src.error(g, "GROUPING SETS, CUBE and ROLLUP are not supported")
+                raise builder.src.error(g, "GROUPING SETS, CUBE and ROLLUP are not supported")
             out.append(g)
     return out
 
 
-def plan_aggregate(planner: "Planner", rel: Rel, node: exp.Select | None, items: list[tuple[str, exp.Expression]],
+def plan_aggregate(builder: Builder, rel: Rel, node: exp.Select | None, items: list[tuple[str, exp.Expression]],
                    aggs: list[exp.Expression], extra_keys: list[str] | None = None,
                    keyless_row: bool = True) -> tuple[Rel, dict]:
     """Invariants 1-4. ``extra_keys`` (fields of ``rel``) lead the group keys (a correlated subquery's
     correlation columns); ``keyless_row=False`` leaves out the default row of a keyless aggregate."""
-    src = planner.src
+    src = builder.src
     rel = _through_picks(rel)
-    groups = group_nodes(planner, node, items, rel) if node is not None else []
+    groups = group_nodes(builder, node, items, rel) if node is not None else []
     for g in groups:
-        if aggregate_calls(planner, [g]):
+        if aggregate_calls(builder, [g]):
             raise src.error(g, "GROUP BY cannot contain an aggregate")
-    ex = planner.exprs(rel, where="GROUP BY")
+    ex = builder.exprs(rel, where="GROUP BY")
     new: dict[str, pc.Expression] = {}
     keys = list(extra_keys or [])
     key_of: dict = {}
@@ -139,7 +137,7 @@ def plan_aggregate(planner: "Planner", rel: Rel, node: exp.Select | None, items:
         for f, x in new.items():
             if e.equals(x):
                 return f
-        f = planner.fresh()
+        f = builder.fresh()
         new[f] = e
         return f
 
@@ -152,7 +150,7 @@ def plan_aggregate(planner: "Planner", rel: Rel, node: exp.Select | None, items:
     alias_of = {e: n for n, e in items if not n.startswith("__")}
     specs: list[tuple[exp.Expression, str, str | None, bool]] = []  # (call, kind, arg field, distinct)
     for a in aggs:
-        kind, arg, distinct, cond = _parts(planner, a)
+        kind, arg, distinct, cond = _parts(builder, a)
         if cond is not None:
             ex.predicate(cond)
             arg = exp.Case(ifs=[exp.If(this=cond, true=arg if arg is not None else exp.Literal.number(1))])
@@ -168,7 +166,7 @@ def plan_aggregate(planner: "Planner", rel: Rel, node: exp.Select | None, items:
             distinct = False
         f = field_for(e)
         if kind in ("min", "max") and f in keys:  # the extremes strategy keeps (keys, value): a copy, not the key
-            f = planner.fresh()
+            f = builder.fresh()
             new[f] = e
         specs.append((a, kind, f, distinct))
     pre = rel
@@ -183,7 +181,7 @@ def plan_aggregate(planner: "Planner", rel: Rel, node: exp.Select | None, items:
     def out_name(call_node: exp.Expression) -> str:
         n = alias_of.get(call_node)
         if n is None or n in used or n.startswith("__") or n in pre.schema.names:
-            n = planner.fresh()
+            n = builder.fresh()
         used.add(n)
         return n
 
@@ -216,17 +214,17 @@ def plan_aggregate(planner: "Planner", rel: Rel, node: exp.Select | None, items:
     if counted:
         parts.append((pre.stream, counted))
     for f, aggs_f in by_distinct.items():
-        parts.append((planner.narrow(pre, list(dict.fromkeys(keys + [f]))).distinct(), aggs_f))
+        parts.append((builder.narrow(pre, list(dict.fromkeys(keys + [f]))).distinct(), aggs_f))
     if not parts:  # GROUP BY without aggregates: the distinct keys
-        out = planner.narrow(pre, keys).distinct()
+        out = builder.narrow(pre, keys).distinct()
         results = [out]
     else:
         results = [s.group_by(*keys).agg(**a) for s, a in parts]
     if not keys and keyless_row:
-        results = [_with_default_row(planner, r, counts) for r in results]
+        results = [_with_default_row(builder, r, counts) for r in results]
     stream = results[0]
     for other in results[1:]:
-        stream = _join_on_keys(planner, stream, other, keys)
+        stream = _join_on_keys(builder, stream, other, keys)
     cols = [Col(ident(g.this), tname(g.args["table"]) if g.args.get("table") else None, key_of[g])
             for g in groups if isinstance(g, exp.Column)]
     for g in groups:
@@ -256,28 +254,28 @@ def _through_picks(rel: Rel) -> Rel:
     return Rel(upstream, [Col(c.name, c.table, source[c.field], c.star, c.merged) for c in rel.cols])
 
 
-def _with_default_row(planner: "Planner", x: Any, counts: set[str]) -> Any:
+def _with_default_row(builder: Builder, x: Any, counts: set[str]) -> Any:
     """Invariant 1: the keyless aggregate ``x`` plus its default row while the input is empty."""
     schema = x.schema
     defaults = {f.name: (0 if f.name in counts else None) for f in schema}
     table = pa.table({f.name: pa.array([defaults[f.name]], f.type) for f in schema})
-    d = planner.constant(table)
+    d = builder.constant(table)
     as_default = x.select(**{f.name: (lit(defaults[f.name], f.type) if defaults[f.name] is not None else null(f.type))
                              for f in schema})
     return x + d - as_default
 
 
-def _join_on_keys(planner: "Planner", a: Any, b: Any, keys: list[str]) -> Any:
+def _join_on_keys(builder: Builder, a: Any, b: Any, keys: list[str]) -> Any:
     """Two aggregate results side by side: joined on their keys (nulls matching), or both one row (no keys)."""
     if not keys:
-        k = planner.fresh()
+        k = builder.fresh()
         a2 = a.select(**{f: F(f) for f in a.schema.names}, **{k: lit(0, pa.int64())})
         b2 = b.select(**{f: F(f) for f in b.schema.names}, **{k + "_": lit(0, pa.int64())})
         j = a2.join(b2, left_on=[k], right_on=[k + "_"])
         return j.select(**{f: F(f) for f in a.schema.names + b.schema.names})
-    ren = {f: (planner.fresh() if f in keys else f) for f in b.schema.names}
+    ren = {f: (builder.fresh() if f in keys else f) for f in b.schema.names}
     b = b.select(**{ren[f]: F(f) for f in b.schema.names})
-    sa, ka = planner.null_safe(a, keys)
-    sb, kb = planner.null_safe(b, [ren[k] for k in keys])
+    sa, ka = builder.null_safe(a, keys)
+    sb, kb = builder.null_safe(b, [ren[k] for k in keys])
     j = sa.join(sb, left_on=ka, right_on=kb)
     return j.select(**{f: F(f) for f in a.schema.names + [ren[f] for f in ren if f not in keys]})

@@ -15,89 +15,28 @@ Invariants:
 
 from __future__ import annotations
 
-import datetime
-from typing import TYPE_CHECKING, Any
-
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.types as pat
 from sqlglot import exp
 
-from dbsp_core.circuit import Circuit, Stream
-from dbsp_core.operators.join import _key_class
-from dbsp_core.sql.errors import Source, SqlError
-from dbsp_core.sql.expr import Exprs, call, lit, null
-from dbsp_core.sql.parse import DIALECT, ident, interval_value, tname
-from dbsp_core.sql.relation import Col, Names, Rel, SchemaRel
+from dbsp_core.circuit import Stream
+from dbsp_core.sql.aggregate import aggregate_calls, plan_aggregate
+from dbsp_core.sql.build import Builder
+from dbsp_core.sql.expr import Exprs, call, null
+from dbsp_core.sql.parse import ident, interval_value, tname
+from dbsp_core.sql.recursive import define_ctes
+from dbsp_core.sql.relation import Col, Rel, SchemaRel
+from dbsp_core.sql.subquery import apply_where, scalar_subqueries
 from dbsp_core.sql.types import common_type, storable
 from dbsp_core.sql.walk import columns_of, conjuncts, has_subquery, resolves
 
-if TYPE_CHECKING:
-    from dbsp_core.sql.parse import TableDef
-
 F = pc.field
-_DEFAULTS = {"int": 0, "float": 0.0, "string": "", "bool": False}
 
 
-class Planner:
-    """Plans the views of one SQL program into one circuit (see the module docstring)."""
-
-    def __init__(self, src: Source, circuit: Circuit) -> None:
-        self.src = src
-        self.circuit = circuit  # where new sources (constants) go: the body's circuit inside a recursive CTE
-        self.names = Names()
-        self.relations: dict[str, Rel] = {}  # tables and views, by name
-        self.scopes: list[dict[str, Any]] = []  # CTE frames, innermost last
-
-    # ---- names ----
-
-    def lookup(self, node: exp.Expression, name: str) -> Rel:
-        for frame in reversed(self.scopes):
-            if name in frame:
-                got = frame[name]
-                if callable(got):
-                    got = frame[name] = got()
-                return got
-            if frame.get("__barrier__"):
-                break
-        if name in self.relations:
-            rel = self.relations[name]
-            if rel.stream.circuit is not self.circuit:
-                raise self.src.error(node, f"{name!r} cannot be read here (inside a recursive term only the tables "
-                                           f"it names directly can)")
-            return rel
-        known = sorted(set(self.relations) | {k for f in self.scopes for k in f if not k.startswith("__")})
-        raise self.src.error(node, f"unknown table or view {name!r}; known: {', '.join(known) or '(none)'}")
-
-    def fresh(self) -> str:
-        return self.names.fresh()
-
-    def exprs(self, rel: Rel, subst: dict | None = None, where: str = "expression") -> Exprs:
-        return Exprs(self.src, rel, subst, where=where)
-
-    # ---- small stream helpers ----
-
-    def extend(self, rel: Rel, new: dict[str, pc.Expression]) -> Rel:
-        """``rel`` with computed fields added (one select)."""
-        if not new:
-            return rel
-        cols = {f: F(f) for f in rel.schema.names}
-        cols.update(new)
-        return Rel(rel.stream.select(**cols), rel.cols)
-
-    def narrow(self, rel: Rel, fields: list[str], names: list[str] | None = None) -> Stream:
-        """The stream of just ``fields`` (renamed to ``names``), with no operator if that is the stream itself."""
-        names = names or fields
-        if list(rel.schema.names) == list(names) and list(fields) == list(names):
-            return rel.stream
-        return rel.stream.select(**{n: F(f) for n, f in zip(names, fields)})
-
-    def with_key(self, rel: Rel, name: str) -> Rel:
-        """``rel`` plus a constant int64 field ``name`` (the key of a cross join)."""
-        return self.extend(rel, {name: lit(0, pa.int64())})
-
-    def constant(self, table: pa.Table) -> Stream:
-        return self.circuit.constant(table)
+class Planner(Builder):
+    """Plans the views of one SQL program into one circuit (see the module docstring); the compile's state and
+    the helpers it shares with the clause modules are the Builder's (build.py)."""
 
     # ---- queries ----
 
@@ -105,8 +44,6 @@ class Planner:
         """Any query expression (invariant 1)."""
         with_ = node.args.get("with_") if isinstance(node, exp.Expression) else None
         if with_ is not None:
-            from dbsp_core.sql.recursive import define_ctes
-
             self.scopes.append({})
             try:
                 define_ctes(self, with_)
@@ -129,9 +66,6 @@ class Planner:
     # ---- SELECT ----
 
     def select(self, node: exp.Select, outer: Rel | None = None) -> Rel:
-        from dbsp_core.sql.aggregate import aggregate_calls, plan_aggregate
-        from dbsp_core.sql.subquery import apply_where, scalar_subqueries
-
         distinct = node.args.get("distinct")
         if distinct is not None and distinct.args.get("on") is not None:
             raise self.src.error(distinct, "DISTINCT ON is not supported")
@@ -162,34 +96,6 @@ class Planner:
         if distinct is not None:
             out = Rel(out.stream.distinct(), out.cols)
         return self.order_limit(node, out, rel, subst)
-
-    def select_items(self, node: exp.Select, rel: Rel) -> list[tuple[str, exp.Expression]]:
-        """The SELECT list as (output name, expression), stars expanded."""
-        out: list[tuple[str, exp.Expression]] = []
-        for item in node.expressions:
-            if isinstance(item, exp.Star) or (isinstance(item, exp.Column) and isinstance(item.this, exp.Star)):
-                table = tname(item.args["table"]) if isinstance(item, exp.Column) and item.args.get("table") else None
-                if isinstance(item, exp.Star) and item.args.get("replace"):
-                    raise self.src.error(item, "* REPLACE is not supported")
-                cols = rel.star_cols(table)
-                excluded = {ident(x) for x in (item.args.get("except") or [])} if isinstance(item, exp.Star) else set()
-                for x in excluded:
-                    if not any(c.name == x for c in cols):
-                        raise self.src.error(item, f"* EXCLUDE names {x!r}, which is not a column here")
-                cols = [c for c in cols if c.name not in excluded]
-                if table is not None and not cols:
-                    raise self.src.error(item, f"{table}.* names no table of this query")
-                for c in cols:
-                    out.append((c.name, exp.column(exp.to_identifier(c.name, quoted=True),
-                                                   table=exp.to_identifier(c.table, quoted=True)
-                                                   if c.table is not None and not c.merged else None)))
-            elif isinstance(item, exp.Alias):
-                out.append((ident(item.args["alias"]), item.this))
-            elif isinstance(item, exp.Column):
-                out.append((ident(item.this), item))
-            else:
-                out.append((item.sql(dialect=DIALECT).lower(), item))
-        return out
 
     def project(self, rel: Rel, items: list[tuple[str, exp.Expression]], subst: dict,
                 order: exp.Order | None = None, keep_order: bool = False) -> Rel:
@@ -510,37 +416,6 @@ class Planner:
             rest.append(c)
         return keys, rest
 
-    def key_fields(self, left: Rel, right: Rel, keys: list[tuple[exp.Expression, exp.Expression]]
-                   ) -> tuple[Rel, Rel, list[str], list[str]]:
-        """Fields holding the key expressions on each side, cast to a common type where their kinds differ."""
-        lx, rx = self.exprs(left, where="join key"), self.exprs(right, where="join key")
-        lnew, rnew, lk, rk = {}, {}, [], []
-        for a, b in keys:
-            (ea, ta), (eb, tb) = lx.typed(a), rx.typed(b)
-            if _key_class(ta) != _key_class(tb):
-                t = common_type(ta, tb)
-                if t is None:
-                    raise self.src.error(a.parent or a, f"cannot join {ta} with {tb}")
-                ea, eb = ea.cast(t), eb.cast(t)
-            for e, new, out, rel in ((ea, lnew, lk, left), (eb, rnew, rk, right)):
-                names = [f for f in rel.schema.names if e.equals(F(f))]
-                if names:
-                    out.append(names[0])
-                else:
-                    f = self.fresh()
-                    new[f] = e
-                    out.append(f)
-        return self.extend(left, lnew), self.extend(right, rnew), lk, rk
-
-    def _disjoint(self, left: Rel, right: Rel) -> Rel:
-        """``right`` with its fields renamed where they clash with ``left``'s (so a join keeps every name)."""
-        clash = set(left.schema.names) & set(right.schema.names)
-        if not clash:
-            return right
-        ren = {f: (self.fresh() if f in clash else f) for f in right.schema.names}
-        stream = right.stream.select(**{ren[f]: F(f) for f in right.schema.names})
-        return Rel(stream, [Col(c.name, c.table, ren[c.field], c.star, c.merged) for c in right.cols])
-
     def inner(self, left: Rel, right: Rel, keys: list, residual: list[exp.Expression]) -> Rel:
         right = self._suffixable(left, right)
         if keys:
@@ -560,23 +435,13 @@ class Planner:
         if not any(f + "_right" in names or (f in names and f + "_right" in right.schema.names)
                    for f in right.schema.names):
             return right
-        return self._disjoint(left, right)
+        return self.disjoint(left, right)
 
     @staticmethod
     def _suffixed(left: Rel, right: Rel) -> list[Col]:
         names = set(left.schema.names)
         return [Col(c.name, c.table, c.field + "_right" if c.field in names else c.field, c.star, c.merged)
                 for c in right.cols]
-
-    def filter(self, rel: Rel, conds: list[exp.Expression], subst: dict | None = None) -> Rel:
-        if not conds:
-            return rel
-        ex = self.exprs(rel, subst, "WHERE")
-        pred = None
-        for c in conds:
-            p = ex.predicate(c)
-            pred = p if pred is None else call("and_kleene", pred, p)
-        return Rel(rel.stream.filter(pred), rel.cols)
 
     def outer(self, left: Rel, right: Rel, keys: list, residual: list[exp.Expression], side: str) -> Rel:
         """LEFT, RIGHT or FULL join (invariant 3)."""
@@ -586,7 +451,7 @@ class Planner:
             method = {"left": left.stream.left_join, "right": left.stream.right_join,
                       "full": left.stream.full_join}[side]
             return Rel(method(right.stream, left_on=lk, right_on=rk), left.cols + self._suffixed(left, right))
-        right = self._disjoint(left, right)
+        right = self.disjoint(left, right)
         inner = self.inner(left, right, keys, residual)
         out_fields = list(inner.schema.names)
         parts = [inner.stream]
@@ -608,30 +473,6 @@ class Planner:
         a, ka = self.null_safe(stream, fields)
         b, kb = self.null_safe(other, fields)
         return a.anti_join(b, left_on=ka, right_on=kb).select(**{f: F(f) for f in stream.schema.names})
-
-    def null_safe(self, stream: Stream, fields: list[str]) -> tuple[Stream, list[str]]:
-        """``stream`` plus, per field, a null flag and the value with nulls replaced: keys on which a join
-        matches nulls to nulls."""
-        new: dict[str, pc.Expression] = {f: F(f) for f in stream.schema.names}
-        keys = []
-        for f in fields:
-            t = stream.schema.field(f).type
-            k = _key_class(t)
-            if pat.is_floating(t):
-                default = lit(0.0, t)
-            elif k in ("int", "string") or pat.is_boolean(t):
-                default = lit({"int": 0, "string": ""}.get(k, False), t if k != "string" else pa.string())
-            elif pat.is_date(t):
-                default = lit(datetime.date(1970, 1, 1), t)
-            elif pat.is_binary(t) or pat.is_large_binary(t):
-                default = lit(b"", t)
-            else:
-                default = pc.scalar(pa.scalar(0, pa.int64()).cast(t))
-            n, v = self.fresh(), self.fresh()
-            new[n] = call("is_null", F(f))
-            new[v] = call("coalesce", F(f), default)
-            keys += [n, v]
-        return stream.select(**new), keys
 
     def using(self, left: Rel, right: Rel, names: list[str], side: str, j: exp.Join) -> Rel:
         keys = []

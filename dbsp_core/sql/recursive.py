@@ -15,19 +15,15 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import pyarrow.compute as pc
 from sqlglot import exp
 
 from dbsp_core.errors import SchemaError
+from dbsp_core.sql.build import Builder
 from dbsp_core.sql.errors import SqlError
 from dbsp_core.sql.parse import ident, tname
 from dbsp_core.sql.relation import Col, Rel
 from dbsp_core.sql.types import storable
-
-if TYPE_CHECKING:
-    from dbsp_core.sql.planner import Planner
 
 F = pc.field
 
@@ -49,31 +45,31 @@ def _names(node: exp.Expression) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def define_ctes(planner: "Planner", with_: exp.With) -> None:
+def define_ctes(builder: Builder, with_: exp.With) -> None:
     """Plan the CTEs of a WITH clause into the innermost scope (invariant 1)."""
     recursive = bool(with_.args.get("recursive"))
-    frame = planner.scopes[-1]
+    frame = builder.scopes[-1]
     for cte in with_.expressions:
         alias = cte.args.get("alias")
         name = tname(alias.this)
         cols = [ident(c) for c in alias.columns] if alias is not None and alias.columns else []
         if name in frame:
-            raise planner.src.error(cte, f"CTE {name!r} is defined twice")
+            raise builder.src.error(cte, f"CTE {name!r} is defined twice")
         if recursive and _references(cte.this, name):
-            rel = plan_recursive(planner, name, cols, cte.this)
+            rel = plan_recursive(builder, name, cols, cte.this)
         else:
-            rel = planner.query(cte.this).qualified(name)
+            rel = builder.query(cte.this).qualified(name)
             if cols:
                 if len(cols) != len(rel.cols):
-                    raise planner.src.error(cte, f"CTE {name!r} names {len(cols)} columns, its query has "
+                    raise builder.src.error(cte, f"CTE {name!r} names {len(cols)} columns, its query has "
                                                  f"{len(rel.cols)}")
                 rel = Rel(rel.stream, [Col(n, name, c.field) for n, c in zip(cols, rel.cols)])
         frame[name] = rel
 
 
-def plan_recursive(planner: "Planner", name: str, cols: list[str], q: exp.Expression) -> Rel:
+def plan_recursive(builder: Builder, name: str, cols: list[str], q: exp.Expression) -> Rel:
     """Invariants 2-4."""
-    src = planner.src
+    src = builder.src
     if not isinstance(q, exp.Union):
         raise src.error(q, f"recursive CTE {name!r} must be <base query> UNION [ALL] <recursive query>")
     base_node, step_node = q.this, q.expression
@@ -93,7 +89,7 @@ def plan_recursive(planner: "Planner", name: str, cols: list[str], q: exp.Expres
         if isinstance(n, exp.Join) and (n.args.get("side") or "").upper() in ("LEFT", "RIGHT", "FULL"):
             raise src.error(n, f"outer joins cannot be maintained inside the recursive query of {name!r} (only inner "
                                f"joins, filters, projections and UNION)")
-    base = planner.query(base_node)
+    base = builder.query(base_node)
     names = cols or [c.name for c in base.cols]
     if len(names) != len(base.cols):
         raise src.error(q, f"recursive CTE {name!r} names {len(names)} columns, its base query has {len(base.cols)}")
@@ -105,7 +101,7 @@ def plan_recursive(planner: "Planner", name: str, cols: list[str], q: exp.Expres
     if _shaped(base, fields, types):
         base_stream = base.stream
     imported = [n for n in _names(step_node) if n != name]
-    outer_rels = [planner.lookup(step_node, n) for n in imported]
+    outer_rels = [builder.lookup(step_node, n) for n in imported]
     distinct = q.args.get("distinct", True) is not False
 
     # the nested circuit's inputs: the base and the named relations, each stream once (a base that is a table the
@@ -119,17 +115,17 @@ def plan_recursive(planner: "Planner", name: str, cols: list[str], q: exp.Expres
 
     def body(rec, *ins):
         base_in, imps = ins[slot[0]], [ins[k] for k in slot[1:]]
-        saved = planner.circuit
-        planner.circuit = rec.circuit
+        saved = builder.circuit
+        builder.circuit = rec.circuit
         frame = {"__barrier__": True, name: Rel(rec, [Col(n, name, f) for n, f in zip(names, fields)])}
         for n, outer, imp in zip(imported, outer_rels, imps):
             frame[n] = Rel(imp, outer.cols)
-        planner.scopes.append(frame)
+        builder.scopes.append(frame)
         try:
-            step = planner.query(step_node)
+            step = builder.query(step_node)
         finally:
-            planner.scopes.pop()
-            planner.circuit = saved
+            builder.scopes.pop()
+            builder.circuit = saved
         if len(step.cols) != len(fields):
             raise src.error(step_node, f"the recursive query of {name!r} has {len(step.cols)} columns, the base "
                                        f"query {len(fields)}")
@@ -139,7 +135,7 @@ def plan_recursive(planner: "Planner", name: str, cols: list[str], q: exp.Expres
         return base_in + shaped
 
     try:
-        stream = planner.circuit.recursive(body, uniq, schema=base_stream.schema, distinct=distinct)
+        stream = builder.circuit.recursive(body, uniq, schema=base_stream.schema, distinct=distinct)
     except SqlError:
         raise
     except SchemaError as e:

@@ -20,20 +20,19 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 from sqlglot import exp
 
 import dbsp_core as dbsp
+from dbsp_core.sql.aggregate import aggregate_calls, plan_aggregate
+from dbsp_core.sql.build import Builder
 from dbsp_core.sql.expr import call, lit, null
 from dbsp_core.sql.parse import DIALECT
 from dbsp_core.sql.relation import Col, Rel
 from dbsp_core.sql.walk import columns_of, conjuncts, has_subquery, resolves
-
-if TYPE_CHECKING:
-    from dbsp_core.sql.planner import Planner
 
 F = pc.field
 
@@ -47,14 +46,14 @@ class Sub:
         self.rel, self.pairs, self.node, self.items = rel, pairs, node, items
 
 
-def plan_sub(planner: "Planner", node: exp.Expression, outer: Rel) -> Sub:
+def plan_sub(builder: Builder, node: exp.Expression, outer: Rel) -> Sub:
     """Invariant 1: split the subquery's WHERE into its own conditions and correlation pairs."""
     if isinstance(node, exp.Subquery):
         node = node.this
     if not isinstance(node, exp.Select) or node.args.get("from_") is None or node.args.get("with_"):
-        return Sub(planner.query(node), [], node, None)
+        return Sub(builder.query(node), [], node, None)
     where = conjuncts(node.args["where"].this) if node.args.get("where") else []
-    inner, rest = planner.from_clause(node, where)
+    inner, rest = builder.from_clause(node, where)
     own, pairs = [], []
     for c in rest:
         cols = columns_of(c)
@@ -63,10 +62,10 @@ def plan_sub(planner: "Planner", node: exp.Expression, outer: Rel) -> Sub:
             own.append(c)
             continue
         if has_subquery(c):
-            raise planner.src.error(c, "a correlated condition may not hold a subquery")
+            raise builder.src.error(c, "a correlated condition may not hold a subquery")
         for x in outer_cols:
             if not resolves(outer, x):
-                raise planner.src.error(x, f"unknown column {x.sql(dialect=DIALECT)}")
+                raise builder.src.error(x, f"unknown column {x.sql(dialect=DIALECT)}")
         if isinstance(c, exp.EQ):
             a, b = c.this, c.expression
             ia = columns_of(a) and all(resolves(inner, x) for x in columns_of(a))
@@ -79,151 +78,149 @@ def plan_sub(planner: "Planner", node: exp.Expression, outer: Rel) -> Sub:
             if ib and oa:
                 pairs.append((b, a))
                 continue
-        raise planner.src.error(c, "a condition of a subquery that names columns of the enclosing query must be an "
+        raise builder.src.error(c, "a condition of a subquery that names columns of the enclosing query must be an "
                                    "equality between an expression of each (a correlation key)")
     correlated = bool(pairs)
     if not correlated:
-        return Sub(planner.query(node), [], node, None)
-    rel = apply_where(planner, inner, own, None)
-    ex = planner.exprs(rel, where="subquery")
+        return Sub(builder.query(node), [], node, None)
+    rel = apply_where(builder, inner, own, None)
+    ex = builder.exprs(rel, where="subquery")
     new, fields = {}, []
     for a, _ in pairs:
         e = ex.compile(a)
         f = next((g for g in rel.schema.names if e.equals(F(g))), None)
         if f is None:
-            f = planner.fresh()
+            f = builder.fresh()
             new[f] = e
         fields.append(f)
-    rel = planner.extend(rel, new)
-    items = planner.select_items(node, rel)
+    rel = builder.extend(rel, new)
+    items = builder.select_items(node, rel)
     for key in ("group", "having", "limit", "distinct", "order"):
         if node.args.get(key) is not None:
-            raise planner.src.error(node.args[key], f"{key.upper()} in a correlated subquery is not supported")
+            raise builder.src.error(node.args[key], f"{key.upper()} in a correlated subquery is not supported")
     return Sub(rel, list(zip(fields, [b for _, b in pairs])), node, items)
 
 
-def _one_column(planner: "Planner", sub: Sub, what: str) -> tuple[Rel, str]:
+def _one_column(builder: Builder, sub: Sub, what: str) -> tuple[Rel, str]:
     """The subquery's single output column as a field of its relation."""
     if sub.items is None:
         if len(sub.rel.cols) != 1:
-            raise planner.src.error(sub.node, f"{what} needs a subquery of one column, not {len(sub.rel.cols)}")
+            raise builder.src.error(sub.node, f"{what} needs a subquery of one column, not {len(sub.rel.cols)}")
         return sub.rel, sub.rel.cols[0].field
     if len(sub.items) != 1:
-        raise planner.src.error(sub.node, f"{what} needs a subquery of one column, not {len(sub.items)}")
-    e = planner.exprs(sub.rel, where="subquery").compile(sub.items[0][1])
+        raise builder.src.error(sub.node, f"{what} needs a subquery of one column, not {len(sub.items)}")
+    e = builder.exprs(sub.rel, where="subquery").compile(sub.items[0][1])
     f = next((g for g in sub.rel.schema.names if e.equals(F(g))), None)
     if f is None:
-        f = planner.fresh()
-        return planner.extend(sub.rel, {f: e}), f
+        f = builder.fresh()
+        return builder.extend(sub.rel, {f: e}), f
     return sub.rel, f
 
 
-def _keys(planner: "Planner", rel: Rel, inner: Rel, outer_nodes: list[exp.Expression], inner_fields: list[str]
+def _keys(builder: Builder, rel: Rel, inner: Rel, outer_nodes: list[exp.Expression], inner_fields: list[str]
           ) -> tuple[Rel, Rel, list[str], list[str]]:
     """Key fields on both sides for outer expressions = inner fields (a constant key when there are none)."""
     if not outer_nodes:
-        k = planner.fresh()
-        return planner.with_key(rel, k), planner.with_key(inner, k + "_"), [k], [k + "_"]
+        k = builder.fresh()
+        return builder.with_key(rel, k), builder.with_key(inner, k + "_"), [k], [k + "_"]
     pairs = [(o, exp.column(exp.to_identifier(f, quoted=True))) for o, f in zip(outer_nodes, inner_fields)]
     named = Rel(inner.stream, inner.cols + [Col(f, None, f, False) for f in inner_fields])
-    return planner.key_fields(rel, named, pairs)
+    return builder.key_fields(rel, named, pairs)
 
 
-def semi(planner: "Planner", rel: Rel, node: exp.Expression, anti: bool) -> Rel:
+def semi(builder: Builder, rel: Rel, node: exp.Expression, anti: bool) -> Rel:
     """Invariant 2."""
     if isinstance(node, exp.Exists):
-        sub = plan_sub(planner, node.this, rel)
+        sub = plan_sub(builder, node.this, rel)
         inner, extra_o, extra_i = sub.rel, [], []
     else:
-        sub = plan_sub(planner, node.args["query"], rel)
-        inner, y = _one_column(planner, sub, "IN")
+        sub = plan_sub(builder, node.args["query"], rel)
+        inner, y = _one_column(builder, sub, "IN")
         extra_o, extra_i = [node.this], [y]
-    rel2, inner2, lk, rk = _keys(planner, rel, inner, [o for _, o in sub.pairs] + extra_o,
+    rel2, inner2, lk, rk = _keys(builder, rel, inner, [o for _, o in sub.pairs] + extra_o,
                                  [f for f, _ in sub.pairs] + extra_i)
-    keys = planner.narrow(inner2, rk)
+    keys = builder.narrow(inner2, rk)
     s = rel2.stream.anti_join(keys, left_on=lk, right_on=rk) if anti else \
         rel2.stream.semi_join(keys, left_on=lk, right_on=rk)
     return Rel(s, rel.cols)
 
 
-def mark(planner: "Planner", rel: Rel, node: exp.Expression) -> tuple[Rel, str]:
+def mark(builder: Builder, rel: Rel, node: exp.Expression) -> tuple[Rel, str]:
     """Invariant 3: ``rel`` plus a boolean field holding the value of ``EXISTS (q)`` or ``x IN (q)``."""
     is_in = isinstance(node, exp.In)
-    sub = plan_sub(planner, node.args["query"] if is_in else node.this, rel)
-    inner, y = _one_column(planner, sub, "IN") if is_in else (sub.rel, None)
+    sub = plan_sub(builder, node.args["query"] if is_in else node.this, rel)
+    inner, y = _one_column(builder, sub, "IN") if is_in else (sub.rel, None)
     corr_i = [f for f, _ in sub.pairs]
     corr_o = [o for _, o in sub.pairs]
     # M: the distinct (correlation, value) pairs of q, each with a marker
     m_fields = list(dict.fromkeys(corr_i + ([y] if y is not None else [])))
     values = inner if y is None else Rel(inner.stream.filter(call("is_valid", F(y))), inner.cols)
-    marker = planner.fresh()
+    marker = builder.fresh()
     if m_fields:
-        m = planner.narrow(values, m_fields).distinct().select(**{f: F(f) for f in m_fields}, **{marker: lit(True)})
+        m = builder.narrow(values, m_fields).distinct().select(**{f: F(f) for f in m_fields}, **{marker: lit(True)})
     else:  # uncorrelated EXISTS: whether q has a row at all
-        m = values.stream.group_by().agg(**{planner.fresh(): dbsp.count()}).select(**{marker: lit(True)})
-    m_rel = planner._disjoint(rel, Rel(m, [Col(f, None, f, False) for f in m_fields + [marker]]))
+        m = values.stream.group_by().agg(**{builder.fresh(): dbsp.count()}).select(**{marker: lit(True)})
+    m_rel = builder.disjoint(rel, Rel(m, [Col(f, None, f, False) for f in m_fields + [marker]]))
     fm = {c.name: c.field for c in m_rel.cols}
-    rel2, m2, lk, rk = _keys(planner, rel, m_rel, corr_o + ([node.this] if is_in else []), [fm[f] for f in corr_i]
+    rel2, m2, lk, rk = _keys(builder, rel, m_rel, corr_o + ([node.this] if is_in else []), [fm[f] for f in corr_i]
                              + ([fm[y]] if is_in else []))
     out = Rel(rel2.stream.left_join(m2.stream, left_on=lk, right_on=rk), rel.cols)
     matched = call("coalesce", F(fm[marker]), lit(False))
-    f = planner.fresh()
+    f = builder.fresh()
     if not is_in:
-        return planner.extend(out, {f: matched}), f
+        return builder.extend(out, {f: matched}), f
     # per correlation key: how many rows q has, how many non-null values
-    cnt, nn = planner.fresh(), planner.fresh()
+    cnt, nn = builder.fresh(), builder.fresh()
     aggs = {cnt: dbsp.count(), nn: dbsp.count(y)}
     stats = inner.stream.group_by(*corr_i).agg(**aggs) if corr_i else inner.stream.group_by().agg(**aggs)
-    s_rel = planner._disjoint(out, Rel(stats, [Col(g, None, g, False) for g in stats.schema.names]))
+    s_rel = builder.disjoint(out, Rel(stats, [Col(g, None, g, False) for g in stats.schema.names]))
     fs = {c.name: c.field for c in s_rel.cols}
-    out2, s2, lk2, rk2 = _keys(planner, out, s_rel, corr_o, [fs[g] for g in corr_i])
+    out2, s2, lk2, rk2 = _keys(builder, out, s_rel, corr_o, [fs[g] for g in corr_i])
     joined = Rel(out2.stream.left_join(s2.stream, left_on=lk2, right_on=rk2), rel.cols)
     n_all = call("coalesce", F(fs[cnt]), lit(0, pa.int64()))
     n_val = call("coalesce", F(fs[nn]), lit(0, pa.int64()))
-    x = planner.exprs(out2, where="IN").compile(node.this)
+    x = builder.exprs(out2, where="IN").compile(node.this)
     value = call("if_else", matched, lit(True),
                  call("if_else", call("equal", n_all, lit(0, pa.int64())), lit(False),
                       call("if_else", call("or_kleene", call("is_null", x), call("less", n_val, n_all)),
                            null(pa.bool_()), lit(False))))
-    return planner.extend(joined, {f: value}), f
+    return builder.extend(joined, {f: value}), f
 
 
-def scalar(planner: "Planner", rel: Rel, node: exp.Subquery) -> tuple[Rel, str]:
+def scalar(builder: Builder, rel: Rel, node: exp.Subquery) -> tuple[Rel, str]:
     """Invariant 4: ``rel`` plus the field holding the scalar subquery's value."""
-    from dbsp_core.sql.aggregate import aggregate_calls, plan_aggregate
-
-    sub = plan_sub(planner, node, rel)
+    sub = plan_sub(builder, node, rel)
     corr_i = [f for f, _ in sub.pairs]
     corr_o = [o for _, o in sub.pairs]
     if sub.items is not None and len(sub.items) != 1:
-        raise planner.src.error(sub.node, f"a scalar subquery has one column, not {len(sub.items)}")
-    aggs = aggregate_calls(planner, [sub.items[0][1]]) if sub.items is not None else []
+        raise builder.src.error(sub.node, f"a scalar subquery has one column, not {len(sub.items)}")
+    aggs = aggregate_calls(builder, [sub.items[0][1]]) if sub.items is not None else []
     if not aggs:  # a plain value (per correlation key)
-        inner, y = _one_column(planner, sub, "a scalar subquery")
+        inner, y = _one_column(builder, sub, "a scalar subquery")
         fields = list(dict.fromkeys(corr_i + [y]))
-        vals = planner._disjoint(rel, Rel(planner.narrow(inner, fields), [Col(g, None, g, False) for g in fields]))
+        vals = builder.disjoint(rel, Rel(builder.narrow(inner, fields), [Col(g, None, g, False) for g in fields]))
         fv = {c.name: c.field for c in vals.cols}
-        rel2, v2, lk, rk = _keys(planner, rel, vals, corr_o, [fv[g] for g in corr_i])
+        rel2, v2, lk, rk = _keys(builder, rel, vals, corr_o, [fv[g] for g in corr_i])
         return Rel(rel2.stream.left_join(v2.stream, left_on=lk, right_on=rk), rel.cols), fv[y]
     item = sub.items[0][1]
-    grouped, subst = plan_aggregate(planner, sub.rel, None, sub.items, aggs, extra_keys=corr_i, keyless_row=False)
+    grouped, subst = plan_aggregate(builder, sub.rel, None, sub.items, aggs, extra_keys=corr_i, keyless_row=False)
     counts = getattr(grouped, "count_fields", set())
-    g = planner._disjoint(rel, Rel(grouped.stream, [Col(f, None, f, False) for f in grouped.schema.names]))
+    g = builder.disjoint(rel, Rel(grouped.stream, [Col(f, None, f, False) for f in grouped.schema.names]))
     fg = {c.name: c.field for c in g.cols}
-    rel2, g2, lk, rk = _keys(planner, rel, g, corr_o, [fg[f] for f in corr_i])
+    rel2, g2, lk, rk = _keys(builder, rel, g, corr_o, [fg[f] for f in corr_i])
     j = Rel(rel2.stream.left_join(g2.stream, left_on=lk, right_on=rk), rel.cols)
     fixes, subst2 = {}, {}
     for a in aggs:
         f = fg[subst[a]]
         if subst[a] in counts:  # COUNT over no rows is 0 (invariant 4)
-            c = planner.fresh()
+            c = builder.fresh()
             fixes[c] = call("coalesce", F(f), lit(0, pa.int64()))
             f = c
         subst2[a] = f
-    j = planner.extend(j, fixes)
-    e = planner.exprs(j, subst2, "scalar subquery").compile(item)
-    f = planner.fresh()
-    return planner.extend(j, {f: e}), f
+    j = builder.extend(j, fixes)
+    e = builder.exprs(j, subst2, "scalar subquery").compile(item)
+    f = builder.fresh()
+    return builder.extend(j, {f: e}), f
 
 
 def _subqueries(node: exp.Expression) -> list[exp.Expression]:
@@ -248,7 +245,7 @@ def _subqueries(node: exp.Expression) -> list[exp.Expression]:
     return out
 
 
-def with_subqueries(planner: "Planner", rel: Rel, nodes: list[exp.Expression], subst: dict | None
+def with_subqueries(builder: Builder, rel: Rel, nodes: list[exp.Expression], subst: dict | None
                     ) -> tuple[Rel, dict]:
     """``rel`` plus a field per subquery in ``nodes`` (marks and scalar values), and the map to them."""
     subst = dict(subst or {})
@@ -257,14 +254,14 @@ def with_subqueries(planner: "Planner", rel: Rel, nodes: list[exp.Expression], s
             if s in subst:
                 continue
             if isinstance(s, exp.Subquery):
-                rel, f = scalar(planner, rel, s)
+                rel, f = scalar(builder, rel, s)
             else:
-                rel, f = mark(planner, rel, s)
+                rel, f = mark(builder, rel, s)
             subst[s] = f
     return rel, subst
 
 
-def apply_where(planner: "Planner", rel: Rel, conds: list[exp.Expression], outer: Rel | None,
+def apply_where(builder: Builder, rel: Rel, conds: list[exp.Expression], outer: Rel | None,
                 subst: dict | None = None) -> Rel:
     """The WHERE (or HAVING) conjuncts over ``rel``: subquery conjuncts as semi and anti joins (invariant 2),
     the others, with any subqueries they hold, as one filter."""
@@ -273,20 +270,20 @@ def apply_where(planner: "Planner", rel: Rel, conds: list[exp.Expression], outer
         if subst and c in subst:
             plain.append(c)
         elif isinstance(c, exp.Exists):
-            rel = semi(planner, rel, c, anti=False)
+            rel = semi(builder, rel, c, anti=False)
         elif isinstance(c, exp.Not) and isinstance(c.this, exp.Exists):
-            rel = semi(planner, rel, c.this, anti=True)
+            rel = semi(builder, rel, c.this, anti=True)
         elif isinstance(c, exp.In) and c.args.get("query") is not None:
-            rel = semi(planner, rel, c, anti=False)
+            rel = semi(builder, rel, c, anti=False)
         else:
             plain.append(c)
     if any(has_subquery(c) for c in plain):
-        rel, subst = with_subqueries(planner, rel, plain, subst)
-    return planner.filter(rel, plain, subst)
+        rel, subst = with_subqueries(builder, rel, plain, subst)
+    return builder.filter(rel, plain, subst)
 
 
-def scalar_subqueries(planner: "Planner", rel: Rel, nodes: list[exp.Expression], subst: dict) -> tuple[Rel, dict]:
+def scalar_subqueries(builder: Builder, rel: Rel, nodes: list[exp.Expression], subst: dict) -> tuple[Rel, dict]:
     """The subqueries of the SELECT list (invariants 3 and 4)."""
     if not any(has_subquery(n) for n in nodes):
         return rel, subst
-    return with_subqueries(planner, rel, nodes, subst)
+    return with_subqueries(builder, rel, nodes, subst)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Callable
 
 import numpy as np
@@ -10,14 +12,16 @@ from oracle import SCHEMAS, ChangeGen, accumulate, duckdb_query, normalize, to_z
 
 import dbsp_core as dbsp
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures"))
+from auction import by_category  # noqa: E402
+
 
 def _group_agg(c: dbsp.Circuit, s: dict) -> dict:
     return {"g": s["bids"].group_by("auction").agg(n=dbsp.count(), total=dbsp.sum("price"), lo=dbsp.min("price"))}
 
 
 def _join_agg(c: dbsp.Circuit, s: dict) -> dict:
-    j = s["bids"].join(s["auctions"], left_on="auction", right_on="id")
-    return {"j": j.group_by("category").agg(n=dbsp.count(), total=dbsp.sum("price"))}
+    return {"j": by_category(s["bids"], s["auctions"])}
 
 
 def _distinct(c: dbsp.Circuit, s: dict) -> dict:

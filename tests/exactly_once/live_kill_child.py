@@ -31,12 +31,7 @@ def main() -> int:
 
     def stepping() -> None:
         try:
-            while p.steps < steps:
-                s = p.steps
-                cur[0] = s
-                for name, z in w.pushes[s]:
-                    p.push(name, z, producer=f"gen-{name}", seq=s)
-                p.step()
+            w.step_to(p, cur, steps)
         except BaseException as e:  # pragma: no cover - reported by the parent
             errors.append(e)
 

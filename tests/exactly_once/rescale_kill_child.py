@@ -29,14 +29,12 @@ def main() -> int:
     print("READY", flush=True)
     rng = random.Random(f"{seed}/{os.getpid()}")
     recovery = p.stats.get("rescale_recovery")
-    while p.steps < steps:
-        s = p.steps
-        cur[0] = s
-        for name, z in w.pushes[s]:
-            p.push(name, z, producer=f"gen-{name}", seq=s)
-        p.step()
+
+    def after(_: int) -> None:
         if rng.random() < 0.3:
             p.checkpoint()
+
+    w.step_to(p, cur, steps, after)
     print(json.dumps({"workers": p.layout.workers, "shards": p.layout.shards, "recovery": recovery,
                       "rescale": p.last_rescale}), flush=True)
     p.close()

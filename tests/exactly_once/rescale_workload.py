@@ -16,7 +16,9 @@ import pyarrow.compute as pc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "core"))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "fixtures"))
 
+from auction import by_category  # noqa: E402
 import dbsp_core as dbsp  # noqa: E402
 from dbsp_core.runtime import StagedExecutor  # noqa: E402
 from dbsp_core.temporal import within_last  # noqa: E402
@@ -31,8 +33,7 @@ T0 = 1_700_000_000
 def build_circuit() -> dbsp.Circuit:
     c = dbsp.Circuit()
     bids, auctions, events = (c.input(n, SCHEMAS[n]) for n in ("bids", "auctions", "events"))
-    j = bids.join(auctions, left_on="auction", right_on="id")
-    c.output("joined", j.group_by("category").agg(n=dbsp.count(), total=dbsp.sum("price")))
+    c.output("joined", by_category(bids, auctions))
     c.output("extremes", bids.group_by("auction").agg(lo=dbsp.min("price"), hi=dbsp.max("price"), n=dbsp.count()))
     c.output("fsum", bids.group_by("bidder").agg(s=dbsp.sum("f"), a=dbsp.avg("f")))
     c.output("distinct", bids.select(b=pc.field("bidder"), p=pc.field("price")).distinct())
@@ -119,16 +120,35 @@ class Workload:
     def clock(self, step: int) -> int:
         return self.now_s[step] * 10**9
 
+    def push(self, p: dbsp.Pipeline, step: int, durable: bool = True) -> None:
+        """Push the changes of ``step`` into ``p``; ``durable``: each under its (producer, seq), so that a step
+        pushed again after a kill counts once."""
+        for name, z in self.pushes[step]:
+            if durable:
+                p.push(name, z, producer=f"gen-{name}", seq=step)
+            else:
+                p.push(name, z)
+
+    def step_to(self, p: dbsp.Pipeline, cur: list[int], steps: int, after: Callable[[int], None] | None = None
+                ) -> None:
+        """Run ``p`` from its next step up to ``steps`` steps, pushing each step durably; ``cur[0]`` is the step
+        running (the pipeline's clock reads it), ``after(step)`` runs after each step."""
+        while p.steps < steps:
+            s = cur[0] = p.steps
+            self.push(p, s)
+            p.step()
+            if after is not None:
+                after(s)
+
 
 def reference(w: Workload) -> list[dict[str, dict]]:
     """Each step's output changes ({output: {row: weight}}) of a never-rescaled, in-memory, one-worker run."""
     cur = [0]
     p = dbsp.Pipeline(build_circuit(), workers=1, clock=lambda: w.clock(cur[0]))
     outs = []
-    for step, pushes in enumerate(w.pushes):
+    for step in range(len(w.pushes)):
         cur[0] = step
-        for name, z in pushes:
-            p.push(name, z)
+        w.push(p, step, durable=False)
         outs.append({k: v.to_dict() for k, v in p.step().items()})
     p.close()
     return outs
@@ -199,13 +219,12 @@ def start_storage(w: Workload, d: str, kind: str, checkpoint: bool) -> None:
     cur = [0]
     p = dbsp.Pipeline(build_circuit(), 2, storage=d, executor=executor(kind), checkpoint_interval=None,
                       clock=lambda: w.clock(cur[0]))
-    for s in range(3):
-        cur[0] = s
-        for name, z in w.pushes[s]:
-            p.push(name, z, producer=f"gen-{name}", seq=s)
-        p.step()
+
+    def after(s: int) -> None:
         if s == 0 and w.keys:
             p.checkpoint()
+
+    w.step_to(p, cur, 3, after)
     p.close(checkpoint=checkpoint)
 
 
@@ -260,6 +279,26 @@ def kill_rounds(rng: random.Random, kills: int, stats: dict, points: list[str], 
     while stats["kills"] < kills and rounds < 4 * kills:
         rounds += 1
         one_round(kill)
+    return rounds
+
+
+def kill_test(tag: str, kind: str, seed: int, w: Workload, d: str, rng: random.Random, stats: dict, *,
+              checkpoint: bool, kills: int, points: list[str], kill_after: tuple[float, float],
+              one_round: Callable[[Callable[..., tuple[str, dict | None]]], None],
+              last_child: Callable[[], tuple[str, dict | None]]) -> int:
+    """A kill -9 rescale test from start to end: the workload's first steps into ``d`` (:func:`start_storage`,
+    closed with or without ``checkpoint``), rounds until ``kills`` kills landed (:func:`kill_rounds`), the last
+    child run to the end (``last_child()``), the directory checked against the never-rescaled run and DuckDB
+    (:func:`check_against_reference`), and the kills asserted to have landed. Prints the stats under ``tag``
+    and returns the number of rounds."""
+    ref = reference(w)
+    start_storage(w, d, kind, checkpoint)
+    rounds = kill_rounds(rng, kills, stats, points, kill_after, one_round)
+    how, _ = last_child()
+    assert how == "done"
+    check_against_reference(d, kind, w, ref, len(w.pushes), seed)
+    print(f"[{tag}] {kind}: {rounds} rounds, {stats}; 0 rows lost, 0 doubled")
+    assert stats["kills"] >= kills, f"only {stats['kills']} of {kills} kills landed in {rounds} rounds"
     return rounds
 
 

@@ -71,11 +71,7 @@ class Live:
     def step(self) -> None:
         s = len(self.outs)
         self.cur = s
-        for name, z in self.w.pushes[s]:
-            if self.d:
-                self.p.push(name, z, producer=f"gen-{name}", seq=s)
-            else:
-                self.p.push(name, z)
+        self.w.push(self.p, s, durable=bool(self.d))
         self.outs.append({k: v.to_dict() for k, v in self.p.step().items()})
 
     def run_to(self, n: int) -> None:

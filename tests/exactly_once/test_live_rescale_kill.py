@@ -15,8 +15,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from dbsp_core.storage.directory import read_layout, read_rescale  # noqa: E402
-from rescale_workload import (Workload, check_against_reference, kill_rounds, reference, run_child,  # noqa: E402
-                              start_storage)
+from rescale_workload import Workload, kill_test, run_child, start_storage  # noqa: E402
 
 CHILD = os.path.join(HERE, "live_kill_child.py")
 KILLS = int(os.environ.get("DBSP_LIVE_KILLS", "10"))
@@ -43,9 +42,7 @@ def test_kill9_during_live_rescales(tmp_path, kind: str) -> None:
     print(f"\n[live kill] {kind} seed {seed} (replay: DBSP_LIVE_KILL_SEED={BASE_SEED})")
     rng = random.Random(seed)
     w = Workload(seed, STEPS)
-    ref = reference(w)
     d = str(tmp_path / "d")
-    start_storage(w, d, kind, checkpoint=True)
     stats = {"kills": 0, "named": 0, "timed": 0, "finished_on_open": 0, "completed": 0}
     goal = 3
 
@@ -64,12 +61,8 @@ def test_kill9_during_live_rescales(tmp_path, kind: str) -> None:
         lay, _ = read_layout(d)
         assert info["workers"] == lay.workers
 
-    rounds = kill_rounds(rng, KILLS, stats, POINTS[kind], (0.5, 3.0), one_round)
-    how, info = _child(d, seed, STEPS, kind, [])
-    assert how == "done"
-    check_against_reference(d, kind, w, ref, STEPS, seed)
-    print(f"[live kill] {kind}: {rounds} rounds, {stats}; 0 rows lost, 0 doubled")
-    assert stats["kills"] >= KILLS, f"only {stats['kills']} of {KILLS} kills landed in {rounds} rounds"
+    kill_test("live kill", kind, seed, w, d, rng, stats, checkpoint=True, kills=KILLS, points=POINTS[kind],
+              kill_after=(0.5, 3.0), one_round=one_round, last_child=lambda: _child(d, seed, STEPS, kind, []))
 
 
 def test_a_crash_after_the_layout_switch_leaves_no_database_of_a_leaving_worker(tmp_path) -> None:

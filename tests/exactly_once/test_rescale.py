@@ -51,8 +51,7 @@ class Run:
     def step(self) -> None:
         step = len(self.outs)
         self.cur = step
-        for name, z in self.w.pushes[step]:
-            self.p.push(name, z, producer=f"gen-{name}", seq=step)
+        self.w.push(self.p, step)
         self.outs.append({k: v.to_dict() for k, v in self.p.step().items()})
 
     def reopen(self, workers: int | None, checkpoint: bool = True, vfs: str = "posix") -> dict | None:

@@ -18,8 +18,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from dbsp_core.storage.directory import read_layout, read_rescale  # noqa: E402
-from rescale_workload import (Workload, assert_every_shard_holds_state, check_against_reference,  # noqa: E402
-                              kill_rounds, reference, run_child, start_storage)
+from rescale_workload import Workload, assert_every_shard_holds_state, kill_test, run_child  # noqa: E402
 
 CHILD = os.path.join(HERE, "rescale_kill_child.py")
 KILLS = int(os.environ.get("DBSP_RESCALE_KILLS", "12"))
@@ -43,11 +42,9 @@ def test_kill9_during_cold_rescales(tmp_path, kind: str) -> None:
     print(f"\n[rescale kill] {kind} seed {seed} (replay: DBSP_RESCALE_KILL_SEED={seed - (kind == 'staged')})")
     rng = random.Random(seed)
     w = Workload(seed, STEPS, keys=KEYS)
-    ref = reference(w)
     d = str(tmp_path / "d")
-    start_storage(w, d, kind, checkpoint=False)  # the first rescale starts from a state that needs replaying
     stats = {"kills": 0, "named": 0, "timed": 0, "forward": 0, "back": 0, "rescales": 0, "shards_checked": 0}
-    steps_done = 3
+    steps_done = 3  # by start_storage (in kill_test)
 
     def one_round(kill) -> None:
         nonlocal steps_done
@@ -67,10 +64,8 @@ def test_kill9_during_cold_rescales(tmp_path, kind: str) -> None:
         stats["rescales"] += 1
         steps_done = goal
 
-    rounds = kill_rounds(rng, KILLS, stats, POINTS, (0.4, 1.4), one_round)
-    how, info = _child(d, seed, STEPS, read_layout(d)[0].workers, kind)
-    assert how == "done"
-    check_against_reference(d, kind, w, ref, STEPS, seed)
-    print(f"[rescale kill] {kind}: {rounds} rounds, {stats}; 0 rows lost, 0 doubled")
-    assert stats["kills"] >= KILLS, f"only {stats['kills']} of {KILLS} kills landed in {rounds} rounds"
+    kill_test("rescale kill", kind, seed, w, d, rng, stats,
+              checkpoint=False,  # the first rescale starts from a state that needs replaying
+              kills=KILLS, points=POINTS, kill_after=(0.4, 1.4), one_round=one_round,
+              last_child=lambda: _child(d, seed, STEPS, read_layout(d)[0].workers, kind))
     assert stats["forward"] + stats["back"] >= 1, f"no kill left a move for recovery to finish or undo: {stats}"

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import random
+import sys
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 import dbsp_core as dbsp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures"))
+from auction import auction_circuit  # noqa: E402
 
 BIDS = pa.schema([("auction", pa.int64()), ("bidder", pa.int64()), ("price", pa.int64())])
 AUCTIONS = pa.schema([("id", pa.int64()), ("category", pa.utf8())])
@@ -17,11 +22,7 @@ PRODUCERS = ("p0", "p1")
 
 def build_circuit() -> dbsp.Circuit:
     """Join + linear aggregate, a max (recomputed from a trace), a distinct and a filter."""
-    c = dbsp.Circuit()
-    bids = c.input("bids", BIDS)
-    auctions = c.input("auctions", AUCTIONS)
-    j = bids.join(auctions, left_on="auction", right_on="id")
-    c.output("by_cat", j.group_by("category").agg(n=dbsp.count(), total=dbsp.sum("price")))
+    c, bids, _ = auction_circuit(BIDS, AUCTIONS)
     c.output("maxp", bids.group_by("auction").agg(hi=dbsp.max("price")))
     c.output("bidders", bids.select(bidder=pc.field("bidder")).distinct())
     c.output("big", bids.filter(pc.field("price") > 500))
