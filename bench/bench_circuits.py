@@ -157,7 +157,7 @@ def make_stream(total_rows: int, step_rows: int, n_auctions: int) -> list[pa.Tab
 def run_ours(batches: list[pa.Table], auctions: pa.Table, workers: int, background_merge: bool | None = False
              ) -> tuple[float, list[float], float, list[float]]:
     """Wall time, per-step times, process CPU time and per-worker CPU time of the join-aggregate run. Merges run
-    on the workers' threads unless ``background_merge`` (None: the default rule, a merger thread while the
+    on the workers' threads unless ``background_merge`` (None: the default rule, a merge thread while the
     workers leave a core free), so that W workers use W cores and (c) compares like with like."""
     c = join_agg_circuit()
     with dbsp.Pipeline(c, workers=workers, executor=EmbeddedExecutor(background_merge=background_merge)) as p:
@@ -173,7 +173,7 @@ def run_ours(batches: list[pa.Table], auctions: pa.Table, workers: int, backgrou
             p.push("bids", bt)
             p.step()
             per_step.append(time.perf_counter() - t0)
-        p.executor.settle_merges()  # merges handed to a merger thread and not done yet are work of this run
+        p.executor.settle_merges()  # merges handed to the merge thread and not done yet are work of this run
         wall = time.perf_counter() - t_start
         return wall, per_step, time.process_time() - cpu0, [b - a for a, b in zip(worker0, p.executor.worker_cpu_seconds)]
 
@@ -250,7 +250,7 @@ def bench_b_c(total_rows: int, step_rows: int, samples: int) -> dict:
         print(f"(b) W={w}: {total_rows} rows in {len(batches)} steps: {total:.2f} s, "
               f"{total_rows / total / 1e6:.2f} M rows/s, {total_rows / total / cores / 1e6:.2f} M rows/s/worker, "
               f"median step {median_ms(per_step):.1f} ms, CPU {cpu:.2f} s"
-              + ("  (merges on a merger thread: the default while a core is free)" if bgm else ""), flush=True)
+              + ("  (merges on a merge thread: the default while a core is free)" if bgm else ""), flush=True)
     duck_total, pand_total, pand_once = sampled_recompute(batches, auctions, samples)
     ours1 = res[1][0]
     how = "measured at every step" if samples is None else f"est. from {samples} samples"
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="rounds of --only c")
     ap.add_argument("--queries", default=None, help=f"comma-separated subset of (a): {','.join(QUERIES_A)}")
     ap.add_argument("--background-merge", choices=["auto", "on", "off"], default="auto",
-                    help="(a): merges on a merger thread (on), on the worker's thread (off), or the default rule")
+                    help="(a): merges on a merge thread (on), on the worker's thread (off), or the default rule")
     ap.add_argument("--steps", type=int, default=None, help="steps of (a) per query (default 200, quick 20)")
     ap.add_argument("--state-rows", type=int, default=None,
                     help="rows of state of (a) (default 1,000,000, quick 100,000; auctions are a tenth of it)")

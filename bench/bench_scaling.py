@@ -90,7 +90,7 @@ def run(query: str, state: int, groups: int, args: argparse.Namespace) -> dict:
         p.step()
         loaded += n
     settle_s = 0.0
-    if args.settle:  # the load's merges a merger thread has not finished yet: counted in the load time, and
+    if args.settle:  # the load's merges the merge thread has not finished yet: counted in the load time, and
         t1 = time.perf_counter()  # reported apart (with --no-settle they run during the measured steps)
         p.executor.settle_merges()
         settle_s = time.perf_counter() - t1
@@ -125,9 +125,9 @@ def run(query: str, state: int, groups: int, args: argparse.Namespace) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--background-merge", choices=["auto", "on", "off"], default="auto",
-                    help="merges on a merger thread (on), on the worker threads (off), or the default rule")
+                    help="merges on a merge thread (on), on the worker threads (off), or the default rule")
     ap.add_argument("--no-settle", dest="settle", action="store_false",
-                    help="with a merger thread, start the measured steps while it still merges the load's batches")
+                    help="with a merge thread, start the measured steps while it still merges the load's batches")
     ap.add_argument("--sizes", default="1M:100k,10M:1M,50M:5M,100M:10M",
                     help="comma-separated STATE:GROUPS (k, M suffixes); ratios are to the first")
     ap.add_argument("--queries", default="group_by,join,distinct")

@@ -21,9 +21,9 @@ from dbsp_core.errors import (
     WeightOverflowError,
 )
 
-from dbsp_core.envvars import check_native
+from dbsp_core.envvars import settings
 
-check_native()  # DBSP_SCRATCH_MB, DBSP_REGION_CACHE_MB: checked before a kernel reads them
+settings()  # every DBSP_* setting read and checked now (DBSP_SCRATCH_MB too, before a kernel reads it); no sizing
 
 from dbsp_core.storage import Database, StepLog  # noqa: E402
 from dbsp_core.zset import HASH_VERSION, IndexedZSet, ZSet  # noqa: E402

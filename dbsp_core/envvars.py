@@ -1,18 +1,59 @@
-"""Settings read from the environment (``DBSP_*``), checked where they are read: a value that does not parse is
-refused with the variable's name, instead of being read as 0 by C's ``strtoull`` or failing with a bare
-``float()`` error in the middle of a recovery.
+"""Every ``DBSP_*`` setting the library reads at run time, read here and nowhere else: typed, checked and documented
+with its default.
 
-The C core reads ``DBSP_SCRATCH_MB`` and ``DBSP_REGION_CACHE_MB`` itself (csrc/scratch.c); :func:`check_native`
-validates them when dbsp_core is imported, before the first kernel call reads them.
+:func:`settings` reads them all from the environment once (``import dbsp_core`` makes the first call) and keeps the
+result; a value that does not parse is refused then, with the variable's name, instead of being read as 0 by C's
+``strtoull`` or failing with a bare ``float()`` error in the middle of a recovery. Reading the settings reads
+nothing else: what is derived from them and from the machine (the key indexes' memory sizing,
+dbsp_core/trace/sizing.py) is computed when first needed.
+
+Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them:
+
+- ``DBSP_KEY_INDEX`` (trace/keyindex.py): ``0``: no trace keeps a key index; ``1``: traces may (default 1).
+- ``DBSP_KEY_INDEX_MB`` (trace/sizing.py): MiB one key index may hold, a number > 0 (default: an eighth of the
+  process's memory, at least 512).
+- ``DBSP_KEY_INDEX_TOTAL_MB`` (trace/sizing.py): MiB all key indexes together may hold, a number > 0 (default: a
+  quarter of the process's memory, at least 1024).
+- ``DBSP_PAGE_CACHE_MB`` (storage/database.py): MiB of clean pages each state database caches, a whole number >= 1
+  (default 32).
+- ``DBSP_PROGRESS`` (progress.py): ``1``: show progress lines; ``0``: never (default: when stderr is a terminal).
+- ``DBSP_PROGRESS_DELAY`` (progress.py): seconds an operation lasts before its progress shows, a number >= 0
+  (default 1).
+- ``DBSP_CRASHPOINT`` (runtime/crashpoints.py; kill tests): ``name:n``, the n-th hit (n >= 1) of crash point
+  ``name`` kills the process (default: none).
+- ``DBSP_SCRATCH_MB`` (csrc/scratch.c reads it itself; checked here): MiB of scratch buffers the C core caches per
+  thread, a whole number >= 0 (0: none; default 512).
+- ``DBSP_REGION_CACHE_MB`` (csrc/scratch.c reads it itself; checked here): MiB of freed mapped regions the C core
+  keeps for reuse, a whole number >= 0 (default 256).
+
+Not runtime settings, read where they are used (listed so that this is the one list of every ``DBSP_*`` variable;
+tests/core/test_envvars.py checks that the repository reads no other):
+
+- build (setup.py): ``DBSP_DEBUG`` (``-O0 -g``, asserts and invariant checkers on), ``DBSP_SANITIZE``
+  (AddressSanitizer); ``.ci/run`` and tests/spark/conftest.py: ``DBSP_REQUIRE_SPARK`` (a missing Spark fails).
+- the test run (tests/conftest.py, tests/hypothesis_profile.py): ``DBSP_LONG`` (also the tests marked slow),
+  ``DBSP_HYPOTHESIS_SEED``, ``DBSP_HYPOTHESIS_EXAMPLES``.
+- seeds that replay a test's random choices: ``DBSP_SQL_SEED``, ``DBSP_SQL_LIMITS_SEED``, ``DBSP_NAN_SEED``,
+  ``DBSP_NEXMARK_SEED``, ``DBSP_CONNECTOR_SEED``, ``DBSP_FILES_SEED``, ``DBSP_DAMAGE_SEED``, ``DBSP_REPAIR_SEED``,
+  ``DBSP_POISON_SEED``, ``DBSP_THREADS_SEED``, ``DBSP_CONCURRENCY_SEED``, ``DBSP_RACE_SEED``, ``DBSP_WIDE_SEED``,
+  ``DBSP_RESCALE_SEED``, ``DBSP_RESCALE_KILL_SEED``, ``DBSP_LIVE_SEED``, ``DBSP_LIVE_KILL_SEED``,
+  ``DBSP_SPARK_KILL_SEED``, ``DBSP_FUZZ_SEED``, ``DBSP_TEST_SEED``.
+- sizes of the test loops and soaks: ``DBSP_SQL_CORPUS``, ``DBSP_EO_SEEDS``, ``DBSP_EO_JOBS``, ``DBSP_CRASH_SEEDS``,
+  ``DBSP_RESCALE_SEEDS``, ``DBSP_RESCALE_KILLS``, ``DBSP_RESCALE_CRASH_FULL``, ``DBSP_LIVE_KILLS``,
+  ``DBSP_RACE_ROUNDS``, ``DBSP_WIDE_WORKERS``, ``DBSP_CONCURRENCY_ROUNDS``, ``DBSP_CONCURRENCY_KILLS``,
+  ``DBSP_CONNECTOR_KILLS``, ``DBSP_FILES_KILLS``, ``DBSP_STORAGE_KILLS``, ``DBSP_STORAGE_SOAK``,
+  ``DBSP_SPARK_KILLS``, ``DBSP_SPARK_KILL_RUNTIMES``, ``DBSP_FUZZ_CASES``.
+- what a test parent tells its child process: ``DBSP_RUN``, ``DBSP_TEST_KILL_AFTER_BATCH``, ``DBSP_UPGRADE_MARKERS``.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Mapping
+import threading
+from typing import Mapping, NamedTuple
 
-__all__ = ["parse_number", "env_number", "check_native"]
+__all__ = ["Settings", "SETTINGS", "settings", "load", "parse_number", "env_number", "check_native"]
 
 NATIVE = ("DBSP_SCRATCH_MB", "DBSP_REGION_CACHE_MB")  # whole MiB >= 0, read by csrc/scratch.c
 
@@ -36,6 +77,122 @@ def parse_number(text: str, name: str, *, integer: bool = False, positive: bool 
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         raise ValueError(f"{name} must be {what}, got {text!r}")
     return value
+
+
+def parse_flag(text: str, name: str) -> bool:
+    """``"1"`` as True, ``"0"`` as False, else ValueError naming ``name``.
+
+    >>> parse_flag(" 0 ", "DBSP_KEY_INDEX")
+    False
+    >>> parse_flag("yes", "DBSP_KEY_INDEX")
+    Traceback (most recent call last):
+    ...
+    ValueError: DBSP_KEY_INDEX must be 0 or 1, got 'yes'
+    """
+    value = text.strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1, got {text!r}")
+    return value == "1"
+
+
+def parse_crashpoint(text: str, name: str) -> str:
+    """``"name:n"`` (a crash point's name and a whole number n >= 1), stripped, else ValueError naming ``name``.
+
+    >>> parse_crashpoint("commit:3", "DBSP_CRASHPOINT")
+    'commit:3'
+    >>> parse_crashpoint("commit", "DBSP_CRASHPOINT")
+    Traceback (most recent call last):
+    ...
+    ValueError: DBSP_CRASHPOINT must be name:n (a crash point and a whole number n >= 1), got 'commit'
+    """
+    point, sep, n = text.strip().partition(":")
+    if not point or not sep or not n.isdigit() or int(n) < 1:
+        raise ValueError(f"{name} must be name:n (a crash point and a whole number n >= 1), got {text!r}")
+    return f"{point}:{int(n)}"
+
+
+class Setting(NamedTuple):
+    """One runtime setting: its variable, the :class:`Settings` field it fills, how its text parses and what unset
+    means (the default: a value, or None where the reader derives one)."""
+
+    name: str
+    field: str
+    kind: str  # "flag" | "number" | "whole" | "crashpoint"
+    positive: bool = False  # numbers: > 0 rather than >= 0
+    default: object = None
+
+    def parse(self, text: str) -> object:
+        """The value of ``text`` (not blank), else ValueError naming the variable."""
+        if self.kind == "flag":
+            return parse_flag(text, self.name)
+        if self.kind == "crashpoint":
+            return parse_crashpoint(text, self.name)
+        return parse_number(text, self.name, integer=self.kind == "whole", positive=self.positive)
+
+
+SETTINGS: tuple[Setting, ...] = (  # the list of the module docstring, in its order
+    Setting("DBSP_KEY_INDEX", "key_index", "flag", default=True),
+    Setting("DBSP_KEY_INDEX_MB", "key_index_mb", "number", positive=True),  # None: trace/sizing.py derives it
+    Setting("DBSP_KEY_INDEX_TOTAL_MB", "key_index_total_mb", "number", positive=True),  # likewise
+    Setting("DBSP_PAGE_CACHE_MB", "page_cache_mb", "whole", positive=True, default=32),
+    Setting("DBSP_PROGRESS", "progress", "flag"),  # None: when stderr is a terminal
+    Setting("DBSP_PROGRESS_DELAY", "progress_delay", "number", default=1.0),
+    Setting("DBSP_CRASHPOINT", "crashpoint", "crashpoint", default=""),
+    Setting("DBSP_SCRATCH_MB", "scratch_mb", "whole"),  # None: the C core's default (csrc/scratch.c)
+    Setting("DBSP_REGION_CACHE_MB", "region_cache_mb", "whole"),  # likewise
+)
+
+
+class Settings(NamedTuple):
+    """The runtime settings (:data:`SETTINGS`), typed; None where unset and the reader derives the default."""
+
+    key_index: bool
+    key_index_mb: float | None
+    key_index_total_mb: float | None
+    page_cache_mb: int
+    progress: bool | None
+    progress_delay: float
+    crashpoint: str
+    scratch_mb: int | None
+    region_cache_mb: int | None
+
+
+assert Settings._fields == tuple(s.field for s in SETTINGS)
+
+
+def load(environ: Mapping[str, str] | None = None) -> Settings:
+    """Every runtime setting parsed from ``environ`` (default ``os.environ``), defaults where unset or blank; the
+    first value that does not parse raises ValueError naming its variable.
+
+    >>> s = load({"DBSP_KEY_INDEX": "0", "DBSP_PAGE_CACHE_MB": "8"})
+    >>> s.key_index, s.page_cache_mb, s.key_index_mb, s.progress_delay
+    (False, 8, None, 1.0)
+    >>> load({"DBSP_PAGE_CACHE_MB": "0"})
+    Traceback (most recent call last):
+    ...
+    ValueError: DBSP_PAGE_CACHE_MB must be a whole number > 0, got '0'
+    """
+    env = os.environ if environ is None else environ
+    values = []
+    for s in SETTINGS:
+        text = env.get(s.name)
+        values.append(s.default if text is None or not text.strip() else s.parse(text))
+    return Settings(*values)
+
+
+_current: Settings | None = None
+_lock = threading.Lock()
+
+
+def settings() -> Settings:
+    """The process's runtime settings: read from the environment at the first call (importing dbsp_core makes it),
+    the same object after. Raises ValueError naming the first variable that does not parse."""
+    global _current
+    if _current is None:
+        with _lock:
+            if _current is None:
+                _current = load()
+    return _current
 
 
 def env_number(name: str, *, integer: bool = False, positive: bool = False,

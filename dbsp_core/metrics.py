@@ -16,7 +16,7 @@ The Prometheus names (``dbsp_`` prefix): ``steps_total``, ``pushes_total``, ``du
 ``rows_in_total{input}``, ``rows_out_total{output}``, ``step_seconds`` (histogram), ``checkpoints_total``,
 ``checkpoint_seconds`` (last), ``checkpoint_time_seconds_total``, ``replayed_steps_total``, ``recovery_seconds``,
 ``log_bytes{log}``, ``state_bytes{worker}``, ``state_shard_bytes{worker,shard}``, ``key_index_bytes{worker}``
-(the traces' key indexes, memory beside the state: dbsp_core/trace.py invariant 11), ``late_rows_total{input}``,
+(the traces' key indexes, memory beside the state: trace invariant 11, dbsp_core/trace/keyindex.py), ``late_rows_total{input}``,
 ``output_steps{end}`` (first, last), ``consumer_next_step{consumer}``, ``workers``, ``shards``; of each source
 (dbsp_core.connectors.files) ``source_files_total{source}``, ``source_rows_total{source}``,
 ``source_bad_files_total{source}``, ``source_quarantined_files_total{source}``,
@@ -163,8 +163,8 @@ def state_bytes(traces: dict[str, Any], shard_bits: int) -> tuple[int, dict[int,
     per = np.zeros(1 << shard_bits, dtype=np.float64)
     total = 0
     for trace in traces.values():
-        spine, pending = trace.parts()
-        for b in list(spine) + list(pending):
+        placed, pending = trace.parts()
+        for b in list(placed) + list(pending):
             n = len(b)
             if not n:
                 continue

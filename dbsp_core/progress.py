@@ -7,24 +7,20 @@ ends. Nothing is printed for operations shorter than ``delay``, so tests and sho
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 from typing import IO, Any
 
-from dbsp_core.envvars import env_number
+from dbsp_core.envvars import settings
 
 __all__ = ["Progress", "progress"]
 
-_delay = env_number("DBSP_PROGRESS_DELAY")  # checked at import, not when a recovery first shows its progress
-DELAY = 1.0 if _delay is None else _delay
-
 
 def _enabled(stream: IO[str]) -> bool:
-    flag = os.environ.get("DBSP_PROGRESS")
+    flag = settings().progress  # DBSP_PROGRESS
     if flag is not None:
-        return flag == "1"
+        return flag
     try:
         return stream.isatty()
     except (AttributeError, ValueError):
@@ -96,4 +92,4 @@ class Progress:
 
 def progress(what: str, total: int | None = None, unit: str = "") -> Progress:
     """A :class:`Progress` on stderr: ``with progress("recovery replay", total=n) as pr: ... pr.update(k)``."""
-    return Progress(what, total, unit, delay=DELAY)
+    return Progress(what, total, unit, delay=settings().progress_delay)  # DBSP_PROGRESS_DELAY

@@ -78,7 +78,7 @@ def test_merge(benchmark, bids, small) -> None:
     other = pa.table({"auction": rng.integers(0, GROUPS, n), "bidder": rng.integers(0, 1000, n),
                       "price": rng.integers(1, 10_000, n)})
     b = dbsp.ZSet.from_arrow(other).index_by(["auction"])
-    a._row_hashes(), b._row_hashes()  # traces keep row hashes with their batches (trace.py)
+    a._row_hashes(), b._row_hashes()  # traces keep row hashes with their batches (dbsp_core/trace/levels.py)
     m = benchmark(a.merge, b)
     assert len(m) >= len(a)  # 1M distinct rows plus the other batch's, less any that cancel (none here)
 

@@ -11,7 +11,7 @@ from conftest import GROUPS, ROWS, SEED
 import dbsp_core as dbsp
 
 CHANGE, DELS = 1000, 100
-ROUNDS, WARMUP = 100, 10  # a mean over 100 consecutive steps takes in the merges they pay (trace.py)
+ROUNDS, WARMUP = 100, 10  # a mean over 100 consecutive steps takes in the merges they pay (dbsp_core/trace/levels.py)
 
 
 @pytest.fixture(scope="module", params=["group_by", "join", "distinct"])

@@ -77,7 +77,7 @@ class Fetched:
             return
         self.seen = np.union1d(self.seen, new)
         for b in old.lookup(new):
-            mine = np.flatnonzero(np.isin(b.key_hash, new))  # lookup may return more (trace.py lookup)
+            mine = np.flatnonzero(np.isin(b.key_hash, new))  # lookup may return more (Trace.lookup)
             if len(mine) == 0:
                 continue
             b = b if len(mine) == len(b) else b.take(mine)

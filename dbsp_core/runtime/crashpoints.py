@@ -6,6 +6,8 @@ import os
 import signal
 import threading
 
+from dbsp_core.envvars import settings
+
 _crash_name, _crash_left = "", 0
 _crash_lock = threading.Lock()
 
@@ -17,7 +19,7 @@ def arm_crashpoint(spec: str) -> None:
     _crash_name, _crash_left = name, (int(n) if n.isdigit() else 0)
 
 
-arm_crashpoint(os.environ.get("DBSP_CRASHPOINT", ""))
+arm_crashpoint(settings().crashpoint)  # DBSP_CRASHPOINT
 
 
 def crashpoint(name: str) -> None:

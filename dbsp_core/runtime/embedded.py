@@ -40,7 +40,7 @@ from dbsp_core.runtime.rollback import capture, restore
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.formats import state_db_path
 from dbsp_core.storage.snapshot import state_attrs, state_tables
-from dbsp_core.trace import BackgroundMerger, Trace, merging
+from dbsp_core.trace import MergeThread, Trace, merging
 from dbsp_core.zset import ZSet
 
 
@@ -121,7 +121,7 @@ class EmbeddedExecutor:
 
     ``vfs`` (tests): the I/O layer of the worker databases, ``"posix"`` or ``"fault"``.
 
-    ``background_merge``: trace merges run on a merger thread of their own, beside the workers (trace invariant
+    ``background_merge``: trace merges run on a merge thread of their own, beside the workers (trace invariant
     10), so a step does not wait for them: True, False, or None (the default: while the workers leave a core
     free, ``workers < os.cpu_count()``). Results, state and checkpoints are the same either way; it trades a
     second core for shorter steps.
@@ -134,7 +134,7 @@ class EmbeddedExecutor:
     def __init__(self, vfs: str = "posix", background_merge: bool | None = None) -> None:
         self.vfs = vfs
         self.background_merge = background_merge
-        self._merger: BackgroundMerger | None = None
+        self._merge_thread: MergeThread | None = None
         self.circuit: Circuit | None = None
         self.layout: Layout | None = None
         self.storage: str | None = None
@@ -239,21 +239,21 @@ class EmbeddedExecutor:
 
     # ---- steps ----
 
-    def _background(self) -> "BackgroundMerger | None":
-        """The merger thread for this step's traces, if background merging is on (started on first use)."""
+    def _step_merge_thread(self) -> "MergeThread | None":
+        """The merge thread for this step's traces, if background merging is on (started on first use)."""
         on = self.background_merge
         if on is None:
             on = self.layout is not None and self.layout.workers < _CORES
         if not on:
             return None
-        if self._merger is None:
-            self._merger = BackgroundMerger()
-        return self._merger
+        if self._merge_thread is None:
+            self._merge_thread = MergeThread()
+        return self._merge_thread
 
-    def _run_worker(self, w: int, merger: "BackgroundMerger | None" = None) -> dict[str, ZSet]:
+    def _run_worker(self, w: int, merge_thread: "MergeThread | None" = None) -> dict[str, ZSet]:
         t0 = time.thread_time() if self.measure_cpu else 0.0
         try:
-            with merging(merger):
+            with merging(merge_thread):
                 return self._workers[w].step()
         except BaseException:
             assert self._exchanger is not None
@@ -287,15 +287,15 @@ class EmbeddedExecutor:
         if self._exchanger.barrier.broken:
             self._exchanger.barrier.reset()
         self._exchanger.mailboxes.clear()
-        bg = self._background()
+        mt = self._step_merge_thread()
         if self._pool is None:
-            results = [self._run_worker(0, bg)]
+            results = [self._run_worker(0, mt)]
         else:
-            futures = [self._pool.submit(self._run_worker, w, bg) for w in range(1, W)]
+            futures = [self._pool.submit(self._run_worker, w, mt) for w in range(1, W)]
             errors: list[BaseException] = []
             results = []
             try:
-                results.append(self._run_worker(0, bg))
+                results.append(self._run_worker(0, mt))
             except BaseException as exc:  # wait for the others before reporting
                 errors.append(exc)
             for f in futures:
@@ -410,25 +410,25 @@ class EmbeddedExecutor:
         return moved
 
     def settle_merges(self) -> None:
-        """Wait until the merger thread has no merge left and every trace has installed what it merged (after a
+        """Wait until the merge thread has no merge left and every trace has installed what it merged (after a
         bulk load, say, so later steps do not share the machine with the load's merges). Call between steps."""
         self._install_merges(settle=True)
 
     def _install_merges(self, settle: bool = False) -> None:
-        """Between steps (the caller holds the step lock): every trace installs the merges the merger's thread
+        """Between steps (the caller holds the step lock): every trace installs the merges the merge thread
         finished (trace invariant 10), so what is saved, moved or measured next is merged. With ``settle``, waits
-        for the merger until no merge it was handed is left (what a shard cut needs: merged batches move fewer
-        bytes than their inputs; the wait is merge work the steps before would have done without the merger)."""
-        if self._merger is None:
+        for the merge thread until no merge it was handed is left (what a shard cut needs: merged batches move fewer
+        bytes than their inputs; the wait is merge work the steps before would have done without the merge thread)."""
+        if self._merge_thread is None:
             return
         traces = [getattr(inst, name) for wk in self._workers for i, inst in wk.stateful().items()
                   for name in state_attrs(i, inst)[0]]
         while True:
-            installed = sum(t.install_finished(self._merger if settle else None) for t in traces)
-            # nothing left to install and an idle merger (no merge handed over and unfinished): settled
-            if not settle or (not installed and self._merger.wait_idle(0)):
+            installed = sum(t.install_finished(self._merge_thread if settle else None) for t in traces)
+            # nothing left to install and an idle merge thread (no merge handed over and unfinished): settled
+            if not settle or (not installed and self._merge_thread.wait_idle(0)):
                 return
-            self._merger.wait_idle()
+            self._merge_thread.wait_idle()
 
     def state_bytes(self) -> int:
         """Bytes of every worker's state in memory (the Arrow buffers of its traces and Z-sets)."""
@@ -486,9 +486,9 @@ class EmbeddedExecutor:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        if self._merger is not None:
-            self._merger.close()
-            self._merger = None
+        if self._merge_thread is not None:
+            self._merge_thread.close()
+            self._merge_thread = None
         if self._coord is not None:
             self._coord.close()
             self._coord = None

@@ -25,7 +25,7 @@ Invariants (enforced here):
      commit logs the trace keys its save added and deleted (table ``stagelog``, the last 16 versions), so a
      stale entry reads only the batches saved since it, without scanning the state. A
      failed attempt in the same process rolls the cached instances back to the job's start (traces are
-     spines of immutable batches, so the rollback keeps references, not copies).
+     levels of immutable batches, so the rollback keeps references, not copies).
   5. With ``outputs_in_result`` (a runner sets it on a stateful last stage), a task returns its blobs without
      its output shares, and the driver reads those from the result files (:func:`read_result_outputs`) once
      the job has succeeded: the files hold exactly the committed attempt's blobs (invariant 3) under the job's

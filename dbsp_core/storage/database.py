@@ -11,7 +11,7 @@ import os
 from typing import Iterator, Optional, Union
 
 from dbsp_core import _storage
-from dbsp_core.envvars import env_number
+from dbsp_core.envvars import settings
 
 __all__ = ["Database", "DatabaseHandle", "SHARD_PREFIX_BYTES", "shard_key", "shard_of_key"]
 
@@ -66,21 +66,16 @@ def _prefix_end(prefix: bytes) -> Optional[bytes]:
     return bytes(p)
 
 
-_PAGE_CACHE_ENV = env_number("DBSP_PAGE_CACHE_MB", integer=True, positive=True)  # checked when imported
-# the clean-page cache of each database, MiB. Up to 2026-11-27 it was 256, which a pipeline's databases (one per
-# worker, and the driver's) each filled with the pages of their checkpoints, seldom read again: 0.5 GiB of a W=2
-# pipeline's 1.7 GiB resident memory after ten checkpoints of 15M rows of state.
-PAGE_CACHE_MB = int(_PAGE_CACHE_ENV) if _PAGE_CACHE_ENV is not None else 32
-
-
 def default_cache_pages() -> int:
     """Clean 4 KiB pages a Database caches unless told: ``DBSP_PAGE_CACHE_MB`` MiB (a whole number >= 1, read
-    when dbsp_core is imported), else 32 MiB.
+    when dbsp_core is imported: dbsp_core/envvars.py), else 32 MiB. (Up to 2026-11-27 the default was 256, which a
+    pipeline's databases, one per worker and the driver's, each filled with the pages of their checkpoints, seldom
+    read again: 0.5 GiB of a W=2 pipeline's 1.7 GiB resident memory after ten checkpoints of 15M rows of state.)
 
-    >>> default_cache_pages() == PAGE_CACHE_MB * 256
+    >>> default_cache_pages() == settings().page_cache_mb * 256
     True
     """
-    return PAGE_CACHE_MB * 256
+    return settings().page_cache_mb * 256
 
 
 class Database:

@@ -16,7 +16,7 @@ Invariants (enforced here):
      (a trace batch is sorted by key hash, and the trace's key decides where its rows live: keyed operators
      read their input exchanged by that key). Key ``order.<table>`` of table ``snapshot`` lists the batch
      numbers in trace order, how many batches each number holds and how many of them are settled, so a
-     restored trace has the same spine and pending batches. The values of one number, in shard order,
+     restored trace has the same levels and pending batches. The values of one number, in shard order,
      concatenate to the batch (or to the part of it still in this database after a move); a listed number
      whose values all moved away loads as nothing.
   5. A plain Z-set (table ``z<node>.<attr>``: integrate, delay, differentiate, filter-now state) is split by the
@@ -47,7 +47,7 @@ from dbsp_core.errors import CorruptionError, DbspError
 from dbsp_core.storage.database import SHARD_PREFIX_BYTES, DatabaseHandle, shard_key, shard_of_key
 from dbsp_core.storage.formats import (BATCH_GROUP_MAGIC, BATCH_MAGIC, ORDER_MAGIC, SNAPSHOT_NEXT, SNAPSHOT_TABLE,
                                        ZSET_MAGIC, order_key, trace_table, zset_table)
-from dbsp_core.trace import Trace, ranges_to_indices
+from dbsp_core.trace import Trace
 from dbsp_core.zset import IndexedZSet, ZSet
 
 _CONFIG_TYPES = (str, int, float, bool, bytes, tuple, pa.Schema, type(None))
@@ -129,6 +129,22 @@ def zset_pieces(z: ZSet, columns: tuple[str, ...], shard_bits: int) -> list[tupl
     w = np.asarray(z.weights, dtype=np.int64)[order]
     return [(int(s), ZSet._make(data.slice(int(a), int(b - a)), w[a:b]))
             for s, a, b in zip(shards.tolist(), starts.tolist(), ends.tolist())]
+
+
+def ranges_to_indices(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Concatenate the integer ranges ``[lo[i], hi[i])`` into one int64 array, vectorized.
+
+    >>> ranges_to_indices(np.array([0, 5]), np.array([2, 7])).tolist()
+    [0, 1, 5, 6]
+    """
+    lens = (hi - lo).astype(np.int64)
+    keep = lens > 0
+    lo, lens = lo[keep].astype(np.int64), lens[keep]
+    total = int(lens.sum())
+    if total == 0:
+        return np.empty(0, dtype=np.int64)
+    starts = np.cumsum(lens) - lens
+    return np.repeat(lo - starts, lens) + np.arange(total, dtype=np.int64)
 
 
 def _put_group(h: DatabaseHandle, table: str, run: list, bounds: list[np.ndarray], shards: list[int],
@@ -399,7 +415,7 @@ class WorkerSnapshot:
             else:
                 plan.append(("group", table, run, bounds, shards, keys))
             i = j
-        numbers, counts, in_spine = [], [], 0
+        numbers, counts, in_levels = [], [], 0
         prev, listed = None, set()
         for i, b in enumerate(batches):  # the trace order of the stored values (invariant 4)
             keys = saved[id(b)][1]
@@ -415,8 +431,8 @@ class WorkerSnapshot:
                 counts.append(1)
                 listed.add(number)
             prev = keys
-            in_spine += i < len(settled)
-        plan.append(("order", table, numbers, counts, in_spine))
+            in_levels += i < len(settled)
+        plan.append(("order", table, numbers, counts, in_levels))
 
     @staticmethod
     def apply(h: DatabaseHandle, plan: list[tuple]) -> int:
@@ -568,12 +584,12 @@ class WorkerSnapshot:
             rows += len(b)
         if not settled_done:
             trace.settle()
-        spine = {id(b) for b in sum(trace.parts(), [])}
+        live = {id(b) for b in sum(trace.parts(), [])}
         # values whose batches are not all live as saved (merged while settling, or a group that lost members):
         # their live batches are saved again and their keys deleted by the next save
-        gone = {id(keys): keys for b, keys, _ in restored if id(b) not in spine or id(keys) in partial}
+        gone = {id(keys): keys for b, keys, _ in restored if id(b) not in live or id(keys) in partial}
         self._saved[table] = {id(b): (weakref.ref(b), keys) for b, keys, _ in restored
-                              if id(b) in spine and id(keys) not in gone}
+                              if id(b) in live and id(keys) not in gone}
         if gone:
             self._orphans[table] = list(gone.values())
         return rows

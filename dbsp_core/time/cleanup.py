@@ -7,7 +7,7 @@ Invariants:
      again and its output is unchanged. The integral of the operator's output keeps every row it emitted.
   2. A join drops a side's rows by the lineage of the *other* side's matching key column (only the other side's
      later changes meet a side's state); keyed operators by their input's lineage.
-  3. Cleanup is amortized (trace.py invariant 5): it runs at the start of a step, before the step's change, whose
+  3. Cleanup is amortized (trace invariant 5): it runs at the start of a step, before the step's change, whose
      rows are at or above the bounds too (late rows never enter).
 """
 

@@ -18,7 +18,7 @@ Invariants:
   4. Cleanup: when the time column has a lineage bound B (every later change has ``t >= B``, lineage.py), a
      session with ``end < B`` is closed: a later row neither joins it (``t > end``) nor bridges it with a later
      session, and a deletion of one of its rows would be late. The trace drops the rows of closed sessions
-     (``drop_below`` on ``end``, amortized as trace.py invariant 5); the output integral keeps them. The closed
+     (``drop_below`` on ``end``, amortized as trace invariant 5); the output integral keeps them. The closed
      sessions of a group come before its open ones, so sessions recomputed without them are unchanged.
   5. Lineage: every output row belongs to a session that a changed row (time >= B) joined, left or sat next
      to, so its ``end`` is >= B: ``end`` takes the time column's lineage. The group keys keep theirs (a change

@@ -1,6 +1,6 @@
 """Background merging (trace invariant 10, ``EmbeddedExecutor(background_merge=...)``): a pipeline whose trace merges run
-on a merger thread gives, step by step, the same outputs as one that merges on its workers' threads, and DuckDB's
-answer over the integrated input; a trace keeps its content through a rollback and reports a merger's failure."""
+on a merge thread gives, step by step, the same outputs as one that merges on its workers' threads, and DuckDB's
+answer over the integrated input; a trace keeps its content through a rollback and reports a merge thread's failure."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 import dbsp_core as dbsp
 from dbsp_core.runtime.embedded import EmbeddedExecutor
-from dbsp_core.trace import BackgroundMerger, Trace, merging
+from dbsp_core.trace import MergeThread, Trace, merging
 
 BIDS = pa.schema([("auction", pa.int64()), ("bidder", pa.int64()), ("price", pa.int64())])
 AUCTIONS = pa.schema([("id", pa.int64()), ("category", pa.int64())])
@@ -66,7 +66,7 @@ def test_background_merging_gives_the_same_outputs_step_by_step_and_duckdbs_answ
                     p.push("bids", dels, weights=np.full(dels.num_rows, -1))
                 got.append({k: z.to_dict() for k, z in p.step().items()})
             if bg:
-                assert ex._merger is not None and ex._merger.merged_rows > 0, "the merger's thread merged nothing"
+                assert ex._merge_thread is not None and ex._merge_thread.merged_rows > 0, "the merge thread merged nothing"
         outs[bg] = got
     for i, (a, b) in enumerate(zip(outs[False], outs[True])):
         assert a == b, f"step {i}: outputs differ with background merging (W={workers}, seed={SEED})"
@@ -93,12 +93,12 @@ def _z(seed: int, n: int) -> dbsp.ZSet:
 
 @pytest.fixture
 def hand_over_all(monkeypatch):
-    """Every merge handed to the merger thread, however small (Trace.INLINE_MERGE keeps small ones inline)."""
+    """Every merge handed to the merge thread, however small (Trace.INLINE_MERGE keeps small ones inline)."""
     monkeypatch.setattr(Trace, "INLINE_MERGE", 0)
 
 
 def test_a_rollback_under_a_merger_keeps_the_content_it_captured(hand_over_all):
-    with BackgroundMerger() as bg, merging(bg):
+    with MergeThread() as bg, merging(bg):
         t = Trace(S, ("k",))
         model = dbsp.ZSet.empty(S)
         for i in range(40):
@@ -119,14 +119,14 @@ def test_a_rollback_under_a_merger_keeps_the_content_it_captured(hand_over_all):
 
 
 def test_a_merge_that_failed_on_the_merger_thread_fails_the_insert_that_needs_it(hand_over_all):
-    with BackgroundMerger() as bg:
-        bg.close()  # a stopped merger: handed merges stay where they are, so the test controls them
+    with MergeThread() as bg:
+        bg.close()  # a stopped merge thread: handed merges stay where they are, so the test controls them
         with merging(bg):
             t = Trace(S, ("k",))
             t.insert(_z(1, 300).index_by(["k"]))
             t.insert(_z(2, 300).index_by(["k"]))  # two loose batches at one level: a merge starts, handed over
-            m = next(lv.merge for lv in t._levels if lv.merge is not None)
-            assert m.shared is not None and not m.merger.done
+            m = next(lv.merge for lv in t._by_level if lv.merge is not None)
+            assert m.shared is not None and not m.cursor.done
             m.shared.error = MemoryError("merge buffers")
             with pytest.raises(MemoryError, match="merge buffers"):
                 for i in range(3, 50):  # soon the merge is due and the inserting thread needs it
@@ -144,7 +144,7 @@ def test_settle_merges_leaves_no_merge_in_flight_and_the_state_unchanged(hand_ov
             p.step()
         content = {k: tr.consolidated().zset.to_dict() for k, tr in ex.traces(0).items()}
         ex.settle_merges()
-        assert ex._merger.wait_idle(0)
+        assert ex._merge_thread.wait_idle(0)
         for name, tr in ex.traces(0).items():
             for _, _, m in tr.levels():
                 assert m is None, f"{name}: a merge still in progress after settle_merges: {tr}"
@@ -154,9 +154,9 @@ def test_settle_merges_leaves_no_merge_in_flight_and_the_state_unchanged(hand_ov
 
 def test_small_merges_stay_on_the_inserting_thread_and_large_ones_are_handed_over():
     """Trace.INLINE_MERGE: a merge of at most that many rows of work advances by fuel on the inserting thread (a
-    hand-over costs more than the merge), so a merger serving small steps merges nothing; a larger one goes to the
-    merger's thread. The content is the same either way."""
-    with BackgroundMerger() as bg, merging(bg):
+    hand-over costs more than the merge), so a merge thread serving small steps merges nothing; a larger one goes to the
+    merge thread. The content is the same either way."""
+    with MergeThread() as bg, merging(bg):
         t = Trace(S, ("k",))
         model = dbsp.ZSet.empty(S)
         for i in range(16):  # 16 x 200 rows: every merge's work is at most 3,200 rows

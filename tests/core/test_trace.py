@@ -1,4 +1,4 @@
-"""The trace (dbsp_core/trace.py) against a dict model: content and reads after any inserts, reads, settles and restores, batch counts, and merge work counted in rows."""
+"""The trace (dbsp_core/trace/) against a dict model: content and reads after any inserts, reads, settles and restores, batch counts, and merge work counted in rows."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dbsp_core as dbsp
-from dbsp_core.trace import BackgroundMerger, Trace, level_of, merging
+from dbsp_core.trace import MergeThread, Trace, level_of, merging
 
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
 
@@ -62,20 +62,20 @@ def _check_reads(t: Trace, model: dict, keys: list[int]) -> None:
 
 
 def _batch_bound(t: Trace, per_level: int = 2) -> int:
-    """O(log n) batches: two per level (three with a background merger: a merge and two loose batches, trace
+    """O(log n) batches: two per level (three with a merge thread: a merge and two loose batches, trace
     invariant 10), levels up to ceil(log2(rows inserted))."""
     return per_level * (level_of(max(t.inserted_rows, 2)) + 1) + len(t.pending)
 
 
-_MERGER: BackgroundMerger | None = None
+_MERGE_THREAD: MergeThread | None = None
 
 
-def _merger() -> BackgroundMerger:
-    """One merger thread for the tests of this module (a thread per example would be slow to start)."""
-    global _MERGER
-    if _MERGER is None:
-        _MERGER = BackgroundMerger()
-    return _MERGER
+def _merge_thread() -> MergeThread:
+    """One merge thread for the tests of this module (a thread per example would be slow to start)."""
+    global _MERGE_THREAD
+    if _MERGE_THREAD is None:
+        _MERGE_THREAD = MergeThread()
+    return _MERGE_THREAD
 
 
 ops = st.lists(st.one_of(
@@ -101,14 +101,14 @@ def _new(cls, index):
 @settings(deadline=None)
 @given(ops, st.sampled_from([Trace, SlowTrace]), st.booleans(), st.sampled_from(list(INDEXES)), st.sampled_from([0, 64]))
 def test_any_inserts_reads_settles_and_restores_match_the_model(steps, cls, bg, index, inline):
-    """Also with a background merger (invariant 10): the same content and reads whatever the merger's thread
+    """Also with a merge thread (invariant 10): the same content and reads whatever the merge thread
     has done when they happen ("idle" waits until it has finished every merge handed to it), with every merge
     handed over or those of at most 64 rows kept inline (Trace.INLINE_MERGE); and with a key index (invariant
     11), which every step's check() compares with the batches."""
     saved = Trace.INLINE_MERGE
     Trace.INLINE_MERGE = inline
     try:
-        with merging(_merger() if bg else None):
+        with merging(_merge_thread() if bg else None):
             _run_ops(steps, cls, bg, index)
     finally:
         Trace.INLINE_MERGE = saved
@@ -129,7 +129,7 @@ def _run_ops(steps, cls, bg, index=None):
         elif op[0] == "settle":
             t.settle()
         elif op[0] == "idle":
-            assert _merger().wait_idle(30)
+            assert _merge_thread().wait_idle(30)
         elif op[0] == "drop":  # invariant 8: forget keys below a bound, merges in progress included
             gone = sum(abs(w) for (k, _), w in model.items() if k < op[1])
             dropped = t.drop_below({"k": op[1]}, force=True)
@@ -325,10 +325,10 @@ def test_indexes_past_the_process_budget_are_dropped_with_a_warning_and_reads_st
 
 
 def test_the_key_index_limit_grows_with_memory_and_refuses_bad_settings():
-    """trace.key_index_mb: DBSP_KEY_INDEX_MB when set; else an eighth of the memory (a 10M-group index of two sums,
+    """trace.sizing.key_index_mb: DBSP_KEY_INDEX_MB when set; else an eighth of the memory (a 10M-group index of two sums,
     640 MiB, fits on a 24 GiB machine), never below 512 MiB; a setting that is not a positive number is refused with
     the variable's name instead of turning the indexes off or on silently."""
-    from dbsp_core.trace import key_index_mb, memory_bytes
+    from dbsp_core.trace.sizing import key_index_mb, memory_bytes
 
     assert key_index_mb(None, 24 * 2**30) == 3072.0
     assert key_index_mb("", 64 * 2**30) == 8192.0
@@ -342,11 +342,12 @@ def test_the_key_index_limit_grows_with_memory_and_refuses_bad_settings():
 
 
 def test_an_index_past_its_size_limit_is_dropped_before_it_grows(monkeypatch):
-    """DBSP_KEY_INDEX_MB (trace.KEY_INDEX_MB): the index refuses to grow past it (no transient table of twice the
+    """DBSP_KEY_INDEX_MB (trace.sizing.key_index_sizing().index_mb): the index refuses to grow past it (no transient table of twice the
     limit), the trace turns it off and its reads walk the batches, with the same results."""
-    import dbsp_core.trace as trace_mod
+    from dbsp_core.trace import sizing
 
-    monkeypatch.setattr(trace_mod, "KEY_INDEX_MB", 64 / 1024)  # 64 KiB: 2048 slots of 4 words
+    monkeypatch.setattr(sizing, "_sizing", sizing.key_index_sizing()._replace(index_mb=64 / 1024))  # 64 KiB: 2048
+    # slots of 4 words
     t = _new(Trace, "key")
     with pytest.warns(dbsp.IndexDroppedWarning, match="DBSP_KEY_INDEX_MB"):
         model = _fill(t, range(40), 200, 10_000)

@@ -8,7 +8,8 @@ import importlib
 import pytest
 
 MODULES = ["dbsp_core.storage.database", "dbsp_core.storage.steplog", "dbsp_core.storage.faults",
-           "dbsp_core.storage.outputlog_format1", "dbsp_core.storage.consumers"]
+           "dbsp_core.storage.outputlog_format1", "dbsp_core.storage.consumers",
+           "dbsp_core.storage.snapshot"]
 
 
 @pytest.mark.parametrize("name", MODULES)

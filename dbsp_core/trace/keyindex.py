@@ -1,0 +1,303 @@
+"""The key-index cache of a trace: per key, the sums over the trace's content kept beside its batches, so a read
+probes once per key instead of walking every batch.
+
+Invariant (trace invariant 11, enforced here):
+ 11. A trace may keep a key index (:meth:`Trace.keep_index`, csrc/keyindex.h): per key (the trace key, or the whole
+     row), the sums over the trace's content of weight times some int64 columns (or of the weight alone). It is a
+     cache: the batches stay the state (checkpoints, shard cuts, rollback and merges never read it). Every change of
+     content takes a fresh token (``_token``, from one process-wide counter); the index holds the token of the
+     content its sums match, so it is read only while the two are equal. An insert adds the batch to the sums, a
+     shard cut subtracts the moved rows; anything else (clear, drop_below, a rollback that puts back an earlier
+     token) leaves the index stale. A stale index is rebuilt from the batches, O(rows) once, by the third read
+     that wants it (the first two walk the batches), so a trace that is loaded afresh for every job (a stage task
+     without its cache) never pays for an index it would not keep. Reads through a current index give exactly
+     what the walk over the batches gives.
+
+The index's state lives in the trace's own attributes (``_token``, ``_kix*``), so a rollback's capture of a trace's
+attributes (dbsp_core/runtime/rollback.py invariant 1) holds it too. Its size limits come from
+dbsp_core/trace/sizing.py, computed when the first index is built.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+
+from dbsp_core.envvars import settings
+from dbsp_core.errors import IndexDroppedWarning, WeightOverflowError
+from dbsp_core.trace.sizing import key_index_sizing
+
+if TYPE_CHECKING:
+    from dbsp_core.zset import IndexedZSet
+
+__all__ = ["KeyIndexed", "summable"]
+
+_TOKENS = itertools.count(1)  # content tokens (invariant 11): unique in the process, never reused
+
+
+def summable(t: pa.DataType) -> bool:
+    """Whether a key index can sum a column of type ``t`` as int64 (csrc/keyindex.h): integers other than uint64,
+    dates (date32) and timestamps.
+
+    >>> summable(pa.int32()), summable(pa.timestamp("ms")), summable(pa.uint64()), summable(pa.float64())
+    (True, True, False, False)
+    """
+    return ((pa.types.is_integer(t) and not pa.types.is_uint64(t)) or pa.types.is_date32(t)
+            or pa.types.is_timestamp(t))
+
+
+class KeyIndexed:
+    """The key-index half of :class:`~dbsp_core.trace.Trace` (invariant 11): keeping, updating, reading and
+    dropping its key index. It uses the trace's ``schema``, ``key``, ``pending``, ``_by_level``, ``_read()``
+    and ``_levels()``; the trace calls :meth:`_changed` at every change of content and
+    :meth:`_init_key_index` when it is made."""
+
+    INDEX_WAIT = 2  # reads that walk the batches before a stale key index is rebuilt (invariant 11)
+
+    def _init_key_index(self) -> None:
+        """A new trace's content token; no key index kept."""
+        self._token = next(_TOKENS)  # the content's token (invariant 11)
+        self._kix_spec: tuple | None = None  # ("key" | "row", sum columns) of the key index kept, if any
+        self._kix = None  # the key index (a _zset.KeyIndex), current while its token is self._token
+        self._kix_off = False  # the index failed (overflow, memory, size): this trace walks its batches
+        self._kix_wait = 0  # reads that walk the batches before a stale index is rebuilt (invariant 11)
+
+    def keep_index(self, columns: tuple, on: str = "key") -> bool:
+        """Keep a key index of the sums of weight times each column of ``columns`` (an integer column other than
+        uint64, a date or a timestamp, summed as int64; None: the weight alone; ``("valid", c)``: the weight where
+        column ``c`` is not null), per trace key (``on="key"``: serves :meth:`key_sums` of int64 columns, and
+        :meth:`index_for_update`) or per whole row (``on="row"`` with ``(None,)``: serves :meth:`match_weights`).
+        Returns whether the index is kept: only for keys of fixed-width columns (no strings), and not when
+        ``DBSP_KEY_INDEX=0``. Costs memory beside the batches (about 8 bytes per key column and sum, plus 16, per
+        key, over a table at most 3/4 full); a trace whose index would pass ``DBSP_KEY_INDEX_MB`` (by default an
+        eighth of the memory, at least 512 MiB: dbsp_core/trace/sizing.py), or take the indexes of the process past
+        ``DBSP_KEY_INDEX_TOTAL_MB`` together, drops it with an IndexDroppedWarning and walks its batches as without
+        one."""
+        from dbsp_core import _zset
+
+        if on not in ("key", "row"):
+            raise ValueError(f"keep_index: on must be 'key' or 'row', got {on!r}")
+        if on == "row" and tuple(columns) != (None,):
+            raise ValueError("keep_index: a whole-row index keeps the weights only (columns=(None,))")
+        names = list(self.key) if on == "key" else list(self.schema.names)
+        for c in columns:
+            if isinstance(c, tuple):
+                if len(c) != 2 or c[0] != "valid" or self.schema.get_field_index(c[1]) < 0:
+                    raise ValueError(f"keep_index: {c!r} is not ('valid', <column>)")
+            elif c is not None and not summable(self.schema.field(c).type):
+                raise ValueError(f"keep_index: column {c!r} is {self.schema.field(c).type}, which does not sum as int64")
+        if not settings().key_index or not columns or not _zset.keyindex_supports(
+                [self.schema.field(n).type for n in names]):
+            return False
+        self._kix_spec = (on, tuple(columns))
+        self._kix = None  # built from the batches at the first read that wants it
+        if not self._by_level and not self.pending:  # empty: an empty index is current, inserts keep it so
+            self._kix = self._new_index()
+        return True
+
+    @property
+    def index_spec(self) -> tuple | None:
+        """``(on, columns)`` of the key index this trace keeps (:meth:`keep_index`), None when it keeps none (not
+        asked for, not supported for its key, or turned off after a failure)."""
+        return None if self._kix_off else self._kix_spec
+
+    def _changed(self) -> int:
+        """The content changes: take a fresh token (invariant 11); returns the previous one."""
+        prev, self._token = self._token, next(_TOKENS)
+        return prev
+
+    def _stale_index(self) -> None:
+        """Drop the key index: the third read that wants it rebuilds it from the batches (invariant 11)."""
+        self._kix, self._kix_wait = None, self.INDEX_WAIT
+
+    @property
+    def index_bytes(self) -> int:
+        """Memory held by the key index (its slot table), 0 without one."""
+        return int(self._kix.nbytes) if self._kix is not None else 0
+
+    def _new_index(self) -> Any:
+        from dbsp_core import _zset
+
+        on, cols = self._kix_spec
+        names = self.key if on == "key" else self.schema.names
+        limit = int(key_index_sizing().index_mb * 2**20)  # the first index built sizes them all (sizing.py)
+        ix = _zset.KeyIndex([self.schema.field(n).type for n in names], len(cols), limit)
+        ix.token = self._token
+        return ix
+
+    def _index_args(self, b: "IndexedZSet") -> tuple:
+        """(view, key positions, key hashes, sum positions) of a batch for the key index."""
+        on, cols = self._kix_spec
+        ncols = len(b.schema)
+        cpos = [-1 if c is None else -2 - b.schema.get_field_index(c[1]) if isinstance(c, tuple)
+                else b.schema.get_field_index(c) for c in cols]
+        if on == "key":
+            return b._view(), b._keypos, b._kh, cpos
+        return b._view(), list(range(ncols)), b._row_hashes(), cpos
+
+    def _index_fold(self, batches: list["IndexedZSet"], sign: int, prev: int) -> None:
+        """Fold ``batches`` into the index (sign +1: inserted, -1: removed) if it matched the content of token
+        ``prev``; the content is now at ``self._token``. A stale index is dropped; a failing one turns it off."""
+        ix = self._kix
+        if ix is None:
+            return
+        if ix.token != prev:
+            self._stale_index()
+            return
+        ix.token = None  # a failure half way leaves it stale
+        try:
+            for b in batches:
+                if len(b):
+                    view, keys, kh, cpos = self._index_args(b)
+                    ix.add(view, None, keys, kh, cpos, sign)
+        except (ArithmeticError, MemoryError, ValueError) as exc:  # WeightOverflowError, SchemaError included: walk
+            self._drop_index(exc)  # instead
+            return
+        ix.token = self._token
+
+    def _index_sums(self, spec: tuple, batches: list["IndexedZSet"], view: Any, ppos: list[int], khash: np.ndarray,
+                    rows: np.ndarray | None, acc: np.ndarray) -> bool:
+        """Add the sums of the key index for ``spec`` to ``acc`` (one row per probed row: ``rows[i]`` of ``view``,
+        or row i without ``rows``; key columns ``ppos``, key hashes ``khash``); False, with ``acc`` untouched, when
+        the index cannot serve: none kept for ``spec``, stale and not rebuilt yet, or probe key types that differ
+        from the trace's (the caller then walks the batches)."""
+        if self._kix_spec != spec or self._kix_off:
+            return False
+        names = self.key if spec[0] == "key" else self.schema.names
+        probe = view.pyschema
+        if len(ppos) != len(names) or not all(probe.field(p).type.equals(self.schema.field(n).type)
+                                              for p, n in zip(ppos, names)):
+            return False
+        ix = self._index(spec, batches)
+        if ix is None:
+            return False
+        ix.get(view, ppos, khash, acc, sel=rows)
+        return True
+
+    def _index(self, spec: tuple, batches: list["IndexedZSet"]) -> Any:
+        """The key index for ``spec`` matching the content (``batches``: every batch, as read), rebuilt if stale;
+        None when the trace keeps no such index."""
+        if self._kix_spec != spec or self._kix_off:
+            return None
+        ix = self._kix
+        if ix is not None and ix.token == self._token:
+            return ix
+        if self._kix_wait > 0:
+            self._kix_wait -= 1
+            return None
+        self._kix = self._new_index()
+        self._index_fold(batches, 1, self._token)
+        return self._kix
+
+    def index_for_update(self, spec: tuple) -> Any:
+        """The key index kept for ``spec`` (invariant 11), current with the content, for a caller that stores a
+        batch's effect in it itself (the linear aggregate's one-pass step, ``_zset.linear_step``) and then inserts
+        that batch with ``insert(batch, indexed=ix)``, or calls :meth:`index_done` when it inserts nothing. Until
+        then the index counts as stale, so a failure in between leaves it to be rebuilt, never read. None when the
+        trace keeps no such index, or it is stale and not rebuilt yet: the caller then reads with :meth:`key_sums`
+        and inserts plainly."""
+        if self._kix_spec != spec or self._kix_off:
+            return None
+        ix = self._kix
+        if ix is None or ix.token != self._token:
+            ix = self._index(spec, self._read())  # a stale index: the third read that wants it rebuilds it
+            if ix is None:
+                return None
+        ix.token = None
+        return ix
+
+    def index_done(self, ix: Any, failed: BaseException | None = None) -> None:
+        """The caller of :meth:`index_for_update` left ``ix`` as it found it (nothing to insert), or broke it half
+        way with the error ``failed`` (memory, size limit): the trace then walks its batches from now on."""
+        if ix is not self._kix:
+            return
+        if failed is not None:
+            self._drop_index(failed)
+        else:
+            ix.token = self._token
+
+    def _drop_index(self, exc: BaseException | None) -> None:
+        """Turn the key index off for good (it failed with ``exc``; None: a size limit met half way): this trace
+        walks its batches from now on, and says so once with an IndexDroppedWarning."""
+        ix, self._kix, self._kix_off = self._kix, None, True
+        from dbsp_core import _zset
+
+        if isinstance(exc, ArithmeticError):
+            why = f"a sum leaves int64 ({exc})"
+        elif isinstance(exc, MemoryError):
+            why = f"out of memory ({exc})"
+        elif exc is None or (type(exc) is ValueError and ix is not None and ix.broken):  # the size limits
+            sizing = key_index_sizing()
+            why = (f"growing past {int(ix.nbytes if ix is not None else 0) / 2**20:.1f} MiB would pass "
+                   f"DBSP_KEY_INDEX_MB ({sizing.index_mb:.0f}) or the budget of all indexes together, "
+                   f"DBSP_KEY_INDEX_TOTAL_MB ({sizing.total_mb:.0f}; {_zset.keyindex_total_bytes() / 2**20:.0f} MiB "
+                   f"held now)")
+        else:
+            why = f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"a trace on key {list(self.key)} dropped its key index ({len(ix) if ix is not None else 0} "
+                      f"keys): {why}. Its results stay exact; its steps walk the batches from now on, slower on a "
+                      f"large state", IndexDroppedWarning, stacklevel=2)
+
+    def through_index(self, spec: tuple, fn: Any) -> Any:
+        """``fn(ix)`` with the key index for ``spec`` handed out by :meth:`index_for_update` (``fn`` reads and stores
+        through it, then inserts with ``insert(batch, indexed=ix)`` or calls :meth:`index_done`, or returns None
+        having called it); None when no current index serves. A WeightOverflowError is raised with the index left
+        as found when the failed call stored nothing, else stale; a failure that broke the index on its memory or
+        size limit turns it off (the trace walks its batches from then on) and returns None, so the caller takes
+        the path without it."""
+        ix = self.index_for_update(spec)
+        if ix is None:
+            return None
+        try:
+            return fn(ix)
+        except WeightOverflowError:
+            if not ix.broken:  # refused before anything was stored
+                self.index_done(ix)
+            raise  # else broken half way, and stale since index_for_update: a later read rebuilds it
+        except (MemoryError, ValueError) as exc:
+            if not ix.broken:
+                raise
+            self.index_done(ix, failed=exc)
+            return None
+
+    def key_weights(self, probe: pa.Table, probe_keys: list[str], khash: np.ndarray, rows: np.ndarray,
+                    view: object = None) -> np.ndarray | None:
+        """The trace's summed weight per probed key (row ``rows[i]`` of ``probe``, key hash ``khash[i]``) through
+        the key index kept with ``keep_index((None,))`` (invariant 11): one probe per key. None when the trace
+        keeps no such index, or its index is stale and not rebuilt yet, or the probe's key types differ from the
+        trace's: the caller then reads the batches."""
+        from dbsp_core import _zset
+        from dbsp_core.zset import _column_positions
+
+        spec = ("key", (None,))
+        batches = self._read()
+        acc = np.zeros((len(rows), 1), dtype=np.int64)
+        if not batches or not len(rows):
+            return acc[:, 0] if self.index_spec == spec else None
+        ppos = _column_positions(probe.schema, probe_keys, "key_weights (probe)")
+        if not self._index_sums(spec, batches, view if view is not None else _zset.BatchView(probe), ppos, khash,
+                                rows, acc):
+            return None
+        return acc[:, 0]
+
+    def _check_index(self) -> None:
+        """Raise AssertionError unless a current key index holds the sums of the batches (invariant 11; tests)."""
+        ix = self._kix
+        if ix is None or ix.token != self._token:
+            return
+        ix.check()
+        fresh = self._new_index()
+        for b in self._levels() + self.pending:
+            view, keys, kh, cpos = self._index_args(b)
+            fresh.add(view, None, keys, kh, cpos)
+        assert len(fresh) == len(ix), ("key index entries", len(ix), len(fresh))
+        for b in self._levels() + self.pending:
+            view, keys, kh, _ = self._index_args(b)
+            got, want = (np.zeros((len(b), ix.nvals), dtype=np.int64) for _ in range(2))
+            ix.get(view, keys, kh, got)
+            fresh.get(view, keys, kh, want)
+            assert np.array_equal(got, want), "key index sums differ from the batches'"
