@@ -588,33 +588,33 @@ class Stream:
         :meth:`GroupBy.top_k`, :meth:`GroupBy.argmax`, :meth:`GroupBy.argmin` or :meth:`GroupBy.session`."""
         return GroupBy(self, keys)
 
-    # ---- event time (dbsp_core/time) ----
+    # ---- event time (dbsp_core/time; windows in dbsp_core/operators) ----
 
     def tumble(self, column: str, size: int, start: str = "window_start", end: str = "window_end") -> "Stream":
-        """Tumbling windows of ``size`` over time ``column``: adds ``start`` / ``end`` (see dbsp_core.time.window)."""
-        from dbsp_core.time.window import tumble
+        """Tumbling windows of ``size`` over time ``column``: adds ``start`` / ``end`` (see dbsp_core.operators.window)."""
+        from dbsp_core.operators.window import tumble
 
         return tumble(self, column, size, start, end)
 
     def hop(self, column: str, size: int, slide: int, start: str = "window_start", end: str = "window_end"
             ) -> "Stream":
-        """Hopping windows of ``size`` every ``slide`` over time ``column`` (see dbsp_core.time.window)."""
-        from dbsp_core.time.window import hop
+        """Hopping windows of ``size`` every ``slide`` over time ``column`` (see dbsp_core.operators.window)."""
+        from dbsp_core.operators.window import hop
 
         return hop(self, column, size, slide, start, end)
 
     def proc_tumble(self, size: int, unit: str = "ms", start: str = "window_start", end: str = "window_end"
                     ) -> "Stream":
         """Tumbling windows of processing time: each row gets the window of ``size`` ``unit`` holding the now of
-        the step in which it arrives (``timestamp[unit]`` columns; see dbsp_core.time.proctime)."""
-        from dbsp_core.time.proctime import proc_tumble
+        the step in which it arrives (``timestamp[unit]`` columns; see dbsp_core.operators.proctime)."""
+        from dbsp_core.operators.proctime import proc_tumble
 
         return proc_tumble(self, size, unit, start, end)
 
     def session(self, column: str, gap: int, by: str | Sequence[str] = (), start: str = "session_start",
                 end: str = "session_end") -> "Stream":
         """Session windows over time ``column`` per group of ``by`` (none: one group): each row with its
-        session's ``start`` and ``end`` columns; ``group_by(*by).session(column, gap)`` (dbsp_core.time.session).
+        session's ``start`` and ``end`` columns; ``group_by(*by).session(column, gap)`` (dbsp_core.operators.session).
 
         >>> import pyarrow as pa
         >>> s = Circuit().input("t", pa.schema([("k", pa.int64()), ("t", pa.int64())]))
@@ -627,7 +627,7 @@ class Stream:
                       on: str | Sequence[str] | None = None, left_on: str | Sequence[str] | None = None,
                       right_on: str | Sequence[str] | None = None) -> "Stream":
         """Equi-join on keys of the pairs with ``right_time + lower <= left_time <= right_time + upper``."""
-        from dbsp_core.time.window import interval_join
+        from dbsp_core.operators.window import interval_join
 
         return interval_join(self, other, left_time, right_time, lower, upper, on, left_on, right_on)
 
@@ -710,7 +710,7 @@ class GroupBy:
     def session(self, column: str, gap: int, start: str = "session_start", end: str = "session_end") -> Stream:
         """Session windows per group over time ``column``: every row followed by its session's ``start`` (first
         time) and ``end`` (last time + ``gap``), a session ending where the next row of the group comes more than
-        ``gap`` time units later (dbsp_core/time/session.py). Aggregate by the keys and the session columns for
+        ``gap`` time units later (dbsp_core/operators/session.py). Aggregate by the keys and the session columns for
         per-session results; sessions a watermark closes leave the state.
 
         >>> import pyarrow as pa
@@ -727,7 +727,7 @@ class GroupBy:
         >>> sorted(p.step()["n"].to_dict().items())
         [((1, 0, 18, 2), -1), ((1, 0, 35, 4), 1), ((1, 25, 35, 1), -1)]
         """
-        from dbsp_core.time.session import Session
+        from dbsp_core.operators.session import Session
 
         s0 = self.stream
         where = s0._where("session")

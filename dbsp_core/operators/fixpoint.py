@@ -55,13 +55,13 @@ from dbsp_core.zset import ZSet
 
 if TYPE_CHECKING:
     from dbsp_core.circuit import Circuit
-    from dbsp_core.runtime.context import StepContext
+    from dbsp_core.operators.context import StepContext
 
 LINEAR = (Filter, Select, Plus, Negate, FlatMap, AddGlobalKey)
 
 
 def _linear(op: Operator) -> bool:
-    from dbsp_core.time.window import Window
+    from dbsp_core.operators.window import Window
 
     return isinstance(op, LINEAR + (Window,)) and op.instance() is op
 

@@ -36,7 +36,7 @@ from dbsp_core.trace import Trace
 
 if TYPE_CHECKING:
     from dbsp_core.circuit import Stream
-    from dbsp_core.runtime.context import StepContext
+    from dbsp_core.operators.context import StepContext
     from dbsp_core.zset import ZSet
 
 _UNIT_NS = {"s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}

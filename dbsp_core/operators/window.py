@@ -6,9 +6,9 @@ Invariants:
      multiple of slide): the row appears once per window containing t, i.e. for every multiple s of ``slide``
      with ``t - size < s <= t``, with ``window_start = s``. Rows with a null time belong to no window. Windows are
      assigned row by row, so the operator is linear and each worker handles its own rows.
-  2. Lineage (lineage.py): if t is bounded by ``W + off``, then ``window_start >= W + off - size`` and
+  2. Lineage (time/lineage.py): if t is bounded by ``W + off``, then ``window_start >= W + off - size`` and
      ``window_end >= W + off``, so an aggregate or join keyed by a window column drops a window's state once the
-     watermark passes it (cleanup.py).
+     watermark passes it (time/cleanup.py).
   3. ``interval_join(left, right, ..., lower, upper)`` keeps the pairs with equal keys and
      ``right_time + lower <= left_time <= right_time + upper``: left rows are put in buckets of
      ``B = upper - lower + 1`` time units, each right row in the (one or two) buckets its range meets, and the
@@ -31,7 +31,7 @@ from dbsp_core.time.watermark import event_times
 
 if TYPE_CHECKING:
     from dbsp_core.circuit import Stream
-    from dbsp_core.runtime.context import StepContext
+    from dbsp_core.operators.context import StepContext
     from dbsp_core.zset import ZSet
 
 BUCKET = "__dbsp_bucket"

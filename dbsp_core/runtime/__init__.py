@@ -1,4 +1,4 @@
-"""Running circuits: the driver (``Pipeline``) over pluggable executors (embedded threads, or staged jobs on a job runner), the step context operators see, and layout changes.
+"""Running circuits: the driver (``Pipeline``) over pluggable executors (embedded threads, or staged jobs on a job runner), and layout changes.
 
 How the pieces fit (each module states its own invariants):
 
@@ -11,7 +11,6 @@ How the pieces fit (each module states its own invariants):
 - ``staged.py`` (driver side), ``stage_plan.py`` (the circuit cut into stages; blobs), ``stage_task.py`` (runs
   inside a task, against its stage database), ``job_files.py`` (blob files between driver and tasks); a job
   runner moves blobs between tasks (``LocalJobRunner`` here, ``spark_glue.SparkJobRunner`` on Spark).
-- ``context.py``: the ``StepContext`` every operator instance gets.
 - ``rescale.py``: layout changes of a storage directory. The layout (dbsp_core.layout: S shards, owner table) is
   saved in ``LAYOUT`` and in every state database; every stored value belongs to one shard
   (dbsp_core.storage.snapshot), so a cold change of worker count moves the values of the shards whose owner
@@ -43,11 +42,10 @@ Open: finish an interrupted repair -> upgrade a format-1 directory -> resolve RE
 
 from __future__ import annotations
 
-from dbsp_core.runtime.context import StepContext
 from dbsp_core.runtime.driver import Ack, Pipeline
 from dbsp_core.runtime.embedded import EmbeddedExecutor
 from dbsp_core.runtime.executor import Executor, StepInput
 from dbsp_core.runtime.staged import Job, JobRunner, LocalJobRunner, StagedExecutor
 
 __all__ = ["Ack", "EmbeddedExecutor", "Executor", "Job", "JobRunner", "LocalJobRunner", "Pipeline",
-           "StagedExecutor", "StepContext", "StepInput"]
+           "StagedExecutor", "StepInput"]
