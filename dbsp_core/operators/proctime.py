@@ -202,4 +202,4 @@ def proc_tumble(stream: "Stream", size: int | datetime.timedelta, unit: str = "m
     ProcTumble(-1, stream.schema, size, unit, start, end, where)  # validate before adding nodes
     src = stream._exchanged(tuple(stream.schema.names))
     op = ProcTumble(src.node_id, src.schema, size, unit, start, end, where)
-    return stream.circuit._add(op, src.times, (src.times,))
+    return stream.circuit.add_operator(op, src.times, (src.times,))

@@ -115,7 +115,7 @@ def _window(stream: "Stream", column: str, mode: str, size: int, slide: int, lo:
         times[start] = (src, off - size if mode != "range" else off + lo - size)
         if end:
             times[end] = (src, off)
-    return stream.circuit._add(op, times)
+    return stream.circuit.add_operator(op, times)
 
 
 def tumble(stream: "Stream", column: str, size: int, start: str = "window_start", end: str = "window_end"
@@ -179,7 +179,7 @@ def interval_join(left: "Stream", right: "Stream", left_time: str, right_time: s
     [(1, 10, 12)]
     """
     where = left._where("interval_join")
-    left.circuit._own(right, where)
+    left.circuit.check_stream(right, where)
     check_columns(left.schema, [left_time], where, "left time column")
     check_columns(right.schema, [right_time], where, "right time column")
     for v, what in ((lower, "lower"), (upper, "upper")):
