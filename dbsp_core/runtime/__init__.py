@@ -2,9 +2,10 @@
 
 How the pieces fit (each module states its own invariants):
 
-- ``driver.py``: one ``Pipeline`` class. It validates and (durably) logs pushes with producer/seq dedup, divides
-  input into steps with their determinants (now, seed, watermarks), hands divided steps to the executor, logs
-  their output, takes checkpoints, recovers, and changes layouts. Nothing here depends on how steps run.
+- ``driver.py``: one ``Pipeline`` class. It validates and (durably) logs pushes with producer/seq dedup (its
+  seen set is dbsp_core/storage/dedup.py), divides input into steps with their determinants (now, seed,
+  watermarks), hands divided steps to the executor, logs their output, takes checkpoints, recovers, and changes
+  layouts. Nothing here depends on how steps run.
 - ``executor.py``: the protocol between driver and executor, and the step record they share.
 - ``embedded.py``: W threads in this process; state in memory, checkpointed by ``coordinator.py`` (all workers
   pause at one step, commit a version each; the newest version every worker holds is the checkpoint).
@@ -22,7 +23,6 @@ How the pieces fit (each module states its own invariants):
   memory, a batch of shards at a time, at a step boundary (the staged executor makes each batch a cold change).
 - ``upgrade.py``: opening a directory of the previous release (directory format 1): its state databases are
   converted into format-2 copies and META switches last, so a crash leaves a directory either release opens.
-- ``dedup.py``: the (producer, seq) set of recorded pushes, saved with the driver's checkpoint.
 - ``crashpoints.py``: named crash points for the kill -9 tests (a no-op unless armed).
 - ``rollback.py``: puts operator instances back as they were before a step that failed on its data (StepError:
   the step waits, divided, until ``Pipeline.discard`` drops a bad push; a discard record in the input log makes
