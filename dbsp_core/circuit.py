@@ -31,10 +31,14 @@ from dbsp_core.operators.base import nullable_schema, same_columns
 from dbsp_core.operators.constant import Constant
 from dbsp_core.operators.count_distinct import CountDistinct
 from dbsp_core.operators.expr import as_expression
+from dbsp_core.operators.fixpoint import Fixpoint
 from dbsp_core.operators.keyless_aggregate import GLOBAL_KEY, AddGlobalKey
 from dbsp_core.operators.outer_join import OuterJoin
+from dbsp_core.operators.proctime import proc_tumble
 from dbsp_core.operators.semi_join import SemiJoin
+from dbsp_core.operators.session import Session
 from dbsp_core.operators.top_k import TopK, order_spec
+from dbsp_core.operators.window import hop, interval_join, tumble
 from dbsp_core.time.lineage import Times, meet, passed
 
 
@@ -213,9 +217,6 @@ class Circuit:
         >>> sorted(p.step()["reach"].to_dict().items())
         [((1, 3), -1), ((2, 3), -1)]
         """
-        from dbsp_core.operators.fixpoint import Fixpoint
-        from dbsp_core.operators.keyless_aggregate import GLOBAL_KEY, AddGlobalKey
-
         where = self._where("recursive")
         inputs = [self.check_stream(s, where) for s in inputs]
         if schema is None:
@@ -628,24 +629,18 @@ class Stream:
     # ---- event time (dbsp_core/time; windows in dbsp_core/operators) ----
 
     def tumble(self, column: str, size: int, start: str = "window_start", end: str = "window_end") -> "Stream":
-        """Tumbling windows of ``size`` over time ``column``: adds ``start`` / ``end`` (see dbsp_core.operators.window)."""
-        from dbsp_core.operators.window import tumble
-
+        """Tumbling windows of ``size`` over time ``column``: adds ``start`` / ``end`` (dbsp_core.operators.window)."""
         return tumble(self, column, size, start, end)
 
     def hop(self, column: str, size: int, slide: int, start: str = "window_start", end: str = "window_end"
             ) -> "Stream":
         """Hopping windows of ``size`` every ``slide`` over time ``column`` (see dbsp_core.operators.window)."""
-        from dbsp_core.operators.window import hop
-
         return hop(self, column, size, slide, start, end)
 
     def proc_tumble(self, size: int, unit: str = "ms", start: str = "window_start", end: str = "window_end"
                     ) -> "Stream":
         """Tumbling windows of processing time: each row gets the window of ``size`` ``unit`` holding the now of
         the step in which it arrives (``timestamp[unit]`` columns; see dbsp_core.operators.proctime)."""
-        from dbsp_core.operators.proctime import proc_tumble
-
         return proc_tumble(self, size, unit, start, end)
 
     def session(self, column: str, gap: int, by: str | Sequence[str] = (), start: str = "session_start",
@@ -664,8 +659,6 @@ class Stream:
                       on: str | Sequence[str] | None = None, left_on: str | Sequence[str] | None = None,
                       right_on: str | Sequence[str] | None = None) -> "Stream":
         """Equi-join on keys of the pairs with ``right_time + lower <= left_time <= right_time + upper``."""
-        from dbsp_core.operators.window import interval_join
-
         return interval_join(self, other, left_time, right_time, lower, upper, on, left_on, right_on)
 
     def __repr__(self) -> str:
@@ -764,8 +757,6 @@ class GroupBy:
         >>> sorted(p.step()["n"].to_dict().items())
         [((1, 0, 18, 2), -1), ((1, 0, 35, 4), 1), ((1, 25, 35, 1), -1)]
         """
-        from dbsp_core.operators.session import Session
-
         s0 = self.stream
         where = s0._where("session")
         schema0 = s0.schema if self.keys else pa.schema(list(s0.schema) + [pa.field(GLOBAL_KEY, pa.int64())])

@@ -7,10 +7,10 @@ import importlib
 
 import pytest
 
-MODULES = ["dbsp_core.circuit", "dbsp_core.runtime.driver", "dbsp_core.runtime.executor", "dbsp_core.operators.context",
-           "dbsp_core.layout", "dbsp_core.trace", "dbsp_core.aggregates", "dbsp_core.demo", "dbsp_core.time.watermark",
-           "dbsp_core.operators.window", "dbsp_core.operators.proctime", "dbsp_core.nexmark.generator", "dbsp_core.nexmark.queries",
-           "dbsp_core.nexmark.sql_queries", "dbsp_core.sql", "dbsp_core.sql.explain", "dbsp_core.metrics",
+MODULES = ["dbsp_core.circuit", "dbsp_core.runtime.driver", "dbsp_core.runtime.executor",
+           "dbsp_core.operators.context", "dbsp_core.layout", "dbsp_core.trace", "dbsp_core.aggregates",
+           "dbsp_core.demo", "dbsp_core.time.watermark", "dbsp_core.operators.window", "dbsp_core.operators.proctime",
+           "dbsp_core.nexmark.generator", "dbsp_core.nexmark.queries", "dbsp_core.nexmark.sql_queries", "dbsp_core.sql", "dbsp_core.sql.explain", "dbsp_core.metrics",
            "dbsp_core.progress"]
 
 
