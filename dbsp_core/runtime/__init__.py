@@ -12,6 +12,9 @@ How the pieces fit (each module states its own invariants):
 - ``staged.py`` (driver side), ``stage_plan.py`` (the circuit cut into stages; blobs), ``stage_task.py`` (runs
   inside a task, against its stage database), ``job_files.py`` (blob files between driver and tasks); a job
   runner moves blobs between tasks (``LocalJobRunner`` here, ``spark_glue.SparkJobRunner`` on Spark).
+- Each executor gives every worker's operator instances a ``StepContext`` (dbsp_core/operators/context.py): the
+  runtime sits above the operators and the circuit and imports them, never the other way (the layers of
+  dbsp_core are listed in the README's Layout section and checked by tests/test_layers.py).
 - ``rescale.py``: layout changes of a storage directory. The layout (dbsp_core.layout: S shards, owner table) is
   saved in ``LAYOUT`` and in every state database; every stored value belongs to one shard
   (dbsp_core.storage.snapshot), so a cold change of worker count moves the values of the shards whose owner
