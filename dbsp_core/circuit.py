@@ -333,7 +333,8 @@ class Stream:
             return self
         cache = self.circuit._exchanges
         if (self.node_id, key) not in cache:
-            cache[(self.node_id, key)] = self.circuit.add_operator(Exchange(self.node_id, self.schema, key), self.times).node_id
+            ex = self.circuit.add_operator(Exchange(self.node_id, self.schema, key), self.times)
+            cache[(self.node_id, key)] = ex.node_id
         return Stream(self.circuit, cache[(self.node_id, key)])
 
     # ---- linear operators ----
@@ -353,7 +354,7 @@ class Stream:
         if not isinstance(predicate, pc.Expression):
             raise TypeError(f"{where}: expected a pyarrow.compute expression, got {predicate!r}")
         return self.circuit.add_operator(Filter(self.node_id, self.schema, self.op.partitioning, predicate, where),
-                                 self.times)
+                                         self.times)
 
     def select(self, **columns: pc.Expression | str) -> "Stream":
         """One output column per keyword: ``name=expression`` (or a column name), in order.
@@ -393,7 +394,7 @@ class Stream:
                               f"{other.schema.names} {other.schema.types}")
         part = self.op.partitioning if self.op.partitioning == other.op.partitioning else None
         return self.circuit.add_operator(Plus((self.node_id, other.node_id), (1, sign), self.schema, part),
-                                 meet(self.times, other.times))
+                                         meet(self.times, other.times))
 
     def __add__(self, other: "Stream") -> "Stream":
         """``s + t``: the sum of two streams of the same columns (bag union)."""
@@ -580,8 +581,8 @@ class Stream:
         keys = other if list(other.schema.names) == rk else other.select(**{k: k for k in rk})
         left, right = self._exchanged(tuple(lk)), keys._exchanged(tuple(rk))
         # lineage invariant 4: none (a change of the right side re-emits old left rows)
-        return self.circuit.add_operator(SemiJoin(left.node_id, right.node_id, self.schema, keys.schema, lk, rk, anti,
-                                          where))
+        return self.circuit.add_operator(SemiJoin(left.node_id, right.node_id, self.schema, keys.schema, lk, rk,
+                                                  anti, where))
 
     def semi_join(self, other: "Stream", on: str | Sequence[str] | None = None,
                   left_on: str | Sequence[str] | None = None, right_on: str | Sequence[str] | None = None
@@ -701,12 +702,13 @@ class GroupBy:
         op = Aggregate(-1, s.schema, keys, aggs, where, output_keys=hidden is None)
         circuit = s.circuit
         if op.linear:  # combine each worker's change into partial rows before the exchange
-            pre = circuit.add_operator(PreAggregate(s.node_id, op, s.op.partitioning), passed(s.times, {k: k for k in keys}))
+            pre = circuit.add_operator(PreAggregate(s.node_id, op, s.op.partitioning),
+                                       passed(s.times, {k: k for k in keys}))
             src = pre._exchanged(keys)
             for col in op.distinct_columns:  # count_distinct: value flips per group, as partial rows
                 vals = s.select(**{c: c for c in dict.fromkeys(keys + (col,))})._exchanged(keys)
                 flips = circuit.add_operator(CountDistinct(vals.node_id, vals.schema, op, col),
-                                     passed(vals.times, {k: k for k in keys}), (vals.times,))
+                                             passed(vals.times, {k: k for k in keys}), (vals.times,))
                 src = src + flips
         else:
             src = s._exchanged(keys)
