@@ -61,7 +61,7 @@ from dbsp_core.runtime import Pipeline  # noqa: E402
 __all__ += ["Circuit", "Stream", "Pipeline", "count", "count_distinct", "sum", "min", "max", "avg", "ShardMap", "Layout"]
 
 # views over the step's logged wall-clock now
-from dbsp_core.temporal import filter_now, within_last  # noqa: E402
+from dbsp_core.operators.temporal import filter_now, within_last  # noqa: E402
 
 __all__ += ["within_last", "filter_now"]
 

@@ -31,10 +31,14 @@ from dbsp_core.operators.base import nullable_schema, same_columns
 from dbsp_core.operators.constant import Constant
 from dbsp_core.operators.count_distinct import CountDistinct
 from dbsp_core.operators.expr import as_expression
+from dbsp_core.operators.fixpoint import Fixpoint
 from dbsp_core.operators.keyless_aggregate import GLOBAL_KEY, AddGlobalKey
 from dbsp_core.operators.outer_join import OuterJoin
+from dbsp_core.operators.proctime import proc_tumble
 from dbsp_core.operators.semi_join import SemiJoin
+from dbsp_core.operators.session import Session
 from dbsp_core.operators.top_k import TopK, order_spec
+from dbsp_core.operators.window import hop, interval_join, tumble
 from dbsp_core.time.lineage import Times, meet, passed
 
 
@@ -74,9 +78,32 @@ class Circuit:
         self._exchanges: dict[tuple[int, tuple[str, ...]], int] = {}
         self.times: dict[int, Times] = {}  # node -> time lineage of its output, when it has one (invariant 5)
 
-    def _add(self, op: Operator, times: Times | None = None, in_times: Sequence[Times] = ()) -> "Stream":
+    def add_operator(self, op: Operator, times: Times | None = None, in_times: Sequence[Times] = ()) -> "Stream":
+        """Append ``op`` as the circuit's next node and return the stream of its output: how every builder adds
+        nodes, the Stream methods here and those of operators that live with their builders in dbsp_core.operators
+        (windows, temporal views).
+
+        ``op.inputs`` must be ids of earlier nodes (invariant 1; take them from the input streams' ``node_id``,
+        after :meth:`check_stream`); ``times`` is the time lineage of the output (invariant 5, usually derived from
+        the inputs' ``times`` with dbsp_core.time.lineage); ``in_times``, given to a stateful operator, is the
+        lineage of each of its inputs, by which it drops the state no later change can reach.
+
+        Examples
+        --------
+        >>> import pyarrow as pa
+        >>> from dbsp_core.operators import Negate
+        >>> c = Circuit()
+        >>> t = c.input("t", pa.schema([("a", pa.int64())]))
+        >>> neg = c.add_operator(Negate((t.node_id,), t.schema, t.op.partitioning), t.times)
+        >>> neg.node_id, neg.op.kind
+        (1, 'negate')
+        """
+        if not isinstance(op, Operator):
+            raise TypeError(f"add_operator: expected an Operator, got {type(op).__name__}")
         for i in op.inputs:  # invariant 1
-            assert 0 <= i < len(self.nodes), "operator inputs must be earlier nodes"
+            if not 0 <= i < len(self.nodes):
+                raise ValueError(f"add_operator: {op.kind} reads node {i}, which is not an earlier node of this "
+                                 f"circuit (it has {len(self.nodes)} nodes)")
         from dbsp_core.zset import ZSet
 
         try:  # invariant 2: a type no step can hold (decimal, float16, ...) is refused now, not at the first step
@@ -143,7 +170,7 @@ class Circuit:
             times = {event_time: (name, 0)}
         elif lateness:
             raise TypeError(f"input {name!r}: lateness= needs event_time=")
-        s = self._add(Input(name, nullable_schema(schema), event_time, int(lateness)), times)
+        s = self.add_operator(Input(name, nullable_schema(schema), event_time, int(lateness)), times)
         self.inputs[name] = s.node_id
         return s
 
@@ -162,7 +189,7 @@ class Circuit:
         from dbsp_core.zset import ZSet
 
         z = value if isinstance(value, ZSet) else ZSet.from_arrow(value)  # type: ignore[arg-type]
-        return self._add(Constant(z))
+        return self.add_operator(Constant(z))
 
     def recursive(self, body: Callable[..., "Stream"], inputs: Sequence["Stream"] = (),
                   schema: pa.Schema | None = None, distinct: bool = True, max_iterations: int = 100_000
@@ -190,11 +217,8 @@ class Circuit:
         >>> sorted(p.step()["reach"].to_dict().items())
         [((1, 3), -1), ((2, 3), -1)]
         """
-        from dbsp_core.operators.fixpoint import Fixpoint
-        from dbsp_core.operators.keyless_aggregate import GLOBAL_KEY, AddGlobalKey
-
         where = self._where("recursive")
-        inputs = [self._own(s, where) for s in inputs]
+        inputs = [self.check_stream(s, where) for s in inputs]
         if schema is None:
             if not inputs:
                 raise TypeError(f"{where}: give schema= (there is no input to take it from)")
@@ -215,11 +239,11 @@ class Circuit:
         inner.output("__dbsp_out", out)
         gathered = []
         for s in inputs:  # fixpoint invariant 3: the inputs gathered by a constant key
-            g = self._add(AddGlobalKey(s.node_id, s.schema, s.op.partitioning, where), s.times)
+            g = self.add_operator(AddGlobalKey(s.node_id, s.schema, s.op.partitioning, where), s.times)
             gathered.append(g._exchanged((GLOBAL_KEY,)).node_id)
         op = Fixpoint(gathered, inner, rec.node_id, [s.node_id for s in imports], out.node_id, max_iterations,
                       where, fingerprint=circuit_fingerprint(inner), live=inner.live_nodes())
-        return self._add(op)
+        return self.add_operator(op)
 
     def live_nodes(self) -> list[int]:
         """The nodes that feed an output, in id order (the nodes a pipeline runs)."""
@@ -236,10 +260,24 @@ class Circuit:
         _check_name(name, "output")
         if name in self.outputs:
             raise ValueError(f"output {name!r} is already declared")
-        self._own(stream, "output")
+        self.check_stream(stream, "output")
         self.outputs[name] = stream.node_id
 
-    def _own(self, stream: object, where: str) -> "Stream":
+    def check_stream(self, stream: object, where: str) -> "Stream":
+        """``stream`` itself, once checked to be a Stream of this circuit: a builder calls it on every stream it is
+        given before it adds a node (TypeError for another object, ValueError for a stream of another circuit,
+        each naming ``where``).
+
+        >>> import pyarrow as pa
+        >>> a, b = Circuit(), Circuit()
+        >>> s = a.input("t", pa.schema([("x", pa.int64())]))
+        >>> a.check_stream(s, "join#1") is s
+        True
+        >>> b.check_stream(s, "join#1")
+        Traceback (most recent call last):
+        ...
+        ValueError: join#1: the stream belongs to another circuit
+        """
         if not isinstance(stream, Stream):
             raise TypeError(f"{where}: expected a Stream, got {type(stream).__name__}")
         if stream.circuit is not self:
@@ -295,7 +333,8 @@ class Stream:
             return self
         cache = self.circuit._exchanges
         if (self.node_id, key) not in cache:
-            cache[(self.node_id, key)] = self.circuit._add(Exchange(self.node_id, self.schema, key), self.times).node_id
+            ex = self.circuit.add_operator(Exchange(self.node_id, self.schema, key), self.times)
+            cache[(self.node_id, key)] = ex.node_id
         return Stream(self.circuit, cache[(self.node_id, key)])
 
     # ---- linear operators ----
@@ -314,8 +353,8 @@ class Stream:
         where = self._where("filter")
         if not isinstance(predicate, pc.Expression):
             raise TypeError(f"{where}: expected a pyarrow.compute expression, got {predicate!r}")
-        return self.circuit._add(Filter(self.node_id, self.schema, self.op.partitioning, predicate, where),
-                                 self.times)
+        return self.circuit.add_operator(Filter(self.node_id, self.schema, self.op.partitioning, predicate, where),
+                                         self.times)
 
     def select(self, **columns: pc.Expression | str) -> "Stream":
         """One output column per keyword: ``name=expression`` (or a column name), in order.
@@ -331,7 +370,7 @@ class Stream:
         exprs = {name: as_expression(e, where) for name, e in columns.items()}
         op = Select(self.node_id, self.schema, self.op.partitioning, exprs, where)
         refs = {name: c for name, e in exprs.items() for c in self.times if e.equals(pc.field(c))}
-        return self.circuit._add(op, passed(self.times, refs))
+        return self.circuit.add_operator(op, passed(self.times, refs))
 
     def flat_map(self, fn: Callable[[pa.RecordBatch], pa.RecordBatch], schema: pa.Schema | None = None
                  ) -> "Stream":
@@ -345,17 +384,17 @@ class Stream:
         >>> s.flat_map(twice, schema=s.schema).schema.names
         ['x']
         """
-        return self.circuit._add(FlatMap(self.node_id, self.schema, fn, schema, self._where("flat_map")))
+        return self.circuit.add_operator(FlatMap(self.node_id, self.schema, fn, schema, self._where("flat_map")))
 
     def _plus(self, other: "Stream", sign: int, kind: str) -> "Stream":
         where = self._where(kind)
-        self.circuit._own(other, where)
+        self.circuit.check_stream(other, where)
         if not same_columns(self.schema, other.schema):
             raise SchemaError(f"{where}: schemas differ: {self.schema.names} {self.schema.types} vs "
                               f"{other.schema.names} {other.schema.types}")
         part = self.op.partitioning if self.op.partitioning == other.op.partitioning else None
-        return self.circuit._add(Plus((self.node_id, other.node_id), (1, sign), self.schema, part),
-                                 meet(self.times, other.times))
+        return self.circuit.add_operator(Plus((self.node_id, other.node_id), (1, sign), self.schema, part),
+                                         meet(self.times, other.times))
 
     def __add__(self, other: "Stream") -> "Stream":
         """``s + t``: the sum of two streams of the same columns (bag union)."""
@@ -367,7 +406,7 @@ class Stream:
 
     def __neg__(self) -> "Stream":
         """``-s``: every weight negated."""
-        return self.circuit._add(Negate((self.node_id,), self.schema, self.op.partitioning), self.times)
+        return self.circuit.add_operator(Negate((self.node_id,), self.schema, self.op.partitioning), self.times)
 
     # ---- time operators ----
 
@@ -384,7 +423,7 @@ class Stream:
         >>> p.step()["prev"].to_dict(), p.step()["prev"].to_dict()
         ({}, {(1,): 1})
         """
-        return self.circuit._add(Delay((self.node_id,), self.schema, self.op.partitioning))
+        return self.circuit.add_operator(Delay((self.node_id,), self.schema, self.op.partitioning))
 
     def integrate(self) -> "Stream":
         """The running sum of this stream: the whole view at each step.
@@ -399,7 +438,7 @@ class Stream:
         >>> p.push("t", pa.table({"x": [2]})); sorted(p.step()["all"].to_dict())
         [(1,), (2,)]
         """
-        return self.circuit._add(Integrate((self.node_id,), self.schema, self.op.partitioning))
+        return self.circuit.add_operator(Integrate((self.node_id,), self.schema, self.op.partitioning))
 
     def differentiate(self) -> "Stream":
         """The step-to-step change of this stream; ``s.integrate().differentiate()`` is ``s``.
@@ -409,7 +448,7 @@ class Stream:
         >>> s.integrate().differentiate().schema == s.schema
         True
         """
-        return self.circuit._add(Differentiate((self.node_id,), self.schema, self.op.partitioning))
+        return self.circuit.add_operator(Differentiate((self.node_id,), self.schema, self.op.partitioning))
 
     # ---- keyed operators ----
 
@@ -427,7 +466,7 @@ class Stream:
         [((7,), 1), ((8,), 1)]
         """
         src = self._exchanged(tuple(self.schema.names))
-        return self.circuit._add(Distinct(src.node_id, self.schema), src.times, (src.times,))
+        return self.circuit.add_operator(Distinct(src.node_id, self.schema), src.times, (src.times,))
 
     @staticmethod
     def _keys(on: object, left_on: object, right_on: object, where: str) -> tuple[list[str], list[str], bool]:
@@ -445,7 +484,7 @@ class Stream:
     def _join(self, other: "Stream", left_on: Sequence[str], right_on: Sequence[str], drop_right_keys: bool,
               kind: str = "join") -> "Stream":
         where = self._where(kind)
-        self.circuit._own(other, where)
+        self.circuit.check_stream(other, where)
         from dbsp_core.operators.join import join_schema
 
         join_schema(self.schema, other.schema, left_on, right_on, drop_right_keys, where)  # validate first
@@ -453,13 +492,13 @@ class Stream:
         right = other._exchanged(tuple(right_on))
         args = (left.node_id, right.node_id, self.schema, other.schema, left_on, right_on, drop_right_keys, where)
         if kind in ("right_join", "full_join"):
-            return self.circuit._add(OuterJoin(*args, how=kind[:-5]))  # lineage invariant 4: none
+            return self.circuit.add_operator(OuterJoin(*args, how=kind[:-5]))  # lineage invariant 4: none
         op = (LeftJoin if kind == "left_join" else Join)(*args)
         if kind == "left_join":  # lineage invariant 4: no lineage, no cleanup
-            return self.circuit._add(op)
+            return self.circuit.add_operator(op)
         keys = meet(passed(left.times, {k: k for k in left_on}),
                     passed(right.times, {lk: rk for lk, rk in zip(left_on, right_on)}))
-        return self.circuit._add(op, keys, (left.times, right.times))
+        return self.circuit.add_operator(op, keys, (left.times, right.times))
 
     def join(self, other: "Stream", on: str | Sequence[str] | None = None,
              left_on: str | Sequence[str] | None = None, right_on: str | Sequence[str] | None = None
@@ -534,7 +573,7 @@ class Stream:
 
     def _semi(self, other: "Stream", on: object, left_on: object, right_on: object, anti: bool) -> "Stream":
         where = self._where("anti_join" if anti else "semi_join")
-        self.circuit._own(other, where)
+        self.circuit.check_stream(other, where)
         lk, rk, _ = self._keys(on, left_on, right_on, where)
         from dbsp_core.operators.join import join_schema
 
@@ -542,8 +581,8 @@ class Stream:
         keys = other if list(other.schema.names) == rk else other.select(**{k: k for k in rk})
         left, right = self._exchanged(tuple(lk)), keys._exchanged(tuple(rk))
         # lineage invariant 4: none (a change of the right side re-emits old left rows)
-        return self.circuit._add(SemiJoin(left.node_id, right.node_id, self.schema, keys.schema, lk, rk, anti,
-                                          where))
+        return self.circuit.add_operator(SemiJoin(left.node_id, right.node_id, self.schema, keys.schema, lk, rk,
+                                                  anti, where))
 
     def semi_join(self, other: "Stream", on: str | Sequence[str] | None = None,
                   left_on: str | Sequence[str] | None = None, right_on: str | Sequence[str] | None = None
@@ -588,33 +627,27 @@ class Stream:
         :meth:`GroupBy.top_k`, :meth:`GroupBy.argmax`, :meth:`GroupBy.argmin` or :meth:`GroupBy.session`."""
         return GroupBy(self, keys)
 
-    # ---- event time (dbsp_core/time) ----
+    # ---- event time (dbsp_core/time; windows in dbsp_core/operators) ----
 
     def tumble(self, column: str, size: int, start: str = "window_start", end: str = "window_end") -> "Stream":
-        """Tumbling windows of ``size`` over time ``column``: adds ``start`` / ``end`` (see dbsp_core.time.window)."""
-        from dbsp_core.time.window import tumble
-
+        """Tumbling windows of ``size`` over time ``column``: adds ``start`` / ``end`` (dbsp_core.operators.window)."""
         return tumble(self, column, size, start, end)
 
     def hop(self, column: str, size: int, slide: int, start: str = "window_start", end: str = "window_end"
             ) -> "Stream":
-        """Hopping windows of ``size`` every ``slide`` over time ``column`` (see dbsp_core.time.window)."""
-        from dbsp_core.time.window import hop
-
+        """Hopping windows of ``size`` every ``slide`` over time ``column`` (see dbsp_core.operators.window)."""
         return hop(self, column, size, slide, start, end)
 
     def proc_tumble(self, size: int, unit: str = "ms", start: str = "window_start", end: str = "window_end"
                     ) -> "Stream":
         """Tumbling windows of processing time: each row gets the window of ``size`` ``unit`` holding the now of
-        the step in which it arrives (``timestamp[unit]`` columns; see dbsp_core.time.proctime)."""
-        from dbsp_core.time.proctime import proc_tumble
-
+        the step in which it arrives (``timestamp[unit]`` columns; see dbsp_core.operators.proctime)."""
         return proc_tumble(self, size, unit, start, end)
 
     def session(self, column: str, gap: int, by: str | Sequence[str] = (), start: str = "session_start",
                 end: str = "session_end") -> "Stream":
         """Session windows over time ``column`` per group of ``by`` (none: one group): each row with its
-        session's ``start`` and ``end`` columns; ``group_by(*by).session(column, gap)`` (dbsp_core.time.session).
+        session's ``start`` and ``end`` columns; ``group_by(*by).session(column, gap)`` (dbsp_core.operators.session).
 
         >>> import pyarrow as pa
         >>> s = Circuit().input("t", pa.schema([("k", pa.int64()), ("t", pa.int64())]))
@@ -627,8 +660,6 @@ class Stream:
                       on: str | Sequence[str] | None = None, left_on: str | Sequence[str] | None = None,
                       right_on: str | Sequence[str] | None = None) -> "Stream":
         """Equi-join on keys of the pairs with ``right_time + lower <= left_time <= right_time + upper``."""
-        from dbsp_core.time.window import interval_join
-
         return interval_join(self, other, left_time, right_time, lower, upper, on, left_on, right_on)
 
     def __repr__(self) -> str:
@@ -647,7 +678,7 @@ class GroupBy:
         s = self.stream
         if self.keys:
             return s, self.keys, None
-        s = s.circuit._add(AddGlobalKey(s.node_id, s.schema, s.op.partitioning, where), s.times)
+        s = s.circuit.add_operator(AddGlobalKey(s.node_id, s.schema, s.op.partitioning, where), s.times)
         return s, (GLOBAL_KEY,), GLOBAL_KEY
 
     def agg(self, **aggs: AggSpec) -> Stream:
@@ -671,17 +702,18 @@ class GroupBy:
         op = Aggregate(-1, s.schema, keys, aggs, where, output_keys=hidden is None)
         circuit = s.circuit
         if op.linear:  # combine each worker's change into partial rows before the exchange
-            pre = circuit._add(PreAggregate(s.node_id, op, s.op.partitioning), passed(s.times, {k: k for k in keys}))
+            pre = circuit.add_operator(PreAggregate(s.node_id, op, s.op.partitioning),
+                                       passed(s.times, {k: k for k in keys}))
             src = pre._exchanged(keys)
             for col in op.distinct_columns:  # count_distinct: value flips per group, as partial rows
                 vals = s.select(**{c: c for c in dict.fromkeys(keys + (col,))})._exchanged(keys)
-                flips = circuit._add(CountDistinct(vals.node_id, vals.schema, op, col),
-                                     passed(vals.times, {k: k for k in keys}), (vals.times,))
+                flips = circuit.add_operator(CountDistinct(vals.node_id, vals.schema, op, col),
+                                             passed(vals.times, {k: k for k in keys}), (vals.times,))
                 src = src + flips
         else:
             src = s._exchanged(keys)
         op.inputs = (src.node_id,)
-        return circuit._add(op, passed(src.times, {k: k for k in keys}) if hidden is None else {}, (src.times,))
+        return circuit.add_operator(op, passed(src.times, {k: k for k in keys}) if hidden is None else {}, (src.times,))
 
     def top_k(self, k: int, order_by: object, with_ties: bool = False) -> Stream:
         """The first ``k`` rows of each group in ``order_by`` order (columns, or ``(column, "descending")``),
@@ -705,12 +737,12 @@ class GroupBy:
         s, keys, hidden = self._keyed(where)
         src = s._exchanged(keys)
         op = TopK(src.node_id, src.schema, keys, order, k, with_ties, where, hidden)
-        return s.circuit._add(op, passed(src.times, {c: c for c in keys if c != hidden}), (src.times,))
+        return s.circuit.add_operator(op, passed(src.times, {c: c for c in keys if c != hidden}), (src.times,))
 
     def session(self, column: str, gap: int, start: str = "session_start", end: str = "session_end") -> Stream:
         """Session windows per group over time ``column``: every row followed by its session's ``start`` (first
         time) and ``end`` (last time + ``gap``), a session ending where the next row of the group comes more than
-        ``gap`` time units later (dbsp_core/time/session.py). Aggregate by the keys and the session columns for
+        ``gap`` time units later (dbsp_core/operators/session.py). Aggregate by the keys and the session columns for
         per-session results; sessions a watermark closes leave the state.
 
         >>> import pyarrow as pa
@@ -727,8 +759,6 @@ class GroupBy:
         >>> sorted(p.step()["n"].to_dict().items())
         [((1, 0, 18, 2), -1), ((1, 0, 35, 4), 1), ((1, 25, 35, 1), -1)]
         """
-        from dbsp_core.time.session import Session
-
         s0 = self.stream
         where = s0._where("session")
         schema0 = s0.schema if self.keys else pa.schema(list(s0.schema) + [pa.field(GLOBAL_KEY, pa.int64())])
@@ -739,7 +769,7 @@ class GroupBy:
         times = passed(src.times, {c: c for c in keys if c != hidden})
         if column in src.times:  # session.py invariant 5
             times[end] = src.times[column]
-        return s.circuit._add(op, times, (src.times,))
+        return s.circuit.add_operator(op, times, (src.times,))
 
     def argmax(self, column: str, with_ties: bool = True) -> Stream:
         """The rows of each group with the largest ``column`` (all of them, unless ``with_ties=False``)."""

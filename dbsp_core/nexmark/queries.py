@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import dbsp_core as dbsp
 from dbsp_core.circuit import Circuit, Stream
 from dbsp_core.nexmark.generator import AUCTION, BID, PERSON
-from dbsp_core.time.window import _window
+from dbsp_core.operators.window import _window
 
 WINDOW_MS = 10_000
 F = pc.field

@@ -1,4 +1,4 @@
-"""The operators of a circuit, one per module; the Circuit/Stream API in dbsp_core.circuit builds them."""
+"""The operators of a circuit, one per module (windows and the temporal ones too), and the StepContext they run in; the Circuit/Stream API in dbsp_core.circuit builds them."""
 
 from dbsp_core.operators.aggregate import Aggregate
 from dbsp_core.operators.base import Operator

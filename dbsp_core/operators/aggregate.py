@@ -52,7 +52,7 @@ from dbsp_core.trace import Trace, summable, unique_sorted
 from dbsp_core.zset import IndexedZSet, ZSet, sum_adjacent
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime.context import StepContext
+    from dbsp_core.operators.context import StepContext
 
 
 class Aggregate(Operator):

@@ -27,7 +27,7 @@ import pyarrow.compute as pc
 from dbsp_core.errors import SchemaError, WeightOverflowError
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime.context import StepContext
+    from dbsp_core.operators.context import StepContext
     from dbsp_core.zset import ZSet
 
 INT64_MIN = np.iinfo(np.int64).min

@@ -30,7 +30,7 @@ from dbsp_core.trace import Trace
 
 if TYPE_CHECKING:
     from dbsp_core.operators.aggregate import Aggregate
-    from dbsp_core.runtime.context import StepContext
+    from dbsp_core.operators.context import StepContext
     from dbsp_core.zset import ZSet
 
 

@@ -28,7 +28,7 @@ from dbsp_core.trace import Trace
 from dbsp_core.zset import ZSet
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime.context import StepContext
+    from dbsp_core.operators.context import StepContext
 
 
 class Distinct(Operator):

@@ -16,7 +16,7 @@ import pyarrow as pa
 from dbsp_core.operators.base import Operator
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime.context import StepContext
+    from dbsp_core.operators.context import StepContext
     from dbsp_core.zset import ZSet
 
 

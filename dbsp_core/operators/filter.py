@@ -11,7 +11,7 @@ from dbsp_core.operators.base import Operator, empty, make
 from dbsp_core.operators.expr import check_predicate, filter_rows
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime.context import StepContext
+    from dbsp_core.operators.context import StepContext
     from dbsp_core.zset import ZSet
 
 

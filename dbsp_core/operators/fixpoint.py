@@ -50,20 +50,19 @@ from dbsp_core.operators.negate import Negate
 from dbsp_core.operators.nested import NestedDistinct, NestedJoin, nested_state
 from dbsp_core.operators.plus import Plus
 from dbsp_core.operators.select import Select
+from dbsp_core.operators.window import Window
 from dbsp_core.trace import Trace
 from dbsp_core.zset import ZSet
 
 if TYPE_CHECKING:
     from dbsp_core.circuit import Circuit
-    from dbsp_core.runtime.context import StepContext
+    from dbsp_core.operators.context import StepContext
 
-LINEAR = (Filter, Select, Plus, Negate, FlatMap, AddGlobalKey)
+LINEAR = (Filter, Select, Plus, Negate, FlatMap, AddGlobalKey, Window)
 
 
 def _linear(op: Operator) -> bool:
-    from dbsp_core.time.window import Window
-
-    return isinstance(op, LINEAR + (Window,)) and op.instance() is op
+    return isinstance(op, LINEAR) and op.instance() is op
 
 
 class Fixpoint(Operator):

@@ -19,7 +19,7 @@ from dbsp_core.errors import SchemaError
 from dbsp_core.operators.base import Operator, concat, empty, make, nullable_schema, same_columns
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime.context import StepContext
+    from dbsp_core.operators.context import StepContext
     from dbsp_core.zset import ZSet
 
 FlatMapFn = Callable[[pa.RecordBatch], "pa.RecordBatch | pa.Table"]

@@ -19,7 +19,7 @@ from dbsp_core.errors import DbspError
 from dbsp_core.operators.base import Operator, empty
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime.context import StepContext
+    from dbsp_core.operators.context import StepContext
     from dbsp_core.zset import ZSet
 
 

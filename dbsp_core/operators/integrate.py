@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from dbsp_core.operators.base import Operator, conform, empty
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime.context import StepContext
+    from dbsp_core.operators.context import StepContext
     from dbsp_core.zset import ZSet
 
 

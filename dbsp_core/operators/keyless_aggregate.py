@@ -22,7 +22,7 @@ from dbsp_core.errors import SchemaError
 from dbsp_core.operators.base import Operator, empty, make
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime.context import StepContext
+    from dbsp_core.operators.context import StepContext
     from dbsp_core.zset import ZSet
 
 GLOBAL_KEY = "__dbsp_global"

@@ -23,7 +23,7 @@ from dbsp_core.operators.join import Join, inner_change
 from dbsp_core.operators.presence import PresenceState
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime.context import StepContext
+    from dbsp_core.operators.context import StepContext
     from dbsp_core.zset import ZSet
 
 class LeftJoin(Join):

@@ -9,7 +9,7 @@ import pyarrow as pa
 from dbsp_core.operators.base import Operator, concat, conform, negate
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime.context import StepContext
+    from dbsp_core.operators.context import StepContext
     from dbsp_core.zset import ZSet
 
 

@@ -22,7 +22,7 @@ from dbsp_core.operators.join import join_schema
 from dbsp_core.operators.presence import PresenceState, take_parts
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime.context import StepContext
+    from dbsp_core.operators.context import StepContext
     from dbsp_core.zset import ZSet
 
 

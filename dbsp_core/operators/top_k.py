@@ -33,7 +33,7 @@ from dbsp_core.trace import Trace, unique_sorted
 from dbsp_core.zset import ZSet
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime.context import StepContext
+    from dbsp_core.operators.context import StepContext
 
 _TAG = "__dbsp_tag"
 

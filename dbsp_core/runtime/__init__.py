@@ -1,17 +1,20 @@
-"""Running circuits: the driver (``Pipeline``) over pluggable executors (embedded threads, or staged jobs on a job runner), the step context operators see, and layout changes.
+"""Running circuits: the driver (``Pipeline``) over pluggable executors (embedded threads, or staged jobs on a job runner), and layout changes.
 
 How the pieces fit (each module states its own invariants):
 
-- ``driver.py``: one ``Pipeline`` class. It validates and (durably) logs pushes with producer/seq dedup, divides
-  input into steps with their determinants (now, seed, watermarks), hands divided steps to the executor, logs
-  their output, takes checkpoints, recovers, and changes layouts. Nothing here depends on how steps run.
+- ``driver.py``: one ``Pipeline`` class. It validates and (durably) logs pushes with producer/seq dedup (its
+  seen set is dbsp_core/storage/dedup.py), divides input into steps with their determinants (now, seed,
+  watermarks), hands divided steps to the executor, logs their output, takes checkpoints, recovers, and changes
+  layouts. Nothing here depends on how steps run.
 - ``executor.py``: the protocol between driver and executor, and the step record they share.
 - ``embedded.py``: W threads in this process; state in memory, checkpointed by ``coordinator.py`` (all workers
   pause at one step, commit a version each; the newest version every worker holds is the checkpoint).
 - ``staged.py`` (driver side), ``stage_plan.py`` (the circuit cut into stages; blobs), ``stage_task.py`` (runs
   inside a task, against its stage database), ``job_files.py`` (blob files between driver and tasks); a job
   runner moves blobs between tasks (``LocalJobRunner`` here, ``spark_glue.SparkJobRunner`` on Spark).
-- ``context.py``: the ``StepContext`` every operator instance gets.
+- Each executor gives every worker's operator instances a ``StepContext`` (dbsp_core/operators/context.py): the
+  runtime sits above the operators and the circuit and imports them, never the other way (the layers of
+  dbsp_core are listed in the README's Layout section and checked by tests/test_layers.py).
 - ``rescale.py``: layout changes of a storage directory. The layout (dbsp_core.layout: S shards, owner table) is
   saved in ``LAYOUT`` and in every state database; every stored value belongs to one shard
   (dbsp_core.storage.snapshot), so a cold change of worker count moves the values of the shards whose owner
@@ -23,7 +26,6 @@ How the pieces fit (each module states its own invariants):
   memory, a batch of shards at a time, at a step boundary (the staged executor makes each batch a cold change).
 - ``upgrade.py``: opening a directory of the previous release (directory format 1): its state databases are
   converted into format-2 copies and META switches last, so a crash leaves a directory either release opens.
-- ``dedup.py``: the (producer, seq) set of recorded pushes, saved with the driver's checkpoint.
 - ``crashpoints.py``: named crash points for the kill -9 tests (a no-op unless armed).
 - ``rollback.py``: puts operator instances back as they were before a step that failed on its data (StepError:
   the step waits, divided, until ``Pipeline.discard`` drops a bad push; a discard record in the input log makes
@@ -43,11 +45,10 @@ Open: finish an interrupted repair -> upgrade a format-1 directory -> resolve RE
 
 from __future__ import annotations
 
-from dbsp_core.runtime.context import StepContext
 from dbsp_core.runtime.driver import Ack, Pipeline
 from dbsp_core.runtime.embedded import EmbeddedExecutor
 from dbsp_core.runtime.executor import Executor, StepInput
 from dbsp_core.runtime.staged import Job, JobRunner, LocalJobRunner, StagedExecutor
 
 __all__ = ["Ack", "EmbeddedExecutor", "Executor", "Job", "JobRunner", "LocalJobRunner", "Pipeline",
-           "StagedExecutor", "StepContext", "StepInput"]
+           "StagedExecutor", "StepInput"]

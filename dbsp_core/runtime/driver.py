@@ -79,7 +79,7 @@ from dbsp_core.metrics import Metrics, gather, serve, stop_serving
 from dbsp_core.operators.base import same_columns
 from dbsp_core.progress import progress
 from dbsp_core.runtime.crashpoints import crashpoint
-from dbsp_core.runtime.dedup import SeenSet
+from dbsp_core.storage.dedup import SeenSet
 from dbsp_core.runtime.embedded import EmbeddedExecutor
 from dbsp_core.runtime.executor import Executor, StepInput
 from dbsp_core.runtime.rescale import begin_live, cold_rescale, end_live, live_target, remove_leaving, resolve

@@ -31,7 +31,7 @@ from dbsp_core.circuit import Circuit
 from dbsp_core.errors import CorruptionError, DbspError, StepError
 from dbsp_core.layout import Layout
 from dbsp_core.operators.base import concat
-from dbsp_core.runtime.context import StepContext
+from dbsp_core.operators.context import StepContext
 from dbsp_core.runtime.coordinator import Coordinator, WorkerStore, choose_version
 from dbsp_core.runtime.crashpoints import crashpoint
 from dbsp_core.runtime.executor import StateGroup, StepInput, as_step_error, groupings, live_nodes, spread

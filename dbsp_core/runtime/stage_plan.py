@@ -37,7 +37,7 @@ from dbsp_core.layout import ShardMap
 from dbsp_core.operators.base import concat
 from dbsp_core.operators.exchange import Exchange
 from dbsp_core.operators.input import Input
-from dbsp_core.runtime.context import StepContext
+from dbsp_core.operators.context import StepContext
 from dbsp_core.runtime.executor import as_step_error, live_nodes
 from dbsp_core.storage.snapshot import state_attrs
 from dbsp_core.zset import ZSet
@@ -57,7 +57,7 @@ def output_node(k: int) -> int:
 
 
 class StepInfo(NamedTuple):
-    """A step of a job and its logged determinants (dbsp_core.runtime.context)."""
+    """A step of a job and its logged determinants (dbsp_core.operators.context)."""
 
     step: int
     now_ns: int | None

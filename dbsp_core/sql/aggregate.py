@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.types as pat
 from sqlglot import exp
 
-import dbsp_core as dbsp
+from dbsp_core import aggregates as dbsp  # dbsp.count(), dbsp.sum(), ...: the public aggregate functions
 from dbsp_core.sql.build import Builder
 from dbsp_core.sql.expr import AGGREGATES, call, lit, null
 from dbsp_core.sql.parse import DIALECT, ident, tname

@@ -322,7 +322,7 @@ class Planner(Builder):
 
     def window_tvf(self, fn: exp.Anonymous) -> Rel:
         """TUMBLE(t, DESCRIPTOR(col), size) and HOP(t, DESCRIPTOR(col), slide, size): the rows of t with their
-        window's ``window_start`` and ``window_end`` (dbsp_core/time/window.py)."""
+        window's ``window_start`` and ``window_end`` (dbsp_core/operators/window.py)."""
         name = fn.name.upper()
         args = fn.expressions
         want = 3 if name == "TUMBLE" else 4

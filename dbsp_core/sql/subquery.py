@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from sqlglot import exp
 
-import dbsp_core as dbsp
+from dbsp_core import aggregates as dbsp  # dbsp.count(), dbsp.sum(), ...: the public aggregate functions
 from dbsp_core.sql.aggregate import aggregate_calls, plan_aggregate
 from dbsp_core.sql.build import Builder
 from dbsp_core.sql.expr import call, lit, null

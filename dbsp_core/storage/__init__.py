@@ -1,4 +1,4 @@
-"""Durable storage: the two-version per-worker ``Database``, the write-ahead ``StepLog``, the output log, operator state saved by shard, and the fault-injecting I/O layer for tests (C core in csrc/)."""
+"""Durable storage: the two-version per-worker ``Database``, the write-ahead ``StepLog``, the output log, operator state saved by shard, the driver's set of recorded (producer, seq) pushes (dedup.py), and the fault-injecting I/O layer for tests (C core in csrc/)."""
 
 from __future__ import annotations
 

@@ -562,7 +562,7 @@ def _repair_driver(root: str, report: dict[str, Any], x: int) -> None:
     """driver.db missing, or its newest version unreadable: a new one at the state's step ``x``, its seen set
     from the output log's input ranges of every step below ``x`` (so it needs them all, from step 0) and the
     pushes the input log still holds, its clock floor the ``now`` of the first division at or after ``x``."""
-    from dbsp_core.runtime.dedup import SeenSet
+    from dbsp_core.storage.dedup import SeenSet
 
     dpath = os.path.join(root, DRIVER_DB)
     if os.path.exists(dpath):

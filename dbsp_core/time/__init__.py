@@ -1,4 +1,4 @@
-"""Event time: watermarks per input (watermark.py), the time lineage of streams (lineage.py), tumbling and hopping windows and interval joins (window.py), and the state cleanup they allow (cleanup.py)."""
+"""Event time: watermarks per input (watermark.py), the time lineage of streams (lineage.py), and the state cleanup they allow (cleanup.py); the windows and temporal operators built on them live in dbsp_core.operators."""
 
 from dbsp_core.time.watermark import NO_WATERMARK, EventTime, advance, event_times
 

@@ -8,7 +8,7 @@ built.
 Invariants (the rules below keep the law above):
   1. An input with event time gives its time column offset 0 (late rows are dropped, watermark.py invariant 2).
   2. Filter, exchange, negate and a select's plain column references (under their new names) keep the lineage
-     of the columns they pass; windows derive their window columns (window.py). A sum keeps the columns both
+     of the columns they pass; windows derive their window columns (operators/window.py). A sum keeps the columns both
      sides bound by the same input, with the smaller offset.
   3. Keyed operators (aggregate, top-k, count-distinct) keep the lineage of their key columns only (a change of
      a group carries the group's key); a join keeps its key columns' lineage when both sides bound them by the

@@ -14,7 +14,7 @@ from hypothesis_profile import examples
 from hypothesis import strategies as st
 
 import dbsp_core as dbsp
-from dbsp_core.temporal import within_last
+from dbsp_core.operators.temporal import within_last
 
 SCHEMA = pa.schema([("id", pa.int64()), ("ts", pa.int64())])
 WINDOW = 100  # seconds
@@ -73,7 +73,7 @@ def test_a_long_jump_of_now_reads_the_state_once_without_allocating_per_bucket()
     import pyarrow as pa
 
     import dbsp_core as dbsp
-    from dbsp_core.temporal import within_last
+    from dbsp_core.operators.temporal import within_last
 
     clock = [10**18]
     c = dbsp.Circuit()

@@ -1,4 +1,4 @@
-"""Processing-time tumbling windows (dbsp_core/time/proctime.py) against DuckDB over a model of each row's copies and the step now they arrived in, after random steps with deletions at 1, 2 and 4 workers; deletions before insertions; late rows and the cleanup of rows below the watermark against the same model; and identical windows when a durable pipeline replays its steps."""
+"""Processing-time tumbling windows (dbsp_core/operators/proctime.py) against DuckDB over a model of each row's copies and the step now they arrived in, after random steps with deletions at 1, 2 and 4 workers; deletions before insertions; late rows and the cleanup of rows below the watermark against the same model; and identical windows when a durable pipeline replays its steps."""
 
 from __future__ import annotations
 
@@ -202,7 +202,7 @@ def test_proc_tumble_validation() -> None:
     with pytest.raises(dbsp.SchemaError, match="clashes"):
         s.proc_tumble(5, start="k")
     assert s.proc_tumble(datetime.timedelta(seconds=2)).schema.field("window_end").type == pa.timestamp("ms")
-    from dbsp_core.time.proctime import proc_tumble
+    from dbsp_core.operators.proctime import proc_tumble
 
     with pytest.raises(ValueError, match="whole number"):
         proc_tumble(s, datetime.timedelta(microseconds=1500), unit="ms")

@@ -1,4 +1,4 @@
-"""Session windows (dbsp_core/time/session.py) against DuckDB window functions over the accepted rows after random steps with late rows and deletions, at 1, 2 and 4 workers; the bounds and weights rules; and the cleanup of closed sessions that keeps an endless stream in bounded state."""
+"""Session windows (dbsp_core/operators/session.py) against DuckDB window functions over the accepted rows after random steps with late rows and deletions, at 1, 2 and 4 workers; the bounds and weights rules; and the cleanup of closed sessions that keeps an endless stream in bounded state."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "fixtures"))
 from auction import by_category  # noqa: E402
 import dbsp_core as dbsp  # noqa: E402
 from dbsp_core.runtime import StagedExecutor  # noqa: E402
-from dbsp_core.temporal import within_last  # noqa: E402
+from dbsp_core.operators.temporal import within_last  # noqa: E402
 from oracle import AUCTIONS, BIDS, ChangeGen, duckdb_query, normalize, to_zset  # noqa: E402
 
 EVENTS = pa.schema([("id", pa.int64()), ("ts", pa.int64())])

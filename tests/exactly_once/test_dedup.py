@@ -7,7 +7,7 @@ import os
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dbsp_core.runtime.dedup import SeenSet as _Seen
+from dbsp_core.storage.dedup import SeenSet as _Seen
 from dbsp_core.storage import Database
 
 pairs = st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(0, 40)), max_size=120)

@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-MODULES = ["dbsp_core.runtime.driver", "dbsp_core.storage.inspect", "dbsp_core.storage.directory", "dbsp_core.storage.outputlog", "dbsp_core.codec", "dbsp_core.temporal"]
+MODULES = ["dbsp_core.runtime.driver", "dbsp_core.storage.inspect", "dbsp_core.storage.directory", "dbsp_core.storage.outputlog", "dbsp_core.codec", "dbsp_core.operators.temporal"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -288,7 +288,7 @@ def test_last_hour_view_replays_with_the_logged_now(tmp_path, monkeypatch):
     the test advances, so the outcome never depends on how fast the machine is."""
     import time
 
-    from dbsp_core.temporal import within_last
+    from dbsp_core.operators.temporal import within_last
 
     def circ() -> dbsp.Circuit:
         c = dbsp.Circuit()
@@ -472,7 +472,7 @@ def test_failed_append_breaks_the_pipeline_and_recovery_counts_the_push_once(tmp
 def test_filter_now_replays_and_its_predicate_is_part_of_the_fingerprint(tmp_path):
     import time
 
-    from dbsp_core.temporal import filter_now
+    from dbsp_core.operators.temporal import filter_now
 
     def circ(delay_ns: int) -> dbsp.Circuit:
         c = dbsp.Circuit()

@@ -43,7 +43,7 @@ from dbsp_core.trace import Trace, unique_sorted
 from dbsp_core.zset import ZSet
 
 if TYPE_CHECKING:
-    from dbsp_core.runtime.context import StepContext
+    from dbsp_core.operators.context import StepContext
 
 _T = "__dbsp_time"
 

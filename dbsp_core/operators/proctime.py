@@ -14,9 +14,9 @@ Invariants:
      copies with their windows, and ``owed``, the negative ones. A step looks up its insertions in ``owed``
      (empty unless rows were deleted before being inserted) and its deletions in ``held``, so an append-only
      step costs O(change) and no lookup into a large trace.
-  4. Cleanup: a row whose time column lies below its lineage bound (the input's event time, lineage.py) can be
+  4. Cleanup: a row whose time column lies below its lineage bound (the input's event time, time/lineage.py) can be
      neither inserted nor deleted any more (its change would be late), so its copies leave both traces
-     (cleanup.py: the time column is a key column of both). Without event time the state is the input's
+     (time/cleanup.py: the time column is a key column of both). Without event time the state is the input's
      integral, each row with the windows of its copies.
   5. Lineage: an output row is a changed row (insertion or retraction of one of its copies) with a window, so
      the input columns keep their lineage; the window columns get none (they follow now, not event time).
@@ -41,7 +41,7 @@ from dbsp_core.zset import ZSet
 
 if TYPE_CHECKING:
     from dbsp_core.circuit import Stream
-    from dbsp_core.runtime.context import StepContext
+    from dbsp_core.operators.context import StepContext
 
 UNIT_NS = {"s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}
 _TAG = "__dbsp_tag"
@@ -202,4 +202,4 @@ def proc_tumble(stream: "Stream", size: int | datetime.timedelta, unit: str = "m
     ProcTumble(-1, stream.schema, size, unit, start, end, where)  # validate before adding nodes
     src = stream._exchanged(tuple(stream.schema.names))
     op = ProcTumble(src.node_id, src.schema, size, unit, start, end, where)
-    return stream.circuit._add(op, src.times, (src.times,))
+    return stream.circuit.add_operator(op, src.times, (src.times,))

@@ -6,9 +6,9 @@ Invariants:
      multiple of slide): the row appears once per window containing t, i.e. for every multiple s of ``slide``
      with ``t - size < s <= t``, with ``window_start = s``. Rows with a null time belong to no window. Windows are
      assigned row by row, so the operator is linear and each worker handles its own rows.
-  2. Lineage (lineage.py): if t is bounded by ``W + off``, then ``window_start >= W + off - size`` and
+  2. Lineage (time/lineage.py): if t is bounded by ``W + off``, then ``window_start >= W + off - size`` and
      ``window_end >= W + off``, so an aggregate or join keyed by a window column drops a window's state once the
-     watermark passes it (cleanup.py).
+     watermark passes it (time/cleanup.py).
   3. ``interval_join(left, right, ..., lower, upper)`` keeps the pairs with equal keys and
      ``right_time + lower <= left_time <= right_time + upper``: left rows are put in buckets of
      ``B = upper - lower + 1`` time units, each right row in the (one or two) buckets its range meets, and the
@@ -31,7 +31,7 @@ from dbsp_core.time.watermark import event_times
 
 if TYPE_CHECKING:
     from dbsp_core.circuit import Stream
-    from dbsp_core.runtime.context import StepContext
+    from dbsp_core.operators.context import StepContext
     from dbsp_core.zset import ZSet
 
 BUCKET = "__dbsp_bucket"
@@ -115,7 +115,7 @@ def _window(stream: "Stream", column: str, mode: str, size: int, slide: int, lo:
         times[start] = (src, off - size if mode != "range" else off + lo - size)
         if end:
             times[end] = (src, off)
-    return stream.circuit._add(op, times)
+    return stream.circuit.add_operator(op, times)
 
 
 def tumble(stream: "Stream", column: str, size: int, start: str = "window_start", end: str = "window_end"
@@ -179,7 +179,7 @@ def interval_join(left: "Stream", right: "Stream", left_time: str, right_time: s
     [(1, 10, 12)]
     """
     where = left._where("interval_join")
-    left.circuit._own(right, where)
+    left.circuit.check_stream(right, where)
     check_columns(left.schema, [left_time], where, "left time column")
     check_columns(right.schema, [right_time], where, "right time column")
     for v, what in ((lower, "lower"), (upper, "upper")):

@@ -36,11 +36,19 @@ from dbsp_core.trace import Trace
 
 if TYPE_CHECKING:
     from dbsp_core.circuit import Stream
-    from dbsp_core.runtime.context import StepContext
+    from dbsp_core.operators.context import StepContext
     from dbsp_core.zset import ZSet
 
 _UNIT_NS = {"s": 10**9, "ms": 10**6, "us": 10**3, "ns": 1}
 _MAX_WINDOW_NS = 2**62  # the window's low end (now minus the window) stays inside int64 nanoseconds
+
+
+def _stream(stream: object, where: str) -> "Stream":
+    """``stream``, checked by its circuit to be a Stream (operators sit below dbsp_core.circuit and never import it)."""
+    circuit = getattr(stream, "circuit", None)
+    if not callable(getattr(circuit, "check_stream", None)):
+        raise TypeError(f"{where}: expected a Stream, got {type(stream).__name__}")
+    return circuit.check_stream(stream, where)
 
 
 class WithinLast(Operator):
@@ -174,10 +182,7 @@ def within_last(stream: "Stream", column: str, seconds: float, unit: str = "s") 
     >>> [row[0] for row in p.step()["last_hour"].to_dict()]
     [1]
     """
-    from dbsp_core.circuit import Stream
-
-    if not isinstance(stream, Stream):
-        raise TypeError(f"within_last: expected a Stream, got {type(stream).__name__}")
+    _stream(stream, "within_last")
     where = stream._where("within_last")
     check_columns(stream.schema, [column], where)
     typ = stream.schema.field(column).type
@@ -193,7 +198,7 @@ def within_last(stream: "Stream", column: str, seconds: float, unit: str = "s") 
         raise ValueError(f"{where}: a window of {seconds!r} s is longer than the limit of {_MAX_WINDOW_NS // 10**9} s "
                          f"(about 146 years: now minus the window must be a time in nanoseconds in int64)")
     op = WithinLast(stream.node_id, stream.schema, column, int(seconds * 10**9), _UNIT_NS[unit])
-    return stream.circuit._add(op)
+    return stream.circuit.add_operator(op)
 
 
 class FilterNow(Operator):
@@ -259,10 +264,7 @@ def filter_now(stream: "Stream", predicate) -> "Stream":
     >>> [row[0] for row in p.step()["due"].to_dict()]
     [1]
     """
-    from dbsp_core.circuit import Stream
-
-    if not isinstance(stream, Stream):
-        raise TypeError(f"filter_now: expected a Stream, got {type(stream).__name__}")
+    _stream(stream, "filter_now")
     if not callable(predicate):
         raise TypeError(f"filter_now: predicate must be a callable now_ns -> pyarrow expression, got {predicate!r}")
     where = stream._where("filter_now")
@@ -275,4 +277,4 @@ def filter_now(stream: "Stream", predicate) -> "Stream":
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, KeyError) as e:
         raise SchemaError(f"{where}: predicate does not apply to columns {stream.schema.names}: {e}") from e
     op = FilterNow(stream.node_id, stream.schema, stream.op.partitioning, predicate)
-    return stream.circuit._add(op)
+    return stream.circuit.add_operator(op)
