@@ -241,7 +241,7 @@ class Pipeline:
         self.late_rows: dict[str, int] = {name: 0 for name in self._event_time}
         self.last_rescale: dict | None = None
         self._stopping = False  # close() began: pushes are refused (invariant 8)
-        self._waiting = 0  # steps waiting for the step lock (a live rescale lets them run between its batches)
+        self._waiting = 0  # steps waiting for the step lock (a live rescale lets them run between its waves)
         # a live rescale in progress (invariant 8; rescale.py invariant 4): {from_workers, to_workers, batches (its
         # waves), done, moved_shards, last_pause_ms}; None when none runs
         self.rescale_progress: dict | None = None
