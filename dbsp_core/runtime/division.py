@@ -21,12 +21,7 @@ class Divided(NamedTuple):
 
 
 def ranges(entries: list[tuple[str, str, int]]) -> list[dict]:
-    """Summarize a step's pushes as contiguous seq ranges per (handle, producer).
-
-    >>> [(r["producer"], r["first_seq"], r["last_seq"]) for r in ranges([("t", "g", 3), ("t", "g", 1), ("t", "g", 2),
-    ...                                                                  ("t", "g", 7)])]
-    [('g', 1, 3), ('g', 7, 7)]
-    """
+    """Summarize a step's pushes as contiguous seq ranges per (handle, producer)."""
     by: dict[tuple[str, str], list[int]] = {}
     for handle, producer, seq in entries:
         by.setdefault((handle, producer), []).append(seq)
