@@ -75,8 +75,8 @@ class Executor(Protocol):
     state_in_memory: bool  # state lives in memory between checkpoints, not committed by every step (see above)
     layout: Layout | None  # the layout of the workers built by the last start()
     stats: dict  # counters, shared with the driver's (the driver adds its own to the same dict)
-    # the end of the driver's output log (the driver sets it when it opens the log; invariant 2: an executor
-    # whose state commits while steps run does not resume past a step whose output is not logged)
+    # the end of the driver's output log (the driver sets it when it opens the log): an executor whose state
+    # commits while steps run does not resume past a step whose output is not logged (staged.py invariant 2)
     output_steps: Callable[[], int]
 
     @property
