@@ -1,7 +1,7 @@
 """SparkPipeline: a durable pipeline whose steps run as Spark jobs, one task per (stage, worker), with Spark's shuffle as the exchange, executors as the workers and the driver as the coordinator.
 
 The engine-side logic is dbsp_core's: the driver (``dbsp_core.runtime.driver``: step division, input and output
-logs, checkpoints, recovery, layout changes) over the staged executor (``dbsp_core.runtime.staged``, with
+logs, checkpoints; ``recovery`` and ``rescale`` beside it) over the staged executor (``dbsp_core.runtime.staged``, with
 ``stage_plan`` and ``stage_task``: stages, stage tasks, per-(stage, worker) state, retries). This module only
 supplies the job runner, which moves blobs: one Spark job runs a batch of queued steps as::
 

@@ -6,7 +6,12 @@ How the pieces fit (each module states its own invariants):
   seen set is dbsp_core/storage/dedup.py), divides input into steps with their determinants (now, seed,
   watermarks), hands divided steps to the executor, logs their output, takes checkpoints, recovers, and changes
   layouts. Nothing here depends on how steps run.
-- ``executor.py``: the protocol between driver and executor, and the step record they share.
+- ``division.py``: a divided step as the driver keeps it until it runs (divided now, or read back on recovery).
+- ``recovery.py``: opening a storage directory for the driver: format checks, an interrupted repair or layout
+  change settled, the executor's state put at its step, and the driver record and input log read back into
+  the divided steps to run again and the pushes to queue.
+- ``executor.py``: the protocol between driver and executor (everything the driver asks of one, including how
+  a live rescale moves its state), and the step record they share.
 - ``embedded.py``: W threads in this process; state in memory, checkpointed by ``coordinator.py`` (all workers
   pause at one step, commit a version each; the newest version every worker holds is the checkpoint).
 - ``staged.py`` (driver side), ``stage_plan.py`` (the circuit cut into stages; blobs), ``stage_task.py`` (runs
@@ -15,15 +20,16 @@ How the pieces fit (each module states its own invariants):
 - Each executor gives every worker's operator instances a ``StepContext`` (dbsp_core/operators/context.py): the
   runtime sits above the operators and the circuit and imports them, never the other way (the layers of
   dbsp_core are listed in the README's Layout section and checked by tests/test_layers.py).
-- ``rescale.py``: layout changes of a storage directory. The layout (dbsp_core.layout: S shards, owner table) is
+- ``rescale.py``: layout changes, cold and live. The layout (dbsp_core.layout: S shards, owner table) is
   saved in ``LAYOUT`` and in every state database; every stored value belongs to one shard
   (dbsp_core.storage.snapshot), so a cold change of worker count moves the values of the shards whose owner
   changes between databases (dbsp_core.storage.shardmove), commits one new version of every state database, and
   switches ``LAYOUT``; a ``RESCALE`` record lets recovery finish or undo an interrupted change. A live change
-  (``Pipeline.rescale``) records its target in ``RESCALE`` first, and recovery after a crash midway finishes it
-  (settling what an in-memory executor's last checkpoint left, then a cold change to the target).
+  (``Pipeline.rescale``: ``LiveRescale``) moves its shards in waves, one pause of the steps each, records its
+  target in ``RESCALE`` first, and recovery after a crash midway finishes it (settling what an in-memory
+  executor's last checkpoint left, then a cold change to the target).
 - ``migrate.py``: the embedded executor's side of a live change: operator state moves between its workers in
-  memory, a batch of shards at a time, at a step boundary (the staged executor makes each batch a cold change).
+  memory, a wave of shards at a time, at a step boundary (the staged executor makes each wave a cold change).
 - ``upgrade.py``: opening a directory of the previous release (directory format 1): its state databases are
   converted into format-2 copies and META switches last, so a crash leaves a directory either release opens.
 - ``crashpoints.py``: named crash points for the kill -9 tests (a no-op unless armed).

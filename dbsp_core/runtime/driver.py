@@ -1,4 +1,7 @@
-"""The driver: one Pipeline class that owns everything common to every way of running a circuit (push validation and dedup, the division of input into steps with its determinants, the output log, checkpoint cadence, open and recovery, format checks, layout changes) and drives an executor (executor.py) that runs the steps.
+"""The driver: one Pipeline class that owns everything common to every way of running a circuit (push validation and dedup, the division of input into steps with its determinants, the output log, checkpoint cadence, open and recovery, layout changes) and drives an executor (executor.py) that runs the steps.
+
+Opening and recovering a storage directory (with its format checks) is recovery.py's and a live rescale's waves
+are rescale.py's; the driver calls them, and holds the locks and the state they report back.
 
 In memory (no ``storage``) the driver keeps pushes until the next step and hands them to the executor. With a
 storage directory (dbsp_core.storage.formats lists every file) it is exactly once across ``kill -9``:
@@ -29,15 +32,12 @@ Invariants (enforced here):
      driver's own record (seen set, clock) at X in ``driver.db``, and only then truncates the input log below
      X (the low watermark) and drops old output (output at or after X is always kept, so replays can be
      verified). ``driver.db``'s step never exceeds the executor's.
-  6. Recovery resolves an interrupted layout change (rescale.py), lets the executor put its state on the
-     newest version every database holds (step X), changes the layout if asked (cold rescale), loads the
-     state, loads the seen set and clock from ``driver.db`` (step D <= X) and completes them from the log
-     records of steps D..X-1, replays every divided step from X (verifying output already in the log,
-     appending the rest), then queues the acknowledged pushes never divided into a step. A directory written
-     by a different circuit or another kind of executor is refused with CircuitMismatchError. A damaged input
-     log raises CorruptionError naming the file and offset and changes nothing (``dbsp repair`` is the way
-     forward); a damaged output log is rebuilt when every step it lost is one the replay computes again, and
-     refused otherwise (dbsp_core.storage.repair, invariants 1 and 4).
+  6. Recovery (:meth:`Pipeline.open`, or a constructor given an existing directory) settles an interrupted layout
+     change, puts the state at the newest checkpoint (step X), completes the seen set and clock from
+     ``driver.db`` and the log, replays every divided step from X (verifying output already in the log,
+     appending the rest) and queues the acknowledged pushes never divided into a step; it refuses a directory
+     of another circuit or executor kind and never runs over a damaged log. recovery.py invariants 1-3 say
+     exactly how and what it refuses.
   7. A step that fails on its data (an operator raising anything but an I/O, memory or exchange failure)
      raises StepError naming its pushes: the executor is back where it was before the step (executor.py
      invariant 4), nothing of the step is output, the step stays divided (its division record and
@@ -48,13 +48,12 @@ Invariants (enforced here):
      any point. Any other failure of a step marks the pipeline broken: state may be half-updated, so every
      later push or step raises DbspError until the directory is reopened with :meth:`Pipeline.open`.
   8. Every public operation may be called from any thread. Pushes run concurrently; steps, ``queue_step``,
-     ``run_queued``, ``discard``, checkpoints and each batch of a live rescale hold the step lock. A live rescale
+     ``run_queued``, ``discard``, checkpoints and each wave of a live rescale hold the step lock. A live rescale
      starts (under the step lock) only with no checkpoint in flight; while it runs, ``checkpoint`` and ``close``
      wait for its end on one condition of the step lock (deciding and acting under the lock, never between),
      and another ``rescale`` is refused with DbspError. ``close`` waits for the pushes being appended and
-     refuses later ones. A rescale that fails before or between its batches (not inside a batch's move, nor
-     in the checkpoint that ends it) moves the moved shards back and removes what it created: the pipeline
-     goes on at the old layout.
+     refuses later ones. A rescale that fails before or between its waves is undone (rescale.py invariant 6):
+     the pipeline goes on at the old layout.
 """
 
 from __future__ import annotations
@@ -71,28 +70,26 @@ import pyarrow as pa
 
 from dbsp_core import _storage
 from dbsp_core.circuit import Circuit, circuit_fingerprint
-from dbsp_core.codec import decode_json, decode_zset, encode_json, encode_zset
-from dbsp_core.errors import (CircuitMismatchError, CorruptionError, DbspError, RecoveryError, SchemaError,
-                              StepError, StorageError)
-from dbsp_core.layout import DEFAULT_SHARD_BITS, HASH_VERSION, Layout, ShardMap
+from dbsp_core.codec import decode_zset, encode_json, encode_zset
+from dbsp_core.errors import DbspError, RecoveryError, SchemaError, StepError, StorageError
+from dbsp_core.layout import DEFAULT_SHARD_BITS, Layout, ShardMap
 from dbsp_core.metrics import Metrics, gather, serve, stop_serving
 from dbsp_core.operators.base import same_columns
 from dbsp_core.progress import progress
 from dbsp_core.runtime.crashpoints import crashpoint
-from dbsp_core.storage.dedup import SeenSet
+from dbsp_core.runtime.division import Divided, ranges
 from dbsp_core.runtime.embedded import EmbeddedExecutor
 from dbsp_core.runtime.executor import Executor, StepInput
-from dbsp_core.runtime.rescale import begin_live, cold_rescale, end_live, live_target, remove_leaving, resolve
-from dbsp_core.runtime.upgrade import is_format1, upgrade_format1
+from dbsp_core.runtime.recovery import LogReplay, open_directory, settle_state
+from dbsp_core.runtime.rescale import LiveRescale
 from dbsp_core.storage.consumers import ConsumerRegistry
 from dbsp_core.storage.database import Database
-from dbsp_core.storage.directory import (lock_dir, read_layout, read_meta, unlock_dir, write_layout, write_meta,
-                                         write_record)
+from dbsp_core.storage.dedup import SeenSet
+from dbsp_core.storage.directory import lock_dir, unlock_dir, write_record
 from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE,
-                                       DISCARD_HANDLE, DISCARD_MAGIC, DIVISION_HANDLE, DIVISION_MAGIC, DRIVER_DB,
-                                       INPUT_DIR, META_FILE, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR, STATE_DIR)
+                                       DISCARD_HANDLE, DISCARD_MAGIC, DIVISION_HANDLE, DIVISION_MAGIC, INPUT_DIR,
+                                       META_FILE, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR, STATE_DIR)
 from dbsp_core.storage.outputlog import OutputLog
-from dbsp_core.storage.repair import finish_repair, rebuild_output
 from dbsp_core.storage.steplog import StepLog
 from dbsp_core.time.watermark import NO_WATERMARK, advance, specs_of
 from dbsp_core.trace import Trace
@@ -112,40 +109,6 @@ class Ack(NamedTuple):
     producer: str
     seq: int
     duplicate: bool
-
-
-class _Divided(NamedTuple):
-    """A divided step waiting to run, with the input ranges its output record names, the watermarks after it,
-    the late rows its input operators drop (dbsp_core.time.watermark) and its pushes' ``(input, producer, seq)``."""
-
-    input: StepInput
-    ranges: list[dict]
-    watermarks_after: dict[str, int]
-    late: dict[str, int]
-    entries: list[tuple[str, str, int]]
-
-
-def _ranges(entries: list[tuple[str, str, int]]) -> list[dict]:
-    """Summarize a step's pushes as contiguous seq ranges per (handle, producer)."""
-    by: dict[tuple[str, str], list[int]] = {}
-    for handle, producer, seq in entries:
-        by.setdefault((handle, producer), []).append(seq)
-    out = []
-    for (handle, producer), seqs in sorted(by.items()):
-        if producer == "":
-            out.append({"handle": handle, "producer": "", "first_seq": None, "last_seq": None, "pushes": len(seqs)})
-            continue
-        seqs.sort()
-        lo = prev = seqs[0]
-        for s in seqs[1:] + [None]:
-            if s is not None and s == prev + 1:
-                prev = s
-                continue
-            out.append({"handle": handle, "producer": producer, "first_seq": lo, "last_seq": prev,
-                        "pushes": prev - lo + 1})
-            if s is not None:
-                lo = prev = s
-    return out
 
 
 def _fmt(s: pa.Schema) -> str:
@@ -262,7 +225,7 @@ class Pipeline:
         self._step_inputs: list[tuple[str, str, int]] = []
         self._anon_seq = 0  # the seq of the next anonymous push: its identity for StepError and discard
         self.step_error: StepError | None = None  # the failure of the step waiting at the head of the queue
-        self._queue: list[_Divided] = []
+        self._queue: list[Divided] = []
         self._broken: BaseException | None = None
         self.steps = 0  # steps run
         self._open_step = 0  # the step the next push belongs to
@@ -277,10 +240,10 @@ class Pipeline:
         self._wm_divided = dict(self.watermarks)
         self.late_rows: dict[str, int] = {name: 0 for name in self._event_time}
         self.last_rescale: dict | None = None
-        self._rescaling = False  # a live rescale is moving shards (invariant 8; rescale.py invariant 4)
         self._stopping = False  # close() began: pushes are refused (invariant 8)
-        self._waiting = 0  # steps waiting for the step lock (a live rescale lets them run between its batches)
-        # a live rescale in progress: {from_workers, to_workers, batches, done, moved_shards, last_pause_ms}
+        self._waiting = 0  # steps waiting for the step lock (a live rescale lets them run between its waves)
+        # a live rescale in progress (invariant 8; rescale.py invariant 4): {from_workers, to_workers, batches (its
+        # waves), done, moved_shards, last_pause_ms}; None when none runs
         self.rescale_progress: dict | None = None
         self.fingerprint = circuit_fingerprint(circuit)
         self._ckpt_thread: threading.Thread | None = None
@@ -332,228 +295,40 @@ class Pipeline:
 
     def _open_storage(self, workers: int, shard_bits: int, segment_bytes: int, replay_check: bool,
                       output_sync: bool, rescale_to: int | None, open_only: bool) -> None:
+        """Create or recover the storage directory (invariant 6: the order and the checks are recovery.py's)."""
         root = self.storage
         assert root is not None
         os.makedirs(root, exist_ok=True)
         self._lockfd = lock_dir(root)
-        finish_repair(root)  # a repair a crash interrupted: swap in the repaired logs (storage/repair.py)
-        meta = {"fingerprint": self.fingerprint, "executor": self.executor.kind, "inputs": sorted(self._inputs),
-                "outputs": sorted(self._out_schemas), "hash_version": HASH_VERSION,
-                "output_schemas": {n: sch.serialize().to_pybytes().hex() for n, sch in self._out_schemas.items()}}
-        legacy = is_format1(root)
-        if legacy is not None:  # the previous release's directory: converted, then opened as any other
-            self.executor.start(self.circuit, Layout.local(int(legacy.get("workers", 1)),
-                                                           int(legacy.get("shard_bits", DEFAULT_SHARD_BITS))), root)
-            upgrade_format1(root, legacy, self.executor, self.fingerprint, self._vfs)
-            self.stats["upgraded_from_format"] = 1
-        try:
-            old = read_meta(root)
-        except FileNotFoundError:
-            old = None
-        if old is None:
-            if open_only:
-                raise RecoveryError(f"Pipeline.open: {root!r} holds no pipeline (META is missing)")
-            if os.path.exists(os.path.join(root, STATE_DIR)) or os.path.exists(os.path.join(root, DRIVER_DB)):
-                raise RecoveryError(f"{root}: state databases exist but META is missing")
-            write_layout(root, Layout.local(workers, shard_bits), None, self._vfs)
-            write_meta(root, meta, self._vfs)  # META last: the directory holds a pipeline from here on
-        else:
-            for k, what in (("fingerprint", "circuit"), ("executor", "executor kind")):
-                if old.get(k) != meta[k]:
-                    raise CircuitMismatchError(
-                        f"{root} was written by a pipeline with a different {what} ({old.get(k)!r} != {meta[k]!r}); "
-                        f"open it with the same circuit and executor")
-        layout, self.last_rescale = read_layout(root, self._vfs)
-        if old is not None and not open_only and layout.workers != workers:
-            raise CircuitMismatchError(f"{root} holds a pipeline of {layout.workers} workers, not {workers}; "
-                                       f"Pipeline.open({root!r}, circuit, workers={workers}) rescales it")
-        self.executor.start(self.circuit, layout, root)
-        # an interrupted layout change: finish it or undo it
-        self.stats["rescale_recovery"] = resolve(root, self.executor, crashpoint, self._vfs)
-        layout, self.last_rescale = read_layout(root, self._vfs)
-        self.executor.start(self.circuit, layout, root)
-        self._input = StepLog(os.path.join(root, INPUT_DIR), segment_bytes=segment_bytes)
-        try:
-            self._output = OutputLog(os.path.join(root, OUTPUT_DIR), self._out_schemas, check=replay_check,
-                                     sync=output_sync, segment_bytes=segment_bytes)
-        except CorruptionError:  # output is a function of input: rebuild it if the lost steps are replayed
-            rebuilt = rebuild_output(root)
-            self.stats["output_rebuilt"] = {k: rebuilt[k] for k in ("kept", "missing", "backup")}
-            self._output = OutputLog(os.path.join(root, OUTPUT_DIR), self._out_schemas, check=replay_check,
-                                     sync=output_sync, segment_bytes=segment_bytes, expect=rebuilt["expect"])
-        if not os.path.exists(os.path.join(root, DRIVER_DB)) and self._output.last > 0:
-            raise CorruptionError(f"{root}: {DRIVER_DB} is missing, but the output log holds steps up to "
-                                  f"{self._output.last - 1}: the record of the pushes already counted is lost")
-        self._driver_db = Database(os.path.join(root, DRIVER_DB), vfs=self._vfs)
-        self.consumers = ConsumerRegistry(root, self._vfs)
-        out = self._output
-        if hasattr(self.executor, "output_steps"):
-            self.executor.output_steps = lambda: out.last  # type: ignore[attr-defined]
+        opened = open_directory(root, self.executor, self.circuit, self.fingerprint, self._inputs, self._out_schemas,
+                                workers=workers, shard_bits=shard_bits, open_only=open_only,
+                                segment_bytes=segment_bytes, replay_check=replay_check, output_sync=output_sync,
+                                stats=self.stats, crashpoint=crashpoint, vfs=self._vfs)
+        self._input, self._output, self._driver_db = opened.input, opened.output, opened.driver_db
+        self.consumers = opened.consumers
         t0 = time.perf_counter()
-        version, step = self.executor.open_state()
-        target = live_target(root, self._vfs)  # a live rescale a crash interrupted: finish the move
-        if target is not None:
-            if target.epoch != layout.epoch:
-                rep = cold_rescale(root, self.executor, layout, target, version, -1 if step is None else step,
-                                   crashpoint, self._vfs)
-                self.last_rescale = dict(rep, kind="live", finished_by_recovery=True)
-                write_layout(root, target, self.last_rescale, self._vfs)
-                layout = target
-                self.executor.start(self.circuit, layout, root)
-                version, step = self.executor.open_state()
-            else:
-                end_live(root, self._vfs)
-            self.stats["rescale_recovery"] = "finished"
-        if rescale_to is not None and rescale_to != layout.workers:
-            new = layout.rebalance(rescale_to)
-            with progress(f"rescale {layout.workers} -> {new.workers} workers"):
-                self.last_rescale = cold_rescale(root, self.executor, layout, new, version,
-                                                 -1 if step is None else step, crashpoint, self._vfs)
-            self.executor.start(self.circuit, new, root)
-            version, step = self.executor.open_state()
-        d, prev_now = self._read_driver_record()
-        x = d if step is None else step  # an executor without state resumes where the driver's record is
+        step, self.last_rescale = settle_state(root, self.executor, self.circuit, opened.layout, opened.last_rescale,
+                                               rescale_to, self.stats, crashpoint, self._vfs)
+        log = LogReplay(root, self._input, self._output, self._driver_db, self._inputs, self._event_time, self._seen)
+        x = log.record_step if step is None else step  # an executor without state resumes at the driver's record
         self.executor.load_state(x)
-        with progress("recovery replay", unit=" steps") as self._replay_progress:
-            self._recover(x, d, prev_now)
+        with progress("recovery replay", unit=" steps") as shown:
+            log.catch_up(x)
+            self.steps = self._open_step = x
+            self._last_now = self.now_ns = log.prev_now
+            self.watermarks = dict(log.watermarks)
+            for run in log.divided(shown):
+                self._replay(run)
+        tail = log.tail()
+        for handle, z, entry in tail:
+            self._pending.append((handle, z))
+            self._step_inputs.append(entry)
+        self.stats["recovered_pushes"] = len(tail)
+        self._open_step = log.next_step
+        self._now_floor, self._wm_divided, self._anon_seq = log.now_floor, log.watermarks, log.anon_seq
         self.stats["recovery_s"] = time.perf_counter() - t0
 
-    def _read_driver_record(self) -> tuple[int, int | None]:
-        """Load the seen set and the clock floor from the newest ``driver.db`` version; returns its step and the
-        now of the step before it."""
-        assert self._driver_db is not None
-        db = self._driver_db
-        prev_now = None
-        with db.open(db.versions().stop - 1) as h:  # the newest committed driver record; discards an older one
-            self._seen.load(h, db.path)
-            clock = h.get(CLOCK_TABLE, CLOCK_KEY)
-            if clock is not None:
-                c = decode_json(CLOCK_MAGIC, clock, f"{db.path} clock")
-                self._now_floor, prev_now = int(c["now_ns"]), c.get("prev_now_ns")
-                for name, wm in (c.get("watermarks") or {}).items():  # after the checkpoint's last step
-                    if name in self.watermarks:
-                        self.watermarks[name] = int(wm)
-                self._wm_divided = dict(self.watermarks)
-            return h.get_step(), prev_now
-
-    def _recover(self, x: int, d: int, prev_now: int | None) -> None:
-        """Invariant 6 from the executor's step ``x`` on, the driver record being at step ``d``."""
-        assert self._input is not None and self._output is not None
-        root = self.storage
-        out = self._output
-        if out.last < x:
-            raise RecoveryError(f"{root}: the output log ends at step {out.last} but the state is at step {x}; "
-                                f"output of steps {out.last}..{x - 1} is lost and cannot be computed again: "
-                                f"restore the directory from a backup (`dbsp repair DIR` lists the damage)")
-        if d > x:
-            raise RecoveryError(f"{root}: driver.db is at step {d} but the state only at step {x}")
-        divisions: dict[int, dict] = {}
-        records: dict[int, list] = {}
-        discards: set[tuple[str, int]] = set()  # (producer, seq) of pushes dropped by discard (invariant 7)
-        # the step open when each discard was logged: a discard of a push its step's division had not yet closed
-        # (logged while that step was open) is not among the division's pushes; a later one is
-        discarded_at: dict[tuple[str, int], int] = {}
-        for r in self._input.iter_from(d):
-            if r.handle == DIVISION_HANDLE:
-                divisions[r.step] = decode_json(DIVISION_MAGIC, r.payload, f"{root} division of step {r.step}")
-            elif r.handle == DISCARD_HANDLE:
-                decode_json(DISCARD_MAGIC, r.payload, f"{root} discard record of step {r.step}")
-                discards.add((r.producer, r.seq))
-                discarded_at.setdefault((r.producer, r.seq), r.step)
-                if r.producer:  # a discarded push was acknowledged: it stays seen, whether or not its record is
-                    self._seen.add(r.producer, r.seq)
-            else:
-                records.setdefault(r.step, []).append(r)
-            if not r.producer and r.handle != DIVISION_HANDLE:
-                self._anon_seq = max(self._anon_seq, r.seq + 1)
-        for s in range(d, x):  # the steps the state holds but the driver record does not: seen pairs and clock
-            dv = divisions.pop(s, None)
-            if dv is None:
-                raise CorruptionError(f"{root}: the input log has no division of step {s}, which the state holds")
-            self._now_floor = max(self._now_floor, int(dv["now_ns"]))
-            prev_now = int(dv["now_ns"])
-            self._logged_watermarks(dv, s)
-            for r in records.pop(s, []):
-                if r.producer:
-                    self._seen.add(r.producer, r.seq)
-        self.steps = self._open_step = x
-        self._last_now = prev_now
-        self.now_ns = prev_now
-        self.watermarks = dict(self._wm_divided)
-        step = x
-        batch: list[_Divided] = []
-        shown = self._replay_progress
-        shown.total = sum(1 for s in divisions if s >= x)
-        rewritten = False  # a discard changed a replayed step: the watermarks logged after it are recomputed
-        while step in divisions:
-            dv = divisions.pop(step)
-            recs = records.pop(step, [])
-            before = sum(1 for r in recs if discarded_at.get((r.producer, r.seq)) == step)
-            if dv["step"] != step or dv["pushes"] != len(recs) - before:
-                raise CorruptionError(f"{root}: the division of step {step} names {dv['pushes']} pushes, the log "
-                                      f"holds {len(recs)}" + (f" ({before} discarded before it)" if before else ""))
-            self._now_floor = max(self._now_floor, int(dv["now_ns"]))
-            live = self._live(recs, discards)
-            rewritten |= len(live) != len(recs)
-            pushes = self._decode(live)
-            in_force = dict(self._wm_divided)
-            after, late = advance(self._event_time, in_force, pushes) if self._event_time else ({}, {})
-            logged = self._logged_watermarks(dv, step)
-            if rewritten:
-                self._wm_divided = dict(after) if self._event_time else self._wm_divided
-            elif logged is not None and logged != after:
-                raise CorruptionError(f"{root}: step {step} logged watermarks {logged}, its pushes give {after}")
-            entries = [(r.handle, r.producer, r.seq) for r in live]
-            batch.append(_Divided(StepInput(step, pushes, int(dv["now_ns"]), None, int(dv["seed"]), in_force),
-                                  _ranges(entries), after, late, entries))
-            step += 1
-            if len(batch) >= 64:
-                self._replay(batch)
-                batch = []
-                shown.update(step - x)
-        self._replay(batch)
-        shown.update(step - x)
-        if divisions:
-            raise CorruptionError(f"{root}: division records of steps {sorted(divisions)} follow a gap at step "
-                                  f"{step}")
-        if out.last > step:
-            raise CorruptionError(f"{root}: the output log holds steps up to {out.last - 1} but the input log "
-                                  f"divides input only up to step {step - 1}")
-        tail = self._live(records.pop(step, []), discards)
-        if records:
-            raise CorruptionError(f"{root}: input records of undivided steps {sorted(records)} after step {step}")
-        for (handle, z), r in zip(self._decode(tail), tail):
-            self._pending.append((handle, z))
-            self._step_inputs.append((r.handle, r.producer, r.seq))
-        self.stats["recovered_pushes"] = len(tail)
-        self._open_step = step
-
-    def _logged_watermarks(self, dv: dict, step: int) -> dict[str, int] | None:
-        """The watermarks a division record logged (after its step), which become the ones in force next."""
-        wms = dv.get("watermarks")
-        if not self._event_time:
-            return None
-        if not wms:
-            raise CorruptionError(f"{self.storage}: the division of step {step} logs no watermarks, but the circuit "
-                                  f"declares event time on {sorted(self._event_time)}")
-        got = {name: int(wms.get(name, NO_WATERMARK)) for name in self._event_time}
-        self._wm_divided = dict(got)
-        return got
-
-    def _live(self, recs: list, discards: set[tuple[str, int]]) -> list:
-        """The records of ``recs`` no discard record names; a discarded push stays seen (a retry is a duplicate)."""
-        if not discards:
-            return recs
-        live = []
-        for r in recs:
-            if (r.producer, r.seq) in discards:
-                if r.producer:
-                    self._seen.add(r.producer, r.seq)
-            else:
-                live.append(r)
-        return live
-
-    def _replay(self, batch: list[_Divided]) -> None:
+    def _replay(self, batch: list[Divided]) -> None:
         """Run divided steps again; once one fails on its data (invariant 7), it and every later one wait."""
         if not batch:
             return
@@ -565,17 +340,6 @@ class Pipeline:
         except StepError:  # _run queued the failed step and the rest of the batch
             pass
         self.stats["replayed_steps"] += len(batch) - len(self._queue)
-
-    def _decode(self, recs: list) -> list[tuple[str, ZSet]]:
-        out = []
-        for r in recs:
-            if r.handle not in self._inputs:
-                raise CorruptionError(f"{self.storage}: logged push to unknown input {r.handle!r} at step {r.step}")
-            out.append((r.handle, decode_zset(r.payload, self._inputs[r.handle], f"{self.storage} input step "
-                                                                                  f"{r.step}")))
-            if r.producer:
-                self._seen.add(r.producer, r.seq)
-        return out
 
     # ---- input ----
 
@@ -727,7 +491,7 @@ class Pipeline:
 
     # ---- steps ----
 
-    def _divide(self, wait: bool) -> _Divided:
+    def _divide(self, wait: bool) -> Divided:
         """Close the open step (invariant 3); with storage, log its division record. Call with ``_step_lock``.
 
         With ``wait`` the record is durable when this returns; without, it is placed in the log's order and
@@ -767,7 +531,7 @@ class Pipeline:
             finally:
                 self._closing = False
                 self._cond.notify_all()
-        return _Divided(StepInput(step, pushes, now_ns, None, seed, in_force), _ranges(entries), after, late, entries)
+        return Divided(StepInput(step, pushes, now_ns, None, seed, in_force), ranges(entries), after, late, entries)
 
     def _await_division(self, quiet: bool = False) -> None:
         """Wait until the division record of the last ``_divide(wait=False)`` is durable (invariant 3)."""
@@ -781,7 +545,7 @@ class Pipeline:
             if not quiet:
                 raise
 
-    def _run(self, batch: list[_Divided], replay: bool = False) -> list[dict[str, ZSet]]:
+    def _run(self, batch: list[Divided], replay: bool = False) -> list[dict[str, ZSet]]:
         """Run divided steps on the executor and log their output (invariants 3 and 4). Call with ``_step_lock``."""
         steps = []
         prev = self._last_now
@@ -822,7 +586,7 @@ class Pipeline:
         self._advance(batch)
         return outs
 
-    def _advance(self, batch: list[_Divided]) -> None:
+    def _advance(self, batch: list[Divided]) -> None:
         """The steps of ``batch`` ran and their output is logged: the pipeline moves past them."""
         if not batch:
             return
@@ -836,7 +600,7 @@ class Pipeline:
                 for name, n in d.late.items():
                     self.late_rows[name] += n
 
-    def _step_failed(self, exc: StepError, d: _Divided) -> StepError:
+    def _step_failed(self, exc: StepError, d: Divided) -> StepError:
         """The StepError a caller sees for the failed step ``d`` (invariant 7): what failed and the remedy."""
         self.stats["failed_steps"] = self.stats.get("failed_steps", 0) + 1
         cause = exc.__cause__ if exc.__cause__ is not None else exc
@@ -945,10 +709,10 @@ class Pipeline:
                 self.stats["discarded"] = self.stats.get("discarded", 0) + 1
                 return handle, step
 
-    def _without(self, d: _Divided, keep: list[int]) -> _Divided:
+    def _without(self, d: Divided, keep: list[int]) -> Divided:
         """The divided step ``d`` with only its pushes at positions ``keep``."""
         entries = [d.entries[i] for i in keep]
-        return d._replace(input=d.input._replace(pushes=[d.input.pushes[i] for i in keep]), ranges=_ranges(entries),
+        return d._replace(input=d.input._replace(pushes=[d.input.pushes[i] for i in keep]), ranges=ranges(entries),
                           entries=entries)
 
     def _rewatermark(self) -> None:
@@ -965,7 +729,7 @@ class Pipeline:
     def _run_queue(self) -> list[dict[str, ZSet]]:
         batch, self._queue = self._queue, []
         outs = self._run(batch)
-        if self.storage is not None and self.checkpoint_interval is not None and not self._rescaling and \
+        if self.storage is not None and self.checkpoint_interval is not None and self.rescale_progress is None and \
                 time.monotonic() - self._last_checkpoint >= self.checkpoint_interval:
             self.checkpoint(wait=False)
         return outs
@@ -991,7 +755,7 @@ class Pipeline:
 
     def _wait_layout_idle(self) -> None:
         """Invariant 8: with the step lock held, wait (releasing it meanwhile) until no live rescale runs."""
-        while self._rescaling:
+        while self.rescale_progress is not None:
             self._layout_idle.wait()
 
     def _checkpoint(self, wait: bool, after_state: Callable[[], None] | None = None) -> int:
@@ -1072,13 +836,13 @@ class Pipeline:
         """Change the number of workers while the pipeline runs (other threads may push and step meanwhile);
         returns once the new layout is in force (and, with storage, durable).
 
-        The shards that change owner move ``batch_shards`` at a time: each batch is one short pause between two
+        The shards that change owner move in waves of ``batch_shards``: each wave is one short pause between two
         steps (steps wait; pushes never do). The embedded executor cuts the moving shards' rows out of the
         traces in memory (zero-copy slices) and hands them to their new owners; the staged executor moves their
-        stored values between the stage databases, each batch committed atomically. With storage, the target is
+        stored values between the stage databases, each wave committed atomically. With storage, the target is
         recorded first, so a crash at any point ends, on the next open, with the move finished (rescale.py
         invariant 4). Returns (and keeps in :attr:`last_rescale`) ``{from_workers, to_workers, moved_shards,
-        moved_bytes, total_bytes, batches, max_pause_ms, seconds}``.
+        moved_bytes, total_bytes, batches, max_pause_ms, seconds}`` (``batches``: the number of waves).
 
         >>> import pyarrow as pa, dbsp_core as dbsp
         >>> c = dbsp.Circuit()
@@ -1101,145 +865,45 @@ class Pipeline:
         t0 = time.perf_counter()
         with self._step_lock:
             self._check_usable()
-            if self._rescaling:
+            if self.rescale_progress is not None:
                 raise DbspError("rescale: another rescale of this pipeline is in progress; call rescale again "
                                 "once it returned")
             self._join_checkpoint()  # invariant 8: no checkpoint in flight, none starts until the end
-            old = self.layout
-            if workers == old.workers:
-                return self._live_report(old, old, 0, 0, 0, [], t0)
-            steps = old.steps_to(old.rebalance(workers), batch_shards)
-            final = steps[-1]
-            if self.storage is not None:
-                begin_live(self.storage, old, final, self._vfs)  # raises before anything changed, or it is durable
-            self._rescaling = True
-        pauses: list[float] = []
-        moved = 0
-        total = None
-        self.rescale_progress = {"from_workers": old.workers, "to_workers": final.workers, "batches": len(steps),
-                                 "done": 0, "moved_shards": 0, "last_pause_ms": 0.0}
-        prev = old
-        undoable = True  # false inside a batch's move and from the final checkpoint on (invariant 8)
+            change = LiveRescale(self.executor, self.circuit, self.storage, self.layout, workers, batch_shards,
+                                 crashpoint, self._vfs, t0)
+            if not change.waves:
+                return change.report(self.steps)
+            change.begin()
+            self.rescale_progress = change.progress  # the change is in progress (invariant 8)
         try:
-            if self.storage is not None:
-                crashpoint("live-begin")
-            prepare = getattr(self.executor, "prepare_relayout", None)
-            if prepare is not None:
-                prepare(final)  # new workers' databases and copies of the circuit, outside any pause
-            for lay in steps:
-                with self._step_lock:  # one pause: steps wait while this batch of shards moves
-                    p0 = time.perf_counter()
-                    self._check_usable()
-                    undoable = False
-                    moved += self._move_batch(prev, lay, final)
-                    prev, undoable = lay, True
-                    pauses.append(time.perf_counter() - p0)
-                    crashpoint("live-batch")
-                self.rescale_progress.update(done=len(pauses), moved_shards=len(old.moved_shards(lay)),
-                                             last_pause_ms=round(pauses[-1] * 1000, 2))
-                self._let_steps_run()
-            if getattr(self.executor, "state_in_memory", False):
-                with self._step_lock:  # the state the new layout holds (steps ran during the move: it grew)
-                    total = self.executor.state_bytes()
-            undoable = False
-            if self.storage is not None and getattr(self.executor, "state_in_memory", False):
-                root, groups = self.storage, self.executor.groups(old)
-
-                def switch() -> None:  # the new layout's state is committed: LAYOUT follows, then the logs
-                    crashpoint("live-switch")
-                    report["seconds"] = round(time.perf_counter() - t0, 6)
-                    write_layout(root, final, report, self._vfs)
-                    crashpoint("live-layout")
-                    remove_leaving(root, groups, old, final, self._vfs)
-                    end_live(root, self._vfs)
-
-                report = self._live_report(old, final, moved, total, len(steps), pauses, t0)
-                self._checkpoint(False, switch)  # captured under the step lock, committed in the background
-                t = self._ckpt_thread
-                if t is not None:
-                    t.join()  # steps go on meanwhile
-                self._join_checkpoint_quiet()
+            change.run(self)
         except BaseException as exc:
-            # a failure is undone; a BaseException that is not an Exception (KeyboardInterrupt, SystemExit: the
-            # process is going down, as a kill would) leaves the change to Pipeline.open like a crash does
-            if undoable and isinstance(exc, Exception) and self._broken is None and not self._closed:
-                self._undo_rescale(old, prev, final, exc)
+            # a failure is undone (rescale.py invariant 6); a BaseException that is not an Exception
+            # (KeyboardInterrupt, SystemExit: the process is going down, as a kill would) leaves the change to
+            # Pipeline.open like a crash does
+            if change.undoable and isinstance(exc, Exception) and self._broken is None and not self._closed:
+                self._undo_rescale(change, exc)
             else:
                 self._broken = self._broken or exc  # state may be between layouts: Pipeline.open finishes the move
             raise
         finally:
             with self._step_lock:
-                self._rescaling = False
                 self.rescale_progress = None
                 self._layout_idle.notify_all()
-        rep = self._live_report(old, final, moved, total, len(steps), pauses, t0)
-        if self.storage is not None and not getattr(self.executor, "state_in_memory", False):
-            with self._step_lock:  # LAYOUT holds the last batch's report: make it the whole change's
-                write_layout(self.storage, final, rep, self._vfs)
-        self.last_rescale = rep
-        return rep
+        self.last_rescale = change.finish(self)
+        return self.last_rescale
 
-    def _undo_rescale(self, old: Layout, at: Layout, final: Layout, exc: BaseException) -> None:
-        """A live rescale failed before or between batches, at layout ``at`` (invariant 8): move the shards back
-        to ``old``'s owners and remove what the change created, so the pipeline goes on as before it. If that
-        fails too, the pipeline is broken (Pipeline.open finishes or undoes the change from the directory)."""
+    def _undo_rescale(self, change: LiveRescale, exc: BaseException) -> None:
+        """A live rescale failed before or between waves (rescale.py invariant 6): undo it under the step lock.
+        If that fails too, the pipeline is broken (Pipeline.open finishes or undoes the change from the
+        directory)."""
         try:
             with self._step_lock:
-                if getattr(self.executor, "state_in_memory", False):
-                    if at != old:
-                        self.executor.relayout(old)  # type: ignore[attr-defined]
-                    abandon = getattr(self.executor, "abandon_relayout", None)
-                    if abandon is not None:
-                        abandon()  # joining workers prepared and never attached
-                    if self.storage is not None:
-                        remove_leaving(self.storage, self.executor.groups(old), final, old, self._vfs)  # joiners
-                        end_live(self.storage, self._vfs)
-                elif self.storage is not None:  # the staged executor: every batch is durable; one more goes back
-                    if at != old:
-                        back = Layout(old.shard_map, old.hosts, at.epoch + 1, old.min_shard_bits)
-                        self._move_batch(at, back, back)
-                    else:
-                        end_live(self.storage, self._vfs)
+                change.undo(self.steps)
                 self.stats["rescales_undone"] = self.stats.get("rescales_undone", 0) + 1
         except BaseException as undo:
             self._broken = exc
             raise undo from exc
-
-    def _live_report(self, old: Layout, final: Layout, moved: int, total: int | None, batches: int,
-                     pauses: list[float], t0: float) -> dict:
-        return {"from_workers": old.workers, "to_workers": final.workers, "from_shards": old.shards,
-                "to_shards": final.shards, "moved_shards": len(old.moved_shards(final)), "moved_bytes": moved,
-                "total_bytes": total if total is not None else self.executor.disk_bytes(), "batches": batches,
-                "max_pause_ms": round(max(pauses, default=0.0) * 1000, 3),
-                "seconds": round(time.perf_counter() - t0, 6), "kind": "live", "step": self.steps}
-
-    def _let_steps_run(self, timeout: float = 0.05) -> None:
-        """Between two batches of a live rescale: if a step waits for the lock, let it run first (a thread that
-        releases a lock and takes it again at once would starve it)."""
-        if not self._waiting:
-            return
-        steps, deadline = self.steps, time.monotonic() + timeout
-        while self.steps == steps and self._waiting and time.monotonic() < deadline:
-            time.sleep(0.0005)
-
-    def _move_batch(self, prev: Layout, lay: Layout, final: Layout) -> int:
-        """Move one batch of shards from layout ``prev`` to ``lay`` (the caller holds the step lock)."""
-        if getattr(self.executor, "state_in_memory", False):
-            return self.executor.relayout(lay)  # type: ignore[attr-defined]
-        assert self.storage is not None
-        version = self.executor.version  # type: ignore[attr-defined]  # every stage database is at it (a job
-        rep = cold_rescale(self.storage, self.executor, prev, lay, version, self.steps,  # commits them all)
-                           crashpoint, self._vfs, target=final, measure_total=False)
-        self.executor.start(self.circuit, lay, self.storage)
-        self.executor.resume(version + 1, self.steps)  # type: ignore[attr-defined]
-        return int(rep["moved_bytes"])
-
-    def _join_checkpoint_quiet(self) -> None:
-        t = self._ckpt_thread
-        if t is not None:
-            t.join()
-            self._ckpt_thread = None
-        self._check_usable()
 
     @property
     def layout(self) -> Layout:

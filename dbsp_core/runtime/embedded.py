@@ -144,6 +144,9 @@ class EmbeddedExecutor:
         self._coord: Coordinator | None = None
         self._out_schemas: dict[str, pa.Schema] = {}
         self.stats: dict[str, Any] = {}
+        # the driver's output log end: not needed here (state commits only at checkpoints, after its output)
+        self.output_steps: Callable[[], int] = lambda: 2**62
+        self._joining: dict[int, tuple[_Worker, WorkerStore | None]] = {}  # built by prepare_relayout
         # CPU time each worker's thread spent in steps, counted only while ``measure_cpu`` is set: reading a
         # thread's CPU clock is a system call (4-40 us on this VM), a measurable share of a 1k-row step
         self.measure_cpu = False
@@ -327,7 +330,6 @@ class EmbeddedExecutor:
         attaches them. Call it with no checkpoint in flight and none starting until the change ends; it does
         file I/O and needs no step lock."""
         assert self.circuit is not None and self.layout is not None
-        self._joining = getattr(self, "_joining", {})
         for w in range(len(self._workers), final.workers):
             if w in self._joining:
                 continue
@@ -346,7 +348,7 @@ class EmbeddedExecutor:
     def abandon_relayout(self) -> None:
         """A live change ended without attaching the workers :meth:`prepare_relayout` built (it failed and was
         undone): close their databases (the driver deletes the files)."""
-        for _, st in getattr(self, "_joining", {}).values():
+        for _, st in self._joining.values():
             if st is not None:
                 st.close()
         self._joining = {}
@@ -408,6 +410,10 @@ class EmbeddedExecutor:
             self._pool = ThreadPoolExecutor(max_workers=W - 1, thread_name_prefix="dbsp-worker") if W > 1 else None
         self.worker_cpu_seconds = (self.worker_cpu_seconds + [0.0] * W)[:W]
         return moved
+
+    def resume(self, version: int, step: int) -> None:
+        raise DbspError("resume: the embedded executor's state is in memory; a live rescale moves it with "
+                        "relayout, and a stored layout change is loaded by open_state and load_state")
 
     def settle_merges(self) -> None:
         """Wait until the merge thread has no merge left and every trace has installed what it merged (after a

@@ -61,12 +61,27 @@ class StateGroup(NamedTuple):
 
 
 class Executor(Protocol):
-    """Runs the steps of one circuit over one layout; see the module docstring."""
+    """Runs the steps of one circuit over one layout; see the module docstring.
+
+    A live rescale (dbsp_core.runtime.rescale, invariant 4) moves state the way the executor keeps it: one whose
+    state is in memory (``state_in_memory``) moves each wave with :meth:`relayout`, between
+    :meth:`prepare_relayout` and, if the change is undone, :meth:`abandon_relayout`; one whose state is on disk
+    has each wave moved between its databases as a cold change and goes on with :meth:`resume`. Each executor
+    refuses the member of the other way with DbspError.
+    """
 
     kind: str  # "embedded" or "staged": recorded in META, a directory is reopened with the same kind
     division_first: bool  # the division of a step must be durable before it runs (state commits while it runs)
+    state_in_memory: bool  # state lives in memory between checkpoints, not committed by every step (see above)
     layout: Layout | None  # the layout of the workers built by the last start()
     stats: dict  # counters, shared with the driver's (the driver adds its own to the same dict)
+    # the end of the driver's output log (the driver sets it when it opens the log): an executor whose state
+    # commits while steps run does not resume past a step whose output is not logged (staged.py invariant 2)
+    output_steps: Callable[[], int]
+
+    @property
+    def version(self) -> int:
+        """The version every state database is at (-1 when the executor holds none open)."""
 
     def start(self, circuit: Circuit, layout: Layout, storage: str | None) -> None:
         """Build the workers of ``layout`` (no state is loaded); ``storage`` None runs in memory."""
@@ -89,8 +104,25 @@ class Executor(Protocol):
         """Capture the state at ``step`` (steps are paused); the returned function makes it durable (it may
         run on another thread while later steps run)."""
 
+    def prepare_relayout(self, final: Layout) -> None:
+        """Before the first wave of a live change to ``final``: build what the change adds, outside any pause."""
+
+    def abandon_relayout(self) -> None:
+        """A live change was undone: release what :meth:`prepare_relayout` built and no wave attached."""
+
+    def relayout(self, layout: Layout) -> int:
+        """State in memory: switch to ``layout`` between steps, moving the state of the shards whose owner
+        changes; returns the bytes moved."""
+
+    def resume(self, version: int, step: int) -> None:
+        """State on disk: every state database now holds ``version`` at ``step`` (a layout change committed it,
+        after :meth:`start` on the new layout): go on from there."""
+
     def traces(self, worker: int) -> dict[str, Trace]:
         """All keyed state of one worker as ``{"<operator label>.<trace name>": Trace}``."""
+
+    def state_bytes(self) -> int:
+        """Bytes of every worker's state where the executor keeps it (in memory, or on disk)."""
 
     def disk_bytes(self) -> int:
         """Bytes of state on disk."""

@@ -1,4 +1,4 @@
-"""Layout changes of a storage directory: move the shards whose owner changes between the state databases of the old and new workers, commit the change as one new checkpoint version everywhere, and finish or undo an interrupted change on the next open; a live change records its target so that a crash midway ends with the move finished.
+"""Layout changes: move the shards whose owner changes between the state databases of the old and new workers, commit the change as one new checkpoint version everywhere, and finish or undo an interrupted change on the next open; a live change (``Pipeline.rescale``) moves its shards in waves between steps and records its target so that a crash midway ends with the move finished.
 
 The protocol (a "cold" layout change, made while no step runs, atomic across every database of every state group):
 
@@ -24,13 +24,14 @@ Invariants (enforced here):
      replay identically in either.
   3. Only shards whose owner changes are copied between databases; the report says how many and how many
      bytes, against the bytes of all state (``moved_bytes / total_bytes`` is the fraction that moved).
-  4. A live change (``Pipeline.rescale``) first records its target layout in RESCALE (``live`` with no change in
-     progress). The staged executor then makes each batch of moved shards a change of the protocol above (the
-     record keeps the target while a batch is in progress and after it); the embedded executor moves batches in
-     memory and makes only the target durable, by the checkpoint that ends the change, whose state commit is
-     followed by LAYOUT before ``driver.db`` and the input log's truncation. So after a crash, recovery ends any
-     batch in progress (invariant 1), reads the target from RESCALE, and finishes the move as a cold change from
-     the layout in LAYOUT: the directory ends in the target layout, with its output exactly once (the steps since
+  4. A live change (``Pipeline.rescale``, :class:`LiveRescale`) first records its target layout in RESCALE (``live``
+     with no change in progress). An executor whose state is on disk (the staged one) then makes each wave of
+     moved shards a change of the protocol above (the record keeps the target while a wave is in progress and
+     after it); one whose state is in memory (``state_in_memory``: the embedded one) moves waves in memory and
+     makes only the target durable, by the checkpoint that ends the change, whose state commit is followed by
+     LAYOUT before ``driver.db`` and the input log's truncation. So after a crash, recovery ends any wave in
+     progress (invariant 1), reads the target from RESCALE, and finishes the move as a cold change from the
+     layout in LAYOUT: the directory ends in the target layout, with its output exactly once (the steps since
      the checkpoint replay in the new layout, verified against the output log).
   5. A change moves state only from databases that hold it for the layout it moves from: every database of a
      worker of ``old`` records (dbsp_core.storage.shardmove.write_worker_layout) that worker of ``old``'s epoch
@@ -39,14 +40,20 @@ Invariants (enforced here):
      it and the move would "finish" with their groups empty: the change is refused with RecoveryError before
      anything is written, and recovery of a live change rolls back only to a version that holds LAYOUT's
      epoch in every database, refusing (changing nothing) when no version does.
+  6. A live change moves one wave per pause of the steps (under the driver's step lock, driver invariant 8) and
+     lets a step that waits run between two waves. One that fails before or between its waves (not inside a
+     wave's move, nor in the checkpoint that ends it) moves the moved shards back and removes what it created
+     (:meth:`LiveRescale.undo`): the pipeline goes on at the old layout.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
-from typing import Callable
+from typing import Callable, Protocol
 
+from dbsp_core.circuit import Circuit
 from dbsp_core.errors import RecoveryError
 from dbsp_core.layout import Layout
 from dbsp_core.runtime.executor import Executor, StateGroup
@@ -56,7 +63,8 @@ from dbsp_core.storage.directory import (read_layout, read_rescale, remove_recor
 from dbsp_core.storage.formats import worker_files
 from dbsp_core.storage.shardmove import relayout_group
 
-__all__ = ["begin_live", "cold_rescale", "end_live", "live_target", "remove_leaving", "resolve"]
+__all__ = ["LiveHost", "LiveRescale", "begin_live", "cold_rescale", "end_live", "live_target", "remove_leaving",
+           "resolve"]
 
 
 def _remove_worker(path: str, vfs: str) -> None:
@@ -208,7 +216,7 @@ def resolve(root: str, executor: Executor, crashpoint: Callable[[str], None], vf
     if rec is None:
         return None
     if rec.get("kind") == "live" and "to" not in rec:  # only a live change's target: the driver finishes it
-        if getattr(executor, "state_in_memory", False):
+        if executor.state_in_memory:
             return _settle_live_memory(root, executor, Layout.from_dict(rec["target"], f"{root}/RESCALE"), vfs,
                                        Layout.from_dict(rec["from"], f"{root}/RESCALE") if "from" in rec else None)
         return None
@@ -344,3 +352,151 @@ def _all_hold(groups: list[StateGroup], workers: int, version: int, vfs: str) ->
                 if version not in db.versions():
                     return False
     return True
+
+
+# ---- live changes ----
+
+
+class LiveHost(Protocol):
+    """What a live change asks of the pipeline that runs it (dbsp_core.runtime.driver, invariant 8)."""
+
+    steps: int  # steps run so far
+    _waiting: int  # steps waiting for the step lock
+    _step_lock: threading.RLock  # held by every step: a wave moves while it is held
+
+    def _check_usable(self) -> None:
+        """Raise if the pipeline is broken or closed."""
+
+    def _checkpoint(self, wait: bool, after_state: Callable[[], None] | None = None) -> int:
+        """Take a checkpoint; ``after_state`` runs between the state's commit and the driver's record."""
+
+    def _join_checkpoint(self) -> None:
+        """Wait for a background checkpoint; raise if it failed."""
+
+
+class LiveRescale:
+    """One live change of layout (invariants 4 and 6): from ``old`` to ``workers`` workers, ``wave_shards``
+    shards a wave, each wave moved in one pause of the steps of the pipeline ``run`` is given; then, for an
+    executor whose state is in memory, the checkpoint that makes the target durable. ``crashpoint`` is the
+    driver's (tests arm it). The caller holds the step lock from :meth:`begin` until it has marked the change in
+    progress (driver invariant 8), and undoes a failed change with :meth:`undo` when :attr:`undoable`.
+    """
+
+    def __init__(self, executor: Executor, circuit: Circuit, root: str | None, old: Layout, workers: int,
+                 wave_shards: int, crashpoint: Callable[[str], None], vfs: str, t0: float) -> None:
+        self.executor, self.circuit, self.root, self.old = executor, circuit, root, old
+        self._crashpoint, self._vfs, self._t0 = crashpoint, vfs, t0
+        self.waves: list[Layout] = [] if workers == old.workers else old.steps_to(old.rebalance(workers),
+                                                                                  wave_shards)
+        self.final = self.waves[-1] if self.waves else old
+        self.at = old  # the layout in force: the last wave moved
+        self.moved = 0  # bytes moved
+        self.total: int | None = 0 if not self.waves else None  # bytes of all state, once measured
+        self.pauses: list[float] = []
+        self.undoable = True  # false inside a wave's move and from the final checkpoint on (invariant 6)
+        # what Pipeline.rescale_progress shows while the change runs (the keys predate the word "wave")
+        self.progress = {"from_workers": old.workers, "to_workers": self.final.workers, "batches": len(self.waves),
+                         "done": 0, "moved_shards": 0, "last_pause_ms": 0.0}
+
+    def begin(self) -> None:
+        """With storage, record the target (invariant 4): raises before anything changed, or it is durable."""
+        if self.root is not None:
+            begin_live(self.root, self.old, self.final, self._vfs)
+
+    def report(self, step: int) -> dict:
+        """``{from_workers, to_workers, from_shards, to_shards, moved_shards, moved_bytes, total_bytes, batches,
+        max_pause_ms, seconds, kind, step}`` (``batches``: the waves)."""
+        old, final = self.old, self.final
+        return {"from_workers": old.workers, "to_workers": final.workers, "from_shards": old.shards,
+                "to_shards": final.shards, "moved_shards": len(old.moved_shards(final)), "moved_bytes": self.moved,
+                "total_bytes": self.total if self.total is not None else self.executor.disk_bytes(),
+                "batches": len(self.waves), "max_pause_ms": round(max(self.pauses, default=0.0) * 1000, 3),
+                "seconds": round(time.perf_counter() - self._t0, 6), "kind": "live", "step": step}
+
+    def run(self, host: LiveHost) -> None:
+        """Move every wave, each in one pause of ``host``'s steps, then make the target durable."""
+        ex, crashpoint, old, final = self.executor, self._crashpoint, self.old, self.final
+        if self.root is not None:
+            crashpoint("live-begin")
+        ex.prepare_relayout(final)  # joining workers' databases and copies of the circuit, outside any pause
+        for lay in self.waves:
+            with host._step_lock:  # one pause: steps wait while this wave of shards moves
+                p0 = time.perf_counter()
+                host._check_usable()
+                self.undoable = False
+                self.moved += self._move(self.at, lay, host.steps)
+                self.at, self.undoable = lay, True
+                self.pauses.append(time.perf_counter() - p0)
+                crashpoint("live-batch")
+            self.progress.update(done=len(self.pauses), moved_shards=len(old.moved_shards(lay)),
+                                 last_pause_ms=round(self.pauses[-1] * 1000, 2))
+            self._let_steps_run(host)
+        if ex.state_in_memory:
+            with host._step_lock:  # the state the new layout holds (steps ran during the move: it grew)
+                self.total = ex.state_bytes()
+        self.undoable = False
+        if self.root is not None and ex.state_in_memory:
+            root, groups, vfs = self.root, ex.groups(old), self._vfs
+
+            def switch() -> None:  # the new layout's state is committed: LAYOUT follows, then the logs
+                crashpoint("live-switch")
+                report["seconds"] = round(time.perf_counter() - self._t0, 6)
+                write_layout(root, final, report, vfs)
+                crashpoint("live-layout")
+                remove_leaving(root, groups, old, final, vfs)
+                end_live(root, vfs)
+
+            report = self.report(host.steps)
+            host._checkpoint(False, switch)  # captured under the step lock, committed in the background
+            host._join_checkpoint()  # steps go on meanwhile
+
+    def finish(self, host: LiveHost) -> dict:
+        """After :meth:`run` and the change marked ended: the report of the whole change, which, for an executor
+        whose state is on disk, LAYOUT keeps (it holds the last wave's report)."""
+        rep = self.report(host.steps)
+        if self.root is not None and not self.executor.state_in_memory:
+            with host._step_lock:
+                write_layout(self.root, self.final, rep, self._vfs)
+        return rep
+
+    def undo(self, step: int) -> None:
+        """A change that failed before or between waves, at layout :attr:`at` (invariant 6): move the shards back
+        to the old layout's owners and remove what the change created. The caller holds the step lock."""
+        ex, old, at, root = self.executor, self.old, self.at, self.root
+        if ex.state_in_memory:
+            if at != old:
+                ex.relayout(old)
+            ex.abandon_relayout()  # joining workers prepared and never attached
+            if root is not None:
+                remove_leaving(root, ex.groups(old), self.final, old, self._vfs)  # the joining workers' databases
+                end_live(root, self._vfs)
+        elif root is not None:  # state on disk: every wave is durable; one more goes back
+            if at != old:
+                back = Layout(old.shard_map, old.hosts, at.epoch + 1, old.min_shard_bits)
+                self._move(at, back, step, back)
+            else:
+                end_live(root, self._vfs)
+
+    def _move(self, prev: Layout, lay: Layout, step: int, final: Layout | None = None) -> int:
+        """Move one wave of shards from layout ``prev`` to ``lay`` at ``step`` (the caller holds the step lock);
+        returns the bytes moved. ``final``: the layout the change ends in (default: its target)."""
+        ex = self.executor
+        if ex.state_in_memory:
+            return ex.relayout(lay)
+        assert self.root is not None
+        version = ex.version  # every stage database is at it (a job commits them all)
+        rep = cold_rescale(self.root, ex, prev, lay, version, step, self._crashpoint, self._vfs,
+                           target=final or self.final, measure_total=False)
+        ex.start(self.circuit, lay, self.root)
+        ex.resume(version + 1, step)
+        return int(rep["moved_bytes"])
+
+    @staticmethod
+    def _let_steps_run(host: LiveHost, timeout: float = 0.05) -> None:
+        """Between two waves: if a step waits for the lock, let it run first (a thread that releases a lock and
+        takes it again at once would starve it)."""
+        if not host._waiting:
+            return
+        steps, deadline = host.steps, time.monotonic() + timeout
+        while host.steps == steps and host._waiting and time.monotonic() < deadline:
+            time.sleep(0.0005)

@@ -134,6 +134,7 @@ class StagedExecutor:
 
     kind = "staged"
     division_first = True  # invariant 1: a job commits state, so its steps' divisions are durable first
+    state_in_memory = False  # the stage databases hold the state: a live rescale moves it as cold changes
 
     def __init__(self, runner: JobRunner | None = None, max_steps_per_job: int = 64) -> None:
         if not isinstance(max_steps_per_job, int) or max_steps_per_job < 1:
@@ -201,6 +202,18 @@ class StagedExecutor:
         a worker: groups counted in two workers)."""
         self.version, self.step = version, step
         self.run_id = uuid.uuid4().hex
+
+    # ---- live layout changes ----
+
+    def prepare_relayout(self, final: Layout) -> None:
+        """Nothing to build: each wave of a live change is a cold change, which creates the databases it needs."""
+
+    def abandon_relayout(self) -> None:
+        """Nothing to release (see :meth:`prepare_relayout`)."""
+
+    def relayout(self, layout: Layout) -> int:
+        raise DbspError("relayout: the staged executor's state is in its stage databases, not in memory; a live "
+                        "rescale moves it as cold changes of those databases (dbsp_core.runtime.rescale)")
 
     # ---- steps ----
 
@@ -360,6 +373,10 @@ class StagedExecutor:
         assert self.storage is not None
         root = os.path.join(self.storage, STATE_DIR)
         return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+
+    def state_bytes(self) -> int:
+        """The state is in the stage databases: their bytes on disk."""
+        return self.disk_bytes()
 
     def close(self) -> None:
         close = getattr(self.runner, "close", None)

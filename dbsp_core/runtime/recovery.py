@@ -1,0 +1,329 @@
+"""Recovery of a storage directory for the driver: open it (format checks, an interrupted repair or layout change settled, a cold rescale if asked), put the executor's state at its step, and read back from driver.db and the input log where the pipeline goes on and which divided steps run again.
+
+The driver (dbsp_core.runtime.driver, invariant 6) calls, in order: :func:`open_directory`, :func:`settle_state`,
+then a :class:`LogReplay` whose divided steps it runs again itself (through the same path as any step, so their
+output is verified against the output log), and whose undivided tail it queues.
+
+Invariants (enforced here; together they are driver invariant 6):
+  1. Recovery resolves an interrupted layout change (rescale.py), lets the executor put its state on the newest
+     version every database holds (step X), changes the layout if asked (cold rescale), loads the state, loads
+     the seen set and clock from ``driver.db`` (step D <= X) and completes them from the log records of steps
+     D..X-1, replays every divided step from X (verifying output already in the log, appending the rest), then
+     queues the acknowledged pushes never divided into a step.
+  2. A directory written by a different circuit or another kind of executor is refused with
+     CircuitMismatchError.
+  3. A damaged input log raises CorruptionError naming the file and offset and changes nothing (``dbsp repair``
+     is the way forward); a damaged output log is rebuilt when every step it lost is one the replay computes
+     again, and refused otherwise (dbsp_core.storage.repair, invariants 1 and 4).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Callable, Iterator, NamedTuple
+
+import pyarrow as pa
+
+from dbsp_core.circuit import Circuit
+from dbsp_core.codec import decode_json, decode_zset
+from dbsp_core.errors import CircuitMismatchError, CorruptionError, RecoveryError
+from dbsp_core.layout import DEFAULT_SHARD_BITS, HASH_VERSION, Layout
+from dbsp_core.progress import progress
+from dbsp_core.runtime.division import Divided, ranges
+from dbsp_core.runtime.executor import Executor, StepInput
+from dbsp_core.runtime.rescale import cold_rescale, end_live, live_target, resolve
+from dbsp_core.runtime.upgrade import is_format1, upgrade_format1
+from dbsp_core.storage.consumers import ConsumerRegistry
+from dbsp_core.storage.database import Database
+from dbsp_core.storage.dedup import SeenSet
+from dbsp_core.storage.directory import read_layout, read_meta, write_layout, write_meta
+from dbsp_core.storage.formats import (CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE, DISCARD_HANDLE, DISCARD_MAGIC,
+                                       DIVISION_HANDLE, DIVISION_MAGIC, DRIVER_DB, INPUT_DIR, OUTPUT_DIR, STATE_DIR)
+from dbsp_core.storage.outputlog import OutputLog
+from dbsp_core.storage.repair import finish_repair, rebuild_output
+from dbsp_core.storage.steplog import StepLog
+from dbsp_core.time.watermark import NO_WATERMARK, EventTime, advance
+from dbsp_core.zset import ZSet
+
+__all__ = ["LogReplay", "Opened", "open_directory", "settle_state"]
+
+REPLAY_STEPS = 64  # divided steps handed to the executor at once during replay
+
+
+class Opened(NamedTuple):
+    """The files of a storage directory the driver holds open, and the layout ``LAYOUT`` names after an
+    interrupted layout change was settled (the executor is started on it)."""
+
+    input: StepLog
+    output: OutputLog
+    driver_db: Database
+    consumers: ConsumerRegistry
+    layout: Layout
+    last_rescale: dict | None
+
+
+def open_directory(root: str, executor: Executor, circuit: Circuit, fingerprint: str, inputs: dict[str, pa.Schema],
+                   outputs: dict[str, pa.Schema], *, workers: int, shard_bits: int, open_only: bool,
+                   segment_bytes: int, replay_check: bool, output_sync: bool, stats: dict,
+                   crashpoint: Callable[[str], None], vfs: str) -> Opened:
+    """Open (or create) the pipeline stored in ``root``, whose lock the caller holds: finish an interrupted repair,
+    upgrade a directory of the previous release, check META (invariant 2), settle an interrupted layout change,
+    start the executor on the layout, and open the logs and ``driver.db`` (invariant 3). On failure, what it
+    opened is closed again (the executor is the caller's). ``stats`` gets ``upgraded_from_format``,
+    ``rescale_recovery`` and ``output_rebuilt`` when they happen."""
+    finish_repair(root)  # a repair a crash interrupted: swap in the repaired logs (storage/repair.py)
+    meta = {"fingerprint": fingerprint, "executor": executor.kind, "inputs": sorted(inputs),
+            "outputs": sorted(outputs), "hash_version": HASH_VERSION,
+            "output_schemas": {n: sch.serialize().to_pybytes().hex() for n, sch in outputs.items()}}
+    legacy = is_format1(root)
+    if legacy is not None:  # the previous release's directory: converted, then opened as any other
+        executor.start(circuit, Layout.local(int(legacy.get("workers", 1)),
+                                             int(legacy.get("shard_bits", DEFAULT_SHARD_BITS))), root)
+        upgrade_format1(root, legacy, executor, fingerprint, vfs)
+        stats["upgraded_from_format"] = 1
+    try:
+        old = read_meta(root)
+    except FileNotFoundError:
+        old = None
+    if old is None:
+        if open_only:
+            raise RecoveryError(f"Pipeline.open: {root!r} holds no pipeline (META is missing)")
+        if os.path.exists(os.path.join(root, STATE_DIR)) or os.path.exists(os.path.join(root, DRIVER_DB)):
+            raise RecoveryError(f"{root}: state databases exist but META is missing")
+        write_layout(root, Layout.local(workers, shard_bits), None, vfs)
+        write_meta(root, meta, vfs)  # META last: the directory holds a pipeline from here on
+    else:
+        for k, what in (("fingerprint", "circuit"), ("executor", "executor kind")):
+            if old.get(k) != meta[k]:
+                raise CircuitMismatchError(
+                    f"{root} was written by a pipeline with a different {what} ({old.get(k)!r} != {meta[k]!r}); "
+                    f"open it with the same circuit and executor")
+    layout, _ = read_layout(root, vfs)
+    if old is not None and not open_only and layout.workers != workers:
+        raise CircuitMismatchError(f"{root} holds a pipeline of {layout.workers} workers, not {workers}; "
+                                   f"Pipeline.open({root!r}, circuit, workers={workers}) rescales it")
+    executor.start(circuit, layout, root)
+    # an interrupted layout change: finish it or undo it
+    stats["rescale_recovery"] = resolve(root, executor, crashpoint, vfs)
+    layout, last_rescale = read_layout(root, vfs)
+    executor.start(circuit, layout, root)
+    with contextlib.ExitStack() as opened:
+        inp = StepLog(os.path.join(root, INPUT_DIR), segment_bytes=segment_bytes)
+        opened.callback(inp.close)
+        try:
+            out = OutputLog(os.path.join(root, OUTPUT_DIR), outputs, check=replay_check, sync=output_sync,
+                            segment_bytes=segment_bytes)
+        except CorruptionError:  # output is a function of input: rebuild it if the lost steps are replayed
+            rebuilt = rebuild_output(root)
+            stats["output_rebuilt"] = {k: rebuilt[k] for k in ("kept", "missing", "backup")}
+            out = OutputLog(os.path.join(root, OUTPUT_DIR), outputs, check=replay_check, sync=output_sync,
+                            segment_bytes=segment_bytes, expect=rebuilt["expect"])
+        opened.callback(out.close)
+        if not os.path.exists(os.path.join(root, DRIVER_DB)) and out.last > 0:
+            raise CorruptionError(f"{root}: {DRIVER_DB} is missing, but the output log holds steps up to "
+                                  f"{out.last - 1}: the record of the pushes already counted is lost")
+        db = Database(os.path.join(root, DRIVER_DB), vfs=vfs)
+        opened.callback(db.close)
+        consumers = ConsumerRegistry(root, vfs)
+        executor.output_steps = lambda: out.last
+        opened.pop_all()  # the caller holds them from here on
+    return Opened(inp, out, db, consumers, layout, last_rescale)
+
+
+def settle_state(root: str, executor: Executor, circuit: Circuit, layout: Layout, last_rescale: dict | None,
+                 rescale_to: int | None, stats: dict, crashpoint: Callable[[str], None], vfs: str
+                 ) -> tuple[int | None, dict | None]:
+    """Put the executor's state on the newest version every database holds, finish a live rescale a crash
+    interrupted (a cold change to its target, rescale.py invariant 4) and make the cold change to ``rescale_to``
+    workers if asked; returns the step the state is at (None: the executor keeps no state) and the report of
+    the last layout change."""
+    version, step = executor.open_state()
+    target = live_target(root, vfs)  # a live rescale a crash interrupted: finish the move
+    if target is not None:
+        if target.epoch != layout.epoch:
+            rep = cold_rescale(root, executor, layout, target, version, -1 if step is None else step, crashpoint, vfs)
+            last_rescale = dict(rep, kind="live", finished_by_recovery=True)
+            write_layout(root, target, last_rescale, vfs)
+            layout = target
+            executor.start(circuit, layout, root)
+            version, step = executor.open_state()
+        else:
+            end_live(root, vfs)
+        stats["rescale_recovery"] = "finished"
+    if rescale_to is not None and rescale_to != layout.workers:
+        new = layout.rebalance(rescale_to)
+        with progress(f"rescale {layout.workers} -> {new.workers} workers"):
+            last_rescale = cold_rescale(root, executor, layout, new, version, -1 if step is None else step,
+                                        crashpoint, vfs)
+        executor.start(circuit, new, root)
+        version, step = executor.open_state()
+    return step, last_rescale
+
+
+class LogReplay:
+    """What the driver's record (``driver.db``) and the input log say about where a pipeline goes on (invariant 1).
+
+    Made, it has loaded the seen set and the clock of the newest driver record (at :attr:`record_step`). Then,
+    with the executor's state at step X: :meth:`catch_up` completes them from the log records of the steps the
+    state holds and the record does not; :meth:`divided` yields the divided steps from X on, in runs of
+    :data:`REPLAY_STEPS`, for the driver to run again; :meth:`tail` returns the acknowledged pushes after the
+    last division. Meanwhile :attr:`now_floor`, :attr:`prev_now` (the ``now`` of the step before the next one
+    run), :attr:`watermarks` (after the last step divided), :attr:`anon_seq` and :attr:`next_step` follow.
+    """
+
+    def __init__(self, root: str, input: StepLog, output: OutputLog, driver_db: Database,
+                 inputs: dict[str, pa.Schema], event_time: dict[str, EventTime], seen: SeenSet) -> None:
+        self.root, self._input, self._output, self._inputs = root, input, output, inputs
+        self._event_time, self._seen = event_time, seen
+        self.now_floor = 0
+        self.prev_now: int | None = None
+        self.watermarks: dict[str, int] = {name: NO_WATERMARK for name in event_time}
+        self.anon_seq = 0  # the seq of the next anonymous push
+        self.next_step = 0
+        self._divisions: dict[int, dict] = {}
+        self._records: dict[int, list] = {}
+        self._discards: set[tuple[str, int]] = set()
+        self._discarded_at: dict[tuple[str, int], int] = {}
+        db = driver_db
+        with db.open(db.versions().stop - 1) as h:  # the newest committed driver record; discards an older one
+            seen.load(h, db.path)
+            clock = h.get(CLOCK_TABLE, CLOCK_KEY)
+            if clock is not None:
+                c = decode_json(CLOCK_MAGIC, clock, f"{db.path} clock")
+                self.now_floor, self.prev_now = int(c["now_ns"]), c.get("prev_now_ns")
+                for name, wm in (c.get("watermarks") or {}).items():  # after the checkpoint's last step
+                    if name in self.watermarks:
+                        self.watermarks[name] = int(wm)
+            self.record_step: int = h.get_step()
+
+    def catch_up(self, x: int) -> None:
+        """Read the input log from the driver record's step D and complete the seen set and the clock with the
+        steps D..``x``-1 the state holds."""
+        root, d, out = self.root, self.record_step, self._output
+        if out.last < x:
+            raise RecoveryError(f"{root}: the output log ends at step {out.last} but the state is at step {x}; "
+                                f"output of steps {out.last}..{x - 1} is lost and cannot be computed again: "
+                                f"restore the directory from a backup (`dbsp repair DIR` lists the damage)")
+        if d > x:
+            raise RecoveryError(f"{root}: driver.db is at step {d} but the state only at step {x}")
+        divisions, records = self._divisions, self._records
+        discards = self._discards  # (producer, seq) of pushes dropped by discard (driver invariant 7)
+        # the step open when each discard was logged: a discard of a push its step's division had not yet closed
+        # (logged while that step was open) is not among the division's pushes; a later one is
+        discarded_at = self._discarded_at
+        for r in self._input.iter_from(d):
+            if r.handle == DIVISION_HANDLE:
+                divisions[r.step] = decode_json(DIVISION_MAGIC, r.payload, f"{root} division of step {r.step}")
+            elif r.handle == DISCARD_HANDLE:
+                decode_json(DISCARD_MAGIC, r.payload, f"{root} discard record of step {r.step}")
+                discards.add((r.producer, r.seq))
+                discarded_at.setdefault((r.producer, r.seq), r.step)
+                if r.producer:  # a discarded push was acknowledged: it stays seen, whether or not its record is
+                    self._seen.add(r.producer, r.seq)
+            else:
+                records.setdefault(r.step, []).append(r)
+            if not r.producer and r.handle != DIVISION_HANDLE:
+                self.anon_seq = max(self.anon_seq, r.seq + 1)
+        for s in range(d, x):  # the steps the state holds but the driver record does not: seen pairs and clock
+            dv = divisions.pop(s, None)
+            if dv is None:
+                raise CorruptionError(f"{root}: the input log has no division of step {s}, which the state holds")
+            self.now_floor = max(self.now_floor, int(dv["now_ns"]))
+            self.prev_now = int(dv["now_ns"])
+            self._logged_watermarks(dv, s)
+            for r in records.pop(s, []):
+                if r.producer:
+                    self._seen.add(r.producer, r.seq)
+        self.next_step = x
+
+    def divided(self, shown: Any) -> Iterator[list[Divided]]:
+        """The divided steps from the state's step on, in runs of at most :data:`REPLAY_STEPS` (the last may be
+        empty), each step's pushes less the discarded ones and its watermarks recomputed and checked against
+        the logged ones; ``shown`` is the progress display. Raises CorruptionError at a gap or a mismatch."""
+        root, divisions, records = self.root, self._divisions, self._records
+        x = step = self.next_step
+        run: list[Divided] = []
+        shown.total = sum(1 for s in divisions if s >= x)
+        rewritten = False  # a discard changed a replayed step: the watermarks logged after it are recomputed
+        while step in divisions:
+            dv = divisions.pop(step)
+            recs = records.pop(step, [])
+            before = sum(1 for r in recs if self._discarded_at.get((r.producer, r.seq)) == step)
+            if dv["step"] != step or dv["pushes"] != len(recs) - before:
+                raise CorruptionError(f"{root}: the division of step {step} names {dv['pushes']} pushes, the log "
+                                      f"holds {len(recs)}" + (f" ({before} discarded before it)" if before else ""))
+            self.now_floor = max(self.now_floor, int(dv["now_ns"]))
+            live = self._live(recs)
+            rewritten |= len(live) != len(recs)
+            pushes = self._decode(live)
+            in_force = dict(self.watermarks)
+            after, late = advance(self._event_time, in_force, pushes) if self._event_time else ({}, {})
+            logged = self._logged_watermarks(dv, step)
+            if rewritten:
+                self.watermarks = dict(after) if self._event_time else self.watermarks
+            elif logged is not None and logged != after:
+                raise CorruptionError(f"{root}: step {step} logged watermarks {logged}, its pushes give {after}")
+            entries = [(r.handle, r.producer, r.seq) for r in live]
+            run.append(Divided(StepInput(step, pushes, int(dv["now_ns"]), None, int(dv["seed"]), in_force),
+                               ranges(entries), after, late, entries))
+            step += 1
+            self.next_step = step
+            if len(run) >= REPLAY_STEPS:
+                yield run
+                run = []
+                shown.update(step - x)
+        yield run
+        shown.update(step - x)
+        if divisions:
+            raise CorruptionError(f"{root}: division records of steps {sorted(divisions)} follow a gap at step "
+                                  f"{step}")
+        if self._output.last > step:
+            raise CorruptionError(f"{root}: the output log holds steps up to {self._output.last - 1} but the input log "
+                                  f"divides input only up to step {step - 1}")
+
+    def tail(self) -> list[tuple[str, ZSet, tuple[str, str, int]]]:
+        """The acknowledged pushes of the step after the last division, less the discarded ones, as
+        ``(input, change, (input, producer, seq))``; raises CorruptionError if records of later steps follow."""
+        records = self._records
+        tail = self._live(records.pop(self.next_step, []))
+        if records:
+            raise CorruptionError(f"{self.root}: input records of undivided steps {sorted(records)} after step "
+                                  f"{self.next_step}")
+        return [(handle, z, (r.handle, r.producer, r.seq)) for (handle, z), r in zip(self._decode(tail), tail)]
+
+    def _logged_watermarks(self, dv: dict, step: int) -> dict[str, int] | None:
+        """The watermarks a division record logged (after its step), which become the ones in force next."""
+        wms = dv.get("watermarks")
+        if not self._event_time:
+            return None
+        if not wms:
+            raise CorruptionError(f"{self.root}: the division of step {step} logs no watermarks, but the circuit "
+                                  f"declares event time on {sorted(self._event_time)}")
+        got = {name: int(wms.get(name, NO_WATERMARK)) for name in self._event_time}
+        self.watermarks = dict(got)
+        return got
+
+    def _live(self, recs: list) -> list:
+        """The records of ``recs`` no discard record names; a discarded push stays seen (a retry is a duplicate)."""
+        if not self._discards:
+            return recs
+        live = []
+        for r in recs:
+            if (r.producer, r.seq) in self._discards:
+                if r.producer:
+                    self._seen.add(r.producer, r.seq)
+            else:
+                live.append(r)
+        return live
+
+    def _decode(self, recs: list) -> list[tuple[str, ZSet]]:
+        out = []
+        for r in recs:
+            if r.handle not in self._inputs:
+                raise CorruptionError(f"{self.root}: logged push to unknown input {r.handle!r} at step {r.step}")
+            out.append((r.handle, decode_zset(r.payload, self._inputs[r.handle], f"{self.root} input step "
+                                                                                f"{r.step}")))
+            if r.producer:
+                self._seen.add(r.producer, r.seq)
+        return out
