@@ -366,12 +366,12 @@ cdef Region new_region(Py_ssize_t nbytes):
     return r
 
 
-cdef class Merger:
-    """A merge of two canonical batches (BatchViews with key hashes, of one schema and key) advanced in bounded
-    steps (csrc/merge.h): ``step(budget)`` consumes at least `budget` input rows (or the rest) and writes their
-    consolidated sum into buffers sized for both inputs; ``result()`` then hands the rows to Arrow and numpy
-    (unused pages returned to the system). The output is dbsp_zset_merge's, row for row. Given a side's row
-    hashes (`arh`, `brh`: uint64 in index order) its rows of meeting keys are ordered without hashing; with
+cdef class MergeCursor:
+    """A merge cursor: a merge of two canonical batches (BatchViews with key hashes, of one schema and key)
+    advanced in bounded steps (csrc/merge.h): ``step(budget)`` consumes at least `budget` input rows (or the rest)
+    and writes their consolidated sum into buffers sized for both inputs; ``result()`` then hands the rows to Arrow
+    and numpy (unused pages returned to the system). The output is dbsp_zset_merge's, row for row. Given a side's
+    row hashes (`arh`, `brh`: uint64 in index order) its rows of meeting keys are ordered without hashing; with
     `row_hashes` the result carries the output's row hashes (computed for rows of a side without them)."""
     cdef BatchView a
     cdef BatchView b
@@ -380,7 +380,7 @@ cdef class Merger:
     cdef const uint64_t *arh
     cdef const uint64_t *brh
     cdef Int32s keys
-    cdef CMerge m
+    cdef CMergeCursor m
     cdef COutColumn *out
     cdef list regions  # per column: [validity or None, values, data or None]
     cdef Region w
@@ -407,24 +407,24 @@ cdef class Merger:
         self.a = <BatchView?>a
         self.b = <BatchView?>b
         if (self.a.c.nrows and self.a.kh == NULL) or (self.b.c.nrows and self.b.kh == NULL):
-            raise ValueError("Merger: both views need their key hashes")
+            raise ValueError("MergeCursor: both views need their key hashes")
         self.keys = Int32s(keys)
         self.schema = self.a.pyschema
         if arh is not None and self.a.c.nrows:
             self.arh_ref = np.ascontiguousarray(arh, dtype=np.uint64)
             if self.arh_ref.shape[0] != self.a.c.nrows:
-                raise ValueError("Merger: one row hash per row")
+                raise ValueError("MergeCursor: one row hash per row")
             av = self.arh_ref
             self.arh = &av[0]
         if brh is not None and self.b.c.nrows:
             self.brh_ref = np.ascontiguousarray(brh, dtype=np.uint64)
             if self.brh_ref.shape[0] != self.b.c.nrows:
-                raise ValueError("Merger: one row hash per row")
+                raise ValueError("MergeCursor: one row hash per row")
             bv = self.brh_ref
             self.brh = &bv[0]
         ncols = self.a.c.ncols
         if ncols == 0 or self.b.c.ncols != ncols:
-            raise ValueError(f"Merger: {ncols} columns against {self.b.c.ncols} (a merge needs key columns)")
+            raise ValueError(f"MergeCursor: {ncols} columns against {self.b.c.ncols} (a merge needs key columns)")
         cap = self.a.c.nrows + self.b.c.nrows
         self.out = <COutColumn *>malloc(max(ncols, 1) * sizeof(COutColumn))
         if self.out == NULL:
@@ -433,8 +433,8 @@ cdef class Merger:
         self.regions = []
         for c in range(ncols):
             if self.a.cols[c].type != self.b.cols[c].type:
-                raise SchemaError(f"Merger: column {c} has different types on the two sides")
-            dbsp_merge_sizes(&self.a.cols[c], self.a.c.nrows, &self.b.cols[c], self.b.c.nrows, &nv, &nx, &nd)
+                raise SchemaError(f"MergeCursor: column {c} has different types on the two sides")
+            dbsp_merge_cursor_sizes(&self.a.cols[c], self.a.c.nrows, &self.b.cols[c], self.b.c.nrows, &nv, &nx, &nd)
             rv = new_region(nv) if nv else None
             rx = new_region(nx)
             rd = new_region(nd) if self.a.cols[c].type in (DBSP_UTF8, DBSP_LARGE_UTF8, DBSP_BINARY,
@@ -446,7 +446,7 @@ cdef class Merger:
         self.w = new_region(cap * 8)
         self.kh = new_region(cap * 8)
         self.rh = new_region(cap * 8) if row_hashes else None
-        st = dbsp_merge_init(&self.a.c, &self.b.c, &self.m, self.out)
+        st = dbsp_merge_cursor_init(&self.a.c, &self.b.c, &self.m, self.out)
         check_status(st, "merge")
         self.finished = False
 
@@ -469,10 +469,10 @@ cdef class Merger:
         cdef int64_t before = self.m.ia + self.m.ib
         cdef int st
         if self.finished:
-            raise ValueError("Merger.step: the result was already taken")
+            raise ValueError("MergeCursor.step: the result was already taken")
         cdef uint64_t *rh = <uint64_t *>self.rh.ptr if self.rh is not None else NULL
         with nogil:
-            st = dbsp_merge_step(&self.a.c, self.a.kh, self.arh, &self.b.c, self.b.kh, self.brh, self.keys.p, self.keys.n,
+            st = dbsp_merge_cursor_step(&self.a.c, self.a.kh, self.arh, &self.b.c, self.b.kh, self.brh, self.keys.p, self.keys.n,
                                  budget, &self.m, self.out, <int64_t *>self.w.ptr, <uint64_t *>self.kh.ptr, rh)
         check_status(st, "merge")
         return self.m.ia + self.m.ib - before
@@ -485,8 +485,8 @@ cdef class Merger:
         cdef Region rv, rx, rd
         cdef ArrowArray out
         if not self.done or self.finished:
-            raise ValueError("Merger.result: the merge is not finished" if not self.finished
-                             else "Merger.result: the result was already taken")
+            raise ValueError("MergeCursor.result: the merge is not finished" if not self.finished
+                             else "MergeCursor.result: the result was already taken")
         self.finished = True
         cdef void **bufs = <void **>calloc(max(3 * ncols, 1), sizeof(void *))
         cdef size_t *mapped = <size_t *>calloc(max(3 * ncols, 1), sizeof(size_t))
@@ -495,7 +495,7 @@ cdef class Merger:
         cdef int st
         try:
             if bufs == NULL or mapped == NULL or types == NULL or nulls == NULL:
-                raise MemoryError("Merger.result: out of memory")
+                raise MemoryError("MergeCursor.result: out of memory")
             for c in range(ncols):
                 rv, rx, rd = self.regions[c]
                 code = self.out[c].type
@@ -521,7 +521,7 @@ cdef class Merger:
                         mapped[3 * c + i] = (<Region>r).mapped
             out.release = NULL
             st = dbsp_cdata_export_regions(ncols, types, n, nulls, bufs, mapped, &out)
-            check_status(st, "Merger.result")
+            check_status(st, "MergeCursor.result")
             for c in range(ncols):  # the regions now belong to the export
                 for r in self.regions[c]:
                     if r is not None:
