@@ -1,4 +1,13 @@
-"""Declares the native extensions: each bindings/<stem>.pyx is compiled with csrc/*.c into dbsp_core._<stem>.
+"""Declares the native extensions: bindings/zset.pyx over the Z-set kernels of csrc/ (dbsp_core._zset) and
+bindings/storage.pyx over its storage engine (dbsp_core._storage).
+
+The C core is compiled once, and each C file is linked into exactly one extension, the one whose bindings call it
+(STORAGE below: the storage engine; every other csrc/*.c: the kernels). An extension is a shared object whose C
+symbols are private to it, so a C file linked into both would exist twice in a process, with two copies of its
+globals (scratch and region caches, the key-index budget, the fault VFS's state), one of them dead weight.
+Neither part calls the other: a call across would fail at import with an undefined symbol, and
+tests/c/test_one_core.py checks with nm that no C symbol is in both. Code both parts need goes in a header as
+static inline functions without state (as csrc/le.h), or, if it has state, calls for one extension over both.
 
 Environment flags:
   DBSP_DEBUG=1     -O0 -g, asserts on (-UNDEBUG), invariant checkers enabled (DBSP_CHECK_INVARIANTS)
@@ -28,17 +37,23 @@ if sanitize:
     cflags += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-g"]
     ldflags += ["-fsanitize=address,undefined"]
 
-csources = sorted(glob.glob("csrc/*.c"))
+# the storage engine's C files (page store, step log, small files, their VFS, status and checksum): _storage's
+STORAGE = ["csrc/crc32c.c", "csrc/pagestore.c", "csrc/smallfile.c", "csrc/steplog.c", "csrc/storage_status.c",
+           "csrc/vfs.c"]
+csources = {
+    "storage": STORAGE,
+    "zset": [c for c in sorted(glob.glob("csrc/*.c")) if c not in STORAGE],
+}
 extensions = [
     Extension(
-        "dbsp_core._" + os.path.splitext(os.path.basename(pyx))[0],
-        [pyx] + csources,
+        "dbsp_core._" + stem,
+        ["bindings/" + stem + ".pyx"] + csources[stem],
         include_dirs=["csrc", numpy.get_include()],
         extra_compile_args=cflags,
         extra_link_args=ldflags,
         define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     )
-    for pyx in sorted(glob.glob("bindings/*.pyx"))
+    for stem in sorted(csources)
 ]
 
 setup(

@@ -76,16 +76,17 @@ cdef extern from "merge.h" nogil:
         void *values
         uint8_t *data
         int64_t null_count
-    ctypedef struct CMerge "DbspMerge":
+    ctypedef struct CMergeCursor "DbspMergeCursor":
         int64_t ia
         int64_t ib
         int64_t n
-    void dbsp_merge_sizes(const CColumn *a, int64_t na, const CColumn *b, int64_t nb, int64_t *validity,
-                          int64_t *values, int64_t *data)
-    int dbsp_merge_init(const CBatch *a, const CBatch *b, CMerge *m, COutColumn *out)
-    int dbsp_merge_step(const CBatch *a, const uint64_t *akh, const uint64_t *arh, const CBatch *b,
-                        const uint64_t *bkh, const uint64_t *brh, const int32_t *keys, int32_t nkeys, int64_t budget,
-                        CMerge *m, COutColumn *out, int64_t *w, uint64_t *kh, uint64_t *rh)
+    void dbsp_merge_cursor_sizes(const CColumn *a, int64_t na, const CColumn *b, int64_t nb, int64_t *validity,
+                                 int64_t *values, int64_t *data)
+    int dbsp_merge_cursor_init(const CBatch *a, const CBatch *b, CMergeCursor *m, COutColumn *out)
+    int dbsp_merge_cursor_step(const CBatch *a, const uint64_t *akh, const uint64_t *arh, const CBatch *b,
+                               const uint64_t *bkh, const uint64_t *brh, const int32_t *keys, int32_t nkeys,
+                               int64_t budget, CMergeCursor *m, COutColumn *out, int64_t *w, uint64_t *kh,
+                               uint64_t *rh)
 
 cdef extern from "scratch.h" nogil:
     void *dbsp_region_alloc(size_t nbytes, size_t *mapped)

@@ -2,7 +2,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "extremes.h"
-#include "join.h"
+#include "lookup.h"
 #include "status.h"
 
 static inline int64_t ival(const DbspColumn *c, int64_t r) {

@@ -30,18 +30,6 @@ static int pairs_push(DbspPairs *p, int64_t l, int64_t r, int64_t w) {
     return DBSP_OK;
 }
 
-int64_t dbsp_gallop(const uint64_t *h, int64_t lo, int64_t hi, uint64_t target) {
-    if (lo >= hi || h[lo] >= target) return lo;
-    int64_t step = 1, prev = lo;  /* invariant: h[prev] < target */
-    while (prev + step < hi && h[prev + step] < target) { prev += step; step *= 2; }
-    int64_t l = prev + 1, r = prev + step < hi ? prev + step : hi;  /* answer in [l, r] */
-    while (l < r) {
-        int64_t m = l + (r - l) / 2;
-        if (h[m] < target) l = m + 1; else r = m;
-    }
-    return l;
-}
-
 static inline int key_has_null(const DbspBatch *b, int64_t i, const int32_t *keys, int32_t nkeys) {
     for (int32_t k = 0; k < nkeys; k++)
         if (!dbsp_col_valid(&b->cols[keys[k]], i)) return 1;

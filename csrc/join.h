@@ -33,7 +33,4 @@ int dbsp_join_fenced(const DbspBatch *a, const uint64_t *akh, const uint64_t *af
 int dbsp_hash_join(const DbspBatch *a, const int32_t *akeys, const DbspBatch *b, const int32_t *bkeys,
                    int32_t nkeys, int left_outer, DbspPairs *out);
 
-/* First index in [lo, hi) with h[index] >= target (hi if none), by exponential then binary search from lo. */
-int64_t dbsp_gallop(const uint64_t *h, int64_t lo, int64_t hi, uint64_t target);
-
 #endif

@@ -1,9 +1,20 @@
 /* lookup.c: galloping lookups of a change's key hashes in a sorted batch (row numbers, or matching weights). */
 #include <stdlib.h>
 #include "lookup.h"
-#include "join.h"
 #include "rows.h"
 #include "status.h"
+
+int64_t dbsp_gallop(const uint64_t *h, int64_t lo, int64_t hi, uint64_t target) {
+    if (lo >= hi || h[lo] >= target) return lo;
+    int64_t step = 1, prev = lo;  /* invariant: h[prev] < target */
+    while (prev + step < hi && h[prev + step] < target) { prev += step; step *= 2; }
+    int64_t l = prev + 1, r = prev + step < hi ? prev + step : hi;  /* answer in [l, r] */
+    while (l < r) {
+        int64_t m = l + (r - l) / 2;
+        if (h[m] < target) l = m + 1; else r = m;
+    }
+    return l;
+}
 
 int64_t dbsp_seek(const uint64_t *kh, int64_t n, const uint64_t *fence, int64_t lo, uint64_t target) {
     if (!fence) return dbsp_gallop(kh, lo, n, target);

@@ -1,6 +1,6 @@
 /* lookup.h: find the rows of a key-hash-sorted batch that a small change touches, without scanning the batch.
  *
- * Both kernels walk the change's ascending key hashes and gallop (exponential then binary search, join.h) over
+ * Both kernels walk the change's ascending key hashes and gallop (exponential then binary search, dbsp_gallop) over
  * the batch's ascending key hashes, so a change of m keys against a batch of n rows costs O(m log(n / m) +
  * matches) and a small change never scans a large batch.
  */
@@ -17,6 +17,9 @@
 
 /* The fence length for n hashes. */
 static inline int64_t dbsp_fence_len(int64_t n) { return (n + (1 << DBSP_FENCE_SHIFT) - 1) >> DBSP_FENCE_SHIFT; }
+
+/* First index in [lo, hi) with h[index] >= target (hi if none), by exponential then binary search from lo. */
+int64_t dbsp_gallop(const uint64_t *h, int64_t lo, int64_t hi, uint64_t target);
 
 /* First index in [lo, n) with kh[index] >= target (n if none), by the fence when it is not NULL, else by
  * galloping from lo (dbsp_gallop). */

@@ -1,4 +1,4 @@
-/* merge.c: a resumable merge of two consolidated batches that writes its output rows in place (merge.h).
+/* merge.c: the merge cursor, a resumable merge of two consolidated batches that writes its output rows in place (merge.h).
  *
  * Design notes:
  *  1. Both inputs are read front to back and the output is written front to back, so a step is two sequential
@@ -33,8 +33,8 @@ static int64_t col_bytes(const DbspColumn *c, int64_t n) {
     return (int64_t)o[n] - o[0];
 }
 
-void dbsp_merge_sizes(const DbspColumn *a, int64_t na, const DbspColumn *b, int64_t nb, int64_t *validity,
-                      int64_t *values, int64_t *data) {
+void dbsp_merge_cursor_sizes(const DbspColumn *a, int64_t na, const DbspColumn *b, int64_t nb, int64_t *validity,
+                             int64_t *values, int64_t *data) {
     int64_t cap = na + nb;
     *validity = (a->validity || b->validity) ? (cap + 7) / 8 : 0;
     *data = 0;
@@ -48,7 +48,7 @@ void dbsp_merge_sizes(const DbspColumn *a, int64_t na, const DbspColumn *b, int6
     }
 }
 
-int dbsp_merge_init(const DbspBatch *a, const DbspBatch *b, DbspMerge *m, DbspOutColumn *out) {
+int dbsp_merge_cursor_init(const DbspBatch *a, const DbspBatch *b, DbspMergeCursor *m, DbspOutColumn *out) {
     memset(m, 0, sizeof *m);
     if (a->ncols != b->ncols) return DBSP_EINVAL;
     for (int32_t c = 0; c < a->ncols; c++) {
@@ -154,9 +154,10 @@ static inline uint64_t row_hash(const DbspBatch *x, const uint64_t *xkh, const u
     return nkeys == 0 ? xkh[i] : xrh ? xrh[i] : dbsp_hash_row(x, i, NULL, 0);
 }
 
-int dbsp_merge_step(const DbspBatch *a, const uint64_t *akh, const uint64_t *arh, const DbspBatch *b,
-                    const uint64_t *bkh, const uint64_t *brh, const int32_t *keys, int32_t nkeys, int64_t budget,
-                    DbspMerge *m, DbspOutColumn *out, int64_t *w, uint64_t *kh, uint64_t *rh) {
+int dbsp_merge_cursor_step(const DbspBatch *a, const uint64_t *akh, const uint64_t *arh, const DbspBatch *b,
+                           const uint64_t *bkh, const uint64_t *brh, const int32_t *keys, int32_t nkeys,
+                           int64_t budget, DbspMergeCursor *m, DbspOutColumn *out, int64_t *w, uint64_t *kh,
+                           uint64_t *rh) {
     int64_t i = m->ia, j = m->ib, n = m->n, na = a->nrows, nb = b->nrows;
     int64_t stop = budget >= na + nb - i - j ? na + nb : i + j + (budget > 0 ? budget : 0);
     const int64_t *aw = a->weights, *bw = b->weights;

@@ -1,6 +1,6 @@
-/* merge.h: the consolidated sum of two canonical batches, computed in bounded steps straight into Arrow buffers.
+/* merge.h: a merge cursor computes the consolidated sum of two canonical batches in bounded steps, into Arrow buffers.
  *
- * Invariants (of a DbspMerge between steps; checked by the tests against dbsp_zset_merge):
+ * Invariants (of a merge cursor, DbspMergeCursor, between steps; checked by the tests against dbsp_zset_merge):
  *  1. Rows a[0..ia) and b[0..ib) are consumed, and output rows [0, n) are their consolidated sum in canonical
  *     order (rows.h), with their weights, key hashes and (when asked for) row hashes: exactly the first n rows
  *     of dbsp_zset_merge's result.
@@ -26,19 +26,19 @@ typedef struct DbspOutColumn {
     int64_t null_count;  /* nulls among output rows [0, n) */
 } DbspOutColumn;
 
-typedef struct DbspMerge {
+typedef struct DbspMergeCursor {
     int64_t ia, ib;      /* rows of a and b consumed */
     int64_t n;           /* output rows written */
-} DbspMerge;
+} DbspMergeCursor;
 
 /* The byte counts of column c's output buffers for cap rows given both inputs' columns (`data` counts the
  * bytes of both sides' rows; 0 for fixed width); validity is 0 when neither side has a bitmap. */
-void dbsp_merge_sizes(const DbspColumn *a, int64_t na, const DbspColumn *b, int64_t nb, int64_t *validity,
-                      int64_t *values, int64_t *data);
+void dbsp_merge_cursor_sizes(const DbspColumn *a, int64_t na, const DbspColumn *b, int64_t nb, int64_t *validity,
+                             int64_t *values, int64_t *data);
 
 /* Start a merge: zero the cursor, set each output column's type, null count and first offset. DBSP_ETYPE unless
  * both batches have the same column types (supported ones). */
-int dbsp_merge_init(const DbspBatch *a, const DbspBatch *b, DbspMerge *m, DbspOutColumn *out);
+int dbsp_merge_cursor_init(const DbspBatch *a, const DbspBatch *b, DbspMergeCursor *m, DbspOutColumn *out);
 
 /* Advance merge m of a and b (consolidated, canonical for key columns keys[0..nkeys), nkeys == 0: the whole row,
  * with key hashes akh and bkh, and row hashes arh and brh or NULL) by at least `budget` consumed input rows, or to
@@ -48,8 +48,9 @@ int dbsp_merge_init(const DbspBatch *a, const DbspBatch *b, DbspMerge *m, DbspOu
  * merge is finished when m->ia == a->nrows and m->ib == b->nrows. DBSP_EOVERFLOW if two weights sum past int64
  * (the cursor then stands before those rows), DBSP_ETOOBIG if a utf8/binary column's output passes 2^31-1
  * bytes. */
-int dbsp_merge_step(const DbspBatch *a, const uint64_t *akh, const uint64_t *arh, const DbspBatch *b,
-                    const uint64_t *bkh, const uint64_t *brh, const int32_t *keys, int32_t nkeys, int64_t budget,
-                    DbspMerge *m, DbspOutColumn *out, int64_t *w, uint64_t *kh, uint64_t *rh);
+int dbsp_merge_cursor_step(const DbspBatch *a, const uint64_t *akh, const uint64_t *arh, const DbspBatch *b,
+                           const uint64_t *bkh, const uint64_t *brh, const int32_t *keys, int32_t nkeys,
+                           int64_t budget, DbspMergeCursor *m, DbspOutColumn *out, int64_t *w, uint64_t *kh,
+                           uint64_t *rh);
 
 #endif

@@ -80,6 +80,7 @@
 #include <string.h>
 
 #include "crc32c.h"
+#include "le.h"
 
 #define PS 4096u
 #define HDR 32u
@@ -90,14 +91,6 @@
 #define MAX_DEPTH 40
 
 enum { T_LEAF = 1, T_BRANCH = 2, T_OVERFLOW = 3, T_FREELIST = 4 };
-
-/* ---------- little-endian helpers ---------- */
-static inline uint16_t rd16(const unsigned char *p) { uint16_t v; memcpy(&v, p, 2); return v; }
-static inline uint32_t rd32(const unsigned char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
-static inline uint64_t rd64(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
-static inline void wr16(unsigned char *p, uint16_t v) { memcpy(p, &v, 2); }
-static inline void wr32(unsigned char *p, uint32_t v) { memcpy(p, &v, 4); }
-static inline void wr64(unsigned char *p, uint64_t v) { memcpy(p, &v, 8); }
 
 /* ---------- growable u64 vector ---------- */
 typedef struct { uint64_t *a; size_t n, cap; } Vec;

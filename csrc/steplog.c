@@ -86,6 +86,7 @@
 #include <time.h>
 
 #include "crc32c.h"
+#include "le.h"
 
 #define SEG_HDR 32u
 #define LOG_HDR 32u
@@ -96,13 +97,6 @@
 #define OPEN_SEALED 16 /* sealed segments' files a log keeps open at most (invariant 11) */
 
 static const unsigned char REC_MAGIC[4] = {'D', 'S', 'L', 'R'};
-
-static inline uint16_t rd16(const unsigned char *p) { uint16_t v; memcpy(&v, p, 2); return v; }
-static inline uint32_t rd32(const unsigned char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
-static inline uint64_t rd64(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
-static inline void wr16(unsigned char *p, uint16_t v) { memcpy(p, &v, 2); }
-static inline void wr32(unsigned char *p, uint32_t v) { memcpy(p, &v, 4); }
-static inline void wr64(unsigned char *p, uint64_t v) { memcpy(p, &v, 8); }
 
 typedef struct {
     int64_t step;

@@ -68,8 +68,8 @@ def linear_fold(old: np.ndarray, delta: np.ndarray, khash: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]: ...
 def linear_step(table: pa.Table | BatchView, keys: Sequence[int], cols: Sequence[int], ix: KeyIndex
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]: ...
-class Merger:
-    """A resumable merge of two canonical batches (csrc/merge.h)."""
+class MergeCursor:
+    """A merge cursor: a resumable merge of two canonical batches (csrc/merge.h)."""
     schema: pa.Schema
     consumed: int
     remaining: int

@@ -805,7 +805,8 @@ def merger(a: IndexedZSet, b: IndexedZSet, row_hashes: bool = False) -> Any:
     # a key of every column in order hashes like the whole row: the kernel then reuses the key hashes as row
     # hashes ([] = whole-row key) instead of hashing rows whose key hashes meet
     keys = [] if a._keypos == list(range(a._z._data.num_columns)) else a._keypos
-    return _zset.Merger(a._view(), b._view_as(a._z._data.schema), keys, a._rh, b._rh, row_hashes and bool(keys))
+    return _zset.MergeCursor(a._view(), b._view_as(a._z._data.schema), keys, a._rh, b._rh,
+                             row_hashes and bool(keys))
 
 
 def merged(a: IndexedZSet, m: Any) -> IndexedZSet:

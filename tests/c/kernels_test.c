@@ -215,7 +215,7 @@ static void test_merge(int keyed) {
     tb_free(&a0); tb_free(&b0); tb_free(&a); tb_free(&b);
 }
 
-/* dbsp_merge_step in random budgets writes exactly dbsp_zset_merge's rows (taken from a or b), weights and key
+/* dbsp_merge_cursor_step in random budgets writes exactly dbsp_zset_merge's rows (taken from a or b), weights and key
  * hashes, and a consistent Arrow layout (offsets, bits, null counts) */
 static void test_merge_steps(int keyed, int64_t na0, int64_t nb0, int given_rh) {
     TBatch a0, b0, a, b;
@@ -233,7 +233,7 @@ static void test_merge_steps(int keyed, int64_t na0, int64_t nb0, int given_rh) 
     DbspOutColumn out[2];
     memset(out, 0, sizeof out);
     for (int c = 0; c < 2; c++) {
-        dbsp_merge_sizes(&a.cols[c], a.n, &b.cols[c], b.n, &sz[0][c], &sz[1][c], &sz[2][c]);
+        dbsp_merge_cursor_sizes(&a.cols[c], a.n, &b.cols[c], b.n, &sz[0][c], &sz[1][c], &sz[2][c]);
         CHECK(sz[0][c] == (cap + 7) / 8);  /* both sides have validity bitmaps */
         out[c].validity = malloc((size_t)sz[0][c] + 1);
         memset(out[c].validity, 0xff, (size_t)sz[0][c] + 1);  /* garbage: the kernel zeroes each new byte */
@@ -247,13 +247,13 @@ static void test_merge_steps(int keyed, int64_t na0, int64_t nb0, int given_rh) 
     uint64_t *arh = malloc((size_t)(a.n + 1) * 8), *brh = malloc((size_t)(b.n + 1) * 8);
     CHECK(dbsp_hash_columns(&a.b, NULL, 0, arh) == DBSP_OK);
     CHECK(dbsp_hash_columns(&b.b, NULL, 0, brh) == DBSP_OK);
-    DbspMerge st;
-    CHECK(dbsp_merge_init(&a.b, &b.b, &st, out) == DBSP_OK);
+    DbspMergeCursor st;
+    CHECK(dbsp_merge_cursor_init(&a.b, &b.b, &st, out) == DBSP_OK);
     int guard = 0;
     while ((st.ia < a.n || st.ib < b.n) && guard++ < 100000) {
         int64_t before = st.ia + st.ib, budget = (int64_t)(next() % 7);
-        CHECK(dbsp_merge_step(&a.b, ra.khash, given_rh & 1 ? arh : NULL, &b.b, rb.khash, given_rh & 2 ? brh : NULL,
-                              keys, nkeys, budget, &st, out, w, kh, rh) == DBSP_OK);
+        CHECK(dbsp_merge_cursor_step(&a.b, ra.khash, given_rh & 1 ? arh : NULL, &b.b, rb.khash,
+                                     given_rh & 2 ? brh : NULL, keys, nkeys, budget, &st, out, w, kh, rh) == DBSP_OK);
         CHECK(st.ia + st.ib >= before + budget || (st.ia == a.n && st.ib == b.n));
         CHECK(st.ia + st.ib <= before + budget + 1);  /* a pair of equal rows is consumed together */
     }

@@ -1,0 +1,245 @@
+# column.pxi: Arrow columns viewed as C batches (column.h): the status check, type codes, BatchView and owned C arrays.
+
+cdef uint8_t _EMPTY_BYTES[8]
+
+
+cdef int check_status(int st, str where) except -1:
+    """The one error path: turn a C status into a typed exception naming the kernel."""
+    if st == DBSP_OK:
+        return 0
+    if st == DBSP_EOVERFLOW:
+        raise WeightOverflowError(f"{where}: a weight or integer sum overflowed int64")
+    if st == DBSP_ENOMEM:
+        raise MemoryError(f"{where}: out of memory")
+    if st == DBSP_ETYPE:
+        raise SchemaError(f"{where}: unsupported or mismatched column types")
+    if st == DBSP_ETOOBIG:
+        raise ValueError(f"{where}: batch or value too large (at most 2^32-1 rows, 4 GiB per value)")
+    if st == DBSP_EINVAL:
+        raise ValueError(f"{where}: invalid argument")
+    raise DbspError(f"{where}: native status {st}")
+
+
+_TYPE_CODES = {}
+
+
+def type_code(t):
+    """The C column type for an Arrow type, or None when the type is not supported (cached per type)."""
+    try:
+        return _TYPE_CODES[t]
+    except KeyError:
+        code = _TYPE_CODES[t] = _type_code(t)
+        return code
+
+
+def _type_code(t):
+    import pyarrow.types as pt
+    if pt.is_boolean(t): return DBSP_BOOL
+    if pt.is_int8(t): return DBSP_INT8
+    if pt.is_int16(t): return DBSP_INT16
+    if pt.is_int32(t): return DBSP_INT32
+    if pt.is_int64(t): return DBSP_INT64
+    if pt.is_uint8(t): return DBSP_UINT8
+    if pt.is_uint16(t): return DBSP_UINT16
+    if pt.is_uint32(t): return DBSP_UINT32
+    if pt.is_uint64(t): return DBSP_UINT64
+    if pt.is_float32(t): return DBSP_FLOAT32
+    if pt.is_float64(t): return DBSP_FLOAT64
+    if pt.is_date32(t) or pt.is_time32(t): return DBSP_DATE32
+    if pt.is_timestamp(t) or pt.is_date64(t) or pt.is_time64(t) or pt.is_duration(t): return DBSP_TIMESTAMP
+    if pt.is_string(t): return DBSP_UTF8
+    if pt.is_large_string(t): return DBSP_LARGE_UTF8
+    if pt.is_binary(t): return DBSP_BINARY
+    if pt.is_large_binary(t): return DBSP_LARGE_BINARY
+    return None
+
+
+cdef class CBuffer:
+    """Owns a malloc'ed C array and lends it to numpy through the buffer protocol (zero copy)."""
+    cdef void *ptr
+    cdef Py_ssize_t nbytes
+    cdef Py_ssize_t shape[1]
+    cdef Py_ssize_t strides[1]
+    cdef bytes fmt
+    cdef Py_ssize_t itemsize
+
+    def __dealloc__(self):
+        free(self.ptr)
+        self.ptr = NULL
+
+    def __getbuffer__(self, Py_buffer *view, int flags):
+        view.buf = self.ptr if self.ptr != NULL else <void *>_EMPTY_BYTES
+        view.obj = self
+        view.len = self.nbytes
+        view.readonly = 0
+        view.itemsize = self.itemsize
+        if flags & PyBUF_FORMAT:
+            view.format = self.fmt
+        else:
+            view.format = NULL
+        view.ndim = 1
+        self.shape[0] = self.nbytes // self.itemsize
+        self.strides[0] = self.itemsize
+        view.shape = self.shape
+        view.strides = self.strides
+        view.suboffsets = NULL
+        view.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer *view):
+        pass
+
+
+cdef object own_array(void *ptr, int64_t n, object dtype):
+    """Wrap n items of a malloc'ed array as a numpy array that frees it when collected (takes ownership)."""
+    cdef CBuffer b = CBuffer.__new__(CBuffer)
+    dt = np.dtype(dtype)
+    b.ptr = ptr
+    b.itemsize = dt.itemsize
+    b.nbytes = n * dt.itemsize
+    b.fmt = dt.char.encode()
+    return np.frombuffer(b, dtype=dt, count=n)
+
+
+cdef class BatchView:
+    """A C batch (DbspBatch) viewing the columns of a pyarrow Table or RecordBatch and an int64 weight array, without
+    copying.
+
+    The rows are exported once through the Arrow C data interface (``__arrow_c_array__``) and the exported structs are
+    owned by the view (released with it), so the buffers outlive the view; the weights, key hashes and fence are
+    kept as references."""
+    cdef CBatch c
+    cdef CColumn *cols
+    cdef const uint64_t *kh  # the key hashes given with the batch (NULL if none)
+    cdef const uint64_t *fence  # a fence of kh (lookup.h; NULL if none)
+    cdef object refs
+    cdef ArrowSchema schema
+    cdef ArrowArray array
+    cdef readonly object pyschema  # the pyarrow Schema of the viewed rows
+
+    def __cinit__(self):
+        self.cols = NULL
+        self.schema.release = NULL
+        self.array.release = NULL
+
+    def __dealloc__(self):
+        free(self.cols)
+        if self.array.release != NULL:
+            self.array.release(&self.array)
+        if self.schema.release != NULL:
+            self.schema.release(&self.schema)
+
+    @property
+    def num_rows(self):
+        return self.c.nrows
+
+    def set_fence(self, fence):
+        """Attach a fence of the key hashes (fence(khash)): kernels then seek through it instead of galloping."""
+        cdef const uint64_t[::1] fv
+        if self.kh == NULL:
+            raise ValueError("set_fence: the view has no key hashes")
+        f = np.ascontiguousarray(fence, dtype=np.uint64)
+        if f.shape[0] != (self.c.nrows + (1 << DBSP_FENCE_SHIFT) - 1) >> DBSP_FENCE_SHIFT:
+            raise ValueError(f"set_fence: {f.shape[0]} fence entries for {self.c.nrows} rows")
+        self.refs.append(f)
+        fv = f
+        self.fence = &fv[0] if f.shape[0] else NULL
+
+    def __init__(self, table, weights=None, khash=None):
+        cdef int32_t ncols = table.num_columns
+        cdef int64_t nrows = 0
+        cdef int32_t bad = -1
+        cdef int st
+        cdef ArrowSchema *ps
+        cdef ArrowArray *pa_
+        self.refs = []
+        self.kh = NULL
+        self.fence = NULL
+        self.cols = <CColumn *>malloc(max(ncols, 1) * sizeof(CColumn))
+        if self.cols == NULL:
+            raise MemoryError()
+        memset(self.cols, 0, max(ncols, 1) * sizeof(CColumn))
+        self.pyschema = table.schema
+        if ncols == 0:  # no columns to view: only the row count
+            self.c.nrows = table.num_rows
+            self.c.ncols = 0
+            self.c.cols = self.cols
+            self.c.weights = NULL
+            self._attach(weights, khash)
+            return
+        batch = _one_batch(table)
+        schema_capsule, array_capsule = batch.__arrow_c_array__()
+        ps = <ArrowSchema *>PyCapsule_GetPointer(schema_capsule, "arrow_schema")
+        pa_ = <ArrowArray *>PyCapsule_GetPointer(array_capsule, "arrow_array")
+        # move the structs out of the capsules (the C data interface's move: the source is marked released)
+        memcpy(&self.schema, ps, sizeof(ArrowSchema))
+        ps.release = NULL
+        memcpy(&self.array, pa_, sizeof(ArrowArray))
+        pa_.release = NULL
+        st = dbsp_cdata_view(&self.schema, &self.array, ncols, self.cols, &nrows, _EMPTY_BYTES, &bad)
+        if st == DBSP_ETYPE:
+            f = table.schema.field(bad)
+            raise SchemaError(f"column {f.name!r} has unsupported type {f.type}")
+        if st != DBSP_OK:
+            raise ValueError(f"BatchView: the exported batch does not match its schema ({ncols} columns)")
+        self.c.nrows = nrows
+        self.c.ncols = ncols
+        self.c.cols = self.cols
+        self.c.weights = NULL
+        self._attach(weights, khash)
+
+    cdef _attach(self, weights, khash):
+        """Point the batch at its weights and key hashes (checked against the row count), keeping references."""
+        cdef const int64_t[::1] wv
+        cdef const uint64_t[::1] kv
+        cdef int64_t nrows = self.c.nrows
+        if weights is not None:
+            w = np.ascontiguousarray(weights, dtype=np.int64)
+            if w.shape[0] != nrows:
+                raise ValueError(f"{w.shape[0]} weights for {nrows} rows")
+            self.refs.append(w)
+            if w.shape[0] > 0:
+                wv = w
+                self.c.weights = &wv[0]
+        if khash is not None:
+            kh = np.ascontiguousarray(khash, dtype=np.uint64)
+            if kh.shape[0] != nrows:
+                raise ValueError(f"{kh.shape[0]} key hashes for {nrows} rows")
+            self.refs.append(kh)
+            if kh.shape[0] > 0:
+                kv = kh
+                self.kh = &kv[0]
+
+
+cdef object _one_batch(table):
+    """`table` as one RecordBatch (a Table of one chunk per column is the common case: no copy)."""
+    if isinstance(table, pa.RecordBatch):
+        return table
+    batches = table.to_batches()
+    if len(batches) == 1:
+        return batches[0]
+    return pa.RecordBatch.from_arrays([col.combine_chunks() for col in table.columns], schema=table.schema)
+
+
+cdef BatchView view_of(table, weights=None, khash=None):
+    """`table` itself when it is already a BatchView (built once for a batch that is read many times; it carries
+    its own weights and key hashes), else a new view of (table, weights, khash)."""
+    if isinstance(table, BatchView):
+        return <BatchView>table
+    return BatchView(table, weights, khash)
+
+
+cdef class Int32s:
+    """An owned C array of int32 (column positions), freed with the object."""
+    cdef int32_t *p
+    cdef int32_t n
+
+    def __cinit__(self, xs):
+        self.n = len(xs)
+        self.p = <int32_t *>malloc(max(self.n, 1) * sizeof(int32_t))
+        if self.p == NULL:
+            raise MemoryError()
+        for i, x in enumerate(xs):
+            self.p[i] = x
+
+    def __dealloc__(self):
+        free(self.p)

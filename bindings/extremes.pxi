@@ -1,0 +1,115 @@
+# extremes.pxi: the min/max aggregate's step (extremes.h): probe, scan of a value trace, store.
+
+def extremes_probe(table, keys, slots, KeyIndex ix):
+    """A min/max aggregate's step, phase 1 (csrc/extremes.h): the groups of the indexed change `table` (a BatchView
+    with weights and key hashes, in canonical order for the key columns `keys`), their old totals read from `ix`
+    and their new ones for the kernel `slots` ((kind, column) pairs). Returns (group_row, gkh, old, nw, need):
+    old and nw are (ng, V) int64 arrays (V = slots, then one "not null" flag per extreme), need a bool array of the
+    groups whose extremes must be recomputed from their values. Reads only."""
+    cdef BatchView v = view_of(table)
+    cdef Int32s k = Int32s(keys)
+    cdef int32_t ns = len(slots), ne = sum(1 for kind, _ in slots if kind in ("min", "max"))
+    cdef int32_t V = ns + ne
+    if v.kh == NULL and v.c.nrows:
+        raise ValueError("extremes_probe: the change needs its key hashes")
+    if k.n != ix.nkeys or V != ix.nvals:
+        raise ValueError(f"extremes_probe: {k.n} keys and {V} values for an index of {ix.nkeys} and {ix.nvals}")
+    cdef int64_t n = v.c.nrows, ng = 0
+    group_row = np.empty(max(n, 1), dtype=np.int64)
+    gkh = np.empty(max(n, 1), dtype=np.uint64)
+    old = np.empty((max(n, 1), V), dtype=np.int64)
+    nw = np.empty((max(n, 1), V), dtype=np.int64)
+    need = np.zeros(max(n, 1), dtype=np.uint8)
+    if n == 0:
+        return group_row[:0], gkh[:0], old[:0], nw[:0], need[:0].view(bool)
+    cdef CAggSpec *specs = agg_specs(slots)
+    cdef int64_t[::1] pg = group_row
+    cdef uint64_t[::1] pk = gkh
+    cdef int64_t[:, ::1] po = old
+    cdef int64_t[:, ::1] pn = nw
+    cdef uint8_t[::1] pe = need
+    cdef int st
+    with nogil:
+        st = dbsp_extremes_probe(ix.ix, &v.c, v.kh, k.p, k.n, specs, ns, &pg[0], &pk[0], &po[0, 0], &pn[0, 0],
+                                 &pe[0], &ng)
+    free(specs)
+    check_status(st, "extremes_probe")
+    return group_row[:ng], gkh[:ng], old[:ng], nw[:ng], need[:ng].view(bool)
+
+
+def extremes_scan(table, keys, rows, khash, batches, vkeys, int32_t vcol):
+    """Extremes recomputed from a value trace (csrc/extremes.h): for each row ``rows[i]`` of ``table`` (a Table or
+    BatchView; key columns ``keys``, key hash ``khash[i]``), over the rows of ``batches`` (BatchViews with key
+    hashes: a value trace's batches, key columns ``vkeys``) holding its key, equal values' weights summed across
+    batches, the least and greatest value of column ``vcol`` with a positive sum. Returns (has, mn, mx): a bool
+    array and two int64 arrays (0 where has is False)."""
+    cdef BatchView v = view_of(table)
+    cdef Int32s k = Int32s(keys)
+    cdef Int32s vk = Int32s(vkeys)
+    if vk.n != k.n:
+        raise ValueError(f"extremes_scan: {k.n} key columns against {vk.n}")
+    r = np.ascontiguousarray(rows, dtype=np.int64)
+    kh = np.ascontiguousarray(khash, dtype=np.uint64)
+    cdef int64_t n = r.shape[0]
+    if kh.shape[0] != n:
+        raise ValueError(f"extremes_scan: {kh.shape[0]} key hashes for {n} rows")
+    views = [<BatchView?>b for b in batches]
+    cdef int32_t nb = len(views), i
+    for bv in views:
+        if (<BatchView>bv).kh == NULL and (<BatchView>bv).c.nrows:
+            raise ValueError("extremes_scan: every batch needs its key hashes")
+    has = np.zeros(max(n, 1), dtype=np.uint8)
+    mn = np.zeros(max(n, 1), dtype=np.int64)
+    mx = np.zeros(max(n, 1), dtype=np.int64)
+    if n == 0:
+        return has[:0].view(bool), mn[:0], mx[:0]
+    cdef const CBatch **pb = <const CBatch **>malloc(max(nb, 1) * sizeof(CBatch *))
+    cdef const uint64_t **pk = <const uint64_t **>malloc(max(nb, 1) * sizeof(uint64_t *))
+    if pb == NULL or pk == NULL:
+        free(pb); free(pk)
+        raise MemoryError("extremes_scan: out of memory")
+    for i in range(nb):
+        pb[i] = &(<BatchView>views[i]).c
+        pk[i] = (<BatchView>views[i]).kh
+    cdef const int64_t[::1] pr = r
+    cdef const uint64_t[::1] pkh = kh
+    cdef uint8_t[::1] ph = has
+    cdef int64_t[::1] pmn = mn
+    cdef int64_t[::1] pmx = mx
+    cdef int st
+    with nogil:
+        st = dbsp_extremes_scan(&v.c, k.p, k.n, &pr[0], &pkh[0], n, pb, pk, nb, vk.p, vcol, &ph[0], &pmn[0], &pmx[0])
+    free(pb); free(pk)
+    check_status(st, "extremes_scan")
+    return has[:n].view(bool), mn[:n], mx[:n]
+
+
+def extremes_store(table, keys, group_row, gkh, old, nw, KeyIndex ix):
+    """Phase 2 (csrc/extremes.h): the rows of the groups whose totals changed, -old then +new, as (grp, w), with
+    `ix` left holding the new totals `nw`. A MemoryError or ValueError (past its size limit) leaves it broken."""
+    cdef BatchView v = view_of(table)
+    cdef Int32s k = Int32s(keys)
+    gr = np.ascontiguousarray(group_row, dtype=np.int64)
+    kh = np.ascontiguousarray(gkh, dtype=np.uint64)
+    o = np.ascontiguousarray(old, dtype=np.int64)
+    x = np.ascontiguousarray(nw, dtype=np.int64)
+    cdef int64_t ng = gr.shape[0], n = 0
+    cdef int32_t nv = ix.nvals
+    if o.ndim != 2 or o.shape != x.shape or o.shape[0] != ng or kh.shape[0] != ng or o.shape[1] != ix.nvals:
+        raise ValueError("extremes_store: group rows, hashes, old and new totals do not match")
+    grp = np.empty(max(2 * ng, 1), dtype=np.int64)
+    w = np.empty(max(2 * ng, 1), dtype=np.int64)
+    if ng == 0:
+        return grp[:0], w[:0]
+    cdef const int64_t[::1] pg = gr
+    cdef const uint64_t[::1] pk = kh
+    cdef const int64_t[:, ::1] po = o
+    cdef const int64_t[:, ::1] px = x
+    cdef int64_t[::1] pgo = grp
+    cdef int64_t[::1] pw = w
+    cdef int st
+    with nogil:
+        st = dbsp_extremes_store(ix.ix, &v.c, k.p, ng, nv, &pg[0], &pk[0], &po[0, 0], &px[0, 0],
+                                 &pgo[0], &pw[0], &n)
+    check_status(st, "extremes_store")
+    return grp[:n], w[:n]

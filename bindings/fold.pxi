@@ -1,0 +1,100 @@
+# fold.pxi: the linear aggregate's step (fold.h): linear_fold, and linear_step through a key index.
+
+def linear_fold(old, delta, khash):
+    """A linear aggregate's step (csrc/fold.h): for `ng` groups with old totals `old` and a step's sums `delta`
+    ((ng, ns) int64, slot 0 the row count) and key hashes `khash` (ng, ascending), the rows of new (+1) and old
+    (-1) totals of the changed groups: (group of each row, weights, key hashes, slot values as an (ns, n) array,
+    whether the rows are in canonical index order). WeightOverflowError if a total leaves int64."""
+    o = np.ascontiguousarray(old, dtype=np.int64)
+    d = np.ascontiguousarray(delta, dtype=np.int64)
+    kh = np.ascontiguousarray(khash, dtype=np.uint64)
+    if o.ndim != 2 or d.shape != o.shape or kh.shape != (o.shape[0],):
+        raise ValueError(f"linear_fold: old {o.shape}, delta {d.shape} and khash {kh.shape} do not match")
+    cdef int64_t ng = o.shape[0], cap = 2 * o.shape[0], n = 0
+    cdef int32_t ns = o.shape[1]
+    cdef int ordered = 1, st
+    grp = np.empty(max(cap, 1), dtype=np.int64)
+    w = np.empty(max(cap, 1), dtype=np.int64)
+    kho = np.empty(max(cap, 1), dtype=np.uint64)
+    vals = np.empty((ns, max(cap, 1)), dtype=np.int64)
+    cdef const int64_t[:, ::1] po = o
+    cdef const int64_t[:, ::1] pd = d
+    cdef const uint64_t[::1] pk = kh
+    cdef int64_t[::1] pg = grp
+    cdef int64_t[::1] pw = w
+    cdef uint64_t[::1] pkh = kho
+    cdef int64_t[:, ::1] pv = vals
+    if ng == 0 or ns == 0:
+        return grp[:0], w[:0], kho[:0], vals[:, :0], True
+    with nogil:
+        st = dbsp_linear_fold(ng, ns, &po[0, 0], &pd[0, 0], &pk[0], &pg[0], &pw[0], &pkh[0], &pv[0, 0], &n, &ordered,
+                              NULL)
+    check_status(st, "linear_fold")
+    return grp[:n], w[:n], kho[:n], vals[:, :n], bool(ordered)
+
+
+def linear_step(table, keys, cols, KeyIndex ix):
+    """A linear aggregate's step through its key index, in one call: group the rows of `table` (a Table or BatchView
+    with weights) by the key columns `keys`, summing weight times each int64 column of `cols` (csrc/reduce.h); read
+    each group's old sums from `ix` (whose sums are those columns' totals per key); emit the rows of new (+1) and old
+    (-1) totals of the changed groups (csrc/fold.h); then store each changed group's new totals in `ix` (in place
+    where the key was found), or drop the group when its new count (slot 0) is 0. Returns (rows, w, kh, rh, vals,
+    ordered): per emitted row, the row of `table` carrying its key, its weight, key hash and row hash; the slot
+    values as an (ns, n) array; and whether the rows are in canonical index order (linear_fold's). A
+    WeightOverflowError (a sum or total leaves int64) leaves `ix` unchanged; a MemoryError or ValueError (past its
+    size limit) while storing leaves it broken."""
+    cdef BatchView v = view_of(table)
+    cdef Int32s k = Int32s(keys)
+    cdef int32_t ns = len(cols)
+    if k.n != ix.nkeys or ns != ix.nvals or ns == 0:
+        raise ValueError(f"linear_step: {k.n} keys and {ns} columns for an index of {ix.nkeys} and {ix.nvals}")
+    cdef CAggSpec *specs = agg_specs([("sum", c) for c in cols])
+    cdef CReduceOut r
+    cdef int st
+    memset(&r, 0, sizeof(r))
+    with nogil:
+        st = dbsp_group_reduce_all(&v.c, k.p, k.n, specs, ns, &r)
+    free(specs)
+    if st != DBSP_OK:
+        dbsp_reduce_free(&r)
+        check_status(st, "linear_step")
+    cdef int64_t ng = r.ngroups, cap = max(2 * r.ngroups, 1), n = 0, i, g
+    cdef int ordered = 1
+    buf = np.empty(cap * (4 + ns), dtype=np.int64)  # rows, w, kh, rh, then the slots: one allocation
+    cdef int64_t[::1] pb = buf
+    cdef int64_t *rows = &pb[0]
+    cdef int64_t *w = rows + cap
+    cdef uint64_t *kh = <uint64_t *>(rows + 2 * cap)
+    cdef uint64_t *rh = <uint64_t *>(rows + 3 * cap)
+    cdef int64_t *vals = rows + 4 * cap
+    cdef int64_t *old = <int64_t *>calloc(max(ng * ns, 1), 8)
+    cdef int64_t *grp = <int64_t *>malloc(cap * 8)
+    cdef int64_t **slots = <int64_t **>malloc(max(ng, 1) * sizeof(int64_t *))
+    if old == NULL or grp == NULL or slots == NULL:
+        free(old); free(grp); free(slots); dbsp_reduce_free(&r)
+        raise MemoryError("linear_step: out of memory")
+    with nogil:
+        if ng:
+            st = dbsp_keyindex_get_slots(ix.ix, &v.c, k.p, r.group_row, <uint64_t *>r.khash, ng, old, slots)
+            if st == DBSP_OK:
+                st = dbsp_linear_fold(ng, ns, old, r.ivals, <uint64_t *>r.khash, grp, w, kh, vals, &n, &ordered, rh)
+        if st == DBSP_OK:
+            for i in range(n):  # new totals of keys the index holds: in place, before anything changes its shape
+                g = grp[i]
+                rows[i] = r.group_row[g]
+                if w[i] > 0 and slots[g] != NULL:
+                    dbsp_keyindex_set_slot(ix.ix, slots[g], vals + i, cap)
+            i = 0
+            while st == DBSP_OK and i < n:  # then new keys, and groups whose new count is 0 (their old row alone)
+                g = grp[i]
+                if w[i] > 0:
+                    if slots[g] == NULL:
+                        st = dbsp_keyindex_put(ix.ix, &v.c, k.p, rows[i], kh[i], vals + i, cap, n)
+                elif (i + 1 >= n or grp[i + 1] != g) and (i == 0 or grp[i - 1] != g):
+                    st = dbsp_keyindex_put(ix.ix, &v.c, k.p, rows[i], kh[i], NULL, cap, n)
+                i += 1
+    free(old); free(grp); free(slots)
+    dbsp_reduce_free(&r)
+    check_status(st, "linear_step")
+    return (buf[:n], buf[cap:cap + n], buf[2 * cap:2 * cap + n].view(np.uint64),
+            buf[3 * cap:3 * cap + n].view(np.uint64), buf[4 * cap:].reshape(ns, cap)[:, :n], bool(ordered))

@@ -1,0 +1,144 @@
+# keyindex.pxi: KeyIndex (keyindex.h): a hash index from keys to int64 sums, and the process-wide budget.
+
+cdef class KeyIndex:
+    """A hash index from a key of fixed-width columns to int64 sums (csrc/keyindex.h): ``get`` adds each probed
+    key's sums to an accumulator with one probe per key, ``add`` folds a batch's rows into the sums (weight times
+    int64 columns, or the weight alone for a column position of -1). ``token`` is free for the owner's use (a
+    Trace records which state of its batches the sums match)."""
+    cdef CKeyIndex *ix
+    cdef readonly int32_t nkeys
+    cdef readonly int32_t nvals
+    cdef readonly tuple types
+    cdef public object token
+
+    def __cinit__(self, types, int32_t nvals, int64_t max_bytes=0):
+        cdef Int32s t = Int32s([type_code(x) if type_code(x) is not None else -1 for x in types])
+        self.ix = NULL
+        self.nkeys = t.n
+        self.nvals = nvals
+        self.types = tuple(types)
+        self.token = None
+        check_status(dbsp_keyindex_new(t.p, t.n, nvals, max_bytes, &self.ix), "KeyIndex")
+
+    def __dealloc__(self):
+        dbsp_keyindex_free(self.ix)
+
+    def __len__(self):
+        return dbsp_keyindex_len(self.ix)
+
+    @property
+    def nbytes(self):
+        """Bytes of the slot tables (the new and the old one while growing)."""
+        return dbsp_keyindex_bytes(self.ix)
+
+    @property
+    def growing(self):
+        """True while the index moves its entries into a table of twice the slots, a few per new entry
+        (csrc/keyindex.h invariant 5)."""
+        return bool(dbsp_keyindex_growing(self.ix))
+
+    @property
+    def spills(self):
+        """New keys that spilled into the new table while growing, ever (csrc/keyindex.h invariant 5; for tests)."""
+        return dbsp_keyindex_spills(self.ix)
+
+    @property
+    def broken(self):
+        """True after an update failed (overflow, memory): the sums are partly updated and must not be read."""
+        return bool(dbsp_keyindex_broken(self.ix))
+
+    def get(self, table, keys, khash, acc, sel=None):
+        """acc[i, v] += sum v of the key of row ``sel[i]`` (or row i) of ``table`` (a Table or BatchView) over the
+        key columns ``keys``, whose key hash is ``khash[i]``; ``acc`` is a C-contiguous int64 (n, nvals) array."""
+        cdef BatchView b = view_of(table)
+        cdef Int32s k = Int32s(keys)
+        kh = np.ascontiguousarray(khash, dtype=np.uint64)
+        cdef int64_t n = kh.shape[0]
+        if k.n != self.nkeys:
+            raise ValueError(f"KeyIndex.get: {k.n} key columns for an index of {self.nkeys}")
+        if acc.dtype != np.int64 or acc.ndim != 2 or acc.shape[0] != n or acc.shape[1] != self.nvals \
+                or not acc.flags.c_contiguous:
+            raise ValueError(f"KeyIndex.get: acc must be a C-contiguous int64 array of shape ({n}, {self.nvals})")
+        cdef const int64_t[::1] ps
+        cdef const int64_t *psel = NULL
+        if sel is not None:
+            sl = np.ascontiguousarray(sel, dtype=np.int64)
+            if sl.shape[0] != n:
+                raise ValueError(f"KeyIndex.get: {sl.shape[0]} selected rows for {n} key hashes")
+            ps = sl
+            psel = &ps[0] if n else NULL
+        elif n != b.c.nrows:
+            raise ValueError(f"KeyIndex.get: {n} key hashes for {b.c.nrows} rows")
+        cdef const uint64_t[::1] pk = kh
+        cdef int64_t[:, ::1] out = acc
+        cdef int st
+        if n == 0:
+            return acc
+        with nogil:
+            st = dbsp_keyindex_get(self.ix, &b.c, k.p, psel, &pk[0], n, &out[0, 0])
+        check_status(st, "KeyIndex.get")
+        return acc
+
+    def add(self, table, weights, keys, khash, cols, int64_t sign=1, before=None):
+        """Fold every row of ``table`` (weights int64 or None for +1) into the sums of its key (columns ``keys``,
+        key hash ``khash[i]``): sum v += weight * sign * table[cols[v]] (an integer column), weight * sign where
+        cols[v] is -1, weight * sign where column -2 - cols[v] is not null for cols[v] <= -2. With ``before`` (a
+        C-contiguous int64 (n, nvals) array), also the sums of each row's key just before that row (the sums before
+        the call, for rows with distinct keys). Raises WeightOverflowError, MemoryError, or ValueError past
+        ``max_bytes`` (the index is then broken)."""
+        cdef BatchView b = view_of(table, weights)
+        cdef Int32s k = Int32s(keys)
+        cdef Int32s c = Int32s(cols)
+        kh = np.ascontiguousarray(khash, dtype=np.uint64)
+        if k.n != self.nkeys or c.n != self.nvals:
+            raise ValueError(f"KeyIndex.add: {k.n} keys and {c.n} columns for an index of {self.nkeys} and "
+                             f"{self.nvals}")
+        if kh.shape[0] != b.c.nrows:
+            raise ValueError(f"KeyIndex.add: {kh.shape[0]} key hashes for {b.c.nrows} rows")
+        cdef const uint64_t[::1] pk = kh
+        cdef int64_t[:, ::1] pb
+        cdef int64_t *pbefore = NULL
+        cdef int st
+        if before is not None:
+            if before.dtype != np.int64 or before.ndim != 2 or before.shape[0] != b.c.nrows \
+                    or before.shape[1] != self.nvals or not before.flags.c_contiguous:
+                raise ValueError(f"KeyIndex.add: before must be a C-contiguous int64 array of shape "
+                                 f"({b.c.nrows}, {self.nvals})")
+            if b.c.nrows:
+                pb = before
+                pbefore = &pb[0, 0]
+        if b.c.nrows == 0:
+            return
+        with nogil:
+            st = dbsp_keyindex_add_before(self.ix, &b.c, k.p, &pk[0], c.p, sign, pbefore)
+        check_status(st, "KeyIndex.add")
+
+    def check(self):
+        """Raise AssertionError unless csrc/keyindex.h invariants 1-3 hold (tests)."""
+        assert dbsp_keyindex_check(self.ix) == DBSP_OK, "KeyIndex invariants violated"
+
+
+def keyindex_budget(bytes=None):
+    """The process-wide budget on the slot tables of every KeyIndex (csrc/keyindex.h invariant 6), in bytes (0:
+    none); with ``bytes``, set it first (an int >= 0). A growth that would pass it fails as one past the index's
+    own ``max_bytes`` does."""
+    if bytes is not None:
+        if isinstance(bytes, bool) or not isinstance(bytes, int) or bytes < 0:
+            raise ValueError(f"keyindex_budget: bytes must be an int >= 0, got {bytes!r}")
+        dbsp_keyindex_set_budget(bytes)
+    return dbsp_keyindex_budget()
+
+
+def keyindex_total_bytes():
+    """Bytes held by the slot tables of every KeyIndex in the process now (csrc/keyindex.h invariant 6)."""
+    return dbsp_keyindex_total_bytes()
+
+
+def keyindex_supports(types):
+    """Whether a KeyIndex can key on columns of these Arrow types (the C constructor's rule: fixed width, at most
+    DBSP_KEYINDEX_MAX_KEYS columns)."""
+    try:
+        KeyIndex(types, 1)
+    except (SchemaError, ValueError):
+        return False
+    return True

@@ -1,0 +1,96 @@
+# zset.pxi: the Z-set kernels (zset.h, rows.h): consolidate, merge, negate, sum_adjacent and the order checker.
+
+cdef object rows_result(CRows *r):
+    """Hand a DbspRows' arrays to numpy (ownership moves) as (idx, weights, khash)."""
+    idx = own_array(r.idx, r.n, np.int64)
+    w = own_array(r.weights, r.n, np.int64)
+    kh = own_array(r.khash, r.n, np.uint64)
+    r.idx = NULL; r.weights = NULL; r.khash = NULL
+    return idx, w, kh
+
+
+def consolidate(table, weights, keys, bint row_hashes=False):
+    """(idx, weights, khash): the consolidated rows of (table, weights) in canonical order for key positions `keys`;
+    with `row_hashes`, (idx, weights, khash, rhash) where rhash holds the rows' row hashes when the kernel had
+    them (batches of at most small_rows() rows), else None."""
+    cdef BatchView v = view_of(table, weights)
+    cdef Int32s k = Int32s(keys)
+    cdef CRows r
+    cdef uint64_t *rh = NULL
+    cdef int st
+    with nogil:
+        st = dbsp_zset_consolidate_rh(&v.c, k.p, k.n, &r, &rh if row_hashes else NULL)
+    check_status(st, "consolidate")
+    out = rows_result(&r)
+    if not row_hashes:
+        return out
+    return out + ((own_array(rh, out[0].shape[0], np.uint64) if rh != NULL else None),)
+
+
+def merge(ta, wa, kha, tb, wb, khb, keys):
+    """(idx, weights, khash) of the consolidated sum of two canonical batches; b's rows are numbered after a's."""
+    cdef BatchView a = view_of(ta, wa, kha)
+    cdef BatchView b = view_of(tb, wb, khb)
+    cdef Int32s k = Int32s(keys)
+    cdef CRows r
+    cdef int st
+    with nogil:
+        st = dbsp_zset_merge(&a.c, a.kh, &b.c, b.kh, k.p, k.n, &r)
+    check_status(st, "merge")
+    return rows_result(&r)
+
+
+def small_rows(n=None):
+    """The row count up to which consolidate sorts instead of running the grouping engine (csrc/zset.h); with
+    `n`, set it and return the previous value (tests force either path; both give the same result)."""
+    global dbsp_small_rows
+    old = dbsp_small_rows
+    if n is not None:
+        if n < 0:
+            raise ValueError(f"small_rows must be >= 0, got {n}")
+        dbsp_small_rows = n
+    return old
+
+
+def negate(weights):
+    """-weights as a new int64 array; WeightOverflowError for INT64_MIN."""
+    w = np.ascontiguousarray(weights, dtype=np.int64)
+    out = np.empty_like(w)
+    cdef const int64_t[::1] wi = w
+    cdef int64_t[::1] wo = out
+    cdef int64_t n = w.shape[0]
+    cdef int st = DBSP_OK
+    if n:
+        with nogil:
+            st = dbsp_weights_negate(&wi[0], n, &wo[0])
+    check_status(st, "negate")
+    return out
+
+
+def sum_adjacent(table, weights, h):
+    """The runs of adjacent equal rows of (table, weights) that share a hash h[i], summed (csrc/zset.h): (idx,
+    weights) of the rows kept, zero sums dropped; None when no run has two rows (every row stays as it is)."""
+    cdef BatchView v = view_of(table, weights)
+    hh = np.ascontiguousarray(h, dtype=np.uint64)
+    cdef int64_t m = v.c.nrows, n = 0
+    if hh.shape[0] != m:
+        raise ValueError(f"sum_adjacent: {hh.shape[0]} hashes for {m} rows")
+    if m == 0:
+        return None
+    idx = np.empty(m, dtype=np.int64)
+    w = np.empty(m, dtype=np.int64)
+    cdef const uint64_t[::1] ph = hh
+    cdef int64_t[::1] pi = idx
+    cdef int64_t[::1] pw = w
+    cdef int st
+    with nogil:
+        st = dbsp_zset_sum_adjacent(&v.c, &ph[0], &pi[0], &pw[0], &n)
+    check_status(st, "sum_adjacent")
+    return None if n == m else (idx[:n], w[:n])
+
+
+def check_order(table, weights, khash, keys):
+    """True if (table, weights) is consolidated and in canonical order for `keys` (a debug checker)."""
+    cdef BatchView v = view_of(table, weights, khash)
+    cdef Int32s k = Int32s(keys)
+    return dbsp_rows_check_order(&v.c, NULL, v.c.weights, v.kh, v.c.nrows, k.p, k.n) == 0
