@@ -243,8 +243,8 @@ def bench_b_c(total_rows: int, step_rows: int, samples: int) -> dict:
     res = {}
     run_ours(batches[:len(batches) // 3], auctions, 1)  # untimed warm-up: the first run in a process pays for
     # growing the heap (page faults), 30-45% of a W=1 run's time, which made (c) look better than it is
-    for w, bgm in ((1, False), (2, False), ("1+merger", True)):
-        total, per_step, cpu, wcpu = run_ours(batches, auctions, 1 if w == "1+merger" else w, bgm)
+    for w, bgm in ((1, False), (2, False), ("1+merge thread", True)):
+        total, per_step, cpu, wcpu = run_ours(batches, auctions, 1 if w == "1+merge thread" else w, bgm)
         res[w] = (total, per_step, cpu, wcpu)
         cores = 2 if w == 2 else 1
         print(f"(b) W={w}: {total_rows} rows in {len(batches)} steps: {total:.2f} s, "

@@ -152,7 +152,7 @@ def main() -> int:
     print(f"# dbsp_core {getattr(dbsp, '__version__', '?')}, W={args.workers}, {args.change}-row steps "
           f"(10% deletions), {args.warmup} warm-up + {args.steps} measured steps, loaded in "
           f"{args.load_step:,}-row steps; load average {os.getloadavg()[0]:.1f}", flush=True)
-    print("| query | state rows | groups | load s (merger settling) | mean ms | p50 ms | p99 ms | max ms | mean / first | "
+    print("| query | state rows | groups | load s (merge thread settling) | mean ms | p50 ms | p99 ms | max ms | mean / first | "
           "p99 / first | merged rows/step mean | max |", flush=True)
     print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for q in queries:

@@ -619,13 +619,13 @@ class IndexedZSet:
 
     def merge(self, other: IndexedZSet) -> IndexedZSet:
         """The consolidated sum of two indexed Z-sets with the same schema and key, in linear time (one pass of
-        the resumable C merge run to the end, :func:`merger`)."""
+        the resumable C merge run to the end, :func:`merge_cursor`)."""
         self._check_compatible(other, "merge")
         if len(other) == 0:
             return self
         if len(self) == 0:
             return other
-        m = merger(self, other)
+        m = merge_cursor(self, other)
         m.step(len(self) + len(other))
         return merged(self, m)
 
@@ -797,7 +797,7 @@ def sum_adjacent(z: ZSet, h: np.ndarray) -> ZSet:
     return ZSet._make(_take(z._data, idx), np.ascontiguousarray(w), distinct=True)
 
 
-def merger(a: IndexedZSet, b: IndexedZSet, row_hashes: bool = False) -> Any:
+def merge_cursor(a: IndexedZSet, b: IndexedZSet, row_hashes: bool = False) -> Any:
     """A resumable merge of two non-empty indexed Z-sets of one schema (types) and key (csrc/merge.h): ``step(n)``
     merges at least n more input rows, ``done`` tells when every row is in; :func:`merged` then gives the sum.
     Rows of meeting keys are ordered by the row hashes the inputs keep (else computed where needed); with
@@ -810,7 +810,7 @@ def merger(a: IndexedZSet, b: IndexedZSet, row_hashes: bool = False) -> Any:
 
 
 def merged(a: IndexedZSet, m: Any) -> IndexedZSet:
-    """The result of a finished :func:`merger` whose first input is ``a``, as an indexed Z-set."""
+    """The result of a finished :func:`merge_cursor` whose first input is ``a``, as an indexed Z-set."""
     table, w, kh, rh = m.result()
     out = IndexedZSet._make(ZSet._make(table, w), a._key, kh)
     out._rh = rh

@@ -88,11 +88,11 @@ class _Merge:
     __slots__ = ("a", "b", "work", "cursor", "_out", "shared")
 
     def __init__(self, a: tuple[int, "IndexedZSet", int], b: tuple[int, "IndexedZSet", int]) -> None:
-        from dbsp_core.zset import merger
+        from dbsp_core.zset import merge_cursor
 
         self.a, self.b = a, b  # (placement number, batch, work)
         self.work = a[2] + b[2]
-        self.cursor = merger(a[1], b[1], row_hashes=True)  # the merge cursor: the resumable C merge (csrc/merge.h)
+        self.cursor = merge_cursor(a[1], b[1], row_hashes=True)  # the merge cursor: the resumable C merge (csrc/merge.h)
         self._out: IndexedZSet | None = None
         self.shared: SharedMerge | None = None  # set when handed to a MergeThread (invariant 10)
 

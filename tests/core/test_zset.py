@@ -256,7 +256,7 @@ def test_merge_on_a_whole_row_key_equals_indexing_the_sum(data):
 def test_merge_in_steps_equals_indexing_the_sum(data):
     """The resumable merge (csrc/merge.h) advanced by random budgets, with reads of its inputs between steps,
     gives exactly the index of the sum (rows, weights, key hashes, order) for any key and column types."""
-    from dbsp_core.zset import merged, merger
+    from dbsp_core.zset import merged, merge_cursor
 
     schema = data.draw(schemas())
     key = list(schema.names[:data.draw(st.integers(1, len(schema)))])
@@ -268,7 +268,7 @@ def test_merge_in_steps_equals_indexing_the_sum(data):
     if data.draw(st.booleans()):
         a._row_hashes()  # a side that keeps its row hashes: meeting keys are ordered without hashing
     keep = data.draw(st.booleans())
-    m = merger(a, b, row_hashes=keep)
+    m = merge_cursor(a, b, row_hashes=keep)
     assert m.step(0) == 0 and m.remaining == len(a) + len(b)
     while not m.done:
         used = m.step(data.draw(st.integers(1, 9)))
