@@ -30,19 +30,22 @@ Not runtime settings, read where they are used (listed so that this is the one l
 tests/core/test_envvars.py checks that the repository reads no other):
 
 - build (setup.py): ``DBSP_DEBUG`` (``-O0 -g``, asserts and invariant checkers on), ``DBSP_SANITIZE``
-  (AddressSanitizer); ``.ci/run`` and tests/spark/conftest.py: ``DBSP_REQUIRE_SPARK`` (a missing Spark fails).
+  (AddressSanitizer); ``.ci/run`` and tests/spark/conftest.py: ``DBSP_REQUIRE_SPARK`` (a missing Spark fails);
+  ``.ci/run`` and tests/connectors/conftest.py: ``DBSP_REQUIRE_POSTGRES`` (a missing PostgreSQL server fails),
+  ``DBSP_PG_DSN`` (the DSN a kill-test child reaches the test server by, passed through the environment so that
+  no password is on a command line).
 - the test run (tests/conftest.py, tests/hypothesis_profile.py): ``DBSP_LONG`` (also the tests marked slow),
   ``DBSP_HYPOTHESIS_SEED``, ``DBSP_HYPOTHESIS_EXAMPLES``.
 - seeds that replay a test's random choices: ``DBSP_SQL_SEED``, ``DBSP_SQL_LIMITS_SEED``, ``DBSP_NAN_SEED``,
   ``DBSP_NEXMARK_SEED``, ``DBSP_CONNECTOR_SEED``, ``DBSP_FILES_SEED``, ``DBSP_DAMAGE_SEED``, ``DBSP_REPAIR_SEED``,
   ``DBSP_POISON_SEED``, ``DBSP_THREADS_SEED``, ``DBSP_CONCURRENCY_SEED``, ``DBSP_RACE_SEED``, ``DBSP_WIDE_SEED``,
   ``DBSP_RESCALE_SEED``, ``DBSP_RESCALE_KILL_SEED``, ``DBSP_LIVE_SEED``, ``DBSP_LIVE_KILL_SEED``,
-  ``DBSP_SPARK_KILL_SEED``, ``DBSP_FUZZ_SEED``, ``DBSP_TEST_SEED``.
+  ``DBSP_SPARK_KILL_SEED``, ``DBSP_FUZZ_SEED``, ``DBSP_TEST_SEED``, ``DBSP_PG_SEED``, ``DBSP_DELTA_SEED``.
 - sizes of the test loops and soaks: ``DBSP_SQL_CORPUS``, ``DBSP_EO_SEEDS``, ``DBSP_EO_JOBS``, ``DBSP_CRASH_SEEDS``,
   ``DBSP_RESCALE_SEEDS``, ``DBSP_RESCALE_KILLS``, ``DBSP_RESCALE_CRASH_FULL``, ``DBSP_LIVE_KILLS``,
   ``DBSP_RACE_ROUNDS``, ``DBSP_WIDE_WORKERS``, ``DBSP_CONCURRENCY_ROUNDS``, ``DBSP_CONCURRENCY_KILLS``,
   ``DBSP_CONNECTOR_KILLS``, ``DBSP_FILES_KILLS``, ``DBSP_STORAGE_KILLS``, ``DBSP_STORAGE_SOAK``,
-  ``DBSP_SPARK_KILLS``, ``DBSP_SPARK_KILL_RUNTIMES``, ``DBSP_FUZZ_CASES``.
+  ``DBSP_SPARK_KILLS``, ``DBSP_SPARK_KILL_RUNTIMES``, ``DBSP_FUZZ_CASES``, ``DBSP_PG_KILLS``, ``DBSP_DELTA_KILLS``.
 - what a test parent tells its child process: ``DBSP_RUN``, ``DBSP_TEST_KILL_AFTER_BATCH``, ``DBSP_UPGRADE_MARKERS``.
 """
 
