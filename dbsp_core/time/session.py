@@ -36,7 +36,8 @@ import pyarrow.types as pat
 
 from dbsp_core.errors import SchemaError
 from dbsp_core.operators.aggregate import lookup_exact
-from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, make, run_starts, sort_order
+from dbsp_core.operators.base import (Operator, check_columns, concat, empty, keyed_change, make, run_starts,
+                                      sort_order)
 from dbsp_core.time.lineage import bounds, input_times
 from dbsp_core.time.watermark import event_times
 from dbsp_core.trace import Trace, unique_sorted
@@ -130,11 +131,8 @@ class _SessionState:
         bound = bounds(input_times(op), ctx).get(op.column)
         if bound is not None:  # invariant 4: the rows of closed sessions
             self.rows.drop_below({op.end: bound})
-        z = inputs[0]
-        if z.num_rows == 0:
-            return empty(op.schema)
-        dix = conform(z, op.in_schema).index_by(self.keys)
-        if len(dix) == 0:
+        dix = keyed_change(self, inputs, ctx, op.in_schema, self.keys, cleanup=False)  # dropped by end just above
+        if dix is None:
             return empty(op.schema)
         old = lookup_exact(self.rows, unique_sorted(dix.key_hash), op.state_schema).consolidate()
         bare = ZSet._make(old.data.select(op.in_schema.names), old.weights)
