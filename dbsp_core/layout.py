@@ -51,8 +51,9 @@ def shard_bits_for(workers: int, min_shard_bits: int = DEFAULT_SHARD_BITS) -> in
     return min(MAX_SHARD_BITS, max(min_shard_bits, (need - 1).bit_length()))
 
 
-def _resample(owners: np.ndarray, bits: int, to_bits: int) -> np.ndarray:
-    """The owner table at ``to_bits``: split shards keep their owner, merged ones take their even child's."""
+def resample_owners(owners: np.ndarray, bits: int, to_bits: int) -> np.ndarray:
+    """The owner table ``owners`` (at ``bits`` shard bits) at ``to_bits``: split shards keep their owner, merged
+    ones take their even child's (invariant 4)."""
     if to_bits > bits:
         return np.repeat(owners, 1 << (to_bits - bits))
     if to_bits < bits:
@@ -153,8 +154,8 @@ class ShardMap:
     def moved_shards(self, other: "ShardMap") -> list[int]:
         """Shards (at the finer of the two shard counts) whose owner differs between ``self`` and ``other``."""
         bits = max(self._shard_bits, other.shard_bits)
-        a = _resample(self._part_of_shard, self._shard_bits, bits)
-        b = _resample(other.part_of_shard, other.shard_bits, bits)
+        a = resample_owners(self._part_of_shard, self._shard_bits, bits)
+        b = resample_owners(other.part_of_shard, other.shard_bits, bits)
         return np.flatnonzero(a != b).tolist()
 
     def __reduce__(self) -> tuple:
@@ -170,6 +171,21 @@ class ShardMap:
 
     def __repr__(self) -> str:
         return f"ShardMap(workers={self._workers}, shard_bits={self._shard_bits})"
+
+
+def shard_runs(shards: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal runs ``[a, b)`` of consecutive shard numbers in an ascending array of distinct ones (each run one
+    key-hash range).
+
+    >>> shard_runs(np.array([0, 1, 2, 5, 7, 8]))
+    [(0, 3), (5, 6), (7, 9)]
+    """
+    s = np.asarray(shards, dtype=np.int64)
+    if len(s) == 0:
+        return []
+    cut = np.flatnonzero(np.diff(s) != 1) + 1
+    starts, ends = s[np.r_[0, cut]], s[np.r_[cut - 1, len(s) - 1]] + 1
+    return list(zip(starts.tolist(), ends.tolist()))
 
 
 def _check_bits(bits: Any, where: str) -> None:
@@ -273,7 +289,7 @@ class Layout:
         S = 1 << bits
         if S < workers:
             raise ValueError(f"rebalance: {S} shards cannot be spread over {workers} workers; raise shard_bits")
-        owners = _resample(self.shard_map.part_of_shard, self.shard_bits, bits).astype(np.int64)
+        owners = resample_owners(self.shard_map.part_of_shard, self.shard_bits, bits).astype(np.int64)
         counts = np.bincount(owners, minlength=max(self.workers, workers))
         base, extra = divmod(S, workers)
         quota = np.full(workers, base, dtype=np.int64)
@@ -307,7 +323,7 @@ class Layout:
         cur, epoch = self, self.epoch
         W = max(self.workers, target.workers)
         if target.shard_bits != self.shard_bits:
-            owners = _resample(cur.shard_map.part_of_shard, cur.shard_bits, target.shard_bits)
+            owners = resample_owners(cur.shard_map.part_of_shard, cur.shard_bits, target.shard_bits)
             epoch += 1
             cur = Layout(ShardMap.from_owners(owners, cur.workers, True), cur.hosts, epoch, self.min_shard_bits)
             out.append(cur)
