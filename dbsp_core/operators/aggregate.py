@@ -225,7 +225,23 @@ def reduce_groups(ix: "IndexedZSet", kernel: list[tuple[str, str | None]]) -> pa
     return ix.reduce(kern)
 
 
-class _RecomputeState:
+class _GroupedState:
+    """What the recompute and extremes states share: a step (``_step``) whose weight overflow is reported as the
+    aggregate's (:meth:`Aggregate.raise_overflow`)."""
+
+    op: Aggregate
+
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
+        try:
+            return self._step(inputs, ctx)
+        except WeightOverflowError as e:
+            self.op.raise_overflow(e)
+
+    def _step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":  # pragma: no cover - a subclass bug
+        raise NotImplementedError(f"{type(self).__name__} must define _step()")
+
+
+class _RecomputeState(_GroupedState):
     """Invariant 3, recompute strategy: re-reduce the affected groups from the integrated input."""
 
     def __init__(self, op: Aggregate) -> None:
@@ -241,12 +257,6 @@ class _RecomputeState:
             return None
         ix = z.index_by(list(self.op.keys))
         return self.op.nonempty(reduce_groups(ix, self.op.kernel)) if len(ix) else None
-
-    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
-        try:
-            return self._step(inputs, ctx)
-        except WeightOverflowError as e:
-            self.op.raise_overflow(e)
 
     def _step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
@@ -395,7 +405,7 @@ class _LinearState:
         return sum_adjacent(make(op.finalize(partials), w, op.schema), kh)
 
 
-class _ExtremesState:
+class _ExtremesState(_GroupedState):
     """Invariant 3, extremes strategy: current totals per group plus, per min/max column, the group's values.
 
     One grouping pass over a combined table folds the change into the old totals. Its rows are the groups'
@@ -538,12 +548,6 @@ class _ExtremesState:
         for kind, col in self.limbs:
             data = data.append_column(f"__{kind}_{col}", limb(kind, data.column(col)))
         return make(data, z.weights, data.schema)
-
-    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
-        try:
-            return self._step(inputs, ctx)
-        except WeightOverflowError as e:
-            self.op.raise_overflow(e)
 
     def _step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
