@@ -157,7 +157,7 @@ def make_stream(total_rows: int, step_rows: int, n_auctions: int) -> list[pa.Tab
 def run_ours(batches: list[pa.Table], auctions: pa.Table, workers: int, background_merge: bool | None = False
              ) -> tuple[float, list[float], float, list[float]]:
     """Wall time, per-step times, process CPU time and per-worker CPU time of the join-aggregate run. Merges run
-    on the workers' threads unless ``background_merge`` (None: the default rule, a merger thread while the
+    on the workers' threads unless ``background_merge`` (None: the default rule, a merge thread while the
     workers leave a core free), so that W workers use W cores and (c) compares like with like."""
     c = join_agg_circuit()
     with dbsp.Pipeline(c, workers=workers, executor=EmbeddedExecutor(background_merge=background_merge)) as p:
@@ -173,7 +173,7 @@ def run_ours(batches: list[pa.Table], auctions: pa.Table, workers: int, backgrou
             p.push("bids", bt)
             p.step()
             per_step.append(time.perf_counter() - t0)
-        p.executor.settle_merges()  # merges handed to a merger thread and not done yet are work of this run
+        p.executor.settle_merges()  # merges handed to the merge thread and not done yet are work of this run
         wall = time.perf_counter() - t_start
         return wall, per_step, time.process_time() - cpu0, [b - a for a, b in zip(worker0, p.executor.worker_cpu_seconds)]
 

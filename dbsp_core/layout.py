@@ -16,8 +16,8 @@ Invariants (enforced here):
   5. Owner tables compare at the finer of two shard counts: shard ``s`` at ``b`` bits covers the shards
      ``s << d .. (s + 1) << d`` at ``b + d`` bits, so :meth:`Layout.moved_shards` is exact across a split or
      a merge.
-  6. :meth:`Layout.steps_to` cuts a change into layouts that each move at most ``batch`` shards, in shard order
-     (neighbouring shards move together, so each batch is few contiguous key-hash ranges). The layouts in
+  6. :meth:`Layout.steps_to` cuts a change into waves: layouts that each move at most ``batch`` shards, in shard
+     order (neighbouring shards move together, so each wave is few contiguous key-hash ranges). The layouts in
      between keep ``max(W, W')`` workers, some of which may own no shard yet (growing) or any more
      (shrinking); the last one is the target itself. A change of the shard count comes first, as a layout
      of its own that moves nothing (a split) or that first gathers every pair of children with the owner
@@ -316,7 +316,8 @@ class Layout:
         return Layout(ShardMap.from_owners(owners, workers), hosts, self.epoch + 1, self.min_shard_bits)
 
     def steps_to(self, target: "Layout", batch: int) -> list["Layout"]:
-        """The layouts a live change to ``target`` passes through, ending with ``target`` (invariant 6)."""
+        """The layouts a live change to ``target`` passes through, one per wave of at most ``batch`` moved shards,
+        ending with ``target`` (invariant 6)."""
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
             raise ValueError(f"steps_to: batch must be a positive int, got {batch!r}")
         out: list[Layout] = []

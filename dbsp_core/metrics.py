@@ -163,8 +163,8 @@ def state_bytes(traces: dict[str, Any], shard_bits: int) -> tuple[int, dict[int,
     per = np.zeros(1 << shard_bits, dtype=np.float64)
     total = 0
     for trace in traces.values():
-        spine, pending = trace.parts()
-        for b in list(spine) + list(pending):
+        levels, pending = trace.parts()
+        for b in list(levels) + list(pending):
             n = len(b)
             if not n:
                 continue
@@ -228,7 +228,8 @@ def _families(m: dict) -> list:
     for bound, c in zip(list(lat["buckets"]) + [math.inf], lat["counts"]):
         acc += c
         cum.append(("+Inf" if bound == math.inf else repr(float(bound)), acc))
-    hist = HistogramMetricFamily("dbsp_step_seconds", "Seconds per step (a batch of queued steps shares its time)")
+    hist = HistogramMetricFamily("dbsp_step_seconds",
+                                 "Seconds per step (the steps of a step run, divided together, share its time)")
     hist.add_metric([], cum, lat["sum"])
     fams = [counter("steps", "Steps run since the pipeline was opened (recovery's replayed steps included)",
                     m["steps"]),

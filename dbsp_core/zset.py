@@ -619,7 +619,7 @@ class IndexedZSet:
 
     def merge(self, other: IndexedZSet) -> IndexedZSet:
         """The consolidated sum of two indexed Z-sets with the same schema and key, in linear time (one pass of
-        the resumable C merge run to the end, :func:`merger`)."""
+        the resumable C merge run to the end: a merge cursor, :func:`merger`)."""
         self._check_compatible(other, "merge")
         if len(other) == 0:
             return self

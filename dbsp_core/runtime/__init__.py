@@ -20,7 +20,7 @@ How the pieces fit (each module states its own invariants):
   (``Pipeline.rescale``) records its target in ``RESCALE`` first, and recovery after a crash midway finishes it
   (settling what an in-memory executor's last checkpoint left, then a cold change to the target).
 - ``migrate.py``: the embedded executor's side of a live change: operator state moves between its workers in
-  memory, a batch of shards at a time, at a step boundary (the staged executor makes each batch a cold change).
+  memory, a wave of shards at a time, at a step boundary (the staged executor makes each wave a cold change).
 - ``upgrade.py``: opening a directory of the previous release (directory format 1): its state databases are
   converted into format-2 copies and META switches last, so a crash leaves a directory either release opens.
 - ``dedup.py``: the (producer, seq) set of recorded pushes, saved with the driver's checkpoint.

@@ -122,7 +122,7 @@ class EmbeddedExecutor:
 
     ``vfs`` (tests): the I/O layer of the worker databases, ``"posix"`` or ``"fault"``.
 
-    ``background_merge``: trace merges run on a merger thread of their own, beside the workers (trace invariant
+    ``background_merge``: trace merges run on a merge thread of their own, beside the workers (trace invariant
     10), so a step does not wait for them: True, False, or None (the default: while the workers leave a core
     free, ``workers < os.cpu_count()``). Results, state and checkpoints are the same either way; it trades a
     second core for shorter steps.
@@ -241,7 +241,7 @@ class EmbeddedExecutor:
     # ---- steps ----
 
     def _background(self) -> "BackgroundMerger | None":
-        """The merger thread for this step's traces, if background merging is on (started on first use)."""
+        """The merge thread for this step's traces, if background merging is on (started on first use)."""
         on = self.background_merge
         if on is None:
             on = self.layout is not None and self.layout.workers < _CORES
@@ -382,7 +382,7 @@ class EmbeddedExecutor:
         dst_owner = np.repeat(layout.shard_map.part_of_shard, 1 << (fine - bits))
         moved = 0
         stores = {st.index: st for st in self._coord.stores} if self._coord is not None else {}
-        # only the (source, target) pairs some shard moves between: a batch costs its shards, not W^2 masks
+        # only the (source, target) pairs some shard moves between: a wave costs its shards, not W^2 masks
         changing = np.flatnonzero(src_owner != dst_owner)
         for a, b in sorted({(int(src_owner[s]), int(dst_owner[s])) for s in changing.tolist()}):
             mask = (src_owner == a) & (dst_owner == b)
@@ -411,22 +411,22 @@ class EmbeddedExecutor:
         return moved
 
     def settle_merges(self) -> None:
-        """Wait until the merger thread has no merge left and every trace has installed what it merged (after a
+        """Wait until the merge thread has no merge left and every trace has installed what it merged (after a
         bulk load, say, so later steps do not share the machine with the load's merges). Call between steps."""
         self._install_merges(settle=True)
 
     def _install_merges(self, settle: bool = False) -> None:
-        """Between steps (the caller holds the step lock): every trace installs the merges the merger's thread
+        """Between steps (the caller holds the step lock): every trace installs the merges the merge thread
         finished (trace invariant 10), so what is saved, moved or measured next is merged. With ``settle``, waits
-        for the merger until no merge it was handed is left (what a shard cut needs: merged batches move fewer
-        bytes than their inputs; the wait is merge work the steps before would have done without the merger)."""
+        for the merge thread until no merge it was handed is left (what a shard cut needs: merged batches move fewer
+        bytes than their inputs; the wait is merge work the steps before would have done without the merge thread)."""
         if self._merger is None:
             return
         traces = [getattr(inst, name) for wk in self._workers for i, inst in wk.stateful().items()
                   for name in state_attrs(i, inst)[0]]
         while True:
             installed = sum(t.install_finished(self._merger if settle else None) for t in traces)
-            # nothing left to install and an idle merger (no merge handed over and unfinished): settled
+            # nothing left to install and an idle merge thread (no merge handed over and unfinished): settled
             if not settle or (not installed and self._merger.wait_idle(0)):
                 return
             self._merger.wait_idle()

@@ -1,4 +1,4 @@
-"""Moving operator state between the workers of the embedded executor in memory, a batch of shards at a time, at a step boundary: what a live rescale does while the pipeline runs.
+"""Moving operator state between the workers of the embedded executor in memory, a wave of shards at a time, at a step boundary: what a live rescale does while the pipeline runs.
 
 Invariants (enforced here):
   1. State whose placement the circuit relies on moves with its shard: the traces and Z-sets of a node whose

@@ -25,11 +25,11 @@ Invariants (enforced here):
   3. Only shards whose owner changes are copied between databases; the report says how many and how many
      bytes, against the bytes of all state (``moved_bytes / total_bytes`` is the fraction that moved).
   4. A live change (``Pipeline.rescale``) first records its target layout in RESCALE (``live`` with no change in
-     progress). The staged executor then makes each batch of moved shards a change of the protocol above (the
-     record keeps the target while a batch is in progress and after it); the embedded executor moves batches in
+     progress). The staged executor then makes each wave (the shards moved together) a change of the protocol above (the
+     record keeps the target while a wave is in progress and after it); the embedded executor moves waves in
      memory and makes only the target durable, by the checkpoint that ends the change, whose state commit is
      followed by LAYOUT before ``driver.db`` and the input log's truncation. So after a crash, recovery ends any
-     batch in progress (invariant 1), reads the target from RESCALE, and finishes the move as a cold change from
+     wave in progress (invariant 1), reads the target from RESCALE, and finishes the move as a cold change from
      the layout in LAYOUT: the directory ends in the target layout, with its output exactly once (the steps since
      the checkpoint replay in the new layout, verified against the output log).
   5. A change moves state only from databases that hold it for the layout it moves from: every database of a
@@ -87,7 +87,7 @@ def end_live(root: str, vfs: str = "posix") -> None:
 
 
 def live_target(root: str, vfs: str = "posix") -> Layout | None:
-    """The target of a live change recorded in RESCALE (with no batch in progress), or None."""
+    """The target of a live change recorded in RESCALE (with no wave in progress), or None."""
     rec = read_rescale(root, vfs)
     if rec is None or rec.get("kind") != "live" or "to" in rec:
         return None
@@ -100,13 +100,13 @@ def cold_rescale(root: str, executor: Executor, old: Layout, new: Layout, versio
     """Change the stored state of ``root`` from layout ``old`` to ``new`` (the protocol above); returns the report
     ``{from_workers, to_workers, from_shards, to_shards, moved_shards, moved_bytes, total_bytes, seconds}``.
 
-    ``target``: ``new`` is one batch of a live change to ``target`` (invariant 4): RESCALE keeps the target after
+    ``target``: ``new`` is one wave of a live change to ``target`` (invariant 4): RESCALE keeps the target after
     the change instead of being removed, unless ``new`` is the target."""
     t0 = time.perf_counter()
     groups = executor.groups(new)
     _check_sources(root, groups, old, version, vfs)  # invariant 5, before anything is written
     if target is not None and target == new:
-        target = None  # the last batch: the protocol's end removes RESCALE
+        target = None  # the last wave: the protocol's end removes RESCALE
     write_rescale(root, _record(old, new, version, step, False, target), vfs)
     crashpoint("rescale-intent")
     totals = {"moved_shards": len(old.moved_shards(new)), "moved_bytes": 0, "total_bytes": 0}
@@ -244,7 +244,7 @@ def resolve(root: str, executor: Executor, crashpoint: Callable[[str], None], vf
             _remove_worker(g.path_of(w), vfs)
     crashpoint("rescale-rollback")
     if target is not None:
-        begin_live(root, old, target, vfs)  # the batch is undone; the live change's target stays
+        begin_live(root, old, target, vfs)  # the wave is undone; the live change's target stays
     else:
         remove_rescale(root, vfs)
     return "back"

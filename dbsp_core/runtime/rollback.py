@@ -1,10 +1,10 @@
-"""Putting operator instances back where they were before a step (or a job) that failed: a capture of their state by reference, not by copy, because traces are spines of immutable batches.
+"""Putting operator instances back where they were before a step (or a job) that failed: a capture of their state by reference, not by copy, because traces are levels of immutable batches.
 
 Invariants (enforced here):
   1. :func:`capture` records every attribute of every instance and, for each Trace attribute, the Trace's own
-     attributes with their lists copied (the spine and the pending batches are lists of immutable
+     attributes with their lists copied (the levels and the pending batches are lists of immutable
      IndexedZSets, so copying the lists is enough); Z-set attributes are values. It costs O(attributes and
-     spine lengths), never O(rows).
+     level lengths), never O(rows).
   2. :func:`restore` puts back exactly what :func:`capture` recorded, keeping the identity of every Trace
      object (snapshots and caches refer to them), so the instances behave as if the steps after the capture
      never ran. Operator state is only ever held in such attributes (dbsp_core.storage.snapshot invariant 2

@@ -285,7 +285,7 @@ class StagedExecutor:
         if got != want or len(acks) != len(want) or bad:
             raise RecoveryError(f"job for steps {first}..{end - 1}: commit acknowledgements {sorted(got)} "
                                 f"(bad: {bad}) do not match the stateful (stage, worker) set {sorted(want)}")
-        for a in acks:  # executor cache effectiveness (stage_task.py invariant 4)
+        for a in acks:  # task-side cache effectiveness (stage_task.py invariant 4)
             key = {"cache": "state_cache_hits", "partial": "state_partial_loads"}.get(a.get("loaded"), "state_loads")
             self.stats[key] = self.stats.get(key, 0) + 1
         nodes = result.column("node")

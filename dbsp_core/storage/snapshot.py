@@ -16,7 +16,7 @@ Invariants (enforced here):
      (a trace batch is sorted by key hash, and the trace's key decides where its rows live: keyed operators
      read their input exchanged by that key). Key ``order.<table>`` of table ``snapshot`` lists the batch
      numbers in trace order, how many batches each number holds and how many of them are settled, so a
-     restored trace has the same spine and pending batches. The values of one number, in shard order,
+     restored trace has the same levels and pending batches. The values of one number, in shard order,
      concatenate to the batch (or to the part of it still in this database after a move); a listed number
      whose values all moved away loads as nothing.
   5. A plain Z-set (table ``z<node>.<attr>``: integrate, delay, differentiate, filter-now state) is split by the
@@ -399,7 +399,7 @@ class WorkerSnapshot:
             else:
                 plan.append(("group", table, run, bounds, shards, keys))
             i = j
-        numbers, counts, in_spine = [], [], 0
+        numbers, counts, in_levels = [], [], 0
         prev, listed = None, set()
         for i, b in enumerate(batches):  # the trace order of the stored values (invariant 4)
             keys = saved[id(b)][1]
@@ -415,8 +415,8 @@ class WorkerSnapshot:
                 counts.append(1)
                 listed.add(number)
             prev = keys
-            in_spine += i < len(settled)
-        plan.append(("order", table, numbers, counts, in_spine))
+            in_levels += i < len(settled)
+        plan.append(("order", table, numbers, counts, in_levels))
 
     @staticmethod
     def apply(h: DatabaseHandle, plan: list[tuple]) -> int:
@@ -568,12 +568,12 @@ class WorkerSnapshot:
             rows += len(b)
         if not settled_done:
             trace.settle()
-        spine = {id(b) for b in sum(trace.parts(), [])}
+        held = {id(b) for b in sum(trace.parts(), [])}
         # values whose batches are not all live as saved (merged while settling, or a group that lost members):
         # their live batches are saved again and their keys deleted by the next save
-        gone = {id(keys): keys for b, keys, _ in restored if id(b) not in spine or id(keys) in partial}
+        gone = {id(keys): keys for b, keys, _ in restored if id(b) not in held or id(keys) in partial}
         self._saved[table] = {id(b): (weakref.ref(b), keys) for b, keys, _ in restored
-                              if id(b) in spine and id(keys) not in gone}
+                              if id(b) in held and id(keys) not in gone}
         if gone:
             self._orphans[table] = list(gone.values())
         return rows
