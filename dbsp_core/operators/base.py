@@ -87,6 +87,18 @@ def check_columns(schema: pa.Schema, columns: Sequence[str], where: str, what: s
             raise SchemaError(f"{where}: unknown {what} {c!r}; input columns are {schema.names}")
 
 
+def check_new_columns(schema: pa.Schema, start: Any, end: Any, where: str, what: str) -> None:
+    """SchemaError naming ``where`` unless ``start`` and ``end``, the two columns an operator adds (``what``:
+    "window", "session"), are different non-empty str names that no column of ``schema`` has."""
+    for name in (start, end):
+        if not isinstance(name, str) or not name:
+            raise SchemaError(f"{where}: {what} column names must be non-empty str, got {name!r}")
+        if name in schema.names:
+            raise SchemaError(f"{where}: output column {name!r} clashes with an input column")
+    if start == end:
+        raise SchemaError(f"{where}: start and end need different names, got {start!r} twice")
+
+
 def empty(schema: pa.Schema) -> "ZSet":
     """The empty Z-set of ``schema``."""
     from dbsp_core.zset import ZSet
