@@ -143,7 +143,7 @@ def loadavg() -> str:
 def spark_session(workers: int, store: str = "rocksdb"):
     from pyspark.sql import SparkSession
 
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # executors' Python workers need our pyarrow
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # Spark executors' Python workers need our pyarrow
     b = SparkSession.builder
     for k, v in STATE_STORES[store][0].items():
         b = b.config(k, v)

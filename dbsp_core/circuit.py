@@ -376,7 +376,7 @@ class Stream:
                  ) -> "Stream":
         """Apply a row-wise function from RecordBatch to RecordBatch; output rows keep their input's weight.
 
-        ``schema`` is the function's output schema (inferred from ``fn`` on an empty batch if omitted).
+        ``schema`` is the function's output schema (inferred from ``fn`` on an empty record batch if omitted).
 
         >>> import pyarrow as pa
         >>> s = Circuit().input("t", pa.schema([("x", pa.int64())]))

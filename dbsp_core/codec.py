@@ -173,7 +173,7 @@ def encode_runs(rb: pa.RecordBatch, counts: list[int], magic: bytes = BATCH_GROU
     [{(1,): 1, (2,): 1}, {}, {(3,): 1}]
     """
     if sum(counts) != rb.num_rows:
-        raise ValueError(f"encode_runs: runs of {sum(counts)} rows for a {rb.num_rows}-row batch")
+        raise ValueError(f"encode_runs: runs of {sum(counts)} rows for a {rb.num_rows}-row record batch")
     head = _COUNT.pack(len(counts)) + struct.pack(f"<{len(counts)}I", *counts)
     body = rb.serialize()
     return b"".join((frame_head(magic, head, body), head, body))
@@ -209,7 +209,7 @@ def _decode_message(body: bytes, schema: pa.Schema, where: str) -> ZSet:
         rb = pa.ipc.read_record_batch(pa.py_buffer(body), full)
         rb.validate(full=True)
     except (pa.ArrowInvalid, OSError) as e:
-        raise CorruptionError(f"{where}: unreadable Arrow IPC batch ({e})") from e
+        raise CorruptionError(f"{where}: unreadable Arrow IPC record batch ({e})") from e
     w = rb.column(rb.num_columns - 1).to_numpy(zero_copy_only=False).astype(np.int64, copy=True)
     data = pa.Table.from_batches([rb.select(list(range(rb.num_columns - 1)))])
     if data.num_rows == 0:

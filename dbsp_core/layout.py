@@ -16,8 +16,8 @@ Invariants (enforced here):
   5. Owner tables compare at the finer of two shard counts: shard ``s`` at ``b`` bits covers the shards
      ``s << d .. (s + 1) << d`` at ``b + d`` bits, so :meth:`Layout.moved_shards` is exact across a split or
      a merge.
-  6. :meth:`Layout.steps_to` cuts a change into layouts that each move at most ``batch`` shards, in shard order
-     (neighbouring shards move together, so each batch is few contiguous key-hash ranges). The layouts in
+  6. :meth:`Layout.steps_to` cuts a change into waves: layouts that each move at most ``batch`` shards, in shard
+     order (neighbouring shards move together, so each wave is few contiguous key-hash ranges). The layouts in
      between keep ``max(W, W')`` workers, some of which may own no shard yet (growing) or any more
      (shrinking); the last one is the target itself. A change of the shard count comes first, as a layout
      of its own that moves nothing (a split) or that first gathers every pair of children with the owner
@@ -51,8 +51,9 @@ def shard_bits_for(workers: int, min_shard_bits: int = DEFAULT_SHARD_BITS) -> in
     return min(MAX_SHARD_BITS, max(min_shard_bits, (need - 1).bit_length()))
 
 
-def _resample(owners: np.ndarray, bits: int, to_bits: int) -> np.ndarray:
-    """The owner table at ``to_bits``: split shards keep their owner, merged ones take their even child's."""
+def resample_owners(owners: np.ndarray, bits: int, to_bits: int) -> np.ndarray:
+    """The owner table ``owners`` (at ``bits`` shard bits) at ``to_bits``: split shards keep their owner, merged
+    ones take their even child's (invariant 4)."""
     if to_bits > bits:
         return np.repeat(owners, 1 << (to_bits - bits))
     if to_bits < bits:
@@ -153,8 +154,8 @@ class ShardMap:
     def moved_shards(self, other: "ShardMap") -> list[int]:
         """Shards (at the finer of the two shard counts) whose owner differs between ``self`` and ``other``."""
         bits = max(self._shard_bits, other.shard_bits)
-        a = _resample(self._part_of_shard, self._shard_bits, bits)
-        b = _resample(other.part_of_shard, other.shard_bits, bits)
+        a = resample_owners(self._part_of_shard, self._shard_bits, bits)
+        b = resample_owners(other.part_of_shard, other.shard_bits, bits)
         return np.flatnonzero(a != b).tolist()
 
     def __reduce__(self) -> tuple:
@@ -170,6 +171,21 @@ class ShardMap:
 
     def __repr__(self) -> str:
         return f"ShardMap(workers={self._workers}, shard_bits={self._shard_bits})"
+
+
+def shard_runs(shards: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal runs ``[a, b)`` of consecutive shard numbers in an ascending array of distinct ones (each run one
+    key-hash range).
+
+    >>> shard_runs(np.array([0, 1, 2, 5, 7, 8]))
+    [(0, 3), (5, 6), (7, 9)]
+    """
+    s = np.asarray(shards, dtype=np.int64)
+    if len(s) == 0:
+        return []
+    cut = np.flatnonzero(np.diff(s) != 1) + 1
+    starts, ends = s[np.r_[0, cut]], s[np.r_[cut - 1, len(s) - 1]] + 1
+    return list(zip(starts.tolist(), ends.tolist()))
 
 
 def _check_bits(bits: Any, where: str) -> None:
@@ -273,7 +289,7 @@ class Layout:
         S = 1 << bits
         if S < workers:
             raise ValueError(f"rebalance: {S} shards cannot be spread over {workers} workers; raise shard_bits")
-        owners = _resample(self.shard_map.part_of_shard, self.shard_bits, bits).astype(np.int64)
+        owners = resample_owners(self.shard_map.part_of_shard, self.shard_bits, bits).astype(np.int64)
         counts = np.bincount(owners, minlength=max(self.workers, workers))
         base, extra = divmod(S, workers)
         quota = np.full(workers, base, dtype=np.int64)
@@ -300,14 +316,15 @@ class Layout:
         return Layout(ShardMap.from_owners(owners, workers), hosts, self.epoch + 1, self.min_shard_bits)
 
     def steps_to(self, target: "Layout", batch: int) -> list["Layout"]:
-        """The layouts a live change to ``target`` passes through, ending with ``target`` (invariant 6)."""
+        """The layouts a live change to ``target`` passes through, one per wave of at most ``batch`` moved shards,
+        ending with ``target`` (invariant 6)."""
         if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
             raise ValueError(f"steps_to: batch must be a positive int, got {batch!r}")
         out: list[Layout] = []
         cur, epoch = self, self.epoch
         W = max(self.workers, target.workers)
         if target.shard_bits != self.shard_bits:
-            owners = _resample(cur.shard_map.part_of_shard, cur.shard_bits, target.shard_bits)
+            owners = resample_owners(cur.shard_map.part_of_shard, cur.shard_bits, target.shard_bits)
             epoch += 1
             cur = Layout(ShardMap.from_owners(owners, cur.workers, True), cur.hosts, epoch, self.min_shard_bits)
             out.append(cur)

@@ -228,7 +228,8 @@ def _families(m: dict) -> list:
     for bound, c in zip(list(lat["buckets"]) + [math.inf], lat["counts"]):
         acc += c
         cum.append(("+Inf" if bound == math.inf else repr(float(bound)), acc))
-    hist = HistogramMetricFamily("dbsp_step_seconds", "Seconds per step (a batch of queued steps shares its time)")
+    hist = HistogramMetricFamily("dbsp_step_seconds",
+                                 "Seconds per step (the steps of a step run, divided together, share its time)")
     hist.add_metric([], cum, lat["sum"])
     fams = [counter("steps", "Steps run since the pipeline was opened (recovery's replayed steps included)",
                     m["steps"]),

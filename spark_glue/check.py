@@ -15,7 +15,7 @@ from dbsp_core.errors import DbspError
 
 __all__ = ["check_executors", "ExecutorSetupError"]
 
-_CHECKED: set[str] = set()  # applicationIds whose executors passed
+_CHECKED: set[str] = set()  # applicationIds whose Spark executors passed
 
 _PROBE = '''
 def probe(batches):
@@ -47,7 +47,7 @@ def _probe_fn() -> Any:
 def _advice() -> str:
     return (f"Set PYSPARK_PYTHON to a Python that has dbsp-core {dbsp_core.__version__} installed before the "
             f"SparkSession starts (this driver runs {sys.executable}: export PYSPARK_PYTHON={sys.executable}), "
-            f"or install the same dbsp-core wheel on every executor, or point spark.executorEnv.PYTHONPATH at "
+            f"or install the same dbsp-core wheel on every Spark executor, or point spark.executorEnv.PYTHONPATH at "
             f"this checkout")
 
 

@@ -1,9 +1,9 @@
-"""SparkPipeline: a durable pipeline whose steps run as Spark jobs, one task per (stage, worker), with Spark's shuffle as the exchange, executors as the workers and the driver as the coordinator.
+"""SparkPipeline: a durable pipeline whose steps run as Spark jobs, one task per (stage, worker), with Spark's shuffle as the exchange, Spark tasks as the workers and the driver as the coordinator.
 
 The engine-side logic is dbsp_core's: the driver (``dbsp_core.runtime.driver``: step division, input and output
 logs, checkpoints; ``recovery`` and ``rescale`` beside it) over the staged executor (``dbsp_core.runtime.staged``, with
 ``stage_plan`` and ``stage_task``: stages, stage tasks, per-(stage, worker) state, retries). This module only
-supplies the job runner, which moves blobs: one Spark job runs a batch of queued steps as::
+supplies the job runner, which moves blobs: one Spark job runs a step run (queued steps divided together) as::
 
     spark.range(W) in W partitions
       -> mapInArrow(stage 0 over the worker's job input file) -> [shuffle to partition = part]
@@ -26,7 +26,7 @@ Design notes (each is a requirement this module keeps):
      is, and a push is acknowledged only once logged. Outputs are small changes collected to the driver;
      ``output_df`` / ``view_df`` build DataFrames from logged data, never from the job's lineage, so Spark can
      never re-run a stage task of a finished job by re-evaluating a DataFrame.
-  4. The storage directory must be visible at the same path to the driver and every executor (a local path
+  4. The storage directory must be visible at the same path to the driver and every Spark executor (a local path
      in local mode, a shared mount on a cluster); stage state is under ``<storage>/state``.
   5. Input and output rows cross the JVM only in the shuffle: the driver writes each worker's stage-0 blobs
      to a job input file under the storage directory (dbsp_core.runtime.job_files: checksummed, named by the
@@ -201,7 +201,7 @@ class SparkJobRunner:
         t0 = tasks[0]
         plan, storage, last = t0.plan, t0.storage, len(tasks) - 1
         if storage is None:
-            raise DbspError("SparkJobRunner: stage tasks need a storage directory every executor can see")
+            raise DbspError("SparkJobRunner: stage tasks need a storage directory every Spark executor can see")
         by_file = self.outputs_by_file and plan.stateful[last]
         W = job.workers
         key = (id(plan), storage, W, by_file)
@@ -240,19 +240,19 @@ def _control(workers: int, step: int, desc: dict) -> pa.Table:
 
 
 class SparkPipeline(Pipeline):
-    """The :class:`dbsp_core.Pipeline` driver over the staged executor with a Spark job runner: each batch of steps
+    """The :class:`dbsp_core.Pipeline` driver over the staged executor with a Spark job runner: each step run
     is one Spark job. It adds Spark DataFrames as input and output; everything else is the Pipeline's.
 
     Parameters
     ----------
     spark : pyspark.sql.SparkSession
-        The session whose executors run the stage tasks.
+        The session whose Spark executors run the stage tasks.
     circuit : dbsp_core.Circuit
         The circuit.
     workers : int
         W: Spark partitions per stage (one per worker). Results do not depend on it.
     storage : str or os.PathLike or None
-        Directory for the input log, output log and stage state; every executor must see it at the same path
+        Directory for the input log, output log and stage state; every Spark executor must see it at the same path
         (None: a new temporary directory, for local mode).
     shard_bits, max_steps_per_job, checkpoint_interval, replay_check, output_retention, output_sync
         As for ``dbsp_core.Pipeline`` and ``dbsp_core.runtime.StagedExecutor``.

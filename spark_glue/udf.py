@@ -3,7 +3,7 @@
 Use (the README has a complete example)::
 
     routed = udf.shard_partition(df, ["auction"], workers=4)     # partition w = the rows of worker w's shards
-    def fn(batches):                                            # runs on the executors
+    def fn(batches):                                            # runs on the Spark executors
         with udf.partition_pipeline(circuit, "/shared/state") as p:   # this partition's state, recovered
             out = udf.apply_once(p, {"bids": udf.as_table(batches, schema)}, producer="bids", seq=run)
             yield from out["totals"].to_arrow().to_batches()
@@ -72,7 +72,7 @@ def _code_fn(key: list[str], workers: int, shard_bits: int, codes: list[int]) ->
 
 def shard_partition(df: Any, key: list[str], workers: int, shard_bits: int = DEFAULT_SHARD_BITS) -> Any:
     """``df`` in ``workers`` partitions, partition ``w`` holding exactly the rows whose ``key`` the layout
-    ``ShardMap(workers, shard_bits)`` gives worker ``w`` (design note 1). Checks the executors first."""
+    ``ShardMap(workers, shard_bits)`` gives worker ``w`` (design note 1). Checks the Spark executors first."""
     from pyspark.sql.types import IntegerType, StructField, StructType
 
     spark = df.sparkSession

@@ -44,7 +44,7 @@ import pyarrow.types as pat
 
 from dbsp_core.aggregates import Aggregate as AggSpec
 from dbsp_core.errors import DbspError, SchemaError, WeightOverflowError
-from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, make
+from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, keyed_change, make
 from dbsp_core import _zset
 from dbsp_core.time.cleanup import prune
 from dbsp_core.time.lineage import input_times
@@ -225,7 +225,23 @@ def reduce_groups(ix: "IndexedZSet", kernel: list[tuple[str, str | None]]) -> pa
     return ix.reduce(kern)
 
 
-class _RecomputeState:
+class _GroupedState:
+    """What the recompute and extremes states share: a step (``_step``) whose weight overflow is reported as the
+    aggregate's (:meth:`Aggregate.raise_overflow`)."""
+
+    op: Aggregate
+
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
+        try:
+            return self._step(inputs, ctx)
+        except WeightOverflowError as e:
+            self.op.raise_overflow(e)
+
+    def _step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":  # pragma: no cover - a subclass bug
+        raise NotImplementedError(f"{type(self).__name__} must define _step()")
+
+
+class _RecomputeState(_GroupedState):
     """Invariant 3, recompute strategy: re-reduce the affected groups from the integrated input."""
 
     def __init__(self, op: Aggregate) -> None:
@@ -242,20 +258,10 @@ class _RecomputeState:
         ix = z.index_by(list(self.op.keys))
         return self.op.nonempty(reduce_groups(ix, self.op.kernel)) if len(ix) else None
 
-    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
-        try:
-            return self._step(inputs, ctx)
-        except WeightOverflowError as e:
-            self.op.raise_overflow(e)
-
     def _step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
-        prune(self, input_times(op), ctx)  # groups no later change can reach (dbsp_core.time.cleanup)
-        z = inputs[0]
-        if z.num_rows == 0:
-            return empty(op.schema)
-        dix = conform(z, op.in_schema).index_by(list(op.keys))
-        if len(dix) == 0:
+        dix = keyed_change(self, inputs, ctx, op.in_schema, op.keys)
+        if dix is None:
             return empty(op.schema)
         old = concat([b.zset for b in self.trace.lookup(unique_sorted(dix.key_hash))], op.in_schema)
         new = concat([old, dix.zset], op.in_schema)
@@ -399,7 +405,7 @@ class _LinearState:
         return sum_adjacent(make(op.finalize(partials), w, op.schema), kh)
 
 
-class _ExtremesState:
+class _ExtremesState(_GroupedState):
     """Invariant 3, extremes strategy: current totals per group plus, per min/max column, the group's values.
 
     One grouping pass over a combined table folds the change into the old totals. Its rows are the groups'
@@ -536,26 +542,17 @@ class _ExtremesState:
         z = make(table, np.concatenate(weights), self.cschema)
         return z.index_by(self.keys).reduce(list(self.aggs)).rename_columns(list(self.names))
 
-    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
-        try:
-            return self._step(inputs, ctx)
-        except WeightOverflowError as e:
-            self.op.raise_overflow(e)
+    def _with_limbs(self, z: "ZSet") -> "ZSet":
+        """``z`` with the limb columns the one-pass kernel sums (invariant 5)."""
+        data = z.data
+        for kind, col in self.limbs:
+            data = data.append_column(f"__{kind}_{col}", limb(kind, data.column(col)))
+        return make(data, z.weights, data.schema)
 
     def _step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
-        prune(self, input_times(op), ctx)  # groups no later change can reach (dbsp_core.time.cleanup)
-        z = inputs[0]
-        if z.num_rows == 0:
-            return empty(op.schema)
-        z = conform(z, op.in_schema)
-        if self.limbs:  # the limb columns the one-pass kernel sums (invariant 5)
-            data = z.data
-            for kind, col in self.limbs:
-                data = data.append_column(f"__{kind}_{col}", limb(kind, data.column(col)))
-            z = make(data, z.weights, data.schema)
-        dix = z.index_by(self.keys)
-        if len(dix) == 0:
+        dix = keyed_change(self, inputs, ctx, op.in_schema, self.keys, self._with_limbs if self.limbs else None)
+        if dix is None:
             return empty(op.schema)
         change = dix.zset
         for col, attr in self.val_cols:  # the value multisets first: a recompute must see this step's values

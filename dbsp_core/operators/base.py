@@ -18,17 +18,19 @@ Invariants (every operator subclass keeps them):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from dbsp_core.errors import SchemaError, WeightOverflowError
+from dbsp_core.time.cleanup import prune
+from dbsp_core.time.lineage import input_times
 
 if TYPE_CHECKING:
     from dbsp_core.operators.context import StepContext
-    from dbsp_core.zset import ZSet
+    from dbsp_core.zset import IndexedZSet, ZSet
 
 INT64_MIN = np.iinfo(np.int64).min
 
@@ -85,6 +87,18 @@ def check_columns(schema: pa.Schema, columns: Sequence[str], where: str, what: s
             raise SchemaError(f"{where}: unknown {what} {c!r}; input columns are {schema.names}")
 
 
+def check_new_columns(schema: pa.Schema, start: Any, end: Any, where: str, what: str) -> None:
+    """SchemaError naming ``where`` unless ``start`` and ``end``, the two columns an operator adds (``what``:
+    "window", "session"), are different non-empty str names that no column of ``schema`` has."""
+    for name in (start, end):
+        if not isinstance(name, str) or not name:
+            raise SchemaError(f"{where}: {what} column names must be non-empty str, got {name!r}")
+        if name in schema.names:
+            raise SchemaError(f"{where}: output column {name!r} clashes with an input column")
+    if start == end:
+        raise SchemaError(f"{where}: start and end need different names, got {start!r} twice")
+
+
 def empty(schema: pa.Schema) -> "ZSet":
     """The empty Z-set of ``schema``."""
     from dbsp_core.zset import ZSet
@@ -99,6 +113,25 @@ def conform(z: "ZSet", schema: pa.Schema) -> "ZSet":
     from dbsp_core.zset import ZSet
 
     return ZSet._make(z.data.cast(schema), z.weights)
+
+
+def keyed_change(state: Any, inputs: list["ZSet"], ctx: "StepContext", schema: pa.Schema, keys: Sequence[str],
+                 prepare: Callable[["ZSet"], "ZSet"] | None = None, cleanup: bool = True) -> "IndexedZSet | None":
+    """How a keyed operator's step opens: first its state that no later change can reach is dropped (every trace
+    of ``state.traces()`` pruned by the lineage of ``state.op``'s input, dbsp_core.time.cleanup; skipped when not
+    ``cleanup``, for an operator that drops by other columns), then the step's input change is conformed to
+    ``schema``, passed through ``prepare`` (extra columns) and indexed by ``keys``. None when the change has no
+    rows, before or after indexing (the step then outputs nothing)."""
+    if cleanup:
+        prune(state, input_times(state.op), ctx)
+    z = inputs[0]
+    if z.num_rows == 0:
+        return None
+    z = conform(z, schema)
+    if prepare is not None:
+        z = prepare(z)
+    dix = z.index_by(list(keys))
+    return dix if len(dix) else None
 
 
 def make(table: pa.Table, weights: np.ndarray, schema: pa.Schema) -> "ZSet":

@@ -21,9 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from dbsp_core.errors import WeightOverflowError
-from dbsp_core.operators.base import Operator, conform, empty
-from dbsp_core.time.cleanup import prune
-from dbsp_core.time.lineage import input_times
+from dbsp_core.operators.base import Operator, empty, keyed_change
 from dbsp_core.trace import Trace
 from dbsp_core.zset import ZSet
 
@@ -57,12 +55,8 @@ class _DistinctState:
         return {"input": self.trace}
 
     def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
-        prune(self, input_times(self.op), ctx)  # invariant 4
-        z = inputs[0]
-        if z.num_rows == 0:
-            return empty(self.schema)
-        dix = conform(z, self.schema).index_by(self.cols)
-        if len(dix) == 0:
+        dix = keyed_change(self, inputs, ctx, self.schema, self.cols)  # pruned first: invariant 4
+        if dix is None:
             return empty(self.schema)
         try:  # each changed row's accumulated weight before this step, and the change into the trace
             old = self.trace.match_and_insert(dix)

@@ -3,8 +3,8 @@
 Invariants:
   1. Every output row produced from input rows of weight w has weight w: the function is called once
      per distinct weight in the step's change (typically +1 and -1), never once per row.
-  2. The function must be row-wise (the output for a batch is the concatenation of the outputs for its
-     rows); otherwise results would depend on how input is split into steps and workers.
+  2. The function must be row-wise (the output for a record batch is the concatenation of the outputs for
+     its rows); otherwise results would depend on how input is split into steps and workers.
   3. Its output must have the declared schema (names and types), else SchemaError naming the operator.
 """
 
@@ -32,7 +32,7 @@ def _as_batch(table: pa.Table) -> pa.RecordBatch:
 
 
 class FlatMap(Operator):
-    """``flat_map(fn, schema=...)``: output rows are ``fn(batch)`` for the batch of rows of each weight."""
+    """``flat_map(fn, schema=...)``: output rows are ``fn(batch)`` for the record batch of the rows of each weight."""
 
     kind = "flat_map"
 
@@ -42,7 +42,7 @@ class FlatMap(Operator):
             raise TypeError(f"{where}: fn must be callable, got {fn!r}")
         self.fn = fn
         self.where = where
-        if schema is None:  # infer from the function applied to an empty batch
+        if schema is None:  # infer from the function applied to an empty record batch
             out = fn(pa.RecordBatch.from_pylist([], schema=in_schema))
             if not isinstance(out, (pa.RecordBatch, pa.Table)):
                 raise TypeError(f"{where}: fn must return a pyarrow RecordBatch, got {type(out).__name__}")

@@ -18,13 +18,11 @@ from typing import TYPE_CHECKING, Sequence
 
 import pyarrow as pa
 
-from dbsp_core.operators.base import concat, empty
 from dbsp_core.operators.join import Join, inner_change
 from dbsp_core.operators.presence import PresenceState
 
 if TYPE_CHECKING:
-    from dbsp_core.operators.context import StepContext
-    from dbsp_core.zset import ZSet
+    from dbsp_core.zset import IndexedZSet, ZSet
 
 class LeftJoin(Join):
     """``left.left_join(right, ...)``: the inner join plus unmatched left rows padded with nulls."""
@@ -44,15 +42,10 @@ class LeftJoin(Join):
 
 
 class _LeftJoinState(PresenceState):
-    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
+    def parts(self, da: "IndexedZSet | None", db: "IndexedZSet | None") -> list["ZSet"]:
         op = self.op
-        da, db = self.changes(inputs)
-        if da is None and db is None:
-            return empty(op.schema)
         unmatched = self.unmatched_left(da, db)  # before the inserts
         parts = inner_change(op, self.left, self.right, da, db)  # invariant 2, first part
         # the padded part's change (invariant 2, second part): operators/presence.py
         parts.extend(op.padded_left(batch, li, w) for batch, li, w in unmatched)
-        if da is not None:
-            self.left.insert(da)
-        return concat(parts, op.schema)
+        return parts

@@ -20,12 +20,11 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import pyarrow as pa
 
-from dbsp_core.operators.base import concat, empty, make
+from dbsp_core.operators.base import empty, make
 from dbsp_core.operators.join import Join, inner_change
 from dbsp_core.operators.presence import Presence, PresenceState, unmatched_change
 
 if TYPE_CHECKING:
-    from dbsp_core.operators.context import StepContext
     from dbsp_core.zset import IndexedZSet, ZSet
 
 HOW = ("right", "full")
@@ -71,17 +70,12 @@ class _OuterJoinState(PresenceState):
         self.right_presence = Presence(op.lschema, op.left_on)  # right rows against the left side
         self.left.keep_index((None,))  # each touched key's left row count in one probe (trace invariant 11)
 
-    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
+    def parts(self, da: "IndexedZSet | None", db: "IndexedZSet | None") -> list["ZSet"]:
         op = self.op
-        da, db = self.changes(inputs)
-        if da is None and db is None:
-            return empty(op.schema)
         # both padded parts are computed before either trace takes the change (presence.py invariant 1)
         right_only = unmatched_change(self.right_presence, self.right, self.left, db, da)
         left_only = self.unmatched_left(da, db) if op.how == "full" else []
         parts = inner_change(op, self.left, self.right, da, db)
         parts.extend(op.padded_right(batch, ri, w) for batch, ri, w in right_only)
         parts.extend(op.padded_left(batch, li, w) for batch, li, w in left_only)
-        if da is not None:
-            self.left.insert(da)
-        return concat(parts, op.schema)
+        return parts

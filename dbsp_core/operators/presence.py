@@ -15,7 +15,9 @@ Invariants (enforced here; every caller keeps the order of calls):
   3. The parts are returned as ``(batch, rows, weights)``: indices into an indexed left batch and the weights
      of the chosen rows, so a caller builds what it outputs (padded rows, plain rows) with one take.
   4. ``PresenceState`` is what the states of those joins share: the two traces, each step's changes indexed by
-     the join keys (None for a side without rows), and the unmatched left rows' change (invariant 1).
+     the join keys (None for a side without rows), the unmatched left rows' change (invariant 1), and the step
+     itself: a join's :meth:`PresenceState.parts` computes its change while the left trace does not hold ``da``
+     yet, and inserts ``db`` into the right trace (``inner_change`` does); the step then inserts ``da``.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import pyarrow as pa
 
-from dbsp_core.operators.base import Operator, concat, conform, make
+from dbsp_core.operators.base import Operator, concat, conform, empty, make
 from dbsp_core.trace import Trace, unique_sorted
 
 if TYPE_CHECKING:
+    from dbsp_core.operators.context import StepContext
     from dbsp_core.zset import IndexedZSet, ZSet
 
 OLD = "__dbsp_old__"
@@ -179,6 +182,20 @@ class PresenceState:
     def unmatched_left(self, da: "IndexedZSet | None", db: "IndexedZSet | None") -> list[Part]:
         """The change of the left rows without a right match (invariant 1: before ``da``, ``db`` are inserted)."""
         return unmatched_change(self.presence, self.left, self.right, da, db)
+
+    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
+        """One step of the join (invariant 4): its change, unconsolidated."""
+        da, db = self.changes(inputs)
+        if da is None and db is None:
+            return empty(self.op.schema)
+        parts = self.parts(da, db)
+        if da is not None:
+            self.left.insert(da)
+        return concat(parts, self.op.schema)
+
+    def parts(self, da: "IndexedZSet | None", db: "IndexedZSet | None") -> list["ZSet"]:  # pragma: no cover
+        """The join's change from the step's changes; inserts ``db`` into the right trace, not ``da`` (invariant 4)."""
+        raise NotImplementedError(f"{type(self).__name__} must define parts()")
 
 
 def take_parts(parts: list[Part], schema: pa.Schema) -> "ZSet":

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
-from dbsp_core.errors import SchemaError
 from dbsp_core.operators.aggregate import lookup_exact
-from dbsp_core.operators.base import Operator, concat, conform, empty, make, run_starts, sort_order
+from dbsp_core.operators.base import (Operator, check_new_columns, concat, conform, empty, make, run_starts,
+                                      sort_order)
 from dbsp_core.time.cleanup import prune
 from dbsp_core.time.lineage import input_times
 from dbsp_core.trace import Trace, unique_sorted
@@ -59,13 +59,7 @@ class ProcTumble(Operator):
             raise ValueError(f"{where}: unit must be one of {sorted(UNIT_NS)}, got {unit!r}")
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size <= 0:
             raise ValueError(f"{where}: size must be a positive int (units of {unit!r}), got {size!r}")
-        for name in (start, end):
-            if not isinstance(name, str) or not name:
-                raise SchemaError(f"{where}: window column names must be non-empty str, got {name!r}")
-            if name in in_schema.names:
-                raise SchemaError(f"{where}: output column {name!r} clashes with an input column")
-        if start == end:
-            raise SchemaError(f"{where}: start and end need different names, got {start!r} twice")
+        check_new_columns(in_schema, start, end, where, "window")
         typ = pa.timestamp(unit)
         key = tuple(in_schema.names)
         super().__init__((node,), pa.schema(list(in_schema) + [pa.field(start, typ), pa.field(end, typ)]), key)

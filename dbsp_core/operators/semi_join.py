@@ -17,13 +17,12 @@ from typing import TYPE_CHECKING, Sequence
 
 import pyarrow as pa
 
-from dbsp_core.operators.base import Operator, concat, empty, negate
+from dbsp_core.operators.base import Operator, empty, negate
 from dbsp_core.operators.join import join_schema
 from dbsp_core.operators.presence import PresenceState, take_parts
 
 if TYPE_CHECKING:
-    from dbsp_core.operators.context import StepContext
-    from dbsp_core.zset import ZSet
+    from dbsp_core.zset import IndexedZSet, ZSet
 
 
 class SemiJoin(Operator):
@@ -43,16 +42,11 @@ class SemiJoin(Operator):
 
 
 class _SemiJoinState(PresenceState):
-    def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
+    def parts(self, da: "IndexedZSet | None", db: "IndexedZSet | None") -> list["ZSet"]:
         op = self.op
-        da, db = self.changes(inputs)
-        if da is None and db is None:
-            return empty(op.schema)
         anti = take_parts(self.unmatched_left(da, db), op.schema)
-        if da is not None:
-            self.left.insert(da)
         if db is not None:
             self.right.insert(db)
         if op.anti:
-            return anti
-        return concat([da.zset if da is not None else empty(op.schema), negate(anti)], op.schema)
+            return [anti]
+        return [da.zset if da is not None else empty(op.schema), negate(anti)]

@@ -36,7 +36,8 @@ import pyarrow.types as pat
 
 from dbsp_core.errors import SchemaError
 from dbsp_core.operators.aggregate import lookup_exact
-from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, make, run_starts, sort_order
+from dbsp_core.operators.base import (Operator, check_columns, check_new_columns, concat, empty, keyed_change, make,
+                                      run_starts, sort_order)
 from dbsp_core.time.lineage import bounds, input_times
 from dbsp_core.time.watermark import event_times
 from dbsp_core.trace import Trace, unique_sorted
@@ -64,13 +65,7 @@ class Session(Operator):
             raise SchemaError(f"{where}: time column {column!r} must be an integer or a timestamp, got {typ}")
         if isinstance(gap, bool) or not isinstance(gap, (int, np.integer)) or gap <= 0:
             raise ValueError(f"{where}: gap must be a positive int (time-column units), got {gap!r}")
-        for name in (start, end):
-            if not isinstance(name, str) or not name:
-                raise SchemaError(f"{where}: session column names must be non-empty str, got {name!r}")
-            if name in in_schema.names:
-                raise SchemaError(f"{where}: output column {name!r} clashes with an input column")
-        if start == end:
-            raise SchemaError(f"{where}: start and end need different names, got {start!r} twice")
+        check_new_columns(in_schema, start, end, where, "session")
         out_type = typ if pat.is_timestamp(typ) else pa.int64()
         self.state_schema = pa.schema(list(in_schema) + [pa.field(start, out_type), pa.field(end, out_type)])
         schema = pa.schema([f for f in self.state_schema if f.name != hidden_key])
@@ -130,11 +125,8 @@ class _SessionState:
         bound = bounds(input_times(op), ctx).get(op.column)
         if bound is not None:  # invariant 4: the rows of closed sessions
             self.rows.drop_below({op.end: bound})
-        z = inputs[0]
-        if z.num_rows == 0:
-            return empty(op.schema)
-        dix = conform(z, op.in_schema).index_by(self.keys)
-        if len(dix) == 0:
+        dix = keyed_change(self, inputs, ctx, op.in_schema, self.keys, cleanup=False)  # dropped by end just above
+        if dix is None:
             return empty(op.schema)
         old = lookup_exact(self.rows, unique_sorted(dix.key_hash), op.state_schema).consolidate()
         bare = ZSet._make(old.data.select(op.in_schema.names), old.weights)

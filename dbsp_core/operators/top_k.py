@@ -26,9 +26,8 @@ import pyarrow as pa
 
 from dbsp_core.errors import SchemaError
 from dbsp_core.operators.aggregate import lookup_exact
-from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, make, run_starts, sort_order
-from dbsp_core.time.cleanup import prune
-from dbsp_core.time.lineage import input_times
+from dbsp_core.operators.base import (Operator, check_columns, concat, empty, keyed_change, make, run_starts,
+                                      sort_order)
 from dbsp_core.trace import Trace, unique_sorted
 from dbsp_core.zset import ZSet
 
@@ -152,12 +151,8 @@ class _TopKState:
 
     def step(self, inputs: list[ZSet], ctx: "StepContext") -> ZSet:
         op = self.op
-        prune(self, input_times(op), ctx)  # state no later change can reach (dbsp_core.time.cleanup)
-        z = inputs[0]
-        if z.num_rows == 0:
-            return empty(op.schema)
-        dix = conform(z, op.in_schema).index_by(self.keys)
-        if len(dix) == 0:
+        dix = keyed_change(self, inputs, ctx, op.in_schema, self.keys)
+        if dix is None:
             return empty(op.schema)
         change = dix.zset
         old = lookup_exact(self.shown, unique_sorted(dix.key_hash), op.in_schema).consolidate()

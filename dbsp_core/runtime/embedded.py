@@ -34,7 +34,8 @@ from dbsp_core.operators.base import concat
 from dbsp_core.operators.context import StepContext
 from dbsp_core.runtime.coordinator import Coordinator, WorkerStore, choose_version
 from dbsp_core.runtime.crashpoints import crashpoint
-from dbsp_core.runtime.executor import StateGroup, StepInput, as_step_error, groupings, live_nodes, spread
+from dbsp_core.runtime.executor import (StateGroup, StepInput, as_step_error, groupings, live_nodes, spread,
+                                       traces_by_label)
 from dbsp_core.runtime.migrate import hand_over, move_shards
 from dbsp_core.runtime.rollback import capture, restore
 from dbsp_core.storage.database import Database
@@ -383,7 +384,7 @@ class EmbeddedExecutor:
         dst_owner = np.repeat(layout.shard_map.part_of_shard, 1 << (fine - bits))
         moved = 0
         stores = {st.index: st for st in self._coord.stores} if self._coord is not None else {}
-        # only the (source, target) pairs some shard moves between: a batch costs its shards, not W^2 masks
+        # only the (source, target) pairs some shard moves between: a wave costs its shards, not W^2 masks
         changing = np.flatnonzero(src_owner != dst_owner)
         for a, b in sorted({(int(src_owner[s]), int(dst_owner[s])) for s in changing.tolist()}):
             mask = (src_owner == a) & (dst_owner == b)
@@ -475,13 +476,7 @@ class EmbeddedExecutor:
         assert self.circuit is not None
         if not 0 <= worker < len(self._workers):
             raise ValueError(f"traces: worker {worker} is outside 0..{len(self._workers) - 1}")
-        out: dict[str, Trace] = {}
-        for i, inst in self._workers[worker].instances.items():
-            get = getattr(inst, "traces", None)
-            if get is not None:
-                for name, trace in get().items():
-                    out[f"{self.circuit.nodes[i].label}.{name}"] = trace
-        return out
+        return traces_by_label(self.circuit, self._workers[worker].instances)
 
     def disk_bytes(self) -> int:
         if self.storage is None or self.layout is None:

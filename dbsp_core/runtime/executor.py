@@ -175,6 +175,18 @@ def groupings(circuit: Circuit) -> dict[int, tuple[str, ...] | None]:
     return {i: op.partitioning for i, op in enumerate(circuit.nodes)}
 
 
+def traces_by_label(circuit: Circuit, instances: dict[int, Any]) -> dict[str, Trace]:
+    """The traces of operator instances (``{node: instance}``, of one worker) as ``Executor.traces`` returns
+    them: by ``"<node label>.<trace name>"``; an instance without ``traces()`` holds none."""
+    out: dict[str, Trace] = {}
+    for i, inst in instances.items():
+        get = getattr(inst, "traces", None)
+        if get is not None:
+            for name, trace in get().items():
+                out[f"{circuit.nodes[i].label}.{name}"] = trace
+    return out
+
+
 _NOT_DATA = (OSError, MemoryError, threading.BrokenBarrierError, RecoveryError)
 
 

@@ -23,6 +23,7 @@ import pyarrow as pa
 
 from dbsp_core.codec import frame_head, unframe_view
 from dbsp_core.errors import CorruptionError
+from dbsp_core.storage.directory import fsync_dir
 from dbsp_core.storage.formats import JOB_INPUT_MAGIC, TMP_SUFFIX, job_input_dir, job_input_path
 
 __all__ = ["write_table_file", "read_table_file", "input_dir", "input_path", "write_job_inputs",
@@ -50,11 +51,7 @@ def write_table_file(path: str, magic: bytes, tag: dict, table: pa.Table, sync: 
             os.fsync(f.fileno())
     os.replace(tmp, path)
     if sync:
-        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(os.path.dirname(path) or ".")
 
 
 def read_table_file(path: str, magic: bytes, where: str) -> tuple[dict, pa.Table]:

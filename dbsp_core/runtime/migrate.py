@@ -1,4 +1,4 @@
-"""Moving operator state between the workers of the embedded executor in memory, a batch of shards at a time, at a step boundary: what a live rescale does while the pipeline runs.
+"""Moving operator state between the workers of the embedded executor in memory, a wave of shards at a time, at a step boundary: what a live rescale does while the pipeline runs.
 
 Invariants (enforced here):
   1. State whose placement the circuit relies on moves with its shard: the traces and Z-sets of a node whose
@@ -27,23 +27,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from dbsp_core.layout import shard_runs
 from dbsp_core.storage.snapshot import WorkerSnapshot, state_attrs, zset_grouping, zset_shards
 from dbsp_core.trace import Trace
 from dbsp_core.zset import IndexedZSet, ZSet
 
 __all__ = ["cut_trace", "move_shards", "hand_over"]
-
-
-def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
-    """Maximal runs ``[a, b)`` of True in a boolean array."""
-    idx = np.flatnonzero(mask)
-    out: list[tuple[int, int]] = []
-    for s in idx.tolist():
-        if out and out[-1][1] == s:
-            out[-1] = (out[-1][0], s + 1)
-        else:
-            out.append((s, s + 1))
-    return out
 
 
 def _split(b: IndexedZSet, bits: int, runs: list[tuple[int, int]]
@@ -76,7 +65,7 @@ def cut_trace(trace: Trace, mask: np.ndarray, bits: int) -> tuple[list[IndexedZS
     pending batches pending), so a cut merges nothing and hashes nothing (invariant 3): the slices keep their
     batch's row hashes.
     """
-    runs = _runs(mask)
+    runs = shard_runs(np.flatnonzero(mask))
     if not runs:
         return [], {}
     placed, pending = trace.parts()

@@ -95,7 +95,7 @@ def end_live(root: str, vfs: str = "posix") -> None:
 
 
 def live_target(root: str, vfs: str = "posix") -> Layout | None:
-    """The target of a live change recorded in RESCALE (with no batch in progress), or None."""
+    """The target of a live change recorded in RESCALE (with no wave in progress), or None."""
     rec = read_rescale(root, vfs)
     if rec is None or rec.get("kind") != "live" or "to" in rec:
         return None
@@ -108,13 +108,13 @@ def cold_rescale(root: str, executor: Executor, old: Layout, new: Layout, versio
     """Change the stored state of ``root`` from layout ``old`` to ``new`` (the protocol above); returns the report
     ``{from_workers, to_workers, from_shards, to_shards, moved_shards, moved_bytes, total_bytes, seconds}``.
 
-    ``target``: ``new`` is one batch of a live change to ``target`` (invariant 4): RESCALE keeps the target after
+    ``target``: ``new`` is one wave of a live change to ``target`` (invariant 4): RESCALE keeps the target after
     the change instead of being removed, unless ``new`` is the target."""
     t0 = time.perf_counter()
     groups = executor.groups(new)
     _check_sources(root, groups, old, version, vfs)  # invariant 5, before anything is written
     if target is not None and target == new:
-        target = None  # the last batch: the protocol's end removes RESCALE
+        target = None  # the last wave: the protocol's end removes RESCALE
     write_rescale(root, _record(old, new, version, step, False, target), vfs)
     crashpoint("rescale-intent")
     totals = {"moved_shards": len(old.moved_shards(new)), "moved_bytes": 0, "total_bytes": 0}
@@ -252,7 +252,7 @@ def resolve(root: str, executor: Executor, crashpoint: Callable[[str], None], vf
             _remove_worker(g.path_of(w), vfs)
     crashpoint("rescale-rollback")
     if target is not None:
-        begin_live(root, old, target, vfs)  # the batch is undone; the live change's target stays
+        begin_live(root, old, target, vfs)  # the wave is undone; the live change's target stays
     else:
         remove_rescale(root, vfs)
     return "back"

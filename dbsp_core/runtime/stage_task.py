@@ -1,4 +1,4 @@
-"""Stage tasks (the code that runs inside a task, on an executor): one stage of one job for one worker, run against that (stage, worker)'s state in its Database, safe under task retries, speculative duplicates and zombie attempts, with an executor-side cache of live operator instances; and recovery's choice of a common version (see stage_plan.py for stages and blobs).
+"""Stage tasks (the code that runs inside a task, on a Spark executor or another job runner's process): one stage of one job for one worker, run against that (stage, worker)'s state in its Database, safe under task retries, speculative duplicates and zombie attempts, with a task-side cache of live operator instances; and recovery's choice of a common version (see stage_plan.py for stages and blobs).
 
 Invariants (enforced here):
   1. A stage task for worker ``w`` accepts only blobs addressed to ``w`` and raises otherwise, so a
@@ -18,14 +18,14 @@ Invariants (enforced here):
      others share); an attempt that finds neither ``v`` as the newest version nor ``v+1`` is stale (a zombie
      of an earlier job) and raises without touching anything. Attempts of one (stage, worker) are serialized
      by a lock file (``flock``; on a shared mount it needs working POSIX locks, e.g. NFSv4).
-  4. Executors cache live operator instances per (storage, stage, worker) with the run, version and step they
-     are at; a cache entry is used only when all three match the job, else state is loaded from the
-     Database, reusing the batches a stale entry of the same run still holds (Spark gives a task any of an
-     executor's Python workers, so the previous job of a (stage, worker) often ran in another process); each
-     commit logs the trace keys its save added and deleted (table ``stagelog``, the last 16 versions), so a
-     stale entry reads only the batches saved since it, without scanning the state. A
-     failed attempt in the same process rolls the cached instances back to the job's start (traces are
-     levels of immutable batches, so the rollback keeps references, not copies).
+  4. Task processes (on Spark: the Python workers of Spark executors) cache live operator instances per
+     (storage, stage, worker) with the run, version and step they are at; a cache entry is used only when all
+     three match the job, else state is loaded from the Database, reusing the batches a stale entry of the same
+     run still holds (Spark gives a task any of a Spark executor's Python workers, so the previous job of a
+     (stage, worker) often ran in another process); each commit logs the trace keys its save added and deleted
+     (table ``stagelog``, the last 16 versions), so a stale entry reads only the batches saved since it,
+     without scanning the state. A failed attempt in the same process rolls the cached instances back to the
+     job's start (traces are levels of immutable batches, so the rollback keeps references, not copies).
   5. With ``outputs_in_result`` (a runner sets it on a stateful last stage), a task returns its blobs without
      its output shares, and the driver reads those from the result files (:func:`read_result_outputs`) once
      the job has succeeded: the files hold exactly the committed attempt's blobs (invariant 3) under the job's
@@ -83,7 +83,7 @@ def stage_db_path(storage: str, stage: int, worker: int) -> str:
 
 @dataclass
 class StageTask:
-    """Everything a task needs to run one stage of one job for any worker (picklable; sent to executors).
+    """Everything a task needs to run one stage of one job for any worker (picklable; sent to the task processes).
 
     ``storage`` is the pipeline's directory (state of stateful stages lives under it, invariant 2); ``layout``
     routes exchanged rows and names the layout the stage databases must be at; ``run`` is a random id of the

@@ -37,7 +37,7 @@ from dbsp_core.circuit import Circuit
 from dbsp_core.errors import DbspError, RecoveryError
 from dbsp_core.layout import Layout
 from dbsp_core.operators.base import concat
-from dbsp_core.runtime.executor import StateGroup, StepInput, groupings, spread, step_error_of
+from dbsp_core.runtime.executor import StateGroup, StepInput, groupings, spread, step_error_of, traces_by_label
 from dbsp_core.runtime.stage_plan import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, StagePlan, StageWorker, StepInfo,
                                           control_blobs, encode_blobs, gather, read_acks)
 from dbsp_core.runtime.stage_task import (InjectedFault, StageTask, choose_stage_version, open_stage_databases,
@@ -298,7 +298,7 @@ class StagedExecutor:
         if got != want or len(acks) != len(want) or bad:
             raise RecoveryError(f"job for steps {first}..{end - 1}: commit acknowledgements {sorted(got)} "
                                 f"(bad: {bad}) do not match the stateful (stage, worker) set {sorted(want)}")
-        for a in acks:  # executor cache effectiveness (stage_task.py invariant 4)
+        for a in acks:  # task-side cache effectiveness (stage_task.py invariant 4)
             key = {"cache": "state_cache_hits", "partial": "state_partial_loads"}.get(a.get("loaded"), "state_loads")
             self.stats[key] = self.stats.get(key, 0) + 1
         nodes = result.column("node")
@@ -362,11 +362,7 @@ class StagedExecutor:
                     db.close()
             finally:
                 os.close(lockfd)
-            for i, inst in sw.stateful.items():
-                get = getattr(inst, "traces", None)
-                if get is not None:
-                    for name, trace in get().items():
-                        out[f"{self.circuit.nodes[i].label}.{name}"] = trace
+            out.update(traces_by_label(self.circuit, sw.stateful))
         return out
 
     def disk_bytes(self) -> int:

@@ -80,7 +80,7 @@ class Exprs:
         self.columns = columns
         self.where = where
         self._types: dict[str, pa.DataType] = {}
-        self._memo: dict[int, tuple[exp.Expression, pc.Expression]] = {}  # the spine of a chain being compiled
+        self._memo: dict[int, tuple[exp.Expression, pc.Expression]] = {}  # the nodes of a chain being compiled
         self._typed: dict[int, tuple[pc.Expression, pa.DataType]] = {}  # its levels' types, by expression object
 
     # ---- entry points ----
@@ -290,16 +290,16 @@ class Exprs:
 
     def _chain(self, node: exp.Binary) -> pc.Expression:
         """A binary operator whose left operand is one too: sqlglot nests ``a + b + c`` as ``(a + b) + c``, so a
-        flat chain of thousands of terms is a tree as deep. The left spine compiles bottom-up, each level finding
+        flat chain of thousands of terms is a tree as deep. Its left operands compile bottom-up, each level finding
         the one below it already compiled, so Python's stack does not grow with the chain (left to right, as
         SQL evaluates it: overflow and rounding are those of the written order)."""
-        spine: list[exp.Expression] = []
+        lefts: list[exp.Expression] = []
         n = node.this
         while isinstance(n, exp.Binary) and id(n) not in self._memo and self.subst.get(n) is None:
-            spine.append(n)
+            lefts.append(n)
             n = n.this
-        same = spine[:next((i for i, x in enumerate(spine) if type(x) is not type(node)), len(spine))]
-        terms = len(same) + 2 if isinstance(node, _REGROUPABLE) and same else len(spine) + 2
+        same = lefts[:next((i for i, x in enumerate(lefts) if type(x) is not type(node)), len(lefts))]
+        terms = len(same) + 2 if isinstance(node, _REGROUPABLE) and same else len(lefts) + 2
         if terms > MAX_CHAIN:  # Arrow's filter re-flattens AND/OR chains: the limit holds for them too
             raise self.src.error(node, f"a chain of {terms} terms of {type(node).__name__} is longer than the "
                                        f"{MAX_CHAIN} an expression may have (Arrow evaluates it recursively and would "
@@ -308,7 +308,7 @@ class Exprs:
         if isinstance(node, _REGROUPABLE) and same:
             return self._regrouped(node, same)
         try:
-            for n in spine[::-1] + [node]:  # bottom-up
+            for n in lefts[::-1] + [node]:  # bottom-up
                 below = self._memo.get(id(n.this))
                 if below is None:
                     self._memo[id(n)] = (n, self._c(n))
@@ -334,17 +334,17 @@ class Exprs:
                 self._memo[id(n)] = (n, e)
             return self._memo[id(node)][1]
         finally:  # nothing of the chain stays memoized, also after an error (a caller may compile on)
-            for n in spine + [node]:
+            for n in lefts + [node]:
                 self._memo.pop(id(n), None)
                 self._memo.pop(id(n.expression), None)
 
-    def _regrouped(self, node: exp.Expression, spine: list[exp.Expression]) -> pc.Expression:
+    def _regrouped(self, node: exp.Expression, lefts: list[exp.Expression]) -> pc.Expression:
         """A chain of one operator that is exactly associative (Kleene AND, Kleene OR, ``||`` with NULL in, NULL
         out) as a balanced tree: the same result at depth log2(n), bound without a pass per level (Acero's filter
         still flattens AND/OR chains when it runs them, hence MAX_CHAIN for these too)."""
         operand = self._as_string if isinstance(node, exp.DPipe) else self._bool
-        xs = [operand(x) for x in [spine[-1].this if spine else node.this]
-              + [x.expression for x in spine[::-1]] + [node.expression]]
+        xs = [operand(x) for x in [lefts[-1].this if lefts else node.this]
+              + [x.expression for x in lefts[::-1]] + [node.expression]]
         while len(xs) > 1:
             pairs = [xs[i:i + 2] for i in range(0, len(xs), 2)]
             xs = [p[0] if len(p) == 1 else

@@ -281,20 +281,20 @@ class DatabaseHandle:
         cur = self._txn.cursor(_name(table), None if start is None else _bytes(start, "scan start"),
                                None if end is None else _bytes(end, "scan end"))
         while True:
-            batch = cur.next_batch()
-            if not batch:
+            entries = cur.next_batch()  # the next few (key, value) pairs the C cursor read
+            if not entries:
                 return
-            yield from batch
+            yield from entries
 
     def tables(self) -> list[str]:
         """Names of the tables of this version (decoded as UTF-8 where possible)."""
         cur = self._txn.cursor(None)
         names = []
         while True:
-            batch = cur.next_batch()
-            if not batch:
+            entries = cur.next_batch()
+            if not entries:
                 break
-            for k, _ in batch:
+            for k, _ in entries:
                 try:
                     names.append(k.decode("utf-8"))
                 except UnicodeDecodeError:

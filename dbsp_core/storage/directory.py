@@ -29,6 +29,7 @@ __all__ = ["lock_dir", "unlock_dir", "read_record", "write_record", "remove_reco
 
 
 def fsync_dir(path: str) -> None:
+    """Make the entries of directory ``path`` durable (a created, renamed or removed file's name)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -20,6 +20,7 @@ import struct
 import zlib
 
 from dbsp_core.errors import CorruptionError, FormatVersionError
+from dbsp_core.storage.directory import fsync_dir
 from dbsp_core.storage.formats import FORMAT1_OUTPUT_MAGIC as MAGIC
 
 __all__ = ["Format1Segments", "is_format1_segment"]
@@ -31,14 +32,6 @@ _HEAD = struct.Struct("<4sBIQI")  # magic, version, crc32(step bytes + body), st
 def is_format1_segment(name: str) -> bool:
     """Whether a file name is a format-1 output segment: ``out-`` + 16 digits (its first step) + ``.seg``."""
     return len(name) == 24 and name.startswith("out-") and name.endswith(".seg") and name[4:20].isdigit()
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Format1Segments:
@@ -129,7 +122,7 @@ class Format1Segments:
                 del self._index[s]
             dropped += 1
         if dropped:
-            _fsync_dir(self.path)
+            fsync_dir(self.path)
             self.first = self.segments[0][0] if self.segments else self.last
         return dropped
 

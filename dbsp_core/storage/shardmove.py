@@ -24,14 +24,14 @@ Invariants (enforced here):
 from __future__ import annotations
 
 import re
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 
 from dbsp_core.codec import (decode_batch, decode_json, decode_runs, decode_zset, encode_batch,
                              encode_runs, encode_zset, frame, unframe, zset_batch)
 from dbsp_core.errors import CorruptionError
-from dbsp_core.layout import Layout
+from dbsp_core.layout import Layout, resample_owners, shard_runs
 from dbsp_core.storage.database import SHARD_PREFIX_BYTES, DatabaseHandle, shard_key
 from dbsp_core.storage.formats import (BATCH_GROUP_MAGIC, BATCH_MAGIC, SNAPSHOT_LAYOUT, SNAPSHOT_TABLE,
                                        WORKER_LAYOUT_MAGIC, ZSET_MAGIC, is_state_table, order_key)
@@ -49,6 +49,24 @@ def _entries(h: DatabaseHandle) -> Iterator[tuple[str, bytes, bytes]]:
     for t in _state_tables(h):
         for k, v in h.scan(t):
             yield t, k, v
+
+
+def _check_known(tables: Iterable[str], specs: dict[str, TableSpec], where: str) -> None:
+    """CorruptionError naming ``where`` when one of the state ``tables`` belongs to no operator of the circuit."""
+    for t in tables:
+        if t not in specs:
+            raise CorruptionError(f"{where}: state table {t!r} belongs to no operator of this circuit")
+
+
+def _batch_counts(h: DatabaseHandle, table: str, where: str) -> dict[int, int]:
+    """The batch count of every number of a trace table, as its order record has it (empty without one)."""
+    order = read_order(h, table, where)
+    return dict(zip(order[0], order[1])) if order is not None else {}
+
+
+def _shard_of(key: bytes) -> int:
+    """The shard a state value's key names (its first SHARD_PREFIX_BYTES bytes, big-endian)."""
+    return int.from_bytes(key[:SHARD_PREFIX_BYTES], "big")
 
 
 def state_bytes(h: DatabaseHandle) -> int:
@@ -84,12 +102,6 @@ def read_worker_layout(h: DatabaseHandle, where: str, whole: bool = False) -> di
     return decode_json(WORKER_LAYOUT_MAGIC, rec, f"{where} layout record")
 
 
-def _resampled(layout: Layout, bits: int) -> np.ndarray:
-    owners = layout.shard_map.part_of_shard
-    d = bits - layout.shard_bits
-    return np.repeat(owners, 1 << d) if d > 0 else owners
-
-
 def _halves_at(z: ZSet, key: tuple[str, ...], bit: int) -> tuple[ZSet, ZSet]:
     """Rows of ``z`` whose key-hash bit ``bit`` (0 = least significant) is 0, then those where it is 1."""
     if z.num_rows == 0:
@@ -121,16 +133,11 @@ class _Group:
         for w, h in handles.items():
             tables: dict[str, dict[bytes, bytes]] = {}
             for t, k, v in _entries(h):
-                if t not in specs:
-                    raise CorruptionError(f"{where} worker {w}: state table {t!r} belongs to no operator of this "
-                                          f"circuit")
                 tables.setdefault(t, {})[k] = v
+            _check_known(tables, specs, f"{where} worker {w}")
             self.values[w] = tables
-            self.counts[w] = {}
-            for t in tables:
-                if specs[t].kind == "trace":
-                    order = read_order(h, t, f"{where} worker {w}")
-                    self.counts[w][t] = dict(zip(order[0], order[1])) if order is not None else {}
+            self.counts[w] = {t: _batch_counts(h, t, f"{where} worker {w}") for t in tables
+                              if specs[t].kind == "trace"}
 
     def total_bytes(self) -> int:
         return sum(len(v) for tables in self.values.values() for kv in tables.values() for v in kv.values())
@@ -143,7 +150,7 @@ def _rekey(g: _Group, w: int, bits: int, to_bits: int) -> None:
         spec = g.specs[t]
         new: dict[bytes, list[bytes]] = {}
         for k, v in kv.items():
-            shard, number = int.from_bytes(k[:SHARD_PREFIX_BYTES], "big"), k[SHARD_PREFIX_BYTES:]
+            shard, number = _shard_of(k), k[SHARD_PREFIX_BYTES:]
             where = f"{g.where} worker {w} {t} shard {shard}"
             if to_bits > bits:
                 vals = [(shard, v)]
@@ -220,17 +227,6 @@ def _cat(parts: list[ZSet], spec: TableSpec) -> ZSet:
     return ZSet.concat(parts) if len(parts) > 1 else parts[0]
 
 
-def _runs(shards: np.ndarray) -> list[tuple[int, int]]:
-    """Maximal runs ``[a, b)`` of consecutive shard numbers in an ascending array."""
-    out: list[tuple[int, int]] = []
-    for s in shards.tolist():
-        if out and out[-1][1] == s:
-            out[-1] = (out[-1][0], s + 1)
-        else:
-            out.append((s, s + 1))
-    return out
-
-
 def _move_same_bits(handles: dict[int, DatabaseHandle], old: Layout, new: Layout, specs: dict[str, TableSpec],
                     where: str, measure_total: bool) -> dict:
     """:func:`relayout_group` when the shard count stays: reads only the values that move (key ranges of the
@@ -243,26 +239,24 @@ def _move_same_bits(handles: dict[int, DatabaseHandle], old: Layout, new: Layout
     moved_bytes = 0
     for w, h in handles.items():
         tables = _state_tables(h)
-        for t in tables:
-            if t not in specs:
-                raise CorruptionError(f"{where} worker {w}: state table {t!r} belongs to no operator of this circuit")
+        _check_known(tables, specs, f"{where} worker {w}")
         if w >= new.workers:
             ranges: list[tuple[bytes | None, bytes | None]] = [(None, None)]
         else:
             away = np.flatnonzero((src_owner == w) & (dst_owner != w))
-            ranges = [(shard_key(a, b""), shard_key(b, b"") if b < len(src_owner) else None) for a, b in _runs(away)]
+            ranges = [(shard_key(a, b""), shard_key(b, b"") if b < len(src_owner) else None)
+                      for a, b in shard_runs(away)]
         for t in tables:
             out = []
             for a, b in ranges:
                 out.extend(h.scan(t, a, b))
-            out = [(k, v) for k, v in out if int(dst_owner[int.from_bytes(k[:SHARD_PREFIX_BYTES], "big")]) != w]
+            out = [(k, v) for k, v in out if int(dst_owner[_shard_of(k)]) != w]
             if not out:
                 continue
             if specs[t].kind == "trace":
-                order = read_order(h, t, f"{where} worker {w}")
-                counts[(w, t)] = dict(zip(order[0], order[1])) if order is not None else {}
+                counts[(w, t)] = _batch_counts(h, t, f"{where} worker {w}")
             for k, v in out:
-                incoming[int(dst_owner[int.from_bytes(k[:SHARD_PREFIX_BYTES], "big")])].append((w, t, k, v))
+                incoming[int(dst_owner[_shard_of(k)])].append((w, t, k, v))
                 moved_bytes += len(v)
                 h.delete(t, k)  # the source's order record keeps the number; a load skips numbers with no value
     _import(handles, incoming, specs, counts, where)
@@ -330,7 +324,8 @@ def relayout_group(handles: dict[int, DatabaseHandle], old: Layout, new: Layout,
         for w in handles:
             rekeyed += sum(len(kv) for kv in g.values[w].values())
             _rekey(g, w, old.shard_bits, fine)
-    src_owner, dst_owner = _resampled(old, fine), _resampled(new, fine)
+    src_owner = resample_owners(old.shard_map.part_of_shard, old.shard_bits, fine)
+    dst_owner = resample_owners(new.shard_map.part_of_shard, new.shard_bits, fine)
     moving = np.flatnonzero(src_owner != dst_owner)
     moved_bytes = 0
     # exports first (nothing is deleted until every move is read), per destination: (src, table, key, value)
@@ -340,7 +335,7 @@ def relayout_group(handles: dict[int, DatabaseHandle], old: Layout, new: Layout,
         leaving = w >= new.workers
         for t, kv in tables.items():
             for k, v in kv.items():
-                s = int.from_bytes(k[:SHARD_PREFIX_BYTES], "big")
+                s = _shard_of(k)
                 dst = int(dst_owner[s])
                 # invariant 1: a shard's values leave its old owner; a leaving worker gives up every value it holds
                 # (state that is not keyed, e.g. an integral, sits in every worker's database under every shard)
