@@ -3,7 +3,7 @@
 The SQL is the Nexmark benchmark's (github.com/nexmark/nexmark, queries/*.sql), restated over this project's
 column names and CSV tables; q6 is left out (the benchmark itself marks it unsupported by Flink: an OVER
 window on a non-time attribute), q12 too (processing-time windows: what it computes depends on the clock, not
-the events). Settings are the benchmark's own flink-conf for SQL (mini-batch of 50,000 rows / 2 s, split
+the events), and q13 (its side input is a lookup join on processing time, not written here yet). Settings are the benchmark's own flink-conf for SQL (mini-batch of 50,000 rows / 2 s, split
 distinct aggregation), with P = W, hashmap (heap) state, and either no checkpoints (``memory``) or aligned
 checkpoints to a local directory every ``checkpoint_ms`` (``durable``).
 
@@ -34,6 +34,17 @@ DDL = {
     "bid": f"auction BIGINT, bidder BIGINT, price BIGINT, channel STRING, url STRING, dateTime TIMESTAMP(3), "
            f"extra STRING, {WM}",
 }
+
+PRICE_RANKS = ("price < 10000", "price >= 10000 AND price < 1000000", "price >= 1000000")
+RANKED = "count(*) AS total_bids, " + ", ".join(f"count(*) FILTER (WHERE {c}) AS rank{i}_bids"
+                                                for i, c in enumerate(PRICE_RANKS, 1))
+
+
+def _distinct(col: str) -> str:
+    """q15/q16's distinct counts of ``col`` (bidder or auction), in all and per price rank."""
+    return f"count(DISTINCT {col}) AS total_{col}s, " + ", ".join(
+        f"count(DISTINCT {col}) FILTER (WHERE {c}) AS rank{i}_{col}s" for i, c in enumerate(PRICE_RANKS, 1))
+
 
 HOP5 = "TABLE(HOP(TABLE bid, DESCRIPTOR(dateTime), INTERVAL '2' SECOND, INTERVAL '10' SECOND))"
 SQL = {
@@ -68,6 +79,39 @@ SQL = {
           "B.dateTime AS bid_dateTime, B.extra AS bid_extra, ROW_NUMBER() OVER (PARTITION BY A.id "
           "ORDER BY B.price DESC, B.dateTime ASC) AS rownum FROM auction A, bid B WHERE A.id = B.auction "
           "AND B.dateTime BETWEEN A.dateTime AND A.expires) WHERE rownum <= 1",
+    # the benchmark writes q10 into a partitioned filesystem sink; here into the blackhole like every query
+    "q10": "SELECT auction, bidder, price, dateTime, extra, DATE_FORMAT(dateTime, 'yyyy-MM-dd'), "
+           "DATE_FORMAT(dateTime, 'HH:mm') FROM bid",
+    "q11": "SELECT B.bidder, count(*) AS bid_count, SESSION_START(B.dateTime, INTERVAL '10' SECOND) AS starttime, "
+           "SESSION_END(B.dateTime, INTERVAL '10' SECOND) AS endtime FROM bid B "
+           "GROUP BY B.bidder, SESSION(B.dateTime, INTERVAL '10' SECOND)",
+    # the benchmark's COUNT_CHAR user function (a Java UDF) as the same count in plain SQL
+    "q14": "SELECT auction, bidder, 0.908 * price AS price, CASE WHEN HOUR(dateTime) >= 8 AND HOUR(dateTime) <= 18 "
+           "THEN 'dayTime' WHEN HOUR(dateTime) <= 6 OR HOUR(dateTime) >= 20 THEN 'nightTime' ELSE 'otherTime' END "
+           "AS bidTimeType, dateTime, extra, CHAR_LENGTH(extra) - CHAR_LENGTH(REPLACE(extra, 'c', '')) AS c_counts "
+           "FROM bid WHERE 0.908 * price > 1000000 AND 0.908 * price < 50000000",
+    "q15": f"SELECT DATE_FORMAT(dateTime, 'yyyy-MM-dd') AS `day`, {RANKED}, "
+           f"{_distinct('bidder')}, {_distinct('auction')} FROM bid GROUP BY DATE_FORMAT(dateTime, 'yyyy-MM-dd')",
+    "q16": f"SELECT channel, DATE_FORMAT(dateTime, 'yyyy-MM-dd') AS `day`, max(DATE_FORMAT(dateTime, 'HH:mm')) AS "
+           f"`minute`, {RANKED}, {_distinct('bidder')}, {_distinct('auction')} FROM bid "
+           f"GROUP BY channel, DATE_FORMAT(dateTime, 'yyyy-MM-dd')",
+    "q17": f"SELECT auction, DATE_FORMAT(dateTime, 'yyyy-MM-dd') AS `day`, {RANKED}, min(price) AS min_price, "
+           f"max(price) AS max_price, avg(price) AS avg_price, sum(price) AS sum_price FROM bid "
+           f"GROUP BY auction, DATE_FORMAT(dateTime, 'yyyy-MM-dd')",
+    "q18": "SELECT auction, bidder, price, channel, url, dateTime, extra FROM (SELECT *, ROW_NUMBER() OVER "
+           "(PARTITION BY bidder, auction ORDER BY dateTime DESC) AS rank_number FROM bid) WHERE rank_number <= 1",
+    "q19": "SELECT * FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY auction ORDER BY price DESC) AS rank_number "
+           "FROM bid) WHERE rank_number <= 10",
+    "q20": "SELECT auction, bidder, price, channel, url, B.dateTime, B.extra, itemName, description, initialBid, "
+           "reserve, A.dateTime, expires, seller, category, A.extra FROM bid AS B INNER JOIN auction AS A "
+           "ON B.auction = A.id WHERE A.category = 10",
+    "q21": "SELECT auction, bidder, price, channel, CASE WHEN lower(channel) = 'apple' THEN '0' WHEN lower(channel) = "
+           "'google' THEN '1' WHEN lower(channel) = 'facebook' THEN '2' WHEN lower(channel) = 'baidu' THEN '3' "
+           "ELSE REGEXP_EXTRACT(url, '(&|^)channel_id=([^&]*)', 2) END AS channel_id FROM bid WHERE "
+           "REGEXP_EXTRACT(url, '(&|^)channel_id=([^&]*)', 2) IS NOT NULL OR lower(channel) IN "
+           "('apple', 'google', 'facebook', 'baidu')",
+    "q22": "SELECT auction, bidder, price, channel, SPLIT_INDEX(url, '/', 3) AS dir1, SPLIT_INDEX(url, '/', 4) AS "
+           "dir2, SPLIT_INDEX(url, '/', 5) AS dir3 FROM bid",
 }
 
 
