@@ -242,6 +242,9 @@ def measure_flink(args: argparse.Namespace, queries: list[str], mode: str, paral
     if r.returncode or set(out) != set(queries):
         raise RuntimeError(f"Flink {mode} P={parallelism} failed (exit {r.returncode}; is apache-flink installed "
                            f"for {flink_python(args)}? see bench/README.md):\n{r.stderr[-3000:]}")
+    for q, d in out.items():
+        if "error" in d:
+            print(f"{q:>4} {mode:>7} Flink P={parallelism} failed: {d['error']}", file=sys.stderr, flush=True)
     return out
 
 
@@ -253,6 +256,8 @@ def run_flink(args: argparse.Namespace, queries: list[str], modes: list[str], wo
     for mode in modes:
         for w in workers:
             for q, d in measure_flink(args, fq, mode, w, root).items():
+                if "error" in d:
+                    continue
                 flink[(q, mode, w)] = d
                 note = "" if d["seconds"] > 0 else "  (not above the empty job: no figure)"
                 rate = events / d["seconds"] if d["seconds"] > 0 else float("nan")
@@ -270,9 +275,11 @@ def check(args: argparse.Namespace, queries: list[str], workers: list[int], root
         flink = measure_flink(args, fq, "memory", w, root, check=True)
         for q in fq:
             ours = measure_dbsp(q, "memory", w, root, "csv")["final_rows"]
-            same = ours == flink[q]["rows"]
+            theirs = flink[q].get("rows")
+            same = ours == theirs
             ok &= same
-            print(f"| {q} | {w} | {ours:,} | {flink[q]['rows']:,} | {'yes' if same else 'NO'} |", flush=True)
+            print(f"| {q} | {w} | {ours:,} | {'failed' if theirs is None else f'{theirs:,}'} | "
+                  f"{'yes' if same else 'NO'} |", flush=True)
     skipped = [q for q in queries if q not in flink_nexmark.SQL]
     if skipped:
         print(f"not compared (no Flink SQL here): {', '.join(skipped)}")
@@ -301,7 +308,8 @@ def peers_table(rows: list[dict], flink: dict, args: argparse.Namespace) -> str:
                      f"{f'{theirs:,.0f}' if theirs else '-'} | {pub} |")
     lines += ["", f"Flink {'with checkpoints to local disk every ' + str(args.flink_checkpoint_ms) + ' ms'} for "
               f"durable, none for memory; hashmap state; n/a: no Flink SQL for the query here "
-              f"(bench/flink_nexmark.py says why)."]
+              f"(bench/flink_nexmark.py says why); -: Flink failed the query or its job took no longer than on "
+              f"empty files (both printed above)."]
     return "\n".join(lines)
 
 
