@@ -17,8 +17,9 @@ How it measures (the fairness rules of bench/bench_spark.py):
   ``--flink-checkpoint-ms``. Both sides then read the same CSV files (one per stream and step, written once
   from the generator's tables): Flink's filesystem source has no Parquet reader without an extra jar, and CSV
   parsing is counted on both sides (ours: ``pyarrow.csv.read_csv`` of each step's files inside the timed
-  loop); both read only the streams the query reads (``flink_nexmark.READS``). Flink's time = the job's net runtime minus the same job on empty files. ``--check`` instead compares
-  the number of rows of each final view on both sides (is it the same work?).
+  loop); both read only the streams the query reads (``flink_nexmark.READS``). Flink's time = the job's net
+  runtime minus the median of three runs of the same job on empty files. ``--check`` instead compares the
+  number of rows of each final view on both sides (is it the same work?).
 - events/s = events of all steps / time; per core = events/s / W (W worker threads, or Spark's local[W]).
   Published figures are per core, from the engines' own reports, on other machines.
 
