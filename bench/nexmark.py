@@ -1,4 +1,4 @@
-"""Nexmark throughput of dbsp-core (embedded in memory and durable) per query, beside the published figures of Feldera and Flink and Spark Structured Streaming measured in the same run on the same events.
+"""Nexmark throughput of dbsp-core (embedded in memory and durable) per query, beside Apache Flink and Spark Structured Streaming measured in the same run on the same events, with the published figures of Feldera and Flink as context.
 
 How it measures (the fairness rules of bench/bench_spark.py):
 
@@ -11,6 +11,15 @@ How it measures (the fairness rules of bench/bench_spark.py):
 - Spark: the sum of ``durationMs.triggerExecution`` of the micro-batches; ``local[W]``,
   ``shuffle.partitions = W``, RocksDB state store. Only queries Structured Streaming can express run (no
   chained aggregations, no ROW_NUMBER, no COUNT(DISTINCT) on streams).
+- Flink (``--peers flink``): Apache Flink's Nexmark SQL (bench/flink_nexmark.py) in a child process run by
+  the interpreter that has ``apache-flink`` (``--flink-python`` or ``DBSP_FLINK_PYTHON``), local mini-cluster,
+  P = W, hashmap state, for ``memory`` no checkpoints, for ``durable`` checkpoints to a local directory every
+  ``--flink-checkpoint-ms``. Both sides then read the same CSV files (one per stream and step, written once
+  from the generator's tables): Flink's filesystem source has no Parquet reader without an extra jar, and CSV
+  parsing is counted on both sides (ours: ``pyarrow.csv.read_csv`` of each step's files inside the timed
+  loop); both read only the streams the query reads (``flink_nexmark.READS``). Flink's time = the job's net
+  runtime minus the median of three runs of the same job on empty files. ``--check`` instead compares the
+  number of rows of each final view on both sides (is it the same work?).
 - events/s = events of all steps / time; per core = events/s / W (W worker threads, or Spark's local[W]).
   Published figures are per core, from the engines' own reports, on other machines.
 
@@ -32,11 +41,13 @@ import tempfile
 import time
 
 import pyarrow as pa
+import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dbsp_core as dbsp  # noqa: E402
+import flink_nexmark  # noqa: E402  (bench/, beside this file; imports pyflink only in its child)
 from dbsp_core import nexmark  # noqa: E402
 
 PUBLISHED = {  # events/s/core, from the engines' published Nexmark reports
@@ -77,11 +88,16 @@ SPARK_SQL = {  # (SQL over the streams person, auction, bid and the static side_
 }
 
 
-def write_events(root: str, events: int, batch: int, seed: int, rate: int) -> tuple[list[dict[str, str]], float]:
-    """One parquet file per stream and step; returns the files and the generator's own events/s."""
+def write_events(root: str, events: int, batch: int, seed: int, rate: int,
+                 csv: bool = False) -> tuple[list[dict], float]:
+    """One parquet file per stream and step (and with ``csv`` one headerless CSV file too, under root/csv, with
+    empty twins of its directories under root/csv-empty); returns the files and the generator's own events/s."""
     files, gen_s = [], 0.0
     for name in nexmark.SCHEMAS:
         os.makedirs(os.path.join(root, name))
+        if csv:
+            os.makedirs(os.path.join(root, "csv", name))
+            os.makedirs(os.path.join(root, "csv-empty", name))
     next(nexmark.generate(1, seed=seed))  # the seed's string pools, drawn once per process: not the rate
     it = nexmark.generate(events, seed=seed, batch=batch, rate=rate)
     while True:
@@ -94,6 +110,10 @@ def write_events(root: str, events: int, batch: int, seed: int, rate: int) -> tu
         for name, t in b.items():
             step[name] = os.path.join(root, name, f"part-{len(files):05d}.parquet")
             pq.write_table(t, step[name])
+            step["rows:" + name] = t.num_rows
+            if csv:
+                step["csv:" + name] = os.path.join(root, "csv", name, f"part-{len(files):05d}.csv")
+                pa_csv.write_csv(t, step["csv:" + name], pa_csv.WriteOptions(include_header=False))
         files.append(step)
     pq.write_table(nexmark.side_input(), os.path.join(root, "side_input.parquet"))
     # The generator alone: a second pass with nothing in between (the pass above interleaves parquet writes,
@@ -109,8 +129,17 @@ def write_events(root: str, events: int, batch: int, seed: int, rate: int) -> tu
     return files, events / alone if alone else float("inf")
 
 
-def run_dbsp(query: str, mode: str, workers: int, files: list[dict[str, str]], root: str) -> dict:
-    """One measurement, in this (child) process."""
+def read_csv(path: str, name: str) -> pa.Table:
+    """One step's CSV file of stream ``name`` as written by write_events, in the generator's schema."""
+    schema = nexmark.SCHEMAS[name]
+    return pa_csv.read_csv(path, read_options=pa_csv.ReadOptions(column_names=schema.names),
+                           convert_options=pa_csv.ConvertOptions(column_types=schema, strings_can_be_null=False))
+
+
+def run_dbsp(query: str, mode: str, workers: int, files: list[dict], root: str,
+             source: str = "parquet") -> dict:
+    """One measurement, in this (child) process, reading each step's parquet (or with ``source="csv"``, CSV)
+    files inside the timed loop."""
     storage = tempfile.mkdtemp(prefix=f"nexmark-{query}-", dir=root) if mode == "durable" else None
     c = nexmark.circuit(query)
     from dbsp_core.runtime.embedded import EmbeddedExecutor
@@ -122,16 +151,18 @@ def run_dbsp(query: str, mode: str, workers: int, files: list[dict[str, str]], r
     try:
         if query == "q13":
             p.push("side_input", pq.read_table(os.path.join(root, "side_input.parquet")))
-        events, seconds, out_rows = 0, 0.0, 0
+        events, seconds, out_rows, final_rows = 0, 0.0, 0, 0
+        # beside Flink (CSV), read only the streams the query reads, as Flink does; else all, as Spark is timed
+        reads = flink_nexmark.READS.get(query, nexmark.SCHEMAS) if source == "csv" else nexmark.SCHEMAS
         for step in files:
             t0 = time.perf_counter()
-            for name, f in step.items():
-                t = pq.read_table(f)
-                events += t.num_rows
-                p.push(name, t)
+            for name in reads:
+                p.push(name, read_csv(step["csv:" + name], name) if source == "csv" else pq.read_table(step[name]))
+            events += sum(step["rows:" + name] for name in nexmark.SCHEMAS)
             out = p.step()
             seconds += time.perf_counter() - t0
             out_rows += out[query].num_rows
+            final_rows += int(out[query].weights.sum())
         late = sum(p.late_rows.values())
     finally:
         p.close()
@@ -139,12 +170,12 @@ def run_dbsp(query: str, mode: str, workers: int, files: list[dict[str, str]], r
             shutil.rmtree(storage, ignore_errors=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     return {"query": query, "mode": mode, "workers": workers, "events": events, "seconds": seconds,
-            "peak_mib": peak, "out_rows": out_rows, "late": late}
+            "peak_mib": peak, "out_rows": out_rows, "final_rows": final_rows, "late": late, "source": source}
 
 
-def measure_dbsp(query: str, mode: str, workers: int, root: str) -> dict:
+def measure_dbsp(query: str, mode: str, workers: int, root: str, source: str = "parquet") -> dict:
     """run_dbsp in a fresh child process (its own peak memory)."""
-    arg = json.dumps({"query": query, "mode": mode, "workers": workers, "root": root})
+    arg = json.dumps({"query": query, "mode": mode, "workers": workers, "root": root, "source": source})
     r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", arg], capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"{query} {mode} W={workers} failed:\n{r.stderr[-3000:]}")
@@ -192,12 +223,99 @@ def measure_spark(spark, query: str, root: str, steps: int, events: int) -> dict
     return {"seconds": seconds, "events": events}
 
 
+def flink_python(args: argparse.Namespace) -> str:
+    """The interpreter that runs bench/flink_nexmark.py: --flink-python, else DBSP_FLINK_PYTHON, else ours."""
+    return args.flink_python or os.environ.get("DBSP_FLINK_PYTHON") or sys.executable
+
+
+def measure_flink(args: argparse.Namespace, queries: list[str], mode: str, parallelism: int, root: str,
+                  check: bool = False) -> dict[str, dict]:
+    """bench/flink_nexmark.py in a child process (one JVM for all the queries of this mode and P)."""
+    arg = json.dumps({"root": root, "queries": queries, "parallelism": parallelism, "mode": mode,
+                      "checkpoint_ms": args.flink_checkpoint_ms, "check": check})
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flink_nexmark.py")
+    r = subprocess.run([flink_python(args), script, arg], capture_output=True, text=True)
+    out = {}
+    for line in r.stdout.splitlines():
+        if line.startswith("{"):
+            d = json.loads(line)
+            out[d["query"]] = d
+    if r.returncode or set(out) != set(queries):
+        raise RuntimeError(f"Flink {mode} P={parallelism} failed (exit {r.returncode}; is apache-flink installed "
+                           f"for {flink_python(args)}? see bench/README.md):\n{r.stderr[-3000:]}")
+    for q, d in out.items():
+        if "error" in d:
+            print(f"{q:>4} {mode:>7} Flink P={parallelism} failed: {d['error']}", file=sys.stderr, flush=True)
+    return out
+
+
+def run_flink(args: argparse.Namespace, queries: list[str], modes: list[str], workers: list[int], root: str,
+              events: int) -> dict:
+    """Flink's events/s per (query, mode, P) for the queries its SQL expresses."""
+    flink: dict = {}
+    fq = [q for q in queries if q in flink_nexmark.SQL]
+    for mode in modes:
+        for w in workers:
+            for q, d in measure_flink(args, fq, mode, w, root).items():
+                if "error" in d:
+                    continue
+                flink[(q, mode, w)] = d
+                note = "" if d["seconds"] > 0 else "  (not above the empty job: no figure)"
+                rate = events / d["seconds"] if d["seconds"] > 0 else float("nan")
+                print(f"{q:>4} {mode:>7} Flink P={w}: {rate:>12,.0f} events/s  (job {d['job_ms']:,.0f} ms, "
+                      f"empty job {d['empty_ms']:,.0f} ms){note}", flush=True)
+    return flink
+
+
+def check(args: argparse.Namespace, queries: list[str], workers: list[int], root: str) -> bool:
+    """Rows of each final view, ours (in memory) against Flink's, at each W = P; True if all agree."""
+    fq = [q for q in queries if q in flink_nexmark.SQL]
+    ok = True
+    print("\n| query | W = P | dbsp final rows | Flink final rows | same |\n|---|---|---|---|---|")
+    for w in workers:
+        flink = measure_flink(args, fq, "memory", w, root, check=True)
+        for q in fq:
+            ours = measure_dbsp(q, "memory", w, root, "csv")["final_rows"]
+            theirs = flink[q].get("rows")
+            same = ours == theirs
+            ok &= same
+            print(f"| {q} | {w} | {ours:,} | {'failed' if theirs is None else f'{theirs:,}'} | "
+                  f"{'yes' if same else 'NO'} |", flush=True)
+    skipped = [q for q in queries if q not in flink_nexmark.SQL]
+    if skipped:
+        print(f"not compared (no Flink SQL here): {', '.join(skipped)}")
+    return ok
+
+
+def head_line(gen_rate: float, args: argparse.Namespace) -> str:
+    return (f"{args.events:,} events in steps of {args.batch:,} (seed {args.seed}, {args.rate:,} events/s of event "
+            f"time), read from {'CSV' if args.peers else 'parquet'} files; generator alone: "
+            f"{gen_rate / 1e6:.2f} M events/s; {os.cpu_count()} cores, load average "
+            f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; dbsp_core {dbsp.__version__}, pyarrow {pa.__version__}")
+
+
+def peers_table(rows: list[dict], flink: dict, args: argparse.Namespace) -> str:
+    """Ours against Flink measured in this run (the ratio first); published per-core figures as context."""
+    lines = ["| query | mode | W = P | dbsp / Flink | dbsp events/s | Flink events/s | context: published "
+             "events/s/core, other machines (Feldera / Flink) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        q, w, mode = r["query"], r["workers"], r["mode"]
+        ours = r["events"] / r["seconds"]
+        f = flink.get((q, mode, w))
+        theirs = r["events"] / f["seconds"] if f and f["seconds"] > 0 else None
+        ratio = f"**{ours / theirs:.1f}x**" if theirs else ("n/a" if q not in flink_nexmark.SQL else "-")
+        pub = " / ".join(f"{PUBLISHED[e][q]:,}" if q in PUBLISHED[e] else "-" for e in ("Feldera", "Flink"))
+        lines.append(f"| {q} | {mode} | {w} | {ratio} | {ours:,.0f} | "
+                     f"{f'{theirs:,.0f}' if theirs else '-'} | {pub} |")
+    lines += ["", f"Flink {'with checkpoints to local disk every ' + str(args.flink_checkpoint_ms) + ' ms'} for "
+              f"durable, none for memory; hashmap state; n/a: no Flink SQL for the query here "
+              f"(bench/flink_nexmark.py says why); -: Flink failed the query or its job took no longer than on "
+              f"empty files (both printed above)."]
+    return "\n".join(lines)
+
+
 def table(rows: list[dict], spark: dict, gen_rate: float, args: argparse.Namespace) -> str:
-    head = (f"{args.events:,} events in steps of {args.batch:,} (seed {args.seed}, {args.rate:,} events/s of event "
-            f"time); generator alone: {gen_rate / 1e6:.2f} M events/s; {os.cpu_count()} cores, "
-            f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; dbsp_core {dbsp.__version__}, "
-            f"pyarrow {pa.__version__}")
-    lines = [head, "", "| query | mode | W | dbsp events/s | dbsp events/s/core | peak MiB | Spark SS events/s/core "
+    lines = ["| query | mode | W | dbsp events/s | dbsp events/s/core | peak MiB | Spark SS events/s/core "
              "| Feldera events/s/core (published) | Flink events/s/core (published) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -239,12 +357,19 @@ def main() -> None:
     ap.add_argument("--spark", action="store_true", help="also measure Spark Structured Streaming")
     ap.add_argument("--write-results", action="store_true", help=f"write the table into {RESULTS}")
     ap.add_argument("--results-file", default=RESULTS)
+    ap.add_argument("--peers", choices=["flink"], help="also run Apache Flink's SQL on the same events (CSV)")
+    ap.add_argument("--flink-python", help="interpreter with apache-flink (default: $DBSP_FLINK_PYTHON or this one)")
+    ap.add_argument("--flink-checkpoint-ms", type=int, default=1000, help="Flink's checkpoint interval, durable")
+    ap.add_argument("--check", action="store_true",
+                    help="with --peers: compare the rows of each final view with Flink's instead of timing")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.check and not args.peers:
+        ap.error("--check compares with a peer: add --peers flink")
     if args.child:
         a = json.loads(args.child)
         files = json.load(open(os.path.join(a["root"], "files.json")))
-        print(json.dumps(run_dbsp(a["query"], a["mode"], a["workers"], files, a["root"])))
+        print(json.dumps(run_dbsp(a["query"], a["mode"], a["workers"], files, a["root"], a["source"])))
         return
     queries = [q.strip() for q in args.queries.split(",") if q.strip()]
     for q in queries:
@@ -254,20 +379,24 @@ def main() -> None:
     modes = [m.strip() for m in args.modes.split(",")]
     root = tempfile.mkdtemp(prefix="nexmark-bench-")
     try:
-        files, gen_rate = write_events(root, args.events, args.batch, args.seed, args.rate)
+        files, gen_rate = write_events(root, args.events, args.batch, args.seed, args.rate, csv=bool(args.peers))
         json.dump(files, open(os.path.join(root, "files.json"), "w"))
         print(f"generated {args.events:,} events in {len(files)} steps; generator {gen_rate / 1e6:.2f} M events/s",
               flush=True)
+        if args.check:
+            sys.exit(0 if check(args, queries, workers, root) else 1)
+        source = "csv" if args.peers else "parquet"
         rows = []
         for q in queries:
             for mode in modes:
                 for w in workers:
-                    r = measure_dbsp(q, mode, w, root)
+                    r = measure_dbsp(q, mode, w, root, source)
                     rate = r["events"] / r["seconds"]
                     print(f"{q:>4} {mode:>7} W={w}: {rate:>12,.0f} events/s  {rate / w:>12,.0f} /core  "
                           f"peak {r['peak_mib']:,.0f} MiB  ({r['out_rows']:,} output rows, {r['late']} late)",
                           flush=True)
                     rows.append(r)
+        flink = run_flink(args, queries, modes, workers, root, args.events) if args.peers else {}
         spark: dict = {}
         if args.spark:
             for w in workers:
@@ -280,7 +409,10 @@ def main() -> None:
                                   f"{s['events'] / s['seconds'] / w:>12,.0f} /core", flush=True)
                 finally:
                     session.stop()
-        text = table(rows, spark, gen_rate, args)
+        text = head_line(gen_rate, args) + "\n\n"
+        if args.peers:
+            text += peers_table(rows, flink, args) + "\n\n"
+        text += table(rows, spark, gen_rate, args)
         print()
         print(text)
         if args.write_results:
