@@ -251,7 +251,8 @@ class Exprs:
         if isinstance(node, exp.Nullif):
             a, b = self._comparable(node.this, node.expression, node)
             eq = self._compare("equal", a, b, node.this, node.expression)
-            return call("if_else", call("coalesce", eq, lit(False)), null(), self._c(node.this))
+            value = self._c(node.this)  # NULLIF has its first argument's type (a literal's as README says)
+            return call("if_else", call("coalesce", eq, lit(False)), null(self.type_of(value, node.this)), value)
         if isinstance(node, (exp.Greatest, exp.Least)):
             args = self._unified([node.this] + list(node.expressions), node)
             if all(pat.is_null(self.type_of(x)) for x in args):
