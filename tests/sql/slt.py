@@ -405,8 +405,10 @@ class Runner:
                             print(f"  {len(self.outcomes)} queries ...", file=sys.stderr, flush=True)
                 except (EOFError, OSError) as e:  # the child died (an allocation failed, a crash)
                     proc.join(5)
-                    with open(log, errors="replace") as f:
-                        err = f.read()
+                    err = ""
+                    if os.path.exists(log):  # absent when the child died before it opened it
+                        with open(log, errors="replace") as f:
+                            err = f.read()
                     _, rec, _ = todo.pop(0)
                     memory = "memory" in err.lower() or "bad_alloc" in err
                     self.outcomes.append(Outcome(name, rec.line, rec.sql, "timeout" if memory else "error",
