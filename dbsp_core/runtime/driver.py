@@ -8,7 +8,7 @@ storage directory (dbsp_core.storage.formats lists every file) it is exactly onc
 
 Invariants (enforced here):
   1. A push is validated completely (handle, type, schema, weights, producer and seq, and the limits: a
-     producer id of at most 1024 bytes of UTF-8, a batch of at most 1 GiB encoded) before anything is
+     producer id of at most 1024 bytes of UTF-8, a push of at most 1 GiB encoded) before anything is
      recorded; a bad push raises and changes nothing. With storage, ``push`` returns its acknowledgement only
      after the push's record is durable in the input log. The record carries the step that was open when the
      push was admitted; a step is closed only when no admitted push is still being appended, and pushes wait
@@ -328,18 +328,18 @@ class Pipeline:
         self._now_floor, self._wm_divided, self._anon_seq = log.now_floor, log.watermarks, log.anon_seq
         self.stats["recovery_s"] = time.perf_counter() - t0
 
-    def _replay(self, batch: list[Divided]) -> None:
+    def _replay(self, run: list[Divided]) -> None:
         """Run divided steps again; once one fails on its data (invariant 7), it and every later one wait."""
-        if not batch:
+        if not run:
             return
         if self.step_error is not None:
-            self._queue.extend(batch)
+            self._queue.extend(run)
             return
         try:
-            self._run(batch, replay=True)
-        except StepError:  # _run queued the failed step and the rest of the batch
+            self._run(run, replay=True)
+        except StepError:  # _run queued the failed step and the rest of the step run
             pass
-        self.stats["replayed_steps"] += len(batch) - len(self._queue)
+        self.stats["replayed_steps"] += len(run) - len(self._queue)
 
     # ---- input ----
 
@@ -393,7 +393,8 @@ class Pipeline:
 
         A pa.Table with an extra integer ``weight`` column (the form :meth:`ZSet.to_arrow` returns) is taken as
         rows with weights. Raises (KeyError, TypeError, SchemaError) and records nothing if the handle is unknown,
-        the data is not a Z-set or Arrow batch, its columns differ from the input schema, or weights are not ints.
+        the data is not a Z-set, Arrow table or record batch, its columns differ from the input schema, or weights
+        are not ints.
 
         With storage, returns an :class:`Ack` once the push is durable in the input log; with ``producer`` and
         ``seq`` the push is idempotent across crashes: a pair already recorded is acknowledged again with
@@ -545,11 +546,11 @@ class Pipeline:
             if not quiet:
                 raise
 
-    def _run(self, batch: list[Divided], replay: bool = False) -> list[dict[str, ZSet]]:
+    def _run(self, run: list[Divided], replay: bool = False) -> list[dict[str, ZSet]]:
         """Run divided steps on the executor and log their output (invariants 3 and 4). Call with ``_step_lock``."""
         steps = []
         prev = self._last_now
-        for d in batch:
+        for d in run:
             steps.append(d.input._replace(prev_now_ns=prev))
             prev = d.input.now_ns
         t0 = time.perf_counter()
@@ -565,7 +566,7 @@ class Pipeline:
             self._await_division()  # invariant 3: durable before any output is written or returned
             crashpoint("step-output")
             if self._output is not None:
-                for d, out in zip(batch, outs):
+                for d, out in zip(run, outs):
                     self._output.write(d.input.step, out, d.ranges)
                     crashpoint("step-written" if not replay else "recover-step")
             self.stats["step_log_s"] += time.perf_counter() - t1
@@ -575,28 +576,28 @@ class Pipeline:
         finally:
             if self._division_sync is not None:  # the step failed before waiting: settle the fsync
                 self._await_division(quiet=True)
-        self._metrics.stepped([d.input.step for d in batch[:len(outs)]], outs, time.perf_counter() - t0)
+        self._metrics.stepped([d.input.step for d in run[:len(outs)]], outs, time.perf_counter() - t0)
         if failed is not None:
-            self._queue[:0] = batch[len(outs):]  # the failed step and those after it wait, divided
-            self._advance(batch[:len(outs)])
-            self.step_error = self._step_failed(failed, batch[len(outs)])
+            self._queue[:0] = run[len(outs):]  # the failed step and those after it wait, divided
+            self._advance(run[:len(outs)])
+            self.step_error = self._step_failed(failed, run[len(outs)])
             crashpoint("step-failed")
             raise self.step_error from failed.__cause__ or failed
         self.step_error = None
-        self._advance(batch)
+        self._advance(run)
         return outs
 
-    def _advance(self, batch: list[Divided]) -> None:
-        """The steps of ``batch`` ran and their output is logged: the pipeline moves past them."""
-        if not batch:
+    def _advance(self, run: list[Divided]) -> None:
+        """The steps of the step run ``run`` ran and their output is logged: the pipeline moves past them."""
+        if not run:
             return
-        last = batch[-1].input
+        last = run[-1].input
         self.steps = last.step + 1
         self._last_now = self.now_ns = last.now_ns
         self.seed = last.seed
         if self._event_time:
-            self.watermarks = dict(batch[-1].watermarks_after)
-            for d in batch:
+            self.watermarks = dict(run[-1].watermarks_after)
+            for d in run:
                 for name, n in d.late.items():
                     self.late_rows[name] += n
 
@@ -727,8 +728,8 @@ class Pipeline:
         self._wm_divided = dict(wm)
 
     def _run_queue(self) -> list[dict[str, ZSet]]:
-        batch, self._queue = self._queue, []
-        outs = self._run(batch)
+        run, self._queue = self._queue, []
+        outs = self._run(run)
         if self.storage is not None and self.checkpoint_interval is not None and self.rescale_progress is None and \
                 time.monotonic() - self._last_checkpoint >= self.checkpoint_interval:
             self.checkpoint(wait=False)
