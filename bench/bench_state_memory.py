@@ -55,6 +55,15 @@ def rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
+def anon_huge_bytes() -> int:
+    """AnonHugePages of this process (transparent huge pages: the C core madvises its large buffers, csrc/scratch.c)."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def malloc_trim() -> bool:
     try:
         return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
@@ -241,7 +250,7 @@ def run_view(view: str, rows: int, step: int, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     p = dbsp.Pipeline(_circuit(view), workers=1)
     gc.collect()
-    rss0, arrow0 = rss_bytes(), pa.total_allocated_bytes()
+    rss0, arrow0, huge0 = rss_bytes(), pa.total_allocated_bytes(), anon_huge_bytes()
     t0 = time.perf_counter()
     peak = rss0
     for lo in range(0, rows, step):
@@ -252,12 +261,15 @@ def run_view(view: str, rows: int, step: int, seed: int) -> dict:
     p.executor.settle_merges()
     gc.collect()
     time.sleep(0.2)
-    rss1 = rss_bytes()
+    rss1, huge = rss_bytes(), anon_huge_bytes() - huge0
     parts, facts = breakdown(p)
     trimmed = malloc_trim()
     rss2 = rss_bytes()
+    pa.default_memory_pool().release_unused()  # mimalloc's free pages (the pushed tables, freed)
+    rss3 = rss_bytes()
     facts.update(view=view, rows=rows, step=step, load_s=load_s, rss_before=rss0, rss_after=rss1,
-                 rss_after_trim=rss2 if trimmed else None, rss_peak_sampled=peak,
+                 rss_after_trim=rss2 if trimmed else rss1, rss_after_pool_release=rss3, anon_huge_growth=huge,
+                 rss_peak_sampled=peak,
                  arrow_pool_growth=pa.total_allocated_bytes() - arrow0,
                  caches=os.environ.get("DBSP_SCRATCH_MB", "default"), parts=parts)
     p.close()
@@ -299,13 +311,19 @@ def table(r: dict, nc: dict | None) -> str:
     lines.append(f"| **sum of live state** | **{known / n:.1f}** | **{known / growth:.0%}** |")
     rest = growth - known
     lines.append(f"| remainder (RSS growth - sum) | {rest / n:.1f} | {rest / growth:.0%} |")
-    if r.get("rss_after_trim") is not None:
-        freed = r["rss_after"] - r["rss_after_trim"]
-        lines.append(f"| ... of which glibc free memory (returned by malloc_trim) | {freed / n:.1f} | {freed / growth:.0%} |")
+    explained = 0
+    freed = r["rss_after"] - r["rss_after_trim"]
+    lines.append(f"| ... of which glibc free memory (returned by malloc_trim) | {freed / n:.1f} | {freed / growth:.0%} |")
+    pool = r["rss_after_trim"] - r["rss_after_pool_release"]
+    lines.append(f"| ... of which Arrow pool (mimalloc) free pages (returned by release_unused) | {pool / n:.1f} | "
+                 f"{pool / growth:.0%} |")
+    explained += freed + pool
     if nc is not None:
         ncg = nc["rss_after"] - nc["rss_before"]
         lines.append(f"| ... of which C scratch/region caches (RSS growth with them off: {ncg / n:.1f} B/row) | "
                      f"{(growth - ncg) / n:.1f} | {(growth - ncg) / growth:.0%} |")
+        explained += growth - ncg
+    lines.append(f"| ... unexplained | {(rest - explained) / n:.1f} | {(rest - explained) / growth:.0%} |")
     lines.append("")
     rows_at = {k[5:]: v for k, v in r["parts"].items() if k.startswith("@rows ")}
     for label, t in r["traces"].items():
@@ -318,7 +336,8 @@ def table(r: dict, nc: dict | None) -> str:
         lines.append(f"- ZSet attribute `{label}`: {zn:,} rows, {zb / 2**20:.1f} MiB")
     lines.append(f"- Arrow pool growth {r['arrow_pool_growth'] / n:.1f} B/row; C key indexes in all "
                  f"{r['keyindex_total_bytes'] / n:.1f} B/row; sampled peak RSS growth "
-                 f"{(r['rss_peak_sampled'] - r['rss_before']) / n:.1f} B/row")
+                 f"{(r['rss_peak_sampled'] - r['rss_before']) / n:.1f} B/row; "
+                 f"transparent huge pages {r['anon_huge_growth'] / growth:.0%} of the RSS growth")
     return "\n".join(lines)
 
 
