@@ -311,7 +311,7 @@ class SparkPipeline(Pipeline):
 
     def push(self, handle: str, data: Any, weights: Any = None, *, producer: str | None = None,
              seq: int | None = None) -> Any:
-        """Durably record ``data`` for the next step: a ZSet, pa.Table, RecordBatch or Spark DataFrame.
+        """Durably record ``data`` for the next step: a Spark DataFrame or any form :meth:`Pipeline.push` takes.
 
         A DataFrame is collected to the driver as Arrow (design note 3) and then validated like every other form
         by :meth:`Pipeline.push`: columns by the input's names, types cast safely (e.g. Spark ``string`` to
