@@ -799,6 +799,28 @@ def _source_hash(fn: object) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def _node_text(op: Operator, inputs: str, ref: Callable[[Operator], str]) -> str:
+    """What a fingerprint hashes of one node: kind, ``inputs`` (how the caller names them), schema, parameters;
+    ``ref`` names a parameter that is another node."""
+    parts = [type(op).__name__, getattr(op, "kind", ""), inputs, op.schema.to_string(), repr(op.partitioning)]
+    for k, v in sorted(vars(op).items()):
+        if k in ("node_id", "inputs", "schema", "partitioning"):
+            continue
+        if isinstance(v, (str, int, float, bool, tuple, list, type(None))):
+            parts.append(f"{k}={v!r}")
+        elif isinstance(v, pa.Schema):
+            parts.append(f"{k}={v.to_string()}")
+        elif isinstance(v, Operator):
+            parts.append(f"{k}={ref(v)}")
+        elif callable(v):
+            parts.append(f"{k}=<{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', type(v).__name__)}"
+                         f":{_source_hash(v)}>")
+        else:
+            # e.g. pyarrow compute expressions print their full text; addresses vary between processes
+            parts.append(f"{k}=" + re.sub(r" at 0x[0-9a-fA-F]+", "", str(v)))
+    return "\x1f".join(parts)
+
+
 def circuit_fingerprint(circuit: Circuit) -> str:
     """A hash of the circuit's structure: every node's kind, inputs, schema and parameters, inputs and outputs.
 
@@ -813,23 +835,31 @@ def circuit_fingerprint(circuit: Circuit) -> str:
     """
     h = hashlib.sha256()
     for op in circuit.nodes:
-        parts = [type(op).__name__, getattr(op, "kind", ""), repr(op.inputs), op.schema.to_string(),
-                 repr(op.partitioning)]
-        for k, v in sorted(vars(op).items()):
-            if k in ("node_id", "inputs", "schema", "partitioning"):
-                continue
-            if isinstance(v, (str, int, float, bool, tuple, list, type(None))):
-                parts.append(f"{k}={v!r}")
-            elif isinstance(v, pa.Schema):
-                parts.append(f"{k}={v.to_string()}")
-            elif isinstance(v, Operator):
-                parts.append(f"{k}=node#{v.node_id}")
-            elif callable(v):
-                parts.append(f"{k}=<{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', type(v).__name__)}"
-                             f":{_source_hash(v)}>")
-            else:
-                # e.g. pyarrow compute expressions print their full text; addresses vary between processes
-                parts.append(f"{k}=" + re.sub(r" at 0x[0-9a-fA-F]+", "", str(v)))
-        h.update("\x1f".join(parts).encode("utf-8") + b"\x1e")
+        h.update(_node_text(op, repr(op.inputs), lambda v: f"node#{v.node_id}").encode("utf-8") + b"\x1e")
     h.update(repr(sorted(circuit.inputs.items())).encode() + repr(sorted(circuit.outputs.items())).encode())
     return h.hexdigest()
+
+
+PART_FINGERPRINTS_VERSION = 1  # of :func:`part_fingerprints`; META records it with them
+
+
+def part_fingerprints(circuit: Circuit) -> dict:
+    """A fingerprint per input and per output: a hash of the node and, recursively, of every node it reads, by
+    their content rather than their position, so a view keeps its fingerprint when other views are added,
+    removed or changed (META records these to name the views and tables that differ, recovery.py).
+
+    >>> import pyarrow as pa
+    >>> c = Circuit(); s = c.input("x", pa.schema([("a", pa.int64())])); c.output("o", s.distinct())
+    >>> d = Circuit(); t = d.input("x", pa.schema([("a", pa.int64())])); d.output("n", t); d.output("o", t.distinct())
+    >>> part_fingerprints(c)["outputs"]["o"] == part_fingerprints(d)["outputs"]["o"]
+    True
+    """
+    h: dict[int, str] = {}
+    for op in circuit.nodes:  # inputs are earlier nodes (invariant 1)
+        ins = repr(tuple(h[i] for i in op.inputs))
+        # a later node (e.g. a pre-aggregate's aggregate) is named by its distance, the same wherever the pair is
+        text = _node_text(op, ins, lambda v: h.get(v.node_id, f"node+{v.node_id - op.node_id}"))
+        h[op.node_id] = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return {"version": PART_FINGERPRINTS_VERSION,
+            "inputs": {name: h[i] for name, i in sorted(circuit.inputs.items())},
+            "outputs": {name: h[i] for name, i in sorted(circuit.outputs.items())}}

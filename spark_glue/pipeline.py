@@ -57,7 +57,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dbsp_core.circuit import Circuit
-from dbsp_core.errors import DbspError, SchemaError
+from dbsp_core.errors import DbspError
 from dbsp_core.layout import DEFAULT_SHARD_BITS, Layout
 from dbsp_core.runtime import Pipeline, StagedExecutor
 from dbsp_core.runtime.job_files import read_job_input, remove_job_inputs, write_job_inputs
@@ -65,7 +65,7 @@ from dbsp_core.runtime.stage_plan import BLOB_SCHEMA, CONTROL_NODE, StagePlan, S
 from dbsp_core.runtime.stage_task import StageTask, read_result_outputs, run_stage_task
 from dbsp_core.runtime.staged import Job
 from dbsp_core.storage.formats import META_FILE
-from dbsp_core.zset import ZSet, weight_column
+from dbsp_core.zset import ZSet
 from spark_glue.check import check_executors
 
 __all__ = ["SparkPipeline", "SparkJobRunner", "partition_codes"]
@@ -311,11 +311,11 @@ class SparkPipeline(Pipeline):
 
     def push(self, handle: str, data: Any, weights: Any = None, *, producer: str | None = None,
              seq: int | None = None) -> Any:
-        """Durably record ``data`` for the next step: a ZSet, pa.Table, RecordBatch or Spark DataFrame.
+        """Durably record ``data`` for the next step: a Spark DataFrame or any form :meth:`Pipeline.push` takes.
 
-        A DataFrame is collected to the driver as Arrow (design note 3); its columns must match the input's
-        names, and its types must cast safely to the input's (e.g. Spark ``string`` to ``utf8``). Invalid
-        input raises and records nothing, as for the durable pipeline.
+        A DataFrame is collected to the driver as Arrow (design note 3) and then validated like every other form
+        by :meth:`Pipeline.push`: columns by the input's names, types cast safely (e.g. Spark ``string`` to
+        ``utf8``). Invalid input raises and records nothing, as for the durable pipeline.
         """
         from pyspark.sql import DataFrame
 
@@ -323,7 +323,7 @@ class SparkPipeline(Pipeline):
             self._check_usable()
             if handle not in self._inputs:
                 raise KeyError(f"push: unknown input handle {handle!r}; inputs are {sorted(self._inputs)}")
-            data = _conform_arrow(data.toArrow(), self._inputs[handle], handle)
+            data = data.toArrow()
         return super().push(handle, data, weights, producer=producer, seq=seq)
 
     # ---- outputs as DataFrames ----
@@ -361,18 +361,3 @@ class SparkPipeline(Pipeline):
 
     def __repr__(self) -> str:
         return f"SparkPipeline({self.storage!r}, workers={self.workers}, steps={self.steps})"
-
-
-def _conform_arrow(t: pa.Table, schema: pa.Schema, handle: str) -> pa.Table:
-    """A DataFrame's Arrow table with the input's types (by name; safe casts only); SchemaError otherwise."""
-    wname = weight_column(schema)
-    names = [n for n in t.column_names if n != wname]
-    if names != schema.names:
-        raise SchemaError(f"push({handle!r}): DataFrame columns {t.column_names} do not match the input columns "
-                          f"{schema.names}")
-    target = pa.schema(list(schema) + ([pa.field(wname, pa.int64())] if len(t.column_names) > len(names) else []))
-    try:
-        return t.cast(target, safe=True)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
-        raise SchemaError(f"push({handle!r}): DataFrame types {[str(f.type) for f in t.schema]} do not cast to the "
-                          f"input types {[str(f.type) for f in schema]}: {e}") from None

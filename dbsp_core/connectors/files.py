@@ -43,6 +43,7 @@ import pyarrow.parquet as pq
 
 from dbsp_core import metrics
 from dbsp_core.errors import InputFileError, SchemaError
+from dbsp_core.rows import conform
 
 __all__ = ["FileSource"]
 
@@ -296,20 +297,7 @@ class FileSource:
         return InputFileError(f"FileSource {self.name!r}: cannot read {path}{more}: {what}", path)
 
     def _convert(self, table: pa.Table) -> pa.Table:
-        missing = [n for n in self.schema.names if n not in table.column_names]
-        if missing:
-            raise SchemaError(f"no column {missing} (the input {self.handle!r} has {self.schema.names})")
-        names = list(self.schema.names)
-        fields = list(self.schema)
-        if "weight" in table.column_names and "weight" not in names:
-            names.append("weight")
-            fields.append(pa.field("weight", pa.int64()))
-        try:
-            return table.select(names).cast(pa.schema(fields), safe=True)
-        except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
-            have = ", ".join(f"{f.name} {f.type}" for f in table.schema)
-            want = ", ".join(f"{f.name} {f.type}" for f in fields)
-            raise SchemaError(f"columns ({have}) do not cast to the input's ({want}): {e}") from None
+        return conform(table, self.schema, f"the input {self.handle!r}", weight="weight", extra=True)
 
     def _push(self, producer: str, seq: int, table: pa.Table) -> int:
         ack = self.pipeline.push(self.handle, table, producer=producer, seq=seq)

@@ -76,6 +76,7 @@ from dbsp_core.layout import DEFAULT_SHARD_BITS, Layout, ShardMap
 from dbsp_core.metrics import Metrics, gather, serve, stop_serving
 from dbsp_core.operators.base import same_columns
 from dbsp_core.progress import progress
+from dbsp_core.rows import as_table, conform
 from dbsp_core.runtime.crashpoints import crashpoint
 from dbsp_core.runtime.division import Divided, ranges
 from dbsp_core.runtime.embedded import EmbeddedExecutor
@@ -95,7 +96,8 @@ from dbsp_core.time.watermark import NO_WATERMARK, advance, specs_of
 from dbsp_core.trace import Trace
 from dbsp_core.zset import ZSet, weight_column
 
-PushData = ZSet | pa.Table | pa.RecordBatch
+# what push takes: these, pandas and polars DataFrames (neither imported here), a dict of columns, a list of rows
+PushData = ZSet | pa.Table | pa.RecordBatch | dict | list
 MAX_PRODUCER_BYTES = 1024  # a producer id is a key of driver.db's dedup table (the page store's key limit)
 MAX_PUSH_BYTES = _storage.MAX_PAYLOAD  # one push is one input-log record
 
@@ -356,8 +358,7 @@ class Pipeline:
             if weights is not None:
                 raise TypeError(f"push({handle!r}): weights= is only for Arrow data; a ZSet carries its own")
             z = data
-        elif isinstance(data, (pa.Table, pa.RecordBatch)):
-            table = pa.Table.from_batches([data]) if isinstance(data, pa.RecordBatch) else data
+        elif (table := as_table(data, schema, f"push({handle!r})")) is not None:
             if table.schema.equals(schema):  # the input's own schema (its types were checked when declared)
                 if weights is None:
                     return ZSet._make(table, np.ones(table.num_rows, dtype=np.int64))
@@ -365,21 +366,21 @@ class Pipeline:
                         and weights.shape[0] == table.num_rows):
                     return ZSet._make(table, weights.copy())  # a copy: a Z-set is a value
             wname = weight_column(schema)  # the to_arrow() form: data columns + the weight column
-            if weights is None and table.num_columns == len(schema) + 1 and table.schema.names[-1] == wname:
-                col = table.column(len(schema))
+            if weights is None and wname in table.column_names:
+                col = table.column(wname)
                 if not pa.types.is_integer(col.type):
                     raise TypeError(f"push({handle!r}): the {wname!r} column must be an integer type, got {col.type}")
-                weights = col
+            table = conform(table, schema, f"push({handle!r})", weight=None if weights is not None else wname)
+            if table.num_columns > len(schema):
+                weights = table.column(len(schema))
                 table = table.remove_column(len(schema))
-            if not same_columns(table.schema, schema):
-                raise SchemaError(f"push({handle!r}): data columns {_fmt(table.schema)} do not match the input "
-                                  f"schema {_fmt(schema)}")
             if weights is not None and isinstance(weights, np.ndarray) and weights.dtype.kind not in "iu":
                 raise TypeError(f"push({handle!r}): weights must be integers, got dtype {weights.dtype}")
             z = ZSet.from_arrow(table, weights=weights)
         else:
-            raise TypeError(f"push({handle!r}): expected a ZSet, pyarrow Table or RecordBatch, "
-                            f"got {type(data).__name__}")
+            raise TypeError(f"push({handle!r}): expected a ZSet, pyarrow Table or RecordBatch, pandas or polars "
+                            f"DataFrame, dict of columns, or list of row dicts or row tuples; got "
+                            f"{type(data).__name__}")
         if not same_columns(z.schema, schema):
             raise SchemaError(f"push({handle!r}): Z-set columns {_fmt(z.schema)} do not match the input schema "
                               f"{_fmt(schema)}")
@@ -389,12 +390,16 @@ class Pipeline:
 
     def push(self, handle: str, data: PushData, weights: Any = None, *, producer: str | None = None,
              seq: int | None = None) -> Ack | None:
-        """Queue ``data`` (a change: ZSet, or Arrow rows with optional int ``weights``) for the next step.
+        """Queue ``data`` (a change: a ZSet, or rows with optional int ``weights``, one per row) for the next step.
 
-        A pa.Table with an extra integer ``weight`` column (the form :meth:`ZSet.to_arrow` returns) is taken as
-        rows with weights. Raises (KeyError, TypeError, SchemaError) and records nothing if the handle is unknown,
-        the data is not a Z-set, Arrow table or record batch, its columns differ from the input schema, or weights
-        are not ints.
+        Rows come as a pyarrow Table or RecordBatch, a pandas or polars DataFrame (polars is not a dependency), a
+        dict of columns (lists, numpy or Arrow arrays) or a list of row dicts (a key missing from a row is null) or
+        of row tuples (in the input's column order). Columns are taken by name and cast safely to the input's types,
+        as ``FileSource`` does: an int64 value that fits an INT column is taken, one that does not (or a float with a
+        fraction) is a SchemaError naming the column and the row. An extra integer column named like the one
+        :meth:`ZSet.to_arrow` adds (``weight``) gives the rows' weights. Raises (KeyError, TypeError, SchemaError)
+        and records nothing if the handle is unknown, the data is none of these forms, a column is missing or is
+        not the input's, a value does not cast, or weights are not ints.
 
         With storage, returns an :class:`Ack` once the push is durable in the input log; with ``producer`` and
         ``seq`` the push is idempotent across crashes: a pair already recorded is acknowledged again with

@@ -11,7 +11,8 @@ Invariants (enforced here; together they are driver invariant 6):
      D..X-1, replays every divided step from X (verifying output already in the log, appending the rest), then
      queues the acknowledged pushes never divided into a step.
   2. A directory written by a different circuit or another kind of executor is refused with
-     CircuitMismatchError.
+     CircuitMismatchError; for a circuit, it names the views (outputs) and tables (inputs) added, removed or
+     changed, by the part fingerprints META records (the two circuit hashes if META predates them).
   3. A damaged input log raises CorruptionError naming the file and offset and changes nothing (``dbsp repair``
      is the way forward); a damaged output log is rebuilt when every step it lost is one the replay computes
      again, and refused otherwise (dbsp_core.storage.repair, invariants 1 and 4).
@@ -25,7 +26,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import pyarrow as pa
 
-from dbsp_core.circuit import Circuit
+from dbsp_core.circuit import Circuit, part_fingerprints
 from dbsp_core.codec import decode_json, decode_zset
 from dbsp_core.errors import CircuitMismatchError, CorruptionError, RecoveryError
 from dbsp_core.layout import DEFAULT_SHARD_BITS, HASH_VERSION, Layout
@@ -75,7 +76,8 @@ def open_directory(root: str, executor: Executor, circuit: Circuit, fingerprint:
     finish_repair(root)  # a repair a crash interrupted: swap in the repaired logs (storage/repair.py)
     meta = {"fingerprint": fingerprint, "executor": executor.kind, "inputs": sorted(inputs),
             "outputs": sorted(outputs), "hash_version": HASH_VERSION,
-            "output_schemas": {n: sch.serialize().to_pybytes().hex() for n, sch in outputs.items()}}
+            "output_schemas": {n: sch.serialize().to_pybytes().hex() for n, sch in outputs.items()},
+            "part_fingerprints": part_fingerprints(circuit)}
     legacy = is_format1(root)
     if legacy is not None:  # the previous release's directory: converted, then opened as any other
         executor.start(circuit, Layout.local(int(legacy.get("workers", 1)),
@@ -94,11 +96,13 @@ def open_directory(root: str, executor: Executor, circuit: Circuit, fingerprint:
         write_layout(root, Layout.local(workers, shard_bits), None, vfs)
         write_meta(root, meta, vfs)  # META last: the directory holds a pipeline from here on
     else:
-        for k, what in (("fingerprint", "circuit"), ("executor", "executor kind")):
-            if old.get(k) != meta[k]:
-                raise CircuitMismatchError(
-                    f"{root} was written by a pipeline with a different {what} ({old.get(k)!r} != {meta[k]!r}); "
-                    f"open it with the same circuit and executor")
+        if old.get("fingerprint") != meta["fingerprint"]:
+            raise CircuitMismatchError(f"{root} was written by a pipeline with a different circuit"
+                                       f"{_differences(old, meta)}; open it with the same circuit")
+        if old.get("executor") != meta["executor"]:
+            raise CircuitMismatchError(
+                f"{root} was written by a pipeline with a different executor kind ({old.get('executor')!r} != "
+                f"{meta['executor']!r}); open it with the same circuit and executor")
     layout, _ = read_layout(root, vfs)
     if old is not None and not open_only and layout.workers != workers:
         raise CircuitMismatchError(f"{root} holds a pipeline of {layout.workers} workers, not {workers}; "
@@ -129,6 +133,26 @@ def open_directory(root: str, executor: Executor, circuit: Circuit, fingerprint:
         executor.output_steps = lambda: out.last
         opened.pop_all()  # the caller holds them from here on
     return Opened(inp, out, db, consumers, layout, last_rescale)
+
+
+def _differences(old: dict, new: dict) -> str:
+    """What differs between the circuit recorded in META ``old`` and that of ``new``: the views (outputs) and
+    tables (inputs) added, removed or changed, by their fingerprints; the two circuit hashes when ``old`` has no
+    part fingerprints (a directory written before META recorded them) or none of them differs."""
+    hashes = f" ({old.get('fingerprint')!r} != {new['fingerprint']!r})"
+    was, now = old.get("part_fingerprints"), new["part_fingerprints"]
+    if not isinstance(was, dict) or was.get("version") != now["version"]:
+        return hashes
+    said = []
+    for key, what in (("outputs", "views"), ("inputs", "tables")):
+        a, b = was.get(key, {}), now[key]
+        for how, names in (("added", sorted(b.keys() - a.keys())), ("removed", sorted(a.keys() - b.keys())),
+                           ("changed", sorted(n for n in a.keys() & b.keys() if a[n] != b[n]))):
+            if names:
+                said.append(f"{what} {how}: {', '.join(names)}")
+    if not said:
+        return f"{hashes}: no view or table differs, but how the circuit's nodes are ordered or shared does"
+    return ": " + "; ".join(said)
 
 
 def settle_state(root: str, executor: Executor, circuit: Circuit, layout: Layout, last_rescale: dict | None,

@@ -3,7 +3,8 @@
 Directory format 2 (``DIRECTORY_FORMAT``)::
 
     <root>/
-      META                      the pipeline: circuit fingerprint, executor, inputs, outputs, output schemas
+      META                      the pipeline: circuit fingerprint (and one per input and output), executor, inputs,
+                                outputs, output schemas
       LAYOUT                    the layout in force (shards, owner table, epoch) and the last rescale's report
       RESCALE                   only while a layout change is in progress: from, to, base version, step
       REPAIR                    only while ``dbsp repair`` (or an output rebuild) swaps in repaired logs
@@ -31,7 +32,11 @@ The body of a JSON record is UTF-8 JSON with sorted keys.
 magic       where                                   body
 ==========  ======================================  =======================================================
 ``DMET``    META                                    JSON: format, fingerprint, executor, inputs, outputs,
-                                                    output_schemas (hex Arrow schemas), hash_version
+                                                    output_schemas (hex Arrow schemas), hash_version,
+                                                    part_fingerprints: version (1), inputs and outputs
+                                                    (name -> dbsp_core.circuit.part_fingerprints); absent
+                                                    in directories made before it (refusals then name
+                                                    only the circuit hashes)
 ``DLAY``    LAYOUT                                  JSON: layout (dbsp_core.layout.Layout.to_dict),
                                                     last_rescale (report or null)
 ``DRSC``    RESCALE                                 JSON: kind (cold or live), from and to (layout records),
