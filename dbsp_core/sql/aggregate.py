@@ -86,6 +86,8 @@ def _parts(builder: Builder, node: exp.Expression) -> tuple[str, exp.Expression 
         arg = None
     elif node.expressions:
         raise builder.src.error(node, f"{kind.upper()} takes one argument")
+    elif arg is None and kind != "count":  # COUNT() is COUNT(*) in DuckDB; MAX() etc. are not functions there
+        raise builder.src.error(node, f"{kind.upper()}() needs an argument, e.g. {kind.upper()}(x)")
     return kind, arg, distinct, cond
 
 

@@ -165,6 +165,8 @@ class Exprs:
                 v = int(text)
                 return lit(v, int_literal_type(v))
             return lit(float(text), pa.float64())
+        if isinstance(node, exp.HexString):  # x'303132': a BLOB (parse.py reads it from the tokens)
+            return lit(bytes.fromhex(node.this), pa.binary())
         if isinstance(node, exp.Null):
             return null()
         if isinstance(node, exp.Boolean):

@@ -279,6 +279,12 @@ class Planner(Builder):
                     raise self.src.error(node, "schema-qualified names are not supported")
                 name = tname(node.this)
                 rel = self.lookup(node, name).qualified(alias or name)
+        elif isinstance(node, exp.Subquery) and isinstance(node.this, (exp.Table, exp.Subquery)):
+            rel = self.table_ref(node.this)  # a parenthesised join, FROM (t) or FROM (a JOIN b ON ...)
+            for j in node.this.args.get("joins") or []:
+                rel, _ = self.join(rel, j, [])
+            if alias is not None:
+                rel = rel.qualified(alias)
         elif isinstance(node, exp.Subquery):
             rel = self.query(node.this)
             rel = self.order_limit(node, rel).qualified(alias)
@@ -497,8 +503,20 @@ class Planner(Builder):
                 f = rf if side == "right" else lf
             merged.append(Col(n, None, f, True, True))
         rel = self.extend(rel, new)
-        rest = [Col(c.name, c.table, c.field, c.star and c.name not in names, c.merged) for c in rel.cols]
-        return Rel(rel.stream, merged + rest)
+        # DuckDB's order: a USING column stands where the left side shows it, the right side's copy is hidden
+        by_name = {c.name: c for c in merged}
+        cols: list[Col] = []
+        for i, c in enumerate(rel.cols):
+            if c.name not in by_name:
+                cols.append(c)
+            elif c.merged:  # an earlier USING's column of the left side: the new one replaces it
+                continue
+            else:
+                if i < len(left.cols) and c.star and by_name[c.name] not in cols:
+                    cols.append(by_name[c.name])
+                cols.append(Col(c.name, c.table, c.field, False, False))
+        cols = [c for c in merged if c not in cols] + cols  # a USING column the left side shows under no star
+        return Rel(rel.stream, cols)
 
     # ---- set operations ----
 
