@@ -209,8 +209,9 @@ class Exprs:
                                       f"expression may have (Arrow evaluates it recursively and would overflow its "
                                       f"stack); put the values in a table and join, or IN (SELECT ...)")
             eqs = [self._c(exp.EQ(this=node.this, expression=v)) for v in node.expressions]
-            if not eqs:
-                raise src.error(node, "IN () needs at least one value")
+            if not eqs:  # DuckDB: false, NULL for a NULL operand
+                x = self._c(node.this)
+                return call("if_else", call("is_null", x), null(pa.bool_()), lit(False))
             out = eqs[0]
             for e in eqs[1:]:
                 out = call("or_kleene", out, e)
@@ -376,7 +377,26 @@ class Exprs:
             return (a2, tb), (b, tb)
         return (a, ta), (b, tb)
 
+    def literal_as(self, node: exp.Expression, t: pa.DataType) -> pc.Expression | None:
+        """A string literal compared with (or joined to) a number, as DuckDB casts it: to the number's type,
+        refused when its text is not such a number (DuckDB's conversion error); None for anything else."""
+        if not (isinstance(node, exp.Literal) and node.is_string and is_numeric(t)) or self.subst.get(node):
+            return None
+        text = node.this.strip()
+        try:
+            if pat.is_integer(t):
+                if not re.fullmatch(r"[+-]?\d+", text):
+                    raise ValueError(text)
+                return lit(pa.scalar(int(text), t).as_py(), t)
+            return lit(float(text), t)
+        except (ValueError, pa.ArrowInvalid, OverflowError):
+            raise self.src.error(node, f"cannot compare {t} with {node.sql(dialect=DIALECT)}: the string is cast "
+                                       f"to {t} (as DuckDB does) and is not such a value") from None
+
     def _retyped(self, node: exp.Expression, t: pa.DataType) -> pc.Expression | None:
+        as_number = self.literal_as(node, t)
+        if as_number is not None:
+            return as_number
         neg = isinstance(node, exp.Neg)
         n = node.this if neg else node
         if not (isinstance(n, exp.Literal) and not n.is_string and is_numeric(t)) or self.subst.get(node):

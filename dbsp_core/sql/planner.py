@@ -82,6 +82,8 @@ class Planner(Builder):
         rel = apply_where(self, rel, where, outer)
         items = self.select_items(node, rel)
         having = node.args.get("having")
+        if having is not None:
+            having = self.output_aliases(having, items, rel)
         order = node.args.get("order")
         aggs = aggregate_calls(self, [e for _, e in items] + ([having.this] if having else []))
         subst: dict = {}
@@ -96,6 +98,19 @@ class Planner(Builder):
         if distinct is not None:
             out = Rel(out.stream.distinct(), out.cols)
         return self.order_limit(node, out, rel, subst)
+
+    def output_aliases(self, having: exp.Having, items: list[tuple[str, exp.Expression]], rel: Rel) -> exp.Having:
+        """HAVING with each unqualified name that is no input column but an output alias replaced by the aliased
+        expression (DuckDB: ``SELECT a AS k ... HAVING count(*) NOT IN (k)``)."""
+        aliased = {n: e for n, e in items if not n.startswith("__")}
+
+        def is_alias(n: exp.Expression) -> bool:
+            return (isinstance(n, exp.Column) and not n.args.get("table") and isinstance(n.this, exp.Identifier)
+                    and ident(n.this) in aliased and not rel.find(None, ident(n.this)))
+
+        if not any(is_alias(n) for n in having.walk()):
+            return having  # the same node: positions and memos stay those of the text
+        return having.transform(lambda n: aliased[ident(n.this)].copy() if is_alias(n) else n)
 
     def project(self, rel: Rel, items: list[tuple[str, exp.Expression]], subst: dict,
                 order: exp.Order | None = None, keep_order: bool = False) -> Rel:

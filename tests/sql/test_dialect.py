@@ -54,6 +54,17 @@ VIEWS = [
     ("in_same_key", "SELECT v, 'a' IN (SELECT * FROM strings WHERE v = s1.v) AS x FROM strings AS s1"),
     ("in_same_key_where", "SELECT v FROM strings AS s1 WHERE 'a' IN (SELECT * FROM strings WHERE v = s1.v)"),
     ("not_in_same_key", "SELECT v FROM strings AS s1 WHERE 'a' NOT IN (SELECT * FROM strings WHERE v = s1.v)"),
+    # IN () is false, NULL for a NULL operand
+    ("in_empty", "SELECT a, a IN () AS x, a NOT IN () AS y FROM t1"),
+    ("in_empty_where", "SELECT a FROM t1 WHERE b NOT IN ()"),
+    # a string literal against a number is cast to the number's type
+    ("cast_eq", "SELECT a, b FROM t1 WHERE a = '1' OR b < ' 3 '"),
+    ("cast_in_list", "SELECT a FROM t1 WHERE a IN ('1', 2, '+4')"),
+    ("cast_in_subquery", "SELECT b, '1' IN (SELECT a FROM t1) AS x FROM t2"),
+    ("cast_in_where", "SELECT b FROM t2 WHERE '2' IN (SELECT a FROM t1 WHERE t1.b = t2.b)"),
+    # HAVING names an output alias
+    ("having_alias", "SELECT a AS k, count(*) AS n FROM t1 GROUP BY a HAVING count(*) NOT IN (k)"),
+    ("having_alias_agg", "SELECT a AS k, sum(b) AS s FROM t1 GROUP BY a HAVING s > 3"),
 ]
 
 
@@ -79,6 +90,8 @@ def test_using_columns_keep_duckdb_order() -> None:
 REFUSED_BY_BOTH = [
     ("SELECT * FROM t1 JOIN t2 USING (t1.b)", "USING .* takes column names"),
     ("SELECT max() FROM t1", r"MAX\(\) needs an argument"),
+    ("SELECT a FROM t1 WHERE a = 'hello'", "cannot compare int32 with 'hello'"),
+    ("SELECT a FROM t1 WHERE 'hello' IN (SELECT a FROM t1)", "cannot compare int32 with 'hello'"),
     ("WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r WHERE n < 3 ORDER BY n) SELECT * FROM r",
      "ORDER BY is not allowed on the UNION of recursive CTE 'r'"),
 ]
@@ -87,7 +100,7 @@ REFUSED_BY_BOTH = [
 @pytest.mark.parametrize("query,message", REFUSED_BY_BOTH)
 def test_refused_like_duckdb(query: str, message: str) -> None:
     con = duckdb.connect()
-    con.execute(DDL)
+    con.execute(DDL + "INSERT INTO t1 VALUES (1, 2); INSERT INTO t2 VALUES (2, 3);")
     with pytest.raises(duckdb.Error):
         con.execute(query).fetchall()
     with pytest.raises(SqlError, match=message):
