@@ -237,6 +237,7 @@ def plan_aggregate(builder: Builder, rel: Rel, node: exp.Select | None, items: l
     subst.update(names)
     out_rel = Rel(stream, cols)
     out_rel.grouped = True  # type: ignore[attr-defined]
+    out_rel.ungrouped = rel  # type: ignore[attr-defined]  # the input, to name a column that is not grouped
     out_rel.count_fields = counts  # type: ignore[attr-defined]
     return out_rel, subst
 

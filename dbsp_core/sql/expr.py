@@ -133,6 +133,10 @@ class Exprs:
         if len(hits) > 1:
             raise self.src.error(node, f"column {name!r} is ambiguous: it may be "
                                        f"{', '.join(sorted({f'{c.table}.{c.name}' for c in hits}))}")
+        ungrouped = getattr(self.rel, "ungrouped", None)
+        if ungrouped is not None and ungrouped.find(table, name):
+            raise self.src.error(node, f"column {(table + '.') if table else ''}{name} must appear in GROUP BY or be "
+                                       f"used in an aggregate function (e.g. MIN({name}))")
         if self.columns is not None:
             field = self.columns(node)
             if field is not None:
