@@ -398,9 +398,6 @@ class Exprs:
                                        f"to {t} (as DuckDB does) and is not such a value") from None
 
     def _retyped(self, node: exp.Expression, t: pa.DataType) -> pc.Expression | None:
-        as_number = self.literal_as(node, t)
-        if as_number is not None:
-            return as_number
         neg = isinstance(node, exp.Neg)
         n = node.this if neg else node
         if not (isinstance(n, exp.Literal) and not n.is_string and is_numeric(t)) or self.subst.get(node):
@@ -422,6 +419,11 @@ class Exprs:
     def _comparable(self, x: exp.Expression, y: exp.Expression, node: exp.Expression
                     ) -> tuple[pc.Expression, pc.Expression]:
         (a, ta), (b, tb) = self._pair(x, y)
+        b2, a2 = self.literal_as(y, ta), self.literal_as(x, tb)  # '1' = a (not a + '1': DuckDB refuses that)
+        if b2 is not None:
+            b, tb = b2, ta
+        elif a2 is not None:
+            a, ta = a2, tb
         if common_type(ta, tb) is None:
             raise self.src.error(node, f"cannot compare {ta} with {tb} in {node.sql(dialect=DIALECT)}")
         if pat.is_null(ta) and pat.is_null(tb):  # NULL = NULL: a boolean NULL, whatever the (untyped) sides
