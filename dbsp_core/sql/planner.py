@@ -524,11 +524,10 @@ class Planner(Builder):
         for i, c in enumerate(rel.cols):
             if c.name not in by_name:
                 cols.append(c)
-            elif c.merged:  # an earlier USING's column of the left side: the new one replaces it
                 continue
-            else:
-                if i < len(left.cols) and c.star and by_name[c.name] not in cols:
-                    cols.append(by_name[c.name])
+            if i < len(left.cols) and c.star and by_name[c.name] not in cols:
+                cols.append(by_name[c.name])
+            if not c.merged:  # an earlier USING's column of the left side is replaced by the new one
                 cols.append(Col(c.name, c.table, c.field, False, False))
         cols = [c for c in merged if c not in cols] + cols  # a USING column the left side shows under no star
         return Rel(rel.stream, cols)

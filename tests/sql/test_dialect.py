@@ -38,6 +38,10 @@ VIEWS = [
     ("using_left", "SELECT * FROM t2 LEFT JOIN t1 USING (b)"),
     ("using_right", "SELECT * FROM t2 RIGHT JOIN t1 USING (b)"),
     ("using_full", "SELECT * FROM t2 FULL JOIN t1 USING (b)"),
+    ("using_twice", "SELECT * FROM t1 JOIN t2 USING (b) JOIN t2 AS x USING (b, c)"),
+    ("using_full_twice", "SELECT * FROM t1 FULL JOIN t2 USING (b) FULL JOIN t1 AS x USING (b)"),
+    ("using_left_then", "SELECT * FROM t1 LEFT JOIN t2 USING (b) JOIN t3 USING (c)"),
+    ("using_stars", "SELECT t1.*, t2.* FROM t1 JOIN t2 USING (b)"),
     ("using_qualified", "SELECT t1.b, t2.b AS b2, b, c FROM t1 JOIN t2 USING (b)"),
     # parenthesised joins
     ("paren_cross", "SELECT * FROM ( tab0 AS cor0 CROSS JOIN tab0 cor1 ) WHERE cor0.col0 < cor1.col1"),
