@@ -13,8 +13,8 @@ Invariants:
      missing (errors.py). A circuit that compiled runs on every runtime (embedded, durable, staged/Spark).
 
 Supported SQL (see README.md, "SQL views"): SELECT with WHERE and expressions, inner/left/right/full joins
-(ON with equalities and other conditions, USING, comma joins), GROUP BY/HAVING, keyless aggregates,
-COUNT/SUM/AVG/MIN/MAX with DISTINCT and FILTER, DISTINCT, UNION [ALL]/EXCEPT/INTERSECT, subqueries in FROM,
+(ON with equalities and other conditions, USING, comma joins, parenthesised joins), GROUP BY/HAVING, keyless
+aggregates, COUNT/SUM/AVG/MIN/MAX with DISTINCT and FILTER, DISTINCT, UNION [ALL]/EXCEPT/INTERSECT, subqueries in FROM,
 WITH and WITH RECURSIVE, [NOT] IN / [NOT] EXISTS / scalar subqueries (correlated by equalities), ORDER BY ...
 LIMIT as top-k, ROW_NUMBER()/RANK() <= k per partition, TUMBLE/HOP windows, VALUES.
 """

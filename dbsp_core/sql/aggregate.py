@@ -86,6 +86,8 @@ def _parts(builder: Builder, node: exp.Expression) -> tuple[str, exp.Expression 
         arg = None
     elif node.expressions:
         raise builder.src.error(node, f"{kind.upper()} takes one argument")
+    elif arg is None and kind != "count":  # COUNT() is COUNT(*) in DuckDB; MAX() etc. are not functions there
+        raise builder.src.error(node, f"{kind.upper()}() needs an argument, e.g. {kind.upper()}(x)")
     return kind, arg, distinct, cond
 
 
@@ -235,6 +237,7 @@ def plan_aggregate(builder: Builder, rel: Rel, node: exp.Select | None, items: l
     subst.update(names)
     out_rel = Rel(stream, cols)
     out_rel.grouped = True  # type: ignore[attr-defined]
+    out_rel.ungrouped = rel  # type: ignore[attr-defined]  # the input, to name a column that is not grouped
     out_rel.count_fields = counts  # type: ignore[attr-defined]
     return out_rel, subst
 

@@ -128,6 +128,11 @@ class Builder(ABC):
         lnew, rnew, lk, rk = {}, {}, [], []
         for a, b in keys:
             (ea, ta), (eb, tb) = lx.typed(a), rx.typed(b)
+            la, lb = lx.literal_as(a, tb), rx.literal_as(b, ta)  # 'x' IN (SELECT int_col ...): DuckDB's cast
+            if la is not None:
+                ea, ta = la, tb
+            elif lb is not None:
+                eb, tb = lb, ta
             if _key_class(ta) != _key_class(tb):
                 t = common_type(ta, tb)
                 if t is None:

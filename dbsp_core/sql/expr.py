@@ -133,6 +133,10 @@ class Exprs:
         if len(hits) > 1:
             raise self.src.error(node, f"column {name!r} is ambiguous: it may be "
                                        f"{', '.join(sorted({f'{c.table}.{c.name}' for c in hits}))}")
+        ungrouped = getattr(self.rel, "ungrouped", None)
+        if ungrouped is not None and ungrouped.find(table, name):
+            raise self.src.error(node, f"column {(table + '.') if table else ''}{name} must appear in GROUP BY or be "
+                                       f"used in an aggregate function (e.g. MIN({name}))")
         if self.columns is not None:
             field = self.columns(node)
             if field is not None:
@@ -165,6 +169,8 @@ class Exprs:
                 v = int(text)
                 return lit(v, int_literal_type(v))
             return lit(float(text), pa.float64())
+        if isinstance(node, exp.HexString):  # x'303132': a BLOB (parse.py reads it from the tokens)
+            return lit(bytes.fromhex(node.this), pa.binary())
         if isinstance(node, exp.Null):
             return null()
         if isinstance(node, exp.Boolean):
@@ -207,8 +213,9 @@ class Exprs:
                                       f"expression may have (Arrow evaluates it recursively and would overflow its "
                                       f"stack); put the values in a table and join, or IN (SELECT ...)")
             eqs = [self._c(exp.EQ(this=node.this, expression=v)) for v in node.expressions]
-            if not eqs:
-                raise src.error(node, "IN () needs at least one value")
+            if not eqs:  # DuckDB: false, NULL for a NULL operand
+                x = self._c(node.this)
+                return call("if_else", call("is_null", x), null(pa.bool_()), lit(False))
             out = eqs[0]
             for e in eqs[1:]:
                 out = call("or_kleene", out, e)
@@ -374,6 +381,22 @@ class Exprs:
             return (a2, tb), (b, tb)
         return (a, ta), (b, tb)
 
+    def literal_as(self, node: exp.Expression, t: pa.DataType) -> pc.Expression | None:
+        """A string literal compared with (or joined to) a number, as DuckDB casts it: to the number's type,
+        refused when its text is not such a number (DuckDB's conversion error); None for anything else."""
+        if not (isinstance(node, exp.Literal) and node.is_string and is_numeric(t)) or self.subst.get(node):
+            return None
+        text = node.this.strip()
+        try:
+            if pat.is_integer(t):
+                if not re.fullmatch(r"[+-]?\d+", text):
+                    raise ValueError(text)
+                return lit(pa.scalar(int(text), t).as_py(), t)
+            return lit(float(text), t)
+        except (ValueError, pa.ArrowInvalid, OverflowError):
+            raise self.src.error(node, f"cannot compare {t} with {node.sql(dialect=DIALECT)}: the string is cast "
+                                       f"to {t} (as DuckDB does) and is not such a value") from None
+
     def _retyped(self, node: exp.Expression, t: pa.DataType) -> pc.Expression | None:
         neg = isinstance(node, exp.Neg)
         n = node.this if neg else node
@@ -396,6 +419,11 @@ class Exprs:
     def _comparable(self, x: exp.Expression, y: exp.Expression, node: exp.Expression
                     ) -> tuple[pc.Expression, pc.Expression]:
         (a, ta), (b, tb) = self._pair(x, y)
+        b2, a2 = self.literal_as(y, ta), self.literal_as(x, tb)  # '1' = a (not a + '1': DuckDB refuses that)
+        if b2 is not None:
+            b, tb = b2, ta
+        elif a2 is not None:
+            a, ta = a2, tb
         if common_type(ta, tb) is None:
             raise self.src.error(node, f"cannot compare {ta} with {tb} in {node.sql(dialect=DIALECT)}")
         if pat.is_null(ta) and pat.is_null(tb):  # NULL = NULL: a boolean NULL, whatever the (untyped) sides

@@ -191,6 +191,7 @@ def parse_program(src: Source) -> list[Statement]:
         if not chunk:
             continue
         _check_nesting(src, chunk)
+        chunk = _check_tokens(src, chunk)
         toks, lateness = _rewrite(src, chunk)
         try:
             nodes = dialect.parser().parse(toks, src.text)
@@ -204,6 +205,46 @@ def parse_program(src: Source) -> list[Statement]:
         for n in nodes:
             if n is not None:
                 out.append(Statement(n, chunk[0].start, lateness))
+    return out
+
+
+def _check_tokens(src: Source, tokens: list[Token]) -> list[Token]:
+    """Refusals and literals read from one statement's tokens, before sqlglot (which would accept and drop them,
+    or fall back to an opaque command): a second CREATE (a missing ';'), COLLATE, a qualified name in USING (...);
+    ``x'..'`` becomes a hex string token (a BLOB literal)."""
+    out: list[Token] = []
+    depth = 0
+    i = 0
+    while i < len(tokens):
+        t = tokens[i]
+        tt = t.token_type
+        if tt == TokenType.L_PAREN:
+            depth += 1
+        elif tt == TokenType.R_PAREN:
+            depth -= 1
+        elif tt == TokenType.CREATE and i > 0 and depth == 0:
+            line, col = src.line_col(t.start)
+            raise SqlError(f"missing ';' before line {line}, column {col}: a statement ends before the next CREATE",
+                           line, col)
+        elif tt == TokenType.COLLATE:
+            raise SqlError("COLLATE is not supported: strings compare, group and join byte by byte here; compare "
+                           "lower(x) (or another normalized form) instead", *src.line_col(t.start))
+        elif tt == TokenType.USING and i + 1 < len(tokens) and tokens[i + 1].token_type == TokenType.L_PAREN:
+            for u in tokens[i + 2:_matching(tokens, i + 1)]:
+                if u.token_type == TokenType.DOT:
+                    raise SqlError("USING (...) takes column names, not qualified ones: write USING (col) or "
+                                   "ON a.col = b.col", *src.line_col(u.start))
+        elif (t.text in ("x", "X") and tt in (TokenType.VAR, TokenType.IDENTIFIER) and i + 1 < len(tokens)
+              and tokens[i + 1].token_type == TokenType.STRING and tokens[i + 1].start == t.end + 1):
+            digits = tokens[i + 1].text
+            if len(digits) % 2 or any(ch not in "0123456789abcdefABCDEF" for ch in digits):
+                raise SqlError(f"x'{digits}' is not a BLOB literal: it needs an even number of hex digits",
+                               *src.line_col(t.start))
+            out.append(Token(TokenType.HEX_STRING, digits, t.line, t.col, t.start, tokens[i + 1].end))
+            i += 2
+            continue
+        out.append(t)
+        i += 1
     return out
 
 

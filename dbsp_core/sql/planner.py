@@ -82,6 +82,8 @@ class Planner(Builder):
         rel = apply_where(self, rel, where, outer)
         items = self.select_items(node, rel)
         having = node.args.get("having")
+        if having is not None:
+            having = self.output_aliases(having, items, rel)
         order = node.args.get("order")
         aggs = aggregate_calls(self, [e for _, e in items] + ([having.this] if having else []))
         subst: dict = {}
@@ -96,6 +98,19 @@ class Planner(Builder):
         if distinct is not None:
             out = Rel(out.stream.distinct(), out.cols)
         return self.order_limit(node, out, rel, subst)
+
+    def output_aliases(self, having: exp.Having, items: list[tuple[str, exp.Expression]], rel: Rel) -> exp.Having:
+        """HAVING with each unqualified name that is no input column but an output alias replaced by the aliased
+        expression (DuckDB: ``SELECT a AS k ... HAVING count(*) NOT IN (k)``)."""
+        aliased = {n: e for n, e in items if not n.startswith("__")}
+
+        def is_alias(n: exp.Expression) -> bool:
+            return (isinstance(n, exp.Column) and not n.args.get("table") and isinstance(n.this, exp.Identifier)
+                    and ident(n.this) in aliased and not rel.find(None, ident(n.this)))
+
+        if not any(is_alias(n) for n in having.walk()):
+            return having  # the same node: positions and memos stay those of the text
+        return having.transform(lambda n: aliased[ident(n.this)].copy() if is_alias(n) else n)
 
     def project(self, rel: Rel, items: list[tuple[str, exp.Expression]], subst: dict,
                 order: exp.Order | None = None, keep_order: bool = False) -> Rel:
@@ -279,6 +294,12 @@ class Planner(Builder):
                     raise self.src.error(node, "schema-qualified names are not supported")
                 name = tname(node.this)
                 rel = self.lookup(node, name).qualified(alias or name)
+        elif isinstance(node, exp.Subquery) and isinstance(node.this, (exp.Table, exp.Subquery)):
+            rel = self.table_ref(node.this)  # a parenthesised join, FROM (t) or FROM (a JOIN b ON ...)
+            for j in node.this.args.get("joins") or []:
+                rel, _ = self.join(rel, j, [])
+            if alias is not None:
+                rel = rel.qualified(alias)
         elif isinstance(node, exp.Subquery):
             rel = self.query(node.this)
             rel = self.order_limit(node, rel).qualified(alias)
@@ -497,8 +518,19 @@ class Planner(Builder):
                 f = rf if side == "right" else lf
             merged.append(Col(n, None, f, True, True))
         rel = self.extend(rel, new)
-        rest = [Col(c.name, c.table, c.field, c.star and c.name not in names, c.merged) for c in rel.cols]
-        return Rel(rel.stream, merged + rest)
+        # DuckDB's order: a USING column stands where the left side shows it, the right side's copy is hidden
+        by_name = {c.name: c for c in merged}
+        cols: list[Col] = []
+        for i, c in enumerate(rel.cols):
+            if c.name not in by_name:
+                cols.append(c)
+                continue
+            if i < len(left.cols) and c.star and by_name[c.name] not in cols:
+                cols.append(by_name[c.name])
+            if not c.merged:  # an earlier USING's column of the left side is replaced by the new one
+                cols.append(Col(c.name, c.table, c.field, False, False))
+        cols = [c for c in merged if c not in cols] + cols  # a USING column the left side shows under no star
+        return Rel(rel.stream, cols)
 
     # ---- set operations ----
 

@@ -73,12 +73,20 @@ def plan_recursive(builder: Builder, name: str, cols: list[str], q: exp.Expressi
     if not isinstance(q, exp.Union):
         raise src.error(q, f"recursive CTE {name!r} must be <base query> UNION [ALL] <recursive query>")
     base_node, step_node = q.this, q.expression
+    for key in ("order", "limit", "offset"):  # on the UNION: DuckDB refuses them in a recursive query
+        if q.args.get(key) is not None:
+            raise src.error(q.args[key], f"{key.upper().replace('ORDER', 'ORDER BY')} is not allowed on the UNION of recursive CTE {name!r} "
+                                         f"(apply it to the CTE's result outside it)")
     if _references(base_node, name):
         raise src.error(base_node, f"the base query of recursive CTE {name!r} (before UNION) must not name it")
     refs = _references(step_node, name)
     if len(refs) > 1:
         raise src.error(refs[1], f"recursive CTE {name!r} is named {len(refs)} times in its recursive query; only "
                                  f"linear recursion (one reference) is supported")
+    for n in step_node.walk():
+        if isinstance(n, (exp.Order, exp.Limit, exp.Offset, exp.Fetch)):
+            raise src.error(n, f"ORDER BY, LIMIT and OFFSET cannot be maintained inside the recursive query of "
+                               f"{name!r} (apply them to the CTE's result outside it)")
     for n in step_node.walk():
         if isinstance(n, exp.AggFunc) or isinstance(n, exp.Group):
             raise src.error(n, f"aggregates and GROUP BY cannot be maintained inside the recursive query of "

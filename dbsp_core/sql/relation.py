@@ -46,7 +46,8 @@ class Rel:
     def find(self, table: str | None, name: str) -> list[Col]:
         """The columns an identifier may mean (invariant 2), best first."""
         if table is not None:
-            return [c for c in self.cols if c.table == table and c.name == name]
+            hits = [c for c in self.cols if c.table == table and c.name == name]
+            return hits[:1] if len({c.field for c in hits}) == 1 else hits
         hits = [c for c in self.cols if c.name == name]
         merged = [c for c in hits if c.merged]
         if merged:

@@ -123,8 +123,18 @@ def _keys(builder: Builder, rel: Rel, inner: Rel, outer_nodes: list[exp.Expressi
     if not outer_nodes:
         k = builder.fresh()
         return builder.with_key(rel, k), builder.with_key(inner, k + "_"), [k], [k + "_"]
-    pairs = [(o, exp.column(exp.to_identifier(f, quoted=True))) for o, f in zip(outer_nodes, inner_fields)]
-    named = Rel(inner.stream, inner.cols + [Col(f, None, f, False) for f in inner_fields])
+    fields, copies = [], {}  # a field keying twice (x IN (SELECT v ... WHERE v = o.v)) keys as a copy: join
+    for f in inner_fields:   # keys are distinct fields
+        if f in fields:
+            g = builder.fresh()
+            copies[g] = F(f)
+            fields.append(g)
+        else:
+            fields.append(f)
+    if copies:
+        inner = builder.extend(inner, copies)
+    pairs = [(o, exp.column(exp.to_identifier(f, quoted=True))) for o, f in zip(outer_nodes, fields)]
+    named = Rel(inner.stream, inner.cols + [Col(f, None, f, False) for f in fields])
     return builder.key_fields(rel, named, pairs)
 
 

@@ -77,7 +77,8 @@ ERRORS = [
     ("CREATE TABLE x (a DECIMAL(4, 2))", 1, 17, "DECIMAL"),
     ("CREATE TABLE x (a INT, ts TIMESTAMP,\n  WATERMARK FOR ts AS ts + 1)", 2, 23, "must read 'ts - <lateness>'"),
     (T + "CREATE VIEW v AS SELECT a FROM t WHERE", 2, 38, "syntax error"),
-    (T + "CREATE VIEW v AS SELECT a, b FROM t GROUP BY a", 2, 28, "unknown column b"),
+    (T + "CREATE VIEW v AS SELECT a, b FROM t GROUP BY a", 2, 28,
+     "column b must appear in GROUP BY or be used in an aggregate function"),
 ]
 
 
