@@ -11,6 +11,8 @@ Invariants (enforced here; each sink's invariants 2 and 3):
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from dbsp_core.connectors.output import OutputReader
 from dbsp_core.errors import DbspError
 from dbsp_core.zset import ZSet
@@ -18,7 +20,7 @@ from dbsp_core.zset import ZSet
 __all__ = ["StepSink"]
 
 
-class StepSink:
+class StepSink(ABC):
     """Base of the sinks whose store records the step it holds (module docstring). A subclass sets
     ``self.reader`` (an OutputReader) and ``self.what`` (how errors name it), then calls :meth:`_start` with the
     store's first missing step, and implements ``_apply``."""
@@ -36,8 +38,9 @@ class StepSink:
                             f"steps below {acked}: it was replaced by an older copy; restore it, or unregister "
                             f"the consumer and start a new one")
 
-    def _apply(self, step: int, z: ZSet) -> None:  # pragma: no cover - every subclass implements it
-        raise NotImplementedError
+    @abstractmethod
+    def _apply(self, step: int, z: ZSet) -> None:
+        """Applies step ``step``'s change ``z`` to the store together with the step the store then holds."""
 
     def poll(self, limit: int | None = None) -> int:
         """Apply the logged steps the store lacks (at most ``limit``), one commit each; returns how many."""

@@ -35,6 +35,8 @@ Invariants:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -225,7 +227,7 @@ def reduce_groups(ix: "IndexedZSet", kernel: list[tuple[str, str | None]]) -> pa
     return ix.reduce(kern)
 
 
-class _GroupedState:
+class _GroupedState(ABC):
     """What the recompute and extremes states share: a step (``_step``) whose weight overflow is reported as the
     aggregate's (:meth:`Aggregate.raise_overflow`)."""
 
@@ -237,8 +239,9 @@ class _GroupedState:
         except WeightOverflowError as e:
             self.op.raise_overflow(e)
 
-    def _step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":  # pragma: no cover - a subclass bug
-        raise NotImplementedError(f"{type(self).__name__} must define _step()")
+    @abstractmethod
+    def _step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
+        """The step's change of the aggregate (``step`` names the view when a weight overflows)."""
 
 
 class _RecomputeState(_GroupedState):

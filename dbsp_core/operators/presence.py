@@ -22,6 +22,8 @@ Invariants (enforced here; every caller keeps the order of calls):
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -155,7 +157,7 @@ def unmatched_change(presence: Presence, left: Trace, right: Trace, dl: "Indexed
     return parts
 
 
-class PresenceState:
+class PresenceState(ABC):
     """The state of a left, right or full outer, semi or anti join (invariant 4): the integrated left and right
     inputs, each a trace keyed by its join keys, and the presence of the left rows' keys on the right side.
     ``op`` has ``lschema``, ``rschema``, ``left_on`` and ``right_on``."""
@@ -193,9 +195,9 @@ class PresenceState:
             self.left.insert(da)
         return concat(parts, self.op.schema)
 
-    def parts(self, da: "IndexedZSet | None", db: "IndexedZSet | None") -> list["ZSet"]:  # pragma: no cover
+    @abstractmethod
+    def parts(self, da: "IndexedZSet | None", db: "IndexedZSet | None") -> list["ZSet"]:
         """The join's change from the step's changes; inserts ``db`` into the right trace, not ``da`` (invariant 4)."""
-        raise NotImplementedError(f"{type(self).__name__} must define parts()")
 
 
 def take_parts(parts: list[Part], schema: pa.Schema) -> "ZSet":
