@@ -47,7 +47,7 @@ tests/core/test_envvars.py checks that the repository reads no other):
   ``DBSP_RACE_ROUNDS``, ``DBSP_WIDE_WORKERS``, ``DBSP_CONCURRENCY_ROUNDS``, ``DBSP_CONCURRENCY_KILLS``,
   ``DBSP_CONNECTOR_KILLS``, ``DBSP_FILES_KILLS``, ``DBSP_STORAGE_KILLS``, ``DBSP_STORAGE_SOAK``,
   ``DBSP_SPARK_KILLS``, ``DBSP_SPARK_KILL_RUNTIMES``, ``DBSP_FUZZ_CASES``, ``DBSP_PG_KILLS``, ``DBSP_DELTA_KILLS``,
-  ``DBSP_SLT_QUERIES``, ``DBSP_SLT_MEMORY_GB`` (tests/sql/slt.py: a sqllogictest child's address space),
+  ``DBSP_SLT_QUERIES``, ``DBSP_SLT_MEMORY_GB`` (tests/sql/slt.py: the resident memory at which a sqllogictest child is stopped),
   ``DBSP_SLT_TRACEBACK`` (tracebacks in the runner's error lines).
 - benchmarks: ``DBSP_FLINK_PYTHON`` (the interpreter of a venv with apache-flink, bench/nexmark.py --peers flink).
 - what a test parent tells its child process: ``DBSP_RUN``, ``DBSP_TEST_KILL_AFTER_BATCH``, ``DBSP_UPGRADE_MARKERS``.

@@ -238,7 +238,34 @@ def _arrow_tables(ddl: str, rows: dict[str, list[tuple]]):
     return tables
 
 
-MEMORY = int(float(os.environ.get("DBSP_SLT_MEMORY_GB", "3")) * 2**30)  # a child's address space (see _child)
+MEMORY = int(float(os.environ.get("DBSP_SLT_MEMORY_GB", "3")) * 2**30)  # a child's resident memory (see _wait)
+
+
+def _rss(pid: int) -> int:
+    """A process's resident set size in bytes (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _wait(conn, proc, timeout: float) -> str:
+    """Waits for the child's next message: "ready" when it can be read, "timeout" after ``timeout`` seconds,
+    "memory" once the child's resident memory passes MEMORY (checked every 20 ms).
+
+    The limit is watched from outside rather than set with RLIMIT_AS: under an address-space cap every library in
+    the child (DuckDB, Arrow's allocator, OpenBLAS) meets a failed allocation at a point of its own choosing, and
+    some of them abort or crash there, which made a plan too large to run look like a crash of the engine."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if conn.poll(max(0.0, min(0.02, left))):
+            return "ready"
+        if _rss(proc.pid) > MEMORY:
+            return "memory"
+        if left <= 0:
+            return "timeout"
 
 
 def _child(conn, ddl: str, rows: dict[str, list[tuple]], workers: int, log: str) -> None:
@@ -246,14 +273,14 @@ def _child(conn, ddl: str, rows: dict[str, list[tuple]], workers: int, log: str)
     with kind answer / refused / error / timeout; ``("duckdb", sql, types)`` -> DuckDB's rows, or None when DuckDB
     refuses the query.
 
-    Its address space is capped (DBSP_SLT_MEMORY_GB, default 3): a plan that builds a product of many tables
-    fails with MemoryError (or dies in an allocation; its stderr, kept in ``log``, says so) and counts as a
-    timeout, a plan too slow to finish, instead of taking the machine."""
-    import resource
+    The parent kills it when its resident memory passes DBSP_SLT_MEMORY_GB (default 3, see _wait): a plan that
+    builds a product of many tables counts as a timeout, a plan too slow to finish, instead of taking the machine.
+    Its stderr goes to ``log``, with Python's stacks if it crashes (faulthandler)."""
+    import faulthandler
 
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(fd, 2)
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
+    faulthandler.enable()
     import duckdb
 
     import dbsp_core as dbsp
@@ -289,8 +316,6 @@ def _child(conn, ddl: str, rows: dict[str, list[tuple]], workers: int, log: str)
                 conn.send(("error", "negative weight in a view over inserts only", None))
                 continue
             conn.send(("answer", "", rows_fmt([r for r, w in out.items() for _ in range(w)], types)))
-        except MemoryError:
-            conn.send(("timeout", f"over the memory limit ({MEMORY / 2**30:g} GiB)", None))
         except Exception as e:  # noqa: BLE001 - reported as an error of this query, the child goes on
             detail = f"{type(e).__name__}: {e}"
             if os.environ.get("DBSP_SLT_TRACEBACK"):
@@ -389,31 +414,36 @@ class Runner:
                     while todo:
                         _, rec, ref = todo[0]
                         parent.send(("view", rec.sql, rec.types))
-                        if not parent.poll(self.timeout):
+                        waited = _wait(parent, proc, self.timeout)
+                        if waited != "ready":
                             todo.pop(0)
                             self.outcomes.append(Outcome(name, rec.line, rec.sql, "timeout",
-                                                         f"no answer in {self.timeout:g} s"))
+                                                         f"no answer in {self.timeout:g} s" if waited == "timeout"
+                                                         else f"over the memory limit ({MEMORY / 2**30:g} GiB)"))
+                            proc.kill()  # busy: it cannot take the None that ends it
                             break
                         kind, detail, got = parent.recv()
                         todo.pop(0)
-                        ddb = None
+                        ddb, busy = None, False
                         if kind == "answer" and collections.Counter(got) != collections.Counter(ref):
                             parent.send(("duckdb", rec.sql, rec.types))
-                            ddb = parent.recv() if parent.poll(self.timeout) else None
+                            busy = _wait(parent, proc, self.timeout) != "ready"  # too slow, or over the limit
+                            ddb = None if busy else parent.recv()
                         self.outcomes.append(self._judge(name, rec, ref, kind, detail, got, ddb))
+                        if busy:
+                            proc.kill()
+                            break
                         if self.progress and len(self.outcomes) % 500 == 0:
                             print(f"  {len(self.outcomes)} queries ...", file=sys.stderr, flush=True)
-                except (EOFError, OSError) as e:  # the child died (an allocation failed, a crash)
+                except (EOFError, OSError) as e:  # the child died: a crash, reported with its stderr's first lines
                     proc.join(5)
                     err = ""
                     if os.path.exists(log):  # absent when the child died before it opened it
                         with open(log, errors="replace") as f:
                             err = f.read()
                     _, rec, _ = todo.pop(0)
-                    memory = "memory" in err.lower() or "bad_alloc" in err
-                    self.outcomes.append(Outcome(name, rec.line, rec.sql, "timeout" if memory else "error",
-                                                 ("over the memory limit: " if memory else "child died: ")
-                                                 + f"{e!r}, exit {proc.exitcode}, {err.strip()[-300:]}"))
+                    self.outcomes.append(Outcome(name, rec.line, rec.sql, "error",
+                                                 f"child died: {e!r}, exit {proc.exitcode}, {err.strip()[:1500]}"))
                 finally:
                     if proc.is_alive():
                         try:
