@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
+from dbsp_core.connectors.inputs import source_input
 from dbsp_core.errors import DbspError
 from dbsp_core.zset import ZSet, weight_column
 
@@ -60,18 +61,12 @@ class ForeachBatch:
     def __init__(self, pipeline: Any, handle: str | None = None, *, producer: str | None = None,
                  on_output: Callable[[int, int | None, dict[str, ZSet]], Any] | None = None,
                  scan_limit: int = 64) -> None:
-        inputs = _input_names(pipeline)
-        if handle is None:
-            if len(inputs) != 1:
-                raise ValueError(f"foreach_batch: the circuit has inputs {sorted(inputs)}; name one with handle=")
-            handle = next(iter(inputs))
-        elif handle not in inputs:
-            raise KeyError(f"foreach_batch: unknown input handle {handle!r}; inputs are {sorted(inputs)}")
+        handle, schema = source_input("foreach_batch", pipeline, handle, durable=False)
         if producer is not None and (not isinstance(producer, str) or not producer):
             raise TypeError(f"foreach_batch: producer must be a non-empty str, got {producer!r}")
         self.pipeline = pipeline
         self.handle = handle
-        self.schema: pa.Schema = inputs[handle]
+        self.schema: pa.Schema = schema
         self.producer = producer
         self.on_output = on_output
         self.scan_limit = scan_limit
@@ -226,16 +221,6 @@ def tidy_checkpoint(location: str) -> list[str]:
                 os.remove(os.path.join(d, name))
                 removed.append(os.path.join(d, name))
     return removed
-
-
-def _input_names(pipeline: Any) -> dict[str, pa.Schema]:
-    """The pipeline's input handles and schemas (the embedded runtimes keep them; others may publish them)."""
-    for attr in ("input_schemas", "_inputs"):
-        v = getattr(pipeline, attr, None)
-        if isinstance(v, dict):
-            return v
-    c = pipeline.circuit
-    return {name: c.nodes[i].schema for name, i in c.inputs.items()}
 
 
 def _query_producer(batch_df: Any) -> str:

@@ -42,6 +42,7 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from dbsp_core import metrics
+from dbsp_core.connectors.inputs import source_input
 from dbsp_core.errors import InputFileError, SchemaError
 from dbsp_core.rows import conform
 
@@ -110,11 +111,7 @@ class FileSource:
     def __init__(self, pipeline: Any, handle: str, directory: str | os.PathLike, *, name: str | None = None,
                  formats: tuple[str, ...] = tuple(FORMATS), recursive: bool = False, on_error: str = "raise",
                  quarantine_dir: str | os.PathLike | None = None) -> None:
-        if getattr(pipeline, "storage", None) is None:
-            raise ValueError("FileSource needs a durable pipeline (storage=<dir>): exactly once rests on its dedup")
-        schemas = {n: pipeline.circuit.nodes[i].schema for n, i in pipeline.circuit.inputs.items()}
-        if handle not in schemas:
-            raise KeyError(f"FileSource: unknown input handle {handle!r}; inputs are {sorted(schemas)}")
+        handle, schema = source_input("FileSource", pipeline, handle)
         unknown = [f for f in formats if f not in FORMATS]
         if unknown:
             raise ValueError(f"FileSource: unknown formats {unknown}; known: {sorted(FORMATS)}")
@@ -124,7 +121,7 @@ class FileSource:
             raise ValueError(f"FileSource: name={name!r}; it is a non-empty string (or None for the default)")
         self.pipeline = pipeline
         self.handle = handle
-        self.schema: pa.Schema = schemas[handle]
+        self.schema: pa.Schema = schema
         self.directory = os.fspath(directory)
         self._real = os.path.realpath(self.directory)
         self._default_name = name is None

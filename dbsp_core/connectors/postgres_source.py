@@ -40,6 +40,7 @@ from typing import Any
 import pyarrow as pa
 
 from dbsp_core import metrics
+from dbsp_core.connectors.inputs import source_input
 from dbsp_core.connectors.pgoutput import Relation, decode
 from dbsp_core.connectors.postgres import (arrow_type, connect, execute, mask_dsn, parse_csv, quote_ident,
                                            scrub, table_columns, table_sql, text_columns)
@@ -124,17 +125,12 @@ class PostgresSource:
 
     def __init__(self, pipeline: Any, handle: str, dsn: str, table: str, *, where: str | None = None,
                  name: str | None = None, max_changes: int = 10_000) -> None:
-        if getattr(pipeline, "storage", None) is None:
-            raise ValueError("PostgresSource needs a durable pipeline (storage=<dir>): exactly once rests on its "
-                             "dedup")
-        schemas = {n: pipeline.circuit.nodes[i].schema for n, i in pipeline.circuit.inputs.items()}
-        if handle not in schemas:
-            raise KeyError(f"PostgresSource: unknown input handle {handle!r}; inputs are {sorted(schemas)}")
+        handle, schema = source_input("PostgresSource", pipeline, handle)
         if not isinstance(max_changes, int) or max_changes < 1:
             raise ValueError(f"PostgresSource: max_changes={max_changes!r}; it is an int >= 1")
         self.pipeline = pipeline
         self.handle = handle
-        self.schema: pa.Schema = schemas[handle]
+        self.schema: pa.Schema = schema
         self.dsn = dsn
         self.table = table
         self.where = where
