@@ -33,7 +33,8 @@ tests/core/test_envvars.py checks that the repository reads no other):
   (AddressSanitizer); ``.ci/run`` and tests/spark/conftest.py: ``DBSP_REQUIRE_SPARK`` (a missing Spark fails);
   ``.ci/run`` and tests/connectors/conftest.py: ``DBSP_REQUIRE_POSTGRES`` (a missing PostgreSQL server fails),
   ``DBSP_PG_DSN`` (the DSN a kill-test child reaches the test server by, passed through the environment so that
-  no password is on a command line).
+  no password is on a command line); ``.ci/run`` and tests/conftest.py: ``DBSP_REQUIRE_S3`` (a missing S3 test
+  server, moto's, fails).
 - the test run (tests/conftest.py, tests/hypothesis_profile.py): ``DBSP_LONG`` (also the tests marked slow),
   ``DBSP_HYPOTHESIS_SEED``, ``DBSP_HYPOTHESIS_EXAMPLES``.
 - seeds that replay a test's random choices: ``DBSP_SQL_SEED``, ``DBSP_SQL_LIMITS_SEED``, ``DBSP_NAN_SEED``,

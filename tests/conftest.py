@@ -102,3 +102,19 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"tests that start Spark without the spark marker (add pytestmark = "
                                 f"pytest.mark.spark): {unmarked[:10]}")
     _deselect_long_suite(config, items)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """One S3-compatible server per session (tests/s3_server.py); skipped without ``moto[server]``, a failure under
+    ``DBSP_REQUIRE_S3=1`` (CI)."""
+    from s3_server import S3Server, available
+
+    why = available()
+    if why:
+        if os.environ.get("DBSP_REQUIRE_S3") == "1":
+            pytest.fail(f"DBSP_REQUIRE_S3=1 but the object-store tests cannot run: {why}")
+        pytest.skip(why)
+    server = S3Server()
+    yield server
+    server.stop()

@@ -24,7 +24,12 @@ Invariants (enforced here):
      InputFileError and, by ``on_error``, stops the poll (``"raise"``: the files after it wait), or is logged,
      counted (``bad_files``) and passed over: ``"skip"`` leaves it in place (tried again if it is replaced, or
      after a restart), ``"quarantine"`` moves it under ``quarantine_dir`` beside ``<file>.error``, the reason.
-  5. The source's counters (``stats``) are part of ``Pipeline.metrics()["sources"][name]`` and of the Prometheus
+  5. The directory may be on an object store: a URI (``s3://bucket/prefix?endpoint_override=...``, ``gs://``,
+     ``hdfs://``) or a path with ``filesystem=`` a ``pyarrow.fs.FileSystem`` (dbsp_core.storage.location). Files
+     are listed and read through ``pyarrow.fs``; a file's identity there is its size and modification time (no
+     inode); quarantine copies the object and deletes the original (object stores have no rename). The default
+     name uses the URI without its query or credentials, so a restart with other credentials resumes.
+  6. The source's counters (``stats``) are part of ``Pipeline.metrics()["sources"][name]`` and of the Prometheus
      text (dbsp_core.metrics) while the pipeline object lives; a source made again (same name, input and
      directory) counts on in the same counters.
 """
@@ -38,12 +43,14 @@ from typing import Any, Iterator
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
+import pyarrow.fs as pafs
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from dbsp_core import metrics
 from dbsp_core.connectors.inputs import source_input
 from dbsp_core.errors import InputFileError, SchemaError
+from dbsp_core.storage.location import Location, resolve
 from dbsp_core.rows import conform
 
 __all__ = ["FileSource"]
@@ -60,9 +67,16 @@ QUARANTINE = "_quarantine"
 _BAD = (pa.ArrowException, SchemaError, OSError, UnicodeDecodeError)
 
 
-def _signature(path: str) -> tuple[int, int, int]:
-    st = os.stat(path)
-    return st.st_ino, st.st_size, st.st_mtime_ns
+def _signature(where: Location, path: str) -> tuple[int, int, int]:
+    """A file's identity (invariant 3): inode, size and modification time; on an object store (invariant 5)
+    size and modification time."""
+    if where.local:
+        st = os.stat(path)
+        return st.st_ino, st.st_size, st.st_mtime_ns
+    info = where.info(path)
+    if info.type != pafs.FileType.File:
+        raise FileNotFoundError(path)
+    return 0, info.size, info.mtime_ns or 0
 
 
 class FileSource:
@@ -75,7 +89,8 @@ class FileSource:
     handle
         The input the rows go to.
     directory
-        The directory to watch (files directly in it; subdirectories too with ``recursive``).
+        The directory to watch (files directly in it; subdirectories too with ``recursive``): a local path, a
+        URI (``s3://bucket/prefix?endpoint_override=...``) or a path in ``filesystem`` (invariant 5).
     name
         The source's name, the prefix of every producer id; keep it stable across restarts. By default
         ``<handle>@<real path of directory>`` (invariant 2): pass a name if the directory may move.
@@ -87,6 +102,10 @@ class FileSource:
         counted, moved to ``quarantine_dir`` with a ``.error`` file saying why).
     quarantine_dir
         Where ``"quarantine"`` moves bad files; by default ``<directory>/_quarantine`` (never read: invariant 3).
+        On the same file system as ``directory``.
+    filesystem
+        A ``pyarrow.fs.FileSystem`` that ``directory`` is a path in (e.g. an fsspec store through
+        ``PyFileSystem(FSSpecHandler(...))``).
 
     Examples
     --------
@@ -110,8 +129,10 @@ class FileSource:
 
     def __init__(self, pipeline: Any, handle: str, directory: str | os.PathLike, *, name: str | None = None,
                  formats: tuple[str, ...] = tuple(FORMATS), recursive: bool = False, on_error: str = "raise",
-                 quarantine_dir: str | os.PathLike | None = None) -> None:
+                 quarantine_dir: str | os.PathLike | None = None,
+                 filesystem: pafs.FileSystem | None = None) -> None:
         handle, schema = source_input("FileSource", pipeline, handle)
+        where = resolve(directory, filesystem, "FileSource directory")
         unknown = [f for f in formats if f not in FORMATS]
         if unknown:
             raise ValueError(f"FileSource: unknown formats {unknown}; known: {sorted(FORMATS)}")
@@ -122,15 +143,22 @@ class FileSource:
         self.pipeline = pipeline
         self.handle = handle
         self.schema: pa.Schema = schema
-        self.directory = os.fspath(directory)
-        self._real = os.path.realpath(self.directory)
+        self.where = where
+        self.directory = os.fspath(directory) if where.local else where.path
+        self._real = where.name  # the real path of a local directory; the URI without query or credentials
         self._default_name = name is None
         self.name = f"{handle}@{self._real}" if name is None else name
         self.formats = tuple(formats)
         self.recursive = recursive
         self.on_error = on_error
-        self.quarantine_dir = os.fspath(quarantine_dir or os.path.join(self.directory, QUARANTINE))
-        inside = os.path.relpath(os.path.realpath(self.quarantine_dir), self._real)
+        if where.local:
+            self.quarantine_dir = os.fspath(quarantine_dir or os.path.join(self.directory, QUARANTINE))
+            inside = os.path.relpath(os.path.realpath(self.quarantine_dir), self._real)
+        else:
+            self.quarantine_dir = (resolve(quarantine_dir, where.fs, "FileSource quarantine_dir").path
+                                   if quarantine_dir is not None else where.join(QUARANTINE).path)
+            inside = (where.relative(self.quarantine_dir) if self.quarantine_dir.startswith(where.path + "/")
+                      else "..") or "."
         if recursive and (inside == "." or not inside.startswith((".", "_"))):
             raise ValueError(f"FileSource: quarantine_dir {self.quarantine_dir} is a directory the source reads "
                              "(recursive=True): start its name with '_' or put it outside the directory")
@@ -148,26 +176,41 @@ class FileSource:
         """Relative paths of the files not yet known to be fully pushed, in name order (invariant 3); warns about
         a file rewritten under a name already read."""
         out = []
-        for root, dirs, files in os.walk(self.directory):
-            dirs[:] = sorted(d for d in dirs if not d.startswith((".", "_"))) if self.recursive else []
-            for f in files:
-                if f.startswith((".", "_")) or os.path.splitext(f)[1].lower() not in self.formats:
+        for rel, sig in self._listing():
+            seen = self._done.get(rel, self._bad.get(rel))
+            if seen is not None:
+                try:
+                    sig = sig or _signature(self.where, self._path(rel))
+                except FileNotFoundError:
                     continue
-                rel = os.path.relpath(os.path.join(root, f), self.directory)
-                seen = self._done.get(rel, self._bad.get(rel))
-                if seen is not None:
-                    try:
-                        sig = _signature(os.path.join(root, f))
-                    except FileNotFoundError:
-                        continue
-                    if sig == seen:
-                        continue
-                    if rel in self._done:
-                        self._rewritten(rel, sig)
-                        continue
-                    del self._bad[rel]  # a bad file replaced: read the new one
-                out.append(rel)
+                if sig == seen:
+                    continue
+                if rel in self._done:
+                    self._rewritten(rel, sig)
+                    continue
+                del self._bad[rel]  # a bad file replaced: read the new one
+            out.append(rel)
         return sorted(out)
+
+    def _listing(self) -> Iterator[tuple[str, tuple | None]]:
+        """``(relative path, signature or None)`` of every file the source may read (invariant 3); on an object
+        store the listing gives the signature (invariant 5)."""
+        if self.where.local:
+            for root, dirs, files in os.walk(self.directory):
+                dirs[:] = sorted(d for d in dirs if not d.startswith((".", "_"))) if self.recursive else []
+                for f in files:
+                    if not f.startswith((".", "_")) and os.path.splitext(f)[1].lower() in self.formats:
+                        yield os.path.relpath(os.path.join(root, f), self.directory), None
+            return
+        for info in self.where.files(self.recursive):
+            rel = self.where.relative(info.path)
+            if any(part.startswith((".", "_")) for part in rel.split("/")):
+                continue
+            if os.path.splitext(rel)[1].lower() in self.formats:
+                yield rel, (0, info.size, info.mtime_ns or 0)
+
+    def _path(self, rel: str) -> str:
+        return os.path.join(self.directory, rel) if self.where.local else f"{self.where.path}/{rel}"
 
     def poll(self, max_files: int | None = None) -> int:
         """Push every new file (at most ``max_files`` of them); returns the number of pushes newly recorded.
@@ -175,9 +218,9 @@ class FileSource:
         A file that cannot be read or converted raises InputFileError or is passed over, by ``on_error``."""
         new = 0
         for rel in self.pending()[:max_files]:
-            path = os.path.join(self.directory, rel)
+            path = self._path(rel)
             try:
-                sig = _signature(path)
+                sig = _signature(self.where, path)
                 new += self._push_file(rel, path)
             except FileNotFoundError:
                 log.warning("FileSource %s: %s vanished before it was read whole", self.name, path)
@@ -194,7 +237,7 @@ class FileSource:
         self.stats["rewritten"] += 1
         log.warning("FileSource %s: %s was rewritten after it was read (a file must not change once it appears, "
                     "invariant 3); its new content is not read: publish it under a new name", self.name,
-                    os.path.join(self.directory, rel))
+                    self._path(rel))
 
     def _failed(self, rel: str, path: str, sig: tuple, e: InputFileError) -> None:
         self.stats["bad_files"] += 1
@@ -213,6 +256,16 @@ class FileSource:
         self.errors.append((rel, why))
 
     def _quarantine(self, rel: str, path: str, why: str) -> str:
+        if not self.where.local:  # invariant 5: copy, then delete; never over an earlier one
+            base, fs = f"{self.quarantine_dir}/{rel}", self.where.fs
+            dest, n = base, 0
+            while any(i.type != pafs.FileType.NotFound for i in fs.get_file_info([dest, dest + ".error"])):
+                n += 1
+                dest = f"{base}.{n}"
+            fs.copy_file(path, dest)
+            self.where.write_bytes((why + "\n").encode(), dest + ".error")
+            fs.delete_file(path)
+            return dest
         base = os.path.join(self.quarantine_dir, rel)
         os.makedirs(os.path.dirname(base), exist_ok=True)
         dest, n = base, 0
@@ -241,7 +294,7 @@ class FileSource:
         kind = FORMATS[os.path.splitext(rel)[1].lower()]
         p = self.pipeline
         try:
-            units = pq.ParquetFile(path).num_row_groups if kind == "parquet" else 1
+            units = self._parquet(path).num_row_groups if kind == "parquet" else 1
             todo = [seq for seq in range(units) if not p.acknowledged(producer, seq)]
             self.stats["skipped"] += units - len(todo)
             if not todo:
@@ -274,15 +327,20 @@ class FileSource:
         if kind != "parquet":
             yield 0, self._convert(self._read_text(path, kind))
             return
-        f = pq.ParquetFile(path)
+        f = self._parquet(path)
         for seq in seqs:
             yield seq, self._convert(f.read_row_group(seq, columns=self._columns(f)))
+
+    def _parquet(self, path: str) -> pq.ParquetFile:
+        return pq.ParquetFile(path if self.where.local else self.where.open_input(path))
 
     def _columns(self, f: pq.ParquetFile) -> list[str]:
         return [n for n in f.schema_arrow.names if n in self.schema.names or n == "weight"]
 
     def _read_text(self, path: str, kind: str) -> pa.Table:
         types = {n: t for n, t in zip(self.schema.names, self.schema.types)}
+        if not self.where.local:
+            path = self.where.fs.open_input_stream(path)
         if kind == "csv":
             return pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(column_types=types))
         return pajson.read_json(path, parse_options=pajson.ParseOptions(

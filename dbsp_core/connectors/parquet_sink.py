@@ -13,6 +13,8 @@ Invariants (enforced here):
   3. With ``skip_empty`` a step whose change is empty writes no file; the ``_next`` file (a plain decimal
      step, replaced atomically like a data file, written before each acknowledgement) tells readers how far the
      directory is complete, so "no file" and "not written yet" stay apart.
+  4. The directory may be on an object store (a URI, or a path with ``filesystem=``: dbsp_core.storage.location):
+     each file is then one PUT, which S3 and GCS make visible whole or not at all, in place of the rename.
 
 The view is the sum of the files' rows by weight: :func:`read_parquet_view`, or in DuckDB
 ``SELECT cols, sum(weight) FROM read_parquet('dir/step-*.parquet') GROUP BY ALL HAVING sum(weight) <> 0``.
@@ -20,15 +22,16 @@ The view is the sum of the files' rows by weight: :func:`read_parquet_view`, or 
 
 from __future__ import annotations
 
-import glob
 import os
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from dbsp_core._storage import file_replace
 from dbsp_core.connectors.output import OutputReader
+from dbsp_core.storage.location import Location, resolve
 from dbsp_core.zset import ZSet
 
 __all__ = ["ParquetSink", "read_parquet_view", "step_file"]
@@ -55,11 +58,14 @@ class ParquetSink:
     view
         The output name.
     directory
-        Where the files go (created if missing).
+        Where the files go (created if missing): a local path, a URI (``s3://bucket/prefix?...``) or a path in
+        ``filesystem`` (invariant 4).
     consumer
         The sink's consumer name (default ``parquet-<view>``); keep it stable across restarts.
     skip_empty
         Write no file for a step with an empty change (invariant 3).
+    filesystem
+        A ``pyarrow.fs.FileSystem`` that ``directory`` is a path in.
 
     Examples
     --------
@@ -78,11 +84,15 @@ class ParquetSink:
     """
 
     def __init__(self, source: Any, view: str, directory: str | os.PathLike, *, consumer: str | None = None,
-                 skip_empty: bool = False) -> None:
-        self.directory = os.fspath(directory)
+                 skip_empty: bool = False, filesystem: pafs.FileSystem | None = None) -> None:
+        self.where = resolve(directory, filesystem, "ParquetSink directory")
+        self.directory = os.fspath(directory) if self.where.local else self.where.path
         self.reader = OutputReader(source, view, consumer or f"parquet-{view}")
         self.skip_empty = skip_empty
-        os.makedirs(self.directory, exist_ok=True)
+        if self.where.local:
+            os.makedirs(self.directory, exist_ok=True)
+        else:
+            self.where.makedirs()
         self.next = self.reader.register(0)
         self.stats = {"steps": 0, "files": 0, "rows": 0}
 
@@ -92,30 +102,40 @@ class ParquetSink:
         for step, z in self.reader.changes(start, limit):
             if z.num_rows or not self.skip_empty:
                 table = z.to_arrow()
-                file_replace(step_file(self.directory, step), _parquet_bytes(table))  # invariant 1
+                self._write(step_file(self.directory, step), _parquet_bytes(table))  # invariants 1, 4
                 self.stats["files"] += 1
                 self.stats["rows"] += table.num_rows
             self.next = step + 1
             self.stats["steps"] += 1
         if self.next > start:
-            file_replace(os.path.join(self.directory, "_next"), f"{self.next}\n".encode("ascii"))
+            self._write(os.path.join(self.directory, "_next"), f"{self.next}\n".encode("ascii"))
             self.reader.ack(self.next)  # invariant 2: every file below is durable
         return self.next - start
+
+    def _write(self, path: str, data: bytes | pa.Buffer) -> None:
+        if self.where.local:
+            file_replace(path, data)
+        else:
+            self.where.write_bytes(data, path)
 
     def close(self) -> None:
         self.reader.close()
 
 
-def read_parquet_view(directory: str | os.PathLike, schema: pa.Schema | None = None) -> ZSet:
-    """The view a :class:`ParquetSink` directory holds: the sum of every step file's rows by weight."""
-    files = sorted(glob.glob(os.path.join(os.fspath(directory), "step-*.parquet")))
+def read_parquet_view(directory: str | os.PathLike, schema: pa.Schema | None = None,
+                      filesystem: pafs.FileSystem | None = None) -> ZSet:
+    """The view a :class:`ParquetSink` directory holds: the sum of every step file's rows by weight. ``directory``
+    and ``filesystem`` as for the sink."""
+    where: Location = resolve(directory, filesystem, "read_parquet_view directory")
+    files = sorted(i.path for i in where.files(recursive=False)
+                   if os.path.basename(i.path).startswith("step-") and i.path.endswith(".parquet"))
     if not files:
         if schema is None:
             raise FileNotFoundError(f"{directory}: no step files and no schema to make an empty view of")
         return ZSet.empty(schema)
     parts = []
     for f in files:
-        t = pq.read_table(f)
+        t = pq.read_table(f, filesystem=where.fs)
         w = t.column("weight").to_numpy()
         parts.append(ZSet.from_arrow(t.drop_columns(["weight"]), weights=w))
     return ZSet.concat(parts).consolidate()

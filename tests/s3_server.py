@@ -1,0 +1,80 @@
+"""A throwaway S3-compatible server for the tests: moto's server (``moto[server]``, in the test extras) as its own
+process on 127.0.0.1 at a free port, with dummy credentials in the environment the way a real deployment gives
+them (``AWS_ACCESS_KEY_ID`` ...), stopped afterwards."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "dbsp-test-key", "AWS_SECRET_ACCESS_KEY": "dbsp-test-secret",
+               "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def available() -> str | None:
+    """None when the server can start here, else why not."""
+    try:
+        import moto.server  # noqa: F401
+    except ImportError as e:
+        return f"moto's server is not installed (pip install 'moto[server]'): {e}"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class S3Server:
+    """One running server. :meth:`bucket` makes a new bucket; :meth:`uri` names a prefix in it as users write it."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    err = self.proc.stderr.read().decode(errors="replace")[-2000:] if self.proc.stderr else ""
+                    self.stop()
+                    raise RuntimeError(f"moto's S3 server did not start on {self.endpoint}: {err}")
+                time.sleep(0.1)
+        os.environ.update(CREDENTIALS)
+
+    def filesystem(self):
+        import pyarrow.fs as pafs
+
+        return pafs.S3FileSystem(endpoint_override=self.endpoint, scheme="http", region="us-east-1")
+
+    def bucket(self) -> str:
+        name = f"b-{uuid.uuid4().hex[:12]}"
+        import pyarrow.fs as pafs
+
+        pafs.S3FileSystem(endpoint_override=self.endpoint, scheme="http", region="us-east-1",
+                          allow_bucket_creation=True).create_dir(name)
+        return name
+
+    def uri(self, bucket: str, prefix: str = "") -> str:
+        path = f"{bucket}/{prefix}".rstrip("/")
+        return f"s3://{path}?endpoint_override={self.endpoint}&scheme=http&region=us-east-1"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stderr:
+            self.proc.stderr.close()
