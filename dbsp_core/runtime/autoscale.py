@@ -14,8 +14,9 @@ Invariants (enforced here; tests/core/test_autoscale_policy.py checks them on sy
      state give the same decision and the same next state.
   2. A size outside ``[min_workers, cap]`` (``cap``: ``max_workers``, and for worker threads also the cores) is
      brought inside at once (reason ``bounds``); no other decision leaves the bounds.
-  3. No decision but ``hold`` while a rescale is in flight, or before ``min_steps`` steps ran at the current size
-     since the last rescale.
+  3. No decision but ``hold`` while a rescale is in flight, or before ``min_steps`` steps were measured at the
+     current size since the last rescale (after ``min_steps`` more of warm-up, which drain what piled up during
+     the move); the window holds at least the last ``min_steps`` steps however long they took.
   4. Scale up: when a target is missed (step latency p99 over ``max_step_ms``, utilization above the band, the
      oldest unstepped push older than ``max_backlog_s``) and a larger size is predicted to meet every target with
      ``headroom``, the decision is the smallest such size, in one decision (not +1). When no size up to ``cap``
@@ -23,6 +24,8 @@ Invariants (enforced here; tests/core/test_autoscale_policy.py checks them on sy
   5. Scale down: only while every target is met, after ``scale_down_window_s`` at the current size, to the largest
      size any evaluation of that window required (the size that meets the window's peak with headroom: one the
      measured load would push back up is never chosen), and not when it would move more than ``max_move_bytes``.
+     While the requirement of the window's newer half is below its peak (the load is still falling) it waits, up
+     to a second window, so that a falling load is followed by one scale-down rather than several.
   6. Every decision carries its inputs (the window's summary, the size each target requires, the bytes the move
      would take), its choice and its reason.
 """
@@ -79,7 +82,8 @@ class Autoscale:
     interval_s : float
         Evaluate at most this often (seconds; 0: after every step).
     min_steps : int
-        Steps at a new size before the next decision (fresh measurements).
+        After a rescale, the first ``min_steps`` steps at the new size are not measured (they drain what piled up
+        during the move), and ``min_steps`` more are measured before the next decision.
     headroom : float
         A new size aims at this fraction of each bound (0 < headroom <= 1), so that it does not sit at the edge.
     max_move_bytes : int or None
@@ -188,10 +192,11 @@ class PolicyState:
 
     since: float = -math.inf
     required: tuple[tuple[float, int], ...] = ()
+    warmup: bool = False  # the first steps since ``since`` drain what piled up during a move: not measured
 
     def changed(self, t: float) -> "PolicyState":
-        """The state after a rescale that ended at ``t``: measurements restart."""
-        return PolicyState(t, ())
+        """The state after a rescale that ended at ``t``: measurements restart, after a warm-up."""
+        return PolicyState(t, (), True)
 
 
 @dataclass(frozen=True)
@@ -220,35 +225,72 @@ def _pct(values: list[float], q: float) -> float:
 class _Window:
     """The steps of the window at the current size, and what the model predicts from them."""
 
-    def __init__(self, m: Measurements, policy: Autoscale, since: float) -> None:
+    def __init__(self, m: Measurements, policy: Autoscale, since: float, warmup: bool = False) -> None:
+        at = [s for s in m.steps if s.t > since and s.workers == m.workers]
+        if warmup:
+            at = at[policy.min_steps:]  # warm-up: the first steps at a new size drain what piled up during the move
         start = max(m.now - policy.window_s, since)
-        self.steps = [s for s in m.steps if s.t > start and s.workers == m.workers]
+        self.steps = [s for s in at if s.t > start]
+        if len(self.steps) < policy.min_steps:  # long steps: the window holds at least min_steps of them
+            self.steps = at[-policy.min_steps:]
+            start = min([start] + [s.t - s.seconds for s in self.steps])
         self.workers = m.workers
         first = min((s.t - s.seconds for s in self.steps), default=m.now)
         self.elapsed = max(m.now - max(start, first), 1e-9)
         self.measured = bool(self.steps) and all(s.busy is not None for s in self.steps)
         W = m.workers
         if self.measured:
-            self.crit = [float(s.busy_max) for s in self.steps]  # type: ignore[arg-type]
-            self.serial = [max(0.0, s.seconds - c) for s, c in zip(self.steps, self.crit)]
+            # the serial part of a step: the median over the window of its time outside the busiest worker's
+            # busy time (one step's is noisy); the rest of each step is its critical path
+            outside = sorted(max(0.0, s.seconds - float(s.busy_max)) for s in self.steps)  # type: ignore[arg-type]
+            self.serial_s = outside[len(outside) // 2]
             self.work = sum(float(s.busy) for s in self.steps)  # type: ignore[arg-type]
         else:  # the whole step is parallel work (staged executor: its tasks run elsewhere)
-            self.crit = [s.seconds for s in self.steps]
-            self.serial = [0.0] * len(self.steps)
+            self.serial_s = 0.0
             self.work = sum(s.seconds for s in self.steps) * W
+        self.crit = [max(0.0, s.seconds - self.serial_s) for s in self.steps]
         self.rows = sum(s.rows for s in self.steps)
         lat = [s.seconds for s in self.steps]
         self.mean = sum(lat) / len(lat) if lat else None
         self.p99 = _pct(lat, 99) if lat else None
         self.util = self.work / (W * self.elapsed)
         self.rate = self.rows / self.work if self.work > 0 and self.rows else None  # rows per busy worker-second
+        # saturated: steps ran back to back (they were late), so a step's rows grew with its own duration
+        self.saturated = bool(lat) and sum(lat) >= 0.9 * self.elapsed
+        self.cadence = _cadence(m.steps)
+        self.arrival = max(m.arrival_rows_s or 0.0, self.rows / self.elapsed)
+        self.per_row = sum(self.crit) / self.rows if self.rows else 0.0  # critical-path seconds per row at W
 
     def p99_at(self, w: int) -> float:
+        """The predicted p99 step latency at ``w`` workers. Unsaturated, a step keeps its rows (the caller's cadence
+        sets them) and its critical path divides by ``w / W``. Saturated, a step's rows are what arrives while
+        the previous one runs (at least one cadence): ``d = serial + a * max(cadence, d)`` with ``a`` the
+        critical seconds the arrival of one second costs at ``w``, so ``d = serial / (1 - a)`` when that exceeds
+        the cadence (infinite when ``a >= 1``: ``w`` cannot keep up)."""
         k = self.workers / w
-        return _pct([a + c * k for a, c in zip(self.serial, self.crit)], 99)
+        S = self.serial_s
+        if not self.saturated:
+            return _pct([S + c * k for c in self.crit], 99)
+        a = self.per_row * k * self.arrival
+        T = self.cadence or 0.0
+        d = S + a * T
+        if d >= T:
+            d = S / (1 - a) if a < 1 else math.inf
+        return d
 
     def util_at(self, w: int) -> float:
         return self.work / (w * self.elapsed)
+
+
+def _cadence(steps: tuple[StepSample, ...]) -> float | None:
+    """How often the caller steps when the steps keep up: the median interval between two step starts where the
+    pipeline was idle in between (None: never seen idle)."""
+    gaps = []
+    for a, b in zip(steps, steps[1:]):
+        idle = (b.t - b.seconds) - a.t
+        if idle > max(0.001, 0.2 * a.seconds):
+            gaps.append(b.t - b.seconds - (a.t - a.seconds))
+    return sorted(gaps)[len(gaps) // 2] if gaps else None
 
 
 def summarize(m: Measurements, policy: Autoscale, since: float = -math.inf) -> dict:
@@ -262,6 +304,7 @@ def _inputs(win: _Window, m: Measurements) -> dict:
     return {"steps": len(win.steps), "elapsed_s": r(win.elapsed, 3), "model": "busy time" if win.measured else
             "step time", "step_ms_mean": r(win.mean and win.mean * 1000, 3),
             "step_ms_p99": r(win.p99 and win.p99 * 1000, 3), "utilization": r(win.util, 4),
+            "saturated": win.saturated, "cadence_s": r(win.cadence, 4), "serial_ms": r(win.serial_s * 1000, 3),
             "rows": win.rows, "rows_per_worker_s": r(win.rate, 1), "arrival_rows_s": r(m.arrival_rows_s, 1),
             "backlog_rows": m.backlog_rows, "backlog_bytes": m.backlog_bytes,
             "backlog_age_s": round(m.backlog_age_s, 4), "cap": m.cap}
@@ -310,7 +353,7 @@ def decide(policy: Autoscale, m: Measurements, state: PolicyState) -> tuple[Deci
     ('rescale', 6, 'scale_up')
     """
     W, cap, p = m.workers, m.cap, policy
-    win = _Window(m, p, state.since)
+    win = _Window(m, p, state.since, state.warmup)
     inputs = _inputs(win, m)
 
     def out(action: str, target: int, reason: str, why: str, st: PolicyState = state) -> tuple[Decision, PolicyState]:
@@ -350,7 +393,7 @@ def decide(policy: Autoscale, m: Measurements, state: PolicyState) -> tuple[Deci
     # every target met: the scale-down window
     horizon = m.now - p.scale_down_window_s
     kept = tuple((t, r) for t, r in state.required if t >= horizon) + ((m.now, min(need, cap)),)
-    st = PolicyState(state.since, kept)
+    st = PolicyState(state.since, kept, state.warmup)
     peak = max(r for _, r in kept)
     inputs["window_required"] = peak
     if peak >= W:
@@ -359,6 +402,11 @@ def decide(policy: Autoscale, m: Measurements, state: PolicyState) -> tuple[Deci
         return out("hold", W, "stabilizing", f"targets met, {peak} workers would do; a scale-down waits "
                                              f"{p.scale_down_window_s:g} s at a size "
                                              f"({m.now - state.since:.1f} s so far)", st)
+    recent = max(r for t, r in kept if t >= m.now - p.scale_down_window_s / 2)
+    if recent < peak and m.now - state.since < 2 * p.scale_down_window_s:
+        return out("hold", W, "falling", f"targets met; the size required fell during the window ({peak} -> "
+                                         f"{recent}): the scale-down waits for the peak to leave the window (one "
+                                         f"rescale, not two)", st)
     moved = m.move_bytes(peak) if m.move_bytes is not None else None
     inputs["move_bytes"] = moved
     if p.max_move_bytes is not None and moved is not None and moved > p.max_move_bytes:
