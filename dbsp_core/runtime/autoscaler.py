@@ -57,6 +57,7 @@ class Autoscaler:
         self.failed = 0
         self.executors: str | None = None  # what the capacity said last
         self._thread: threading.Thread | None = None
+        self._running = False  # a decided rescale has not ended (set before its thread starts, cleared at its end)
         self._stopped = False
         self._last_eval = -math.inf
         self.state = PolicyState(since=time.monotonic())
@@ -110,7 +111,7 @@ class Autoscaler:
     # ---- decisions ----
 
     def in_flight(self) -> bool:
-        return (self._thread is not None and self._thread.is_alive()) or self.p.rescale_progress is not None
+        return self._running or self.p.rescale_progress is not None
 
     def evaluate(self, now: float | None = None) -> Decision:
         """Evaluate the policy now (the driver's step lock held) and act on its decision."""
@@ -135,6 +136,7 @@ class Autoscaler:
                 rec = {**d.to_dict(), "result": "started"}
                 with self._lock:
                     self.changes.append(rec)
+                self._running = True
                 self._thread = threading.Thread(target=self._rescale, args=(d, rec), name="dbsp-autoscale",
                                                 daemon=True)
                 self._thread.start()
@@ -161,6 +163,7 @@ class Autoscaler:
         finally:
             with self._lock:
                 self.state = self.state.changed(time.monotonic())
+                self._running = False
             self._publish()
 
     def stop(self) -> None:
@@ -178,7 +181,7 @@ class Autoscaler:
             return {"policy": self.policy.to_dict(), "cap": self.cap, "rescales": self.rescales,
                     "failed_rescales": self.failed, "decisions": dict(self.counts), "last": last,
                     "recent": list(self.decisions)[-8:], "changes": list(self.changes), "executors": self.executors,
-                    "in_flight": self._thread is not None and self._thread.is_alive()}
+                    "in_flight": self._running}
 
     def _publish(self) -> None:
         self.p._metrics.autoscaled(self.snapshot())
