@@ -256,7 +256,9 @@ class _Window:
         self.util = self.work / (W * self.elapsed)
         self.rate = self.rows / self.work if self.work > 0 and self.rows else None  # rows per busy worker-second
         # saturated: steps ran back to back (they were late), so a step's rows grew with its own duration
-        self.saturated = len(lat) > 1 and sum(lat) >= 0.9 * self.elapsed
+        # (only with busy times: without them the serial part is unknown, and the unsaturated model is the
+        # conservative one)
+        self.saturated = self.measured and len(lat) > 1 and sum(lat) >= 0.9 * self.elapsed
         self.cadence = _cadence(m.steps)
         self.arrival = max(m.arrival_rows_s or 0.0, self.rows / self.elapsed)
         self.per_row = sum(self.crit) / self.rows if self.rows else 0.0  # critical-path seconds per row at W
