@@ -182,7 +182,8 @@ class Measurements:
     backlog_age_s: float = 0.0
     arrival_rows_s: float | None = None  # rows pushed per second over the window (None: unknown)
     in_flight: bool = False  # a rescale is running
-    move_bytes: Callable[[int], int] | None = field(default=None, compare=False)  # bytes a rescale to W' moves
+    # bytes a rescale to W' would move (None from it: unknown)
+    move_bytes: Callable[[int], int | None] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ Invariants (enforced here):
      reason and, with the newest ones, the rescales made and their pauses, in the pipeline's metrics
      (``p.metrics()["autoscale"]``, the Prometheus text, and the ``METRICS`` record ``dbsp inspect`` reads).
   4. A failed rescale is recorded (its decision stays, with the error) and does not stop the autoscaler; the
-     pipeline itself says whether it is still usable (driver invariant 8).
+     pipeline itself says whether it is still usable (driver invariant 8). A failed evaluation is logged and
+     counted (reason ``error``) and never fails the step that ran it.
 """
 
 from __future__ import annotations
@@ -82,7 +83,11 @@ class Autoscaler:
         self.arrivals.append((now, self.p._metrics.rows_in_total()))
         if now - self._last_eval >= self.policy.interval_s:
             self._last_eval = now
-            self.evaluate(now)
+            try:
+                self.evaluate(now)
+            except Exception as exc:  # noqa: BLE001 - invariant 4: the policy never fails a step
+                self.counts["error"] = self.counts.get("error", 0) + 1
+                log.warning("autoscale: the evaluation failed: %s: %s", type(exc).__name__, exc)
 
     def _arrival_rate(self, now: float) -> float | None:
         horizon = now - self.policy.window_s
@@ -92,8 +97,16 @@ class Autoscaler:
         t1, n1 = self.arrivals[-1]
         return (n1 - old[1]) / (t1 - old[0]) if t1 > old[0] else None
 
-    def _move_bytes(self, workers: int) -> int:
-        """Bytes of state a rescale to ``workers`` would move (the shards whose owner changes)."""
+    def _move_bytes(self, workers: int) -> int | None:
+        """Bytes of state a rescale to ``workers`` would move (the shards whose owner changes); None when the
+        executor cannot say (its state is not readable here)."""
+        try:
+            return self._moved(workers)
+        except Exception as exc:  # noqa: BLE001 - a decision without the figure, saying so
+            log.debug("autoscale: the bytes a move to %d workers would take are unknown: %s", workers, exc)
+            return None
+
+    def _moved(self, workers: int) -> int:
         from dbsp_core.metrics import state_bytes
 
         lay = self.p.layout
