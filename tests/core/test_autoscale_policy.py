@@ -246,3 +246,38 @@ def test_the_pipeline_refuses_what_is_not_a_policy() -> None:
     with pytest.raises(TypeError, match="expected a dbsp_core.Autoscale or None"):
         p.autoscale(3)
     p.close()
+
+
+def test_a_recorded_trace_scales_up_in_its_8x_phase_and_replays_the_same() -> None:
+    """tests/fixtures/autoscale-trace.json: the samples an autoscaler took from a real embedded pipeline held at one
+    worker while the rate stepped up 8x (tests/fixtures/make_autoscale_trace.py). Replayed through the policy
+    (evaluated after each step, up to 2 workers): once the 8x steps are measured the decision is a scale-up to 2;
+    nothing decides below the minimum; a second replay decides the same."""
+    import json
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures",
+                        "autoscale-trace.json")
+    with open(path) as f:
+        trace = json.load(f)
+    steps = [StepSample(*s) for s in trace["steps"]]
+    arrivals = trace["arrivals"]
+    p = Autoscale(1, 2, max_step_ms=trace["target_ms"], window_s=3, interval_s=0, min_steps=3)
+    high = trace["phase"]  # the 8x phase starts here
+
+    def replay() -> list:
+        out, state = [], PolicyState(since=0.0)
+        for i, s in enumerate(steps):
+            old = next(n for t, n in [(a[0], a[1]) for a in arrivals] if t >= s.t - p.window_s)
+            rate = (arrivals[i][1] - old) / max(1e-9, s.t - max(0.0, s.t - p.window_s))
+            m = Measurements(now=s.t, workers=1, cap=2, steps=tuple(steps[:i + 1]), arrival_rows_s=rate)
+            d, state = decide(p, m, state)
+            out.append(d)
+        return out
+
+    first = replay()
+    assert [d.to_dict() for d in first] == [d.to_dict() for d in replay()]
+    assert all(d.target in (1, 2) and d.reason != "scale_down" for d in first)
+    after = [d for s, d in zip(steps, first) if s.t - s.seconds >= high + 3 * trace["tick"]]
+    assert after, "the trace has no measured 8x steps"
+    ups = [d for d in after if d.action == "rescale"]
+    assert ups and ups[0].target == 2 and ups[0].reason.startswith("scale_up"), [d.to_dict() for d in after]
