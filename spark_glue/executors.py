@@ -29,6 +29,7 @@ class SparkExecutors(Capacity):
 
     def __init__(self, spark: Any) -> None:
         self.sc = spark.sparkContext
+        self._released: set[str] = set()  # executors asked to go that may still be listed (a kill is asynchronous)
 
     def _conf(self, key: str, default: str) -> str:
         return str(self.sc.getConf().get(key, default))
@@ -38,10 +39,12 @@ class SparkExecutors(Capacity):
         cpus = int(self._conf("spark.task.cpus", "1"))
         return max(1, cores // max(1, cpus))
 
-    def _executor_ids(self) -> list[str]:
-        jsc = self.sc._jsc.sc()
-        seq = jsc.getExecutorIds()  # the executors alive now (not the driver)
-        return [str(x) for x in self.sc._jvm.scala.collection.JavaConverters.seqAsJavaList(seq)]
+    def executor_ids(self) -> list[str]:
+        """The Spark executors alive now (not the driver), without those already asked to go."""
+        seq = self.sc._jsc.sc().getExecutorIds()
+        ids = [str(x) for x in self.sc._jvm.scala.collection.JavaConverters.seqAsJavaList(seq)]
+        self._released &= set(ids)  # gone: forget them
+        return [i for i in ids if i not in self._released]
 
     def follow(self, workers: int) -> str:
         master = self.sc.master
@@ -52,7 +55,7 @@ class SparkExecutors(Capacity):
         per = self.tasks_per_executor()
         want = math.ceil(workers / per)
         try:
-            ids = self._executor_ids()
+            ids = self.executor_ids()
             jsc = self.sc._jsc.sc()
             if want > len(ids):
                 ok = jsc.requestExecutors(want - len(ids))
@@ -64,6 +67,8 @@ class SparkExecutors(Capacity):
                             f"Spark releases idle ones itself (killExecutors is refused while it is on)")
                 extra = sorted(ids, key=lambda x: (len(x), x))[want:]
                 ok = jsc.killExecutors(self.sc._jvm.PythonUtils.toSeq(extra))
+                if ok:
+                    self._released |= set(extra)
                 return (f"released Spark executors {extra} ({len(ids)} -> {want} for {workers} workers): "
                         f"{'accepted' if ok else 'not taken by the cluster manager'}")
             return f"{len(ids)} Spark executors run {workers} workers ({per} tasks each): none asked for"

@@ -53,7 +53,9 @@ Invariants (enforced here):
      wait for its end on one condition of the step lock (deciding and acting under the lock, never between),
      and another ``rescale`` is refused with DbspError. ``close`` waits for the pushes being appended and
      refuses later ones. A rescale that fails before or between its waves is undone (rescale.py invariant 6):
-     the pipeline goes on at the old layout.
+     the pipeline goes on at the old layout. An autoscaling policy (autoscaler.py) decides after a step, under the step lock,
+     and rescales through ``rescale`` on a thread of its own (so steps go on); ``close`` stops it and waits for
+     the rescale it started before taking the step lock.
 """
 
 from __future__ import annotations

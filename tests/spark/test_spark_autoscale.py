@@ -62,3 +62,27 @@ def test_worker_count_follows_the_policy(spark_local, tmp_path) -> None:
         s[k] += v * w
     assert Counter({r: w for r, w in view.items() if w}) == Counter({(k, n[k], s[k]): 1 for k in n})
     p.close()
+
+
+def _wait_for(n: int, e, seconds: float) -> list[str]:
+    deadline = time.monotonic() + seconds
+    while len(ids := e.executor_ids()) != n and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return ids
+
+
+@pytest.mark.slow
+def test_spark_executors_follow_the_worker_count_on_local_cluster(spark_cluster) -> None:
+    """On local-cluster (the standalone backend, dynamic allocation off) a smaller worker count releases a Spark
+    executor through killExecutors and a larger one asks for one through requestExecutors, each taken."""
+    from spark_glue.executors import SparkExecutors
+
+    e = SparkExecutors(spark_cluster)
+    spark_cluster.range(4).count()
+    assert len(_wait_for(2, e, 60)) == 2
+    msg = e.follow(1)
+    assert msg.startswith("released Spark executors") and msg.endswith("accepted"), msg
+    assert len(_wait_for(1, e, 60)) == 1
+    msg = e.follow(2)
+    assert msg.startswith("asked for 1 more Spark executors") and msg.endswith("accepted"), msg
+    assert len(_wait_for(2, e, 120)) == 2, e.follow(2)
