@@ -65,7 +65,7 @@ class Autoscaler:
         self.set_policy(policy)
 
     def set_policy(self, policy: Autoscale) -> None:
-        kind = getattr(self.p.executor, "kind", "")
+        kind = self.p.executor.kind
         with self._lock:
             self.policy = policy
             self.cap = min(policy.max_workers, _CORES) if kind == "embedded" else policy.max_workers
