@@ -73,6 +73,17 @@ def _inspect(args: argparse.Namespace) -> int:
               f"{', '.join(f'{k} {v:,}' for k, v in m['rows_out'].items())}")
         print(f"             step latency mean {ms(lat['mean'])}, p50 {ms(lat.get('p50'))}, p99 {ms(lat.get('p99'))}; "
               f"{m['checkpoints']} checkpoints, last {m['checkpoint_seconds']:.3f} s (as of the last checkpoint)")
+        auto = m.get("autoscale")
+        if auto:
+            pol, last = auto["policy"], auto.get("last") or {}
+            counts = ", ".join(f"{k} {v}" for k, v in sorted(auto["decisions"].items()))
+            print(f"autoscale    {pol['min_workers']}..{auto['cap']} workers; {auto['rescales']} rescales "
+                  f"({auto['failed_rescales']} failed); decisions {counts}")
+            for c in auto.get("changes", [])[-5:]:
+                print(f"             {c['reason']} {c['workers']} -> {c['target']} ({c['result']}): {c['why']}")
+            if last:
+                print(f"             last: {last['action']} {last['workers']} -> {last['target']} ({last['reason']}): "
+                      f"{last['why']}")
     return 0
 
 

@@ -20,7 +20,10 @@ The Prometheus names (``dbsp_`` prefix): ``steps_total``, ``pushes_total``, ``du
 ``output_steps{end}`` (first, last), ``consumer_next_step{consumer}``, ``workers``, ``shards``; of each source
 (dbsp_core.connectors.files) ``source_files_total{source}``, ``source_rows_total{source}``,
 ``source_bad_files_total{source}``, ``source_quarantined_files_total{source}``,
-``source_rewritten_files_total{source}``.
+``source_rewritten_files_total{source}``; the backlog ``backlog_rows``, ``backlog_bytes``, ``backlog_age_seconds``;
+with an autoscaling policy (dbsp_core.runtime.autoscaler) ``autoscale_decisions_total{reason}``,
+``autoscale_rescales_total``, ``autoscale_failed_rescales_total``, ``autoscale_max_workers``,
+``autoscale_target_workers``, ``autoscale_last_decision{action,reason}``, ``autoscale_input{input}``.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class Metrics:
         self.checkpoints = 0
         self.checkpoint_last = 0.0
         self.checkpoint_sum = 0.0
+        self.autoscale: dict | None = None  # the autoscaler's snapshot (dbsp_core.runtime.autoscaler), if one runs
 
     def pushed(self, handle: str, rows: int) -> None:
         with self._lock:
@@ -87,6 +91,16 @@ class Metrics:
                 for name, z in out.items():
                     self.rows_out[name] = self.rows_out.get(name, 0) + z.num_rows
 
+    def rows_in_total(self) -> int:
+        """Rows pushed so far, over every input."""
+        with self._lock:
+            return sum(self.rows_in.values())
+
+    def autoscaled(self, snapshot: dict | None) -> None:
+        """The autoscaler's newest decisions (None: no policy any more)."""
+        with self._lock:
+            self.autoscale = snapshot
+
     def checkpointed(self, seconds: float) -> None:
         with self._lock:
             self.checkpoints += 1
@@ -105,7 +119,8 @@ class Metrics:
                                      "count": sum(self.buckets), "sum": self.step_sum,
                                      "mean": self.step_sum / self.steps if self.steps else None, **pct},
                     "checkpoints": self.checkpoints, "checkpoint_seconds": self.checkpoint_last,
-                    "checkpoint_seconds_sum": self.checkpoint_sum, "since": self.started}
+                    "checkpoint_seconds_sum": self.checkpoint_sum, "since": self.started,
+                    **({"autoscale": self.autoscale} if self.autoscale is not None else {})}
 
     def recent_latencies(self) -> list[tuple[int, float]]:
         """``(step, seconds)`` of the newest steps (up to ``recent``), oldest first."""
@@ -185,6 +200,8 @@ def gather(p: Any, state: bool = True) -> dict:
     out["replayed_steps"] = p.stats.get("replayed_steps", 0)
     out["recovery_seconds"] = p.stats.get("recovery_s", 0.0)
     out["sources"] = sources(p)
+    rows, nbytes, age = p._backlog(time.monotonic())
+    out["backlog"] = {"rows": rows, "bytes": nbytes, "age_s": age}
     if p.storage is not None:
         du = p.disk_usage()
         out["log_bytes"] = {"input": du["input"], "output": du["output"]}
@@ -249,6 +266,14 @@ def _families(m: dict) -> list:
                     rows=m["late_rows"]),
             gauge("workers", "Workers of the layout in force", m["workers"]),
             gauge("shards", "Shards of the layout in force", m["shards"])]
+    if "backlog" in m:
+        bl = m["backlog"]
+        fams += [gauge("backlog_rows", "Rows pushed and not yet stepped", bl["rows"]),
+                 gauge("backlog_bytes", "Bytes pushed and not yet stepped", bl["bytes"]),
+                 gauge("backlog_age_seconds", "Age of the oldest push not yet stepped", bl["age_s"])]
+    auto = m.get("autoscale")
+    if auto is not None:
+        fams += _autoscale_families(auto, counter, gauge)
     src = m.get("sources", {})
     if src:
         fams += [counter(f"source_{key}", doc, labels=("source",), rows={n: v[stat] for n, v in src.items()})
@@ -275,6 +300,25 @@ def _families(m: dict) -> list:
                        labels=("worker", "shard"),
                        rows={(str(w), str(s)): b for w, v in m["state_bytes"].items()
                              for s, b in v["shards"].items()})]
+    return fams
+
+
+def _autoscale_families(a: dict, counter: Any, gauge: Any) -> list:
+    """The autoscaler's families: its decisions by reason, rescales, the last decision and its numeric inputs."""
+    last = a.get("last") or {}
+    fams = [counter("autoscale_decisions", "Autoscaling decisions, per reason", labels=("reason",),
+                    rows=a["decisions"]),
+            counter("autoscale_rescales", "Rescales the autoscaler made", a["rescales"]),
+            counter("autoscale_failed_rescales", "Rescales the autoscaler decided that failed", a["failed_rescales"]),
+            gauge("autoscale_max_workers", "The most workers the policy may use here (its max, and the cores for "
+                  "worker threads)", a["cap"])]
+    if last:
+        fams += [gauge("autoscale_target_workers", "Worker count the last decision chose", last["target"]),
+                 gauge("autoscale_last_decision", "The last decision (value 1), by action and reason",
+                       labels=("action", "reason"), rows={(last["action"], last["reason"]): 1}),
+                 gauge("autoscale_input", "The numeric inputs of the last decision", labels=("input",),
+                       rows={k: v for k, v in last["inputs"].items()
+                             if isinstance(v, (int, float)) and not isinstance(v, bool)})]
     return fams
 
 

@@ -67,6 +67,7 @@ from dbsp_core.runtime.staged import Job
 from dbsp_core.storage.formats import META_FILE
 from dbsp_core.zset import ZSet
 from spark_glue.check import check_executors
+from spark_glue.executors import SparkExecutors
 
 __all__ = ["SparkPipeline", "SparkJobRunner", "partition_codes"]
 
@@ -254,8 +255,10 @@ class SparkPipeline(Pipeline):
     storage : str or os.PathLike or None
         Directory for the input log, output log and stage state; every Spark executor must see it at the same path
         (None: a new temporary directory, for local mode).
-    shard_bits, max_steps_per_job, checkpoint_interval, replay_check, output_retention, output_sync
-        As for ``dbsp_core.Pipeline`` and ``dbsp_core.runtime.StagedExecutor``.
+    shard_bits, max_steps_per_job, checkpoint_interval, replay_check, output_retention, output_sync, autoscale
+        As for ``dbsp_core.Pipeline`` and ``dbsp_core.runtime.StagedExecutor``. With ``autoscale`` the worker count
+        (tasks per stage) follows the policy, up to its ``max_workers``, and Spark executors are asked for and
+        released to match where the cluster manager allows it (spark_glue.executors).
 
     Examples
     --------
@@ -286,6 +289,7 @@ class SparkPipeline(Pipeline):
             storage = tempfile.mkdtemp(prefix="dbsp-spark-")
         self._views: dict[str, tuple[int, ZSet]] = {}
         executor = StagedExecutor(SparkJobRunner(spark), max_steps_per_job=max_steps_per_job)
+        self._capacity = SparkExecutors(spark)  # an autoscaled worker count asks for Spark executors through it
         super().__init__(circuit, workers, shard_bits, storage, executor=executor, **kwargs)
 
     @classmethod

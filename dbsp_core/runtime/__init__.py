@@ -28,6 +28,9 @@ How the pieces fit (each module states its own invariants):
   (``Pipeline.rescale``: ``LiveRescale``) moves its shards in waves, one pause of the steps each, records its
   target in ``RESCALE`` first, and recovery after a crash midway finishes it (settling what an in-memory
   executor's last checkpoint left, then a cold change to the target).
+- ``autoscale.py``: ``Autoscale`` (a user's bounds and targets) and ``decide``, a pure function from a pipeline's
+  measurements (step samples with the workers' busy times, backlog, the bytes a move would take) to a decision;
+  ``autoscaler.py`` runs it after steps and makes a decided live rescale on a thread of its own, one at a time.
 - ``migrate.py``: the embedded executor's side of a live change: operator state moves between its workers in
   memory, a wave of shards at a time, at a step boundary (the staged executor makes each wave a cold change).
 - ``upgrade.py``: opening a directory of the previous release (directory format 1): its state databases are

@@ -53,7 +53,9 @@ Invariants (enforced here):
      wait for its end on one condition of the step lock (deciding and acting under the lock, never between),
      and another ``rescale`` is refused with DbspError. ``close`` waits for the pushes being appended and
      refuses later ones. A rescale that fails before or between its waves is undone (rescale.py invariant 6):
-     the pipeline goes on at the old layout.
+     the pipeline goes on at the old layout. An autoscaling policy (autoscaler.py) decides after a step, under the step lock,
+     and rescales through ``rescale`` on a thread of its own (so steps go on); ``close`` stops it and waits for
+     the rescale it started before taking the step lock.
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ from dbsp_core.metrics import Metrics, gather, serve, stop_serving
 from dbsp_core.operators.base import same_columns
 from dbsp_core.progress import progress
 from dbsp_core.rows import as_table, conform
+from dbsp_core.runtime.autoscale import Autoscale
+from dbsp_core.runtime.autoscaler import Autoscaler, Capacity
 from dbsp_core.runtime.crashpoints import crashpoint
 from dbsp_core.runtime.division import Divided, ranges
 from dbsp_core.runtime.embedded import EmbeddedExecutor
@@ -149,6 +153,9 @@ class Pipeline:
     clock : callable or None
         Returns the wall-clock time in nanoseconds since the epoch that a step logs as its ``now`` (default
         ``time.time_ns``; a simulation or a test passes its own). ``now`` never decreases whatever it returns.
+    autoscale : Autoscale or None
+        A policy that sizes the pipeline from what it measures: after a step it may rescale live (see
+        :class:`dbsp_core.Autoscale` and :meth:`autoscale`). None: the worker count changes only when asked.
 
     Examples
     --------
@@ -184,12 +191,14 @@ class Pipeline:
     >>> q.close()
     """
 
+    _capacity: Capacity | None = None  # what follows the worker count outside the process (SparkPipeline's executors)
+
     def __init__(self, circuit: Circuit, workers: int = 1, shard_bits: int = DEFAULT_SHARD_BITS,
                  storage: Any = None, *, executor: Executor | None = None,
                  checkpoint_interval: float | None = 10.0, replay_check: bool = True,
                  output_retention: int | None = None, output_sync: bool = True, segment_bytes: int = 64 << 20,
-                 clock: Callable[[], int] | None = None, vfs: str = "posix", _rescale_to: int | None = None,
-                 _open_only: bool = False) -> None:
+                 clock: Callable[[], int] | None = None, autoscale: Autoscale | None = None, vfs: str = "posix",
+                 _rescale_to: int | None = None, _open_only: bool = False) -> None:
         if not isinstance(circuit, Circuit):
             raise TypeError(f"Pipeline needs a Circuit, got {type(circuit).__name__}")
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
@@ -204,6 +213,8 @@ class Pipeline:
             raise ValueError(f"segment_bytes must be an int >= 4096, got {segment_bytes!r}")
         if clock is not None and not callable(clock):
             raise TypeError(f"clock must be a callable returning nanoseconds since the epoch, got {clock!r}")
+        if autoscale is not None and not isinstance(autoscale, Autoscale):
+            raise TypeError(f"autoscale must be a dbsp_core.Autoscale or None, got {type(autoscale).__name__}")
         ShardMap(workers, shard_bits)  # validates shard_bits against workers before anything is created
         self.circuit = circuit
         self.executor: Executor = executor if executor is not None else EmbeddedExecutor(vfs=vfs)
@@ -224,6 +235,10 @@ class Pipeline:
         self._inflight_keys: set[tuple[str, int]] = set()
         self._seen = SeenSet()
         self._pending: list[tuple[str, ZSet]] = []
+        # the backlog: rows and bytes pushed and not yet divided into a step, and when the oldest came (monotonic)
+        self._backlog_rows = self._backlog_bytes = 0
+        self._backlog_since: float | None = None
+        self._autoscaler: Autoscaler | None = None
         self._step_inputs: list[tuple[str, str, int]] = []
         self._anon_seq = 0  # the seq of the next anonymous push: its identity for StepError and discard
         self.step_error: StepError | None = None  # the failure of the step waiting at the head of the queue
@@ -266,14 +281,16 @@ class Pipeline:
         self._last_checkpoint = time.monotonic()
         if self.storage is None:
             self.executor.start(circuit, Layout.local(workers, shard_bits), None)
-            return
-        try:
-            self._open_storage(workers, shard_bits, segment_bytes, replay_check, output_sync, _rescale_to,
-                               _open_only)
-        except BaseException:
-            self._shutdown()
-            raise
-        self._last_checkpoint = time.monotonic()
+        else:
+            try:
+                self._open_storage(workers, shard_bits, segment_bytes, replay_check, output_sync, _rescale_to,
+                                   _open_only)
+            except BaseException:
+                self._shutdown()
+                raise
+            self._last_checkpoint = time.monotonic()
+        if autoscale is not None:
+            self._autoscaler = Autoscaler(self, autoscale, self._capacity)
 
     @classmethod
     def open(cls, path: Any, circuit: Circuit, workers: int | None = None, **kwargs: Any) -> "Pipeline":
@@ -325,6 +342,7 @@ class Pipeline:
         for handle, z, entry in tail:
             self._pending.append((handle, z))
             self._step_inputs.append(entry)
+            self._queued(z.num_rows, z.data.nbytes + z.weights.nbytes)
         self.stats["recovered_pushes"] = len(tail)
         self._open_step = log.next_step
         self._now_floor, self._wm_divided, self._anon_seq = log.now_floor, log.watermarks, log.anon_seq
@@ -430,6 +448,7 @@ class Pipeline:
         if self.storage is None:
             self._metrics.pushed(handle, z.num_rows)
             with self._cond:
+                self._queued(z.num_rows, z.data.nbytes + z.weights.nbytes)
                 self._pending.append((handle, z))
                 self._step_inputs.append((handle, "", self._anon_seq))
                 self._anon_seq += 1
@@ -478,6 +497,7 @@ class Pipeline:
                 self._cond.notify_all()
             raise
         with self._cond:
+            self._queued(z.num_rows, len(payload))
             self._pending.append((handle, z))
             self._step_inputs.append((handle, prod, sq))
             if producer is not None:
@@ -488,6 +508,19 @@ class Pipeline:
             self._metrics.pushed(handle, z.num_rows)
             self._cond.notify_all()
         return Ack(step, prod, sq, False)
+
+    def _queued(self, rows: int, nbytes: int) -> None:
+        """A push joins the backlog (call with ``_cond``)."""
+        self._backlog_rows += rows
+        self._backlog_bytes += nbytes
+        if self._backlog_since is None:
+            self._backlog_since = time.monotonic()
+
+    def _backlog(self, now: float) -> tuple[int, int, float]:
+        """Rows and bytes pushed and not yet divided into a step, and the age in seconds of the oldest."""
+        with self._cond:
+            since = self._backlog_since
+            return self._backlog_rows, self._backlog_bytes, 0.0 if since is None else max(0.0, now - since)
 
     def acknowledged(self, producer: str, seq: int) -> bool:
         """Whether the push ``(producer, seq)`` is durably recorded, so pushing it again would be a duplicate
@@ -510,6 +543,8 @@ class Pipeline:
                     self._cond.wait()
                 step = self._open_step
                 pushes, self._pending = self._pending, []
+                self._backlog_rows = self._backlog_bytes = 0
+                self._backlog_since = None
                 entries, self._step_inputs = self._step_inputs, []
                 now_ns, seed = max(int(self._clock()), self._now_floor), random.getrandbits(63)
                 self._now_floor = now_ns  # now never goes back, even if the wall clock does
@@ -581,7 +616,11 @@ class Pipeline:
         finally:
             if self._division_sync is not None:  # the step failed before waiting: settle the fsync
                 self._await_division(quiet=True)
-        self._metrics.stepped([d.input.step for d in run[:len(outs)]], outs, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self._metrics.stepped([d.input.step for d in run[:len(outs)]], outs, seconds)
+        if self._autoscaler is not None and not replay:
+            rows = sum(z.num_rows for d in run for _, z in d.input.pushes)
+            self._autoscaler.stepped(seconds, rows, self.layout.workers, self.executor.busy)
         if failed is not None:
             self._queue[:0] = run[len(outs):]  # the failed step and those after it wait, divided
             self._advance(run[:len(outs)])
@@ -899,6 +938,43 @@ class Pipeline:
         self.last_rescale = change.finish(self)
         return self.last_rescale
 
+    def autoscale(self, policy: Autoscale | None) -> None:
+        """Size the pipeline by ``policy`` from now on (replacing any policy it had), or stop autoscaling (None;
+        a rescale the old policy started still ends). See :class:`dbsp_core.Autoscale`; the decisions are in
+        ``metrics()["autoscale"]``.
+
+        >>> import pyarrow as pa, dbsp_core as dbsp
+        >>> c = dbsp.Circuit()
+        >>> t = c.input("t", pa.schema([("k", pa.int64())]))
+        >>> c.output("n", t.group_by("k").agg(n=dbsp.count()))
+        >>> p = dbsp.Pipeline(c, workers=2)
+        >>> p.autoscale(dbsp.Autoscale(1, 1, max_step_ms=100))   # a bound below the size: brought inside at once
+        >>> p.push("t", pa.table({"k": [1, 2]})); _ = p.step()
+        >>> p.autoscale(None)                                      # waits for the rescale it decided
+        >>> p.workers, p.last_rescale["to_workers"]
+        (1, 1)
+        >>> p.close()
+        """
+        if policy is not None and not isinstance(policy, Autoscale):
+            raise TypeError(f"autoscale: expected a dbsp_core.Autoscale or None, got {type(policy).__name__}")
+        self._check_usable()
+        if policy is None:
+            a, self._autoscaler = self._autoscaler, None
+            if a is not None:
+                a.stop()
+                self._metrics.autoscaled(None)
+            return
+        if self._autoscaler is None:
+            self._autoscaler = Autoscaler(self, policy, self._capacity)
+        else:
+            self._autoscaler.set_policy(policy)
+
+    @property
+    def autoscale_decisions(self) -> list[dict]:
+        """The newest decisions of the autoscaling policy (every kind, oldest first; empty without a policy)."""
+        a = self._autoscaler
+        return [] if a is None else list(a.decisions)
+
     def _undo_rescale(self, change: LiveRescale, exc: BaseException) -> None:
         """A live rescale failed before or between waves (rescale.py invariant 6): undo it under the step lock.
         If that fails too, the pipeline is broken (Pipeline.open finishes or undoes the change from the
@@ -1069,6 +1145,8 @@ class Pipeline:
         and threads; the pipeline cannot be used afterwards."""
         if self._closed:
             return
+        if self._autoscaler is not None:
+            self._autoscaler.stop()  # no more rescales; one in flight ends first (outside the step lock)
         with self._step_lock:
             self._wait_layout_idle()  # invariant 8: a live rescale ends first
             if self._closed:

@@ -78,6 +78,9 @@ class Executor(Protocol):
     # the end of the driver's output log (the driver sets it when it opens the log): an executor whose state
     # commits while steps run does not resume past a step whose output is not logged (staged.py invariant 2)
     output_steps: Callable[[], int]
+    # busy seconds per worker of the last run() (time in operators, not waiting at an exchange), or None when the
+    # executor does not measure it (a staged executor's tasks run elsewhere): the autoscaling policy's work measure
+    busy: list[float] | None
 
     @property
     def version(self) -> int:

@@ -147,6 +147,7 @@ class StagedExecutor:
         self.jobs = 0
         self.job_seconds = 0.0
         self.stats: dict[str, int] = {}
+        self.busy: list[float] | None = None  # not measured: the stage tasks run in other processes
         self.output_steps: Callable[[], int] = lambda: 2**62  # the driver's output log end (invariant 2)
         self.circuit: Circuit | None = None
         self.layout: Layout | None = None
