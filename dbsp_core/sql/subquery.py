@@ -1,9 +1,9 @@
-"""Subqueries of the SQL planner: EXISTS, IN, NOT EXISTS, NOT IN and scalar subqueries, uncorrelated or correlated by equalities, turned into semi, anti and outer joins (decorrelated).
+"""Subqueries of the SQL planner: EXISTS, IN, NOT EXISTS, NOT IN and scalar subqueries, uncorrelated or correlated by any condition, turned into semi, anti and outer joins and aggregates (decorrelated).
 
 Invariants:
-  1. A subquery is correlated when conditions of its WHERE name columns of the enclosing query; each such
-     condition must be an equality between an expression of the subquery and one of the enclosing query, and
-     these pairs become join keys. Any other outer reference is an error naming it.
+  1. A subquery is correlated when conditions of its WHERE (or its SELECT list) name columns of the enclosing
+     query. When each such condition is an equality between an expression of the subquery and one of the
+     enclosing query (and the SELECT list names none), these pairs become join keys; otherwise see invariant 5.
   2. A WHERE (or HAVING) conjunct ``EXISTS (q)``, ``x IN (q)`` is a semi join and ``NOT EXISTS (q)`` an anti join
      on the correlation keys (and x = the subquery's column): exactly SQL's rows, since a NULL there means the
      row is dropped, as false does.
@@ -16,6 +16,13 @@ Invariants:
      no value gets NULL; an aggregate over no rows gets its SQL value (COUNT is 0). An uncorrelated scalar
      subquery must return at most one row; if it returns several, the row is repeated per value (SQL raises an
      error instead).
+  5. Any other correlation goes through a domain (Neumann and Kemper, "Unnesting Arbitrary Queries"): D, the
+     distinct values of the enclosing columns the subquery names, is joined with the subquery's FROM (on its
+     correlated equalities, a cross join if none) and the correlated conditions filter the pairs, with those
+     columns read from D; the subquery is then correlated by equality with D's columns, nulls matching nulls
+     (a condition such as ``t1.b IS NULL`` can hold for a null). So every subquery is evaluated once per
+     distinct correlation value, by incremental joins and aggregates, and invariants 2-4 apply unchanged.
+     An aggregate over only enclosing columns (which SQL evaluates in the enclosing query) is refused.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from dbsp_core import aggregates as dbsp  # dbsp.count(), dbsp.sum(), ...: the p
 from dbsp_core.sql.aggregate import aggregate_calls, plan_aggregate
 from dbsp_core.sql.build import Builder
 from dbsp_core.sql.expr import call, lit, null
-from dbsp_core.sql.parse import DIALECT
+from dbsp_core.sql.parse import DIALECT, ident, tname
 from dbsp_core.sql.relation import Col, Rel
 from dbsp_core.sql.walk import columns_of, conjuncts, has_subquery, resolves
 
@@ -38,26 +45,28 @@ F = pc.field
 
 
 class Sub:
-    """A planned subquery: its (filtered) relation, the correlation pairs (inner field, outer expression), and
-    its SELECT list (for a plain SELECT)."""
+    """A planned subquery: its (filtered) relation, the correlation pairs (inner field, outer expression), its
+    SELECT list (for a plain SELECT), and the enclosing relation to join it with (``outer`` plus the null-safe
+    key fields of a domain, invariant 5)."""
 
     def __init__(self, rel: Rel, pairs: list[tuple[str, exp.Expression]], node: exp.Expression,
-                 items: list[tuple[str, exp.Expression]] | None) -> None:
-        self.rel, self.pairs, self.node, self.items = rel, pairs, node, items
+                 items: list[tuple[str, exp.Expression]] | None, outer: Rel, dcols: list[Col] | None = None) -> None:
+        self.rel, self.pairs, self.node, self.items, self.outer = rel, pairs, node, items, outer
+        self.dcols = dcols or []  # D's columns naming the enclosing fields they copy (for the SELECT list)
 
 
 def plan_sub(builder: Builder, node: exp.Expression, outer: Rel) -> Sub:
-    """Invariant 1: split the subquery's WHERE into its own conditions and correlation pairs."""
+    """Invariant 1: split the subquery's WHERE into its own conditions and correlation pairs; any other
+    correlation goes through a domain (invariant 5)."""
     if isinstance(node, exp.Subquery):
         node = node.this
     if not isinstance(node, exp.Select) or node.args.get("from_") is None or node.args.get("with_"):
-        return Sub(builder.query(node), [], node, None)
+        return Sub(builder.query(node), [], node, None, outer)
     where = conjuncts(node.args["where"].this) if node.args.get("where") else []
     inner, rest = builder.from_clause(node, where)
-    own, pairs = [], []
+    own, corr = [], []
     for c in rest:
-        cols = columns_of(c)
-        outer_cols = [x for x in cols if not resolves(inner, x)]
+        outer_cols = [x for x in columns_of(c) if not resolves(inner, x)]
         if not outer_cols:
             own.append(c)
             continue
@@ -66,23 +75,18 @@ def plan_sub(builder: Builder, node: exp.Expression, outer: Rel) -> Sub:
         for x in outer_cols:
             if not resolves(outer, x):
                 raise builder.src.error(x, f"unknown column {x.sql(dialect=DIALECT)}")
-        if isinstance(c, exp.EQ):
-            a, b = c.this, c.expression
-            ia = columns_of(a) and all(resolves(inner, x) for x in columns_of(a))
-            ib = columns_of(b) and all(resolves(inner, x) for x in columns_of(b))
-            oa = all(not resolves(inner, x) for x in columns_of(a))
-            ob = all(not resolves(inner, x) for x in columns_of(b))
-            if ia and ob:
-                pairs.append((a, b))
-                continue
-            if ib and oa:
-                pairs.append((b, a))
-                continue
-        raise builder.src.error(c, "a condition of a subquery that names columns of the enclosing query must be an "
-                                   "equality between an expression of each (a correlation key)")
-    correlated = bool(pairs)
-    if not correlated:
-        return Sub(builder.query(node), [], node, None)
+        corr.append(c)
+    listed = [e for e in node.expressions if not isinstance(e, exp.Star)]
+    item_outer = [x for e in listed for x in columns_of(e) if not resolves(inner, x) and resolves(outer, x)]
+    if not corr and not item_outer:
+        return Sub(builder.query(node), [], node, None, outer)
+    for key in ("group", "having", "limit", "distinct", "order"):
+        if node.args.get(key) is not None:
+            raise builder.src.error(node.args[key], f"{key.upper()} in a correlated subquery is not supported")
+    split = [_key_pair(inner, c) for c in corr]
+    if item_outer or any(p is None for p in split):
+        return domain(builder, node, inner, own, corr, outer)
+    pairs = [p for p in split if p is not None]
     rel = apply_where(builder, inner, own, None)
     ex = builder.exprs(rel, where="subquery")
     new, fields = {}, []
@@ -95,10 +99,82 @@ def plan_sub(builder: Builder, node: exp.Expression, outer: Rel) -> Sub:
         fields.append(f)
     rel = builder.extend(rel, new)
     items = builder.select_items(node, rel)
-    for key in ("group", "having", "limit", "distinct", "order"):
-        if node.args.get(key) is not None:
-            raise builder.src.error(node.args[key], f"{key.upper()} in a correlated subquery is not supported")
-    return Sub(rel, list(zip(fields, [b for _, b in pairs])), node, items)
+    return Sub(rel, list(zip(fields, [b for _, b in pairs])), node, items, outer)
+
+
+def _key_pair(inner: Rel, c: exp.Expression) -> tuple[exp.Expression, exp.Expression] | None:
+    """(inner expression, outer expression) when ``c`` equates an expression of each, else None."""
+    if not isinstance(c, exp.EQ):
+        return None
+    for a, b in ((c.this, c.expression), (c.expression, c.this)):
+        if columns_of(a) and all(resolves(inner, x) for x in columns_of(a)) and \
+                all(not resolves(inner, x) for x in columns_of(b)):
+            return a, b
+    return None
+
+
+def domain(builder: Builder, node: exp.Select, inner: Rel, own: list[exp.Expression], corr: list[exp.Expression],
+           outer: Rel) -> Sub:
+    """Invariant 5: the subquery over its FROM joined with the domain D (the distinct values of the enclosing
+    columns it names), its correlated conditions ordinary conditions on the join; correlated to the enclosing
+    query by equality with D's columns, nulls matching nulls."""
+    dname: dict[str, str] = {}  # outer field -> D field
+
+    def outer_refs(e: exp.Expression) -> list[exp.Column]:
+        return [x for x in columns_of(e) if not resolves(inner, x) and resolves(outer, x)]
+
+    def field_of(x: exp.Column) -> str:
+        hits = outer.find(tname(x.args["table"]) if x.args.get("table") else None, ident(x.this))
+        if len({c.field for c in hits}) != 1:
+            raise builder.src.error(x, f"column {x.sql(dialect=DIALECT)} is ambiguous")
+        f = hits[0].field
+        if f not in dname:
+            dname[f] = builder.fresh()
+        return dname[f]
+
+    def rewrite(e: exp.Expression) -> exp.Expression:
+        """``e`` with its enclosing-query columns naming D's columns (not inside nested subqueries)."""
+        e = e.copy()
+        refs = {id(x): field_of(x) for x in outer_refs(e)}
+        if not refs:
+            return e
+        return e.transform(lambda n: exp.column(exp.to_identifier(refs[id(n)], quoted=True))
+                           if id(n) in refs else n, copy=False)
+
+    keys, residual = [], []
+    for c in corr:
+        p = _key_pair(inner, c)
+        if p is not None:
+            keys.append((p[0], rewrite(p[1])))
+        else:
+            residual.append(rewrite(c))
+    listed = [e for e in node.expressions if not isinstance(e, exp.Star)]
+    for agg in aggregate_calls(builder, listed):
+        cols = columns_of(agg)
+        if cols and all(not resolves(inner, x) for x in cols):
+            raise builder.src.error(agg, "an aggregate of only enclosing-query columns inside a subquery is not "
+                                         "supported")
+    for e in listed:
+        for x in outer_refs(e):
+            field_of(x)
+    ofields = list(dname)
+    d = outer.stream.select(**{dname[f]: F(f) for f in ofields}).distinct()
+    drel = Rel(d, [Col(dname[f], None, dname[f], False) for f in ofields])
+    rel = apply_where(builder, inner, own, None)
+    if keys:
+        left, right, lk, rk = builder.key_fields(rel, drel, keys)
+    else:  # no equality: every domain value with every row (the residual conditions filter the pairs)
+        k = builder.fresh()
+        left, right, lk, rk = builder.with_key(rel, k), builder.with_key(drel, k + "_"), [k], [k + "_"]
+    joined = Rel(left.stream.join(right.stream, left_on=lk, right_on=rk), rel.cols + drel.cols)
+    joined = builder.filter(joined, residual)
+    s, ikeys = builder.null_safe(joined.stream, [dname[f] for f in ofields])
+    rel = Rel(s, joined.cols)
+    o, okeys = builder.null_safe(outer.stream, ofields)
+    outer2 = Rel(o, outer.cols + [Col(k, None, k, False) for k in okeys])
+    items = [(n, rewrite(e)) for n, e in builder.select_items(node, rel)]
+    pairs = [(i, exp.column(exp.to_identifier(k, quoted=True))) for i, k in zip(ikeys, okeys)]
+    return Sub(rel, pairs, node, items, outer2, [Col(dname[f], None, f, False) for f in ofields])
 
 
 def _one_column(builder: Builder, sub: Sub, what: str) -> tuple[Rel, str]:
@@ -147,7 +223,7 @@ def semi(builder: Builder, rel: Rel, node: exp.Expression, anti: bool) -> Rel:
         sub = plan_sub(builder, node.args["query"], rel)
         inner, y = _one_column(builder, sub, "IN")
         extra_o, extra_i = [node.this], [y]
-    rel2, inner2, lk, rk = _keys(builder, rel, inner, [o for _, o in sub.pairs] + extra_o,
+    rel2, inner2, lk, rk = _keys(builder, sub.outer, inner, [o for _, o in sub.pairs] + extra_o,
                                  [f for f, _ in sub.pairs] + extra_i)
     keys = builder.narrow(inner2, rk)
     s = rel2.stream.anti_join(keys, left_on=lk, right_on=rk) if anti else \
@@ -170,15 +246,16 @@ def mark(builder: Builder, rel: Rel, node: exp.Expression) -> tuple[Rel, str]:
         m = builder.narrow(values, m_fields).distinct().select(**{f: F(f) for f in m_fields}, **{marker: lit(True)})
     else:  # uncorrelated EXISTS: whether q has a row at all
         m = values.stream.group_by().agg(**{builder.fresh(): dbsp.count()}).select(**{marker: lit(True)})
-    m_rel = builder.disjoint(rel, Rel(m, [Col(f, None, f, False) for f in m_fields + [marker]]))
+    base = sub.outer
+    m_rel = builder.disjoint(base, Rel(m, [Col(f, None, f, False) for f in m_fields + [marker]]))
     fm = {c.name: c.field for c in m_rel.cols}
-    rel2, m2, lk, rk = _keys(builder, rel, m_rel, corr_o + ([node.this] if is_in else []), [fm[f] for f in corr_i]
+    rel2, m2, lk, rk = _keys(builder, base, m_rel, corr_o + ([node.this] if is_in else []), [fm[f] for f in corr_i]
                              + ([fm[y]] if is_in else []))
-    out = Rel(rel2.stream.left_join(m2.stream, left_on=lk, right_on=rk), rel.cols)
+    out = Rel(rel2.stream.left_join(m2.stream, left_on=lk, right_on=rk), base.cols)
     matched = call("coalesce", F(fm[marker]), lit(False))
     f = builder.fresh()
     if not is_in:
-        return builder.extend(out, {f: matched}), f
+        return builder.extend(Rel(out.stream, rel.cols), {f: matched}), f
     # per correlation key: how many rows q has, how many non-null values
     cnt, nn = builder.fresh(), builder.fresh()
     aggs = {cnt: dbsp.count(), nn: dbsp.count(y)}
@@ -208,16 +285,17 @@ def scalar(builder: Builder, rel: Rel, node: exp.Subquery) -> tuple[Rel, str]:
     if not aggs:  # a plain value (per correlation key)
         inner, y = _one_column(builder, sub, "a scalar subquery")
         fields = list(dict.fromkeys(corr_i + [y]))
-        vals = builder.disjoint(rel, Rel(builder.narrow(inner, fields), [Col(g, None, g, False) for g in fields]))
+        vals = builder.disjoint(sub.outer, Rel(builder.narrow(inner, fields),
+                                               [Col(g, None, g, False) for g in fields]))
         fv = {c.name: c.field for c in vals.cols}
-        rel2, v2, lk, rk = _keys(builder, rel, vals, corr_o, [fv[g] for g in corr_i])
+        rel2, v2, lk, rk = _keys(builder, sub.outer, vals, corr_o, [fv[g] for g in corr_i])
         return Rel(rel2.stream.left_join(v2.stream, left_on=lk, right_on=rk), rel.cols), fv[y]
     item = sub.items[0][1]
     grouped, subst = plan_aggregate(builder, sub.rel, None, sub.items, aggs, extra_keys=corr_i, keyless_row=False)
     counts = getattr(grouped, "count_fields", set())
-    g = builder.disjoint(rel, Rel(grouped.stream, [Col(f, None, f, False) for f in grouped.schema.names]))
+    g = builder.disjoint(sub.outer, Rel(grouped.stream, [Col(f, None, f, False) for f in grouped.schema.names]))
     fg = {c.name: c.field for c in g.cols}
-    rel2, g2, lk, rk = _keys(builder, rel, g, corr_o, [fg[f] for f in corr_i])
+    rel2, g2, lk, rk = _keys(builder, sub.outer, g, corr_o, [fg[f] for f in corr_i])
     j = Rel(rel2.stream.left_join(g2.stream, left_on=lk, right_on=rk), rel.cols)
     fixes, subst2 = {}, {}
     for a in aggs:
@@ -228,7 +306,7 @@ def scalar(builder: Builder, rel: Rel, node: exp.Subquery) -> tuple[Rel, str]:
             f = c
         subst2[a] = f
     j = builder.extend(j, fixes)
-    e = builder.exprs(j, subst2, "scalar subquery").compile(item)
+    e = builder.exprs(Rel(j.stream, j.cols + sub.dcols), subst2, "scalar subquery").compile(item)
     f = builder.fresh()
     return builder.extend(j, {f: e}), f
 
