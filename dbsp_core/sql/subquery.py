@@ -23,6 +23,10 @@ Invariants:
      (a condition such as ``t1.b IS NULL`` can hold for a null). So every subquery is evaluated once per
      distinct correlation value, by incremental joins and aggregates, and invariants 2-4 apply unchanged.
      An aggregate over only enclosing columns (which SQL evaluates in the enclosing query) is refused.
+  6. ``x op ANY (q)`` is TRUE when ``x op y`` is TRUE for a row y of q, else NULL when it is NULL for one, else
+     FALSE (so FALSE when q is empty); ``x op ALL (q)`` is TRUE when no row makes it anything but TRUE, else
+     FALSE when a row makes it FALSE, else NULL. Each part is an EXISTS over q with the comparison added to
+     q's WHERE (or over q as a derived table when q groups, aggregates or limits), correlated by x's columns.
 """
 
 from __future__ import annotations
@@ -318,7 +322,8 @@ def _subqueries(node: exp.Expression) -> list[exp.Expression]:
     def walk(n: Any) -> None:
         if not isinstance(n, exp.Expression):
             return
-        if isinstance(n, exp.Exists) or (isinstance(n, exp.In) and n.args.get("query") is not None):
+        if isinstance(n, exp.Exists) or (isinstance(n, exp.In) and n.args.get("query") is not None) or \
+                quantifier(n) is not None:
             out.append(n)
             return
         if isinstance(n, exp.Subquery):
@@ -343,6 +348,11 @@ def with_subqueries(builder: Builder, rel: Rel, nodes: list[exp.Expression], sub
                 continue
             if isinstance(s, exp.Subquery):
                 rel, f = scalar(builder, rel, s)
+            elif quantifier(s) is not None:
+                rel, value = quantified(builder, rel, s)
+                rel, subst = with_subqueries(builder, rel, [value], subst)
+                f = builder.fresh()
+                rel = builder.extend(rel, {f: builder.exprs(rel, subst, "ANY / ALL").compile(value)})
             else:
                 rel, f = mark(builder, rel, s)
             subst[s] = f
@@ -363,6 +373,10 @@ def apply_where(builder: Builder, rel: Rel, conds: list[exp.Expression], outer: 
             rel = semi(builder, rel, c.this, anti=True)
         elif isinstance(c, exp.In) and c.args.get("query") is not None:
             rel = semi(builder, rel, c, anti=False)
+        elif quantifier(c) is not None:  # true for some row (ANY) / for no row not true (ALL)
+            rel, exists = quantified(builder, rel, c, where=True)
+            anti = isinstance(exists, exp.Not)
+            rel = semi(builder, rel, exists.this if anti else exists, anti=anti)
         else:
             plain.append(c)
     if any(has_subquery(c) for c in plain):
@@ -375,3 +389,80 @@ def scalar_subqueries(builder: Builder, rel: Rel, nodes: list[exp.Expression], s
     if not any(has_subquery(n) for n in nodes):
         return rel, subst
     return with_subqueries(builder, rel, nodes, subst)
+
+
+COMPARISONS = (exp.EQ, exp.NEQ, exp.GT, exp.GTE, exp.LT, exp.LTE)
+
+
+def quantifier(node: Any) -> exp.Expression | None:
+    """The ANY or ALL of a comparison ``x op ANY (q)`` / ``x op ALL (q)``, else None."""
+    if isinstance(node, COMPARISONS) and isinstance(node.expression, (exp.Any, exp.All)):
+        return node.expression
+    return None
+
+
+def quantified(builder: Builder, rel: Rel, node: exp.Expression, where: bool = False
+               ) -> tuple[Rel, exp.Expression]:
+    """Invariant 6: ``x op ANY|ALL (q)`` as an expression of EXISTS subqueries over q with ``x op y`` added to
+    q's WHERE (``rel`` gains hidden names for x's columns, so q's own columns cannot capture them). With
+    ``where`` (a WHERE conjunct, where NULL drops the row as FALSE does) the one EXISTS or NOT EXISTS that
+    decides it."""
+    q = quantifier(node)
+    is_all = isinstance(q, exp.All)
+    query = q.this.this if isinstance(q.this, exp.Subquery) else q.this
+    if not isinstance(query, exp.Query):
+        raise builder.src.error(q, f"{'ALL' if is_all else 'ANY'} needs a subquery")
+    x = node.this.copy()
+    if has_subquery(x):
+        raise builder.src.error(node.this, "the left side of ANY / ALL may not hold a subquery")
+    hidden, names = [], {}
+    for c in columns_of(x):
+        hits = rel.find(tname(c.args["table"]) if c.args.get("table") else None, ident(c.this))
+        if len({h.field for h in hits}) != 1:
+            builder.exprs(rel, where="ANY / ALL").compile(c)  # raises the unknown or ambiguous column error
+        names[id(c)] = builder.fresh()
+        hidden.append(Col(names[id(c)], None, hits[0].field, False))
+    x = x.transform(lambda n: exp.column(exp.to_identifier(names[id(n)], quoted=True)) if id(n) in names else n,
+                    copy=False)
+    rel = Rel(rel.stream, rel.cols + hidden)
+    simple = isinstance(query, exp.Select) and query.args.get("from_") is not None and \
+        len(query.expressions) == 1 and not isinstance(query.expressions[0], exp.Star) and \
+        not any(query.args.get(k) for k in ("group", "having", "distinct", "limit", "order", "with_", "qualify")) \
+        and not aggregate_calls(builder, list(query.expressions))
+
+    def exists(cond: Any) -> exp.Exists:
+        """EXISTS (q's rows where ``cond(y)`` holds), y the value of q's row."""
+        if simple:
+            y = query.expressions[0]
+            y = y.this if isinstance(y, exp.Alias) else y
+            sel = query.copy()
+            old = sel.args.get("where")
+            c = cond(y.copy())
+            sel.set("where", exp.Where(this=exp.and_(old.this, c) if old is not None else c))
+            sel.set("expressions", [exp.Literal.number(1)])
+        else:  # SELECT 1 FROM (q) AS _q(_y) WHERE cond(_q._y)
+            t, v = builder.fresh(), builder.fresh()
+            alias = exp.TableAlias(this=exp.to_identifier(t, quoted=True),
+                                   columns=[exp.to_identifier(v, quoted=True)])
+            sel = exp.select(exp.Literal.number(1)).from_(exp.Subquery(this=query.copy(), alias=alias)).where(
+                cond(exp.column(exp.to_identifier(v, quoted=True), table=exp.to_identifier(t, quoted=True))))
+        return exp.Exists(this=sel)
+
+    def cmp(y: exp.Expression) -> exp.Expression:
+        return type(node)(this=x.copy(), expression=y)
+
+    def not_true(y: exp.Expression) -> exp.Expression:
+        return exp.Not(this=exp.Paren(this=exp.Coalesce(this=cmp(y), expressions=[exp.false()])))
+
+    if where:
+        return rel, (exp.Not(this=exists(not_true)) if is_all else exists(cmp))
+    if is_all:  # TRUE when no row is not TRUE, else FALSE when a row is FALSE, else NULL
+        value = exp.Case(ifs=[exp.If(this=exp.Not(this=exists(not_true)), true=exp.true()),
+                              exp.If(this=exists(lambda y: exp.Not(this=exp.Paren(this=cmp(y)))), true=exp.false())],
+                         default=exp.Null())
+    else:  # TRUE when a row is TRUE, else NULL when a row is NULL, else FALSE
+        value = exp.Case(ifs=[exp.If(this=exists(cmp), true=exp.true()),
+                              exp.If(this=exists(lambda y: exp.Is(this=cmp(y), expression=exp.Null())),
+                                     true=exp.Null())],
+                         default=exp.false())
+    return rel, value

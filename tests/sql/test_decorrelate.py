@@ -56,7 +56,17 @@ VIEWS = [
                  "a NOT IN (SELECT t2.c FROM t2 WHERE t2.b >= t1.b) AS y FROM t1"),
     ("in_outer_item", "SELECT a, b FROM t1 WHERE c IN (SELECT t2.a + t1.b FROM t2 WHERE t2.c < t1.c)"),
     ("in_mixed", "SELECT a FROM t1 WHERE b NOT IN (SELECT c FROM t2 WHERE t2.a = t1.a AND t2.b > t1.c)"),
-    # ANY / ALL written as IN and NOT IN over strings, and correlated string conditions
+    # ANY / ALL: TRUE, FALSE or NULL by the comparisons with q's rows; FALSE (ANY) or TRUE (ALL) over no rows
+    ("any_where", "SELECT a, b FROM t1 WHERE a > ANY (SELECT b FROM t2)"),
+    ("all_where", "SELECT a, b FROM t1 WHERE a >= ALL (SELECT b FROM t2 WHERE t2.c < t1.c)"),
+    ("any_values", "SELECT a, a < ANY (SELECT b FROM t2) AS x, a <> ALL (SELECT b FROM t2) AS y, "
+                   "a = SOME (SELECT b FROM t2 WHERE t2.c > t1.c) AS z FROM t1"),
+    ("all_values", "SELECT a, b, b <= ALL (SELECT t2.a FROM t2 WHERE t2.b <> t1.b) AS x FROM t1"),
+    ("all_not", "SELECT a FROM t1 WHERE NOT (a = ALL (SELECT c FROM t2 WHERE t2.a = t1.b))"),
+    ("any_grouped", "SELECT a FROM t1 WHERE b > ANY (SELECT max(b) FROM t2 GROUP BY c)"),
+    ("all_grouped", "SELECT a, c < ALL (SELECT count(*) FROM t2 GROUP BY a) AS x FROM t1"),
+    ("any_expr", "SELECT a, b FROM t1 WHERE a + b > ANY (SELECT c - t1.c FROM t2 WHERE t2.a <= t1.a)"),
+    # strings
     ("str_lt", "SELECT v, (SELECT count(*) FROM s AS x WHERE x.v < s.v) AS n FROM s"),
     ("str_in", "SELECT v, n FROM s WHERE n IN (SELECT x.n FROM s AS x WHERE x.v > s.v)"),
     # having
