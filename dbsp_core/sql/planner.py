@@ -397,8 +397,14 @@ class Planner(Builder):
         right = self.table_ref(j.this)
         side = (j.args.get("side") or "").upper()
         kind = (j.args.get("kind") or "").upper()
-        if j.args.get("method") or kind in ("NATURAL", "ASOF", "SEMI", "ANTI", "POSITIONAL"):
-            raise self.src.error(j, f"{(j.args.get('method') or kind)} JOIN is not supported")
+        method = (j.args.get("method") or "").upper()
+        if (method and method != "NATURAL") or kind in ("ASOF", "POSITIONAL"):
+            raise self.src.error(j, f"{method or kind} JOIN is not supported")
+        if method:
+            j = j.copy()
+            j.set("using", self.natural_names(left, right, j))
+        if kind in ("SEMI", "ANTI"):
+            return self.semi_anti(left, right, j, kind == "ANTI"), where
         clash = left.tables() & right.tables()
         if clash:
             raise self.src.error(j, f"table name {sorted(clash)[0]!r} appears twice in FROM; give one an alias")
@@ -494,6 +500,42 @@ class Planner(Builder):
         a, ka = self.null_safe(stream, fields)
         b, kb = self.null_safe(other, fields)
         return a.anti_join(b, left_on=ka, right_on=kb).select(**{f: F(f) for f in stream.schema.names})
+
+    def natural_names(self, left: Rel, right: Rel, j: exp.Join) -> list[exp.Identifier]:
+        """The USING list of a NATURAL join: the column names both sides show, in the left side's order."""
+        theirs = {c.name for c in right.star_cols()}
+        names = list(dict.fromkeys(c.name for c in left.star_cols() if c.name in theirs))
+        if not names:
+            raise self.src.error(j, "NATURAL JOIN: the two sides have no column name in common; write CROSS JOIN "
+                                    "for a cross product")
+        return [exp.to_identifier(n, quoted=True) for n in names]
+
+    def semi_anti(self, left: Rel, right: Rel, j: exp.Join, anti: bool) -> Rel:
+        """``left SEMI JOIN right ON c`` (``ANTI``): the rows of the left side for which a right row meets the
+        condition (none does); only the left side's columns stay visible, as in DuckDB."""
+        if j.args.get("side"):
+            raise self.src.error(j, f"{j.args['side'].upper()} {'ANTI' if anti else 'SEMI'} JOIN is not DuckDB SQL; "
+                                    f"write {'ANTI' if anti else 'SEMI'} JOIN")
+        if j.args.get("using"):
+            keys = [(exp.column(exp.to_identifier(ident(u), quoted=True)),) * 2 for u in j.args["using"]]
+            for a, _ in keys:
+                if len(left.find(None, a.name)) != 1 or len(right.find(None, a.name)) != 1:
+                    raise self.src.error(j, f"USING column {a.name!r} must be a column of both sides")
+            residual: list[exp.Expression] = []
+        else:
+            keys, residual = self.equi_keys(left, right, conjuncts(j.args.get("on")))
+        if keys and not residual:
+            lrel, rrel, lk, rk = self.key_fields(left, right, keys)
+            keyed = self.narrow(rrel, rk)
+            s = lrel.stream.anti_join(keyed, left_on=lk, right_on=rk) if anti else \
+                lrel.stream.semi_join(keyed, left_on=lk, right_on=rk)
+            return Rel(s, left.cols)
+        fields = list(left.schema.names)  # the left rows (whole, nulls equal) that have a match
+        matched = self.narrow(self.inner(left, self.disjoint(left, right), keys, residual), fields).distinct()
+        a, ka = self.null_safe(left.stream, fields)
+        b, kb = self.null_safe(matched, fields)
+        s = a.anti_join(b, left_on=ka, right_on=kb) if anti else a.semi_join(b, left_on=ka, right_on=kb)
+        return Rel(s.select(**{f: F(f) for f in fields}), left.cols)
 
     def using(self, left: Rel, right: Rel, names: list[str], side: str, j: exp.Join) -> Rel:
         keys = []

@@ -64,7 +64,7 @@ def plan_sub(builder: Builder, node: exp.Expression, outer: Rel) -> Sub:
     correlation goes through a domain (invariant 5)."""
     if isinstance(node, exp.Subquery):
         node = node.this
-    if not isinstance(node, exp.Select) or node.args.get("from_") is None or node.args.get("with_"):
+    if not isinstance(node, exp.Select) or node.args.get("with_"):
         return Sub(builder.query(node), [], node, None, outer)
     where = conjuncts(node.args["where"].this) if node.args.get("where") else []
     inner, rest = builder.from_clause(node, where)

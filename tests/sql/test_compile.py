@@ -63,7 +63,7 @@ ERRORS = [
     (T + "CREATE VIEW v AS SELECT a, sum(s) FROM t GROUP BY a", 2, 28, "SUM needs a numeric argument"),
     (T + "CREATE VIEW v AS SELECT a FROM t WHERE s + 1 > 2", 2, 40, "arithmetic needs numbers"),
     (T + "CREATE VIEW v AS SELECT a, lag(b) OVER (ORDER BY a) FROM t", 2, 28, "window functions"),
-    (T + "CREATE VIEW v AS SELECT a FROM t NATURAL JOIN t AS x", 2, 47, "NATURAL JOIN is not supported"),
+    (T + "CREATE VIEW v AS SELECT a FROM t POSITIONAL JOIN t AS x", 2, 50, "POSITIONAL JOIN is not supported"),
     (T + "CREATE VIEW v AS SELECT a FROM t EXCEPT ALL SELECT a FROM t", 2, 25, "EXCEPT ALL is not supported"),
     (T + "CREATE VIEW v AS SELECT CAST(b AS DECIMAL(10, 2)) FROM t", 2, 30, "DECIMAL"),
     (T + "CREATE VIEW v AS SELECT a FROM t WHERE a IN (SELECT sum(t.b) FROM t AS x WHERE x.b > t.a)", 2, 53,
