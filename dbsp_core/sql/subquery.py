@@ -27,6 +27,9 @@ Invariants:
      FALSE (so FALSE when q is empty); ``x op ALL (q)`` is TRUE when no row makes it anything but TRUE, else
      FALSE when a row makes it FALSE, else NULL. Each part is an EXISTS over q with the comparison added to
      q's WHERE (or over q as a derived table when q groups, aggregates or limits), correlated by x's columns.
+  7. A subquery that aggregates without GROUP BY or HAVING has exactly one row for every enclosing row, even
+     when its WHERE (correlated or not) keeps none: ``EXISTS (q)`` is TRUE and ``x IN (q)`` is ``x = (q)``
+     (with its NULL rules), q a scalar subquery (invariant 4: COUNT over no rows is 0).
 """
 
 from __future__ import annotations
@@ -346,7 +349,12 @@ def with_subqueries(builder: Builder, rel: Rel, nodes: list[exp.Expression], sub
         for s in _subqueries(node):
             if s in subst:
                 continue
-            if isinstance(s, exp.Subquery):
+            one = _one_row(builder, s)
+            if one is not None:  # invariant 7
+                rel, subst = with_subqueries(builder, rel, [one], subst)
+                f = builder.fresh()
+                rel = builder.extend(rel, {f: builder.exprs(rel, subst, "IN").compile(one)})
+            elif isinstance(s, exp.Subquery):
                 rel, f = scalar(builder, rel, s)
             elif quantifier(s) is not None:
                 rel, value = quantified(builder, rel, s)
@@ -365,8 +373,12 @@ def apply_where(builder: Builder, rel: Rel, conds: list[exp.Expression], outer: 
     the others, with any subqueries they hold, as one filter."""
     plain = []
     for c in conds:
+        one = _one_row(builder, c.this if isinstance(c, exp.Not) else c)
         if subst and c in subst:
             plain.append(c)
+        elif one is not None:  # invariant 7
+            plain.append(exp.false() if isinstance(c, exp.Not) and isinstance(c.this, exp.Exists) else
+                         exp.Not(this=one) if isinstance(c, exp.Not) else one)
         elif isinstance(c, exp.Exists):
             rel = semi(builder, rel, c, anti=False)
         elif isinstance(c, exp.Not) and isinstance(c.this, exp.Exists):
@@ -466,3 +478,21 @@ def quantified(builder: Builder, rel: Rel, node: exp.Expression, where: bool = F
                                      true=exp.Null())],
                          default=exp.false())
     return rel, value
+
+
+def _one_row(builder: Builder, node: exp.Expression) -> exp.Expression | None:
+    """Invariant 7: for ``EXISTS (q)`` or ``x IN (q)`` where q aggregates without GROUP BY or HAVING (one row
+    for every enclosing row), the equivalent TRUE or ``x = (q)``; else None."""
+    if isinstance(node, exp.Exists):
+        q = node.this
+    elif isinstance(node, exp.In) and node.args.get("query") is not None:
+        q = node.args["query"]
+    else:
+        return None
+    q = q.this if isinstance(q, exp.Subquery) else q
+    if not isinstance(q, exp.Select) or any(q.args.get(k) for k in ("group", "having", "limit", "offset", "with_")) \
+            or not aggregate_calls(builder, list(q.expressions)):
+        return None
+    if isinstance(node, exp.Exists):
+        return exp.true()
+    return exp.EQ(this=node.this, expression=exp.Subquery(this=q))

@@ -66,6 +66,15 @@ VIEWS = [
     ("any_grouped", "SELECT a FROM t1 WHERE b > ANY (SELECT max(b) FROM t2 GROUP BY c)"),
     ("all_grouped", "SELECT a, c < ALL (SELECT count(*) FROM t2 GROUP BY a) AS x FROM t1"),
     ("any_expr", "SELECT a, b FROM t1 WHERE a + b > ANY (SELECT c - t1.c FROM t2 WHERE t2.a <= t1.a)"),
+    # a subquery aggregating without GROUP BY has one row for every enclosing row, even over no rows (EXISTS of
+    # it was answered as EXISTS of its rows)
+    ("ex_agg_eq", "SELECT a, b FROM t1 WHERE EXISTS (SELECT count(*) FROM t2 WHERE t2.b = t1.b)"),
+    ("nex_agg_lt", "SELECT a, b FROM t1 WHERE NOT EXISTS (SELECT max(c) FROM t2 WHERE t2.b > t1.b)"),
+    ("ex_agg_value", "SELECT a, EXISTS (SELECT count(*) FROM t2 WHERE t2.b = t1.b) AS e FROM t1"),
+    ("in_agg", "SELECT a FROM t1 WHERE a IN (SELECT max(c) FROM t2 WHERE t2.b = t1.b)"),
+    ("in_count", "SELECT a, b FROM t1 WHERE 0 IN (SELECT count(*) FROM t2 WHERE t2.b < t1.b)"),
+    ("nin_agg_value", "SELECT a, 1 NOT IN (SELECT count(*) FROM t2 WHERE t2.b < t1.b) AS x, "
+                      "a NOT IN (SELECT min(c) FROM t2 WHERE t2.b >= t1.b) AS y FROM t1"),
     # strings
     ("str_lt", "SELECT v, (SELECT count(*) FROM s AS x WHERE x.v < s.v) AS n FROM s"),
     ("str_in", "SELECT v, n FROM s WHERE n IN (SELECT x.n FROM s AS x WHERE x.v > s.v)"),
