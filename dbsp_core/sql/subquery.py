@@ -30,6 +30,9 @@ Invariants:
   7. A subquery that aggregates without GROUP BY or HAVING has exactly one row for every enclosing row, even
      when its WHERE (correlated or not) keeps none: ``EXISTS (q)`` is TRUE and ``x IN (q)`` is ``x = (q)``
      (with its NULL rules), q a scalar subquery (invariant 4: COUNT over no rows is 0).
+  8. A correlated subquery's GROUP BY groups by the correlation key first, then its own keys; HAVING filters the
+     groups and DISTINCT the (key, row) pairs, so each enclosing row sees its own groups and rows. LIMIT and
+     OFFSET inside are refused; ORDER BY without them changes no answer.
 """
 
 from __future__ import annotations
@@ -87,9 +90,12 @@ def plan_sub(builder: Builder, node: exp.Expression, outer: Rel) -> Sub:
     item_outer = [x for e in listed for x in columns_of(e) if not resolves(inner, x) and resolves(outer, x)]
     if not corr and not item_outer:
         return Sub(builder.query(node), [], node, None, outer)
-    for key in ("group", "having", "limit", "distinct", "order"):
+    for key in ("limit", "offset"):
         if node.args.get(key) is not None:
             raise builder.src.error(node.args[key], f"{key.upper()} in a correlated subquery is not supported")
+    if node.args.get("having") is not None and node.args.get("group") is None:
+        raise builder.src.error(node.args["having"], "HAVING without GROUP BY in a correlated subquery is not "
+                                                     "supported")
     split = [_key_pair(inner, c) for c in corr]
     if item_outer or any(p is None for p in split):
         return domain(builder, node, inner, own, corr, outer)
@@ -105,8 +111,33 @@ def plan_sub(builder: Builder, node: exp.Expression, outer: Rel) -> Sub:
             new[f] = e
         fields.append(f)
     rel = builder.extend(rel, new)
-    items = builder.select_items(node, rel)
+    rel, items = _grouped(builder, node, rel, fields, builder.select_items(node, rel))
     return Sub(rel, list(zip(fields, [b for _, b in pairs])), node, items, outer)
+
+
+def _grouped(builder: Builder, node: exp.Select, rel: Rel, keys: list[str], items: list[tuple[str, exp.Expression]]
+             ) -> tuple[Rel, list[tuple[str, exp.Expression]]]:
+    """Invariant 8: a correlated subquery's GROUP BY, HAVING and DISTINCT, per correlation key (``keys``)."""
+    group, having, distinct = node.args.get("group"), node.args.get("having"), node.args.get("distinct")
+    if group is None and distinct is None:
+        return rel, items
+    if distinct is not None and distinct.args.get("on") is not None:
+        raise builder.src.error(distinct, "DISTINCT ON is not supported")
+    subst: dict = {}
+    if group is not None:
+        aggs = aggregate_calls(builder, [e for _, e in items] + ([having.this] if having is not None else []))
+        rel, subst = plan_aggregate(builder, rel, node, items, aggs, extra_keys=keys)
+        if having is not None:
+            rel = apply_where(builder, rel, conjuncts(having.this), None, subst)
+    ex = builder.exprs(rel, subst, "subquery")
+    new = {builder.fresh(): ex.compile(e) for _, e in items}
+    out = builder.extend(Rel(rel.stream, []), new)
+    names = list(dict.fromkeys(keys + list(new)))
+    stream = builder.narrow(out, names)
+    if distinct is not None:
+        stream = stream.distinct()
+    cols = [Col(f, None, f, False) for f in new]
+    return Rel(stream, cols), [(n, exp.column(exp.to_identifier(f, quoted=True))) for (n, _), f in zip(items, new)]
 
 
 def _key_pair(inner: Rel, c: exp.Expression) -> tuple[exp.Expression, exp.Expression] | None:
@@ -180,6 +211,7 @@ def domain(builder: Builder, node: exp.Select, inner: Rel, own: list[exp.Express
     o, okeys = builder.null_safe(outer.stream, ofields)
     outer2 = Rel(o, outer.cols + [Col(k, None, k, False) for k in okeys])
     items = [(n, rewrite(e)) for n, e in builder.select_items(node, rel)]
+    rel, items = _grouped(builder, node, rel, ikeys, items)
     pairs = [(i, exp.column(exp.to_identifier(k, quoted=True))) for i, k in zip(ikeys, okeys)]
     return Sub(rel, pairs, node, items, outer2, [Col(dname[f], None, f, False) for f in ofields])
 
