@@ -31,8 +31,9 @@ Invariants:
      when its WHERE (correlated or not) keeps none: ``EXISTS (q)`` is TRUE and ``x IN (q)`` is ``x = (q)``
      (with its NULL rules), q a scalar subquery (invariant 4: COUNT over no rows is 0).
   8. A correlated subquery's GROUP BY groups by the correlation key first, then its own keys; HAVING filters the
-     groups and DISTINCT the (key, row) pairs, so each enclosing row sees its own groups and rows. LIMIT and
-     OFFSET inside are refused; ORDER BY without them changes no answer.
+     groups, DISTINCT the (key, row) pairs and ORDER BY ... LIMIT k keeps a top-k per key, so each enclosing
+     row sees its own groups and rows. OFFSET is refused; ORDER BY without LIMIT changes no answer, and
+     EXISTS ignores a LIMIT of one or more rows.
 """
 
 from __future__ import annotations
@@ -90,9 +91,8 @@ def plan_sub(builder: Builder, node: exp.Expression, outer: Rel) -> Sub:
     item_outer = [x for e in listed for x in columns_of(e) if not resolves(inner, x) and resolves(outer, x)]
     if not corr and not item_outer:
         return Sub(builder.query(node), [], node, None, outer)
-    for key in ("limit", "offset"):
-        if node.args.get(key) is not None:
-            raise builder.src.error(node.args[key], f"{key.upper()} in a correlated subquery is not supported")
+    if node.args.get("offset") is not None:
+        raise builder.src.error(node.args["offset"], "OFFSET in a correlated subquery is not supported")
     if node.args.get("having") is not None and node.args.get("group") is None:
         raise builder.src.error(node.args["having"], "HAVING without GROUP BY in a correlated subquery is not "
                                                      "supported")
@@ -117,9 +117,11 @@ def plan_sub(builder: Builder, node: exp.Expression, outer: Rel) -> Sub:
 
 def _grouped(builder: Builder, node: exp.Select, rel: Rel, keys: list[str], items: list[tuple[str, exp.Expression]]
              ) -> tuple[Rel, list[tuple[str, exp.Expression]]]:
-    """Invariant 8: a correlated subquery's GROUP BY, HAVING and DISTINCT, per correlation key (``keys``)."""
+    """Invariant 8: a correlated subquery's GROUP BY, HAVING, DISTINCT and ORDER BY ... LIMIT, per correlation
+    key (``keys``)."""
     group, having, distinct = node.args.get("group"), node.args.get("having"), node.args.get("distinct")
-    if group is None and distinct is None:
+    limit = node.args.get("limit")
+    if group is None and distinct is None and limit is None:
         return rel, items
     if distinct is not None and distinct.args.get("on") is not None:
         raise builder.src.error(distinct, "DISTINCT ON is not supported")
@@ -131,11 +133,32 @@ def _grouped(builder: Builder, node: exp.Select, rel: Rel, keys: list[str], item
             rel = apply_where(builder, rel, conjuncts(having.this), None, subst)
     ex = builder.exprs(rel, subst, "subquery")
     new = {builder.fresh(): ex.compile(e) for _, e in items}
-    out = builder.extend(Rel(rel.stream, []), new)
-    names = list(dict.fromkeys(keys + list(new)))
-    stream = builder.narrow(out, names)
+    spec, order_new = [], {}
+    if limit is not None:
+        k = _positive_limit(builder, limit)
+        if node.args.get("order") is None:
+            raise builder.src.error(limit, "LIMIT needs ORDER BY (which rows a LIMIT keeps must not depend on the "
+                                           "order rows arrive in)")
+        aliased = {n: f for (n, _), f in zip(items, new)}
+        for o in node.args["order"].expressions:
+            if o.args.get("nulls_first"):
+                raise builder.src.error(o, "NULLS FIRST is not supported (nulls sort last)")
+            t = o.this
+            if isinstance(t, exp.Column) and not t.args.get("table") and ident(t.this) in aliased and \
+                    not rel.find(None, ident(t.this)):
+                f = aliased[ident(t.this)]
+            else:
+                f = builder.fresh()
+                order_new[f] = ex.compile(t)
+            spec.append((f, "descending" if o.args.get("desc") else "ascending"))
+    out = builder.extend(Rel(rel.stream, []), {**new, **order_new})
+    stream = builder.narrow(out, list(dict.fromkeys(keys + list(new) + list(order_new))))
     if distinct is not None:
         stream = stream.distinct()
+    if limit is not None:
+        stream = stream.group_by(*keys).top_k(k, spec)
+        if order_new:
+            stream = stream.select(**{f: F(f) for f in dict.fromkeys(keys + list(new))})
     cols = [Col(f, None, f, False) for f in new]
     return Rel(stream, cols), [(n, exp.column(exp.to_identifier(f, quoted=True))) for (n, _), f in zip(items, new)]
 
@@ -256,7 +279,7 @@ def _keys(builder: Builder, rel: Rel, inner: Rel, outer_nodes: list[exp.Expressi
 def semi(builder: Builder, rel: Rel, node: exp.Expression, anti: bool) -> Rel:
     """Invariant 2."""
     if isinstance(node, exp.Exists):
-        sub = plan_sub(builder, node.this, rel)
+        sub = plan_sub(builder, _exists_query(builder, node.this), rel)
         inner, extra_o, extra_i = sub.rel, [], []
     else:
         sub = plan_sub(builder, node.args["query"], rel)
@@ -273,7 +296,7 @@ def semi(builder: Builder, rel: Rel, node: exp.Expression, anti: bool) -> Rel:
 def mark(builder: Builder, rel: Rel, node: exp.Expression) -> tuple[Rel, str]:
     """Invariant 3: ``rel`` plus a boolean field holding the value of ``EXISTS (q)`` or ``x IN (q)``."""
     is_in = isinstance(node, exp.In)
-    sub = plan_sub(builder, node.args["query"] if is_in else node.this, rel)
+    sub = plan_sub(builder, node.args["query"] if is_in else _exists_query(builder, node.this), rel)
     inner, y = _one_column(builder, sub, "IN") if is_in else (sub.rel, None)
     corr_i = [f for f, _ in sub.pairs]
     corr_o = [o for _, o in sub.pairs]
@@ -528,3 +551,23 @@ def _one_row(builder: Builder, node: exp.Expression) -> exp.Expression | None:
     if isinstance(node, exp.Exists):
         return exp.true()
     return exp.EQ(this=node.this, expression=exp.Subquery(this=q))
+
+
+def _positive_limit(builder: Builder, limit: exp.Expression) -> int:
+    lim = limit.expression if isinstance(limit, exp.Limit) else limit
+    if not (isinstance(lim, exp.Literal) and not lim.is_string and lim.this.isdigit()) or int(lim.this) < 1:
+        raise builder.src.error(limit, "LIMIT needs a positive integer literal")
+    return int(lim.this)
+
+
+def _exists_query(builder: Builder, q: exp.Expression) -> exp.Expression:
+    """The query of ``EXISTS (q)`` without a LIMIT of one or more rows (and its ORDER BY): whether q has a row
+    does not depend on them."""
+    sel = q.this if isinstance(q, exp.Subquery) else q
+    if not isinstance(sel, exp.Select) or sel.args.get("limit") is None or sel.args.get("offset") is not None:
+        return q
+    _positive_limit(builder, sel.args["limit"])
+    sel = sel.copy()
+    sel.set("limit", None)
+    sel.set("order", None)
+    return sel

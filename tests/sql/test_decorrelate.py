@@ -83,6 +83,14 @@ VIEWS = [
     ("grp_scalar", "SELECT a, (SELECT count(*) FROM t2 WHERE t2.b = t1.b AND t2.c > t1.c GROUP BY b) AS n FROM t1"),
     ("distinct_scalar", "SELECT a, (SELECT DISTINCT t2.b FROM t2 WHERE t2.b = t1.b AND t2.c > t1.c) AS v FROM t1"),
     ("distinct_in", "SELECT a FROM t1 WHERE c IN (SELECT DISTINCT a FROM t2 WHERE t2.b > t1.b ORDER BY a)"),
+    # ORDER BY ... LIMIT k inside: a top-k per enclosing row (nulls last); EXISTS ignores LIMIT
+    ("top_scalar", "SELECT a, (SELECT c FROM t2 WHERE t2.b <= t1.b ORDER BY c DESC LIMIT 1) AS v FROM t1"),
+    ("top_scalar_nulls", "SELECT a, (SELECT c FROM t2 WHERE t2.b IS NULL OR t2.b > t1.a ORDER BY c LIMIT 1) AS v "
+                         "FROM t1"),
+    ("top_in", "SELECT a, b FROM t1 WHERE a IN (SELECT c FROM t2 WHERE t2.b >= t1.b ORDER BY c LIMIT 2)"),
+    ("top_alias", "SELECT a, (SELECT c + 1 AS x FROM t2 WHERE t2.b <> t1.a ORDER BY x DESC LIMIT 1) AS v FROM t1"),
+    ("ex_limit", "SELECT a, b FROM t1 WHERE EXISTS (SELECT 1 FROM t2 WHERE t2.b < t1.b LIMIT 1)"),
+    ("nex_limit", "SELECT a, b FROM t1 WHERE NOT EXISTS (SELECT 1 FROM t2 WHERE t2.b = t1.b LIMIT 2)"),
     # strings
     ("str_lt", "SELECT v, (SELECT count(*) FROM s AS x WHERE x.v < s.v) AS n FROM s"),
     ("str_in", "SELECT v, n FROM s WHERE n IN (SELECT x.n FROM s AS x WHERE x.v > s.v)"),
