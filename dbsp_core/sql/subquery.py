@@ -494,8 +494,8 @@ def quantified(builder: Builder, rel: Rel, node: exp.Expression, where: bool = F
     rel = Rel(rel.stream, rel.cols + hidden)
     simple = isinstance(query, exp.Select) and query.args.get("from_") is not None and \
         len(query.expressions) == 1 and not isinstance(query.expressions[0], exp.Star) and \
-        not any(query.args.get(k) for k in ("group", "having", "distinct", "limit", "order", "with_", "qualify")) \
-        and not aggregate_calls(builder, list(query.expressions))
+        not any(query.args.get(k) for k in ("group", "having", "limit", "offset", "with_", "qualify")) \
+        and not aggregate_calls(builder, list(query.expressions))  # DISTINCT, ORDER BY: no change to ANY / ALL
 
     def exists(cond: Any) -> exp.Exists:
         """EXISTS (q's rows where ``cond(y)`` holds), y the value of q's row."""
@@ -507,6 +507,8 @@ def quantified(builder: Builder, rel: Rel, node: exp.Expression, where: bool = F
             c = cond(y.copy())
             sel.set("where", exp.Where(this=exp.and_(old.this, c) if old is not None else c))
             sel.set("expressions", [exp.Literal.number(1)])
+            sel.set("distinct", None)
+            sel.set("order", None)
         else:  # SELECT 1 FROM (q) AS _q(_y) WHERE cond(_q._y)
             t, v = builder.fresh(), builder.fresh()
             alias = exp.TableAlias(this=exp.to_identifier(t, quoted=True),

@@ -65,6 +65,7 @@ VIEWS = [
     ("all_not", "SELECT a FROM t1 WHERE NOT (a = ALL (SELECT c FROM t2 WHERE t2.a = t1.b))"),
     ("any_grouped", "SELECT a FROM t1 WHERE b > ANY (SELECT max(b) FROM t2 GROUP BY c)"),
     ("all_grouped", "SELECT a, c < ALL (SELECT count(*) FROM t2 GROUP BY a) AS x FROM t1"),
+    ("all_distinct", "SELECT a, b >= ALL (SELECT DISTINCT c FROM t2 WHERE t2.b <> t1.a ORDER BY c) AS x FROM t1"),
     ("any_expr", "SELECT a, b FROM t1 WHERE a + b > ANY (SELECT c - t1.c FROM t2 WHERE t2.a <= t1.a)"),
     # a subquery aggregating without GROUP BY has one row for every enclosing row, even over no rows (EXISTS of
     # it was answered as EXISTS of its rows)
