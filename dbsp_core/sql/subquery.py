@@ -34,6 +34,10 @@ Invariants:
      groups, DISTINCT the (key, row) pairs and ORDER BY ... LIMIT k keeps a top-k per key, so each enclosing
      row sees its own groups and rows. OFFSET is refused; ORDER BY without LIMIT changes no answer, and
      EXISTS ignores a LIMIT of one or more rows.
+  9. A subquery nested in a condition of a subquery may name the outermost query's columns (qualified by a table
+     alias that no FROM in between defines): those columns join the middle subquery's domain, and the
+     condition is applied after the domain join, where they are D's columns; the nested subquery is then
+     correlated with the middle one as usual.
 """
 
 from __future__ import annotations
@@ -89,6 +93,10 @@ def plan_sub(builder: Builder, node: exp.Expression, outer: Rel) -> Sub:
         corr.append(c)
     listed = [e for e in node.expressions if not isinstance(e, exp.Star)]
     item_outer = [x for e in listed for x in columns_of(e) if not resolves(inner, x) and resolves(outer, x)]
+    late = [c for c in own if _deep_refs(node, c, outer)]  # invariant 9
+    if late:
+        own = [c for c in own if not any(c is d for d in late)]
+        return domain(builder, node, inner, own, corr, outer, late)
     if not corr and not item_outer:
         return Sub(builder.query(node), [], node, None, outer)
     if node.args.get("offset") is not None:
@@ -174,8 +182,22 @@ def _key_pair(inner: Rel, c: exp.Expression) -> tuple[exp.Expression, exp.Expres
     return None
 
 
+def _deep_refs(node: exp.Select, c: exp.Expression, outer: Rel) -> list[exp.Column]:
+    """Invariant 9: the columns of the enclosing query that subqueries nested in the condition ``c`` of the
+    subquery ``node`` name (qualified by a table alias that no FROM inside ``node`` defines)."""
+    if not has_subquery(c):
+        return []
+    inside = {tname(t.args["alias"].this) if t.args.get("alias") is not None and t.args["alias"].this is not None
+              else tname(t.this) for t in node.find_all(exp.Table)}
+    inside |= {tname(q.args["alias"].this) for q in node.find_all(exp.Subquery)
+               if q.args.get("alias") is not None and q.args["alias"].this is not None}
+    shallow = {id(x) for x in columns_of(c)}
+    return [x for x in c.find_all(exp.Column) if id(x) not in shallow and x.args.get("table") is not None
+            and tname(x.args["table"]) not in inside and resolves(outer, x)]
+
+
 def domain(builder: Builder, node: exp.Select, inner: Rel, own: list[exp.Expression], corr: list[exp.Expression],
-           outer: Rel) -> Sub:
+           outer: Rel, late: list[exp.Expression] | None = None) -> Sub:
     """Invariant 5: the subquery over its FROM joined with the domain D (the distinct values of the enclosing
     columns it names), its correlated conditions ordinary conditions on the join; correlated to the enclosing
     query by equality with D's columns, nulls matching nulls."""
@@ -202,6 +224,14 @@ def domain(builder: Builder, node: exp.Select, inner: Rel, own: list[exp.Express
         return e.transform(lambda n: exp.column(exp.to_identifier(refs[id(n)], quoted=True))
                            if id(n) in refs else n, copy=False)
 
+    def rewrite_deep(c: exp.Expression) -> exp.Expression:
+        """``c`` with the enclosing columns its nested subqueries name (invariant 9) naming D's columns."""
+        c = c.copy()
+        refs = {id(x): field_of(x) for x in _deep_refs(node, c, outer)}
+        return c.transform(lambda n: exp.column(exp.to_identifier(refs[id(n)], quoted=True))
+                           if id(n) in refs else n, copy=False)
+
+    late = [rewrite_deep(c) for c in late or []]
     keys, residual = [], []
     for c in corr:
         p = _key_pair(inner, c)
@@ -228,7 +258,7 @@ def domain(builder: Builder, node: exp.Select, inner: Rel, own: list[exp.Express
         k = builder.fresh()
         left, right, lk, rk = builder.with_key(rel, k), builder.with_key(drel, k + "_"), [k], [k + "_"]
     joined = Rel(left.stream.join(right.stream, left_on=lk, right_on=rk), rel.cols + drel.cols)
-    joined = builder.filter(joined, residual)
+    joined = apply_where(builder, builder.filter(joined, residual), late, None)
     s, ikeys = builder.null_safe(joined.stream, [dname[f] for f in ofields])
     rel = Rel(s, joined.cols)
     o, okeys = builder.null_safe(outer.stream, ofields)

@@ -92,6 +92,15 @@ VIEWS = [
     ("top_alias", "SELECT a, (SELECT c + 1 AS x FROM t2 WHERE t2.b <> t1.a ORDER BY x DESC LIMIT 1) AS v FROM t1"),
     ("ex_limit", "SELECT a, b FROM t1 WHERE EXISTS (SELECT 1 FROM t2 WHERE t2.b < t1.b LIMIT 1)"),
     ("nex_limit", "SELECT a, b FROM t1 WHERE NOT EXISTS (SELECT 1 FROM t2 WHERE t2.b = t1.b LIMIT 2)"),
+    # a subquery inside a subquery naming the outermost query's columns
+    ("nest_exists", "SELECT a, b FROM t1 WHERE EXISTS (SELECT 1 FROM t2 WHERE t2.b < t1.b AND "
+                    "EXISTS (SELECT 1 FROM t2 AS x WHERE x.c = t1.a))"),
+    ("nest_count", "SELECT a, (SELECT count(*) FROM t2 WHERE EXISTS (SELECT 1 FROM t1 AS y WHERE y.a < t2.c AND "
+                   "y.b > t1.a)) AS n FROM t1"),
+    ("nest_not_in", "SELECT a FROM t1 WHERE EXISTS (SELECT 1 FROM t2 WHERE t2.b = t1.b AND t2.c NOT IN "
+                    "(SELECT y.a FROM t1 AS y WHERE y.b <> t1.a))"),
+    ("nest_scalar", "SELECT a, (SELECT max(c) FROM t2 WHERE c > (SELECT min(y.a) FROM t1 AS y WHERE y.b >= t1.b)) "
+                    "AS m FROM t1"),
     # strings
     ("str_lt", "SELECT v, (SELECT count(*) FROM s AS x WHERE x.v < s.v) AS n FROM s"),
     ("str_in", "SELECT v, n FROM s WHERE n IN (SELECT x.n FROM s AS x WHERE x.v > s.v)"),
