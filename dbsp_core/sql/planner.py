@@ -270,6 +270,7 @@ class Planner(Builder):
             if node.args.get("joins"):
                 raise self.src.error(node, "JOIN without FROM")
             return self.one_row(), where
+        self.natural_using(node)
         rel = self.table_ref(from_.this)
         for j in node.args.get("joins") or []:
             rel, where = self.join(rel, j, where)
@@ -397,14 +398,10 @@ class Planner(Builder):
         right = self.table_ref(j.this)
         side = (j.args.get("side") or "").upper()
         kind = (j.args.get("kind") or "").upper()
-        method = (j.args.get("method") or "").upper()
-        if (method and method != "NATURAL") or kind in ("ASOF", "POSITIONAL"):
-            raise self.src.error(j, f"{method or kind} JOIN is not supported")
-        if method:
-            j = j.copy()
-            j.set("using", self.natural_names(left, right, j))
-        if kind in ("SEMI", "ANTI"):
+        if kind in ("SEMI", "ANTI") and not j.args.get("method"):
             return self.semi_anti(left, right, j, kind == "ANTI"), where
+        if j.args.get("method") or kind in ("NATURAL", "ASOF", "SEMI", "ANTI", "POSITIONAL"):
+            raise self.src.error(j, f"{(j.args.get('method') or kind)} JOIN is not supported")
         clash = left.tables() & right.tables()
         if clash:
             raise self.src.error(j, f"table name {sorted(clash)[0]!r} appears twice in FROM; give one an alias")
@@ -501,14 +498,34 @@ class Planner(Builder):
         b, kb = self.null_safe(other, fields)
         return a.anti_join(b, left_on=ka, right_on=kb).select(**{f: F(f) for f in stream.schema.names})
 
-    def natural_names(self, left: Rel, right: Rel, j: exp.Join) -> list[exp.Identifier]:
-        """The USING list of a NATURAL join: the column names both sides show, in the left side's order."""
-        theirs = {c.name for c in right.star_cols()}
-        names = list(dict.fromkeys(c.name for c in left.star_cols() if c.name in theirs))
-        if not names:
-            raise self.src.error(j, "NATURAL JOIN: the two sides have no column name in common; write CROSS JOIN "
-                                    "for a cross product")
-        return [exp.to_identifier(n, quoted=True) for n in names]
+    def natural_using(self, node: exp.Select) -> None:
+        """Each NATURAL join of ``node`` made the USING join it is (in place), before the FROM clause is planned:
+        the USING list is the column names both sides show, in the left side's order."""
+        joins = node.args.get("joins") or []
+        if not any((j.args.get("method") or "").upper() == "NATURAL" for j in joins):
+            return
+        names = self.leaf_names(node.args["from_"].this)
+        for j in joins:
+            right = self.leaf_names(j.this)
+            if (j.args.get("method") or "").upper() == "NATURAL":
+                common = [n for n in names if n in right]
+                if not common:
+                    raise self.src.error(j, "NATURAL JOIN: the two sides have no column name in common; write "
+                                            "CROSS JOIN for a cross product")
+                j.set("method", None)
+                j.set("using", [exp.to_identifier(n, quoted=True) for n in common])
+            if (j.args.get("kind") or "").upper() not in ("SEMI", "ANTI"):
+                names = list(dict.fromkeys(names + right))
+
+    def leaf_names(self, leaf: exp.Expression) -> list[str]:
+        """The column names a FROM item shows, for a NATURAL join (tables and views only)."""
+        alias = leaf.args.get("alias")
+        if alias is not None and alias.columns:
+            return [ident(c) for c in alias.columns]
+        if isinstance(leaf, exp.Table) and not isinstance(leaf.this, exp.Anonymous):
+            return [c.name for c in self.lookup(leaf, tname(leaf.this)).star_cols()]
+        raise self.src.error(leaf, "NATURAL JOIN over a subquery or a table function is not supported; write "
+                                   "USING (...)")
 
     def semi_anti(self, left: Rel, right: Rel, j: exp.Join, anti: bool) -> Rel:
         """``left SEMI JOIN right ON c`` (``ANTI``): the rows of the left side for which a right row meets the

@@ -81,6 +81,8 @@ VIEWS = [
     ("natural_left", "SELECT * FROM t2 NATURAL LEFT JOIN t3"),
     ("natural_full", "SELECT * FROM t1 NATURAL FULL JOIN t2"),
     ("natural_anti", "SELECT * FROM t1 NATURAL ANTI JOIN t2"),
+    ("natural_narrow", "SELECT t1.a FROM t1 NATURAL JOIN t2 NATURAL LEFT JOIN t3"),
+    ("natural_renamed", "SELECT * FROM t2 AS q(x, c) NATURAL JOIN t3"),
     # a number as a condition is true when nonzero (WHERE 0)
     ("where_zero", "SELECT a FROM t1 WHERE 0"),
     ("where_int", "SELECT a FROM t1 WHERE b OR a"),
