@@ -98,6 +98,8 @@ class Exprs:
         e, t = self.typed(node)
         if pat.is_null(t):
             return null(pa.bool_())
+        if is_numeric(t):  # WHERE 0, WHERE x: DuckDB casts a number to a boolean (nonzero is true)
+            return call("not_equal", e, lit(0, t))
         if not (pat.is_boolean(t) or pat.is_null(t)):
             raise self.src.error(node, f"{node.sql(dialect=DIALECT)} is {t}, not a boolean condition")
         return e
@@ -484,8 +486,10 @@ class Exprs:
         return self._c(node).cast(pa.float64(), safe=False)
 
     def _bool(self, node: exp.Expression) -> pc.Expression:
-        """A boolean operand (a bare NULL is a boolean NULL)."""
+        """A boolean operand (a bare NULL is a boolean NULL, a number is true when nonzero, as DuckDB casts it)."""
         e, t = self._t(node)
+        if is_numeric(t):
+            return call("not_equal", e, lit(0, t))
         return null(pa.bool_()) if pat.is_null(t) else e
 
     def _as_string(self, node: exp.Expression) -> pc.Expression:

@@ -270,6 +270,7 @@ class Planner(Builder):
             if node.args.get("joins"):
                 raise self.src.error(node, "JOIN without FROM")
             return self.one_row(), where
+        self.natural_using(node)
         rel = self.table_ref(from_.this)
         for j in node.args.get("joins") or []:
             rel, where = self.join(rel, j, where)
@@ -397,6 +398,8 @@ class Planner(Builder):
         right = self.table_ref(j.this)
         side = (j.args.get("side") or "").upper()
         kind = (j.args.get("kind") or "").upper()
+        if kind in ("SEMI", "ANTI") and not j.args.get("method"):
+            return self.semi_anti(left, right, j, kind == "ANTI"), where
         if j.args.get("method") or kind in ("NATURAL", "ASOF", "SEMI", "ANTI", "POSITIONAL"):
             raise self.src.error(j, f"{(j.args.get('method') or kind)} JOIN is not supported")
         clash = left.tables() & right.tables()
@@ -494,6 +497,62 @@ class Planner(Builder):
         a, ka = self.null_safe(stream, fields)
         b, kb = self.null_safe(other, fields)
         return a.anti_join(b, left_on=ka, right_on=kb).select(**{f: F(f) for f in stream.schema.names})
+
+    def natural_using(self, node: exp.Select) -> None:
+        """Each NATURAL join of ``node`` made the USING join it is (in place), before the FROM clause is planned:
+        the USING list is the column names both sides show, in the left side's order."""
+        joins = node.args.get("joins") or []
+        if not any((j.args.get("method") or "").upper() == "NATURAL" for j in joins):
+            return
+        names = self.leaf_names(node.args["from_"].this)
+        for j in joins:
+            right = self.leaf_names(j.this)
+            if (j.args.get("method") or "").upper() == "NATURAL":
+                common = [n for n in names if n in right]
+                if not common:
+                    raise self.src.error(j, "NATURAL JOIN: the two sides have no column name in common; write "
+                                            "CROSS JOIN for a cross product")
+                j.set("method", None)
+                j.set("using", [exp.to_identifier(n, quoted=True) for n in common])
+            if (j.args.get("kind") or "").upper() not in ("SEMI", "ANTI"):
+                names = list(dict.fromkeys(names + right))
+
+    def leaf_names(self, leaf: exp.Expression) -> list[str]:
+        """The column names a FROM item shows, for a NATURAL join (tables and views only)."""
+        alias = leaf.args.get("alias")
+        if alias is not None and alias.columns:
+            return [ident(c) for c in alias.columns]
+        if isinstance(leaf, exp.Table) and not isinstance(leaf.this, exp.Anonymous):
+            return [c.name for c in self.lookup(leaf, tname(leaf.this)).star_cols()]
+        raise self.src.error(leaf, "NATURAL JOIN over a subquery or a table function is not supported; write "
+                                   "USING (...)")
+
+    def semi_anti(self, left: Rel, right: Rel, j: exp.Join, anti: bool) -> Rel:
+        """``left SEMI JOIN right ON c`` (``ANTI``): the rows of the left side for which a right row meets the
+        condition (none does); only the left side's columns stay visible, as in DuckDB."""
+        if j.args.get("side"):
+            raise self.src.error(j, f"{j.args['side'].upper()} {'ANTI' if anti else 'SEMI'} JOIN is not DuckDB SQL; "
+                                    f"write {'ANTI' if anti else 'SEMI'} JOIN")
+        if j.args.get("using"):
+            keys = [(exp.column(exp.to_identifier(ident(u), quoted=True)),) * 2 for u in j.args["using"]]
+            for a, _ in keys:
+                if len(left.find(None, a.name)) != 1 or len(right.find(None, a.name)) != 1:
+                    raise self.src.error(j, f"USING column {a.name!r} must be a column of both sides")
+            residual: list[exp.Expression] = []
+        else:
+            keys, residual = self.equi_keys(left, right, conjuncts(j.args.get("on")))
+        if keys and not residual:
+            lrel, rrel, lk, rk = self.key_fields(left, right, keys)
+            keyed = self.narrow(rrel, rk)
+            s = lrel.stream.anti_join(keyed, left_on=lk, right_on=rk) if anti else \
+                lrel.stream.semi_join(keyed, left_on=lk, right_on=rk)
+            return Rel(s, left.cols)
+        fields = list(left.schema.names)  # the left rows (whole, nulls equal) that have a match
+        matched = self.narrow(self.inner(left, self.disjoint(left, right), keys, residual), fields).distinct()
+        a, ka = self.null_safe(left.stream, fields)
+        b, kb = self.null_safe(matched, fields)
+        s = a.anti_join(b, left_on=ka, right_on=kb) if anti else a.semi_join(b, left_on=ka, right_on=kb)
+        return Rel(s.select(**{f: F(f) for f in fields}), left.cols)
 
     def using(self, left: Rel, right: Rel, names: list[str], side: str, j: exp.Join) -> Rel:
         keys = []

@@ -45,8 +45,8 @@ def columns_of(node: exp.Expression) -> list[exp.Column]:
 
 
 def has_subquery(node: exp.Expression) -> bool:
-    return any(isinstance(n, (exp.Subquery, exp.Exists)) or (isinstance(n, exp.In) and n.args.get("query"))
-               for n in node.walk())
+    return any(isinstance(n, (exp.Subquery, exp.Exists, exp.Any, exp.All)) or
+               (isinstance(n, exp.In) and n.args.get("query")) for n in node.walk())
 
 
 def resolves(rel: Rel, col: exp.Column) -> bool:

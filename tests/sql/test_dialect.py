@@ -69,6 +69,27 @@ VIEWS = [
     # HAVING names an output alias
     ("having_alias", "SELECT a AS k, count(*) AS n FROM t1 GROUP BY a HAVING count(*) NOT IN (k)"),
     ("having_alias_agg", "SELECT a AS k, sum(b) AS s FROM t1 GROUP BY a HAVING s > 3"),
+    # SEMI / ANTI JOIN: the left rows with (without) a match, only the left columns visible
+    ("semi_on", "SELECT * FROM t1 SEMI JOIN t2 ON t1.b = t2.b"),
+    ("anti_on", "SELECT * FROM t1 ANTI JOIN t2 ON t1.b = t2.b"),
+    ("semi_lt", "SELECT * FROM t1 SEMI JOIN t2 ON t1.b < t2.c"),
+    ("anti_or", "SELECT * FROM t1 ANTI JOIN t2 ON t1.b < t2.c OR t2.b IS NULL"),
+    ("anti_using", "SELECT * FROM t1 ANTI JOIN t2 USING (b)"),
+    ("semi_then_join", "SELECT * FROM t1 SEMI JOIN t2 USING (b) JOIN t3 ON t3.c = t1.a"),
+    # NATURAL JOIN: USING the names both sides show
+    ("natural_inner", "SELECT * FROM t1 NATURAL JOIN t2"),
+    ("natural_left", "SELECT * FROM t2 NATURAL LEFT JOIN t3"),
+    ("natural_full", "SELECT * FROM t1 NATURAL FULL JOIN t2"),
+    ("natural_anti", "SELECT * FROM t1 NATURAL ANTI JOIN t2"),
+    ("natural_narrow", "SELECT t1.a FROM t1 NATURAL JOIN t2 NATURAL LEFT JOIN t3"),
+    ("natural_renamed", "SELECT * FROM t2 AS q(x, c) NATURAL JOIN t3"),
+    # a number as a condition is true when nonzero (WHERE 0)
+    ("where_zero", "SELECT a FROM t1 WHERE 0"),
+    ("where_int", "SELECT a FROM t1 WHERE b OR a"),
+    ("case_int", "SELECT CASE WHEN a THEN 1 ELSE 2 END AS x, NOT b AS y FROM t1"),
+    # the enclosing query's alias inside a subquery without FROM
+    ("outer_alias", "SELECT a, (SELECT i1.a) AS x FROM t1 AS i1"),
+    ("outer_alias_where", "SELECT a FROM t1 AS i1 WHERE b = (SELECT i1.b + 0 WHERE i1.a > 1)"),
 ]
 
 
@@ -99,6 +120,10 @@ REFUSED_BY_BOTH = [
     ("SELECT a + '1' FROM t1", "arithmetic needs numbers"),  # only comparisons cast a string literal
     ("WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r WHERE n < 3 ORDER BY n) SELECT * FROM r",
      "ORDER BY is not allowed on the UNION of recursive CTE 'r'"),
+    ("SELECT * FROM t1 NATURAL JOIN t3", "NATURAL JOIN: the two sides have no column name in common"),
+    ("SELECT * FROM t1 LEFT SEMI JOIN t2 USING (b)", "LEFT SEMI JOIN is not DuckDB SQL"),
+    ("SELECT t2.c FROM t1 SEMI JOIN t2 USING (b)", "unknown column t2.c"),
+    ("SELECT * FROM t1 SEMI JOIN t2 ON b = c", "column 'b' is ambiguous"),
 ]
 
 
