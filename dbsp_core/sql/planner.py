@@ -24,6 +24,7 @@ from dbsp_core.circuit import Stream
 from dbsp_core.sql.aggregate import aggregate_calls, plan_aggregate
 from dbsp_core.sql.build import Builder
 from dbsp_core.sql.expr import Exprs, call, null
+from dbsp_core.sql.joinplan import plan_from
 from dbsp_core.sql.parse import ident, interval_value, tname
 from dbsp_core.sql.recursive import define_ctes
 from dbsp_core.sql.relation import Col, Rel, SchemaRel
@@ -264,16 +265,13 @@ class Planner(Builder):
     # ---- FROM ----
 
     def from_clause(self, node: exp.Select, where: list[exp.Expression]) -> tuple[Rel, list[exp.Expression]]:
-        """The FROM clause and its joins; returns the WHERE conjuncts not used as join keys."""
+        """The FROM clause and its joins, planned by joinplan.py; returns the WHERE conjuncts it did not place."""
         from_ = node.args.get("from_")
         if from_ is None:
             if node.args.get("joins"):
                 raise self.src.error(node, "JOIN without FROM")
             return self.one_row(), where
-        rel = self.table_ref(from_.this)
-        for j in node.args.get("joins") or []:
-            rel, where = self.join(rel, j, where)
-        return rel, where
+        return plan_from(self, node, where)
 
     def one_row(self) -> Rel:
         """The relation of a SELECT without FROM: one row, no columns (a hidden constant)."""
@@ -393,8 +391,9 @@ class Planner(Builder):
 
     # ---- joins ----
 
-    def join(self, left: Rel, j: exp.Join, where: list[exp.Expression]) -> tuple[Rel, list[exp.Expression]]:
-        right = self.table_ref(j.this)
+    def join(self, left: Rel, j: exp.Join, where: list[exp.Expression], right: Rel | None = None
+             ) -> tuple[Rel, list[exp.Expression]]:
+        right = self.table_ref(j.this) if right is None else right
         side = (j.args.get("side") or "").upper()
         kind = (j.args.get("kind") or "").upper()
         if j.args.get("method") or kind in ("NATURAL", "ASOF", "SEMI", "ANTI", "POSITIONAL"):
