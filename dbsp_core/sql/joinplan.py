@@ -104,6 +104,11 @@ class _Input:
     pos: int
     est: float = _ROWS
     notes: list[str] = field(default_factory=list)
+    origin: list[tuple[int, int]] = field(default_factory=list)  # per column: (FROM position, index) it came from
+
+    def __post_init__(self) -> None:
+        if not self.origin:
+            self.origin = [(self.pos, i) for i in range(len(self.rel.cols))]
 
 
 @dataclass
@@ -301,7 +306,9 @@ class _FromPlan:
             nxt = (linked or comps)[0]
             comps.remove(nxt)
             out = self.join(out, nxt, self.keys(out, nxt, conds), conds)
-        return out.rel
+        # the columns in FROM order, as SELECT * lists them, whatever order the joins took
+        order = sorted(range(len(out.rel.cols)), key=lambda i: out.origin[i])
+        return Rel(out.rel.stream, [out.rel.cols[i] for i in order])
 
     def start(self, inp: _Input) -> _Input:
         self.notes.append(f"{inp.label}" + "".join(f"  {n}" for n in inp.notes))
@@ -327,6 +334,8 @@ class _FromPlan:
         residual = [c for c in conds if not c.done and c.leaves <= both and id(c) not in used]
         left, kept_l = self.prune(a.rel)  # before the conditions of this join count as applied: it reads them
         right, kept_r = self.prune(b.rel)
+        origin = ([o for c, o in zip(a.rel.cols, a.origin) if c in left.cols]
+                  + [o for c, o in zip(b.rel.cols, b.origin) if c in right.cols])
         for c in [c for c, _, _ in keys] + residual:
             c.done = True
         rel = self.b.inner(left, right, [(x, y) for _, x, y in keys], [c.node for c in residual])
@@ -339,7 +348,8 @@ class _FromPlan:
         est = max(a.est, b.est) if keys else a.est * b.est
         for c in residual:
             est *= _selectivity(c.node)
-        return _Input(rel, both, f"({a.label} x {b.label})", min(a.pos, b.pos), est)
+        assert len(origin) == len(rel.cols)
+        return _Input(rel, both, f"({a.label} x {b.label})", min(a.pos, b.pos), est, origin=origin)
 
     def apply(self, inp: _Input, conds: list[_Cond]) -> _Input:
         todo = [c for c in conds if not c.done]
