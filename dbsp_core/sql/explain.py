@@ -151,6 +151,6 @@ def explain(circuit: Circuit, views: list[str] | None = None) -> str:
         head = [f"view {name} ({cols}): {c['operators']} operators, {c['exchanges']} exchanges, {c['traces']} traces"]
         if program is not None and name in program.views:
             head += ["  " + line for line in program.views[name].splitlines()]
-            head += ["  " + line for note in getattr(program, "plans", {}).get(name, []) for line in note.splitlines()]
+            head += ["  " + line for note in program.plans.get(name, []) for line in note.splitlines()]
         out.append("\n".join(head + p.lines))
     return "\n\n".join(out)

@@ -1,4 +1,4 @@
-"""The join planner of a SELECT's FROM clause: conditions pushed to the inputs they read, equalities between inputs as equi-join keys, a join order that builds a cross product only between inputs no condition connects, and each join input narrowed to the columns read after it.
+"""The join planner: a FROM clause's inner joins ordered along their keys, with filters pushed to their inputs and each join input narrowed to the columns read after it.
 
 Invariants:
   1. The result is the FROM clause's bag of rows filtered by the conditions placed here (WHERE conjuncts and the
@@ -71,14 +71,15 @@ class _Needs:
         else:
             self.names.add(name)
 
-    def add(self, node: exp.Expression, skip: set[int]) -> None:
-        """Every column ``node`` names (subqueries included), except under the nodes whose ids are in ``skip``."""
+    def add(self, node: exp.Expression, skip: set[int], scope: exp.Expression | None = None) -> None:
+        """Every column ``node`` names (subqueries included), except under the nodes whose ids are in ``skip``; a bare
+        ``*`` counts only in the SELECT list of ``scope`` (COUNT(*) reads no column, a subquery's ``*`` its own)."""
         stack: list[Any] = [node]
         while stack:
             n = stack.pop()
             if not isinstance(n, exp.Expression) or id(n) in skip:
                 continue
-            if isinstance(n, exp.Star):
+            if isinstance(n, exp.Star) and n.parent is scope:
                 self.star = True
             elif isinstance(n, exp.Column):
                 self.add_column(n)
@@ -225,7 +226,8 @@ class _FromPlan:
         # an outer join's ON is read until that join is built: a pending condition, not a final need
         barrier_on = [_Cond(j.args["on"], frozenset()) for j in barriers if j.args.get("on") is not None]
         self.final = _Needs()
-        self.final.add(self.node, placed | {id(n) for n in self.leaf_nodes} | {id(c.node) for c in barrier_on})
+        self.final.add(self.node, placed | {id(n) for n in self.leaf_nodes} | {id(c.node) for c in barrier_on},
+                       self.node)
         for j in self.joins:
             for u in j.args.get("using") or []:
                 self.final.names.add(ident(u))
@@ -257,9 +259,8 @@ class _FromPlan:
             head = "join plan (FROM " + ", ".join(
                 _label(r, n) for r, n in zip(self.leaves, self.leaf_nodes)) + "):"
             note = "\n".join([head] + ["  " + n for n in self.notes])
-            notes = getattr(self.b, "notes", None)
-            if notes is not None and note not in notes:
-                notes.append(note)
+            if self.b.notes is not None and note not in self.b.notes:
+                self.b.notes.append(note)
         return rel, rest
 
     @staticmethod

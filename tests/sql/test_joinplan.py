@@ -113,6 +113,10 @@ def test_join_inputs_keep_only_the_columns_read_after_them() -> None:
     assert {"x1", "x3", "b3"} <= kept
     text = explain(c)
     assert "keeps (a2, b2) of 4 fields" in text, text
+    c = sql.compile(DDL + "CREATE VIEW n AS SELECT count(*) FROM t1, t2 WHERE a1 = a2 "
+                          "AND EXISTS (SELECT * FROM t3 WHERE a3 = b2);")
+    (j,) = _ops(c, "join")
+    assert [c.nodes[i].schema.names for i in j.inputs] == [["a1"], ["a2", "b2"]]
 
 
 def test_dbsp_sql_prints_the_join_plan(tmp_path, capsys) -> None:
