@@ -240,21 +240,7 @@ class _FromPlan:
                 inputs[0] = carried
             rel = self.block(inputs, block_conds[k])
             if k < len(barriers):
-                j = barriers[k]
-                right_leaf = blocks[k + 1][0]
-                label = _label(self.leaves[right_leaf], self.leaf_nodes[right_leaf])
-                left, kept_l = self.prune(rel)
-                rrel, kept_r = self.prune(self.leaves[right_leaf])
-                joined, _ = self.b.join(left, j, [], rrel)
-                for c in barrier_on:
-                    c.done = c.done or c.node is j.args.get("on")
-                side = (j.args.get("side") or "").upper() or "INNER"
-                on = j.args.get("on")
-                how = f" ON {_sql(on)}" if on is not None else (
-                    " USING (" + ", ".join(ident(u) for u in j.args["using"]) + ")" if j.args.get("using") else "")
-                self.notes.append(f"{side} JOIN {label}{how} (in the written order)" + self.kept(kept_l, kept_r, label))
-                covered = frozenset(i for blk in blocks[:k + 1] for i in blk) | {right_leaf}
-                carried = _Input(joined, covered, "(" + ", ".join(sorted(joined.tables())) + ")", 0)
+                carried = self.written(barriers[k], rel, blocks[:k + 1], blocks[k + 1][0], barrier_on)
         if self.notes:
             head = "join plan (FROM " + ", ".join(
                 _label(r, n) for r, n in zip(self.leaves, self.leaf_nodes)) + "):"
@@ -262,6 +248,42 @@ class _FromPlan:
             if self.b.notes is not None and note not in self.b.notes:
                 self.b.notes.append(note)
         return rel, rest
+
+    def written(self, j: exp.Join, rel: Rel, done: list[list[int]], right_leaf: int, barrier_on: list[_Cond]
+                ) -> _Input:
+        """The outer (or USING) join ``j`` of the blocks ``done`` (planned as ``rel``) with its right leaf, in the
+        written order. Of a LEFT join's ON, the conjuncts that read only the right side filter it first (and of a
+        RIGHT join's, those that read only the left side): a row they drop is one with no partner, padded alike."""
+        label = _label(self.leaves[right_leaf], self.leaf_nodes[right_leaf])
+        left, kept_l = self.prune(rel)
+        right, kept_r = self.prune(self.leaves[right_leaf])
+        for c in barrier_on:
+            c.done = c.done or c.node is j.args.get("on")
+        side = (j.args.get("side") or "").upper() or "INNER"
+        on = j.args.get("on")
+        how = f" ON {_sql(on)}" if on is not None else (
+            " USING (" + ", ".join(ident(u) for u in j.args["using"]) + ")" if j.args.get("using") else "")
+        filtered = ""
+        if side in ("LEFT", "RIGHT") and on is not None:
+            inner_side = {right_leaf} if side == "LEFT" else {i for blk in done for i in blk}
+            push, keep = [], []
+            for c in conjuncts(on):
+                leaves = self.leaves_of(c)
+                (push if leaves and leaves <= inner_side else keep).append(c)
+            if push:
+                if side == "LEFT":
+                    right = self.b.filter(right, push)
+                else:
+                    left = self.b.filter(left, push)
+                j = j.copy()
+                j.set("on", exp.and_(*keep) if keep else None)
+                filtered = f"\n    {label if side == 'LEFT' else 'left'} filtered first by " + \
+                    " AND ".join(_sql(c) for c in push)
+        joined, _ = self.b.join(left, j, [], right)
+        self.notes.append(f"{side} JOIN {label}{how} (in the written order)" + filtered
+                          + self.kept(kept_l, kept_r, label))
+        covered = frozenset(i for blk in done for i in blk) | {right_leaf}
+        return _Input(joined, covered, "(" + ", ".join(sorted(joined.tables())) + ")", 0)
 
     @staticmethod
     def before(blocks: list[list[int]]) -> set[int]:

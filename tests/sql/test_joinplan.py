@@ -45,6 +45,12 @@ QUERIES = [
     "SELECT a1, a2, a3 FROM t1 FULL JOIN t2 ON a1 = a2 JOIN t3 ON b3 = b2 WHERE a1 IS NULL OR a3 < 3",
     "SELECT a1, a2, a3, b4 FROM t1 LEFT JOIN t2 ON a1 = a2 LEFT JOIN t3 ON a3 = a2 AND y3 > 2, t4 "
     "WHERE b4 = b1 AND a1 < 4",
+    # ON conjuncts of one side: the null-producing side's filter it first, the kept side's must pad instead
+    "SELECT x1, x2, b2 FROM t1 LEFT JOIN t2 ON a1 = a2 AND b2 > 1 AND x2 <> 'a'",
+    "SELECT x1, x2, b1 FROM t1 LEFT JOIN t2 ON a1 = a2 AND b1 > 1",
+    "SELECT x1, x2 FROM t1 RIGHT JOIN t2 ON a1 = a2 AND y1 < 3 AND b2 <> 0",
+    "SELECT a1, a2 FROM t1 FULL JOIN t2 ON a1 = a2 AND b1 > 1 AND b2 > 1",
+    "SELECT a1, a2, a3 FROM t1 LEFT JOIN t2 ON a1 = a2 AND 1 = 0 LEFT JOIN t3 ON b3 = b1 AND b3 IS NOT NULL",
     # self-joins under aliases
     "SELECT p.a1, q.a1, r.x1 FROM t1 p, t1 q, t1 r WHERE p.a1 = q.b1 AND q.a1 = r.b1 AND p.b1 = 2",
     "SELECT p.x1, q.x1 FROM t1 p JOIN t1 q ON p.a1 = q.a1 AND p.y1 < q.y1 LEFT JOIN t2 ON a2 = q.b1",
@@ -129,6 +135,17 @@ def test_dbsp_sql_prints_the_join_plan(tmp_path, capsys) -> None:
     assert "join plan (FROM t1, t2, t3):" in out, out
     assert "filter b1 > 1" in out and "LEFT JOIN t3 ON b2 = b3 (in the written order)" in out, out
     assert "ON a1 = a2" in out and "keeps" in out, out
+
+
+def test_a_left_joins_on_filters_the_right_side_first() -> None:
+    """``b2 > 1`` reads only the null-producing side: it filters t2 before a keyed left join (no general outer join
+    by an anti join); ``b1 > 1`` reads the kept side and stays in the ON."""
+    c = sql.compile(DDL + "CREATE VIEW v AS SELECT x1, x2 FROM t1 LEFT JOIN t2 ON a1 = a2 AND b2 > 1;"
+                          "CREATE VIEW w AS SELECT x1, x2 FROM t1 LEFT JOIN t2 ON a1 = a2 AND b1 > 1;")
+    (f,) = [f for f in _ops(c, "filter") if "b2" in str(f.predicate)]
+    assert _input_below(c, f) == "t2"
+    kinds = Counter(op.kind for op in c.nodes)
+    assert kinds["left_join"] == 1 and kinds["anti_join"] == 1  # v: the keyed left join; w: the general one
 
 
 def test_a_where_condition_stays_above_a_right_join() -> None:
