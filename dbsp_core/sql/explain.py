@@ -7,6 +7,8 @@ Invariants:
      dbsp_core/storage/snapshot.py), with the key each trace is indexed and sharded by; an exchange says the
      key it shards by. A fixpoint prints its nested body under it the same way.
   3. The summary line of a view counts its operators, exchanges and traces (shared ones included).
+  4. Under a compiled view's SQL text come the plans of its FROM clauses of two or more inputs (joinplan.py
+     invariant 6): the join order, each join's keys, the filters pushed to each input and the columns it keeps.
 """
 
 from __future__ import annotations
