@@ -1,7 +1,7 @@
 """The SQL planner's building kit: one compile's state and the stream helpers the planner and its clause modules share.
 
 The state is the source text, the circuit, the fresh names, the tables and views and the CTE scopes. The clause
-modules (aggregate, subquery, recursive) take a :class:`Builder` and plan nested queries through its
+modules (aggregate, subquery, recursive, joinplan) take a :class:`Builder` and plan nested queries through its
 :meth:`Builder.query` and :meth:`Builder.from_clause`, which the planner (planner.py, a Builder) provides; so the
 imports run one way: the planner above its clause modules, they above this one.
 """

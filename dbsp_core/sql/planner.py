@@ -5,8 +5,8 @@ Invariants:
      the integrated inputs: linear clauses map to linear operators (filter, select, ``+``), the others to the
      incremental operators (join, outer/semi/anti join, distinct, aggregate, top-k, fixpoint).
   2. A relation referenced twice (a view, a CTE, a table) is one stream read twice, never planned again.
-  3. Joins use the equalities of their condition (and, for comma joins, of the WHERE clause) as keys; the
-     remaining conditions filter the pairs. An outer join whose condition has more than equalities pads the
+  3. A FROM clause is planned by joinplan.py: conditions pushed to the inputs they read, equalities between
+     inputs (in ON and WHERE) as keys, inner joins ordered along them; the remaining conditions filter the pairs. An outer join whose condition has more than equalities pads the
      rows with no pair passing the whole condition (found by an anti join, null-safe, on all their columns).
   4. The planner adds no operator a hand-written circuit would not need: a projection that only repeats the
      stream's columns is no operator, an aggregate over plain columns needs no projection before it.
