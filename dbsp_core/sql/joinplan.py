@@ -409,8 +409,19 @@ class _FromPlan:
         return out, f"({names}) of {len(rel.schema.names)} fields"
 
 
+def _comma(j: exp.Join) -> bool:
+    """Whether ``j`` is a comma of the FROM list (sqlglot gives a comma's Join no argument but the table)."""
+    return set(j.args) == {"this"}
+
+
 def plan_from(b: Builder, node: exp.Select, where: list[exp.Expression]) -> tuple[Rel, list[exp.Expression]]:
     """The FROM clause of ``node`` with its joins, and the WHERE conjuncts not placed in it (invariants 1-6)."""
+    joins = node.args.get("joins") or []
+    for i, j in enumerate(joins):
+        if (j.args.get("side") or "").upper() in ("RIGHT", "FULL") and any(_comma(x) for x in joins[:i]):
+            raise b.src.error(j, f"{j.args['side'].upper()} JOIN after a comma in FROM is not supported (its left "
+                                 f"side is only what follows the comma); write that part in parentheses, "
+                                 f"FROM a, (b {j.args['side'].upper()} JOIN c ON ...), or list it first")
     fp = _FromPlan(b, node, where)
     got = fp.plan()
     if got is not None:

@@ -14,6 +14,7 @@ import pytest
 
 import dbsp_core as dbsp
 from dbsp_core import sql
+from dbsp_core.sql import SqlError
 from dbsp_core.sql.explain import explain
 from corpus import V
 from sql_oracle import SEED, run_views
@@ -51,6 +52,9 @@ QUERIES = [
     "SELECT x1, x2 FROM t1 RIGHT JOIN t2 ON a1 = a2 AND y1 < 3 AND b2 <> 0",
     "SELECT a1, a2 FROM t1 FULL JOIN t2 ON a1 = a2 AND b1 > 1 AND b2 > 1",
     "SELECT a1, a2, a3 FROM t1 LEFT JOIN t2 ON a1 = a2 AND 1 = 0 LEFT JOIN t3 ON b3 = b1 AND b3 IS NOT NULL",
+    # an outer join in parentheses after a comma (one without is refused: see the test below)
+    "SELECT a1, a2, a3 FROM t1, (t2 FULL JOIN t3 ON a2 = a3) WHERE b1 < 3",
+    "SELECT a1, a2, a3 FROM t2 RIGHT JOIN t3 ON a2 = a3, t1 WHERE a1 = b3",
     # self-joins under aliases
     "SELECT p.a1, q.a1, r.x1 FROM t1 p, t1 q, t1 r WHERE p.a1 = q.b1 AND q.a1 = r.b1 AND p.b1 = 2",
     "SELECT p.x1, q.x1 FROM t1 p JOIN t1 q ON p.a1 = q.a1 AND p.y1 < q.y1 LEFT JOIN t2 ON a2 = q.b1",
@@ -146,6 +150,15 @@ def test_a_left_joins_on_filters_the_right_side_first() -> None:
     assert _input_below(c, f) == "t2"
     kinds = Counter(op.kind for op in c.nodes)
     assert kinds["left_join"] == 1 and kinds["anti_join"] == 1  # v: the keyed left join; w: the general one
+
+
+def test_a_right_or_full_join_after_a_comma_is_refused() -> None:
+    """``FROM t1, t2 FULL JOIN t3`` is ``t1 x (t2 FULL JOIN t3)`` in SQL, not ``(t1 x t2) FULL JOIN t3``: refused with
+    the parenthesised form to write (which the DuckDB-checked views above run)."""
+    with pytest.raises(SqlError, match="FULL JOIN after a comma in FROM is not supported"):
+        sql.compile(DDL + "CREATE VIEW v AS SELECT a1, a2, a3 FROM t1, t2 FULL JOIN t3 ON a2 = a3;")
+    with pytest.raises(SqlError, match="RIGHT JOIN after a comma"):
+        sql.compile(DDL + "CREATE VIEW v AS SELECT a1 FROM t1, t2 JOIN t4 ON a2 = a4 RIGHT JOIN t3 ON a2 = a3;")
 
 
 def test_a_where_condition_stays_above_a_right_join() -> None:
