@@ -42,6 +42,7 @@ class SqlProgram:
 
     tables: dict[str, TableDef] = field(default_factory=dict)
     views: dict[str, str] = field(default_factory=dict)
+    plans: dict[str, list[str]] = field(default_factory=dict)  # per view, its FROM clauses' join plans (joinplan.py)
 
 
 def compile(text: str) -> Circuit:  # noqa: A001 - the name the issue asks for
@@ -112,7 +113,12 @@ def _add_view(src: Source, planner: Planner, program: SqlProgram, node: exp.Crea
     query = node.expression
     if query is None:
         raise src.error(node, f"view {name!r} needs AS <query>")
-    rel = planner.query(query)
+    planner.notes = []
+    try:
+        rel = planner.query(query)
+        program.plans[name] = planner.notes
+    finally:
+        planner.notes = None
     if cols:
         if len(cols) != len(rel.cols):
             raise src.error(node, f"view {name!r} names {len(cols)} columns, its query has {len(rel.cols)}")

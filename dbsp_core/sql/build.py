@@ -1,7 +1,7 @@
 """The SQL planner's building kit: one compile's state and the stream helpers the planner and its clause modules share.
 
 The state is the source text, the circuit, the fresh names, the tables and views and the CTE scopes. The clause
-modules (aggregate, subquery, recursive) take a :class:`Builder` and plan nested queries through its
+modules (aggregate, subquery, recursive, joinplan) take a :class:`Builder` and plan nested queries through its
 :meth:`Builder.query` and :meth:`Builder.from_clause`, which the planner (planner.py, a Builder) provides; so the
 imports run one way: the planner above its clause modules, they above this one.
 """
@@ -38,6 +38,7 @@ class Builder(ABC):
         self.names = Names()
         self.relations: dict[str, Rel] = {}  # tables and views, by name
         self.scopes: list[dict[str, Any]] = []  # CTE frames, innermost last
+        self.notes: list[str] | None = None  # the join plans of the view being compiled (joinplan.py), when kept
 
     # ---- names ----
 
@@ -202,3 +203,16 @@ class Builder(ABC):
     @abstractmethod
     def from_clause(self, node: exp.Select, where: list[exp.Expression]) -> tuple[Rel, list[exp.Expression]]:
         """The FROM clause of ``node`` and its joins, and the WHERE conjuncts not used as join keys."""
+
+    @abstractmethod
+    def table_ref(self, node: exp.Expression) -> Rel:
+        """One item of a FROM clause (a table, view, CTE, subquery, VALUES, parenthesised join), planned."""
+
+    @abstractmethod
+    def join(self, left: Rel, j: exp.Join, where: list[exp.Expression], right: Rel | None = None
+             ) -> tuple[Rel, list[exp.Expression]]:
+        """``left`` joined by ``j`` (with ``right``, its planned item, when given), and the WHERE conjuncts left."""
+
+    @abstractmethod
+    def inner(self, left: Rel, right: Rel, keys: list, residual: list[exp.Expression]) -> Rel:
+        """The inner join of ``left`` and ``right`` on key pairs (a cross product without), filtered by ``residual``."""

@@ -7,6 +7,8 @@ Invariants:
      dbsp_core/storage/snapshot.py), with the key each trace is indexed and sharded by; an exchange says the
      key it shards by. A fixpoint prints its nested body under it the same way.
   3. The summary line of a view counts its operators, exchanges and traces (shared ones included).
+  4. Under a compiled view's SQL text come the plans of its FROM clauses of two or more inputs (joinplan.py
+     invariant 6): the join order, each join's keys, the filters pushed to each input and the columns it keeps.
 """
 
 from __future__ import annotations
@@ -151,5 +153,6 @@ def explain(circuit: Circuit, views: list[str] | None = None) -> str:
         head = [f"view {name} ({cols}): {c['operators']} operators, {c['exchanges']} exchanges, {c['traces']} traces"]
         if program is not None and name in program.views:
             head += ["  " + line for line in program.views[name].splitlines()]
+            head += ["  " + line for note in program.plans.get(name, []) for line in note.splitlines()]
         out.append("\n".join(head + p.lines))
     return "\n\n".join(out)

@@ -5,8 +5,8 @@ Invariants:
      the integrated inputs: linear clauses map to linear operators (filter, select, ``+``), the others to the
      incremental operators (join, outer/semi/anti join, distinct, aggregate, top-k, fixpoint).
   2. A relation referenced twice (a view, a CTE, a table) is one stream read twice, never planned again.
-  3. Joins use the equalities of their condition (and, for comma joins, of the WHERE clause) as keys; the
-     remaining conditions filter the pairs. An outer join whose condition has more than equalities pads the
+  3. A FROM clause is planned by joinplan.py: conditions pushed to the inputs they read, equalities between
+     inputs (in ON and WHERE) as keys, inner joins ordered along them; the remaining conditions filter the pairs. An outer join whose condition has more than equalities pads the
      rows with no pair passing the whole condition (found by an anti join, null-safe, on all their columns).
   4. The planner adds no operator a hand-written circuit would not need: a projection that only repeats the
      stream's columns is no operator, an aggregate over plain columns needs no projection before it.
@@ -24,6 +24,7 @@ from dbsp_core.circuit import Stream
 from dbsp_core.sql.aggregate import aggregate_calls, plan_aggregate
 from dbsp_core.sql.build import Builder
 from dbsp_core.sql.expr import Exprs, call, null
+from dbsp_core.sql.joinplan import plan_from
 from dbsp_core.sql.parse import ident, interval_value, tname
 from dbsp_core.sql.recursive import define_ctes
 from dbsp_core.sql.relation import Col, Rel, SchemaRel
@@ -264,17 +265,14 @@ class Planner(Builder):
     # ---- FROM ----
 
     def from_clause(self, node: exp.Select, where: list[exp.Expression]) -> tuple[Rel, list[exp.Expression]]:
-        """The FROM clause and its joins; returns the WHERE conjuncts not used as join keys."""
+        """The FROM clause and its joins, planned by joinplan.py; returns the WHERE conjuncts it did not place."""
         from_ = node.args.get("from_")
         if from_ is None:
             if node.args.get("joins"):
                 raise self.src.error(node, "JOIN without FROM")
             return self.one_row(), where
-        self.natural_using(node)
-        rel = self.table_ref(from_.this)
-        for j in node.args.get("joins") or []:
-            rel, where = self.join(rel, j, where)
-        return rel, where
+        self.natural_using(node)  # NATURAL joins become USING joins before the join planner prunes columns
+        return plan_from(self, node, where)
 
     def one_row(self) -> Rel:
         """The relation of a SELECT without FROM: one row, no columns (a hidden constant)."""
@@ -394,8 +392,9 @@ class Planner(Builder):
 
     # ---- joins ----
 
-    def join(self, left: Rel, j: exp.Join, where: list[exp.Expression]) -> tuple[Rel, list[exp.Expression]]:
-        right = self.table_ref(j.this)
+    def join(self, left: Rel, j: exp.Join, where: list[exp.Expression], right: Rel | None = None
+             ) -> tuple[Rel, list[exp.Expression]]:
+        right = self.table_ref(j.this) if right is None else right
         side = (j.args.get("side") or "").upper()
         kind = (j.args.get("kind") or "").upper()
         if kind in ("SEMI", "ANTI") and not j.args.get("method"):

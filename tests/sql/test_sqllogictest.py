@@ -17,15 +17,13 @@ import pytest
 import slt
 
 SEED = int(os.environ.get("DBSP_SLT_SEED", str(random.SystemRandom().randrange(2**31))))
-SLOW_FILES = ("select4", "select5")  # joins of up to 8 tables: many time out today (the issue's join planner)
 
 
-def _run(per_file: int, per_slow_file: int, timeout: float) -> slt.Runner:
+def _run(per_file: int, timeout: float) -> slt.Runner:
     rng = random.Random(SEED)
     runners = []
     for path in slt.vendored():
-        slow = any(s in path for s in SLOW_FILES)
-        n = int(os.environ.get("DBSP_SLT_QUERIES", per_slow_file if slow else per_file))
+        n = int(os.environ.get("DBSP_SLT_QUERIES", per_file))
         r = slt.Runner(timeout=timeout, workers=rng.choice([1, 2, 4]))
         r.run_file(path, n, rng)
         runners.append(r)
@@ -46,11 +44,11 @@ def _check(r: slt.Runner) -> None:
 
 
 def test_sqllogictest_sample() -> None:
-    """A few queries of every vendored file (about 100 in all, three each from the 8-table joins of select4/5)."""
-    _check(_run(per_file=12, per_slow_file=3, timeout=3.0))
+    """A few queries of every vendored file (about 120 in all; select4/5's joins of up to 8 tables included)."""
+    _check(_run(per_file=12, timeout=3.0))
 
 
 @pytest.mark.slow
 def test_sqllogictest_thousands() -> None:
-    """About 2,500 queries: 300 from each file, 40 from select4 and select5 (their many timeouts cost 5 s each)."""
-    _check(_run(per_file=300, per_slow_file=40, timeout=5.0))
+    """About 3,000 queries: 300 from each file."""
+    _check(_run(per_file=300, timeout=5.0))
