@@ -1128,7 +1128,7 @@ class Pipeline:
         with self._step_lock:
             self._check_usable()
             zs = {n: self.executor.view(self._readable.nodes[n]) for n in names}
-        return run_query(sql, {n: as_rows(z, n, False) for n, z in zs.items()})
+        return run_query(sql, {n: as_rows(z, n, False) for n, z in zs.items()}, list(self._readable.nodes))
 
     def metrics(self, state: bool = True) -> dict:
         """What the pipeline is doing (dbsp_core.metrics): ``steps``, ``pushes``, ``rows_in`` / ``rows_out`` per

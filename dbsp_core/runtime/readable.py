@@ -106,8 +106,9 @@ def check_read_only(sql: Any) -> str:
     return sql
 
 
-def run_query(sql: str, tables: dict[str, pa.Table]) -> pa.Table:
-    """Run the read-only ``sql`` over ``tables`` (name -> Arrow table) on a private DuckDB database (invariant 3)."""
+def run_query(sql: str, tables: dict[str, pa.Table], readable: list[str]) -> pa.Table:
+    """Run the read-only ``sql`` over ``tables`` (name -> Arrow table) on a private DuckDB database (invariant 3);
+    ``readable`` (every name a query could read) is named in the error of a query that fails."""
     import duckdb
 
     con = duckdb.connect(":memory:", config={"enable_external_access": False})
@@ -120,8 +121,9 @@ def run_query(sql: str, tables: dict[str, pa.Table]) -> pa.Table:
                 raise QueryError("query: the statement returned no result")
             return rel.to_arrow_table() if hasattr(rel, "to_arrow_table") else rel.arrow()
         except duckdb.Error as exc:
-            known = ", ".join(sorted(tables)) or "none"
-            raise QueryError(f"query: {type(exc).__name__}: {exc} (the tables and views it can read: {known}; a "
+            known = ", ".join(sorted(readable)) or "none"
+            text = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+            raise QueryError(f"query: {type(exc).__name__}: {text} (the tables and views it can read: {known}; a "
                              f"view is readable once materialized, a table once it has a primary key or is "
                              f"materialized)") from None
     finally:
