@@ -24,8 +24,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dbsp_core.errors import PrimaryKeyError
-from dbsp_core.operators.base import Operator, concat, empty, keyed_change
-from dbsp_core.trace import Trace
+from dbsp_core.operators.base import concat, empty, keyed_change
+from dbsp_core.operators.materialize import Materialize, _MaterializeState
 from dbsp_core.trace.levels import unique_sorted
 from dbsp_core.zset import ZSet
 
@@ -33,28 +33,17 @@ if TYPE_CHECKING:
     from dbsp_core.operators.context import StepContext
 
 
-class Upsert(Operator):
-    """The table ``name`` with primary key ``key``: its output is the table's change (invariant 3)."""
+class Upsert(Materialize):
+    """The table ``name`` with primary key ``key``: a materialize node keyed by the primary key whose output is the
+    table's change (invariant 3)."""
 
     kind = "upsert"
-
-    def __init__(self, node: int, schema: pa.Schema, key: tuple[str, ...], name: str) -> None:
-        super().__init__((node,), schema, tuple(key))
-        self.name = name
 
     def instance(self) -> "_UpsertState":
         return _UpsertState(self)
 
 
-class _UpsertState:
-    def __init__(self, op: Upsert) -> None:
-        self.op = op
-        self.trace = Trace(op.schema, tuple(op.partitioning or ()))
-
-    def traces(self) -> dict[str, Trace]:
-        """The operator's state, by name (each trace can be read per shard)."""
-        return {"contents": self.trace}
-
+class _UpsertState(_MaterializeState):
     def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         schema, key = self.op.schema, self.trace.key
         dix = keyed_change(self, inputs, ctx, schema, key, cleanup=False)  # the table keeps every row
