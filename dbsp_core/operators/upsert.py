@@ -4,7 +4,8 @@ Invariants:
   1. The trace holds the table: at most one row per key, weight 1. After every step its sum over workers is
      the table a SQL ``INSERT OR REPLACE`` / ``DELETE ... WHERE key = ...`` sequence in push order leaves.
   2. The step's change reaches the operator with at most one row per key (the runtime keeps the last row of
-     each key of the step, in the order the pushes were acknowledged and, within a push, in row order:
+     each key of the step, in the order the input log recorded the pushes (in memory, the order they were
+     queued; from one thread, the order of the calls) and, within a push, in row order:
      :func:`last_per_key`): weight +1 replaces the key's row (or inserts it), weight -1 deletes the key's row
      whatever the other columns hold (a key that is absent is a no-op). Other weights and null key values are
      refused at the push (:func:`check_keyed`), before anything is recorded.

@@ -13,6 +13,8 @@ Invariants (enforced here):
      after the push's record is durable in the input log. The record carries the step that was open when the
      push was admitted; a step is closed only when no admitted push is still being appended, and pushes wait
      while a step closes, so the log's steps never decrease and every record of step s precedes s's division.
+     A step's pushes reach the executor in the log's order (the order recovery reads them in), which decides
+     which row of a key wins in a table with a primary key.
   2. A ``(producer, seq)`` pair is counted once: it is marked seen only after its record is durable; a retry of
      a seen pair is acknowledged again (``duplicate=True``) and records nothing; a retry of a pair still being
      appended waits for it. The seen set is saved in ``driver.db`` at each checkpoint and completed on
@@ -231,6 +233,9 @@ class Pipeline:
         self._inflight_keys: set[tuple[str, int]] = set()
         self._seen = SeenSet()
         self._pending: list[tuple[str, ZSet]] = []
+        # with storage: each pending push's place in the input log (its entry -> the log's ticket), by which a step's
+        # pushes are ordered when it is divided, as recovery reads them (the last row of a key wins, upsert.py)
+        self._tickets: dict[tuple[str, str, int], int] = {}
         self._step_inputs: list[tuple[str, str, int]] = []
         self._anon_seq = 0  # the seq of the next anonymous push: its identity for StepError and discard
         self.step_error: StepError | None = None  # the failure of the step waiting at the head of the queue
@@ -411,7 +416,8 @@ class Pipeline:
         Into a table with a primary key (``PRIMARY KEY``, ``Circuit.input(..., primary_key=[...])``) a row with
         weight +1 inserts or replaces the row of its key (the view sees the old row retracted) and a row with
         weight -1 deletes the row of its key whatever its other columns hold (:meth:`delete` pushes such rows);
-        when a step holds several rows of one key, the last one wins: pushes in the order they are acknowledged,
+        when a step holds several rows of one key, the last one wins: pushes in the order they are recorded (from one
+        thread, the order of the calls; concurrent ones in the input log's order, the order recovery replays),
         rows in their order within a push. Any other weight, or a null key value, raises PrimaryKeyError and
         records nothing.
 
@@ -480,7 +486,8 @@ class Pipeline:
         try:
             crashpoint("push-append")
             assert self._input is not None
-            self._input.append(step, handle, payload, producer=prod, seq=sq)
+            ticket = self._input.enqueue(step, handle, payload, producer=prod, seq=sq)  # append = enqueue + sync
+            self._input.sync(ticket)
             crashpoint("push-acked")
         except BaseException as exc:
             # the record may or may not be durable: only recovery (which reads the log) can tell, so a retry in
@@ -496,6 +503,7 @@ class Pipeline:
         with self._cond:
             self._pending.append((handle, z))
             self._step_inputs.append((handle, prod, sq))
+            self._tickets[(handle, prod, sq)] = ticket
             if producer is not None:
                 self._seen.add(prod, sq)
                 self._inflight_keys.discard((prod, sq))
@@ -573,6 +581,10 @@ class Pipeline:
                 step = self._open_step
                 pushes, self._pending = self._pending, []
                 entries, self._step_inputs = self._step_inputs, []
+                if self._tickets:  # in the input log's order, as recovery reads them (invariant 1)
+                    order = sorted(range(len(entries)), key=lambda i: self._tickets.get(entries[i], 0))
+                    pushes, entries = [pushes[i] for i in order], [entries[i] for i in order]
+                    self._tickets = {}
                 now_ns, seed = max(int(self._clock()), self._now_floor), random.getrandbits(63)
                 self._now_floor = now_ns  # now never goes back, even if the wall clock does
                 in_force = dict(self._wm_divided)  # operators see the watermarks after the previous step

@@ -204,3 +204,39 @@ def test_keyed_pushes_and_deletes_are_refused_with_what_is_wrong(tmp_path) -> No
     assert p.read_input(0) == {"t": dbsp.ZSet.empty(p.circuit.nodes[0].schema),
                                "u": dbsp.ZSet.empty(p.circuit.nodes[2].schema)}  # nothing was recorded
     p.close()
+
+
+def test_concurrent_pushes_of_one_key_win_in_the_log_order_that_recovery_replays(tmp_path, monkeypatch) -> None:
+    """Push A is durable in the input log before push B, but B's thread queues B for the step first (A's thread is
+    held between its fsync and its queueing). The step must keep the row recovery keeps: B's, the later one in the
+    log; queueing order made the live step keep A's and the replay after a reopen disagree (ReplayMismatchError)."""
+    import threading
+
+    from dbsp_core.runtime import driver
+
+    c = dbsp.Circuit()
+    c.output("t_changes", c.input("t", pa.schema([("k", pa.int64()), ("v", pa.utf8())]), primary_key=["k"]))
+    d = str(tmp_path / "d")
+    p = dbsp.Pipeline(c, storage=d, checkpoint_interval=None)
+    held, b_done = threading.Event(), threading.Event()
+    real = driver.crashpoint
+
+    def hold(name: str) -> None:
+        if name == "push-acked" and threading.current_thread().name == "A":
+            held.set()
+            assert b_done.wait(30)
+        real(name)
+
+    monkeypatch.setattr(driver, "crashpoint", hold)
+    a = threading.Thread(target=p.push, args=("t", [(1, "a")]), name="A")
+    a.start()
+    assert held.wait(30)
+    p.push("t", [(1, "b")])
+    b_done.set()
+    a.join()
+    assert p.step()["t_changes"].to_dict() == {(1, "b"): 1}
+    p.close(checkpoint=False)  # the reopen replays step 0 and checks its output against the log
+    monkeypatch.setattr(driver, "crashpoint", real)
+    q = dbsp.Pipeline.open(d, c, checkpoint_interval=None)
+    assert q.stats["replayed_steps"] == 1 and rows(q.view("t")) == Counter({(1, "b"): 1})
+    q.close()
