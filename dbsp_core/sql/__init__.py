@@ -30,6 +30,7 @@ from sqlglot import exp
 from sqlglot.optimizer.normalize_identifiers import normalize_identifiers
 
 from dbsp_core.circuit import Circuit
+from dbsp_core.errors import SchemaError
 from dbsp_core.sql.errors import Source, SqlError
 from dbsp_core.sql.parse import DIALECT, TableDef, ident, parse_program, table_def, tname, too_deep
 from dbsp_core.sql.planner import Planner, view_output
@@ -97,8 +98,11 @@ def _add_table(src: Source, planner: Planner, program: SqlProgram, td: TableDef,
     for f in td.schema:
         if f.name.startswith("__"):
             raise src.error(node, f"column names starting with two underscores are reserved ({f.name!r})")
-    stream = planner.circuit.input(td.name, td.schema, event_time=td.event_time, lateness=td.lateness,
-                                   primary_key=td.primary_key or None)
+    try:
+        stream = planner.circuit.input(td.name, td.schema, event_time=td.event_time, lateness=td.lateness,
+                                       primary_key=td.primary_key or None)
+    except SchemaError as exc:  # e.g. a primary key with a watermark: said at the statement (invariant 3)
+        raise src.error(node, str(exc)) from None
     planner.relations[td.name] = Rel(stream, [Col(f.name, td.name, f.name) for f in td.schema])
     program.tables[td.name] = td
 

@@ -200,6 +200,8 @@ def test_keyed_pushes_and_deletes_are_refused_with_what_is_wrong(tmp_path) -> No
         p.delete("t", 5)
     with pytest.raises(dbsp.SchemaError):
         dbsp.Circuit().input("t", s, primary_key=["nope"])
+    with pytest.raises(dbsp.SchemaError, match="cannot declare an event time"):
+        dbsp.Circuit().input("t", s, primary_key=["k"], event_time="v", lateness=3)
     p.step()
     assert p.read_input(0) == {"t": dbsp.ZSet.empty(p.circuit.nodes[0].schema),
                                "u": dbsp.ZSet.empty(p.circuit.nodes[2].schema)}  # nothing was recorded
