@@ -82,7 +82,7 @@ from dbsp_core.metrics import Metrics, gather, serve, stop_serving
 from dbsp_core.operators.base import same_columns
 from dbsp_core.operators.upsert import check_keyed, keep_last
 from dbsp_core.progress import progress
-from dbsp_core.rows import as_table, conform
+from dbsp_core.rows import as_table, conform, key_rows
 from dbsp_core.runtime.crashpoints import crashpoint
 from dbsp_core.runtime.division import Divided, ranges
 from dbsp_core.runtime.embedded import EmbeddedExecutor
@@ -541,22 +541,8 @@ class Pipeline:
             raise PrimaryKeyError(f"{where}: table {handle!r} has no primary key, so there is nothing to delete by; "
                                   f"declare one (PRIMARY KEY, or Circuit.input(..., primary_key=[...])), or push the "
                                   f"rows to delete with weight -1")
-        schema = self._inputs[handle]
-        kschema = pa.schema([schema.field(k) for k in key])
-        if len(key) == 1 and (isinstance(keys, (np.ndarray, pa.Array, pa.ChunkedArray)) or (
-                isinstance(keys, (list, tuple)) and keys and not isinstance(keys[0], (dict, list, tuple)))):
-            keys = {key[0]: keys}  # a one-column key's values
-        elif type(keys).__name__ == "Series" and len(key) == 1:  # a pandas Series (pandas is not imported here)
-            keys = {key[0]: keys.to_numpy()}
-        table = as_table(keys, kschema, where)
-        if table is None:
-            raise TypeError(f"{where}: expected the key columns {list(key)} as a pyarrow Table or RecordBatch, pandas "
-                            f"or polars DataFrame, dict of columns, list of row dicts or tuples, or (for a one-column "
-                            f"key) a list of values; got {type(keys).__name__}")
-        table = conform(table, kschema, where)
-        n = table.num_rows
-        cols = [table.column(f.name) if f.name in key else pa.nulls(n, f.type) for f in schema]
-        z = ZSet._make(pa.Table.from_arrays(cols, schema=schema), np.full(n, -1, dtype=np.int64))
+        rows = key_rows(keys, self._inputs[handle], key, where)
+        z = ZSet._make(rows, np.full(rows.num_rows, -1, dtype=np.int64))
         return self.push(handle, z, producer=producer, seq=seq)
 
     def acknowledged(self, producer: str, seq: int) -> bool:
