@@ -193,9 +193,6 @@ class Circuit:
             if not key or len(set(key)) != len(key):
                 raise SchemaError(f"input {name!r}: primary_key must name distinct columns, got {primary_key!r}")
             check_columns(schema, key, f"input {name!r}", "primary key column")
-            if event_time is not None:  # a delete by key carries no event time: it would be dropped as late
-                raise SchemaError(f"input {name!r}: a table with a primary key cannot declare an event time (yet): "
-                                  f"its deletes by key carry no event time; drop one of the two")
         if not isinstance(materialized, bool):
             raise TypeError(f"input {name!r}: materialized must be a bool, got {materialized!r}")
         self._check_readable(name, primary_key is not None or materialized)

@@ -520,7 +520,8 @@ class Pipeline:
         columns, a list of row dicts or tuples), or, for a one-column key, a list or array of key values. A key the
         table does not hold deletes nothing. It is a push of the keys with weight -1 (other columns null): durable,
         idempotent with ``producer`` and ``seq``, and ordered with the other pushes of its step (the last row of a
-        key wins). PrimaryKeyError if the table has no primary key or a key value is null.
+        key wins). PrimaryKeyError if the table has no primary key, declares an event time (push the whole rows with
+        weight -1 instead) or a key value is null.
 
         >>> import pyarrow as pa
         >>> import dbsp_core as dbsp
@@ -541,6 +542,10 @@ class Pipeline:
             raise PrimaryKeyError(f"{where}: table {handle!r} has no primary key, so there is nothing to delete by; "
                                   f"declare one (PRIMARY KEY, or Circuit.input(..., primary_key=[...])), or push the "
                                   f"rows to delete with weight -1")
+        if handle in self._event_time:  # its other columns are null: a null event time is a late row, dropped
+            raise PrimaryKeyError(f"{where}: table {handle!r} declares an event time, which a delete by key does not "
+                                  f"carry; push the whole rows to delete with weight -1 (their event time decides "
+                                  f"whether they are late)")
         rows = key_rows(keys, self._inputs[handle], key, where)
         z = ZSet._make(rows, np.full(rows.num_rows, -1, dtype=np.int64))
         return self.push(handle, z, producer=producer, seq=seq)

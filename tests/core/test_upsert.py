@@ -200,8 +200,16 @@ def test_keyed_pushes_and_deletes_are_refused_with_what_is_wrong(tmp_path) -> No
         p.delete("t", 5)
     with pytest.raises(dbsp.SchemaError):
         dbsp.Circuit().input("t", s, primary_key=["nope"])
-    with pytest.raises(dbsp.SchemaError, match="cannot declare an event time"):
-        dbsp.Circuit().input("t", s, primary_key=["k"], event_time="v", lateness=3)
+    c2 = dbsp.Circuit()
+    c2.output("e", c2.input("e", s, primary_key=["k"], event_time="v", lateness=3))
+    q = dbsp.Pipeline(c2)
+    with pytest.raises(dbsp.PrimaryKeyError, match="event time.*weight -1"):
+        q.delete("e", [1])  # its null event time would make it a late row, dropped
+    q.push("e", [(1, 10)])
+    q.step()
+    q.push("e", [(1, 10)], weights=[-1])  # the whole row: its event time decides whether it is late
+    assert q.step()["e"].to_dict() == {(1, 10): -1}
+    q.close()
     p.step()
     assert p.read_input(0) == {"t": dbsp.ZSet.empty(p.circuit.nodes[0].schema),
                                "u": dbsp.ZSet.empty(p.circuit.nodes[2].schema)}  # nothing was recorded
