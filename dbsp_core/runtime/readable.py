@@ -50,8 +50,8 @@ def as_rows(z: ZSet, name: str, weights: bool) -> pa.Table:
 
 
 class ReadableState:
-    """The readable tables and views of one circuit (``Circuit.readable``) and how to read them (see the module
-    docstring); the driver calls it with the step lock held."""
+    """The readable tables and views of one circuit (``Circuit.readable``): which node holds each one's contents, and
+    what to say of a name that is not readable (the driver reads the nodes under the step lock, invariant 1)."""
 
     def __init__(self, circuit: Circuit) -> None:
         self.nodes = dict(circuit.readable)
