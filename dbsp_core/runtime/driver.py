@@ -486,8 +486,7 @@ class Pipeline:
         try:
             crashpoint("push-append")
             assert self._input is not None
-            ticket = self._input.enqueue(step, handle, payload, producer=prod, seq=sq)  # append = enqueue + sync
-            self._input.sync(ticket)
+            ticket = self._input.append(step, handle, payload, producer=prod, seq=sq)  # its place in the log
             crashpoint("push-acked")
         except BaseException as exc:
             # the record may or may not be durable: only recovery (which reads the log) can tell, so a retry in
