@@ -62,11 +62,13 @@ class _UpsertState(_MaterializeState):
         put = z.weights > 0
         if put.any():
             parts.append(ZSet._make(z.data.filter(pa.array(put)), np.ones(int(put.sum()), dtype=np.int64)))
-        out = concat(parts, schema).consolidate() if parts else empty(schema)
-        if out.num_rows == 0:
+        if not parts:
             return empty(schema)
-        self.trace.insert(out.index_by(list(key)))
-        return out
+        out = concat(parts, schema).index_by(list(key))  # consolidated: an upsert of the held row cancels out
+        if len(out) == 0:
+            return empty(schema)
+        self.trace.insert(out)
+        return out.zset
 
 
 def check_keyed(z: ZSet, key: Sequence[str], where: str) -> None:
