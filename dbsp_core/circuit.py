@@ -11,6 +11,9 @@ Invariants (enforced here):
   4. Input and output names are unique within a circuit.
   5. Every node's time lineage (dbsp_core/time/lineage.py) is derived when it is built, and a stateful
      operator whose input has one gets it as ``in_times``, so it can drop the state no later change can reach.
+  6. ``readable`` maps each materialized view, materialized table and table with a primary key to the node whose
+     trace holds its current contents (operators/materialize.py, operators/upsert.py); those nodes run like the
+     outputs' (``live_nodes``), and their names are unique among them.
 """
 
 from __future__ import annotations
@@ -27,17 +30,19 @@ from dbsp_core.errors import SchemaError
 from dbsp_core.operators import (Aggregate, Delay, Differentiate, Distinct, Exchange, Filter, FlatMap, Input,
                                  Integrate, Join, LeftJoin, Negate, Operator, Plus, Select)
 from dbsp_core.operators.aggregate import PreAggregate
-from dbsp_core.operators.base import nullable_schema, same_columns
+from dbsp_core.operators.base import check_columns, nullable_schema, same_columns
 from dbsp_core.operators.constant import Constant
 from dbsp_core.operators.count_distinct import CountDistinct
 from dbsp_core.operators.expr import as_expression
 from dbsp_core.operators.fixpoint import Fixpoint
 from dbsp_core.operators.keyless_aggregate import GLOBAL_KEY, AddGlobalKey
+from dbsp_core.operators.materialize import Materialize
 from dbsp_core.operators.outer_join import OuterJoin
 from dbsp_core.operators.proctime import proc_tumble
 from dbsp_core.operators.semi_join import SemiJoin
 from dbsp_core.operators.session import Session
 from dbsp_core.operators.top_k import TopK, order_spec
+from dbsp_core.operators.upsert import Upsert
 from dbsp_core.operators.window import hop, interval_join, tumble
 from dbsp_core.time.lineage import Times, meet, passed
 
@@ -77,6 +82,10 @@ class Circuit:
         self.outputs: dict[str, int] = {}
         self._exchanges: dict[tuple[int, tuple[str, ...]], int] = {}
         self.times: dict[int, Times] = {}  # node -> time lineage of its output, when it has one (invariant 5)
+        # invariant 6: the tables and views whose current contents a pipeline can read (Pipeline.view, .query):
+        # name -> the node keeping them in a trace (a materialize node, or a keyed table's upsert node)
+        self.readable: dict[str, int] = {}
+        self.primary_keys: dict[str, tuple[str, ...]] = {}  # input -> its primary key columns
 
     def add_operator(self, op: Operator, times: Times | None = None, in_times: Sequence[Times] = ()) -> "Stream":
         """Append ``op`` as the circuit's next node and return the stream of its output: how every builder adds
@@ -121,9 +130,16 @@ class Circuit:
     def _where(self, kind: str) -> str:
         return f"{kind}#{len(self.nodes)}"
 
-    def input(self, name: str, schema: pa.Schema, event_time: str | None = None, lateness: object = 0
-              ) -> "Stream":
+    def input(self, name: str, schema: pa.Schema, event_time: str | None = None, lateness: object = 0, *,
+              primary_key: Sequence[str] | None = None, materialized: bool = False) -> "Stream":
         """Declare input handle ``name`` with ``schema``; returns its stream.
+
+        ``primary_key`` (column names) makes it a table with a key (operators/upsert.py): a pushed row whose key
+        is held replaces the held row (the stream carries the old row's retraction and the new row), a row
+        pushed with weight -1 deletes the row of its key (``Pipeline.delete``), and when one step holds several
+        rows of a key the last one pushed wins. Key values must not be null. A keyed table's contents are
+        readable (``Pipeline.view``, ``Pipeline.query``); ``materialized=True`` makes a table without a key
+        readable too (its integral is kept in a trace).
 
         ``event_time`` names an integer or timestamp column holding each row's event time; the input then has a
         watermark, the largest event time pushed so far minus ``lateness`` (an int in the column's unit, or a
@@ -170,9 +186,39 @@ class Circuit:
             times = {event_time: (name, 0)}
         elif lateness:
             raise TypeError(f"input {name!r}: lateness= needs event_time=")
+        if primary_key is not None:
+            if isinstance(primary_key, str):
+                primary_key = [primary_key]
+            key = tuple(primary_key)
+            if not key or len(set(key)) != len(key):
+                raise SchemaError(f"input {name!r}: primary_key must name distinct columns, got {primary_key!r}")
+            check_columns(schema, key, f"input {name!r}", "primary key column")
+        if not isinstance(materialized, bool):
+            raise TypeError(f"input {name!r}: materialized must be a bool, got {materialized!r}")
+        self._check_readable(name, primary_key is not None or materialized)
         s = self.add_operator(Input(name, nullable_schema(schema), event_time, int(lateness)), times)
         self.inputs[name] = s.node_id
+        if primary_key is not None:
+            src = s._exchanged(key)
+            # no time lineage: a replaced row's retraction carries an old event time that later operators must see
+            s = self.add_operator(Upsert(src.node_id, s.schema, key, name))
+            self.primary_keys[name] = key
+            self.readable[name] = s.node_id
+        elif materialized:
+            self._materialize(name, s)
         return s
+
+    def _check_readable(self, name: str, readable: bool) -> None:
+        if readable and name in self.readable:
+            raise ValueError(f"{name!r} is already a readable table or view (a table and a view read by "
+                             f"Pipeline.view need different names)")
+
+    def _materialize(self, name: str, stream: "Stream") -> None:
+        """Keep ``stream``'s integral in a trace readable as ``name`` (invariant 6, operators/materialize.py)."""
+        key = stream.op.partitioning or tuple(stream.schema.names)
+        src = stream._exchanged(tuple(key))
+        node = self.add_operator(Materialize(src.node_id, stream.schema, tuple(key), name))
+        self.readable[name] = node.node_id
 
     def constant(self, value: "pa.Table | object") -> "Stream":
         """A stream whose integral is ``value`` (a ZSet or an Arrow table) from the first step on: it is emitted
@@ -247,21 +293,42 @@ class Circuit:
 
     def live_nodes(self) -> list[int]:
         """The nodes that feed an output, in id order (the nodes a pipeline runs)."""
-        live = set(self.outputs.values())
+        live = set(self.outputs.values()) | set(self.readable.values())
         for i in range(len(self.nodes) - 1, -1, -1):
             if i in live:
                 live.update(self.nodes[i].inputs)
         return sorted(live)
 
-    def output(self, name: str, stream: "Stream") -> None:
-        """Declare output handle ``name``: each step yields the change of ``stream``."""
+    def output(self, name: str, stream: "Stream", materialized: bool = False) -> None:
+        """Declare output handle ``name``: each step yields the change of ``stream``.
+
+        ``materialized=True`` also keeps the view's current contents (the integral of its changes) in a trace,
+        placed by shard, checkpointed and rescaled like all state, so ``Pipeline.view(name)`` and
+        ``Pipeline.query(sql)`` can read it (operators/materialize.py).
+
+        >>> import pyarrow as pa
+        >>> import dbsp_core as dbsp
+        >>> c = dbsp.Circuit()
+        >>> t = c.input("t", pa.schema([("x", pa.int64())]))
+        >>> c.output("big", t.filter(pa.compute.field("x") > 1), materialized=True)
+        >>> p = dbsp.Pipeline(c, workers=2)
+        >>> p.push("t", {"x": [1, 2, 3]}); _ = p.step()
+        >>> p.push("t", [(3,)], weights=[-1]); _ = p.step()
+        >>> p.view("big").to_pydict()
+        {'x': [2]}
+        """
         if not isinstance(name, str) or not name:
             raise TypeError(f"output name must be a non-empty str, got {name!r}")
         _check_name(name, "output")
         if name in self.outputs:
             raise ValueError(f"output {name!r} is already declared")
+        if not isinstance(materialized, bool):
+            raise TypeError(f"output {name!r}: materialized must be a bool, got {materialized!r}")
         self.check_stream(stream, "output")
+        self._check_readable(name, materialized)
         self.outputs[name] = stream.node_id
+        if materialized:
+            self._materialize(name, stream)
 
     def check_stream(self, stream: object, where: str) -> "Stream":
         """``stream`` itself, once checked to be a Stream of this circuit: a builder calls it on every stream it is

@@ -90,3 +90,13 @@ class InUseError(StorageError):
 class IndexDroppedWarning(RuntimeWarning):
     """A trace dropped its key index (past its size limit, the process-wide budget, or out of memory): steps on it
     keep their results but walk its batches from then on, which is slower on a large state."""
+
+
+class PrimaryKeyError(DbspError, ValueError):
+    """A push or delete into a table with a primary key that the key refuses (a null key value, a weight other than
+    +1 or -1), or a delete by key on a table without one; nothing was recorded."""
+
+
+class QueryError(DbspError, ValueError):
+    """An ad-hoc query (``Pipeline.query``) that is refused (not one read-only SELECT) or that DuckDB cannot run
+    (bad SQL, a table or view that is not readable); the message says which and what the query can read."""

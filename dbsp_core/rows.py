@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from dbsp_core.errors import SchemaError
 
-__all__ = ["as_table", "conform"]
+__all__ = ["as_table", "conform", "key_rows"]
 
 _CAST_ERRORS = (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError, OverflowError)
 
@@ -143,3 +143,30 @@ def conform(table: pa.Table, schema: pa.Schema, where: str, *, weight: str | Non
                               f"{f.type}: row {i} holds {col[i].as_py()!r} ({e})") from None
     raise SchemaError(f"{where}: columns ({', '.join(f'{f.name} {f.type}' for f in table.schema)}) do not cast to "
                       f"the input's ({', '.join(f'{f.name} {f.type}' for f in fields)}): {err}") from None
+
+
+def key_rows(data: Any, schema: pa.Schema, key: tuple[str, ...], where: str) -> pa.Table:
+    """Rows of ``schema`` holding the keys ``data`` names (columns ``key``, in any form :func:`as_table` takes, or
+    for a one-column key a list, numpy or Arrow array or pandas Series of its values), cast by :func:`conform`,
+    every other column null: the rows a delete by key pushes.
+
+    >>> s = pa.schema([("k", pa.int32()), ("v", pa.utf8())])
+    >>> key_rows([1, 2], s, ("k",), "delete").to_pylist()
+    [{'k': 1, 'v': None}, {'k': 2, 'v': None}]
+    """
+    kschema = pa.schema([schema.field(k) for k in key])
+    if len(key) == 1:
+        if type(data).__name__ == "Series" and (type(data).__module__ or "").startswith("pandas"):
+            data = data.to_numpy()
+        if isinstance(data, (pa.Array, pa.ChunkedArray)) or type(data).__name__ == "ndarray" or (
+                isinstance(data, (list, tuple)) and data and not isinstance(data[0], (Mapping, list, tuple))):
+            data = {key[0]: data}  # a one-column key's values
+    table = as_table(data, kschema, where)
+    if table is None:
+        raise TypeError(f"{where}: expected the key columns {list(key)} as a pyarrow Table or RecordBatch, pandas or "
+                        f"polars DataFrame, dict of columns, list of row dicts or tuples, or (for a one-column key) a "
+                        f"list of values; got {type(data).__name__}")
+    table = conform(table, kschema, where)
+    n = table.num_rows
+    return pa.Table.from_arrays([table.column(f.name) if f.name in key else pa.nulls(n, f.type) for f in schema],
+                                schema=schema)

@@ -348,9 +348,14 @@ class SparkPipeline(Pipeline):
     def view_df(self, name: str) -> Any:
         """The integrated view of output ``name`` (the sum of every logged change) as a DataFrame with ``weight``.
 
-        The view is kept on the driver and brought up to date from the output log on each call (only new
-        steps are read); it needs the output log from step 0 (no ``output_retention``).
+        A materialized view (``CREATE MATERIALIZED VIEW``, ``materialized=True``) is read from the engine's state
+        in the stage databases, as :meth:`dbsp_core.Pipeline.view` with ``weights=True`` reads it (also
+        ``p.view(name)`` here: an Arrow table). Another output's view is kept on the driver and brought up to date
+        from the output log on each call (only new steps are read); it needs the output log from step 0 (no
+        ``output_retention``).
         """
+        if name in self._out_schemas and name in self.circuit.readable:
+            return self.spark.createDataFrame(self.view(name, weights=True))
         if name not in self._out_schemas:
             raise KeyError(f"unknown output {name!r}; outputs are {sorted(self._out_schemas)}")
         upto, acc = self._views.get(name, (0, ZSet.empty(self._out_schemas[name])))

@@ -13,6 +13,8 @@ Invariants (enforced here):
      after the push's record is durable in the input log. The record carries the step that was open when the
      push was admitted; a step is closed only when no admitted push is still being appended, and pushes wait
      while a step closes, so the log's steps never decrease and every record of step s precedes s's division.
+     A step's pushes reach the executor in the log's order (the order recovery reads them in), which decides
+     which row of a key wins in a table with a primary key.
   2. A ``(producer, seq)`` pair is counted once: it is marked seen only after its record is durable; a retry of
      a seen pair is acknowledged again (``duplicate=True``) and records nothing; a retry of a pair still being
      appended waits for it. The seen set is saved in ``driver.db`` at each checkpoint and completed on
@@ -56,6 +58,9 @@ Invariants (enforced here):
      the pipeline goes on at the old layout. An autoscaling policy (autoscaler.py) decides after a step, under the step lock,
      and rescales through ``rescale`` on a thread of its own (so steps go on); ``close`` stops it and waits for
      the rescale it started before taking the step lock.
+  9. ``view`` and ``query`` read the executor's state (the trace of each readable node, Circuit invariant 6) under
+     the step lock, so what they see is the state after the last completed step, the same for every table and
+     view of one query; DuckDB runs a query after the lock is released, over Arrow tables it cannot change.
 """
 
 from __future__ import annotations
@@ -73,19 +78,21 @@ import pyarrow as pa
 from dbsp_core import _storage
 from dbsp_core.circuit import Circuit, circuit_fingerprint
 from dbsp_core.codec import decode_zset, encode_json, encode_zset
-from dbsp_core.errors import DbspError, RecoveryError, SchemaError, StepError, StorageError
+from dbsp_core.errors import DbspError, PrimaryKeyError, RecoveryError, SchemaError, StepError, StorageError
 from dbsp_core.layout import DEFAULT_SHARD_BITS, Layout, ShardMap
 from dbsp_core.metrics import Metrics, gather, serve, stop_serving
 from dbsp_core.operators.base import same_columns
+from dbsp_core.operators.upsert import check_keyed, keep_last
 from dbsp_core.progress import progress
-from dbsp_core.rows import as_table, conform
 from dbsp_core.runtime.autoscale import Autoscale
 from dbsp_core.runtime.autoscaler import Autoscaler, Capacity
+from dbsp_core.rows import as_table, conform, key_rows
 from dbsp_core.runtime.crashpoints import crashpoint
 from dbsp_core.runtime.division import Divided, ranges
 from dbsp_core.runtime.embedded import EmbeddedExecutor
 from dbsp_core.runtime.executor import Executor, StepInput
 from dbsp_core.runtime.recovery import LogReplay, open_directory, settle_state
+from dbsp_core.runtime.readable import ReadableState, as_rows, check_read_only, run_query
 from dbsp_core.runtime.rescale import LiveRescale
 from dbsp_core.storage.consumers import ConsumerRegistry
 from dbsp_core.storage.database import Database
@@ -225,6 +232,8 @@ class Pipeline:
         self._clock = clock if clock is not None else time.time_ns
         self._inputs = {name: circuit.nodes[i].schema for name, i in circuit.inputs.items()}
         self._out_schemas = {name: circuit.nodes[i].schema for name, i in circuit.outputs.items()}
+        self._keys = dict(circuit.primary_keys)  # inputs with a primary key (operators/upsert.py)
+        self._readable = ReadableState(circuit)  # what view() and query() read (invariant 9)
         self._cond = threading.Condition()
         self._step_lock = threading.RLock()
         # invariant 8: checkpoint, close and rescale wait on it (holding the step lock) while a rescale runs
@@ -239,6 +248,9 @@ class Pipeline:
         self._backlog_rows = self._backlog_bytes = 0
         self._backlog_since: float | None = None
         self._autoscaler: Autoscaler | None = None
+        # with storage: each pending push's place in the input log (its entry -> the log's ticket), by which a step's
+        # pushes are ordered when it is divided, as recovery reads them (the last row of a key wins, upsert.py)
+        self._tickets: dict[tuple[str, str, int], int] = {}
         self._step_inputs: list[tuple[str, str, int]] = []
         self._anon_seq = 0  # the seq of the next anonymous push: its identity for StepError and discard
         self.step_error: StepError | None = None  # the failure of the step waiting at the head of the queue
@@ -419,6 +431,14 @@ class Pipeline:
         and records nothing if the handle is unknown, the data is none of these forms, a column is missing or is
         not the input's, a value does not cast, or weights are not ints.
 
+        Into a table with a primary key (``PRIMARY KEY``, ``Circuit.input(..., primary_key=[...])``) a row with
+        weight +1 inserts or replaces the row of its key (the view sees the old row retracted) and a row with
+        weight -1 deletes the row of its key whatever its other columns hold (:meth:`delete` pushes such rows);
+        when a step holds several rows of one key, the last one wins: pushes in the order they are recorded (from one
+        thread, the order of the calls; concurrent ones in the input log's order, the order recovery replays),
+        rows in their order within a push. Any other weight, or a null key value, raises PrimaryKeyError and
+        records nothing.
+
         With storage, returns an :class:`Ack` once the push is durable in the input log; with ``producer`` and
         ``seq`` the push is idempotent across crashes: a pair already recorded is acknowledged again with
         ``duplicate=True`` and counted once. Keep each producer's seqs dense from 0 (any order) to keep the
@@ -445,6 +465,8 @@ class Pipeline:
         if handle not in self._inputs:
             raise KeyError(f"push: unknown input handle {handle!r}; inputs are {sorted(self._inputs)}")
         z = self._to_zset(handle, data, weights)
+        if handle in self._keys:  # operators/upsert.py invariant 2: refused before anything is recorded
+            check_keyed(z, self._keys[handle], f"push({handle!r})")
         if self.storage is None:
             self._metrics.pushed(handle, z.num_rows)
             with self._cond:
@@ -483,7 +505,7 @@ class Pipeline:
         try:
             crashpoint("push-append")
             assert self._input is not None
-            self._input.append(step, handle, payload, producer=prod, seq=sq)
+            ticket = self._input.append(step, handle, payload, producer=prod, seq=sq)  # its place in the log
             crashpoint("push-acked")
         except BaseException as exc:
             # the record may or may not be durable: only recovery (which reads the log) can tell, so a retry in
@@ -500,6 +522,7 @@ class Pipeline:
             self._queued(z.num_rows, len(payload))
             self._pending.append((handle, z))
             self._step_inputs.append((handle, prod, sq))
+            self._tickets[(handle, prod, sq)] = ticket
             if producer is not None:
                 self._seen.add(prod, sq)
                 self._inflight_keys.discard((prod, sq))
@@ -521,6 +544,42 @@ class Pipeline:
         with self._cond:
             since = self._backlog_since
             return self._backlog_rows, self._backlog_bytes, 0.0 if since is None else max(0.0, now - since)
+    def delete(self, handle: str, keys: Any, *, producer: str | None = None, seq: int | None = None) -> Ack | None:
+        """Delete, in the next step, the rows of table ``handle`` (which has a primary key) whose keys are ``keys``.
+
+        ``keys`` holds the key columns in any form :meth:`push` takes (an Arrow table, a pandas DataFrame, a dict of
+        columns, a list of row dicts or tuples), or, for a one-column key, a list or array of key values. A key the
+        table does not hold deletes nothing. It is a push of the keys with weight -1 (other columns null): durable,
+        idempotent with ``producer`` and ``seq``, and ordered with the other pushes of its step (the last row of a
+        key wins). PrimaryKeyError if the table has no primary key, declares an event time (push the whole rows with
+        weight -1 instead) or a key value is null.
+
+        >>> import pyarrow as pa
+        >>> import dbsp_core as dbsp
+        >>> c = dbsp.Circuit()
+        >>> t = c.input("t", pa.schema([("k", pa.int64()), ("v", pa.utf8())]), primary_key=["k"])
+        >>> c.output("t_changes", t)
+        >>> p = dbsp.Pipeline(c)
+        >>> p.push("t", [(1, "a"), (2, "b")]); _ = p.step()
+        >>> p.delete("t", [1]); p.step()["t_changes"].to_dict()
+        {(1, 'a'): -1}
+        """
+        self._check_usable()
+        if handle not in self._inputs:
+            raise KeyError(f"delete: unknown input handle {handle!r}; inputs are {sorted(self._inputs)}")
+        key = self._keys.get(handle)
+        where = f"delete({handle!r})"
+        if key is None:
+            raise PrimaryKeyError(f"{where}: table {handle!r} has no primary key, so there is nothing to delete by; "
+                                  f"declare one (PRIMARY KEY, or Circuit.input(..., primary_key=[...])), or push the "
+                                  f"rows to delete with weight -1")
+        if handle in self._event_time:  # its other columns are null: a null event time is a late row, dropped
+            raise PrimaryKeyError(f"{where}: table {handle!r} declares an event time, which a delete by key does not "
+                                  f"carry; push the whole rows to delete with weight -1 (their event time decides "
+                                  f"whether they are late)")
+        rows = key_rows(keys, self._inputs[handle], key, where)
+        z = ZSet._make(rows, np.full(rows.num_rows, -1, dtype=np.int64))
+        return self.push(handle, z, producer=producer, seq=seq)
 
     def acknowledged(self, producer: str, seq: int) -> bool:
         """Whether the push ``(producer, seq)`` is durably recorded, so pushing it again would be a duplicate
@@ -546,6 +605,10 @@ class Pipeline:
                 self._backlog_rows = self._backlog_bytes = 0
                 self._backlog_since = None
                 entries, self._step_inputs = self._step_inputs, []
+                if self._tickets:  # in the input log's order, as recovery reads them (invariant 1)
+                    order = sorted(range(len(entries)), key=lambda i: self._tickets.get(entries[i], 0))
+                    pushes, entries = [pushes[i] for i in order], [entries[i] for i in order]
+                    self._tickets = {}
                 now_ns, seed = max(int(self._clock()), self._now_floor), random.getrandbits(63)
                 self._now_floor = now_ns  # now never goes back, even if the wall clock does
                 in_force = dict(self._wm_divided)  # operators see the watermarks after the previous step
@@ -590,8 +653,8 @@ class Pipeline:
         """Run divided steps on the executor and log their output (invariants 3 and 4). Call with ``_step_lock``."""
         steps = []
         prev = self._last_now
-        for d in run:
-            steps.append(d.input._replace(prev_now_ns=prev))
+        for d in run:  # a keyed table's pushes of a step as one change, the last row of each key kept
+            steps.append(d.input._replace(prev_now_ns=prev, pushes=keep_last(d.input.pushes, self._keys)))
             prev = d.input.now_ns
         t0 = time.perf_counter()
         failed: StepError | None = None
@@ -1083,6 +1146,66 @@ class Pipeline:
         self._check_usable()
         with self._step_lock:
             return self.executor.traces(worker)
+
+    # ---- current contents: materialized views and readable tables (invariant 9; runtime/readable.py) ----
+
+    def view(self, name: str, weights: bool = False) -> pa.Table:
+        """The current contents of materialized view or readable table ``name`` as of the last completed step, as
+        an Arrow table (``.to_pandas()`` gives a DataFrame).
+
+        A view is a bag: each row comes as many times as its weight (SQL's ``SELECT * FROM name``), in no
+        particular order; with ``weights=True`` each row comes once with its weight in a ``weight`` column (the
+        form of ``ZSet.to_arrow()``), which also shows a view of negative weights (a difference of streams), whose
+        rows alone are refused (DbspError). Readable are the views declared materialized (``CREATE MATERIALIZED
+        VIEW``, ``Circuit.output(..., materialized=True)``), the tables with a primary key and the tables declared
+        ``materialized=True``; another name raises KeyError saying how to make it readable. The contents are
+        the state the engine keeps (a trace per worker, checkpointed, recovered and rescaled like all state), read
+        while no step runs, so it is safe to call from any thread.
+
+        >>> import pyarrow as pa
+        >>> import dbsp_core as dbsp
+        >>> c = dbsp.Circuit()
+        >>> t = c.input("t", pa.schema([("k", pa.int64())]))
+        >>> c.output("n", t.group_by("k").agg(n=dbsp.count()), materialized=True)
+        >>> p = dbsp.Pipeline(c, workers=2)
+        >>> p.push("t", {"k": [1, 1, 2]}); _ = p.step()
+        >>> p.view("n").sort_by("k").to_pydict()
+        {'k': [1, 2], 'n': [2, 1]}
+        """
+        self._check_usable()
+        node = self._readable.node(name, f"view({name!r})")
+        with self._step_lock:
+            self._check_usable()
+            z = self.executor.view(node)
+        return as_rows(z, name, weights)
+
+    def query(self, sql: str) -> pa.Table:
+        """Run one read-only SQL query (a SELECT) over the materialized views and readable tables (see
+        :meth:`view`) as of the last completed step; returns an Arrow table.
+
+        DuckDB runs it on a private in-memory database that sees the views and tables as Arrow tables (no copy
+        when every weight is 1; each row repeated by its weight otherwise) and no files. Anything but a single
+        SELECT (INSERT, UPDATE, DELETE, CREATE, COPY, ...) is refused with QueryError, and so is a query DuckDB
+        cannot run (the message names the tables and views it can read). Every view the query names is read at
+        the same step.
+
+        >>> import pyarrow as pa
+        >>> import dbsp_core as dbsp
+        >>> c = dbsp.Circuit()
+        >>> t = c.input("t", pa.schema([("k", pa.int64()), ("v", pa.int64())]), primary_key=["k"])
+        >>> p = dbsp.Pipeline(c)
+        >>> p.push("t", {"k": [1, 2], "v": [10, 20]}); _ = p.step()
+        >>> p.push("t", {"k": [1], "v": [11]}); _ = p.step()
+        >>> p.query("SELECT k, v FROM t ORDER BY k").to_pydict()
+        {'k': [1, 2], 'v': [11, 20]}
+        """
+        sql = check_read_only(sql)
+        self._check_usable()
+        names = self._readable.names_in(sql)
+        with self._step_lock:
+            self._check_usable()
+            zs = {n: self.executor.view(self._readable.nodes[n]) for n in names}
+        return run_query(sql, {n: as_rows(z, n, False) for n, z in zs.items()}, list(self._readable.nodes))
 
     def metrics(self, state: bool = True) -> dict:
         """What the pipeline is doing (dbsp_core.metrics): ``steps``, ``pushes``, ``rows_in`` / ``rows_out`` per

@@ -493,6 +493,10 @@ class EmbeddedExecutor:
             raise ValueError(f"traces: worker {worker} is outside 0..{len(self._workers) - 1}")
         return traces_by_label(self.circuit, self._workers[worker].instances)
 
+    def view(self, node: int) -> ZSet:
+        """The contents of readable node ``node``: its trace in every worker, in memory."""
+        return ZSet.concat([w.instances[node].trace.consolidated().zset for w in self._workers])
+
     def disk_bytes(self) -> int:
         if self.storage is None or self.layout is None:
             return 0

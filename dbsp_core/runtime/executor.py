@@ -124,6 +124,10 @@ class Executor(Protocol):
     def traces(self, worker: int) -> dict[str, Trace]:
         """All keyed state of one worker as ``{"<operator label>.<trace name>": Trace}``."""
 
+    def view(self, node: int) -> ZSet:
+        """The current contents of readable node ``node`` (``Circuit.readable``: a materialize or upsert node, whose
+        ``trace`` keeps them) summed over the workers, after the steps run so far (steps are not running)."""
+
     def state_bytes(self) -> int:
         """Bytes of every worker's state where the executor keeps it (in memory, or on disk)."""
 

@@ -28,7 +28,7 @@ import fcntl
 import os
 import time
 import uuid
-from typing import Callable, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -339,32 +339,46 @@ class StagedExecutor:
         Each stateful stage's database of ``worker`` is read at the current version through a read-only
         handle (no version is discarded, nothing is written), under the lock stage tasks take.
         """
-        assert self.layout is not None and self.storage is not None and self.circuit is not None
+        assert self.layout is not None and self.circuit is not None
         if not 0 <= worker < self.layout.workers:
             raise ValueError(f"traces: worker {worker} is outside 0..{self.layout.workers - 1}")
         out: dict[str, Trace] = {}
-        v = self.version
         for k in range(self.plan.num_stages):
-            if not self.plan.stateful[k]:
-                continue
-            path = stage_db_path(self.storage, k, worker)
-            sw = StageWorker(self.circuit, self.plan, k, worker, self.layout.shard_map)
-            lockfd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(lockfd, fcntl.LOCK_EX)  # no stage task of this (stage, worker) meanwhile
-                db = Database(path)
-                try:
-                    if v not in db.versions():
-                        raise RecoveryError(f"{path}: holds versions {db.versions()}, the pipeline is at {v}")
-                    with db.read(v) as h:
-                        WorkerSnapshot(sw.stateful, self.layout.shard_bits,
-                                       groupings=groupings(self.circuit)).load(h, f"{path} v{v}")
-                finally:
-                    db.close()
-            finally:
-                os.close(lockfd)
-            out.update(traces_by_label(self.circuit, sw.stateful))
+            if self.plan.stateful[k]:
+                out.update(traces_by_label(self.circuit, self._load_stage(k, worker)))
         return out
+
+    def view(self, node: int) -> ZSet:
+        """The contents of readable node ``node`` after the steps run so far: its trace in every worker's database
+        of its stage, loaded alone (the stage's other operators are not read)."""
+        assert self.layout is not None and self.circuit is not None
+        k = self.plan.stage_of[node]
+        parts = [self._load_stage(k, w, node)[node].trace.consolidated().zset for w in range(self.layout.workers)]
+        return ZSet.concat(parts)
+
+    def _load_stage(self, k: int, worker: int, node: int | None = None) -> dict[int, Any]:
+        """The stateful instances of stage ``k`` (only ``node``'s, if given) of ``worker`` with their state at the
+        current version, read through a read-only handle under the lock stage tasks take."""
+        assert self.layout is not None and self.storage is not None and self.circuit is not None
+        v = self.version
+        path = stage_db_path(self.storage, k, worker)
+        sw = StageWorker(self.circuit, self.plan, k, worker, self.layout.shard_map)
+        instances = sw.stateful if node is None else {node: sw.stateful[node]}
+        lockfd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(lockfd, fcntl.LOCK_EX)  # no stage task of this (stage, worker) meanwhile
+            db = Database(path)
+            try:
+                if v not in db.versions():
+                    raise RecoveryError(f"{path}: holds versions {db.versions()}, the pipeline is at {v}")
+                with db.read(v) as h:
+                    WorkerSnapshot(instances, self.layout.shard_bits,
+                                   groupings=groupings(self.circuit)).load(h, f"{path} v{v}")
+            finally:
+                db.close()
+        finally:
+            os.close(lockfd)
+        return instances
 
     def disk_bytes(self) -> int:
         assert self.storage is not None

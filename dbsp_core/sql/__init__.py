@@ -6,7 +6,9 @@ Invariants:
   1. Each table becomes the input of its (lower-case) name with its columns' types, and, when it declares a
      lateness (``LATENESS``, ``WATERMARK FOR``), that event time; each view becomes the output of its name, its
      columns named as SQL names them (made unique with ``_1``, ``_2``, ... suffixes). A view may read tables and
-     the views before it.
+     the views before it. A table's ``PRIMARY KEY`` is enforced (``Circuit.input(primary_key=...)``: a pushed
+     row replaces the row of its key, operators/upsert.py) and makes the table readable; a ``CREATE MATERIALIZED
+     VIEW`` is an output declared ``materialized=True`` (``Pipeline.view`` and ``Pipeline.query`` read it).
   2. After every step, the integral of a view's output is the view's query over the integrated inputs (SQL
      semantics on bags; DuckDB's where dialects differ: ``/`` divides as doubles, nulls sort last).
   3. Anything unsupported fails at compile time with a SqlError naming the line and column and what is
@@ -28,6 +30,7 @@ from sqlglot import exp
 from sqlglot.optimizer.normalize_identifiers import normalize_identifiers
 
 from dbsp_core.circuit import Circuit
+from dbsp_core.errors import SchemaError
 from dbsp_core.sql.errors import Source, SqlError
 from dbsp_core.sql.parse import DIALECT, TableDef, ident, parse_program, table_def, tname, too_deep
 from dbsp_core.sql.planner import Planner, view_output
@@ -96,7 +99,11 @@ def _add_table(src: Source, planner: Planner, program: SqlProgram, td: TableDef,
     for f in td.schema:
         if f.name.startswith("__"):
             raise src.error(node, f"column names starting with two underscores are reserved ({f.name!r})")
-    stream = planner.circuit.input(td.name, td.schema, event_time=td.event_time, lateness=td.lateness)
+    try:
+        stream = planner.circuit.input(td.name, td.schema, event_time=td.event_time, lateness=td.lateness,
+                                       primary_key=td.primary_key or None)
+    except SchemaError as exc:  # e.g. a primary key with a watermark: said at the statement (invariant 3)
+        raise src.error(node, str(exc)) from None
     planner.relations[td.name] = Rel(stream, [Col(f.name, td.name, f.name) for f in td.schema])
     program.tables[td.name] = td
 
@@ -124,7 +131,9 @@ def _add_view(src: Source, planner: Planner, program: SqlProgram, node: exp.Crea
             raise src.error(node, f"view {name!r} names {len(cols)} columns, its query has {len(rel.cols)}")
         rel = Rel(rel.stream, [Col(n, None, c.field) for n, c in zip(cols, rel.cols)])
     out = view_output(planner, rel)
-    planner.circuit.output(name, out)
+    props = node.args.get("properties")
+    materialized = props is not None and any(isinstance(p, exp.MaterializedProperty) for p in props.expressions)
+    planner.circuit.output(name, out, materialized=materialized)
     planner.relations[name] = Rel(out, [Col(n, name, n) for n in out.schema.names])
     program.views[name] = query.sql(dialect=DIALECT, pretty=True)
 

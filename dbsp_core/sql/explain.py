@@ -146,7 +146,7 @@ def explain(circuit: Circuit, views: list[str] | None = None) -> str:
             raise KeyError(f"no view {name!r}; views are {list(circuit.outputs)}")
         p = _Printer(circuit)
         i = circuit.outputs[name]
-        p.node(circuit, i, 1, "", {})
+        p.node(circuit, circuit.readable.get(name, i), 1, "", {})  # a materialized view: from the node keeping it
         schema = circuit.nodes[i].schema
         cols = ", ".join(f"{f.name} {f.type}" for f in schema)
         c = p.counts

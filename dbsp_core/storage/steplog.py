@@ -76,9 +76,12 @@ class StepLog:
         """A read-only log: show records the writer appended and forget segments it dropped since the last scan."""
         self._log.refresh()
 
-    def append(self, step: int, handle: Name, payload: BytesLike, *, producer: Name = "", seq: int = 0) -> None:
-        """Appends one record and returns once it is durable. Steps must not decrease. Thread-safe; releases the GIL."""
-        self._log.append(step, _name(handle), _name(producer), seq, payload)
+    def append(self, step: int, handle: Name, payload: BytesLike, *, producer: Name = "", seq: int = 0) -> int:
+        """Appends one record and returns once it is durable; returns its ticket (its place in the log's order, as
+        :meth:`enqueue` does). Steps must not decrease. Thread-safe; releases the GIL."""
+        ticket = self._log.enqueue(step, _name(handle), _name(producer), seq, payload)
+        self._log.sync(ticket)
+        return ticket
 
     def enqueue(self, step: int, handle: Name, payload: BytesLike, *, producer: Name = "", seq: int = 0) -> int:
         """Places one record in the log's order without waiting for it; returns a ticket for :meth:`sync`.

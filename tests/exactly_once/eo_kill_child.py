@@ -1,6 +1,6 @@
 """Child process of the kill -9 tests: recovers the durable pipeline in a directory, resumes two producer threads from their last acknowledged seq (retrying the unacknowledged one), steps and checkpoints until every batch is in, then closes.
 
-Usage: eo_kill_child.py DIR SEED BATCHES WORKERS. Acknowledgements are appended to DIR/../acks-<producer>.txt
+Usage: eo_kill_child.py DIR SEED BATCHES WORKERS [keyed] (keyed: the workload's keyed circuit). Acknowledgements are appended to DIR/../acks-<producer>.txt
 (written before the next push, so a line is never missing for an ack the producer saw). Prints READY after
 recovery and DONE at the end. DBSP_CRASHPOINT in the environment kills the process at a chosen point.
 """
@@ -30,7 +30,7 @@ def acked(path: str) -> int:
 
 def main() -> int:
     d, seed, batches, workers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    return run(d, seed, batches, workers, int(os.environ.get("DBSP_RUN", "0")))
+    return run(d, seed, batches, workers, int(os.environ.get("DBSP_RUN", "0")), sys.argv[5:] == ["keyed"])
 
 
 def forked(d: str, seed: int, batches: int, workers: int, run_no: int, crash: str) -> None:
@@ -49,9 +49,9 @@ def forked(d: str, seed: int, batches: int, workers: int, run_no: int, crash: st
     os._exit(0)
 
 
-def run(d: str, seed: int, batches: int, workers: int, run: int) -> int:
+def run(d: str, seed: int, batches: int, workers: int, run: int, keyed: bool = False) -> int:
     root = os.path.dirname(os.path.abspath(d))
-    c = build_circuit()
+    c = build_circuit(keyed)
     # small log segments, so checkpoints truncate the input log (GC runs under the kills too)
     # odd seeds also checkpoint on a 20 ms timer: those checkpoints commit on a background thread while steps run
     interval = 0.02 if seed % 2 else None
@@ -67,7 +67,7 @@ def run(d: str, seed: int, batches: int, workers: int, run: int) -> int:
         try:
             with open(path, "a") as f:
                 for seq in range(start, batches):
-                    acks = push_batch(p, seed, producer, seq)
+                    acks = push_batch(p, seed, producer, seq, keyed)
                     f.write(f"{seq} {int(any(a.duplicate for a in acks))}\n")
                     f.flush()
         except BaseException as e:  # pragma: no cover - reported by the parent
@@ -82,6 +82,9 @@ def run(d: str, seed: int, batches: int, workers: int, run: int) -> int:
         n += 1
         if rng.random() < 0.25:
             p.checkpoint()
+        if keyed and rng.random() < 0.3:  # read the materialized state while the producers push
+            p.view("by_cat")
+            p.query("SELECT count(*) FROM auctions")
         for t in threads:
             t.join(timeout=rng.uniform(0, 0.01))
     if errors:

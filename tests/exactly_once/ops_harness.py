@@ -1,4 +1,4 @@
-"""The concurrency harness of issue 29: threads issuing random public operations (push, step, queue_step + run_queued, checkpoint, rescale, discard, read_output, metrics, close) on one pipeline, a plain-Python model of every acknowledged push, and the check of the output log's integral (or, in memory, of the returned steps) against it.
+"""The concurrency harness of issue 29: threads issuing random public operations (push, step, queue_step + run_queued, checkpoint, rescale, discard, read_output, metrics, view, query, close) on one pipeline, a plain-Python model of every acknowledged push, and the check of the output log's integral (or, in memory, of the returned steps) against it.
 
 An operation may refuse with a typed error (``DbspError`` and its subclasses; ``KeyError`` from ``discard`` of a
 push that is not waiting) and change nothing; anything else, or a pipeline left broken, is a failure.
@@ -22,14 +22,15 @@ SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
 KEYS = 200
 SHARD_BITS = 4
 MODES = ("memory", "durable", "staged")
-OPS = ("push", "push", "push", "step", "queue", "checkpoint", "rescale", "discard", "read", "metrics", "close")
+OPS = ("push", "push", "push", "step", "queue", "checkpoint", "rescale", "discard", "read", "metrics", "view", "query",
+       "close")
 
 
 def circuit() -> dbsp.Circuit:
     c = dbsp.Circuit()
     t = c.input("t", SCHEMA)
     g = t.group_by("k").agg(n=dbsp.count(), s=dbsp.sum("v"))
-    c.output("g", g)
+    c.output("g", g, materialized=True)  # view and query read its contents while other threads step
     c.output("gi", g.integrate())  # the whole view at every step: what memory mode checks (outputs of queued
     return c                       # steps that a step() runs are not returned to anyone)
 
@@ -178,6 +179,13 @@ class Round:
             elif op == "metrics":
                 m = p.metrics()
                 assert isinstance(m, dict) and "steps" in m, m
+            elif op == "view":  # one row per group: a read torn by a step running meanwhile would show more
+                t = p.view("g")
+                assert t.column_names == ["k", "n", "s"], t.schema
+                assert len(set(t.column("k").to_pylist())) == t.num_rows, t.to_pylist()[:10]
+            elif op == "query":
+                q = p.query("SELECT count(*) AS r, count(DISTINCT k) AS ks, sum(n) AS n FROM g").to_pylist()[0]
+                assert q["r"] == q["ks"], q
             elif op == "close":
                 if not (self.allow_close and durable and rng.random() < 0.1):
                     return
@@ -200,6 +208,12 @@ class Round:
 
         with self.lock:
             self.failures.append(f"{op}: {type(e).__name__}: {e}\n{''.join(traceback.format_exception(e))[-1500:]}")
+
+    def _check_view(self, p: dbsp.Pipeline, want: Counter) -> None:
+        t = p.view("g")
+        got = Counter(zip(*[t.column(i).to_pylist() for i in range(t.num_columns)]))
+        if got != want:
+            self.failures.append(f"the materialized view differs from the model: {differ(got, want)}")
 
     def go(self, p: dbsp.Pipeline) -> None:
         """Run the threads to their end."""
@@ -231,6 +245,7 @@ class Round:
         if self.d is None:
             assert p is not None
             got = Counter({r: w for r, w in p.step()["gi"].to_dict().items() if w})
+            self._check_view(p, want)
             p.close()
         else:
             if p is not None and not self.closed_by_op:
@@ -239,6 +254,7 @@ class Round:
             try:
                 q.step()
                 got = log_integral(q)
+                self._check_view(q, want)
             finally:
                 q.close()
         if got != want:

@@ -48,12 +48,15 @@ def _env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-def run_child(d: str, seed: int, workers: int, run: int, crash: str | None, kill_after: float | None) -> str:
-    """Run the child once; returns 'done' or 'killed'. Fails on any other exit."""
+def run_child(d: str, seed: int, workers: int, run: int, crash: str | None, kill_after: float | None,
+              keyed: bool = False) -> str:
+    """Run the child once (``keyed``: on the workload's keyed circuit); returns 'done' or 'killed'. Fails on any
+    other exit."""
     extra = {"DBSP_RUN": str(run)}
     if crash:
         extra["DBSP_CRASHPOINT"] = crash
-    p = subprocess.Popen([sys.executable, CHILD, d, str(seed), str(BATCHES), str(workers)],
+    p = subprocess.Popen([sys.executable, CHILD, d, str(seed), str(BATCHES), str(workers)] + (["keyed"] if keyed
+                                                                                              else []),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(extra))
     try:
         out, err = p.communicate(timeout=kill_after)
@@ -119,8 +122,9 @@ def run_forked(d: str, seed: int, workers: int, run: int, crash: str | None, kil
     return "done"
 
 
-def check_seed(root: str, seed: int, runner=run_forked) -> dict:
-    """Kill the child twice (crash point or timer), finish it, then check invariants 1-3."""
+def check_seed(root: str, seed: int, runner=run_forked, keyed: bool = False) -> dict:
+    """Kill the child twice (crash point or timer), finish it, then check invariants 1-3 (``keyed``: on the keyed
+    circuit, a runner that runs it, and also the materialized views and the keyed table against DuckDB)."""
     rng = random.Random(seed)
     workers = 1 + (seed // 2) % 3
     d = os.path.join(root, "store")
@@ -143,9 +147,15 @@ def check_seed(root: str, seed: int, runner=run_forked) -> dict:
             lines = [x.split() for x in f.read().split("\n") if x.strip()]
         assert [int(x[0]) for x in lines] == list(range(BATCHES)), f"seed {seed}: acks of {pr} are {lines}"
         dups += sum(int(x[1]) for x in lines)
-    p = dbsp.Pipeline.open(d, build_circuit(), checkpoint_interval=None)
+    p = dbsp.Pipeline.open(d, build_circuit(keyed), checkpoint_interval=None)
     try:
-        want = oracle(seed, {pr: BATCHES for pr in PRODUCERS})
+        want = oracle(seed, {pr: BATCHES for pr in PRODUCERS}, keyed)
+        if keyed:  # the materialized state recovered: the views and the keyed table as DuckDB has them
+            for name in ("by_cat", "big", "auctions"):
+                t = p.view(name, weights=True)
+                got = {tuple(r[:-1]): r[-1] for r in zip(*[t.column(i).to_pylist() for i in range(t.num_columns)])}
+                assert got == want[name], f"seed {seed}: view {name} differs from DuckDB's"
+            del want["auctions"]
         last = p.output_steps.stop
         assert p.steps == last, f"seed {seed}: {p.steps} steps but the output log ends at {last}"
         for name, expect in want.items():
@@ -160,7 +170,7 @@ def check_seed(root: str, seed: int, runner=run_forked) -> dict:
                     assert key not in seen, f"seed {seed}: {key} in steps {seen[key]} and {step}"  # invariant 3
                     seen[key] = step
         expect_keys = {(f"{pr}.{k}", s) for pr in PRODUCERS for s in range(BATCHES)
-                       for k in range(len(batch(seed, pr, s)))}
+                       for k in range(len(batch(seed, pr, s, keyed)))}
         assert set(seen) == expect_keys, f"seed {seed}: pushes missing {sorted(expect_keys - set(seen))[:5]}"
         truncated = (p._input.first_step or 0) > 0  # the input log was garbage-collected under the kills
     finally:
@@ -195,6 +205,26 @@ def test_kill9_subprocess_seeds(tmp_path):
         root = tmp_path / f"s{seed}"
         root.mkdir()
         check_seed(str(root), seed, run_child)
+
+
+KEYED_SEEDS = int(os.environ.get("DBSP_EO_KEYED_SEEDS", "3"))
+
+
+@pytest.mark.parametrize("seeds", [pytest.param(range(2000, 2000 + KEYED_SEEDS), id="short"),
+                                   pytest.param(range(3000, 3040), id="long", marks=pytest.mark.slow)])
+def test_kill9_keyed_table_and_materialized_views(tmp_path, seeds):
+    """The keyed workload (auctions with a primary key, replaced and deleted by key; materialized views read while
+    steps run) killed at random crash points and times: the output log's integral, the recovered materialized
+    views and the keyed table equal DuckDB's (INSERT OR REPLACE in push order), every push counted once."""
+    import functools
+
+    kills = 0
+    for seed in seeds:
+        root = tmp_path / f"s{seed}"
+        root.mkdir()
+        kills += check_seed(str(root), seed, functools.partial(run_child, keyed=True), keyed=True)["kills"]
+    print(f"\n{len(seeds)} keyed seeds, {kills} kill -9s")
+    assert kills >= 1
 
 
 @pytest.mark.parametrize("point", [p for p, _ in POINTS])

@@ -208,7 +208,8 @@ OPS_TOTALS: dict = {}
 def test_random_operations_from_many_threads_keep_every_acknowledged_push(tmp_path, mode) -> None:
     """``DBSP_CONCURRENCY_ROUNDS`` rounds over the three modes (default 48; 1,000 is the opt-in aim, replay one
     run with ``DBSP_CONCURRENCY_SEED``): 3 threads issue 10 random public operations each (push, step,
-    queue_step + run_queued, checkpoint, rescale, discard, read_output, metrics, close) on one pipeline; every
+    queue_step + run_queued, checkpoint, rescale, discard, read_output, metrics, view, query, close) on one
+    pipeline; every
     operation completes or refuses with a typed error, none leaves the pipeline broken, and the integral of the
     output log after a reopen (in memory: of the steps returned) equals the model of the acknowledged pushes."""
     import sys

@@ -1,4 +1,4 @@
-"""The exactly-once test workload: an auction circuit, deterministic per-(producer, seq) input batches, a DuckDB oracle and the output-log checks."""
+"""The exactly-once test workload: an auction circuit, deterministic per-(producer, seq) input batches, a DuckDB oracle and the output-log checks; its keyed form (``keyed=True``) makes auctions a table with a primary key whose rows are replaced and deleted by key, and materializes the views."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 import dbsp_core as dbsp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures"))
-from auction import auction_circuit  # noqa: E402
+from auction import auction_circuit, by_category  # noqa: E402
 
 BIDS = pa.schema([("auction", pa.int64()), ("bidder", pa.int64()), ("price", pa.int64())])
 AUCTIONS = pa.schema([("id", pa.int64()), ("category", pa.utf8())])
@@ -20,8 +20,16 @@ CATS = ["art", "books", "cars", "music", "toys"]
 PRODUCERS = ("p0", "p1")
 
 
-def build_circuit() -> dbsp.Circuit:
-    """Join + linear aggregate, a max (recomputed from a trace), a distinct and a filter."""
+def build_circuit(keyed: bool = False) -> dbsp.Circuit:
+    """Join + linear aggregate, a max (recomputed from a trace), a distinct and a filter; keyed: auctions with
+    primary key ``id``, and the join + aggregate and the filter as materialized views."""
+    if keyed:
+        c = dbsp.Circuit()
+        bids = c.input("bids", BIDS)
+        auctions = c.input("auctions", AUCTIONS, primary_key=["id"])
+        c.output("by_cat", by_category(bids, auctions), materialized=True)
+        c.output("big", bids.filter(pc.field("price") > 500), materialized=True)
+        return c
     c, bids, _ = auction_circuit(BIDS, AUCTIONS)
     c.output("maxp", bids.group_by("auction").agg(hi=dbsp.max("price")))
     c.output("bidders", bids.select(bidder=pc.field("bidder")).distinct())
@@ -34,10 +42,11 @@ def _bid_rows(seed: int, producer: str, seq: int) -> list[tuple[int, int, int]]:
     return [(rng.randrange(40), rng.randrange(60), rng.randrange(1, 1000)) for _ in range(rng.randrange(1, 12))]
 
 
-def batch(seed: int, producer: str, seq: int) -> list[tuple[str, list[tuple], list[int]]]:
+def batch(seed: int, producer: str, seq: int, keyed: bool = False) -> list[tuple[str, list[tuple], list[int]]]:
     """The pushes of one (producer, seq): [(handle, rows, weights)] — a pure function of its arguments.
 
-    p0 pushes bids and sometimes retracts two bids of its previous seq; p1 pushes two new auctions and bids.
+    p0 pushes bids and sometimes retracts two bids of its previous seq; p1 pushes two new auctions and bids, or,
+    keyed, two auctions among a few ids (replacing the held row of the id, or deleting it with weight -1).
     """
     rng = random.Random(f"{seed}/{producer}/{seq}/shape")
     out = []
@@ -48,7 +57,10 @@ def batch(seed: int, producer: str, seq: int) -> list[tuple[str, list[tuple], li
         rows += old
         weights += [-1] * len(old)
     out.append(("bids", rows, weights))
-    if producer == "p1":
+    if producer == "p1" and keyed:
+        out.append(("auctions", [(rng.randrange(16), CATS[rng.randrange(len(CATS))]) for k in range(2)],
+                    [1, -1 if rng.random() < 0.3 else 1]))
+    elif producer == "p1":
         out.append(("auctions", [(2 * seq + k, CATS[rng.randrange(len(CATS))]) for k in range(2)], [1, 1]))
     return out
 
@@ -60,9 +72,9 @@ def to_table(handle: str, rows: list[tuple], weights: list[int]) -> pa.Table:
     return t.append_column("weight", pa.array(weights, pa.int64()))
 
 
-def push_batch(p, seed: int, producer: str, seq: int) -> list:
+def push_batch(p, seed: int, producer: str, seq: int, keyed: bool = False) -> list:
     """Push one (producer, seq) as a single durable push (all handles of p1 under the same producer seq)."""
-    parts = batch(seed, producer, seq)
+    parts = batch(seed, producer, seq, keyed)
     acks = []
     for k, (handle, rows, weights) in enumerate(parts):
         # one (producer, seq) per handle: the handle index is folded into the producer id
@@ -70,14 +82,16 @@ def push_batch(p, seed: int, producer: str, seq: int) -> list:
     return acks
 
 
-def oracle(seed: int, counts: dict[str, int]) -> dict[str, dict[tuple, int]]:
-    """DuckDB's views over every batch (producer, seq < counts[producer]), as {row: weight}."""
+def oracle(seed: int, counts: dict[str, int], keyed: bool = False) -> dict[str, dict[tuple, int]]:
+    """DuckDB's views over every batch (producer, seq < counts[producer]), as {row: weight}; keyed, the views of
+    the keyed circuit and the table "auctions" made by INSERT OR REPLACE and DELETE by id in push order (only p1
+    pushes auctions, one seq after the other)."""
     import duckdb  # only the parent needs it; children start faster without it
 
     brows, arows = [], []
     for producer, n in counts.items():
         for seq in range(n):
-            for handle, rows, weights in batch(seed, producer, seq):
+            for handle, rows, weights in batch(seed, producer, seq, keyed):
                 target = brows if handle == "bids" else arows
                 target.extend(r + (w,) for r, w in zip(rows, weights))
     con = duckdb.connect()
@@ -89,7 +103,16 @@ def oracle(seed: int, counts: dict[str, int]) -> dict[str, dict[tuple, int]]:
         con.executemany("INSERT INTO a VALUES (?, ?, ?)", arows)
     con.execute("CREATE VIEW bc AS SELECT auction, bidder, price, SUM(w) AS w FROM b "
                 "GROUP BY ALL HAVING SUM(w) <> 0")
-    con.execute("CREATE VIEW ac AS SELECT id, category, SUM(w) AS w FROM a GROUP BY ALL HAVING SUM(w) <> 0")
+    if keyed:
+        con.execute("CREATE TABLE ak(id BIGINT PRIMARY KEY, category VARCHAR)")
+        for i, cat, w in arows:  # in push order
+            if w > 0:
+                con.execute("INSERT OR REPLACE INTO ak VALUES (?, ?)", [i, cat])
+            else:
+                con.execute("DELETE FROM ak WHERE id = ?", [i])
+        con.execute("CREATE VIEW ac AS SELECT id, category, 1 AS w FROM ak")
+    else:
+        con.execute("CREATE VIEW ac AS SELECT id, category, SUM(w) AS w FROM a GROUP BY ALL HAVING SUM(w) <> 0")
     res = {}
     q = {
         "by_cat": "SELECT category, SUM(bc.w * ac.w), SUM(price * bc.w * ac.w), 1 FROM bc JOIN ac ON auction = id "
@@ -98,6 +121,8 @@ def oracle(seed: int, counts: dict[str, int]) -> dict[str, dict[tuple, int]]:
         "bidders": "SELECT DISTINCT bidder, 1 FROM bc WHERE w > 0",
         "big": "SELECT auction, bidder, price, w FROM bc WHERE price > 500",
     }
+    if keyed:
+        q = {"by_cat": q["by_cat"], "big": q["big"], "auctions": "SELECT id, category, w FROM ac"}
     for name, sql in q.items():
         res[name] = {tuple(r[:-1]): r[-1] for r in con.execute(sql).fetchall()}
     return res

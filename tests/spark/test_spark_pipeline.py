@@ -204,3 +204,51 @@ def test_a_step_failing_on_its_data_on_spark_raises_step_error_and_discard_lets_
     ref.push("t", pa.table({"k": [1], "v": [5]}))
     want.append(ref.step())
     assert [o["sums"].to_dict() for o in (first, second)] == [o["sums"].to_dict() for o in want]
+
+
+def test_view_query_and_keyed_tables_on_spark_read_the_stage_state(spark_local, tmp_path) -> None:
+    """p.view, p.query, p.delete and view_df of a materialized view on SparkPipeline (local mode) give what the
+    embedded pipeline gives for the same pushes, also after a reopen at another worker count: the contents come
+    from the stage databases' traces, not from the output log."""
+    from collections import Counter
+
+    from dbsp_core import sql
+
+    c = sql.compile("""CREATE TABLE customer (id INT PRIMARY KEY, name TEXT);
+                       CREATE TABLE orders (oid BIGINT, cid INT, amount BIGINT);
+                       CREATE MATERIALIZED VIEW spend AS SELECT c.name, count(*) AS n, sum(o.amount) AS total
+                           FROM orders o JOIN customer c ON o.cid = c.id GROUP BY c.name;""")
+
+    def feed(p, s: int) -> None:
+        if s == 0:
+            p.push("customer", {"id": [1, 2, 3], "name": ["ann", "bob", "cy"]})
+            p.push("orders", {"oid": [1, 2, 3, 4], "cid": [1, 1, 2, 3], "amount": [5, 6, 7, 8]})
+        elif s == 1:
+            p.push("customer", {"id": [1, 2], "name": ["anne", "x"]})
+            p.push("customer", [(2, "bo")])  # the last row of key 2 wins
+        else:
+            p.delete("customer", [3])
+        p.step()
+
+    def bag(t: pa.Table) -> Counter:
+        return Counter(zip(*[t.column(i).to_pylist() for i in range(t.num_columns)]))
+
+    e = dbsp.Pipeline(c, workers=2)
+    want = []
+    for s in range(3):
+        feed(e, s)
+        want.append((bag(e.view("spend")), bag(e.view("customer"))))
+    e.close()
+    assert want[-1][0] == Counter({("anne", 2, 11): 1, ("bo", 1, 7): 1})
+    p = SparkPipeline(spark_local, c, workers=2, storage=str(tmp_path))
+    for s in range(2):
+        feed(p, s)
+        assert (bag(p.view("spend")), bag(p.view("customer"))) == want[s]
+    p.close()
+    p = SparkPipeline.open(spark_local, str(tmp_path), c, workers=3)
+    feed(p, 2)
+    assert (bag(p.view("spend")), bag(p.view("customer"))) == want[2]
+    t = p.view_df("spend").toArrow()
+    assert bag(t) == Counter({r + (1,): 1 for r in want[2][0]})  # with its weight column
+    assert p.query("SELECT count(*) AS n FROM customer").to_pydict() == {"n": [2]}
+    p.close()
