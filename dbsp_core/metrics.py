@@ -8,7 +8,8 @@ Invariants (enforced here):
      written atomically at each checkpoint) keeps the last checkpoint's snapshot for ``dbsp inspect``.
   3. State bytes are the Arrow buffer sizes of every trace batch, split over shards by the batch's rows per
      shard (a batch is sorted by key hash, so each shard's rows are one range): they add up to the total.
-  4. A metrics server (:func:`serve`) lives no longer than its pipeline: ``Pipeline.close`` stops it
+  4. A metrics server (:func:`serve`; Prometheus text, and the status page of dbsp_core.status) lives no longer
+     than its pipeline: ``Pipeline.close`` stops it
      (:func:`stop_serving`), and a scrape that meets a closed or broken pipeline is answered with HTTP 503 and
      one line saying why, never a traceback.
 
@@ -42,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from dbsp_core.profile import pipeline_profile, prometheus_families
+from dbsp_core.status import page as status_page, status_json
 
 __all__ = ["Metrics", "STEP_BUCKETS", "attach_source", "gather", "prometheus_text", "serve", "sources", "state_bytes",
            "stop_serving"]
@@ -338,7 +340,8 @@ def prometheus_text(p: Any) -> str:
 
 
 def serve(p: Any, port: int = 0, addr: str = "127.0.0.1") -> tuple[Any, int]:
-    """Serve ``p``'s metrics at ``http://addr:port/metrics`` from a daemon thread (port 0: any free port) until
+    """Serve ``p``'s metrics at ``http://addr:port/metrics``, and its status page at ``/`` (``/status``; the page
+    polls ``/status.json``: dbsp_core.status), from a daemon thread (port 0: any free port) until
     ``p`` is closed (invariant 4); returns the server (``.shutdown()`` stops it sooner) and the port."""
     from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -351,6 +354,13 @@ def serve(p: Any, port: int = 0, addr: str = "127.0.0.1") -> tuple[Any, int]:
 
     def app(environ: dict, start_response: Any) -> Any:
         try:
+            path = environ.get("PATH_INFO", "")
+            if path in ("/", "/status", "/status.json"):  # the status page (dbsp_core.status) and its figures
+                body, kind = (status_json(p), "application/json") if path.endswith(".json") else \
+                    (status_page(), "text/html; charset=utf-8")
+                start_response("200 OK", [("Content-Type", kind), ("Cache-Control", "no-store"),
+                                          ("Content-Length", str(len(body)))])
+                return [body]
             return inner(environ, start_response)  # the text is made before the status is sent
         except Exception as e:  # noqa: BLE001 - a scrape is answered, never with a traceback
             closed = getattr(p, "_closed", False) or getattr(p, "_broken", None) is not None
