@@ -11,7 +11,8 @@ Invariants (enforced here):
      ``WINDOW`` steps of the slowest worker's time in each step (what the step waits for). An exchange's time
      includes its wait at the barrier for the other workers.
   4. A record has fixed fields; one another measurement fills (a spilled trace's ``disk_bytes``, its
-     ``cache_hits``) is None until something measures it, never a made-up 0.
+     ``cache_hits``) is None until something measures it, never a made-up 0; so are the timings and rows of a
+     node no timer in this process ran (stage tasks on Spark executors): every live node has a record.
 
 The staged executor's stage tasks time their nodes where they run: in this process (``LocalJobRunner``) the
 driver reads them from :func:`task_timers`; tasks on Spark executors keep theirs there (not reported). Every
@@ -123,6 +124,15 @@ def reset_task_timers(storage: str) -> None:
 # ---- the profile ----
 
 
+_UNTIMED = {"steps": None, "seconds": None, "rows_in": None, "rows_out": None, "exchange_bytes": None}
+
+
+def _total(xs: Iterable[float | None]) -> float | None:
+    """The sum of the measured ``xs`` (None if none is)."""
+    got = [x for x in xs if x is not None]
+    return sum(got) if got else None
+
+
 def _quantile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
@@ -152,7 +162,9 @@ def operator_profile(circuit: Any, timers: list[NodeTimer], views: dict[str, dic
     per_step: dict[int, dict[int, float]] = {}  # node -> step -> slowest worker's seconds
     for t in timers:
         for k, i in enumerate(t.nodes):
-            a = acc.setdefault(i, {"steps": 0, "seconds": 0.0, "rows_in": 0, "rows_out": 0, "exchange_bytes": None})
+            a = acc.get(i)
+            if a is None:
+                a = acc[i] = {"steps": 0, "seconds": 0.0, "rows_in": 0, "rows_out": 0, "exchange_bytes": None}
             a["steps"] = max(a["steps"], t.steps)
             a["seconds"] += t.seconds[k]
             a["rows_in"] += t.rows_in[k]
@@ -163,8 +175,7 @@ def operator_profile(circuit: Any, timers: list[NodeTimer], views: dict[str, dic
                 d[step] = max(d.get(step, 0.0), dts[k])
     for t in timers:  # an exchange the staged executor makes a stage boundary is timed by no stage: bytes only
         for x, b in t.exchange_bytes.items():
-            a = acc.setdefault(x, {"steps": None, "seconds": 0.0, "rows_in": None, "rows_out": None,
-                                   "exchange_bytes": None})
+            a = acc.setdefault(x, dict(_UNTIMED))
             a["exchange_bytes"] = (a["exchange_bytes"] or 0) + b
     state: dict[str, list[int]] | None = None
     if worker_traces is not None:
@@ -176,8 +187,8 @@ def operator_profile(circuit: Any, timers: list[NodeTimer], views: dict[str, dic
                 s[1] += b
                 s[2] += ix
     ops = []
-    for i in sorted(acc):
-        a, node = acc[i], nodes[i]
+    for i in circuit.live_nodes():  # a node no timer here ran (tasks on Spark executors): state only
+        a, node = acc.get(i, _UNTIMED), nodes[i]
         window = list(per_step.get(i, {}).values())
         st = state.get(node.label, [0, 0, 0]) if state is not None else [None, None, None]
         ops.append({"node": i, "operator": node.label, "kind": node.kind, "steps": a["steps"],
@@ -200,7 +211,7 @@ def operator_profile(circuit: Any, timers: list[NodeTimer], views: dict[str, dic
         sb = [r["state_bytes"] for r in mine if r["state_bytes"] is not None]
         v = views.get(name, {})
         out_views.append({"view": name, "node": i, "rows_out": v.get("rows_out"), "net_rows": v.get("net_rows"),
-                          "upstream_seconds": sum(r["seconds"] for r in mine),
+                          "upstream_seconds": _total(r["seconds"] for r in mine),
                           "upstream_state_bytes": sum(sb) if state is not None else None})
     return {"format": PROFILE_FORMAT, "operators": ops, "views": out_views}
 
@@ -220,7 +231,7 @@ def format_table(prof: dict) -> str:
     ['node', 'operator', 'kind']
     """
     lines = []
-    for fields, rows in ((OPERATOR_FIELDS, sorted(prof["operators"], key=lambda r: -r["seconds"])),
+    for fields, rows in ((OPERATOR_FIELDS, sorted(prof["operators"], key=lambda r: -(r["seconds"] or 0.0))),
                          (VIEW_FIELDS, prof["views"])):
         cells = [list(fields)] + [[_cell(r.get(f)) for f in fields] for r in rows]
         widths = [max(len(c[k]) for c in cells) for k in range(len(fields))]
@@ -279,8 +290,7 @@ def prometheus_families(prof: dict) -> list:
         fams[name] = cls("dbsp_" + name, doc, labels=labels + extra)
     for r in prof["operators"]:
         lab = [r["operator"], r["kind"]]
-        fams["operator_seconds"].add_metric(lab, r["seconds"])
-        for key in ("rows_in", "rows_out", "state_rows", "state_bytes", "exchange_bytes"):
+        for key in ("seconds", "rows_in", "rows_out", "state_rows", "state_bytes", "exchange_bytes"):
             if r[key] is not None:
                 fams["operator_" + key].add_metric(lab, r[key])
         for q, key in (("mean", "mean_ms"), ("0.99", "p99_ms")):

@@ -1019,7 +1019,10 @@ class Pipeline:
         ``checkpoint_seconds``, ``replayed_steps``, ``late_rows``, ``workers``, ``shards``; with storage
         ``log_bytes``, ``output_steps`` and ``consumers``; with ``state`` ``state_bytes`` per worker (total,
         per shard, and ``key_index``: the bytes of the traces' key indexes, memory kept beside the state; a
-        staged executor's tasks keep theirs in their own processes, not counted here)."""
+        staged executor's tasks keep theirs in their own processes, not counted here); ``net_rows`` per output
+        (the net weight of its changes since the pipeline was opened), ``rss_bytes`` (this process's resident
+        memory), with storage ``sink_lag_steps`` (each consumer's logged steps not yet applied), and ``profile``
+        (:meth:`profile`, with state as ``state`` says)."""
         self._check_usable()
         with self._step_lock:  # invariant 8: one layout, not one a rescale or close changes meanwhile
             self._check_usable()

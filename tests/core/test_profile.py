@@ -15,6 +15,7 @@ import pytest
 import dbsp_core as dbsp
 import dbsp_core.metrics
 from dbsp_core.__main__ import main
+from dbsp_core.profile import operator_profile
 from dbsp_core.runtime.staged import StagedExecutor
 
 SEED = int(os.environ.get("DBSP_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
@@ -121,3 +122,21 @@ def test_profile_table_and_missing_profile(tmp_path, capsys) -> None:
     assert main(["profile", str(tmp_path / "e")]) == 1
     assert "holds no profile" in capsys.readouterr().err
     q.close()
+
+
+def test_nodes_no_timer_ran_have_state_and_no_made_up_figures() -> None:
+    """What the driver of a pipeline whose stage tasks ran on Spark executors sees: no timers in this process,
+    so every live node has a record with its state and None (not 0) for what was not measured."""
+    c = _circuit()
+    p = dbsp.Pipeline(c, workers=2)
+    try:
+        p.push("t", pa.table({"k": [1, 2, 2], "v": [5, 5, 6]}, schema=SCHEMA))
+        p.step()
+        prof = operator_profile(c, [], {}, [p.executor.traces(w) for w in range(2)])
+    finally:
+        p.close()
+    assert [r["node"] for r in prof["operators"]] == c.live_nodes()
+    for r in prof["operators"]:
+        assert r["steps"] is r["seconds"] is r["rows_out"] is r["exchange_bytes"] is r["mean_ms"] is None, r
+    assert sum(r["state_rows"] for r in prof["operators"]) > 0
+    assert {v["view"]: v["upstream_seconds"] for v in prof["views"]} == {"sums": None, "d": None}
