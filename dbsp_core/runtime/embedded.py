@@ -75,7 +75,8 @@ class _Exchanger:
         box[worker] = parts = z.partition(list(key), self.shard_map.part_of_shard, w) if z.num_rows else None
         if parts is not None and self.timers is not None:
             sent = self.timers[worker].exchange_bytes
-            sent[node_id] = sent.get(node_id, 0) + sum(zset_bytes(p) for k, p in enumerate(parts) if k != worker)
+            node = node_id[0] if isinstance(node_id, tuple) else node_id  # a fixpoint's (node, iteration, inner)
+            sent[node] = sent.get(node, 0) + sum(zset_bytes(p) for k, p in enumerate(parts) if k != worker)
         self.barrier.wait()
         mine = [row[worker] for row in box if row is not None]
         return concat(mine, schema)

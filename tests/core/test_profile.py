@@ -140,3 +140,21 @@ def test_nodes_no_timer_ran_have_state_and_no_made_up_figures() -> None:
         assert r["steps"] is r["seconds"] is r["rows_out"] is r["exchange_bytes"] is r["mean_ms"] is None, r
     assert sum(r["state_rows"] for r in prof["operators"]) > 0
     assert {v["view"]: v["upstream_seconds"] for v in prof["views"]} == {"sums": None, "d": None}
+
+
+def test_a_fixpoint_counts_its_inner_exchanges() -> None:
+    """A recursive view's inner exchanges are named (fixpoint node, iteration, inner node); their bytes count for
+    the fixpoint node (they were once dropped, and before that made the profile raise)."""
+    c = dbsp.Circuit()
+    e = c.input("e", pa.schema([("src", pa.int64()), ("dst", pa.int64())]))
+    c.output("reach", c.recursive(
+        lambda r, e: e + r.join(e, left_on="dst", right_on="src").select(src="src", dst="dst_right"), [e]))
+    p = dbsp.Pipeline(c, workers=2)
+    try:
+        p.push("e", pa.table({"src": [1, 2, 3], "dst": [2, 3, 4]}))
+        reach = p.step()["reach"]
+        prof = p.profile()
+    finally:
+        p.close()
+    fix = [r for r in prof["operators"] if r["exchange_bytes"] and r["kind"] != "exchange"]
+    assert len(fix) == 1 and fix[0]["rows_out"] == reach.num_rows == 6, prof["operators"]
