@@ -777,14 +777,14 @@ class Pipeline:
             with self._cond:
                 seen = self._seen.copy()
             floor, prev_now, wms = self._now_floor, self._last_now, dict(self.watermarks)
+            # what `dbsp profile DIR` prints: taken with the steps paused, written with METRICS (traces in memory only)
+            prof = dict(pipeline_profile(self, state=self.executor.state_in_memory), step=step)
             try:
                 make_durable = self.executor.checkpoint(step)
             except BaseException as exc:
                 self._broken = exc
                 raise
             output, inp, db, consumers, root = self._output, self._input, self._driver_db, self.consumers, self.storage
-            # what `dbsp profile DIR` prints: taken with the steps paused, written with METRICS (traces in memory only)
-            prof = dict(pipeline_profile(self, state=self.executor.state_in_memory), step=step)
             assert output is not None and inp is not None and db is not None and consumers is not None
 
             def finish() -> None:
