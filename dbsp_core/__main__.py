@@ -3,6 +3,8 @@
 - ``dbsp demo [options]``: the main job, a durable auction pipeline (``dbsp demo --help``);
 - ``dbsp inspect DIR [--json]``: what a storage directory holds (scale, checkpoint, logs, output steps, sizes,
   state bytes per worker and shard, consumers, the metrics of the last checkpoint), without running its circuit;
+- ``dbsp profile DIR [--json]``: where the time went in the run that last checkpointed the directory: per
+  operator and per view, time per step, rows, state (dbsp_core.profile), from its ``PROFILE`` record;
 - ``dbsp read DIR VIEW [--from-step N] [--limit K]``: the changes of one view from the output log;
 - ``dbsp sql FILE.sql [--view NAME]``: compile CREATE TABLE / CREATE VIEW statements and print the plan of each
   view (operators, exchanges, state).
@@ -171,6 +173,32 @@ def _repair(args: argparse.Namespace) -> int:
     return 1 if report["unrepaired"] else 0
 
 
+def _profile(args: argparse.Namespace) -> int:
+    import os
+
+    from dbsp_core.profile import PROFILE_FORMAT, format_table
+    from dbsp_core.storage.directory import read_meta, read_record
+    from dbsp_core.storage.formats import PROFILE_FILE, PROFILE_MAGIC
+
+    read_meta(args.dir)  # FileNotFoundError when it is no storage directory
+    prof = read_record(os.path.join(args.dir, PROFILE_FILE), PROFILE_MAGIC)
+    if prof is None:
+        print(f"error: {args.dir} holds no profile: it is written at each checkpoint; run the pipeline until it "
+              "checkpoints (or close it), then ask again", file=sys.stderr)
+        return 1
+    if prof.get("format") != PROFILE_FORMAT:
+        print(f"error: {args.dir}: PROFILE is of format {prof.get('format')!r}; this dbsp_core reads format "
+              f"{PROFILE_FORMAT}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(prof, indent=2, sort_keys=True))
+        return 0
+    print(f"profile of {args.dir} at step {prof['step']} ({prof['executor']} executor, {prof['workers']} workers, "
+          f"{prof['steps']} steps since it was opened; state in memory only for the embedded executor)")
+    print(format_table(prof), end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else list(argv)
     if args_list[:1] == ["demo"]:  # the demo parses its own options (dbsp demo --help)
@@ -183,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     ins = sub.add_parser("inspect", help="summarize a storage directory")
     ins.add_argument("dir")
     ins.add_argument("--json", action="store_true", help="print the summary as JSON")
+    pf = sub.add_parser("profile", help="print where the time went at a storage directory's last checkpoint")
+    pf.add_argument("dir")
+    pf.add_argument("--json", action="store_true", help="print the profile as JSON")
     rd = sub.add_parser("read", help="print the changes of one view from a storage directory's output log")
     rd.add_argument("dir")
     rd.add_argument("view")
@@ -205,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot read {args.file}: {exc}", file=sys.stderr)
             return 2
     try:
-        return {"inspect": _inspect, "read": _read, "repair": _repair}[args.command](args)
+        return {"inspect": _inspect, "profile": _profile, "read": _read, "repair": _repair}[args.command](args)
     except (FileNotFoundError, NotADirectoryError) as exc:
         print(f"error: {args.dir} is not a dbsp storage directory ({exc})", file=sys.stderr)
         return 2

@@ -8,7 +8,8 @@ Invariants (enforced here):
      written atomically at each checkpoint) keeps the last checkpoint's snapshot for ``dbsp inspect``.
   3. State bytes are the Arrow buffer sizes of every trace batch, split over shards by the batch's rows per
      shard (a batch is sorted by key hash, so each shard's rows are one range): they add up to the total.
-  4. A metrics server (:func:`serve`) lives no longer than its pipeline: ``Pipeline.close`` stops it
+  4. A metrics server (:func:`serve`; Prometheus text, and the status page of dbsp_core.status) lives no longer
+     than its pipeline: ``Pipeline.close`` stops it
      (:func:`stop_serving`), and a scrape that meets a closed or broken pipeline is answered with HTTP 503 and
      one line saying why, never a traceback.
 
@@ -20,10 +21,14 @@ The Prometheus names (``dbsp_`` prefix): ``steps_total``, ``pushes_total``, ``du
 ``output_steps{end}`` (first, last), ``consumer_next_step{consumer}``, ``workers``, ``shards``; of each source
 (dbsp_core.connectors.files) ``source_files_total{source}``, ``source_rows_total{source}``,
 ``source_bad_files_total{source}``, ``source_quarantined_files_total{source}``,
-``source_rewritten_files_total{source}``; the backlog ``backlog_rows``, ``backlog_bytes``, ``backlog_age_seconds``;
+``source_rewritten_files_total{source}``; ``process_resident_bytes``, ``sink_lag_steps{consumer}``; the backlog ``backlog_rows``, ``backlog_bytes``, ``backlog_age_seconds``;
 with an autoscaling policy (dbsp_core.runtime.autoscaler) ``autoscale_decisions_total{reason}``,
 ``autoscale_rescales_total``, ``autoscale_failed_rescales_total``, ``autoscale_max_workers``,
-``autoscale_target_workers``, ``autoscale_last_decision{action,reason}``, ``autoscale_input{input}``.
+``autoscale_target_workers``, ``autoscale_last_decision{action,reason}``, ``autoscale_input{input}``; and the
+profile's per-operator series (dbsp_core.profile: ``operator_seconds_total{operator,kind}``,
+``operator_rows_in_total``, ``operator_rows_out_total``, ``operator_step_seconds{operator,kind,quantile}``,
+``operator_state_bytes``, ``operator_state_rows``, ``operator_exchange_bytes_total``; one series per live operator
+of the circuit, so their number is bounded by the circuit, not by the data).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import bisect
 import collections
 import math
+import os
 import socket
 import threading
 import time
@@ -38,6 +44,9 @@ import weakref
 from typing import Any
 
 import numpy as np
+
+from dbsp_core.profile import pipeline_profile, prometheus_families
+from dbsp_core.status import page as status_page, status_json
 
 __all__ = ["Metrics", "STEP_BUCKETS", "attach_source", "gather", "prometheus_text", "serve", "sources", "state_bytes",
            "stop_serving"]
@@ -71,6 +80,8 @@ class Metrics:
         self.checkpoint_last = 0.0
         self.checkpoint_sum = 0.0
         self.autoscale: dict | None = None  # the autoscaler's snapshot (dbsp_core.runtime.autoscaler), if one runs
+        self.net_rows = {name: 0 for name in outputs}  # sum of the views' change weights since open
+        self.checkpoint_log: collections.deque = collections.deque(maxlen=64)  # (time, steps, seconds)
 
     def pushed(self, handle: str, rows: int) -> None:
         with self._lock:
@@ -90,6 +101,7 @@ class Metrics:
                 self.recent.append((step, per))
                 for name, z in out.items():
                     self.rows_out[name] = self.rows_out.get(name, 0) + z.num_rows
+                    self.net_rows[name] = self.net_rows.get(name, 0) + int(z.weights.sum())
 
     def rows_in_total(self) -> int:
         """Rows pushed so far, over every input."""
@@ -106,6 +118,7 @@ class Metrics:
             self.checkpoints += 1
             self.checkpoint_last = seconds
             self.checkpoint_sum += seconds
+            self.checkpoint_log.append((time.time(), self.steps, seconds))
 
     def snapshot(self) -> dict:
         """The counters as plain data (JSON-able): what ``METRICS`` stores and :func:`gather` starts from."""
@@ -120,12 +133,18 @@ class Metrics:
                                      "mean": self.step_sum / self.steps if self.steps else None, **pct},
                     "checkpoints": self.checkpoints, "checkpoint_seconds": self.checkpoint_last,
                     "checkpoint_seconds_sum": self.checkpoint_sum, "since": self.started,
+                    "net_rows": dict(self.net_rows),
                     **({"autoscale": self.autoscale} if self.autoscale is not None else {})}
 
     def recent_latencies(self) -> list[tuple[int, float]]:
         """``(step, seconds)`` of the newest steps (up to ``recent``), oldest first."""
         with self._lock:
             return list(self.recent)
+
+    def checkpoint_history(self) -> list[tuple[float, int, float]]:
+        """``(unix time, steps run, seconds)`` of the newest checkpoints (up to 64), oldest first."""
+        with self._lock:
+            return list(self.checkpoint_log)
 
 
 class _Attached:
@@ -190,6 +209,18 @@ def state_bytes(traces: dict[str, Any], shard_bits: int) -> tuple[int, dict[int,
     return total, shards
 
 
+def rss_bytes() -> int | None:
+    """This process's resident memory in bytes (Linux ``/proc/self/statm``; None where there is none)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 def gather(p: Any, state: bool = True) -> dict:
     """Everything :meth:`dbsp_core.Pipeline.metrics` returns (see there)."""
     out = p._metrics.snapshot()
@@ -207,6 +238,9 @@ def gather(p: Any, state: bool = True) -> dict:
         out["log_bytes"] = {"input": du["input"], "output": du["output"]}
         out["output_steps"] = [p.output_steps.start, p.output_steps.stop]
         out["consumers"] = p.consumers.list()
+    out["rss_bytes"] = rss_bytes()
+    if "consumers" in out:  # each consumer (a sink) is this many logged steps behind the output log's end
+        out["sink_lag_steps"] = {name: max(0, out["output_steps"][1] - nxt) for name, nxt in out["consumers"].items()}
     if state:
         bits = p.layout.shard_bits
         out["state_bytes"] = {}
@@ -215,6 +249,7 @@ def gather(p: Any, state: bool = True) -> dict:
             total, shards = state_bytes(traces, bits)
             out["state_bytes"][w] = {"total": total, "shards": shards,
                                      "key_index": sum(t.index_bytes for t in traces.values())}
+    out["profile"] = pipeline_profile(p, state)  # after the state: p.traces refuses a closed pipeline first
     return out
 
 
@@ -291,6 +326,13 @@ def _families(m: dict) -> list:
                        rows={"first": m["output_steps"][0], "last": m["output_steps"][1]}),
                  gauge("consumer_next_step", "First output step a registered consumer still needs",
                        labels=("consumer",), rows=m["consumers"])]
+    if m.get("rss_bytes") is not None:
+        fams.append(gauge("process_resident_bytes", "Resident memory of the pipeline's process", m["rss_bytes"]))
+    if m.get("sink_lag_steps"):
+        fams.append(gauge("sink_lag_steps", "Logged output steps a consumer (sink) has not applied yet",
+                          labels=("consumer",), rows=m["sink_lag_steps"]))
+    if "profile" in m:
+        fams += prometheus_families(m["profile"])
     if "state_bytes" in m:
         fams += [gauge("state_bytes", "Bytes of operator state per worker", labels=("worker",),
                        rows={w: v["total"] for w, v in m["state_bytes"].items()}),
@@ -342,7 +384,8 @@ def prometheus_text(p: Any) -> str:
 
 
 def serve(p: Any, port: int = 0, addr: str = "127.0.0.1") -> tuple[Any, int]:
-    """Serve ``p``'s metrics at ``http://addr:port/metrics`` from a daemon thread (port 0: any free port) until
+    """Serve ``p``'s metrics at ``http://addr:port/metrics``, and its status page at ``/`` (``/status``; the page
+    polls ``/status.json``: dbsp_core.status), from a daemon thread (port 0: any free port) until
     ``p`` is closed (invariant 4); returns the server (``.shutdown()`` stops it sooner) and the port."""
     from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -355,6 +398,13 @@ def serve(p: Any, port: int = 0, addr: str = "127.0.0.1") -> tuple[Any, int]:
 
     def app(environ: dict, start_response: Any) -> Any:
         try:
+            path = environ.get("PATH_INFO", "")
+            if path in ("/", "/status", "/status.json"):  # the status page (dbsp_core.status) and its figures
+                body, kind = (status_json(p), "application/json") if path.endswith(".json") else \
+                    (status_page(), "text/html; charset=utf-8")
+                start_response("200 OK", [("Content-Type", kind), ("Cache-Control", "no-store"),
+                                          ("Content-Length", str(len(body)))])
+                return [body]
             return inner(environ, start_response)  # the text is made before the status is sent
         except Exception as e:  # noqa: BLE001 - a scrape is answered, never with a traceback
             closed = getattr(p, "_closed", False) or getattr(p, "_broken", None) is not None

@@ -21,8 +21,9 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ("base", ("errors", "envvars", "storage.formats", "_zset", "_storage"),
      "typed errors, DBSP_* settings, the table of on-disk formats (constants) and the C core's extension modules "
      "(built from bindings/*.pyx): what every layer may raise, read, write or call"),
-    ("values", ("zset", "layout", "aggregates", "codec", "metrics", "progress", "rows"),
+    ("values", ("zset", "layout", "aggregates", "codec", "metrics", "profile", "status", "progress", "rows"),
      "Z-sets over the C core, the shard layout, aggregate specs, the byte codecs of stored values, metrics, "
+     "the per-operator profile and the status page, "
      "the progress line, and rows in users' forms made Arrow tables of an input's types"),
     ("state", ("trace", "storage"),
      "traces (indexed, integrated state) and the stores below a pipeline: page-file databases, step log, output "

@@ -81,12 +81,13 @@ from dbsp_core.codec import decode_zset, encode_json, encode_zset
 from dbsp_core.errors import DbspError, PrimaryKeyError, RecoveryError, SchemaError, StepError, StorageError
 from dbsp_core.layout import DEFAULT_SHARD_BITS, Layout, ShardMap
 from dbsp_core.metrics import Metrics, gather, serve, stop_serving
+from dbsp_core.profile import Profile, pipeline_profile
 from dbsp_core.operators.base import same_columns
 from dbsp_core.operators.upsert import check_keyed, keep_last
 from dbsp_core.progress import progress
+from dbsp_core.rows import as_table, conform, key_rows
 from dbsp_core.runtime.autoscale import Autoscale
 from dbsp_core.runtime.autoscaler import Autoscaler, Capacity
-from dbsp_core.rows import as_table, conform, key_rows
 from dbsp_core.runtime.crashpoints import crashpoint
 from dbsp_core.runtime.division import Divided, ranges
 from dbsp_core.runtime.embedded import EmbeddedExecutor
@@ -100,7 +101,8 @@ from dbsp_core.storage.dedup import SeenSet
 from dbsp_core.storage.directory import lock_dir, unlock_dir, write_record
 from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE,
                                        DISCARD_HANDLE, DISCARD_MAGIC, DIVISION_HANDLE, DIVISION_MAGIC, INPUT_DIR,
-                                       META_FILE, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR, STATE_DIR)
+                                       META_FILE, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR, PROFILE_FILE,
+                                       PROFILE_MAGIC, STATE_DIR)
 from dbsp_core.storage.outputlog import OutputLog
 from dbsp_core.storage.steplog import StepLog
 from dbsp_core.time.watermark import NO_WATERMARK, advance, specs_of
@@ -877,6 +879,8 @@ class Pipeline:
             with self._cond:
                 seen = self._seen.copy()
             floor, prev_now, wms = self._now_floor, self._last_now, dict(self.watermarks)
+            # what `dbsp profile DIR` prints: taken with the steps paused, written with METRICS (traces in memory only)
+            prof = dict(pipeline_profile(self, state=self.executor.state_in_memory), step=step)
             try:
                 make_durable = self.executor.checkpoint(step)
             except BaseException as exc:
@@ -909,6 +913,7 @@ class Pipeline:
                     self.stats["last_checkpoint_s"] = time.perf_counter() - t0
                     self._metrics.checkpointed(self.stats["last_checkpoint_s"])
                     write_record(os.path.join(root, METRICS_FILE), METRICS_MAGIC, self._metrics.snapshot(), self._vfs)
+                    write_record(os.path.join(root, PROFILE_FILE), PROFILE_MAGIC, prof, self._vfs)
                 except BaseException as exc:
                     # databases may hold different versions and the incremental snapshot state is ahead of them:
                     # only recovery (Pipeline.open) knows the consistent state again
@@ -1213,11 +1218,38 @@ class Pipeline:
         ``checkpoint_seconds``, ``replayed_steps``, ``late_rows``, ``workers``, ``shards``; with storage
         ``log_bytes``, ``output_steps`` and ``consumers``; with ``state`` ``state_bytes`` per worker (total,
         per shard, and ``key_index``: the bytes of the traces' key indexes, memory kept beside the state; a
-        staged executor's tasks keep theirs in their own processes, not counted here)."""
+        staged executor's tasks keep theirs in their own processes, not counted here); ``net_rows`` per output
+        (the net weight of its changes since the pipeline was opened), ``rss_bytes`` (this process's resident
+        memory), with storage ``sink_lag_steps`` (each consumer's logged steps not yet applied), and ``profile``
+        (:meth:`profile`, with state as ``state`` says)."""
         self._check_usable()
         with self._step_lock:  # invariant 8: one layout, not one a rescale or close changes meanwhile
             self._check_usable()
             return gather(self, state)
+
+    def profile(self, state: bool = True) -> Profile:
+        """Where the time goes (dbsp_core.profile): one record per operator (node, label, kind, steps, seconds
+        summed over workers, mean and p99 ms per step of the slowest worker over the newest steps, rows in and
+        out, with ``state`` the rows and bytes of its traces and their key indexes, bytes exchanged between
+        workers) and one per view (rows of its changes, their net weight, the seconds and state of the operators
+        it depends on). ``print(p.profile())`` shows both as tables; ``.table()`` gives a pyarrow Table.
+
+        >>> import pyarrow as pa
+        >>> import dbsp_core as dbsp
+        >>> c = dbsp.Circuit()
+        >>> t = c.input("t", pa.schema([("x", pa.int64())]))
+        >>> c.output("d", t.distinct())
+        >>> p = dbsp.Pipeline(c)
+        >>> _ = p.push("t", pa.table({"x": [1, 1, 2]})); _ = p.step()
+        >>> [(r["operator"], r["rows_in"], r["rows_out"], r["state_rows"]) for r in p.profile()["operators"]]
+        [('input#0', None, 3, 0), ('exchange#1', 3, 3, 0), ('distinct#2', 3, 2, 2)]
+        >>> p.profile()["views"][0]["rows_out"]
+        2
+        """
+        self._check_usable()
+        with self._step_lock:
+            self._check_usable()
+            return pipeline_profile(self, state)
 
     def serve_metrics(self, port: int = 0, addr: str = "127.0.0.1") -> tuple[Any, int]:
         """Serve :meth:`metrics` as Prometheus text at ``http://addr:port/metrics`` (port 0: any free one) until

@@ -32,6 +32,7 @@ from dbsp_core.errors import CorruptionError, DbspError, StepError
 from dbsp_core.layout import Layout
 from dbsp_core.operators.base import concat
 from dbsp_core.operators.context import StepContext
+from dbsp_core.profile import NodeTimer, failed_node, run_nodes, zset_bytes
 from dbsp_core.runtime.coordinator import Coordinator, WorkerStore, choose_version
 from dbsp_core.runtime.crashpoints import crashpoint
 from dbsp_core.runtime.executor import (StateGroup, StepInput, as_step_error, groupings, live_nodes, spread,
@@ -51,9 +52,10 @@ _CORES = os.cpu_count() or 1  # read once: the call reads /sys, ~12 us, a measur
 class _Exchanger:
     """All-to-all mailboxes of one step: one W x W grid per exchange node, and one barrier."""
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, timers: list[NodeTimer] | None = None) -> None:
         self.shard_map = layout.shard_map
         self.workers = layout.workers
+        self.timers = timers  # each worker's: the bytes it sends to the others (dbsp_core.profile)
         self.barrier = threading.Barrier(self.workers)
         self.mailboxes: dict[int, list[list[ZSet] | None]] = {}
         self._lock = threading.Lock()
@@ -76,7 +78,11 @@ class _Exchanger:
         if w == 1:
             return z
         box = self._grid(node_id)
-        box[worker] = z.partition(list(key), self.shard_map.part_of_shard, w) if z.num_rows else None
+        box[worker] = parts = z.partition(list(key), self.shard_map.part_of_shard, w) if z.num_rows else None
+        if parts is not None and self.timers is not None:
+            sent = self.timers[worker].exchange_bytes
+            node = node_id[0] if isinstance(node_id, tuple) else node_id  # a fixpoint's (node, iteration, inner)
+            sent[node] = sent.get(node, 0) + sum(zset_bytes(p) for k, p in enumerate(parts) if k != worker)
         self._wait(worker)
         mine = [row[worker] for row in box if row is not None]
         return concat(mine, schema)
@@ -104,19 +110,17 @@ class _Worker:
         # the instances with state, fixed for the worker's life (a restore changes their attributes, not them)
         self._stateful = {i: inst for i, inst in self.instances.items() if inst is not self.nodes[i]}
         self._steps = [(self.instances[i].step, self.nodes[i].inputs, i) for i in live]
+        self.timer = NodeTimer(live)  # dbsp_core.profile: what each operator costs this worker
 
     def stateful(self) -> dict[int, Any]:
         return self._stateful
 
     def step(self) -> dict[str, ZSet]:
         values: dict[int, ZSet] = {}
-        i = -1
-        ctx = self.ctx
         try:
-            for step, inputs, i in self._steps:
-                values[i] = step([values[j] for j in inputs], ctx)
+            run_nodes(self._steps, values, self.ctx, self.timer)
         except Exception as exc:
-            err = as_step_error(exc, self.nodes[i].label, None)  # executor.py invariant 4
+            err = as_step_error(exc, self.nodes[failed_node(self._steps, values)].label, None)  # executor.py invariant 4
             if err is exc:
                 raise
             raise err from exc
@@ -181,6 +185,7 @@ class EmbeddedExecutor:
         self._exchanger = _Exchanger(layout)
         self._workers = [_Worker(self.circuit, self._live, StepContext(w, layout.shard_map, self._exchanger))
                          for w in range(layout.workers)]
+        self._exchanger.timers = [wk.timer for wk in self._workers]
         for wk in self._workers:
             for i, inst in wk.stateful().items():
                 state_attrs(i, inst)  # snapshot invariant 2: refuse state we could not checkpoint
@@ -300,6 +305,7 @@ class EmbeddedExecutor:
         parts = spread(s.pushes, W, s.step % W)
         schemas = {h: self.circuit.nodes[i].schema for h, i in inputs.items()}
         for w, wk in enumerate(self._workers):
+            wk.timer.step = s.step
             wk.ctx.begin({h: concat(ps, schemas[h]) for h, ps in parts[w].items()}, s.now_ns, s.prev_now_ns,
                          s.seed, s.watermarks)
         if self._exchanger.barrier.broken:
@@ -414,7 +420,7 @@ class EmbeddedExecutor:
                 self._coord.stores.remove(st)
         del self._workers[W:]
         self.layout = layout
-        self._exchanger = _Exchanger(layout)
+        self._exchanger = _Exchanger(layout, [wk.timer for wk in self._workers])
         for w, wk in enumerate(self._workers):
             wk.ctx.shard_map = layout.shard_map
             wk.ctx._exchanger = self._exchanger
@@ -496,6 +502,10 @@ class EmbeddedExecutor:
     def view(self, node: int) -> ZSet:
         """The contents of readable node ``node``: its trace in every worker, in memory."""
         return ZSet.concat([w.instances[node].trace.consolidated().zset for w in self._workers])
+
+    def node_timers(self) -> list[NodeTimer]:
+        """Each worker's operator timings (dbsp_core.profile)."""
+        return [wk.timer for wk in self._workers]
 
     def disk_bytes(self) -> int:
         if self.storage is None or self.layout is None:

@@ -36,6 +36,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 from dbsp_core.circuit import Circuit
 from dbsp_core.errors import RecoveryError, StepError
 from dbsp_core.layout import Layout
+from dbsp_core.profile import NodeTimer
 from dbsp_core.storage.snapshot import TableSpec
 from dbsp_core.trace import Trace
 from dbsp_core.zset import ZSet
@@ -130,6 +131,9 @@ class Executor(Protocol):
 
     def state_bytes(self) -> int:
         """Bytes of every worker's state where the executor keeps it (in memory, or on disk)."""
+
+    def node_timers(self) -> list[NodeTimer]:
+        """The operator timings of the workers (dbsp_core.profile), as far as this process holds them."""
 
     def disk_bytes(self) -> int:
         """Bytes of state on disk."""

@@ -38,6 +38,7 @@ from dbsp_core.operators.base import concat
 from dbsp_core.operators.exchange import Exchange
 from dbsp_core.operators.input import Input
 from dbsp_core.operators.context import StepContext
+from dbsp_core.profile import NodeTimer, failed_node, run_nodes, zset_bytes
 from dbsp_core.runtime.executor import as_step_error, live_nodes
 from dbsp_core.storage.snapshot import state_attrs
 from dbsp_core.zset import ZSet
@@ -200,6 +201,8 @@ class StageWorker:
         nodes = circuit.nodes
         self.instances = {i: nodes[i].instance() for i in plan.compute[stage]}
         self.stateful = {i: inst for i, inst in self.instances.items() if inst is not nodes[i]}
+        self.calls = [(self.instances[i].step, nodes[i].inputs, i) for i in plan.compute[stage]]
+        self.timer = NodeTimer(plan.compute[stage])  # dbsp_core.profile; a task may hand it a longer-lived one
         for i, inst in self.stateful.items():
             state_attrs(i, inst)  # refuse state that could not be checkpointed (snapshot invariant 2)
 
@@ -217,13 +220,11 @@ class StageWorker:
             ctx.begin(inputs, None, None, None)
         else:
             ctx.begin(inputs, info.now_ns, info.prev_now_ns, info.seed, info.watermarks)
-        i = -1
         try:
-            for i in plan.compute[k]:
-                op = nodes[i]
-                values[i] = self.instances[i].step([values[j] for j in op.inputs], ctx)
+            run_nodes(self.calls, values, ctx, self.timer)
         except Exception as exc:
-            err = as_step_error(exc, nodes[i].label, info.step if info is not None else None)  # executor.py inv. 4
+            err = as_step_error(exc, nodes[failed_node(self.calls, values)].label,
+                                info.step if info is not None else None)  # executor.py inv. 4
             if err is exc:
                 raise
             raise err from exc
@@ -234,7 +235,9 @@ class StageWorker:
             if w == 1:
                 sends[x] = [z]
             elif z.num_rows:
-                sends[x] = z.partition(list(nodes[x].key), self.shard_map.part_of_shard, w)
+                sends[x] = parts = z.partition(list(nodes[x].key), self.shard_map.part_of_shard, w)
+                sent = self.timer.exchange_bytes
+                sent[x] = sent.get(x, 0) + sum(zset_bytes(p) for q, p in enumerate(parts) if q != self.worker)
             else:
                 sends[x] = [z] * w
         carried = {j: values[j] for j in plan.emit[k]}

@@ -48,6 +48,7 @@ import pyarrow as pa
 from dbsp_core.codec import decode_json, encode_json
 from dbsp_core.errors import CorruptionError, DbspError, RecoveryError
 from dbsp_core.layout import Layout
+from dbsp_core.profile import task_timer
 from dbsp_core.runtime.executor import groupings
 from dbsp_core.runtime.job_files import read_table_file, write_table_file
 from dbsp_core.runtime.rollback import capture, restore
@@ -136,7 +137,10 @@ def _run_steps(task: StageTask, sw: StageWorker, received: dict[tuple[int, int],
     """Run the job's steps in order on ``sw``; the blobs it produces."""
     w, k = sw.worker, task.stage
     rows: list[tuple[int, int, int, int, ZSet]] = []
+    if task.storage is not None:  # dbsp_core.profile: the timings outlive this task in this process
+        sw.timer = task_timer(task.storage, k, w, sw.timer.nodes)
     for st in task.steps:
+        sw.timer.step = st.step
         vals = {j: received[(j, st.step)] for j in task.plan.receive[k] if (j, st.step) in received}
         r = sw.step(vals, st)
         for x, parts in r.sends.items():

@@ -37,6 +37,7 @@ from dbsp_core.circuit import Circuit
 from dbsp_core.errors import DbspError, RecoveryError
 from dbsp_core.layout import Layout
 from dbsp_core.operators.base import concat
+from dbsp_core.profile import NodeTimer, reset_task_timers, task_timers
 from dbsp_core.runtime.executor import StateGroup, StepInput, groupings, spread, step_error_of, traces_by_label
 from dbsp_core.runtime.stage_plan import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, StagePlan, StageWorker, StepInfo,
                                           control_blobs, encode_blobs, gather, read_acks)
@@ -160,6 +161,7 @@ class StagedExecutor:
             raise DbspError("the staged executor keeps its state in a storage directory; give storage=<dir>")
         self.circuit, self.layout, self.storage = circuit, layout, storage
         self.plan = StagePlan(circuit)
+        reset_task_timers(storage)  # dbsp_core.profile: this run's timings only
         self._out_schemas = {name: circuit.nodes[i].schema for name, i in circuit.outputs.items()}
         self._in_schemas = {name: circuit.nodes[i].schema for name, i in circuit.inputs.items()}
 
@@ -379,6 +381,11 @@ class StagedExecutor:
         finally:
             os.close(lockfd)
         return instances
+
+    def node_timers(self) -> list[NodeTimer]:
+        """The operator timings of the stage tasks that ran in this process (dbsp_core.profile)."""
+        assert self.storage is not None
+        return task_timers(self.storage)
 
     def disk_bytes(self) -> int:
         assert self.storage is not None

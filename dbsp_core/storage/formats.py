@@ -24,6 +24,7 @@ Directory format 2 (``DIRECTORY_FORMAT``)::
       consumers/<name>          one consumer of the output log: the first step it still needs (storage.consumers)
       consumers/LOCK            flock(2)ed while a consumer registers or the output log is truncated (empty)
       METRICS                   the pipeline's metrics at its last checkpoint (dbsp_core.metrics), for inspect
+      PROFILE                   the pipeline's profile at its last checkpoint (dbsp_core.profile), for dbsp profile
 
 Framed records (dbsp_core.codec): ``magic (4 bytes) | format version (u8) | CRC-32 of the body (u32 LE) | body``.
 The body of a JSON record is UTF-8 JSON with sorted keys.
@@ -69,6 +70,8 @@ magic       where                                   body
 ``DCSM``    consumers/<name>                        JSON: name, next (every output step below it is durably
                                                     applied by the consumer; never decreases)
 ``DMTR``    METRICS                                 JSON: dbsp_core.metrics.Metrics.snapshot() at a checkpoint
+``DPRF``    PROFILE                                 JSON: dbsp_core.profile.pipeline_profile() at a checkpoint
+                                                    (format: PROFILE_FORMAT), and its step
 ``DOUT``    format-1 output segments                not framed as above: see the format-1 paragraph below
             (``output/out-<step>.seg``)
 ==========  ======================================  =======================================================
@@ -112,6 +115,7 @@ JOB_INPUT_DIR = "jobs"
 CONSUMERS_DIR = "consumers"
 CONSUMERS_LOCK = "LOCK"
 METRICS_FILE = "METRICS"
+PROFILE_FILE = "PROFILE"
 TMP_SUFFIX = ".tmp"  # <file>.tmp: an atomic replace's new content before its rename (csrc/smallfile.c, job_files)
 NEW_SUFFIX = ".new"  # a log directory's repaired twin (``input.new``, ``output.new``) while REPAIR is in force
 REPAIR_BACKUP_PREFIX = "repair-"  # repair-<n>/: what a repair replaced
@@ -141,6 +145,7 @@ JOB_INPUT_MAGIC = b"DJIN"
 SAVELOG_MAGIC = b"DSVL"
 CONSUMER_MAGIC = b"DCSM"
 METRICS_MAGIC = b"DMTR"
+PROFILE_MAGIC = b"DPRF"
 FORMAT1_OUTPUT_MAGIC = b"DOUT"  # a record of a format-1 output segment (dbsp_core.storage.outputlog_format1)
 STEPLOG_SEGMENT_MAGIC = b"DBSPSSEG"  # the header of a step log segment (csrc/steplog.c)
 STEPLOG_RECORD_MAGIC = b"DSLR"  # the frame of a format-2 step log record (csrc/steplog.c)

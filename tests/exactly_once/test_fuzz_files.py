@@ -1,4 +1,4 @@
-"""Fuzzing every kind of file of a storage directory (input and output segments, the step log's LOG, META, LAYOUT, RESCALE, METRICS, worker, stage and driver databases, the staged JOB record and result files, lock files): random byte flips, zeroed ranges, truncations, deleted files and missing middle segments; then ``open``, and ``dbsp repair`` (with the ``--drop-output`` consent its refusal names) when open refuses.
+"""Fuzzing every kind of file of a storage directory (input and output segments, the step log's LOG, META, LAYOUT, RESCALE, METRICS, PROFILE, worker, stage and driver databases, the staged JOB record and result files, lock files): random byte flips, zeroed ranges, truncations, deleted files and missing middle segments; then ``open``, and ``dbsp repair`` (with the ``--drop-output`` consent its refusal names) when open refuses.
 
 Required of every case (judged by fuzz_files_child.py): it opens and matches the model, or is repaired and then
 opens and matches the model minus exactly the losses repair named, or is refused with a typed error naming what
@@ -49,7 +49,7 @@ def _kind(rel: str) -> str:
     if rel.startswith("state/"):
         return "worker database" if base.endswith(".db") else "job file" if base == "JOB" else ""
     return {"META": "META", "LAYOUT": "LAYOUT", "RESCALE": "RESCALE", "driver.db": "driver.db",
-            "METRICS": "METRICS"}.get(rel, "")
+            "METRICS": "METRICS", "PROFILE": "PROFILE"}.get(rel, "")
 
 
 def _files(d: str) -> dict[str, list[str]]:
@@ -154,7 +154,7 @@ def _round(tmp_path, cases: int | None) -> None:
         for k, rels in _files(d).items():
             by_type[(k, t)] = sorted(rels)
     kinds = {k for k, _ in by_type}
-    assert kinds == {"input segment", "input LOG", "output segment", "META", "LAYOUT", "RESCALE", "METRICS",
+    assert kinds == {"input segment", "input LOG", "output segment", "META", "LAYOUT", "RESCALE", "METRICS", "PROFILE",
                      "worker database", "stage database", "driver.db", "job file", "result file", "lock file"}, kinds
     for t in templates:  # a middle segment to delete, in each log
         assert len(by_type[("input segment", t)]) >= 3 and len(by_type[("output segment", t)]) >= 3, by_type
