@@ -36,7 +36,7 @@ tests/core/test_envvars.py checks that the repository reads no other):
   no password is on a command line); ``.ci/run`` and tests/conftest.py: ``DBSP_REQUIRE_S3`` (a missing S3 test
   server, moto's, fails); ``.ci/run`` and tests/core/test_status_page.py: ``DBSP_REQUIRE_CHROMIUM`` (a missing
   headless chromium fails), and that test's ``DBSP_STATUS_SCREENSHOT`` (a file to save the status page's
-  screenshot to: how docs/status_page.png is made).
+  screenshot to: how bench/status_page.png is made).
 - the test run (tests/conftest.py, tests/hypothesis_profile.py): ``DBSP_LONG`` (also the tests marked slow),
   ``DBSP_HYPOTHESIS_SEED``, ``DBSP_HYPOTHESIS_EXAMPLES``.
 - seeds that replay a test's random choices: ``DBSP_SQL_SEED``, ``DBSP_SQL_LIMITS_SEED``, ``DBSP_NAN_SEED``,

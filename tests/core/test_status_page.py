@@ -1,7 +1,7 @@
 """The status page the metrics server serves, loaded in a real headless browser (Debian's chromium): it loads without console messages, shows a live pipeline's figures (the step count equals p.metrics()["steps"], refreshed as steps run) and puts view names into the DOM as text, never as markup.
 
 DBSP_REQUIRE_CHROMIUM=1 (.ci/run) makes a missing chromium fail instead of skip; DBSP_STATUS_SCREENSHOT=<file.png>
-also saves the page's screenshot there (how docs/status_page.png is made)."""
+also saves the page's screenshot there (how bench/status_page.png is made)."""
 
 from __future__ import annotations
 
