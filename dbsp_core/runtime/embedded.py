@@ -42,6 +42,7 @@ from dbsp_core.storage.database import Database
 from dbsp_core.storage.formats import state_db_path
 from dbsp_core.storage.snapshot import state_attrs, state_tables
 from dbsp_core.trace import MergeThread, Trace, merging
+from dbsp_core.trace.spill import BatchStore, spilling
 from dbsp_core.zset import ZSet
 
 
@@ -136,6 +137,7 @@ class EmbeddedExecutor:
         self.vfs = vfs
         self.background_merge = background_merge
         self._merge_thread: MergeThread | None = None
+        self._store: BatchStore | None = None  # the memory budget of the traces (trace invariant 12)
         self.circuit: Circuit | None = None
         self.layout: Layout | None = None
         self.storage: str | None = None
@@ -240,6 +242,8 @@ class EmbeddedExecutor:
             self._coord.close()
             self._coord = None
             raise
+        if self._store is not None:  # the restored batches: under the budget before the first step
+            self.spill(self._store)
 
     # ---- steps ----
 
@@ -257,7 +261,7 @@ class EmbeddedExecutor:
     def _run_worker(self, w: int, merge_thread: "MergeThread | None" = None) -> dict[str, ZSet]:
         t0 = time.thread_time() if self.measure_cpu else 0.0
         try:
-            with merging(merge_thread):
+            with merging(merge_thread), spilling(self._store):
                 return self._workers[w].step()
         except BaseException:
             assert self._exchanger is not None
@@ -277,6 +281,8 @@ class EmbeddedExecutor:
                 restore(saved)
                 exc.step, exc.done = s.step, done
                 raise
+            if self._store is not None:  # between steps: no worker runs (trace invariant 12)
+                self._store.enforce()
         return done
 
     def _run_one(self, s: StepInput) -> dict[str, ZSet]:
@@ -416,6 +422,21 @@ class EmbeddedExecutor:
         raise DbspError("resume: the embedded executor's state is in memory; a live rescale moves it with "
                         "relayout, and a stored layout change is loaded by open_state and load_state")
 
+    def spill(self, store: BatchStore | None) -> None:
+        """Keep the traces' batches under ``store``'s memory budget from now on (trace invariant 12; None: in
+        memory); the traces already built register now, and it is enforced at once and after every step."""
+        self._store = store
+        if store is not None and self._workers:
+            for t in self._all_traces():
+                t._store = store
+                store.register(t)
+            store.enforce()
+
+    def _all_traces(self) -> list[Trace]:
+        """Every trace of every worker's operators (what checkpoints save)."""
+        return [getattr(inst, name) for wk in self._workers for i, inst in wk.stateful().items()
+                for name in state_attrs(i, inst)[0]]
+
     def settle_merges(self) -> None:
         """Wait until the merge thread has no merge left and every trace has installed what it merged (after a
         bulk load, say, so later steps do not share the machine with the load's merges). Call between steps."""
@@ -428,8 +449,7 @@ class EmbeddedExecutor:
         bytes than their inputs; the wait is merge work the steps before would have done without the merge thread)."""
         if self._merge_thread is None:
             return
-        traces = [getattr(inst, name) for wk in self._workers for i, inst in wk.stateful().items()
-                  for name in state_attrs(i, inst)[0]]
+        traces = self._all_traces()
         while True:
             installed = sum(t.install_finished(self._merge_thread if settle else None) for t in traces)
             # nothing left to install and an idle merge thread (no merge handed over and unfinished): settled
@@ -490,6 +510,9 @@ class EmbeddedExecutor:
         if self._merge_thread is not None:
             self._merge_thread.close()
             self._merge_thread = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None
         if self._coord is not None:
             self._coord.close()
             self._coord = None

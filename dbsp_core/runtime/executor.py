@@ -38,6 +38,7 @@ from dbsp_core.errors import RecoveryError, StepError
 from dbsp_core.layout import Layout
 from dbsp_core.storage.snapshot import TableSpec
 from dbsp_core.trace import Trace
+from dbsp_core.trace.spill import BatchStore
 from dbsp_core.zset import ZSet
 
 
@@ -127,8 +128,12 @@ class Executor(Protocol):
     def disk_bytes(self) -> int:
         """Bytes of state on disk."""
 
+    def spill(self, store: BatchStore | None) -> None:
+        """Keep the traces' batches under ``store``'s memory budget (trace invariant 12, dbsp_core/trace/spill.py):
+        an executor that cannot raises DbspError naming what to do instead."""
+
     def close(self) -> None:
-        """Release threads and files."""
+        """Release threads and files (and the batch store it was given)."""
 
 
 def spread(pushes: list[tuple[str, ZSet]], workers: int, cursor: int, keep: Any = None
