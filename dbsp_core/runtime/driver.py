@@ -90,12 +90,12 @@ from dbsp_core.storage.dedup import SeenSet
 from dbsp_core.storage.directory import lock_dir, unlock_dir, write_record
 from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE,
                                        DISCARD_HANDLE, DISCARD_MAGIC, DIVISION_HANDLE, DIVISION_MAGIC, INPUT_DIR,
-                                       META_FILE, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR, STATE_DIR)
+                                       META_FILE, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR, SPILL_DIR, STATE_DIR)
 from dbsp_core.storage.outputlog import OutputLog
 from dbsp_core.storage.steplog import StepLog
 from dbsp_core.time.watermark import NO_WATERMARK, advance, specs_of
 from dbsp_core.trace import Trace
-from dbsp_core.trace.spill import SPILL_DIR, BatchStore
+from dbsp_core.trace.spill import BatchStore
 from dbsp_core.zset import ZSet, weight_column
 
 # what push takes: these, pandas and polars DataFrames (neither imported here), a dict of columns, a list of rows

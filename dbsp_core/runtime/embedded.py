@@ -137,7 +137,7 @@ class EmbeddedExecutor:
         self.vfs = vfs
         self.background_merge = background_merge
         self._merge_thread: MergeThread | None = None
-        self._store: BatchStore | None = None  # the memory budget of the traces (trace invariant 12)
+        self.batch_store: BatchStore | None = None  # the memory budget of the traces (trace invariant 12)
         self.circuit: Circuit | None = None
         self.layout: Layout | None = None
         self.storage: str | None = None
@@ -242,8 +242,8 @@ class EmbeddedExecutor:
             self._coord.close()
             self._coord = None
             raise
-        if self._store is not None:  # the restored batches: under the budget before the first step
-            self.spill(self._store)
+        if self.batch_store is not None:  # the restored batches: under the budget before the first step
+            self.spill(self.batch_store)
 
     # ---- steps ----
 
@@ -261,7 +261,7 @@ class EmbeddedExecutor:
     def _run_worker(self, w: int, merge_thread: "MergeThread | None" = None) -> dict[str, ZSet]:
         t0 = time.thread_time() if self.measure_cpu else 0.0
         try:
-            with merging(merge_thread), spilling(self._store):
+            with merging(merge_thread), spilling(self.batch_store):
                 return self._workers[w].step()
         except BaseException:
             assert self._exchanger is not None
@@ -281,8 +281,8 @@ class EmbeddedExecutor:
                 restore(saved)
                 exc.step, exc.done = s.step, done
                 raise
-            if self._store is not None:  # between steps: no worker runs (trace invariant 12)
-                self._store.enforce()
+            if self.batch_store is not None:  # between steps: no worker runs (trace invariant 12)
+                self.batch_store.enforce()
         return done
 
     def _run_one(self, s: StepInput) -> dict[str, ZSet]:
@@ -425,7 +425,7 @@ class EmbeddedExecutor:
     def spill(self, store: BatchStore | None) -> None:
         """Keep the traces' batches under ``store``'s memory budget from now on (trace invariant 12; None: in
         memory); the traces already built register now, and it is enforced at once and after every step."""
-        self._store = store
+        self.batch_store = store
         if store is not None and self._workers:
             for t in self._all_traces():
                 t._store = store
@@ -510,9 +510,9 @@ class EmbeddedExecutor:
         if self._merge_thread is not None:
             self._merge_thread.close()
             self._merge_thread = None
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        if self.batch_store is not None:
+            self.batch_store.close()
+            self.batch_store = None
         if self._coord is not None:
             self._coord.close()
             self._coord = None

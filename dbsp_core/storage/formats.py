@@ -24,6 +24,9 @@ Directory format 2 (``DIRECTORY_FORMAT``)::
       consumers/<name>          one consumer of the output log: the first step it still needs (storage.consumers)
       consumers/LOCK            flock(2)ed while a consumer registers or the output log is truncated (empty)
       METRICS                   the pipeline's metrics at its last checkpoint (dbsp_core.metrics), for inspect
+      spill/<pid>-<n>.batch     batch files of traces spilled under a memory budget (dbsp_core/trace/spill.py);
+                                removed when their batch is merged away and when the directory is opened again
+                                (no checkpoint names them yet: checkpoints copy rows into the state databases)
 
 Framed records (dbsp_core.codec): ``magic (4 bytes) | format version (u8) | CRC-32 of the body (u32 LE) | body``.
 The body of a JSON record is UTF-8 JSON with sorted keys.
@@ -77,6 +80,12 @@ State values are keyed by :func:`dbsp_core.storage.database.shard_key` ``(shard,
 big-endian bytes, then the value's number as 8 big-endian bytes (snapshot.py invariant 3); key ``next`` of
 table ``snapshot`` holds the next unused number (8 big-endian bytes).
 
+Batch files (``BATCH_FILE_MAGIC`` ``DBSPBTCH`` header, ``BATCH_FILE_FOOTER_MAGIC`` ``DBSPBTFT`` footer, format
+``BATCH_FILE_VERSION`` 1), specified byte by byte in dbsp_core/trace/batchfile.py: one trace batch, immutable once
+renamed into place: header, an embedded standard Arrow IPC file (data columns, weight, key hash, row hash), the
+fence of its key hashes, a Bloom filter on them, a CRC-32C per 64 KiB page, and a footer with the whole file's
+CRC-32C. The same bytes can be uploaded as they are and named by a checkpoint.
+
 Formats below this module's level, specified byte by byte where they are written: the page file of a Database
 (``DBSPMETA`` meta slots, csrc/pagestore.c), the step log (``DBSPSLOG`` header, ``DBSPSSEG`` segments
 ``<20-digit number>.seg`` and ``DSLR`` record frames, csrc/steplog.c; read in Python only by
@@ -112,6 +121,8 @@ JOB_INPUT_DIR = "jobs"
 CONSUMERS_DIR = "consumers"
 CONSUMERS_LOCK = "LOCK"
 METRICS_FILE = "METRICS"
+SPILL_DIR = "spill"  # batch files of spilled traces (dbsp_core/trace/spill.py)
+BATCH_FILE_SUFFIX = ".batch"
 TMP_SUFFIX = ".tmp"  # <file>.tmp: an atomic replace's new content before its rename (csrc/smallfile.c, job_files)
 NEW_SUFFIX = ".new"  # a log directory's repaired twin (``input.new``, ``output.new``) while REPAIR is in force
 REPAIR_BACKUP_PREFIX = "repair-"  # repair-<n>/: what a repair replaced
@@ -144,6 +155,9 @@ METRICS_MAGIC = b"DMTR"
 FORMAT1_OUTPUT_MAGIC = b"DOUT"  # a record of a format-1 output segment (dbsp_core.storage.outputlog_format1)
 STEPLOG_SEGMENT_MAGIC = b"DBSPSSEG"  # the header of a step log segment (csrc/steplog.c)
 STEPLOG_RECORD_MAGIC = b"DSLR"  # the frame of a format-2 step log record (csrc/steplog.c)
+BATCH_FILE_MAGIC = b"DBSPBTCH"  # the header of a batch file (dbsp_core/trace/batchfile.py)
+BATCH_FILE_FOOTER_MAGIC = b"DBSPBTFT"  # its footer
+BATCH_FILE_VERSION = 1
 
 DIVISION_HANDLE = "\x00division"  # the input log's handle of division records
 DISCARD_HANDLE = "\x00discard"  # the input log's handle of discard records (Pipeline.discard)

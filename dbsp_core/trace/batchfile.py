@@ -44,13 +44,11 @@ import numpy as np
 import pyarrow as pa
 
 from dbsp_core.errors import CorruptionError, FormatVersionError
+from dbsp_core.storage.formats import BATCH_FILE_FOOTER_MAGIC, BATCH_FILE_MAGIC, BATCH_FILE_VERSION
 
 __all__ = ["BatchFile", "write_batch", "open_batch", "verify", "bloom_build", "bloom_may_contain",
            "BATCH_FILE_MAGIC", "BATCH_FILE_FOOTER_MAGIC", "BATCH_FILE_VERSION", "PAGE"]
 
-BATCH_FILE_MAGIC = b"DBSPBTCH"
-BATCH_FILE_FOOTER_MAGIC = b"DBSPBTFT"
-BATCH_FILE_VERSION = 1
 PAGE = 65536  # bytes per page CRC
 HEADER = struct.Struct("<8sIIQQQ20xI")  # 64 bytes
 FOOTER = struct.Struct("<8sIIQQQQQII")  # 64 bytes

@@ -42,15 +42,15 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator
 
 from dbsp_core.envvars import parse_memory_limit
+from dbsp_core.storage.formats import BATCH_FILE_SUFFIX, SPILL_DIR
 from dbsp_core.trace.batchfile import BatchFile, open_batch, write_batch
 
 if TYPE_CHECKING:
     from dbsp_core.trace.levels import Trace
     from dbsp_core.zset import IndexedZSet
 
-__all__ = ["BatchStore", "spilling", "current_batch_store", "parse_memory_limit", "batch_bytes", "SPILL_DIR"]
+__all__ = ["BatchStore", "spilling", "current_batch_store", "parse_memory_limit", "batch_bytes"]
 
-SPILL_DIR = "spill"  # <storage>/spill/: a durable pipeline's batch files (dbsp_core/storage/formats.py)
 
 def batch_bytes(b: "IndexedZSet") -> int:
     """Bytes a batch holds in its buffers: rows, weights, key hashes and the row hashes it keeps."""
@@ -104,7 +104,7 @@ class BatchStore:
         os.makedirs(self.directory, exist_ok=True)
         if not self._own_dir:
             for name in os.listdir(self.directory):  # an earlier process's files: no checkpoint names them
-                if name.endswith(".batch") or name.endswith(".batch.tmp"):
+                if name.endswith(BATCH_FILE_SUFFIX) or name.endswith(BATCH_FILE_SUFFIX + ".tmp"):
                     os.unlink(os.path.join(self.directory, name))
         self._lock = threading.Lock()
         self._traces: "weakref.WeakSet[Trace]" = weakref.WeakSet()
@@ -198,7 +198,7 @@ class BatchStore:
         """Write ``b`` to a new batch file and switch it, in place, to the file's mapped buffers (invariant 12)."""
         with self._lock:
             self._next += 1
-            name = f"{os.getpid()}-{self._next:012d}.batch"
+            name = f"{os.getpid()}-{self._next:012d}{BATCH_FILE_SUFFIX}"
         path = os.path.join(self.directory, name)
         size = write_batch(path, b, self.vfs, sync=self.durable)
         f = open_batch(path)
