@@ -12,7 +12,8 @@ Format (version 1, ``BATCH_FILE_MAGIC``; listed in dbsp_core/storage/formats.py)
                      columns) and ``dbsp.row_hash`` ("0", "1": a column, "key": the key hashes are the row hashes).
                      No compression: every buffer is 8-byte aligned and read in place through mmap(2) or pread(2)
     [.., +8F)        fence: every 64th key hash (csrc/lookup.h's fence), so a seek needs no scan of the key hashes
-    [.., +8B)        Bloom filter: B u64 words (a power of two), K probes per key hash (``bloom_positions``)
+    [.., +8B)        Bloom filter: B u64 words (a power of two), blocked: K bits in one word per key hash
+                     (``bloom_build``)
     [.., +4P)        CRC-32C of each ``PAGE``-byte page of the Arrow file (the last page may be short)
     [EOF-64, EOF)    footer: magic "DBSPBTFT" | version u32 | K u32 | fence offset u64 | F u64 | bloom offset u64 |
                      B u64 | page-CRC offset u64 | CRC-32C of bytes [0, EOF-64) u32 | CRC-32C of footer bytes 0..55 u32
@@ -53,7 +54,7 @@ PAGE = 65536  # bytes per page CRC
 HEADER = struct.Struct("<8sIIQQQ20xI")  # 64 bytes
 FOOTER = struct.Struct("<8sIIQQQQQII")  # 64 bytes
 assert HEADER.size == 64 and FOOTER.size == 64
-BLOOM_BITS_PER_KEY = 10  # ~1% false positives with K = 6
+BLOOM_BITS_PER_KEY = 10  # ~1.5-2% false positives with K = 6 bits in one word (blocked)
 BLOOM_K = 6
 FENCE_STEP = 64  # csrc/lookup.h: a fence holds every 64th key hash
 
@@ -70,30 +71,36 @@ def _pad8(n: int) -> int:
     return (n + 7) & ~7
 
 
-def bloom_positions(hashes: np.ndarray, words: int, k: int) -> np.ndarray:
-    """The bit positions (k per hash, shape ``(len(hashes), k)``) of key hashes in a filter of ``words`` u64 words:
-    double hashing over the two 32-bit halves of the (already mixed) 64-bit key hash."""
-    bits = np.uint64(words * 64 - 1)  # words is a power of two
+def _bloom_parts(hashes: np.ndarray, words: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The word (the top bits of the key hash) and the mask of ``k`` bits in it (6-bit fields of the low bits) of
+    each key hash: a blocked Bloom filter, one 64-bit word per key, so building and probing touch one word per hash.
+    Top bits for the word: a batch's key hashes ascend, so their words do too and building needs no sort."""
     h = np.asarray(hashes, dtype=np.uint64)
-    lo = h & np.uint64(0xFFFFFFFF)
-    hi = (h >> np.uint64(32)) | np.uint64(1)
-    i = np.arange(k, dtype=np.uint64)
-    return (lo[:, None] + i[None, :] * hi[:, None]) & bits
+    shift = 64 - (words.bit_length() - 1)
+    word = (h >> np.uint64(shift)).astype(np.int64) if shift < 64 else np.zeros(len(h), dtype=np.int64)
+    mask = np.zeros(len(h), dtype=np.uint64)
+    for i in range(k):
+        mask |= np.uint64(1) << ((h >> np.uint64(6 * i)) & np.uint64(63))
+    return word, mask
 
 
 def bloom_build(hashes: np.ndarray, k: int = BLOOM_K) -> np.ndarray:
-    """A Bloom filter (uint64 words, a power of two of them) holding every hash of ``hashes`` (invariant 3).
+    """A blocked Bloom filter (uint64 words, a power of two of them, at most 2**28) holding every hash of
+    ``hashes``, ascending (invariant 3): word ``h >> (64 - log2 words)`` has bits ``(h >> 6 i) mod 64`` set, i < k.
 
-    >>> f = bloom_build(np.array([1, 2, 3], dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    >>> f = bloom_build(np.sort(np.array([1, 2, 3], dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)))
     >>> bool(bloom_may_contain(f, np.array([2], dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))[0])
     True
     """
     n = max(1, len(hashes))
-    words = 1 << max(0, (n * BLOOM_BITS_PER_KEY + 63) // 64 - 1).bit_length()
+    words = min(1 << 28, 1 << max(0, (n * BLOOM_BITS_PER_KEY + 63) // 64 - 1).bit_length())
     f = np.zeros(words, dtype=np.uint64)
     if len(hashes):
-        pos = bloom_positions(hashes, words, k).ravel()
-        np.bitwise_or.at(f, (pos >> np.uint64(6)).astype(np.int64), np.uint64(1) << (pos & np.uint64(63)))
+        word, mask = _bloom_parts(hashes, words, k)
+        starts = np.concatenate(([0], np.flatnonzero(word[1:] != word[:-1]) + 1))
+        if len(word) > 1 and bool((word[1:] < word[:-1]).any()):
+            raise ValueError("bloom_build: key hashes must ascend")
+        f[word[starts]] = np.bitwise_or.reduceat(mask, starts)
     return f
 
 
@@ -101,9 +108,8 @@ def bloom_may_contain(f: np.ndarray, hashes: np.ndarray, k: int = BLOOM_K) -> np
     """Per hash: False when the filter ``f`` proves it absent, True when it may be present."""
     if len(hashes) == 0:
         return np.zeros(0, dtype=bool)
-    pos = bloom_positions(hashes, len(f), k)
-    got = (f[(pos >> np.uint64(6)).astype(np.int64)] >> (pos & np.uint64(63))) & np.uint64(1)
-    return got.all(axis=1)
+    word, mask = _bloom_parts(hashes, len(f), k)
+    return (f[word] & mask) == mask
 
 
 def _fence(kh: np.ndarray) -> np.ndarray:

@@ -159,7 +159,12 @@ def test_trace_reads_the_same_spilled() -> None:
             mem.insert(ix)
             disk.insert(ix)
             store.enforce()
-        assert any(store.is_spilled(b) for b in disk.batches)
+        spilled = [b for b in disk.batches if store.is_spilled(b)]
+        assert spilled
+        for b in spilled:  # read in place: the buffers are the file's read-only mapping, not a copy in memory
+            f = store.file_of(b)
+            assert not b.key_hash.flags.writeable and not b.zset.weights.flags.writeable
+            assert b.zset.data.column(0).chunks[0].buffers()[1].address >= np.frombuffer(f.map, np.uint8).ctypes.data
         probe_keys = np.unique(rng.integers(0, 400, 50))
         probe = pa.table({"k": probe_keys})
         kh = ZSet.from_arrow(probe).hash(["k"])
