@@ -322,8 +322,9 @@ class Pipeline:
         directory = self._spill_dir
         if directory is None and self.storage is not None:
             directory = os.path.join(self.storage, SPILL_DIR)
-        self.executor.spill(BatchStore(self._memory_limit, directory, durable=self.storage is not None,
-                                       vfs=self._vfs))
+        # durable: under the storage directory, where checkpoints name the files (trace invariant 13)
+        self.executor.spill(BatchStore(self._memory_limit, directory,
+                                       durable=self.storage is not None and self._spill_dir is None, vfs=self._vfs))
 
     # ---- storage: create or recover ----
 

@@ -39,7 +39,7 @@ from dbsp_core.runtime.executor import (StateGroup, StepInput, as_step_error, gr
 from dbsp_core.runtime.migrate import hand_over, move_shards
 from dbsp_core.runtime.rollback import capture, restore
 from dbsp_core.storage.database import Database
-from dbsp_core.storage.formats import state_db_path
+from dbsp_core.storage.formats import SPILL_DIR, state_db_path
 from dbsp_core.storage.snapshot import state_attrs, state_tables
 from dbsp_core.trace import MergeThread, Trace, merging
 from dbsp_core.trace.spill import BatchStore, spilling
@@ -233,6 +233,8 @@ class EmbeddedExecutor:
         assert self.layout is not None
         stores = [WorkerStore(w, p, wk.stateful(), self.layout, self._groupings, self.vfs)
                   for w, (p, wk) in enumerate(zip(self._paths(), self._workers))]
+        for st in stores:
+            self._name_files(st)
         self._coord = Coordinator(stores, crashpoint)
         try:
             at = self._coord.start(load=True)
@@ -243,7 +245,22 @@ class EmbeddedExecutor:
             self._coord = None
             raise
         if self.batch_store is not None:  # the restored batches: under the budget before the first step
+            if self.batch_store.durable:  # keep the files the opened checkpoint names (trace invariant 13)
+                self.batch_store.sweep(self._referenced())
             self.spill(self.batch_store)
+
+    def _name_files(self, st: WorkerStore) -> None:
+        """Checkpoints of ``st`` name the durable store's batch files instead of copying their rows (trace
+        invariant 13); they read named files from <storage>/spill even without a store."""
+        assert self.storage is not None
+        st.snapshot.batch_dir = os.path.join(self.storage, SPILL_DIR)
+        if self.batch_store is not None and self.batch_store.durable:
+            st.snapshot.batch_store = self.batch_store
+
+    def _referenced(self) -> set[str]:
+        """The batch files the workers' checkpointed state names."""
+        assert self._coord is not None
+        return set().union(*(st.snapshot.referenced() for st in self._coord.stores))
 
     # ---- steps ----
 
@@ -349,6 +366,7 @@ class EmbeddedExecutor:
                     os.unlink(path)  # a database of a worker an earlier change removed, or an undone one
                 Database.create(path, self._coord.version, vfs=self.vfs).close()
                 st = WorkerStore(w, path, wk.stateful(), final, self._groupings, self.vfs)
+                self._name_files(st)
                 st.start(self._coord.version)
             self._joining[w] = (wk, st)
 
@@ -482,8 +500,13 @@ class EmbeddedExecutor:
         at, plans = self._coord.begin_checkpoint()
         if at != step:
             raise DbspError(f"checkpoint at step {step}, but the workers are at step {at}")
-        coord = self._coord
-        return lambda: coord.finish_checkpoint(at, plans)
+        coord, store = self._coord, self.batch_store
+
+        def finish() -> None:
+            coord.finish_checkpoint(at, plans)
+            if store is not None and store.durable:  # files no checkpoint names any more go (trace invariant 13)
+                store.checkpointed(set().union(*(st.snapshot.referenced() for st in coord.stores)))
+        return finish
 
     @property
     def version(self) -> int:

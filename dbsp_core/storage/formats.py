@@ -24,9 +24,9 @@ Directory format 2 (``DIRECTORY_FORMAT``)::
       consumers/<name>          one consumer of the output log: the first step it still needs (storage.consumers)
       consumers/LOCK            flock(2)ed while a consumer registers or the output log is truncated (empty)
       METRICS                   the pipeline's metrics at its last checkpoint (dbsp_core.metrics), for inspect
-      spill/<pid>-<n>.batch     batch files of traces spilled under a memory budget (dbsp_core/trace/spill.py);
-                                removed when their batch is merged away and when the directory is opened again
-                                (no checkpoint names them yet: checkpoints copy rows into the state databases)
+      spill/<tok>-<n>.batch     batch files of traces spilled under a memory budget (dbsp_core/trace/spill.py);
+                                named by checkpoints (``DRBF`` values) instead of copying their rows; deleted when
+                                no live batch reads them and no checkpoint that may be opened names them
 
 Framed records (dbsp_core.codec): ``magic (4 bytes) | format version (u8) | CRC-32 of the body (u32 LE) | body``.
 The body of a JSON record is UTF-8 JSON with sorted keys.
@@ -57,6 +57,9 @@ magic       where                                   body
                                                     shard of one trace batch, sorted by key hash)
 ``DRBG``    values of ``s<node>.<attr>`` tables      u32 run count, u32 run lengths, then one Arrow IPC
                                                     record batch: one shard's rows of several batches
+``DRBF``    values of ``s<node>.<attr>`` tables      JSON: file (a batch file's name in spill/), lo, hi: the rows
+                                                    of one shard of a spilled batch, read in place from the file
+                                                    (snapshot.py invariant 8)
 ``DORD``    key ``order.<table>`` of ``snapshot``    JSON: numbers (batch numbers in trace order), counts
                                                     (batches per number, if any is not 1), settled
 ``DDUP``    table ``dedup`` of driver.db, key =      JSON: wm (every seq <= wm seen), above (seen seqs
@@ -142,6 +145,7 @@ DISCARD_MAGIC = b"DDSC"
 ZSET_MAGIC = b"DZS1"
 BATCH_MAGIC = b"DRB1"
 BATCH_GROUP_MAGIC = b"DRBG"
+BATCH_REF_MAGIC = b"DRBF"
 ORDER_MAGIC = b"DORD"
 DEDUP_MAGIC = b"DDUP"
 CLOCK_MAGIC = b"DCLK"

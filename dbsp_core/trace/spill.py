@@ -24,6 +24,16 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      ``memory_limit * CACHE_SHARE`` bytes, the least recently used are evicted (madvise(MADV_DONTNEED): their pages
      leave the process; a later read faults them back from the page cache or the disk).
 
+ 13. Checkpoints name files, not rows (a durable pipeline's store: files under ``<storage>/spill``, fsynced with
+     their directory before the batch is switched to them, so before any checkpoint can name them): a checkpoint
+     saves a spilled batch as one small reference per shard (file name and row range, dbsp_core/storage/snapshot.py
+     invariant 8) and pins the file; a restore reads the batch in place from the file. A file is deleted only when
+     no live batch reads it and no checkpoint that may still be opened names it: after the next checkpoint that
+     does not name it has committed on every worker, or, after a crash, by the sweep of the next open, which
+     keeps exactly the files the opened checkpoint names. A crash between a file's write and the checkpoint that
+     names it leaves a file nobody names (swept); a crash during a checkpoint leaves the previous one, whose
+     files are still pinned and present.
+
 What is not spilled: pending batches of a trace being restored (they are placed at its first read), merge inputs
 (until the merge ends), Z-set state of operators that is not a trace, key indexes (dbsp_core/trace/keyindex.py)
 and the per-batch fence and filter (about 1.4 bytes per row).
@@ -102,18 +112,22 @@ class BatchStore:
         self._own_dir = directory is None
         self.directory = tempfile.mkdtemp(prefix="dbsp-spill-") if directory is None else os.fspath(directory)
         os.makedirs(self.directory, exist_ok=True)
-        if not self._own_dir:
-            for name in os.listdir(self.directory):  # an earlier process's files: no checkpoint names them
-                if name.endswith(BATCH_FILE_SUFFIX) or name.endswith(BATCH_FILE_SUFFIX + ".tmp"):
-                    os.unlink(os.path.join(self.directory, name))
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self.stats: dict[str, int] = {"files_deleted": 0}
+        if not durable:  # scratch: no checkpoint names an earlier process's files
+            self.sweep(set())
         self._traces: "weakref.WeakSet[Trace]" = weakref.WeakSet()
         self._files: dict[int, BatchFile] = {}  # id(batch) -> its open file, while the batch lives
+        self._offsets: dict[int, int] = {}  # id(batch) -> the file row its first row is (a restored slice), if not 0
+        self._owners: dict[str, int] = {}  # file name -> live batches read from it
+        self._pinned: set[str] = set()  # files the last checkpoint (or one being written) names: kept (invariant 13)
+        self._dead: set[str] = set()  # pinned files without a live batch: deleted once no checkpoint names them
         self._read: set[int] = set()  # ids of traces read since the last enforce
         self._resident: "OrderedDict[int, int]" = OrderedDict()  # id(batch) -> file size, used since evicted; LRU
         self._next = 0
-        self.stats = {"files_written": 0, "bytes_written": 0, "files_deleted": 0, "evictions": 0,
-                      "bytes_evicted": 0, "enforcements": 0}
+        self._token = os.urandom(6).hex()  # names never reused, even by a later process with the same pid
+        self.stats.update({"files_written": 0, "bytes_written": 0, "evictions": 0, "bytes_evicted": 0,
+                           "enforcements": 0})
 
     def __enter__(self) -> "BatchStore":
         return self
@@ -138,6 +152,67 @@ class BatchStore:
     def file_of(self, b: "IndexedZSet") -> BatchFile | None:
         """The batch file ``b`` lives in, or None when it is in memory."""
         return self._files.get(id(b))
+
+    def offset_of(self, b: "IndexedZSet") -> int:
+        """The row of its file (:meth:`file_of`) that ``b``'s first row is (0 but for a restored slice)."""
+        return self._offsets.get(id(b), 0)
+
+    # ---- what checkpoints call (invariant 13) ----
+
+    def path(self, name: str) -> str:
+        """The path of batch file ``name`` (a file name in the store's directory, as checkpoints name files)."""
+        if os.sep in name or name.startswith(".") or not name.endswith(BATCH_FILE_SUFFIX):
+            raise ValueError(f"not a batch file name: {name!r}")
+        return os.path.join(self.directory, name)
+
+    def adopt(self, b: "IndexedZSet", f: BatchFile, offset: int = 0) -> None:
+        """``b`` (restored from a checkpoint) is read in place from ``f``'s rows ``offset`` on: it counts as spilled
+        and keeps ``f`` from deletion while it lives."""
+        with self._lock:
+            self._files[id(b)] = f
+            if offset:
+                self._offsets[id(b)] = offset
+            name = os.path.basename(f.path)
+            self._owners[name] = self._owners.get(name, 0) + 1
+        weakref.finalize(b, self._release, id(b), name)
+
+    def pin(self, name: str) -> None:
+        """A checkpoint being written names file ``name``: it is kept until one that does not has committed."""
+        with self._lock:
+            self._pinned.add(name)
+
+    def checkpointed(self, names: set[str]) -> None:
+        """A checkpoint naming exactly the files ``names`` committed (every worker's): files it does not name and
+        no live batch reads are deleted; ``names`` stay pinned until the next one."""
+        with self._lock:
+            self._pinned = set(names)
+            gone = [n for n in self._dead if n not in self._pinned and n not in self._owners]
+            self._dead.difference_update(gone)
+        for n in gone:
+            self._delete(n)
+
+    def sweep(self, names: set[str]) -> None:
+        """Opening: delete every batch file (and temporary one) in the directory but ``names`` (those the opened
+        checkpoint names) and those live batches read; ``names`` are pinned."""
+        with self._lock:
+            self._pinned = set(names)
+            keep = self._pinned | set(getattr(self, "_owners", {}))  # (none yet when the constructor sweeps)
+        for n in sorted(os.listdir(self.directory)):
+            if (n.endswith(BATCH_FILE_SUFFIX) and n not in keep) or n.endswith(BATCH_FILE_SUFFIX + ".tmp"):
+                self._delete(n)
+
+    def _delete(self, name: str) -> None:
+        from dbsp_core import _storage
+
+        path = os.path.join(self.directory, name)
+        try:
+            if self.durable:
+                _storage.file_remove(path, self.vfs)
+            else:
+                os.unlink(path)
+            self.stats["files_deleted"] = self.stats.get("files_deleted", 0) + 1
+        except OSError:  # gone already, or the fault VFS crashed: the next open sweeps it
+            pass
 
     # ---- the budget ----
 
@@ -198,29 +273,38 @@ class BatchStore:
         """Write ``b`` to a new batch file and switch it, in place, to the file's mapped buffers (invariant 12)."""
         with self._lock:
             self._next += 1
-            name = f"{os.getpid()}-{self._next:012d}{BATCH_FILE_SUFFIX}"
+            name = f"{self._token}-{self._next:012d}{BATCH_FILE_SUFFIX}"
         path = os.path.join(self.directory, name)
         size = write_batch(path, b, self.vfs, sync=self.durable)
         f = open_batch(path)
         new = f.batch
         b._z, b._kh, b._rh, b._fx, b._cv = new._z, new._kh, new._rh, new._fx, None
         f = f._replace(batch=None)  # the file must not keep its batch alive: the batch's death deletes the file
-        self._files[id(b)] = f
+        with self._lock:
+            self._files[id(b)] = f
+            self._owners[name] = self._owners.get(name, 0) + 1
         self._resident[id(b)] = size  # just written: its pages are in the page cache, not yet in this process
-        weakref.finalize(b, self._forget, id(b), path)
+        weakref.finalize(b, self._release, id(b), name)
         self.stats["files_written"] += 1
         self.stats["bytes_written"] += size
         return f
 
-    def _forget(self, key: int, path: str) -> None:
-        """A spilled batch is gone: its file goes too (no checkpoint names a file yet: checkpoints copy rows)."""
-        self._files.pop(key, None)
-        self._resident.pop(key, None)
-        try:
-            os.unlink(path)
-            self.stats["files_deleted"] += 1
-        except OSError:
-            pass
+    def _release(self, key: int, name: str) -> None:
+        """A batch read from file ``name`` is gone (merged away, dropped): once no live batch reads the file, it is
+        deleted, or when a checkpoint names it, kept until one that does not has committed (invariant 13)."""
+        with self._lock:
+            self._files.pop(key, None)
+            self._offsets.pop(key, None)
+            self._resident.pop(key, None)
+            left = self._owners.get(name, 1) - 1
+            if left > 0:
+                self._owners[name] = left
+                return
+            self._owners.pop(name, None)
+            if name in self._pinned:
+                self._dead.add(name)
+                return
+        self._delete(name)
 
     def _trim_cache(self, traces: list["Trace"]) -> None:
         """Mark the files of the traces read since the last call used; evict the least recently used until the
