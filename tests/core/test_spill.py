@@ -200,9 +200,13 @@ def test_memory_limit_refused_at_the_boundary(value, error) -> None:
         dbsp.Pipeline(c, memory_limit=value)
 
 
-def test_spill_dir_needs_a_limit_and_staged_refuses_one() -> None:
+def test_spill_dir_needs_a_limit_and_staged_refuses_one(monkeypatch) -> None:
+    import dbsp_core.runtime.driver as driver_module
+    from dbsp_core.envvars import load
     from dbsp_core.errors import DbspError
     from dbsp_core.runtime.staged import StagedExecutor
+
+    monkeypatch.setattr(driver_module, "settings", lambda: load({}))  # as without DBSP_MEMORY_LIMIT (CI sets it)
 
     c = dbsp.Circuit()
     c.output("o", c.input("t", pa.schema([("k", pa.int64())])).distinct())
