@@ -79,6 +79,7 @@ class Executor(Protocol):
     # the end of the driver's output log (the driver sets it when it opens the log): an executor whose state
     # commits while steps run does not resume past a step whose output is not logged (staged.py invariant 2)
     output_steps: Callable[[], int]
+    batch_store: BatchStore | None  # the memory budget of the traces given by :meth:`spill` (None: none)
 
     @property
     def version(self) -> int:

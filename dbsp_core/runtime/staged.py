@@ -374,6 +374,8 @@ class StagedExecutor:
         """The state is in the stage databases: their bytes on disk."""
         return self.disk_bytes()
 
+    batch_store = None  # no memory budget (spill refuses one)
+
     def spill(self, store: Any) -> None:
         """A memory budget is the embedded executor's (trace invariant 12): a staged run keeps its traces in stage
         databases between jobs; refuses any store with DbspError."""

@@ -214,3 +214,21 @@ def test_spill_dir_needs_a_limit_and_staged_refuses_one(monkeypatch) -> None:
         dbsp.Pipeline(c, spill_dir=tempfile.mkdtemp())
     with pytest.raises(DbspError, match="staged executor does not spill"):
         dbsp.Pipeline(c, storage=tempfile.mkdtemp(), executor=StagedExecutor(), memory_limit="1MiB")
+
+
+def test_metrics_show_memory_and_disk_per_operator() -> None:
+    c = dbsp.Circuit()
+    t = c.input("t", pa.schema([("k", pa.int64()), ("v", pa.int64())]))
+    c.output("g", t.group_by("k").agg(n=dbsp.count()))
+    with dbsp.Pipeline(c, workers=2, memory_limit=TINY) as p:
+        for i in range(6):
+            p.push("t", pa.table({"k": list(range(i, i + 50)), "v": [i] * 50}))
+            p.step()
+        m = p.metrics()["spill"]
+        assert m["limit"] == TINY and m["disk_bytes"] > 0 and m["files_written"] > 0
+        ops = m["operators"]
+        assert sum(o["disk_bytes"] for o in ops.values()) > 0 and sum(o["rows"] for o in ops.values()) >= 50
+        text = p.serve_metrics(0)
+        import urllib.request
+        body = urllib.request.urlopen(f"http://127.0.0.1:{text[1]}/metrics").read().decode()
+        assert "dbsp_trace_disk_bytes{operator=" in body and "dbsp_spill_disk_bytes" in body
