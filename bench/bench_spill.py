@@ -13,8 +13,8 @@ bench/bench_scaling.py: ``--groups`` keys), settle their merges and then run ``-
 each start with every batch file's pages out of the process and out of the page cache (madvise and fadvise
 DONTNEED after a sync), and count after the step the pages of the files that are resident again (mincore(2)):
 the pages the step read from disk (the mappings are MADV_RANDOM, so no read-ahead is counted). The key indexes
-(trace invariant 11) answer distinct's and the group-by's lookups from memory; ``--key-index 0`` turns them off
-so those steps read the batches (what the Bloom filter and fences are for).
+(trace invariant 11) answer distinct's and the group-by's lookups from memory; ``DBSP_KEY_INDEX=0`` in the
+environment turns them off so those steps read the batches (what the Bloom filter and fences are for).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_scaling import AUCTIONS, _count, bids, circuit  # noqa: E402
 
 import dbsp_core as dbsp  # noqa: E402
+from dbsp_core.envvars import settings  # noqa: E402
 from dbsp_core.runtime.embedded import EmbeddedExecutor  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -140,13 +141,10 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--cold", type=int, default=20, help="steps measured with the files' pages dropped first")
-    ap.add_argument("--key-index", choices=["0", "1"], default=None, help="DBSP_KEY_INDEX for this run")
     args = ap.parse_args()
-    if args.key_index is not None:
-        os.environ["DBSP_KEY_INDEX"] = args.key_index  # read at the first settings() call, below
     state, groups = _count(args.state), _count(args.groups)
     print(f"state {state:,} rows, {groups:,} keys, {args.change}-row steps, limit {args.limit}, "
-          f"key index {os.environ.get('DBSP_KEY_INDEX', '1')}, load {os.getloadavg()[0]:.2f}", flush=True)
+          f"key indexes {'on' if settings().key_index else 'off'}, load {os.getloadavg()[0]:.2f}", flush=True)
     for q in args.queries.split(","):
         mem = run(q, state, groups, args, None)
         sp = run(q, state, groups, args, args.limit)

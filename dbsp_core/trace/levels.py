@@ -1,7 +1,8 @@
 """A Trace in levels: the integrated, indexed state of a stateful operator, consolidated batches kept in levels by the work that went into them, merged a little on every insert.
 
 Invariants (enforced here; :meth:`Trace.check` asserts 1, 2, 5 and 11; 10 is the merge thread's,
-dbsp_core/trace/merge_thread.py, and 11 the key index's, dbsp_core/trace/keyindex.py):
+dbsp_core/trace/merge_thread.py, 11 the key index's, dbsp_core/trace/keyindex.py, and 12-13 the batch store's,
+dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lookups ask its Bloom filter first):
   1. Every batch is a consolidated IndexedZSet on the trace's key, rows ascending by key hash; the trace's
      content is the sum of its batches: the loose batches of every level, both inputs of every merge in
      progress, and the pending batches (the same row may sit in several batches until they merge).
