@@ -278,6 +278,7 @@ class BatchStore:
         size = write_batch(path, b, self.vfs, sync=self.durable)
         f = open_batch(path)
         new = f.batch
+        new._z._distinct = b._z._distinct  # the same rows: what the old ZSet knew of them still holds
         b._z, b._kh, b._rh, b._fx, b._cv = new._z, new._kh, new._rh, new._fx, None
         f = f._replace(batch=None)  # the file must not keep its batch alive: the batch's death deletes the file
         with self._lock:
@@ -310,6 +311,10 @@ class BatchStore:
         """Mark the files of the traces read since the last call used; evict the least recently used until the
         used ones fit the cache share (invariant 12)."""
         read, self._read = self._read, set()
+        with self._lock:  # batches may die (and leave the LRU) on other threads meanwhile
+            self._trim_locked(traces, read)
+
+    def _trim_locked(self, traces: list["Trace"], read: set[int]) -> None:
         for t in traces:
             if id(t) in read:
                 for b in t._levels():
