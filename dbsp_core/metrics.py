@@ -38,8 +38,6 @@ from typing import Any
 
 import numpy as np
 
-from dbsp_core.trace.spill import batch_bytes
-
 __all__ = ["Metrics", "STEP_BUCKETS", "attach_source", "gather", "prometheus_text", "serve", "sources", "state_bytes",
            "stop_serving"]
 
@@ -218,14 +216,8 @@ def spill_metrics(store: Any, traces: list[dict[str, Any]]) -> dict:
     for per_worker in traces:
         for label, t in per_worker.items():
             o = ops.setdefault(label, {"rows": 0, "memory_bytes": 0, "disk_bytes": 0})
-            placed, pending = t.parts()
-            for b in list(placed) + list(pending):
-                o["rows"] += len(b)
-                f = store.file_of(b)
-                if f is None:
-                    o["memory_bytes"] += batch_bytes(b)
-                else:
-                    o["disk_bytes"] += int(f.size * len(b) / max(1, f.rows))
+            for k, v in store.trace_bytes(t).items():
+                o[k] += v
     mem, kept = store.memory()
     out = {"limit": store.memory_limit, "memory_bytes": mem, "filter_bytes": kept, "disk_bytes": store.disk_bytes(),
            "operators": ops}

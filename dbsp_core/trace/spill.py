@@ -229,6 +229,20 @@ class BatchStore:
                     mem += batch_bytes(b)
         return mem, sum(f.memory_bytes() for f in list(self._files.values()))
 
+    def trace_bytes(self, trace: "Trace") -> dict[str, int]:
+        """A trace's ``rows``, ``memory_bytes`` (batches in memory) and ``disk_bytes`` (its share of the batch files
+        its spilled batches read: a file's size over the rows read from it)."""
+        out = {"rows": 0, "memory_bytes": 0, "disk_bytes": 0}
+        placed, pending = trace.parts()
+        for b in list(placed) + list(pending):
+            out["rows"] += len(b)
+            f = self._files.get(id(b))
+            if f is None:
+                out["memory_bytes"] += batch_bytes(b)
+            else:
+                out["disk_bytes"] += int(f.size * len(b) / max(1, f.rows))
+        return out
+
     def disk_bytes(self) -> int:
         """Bytes of the batch files the store's batches live in."""
         return sum(f.size for f in list(self._files.values()))
