@@ -25,6 +25,9 @@ Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them
   thread, a whole number >= 0 (0: none; default 512).
 - ``DBSP_REGION_CACHE_MB`` (csrc/scratch.c reads it itself; checked here): MiB of freed mapped regions the C core
   keeps for reuse, a whole number >= 0 (default 256).
+- ``DBSP_MEMORY_LIMIT`` (runtime/driver.py): the memory budget of a pipeline's traces when ``Pipeline(...,
+  memory_limit=)`` is not given, bytes or a size such as ``4GiB`` (default: none). CI runs suites with a tiny one
+  (``DBSP_MEMORY_LIMIT=1``) so that every trace spills its batches to files (dbsp_core/trace/spill.py).
 
 Not runtime settings, read where they are used (listed so that this is the one list of every ``DBSP_*`` variable;
 tests/core/test_envvars.py checks that the repository reads no other):
@@ -60,10 +63,11 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import threading
 from typing import Mapping, NamedTuple
 
-__all__ = ["Settings", "SETTINGS", "settings", "load", "parse_number", "env_number", "check_native"]
+__all__ = ["Settings", "SETTINGS", "settings", "load", "parse_number", "parse_memory_limit", "env_number", "check_native"]
 
 NATIVE = ("DBSP_SCRATCH_MB", "DBSP_REGION_CACHE_MB")  # whole MiB >= 0, read by csrc/scratch.c
 
@@ -87,6 +91,41 @@ def parse_number(text: str, name: str, *, integer: bool = False, positive: bool 
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         raise ValueError(f"{name} must be {what}, got {text!r}")
     return value
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_memory_limit(value: Any, name: str = "memory_limit") -> int | None:
+    """A memory limit in bytes: an int (bytes, >= 1), or text such as ``"4GiB"``, ``"512MB"``, ``"1.5 GiB"``,
+    ``"100000"`` (SI units are powers of 10, IEC units and single letters powers of 2); None is no limit.
+    Anything else raises TypeError or ValueError naming ``name`` and what it accepts.
+
+    >>> parse_memory_limit("4GiB"), parse_memory_limit("512MB"), parse_memory_limit(1024), parse_memory_limit(None)
+    (4294967296, 512000000, 1024, None)
+    >>> parse_memory_limit("lots")
+    Traceback (most recent call last):
+    ...
+    ValueError: memory_limit must be a number of bytes >= 1 with an optional unit (B, KB, MB, GB, KiB, MiB, GiB, ...), such as "4GiB" or "512MB", got 'lots'
+    """
+    if value is None:
+        return None
+    what = (f'{name} must be a number of bytes >= 1 with an optional unit (B, KB, MB, GB, KiB, MiB, GiB, ...), '
+            f'such as "4GiB" or "512MB"')
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"{what}, or an int; got {type(value).__name__} {value!r}")
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"{what}, got {value!r}")
+        return value
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", value)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{what}, got {value!r}")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n < 1:
+        raise ValueError(f"{what}, got {value!r}")
+    return n
 
 
 def parse_flag(text: str, name: str) -> bool:
@@ -127,7 +166,7 @@ class Setting(NamedTuple):
 
     name: str
     field: str
-    kind: str  # "flag" | "number" | "whole" | "crashpoint"
+    kind: str  # "flag" | "number" | "whole" | "crashpoint" | "bytes"
     positive: bool = False  # numbers: > 0 rather than >= 0
     default: object = None
 
@@ -137,6 +176,8 @@ class Setting(NamedTuple):
             return parse_flag(text, self.name)
         if self.kind == "crashpoint":
             return parse_crashpoint(text, self.name)
+        if self.kind == "bytes":
+            return parse_memory_limit(text, self.name)
         return parse_number(text, self.name, integer=self.kind == "whole", positive=self.positive)
 
 
@@ -150,6 +191,7 @@ SETTINGS: tuple[Setting, ...] = (  # the list of the module docstring, in its or
     Setting("DBSP_CRASHPOINT", "crashpoint", "crashpoint", default=""),
     Setting("DBSP_SCRATCH_MB", "scratch_mb", "whole"),  # None: the C core's default (csrc/scratch.c)
     Setting("DBSP_REGION_CACHE_MB", "region_cache_mb", "whole"),  # likewise
+    Setting("DBSP_MEMORY_LIMIT", "memory_limit", "bytes"),  # None: no budget unless a Pipeline sets one
 )
 
 
@@ -165,6 +207,7 @@ class Settings(NamedTuple):
     crashpoint: str
     scratch_mb: int | None
     region_cache_mb: int | None
+    memory_limit: int | None
 
 
 assert Settings._fields == tuple(s.field for s in SETTINGS)

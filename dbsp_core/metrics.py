@@ -16,7 +16,9 @@ Invariants (enforced here):
 The Prometheus names (``dbsp_`` prefix): ``steps_total``, ``pushes_total``, ``duplicate_pushes_total``,
 ``rows_in_total{input}``, ``rows_out_total{output}``, ``step_seconds`` (histogram), ``checkpoints_total``,
 ``checkpoint_seconds`` (last), ``checkpoint_time_seconds_total``, ``replayed_steps_total``, ``recovery_seconds``,
-``log_bytes{log}``, ``state_bytes{worker}``, ``state_shard_bytes{worker,shard}``, ``key_index_bytes{worker}``
+``log_bytes{log}``, ``state_bytes{worker}``, ``state_shard_bytes{worker,shard}``, ``key_index_bytes{worker}``,
+under a memory budget ``spill_memory_bytes``, ``spill_disk_bytes``, ``spill_bytes_written_total``,
+``spill_evictions_total``, ``trace_memory_bytes{operator}``, ``trace_disk_bytes{operator}`` (trace invariant 12),
 (the traces' key indexes, memory beside the state: trace invariant 11, dbsp_core/trace/keyindex.py), ``late_rows_total{input}``,
 ``output_steps{end}`` (first, last), ``consumer_next_step{consumer}``, ``workers``, ``shards``; of each source
 (dbsp_core.connectors.files) ``source_files_total{source}``, ``source_rows_total{source}``,
@@ -249,7 +251,29 @@ def gather(p: Any, state: bool = True) -> dict:
             total, shards = state_bytes(traces, bits)
             out["state_bytes"][w] = {"total": total, "shards": shards,
                                      "key_index": sum(t.index_bytes for t in traces.values())}
+        store = p.executor.batch_store
+        if store is not None:
+            out["spill"] = spill_metrics(store, [p.traces(w) for w in range(p.layout.workers)])
     out["profile"] = pipeline_profile(p, state)  # after the state: p.traces refuses a closed pipeline first
+    return out
+
+
+def spill_metrics(store: Any, traces: list[dict[str, Any]]) -> dict:
+    """The memory budget's state (trace invariant 12): ``limit``, ``memory_bytes`` (batches in memory),
+    ``disk_bytes`` (batch files), the store's counters (files written and deleted, bytes written, cache
+    evictions and bytes evicted) and per operator's trace (``"<label>.<trace>"``, summed over workers) its rows,
+    bytes in memory and bytes in batch files (a file's size shared by the rows read from it). The cache is the
+    mapped pages of the files: the kernel counts its hits and misses (page faults), not the engine."""
+    ops: dict[str, dict[str, int]] = {}
+    for per_worker in traces:
+        for label, t in per_worker.items():
+            o = ops.setdefault(label, {"rows": 0, "memory_bytes": 0, "disk_bytes": 0})
+            for k, v in store.trace_bytes(t).items():
+                o[k] += v
+    mem, kept = store.memory()
+    out = {"limit": store.memory_limit, "memory_bytes": mem, "filter_bytes": kept, "disk_bytes": store.disk_bytes(),
+           "operators": ops}
+    out.update(store.stats)
     return out
 
 
@@ -333,6 +357,16 @@ def _families(m: dict) -> list:
                           labels=("consumer",), rows=m["sink_lag_steps"]))
     if "profile" in m:
         fams += prometheus_families(m["profile"])
+    if "spill" in m:
+        sp = m["spill"]
+        fams += [gauge("spill_memory_bytes", "Bytes of trace batches in memory under the memory budget", sp["memory_bytes"]),
+                 gauge("spill_disk_bytes", "Bytes of the batch files spilled traces live in", sp["disk_bytes"]),
+                 counter("spill_bytes_written_total", "Bytes of batch files written", sp["bytes_written"]),
+                 counter("spill_evictions_total", "Batch files whose mapped pages the cache evicted", sp["evictions"]),
+                 gauge("trace_memory_bytes", "Bytes of an operator's trace batches in memory", labels=("operator",),
+                       rows={k: v["memory_bytes"] for k, v in sp["operators"].items()}),
+                 gauge("trace_disk_bytes", "Bytes of an operator's trace batches in batch files", labels=("operator",),
+                       rows={k: v["disk_bytes"] for k, v in sp["operators"].items()})]
     if "state_bytes" in m:
         fams += [gauge("state_bytes", "Bytes of operator state per worker", labels=("worker",),
                        rows={w: v["total"] for w, v in m["state_bytes"].items()}),

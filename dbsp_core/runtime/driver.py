@@ -78,6 +78,7 @@ import pyarrow as pa
 from dbsp_core import _storage
 from dbsp_core.circuit import Circuit, circuit_fingerprint
 from dbsp_core.codec import decode_zset, encode_json, encode_zset
+from dbsp_core.envvars import parse_memory_limit, settings
 from dbsp_core.errors import DbspError, PrimaryKeyError, RecoveryError, SchemaError, StepError, StorageError
 from dbsp_core.layout import DEFAULT_SHARD_BITS, Layout, ShardMap
 from dbsp_core.metrics import Metrics, gather, serve, stop_serving
@@ -102,11 +103,12 @@ from dbsp_core.storage.directory import lock_dir, unlock_dir, write_record
 from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE,
                                        DISCARD_HANDLE, DISCARD_MAGIC, DIVISION_HANDLE, DIVISION_MAGIC, INPUT_DIR,
                                        META_FILE, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR, PROFILE_FILE,
-                                       PROFILE_MAGIC, STATE_DIR)
+                                       PROFILE_MAGIC, SPILL_DIR, STATE_DIR)
 from dbsp_core.storage.outputlog import OutputLog
 from dbsp_core.storage.steplog import StepLog
 from dbsp_core.time.watermark import NO_WATERMARK, advance, specs_of
 from dbsp_core.trace import Trace
+from dbsp_core.trace.spill import BatchStore
 from dbsp_core.zset import ZSet, weight_column
 
 # what push takes: these, pandas and polars DataFrames (neither imported here), a dict of columns, a list of rows
@@ -165,6 +167,13 @@ class Pipeline:
     autoscale : Autoscale or None
         A policy that sizes the pipeline from what it measures: after a step it may rescale live (see
         :class:`dbsp_core.Autoscale` and :meth:`autoscale`). None: the worker count changes only when asked.
+    memory_limit : int or str or None
+        A memory budget for the operators' traces: bytes, or a size such as ``"4GiB"`` or ``"512MB"``. Beyond it
+        the biggest, oldest batches of the traces move to immutable batch files on local disk and are read in
+        place through a cache (dbsp_core/trace/spill.py); results do not change. None: the ``DBSP_MEMORY_LIMIT``
+        setting, else no budget (every batch in memory). The embedded executor only, for now.
+    spill_dir : str or os.PathLike or None
+        Where batch files go (default: ``<storage>/spill``, or a temporary directory without storage).
 
     Examples
     --------
@@ -207,7 +216,8 @@ class Pipeline:
                  checkpoint_interval: float | None = 10.0, replay_check: bool = True,
                  output_retention: int | None = None, output_sync: bool = True, segment_bytes: int = 64 << 20,
                  clock: Callable[[], int] | None = None, autoscale: Autoscale | None = None, vfs: str = "posix",
-                 _rescale_to: int | None = None, _open_only: bool = False) -> None:
+                 memory_limit: int | str | None = None, spill_dir: Any = None, _rescale_to: int | None = None,
+                 _open_only: bool = False) -> None:
         if not isinstance(circuit, Circuit):
             raise TypeError(f"Pipeline needs a Circuit, got {type(circuit).__name__}")
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
@@ -225,6 +235,14 @@ class Pipeline:
         if autoscale is not None and not isinstance(autoscale, Autoscale):
             raise TypeError(f"autoscale must be a dbsp_core.Autoscale or None, got {type(autoscale).__name__}")
         ShardMap(workers, shard_bits)  # validates shard_bits against workers before anything is created
+        limit = parse_memory_limit(memory_limit)
+        from_setting = limit is None
+        if from_setting:
+            limit = settings().memory_limit
+        if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
+            raise TypeError(f"spill_dir must be a directory path or None, got {type(spill_dir).__name__}")
+        if spill_dir is not None and limit is None:
+            raise ValueError("spill_dir is where batches beyond memory_limit go: give memory_limit too")
         self.circuit = circuit
         self.executor: Executor = executor if executor is not None else EmbeddedExecutor(vfs=vfs)
         self.storage: str | None = None if storage is None else os.fspath(storage)
@@ -293,7 +311,12 @@ class Pipeline:
         self._metrics = Metrics(list(self._inputs), list(self._out_schemas))  # dbsp_core.metrics
         self.consumers: ConsumerRegistry | None = None  # with storage: who still needs which output steps
         self._last_checkpoint = time.monotonic()
+        # the setting applies where it can (a staged executor keeps its traces in stage databases); an explicit
+        # memory_limit on an executor that cannot spill is refused by it (Executor.spill)
+        self._memory_limit = None if from_setting and self.executor.kind != "embedded" else limit
+        self._spill_dir = None if spill_dir is None else os.fspath(spill_dir)
         if self.storage is None:
+            self._start_spilling()
             self.executor.start(circuit, Layout.local(workers, shard_bits), None)
         else:
             try:
@@ -324,6 +347,17 @@ class Pipeline:
             raise ValueError(f"Pipeline.open: workers must be a positive int or None, got {workers!r}")
         return cls(circuit, 1, DEFAULT_SHARD_BITS, root, _rescale_to=workers, _open_only=True, **kwargs)
 
+    def _start_spilling(self) -> None:
+        """Give the executor its batch store when a memory budget is set (trace invariant 12)."""
+        if self._memory_limit is None:
+            return
+        directory = self._spill_dir
+        if directory is None and self.storage is not None:
+            directory = os.path.join(self.storage, SPILL_DIR)
+        # durable: under the storage directory, where checkpoints name the files (trace invariant 13)
+        self.executor.spill(BatchStore(self._memory_limit, directory,
+                                       durable=self.storage is not None and self._spill_dir is None, vfs=self._vfs))
+
     # ---- storage: create or recover ----
 
     def _open_storage(self, workers: int, shard_bits: int, segment_bytes: int, replay_check: bool,
@@ -333,6 +367,7 @@ class Pipeline:
         assert root is not None
         os.makedirs(root, exist_ok=True)
         self._lockfd = lock_dir(root)
+        self._start_spilling()  # after the lock: the store clears the spill directory of an earlier process
         opened = open_directory(root, self.executor, self.circuit, self.fingerprint, self._inputs, self._out_schemas,
                                 workers=workers, shard_bits=shard_bits, open_only=open_only,
                                 segment_bytes=segment_bytes, replay_check=replay_check, output_sync=output_sync,

@@ -40,9 +40,10 @@ from dbsp_core.runtime.executor import (StateGroup, StepInput, as_step_error, gr
 from dbsp_core.runtime.migrate import hand_over, move_shards
 from dbsp_core.runtime.rollback import capture, restore
 from dbsp_core.storage.database import Database
-from dbsp_core.storage.formats import state_db_path
+from dbsp_core.storage.formats import SPILL_DIR, state_db_path
 from dbsp_core.storage.snapshot import state_attrs, state_tables
 from dbsp_core.trace import MergeThread, Trace, merging
+from dbsp_core.trace.spill import BatchStore, spilling
 from dbsp_core.zset import ZSet
 
 
@@ -146,6 +147,7 @@ class EmbeddedExecutor:
         self.vfs = vfs
         self.background_merge = background_merge
         self._merge_thread: MergeThread | None = None
+        self.batch_store: BatchStore | None = None  # the memory budget of the traces (trace invariant 12)
         self.circuit: Circuit | None = None
         self.layout: Layout | None = None
         self.storage: str | None = None
@@ -245,6 +247,8 @@ class EmbeddedExecutor:
         assert self.layout is not None
         stores = [WorkerStore(w, p, wk.stateful(), self.layout, self._groupings, self.vfs)
                   for w, (p, wk) in enumerate(zip(self._paths(), self._workers))]
+        for st in stores:
+            self._name_files(st)
         self._coord = Coordinator(stores, crashpoint)
         try:
             at = self._coord.start(load=True)
@@ -254,6 +258,23 @@ class EmbeddedExecutor:
             self._coord.close()
             self._coord = None
             raise
+        if self.batch_store is not None:  # the restored batches: under the budget before the first step
+            if self.batch_store.durable:  # keep the files the opened checkpoint names (trace invariant 13)
+                self.batch_store.sweep(self._referenced())
+            self.spill(self.batch_store)
+
+    def _name_files(self, st: WorkerStore) -> None:
+        """Checkpoints of ``st`` name the durable store's batch files instead of copying their rows (trace
+        invariant 13); they read named files from <storage>/spill even without a store."""
+        assert self.storage is not None
+        st.snapshot.batch_dir = os.path.join(self.storage, SPILL_DIR)
+        if self.batch_store is not None and self.batch_store.durable:
+            st.snapshot.batch_store = self.batch_store
+
+    def _referenced(self) -> set[str]:
+        """The batch files the workers' checkpointed state names."""
+        assert self._coord is not None
+        return set().union(*(st.snapshot.referenced() for st in self._coord.stores))
 
     # ---- steps ----
 
@@ -272,7 +293,7 @@ class EmbeddedExecutor:
         t0 = time.thread_time() if self.measure_cpu else 0.0
         b0 = time.perf_counter()
         try:
-            with merging(merge_thread):
+            with merging(merge_thread), spilling(self.batch_store):
                 return self._workers[w].step()
         except BaseException:
             assert self._exchanger is not None
@@ -296,6 +317,8 @@ class EmbeddedExecutor:
                 restore(saved)
                 exc.step, exc.done = s.step, done
                 raise
+            if self.batch_store is not None:  # between steps: no worker runs (trace invariant 12)
+                self.batch_store.enforce()
         return done
 
     def _run_one(self, s: StepInput) -> dict[str, ZSet]:
@@ -364,6 +387,7 @@ class EmbeddedExecutor:
                     os.unlink(path)  # a database of a worker an earlier change removed, or an undone one
                 Database.create(path, self._coord.version, vfs=self.vfs).close()
                 st = WorkerStore(w, path, wk.stateful(), final, self._groupings, self.vfs)
+                self._name_files(st)
                 st.start(self._coord.version)
             self._joining[w] = (wk, st)
 
@@ -437,6 +461,21 @@ class EmbeddedExecutor:
         raise DbspError("resume: the embedded executor's state is in memory; a live rescale moves it with "
                         "relayout, and a stored layout change is loaded by open_state and load_state")
 
+    def spill(self, store: BatchStore | None) -> None:
+        """Keep the traces' batches under ``store``'s memory budget from now on (trace invariant 12; None: in
+        memory); the traces already built register now, and it is enforced at once and after every step."""
+        self.batch_store = store
+        if store is not None and self._workers:
+            for t in self._all_traces():
+                t._store = store
+                store.register(t)
+            store.enforce()
+
+    def _all_traces(self) -> list[Trace]:
+        """Every trace of every worker's operators (what checkpoints save)."""
+        return [getattr(inst, name) for wk in self._workers for i, inst in wk.stateful().items()
+                for name in state_attrs(i, inst)[0]]
+
     def settle_merges(self) -> None:
         """Wait until the merge thread has no merge left and every trace has installed what it merged (after a
         bulk load, say, so later steps do not share the machine with the load's merges). Call between steps."""
@@ -449,8 +488,7 @@ class EmbeddedExecutor:
         bytes than their inputs; the wait is merge work the steps before would have done without the merge thread)."""
         if self._merge_thread is None:
             return
-        traces = [getattr(inst, name) for wk in self._workers for i, inst in wk.stateful().items()
-                  for name in state_attrs(i, inst)[0]]
+        traces = self._all_traces()
         while True:
             installed = sum(t.install_finished(self._merge_thread if settle else None) for t in traces)
             # nothing left to install and an idle merge thread (no merge handed over and unfinished): settled
@@ -483,8 +521,13 @@ class EmbeddedExecutor:
         at, plans = self._coord.begin_checkpoint()
         if at != step:
             raise DbspError(f"checkpoint at step {step}, but the workers are at step {at}")
-        coord = self._coord
-        return lambda: coord.finish_checkpoint(at, plans)
+        coord, store = self._coord, self.batch_store
+
+        def finish() -> None:
+            coord.finish_checkpoint(at, plans)
+            if store is not None and store.durable:  # files no checkpoint names any more go (trace invariant 13)
+                store.checkpointed(set().union(*(st.snapshot.referenced() for st in coord.stores)))
+        return finish
 
     @property
     def version(self) -> int:
@@ -519,6 +562,9 @@ class EmbeddedExecutor:
         if self._merge_thread is not None:
             self._merge_thread.close()
             self._merge_thread = None
+        if self.batch_store is not None:
+            self.batch_store.close()
+            self.batch_store = None
         if self._coord is not None:
             self._coord.close()
             self._coord = None

@@ -39,6 +39,7 @@ from dbsp_core.layout import Layout
 from dbsp_core.profile import NodeTimer
 from dbsp_core.storage.snapshot import TableSpec
 from dbsp_core.trace import Trace
+from dbsp_core.trace.spill import BatchStore
 from dbsp_core.zset import ZSet
 
 
@@ -82,6 +83,7 @@ class Executor(Protocol):
     # busy seconds per worker of the last run() (time in operators, not waiting at an exchange), or None when the
     # executor does not measure it (a staged executor's tasks run elsewhere): the autoscaling policy's work measure
     busy: list[float] | None
+    batch_store: BatchStore | None  # the memory budget of the traces given by :meth:`spill` (None: none)
 
     @property
     def version(self) -> int:
@@ -138,8 +140,12 @@ class Executor(Protocol):
     def disk_bytes(self) -> int:
         """Bytes of state on disk."""
 
+    def spill(self, store: BatchStore | None) -> None:
+        """Keep the traces' batches under ``store``'s memory budget (trace invariant 12, dbsp_core/trace/spill.py):
+        an executor that cannot raises DbspError naming what to do instead."""
+
     def close(self) -> None:
-        """Release threads and files."""
+        """Release threads and files (and the batch store it was given)."""
 
 
 def spread(pushes: list[tuple[str, ZSet]], workers: int, cursor: int, keep: Any = None

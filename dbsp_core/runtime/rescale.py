@@ -60,7 +60,7 @@ from dbsp_core.runtime.executor import Executor, StateGroup
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.directory import (read_layout, read_rescale, remove_record, remove_rescale, write_layout,
                                          write_rescale)
-from dbsp_core.storage.formats import worker_files
+from dbsp_core.storage.formats import SPILL_DIR, STATE_DIR, worker_files
 from dbsp_core.storage.shardmove import relayout_group
 
 __all__ = ["LiveHost", "LiveRescale", "begin_live", "cold_rescale", "end_live", "live_target", "remove_leaving",
@@ -173,7 +173,10 @@ def _relayout(g: StateGroup, old: Layout, new: Layout, version: int, step: int,
             else:
                 dbs[w] = Database(path, vfs=vfs)
             handles[w] = dbs[w].open(version)
-        rep = relayout_group(handles, old, new, g.tables, f"{g.name}", measure_total)
+        path0 = g.path_of(0)  # <root>/state/...: batch files that values name are in <root>/spill
+        root = path0[:path0.rfind(os.sep + STATE_DIR + os.sep)]
+        rep = relayout_group(handles, old, new, g.tables, f"{g.name}", measure_total,
+                             batch_dir=os.path.join(root, SPILL_DIR))
         for w in range(n):
             handles[w].set_step(step)  # a new worker's database starts at step 0
             handles[w].commit()

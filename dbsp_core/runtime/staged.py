@@ -396,6 +396,16 @@ class StagedExecutor:
         """The state is in the stage databases: their bytes on disk."""
         return self.disk_bytes()
 
+    batch_store = None  # no memory budget (spill refuses one)
+
+    def spill(self, store: Any) -> None:
+        """A memory budget is the embedded executor's (trace invariant 12): a staged run keeps its traces in stage
+        databases between jobs; refuses any store with DbspError."""
+        if store is not None:
+            store.close()
+            raise DbspError("memory_limit: the staged executor does not spill batches yet; run the pipeline with "
+                            "the embedded executor, or without memory_limit (and DBSP_MEMORY_LIMIT unset)")
+
     def close(self) -> None:
         close = getattr(self.runner, "close", None)
         if close is not None:

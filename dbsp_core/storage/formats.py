@@ -25,6 +25,9 @@ Directory format 2 (``DIRECTORY_FORMAT``)::
       consumers/LOCK            flock(2)ed while a consumer registers or the output log is truncated (empty)
       METRICS                   the pipeline's metrics at its last checkpoint (dbsp_core.metrics), for inspect
       PROFILE                   the pipeline's profile at its last checkpoint (dbsp_core.profile), for dbsp profile
+      spill/<tok>-<n>.batch     batch files of traces spilled under a memory budget (dbsp_core/trace/spill.py);
+                                named by checkpoints (``DRBF`` values) instead of copying their rows; deleted when
+                                no live batch reads them and no checkpoint that may be opened names them
 
 Framed records (dbsp_core.codec): ``magic (4 bytes) | format version (u8) | CRC-32 of the body (u32 LE) | body``.
 The body of a JSON record is UTF-8 JSON with sorted keys.
@@ -55,6 +58,9 @@ magic       where                                   body
                                                     shard of one trace batch, sorted by key hash)
 ``DRBG``    values of ``s<node>.<attr>`` tables      u32 run count, u32 run lengths, then one Arrow IPC
                                                     record batch: one shard's rows of several batches
+``DRBF``    values of ``s<node>.<attr>`` tables      JSON: file (a batch file's name in spill/), lo, hi: the rows
+                                                    of one shard of a spilled batch, read in place from the file
+                                                    (snapshot.py invariant 8)
 ``DORD``    key ``order.<table>`` of ``snapshot``    JSON: numbers (batch numbers in trace order), counts
                                                     (batches per number, if any is not 1), settled
 ``DDUP``    table ``dedup`` of driver.db, key =      JSON: wm (every seq <= wm seen), above (seen seqs
@@ -79,6 +85,12 @@ magic       where                                   body
 State values are keyed by :func:`dbsp_core.storage.database.shard_key` ``(shard, number)``: the shard as 4
 big-endian bytes, then the value's number as 8 big-endian bytes (snapshot.py invariant 3); key ``next`` of
 table ``snapshot`` holds the next unused number (8 big-endian bytes).
+
+Batch files (``BATCH_FILE_MAGIC`` ``DBSPBTCH`` header, ``BATCH_FILE_FOOTER_MAGIC`` ``DBSPBTFT`` footer, format
+``BATCH_FILE_VERSION`` 1), specified byte by byte in dbsp_core/trace/batchfile.py: one trace batch, immutable once
+renamed into place: header, an embedded standard Arrow IPC file (data columns, weight, key hash, row hash), the
+fence of its key hashes, a Bloom filter on them, a CRC-32C per 64 KiB page, and a footer with the whole file's
+CRC-32C. The same bytes can be uploaded as they are and named by a checkpoint.
 
 Formats below this module's level, specified byte by byte where they are written: the page file of a Database
 (``DBSPMETA`` meta slots, csrc/pagestore.c), the step log (``DBSPSLOG`` header, ``DBSPSSEG`` segments
@@ -116,6 +128,8 @@ CONSUMERS_DIR = "consumers"
 CONSUMERS_LOCK = "LOCK"
 METRICS_FILE = "METRICS"
 PROFILE_FILE = "PROFILE"
+SPILL_DIR = "spill"  # batch files of spilled traces (dbsp_core/trace/spill.py)
+BATCH_FILE_SUFFIX = ".batch"
 TMP_SUFFIX = ".tmp"  # <file>.tmp: an atomic replace's new content before its rename (csrc/smallfile.c, job_files)
 NEW_SUFFIX = ".new"  # a log directory's repaired twin (``input.new``, ``output.new``) while REPAIR is in force
 REPAIR_BACKUP_PREFIX = "repair-"  # repair-<n>/: what a repair replaced
@@ -135,6 +149,7 @@ DISCARD_MAGIC = b"DDSC"
 ZSET_MAGIC = b"DZS1"
 BATCH_MAGIC = b"DRB1"
 BATCH_GROUP_MAGIC = b"DRBG"
+BATCH_REF_MAGIC = b"DRBF"
 ORDER_MAGIC = b"DORD"
 DEDUP_MAGIC = b"DDUP"
 CLOCK_MAGIC = b"DCLK"
@@ -149,6 +164,9 @@ PROFILE_MAGIC = b"DPRF"
 FORMAT1_OUTPUT_MAGIC = b"DOUT"  # a record of a format-1 output segment (dbsp_core.storage.outputlog_format1)
 STEPLOG_SEGMENT_MAGIC = b"DBSPSSEG"  # the header of a step log segment (csrc/steplog.c)
 STEPLOG_RECORD_MAGIC = b"DSLR"  # the frame of a format-2 step log record (csrc/steplog.c)
+BATCH_FILE_MAGIC = b"DBSPBTCH"  # the header of a batch file (dbsp_core/trace/batchfile.py)
+BATCH_FILE_FOOTER_MAGIC = b"DBSPBTFT"  # its footer
+BATCH_FILE_VERSION = 1
 
 DIVISION_HANDLE = "\x00division"  # the input log's handle of division records
 DISCARD_HANDLE = "\x00discard"  # the input log's handle of discard records (Pipeline.discard)

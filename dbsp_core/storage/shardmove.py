@@ -16,24 +16,28 @@ Invariants (enforced here):
   3. A change of the shard count re-keys values inside each database, never across databases: doubling S
      splits each value at the child boundary of the key hash (decoding it: the only place stored rows are
      read), halving S concatenates the values of the two children of a shard (moves run first at the finer
-     count, so both children are in the same database by then).
+     count, so both children are in the same database by then). A value that names a row range of a batch file
+     (``DRBF``, snapshot.py invariant 8) splits into two ranges of the same file at the child boundary (read from
+     the file's key hashes); the children's ranges of one file concatenate into one range when they meet, and
+     into rows otherwise.
   4. Everything happens in the caller's open handles (each writing version v+1 of its database): the change
      is durable only when the caller commits them all, so a crash before leaves version v everywhere.
 """
 
 from __future__ import annotations
 
+import os
 import re
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from dbsp_core.codec import (decode_batch, decode_json, decode_runs, decode_zset, encode_batch,
+from dbsp_core.codec import (decode_batch, decode_json, decode_runs, decode_zset, encode_batch, encode_json,
                              encode_runs, encode_zset, frame, unframe, zset_batch)
 from dbsp_core.errors import CorruptionError
 from dbsp_core.layout import Layout, resample_owners, shard_runs
 from dbsp_core.storage.database import SHARD_PREFIX_BYTES, DatabaseHandle, shard_key
-from dbsp_core.storage.formats import (BATCH_GROUP_MAGIC, BATCH_MAGIC, SNAPSHOT_LAYOUT, SNAPSHOT_TABLE,
+from dbsp_core.storage.formats import (BATCH_GROUP_MAGIC, BATCH_MAGIC, BATCH_REF_MAGIC, SNAPSHOT_LAYOUT, SNAPSHOT_TABLE,
                                        WORKER_LAYOUT_MAGIC, ZSET_MAGIC, is_state_table, order_key)
 from dbsp_core.storage.snapshot import TableSpec, read_next, read_order, write_next, write_order
 from dbsp_core.zset import ZSet
@@ -123,10 +127,12 @@ def _take(z: ZSet, idx: np.ndarray) -> ZSet:
 class _Group:
     """The open handles of one group's databases and what each holds, read once."""
 
-    def __init__(self, handles: dict[int, DatabaseHandle], specs: dict[str, TableSpec], where: str) -> None:
+    def __init__(self, handles: dict[int, DatabaseHandle], specs: dict[str, TableSpec], where: str,
+                 batch_dir: str | None = None) -> None:
         self.h = handles
         self.specs = specs
         self.where = where
+        self.refs = _Refs(batch_dir)
         # worker -> table -> {key: value}, and the batch count of every number of every trace table as read
         self.values: dict[int, dict[str, dict[bytes, bytes]]] = {}
         self.counts: dict[int, dict[str, dict[int, int]]] = {}
@@ -157,7 +163,7 @@ def _rekey(g: _Group, w: int, bits: int, to_bits: int) -> None:
                 for b in range(bits, to_bits):  # one level at a time: bit (63 - b) decides the child
                     nxt = []
                     for s, val in vals:
-                        lo, hi = _split_with_bit(t, spec, val, 63 - b, where)
+                        lo, hi = _split_with_bit(t, spec, val, 63 - b, where, g.refs)
                         if lo is not None:
                             nxt.append((2 * s, lo))
                         if hi is not None:
@@ -170,14 +176,50 @@ def _rekey(g: _Group, w: int, bits: int, to_bits: int) -> None:
             h.delete(t, k)
         kv.clear()
         for k, vals in new.items():
-            val = vals[0] if len(vals) == 1 else _concat_values(t, spec, vals, f"{g.where} worker {w} {t}")
+            val = vals[0] if len(vals) == 1 else _concat_values(t, spec, vals, f"{g.where} worker {w} {t}", g.refs)
             h.put(t, k, val)
             kv[k] = val
 
 
-def _split_with_bit(table: str, spec: TableSpec, value: bytes, bit: int, where: str
+class _Refs:
+    """The batch files values name (invariant 3): read from ``batch_dir``, each opened once."""
+
+    def __init__(self, batch_dir: str | None) -> None:
+        self.batch_dir = batch_dir
+        self.files: dict[str, Any] = {}
+
+    def get(self, value: bytes, where: str) -> tuple[dict, Any]:
+        """The reference of a ``DRBF`` value and its open batch file."""
+        from dbsp_core.trace.batchfile import open_batch
+
+        d = decode_json(BATCH_REF_MAGIC, value, where)
+        name = os.path.basename(str(d["file"]))
+        f = self.files.get(name)
+        if f is None:
+            if self.batch_dir is None:
+                raise CorruptionError(f"{where}: names batch file {name!r}, but no batch file directory is known")
+            f = self.files[name] = open_batch(os.path.join(self.batch_dir, name))
+        if not 0 <= int(d["lo"]) <= int(d["hi"]) <= f.rows:
+            raise CorruptionError(f"{where}: rows {d['lo']}..{d['hi']} are not in batch file {name!r}")
+        return {"file": name, "lo": int(d["lo"]), "hi": int(d["hi"])}, f
+
+    def rows(self, value: bytes, where: str) -> ZSet:
+        d, f = self.get(value, where)
+        return f.batch.slice(d["lo"], d["hi"]).zset
+
+
+def _ref(name: str, lo: int, hi: int) -> bytes | None:
+    return None if lo == hi else encode_json(BATCH_REF_MAGIC, {"file": name, "lo": lo, "hi": hi})
+
+
+def _split_with_bit(table: str, spec: TableSpec, value: bytes, bit: int, where: str, refs: _Refs
                     ) -> tuple[bytes | None, bytes | None]:
     magic = value[:4]
+    if magic == BATCH_REF_MAGIC and spec.kind == "trace":  # rows ascend by key hash: bit 0 first, then 1
+        d, f = refs.get(value, where)
+        kh = f.batch.key_hash[d["lo"]:d["hi"]]
+        mid = d["lo"] + int(np.count_nonzero(((kh >> np.uint64(bit)) & np.uint64(1)) == 0))
+        return _ref(d["file"], d["lo"], mid), _ref(d["file"], mid, d["hi"])
     if spec.kind == "zset":
         lo, hi = _halves_at(decode_zset(value, spec.schema, where, ZSET_MAGIC), spec.key, bit)
         return (None if lo.num_rows == 0 else encode_zset(lo, ZSET_MAGIC),
@@ -201,11 +243,21 @@ def _encode_runs(runs: tuple[ZSet, ...], spec: TableSpec) -> bytes | None:
     return encode_runs(zset_batch(whole), [r.num_rows for r in runs], BATCH_GROUP_MAGIC)
 
 
-def _concat_values(table: str, spec: TableSpec, vals: list[bytes], where: str) -> bytes:
+def _concat_values(table: str, spec: TableSpec, vals: list[bytes], where: str, refs: _Refs) -> bytes:
     """One value holding the rows of ``vals`` (children of a merged shard, in child order)."""
     if spec.kind == "zset":
         return encode_zset(ZSet.concat([decode_zset(v, spec.schema, where, ZSET_MAGIC) for v in vals]), ZSET_MAGIC)
     kinds = {v[:4] for v in vals}
+    if BATCH_REF_MAGIC in kinds and kinds <= {BATCH_REF_MAGIC, BATCH_MAGIC}:
+        if kinds == {BATCH_REF_MAGIC}:
+            ds = [refs.get(v, where)[0] for v in vals]
+            if len({d["file"] for d in ds}) == 1 and all(a["hi"] == b["lo"] for a, b in zip(ds, ds[1:])):
+                out = _ref(ds[0]["file"], ds[0]["lo"], ds[-1]["hi"])
+                assert out is not None
+                return out
+        parts = [refs.rows(v, where) if v[:4] == BATCH_REF_MAGIC else decode_batch(v, spec.schema, where, BATCH_MAGIC)
+                 for v in vals]
+        return encode_batch(zset_batch(ZSet.concat(parts)), BATCH_MAGIC)
     if kinds == {BATCH_MAGIC}:
         parts = [decode_batch(v, spec.schema, where, BATCH_MAGIC) for v in vals]
         return encode_batch(zset_batch(ZSet.concat(parts)), BATCH_MAGIC)
@@ -303,7 +355,7 @@ def _import(handles: dict[int, DatabaseHandle], incoming: dict[int, list[tuple[i
 
 
 def relayout_group(handles: dict[int, DatabaseHandle], old: Layout, new: Layout, specs: dict[str, TableSpec],
-                   where: str, measure_total: bool = True) -> dict:
+                   where: str, measure_total: bool = True, batch_dir: str | None = None) -> dict:
     """Change the state of one group of databases from layout ``old`` to ``new`` (invariants 1-4).
 
     ``handles`` holds an open write handle for every worker of either layout (a worker only in ``new`` has an
@@ -316,7 +368,7 @@ def relayout_group(handles: dict[int, DatabaseHandle], old: Layout, new: Layout,
         raise ValueError(f"relayout_group: no handle for workers {missing}")
     if old.shard_bits == new.shard_bits:
         return _move_same_bits(handles, old, new, specs, where, measure_total)
-    g = _Group(handles, specs, where)
+    g = _Group(handles, specs, where, batch_dir)  # batch_dir: where named batch files are (invariant 3)
     total = g.total_bytes()
     fine = max(old.shard_bits, new.shard_bits)
     rekeyed = 0

@@ -31,10 +31,16 @@ Invariants (enforced here):
      and checkpoint, not one per shard and step. A group is one entry of the order record (with its batch
      count) and loads back as the same batches (minus any that moved away entirely); once any of its batches
      is merged away, the group is deleted and its remaining batches are saved again.
+  8. A settled batch that lives in a batch file (spilled under a memory budget by a durable store,
+     dbsp_core/trace/spill.py invariant 13) is saved as references, not rows: one ``DRBF`` value per shard naming
+     the file and the shard's row range in it; the file is pinned from the plan on. Loading reads the batch in
+     place from the file (checked whole once per load), a single slice when its shards' ranges are contiguous.
+     :meth:`WorkerSnapshot.referenced` is the set of files the stored values name.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any, NamedTuple
 
@@ -45,8 +51,8 @@ from dbsp_core.codec import (decode_batch, decode_json, decode_runs, decode_zset
                              encode_runs, encode_zset, zset_batch)
 from dbsp_core.errors import CorruptionError, DbspError
 from dbsp_core.storage.database import SHARD_PREFIX_BYTES, DatabaseHandle, shard_key, shard_of_key
-from dbsp_core.storage.formats import (BATCH_GROUP_MAGIC, BATCH_MAGIC, ORDER_MAGIC, SNAPSHOT_NEXT, SNAPSHOT_TABLE,
-                                       ZSET_MAGIC, order_key, trace_table, zset_table)
+from dbsp_core.storage.formats import (BATCH_GROUP_MAGIC, BATCH_MAGIC, BATCH_REF_MAGIC, ORDER_MAGIC, SNAPSHOT_NEXT,
+                                       SNAPSHOT_TABLE, ZSET_MAGIC, order_key, trace_table, zset_table)
 from dbsp_core.trace import Trace
 from dbsp_core.zset import IndexedZSet, ZSet
 
@@ -252,6 +258,15 @@ class WorkerSnapshot:
         self._orphans: dict[str, list[list[bytes]]] = {}
         self._next = 0  # number of the next value written
         self._stale = 0  # the last key under which _put moved an entry whose batch is gone (negative: no id's)
+        # invariant 8: the durable BatchStore whose files may be named (None: rows are copied), the directory
+        # files named by stored values are read from, and the file each stored reference value names
+        self.batch_store: Any = None
+        self.batch_dir: str | None = None
+        self._key_file: dict[bytes, str] = {}
+
+    def referenced(self) -> set[str]:
+        """The batch files the stored values name (invariant 8), as of the last :meth:`prepare` or :meth:`load`."""
+        return set(self._key_file.values())
 
     def tables(self) -> dict[str, TableSpec]:
         """The state tables this snapshot saves (see :func:`state_tables`)."""
@@ -355,6 +370,10 @@ class WorkerSnapshot:
                 self._next += 1
                 self._saved_z[table] = (z, keys)
         plan.append(("next", self._next))
+        for op in plan:  # the files the stored values name once the plan is applied (invariant 8)
+            if op[0] == "delete":
+                for k in op[2]:
+                    self._key_file.pop(k, None)
         return plan
 
     def _put(self, saved: dict, b: Any, keys: list[bytes]) -> None:
@@ -399,6 +418,8 @@ class WorkerSnapshot:
                 while j < len(batches) and id(batches[j]) not in saved:
                     j += 1
             run = batches[i:j]
+            store = self.batch_store
+            f = store.file_of(run[0]) if store is not None and len(run) == 1 and i < len(settled) else None
             number = self._next.to_bytes(8, "big")
             self._next += 1
             bounds = [b.shard_bounds(self.shard_bits) if len(b) else np.zeros((1 << self.shard_bits) + 1,
@@ -410,7 +431,13 @@ class WorkerSnapshot:
             keys = [shard_key(sh, number) for sh in shards]
             for b in run:
                 self._put(saved, b, keys)
-            if len(run) == 1:
+            if f is not None:  # invariant 8: the file's name and row ranges, not the rows
+                name = os.path.basename(f.path)
+                store.pin(name)
+                for k in keys:
+                    self._key_file[k] = name
+                plan.append(("ref", table, name, store.offset_of(run[0]), bounds[0], shards, keys))
+            elif len(run) == 1:
                 plan.append(("batch", table, run[0], bounds[0], shards, keys))
             else:
                 plan.append(("group", table, run, bounds, shards, keys))
@@ -434,6 +461,46 @@ class WorkerSnapshot:
             in_levels += i < len(settled)
         plan.append(("order", table, numbers, counts, in_levels))
 
+    def _referenced_batch(self, trace: Trace, values: list[tuple[bytes, str]], keys: list[bytes]) -> IndexedZSet:
+        """The batch whose shards' values name row ranges of batch files (invariant 8; values in shard order):
+        a slice of the file's batch read in place when the ranges are one file's and contiguous, else its rows
+        gathered (a batch some of whose shards moved, say)."""
+        from dbsp_core.trace.batchfile import open_batch
+
+        parts = []
+        for (v, where), k in zip(values, keys):
+            if v[:4] != BATCH_REF_MAGIC:
+                z = decode_batch(v, trace.schema, where, BATCH_MAGIC)
+                parts.append((None, 0, z.num_rows, z))
+                continue
+            d = decode_json(BATCH_REF_MAGIC, v, where)
+            name, lo, hi = str(d["file"]), int(d["lo"]), int(d["hi"])
+            f = self._files.get(name)
+            if f is None:
+                if self.batch_dir is None:
+                    raise CorruptionError(f"{where}: names batch file {name!r}, but no batch file directory is known")
+                path = (self.batch_store.path(name) if self.batch_store is not None
+                        else os.path.join(self.batch_dir, os.path.basename(name)))
+                if not os.path.exists(path):
+                    raise CorruptionError(f"{where}: batch file {path} named by the checkpoint is missing")
+                f = self._files[name] = open_batch(path, verify=True)
+            if not 0 <= lo <= hi <= f.rows or f.batch.key != trace.key or not f.batch.schema.equals(trace.schema):
+                raise CorruptionError(f"{where}: rows {lo}..{hi} of batch file {name!r} ({f.rows} rows, key "
+                                      f"{f.batch.key}) do not fit trace key {trace.key}")
+            self._key_file[k] = name
+            parts.append((f, lo, hi, None))
+        f0 = parts[0][0]
+        if f0 is not None and all(p[0] is f0 for p in parts) and all(
+                a[2] == b[1] for a, b in zip(parts, parts[1:])):
+            lo, hi = parts[0][1], parts[-1][2]
+            b = f0.batch if (lo, hi) == (0, f0.rows) else f0.batch.slice(lo, hi)
+            if self.batch_store is not None:
+                self.batch_store.adopt(b, f0._replace(batch=None), lo)
+            return b
+        zs = [p[3] if p[0] is None else p[0].batch.slice(p[1], p[2]).zset for p in parts]
+        z = ZSet.concat(zs) if len(zs) > 1 else zs[0]
+        return IndexedZSet._make(ZSet._make(z.data, z.weights), trace.key, z.hash(list(trace.key)))
+
     @staticmethod
     def apply(h: DatabaseHandle, plan: list[tuple]) -> int:
         """Encode and write a :meth:`prepare` plan into ``h``; returns the number of keys written or deleted."""
@@ -449,6 +516,13 @@ class WorkerSnapshot:
                 edges = bounds.tolist()
                 for sh, key in zip(shards, keys):
                     put(tname, key, encode_batch(rb.slice(edges[sh], edges[sh + 1] - edges[sh]), BATCH_MAGIC))
+                changed += len(keys)
+            elif op[0] == "ref":
+                _, table, name, offset, bounds, shards, keys = op
+                edges, tname = bounds.tolist(), table.encode("utf-8")
+                for sh, key in zip(shards, keys):
+                    h.put(tname, key, encode_json(BATCH_REF_MAGIC, {"file": name, "lo": offset + edges[sh],
+                                                                    "hi": offset + edges[sh + 1]}))
                 changed += len(keys)
             elif op[0] == "group":
                 _, table, run, bounds, shards, keys = op
@@ -493,7 +567,8 @@ class WorkerSnapshot:
                                 if keys and ref() is not None}  # a batch gone from memory is read back
         rows = 0
         self._next = read_next(h)
-        self._saved, self._saved_z, self._orphans = {}, {}, {}
+        self._saved, self._saved_z, self._orphans, self._key_file = {}, {}, {}, {}
+        self._files: dict[str, Any] = {}  # batch files opened by this load (each checked whole once)
         for node_id, inst in self.instances.items():
             traces, zsets = state_attrs(node_id, inst)
             for name in traces:
@@ -557,6 +632,10 @@ class WorkerSnapshot:
                 continue
             values = [(v if v is not None else _must_get(h, table, k, where),
                        f"{where} {table} shard {shard_of_key(k)}") for k, v in zip(keys, blobs)]
+            if count == 1 and any(v[:4] == BATCH_REF_MAGIC for v, _ in values):  # invariant 8
+                b = self._referenced_batch(trace, values, keys)
+                restored.append((b, keys, is_settled))
+                continue
             if count == 1:
                 members = [[decode_batch(v, trace.schema, w, BATCH_MAGIC) for v, w in values]]
             else:
@@ -584,6 +663,7 @@ class WorkerSnapshot:
             rows += len(b)
         if not settled_done:
             trace.settle()
+        self._files = {}
         live = {id(b) for b in sum(trace.parts(), [])}
         # values whose batches are not all live as saved (merged while settling, or a group that lost members):
         # their live batches are saved again and their keys deleted by the next save

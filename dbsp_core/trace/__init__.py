@@ -9,10 +9,16 @@ One room per concern (numbered invariants at the top of each, counted across the
 - ``keyindex.py``: the key-index cache, per-key sums kept beside the batches (invariant 11), and :func:`summable`.
 - ``sizing.py``: the key indexes' memory sizing (machine and cgroup memory, ``DBSP_KEY_INDEX*_MB``), computed when
   the first index is built, never at import.
+- ``batchfile.py``: the batch file, one batch written once to an immutable, checksummed file (an Arrow IPC file, a
+  fence and a Bloom filter of its key hashes, page CRCs), read in place through a memory mapping.
+- ``spill.py``: :class:`BatchStore`, a pipeline's memory budget over its traces: the biggest, oldest batches move
+  to batch files between steps and are read in place through a byte-budgeted cache (invariant 12); checkpoints
+  name the files instead of copying their rows (invariant 13).
 
-Batches are held in memory as :class:`~dbsp_core.zset.IndexedZSet` objects; the levels reach them only through the
-entries of ``Trace._by_level`` and ``Trace.pending`` and read them through ``Trace._read()``, the seam where a batch
-store (batches spilled to files under a memory budget, read through a cache) will sit as a sibling module.
+Batches are :class:`~dbsp_core.zset.IndexedZSet` objects; the levels reach them only through the entries of
+``Trace._by_level`` and ``Trace.pending`` and read them through ``Trace._read()``, the seam where the batch store
+registers a trace and marks its files used. A spilled batch is the same object with its buffers switched to the
+file's mapping, so nothing else in the trace changes.
 """
 
 from dbsp_core.trace.keyindex import summable

@@ -1,7 +1,8 @@
 """A Trace in levels: the integrated, indexed state of a stateful operator, consolidated batches kept in levels by the work that went into them, merged a little on every insert.
 
 Invariants (enforced here; :meth:`Trace.check` asserts 1, 2, 5 and 11; 10 is the merge thread's,
-dbsp_core/trace/merge_thread.py, and 11 the key index's, dbsp_core/trace/keyindex.py):
+dbsp_core/trace/merge_thread.py, 11 the key index's, dbsp_core/trace/keyindex.py, and 12-13 the batch store's,
+dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lookups ask its Bloom filter first):
   1. Every batch is a consolidated IndexedZSet on the trace's key, rows ascending by key hash; the trace's
      content is the sum of its batches: the loose batches of every level, both inputs of every merge in
      progress, and the pending batches (the same row may sit in several batches until they merge).
@@ -56,6 +57,7 @@ import pyarrow as pa
 from dbsp_core.errors import WeightOverflowError
 from dbsp_core.trace.keyindex import KeyIndexed
 from dbsp_core.trace.merge_thread import MergeThread, SharedMerge, current_merge_thread
+from dbsp_core.trace.spill import current_batch_store
 
 if TYPE_CHECKING:
     from dbsp_core.zset import IndexedZSet
@@ -201,6 +203,7 @@ class Trace(KeyIndexed):
         self._hand_overs = 0  # hand-overs to a MergeThread (invariant 10: it drops a trace only when unchanged)
         self._handed = False  # merges were handed to a MergeThread: the next read installs finished ones
         self._init_key_index()  # the content's token and no key index (invariant 11)
+        self._store: Any = None  # the BatchStore keeping this trace's batches under a memory budget (invariant 12)
 
     def clear(self) -> None:
         """Drop all state; the trace is fresh (invariant 5): what a restore does before inserting saved batches."""
@@ -221,6 +224,8 @@ class Trace(KeyIndexed):
                 self.index_done(indexed)
             return
         batch._row_hashes()  # kept with the batch: merges order meeting keys without hashing (csrc/merge.h)
+        if self._store is None:
+            self._attach()
         prev = self._changed()
         if indexed is not None:
             if indexed is self._kix:
@@ -341,13 +346,32 @@ class Trace(KeyIndexed):
     # ---- reading ----
 
     def _read(self) -> list["IndexedZSet"]:
-        """Every batch of invariant 1 (a read ends a trace's freshness, placing its pending batches: invariant 5)."""
+        """Every batch of invariant 1 (a read ends a trace's freshness, placing its pending batches: invariant 5).
+        The seam of the batch store (invariant 12, dbsp_core/trace/spill.py): a spilled batch is read in place from
+        its file's mapping; the read marks the trace's files used for the store's cache."""
+        store = self._store if self._store is not None else self._attach()
+        if store is not None:
+            store.note_read(self)
         if self._fresh:
             self.settle()
             self._fresh = False
         if self._handed and current_merge_thread() is not None:  # install the merges the merge thread finished
             self._work(0)  # (invariant 10); merges nothing
         return self._levels()
+
+    def _attach(self) -> Any:
+        """Register with the BatchStore in force on this thread, if any (invariant 12); returns it."""
+        store = current_batch_store()
+        if store is not None:
+            store.register(self)
+            self._store = store
+        return store
+
+    def _filtered(self, b: "IndexedZSet", hashes: np.ndarray) -> np.ndarray:
+        """``hashes`` less those a spilled batch's Bloom filter rules out (invariant 12: an absent key touches none
+        of its pages); all of them for a batch in memory."""
+        f = self._store.file_of(b) if self._store is not None else None
+        return hashes if f is None else hashes[f.may_contain(hashes)]
 
     def _levels(self) -> list["IndexedZSet"]:
         """The batches of every level (merge inputs included; not the pending ones), in the order they were placed."""
@@ -423,7 +447,10 @@ class Trace(KeyIndexed):
             if len(b) < dense_ratio * len(hashes):
                 out.append(b)
                 continue
-            idx = b.lookup(hashes)  # one galloping C call per batch
+            asked = self._filtered(b, hashes)
+            if len(asked) == 0:
+                continue
+            idx = b.lookup(asked)  # one galloping C call per batch
             if len(idx) == len(b):
                 out.append(b)
             elif len(idx):
@@ -488,7 +515,17 @@ class Trace(KeyIndexed):
                 view = _zset.BatchView(probe)  # built once for every batch
             if self._index_sums(("key", tuple(columns)), batches, view, ppos, khash, rows, acc):
                 return acc  # invariant 11: one probe per key
+            spilled = self._store is not None and any(self._store.is_spilled(b) for b in batches)
             for b in batches:
+                if spilled and self._store.is_spilled(b):  # invariant 12: only the keys its filter may hold
+                    keep = self._store.file_of(b).may_contain(khash)
+                    if not keep.any():
+                        continue
+                    if not keep.all():
+                        sub = acc[keep]
+                        b._key_sums(view, ppos, khash[keep], rows[keep], cpos, sub)
+                        acc[keep] = sub
+                        continue
                 b._key_sums(view, ppos, khash, rows, cpos, acc)
         return acc
 

@@ -137,9 +137,11 @@ def accumulate(acc: dict[tuple, int], z: dbsp.ZSet) -> None:
 
 def run_against_duckdb(build: Callable[[dbsp.Circuit, dict[str, dbsp.Stream]], dict[str, dbsp.Stream]],
                        queries: dict[str, str], seed: int, workers: int, steps: int = 5,
-                       inputs: tuple[str, ...] = ("bids", "auctions"), max_rows: int = 8) -> dict[str, dict]:
+                       inputs: tuple[str, ...] = ("bids", "auctions"), max_rows: int = 8,
+                       after: Callable[[dbsp.Pipeline], None] | None = None, **pipeline: object) -> dict[str, dict]:
     """Build a circuit, feed random changes in ``steps`` steps, and after every step compare each output's
-    integral with DuckDB's answer over the integrated inputs. Returns the final integrals."""
+    integral with DuckDB's answer over the integrated inputs. Returns the final integrals. ``pipeline``: more
+    arguments of the Pipeline (``memory_limit=``); ``after``: called with the pipeline after the last step."""
     rng = np.random.default_rng(seed)
     c = dbsp.Circuit()
     streams = {name: c.input(name, SCHEMAS[name]) for name in inputs}
@@ -147,7 +149,7 @@ def run_against_duckdb(build: Callable[[dbsp.Circuit, dict[str, dbsp.Stream]], d
         c.output(name, s)
     gens = {name: ChangeGen(rng, SCHEMAS[name]) for name in inputs}
     views: dict[str, dict] = {name: {} for name in queries}
-    with dbsp.Pipeline(c, workers=workers) as p:
+    with dbsp.Pipeline(c, workers=workers, **pipeline) as p:
         for step in range(steps):
             for name, g in gens.items():
                 change = g.change(max_rows)
@@ -168,6 +170,8 @@ def run_against_duckdb(build: Callable[[dbsp.Circuit, dict[str, dbsp.Stream]], d
                 assert got == want, (f"output {name!r} differs from DuckDB after step {step} (W={workers}, "
                                      f"seed={seed})\nonly in circuit: {_diff(got, want)}\n"
                                      f"only in DuckDB: {_diff(want, got)}")
+        if after is not None:
+            after(p)
     return views
 
 

@@ -61,10 +61,12 @@ def test_every_setting_is_typed_with_its_default_and_refuses_a_bad_value_with_it
     assert defaults == load({s.name: "  " for s in SETTINGS})
     assert (defaults.key_index, defaults.key_index_mb, defaults.key_index_total_mb, defaults.page_cache_mb,
             defaults.progress, defaults.progress_delay, defaults.crashpoint, defaults.scratch_mb,
-            defaults.region_cache_mb) == (True, None, None, 32, None, 1.0, "", None, None)
-    good = {"flag": ("0", False), "number": ("2.5", 2.5), "whole": ("7", 7), "crashpoint": (" commit:3 ", "commit:3")}
+            defaults.region_cache_mb, defaults.memory_limit) == (True, None, None, 32, None, 1.0, "", None, None, None)
+    good = {"flag": ("0", False), "number": ("2.5", 2.5), "whole": ("7", 7), "crashpoint": (" commit:3 ", "commit:3"),
+            "bytes": ("4GiB", 4 << 30)}
     bad = {"flag": ["yes", "true", "01", "-1"], "number": ["lots", "-1", "nan", "inf"],
-           "whole": ["1.5", "-3", "1e3", "x"], "crashpoint": ["commit", "commit:", ":3", "commit:0", "commit:x"]}
+           "whole": ["1.5", "-3", "1e3", "x"], "crashpoint": ["commit", "commit:", ":3", "commit:0", "commit:x"],
+           "bytes": ["lots", "0", "-1", "4 gigs"]}
     for s in SETTINGS:
         text, value = good[s.kind]
         got = getattr(load({s.name: text}), s.field)

@@ -1,0 +1,379 @@
+"""The batch store: a memory budget over the traces of a pipeline, kept by spilling their biggest, oldest batches to
+batch files (dbsp_core/trace/batchfile.py) that are read in place through a byte-budgeted cache of mapped pages.
+
+Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/levels.py, ``Trace._read``):
+
+ 12. Spilling (a :class:`BatchStore` in force, see :func:`spilling`): every trace read or inserted into on a
+     thread with a store in force registers with it. Between steps (the executor calls :meth:`BatchStore.enforce`
+     while no worker runs) the store adds up the bytes in memory of every registered trace's batches; while the
+     sum is above the budget's share for batches (``memory_limit * BATCH_SHARE``), it spills loose batches
+     (placed, not the input of a merge in progress: a merge cursor holds its inputs' buffers), highest level
+     first and biggest first within a level: the big, old levels go to disk, the small recent ones stay, so a
+     step's inserts and the merges of the low levels touch memory only. A spilled batch is written as a batch
+     file (immutable once renamed into place), mapped, and the batch object is switched in place to the
+     mapping's buffers: the same object, the same content, so levels, placement numbers, key indexes, shard
+     cuts (by ``id``), rollback snapshots and checkpoint records see no change, and every operator reads it as
+     before, through the C kernels, with no per-row Python. Reads touch only the pages they need: seeks go through
+     the fence kept in memory (csrc/lookup.h), and ``Trace.lookup``/``key_sums`` first ask the batch's Bloom filter,
+     so a step that changes k keys touches O(k) pages of a spilled batch, not the batch.
+     Merging spilled batches reads them through the mapping and writes the output in memory; a later
+     ``enforce`` spills it to a new file. A file is deleted when its batch object is gone (merged away, dropped).
+     The cache: the pages of mapped files that reads touched are resident (the OS page cache, file-backed and
+     clean: the kernel can drop them at any time). The store bounds them too: every trace read in a step marks
+     its spilled files used; when the files used since their last eviction add up to more than
+     ``memory_limit * CACHE_SHARE`` bytes, the least recently used are evicted (madvise(MADV_DONTNEED): their pages
+     leave the process; a later read faults them back from the page cache or the disk).
+
+ 13. Checkpoints name files, not rows (a durable pipeline's store: files under ``<storage>/spill``, fsynced with
+     their directory before the batch is switched to them, so before any checkpoint can name them): a checkpoint
+     saves a spilled batch as one small reference per shard (file name and row range, dbsp_core/storage/snapshot.py
+     invariant 8) and pins the file; a restore reads the batch in place from the file. A file is deleted only when
+     no live batch reads it and no checkpoint that may still be opened names it: after the next checkpoint that
+     does not name it has committed on every worker, or, after a crash, by the sweep of the next open, which
+     keeps exactly the files the opened checkpoint names. A crash between a file's write and the checkpoint that
+     names it leaves a file nobody names (swept); a crash during a checkpoint leaves the previous one, whose
+     files are still pinned and present.
+
+What is not spilled: pending batches of a trace being restored (they are placed at its first read), merge inputs
+(until the merge ends), Z-set state of operators that is not a trace, key indexes (dbsp_core/trace/keyindex.py)
+and the per-batch fence and filter (about 1.4 bytes per row).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from collections import OrderedDict
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Iterator
+
+from dbsp_core.envvars import parse_memory_limit
+from dbsp_core.storage.formats import BATCH_FILE_SUFFIX, SPILL_DIR
+from dbsp_core.trace.batchfile import BatchFile, open_batch, write_batch
+
+if TYPE_CHECKING:
+    from dbsp_core.trace.levels import Trace
+    from dbsp_core.zset import IndexedZSet
+
+__all__ = ["BatchStore", "spilling", "current_batch_store", "parse_memory_limit", "batch_bytes"]
+
+
+def batch_bytes(b: "IndexedZSet") -> int:
+    """Bytes a batch holds in its buffers: rows, weights, key hashes and the row hashes it keeps."""
+    z = b.zset
+    n = int(z.data.nbytes) + int(z.weights.nbytes) + int(b.key_hash.nbytes)
+    if b._rh is not None and b._rh is not b.key_hash:
+        n += int(b._rh.nbytes)
+    return n
+
+
+class BatchStore:
+    """The memory budget of a pipeline's traces and the batch files its spilled batches live in (invariant 12).
+
+    Parameters
+    ----------
+    memory_limit : int
+        Bytes the traces' batches and the cache of their spilled pages may hold together.
+    directory : str or None
+        Where batch files go (created if missing; files left there by an earlier process are removed). None: a
+        temporary directory removed by :meth:`close`.
+    durable : bool
+        Whether files are fsynced (with their directory) before they are used: a durable pipeline's are, so that a
+        checkpoint may name them; a temporary directory's need not be.
+    vfs : str
+        The I/O layer files are written through ("posix", or "fault" in crash tests).
+
+    Examples
+    --------
+    >>> import pyarrow as pa
+    >>> from dbsp_core import ZSet
+    >>> from dbsp_core.trace import Trace
+    >>> t = Trace(pa.schema([("k", pa.int64())]), ("k",))
+    >>> with BatchStore(1) as store, spilling(store):
+    ...     t.insert(ZSet.from_rows([(i,) for i in range(100)], t.schema).index_by(["k"]))
+    ...     spilled = store.enforce()
+    ...     rows = len(t.consolidated())
+    >>> spilled > 0, rows, store.stats["files_written"]
+    (True, 100, 1)
+    """
+
+    BATCH_SHARE = 0.75  # of the limit: batches in memory; the rest: the cache of spilled pages
+    CACHE_SHARE = 0.25
+
+    def __init__(self, memory_limit: int, directory: str | None = None, durable: bool = False,
+                 vfs: str = "posix") -> None:
+        self.memory_limit = int(memory_limit)
+        self.vfs = vfs
+        self.durable = durable
+        self._own_dir = directory is None
+        self.directory = tempfile.mkdtemp(prefix="dbsp-spill-") if directory is None else os.fspath(directory)
+        os.makedirs(self.directory, exist_ok=True)
+        self._lock = threading.RLock()
+        self.stats: dict[str, int] = {"files_deleted": 0}
+        if not durable:  # scratch: no checkpoint names an earlier process's files
+            self.sweep(set())
+        self._traces: "weakref.WeakSet[Trace]" = weakref.WeakSet()
+        self._files: dict[int, BatchFile] = {}  # id(batch) -> its open file, while the batch lives
+        self._offsets: dict[int, int] = {}  # id(batch) -> the file row its first row is (a restored slice), if not 0
+        self._owners: dict[str, int] = {}  # file name -> live batches read from it
+        self._pinned: set[str] = set()  # files the last checkpoint (or one being written) names: kept (invariant 13)
+        self._dead: set[str] = set()  # pinned files without a live batch: deleted once no checkpoint names them
+        self._read: set[int] = set()  # ids of traces read since the last enforce
+        self._resident: "OrderedDict[int, int]" = OrderedDict()  # id(batch) -> file size, used since evicted; LRU
+        self._next = 0
+        self._token = os.urandom(6).hex()  # names never reused, even by a later process with the same pid
+        self.stats.update({"files_written": 0, "bytes_written": 0, "evictions": 0, "bytes_evicted": 0,
+                           "enforcements": 0})
+
+    def __enter__(self) -> "BatchStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- what traces call ----
+
+    def register(self, trace: "Trace") -> None:
+        """``trace`` keeps its batches under this store's budget from now on."""
+        with self._lock:
+            self._traces.add(trace)
+
+    def note_read(self, trace: "Trace") -> None:
+        """``trace`` was read: its spilled files are in use (the cache's LRU order, invariant 12)."""
+        self._read.add(id(trace))
+
+    def is_spilled(self, b: "IndexedZSet") -> bool:
+        return id(b) in self._files
+
+    def file_of(self, b: "IndexedZSet") -> BatchFile | None:
+        """The batch file ``b`` lives in, or None when it is in memory."""
+        return self._files.get(id(b))
+
+    def offset_of(self, b: "IndexedZSet") -> int:
+        """The row of its file (:meth:`file_of`) that ``b``'s first row is (0 but for a restored slice)."""
+        return self._offsets.get(id(b), 0)
+
+    # ---- what checkpoints call (invariant 13) ----
+
+    def path(self, name: str) -> str:
+        """The path of batch file ``name`` (a file name in the store's directory, as checkpoints name files)."""
+        if os.sep in name or name.startswith(".") or not name.endswith(BATCH_FILE_SUFFIX):
+            raise ValueError(f"not a batch file name: {name!r}")
+        return os.path.join(self.directory, name)
+
+    def adopt(self, b: "IndexedZSet", f: BatchFile, offset: int = 0) -> None:
+        """``b`` (restored from a checkpoint) is read in place from ``f``'s rows ``offset`` on: it counts as spilled
+        and keeps ``f`` from deletion while it lives."""
+        with self._lock:
+            self._files[id(b)] = f
+            if offset:
+                self._offsets[id(b)] = offset
+            name = os.path.basename(f.path)
+            self._owners[name] = self._owners.get(name, 0) + 1
+        weakref.finalize(b, self._release, id(b), name)
+
+    def pin(self, name: str) -> None:
+        """A checkpoint being written names file ``name``: it is kept until one that does not has committed."""
+        with self._lock:
+            self._pinned.add(name)
+
+    def checkpointed(self, names: set[str]) -> None:
+        """A checkpoint naming exactly the files ``names`` committed (every worker's): files it does not name and
+        no live batch reads are deleted; ``names`` stay pinned until the next one."""
+        with self._lock:
+            self._pinned = set(names)
+            gone = [n for n in self._dead if n not in self._pinned and n not in self._owners]
+            self._dead.difference_update(gone)
+        for n in gone:
+            self._delete(n)
+
+    def sweep(self, names: set[str]) -> None:
+        """Opening: delete every batch file (and temporary one) in the directory but ``names`` (those the opened
+        checkpoint names) and those live batches read; ``names`` are pinned."""
+        with self._lock:
+            self._pinned = set(names)
+            keep = self._pinned | set(getattr(self, "_owners", {}))  # (none yet when the constructor sweeps)
+        for n in sorted(os.listdir(self.directory)):
+            if (n.endswith(BATCH_FILE_SUFFIX) and n not in keep) or n.endswith(BATCH_FILE_SUFFIX + ".tmp"):
+                self._delete(n)
+
+    def _delete(self, name: str) -> None:
+        from dbsp_core import _storage
+
+        path = os.path.join(self.directory, name)
+        try:
+            if self.durable:
+                _storage.file_remove(path, self.vfs)
+            else:
+                os.unlink(path)
+            self.stats["files_deleted"] = self.stats.get("files_deleted", 0) + 1
+        except OSError:  # gone already, or the fault VFS crashed: the next open sweeps it
+            pass
+
+    # ---- the budget ----
+
+    def traces(self) -> list["Trace"]:
+        with self._lock:
+            return list(self._traces)
+
+    def memory(self) -> tuple[int, int]:
+        """(bytes of batches in memory, bytes kept per spilled file: fences and filters) over every trace."""
+        mem = 0
+        for t in self.traces():
+            for b in t._levels() + t.pending:
+                if id(b) not in self._files:
+                    mem += batch_bytes(b)
+        return mem, sum(f.memory_bytes() for f in list(self._files.values()))
+
+    def trace_bytes(self, trace: "Trace") -> dict[str, int]:
+        """A trace's ``rows``, ``memory_bytes`` (batches in memory) and ``disk_bytes`` (its share of the batch files
+        its spilled batches read: a file's size over the rows read from it)."""
+        out = {"rows": 0, "memory_bytes": 0, "disk_bytes": 0}
+        placed, pending = trace.parts()
+        for b in list(placed) + list(pending):
+            out["rows"] += len(b)
+            f = self._files.get(id(b))
+            if f is None:
+                out["memory_bytes"] += batch_bytes(b)
+            else:
+                out["disk_bytes"] += int(f.size * len(b) / max(1, f.rows))
+        return out
+
+    def disk_bytes(self) -> int:
+        """Bytes of the batch files the store's batches live in."""
+        return sum(f.size for f in list(self._files.values()))
+
+    def enforce(self) -> int:
+        """Spill loose batches, highest level and biggest first, until the batches in memory fit the budget's batch
+        share; then trim the cache (invariant 12). Call between steps. Returns the bytes spilled."""
+        self.stats["enforcements"] += 1
+        candidates: list[tuple[int, int, Any]] = []
+        mem = 0
+        traces = self.traces()
+        for t in traces:
+            busy = {id(x) for lvl in t._by_level if lvl.merge is not None for x in (lvl.merge.a[1], lvl.merge.b[1])}
+            for lvl, level in enumerate(t._by_level):
+                for e in level.loose:
+                    b = e[1]
+                    if id(b) in self._files:
+                        continue
+                    n = batch_bytes(b)
+                    mem += n
+                    if id(b) not in busy and len(b):
+                        candidates.append((lvl, n, b))
+                if level.merge is not None:
+                    mem += sum(batch_bytes(x) for x in (level.merge.a[1], level.merge.b[1])
+                               if id(x) not in self._files)
+            mem += sum(batch_bytes(b) for b in t.pending)
+        mem += sum(f.memory_bytes() for f in list(self._files.values()))
+        budget = int(self.memory_limit * self.BATCH_SHARE)
+        spilled = 0
+        if mem > budget:
+            candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
+            for _lvl, n, b in candidates:
+                if mem <= budget:
+                    break
+                f = self._spill(b)
+                mem -= n - f.memory_bytes()
+                spilled += n
+        self._trim_cache(traces)
+        return spilled
+
+    def _spill(self, b: "IndexedZSet") -> BatchFile:
+        """Write ``b`` to a new batch file and switch it, in place, to the file's mapped buffers (invariant 12)."""
+        with self._lock:
+            self._next += 1
+            name = f"{self._token}-{self._next:012d}{BATCH_FILE_SUFFIX}"
+        path = os.path.join(self.directory, name)
+        size = write_batch(path, b, self.vfs, sync=self.durable)
+        f = open_batch(path)
+        new = f.batch
+        new._z._distinct = b._z._distinct  # the same rows: what the old ZSet knew of them still holds
+        b._z, b._kh, b._rh, b._fx, b._cv = new._z, new._kh, new._rh, new._fx, None
+        f = f._replace(batch=None)  # the file must not keep its batch alive: the batch's death deletes the file
+        with self._lock:
+            self._files[id(b)] = f
+            self._owners[name] = self._owners.get(name, 0) + 1
+        self._resident[id(b)] = size  # just written: its pages are in the page cache, not yet in this process
+        weakref.finalize(b, self._release, id(b), name)
+        self.stats["files_written"] += 1
+        self.stats["bytes_written"] += size
+        return f
+
+    def _release(self, key: int, name: str) -> None:
+        """A batch read from file ``name`` is gone (merged away, dropped): once no live batch reads the file, it is
+        deleted, or when a checkpoint names it, kept until one that does not has committed (invariant 13)."""
+        with self._lock:
+            self._files.pop(key, None)
+            self._offsets.pop(key, None)
+            self._resident.pop(key, None)
+            left = self._owners.get(name, 1) - 1
+            if left > 0:
+                self._owners[name] = left
+                return
+            self._owners.pop(name, None)
+            if name in self._pinned:
+                self._dead.add(name)
+                return
+        self._delete(name)
+
+    def _trim_cache(self, traces: list["Trace"]) -> None:
+        """Mark the files of the traces read since the last call used; evict the least recently used until the
+        used ones fit the cache share (invariant 12)."""
+        read, self._read = self._read, set()
+        with self._lock:  # batches may die (and leave the LRU) on other threads meanwhile
+            self._trim_locked(traces, read)
+
+    def _trim_locked(self, traces: list["Trace"], read: set[int]) -> None:
+        for t in traces:
+            if id(t) in read:
+                for b in t._levels():
+                    f = self._files.get(id(b))
+                    if f is not None:
+                        self._resident[id(b)] = f.size
+                        self._resident.move_to_end(id(b))
+        cap = int(self.memory_limit * self.CACHE_SHARE)
+        total = sum(self._resident.values())
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        while total > cap and self._resident:
+            key, size = self._resident.popitem(last=False)
+            f = self._files.get(key)
+            if f is not None and advice is not None:
+                try:
+                    f.map.madvise(advice)
+                except (OSError, ValueError):  # closed: its batch is going
+                    pass
+                self.stats["evictions"] += 1
+                self.stats["bytes_evicted"] += size
+            total -= size
+
+    def close(self) -> None:
+        """Forget the traces; a temporary directory is removed (mappings in use stay readable until released)."""
+        with self._lock:
+            self._traces = weakref.WeakSet()
+        if self._own_dir:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+_tls = threading.local()
+
+
+@contextmanager
+def spilling(store: "BatchStore | None") -> Iterator[None]:
+    """Traces read or inserted into on this thread, inside the block, keep their batches under ``store``'s budget
+    (invariant 12); None: in memory."""
+    prev = getattr(_tls, "store", None)
+    _tls.store = store
+    try:
+        yield
+    finally:
+        _tls.store = prev
+
+
+def current_batch_store() -> "BatchStore | None":
+    """The BatchStore in force on this thread (:func:`spilling`), or None."""
+    return getattr(_tls, "store", None)
