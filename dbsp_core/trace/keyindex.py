@@ -72,7 +72,7 @@ class KeyIndexed:
         column ``c`` is not null), per trace key (``on="key"``: serves :meth:`key_sums` of int64 columns, and
         :meth:`index_for_update`) or per whole row (``on="row"`` with ``(None,)``: serves :meth:`match_weights`).
         Returns whether the index is kept: only for keys of fixed-width columns (no strings), and not when
-        ``DBSP_KEY_INDEX=0``. Costs memory beside the batches (about 8 bytes per key column and sum, plus 16, per
+        ``DBSP_KEY_INDEX=0``. Costs memory beside the batches (about 8 bytes per key column and sum, plus 8, per
         key, over a table at most 3/4 full); a trace whose index would pass ``DBSP_KEY_INDEX_MB`` (by default an
         eighth of the memory, at least 512 MiB: dbsp_core/trace/sizing.py), or take the indexes of the process past
         ``DBSP_KEY_INDEX_TOTAL_MB`` together, drops it with an IndexDroppedWarning and walks its batches as without
