@@ -27,7 +27,9 @@ from typing import Any, Callable
 import numpy as np
 import pyarrow as pa
 
+from dbsp_core import _zset
 from dbsp_core.circuit import Circuit
+from dbsp_core.envvars import settings
 from dbsp_core.errors import CorruptionError, DbspError, StepError
 from dbsp_core.layout import Layout
 from dbsp_core.operators.base import concat
@@ -43,6 +45,20 @@ from dbsp_core.storage.formats import state_db_path
 from dbsp_core.storage.snapshot import state_attrs, state_tables
 from dbsp_core.trace import MergeThread, Trace, merging
 from dbsp_core.zset import ZSet
+
+
+BIG_STEP_ROWS = 1 << 18  # pushed rows from which a step also returns the allocators' free memory (release_memory)
+
+
+def release_memory(step_rows: int) -> None:
+    """Return the memory a step used but the state does not hold (csrc/scratch.c design note 6), on the thread that
+    ran it: the C scratch cache of this thread and the region cache down to ``DBSP_CACHE_KEEP_MB`` each; after a
+    step of at least BIG_STEP_ROWS pushed rows also glibc's free memory (``malloc_trim``) and the Arrow pool's free
+    pages (``release_unused``), whose cost (a walk of the heap, a few ms) such a step amortizes."""
+    big = step_rows >= BIG_STEP_ROWS
+    _zset.trim_caches(settings().cache_keep_mb << 20, all_threads_memory=big)
+    if big:
+        pa.default_memory_pool().release_unused()
 
 
 _CORES = os.cpu_count() or 1  # read once: the call reads /sys, ~12 us, a measurable share of a small step
@@ -258,7 +274,10 @@ class EmbeddedExecutor:
         t0 = time.thread_time() if self.measure_cpu else 0.0
         try:
             with merging(merge_thread):
-                return self._workers[w].step()
+                out = self._workers[w].step()
+            if w:  # a pool thread: its own scratch cache (worker 0 runs on the driver's thread: _run_one)
+                _zset.trim_caches(settings().cache_keep_mb << 20)
+            return out
         except BaseException:
             assert self._exchanger is not None
             self._exchanger.barrier.abort()  # release the others waiting at an exchange (invariant 2)
@@ -321,6 +340,7 @@ class EmbeddedExecutor:
                 out[name] = z if z._distinct else ZSet._make(z.data, z.weights, distinct=True)  # parts need no sort
             else:
                 out[name] = z.consolidate()
+        release_memory(sum(len(z) for _, z in s.pushes))
         return out
 
     # ---- live layout changes ----
