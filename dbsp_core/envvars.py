@@ -26,7 +26,7 @@ Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them
 - ``DBSP_REGION_CACHE_MB`` (csrc/scratch.c reads it itself; checked here): MiB of freed mapped regions the C core
   keeps for reuse, a whole number >= 0 (default 256).
 - ``DBSP_CACHE_KEEP_MB`` (runtime/embedded.py): MiB of each of those two caches kept past the end of a step, a whole
-  number >= 0 (default 64): the rest goes back to the system (csrc/scratch.c design note 6), so the buffers a large
+  number >= 0 (default 16): the rest goes back to the system (csrc/scratch.c design note 6), so the buffers a large
   step used do not stay resident beside the state it built.
 
 Not runtime settings, read where they are used (listed so that this is the one list of every ``DBSP_*`` variable;
@@ -150,7 +150,7 @@ SETTINGS: tuple[Setting, ...] = (  # the list of the module docstring, in its or
     Setting("DBSP_CRASHPOINT", "crashpoint", "crashpoint", default=""),
     Setting("DBSP_SCRATCH_MB", "scratch_mb", "whole"),  # None: the C core's default (csrc/scratch.c)
     Setting("DBSP_REGION_CACHE_MB", "region_cache_mb", "whole"),  # likewise
-    Setting("DBSP_CACHE_KEEP_MB", "cache_keep_mb", "whole", default=64),
+    Setting("DBSP_CACHE_KEEP_MB", "cache_keep_mb", "whole", default=16),
 )
 
 
