@@ -263,13 +263,15 @@ def run_view(view: str, rows: int, step: int, seed: int) -> dict:
     time.sleep(0.2)
     rss1, huge = rss_bytes(), anon_huge_bytes() - huge0
     parts, facts = breakdown(p)
+    from dbsp_core import _zset
+    held = _zset.cached_bytes() if hasattr(_zset, "cached_bytes") else None  # (this thread's scratch, regions)
     trimmed = malloc_trim()
     rss2 = rss_bytes()
     pa.default_memory_pool().release_unused()  # mimalloc's free pages (the pushed tables, freed)
     rss3 = rss_bytes()
     facts.update(view=view, rows=rows, step=step, load_s=load_s, rss_before=rss0, rss_after=rss1,
                  rss_after_trim=rss2 if trimmed else rss1, rss_after_pool_release=rss3, anon_huge_growth=huge,
-                 rss_peak_sampled=peak,
+                 rss_peak_sampled=peak, caches_held=held,
                  arrow_pool_growth=pa.total_allocated_bytes() - arrow0,
                  caches=os.environ.get("DBSP_SCRATCH_MB", "default"), parts=parts)
     p.close()
@@ -338,6 +340,9 @@ def table(r: dict, nc: dict | None) -> str:
                  f"{r['keyindex_total_bytes'] / n:.1f} B/row; sampled peak RSS growth "
                  f"{(r['rss_peak_sampled'] - r['rss_before']) / n:.1f} B/row; "
                  f"transparent huge pages {r['anon_huge_growth'] / growth:.0%} of the RSS growth")
+    if r.get("caches_held") is not None:
+        lines.append(f"- held by the C caches at the end: scratch of the stepping thread "
+                     f"{r['caches_held'][0] / n:.1f} B/row, region cache {r['caches_held'][1] / n:.1f} B/row")
     return "\n".join(lines)
 
 

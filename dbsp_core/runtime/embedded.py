@@ -450,12 +450,16 @@ class EmbeddedExecutor:
             return
         traces = [getattr(inst, name) for wk in self._workers for i, inst in wk.stateful().items()
                   for name in state_attrs(i, inst)[0]]
+        freed = 0
         while True:
             installed = sum(t.install_finished(self._merge_thread if settle else None) for t in traces)
+            freed += installed
             # nothing left to install and an idle merge thread (no merge handed over and unfinished): settled
             if not settle or (not installed and self._merge_thread.wait_idle(0)):
-                return
+                break
             self._merge_thread.wait_idle()
+        if freed:  # the merges' inputs went back to the region cache: trim it as a step's end does
+            _zset.trim_caches(settings().cache_keep_mb << 20)
 
     def state_bytes(self) -> int:
         """Bytes of every worker's state in memory (the Arrow buffers of its traces and Z-sets)."""
