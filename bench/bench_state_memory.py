@@ -115,13 +115,15 @@ class _Ledger:
 
     def __init__(self) -> None:
         self.seen: set[int] = set()
+        self.spans: list[tuple[int, int]] = []  # (address, bytes) of every buffer counted
         self.parts: dict[str, int] = {}
-        self.roots: dict[int, list[int]] = {}  # address of a buffer that state arrays slice: [its bytes, bytes used]
+        self.roots: dict[int, int] = {}  # address of a numpy buffer that state arrays slice: its bytes
 
     def add(self, part: str, address: int, size: int) -> None:
         if size <= 0 or address in self.seen:
             return
         self.seen.add(address)
+        self.spans.append((address, int(size)))
         self.parts[part] = self.parts.get(part, 0) + int(size)
 
     def array(self, part: str, arr) -> None:  # noqa: ANN001
@@ -136,11 +138,13 @@ class _Ledger:
             root = root.base
         self.add(part, arr.__array_interface__["data"][0], arr.nbytes)
         if root is not arr:
-            self.roots.setdefault(root.__array_interface__["data"][0], [root.nbytes, 0])[1] += arr.nbytes
+            self.roots[root.__array_interface__["data"][0]] = root.nbytes
 
     def slack(self) -> None:
-        """Bytes of the numpy buffers that hold state arrays as slices, beyond the slices' own bytes."""
-        for size, used in self.roots.values():
+        """Bytes of the numpy buffers that hold state arrays as slices, beyond every counted buffer inside them (numpy
+        slices, and Arrow columns made from them without a copy, such as an aggregate's slot values)."""
+        for root, size in self.roots.items():
+            used = sum(min(a + n, root + size) - max(a, root) for a, n in self.spans if a < root + size and a + n > root)
             if size > used:
                 self.parts["unused part of shared numpy buffers"] = (
                     self.parts.get("unused part of shared numpy buffers", 0) + size - used)
