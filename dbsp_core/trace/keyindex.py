@@ -12,10 +12,10 @@ Invariant (trace invariant 11, enforced here):
      that wants it (the first two walk the batches), so a trace that is loaded afresh for every job (a stage task
      without its cache) never pays for an index it would not keep. Reads through a current index give exactly
      what the walk over the batches gives.
-     An index past INDEX_FLOOR bytes that holds more than INDEX_RATIO times its trace's rows (their data, weight
-     and key hash) costs more memory than the state it serves and is dropped for good (the trace walks its batches,
-     as after a failure, without a warning): a whole-row index (a copy of every column, a head word and the
-     weight, in a table at most 3/4 full) always does, so a large distinct keeps its rows only.
+     An index past INDEX_FLOOR bytes whose entries (at 3/4 full) hold more than INDEX_RATIO times its trace's rows
+     (their data, weight and key hash) costs more memory than the state it serves and is dropped for good (the
+     trace walks its batches, as after a failure, without a warning): a whole-row index (a copy of every column, a
+     head word and the weight) always does, so a large distinct keeps its rows only.
 
 The index's state lives in the trace's own attributes (``_token``, ``_kix*``), so a rollback's capture of a trace's
 attributes (dbsp_core/runtime/rollback.py invariant 1) holds it too. Its size limits come from
@@ -177,8 +177,11 @@ class KeyIndexed:
                         else 8 for f in self.schema)
 
     def _weigh_index(self) -> None:
-        """Drop the key index for good when it is past INDEX_FLOOR and holds more than INDEX_RATIO times the bytes
-        of the trace's rows (invariant 11); weighed again only when its size changed."""
+        """Drop the key index for good when it is past INDEX_FLOOR and its entries, at the table's fullest (3/4: a
+        slot of 1 + key columns + sums words per entry, csrc/keyindex.h invariant 3), hold more than INDEX_RATIO
+        times the bytes of the trace's rows (invariant 11). Weighed when the table's size changes; by its entries,
+        not by its table, so a table just doubled (or its old half still beside it, while it grows) does not
+        count against it."""
         ix = self._kix
         if ix is None:
             return
@@ -186,7 +189,8 @@ class KeyIndexed:
         if size <= self.INDEX_FLOOR or size == self._kix_seen:
             return
         self._kix_seen = size
-        if size > self.INDEX_RATIO * self.num_rows * self._row_bytes():
+        entries = len(ix) * (1 + ix.nkeys + ix.nvals) * 8 * 4 // 3
+        if entries > self.INDEX_RATIO * self.num_rows * self._row_bytes():
             self._kix, self._kix_off = None, True  # a choice, not a failure: no warning
 
     def _index_sums(self, spec: tuple, batches: list["IndexedZSet"], view: Any, ppos: list[int], khash: np.ndarray,
