@@ -12,10 +12,13 @@ Invariant (trace invariant 11, enforced here):
      that wants it (the first two walk the batches), so a trace that is loaded afresh for every job (a stage task
      without its cache) never pays for an index it would not keep. Reads through a current index give exactly
      what the walk over the batches gives.
-     An index past INDEX_FLOOR bytes whose entries (at 3/4 full) hold more than INDEX_RATIO times its trace's rows
-     (their data, weight and key hash) costs more memory than the state it serves and is dropped for good (the
-     trace walks its batches, as after a failure, without a warning): a whole-row index (a copy of every column, a
-     head word and the weight) always does, so a large distinct keeps its rows only.
+     A whole-row index (``on="row"``: a distinct's, a count distinct's) past INDEX_FLOOR bytes whose entries (at
+     3/4 full) hold more than INDEX_RATIO times its trace's rows (their data, weight and key hash) costs more memory
+     than the state it serves for little speed (the walk over the batches reads a consolidated change in key-hash
+     order, as they are) and is dropped for good, quietly: the trace walks its batches. It always passes (a copy of
+     every column, a head word and the weight), so a large distinct keeps its rows only. A key index (an
+     aggregate's, a join's) is about as large as its trace's rows when each key has one row, and is kept: it serves
+     an aggregate's one-pass step, several times faster than the walk.
 
 The index's state lives in the trace's own attributes (``_token``, ``_kix*``), so a rollback's capture of a trace's
 attributes (dbsp_core/runtime/rollback.py invariant 1) holds it too. Its size limits come from
@@ -61,11 +64,11 @@ class KeyIndexed:
     :meth:`_init_key_index` when it is made."""
 
     INDEX_WAIT = 2  # reads that walk the batches before a stale key index is rebuilt (invariant 11)
-    INDEX_FLOOR = 64 << 20  # bytes of key index any trace may keep, whatever its rows (invariant 11)
-    INDEX_RATIO = 1.0  # past the floor, an index may hold at most this times its trace's row bytes (invariant 11)
+    INDEX_FLOOR = 64 << 20  # bytes of whole-row index any trace may keep, whatever its rows (invariant 11)
+    INDEX_RATIO = 1.0  # past the floor, a whole-row index may hold this times its trace's row bytes (invariant 11)
     # (measured under load 12-15 on 2 cores, 1k-row steps: a distinct of 3M rows of three int64 columns, whose
     # whole-row index held 67 B/row over 40 B of row, stepped in p50 1.0-1.07 ms with it and 1.30 without; a
-    # group-by of 5M rows over 5M groups, whose index held less than its rows, in p50 1.5 ms with it and 7.6 without)
+    # group-by of 5M rows over 5M groups in p50 1.5 ms with its key index and 7.6 without)
 
     def _init_key_index(self) -> None:
         """A new trace's content token; no key index kept."""
@@ -177,13 +180,13 @@ class KeyIndexed:
                         else 8 for f in self.schema)
 
     def _weigh_index(self) -> None:
-        """Drop the key index for good when it is past INDEX_FLOOR and its entries, at the table's fullest (3/4: a
-        slot of 1 + key columns + sums words per entry, csrc/keyindex.h invariant 3), hold more than INDEX_RATIO
+        """Drop a whole-row index for good when it is past INDEX_FLOOR and its entries, at the table's fullest (3/4:
+        a slot of 1 + key columns + sums words per entry, csrc/keyindex.h invariant 3), hold more than INDEX_RATIO
         times the bytes of the trace's rows (invariant 11). Weighed when the table's size changes; by its entries,
         not by its table, so a table just doubled (or its old half still beside it, while it grows) does not
         count against it."""
         ix = self._kix
-        if ix is None:
+        if ix is None or self._kix_spec[0] != "row":
             return
         size = int(ix.nbytes)
         if size <= self.INDEX_FLOOR or size == self._kix_seen:
