@@ -52,7 +52,7 @@ BIG_STEP_ROWS = 1 << 18  # pushed rows from which a step also returns the alloca
 
 def release_memory(step_rows: int) -> None:
     """Return the memory a step used but the state does not hold (csrc/scratch.c design note 6), on the thread that
-    ran it: the C scratch cache of this thread and the region cache down to ``DBSP_CACHE_KEEP_MB`` each; after a
+    ran worker 0, once the step's rollback copy is gone: the C scratch cache of this thread and the region cache down to ``DBSP_CACHE_KEEP_MB`` each; after a
     step of at least BIG_STEP_ROWS pushed rows also glibc's free memory (``malloc_trim``) and the Arrow pool's free
     pages (``release_unused``), whose cost (a walk of the heap, a few ms) such a step amortizes."""
     big = step_rows >= BIG_STEP_ROWS
@@ -296,6 +296,8 @@ class EmbeddedExecutor:
                 restore(saved)
                 exc.step, exc.done = s.step, done
                 raise
+            saved = None  # the rollback copy held the batches the step replaced: freed before the trim
+            release_memory(sum(len(z) for _, z in s.pushes))
         return done
 
     def _run_one(self, s: StepInput) -> dict[str, ZSet]:
@@ -340,7 +342,6 @@ class EmbeddedExecutor:
                 out[name] = z if z._distinct else ZSet._make(z.data, z.weights, distinct=True)  # parts need no sort
             else:
                 out[name] = z.consolidate()
-        release_memory(sum(len(z) for _, z in s.pushes))
         return out
 
     # ---- live layout changes ----
