@@ -297,7 +297,7 @@ class EmbeddedExecutor:
                 exc.step, exc.done = s.step, done
                 raise
             saved = None  # the rollback copy held the batches the step replaced: freed before the trim
-            release_memory(sum(len(z) for _, z in s.pushes))
+            release_memory(sum(z.num_rows for _, z in s.pushes))  # stored rows: len() would consolidate
         return done
 
     def _run_one(self, s: StepInput) -> dict[str, ZSet]:
