@@ -66,9 +66,9 @@ class KeyIndexed:
     INDEX_WAIT = 2  # reads that walk the batches before a stale key index is rebuilt (invariant 11)
     INDEX_FLOOR = 64 << 20  # bytes of whole-row index any trace may keep, whatever its rows (invariant 11)
     INDEX_RATIO = 1.0  # past the floor, a whole-row index may hold this times its trace's row bytes (invariant 11)
-    # (measured under load 12-15 on 2 cores, 1k-row steps: a distinct of 3M rows of three int64 columns, whose
-    # whole-row index held 67 B/row over 40 B of row, stepped in p50 1.0-1.07 ms with it and 1.30 without; a
-    # group-by of 5M rows over 5M groups in p50 1.5 ms with its key index and 7.6 without)
+    # (bench/RESULTS.md "State memory per row": 1k-row steps on a 3.2M-row distinct took p50 1.73-2.50 ms with its
+    # whole-row index, 80.5 B/row beside 40 B of row, and 0.74-1.34 ms without; a 5M-row group-by, p50 1.5 ms
+    # with its key index and 7.6 without, under load)
 
     def _init_key_index(self) -> None:
         """A new trace's content token; no key index kept."""
