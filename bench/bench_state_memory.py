@@ -115,13 +115,15 @@ class _Ledger:
 
     def __init__(self) -> None:
         self.seen: set[int] = set()
+        self.spans: list[tuple[int, int]] = []  # (address, bytes) of every buffer counted
         self.parts: dict[str, int] = {}
-        self.roots: dict[int, list[int]] = {}  # address of a buffer that state arrays slice: [its bytes, bytes used]
+        self.roots: dict[int, int] = {}  # address of a numpy buffer that state arrays slice: its bytes
 
     def add(self, part: str, address: int, size: int) -> None:
         if size <= 0 or address in self.seen:
             return
         self.seen.add(address)
+        self.spans.append((address, int(size)))
         self.parts[part] = self.parts.get(part, 0) + int(size)
 
     def array(self, part: str, arr) -> None:  # noqa: ANN001
@@ -136,11 +138,13 @@ class _Ledger:
             root = root.base
         self.add(part, arr.__array_interface__["data"][0], arr.nbytes)
         if root is not arr:
-            self.roots.setdefault(root.__array_interface__["data"][0], [root.nbytes, 0])[1] += arr.nbytes
+            self.roots[root.__array_interface__["data"][0]] = root.nbytes
 
     def slack(self) -> None:
-        """Bytes of the numpy buffers that hold state arrays as slices, beyond the slices' own bytes."""
-        for size, used in self.roots.values():
+        """Bytes of the numpy buffers that hold state arrays as slices, beyond every counted buffer inside them (numpy
+        slices, and Arrow columns made from them without a copy, such as an aggregate's slot values)."""
+        for root, size in self.roots.items():
+            used = sum(min(a + n, root + size) - max(a, root) for a, n in self.spans if a < root + size and a + n > root)
             if size > used:
                 self.parts["unused part of shared numpy buffers"] = (
                     self.parts.get("unused part of shared numpy buffers", 0) + size - used)
@@ -263,13 +267,15 @@ def run_view(view: str, rows: int, step: int, seed: int) -> dict:
     time.sleep(0.2)
     rss1, huge = rss_bytes(), anon_huge_bytes() - huge0
     parts, facts = breakdown(p)
+    from dbsp_core import _zset
+    held = _zset.cached_bytes() if hasattr(_zset, "cached_bytes") else None  # (this thread's scratch, regions)
     trimmed = malloc_trim()
     rss2 = rss_bytes()
     pa.default_memory_pool().release_unused()  # mimalloc's free pages (the pushed tables, freed)
     rss3 = rss_bytes()
     facts.update(view=view, rows=rows, step=step, load_s=load_s, rss_before=rss0, rss_after=rss1,
                  rss_after_trim=rss2 if trimmed else rss1, rss_after_pool_release=rss3, anon_huge_growth=huge,
-                 rss_peak_sampled=peak,
+                 rss_peak_sampled=peak, caches_held=held,
                  arrow_pool_growth=pa.total_allocated_bytes() - arrow0,
                  caches=os.environ.get("DBSP_SCRATCH_MB", "default"), parts=parts)
     p.close()
@@ -338,6 +344,9 @@ def table(r: dict, nc: dict | None) -> str:
                  f"{r['keyindex_total_bytes'] / n:.1f} B/row; sampled peak RSS growth "
                  f"{(r['rss_peak_sampled'] - r['rss_before']) / n:.1f} B/row; "
                  f"transparent huge pages {r['anon_huge_growth'] / growth:.0%} of the RSS growth")
+    if r.get("caches_held") is not None:
+        lines.append(f"- held by the C caches at the end: scratch of the stepping thread "
+                     f"{r['caches_held'][0] / n:.1f} B/row, region cache {r['caches_held'][1] / n:.1f} B/row")
     return "\n".join(lines)
 
 

@@ -96,5 +96,11 @@ def linear_step(table, keys, cols, KeyIndex ix):
     free(old); free(grp); free(slots)
     dbsp_reduce_free(&r)
     check_status(st, "linear_step")
-    return (buf[:n], buf[cap:cap + n], buf[2 * cap:2 * cap + n].view(np.uint64),
-            buf[3 * cap:3 * cap + n].view(np.uint64), buf[4 * cap:].reshape(ns, cap)[:, :n], bool(ordered))
+    # what the caller keeps (w, kh, rh and the slots go into the trace batch) moves to a buffer of its size: slices
+    # of `buf` would pin all of it, 2 * groups * (4 + ns) words, while the batch lives
+    kept = np.empty((3 + ns, n), dtype=np.int64)
+    kept[0] = buf[cap:cap + n]
+    kept[1] = buf[2 * cap:2 * cap + n]
+    kept[2] = buf[3 * cap:3 * cap + n]
+    kept[3:] = buf[4 * cap:].reshape(ns, cap)[:, :n]
+    return (buf[:n], kept[0], kept[1].view(np.uint64), kept[2].view(np.uint64), kept[3:], bool(ordered))

@@ -48,3 +48,22 @@ cdef Region new_region(Py_ssize_t nbytes):
         raise MemoryError(f"merge: cannot allocate {nbytes} bytes")
     r.nbytes = nbytes
     return r
+
+
+def trim_caches(keep, bint all_threads_memory=False):
+    """Return cached memory to the system (csrc/scratch.c design note 6): the calling thread's scratch cache and
+    the process's region cache, each down to at most ``keep`` bytes; with ``all_threads_memory``, also glibc's
+    free memory (``malloc_trim(0)``, every arena). Returns the bytes the two caches released."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise ValueError(f"trim_caches: keep must be an int >= 0, got {keep!r}")
+    cdef size_t k = keep, released
+    with nogil:
+        released = dbsp_scratch_trim(k) + dbsp_region_cache_trim(k)
+        if all_threads_memory:
+            dbsp_malloc_trim()
+    return released
+
+
+def cached_bytes():
+    """(the calling thread's scratch cache, the process's region cache): bytes held for reuse (csrc/scratch.c)."""
+    return dbsp_scratch_cached(), dbsp_region_cached()

@@ -92,6 +92,11 @@ cdef extern from "scratch.h" nogil:
     void *dbsp_region_alloc(size_t nbytes, size_t *mapped)
     size_t dbsp_region_trim(void *p, size_t mapped, size_t keep)
     void dbsp_region_free(void *p, size_t mapped)
+    size_t dbsp_scratch_trim(size_t keep)
+    size_t dbsp_region_cache_trim(size_t keep)
+    size_t dbsp_scratch_cached()
+    size_t dbsp_region_cached()
+    int dbsp_malloc_trim()
 
 cdef extern from "cdata.h" nogil:
     struct ArrowSchema:

@@ -8,6 +8,8 @@
 #include "status.h"
 
 #define OCCUPIED (1ULL << 63)
+#define NULL_SHIFT 55                    /* a slot's head word: OCCUPIED | null mask << 55 | hash bits 0-54 */
+#define HASH_BITS ((1ULL << NULL_SHIFT) - 1)
 #define PF_AHEAD 16 /* probes prefetched ahead: a large index is bound by memory latency */
 #define HUGE_ALIGN ((size_t)2 << 20) /* tables this large are mapped pages, aligned for 2 MiB (huge) pages */
 #define MOVE_PER_ROW 8 /* old slots moved per probing row while growing (invariant 5) */
@@ -25,7 +27,7 @@ typedef struct {
 } Table;
 
 struct DbspKeyIndex {
-    int32_t nkeys, nvals, stride; /* stride = 2 + nkeys + nvals words: hash, tag, key words, sums */
+    int32_t nkeys, nvals, stride; /* stride = 1 + nkeys + nvals words: head (hash and tag), key words, sums */
     int32_t types[DBSP_KEYINDEX_MAX_KEYS];
     int64_t count;      /* entries in both tables */
     int64_t max_bytes;  /* the slot tables' limit (0: none) */
@@ -114,7 +116,7 @@ int dbsp_keyindex_new(const int32_t *types, int32_t nkeys, int32_t nvals, int64_
     if (!ix) return DBSP_ENOMEM;
     ix->nkeys = nkeys;
     ix->nvals = nvals;
-    ix->stride = 2 + nkeys + nvals;
+    ix->stride = 1 + nkeys + nvals;
     ix->max_bytes = max_bytes;
     memcpy(ix->types, types, (size_t)nkeys * sizeof(int32_t));
     if (table_alloc(&ix->cur, 64, ix->stride, 0) != DBSP_OK) {
@@ -153,7 +155,8 @@ static int check_keys(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t 
     return DBSP_OK;
 }
 
-/* The canonical key words of row r (invariant 1) into w[0..nkeys); returns the tag (OCCUPIED | null mask). */
+/* The canonical key words of row r (invariant 1) into w[0..nkeys); returns the tag (OCCUPIED | null mask << 55),
+ * which head() joins to the key hash. */
 static inline uint64_t key_words(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int64_t r,
                                  uint64_t *w) {
     uint64_t tag = OCCUPIED;
@@ -161,7 +164,7 @@ static inline uint64_t key_words(const DbspKeyIndex *ix, const DbspBatch *b, con
         const DbspColumn *c = &b->cols[keys[k]];
         if (!dbsp_col_valid(c, r)) {
             w[k] = 0;
-            tag |= 1ULL << k;
+            tag |= 1ULL << (NULL_SHIFT + k);
         } else if (dbsp_type_class(c->type) == DBSP_CLASS_FLOAT) {
             w[k] = dbsp_canon_f64_bits(dbsp_col_f64(c, r));
         } else {
@@ -178,13 +181,17 @@ static inline int same_words(const uint64_t *a, const uint64_t *b, int32_t n) {
     return 1;
 }
 
-/* The slot of table t holding (h, tag, w), or the empty slot where it would go. */
-static inline uint64_t *find(const DbspKeyIndex *ix, const Table *t, uint64_t h, uint64_t tag, const uint64_t *w) {
+/* A slot's head word (invariant 3): the tag of key_words (OCCUPIED, null mask) over the low 55 bits of the key hash,
+ * which place the entry (no table has 2^55 slots). Never 0, so 0 marks an empty slot. */
+static inline uint64_t head(uint64_t h, uint64_t tag) { return (h & HASH_BITS) | tag; }
+
+/* The slot of table t holding the key (head hd, words w), or the empty slot where it would go. */
+static inline uint64_t *find(const DbspKeyIndex *ix, const Table *t, uint64_t hd, const uint64_t *w) {
     uint64_t mask = (uint64_t)t->cap - 1;
-    for (uint64_t i = h & mask;; i = (i + 1) & mask) {
+    for (uint64_t i = hd & mask;; i = (i + 1) & mask) {
         uint64_t *s = t->slots + i * (uint64_t)ix->stride;
-        if (s[1] == 0) return s;
-        if (s[0] == h && s[1] == tag && same_words(s + 2, w, ix->nkeys)) return s;
+        if (s[0] == 0) return s;
+        if (s[0] == hd && same_words(s + 1, w, ix->nkeys)) return s;
     }
 }
 
@@ -193,26 +200,26 @@ static inline int old_moved(const DbspKeyIndex *ix, uint64_t i) {
     return ((i - ix->start) & ((uint64_t)ix->old.cap - 1)) < ix->moved;
 }
 
-/* The slot holding the key (h, tag, w), or NULL (invariant 5: a key whose old home is moved is in cur; one whose
+/* The slot holding the key (head hd, words w), or NULL (invariant 5: a key whose old home is moved is in cur; one whose
  * old home is not moved yet is in old, or in cur only when some new key spilled there). */
-static inline uint64_t *lookup(const DbspKeyIndex *ix, uint64_t h, uint64_t tag, const uint64_t *w) {
-    if (ix->old.slots && !old_moved(ix, h & ((uint64_t)ix->old.cap - 1))) {
-        uint64_t *s = find(ix, &ix->old, h, tag, w);
-        if (s[1] != 0) return s;
+static inline uint64_t *lookup(const DbspKeyIndex *ix, uint64_t hd, const uint64_t *w) {
+    if (ix->old.slots && !old_moved(ix, hd & ((uint64_t)ix->old.cap - 1))) {
+        uint64_t *s = find(ix, &ix->old, hd, w);
+        if (s[0] != 0) return s;
         if (!ix->spilled) return NULL;
     }
-    uint64_t *s = find(ix, &ix->cur, h, tag, w);
-    return s[1] != 0 ? s : NULL;
+    uint64_t *s = find(ix, &ix->cur, hd, w);
+    return s[0] != 0 ? s : NULL;
 }
 
 /* The empty slot for a new key, and its table (invariant 5): while growing, in old when the key's home there is not
  * moved yet, so that the new table's pages are first written by the move, in order, rather than by new keys at
  * random (each first write of a page costs a page fault and its zeroing); in cur when the old table holds its
  * share of new keys already or the key's probe run reaches the moved part (a spill). */
-static uint64_t *new_slot(DbspKeyIndex *ix, uint64_t h, uint64_t tag, const uint64_t *w, Table **tab) {
-    if (ix->old.slots && !old_moved(ix, h & ((uint64_t)ix->old.cap - 1))) {
+static uint64_t *new_slot(DbspKeyIndex *ix, uint64_t hd, const uint64_t *w, Table **tab) {
+    if (ix->old.slots && !old_moved(ix, hd & ((uint64_t)ix->old.cap - 1))) {
         if (ix->old_added * 8 < ix->old.cap) {
-            uint64_t *s = find(ix, &ix->old, h, tag, w);
+            uint64_t *s = find(ix, &ix->old, hd, w);
             if (!old_moved(ix, (uint64_t)(s - ix->old.slots) / (uint64_t)ix->stride)) {
                 ix->old_added++;
                 *tab = &ix->old;
@@ -223,7 +230,7 @@ static uint64_t *new_slot(DbspKeyIndex *ix, uint64_t h, uint64_t tag, const uint
         ix->spills++;
     }
     *tab = &ix->cur;
-    return find(ix, &ix->cur, h, tag, w);
+    return find(ix, &ix->cur, hd, w);
 }
 
 /* Move the next old slots into cur: at least `budget`, then on to the end of the cluster (the next empty slot),
@@ -232,9 +239,9 @@ static void move_some(DbspKeyIndex *ix, int64_t budget) {
     uint64_t st = (uint64_t)ix->stride, omask = (uint64_t)ix->old.cap - 1;
     while (ix->moved < (uint64_t)ix->old.cap) {
         uint64_t *s = ix->old.slots + ((ix->start + ix->moved) & omask) * st;
-        if (s[1] == 0 && budget <= 0) return; /* at a cluster boundary with the budget spent */
-        if (s[1] != 0) {
-            memcpy(find(ix, &ix->cur, s[0], s[1], s + 2), s, st * 8);
+        if (s[0] == 0 && budget <= 0) return; /* at a cluster boundary with the budget spent */
+        if (s[0] != 0) {
+            memcpy(find(ix, &ix->cur, s[0], s + 1), s, st * 8);
             memset(s, 0, st * 8);
         }
         ix->moved++;
@@ -272,7 +279,7 @@ static int grow(DbspKeyIndex *ix, int64_t rows) {
     ix->cur = fresh;
     uint64_t st = (uint64_t)ix->stride, omask = (uint64_t)ix->old.cap - 1;
     uint64_t i = 0;
-    while (ix->old.slots[i * st + 1] != 0) i = (i + 1) & omask; /* an empty slot: at most 3/4 are full */
+    while (ix->old.slots[i * st] != 0) i = (i + 1) & omask; /* an empty slot: at most 3/4 are full */
     ix->start = i;
     ix->moved = 0;
     if (bulk) move_some(ix, ix->old.cap);
@@ -286,8 +293,8 @@ static int rehash(DbspKeyIndex *ix, int64_t cap) {
     budget_take(cap * (int64_t)ix->stride * 8, 0); /* smaller than the table it replaces */
     for (int64_t i = 0; i < ix->cur.cap; i++) {
         const uint64_t *s = ix->cur.slots + i * ix->stride;
-        if (s[1] == 0) continue;
-        memcpy(find(ix, &fresh, s[0], s[1], s + 2), s, (size_t)ix->stride * 8);
+        if (s[0] == 0) continue;
+        memcpy(find(ix, &fresh, s[0], s + 1), s, (size_t)ix->stride * 8);
     }
     table_free(&ix->cur, ix->stride);
     ix->cur = fresh;
@@ -301,7 +308,7 @@ static void remove_slot(DbspKeyIndex *ix, Table *t, uint64_t *s) {
     for (;;) {
         j = (j + 1) & mask;
         uint64_t *sj = t->slots + j * st;
-        if (sj[1] == 0) break;
+        if (sj[0] == 0) break;
         uint64_t k = sj[0] & mask; /* where the entry at j wants to be */
         int stays = i <= j ? (i < k && k <= j) : (i < k || k <= j);
         if (stays) continue;
@@ -326,11 +333,11 @@ static int get_into(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *k
         if (i + PF_AHEAD < n) prefetch_key(ix, kh[i + PF_AHEAD]);
         int64_t r = sel ? sel[i] : i;
         if (r < 0 || r >= b->nrows) return DBSP_EINVAL;
-        uint64_t tag = key_words(ix, b, keys, r, w);
-        uint64_t *s = lookup(ix, kh[i], tag, w);
-        if (slots) slots[i] = s ? (int64_t *)(s + 2 + ix->nkeys) : NULL;
+        uint64_t hd = head(kh[i], key_words(ix, b, keys, r, w));
+        uint64_t *s = lookup(ix, hd, w);
+        if (slots) slots[i] = s ? (int64_t *)(s + 1 + ix->nkeys) : NULL;
         if (!s) continue; /* absent: all sums zero (invariant 2) */
-        const int64_t *v = (const int64_t *)(s + 2 + ix->nkeys);
+        const int64_t *v = (const int64_t *)(s + 1 + ix->nkeys);
         int64_t *a = acc + i * ix->nvals;
         for (int32_t j = 0; j < ix->nvals; j++)
             if (__builtin_add_overflow(a[j], v[j], &a[j])) return DBSP_EOVERFLOW;
@@ -369,7 +376,7 @@ int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t
         if (c >= b->ncols) return DBSP_EINVAL;
         if (cols[j] >= 0 && !summable(b->cols[c].type)) return DBSP_ETYPE;
     }
-    uint64_t w[DBSP_KEYINDEX_MAX_KEYS], lw[DBSP_KEYINDEX_MAX_KEYS], ltag = 0;
+    uint64_t w[DBSP_KEYINDEX_MAX_KEYS], lw[DBSP_KEYINDEX_MAX_KEYS], lhd = 0;
     int64_t d[DBSP_KEYINDEX_MAX_VALS];
     int64_t n = b->nrows;
     uint64_t *last = NULL; /* the slot of the previous row's key: rows of one key are adjacent in index order */
@@ -397,25 +404,25 @@ int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t
             nonzero |= d[j] != 0;
         }
         if (!nonzero && !before) continue;
-        uint64_t tag = key_words(ix, b, keys, i, w);
+        uint64_t hd = head(kh[i], key_words(ix, b, keys, i, w));
         uint64_t *s;
         Table *tab;
-        if (last && last[0] == kh[i] && ltag == tag && same_words(lw, w, ix->nkeys)) {
+        if (last && lhd == hd && same_words(lw, w, ix->nkeys)) {
             s = last, tab = ltab;
         } else {
             if (ix->old.slots) move_some(ix, MOVE_PER_ROW); /* growing: every fresh probe moves a few slots first */
-            s = lookup(ix, kh[i], tag, w);
+            s = lookup(ix, hd, w);
             tab = s && ix->old.slots && (uint64_t)(s - ix->old.slots) < (uint64_t)ix->old.cap * ix->stride
                       ? &ix->old : &ix->cur;
         }
         last = NULL;
         if (before) { /* the key's sums before this row */
             int64_t *o = before + i * ix->nvals;
-            if (s) memcpy(o, s + 2 + ix->nkeys, (size_t)ix->nvals * 8);
+            if (s) memcpy(o, s + 1 + ix->nkeys, (size_t)ix->nvals * 8);
             else memset(o, 0, (size_t)ix->nvals * 8);
         }
         if (!nonzero) {
-            if (s) last = s, ltab = tab, ltag = tag, memcpy(lw, w, (size_t)ix->nkeys * 8);
+            if (s) last = s, ltab = tab, lhd = hd, memcpy(lw, w, (size_t)ix->nkeys * 8);
             continue;
         }
         if (!s) { /* a new entry, in cur; past 3/4, start growing (invariants 3, 5) */
@@ -424,16 +431,15 @@ int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t
                 if (st != DBSP_OK) return st;
                 move_some(ix, MOVE_PER_ROW);
             }
-            s = new_slot(ix, kh[i], tag, w, &tab);
-            s[0] = kh[i];
-            s[1] = tag;
-            memcpy(s + 2, w, (size_t)ix->nkeys * 8);
-            memcpy(s + 2 + ix->nkeys, d, (size_t)ix->nvals * 8);
+            s = new_slot(ix, hd, w, &tab);
+            s[0] = hd;
+            memcpy(s + 1, w, (size_t)ix->nkeys * 8);
+            memcpy(s + 1 + ix->nkeys, d, (size_t)ix->nvals * 8);
             ix->count++;
-            last = s, ltab = tab, ltag = tag, memcpy(lw, w, (size_t)ix->nkeys * 8);
+            last = s, ltab = tab, lhd = hd, memcpy(lw, w, (size_t)ix->nkeys * 8);
             continue;
         }
-        int64_t *v = (int64_t *)(s + 2 + ix->nkeys);
+        int64_t *v = (int64_t *)(s + 1 + ix->nkeys);
         int zero = 1;
         for (int32_t j = 0; j < ix->nvals; j++) {
             if (__builtin_add_overflow(v[j], d[j], &v[j])) goto overflow;
@@ -442,7 +448,7 @@ int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t
         if (zero) {
             remove_slot(ix, tab, s); /* invariant 2; entries may have shifted: no slot is remembered */
         } else {
-            last = s, ltab = tab, ltag = tag, memcpy(lw, w, (size_t)ix->nkeys * 8);
+            last = s, ltab = tab, lhd = hd, memcpy(lw, w, (size_t)ix->nkeys * 8);
         }
     }
     if (!ix->old.slots && ix->cur.cap > 64 && ix->count * 16 < ix->cur.cap) {
@@ -464,19 +470,19 @@ int dbsp_keyindex_put(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
     if (st != DBSP_OK) return st;
     if (r < 0 || r >= b->nrows) return DBSP_EINVAL;
     uint64_t w[DBSP_KEYINDEX_MAX_KEYS];
-    uint64_t tag = key_words(ix, b, keys, r, w);
+    uint64_t hd = head(h, key_words(ix, b, keys, r, w));
     int zero = 1;
     if (vals)
         for (int32_t j = 0; j < ix->nvals; j++) zero &= vals[j * vstride] == 0;
     if (ix->old.slots) move_some(ix, MOVE_PER_ROW);
-    uint64_t *s = lookup(ix, h, tag, w);
+    uint64_t *s = lookup(ix, hd, w);
     if (s) {
         Table *tab = ix->old.slots && (uint64_t)(s - ix->old.slots) < (uint64_t)ix->old.cap * ix->stride
                          ? &ix->old : &ix->cur;
         if (zero) {
             remove_slot(ix, tab, s);
         } else {
-            int64_t *v = (int64_t *)(s + 2 + ix->nkeys);
+            int64_t *v = (int64_t *)(s + 1 + ix->nkeys);
             for (int32_t j = 0; j < ix->nvals; j++) v[j] = vals[j * vstride];
         }
         return DBSP_OK;
@@ -488,11 +494,10 @@ int dbsp_keyindex_put(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
         move_some(ix, MOVE_PER_ROW);
     }
     Table *tab;
-    s = new_slot(ix, h, tag, w, &tab);
-    s[0] = h;
-    s[1] = tag;
-    memcpy(s + 2, w, (size_t)ix->nkeys * 8);
-    int64_t *v = (int64_t *)(s + 2 + ix->nkeys);
+    s = new_slot(ix, hd, w, &tab);
+    s[0] = hd;
+    memcpy(s + 1, w, (size_t)ix->nkeys * 8);
+    int64_t *v = (int64_t *)(s + 1 + ix->nkeys);
     for (int32_t j = 0; j < ix->nvals; j++) v[j] = vals[j * vstride];
     ix->count++;
     return DBSP_OK;
@@ -503,15 +508,16 @@ int dbsp_keyindex_put(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
 static int check_table(const DbspKeyIndex *ix, const Table *t, int old, int64_t *seen) {
     for (int64_t i = 0; i < t->cap; i++) {
         const uint64_t *s = t->slots + i * ix->stride;
-        if (s[1] == 0) continue;
+        if (s[0] == 0) continue;
         if (old && old_moved(ix, (uint64_t)i)) return DBSP_EINVAL; /* the moved part is empty */
         (*seen)++;
-        if (find(ix, t, s[0], s[1], s + 2) != s) return DBSP_EINVAL;
+        if (!(s[0] & OCCUPIED) || (s[0] >> NULL_SHIFT & 0xff) >> ix->nkeys) return DBSP_EINVAL; /* a bad tag */
+        if (find(ix, t, s[0], s + 1) != s) return DBSP_EINVAL;
         if (old && old_moved(ix, s[0] & ((uint64_t)t->cap - 1))) return DBSP_EINVAL; /* home moved, entry not */
         if (!old && ix->old.slots && !old_moved(ix, s[0] & ((uint64_t)ix->old.cap - 1))
-            && (!ix->spilled || find(ix, &ix->old, s[0], s[1], s + 2)[1] != 0))
+            && (!ix->spilled || find(ix, &ix->old, s[0], s + 1)[0] != 0))
             return DBSP_EINVAL; /* in cur though its old home is not moved, with no spill; or in both tables */
-        const int64_t *v = (const int64_t *)(s + 2 + ix->nkeys);
+        const int64_t *v = (const int64_t *)(s + 1 + ix->nkeys);
         int zero = 1;
         for (int32_t j = 0; j < ix->nvals; j++) zero &= v[j] == 0;
         if (zero) return DBSP_EINVAL;

@@ -12,7 +12,9 @@
  *  2. An entry holds nvals int64 sums, and never all of them zero: an update that brings every sum of an entry
  *     to zero removes it, so an absent key reads as all zeros, which is what the sums of no rows are.
  *  3. Open addressing with linear probing over a power-of-two table of slots, at most 3/4 full; a removal shifts
- *     the entries after the hole back (no tombstones), so every probe ends at the first empty slot.
+ *     the entries after the hole back (no tombstones), so every probe ends at the first empty slot. A slot is
+ *     1 + nkeys + nvals words: a head word (bit 63 set, the key's null mask in bits 55-62, the low 55 bits of the
+ *     key hash, which place the entry: no table has 2^55 slots; 0 is an empty slot), the key words, the sums.
  *  4. Every product weight * value and every sum is checked: one outside int64 returns DBSP_EOVERFLOW and leaves
  *     the index broken (dbsp_keyindex_broken): the caller must drop it, its sums are then partly updated.
  *  5. Growing never rehashes the whole index in one call: a new entry that would pass 3/4 starts a table of twice

@@ -14,8 +14,15 @@
  *  5. Regions (dbsp_region_alloc) are results that may turn out shorter than their worst case, such as a
  *     merge whose rows cancel: large ones are mapped pages, so trimming the tail unmaps pages in place and
  *     every pointer into the head stays valid (Arrow buffers over it are never moved).
+ *  6. Both caches serve a run of similar calls (the steps of a stream), not the state: after a step the runtime
+ *     trims them to a small size (dbsp_scratch_trim, dbsp_region_cache_trim; dbsp_core/runtime/embedded.py), so
+ *     the buffers a large step left do not stay resident beside the state it built. Trimming evicts the largest
+ *     buffers first: the small ones are cheap to keep and the most often reused.
  */
 #include <stdlib.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 #include <string.h>
 #include <sys/mman.h>
 #include <pthread.h>
@@ -182,4 +189,53 @@ void dbsp_region_free(void *p, size_t mapped) {
         pthread_mutex_unlock(&region_mu);
     }
     munmap(p, mapped);
+}
+
+size_t dbsp_scratch_trim(size_t keep) {
+    size_t released = 0;
+    while (cached_bytes > keep) {
+        int largest = -1;
+        for (int i = 0; i < CACHE_SLOTS; i++)
+            if (cache[i].p && (largest < 0 || cache[i].sz > cache[largest].sz)) largest = i;
+        if (largest < 0) break;
+        free(cache[largest].p);
+        cached_bytes -= cache[largest].sz;
+        released += cache[largest].sz;
+        cache[largest].p = NULL; cache[largest].sz = 0;
+    }
+    return released;
+}
+
+size_t dbsp_region_cache_trim(size_t keep) {
+    size_t released = 0;
+    pthread_mutex_lock(&region_mu);
+    while (region_cached > keep) {
+        int largest = -1;
+        for (int i = 0; i < REGION_SLOTS; i++)
+            if (region_cache[i].p && (largest < 0 || region_cache[i].sz > region_cache[largest].sz)) largest = i;
+        if (largest < 0) break;
+        munmap(region_cache[largest].p, region_cache[largest].sz);
+        region_cached -= region_cache[largest].sz;
+        released += region_cache[largest].sz;
+        region_cache[largest].p = NULL; region_cache[largest].sz = 0;
+    }
+    pthread_mutex_unlock(&region_mu);
+    return released;
+}
+
+size_t dbsp_scratch_cached(void) { return cached_bytes; }
+
+size_t dbsp_region_cached(void) {
+    pthread_mutex_lock(&region_mu);
+    size_t n = region_cached;
+    pthread_mutex_unlock(&region_mu);
+    return n;
+}
+
+int dbsp_malloc_trim(void) {
+#ifdef __GLIBC__
+    return malloc_trim(0);
+#else
+    return 0;
+#endif
 }

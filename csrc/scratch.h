@@ -29,4 +29,16 @@ size_t dbsp_region_trim(void *p, size_t mapped, size_t keep);
  * dbsp_region_alloc, up to DBSP_REGION_CACHE_MB MiB in all (read once; default 256, 0 disables it). */
 void dbsp_region_free(void *p, size_t mapped);
 
+/* Return cached memory to the system (design note 6): this thread's scratch cache down to at most `keep` bytes,
+ * the process's region cache down to at most `keep` bytes, largest buffers first; returns the bytes released.
+ * What is cached after it still serves the next calls. */
+size_t dbsp_scratch_trim(size_t keep);
+size_t dbsp_region_cache_trim(size_t keep);
+/* Bytes cached now: this thread's scratch cache, the process's region cache. */
+size_t dbsp_scratch_cached(void);
+size_t dbsp_region_cached(void);
+/* glibc's malloc_trim(0): the free memory of every malloc arena returned to the system (1 when some was; 0, and
+ * nothing done, without glibc). */
+int dbsp_malloc_trim(void);
+
 #endif

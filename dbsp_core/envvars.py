@@ -28,6 +28,9 @@ Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them
 - ``DBSP_MEMORY_LIMIT`` (runtime/driver.py): the memory budget of a pipeline's traces when ``Pipeline(...,
   memory_limit=)`` is not given, bytes or a size such as ``4GiB`` (default: none). CI runs suites with a tiny one
   (``DBSP_MEMORY_LIMIT=1``) so that every trace spills its batches to files (dbsp_core/trace/spill.py).
+- ``DBSP_CACHE_KEEP_MB`` (runtime/embedded.py): MiB of each of those two caches kept past the end of a step, a whole
+  number >= 0 (default 16): the rest goes back to the system (csrc/scratch.c design note 6), so the buffers a large
+  step used do not stay resident beside the state it built.
 
 Not runtime settings, read where they are used (listed so that this is the one list of every ``DBSP_*`` variable;
 tests/core/test_envvars.py checks that the repository reads no other):
@@ -192,6 +195,7 @@ SETTINGS: tuple[Setting, ...] = (  # the list of the module docstring, in its or
     Setting("DBSP_SCRATCH_MB", "scratch_mb", "whole"),  # None: the C core's default (csrc/scratch.c)
     Setting("DBSP_REGION_CACHE_MB", "region_cache_mb", "whole"),  # likewise
     Setting("DBSP_MEMORY_LIMIT", "memory_limit", "bytes"),  # None: no budget unless a Pipeline sets one
+    Setting("DBSP_CACHE_KEEP_MB", "cache_keep_mb", "whole", default=16),
 )
 
 
@@ -208,6 +212,7 @@ class Settings(NamedTuple):
     scratch_mb: int | None
     region_cache_mb: int | None
     memory_limit: int | None
+    cache_keep_mb: int
 
 
 assert Settings._fields == tuple(s.field for s in SETTINGS)

@@ -27,7 +27,9 @@ from typing import Any, Callable
 import numpy as np
 import pyarrow as pa
 
+from dbsp_core import _zset
 from dbsp_core.circuit import Circuit
+from dbsp_core.envvars import settings
 from dbsp_core.errors import CorruptionError, DbspError, StepError
 from dbsp_core.layout import Layout
 from dbsp_core.operators.base import concat
@@ -45,6 +47,20 @@ from dbsp_core.storage.snapshot import state_attrs, state_tables
 from dbsp_core.trace import MergeThread, Trace, merging
 from dbsp_core.trace.spill import BatchStore, spilling
 from dbsp_core.zset import ZSet
+
+
+BIG_STEP_ROWS = 1 << 18  # pushed rows from which a step also returns the allocators' free memory (release_memory)
+
+
+def release_memory(step_rows: int) -> None:
+    """Return the memory a step used but the state does not hold (csrc/scratch.c design note 6), on the thread that
+    ran worker 0, once the step's rollback copy is gone: the C scratch cache of this thread and the region cache down to ``DBSP_CACHE_KEEP_MB`` each; after a
+    step of at least BIG_STEP_ROWS pushed rows also glibc's free memory (``malloc_trim``) and the Arrow pool's free
+    pages (``release_unused``), whose cost (a walk of the heap, a few ms) such a step amortizes."""
+    big = step_rows >= BIG_STEP_ROWS
+    _zset.trim_caches(settings().cache_keep_mb << 20, all_threads_memory=big)
+    if big:
+        pa.default_memory_pool().release_unused()
 
 
 _CORES = os.cpu_count() or 1  # read once: the call reads /sys, ~12 us, a measurable share of a small step
@@ -294,7 +310,10 @@ class EmbeddedExecutor:
         b0 = time.perf_counter()
         try:
             with merging(merge_thread), spilling(self.batch_store):
-                return self._workers[w].step()
+                out = self._workers[w].step()
+            if w:  # a pool thread: its own scratch cache (worker 0 runs on the driver's thread: _run_one)
+                _zset.trim_caches(settings().cache_keep_mb << 20)
+            return out
         except BaseException:
             assert self._exchanger is not None
             self._exchanger.barrier.abort()  # release the others waiting at an exchange (invariant 2)
@@ -317,8 +336,10 @@ class EmbeddedExecutor:
                 restore(saved)
                 exc.step, exc.done = s.step, done
                 raise
+            saved = None  # the rollback copy held the batches the step replaced: freed before the trim
             if self.batch_store is not None:  # between steps: no worker runs (trace invariant 12)
                 self.batch_store.enforce()
+            release_memory(sum(z.num_rows for _, z in s.pushes))  # stored rows: len() would consolidate
         return done
 
     def _run_one(self, s: StepInput) -> dict[str, ZSet]:
@@ -489,12 +510,16 @@ class EmbeddedExecutor:
         if self._merge_thread is None:
             return
         traces = self._all_traces()
+        freed = 0
         while True:
             installed = sum(t.install_finished(self._merge_thread if settle else None) for t in traces)
+            freed += installed
             # nothing left to install and an idle merge thread (no merge handed over and unfinished): settled
             if not settle or (not installed and self._merge_thread.wait_idle(0)):
-                return
+                break
             self._merge_thread.wait_idle()
+        if freed:  # the merges' inputs went back to the region cache: trim it as a step's end does
+            _zset.trim_caches(settings().cache_keep_mb << 20)
 
     def state_bytes(self) -> int:
         """Bytes of every worker's state in memory (the Arrow buffers of its traces and Z-sets)."""

@@ -12,6 +12,13 @@ Invariant (trace invariant 11, enforced here):
      that wants it (the first two walk the batches), so a trace that is loaded afresh for every job (a stage task
      without its cache) never pays for an index it would not keep. Reads through a current index give exactly
      what the walk over the batches gives.
+     A whole-row index (``on="row"``: a distinct's, a count distinct's) past INDEX_FLOOR bytes whose entries (at
+     3/4 full) hold more than INDEX_RATIO times its trace's rows (their data, weight and key hash) costs more memory
+     than the state it serves for little speed (the walk over the batches reads a consolidated change in key-hash
+     order, as they are) and is dropped for good, quietly: the trace walks its batches. It always passes (a copy of
+     every column, a head word and the weight), so a large distinct keeps its rows only. A key index (an
+     aggregate's, a join's) is about as large as its trace's rows when each key has one row, and is kept: it serves
+     an aggregate's one-pass step, several times faster than the walk.
 
 The index's state lives in the trace's own attributes (``_token``, ``_kix*``), so a rollback's capture of a trace's
 attributes (dbsp_core/runtime/rollback.py invariant 1) holds it too. Its size limits come from
@@ -57,6 +64,11 @@ class KeyIndexed:
     :meth:`_init_key_index` when it is made."""
 
     INDEX_WAIT = 2  # reads that walk the batches before a stale key index is rebuilt (invariant 11)
+    INDEX_FLOOR = 64 << 20  # bytes of whole-row index any trace may keep, whatever its rows (invariant 11)
+    INDEX_RATIO = 1.0  # past the floor, a whole-row index may hold this times its trace's row bytes (invariant 11)
+    # (bench/RESULTS.md "State memory per row": 1k-row steps on a 3.2M-row distinct took p50 1.73-2.50 ms with its
+    # whole-row index, 80.5 B/row beside 40 B of row, and 0.74-1.34 ms without; a 5M-row group-by, p50 1.5 ms
+    # with its key index and 7.6 without, under load)
 
     def _init_key_index(self) -> None:
         """A new trace's content token; no key index kept."""
@@ -65,6 +77,7 @@ class KeyIndexed:
         self._kix = None  # the key index (a _zset.KeyIndex), current while its token is self._token
         self._kix_off = False  # the index failed (overflow, memory, size): this trace walks its batches
         self._kix_wait = 0  # reads that walk the batches before a stale index is rebuilt (invariant 11)
+        self._kix_seen = 0  # the index's bytes when last weighed against the rows (invariant 11)
 
     def keep_index(self, columns: tuple, on: str = "key") -> bool:
         """Keep a key index of the sums of weight times each column of ``columns`` (an integer column other than
@@ -72,7 +85,7 @@ class KeyIndexed:
         column ``c`` is not null), per trace key (``on="key"``: serves :meth:`key_sums` of int64 columns, and
         :meth:`index_for_update`) or per whole row (``on="row"`` with ``(None,)``: serves :meth:`match_weights`).
         Returns whether the index is kept: only for keys of fixed-width columns (no strings), and not when
-        ``DBSP_KEY_INDEX=0``. Costs memory beside the batches (about 8 bytes per key column and sum, plus 16, per
+        ``DBSP_KEY_INDEX=0``. Costs memory beside the batches (about 8 bytes per key column and sum, plus 8, per
         key, over a table at most 3/4 full); a trace whose index would pass ``DBSP_KEY_INDEX_MB`` (by default an
         eighth of the memory, at least 512 MiB: dbsp_core/trace/sizing.py), or take the indexes of the process past
         ``DBSP_KEY_INDEX_TOTAL_MB`` together, drops it with an IndexDroppedWarning and walks its batches as without
@@ -158,6 +171,30 @@ class KeyIndexed:
             self._drop_index(exc)  # instead
             return
         ix.token = self._token
+        self._weigh_index()
+
+    def _row_bytes(self) -> int:
+        """Bytes of one trace row for the lean-state rule (invariant 11): its fixed-width columns, 8 for each other
+        one (a lower bound: an offset and a little data), its weight and its key hash."""
+        return 16 + sum(max(f.type.bit_width // 8, 1) if pa.types.is_primitive(f.type) and f.type.bit_width
+                        else 8 for f in self.schema)
+
+    def _weigh_index(self) -> None:
+        """Drop a whole-row index for good when it is past INDEX_FLOOR and its entries, at the table's fullest (3/4:
+        a slot of 1 + key columns + sums words per entry, csrc/keyindex.h invariant 3), hold more than INDEX_RATIO
+        times the bytes of the trace's rows (invariant 11). Weighed when the table's size changes; by its entries,
+        not by its table, so a table just doubled (or its old half still beside it, while it grows) does not
+        count against it."""
+        ix = self._kix
+        if ix is None or self._kix_spec[0] != "row":
+            return
+        size = int(ix.nbytes)
+        if size <= self.INDEX_FLOOR or size == self._kix_seen:
+            return
+        self._kix_seen = size
+        entries = len(ix) * (1 + ix.nkeys + ix.nvals) * 8 * 4 // 3
+        if entries > self.INDEX_RATIO * self.num_rows * self._row_bytes():
+            self._kix, self._kix_off = None, True  # a choice, not a failure: no warning
 
     def _index_sums(self, spec: tuple, batches: list["IndexedZSet"], view: Any, ppos: list[int], khash: np.ndarray,
                     rows: np.ndarray | None, acc: np.ndarray) -> bool:
@@ -253,7 +290,9 @@ class KeyIndexed:
         if ix is None:
             return None
         try:
-            return fn(ix)
+            out = fn(ix)
+            self._weigh_index()
+            return out
         except WeightOverflowError:
             if not ix.broken:  # refused before anything was stored
                 self.index_done(ix)

@@ -761,7 +761,7 @@ static void test_keyindex(int64_t n, int64_t kdom) {
     int32_t bad[1] = { DBSP_UTF8 };
     DbspKeyIndex *no = NULL;
     CHECK(dbsp_keyindex_new(bad, 1, 1, 0, &no) == DBSP_ETYPE && no == NULL);
-    DbspKeyIndex *small = NULL;  /* a limit of 4 KiB: 64 slots of 4 words fit, 128 do not */
+    DbspKeyIndex *small = NULL;  /* a limit of 4 KiB: 128 slots of 4 words (head, key, two sums) fit, 256 do not */
     CHECK(dbsp_keyindex_new(types, 1, 2, 4096, &small) == DBSP_OK);
     if (n > 1000) CHECK(dbsp_keyindex_add(small, &t.b, &key, kh, cols, 1) == DBSP_ETOOBIG);
     dbsp_keyindex_free(small);

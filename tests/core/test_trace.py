@@ -353,3 +353,46 @@ def test_an_index_past_its_size_limit_is_dropped_before_it_grows(monkeypatch):
         model = _fill(t, range(40), 200, 10_000)
     assert t._kix is None and t._kix_off
     _check_reads(t, model, list(range(0, 10_000, 97)))
+
+
+@settings(deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2**31), st.sampled_from([1, 10, 40, 200])), min_size=1, max_size=12),
+       st.sampled_from(list(INDEXES)[1:]), st.sampled_from([0.5, 1.0, 1e9]))
+def test_a_key_index_larger_than_its_rows_is_dropped_and_reads_stay_exact(inserts, index, ratio):
+    """Invariant 11's lean-state rule, with the floor at 0: an insert that changes a whole-row index's size keeps it
+    only while its entries hold at most ``ratio`` times the bytes of the trace's rows, a dropped index stays
+    dropped, a key index is never dropped by it, and reads (match_and_insert's old weights, key_sums, lookups)
+    match a dict model either way."""
+    saved = Trace.INDEX_FLOOR, Trace.INDEX_RATIO
+    Trace.INDEX_FLOOR, Trace.INDEX_RATIO = 0, ratio
+    try:
+        t = _new(Trace, index)
+        model: dict = {}
+        dropped, size = False, t.index_bytes
+        for seed, n in inserts:
+            z, d = _batch(seed, n, 60)
+            change = z.index_by(["k"])
+            if index == "row":
+                rows = list(zip(*(change.zset.data.column(c).to_pylist() for c in SCHEMA.names)))
+                old = t.match_and_insert(change)
+                assert old.tolist() == [model.get(r, 0) for r in rows]
+            else:
+                t.insert(change)
+            for r, w in d.items():
+                model[r] = model.get(r, 0) + w
+            model = {r: w for r, w in model.items() if w}
+            if t.index_spec is None:
+                assert index == "row", "the rule dropped a key index"
+                assert t.index_bytes == 0
+                dropped = True
+            else:
+                assert not dropped, "a dropped index came back"
+                if index == "row" and t.index_bytes != size:  # weighed: its entries at 3/4 full against the rows
+                    ix = t._kix
+                    assert len(ix) * (1 + ix.nkeys + ix.nvals) * 8 * 4 // 3 <= ratio * t.num_rows * t._row_bytes()
+                size = t.index_bytes
+            _check_reads(t, model, list(range(0, 60, 7)))
+        if ratio == 0.5 and index == "row":
+            assert dropped  # a whole-row entry (head, k, v, weight at 3/4 full: 42 B) passes half a row (32 B)
+    finally:
+        Trace.INDEX_FLOOR, Trace.INDEX_RATIO = saved
