@@ -58,10 +58,9 @@ class StepLog:
     >>> import tempfile, os
     >>> d = tempfile.mkdtemp()
     >>> with StepLog(os.path.join(d, "log")) as log:
-    ...     log.append(0, "bids", b"batch-1", producer="gen-1", seq=1)
-    ...     log.append(1, "bids", b"batch-2", producer="gen-1", seq=2)
-    ...     print([r.payload for r in log.read(1)])
-    [b'batch-2']
+    ...     first = log.append(0, "bids", b"batch-1", producer="gen-1", seq=1)  # append returns the record's ticket
+    ...     print(log.append(1, "bids", b"batch-2", producer="gen-1", seq=2) > first, [r.payload for r in log.read(1)])
+    True [b'batch-2']
     """
 
     def __init__(self, path: Union[str, os.PathLike], *, segment_bytes: int = 64 << 20, vfs: str = "posix",
