@@ -42,17 +42,21 @@ def _model(rows: Counter) -> Counter:
 def test_a_load_swing_rescales_up_and_down_and_the_output_stays_right() -> None:
     print(f"\n[autoscale pipeline] seed {SEED} (replay: DBSP_AUTOSCALE_SEED={SEED})")
     rng = np.random.default_rng(SEED)
-    policy = dbsp.Autoscale(1, 4, max_step_ms=50, window_s=2, interval_s=0, min_steps=3, scale_down_window_s=1.0)
-    p = dbsp.Pipeline(_circuit(), workers=1, autoscale=policy)
+    p = dbsp.Pipeline(_circuit(), workers=1)
     fed: Counter = Counter()
     view: Counter = Counter()
 
-    def step(rows: int) -> None:
+    def step(rows: int) -> float:
+        """Pushes ``rows`` rows and steps; returns the step's seconds (the model's bookkeeping not counted)."""
         k = rng.integers(0, 50_000, rows)
         v = rng.integers(0, 100, rows)
         p.push("t", pa.table({"k": k, "v": v}, schema=SCHEMA))
         fed.update(zip(k.tolist(), v.tolist()))
-        view.update(p.step()["g"].to_dict())
+        t0 = time.perf_counter()
+        out = p.step()["g"]
+        took = time.perf_counter() - t0
+        view.update(out.to_dict())
+        return took
 
     def changes(reason: str) -> list[dict]:
         return [c for c in p.metrics(state=False)["autoscale"]["changes"] if c["reason"].startswith(reason)
@@ -60,14 +64,20 @@ def test_a_load_swing_rescales_up_and_down_and_the_output_stays_right() -> None:
 
     for _ in range(5):
         step(10)
+    # The latency target comes from this machine: a third of a big step's time at one worker, measured before the
+    # policy starts (a fixed 50 ms failed on a quiet machine, where 150k-row steps took 22 ms: no scale-up).
+    target_ms = max(5.0, sum(step(150_000) for _ in range(3)) / 3 * 1000 / 3)
+    policy = dbsp.Autoscale(1, 4, max_step_ms=target_ms, window_s=2, interval_s=0, min_steps=3,
+                            scale_down_window_s=1.0)
+    p.autoscale(policy)
     assert p.workers == 1 and not changes("")
     deadline = time.monotonic() + 60
-    while not changes("scale_up") and time.monotonic() < deadline:  # big steps: ~100s of ms at one worker
+    while not changes("scale_up") and time.monotonic() < deadline:  # big steps: about 3x the target at one worker
         step(150_000)
     up = changes("scale_up")
-    assert up, f"no scale-up under big steps: {p.autoscale_decisions[-3:]}"
+    assert up, f"no scale-up under big steps (target {target_ms:.1f} ms): {p.autoscale_decisions[-3:]}"
     assert up[0]["workers"] == 1 and up[0]["target"] == 2  # worker threads stop at the cores (2 here)
-    assert up[0]["inputs"]["step_ms_p99"] > 50 and p.workers == 2
+    assert up[0]["inputs"]["step_ms_p99"] > target_ms and p.workers == 2
     while not changes("scale_down") and time.monotonic() < deadline:  # small steps meet the target at once
         step(10)
         time.sleep(0.02)
