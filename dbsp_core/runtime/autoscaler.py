@@ -23,7 +23,7 @@ import math
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from dbsp_core.runtime.autoscale import Autoscale, Decision, Measurements, PolicyState, StepSample, decide
 
@@ -34,12 +34,11 @@ log = logging.getLogger("dbsp_core.autoscale")
 _CORES = os.cpu_count() or 1
 
 
-class Capacity:
+class Capacity(Protocol):
     """What follows the worker count outside the process (SparkPipeline: Spark executors under dynamic
     allocation). :meth:`follow` is called before a scale-up and after a scale-down and says what it did."""
 
-    def follow(self, workers: int) -> str:  # pragma: no cover - the protocol
-        raise NotImplementedError
+    def follow(self, workers: int) -> str: ...
 
 
 class Autoscaler:
