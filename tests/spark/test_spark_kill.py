@@ -50,15 +50,26 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def kill_until(args: list[str], rng: random.Random, log: str, storage: str) -> tuple[int, int, list]:
+def kill_until(args: list[str], rng: random.Random, log: str, storage: str,
+               steps: int | None = None) -> tuple[int, int, list]:
     """Run the child, killing it at a random moment (:func:`run_killed`), until KILLS kills landed (at most 4x as
     many runs), then once more to the end. Returns (runs, kills landed, steps logged at each kill); fails if the
-    child finished before KILLS kills landed (the test would check fewer kills than it says)."""
+    child finished before KILLS kills landed (the test would check fewer kills than it says).
+
+    Without ``steps`` a kill lands 0-1 s after the log grew by 0-1 steps (children whose every step takes about a
+    second). With ``steps`` (how many steps the child logs in all) the kills are spread over the steps still to
+    come: each waits for the log to grow by a random share of them and lands 0-0.3 s later, so a fast machine
+    cannot finish the child before every kill landed."""
     runs = killed = 0
     at: list = []
     while killed < KILLS and runs < 4 * KILLS:
         runs += 1
-        if run_killed(args, rng.uniform(0.0, 1.0), log, storage, rng.randint(0, 1)) == "done":
+        if steps is None:
+            delay, after = rng.uniform(0.0, 1.0), rng.randint(0, 1)
+        else:
+            share = (steps - (steps_logged(storage) or 0)) // (KILLS - killed + 1)
+            delay, after = rng.uniform(0.0, 0.3), rng.randint(0, max(0, share - 1))
+        if run_killed(args, delay, log, storage, after) == "done":
             break
         killed += 1
         at.append(steps_logged(storage))
@@ -175,11 +186,11 @@ def test_driver_kill_and_open(tmp_path, runtime):
     recovers with ``open`` and resumes the producer after its last acknowledged batch."""
     from kill_workload import batch
 
-    storage, seed, batches = str(tmp_path / "p"), SEED % 10_000, 10
+    storage, seed, batches = str(tmp_path / "p"), SEED % 10_000, 6 * KILLS + 2
     print(f"\n[spark kill] seed {SEED} (replay: DBSP_SPARK_KILL_SEED={SEED})")
     rng = random.Random(SEED + 2)
     args = [os.path.join(HERE, "kill_child.py"), "driver", runtime, storage, str(seed), str(batches), "2"]
-    runs, killed, at = kill_until(args, rng, str(tmp_path / "child.log"), storage)
+    runs, killed, at = kill_until(args, rng, str(tmp_path / "child.log"), storage, steps=batches)
     print(f"driver kills of the {runtime} pipeline: {killed} landed in {runs} runs "
           f"(steps in the output log at each kill: {at})")
     acks = [int(x) for x in (tmp_path / "acks.txt").read_text().split()]
