@@ -1,4 +1,8 @@
-"""The concurrency harness of issue 29: threads issuing random public operations (push, step, queue_step + run_queued, checkpoint, rescale, discard, read_output, metrics, view, query, close) on one pipeline, a plain-Python model of every acknowledged push, and the check of the output log's integral (or, in memory, of the returned steps) against it.
+"""The concurrency harness of issue 29: threads issuing random public operations (push, step, queue_step + run_queued, checkpoint, rescale, discard, read_output, metrics, view, query, profile, upsert and delete into a table with a primary key, close) on one pipeline, a plain-Python model of every acknowledged push, and the check of the output log's integral (or, in memory, of the returned steps) against it.
+
+The keyed table ``u`` takes upserts (a pandas DataFrame or a list of tuples) and deletes by key; each thread
+owns its own keys (``t * 100 + 0..7``), so the last operation of a key is the last one its thread made, whatever
+the other threads do: the model applies each thread's acknowledged ``u`` operations in the order it made them.
 
 An operation may refuse with a typed error (``DbspError`` and its subclasses; ``KeyError`` from ``discard`` of a
 push that is not waiting) and change nothing; anything else, or a pipeline left broken, is a failure.
@@ -10,7 +14,7 @@ import os
 import random
 import threading
 from collections import Counter
-from typing import Callable
+from typing import Any, Callable
 
 import pyarrow as pa
 
@@ -20,10 +24,11 @@ from dbsp_core.runtime import StagedExecutor
 
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
 KEYS = 200
+U_KEYS = 8  # keys of table u per thread
 SHARD_BITS = 4
 MODES = ("memory", "durable", "staged")
 OPS = ("push", "push", "push", "step", "queue", "checkpoint", "rescale", "discard", "read", "metrics", "view", "query",
-       "close")
+       "upsert", "upsert", "profile", "close")
 
 
 def circuit() -> dbsp.Circuit:
@@ -32,7 +37,56 @@ def circuit() -> dbsp.Circuit:
     g = t.group_by("k").agg(n=dbsp.count(), s=dbsp.sum("v"))
     c.output("g", g, materialized=True)  # view and query read its contents while other threads step
     c.output("gi", g.integrate())  # the whole view at every step: what memory mode checks (outputs of queued
-    return c                       # steps that a step() runs are not returned to anyone)
+    u = c.input("u", SCHEMA, primary_key=["k"])  # steps that a step() runs are not returned to anyone)
+    c.output("uv", u, materialized=True)
+    return c
+
+
+def u_producer(run: int, t: int) -> str:
+    """The producer of thread ``t``'s operations on table ``u`` in run ``run``."""
+    return f"r{run}t{t}u"
+
+
+def u_op(seed: int, producer: str, seq: int) -> tuple[str, Any]:
+    """Operation ``seq`` of ``producer`` on table ``u``: ``("upsert", rows)`` (a pandas DataFrame or a list of
+    tuples) or ``("delete", keys)``, on the keys of the producer's thread only."""
+    t = int(producer.rsplit("t", 1)[1][:-1])
+    rng = random.Random(f"{seed}/{producer}/{seq}/u")
+    keys = sorted(rng.sample(range(U_KEYS), rng.randint(1, 3)))
+    ks = [t * 100 + k for k in keys]
+    if rng.random() < 0.3:
+        return "delete", ks
+    vs = [rng.randrange(-50, 50) for _ in ks]
+    if rng.random() < 0.5:
+        import pandas as pd
+
+        return "upsert", pd.DataFrame({"k": ks, "v": vs})
+    return "upsert", list(zip(ks, vs))
+
+
+def apply_u(p: dbsp.Pipeline, seed: int, producer: str, seq: int, durable: bool) -> Any:
+    """Make operation ``seq`` of ``producer`` on ``u`` (with producer and seq when ``durable``)."""
+    kind, data = u_op(seed, producer, seq)
+    ids = {"producer": producer, "seq": seq} if durable else {}
+    return (p.delete if kind == "delete" else p.push)("u", data, **ids)
+
+
+def model_u(ops: list[tuple[int, str, int]]) -> Counter:
+    """Table ``u`` after the operations ``(seed, producer, seq)``, each producer's in seq order and producers of
+    one thread in run order (a thread's keys are its own), as a multiset of rows {(k, v): 1}."""
+    def order(op: tuple[int, str, int]) -> tuple[int, int]:
+        return int(op[1][1:].split("t", 1)[0]), op[2]
+
+    table: dict[int, int] = {}
+    for seed, producer, seq in sorted(ops, key=order):
+        kind, data = u_op(seed, producer, seq)
+        if kind == "delete":
+            for k in data:
+                table.pop(k, None)
+        else:
+            rows = list(zip(data["k"], data["v"])) if hasattr(data, "columns") else data
+            table.update((int(k), int(v)) for k, v in rows)
+    return Counter({(k, v): 1 for k, v in table.items()})
 
 
 def executor(mode: str) -> StagedExecutor | None:
@@ -70,9 +124,9 @@ def model(pushes: list[tuple[int, str, int]]) -> Counter:
     return Counter({(k, n, s): 1 for k, (n, s) in acc.items() if n})
 
 
-def log_integral(p: dbsp.Pipeline) -> Counter:
+def log_integral(p: dbsp.Pipeline, output: str = "g") -> Counter:
     acc: Counter = Counter()
-    for _, z in p.read_output("g"):
+    for _, z in p.read_output(output):
         acc.update(z.to_dict())
     return Counter({r: w for r, w in acc.items() if w})  # a negative weight stays: it is a defect too
 
@@ -88,17 +142,20 @@ def differ(got: Counter, want: Counter) -> str:
 class Round:
     """One round: ``threads`` threads each issuing ``ops`` random operations on one pipeline in ``mode``.
 
-    ``on_ack(producer, seq)`` / ``on_try`` / ``on_discard`` let a kill-test child record acknowledgements durably.
+    ``on_ack(producer, seq)`` / ``on_try`` / ``on_discard`` / ``on_refused`` (a push or u operation refused with a
+    typed error, which changed nothing) let a kill-test child record what happened durably.
     """
 
     def __init__(self, mode: str, seed: int, d: str | None, threads: int = 3, ops: int = 12, run: int = 0,
                  on_try: Callable[[str, int], None] | None = None,
                  on_ack: Callable[[str, int], None] | None = None,
-                 on_discard: Callable[[str, str, int], None] | None = None, allow_close: bool = True) -> None:
+                 on_discard: Callable[[str, str, int], None] | None = None, allow_close: bool = True,
+                 on_refused: Callable[[str, int], None] | None = None) -> None:
         self.mode, self.seed, self.d, self.threads, self.ops, self.run = mode, seed, d, threads, ops, run
-        self.on_try, self.on_ack, self.on_discard = on_try, on_ack, on_discard
+        self.on_try, self.on_ack, self.on_discard, self.on_refused = on_try, on_ack, on_discard, on_refused
         self.allow_close = allow_close
         self.acked: list[tuple[int, str, int]] = []
+        self.u_acked: list[tuple[int, str, int]] = []  # operations on the keyed table u
         self.discarded: set[tuple[str, int]] = set()
         self.outs: Counter = Counter()  # the sum of every output ``g`` a step or run_queued returned
         self.counts: Counter = Counter()
@@ -126,11 +183,13 @@ class Round:
     def _one(self, p: dbsp.Pipeline, t: int, rng: random.Random, state: dict) -> None:
         op = rng.choice(OPS)
         durable = self.d is not None
+        made: tuple[str, int] | None = None  # the push or u operation tried, for on_refused
         try:
             if op == "push":
                 producer, seq = f"r{self.run}t{t}", state["seq"]
                 if self.on_try:
                     self.on_try(producer, seq)
+                made = producer, seq
                 state["seq"] += 1
                 z = batch(self.seed, producer, seq)
                 if durable:
@@ -143,6 +202,21 @@ class Round:
                     state["mine"].append(seq)
                 if self.on_ack:
                     self.on_ack(producer, seq)
+            elif op == "upsert":
+                producer, seq = u_producer(self.run, t), state["useq"]
+                if self.on_try:
+                    self.on_try(producer, seq)
+                made = producer, seq
+                state["useq"] += 1
+                ack = apply_u(p, self.seed, producer, seq, durable)
+                assert (ack is not None and not ack.duplicate) if durable else ack is None, ack
+                with self.lock:
+                    self.u_acked.append((self.seed, producer, seq))
+                if self.on_ack:
+                    self.on_ack(producer, seq)
+            elif op == "profile":
+                prof = p.profile(state=rng.random() < 0.5)
+                assert prof is not None
             elif op == "step":
                 out = p.step()
                 with self.lock:
@@ -200,6 +274,8 @@ class Round:
                 self._fail(op, e)
             else:
                 self._refused(op, e)
+                if made is not None and self.on_refused:
+                    self.on_refused(*made)
         except BaseException as e:  # anything else is a defect
             self._fail(op, e)
 
@@ -209,11 +285,11 @@ class Round:
         with self.lock:
             self.failures.append(f"{op}: {type(e).__name__}: {e}\n{''.join(traceback.format_exception(e))[-1500:]}")
 
-    def _check_view(self, p: dbsp.Pipeline, want: Counter) -> None:
-        t = p.view("g")
+    def _check_view(self, p: dbsp.Pipeline, want: Counter, output: str = "g") -> None:
+        t = p.view(output)
         got = Counter(zip(*[t.column(i).to_pylist() for i in range(t.num_columns)]))
         if got != want:
-            self.failures.append(f"the materialized view differs from the model: {differ(got, want)}")
+            self.failures.append(f"the materialized view {output} differs from the model: {differ(got, want)}")
 
     def go(self, p: dbsp.Pipeline) -> None:
         """Run the threads to their end."""
@@ -221,7 +297,7 @@ class Round:
 
         def worker(t: int) -> None:
             rng = random.Random(f"{self.seed}/{self.run}/ops/{t}")
-            state = {"seq": 0, "mine": []}
+            state = {"seq": 0, "useq": 0, "mine": []}
             try:
                 start.wait()
             except threading.BrokenBarrierError:
@@ -242,10 +318,12 @@ class Round:
         close (if no operation did), reopen, step once (the pushes acknowledged after the last step) and compare
         the output log's integral with the model. Appends to ``failures``."""
         want = model([a for a in self.acked if (a[1], a[2]) not in self.discarded])
+        want_u = model_u(self.u_acked)
         if self.d is None:
             assert p is not None
             got = Counter({r: w for r, w in p.step()["gi"].to_dict().items() if w})
             self._check_view(p, want)
+            self._check_view(p, want_u, "uv")
             p.close()
         else:
             if p is not None and not self.closed_by_op:
@@ -255,6 +333,10 @@ class Round:
                 q.step()
                 got = log_integral(q)
                 self._check_view(q, want)
+                self._check_view(q, want_u, "uv")
+                if log_integral(q, "uv") != want_u:
+                    self.failures.append(f"the output log of uv differs from the model of {len(self.u_acked)} "
+                                         f"operations: {differ(log_integral(q, 'uv'), want_u)}")
             finally:
                 q.close()
         if got != want:

@@ -1,4 +1,4 @@
-"""Child process of the concurrency kill test: runs rounds of the random-operations harness (ops_harness.Round) on the durable pipeline in DIR, recording each push before it is made and once acknowledged, and each discard, in DIR/../ops-log.txt (appended and fsync'd line by line), until killed or done.
+"""Child process of the concurrency kill test: runs rounds of the random-operations harness (ops_harness.Round) on the durable pipeline in DIR, recording each push (and operation on the keyed table) before it is made, once acknowledged and when refused, and each discard, in DIR/../ops-log.txt (appended and fsync'd line by line), until killed or done.
 
 Usage: ops_kill_child.py DIR SEED RUN MODE ROUNDS. Prints a JSON line of counts at the end.
 """
@@ -31,7 +31,8 @@ def main() -> int:
     for r in range(rounds):
         rnd = Round(mode, seed, d, threads=3, ops=10, run=run * 1000 + r,
                     on_try=lambda pr, sq: record(f"try {pr} {sq}"), on_ack=lambda pr, sq: record(f"ack {pr} {sq}"),
-                    on_discard=lambda what, pr, sq: record(f"discard-{what} {pr} {sq}"))
+                    on_discard=lambda what, pr, sq: record(f"discard-{what} {pr} {sq}"),
+                    on_refused=lambda pr, sq: record(f"refused {pr} {sq}"))
         p = rnd.open()
         rnd.go(p)
         if rnd.failures:

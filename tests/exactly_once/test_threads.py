@@ -208,7 +208,8 @@ OPS_TOTALS: dict = {}
 def test_random_operations_from_many_threads_keep_every_acknowledged_push(tmp_path, mode) -> None:
     """``DBSP_CONCURRENCY_ROUNDS`` rounds over the three modes (default 48; 1,000 is the opt-in aim, replay one
     run with ``DBSP_CONCURRENCY_SEED``): 3 threads issue 10 random public operations each (push, step,
-    queue_step + run_queued, checkpoint, rescale, discard, read_output, metrics, view, query, close) on one
+    queue_step + run_queued, checkpoint, rescale, discard, read_output, metrics, view, query, profile, upsert and
+    delete by key, close) on one
     pipeline; every
     operation completes or refuses with a typed error, none leaves the pipeline broken, and the integral of the
     output log after a reopen (in memory: of the steps returned) equals the model of the acknowledged pushes."""
@@ -243,7 +244,7 @@ def test_random_operations_from_many_threads_keep_every_acknowledged_push(tmp_pa
 def test_random_operations_killed_with_sigkill_keep_every_acknowledged_push(tmp_path, mode) -> None:
     """``DBSP_CONCURRENCY_KILLS`` kills per mode must land (default 2): a child process runs harness rounds on one
     directory and is killed with SIGKILL at a random moment; the parent reopens, pushes again every push the
-    child tried but never saw acknowledged (a duplicate if it was durable), steps, and checks that the output
+    child tried and saw neither acknowledged nor refused (a duplicate if it was durable), steps, and checks that the output
     log's integral equals the model of every push minus the discarded ones, and that every such push is in the
     input of exactly one output step."""
     import sys
@@ -276,7 +277,7 @@ def test_random_operations_killed_with_sigkill_keep_every_acknowledged_push(tmp_
 def _check_after_kill(d: str, mode: str, stats) -> None:
     from collections import Counter
 
-    from ops_harness import batch, circuit, differ, executor, log_integral, model
+    from ops_harness import apply_u, batch, circuit, differ, executor, log_integral, model, model_u
 
     log = os.path.join(os.path.dirname(d), "ops-log.txt")
     if not os.path.exists(os.path.join(d, "META")):
@@ -285,13 +286,18 @@ def _check_after_kill(d: str, mode: str, stats) -> None:
         lines = [x.split(" ", 2) for x in f.read().splitlines() if x]
     tried = {(p, int(s)) for w, p, s in (x for x in lines if x[0] == "try")}
     acked = {(p, int(s)) for w, p, s in (x for x in lines if x[0] == "ack")}
+    refused = {(p, int(s)) for w, p, s in (x for x in lines if x[0] == "refused")}  # changed nothing
+    tried -= refused
     dropped = {(p, int(s)) for w, p, s in (x for x in lines if x[0] == "discard-done")}
     maybe = {(p, int(s)) for w, p, s in (x for x in lines if x[0] == "discard-try")} - dropped
     stats["rounds_logged"] = sum(x[0] == "round" for x in lines)
     q = dbsp.Pipeline.open(d, circuit(), executor=executor(mode), checkpoint_interval=None)
     try:
-        for p, s in sorted(tried - acked):  # in flight at the kill, or refused: durable or not, counted once now
-            ack = q.push("t", batch(OPS_SEED, p, s), producer=p, seq=s)
+        for p, s in sorted(tried - acked):  # in flight at the kill: durable or not, counted once now
+            if p.endswith("u"):  # the last operation of its thread on table u: made again, it stays the last
+                ack = apply_u(q, OPS_SEED, p, s, True)
+            else:
+                ack = q.push("t", batch(OPS_SEED, p, s), producer=p, seq=s)
             stats["unacked_in_child_found_durable" if ack.duplicate else "unacked_in_child_pushed_anew"] += 1
             with open(log, "a") as f:
                 f.write(f"ack {p} {s}\n")
@@ -305,8 +311,11 @@ def _check_after_kill(d: str, mode: str, stats) -> None:
         assert not (dropped & set(counted)), f"discarded pushes were counted: {sorted(dropped & set(counted))[:5]}"
         assert counted == Counter(kept), (f"seed {OPS_SEED}: pushes counted other than once: "
                                           f"{sorted((Counter(kept) - counted) + (counted - Counter(kept)))[:10]}")
-        got, want = log_integral(q), model([(OPS_SEED, p, s) for p, s in kept])
+        got, want = log_integral(q), model([(OPS_SEED, p, s) for p, s in kept if not p.endswith("u")])
         assert got == want, (f"{mode} (replay: DBSP_CONCURRENCY_SEED={OPS_SEED}): the log's integral differs from "
                              f"the model of {len(kept)} pushes: {differ(got, want)}")
+        got_u, want_u = log_integral(q, "uv"), model_u([(OPS_SEED, p, s) for p, s in kept if p.endswith("u")])
+        assert got_u == want_u, (f"{mode} (replay: DBSP_CONCURRENCY_SEED={OPS_SEED}): table u's log differs from "
+                                 f"the model of its operations: {differ(got_u, want_u)}")
     finally:
         q.close()
