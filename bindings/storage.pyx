@@ -49,10 +49,13 @@ cdef DbspVfs *pick_vfs(str vfs) except NULL:
 
 
 def crc32c(data, unsigned int crc=0):
-    """CRC-32C of a bytes-like object (continuing from ``crc``)."""
+    """CRC-32C of a bytes-like object (continuing from ``crc``); releases the GIL (frames of large pushes)."""
     cdef const unsigned char[::1] view = memoryview(data).cast("B")
     cdef size_t n = view.shape[0]
-    return dbsp_crc32c(crc, &view[0] if n else NULL, n)
+    cdef const unsigned char *p = &view[0] if n else NULL
+    with nogil:
+        crc = dbsp_crc32c(crc, p, n)
+    return crc
 
 
 def crc32c_portable(data, unsigned int crc=0):

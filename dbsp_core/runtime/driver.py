@@ -77,7 +77,7 @@ import pyarrow as pa
 
 from dbsp_core import _storage
 from dbsp_core.circuit import Circuit, circuit_fingerprint
-from dbsp_core.codec import decode_zset, encode_json, encode_zset
+from dbsp_core.codec import decode_zset, encode_json, encode_zset_parts
 from dbsp_core.envvars import parse_memory_limit, settings
 from dbsp_core.errors import DbspError, PrimaryKeyError, RecoveryError, SchemaError, StepError, StorageError
 from dbsp_core.layout import DEFAULT_SHARD_BITS, Layout, ShardMap
@@ -514,9 +514,10 @@ class Pipeline:
             return None
         if not z.weights.flags.writeable:  # Arrow-backed weights are read-only; the kernels need writable ones
             z = ZSet._make(z.data, z.weights.copy())
-        payload = encode_zset(z)
-        if len(payload) > MAX_PUSH_BYTES:  # invariant 1: refused before anything is recorded
-            raise ValueError(f"push({handle!r}): the batch is {len(payload)} bytes encoded, more than the limit of "
+        head, body = encode_zset_parts(z)  # gathered by the log, never joined into one more copy of the push
+        payload, nbytes = [head, body], len(head) + body.size
+        if nbytes > MAX_PUSH_BYTES:  # invariant 1: refused before anything is recorded
+            raise ValueError(f"push({handle!r}): the batch is {nbytes} bytes encoded, more than the limit of "
                              f"{MAX_PUSH_BYTES} bytes of one input-log record; push it in smaller parts")
         prod, sq = producer or "", seq or 0
         with self._cond:
@@ -556,7 +557,7 @@ class Pipeline:
                 self._cond.notify_all()
             raise
         with self._cond:
-            self._queued(z.num_rows, len(payload))
+            self._queued(z.num_rows, nbytes)
             self._pending.append((handle, z))
             self._step_inputs.append((handle, prod, sq))
             self._tickets[(handle, prod, sq)] = ticket

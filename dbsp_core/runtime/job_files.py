@@ -1,6 +1,6 @@
 """Blob tables handed between the driver and a job's stage tasks through the storage directory: each worker's stage-0 input (written by the driver, read by the task) and each stateful stage task's result (written by the task before it commits, read by a retried attempt and by the driver).
 
-A file is one :func:`dbsp_core.codec.frame` record (magic, format version, CRC-32 of the body) whose body is a
+A file is one :func:`dbsp_core.codec.frame` record (magic, format version, checksum of the body) whose body is a
 4-byte little-endian header length, a JSON header (the job's tag) and one Arrow IPC stream of the table. The
 CRC is computed over the Arrow buffers as written and checked over the file as read, without copying either.
 

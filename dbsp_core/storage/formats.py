@@ -29,8 +29,9 @@ Directory format 2 (``DIRECTORY_FORMAT``)::
                                 named by checkpoints (``DRBF`` values) instead of copying their rows; deleted when
                                 no live batch reads them and no checkpoint that may be opened names them
 
-Framed records (dbsp_core.codec): ``magic (4 bytes) | format version (u8) | CRC-32 of the body (u32 LE) | body``.
-The body of a JSON record is UTF-8 JSON with sorted keys.
+Framed records (dbsp_core.codec): ``magic (4 bytes) | format version (u8) | checksum of the body (u32 LE) | body``;
+version 2 (written since 2026-11-28) checksums with CRC-32C, version 1 with zlib's CRC-32, and both are read (the
+body's layout is the same in both). The body of a JSON record is UTF-8 JSON with sorted keys.
 
 ==========  ======================================  =======================================================
 magic       where                                   body

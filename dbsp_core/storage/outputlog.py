@@ -25,7 +25,7 @@ Byte layout of a record (step-log record: step = the step, empty handle and prod
 the payload is ``u32 n`` (the number of outputs + 1) | ``u32 m`` | ``m`` bytes of UTF-8 JSON
 ``{"step": s, "outputs": [names in order], "inputs": [{"handle", "producer", "first_seq", "last_seq",
 "pushes"}]}`` | then per output, in the order named: ``u32 k`` | ``k`` bytes of
-:func:`dbsp_core.codec.encode_zset` (header ``DZS1``, version, CRC-32, then an Arrow IPC stream of the
+:func:`dbsp_core.codec.encode_zset` (header ``DZS1``, version, checksum, then an Arrow IPC stream of the
 columns and ``__dbsp_weight``). This is byte for byte the body of a format-1 record. Each output's rows are
 consolidated (no two equal, no zero weight) but in no particular order: a change that a step's operators produced
 distinct is written as it is (since 2026-11-27; earlier records are in canonical order), so a reader that needs

@@ -10,6 +10,7 @@ from dbsp_core import _storage
 __all__ = ["LogRecord", "StepLog"]
 
 BytesLike = Union[bytes, bytearray, memoryview]
+Payload = Union[BytesLike, list]  # one bytes-like object, or a list of them gathered back to back
 Name = Union[str, bytes]
 
 
@@ -75,14 +76,16 @@ class StepLog:
         """A read-only log: show records the writer appended and forget segments it dropped since the last scan."""
         self._log.refresh()
 
-    def append(self, step: int, handle: Name, payload: BytesLike, *, producer: Name = "", seq: int = 0) -> int:
+    def append(self, step: int, handle: Name, payload: Payload, *, producer: Name = "", seq: int = 0) -> int:
         """Appends one record and returns once it is durable; returns its ticket (its place in the log's order, as
-        :meth:`enqueue` does). Steps must not decrease. Thread-safe; releases the GIL."""
+        :meth:`enqueue` does). ``payload`` is bytes-like or a list of bytes-like parts (Arrow buffers too), copied
+        back to back into the record without being joined first. Steps must not decrease. Thread-safe; releases
+        the GIL."""
         ticket = self._log.enqueue(step, _name(handle), _name(producer), seq, payload)
         self._log.sync(ticket)
         return ticket
 
-    def enqueue(self, step: int, handle: Name, payload: BytesLike, *, producer: Name = "", seq: int = 0) -> int:
+    def enqueue(self, step: int, handle: Name, payload: Payload, *, producer: Name = "", seq: int = 0) -> int:
         """Places one record in the log's order without waiting for it; returns a ticket for :meth:`sync`.
 
         The record is durable (and visible to readers) only once a :meth:`sync` covering its ticket returned, or
