@@ -196,7 +196,8 @@ def main() -> None:
         return
     root = tempfile.mkdtemp(prefix="durable-breakdown-")
     try:
-        files, _ = bench_nexmark.write_events(root, args.events, args.batch, 0, bench_nexmark.nexmark.generator.DEFAULT_RATE)
+        files, _ = bench_nexmark.write_events(root, args.events, args.batch, 0,
+                                              bench_nexmark.nexmark.generator.DEFAULT_RATE)
         json.dump(files, open(os.path.join(root, "files.json"), "w"))
         print(f"{args.events:,} events in {len(files)} steps, W={args.workers}, {os.cpu_count()} cores, load average "
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, storage under {root}", flush=True)
@@ -239,7 +240,8 @@ def report(q: str, rates: dict, runs: list[dict], disk: list[float]) -> None:
     print(f"| timed loop | - | {sum(r['seconds'] for r in runs) / n:.3f} | {sum(r['cpu'] for r in runs) / n:.3f} "
           f"(process) | - |")
     print(f"| read parquet | - | {sum(r['read_s'] for r in runs) / n:.3f} | - | - |")
-    print(f"| close (final checkpoint; not in the timed loop) | 1 | {sum(r['close_s'] for r in runs) / n:.3f} | - | - |")
+    close = sum(r["close_s"] for r in runs) / n
+    print(f"| close (final checkpoint; not in the timed loop) | 1 | {close:.3f} | - | - |")
     for k in names:
         rows = [r["phases"].get(k, [0, 0.0, 0.0, 0]) for r in runs]
         print(f"| {k} | {sum(x[0] for x in rows) / n:.0f} | {sum(x[1] for x in rows) / n:.3f} | "
