@@ -911,9 +911,11 @@ PART_FINGERPRINTS_VERSION = 1  # of :func:`part_fingerprints`; META records it w
 
 
 def part_fingerprints(circuit: Circuit) -> dict:
-    """A fingerprint per input and per output: a hash of the node and, recursively, of every node it reads, by
-    their content rather than their position, so a view keeps its fingerprint when other views are added,
-    removed or changed (META records these to name the views and tables that differ, recovery.py).
+    """A fingerprint per input, per output and per node: a hash of the node and, recursively, of every node it
+    reads, by their content rather than their position, so a view keeps its fingerprint when other views are
+    added, removed or changed (META records these to name the views and tables that differ, recovery.py, and
+    to find which nodes' state a changed program keeps, dbsp_core.runtime.change). ``nodes`` lists the
+    fingerprint of every node by id.
 
     >>> import pyarrow as pa
     >>> c = Circuit(); s = c.input("x", pa.schema([("a", pa.int64())])); c.output("o", s.distinct())
@@ -929,4 +931,5 @@ def part_fingerprints(circuit: Circuit) -> dict:
         h[op.node_id] = hashlib.sha256(text.encode("utf-8")).hexdigest()
     return {"version": PART_FINGERPRINTS_VERSION,
             "inputs": {name: h[i] for name, i in sorted(circuit.inputs.items())},
-            "outputs": {name: h[i] for name, i in sorted(circuit.outputs.items())}}
+            "outputs": {name: h[i] for name, i in sorted(circuit.outputs.items())},
+            "nodes": [h[op.node_id] for op in circuit.nodes]}

@@ -89,6 +89,8 @@ from dbsp_core.progress import progress
 from dbsp_core.rows import as_table, conform, key_rows
 from dbsp_core.runtime.autoscale import Autoscale
 from dbsp_core.runtime.autoscaler import Autoscaler, Capacity
+from dbsp_core.runtime.change import Owed, bootstrap
+from dbsp_core.runtime.change import prepare as prepare_change
 from dbsp_core.runtime.crashpoints import crashpoint
 from dbsp_core.runtime.division import Divided, ranges
 from dbsp_core.runtime.embedded import EmbeddedExecutor
@@ -99,7 +101,7 @@ from dbsp_core.runtime.rescale import LiveRescale
 from dbsp_core.storage.consumers import ConsumerRegistry
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.dedup import SeenSet
-from dbsp_core.storage.directory import lock_dir, unlock_dir, write_record
+from dbsp_core.storage.directory import lock_dir, unlock_dir, write_meta, write_record
 from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE,
                                        DISCARD_HANDLE, DISCARD_MAGIC, DIVISION_HANDLE, DIVISION_MAGIC, INPUT_DIR,
                                        META_FILE, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR, PROFILE_FILE,
@@ -295,6 +297,7 @@ class Pipeline:
         # waves), done, moved_shards, last_pause_ms}; None when none runs
         self.rescale_progress: dict | None = None
         self.fingerprint = circuit_fingerprint(circuit)
+        self._owed: Owed | None = None  # a program change's first step not yet run (change.py invariant 5)
         self._ckpt_thread: threading.Thread | None = None
         self._syncer: ThreadPoolExecutor | None = None
         self._division_sync: Future | None = None
@@ -371,7 +374,7 @@ class Pipeline:
         opened = open_directory(root, self.executor, self.circuit, self.fingerprint, self._inputs, self._out_schemas,
                                 workers=workers, shard_bits=shard_bits, open_only=open_only,
                                 segment_bytes=segment_bytes, replay_check=replay_check, output_sync=output_sync,
-                                stats=self.stats, crashpoint=crashpoint, vfs=self._vfs)
+                                stats=self.stats, crashpoint=crashpoint, vfs=self._vfs, rescale_to=rescale_to)
         self._input, self._output, self._driver_db = opened.input, opened.output, opened.driver_db
         self.consumers = opened.consumers
         t0 = time.perf_counter()
@@ -379,12 +382,26 @@ class Pipeline:
                                                rescale_to, self.stats, crashpoint, self._vfs)
         log = LogReplay(root, self._input, self._output, self._driver_db, self._inputs, self._event_time, self._seen)
         x = log.record_step if step is None else step  # an executor without state resumes at the driver's record
+        # a program change (change.py): META names the new circuit before any step runs
+        change, meta = prepare_change(root, opened.meta, opened.changed, self.circuit, x, self._output.last,
+                                      opened.differences)
+        if meta is not None:
+            crashpoint("change-meta")
+            write_meta(root, meta, self._vfs)
+            self._output.since = dict(meta["since"])
+        if change is not None:
+            self.executor.rename_state(change.renames)
         self.executor.load_state(x)
         with progress("recovery replay", unit=" steps") as shown:
             log.catch_up(x)
             self.steps = self._open_step = x
             self._last_now = self.now_ns = log.prev_now
             self.watermarks = dict(log.watermarks)
+            if change is not None:  # change.py invariant 5: the built nodes from the tables' contents at x
+                self._owed = bootstrap(self.executor, self.circuit, change, x,
+                                       log.prev_now if log.prev_now is not None else log.now_floor)
+                self.stats["program_change"] = {"step": change.step, "rebuilt": change.rebuilt,
+                                                "kept_nodes": len(change.renames), "built_nodes": len(change.built)}
             for run in log.divided(shown):
                 self._replay(run)
         tail = log.tail()
@@ -705,6 +722,11 @@ class Pipeline:
             crashpoint("step-computed")  # the division record may or may not be durable yet
             self._await_division()  # invariant 3: durable before any output is written or returned
             crashpoint("step-output")
+            if self._owed is not None:  # change.py invariant 5: a rebuilt view's first output is its contents
+                for d, out in zip(run, outs):
+                    self._owed.settle(d.input.step, out)
+                if self._owed.done:
+                    self._owed = None
             if self._output is not None:
                 for d, out in zip(run, outs):
                     self._output.write(d.input.step, out, d.ranges)
@@ -908,6 +930,12 @@ class Pipeline:
         rescale switches LAYOUT there: rescale.py invariant 4)."""
         with self._step_lock:
             self._join_checkpoint()
+            if self._owed is not None:  # change.py invariant 6: the state stays the old circuit's until step L ran
+                if after_state is not None:
+                    raise DbspError(f"a layout change waits for the first step after the program change (step "
+                                    f"{self._owed.step}): step once, then change the layout")
+                self.stats["deferred_checkpoints"] = self.stats.get("deferred_checkpoints", 0) + 1
+                return self.steps
             t0 = time.perf_counter()
             crashpoint("checkpoint-start")
             step = self.steps
@@ -1016,6 +1044,9 @@ class Pipeline:
             if self.rescale_progress is not None:
                 raise DbspError("rescale: another rescale of this pipeline is in progress; call rescale again "
                                 "once it returned")
+            if self._owed is not None:  # change.py invariant 6
+                raise DbspError(f"rescale: the first step after the program change (step {self._owed.step}) has not "
+                                f"run; step once, then rescale")
             self._join_checkpoint()  # invariant 8: no checkpoint in flight, none starts until the end
             change = LiveRescale(self.executor, self.circuit, self.storage, self.layout, workers, batch_shards,
                                  crashpoint, self._vfs, t0)
