@@ -78,8 +78,8 @@ def check(root: str, old: dict, new: dict, kind: str, differences: str) -> None:
     if gone or changed:
         said = ", ".join(gone + changed)
         raise CircuitMismatchError(f"{base}; a program change keeps every table as it was (the input log holds their "
-                                   f"pushes): put table(s) {said} back as they were; add tables, and add, change or "
-                                   f"drop views")
+                                   f"pushes): put table(s) {said} back as they were (add tables, and add, change or "
+                                   f"drop views), or open it with the same circuit")
 
 
 def _stateful(circuit: Circuit) -> set[int]:
@@ -171,7 +171,7 @@ def _plan(root: str, old_nodes: list[str], circuit: Circuit, step: int, differen
             f"{root} was written by a pipeline with a different circuit{differences}; view(s) {what} must be built "
             f"from the current contents of table(s) {', '.join(missing)}, which the stored state does not hold: "
             f"declare them materialized (Circuit.input(..., materialized=True)) or with a primary key (PRIMARY KEY) "
-            f"from the start, or open the directory with the same circuit")
+            f"from the start, or open it with the same circuit")
     return Change(step, renames, built, rebuilt, tables)
 
 

@@ -606,11 +606,9 @@ class WorkerSnapshot:
         """Invariant 9: every stored state table (and trace order record) is deleted by the next save, and every
         loaded batch and Z-set is saved again."""
         for table in h.tables():
-            if not _STATE_TABLE.match(table):
-                continue
-            self._dropped.append((table, [k for k, _ in h.scan(table)]))
-            if h.get(SNAPSHOT_TABLE, order_key(table)) is not None:
-                self._dropped.append((SNAPSHOT_TABLE, [order_key(table)]))
+            if _STATE_TABLE.match(table):
+                self._dropped.append((table, [k for k, _ in h.scan(table)]))
+        self._dropped.append((SNAPSHOT_TABLE, [k for k, _ in h.scan(SNAPSHOT_TABLE, prefix=order_key(""))]))
         self._saved, self._saved_z, self._orphans = {}, {}, {}
 
     def _load_trace(self, h: DatabaseHandle, table: str, trace: Trace, where: str, mine: dict,
