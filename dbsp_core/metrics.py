@@ -85,6 +85,30 @@ class Metrics:
         self.net_rows = {name: 0 for name in outputs}  # sum of the views' change weights since open
         self.checkpoint_log: collections.deque = collections.deque(maxlen=64)  # (time, steps, seconds)
 
+    def resume(self, saved: dict | None, step: int) -> None:
+        """A durable pipeline opened with its state at ``step``: the counters go on from ``saved`` (the ``METRICS``
+        record of the last checkpoint, taken at its step) instead of starting over, and ``steps`` is ``step``, so
+        once recovery replayed the logged steps it is the number of the next step (the same numbering as the
+        output log, counting each step once). A record from a step below ``step`` (a crash after the state's
+        checkpoint, before its record) lacks the rows of the steps between, which are not run again."""
+        with self._lock:
+            self.steps = step
+            if not saved:
+                return
+            self.pushes = int(saved.get("pushes", 0))
+            for mine, theirs in ((self.rows_in, saved.get("rows_in")), (self.rows_out, saved.get("rows_out")),
+                                 (self.net_rows, saved.get("net_rows"))):
+                for name, n in (theirs or {}).items():
+                    if name in mine:
+                        mine[name] = int(n)
+            lat = saved.get("step_seconds") or {}
+            if list(lat.get("buckets", [])) == list(STEP_BUCKETS):
+                self.buckets = [int(n) for n in lat["counts"]]
+                self.step_sum = float(lat.get("sum", 0.0))
+            self.checkpoints = int(saved.get("checkpoints", 0))
+            self.checkpoint_last = float(saved.get("checkpoint_seconds", 0.0))
+            self.checkpoint_sum = float(saved.get("checkpoint_seconds_sum", 0.0))
+
     def pushed(self, handle: str, rows: int) -> None:
         with self._lock:
             self.pushes += 1
@@ -307,7 +331,7 @@ def _families(m: dict) -> list:
     hist = HistogramMetricFamily("dbsp_step_seconds",
                                  "Seconds per step (the steps of a step run, divided together, share its time)")
     hist.add_metric([], cum, lat["sum"])
-    fams = [counter("steps", "Steps run since the pipeline was opened (recovery's replayed steps included)",
+    fams = [counter("steps", "Steps run by the pipeline, across opens (each once): the number of its next step",
                     m["steps"]),
             counter("pushes", "Pushes accepted", m["pushes"]),
             counter("duplicate_pushes", "Pushes acknowledged as duplicates of a seen (producer, seq)",

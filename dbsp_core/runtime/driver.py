@@ -101,7 +101,7 @@ from dbsp_core.runtime.rescale import LiveRescale
 from dbsp_core.storage.consumers import ConsumerRegistry
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.dedup import SeenSet
-from dbsp_core.storage.directory import lock_dir, unlock_dir, write_meta, write_record
+from dbsp_core.storage.directory import lock_dir, read_record, unlock_dir, write_meta, write_record
 from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE,
                                        DISCARD_HANDLE, DISCARD_MAGIC, DIVISION_HANDLE, DIVISION_MAGIC, INPUT_DIR,
                                        META_FILE, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR, PROFILE_FILE,
@@ -392,6 +392,11 @@ class Pipeline:
         if change is not None:
             self.executor.rename_state(change.renames)
         self.executor.load_state(x)
+        counters = read_record(os.path.join(root, METRICS_FILE), METRICS_MAGIC, self._vfs)
+        self._metrics.resume(counters, x)  # counters go on from the last checkpoint's
+        if counters:
+            self.stats["duplicates"] = int(counters.get("duplicates", 0))
+            self.late_rows.update({n: int(v) for n, v in (counters.get("late_rows") or {}).items() if n in self.late_rows})
         with progress("recovery replay", unit=" steps") as shown:
             log.catch_up(x)
             self.steps = self._open_step = x
@@ -944,6 +949,8 @@ class Pipeline:
             floor, prev_now, wms = self._now_floor, self._last_now, dict(self.watermarks)
             # what `dbsp profile DIR` prints: taken with the steps paused, written with METRICS (traces in memory only)
             prof = dict(pipeline_profile(self, state=self.executor.state_in_memory), step=step)
+            # the counters at the checkpoint's step: what the next open goes on from (metrics.Metrics.resume)
+            counters = dict(self._metrics.snapshot(), duplicates=self.stats["duplicates"], late_rows=dict(self.late_rows))
             try:
                 make_durable = self.executor.checkpoint(step)
             except BaseException as exc:
@@ -974,8 +981,11 @@ class Pipeline:
                     consumers.truncate(output, step, self.output_retention)
                     self.stats["checkpoints"] += 1
                     self.stats["last_checkpoint_s"] = time.perf_counter() - t0
-                    self._metrics.checkpointed(self.stats["last_checkpoint_s"])
-                    write_record(os.path.join(root, METRICS_FILE), METRICS_MAGIC, self._metrics.snapshot(), self._vfs)
+                    secs = self.stats["last_checkpoint_s"]
+                    self._metrics.checkpointed(secs)
+                    saved = dict(counters, step=step, checkpoints=counters["checkpoints"] + 1, checkpoint_seconds=secs,
+                                 checkpoint_seconds_sum=counters["checkpoint_seconds_sum"] + secs)
+                    write_record(os.path.join(root, METRICS_FILE), METRICS_MAGIC, saved, self._vfs)
                     write_record(os.path.join(root, PROFILE_FILE), PROFILE_MAGIC, prof, self._vfs)
                 except BaseException as exc:
                     # databases may hold different versions and the incremental snapshot state is ahead of them:

@@ -45,7 +45,6 @@ Invariants (enforced here):
 from __future__ import annotations
 
 import os
-import re
 import weakref
 from typing import Any, NamedTuple
 
@@ -57,11 +56,11 @@ from dbsp_core.codec import (decode_batch, decode_json, decode_runs, decode_zset
 from dbsp_core.errors import CorruptionError, DbspError
 from dbsp_core.storage.database import SHARD_PREFIX_BYTES, DatabaseHandle, shard_key, shard_of_key
 from dbsp_core.storage.formats import (BATCH_GROUP_MAGIC, BATCH_MAGIC, BATCH_REF_MAGIC, ORDER_MAGIC, SNAPSHOT_NEXT,
-                                       SNAPSHOT_TABLE, ZSET_MAGIC, order_key, trace_table, zset_table)
+                                       SNAPSHOT_TABLE, ZSET_MAGIC, is_state_table, order_key, trace_table,
+                                       zset_table)
 from dbsp_core.trace import Trace
 from dbsp_core.zset import IndexedZSet, ZSet
 
-_STATE_TABLE = re.compile(r"^[sz]\d+\.")  # trace_table / zset_table names (dbsp_core.storage.formats)
 _CONFIG_TYPES = (str, int, float, bool, bytes, tuple, pa.Schema, type(None))
 
 
@@ -606,7 +605,7 @@ class WorkerSnapshot:
         """Invariant 9: every stored state table (and trace order record) is deleted by the next save, and every
         loaded batch and Z-set is saved again."""
         for table in h.tables():
-            if _STATE_TABLE.match(table):
+            if is_state_table(table):
                 self._dropped.append((table, [k for k, _ in h.scan(table)]))
         self._dropped.append((SNAPSHOT_TABLE, [k for k, _ in h.scan(SNAPSHOT_TABLE, prefix=order_key(""))]))
         self._saved, self._saved_z, self._orphans = {}, {}, {}

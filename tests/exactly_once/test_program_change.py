@@ -18,7 +18,7 @@ from dbsp_core.errors import CircuitMismatchError
 from dbsp_core.runtime import StagedExecutor
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.directory import read_meta
-from dbsp_core.storage.formats import state_db_path
+from dbsp_core.storage.formats import is_state_table, state_db_path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,7 +42,7 @@ def _stored_tables(d: str, workers: int) -> set[str]:
     out = set()
     for w in range(workers):
         with Database(state_db_path(d, None, w), readonly=True) as db, db.read(db.versions().stop - 1) as h:
-            out |= {t for t in h.tables() if t[:1] in "sz" and t[1:2].isdigit() and next(iter(h.scan(t)), None)}
+            out |= {t for t in h.tables() if is_state_table(t) and next(iter(h.scan(t)), None)}
             out |= {k[len(b"order."):].decode() for k, _ in h.scan("snapshot", prefix=b"order.")}
     return out
 
