@@ -91,7 +91,8 @@ def _match(old_nodes: list[str], new_nodes: list[str], nodes: set[int]) -> dict[
     fingerprint takes the k-th old one: equal fingerprints hold equal state, invariant 1)."""
     free: dict[str, list[int]] = {}
     for i, fp in enumerate(old_nodes):
-        free.setdefault(fp, []).append(i)
+        if fp is not None:  # a node the old circuit did not run stored nothing
+            free.setdefault(fp, []).append(i)
     out = {}
     for i in sorted(nodes):
         ids = free.get(new_nodes[i])
