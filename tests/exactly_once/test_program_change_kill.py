@@ -27,6 +27,8 @@ from rescale_workload import kill_rounds, run_child  # noqa: E402
 
 CHILD = os.path.join(HERE, "change_kill_child.py")
 BASE_SEED = int(os.environ.get("DBSP_CHANGE_KILL_SEED", str(random.SystemRandom().randrange(2**31))))
+# reached by the first child before its first checkpoint after the change's first step: the change is not complete
+FIRST_POINTS = ["change-meta:1", "step-output:1", "step-written:1"]
 POINTS = ["change-meta:1", "step-output:1", "step-written:1", "step-written:2", "recover-step:1",
           "checkpoint-start:1", "checkpoint-state:1", "checkpoint-commit:1", "checkpoint-gc:1"]
 
@@ -67,6 +69,12 @@ def _run(tmp_path, kills: int, after: int, offset: int) -> None:
 
     def one_round(kill) -> None:
         goal[0] = min(total - 1, max(reached[0], first) + rng.choice([0, 1, 2]))  # the first steps after the change
+        if stats["before_completed"] == 0:  # one kill that surely lands before the change completes
+            goal[0] = max(goal[0], first + 1)
+            how, _ = child(crash=rng.choice(FIRST_POINTS))
+            stats["named"] += how == "killed"
+            stats["kills"] += how == "killed"
+            return
         kill(child)
 
     rounds = kill_rounds(rng, kills, stats, POINTS, (0.3, 1.5), one_round)
