@@ -91,23 +91,24 @@ class Metrics:
         once recovery replayed the logged steps it is the number of the next step (the same numbering as the
         output log, counting each step once). A record from a step below ``step`` (a crash after the state's
         checkpoint, before its record) lacks the rows of the steps between, which are not run again."""
+        pushes, rows, lat, ck = 0, ({}, {}, {}), None, (0, 0.0, 0.0)
+        if saved:  # read whole before anything changes: a malformed record raises and leaves the counters
+            pushes = int(saved.get("pushes", 0))
+            rows = tuple({str(k): int(v) for k, v in (saved.get(key) or {}).items()}
+                         for key in ("rows_in", "rows_out", "net_rows"))
+            hist = saved.get("step_seconds") or {}
+            if list(hist.get("buckets", [])) == list(STEP_BUCKETS) and len(hist.get("counts", [])) == len(self.buckets):
+                lat = ([int(n) for n in hist["counts"]], float(hist.get("sum", 0.0)))
+            ck = (int(saved.get("checkpoints", 0)), float(saved.get("checkpoint_seconds", 0.0)),
+                  float(saved.get("checkpoint_seconds_sum", 0.0)))
         with self._lock:
             self.steps = step
-            if not saved:
-                return
-            self.pushes = int(saved.get("pushes", 0))
-            for mine, theirs in ((self.rows_in, saved.get("rows_in")), (self.rows_out, saved.get("rows_out")),
-                                 (self.net_rows, saved.get("net_rows"))):
-                for name, n in (theirs or {}).items():
-                    if name in mine:
-                        mine[name] = int(n)
-            lat = saved.get("step_seconds") or {}
-            if list(lat.get("buckets", [])) == list(STEP_BUCKETS):
-                self.buckets = [int(n) for n in lat["counts"]]
-                self.step_sum = float(lat.get("sum", 0.0))
-            self.checkpoints = int(saved.get("checkpoints", 0))
-            self.checkpoint_last = float(saved.get("checkpoint_seconds", 0.0))
-            self.checkpoint_sum = float(saved.get("checkpoint_seconds_sum", 0.0))
+            self.pushes = pushes
+            for mine, theirs in zip((self.rows_in, self.rows_out, self.net_rows), rows):
+                mine.update({name: n for name, n in theirs.items() if name in mine})
+            if lat is not None:
+                self.buckets, self.step_sum = lat
+            self.checkpoints, self.checkpoint_last, self.checkpoint_sum = ck
 
     def pushed(self, handle: str, rows: int) -> None:
         with self._lock:

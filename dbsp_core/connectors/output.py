@@ -7,6 +7,10 @@ Invariants (enforced here):
   2. :meth:`OutputReader.ack` is called by the sink only once every step below the acknowledged one is
      durably applied at its end; steps are handed out in order, each once per :meth:`OutputReader.changes`
      call.
+  3. The log of a view starts over at the step a program change rebuilt it (its full contents there,
+     dbsp_core.runtime.change): a sink that holds steps of the view's earlier definition (``from_step > 0``)
+     and would be handed that step next is refused with DbspError instead of adding the contents to what it
+     holds; a sink that holds nothing of the view starts there.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any, Iterator
 
 import pyarrow as pa
 
+from dbsp_core.errors import DbspError
 from dbsp_core.storage.consumers import ConsumerRegistry, consumer_name_ok
 from dbsp_core.storage.inspect import open_output
 from dbsp_core.zset import ZSet
@@ -79,6 +84,11 @@ class OutputReader:
         for n, item in enumerate(it):
             if limit is not None and n >= limit:
                 return
+            if n == 0 and 0 < from_step < item[0]:  # invariant 3: the log is contiguous but for a restart
+                raise DbspError(f"consumer {self.consumer!r}: view {self.view!r} was rebuilt by a program change at "
+                                f"step {item[0]} (its output starts over there with its full contents), but this "
+                                f"sink holds its steps below {from_step}, of its earlier definition: give the sink a "
+                                f"new table (or directory) and consumer name")
             yield item
 
     def ack(self, next_step: int) -> None:

@@ -189,11 +189,12 @@ class SqliteSink(StepSink):
                     c.execute(sql)
             if self.history:
                 c.execute(f"INSERT INTO {STEPS_TABLE} VALUES (?, ?, ?)", (self.consumer, step, len(rows)))
+            # the store is at self.next: step itself, or the step a rebuilt view's output starts at (output.py inv. 3)
             cur = c.execute(f"UPDATE {SINK_TABLE} SET next_step = ? WHERE consumer = ? AND next_step = ?",
-                            (step + 1, self.consumer, step))
+                            (step + 1, self.consumer, self.next))
             if cur.rowcount != 1:
-                raise DbspError(f"SqliteSink {self.consumer!r}: {self.path} is not at step {step} any more (another "
-                                f"writer?)")
+                raise DbspError(f"SqliteSink {self.consumer!r}: {self.path} is not at step {self.next} any more "
+                                f"(another writer?)")
             c.execute("COMMIT")
         except BaseException:
             c.execute("ROLLBACK")

@@ -79,7 +79,8 @@ from dbsp_core import _storage
 from dbsp_core.circuit import Circuit, circuit_fingerprint
 from dbsp_core.codec import decode_zset, encode_json, encode_zset
 from dbsp_core.envvars import parse_memory_limit, settings
-from dbsp_core.errors import DbspError, PrimaryKeyError, RecoveryError, SchemaError, StepError, StorageError
+from dbsp_core.errors import (CorruptionError, DbspError, PrimaryKeyError, RecoveryError, SchemaError, StepError,
+                              StorageError)
 from dbsp_core.layout import DEFAULT_SHARD_BITS, Layout, ShardMap
 from dbsp_core.metrics import Metrics, gather, serve, stop_serving
 from dbsp_core.profile import Profile, pipeline_profile
@@ -392,11 +393,7 @@ class Pipeline:
         if change is not None:
             self.executor.rename_state(change.renames)
         self.executor.load_state(x)
-        counters = read_record(os.path.join(root, METRICS_FILE), METRICS_MAGIC, self._vfs)
-        self._metrics.resume(counters, x)  # counters go on from the last checkpoint's
-        if counters:
-            self.stats["duplicates"] = int(counters.get("duplicates", 0))
-            self.late_rows.update({n: int(v) for n, v in (counters.get("late_rows") or {}).items() if n in self.late_rows})
+        self._resume_counters(root, x)
         with progress("recovery replay", unit=" steps") as shown:
             log.catch_up(x)
             self.steps = self._open_step = x
@@ -418,6 +415,20 @@ class Pipeline:
         self._open_step = log.next_step
         self._now_floor, self._wm_divided, self._anon_seq = log.now_floor, log.watermarks, log.anon_seq
         self.stats["recovery_s"] = time.perf_counter() - t0
+
+    def _resume_counters(self, root: str, step: int) -> None:
+        """The metrics counters go on from the last checkpoint's METRICS record (metrics.Metrics.resume). METRICS
+        only informs: a damaged or missing one (``dbsp repair`` leaves it) starts them over, ``steps`` at ``step``."""
+        try:
+            counters = read_record(os.path.join(root, METRICS_FILE), METRICS_MAGIC, self._vfs) or {}
+            dups = int(counters.get("duplicates", 0))
+            late = {n: int(v) for n, v in (counters.get("late_rows") or {}).items() if n in self.late_rows}
+            self._metrics.resume(counters, step)
+        except (CorruptionError, TypeError, ValueError, AttributeError):
+            self._metrics.resume(None, step)
+            return
+        self.stats["duplicates"] = dups
+        self.late_rows.update(late)
 
     def _replay(self, run: list[Divided]) -> None:
         """Run divided steps again; once one fails on its data (invariant 7), it and every later one wait."""

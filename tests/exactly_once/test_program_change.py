@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 import sys
+from collections import Counter
 
 import pyarrow as pa
 import pytest
@@ -190,3 +191,32 @@ def test_the_staged_executor_refuses_a_program_change(tmp_path) -> None:
                                                    "a program change keeps state on the embedded executor"):
         dbsp.Pipeline.open(d, sql.compile(program(NEW)), executor=StagedExecutor())
     dbsp.Pipeline.open(d, sql.compile(program(OLD)), executor=StagedExecutor()).close()
+
+
+def test_a_sink_of_a_rebuilt_view_starts_with_its_contents_or_is_refused(tmp_path) -> None:
+    """A sink of a new view starts at the change with the view's full contents; one holding steps of a changed
+    view's earlier definition is refused instead of adding the new contents to the old ones."""
+    from dbsp_core.connectors import SqliteSink, read_sqlite_view
+
+    d = str(tmp_path / "d")
+    model: dict = {}
+    with dbsp.Pipeline(sql.compile(program(OLD)), workers=1, storage=d) as p:
+        old_big = SqliteSink(p, "big", str(tmp_path / "big.db"))
+        for s in range(2):
+            push(p, step_data(SEED, s))
+            apply(model, step_data(SEED, s))
+            p.step()
+        assert old_big.poll() == 2
+        old_big.close()
+    with dbsp.Pipeline.open(d, sql.compile(program(NEW))) as p:
+        p.step()
+        fresh = SqliteSink(p, "by_region", str(tmp_path / "region.db"))
+        assert fresh.poll() == 1  # step 2 only: the view's full contents
+        step, rows = read_sqlite_view(str(tmp_path / "region.db"), "by_region")
+        got = Counter((r["region"], r["s"], r["n"]) for r in rows.to_pylist() for _ in range(r["weight"]))
+        assert step == 2 and got == oracle(model, NEW["by_region"][0])
+        fresh.close()
+        stale = SqliteSink(p, "big", str(tmp_path / "big.db"))
+        with pytest.raises(dbsp.DbspError, match="'big' was rebuilt by a program change at step 2"):
+            stale.poll()
+        stale.close()
