@@ -60,6 +60,10 @@ class OutputReader:
             self.schema = {name: c.nodes[i].schema for name, i in c.outputs.items()}.get(view)
         if self.schema is None:
             raise KeyError(f"OutputReader: no output {view!r}")
+        # the first step of the view's current definition (invariant 3; dbsp_core.runtime.change); a pipeline that
+        # takes no program change (spark_glue's) has none
+        since = self._log.since if self._log is not None else getattr(source, "output_since", {})
+        self.since = int(since.get(view, 0))
         if not consumer_name_ok(consumer):
             raise ValueError(f"consumer name {consumer!r}: use 1-200 letters, digits or _ . : = - (not a leading dot)")
 
@@ -76,6 +80,11 @@ class OutputReader:
 
     def changes(self, from_step: int, limit: int | None = None) -> Iterator[tuple[int, ZSet]]:
         """``(step, change)`` for the logged steps from ``from_step`` on, in order (at most ``limit`` of them)."""
+        if 0 < from_step <= self.since:  # invariant 3
+            raise DbspError(f"consumer {self.consumer!r}: view {self.view!r} was rebuilt by a program change at step "
+                            f"{self.since} (its output starts over there with its full contents), but this sink holds "
+                            f"its steps below {from_step}, of its earlier definition: give the sink a new table (or "
+                            f"directory) and consumer name")
         if self._log is not None:
             self._log.refresh()
             it = self._log.read(self.view, from_step)
@@ -84,11 +93,6 @@ class OutputReader:
         for n, item in enumerate(it):
             if limit is not None and n >= limit:
                 return
-            if n == 0 and 0 < from_step < item[0]:  # invariant 3: the log is contiguous but for a restart
-                raise DbspError(f"consumer {self.consumer!r}: view {self.view!r} was rebuilt by a program change at "
-                                f"step {item[0]} (its output starts over there with its full contents), but this "
-                                f"sink holds its steps below {from_step}, of its earlier definition: give the sink a "
-                                f"new table (or directory) and consumer name")
             yield item
 
     def ack(self, next_step: int) -> None:

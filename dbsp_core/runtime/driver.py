@@ -1221,6 +1221,14 @@ class Pipeline:
         assert self._output is not None
         return range(self._output.first, self._output.last)
 
+    @property
+    def output_since(self) -> dict[str, int]:
+        """``{view: step}`` for the views a program change rebuilt (dbsp_core.runtime.change): the log of such a view
+        starts at that step, with its full contents; ``read_output`` of it starts there."""
+        self._need_storage("output_since")
+        assert self._output is not None
+        return dict(self._output.since)
+
     def traces(self, worker: int) -> dict[str, Trace]:
         """All keyed state of one worker, as ``{"<operator label>.<trace name>": Trace}``.
 

@@ -209,6 +209,7 @@ def test_a_sink_of_a_rebuilt_view_starts_with_its_contents_or_is_refused(tmp_pat
         assert old_big.poll() == 2
         old_big.close()
     with dbsp.Pipeline.open(d, sql.compile(program(NEW))) as p:
+        assert p.output_since == {"big": 2, "by_region": 2}
         p.step()
         fresh = SqliteSink(p, "by_region", str(tmp_path / "region.db"))
         assert fresh.poll() == 1  # step 2 only: the view's full contents
@@ -220,3 +221,7 @@ def test_a_sink_of_a_rebuilt_view_starts_with_its_contents_or_is_refused(tmp_pat
         with pytest.raises(dbsp.DbspError, match="'big' was rebuilt by a program change at step 2"):
             stale.poll()
         stale.close()
+    stale = SqliteSink(d, "big", str(tmp_path / "big.db"))  # from the directory, in another process's way
+    with pytest.raises(dbsp.DbspError, match="'big' was rebuilt by a program change at step 2"):
+        stale.poll()
+    stale.close()
