@@ -63,12 +63,12 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"input log    {info['input_records']} records in {info['input_segments']} segments, steps "
           f"{info['input_steps'][0]}..{info['input_steps'][1]}"
           + (f", divided steps {div[0]}..{div[1]}" if div else ", no divided step"))
-    print(f"output log   {f'steps {out[0]}..{out[1] - 1}' if out[1] > out[0] else 'no step'} ({out[1] - out[0]} steps) in "
-          f"{info['output_segments']} segments")
+    held = f"steps {out[0]}..{out[1] - 1}" if out[1] > out[0] else "no step"
+    print(f"output log   {held} ({out[1] - out[0]} steps) in {info['output_segments']} segments")
     change = info.get("program_change")
     if change:
-        print(f"program      changed at step {change['step']}: rebuilt {', '.join(change['rebuilt']) or 'no view'} (their "
-              f"output starts there with their contents), removed {', '.join(change['removed']) or 'none'}")
+        print(f"program      changed at step {change['step']}: rebuilt {', '.join(change['rebuilt']) or 'no view'} "
+              f"(their output starts there with their contents), removed {', '.join(change['removed']) or 'none'}")
     print(f"disk         input {b['input']:,} B, output {b['output']:,} B, state {b['state']:,} B")
     for w, shards in sorted(info["state_bytes"].items(), key=lambda kv: int(kv[0])):
         top = sorted(shards.items(), key=lambda kv: -kv[1])[:3]

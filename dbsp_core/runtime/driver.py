@@ -961,7 +961,8 @@ class Pipeline:
             # what `dbsp profile DIR` prints: taken with the steps paused, written with METRICS (traces in memory only)
             prof = dict(pipeline_profile(self, state=self.executor.state_in_memory), step=step)
             # the counters at the checkpoint's step: what the next open goes on from (metrics.Metrics.resume)
-            counters = dict(self._metrics.snapshot(), duplicates=self.stats["duplicates"], late_rows=dict(self.late_rows))
+            counters = dict(self._metrics.snapshot(), duplicates=self.stats["duplicates"],
+                            late_rows=dict(self.late_rows))
             try:
                 make_durable = self.executor.checkpoint(step)
             except BaseException as exc:

@@ -187,8 +187,8 @@ def test_the_staged_executor_refuses_a_program_change(tmp_path) -> None:
     with dbsp.Pipeline(sql.compile(program(OLD)), workers=1, storage=d, executor=StagedExecutor()) as p:
         push(p, step_data(SEED, 0))
         p.step()
-    with pytest.raises(CircuitMismatchError, match="views added: by_region; views removed: regions; views changed: big; "
-                                                   "a program change keeps state on the embedded executor"):
+    with pytest.raises(CircuitMismatchError, match="views added: by_region; views removed: regions; views changed: "
+                                                   "big; a program change keeps state on the embedded executor"):
         dbsp.Pipeline.open(d, sql.compile(program(NEW)), executor=StagedExecutor())
     dbsp.Pipeline.open(d, sql.compile(program(OLD)), executor=StagedExecutor()).close()
 
