@@ -203,8 +203,8 @@ def _profile(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(prof, indent=2, sort_keys=True))
         return 0
-    print(f"profile of {args.dir} at step {prof['step']} ({prof['executor']} executor, {prof['workers']} workers, "
-          f"{prof['steps']} steps since it was opened; state in memory only for the embedded executor)")
+    print(f"profile of {args.dir} {_through(prof['step'])} ({prof['executor']} executor, {prof['workers']} workers; "
+          f"operator times since it was last opened; state in memory only for the embedded executor)")
     print(format_table(prof), end="")
     return 0
 
