@@ -23,6 +23,11 @@ import sys
 from dbsp_core.errors import DbspError
 
 
+def _through(next_step: int) -> str:
+    """A position as the steps it holds, by the output log's numbering: "through step 1" holds steps 0 and 1."""
+    return f"through step {next_step - 1}" if next_step > 0 else "before step 0"
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from dbsp_core.storage.inspect import inspect_storage
 
@@ -52,25 +57,30 @@ def _inspect(args: argparse.Namespace) -> int:
     if info["in_use"]:
         print(f"checkpoint   not read: {', '.join(info['in_use'])} in use by a running pipeline")
     else:
-        print(f"checkpoint   {'none consistent' if ck is None else f'step {ck}'} "
+        print(f"checkpoint   {'none consistent' if ck is None else _through(ck)} "
               f"(versions per worker: {', '.join(f'{a}..{z}' for a, z in info['versions'])})")
     div = info["divided_steps"]
     print(f"input log    {info['input_records']} records in {info['input_segments']} segments, steps "
           f"{info['input_steps'][0]}..{info['input_steps'][1]}"
           + (f", divided steps {div[0]}..{div[1]}" if div else ", no divided step"))
-    print(f"output log   steps {out[0]}..{out[1] - 1} ({out[1] - out[0]} steps) in {info['output_segments']} segments")
+    held = f"steps {out[0]}..{out[1] - 1}" if out[1] > out[0] else "no step"
+    print(f"output log   {held} ({out[1] - out[0]} steps) in {info['output_segments']} segments")
+    change = info.get("program_change")
+    if change:
+        print(f"program      changed at step {change['step']}: rebuilt {', '.join(change['rebuilt']) or 'no view'} "
+              f"(their output starts there with their contents), removed {', '.join(change['removed']) or 'none'}")
     print(f"disk         input {b['input']:,} B, output {b['output']:,} B, state {b['state']:,} B")
     for w, shards in sorted(info["state_bytes"].items(), key=lambda kv: int(kv[0])):
         top = sorted(shards.items(), key=lambda kv: -kv[1])[:3]
         print(f"state w{w:<9} {sum(shards.values()):,} B in {len(shards)} shards"
               + (f" (largest: {', '.join(f'shard {s} {n:,} B' for s, n in top)})" if top else ""))
     cons = info["consumers"]
-    print(f"consumers    {', '.join(f'{n} needs step {s}+' for n, s in cons.items()) if cons else 'none registered'}")
+    print(f"consumers    {', '.join(f'{n} {_through(s)}' for n, s in cons.items()) if cons else 'none registered'}")
     m = info["metrics"]
     if m:
         lat = m["step_seconds"]
         ms = (lambda x: "-" if x is None else f"{x * 1000:.1f} ms")
-        print(f"last run     {m['steps']} steps, {m['pushes']} pushes; rows in "
+        print(f"counters     {_through(m['steps'])}, {m['pushes']} pushes; rows in "
               f"{', '.join(f'{k} {v:,}' for k, v in m['rows_in'].items())}; rows out "
               f"{', '.join(f'{k} {v:,}' for k, v in m['rows_out'].items())}")
         print(f"             step latency mean {ms(lat['mean'])}, p50 {ms(lat.get('p50'))}, p99 {ms(lat.get('p99'))}; "
@@ -193,8 +203,8 @@ def _profile(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(prof, indent=2, sort_keys=True))
         return 0
-    print(f"profile of {args.dir} at step {prof['step']} ({prof['executor']} executor, {prof['workers']} workers, "
-          f"{prof['steps']} steps since it was opened; state in memory only for the embedded executor)")
+    print(f"profile of {args.dir} {_through(prof['step'])} ({prof['executor']} executor, {prof['workers']} workers; "
+          f"operator times since it was last opened; state in memory only for the embedded executor)")
     print(format_table(prof), end="")
     return 0
 

@@ -911,9 +911,11 @@ PART_FINGERPRINTS_VERSION = 1  # of :func:`part_fingerprints`; META records it w
 
 
 def part_fingerprints(circuit: Circuit) -> dict:
-    """A fingerprint per input and per output: a hash of the node and, recursively, of every node it reads, by
-    their content rather than their position, so a view keeps its fingerprint when other views are added,
-    removed or changed (META records these to name the views and tables that differ, recovery.py).
+    """A fingerprint per input, per output and per node: a hash of the node and, recursively, of every node it
+    reads, by their content rather than their position, so a view keeps its fingerprint when other views are
+    added, removed or changed (META records these to name the views and tables that differ, recovery.py, and
+    to find which nodes' state a changed program keeps, dbsp_core.runtime.change). ``nodes`` lists the
+    fingerprint of every node by id (None for a node that feeds no output, which never runs).
 
     >>> import pyarrow as pa
     >>> c = Circuit(); s = c.input("x", pa.schema([("a", pa.int64())])); c.output("o", s.distinct())
@@ -922,6 +924,7 @@ def part_fingerprints(circuit: Circuit) -> dict:
     True
     """
     h: dict[int, str] = {}
+    live = set(circuit.live_nodes())  # a node that is not run holds no state: it has no fingerprint in "nodes"
     for op in circuit.nodes:  # inputs are earlier nodes (invariant 1)
         ins = repr(tuple(h[i] for i in op.inputs))
         # a later node (e.g. a pre-aggregate's aggregate) is named by its distance, the same wherever the pair is
@@ -929,4 +932,5 @@ def part_fingerprints(circuit: Circuit) -> dict:
         h[op.node_id] = hashlib.sha256(text.encode("utf-8")).hexdigest()
     return {"version": PART_FINGERPRINTS_VERSION,
             "inputs": {name: h[i] for name, i in sorted(circuit.inputs.items())},
-            "outputs": {name: h[i] for name, i in sorted(circuit.outputs.items())}}
+            "outputs": {name: h[i] for name, i in sorted(circuit.outputs.items())},
+            "nodes": [h[i] if i in live else None for i in range(len(circuit.nodes))]}

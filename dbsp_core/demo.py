@@ -570,5 +570,6 @@ def _breakdown(res: dict[str, Any], p: Any) -> str:
 
 
 def _describe(info: dict) -> str:
-    return (f"checkpoint at step {info['checkpoint_step']}, input log steps {info['input_steps'][0]}.."
+    ck = info["checkpoint_step"]
+    return (f"checkpoint through step {'?' if ck is None else ck - 1}, input log steps {info['input_steps'][0]}.."
             f"{info['input_steps'][1]}, output steps {info['output_steps'][0]}..{info['output_steps'][1] - 1}")

@@ -85,6 +85,31 @@ class Metrics:
         self.net_rows = {name: 0 for name in outputs}  # sum of the views' change weights since open
         self.checkpoint_log: collections.deque = collections.deque(maxlen=64)  # (time, steps, seconds)
 
+    def resume(self, saved: dict | None, step: int) -> None:
+        """A durable pipeline opened with its state at ``step``: the counters go on from ``saved`` (the ``METRICS``
+        record of the last checkpoint, taken at its step) instead of starting over, and ``steps`` is ``step``, so
+        once recovery replayed the logged steps it is the number of the next step (the same numbering as the
+        output log, counting each step once). A record from a step below ``step`` (a crash after the state's
+        checkpoint, before its record) lacks the rows of the steps between, which are not run again."""
+        pushes, rows, lat, ck = 0, ({}, {}, {}), None, (0, 0.0, 0.0)
+        if saved:  # read whole before anything changes: a malformed record raises and leaves the counters
+            pushes = int(saved.get("pushes", 0))
+            rows = tuple({str(k): int(v) for k, v in (saved.get(key) or {}).items()}
+                         for key in ("rows_in", "rows_out", "net_rows"))
+            hist = saved.get("step_seconds") or {}
+            if list(hist.get("buckets", [])) == list(STEP_BUCKETS) and len(hist.get("counts", [])) == len(self.buckets):
+                lat = ([int(n) for n in hist["counts"]], float(hist.get("sum", 0.0)))
+            ck = (int(saved.get("checkpoints", 0)), float(saved.get("checkpoint_seconds", 0.0)),
+                  float(saved.get("checkpoint_seconds_sum", 0.0)))
+        with self._lock:
+            self.steps = step
+            self.pushes = pushes
+            for mine, theirs in zip((self.rows_in, self.rows_out, self.net_rows), rows):
+                mine.update({name: n for name, n in theirs.items() if name in mine})
+            if lat is not None:
+                self.buckets, self.step_sum = lat
+            self.checkpoints, self.checkpoint_last, self.checkpoint_sum = ck
+
     def pushed(self, handle: str, rows: int) -> None:
         with self._lock:
             self.pushes += 1
@@ -307,7 +332,7 @@ def _families(m: dict) -> list:
     hist = HistogramMetricFamily("dbsp_step_seconds",
                                  "Seconds per step (the steps of a step run, divided together, share its time)")
     hist.add_metric([], cum, lat["sum"])
-    fams = [counter("steps", "Steps run since the pipeline was opened (recovery's replayed steps included)",
+    fams = [counter("steps", "Steps run by the pipeline, across opens (each once): the number of its next step",
                     m["steps"]),
             counter("pushes", "Pushes accepted", m["pushes"]),
             counter("duplicate_pushes", "Pushes acknowledged as duplicates of a seen (producer, seq)",

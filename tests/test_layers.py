@@ -35,7 +35,8 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
     ("circuit", ("circuit",),
      "the Circuit / Stream builder API over the operators"),
     ("runtime", ("runtime",),
-     "the driver (Pipeline) over executors that schedule operators, checkpoints, recovery and rescaling"),
+     "the driver (Pipeline) over executors that schedule operators, checkpoints, recovery, program changes and "
+     "rescaling"),
     ("front ends", ("connectors", "sql"),
      "sources and sinks over a pipeline's output log, and SQL compiled into circuits"),
     ("surface", ("", "__main__", "demo", "nexmark"),

@@ -7,6 +7,10 @@ Invariants (enforced here):
   2. :meth:`OutputReader.ack` is called by the sink only once every step below the acknowledged one is
      durably applied at its end; steps are handed out in order, each once per :meth:`OutputReader.changes`
      call.
+  3. The log of a view starts over at the step a program change rebuilt it (its full contents there,
+     dbsp_core.runtime.change): a sink that holds steps of the view's earlier definition (``from_step > 0``)
+     and would be handed that step next is refused with DbspError instead of adding the contents to what it
+     holds; a sink that holds nothing of the view starts there.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any, Iterator
 
 import pyarrow as pa
 
+from dbsp_core.errors import DbspError
 from dbsp_core.storage.consumers import ConsumerRegistry, consumer_name_ok
 from dbsp_core.storage.inspect import open_output
 from dbsp_core.zset import ZSet
@@ -55,6 +60,10 @@ class OutputReader:
             self.schema = {name: c.nodes[i].schema for name, i in c.outputs.items()}.get(view)
         if self.schema is None:
             raise KeyError(f"OutputReader: no output {view!r}")
+        # the first step of the view's current definition (invariant 3; dbsp_core.runtime.change); a pipeline that
+        # takes no program change (spark_glue's) has none
+        since = self._log.since if self._log is not None else getattr(source, "output_since", {})
+        self.since = int(since.get(view, 0))
         if not consumer_name_ok(consumer):
             raise ValueError(f"consumer name {consumer!r}: use 1-200 letters, digits or _ . : = - (not a leading dot)")
 
@@ -71,6 +80,11 @@ class OutputReader:
 
     def changes(self, from_step: int, limit: int | None = None) -> Iterator[tuple[int, ZSet]]:
         """``(step, change)`` for the logged steps from ``from_step`` on, in order (at most ``limit`` of them)."""
+        if 0 < from_step <= self.since:  # invariant 3
+            raise DbspError(f"consumer {self.consumer!r}: view {self.view!r} was rebuilt by a program change at step "
+                            f"{self.since} (its output starts over there with its full contents), but this sink holds "
+                            f"its steps below {from_step}, of its earlier definition: give the sink a new table (or "
+                            f"directory) and consumer name")
         if self._log is not None:
             self._log.refresh()
             it = self._log.read(self.view, from_step)

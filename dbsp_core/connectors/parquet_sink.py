@@ -98,8 +98,9 @@ class ParquetSink:
 
     def poll(self, limit: int | None = None) -> int:
         """Write the files of the logged steps not written yet (at most ``limit``); returns how many steps."""
-        start = self.next
+        start, applied = self.next, 0
         for step, z in self.reader.changes(start, limit):
+            applied += 1
             if z.num_rows or not self.skip_empty:
                 table = z.to_arrow()
                 self._write(step_file(self.directory, step), _parquet_bytes(table))  # invariants 1, 4
@@ -110,7 +111,7 @@ class ParquetSink:
         if self.next > start:
             self._write(os.path.join(self.directory, "_next"), f"{self.next}\n".encode("ascii"))
             self.reader.ack(self.next)  # invariant 2: every file below is durable
-        return self.next - start
+        return applied
 
     def _write(self, path: str, data: bytes | pa.Buffer) -> None:
         if self.where.local:

@@ -16,7 +16,7 @@ Invariants (enforced here; the SQLite sink's, in Postgres):
      table's. A registry step above the table's means the table was replaced by an older one: refused
      (step_sink invariants 1 and 2).
   4. :func:`read_postgres_view` reads the table and its step in one REPEATABLE READ transaction: the rows are
-     exactly the view after the steps below that step.
+     exactly the view after that step (the last one applied, numbered as the output log numbers it).
 """
 
 from __future__ import annotations
@@ -166,8 +166,9 @@ class PostgresSink(StepSink):
 
 
 def read_postgres_view(dsn: str, table: str, consumer: str | None = None) -> tuple[int, pa.Table]:
-    """``(step, rows)``: table ``table`` and the step it is at, read in one transaction (invariant 4); the rows
-    have the view's columns and ``weight``. ``consumer`` defaults to ``postgres-<table>``."""
+    """``(step, rows)``: table ``table`` and the last step it holds (the output log's step number, as
+    ``read_output`` and ``dbsp read`` show it; -1 before any), read in one transaction (invariant 4): the rows are
+    the view after that step, with its columns and ``weight``. ``consumer`` defaults to ``postgres-<table>``."""
     import psycopg
 
     what = f"read_postgres_view({table!r}, {mask_dsn(dsn)})"
@@ -189,4 +190,4 @@ def read_postgres_view(dsn: str, table: str, consumer: str | None = None) -> tup
         raise DbspError(f"{what}: {scrub(str(e), dsn)}") from None
     finally:
         conn.close()
-    return (0 if row is None else int(row[0])), parse_csv(bytes(data), schema, what)
+    return (-1 if row is None else int(row[0]) - 1), parse_csv(bytes(data), schema, what)

@@ -13,7 +13,7 @@ Invariants (enforced here):
      table's and the log keeps every step the table lacks. A registry step above the table's means the database
      was replaced by an older one: refused, naming both steps (step_sink invariants 1 and 2).
   4. :func:`read_sqlite_view` reads the table and its step in one read transaction (a WAL snapshot): the rows
-     are exactly the view after the steps below that step.
+     are exactly the view after that step (the last one applied, numbered as the output log numbers it).
 
 Column types: integers and bool as INTEGER, floats as REAL, strings as TEXT, binary as BLOB, dates and times
 as INTEGER (the Arrow value: days or units since the epoch). A float NaN is stored by SQLite as NULL.
@@ -102,7 +102,7 @@ class SqliteSink(StepSink):
     >>> sink.poll()
     2
     >>> step, rows = read_sqlite_view(db, "n"); step, sorted(rows.to_pylist(), key=lambda r: r["k"])
-    (2, [{'k': 1, 'n': 2, 'weight': 1}, {'k': 2, 'n': 2, 'weight': 1}])
+    (1, [{'k': 1, 'n': 2, 'weight': 1}, {'k': 2, 'n': 2, 'weight': 1}])
     >>> sink.close(); p.close()
     """
 
@@ -189,11 +189,12 @@ class SqliteSink(StepSink):
                     c.execute(sql)
             if self.history:
                 c.execute(f"INSERT INTO {STEPS_TABLE} VALUES (?, ?, ?)", (self.consumer, step, len(rows)))
+            # the store is at self.next: step itself, or the step a rebuilt view's output starts at (output.py inv. 3)
             cur = c.execute(f"UPDATE {SINK_TABLE} SET next_step = ? WHERE consumer = ? AND next_step = ?",
-                            (step + 1, self.consumer, step))
+                            (step + 1, self.consumer, self.next))
             if cur.rowcount != 1:
-                raise DbspError(f"SqliteSink {self.consumer!r}: {self.path} is not at step {step} any more (another "
-                                f"writer?)")
+                raise DbspError(f"SqliteSink {self.consumer!r}: {self.path} is not at step {self.next} any more "
+                                f"(another writer?)")
             c.execute("COMMIT")
         except BaseException:
             c.execute("ROLLBACK")
@@ -207,8 +208,9 @@ class SqliteSink(StepSink):
 
 
 def read_sqlite_view(path: str | os.PathLike, table: str, consumer: str | None = None) -> tuple[int, pa.Table]:
-    """``(step, rows)``: table ``table`` and the step it is at, read in one transaction (invariant 4); the rows
-    have the view's columns and ``weight``. ``consumer`` defaults to ``sqlite-<table>``."""
+    """``(step, rows)``: table ``table`` and the last step it holds (the output log's step number, as
+    ``read_output`` and ``dbsp read`` show it; -1 before any), read in one transaction (invariant 4): the rows are
+    the view after that step, with its columns and ``weight``. ``consumer`` defaults to ``sqlite-<table>``."""
     conn = sqlite3.connect(os.fspath(path), isolation_level=None)
     try:
         conn.execute("BEGIN")
@@ -221,5 +223,5 @@ def read_sqlite_view(path: str | os.PathLike, table: str, consumer: str | None =
     finally:
         conn.close()
     cols = {n: [r[i] for r in data] for i, n in enumerate(names) if n != HASH_COLUMN}
-    return (0 if row is None else int(row[0])), pa.table(cols) if data else pa.table(
+    return (-1 if row is None else int(row[0]) - 1), pa.table(cols) if data else pa.table(
         {n: pa.array([], pa.null()) for n in cols})

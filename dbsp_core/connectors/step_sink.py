@@ -44,13 +44,14 @@ class StepSink(ABC):
 
     def poll(self, limit: int | None = None) -> int:
         """Apply the logged steps the store lacks (at most ``limit``), one commit each; returns how many."""
-        start = self.next
+        start, applied = self.next, 0
         for step, z in self.reader.changes(start, limit):
             self._apply(step, z)
             self.next = step + 1
+            applied += 1
         if self.next > start:
             self.reader.ack(self.next)  # invariant 2: after the commits
-        return self.next - start
+        return applied
 
     def close(self) -> None:
         self.reader.close()

@@ -33,6 +33,10 @@ How the pieces fit (each module states its own invariants):
   ``autoscaler.py`` runs it after steps and makes a decided live rescale on a thread of its own, one at a time.
 - ``migrate.py``: the embedded executor's side of a live change: operator state moves between its workers in
   memory, a wave of shards at a time, at a step boundary (the staged executor makes each wave a cold change).
+- ``change.py``: program changes (bootstrapping): opening a directory with a changed circuit keeps the state of
+  the nodes whose fingerprint (by content) is unchanged, builds new and changed views from the contents of
+  materialized or keyed tables (a fresh copy of the circuit run over them as one step), and makes a rebuilt
+  view's first output its full contents; no checkpoint is taken until that step ran, so a crash redoes it.
 - ``upgrade.py``: opening a directory of the previous release (directory format 1): its state databases are
   converted into format-2 copies and META switches last, so a crash leaves a directory either release opens.
 - ``crashpoints.py``: named crash points for the kill -9 tests (a no-op unless armed).
@@ -49,7 +53,8 @@ Checkpoint at X: executor captures state (steps paused) -> output log flushed ->
 at X -> input log truncated below X -> output log truncated below min(X, consumers, retention) -> METRICS.
 Open: finish an interrupted repair -> upgrade a format-1 directory -> resolve RESCALE -> executor.open_state
 (version v, step X) -> finish an interrupted live change (cold, to its target) -> optional cold rescale
-(v -> v+1) -> load -> complete dedup from the log -> replay divided steps >= X.
+(v -> v+1) -> a program change recorded in META (change.py) -> load (nodes renamed by fingerprint) -> metrics
+counters from METRICS -> complete dedup from the log -> bootstrap the built nodes -> replay divided steps >= X.
 """
 
 from __future__ import annotations

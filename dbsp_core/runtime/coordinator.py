@@ -37,6 +37,7 @@ class WorkerStore:
         self.db = Database(path, vfs=vfs)
         self.snapshot = WorkerSnapshot(instances, layout.shard_bits, group_pending=True, groupings=groupings)
         self.handle: DatabaseHandle | None = None
+        self.renames: dict[int, int] | None = None  # a program change: where the next load reads each node's state
         self.step = 0
         self._paused: int | None = None
 
@@ -57,7 +58,8 @@ class WorkerStore:
                                     f"{self.layout.epoch} ({self.layout.shards} shards) and this is worker "
                                     f"{self.index}: LAYOUT or RESCALE does not belong with the state; restore the "
                                     f"directory from a backup (`dbsp repair DIR` lists the damage)")
-            self.snapshot.load(self.handle, where)
+            self.snapshot.load(self.handle, where, renames=self.renames)
+            self.renames = None
         self._paused = None
         return self.step
 

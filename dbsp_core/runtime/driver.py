@@ -79,7 +79,8 @@ from dbsp_core import _storage
 from dbsp_core.circuit import Circuit, circuit_fingerprint
 from dbsp_core.codec import decode_zset, encode_json, encode_zset_parts
 from dbsp_core.envvars import parse_memory_limit, settings
-from dbsp_core.errors import DbspError, PrimaryKeyError, RecoveryError, SchemaError, StepError, StorageError
+from dbsp_core.errors import (CorruptionError, DbspError, PrimaryKeyError, RecoveryError, SchemaError, StepError,
+                              StorageError)
 from dbsp_core.layout import DEFAULT_SHARD_BITS, Layout, ShardMap
 from dbsp_core.metrics import Metrics, gather, serve, stop_serving
 from dbsp_core.profile import Profile, pipeline_profile
@@ -89,6 +90,8 @@ from dbsp_core.progress import progress
 from dbsp_core.rows import as_table, conform, key_rows
 from dbsp_core.runtime.autoscale import Autoscale
 from dbsp_core.runtime.autoscaler import Autoscaler, Capacity
+from dbsp_core.runtime.change import Owed, bootstrap
+from dbsp_core.runtime.change import prepare as prepare_change
 from dbsp_core.runtime.crashpoints import crashpoint
 from dbsp_core.runtime.division import Divided, ranges
 from dbsp_core.runtime.embedded import EmbeddedExecutor
@@ -99,7 +102,7 @@ from dbsp_core.runtime.rescale import LiveRescale
 from dbsp_core.storage.consumers import ConsumerRegistry
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.dedup import SeenSet
-from dbsp_core.storage.directory import lock_dir, unlock_dir, write_record
+from dbsp_core.storage.directory import lock_dir, read_record, unlock_dir, write_meta, write_record
 from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE,
                                        DISCARD_HANDLE, DISCARD_MAGIC, DIVISION_HANDLE, DIVISION_MAGIC, INPUT_DIR,
                                        META_FILE, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR, PROFILE_FILE,
@@ -295,6 +298,7 @@ class Pipeline:
         # waves), done, moved_shards, last_pause_ms}; None when none runs
         self.rescale_progress: dict | None = None
         self.fingerprint = circuit_fingerprint(circuit)
+        self._owed: Owed | None = None  # a program change's first step not yet run (change.py invariant 5)
         self._ckpt_thread: threading.Thread | None = None
         self._syncer: ThreadPoolExecutor | None = None
         self._division_sync: Future | None = None
@@ -371,7 +375,7 @@ class Pipeline:
         opened = open_directory(root, self.executor, self.circuit, self.fingerprint, self._inputs, self._out_schemas,
                                 workers=workers, shard_bits=shard_bits, open_only=open_only,
                                 segment_bytes=segment_bytes, replay_check=replay_check, output_sync=output_sync,
-                                stats=self.stats, crashpoint=crashpoint, vfs=self._vfs)
+                                stats=self.stats, crashpoint=crashpoint, vfs=self._vfs, rescale_to=rescale_to)
         self._input, self._output, self._driver_db = opened.input, opened.output, opened.driver_db
         self.consumers = opened.consumers
         t0 = time.perf_counter()
@@ -379,12 +383,27 @@ class Pipeline:
                                                rescale_to, self.stats, crashpoint, self._vfs)
         log = LogReplay(root, self._input, self._output, self._driver_db, self._inputs, self._event_time, self._seen)
         x = log.record_step if step is None else step  # an executor without state resumes at the driver's record
+        # a program change (change.py): META names the new circuit before any step runs
+        change, meta = prepare_change(root, opened.meta, opened.changed, self.circuit, x, self._output.last,
+                                      opened.differences)
+        if meta is not None:
+            crashpoint("change-meta")
+            write_meta(root, meta, self._vfs)
+            self._output.since = dict(meta["since"])
+        if change is not None:
+            self.executor.rename_state(change.renames)
         self.executor.load_state(x)
+        self._resume_counters(root, x)
         with progress("recovery replay", unit=" steps") as shown:
             log.catch_up(x)
             self.steps = self._open_step = x
             self._last_now = self.now_ns = log.prev_now
             self.watermarks = dict(log.watermarks)
+            if change is not None:  # change.py invariant 5: the built nodes from the tables' contents at x
+                self._owed = bootstrap(self.executor, self.circuit, change, x,
+                                       log.prev_now if log.prev_now is not None else log.now_floor)
+                self.stats["program_change"] = {"step": change.step, "rebuilt": change.rebuilt,
+                                                "kept_nodes": len(change.renames), "built_nodes": len(change.built)}
             for run in log.divided(shown):
                 self._replay(run)
         tail = log.tail()
@@ -396,6 +415,20 @@ class Pipeline:
         self._open_step = log.next_step
         self._now_floor, self._wm_divided, self._anon_seq = log.now_floor, log.watermarks, log.anon_seq
         self.stats["recovery_s"] = time.perf_counter() - t0
+
+    def _resume_counters(self, root: str, step: int) -> None:
+        """The metrics counters go on from the last checkpoint's METRICS record (metrics.Metrics.resume). METRICS
+        only informs: a damaged or missing one (``dbsp repair`` leaves it) starts them over, ``steps`` at ``step``."""
+        try:
+            counters = read_record(os.path.join(root, METRICS_FILE), METRICS_MAGIC, self._vfs) or {}
+            dups = int(counters.get("duplicates", 0))
+            late = {n: int(v) for n, v in (counters.get("late_rows") or {}).items() if n in self.late_rows}
+            self._metrics.resume(counters, step)
+        except (CorruptionError, TypeError, ValueError, AttributeError):
+            self._metrics.resume(None, step)
+            return
+        self.stats["duplicates"] = dups
+        self.late_rows.update(late)
 
     def _replay(self, run: list[Divided]) -> None:
         """Run divided steps again; once one fails on its data (invariant 7), it and every later one wait."""
@@ -706,6 +739,11 @@ class Pipeline:
             crashpoint("step-computed")  # the division record may or may not be durable yet
             self._await_division()  # invariant 3: durable before any output is written or returned
             crashpoint("step-output")
+            if self._owed is not None:  # change.py invariant 5: a rebuilt view's first output is its contents
+                for d, out in zip(run, outs):
+                    self._owed.settle(d.input.step, out)
+                if self._owed.done:
+                    self._owed = None
             if self._output is not None:
                 for d, out in zip(run, outs):
                     self._output.write(d.input.step, out, d.ranges)
@@ -909,6 +947,12 @@ class Pipeline:
         rescale switches LAYOUT there: rescale.py invariant 4)."""
         with self._step_lock:
             self._join_checkpoint()
+            if self._owed is not None:  # change.py invariant 6: the state stays the old circuit's until step L ran
+                if after_state is not None:
+                    raise DbspError(f"a layout change waits for the first step after the program change (step "
+                                    f"{self._owed.step}): step once, then change the layout")
+                self.stats["deferred_checkpoints"] = self.stats.get("deferred_checkpoints", 0) + 1
+                return self.steps
             t0 = time.perf_counter()
             crashpoint("checkpoint-start")
             step = self.steps
@@ -917,6 +961,9 @@ class Pipeline:
             floor, prev_now, wms = self._now_floor, self._last_now, dict(self.watermarks)
             # what `dbsp profile DIR` prints: taken with the steps paused, written with METRICS (traces in memory only)
             prof = dict(pipeline_profile(self, state=self.executor.state_in_memory), step=step)
+            # the counters at the checkpoint's step: what the next open goes on from (metrics.Metrics.resume)
+            counters = dict(self._metrics.snapshot(), duplicates=self.stats["duplicates"],
+                            late_rows=dict(self.late_rows))
             try:
                 make_durable = self.executor.checkpoint(step)
             except BaseException as exc:
@@ -947,8 +994,11 @@ class Pipeline:
                     consumers.truncate(output, step, self.output_retention)
                     self.stats["checkpoints"] += 1
                     self.stats["last_checkpoint_s"] = time.perf_counter() - t0
-                    self._metrics.checkpointed(self.stats["last_checkpoint_s"])
-                    write_record(os.path.join(root, METRICS_FILE), METRICS_MAGIC, self._metrics.snapshot(), self._vfs)
+                    secs = self.stats["last_checkpoint_s"]
+                    self._metrics.checkpointed(secs)
+                    saved = dict(counters, step=step, checkpoints=counters["checkpoints"] + 1, checkpoint_seconds=secs,
+                                 checkpoint_seconds_sum=counters["checkpoint_seconds_sum"] + secs)
+                    write_record(os.path.join(root, METRICS_FILE), METRICS_MAGIC, saved, self._vfs)
                     write_record(os.path.join(root, PROFILE_FILE), PROFILE_MAGIC, prof, self._vfs)
                 except BaseException as exc:
                     # databases may hold different versions and the incremental snapshot state is ahead of them:
@@ -1017,6 +1067,9 @@ class Pipeline:
             if self.rescale_progress is not None:
                 raise DbspError("rescale: another rescale of this pipeline is in progress; call rescale again "
                                 "once it returned")
+            if self._owed is not None:  # change.py invariant 6
+                raise DbspError(f"rescale: the first step after the program change (step {self._owed.step}) has not "
+                                f"run; step once, then rescale")
             self._join_checkpoint()  # invariant 8: no checkpoint in flight, none starts until the end
             change = LiveRescale(self.executor, self.circuit, self.storage, self.layout, workers, batch_shards,
                                  crashpoint, self._vfs, t0)
@@ -1169,6 +1222,14 @@ class Pipeline:
         self._need_storage("output_steps")
         assert self._output is not None
         return range(self._output.first, self._output.last)
+
+    @property
+    def output_since(self) -> dict[str, int]:
+        """``{view: step}`` for the views a program change rebuilt (dbsp_core.runtime.change): the log of such a view
+        starts at that step, with its full contents; ``read_output`` of it starts there."""
+        self._need_storage("output_since")
+        assert self._output is not None
+        return dict(self._output.since)
 
     def traces(self, worker: int) -> dict[str, Trace]:
         """All keyed state of one worker, as ``{"<operator label>.<trace name>": Trace}``.

@@ -176,6 +176,7 @@ class EmbeddedExecutor:
         # the driver's output log end: not needed here (state commits only at checkpoints, after its output)
         self.output_steps: Callable[[], int] = lambda: 2**62
         self._joining: dict[int, tuple[_Worker, WorkerStore | None]] = {}  # built by prepare_relayout
+        self._renames: dict[int, int] | None = None  # a program change: see rename_state
         # CPU time each worker's thread spent in steps, counted only while ``measure_cpu`` is set: reading a
         # thread's CPU clock is a system call (4-40 us on this VM), a measurable share of a 1k-row step
         self.measure_cpu = False
@@ -265,6 +266,7 @@ class EmbeddedExecutor:
                   for w, (p, wk) in enumerate(zip(self._paths(), self._workers))]
         for st in stores:
             self._name_files(st)
+            st.renames = self._renames
         self._coord = Coordinator(stores, crashpoint)
         try:
             at = self._coord.start(load=True)
@@ -341,6 +343,38 @@ class EmbeddedExecutor:
                 self.batch_store.enforce()
             release_memory(sum(z.num_rows for _, z in s.pushes))  # stored rows: len() would consolidate
         return done
+
+    def rename_state(self, renames: dict[int, int]) -> None:
+        """The next :meth:`load_state` reads node ``n``'s state from the tables of node ``renames[n]`` (snapshot
+        invariant 9; a program change, dbsp_core.runtime.change)."""
+        self._renames = dict(renames)
+
+    def bootstrap(self, nodes: set[int], step: StepInput) -> dict[str, ZSet]:
+        """Run a fresh in-memory copy of the circuit on this layout over ``step`` and give every worker that copy's
+        state of ``nodes`` (each worker's shards, so placement is as if the copy had run here); returns its
+        outputs (a program change, dbsp_core.runtime.change)."""
+        assert self.circuit is not None and self.layout is not None
+        fresh = EmbeddedExecutor(background_merge=False)
+        try:
+            fresh.start(self.circuit, self.layout, None)
+            outs = fresh.run([step])[0]
+            for wk, fw in zip(self._workers, fresh._workers):
+                for i in sorted(nodes):
+                    dst, src = wk.stateful().get(i), fw.stateful().get(i)
+                    if dst is None or src is None:
+                        continue
+                    traces, zsets = state_attrs(i, src)
+                    for name in traces:
+                        t: Trace = getattr(dst, name)
+                        t.clear()
+                        for b in getattr(src, name).batches:
+                            t.insert(b)
+                        t.settle()
+                    for name in zsets:
+                        setattr(dst, name, getattr(src, name))
+        finally:
+            fresh.close()
+        return outs
 
     def _run_one(self, s: StepInput) -> dict[str, ZSet]:
         assert self.circuit is not None and self.layout is not None and self._exchanger is not None

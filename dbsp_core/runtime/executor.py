@@ -106,6 +106,17 @@ class Executor(Protocol):
     def run(self, steps: list[StepInput]) -> list[dict[str, ZSet]]:
         """Run consecutive steps (invariant 1)."""
 
+    def rename_state(self, renames: dict[int, int]) -> None:
+        """A program change (dbsp_core.runtime.change): the next :meth:`load_state` reads node ``n``'s state from
+        what node ``renames[n]`` of the circuit that wrote it stored, leaves the other nodes empty, and the next
+        checkpoint stores the state under the current circuit's numbering only. An executor that cannot raises
+        DbspError naming what to do instead."""
+
+    def bootstrap(self, nodes: set[int], step: StepInput) -> dict[str, ZSet]:
+        """A program change: build the state of ``nodes`` by running a fresh copy of the circuit, on the same
+        layout, over ``step`` (the contents of the tables they read, as one step), put it in place of theirs,
+        and return that step's ``{output: change}``; the other nodes' state is untouched."""
+
     def checkpoint(self, step: int) -> Callable[[], None]:
         """Capture the state at ``step`` (steps are paused); the returned function makes it durable (it may
         run on another thread while later steps run)."""

@@ -10,9 +10,10 @@ Invariants (enforced here; together they are driver invariant 6):
      the seen set and clock from ``driver.db`` (step D <= X) and completes them from the log records of steps
      D..X-1, replays every divided step from X (verifying output already in the log, appending the rest), then
      queues the acknowledged pushes never divided into a step.
-  2. A directory written by a different circuit or another kind of executor is refused with
-     CircuitMismatchError; for a circuit, it names the views (outputs) and tables (inputs) added, removed or
-     changed, by the part fingerprints META records (the two circuit hashes if META predates them).
+  2. A directory written by another kind of executor is refused with CircuitMismatchError. One written by a
+     different circuit is a program change (dbsp_core.runtime.change), carried out by the driver, or refused
+     with CircuitMismatchError naming the views (outputs) and tables (inputs) added, removed or changed, by the
+     part fingerprints META records (the two circuit hashes if META predates them), and why.
   3. A damaged input log raises CorruptionError naming the file and offset and changes nothing (``dbsp repair``
      is the way forward); a damaged output log is rebuilt when every step it lost is one the replay computes
      again, and refused otherwise (dbsp_core.storage.repair, invariants 1 and 4).
@@ -33,12 +34,13 @@ from dbsp_core.layout import DEFAULT_SHARD_BITS, HASH_VERSION, Layout
 from dbsp_core.progress import progress
 from dbsp_core.runtime.division import Divided, ranges
 from dbsp_core.runtime.executor import Executor, StepInput
+from dbsp_core.runtime.change import check as check_change
 from dbsp_core.runtime.rescale import cold_rescale, end_live, live_target, resolve
 from dbsp_core.runtime.upgrade import is_format1, upgrade_format1
 from dbsp_core.storage.consumers import ConsumerRegistry
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.dedup import SeenSet
-from dbsp_core.storage.directory import read_layout, read_meta, write_layout, write_meta
+from dbsp_core.storage.directory import read_layout, read_meta, read_rescale, write_layout, write_meta
 from dbsp_core.storage.formats import (CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE, DISCARD_HANDLE, DISCARD_MAGIC,
                                        DIVISION_HANDLE, DIVISION_MAGIC, DRIVER_DB, INPUT_DIR, OUTPUT_DIR, STATE_DIR)
 from dbsp_core.storage.outputlog import OutputLog
@@ -62,12 +64,15 @@ class Opened(NamedTuple):
     consumers: ConsumerRegistry
     layout: Layout
     last_rescale: dict | None
+    meta: dict  # META as stored (before any program change)
+    changed: dict | None  # the META of the circuit opened when it differs from the stored one (a program change)
+    differences: str  # what differs, said as CircuitMismatchError says it ("" when nothing does)
 
 
 def open_directory(root: str, executor: Executor, circuit: Circuit, fingerprint: str, inputs: dict[str, pa.Schema],
                    outputs: dict[str, pa.Schema], *, workers: int, shard_bits: int, open_only: bool,
                    segment_bytes: int, replay_check: bool, output_sync: bool, stats: dict,
-                   crashpoint: Callable[[str], None], vfs: str) -> Opened:
+                   crashpoint: Callable[[str], None], vfs: str, rescale_to: int | None = None) -> Opened:
     """Open (or create) the pipeline stored in ``root``, whose lock the caller holds: finish an interrupted repair,
     upgrade a directory of the previous release, check META (invariant 2), settle an interrupted layout change,
     start the executor on the layout, and open the logs and ``driver.db`` (invariant 3). On failure, what it
@@ -88,6 +93,7 @@ def open_directory(root: str, executor: Executor, circuit: Circuit, fingerprint:
         old = read_meta(root)
     except FileNotFoundError:
         old = None
+    changed, differences = None, ""
     if old is None:
         if open_only:
             raise RecoveryError(f"Pipeline.open: {root!r} holds no pipeline (META is missing)")
@@ -96,14 +102,21 @@ def open_directory(root: str, executor: Executor, circuit: Circuit, fingerprint:
         write_layout(root, Layout.local(workers, shard_bits), None, vfs)
         write_meta(root, meta, vfs)  # META last: the directory holds a pipeline from here on
     else:
-        if old.get("fingerprint") != meta["fingerprint"]:
-            raise CircuitMismatchError(f"{root} was written by a pipeline with a different circuit"
-                                       f"{_differences(old, meta)}; open it with the same circuit")
         if old.get("executor") != meta["executor"]:
             raise CircuitMismatchError(
                 f"{root} was written by a pipeline with a different executor kind ({old.get('executor')!r} != "
                 f"{meta['executor']!r}); open it with the same circuit and executor")
+        if old.get("fingerprint") != meta["fingerprint"]:  # a program change: the driver carries it out (change.py)
+            differences = _differences(old, meta)
+            check_change(root, old, meta, executor.kind, differences)
+            if read_rescale(root, vfs) is not None or live_target(root, vfs) is not None:
+                raise CircuitMismatchError(f"{root} was written by a pipeline with a different circuit{differences}; "
+                                           f"a layout change is in progress: open it with the same circuit first")
+            changed = meta
     layout, _ = read_layout(root, vfs)
+    if changed is not None and rescale_to is not None and rescale_to != layout.workers:
+        raise CircuitMismatchError(f"{root} was written by a pipeline with a different circuit{differences}; change "
+                                   f"the program and the worker count in two opens")
     if old is not None and not open_only and layout.workers != workers:
         raise CircuitMismatchError(f"{root} holds a pipeline of {layout.workers} workers, not {workers}; "
                                    f"Pipeline.open({root!r}, circuit, workers={workers}) rescales it")
@@ -117,12 +130,12 @@ def open_directory(root: str, executor: Executor, circuit: Circuit, fingerprint:
         opened.callback(inp.close)
         try:
             out = OutputLog(os.path.join(root, OUTPUT_DIR), outputs, check=replay_check, sync=output_sync,
-                            segment_bytes=segment_bytes)
+                            segment_bytes=segment_bytes, since=(old or {}).get("since"))
         except CorruptionError:  # output is a function of input: rebuild it if the lost steps are replayed
             rebuilt = rebuild_output(root)
             stats["output_rebuilt"] = {k: rebuilt[k] for k in ("kept", "missing", "backup")}
             out = OutputLog(os.path.join(root, OUTPUT_DIR), outputs, check=replay_check, sync=output_sync,
-                            segment_bytes=segment_bytes, expect=rebuilt["expect"])
+                            segment_bytes=segment_bytes, expect=rebuilt["expect"], since=(old or {}).get("since"))
         opened.callback(out.close)
         if not os.path.exists(os.path.join(root, DRIVER_DB)) and out.last > 0:
             raise CorruptionError(f"{root}: {DRIVER_DB} is missing, but the output log holds steps up to "
@@ -132,7 +145,7 @@ def open_directory(root: str, executor: Executor, circuit: Circuit, fingerprint:
         consumers = ConsumerRegistry(root, vfs)
         executor.output_steps = lambda: out.last
         opened.pop_all()  # the caller holds them from here on
-    return Opened(inp, out, db, consumers, layout, last_rescale)
+    return Opened(inp, out, db, consumers, layout, last_rescale, old if old is not None else meta, changed, differences)
 
 
 def _differences(old: dict, new: dict) -> str:

@@ -197,6 +197,14 @@ class StagedExecutor:
         """Stage tasks load their state themselves (stage_task.py invariant 4); only the step is noted."""
         self.step = step
 
+    def rename_state(self, renames: dict[int, int]) -> None:
+        raise DbspError("a program change keeps the state of the unchanged views only on the embedded executor: "
+                        "the staged executor's stage databases follow the circuit's stages; open the directory "
+                        "with the circuit that wrote it, or rebuild the pipeline in a new directory")
+
+    def bootstrap(self, nodes: set[int], step: StepInput) -> dict[str, ZSet]:
+        raise DbspError("bootstrap: the staged executor does not take program changes (see rename_state)")
+
     def resume(self, version: int, step: int) -> None:
         """Every stage database now holds ``version`` at ``step`` (a layout change committed it): jobs go on from
         there, as a new run (stage_task.py invariant 4): the change may have deleted a worker's database and

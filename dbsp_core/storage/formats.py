@@ -3,8 +3,8 @@
 Directory format 2 (``DIRECTORY_FORMAT``)::
 
     <root>/
-      META                      the pipeline: circuit fingerprint (and one per input and output), executor, inputs,
-                                outputs, output schemas
+      META                      the pipeline: circuit fingerprint (and one per input, output and node), executor,
+                                inputs, outputs, output schemas, the last program change
       LAYOUT                    the layout in force (shards, owner table, epoch) and the last rescale's report
       RESCALE                   only while a layout change is in progress: from, to, base version, step
       REPAIR                    only while ``dbsp repair`` (or an output rebuild) swaps in repaired logs
@@ -23,7 +23,8 @@ Directory format 2 (``DIRECTORY_FORMAT``)::
       state/jobs/worker-<w>.input   staged: a job's stage-0 input while it runs (spark_glue)
       consumers/<name>          one consumer of the output log: the first step it still needs (storage.consumers)
       consumers/LOCK            flock(2)ed while a consumer registers or the output log is truncated (empty)
-      METRICS                   the pipeline's metrics at its last checkpoint (dbsp_core.metrics), for inspect
+      METRICS                   the pipeline's metrics at its last checkpoint (dbsp_core.metrics), for inspect and
+                                for the counters to go on from at the next open
       PROFILE                   the pipeline's profile at its last checkpoint (dbsp_core.profile), for dbsp profile
       spill/<tok>-<n>.batch     batch files of traces spilled under a memory budget (dbsp_core/trace/spill.py);
                                 named by checkpoints (``DRBF`` values) instead of copying their rows; deleted when
@@ -39,9 +40,14 @@ magic       where                                   body
 ``DMET``    META                                    JSON: format, fingerprint, executor, inputs, outputs,
                                                     output_schemas (hex Arrow schemas), hash_version,
                                                     part_fingerprints: version (1), inputs and outputs
-                                                    (name -> dbsp_core.circuit.part_fingerprints); absent
+                                                    (name -> dbsp_core.circuit.part_fingerprints) and nodes
+                                                    (by id; null for a node that never runs); absent
                                                     in directories made before it (refusals then name
-                                                    only the circuit hashes)
+                                                    only the circuit hashes; without nodes, a program
+                                                    change is refused); after a program change
+                                                    (dbsp_core.runtime.change): change (step, nodes: the
+                                                    old circuit's node fingerprints, rebuilt, removed) and
+                                                    since (view -> first step of its definition)
 ``DLAY``    LAYOUT                                  JSON: layout (dbsp_core.layout.Layout.to_dict),
                                                     last_rescale (report or null)
 ``DRSC``    RESCALE                                 JSON: kind (cold or live), from and to (layout records),
@@ -76,7 +82,8 @@ magic       where                                   body
 ``DSVL``    table ``stagelog`` of stage databases    JSON: trace keys added and deleted by the save of a version
 ``DCSM``    consumers/<name>                        JSON: name, next (every output step below it is durably
                                                     applied by the consumer; never decreases)
-``DMTR``    METRICS                                 JSON: dbsp_core.metrics.Metrics.snapshot() at a checkpoint
+``DMTR``    METRICS                                 JSON: dbsp_core.metrics.Metrics.snapshot() at a checkpoint,
+                                                    taken at its step, with step, duplicates and late_rows
 ``DPRF``    PROFILE                                 JSON: dbsp_core.profile.pipeline_profile() at a checkpoint
                                                     (format: PROFILE_FORMAT), and its step
 ``DOUT``    format-1 output segments                not framed as above: see the format-1 paragraph below

@@ -40,7 +40,8 @@ def open_output(path: str | os.PathLike) -> OutputLog:
     root = os.fspath(path)
     meta = read_meta(root, formats=(1, 2))  # the output log of the previous release's directories reads the same
     schemas = {n: pa.ipc.read_schema(pa.py_buffer(bytes.fromhex(h))) for n, h in meta["output_schemas"].items()}
-    return OutputLog(os.path.join(root, OUTPUT_DIR), {n: schemas[n] for n in meta["outputs"]}, readonly=True)
+    return OutputLog(os.path.join(root, OUTPUT_DIR), {n: schemas[n] for n in meta["outputs"]}, readonly=True,
+                     since=meta.get("since"))
 
 
 def inspect_storage(path: str | os.PathLike) -> dict:
@@ -72,7 +73,9 @@ def _inspect(root: str, meta: dict) -> dict:
                             "shards": layout.shards, "layout_epoch": layout.epoch, "shards_per_worker": counts,
                             "last_rescale": last, "rescale_in_progress": read_rescale(root) is not None,
                             "fingerprint": meta["fingerprint"][:16], "inputs": meta["inputs"],
-                            "outputs": meta["outputs"], "versions": [], "db_pages": 0, "in_use": []}
+                            "outputs": meta["outputs"], "versions": [], "db_pages": 0, "in_use": [],
+                            "program_change": {k: v for k, v in meta["change"].items() if k != "nodes"}
+                            if meta.get("change") else None}
     paths = state_db_paths(root)
     info["checkpoint_version"] = info["checkpoint_step"] = None
     try:

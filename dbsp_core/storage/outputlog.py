@@ -17,7 +17,11 @@ Invariants (enforced here):
   4. Retention first makes every appended step durable, then drops whole segments only, oldest first
      (format-1 ones before any step-log segment), and never the one holding the newest step, so ``first``
      and ``last`` are always known and no crash leaves the log without the steps that were kept.
-  5. ``readonly=True`` never changes a file and may run in another process while the writer appends: a
+  5. A record holds the outputs of the circuit that wrote it. After a program change (dbsp_core.runtime.change)
+     ``since[name]`` is the first step of a view's current definition (its full contents at that step): the
+     records before it hold the view's older definition or none, so :meth:`OutputLog.read` starts there, and
+     a replayed step is verified for the outputs whose definition it ran (``since <= step``) only.
+  6. ``readonly=True`` never changes a file and may run in another process while the writer appends: a
      record is shown only once it is complete, and :meth:`OutputLog.refresh` shows new steps and forgets
      dropped ones.
 
@@ -77,6 +81,8 @@ class OutputLog:
     expect
         ``{step: record payload}``: records of a damaged log kept by its rebuild (dbsp_core.storage.repair); an
         appended step found here is verified against it, as a replayed step is (invariant 1).
+    since
+        ``{output name: first step of its current definition}`` (invariant 5); an output not named: step 0.
 
     Examples
     --------
@@ -94,9 +100,10 @@ class OutputLog:
 
     def __init__(self, path: str, schemas: dict[str, pa.Schema], *, check: bool = True, sync: bool = True,
                  segment_bytes: int = 16 << 20, readonly: bool = False, vfs: str = "posix",
-                 expect: dict[int, bytes] | None = None) -> None:
+                 expect: dict[int, bytes] | None = None, since: dict[str, int] | None = None) -> None:
         self.path = os.fspath(path)
         self.schemas = dict(schemas)
+        self.since = dict(since or {})
         self.names = list(self.schemas)
         self.check = check
         self.sync = sync
@@ -193,7 +200,7 @@ class OutputLog:
             if step < self.last:
                 if self.check:
                     old = self._read_locked(step)[1]
-                    for n in self.names:
+                    for n in old:  # the outputs whose current definition the record holds (invariant 5)
                         if not (old[n] == outputs[n]):
                             raise ReplayMismatchError(
                                 f"replayed step {step} produced a different change of output {n!r} than the "
@@ -204,7 +211,7 @@ class OutputLog:
             kept = self._expect.pop(step, None)
             if kept is not None and self.check:  # a record a rebuild kept: the step computed again must match it
                 old = self._decode(step, memoryview(kept), f"{self.path} (kept by the rebuild)")[1]
-                for n in self.names:
+                for n in old:
                     if not (old[n] == outputs[n]):
                         raise ReplayMismatchError(
                             f"step {step} computed again after the output log's rebuild gave a different change of "
@@ -250,14 +257,16 @@ class OutputLog:
             raise CorruptionError(f"{where}: record of output step {step} is malformed ({e})") from e
         if meta.get("step", step) != step:
             raise CorruptionError(f"{where}: the record of output step {step} names step {meta['step']}")
-        if sorted(meta["outputs"]) != sorted(self.names) or len(parts) != len(self.names) + 1:
-            raise CorruptionError(f"{where}: step {step} holds outputs {meta['outputs']}, expected {self.names}")
+        current = [n for n in self.names if self.since.get(n, 0) <= step]  # invariant 5
+        if not set(current) <= set(meta["outputs"]) or len(parts) != len(meta["outputs"]) + 1:
+            raise CorruptionError(f"{where}: step {step} holds outputs {meta['outputs']}, expected {current}")
         zs = {n: decode_zset(bytes(p), self.schemas[n], f"{where} step {step} output {n}")
-              for n, p in zip(meta["outputs"], parts[1:])}
+              for n, p in zip(meta["outputs"], parts[1:]) if n in self.schemas and self.since.get(n, 0) <= step}
         return meta, zs
 
     def get(self, step: int) -> dict[str, ZSet]:
-        """Every output's change of ``step``; KeyError if the step is not (or no longer) in the log."""
+        """Every output's change of ``step`` (those whose current definition it ran, invariant 5); KeyError if the
+        step is not (or no longer) in the log."""
         with self._lock:
             if not self.first <= step < self.last:
                 raise KeyError(f"output step {step} is not in the log (it holds {self.first}..{self.last})")
@@ -271,7 +280,8 @@ class OutputLog:
             return self._read_locked(step)[0]["inputs"]
 
     def read(self, name: str, from_step: int = 0) -> Iterator[tuple[int, ZSet]]:
-        """Yields ``(step, change of output name)`` for every step from ``from_step`` to the current end, once each.
+        """Yields ``(step, change of output name)`` for every step from ``from_step`` (or from the first step of the
+        output's current definition, invariant 5) to the current end, once each.
 
         Raises KeyError for an unknown output and LookupError if ``from_step`` was dropped by retention.
         """
@@ -283,7 +293,7 @@ class OutputLog:
             raise ValueError(f"read of output {name!r}: from_step must be >= 0 (steps count from 0), got {from_step}")
         if from_step < self.first:
             raise LookupError(f"output steps below {self.first} were dropped by retention; asked from {from_step}")
-        step = from_step
+        step = max(from_step, self.since.get(name, 0))
         while True:
             with self._lock:
                 if step >= self.last:

@@ -36,6 +36,10 @@ Invariants (enforced here):
      the file and the shard's row range in it; the file is pinned from the plan on. Loading reads the batch in
      place from the file (checked whole once per load), a single slice when its shards' ranges are contiguous.
      :meth:`WorkerSnapshot.referenced` is the set of files the stored values name.
+  9. A load with ``renames`` (a program change, dbsp_core.runtime.change) reads node ``n``'s state from the tables
+     node ``renames[n]`` wrote and leaves a node ``renames`` does not name empty; the next save then deletes
+     every state table the database held (values and order records) and writes all state again under the
+     current node numbers, in one commit, so a database never mixes two circuits' numbering.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ from dbsp_core.codec import (decode_batch, decode_json, decode_runs, decode_zset
 from dbsp_core.errors import CorruptionError, DbspError
 from dbsp_core.storage.database import SHARD_PREFIX_BYTES, DatabaseHandle, shard_key, shard_of_key
 from dbsp_core.storage.formats import (BATCH_GROUP_MAGIC, BATCH_MAGIC, BATCH_REF_MAGIC, ORDER_MAGIC, SNAPSHOT_NEXT,
-                                       SNAPSHOT_TABLE, ZSET_MAGIC, order_key, trace_table, zset_table)
+                                       SNAPSHOT_TABLE, ZSET_MAGIC, is_state_table, order_key, trace_table,
+                                       zset_table)
 from dbsp_core.trace import Trace
 from dbsp_core.zset import IndexedZSet, ZSet
 
@@ -260,6 +265,7 @@ class WorkerSnapshot:
         self._stale = 0  # the last key under which _put moved an entry whose batch is gone (negative: no id's)
         # invariant 8: the durable BatchStore whose files may be named (None: rows are copied), the directory
         # files named by stored values are read from, and the file each stored reference value names
+        self._dropped: list[tuple[str, list[bytes]]] = []  # invariant 9: (table, keys) the next save deletes
         self.batch_store: Any = None
         self.batch_dir: str | None = None
         self._key_file: dict[bytes, str] = {}
@@ -351,7 +357,8 @@ class WorkerSnapshot:
         Returns a plan for :meth:`apply`: it holds only immutable batches and Z-sets, so steps may run on
         while another thread applies it. Marks the planned batches as saved.
         """
-        plan: list[tuple] = []
+        plan: list[tuple] = [("delete", table, keys) for table, keys in self._dropped]  # invariant 9: first
+        self._dropped = []
         for node_id, inst in self.instances.items():
             traces, zsets = state_attrs(node_id, inst)
             for name in traces:
@@ -550,7 +557,7 @@ class WorkerSnapshot:
         return self.apply(h, self.prepare())
 
     def load(self, h: DatabaseHandle, where: str, reuse: "WorkerSnapshot | None" = None,
-             listing: dict[str, list[bytes]] | None = None) -> int:
+             listing: dict[str, list[bytes]] | None = None, renames: dict[int, int] | None = None) -> int:
         """Restore the state saved by :meth:`save` into fresh instances; returns the number of rows loaded.
 
         ``reuse``: an older snapshot of the same worker's state, saved into an earlier version of the same
@@ -559,6 +566,7 @@ class WorkerSnapshot:
         ``listing``: every key of every trace table (``{table: keys}``), when the caller knows them (e.g. from
         a log of the saves since ``reuse``): the tables are then not scanned and only values of batches not
         taken from ``reuse`` are read.
+        ``renames``: ``{node: node whose tables hold its state}`` after a program change (invariant 9).
         """
         known: dict[str, dict[bytes, tuple[Any, list[bytes]]]] = {}
         if reuse is not None:
@@ -570,13 +578,16 @@ class WorkerSnapshot:
         self._saved, self._saved_z, self._orphans, self._key_file = {}, {}, {}, {}
         self._files: dict[str, Any] = {}  # batch files opened by this load (each checked whole once)
         for node_id, inst in self.instances.items():
+            src = node_id if renames is None else renames.get(node_id)
+            if src is None:
+                continue  # invariant 9: a node of the changed program, built by the caller
             traces, zsets = state_attrs(node_id, inst)
             for name in traces:
-                rows += self._load_trace(h, trace_table(node_id, name), getattr(inst, name), where,
-                                         known.get(trace_table(node_id, name), {}), listing)
+                rows += self._load_trace(h, trace_table(src, name), getattr(inst, name), where,
+                                         known.get(trace_table(src, name), {}), listing)
             for name in zsets:
                 cur: ZSet = getattr(inst, name)
-                table = zset_table(node_id, name)
+                table = zset_table(src, name)
                 parts, keys = [], []
                 for k, v in h.scan(table):
                     parts.append(decode_zset(v, cur.schema, f"{where} {table} shard {shard_of_key(k)}", ZSET_MAGIC))
@@ -586,7 +597,18 @@ class WorkerSnapshot:
                 setattr(inst, name, z)
                 self._saved_z[table] = (z, keys)
                 rows += z.num_rows
+        if renames is not None:
+            self._drop_all(h)
         return rows
+
+    def _drop_all(self, h: DatabaseHandle) -> None:
+        """Invariant 9: every stored state table (and trace order record) is deleted by the next save, and every
+        loaded batch and Z-set is saved again."""
+        for table in h.tables():
+            if is_state_table(table):
+                self._dropped.append((table, [k for k, _ in h.scan(table)]))
+        self._dropped.append((SNAPSHOT_TABLE, [k for k, _ in h.scan(SNAPSHOT_TABLE, prefix=order_key(""))]))
+        self._saved, self._saved_z, self._orphans = {}, {}, {}
 
     def _load_trace(self, h: DatabaseHandle, table: str, trace: Trace, where: str, mine: dict,
                     listing: dict[str, list[bytes]] | None) -> int:

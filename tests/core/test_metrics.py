@@ -49,7 +49,13 @@ def test_counts_match_what_was_pushed_and_returned(tmp_path) -> None:
         assert v["key_index"] > 0  # the aggregate's key index (trace invariant 11), counted beside the state
     p.close()
     q, c = _pipeline(storage=tmp_path, checkpoint_interval=None)
-    assert q.metrics()["steps"] == 0  # counters start with the pipeline object; the logs are the record
+    m = q.metrics()  # the counters go on from the last checkpoint: steps numbered as the output log numbers them
+    assert m["steps"] == 13 == q.steps and m["pushes"] == 13 and m["duplicate_pushes"] == 12
+    assert m["rows_in"] == {"t": 37} and m["rows_out"]["sums"] == rows_out and m["late_rows"] == {"t": 1}
+    assert m["checkpoints"] == 2 and m["step_seconds"]["count"] == 13
+    q.push("t", pa.table({"k": [1], "v": [1], "ts": [20]}))
+    q.step()
+    assert q.metrics()["steps"] == 14 and q.metrics()["pushes"] == 14
     q.close()
 
 

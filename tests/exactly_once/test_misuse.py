@@ -147,7 +147,7 @@ def test_dbsp_inspect_reads_while_the_pipeline_runs(tmp_path, capsys):
     assert "in use by a running pipeline" in out and "output log   steps 0..0" in out, out
     p.close()
     assert cli(["inspect", d]) == 0
-    assert "checkpoint   step 1" in capsys.readouterr().out
+    assert "checkpoint   through step 0" in capsys.readouterr().out
 
 
 def test_a_pipeline_is_refused_while_another_one_holds_the_directory(tmp_path):
