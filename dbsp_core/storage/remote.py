@@ -71,11 +71,13 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from dbsp_core.codec import decode_json, encode_json
-from dbsp_core.errors import CorruptionError, DbspError, FormatVersionError, StorageError
+from dbsp_core.errors import CorruptionError, DbspError, FormatVersionError, StorageError, StoreUnavailableError
+from dbsp_core.storage import retry
 from dbsp_core.storage.formats import (REMOTE_BASE_SUFFIX, REMOTE_DELTA_SUFFIX, REMOTE_LOG_DIR,
                                        REMOTE_MANIFEST_DIR, REMOTE_MANIFEST_FORMAT, REMOTE_MANIFEST_MAGIC,
                                        REMOTE_SPILL_DIR, REMOTE_STATE_DIR)
 from dbsp_core.storage.location import Location, resolve
+from dbsp_core.storage.retry import DEFAULT_POLICY
 
 __all__ = ["Remote", "LogPart", "CheckpointLogCopy", "manifest_name", "delta_name", "is_remote", "version_of"]
 
@@ -129,7 +131,8 @@ def spill_name(file: str) -> str:
 class Remote:
     """A pipeline's prefix in an object store (a :class:`Location`) and its local cache directory.
 
-    Every store call goes through :meth:`call`, the one place a bounded retry (r32-log's helper) wraps them.
+    Every store call goes through :meth:`call`: retried while it fails transiently (dbsp_core.storage.retry,
+    ``policy``), then StoreUnavailableError; any other error of the store becomes StorageError.
     """
 
     def __init__(self, location: Location, cache_dir: str) -> None:
@@ -138,27 +141,31 @@ class Remote:
         self.location = location
         self.cache_dir = cache_dir
         self.stats = {"puts": 0, "put_bytes": 0, "gets": 0, "get_bytes": 0, "deletes": 0, "lists": 0}
-        self.retry: Callable[[str, str, Callable[[], Any]], Any] | None = None  # (op, object, fn) -> fn's result
+        self.policy = DEFAULT_POLICY
 
     @classmethod
-    def of(cls, storage: Any, cache_dir: str, filesystem: pafs.FileSystem | None = None) -> "Remote":
-        return cls(resolve(storage, filesystem, what="storage"), cache_dir)
+    def of(cls, storage: Any, cache_dir: str) -> "Remote":
+        """The Remote of ``storage=``: a URI, or a ``pyarrow.fs.FileSystem`` whose root is the prefix (e.g. a
+        ``SubTreeFileSystem``, or ``PyFileSystem(FSSpecHandler(...))``)."""
+        if isinstance(storage, pafs.FileSystem):
+            name = f"{storage.type_name}://"
+            return cls(Location(storage, "", False, name, name), cache_dir)
+        return cls(resolve(storage, what="storage"), cache_dir)
 
     @property
     def shown(self) -> str:
         return self.location.shown
 
     def path(self, name: str) -> str:
-        return f"{self.location.path}/{name}"
+        base = self.location.path.rstrip("/")
+        return f"{base}/{name}" if base else name
 
     def call(self, op: str, name: str, fn: Callable[[], T]) -> T:
         """Run one store operation ``op`` (PUT, GET, LIST, DELETE) on object ``name``; errors of the store become
         StorageError naming the object by its secret-free name (invariant 5)."""
         try:
-            if self.retry is not None:
-                return self.retry(op, name, fn)
-            return fn()
-        except FileNotFoundError:
+            return retry.call(fn, f"{op} {name}", self.location, self.policy)
+        except (FileNotFoundError, StoreUnavailableError):
             raise
         except (OSError, pa.ArrowException) as e:
             raise StorageError(f"{op} {self.shown}/{name}: {_masked(str(e), self)}") from None
@@ -227,7 +234,8 @@ class Remote:
             return self.location.fs.get_file_info(sel)
         infos = self.call("LIST", prefix, go)
         self.stats["lists"] += 1
-        base = self.location.path.rstrip("/") + "/"
+        base = self.location.path.rstrip("/")
+        base = base + "/" if base else ""
         return {i.path[len(base):]: i.size for i in infos if i.type == pafs.FileType.File and i.path.startswith(base)}
 
     def delete(self, name: str) -> None:
@@ -367,13 +375,3 @@ class CheckpointLogCopy:
     @staticmethod
     def live(manifests: list[dict]) -> set[str]:
         return {e["object"] for m in manifests for e in m.get("logs", {}).get("copy", {}).values()}
-
-
-def check_cache_dir(path: str) -> None:
-    """A ``cache_dir=`` given by the user must be empty or one this module made (it is wiped on open)."""
-    if not os.path.isdir(path):
-        return
-    names = set(os.listdir(path))
-    if names and ".dbsp-cache" not in names:
-        raise DbspError(f"cache_dir {path!r} is neither empty nor a dbsp cache directory (no .dbsp-cache marker): "
-                        "give an empty directory, the pipeline's cache rebuilt from the store goes there")
