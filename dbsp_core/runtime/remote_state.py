@@ -183,6 +183,7 @@ class RemoteCheckpoints:
             self.log_copy.adopt(manifest)
         listed = remote.manifest_versions()  # a damaged newer manifest restore skipped: never written over
         self.version = max([0 if manifest is None else manifest["version"]] + listed)
+        self.chain_limit = CHAIN_LIMIT
         self.previous: dict | None = None  # the manifest before self.manifest, kept until the next commit
         self.last: dict[str, Any] = {}  # what the last upload did (bytes by kind, seconds): Pipeline.stats["remote"]
         self.totals = {"checkpoints": 0, "bytes": 0, "objects_deleted": 0}
@@ -259,7 +260,7 @@ class RemoteCheckpoints:
             chain_bytes = sum(link["bytes"] for link in chain)
             follows = (old is not None and old["version"] == start) or (old is None and fresh)
             page_bytes = os.path.getsize(path)
-            if valid and follows and len(chain) < CHAIN_LIMIT and chain_bytes + size <= max(page_bytes, 1 << 20):
+            if valid and follows and len(chain) < self.chain_limit and chain_bytes + size <= max(page_bytes, 1 << 20):
                 if start == to and old is not None:  # nothing committed since
                     return old
                 with open(sealed, "rb") as f:
