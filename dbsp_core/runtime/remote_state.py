@@ -21,11 +21,13 @@ Invariants (enforced here):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import struct
+import tempfile
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from dbsp_core import _storage
 from dbsp_core.codec import frame_head, unframe_view
@@ -39,7 +41,7 @@ from dbsp_core.storage.formats import (CACHE_MARKER, CONSUMERS_DIR, DRIVER_DB, L
 from dbsp_core.storage.remote import (CheckpointLogCopy, LogPart, Remote, blob_record, delta_name, manifest_name,
                                       record_blob, spill_name, version_of)
 
-__all__ = ["RemoteCheckpoints", "restore", "prepare_cache", "CHAIN_LIMIT"]
+__all__ = ["RemoteCheckpoints", "restore", "prepare_cache", "restored", "CHAIN_LIMIT"]
 
 CHAIN_LIMIT = 16  # objects in a database's chain before the next checkpoint uploads its page file instead
 JOURNAL_DIR = ".dbsp-journal"  # in the cache: the databases' journals (storage.database.Journal)
@@ -169,6 +171,24 @@ def restore(remote: Remote, root: str, log_part: LogPart | None = None) -> dict 
     else:
         log_part.restore(remote, m, root)
     return m
+
+
+@contextlib.contextmanager
+def restored(storage: Any) -> Iterator[tuple[str, dict, Remote]]:
+    """For readers (``dbsp inspect/read/profile`` of a store): the newest checkpoint of ``storage`` restored into
+    a temporary directory, removed afterwards; yields the directory, the manifest and the Remote.
+    RecoveryError if the store holds no pipeline."""
+    from dbsp_core.errors import RecoveryError
+
+    tmp = tempfile.mkdtemp(prefix="dbsp-read-")
+    try:
+        remote = Remote.of(storage, tmp)
+        m = restore(remote, tmp)
+        if m is None:
+            raise RecoveryError(f"{remote.shown} holds no pipeline (no manifest)")
+        yield tmp, m, remote
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class RemoteCheckpoints:

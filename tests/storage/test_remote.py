@@ -230,3 +230,30 @@ def test_no_credential_in_the_store_or_the_cache(s3_server, tmp_path):
         for f in files:
             with open(os.path.join(d, f), "rb") as fh:
                 assert secret.encode() not in fh.read(), f
+
+
+def test_cli_inspects_and_reads_a_store(s3_server):
+    import subprocess
+    import sys
+
+    from s3_server import CREDENTIALS
+
+    uri = s3_server.uri(s3_server.bucket(), "pipe")
+    pushes = _pushes(SEED + 4, 3)
+    _run(uri, pushes, reopen_at=99)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    ins = subprocess.run([sys.executable, "-m", "dbsp_core", "inspect", uri], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert ins.returncode == 0, ins.stderr
+    assert "store        manifest" in ins.stdout and "checkpoint   step 3" in ins.stdout, ins.stdout
+    rd = subprocess.run([sys.executable, "-m", "dbsp_core", "read", uri, "s", "--limit", "1000"], capture_output=True,
+                        text=True, env=env, timeout=120)
+    assert rd.returncode == 0, rd.stderr
+    rows = [eval(x.strip()) for x in rd.stdout.splitlines() if x.startswith("  ")]  # noqa: S307 - our own output
+    acc: dict = {}
+    for r in rows:
+        key = (r["k"], r["n"], r["s"])
+        acc[key] = acc.get(key, 0) + r["weight"]
+    assert {k: w for k, w in acc.items() if w} == _duckdb(pushes)
+    for out in (ins.stdout, ins.stderr, rd.stdout, rd.stderr):
+        assert CREDENTIALS["AWS_SECRET_ACCESS_KEY"] not in out
