@@ -992,9 +992,6 @@ class Pipeline:
                         h.put(CLOCK_TABLE, CLOCK_KEY, encode_json(CLOCK_MAGIC, clock))
                         h.set_step(step)
                         h.commit()
-                    if self._remote_state is not None:  # an object store: upload, commit the manifest, retain
-                        crashpoint("checkpoint-upload")
-                        self.stats["remote"] = self._remote_state.upload(step, self.executor.referenced_files())
                     crashpoint("checkpoint-gc")
                     inp.truncate_below(step)  # the low watermark: the state and driver.db are both at step
                     # below every consumer's acknowledged step and the retention setting (storage.consumers)
@@ -1004,6 +1001,12 @@ class Pipeline:
                     self._metrics.checkpointed(self.stats["last_checkpoint_s"])
                     write_record(os.path.join(root, METRICS_FILE), METRICS_MAGIC, self._metrics.snapshot(), self._vfs)
                     write_record(os.path.join(root, PROFILE_FILE), PROFILE_MAGIC, prof, self._vfs)
+                    if self._remote_state is not None:
+                        # an object store: upload what changed, commit the manifest, delete what no live manifest
+                        # names (remote_state invariant 3); after the local truncation, so the log copy holds
+                        # only the segments a recovery at this step reads
+                        crashpoint("checkpoint-upload")
+                        self.stats["remote"] = self._remote_state.upload(step, self.executor.referenced_files())
                 except BaseException as exc:
                     # databases may hold different versions and the incremental snapshot state is ahead of them:
                     # only recovery (Pipeline.open) knows the consistent state again

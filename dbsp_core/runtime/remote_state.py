@@ -10,8 +10,9 @@ Invariants (enforced here):
      commits), so the layout records and the state versions agree as they did.
   2. Journaling of the cache's databases (dbsp_core.storage.database.Journal) starts after the restore and before
      the driver opens or creates anything, so every commit after the restored manifest is in a journal.
-  3. :meth:`RemoteCheckpoints.upload` runs after the local checkpoint committed (state, then driver.db) and
-     before the input log is truncated: it uploads every database's delta (or its page file when the journal
+  3. :meth:`RemoteCheckpoints.upload` runs after the local checkpoint committed (state, then driver.db, then the
+     logs truncated below it: the previous manifest's log objects stay in the store until it is retired): it
+     uploads every database's delta (or its page file when the journal
      cannot lead from the chain's version, or when the chain is past :data:`CHAIN_LIMIT` objects or its bytes
      past the page file's size: compaction), the batch files the state names that no earlier manifest names,
      the logs part's objects, then the manifest (storage.remote invariant 2), then deletes what the two live

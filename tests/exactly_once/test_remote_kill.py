@@ -31,21 +31,31 @@ from workload import PRODUCERS, batch, build_circuit, integral, oracle  # noqa: 
 SEED = int(os.environ.get("DBSP_REMOTE_KILL_SEED", random.randrange(2**31)))
 
 
-def _env(run: int) -> dict[str, str]:
+# crash points a run may be killed at instead of a timer: after the local checkpoint committed and the local logs
+# were truncated, before the upload (the store's previous manifest must still hold what recovery needs), and in
+# the middle of a step or of the pushes
+POINTS = [("checkpoint-upload", 2), ("checkpoint-gc", 2), ("checkpoint-state", 2), ("push-acked", 10),
+          ("step-run", 3)]
+
+
+def _env(run: int, crash: str | None) -> dict[str, str]:
     env = dict(os.environ)
     repo = os.path.dirname(os.path.dirname(HERE))
     env["PYTHONPATH"] = os.pathsep.join([repo] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.pop("DBSP_CRASHPOINT", None)
+    if crash:
+        env["DBSP_CRASHPOINT"] = crash
     env["DBSP_RUN"] = str(run)
     return env
 
 
-def _run(uri: str, cache: str, seed: int, batches: int, workers: int, run: int, kill_after: float | None) -> str:
-    """One child run on an emptied cache; kill -9 ``kill_after`` seconds after it is READY (None: let it finish).
-    Returns 'killed' or 'done'."""
+def _run(uri: str, cache: str, seed: int, batches: int, workers: int, run: int, kill_after: float | None,
+         crash: str | None = None) -> str:
+    """One child run on an emptied cache; kill -9 ``kill_after`` seconds after it is READY, or at crash point
+    ``crash`` (neither: let it finish). Returns 'killed' or 'done'."""
     shutil.rmtree(cache, ignore_errors=True)  # a new machine: nothing of the old local disk
     p = subprocess.Popen([sys.executable, CHILD, uri, cache, str(seed), str(batches), str(workers)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(run))
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(run, crash))
     ready = threading.Event()
     out: list[bytes] = []
 
@@ -59,7 +69,7 @@ def _run(uri: str, cache: str, seed: int, batches: int, workers: int, run: int, 
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    killed = False
+    killed = crash is not None
     if kill_after is not None:
         ready.wait(120)
         time.sleep(kill_after)
@@ -93,9 +103,16 @@ def check(root: str, uri: str, seed: int, batches: int, kills: int) -> dict:
     workers = 1 + seed % 3
     cache = os.path.join(root, "cache")
     landed = lost_from_store = 0
+    how = []
     for run in range(kills):
-        status = _run(uri, cache, seed, batches, workers, run, rng.uniform(0.05, 0.8))
-        assert status == "killed", f"seed {seed}: run {run} finished before its kill (more batches?)"
+        if run % 2:  # every other kill at a crash point
+            name, hi = rng.choice(POINTS)
+            crash, after = f"{name}:{rng.randint(1, hi)}", None
+        else:
+            crash, after = None, rng.uniform(0.05, 0.8)
+        how.append(crash or f"{after:.2f}s")
+        status = _run(uri, cache, seed, batches, workers, run, after, crash)
+        assert status == "killed", f"seed {seed}: run {run} ({how[-1]}) finished before its kill (more batches?)"
         landed += 1
         for pr in PRODUCERS:  # acknowledged but not confirmed by a checkpoint: maybe not in the store
             lines = _lines(os.path.join(root, f"pushed-{pr}.txt"))
@@ -133,7 +150,7 @@ def check(root: str, uri: str, seed: int, batches: int, kills: int) -> dict:
         manifest = p._remote_state.manifest
     finally:
         p.close(checkpoint=False)
-    res = {"kills": landed, "lost": lost, "doubled": doubled, "steps": last, "manifest": manifest["version"],
+    res = {"kills": landed, "how": how, "lost": lost, "doubled": doubled, "steps": last, "manifest": manifest["version"],
            "acked_after_last_checkpoint": lost_from_store, "acked_then_not_in_store": repushed_new}
     print(f"remote kill seed {seed} (replay: DBSP_REMOTE_KILL_SEED={seed}): {res}")
     assert lost == 0 and doubled == 0, res
@@ -142,7 +159,7 @@ def check(root: str, uri: str, seed: int, batches: int, kills: int) -> dict:
 
 def test_kill9_recovers_from_the_store_with_an_empty_disk(s3_server, tmp_path):
     uri = s3_server.uri(s3_server.bucket(), "pipe")
-    res = check(str(tmp_path), uri, SEED, batches=40, kills=2)
+    res = check(str(tmp_path), uri, SEED, batches=30, kills=2)
     assert res["kills"] == 2 and res["manifest"] > 2
 
 
