@@ -36,7 +36,7 @@ under its prefix in the store::
     <prefix>/
       manifest/<20-digit version>          DRMF: one per committed checkpoint, written last (the commit point)
       db/<db>/<20-digit version>.delta  DRDL: a database's values put and keys deleted since the last checkpoint
-      db/<db>/<20-digit version>.base   DRDL: a database's whole content (a compacted chain)
+      db/<db>/<20-digit version>.base   a database's page file as it was at a checkpoint (a compacted chain)
       spill/<name>.batch                   a batch file a checkpoint names, as it is on local disk
       log/...                              the input and output logs (segment objects; see storage.remote)
 
@@ -89,13 +89,14 @@ magic       where                                   body
 ``DMTR``    METRICS                                 JSON: dbsp_core.metrics.Metrics.snapshot() at a checkpoint
 ``DPRF``    PROFILE                                 JSON: dbsp_core.profile.pipeline_profile() at a checkpoint
                                                     (format: PROFILE_FORMAT), and its step
-``DRMF``    manifest/<version> in an object store    JSON: format (REMOTE_MANIFEST_FORMAT), version, step,
-                                                    records (small record files inline, base64), databases
-                                                    (path -> version, step, chain of objects), files (batch
+``DRMF``    manifest/<version> in an object         JSON: format (REMOTE_MANIFEST_FORMAT), version, step,
+            store                                   records (small record files inline, base64), databases
+                                                    (path -> version, chain of objects), files (batch
                                                     files), logs (what the logs part records), written_ns
-``DRDL``    db/<db>/<version>.delta|.base in     body: records ``op (u8: 1 put, 0 delete) | table length
-            an object store                         (u16 LE) | table | key length (u16 LE) | key | value
-                                                    length (u64 LE, puts only) | value``, in commit order
+``DRDL``    db/<db>/<version>.delta in an           body: records ``op (u8: 1 put, 0 delete, 2 step) |
+            object store                            table length (u16 LE) | table | key length (u16 LE)
+                                                    | key | value length (u64 LE; not for a delete) |
+                                                    value``, in commit order (database.Journal)
 ``DOUT``    format-1 output segments                not framed as above: see the format-1 paragraph below
             (``output/out-<step>.seg``)
 ==========  ======================================  =======================================================

@@ -8,7 +8,7 @@ Layout of one pipeline under its prefix (``REMOTE_*`` in dbsp_core.storage.forma
     <prefix>/
       manifest/<20-digit version>          one per committed checkpoint (DRMF, JSON): the commit point
       db/<db>/<20-digit version>.delta  a database's change committed between two checkpoints (DRDL)
-      db/<db>/<20-digit version>.base   a database's whole content at a checkpoint (DRDL, a compacted chain)
+      db/<db>/<20-digit version>.base   a database's page file as it is at a checkpoint (a compacted chain)
       spill/<name>.batch                   a batch file a checkpoint names (trace/batchfile.py), uploaded as is
       log/input/...                        the input log's segment objects (the logs part: see below)
       log/output/...                       the output log's segment objects (the logs part)
@@ -34,8 +34,10 @@ Invariants (enforced here and by the checkpoint upload in dbsp_core.runtime.remo
      values put and the keys deleted by the commits since the previous checkpoint (recorded as they are written,
      :class:`dbsp_core.storage.database.Journal`), so the bytes uploaded follow the change, not the state; a batch
      file once (it is immutable and named by its content's token). The page file itself is never uploaded: it is
-     updated in place. When a chain grows past ``DBSP_REMOTE_CHAIN`` objects (default 16) it is compacted: the
-     chain is folded into one base object, uploaded under the checkpoint's version.
+     updated in place, except to compact a chain: when it has 16 objects (remote_state.CHAIN_LIMIT) or its bytes
+     pass the page file's size, or the journal cannot lead from the chain's version, the checkpoint uploads the
+     page file as the chain's new base (``.base``; quiet then: the embedded executor writes its databases only
+     when a checkpoint commits), and retention drops the old chain.
   5. Credentials never appear in what is logged, raised or written: messages name the store by
      :attr:`Location.shown`, and manifests hold object names relative to the prefix only.
   6. One pipeline process writes a prefix at a time (the store has no lock; the local directory's lock covers
