@@ -35,7 +35,9 @@ def main() -> int:
     uri, cache, seed, batches, workers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
     root = os.path.dirname(os.path.abspath(cache))
     rng = random.Random(f"{seed}/{os.environ.get('DBSP_RUN', '0')}")
-    p = dbsp.Pipeline(build_circuit(), workers=workers, storage=uri, cache_dir=cache, checkpoint_interval=None,
+    # odd seeds also checkpoint on a 50 ms timer: those uploads run on a background thread while steps go on
+    interval = 0.05 if seed % 2 else None
+    p = dbsp.Pipeline(build_circuit(), workers=workers, storage=uri, cache_dir=cache, checkpoint_interval=interval,
                       segment_bytes=4096)
     print("READY", p.steps, flush=True)
     pushed = {pr: confirmed(os.path.join(root, f"confirmed-{pr}.txt")) for pr in PRODUCERS}

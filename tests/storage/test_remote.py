@@ -257,3 +257,40 @@ def test_cli_inspects_and_reads_a_store(s3_server):
     assert {k: w for k, w in acc.items() if w} == _duckdb(pushes)
     for out in (ins.stdout, ins.stderr, rd.stdout, rd.stderr):
         assert CREDENTIALS["AWS_SECRET_ACCESS_KEY"] not in out
+
+
+def test_rescale_cold_and_live_on_a_store(s3_server):
+    uri = s3_server.uri(s3_server.bucket(), "pipe")
+    pushes = _pushes(SEED + 5, 9)
+    c = _circuit()
+    acc: dict = {}
+    p = dbsp.Pipeline(c, workers=2, storage=uri, checkpoint_interval=None)
+    for i in range(3):
+        p.push("t", pushes[i], producer="gen", seq=i)
+        _add(acc, p.step()["s"])
+    p.close()
+    p = dbsp.Pipeline.open(uri, c, workers=3, checkpoint_interval=None)  # cold: new worker databases, journaled
+    assert p.layout.workers == 3 and p.last_rescale["from_workers"] == 2
+    for i in range(3, 6):
+        p.push("t", pushes[i], producer="gen", seq=i)
+        _add(acc, p.step()["s"])
+    p.rescale(1)  # live: shards move into worker 0, the others' databases go
+    for i in range(6, 9):
+        p.push("t", pushes[i], producer="gen", seq=i)
+        _add(acc, p.step()["s"])
+    p.close()
+    assert acc == _duckdb(pushes)
+    q = dbsp.Pipeline.open(uri, c, checkpoint_interval=None)
+    try:
+        assert q.layout.workers == 1 and sorted(q._remote_state.manifest["databases"]) == ["driver.db",
+                                                                                             "state/worker-0.db"]
+        got: dict = {}
+        for _, z in q.read_output("s"):
+            _add(got, z)
+        assert got == acc
+        q.push("t", pushes[0], producer="gen", seq=0)  # a duplicate: the seen set came back through every change
+        q.push("t", pushes[1], producer="other", seq=0)
+        _add(got, q.step()["s"])
+        assert got == _duckdb(pushes + pushes[1:2])
+    finally:
+        q.close()
