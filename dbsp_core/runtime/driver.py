@@ -104,6 +104,7 @@ from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOC
                                        DISCARD_HANDLE, DISCARD_MAGIC, DIVISION_HANDLE, DIVISION_MAGIC, INPUT_DIR,
                                        META_FILE, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR, PROFILE_FILE,
                                        PROFILE_MAGIC, SPILL_DIR, STATE_DIR)
+from dbsp_core.storage.logstore import LogStore
 from dbsp_core.storage.outputlog import OutputLog
 from dbsp_core.storage.steplog import StepLog
 from dbsp_core.time.watermark import NO_WATERMARK, advance, specs_of
@@ -217,7 +218,7 @@ class Pipeline:
                  output_retention: int | None = None, output_sync: bool = True, segment_bytes: int = 64 << 20,
                  clock: Callable[[], int] | None = None, autoscale: Autoscale | None = None, vfs: str = "posix",
                  memory_limit: int | str | None = None, spill_dir: Any = None, _rescale_to: int | None = None,
-                 _open_only: bool = False) -> None:
+                 _open_only: bool = False, _log_store: LogStore | None = None) -> None:
         if not isinstance(circuit, Circuit):
             raise TypeError(f"Pipeline needs a Circuit, got {type(circuit).__name__}")
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
@@ -301,6 +302,9 @@ class Pipeline:
         self._input: StepLog | None = None
         self._output: OutputLog | None = None
         self._driver_db: Database | None = None
+        # the input and output logs also as segment objects in an object store (storage/logstore.py): a push is
+        # acknowledged once the object holding it is there; storage="s3://..." passes it (issue 32)
+        self._log_store = _log_store
         self._lockfd: int | None = None
         self.stats = self.executor.stats  # one dict: the executor's counters beside the driver's
         self.stats.update({"pushes": 0, "duplicates": 0, "checkpoints": 0, "last_checkpoint_s": 0.0,
@@ -371,7 +375,7 @@ class Pipeline:
         opened = open_directory(root, self.executor, self.circuit, self.fingerprint, self._inputs, self._out_schemas,
                                 workers=workers, shard_bits=shard_bits, open_only=open_only,
                                 segment_bytes=segment_bytes, replay_check=replay_check, output_sync=output_sync,
-                                stats=self.stats, crashpoint=crashpoint, vfs=self._vfs)
+                                stats=self.stats, crashpoint=crashpoint, vfs=self._vfs, log_store=self._log_store)
         self._input, self._output, self._driver_db = opened.input, opened.output, opened.driver_db
         self.consumers = opened.consumers
         t0 = time.perf_counter()
@@ -944,6 +948,8 @@ class Pipeline:
                     inp.truncate_below(step)  # the low watermark: the state and driver.db are both at step
                     # below every consumer's acknowledged step and the retention setting (storage.consumers)
                     consumers.truncate(output, step, self.output_retention)
+                    if self._log_store is not None:  # the store's segments the local logs just dropped
+                        self._log_store.retain_quietly(step, output.first)
                     self.stats["checkpoints"] += 1
                     self.stats["last_checkpoint_s"] = time.perf_counter() - t0
                     self._metrics.checkpointed(self.stats["last_checkpoint_s"])
