@@ -37,8 +37,8 @@ class S3Server:
     def __init__(self) -> None:
         self.port = _free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
-        # the server logs every request to stderr: into a file, since a pipe nobody drains fills up after a few
-        # hundred requests and then blocks the server
+        # its log (a line per request) goes to a file: a pipe nobody drains fills up after some 64 KiB of requests
+        # and then blocks the server in the middle of a reply
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
                                      stdout=subprocess.DEVNULL, stderr=self.log)

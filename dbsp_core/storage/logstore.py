@@ -36,7 +36,6 @@ Invariants (enforced here):
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import struct
@@ -58,7 +57,6 @@ __all__ = ["LogStore", "LogShipper", "ShippedLog", "SegmentObject", "segment_obj
            "KINDS"]
 
 KINDS = ("input", "output")
-log = logging.getLogger(__name__)
 _REC = struct.Struct("<qQIIQ")  # step, seq, handle length, producer length, payload length
 _U32 = struct.Struct("<I")
 
@@ -440,15 +438,6 @@ class LogStore:
         for s in doomed:
             self._call(lambda: _delete(self.location.fs, s.path), f"DELETE {kind} log segment")
         return len(doomed)
-
-    def retain_quietly(self, input_below: int, output_below: int) -> int:
-        """:meth:`retain` of both logs after a checkpoint; a store that refuses is logged, not raised: nothing is
-        lost by keeping a segment, and the next checkpoint deletes it."""
-        try:
-            return self.retain("input", input_below) + self.retain("output", output_below)
-        except StoreUnavailableError as e:
-            log.warning("log retention on %s postponed to the next checkpoint: %s", self.location.shown, e)
-            return 0
 
 
 def _put(location: Location, path: str, data: bytes) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 import dbsp_core as dbsp
 from dbsp_core.errors import CorruptionError, DbspError, StoreUnavailableError
-from dbsp_core.storage import retry
+from dbsp_core.storage import remote, retry
 from dbsp_core.storage.location import resolve
 from dbsp_core.storage.logstore import LogStore, decode_segment, parse_segment_name
 from dbsp_core.storage.outputlog import OutputLog
@@ -165,11 +165,17 @@ def test_a_damaged_segment_is_refused(where, tmp_path):
         store.restore("input", tmp_path / "2")
 
 
-def test_a_store_that_stays_down_stops_acknowledging(s3_server, tmp_path):
+@pytest.fixture()
+def fast_retries(monkeypatch):
+    """Store calls of a pipeline retried 4 times within milliseconds (the default waits up to seconds)."""
+    monkeypatch.setattr(remote, "DEFAULT_POLICY", FAST)
+
+
+def test_a_store_that_stays_down_stops_acknowledging(s3_server, tmp_path, fast_retries):
     bucket = s3_server.bucket()
     faults = StoreFaults(s3_server.filesystem())
-    store = LogStore(resolve(f"{bucket}/log", faults.fs), group_commit_s=0, policy=FAST)
-    p = dbsp.Pipeline(_circuit(), storage=str(tmp_path / "p"), checkpoint_interval=None, _log_store=store)
+    store = pafs.SubTreeFileSystem(f"{bucket}/pipe", faults.fs)
+    p = dbsp.Pipeline(_circuit(), storage=store, cache_dir=str(tmp_path / "c1"), checkpoint_interval=None)
     assert p.push("t", {"k": [1], "v": [10]}, producer="p", seq=0).duplicate is False
     faults.down()
     with pytest.raises(StoreUnavailableError, match=r"failed 4 times"):
@@ -182,7 +188,7 @@ def test_a_store_that_stays_down_stops_acknowledging(s3_server, tmp_path):
     except StoreUnavailableError:
         pass
     faults.down(False)
-    p = dbsp.Pipeline.open(str(tmp_path / "p"), _circuit(), checkpoint_interval=None, _log_store=store)
+    p = dbsp.Pipeline.open(store, _circuit(), cache_dir=str(tmp_path / "c2"), checkpoint_interval=None)
     assert p.acknowledged("p", 0) and not p.acknowledged("p", 1)
     p.push("t", {"k": [2], "v": [20]}, producer="p", seq=1)
     p.step()
@@ -209,8 +215,8 @@ def _fault_run(s3_server, tmp_path, pushes: int) -> None:
             ("list", 2): "error", ("list", 4): "timeout", ("list", 6): "delay",
             ("delete", 1): "error", ("delete", 2): "timeout", ("delete", 3): "delay"}
     faults = StoreFaults(s3_server.filesystem(), seed=SEED, rate=0.08, plan=plan, delay_s=0.002, timeout_s=0.003)
-    store = LogStore(resolve(f"{bucket}/pipe/log", faults.fs), group_commit_s=0.001, policy=FAST)
-    root = str(tmp_path / "p")
+    store = pafs.SubTreeFileSystem(f"{bucket}/pipe", faults.fs)
+    caches = iter(range(10**6))
     model: Counter = Counter()  # key -> (count, sum) of every push acknowledged
     sums: Counter = Counter()
     acked = reopened = 0
@@ -218,12 +224,9 @@ def _fault_run(s3_server, tmp_path, pushes: int) -> None:
     def open_pipeline() -> dbsp.Pipeline:
         nonlocal reopened
         while True:
-            for part in ("input", "output"):  # the local logs are lost: only the store has them
-                shutil.rmtree(os.path.join(root, part), ignore_errors=True)
+            cache = str(tmp_path / f"cache-{next(caches)}")  # each process starts with an empty local disk
             try:
-                return dbsp.Pipeline.open(root, _circuit(), checkpoint_interval=None, _log_store=store) \
-                    if os.path.exists(os.path.join(root, "META")) else \
-                    dbsp.Pipeline(_circuit(), storage=root, checkpoint_interval=None, _log_store=store)
+                return dbsp.Pipeline(_circuit(), storage=store, cache_dir=cache, checkpoint_interval=None)
             except (StoreUnavailableError, OSError):
                 reopened += 1  # the store failed the reopen too: try again
 
@@ -251,7 +254,7 @@ def _fault_run(s3_server, tmp_path, pushes: int) -> None:
             if rng.random() < 0.2:
                 p.step()
             if seq % 8 == 0:
-                p.checkpoint()  # retention deletes the input segments it covers
+                p.checkpoint()  # uploads the state and a manifest; retention deletes the segments it covers
         except (StoreUnavailableError, DbspError) as e:
             assert isinstance(e, StoreUnavailableError) or "broken" in str(e), e
             try:
@@ -282,6 +285,31 @@ def _fault_run(s3_server, tmp_path, pushes: int) -> None:
     assert reopened >= 2 and duplicates >= 1  # the outages happened, and a landed push was recovered, not redone
     for kind in ("input", "output"):  # every object in the store is a whole, valid segment
         assert _segments(LogStore(resolve(f"{bucket}/pipe/log", s3_server.filesystem())), kind)
+
+
+def test_pipeline_logs_restored_on_an_empty_disk(s3_server, tmp_path):
+    """A pipeline on the store, killed without a checkpoint after its last pushes (the process's disk is gone): a
+    new one on an empty cache recovers every acknowledged push from the input log's segments, and its output log
+    equals the first one's."""
+    uri = s3_server.uri(s3_server.bucket(), "pipe")
+    p = dbsp.Pipeline(_circuit(), storage=uri, cache_dir=str(tmp_path / "c1"), checkpoint_interval=None)
+    for i in range(6):
+        p.push("t", {"k": [i % 3], "v": [i]}, producer="g", seq=i)
+        if i == 2:
+            p.step()
+            p.checkpoint()
+    p.step()
+    p.push("t", {"k": [7], "v": [70]}, producer="g", seq=6)  # acknowledged, not in any step yet
+    before = [(s, z.to_dict()) for s, z in p.read_output("s")]
+    p._shutdown()  # as a kill: no checkpoint, no close of the logs
+    shutil.rmtree(tmp_path / "c1")
+    q = dbsp.Pipeline.open(uri, _circuit(), cache_dir=str(tmp_path / "c2"), checkpoint_interval=None)
+    assert [(s, z.to_dict()) for s, z in q.read_output("s")] == before
+    assert q.acknowledged("g", 6) and q.stats["replayed_steps"] == 1 and q.stats["recovered_pushes"] == 1
+    q.step()
+    assert {r["k"]: (r["n"], r["s"]) for r in q.view("s").to_pylist()} == {0: (2, 3), 1: (2, 5), 2: (2, 7),
+                                                                            7: (1, 70)}
+    q.close()
 
 
 def test_store_faults_lose_no_acknowledged_push(s3_server, tmp_path):
