@@ -109,6 +109,7 @@ from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOC
                                        PROFILE_MAGIC, SPILL_DIR, STATE_DIR)
 from dbsp_core.storage.outputlog import OutputLog
 from dbsp_core.storage.remote import Remote, is_remote
+from dbsp_core.storage.remote_log import RemoteLogs
 from dbsp_core.storage.steplog import StepLog
 from dbsp_core.time.watermark import NO_WATERMARK, advance, specs_of
 from dbsp_core.trace import Trace
@@ -338,6 +339,9 @@ class Pipeline:
         self._input: StepLog | None = None
         self._output: OutputLog | None = None
         self._driver_db: Database | None = None
+        # with an object store: the input and output logs as segment objects in it (storage/remote_log.py); a
+        # push is acknowledged once the object holding it is there
+        self._remote_logs: RemoteLogs | None = None
         self._lockfd: int | None = None
         self.stats = self.executor.stats  # one dict: the executor's counters beside the driver's
         self.stats.update({"pushes": 0, "duplicates": 0, "checkpoints": 0, "last_checkpoint_s": 0.0,
@@ -412,16 +416,17 @@ class Pipeline:
         self._lockfd = lock_dir(root)
         if self._remote is not None:  # rebuild the cache from the newest manifest, then journal (remote_state inv. 1-2)
             with progress(f"restore from {self.storage_uri}"):
-                manifest = restore(self._remote, root)
+                self._remote_logs = RemoteLogs(self._remote)
+                manifest = restore(self._remote, root, self._remote_logs)
             if manifest is None and open_only:
                 raise RecoveryError(f"Pipeline.open: {self.storage_uri} holds no pipeline (no manifest)")
-            self._remote_state = RemoteCheckpoints(self._remote, root, manifest)
+            self._remote_state = RemoteCheckpoints(self._remote, root, manifest, self._remote_logs)
             new_remote = manifest is None
         self._start_spilling()  # after the lock: the store clears the spill directory of an earlier process
         opened = open_directory(root, self.executor, self.circuit, self.fingerprint, self._inputs, self._out_schemas,
                                 workers=workers, shard_bits=shard_bits, open_only=open_only,
                                 segment_bytes=segment_bytes, replay_check=replay_check, output_sync=output_sync,
-                                stats=self.stats, crashpoint=crashpoint, vfs=self._vfs)
+                                stats=self.stats, crashpoint=crashpoint, vfs=self._vfs, logs=self._remote_logs)
         self._input, self._output, self._driver_db = opened.input, opened.output, opened.driver_db
         self.consumers = opened.consumers
         t0 = time.perf_counter()

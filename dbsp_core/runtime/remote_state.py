@@ -41,6 +41,7 @@ from dbsp_core.storage.formats import (CACHE_MARKER, CONSUMERS_DIR, DRIVER_DB, L
                                        SPILL_DIR, state_db_paths)
 from dbsp_core.storage.remote import (CheckpointLogCopy, LogPart, Remote, blob_record, delta_name, manifest_name,
                                       record_blob, spill_name, version_of)
+from dbsp_core.storage.remote_log import RemoteLogs
 
 __all__ = ["RemoteCheckpoints", "restore", "prepare_cache", "restored", "CHAIN_LIMIT"]
 
@@ -167,10 +168,14 @@ def restore(remote: Remote, root: str, log_part: LogPart | None = None) -> dict 
         os.makedirs(spill, exist_ok=True)
         remote.get_file(ent["object"], os.path.join(spill, name))
     logs = m.get("logs", {})
-    if logs.get("mode") == "checkpoint-copy" or log_part is None:
+    if logs.get("mode") == "checkpoint-copy":
         CheckpointLogCopy.restore(remote, m, root)
-    else:
+    elif log_part is not None:
         log_part.restore(remote, m, root)
+    else:  # a reader: the logs' segments rebuilt here (storage.remote_log)
+        reader = RemoteLogs(remote)
+        reader.restore(remote, m, root)
+        reader.rebuild(root)
     return m
 
 

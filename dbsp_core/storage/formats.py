@@ -97,6 +97,11 @@ magic       where                                   body
             object store                            table length (u16 LE) | table | key length (u16 LE)
                                                     | key | value length (u64 LE; not for a delete) |
                                                     value``, in commit order (database.Journal)
+``DLSG``    log segment objects in an object store  ``u32 n`` | ``n`` bytes of JSON: kind (input or output), first and
+            (``<store>/log/<kind>/<first LSN>-<last  last (LSNs), gen (the writer's generation), steps ([lo, hi]),
+            LSN>-g<gen>-s<lo step>-<hi step>.dlsg``) records | per record ``i64 step u64 seq u32 handle length u32
+                                                    producer length u64 payload length`` (LE), handle, producer,
+                                                    payload: step-log records (dbsp_core.storage.logstore)
 ``DOUT``    format-1 output segments                not framed as above: see the format-1 paragraph below
             (``output/out-<step>.seg``)
 ==========  ======================================  =======================================================
@@ -180,6 +185,8 @@ SAVELOG_MAGIC = b"DSVL"
 CONSUMER_MAGIC = b"DCSM"
 METRICS_MAGIC = b"DMTR"
 PROFILE_MAGIC = b"DPRF"
+LOG_SEGMENT_MAGIC = b"DLSG"  # a log segment object in an object store (dbsp_core.storage.logstore)
+LOG_SEGMENT_SUFFIX = ".dlsg"
 FORMAT1_OUTPUT_MAGIC = b"DOUT"  # a record of a format-1 output segment (dbsp_core.storage.outputlog_format1)
 STEPLOG_SEGMENT_MAGIC = b"DBSPSSEG"  # the header of a step log segment (csrc/steplog.c)
 STEPLOG_RECORD_MAGIC = b"DSLR"  # the frame of a format-2 step log record (csrc/steplog.c)

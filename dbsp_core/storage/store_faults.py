@@ -106,14 +106,18 @@ class StoreFaults:
         self.ops: Counter = Counter()  # operations seen, by operation
         self.injected: Counter = Counter()  # faults injected, by (operation, kind)
         self._rng = random.Random(seed)
-        self._down = False
+        self._down: str | None = None
         self._lock = threading.Lock()
         self.fs = pafs.PyFileSystem(_Handler(self))
 
-    def down(self, is_down: bool = True) -> None:
-        """From now on every counted operation fails with ``error`` (the store is down), until ``down(False)``."""
+    def down(self, is_down: bool = True, kind: str = "error") -> None:
+        """From now on every counted operation fails with ``kind`` (the store is down: ``error`` or ``timeout``;
+        ``landed``: every PUT lands and reports a failure, other operations fail with ``error``), until
+        ``down(False)``."""
+        if kind not in ("error", "timeout", "landed"):
+            raise ValueError(f"StoreFaults.down: kind is error, timeout or landed, not {kind!r}")
         with self._lock:
-            self._down = is_down
+            self._down = kind if is_down else None
 
     def set_rate(self, rate: float) -> None:
         """Change the probability of a random fault (0 stops them)."""
@@ -133,7 +137,7 @@ class StoreFaults:
             self.ops[op] += 1
             kind = self.plan.get((op, self.ops[op]))
             if kind is None and self._down:
-                kind = "error"
+                kind = self._down if self._down in _KINDS_OF[op] else "error"
             if kind is None and self.rate and op in self.ops_enabled and self._rng.random() < self.rate:
                 choices = [k for k in self.kinds_enabled if k in _KINDS_OF[op]]
                 kind = self._rng.choice(choices) if choices else None
