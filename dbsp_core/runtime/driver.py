@@ -1008,8 +1008,7 @@ class Pipeline:
                     write_record(os.path.join(root, PROFILE_FILE), PROFILE_MAGIC, prof, self._vfs)
                     if self._remote_state is not None:
                         # an object store: upload what changed, commit the manifest, delete what no live manifest
-                        # names (remote_state invariant 3); after the local truncation, so the log copy holds
-                        # only the segments a recovery at this step reads
+                        # names (remote_state invariant 3)
                         crashpoint("checkpoint-upload")
                         self.stats["remote"] = self._remote_state.upload(step, self.executor.referenced_files())
                 except BaseException as exc:

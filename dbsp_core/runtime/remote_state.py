@@ -15,7 +15,7 @@ Invariants (enforced here):
      uploads every database's delta (or its page file when the journal
      cannot lead from the chain's version, or when the chain is past :data:`CHAIN_LIMIT` objects or its bytes
      past the page file's size: compaction), the batch files the state names that no earlier manifest names,
-     the logs part's objects, then the manifest (storage.remote invariant 2), then deletes what the two live
+     what the logs part needs durable (its output segments), then the manifest (storage.remote invariant 2), then deletes what the two live
      manifests do not name (invariant 3 there). A failure before the manifest leaves the previous manifest in
      force and the pipeline broken (the driver's rule for a failed checkpoint).
 """
@@ -36,10 +36,10 @@ from dbsp_core.errors import CorruptionError, DbspError
 from dbsp_core.storage.database import (JOURNAL_DELETE, JOURNAL_PUT, JOURNAL_STEP, Database, end_journals,
                                         journal_of, journal_under)
 from dbsp_core.storage.formats import (CACHE_MARKER, CONSUMERS_DIR, DRIVER_DB, LAYOUT_FILE, LOCK_FILE, META_FILE,
-                                       METRICS_FILE, PROFILE_FILE, REMOTE_DELTA_MAGIC, REMOTE_LOG_DIR,
+                                       METRICS_FILE, PROFILE_FILE, REMOTE_DELTA_MAGIC,
                                        REMOTE_MANIFEST_DIR, REMOTE_SPILL_DIR, REMOTE_STATE_DIR, RESCALE_FILE,
                                        SPILL_DIR, state_db_paths)
-from dbsp_core.storage.remote import (CheckpointLogCopy, LogPart, Remote, blob_record, delta_name, manifest_name,
+from dbsp_core.storage.remote import (LogPart, Remote, blob_record, delta_name, manifest_name,
                                       record_blob, spill_name, version_of)
 from dbsp_core.storage.remote_log import RemoteLogs
 
@@ -167,10 +167,7 @@ def restore(remote: Remote, root: str, log_part: LogPart | None = None) -> dict 
     for name, ent in m.get("files", {}).items():
         os.makedirs(spill, exist_ok=True)
         remote.get_file(ent["object"], os.path.join(spill, name))
-    logs = m.get("logs", {})
-    if logs.get("mode") == "checkpoint-copy":
-        CheckpointLogCopy.restore(remote, m, root)
-    elif log_part is not None:
+    if log_part is not None:
         log_part.restore(remote, m, root)
     else:  # a reader: the logs' segments rebuilt here (storage.remote_log)
         reader = RemoteLogs(remote)
@@ -198,15 +195,12 @@ def restored(storage: Any) -> Iterator[tuple[str, dict, Remote]]:
 
 
 class RemoteCheckpoints:
-    """The object-store side of a durable pipeline: made after :func:`restore` (with the manifest it restored),
-    it journals the cache's databases (invariant 2) and uploads each checkpoint (invariant 3)."""
+    """The object-store side of a durable pipeline: made after :func:`restore` (with the manifest it restored and
+    the logs part, storage.remote_log), it journals the cache's databases (invariant 2) and uploads each checkpoint (invariant 3)."""
 
-    def __init__(self, remote: Remote, root: str, manifest: dict | None, log_part: LogPart | None = None) -> None:
+    def __init__(self, remote: Remote, root: str, manifest: dict | None, log_part: LogPart) -> None:
         self.remote, self.root, self.manifest = remote, root, manifest
         self.log_part = log_part
-        self.log_copy = CheckpointLogCopy(remote, root) if log_part is None else None
-        if self.log_copy is not None:
-            self.log_copy.adopt(manifest)
         listed = remote.manifest_versions()  # a damaged newer manifest restore skipped: never written over
         self.version = max([0 if manifest is None else manifest["version"]] + listed)
         self.chain_limit = CHAIN_LIMIT
@@ -259,7 +253,7 @@ class RemoteCheckpoints:
                 with open(p, "rb") as f:
                     records[f"{CONSUMERS_DIR}/{name}"] = record_blob(f.read())
         b0 = r.stats["put_bytes"]
-        logs = self.log_copy.covered(step, v) if self.log_copy is not None else self.log_part.covered(step)
+        logs = self.log_part.covered(step)
         last["log_bytes"] = r.stats["put_bytes"] - b0
         m = {"version": v, "step": step, "records": records, "databases": dbs, "files": files, "logs": logs}
         r.write_manifest(m)  # the commit point (storage.remote invariant 2)
@@ -330,12 +324,5 @@ class RemoteCheckpoints:
             if ver is not None and ver < oldest:
                 r.delete(manifest_name(ver))
                 n += 1
-        if self.log_copy is not None:
-            keep_logs = CheckpointLogCopy.live(live)
-            for name in r.list(f"{REMOTE_LOG_DIR}/copy"):
-                if name not in keep_logs:
-                    r.delete(name)
-                    n += 1
-        elif self.log_part is not None:
-            self.log_part.retain(r, live)
+        self.log_part.retain(r, live)
         return n

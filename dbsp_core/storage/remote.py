@@ -56,9 +56,7 @@ input and output logs as segment objects under ``log/`` with group commit, and
     ``root/input`` and ``root/output`` as the local StepLog and OutputLog read them.
   - ``retain(remote, live)``: after a manifest commits, deletes the log objects that no manifest in ``live``
     (the two newest) and no unacknowledged consumer needs.
-Until it is plugged in, :class:`CheckpointLogCopy` keeps the logs on local disk and copies their segment files
-to the store at each checkpoint: a recovery from the store then resumes at the newest checkpoint with the pushes
-the copy holds, and pushes acknowledged after it are lost with the local disk (the local-disk log mode).
+dbsp_core.storage.remote_log.RemoteLogs is that part (over storage.logstore).
 """
 
 from __future__ import annotations
@@ -81,7 +79,7 @@ from dbsp_core.storage.formats import (REMOTE_BASE_SUFFIX, REMOTE_DELTA_SUFFIX, 
 from dbsp_core.storage.location import Location, resolve
 from dbsp_core.storage.retry import DEFAULT_POLICY
 
-__all__ = ["Remote", "LogPart", "CheckpointLogCopy", "manifest_name", "delta_name", "is_remote", "version_of"]
+__all__ = ["Remote", "LogPart", "manifest_name", "delta_name", "is_remote", "version_of"]
 
 log = logging.getLogger(__name__)
 
@@ -319,61 +317,3 @@ class LogPart(Protocol):
     def restore(self, remote: Remote, manifest: dict, root: str) -> None: ...
 
     def retain(self, remote: Remote, live: list[dict]) -> None: ...
-
-
-class CheckpointLogCopy:
-    """The local-disk log mode with the store as backup: at each checkpoint, the segment files of the local input
-    and output logs that changed since the previous copy are uploaded under ``log/copy/<version>/`` (a segment
-    being appended is copied whole again: objects are immutable), and the manifest lists the copy of each
-    segment. Pushes acknowledged after a checkpoint are durable on local disk only until the next one."""
-
-    def __init__(self, remote: Remote, root: str) -> None:
-        self.remote, self.root = remote, root
-        self._copied: dict[str, tuple[int, int, str]] = {}  # local rel path -> (size, mtime_ns, object)
-        self.version = 0
-
-    def adopt(self, manifest: dict | None) -> None:
-        """Continue the copies of ``manifest`` (the one recovery restored)."""
-        if manifest is None:
-            return
-        self.version = manifest["version"]
-        for rel, ent in manifest.get("logs", {}).get("copy", {}).items():
-            p = os.path.join(self.root, rel)
-            if os.path.exists(p):
-                st = os.stat(p)
-                self._copied[rel] = (st.st_size, st.st_mtime_ns, ent["object"])
-
-    def covered(self, step: int, version: int) -> dict:
-        files: dict[str, dict] = {}
-        for part in ("input", "output"):
-            d = os.path.join(self.root, part)
-            for name in sorted(os.listdir(d)) if os.path.isdir(d) else ():
-                rel = f"{part}/{name}"
-                p = os.path.join(d, name)
-                try:
-                    st = os.stat(p)
-                except FileNotFoundError:  # a segment truncated meanwhile
-                    continue
-                old = self._copied.get(rel)
-                if old is not None and old[:2] == (st.st_size, st.st_mtime_ns):
-                    files[rel] = {"object": old[2], "bytes": st.st_size}
-                    continue
-                obj = f"{REMOTE_LOG_DIR}/copy/{version:020d}/{rel}"
-                try:
-                    n = self.remote.put_file(obj, p)
-                except FileNotFoundError:
-                    continue
-                self._copied[rel] = (st.st_size, st.st_mtime_ns, obj)
-                files[rel] = {"object": obj, "bytes": n}
-        return {"mode": "checkpoint-copy", "copy": files}
-
-    @staticmethod
-    def restore(remote: Remote, manifest: dict, root: str) -> None:
-        for rel, ent in manifest.get("logs", {}).get("copy", {}).items():
-            p = os.path.join(root, *rel.split("/"))
-            os.makedirs(os.path.dirname(p), exist_ok=True)
-            remote.get_file(ent["object"], p)
-
-    @staticmethod
-    def live(manifests: list[dict]) -> set[str]:
-        return {e["object"] for m in manifests for e in m.get("logs", {}).get("copy", {}).values()}

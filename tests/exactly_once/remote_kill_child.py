@@ -3,9 +3,8 @@
 Usage: remote_kill_child.py URI CACHE_DIR SEED BATCHES WORKERS. The parent deletes CACHE_DIR before every run.
 Files beside CACHE_DIR: ``pushed-<producer>.txt`` (a line per push as it returns: seq and whether it was a
 duplicate) and ``confirmed-<producer>.txt`` (after each checkpoint returns, how many seqs were pushed before it
-began: those are in the store). A producer resumes at its confirmed count: the logs are copied to the store at
-checkpoints (the logs part's segment objects are not wired in yet), so a push acknowledged after the last
-checkpoint is not in the store after a kill and is pushed again. Prints READY after recovery, DONE at the end.
+began: those are in the store whatever the logs do). A producer resumes at its confirmed count and pushes the later
+seqs again: each of those acknowledged before the kill must come back as a duplicate (the parent counts). Prints READY after recovery, DONE at the end.
 """
 
 from __future__ import annotations
@@ -61,7 +60,7 @@ def main() -> int:
         t.start()
 
     def checkpoint() -> None:
-        before = dict(pushed)  # pushes that returned before the checkpoint began: its log copy holds them
+        before = dict(pushed)  # pushes that returned before the checkpoint began: in the store once it returns
         p.checkpoint()
         for pr, n in before.items():
             with open(os.path.join(root, f"confirmed-{pr}.txt"), "a") as f:

@@ -1,10 +1,9 @@
 """kill -9 of an embedded durable pipeline whose storage is an S3 prefix (moto's server, tests/s3_server.py): every restart deletes the local cache directory first and recovers from the store alone; at the end the outputs equal DuckDB's over every batch, each push counted in exactly one step (0 lost, 0 doubled).
 
-The logs are copied to the store at checkpoints (the logs part's segment objects with group commit are not wired in
-yet): a push acknowledged after the last checkpoint is not in the store when the local disk goes, so the producers
-treat a push as confirmed once a checkpoint that began after it returned, and push the unconfirmed ones again after
-a restart (the dedup set restored from the store drops the ones it holds). The test prints how many acknowledged
-pushes a kill took from the store that way: what group-committed log objects will bring to 0.
+The producers resume from the last seq a checkpoint confirmed (one that began after the push returned) and push
+the later ones again after a restart: the dedup set and the input log restored from the store must drop every one
+of them that was acknowledged, since the input log's segment objects are group-committed (storage.logstore), so
+the test also counts acknowledged pushes missing from the store after a kill (``acked_then_not_in_store``: 0).
 Seeds: ``DBSP_REMOTE_KILL_SEED`` replays one.
 """
 
