@@ -270,9 +270,10 @@ class Database:
         self.readonly = readonly
         if readonly and not os.path.exists(self.path):
             raise FileNotFoundError(f"database {self.path}: no such file (a read-only open creates nothing)")
-        fresh = not readonly and not os.path.exists(self.path)
+        journaled = not readonly and bool(_journal_roots)  # only an object store's cache is journaled
+        fresh = journaled and not os.path.exists(self.path)
         self._ps = _storage.PageStore(self.path, vfs, cache_pages, _create_version, readonly)
-        self._journal = None if readonly else _journal_for(self.path, self.versions().stop - 1, fresh)
+        self._journal = _journal_for(self.path, self.versions().stop - 1, fresh) if journaled else None
 
     @classmethod
     def create(cls, path: Union[str, os.PathLike], version: int, *, cache_pages: Optional[int] = None,

@@ -296,3 +296,41 @@ def test_rescale_cold_and_live_on_a_store(s3_server):
         assert got == _duckdb(pushes + pushes[1:2])
     finally:
         q.close()
+
+
+def test_journal_keeps_committed_changes_only(tmp_path):
+    from dbsp_core.runtime.remote_state import _records
+    from dbsp_core.storage.database import Database, end_journals, journal_of, journal_under
+
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    journal_under(root, str(tmp_path / "journals"))
+    try:
+        path = os.path.join(root, "w.db")
+        with Database(path) as db:
+            with db.open(0) as h:
+                h.put("t", b"a", b"1")
+                h.put("t", b"b", b"2")
+                h.set_step(4)
+                h.commit()
+            with db.open(1) as h:  # left without commit: its records are cut off again
+                h.put("t", b"c", b"3")
+            with db.open(1) as h:
+                h.delete("t", b"a")
+                h.commit()
+            sealed, start, to, valid, fresh = journal_of(path).take()
+            with open(sealed, "rb") as f:
+                recs = [(op, t, k, None if v is None else bytes(v)) for op, t, k, v in _records(memoryview(f.read()))]
+            assert (start, to, valid, fresh) == (0, 2, True, True)
+            assert recs == [(1, b"t", b"a", b"1"), (1, b"t", b"b", b"2"), (2, b"", b"", (4).to_bytes(8, "little")),
+                            (0, b"t", b"a", None)]
+            with db.open(2) as h:  # after take: the next records start from version 2
+                h.put("t", b"d", b"4")
+                h.commit()
+            assert journal_of(path).take()[1:3] == (2, 3)
+            assert db.versions() == range(2, 4)
+            with db.open(2):  # opening an older version discards the newest: the records no longer lead to it
+                pass
+            assert journal_of(path).take()[3] is False
+    finally:
+        end_journals(root)
