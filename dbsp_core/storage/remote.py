@@ -44,7 +44,7 @@ Invariants (enforced here and by the checkpoint upload in dbsp_core.runtime.remo
      the cache only): running two writers on one prefix is the operator's error, and the manifest versions
      they race for are not protected against it.
 
-What the logs part must provide (r32-log: dbsp_core.storage.remote_log, plugged in as a :class:`LogPart`): the
+What the logs part provides (dbsp_core.storage.remote_log, plugged in as a :class:`LogPart`): the
 input and output logs as segment objects under ``log/`` with group commit, and
   - ``covered(step) -> dict``: called during a checkpoint at ``step`` after the local output log is flushed and
     before the manifest is written; makes durable in the store every output step below ``step`` and returns
@@ -56,9 +56,9 @@ input and output logs as segment objects under ``log/`` with group commit, and
     ``root/input`` and ``root/output`` as the local StepLog and OutputLog read them.
   - ``retain(remote, live)``: after a manifest commits, deletes the log objects that no manifest in ``live``
     (the two newest) and no unacknowledged consumer needs.
-Until it is plugged in, :class:`CheckpointLogCopy` keeps the logs on local disk and copies their segment files
-to the store at each checkpoint: a recovery from the store then resumes at the newest checkpoint with the pushes
-the copy holds, and pushes acknowledged after it are lost with the local disk (the local-disk log mode).
+:class:`CheckpointLogCopy` (the logs on local disk, their segment files copied to the store at each checkpoint, so
+pushes acknowledged after it are lost with the local disk) is what a driver without a logs part uses, and what
+restores a manifest whose ``logs`` it wrote (mode ``checkpoint-copy``).
 """
 
 from __future__ import annotations
