@@ -26,6 +26,7 @@ sys.path.insert(0, HERE)
 CHILD = os.path.join(HERE, "remote_kill_child.py")
 
 import dbsp_core as dbsp  # noqa: E402
+from test_kill9 import _env  # noqa: E402
 from workload import PRODUCERS, batch, build_circuit, integral, oracle  # noqa: E402
 
 SEED = int(os.environ.get("DBSP_REMOTE_KILL_SEED", random.randrange(2**31)))
@@ -38,24 +39,14 @@ POINTS = [("checkpoint-upload", 2), ("checkpoint-gc", 2), ("checkpoint-state", 2
           ("step-run", 3)]
 
 
-def _env(run: int, crash: str | None) -> dict[str, str]:
-    env = dict(os.environ)
-    repo = os.path.dirname(os.path.dirname(HERE))
-    env["PYTHONPATH"] = os.pathsep.join([repo] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.pop("DBSP_CRASHPOINT", None)
-    if crash:
-        env["DBSP_CRASHPOINT"] = crash
-    env["DBSP_RUN"] = str(run)
-    return env
-
-
 def _run(uri: str, cache: str, seed: int, batches: int, workers: int, run: int, kill_after: float | None,
          crash: str | None = None) -> str:
     """One child run on an emptied cache; kill -9 ``kill_after`` seconds after it is READY, or at crash point
     ``crash`` (neither: let it finish). Returns 'killed' or 'done'."""
     shutil.rmtree(cache, ignore_errors=True)  # a new machine: nothing of the old local disk
     p = subprocess.Popen([sys.executable, CHILD, uri, cache, str(seed), str(batches), str(workers)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(run, crash))
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=_env({"DBSP_RUN": str(run), **({"DBSP_CRASHPOINT": crash} if crash else {})}))
     ready = threading.Event()
     out: list[bytes] = []
 
