@@ -248,14 +248,14 @@ class LogShipper:
             if got is None:
                 return
             first, records = got
-            name, parts = encode_segment(self.kind, first, self.gen, records)
-            path = self.location.join(name).path
-            data = b"".join(parts)
             t0 = time.perf_counter()
             try:
+                name, parts = encode_segment(self.kind, first, self.gen, records)
+                path = self.location.join(name).path
+                data = b"".join(parts)
                 retry.call(lambda: _put(self.location, path, data), f"PUT {self.kind} log segment {name}",
                            self.location, self.policy)
-            except BaseException as exc:
+            except BaseException as exc:  # waiters must not wait for a thread that is gone
                 with self._cond:
                     self._failed = exc
                     self._cond.notify_all()

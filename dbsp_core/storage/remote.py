@@ -44,7 +44,7 @@ Invariants (enforced here and by the checkpoint upload in dbsp_core.runtime.remo
      the cache only): running two writers on one prefix is the operator's error, and the manifest versions
      they race for are not protected against it.
 
-What the logs part must provide (r32-log: dbsp_core.storage.remote_log, plugged in as a :class:`LogPart`): the
+What the logs part provides (dbsp_core.storage.remote_log, plugged in as a :class:`LogPart`): the
 input and output logs as segment objects under ``log/`` with group commit, and
   - ``covered(step) -> dict``: called during a checkpoint at ``step`` after the local output log is flushed and
     before the manifest is written; makes durable in the store every output step below ``step`` and returns

@@ -253,7 +253,7 @@ def _fault_run(s3_server, tmp_path, pushes: int) -> None:
             seq += 1
             if rng.random() < 0.2:
                 p.step()
-            if seq % 8 == 0:
+            if seq % 6 == 0:
                 p.checkpoint()  # uploads the state and a manifest; retention deletes the segments it covers
         except (StoreUnavailableError, DbspError) as e:
             assert isinstance(e, StoreUnavailableError) or "broken" in str(e), e
@@ -313,7 +313,7 @@ def test_pipeline_logs_restored_on_an_empty_disk(s3_server, tmp_path):
 
 
 def test_store_faults_lose_no_acknowledged_push(s3_server, tmp_path):
-    _fault_run(s3_server, tmp_path, pushes=40)
+    _fault_run(s3_server, tmp_path, pushes=30)
 
 
 @pytest.mark.slow
