@@ -8,6 +8,9 @@
 - ``dbsp read DIR VIEW [--from-step N] [--limit K]``: the changes of one view from the output log;
 - ``dbsp sql FILE.sql [--view NAME]``: compile CREATE TABLE / CREATE VIEW statements and print the plan of each
   view (operators, exchanges, state).
+- ``inspect``, ``profile`` and ``read`` also take the URI of an object store a pipeline keeps its storage in
+  (``s3://bucket/prefix?endpoint_override=...``; credentials from the environment): its newest checkpoint is
+  restored into a temporary directory and read there (dbsp_core.runtime.remote_state).
 - ``dbsp repair DIR [--drop-output FIRST..LAST] [--json]``: the way forward from damaged files: keeps a copy of
   what it replaces, reports exactly which pushes are lost, and leaves a directory that opens, or says what is
   damaged and what to do (exit status 1); ``--drop-output`` consents to dropping output history that cannot be
@@ -17,8 +20,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from typing import Iterator
 
 from dbsp_core.errors import DbspError
 
@@ -28,10 +33,38 @@ def _through(next_step: int) -> str:
     return f"through step {next_step - 1}" if next_step > 0 else "before step 0"
 
 
+def _shown(where: str) -> str:
+    """``where`` as messages name it: a URI without its secrets (dbsp_core.storage.location rule 2)."""
+    from dbsp_core.storage.location import mask_uri
+
+    return mask_uri(where) if "://" in where else where
+
+
+@contextlib.contextmanager
+def _local(where: str) -> Iterator[tuple[str, dict | None]]:
+    """A storage directory to read: ``where`` itself, or an object store's newest checkpoint restored into a
+    temporary directory (with its manifest)."""
+    from dbsp_core.storage.remote import is_remote
+
+    if not is_remote(where):
+        yield where, None
+        return
+    from dbsp_core.runtime.remote_state import restored
+
+    with restored(where) as (root, manifest, _):
+        yield root, manifest
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from dbsp_core.storage.inspect import inspect_storage
 
-    info = inspect_storage(args.dir)
+    with _local(args.dir) as (root, manifest):
+        info = inspect_storage(root)
+    if manifest is not None:
+        info["path"] = _shown(args.dir)
+        info["store"] = {"manifest": manifest["version"], "step": manifest["step"],
+                         "databases": {k: len(v["chain"]) for k, v in manifest["databases"].items()},
+                         "files": len(manifest["files"]), "logs": manifest["logs"].get("mode", "segments")}
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=True))
         return 0
@@ -39,6 +72,11 @@ def _inspect(args: argparse.Namespace) -> int:
     ck = info["checkpoint_step"]
     out = info["output_steps"]
     print(f"storage      {info['path']} ({info['executor']} executor)")
+    st = info.get("store")
+    if st:
+        print(f"store        manifest {st['manifest']} (checkpoint at step {st['step']}): "
+              f"{', '.join(f'{k} {n} objects' for k, n in sorted(st['databases'].items()))}; {st['files']} batch "
+              f"files; logs: {st['logs']}")
     per = info["shards_per_worker"]
     print(f"layout       {info['workers']} workers, {info['shards']} shards (epoch {info['layout_epoch']}; "
           f"{min(per)}..{max(per)} shards per worker); circuit {info['fingerprint']}")
@@ -100,9 +138,14 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _read(args: argparse.Namespace) -> int:
+    with _local(args.dir) as (root, _):
+        return _read_dir(args, root)
+
+
+def _read_dir(args: argparse.Namespace, root: str) -> int:
     from dbsp_core.storage.inspect import open_output
 
-    log = open_output(args.dir)
+    log = open_output(root)
     try:
         if args.view not in log.schemas:
             print(f"error: no view {args.view!r}; views are {sorted(log.schemas)}", file=sys.stderr)
@@ -190,21 +233,23 @@ def _profile(args: argparse.Namespace) -> int:
     from dbsp_core.storage.directory import read_meta, read_record
     from dbsp_core.storage.formats import PROFILE_FILE, PROFILE_MAGIC
 
-    read_meta(args.dir)  # FileNotFoundError when it is no storage directory
-    prof = read_record(os.path.join(args.dir, PROFILE_FILE), PROFILE_MAGIC)
+    with _local(args.dir) as (root, _):
+        read_meta(root)  # FileNotFoundError when it is no storage directory
+        prof = read_record(os.path.join(root, PROFILE_FILE), PROFILE_MAGIC)
     if prof is None:
-        print(f"error: {args.dir} holds no profile: it is written at each checkpoint; run the pipeline until it "
+        print(f"error: {_shown(args.dir)} holds no profile: it is written at each checkpoint; run the pipeline until it "
               "checkpoints (or close it), then ask again", file=sys.stderr)
         return 1
     if prof.get("format") != PROFILE_FORMAT:
-        print(f"error: {args.dir}: PROFILE is of format {prof.get('format')!r}; this dbsp_core reads format "
+        print(f"error: {_shown(args.dir)}: PROFILE is of format {prof.get('format')!r}; this dbsp_core reads format "
               f"{PROFILE_FORMAT}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(prof, indent=2, sort_keys=True))
         return 0
-    print(f"profile of {args.dir} {_through(prof['step'])} ({prof['executor']} executor, {prof['workers']} workers; "
-          f"operator times since it was last opened; state in memory only for the embedded executor)")
+    print(f"profile of {_shown(args.dir)} {_through(prof['step'])} ({prof['executor']} executor, "
+          f"{prof['workers']} workers; operator times since it was last opened; state in memory only for the "
+          f"embedded executor)")
     print(format_table(prof), end="")
     return 0
 
@@ -248,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"inspect": _inspect, "profile": _profile, "read": _read, "repair": _repair}[args.command](args)
     except (FileNotFoundError, NotADirectoryError) as exc:
-        print(f"error: {args.dir} is not a dbsp storage directory ({exc})", file=sys.stderr)
+        print(f"error: {_shown(args.dir)} is not a dbsp storage directory ({exc})", file=sys.stderr)
         return 2
     except DbspError as exc:
         print(f"error: {exc}", file=sys.stderr)

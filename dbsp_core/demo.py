@@ -36,6 +36,7 @@ import pyarrow.compute as pc
 
 import dbsp_core as dbsp
 from dbsp_core.storage.inspect import inspect_storage
+from dbsp_core.storage.location import mask_uri
 
 
 PERSONS = pa.schema([("id", pa.int64()), ("name", pa.utf8()), ("city", pa.utf8())])
@@ -401,6 +402,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bids", type=_positive, default=25_000, help="bids per batch (default 25000)")
     parser.add_argument("--workers", type=_positive, default=2, help="worker threads W (default 2)")
     parser.add_argument("--dir", default=None, help="storage directory (default: a temporary one, removed after)")
+    parser.add_argument("--storage", default=None, metavar="URI",
+                        help="keep the pipeline's storage in an object store (s3://bucket/prefix?endpoint_override=...; "
+                             "credentials from the environment); --dir then holds the local cache and demo.json")
     parser.add_argument("--checkpoint-interval", type=float, default=1.0,
                         help="seconds between timer checkpoints (default 1)")
     parser.add_argument("--kill-after", type=_positive, default=None, metavar="N",
@@ -462,20 +466,35 @@ def _generator_params(args: argparse.Namespace, root: str) -> int:
     return t0_ms
 
 
+def _inspect(args: argparse.Namespace, root: str) -> dict:
+    """What the pipeline's storage holds (an object store's newest checkpoint restored aside to read it)."""
+    if args.storage is None:
+        return inspect_storage(root)
+    from dbsp_core.runtime.remote_state import restored
+
+    with restored(args.storage) as (tmp, _, _):
+        return inspect_storage(tmp)
+
+
 def _demo(args: argparse.Namespace, root: str) -> int:
     t0_ms = _generator_params(args, root)
     circuit = build_circuit()
     child = args.crash_at_step is not None
+    # with an object store the pipeline runs on a cache under --dir, rebuilt from the store on every open
+    storage = root if args.storage is None else args.storage
+    kw: dict[str, Any] = {} if args.storage is None else {"cache_dir": os.path.join(root, "cache")}
     if not child:
+        shown = root if args.storage is None else mask_uri(args.storage)
         print(f"dbsp demo: auction pipeline (persons, auctions, bids -> {len(circuit.outputs)} views), "
-              f"{args.workers} workers, {args.batches} batches of {args.bids:,} bids, storage {root}, "
+              f"{args.workers} workers, {args.batches} batches of {args.bids:,} bids, storage {shown}, "
               f"checkpoint every {args.checkpoint_interval:g} s", flush=True)
     sizes = {name: 0 for name in circuit.outputs}
     if args.kill_after is not None:
         cmd = [sys.executable, "-m", "dbsp_core", "demo", "--dir", root, "--t0-ms", str(t0_ms),
                "--crash-at-step", str(args.kill_after), "--batches", str(args.batches), "--bids", str(args.bids),
                "--workers", str(args.workers), "--checkpoint-interval", str(args.checkpoint_interval),
-               "--seed", str(args.seed)] + (["--quiet"] if args.quiet else [])
+               "--seed", str(args.seed)] + (["--quiet"] if args.quiet else []) \
+            + (["--storage", args.storage] if args.storage else [])
         print(f"phase 1: a child process runs the pipeline and kills itself (SIGKILL) after step {args.kill_after}",
               flush=True)
         rc = subprocess.call(cmd)
@@ -483,9 +502,9 @@ def _demo(args: argparse.Namespace, root: str) -> int:
             print(f"error: the child exited with {rc}, not killed by SIGKILL", file=sys.stderr)
             return 1
         print(f"phase 1: child killed by SIGKILL (exit {rc}); state on disk: "
-              f"{_describe(inspect_storage(root))}", flush=True)
+              f"{_describe(_inspect(args, root))}", flush=True)
         t = time.perf_counter()
-        p = dbsp.Pipeline.open(root, circuit, checkpoint_interval=args.checkpoint_interval)
+        p = dbsp.Pipeline.open(storage, circuit, checkpoint_interval=args.checkpoint_interval, **kw)
         st = p.stats
         print(f"phase 2: Pipeline.open recovered at step {p.steps} in {time.perf_counter() - t:.2f} s: "
               f"replayed {st['replayed_steps']} steps from the input log (output checked against the output log), "
@@ -495,7 +514,8 @@ def _demo(args: argparse.Namespace, root: str) -> int:
         print("phase 2: the producer restarts from batch 0; batches already acknowledged come back as "
               "duplicates and are not counted again", flush=True)
     else:
-        p = dbsp.Pipeline(circuit, workers=args.workers, storage=root, checkpoint_interval=args.checkpoint_interval)
+        p = dbsp.Pipeline(circuit, workers=args.workers, storage=storage, checkpoint_interval=args.checkpoint_interval,
+                          **kw)
     record: list | None = [] if not (child or args.no_verify) else None
     gen = Generator(args.seed, t0_ms, args.bids)
     progress = _Progress("  [child] " if child else "  ", args.quiet)

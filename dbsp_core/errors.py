@@ -83,6 +83,13 @@ class InputFileError(DbspError, ValueError):
         return (type(self), (self.args[0] if self.args else "", self.path))
 
 
+class StoreUnavailableError(StorageError):
+    """An object store (``storage="s3://..."``, ...) kept failing a call through every retry: what needed it did not
+    happen (a push is not acknowledged, a log segment is not durable); the message names the call, the store (without
+    credentials), the attempts and the last error. Check the store's endpoint, credentials and health, then reopen
+    the pipeline with ``Pipeline.open``: nothing acknowledged is lost."""
+
+
 class InUseError(StorageError):
     """A file or directory is held by another open object (an OS lock): a second writer would lose data."""
 

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -36,8 +37,11 @@ class S3Server:
     def __init__(self) -> None:
         self.port = _free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
+        # its log (a line per request) goes to a file: a pipe nobody drains fills up after some 64 KiB of requests
+        # and then blocks the server in the middle of a reply
+        self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                                     stdout=subprocess.DEVNULL, stderr=self.log)
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -45,7 +49,8 @@ class S3Server:
                 break
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
-                    err = self.proc.stderr.read().decode(errors="replace")[-2000:] if self.proc.stderr else ""
+                    self.log.seek(0)
+                    err = self.log.read().decode(errors="replace")[-2000:]
                     self.stop()
                     raise RuntimeError(f"moto's S3 server did not start on {self.endpoint}: {err}")
                 time.sleep(0.1)
@@ -76,5 +81,4 @@ class S3Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self.proc.stderr:
-            self.proc.stderr.close()
+        self.log.close()

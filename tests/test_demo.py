@@ -25,6 +25,14 @@ def test_demo_kill_and_recover(tmp_path) -> None:
     assert "verified against DuckDB" in r.stdout
 
 
+def test_demo_kill_and_recover_on_an_object_store(s3_server, tmp_path) -> None:
+    uri = s3_server.uri(s3_server.bucket(), "demo")
+    r = _demo("--kill-after", "4", "--storage", uri)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "child killed by SIGKILL" in r.stdout and "Pipeline.open recovered at step 5" in r.stdout
+    assert "verified against DuckDB" in r.stdout
+
+
 def test_demo_rerun_over_the_same_directory(tmp_path) -> None:
     d = str(tmp_path / "d")
     first = _demo("--dir", d)

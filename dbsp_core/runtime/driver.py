@@ -67,6 +67,8 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
+import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -98,6 +100,7 @@ from dbsp_core.runtime.embedded import EmbeddedExecutor
 from dbsp_core.runtime.executor import Executor, StepInput
 from dbsp_core.runtime.recovery import LogReplay, open_directory, settle_state
 from dbsp_core.runtime.readable import ReadableState, as_rows, check_read_only, run_query
+from dbsp_core.runtime.remote_state import RemoteCheckpoints, prepare_cache, restore
 from dbsp_core.runtime.rescale import LiveRescale
 from dbsp_core.storage.consumers import ConsumerRegistry
 from dbsp_core.storage.database import Database
@@ -108,6 +111,8 @@ from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOC
                                        META_FILE, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR, PROFILE_FILE,
                                        PROFILE_MAGIC, SPILL_DIR, STATE_DIR)
 from dbsp_core.storage.outputlog import OutputLog
+from dbsp_core.storage.remote import Remote, is_remote
+from dbsp_core.storage.remote_log import RemoteLogs
 from dbsp_core.storage.steplog import StepLog
 from dbsp_core.time.watermark import NO_WATERMARK, advance, specs_of
 from dbsp_core.trace import Trace
@@ -148,9 +153,19 @@ class Pipeline:
     shard_bits : int
         log2 of the number of shards S of a new pipeline's layout (default 8); S must be >= W. Rescaling may
         double or halve S later (dbsp_core.layout).
-    storage : str or os.PathLike or None
+    storage : str or os.PathLike or pyarrow.fs.FileSystem or None
         A directory makes the pipeline durable (input log, checkpoints, output log). None runs in memory. An
         existing directory is recovered (its worker count must be ``workers``; use :meth:`open` to rescale).
+        A URI of an object store (``s3://bucket/prefix?endpoint_override=...``, ``gs://``, ``hdfs://``: what
+        ``pyarrow.fs.FileSystem.from_uri`` takes; credentials from the environment, never logged) or a
+        ``pyarrow.fs.FileSystem`` object (its root; e.g. a ``SubTreeFileSystem``) makes the store the durable
+        home: the pipeline runs on a local cache directory (``cache_dir``) rebuilt from the store's newest
+        checkpoint when it opens, and each checkpoint uploads what changed (dbsp_core.storage.remote). The
+        embedded executor only, for now.
+    cache_dir : str or os.PathLike or None
+        With an object store: the local cache directory, empty or a cache an earlier pipeline left (it is
+        emptied and rebuilt from the store on open, never trusted). None: a temporary directory, removed on
+        :meth:`close`. ``p.storage`` is the cache directory; ``p.storage_uri`` names the store (no secrets).
     executor : Executor or None
         What runs the steps: ``EmbeddedExecutor()`` (default: threads in this process) or a
         ``StagedExecutor(runner=...)`` (stage tasks on a job runner, e.g. Spark through spark_glue).
@@ -219,8 +234,8 @@ class Pipeline:
                  checkpoint_interval: float | None = 10.0, replay_check: bool = True,
                  output_retention: int | None = None, output_sync: bool = True, segment_bytes: int = 64 << 20,
                  clock: Callable[[], int] | None = None, autoscale: Autoscale | None = None, vfs: str = "posix",
-                 memory_limit: int | str | None = None, spill_dir: Any = None, _rescale_to: int | None = None,
-                 _open_only: bool = False) -> None:
+                 memory_limit: int | str | None = None, spill_dir: Any = None, cache_dir: Any = None,
+                 _rescale_to: int | None = None, _open_only: bool = False) -> None:
         if not isinstance(circuit, Circuit):
             raise TypeError(f"Pipeline needs a Circuit, got {type(circuit).__name__}")
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
@@ -246,8 +261,31 @@ class Pipeline:
             raise TypeError(f"spill_dir must be a directory path or None, got {type(spill_dir).__name__}")
         if spill_dir is not None and limit is None:
             raise ValueError("spill_dir is where batches beyond memory_limit go: give memory_limit too")
+        if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+            raise TypeError(f"cache_dir must be a directory path or None, got {type(cache_dir).__name__}")
+        remote = is_remote(storage)
+        if cache_dir is not None and not remote:
+            raise ValueError("cache_dir is the local cache of an object store: give storage='s3://...' (or another "
+                             "store's URI) too")
+        if storage is not None and not remote and not isinstance(storage, (str, os.PathLike)):
+            raise TypeError(f"storage must be a directory, an object store's URI or a pyarrow.fs.FileSystem, got "
+                            f"{type(storage).__name__}")
         self.circuit = circuit
         self.executor: Executor = executor if executor is not None else EmbeddedExecutor(vfs=vfs)
+        # an object store (dbsp_core.runtime.remote_state): the pipeline runs on a local cache directory
+        self._remote: Remote | None = None
+        self._remote_state: RemoteCheckpoints | None = None
+        self._own_cache: str | None = None
+        self.storage_uri: str | None = None
+        if remote:
+            if self.executor.kind != "embedded":
+                raise DbspError(f"storage={storage!r}: an object store takes the embedded executor for now (the "
+                                f"staged executor keeps its state on a shared path)")
+            if cache_dir is None:
+                cache_dir = self._own_cache = tempfile.mkdtemp(prefix="dbsp-cache-")
+            self._remote = Remote.of(storage, os.fspath(cache_dir))
+            self.storage_uri = self._remote.shown
+            storage = cache_dir
         self.storage: str | None = None if storage is None else os.fspath(storage)
         self.checkpoint_interval = checkpoint_interval
         self.output_retention = output_retention
@@ -305,6 +343,9 @@ class Pipeline:
         self._input: StepLog | None = None
         self._output: OutputLog | None = None
         self._driver_db: Database | None = None
+        # with an object store: the input and output logs as segment objects in it (storage/remote_log.py); a
+        # push is acknowledged once the object holding it is there
+        self._remote_logs: RemoteLogs | None = None
         self._lockfd: int | None = None
         self.stats = self.executor.stats  # one dict: the executor's counters beside the driver's
         self.stats.update({"pushes": 0, "duplicates": 0, "checkpoints": 0, "last_checkpoint_s": 0.0,
@@ -342,11 +383,14 @@ class Pipeline:
         the stored count. ``p.last_rescale`` reports what moved. Other keyword arguments are as for the
         constructor (``executor`` must be of the kind that wrote the directory).
         """
-        root = os.fspath(path)
-        if not os.path.isdir(root):
-            raise FileNotFoundError(f"Pipeline.open: no storage directory {root!r}")
-        if not os.path.exists(os.path.join(root, META_FILE)):
-            raise RecoveryError(f"Pipeline.open: {root!r} holds no pipeline (META is missing)")
+        if is_remote(path):  # an object store: its newest manifest says whether it holds a pipeline
+            root = path
+        else:
+            root = os.fspath(path)
+            if not os.path.isdir(root):
+                raise FileNotFoundError(f"Pipeline.open: no storage directory {root!r}")
+            if not os.path.exists(os.path.join(root, META_FILE)):
+                raise RecoveryError(f"Pipeline.open: {root!r} holds no pipeline (META is missing)")
         if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
             raise ValueError(f"Pipeline.open: workers must be a positive int or None, got {workers!r}")
         return cls(circuit, 1, DEFAULT_SHARD_BITS, root, _rescale_to=workers, _open_only=True, **kwargs)
@@ -370,12 +414,24 @@ class Pipeline:
         root = self.storage
         assert root is not None
         os.makedirs(root, exist_ok=True)
+        new_remote = False
+        if self._remote is not None:
+            prepare_cache(root)  # an empty directory or a cache: refused before anything is written in it
         self._lockfd = lock_dir(root)
+        if self._remote is not None:  # rebuild the cache from the newest manifest, then journal (remote_state inv. 1-2)
+            with progress(f"restore from {self.storage_uri}"):
+                self._remote_logs = RemoteLogs(self._remote)
+                manifest = restore(self._remote, root, self._remote_logs)
+            if manifest is None and open_only:
+                raise RecoveryError(f"Pipeline.open: {self.storage_uri} holds no pipeline (no manifest)")
+            self._remote_state = RemoteCheckpoints(self._remote, root, manifest, self._remote_logs)
+            new_remote = manifest is None
         self._start_spilling()  # after the lock: the store clears the spill directory of an earlier process
         opened = open_directory(root, self.executor, self.circuit, self.fingerprint, self._inputs, self._out_schemas,
                                 workers=workers, shard_bits=shard_bits, open_only=open_only,
                                 segment_bytes=segment_bytes, replay_check=replay_check, output_sync=output_sync,
-                                stats=self.stats, crashpoint=crashpoint, vfs=self._vfs, rescale_to=rescale_to)
+                                stats=self.stats, crashpoint=crashpoint, vfs=self._vfs, rescale_to=rescale_to,
+                                logs=self._remote_logs)
         self._input, self._output, self._driver_db = opened.input, opened.output, opened.driver_db
         self.consumers = opened.consumers
         t0 = time.perf_counter()
@@ -415,6 +471,8 @@ class Pipeline:
         self._open_step = log.next_step
         self._now_floor, self._wm_divided, self._anon_seq = log.now_floor, log.watermarks, log.anon_seq
         self.stats["recovery_s"] = time.perf_counter() - t0
+        if new_remote:  # the store holds the pipeline from its first manifest on (META, the layout, step 0)
+            self._checkpoint(True)
 
     def _resume_counters(self, root: str, step: int) -> None:
         """The metrics counters go on from the last checkpoint's METRICS record (metrics.Metrics.resume). METRICS
@@ -1000,6 +1058,11 @@ class Pipeline:
                                  checkpoint_seconds_sum=counters["checkpoint_seconds_sum"] + secs)
                     write_record(os.path.join(root, METRICS_FILE), METRICS_MAGIC, saved, self._vfs)
                     write_record(os.path.join(root, PROFILE_FILE), PROFILE_MAGIC, prof, self._vfs)
+                    if self._remote_state is not None:
+                        # an object store: upload what changed, commit the manifest, delete what no live manifest
+                        # names (remote_state invariant 3)
+                        crashpoint("checkpoint-upload")
+                        self.stats["remote"] = self._remote_state.upload(step, self.executor.referenced_files())
                 except BaseException as exc:
                     # databases may hold different versions and the incremental snapshot state is ahead of them:
                     # only recovery (Pipeline.open) knows the consistent state again
@@ -1387,9 +1450,13 @@ class Pipeline:
                     part.close()
             except Exception:  # pragma: no cover - best effort on an error path
                 pass
+        if self._remote_state is not None:
+            self._remote_state.close()
         if self._lockfd is not None:
             unlock_dir(self._lockfd)
             self._lockfd = None
+        if self._own_cache is not None:  # a temporary cache of an object store
+            shutil.rmtree(self._own_cache, ignore_errors=True)
         self._closed = True
 
     def close(self, checkpoint: bool = True) -> None:
@@ -1438,7 +1505,7 @@ class Pipeline:
         self.close()
 
     def __repr__(self) -> str:
-        where = f"{self.storage!r}, " if self.storage else ""
+        where = f"{self.storage_uri or self.storage!r}, " if self.storage else ""
         lay = self.executor.layout
         return (f"Pipeline({where}workers={lay.workers if lay else '?'}, steps={self.steps}, "
                 f"executor={self.executor.kind})")

@@ -289,6 +289,11 @@ class EmbeddedExecutor:
         if self.batch_store is not None and self.batch_store.durable:
             st.snapshot.batch_store = self.batch_store
 
+    def referenced_files(self) -> set[str]:
+        """The batch files (names in <storage>/spill) the last checkpoint's state names (an object store's
+        checkpoint uploads those it has not yet: dbsp_core.runtime.remote_state)."""
+        return set() if self._coord is None else self._referenced()
+
     def _referenced(self) -> set[str]:
         """The batch files the workers' checkpointed state names."""
         assert self._coord is not None

@@ -155,6 +155,9 @@ class Executor(Protocol):
         """Keep the traces' batches under ``store``'s memory budget (trace invariant 12, dbsp_core/trace/spill.py):
         an executor that cannot raises DbspError naming what to do instead."""
 
+    def referenced_files(self) -> set[str]:
+        """The batch files (names in <storage>/spill) the last checkpoint's state names, after it committed."""
+
     def close(self) -> None:
         """Release threads and files (and the batch store it was given)."""
 

@@ -44,6 +44,7 @@ from dbsp_core.storage.directory import read_layout, read_meta, read_rescale, wr
 from dbsp_core.storage.formats import (CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE, DISCARD_HANDLE, DISCARD_MAGIC,
                                        DIVISION_HANDLE, DIVISION_MAGIC, DRIVER_DB, INPUT_DIR, OUTPUT_DIR, STATE_DIR)
 from dbsp_core.storage.outputlog import OutputLog
+from dbsp_core.storage.remote_log import RemoteLogs
 from dbsp_core.storage.repair import finish_repair, rebuild_output
 from dbsp_core.storage.steplog import StepLog
 from dbsp_core.time.watermark import NO_WATERMARK, EventTime, advance
@@ -72,12 +73,14 @@ class Opened(NamedTuple):
 def open_directory(root: str, executor: Executor, circuit: Circuit, fingerprint: str, inputs: dict[str, pa.Schema],
                    outputs: dict[str, pa.Schema], *, workers: int, shard_bits: int, open_only: bool,
                    segment_bytes: int, replay_check: bool, output_sync: bool, stats: dict,
-                   crashpoint: Callable[[str], None], vfs: str, rescale_to: int | None = None) -> Opened:
+                   crashpoint: Callable[[str], None], vfs: str, rescale_to: int | None = None,
+                   logs: RemoteLogs | None = None) -> Opened:
     """Open (or create) the pipeline stored in ``root``, whose lock the caller holds: finish an interrupted repair,
     upgrade a directory of the previous release, check META (invariant 2), settle an interrupted layout change,
     start the executor on the layout, and open the logs and ``driver.db`` (invariant 3). On failure, what it
     opened is closed again (the executor is the caller's). ``stats`` gets ``upgraded_from_format``,
-    ``rescale_recovery`` and ``output_rebuilt`` when they happen."""
+    ``rescale_recovery`` and ``output_rebuilt`` when they happen. With ``logs`` the logs live in an object store as
+    segment objects: their local copies are rebuilt from it (storage/logstore.py invariant 4)."""
     finish_repair(root)  # a repair a crash interrupted: swap in the repaired logs (storage/repair.py)
     meta = {"fingerprint": fingerprint, "executor": executor.kind, "inputs": sorted(inputs),
             "outputs": sorted(outputs), "hash_version": HASH_VERSION,
@@ -126,17 +129,26 @@ def open_directory(root: str, executor: Executor, circuit: Circuit, fingerprint:
     layout, last_rescale = read_layout(root, vfs)
     executor.start(circuit, layout, root)
     with contextlib.ExitStack() as opened:
-        inp = StepLog(os.path.join(root, INPUT_DIR), segment_bytes=segment_bytes)
+        ship_in = ship_out = None
+        if logs is not None:
+            ship_in = logs.open_log("input", os.path.join(root, INPUT_DIR), segment_bytes)
+            opened.callback(ship_in.close)
+            ship_out = logs.open_log("output", os.path.join(root, OUTPUT_DIR), segment_bytes)
+            opened.callback(ship_out.close)
+        inp = StepLog(os.path.join(root, INPUT_DIR), segment_bytes=segment_bytes, ship=ship_in)
         opened.callback(inp.close)
         try:
             out = OutputLog(os.path.join(root, OUTPUT_DIR), outputs, check=replay_check, sync=output_sync,
-                            segment_bytes=segment_bytes, since=(old or {}).get("since"))
+                            segment_bytes=segment_bytes, since=(old or {}).get("since"), ship=ship_out)
         except CorruptionError:  # output is a function of input: rebuild it if the lost steps are replayed
             rebuilt = rebuild_output(root)
             stats["output_rebuilt"] = {k: rebuilt[k] for k in ("kept", "missing", "backup")}
             out = OutputLog(os.path.join(root, OUTPUT_DIR), outputs, check=replay_check, sync=output_sync,
-                            segment_bytes=segment_bytes, expect=rebuilt["expect"], since=(old or {}).get("since"))
+                            segment_bytes=segment_bytes, expect=rebuilt["expect"], since=(old or {}).get("since"),
+                            ship=ship_out)
         opened.callback(out.close)
+        if logs is not None:
+            logs.opened(out)
         if not os.path.exists(os.path.join(root, DRIVER_DB)) and out.last > 0:
             raise CorruptionError(f"{root}: {DRIVER_DB} is missing, but the output log holds steps up to "
                                   f"{out.last - 1}: the record of the pushes already counted is lost")

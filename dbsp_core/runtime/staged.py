@@ -414,6 +414,10 @@ class StagedExecutor:
             raise DbspError("memory_limit: the staged executor does not spill batches yet; run the pipeline with "
                             "the embedded executor, or without memory_limit (and DBSP_MEMORY_LIMIT unset)")
 
+    def referenced_files(self) -> set[str]:
+        """Stage databases hold rows, never names of batch files."""
+        return set()
+
     def close(self) -> None:
         close = getattr(self.runner, "close", None)
         if close is not None:

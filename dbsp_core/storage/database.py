@@ -8,12 +8,15 @@
 from __future__ import annotations
 
 import os
+import struct
+import threading
 from typing import Iterator, Optional, Union
 
 from dbsp_core import _storage
 from dbsp_core.envvars import settings
 
-__all__ = ["Database", "DatabaseHandle", "SHARD_PREFIX_BYTES", "shard_key", "shard_of_key"]
+__all__ = ["Database", "DatabaseHandle", "Journal", "SHARD_PREFIX_BYTES", "shard_key", "shard_of_key", "journal_under",
+           "end_journals", "journal_of"]
 
 BytesLike = Union[bytes, bytearray, memoryview]
 Name = Union[str, bytes]
@@ -78,6 +81,145 @@ def default_cache_pages() -> int:
     return settings().page_cache_mb * 256
 
 
+_REC = struct.Struct("<BH")  # op, table length
+_KEY = struct.Struct("<H")
+_VAL = struct.Struct("<Q")
+JOURNAL_PUT, JOURNAL_DELETE, JOURNAL_STEP = 1, 0, 2
+
+
+class Journal:
+    """The changes committed to one database file since they were last taken (:meth:`take`): every put (table,
+    key, value), delete (table, key) and step of a committed handle, in order, appended to a local file as they are
+    written (an aborted handle's records are cut off again), so an object store's checkpoint uploads what changed
+    and not the page file (dbsp_core.storage.remote invariant 4). Records are ``op (u8) | table length (u16 LE) |
+    table | key length (u16 LE) | key | value length (u64 LE) | value`` (a delete has no value; a step record's
+    table and key are empty and its value is the step as 8 bytes LE), the ``DRDL`` body of formats.py.
+
+    ``start`` is the version the records apply to (the file's newest version when journaling began, 0 for a
+    file it created); ``version`` the newest version committed since. ``valid`` turns False when a handle opens
+    another version than the newest committed one (a version is discarded): the records no longer lead from
+    ``start`` to the file's content, and the next checkpoint uploads the page file instead."""
+
+    def __init__(self, directory: str, name: str, start: int, fresh: bool) -> None:
+        self.path = os.path.join(directory, name)
+        self.start = self.version = start
+        self.valid = True
+        self.fresh = fresh  # the file was created empty at ``start`` under the journal: the records are all of it
+        self._lock = threading.Lock()
+        self._f = open(self.path, "wb")
+        self._committed = 0
+        self._seq = 0
+
+    def opened(self, version: int) -> None:
+        if version != self.version:
+            self.valid = False
+
+    def record(self, op: int, table: bytes, key: bytes, value: BytesLike | None = None) -> None:
+        with self._lock:
+            f = self._f
+            f.write(_REC.pack(op, len(table)) + table + _KEY.pack(len(key)) + key)
+            if value is not None:
+                f.write(_VAL.pack(len(value)))
+                f.write(value)
+
+    def committed(self, version: int) -> None:
+        with self._lock:
+            self._f.flush()
+            self._committed = self._f.tell()
+            self.version = version
+
+    def aborted(self) -> None:
+        with self._lock:
+            self._f.flush()
+            self._f.seek(self._committed)
+            self._f.truncate()
+
+    def pending_bytes(self) -> int:
+        """Bytes of committed records not yet taken."""
+        return self._committed
+
+    def take(self) -> tuple[str, int, int, bool, bool]:
+        """Seal the committed records into a file of their own: returns its path (the caller owns it), the version
+        they start at, the version they lead to, whether they are valid and whether they start from a new, empty
+        file (``fresh``); journaling goes on from there."""
+        with self._lock:
+            self._f.flush()
+            tail = b""
+            end = self._f.seek(0, os.SEEK_END)
+            if end > self._committed:  # a handle is writing: its records stay in the journal
+                self._f.seek(self._committed)
+                tail = self._f.read()
+            self._f.truncate(self._committed)
+            self._f.close()
+            self._seq += 1
+            sealed = f"{self.path}.{self._seq}"
+            os.replace(self.path, sealed)
+            self._f = open(self.path, "w+b")
+            self._f.write(tail)
+            out = (sealed, self.start, self.version, self.valid, self.fresh)
+            self.start, self._committed, self.valid, self.fresh = self.version, 0, True, False
+            return out
+
+    def restart(self, version: int) -> None:
+        """Forget the records: the caller uploaded the page file at ``version`` instead."""
+        with self._lock:
+            self._f.seek(self._committed)
+            tail = self._f.read()
+            self._f.seek(0)
+            self._f.truncate()
+            self._f.write(tail)
+            self.start = self.version = version
+            self._committed, self.valid, self.fresh = 0, True, False
+
+    def close(self) -> None:
+        with self._lock:
+            self._f.close()
+
+
+_journal_lock = threading.Lock()
+_journal_roots: dict[str, str] = {}  # a directory whose databases are journaled -> where the journals go
+_journals: dict[str, Journal] = {}  # database path -> its journal
+
+
+def journal_under(root: str, directory: str) -> None:
+    """Journal (:class:`Journal`) every database opened for writing under ``root`` from now on, into files in
+    ``directory``, until :func:`end_journals`."""
+    os.makedirs(directory, exist_ok=True)
+    with _journal_lock:
+        _journal_roots[os.path.abspath(root)] = directory
+
+
+def end_journals(root: str) -> None:
+    """Stop journaling the databases under ``root`` and close their journals."""
+    root = os.path.abspath(root)
+    with _journal_lock:
+        _journal_roots.pop(root, None)
+        for p in [p for p in _journals if p.startswith(root + os.sep)]:
+            _journals.pop(p).close()
+
+
+def journal_of(path: str) -> Journal | None:
+    """The journal of the database at ``path``, if it is journaled."""
+    with _journal_lock:
+        return _journals.get(os.path.abspath(path))
+
+
+def _journal_for(path: str, version: int, fresh: bool) -> Journal | None:
+    path = os.path.abspath(path)
+    with _journal_lock:
+        j = _journals.get(path)
+        if j is not None and not fresh:
+            return j
+        for root, directory in _journal_roots.items():
+            if path.startswith(root + os.sep):
+                if j is not None:  # the file was deleted and made again: a new history
+                    j.close()
+                name = os.path.relpath(path, root).replace(os.sep, "%")
+                j = _journals[path] = Journal(directory, name, version, fresh)
+                return j
+    return None
+
+
 class Database:
     """A per-worker key-value database that keeps one or two committed versions.
 
@@ -128,7 +270,10 @@ class Database:
         self.readonly = readonly
         if readonly and not os.path.exists(self.path):
             raise FileNotFoundError(f"database {self.path}: no such file (a read-only open creates nothing)")
+        journaled = not readonly and bool(_journal_roots)  # only an object store's cache is journaled
+        fresh = journaled and not os.path.exists(self.path)
         self._ps = _storage.PageStore(self.path, vfs, cache_pages, _create_version, readonly)
+        self._journal = _journal_for(self.path, self.versions().stop - 1, fresh) if journaled else None
 
     @classmethod
     def create(cls, path: Union[str, os.PathLike], version: int, *, cache_pages: Optional[int] = None,
@@ -164,7 +309,9 @@ class Database:
             txn = self._ps.begin(version)
         except _storage.NotFound as e:
             raise KeyError(f"{self.path}: version {version} is not openable; versions() is {self.versions()}") from e
-        return DatabaseHandle(self, txn, version)
+        if self._journal is not None:
+            self._journal.opened(version)
+        return DatabaseHandle(self, txn, version, journal=self._journal)
 
     def read(self, version: int) -> "DatabaseHandle":
         """A read-only handle on ``version`` as it is: unlike :meth:`open` it discards no version, and ``put``,
@@ -239,11 +386,13 @@ class DatabaseHandle:
     One open Database writes a page file at a time (an OS lock; see :class:`Database`).
     """
 
-    def __init__(self, db: Database, txn: "_storage.Txn", base_version: int, readonly: bool = False) -> None:
+    def __init__(self, db: Database, txn: "_storage.Txn", base_version: int, readonly: bool = False,
+                 journal: Journal | None = None) -> None:
         self._db = db
         self._txn = txn
         self.base_version = base_version
         self.readonly = readonly
+        self._journal = journal
 
     @property
     def version(self) -> int:
@@ -262,11 +411,18 @@ class DatabaseHandle:
         """Sets ``key`` to ``value`` in ``table`` (created if missing)."""
         if not isinstance(value, (bytes, bytearray, memoryview)):
             raise TypeError(f"database value must be bytes, bytearray or memoryview, got {type(value).__name__}")
-        self._txn.put(_name(table), _bytes(key, "key"), value)
+        t, k = _name(table), _bytes(key, "key")
+        self._txn.put(t, k, value)
+        if self._journal is not None:
+            self._journal.record(JOURNAL_PUT, t, k, value)
 
     def delete(self, table: Name, key: BytesLike) -> bool:
         """Removes ``key``; returns whether it was present."""
-        return self._txn.delete(_name(table), _bytes(key, "key"))
+        t, k = _name(table), _bytes(key, "key")
+        found = self._txn.delete(t, k)
+        if found and self._journal is not None:
+            self._journal.record(JOURNAL_DELETE, t, k)
+        return found
 
     def scan(self, table: Name, start: Optional[BytesLike] = None, end: Optional[BytesLike] = None, *,
              prefix: Optional[BytesLike] = None) -> Iterator[tuple[bytes, bytes]]:
@@ -346,16 +502,29 @@ class DatabaseHandle:
     def set_step(self, step: int) -> None:
         """Stores ``step`` with the version being written."""
         self._txn.set_step(step)
+        if self._journal is not None:
+            self._journal.record(JOURNAL_STEP, b"", b"", step.to_bytes(8, "little"))
 
     def commit(self) -> None:
         """Durably commits; afterwards ``versions() == range(base_version, base_version + 2)`` and the handle is closed.
 
         On an I/O error the Database must be closed and reopened; reopening shows a consistent state.
         """
-        self._txn.commit()
+        j = self._journal
+        if j is None:
+            self._txn.commit()
+            return
+        try:
+            self._txn.commit()
+        except BaseException:
+            j.valid = False  # committed or not: the file tells, the journal cannot
+            raise
+        j.committed(self.version)
 
     def close(self) -> None:
         """Closes without commit: the database keeps ``base_version`` only."""
+        if self._journal is not None and not self._txn.closed:
+            self._journal.aborted()
         self._txn.abort()
 
     def __enter__(self) -> "DatabaseHandle":

@@ -30,6 +30,17 @@ Directory format 2 (``DIRECTORY_FORMAT``)::
                                 named by checkpoints (``DRBF`` values) instead of copying their rows; deleted when
                                 no live batch reads them and no checkpoint that may be opened names them
 
+A pipeline whose ``storage=`` is an object store (dbsp_core.storage.remote) runs on a local cache directory of
+the layout above (``cache_dir``, wiped and rebuilt from the store on open; ``.dbsp-cache`` marks it) and keeps
+under its prefix in the store::
+
+    <prefix>/
+      manifest/<20-digit version>          DRMF: one per committed checkpoint, written last (the commit point)
+      db/<db>/<20-digit version>.delta  DRDL: a database's values put and keys deleted since the last checkpoint
+      db/<db>/<20-digit version>.base   a database's page file as it was at a checkpoint (a compacted chain)
+      spill/<name>.batch                   a batch file a checkpoint names, as it is on local disk
+      log/...                              the input and output logs (segment objects; see storage.remote)
+
 Framed records (dbsp_core.codec): ``magic (4 bytes) | format version (u8) | checksum of the body (u32 LE) | body``;
 version 2 (written since 2026-11-28) checksums with CRC-32C, version 1 with zlib's CRC-32, and both are read (the
 body's layout is the same in both). The body of a JSON record is UTF-8 JSON with sorted keys.
@@ -86,6 +97,19 @@ magic       where                                   body
                                                     taken at its step, with step, duplicates and late_rows
 ``DPRF``    PROFILE                                 JSON: dbsp_core.profile.pipeline_profile() at a checkpoint
                                                     (format: PROFILE_FORMAT), and its step
+``DRMF``    manifest/<version> in an object         JSON: format (REMOTE_MANIFEST_FORMAT), version, step,
+            store                                   records (small record files inline, base64), databases
+                                                    (path -> version, chain of objects), files (batch
+                                                    files), logs (what the logs part records), written_ns
+``DRDL``    db/<db>/<version>.delta in an           body: records ``op (u8: 1 put, 0 delete, 2 step) |
+            object store                            table length (u16 LE) | table | key length (u16 LE)
+                                                    | key | value length (u64 LE; not for a delete) |
+                                                    value``, in commit order (database.Journal)
+``DLSG``    log segment objects in an object store  ``u32 n`` | ``n`` bytes of JSON: kind (input or output), first and
+            (``<store>/log/<kind>/<first LSN>-<last  last (LSNs), gen (the writer's generation), steps ([lo, hi]),
+            LSN>-g<gen>-s<lo step>-<hi step>.dlsg``) records | per record ``i64 step u64 seq u32 handle length u32
+                                                    producer length u64 payload length`` (LE), handle, producer,
+                                                    payload: step-log records (dbsp_core.storage.logstore)
 ``DOUT``    format-1 output segments                not framed as above: see the format-1 paragraph below
             (``output/out-<step>.seg``)
 ==========  ======================================  =======================================================
@@ -169,12 +193,25 @@ SAVELOG_MAGIC = b"DSVL"
 CONSUMER_MAGIC = b"DCSM"
 METRICS_MAGIC = b"DMTR"
 PROFILE_MAGIC = b"DPRF"
+LOG_SEGMENT_MAGIC = b"DLSG"  # a log segment object in an object store (dbsp_core.storage.logstore)
+LOG_SEGMENT_SUFFIX = ".dlsg"
 FORMAT1_OUTPUT_MAGIC = b"DOUT"  # a record of a format-1 output segment (dbsp_core.storage.outputlog_format1)
 STEPLOG_SEGMENT_MAGIC = b"DBSPSSEG"  # the header of a step log segment (csrc/steplog.c)
 STEPLOG_RECORD_MAGIC = b"DSLR"  # the frame of a format-2 step log record (csrc/steplog.c)
 BATCH_FILE_MAGIC = b"DBSPBTCH"  # the header of a batch file (dbsp_core/trace/batchfile.py)
 BATCH_FILE_FOOTER_MAGIC = b"DBSPBTFT"  # its footer
 BATCH_FILE_VERSION = 1
+
+REMOTE_MANIFEST_DIR = "manifest"  # object-store layout (dbsp_core.storage.remote)
+REMOTE_STATE_DIR = "db"
+REMOTE_SPILL_DIR = "spill"
+REMOTE_LOG_DIR = "log"
+REMOTE_DELTA_SUFFIX = ".delta"
+REMOTE_BASE_SUFFIX = ".base"
+REMOTE_MANIFEST_FORMAT = 1
+REMOTE_MANIFEST_MAGIC = b"DRMF"
+REMOTE_DELTA_MAGIC = b"DRDL"
+CACHE_MARKER = ".dbsp-cache"  # in a cache directory of an object-store pipeline: it may be wiped
 
 DIVISION_HANDLE = "\x00division"  # the input log's handle of division records
 DISCARD_HANDLE = "\x00discard"  # the input log's handle of discard records (Pipeline.discard)

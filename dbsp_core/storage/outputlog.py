@@ -50,6 +50,7 @@ from dbsp_core import _storage
 from dbsp_core.codec import decode_zset, encode_zset_parts
 from dbsp_core.errors import CorruptionError, ReplayMismatchError
 from dbsp_core.storage.formats import segment_name
+from dbsp_core.storage.logstore import LogShipper, ShippedLog
 from dbsp_core.storage.outputlog_format1 import Format1Segments
 from dbsp_core.zset import ZSet
 
@@ -78,6 +79,9 @@ class OutputLog:
         Only read, possibly while a writer in another process appends (invariant 5).
     vfs
         ``"posix"`` or ``"fault"`` (the fault-injecting I/O layer of the crash tests).
+    ship
+        A :class:`~dbsp_core.storage.logstore.LogShipper` (from ``LogStore.restore``, which rebuilt ``path``): the
+        log is kept in an object store too, and a synced step is durable once the segment object holding it is there.
     expect
         ``{step: record payload}``: records of a damaged log kept by its rebuild (dbsp_core.storage.repair); an
         appended step found here is verified against it, as a replayed step is (invariant 1).
@@ -100,7 +104,8 @@ class OutputLog:
 
     def __init__(self, path: str, schemas: dict[str, pa.Schema], *, check: bool = True, sync: bool = True,
                  segment_bytes: int = 16 << 20, readonly: bool = False, vfs: str = "posix",
-                 expect: dict[int, bytes] | None = None, since: dict[str, int] | None = None) -> None:
+                 expect: dict[int, bytes] | None = None, since: dict[str, int] | None = None,
+                 ship: LogShipper | None = None) -> None:
         self.path = os.fspath(path)
         self.schemas = dict(schemas)
         self.since = dict(since or {})
@@ -114,6 +119,8 @@ class OutputLog:
         self._expect = dict(expect or {})
         self.first = self.last = 0
         if readonly:
+            if ship is not None:
+                raise ValueError(f"output log {self.path}: a read-only log ships nothing; give ship= to the writer")
             if not os.path.isdir(self.path):
                 raise FileNotFoundError(f"output log {self.path}: no such directory")
             # the step log before the format-1 part: the writer drops format-1 segments before it drops any of
@@ -128,6 +135,8 @@ class OutputLog:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             self._v1 = Format1Segments(self.path)  # read first: nothing below changes a file before it is checked
             self._log = _storage.Log(self.path, vfs, segment_bytes, False, False)  # creates the directory durably
+            if ship is not None:
+                self._log = ShippedLog(self._log, ship)
         try:
             self._load()
         except BaseException:

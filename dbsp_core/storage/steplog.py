@@ -6,6 +6,7 @@ import os
 from typing import Iterator, NamedTuple, Optional, Union
 
 from dbsp_core import _storage
+from dbsp_core.storage.logstore import LogShipper, ShippedLog
 
 __all__ = ["LogRecord", "StepLog"]
 
@@ -45,6 +46,10 @@ class StepLog:
         Size after which appends go to a new segment (whole segments are dropped by :meth:`truncate_below`).
     vfs
         ``"posix"`` or ``"fault"``.
+    ship
+        A :class:`~dbsp_core.storage.logstore.LogShipper` (from ``LogStore.restore``, which rebuilt ``path``): the
+        log is kept in an object store too, and an append returns once the segment object holding it is durable
+        there (the local files are written but not fsynced).
     readonly
         Open an existing log for reading only, possibly while a writer (in another process) appends: no file is
         created, written, cut or removed, a torn or half-written tail is not shown, and :meth:`refresh` shows
@@ -65,12 +70,16 @@ class StepLog:
     """
 
     def __init__(self, path: Union[str, os.PathLike], *, segment_bytes: int = 64 << 20, vfs: str = "posix",
-                 readonly: bool = False) -> None:
+                 readonly: bool = False, ship: Optional[LogShipper] = None) -> None:
         self.path = os.fspath(path)
         self.readonly = readonly
         if readonly and not os.path.isdir(self.path):
             raise FileNotFoundError(f"steplog {self.path}: no such directory")
+        if readonly and ship is not None:
+            raise ValueError(f"steplog {self.path}: a read-only log ships nothing; give ship= to the writer only")
         self._log = _storage.Log(self.path, vfs, segment_bytes, readonly)
+        if ship is not None:
+            self._log = ShippedLog(self._log, ship)
 
     def refresh(self) -> None:
         """A read-only log: show records the writer appended and forget segments it dropped since the last scan."""

@@ -9,7 +9,8 @@ import pytest
 
 MODULES = ["dbsp_core.storage.database", "dbsp_core.storage.steplog", "dbsp_core.storage.faults",
            "dbsp_core.storage.outputlog_format1", "dbsp_core.storage.consumers",
-           "dbsp_core.storage.snapshot"]
+           "dbsp_core.storage.snapshot", "dbsp_core.storage.logstore", "dbsp_core.storage.store_faults",
+           "dbsp_core.storage.retry"]
 
 
 @pytest.mark.parametrize("name", MODULES)

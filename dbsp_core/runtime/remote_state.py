@@ -1,0 +1,328 @@
+"""A durable pipeline whose storage is an object store: rebuilding its local cache directory from the newest manifest when it opens, and uploading each checkpoint (what changed, then the manifest, then retention) when the local one has committed.
+
+The layout in the store and its invariants are dbsp_core.storage.remote's; this module is the driver's side.
+
+Invariants (enforced here):
+  1. The local directory is a cache: :func:`restore` empties it (only a directory that is empty or carries the
+     ``.dbsp-cache`` marker is accepted) and rebuilds it from the newest complete manifest, so what a pipeline
+     recovers never depends on what a crashed process left on local disk. The databases are rebuilt at the
+     versions they had (a delta leading from version a to b is applied as one commit, then b - a - 1 empty
+     commits), so the layout records and the state versions agree as they did.
+  2. Journaling of the cache's databases (dbsp_core.storage.database.Journal) starts after the restore and before
+     the driver opens or creates anything, so every commit after the restored manifest is in a journal.
+  3. :meth:`RemoteCheckpoints.upload` runs after the local checkpoint committed (state, then driver.db, then the
+     logs truncated below it: the previous manifest's log objects stay in the store until it is retired): it
+     uploads every database's delta (or its page file when the journal
+     cannot lead from the chain's version, or when the chain is past :data:`CHAIN_LIMIT` objects or its bytes
+     past the page file's size: compaction), the batch files the state names that no earlier manifest names,
+     what the logs part needs durable (its output segments), then the manifest (storage.remote invariant 2), then deletes what the two live
+     manifests do not name (invariant 3 there). A failure before the manifest leaves the previous manifest in
+     force and the pipeline broken (the driver's rule for a failed checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import struct
+import tempfile
+import time
+from typing import Any, Iterator
+
+from dbsp_core import _storage
+from dbsp_core.codec import frame_head, unframe_view
+from dbsp_core.errors import CorruptionError, DbspError
+from dbsp_core.storage.database import (JOURNAL_DELETE, JOURNAL_PUT, JOURNAL_STEP, Database, end_journals,
+                                        journal_of, journal_under)
+from dbsp_core.storage.formats import (CACHE_MARKER, CONSUMERS_DIR, DRIVER_DB, LAYOUT_FILE, LOCK_FILE, META_FILE,
+                                       METRICS_FILE, PROFILE_FILE, REMOTE_DELTA_MAGIC,
+                                       REMOTE_MANIFEST_DIR, REMOTE_SPILL_DIR, REMOTE_STATE_DIR, RESCALE_FILE,
+                                       SPILL_DIR, state_db_paths)
+from dbsp_core.storage.remote import (LogPart, Remote, blob_record, delta_name, manifest_name,
+                                      record_blob, spill_name, version_of)
+from dbsp_core.storage.remote_log import RemoteLogs
+
+__all__ = ["RemoteCheckpoints", "restore", "prepare_cache", "restored", "CHAIN_LIMIT"]
+
+CHAIN_LIMIT = 16  # objects in a database's chain before the next checkpoint uploads its page file instead
+JOURNAL_DIR = ".dbsp-journal"  # in the cache: the databases' journals (storage.database.Journal)
+RECORDS = (META_FILE, LAYOUT_FILE, RESCALE_FILE, METRICS_FILE, PROFILE_FILE)
+
+_REC = struct.Struct("<BH")
+_KEY = struct.Struct("<H")
+_VAL = struct.Struct("<Q")
+
+
+def prepare_cache(cache_dir: str) -> None:
+    """Claim ``cache_dir`` (invariant 1): it must be empty or a cache this module made; marks it as one."""
+    if os.path.isdir(cache_dir):
+        names = os.listdir(cache_dir)
+        if names and CACHE_MARKER not in names:
+            raise DbspError(f"cache_dir {cache_dir!r} is neither empty nor a dbsp cache directory (no {CACHE_MARKER} "
+                            f"marker): give an empty directory; the pipeline's cache is rebuilt from the store there")
+    os.makedirs(cache_dir, exist_ok=True)
+    with open(os.path.join(cache_dir, CACHE_MARKER), "w") as f:
+        f.write("a dbsp-core cache of an object store: emptied and rebuilt whenever a pipeline opens it\n")
+
+
+def _empty(cache_dir: str) -> None:
+    """Remove everything in the (claimed and locked) cache but its marker and its lock."""
+    for n in os.listdir(cache_dir):
+        if n in (CACHE_MARKER, LOCK_FILE):
+            continue
+        p = os.path.join(cache_dir, n)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p)
+        else:
+            os.remove(p)
+
+
+def _records(blob: memoryview) -> Any:
+    """The (op, table, key, value) records of a DRDL body (formats.py)."""
+    pos, n = 0, len(blob)
+    while pos < n:
+        op, tl = _REC.unpack_from(blob, pos)
+        pos += _REC.size
+        table = bytes(blob[pos:pos + tl])
+        pos += tl
+        (kl,) = _KEY.unpack_from(blob, pos)
+        pos += _KEY.size
+        key = bytes(blob[pos:pos + kl])
+        pos += kl
+        value = None
+        if op != JOURNAL_DELETE:
+            (vl,) = _VAL.unpack_from(blob, pos)
+            pos += _VAL.size
+            value = blob[pos:pos + vl]
+            pos += vl
+        yield op, table, key, value
+
+
+def _apply(db: Database, link: dict, data: bytes, where: str) -> None:
+    """Apply one delta object to ``db`` (at version ``link['from']``), leaving it at ``link['to']`` (invariant 1)."""
+    frm, to = link["from"], link["to"]
+    if db.versions().stop - 1 != frm:
+        raise CorruptionError(f"{where}: a delta from version {frm}, but the database is at {db.versions().stop - 1}")
+    body = unframe_view(REMOTE_DELTA_MAGIC, data, where)
+    with db.open(frm) as h:
+        try:
+            for op, table, key, value in _records(body):
+                if op == JOURNAL_PUT:
+                    h.put(table, key, value)
+                elif op == JOURNAL_DELETE:
+                    h.delete(table, key)
+                elif op == JOURNAL_STEP:
+                    h.set_step(int.from_bytes(bytes(value), "little"))
+                else:
+                    raise CorruptionError(f"{where}: unknown record kind {op}")
+        except struct.error as e:
+            raise CorruptionError(f"{where}: truncated record ({e})") from None
+        h.commit()
+    for v in range(frm + 1, to):
+        with db.open(v) as h:
+            h.commit()
+
+
+def restore(remote: Remote, root: str, log_part: LogPart | None = None) -> dict | None:
+    """Rebuild the cache directory ``root`` from the newest complete manifest (invariant 1); returns it, or None
+    when the store holds no pipeline (``root`` is left empty but for the marker). The caller claimed ``root``
+    (:func:`prepare_cache`) and holds its lock."""
+    _empty(root)
+    m = remote.newest_manifest()
+    if m is None:
+        return None
+    for name, text in m.get("records", {}).items():
+        p = os.path.join(root, *name.split("/"))
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        _storage.file_replace(p, blob_record(text), "posix")
+    for rel, ent in sorted(m.get("databases", {}).items()):
+        path = os.path.join(root, *rel.split("/"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        db: Database | None = None
+        try:
+            for i, link in enumerate(ent["chain"]):
+                where = f"{remote.shown}/{link['object']}"
+                if link["kind"] == "file":
+                    if db is not None:
+                        db.close()
+                        db = None
+                    if i:
+                        raise CorruptionError(f"{where}: a page file in the middle of a chain")
+                    remote.get_file(link["object"], path)
+                    db = Database(path)
+                    if db.versions().stop - 1 != link["to"]:
+                        raise CorruptionError(f"{where}: the page file is at version {db.versions().stop - 1}, the "
+                                              f"manifest says {link['to']}")
+                    continue
+                if db is None:
+                    if i or not link.get("fresh"):
+                        raise CorruptionError(f"{where}: a chain that starts with a delta of a database not new")
+                    db = Database.create(path, link["from"])
+                _apply(db, link, remote.get(link["object"]), where)
+        finally:
+            if db is not None:
+                db.close()
+    spill = os.path.join(root, SPILL_DIR)
+    for name, ent in m.get("files", {}).items():
+        os.makedirs(spill, exist_ok=True)
+        remote.get_file(ent["object"], os.path.join(spill, name))
+    if log_part is not None:
+        log_part.restore(remote, m, root)
+    else:  # a reader: the logs' segments rebuilt here (storage.remote_log)
+        reader = RemoteLogs(remote)
+        reader.restore(remote, m, root)
+        reader.rebuild(root)
+    return m
+
+
+@contextlib.contextmanager
+def restored(storage: Any) -> Iterator[tuple[str, dict, Remote]]:
+    """For readers (``dbsp inspect/read/profile`` of a store): the newest checkpoint of ``storage`` restored into
+    a temporary directory, removed afterwards; yields the directory, the manifest and the Remote.
+    RecoveryError if the store holds no pipeline."""
+    from dbsp_core.errors import RecoveryError
+
+    tmp = tempfile.mkdtemp(prefix="dbsp-read-")
+    try:
+        remote = Remote.of(storage, tmp)
+        m = restore(remote, tmp)
+        if m is None:
+            raise RecoveryError(f"{remote.shown} holds no pipeline (no manifest)")
+        yield tmp, m, remote
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class RemoteCheckpoints:
+    """The object-store side of a durable pipeline: made after :func:`restore` (with the manifest it restored and
+    the logs part, storage.remote_log), it journals the cache's databases (invariant 2) and uploads each checkpoint (invariant 3)."""
+
+    def __init__(self, remote: Remote, root: str, manifest: dict | None, log_part: LogPart) -> None:
+        self.remote, self.root, self.manifest = remote, root, manifest
+        self.log_part = log_part
+        listed = remote.manifest_versions()  # a damaged newer manifest restore skipped: never written over
+        self.version = max([0 if manifest is None else manifest["version"]] + listed)
+        self.chain_limit = CHAIN_LIMIT
+        self.previous: dict | None = None  # the manifest before self.manifest, kept until the next commit
+        self.last: dict[str, Any] = {}  # what the last upload did (bytes by kind, seconds): Pipeline.stats["remote"]
+        self.totals = {"checkpoints": 0, "bytes": 0, "objects_deleted": 0}
+        journal_under(root, os.path.join(root, JOURNAL_DIR))
+
+    def close(self) -> None:
+        end_journals(self.root)
+
+    def _databases(self) -> list[str]:
+        rels = [DRIVER_DB] if os.path.exists(os.path.join(self.root, DRIVER_DB)) else []
+        return rels + [os.path.relpath(p, self.root).replace(os.sep, "/") for p in state_db_paths(self.root)]
+
+    def upload(self, step: int, referenced: set[str]) -> dict:
+        """Upload the checkpoint at ``step`` that just committed locally; ``referenced`` names the batch files its
+        state names. Returns what it uploaded (also :attr:`last`)."""
+        t0 = time.perf_counter()
+        r, root = self.remote, self.root
+        put0 = r.stats["put_bytes"]
+        v = self.version + 1
+        prev = self.manifest or {}
+        last = {"version": v, "step": step, "delta_bytes": 0, "base_bytes": 0, "spill_bytes": 0, "log_bytes": 0,
+                "changed_bytes": 0, "deltas": 0, "bases": 0, "spill_files": 0}
+        dbs: dict[str, dict] = {}
+        for rel in self._databases():
+            dbs[rel] = self._upload_db(rel, prev.get("databases", {}).get(rel), v, last)
+        files: dict[str, dict] = {}
+        old_files = prev.get("files", {})
+        for name in sorted(referenced):
+            if name in old_files:
+                files[name] = old_files[name]
+                continue
+            n = r.put_file(spill_name(name), os.path.join(root, SPILL_DIR, name))
+            files[name] = {"object": spill_name(name), "bytes": n}
+            last["spill_bytes"] += n
+            last["changed_bytes"] += n
+            last["spill_files"] += 1
+        records = {}
+        for name in RECORDS:
+            p = os.path.join(root, name)
+            if os.path.exists(p):
+                with open(p, "rb") as f:
+                    records[name] = record_blob(f.read())
+        cdir = os.path.join(root, CONSUMERS_DIR)
+        for name in sorted(os.listdir(cdir)) if os.path.isdir(cdir) else ():
+            p = os.path.join(cdir, name)
+            if os.path.isfile(p) and not name.startswith(".") and name != "LOCK" and not name.endswith(".tmp"):
+                with open(p, "rb") as f:
+                    records[f"{CONSUMERS_DIR}/{name}"] = record_blob(f.read())
+        b0 = r.stats["put_bytes"]
+        logs = self.log_part.covered(step)
+        last["log_bytes"] = r.stats["put_bytes"] - b0
+        m = {"version": v, "step": step, "records": records, "databases": dbs, "files": files, "logs": logs}
+        r.write_manifest(m)  # the commit point (storage.remote invariant 2)
+        self.previous, self.manifest, self.version = self.manifest, m, v
+        last["uploaded_bytes"] = r.stats["put_bytes"] - put0
+        last["upload_s"] = time.perf_counter() - t0
+        last["deleted"] = self._retain()
+        self.last = last
+        self.totals["checkpoints"] += 1
+        self.totals["bytes"] += last["uploaded_bytes"]
+        self.totals["objects_deleted"] += last["deleted"]
+        return last
+
+    def _upload_db(self, rel: str, old: dict | None, v: int, last: dict) -> dict:
+        """Upload database ``rel``'s change since manifest ``old`` names it: a delta, or its page file."""
+        path = os.path.join(self.root, *rel.split("/"))
+        j = journal_of(path)
+        chain = list(old["chain"]) if old else []
+        if j is None:
+            raise DbspError(f"{path}: not journaled; the object store's checkpoint cannot tell what changed")
+        sealed, start, to, valid, fresh = j.take()
+        try:
+            size = os.path.getsize(sealed)
+            chain_bytes = sum(link["bytes"] for link in chain)
+            follows = (old is not None and old["version"] == start) or (old is None and fresh)
+            page_bytes = os.path.getsize(path)
+            if valid and follows and len(chain) < self.chain_limit and chain_bytes + size <= max(page_bytes, 1 << 20):
+                if start == to and old is not None:  # nothing committed since
+                    return old
+                with open(sealed, "rb") as f:
+                    body = f.read()
+                obj = delta_name(rel, v)
+                head = frame_head(REMOTE_DELTA_MAGIC, body)
+                self.remote.put(obj, head + body)
+                link = {"object": obj, "kind": "delta", "from": start, "to": to, "bytes": len(head) + len(body)}
+                if old is None:
+                    link["fresh"] = True
+                last["delta_bytes"] += link["bytes"]
+                last["changed_bytes"] += size
+                last["deltas"] += 1
+                return {"version": to, "chain": chain + [link]}
+            # compaction, or a journal that cannot lead from the chain's version: the page file as it is (quiet
+            # until the next commit: the executor writes its databases only when a checkpoint commits)
+            obj = delta_name(rel, v, base=True)
+            n = self.remote.put_file(obj, path)
+            j.restart(to)
+            last["base_bytes"] += n
+            last["changed_bytes"] += size
+            last["bases"] += 1
+            return {"version": to, "chain": [{"object": obj, "kind": "file", "to": to, "bytes": n}]}
+        finally:
+            os.remove(sealed)
+
+    def _retain(self) -> int:
+        """Delete what neither live manifest names (storage.remote invariant 3); returns how many objects."""
+        r = self.remote
+        live = [m for m in (self.previous, self.manifest) if m is not None]
+        keep = r.live_names(live)
+        n = 0
+        for prefix in (REMOTE_STATE_DIR, REMOTE_SPILL_DIR):
+            for name in r.list(prefix):
+                if name not in keep:
+                    r.delete(name)
+                    n += 1
+        oldest = live[0]["version"]
+        for name in r.list(REMOTE_MANIFEST_DIR):
+            ver = version_of(name.rsplit("/", 1)[-1])
+            if ver is not None and ver < oldest:
+                r.delete(manifest_name(ver))
+                n += 1
+        self.log_part.retain(r, live)
+        return n

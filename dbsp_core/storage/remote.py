@@ -1,0 +1,319 @@
+"""A durable pipeline's home in an object store (``storage="s3://..."``): the layout of its objects, the manifest that commits each checkpoint, and the :class:`Remote` that reads and writes them beside the local cache directory.
+
+The store is the durable home; the local directory (``cache_dir``) is a cache the pipeline runs on exactly as
+on a local storage directory (dbsp_core.storage.formats), rebuilt from the store whenever a pipeline opens.
+
+Layout of one pipeline under its prefix (``REMOTE_*`` in dbsp_core.storage.formats)::
+
+    <prefix>/
+      manifest/<20-digit version>          one per committed checkpoint (DRMF, JSON): the commit point
+      db/<db>/<20-digit version>.delta  a database's change committed between two checkpoints (DRDL)
+      db/<db>/<20-digit version>.base   a database's page file as it is at a checkpoint (a compacted chain)
+      spill/<name>.batch                   a batch file a checkpoint names (trace/batchfile.py), uploaded as is
+      log/input/...                        the input log's segment objects (the logs part: see below)
+      log/output/...                       the output log's segment objects (the logs part)
+
+``<db>`` is a database's path in the local directory with ``/`` kept (``driver.db``, ``state/worker-0.db``).
+
+Invariants (enforced here and by the checkpoint upload in dbsp_core.runtime.remote_state):
+  1. Objects are immutable: every object is written once, whole, by one PUT under a name never used before
+     (versions only grow; batch file names carry a random token), and never rewritten. Object stores have no
+     append and no rename, so nothing relies on either.
+  2. A checkpoint commits when its manifest object lands: it is written last, under version N+1 when N is the
+     newest manifest, after every object it names is durable. A manifest names everything recovery needs: the
+     small records of the directory (META, LAYOUT, consumers, METRICS, PROFILE) inline, for each database the
+     chain of delta objects (a base, then deltas) whose replay gives its content at the checkpoint, the batch
+     files its state names, and what the logs part records (``logs``). A checkpoint that crashes before its
+     manifest leaves objects no manifest names (deleted by the next retention pass) and the previous manifest
+     in force.
+  3. Readers take the newest complete manifest: the highest version whose object reads back with a valid
+     checksum. The previous manifest is kept until the next one commits (so a reader that listed just before a
+     commit still finds the one it chose); retention then deletes manifests older than the previous one and
+     every object under ``db/`` and ``spill/`` that neither of the two live manifests names.
+  4. A checkpoint uploads only what no earlier checkpoint uploaded: for a database, one delta object holding the
+     values put and the keys deleted by the commits since the previous checkpoint (recorded as they are written,
+     :class:`dbsp_core.storage.database.Journal`), so the bytes uploaded follow the change, not the state; a batch
+     file once (it is immutable and named by its content's token). The page file itself is never uploaded: it is
+     updated in place, except to compact a chain: when it has 16 objects (remote_state.CHAIN_LIMIT) or its bytes
+     pass the page file's size, or the journal cannot lead from the chain's version, the checkpoint uploads the
+     page file as the chain's new base (``.base``; quiet then: the embedded executor writes its databases only
+     when a checkpoint commits), and retention drops the old chain.
+  5. Credentials never appear in what is logged, raised or written: messages name the store by
+     :attr:`Location.shown`, and manifests hold object names relative to the prefix only.
+  6. One pipeline process writes a prefix at a time (the store has no lock; the local directory's lock covers
+     the cache only): running two writers on one prefix is the operator's error, and the manifest versions
+     they race for are not protected against it.
+
+What the logs part provides (dbsp_core.storage.remote_log, plugged in as a :class:`LogPart`): the
+input and output logs as segment objects under ``log/`` with group commit, and
+  - ``covered(step) -> dict``: called during a checkpoint at ``step`` after the local output log is flushed and
+    before the manifest is written; makes durable in the store every output step below ``step`` and returns
+    JSON for the manifest's ``logs`` (the segment objects recovery reads: input records from ``step`` on, output
+    steps up to the newest). The input log in the store must hold every acknowledged push (group commit), so a
+    recovery from this manifest replays every step after it.
+  - ``restore(remote, manifest, root)``: before recovery opens ``root`` (an empty cache with the manifest's
+    records and databases in place), brings the input and output logs of ``manifest["logs"]`` into
+    ``root/input`` and ``root/output`` as the local StepLog and OutputLog read them.
+  - ``retain(remote, live)``: after a manifest commits, deletes the log objects that no manifest in ``live``
+    (the two newest) and no unacknowledged consumer needs.
+dbsp_core.storage.remote_log.RemoteLogs is that part (over storage.logstore).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import time
+from typing import Any, Callable, Protocol, TypeVar
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from dbsp_core.codec import decode_json, encode_json
+from dbsp_core.errors import CorruptionError, DbspError, FormatVersionError, StorageError, StoreUnavailableError
+from dbsp_core.storage import retry
+from dbsp_core.storage.formats import (REMOTE_BASE_SUFFIX, REMOTE_DELTA_SUFFIX, REMOTE_LOG_DIR,
+                                       REMOTE_MANIFEST_DIR, REMOTE_MANIFEST_FORMAT, REMOTE_MANIFEST_MAGIC,
+                                       REMOTE_SPILL_DIR, REMOTE_STATE_DIR)
+from dbsp_core.storage.location import Location, resolve
+from dbsp_core.storage.retry import DEFAULT_POLICY
+
+__all__ = ["Remote", "LogPart", "manifest_name", "delta_name", "is_remote", "version_of"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def is_remote(where: Any) -> bool:
+    """Whether ``storage=`` names an object store (a URI other than ``file://``) rather than a local directory."""
+    if isinstance(where, pafs.FileSystem):
+        return not isinstance(where, pafs.LocalFileSystem)
+    if isinstance(where, (str, os.PathLike)):
+        s = os.fspath(where)
+        return isinstance(s, str) and "://" in s and not s.startswith("file://")
+    return False
+
+
+def manifest_name(version: int) -> str:
+    """The object name of manifest ``version`` (invariant 2).
+
+    >>> manifest_name(7)
+    'manifest/00000000000000000007'
+    """
+    return f"{REMOTE_MANIFEST_DIR}/{version:020d}"
+
+
+def version_of(name: str) -> int | None:
+    """The version of a manifest object's base name, None if it is not one (a stray object is ignored).
+
+    >>> version_of("00000000000000000007"), version_of("x.tmp")
+    (7, None)
+    """
+    return int(name) if len(name) == 20 and name.isdigit() else None
+
+
+def delta_name(db: str, version: int, base: bool = False) -> str:
+    """The object name of database ``db``'s delta (or base) uploaded by the checkpoint of manifest ``version``.
+
+    >>> delta_name("state/worker-0.db", 3), delta_name("driver.db", 4, base=True)
+    ('db/state/worker-0.db/00000000000000000003.delta', 'db/driver.db/00000000000000000004.base')
+    """
+    return f"{REMOTE_STATE_DIR}/{db}/{version:020d}{REMOTE_BASE_SUFFIX if base else REMOTE_DELTA_SUFFIX}"
+
+
+def spill_name(file: str) -> str:
+    """The object name of batch file ``file`` (a name in the local spill directory)."""
+    return f"{REMOTE_SPILL_DIR}/{file}"
+
+
+class Remote:
+    """A pipeline's prefix in an object store (a :class:`Location`) and its local cache directory.
+
+    Every store call goes through :meth:`call`: retried while it fails transiently (dbsp_core.storage.retry,
+    ``policy``), then StoreUnavailableError; any other error of the store becomes StorageError.
+    """
+
+    def __init__(self, location: Location, cache_dir: str) -> None:
+        if location.local:
+            raise ValueError(f"Remote: {location.shown} is a local directory, not an object store")
+        self.location = location
+        self.cache_dir = cache_dir
+        self.stats = {"puts": 0, "put_bytes": 0, "gets": 0, "get_bytes": 0, "deletes": 0, "lists": 0}
+        self.policy = DEFAULT_POLICY
+
+    @classmethod
+    def of(cls, storage: Any, cache_dir: str) -> "Remote":
+        """The Remote of ``storage=``: a URI, or a ``pyarrow.fs.FileSystem`` whose root is the prefix (e.g. a
+        ``SubTreeFileSystem``, or ``PyFileSystem(FSSpecHandler(...))``)."""
+        if isinstance(storage, pafs.FileSystem):
+            name = f"{storage.type_name}://"
+            return cls(Location(storage, "", False, name, name), cache_dir)
+        return cls(resolve(storage, what="storage"), cache_dir)
+
+    @property
+    def shown(self) -> str:
+        return self.location.shown
+
+    def path(self, name: str) -> str:
+        base = self.location.path.rstrip("/")
+        return f"{base}/{name}" if base else name
+
+    def call(self, op: str, name: str, fn: Callable[[], T]) -> T:
+        """Run one store operation ``op`` (PUT, GET, LIST, DELETE) on object ``name``; errors of the store become
+        StorageError naming the object by its secret-free name (invariant 5)."""
+        try:
+            return retry.call(fn, f"{op} {name}", self.location, self.policy)
+        except (FileNotFoundError, StoreUnavailableError):
+            raise
+        except (OSError, pa.ArrowException) as e:
+            raise StorageError(f"{op} {self.shown}/{name}: {_masked(str(e), self)}") from None
+
+    def put(self, name: str, data: bytes | memoryview | pa.Buffer) -> None:
+        """Write object ``name`` whole with one PUT (invariant 1)."""
+        def go() -> None:
+            with self.location.fs.open_output_stream(self.path(name)) as f:
+                f.write(data)
+        self.call("PUT", name, go)
+        self.stats["puts"] += 1
+        self.stats["put_bytes"] += len(memoryview(data)) if not isinstance(data, pa.Buffer) else data.size
+
+    def put_file(self, name: str, path: str, chunk: int = 8 << 20) -> int:
+        """Upload local file ``path`` as object ``name`` (streamed); returns its size."""
+        def go() -> int:
+            n = 0
+            with open(path, "rb") as src, self.location.fs.open_output_stream(self.path(name)) as f:
+                while True:
+                    b = src.read(chunk)
+                    if not b:
+                        return n
+                    f.write(b)
+                    n += len(b)
+        n = self.call("PUT", name, go)
+        self.stats["puts"] += 1
+        self.stats["put_bytes"] += n
+        return n
+
+    def get(self, name: str) -> bytes:
+        """The whole content of object ``name``; FileNotFoundError if there is none."""
+        def go() -> bytes:
+            with self.location.fs.open_input_stream(self.path(name)) as f:
+                return f.readall()
+        data = self.call("GET", name, go)
+        self.stats["gets"] += 1
+        self.stats["get_bytes"] += len(data)
+        return data
+
+    def get_file(self, name: str, path: str, chunk: int = 8 << 20) -> int:
+        """Download object ``name`` into local file ``path`` (written to ``path.tmp``, fsynced, renamed)."""
+        tmp = path + ".tmp"
+
+        def go() -> int:
+            n = 0
+            with self.location.fs.open_input_stream(self.path(name)) as f, open(tmp, "wb") as dst:
+                while True:
+                    b = f.read(chunk)
+                    if not b:
+                        break
+                    dst.write(b)
+                    n += len(b)
+                dst.flush()
+                os.fsync(dst.fileno())
+            return n
+        n = self.call("GET", name, go)
+        os.replace(tmp, path)
+        self.stats["gets"] += 1
+        self.stats["get_bytes"] += n
+        return n
+
+    def list(self, prefix: str) -> dict[str, int]:
+        """``{object name: size}`` of every object under ``prefix`` (a directory of the layout)."""
+        def go() -> list[pafs.FileInfo]:
+            sel = pafs.FileSelector(self.path(prefix), allow_not_found=True, recursive=True)
+            return self.location.fs.get_file_info(sel)
+        infos = self.call("LIST", prefix, go)
+        self.stats["lists"] += 1
+        base = self.location.path.rstrip("/")
+        base = base + "/" if base else ""
+        return {i.path[len(base):]: i.size for i in infos if i.type == pafs.FileType.File and i.path.startswith(base)}
+
+    def delete(self, name: str) -> None:
+        """Delete object ``name`` (a missing one is fine)."""
+        def go() -> None:
+            try:
+                self.location.fs.delete_file(self.path(name))
+            except FileNotFoundError:
+                pass
+        self.call("DELETE", name, go)
+        self.stats["deletes"] += 1
+
+    # ---- manifests (invariants 2 and 3) ----
+
+    def manifest_versions(self) -> list[int]:
+        """The versions of the manifest objects in the store, ascending."""
+        names = self.list(REMOTE_MANIFEST_DIR)
+        return sorted(v for v in (version_of(n.rsplit("/", 1)[-1]) for n in names) if v is not None)
+
+    def read_manifest(self, version: int) -> dict:
+        """Manifest ``version``; CorruptionError if it does not read back whole (checksum, magic, fields)."""
+        name = manifest_name(version)
+        where = f"{self.shown}/{name}"
+        m = decode_json(REMOTE_MANIFEST_MAGIC, self.get(name), where)
+        if not isinstance(m, dict) or m.get("version") != version:
+            raise CorruptionError(f"{where}: not the manifest of version {version}")
+        if m.get("format") != REMOTE_MANIFEST_FORMAT:
+            raise FormatVersionError(f"{where}: manifest format {m.get('format')!r}, this build reads "
+                                     f"{REMOTE_MANIFEST_FORMAT}")
+        return m
+
+    def newest_manifest(self) -> dict | None:
+        """The newest complete manifest (invariant 3), None if the store holds no pipeline. A damaged newest one
+        is logged and skipped (the previous one is kept until the next commit for this)."""
+        for v in reversed(self.manifest_versions()):
+            try:
+                return self.read_manifest(v)
+            except (CorruptionError, FileNotFoundError) as e:
+                log.warning("%s: skipping manifest %d: %s", self.shown, v, e)
+        return None
+
+    def write_manifest(self, manifest: dict) -> int:
+        """Write ``manifest`` under its ``version`` (the commit point of a checkpoint, invariant 2)."""
+        v = manifest["version"]
+        body = dict(manifest, format=REMOTE_MANIFEST_FORMAT, written_ns=time.time_ns())
+        self.put(manifest_name(v), encode_json(REMOTE_MANIFEST_MAGIC, body))
+        return v
+
+    def live_names(self, manifests: list[dict]) -> set[str]:
+        """Every object under ``db/`` and ``spill/`` that one of ``manifests`` names."""
+        out: set[str] = set()
+        for m in manifests:
+            for d in m.get("databases", {}).values():
+                out.update(link["object"] for link in d["chain"])
+            out.update(f["object"] for f in m.get("files", {}).values())
+        return out
+
+
+def record_blob(data: bytes) -> str:
+    """A small record file's bytes as the manifest holds them inline."""
+    return base64.b64encode(data).decode("ascii")
+
+
+def blob_record(text: str) -> bytes:
+    return base64.b64decode(text.encode("ascii"))
+
+
+def _masked(msg: str, remote: Remote) -> str:
+    """An error text of the store without the URI's secrets (invariant 5): pyarrow names paths, not URIs, but an
+    error may quote the query string."""
+    return msg if "?" not in msg else msg.split("?", 1)[0] + "?..."
+
+
+class LogPart(Protocol):
+    """What the logs part plugs in (see the module docstring)."""
+
+    def covered(self, step: int) -> dict: ...
+
+    def restore(self, remote: Remote, manifest: dict, root: str) -> None: ...
+
+    def retain(self, remote: Remote, live: list[dict]) -> None: ...

@@ -1,0 +1,342 @@
+"""A durable pipeline with its storage on an S3 prefix (moto's server, tests/s3_server.py, through pyarrow's S3 client): outputs equal to the same pipeline on a local directory and to DuckDB, recovery into an empty cache, uploads that follow the change, retention, the newest complete manifest, compaction, and no credential in the store. Seeds: ``DBSP_REMOTE_SEED``."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+import dbsp_core as dbsp
+from dbsp_core.errors import DbspError, RecoveryError
+from dbsp_core.storage.formats import REMOTE_MANIFEST_DIR
+from dbsp_core.storage.remote import Remote, manifest_name
+
+SEED = int(os.environ.get("DBSP_REMOTE_SEED", random.randrange(2**31)))
+SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+
+
+def _circuit() -> dbsp.Circuit:
+    c = dbsp.Circuit()
+    t = c.input("t", SCHEMA)
+    c.output("s", t.group_by("k").agg(n=dbsp.count(), s=dbsp.sum("v")))
+    c.output("d", t.select(k=pc.field("k")).distinct())
+    return c
+
+
+def _pushes(seed: int, n: int, rows: int = 50) -> list[pa.Table]:
+    rng = random.Random(seed)
+    return [pa.table({"k": [rng.randrange(40) for _ in range(rows)], "v": [rng.randrange(100) for _ in range(rows)]},
+                     schema=SCHEMA) for _ in range(n)]
+
+
+def _duckdb(tables: list[pa.Table]) -> dict:
+    allrows = pa.concat_tables(tables)  # noqa: F841 - read by DuckDB
+    return {tuple(r): 1 for r in duckdb.sql("SELECT k, count(*), sum(v) FROM allrows GROUP BY k").fetchall()}
+
+
+def _add(acc: dict, z: dbsp.ZSet) -> None:
+    for row, w in z.to_dict().items():
+        v = acc.get(row, 0) + w
+        if v:
+            acc[row] = v
+        else:
+            acc.pop(row, None)
+
+
+def _run(storage, pushes: list[pa.Table], reopen_at: int, **kw) -> tuple[list[dict], dict]:
+    """Push, step, checkpoint every third step; close and reopen at step ``reopen_at``; returns every step's
+    output of "s" and the integral of "s"."""
+    c = _circuit()
+    p = dbsp.Pipeline(c, workers=2, storage=storage, checkpoint_interval=None, **kw)
+    outs, acc = [], {}
+    for i, t in enumerate(pushes):
+        if i == reopen_at:
+            p.close()
+            p = dbsp.Pipeline.open(storage, c, checkpoint_interval=None, **kw)
+            assert p.steps == i
+        p.push("t", t, producer="gen", seq=i)
+        out = p.step()["s"]
+        outs.append(out.to_dict())
+        _add(acc, out)
+        if i % 3 == 2:
+            p.checkpoint()
+    p.close()
+    return outs, acc
+
+
+def test_s3_outputs_equal_local_and_duckdb(s3_server, tmp_path):
+    print(f"remote pipeline: seed {SEED} (replay: DBSP_REMOTE_SEED={SEED})")
+    pushes = _pushes(SEED, 12)
+    local, acc_local = _run(str(tmp_path / "local"), pushes, reopen_at=7)
+    uri = s3_server.uri(s3_server.bucket(), "pipe")
+    # memory_limit=1: every trace spills, so checkpoints name batch files the store must hold
+    remote, acc_remote = _run(uri, pushes, reopen_at=7, memory_limit=1)
+    assert remote == local
+    assert acc_remote == acc_local == _duckdb(pushes)
+    # a new machine: an empty cache, everything from the store; the recovered state reads as DuckDB says
+    p = dbsp.Pipeline.open(uri, _circuit(), cache_dir=str(tmp_path / "cache"), checkpoint_interval=None)
+    try:
+        acc: dict = {}
+        for _, z in p.read_output("s"):
+            _add(acc, z)
+        assert acc == _duckdb(pushes)
+        assert sorted(os.listdir(tmp_path / "cache" / "spill")), "the state names batch files: restored from the store"
+        p.push("t", pushes[0], producer="gen", seq=0)  # seen before the crash: the dedup set came from the store
+        assert p.step()["s"].to_dict() == {}
+    finally:
+        p.close(checkpoint=False)
+
+
+def test_uploads_follow_the_change_not_the_state(s3_server):
+    uri = s3_server.uri(s3_server.bucket(), "pipe")
+    c = dbsp.Circuit()
+    t = c.input("t", SCHEMA)
+    c.output("s", t.group_by("k").agg(n=dbsp.count()))
+    p = dbsp.Pipeline(c, workers=2, storage=uri, checkpoint_interval=None)
+    try:
+        rng = random.Random(SEED)
+        big = pa.table({"k": list(range(200_000)), "v": [rng.randrange(9) for _ in range(200_000)]}, schema=SCHEMA)
+        p.push("t", big)
+        p.step()
+        p.checkpoint()
+        first = p.stats["remote"]
+        small = []
+        for i in range(3):
+            p.push("t", pa.table({"k": [i], "v": [1]}, schema=SCHEMA))
+            p.step()
+            p.checkpoint()
+            small.append(p.stats["remote"])
+        print(f"state checkpoint: {first['delta_bytes']} delta bytes ({first['changed_bytes']} changed); small "
+              f"ones: {[(s['delta_bytes'] + s['base_bytes'], s['changed_bytes']) for s in small]}")
+        assert first["delta_bytes"] > 2_000_000  # the state itself went up once
+        for s in small:
+            assert s["base_bytes"] == 0 and s["deltas"] >= 1
+            assert s["delta_bytes"] < first["delta_bytes"] / 50, s
+    finally:
+        p.close()
+
+
+def test_retention_keeps_two_manifests_and_what_they_name(s3_server):
+    uri = s3_server.uri(s3_server.bucket(), "pipe")
+    pushes = _pushes(SEED + 1, 8)
+    _run(uri, pushes, reopen_at=5, memory_limit=1)
+    r = Remote.of(uri, "/nonexistent")
+    versions = r.manifest_versions()
+    assert len(versions) == 2 and versions[1] == versions[0] + 1
+    live = [r.read_manifest(v) for v in versions]
+    held = set(r.list("db")) | set(r.list("spill"))
+    assert held == r.live_names(live), "every object of db/ and spill/ is named by a live manifest, and only those"
+    assert any(n.startswith("spill/") for n in held)
+
+
+def test_newest_complete_manifest_wins_and_is_never_overwritten(s3_server, tmp_path):
+    uri = s3_server.uri(s3_server.bucket(), "pipe")
+    pushes = _pushes(SEED + 2, 6)
+    c = _circuit()
+    p = dbsp.Pipeline(c, workers=2, storage=uri, checkpoint_interval=None)
+    for i, t in enumerate(pushes):
+        p.push("t", t, producer="gen", seq=i)
+        p.step()
+        if i in (2, 4):
+            p.checkpoint()
+    p.close(checkpoint=False)
+    r = Remote.of(uri, "/nonexistent")
+    newest = r.manifest_versions()[-1]
+    assert r.read_manifest(newest)["step"] == 5 and r.read_manifest(newest - 1)["step"] == 3
+    r.put(manifest_name(newest), b"DRMF\x01torn")  # a damaged newest manifest: the previous one is in force
+    p = dbsp.Pipeline.open(uri, c, checkpoint_interval=None)
+    try:
+        assert p._remote_state.manifest["version"] == newest - 1
+        # recovery from the checkpoint at step 3 replays steps 3..5 from the input log's segments: nothing
+        # acknowledged is lost
+        assert p.steps == 6 and p.stats["replayed_steps"] == 3
+        acc: dict = {}
+        for _, z in p.read_output("s"):
+            _add(acc, z)
+        assert acc == _duckdb(pushes)
+        p.checkpoint()
+        assert p._remote_state.manifest["version"] == newest + 1  # the damaged version is not written over
+    finally:
+        p.close(checkpoint=False)
+    assert r.read_manifest(newest + 1)["step"] == 6
+
+
+def test_long_chain_is_compacted_into_the_page_file(s3_server):
+    uri = s3_server.uri(s3_server.bucket(), "pipe")
+    c = _circuit()
+    p = dbsp.Pipeline(c, workers=1, storage=uri, checkpoint_interval=None)
+    p._remote_state.chain_limit = 3
+    pushes = _pushes(SEED + 3, 8)
+    try:
+        for i, t in enumerate(pushes):
+            p.push("t", t)
+            p.step()
+            p.checkpoint()
+        chains = p._remote_state.manifest["databases"]
+        kinds = [link["kind"] for link in chains["state/worker-0.db"]["chain"]]
+        assert kinds[0] == "file" and len(kinds) <= 3, kinds  # compacted at least once within 8 checkpoints
+    finally:
+        p.close()
+    q = dbsp.Pipeline.open(uri, c, checkpoint_interval=None)
+    try:
+        acc: dict = {}
+        for _, z in q.read_output("s"):
+            _add(acc, z)
+        assert acc == _duckdb(pushes)
+        q.push("t", pushes[0])
+        acc2 = dict(acc)
+        _add(acc2, q.step()["s"])
+        assert acc2 == _duckdb(pushes + pushes[:1])
+    finally:
+        q.close()
+
+
+def test_cache_dir_and_store_are_checked(s3_server, tmp_path):
+    uri = s3_server.uri(s3_server.bucket(), "nothing")
+    with pytest.raises(RecoveryError, match="holds no pipeline"):
+        dbsp.Pipeline.open(uri, _circuit())
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "mine.txt").write_text("user data")
+    with pytest.raises(DbspError, match="neither empty nor a dbsp cache"):
+        dbsp.Pipeline(_circuit(), storage=uri, cache_dir=str(busy))
+    assert (busy / "mine.txt").read_text() == "user data"
+    with pytest.raises(ValueError, match="cache_dir is the local cache of an object store"):
+        dbsp.Pipeline(_circuit(), storage=str(tmp_path / "d"), cache_dir=str(busy))
+    from dbsp_core.runtime.staged import StagedExecutor
+
+    with pytest.raises(DbspError, match="embedded executor"):
+        dbsp.Pipeline(_circuit(), storage=uri, executor=StagedExecutor())
+    with pytest.raises(TypeError, match="storage must be"):
+        dbsp.Pipeline(_circuit(), storage=42)
+
+
+def test_no_credential_in_the_store_or_the_cache(s3_server, tmp_path):
+    from s3_server import CREDENTIALS
+
+    key, secret = CREDENTIALS["AWS_ACCESS_KEY_ID"], CREDENTIALS["AWS_SECRET_ACCESS_KEY"]
+    bucket = s3_server.bucket()
+    uri = s3_server.uri(bucket, "pipe").replace("s3://", f"s3://{key}:{secret}@")  # credentials in the URI's user info
+    cache = tmp_path / "cache"
+    p = dbsp.Pipeline(_circuit(), storage=uri, cache_dir=str(cache), checkpoint_interval=None)
+    p.push("t", _pushes(SEED, 1)[0])
+    p.step()
+    p.checkpoint()
+    assert secret not in repr(p) and secret not in p.storage_uri
+    p.close()
+    r = Remote.of(s3_server.uri(bucket, "pipe"), "/nonexistent")
+    names = r.list("")
+    assert any(n.startswith(REMOTE_MANIFEST_DIR) for n in names)
+    for name in names:
+        data = r.get(name)
+        assert secret.encode() not in data and key.encode() not in data, name
+    for d, _, files in os.walk(cache):
+        for f in files:
+            with open(os.path.join(d, f), "rb") as fh:
+                assert secret.encode() not in fh.read(), f
+
+
+def test_cli_inspects_and_reads_a_store(s3_server):
+    import subprocess
+    import sys
+
+    from s3_server import CREDENTIALS
+
+    uri = s3_server.uri(s3_server.bucket(), "pipe")
+    pushes = _pushes(SEED + 4, 3)
+    _run(uri, pushes, reopen_at=99)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    ins = subprocess.run([sys.executable, "-m", "dbsp_core", "inspect", uri], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert ins.returncode == 0, ins.stderr
+    assert "store        manifest" in ins.stdout and "checkpoint   step 3" in ins.stdout, ins.stdout
+    rd = subprocess.run([sys.executable, "-m", "dbsp_core", "read", uri, "s", "--limit", "1000"], capture_output=True,
+                        text=True, env=env, timeout=120)
+    assert rd.returncode == 0, rd.stderr
+    rows = [eval(x.strip()) for x in rd.stdout.splitlines() if x.startswith("  ")]  # noqa: S307 - our own output
+    acc: dict = {}
+    for r in rows:
+        key = (r["k"], r["n"], r["s"])
+        acc[key] = acc.get(key, 0) + r["weight"]
+    assert {k: w for k, w in acc.items() if w} == _duckdb(pushes)
+    for out in (ins.stdout, ins.stderr, rd.stdout, rd.stderr):
+        assert CREDENTIALS["AWS_SECRET_ACCESS_KEY"] not in out
+
+
+def test_rescale_cold_and_live_on_a_store(s3_server):
+    uri = s3_server.uri(s3_server.bucket(), "pipe")
+    pushes = _pushes(SEED + 5, 9)
+    c = _circuit()
+    acc: dict = {}
+    p = dbsp.Pipeline(c, workers=2, storage=uri, checkpoint_interval=None)
+    for i in range(3):
+        p.push("t", pushes[i], producer="gen", seq=i)
+        _add(acc, p.step()["s"])
+    p.close()
+    p = dbsp.Pipeline.open(uri, c, workers=3, checkpoint_interval=None)  # cold: new worker databases, journaled
+    assert p.layout.workers == 3 and p.last_rescale["from_workers"] == 2
+    for i in range(3, 6):
+        p.push("t", pushes[i], producer="gen", seq=i)
+        _add(acc, p.step()["s"])
+    p.rescale(1)  # live: shards move into worker 0, the others' databases go
+    for i in range(6, 9):
+        p.push("t", pushes[i], producer="gen", seq=i)
+        _add(acc, p.step()["s"])
+    p.close()
+    assert acc == _duckdb(pushes)
+    q = dbsp.Pipeline.open(uri, c, checkpoint_interval=None)
+    try:
+        assert q.layout.workers == 1 and sorted(q._remote_state.manifest["databases"]) == ["driver.db",
+                                                                                             "state/worker-0.db"]
+        got: dict = {}
+        for _, z in q.read_output("s"):
+            _add(got, z)
+        assert got == acc
+        q.push("t", pushes[0], producer="gen", seq=0)  # a duplicate: the seen set came back through every change
+        q.push("t", pushes[1], producer="other", seq=0)
+        _add(got, q.step()["s"])
+        assert got == _duckdb(pushes + pushes[1:2])
+    finally:
+        q.close()
+
+
+def test_journal_keeps_committed_changes_only(tmp_path):
+    from dbsp_core.runtime.remote_state import _records
+    from dbsp_core.storage.database import Database, end_journals, journal_of, journal_under
+
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    journal_under(root, str(tmp_path / "journals"))
+    try:
+        path = os.path.join(root, "w.db")
+        with Database(path) as db:
+            with db.open(0) as h:
+                h.put("t", b"a", b"1")
+                h.put("t", b"b", b"2")
+                h.set_step(4)
+                h.commit()
+            with db.open(1) as h:  # left without commit: its records are cut off again
+                h.put("t", b"c", b"3")
+            with db.open(1) as h:
+                h.delete("t", b"a")
+                h.commit()
+            sealed, start, to, valid, fresh = journal_of(path).take()
+            with open(sealed, "rb") as f:
+                recs = [(op, t, k, None if v is None else bytes(v)) for op, t, k, v in _records(memoryview(f.read()))]
+            assert (start, to, valid, fresh) == (0, 2, True, True)
+            assert recs == [(1, b"t", b"a", b"1"), (1, b"t", b"b", b"2"), (2, b"", b"", (4).to_bytes(8, "little")),
+                            (0, b"t", b"a", None)]
+            with db.open(2) as h:  # after take: the next records start from version 2
+                h.put("t", b"d", b"4")
+                h.commit()
+            assert journal_of(path).take()[1:3] == (2, 3)
+            assert db.versions() == range(2, 4)
+            with db.open(2):  # opening an older version discards the newest: the records no longer lead to it
+                pass
+            assert journal_of(path).take()[3] is False
+    finally:
+        end_journals(root)
