@@ -74,7 +74,7 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"storage      {info['path']} ({info['executor']} executor)")
     st = info.get("store")
     if st:
-        print(f"store        manifest {st['manifest']} (checkpoint at step {st['step']}): "
+        print(f"store        manifest {st['manifest']} (checkpoint {_through(st['step'])}): "
               f"{', '.join(f'{k} {n} objects' for k, n in sorted(st['databases'].items()))}; {st['files']} batch "
               f"files; logs: {st['logs']}")
     per = info["shards_per_worker"]
