@@ -158,13 +158,13 @@ def _run(args: argparse.Namespace, stop: threading.Event) -> int:
     sinks: list[tuple[str, Any]] = []
     status = 0
     try:
-        for name, c in conns.items():
-            (sources if c.kind == "table" else sinks).append(
-                (name, _source(p, c, base) if c.kind == "table" else _sink(p, c, base)))
         print(f"dbsp run {args.file}: storage {args.storage} ({'resumed at step ' + str(p.steps) if resume else 'new'},"
               f" {p.workers} worker{'s' if p.workers > 1 else ''})", flush=True)
         for name, c in conns.items():
             print(f"  {'source' if c.kind == 'table' else 'sink  '} {name}: {c.describe()}", flush=True)
+        for name, c in conns.items():
+            (sources if c.kind == "table" else sinks).append(
+                (name, _source(p, c, base) if c.kind == "table" else _sink(p, c, base)))
         if not sources:
             print("  (no table declares a connector: nothing will arrive)", flush=True)
         first = resume  # a resumed run steps once: pushes acknowledged before the stop but never divided
