@@ -8,6 +8,9 @@ Invariants:
      remainder has the dividend's sign; of doubles, ``//`` is the quotient and ``%`` the truncated remainder); integer +, -, * and unary - raise on overflow; CAST of a float to an integer
      rounds half to even, ROUND rounds half away from zero. An integer becomes a double (``/``, SQRT, LN, LOG, EXP,
      POWER, CAST) rounded to the nearest double, as in DuckDB: every int64 and uint64 value is accepted.
+     DECIMAL arithmetic is exact with DuckDB's result types (decimal.py): a numeric literal beside a DECIMAL is a
+     DECIMAL of its own digits; a DECIMAL beside a float is a double; CAST to DECIMAL or to an integer rounds
+     half away from zero.
   3. A node found in the substitution map (group keys, aggregate calls, subquery results the planner already
      computed) compiles to a reference to its field, before anything else is looked at.
   4. Anything not covered raises SqlError at the node, saying what is not supported. A literal pattern (regular
@@ -34,6 +37,7 @@ from sqlglot import exp
 
 from dbsp_core.errors import SchemaError
 from dbsp_core.operators.expr import project_schema
+from dbsp_core.sql import decimal as dec
 from dbsp_core.sql.errors import Source, SqlError
 from dbsp_core.sql.parse import DIALECT, ident, interval_value, tname
 from dbsp_core.sql.relation import Rel
@@ -240,6 +244,8 @@ class Exprs:
             a, t = self._t(node.this)
             if pat.is_unsigned_integer(t):  # DuckDB: the same unsigned type, so only -0 has a value
                 return call("subtract_checked", lit(0, t), a)
+            if pat.is_decimal(t):
+                return dec.negate(a, t)
             return call("negate_checked", a)
         if isinstance(node, exp.DPipe):
             a, b = self._as_string(node.this), self._as_string(node.expression)
@@ -375,6 +381,8 @@ class Exprs:
         """Both operands typed; a numeric literal takes the other operand's numeric type when its value fits
         (as SQL engines cast a constant to the column's type), so no cast runs per row."""
         (a, ta), (b, tb) = self._t(x), self._t(y)
+        if pat.is_decimal(ta) or pat.is_decimal(tb):  # a literal beside a DECIMAL: a DECIMAL of its own digits
+            return self._decimal_literal(x, ta, a, tb), self._decimal_literal(y, tb, b, ta)
         b2 = self._retyped(y, ta)
         if b2 is not None:
             return (a, ta), (b2, ta)
@@ -382,6 +390,22 @@ class Exprs:
         if a2 is not None:
             return (a2, tb), (b, tb)
         return (a, ta), (b, tb)
+
+    def _decimal_literal(self, node: exp.Expression, t: pa.DataType, e: pc.Expression, other: pa.DataType
+                         ) -> tuple[pc.Expression, pa.DataType]:
+        """A numeric literal next to a DECIMAL operand (``other``) typed as a DECIMAL of its digits, as DuckDB types
+        it; anything else as it is."""
+        neg = isinstance(node, exp.Neg)
+        n = node.this if neg else node
+        if not (pat.is_decimal(other) and isinstance(n, exp.Literal) and not n.is_string) or self.subst.get(node):
+            return e, t
+        lt = dec.literal_type(n.this)
+        if lt is None:
+            return e, t
+        from decimal import Decimal
+
+        v = Decimal(n.this)
+        return lit(-v if neg else v, lt), lt
 
     def literal_as(self, node: exp.Expression, t: pa.DataType) -> pc.Expression | None:
         """A string literal compared with (or joined to) a number, as DuckDB casts it: to the number's type,
@@ -434,6 +458,11 @@ class Exprs:
             a = null(tb)
         elif pat.is_null(tb):
             b = null(ta)
+        if pat.is_decimal(ta) or pat.is_decimal(tb):
+            c = common_type(ta, tb)
+            if pat.is_floating(c):
+                return a.cast(c), b.cast(c)
+            return (a if ta.equals(c) else dec.cast(a, ta, c)), (b if tb.equals(c) else dec.cast(b, tb, c))
         if pat.is_timestamp(ta) and pat.is_date(tb):
             b = b.cast(ta)
         elif pat.is_date(ta) and pat.is_timestamp(tb):
@@ -520,6 +549,13 @@ class Exprs:
             return call("subtract", a, b)
         self._numeric(node, ta, tb)
         name = {exp.Add: "add_checked", exp.Sub: "subtract_checked", exp.Mul: "multiply_checked"}[type(node)]
+        if pat.is_decimal(ta) or pat.is_decimal(tb):
+            if pat.is_floating(ta) or pat.is_floating(tb):  # DuckDB: a DECIMAL beside a float is a double
+                return call(name, a.cast(pa.float64()), b.cast(pa.float64()))
+            try:
+                return dec.arith(name[:-len("_checked")], a, ta, b, tb)
+            except ValueError as e:
+                raise self.src.error(node, str(e)) from None
         return call(name, a, b)
 
     def _case(self, node: exp.Case) -> pc.Expression:
@@ -552,6 +588,13 @@ class Exprs:
             except (pa.ArrowInvalid, ValueError) as e:
                 raise self.src.error(node, f"{inner.this!r} is not a {target}: {e}") from None
         e, t = self._t(inner)
+        if pat.is_decimal(t) and (pat.is_integer(target) or pat.is_decimal(target) and target.scale < t.scale):
+            digits = target.scale if pat.is_decimal(target) else 0  # DuckDB rounds half away from zero
+            e = call("round", e.cast(pa.decimal128(t.precision, t.scale)), options=pc.RoundOptions(digits, ROUND))
+            return e.cast(target)
+        if pat.is_floating(t) and pat.is_decimal(target):
+            e = call("round", e, options=pc.RoundOptions(target.scale, ROUND))
+            return e.cast(target, safe=False)  # rounded already: the cast only drops a float's binary tail
         if pat.is_floating(t) and pat.is_integer(target):
             e = call("round", e, options=pc.RoundOptions(0, "half_to_even"))
         if pat.is_integer(t) and pat.is_floating(target):  # invariant 2: rounded to the nearest, never refused
