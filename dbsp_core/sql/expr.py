@@ -19,6 +19,10 @@ Invariants:
   5. A chain of binary operators (``a + b + ...``, sqlglot's left-deep tree) compiles without recursing per
      term, in the written order (exactly associative AND, OR and ``||`` as a balanced tree); a chain or IN list
      longer than MAX_CHAIN terms is a SqlError, since Arrow evaluates it recursively and would overflow its stack.
+  7. ``now()`` and ``CURRENT_TIMESTAMP`` are the step's logged time (``ctx.now_ns``, the same when a step is
+     replayed after a crash) as a TIMESTAMP in microseconds (UTC). They may appear in WHERE and HAVING conditions
+     only: such a condition is a temporal filter (NowCondition, operators/temporal.py ``filter_now``) that
+     re-evaluates the integral of its input at every step; elsewhere they are a SqlError.
   6. Floats compare as in DuckDB, not IEEE: NaN equals NaN and is greater than every other number (+inf included),
      -0.0 equals 0.0; a NULL operand still gives NULL. Every comparison (=, <>, <, <=, >, >=, IS [NOT] DISTINCT
      FROM, NULLIF, and IN, BETWEEN and CASE through them) goes through ``_compare``; GREATEST of a NaN is NaN.
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import re
+import time
 from typing import Any, Callable
 
 import pyarrow as pa
@@ -86,6 +91,9 @@ class Exprs:
         self._types: dict[str, pa.DataType] = {}
         self._memo: dict[int, tuple[exp.Expression, pc.Expression]] = {}  # the nodes of a chain being compiled
         self._typed: dict[int, tuple[pc.Expression, pa.DataType]] = {}  # its levels' types, by expression object
+        self.allow_now = False  # invariant 7: a WHERE or HAVING condition
+        self.now_ns: int | None = None  # the step's now that now() compiles to (None: the wall clock, to bind)
+        self.used_now = False  # set when now() was compiled
 
     # ---- entry points ----
 
@@ -175,6 +183,10 @@ class Exprs:
                 v = int(text)
                 return lit(v, int_literal_type(v))
             return lit(float(text), pa.float64())
+        if isinstance(node, exp.CurrentTimestamp) or (
+                isinstance(node, exp.Anonymous) and node.name.lower() in ("now", "get_current_timestamp")
+                and not node.expressions):
+            return self._now(node)
         if isinstance(node, exp.HexString):  # x'303132': a BLOB (parse.py reads it from the tokens)
             return lit(bytes.fromhex(node.this), pa.binary())
         if isinstance(node, exp.Null):
@@ -303,6 +315,15 @@ class Exprs:
         if isinstance(node, exp.Func):
             return self._function(node)
         raise src.error(node, f"{type(node).__name__} ({node.sql(dialect=DIALECT)}) is not supported")
+
+    def _now(self, node: exp.Expression) -> pc.Expression:
+        """Invariant 7."""
+        if not self.allow_now:
+            raise self.src.error(node, f"{node.sql(dialect=DIALECT)} is supported in WHERE and HAVING conditions "
+                                       f"(a temporal filter, evaluated at each step's logged time), not in {self.where}")
+        self.used_now = True
+        now = self.now_ns if self.now_ns is not None else time.time_ns()
+        return lit(now // 1000, pa.timestamp("us"))
 
     def _chain(self, node: exp.Binary) -> pc.Expression:
         """A binary operator whose left operand is one too: sqlglot nests ``a + b + c`` as ``(a + b) + c``, so a
@@ -798,6 +819,25 @@ class Exprs:
             if pat.is_timestamp(t):
                 return e.cast(pa.timestamp("ms")).cast(pa.int64())
         raise self.src.error(node, f"function {node.name}() is not supported")
+
+
+class NowCondition:
+    """The conjunction of WHERE/HAVING conditions that read now() over ``rel``, as ``filter_now`` calls it: the
+    pyarrow predicate at a step's now (invariant 7). Its ``__qualname__`` holds the conditions' SQL, which the
+    circuit's fingerprint hashes."""
+
+    def __init__(self, src: Source, rel: Rel, subst: dict | None, conds: list[exp.Expression]) -> None:
+        self.src, self.rel, self.subst, self.conds = src, rel, subst, conds
+        self.__qualname__ = "NowCondition[" + " AND ".join(c.sql(dialect=DIALECT) for c in conds) + "]"
+
+    def __call__(self, now_ns: int) -> pc.Expression:
+        ex = Exprs(self.src, self.rel, self.subst, where="WHERE")
+        ex.allow_now, ex.now_ns = True, now_ns
+        out = None
+        for c in self.conds:
+            p = ex.predicate(c)
+            out = p if out is None else call("and_kleene", out, p)
+        return out
 
 
 def _any(conds: list[pc.Expression]) -> pc.Expression:
