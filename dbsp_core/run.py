@@ -14,7 +14,7 @@ Invariants:
   4. Relative paths in connector options are relative to the SQL file's directory, so the same file names the
      same directories from any working directory (a files source's identity is its directory's real path).
   5. Progress goes to stdout, one line per step that had input; options holding credentials are never printed
-     (sql/connectors.py invariant 3).
+     (sql/connectors.py invariant 3), also not inside a connector's error message.
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ def _sink(p: Any, conn: Any, base: str) -> Any:
     if conn.connector == "parquet":
         return ParquetSink(p, conn.name, _path(base, o["path"]), skip_empty=conn.flag("skip_empty"))
     if conn.connector == "sqlite":
+        os.makedirs(os.path.dirname(_path(base, o["path"])) or ".", exist_ok=True)
         return SqliteSink(p, conn.name, _path(base, o["path"]), table=o.get("table"))
     if conn.connector == "postgres":
         return PostgresSink(p, conn.name, o["dsn"], table=o.get("table"))
@@ -95,6 +96,19 @@ def _sink(p: Any, conn: Any, base: str) -> Any:
     key = [k.strip() for k in o["key"].split(",")] if "key" in o else None
     return DeltaSink(p, conn.name, _path(base, o["path"]), mode=o.get("mode", "append"), key=key,
                      storage_options=storage or None)
+
+
+def _scrub(text: str, conns: dict) -> str:
+    """``text`` without any credential the connectors were given (invariant 5): a secret option's value, and a
+    DSN's password."""
+    from dbsp_core.connectors.postgres import scrub
+
+    for c in conns.values():
+        for k, v in c.options.items():
+            if c.secret(k) and v:
+                text = scrub(text, v) if k == "dsn" else text
+                text = text.replace(v, "***")
+    return text
 
 
 def _poll(src: Any, files_per_step: int) -> int:
@@ -187,7 +201,10 @@ def _run(args: argparse.Namespace, stop: threading.Event) -> int:
             for _, sink in sinks:  # invariant 3: the sinks catch up before the pipeline closes
                 sink.poll()
     except (DbspError, OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_scrub(str(exc), conns)}", file=sys.stderr)
+        status = 1
+    except Exception as exc:  # a connector's own error (sqlite3, deltalake, psycopg): named, credentials scrubbed
+        print(f"error: {type(exc).__name__}: {_scrub(str(exc), conns)}", file=sys.stderr)
         status = 1
     finally:
         for _, sink in sinks:

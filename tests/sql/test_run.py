@@ -193,3 +193,36 @@ def test_credentials_are_never_printed(tmp_path, monkeypatch, capsys, caplog) ->
     assert "source t: postgres(dsn=***)" in out  # it got as far as naming the source
     assert "error:" in err
     assert secret not in out + err + caplog.text
+
+
+README_MARK = "# tests/sql/test_run.py runs this block as written"
+
+
+def test_readme_sql_only_pipeline_runs_as_written(tmp_path) -> None:
+    """README "A pipeline in SQL only": its bash block, run as written in an empty directory, prints what it says,
+    and the SQLite view equals DuckDB over the block's input files."""
+    import re
+    from decimal import ROUND_HALF_UP, Decimal
+
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        blocks = [b for b in re.findall(r"```bash\n(.*?)```", f.read(), flags=re.S) if b.startswith(README_MARK)]
+    assert len(blocks) == 1
+    env = _env()
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env["PATH"]  # `python` is this interpreter
+    r = subprocess.run(["bash", "-e", "-c", blocks[0]], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    said = re.search(r"^# prints (.*)$", blocks[0], flags=re.M).group(1)
+    assert r.stdout.strip().splitlines()[-1] == said
+    assert "resumed at step 1" in r.stdout  # the second run went on from the first
+    con = duckdb.connect()
+    con.execute(f"CREATE VIEW orders AS SELECT id, customer, amount FROM (SELECT id, customer, amount, 1 AS weight "
+                f"FROM read_parquet('{tmp_path}/data/orders/*.parquet') UNION ALL SELECT id, customer, "
+                f"amount::DECIMAL(10, 2), weight FROM read_csv('{tmp_path}/data/orders/*.csv')) "
+                f"GROUP BY ALL HAVING sum(weight) > 0")
+    con.execute(f"CREATE VIEW customers AS SELECT * FROM read_csv('{tmp_path}/data/customers/*.csv')")
+    want = [(region, n, str(total), str((total / n).quantize(Decimal("0.000001"), rounding=ROUND_HALF_UP)))
+            for region, n, total in con.execute(
+                "SELECT c.region, count(*), sum(o.amount) FROM orders AS o JOIN customers AS c ON o.customer = c.id "
+                "GROUP BY c.region ORDER BY c.region").fetchall()]
+    assert repr(want) == said
