@@ -168,6 +168,7 @@ def _run(args: argparse.Namespace, stop: threading.Event) -> int:
     else:
         p = dbsp.Pipeline(circuit, workers=args.workers or 1, storage=args.storage,
                           checkpoint_interval=args.checkpoint_interval)
+    stepped = p.stats["pushes"]  # the push count at the last step: a source may push as it starts (a snapshot)
     sources: list[tuple[str, Any]] = []
     sinks: list[tuple[str, Any]] = []
     status = 0
@@ -185,14 +186,15 @@ def _run(args: argparse.Namespace, stop: threading.Event) -> int:
         while not stop.is_set():
             t0 = time.perf_counter()
             pushed = {name: _poll(src, args.files_per_step) for name, src in sources}
-            if any(pushed.values()) or first:
+            if p.stats["pushes"] != stepped or first:
+                stepped = p.stats["pushes"]
                 out = p.step()
-                rows = ", ".join(f"{n} {v} pushes" for n, v in pushed.items() if v) or "resumed"
+                rows = ", ".join(f"{n} {v} pushes" for n, v in pushed.items() if v) or ("resumed" if first else "pushed as the sources started")
                 print(f"step {p.steps - 1}: {rows}; {_changes(out)} ({time.perf_counter() - t0:.2f} s)", flush=True)
             first = False
             for _, sink in sinks:
                 sink.poll()
-            if not any(pushed.values()):
+            if not any(pushed.values()) and p.stats["pushes"] == stepped:
                 if args.until_idle:
                     print(f"idle: every source read; the sinks hold steps 0..{p.steps - 1}", flush=True)
                     break

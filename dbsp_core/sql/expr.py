@@ -98,13 +98,15 @@ class Exprs:
     # ---- entry points ----
 
     def compile(self, node: exp.Expression) -> pc.Expression:
-        e = self._c(node)
-        self.type_of(e, node)  # bind now, so an error points at this node
-        return e
+        return self.typed(node)[0]  # bound now, so an error points at this node
 
     def typed(self, node: exp.Expression) -> tuple[pc.Expression, pa.DataType]:
         e = self._c(node)
-        return e, self.type_of(e, node)
+        t = self.type_of(e, node)
+        if pat.is_decimal(t) and not pat.is_decimal64(t):  # an Arrow kernel's decimal128 (coalesce): stored as 64
+            e = e.cast(pa.decimal64(min(t.precision, dec.MAX_PRECISION), t.scale))
+            t = self.type_of(e, node)
+        return e, t
 
     def predicate(self, node: exp.Expression) -> pc.Expression:
         e, t = self.typed(node)
@@ -529,7 +531,8 @@ class Exprs:
             if c is None:
                 raise self.src.error(node, f"{node.sql(dialect=DIALECT)}: no common type for {target} and {t}")
             target = c
-        return [e if t.equals(target) else e.cast(target) for e, t in typed]  # only NULLs: they stay untyped
+        return [e if t.equals(target) else dec.cast(e, t, target) if pat.is_decimal(target) and pat.is_integer(t)
+                else e.cast(target) for e, t in typed]  # only NULLs: they stay untyped
 
     def _f64(self, node: exp.Expression) -> pc.Expression:
         """A numeric operand as a double, integers rounded to the nearest (invariant 2)."""
@@ -609,6 +612,8 @@ class Exprs:
             except (pa.ArrowInvalid, ValueError) as e:
                 raise self.src.error(node, f"{inner.this!r} is not a {target}: {e}") from None
         e, t = self._t(inner)
+        if pat.is_integer(t) and pat.is_decimal(target):  # through the integer's digits (Arrow's rule), checked
+            return dec.cast(e, t, target)
         if pat.is_decimal(t) and (pat.is_integer(target) or pat.is_decimal(target) and target.scale < t.scale):
             digits = target.scale if pat.is_decimal(target) else 0  # DuckDB rounds half away from zero
             e = call("round", e.cast(pa.decimal128(t.precision, t.scale)), options=pc.RoundOptions(digits, ROUND))

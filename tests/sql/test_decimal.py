@@ -24,6 +24,7 @@ U = pa.schema([("d", pa.decimal128(10, 2)), ("name", pa.string())])
 VIEWS = {
     "arith": "SELECT k, d + e AS a, d - e AS b, d * e AS m, -d AS n, d * 3 AS d3, d + 1.5 AS dl, d + i AS di, "
              "CAST(d AS INT) AS ci, CAST(d AS DECIMAL(8, 1)) AS c1, CAST(e AS DECIMAL(10, 2)) AS c2, "
+             "CAST(i AS DECIMAL(12, 1)) AS c3, coalesce(d, i) AS co, "
              "d > e AS gt, d = e AS eq, d <= 12.34 AS le FROM t",
     "agg": "SELECT k, sum(d) AS s, min(d) AS lo, max(e) AS hi, count(d) AS n, sum(d * e) AS sm FROM t GROUP BY k",
     "avg": "SELECT k, avg(d) AS ad, avg(e) AS ae FROM t GROUP BY k",
