@@ -117,14 +117,16 @@ def _poll(src: Any, files_per_step: int) -> int:
     return src.poll(files_per_step) if isinstance(src, FileSource) else src.poll()
 
 
-def _changes(out: dict) -> str:
+def _changes(out: dict, shown: int = 6) -> str:
+    """The rows a step inserted and deleted per view, for the first ``shown`` views that changed."""
     parts = []
     for name, z in sorted(out.items()):
         w = z.weights
         ins, dels = int(w[w > 0].sum()), int(-w[w < 0].sum())
         if ins or dels:
             parts.append(f"{name} +{ins:,} -{dels:,}")
-    return ", ".join(parts) or "no changes"
+    more = f" and {len(parts) - shown} more views" if len(parts) > shown else ""
+    return ", ".join(parts[:shown]) + more or "no changes"
 
 
 def run(args: argparse.Namespace) -> int:
