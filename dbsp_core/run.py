@@ -191,7 +191,8 @@ def _run(args: argparse.Namespace, stop: threading.Event) -> int:
             if p.stats["pushes"] != stepped or first:
                 stepped = p.stats["pushes"]
                 out = p.step()
-                rows = ", ".join(f"{n} {v} pushes" for n, v in pushed.items() if v) or ("resumed" if first else "pushed as the sources started")
+                rows = ", ".join(f"{n} {v} pushes" for n, v in pushed.items() if v) \
+                    or ("resumed" if first else "pushed as the sources started")
                 print(f"step {p.steps - 1}: {rows}; {_changes(out)} ({time.perf_counter() - t0:.2f} s)", flush=True)
             first = False
             for _, sink in sinks:

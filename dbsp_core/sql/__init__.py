@@ -20,7 +20,8 @@ Supported SQL (see README.md, "SQL views"): SELECT with WHERE and expressions, i
 (ON with equalities and other conditions, USING, comma joins, parenthesised joins), GROUP BY/HAVING, keyless
 aggregates, COUNT/SUM/AVG/MIN/MAX with DISTINCT and FILTER, DISTINCT, UNION [ALL]/EXCEPT/INTERSECT, subqueries in FROM,
 WITH and WITH RECURSIVE, [NOT] IN / [NOT] EXISTS / scalar subqueries (correlated by equalities), ORDER BY ...
-LIMIT as top-k, ROW_NUMBER()/RANK() <= k per partition, TUMBLE/HOP windows, VALUES.
+LIMIT as top-k, ROW_NUMBER()/RANK() <= k per partition, TUMBLE/HOP windows, VALUES, DECIMAL(p <= 18, s) exact
+(decimal.py), now() / CURRENT_TIMESTAMP in WHERE and HAVING as the step's logged time (expr.py invariant 7).
 """
 
 from __future__ import annotations

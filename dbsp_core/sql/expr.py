@@ -322,7 +322,8 @@ class Exprs:
         """Invariant 7."""
         if not self.allow_now:
             raise self.src.error(node, f"{node.sql(dialect=DIALECT)} is supported in WHERE and HAVING conditions "
-                                       f"(a temporal filter, evaluated at each step's logged time), not in {self.where}")
+                                       f"(a temporal filter, evaluated at each step's logged time), "
+                                       f"not in {self.where}")
         self.used_now = True
         now = self.now_ns if self.now_ns is not None else time.time_ns()
         return lit(now // 1000, pa.timestamp("us"))

@@ -39,7 +39,8 @@ def test_postgres_in_postgres_out_resumes_and_matches_postgres(pg_dsn, tmp_path,
     _exec(pg_dsn, "CREATE TABLE orders (id bigint PRIMARY KEY, cust int, cents bigint)",
           "INSERT INTO orders SELECT g, g % 5, g * 37 % 1000 FROM generate_series(1, 200) AS g")
     dsn = pg_dsn.replace("'", "''")
-    text = (f"CREATE TABLE orders (id BIGINT, cust INT, cents BIGINT) WITH ('connector' = 'postgres', 'dsn' = '{dsn}');\n"
+    text = (f"CREATE TABLE orders (id BIGINT, cust INT, cents BIGINT)\n"
+            f"  WITH ('connector' = 'postgres', 'dsn' = '{dsn}');\n"
             f"CREATE VIEW totals WITH ('connector' = 'postgres', 'dsn' = '{dsn}') AS\n"
             f"  SELECT cust, count(*) AS n, sum(CAST(cents AS DECIMAL(12, 0)) * 0.01) AS amount\n"
             f"  FROM orders GROUP BY cust;\n")

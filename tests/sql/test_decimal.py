@@ -69,7 +69,8 @@ def _expected(con: duckdb.DuckDBPyConnection) -> dict[str, collections.Counter]:
     out = {v: collections.Counter(con.execute(q).fetchall()) for v, q in VIEWS.items() if v not in ("avg", "keyless")}
     out["avg"] = collections.Counter(
         (k, _avg(sd, nd, 10, 2), _avg(se, ne, 6, 3))
-        for k, sd, nd, se, ne in con.execute("SELECT k, sum(d), count(d), sum(e), count(e) FROM t GROUP BY k").fetchall())
+        for k, sd, nd, se, ne in con.execute("SELECT k, sum(d), count(d), sum(e), count(e) FROM t GROUP BY k"
+                                             ).fetchall())
     out["keyless"] = collections.Counter(
         (s, _avg(s, n, 10, 2), c) for s, n, c in con.execute("SELECT sum(d), count(d), count(*) FROM t").fetchall())
     return out

@@ -116,34 +116,32 @@ def _got(root: str) -> dict[str, collections.Counter]:
     return {"by_region": by_region, "big": rows}
 
 
-def _interrupted_run(root: str, workers: int, rng: random.Random) -> str:
-    """A run stopped by SIGINT at a random moment after it started; returns its output."""
+def _interrupted_run(root: str, workers: int, rng: random.Random, how: str = "sigint") -> str:
+    """A run stopped at a random moment after it started, by ``how``: "sigint" (a clean stop, checked), "sigint2"
+    (Ctrl-C twice: it stops at once) or "kill" (SIGKILL); returns its output."""
     proc = subprocess.Popen(_cmd("pipeline.sql", "--storage", "state", "--workers", str(workers),
                                  "--files-per-step", "1", "--poll", "0.05"),
                             cwd=root, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = proc.stdout.readline()  # the header: the signal handler is in place
     assert first.startswith("dbsp run pipeline.sql"), (first, proc.stderr.read() if proc.poll() is not None else "")
     time.sleep(rng.uniform(0.0, 1.5))
-    proc.send_signal(signal.SIGINT)
+    if how == "kill":
+        proc.kill()
+    else:
+        proc.send_signal(signal.SIGINT)
+        if how == "sigint2":
+            time.sleep(rng.uniform(0.0, 0.3))
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, (proc.returncode, out, err)
-    assert "stopped at step" in out, out  # the stop was clean: the step finished, the pipeline checkpointed
+    if how == "sigint":
+        assert proc.returncode == 0, (proc.returncode, out, err)
+        assert "stopped at step" in out, out  # the stop was clean: the step finished, the pipeline checkpointed
     return first + out
 
 
-def test_sigint_at_random_moments_then_rerun_matches_duckdb(tmp_path) -> None:
-    rng = random.Random(SEED)
-    print(f"seed {SEED} (replay: DBSP_RUN_SEED={SEED})")
-    root = str(tmp_path)
-    with open(os.path.join(root, "pipeline.sql"), "w") as f:
-        f.write(PIPELINE)
-    data = Input(root, rng)
-    data.add(rng.randrange(15, 25))
-    stopped = []
-    for workers in (1, 4):  # each run at another worker count: a resumed run rescales on open
-        out = _interrupted_run(root, workers, rng)
-        stopped.append(int(out.rsplit("stopped at step ", 1)[1].split()[0]))
-        data.add(rng.randrange(3, 8))  # more input arrives while it is stopped
+def _final_run(root: str, data: Input, stopped: list[int]) -> None:
+    """A run to idle at W=2, then the sinks equal DuckDB over all the input and hold each step once."""
     done = subprocess.run(_cmd("pipeline.sql", "--storage", "state", "--workers", "2", "--until-idle"),
                           cwd=root, env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.stdout, done.stderr)
@@ -151,10 +149,42 @@ def test_sigint_at_random_moments_then_rerun_matches_duckdb(tmp_path) -> None:
     assert _got(root) == data.expected(), f"seed {SEED} (replay: DBSP_RUN_SEED={SEED})"
     # every step once: one change file per step, 0..N-1, and the sink's mark at N
     steps = int(open(os.path.join(root, "out", "by_region", "_next")).read())
-    assert steps >= max(stopped)
+    assert steps >= max(stopped, default=0)
     for s in range(steps):
         assert os.path.exists(step_file(os.path.join(root, "out", "by_region"), s)), s
     assert len([f for f in os.listdir(os.path.join(root, "out", "by_region")) if f.startswith("step-")]) == steps
+
+
+def _setup(tmp_path, rng: random.Random) -> tuple[str, Input]:
+    root = str(tmp_path)
+    with open(os.path.join(root, "pipeline.sql"), "w") as f:
+        f.write(PIPELINE)
+    data = Input(root, rng)
+    data.add(rng.randrange(15, 25))
+    return root, data
+
+
+def test_sigint_at_random_moments_then_rerun_matches_duckdb(tmp_path) -> None:
+    rng = random.Random(SEED)
+    print(f"seed {SEED} (replay: DBSP_RUN_SEED={SEED})")
+    root, data = _setup(tmp_path, rng)
+    stopped = []
+    for workers in (1, 4):  # each run at another worker count: a resumed run rescales on open
+        out = _interrupted_run(root, workers, rng)
+        stopped.append(int(out.rsplit("stopped at step ", 1)[1].split()[0]))
+        data.add(rng.randrange(3, 8))  # more input arrives while it is stopped
+    _final_run(root, data, stopped)
+
+
+@pytest.mark.slow
+def test_ctrl_c_twice_and_kill_9_at_random_moments_then_rerun_matches_duckdb(tmp_path) -> None:
+    rng = random.Random(SEED + 1)
+    print(f"seed {SEED} (replay: DBSP_RUN_SEED={SEED})")
+    root, data = _setup(tmp_path, rng)
+    for _ in range(6):
+        _interrupted_run(root, rng.choice([1, 2, 4]), rng, rng.choice(["sigint", "sigint2", "kill"]))
+        data.add(rng.randrange(0, 6))
+    _final_run(root, data, [])
 
 
 def _run_text(tmp_path, monkeypatch, capsys, text: str) -> tuple[int, str, str]:
@@ -186,9 +216,10 @@ def test_errors_name_the_file_line_and_touch_nothing(tmp_path, monkeypatch, caps
 
 def test_credentials_are_never_printed(tmp_path, monkeypatch, capsys, caplog) -> None:
     secret = "hunter2-r35"
-    rc, out, err = _run_text(tmp_path, monkeypatch, capsys, f"CREATE TABLE t (a INT) WITH ('connector' = 'postgres', 'dsn' = "
-                            f"'host=127.0.0.1 port=1 user=u password={secret} connect_timeout=3');\n"
-                            "CREATE VIEW v AS SELECT a FROM t;\n")
+    rc, out, err = _run_text(tmp_path, monkeypatch, capsys,
+                             f"CREATE TABLE t (a INT) WITH ('connector' = 'postgres', 'dsn' = "
+                             f"'host=127.0.0.1 port=1 user=u password={secret} connect_timeout=3');\n"
+                             "CREATE VIEW v AS SELECT a FROM t;\n")
     assert rc == 1, (out, err)
     assert "source t: postgres(dsn=***)" in out  # it got as far as naming the source
     assert "error:" in err
