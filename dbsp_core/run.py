@@ -4,7 +4,8 @@ Invariants:
   1. The program is compiled and every connector checked (sql/connectors.py) before anything is opened: an error
      is printed as ``FILE:LINE:COLUMN: message`` (exit status 2) and the storage directory is not touched.
   2. One loop: each source pushes what is new (a files source at most ``--files-per-step`` files), a step runs
-     when something was pushed, then every sink writes the steps it lacks. The sources' pushes carry
+     when something was pushed, then every sink writes the steps it lacks; the loop waits (or, with
+     ``--until-idle``, ends) only when no source has anything pending. The sources' pushes carry
      ``(producer, seq)`` identities and the sinks record the step they hold (connectors/), so a crash anywhere,
      or a stop, and a later run give each input row once and each output step once.
   3. Ctrl-C (SIGINT) or SIGTERM asks the loop to stop: the step under way finishes, the sinks catch up, the
@@ -197,7 +198,9 @@ def _run(args: argparse.Namespace, stop: threading.Event) -> int:
             first = False
             for _, sink in sinks:
                 sink.poll()
-            if not any(pushed.values()) and p.stats["pushes"] == stepped:
+            # idle when no source has anything left: a poll may push nothing new and still have files to go (the
+            # files a stopped run had pushed already are skipped, counted against --files-per-step)
+            if p.stats["pushes"] == stepped and not any(bool(src.pending()) for _, src in sources):
                 if args.until_idle:
                     print(f"idle: every source read; the sinks hold steps 0..{p.steps - 1}", flush=True)
                     break
