@@ -160,7 +160,7 @@ def _setup(tmp_path, rng: random.Random) -> tuple[str, Input]:
     with open(os.path.join(root, "pipeline.sql"), "w") as f:
         f.write(PIPELINE)
     data = Input(root, rng)
-    data.add(rng.randrange(15, 25))
+    data.add(rng.randrange(10, 18))
     return root, data
 
 
@@ -169,7 +169,7 @@ def test_sigint_at_random_moments_then_rerun_matches_duckdb(tmp_path) -> None:
     print(f"seed {SEED} (replay: DBSP_RUN_SEED={SEED})")
     root, data = _setup(tmp_path, rng)
     stopped = []
-    for workers in (1, 4):  # each run at another worker count: a resumed run rescales on open
+    for workers in (4,):  # then the final run at W=2 rescales on open (the slow test below stops more runs)
         out = _interrupted_run(root, workers, rng)
         stopped.append(int(out.rsplit("stopped at step ", 1)[1].split()[0]))
         data.add(rng.randrange(3, 8))  # more input arrives while it is stopped
