@@ -38,7 +38,7 @@ def _type_code(t):
     if pt.is_int8(t): return DBSP_INT8
     if pt.is_int16(t): return DBSP_INT16
     if pt.is_int32(t): return DBSP_INT32
-    if pt.is_int64(t): return DBSP_INT64
+    if pt.is_int64(t) or pt.is_decimal64(t): return DBSP_INT64  # decimal64: its unscaled value (column.h inv. 4)
     if pt.is_uint8(t): return DBSP_UINT8
     if pt.is_uint16(t): return DBSP_UINT16
     if pt.is_uint32(t): return DBSP_UINT32

@@ -45,6 +45,10 @@ int32_t dbsp_cdata_type(const struct ArrowSchema *s) {
         default: return 0;
         }
     }
+    if (f[0] == 'd' && f[1] == ':') {  /* decimal64 ("d:p,s,64"): its unscaled value, an int64 (column.h invariant 4) */
+        size_t n = strlen(f);
+        return n > 3 && strcmp(f + n - 3, ",64") == 0 ? DBSP_INT64 : 0;
+    }
     if (f[0] != 't') return 0;
     /* temporal: date32 and time32 are 32-bit, date64, time64, timestamps and durations 64-bit (bindings' rule) */
     if (strcmp(f, "tdD") == 0 || strcmp(f, "tts") == 0 || strcmp(f, "ttm") == 0) return DBSP_DATE32;

@@ -8,6 +8,9 @@
  *  2. Row identity follows Spark SQL: null equals null, -0.0 equals 0.0, NaN equals NaN.
  *  3. The total order used to break hash ties (dbsp_value_cmp) is: null first; integers by value;
  *     floats by value with -0.0 == 0.0 and NaN last; bytes lexicographically, shorter first on a common prefix.
+ *  4. An Arrow decimal64(p, s) column is viewed as DBSP_INT64 over its unscaled values (value * 10^s): equality
+ *     and order within one column type are the decimal's, and an integer sum of them is the exact unscaled sum.
+ *     Its Arrow type (p, s) lives only in the schema the bindings keep, never in C.
  */
 #ifndef DBSP_COLUMN_H
 #define DBSP_COLUMN_H

@@ -6,6 +6,8 @@
 - ``dbsp profile DIR [--json]``: where the time went in the run that last checkpointed the directory: per
   operator and per view, time per step, rows, state (dbsp_core.profile), from its ``PROFILE`` record;
 - ``dbsp read DIR VIEW [--from-step N] [--limit K]``: the changes of one view from the output log;
+- ``dbsp run FILE.sql --storage DIR``: a durable pipeline defined in SQL alone, its tables' and views' connectors
+  started, until Ctrl-C; the next run resumes exactly once (dbsp_core.run);
 - ``dbsp sql FILE.sql [--view NAME]``: compile CREATE TABLE / CREATE VIEW statements and print the plan of each
   view (operators, exchanges, state).
 - ``inspect``, ``profile`` and ``read`` also take the URI of an object store a pipeline keeps its storage in
@@ -274,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     rd.add_argument("view")
     rd.add_argument("--from-step", type=int, default=0)
     rd.add_argument("--limit", type=int, default=10, help="rows shown per step (default 10)")
+    from dbsp_core.run import add_arguments
+
+    add_arguments(sub.add_parser("run", help="run a pipeline defined in SQL (connectors in WITH) until Ctrl-C"))
     sq = sub.add_parser("sql", help="compile a SQL file and print the plan of each view")
     sq.add_argument("file")
     sq.add_argument("--view", action="append", help="only this view (repeatable)")
@@ -284,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
                          "input are kept); the refusal names the exact steps")
     rp.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(args_list)
+    if args.command == "run":
+        from dbsp_core.run import run
+
+        return run(args)
     if args.command == "sql":
         try:
             return _sql(args)

@@ -51,7 +51,9 @@ tests/core/test_envvars.py checks that the repository reads no other):
   ``DBSP_RESCALE_SEED``, ``DBSP_RESCALE_KILL_SEED``, ``DBSP_LIVE_SEED``, ``DBSP_LIVE_KILL_SEED``,
   ``DBSP_SPARK_KILL_SEED``, ``DBSP_FUZZ_SEED``, ``DBSP_TEST_SEED``, ``DBSP_PG_SEED``, ``DBSP_DELTA_SEED``,
   ``DBSP_SLT_SEED``, ``DBSP_AUTOSCALE_SEED``, ``DBSP_AUTOSCALE_KILL_SEED``, ``DBSP_STORE_FAULT_SEED`` (the
-  store-fault tests: which store calls fail, and how), ``DBSP_REMOTE_SEED``, ``DBSP_REMOTE_KILL_SEED``.
+  store-fault tests: which store calls fail, and how), ``DBSP_REMOTE_SEED``, ``DBSP_REMOTE_KILL_SEED``,
+  ``DBSP_RUN_SEED`` (tests/sql/test_run.py), ``DBSP_DECIMAL_SEED`` (tests/sql/test_decimal.py), ``DBSP_NOW_SEED``
+  (tests/sql/test_now.py).
 - sizes of the test loops and soaks: ``DBSP_SQL_CORPUS``, ``DBSP_EO_SEEDS``, ``DBSP_EO_KEYED_SEEDS``, ``DBSP_EO_JOBS``,
   ``DBSP_CRASH_SEEDS``, ``DBSP_RESCALE_SEEDS``, ``DBSP_RESCALE_KILLS``, ``DBSP_RESCALE_CRASH_FULL``, ``DBSP_LIVE_KILLS``,
   ``DBSP_RACE_ROUNDS``, ``DBSP_WIDE_WORKERS``, ``DBSP_CONCURRENCY_ROUNDS``, ``DBSP_CONCURRENCY_KILLS``,

@@ -39,8 +39,9 @@ LAYERS: list[tuple[str, tuple[str, ...], str]] = [
      "rescaling"),
     ("front ends", ("connectors", "sql"),
      "sources and sinks over a pipeline's output log, and SQL compiled into circuits"),
-    ("surface", ("", "__main__", "demo", "nexmark"),
-     "the public package and what runs on top of it: the CLI, the demo and the Nexmark queries"),
+    ("surface", ("", "__main__", "demo", "nexmark", "run"),
+     "the public package and what runs on top of it: the CLI, `dbsp run` (SQL-only pipelines), the demo and the "
+     "Nexmark queries"),
 ]
 
 

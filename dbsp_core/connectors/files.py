@@ -338,7 +338,9 @@ class FileSource:
         return [n for n in f.schema_arrow.names if n in self.schema.names or n == "weight"]
 
     def _read_text(self, path: str, kind: str) -> pa.Table:
-        types = {n: t for n, t in zip(self.schema.names, self.schema.types)}
+        # text parses to decimal128 only: a decimal64 column is read as decimal128 and cast safely by _convert
+        types = {n: pa.decimal128(t.precision, t.scale) if pa.types.is_decimal(t) else t
+                 for n, t in zip(self.schema.names, self.schema.types)}
         if not self.where.local:
             path = self.where.fs.open_input_stream(path)
         if kind == "csv":

@@ -129,6 +129,8 @@ def postgres_type(column: str, t: pa.DataType, where: str) -> str:
         return "real"
     if pa.types.is_float64(t):
         return "double precision"
+    if pa.types.is_decimal(t):
+        return f"numeric({t.precision}, {t.scale})"
     if pa.types.is_string(t) or pa.types.is_large_string(t):
         return "text"
     if pa.types.is_date32(t):
@@ -136,7 +138,8 @@ def postgres_type(column: str, t: pa.DataType, where: str) -> str:
     if pa.types.is_timestamp(t) and t.unit in ("s", "ms", "us"):
         return "timestamptz" if t.tz else "timestamp"
     raise SchemaError(f"{where}: column {column!r} has Arrow type {t}, which no Postgres column holds exactly here "
-                      f"(supported: bool, integers but uint64, float32/64, strings, date32, timestamps in s/ms/us)")
+                      f"(supported: bool, integers but uint64, float32/64, decimals, strings, date32, timestamps in "
+                      f"s/ms/us)")
 
 
 def table_columns(conn: Any, table: str, where: str) -> list[tuple[str, str]]:

@@ -50,14 +50,16 @@ def _sqlite_type(t: pa.DataType) -> type:
         return int
     if pa.types.is_floating(t):
         return float
-    if pa.types.is_string(t) or pa.types.is_large_string(t):
-        return str
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_decimal(t):
+        return str  # a DECIMAL as its exact text ('120.50'): SQLite has no exact decimal type
     if pa.types.is_binary(t) or pa.types.is_large_binary(t):
         return bytes
     raise SchemaError(f"SqliteSink: no SQLite column type for Arrow type {t}")
 
 
 def _values(col: pa.ChunkedArray) -> list:
+    if pa.types.is_decimal(col.type):
+        return [None if v is None else str(v) for v in col.to_pylist()]
     if pa.types.is_temporal(col.type):
         width = pa.int32() if col.type.bit_width == 32 else pa.int64()
         col = pa.chunked_array([c.view(width) for c in col.chunks], width)

@@ -9,6 +9,8 @@ Invariants:
      the views before it. A table's ``PRIMARY KEY`` is enforced (``Circuit.input(primary_key=...)``: a pushed
      row replaces the row of its key, operators/upsert.py) and makes the table readable; a ``CREATE MATERIALIZED
      VIEW`` is an output declared ``materialized=True`` (``Pipeline.view`` and ``Pipeline.query`` read it).
+     A connector declared in ``WITH (...)`` (a source on a table, a sink on a view) is checked and recorded in
+     ``SqlProgram.connectors`` (connectors.py); ``dbsp run`` starts them, ``compile`` runs none.
   2. After every step, the integral of a view's output is the view's query over the integrated inputs (SQL
      semantics on bags; DuckDB's where dialects differ: ``/`` divides as doubles, nulls sort last).
   3. Anything unsupported fails at compile time with a SqlError naming the line and column and what is
@@ -18,7 +20,8 @@ Supported SQL (see README.md, "SQL views"): SELECT with WHERE and expressions, i
 (ON with equalities and other conditions, USING, comma joins, parenthesised joins), GROUP BY/HAVING, keyless
 aggregates, COUNT/SUM/AVG/MIN/MAX with DISTINCT and FILTER, DISTINCT, UNION [ALL]/EXCEPT/INTERSECT, subqueries in FROM,
 WITH and WITH RECURSIVE, [NOT] IN / [NOT] EXISTS / scalar subqueries (correlated by equalities), ORDER BY ...
-LIMIT as top-k, ROW_NUMBER()/RANK() <= k per partition, TUMBLE/HOP windows, VALUES.
+LIMIT as top-k, ROW_NUMBER()/RANK() <= k per partition, TUMBLE/HOP windows, VALUES, DECIMAL(p <= 18, s) exact
+(decimal.py), now() / CURRENT_TIMESTAMP in WHERE and HAVING as the step's logged time (expr.py invariant 7).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from sqlglot.optimizer.normalize_identifiers import normalize_identifiers
 
 from dbsp_core.circuit import Circuit
 from dbsp_core.errors import SchemaError
+from dbsp_core.sql.connectors import Connector, declared
 from dbsp_core.sql.errors import Source, SqlError
 from dbsp_core.sql.parse import DIALECT, TableDef, ident, parse_program, table_def, tname, too_deep
 from dbsp_core.sql.planner import Planner, view_output
@@ -46,6 +50,7 @@ class SqlProgram:
     tables: dict[str, TableDef] = field(default_factory=dict)
     views: dict[str, str] = field(default_factory=dict)
     plans: dict[str, list[str]] = field(default_factory=dict)  # per view, its FROM clauses' join plans (joinplan.py)
+    connectors: dict[str, Connector] = field(default_factory=dict)  # per table or view, its WITH connector
 
 
 def compile(text: str) -> Circuit:  # noqa: A001 - the name the issue asks for
@@ -96,6 +101,7 @@ def compile(text: str) -> Circuit:  # noqa: A001 - the name the issue asks for
 def _add_table(src: Source, planner: Planner, program: SqlProgram, td: TableDef, node: exp.Expression) -> None:
     if td.name in planner.relations:
         raise src.error(node, f"{td.name!r} is already defined")
+    conn = declared(src, "table", td.name, node)
     for f in td.schema:
         if f.name.startswith("__"):
             raise src.error(node, f"column names starting with two underscores are reserved ({f.name!r})")
@@ -106,6 +112,8 @@ def _add_table(src: Source, planner: Planner, program: SqlProgram, td: TableDef,
         raise src.error(node, str(exc)) from None
     planner.relations[td.name] = Rel(stream, [Col(f.name, td.name, f.name) for f in td.schema])
     program.tables[td.name] = td
+    if conn is not None:
+        program.connectors[td.name] = conn
 
 
 def _add_view(src: Source, planner: Planner, program: SqlProgram, node: exp.Create, text: str) -> None:
@@ -120,6 +128,7 @@ def _add_view(src: Source, planner: Planner, program: SqlProgram, node: exp.Crea
     query = node.expression
     if query is None:
         raise src.error(node, f"view {name!r} needs AS <query>")
+    conn = declared(src, "view", name, node)
     planner.notes = []
     try:
         rel = planner.query(query)
@@ -136,6 +145,8 @@ def _add_view(src: Source, planner: Planner, program: SqlProgram, node: exp.Crea
     planner.circuit.output(name, out, materialized=materialized)
     planner.relations[name] = Rel(out, [Col(n, name, n) for n in out.schema.names])
     program.views[name] = query.sql(dialect=DIALECT, pretty=True)
+    if conn is not None:
+        program.connectors[name] = conn
 
 
 def schema_of(circuit: Circuit, view: str) -> pa.Schema:

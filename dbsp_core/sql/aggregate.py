@@ -12,7 +12,9 @@ Invariants:
      SUM/AVG(DISTINCT) over the distinct (keys, value) pairs; several are joined on the keys, nulls matching.
   3. ``agg(x) FILTER (WHERE c)`` is ``agg(CASE WHEN c THEN x END)`` (``COUNT(*) FILTER`` counts the rows where c
      holds); MIN/MAX(DISTINCT x) are MIN/MAX(x).
-  4. The result Rel names the plain-column group keys (so ``SELECT t.a ... GROUP BY a`` works); the
+  4. SUM, AVG, MIN and MAX of a DECIMAL aggregate its unscaled int64 (AVG as SUM and COUNT), converted back to
+     the types of decimal.py invariant 3 after the aggregate.
+  5. The result Rel names the plain-column group keys (so ``SELECT t.a ... GROUP BY a`` works); the
      substitution map sends every group-key expression and aggregate call to its field.
 """
 
@@ -26,6 +28,7 @@ import pyarrow.types as pat
 from sqlglot import exp
 
 from dbsp_core import aggregates as dbsp  # dbsp.count(), dbsp.sum(), ...: the public aggregate functions
+from dbsp_core.sql import decimal as dec
 from dbsp_core.sql.build import Builder
 from dbsp_core.sql.expr import AGGREGATES, call, lit, null
 from dbsp_core.sql.parse import DIALECT, ident, tname
@@ -151,6 +154,7 @@ def plan_aggregate(builder: Builder, rel: Rel, node: exp.Select | None, items: l
     # aggregate arguments (invariant 3)
     alias_of = {e: n for n, e in items if not n.startswith("__")}
     specs: list[tuple[exp.Expression, str, str | None, bool]] = []  # (call, kind, arg field, distinct)
+    decimals: dict = {}  # call -> the DECIMAL type of its argument (invariant 4)
     for a in aggs:
         kind, arg, distinct, cond = _parts(builder, a)
         if cond is not None:
@@ -164,6 +168,9 @@ def plan_aggregate(builder: Builder, rel: Rel, node: exp.Select | None, items: l
             raise src.error(a, f"{kind.upper()} needs a numeric argument, got {t}")
         if pat.is_null(t):
             e = e.cast(pa.int32())
+        if pat.is_decimal(t) and kind != "count":
+            decimals[a] = t
+            e = dec.unscaled(e, t)
         if kind in ("min", "max"):
             distinct = False
         f = field_for(e)
@@ -187,6 +194,7 @@ def plan_aggregate(builder: Builder, rel: Rel, node: exp.Select | None, items: l
         used.add(n)
         return n
 
+    count_of: dict = {}  # a DECIMAL AVG's call -> the field of its count (invariant 4)
     plain: dict[str, Any] = {}
     counted: dict[str, Any] = {}
     by_distinct: dict[str, dict[str, Any]] = {}
@@ -201,10 +209,14 @@ def plan_aggregate(builder: Builder, rel: Rel, node: exp.Select | None, items: l
                 counted[name] = dbsp.count_distinct(f)
             else:
                 plain[name] = dbsp.count(f) if f is not None else dbsp.count()
-        elif distinct:  # SUM / AVG (DISTINCT x)
-            by_distinct.setdefault(f, {})[name] = getattr(dbsp, kind)(f)
-        else:
-            plain[name] = getattr(dbsp, kind)(f)
+        else:  # SUM / AVG (DISTINCT x) over the distinct pairs
+            into = by_distinct.setdefault(f, {}) if distinct else plain
+            if kind == "avg" and call_node in decimals:  # invariant 4: the exact sum and the count
+                into[name] = dbsp.sum(f)
+                count_of[call_node] = builder.fresh()
+                into[count_of[call_node]] = dbsp.count(f)
+            else:
+                into[name] = getattr(dbsp, kind)(f)
     linear = all(a.kind == "count" or (a.kind in ("sum", "avg") and pat.is_integer(pre.type_of(a.column)))
                  for a in plain.values())
     if counted and (linear or not plain):
@@ -227,6 +239,8 @@ def plan_aggregate(builder: Builder, rel: Rel, node: exp.Select | None, items: l
     stream = results[0]
     for other in results[1:]:
         stream = _join_on_keys(builder, stream, other, keys)
+    if decimals:
+        stream = _decimal_results(stream, {names[c]: (c, t) for c, t in decimals.items()}, count_of)
     cols = [Col(ident(g.this), tname(g.args["table"]) if g.args.get("table") else None, key_of[g])
             for g in groups if isinstance(g, exp.Column)]
     for g in groups:
@@ -240,6 +254,26 @@ def plan_aggregate(builder: Builder, rel: Rel, node: exp.Select | None, items: l
     out_rel.ungrouped = rel  # type: ignore[attr-defined]  # the input, to name a column that is not grouped
     out_rel.count_fields = counts  # type: ignore[attr-defined]
     return out_rel, subst
+
+
+def _decimal_results(stream: Any, fields: dict, count_of: dict) -> Any:
+    """Invariant 4: the aggregates of unscaled DECIMALs (``fields``: output name -> (call, type)) as decimals;
+    the counts of the AVGs (``count_of``: call -> its count's field) dropped."""
+    hidden = set(count_of.values())
+    cols: dict[str, pc.Expression] = {}
+    for n in stream.schema.names:
+        if n in hidden:
+            continue
+        if n not in fields:
+            cols[n] = F(n)
+            continue
+        c, t = fields[n]
+        kind = _KINDS[type(c.this if isinstance(c, exp.Filter) else c)]
+        if kind == "avg":
+            cols[n] = dec.avg(F(n), F(count_of[c]), t)
+        else:
+            cols[n] = dec.from_unscaled(F(n), t.scale, dec.sum_type(t) if kind == "sum" else t)
+    return stream.select(**cols)
 
 
 def _through_picks(rel: Rel) -> Rel:

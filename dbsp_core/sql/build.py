@@ -19,8 +19,9 @@ from sqlglot import exp
 
 from dbsp_core.circuit import Circuit, Stream
 from dbsp_core.operators.join import _key_class
+from dbsp_core.operators.temporal import filter_now
 from dbsp_core.sql.errors import Source
-from dbsp_core.sql.expr import Exprs, call, lit
+from dbsp_core.sql.expr import Exprs, NowCondition, call, lit
 from dbsp_core.sql.parse import DIALECT, ident, tname
 from dbsp_core.sql.relation import Col, Names, Rel
 from dbsp_core.sql.types import common_type
@@ -188,11 +189,19 @@ class Builder(ABC):
         if not conds:
             return rel
         ex = self.exprs(rel, subst, "WHERE")
-        pred = None
+        ex.allow_now = True
+        pred, timed = None, []
         for c in conds:
+            ex.used_now = False
             p = ex.predicate(c)
+            if ex.used_now:  # expr.py invariant 7: a temporal filter, at each step's logged now
+                timed.append(c)
+                continue
             pred = p if pred is None else call("and_kleene", pred, p)
-        return Rel(rel.stream.filter(pred), rel.cols)
+        stream = rel.stream if pred is None else rel.stream.filter(pred)
+        if timed:
+            stream = filter_now(stream, NowCondition(self.src, rel, subst, timed))
+        return Rel(stream, rel.cols)
 
     # ---- the planner's, for the clause modules ----
 

@@ -8,6 +8,9 @@ Invariants:
      remainder has the dividend's sign; of doubles, ``//`` is the quotient and ``%`` the truncated remainder); integer +, -, * and unary - raise on overflow; CAST of a float to an integer
      rounds half to even, ROUND rounds half away from zero. An integer becomes a double (``/``, SQRT, LN, LOG, EXP,
      POWER, CAST) rounded to the nearest double, as in DuckDB: every int64 and uint64 value is accepted.
+     DECIMAL arithmetic is exact with DuckDB's result types (decimal.py): a numeric literal beside a DECIMAL is a
+     DECIMAL of its own digits; a DECIMAL beside a float is a double; CAST to DECIMAL or to an integer rounds
+     half away from zero.
   3. A node found in the substitution map (group keys, aggregate calls, subquery results the planner already
      computed) compiles to a reference to its field, before anything else is looked at.
   4. Anything not covered raises SqlError at the node, saying what is not supported. A literal pattern (regular
@@ -16,6 +19,10 @@ Invariants:
   5. A chain of binary operators (``a + b + ...``, sqlglot's left-deep tree) compiles without recursing per
      term, in the written order (exactly associative AND, OR and ``||`` as a balanced tree); a chain or IN list
      longer than MAX_CHAIN terms is a SqlError, since Arrow evaluates it recursively and would overflow its stack.
+  7. ``now()`` and ``CURRENT_TIMESTAMP`` are the step's logged time (``ctx.now_ns``, the same when a step is
+     replayed after a crash) as a TIMESTAMP in microseconds (UTC). They may appear in WHERE and HAVING conditions
+     only: such a condition is a temporal filter (NowCondition, operators/temporal.py ``filter_now``) that
+     re-evaluates the integral of its input at every step; elsewhere they are a SqlError.
   6. Floats compare as in DuckDB, not IEEE: NaN equals NaN and is greater than every other number (+inf included),
      -0.0 equals 0.0; a NULL operand still gives NULL. Every comparison (=, <>, <, <=, >, >=, IS [NOT] DISTINCT
      FROM, NULLIF, and IN, BETWEEN and CASE through them) goes through ``_compare``; GREATEST of a NaN is NaN.
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import re
+import time
 from typing import Any, Callable
 
 import pyarrow as pa
@@ -34,6 +42,7 @@ from sqlglot import exp
 
 from dbsp_core.errors import SchemaError
 from dbsp_core.operators.expr import project_schema
+from dbsp_core.sql import decimal as dec
 from dbsp_core.sql.errors import Source, SqlError
 from dbsp_core.sql.parse import DIALECT, ident, interval_value, tname
 from dbsp_core.sql.relation import Rel
@@ -82,17 +91,22 @@ class Exprs:
         self._types: dict[str, pa.DataType] = {}
         self._memo: dict[int, tuple[exp.Expression, pc.Expression]] = {}  # the nodes of a chain being compiled
         self._typed: dict[int, tuple[pc.Expression, pa.DataType]] = {}  # its levels' types, by expression object
+        self.allow_now = False  # invariant 7: a WHERE or HAVING condition
+        self.now_ns: int | None = None  # the step's now that now() compiles to (None: the wall clock, to bind)
+        self.used_now = False  # set when now() was compiled
 
     # ---- entry points ----
 
     def compile(self, node: exp.Expression) -> pc.Expression:
-        e = self._c(node)
-        self.type_of(e, node)  # bind now, so an error points at this node
-        return e
+        return self.typed(node)[0]  # bound now, so an error points at this node
 
     def typed(self, node: exp.Expression) -> tuple[pc.Expression, pa.DataType]:
         e = self._c(node)
-        return e, self.type_of(e, node)
+        t = self.type_of(e, node)
+        if pat.is_decimal(t) and not pat.is_decimal64(t):  # an Arrow kernel's decimal128 (coalesce): stored as 64
+            e = e.cast(pa.decimal64(min(t.precision, dec.MAX_PRECISION), t.scale))
+            t = self.type_of(e, node)
+        return e, t
 
     def predicate(self, node: exp.Expression) -> pc.Expression:
         e, t = self.typed(node)
@@ -171,6 +185,10 @@ class Exprs:
                 v = int(text)
                 return lit(v, int_literal_type(v))
             return lit(float(text), pa.float64())
+        if isinstance(node, exp.CurrentTimestamp) or (
+                isinstance(node, exp.Anonymous) and node.name.lower() in ("now", "get_current_timestamp")
+                and not node.expressions):
+            return self._now(node)
         if isinstance(node, exp.HexString):  # x'303132': a BLOB (parse.py reads it from the tokens)
             return lit(bytes.fromhex(node.this), pa.binary())
         if isinstance(node, exp.Null):
@@ -240,6 +258,8 @@ class Exprs:
             a, t = self._t(node.this)
             if pat.is_unsigned_integer(t):  # DuckDB: the same unsigned type, so only -0 has a value
                 return call("subtract_checked", lit(0, t), a)
+            if pat.is_decimal(t):
+                return dec.negate(a, t)
             return call("negate_checked", a)
         if isinstance(node, exp.DPipe):
             a, b = self._as_string(node.this), self._as_string(node.expression)
@@ -297,6 +317,16 @@ class Exprs:
         if isinstance(node, exp.Func):
             return self._function(node)
         raise src.error(node, f"{type(node).__name__} ({node.sql(dialect=DIALECT)}) is not supported")
+
+    def _now(self, node: exp.Expression) -> pc.Expression:
+        """Invariant 7."""
+        if not self.allow_now:
+            raise self.src.error(node, f"{node.sql(dialect=DIALECT)} is supported in WHERE and HAVING conditions "
+                                       f"(a temporal filter, evaluated at each step's logged time), "
+                                       f"not in {self.where}")
+        self.used_now = True
+        now = self.now_ns if self.now_ns is not None else time.time_ns()
+        return lit(now // 1000, pa.timestamp("us"))
 
     def _chain(self, node: exp.Binary) -> pc.Expression:
         """A binary operator whose left operand is one too: sqlglot nests ``a + b + c`` as ``(a + b) + c``, so a
@@ -375,6 +405,8 @@ class Exprs:
         """Both operands typed; a numeric literal takes the other operand's numeric type when its value fits
         (as SQL engines cast a constant to the column's type), so no cast runs per row."""
         (a, ta), (b, tb) = self._t(x), self._t(y)
+        if pat.is_decimal(ta) or pat.is_decimal(tb):  # a literal beside a DECIMAL: a DECIMAL of its own digits
+            return self._decimal_literal(x, ta, a, tb), self._decimal_literal(y, tb, b, ta)
         b2 = self._retyped(y, ta)
         if b2 is not None:
             return (a, ta), (b2, ta)
@@ -382,6 +414,22 @@ class Exprs:
         if a2 is not None:
             return (a2, tb), (b, tb)
         return (a, ta), (b, tb)
+
+    def _decimal_literal(self, node: exp.Expression, t: pa.DataType, e: pc.Expression, other: pa.DataType
+                         ) -> tuple[pc.Expression, pa.DataType]:
+        """A numeric literal next to a DECIMAL operand (``other``) typed as a DECIMAL of its digits, as DuckDB types
+        it; anything else as it is."""
+        neg = isinstance(node, exp.Neg)
+        n = node.this if neg else node
+        if not (pat.is_decimal(other) and isinstance(n, exp.Literal) and not n.is_string) or self.subst.get(node):
+            return e, t
+        lt = dec.literal_type(n.this)
+        if lt is None:
+            return e, t
+        from decimal import Decimal
+
+        v = Decimal(n.this)
+        return lit(-v if neg else v, lt), lt
 
     def literal_as(self, node: exp.Expression, t: pa.DataType) -> pc.Expression | None:
         """A string literal compared with (or joined to) a number, as DuckDB casts it: to the number's type,
@@ -434,6 +482,11 @@ class Exprs:
             a = null(tb)
         elif pat.is_null(tb):
             b = null(ta)
+        if pat.is_decimal(ta) or pat.is_decimal(tb):
+            c = common_type(ta, tb)
+            if pat.is_floating(c):
+                return a.cast(c), b.cast(c)
+            return (a if ta.equals(c) else dec.cast(a, ta, c)), (b if tb.equals(c) else dec.cast(b, tb, c))
         if pat.is_timestamp(ta) and pat.is_date(tb):
             b = b.cast(ta)
         elif pat.is_date(ta) and pat.is_timestamp(tb):
@@ -479,7 +532,8 @@ class Exprs:
             if c is None:
                 raise self.src.error(node, f"{node.sql(dialect=DIALECT)}: no common type for {target} and {t}")
             target = c
-        return [e if t.equals(target) else e.cast(target) for e, t in typed]  # only NULLs: they stay untyped
+        return [e if t.equals(target) else dec.cast(e, t, target) if pat.is_decimal(target) and pat.is_integer(t)
+                else e.cast(target) for e, t in typed]  # only NULLs: they stay untyped
 
     def _f64(self, node: exp.Expression) -> pc.Expression:
         """A numeric operand as a double, integers rounded to the nearest (invariant 2)."""
@@ -520,6 +574,13 @@ class Exprs:
             return call("subtract", a, b)
         self._numeric(node, ta, tb)
         name = {exp.Add: "add_checked", exp.Sub: "subtract_checked", exp.Mul: "multiply_checked"}[type(node)]
+        if pat.is_decimal(ta) or pat.is_decimal(tb):
+            if pat.is_floating(ta) or pat.is_floating(tb):  # DuckDB: a DECIMAL beside a float is a double
+                return call(name, a.cast(pa.float64()), b.cast(pa.float64()))
+            try:
+                return dec.arith(name[:-len("_checked")], a, ta, b, tb)
+            except ValueError as e:
+                raise self.src.error(node, str(e)) from None
         return call(name, a, b)
 
     def _case(self, node: exp.Case) -> pc.Expression:
@@ -552,6 +613,15 @@ class Exprs:
             except (pa.ArrowInvalid, ValueError) as e:
                 raise self.src.error(node, f"{inner.this!r} is not a {target}: {e}") from None
         e, t = self._t(inner)
+        if pat.is_integer(t) and pat.is_decimal(target):  # through the integer's digits (Arrow's rule), checked
+            return dec.cast(e, t, target)
+        if pat.is_decimal(t) and (pat.is_integer(target) or pat.is_decimal(target) and target.scale < t.scale):
+            digits = target.scale if pat.is_decimal(target) else 0  # DuckDB rounds half away from zero
+            e = call("round", e.cast(pa.decimal128(t.precision, t.scale)), options=pc.RoundOptions(digits, ROUND))
+            return e.cast(target)
+        if pat.is_floating(t) and pat.is_decimal(target):
+            e = call("round", e, options=pc.RoundOptions(target.scale, ROUND))
+            return e.cast(target, safe=False)  # rounded already: the cast only drops a float's binary tail
         if pat.is_floating(t) and pat.is_integer(target):
             e = call("round", e, options=pc.RoundOptions(0, "half_to_even"))
         if pat.is_integer(t) and pat.is_floating(target):  # invariant 2: rounded to the nearest, never refused
@@ -755,6 +825,25 @@ class Exprs:
             if pat.is_timestamp(t):
                 return e.cast(pa.timestamp("ms")).cast(pa.int64())
         raise self.src.error(node, f"function {node.name}() is not supported")
+
+
+class NowCondition:
+    """The conjunction of WHERE/HAVING conditions that read now() over ``rel``, as ``filter_now`` calls it: the
+    pyarrow predicate at a step's now (invariant 7). Its ``__qualname__`` holds the conditions' SQL, which the
+    circuit's fingerprint hashes."""
+
+    def __init__(self, src: Source, rel: Rel, subst: dict | None, conds: list[exp.Expression]) -> None:
+        self.src, self.rel, self.subst, self.conds = src, rel, subst, conds
+        self.__qualname__ = "NowCondition[" + " AND ".join(c.sql(dialect=DIALECT) for c in conds) + "]"
+
+    def __call__(self, now_ns: int) -> pc.Expression:
+        ex = Exprs(self.src, self.rel, self.subst, where="WHERE")
+        ex.allow_now, ex.now_ns = True, now_ns
+        out = None
+        for c in self.conds:
+            p = ex.predicate(c)
+            out = p if out is None else call("and_kleene", out, p)
+        return out
 
 
 def _any(conds: list[pc.Expression]) -> pc.Expression:
