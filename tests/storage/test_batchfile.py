@@ -51,7 +51,7 @@ def test_round_trip(n: int, key) -> None:
     # the Arrow section is a standard Arrow IPC file
     with open(path, "rb") as fh:
         raw = fh.read()
-    _, _, _, aoff, alen, _, _ = HEADER.unpack_from(raw, 0)
+    _, _, _, aoff, alen, *_ = HEADER.unpack_from(raw, 0)
     rb = pa.ipc.open_file(pa.py_buffer(raw[aoff:aoff + alen])).get_batch(0)
     assert rb.num_rows == len(b) and rb.schema.names[:len(b.schema)] == b.schema.names
 
@@ -72,7 +72,7 @@ def test_every_section_is_checked() -> None:
     size = write_batch(src, b)
     with open(src, "rb") as fh:
         raw = fh.read()
-    _, _, _, aoff, alen, _, _ = HEADER.unpack_from(raw, 0)
+    _, _, _, aoff, alen, *_ = HEADER.unpack_from(raw, 0)
     _, _, _, fence_off, nfence, bloom_off, nbloom, crc_off, _, _ = FOOTER.unpack_from(raw, size - FOOTER.size)
     places = {"header": 20, "arrow first page": aoff + 100, "arrow middle page": aoff + alen // 2,
               "arrow last page": aoff + alen - 3, "fence": fence_off + 8, "bloom": bloom_off + 8 * (nbloom // 2),
