@@ -64,12 +64,13 @@ import tempfile
 import threading
 import weakref
 from collections import OrderedDict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
 from dbsp_core.envvars import parse_memory_limit
+from dbsp_core.progress import progress
 from dbsp_core.storage.formats import BATCH_FILE_SUFFIX, SPILL_DIR
 from dbsp_core.trace.batchfile import BatchFile, open_batch, write_batch
 
@@ -121,6 +122,7 @@ class BatchStore:
 
     BATCH_SHARE = 0.75  # of the limit: batches in memory; the rest: the cache of spilled pages
     CACHE_SHARE = 0.25
+    PROGRESS_BYTES = 256 << 20  # an enforce spilling this much shows a progress line (dbsp_core/progress.py)
 
     def __init__(self, memory_limit: int, directory: str | None = None, durable: bool = False,
                  vfs: str = "posix") -> None:
@@ -352,12 +354,17 @@ class BatchStore:
         spilled = 0
         if mem > budget:
             candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
-            for _lvl, n, b in candidates:
-                if mem <= budget:
-                    break
-                f = self._spill(b)
-                mem -= n - f.memory_bytes()
-                spilled += n
+            over = mem - budget
+            with (progress("spilling state to batch files", total=over >> 20, unit=" MiB")
+                  if over >= self.PROGRESS_BYTES else nullcontext()) as shown:
+                for _lvl, n, b in candidates:
+                    if mem <= budget:
+                        break
+                    f = self._spill(b)
+                    mem -= n - f.memory_bytes()
+                    spilled += n
+                    if shown is not None:
+                        shown.update(min(over, spilled) >> 20)
         self._trim_cache(traces)
         return spilled
 
