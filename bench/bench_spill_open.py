@@ -10,6 +10,9 @@ then measures:
 - ``first``: the first 1k-row step after the open (900 new bids, 100 deletions), its seconds and the RSS after;
 - ``next``: the mean of the next ``--steps`` such steps.
 
+With ``--eager`` each state is opened a second time the way open worked before the lazy open (every byte of
+every named batch file checked when it is opened), in another fresh child.
+
 Run:  python bench/bench_spill_open.py --sizes 1M,10M
       python bench/bench_spill_open.py --sizes 100k --load-step 50k   # a check that it runs
 """
@@ -60,12 +63,17 @@ def build(root: str, state: int, groups: int, load_step: int, limit: str) -> dic
     return out
 
 
-def reopen(root: str, groups: int, steps: int, limit: str) -> dict:
+def reopen(root: str, groups: int, steps: int, limit: str, eager: bool = False) -> dict:
     import dbsp_core as dbsp
     from dbsp_core import ZSet
     from dbsp_core.metrics import rss_bytes
     from dbsp_core.runtime.embedded import EmbeddedExecutor
 
+    if eager:  # what open did before the lazy open: every byte of every named file checked when opened
+        import dbsp_core.trace.batchfile as bf
+
+        whole = bf.open_batch
+        bf.open_batch = lambda path, verify=False, advice=None, lazy=False: whole(path, verify=True, advice=advice)
     rng = np.random.default_rng(8)
     c = circuit("join")
     rss0 = rss_bytes() or 0
@@ -73,6 +81,9 @@ def reopen(root: str, groups: int, steps: int, limit: str) -> dict:
     p = dbsp.Pipeline.open(root, c, memory_limit=limit, executor=EmbeddedExecutor(background_merge=True))
     open_s = time.perf_counter() - t0
     rss1 = rss_bytes() or 0
+    if steps < 0:  # open only
+        p.close(checkpoint=False)
+        return {"open_s": open_s, "rss_before": rss0, "rss_open": rss1}
     times = []
     for k in range(steps + 1):
         t0 = time.perf_counter()
@@ -93,7 +104,7 @@ def reopen(root: str, groups: int, steps: int, limit: str) -> dict:
 def child(kind: str, a: dict) -> dict:
     if kind == "build":
         return build(a["root"], a["state"], a["groups"], a["load_step"], a["limit"])
-    return reopen(a["root"], a["groups"], a["steps"], a["limit"])
+    return reopen(a["root"], a["groups"], a["steps"], a["limit"], a.get("eager", False))
 
 
 def run(kind: str, a: dict) -> dict:
@@ -111,6 +122,8 @@ def main() -> int:
     ap.add_argument("--limit", default="64MiB")
     ap.add_argument("--load-step", type=_count, default=500_000)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--eager", action="store_true",
+                    help="also open each state checking every byte of its batch files at open (the code before)")
     ap.add_argument("--dir", default=None, help="where the storage directories go (default: a temporary one)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -127,17 +140,23 @@ def main() -> int:
             root = os.path.join(top, size)
             b = run("build", {"root": root, "state": state, "groups": groups, "load_step": args.load_step,
                               "limit": args.limit})
-            r = run("open", {"root": root, "groups": groups, "steps": args.steps, "limit": args.limit})
-            print(f"{size:>5} rows: built in {b['load_s']:.1f} s, {b['files']} batch files, "
-                  f"{b['disk'] / MIB:,.0f} MiB, {b['spilled_rows']:,} spilled rows | open {r['open_s'] * 1e3:,.0f} ms, "
-                  f"RSS {r['rss_before'] / MIB:,.0f} -> {r['rss_open'] / MIB:,.0f} MiB "
-                  f"(+{(r['rss_open'] - r['rss_before']) / MIB:,.1f}) | first step {r['first_s'] * 1e3:,.0f} ms, "
-                  f"RSS after {r['rss_first'] / MIB:,.0f} MiB | next {args.steps} steps mean "
-                  f"{r['next_mean_s'] * 1e3:,.1f} ms | cache {r['cache']}; load {os.getloadavg()[0]:.2f}", flush=True)
+            for eager in ([True, False] if args.eager else [False]):  # eager first: it opens and runs no step
+                r = run("open", {"root": root, "groups": groups, "steps": -1 if eager else args.steps,
+                                 "limit": args.limit, "eager": eager})
+                report(size, b, r, eager, args)
             shutil.rmtree(root, ignore_errors=True)
     finally:
         shutil.rmtree(top, ignore_errors=True)
     return 0
+
+
+def report(size: str, b: dict, r: dict, eager: bool, args: argparse.Namespace) -> None:
+    steps = "" if eager else (f" | first step {r['first_s'] * 1e3:,.0f} ms, RSS after {r['rss_first'] / MIB:,.0f} MiB | "
+                              f"next {args.steps} steps mean {r['next_mean_s'] * 1e3:,.1f} ms | cache {r['cache']}")
+    print(f"{size:>5} rows{' (eager check at open)' if eager else ''}: built in {b['load_s']:.1f} s, {b['files']} "
+          f"batch files, {b['disk'] / MIB:,.0f} MiB, {b['spilled_rows']:,} spilled rows | open "
+          f"{r['open_s'] * 1e3:,.0f} ms, RSS {r['rss_before'] / MIB:,.0f} -> {r['rss_open'] / MIB:,.0f} MiB "
+          f"(+{(r['rss_open'] - r['rss_before']) / MIB:,.1f}){steps}; load {os.getloadavg()[0]:.2f}", flush=True)
 
 
 if __name__ == "__main__":

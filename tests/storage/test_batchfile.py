@@ -101,3 +101,20 @@ def test_a_short_file_is_refused() -> None:
         fh.write(b"DBSPBTCH" + b"\0" * 40)
     with pytest.raises(CorruptionError):
         open_batch(path)
+
+
+def test_a_durable_batch_file_over_64_mib_is_written() -> None:
+    """A durable store's batch files go through the VFS's atomic replace, which refused more than 64 MiB (the bound
+    of a small file's read): a 10M-row join's first big merge output failed to spill."""
+    from dbsp_core import ZSet
+
+    n = 600_000  # k int64 + 100-byte strings + offsets + weight + key hash + row hash: about 80 MiB
+    pad = pa.array(np.full(n, "x" * 100, dtype=object), pa.string())
+    z = ZSet.from_arrow(pa.table({"k": np.arange(n, dtype=np.int64), "pad": pad}))
+    b = z.index_by(["k"])
+    b._row_hashes()
+    path = os.path.join(tempfile.mkdtemp(), "big.batch")
+    size = write_batch(path, b, sync=True)
+    assert size > 64 << 20 and os.path.getsize(path) == size
+    assert verify(path) == n
+    os.unlink(path)
