@@ -153,11 +153,10 @@ def write_batch(path: str, batch: Any, vfs: str = "posix", sync: bool = True) ->
     schema = pa.schema(fields, metadata={b"dbsp.key": json.dumps(list(batch.key)).encode(), b"dbsp.row_hash": rh_mode.encode()})
     rb = pa.RecordBatch.from_arrays([c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c for c in cols],
                                     schema=schema)
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, schema) as w:
+    sizer = pa.MockOutputStream()  # the Arrow file's size, so it is written once, in place (no copy of the batch
+    with pa.ipc.new_file(sizer, schema) as w:  # besides the file's image: spilling must not double the peak)
         w.write_batch(rb)
-    arrow = sink.getvalue()
-    alen = arrow.size
+    alen = sizer.size()
     fence = _fence(kh)
     bloom = bloom_build(kh)
     npages = (alen + PAGE - 1) // PAGE
@@ -167,7 +166,8 @@ def write_batch(path: str, batch: Any, vfs: str = "posix", sync: bool = True) ->
     size = _pad8(crc_off + 4 * npages) + FOOTER.size
     buf = bytearray(size)
     mv = memoryview(buf)
-    mv[64:64 + alen] = memoryview(arrow).cast("B")
+    with pa.ipc.new_file(pa.FixedSizeBufferWriter(pa.py_buffer(mv[64:64 + alen])), schema) as w:
+        w.write_batch(rb)
     mv[fence_off:bloom_off] = fence.tobytes()
     mv[bloom_off:crc_off] = bloom.tobytes()
     crcs = np.array([_crc(mv[64 + i * PAGE:64 + min(alen, (i + 1) * PAGE)]) for i in range(npages)], dtype="<u4")
