@@ -37,13 +37,13 @@ from bench_scaling import AUCTIONS, _count, bids, circuit  # noqa: E402
 MIB = 2**20
 
 
-def build(root: str, state: int, groups: int, load_step: int, limit: str) -> dict:
+def build(root: str, state: int, groups: int, load_step: int, limit: str, retention: int | None) -> dict:
     import dbsp_core as dbsp
     from dbsp_core.runtime.embedded import EmbeddedExecutor
 
     rng = np.random.default_rng(7)
     t0 = time.perf_counter()
-    p = dbsp.Pipeline(circuit("join"), storage=root, memory_limit=limit,
+    p = dbsp.Pipeline(circuit("join"), storage=root, memory_limit=limit, output_retention=retention,
                       executor=EmbeddedExecutor(background_merge=True))
     p.push("auctions", pa.table({"id": np.arange(groups), "category": np.arange(groups) % 50}, schema=AUCTIONS))
     done = 0
@@ -103,7 +103,7 @@ def reopen(root: str, groups: int, steps: int, limit: str, eager: bool = False) 
 
 def child(kind: str, a: dict) -> dict:
     if kind == "build":
-        return build(a["root"], a["state"], a["groups"], a["load_step"], a["limit"])
+        return build(a["root"], a["state"], a["groups"], a["load_step"], a["limit"], a["retention"])
     return reopen(a["root"], a["groups"], a["steps"], a["limit"], a.get("eager", False))
 
 
@@ -122,6 +122,9 @@ def main() -> int:
     ap.add_argument("--limit", default="64MiB")
     ap.add_argument("--load-step", type=_count, default=500_000)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--keep-output", action="store_true",
+                    help="keep every step's output in the output log (output_retention=None), which open scans; "
+                         "default: output_retention=0, so open reads the state and little else")
     ap.add_argument("--eager", action="store_true",
                     help="also open each state checking every byte of its batch files at open (the code before)")
     ap.add_argument("--dir", default=None, help="where the storage directories go (default: a temporary one)")
@@ -139,7 +142,7 @@ def main() -> int:
             state = _count(size)
             root = os.path.join(top, size)
             b = run("build", {"root": root, "state": state, "groups": groups, "load_step": args.load_step,
-                              "limit": args.limit})
+                              "limit": args.limit, "retention": None if args.keep_output else 0})
             for eager in ([True, False] if args.eager else [False]):  # eager first: it opens and runs no step
                 r = run("open", {"root": root, "groups": groups, "steps": -1 if eager else args.steps,
                                  "limit": args.limit, "eager": eager})
