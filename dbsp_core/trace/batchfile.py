@@ -262,22 +262,13 @@ class BatchFile(NamedTuple):
 
     def _pages_of(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """The Arrow pages holding the file bytes [starts[i], ends[i]) (absolute offsets in the file)."""
-        keep = ends > starts
-        first = (starts[keep] - self.arrow_off) // PAGE
-        last = (ends[keep] - 1 - self.arrow_off) // PAGE
-        if len(first) == 0:
-            return np.zeros(0, dtype=np.int64)
-        span = last - first
-        if int(span.max()) == 0:
-            return first
-        n = span + 1
-        rep = np.repeat(first - np.concatenate(([0], np.cumsum(n)[:-1])), n)
-        return rep + np.arange(int(n.sum()), dtype=np.int64)
+        return _pages(self.arrow_off, starts, ends)
 
     def check_seek(self, batch: Any, hashes: np.ndarray) -> None:
         """Check what a fenced seek for each of ``hashes`` (ascending) in ``batch`` (this file's whole batch) reads:
         the fence and filter, and for each hash the key hashes from the fence block before it to one block past
-        the last fence entry not above it (csrc/lookup.h's dbsp_seek, and the walk over equal hashes after it)."""
+        the last fence entry not above it (csrc/lookup.h's dbsp_seek, the walk over equal hashes after it and the
+        next seek's probe one block on), and the first block (the first seek's probes)."""
         self.check_sections()
         kh = batch.key_hash
         n = len(kh)
@@ -288,6 +279,7 @@ class BatchFile(NamedTuple):
             return
         lo = np.maximum(np.searchsorted(self.fence, hashes, "left") - 1, 0) * FENCE_STEP
         hi = np.minimum(np.searchsorted(self.fence, hashes, "right") * FENCE_STEP + FENCE_STEP + 2, n)
+        lo, hi = np.append(lo, 0), np.append(hi, min(n, FENCE_STEP + 2))  # the first seek reads kh[0], kh[64]
         addr = kh.ctypes.data - self.base
         self.check_pages(self._pages_of(addr + lo * 8, addr + hi * 8))
 
@@ -330,6 +322,21 @@ class BatchFile(NamedTuple):
                 starts.append(at + offs[pos].astype(np.int64))
                 ends.append(at + offs[pos + 1].astype(np.int64))
             self.check_pages(self._pages_of(np.concatenate(starts), np.concatenate(ends)))
+
+
+def _pages(arrow_off: int, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The Arrow pages (of a section at ``arrow_off``) holding the file bytes [starts[i], ends[i])."""
+    keep = ends > starts
+    first = (starts[keep] - arrow_off) // PAGE
+    last = (ends[keep] - 1 - arrow_off) // PAGE
+    if len(first) == 0:
+        return np.zeros(0, dtype=np.int64)
+    span = last - first
+    if int(span.max()) == 0:
+        return first
+    n = span + 1
+    rep = np.repeat(first - np.concatenate(([0], np.cumsum(n)[:-1])), n)
+    return rep + np.arange(int(n.sum()), dtype=np.int64)
 
 
 def _fixed_ranges(arr: pa.Array, rows: np.ndarray, base: int, starts: list, ends: list) -> str | None:
@@ -433,14 +440,29 @@ def open_batch(path: str, verify: bool = False, advice: int | None = None, lazy:
             _check_pages(path, mv, aoff, alen, crcs, opened)
         buf = pa.py_buffer(m)
         rb = pa.ipc.open_file(buf[aoff:aoff + alen]).get_batch(0)
+        if rb.num_rows != rows:
+            raise _bad(path, f"the Arrow record batch holds {rb.num_rows} rows, the header {rows}")
+        meta = rb.schema.metadata or {}
+        key = tuple(json.loads(meta[b"dbsp.key"]))
+        rh_mode = meta.get(b"dbsp.row_hash", b"0").decode()
+        ndata = rb.num_columns - (3 if rh_mode == "1" else 2)
+        checked = None
+        if lazy:  # building the batch validates each column's first and last offsets: their pages first
+            checked = np.zeros(npages + 1, dtype=bool)
+            checked[opened] = True
+            starts: list[np.ndarray] = []
+            ends: list[np.ndarray] = []
+            ends_rows = np.array([0, max(0, rows - 1)], dtype=np.int64)
+            if rows and any(_fixed_ranges(c, ends_rows, buf.address, starts, ends) is None for c in rb.columns[:ndata]):
+                todo = np.arange(npages, dtype=np.int64)  # a type whose pages this does not locate: all of them
+            else:
+                todo = np.unique(_pages(aoff, np.concatenate(starts), np.concatenate(ends))) if starts else \
+                    np.zeros(0, dtype=np.int64)
+            todo = todo[~checked[todo]]
+            _check_pages(path, mv, aoff, alen, crcs, todo.tolist())
+            checked[todo] = True
     finally:
         mv.release()
-    if rb.num_rows != rows:
-        raise _bad(path, f"the Arrow record batch holds {rb.num_rows} rows, the header {rows}")
-    meta = rb.schema.metadata or {}
-    key = tuple(json.loads(meta[b"dbsp.key"]))
-    rh_mode = meta.get(b"dbsp.row_hash", b"0").decode()
-    ndata = rb.num_columns - (3 if rh_mode == "1" else 2)
     data = pa.Table.from_batches([pa.RecordBatch.from_arrays(rb.columns[:ndata],
                                                              schema=pa.schema(list(rb.schema)[:ndata]))])
     w = rb.column(ndata).to_numpy(zero_copy_only=True)
@@ -449,10 +471,6 @@ def open_batch(path: str, verify: bool = False, advice: int | None = None, lazy:
     ix._rh = kh if rh_mode == "key" else (rb.column(ndata + 2).to_numpy(zero_copy_only=True) if rh_mode == "1" else None)
     if len(fence) and rows >= IndexedZSet.FENCE_MIN:
         ix._fx = fence  # kernels seek through it without reading the key hashes (csrc/lookup.h)
-    checked = None
-    if lazy:
-        checked = np.zeros(npages + 1, dtype=bool)
-        checked[opened] = True
     return BatchFile(path, size, rows, m, aoff, alen, fence, bloom, k, crcs, ix, checked, buf.address,
                      (fence_off, crc_off, filt_sec))
 

@@ -514,8 +514,11 @@ class Trace(KeyIndexed):
             view, schema = change._view(), change.schema
             rh = change._row_hashes()  # rows of one key are in row-hash order: gallop within a big group's run
             for b in batches:
-                self._check_probe(b, change.key_hash)
                 same = b.schema.equals(schema)  # a cast batch's hashes are not the change's: walk it plainly
+                if same:
+                    self._check_probe(b, change.key_hash)
+                elif self._store is not None:
+                    self._store.check(b)
                 _zset.match_weights(view, None, None, b._view_as(schema), None, None, acc,
                                     rh if same else None, b._row_hashes() if same else None)
         return acc

@@ -182,3 +182,47 @@ def test_page_of_rows_is_located() -> None:
     assert 0 < int(f.checked[:-1].sum()) < len(f.checked) - 1
     with pytest.raises(CorruptionError, match=f"page {(at - f.arrow_off) // PAGE} "):
         f.check_rows(f.batch, np.array([mid]))
+
+
+def test_a_lookup_reads_only_pages_it_checked() -> None:
+    """Check what seeking some keys and taking their rows reads, then overwrite every other Arrow page of the file with
+    garbage: the same lookup on the garbled file still returns exactly the intact file's rows, so it read no page it
+    had not checked (random keys, some absent)."""
+    from dbsp_core import ZSet
+    from dbsp_core.trace.batchfile import write_batch
+
+    rng = np.random.default_rng(SEED)
+    n = 200_000
+    z = ZSet.from_arrow(pa.table({"k": rng.integers(0, 50000, n), "v": rng.integers(0, 10**9, n),
+                                  "s": [f"s{i}" for i in rng.integers(0, 10**6, n)]}))
+    b = z.index_by(["k"])
+    b._row_hashes()
+    path = os.path.join(tempfile.mkdtemp(), "a.batch")
+    write_batch(path, b, sync=False)
+    probe = ZSet.from_arrow(pa.table({"k": rng.integers(0, 60000, 6), "v": np.zeros(6, dtype=np.int64),
+                                      "s": ["x"] * 6})).index_by(["k"])
+    hashes = np.unique(probe.key_hash)
+
+    def lookup(f):
+        f.check_seek(f.batch, hashes)
+        asked = hashes[f.may_contain(hashes)]
+        idx = f.batch.lookup(asked)
+        f.check_rows(f.batch, idx)
+        return f.batch.take(idx).zset.to_dict(), f.checked.copy()
+
+    want, checked = lookup(open_batch(path, lazy=True))
+    pages = np.flatnonzero(~checked[:-1])
+    assert len(pages) > 0, "every page was checked: nothing to garble"
+    f = open_batch(path)
+    aoff, alen = f.arrow_off, f.arrow_len
+    del f
+    with open(path, "r+b") as fh:
+        for i in pages:
+            lo = aoff + int(i) * PAGE
+            fh.seek(lo)
+            fh.write(rng.integers(0, 256, min(PAGE, aoff + alen - lo), dtype=np.uint8).tobytes())
+    g = open_batch(path, lazy=True)
+    g.checked[:] = checked  # what the first lookup checked: the same lookup must read nothing else
+    got, after = lookup(g)
+    assert np.array_equal(after, checked)
+    assert got == want and sum(want.values()) > 0
