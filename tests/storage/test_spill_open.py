@@ -14,7 +14,7 @@ import pytest
 import dbsp_core as dbsp
 from dbsp_core.errors import CorruptionError
 from dbsp_core.storage.formats import SPILL_DIR
-from dbsp_core.trace.batchfile import HEADER, PAGE, open_batch
+from dbsp_core.trace.batchfile import PAGE, open_batch
 
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
@@ -70,11 +70,6 @@ def _build(root: str, rng: np.random.Generator) -> list[tuple[int, int, int]]:
     assert p.executor.batch_store.stats["files_written"] > 0
     p.close()
     return rows
-
-
-def _biggest_file(root: str) -> str:
-    d = os.path.join(root, SPILL_DIR)
-    return max((os.path.join(d, n) for n in os.listdir(d)), key=os.path.getsize)
 
 
 def test_open_is_lazy_and_a_small_step_checks_few_pages() -> None:
