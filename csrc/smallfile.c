@@ -17,8 +17,7 @@
 static int oom(void) { return dbsp_storage_fail(DBSP_ENOMEM, ENOMEM, "smallfile: out of memory"); }
 
 int dbsp_file_replace(DbspVfs *vfs, const char *path, const void *data, size_t len) {
-    if (len > DBSP_SMALLFILE_MAX)
-        return dbsp_storage_fail(DBSP_ETOOBIG, 0, "%s: %zu bytes is more than a small file holds", path, len);
+    /* no size bound: the bytes are the caller's already (a spilled batch file may hold gigabytes) */
     size_t n = strlen(path);
     char *tmp = malloc(n + 5);
     char *dir = dbsp_path_dirname(path);

@@ -1,4 +1,4 @@
-/* smallfile.h: whole small files (a storage directory's layout and rescale records) replaced atomically through the VFS. */
+/* smallfile.h: whole files (a storage directory's layout and rescale records, spilled batch files) replaced atomically through the VFS; DBSP_SMALLFILE_MAX bounds what dbsp_file_read loads into memory, not what dbsp_file_replace writes. */
 #ifndef DBSP_SMALLFILE_H
 #define DBSP_SMALLFILE_H
 
@@ -8,7 +8,8 @@
 
 #define DBSP_SMALLFILE_MAX (64u << 20)
 
-/* Makes `path` hold exactly `data`: writes `path`.tmp, fsyncs it, renames it over `path` and fsyncs the directory.
+/* Makes `path` hold exactly `data` (any size): writes `path`.tmp, fsyncs it, renames it over `path` and fsyncs the
+ * directory.
  * A crash at any point leaves the old file or the new one, never a mix (a stale `path`.tmp may remain). */
 int dbsp_file_replace(DbspVfs *vfs, const char *path, const void *data, size_t len);
 /* Reads the whole file into a malloc'd buffer (*out, *len; the caller frees it); DBSP_ENOTFOUND if it is missing,

@@ -1,8 +1,9 @@
 """The ``dbsp`` command line (also ``python -m dbsp_core``).
 
 - ``dbsp demo [options]``: the main job, a durable auction pipeline (``dbsp demo --help``);
-- ``dbsp inspect DIR [--json]``: what a storage directory holds (scale, checkpoint, logs, output steps, sizes,
-  state bytes per worker and shard, consumers, the metrics of the last checkpoint), without running its circuit;
+- ``dbsp inspect DIR [--json] [--no-check]``: what a storage directory holds (scale, checkpoint, logs, output steps,
+  sizes, state bytes per worker and shard, the batch files the checkpoint names with their sizes and the result of
+  checking them, consumers, the metrics of the last checkpoint), without running its circuit;
 - ``dbsp profile DIR [--json]``: where the time went in the run that last checkpointed the directory: per
   operator and per view, time per step, rows, state (dbsp_core.profile), from its ``PROFILE`` record;
 - ``dbsp read DIR VIEW [--from-step N] [--limit K]``: the changes of one view from the output log;
@@ -61,7 +62,7 @@ def _inspect(args: argparse.Namespace) -> int:
     from dbsp_core.storage.inspect import inspect_storage
 
     with _local(args.dir) as (root, manifest):
-        info = inspect_storage(root)
+        info = inspect_storage(root, check_files=not args.no_check)
     if manifest is not None:
         info["path"] = _shown(args.dir)
         info["store"] = {"manifest": manifest["version"], "step": manifest["step"],
@@ -114,6 +115,17 @@ def _inspect(args: argparse.Namespace) -> int:
         top = sorted(shards.items(), key=lambda kv: -kv[1])[:3]
         print(f"state w{w:<9} {sum(shards.values()):,} B in {len(shards)} shards"
               + (f" (largest: {', '.join(f'shard {s} {n:,} B' for s, n in top)})" if top else ""))
+    bf = info.get("batch_files")
+    if bf is not None and (bf["files"] or bf["unnamed"]):
+        bad = len(bf["bad"])
+        print(f"batch files  {len(bf['files'])} named by the checkpoint, {bf['bytes']:,} B"
+              + (f"; {bad} NOT INTACT (dbsp repair {info['path']})" if bad else
+                 ", every one checked" if not args.no_check else ", not checked (--no-check)")
+              + (f"; {len(bf['unnamed'])} named by none (the next open removes them)" if bf["unnamed"] else ""))
+        for f in bf["files"]:
+            size = "missing" if f["bytes"] is None else f"{f['bytes']:,} B"
+            rows = f", {f['rows']:,} rows" if f["rows"] is not None else ""
+            print(f"             {f['file']}  {size}{rows}  {', '.join(sorted(f['tables']))}  {f['check']}")
     cons = info["consumers"]
     print(f"consumers    {', '.join(f'{n} {_through(s)}' for n, s in cons.items()) if cons else 'none registered'}")
     m = info["metrics"]
@@ -268,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     ins = sub.add_parser("inspect", help="summarize a storage directory")
     ins.add_argument("dir")
     ins.add_argument("--json", action="store_true", help="print the summary as JSON")
+    ins.add_argument("--no-check", action="store_true",
+                     help="list the batch files the checkpoint names without checking every byte of them")
     pf = sub.add_parser("profile", help="print where the time went at a storage directory's last checkpoint")
     pf.add_argument("dir")
     pf.add_argument("--json", action="store_true", help="print the profile as JSON")

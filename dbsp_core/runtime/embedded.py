@@ -22,6 +22,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Any, Callable
 
 import numpy as np
@@ -34,6 +35,7 @@ from dbsp_core.errors import CorruptionError, DbspError, StepError
 from dbsp_core.layout import Layout
 from dbsp_core.operators.base import concat
 from dbsp_core.operators.context import StepContext
+from dbsp_core.progress import progress
 from dbsp_core.profile import NodeTimer, failed_node, run_nodes, zset_bytes
 from dbsp_core.runtime.coordinator import Coordinator, WorkerStore, choose_version
 from dbsp_core.runtime.crashpoints import crashpoint
@@ -550,13 +552,16 @@ class EmbeddedExecutor:
             return
         traces = self._all_traces()
         freed = 0
-        while True:
-            installed = sum(t.install_finished(self._merge_thread if settle else None) for t in traces)
-            freed += installed
-            # nothing left to install and an idle merge thread (no merge handed over and unfinished): settled
-            if not settle or (not installed and self._merge_thread.wait_idle(0)):
-                break
-            self._merge_thread.wait_idle()
+        with progress("settling merges", unit=" merges installed") if settle else nullcontext() as shown:
+            while True:
+                installed = sum(t.install_finished(self._merge_thread if settle else None) for t in traces)
+                freed += installed
+                if shown is not None:
+                    shown.update(freed)
+                # nothing left to install and an idle merge thread (no merge handed over and unfinished): settled
+                if not settle or (not installed and self._merge_thread.wait_idle(0)):
+                    break
+                self._merge_thread.wait_idle()
         if freed:  # the merges' inputs went back to the region cache: trim it as a step's end does
             _zset.trim_caches(settings().cache_keep_mb << 20)
 

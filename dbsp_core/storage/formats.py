@@ -120,9 +120,11 @@ table ``snapshot`` holds the next unused number (8 big-endian bytes).
 
 Batch files (``BATCH_FILE_MAGIC`` ``DBSPBTCH`` header, ``BATCH_FILE_FOOTER_MAGIC`` ``DBSPBTFT`` footer, format
 ``BATCH_FILE_VERSION`` 1), specified byte by byte in dbsp_core/trace/batchfile.py: one trace batch, immutable once
-renamed into place: header, an embedded standard Arrow IPC file (data columns, weight, key hash, row hash), the
-fence of its key hashes, a Bloom filter on them, a CRC-32C per 64 KiB page, and a footer with the whole file's
-CRC-32C. The same bytes can be uploaded as they are and named by a checkpoint.
+renamed into place: header (with the CRC-32C of the page-CRC section and of the fence and filter sections, so a
+file can be opened reading metadata only and checked page by page as it is read), an embedded standard Arrow IPC
+file (data columns, weight, key hash, row hash), the fence of its key hashes, a Bloom filter on them, a CRC-32C per
+64 KiB page, and a footer with the whole file's CRC-32C. The same bytes can be uploaded as they are and named by a
+checkpoint.
 
 Formats below this module's level, specified byte by byte where they are written: the page file of a Database
 (``DBSPMETA`` meta slots, csrc/pagestore.c), the step log (``DBSPSLOG`` header, ``DBSPSSEG`` segments

@@ -44,7 +44,7 @@ def open_output(path: str | os.PathLike) -> OutputLog:
                      since=meta.get("since"))
 
 
-def inspect_storage(path: str | os.PathLike) -> dict:
+def inspect_storage(path: str | os.PathLike, check_files: bool = True) -> dict:
     """A summary of a storage directory without recovering it: layout, checkpoints, logs and sizes.
 
     Only reads: it creates, writes or locks no file of the directory (not even ``LOCK``), and never runs the
@@ -63,10 +63,10 @@ def inspect_storage(path: str | os.PathLike) -> dict:
     ([0, 0], {}, 1, True)
     """
     root = os.fspath(path)
-    return _inspect(root, read_meta(root))
+    return _inspect(root, read_meta(root), check_files)
 
 
-def _inspect(root: str, meta: dict) -> dict:
+def _inspect(root: str, meta: dict, check_files: bool = True) -> dict:
     layout, last = read_layout(root)
     counts = [len(layout.shard_map.shards_of(w)) for w in range(layout.workers)]
     info: dict[str, Any] = {"path": root, "executor": meta.get("executor"), "workers": layout.workers,
@@ -91,10 +91,12 @@ def _inspect(root: str, meta: dict) -> dict:
                 with Database(paths[0], readonly=True) as db, db.read(hi) as h:
                     info["checkpoint_step"] = h.get_step()
         info["state_bytes"] = _state_bytes(paths, layout)
+        info["batch_files"] = _batch_files(root, paths, info["checkpoint_version"], check_files)
     except InUseError:  # a pipeline runs: its databases are being written
         info["in_use"].append(STATE_DIR)
         info["versions"], info["checkpoint_version"], info["checkpoint_step"] = [], None, None
         info["state_bytes"] = {}
+        info["batch_files"] = None
     dpath = os.path.join(root, DRIVER_DB)
     if os.path.exists(dpath):
         try:
@@ -140,3 +142,19 @@ def _state_bytes(paths: list[str], layout: Any) -> dict[str, dict[int, int]]:
                         shards[s] = shards.get(s, 0) + len(k) + len(v)
     return out
 
+
+def _batch_files(root: str, paths: list[str], version: int | None, check: bool) -> dict | None:
+    """The batch files the checkpoint (``version`` of every state database) names, each with its size, the state
+    tables naming it and, with ``check``, the result of checking every byte of it (dbsp_core.storage.batchrefs)."""
+    from dbsp_core.progress import progress
+    from dbsp_core.storage.batchrefs import check_batch_files, referenced_files
+
+    if version is None:
+        return None
+    named: dict[str, dict[str, int]] = {}
+    for p in paths:
+        with Database(p, readonly=True) as db:
+            for name, per in referenced_files(db, version).items():
+                named.setdefault(name, {}).update(per)
+    with progress("checking batch files", total=len(named)):
+        return check_batch_files(root, named, check)

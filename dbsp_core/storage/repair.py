@@ -36,6 +36,11 @@ Invariants (enforced here):
      the layout every state database records with its state, when they agree; driver.db from the output log's
      input ranges of every step below the state's (its seen set) and the input log (its clock floor); the
      staged JOB record is removed or made again from the versions and the output log's end.
+  6b. Batch files (trace/spill.py invariant 13): every file the checkpoint recovery opens names must be present and
+     pass every checksum. One that is missing or damaged is listed unrepaired (a copy of the same name from a
+     backup is the same bytes) and nothing changes: the state it holds is in no other file (a clean close keeps
+     one version of each state database, so no older checkpoint can stand in for it), and opening the pipeline
+     would fail on it (when it opens or when a step reads the damaged pages), never read it as data.
   7. Repair finishes or says exactly why not: damage it leaves is listed in the report's ``unrepaired`` (file,
      problem, what the user can do) and nothing is changed for it; the CLI then exits with status 1. A
      directory repair reports as repaired opens (the file fuzz test checks it for every kind of file).
@@ -59,8 +64,8 @@ from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOC
                                        DEDUP_MAGIC, DEDUP_TABLE, DIRECTORY_FORMAT, DISCARD_HANDLE, DISCARD_MAGIC,
                                        DIVISION_HANDLE, DIVISION_MAGIC, DRIVER_DB, INPUT_DIR, JOB_FILE, JOB_MAGIC,
                                        LAYOUT_FILE, META_FILE, NEW_SUFFIX, OUTPUT_DIR, REPAIR_BACKUP_PREFIX,
-                                       REPAIR_FILE, REPAIR_MAGIC, RESCALE_FILE, STAGE_DIR_PREFIX, STATE_DIR, job_path,
-                                       segment_name, state_db_path, state_db_paths, worker_db_name)
+                                       REPAIR_FILE, REPAIR_MAGIC, RESCALE_FILE, SPILL_DIR, STAGE_DIR_PREFIX, STATE_DIR,
+                                       job_path, segment_name, state_db_path, state_db_paths, worker_db_name)
 from dbsp_core.storage.salvage import Record, Salvaged, salvage
 
 __all__ = ["finish_repair", "rebuild_output", "repair", "resume_step"]
@@ -353,7 +358,7 @@ def _repair_files(root: str, report: dict[str, Any]) -> None:
                     "META names the circuit (its fingerprint), the executor kind and the schemas, which no other file "
                     "holds: restore META from a backup of the directory (or open it with the build that wrote it, if "
                     "a newer one did); nothing else was changed for it")
-    if not _repair_job(root, report) or not _repair_state(root, report):
+    if not _repair_job(root, report) or not _repair_state(root, report) or not _repair_batch_files(root, report):
         return
     try:
         read_layout(root)
@@ -490,6 +495,35 @@ def _repair_state(root: str, report: dict[str, Any]) -> bool:
           f"opening the pipeline computes the later steps again from the input; the databases as they were are "
           f"in {backup}")
     return True
+
+
+def _repair_batch_files(root: str, report: dict[str, Any]) -> bool:
+    """The batch files the checkpoint recovery opens names (invariant 6b) must be present and intact; one that is not
+    is listed unrepaired with what to do, and nothing changes. Returns whether the state is usable."""
+    from dbsp_core.storage.batchrefs import check_batch_files, referenced_files
+
+    paths = _state_paths(root)
+    if not paths:
+        return True
+    named: dict[str, dict[str, int]] = {}
+    dbs = {p: Database(p, readonly=True) for p in paths}
+    try:
+        v = min(db.versions().stop for db in dbs.values()) - 1
+        for db in dbs.values():
+            for n, per in referenced_files(db, v).items():
+                named.setdefault(n, {}).update(per)
+    finally:
+        for db in dbs.values():
+            db.close()
+    found = check_batch_files(root, named)
+    for f in found["files"]:
+        if f["file"] in found["bad"]:
+            _unrepaired(report, root, os.path.join(root, SPILL_DIR, f["file"]), f["check"],
+                        f"the checkpoint (state version {v}) reads rows of {', '.join(sorted(f['tables']))} from this "
+                        "spilled batch file, which no other file holds: copy the file of the same name from a backup "
+                        f"into {os.path.join(root, SPILL_DIR)} (a batch file never changes once written, so any "
+                        "backup's copy is the same bytes) or restore the directory from a backup; nothing was changed")
+    return not found["bad"]
 
 
 def _layout_matches(root: str, report: dict[str, Any], layout: Any, dbs: dict[str, Database], v: int) -> bool:

@@ -34,7 +34,9 @@ Invariants (enforced here):
   8. A settled batch that lives in a batch file (spilled under a memory budget by a durable store,
      dbsp_core/trace/spill.py invariant 13) is saved as references, not rows: one ``DRBF`` value per shard naming
      the file and the shard's row range in it; the file is pinned from the plan on. Loading reads the batch in
-     place from the file (checked whole once per load), a single slice when its shards' ranges are contiguous.
+     place from the file, a single slice when its shards' ranges are contiguous: with a batch store the file is
+     opened lazily and its bytes are checked as reads touch them (dbsp_core/trace/spill.py invariant 14), without
+     one it is checked whole once per load.
      :meth:`WorkerSnapshot.referenced` is the set of files the stored values name.
   9. A load with ``renames`` (a program change, dbsp_core.runtime.change) reads node ``n``'s state from the tables
      node ``renames[n]`` wrote and leaves a node ``renames`` does not name empty; the next save then deletes
@@ -490,7 +492,9 @@ class WorkerSnapshot:
                         else os.path.join(self.batch_dir, os.path.basename(name)))
                 if not os.path.exists(path):
                     raise CorruptionError(f"{where}: batch file {path} named by the checkpoint is missing")
-                f = self._files[name] = open_batch(path, verify=True)
+                # a store checks what reads touch (spill.py invariant 14): opening reads metadata, not rows
+                f = self._files[name] = open_batch(path, verify=self.batch_store is None,
+                                                   lazy=self.batch_store is not None)
             if not 0 <= lo <= hi <= f.rows or f.batch.key != trace.key or not f.batch.schema.equals(trace.schema):
                 raise CorruptionError(f"{where}: rows {lo}..{hi} of batch file {name!r} ({f.rows} rows, key "
                                       f"{f.batch.key}) do not fit trace key {trace.key}")
@@ -504,6 +508,9 @@ class WorkerSnapshot:
             if self.batch_store is not None:
                 self.batch_store.adopt(b, f0._replace(batch=None), lo)
             return b
+        for p in parts:
+            if p[0] is not None:
+                p[0].check_all()  # its rows are gathered now
         zs = [p[3] if p[0] is None else p[0].batch.slice(p[1], p[2]).zset for p in parts]
         z = ZSet.concat(zs) if len(zs) > 1 else zs[0]
         return IndexedZSet._make(ZSet._make(z.data, z.weights), trace.key, z.hash(list(trace.key)))

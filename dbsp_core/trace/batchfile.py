@@ -3,8 +3,11 @@ that is memory-mapped and read in place, with a Bloom filter and a fence of its 
 
 Format (version 1, ``BATCH_FILE_MAGIC``; listed in dbsp_core/storage/formats.py), all integers little-endian::
 
-    [0, 64)          header: magic "DBSPBTCH" (8) | format version u32 | flags u32 (0) | arrow offset u64 (= 64) |
-                     arrow length u64 | rows u64 | 20 bytes zero | CRC-32C of bytes 0..59 u32
+    [0, 64)          header: magic "DBSPBTCH" (8) | format version u32 | flags u32 | arrow offset u64 (= 64) |
+                     arrow length u64 | rows u64 | CRC-32C of the page-CRC section u32 | CRC-32C of the fence and
+                     filter sections u32 | 12 bytes zero | CRC-32C of bytes 0..59 u32. Flags bit 0
+                     (``FLAG_SECTION_CRCS``): the two section CRCs are set (files written before it have flags 0 and
+                     zeros there: they are checked whole when opened lazily)
     [64, 64 + A)     an Arrow IPC file (starts and ends with ``ARROW1``), byte for byte what any Arrow reader reads:
                      one record batch of the batch's data columns in index order, then ``__dbsp_weight`` (int64),
                      ``__dbsp_key_hash`` (uint64, ascending) and, when the batch keeps row hashes apart from its
@@ -27,10 +30,21 @@ Invariants (enforced here; checked by :func:`verify`):
   3. The Bloom filter holds every key hash of the batch: a key hash it rejects has no row, so a lookup skips the
      batch without touching a page of it.
   4. Every byte is covered by a checksum: header and footer by their own, each Arrow page by its page CRC, the
-     whole file by the footer's. :func:`open_batch` checks header, footer and the sections it keeps in memory
-     (fence, filter, page CRCs) and the Arrow pages holding its schema and footer; with ``verify=True`` (a file not
-     written by this process: one a checkpoint names, one downloaded) every page and the whole-file CRC. Pages read
-     later through the mapping are not checked again: the file is immutable and was checked when opened.
+     page-CRC section and the fence and filter sections by the header's section CRCs, the whole file by the
+     footer's. :func:`open_batch` checks header, footer, the page CRCs and the Arrow pages holding its schema and
+     footer, and then, by how it is asked:
+     - default (a file this process just wrote): the fence and filter, which it copies into memory;
+     - ``verify=True`` (a file checked once for all: ``dbsp inspect``, a file a store without lazy checks reads):
+       every page and the whole-file CRC;
+     - ``lazy=True`` (a file a checkpoint names, opened by ``Pipeline.open``: invariant 5): nothing more.
+  5. A lazily opened file reads metadata, not rows: header, footer, page CRCs (4 bytes per 64 KiB) and two
+     Arrow pages; its fence and filter are read in place from the mapping. Its :attr:`BatchFile.checked` records
+     what has been checked (a flag per Arrow page, then one for the fence and filter), and no byte of it is used
+     before it is checked: the reader (the batch store, dbsp_core/trace/spill.py invariant 14) calls
+     :meth:`BatchFile.check_sections` before the fence or filter is used, :meth:`BatchFile.check_seek` and
+     :meth:`BatchFile.check_rows` around a lookup of some keys (the pages a fenced seek and the rows found touch),
+     and :meth:`BatchFile.check_all` before any other read. A page that fails raises CorruptionError naming the
+     file and the page: a damaged file is never read as data.
 """
 
 from __future__ import annotations
@@ -51,7 +65,8 @@ __all__ = ["BatchFile", "write_batch", "open_batch", "verify", "bloom_build", "b
            "BATCH_FILE_MAGIC", "BATCH_FILE_FOOTER_MAGIC", "BATCH_FILE_VERSION", "PAGE"]
 
 PAGE = 65536  # bytes per page CRC
-HEADER = struct.Struct("<8sIIQQQ20xI")  # 64 bytes
+HEADER = struct.Struct("<8sIIQQQII12xI")  # 64 bytes
+FLAG_SECTION_CRCS = 1  # header flags bit 0: the page-CRC and fence+filter section CRCs are set
 FOOTER = struct.Struct("<8sIIQQQQQII")  # 64 bytes
 assert HEADER.size == 64 and FOOTER.size == 64
 BLOOM_BITS_PER_KEY = 10  # ~1.5-2% false positives with K = 6 bits in one word (blocked)
@@ -138,11 +153,10 @@ def write_batch(path: str, batch: Any, vfs: str = "posix", sync: bool = True) ->
     schema = pa.schema(fields, metadata={b"dbsp.key": json.dumps(list(batch.key)).encode(), b"dbsp.row_hash": rh_mode.encode()})
     rb = pa.RecordBatch.from_arrays([c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c for c in cols],
                                     schema=schema)
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, schema) as w:
+    sizer = pa.MockOutputStream()  # the Arrow file's size, so it is written once, in place (no copy of the batch
+    with pa.ipc.new_file(sizer, schema) as w:  # besides the file's image: spilling must not double the peak)
         w.write_batch(rb)
-    arrow = sink.getvalue()
-    alen = arrow.size
+    alen = sizer.size()
     fence = _fence(kh)
     bloom = bloom_build(kh)
     npages = (alen + PAGE - 1) // PAGE
@@ -152,13 +166,15 @@ def write_batch(path: str, batch: Any, vfs: str = "posix", sync: bool = True) ->
     size = _pad8(crc_off + 4 * npages) + FOOTER.size
     buf = bytearray(size)
     mv = memoryview(buf)
-    mv[64:64 + alen] = memoryview(arrow).cast("B")
+    with pa.ipc.new_file(pa.FixedSizeBufferWriter(pa.py_buffer(mv[64:64 + alen])), schema) as w:
+        w.write_batch(rb)
     mv[fence_off:bloom_off] = fence.tobytes()
     mv[bloom_off:crc_off] = bloom.tobytes()
     crcs = np.array([_crc(mv[64 + i * PAGE:64 + min(alen, (i + 1) * PAGE)]) for i in range(npages)], dtype="<u4")
     mv[crc_off:crc_off + 4 * npages] = crcs.tobytes()
-    head = HEADER.pack(BATCH_FILE_MAGIC, BATCH_FILE_VERSION, 0, 64, alen, len(batch), 0)
-    mv[0:64] = HEADER.pack(BATCH_FILE_MAGIC, BATCH_FILE_VERSION, 0, 64, alen, len(batch), _crc(head[:60]))
+    crc_sec, filt_sec = _crc(mv[crc_off:crc_off + 4 * npages]), _crc(mv[fence_off:crc_off])
+    fields = (BATCH_FILE_MAGIC, BATCH_FILE_VERSION, FLAG_SECTION_CRCS, 64, alen, len(batch), crc_sec, filt_sec)
+    mv[0:64] = HEADER.pack(*fields, _crc(HEADER.pack(*fields, 0)[:60]))
     end = size - FOOTER.size
     whole = _crc(mv[:end])
     foot = FOOTER.pack(BATCH_FILE_FOOTER_MAGIC, BATCH_FILE_VERSION, BLOOM_K, fence_off, len(fence), bloom_off,
@@ -176,8 +192,10 @@ def write_batch(path: str, batch: Any, vfs: str = "posix", sync: bool = True) ->
 
 
 class BatchFile(NamedTuple):
-    """An open batch file: its mapping and what is kept in memory of it (fence, filter, page CRCs, ~1.4 bytes per
-    row), and the batch read in place from the mapping (its buffers are the file's pages)."""
+    """An open batch file: its mapping and what is kept of it (fence, filter, page CRCs, ~1.4 bytes per row: in
+    memory, or read in place from the mapping when opened lazily), and the batch read in place from the mapping
+    (its buffers are the file's pages). ``checked``: None when every byte was checked when opened, else a flag per
+    Arrow page and a last one for the fence and filter (invariant 5), shared by the copies ``_replace`` makes."""
 
     path: str
     size: int
@@ -190,14 +208,167 @@ class BatchFile(NamedTuple):
     bloom_k: int
     page_crcs: np.ndarray
     batch: Any  # IndexedZSet over the mapping
+    checked: np.ndarray | None = None
+    base: int = 0  # the address of the mapping's first byte
+    sections: tuple[int, int, int] = (0, 0, 0)  # fence offset, page-CRC offset, their CRC-32C (invariant 5)
 
     def may_contain(self, hashes: np.ndarray) -> np.ndarray:
         """Per key hash: whether the batch may hold it (the Bloom filter, invariant 3)."""
         return bloom_may_contain(self.bloom, hashes, self.bloom_k)
 
     def memory_bytes(self) -> int:
-        """Bytes this open file keeps in memory besides the mapping (fence, filter, page CRCs)."""
+        """Bytes this open file keeps besides the rows (fence, filter, page CRCs)."""
         return int(self.fence.nbytes + self.bloom.nbytes + self.page_crcs.nbytes)
+
+    # ---- lazy checks (invariant 5) ----
+
+    def unchecked(self) -> bool:
+        """Whether some byte of the file has not been checked yet."""
+        return self.checked is not None and not bool(self.checked.all())
+
+    def check_sections(self) -> None:
+        """Check the fence and filter (before either is used)."""
+        c = self.checked
+        if c is None or c[-1]:
+            return
+        lo, hi, want = self.sections
+        if _crc(memoryview(self.map)[lo:hi]) != want:
+            raise _bad(self.path, "its fence and Bloom filter fail their CRC-32C")
+        c[-1] = True
+
+    def check_pages(self, pages: np.ndarray) -> int:
+        """Check the Arrow pages ``pages`` (indexes; duplicates allowed) not checked yet; returns how many."""
+        c = self.checked
+        if c is None:
+            return 0
+        todo = np.unique(np.asarray(pages, dtype=np.int64))
+        todo = todo[(todo >= 0) & (todo < len(c) - 1)]
+        todo = todo[~c[todo]]
+        if len(todo):
+            mv = memoryview(self.map)
+            try:
+                _check_pages(self.path, mv, self.arrow_off, self.arrow_len, self.page_crcs, todo.tolist())
+            finally:
+                mv.release()
+            c[todo] = True
+        return len(todo)
+
+    def check_all(self) -> int:
+        """Check every byte not checked yet (before a read that may touch any row); returns the pages checked."""
+        if not self.unchecked():
+            return 0
+        self.check_sections()
+        return self.check_pages(np.flatnonzero(~self.checked[:-1]))
+
+    def _pages_of(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """The Arrow pages holding the file bytes [starts[i], ends[i]) (absolute offsets in the file)."""
+        return _pages(self.arrow_off, starts, ends)
+
+    def check_seek(self, batch: Any, hashes: np.ndarray) -> None:
+        """Check what a fenced seek for each of ``hashes`` (ascending) in ``batch`` (this file's whole batch) reads:
+        the fence and filter, and for each hash the key hashes from the fence block before it to one block past
+        the last fence entry not above it (csrc/lookup.h's dbsp_seek, the walk over equal hashes after it and the
+        next seek's probe one block on), and the first block (the first seek's probes)."""
+        self.check_sections()
+        kh = batch.key_hash
+        n = len(kh)
+        if n == 0 or len(hashes) == 0:
+            return
+        if batch._fx is None:  # no fence: the seek gallops from the start
+            self.check_rows(batch, None)
+            return
+        lo = np.maximum(np.searchsorted(self.fence, hashes, "left") - 1, 0) * FENCE_STEP
+        hi = np.minimum(np.searchsorted(self.fence, hashes, "right") * FENCE_STEP + FENCE_STEP + 2, n)
+        lo, hi = np.append(lo, 0), np.append(hi, min(n, FENCE_STEP + 2))  # the first seek reads kh[0], kh[64]
+        addr = kh.ctypes.data - self.base
+        self.check_pages(self._pages_of(addr + lo * 8, addr + hi * 8))
+
+    def check_rows(self, batch: Any, rows: np.ndarray | None) -> None:
+        """Check the pages holding rows ``rows`` (ascending row numbers of ``batch``, a batch read from this file;
+        None: every row) of every column, weights and hashes: what a take of those rows reads."""
+        if not self.unchecked():
+            return
+        if rows is None:
+            self.check_all()
+            return
+        rows = np.asarray(rows, dtype=np.int64)
+        if len(rows) == 0:
+            return
+        starts: list[np.ndarray] = []
+        ends: list[np.ndarray] = []
+        for a in (batch.zset.weights, batch.key_hash, batch._rh):
+            if a is not None:
+                at = a.ctypes.data - self.base + rows * a.itemsize
+                starts.append(at)
+                ends.append(at + a.itemsize)
+        varwidth = []
+        for col in batch.zset.data.columns:
+            arr = col.chunk(0) if col.num_chunks == 1 else None
+            kind = None if arr is None else _fixed_ranges(arr, rows, self.base, starts, ends)
+            if kind is None:
+                self.check_all()  # a type whose pages this does not locate: all of them
+                return
+            if kind == "var":
+                varwidth.append(arr)
+        self.check_pages(self._pages_of(np.concatenate(starts), np.concatenate(ends)))
+        if varwidth:  # their offsets are checked now: the bytes they delimit
+            starts, ends = [], []
+            for arr in varwidth:
+                bufs = arr.buffers()
+                wide = pa.types.is_large_string(arr.type) or pa.types.is_large_binary(arr.type)
+                offs = np.frombuffer(bufs[1], dtype=np.int64 if wide else np.int32)
+                pos = rows + arr.offset
+                at = bufs[2].address - self.base
+                starts.append(at + offs[pos].astype(np.int64))
+                ends.append(at + offs[pos + 1].astype(np.int64))
+            self.check_pages(self._pages_of(np.concatenate(starts), np.concatenate(ends)))
+
+
+def _pages(arrow_off: int, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """The Arrow pages (of a section at ``arrow_off``) holding the file bytes [starts[i], ends[i])."""
+    keep = ends > starts
+    first = (starts[keep] - arrow_off) // PAGE
+    last = (ends[keep] - 1 - arrow_off) // PAGE
+    if len(first) == 0:
+        return np.zeros(0, dtype=np.int64)
+    span = last - first
+    if int(span.max()) == 0:
+        return first
+    n = span + 1
+    rep = np.repeat(first - np.concatenate(([0], np.cumsum(n)[:-1])), n)
+    return rep + np.arange(int(n.sum()), dtype=np.int64)
+
+
+def _fixed_ranges(arr: pa.Array, rows: np.ndarray, base: int, starts: list, ends: list) -> str | None:
+    """Append the file byte ranges rows ``rows`` of ``arr`` (read in place from a mapping at ``base``) occupy in
+    its validity bits and values (fixed width) or offsets (variable width: returns "var", the bytes they delimit
+    are for the caller once the offsets are checked); None for a type this does not locate."""
+    t = arr.type
+    bufs = arr.buffers()
+    pos = rows + arr.offset
+    if bufs[0] is not None:
+        at = bufs[0].address - base + pos // 8
+        starts.append(at)
+        ends.append(at + 1)
+    if pa.types.is_boolean(t):
+        at = bufs[1].address - base + pos // 8
+        starts.append(at)
+        ends.append(at + 1)
+        return "fixed"
+    if len(bufs) == 2 and pa.types.is_primitive(t) and t.bit_width % 8 == 0:
+        w = t.bit_width // 8
+        at = bufs[1].address - base + pos * w
+        starts.append(at)
+        ends.append(at + w)
+        return "fixed"
+    if len(bufs) == 3 and (pa.types.is_string(t) or pa.types.is_binary(t) or pa.types.is_large_string(t)
+                           or pa.types.is_large_binary(t)):
+        w = 8 if (pa.types.is_large_string(t) or pa.types.is_large_binary(t)) else 4
+        at = bufs[1].address - base + pos * w
+        starts.append(at)
+        ends.append(at + 2 * w)
+        return "var"
+    return None
 
 
 def _bad(path: str, what: str) -> CorruptionError:
@@ -211,10 +382,13 @@ def _check_pages(path: str, mv: memoryview, arrow_off: int, alen: int, crcs: np.
             raise _bad(path, f"page {i} of the Arrow section fails its CRC-32C")
 
 
-def open_batch(path: str, verify: bool = False, advice: int | None = None) -> BatchFile:
-    """Map the batch file at ``path`` and read the batch in place (invariant 4: header, footer, fence, filter and
-    page CRCs are checked; every page too with ``verify``). ``advice``: an ``mmap.MADV_*`` for the mapping (default
-    MADV_RANDOM: a lookup wants its pages, not the kernel's read-ahead around them)."""
+def open_batch(path: str, verify: bool = False, advice: int | None = None, lazy: bool = False) -> BatchFile:
+    """Map the batch file at ``path`` and read the batch in place (invariant 4: header, footer, page CRCs and the
+    Arrow pages opening reads are checked; the fence and filter, copied into memory, too; every page with
+    ``verify``). ``lazy`` (invariant 5): the fence and filter stay in the mapping, unchecked, and
+    :attr:`BatchFile.checked` records what the reader still has to check (a file written before the section CRCs
+    existed is checked whole instead). ``advice``: an ``mmap.MADV_*`` for the mapping (default MADV_RANDOM: a
+    lookup wants its pages, not the kernel's read-ahead around them)."""
     from dbsp_core.zset import IndexedZSet, ZSet
 
     with open(path, "rb") as f:
@@ -228,7 +402,7 @@ def open_batch(path: str, verify: bool = False, advice: int | None = None) -> Ba
         m.madvise(advice)
     mv = memoryview(m)
     try:
-        magic, version, _flags, aoff, alen, rows, hcrc = HEADER.unpack_from(mv, 0)
+        magic, version, flags, aoff, alen, rows, crc_sec, filt_sec, hcrc = HEADER.unpack_from(mv, 0)
         if magic != BATCH_FILE_MAGIC:
             raise _bad(path, f"magic {magic!r}, not {BATCH_FILE_MAGIC!r}")
         if version != BATCH_FILE_VERSION:
@@ -243,24 +417,52 @@ def open_batch(path: str, verify: bool = False, advice: int | None = None) -> Ba
         if not (aoff + alen <= fence_off <= bloom_off <= crc_off and crc_off + 4 * npages <= end
                 and fence_off + 8 * nfence == bloom_off and bloom_off + 8 * nbloom == crc_off):
             raise _bad(path, "its section offsets do not fit the file")
-        fence = np.frombuffer(mv, dtype="<u8", count=nfence, offset=fence_off).astype(np.uint64)
-        bloom = np.frombuffer(mv, dtype="<u8", count=nbloom, offset=bloom_off).astype(np.uint64)
+        sectioned = bool(flags & FLAG_SECTION_CRCS)
+        if sectioned and _crc(mv[crc_off:crc_off + 4 * npages]) != crc_sec:
+            raise _bad(path, "its page CRCs fail their CRC-32C")
         crcs = np.frombuffer(mv, dtype="<u4", count=npages, offset=crc_off).copy()
-        if verify:
+        lazy = lazy and sectioned and not verify
+        if lazy:  # in place, checked before use (invariant 5)
+            fence = np.frombuffer(m, dtype="<u8", count=nfence, offset=fence_off)
+            bloom = np.frombuffer(m, dtype="<u8", count=nbloom, offset=bloom_off)
+        else:
+            if sectioned and _crc(mv[fence_off:crc_off]) != filt_sec:
+                raise _bad(path, "its fence and Bloom filter fail their CRC-32C")
+            fence = np.frombuffer(mv, dtype="<u8", count=nfence, offset=fence_off).astype(np.uint64)
+            bloom = np.frombuffer(mv, dtype="<u8", count=nbloom, offset=bloom_off).astype(np.uint64)
+        if verify or (lazy is False and not sectioned):
             if _crc(mv[:end]) != whole:
                 raise _bad(path, "the whole-file CRC-32C does not match")
-            _check_pages(path, mv, aoff, alen, crcs, range(npages))
-        else:  # the Arrow footer and schema pages, which opening reads
-            _check_pages(path, mv, aoff, alen, crcs, sorted({0, max(0, npages - 1)}))
-        rb = pa.ipc.open_file(pa.py_buffer(m)[aoff:aoff + alen]).get_batch(0)
+            if verify:
+                _check_pages(path, mv, aoff, alen, crcs, range(npages))
+        opened = sorted({0, max(0, npages - 1)})  # the Arrow footer and schema pages, which opening reads
+        if not verify:
+            _check_pages(path, mv, aoff, alen, crcs, opened)
+        buf = pa.py_buffer(m)
+        rb = pa.ipc.open_file(buf[aoff:aoff + alen]).get_batch(0)
+        if rb.num_rows != rows:
+            raise _bad(path, f"the Arrow record batch holds {rb.num_rows} rows, the header {rows}")
+        meta = rb.schema.metadata or {}
+        key = tuple(json.loads(meta[b"dbsp.key"]))
+        rh_mode = meta.get(b"dbsp.row_hash", b"0").decode()
+        ndata = rb.num_columns - (3 if rh_mode == "1" else 2)
+        checked = None
+        if lazy:  # building the batch validates each column's first and last offsets: their pages first
+            checked = np.zeros(npages + 1, dtype=bool)
+            checked[opened] = True
+            starts: list[np.ndarray] = []
+            ends: list[np.ndarray] = []
+            ends_rows = np.array([0, max(0, rows - 1)], dtype=np.int64)
+            if rows and any(_fixed_ranges(c, ends_rows, buf.address, starts, ends) is None for c in rb.columns[:ndata]):
+                todo = np.arange(npages, dtype=np.int64)  # a type whose pages this does not locate: all of them
+            else:
+                todo = np.unique(_pages(aoff, np.concatenate(starts), np.concatenate(ends))) if starts else \
+                    np.zeros(0, dtype=np.int64)
+            todo = todo[~checked[todo]]
+            _check_pages(path, mv, aoff, alen, crcs, todo.tolist())
+            checked[todo] = True
     finally:
         mv.release()
-    if rb.num_rows != rows:
-        raise _bad(path, f"the Arrow record batch holds {rb.num_rows} rows, the header {rows}")
-    meta = rb.schema.metadata or {}
-    key = tuple(json.loads(meta[b"dbsp.key"]))
-    rh_mode = meta.get(b"dbsp.row_hash", b"0").decode()
-    ndata = rb.num_columns - (3 if rh_mode == "1" else 2)
     data = pa.Table.from_batches([pa.RecordBatch.from_arrays(rb.columns[:ndata],
                                                              schema=pa.schema(list(rb.schema)[:ndata]))])
     w = rb.column(ndata).to_numpy(zero_copy_only=True)
@@ -269,7 +471,8 @@ def open_batch(path: str, verify: bool = False, advice: int | None = None) -> Ba
     ix._rh = kh if rh_mode == "key" else (rb.column(ndata + 2).to_numpy(zero_copy_only=True) if rh_mode == "1" else None)
     if len(fence) and rows >= IndexedZSet.FENCE_MIN:
         ix._fx = fence  # kernels seek through it without reading the key hashes (csrc/lookup.h)
-    return BatchFile(path, size, rows, m, aoff, alen, fence, bloom, k, crcs, ix)
+    return BatchFile(path, size, rows, m, aoff, alen, fence, bloom, k, crcs, ix, checked, buf.address,
+                     (fence_off, crc_off, filt_sec))
 
 
 def verify(path: str) -> int:

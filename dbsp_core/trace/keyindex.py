@@ -59,8 +59,8 @@ def summable(t: pa.DataType) -> bool:
 
 class KeyIndexed:
     """The key-index half of :class:`~dbsp_core.trace.Trace` (invariant 11): keeping, updating, reading and
-    dropping its key index. It uses the trace's ``schema``, ``key``, ``pending``, ``_by_level``, ``_read()``
-    and ``_levels()``; the trace calls :meth:`_changed` at every change of content and
+    dropping its key index. It uses the trace's ``schema``, ``key``, ``pending``, ``_by_level``, ``_read()``,
+    ``_read_for()``, ``_check_files()`` and ``_levels()``; the trace calls :meth:`_changed` at every change of content and
     :meth:`_init_key_index` when it is made."""
 
     INDEX_WAIT = 2  # reads that walk the batches before a stale key index is rebuilt (invariant 11)
@@ -226,6 +226,7 @@ class KeyIndexed:
         if self._kix_wait > 0:
             self._kix_wait -= 1
             return None
+        self._check_files()  # the build reads every row (trace/spill.py invariant 14)
         self._kix = self._new_index()
         self._index_fold(batches, 1, self._token)
         return self._kix
@@ -313,7 +314,7 @@ class KeyIndexed:
         from dbsp_core.zset import _column_positions
 
         spec = ("key", (None,))
-        batches = self._read()
+        batches = self._read_for(spec)  # rows are read only through the index (trace/spill.py invariant 14)
         acc = np.zeros((len(rows), 1), dtype=np.int64)
         if not batches or not len(rows):
             return acc[:, 0] if self.index_spec == spec else None

@@ -297,6 +297,9 @@ class Trace(KeyIndexed):
         ``handing`` (a merge thread in force) a merge of more than INLINE_MERGE rows of work is made shareable, to
         be handed over (invariant 10)."""
         level = self._by_level[lvl]
+        if self._store is not None and self._store._unchecked:  # the merge reads every row (spill.py invariant 14)
+            self._store.check(level.loose[0][1])
+            self._store.check(level.loose[1][1])
         m = _Merge(level.loose[0], level.loose[1])
         if handing and m.work > self.INLINE_MERGE:
             m.shared = SharedMerge()
@@ -345,10 +348,12 @@ class Trace(KeyIndexed):
 
     # ---- reading ----
 
-    def _read(self) -> list["IndexedZSet"]:
+    def _read(self, pages: bool = False) -> list["IndexedZSet"]:
         """Every batch of invariant 1 (a read ends a trace's freshness, placing its pending batches: invariant 5).
         The seam of the batch store (invariant 12, dbsp_core/trace/spill.py): a spilled batch is read in place from
-        its file's mapping; the read marks the trace's files used for the store's cache."""
+        its file's mapping; the read marks the trace's files used for the store's cache, and a batch of a file
+        opened lazily is checked first (spill.py invariant 14), whole unless ``pages`` (the caller checks the
+        pages it reads: :meth:`lookup`)."""
         store = self._store if self._store is not None else self._attach()
         if store is not None:
             store.note_read(self)
@@ -357,7 +362,36 @@ class Trace(KeyIndexed):
             self._fresh = False
         if self._handed and current_merge_thread() is not None:  # install the merges the merge thread finished
             self._work(0)  # (invariant 10); merges nothing
-        return self._levels()
+        out = self._levels()
+        if not pages and store is not None and store._unchecked:
+            for b in out:
+                store.check(b)
+        return out
+
+    def _read_for(self, spec: tuple) -> list["IndexedZSet"]:
+        """:meth:`_read` for a read of some keys that a key index for ``spec`` may serve: the pages of lazily opened
+        files are checked by the walk that reads them (:meth:`_check_probe`) or whole by an index build
+        (``_index``; spill.py invariant 14); a current index reads no row."""
+        return self._read(pages=True)
+
+    def _check_probe(self, b: "IndexedZSet", hashes: np.ndarray) -> None:
+        """Before a C walk seeks ``hashes`` (ascending) in ``b`` through its fence and reads the rows found: check
+        those pages when ``b`` is read from a lazily opened file (spill.py invariant 14)."""
+        store = self._store
+        if store is None or id(b) not in store._unchecked:
+            return
+        if store.check_seek(b, hashes):
+            asked = self._filtered(b, hashes)
+            if len(asked):
+                store.check_rows(b, b.lookup(asked))
+
+    def _check_files(self) -> None:
+        """Check every batch read from a lazily opened file whole (spill.py invariant 14): before a read of rows
+        that does not go through :meth:`_read` (a shard cut, :meth:`drop_below`)."""
+        store = self._store
+        if store is not None and store._unchecked:
+            for b in self._levels() + self.pending:
+                store.check(b)
 
     def _attach(self) -> Any:
         """Register with the BatchStore in force on this thread, if any (invariant 12); returns it."""
@@ -443,14 +477,22 @@ class Trace(KeyIndexed):
         out = []
         if len(hashes) == 0:
             return out
-        for b in self._read():
+        store = self._store
+        for b in self._read(pages=True):
+            lazy = store is not None and id(b) in store._unchecked  # check what it reads (spill.py invariant 14)
             if len(b) < dense_ratio * len(hashes):
+                if lazy:
+                    store.check(b)
                 out.append(b)
                 continue
+            if lazy:
+                lazy = store.check_seek(b, hashes)
             asked = self._filtered(b, hashes)
             if len(asked) == 0:
                 continue
             idx = b.lookup(asked)  # one galloping C call per batch
+            if lazy:
+                store.check_rows(b, idx)
             if len(idx) == len(b):
                 out.append(b)
             elif len(idx):
@@ -463,7 +505,7 @@ class Trace(KeyIndexed):
         from dbsp_core import _zset
 
         acc = np.zeros(len(change), dtype=np.int64)
-        batches = self._read() if len(change) else []
+        batches = self._read_for(("row", (None,))) if len(change) else []
         if batches:
             change._check_compatible(batches[0], "match_weights")  # every batch has the trace's schema and key
             if self._index_sums(("row", (None,)), batches, change._view(), list(range(len(change.schema))),
@@ -473,6 +515,10 @@ class Trace(KeyIndexed):
             rh = change._row_hashes()  # rows of one key are in row-hash order: gallop within a big group's run
             for b in batches:
                 same = b.schema.equals(schema)  # a cast batch's hashes are not the change's: walk it plainly
+                if same:
+                    self._check_probe(b, change.key_hash)
+                elif self._store is not None:
+                    self._store.check(b)
                 _zset.match_weights(view, None, None, b._view_as(schema), None, None, acc,
                                     rh if same else None, b._row_hashes() if same else None)
         return acc
@@ -508,7 +554,7 @@ class Trace(KeyIndexed):
         from dbsp_core.zset import _key_sums_positions
 
         acc = np.zeros((len(rows), len(columns)), dtype=np.int64)
-        batches = self._read() if len(rows) else []
+        batches = self._read_for(("key", tuple(columns))) if len(rows) else []
         if batches:
             ppos, cpos = _key_sums_positions(batches[0], probe, probe_keys, columns)
             if view is None:
@@ -517,6 +563,7 @@ class Trace(KeyIndexed):
                 return acc  # invariant 11: one probe per key
             spilled = self._store is not None and any(self._store.is_spilled(b) for b in batches)
             for b in batches:
+                self._check_probe(b, khash)
                 if spilled and self._store.is_spilled(b):  # invariant 12: only the keys its filter may hold
                     keep = self._store.file_of(b).may_contain(khash)
                     if not keep.any():
@@ -581,6 +628,7 @@ class Trace(KeyIndexed):
                 return None
             return b.take(np.flatnonzero(np.asarray(keep.to_numpy(zero_copy_only=False), dtype=bool)))
 
+        self._check_files()
         before = self.num_rows
         levels, self._by_level = self._by_level, []
         redo: list[tuple[int, IndexedZSet, int]] = []

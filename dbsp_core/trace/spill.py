@@ -34,6 +34,22 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      names it leaves a file nobody names (swept); a crash during a checkpoint leaves the previous one, whose
      files are still pinned and present.
 
+ 14. Opening reads metadata, not rows (batch file invariant 5): a batch a checkpoint names is adopted from its file
+     opened lazily (header, footer and page CRCs checked; fence and filter read in place), and the store keeps it
+     in ``_unchecked`` until every byte a read may touch has been checked. The trace asks the store first
+     (``Trace._read``, the seam): :meth:`BatchStore.check` before a read that may touch any row (a walk, a merge,
+     a key index build: the file is checked whole, once), and for a lookup of some keys in a whole file's batch
+     :meth:`BatchStore.check_seek` and :meth:`BatchStore.check_rows` (the fence and filter, then the key-hash
+     pages the fenced seek reads, then the pages of the rows found), so the first steps after an open check what
+     they read and no more. A check that fails raises CorruptionError naming the file and ``dbsp repair``; the
+     step that read it fails before any row of the file is used.
+
+ 15. The cache's counters, per trace (``"<operator>.<trace>"`` in ``Pipeline.metrics()["spill"]``): a read of a
+     trace counts, per spilled batch it holds, a hit when the store has not evicted the batch's file since its last
+     use (its pages are mapped in, or at least in the page cache) and a miss when it has, or it was never read
+     since it was spilled or opened (its pages must come from the page cache or the disk). File granularity: the
+     kernel, not the engine, knows which 4 KiB pages fault.
+
 What is not spilled: pending batches of a trace being restored (they are placed at its first read), merge inputs
 (until the merge ends), Z-set state of operators that is not a trace, key indexes (dbsp_core/trace/keyindex.py)
 and the per-batch fence and filter (about 1.4 bytes per row).
@@ -48,10 +64,13 @@ import tempfile
 import threading
 import weakref
 from collections import OrderedDict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Iterator
 
+import numpy as np
+
 from dbsp_core.envvars import parse_memory_limit
+from dbsp_core.progress import progress
 from dbsp_core.storage.formats import BATCH_FILE_SUFFIX, SPILL_DIR
 from dbsp_core.trace.batchfile import BatchFile, open_batch, write_batch
 
@@ -103,6 +122,7 @@ class BatchStore:
 
     BATCH_SHARE = 0.75  # of the limit: batches in memory; the rest: the cache of spilled pages
     CACHE_SHARE = 0.25
+    PROGRESS_BYTES = 256 << 20  # an enforce spilling this much shows a progress line (dbsp_core/progress.py)
 
     def __init__(self, memory_limit: int, directory: str | None = None, durable: bool = False,
                  vfs: str = "posix") -> None:
@@ -124,10 +144,12 @@ class BatchStore:
         self._dead: set[str] = set()  # pinned files without a live batch: deleted once no checkpoint names them
         self._read: set[int] = set()  # ids of traces read since the last enforce
         self._resident: "OrderedDict[int, int]" = OrderedDict()  # id(batch) -> file size, used since evicted; LRU
+        self._unchecked: dict[int, BatchFile] = {}  # id(batch) -> its lazily opened file with bytes unchecked (14)
+        self._cache: "weakref.WeakKeyDictionary[Trace, list[int]]" = weakref.WeakKeyDictionary()  # [hits, misses]
         self._next = 0
         self._token = os.urandom(6).hex()  # names never reused, even by a later process with the same pid
         self.stats.update({"files_written": 0, "bytes_written": 0, "evictions": 0, "bytes_evicted": 0,
-                           "enforcements": 0})
+                           "enforcements": 0, "cache_hits": 0, "cache_misses": 0, "pages_checked": 0})
 
     def __enter__(self) -> "BatchStore":
         return self
@@ -143,8 +165,64 @@ class BatchStore:
             self._traces.add(trace)
 
     def note_read(self, trace: "Trace") -> None:
-        """``trace`` was read: its spilled files are in use (the cache's LRU order, invariant 12)."""
+        """``trace`` was read: its spilled files are in use (the cache's LRU order, invariant 12), counted once per
+        step as hits and misses (invariant 15)."""
+        if id(trace) in self._read:
+            return
         self._read.add(id(trace))
+        hits = misses = 0
+        for b in trace._levels():
+            if id(b) in self._files:
+                if id(b) in self._resident:
+                    hits += 1
+                else:
+                    misses += 1
+        if hits or misses:
+            c = self._cache.setdefault(trace, [0, 0])
+            c[0] += hits
+            c[1] += misses
+            self.stats["cache_hits"] += hits
+            self.stats["cache_misses"] += misses
+
+    def cache_counts(self, trace: "Trace") -> tuple[int, int]:
+        """(hits, misses) of ``trace``'s reads of its spilled batches so far (invariant 15)."""
+        c = self._cache.get(trace)
+        return (c[0], c[1]) if c is not None else (0, 0)
+
+    # ---- checks of lazily opened files (invariant 14) ----
+
+    def check(self, b: "IndexedZSet") -> None:
+        """Check every unchecked byte of the file ``b`` is read from, before a read that may touch any row."""
+        f = self._unchecked.get(id(b))
+        if f is None:
+            return
+        self.stats["pages_checked"] += f.check_all()
+        self._unchecked.pop(id(b), None)
+
+    def check_seek(self, b: "IndexedZSet", hashes: np.ndarray) -> bool:
+        """Check what seeking ``hashes`` in ``b`` reads; False when ``b`` was checked whole instead (a slice of a
+        file, whose seeks do not go through the file's fence), so the caller need not check rows."""
+        f = self._unchecked.get(id(b))
+        if f is None:
+            return False
+        if len(b) != f.rows or self._offsets.get(id(b), 0):
+            self.check(b)
+            return False
+        before = int(f.checked.sum())
+        f.check_seek(b, hashes)
+        self.stats["pages_checked"] += int(f.checked.sum()) - before
+        return True
+
+    def check_rows(self, b: "IndexedZSet", rows: np.ndarray) -> None:
+        """Check the pages of rows ``rows`` of ``b`` (after :meth:`check_seek` found them)."""
+        f = self._unchecked.get(id(b))
+        if f is None:
+            return
+        before = int(f.checked.sum())
+        f.check_rows(b, rows)
+        self.stats["pages_checked"] += int(f.checked.sum()) - before
+        if not f.unchecked():
+            self._unchecked.pop(id(b), None)
 
     def is_spilled(self, b: "IndexedZSet") -> bool:
         return id(b) in self._files
@@ -174,6 +252,8 @@ class BatchStore:
                 self._offsets[id(b)] = offset
             name = os.path.basename(f.path)
             self._owners[name] = self._owners.get(name, 0) + 1
+            if f.unchecked():  # opened lazily: checked as it is read (invariant 14)
+                self._unchecked[id(b)] = f
         weakref.finalize(b, self._release, id(b), name)
 
     def pin(self, name: str) -> None:
@@ -274,12 +354,17 @@ class BatchStore:
         spilled = 0
         if mem > budget:
             candidates.sort(key=lambda c: (c[0], c[1]), reverse=True)
-            for _lvl, n, b in candidates:
-                if mem <= budget:
-                    break
-                f = self._spill(b)
-                mem -= n - f.memory_bytes()
-                spilled += n
+            over = mem - budget
+            with (progress("spilling state to batch files", total=over >> 20, unit=" MiB")
+                  if over >= self.PROGRESS_BYTES else nullcontext()) as shown:
+                for _lvl, n, b in candidates:
+                    if mem <= budget:
+                        break
+                    f = self._spill(b)
+                    mem -= n - f.memory_bytes()
+                    spilled += n
+                    if shown is not None:
+                        shown.update(min(over, spilled) >> 20)
         self._trim_cache(traces)
         return spilled
 
@@ -311,6 +396,7 @@ class BatchStore:
             self._files.pop(key, None)
             self._offsets.pop(key, None)
             self._resident.pop(key, None)
+            self._unchecked.pop(key, None)
             left = self._owners.get(name, 1) - 1
             if left > 0:
                 self._owners[name] = left

@@ -51,7 +51,7 @@ def test_round_trip(n: int, key) -> None:
     # the Arrow section is a standard Arrow IPC file
     with open(path, "rb") as fh:
         raw = fh.read()
-    _, _, _, aoff, alen, _, _ = HEADER.unpack_from(raw, 0)
+    _, _, _, aoff, alen, *_ = HEADER.unpack_from(raw, 0)
     rb = pa.ipc.open_file(pa.py_buffer(raw[aoff:aoff + alen])).get_batch(0)
     assert rb.num_rows == len(b) and rb.schema.names[:len(b.schema)] == b.schema.names
 
@@ -72,7 +72,7 @@ def test_every_section_is_checked() -> None:
     size = write_batch(src, b)
     with open(src, "rb") as fh:
         raw = fh.read()
-    _, _, _, aoff, alen, _, _ = HEADER.unpack_from(raw, 0)
+    _, _, _, aoff, alen, *_ = HEADER.unpack_from(raw, 0)
     _, _, _, fence_off, nfence, bloom_off, nbloom, crc_off, _, _ = FOOTER.unpack_from(raw, size - FOOTER.size)
     places = {"header": 20, "arrow first page": aoff + 100, "arrow middle page": aoff + alen // 2,
               "arrow last page": aoff + alen - 3, "fence": fence_off + 8, "bloom": bloom_off + 8 * (nbloom // 2),
@@ -101,3 +101,20 @@ def test_a_short_file_is_refused() -> None:
         fh.write(b"DBSPBTCH" + b"\0" * 40)
     with pytest.raises(CorruptionError):
         open_batch(path)
+
+
+def test_a_durable_batch_file_over_64_mib_is_written() -> None:
+    """A durable store's batch files go through the VFS's atomic replace, which refused more than 64 MiB (the bound
+    of a small file's read): a 10M-row join's first big merge output failed to spill."""
+    from dbsp_core import ZSet
+
+    n = 600_000  # k int64 + 100-byte strings + offsets + weight + key hash + row hash: about 80 MiB
+    pad = pa.array(np.full(n, "x" * 100, dtype=object), pa.string())
+    z = ZSet.from_arrow(pa.table({"k": np.arange(n, dtype=np.int64), "pad": pad}))
+    b = z.index_by(["k"])
+    b._row_hashes()
+    path = os.path.join(tempfile.mkdtemp(), "big.batch")
+    size = write_batch(path, b, sync=True)
+    assert size > 64 << 20 and os.path.getsize(path) == size
+    assert verify(path) == n
+    os.unlink(path)
