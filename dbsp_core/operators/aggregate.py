@@ -394,7 +394,9 @@ def _ordered_value(data: pa.Table, w: np.ndarray, gid: np.ndarray, ng: int, agg:
     sep, order = agg.args
     rows = np.flatnonzero(pc.is_valid(col).to_numpy(zero_copy_only=False))
     idx = _order_indices(data, gid, order, agg.column, rows) if len(rows) else rows
-    rep = np.repeat(idx, w[idx].astype(np.int64))
+    # a trace lookup may bring rows of groups the change does not touch, partial (a deletion without its row):
+    # they reduce alike in the old and the new totals and cancel, so any value will do, but not a negative repeat
+    rep = np.repeat(idx, np.maximum(w[idx], 0).astype(np.int64))
     counts = np.bincount(gid[rep], minlength=ng)
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     values = pc.cast(col.take(pa.array(rep, pa.int64())), pa.string()).combine_chunks()
