@@ -9,8 +9,11 @@ Invariants:
   3. The step is planned inside the fixpoint's nested circuit: the CTE itself and every table, view or CTE the
      step names are the nested circuit's inputs; the base is one more input. The step's columns are cast to
      the base's types (the CTE's types, as SQL has them).
-  4. Constructs a fixpoint cannot maintain in its step (aggregates, outer, semi and anti joins, top-k, constant
-     rows) are refused with the position of the step and the reason. DuckDB evaluates the recursive part over
+  4. Constructs a fixpoint cannot maintain in its step (aggregates, outer joins padding the CTE's side, semi and
+     anti joins, top-k, constant rows) are refused with the position of the step and the reason. A LEFT JOIN
+     that keeps the CTE's rows (the CTE not on its right) is a function of each row, so DuckDB's iterations and
+     the fixed point agree: it is planned with a join and a distinct only (the unmatched rows are the rows minus
+     their join with the distinct matched rows), which the fixpoint's body can run. DuckDB evaluates the recursive part over
      the rows the previous iteration added (its working table); for an aggregate or outer join over the CTE, or
      a subquery condition, that answer is not the fixed point the engine maintains, so none is accepted there.
   5. A derived table in the step's FROM that does not name the CTE is the same relation at every iteration: it
@@ -104,10 +107,12 @@ def plan_recursive(builder: Builder, name: str, cols: list[str], q: exp.Expressi
                 raise src.error(n, f"subquery conditions cannot be maintained inside the recursive query of {name!r} "
                                    f"(its fixed point has no semi or anti join; a derived table in FROM that does not "
                                    f"name {name!r} can hold the subquery, joined on its key)")
-        if isinstance(n, exp.Join) and (n.args.get("side") or "").upper() in ("LEFT", "RIGHT", "FULL"):
-            raise src.error(n, f"outer joins cannot be maintained inside the recursive query of {name!r} (its fixed "
-                               f"point has inner joins, filters, projections and UNION; a derived table in FROM that "
-                               f"does not name {name!r} can hold an outer join of other tables)")
+        side = (n.args.get("side") or "").upper() if isinstance(n, exp.Join) else ""
+        if side in ("RIGHT", "FULL") or (side == "LEFT" and _references(n.this, name)):
+            raise src.error(n, f"{side} JOIN with {name!r} on its null-padded side cannot be maintained inside the "
+                               f"recursive query of {name!r}: DuckDB pads against the rows each iteration adds, which "
+                               f"is not the fixed point the engine maintains (a LEFT JOIN keeping {name!r}'s rows can, "
+                               f"and so can a derived table in FROM that does not name {name!r})")
     base = builder.query(base_node)
     names = cols or [c.name for c in base.cols]
     if len(names) != len(base.cols):
@@ -140,9 +145,11 @@ def plan_recursive(builder: Builder, name: str, cols: list[str], q: exp.Expressi
         for n, outer, imp in zip(imported, outer_rels, imps):
             frame[n] = Rel(imp, outer.cols)
         builder.scopes.append(frame)
+        was, builder.recursive_body = builder.recursive_body, True
         try:
             step = builder.query(step_node)
         finally:
+            builder.recursive_body = was
             builder.scopes.pop()
             builder.circuit = saved
         if len(step.cols) != len(fields):
