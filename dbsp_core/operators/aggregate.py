@@ -16,9 +16,12 @@ Invariants:
        the inserted values, unless a deleted value reaches the old extreme (for min: is not strictly greater
        than it); only those groups are re-reduced, over their value multisets. So an insert-only step costs
        O(change), and deleting an extreme costs O(distinct values of that group), never O(state).
-     - recompute (any float sum/avg): the trace keeps the integrated input indexed by key; a step re-reduces
-       the affected groups' rows, so float sums are computed over the group's consolidated rows in one fixed
-       order whatever the split (exact results that do not depend on steps or workers).
+     - recompute (any float sum/avg, and the whole-group kinds of dbsp_core/aggregates.py, invariant 6 there:
+       the variance family, string_agg, first, last): the trace keeps the integrated input indexed by key; a
+       step re-reduces the affected groups' rows, so float sums are computed over the group's consolidated rows
+       in one fixed order whatever the split (exact results that do not depend on steps or workers), and the
+       whole-group kinds over every row of the group (:func:`group_values`): a step costs the size of the
+       groups it changes, not of the change.
   4. The input is exchanged by the group keys, so a group lives in exactly one worker. A linear aggregate
      first turns each worker's change into partial rows (PreAggregate, before the exchange: a combiner), so
      a large change crosses workers as one row per group instead of one per input row.
@@ -44,7 +47,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.types as pat
 
-from dbsp_core.aggregates import Aggregate as AggSpec
+from dbsp_core.aggregates import GROUP_KINDS, PAIR_KINDS, Aggregate as AggSpec
 from dbsp_core.errors import DbspError, SchemaError, WeightOverflowError
 from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, keyed_change, make
 from dbsp_core import _zset
@@ -64,6 +67,8 @@ class Aggregate(Operator):
     output_keys = True  # the key columns lead the output (False: a keyless aggregate's hidden key)
     distinct_columns: tuple[str, ...] = ()  # columns of count_distinct slots (partials from CountDistinct)
     in_times: tuple = ()  # time lineage of the input, set by the circuit when there is one (dbsp_core.time)
+    extras: tuple = ()  # the whole-group aggregates (invariant 3, recompute), set only when there are some, so
+    # circuits written before keep their fingerprint
 
     def __init__(self, node: int, in_schema: pa.Schema, keys: Sequence[str], aggs: dict[str, AggSpec],
                  where: str, output_keys: bool = True) -> None:
@@ -92,7 +97,12 @@ class Aggregate(Operator):
         # kernel aggregates: slot 0 is always the row count (groups with count 0 have no row, invariant 1)
         self.kernel: list[tuple[str, str | None]] = [("count", None)]
         self.plan: list[tuple[str, list[int]]] = []  # per user aggregate: its kind and kernel slots
+        extras: list[AggSpec] = []
         for agg in aggs.values():
+            if agg.kind in GROUP_KINDS:  # computed after the kernel's slots, over whole groups (group_values)
+                self.plan.append(("group", [len(extras)]))
+                extras.append(agg)
+                continue
             if agg.kind == "count":
                 slots = [0] if agg.column is None else [self._slot("count_col", agg.column)]
             elif agg.kind == "count_distinct":  # partials come from operators/count_distinct.py
@@ -107,8 +117,11 @@ class Aggregate(Operator):
             else:
                 slots = [self._slot(agg.kind, agg.column)]
             self.plan.append((agg.kind, slots))
-        self.linear = all(k in ("count", "count_col", "count_distinct") or k in LIMBS
-                          or (k == "sum" and pat.is_integer(in_schema.field(c).type)) for k, c in self.kernel)
+        if extras:
+            self.extras = tuple(extras)
+        self.linear = not extras and all(k in ("count", "count_col", "count_distinct") or k in LIMBS
+                                         or (k == "sum" and pat.is_integer(in_schema.field(c).type))
+                                         for k, c in self.kernel)
         distinct_columns = tuple(c for k, c in self.kernel if k == "count_distinct")
         if distinct_columns:
             self.distinct_columns = distinct_columns
@@ -127,8 +140,8 @@ class Aggregate(Operator):
     def instance(self) -> "_LinearState | _ExtremesState | _RecomputeState":
         if self.linear:
             return _LinearState(self)
-        if all(k in ("count", "count_col", "min", "max") or pat.is_integer(self.in_schema.field(c).type)
-               for k, c in self.kernel):
+        if not self.extras and all(k in ("count", "count_col", "min", "max")
+                                   or pat.is_integer(self.in_schema.field(c).type) for k, c in self.kernel):
             return _ExtremesState(self)
         return _RecomputeState(self)
 
@@ -137,7 +150,9 @@ class Aggregate(Operator):
         nk = len(self.keys)
         cols = [totals.column(i) for i in range(nk)] if self.output_keys else []
         for (kind, slots), field, name in zip(self.plan, list(self.schema)[len(cols):], self.names):
-            if kind == "avg" and pat.is_floating(totals.schema.field(nk + slots[0]).type):
+            if kind == "group":  # computed whole by group_values, after the kernel's slots
+                col = totals.column(nk + len(self.kernel) + slots[0])
+            elif kind == "avg" and pat.is_floating(totals.schema.field(nk + slots[0]).type):
                 s = totals.column(nk + slots[0])
                 n = pc.cast(totals.column(nk + slots[1]), pa.float64())
                 col = pc.if_else(pc.equal(n, 0.0), pa.scalar(None, pa.float64()), pc.divide(s, n))
@@ -259,7 +274,12 @@ class _RecomputeState(_GroupedState):
         if z.num_rows == 0:
             return None
         ix = z.index_by(list(self.op.keys))
-        return self.op.nonempty(reduce_groups(ix, self.op.kernel)) if len(ix) else None
+        if not len(ix):
+            return None
+        table = reduce_groups(ix, self.op.kernel)
+        for j, col in enumerate(group_values(ix, self.op.extras, table.num_rows)):
+            table = table.append_column(f"__group_{j}", col)
+        return self.op.nonempty(table)
 
     def _step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
@@ -270,6 +290,118 @@ class _RecomputeState(_GroupedState):
         new = concat([old, dix.zset], op.in_schema)
         self.trace.insert(dix)
         return op.output(self._reduce(new), self._reduce(old))
+
+
+def _group_ids(ix: "IndexedZSet") -> np.ndarray:
+    """Each row's group number in ``ix`` (whose rows of equal keys are adjacent), numbered in row order: the order of
+    :func:`reduce_groups`' rows. Keys match as the kernel matches them: null equals null, NaN equals NaN."""
+    data, n = ix.zset.data, ix.zset.num_rows
+    kh = np.asarray(ix.key_hash)
+    brk = np.ones(n, dtype=bool)
+    if n > 1:
+        brk[1:] = kh[1:] != kh[:-1]
+        for k in ix.key:
+            col = data.column(k).combine_chunks()
+            a, b = col.slice(1), col.slice(0, n - 1)
+            d = pc.fill_null(pc.not_equal(a, b), False)
+            if pat.is_floating(col.type):
+                d = pc.and_(d, pc.invert(pc.and_(pc.fill_null(pc.is_nan(a), False), pc.fill_null(pc.is_nan(b), False))))
+            d = pc.or_(d, pc.xor(pc.is_null(a), pc.is_null(b)))
+            brk[1:] |= d.to_numpy(zero_copy_only=False)
+    return np.cumsum(brk) - 1
+
+
+def _order_indices(data: pa.Table, gid: np.ndarray, order: tuple, value: str, rows: np.ndarray) -> np.ndarray:
+    """``rows`` sorted by group, then ``order`` ((column, descending, nulls_first) each), then the value (nulls
+    last): one sort, no Python per row."""
+    cols: dict[str, pa.Array] = {"g": pa.array(gid[rows])}
+    keys: list[tuple[str, str]] = [("g", "ascending")]
+    take = pa.array(rows, pa.int64())
+    for i, (c, desc, nulls_first) in enumerate(tuple(order) + ((value, False, False),)):
+        v = data.column(c).take(take)
+        cols[f"n{i}"] = pc.cast(pc.is_null(v), pa.int8())
+        keys.append((f"n{i}", "descending" if nulls_first else "ascending"))
+        if not (pat.is_null(v.type) or v.null_count == len(v)):
+            cols[f"v{i}"] = v
+            keys.append((f"v{i}", "descending" if desc else "ascending"))
+    order_ix = pc.sort_indices(pa.table(cols), sort_keys=keys).to_numpy()
+    return rows[order_ix]
+
+
+def group_values(ix: "IndexedZSet", extras: Sequence[AggSpec], ngroups: int) -> list[pa.Array]:
+    """The whole-group aggregates (dbsp_core/aggregates.py invariant 6) of each group of ``ix``, in the order of
+    :func:`reduce_groups`' rows (``ngroups`` of them): one array per aggregate. Vectorized: group sums by
+    ``np.bincount`` in row order, orders by one sort."""
+    if not extras:
+        return []
+    data = ix.zset.data
+    w = np.asarray(ix.zset.weights).astype(np.float64)
+    gid = _group_ids(ix)
+    if len(gid) and int(gid[-1]) + 1 != ngroups:
+        raise DbspError(f"internal: {int(gid[-1]) + 1} groups found where the kernel reduced {ngroups}")
+    out = []
+    for agg in extras:
+        if agg.kind in ("first", "last", "string_agg"):
+            out.append(_ordered_value(data, w, gid, ngroups, agg))
+        else:
+            out.append(_statistic(data, w, gid, ngroups, agg))
+    return out
+
+
+def _statistic(data: pa.Table, w: np.ndarray, gid: np.ndarray, ng: int, agg: AggSpec) -> pa.Array:
+    """The variance family by the two-pass method: the group's mean, then the centred sums (float64 throughout;
+    an integer value is exact in float64 up to 2^53)."""
+    cols = [agg.column] + ([agg.args[0]] if agg.kind in PAIR_KINDS else [])
+    valid = np.ones(len(gid), dtype=bool)
+    xs = []
+    for c in cols:
+        col = data.column(c)
+        valid &= pc.is_valid(col).to_numpy(zero_copy_only=False)
+        xs.append(pc.cast(pc.fill_null(col, 0), pa.float64()).to_numpy(zero_copy_only=False))
+    ww = np.where(valid, w, 0.0)
+    n = np.bincount(gid, weights=ww, minlength=ng)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        devs = []
+        for x in xs:
+            x = np.where(valid, x, 0.0)
+            mean = np.bincount(gid, weights=ww * x, minlength=ng) / n
+            devs.append(np.where(valid, x - mean[gid], 0.0))
+        dx, dy = devs[0], devs[-1]
+        sxy = np.bincount(gid, weights=ww * dx * dy, minlength=ng)
+        samp = agg.kind.endswith("_samp")
+        if agg.kind == "corr":
+            sxx = np.bincount(gid, weights=ww * dx * dx, minlength=ng)
+            syy = np.bincount(gid, weights=ww * dy * dy, minlength=ng)
+            val = sxy / np.sqrt(sxx * syy)
+        else:
+            val = sxy / (n - 1 if samp else n)
+            if agg.kind.startswith("stddev"):
+                val = np.sqrt(val)
+    null = n < (2 if samp else 1)
+    return pa.array(np.where(null, 0.0, val), pa.float64(), mask=null if null.any() else None)
+
+
+def _ordered_value(data: pa.Table, w: np.ndarray, gid: np.ndarray, ng: int, agg: AggSpec) -> pa.Array:
+    """first / last (a row's value, in the group's order) and string_agg (the group's non-null strings, each as
+    often as its weight, joined in order)."""
+    col = data.column(agg.column)
+    if agg.kind in ("first", "last"):
+        idx = _order_indices(data, gid, agg.args[0], agg.column, np.arange(len(gid)))
+        g = gid[idx]
+        at = np.flatnonzero(np.r_[True, g[1:] != g[:-1]]) if agg.kind == "first" else \
+            np.flatnonzero(np.r_[g[1:] != g[:-1], True])
+        return col.take(pa.array(idx[at], pa.int64())).combine_chunks() if len(at) else pa.array([], col.type)
+    sep, order = agg.args
+    rows = np.flatnonzero(pc.is_valid(col).to_numpy(zero_copy_only=False))
+    idx = _order_indices(data, gid, order, agg.column, rows) if len(rows) else rows
+    # a trace lookup may bring rows of groups the change does not touch, partial (a deletion without its row):
+    # they reduce alike in the old and the new totals and cancel, so any value will do, but not a negative repeat
+    rep = np.repeat(idx, np.maximum(w[idx], 0).astype(np.int64))
+    counts = np.bincount(gid[rep], minlength=ng)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    values = pc.cast(col.take(pa.array(rep, pa.int64())), pa.string()).combine_chunks()
+    joined = pc.binary_join(pa.ListArray.from_arrays(pa.array(offsets), values), sep)
+    return pc.if_else(pa.array(counts > 0), joined, pa.scalar(None, pa.string()))
 
 
 class PreAggregate(Operator):

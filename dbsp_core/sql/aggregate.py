@@ -1,4 +1,4 @@
-"""GROUP BY and aggregates of the SQL planner: COUNT, SUM, AVG, MIN, MAX (with DISTINCT and FILTER) over any group keys.
+"""GROUP BY and aggregates of the SQL planner: COUNT, SUM, AVG, MIN, MAX, the variance family, STRING_AGG, FIRST and LAST (with DISTINCT, FILTER and ORDER BY inside the call) over any group keys.
 
 A query without GROUP BY gives SQL's one row, also over an empty input.
 
@@ -14,7 +14,14 @@ Invariants:
      holds); MIN/MAX(DISTINCT x) are MIN/MAX(x).
   4. SUM, AVG, MIN and MAX of a DECIMAL aggregate its unscaled int64 (AVG as SUM and COUNT), converted back to
      the types of decimal.py invariant 3 after the aggregate.
-  5. The result Rel names the plain-column group keys (so ``SELECT t.a ... GROUP BY a`` works); the
+  5. STDDEV[_SAMP|_POP], VARIANCE, VAR_SAMP, VAR_POP, COVAR_POP, COVAR_SAMP, CORR, STRING_AGG / LISTAGG /
+     GROUP_CONCAT (separator a string literal, default ','; ORDER BY inside) and FIRST / LAST (ORDER BY inside
+     required: a view's rows have no order, and DuckDB's answer without it depends on its scan) are the whole-group
+     aggregates of dbsp_core/aggregates.py (invariant 6 there). ``FIRST(x ORDER BY o) FILTER (WHERE c)`` orders the
+     rows where c holds first and reads ``CASE WHEN c THEN x END`` (null when no row passes); STRING_AGG of
+     an integer reads its VARCHAR cast; DISTINCT is taken for the one-column kinds (over the distinct
+     (keys, value) pairs, as SUM(DISTINCT)), refused with an ORDER BY on another expression or two columns.
+  6. The result Rel names the plain-column group keys (so ``SELECT t.a ... GROUP BY a`` works); the
      substitution map sends every group-key expression and aggregate call to its field.
 """
 
@@ -36,7 +43,11 @@ from dbsp_core.sql.relation import Col, Rel
 from dbsp_core.sql.types import is_numeric
 
 F = pc.field
-_KINDS = {exp.Count: "count", exp.Sum: "sum", exp.Min: "min", exp.Max: "max", exp.Avg: "avg"}
+_KINDS = {exp.Count: "count", exp.Sum: "sum", exp.Min: "min", exp.Max: "max", exp.Avg: "avg",
+          exp.Variance: "var_samp", exp.VariancePop: "var_pop", exp.Stddev: "stddev_samp", exp.StddevSamp: "stddev_samp",
+          exp.StddevPop: "stddev_pop", exp.CovarPop: "covar_pop", exp.CovarSamp: "covar_samp", exp.Corr: "corr",
+          exp.GroupConcat: "string_agg", exp.First: "first", exp.Last: "last"}
+_ORDERED = ("string_agg", "first", "last")  # ORDER BY inside the call (invariant 5)
 
 
 def _is_agg(n: Any) -> bool:
@@ -56,7 +67,9 @@ def aggregate_calls(builder: Builder, nodes: list[exp.Expression]) -> list[exp.E
             continue
         if isinstance(n, exp.AggFunc) and not isinstance(n, AGGREGATES):
             raise builder.src.error(n, f"aggregate {n.sql(dialect=DIALECT).split('(')[0]} is not supported "
-                                       f"(COUNT, SUM, AVG, MIN and MAX are)")
+                                       f"(COUNT, SUM, AVG, MIN, MAX, STDDEV[_SAMP|_POP], VARIANCE, VAR_SAMP, "
+                                       f"VAR_POP, COVAR_POP, COVAR_SAMP, CORR, STRING_AGG / LISTAGG / GROUP_CONCAT, "
+                                       f"FIRST and LAST are)")
         if _is_agg(n) and not (isinstance(n, AGGREGATES) and isinstance(n.parent, exp.Filter)):
             if inside is not None:
                 raise builder.src.error(n, "an aggregate cannot contain another aggregate")
@@ -70,14 +83,45 @@ def aggregate_calls(builder: Builder, nodes: list[exp.Expression]) -> list[exp.E
     return out
 
 
-def _parts(builder: Builder, node: exp.Expression) -> tuple[str, exp.Expression | None, bool, exp.Expression | None]:
-    """(kind, argument, distinct, filter condition) of an aggregate call."""
+class _Extra:
+    """What a whole-group aggregate call carries besides its argument (invariant 5)."""
+
+    def __init__(self, second: exp.Expression | None = None, separator: str = ",",
+                 order: list[exp.Ordered] | None = None) -> None:
+        self.second, self.separator, self.order = second, separator, order or []
+
+
+def _parts(builder: Builder, node: exp.Expression
+           ) -> tuple[str, exp.Expression | None, bool, exp.Expression | None, _Extra | None]:
+    """(kind, argument, distinct, filter condition, the whole-group aggregate's extras) of an aggregate call."""
     cond = None
     if isinstance(node, exp.Filter):
         cond = node.expression.this if isinstance(node.expression, exp.Where) else node.expression
         node = node.this
     kind = _KINDS[type(node)]
     arg = node.this
+    extra = None
+    if kind in _ORDERED or kind.startswith(("var", "stddev", "covar", "corr")):
+        extra = _Extra()
+        if isinstance(arg, exp.Order):  # f(x ORDER BY ...)
+            if kind not in _ORDERED:
+                raise builder.src.error(node, f"{kind.upper()} takes no ORDER BY (its value does not depend on an "
+                                              f"order)")
+            extra.order, arg = list(arg.expressions), arg.this
+        if kind in ("covar_pop", "covar_samp", "corr"):
+            extra.second = node.args.get("expression")
+            if extra.second is None or arg is None:
+                raise builder.src.error(node, f"{kind.upper()} takes two arguments, e.g. {kind.upper()}(y, x)")
+        if kind == "string_agg":
+            sep = node.args.get("separator")
+            if sep is not None:
+                if not (isinstance(sep, exp.Literal) and sep.is_string):
+                    raise builder.src.error(sep, "the separator of STRING_AGG must be a string literal")
+                extra.separator = sep.this
+        if kind in ("first", "last") and not extra.order:
+            raise builder.src.error(node, f"{kind.upper()}(x) needs an ORDER BY inside the call, e.g. "
+                                          f"{kind.upper()}(x ORDER BY t): a view's rows have no order, so the "
+                                          f"first row is not defined (DuckDB answers with its scan order)")
     distinct = False
     if isinstance(arg, exp.Distinct):
         if len(arg.expressions) != 1:
@@ -91,7 +135,13 @@ def _parts(builder: Builder, node: exp.Expression) -> tuple[str, exp.Expression 
         raise builder.src.error(node, f"{kind.upper()} takes one argument")
     elif arg is None and kind != "count":  # COUNT() is COUNT(*) in DuckDB; MAX() etc. are not functions there
         raise builder.src.error(node, f"{kind.upper()}() needs an argument, e.g. {kind.upper()}(x)")
-    return kind, arg, distinct, cond
+    if distinct and extra is not None:
+        if kind in ("first", "last"):
+            distinct = False  # the same value either way
+        elif extra.second is not None or any(o.this != arg for o in extra.order):
+            raise builder.src.error(node, f"{kind.upper()}(DISTINCT ...) is supported with one argument and an "
+                                          f"ORDER BY only on that argument")
+    return kind, arg, distinct, cond, extra
 
 
 def group_nodes(builder: Builder, node: exp.Select, items: list[tuple[str, exp.Expression]], rel: Rel
@@ -155,13 +205,26 @@ def plan_aggregate(builder: Builder, rel: Rel, node: exp.Select | None, items: l
     alias_of = {e: n for n, e in items if not n.startswith("__")}
     specs: list[tuple[exp.Expression, str, str | None, bool]] = []  # (call, kind, arg field, distinct)
     decimals: dict = {}  # call -> the DECIMAL type of its argument (invariant 4)
+    whole: dict[exp.Expression, Any] = {}  # call -> its dbsp aggregate (the whole-group kinds, invariant 5)
     for a in aggs:
-        kind, arg, distinct, cond = _parts(builder, a)
+        kind, arg, distinct, cond, extra = _parts(builder, a)
+        if extra is not None:
+            if cond is not None and kind in ("first", "last"):  # the passing rows first (last), read as CASE
+                flag = exp.Case(ifs=[exp.If(this=cond, true=exp.Literal.number(0 if kind == "first" else 1))],
+                                default=exp.Literal.number(1 if kind == "first" else 0))
+                extra.order = [exp.Ordered(this=flag, desc=False, nulls_first=False)] + extra.order
+            if cond is not None and extra.second is not None:
+                extra.second = exp.Case(ifs=[exp.If(this=cond, true=extra.second)])
         if cond is not None:
             ex.predicate(cond)
             arg = exp.Case(ifs=[exp.If(this=cond, true=arg if arg is not None else exp.Literal.number(1))])
         if arg is None:
             specs.append((a, "count", None, False))
+            continue
+        if extra is not None:
+            f = _whole_group_fields(builder, ex, a, kind, arg, extra, field_for)
+            whole[a] = _whole_group_spec(kind, f, extra, field_for, ex)
+            specs.append((a, kind, f[0], distinct))
             continue
         e, t = ex.typed(arg)
         if kind in ("sum", "avg") and not (is_numeric(t) or pat.is_null(t)):
@@ -180,7 +243,8 @@ def plan_aggregate(builder: Builder, rel: Rel, node: exp.Select | None, items: l
         specs.append((a, kind, f, distinct))
     pre = rel
     if new:  # only the fields the aggregates read cross the exchange
-        needed = list(dict.fromkeys(keys + [f for _, _, f, _ in specs if f is not None]))
+        needed = list(dict.fromkeys(keys + [f for _, _, f, _ in specs if f is not None]
+                                    + [c for spec in whole.values() for c in spec.columns()]))
         cols = {f: (new[f] if f in new else F(f)) for f in needed}
         pre = Rel(rel.stream.select(**cols), rel.cols)
     # the aggregate operators (invariant 2)
@@ -209,6 +273,10 @@ def plan_aggregate(builder: Builder, rel: Rel, node: exp.Select | None, items: l
                 counted[name] = dbsp.count_distinct(f)
             else:
                 plain[name] = dbsp.count(f) if f is not None else dbsp.count()
+        elif call_node in whole and distinct:  # one column (checked by _parts): over distinct (keys, value)
+            by_distinct.setdefault(f, {})[name] = whole[call_node]
+        elif call_node in whole:
+            plain[name] = whole[call_node]
         else:  # SUM / AVG (DISTINCT x) over the distinct pairs
             into = by_distinct.setdefault(f, {}) if distinct else plain
             if kind == "avg" and call_node in decimals:  # invariant 4: the exact sum and the count
@@ -274,6 +342,44 @@ def _decimal_results(stream: Any, fields: dict, count_of: dict) -> Any:
         else:
             cols[n] = dec.from_unscaled(F(n), t.scale, dec.sum_type(t) if kind == "sum" else t)
     return stream.select(**cols)
+
+
+def _whole_group_fields(builder: Builder, ex: Any, call_node: exp.Expression, kind: str, arg: exp.Expression,
+                        extra: _Extra, field_for: Any) -> list[str]:
+    """The fields a whole-group aggregate reads (invariant 5): its argument (a VARCHAR cast of an integer for
+    STRING_AGG), then its second argument."""
+    src = builder.src
+    e, t = ex.typed(arg)
+    if pat.is_null(t):
+        e = e.cast(pa.string() if kind == "string_agg" else pa.int32())
+    elif kind == "string_agg" and not (pat.is_string(t) or pat.is_large_string(t)):
+        if not pat.is_integer(t):
+            raise src.error(call_node, f"STRING_AGG of {t}: cast the argument to VARCHAR (only strings and "
+                                       f"integers are joined as they are)")
+        e = e.cast(pa.string())
+    elif kind not in _ORDERED and not is_numeric(t):
+        raise src.error(call_node, f"{kind.upper()} needs a numeric argument, got {t}")
+    out = [field_for(e)]
+    if extra.second is not None:
+        e2, t2 = ex.typed(extra.second)
+        if not (is_numeric(t2) or pat.is_null(t2)):
+            raise src.error(call_node, f"{kind.upper()} needs numeric arguments, got {t2}")
+        out.append(field_for(e2.cast(pa.int32()) if pat.is_null(t2) else e2))
+    return out
+
+
+def _whole_group_spec(kind: str, fields: list[str], extra: _Extra, field_for: Any, ex: Any) -> Any:
+    """The dbsp aggregate of a whole-group call, its ORDER BY expressions made fields."""
+    if kind in _ORDERED:
+        order = []
+        for o in extra.order:
+            e, t = ex.typed(o.this)
+            e = e.cast(pa.int32()) if pat.is_null(t) else e  # ORDER BY NULL: every row ties
+            order.append((field_for(e), bool(o.args.get("desc")), bool(o.args.get("nulls_first"))))
+        if kind == "string_agg":
+            return dbsp.string_agg(fields[0], extra.separator, order)
+        return getattr(dbsp, kind)(fields[0], order_by=order)
+    return dbsp.stat(kind, fields[0], fields[1] if len(fields) > 1 else None)
 
 
 def _through_picks(rel: Rel) -> Rel:

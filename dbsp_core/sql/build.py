@@ -40,6 +40,7 @@ class Builder(ABC):
         self.relations: dict[str, Rel] = {}  # tables and views, by name
         self.scopes: list[dict[str, Any]] = []  # CTE frames, innermost last
         self.notes: list[str] | None = None  # the join plans of the view being compiled (joinplan.py), when kept
+        self.recursive_body = False  # planning a recursive CTE's step: outer joins without anti joins (recursive.py)
 
     # ---- names ----
 

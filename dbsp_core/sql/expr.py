@@ -50,7 +50,8 @@ from dbsp_core.sql.types import TypeProblem, arrow_type, common_type, int_litera
 
 F = pc.field
 ROUND = "half_towards_infinity"  # Arrow's name for half away from zero
-AGGREGATES = (exp.Count, exp.Sum, exp.Min, exp.Max, exp.Avg)
+AGGREGATES = (exp.Count, exp.Sum, exp.Min, exp.Max, exp.Avg, exp.Variance, exp.VariancePop, exp.Stddev, exp.StddevSamp,
+              exp.StddevPop, exp.CovarPop, exp.CovarSamp, exp.Corr, exp.GroupConcat, exp.First, exp.Last)
 MAX_CHAIN = 4096  # terms of a chain (a + b + ..., x OR y OR ...): Arrow recurses per term (~1 KB of stack each)
 _REGROUPABLE = (exp.And, exp.Or, exp.DPipe)  # exactly associative: compiled as a balanced tree (shallow to bind)
 _TEMPORAL_PARTS = {"YEAR": "year", "MONTH": "month", "DAY": "day", "HOUR": "hour", "MINUTE": "minute",

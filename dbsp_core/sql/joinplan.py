@@ -414,14 +414,58 @@ def _comma(j: exp.Join) -> bool:
     return set(j.args) == {"this"}
 
 
+def _item_name(item: exp.Expression) -> str | None:
+    """The name a FROM item is known by: its alias, else a table's name."""
+    alias = item.args.get("alias")
+    if alias is not None and alias.this is not None:
+        return tname(alias.this) if isinstance(alias.this, exp.Identifier) else None
+    return tname(item.this) if isinstance(item, exp.Table) and isinstance(item.this, exp.Identifier) else None
+
+
+def _group_after_commas(b: Builder, node: exp.Select) -> None:
+    """The comma binds loosest in FROM: ``FROM a, b FULL JOIN c ON ...`` is ``a x (b FULL JOIN c ON ...)``. A run
+    of joins after a comma that holds a RIGHT or FULL JOIN is regrouped in place as that parenthesised item (the
+    planner would join it to everything before; for inner and LEFT joins both readings agree). Its ON may not name
+    an item before the comma: DuckDB then joins the run once per row of that item (a lateral join), refused."""
+    joins = list(node.args.get("joins") or [])
+    out: list[exp.Join] = []
+    i = 0
+    while i < len(joins):
+        j = joins[i]
+        run = []
+        k = i + 1
+        while _comma(j) and k < len(joins) and not _comma(joins[k]):
+            run.append(joins[k])
+            k += 1
+        outer = [x for x in run if (x.args.get("side") or "").upper() in ("RIGHT", "FULL")]
+        if not outer:
+            out += joins[i:k]
+            i = k
+            continue
+        item = j.this
+        side = outer[0].args["side"].upper()
+        if item.args.get("joins"):
+            raise b.src.error(outer[0], f"{side} JOIN after a comma and a parenthesised join is not supported; "
+                                        f"put the whole item in parentheses, FROM a, ((b JOIN c ...) {side} JOIN d ...)")
+        names = {_item_name(item)} | {_item_name(x.this) for x in run}
+        for x in run:
+            for col in (x.args.get("on") or exp.Boolean(this=True)).find_all(exp.Column):
+                q = col.args.get("table")
+                if q is not None and isinstance(q, exp.Identifier) and tname(q) not in names:
+                    raise b.src.error(col, f"the ON of a JOIN after a comma names {tname(q)!r}, which stands before "
+                                           f"the comma: DuckDB joins that part once per row of {tname(q)!r} (a "
+                                           f"lateral join), which is not supported with a RIGHT or FULL JOIN")
+        grouped = item.copy()
+        grouped.set("joins", [x.copy() for x in run])
+        out.append(exp.Join(this=exp.Subquery(this=grouped)))
+        i = k
+    if len(out) != len(joins):
+        node.set("joins", out)
+
+
 def plan_from(b: Builder, node: exp.Select, where: list[exp.Expression]) -> tuple[Rel, list[exp.Expression]]:
     """The FROM clause of ``node`` with its joins, and the WHERE conjuncts not placed in it (invariants 1-6)."""
-    joins = node.args.get("joins") or []
-    for i, j in enumerate(joins):
-        if (j.args.get("side") or "").upper() in ("RIGHT", "FULL") and any(_comma(x) for x in joins[:i]):
-            raise b.src.error(j, f"{j.args['side'].upper()} JOIN after a comma in FROM is not supported (its left "
-                                 f"side is only what follows the comma); write that part in parentheses, "
-                                 f"FROM a, (b {j.args['side'].upper()} JOIN c ON ...), or list it first")
+    _group_after_commas(b, node)
     fp = _FromPlan(b, node, where)
     got = fp.plan()
     if got is not None:

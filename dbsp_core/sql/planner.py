@@ -468,7 +468,7 @@ class Planner(Builder):
 
     def outer(self, left: Rel, right: Rel, keys: list, residual: list[exp.Expression], side: str) -> Rel:
         """LEFT, RIGHT or FULL join (invariant 3)."""
-        if keys and not residual:
+        if keys and not residual and not self.recursive_body:
             right = self._suffixable(left, right)
             left, right, lk, rk = self.key_fields(left, right, keys)
             method = {"left": left.stream.left_join, "right": left.stream.right_join,
@@ -495,7 +495,10 @@ class Planner(Builder):
         """The rows of ``stream`` whose ``fields`` equal no row of ``other`` (same fields), nulls equal to nulls."""
         a, ka = self.null_safe(stream, fields)
         b, kb = self.null_safe(other, fields)
-        return a.anti_join(b, left_on=ka, right_on=kb).select(**{f: F(f) for f in stream.schema.names})
+        back = {f: F(f) for f in stream.schema.names}
+        if self.recursive_body:  # a fixpoint's body has joins but no anti join: ``other`` is distinct, so the rows
+            return stream - a.join(b, left_on=ka, right_on=kb).select(**back)  # with a match are the join's
+        return a.anti_join(b, left_on=ka, right_on=kb).select(**back)
 
     def natural_using(self, node: exp.Select) -> None:
         """Each NATURAL join of ``node`` made the USING join it is (in place), before the FROM clause is planned:

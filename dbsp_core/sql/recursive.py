@@ -9,8 +9,16 @@ Invariants:
   3. The step is planned inside the fixpoint's nested circuit: the CTE itself and every table, view or CTE the
      step names are the nested circuit's inputs; the base is one more input. The step's columns are cast to
      the base's types (the CTE's types, as SQL has them).
-  4. Constructs a fixpoint cannot maintain in its step (aggregates, outer, semi and anti joins, top-k, constant
-     rows) are refused with the position of the step and the operator that is missing.
+  4. Constructs a fixpoint cannot maintain in its step (aggregates, outer joins padding the CTE's side, semi and
+     anti joins, top-k, constant rows) are refused with the position of the step and the reason. A LEFT JOIN
+     that keeps the CTE's rows (the CTE not on its right) is a function of each row, so DuckDB's iterations and
+     the fixed point agree: it is planned with a join and a distinct only (the unmatched rows are the rows minus
+     their join with the distinct matched rows), which the fixpoint's body can run. DuckDB evaluates the recursive part over
+     the rows the previous iteration added (its working table); for an aggregate or outer join over the CTE, or
+     a subquery condition, that answer is not the fixed point the engine maintains, so none is accepted there.
+  5. A derived table in the step's FROM that does not name the CTE is the same relation at every iteration: it
+     is planned outside the fixpoint, before it, and read by the step as one more imported relation (so it may
+     aggregate, join outer, filter by subqueries or take a top-k like any query).
 """
 
 from __future__ import annotations
@@ -79,6 +87,7 @@ def plan_recursive(builder: Builder, name: str, cols: list[str], q: exp.Expressi
                                          f"(apply it to the CTE's result outside it)")
     if _references(base_node, name):
         raise src.error(base_node, f"the base query of recursive CTE {name!r} (before UNION) must not name it")
+    step_node = _hoist_derived_tables(builder, name, step_node)
     refs = _references(step_node, name)
     if len(refs) > 1:
         raise src.error(refs[1], f"recursive CTE {name!r} is named {len(refs)} times in its recursive query; only "
@@ -89,14 +98,21 @@ def plan_recursive(builder: Builder, name: str, cols: list[str], q: exp.Expressi
                                f"{name!r} (apply them to the CTE's result outside it)")
     for n in step_node.walk():
         if isinstance(n, exp.AggFunc) or isinstance(n, exp.Group):
-            raise src.error(n, f"aggregates and GROUP BY cannot be maintained inside the recursive query of "
-                               f"{name!r} (aggregate its result outside the CTE)")
+            raise src.error(n, f"aggregates and GROUP BY over recursive CTE {name!r} cannot be maintained: DuckDB "
+                               f"aggregates the rows each iteration adds, the engine maintains a fixed point, and "
+                               f"the two differ (aggregate the CTE's result outside it, or aggregate a table in a "
+                               f"derived table of the recursive query that does not name {name!r})")
         if isinstance(n, (exp.Exists, exp.Subquery)) or (isinstance(n, exp.In) and n.args.get("query")):
             if not (isinstance(n, exp.Subquery) and isinstance(n.parent, (exp.From, exp.Join))):
-                raise src.error(n, f"subquery conditions cannot be maintained inside the recursive query of {name!r}")
-        if isinstance(n, exp.Join) and (n.args.get("side") or "").upper() in ("LEFT", "RIGHT", "FULL"):
-            raise src.error(n, f"outer joins cannot be maintained inside the recursive query of {name!r} (only inner "
-                               f"joins, filters, projections and UNION)")
+                raise src.error(n, f"subquery conditions cannot be maintained inside the recursive query of {name!r} "
+                                   f"(its fixed point has no semi or anti join; a derived table in FROM that does not "
+                                   f"name {name!r} can hold the subquery, joined on its key)")
+        side = (n.args.get("side") or "").upper() if isinstance(n, exp.Join) else ""
+        if side in ("RIGHT", "FULL") or (side == "LEFT" and _references(n.this, name)):
+            raise src.error(n, f"{side} JOIN with {name!r} on its null-padded side cannot be maintained inside the "
+                               f"recursive query of {name!r}: DuckDB pads against the rows each iteration adds, which "
+                               f"is not the fixed point the engine maintains (a LEFT JOIN keeping {name!r}'s rows can, "
+                               f"and so can a derived table in FROM that does not name {name!r})")
     base = builder.query(base_node)
     names = cols or [c.name for c in base.cols]
     if len(names) != len(base.cols):
@@ -129,9 +145,11 @@ def plan_recursive(builder: Builder, name: str, cols: list[str], q: exp.Expressi
         for n, outer, imp in zip(imported, outer_rels, imps):
             frame[n] = Rel(imp, outer.cols)
         builder.scopes.append(frame)
+        was, builder.recursive_body = builder.recursive_body, True
         try:
             step = builder.query(step_node)
         finally:
+            builder.recursive_body = was
             builder.scopes.pop()
             builder.circuit = saved
         if len(step.cols) != len(fields):
@@ -150,6 +168,30 @@ def plan_recursive(builder: Builder, name: str, cols: list[str], q: exp.Expressi
         raise src.error(step_node, f"the recursive query of {name!r} cannot be maintained: "
                                    f"{str(e).split(': ', 1)[-1]}") from None
     return Rel(stream, [Col(n, name, f) for n, f in zip(names, fields)])
+
+
+def _hoist_derived_tables(builder: Builder, name: str, step: exp.Expression) -> exp.Expression:
+    """Invariant 5: ``step`` (a copy) with each derived table in a FROM or JOIN that does not name ``name`` planned
+    now, outside the fixpoint, and read as a table of the innermost scope under a hidden name."""
+    found = [n for n in step.find_all(exp.Subquery) if isinstance(n.parent, (exp.From, exp.Join))
+             and not _references(n, name) and isinstance(n.this, (exp.Select, exp.Union, exp.Except, exp.Intersect))]
+    if not found:
+        return step
+    step = step.copy()
+    found = [n for n in step.find_all(exp.Subquery) if isinstance(n.parent, (exp.From, exp.Join))
+             and not _references(n, name) and isinstance(n.this, (exp.Select, exp.Union, exp.Except, exp.Intersect))]
+    frame = builder.scopes[-1]
+    for sub in found:
+        if any(other is not sub and any(x is sub for x in other.find_all(exp.Subquery)) for other in found):
+            continue  # inside another one, hoisted with it
+        hidden = f"__{name}_derived_{builder.fresh()}"
+        rel = builder.order_limit(sub, builder.query(sub.this)).qualified(hidden)
+        frame[hidden] = rel
+        table = exp.Table(this=exp.to_identifier(hidden))
+        if sub.args.get("alias") is not None:
+            table.set("alias", sub.args["alias"].copy())
+        sub.replace(table)
+    return step
 
 
 def _shaped(rel: Rel, fields: list[str], types: list) -> bool:

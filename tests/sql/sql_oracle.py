@@ -68,8 +68,8 @@ def _sql_norm(v: object) -> object:
     return _norm(float(v) if isinstance(v, decimal.Decimal) else v)
 
 
-def duckdb_views(ddl_tables: dict[str, pa.Schema], bags: dict[str, Counter], statements: str, views: list[str]
-                 ) -> dict[str, dict]:
+def duckdb_views(ddl_tables: dict[str, pa.Schema], bags: dict[str, Counter], statements: str, views: list[str],
+                 norm=None) -> dict[str, dict]:
     """Each view's rows (as ``{row: multiplicity}``) from DuckDB running ``statements`` over the bags."""
     con = duckdb.connect()
     try:
@@ -81,7 +81,7 @@ def duckdb_views(ddl_tables: dict[str, pa.Schema], bags: dict[str, Counter], sta
         for v in views:
             t = con.sql(f"SELECT * FROM {v}").to_arrow_table()
             cols = [c.to_pylist() for c in t.columns]
-            out[v] = normalize(dict(Counter(zip(*cols))), _sql_norm)
+            out[v] = normalize(dict(Counter(zip(*cols))), norm or _sql_norm)
         return out
     finally:
         con.close()
@@ -93,10 +93,12 @@ def view_names(text: str) -> list[str]:
 
 def run_views(ddl: str, tables: dict[str, pa.Schema], entries: list, seed: int, workers: int, steps: int = 6,
               max_rows: int = 6, null_rate: float = 0.15, label: str = "",
-              rates: dict[str, tuple[int, float]] | None = None, gen: type[Bag] = Bag) -> None:
+              rates: dict[str, tuple[int, float]] | None = None, gen: type[Bag] = Bag, norm=None) -> None:
     """Compile the entries' views, feed random steps, compare every view with DuckDB after every step.
     ``entries``: objects with ``sql`` (our CREATE VIEW statements) and ``duck`` (DuckDB's, or None); ``gen``: the
-    change generator of every table."""
+    change generator of every table; ``norm``: how values are normalized before the comparison (default
+    ``_sql_norm``: floats to 9 significant digits)."""
+    norm = norm or _sql_norm
     rng = np.random.default_rng(seed)
     text = ddl + "\n" + "\n".join(e.sql for e in entries)
     c = sql.compile(text)
@@ -114,12 +116,12 @@ def run_views(ddl: str, tables: dict[str, pa.Schema], entries: list, seed: int, 
                     z = dbsp.ZSet.from_rows(rows, tables[name], weights=[change[r] for r in rows])
                     p.push(name, z)
             out = p.step()
-            want = duckdb_views(tables, {n: b.bag for n, b in bags.items()}, duck_text, names)
+            want = duckdb_views(tables, {n: b.bag for n, b in bags.items()}, duck_text, names, norm)
             for v in names:
                 for r, w in out[v].to_dict().items():
                     views[v][r] = views[v].get(r, 0) + w
                 views[v] = {r: w for r, w in views[v].items() if w}
-                got = normalize(views[v], _sql_norm)
+                got = normalize(views[v], norm)
                 if got != want[v]:
                     entry = next(e for e in entries if v in view_names(e.sql))
                     raise AssertionError(

@@ -52,9 +52,15 @@ QUERIES = [
     "SELECT x1, x2 FROM t1 RIGHT JOIN t2 ON a1 = a2 AND y1 < 3 AND b2 <> 0",
     "SELECT a1, a2 FROM t1 FULL JOIN t2 ON a1 = a2 AND b1 > 1 AND b2 > 1",
     "SELECT a1, a2, a3 FROM t1 LEFT JOIN t2 ON a1 = a2 AND 1 = 0 LEFT JOIN t3 ON b3 = b1 AND b3 IS NOT NULL",
-    # an outer join in parentheses after a comma (one without is refused: see the test below)
+    # an outer join in parentheses after a comma, and without them (the comma binds loosest: the same join)
     "SELECT a1, a2, a3 FROM t1, (t2 FULL JOIN t3 ON a2 = a3) WHERE b1 < 3",
     "SELECT a1, a2, a3 FROM t2 RIGHT JOIN t3 ON a2 = a3, t1 WHERE a1 = b3",
+    "SELECT a1, a2, a3 FROM t1, t2 FULL JOIN t3 ON a2 = a3 WHERE b1 < 3",
+    "SELECT a1, a2, a3, a4 FROM t1, t2 JOIN t4 ON a2 = a4 RIGHT JOIN t3 ON b2 = b3 WHERE b1 = 1 OR a1 IS NULL",
+    "SELECT a1, a2, a3, t4.a4 FROM t1, t2 FULL JOIN t3 ON t2.a2 = t3.a3 JOIN t4 ON t4.a4 = t3.b3, t4 AS q "
+    "WHERE q.b4 = t1.b1",
+    "SELECT p.a1, t2.a2, t3.a3 FROM t1 AS p, t2 LEFT JOIN t1 ON t1.a1 = t2.b2 FULL JOIN t3 ON t3.b3 = t2.a2 "
+    "WHERE p.b1 = t3.a3 OR t3.a3 IS NULL",
     # self-joins under aliases
     "SELECT p.a1, q.a1, r.x1 FROM t1 p, t1 q, t1 r WHERE p.a1 = q.b1 AND q.a1 = r.b1 AND p.b1 = 2",
     "SELECT p.x1, q.x1 FROM t1 p JOIN t1 q ON p.a1 = q.a1 AND p.y1 < q.y1 LEFT JOIN t2 ON a2 = q.b1",
@@ -152,13 +158,21 @@ def test_a_left_joins_on_filters_the_right_side_first() -> None:
     assert kinds["left_join"] == 1 and kinds["anti_join"] == 1  # v: the keyed left join; w: the general one
 
 
-def test_a_right_or_full_join_after_a_comma_is_refused() -> None:
-    """``FROM t1, t2 FULL JOIN t3`` is ``t1 x (t2 FULL JOIN t3)`` in SQL, not ``(t1 x t2) FULL JOIN t3``: refused with
-    the parenthesised form to write (which the DuckDB-checked views above run)."""
-    with pytest.raises(SqlError, match="FULL JOIN after a comma in FROM is not supported"):
-        sql.compile(DDL + "CREATE VIEW v AS SELECT a1, a2, a3 FROM t1, t2 FULL JOIN t3 ON a2 = a3;")
-    with pytest.raises(SqlError, match="RIGHT JOIN after a comma"):
-        sql.compile(DDL + "CREATE VIEW v AS SELECT a1 FROM t1, t2 JOIN t4 ON a2 = a4 RIGHT JOIN t3 ON a2 = a3;")
+def test_a_right_or_full_join_after_a_comma_joins_what_follows_the_comma() -> None:
+    """``FROM t1, t2 FULL JOIN t3`` is ``t1 x (t2 FULL JOIN t3)`` in SQL, not ``(t1 x t2) FULL JOIN t3`` (which pads t3's
+    unmatched rows once instead of once per t1 row): planned as the parenthesised form (the views above check the
+    answers against DuckDB); an ON naming t1 there is DuckDB's lateral join, refused."""
+    c = sql.compile(DDL + "CREATE VIEW v AS SELECT a1, a2, a3 FROM t1, t2 FULL JOIN t3 ON a2 = a3;")
+    p = dbsp.Pipeline(c)
+    one = pa.table({"a1": pa.array([1], pa.int32()), "b1": pa.array([1], pa.int32()), "x1": ["x"],
+                    "y1": pa.array([1], pa.int64())})
+    p.push("t1", pa.concat_tables([one, one.set_column(0, "a1", pa.array([2], pa.int32()))]))
+    p.push("t3", one.rename_columns(["a3", "b3", "x3", "y3"]))
+    assert p.step()["v"].to_dict() == {(1, None, 1): 1, (2, None, 1): 1}  # t3's row padded once per t1 row
+    p.close()
+    with pytest.raises(SqlError, match="names 't1', which stands before the comma: DuckDB joins that part once per "
+                                       "row of 't1' \\(a lateral join\\)"):
+        sql.compile(DDL + "CREATE VIEW v AS SELECT a1 FROM t1, t2 FULL JOIN t3 ON t1.a1 = t3.a3;")
 
 
 def test_a_where_condition_stays_above_a_right_join() -> None:
