@@ -171,7 +171,8 @@ def _plan(root: str, old_nodes: list[str], circuit: Circuit, step: int, differen
         raise CircuitMismatchError(
             f"{root} was written by a pipeline with a different circuit{differences}; view(s) {what} must be built "
             f"from the current contents of table(s) {', '.join(missing)}, which the stored state does not hold: "
-            f"declare them materialized (Circuit.input(..., materialized=True)) or with a primary key (PRIMARY KEY) "
+            f"declare them materialized (CREATE MATERIALIZED TABLE, or Circuit.input(..., materialized=True)) or "
+            f"with a primary key (PRIMARY KEY) "
             f"from the start, or open it with the same circuit")
     return Change(step, renames, built, rebuilt, tables)
 

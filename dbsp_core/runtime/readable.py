@@ -69,8 +69,8 @@ class ReadableState:
             how = (f"view {name!r} is not materialized: declare it with CREATE MATERIALIZED VIEW, or "
                    f"Circuit.output({name!r}, stream, materialized=True)")
         elif name in self.inputs:
-            how = (f"table {name!r} keeps no contents: give it a PRIMARY KEY, or declare it with "
-                   f"Circuit.input({name!r}, schema, materialized=True)")
+            how = (f"table {name!r} keeps no contents: give it a PRIMARY KEY, or declare it with CREATE "
+                   f"MATERIALIZED TABLE, or Circuit.input({name!r}, schema, materialized=True)")
         else:
             how = f"there is no table or view {name!r}"
         raise KeyError(f"{what}: {how} (the readable ones are: {known})")

@@ -7,8 +7,11 @@ Invariants:
      lateness (``LATENESS``, ``WATERMARK FOR``), that event time; each view becomes the output of its name, its
      columns named as SQL names them (made unique with ``_1``, ``_2``, ... suffixes). A view may read tables and
      the views before it. A table's ``PRIMARY KEY`` is enforced (``Circuit.input(primary_key=...)``: a pushed
-     row replaces the row of its key, operators/upsert.py) and makes the table readable; a ``CREATE MATERIALIZED
-     VIEW`` is an output declared ``materialized=True`` (``Pipeline.view`` and ``Pipeline.query`` read it).
+     row replaces the row of its key, operators/upsert.py) and makes the table readable; so does
+     ``CREATE MATERIALIZED TABLE`` or ``WITH ('materialized' = 'true')`` on a table without a key
+     (``Circuit.input(materialized=True)``: its contents are kept, so a view added by a program change can be built
+     from them, runtime/change.py); a ``CREATE MATERIALIZED VIEW`` is an output declared ``materialized=True``
+     (``Pipeline.view`` and ``Pipeline.query`` read it).
      A connector declared in ``WITH (...)`` (a source on a table, a sink on a view) is checked and recorded in
      ``SqlProgram.connectors`` (connectors.py); ``dbsp run`` starts them, ``compile`` runs none.
   2. After every step, the integral of a view's output is the view's query over the integrated inputs (SQL
@@ -101,19 +104,41 @@ def compile(text: str) -> Circuit:  # noqa: A001 - the name the issue asks for
 def _add_table(src: Source, planner: Planner, program: SqlProgram, td: TableDef, node: exp.Expression) -> None:
     if td.name in planner.relations:
         raise src.error(node, f"{td.name!r} is already defined")
+    materialized = _materialized_table(src, node)
     conn = declared(src, "table", td.name, node)
     for f in td.schema:
         if f.name.startswith("__"):
             raise src.error(node, f"column names starting with two underscores are reserved ({f.name!r})")
     try:
         stream = planner.circuit.input(td.name, td.schema, event_time=td.event_time, lateness=td.lateness,
-                                       primary_key=td.primary_key or None)
+                                       primary_key=td.primary_key or None,
+                                       materialized=materialized and not td.primary_key)
     except SchemaError as exc:  # e.g. a primary key with a watermark: said at the statement (invariant 3)
         raise src.error(node, str(exc)) from None
     planner.relations[td.name] = Rel(stream, [Col(f.name, td.name, f.name) for f in td.schema])
     program.tables[td.name] = td
     if conn is not None:
         program.connectors[td.name] = conn
+
+
+def _materialized_table(src: Source, node: exp.Expression) -> bool:
+    """Whether a CREATE TABLE says ``MATERIALIZED`` (before TABLE, or ``'materialized' = 'true'`` in its WITH, the
+    option taken out of the connector's options here); invariant 1."""
+    props = node.args.get("properties") if isinstance(node, exp.Create) else None
+    if props is None:
+        return False
+    found = any(isinstance(p, exp.MaterializedProperty) for p in props.expressions)
+    for p in list(props.expressions):
+        if type(p) is exp.Property and isinstance(p.this, exp.Literal) and str(p.this.this).lower() == "materialized":
+            value = p.args.get("value")
+            text = str(value.this).lower() if isinstance(value, (exp.Literal, exp.Boolean)) else None
+            if isinstance(value, exp.Boolean):
+                text = "true" if value.this else "false"
+            if text not in ("true", "false"):
+                raise src.error(p, "option 'materialized' takes 'true' or 'false'")
+            found = found or text == "true"
+            p.pop()
+    return found
 
 
 def _add_view(src: Source, planner: Planner, program: SqlProgram, node: exp.Create, text: str) -> None:

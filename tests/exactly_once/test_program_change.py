@@ -225,3 +225,52 @@ def test_a_sink_of_a_rebuilt_view_starts_with_its_contents_or_is_refused(tmp_pat
     with pytest.raises(dbsp.DbspError, match="'big' was rebuilt by a program change at step 2"):
         stale.poll()
     stale.close()
+
+
+SQL_TABLES = ("CREATE MATERIALIZED TABLE t (k BIGINT, v BIGINT);\n"
+              "CREATE TABLE u (k BIGINT, v BIGINT) WITH ('materialized' = 'true');\n"
+              "CREATE TABLE x (k BIGINT);\n")
+SQL_OLD = SQL_TABLES + "CREATE VIEW n AS SELECT k, count(*) AS c FROM t GROUP BY k;\n"
+SQL_NEW = SQL_OLD + ("CREATE MATERIALIZED VIEW j AS SELECT t.k, t.v, u.v AS w FROM t JOIN u ON t.k = u.k "
+                     "WHERE t.v <> u.v;\n")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sql_tables_declared_materialized_let_a_new_view_be_built(tmp_path, workers) -> None:
+    """In SQL, ``CREATE MATERIALIZED TABLE`` and ``WITH ('materialized' = 'true')`` keep a table without a key
+    (bags, deletions included), so a view added later is built from the tables' contents: its first output and
+    ``p.view`` equal DuckDB over them; a view over the table declared neither way is refused, naming it."""
+    import duckdb
+
+    rng = random.Random(SEED + 10 + workers)
+    print(f"\n[program change, sql tables] seed {SEED} (replay: DBSP_CHANGE_SEED={SEED})")
+    d = str(tmp_path / "d")
+    bags: dict = {"t": {}, "u": {}}
+    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    with dbsp.Pipeline(sql.compile(SQL_OLD), workers=workers, storage=d) as p:
+        for _ in range(5):
+            for name, bag in bags.items():
+                rows = [(rng.randrange(6), rng.randrange(3)) for _ in range(10)]
+                gone = [r for r, w in bag.items() if w > 0 and rng.random() < 0.3]
+                z = dbsp.ZSet.from_rows(rows + gone, schema, [1] * len(rows) + [-1] * len(gone))
+                p.push(name, z)
+                integrate(bag, z)
+            p.push("x", {"k": [1]})
+            p.step()
+        assert sorted(p.view("u").to_pylist(), key=str) == sorted(
+            ({"k": k, "v": v} for (k, v), w in bags["u"].items() for _ in range(w)), key=str)
+    with pytest.raises(CircuitMismatchError, match=r"table\(s\) x, .*CREATE MATERIALIZED TABLE"):
+        dbsp.Pipeline.open(d, sql.compile(SQL_OLD + "CREATE VIEW y AS SELECT DISTINCT k FROM x;\n"))
+    con = duckdb.connect()
+    for name, bag in bags.items():
+        rows = [r for r, w in bag.items() for _ in range(w)]
+        con.execute(f"CREATE TABLE {name} (k BIGINT, v BIGINT)")
+        if rows:
+            con.executemany(f"INSERT INTO {name} VALUES (?, ?)", rows)
+    want = Counter(con.execute("SELECT t.k, t.v, u.v AS w FROM t JOIN u ON t.k = u.k WHERE t.v <> u.v").fetchall())
+    assert want, "the new view is empty over these tables: the test would show nothing"
+    with dbsp.Pipeline.open(d, sql.compile(SQL_NEW)) as p:
+        first = p.step()["j"].to_dict()
+        assert Counter({r: w for r, w in first.items() if w}) == want  # its first output: the whole view
+        got = p.view("j")
+        assert Counter(zip(*[got.column(c).to_pylist() for c in got.column_names])) == want
