@@ -408,12 +408,16 @@ class LiveRescale:
 
     def report(self, step: int) -> dict:
         """``{from_workers, to_workers, from_shards, to_shards, moved_shards, moved_bytes, total_bytes, batches,
-        max_pause_ms, seconds, kind, step}`` (``batches``: the waves)."""
+        max_pause_ms, mean_pause_ms, p99_pause_ms, seconds, kind, step}`` (``batches``: the waves; a pause is one
+        wave's hold of the step lock)."""
         old, final = self.old, self.final
+        ms = sorted(x * 1000 for x in self.pauses) or [0.0]
         return {"from_workers": old.workers, "to_workers": final.workers, "from_shards": old.shards,
                 "to_shards": final.shards, "moved_shards": len(old.moved_shards(final)), "moved_bytes": self.moved,
                 "total_bytes": self.total if self.total is not None else self.executor.disk_bytes(),
-                "batches": len(self.waves), "max_pause_ms": round(max(self.pauses, default=0.0) * 1000, 3),
+                "batches": len(self.waves), "max_pause_ms": round(ms[-1], 3),
+                "mean_pause_ms": round(sum(ms) / len(ms), 3),
+                "p99_pause_ms": round(ms[-(-99 * len(ms) // 100) - 1], 3),  # nearest rank: ceil(0.99 n)
                 "seconds": round(time.perf_counter() - self._t0, 6), "kind": "live", "step": step}
 
     def run(self, host: LiveHost) -> None:
