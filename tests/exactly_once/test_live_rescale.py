@@ -263,3 +263,73 @@ def test_live_moved_bytes_are_near_the_ideal() -> None:
             assert ratio <= 1.1, f"{w} -> {to}: {ratio:.3f}x the ideal"
             p.close()
     print(f"\n[live rescale] moved bytes / ideal, worst over W -> W+-1, W in 1..8: {worst:.3f}")
+
+
+def _deferred_circuit():
+    import pyarrow as pa
+
+    c = dbsp.Circuit()
+    t = c.input("t", pa.schema([("k", pa.int64()), ("v", pa.int64())]))
+    c.output("g", t.group_by("k").agg(n=dbsp.count(), s=dbsp.sum("v")))  # a key index on the trace key
+    c.output("u", t.select(k="k").distinct())  # a whole-row key index
+    return c
+
+
+def _receiving_traces(p) -> list:
+    from dbsp_core.trace import Trace
+
+    return [t for wk in p.executor._workers for inst in wk.stateful().values() for t in vars(inst).values()
+            if isinstance(t, Trace) and len(t.batches)]
+
+
+def test_a_live_rescale_defers_merge_work_that_later_steps_do() -> None:
+    """Trace invariant 14 and migrate.py invariant 4: a live rescale's waves place the moved rows without merging
+    them or folding them into key indexes; the steps after pay that work (the debt falls to zero, every level is
+    back to at most two loose batches, the parked indexes serve again), and every output is the never-rescaled
+    run's, step by step (multisets: ZSet weights)."""
+    import numpy as np
+    import pyarrow as pa
+
+    seed = BASE_SEED + 14
+    print(f"DBSP_LIVE_SEED={BASE_SEED} (this test: {seed})")
+    rng = np.random.default_rng(seed)
+    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    live, ref = dbsp.Pipeline(_deferred_circuit(), 4), dbsp.Pipeline(_deferred_circuit(), 4)
+
+    def step(rows: int) -> None:
+        t = pa.table({"k": rng.integers(0, 60_000, rows), "v": rng.integers(-5, 100, rows)}, schema=schema)
+        for p in (live, ref):
+            p.push("t", t)
+        got, want = ({k: v.to_dict() for k, v in p.step().items()} for p in (live, ref))
+        assert got == want
+
+    try:
+        for _ in range(4):
+            step(15_000)
+        for _ in range(5):
+            step(200)
+        live.rescale(2, batch_shards=8)
+        traces = _receiving_traces(live)
+        owed = [t.deferred for t in traces]
+        assert any(m > 0 for m, _ in owed), f"no merge work was deferred: {owed}"
+        assert any(f > 0 for _, f in owed), f"no key-index fold was deferred: {owed}"
+        crowded = [t.levels() for t in traces if any(len(loose) > 2 for _, loose, _ in t.levels())]
+        assert crowded, "the moved slices were merged in the pause"
+        merged = sum(t.merged_rows for t in traces)
+        for n in range(600):  # small steps: their own fuel alone would leave the moved slices loose far longer
+            if not any(any(t.deferred) for t in traces):
+                break
+            step(64)
+        else:
+            raise AssertionError(f"deferred work left after 600 steps: {[t.deferred for t in traces]}")
+        assert sum(t.merged_rows for t in traces) > merged
+        for t in traces:
+            t.check()  # the content, the levels' invariants, and a current key index against the batches
+            assert all(len(loose) <= 2 for _, loose, _ in t.levels()), t.levels()
+            if t.index_spec is not None:
+                assert t._kix_parked is None and t._kix is not None and t._kix.token == t._token
+        for _ in range(5):
+            step(500)
+    finally:
+        live.close()
+        ref.close()
