@@ -427,7 +427,7 @@ class EmbeddedExecutor:
         they hold) as the layout's worker count changes. The caller holds the step lock and no checkpoint is in
         flight."""
         assert self.circuit is not None and self.layout is not None
-        self._install_merges(settle=True)  # cut merged batches, not a merge's two inputs
+        self._install_merges()  # merges the merge thread finished: cut their outputs, not their two inputs
         old = self.layout
         nodes = self.circuit.nodes
         bits = layout.shard_bits
