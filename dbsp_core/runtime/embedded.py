@@ -478,6 +478,14 @@ class EmbeddedExecutor:
         self.worker_cpu_seconds = (self.worker_cpu_seconds + [0.0] * W)[:W]
         return moved
 
+    def pay_deferred(self, rows: int) -> bool:
+        """Do up to ``rows`` rows of the work :meth:`relayout` deferred (merges and key-index folds of the moved rows,
+        trace invariant 14, dbsp_core/runtime/migrate.py invariant 4) in the first trace that owes some, so that
+        one call costs about the same whatever the worker and trace counts; returns whether work is still owed.
+        The caller holds the step lock (no step runs)."""
+        owing = [t for t in self._all_traces() if t.deferred != (0, 0)]
+        return bool(owing) and (owing[0].pay_deferred(rows) or len(owing) > 1)
+
     def resume(self, version: int, step: int) -> None:
         raise DbspError("resume: the embedded executor's state is in memory; a live rescale moves it with "
                         "relayout, and a stored layout change is loaded by open_state and load_state")

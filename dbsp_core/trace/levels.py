@@ -49,10 +49,13 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      costs the rows it cuts and places, not their merges): ``insert(batch, defer=True)`` places the batch and pays
      no merge work; its rows are owed (``deferred[0]``). ``insert(..., defer=True)`` and ``replace(..., defer=True)``
      fold nothing into a key index either: the index is parked with the folds it is owed (trace invariant 11,
-     ``deferred[1]``). Every later plain insert of n rows pays, besides its own invariant-3 fuel, up to
-     ``P = max(DEFER_RATE * n, DEFER_MIN)`` rows of deferred work: P owed rows folded into the parked index (which
-     serves reads again once nothing is owed), and the fuel of P / FUEL owed rows (P more merge input rows per
-     level). So the work is the same, only later, in pieces that cost about P rows per level whatever was moved;
+     ``deferred[1]``). :meth:`Trace.pay_deferred` (P) pays up to P rows of it: P owed rows folded into the parked
+     index (which serves reads again once nothing is owed), and the fuel of P / FUEL owed rows (P more merge input
+     rows per level), so a payment costs about P rows per level whatever was moved; owed fuel is due no more once
+     every level holds at most one loose batch again (invariant 3's shape). The live rescale pays it in
+     small pauses between the steps after its last wave (dbsp_core/runtime/rescale.py invariant 7), and every
+     plain insert of n rows pays ``DEFER_RATE * n`` besides its own invariant-3 fuel (so a trace left owing
+     work, by a rescale that failed, say, still pays it). The work is the same, only later, in bounded pieces;
      the content never depends on it (a parked index is not read, and until the merges are paid a level may
      hold more loose batches than invariant 3 bounds: reads read them all).
 """
@@ -195,8 +198,8 @@ class Trace(KeyIndexed):
     WORK_CAP = 2  # a merge's output counts at most this many times its rows as work (invariant 2)
     MAX_PENDING = 64  # a fresh trace's pending batches beyond which it inserts the oldest (invariant 5)
     PRUNE_MIN = 4096  # rows inserted before drop_below scans at all (invariant 8)
-    DEFER_RATE = 4  # rows of deferred work (index folds; merge input rows per level) an insert pays per row it
-    DEFER_MIN = 4096  # inserts, and at least this many (invariant 14): ~1 ms a trace on a 1k-row step
+    DEFER_RATE = 2  # rows of deferred work (index folds; merge input rows per level) an insert pays per row it
+    # inserts (invariant 14): the live rescale pays the rest between steps, so a small step stays small
     INLINE_MERGE = 4096  # work (input rows) up to which a merge is not handed to the merge thread (invariant 10):
     # handing over a small step's merge (lock, wake-up, GIL hand-offs) cost more than merging it by fuel here
     # (1k-row steps on 1M rows, 600 steps alternated twice: mean 5-15% lower for distinct, group_by and join)
@@ -260,12 +263,32 @@ class Trace(KeyIndexed):
         if defer:
             self._owed += len(batch)
             return
-        pay = max(self.DEFER_RATE * len(batch), self.DEFER_MIN)  # rows of deferred work per level (invariant 14)
-        if self._kix_parked is not None:
-            self._pay_folds(pay)
-        extra = min(self._owed, -(-pay // self.FUEL)) if self._owed else 0  # owed rows whose fuel is ``pay``
+        self._work(len(batch) + self._pay(self.DEFER_RATE * len(batch)))
+        self._settle_owed()
+
+    def pay_deferred(self, rows: int) -> bool:
+        """Pay up to ``rows`` rows of the work deferred inserts and cuts left (invariant 14): that many owed folds
+        into the parked key index and that many merge input rows per level. Call it where an insert may run (on
+        the inserting thread, or between steps). Returns whether work is still owed."""
+        if self._owed or self._kix_parked is not None:
+            self._work(self._pay(rows))
+            self._settle_owed()
+        return bool(self._owed or self._kix_parked is not None)
+
+    def _settle_owed(self) -> None:
+        """Owed merge fuel is due no more once every level is back to at most one loose batch (invariant 14: the
+        shape invariant 3 keeps; merges in progress go on by the inserts' own fuel)."""
+        if self._owed and all(len(level.loose) <= 1 for level in self._by_level):
+            self._owed = 0
+
+    def _pay(self, rows: int) -> int:
+        """Fold up to ``rows`` owed rows into a parked key index; returns the owed rows whose merge fuel (FUEL per
+        row, so about ``rows`` merge input rows per level) the caller's :meth:`_work` pays now (invariant 14)."""
+        if self._kix_parked is not None and rows > 0:
+            self._pay_folds(rows)
+        extra = min(self._owed, -(-rows // self.FUEL)) if self._owed and rows > 0 else 0
         self._owed -= extra
-        self._work(len(batch) + extra)
+        return extra
 
     def settle(self) -> None:
         """Place the pending batches into their levels, merging nothing (invariant 5: a restore inserts the batches

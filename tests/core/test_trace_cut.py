@@ -26,8 +26,7 @@ class SlowTrace(Trace):
 
     FUEL = 0.25
     MAX_PENDING = 5
-    DEFER_RATE = 0
-    DEFER_MIN = 7
+    DEFER_RATE = 1
 
 
 def _batch(seed: int, n: int, keys: int) -> tuple[dbsp.IndexedZSet, dict]:
