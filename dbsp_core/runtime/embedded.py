@@ -176,6 +176,7 @@ class EmbeddedExecutor:
         # the driver's output log end: not needed here (state commits only at checkpoints, after its output)
         self.output_steps: Callable[[], int] = lambda: 2**62
         self._joining: dict[int, tuple[_Worker, WorkerStore | None]] = {}  # built by prepare_relayout
+        self._owing: list[Trace] | None = None  # traces owing work relayout deferred, oldest first (pay_deferred)
         # CPU time each worker's thread spent in steps, counted only while ``measure_cpu`` is set: reading a
         # thread's CPU clock is a system call (4-40 us on this VM), a measurable share of a 1k-row step
         self.measure_cpu = False
@@ -427,6 +428,7 @@ class EmbeddedExecutor:
         they hold) as the layout's worker count changes. The caller holds the step lock and no checkpoint is in
         flight."""
         assert self.circuit is not None and self.layout is not None
+        self._owing = None  # this wave defers more work (migrate.py invariant 4): pay_deferred looks again
         self._install_merges()  # merges the merge thread finished: cut their outputs, not their two inputs
         old = self.layout
         nodes = self.circuit.nodes
@@ -483,8 +485,12 @@ class EmbeddedExecutor:
         trace invariant 14, dbsp_core/runtime/migrate.py invariant 4) in the first trace that owes some, so that
         one call costs about the same whatever the worker and trace counts; returns whether work is still owed.
         The caller holds the step lock (no step runs)."""
-        owing = [t for t in self._all_traces() if t.deferred != (0, 0)]
-        return bool(owing) and (owing[0].pay_deferred(rows) or len(owing) > 1)
+        if self._owing is None:  # the traces that owe, found once after the waves (only relayout makes debts)
+            self._owing = [t for t in self._all_traces() if t.deferred != (0, 0)]
+        while self._owing and not self._owing[0].pay_deferred(rows):
+            self._owing.pop(0)  # paid off
+            rows = 0  # a trace that owed nothing more took no work: look at the next one only
+        return bool(self._owing)
 
     def resume(self, version: int, step: int) -> None:
         raise DbspError("resume: the embedded executor's state is in memory; a live rescale moves it with "
