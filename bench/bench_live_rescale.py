@@ -4,7 +4,8 @@ Run: python bench/bench_live_rescale.py [--rows N] [--step-rows K] [--steady S] 
 [--workers W0] [--targets W1,W2,...]. The pipeline is durable (checkpoints every second, output fsynced per step)
 unless ``--memory``. Latency is the wall time of ``push + step`` on the stepping thread: mean, p50, p99 and max over
 the steps before the move (steady) and over the steps that ran while it was in progress; a pause is the time the
-rescale held the step lock for one wave (longest, mean and p99 over the waves, from ``p.last_rescale``).
+rescale held the step lock: for one wave, or for one piece of the merge work the waves deferred (rescale.py
+invariant 7); longest, mean and p99 over them all, from ``p.last_rescale``.
 The all-at-once figure is the time from ``close()`` to a reopened pipeline at the new count: no step runs then.
 """
 
@@ -109,7 +110,8 @@ def main() -> None:
         print(f"live {rep['from_workers']} -> {rep['to_workers']}: {rep['batches']} batches, {rep['moved_shards']} "
               f"shards, {rep['moved_bytes']:,} B moved of {rep['total_bytes']:,} B, longest pause "
               f"{rep['max_pause_ms']:.1f} ms (pauses: mean {rep['mean_pause_ms']:.1f} ms, p99 {rep['p99_pause_ms']:.1f} ms "
-              f"over {rep['batches']} waves), {rep['seconds']:.2f} s in all (incl. the closing checkpoint)")
+              f"over {rep['batches']} waves and {rep.get('settle_pauses', 0)} settling ones), {rep['seconds']:.2f} s "
+              f"in all (incl. the closing checkpoint)")
         print(f"  steps during the move: {stats(during)}")
         after = []
         for _ in range(a.steady):
