@@ -52,7 +52,7 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      ``deferred[1]``). :meth:`Trace.pay_deferred` (P) pays up to P rows of it: P owed rows folded into the parked
      index (which serves reads again once nothing is owed), and the fuel of P / FUEL owed rows (P more merge input
      rows per level), so a payment costs about P rows per level whatever was moved; owed fuel is due no more once
-     every level holds at most one loose batch again (invariant 3's shape). The live rescale pays it in
+     it has nothing to do (no merge in progress, no level with two loose batches). The live rescale pays it in
      small pauses between the steps after its last wave (dbsp_core/runtime/rescale.py invariant 7), and every
      plain insert of n rows pays ``DEFER_RATE * n`` besides its own invariant-3 fuel (so a trace left owing
      work, by a rescale that failed, say, still pays it). The work is the same, only later, in bounded pieces;
@@ -276,9 +276,9 @@ class Trace(KeyIndexed):
         return bool(self._owed or self._kix_parked is not None)
 
     def _settle_owed(self) -> None:
-        """Owed merge fuel is due no more once every level is back to at most one loose batch (invariant 14: the
-        shape invariant 3 keeps; merges in progress go on by the inserts' own fuel)."""
-        if self._owed and all(len(level.loose) <= 1 for level in self._by_level):
+        """Owed merge fuel is due no more once it has nothing to do (invariant 14): no merge in progress and no
+        level with two loose batches to start one."""
+        if self._owed and all(len(level.loose) <= 1 and level.merge is None for level in self._by_level):
             self._owed = 0
 
     def _pay(self, rows: int) -> int:
