@@ -156,6 +156,7 @@ class EmbeddedExecutor:
     """
 
     kind = "embedded"
+    PREPARE_MERGE_WAIT = 10.0  # seconds prepare_relayout waits for the merge thread, outside any pause
     division_first = False  # state becomes durable only at checkpoints: a step may run while its division syncs
     state_in_memory = True  # a live rescale moves state here (relayout); the driver makes it durable
 
@@ -395,8 +396,12 @@ class EmbeddedExecutor:
         """Build the workers ``final`` adds (a fresh copy of the circuit and, with storage, a database created at
         the checkpoint version every worker holds, opened for the next checkpoint), so that :meth:`relayout` only
         attaches them. Call it with no checkpoint in flight and none starting until the change ends; it does
-        file I/O and needs no step lock."""
+        file I/O and needs no step lock. It also waits (a while at most) for the merge thread to finish the merges
+        it holds, so that the first wave's settling of them (:meth:`relayout`) installs them instead of waiting in
+        its pause."""
         assert self.circuit is not None and self.layout is not None
+        if self._merge_thread is not None:
+            self._merge_thread.wait_idle(self.PREPARE_MERGE_WAIT)
         for w in range(len(self._workers), final.workers):
             if w in self._joining:
                 continue
@@ -429,7 +434,7 @@ class EmbeddedExecutor:
         flight."""
         assert self.circuit is not None and self.layout is not None
         self._owing = None  # this wave defers more work (migrate.py invariant 4): pay_deferred looks again
-        self._install_merges()  # merges the merge thread finished: cut their outputs, not their two inputs
+        self._install_merges(settle=True)  # cut merged batches, not a merge's two inputs
         old = self.layout
         nodes = self.circuit.nodes
         bits = layout.shard_bits

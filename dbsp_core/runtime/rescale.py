@@ -47,7 +47,8 @@ Invariants (enforced here):
   7. A wave of an executor whose state is in memory defers the moved rows' merges and key-index folds (trace
      invariant 14), so its pause costs the cut and not the merging. After the last wave the change pays that
      work in pauses of its own, each at most PAY_ROWS rows of one trace (per level, for merges), letting a waiting
-     step run between two, until nothing is owed; then it measures the state and takes its final checkpoint.
+     step run between two, until nothing is owed (the state's bytes, ``total_bytes``, are measured before, as
+     the waves left it); then it takes its final checkpoint.
      The report counts them (``settle_pauses``) among its pauses.
 """
 
@@ -446,6 +447,9 @@ class LiveRescale:
             self.progress.update(done=len(self.pauses), moved_shards=len(old.moved_shards(lay)),
                                  last_pause_ms=round(self.pauses[-1] * 1000, 2))
             self._let_steps_run(host)
+        if ex.state_in_memory:
+            with host._step_lock:  # the state the new layout holds (steps ran during the move: it grew), as the
+                self.total = ex.state_bytes()  # waves left it: moved bytes count against the state as moved
         owed = ex.state_in_memory and bool(self.waves)
         while owed:  # invariant 7: the work the waves deferred, in pauses of its own
             with host._step_lock:
@@ -455,9 +459,6 @@ class LiveRescale:
                 self.pauses.append(time.perf_counter() - p0)
                 self.settles += 1
             self._let_steps_run(host)
-        if ex.state_in_memory:
-            with host._step_lock:  # the state the new layout holds (steps ran during the move: it grew)
-                self.total = ex.state_bytes()
         self.undoable = False
         if self.root is not None and ex.state_in_memory:
             root, groups, vfs = self.root, ex.groups(old), self._vfs
