@@ -110,7 +110,8 @@ def main() -> None:
         print(f"live {rep['from_workers']} -> {rep['to_workers']}: {rep['batches']} batches, {rep['moved_shards']} "
               f"shards, {rep['moved_bytes']:,} B moved of {rep['total_bytes']:,} B, longest pause "
               f"{rep['max_pause_ms']:.1f} ms (pauses: mean {rep['mean_pause_ms']:.1f} ms, p99 {rep['p99_pause_ms']:.1f} ms "
-              f"over {rep['batches']} waves and {rep.get('settle_pauses', 0)} settling ones), {rep['seconds']:.2f} s "
+              f"over {rep['batches']} waves and {rep.get('settle_pauses', 0)} settling ones; most CPU in one "
+              f"{rep.get('max_pause_cpu_ms', float('nan')):.1f} ms), {rep['seconds']:.2f} s "
               f"in all (incl. the closing checkpoint)")
         print(f"  steps during the move: {stats(during)}")
         after = []

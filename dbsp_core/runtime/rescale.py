@@ -405,6 +405,7 @@ class LiveRescale:
         self.total: int | None = 0 if not self.waves else None  # bytes of all state, once measured
         self.pauses: list[float] = []  # every hold of the step lock: one per wave, then the settling ones
         self.settles = 0  # pauses that paid deferred work after the waves (invariant 7)
+        self.pause_cpu = 0.0  # the most CPU time the rescaling thread spent in one pause (wall time less waits)
         self.undoable = True  # false inside a wave's move and from the final checkpoint on (invariant 6)
         # what Pipeline.rescale_progress shows while the change runs (the keys predate the word "wave")
         self.progress = {"from_workers": old.workers, "to_workers": self.final.workers, "batches": len(self.waves),
@@ -417,8 +418,10 @@ class LiveRescale:
 
     def report(self, step: int) -> dict:
         """``{from_workers, to_workers, from_shards, to_shards, moved_shards, moved_bytes, total_bytes, batches,
-        settle_pauses, max_pause_ms, mean_pause_ms, p99_pause_ms, seconds, kind, step}`` (``batches``: the waves;
-        a pause is one hold of the step lock: a wave's, or a settling one's, invariant 7)."""
+        settle_pauses, max_pause_ms, mean_pause_ms, p99_pause_ms, max_pause_cpu_ms, seconds, kind, step}``
+        (``batches``: the waves; a pause is one hold of the step lock: a wave's, or a settling one's, invariant 7;
+        ``max_pause_cpu_ms``: the most CPU time the rescaling thread spent in one, its work without the time the
+        machine ran other threads)."""
         old, final = self.old, self.final
         ms = sorted(x * 1000 for x in self.pauses) or [0.0]
         return {"from_workers": old.workers, "to_workers": final.workers, "from_shards": old.shards,
@@ -427,6 +430,7 @@ class LiveRescale:
                 "batches": len(self.waves), "settle_pauses": self.settles, "max_pause_ms": round(ms[-1], 3),
                 "mean_pause_ms": round(sum(ms) / len(ms), 3),
                 "p99_pause_ms": round(ms[-(-99 * len(ms) // 100) - 1], 3),  # nearest rank: ceil(0.99 n)
+                "max_pause_cpu_ms": round(self.pause_cpu * 1000, 3),
                 "seconds": round(time.perf_counter() - self._t0, 6), "kind": "live", "step": step}
 
     def run(self, host: LiveHost) -> None:
@@ -440,9 +444,11 @@ class LiveRescale:
                 p0 = time.perf_counter()
                 host._check_usable()
                 self.undoable = False
+                c0 = time.thread_time()
                 self.moved += self._move(self.at, lay, host.steps)
                 self.at, self.undoable = lay, True
                 self.pauses.append(time.perf_counter() - p0)
+                self.pause_cpu = max(self.pause_cpu, time.thread_time() - c0)
                 crashpoint("live-batch")
             self.progress.update(done=len(self.pauses), moved_shards=len(old.moved_shards(lay)),
                                  last_pause_ms=round(self.pauses[-1] * 1000, 2))
@@ -455,8 +461,10 @@ class LiveRescale:
             with host._step_lock:
                 p0 = time.perf_counter()
                 host._check_usable()
+                c0 = time.thread_time()
                 owed = ex.pay_deferred(self.PAY_ROWS)
                 self.pauses.append(time.perf_counter() - p0)
+                self.pause_cpu = max(self.pause_cpu, time.thread_time() - c0)
                 self.settles += 1
             self._let_steps_run(host)
         self.undoable = False
