@@ -1,9 +1,11 @@
-"""Benchmark of a live rescale: step latency of 1k-row steps while a 1M-row state migrates 2 -> 3 -> 2 workers (p.rescale while another thread steps), against the steady state before, and against the all-at-once alternative (checkpoint, cold rescale, reopen) in the same run.
+"""Benchmark of a live rescale: step latency of 1k-row steps while a 1M-row state migrates between worker counts (2 -> 3 -> 2 by default; p.rescale while another thread steps), against the steady state before, and against the all-at-once alternative (checkpoint, cold rescale, reopen) in the same run.
 
-Run: python bench/bench_live_rescale.py [--rows N] [--step-rows K] [--steady S] [--batch B] [--memory]. The pipeline
-is durable (checkpoints every second, output fsynced per step) unless ``--memory``. Latency is the wall time of
-``push + step`` on the stepping thread: mean, p50, p99 and max over the steps before the move (steady) and over the
-steps that ran while it was in progress; the longest pause is the longest time the rescale held the step lock.
+Run: python bench/bench_live_rescale.py [--rows N] [--step-rows K] [--steady S] [--batch B] [--memory]
+[--workers W0] [--targets W1,W2,...]. The pipeline is durable (checkpoints every second, output fsynced per step)
+unless ``--memory``. Latency is the wall time of ``push + step`` on the stepping thread: mean, p50, p99 and max over
+the steps before the move (steady) and over the steps that ran while it was in progress; a pause is the time the
+rescale held the step lock: for one wave, or for one piece of the merge work the waves deferred (rescale.py
+invariant 7); longest, mean and p99 over them all, from ``p.last_rescale``.
 The all-at-once figure is the time from ``close()`` to a reopened pipeline at the new count: no step runs then.
 """
 
@@ -70,10 +72,13 @@ def main() -> None:
     ap.add_argument("--steady", type=int, default=300)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--memory", action="store_true")
+    ap.add_argument("--workers", type=int, default=2, help="the worker count the state is loaded at")
+    ap.add_argument("--targets", default="3,2", help="the worker counts to rescale to live, in turn")
     a = ap.parse_args()
+    targets = [int(x) for x in a.targets.split(",")]
     tmp = tempfile.mkdtemp(prefix="dbsp-bench-live-")
     d = None if a.memory else os.path.join(tmp, "d")
-    p = dbsp.Pipeline(circuit(), 2, storage=d, checkpoint_interval=None if a.memory else 1.0)
+    p = dbsp.Pipeline(circuit(), a.workers, storage=d, checkpoint_interval=None if a.memory else 1.0)
     rng = np.random.default_rng(1)
     t0 = time.perf_counter()
     for lo in range(0, a.rows, 250_000):
@@ -82,14 +87,14 @@ def main() -> None:
         p.step()
     if d:
         p.checkpoint()
-    print(f"# {a.rows:,} rows loaded at 2 workers in {time.perf_counter() - t0:.1f} s; "
+    print(f"# {a.rows:,} rows loaded at {a.workers} workers in {time.perf_counter() - t0:.1f} s; "
           f"{'in memory' if a.memory else 'durable'}; load {os.getloadavg()[0]:.2f}")
     st = Stepper(p, a.step_rows, a.rows, 2)
     for _ in range(a.steady):
         st.one()
     steady = [x for _, x in st.lat]
-    print(f"steady at 2 workers: {stats(steady)}")
-    for target in (3, 2):
+    print(f"steady at {a.workers} workers: {stats(steady)}")
+    for target in targets:
         st.lat = []
         th = threading.Thread(target=st.run)
         th.start()
@@ -104,7 +109,10 @@ def main() -> None:
         during = [x for t, x in st.lat if t_start <= t <= t_end]
         print(f"live {rep['from_workers']} -> {rep['to_workers']}: {rep['batches']} batches, {rep['moved_shards']} "
               f"shards, {rep['moved_bytes']:,} B moved of {rep['total_bytes']:,} B, longest pause "
-              f"{rep['max_pause_ms']:.1f} ms, {rep['seconds']:.2f} s in all (incl. the closing checkpoint)")
+              f"{rep['max_pause_ms']:.1f} ms (pauses: mean {rep['mean_pause_ms']:.1f} ms, p99 {rep['p99_pause_ms']:.1f} ms "
+              f"over {rep['batches']} waves and {rep.get('settle_pauses', 0)} settling ones; most CPU in one "
+              f"{rep.get('max_pause_cpu_ms', float('nan')):.1f} ms), {rep['seconds']:.2f} s "
+              f"in all (incl. the closing checkpoint)")
         print(f"  steps during the move: {stats(during)}")
         after = []
         for _ in range(a.steady):
@@ -112,7 +120,7 @@ def main() -> None:
         after = [x for _, x in st.lat[-a.steady:]]
         print(f"  steady at {target} workers: {stats(after)}")
     if d:
-        for target in (3, 2):  # all at once: checkpoint, cold rescale, reopen
+        for target in targets:  # all at once: checkpoint, cold rescale, reopen
             t0 = time.perf_counter()
             p.close()
             p = dbsp.Pipeline.open(d, circuit(), target, checkpoint_interval=1.0)

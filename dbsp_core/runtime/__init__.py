@@ -25,8 +25,8 @@ How the pieces fit (each module states its own invariants):
   (dbsp_core.storage.snapshot), so a cold change of worker count moves the values of the shards whose owner
   changes between databases (dbsp_core.storage.shardmove), commits one new version of every state database, and
   switches ``LAYOUT``; a ``RESCALE`` record lets recovery finish or undo an interrupted change. A live change
-  (``Pipeline.rescale``: ``LiveRescale``) moves its shards in waves, one pause of the steps each, records its
-  target in ``RESCALE`` first, and recovery after a crash midway finishes it (settling what an in-memory
+  (``Pipeline.rescale``: ``LiveRescale``) moves its shards in waves, one pause of the steps each (in memory the
+  moved rows' merges wait for short pauses after the last wave), records its target in ``RESCALE`` first, and recovery after a crash midway finishes it (settling what an in-memory
   executor's last checkpoint left, then a cold change to the target).
 - ``autoscale.py``: ``Autoscale`` (a user's bounds and targets) and ``decide``, a pure function from a pipeline's
   measurements (step samples with the workers' busy times, backlog, the bytes a move would take) to a decision;

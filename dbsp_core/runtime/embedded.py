@@ -158,6 +158,7 @@ class EmbeddedExecutor:
     """
 
     kind = "embedded"
+    PREPARE_MERGE_WAIT = 10.0  # seconds prepare_relayout waits for the merge thread, outside any pause
     division_first = False  # state becomes durable only at checkpoints: a step may run while its division syncs
     state_in_memory = True  # a live rescale moves state here (relayout); the driver makes it durable
 
@@ -179,6 +180,7 @@ class EmbeddedExecutor:
         self.output_steps: Callable[[], int] = lambda: 2**62
         self._joining: dict[int, tuple[_Worker, WorkerStore | None]] = {}  # built by prepare_relayout
         self._renames: dict[int, int] | None = None  # a program change: see rename_state
+        self._owing: list[Trace] | None = None  # traces owing work relayout deferred, oldest first (pay_deferred)
         # CPU time each worker's thread spent in steps, counted only while ``measure_cpu`` is set: reading a
         # thread's CPU clock is a system call (4-40 us on this VM), a measurable share of a 1k-row step
         self.measure_cpu = False
@@ -435,8 +437,12 @@ class EmbeddedExecutor:
         """Build the workers ``final`` adds (a fresh copy of the circuit and, with storage, a database created at
         the checkpoint version every worker holds, opened for the next checkpoint), so that :meth:`relayout` only
         attaches them. Call it with no checkpoint in flight and none starting until the change ends; it does
-        file I/O and needs no step lock."""
+        file I/O and needs no step lock. It also waits (a while at most) for the merge thread to finish the merges
+        it holds, so that the first wave's settling of them (:meth:`relayout`) installs them instead of waiting in
+        its pause."""
         assert self.circuit is not None and self.layout is not None
+        if self._merge_thread is not None:
+            self._merge_thread.wait_idle(self.PREPARE_MERGE_WAIT)
         for w in range(len(self._workers), final.workers):
             if w in self._joining:
                 continue
@@ -468,6 +474,7 @@ class EmbeddedExecutor:
         they hold) as the layout's worker count changes. The caller holds the step lock and no checkpoint is in
         flight."""
         assert self.circuit is not None and self.layout is not None
+        self._owing = None  # this wave defers more work (migrate.py invariant 4): pay_deferred looks again
         self._install_merges(settle=True)  # cut merged batches, not a merge's two inputs
         old = self.layout
         nodes = self.circuit.nodes
@@ -518,6 +525,18 @@ class EmbeddedExecutor:
             self._pool = ThreadPoolExecutor(max_workers=W - 1, thread_name_prefix="dbsp-worker") if W > 1 else None
         self.worker_cpu_seconds = (self.worker_cpu_seconds + [0.0] * W)[:W]
         return moved
+
+    def pay_deferred(self, rows: int) -> bool:
+        """Do up to ``rows`` rows of the work :meth:`relayout` deferred (merges and key-index folds of the moved rows,
+        trace invariant 14, dbsp_core/runtime/migrate.py invariant 4) in the first trace that owes some, so that
+        one call costs about the same whatever the worker and trace counts; returns whether work is still owed.
+        The caller holds the step lock (no step runs)."""
+        if self._owing is None:  # the traces that owe, found once after the waves (only relayout makes debts)
+            self._owing = [t for t in self._all_traces() if t.deferred != (0, 0)]
+        while self._owing and not self._owing[0].pay_deferred(rows):
+            self._owing.pop(0)  # paid off
+            rows = 0  # a trace that owed nothing more took no work: look at the next one only
+        return bool(self._owing)
 
     def resume(self, version: int, step: int) -> None:
         raise DbspError("resume: the embedded executor's state is in memory; a live rescale moves it with "

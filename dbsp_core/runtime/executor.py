@@ -131,6 +131,11 @@ class Executor(Protocol):
         """State in memory: switch to ``layout`` between steps, moving the state of the shards whose owner
         changes; returns the bytes moved."""
 
+    def pay_deferred(self, rows: int) -> bool:
+        """Between steps, after the waves of a live change: do up to ``rows`` rows (of one trace, per level for merges)
+        of the merge and index work the waves deferred (trace invariant 14); returns whether work is still owed
+        (never, for state on disk)."""
+
     def resume(self, version: int, step: int) -> None:
         """State on disk: every state database now holds ``version`` at ``step`` (a layout change committed it,
         after :meth:`start` on the new layout): go on from there."""

@@ -15,7 +15,10 @@ Invariants (enforced here):
      keep the batch's row hashes); the kept slices take their batch's place (Trace.replace: same level, merges
      of untouched batches go on), so the cut merges nothing and hashes nothing. A Z-set is split by shard (it
      is small next to traces: the partitioned Z-set state of a circuit).
-  4. The snapshot of a source worker learns which stored values the cut kept and which it moved
+  4. A wave's pause costs its cut and its placing, not their merges: the moved slices are inserted and the
+     cut replaced with deferred work (trace invariant 14: no merge fuel paid, key indexes parked owing their
+     folds), which the steps after the move pay in bounded pieces with their own inserts.
+  5. The snapshot of a source worker learns which stored values the cut kept and which it moved
      (WorkerSnapshot.rebind), so the next checkpoint writes the moved rows once, to their new owner, and only
      deletes keys at the source.
 """
@@ -63,7 +66,7 @@ def cut_trace(trace: Trace, mask: np.ndarray, bits: int) -> tuple[list[IndexedZS
     batches that changed (for :meth:`WorkerSnapshot.rebind`). The trace keeps the rest of every batch in its
     place (:meth:`Trace.replace`: each slice at its batch's level, merges of untouched batches going on,
     pending batches pending), so a cut merges nothing and hashes nothing (invariant 3): the slices keep their
-    batch's row hashes.
+    batch's row hashes. A key index of the trace is owed the moved rows' subtraction (invariant 4).
     """
     runs = shard_runs(np.flatnonzero(mask))
     if not runs:
@@ -80,7 +83,7 @@ def cut_trace(trace: Trace, mask: np.ndarray, bits: int) -> tuple[list[IndexedZS
         changed[id(b)] = kept
     if not moved:
         return [], {}
-    trace.replace({oid: [k for k, _, _ in kept] for oid, kept in changed.items()}, removed=moved)
+    trace.replace({oid: [k for k, _, _ in kept] for oid, kept in changed.items()}, removed=moved, defer=True)
     return moved, changed
 
 
@@ -122,7 +125,7 @@ def move_shards(nodes: list, src: dict[int, Any], dst: dict[int, Any], mask: np.
             del before
             target: Trace = getattr(other, name)
             for p in pieces:
-                target.insert(p)
+                target.insert(p, defer=True)  # invariant 4: merged and indexed by the steps after
                 moved_bytes += _nbytes(p.zset)
         for name in zsets:
             z: ZSet = getattr(inst, name)

@@ -44,6 +44,12 @@ Invariants (enforced here):
      lets a step that waits run between two waves. One that fails before or between its waves (not inside a
      wave's move, nor in the checkpoint that ends it) moves the moved shards back and removes what it created
      (:meth:`LiveRescale.undo`): the pipeline goes on at the old layout.
+  7. A wave of an executor whose state is in memory defers the moved rows' merges and key-index folds (trace
+     invariant 14), so its pause costs the cut and not the merging. After the last wave the change pays that
+     work in pauses of its own, each at most PAY_ROWS rows of one trace (per level, for merges), letting a waiting
+     step run between two, until nothing is owed (the state's bytes, ``total_bytes``, are measured before, as
+     the waves left it); then it takes its final checkpoint.
+     The report counts them (``settle_pauses``) among its pauses.
 """
 
 from __future__ import annotations
@@ -385,6 +391,8 @@ class LiveRescale:
     progress (driver invariant 8), and undoes a failed change with :meth:`undo` when :attr:`undoable`.
     """
 
+    PAY_ROWS = 2048  # rows of one trace's deferred work a pause after the waves pays (invariant 7): ~0.5-2 ms
+
     def __init__(self, executor: Executor, circuit: Circuit, root: str | None, old: Layout, workers: int,
                  wave_shards: int, crashpoint: Callable[[str], None], vfs: str, t0: float) -> None:
         self.executor, self.circuit, self.root, self.old = executor, circuit, root, old
@@ -395,7 +403,9 @@ class LiveRescale:
         self.at = old  # the layout in force: the last wave moved
         self.moved = 0  # bytes moved
         self.total: int | None = 0 if not self.waves else None  # bytes of all state, once measured
-        self.pauses: list[float] = []
+        self.pauses: list[float] = []  # every hold of the step lock: one per wave, then the settling ones
+        self.settles = 0  # pauses that paid deferred work after the waves (invariant 7)
+        self.pause_cpu = 0.0  # the most CPU time the rescaling thread spent in one pause (wall time less waits)
         self.undoable = True  # false inside a wave's move and from the final checkpoint on (invariant 6)
         # what Pipeline.rescale_progress shows while the change runs (the keys predate the word "wave")
         self.progress = {"from_workers": old.workers, "to_workers": self.final.workers, "batches": len(self.waves),
@@ -408,12 +418,19 @@ class LiveRescale:
 
     def report(self, step: int) -> dict:
         """``{from_workers, to_workers, from_shards, to_shards, moved_shards, moved_bytes, total_bytes, batches,
-        max_pause_ms, seconds, kind, step}`` (``batches``: the waves)."""
+        settle_pauses, max_pause_ms, mean_pause_ms, p99_pause_ms, max_pause_cpu_ms, seconds, kind, step}``
+        (``batches``: the waves; a pause is one hold of the step lock: a wave's, or a settling one's, invariant 7;
+        ``max_pause_cpu_ms``: the most CPU time the rescaling thread spent in one, its work without the time the
+        machine ran other threads)."""
         old, final = self.old, self.final
+        ms = sorted(x * 1000 for x in self.pauses) or [0.0]
         return {"from_workers": old.workers, "to_workers": final.workers, "from_shards": old.shards,
                 "to_shards": final.shards, "moved_shards": len(old.moved_shards(final)), "moved_bytes": self.moved,
                 "total_bytes": self.total if self.total is not None else self.executor.disk_bytes(),
-                "batches": len(self.waves), "max_pause_ms": round(max(self.pauses, default=0.0) * 1000, 3),
+                "batches": len(self.waves), "settle_pauses": self.settles, "max_pause_ms": round(ms[-1], 3),
+                "mean_pause_ms": round(sum(ms) / len(ms), 3),
+                "p99_pause_ms": round(ms[-(-99 * len(ms) // 100) - 1], 3),  # nearest rank: ceil(0.99 n)
+                "max_pause_cpu_ms": round(self.pause_cpu * 1000, 3),
                 "seconds": round(time.perf_counter() - self._t0, 6), "kind": "live", "step": step}
 
     def run(self, host: LiveHost) -> None:
@@ -427,16 +444,29 @@ class LiveRescale:
                 p0 = time.perf_counter()
                 host._check_usable()
                 self.undoable = False
+                c0 = time.thread_time()
                 self.moved += self._move(self.at, lay, host.steps)
                 self.at, self.undoable = lay, True
                 self.pauses.append(time.perf_counter() - p0)
+                self.pause_cpu = max(self.pause_cpu, time.thread_time() - c0)
                 crashpoint("live-batch")
             self.progress.update(done=len(self.pauses), moved_shards=len(old.moved_shards(lay)),
                                  last_pause_ms=round(self.pauses[-1] * 1000, 2))
             self._let_steps_run(host)
         if ex.state_in_memory:
-            with host._step_lock:  # the state the new layout holds (steps ran during the move: it grew)
-                self.total = ex.state_bytes()
+            with host._step_lock:  # the state the new layout holds (steps ran during the move: it grew), as the
+                self.total = ex.state_bytes()  # waves left it: moved bytes count against the state as moved
+        owed = ex.state_in_memory and bool(self.waves)
+        while owed:  # invariant 7: the work the waves deferred, in pauses of its own
+            with host._step_lock:
+                p0 = time.perf_counter()
+                host._check_usable()
+                c0 = time.thread_time()
+                owed = ex.pay_deferred(self.PAY_ROWS)
+                self.pauses.append(time.perf_counter() - p0)
+                self.pause_cpu = max(self.pause_cpu, time.thread_time() - c0)
+                self.settles += 1
+            self._let_steps_run(host)
         self.undoable = False
         if self.root is not None and ex.state_in_memory:
             root, groups, vfs = self.root, ex.groups(old), self._vfs

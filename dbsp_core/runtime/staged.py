@@ -222,6 +222,10 @@ class StagedExecutor:
     def abandon_relayout(self) -> None:
         """Nothing to release (see :meth:`prepare_relayout`)."""
 
+    def pay_deferred(self, rows: int) -> bool:
+        """Nothing is deferred: each wave is a cold change of the stage databases (see :meth:`prepare_relayout`)."""
+        return False
+
     def relayout(self, layout: Layout) -> int:
         raise DbspError("relayout: the staged executor's state is in its stage databases, not in memory; a live "
                         "rescale moves it as cold changes of those databases (dbsp_core.runtime.rescale)")

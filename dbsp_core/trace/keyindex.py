@@ -19,6 +19,12 @@ Invariant (trace invariant 11, enforced here):
      every column, a head word and the weight), so a large distinct keeps its rows only. A key index (an
      aggregate's, a join's) is about as large as its trace's rows when each key has one row, and is kept: it serves
      an aggregate's one-pass step, several times faster than the walk.
+     A deferred change (trace invariant 14) parks the index instead of folding: the trace holds it aside
+     (``_kix_parked``) with the folds it is owed, in order (``_kix_owed``: (batch, sign)); while parked, every
+     change that would fold appends to them instead, anything else drops the index as above, and reads walk the
+     batches (it is neither read nor rebuilt). Inserts pay the folds in bounded pieces; when none is owed it is
+     current again. A payment gives the parked index and the trace a fresh common marker (``_kix_ptoken``), so a
+     rollback to before it (which puts back owed folds the index already holds) is seen and drops it.
 
 The index's state lives in the trace's own attributes (``_token``, ``_kix*``), so a rollback's capture of a trace's
 attributes (dbsp_core/runtime/rollback.py invariant 1) holds it too. Its size limits come from
@@ -78,6 +84,9 @@ class KeyIndexed:
         self._kix_off = False  # the index failed (overflow, memory, size): this trace walks its batches
         self._kix_wait = 0  # reads that walk the batches before a stale index is rebuilt (invariant 11)
         self._kix_seen = 0  # the index's bytes when last weighed against the rows (invariant 11)
+        self._kix_parked = None  # the index while a deferred change owes it folds (trace invariant 14)
+        self._kix_owed: tuple = ()  # those folds, in order: (batch, +1 inserted | -1 removed)
+        self._kix_ptoken = 0  # the parked index's marker as of the last payment (a rollback past one drops it)
 
     def keep_index(self, columns: tuple, on: str = "key") -> bool:
         """Keep a key index of the sums of weight times each column of ``columns`` (an integer column other than
@@ -108,6 +117,7 @@ class KeyIndexed:
             return False
         self._kix_spec = (on, tuple(columns))
         self._kix = None  # built from the batches at the first read that wants it
+        self._kix_parked, self._kix_owed = None, ()
         if not self._by_level and not self.pending:  # empty: an empty index is current, inserts keep it so
             self._kix = self._new_index()
         return True
@@ -126,11 +136,13 @@ class KeyIndexed:
     def _stale_index(self) -> None:
         """Drop the key index: the third read that wants it rebuilds it from the batches (invariant 11)."""
         self._kix, self._kix_wait = None, self.INDEX_WAIT
+        self._kix_parked, self._kix_owed = None, ()
 
     @property
     def index_bytes(self) -> int:
         """Memory held by the key index (its slot table), 0 without one."""
-        return int(self._kix.nbytes) if self._kix is not None else 0
+        ix = self._kix if self._kix is not None else self._kix_parked
+        return int(ix.nbytes) if ix is not None else 0
 
     def _new_index(self) -> Any:
         from dbsp_core import _zset
@@ -172,6 +184,49 @@ class KeyIndexed:
             return
         ix.token = self._token
         self._weigh_index()
+
+    def _owe_folds(self, batches: list["IndexedZSet"], sign: int, prev: int) -> None:
+        """A deferred change (trace invariant 14): park the index, if it matched the content of token ``prev``, owing
+        the fold of ``batches``; an index parked already is owed them after its other folds."""
+        ix = self._kix
+        if ix is not None:
+            if ix.token != prev:
+                self._stale_index()
+                return
+            self._kix, self._kix_parked, self._kix_owed = None, ix, ()
+            ix.token = self._kix_ptoken = next(_TOKENS)
+        elif self._kix_parked is None:
+            return  # no index kept, or a stale one: nothing to fold
+        self._kix_owed = self._kix_owed + tuple((b, sign) for b in batches if len(b))
+
+    def _pay_folds(self, rows: int) -> None:
+        """Fold up to ``rows`` owed rows into the parked index, oldest first (a batch in zero-copy slices); once none is
+        owed, it is the current index again (trace invariant 14)."""
+        ix = self._kix_parked
+        if ix.token != self._kix_ptoken:  # a rollback put back folds it holds already
+            self._stale_index()
+            return
+        owed = list(self._kix_owed)
+        ix.token = None  # a failure half way leaves it stale
+        try:
+            while owed and rows > 0:
+                b, sign = owed[0]
+                part = b if len(b) <= rows else b.slice(0, rows)
+                view, keys, kh, cpos = self._index_args(part)
+                ix.add(view, None, keys, kh, cpos, sign)
+                rows -= len(part)
+                owed[0:1] = [] if part is b else [(b.slice(len(part), len(b)), sign)]
+        except (ArithmeticError, MemoryError, ValueError) as exc:  # as _index_fold: the trace walks its batches
+            self._kix, self._kix_parked, self._kix_owed = ix, None, ()
+            self._drop_index(exc)
+            return
+        if owed:
+            self._kix_owed = tuple(owed)
+            ix.token = self._kix_ptoken = next(_TOKENS)
+        else:
+            self._kix, self._kix_parked, self._kix_owed = ix, None, ()
+            ix.token = self._token
+            self._weigh_index()
 
     def _row_bytes(self) -> int:
         """Bytes of one trace row for the lean-state rule (invariant 11): its fixed-width columns, 8 for each other
@@ -218,8 +273,8 @@ class KeyIndexed:
     def _index(self, spec: tuple, batches: list["IndexedZSet"]) -> Any:
         """The key index for ``spec`` matching the content (``batches``: every batch, as read), rebuilt if stale;
         None when the trace keeps no such index."""
-        if self._kix_spec != spec or self._kix_off:
-            return None
+        if self._kix_spec != spec or self._kix_off or self._kix_parked is not None:
+            return None  # parked: owed folds first (trace invariant 14)
         ix = self._kix
         if ix is not None and ix.token == self._token:
             return ix
@@ -262,6 +317,7 @@ class KeyIndexed:
         """Turn the key index off for good (it failed with ``exc``; None: a size limit met half way): this trace
         walks its batches from now on, and says so once with an IndexDroppedWarning."""
         ix, self._kix, self._kix_off = self._kix, None, True
+        self._kix_parked, self._kix_owed = None, ()
         from dbsp_core import _zset
 
         if isinstance(exc, ArithmeticError):
@@ -325,17 +381,24 @@ class KeyIndexed:
         return acc[:, 0]
 
     def _check_index(self) -> None:
-        """Raise AssertionError unless a current key index holds the sums of the batches (invariant 11; tests)."""
-        ix = self._kix
-        if ix is None or ix.token != self._token:
+        """Raise AssertionError unless a current key index holds the sums of the batches, or a parked one (trace
+        invariant 14) those sums less the folds it is owed (invariant 11; tests)."""
+        ix, owed = self._kix, ()
+        if ix is None and self._kix_parked is not None and self._kix_parked.token == self._kix_ptoken:
+            ix, owed = self._kix_parked, self._kix_owed
+        elif ix is None or ix.token != self._token:
             return
         ix.check()
         fresh = self._new_index()
         for b in self._levels() + self.pending:
             view, keys, kh, cpos = self._index_args(b)
             fresh.add(view, None, keys, kh, cpos)
-        assert len(fresh) == len(ix), ("key index entries", len(ix), len(fresh))
-        for b in self._levels() + self.pending:
+        for b, sign in owed:  # what the parked index has not folded yet
+            view, keys, kh, cpos = self._index_args(b)
+            fresh.add(view, None, keys, kh, cpos, -sign)
+        if not owed:  # (with owed folds, entries whose sums went to zero may differ in number)
+            assert len(fresh) == len(ix), ("key index entries", len(ix), len(fresh))
+        for b in self._levels() + self.pending + [b for b, _ in owed]:
             view, keys, kh, _ = self._index_args(b)
             got, want = (np.zeros((len(b), ix.nvals), dtype=np.int64) for _ in range(2))
             ix.get(view, keys, kh, got)

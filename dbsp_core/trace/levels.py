@@ -45,6 +45,19 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      (invariant 5); a merge whose inputs changed starts again from their pieces, every other merge goes on;
      pending batches stay pending and freshness is unchanged. It merges nothing, reads no rows and hashes
      nothing: its cost grows with the number of batches, not with the rows they hold.
+ 14. Deferred work (what a live rescale's wave does, dbsp_core/runtime/migrate.py, so that its pause of the steps
+     costs the rows it cuts and places, not their merges): ``insert(batch, defer=True)`` places the batch and pays
+     no merge work; its rows are owed (``deferred[0]``). ``insert(..., defer=True)`` and ``replace(..., defer=True)``
+     fold nothing into a key index either: the index is parked with the folds it is owed (trace invariant 11,
+     ``deferred[1]``). :meth:`Trace.pay_deferred` (P) pays up to P rows of it: P owed rows folded into the parked
+     index (which serves reads again once nothing is owed), and the fuel of P / FUEL owed rows (P more merge input
+     rows per level), so a payment costs about P rows per level whatever was moved; owed fuel is due no more once
+     it has nothing to do (no merge in progress, no level with two loose batches). The live rescale pays it in
+     small pauses between the steps after its last wave (dbsp_core/runtime/rescale.py invariant 7), and every
+     plain insert of n rows pays ``DEFER_RATE * n`` besides its own invariant-3 fuel (so a trace left owing
+     work, by a rescale that failed, say, still pays it). The work is the same, only later, in bounded pieces;
+     the content never depends on it (a parked index is not read, and until the merges are paid a level may
+     hold more loose batches than invariant 3 bounds: reads read them all).
 """
 
 from __future__ import annotations
@@ -185,6 +198,8 @@ class Trace(KeyIndexed):
     WORK_CAP = 2  # a merge's output counts at most this many times its rows as work (invariant 2)
     MAX_PENDING = 64  # a fresh trace's pending batches beyond which it inserts the oldest (invariant 5)
     PRUNE_MIN = 4096  # rows inserted before drop_below scans at all (invariant 8)
+    DEFER_RATE = 2  # rows of deferred work (index folds; merge input rows per level) an insert pays per row it
+    # inserts (invariant 14): the live rescale pays the rest between steps, so a small step stays small
     INLINE_MERGE = 4096  # work (input rows) up to which a merge is not handed to the merge thread (invariant 10):
     # handing over a small step's merge (lock, wake-up, GIL hand-offs) cost more than merging it by fuel here
     # (1k-row steps on 1M rows, 600 steps alternated twice: mean 5-15% lower for distinct, group_by and join)
@@ -202,6 +217,7 @@ class Trace(KeyIndexed):
         self._kept = 0  # rows it kept then
         self._hand_overs = 0  # hand-overs to a MergeThread (invariant 10: it drops a trace only when unchanged)
         self._handed = False  # merges were handed to a MergeThread: the next read installs finished ones
+        self._owed = 0  # rows placed by deferred inserts whose merge fuel is not paid yet (invariant 14)
         self._init_key_index()  # the content's token and no key index (invariant 11)
         self._store: Any = None  # the BatchStore keeping this trace's batches under a memory budget (invariant 12)
 
@@ -215,10 +231,12 @@ class Trace(KeyIndexed):
 
     # ---- writing ----
 
-    def insert(self, batch: "IndexedZSet", indexed: Any = None) -> None:
-        """Add a consolidated indexed batch (same key): place it, then pay its share of merge work (invariant 3).
-        ``indexed``: the key index from :meth:`index_for_update`, which the caller already brought up to this
-        batch (invariant 11: it then matches the new content); else an index kept is updated here."""
+    def insert(self, batch: "IndexedZSet", indexed: Any = None, defer: bool = False) -> None:
+        """Add a consolidated indexed batch (same key): place it, then pay its share of merge work (invariant 3)
+        and of the work deferred before (invariant 14). ``indexed``: the key index from :meth:`index_for_update`,
+        which the caller already brought up to this batch (invariant 11: it then matches the new content); else an
+        index kept is updated here. ``defer``: place it only; its merge work and index fold are owed, paid by later
+        inserts (invariant 14)."""
         if len(batch) == 0:
             if indexed is not None:
                 self.index_done(indexed)
@@ -230,6 +248,8 @@ class Trace(KeyIndexed):
         if indexed is not None:
             if indexed is self._kix:
                 indexed.token = self._token
+        elif defer or self._kix_parked is not None:
+            self._owe_folds([batch], 1, prev)
         elif self._kix is not None:
             self._index_fold([batch], 1, prev)
         self.inserted_rows += len(batch)
@@ -240,7 +260,35 @@ class Trace(KeyIndexed):
                 return
             batch = self.pending.pop(0)
         self._place(batch, len(batch))
-        self._work(len(batch))
+        if defer:
+            self._owed += len(batch)
+            return
+        self._work(len(batch) + self._pay(self.DEFER_RATE * len(batch)))
+        self._settle_owed()
+
+    def pay_deferred(self, rows: int) -> bool:
+        """Pay up to ``rows`` rows of the work deferred inserts and cuts left (invariant 14): that many owed folds
+        into the parked key index and that many merge input rows per level. Call it where an insert may run (on
+        the inserting thread, or between steps). Returns whether work is still owed."""
+        if self._owed or self._kix_parked is not None:
+            self._work(self._pay(rows))
+            self._settle_owed()
+        return bool(self._owed or self._kix_parked is not None)
+
+    def _settle_owed(self) -> None:
+        """Owed merge fuel is due no more once it has nothing to do (invariant 14): no merge in progress and no
+        level with two loose batches to start one."""
+        if self._owed and all(len(level.loose) <= 1 and level.merge is None for level in self._by_level):
+            self._owed = 0
+
+    def _pay(self, rows: int) -> int:
+        """Fold up to ``rows`` owed rows into a parked key index; returns the owed rows whose merge fuel (FUEL per
+        row, so about ``rows`` merge input rows per level) the caller's :meth:`_work` pays now (invariant 14)."""
+        if self._kix_parked is not None and rows > 0:
+            self._pay_folds(rows)
+        extra = min(self._owed, -(-rows // self.FUEL)) if self._owed and rows > 0 else 0
+        self._owed -= extra
+        return extra
 
     def settle(self) -> None:
         """Place the pending batches into their levels, merging nothing (invariant 5: a restore inserts the batches
@@ -427,6 +475,11 @@ class Trace(KeyIndexed):
         """The placed batches (in placement order) and the pending ones, as they are: what a checkpoint saves.
         Inserting both lists into a cleared trace, with :meth:`settle` between them, restores it (invariant 5)."""
         return self._levels(), list(self.pending)
+
+    @property
+    def deferred(self) -> tuple[int, int]:
+        """The work owed (invariant 14): rows whose merge fuel is unpaid, and rows the parked key index is owed."""
+        return self._owed, sum(len(b) for b, _ in self._kix_owed)
 
     def levels(self) -> list[tuple[int, list[int], tuple[int, int] | None]]:
         """Per non-empty level: its number, its loose batches' sizes and its merge's input sizes (for tests)."""
@@ -657,13 +710,15 @@ class Trace(KeyIndexed):
             self._stale_index()
         return before - self._kept
 
-    def replace(self, pieces: dict[int, list["IndexedZSet"]], removed: list["IndexedZSet"] | None = None) -> None:
+    def replace(self, pieces: dict[int, list["IndexedZSet"]], removed: list["IndexedZSet"] | None = None,
+                defer: bool = False) -> None:
         """Put pieces of batches in their place (invariant 9): ``pieces`` maps ``id(batch)`` of batches of
         :meth:`parts` to the batches that replace it, in order (an empty list drops it). Each piece must hold some
         of its batch's rows, consolidated and in index order (a zero-copy slice, :meth:`IndexedZSet.slice`);
         the trace's content loses the rows the pieces leave out. Merges nothing, reads no rows. ``removed``, when
         given, is exactly those rows (a shard cut's moved slices): a key index then subtracts them and stays
-        current (invariant 11); without it the index goes stale.
+        current (invariant 11), or with ``defer`` is parked owing their subtraction (invariant 14); without it the
+        index goes stale.
 
         >>> import pyarrow as pa
         >>> from dbsp_core import ZSet
@@ -677,9 +732,11 @@ class Trace(KeyIndexed):
         if not pieces:
             return
         prev = self._changed()
-        if self._kix is not None:
+        if self._kix is not None or self._kix_parked is not None:
             if removed is None:
                 self._stale_index()
+            elif defer or self._kix_parked is not None:
+                self._owe_folds(removed, -1, prev)
             else:
                 self._index_fold(removed, -1, prev)
         entries: list[tuple[int, "IndexedZSet", int]] = []  # every placed batch outside a merge that goes on

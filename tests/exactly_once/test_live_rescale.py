@@ -263,3 +263,105 @@ def test_live_moved_bytes_are_near_the_ideal() -> None:
             assert ratio <= 1.1, f"{w} -> {to}: {ratio:.3f}x the ideal"
             p.close()
     print(f"\n[live rescale] moved bytes / ideal, worst over W -> W+-1, W in 1..8: {worst:.3f}")
+
+
+def _deferred_circuit():
+    import pyarrow as pa
+
+    c = dbsp.Circuit()
+    t = c.input("t", pa.schema([("k", pa.int64()), ("v", pa.int64())]))
+    c.output("g", t.group_by("k").agg(n=dbsp.count(), s=dbsp.sum("v")))  # a key index on the trace key
+    c.output("u", t.select(k="k").distinct())  # a whole-row key index
+    return c
+
+
+def _receiving_traces(p) -> list:
+    from dbsp_core.trace import Trace
+
+    return [t for wk in p.executor._workers for inst in wk.stateful().values() for t in vars(inst).values()
+            if isinstance(t, Trace) and len(t.batches)]
+
+
+def _owed_shape(traces: list) -> list:
+    return [(t.deferred, t.levels()) for t in traces]
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_a_live_rescale_defers_merge_work_past_its_waves_and_then_does_it(tmp_path, monkeypatch, durable) -> None:
+    """Trace invariant 14, migrate.py invariant 4, rescale.py invariant 7: the waves of a live rescale place the
+    moved rows without merging them or folding them into key indexes (seen when the change starts paying: work
+    owed, levels crowded); the change then does that work in pauses of its own, while a thread steps, so when
+    it returns nothing is owed, every level is back to at most two loose batches, the parked indexes serve
+    again and check against the batches; and every output is the never-rescaled run's, step by step
+    (multisets: ZSet weights)."""
+    import numpy as np
+    import pyarrow as pa
+
+    from dbsp_core.runtime.embedded import EmbeddedExecutor
+
+    seed = BASE_SEED + 14
+    print(f"DBSP_LIVE_SEED={BASE_SEED} (this test: {seed})")
+    rng = np.random.default_rng(seed)
+    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    live = dbsp.Pipeline(_deferred_circuit(), 4, storage=str(tmp_path / "d") if durable else None,
+                         checkpoint_interval=None)
+    ref = dbsp.Pipeline(_deferred_circuit(), 4)
+    seen: list = []
+    pay = EmbeddedExecutor.pay_deferred
+
+    def first_payment(self, rows: int) -> bool:
+        if not seen:  # after the last wave, before any deferred work is paid
+            seen.append(_owed_shape(_receiving_traces(live)))
+        return pay(self, rows)
+
+    monkeypatch.setattr(EmbeddedExecutor, "pay_deferred", first_payment)
+    lock = threading.Lock()
+
+    def step(rows: int) -> None:
+        t = pa.table({"k": rng.integers(0, 60_000, rows), "v": rng.integers(-5, 100, rows)}, schema=schema)
+        with lock:  # the two pipelines see the same changes in the same order
+            for p in (live, ref):
+                p.push("t", t)
+            got, want = ({k: v.to_dict() for k, v in p.step().items()} for p in (live, ref))
+        assert got == want
+
+    stop = threading.Event()
+    errors: list = []
+
+    def stepping() -> None:
+        try:
+            while not stop.is_set():
+                step(64)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    try:
+        for _ in range(4):
+            step(15_000)
+        th = threading.Thread(target=stepping)
+        th.start()
+        try:
+            rep = live.rescale(2, batch_shards=8)
+        finally:
+            stop.set()
+            th.join()
+        if errors:
+            raise errors[0]
+        assert seen, "the change paid no deferred work"
+        owed = [d for d, _ in seen[0]]
+        assert any(m > 0 for m, _ in owed), f"no merge work was deferred: {owed}"
+        assert any(f > 0 for _, f in owed), f"no key-index fold was deferred: {owed}"
+        assert any(any(len(loose) > 2 for _, loose, _ in lv) for _, lv in seen[0]), "the waves merged the moved rows"
+        assert rep["settle_pauses"] > 0 and rep["batches"] > 0
+        traces = _receiving_traces(live)
+        assert [t.deferred for t in traces] == [(0, 0)] * len(traces)
+        for t in traces:
+            t.check()  # the content, the levels' invariants, and a current key index against the batches
+            assert all(len(loose) <= 2 for _, loose, _ in t.levels()), t.levels()
+            if t.index_spec is not None:
+                assert t._kix_parked is None and t._kix is not None and t._kix.token == t._token
+        for _ in range(5):
+            step(500)
+    finally:
+        live.close()
+        ref.close()
