@@ -256,18 +256,19 @@ def run_child(argv: list[str], crash: str | None, kill_after: float | None, hang
     return "done", json.loads(out.strip().splitlines()[-1])
 
 
-def kill_rounds(rng: random.Random, kills: int, stats: dict, points: list[str], kill_after: tuple[float, float],
+def kill_rounds(rng: random.Random, kills: int, stats: dict, points: list[str], kill_after: tuple[float, float] | None,
                 one_round: Callable[[Callable[..., tuple[str, dict | None]]], None]) -> int:
     """Run rounds until ``kills`` kills landed (at most 4x as many rounds) and return the number of rounds.
 
     A named point is not reached on every path and a timed kill can come after the child finished: counting the
     kills that landed, not the rounds, keeps the count from depending on the machine's speed. ``one_round(kill)``
     is one round: it draws its choices from ``rng`` and calls ``kill(child)`` once, where ``child(crash=...,
-    kill_after=...)`` runs its child; ``kill`` kills it at a point of ``points`` (6 in 10) or after a time drawn
-    from ``kill_after`` seconds, and counts a kill that landed in ``stats`` ("kills", and "named" or "timed").
+    kill_after=...)`` runs its child; ``kill`` kills it at a point of ``points`` (6 in 10, or always when
+    ``kill_after`` is None: children too short for a timed kill to land) or after a time drawn from ``kill_after``
+    seconds, and counts a kill that landed in ``stats`` ("kills", and "named" or "timed").
     """
     def kill(child: Callable[..., tuple[str, dict | None]]) -> None:
-        if rng.random() < 0.6:
+        if kill_after is None or rng.random() < 0.6:
             how, _ = child(crash=rng.choice(points))
             stats["named"] += how == "killed"
         else:
@@ -283,7 +284,7 @@ def kill_rounds(rng: random.Random, kills: int, stats: dict, points: list[str], 
 
 
 def kill_test(tag: str, kind: str, seed: int, w: Workload, d: str, rng: random.Random, stats: dict, *,
-              checkpoint: bool, kills: int, points: list[str], kill_after: tuple[float, float],
+              checkpoint: bool, kills: int, points: list[str], kill_after: tuple[float, float] | None,
               one_round: Callable[[Callable[..., tuple[str, dict | None]]], None],
               last_child: Callable[[], tuple[str, dict | None]]) -> int:
     """A kill -9 rescale test from start to end: the workload's first steps into ``d`` (:func:`start_storage`,
