@@ -20,6 +20,7 @@ from dbsp_core.errors import (
     SchemaError,
     StepError,
     StorageError,
+    StoreUnavailableError,
     WeightOverflowError,
 )
 
@@ -53,6 +54,7 @@ __all__ = [
     "SqlError",  # dbsp_core.sql.errors, imported on first use (below)
     "StepError",
     "StorageError",
+    "StoreUnavailableError",
     "WeightOverflowError",
 ]
 

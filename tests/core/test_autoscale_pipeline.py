@@ -38,6 +38,7 @@ def _model(rows: Counter) -> Counter:
     return Counter({(k, n[k], s[k]): 1 for k in n if n[k]})
 
 
+@pytest.mark.slow  # 35-40 s of 150k-row steps until the policy decides, and timing-sensitive: the long suite
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="worker threads stop at the cores: one core cannot rescale")
 def test_a_load_swing_rescales_up_and_down_and_the_output_stays_right() -> None:
     print(f"\n[autoscale pipeline] seed {SEED} (replay: DBSP_AUTOSCALE_SEED={SEED})")

@@ -1,7 +1,7 @@
 """Crash test (b): random kill -9 of a real process appending to a StepLog and committing a Database.
 
 After each kill every acknowledged append is in the log exactly once and in order, and every acknowledged
-commit is openable. DBSP_STORAGE_KILLS sets the number of kills of the default test (default 60); the long suite runs 400 more, the
+commit is openable. DBSP_STORAGE_KILLS sets the number of kills of the default test (default 30); the long suite runs 400 more, the
 opt-in soak 10k.
 """
 
@@ -19,7 +19,7 @@ import pytest
 from dbsp_core.storage import Database, StepLog
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "storage_kill_child.py")
-KILLS = int(os.environ.get("DBSP_STORAGE_KILLS", "60"))
+KILLS = int(os.environ.get("DBSP_STORAGE_KILLS", "30"))
 
 
 def payload(seq: int) -> bytes:
