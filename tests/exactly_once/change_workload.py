@@ -7,6 +7,7 @@ from collections import Counter
 
 import duckdb
 import pyarrow as pa
+from workload import integrate  # noqa: F401 - the test modules of program changes import it from here
 
 TABLES = ("CREATE TABLE orders (id INT PRIMARY KEY, cust INT, amt INT);\n"
           "CREATE TABLE cust (id INT PRIMARY KEY, region INT);\n")
@@ -83,14 +84,6 @@ def oracle(model: dict[str, dict], query: str) -> Counter:
     return Counter(tuple(int(v) if v is not None else None for v in row) for row in con.execute(query).fetchall())
 
 
-def integrate(acc: dict, z) -> None:
-    """Add a change (a ZSet) to an integral kept as ``{row: weight}``."""
-    for row, w in z.to_dict().items():
-        n = acc.get(row, 0) + w
-        if n:
-            acc[row] = n
-        else:
-            acc.pop(row, None)
 
 
 def as_bag(acc: dict) -> Counter:

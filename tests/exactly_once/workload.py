@@ -134,10 +134,15 @@ def integral(p, name: str) -> tuple[dict[tuple, int], list[int]]:
     steps = []
     for step, z in p.read_output(name, 0):
         steps.append(step)
-        for row, w in z.to_dict().items():
-            v = acc.get(row, 0) + w
-            if v:
-                acc[row] = v
-            else:
-                acc.pop(row, None)
+        integrate(acc, z)
     return acc, steps
+
+
+def integrate(acc: dict, z) -> None:
+    """Add a change (a ZSet) to an integral kept as ``{row: weight}`` (rows whose weight reaches 0 leave)."""
+    for row, w in z.to_dict().items():
+        v = acc.get(row, 0) + w
+        if v:
+            acc[row] = v
+        else:
+            acc.pop(row, None)
