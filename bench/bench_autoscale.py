@@ -1,12 +1,18 @@
 """Benchmark of autoscaling under a load swing: the input rate steps up 8x and back down twice, with a step-latency target; an autoscaled embedded pipeline against a fixed minimum and a fixed maximum size on the same input (same rows, same schedule): the fraction of steps meeting the target, worker-seconds, the number of rescales, and the step latency during each rescale; a timeline of rate, workers and latency.
 
-Run: python bench/bench_autoscale.py [--phase S] [--target-ms T] [--tick S] [--max-workers W] [--quick]. A stepping
-loop pushes every ``tick`` what the rate schedule says arrived since the last step (rows pre-generated, sliced
-zero-copy) and steps; a step that overruns is followed at once by the next (the rows wait: backlog). The base rate
-is calibrated first so that an 8x step at one worker takes about 1.5x the target (``--rate`` sets it instead). The
-schedule is low, high, low, high, low, ``--phase`` seconds each. Worker-seconds integrate the worker count over the
-run. "During a rescale" are the steps that overlapped one (from its decision to its end). Writes
-bench/autoscale.json (every step: time, rate, workers, latency) and, if matplotlib is installed, bench/autoscale.png.
+Run: python bench/bench_autoscale.py [--low S] [--high S] [--target-ms T] [--tick S] [--max-workers W]
+[--merge-thread] [--quick]. A stepping loop pushes every ``tick`` what the rate schedule says arrived since the last
+step (rows pre-generated, sliced zero-copy) and steps; a step that overruns is followed at once by the next (the rows
+wait: backlog). The rates are calibrated first (``--rate`` sets the low one instead): the step cost against its rows
+is measured at 1 worker and at the most, and the high rate is chosen so that the target sits at the geometric mean
+of the two predicted high-step latencies (1 worker misses it, the most workers meet it, by the printed margin). The
+schedule is low, high, low, high, low (``--low`` and ``--high`` seconds); the worker-seconds floor an autoscaled run
+could reach, (low time * 1 + high time * W) / (total * W), is printed. Every pipeline merges its traces on its
+workers' threads (``--merge-thread``: on a merge thread while a core is free, a Pipeline's default, with which one
+worker already uses a second core for a third of this workload's step: see bench/RESULTS.md, Autoscaling), so that
+worker-seconds are core-seconds. Worker-seconds integrate the worker count over the run. "During a rescale" are the
+steps that overlapped one (from its decision to its end). Writes bench/autoscale.json (every step: time, rate,
+workers, latency) and, if matplotlib is installed, bench/autoscale.png.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -25,6 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import dbsp_core as dbsp  # noqa: E402
+from dbsp_core.runtime.embedded import EmbeddedExecutor  # noqa: E402
 
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
 KEYS = 200_000
@@ -43,28 +51,79 @@ def pool(rows: int, seed: int = 7) -> pa.Table:
     return pa.table({"k": rng.integers(0, KEYS, rows), "v": rng.integers(0, 1000, rows)}, schema=SCHEMA)
 
 
-def calibrate(data: pa.Table, target_s: float, tick: float) -> float:
-    """The base rate (rows/s) at which an 8x step (8 * rate * tick rows) takes about 1.5x the target at 1 worker."""
-    p = dbsp.Pipeline(circuit(), workers=1)
-    for i in range(3):  # some state first
-        p.push("t", data.slice(i * 20_000, 20_000))
-        p.step()
-    n = 20_000
-    times = []
-    for i in range(5):
-        p.push("t", data.slice(100_000 + i * n, n))
+class Calibration(NamedTuple):
+    """The per-step cost measured at 1 worker and at the most (``cost[w] = (fixed s, s per row)``), the high
+    phase's rows per step chosen from it, and the latency it predicts at each size."""
+
+    cost: dict[int, tuple[float, float]]
+    high_rows: int
+    predicted_s: dict[int, float]
+
+    def low_rate(self, tick: float) -> float:
+        return self.high_rows / (8 * tick)
+
+
+def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least squares ``seconds = a + b * rows`` (a >= 0) over (rows, seconds) medians."""
+    n = np.array([x for x, _ in points], dtype=float)
+    t = np.array([y for _, y in points])
+    b, a = np.polyfit(n, t, 1)
+    if a < 0:
+        a, b = 0.0, float(np.sum(n * t) / np.sum(n * n))
+    return float(a), float(b)
+
+
+def calibrate(data: pa.Table, target_s: float, workers: int, merge_thread: bool = False,
+              sizes: tuple[int, ...] = (25_000, 100_000), reps: int = 5) -> Calibration:
+    """Measure the step cost against the step's rows at 1 worker and at ``workers`` (a pipeline each, steps
+    alternated between them so both see the same load of the host), then choose the high phase's rows per
+    step so that the target sits at the geometric mean of the two predicted latencies: 1 worker misses it and
+    ``workers`` meet it by the same factor (the margin printed)."""
+    sizes_w = sorted({1, workers})
+    ps = {w: dbsp.Pipeline(circuit(), workers=w, executor=EmbeddedExecutor(background_merge=merge_thread))
+          for w in sizes_w}
+    off = 0
+
+    def step(p: dbsp.Pipeline, n: int) -> float:
+        nonlocal off
+        if off + n > data.num_rows:
+            off = 0
+        p.push("t", data.slice(off, n))
+        off += n
         t0 = time.perf_counter()
         p.step()
-        times.append(time.perf_counter() - t0)
-    p.close()
-    per_row = float(np.median(times)) / n
-    return 1.5 * target_s / per_row / (8 * tick)
+        return time.perf_counter() - t0
+
+    try:
+        for _ in range(4):  # the state first: every key seen (KEYS of them), levels built
+            for p in ps.values():
+                step(p, 100_000)
+        seen: dict[tuple[int, int], list[float]] = {}
+        for _ in range(reps):
+            for n in sizes:
+                for w, p in ps.items():
+                    seen.setdefault((w, n), []).append(step(p, n))
+    finally:
+        for p in ps.values():
+            p.close()
+    cost = {w: _fit([(n, float(np.median(seen[(w, n)]))) for n in sizes]) for w in sizes_w}
+
+    def lat(w: int, n: float) -> float:
+        return cost[w][0] + cost[w][1] * n
+
+    lo, hi = 1_000.0, float(data.num_rows)  # lat(1)*lat(W) grows with n: bisect for target_s**2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if lat(1, mid) * lat(workers, mid) < target_s ** 2 else (lo, mid)
+    n = int(lo)
+    return Calibration(cost, n, {w: lat(w, n) for w in sizes_w})
 
 
 def run(label: str, data: pa.Table, schedule: list[tuple[float, float]], tick: float, workers: int,
-        policy: dbsp.Autoscale | None) -> dict:
+        policy: dbsp.Autoscale | None, merge_thread: bool = False) -> dict:
     """Run the schedule ([(seconds, rows/s)]) on a pipeline; returns every step and the rescales."""
-    p = dbsp.Pipeline(circuit(), workers=workers, autoscale=policy)
+    p = dbsp.Pipeline(circuit(), workers=workers, autoscale=policy,
+                      executor=EmbeddedExecutor(background_merge=merge_thread))
     total = sum(d for d, _ in schedule)
     bounds = np.cumsum([0.0] + [d for d, _ in schedule])
 
@@ -167,30 +226,63 @@ def draw(runs: list[dict], target_s: float, path: str) -> str:
     return path
 
 
+def worker_seconds_floor(low_s: float, high_s: float, workers: int) -> float:
+    """The least share of the fixed maximum's worker-seconds an autoscaled run can use: 1 worker in the low
+    phases, ``workers`` in the high ones, rescaling instantly: (low * 1 + high * W) / ((low + high) * W)."""
+    return (low_s + high_s * workers) / ((low_s + high_s) * workers)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--phase", type=float, default=15.0, help="seconds per phase (low, high, low, high, low)")
+    ap.add_argument("--low", type=float, default=40.0, help="seconds per low phase (three of them)")
+    ap.add_argument("--high", type=float, default=8.0, help="seconds per high phase (two of them)")
     ap.add_argument("--target-ms", type=float, default=150.0, help="the step-latency target")
     ap.add_argument("--tick", type=float, default=0.25, help="seconds between steps when they keep up")
     ap.add_argument("--max-workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--rate", type=float, default=None, help="the low rate in rows/s (default: calibrated)")
-    ap.add_argument("--quick", action="store_true", help="4 s phases (a smoke run)")
+    ap.add_argument("--merge-thread", action="store_true",
+                    help="merge traces on a merge thread while a core is free (the default of a Pipeline; "
+                         "here off, so that one worker uses one core and worker-seconds are core-seconds)")
+    ap.add_argument("--quick", action="store_true", help="8 s low and 2 s high phases (a smoke run)")
     ap.add_argument("--out", default=os.path.join(HERE, "autoscale.json"))
     a = ap.parse_args(argv)
-    phase = 4.0 if a.quick else a.phase
+    low, high = (8.0, 2.0) if a.quick else (a.low, a.high)
     target = a.target_ms / 1000
+    W = a.max_workers
+    load0 = os.getloadavg()
     data = pool(2_000_000)
-    rate = a.rate or calibrate(data, target, a.tick)
-    schedule = [(phase, rate), (phase, 8 * rate), (phase, rate), (phase, 8 * rate), (phase, rate)]
-    policy = dbsp.Autoscale(1, a.max_workers, max_step_ms=a.target_ms, window_s=3.0, interval_s=0.5, min_steps=4,
-                            scale_down_window_s=phase / 2)
-    print(f"low rate {rate:,.0f} rows/s, high {8 * rate:,.0f} rows/s, {phase:g} s phases, tick {a.tick} s, "
-          f"target {a.target_ms:g} ms; policy {policy}")
-    runs = [run(f"fixed {1}", data, schedule, a.tick, 1, None),
-            run(f"fixed {a.max_workers}", data, schedule, a.tick, a.max_workers, None),
-            run("autoscaled", data, schedule, a.tick, 1, policy)]
-    out = {"rate": rate, "phase": phase, "tick": a.tick, "target_ms": a.target_ms, "policy": policy.to_dict(),
-           "cores": os.cpu_count(), "load": os.getloadavg(),
+    cal = None
+    if a.rate is None:
+        cal = calibrate(data, target, W, a.merge_thread)
+        rate = cal.low_rate(a.tick)
+        margin = cal.predicted_s[1] / target - 1
+        print("step cost (fixed + per row), steps alternated between the sizes: " + "; ".join(
+            f"W={w}: {c[0] * 1000:.1f} ms + {c[1] * 1e9:.0f} ns/row" for w, c in cal.cost.items()))
+        print(f"high steps of {cal.high_rows:,} rows: predicted {cal.predicted_s[1] * 1000:.0f} ms at 1 worker, "
+              f"{cal.predicted_s[W] * 1000:.0f} ms at {W} (target {a.target_ms:g} ms: margin {margin:.0%} each "
+              f"side)")
+        if margin < 0.1:
+            print(f"warning: {W} workers are predicted at most {1 + margin:.2f}x as fast as 1 here, inside the noise "
+                  f"of a step: the swing cannot show the policy's gains on this host now")
+    else:
+        rate = a.rate
+    schedule = [(low, rate), (high, 8 * rate), (low, rate), (high, 8 * rate), (low, rate)]
+    floor = worker_seconds_floor(3 * low, 2 * high, W)
+    policy = dbsp.Autoscale(1, W, max_step_ms=a.target_ms, window_s=3.0, interval_s=0.5, min_steps=4,
+                            scale_down_window_s=high / 2)
+    print(f"low rate {rate:,.0f} rows/s, high {8 * rate:,.0f} rows/s, low phases {low:g} s, high {high:g} s, tick "
+          f"{a.tick} s, target {a.target_ms:g} ms; worker-s floor {floor:.0%} of the fixed maximum (1 worker low, "
+          f"{W} high, no lag); merge thread {'on' if a.merge_thread else 'off'}; policy {policy}")
+    runs = [run("fixed 1", data, schedule, a.tick, 1, None, a.merge_thread),
+            run(f"fixed {W}", data, schedule, a.tick, W, None, a.merge_thread),
+            run("autoscaled", data, schedule, a.tick, 1, policy, a.merge_thread)]
+    out = {"rate": rate, "low": low, "high": high, "tick": a.tick, "target_ms": a.target_ms,
+           "merge_thread": a.merge_thread, "worker_seconds_floor": round(floor, 4),
+           "calibration": None if cal is None else {"cost": {str(w): c for w, c in cal.cost.items()},
+                                                    "high_rows": cal.high_rows,
+                                                    "predicted_s": {str(w): x for w, x in cal.predicted_s.items()}},
+           "policy": policy.to_dict(),
+           "cores": os.cpu_count(), "load_start": load0, "load": os.getloadavg(),
            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                     cwd=HERE).stdout.strip(),
            "summary": [summarize(r, target) for r in runs], "runs": runs}
