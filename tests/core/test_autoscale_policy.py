@@ -114,7 +114,9 @@ def test_a_step_to_8x_is_met_in_one_decision() -> None:
     sim = Sim(policy(), workers=1).run(60, lambda t: 2_000)
     assert sim.changes == []
     sim.run(120, lambda t: 16_000)
-    ups = [c for c in sim.changes if c[3] == "scale_up"]
+    # to the size the rates predict meets the target, or to the cap when the noise says none quite does (seeds 78
+    # and 85: the cap, 8): either way one decision
+    ups = [c for c in sim.changes if c[3] in ("scale_up", "scale_up_cap")]
     assert len(ups) == 1, sim.changes
     assert ups[0][2] >= needed(16_000, sim) - 1 and ups[0][0] < 60 + 10
     assert sim.met(0.050, since=75) >= 0.95
