@@ -7,14 +7,22 @@ measurement. The load's throughput includes shipping the input and output logs t
 (group commit, storage.logstore; bench_logstore.py measures that alone); the bytes per checkpoint are those of the
 upload at the checkpoint (state deltas, batch files, manifest). moto keeps objects in its process's memory and answers over loopback HTTP: a real store adds network
 latency and bandwidth, so the ratio here is the floor of what S3 costs.
+
+``--recovery-rows N`` (e.g. 10000000; ``--recovery-only`` skips the rest): an N-row state is built at 2 workers
+on the local S3 server and on a local directory and checkpointed, then each is opened by a new process (an empty
+cache for the store): a driver recovery at 2 workers and a cold rescale to 3. Each open prints its time (and the
+part spent restoring the cache from the store), its peak RSS above the process's RSS before the open (VmHWM reset
+through /proc/self/clear_refs) and the bytes it downloaded (state objects, log segments).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -77,16 +85,115 @@ def run(storage: str, rows: int, rounds: int, change: float, memory_limit: str |
     return res
 
 
+def _status(field: str) -> int:
+    """A field of /proc/self/status in bytes (VmRSS, VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def open_child(storage: str, workers: int, cache: str | None) -> None:
+    """In a new process: ``Pipeline.open`` of ``storage`` at ``workers`` (into the empty ``cache`` for a store);
+    prints one JSON line with its time, peak RSS above the RSS before it, and what it downloaded."""
+    base = _status("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS: the peak measured is the open's
+    except OSError:
+        pass
+    kw = {"cache_dir": cache} if cache else {}
+    t = time.perf_counter()
+    q = dbsp.Pipeline.open(storage, circuit(), workers=workers, checkpoint_interval=None, **kw)
+    secs = time.perf_counter() - t
+    out = {"open_s": secs, "restore_s": q.stats.get("restore_s", 0.0), "recovery_s": q.stats["recovery_s"],
+           "peak_rss": _status("VmHWM") - base, "base_rss": base, "workers": q.layout.workers,
+           "state_bytes": sum(q.disk_usage().values())}
+    if q._remote is not None:
+        out["state_get_bytes"] = q._remote.stats["get_bytes"]
+        out["log_get_bytes"] = q._remote_logs.store.stats["get_bytes"] if q._remote_logs is not None else 0
+        out["gets"] = q._remote.stats["gets"]
+    q.close(checkpoint=False)
+    print(json.dumps(out), flush=True)
+
+
+def _open_in_child(storage: str, workers: int, cache: str | None) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--open-child", storage, "--workers", str(workers)]
+    if cache:
+        cmd += ["--cache", cache]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode:
+        raise RuntimeError(f"open child failed: {r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def build(storage: str, rows: int) -> float:
+    """An N-row state at 2 workers on ``storage``, checkpointed and closed; returns the seconds it took."""
+    t = time.perf_counter()
+    p = dbsp.Pipeline(circuit(), workers=2, storage=storage, checkpoint_interval=None)
+    chunk = 250_000
+    for i in range(0, rows, chunk):
+        p.push("bids", data(1000 + i, min(chunk, rows - i)))
+        p.step()
+    p.close()  # checkpoints
+    return time.perf_counter() - t
+
+
+def recovery(server: "S3Server", rows: int) -> None:
+    """Driver recovery and cold rescale of an N-row state from the store and from a local directory."""
+    MB = 1 << 20
+    local = tempfile.mkdtemp(prefix="bench-remote-rec-")
+    try:
+        uri = server.uri(server.bucket(), "rec")
+        b_local = build(os.path.join(local, "store"), rows)
+        b_s3 = build(uri, rows)
+        print(f"recovery of a {rows:,}-row state built at 2 workers (build + checkpoint: local {b_local:.1f} s, "
+              f"s3 {b_s3:.1f} s), load {os.getloadavg()[0]:.2f}")
+        for workers, what in ((2, "driver recovery"), (3, "cold rescale 2 -> 3")):
+            cache = tempfile.mkdtemp(prefix="bench-remote-cache-")
+            try:
+                s3 = _open_in_child(uri, workers, os.path.join(cache, "c"))
+            finally:
+                shutil.rmtree(cache, ignore_errors=True)
+            copy = os.path.join(local, f"copy{workers}")  # the open of a cold rescale rewrites the directory
+            shutil.copytree(os.path.join(local, "store"), copy)
+            lo = _open_in_child(copy, workers, None)
+            shutil.rmtree(copy, ignore_errors=True)
+            print(f"{what}: s3 {s3['open_s']:.2f} s (state objects into the empty cache {s3['restore_s']:.2f} s, then logs "
+                  f"rebuilt from segments, state load and replay {s3['open_s'] - s3['restore_s']:.2f} s), peak RSS +{s3['peak_rss'] / MB:.0f} MiB, downloaded "
+                  f"{s3['state_get_bytes'] / MB:.1f} MiB of state in {s3['gets']} GETs + "
+                  f"{s3['log_get_bytes'] / MB:.1f} MiB of log segments | local directory {lo['open_s']:.2f} s "
+                  f"(state load {lo['recovery_s']:.2f} s), peak RSS +{lo['peak_rss'] / MB:.0f} MiB | state on disk "
+                  f"{s3['state_bytes'] / MB:.0f} MiB | ratio {s3['open_s'] / lo['open_s']:.1f}")
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+
+
 def main() -> None:
+    if "--open-child" in sys.argv:
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--open-child", required=True)
+        ap.add_argument("--workers", type=int, required=True)
+        ap.add_argument("--cache", default=None)
+        a = ap.parse_args()
+        open_child(a.open_child, a.workers, a.cache)
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--change", type=float, default=0.01)
     ap.add_argument("--memory-limit", default=None)
+    ap.add_argument("--recovery-rows", type=int, default=0)
+    ap.add_argument("--recovery-only", action="store_true")
     a = ap.parse_args()
     server = S3Server()
     local = tempfile.mkdtemp(prefix="bench-remote-")
     try:
+        if a.recovery_rows:
+            recovery(server, a.recovery_rows)
+        if a.recovery_only:
+            return
         uri = server.uri(server.bucket(), "bench")
         print(f"rows {a.rows}, rounds {a.rounds} of {int(a.rows * a.change)} new rows, memory_limit {a.memory_limit}, "
               f"2 workers, load {os.getloadavg()[0]:.2f}")

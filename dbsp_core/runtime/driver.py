@@ -419,9 +419,11 @@ class Pipeline:
             prepare_cache(root)  # an empty directory or a cache: refused before anything is written in it
         self._lockfd = lock_dir(root)
         if self._remote is not None:  # rebuild the cache from the newest manifest, then journal (remote_state inv. 1-2)
+            t_restore = time.perf_counter()
             with progress(f"restore from {self.storage_uri}"):
                 self._remote_logs = RemoteLogs(self._remote)
                 manifest = restore(self._remote, root, self._remote_logs)
+            self.stats["restore_s"] = time.perf_counter() - t_restore  # the download into the empty cache
             if manifest is None and open_only:
                 raise RecoveryError(f"Pipeline.open: {self.storage_uri} holds no pipeline (no manifest)")
             self._remote_state = RemoteCheckpoints(self._remote, root, manifest, self._remote_logs)
