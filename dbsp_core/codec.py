@@ -74,6 +74,34 @@ def unframe_view(magic: bytes, blob: Any, where: str) -> memoryview:
     return body
 
 
+def check_framed_file(magic: bytes, f: Any, where: str, chunk: int = 256 << 10) -> int:
+    """Check a :func:`frame` blob held in the open binary file ``f`` (from its current position to its end) in
+    ``chunk``-sized reads, never whole in memory; returns the body's length and leaves ``f`` at the body's start.
+    CorruptionError or FormatVersionError naming ``where`` if it is bad (as :func:`unframe_view`)."""
+    start = f.tell()
+    head = f.read(_HEAD.size)
+    if len(head) < _HEAD.size:
+        raise CorruptionError(f"{where}: {len(head)}-byte record is shorter than its header")
+    m, version, crc = _HEAD.unpack(head)
+    if m != magic:
+        raise CorruptionError(f"{where}: bad magic {m!r}, expected {magic!r}")
+    checksum = _CHECKSUMS.get(version)
+    if checksum is None:
+        raise FormatVersionError(f"{where}: format version {version}, this build reads {sorted(_CHECKSUMS)} (written "
+                                 f"by another build, or that byte is damaged: `dbsp repair DIR` repairs what it can)")
+    got, n = 0, 0
+    while True:
+        b = f.read(chunk)
+        if not b:
+            break
+        got = checksum(b, got)
+        n += len(b)
+    if got != crc:
+        raise CorruptionError(f"{where}: checksum mismatch")
+    f.seek(start + _HEAD.size)
+    return n
+
+
 def unframe(magic: bytes, blob: bytes, where: str) -> bytes:
     """The body of a :func:`frame` blob; CorruptionError or FormatVersionError naming ``where`` if it is bad."""
     return bytes(unframe_view(magic, blob, where))

@@ -18,6 +18,9 @@ Invariants (enforced here):
      what the logs part needs durable (its output segments), then the manifest (storage.remote invariant 2), then deletes what the two live
      manifests do not name (invariant 3 there). A failure before the manifest leaves the previous manifest in
      force and the pipeline broken (the driver's rule for a failed checkpoint).
+  4. Restore's memory does not grow with an object's size: every object is streamed into a local file in bounded
+     reads (Remote.get_file), a delta is checked (its CRC) from that file in bounded reads before any record is
+     applied, then applied one record at a time; only one record's value is in memory at once.
 """
 
 from __future__ import annotations
@@ -28,10 +31,11 @@ import shutil
 import struct
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterator
 
 from dbsp_core import _storage
-from dbsp_core.codec import frame_head, unframe_view
+from dbsp_core.codec import check_framed_file, frame_head
 from dbsp_core.errors import CorruptionError, DbspError
 from dbsp_core.storage.database import (JOURNAL_DELETE, JOURNAL_PUT, JOURNAL_STEP, Database, end_journals,
                                         journal_of, journal_under)
@@ -47,6 +51,12 @@ __all__ = ["RemoteCheckpoints", "restore", "prepare_cache", "restored", "CHAIN_L
 
 CHAIN_LIMIT = 16  # objects in a database's chain before the next checkpoint uploads its page file instead
 JOURNAL_DIR = ".dbsp-journal"  # in the cache: the databases' journals (storage.database.Journal)
+RESTORE_DIR = ".dbsp-restore"  # in the cache, while restore runs: the delta objects downloaded, applied, removed
+# objects downloaded at once by restore: the downloads wait on the store's latency (pyarrow's S3 client releases the
+# GIL), not on the two cores; 4 keep a real store's per-request latency (tens of ms) off the small objects' path
+# and cost 4 read buffers of 8 MiB (Remote.get_file), while the local S3 server here (one process, one core) is
+# saturated well before 4
+DOWNLOAD_THREADS = 4
 RECORDS = (META_FILE, LAYOUT_FILE, RESCALE_FILE, METRICS_FILE, PROFILE_FILE)
 
 _REC = struct.Struct("<BH")
@@ -78,47 +88,53 @@ def _empty(cache_dir: str) -> None:
             os.remove(p)
 
 
-def _records(blob: memoryview) -> Any:
-    """The (op, table, key, value) records of a DRDL body (formats.py)."""
-    pos, n = 0, len(blob)
-    while pos < n:
-        op, tl = _REC.unpack_from(blob, pos)
-        pos += _REC.size
-        table = bytes(blob[pos:pos + tl])
-        pos += tl
-        (kl,) = _KEY.unpack_from(blob, pos)
-        pos += _KEY.size
-        key = bytes(blob[pos:pos + kl])
-        pos += kl
+def _records(f: Any, end: int) -> Any:
+    """The (op, table, key, value) records of a DRDL body (formats.py) read from the open file ``f`` up to offset
+    ``end``, one record at a time (invariant 4: never the whole body in memory)."""
+    def take(n: int) -> bytes:
+        b = f.read(n)
+        if len(b) != n:
+            raise struct.error(f"{n} bytes wanted, {len(b)} left")
+        return b
+
+    while f.tell() < end:
+        op, tl = _REC.unpack(take(_REC.size))
+        table = take(tl)
+        (kl,) = _KEY.unpack(take(_KEY.size))
+        key = take(kl)
         value = None
         if op != JOURNAL_DELETE:
-            (vl,) = _VAL.unpack_from(blob, pos)
-            pos += _VAL.size
-            value = blob[pos:pos + vl]
-            pos += vl
+            (vl,) = _VAL.unpack(take(_VAL.size))
+            value = take(vl)
         yield op, table, key, value
+    if f.tell() != end:
+        raise struct.error("a record runs past the body's end")
 
 
-def _apply(db: Database, link: dict, data: bytes, where: str) -> None:
-    """Apply one delta object to ``db`` (at version ``link['from']``), leaving it at ``link['to']`` (invariant 1)."""
+def _apply(db: Database, link: dict, path: str, where: str) -> None:
+    """Apply one delta object, downloaded into local file ``path``, to ``db`` (at version ``link['from']``), leaving it
+    at ``link['to']`` (invariant 1). The file is checked whole (its CRC) before anything is applied, then read a
+    record at a time (invariant 4)."""
     frm, to = link["from"], link["to"]
     if db.versions().stop - 1 != frm:
         raise CorruptionError(f"{where}: a delta from version {frm}, but the database is at {db.versions().stop - 1}")
-    body = unframe_view(REMOTE_DELTA_MAGIC, data, where)
-    with db.open(frm) as h:
-        try:
-            for op, table, key, value in _records(body):
-                if op == JOURNAL_PUT:
-                    h.put(table, key, value)
-                elif op == JOURNAL_DELETE:
-                    h.delete(table, key)
-                elif op == JOURNAL_STEP:
-                    h.set_step(int.from_bytes(bytes(value), "little"))
-                else:
-                    raise CorruptionError(f"{where}: unknown record kind {op}")
-        except struct.error as e:
-            raise CorruptionError(f"{where}: truncated record ({e})") from None
-        h.commit()
+    with open(path, "rb", buffering=64 << 10) as f:
+        n = check_framed_file(REMOTE_DELTA_MAGIC, f, where)
+        end = f.tell() + n
+        with db.open(frm) as h:
+            try:
+                for op, table, key, value in _records(f, end):
+                    if op == JOURNAL_PUT:
+                        h.put(table, key, value)
+                    elif op == JOURNAL_DELETE:
+                        h.delete(table, key)
+                    elif op == JOURNAL_STEP:
+                        h.set_step(int.from_bytes(value, "little"))
+                    else:
+                        raise CorruptionError(f"{where}: unknown record kind {op}")
+            except struct.error as e:
+                raise CorruptionError(f"{where}: truncated record ({e})") from None
+            h.commit()
     for v in range(frm + 1, to):
         with db.open(v) as h:
             h.commit()
@@ -127,7 +143,11 @@ def _apply(db: Database, link: dict, data: bytes, where: str) -> None:
 def restore(remote: Remote, root: str, log_part: LogPart | None = None) -> dict | None:
     """Rebuild the cache directory ``root`` from the newest complete manifest (invariant 1); returns it, or None
     when the store holds no pipeline (``root`` is left empty but for the marker). The caller claimed ``root``
-    (:func:`prepare_cache`) and holds its lock."""
+    (:func:`prepare_cache`) and holds its lock.
+
+    Every object is streamed into a local file (invariant 4) by :data:`DOWNLOAD_THREADS` threads, all objects
+    asked for at once; each database's chain is applied in order as its objects arrive (deltas from their
+    downloaded files, then removed), so applying overlaps downloading."""
     _empty(root)
     m = remote.newest_manifest()
     if m is None:
@@ -136,37 +156,57 @@ def restore(remote: Remote, root: str, log_part: LogPart | None = None) -> dict 
         p = os.path.join(root, *name.split("/"))
         os.makedirs(os.path.dirname(p), exist_ok=True)
         _storage.file_replace(p, blob_record(text), "posix")
-    for rel, ent in sorted(m.get("databases", {}).items()):
-        path = os.path.join(root, *rel.split("/"))
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        db: Database | None = None
-        try:
-            for i, link in enumerate(ent["chain"]):
-                where = f"{remote.shown}/{link['object']}"
-                if link["kind"] == "file":
-                    if db is not None:
-                        db.close()
-                        db = None
-                    if i:
-                        raise CorruptionError(f"{where}: a page file in the middle of a chain")
-                    remote.get_file(link["object"], path)
-                    db = Database(path)
-                    if db.versions().stop - 1 != link["to"]:
-                        raise CorruptionError(f"{where}: the page file is at version {db.versions().stop - 1}, the "
-                                              f"manifest says {link['to']}")
-                    continue
-                if db is None:
-                    if i or not link.get("fresh"):
-                        raise CorruptionError(f"{where}: a chain that starts with a delta of a database not new")
-                    db = Database.create(path, link["from"])
-                _apply(db, link, remote.get(link["object"]), where)
-        finally:
-            if db is not None:
-                db.close()
+    staging = os.path.join(root, RESTORE_DIR)
+    os.makedirs(staging, exist_ok=True)
     spill = os.path.join(root, SPILL_DIR)
-    for name, ent in m.get("files", {}).items():
-        os.makedirs(spill, exist_ok=True)
-        remote.get_file(ent["object"], os.path.join(spill, name))
+    pool = ThreadPoolExecutor(DOWNLOAD_THREADS, thread_name_prefix="dbsp-restore")
+    try:
+        chains: list[tuple[str, str, list[tuple[dict, str, Future]]]] = []
+        k = 0
+        for rel, ent in sorted(m.get("databases", {}).items()):
+            path = os.path.join(root, *rel.split("/"))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            links = []
+            for i, link in enumerate(ent["chain"]):
+                if link["kind"] == "file":
+                    if i:
+                        raise CorruptionError(f"{remote.shown}/{link['object']}: a page file in the middle of a chain")
+                    dst = path
+                else:
+                    dst = os.path.join(staging, f"{k}.delta")
+                    k += 1
+                links.append((link, dst, pool.submit(remote.get_file, link["object"], dst, sync=False)))
+            chains.append((rel, path, links))
+        files = []
+        for name, ent in m.get("files", {}).items():
+            os.makedirs(spill, exist_ok=True)
+            files.append(pool.submit(remote.get_file, ent["object"], os.path.join(spill, name)))
+        for rel, path, links in chains:
+            db: Database | None = None
+            try:
+                for i, (link, dst, fut) in enumerate(links):
+                    fut.result()
+                    where = f"{remote.shown}/{link['object']}"
+                    if link["kind"] == "file":
+                        db = Database(path)
+                        if db.versions().stop - 1 != link["to"]:
+                            raise CorruptionError(f"{where}: the page file is at version {db.versions().stop - 1}, "
+                                                  f"the manifest says {link['to']}")
+                        continue
+                    if db is None:
+                        if i or not link.get("fresh"):
+                            raise CorruptionError(f"{where}: a chain that starts with a delta of a database not new")
+                        db = Database.create(path, link["from"])
+                    _apply(db, link, dst, where)
+                    os.remove(dst)
+            finally:
+                if db is not None:
+                    db.close()
+        for fut in files:
+            fut.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    shutil.rmtree(staging, ignore_errors=True)
     if log_part is not None:
         log_part.restore(remote, m, root)
     else:  # a reader: the logs' segments rebuilt here (storage.remote_log)

@@ -64,6 +64,7 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import threading
 import time
 from typing import Any, Callable, Protocol, TypeVar
 
@@ -84,6 +85,8 @@ __all__ = ["Remote", "LogPart", "manifest_name", "delta_name", "is_remote", "ver
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+GET_CHUNK = 8 << 20  # the largest read of one downloaded object (Remote.get_file): what a download holds in memory
 
 
 def is_remote(where: Any) -> bool:
@@ -141,7 +144,15 @@ class Remote:
         self.location = location
         self.cache_dir = cache_dir
         self.stats = {"puts": 0, "put_bytes": 0, "gets": 0, "get_bytes": 0, "deletes": 0, "lists": 0}
+        self._stats_lock = threading.Lock()  # restore downloads on several threads, the upload runs on its own
         self.policy = DEFAULT_POLICY
+
+    def _count(self, op: str, n: int = 0) -> None:
+        """Count one call of ``op`` (``puts``, ``gets``, ``deletes``, ``lists``) moving ``n`` bytes."""
+        with self._stats_lock:
+            self.stats[op] += 1
+            if op in ("puts", "gets"):
+                self.stats[op[:-1] + "_bytes"] += n
 
     @classmethod
     def of(cls, storage: Any, cache_dir: str) -> "Remote":
@@ -176,8 +187,7 @@ class Remote:
             with self.location.fs.open_output_stream(self.path(name)) as f:
                 f.write(data)
         self.call("PUT", name, go)
-        self.stats["puts"] += 1
-        self.stats["put_bytes"] += len(memoryview(data)) if not isinstance(data, pa.Buffer) else data.size
+        self._count("puts", len(memoryview(data)) if not isinstance(data, pa.Buffer) else data.size)
 
     def put_file(self, name: str, path: str, chunk: int = 8 << 20) -> int:
         """Upload local file ``path`` as object ``name`` (streamed); returns its size."""
@@ -191,8 +201,7 @@ class Remote:
                     f.write(b)
                     n += len(b)
         n = self.call("PUT", name, go)
-        self.stats["puts"] += 1
-        self.stats["put_bytes"] += n
+        self._count("puts", n)
         return n
 
     def get(self, name: str) -> bytes:
@@ -201,13 +210,14 @@ class Remote:
             with self.location.fs.open_input_stream(self.path(name)) as f:
                 return f.readall()
         data = self.call("GET", name, go)
-        self.stats["gets"] += 1
-        self.stats["get_bytes"] += len(data)
+        self._count("gets", len(data))
         return data
 
-    def get_file(self, name: str, path: str, chunk: int = 8 << 20) -> int:
-        """Download object ``name`` into local file ``path`` (written to ``path.tmp``, fsynced, renamed)."""
+    def get_file(self, name: str, path: str, chunk: int | None = None, sync: bool = True) -> int:
+        """Download object ``name`` into local file ``path`` in ``chunk``-byte reads, never whole in memory (written
+        to ``path.tmp``, fsynced unless ``sync`` is false, renamed). Safe to call from several threads."""
         tmp = path + ".tmp"
+        chunk = chunk or GET_CHUNK
 
         def go() -> int:
             n = 0
@@ -218,13 +228,13 @@ class Remote:
                         break
                     dst.write(b)
                     n += len(b)
-                dst.flush()
-                os.fsync(dst.fileno())
+                if sync:
+                    dst.flush()
+                    os.fsync(dst.fileno())
             return n
         n = self.call("GET", name, go)
         os.replace(tmp, path)
-        self.stats["gets"] += 1
-        self.stats["get_bytes"] += n
+        self._count("gets", n)
         return n
 
     def list(self, prefix: str) -> dict[str, int]:
@@ -233,7 +243,7 @@ class Remote:
             sel = pafs.FileSelector(self.path(prefix), allow_not_found=True, recursive=True)
             return self.location.fs.get_file_info(sel)
         infos = self.call("LIST", prefix, go)
-        self.stats["lists"] += 1
+        self._count("lists")
         base = self.location.path.rstrip("/")
         base = base + "/" if base else ""
         return {i.path[len(base):]: i.size for i in infos if i.type == pafs.FileType.File and i.path.startswith(base)}
@@ -246,7 +256,7 @@ class Remote:
             except FileNotFoundError:
                 pass
         self.call("DELETE", name, go)
-        self.stats["deletes"] += 1
+        self._count("deletes")
 
     # ---- manifests (invariants 2 and 3) ----
 
