@@ -8,6 +8,9 @@ measurement. The load's throughput includes shipping the input and output logs t
 upload at the checkpoint (state deltas, batch files, manifest). moto keeps objects in its process's memory and answers over loopback HTTP: a real store adds network
 latency and bandwidth, so the ratio here is the floor of what S3 costs.
 
+``--latency-rows N`` (``--latency-only`` skips the rest): the step latency around checkpoints (p50, p99, max) of
+1,000-row steps on an N-row state while another thread checkpoints every second, on each storage.
+
 ``--recovery-rows N`` (e.g. 10000000; ``--recovery-only`` skips the rest): an N-row state is built at 2 workers
 on the local S3 server and on a local directory and checkpointed, then each is opened by a new process (an empty
 cache for the store): a driver recovery at 2 workers and a cold rescale to 3. Each open prints its time (and the
@@ -170,6 +173,45 @@ def recovery(server: "S3Server", rows: int) -> None:
         shutil.rmtree(local, ignore_errors=True)
 
 
+def step_latency(storage: str, rows: int, seconds: float, every: float) -> dict:
+    """Step latency around checkpoints: an N-row state at 2 workers, then steps of 1,000 new rows in a loop for
+    ``seconds`` while another thread calls ``checkpoint()`` every ``every`` seconds (and the timer is off)."""
+    import threading
+
+    p = dbsp.Pipeline(circuit(), workers=2, storage=storage, checkpoint_interval=None)
+    for i in range(0, rows, 250_000):
+        p.push("bids", data(2000 + i, min(250_000, rows - i)))
+        p.step()
+    p.checkpoint()
+    small = [data(5000 + k, 1000) for k in range(64)]
+    stop = threading.Event()
+    ckpts: list[float] = []
+
+    def checkpointer() -> None:
+        while not stop.wait(every):
+            t = time.perf_counter()
+            p.checkpoint()
+            ckpts.append(time.perf_counter() - t)
+
+    th = threading.Thread(target=checkpointer)
+    lat: list[float] = []
+    th.start()
+    t_end = time.perf_counter() + seconds
+    k = 0
+    while time.perf_counter() < t_end:
+        p.push("bids", small[k % len(small)])
+        t = time.perf_counter()
+        p.step()
+        lat.append(time.perf_counter() - t)
+        k += 1
+    stop.set()
+    th.join()
+    p.close()
+    q = np.quantile(np.array(lat) * 1000, [0.5, 0.99, 1.0])
+    return {"steps": len(lat), "p50": q[0], "p99": q[1], "max": q[2], "checkpoints": len(ckpts),
+            "ckpt_s": statistics.median(ckpts) if ckpts else 0.0}
+
+
 def main() -> None:
     if "--open-child" in sys.argv:
         ap = argparse.ArgumentParser()
@@ -186,10 +228,21 @@ def main() -> None:
     ap.add_argument("--memory-limit", default=None)
     ap.add_argument("--recovery-rows", type=int, default=0)
     ap.add_argument("--recovery-only", action="store_true")
+    ap.add_argument("--latency-rows", type=int, default=0)
+    ap.add_argument("--latency-only", action="store_true")
     a = ap.parse_args()
     server = S3Server()
     local = tempfile.mkdtemp(prefix="bench-remote-")
     try:
+        if a.latency_rows:
+            for name, where in (("local", os.path.join(local, "lat")), ("s3", server.uri(server.bucket(), "lat"))):
+                r = step_latency(where, a.latency_rows, 20.0, 1.0)
+                print(f"step latency, {a.latency_rows:,}-row state, 1,000-row steps for 20 s, checkpoint() every 1 s "
+                      f"from another thread, {name}: {r['steps']} steps, p50 {r['p50']:.1f} ms, p99 {r['p99']:.1f} ms, "
+                      f"max {r['max']:.1f} ms; {r['checkpoints']} checkpoints of median {r['ckpt_s']:.2f} s")
+            shutil.rmtree(os.path.join(local, "lat"), ignore_errors=True)
+        if a.latency_only:
+            return
         if a.recovery_rows:
             recovery(server, a.recovery_rows)
         if a.recovery_only:

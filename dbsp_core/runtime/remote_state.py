@@ -21,6 +21,16 @@ Invariants (enforced here):
   4. Restore's memory does not grow with an object's size: every object is streamed into a local file in bounded
      reads (Remote.get_file), a delta is checked (its CRC) from that file in bounded reads before any record is
      applied, then applied one record at a time; only one record's value is in memory at once.
+  5. The upload runs off the step path: the driver calls :meth:`RemoteCheckpoints.capture` while the local
+     checkpoint is committed (the records, the batch files its state names and the logs' position as they are at
+     its step), then steps go on while :meth:`RemoteCheckpoints.send` uploads on the checkpoint thread. At most one
+     upload is in flight: the driver's next checkpoint starts only after it (an explicit one waits, the timer's is
+     skipped and its change goes up with the next), so the databases, their journals and the batch files the
+     upload reads do not change under it (the embedded executor writes its databases only when a checkpoint
+     commits; a live rescale waits for the upload too; the batch store keeps the files a checkpoint names until
+     the next one commits, trace/spill.py invariant 13). The local logs may be truncated at the local commit:
+     recovery reads the store's log segments, which retention keeps for both live manifests (the last uploaded one
+     and the one before), never the local logs. A failed upload breaks the pipeline (StoreUnavailableError).
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import struct
 import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from dbsp_core import _storage
 from dbsp_core.codec import check_framed_file, frame_head
@@ -258,28 +268,14 @@ class RemoteCheckpoints:
 
     def upload(self, step: int, referenced: set[str]) -> dict:
         """Upload the checkpoint at ``step`` that just committed locally; ``referenced`` names the batch files its
-        state names. Returns what it uploaded (also :attr:`last`)."""
-        t0 = time.perf_counter()
-        r, root = self.remote, self.root
-        put0 = r.stats["put_bytes"]
-        v = self.version + 1
-        prev = self.manifest or {}
-        last = {"version": v, "step": step, "delta_bytes": 0, "base_bytes": 0, "spill_bytes": 0, "log_bytes": 0,
-                "changed_bytes": 0, "deltas": 0, "bases": 0, "spill_files": 0}
-        dbs: dict[str, dict] = {}
-        for rel in self._databases():
-            dbs[rel] = self._upload_db(rel, prev.get("databases", {}).get(rel), v, last)
-        files: dict[str, dict] = {}
-        old_files = prev.get("files", {})
-        for name in sorted(referenced):
-            if name in old_files:
-                files[name] = old_files[name]
-                continue
-            n = r.put_file(spill_name(name), os.path.join(root, SPILL_DIR, name))
-            files[name] = {"object": spill_name(name), "bytes": n}
-            last["spill_bytes"] += n
-            last["changed_bytes"] += n
-            last["spill_files"] += 1
+        state names. Returns what it uploaded (also :attr:`last`). :meth:`capture` then :meth:`send`."""
+        return self.send(self.capture(step, referenced))
+
+    def capture(self, step: int, referenced: set[str]) -> dict:
+        """What the checkpoint at ``step`` (just committed locally) needs from the local directory at its commit,
+        taken before steps go on (invariant 5): the small records, the batch files its state names, the logs
+        part's position (its output steps below ``step`` made durable). Quick: no state object is read."""
+        root = self.root
         records = {}
         for name in RECORDS:
             p = os.path.join(root, name)
@@ -292,14 +288,44 @@ class RemoteCheckpoints:
             if os.path.isfile(p) and not name.startswith(".") and name != "LOCK" and not name.endswith(".tmp"):
                 with open(p, "rb") as f:
                     records[f"{CONSUMERS_DIR}/{name}"] = record_blob(f.read())
-        b0 = r.stats["put_bytes"]
+        b0 = self.remote.stats["put_bytes"]
         logs = self.log_part.covered(step)
-        last["log_bytes"] = r.stats["put_bytes"] - b0
-        m = {"version": v, "step": step, "records": records, "databases": dbs, "files": files, "logs": logs}
+        return {"step": step, "referenced": set(referenced), "records": records, "logs": logs,
+                "log_bytes": self.remote.stats["put_bytes"] - b0, "t0": time.perf_counter()}
+
+    def send(self, captured: dict, before_commit: Callable[[], None] | None = None) -> dict:
+        """Upload a :meth:`capture`d checkpoint: what changed, then the manifest (the commit point), then retention
+        (invariant 3). May run on its own thread while steps go on (invariant 5); ``before_commit`` runs just
+        before the manifest is written (a crash point of the tests)."""
+        r, root = self.remote, self.root
+        step = captured["step"]
+        put0 = r.stats["put_bytes"]
+        v = self.version + 1
+        prev = self.manifest or {}
+        last = {"version": v, "step": step, "delta_bytes": 0, "base_bytes": 0, "spill_bytes": 0,
+                "log_bytes": captured["log_bytes"], "changed_bytes": 0, "deltas": 0, "bases": 0, "spill_files": 0}
+        dbs: dict[str, dict] = {}
+        for rel in self._databases():
+            dbs[rel] = self._upload_db(rel, prev.get("databases", {}).get(rel), v, last)
+        files: dict[str, dict] = {}
+        old_files = prev.get("files", {})
+        for name in sorted(captured["referenced"]):
+            if name in old_files:
+                files[name] = old_files[name]
+                continue
+            n = r.put_file(spill_name(name), os.path.join(root, SPILL_DIR, name))
+            files[name] = {"object": spill_name(name), "bytes": n}
+            last["spill_bytes"] += n
+            last["changed_bytes"] += n
+            last["spill_files"] += 1
+        m = {"version": v, "step": step, "records": captured["records"], "databases": dbs, "files": files,
+             "logs": captured["logs"]}
+        if before_commit is not None:
+            before_commit()
         r.write_manifest(m)  # the commit point (storage.remote invariant 2)
         self.previous, self.manifest, self.version = self.manifest, m, v
-        last["uploaded_bytes"] = r.stats["put_bytes"] - put0
-        last["upload_s"] = time.perf_counter() - t0
+        last["uploaded_bytes"] = r.stats["put_bytes"] - put0 + captured["log_bytes"]
+        last["upload_s"] = time.perf_counter() - captured["t0"]
         last["deleted"] = self._retain()
         self.last = last
         self.totals["checkpoints"] += 1

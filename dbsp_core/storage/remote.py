@@ -66,6 +66,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol, TypeVar
 
 import pyarrow as pa
@@ -80,13 +81,62 @@ from dbsp_core.storage.formats import (REMOTE_BASE_SUFFIX, REMOTE_DELTA_SUFFIX, 
 from dbsp_core.storage.location import Location, resolve
 from dbsp_core.storage.retry import DEFAULT_POLICY
 
-__all__ = ["Remote", "LogPart", "manifest_name", "delta_name", "is_remote", "version_of"]
+__all__ = ["Remote", "LogPart", "StoreOptions", "manifest_name", "delta_name", "is_remote", "version_of"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 GET_CHUNK = 8 << 20  # the largest read of one downloaded object (Remote.get_file): what a download holds in memory
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """How a pipeline talks to its object store (``Pipeline(..., store_options=StoreOptions(...))``).
+
+    Parameters
+    ----------
+    attempts : int
+        Calls one store operation (a PUT, GET, LIST or DELETE) may take before the pipeline stops with
+        ``StoreUnavailableError`` (default 6; >= 1). Only transient failures are retried (storage/retry.py).
+    first_delay_s, max_delay_s : float
+        The wait before the first retry, doubling up to ``max_delay_s`` (defaults 0.05 and 2.0 s), each with up to
+        50% random jitter: with the defaults a store that stays down stops the pipeline after about 2 to 3 s.
+    group_commit_s : float
+        How long the first push waiting for the input log's next segment object waits for others to share its PUT
+        (default 0.002 s; 0 to 1). Pushes arriving while a PUT is in flight share the next one anyway; a longer
+        window means fewer, larger PUTs and a longer acknowledgement (storage/logstore.py invariant 3).
+
+    >>> StoreOptions(attempts=3, group_commit_s=0.01).policy().attempts
+    3
+    >>> StoreOptions(attempts=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: StoreOptions: attempts must be an int >= 1, got 0
+    """
+
+    attempts: int = DEFAULT_POLICY.attempts
+    first_delay_s: float = DEFAULT_POLICY.first_delay_s
+    max_delay_s: float = DEFAULT_POLICY.max_delay_s
+    group_commit_s: float = 0.002
+
+    def __post_init__(self) -> None:
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ValueError(f"StoreOptions: attempts must be an int >= 1, got {self.attempts!r}")
+        for name in ("first_delay_s", "max_delay_s", "group_commit_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise ValueError(f"StoreOptions: {name} must be a number of seconds >= 0, got {v!r}")
+        if self.first_delay_s > self.max_delay_s:
+            raise ValueError(f"StoreOptions: first_delay_s ({self.first_delay_s!r}) must not exceed max_delay_s "
+                             f"({self.max_delay_s!r})")
+        if self.group_commit_s > 1:
+            raise ValueError(f"StoreOptions: group_commit_s is a window in seconds up to 1 (every push waits for "
+                             f"it), got {self.group_commit_s!r}")
+
+    def policy(self) -> retry.RetryPolicy:
+        """The retry policy of every store call."""
+        return retry.RetryPolicy(self.attempts, float(self.first_delay_s), float(self.max_delay_s))
 
 
 def is_remote(where: Any) -> bool:

@@ -17,7 +17,7 @@ import pytest
 
 import dbsp_core as dbsp
 from dbsp_core.errors import CorruptionError, DbspError, StoreUnavailableError
-from dbsp_core.storage import remote, retry
+from dbsp_core.storage import retry
 from dbsp_core.storage.location import resolve
 from dbsp_core.storage.logstore import LogStore, decode_segment, parse_segment_name
 from dbsp_core.storage.outputlog import OutputLog
@@ -165,17 +165,14 @@ def test_a_damaged_segment_is_refused(where, tmp_path):
         store.restore("input", tmp_path / "2")
 
 
-@pytest.fixture()
-def fast_retries(monkeypatch):
-    """Store calls of a pipeline retried 4 times within milliseconds (the default waits up to seconds)."""
-    monkeypatch.setattr(remote, "DEFAULT_POLICY", FAST)
-
-
-def test_a_store_that_stays_down_stops_acknowledging(s3_server, tmp_path, fast_retries):
+def test_a_store_that_stays_down_stops_acknowledging(s3_server, tmp_path):
     bucket = s3_server.bucket()
     faults = StoreFaults(s3_server.filesystem())
     store = pafs.SubTreeFileSystem(f"{bucket}/pipe", faults.fs)
-    p = dbsp.Pipeline(_circuit(), storage=store, cache_dir=str(tmp_path / "c1"), checkpoint_interval=None)
+    # store calls retried 4 times within milliseconds (the default waits up to seconds)
+    fast = dbsp.StoreOptions(attempts=4, first_delay_s=0.001, max_delay_s=0.005)
+    p = dbsp.Pipeline(_circuit(), storage=store, cache_dir=str(tmp_path / "c1"), checkpoint_interval=None,
+                      store_options=fast)
     assert p.push("t", {"k": [1], "v": [10]}, producer="p", seq=0).duplicate is False
     faults.down()
     with pytest.raises(StoreUnavailableError, match=r"failed 4 times"):
