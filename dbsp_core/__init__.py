@@ -20,6 +20,7 @@ from dbsp_core.errors import (
     SchemaError,
     StepError,
     StorageError,
+    StoreFencedError,
     StoreUnavailableError,
     WeightOverflowError,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "SqlError",  # dbsp_core.sql.errors, imported on first use (below)
     "StepError",
     "StorageError",
+    "StoreFencedError",
     "StoreUnavailableError",
     "WeightOverflowError",
 ]

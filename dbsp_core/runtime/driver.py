@@ -438,11 +438,15 @@ class Pipeline:
             t_restore = time.perf_counter()
             with progress(f"restore from {self.storage_uri}"):
                 self._remote_logs = RemoteLogs(self._remote, group_commit_s=self._store_options.group_commit_s)
+                if open_only and not self._remote.manifest_versions():
+                    raise RecoveryError(f"Pipeline.open: {self.storage_uri} holds no pipeline (no manifest)")
+                lease = self._remote.take_lease()  # before the manifest is read (storage.remote invariant 6)
                 manifest = restore(self._remote, root, self._remote_logs)
             self.stats["restore_s"] = time.perf_counter() - t_restore  # the download into the empty cache
             if manifest is None and open_only:
                 raise RecoveryError(f"Pipeline.open: {self.storage_uri} holds no pipeline (no manifest)")
-            self._remote_state = RemoteCheckpoints(self._remote, root, manifest, self._remote_logs)
+            # with a restored manifest, commits this writer's claim before the logs are opened
+            self._remote_state = RemoteCheckpoints(self._remote, root, manifest, self._remote_logs, lease)
             new_remote = manifest is None
         self._start_spilling()  # after the lock: the store clears the spill directory of an earlier process
         opened = open_directory(root, self.executor, self.circuit, self.fingerprint, self._inputs, self._out_schemas,
@@ -1015,8 +1019,9 @@ class Pipeline:
         self._check_usable()
         if self.storage is None:
             raise DbspError("checkpoint: an in-memory pipeline keeps nothing on disk; give storage=<dir>")
-        if wait:
-            self._await_upload()  # one upload in flight at most: wait for it without holding up steps
+        if wait and self._remote_state is not None:
+            self._await_upload(self._ckpt_thread)  # one upload in flight at most: wait without holding up steps
+            self._check_usable()
         with self._step_lock:
             self._wait_layout_idle()  # invariant 8: decided and taken under the step lock, never between
             self._check_usable()
@@ -1024,17 +1029,15 @@ class Pipeline:
             t = self._ckpt_thread
         if wait and t is not None:  # an object store: the upload runs while steps go on; durable when we return
             self._await_upload(t)
+            if self._broken is not None:
+                raise self._broken  # the upload's own error (StoreUnavailableError, StoreFencedError), as raised
         return step
 
-    def _await_upload(self, t: threading.Thread | None = None) -> None:
-        """Wait, without the step lock, for the checkpoint thread ``t`` (default: the one in flight); raises what broke
-        the pipeline, the upload's own error (StoreUnavailableError, ...) as it was raised."""
-        t = t if t is not None else self._ckpt_thread
-        if t is None:
-            return
-        t.join()
-        if self._broken is not None:
-            raise self._broken
+    @staticmethod
+    def _await_upload(t: threading.Thread | None) -> None:
+        """Wait, without the step lock, for the checkpoint thread ``t`` (remote_state invariant 5)."""
+        if t is not None:
+            t.join()
 
     def _wait_layout_idle(self) -> None:
         """Invariant 8: with the step lock held, wait (releasing it meanwhile) until no live rescale runs."""

@@ -248,15 +248,29 @@ class RemoteCheckpoints:
     """The object-store side of a durable pipeline: made after :func:`restore` (with the manifest it restored and
     the logs part, storage.remote_log), it journals the cache's databases (invariant 2) and uploads each checkpoint (invariant 3)."""
 
-    def __init__(self, remote: Remote, root: str, manifest: dict | None, log_part: LogPart) -> None:
+    def __init__(self, remote: Remote, root: str, manifest: dict | None, log_part: LogPart,
+                 lease: dict | None = None) -> None:
+        """``lease``: the writer's lease (Remote.take_lease), taken before :func:`restore` read the manifest (taken
+        here when None); with a restored ``manifest`` a claim manifest is committed at once (storage.remote
+        invariant 6), so call this before the logs are opened."""
         self.remote, self.root, self.manifest = remote, root, manifest
         self.log_part = log_part
+        self.lease = lease if lease is not None else remote.take_lease()
         listed = remote.manifest_versions()  # a damaged newer manifest restore skipped: never written over
-        self.version = max([0 if manifest is None else manifest["version"]] + listed)
+        # one version skipped: an older writer's manifest landing late has at most the version after the newest
+        # listed one (storage.remote invariant 6)
+        self.version = max([0 if manifest is None else manifest["version"]] + listed) + 1
         self.chain_limit = CHAIN_LIMIT
         self.previous: dict | None = None  # the manifest before self.manifest, kept until the next commit
         self.last: dict[str, Any] = {}  # what the last upload did (bytes by kind, seconds): Pipeline.stats["remote"]
         self.totals = {"checkpoints": 0, "bytes": 0, "objects_deleted": 0}
+        if manifest is not None:  # the claim: the restored checkpoint under this writer's first version
+            claim = dict(manifest, version=self.version + 1, writer=self.lease["generation"])
+            claim.pop("written_ns", None)
+            claim.pop("format", None)
+            self.remote.check_lease(self.lease, f"claim manifest {claim['version']}")
+            remote.write_manifest(claim)
+            self.previous, self.manifest, self.version = manifest, claim, claim["version"]
         journal_under(root, os.path.join(root, JOURNAL_DIR))
 
     def close(self) -> None:
@@ -319,7 +333,8 @@ class RemoteCheckpoints:
             last["changed_bytes"] += n
             last["spill_files"] += 1
         m = {"version": v, "step": step, "records": captured["records"], "databases": dbs, "files": files,
-             "logs": captured["logs"]}
+             "logs": captured["logs"], "writer": self.lease["generation"]}
+        r.check_lease(self.lease, f"commit manifest {v}")  # a newer writer fences this one (storage.remote inv. 6)
         if before_commit is not None:
             before_commit()
         r.write_manifest(m)  # the commit point (storage.remote invariant 2)
@@ -373,15 +388,22 @@ class RemoteCheckpoints:
         finally:
             os.remove(sealed)
 
+    def _newer(self, name: str) -> bool:
+        """Whether state object ``name`` carries a version above this writer's newest (a newer writer's upload)."""
+        base = name.rsplit("/", 1)[-1].split(".", 1)[0]
+        v = version_of(base)
+        return v is not None and v > self.version
+
     def _retain(self) -> int:
         """Delete what neither live manifest names (storage.remote invariant 3); returns how many objects."""
         r = self.remote
+        r.check_lease(self.lease, "delete objects no live manifest names")
         live = [m for m in (self.previous, self.manifest) if m is not None]
         keep = r.live_names(live)
         n = 0
         for prefix in (REMOTE_STATE_DIR, REMOTE_SPILL_DIR):
             for name in r.list(prefix):
-                if name not in keep:
+                if name not in keep and not self._newer(name):
                     r.delete(name)
                     n += 1
         oldest = live[0]["version"]

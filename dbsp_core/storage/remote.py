@@ -12,6 +12,7 @@ Layout of one pipeline under its prefix (``REMOTE_*`` in dbsp_core.storage.forma
       spill/<name>.batch                   a batch file a checkpoint names (trace/batchfile.py), uploaded as is
       log/input/...                        the input log's segment objects (the logs part: see below)
       log/output/...                       the output log's segment objects (the logs part)
+      writer/<20-digit generation>         one lease per writer that opened the prefix (DRWL, JSON; invariant 6)
 
 ``<db>`` is a database's path in the local directory with ``/`` kept (``driver.db``, ``state/worker-0.db``).
 
@@ -40,9 +41,20 @@ Invariants (enforced here and by the checkpoint upload in dbsp_core.runtime.remo
      when a checkpoint commits), and retention drops the old chain.
   5. Credentials never appear in what is logged, raised or written: messages name the store by
      :attr:`Location.shown`, and manifests hold object names relative to the prefix only.
-  6. One pipeline process writes a prefix at a time (the store has no lock; the local directory's lock covers
-     the cache only): running two writers on one prefix is the operator's error, and the manifest versions
-     they race for are not protected against it.
+  6. One writer per prefix, the newest: a pipeline that opens a prefix to write takes the next writer generation
+     G (one above the highest lease object under ``writer/``) by writing the lease ``writer/<20-digit G>`` (its
+     host, process, a random token) before it reads the newest manifest, and before each manifest commit (and
+     each retention pass) checks that no higher generation exists and that ``writer/G`` still holds its token;
+     otherwise it stops with StoreFencedError and writes nothing more. A store has no lock and a dead writer
+     looks like a live one, so the newer writer wins (a restarted process must not wait out a lease) and the
+     older one is refused at its next commit. The older one may have passed its check just before the newer
+     lease landed: at most that one manifest lands late, under a version at most one above what the newer writer
+     listed, so the newer writer skips that version and commits a claim manifest (a copy of the one it restored,
+     naming the same objects) at once, before its logs are opened: a late manifest of the older writer is never
+     the newest. Left open: pushes the older writer acknowledges between the newer writer's open and its own
+     next checkpoint go into log segments the newer writer's chain supersedes (one writer per prefix stays the
+     operator's rule; fencing bounds what a second one can break to that window), and two writers opening in
+     the same instant may take the same generation (the token check fences one of them at its first commit).
 
 What the logs part provides (dbsp_core.storage.remote_log, plugged in as a :class:`LogPart`): the
 input and output logs as segment objects under ``log/`` with group commit, and
@@ -64,8 +76,10 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, TypeVar
 
@@ -73,11 +87,12 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from dbsp_core.codec import decode_json, encode_json
-from dbsp_core.errors import CorruptionError, DbspError, FormatVersionError, StorageError, StoreUnavailableError
+from dbsp_core.errors import (CorruptionError, DbspError, FormatVersionError, StorageError, StoreFencedError,
+                              StoreUnavailableError)
 from dbsp_core.storage import retry
 from dbsp_core.storage.formats import (REMOTE_BASE_SUFFIX, REMOTE_DELTA_SUFFIX, REMOTE_LOG_DIR,
                                        REMOTE_MANIFEST_DIR, REMOTE_MANIFEST_FORMAT, REMOTE_MANIFEST_MAGIC,
-                                       REMOTE_SPILL_DIR, REMOTE_STATE_DIR)
+                                       REMOTE_SPILL_DIR, REMOTE_STATE_DIR, REMOTE_WRITER_DIR, REMOTE_WRITER_MAGIC)
 from dbsp_core.storage.location import Location, resolve
 from dbsp_core.storage.retry import DEFAULT_POLICY
 
@@ -344,6 +359,52 @@ class Remote:
         self.put(manifest_name(v), encode_json(REMOTE_MANIFEST_MAGIC, body))
         return v
 
+    # ---- the writer's lease (invariant 6) ----
+
+    def writer_generations(self) -> list[int]:
+        """The generations of the lease objects under ``writer/``, ascending."""
+        names = self.list(REMOTE_WRITER_DIR)
+        return sorted(v for v in (version_of(n.rsplit("/", 1)[-1]) for n in names) if v is not None)
+
+    def take_lease(self) -> dict:
+        """Write the lease of the next writer generation (invariant 6); returns it (``generation``, ``token``,
+        ``host``, ``pid``, ``started_ns``)."""
+        gens = self.writer_generations()
+        lease = {"generation": (gens[-1] if gens else 0) + 1, "token": uuid.uuid4().hex,
+                 "host": socket.gethostname(), "pid": os.getpid(), "started_ns": time.time_ns()}
+        self.put(_lease_name(lease["generation"]), encode_json(REMOTE_WRITER_MAGIC, lease))
+        return lease
+
+    def check_lease(self, lease: dict, what: str) -> None:
+        """Raise StoreFencedError unless ``lease`` is still the newest writer's (invariant 6); ``what`` says what
+        was about to happen (e.g. "commit manifest 7")."""
+        gens = self.writer_generations()
+        g = lease["generation"]
+        newer = [v for v in gens if v > g]
+        other = None
+        if newer:
+            other = self._lease_or_none(newer[-1])
+        else:
+            mine = self._lease_or_none(g)
+            if mine is None or mine.get("token") != lease["token"]:
+                other = mine or {"generation": g}
+        if other is None:
+            return
+        who = (f"generation {other.get('generation')} (host {other.get('host', '?')}, pid {other.get('pid', '?')})"
+               if other else "another writer")
+        raise StoreFencedError(
+            f"{self.shown}: {who} opened this prefix after this pipeline (writer generation {g}): this pipeline "
+            f"stops before it would {what}, so it cannot write over the newer writer's checkpoints. Run one "
+            f"pipeline per prefix; the newer one continues from the store")
+
+    def _lease_or_none(self, generation: int) -> dict | None:
+        name = _lease_name(generation)
+        try:
+            got = decode_json(REMOTE_WRITER_MAGIC, self.get(name), f"{self.shown}/{name}")
+        except (FileNotFoundError, CorruptionError):
+            return None
+        return got if isinstance(got, dict) else None
+
     def live_names(self, manifests: list[dict]) -> set[str]:
         """Every object under ``db/`` and ``spill/`` that one of ``manifests`` names."""
         out: set[str] = set()
@@ -352,6 +413,10 @@ class Remote:
                 out.update(link["object"] for link in d["chain"])
             out.update(f["object"] for f in m.get("files", {}).values())
         return out
+
+
+def _lease_name(generation: int) -> str:
+    return f"{REMOTE_WRITER_DIR}/{generation:020d}"
 
 
 def record_blob(data: bytes) -> str:

@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 import pytest
 
 import dbsp_core as dbsp
-from dbsp_core.errors import DbspError, RecoveryError
+from dbsp_core.errors import CorruptionError, DbspError, RecoveryError
 from dbsp_core.storage.formats import REMOTE_MANIFEST_DIR
 from dbsp_core.storage import remote as remote_mod
 from dbsp_core.runtime.remote_state import DOWNLOAD_THREADS, prepare_cache, restore
@@ -157,7 +157,10 @@ def test_newest_complete_manifest_wins_and_is_never_overwritten(s3_server, tmp_p
     r.put(manifest_name(newest), b"DRMF\x01torn")  # a damaged newest manifest: the previous one is in force
     p = dbsp.Pipeline.open(uri, c, checkpoint_interval=None)
     try:
-        assert p._remote_state.manifest["version"] == newest - 1
+        assert p._remote_state.previous["version"] == newest - 1  # restored: the damaged newest one skipped
+        claim = p._remote_state.manifest  # the new writer's claim (storage.remote invariant 6): one version skipped
+        assert claim["version"] == newest + 2 and claim["step"] == 3
+        assert claim["writer"] == p._remote_state.lease["generation"] == 2
         # recovery from the checkpoint at step 3 replays steps 3..5 from the input log's segments: nothing
         # acknowledged is lost
         assert p.steps == 6 and p.stats["replayed_steps"] == 3
@@ -166,10 +169,12 @@ def test_newest_complete_manifest_wins_and_is_never_overwritten(s3_server, tmp_p
             _add(acc, z)
         assert acc == _duckdb(pushes)
         p.checkpoint()
-        assert p._remote_state.manifest["version"] == newest + 1  # the damaged version is not written over
+        assert p._remote_state.manifest["version"] == newest + 3  # the damaged version is not written over
     finally:
         p.close(checkpoint=False)
-    assert r.read_manifest(newest + 1)["step"] == 6
+    assert r.read_manifest(newest + 3)["step"] == 6
+    with pytest.raises((CorruptionError, FileNotFoundError)):  # damaged, then retired: never a manifest again
+        r.read_manifest(newest)
 
 
 def test_long_chain_is_compacted_into_the_page_file(s3_server):

@@ -188,3 +188,62 @@ def test_store_options_are_validated_and_reach_every_store_call(faulty, tmp_path
     finally:
         f.down(False)
         p.close(checkpoint=False)
+
+
+def test_a_newer_writer_fences_the_older_one(faulty, tmp_path):
+    """Two live pipelines on one prefix (storage.remote invariant 6): the one that opened later wins; the older one
+    is refused at its next commit with StoreFencedError, and a manifest it had already sent lands under a version
+    the newer one's claim outranks."""
+    f, store, uri = faulty
+    rng = random.Random(SEED + 3)
+    model: dict = {}
+    c = _circuit()
+    p1 = dbsp.Pipeline(c, workers=2, storage=store, cache_dir=str(tmp_path / "c1"), checkpoint_interval=None)
+    p2 = None
+    try:
+        for i in range(3):
+            _push(p1, rng, i, model)
+            p1.step()
+        p1.checkpoint()
+        _push(p1, rng, 3, model)
+        p1.step()
+        f.hold("/manifest/")  # p1's next manifest passed its lease check and is in flight ...
+        ck, ck_out = _in_thread(p1.checkpoint)
+        assert f.holding.wait(30)
+        # ... when a second pipeline opens the prefix (a restart on another machine while the first still runs)
+        p2 = dbsp.Pipeline.open(uri, c, cache_dir=str(tmp_path / "c2"), checkpoint_interval=None)
+        claim = p2._remote_state.manifest
+        f.release()  # p1's manifest lands late, then its retention finds the newer lease
+        ck.join(30)
+        assert len(ck_out) == 1 and isinstance(ck_out[0], dbsp.StoreFencedError), ck_out
+        msg = str(ck_out[0])
+        assert "generation 2" in msg and f"pid {os.getpid()}" in msg and "generation 1" in msg, msg
+        r = Remote.of(uri, "/nonexistent")
+        late = r.read_manifest(claim["version"] - 1)
+        assert late["writer"] == 1 and late["step"] == 4  # p1's: it landed, under the version p2 skipped
+        assert r.newest_manifest()["version"] == claim["version"] and claim["writer"] == 2
+        with pytest.raises(DbspError, match="broken"):  # p1 is done: nothing more is acknowledged or committed
+            p1.push("t", pa.table({"k": [1], "v": [1]}, schema=SCHEMA))
+        # p2 goes on; a third writer fences p2 at its next commit, before anything is uploaded over the third's
+        _push(p2, rng, 4, model)
+        p2.step()
+        p2.checkpoint()
+        assert r.newest_manifest()["writer"] == 2
+        p3 = dbsp.Pipeline.open(uri, c, cache_dir=str(tmp_path / "c3"), checkpoint_interval=None)
+        try:
+            with pytest.raises(dbsp.StoreFencedError, match="generation 3"):
+                p2.checkpoint()
+            assert r.newest_manifest()["writer"] == 3
+            assert p3.steps == 5 and _integral(p3) == model
+        finally:
+            p3.close()
+    finally:
+        f.release()
+        p1.close(checkpoint=False)
+        if p2 is not None:
+            p2.close(checkpoint=False)
+    q = dbsp.Pipeline.open(uri, c, checkpoint_interval=None)  # the newest writer's history, whole
+    try:
+        assert q.steps == 5 and _integral(q) == model
+    finally:
+        q.close()
