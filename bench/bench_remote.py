@@ -15,7 +15,8 @@ latency and bandwidth, so the ratio here is the floor of what S3 costs.
 on the local S3 server and on a local directory and checkpointed, then each is opened by a new process (an empty
 cache for the store): a driver recovery at 2 workers and a cold rescale to 3. Each open prints its time (and the
 part spent restoring the cache from the store), its peak RSS above the process's RSS before the open (VmHWM reset
-through /proc/self/clear_refs) and the bytes it downloaded (state objects, log segments).
+through /proc/self/clear_refs) and the bytes it downloaded (state objects, log segments); the restore of the state
+objects alone is measured too (``--baseline-tree DIR``: also with the dbsp_core of another built checkout).
 """
 
 from __future__ import annotations
@@ -121,11 +122,37 @@ def open_child(storage: str, workers: int, cache: str | None) -> None:
     print(json.dumps(out), flush=True)
 
 
-def _open_in_child(storage: str, workers: int, cache: str | None) -> dict:
+def restore_child(storage: str, cache: str) -> None:
+    """In a new process: only the restore of the state objects into the empty ``cache`` (no logs, no state load);
+    prints one JSON line with its time and peak RSS above the RSS before it."""
+    from dbsp_core.runtime.remote_state import prepare_cache, restore
+    from dbsp_core.storage.remote import Remote
+    from dbsp_core.storage.remote_log import RemoteLogs
+
+    base = _status("VmRSS")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    prepare_cache(cache)
+    r = Remote.of(storage, cache)
+    t = time.perf_counter()
+    restore(r, cache, RemoteLogs(r))
+    print(json.dumps({"restore_s": time.perf_counter() - t, "peak_rss": _status("VmHWM") - base,
+                      "get_bytes": r.stats["get_bytes"], "largest": max(r.list("db").values())}), flush=True)
+
+
+def _open_in_child(storage: str, workers: int, cache: str | None, restore_only: bool = False,
+                   tree: str | None = None) -> dict:
+    """``open_child`` (or ``restore_child``) in a new process; ``tree``: the checkout whose dbsp_core it imports."""
     cmd = [sys.executable, os.path.abspath(__file__), "--open-child", storage, "--workers", str(workers)]
     if cache:
         cmd += ["--cache", cache]
-    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if restore_only:
+        cmd += ["--restore-only"]
+    env = dict(os.environ, PYTHONPATH=tree) if tree else None
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if r.returncode:
         raise RuntimeError(f"open child failed: {r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -143,7 +170,7 @@ def build(storage: str, rows: int) -> float:
     return time.perf_counter() - t
 
 
-def recovery(server: "S3Server", rows: int) -> None:
+def recovery(server: "S3Server", rows: int, baseline: str | None = None) -> None:
     """Driver recovery and cold rescale of an N-row state from the store and from a local directory."""
     MB = 1 << 20
     local = tempfile.mkdtemp(prefix="bench-remote-rec-")
@@ -153,6 +180,15 @@ def recovery(server: "S3Server", rows: int) -> None:
         b_s3 = build(uri, rows)
         print(f"recovery of a {rows:,}-row state built at 2 workers (build + checkpoint: local {b_local:.1f} s, "
               f"s3 {b_s3:.1f} s), load {os.getloadavg()[0]:.2f}")
+        for tree, label in ((None, "this checkout"),) + (((baseline, f"baseline {baseline}"),) if baseline else ()):
+            cache = tempfile.mkdtemp(prefix="bench-remote-cache-")
+            try:
+                ro = _open_in_child(uri, 2, os.path.join(cache, "c"), restore_only=True, tree=tree)
+            finally:
+                shutil.rmtree(cache, ignore_errors=True)
+            print(f"restore of the state objects alone ({label}): {ro['restore_s']:.2f} s, peak RSS "
+                  f"+{ro['peak_rss'] / MB:.0f} MiB, {ro['get_bytes'] / MB:.1f} MiB downloaded, largest object "
+                  f"{ro['largest'] / MB:.1f} MiB")
         for workers, what in ((2, "driver recovery"), (3, "cold rescale 2 -> 3")):
             cache = tempfile.mkdtemp(prefix="bench-remote-cache-")
             try:
@@ -218,8 +254,12 @@ def main() -> None:
         ap.add_argument("--open-child", required=True)
         ap.add_argument("--workers", type=int, required=True)
         ap.add_argument("--cache", default=None)
+        ap.add_argument("--restore-only", action="store_true")
         a = ap.parse_args()
-        open_child(a.open_child, a.workers, a.cache)
+        if a.restore_only:
+            restore_child(a.open_child, a.cache)
+        else:
+            open_child(a.open_child, a.workers, a.cache)
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=1_000_000)
@@ -228,6 +268,8 @@ def main() -> None:
     ap.add_argument("--memory-limit", default=None)
     ap.add_argument("--recovery-rows", type=int, default=0)
     ap.add_argument("--recovery-only", action="store_true")
+    ap.add_argument("--baseline-tree", default=None,
+                    help="a checkout of another commit (built): its restore is measured beside this one's")
     ap.add_argument("--latency-rows", type=int, default=0)
     ap.add_argument("--latency-only", action="store_true")
     a = ap.parse_args()
@@ -244,7 +286,7 @@ def main() -> None:
         if a.latency_only:
             return
         if a.recovery_rows:
-            recovery(server, a.recovery_rows)
+            recovery(server, a.recovery_rows, a.baseline_tree)
         if a.recovery_only:
             return
         uri = server.uri(server.bucket(), "bench")

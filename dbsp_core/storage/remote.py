@@ -24,7 +24,8 @@ Invariants (enforced here and by the checkpoint upload in dbsp_core.runtime.remo
      newest manifest, after every object it names is durable. A manifest names everything recovery needs: the
      small records of the directory (META, LAYOUT, consumers, METRICS, PROFILE) inline, for each database the
      chain of delta objects (a base, then deltas) whose replay gives its content at the checkpoint, the batch
-     files its state names, and what the logs part records (``logs``). A checkpoint that crashes before its
+     files its state names, what the logs part records (``logs``) and the writer generation that committed it
+     (``writer``, invariant 6). A checkpoint that crashes before its
      manifest leaves objects no manifest names (deleted by the next retention pass) and the previous manifest
      in force.
   3. Readers take the newest complete manifest: the highest version whose object reads back with a valid

@@ -396,3 +396,19 @@ def test_restore_memory_does_not_grow_with_an_object(s3_server, tmp_path, monkey
 def want_s(out: dict, k: int) -> int:
     """The sum of group ``k`` in an output of "s" holding one row per group."""
     return next(row[2] for row in out if row[0] == k)
+
+
+def test_a_damaged_delta_object_fails_the_open_and_applies_nothing(s3_server, tmp_path):
+    """A delta object whose bytes were damaged in the store is refused whole (its CRC, checked from the downloaded
+    file before any record is applied): CorruptionError naming the object; the store is left as it was."""
+    uri = s3_server.uri(s3_server.bucket(), "pipe")
+    _run(uri, _pushes(SEED + 9, 4), reopen_at=99)
+    r = Remote.of(uri, "/nonexistent")
+    deltas = sorted(n for n in r.list("db") if n.endswith(".delta") and "worker-0" in n)
+    name = deltas[-1]
+    data = bytearray(r.get(name))
+    data[len(data) // 2] ^= 0x40
+    r.put(name, bytes(data))
+    with pytest.raises(CorruptionError, match=name.replace(".", r"\.")):
+        dbsp.Pipeline.open(uri, _circuit(), cache_dir=str(tmp_path / "c"), checkpoint_interval=None)
+    assert r.get(name) == bytes(data)
