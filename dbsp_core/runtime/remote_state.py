@@ -64,7 +64,7 @@ JOURNAL_DIR = ".dbsp-journal"  # in the cache: the databases' journals (storage.
 RESTORE_DIR = ".dbsp-restore"  # in the cache, while restore runs: the delta objects downloaded, applied, removed
 # objects downloaded at once by restore: the downloads wait on the store's latency (pyarrow's S3 client releases the
 # GIL), not on the two cores; 4 keep a real store's per-request latency (tens of ms) off the small objects' path
-# and cost 4 read buffers of 8 MiB (Remote.get_file), while the local S3 server here (one process, one core) is
+# and cost 4 read buffers of 1 MiB (Remote.GET_CHUNK), while the local S3 server here (one process, one core) is
 # saturated well before 4
 DOWNLOAD_THREADS = 4
 RECORDS = (META_FILE, LAYOUT_FILE, RESCALE_FILE, METRICS_FILE, PROFILE_FILE)

@@ -415,6 +415,8 @@ class LogStore:
                 for step, handle, producer, seq, payload in decode_segment(blob, seg, kind,
                                                                            self.location.shown + "/" + kind):
                     ticket = log.enqueue(step, handle, producer, seq, payload)
+                if ticket:  # written out segment by segment: enqueued records wait in memory until a write
+                    log.write(ticket)
             if ticket:
                 log.sync(ticket)
         finally:

@@ -21,7 +21,7 @@ Invariants (enforced here and by the checkpoint upload in dbsp_core.runtime.remo
      (versions only grow; batch file names carry a random token), and never rewritten. Object stores have no
      append and no rename, so nothing relies on either.
   2. A checkpoint commits when its manifest object lands: it is written last, under version N+1 when N is the
-     newest manifest, after every object it names is durable. A manifest names everything recovery needs: the
+     newest manifest (a new writer's claim skips one, invariant 6), after every object it names is durable. A manifest names everything recovery needs: the
      small records of the directory (META, LAYOUT, consumers, METRICS, PROFILE) inline, for each database the
      chain of delta objects (a base, then deltas) whose replay gives its content at the checkpoint, the batch
      files its state names, what the logs part records (``logs``) and the writer generation that committed it
@@ -103,7 +103,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-GET_CHUNK = 8 << 20  # the largest read of one downloaded object (Remote.get_file): what a download holds in memory
+GET_CHUNK = 1 << 20  # the largest read of one downloaded object (Remote.get_file): what a download holds in memory
 
 
 @dataclass(frozen=True)

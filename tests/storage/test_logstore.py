@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import subprocess
+import sys
 import threading
 from collections import Counter
 
@@ -316,3 +318,43 @@ def test_store_faults_lose_no_acknowledged_push(s3_server, tmp_path):
 @pytest.mark.slow
 def test_store_faults_lose_no_acknowledged_push_long(s3_server, tmp_path):
     _fault_run(s3_server, tmp_path, pushes=600)
+
+
+_RESTORE_PEAK = """
+import os, sys
+from dbsp_core.storage.location import resolve
+from dbsp_core.storage.logstore import LogStore
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(x.split()[1]) * 1024 for x in f if x.startswith(field + ":"))
+
+store, local = sys.argv[1], sys.argv[2]
+s = LogStore(resolve("file://" + store))
+base = status("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+s.restore("input", local).close()
+print(status("VmHWM") - base)
+"""
+
+
+def test_restore_memory_does_not_grow_with_the_log(tmp_path):
+    """Rebuilding a local log from its segment objects writes it out segment by segment: the process's peak RSS
+    during the rebuild of a 64 MiB log stays under half of it (it held the whole log before the last record)."""
+    store = LogStore(resolve("file://" + str(tmp_path / "store")), group_commit_s=0)
+    log = StepLog(str(tmp_path / "input"), ship=store.restore("input", str(tmp_path / "input")))
+    payload = os.urandom(1 << 20)
+    for i in range(64):
+        log.append(i, "t", payload)
+    log.close()
+    r = subprocess.run([sys.executable, "-c", _RESTORE_PEAK, str(tmp_path / "store"), str(tmp_path / "again")],
+                       capture_output=True, text=True, check=True)
+    peak = int(r.stdout.strip())
+    print(f"peak RSS rebuilding a 64 MiB log: +{peak >> 20} MiB")
+    assert peak < 32 << 20
+    again = StepLog(str(tmp_path / "again"))
+    try:
+        assert [(r.step, r.payload) for r in again.iter_from(0)] == [(i, payload) for i in range(64)]
+    finally:
+        again.close()
