@@ -65,6 +65,21 @@ def _in_thread(fn) -> tuple[threading.Thread, list]:
     return t, out
 
 
+def _checkpoint_held(p: dbsp.Pipeline, f: StoreFaults, rng: random.Random, model: dict):
+    """Steps 0-2 and a checkpoint, step 3, then a checkpoint on another thread whose manifest PUT ``f`` holds:
+    returns once that PUT waits (the thread and its result list)."""
+    for i in range(3):
+        _push(p, rng, i, model)
+        p.step()
+    p.checkpoint()
+    _push(p, rng, 3, model)
+    p.step()
+    f.hold("/manifest/")
+    ck, out = _in_thread(p.checkpoint)
+    assert f.holding.wait(30), "the checkpoint never reached its manifest"
+    return ck, out
+
+
 def test_steps_go_on_while_the_upload_waits_for_the_store(faulty):
     f, store, uri = faulty
     rng = random.Random(SEED)
@@ -134,15 +149,7 @@ def test_a_failed_upload_breaks_the_pipeline_and_loses_nothing_acknowledged(faul
     model: dict = {}
     p = dbsp.Pipeline(_circuit(), workers=2, storage=store, checkpoint_interval=None, store_options=FAST)
     try:
-        for i in range(3):
-            _push(p, rng, i, model)
-            p.step()
-        p.checkpoint()
-        _push(p, rng, 3, model)
-        p.step()
-        f.hold("/manifest/")
-        ck, ck_out = _in_thread(p.checkpoint)
-        assert f.holding.wait(30)
+        ck, ck_out = _checkpoint_held(p, f, rng, model)
         f.down()  # the store goes down with the manifest's PUT in flight
         f.release()
         ck.join(30)
@@ -201,15 +208,7 @@ def test_a_newer_writer_fences_the_older_one(faulty, tmp_path):
     p1 = dbsp.Pipeline(c, workers=2, storage=store, cache_dir=str(tmp_path / "c1"), checkpoint_interval=None)
     p2 = None
     try:
-        for i in range(3):
-            _push(p1, rng, i, model)
-            p1.step()
-        p1.checkpoint()
-        _push(p1, rng, 3, model)
-        p1.step()
-        f.hold("/manifest/")  # p1's next manifest passed its lease check and is in flight ...
-        ck, ck_out = _in_thread(p1.checkpoint)
-        assert f.holding.wait(30)
+        ck, ck_out = _checkpoint_held(p1, f, rng, model)  # p1's manifest passed its lease check, in flight ...
         # ... when a second pipeline opens the prefix (a restart on another machine while the first still runs)
         p2 = dbsp.Pipeline.open(uri, c, cache_dir=str(tmp_path / "c2"), checkpoint_interval=None)
         claim = p2._remote_state.manifest
