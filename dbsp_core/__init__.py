@@ -20,6 +20,7 @@ from dbsp_core.errors import (
     SchemaError,
     StepError,
     StorageError,
+    StoreFencedError,
     StoreUnavailableError,
     WeightOverflowError,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "SqlError",  # dbsp_core.sql.errors, imported on first use (below)
     "StepError",
     "StorageError",
+    "StoreFencedError",
     "StoreUnavailableError",
     "WeightOverflowError",
 ]
@@ -64,8 +66,9 @@ from dbsp_core.circuit import Circuit, Stream  # noqa: E402
 from dbsp_core.layout import Layout, ShardMap  # noqa: E402
 from dbsp_core.runtime import Pipeline  # noqa: E402
 from dbsp_core.runtime.autoscale import Autoscale  # noqa: E402
+from dbsp_core.storage.remote import StoreOptions  # noqa: E402
 
-__all__ += ["Circuit", "Stream", "Pipeline", "Autoscale", "count", "count_distinct", "sum", "min", "max", "avg", "ShardMap", "Layout"]
+__all__ += ["Circuit", "Stream", "Pipeline", "Autoscale", "StoreOptions", "count", "count_distinct", "sum", "min", "max", "avg", "ShardMap", "Layout"]
 
 # views over the step's logged wall-clock now
 from dbsp_core.operators.temporal import filter_now, within_last  # noqa: E402

@@ -55,23 +55,50 @@ def frame(magic: bytes, body: bytes) -> bytes:
     return frame_head(magic, body) + body
 
 
-def unframe_view(magic: bytes, blob: Any, where: str) -> memoryview:
-    """The body of a :func:`frame` blob (bytes or an Arrow buffer) as a view into it, not a copy; CorruptionError
-    or FormatVersionError naming ``where`` if it is bad."""
-    view = memoryview(blob)
-    if view.nbytes < _HEAD.size:
-        raise CorruptionError(f"{where}: {view.nbytes}-byte record is shorter than its header")
-    m, version, crc = _HEAD.unpack_from(view)
+def _head(magic: bytes, head: Any, where: str) -> tuple[Any, int]:
+    """(the checksum function, the checksum) a frame's header says; CorruptionError or FormatVersionError naming
+    ``where`` if it is bad."""
+    n = memoryview(head).nbytes
+    if n < _HEAD.size:
+        raise CorruptionError(f"{where}: {n}-byte record is shorter than its header")
+    m, version, crc = _HEAD.unpack_from(head)
     if m != magic:
         raise CorruptionError(f"{where}: bad magic {m!r}, expected {magic!r}")
     checksum = _CHECKSUMS.get(version)
     if checksum is None:
         raise FormatVersionError(f"{where}: format version {version}, this build reads {sorted(_CHECKSUMS)} (written "
                                  f"by another build, or that byte is damaged: `dbsp repair DIR` repairs what it can)")
+    return checksum, crc
+
+
+def unframe_view(magic: bytes, blob: Any, where: str) -> memoryview:
+    """The body of a :func:`frame` blob (bytes or an Arrow buffer) as a view into it, not a copy; CorruptionError
+    or FormatVersionError naming ``where`` if it is bad."""
+    view = memoryview(blob)
+    checksum, crc = _head(magic, view, where)
     body = view[_HEAD.size:]
     if checksum(body) != crc:
         raise CorruptionError(f"{where}: checksum mismatch")
     return body
+
+
+def check_framed_file(magic: bytes, f: Any, where: str, chunk: int = 256 << 10) -> int:
+    """Check a :func:`frame` blob held in the open binary file ``f`` (from its current position to its end) in
+    ``chunk``-sized reads, never whole in memory; returns the body's length and leaves ``f`` at the body's start.
+    CorruptionError or FormatVersionError naming ``where`` if it is bad (as :func:`unframe_view`)."""
+    start = f.tell()
+    checksum, crc = _head(magic, f.read(_HEAD.size), where)
+    got, n = 0, 0
+    while True:
+        b = f.read(chunk)
+        if not b:
+            break
+        got = checksum(b, got)
+        n += len(b)
+    if got != crc:
+        raise CorruptionError(f"{where}: checksum mismatch")
+    f.seek(start + _HEAD.size)
+    return n
 
 
 def unframe(magic: bytes, blob: bytes, where: str) -> bytes:

@@ -90,6 +90,13 @@ class StoreUnavailableError(StorageError):
     the pipeline with ``Pipeline.open``: nothing acknowledged is lost."""
 
 
+class StoreFencedError(StorageError):
+    """Another pipeline opened this pipeline's object-store prefix after this one (a newer writer generation,
+    dbsp_core.storage.remote invariant 6): this one stops without committing, so it cannot write over the newer
+    writer's checkpoints. The message names both generations and the newer writer's host and process. Run one
+    pipeline per prefix; the newer one continues from the store."""
+
+
 class InUseError(StorageError):
     """A file or directory is held by another open object (an OS lock): a second writer would lose data."""
 

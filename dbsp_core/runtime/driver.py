@@ -111,7 +111,7 @@ from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOC
                                        META_FILE, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR, PROFILE_FILE,
                                        PROFILE_MAGIC, SPILL_DIR, STATE_DIR)
 from dbsp_core.storage.outputlog import OutputLog
-from dbsp_core.storage.remote import Remote, is_remote
+from dbsp_core.storage.remote import Remote, StoreOptions, is_remote
 from dbsp_core.storage.remote_log import RemoteLogs
 from dbsp_core.storage.steplog import StepLog
 from dbsp_core.time.watermark import NO_WATERMARK, advance, specs_of
@@ -166,6 +166,13 @@ class Pipeline:
         With an object store: the local cache directory, empty or a cache an earlier pipeline left (it is
         emptied and rebuilt from the store on open, never trusted). None: a temporary directory, removed on
         :meth:`close`. ``p.storage`` is the cache directory; ``p.storage_uri`` names the store (no secrets).
+        A checkpoint commits locally, then uploads on its own thread while steps go on (one upload at a time:
+        :meth:`checkpoint` returns once its manifest is in the store; the timer skips a checkpoint while the
+        previous upload runs). One pipeline writes a prefix at a time: a newer writer fences an older one.
+    store_options : StoreOptions or None
+        With an object store: the retry policy of its calls (``attempts``, ``first_delay_s``, ``max_delay_s``)
+        and the input log's group-commit window (``group_commit_s``); see :class:`dbsp_core.StoreOptions`. None:
+        the defaults (6 attempts from 0.05 s doubling up to 2 s; a 2 ms window).
     executor : Executor or None
         What runs the steps: ``EmbeddedExecutor()`` (default: threads in this process) or a
         ``StagedExecutor(runner=...)`` (stage tasks on a job runner, e.g. Spark through spark_glue).
@@ -235,6 +242,7 @@ class Pipeline:
                  output_retention: int | None = None, output_sync: bool = True, segment_bytes: int = 64 << 20,
                  clock: Callable[[], int] | None = None, autoscale: Autoscale | None = None, vfs: str = "posix",
                  memory_limit: int | str | None = None, spill_dir: Any = None, cache_dir: Any = None,
+                 store_options: StoreOptions | None = None,
                  _rescale_to: int | None = None, _open_only: bool = False) -> None:
         if not isinstance(circuit, Circuit):
             raise TypeError(f"Pipeline needs a Circuit, got {type(circuit).__name__}")
@@ -267,6 +275,12 @@ class Pipeline:
         if cache_dir is not None and not remote:
             raise ValueError("cache_dir is the local cache of an object store: give storage='s3://...' (or another "
                              "store's URI) too")
+        if store_options is not None and not isinstance(store_options, StoreOptions):
+            raise TypeError(f"store_options must be a dbsp_core.StoreOptions or None, got "
+                            f"{type(store_options).__name__}")
+        if store_options is not None and not remote:
+            raise ValueError("store_options says how to talk to an object store: give storage='s3://...' (or another "
+                             "store's URI, or a pyarrow.fs.FileSystem) too")
         if storage is not None and not remote and not isinstance(storage, (str, os.PathLike)):
             raise TypeError(f"storage must be a directory, an object store's URI or a pyarrow.fs.FileSystem, got "
                             f"{type(storage).__name__}")
@@ -276,6 +290,7 @@ class Pipeline:
         self._remote: Remote | None = None
         self._remote_state: RemoteCheckpoints | None = None
         self._own_cache: str | None = None
+        self._store_options = store_options if store_options is not None else StoreOptions()
         self.storage_uri: str | None = None
         if remote:
             if self.executor.kind != "embedded":
@@ -284,6 +299,7 @@ class Pipeline:
             if cache_dir is None:
                 cache_dir = self._own_cache = tempfile.mkdtemp(prefix="dbsp-cache-")
             self._remote = Remote.of(storage, os.fspath(cache_dir))
+            self._remote.policy = self._store_options.policy()
             self.storage_uri = self._remote.shown
             storage = cache_dir
         self.storage: str | None = None if storage is None else os.fspath(storage)
@@ -419,12 +435,18 @@ class Pipeline:
             prepare_cache(root)  # an empty directory or a cache: refused before anything is written in it
         self._lockfd = lock_dir(root)
         if self._remote is not None:  # rebuild the cache from the newest manifest, then journal (remote_state inv. 1-2)
+            t_restore = time.perf_counter()
             with progress(f"restore from {self.storage_uri}"):
-                self._remote_logs = RemoteLogs(self._remote)
+                self._remote_logs = RemoteLogs(self._remote, group_commit_s=self._store_options.group_commit_s)
+                if open_only and not self._remote.manifest_versions():
+                    raise RecoveryError(f"Pipeline.open: {self.storage_uri} holds no pipeline (no manifest)")
+                lease = self._remote.take_lease()  # before the manifest is read (storage.remote invariant 6)
                 manifest = restore(self._remote, root, self._remote_logs)
+            self.stats["restore_s"] = time.perf_counter() - t_restore  # the download into the empty cache
             if manifest is None and open_only:
                 raise RecoveryError(f"Pipeline.open: {self.storage_uri} holds no pipeline (no manifest)")
-            self._remote_state = RemoteCheckpoints(self._remote, root, manifest, self._remote_logs)
+            # with a restored manifest, commits this writer's claim before the logs are opened
+            self._remote_state = RemoteCheckpoints(self._remote, root, manifest, self._remote_logs, lease)
             new_remote = manifest is None
         self._start_spilling()  # after the lock: the store clears the spill directory of an earlier process
         opened = open_directory(root, self.executor, self.circuit, self.fingerprint, self._inputs, self._out_schemas,
@@ -473,6 +495,7 @@ class Pipeline:
         self.stats["recovery_s"] = time.perf_counter() - t0
         if new_remote:  # the store holds the pipeline from its first manifest on (META, the layout, step 0)
             self._checkpoint(True)
+            self._join_checkpoint()
 
     def _resume_counters(self, root: str, step: int) -> None:
         """The metrics counters go on from the last checkpoint's METRICS record (metrics.Metrics.resume). METRICS
@@ -973,7 +996,13 @@ class Pipeline:
         outs = self._run(run)
         if self.storage is not None and self.checkpoint_interval is not None and self.rescale_progress is None and \
                 time.monotonic() - self._last_checkpoint >= self.checkpoint_interval:
-            self.checkpoint(wait=False)
+            t = self._ckpt_thread
+            if self._remote_state is not None and t is not None and t.is_alive():
+                # remote_state invariant 5: the previous upload is still in flight; rather than make this step wait
+                # for the store, skip: the next step tries again, and what changed goes up with that checkpoint
+                self.stats["skipped_checkpoints"] = self.stats.get("skipped_checkpoints", 0) + 1
+            else:
+                self.checkpoint(wait=False)
         return outs
 
     # ---- checkpoints ----
@@ -990,10 +1019,25 @@ class Pipeline:
         self._check_usable()
         if self.storage is None:
             raise DbspError("checkpoint: an in-memory pipeline keeps nothing on disk; give storage=<dir>")
+        if wait and self._remote_state is not None:
+            self._await_upload(self._ckpt_thread)  # one upload in flight at most: wait without holding up steps
+            self._check_usable()
         with self._step_lock:
             self._wait_layout_idle()  # invariant 8: decided and taken under the step lock, never between
             self._check_usable()
-            return self._checkpoint(wait)
+            step = self._checkpoint(wait)
+            t = self._ckpt_thread
+        if wait and t is not None:  # an object store: the upload runs while steps go on; durable when we return
+            self._await_upload(t)
+            if self._broken is not None:
+                raise self._broken  # the upload's own error (StoreUnavailableError, StoreFencedError), as raised
+        return step
+
+    @staticmethod
+    def _await_upload(t: threading.Thread | None) -> None:
+        """Wait, without the step lock, for the checkpoint thread ``t`` (remote_state invariant 5)."""
+        if t is not None:
+            t.join()
 
     def _wait_layout_idle(self) -> None:
         """Invariant 8: with the step lock held, wait (releasing it meanwhile) until no live rescale runs."""
@@ -1029,6 +1073,7 @@ class Pipeline:
                 raise
             output, inp, db, consumers, root = self._output, self._input, self._driver_db, self.consumers, self.storage
             assert output is not None and inp is not None and db is not None and consumers is not None
+            captured: dict = {}  # with an object store: what finish() takes for upload()
 
             def finish() -> None:
                 try:
@@ -1059,21 +1104,39 @@ class Pipeline:
                     write_record(os.path.join(root, METRICS_FILE), METRICS_MAGIC, saved, self._vfs)
                     write_record(os.path.join(root, PROFILE_FILE), PROFILE_MAGIC, prof, self._vfs)
                     if self._remote_state is not None:
-                        # an object store: upload what changed, commit the manifest, delete what no live manifest
-                        # names (remote_state invariant 3)
-                        crashpoint("checkpoint-upload")
-                        self.stats["remote"] = self._remote_state.upload(step, self.executor.referenced_files())
+                        # an object store: what the upload needs as it is at the step (remote_state invariant 5)
+                        captured.update(self._remote_state.capture(step, self.executor.referenced_files()))
                 except BaseException as exc:
                     # databases may hold different versions and the incremental snapshot state is ahead of them:
                     # only recovery (Pipeline.open) knows the consistent state again
                     self._broken = exc
                     raise
 
+            def upload() -> None:
+                # upload what changed, commit the manifest, delete what no live manifest names (remote_state
+                # invariants 3 and 5): on the checkpoint thread, steps going on
+                state = self._remote_state
+                if state is None:
+                    return
+                try:
+                    crashpoint("checkpoint-upload")
+                    self.stats["remote"] = state.send(captured, lambda: crashpoint("checkpoint-manifest"))
+                except BaseException as exc:
+                    self._broken = exc  # nothing after this checkpoint is taken; the next call raises
+                    raise
+
             self._last_checkpoint = time.monotonic()
             if wait:
                 finish()
+                if self._remote_state is not None:  # the caller waits for it outside the step lock (checkpoint())
+                    self._ckpt_thread = threading.Thread(target=self._background, args=(upload,),
+                                                         name="dbsp-checkpoint-upload", daemon=True)
+                    self._ckpt_thread.start()
             else:
-                self._ckpt_thread = threading.Thread(target=self._background, args=(finish,),
+                def both() -> None:
+                    finish()
+                    upload()
+                self._ckpt_thread = threading.Thread(target=self._background, args=(both,),
                                                      name="dbsp-checkpoint", daemon=True)
                 self._ckpt_thread.start()
             return step

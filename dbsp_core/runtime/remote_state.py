@@ -18,6 +18,19 @@ Invariants (enforced here):
      what the logs part needs durable (its output segments), then the manifest (storage.remote invariant 2), then deletes what the two live
      manifests do not name (invariant 3 there). A failure before the manifest leaves the previous manifest in
      force and the pipeline broken (the driver's rule for a failed checkpoint).
+  4. Restore's memory does not grow with an object's size: every object is streamed into a local file in bounded
+     reads (Remote.get_file), a delta is checked (its CRC) from that file in bounded reads before any record is
+     applied, then applied one record at a time; only one record's value is in memory at once.
+  5. The upload runs off the step path: the driver calls :meth:`RemoteCheckpoints.capture` while the local
+     checkpoint is committed (the records, the batch files its state names and the logs' position as they are at
+     its step), then steps go on while :meth:`RemoteCheckpoints.send` uploads on the checkpoint thread. At most one
+     upload is in flight: the driver's next checkpoint starts only after it (an explicit one waits, the timer's is
+     skipped and its change goes up with the next), so the databases, their journals and the batch files the
+     upload reads do not change under it (the embedded executor writes its databases only when a checkpoint
+     commits; a live rescale waits for the upload too; the batch store keeps the files a checkpoint names until
+     the next one commits, trace/spill.py invariant 13). The local logs may be truncated at the local commit:
+     recovery reads the store's log segments, which retention keeps for both live manifests (the last uploaded one
+     and the one before), never the local logs. A failed upload breaks the pipeline (StoreUnavailableError).
 """
 
 from __future__ import annotations
@@ -28,10 +41,11 @@ import shutil
 import struct
 import tempfile
 import time
-from typing import Any, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterator
 
 from dbsp_core import _storage
-from dbsp_core.codec import frame_head, unframe_view
+from dbsp_core.codec import check_framed_file, frame_head
 from dbsp_core.errors import CorruptionError, DbspError
 from dbsp_core.storage.database import (JOURNAL_DELETE, JOURNAL_PUT, JOURNAL_STEP, Database, end_journals,
                                         journal_of, journal_under)
@@ -47,6 +61,12 @@ __all__ = ["RemoteCheckpoints", "restore", "prepare_cache", "restored", "CHAIN_L
 
 CHAIN_LIMIT = 16  # objects in a database's chain before the next checkpoint uploads its page file instead
 JOURNAL_DIR = ".dbsp-journal"  # in the cache: the databases' journals (storage.database.Journal)
+RESTORE_DIR = ".dbsp-restore"  # in the cache, while restore runs: the delta objects downloaded, applied, removed
+# objects downloaded at once by restore: the downloads wait on the store's latency (pyarrow's S3 client releases the
+# GIL), not on the two cores; 4 keep a real store's per-request latency (tens of ms) off the small objects' path
+# and cost 4 read buffers of 1 MiB (Remote.GET_CHUNK), while the local S3 server here (one process, one core) is
+# saturated well before 4
+DOWNLOAD_THREADS = 4
 RECORDS = (META_FILE, LAYOUT_FILE, RESCALE_FILE, METRICS_FILE, PROFILE_FILE)
 
 _REC = struct.Struct("<BH")
@@ -78,47 +98,53 @@ def _empty(cache_dir: str) -> None:
             os.remove(p)
 
 
-def _records(blob: memoryview) -> Any:
-    """The (op, table, key, value) records of a DRDL body (formats.py)."""
-    pos, n = 0, len(blob)
-    while pos < n:
-        op, tl = _REC.unpack_from(blob, pos)
-        pos += _REC.size
-        table = bytes(blob[pos:pos + tl])
-        pos += tl
-        (kl,) = _KEY.unpack_from(blob, pos)
-        pos += _KEY.size
-        key = bytes(blob[pos:pos + kl])
-        pos += kl
+def _records(f: Any, end: int) -> Any:
+    """The (op, table, key, value) records of a DRDL body (formats.py) read from the open file ``f`` up to offset
+    ``end``, one record at a time (invariant 4: never the whole body in memory)."""
+    def take(n: int) -> bytes:
+        b = f.read(n)
+        if len(b) != n:
+            raise struct.error(f"{n} bytes wanted, {len(b)} left")
+        return b
+
+    while f.tell() < end:
+        op, tl = _REC.unpack(take(_REC.size))
+        table = take(tl)
+        (kl,) = _KEY.unpack(take(_KEY.size))
+        key = take(kl)
         value = None
         if op != JOURNAL_DELETE:
-            (vl,) = _VAL.unpack_from(blob, pos)
-            pos += _VAL.size
-            value = blob[pos:pos + vl]
-            pos += vl
+            (vl,) = _VAL.unpack(take(_VAL.size))
+            value = take(vl)
         yield op, table, key, value
+    if f.tell() != end:
+        raise struct.error("a record runs past the body's end")
 
 
-def _apply(db: Database, link: dict, data: bytes, where: str) -> None:
-    """Apply one delta object to ``db`` (at version ``link['from']``), leaving it at ``link['to']`` (invariant 1)."""
+def _apply(db: Database, link: dict, path: str, where: str) -> None:
+    """Apply one delta object, downloaded into local file ``path``, to ``db`` (at version ``link['from']``), leaving it
+    at ``link['to']`` (invariant 1). The file is checked whole (its CRC) before anything is applied, then read a
+    record at a time (invariant 4)."""
     frm, to = link["from"], link["to"]
     if db.versions().stop - 1 != frm:
         raise CorruptionError(f"{where}: a delta from version {frm}, but the database is at {db.versions().stop - 1}")
-    body = unframe_view(REMOTE_DELTA_MAGIC, data, where)
-    with db.open(frm) as h:
-        try:
-            for op, table, key, value in _records(body):
-                if op == JOURNAL_PUT:
-                    h.put(table, key, value)
-                elif op == JOURNAL_DELETE:
-                    h.delete(table, key)
-                elif op == JOURNAL_STEP:
-                    h.set_step(int.from_bytes(bytes(value), "little"))
-                else:
-                    raise CorruptionError(f"{where}: unknown record kind {op}")
-        except struct.error as e:
-            raise CorruptionError(f"{where}: truncated record ({e})") from None
-        h.commit()
+    with open(path, "rb", buffering=64 << 10) as f:
+        n = check_framed_file(REMOTE_DELTA_MAGIC, f, where)
+        end = f.tell() + n
+        with db.open(frm) as h:
+            try:
+                for op, table, key, value in _records(f, end):
+                    if op == JOURNAL_PUT:
+                        h.put(table, key, value)
+                    elif op == JOURNAL_DELETE:
+                        h.delete(table, key)
+                    elif op == JOURNAL_STEP:
+                        h.set_step(int.from_bytes(value, "little"))
+                    else:
+                        raise CorruptionError(f"{where}: unknown record kind {op}")
+            except struct.error as e:
+                raise CorruptionError(f"{where}: truncated record ({e})") from None
+            h.commit()
     for v in range(frm + 1, to):
         with db.open(v) as h:
             h.commit()
@@ -127,7 +153,11 @@ def _apply(db: Database, link: dict, data: bytes, where: str) -> None:
 def restore(remote: Remote, root: str, log_part: LogPart | None = None) -> dict | None:
     """Rebuild the cache directory ``root`` from the newest complete manifest (invariant 1); returns it, or None
     when the store holds no pipeline (``root`` is left empty but for the marker). The caller claimed ``root``
-    (:func:`prepare_cache`) and holds its lock."""
+    (:func:`prepare_cache`) and holds its lock.
+
+    Every object is streamed into a local file (invariant 4) by :data:`DOWNLOAD_THREADS` threads, all objects
+    asked for at once; each database's chain is applied in order as its objects arrive (deltas from their
+    downloaded files, then removed), so applying overlaps downloading."""
     _empty(root)
     m = remote.newest_manifest()
     if m is None:
@@ -136,37 +166,57 @@ def restore(remote: Remote, root: str, log_part: LogPart | None = None) -> dict 
         p = os.path.join(root, *name.split("/"))
         os.makedirs(os.path.dirname(p), exist_ok=True)
         _storage.file_replace(p, blob_record(text), "posix")
-    for rel, ent in sorted(m.get("databases", {}).items()):
-        path = os.path.join(root, *rel.split("/"))
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        db: Database | None = None
-        try:
-            for i, link in enumerate(ent["chain"]):
-                where = f"{remote.shown}/{link['object']}"
-                if link["kind"] == "file":
-                    if db is not None:
-                        db.close()
-                        db = None
-                    if i:
-                        raise CorruptionError(f"{where}: a page file in the middle of a chain")
-                    remote.get_file(link["object"], path)
-                    db = Database(path)
-                    if db.versions().stop - 1 != link["to"]:
-                        raise CorruptionError(f"{where}: the page file is at version {db.versions().stop - 1}, the "
-                                              f"manifest says {link['to']}")
-                    continue
-                if db is None:
-                    if i or not link.get("fresh"):
-                        raise CorruptionError(f"{where}: a chain that starts with a delta of a database not new")
-                    db = Database.create(path, link["from"])
-                _apply(db, link, remote.get(link["object"]), where)
-        finally:
-            if db is not None:
-                db.close()
+    staging = os.path.join(root, RESTORE_DIR)
+    os.makedirs(staging, exist_ok=True)
     spill = os.path.join(root, SPILL_DIR)
-    for name, ent in m.get("files", {}).items():
-        os.makedirs(spill, exist_ok=True)
-        remote.get_file(ent["object"], os.path.join(spill, name))
+    pool = ThreadPoolExecutor(DOWNLOAD_THREADS, thread_name_prefix="dbsp-restore")
+    try:
+        chains: list[tuple[str, str, list[tuple[dict, str, Future]]]] = []
+        k = 0
+        for rel, ent in sorted(m.get("databases", {}).items()):
+            path = os.path.join(root, *rel.split("/"))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            links = []
+            for i, link in enumerate(ent["chain"]):
+                if link["kind"] == "file":
+                    if i:
+                        raise CorruptionError(f"{remote.shown}/{link['object']}: a page file in the middle of a chain")
+                    dst = path
+                else:
+                    dst = os.path.join(staging, f"{k}.delta")
+                    k += 1
+                links.append((link, dst, pool.submit(remote.get_file, link["object"], dst, sync=False)))
+            chains.append((rel, path, links))
+        files = []
+        for name, ent in m.get("files", {}).items():
+            os.makedirs(spill, exist_ok=True)
+            files.append(pool.submit(remote.get_file, ent["object"], os.path.join(spill, name)))
+        for rel, path, links in chains:
+            db: Database | None = None
+            try:
+                for i, (link, dst, fut) in enumerate(links):
+                    fut.result()
+                    where = f"{remote.shown}/{link['object']}"
+                    if link["kind"] == "file":
+                        db = Database(path)
+                        if db.versions().stop - 1 != link["to"]:
+                            raise CorruptionError(f"{where}: the page file is at version {db.versions().stop - 1}, "
+                                                  f"the manifest says {link['to']}")
+                        continue
+                    if db is None:
+                        if i or not link.get("fresh"):
+                            raise CorruptionError(f"{where}: a chain that starts with a delta of a database not new")
+                        db = Database.create(path, link["from"])
+                    _apply(db, link, dst, where)
+                    os.remove(dst)
+            finally:
+                if db is not None:
+                    db.close()
+        for fut in files:
+            fut.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    shutil.rmtree(staging, ignore_errors=True)
     if log_part is not None:
         log_part.restore(remote, m, root)
     else:  # a reader: the logs' segments rebuilt here (storage.remote_log)
@@ -198,15 +248,29 @@ class RemoteCheckpoints:
     """The object-store side of a durable pipeline: made after :func:`restore` (with the manifest it restored and
     the logs part, storage.remote_log), it journals the cache's databases (invariant 2) and uploads each checkpoint (invariant 3)."""
 
-    def __init__(self, remote: Remote, root: str, manifest: dict | None, log_part: LogPart) -> None:
+    def __init__(self, remote: Remote, root: str, manifest: dict | None, log_part: LogPart,
+                 lease: dict | None = None) -> None:
+        """``lease``: the writer's lease (Remote.take_lease), taken before :func:`restore` read the manifest (taken
+        here when None); with a restored ``manifest`` a claim manifest is committed at once (storage.remote
+        invariant 6), so call this before the logs are opened."""
         self.remote, self.root, self.manifest = remote, root, manifest
         self.log_part = log_part
+        self.lease = lease if lease is not None else remote.take_lease()
         listed = remote.manifest_versions()  # a damaged newer manifest restore skipped: never written over
-        self.version = max([0 if manifest is None else manifest["version"]] + listed)
+        # one version skipped: an older writer's manifest landing late has at most the version after the newest
+        # listed one (storage.remote invariant 6)
+        self.version = max([0 if manifest is None else manifest["version"]] + listed) + 1
         self.chain_limit = CHAIN_LIMIT
         self.previous: dict | None = None  # the manifest before self.manifest, kept until the next commit
         self.last: dict[str, Any] = {}  # what the last upload did (bytes by kind, seconds): Pipeline.stats["remote"]
         self.totals = {"checkpoints": 0, "bytes": 0, "objects_deleted": 0}
+        if manifest is not None:  # the claim: the restored checkpoint under this writer's first version
+            claim = dict(manifest, version=self.version + 1, writer=self.lease["generation"])
+            claim.pop("written_ns", None)
+            claim.pop("format", None)
+            self.remote.check_lease(self.lease, f"claim manifest {claim['version']}")
+            remote.write_manifest(claim)
+            self.previous, self.manifest, self.version = manifest, claim, claim["version"]
         journal_under(root, os.path.join(root, JOURNAL_DIR))
 
     def close(self) -> None:
@@ -218,28 +282,14 @@ class RemoteCheckpoints:
 
     def upload(self, step: int, referenced: set[str]) -> dict:
         """Upload the checkpoint at ``step`` that just committed locally; ``referenced`` names the batch files its
-        state names. Returns what it uploaded (also :attr:`last`)."""
-        t0 = time.perf_counter()
-        r, root = self.remote, self.root
-        put0 = r.stats["put_bytes"]
-        v = self.version + 1
-        prev = self.manifest or {}
-        last = {"version": v, "step": step, "delta_bytes": 0, "base_bytes": 0, "spill_bytes": 0, "log_bytes": 0,
-                "changed_bytes": 0, "deltas": 0, "bases": 0, "spill_files": 0}
-        dbs: dict[str, dict] = {}
-        for rel in self._databases():
-            dbs[rel] = self._upload_db(rel, prev.get("databases", {}).get(rel), v, last)
-        files: dict[str, dict] = {}
-        old_files = prev.get("files", {})
-        for name in sorted(referenced):
-            if name in old_files:
-                files[name] = old_files[name]
-                continue
-            n = r.put_file(spill_name(name), os.path.join(root, SPILL_DIR, name))
-            files[name] = {"object": spill_name(name), "bytes": n}
-            last["spill_bytes"] += n
-            last["changed_bytes"] += n
-            last["spill_files"] += 1
+        state names. Returns what it uploaded (also :attr:`last`). :meth:`capture` then :meth:`send`."""
+        return self.send(self.capture(step, referenced))
+
+    def capture(self, step: int, referenced: set[str]) -> dict:
+        """What the checkpoint at ``step`` (just committed locally) needs from the local directory at its commit,
+        taken before steps go on (invariant 5): the small records, the batch files its state names, the logs
+        part's position (its output steps below ``step`` made durable). Quick: no state object is read."""
+        root = self.root
         records = {}
         for name in RECORDS:
             p = os.path.join(root, name)
@@ -252,14 +302,45 @@ class RemoteCheckpoints:
             if os.path.isfile(p) and not name.startswith(".") and name != "LOCK" and not name.endswith(".tmp"):
                 with open(p, "rb") as f:
                     records[f"{CONSUMERS_DIR}/{name}"] = record_blob(f.read())
-        b0 = r.stats["put_bytes"]
+        b0 = self.remote.stats["put_bytes"]
         logs = self.log_part.covered(step)
-        last["log_bytes"] = r.stats["put_bytes"] - b0
-        m = {"version": v, "step": step, "records": records, "databases": dbs, "files": files, "logs": logs}
+        return {"step": step, "referenced": set(referenced), "records": records, "logs": logs,
+                "log_bytes": self.remote.stats["put_bytes"] - b0, "t0": time.perf_counter()}
+
+    def send(self, captured: dict, before_commit: Callable[[], None] | None = None) -> dict:
+        """Upload a :meth:`capture`d checkpoint: what changed, then the manifest (the commit point), then retention
+        (invariant 3). May run on its own thread while steps go on (invariant 5); ``before_commit`` runs just
+        before the manifest is written (a crash point of the tests)."""
+        r, root = self.remote, self.root
+        step = captured["step"]
+        put0 = r.stats["put_bytes"]
+        v = self.version + 1
+        prev = self.manifest or {}
+        last = {"version": v, "step": step, "delta_bytes": 0, "base_bytes": 0, "spill_bytes": 0,
+                "log_bytes": captured["log_bytes"], "changed_bytes": 0, "deltas": 0, "bases": 0, "spill_files": 0}
+        dbs: dict[str, dict] = {}
+        for rel in self._databases():
+            dbs[rel] = self._upload_db(rel, prev.get("databases", {}).get(rel), v, last)
+        files: dict[str, dict] = {}
+        old_files = prev.get("files", {})
+        for name in sorted(captured["referenced"]):
+            if name in old_files:
+                files[name] = old_files[name]
+                continue
+            n = r.put_file(spill_name(name), os.path.join(root, SPILL_DIR, name))
+            files[name] = {"object": spill_name(name), "bytes": n}
+            last["spill_bytes"] += n
+            last["changed_bytes"] += n
+            last["spill_files"] += 1
+        m = {"version": v, "step": step, "records": captured["records"], "databases": dbs, "files": files,
+             "logs": captured["logs"], "writer": self.lease["generation"]}
+        r.check_lease(self.lease, f"commit manifest {v}")  # a newer writer fences this one (storage.remote inv. 6)
+        if before_commit is not None:
+            before_commit()
         r.write_manifest(m)  # the commit point (storage.remote invariant 2)
         self.previous, self.manifest, self.version = self.manifest, m, v
-        last["uploaded_bytes"] = r.stats["put_bytes"] - put0
-        last["upload_s"] = time.perf_counter() - t0
+        last["uploaded_bytes"] = r.stats["put_bytes"] - put0 + captured["log_bytes"]
+        last["upload_s"] = time.perf_counter() - captured["t0"]
         last["deleted"] = self._retain()
         self.last = last
         self.totals["checkpoints"] += 1
@@ -307,15 +388,22 @@ class RemoteCheckpoints:
         finally:
             os.remove(sealed)
 
+    def _newer(self, name: str) -> bool:
+        """Whether state object ``name`` carries a version above this writer's newest (a newer writer's upload)."""
+        base = name.rsplit("/", 1)[-1].split(".", 1)[0]
+        v = version_of(base)
+        return v is not None and v > self.version
+
     def _retain(self) -> int:
         """Delete what neither live manifest names (storage.remote invariant 3); returns how many objects."""
         r = self.remote
+        r.check_lease(self.lease, "delete objects no live manifest names")
         live = [m for m in (self.previous, self.manifest) if m is not None]
         keep = r.live_names(live)
         n = 0
         for prefix in (REMOTE_STATE_DIR, REMOTE_SPILL_DIR):
             for name in r.list(prefix):
-                if name not in keep:
+                if name not in keep and not self._newer(name):
                     r.delete(name)
                     n += 1
         oldest = live[0]["version"]

@@ -161,6 +161,7 @@ class LogShipper:
             raise ValueError(f"group_commit_s must be >= 0, got {group_commit_s!r}")
         self.location, self.kind, self.gen = location, kind, gen
         self.group_commit_s, self.segment_bytes, self.policy = group_commit_s, segment_bytes, policy
+        self.stats = {"gets": 0, "get_bytes": 0}  # segments read by restore
         self.stats = ShipStats()
         self._cond = threading.Condition()
         self._pending: list[tuple] = []  # records submitted, not yet in a segment being written
@@ -362,6 +363,7 @@ class LogStore:
                  policy: retry.RetryPolicy = retry.DEFAULT_POLICY) -> None:
         self.location = location
         self.group_commit_s, self.segment_bytes, self.policy = group_commit_s, segment_bytes, policy
+        self.stats = {"gets": 0, "get_bytes": 0}  # segments read by restore
 
     def dir(self, kind: str) -> Location:
         if kind not in KINDS:
@@ -408,9 +410,13 @@ class LogStore:
                 if seg.hi_step < from_step:
                     continue
                 blob = self._call(lambda: self._get(seg.path), f"GET {kind} log segment")
+                self.stats["gets"] += 1
+                self.stats["get_bytes"] += len(blob)
                 for step, handle, producer, seq, payload in decode_segment(blob, seg, kind,
                                                                            self.location.shown + "/" + kind):
                     ticket = log.enqueue(step, handle, producer, seq, payload)
+                if ticket:  # written out segment by segment: enqueued records wait in memory until a write
+                    log.write(ticket)
             if ticket:
                 log.sync(ticket)
         finally:

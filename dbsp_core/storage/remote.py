@@ -12,6 +12,7 @@ Layout of one pipeline under its prefix (``REMOTE_*`` in dbsp_core.storage.forma
       spill/<name>.batch                   a batch file a checkpoint names (trace/batchfile.py), uploaded as is
       log/input/...                        the input log's segment objects (the logs part: see below)
       log/output/...                       the output log's segment objects (the logs part)
+      writer/<20-digit generation>         one lease per writer that opened the prefix (DRWL, JSON; invariant 6)
 
 ``<db>`` is a database's path in the local directory with ``/`` kept (``driver.db``, ``state/worker-0.db``).
 
@@ -20,10 +21,11 @@ Invariants (enforced here and by the checkpoint upload in dbsp_core.runtime.remo
      (versions only grow; batch file names carry a random token), and never rewritten. Object stores have no
      append and no rename, so nothing relies on either.
   2. A checkpoint commits when its manifest object lands: it is written last, under version N+1 when N is the
-     newest manifest, after every object it names is durable. A manifest names everything recovery needs: the
+     newest manifest (a new writer's claim skips one, invariant 6), after every object it names is durable. A manifest names everything recovery needs: the
      small records of the directory (META, LAYOUT, consumers, METRICS, PROFILE) inline, for each database the
      chain of delta objects (a base, then deltas) whose replay gives its content at the checkpoint, the batch
-     files its state names, and what the logs part records (``logs``). A checkpoint that crashes before its
+     files its state names, what the logs part records (``logs``) and the writer generation that committed it
+     (``writer``, invariant 6). A checkpoint that crashes before its
      manifest leaves objects no manifest names (deleted by the next retention pass) and the previous manifest
      in force.
   3. Readers take the newest complete manifest: the highest version whose object reads back with a valid
@@ -40,9 +42,20 @@ Invariants (enforced here and by the checkpoint upload in dbsp_core.runtime.remo
      when a checkpoint commits), and retention drops the old chain.
   5. Credentials never appear in what is logged, raised or written: messages name the store by
      :attr:`Location.shown`, and manifests hold object names relative to the prefix only.
-  6. One pipeline process writes a prefix at a time (the store has no lock; the local directory's lock covers
-     the cache only): running two writers on one prefix is the operator's error, and the manifest versions
-     they race for are not protected against it.
+  6. One writer per prefix, the newest: a pipeline that opens a prefix to write takes the next writer generation
+     G (one above the highest lease object under ``writer/``) by writing the lease ``writer/<20-digit G>`` (its
+     host, process, a random token) before it reads the newest manifest, and before each manifest commit (and
+     each retention pass) checks that no higher generation exists and that ``writer/G`` still holds its token;
+     otherwise it stops with StoreFencedError and writes nothing more. A store has no lock and a dead writer
+     looks like a live one, so the newer writer wins (a restarted process must not wait out a lease) and the
+     older one is refused at its next commit. The older one may have passed its check just before the newer
+     lease landed: at most that one manifest lands late, under a version at most one above what the newer writer
+     listed, so the newer writer skips that version and commits a claim manifest (a copy of the one it restored,
+     naming the same objects) at once, before its logs are opened: a late manifest of the older writer is never
+     the newest. Left open: pushes the older writer acknowledges between the newer writer's open and its own
+     next checkpoint go into log segments the newer writer's chain supersedes (one writer per prefix stays the
+     operator's rule; fencing bounds what a second one can break to that window), and two writers opening in
+     the same instant may take the same generation (the token check fences one of them at its first commit).
 
 What the logs part provides (dbsp_core.storage.remote_log, plugged in as a :class:`LogPart`): the
 input and output logs as segment objects under ``log/`` with group commit, and
@@ -64,26 +77,82 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import socket
+import threading
 import time
+import uuid
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol, TypeVar
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
 from dbsp_core.codec import decode_json, encode_json
-from dbsp_core.errors import CorruptionError, DbspError, FormatVersionError, StorageError, StoreUnavailableError
+from dbsp_core.errors import (CorruptionError, DbspError, FormatVersionError, StorageError, StoreFencedError,
+                              StoreUnavailableError)
 from dbsp_core.storage import retry
 from dbsp_core.storage.formats import (REMOTE_BASE_SUFFIX, REMOTE_DELTA_SUFFIX, REMOTE_LOG_DIR,
                                        REMOTE_MANIFEST_DIR, REMOTE_MANIFEST_FORMAT, REMOTE_MANIFEST_MAGIC,
-                                       REMOTE_SPILL_DIR, REMOTE_STATE_DIR)
+                                       REMOTE_SPILL_DIR, REMOTE_STATE_DIR, REMOTE_WRITER_DIR, REMOTE_WRITER_MAGIC)
 from dbsp_core.storage.location import Location, resolve
 from dbsp_core.storage.retry import DEFAULT_POLICY
 
-__all__ = ["Remote", "LogPart", "manifest_name", "delta_name", "is_remote", "version_of"]
+__all__ = ["Remote", "LogPart", "StoreOptions", "manifest_name", "delta_name", "is_remote", "version_of"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+GET_CHUNK = 1 << 20  # the largest read of one downloaded object (Remote.get_file): what a download holds in memory
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """How a pipeline talks to its object store (``Pipeline(..., store_options=StoreOptions(...))``).
+
+    Parameters
+    ----------
+    attempts : int
+        Calls one store operation (a PUT, GET, LIST or DELETE) may take before the pipeline stops with
+        ``StoreUnavailableError`` (default 6; >= 1). Only transient failures are retried (storage/retry.py).
+    first_delay_s, max_delay_s : float
+        The wait before the first retry, doubling up to ``max_delay_s`` (defaults 0.05 and 2.0 s), each with up to
+        50% random jitter: with the defaults a store that stays down stops the pipeline after about 2 to 3 s.
+    group_commit_s : float
+        How long the first push waiting for the input log's next segment object waits for others to share its PUT
+        (default 0.002 s; 0 to 1). Pushes arriving while a PUT is in flight share the next one anyway; a longer
+        window means fewer, larger PUTs and a longer acknowledgement (storage/logstore.py invariant 3).
+
+    >>> StoreOptions(attempts=3, group_commit_s=0.01).policy().attempts
+    3
+    >>> StoreOptions(attempts=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: StoreOptions: attempts must be an int >= 1, got 0
+    """
+
+    attempts: int = DEFAULT_POLICY.attempts
+    first_delay_s: float = DEFAULT_POLICY.first_delay_s
+    max_delay_s: float = DEFAULT_POLICY.max_delay_s
+    group_commit_s: float = 0.002
+
+    def __post_init__(self) -> None:
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ValueError(f"StoreOptions: attempts must be an int >= 1, got {self.attempts!r}")
+        for name in ("first_delay_s", "max_delay_s", "group_commit_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise ValueError(f"StoreOptions: {name} must be a number of seconds >= 0, got {v!r}")
+        if self.first_delay_s > self.max_delay_s:
+            raise ValueError(f"StoreOptions: first_delay_s ({self.first_delay_s!r}) must not exceed max_delay_s "
+                             f"({self.max_delay_s!r})")
+        if self.group_commit_s > 1:
+            raise ValueError(f"StoreOptions: group_commit_s is a window in seconds up to 1 (every push waits for "
+                             f"it), got {self.group_commit_s!r}")
+
+    def policy(self) -> retry.RetryPolicy:
+        """The retry policy of every store call."""
+        return retry.RetryPolicy(self.attempts, float(self.first_delay_s), float(self.max_delay_s))
 
 
 def is_remote(where: Any) -> bool:
@@ -141,7 +210,15 @@ class Remote:
         self.location = location
         self.cache_dir = cache_dir
         self.stats = {"puts": 0, "put_bytes": 0, "gets": 0, "get_bytes": 0, "deletes": 0, "lists": 0}
+        self._stats_lock = threading.Lock()  # restore downloads on several threads, the upload runs on its own
         self.policy = DEFAULT_POLICY
+
+    def _count(self, op: str, n: int = 0) -> None:
+        """Count one call of ``op`` (``puts``, ``gets``, ``deletes``, ``lists``) moving ``n`` bytes."""
+        with self._stats_lock:
+            self.stats[op] += 1
+            if op in ("puts", "gets"):
+                self.stats[op[:-1] + "_bytes"] += n
 
     @classmethod
     def of(cls, storage: Any, cache_dir: str) -> "Remote":
@@ -176,8 +253,7 @@ class Remote:
             with self.location.fs.open_output_stream(self.path(name)) as f:
                 f.write(data)
         self.call("PUT", name, go)
-        self.stats["puts"] += 1
-        self.stats["put_bytes"] += len(memoryview(data)) if not isinstance(data, pa.Buffer) else data.size
+        self._count("puts", len(memoryview(data)) if not isinstance(data, pa.Buffer) else data.size)
 
     def put_file(self, name: str, path: str, chunk: int = 8 << 20) -> int:
         """Upload local file ``path`` as object ``name`` (streamed); returns its size."""
@@ -191,8 +267,7 @@ class Remote:
                     f.write(b)
                     n += len(b)
         n = self.call("PUT", name, go)
-        self.stats["puts"] += 1
-        self.stats["put_bytes"] += n
+        self._count("puts", n)
         return n
 
     def get(self, name: str) -> bytes:
@@ -201,13 +276,14 @@ class Remote:
             with self.location.fs.open_input_stream(self.path(name)) as f:
                 return f.readall()
         data = self.call("GET", name, go)
-        self.stats["gets"] += 1
-        self.stats["get_bytes"] += len(data)
+        self._count("gets", len(data))
         return data
 
-    def get_file(self, name: str, path: str, chunk: int = 8 << 20) -> int:
-        """Download object ``name`` into local file ``path`` (written to ``path.tmp``, fsynced, renamed)."""
+    def get_file(self, name: str, path: str, chunk: int | None = None, sync: bool = True) -> int:
+        """Download object ``name`` into local file ``path`` in ``chunk``-byte reads, never whole in memory (written
+        to ``path.tmp``, fsynced unless ``sync`` is false, renamed). Safe to call from several threads."""
         tmp = path + ".tmp"
+        chunk = chunk or GET_CHUNK
 
         def go() -> int:
             n = 0
@@ -218,13 +294,13 @@ class Remote:
                         break
                     dst.write(b)
                     n += len(b)
-                dst.flush()
-                os.fsync(dst.fileno())
+                if sync:
+                    dst.flush()
+                    os.fsync(dst.fileno())
             return n
         n = self.call("GET", name, go)
         os.replace(tmp, path)
-        self.stats["gets"] += 1
-        self.stats["get_bytes"] += n
+        self._count("gets", n)
         return n
 
     def list(self, prefix: str) -> dict[str, int]:
@@ -233,7 +309,7 @@ class Remote:
             sel = pafs.FileSelector(self.path(prefix), allow_not_found=True, recursive=True)
             return self.location.fs.get_file_info(sel)
         infos = self.call("LIST", prefix, go)
-        self.stats["lists"] += 1
+        self._count("lists")
         base = self.location.path.rstrip("/")
         base = base + "/" if base else ""
         return {i.path[len(base):]: i.size for i in infos if i.type == pafs.FileType.File and i.path.startswith(base)}
@@ -246,7 +322,7 @@ class Remote:
             except FileNotFoundError:
                 pass
         self.call("DELETE", name, go)
-        self.stats["deletes"] += 1
+        self._count("deletes")
 
     # ---- manifests (invariants 2 and 3) ----
 
@@ -284,6 +360,52 @@ class Remote:
         self.put(manifest_name(v), encode_json(REMOTE_MANIFEST_MAGIC, body))
         return v
 
+    # ---- the writer's lease (invariant 6) ----
+
+    def writer_generations(self) -> list[int]:
+        """The generations of the lease objects under ``writer/``, ascending."""
+        names = self.list(REMOTE_WRITER_DIR)
+        return sorted(v for v in (version_of(n.rsplit("/", 1)[-1]) for n in names) if v is not None)
+
+    def take_lease(self) -> dict:
+        """Write the lease of the next writer generation (invariant 6); returns it (``generation``, ``token``,
+        ``host``, ``pid``, ``started_ns``)."""
+        gens = self.writer_generations()
+        lease = {"generation": (gens[-1] if gens else 0) + 1, "token": uuid.uuid4().hex,
+                 "host": socket.gethostname(), "pid": os.getpid(), "started_ns": time.time_ns()}
+        self.put(_lease_name(lease["generation"]), encode_json(REMOTE_WRITER_MAGIC, lease))
+        return lease
+
+    def check_lease(self, lease: dict, what: str) -> None:
+        """Raise StoreFencedError unless ``lease`` is still the newest writer's (invariant 6); ``what`` says what
+        was about to happen (e.g. "commit manifest 7")."""
+        gens = self.writer_generations()
+        g = lease["generation"]
+        newer = [v for v in gens if v > g]
+        other = None
+        if newer:
+            other = self._lease_or_none(newer[-1])
+        else:
+            mine = self._lease_or_none(g)
+            if mine is None or mine.get("token") != lease["token"]:
+                other = mine or {"generation": g}
+        if other is None:
+            return
+        who = (f"generation {other.get('generation')} (host {other.get('host', '?')}, pid {other.get('pid', '?')})"
+               if other else "another writer")
+        raise StoreFencedError(
+            f"{self.shown}: {who} opened this prefix after this pipeline (writer generation {g}): this pipeline "
+            f"stops before it would {what}, so it cannot write over the newer writer's checkpoints. Run one "
+            f"pipeline per prefix; the newer one continues from the store")
+
+    def _lease_or_none(self, generation: int) -> dict | None:
+        name = _lease_name(generation)
+        try:
+            got = decode_json(REMOTE_WRITER_MAGIC, self.get(name), f"{self.shown}/{name}")
+        except (FileNotFoundError, CorruptionError):
+            return None
+        return got if isinstance(got, dict) else None
+
     def live_names(self, manifests: list[dict]) -> set[str]:
         """Every object under ``db/`` and ``spill/`` that one of ``manifests`` names."""
         out: set[str] = set()
@@ -292,6 +414,10 @@ class Remote:
                 out.update(link["object"] for link in d["chain"])
             out.update(f["object"] for f in m.get("files", {}).values())
         return out
+
+
+def _lease_name(generation: int) -> str:
+    return f"{REMOTE_WRITER_DIR}/{generation:020d}"
 
 
 def record_blob(data: bytes) -> str:

@@ -10,6 +10,9 @@ a seeded ``random.Random``, so a run replays from its seed) or at every one (:me
   - ``landed`` (PUT only): the object is written whole, then the call raises, as when the reply of a PUT that
     succeeded is lost: the writer cannot tell the object is there.
 
+:meth:`StoreFaults.hold` makes the PUTs of chosen objects wait until :meth:`StoreFaults.release` (a store slow to
+answer them), so a test can act while one is in flight.
+
 Operations: ``put`` (closing a stream of ``open_output_stream`` / ``open_append_stream``: the bytes go to the store
 in one call to the wrapped filesystem, as one S3 PUT), ``get`` (``open_input_file``, ``open_input_stream``),
 ``list`` (``get_file_info`` of paths or of a selector) and ``delete`` (``delete_file``, ``delete_dir``,
@@ -108,6 +111,10 @@ class StoreFaults:
         self._rng = random.Random(seed)
         self._down: str | None = None
         self._lock = threading.Lock()
+        self._hold: str | None = None  # PUTs of paths containing it wait for _gate (hold, release)
+        self._gate = threading.Event()
+        self._gate.set()
+        self.holding = threading.Event()
         self.fs = pafs.PyFileSystem(_Handler(self))
 
     def down(self, is_down: bool = True, kind: str = "error") -> None:
@@ -118,6 +125,27 @@ class StoreFaults:
             raise ValueError(f"StoreFaults.down: kind is error, timeout or landed, not {kind!r}")
         with self._lock:
             self._down = kind if is_down else None
+
+    def hold(self, match: str) -> None:
+        """From now on a PUT whose path contains ``match`` waits before it reaches the store (a store slow to answer
+        it), until :meth:`release`; :attr:`holding` is set once one waits."""
+        with self._lock:
+            self._hold = match
+            self._gate.clear()
+            self.holding.clear()
+
+    def release(self) -> None:
+        """The PUTs :meth:`hold` keeps waiting go on, and later ones do not wait."""
+        with self._lock:
+            self._hold = None
+        self._gate.set()
+
+    def _wait_hold(self, path: str) -> None:
+        with self._lock:
+            match = self._hold
+        if match is not None and match in path:
+            self.holding.set()
+            self._gate.wait()
 
     def set_rate(self, rate: float) -> None:
         """Change the probability of a random fault (0 stops them)."""
@@ -177,6 +205,7 @@ class _PutStream(io.RawIOBase):
         if self.closed:
             return
         super().close()
+        self._owner._wait_hold(self._path)
         kind = self._owner._before("put", self._path)
         with self._owner.real.open_output_stream(self._path, metadata=self._metadata) as out:
             out.write(self._buf.getvalue())

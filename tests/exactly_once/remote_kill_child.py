@@ -1,4 +1,4 @@
-"""Child process of the object-store kill test: recovers the durable pipeline from an S3 prefix into an empty local cache, resumes two producers from their last confirmed seq (pushing the unconfirmed ones again), steps and checkpoints until every batch is in, then closes.
+"""Child process of the object-store kill test: recovers the durable pipeline from an S3 prefix into an empty local cache, resumes two producers from their last confirmed seq (pushing the unconfirmed ones again), steps (and checkpoints on another thread) until every batch is in, then closes.
 
 Usage: remote_kill_child.py URI CACHE_DIR SEED BATCHES WORKERS. The parent deletes CACHE_DIR before every run.
 Files beside CACHE_DIR: ``pushed-<producer>.txt`` (a line per push as it returns: seq and whether it was a
@@ -67,12 +67,25 @@ def main() -> int:
                 f.write(f"{n}\n")
                 f.flush()
 
+    # checkpoints run on their own thread while this one steps: the upload of one (remote_state invariant 5) is in
+    # flight while later steps run, the window the "checkpoint-manifest" crash point kills in
+    ckpt: threading.Thread | None = None
+
+    def checkpointer() -> None:
+        try:
+            checkpoint()
+        except BaseException as e:  # pragma: no cover - reported by the parent
+            errors.append(e)
+
     while any(t.is_alive() for t in threads):
         p.step()
-        if rng.random() < 0.3:
-            checkpoint()
+        if rng.random() < 0.3 and (ckpt is None or not ckpt.is_alive()):
+            ckpt = threading.Thread(target=checkpointer)
+            ckpt.start()
         for t in threads:
             t.join(timeout=rng.uniform(0, 0.02))
+    if ckpt is not None:
+        ckpt.join()
     if errors:
         raise errors[0]
     p.step()  # the tail pushed after the last step

@@ -32,10 +32,11 @@ SEED = int(os.environ.get("DBSP_REMOTE_KILL_SEED", random.randrange(2**31)))
 
 
 # crash points a run may be killed at instead of a timer: after the local checkpoint committed and the local logs
-# were truncated, before the upload (the store's previous manifest must still hold what recovery needs), and in
-# the middle of a step or of the pushes
-POINTS = [("checkpoint-upload", 2), ("checkpoint-gc", 2), ("checkpoint-state", 2), ("push-acked", 10),
-          ("step-run", 3)]
+# were truncated, before the upload (the store's previous manifest must still hold what recovery needs), with the
+# upload's objects in the store but not its manifest while later steps ran (remote_state invariant 5), and in the
+# middle of a step or of the pushes
+POINTS = [("checkpoint-upload", 2), ("checkpoint-manifest", 2), ("checkpoint-gc", 2), ("checkpoint-state", 2),
+          ("push-acked", 10), ("step-run", 3)]
 
 
 def _run(uri: str, cache: str, seed: int, batches: int, workers: int, run: int, kill_after: float | None,

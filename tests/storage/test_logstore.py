@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import subprocess
+import sys
 import threading
 from collections import Counter
 
@@ -17,7 +19,7 @@ import pytest
 
 import dbsp_core as dbsp
 from dbsp_core.errors import CorruptionError, DbspError, StoreUnavailableError
-from dbsp_core.storage import remote, retry
+from dbsp_core.storage import retry
 from dbsp_core.storage.location import resolve
 from dbsp_core.storage.logstore import LogStore, decode_segment, parse_segment_name
 from dbsp_core.storage.outputlog import OutputLog
@@ -165,17 +167,14 @@ def test_a_damaged_segment_is_refused(where, tmp_path):
         store.restore("input", tmp_path / "2")
 
 
-@pytest.fixture()
-def fast_retries(monkeypatch):
-    """Store calls of a pipeline retried 4 times within milliseconds (the default waits up to seconds)."""
-    monkeypatch.setattr(remote, "DEFAULT_POLICY", FAST)
-
-
-def test_a_store_that_stays_down_stops_acknowledging(s3_server, tmp_path, fast_retries):
+def test_a_store_that_stays_down_stops_acknowledging(s3_server, tmp_path):
     bucket = s3_server.bucket()
     faults = StoreFaults(s3_server.filesystem())
     store = pafs.SubTreeFileSystem(f"{bucket}/pipe", faults.fs)
-    p = dbsp.Pipeline(_circuit(), storage=store, cache_dir=str(tmp_path / "c1"), checkpoint_interval=None)
+    # store calls retried 4 times within milliseconds (the default waits up to seconds)
+    fast = dbsp.StoreOptions(attempts=4, first_delay_s=0.001, max_delay_s=0.005)
+    p = dbsp.Pipeline(_circuit(), storage=store, cache_dir=str(tmp_path / "c1"), checkpoint_interval=None,
+                      store_options=fast)
     assert p.push("t", {"k": [1], "v": [10]}, producer="p", seq=0).duplicate is False
     faults.down()
     with pytest.raises(StoreUnavailableError, match=r"failed 4 times"):
@@ -319,3 +318,43 @@ def test_store_faults_lose_no_acknowledged_push(s3_server, tmp_path):
 @pytest.mark.slow
 def test_store_faults_lose_no_acknowledged_push_long(s3_server, tmp_path):
     _fault_run(s3_server, tmp_path, pushes=600)
+
+
+_RESTORE_PEAK = """
+import os, sys
+from dbsp_core.storage.location import resolve
+from dbsp_core.storage.logstore import LogStore
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(x.split()[1]) * 1024 for x in f if x.startswith(field + ":"))
+
+store, local = sys.argv[1], sys.argv[2]
+s = LogStore(resolve("file://" + store))
+base = status("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+s.restore("input", local).close()
+print(status("VmHWM") - base)
+"""
+
+
+def test_restore_memory_does_not_grow_with_the_log(tmp_path):
+    """Rebuilding a local log from its segment objects writes it out segment by segment: the process's peak RSS
+    during the rebuild of a 64 MiB log stays under half of it (it held the whole log before the last record)."""
+    store = LogStore(resolve("file://" + str(tmp_path / "store")), group_commit_s=0)
+    log = StepLog(str(tmp_path / "input"), ship=store.restore("input", str(tmp_path / "input")))
+    payload = os.urandom(1 << 20)
+    for i in range(64):
+        log.append(i, "t", payload)
+    log.close()
+    r = subprocess.run([sys.executable, "-c", _RESTORE_PEAK, str(tmp_path / "store"), str(tmp_path / "again")],
+                       capture_output=True, text=True, check=True)
+    peak = int(r.stdout.strip())
+    print(f"peak RSS rebuilding a 64 MiB log: +{peak >> 20} MiB")
+    assert peak < 32 << 20
+    again = StepLog(str(tmp_path / "again"))
+    try:
+        assert [(r.step, r.payload) for r in again.iter_from(0)] == [(i, payload) for i in range(64)]
+    finally:
+        again.close()

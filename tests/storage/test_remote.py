@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import tracemalloc
 
 import duckdb
 import pyarrow as pa
@@ -11,9 +12,12 @@ import pyarrow.compute as pc
 import pytest
 
 import dbsp_core as dbsp
-from dbsp_core.errors import DbspError, RecoveryError
+from dbsp_core.errors import CorruptionError, DbspError, RecoveryError
 from dbsp_core.storage.formats import REMOTE_MANIFEST_DIR
+from dbsp_core.storage import remote as remote_mod
+from dbsp_core.runtime.remote_state import DOWNLOAD_THREADS, prepare_cache, restore
 from dbsp_core.storage.remote import Remote, manifest_name
+from dbsp_core.storage.remote_log import RemoteLogs
 
 SEED = int(os.environ.get("DBSP_REMOTE_SEED", random.randrange(2**31)))
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
@@ -153,7 +157,10 @@ def test_newest_complete_manifest_wins_and_is_never_overwritten(s3_server, tmp_p
     r.put(manifest_name(newest), b"DRMF\x01torn")  # a damaged newest manifest: the previous one is in force
     p = dbsp.Pipeline.open(uri, c, checkpoint_interval=None)
     try:
-        assert p._remote_state.manifest["version"] == newest - 1
+        assert p._remote_state.previous["version"] == newest - 1  # restored: the damaged newest one skipped
+        claim = p._remote_state.manifest  # the new writer's claim (storage.remote invariant 6): one version skipped
+        assert claim["version"] == newest + 2 and claim["step"] == 3
+        assert claim["writer"] == p._remote_state.lease["generation"] == 2
         # recovery from the checkpoint at step 3 replays steps 3..5 from the input log's segments: nothing
         # acknowledged is lost
         assert p.steps == 6 and p.stats["replayed_steps"] == 3
@@ -162,10 +169,12 @@ def test_newest_complete_manifest_wins_and_is_never_overwritten(s3_server, tmp_p
             _add(acc, z)
         assert acc == _duckdb(pushes)
         p.checkpoint()
-        assert p._remote_state.manifest["version"] == newest + 1  # the damaged version is not written over
+        assert p._remote_state.manifest["version"] == newest + 3  # the damaged version is not written over
     finally:
         p.close(checkpoint=False)
-    assert r.read_manifest(newest + 1)["step"] == 6
+    assert r.read_manifest(newest + 3)["step"] == 6
+    with pytest.raises((CorruptionError, FileNotFoundError)):  # damaged, then retired: never a manifest again
+        r.read_manifest(newest)
 
 
 def test_long_chain_is_compacted_into_the_page_file(s3_server):
@@ -329,7 +338,7 @@ def test_journal_keeps_committed_changes_only(tmp_path):
                 h.commit()
             sealed, start, to, valid, fresh = journal_of(path).take()
             with open(sealed, "rb") as f:
-                recs = [(op, t, k, None if v is None else bytes(v)) for op, t, k, v in _records(memoryview(f.read()))]
+                recs = list(_records(f, os.path.getsize(sealed)))
             assert (start, to, valid, fresh) == (0, 2, True, True)
             assert recs == [(1, b"t", b"a", b"1"), (1, b"t", b"b", b"2"), (2, b"", b"", (4).to_bytes(8, "little")),
                             (0, b"t", b"a", None)]
@@ -343,3 +352,63 @@ def test_journal_keeps_committed_changes_only(tmp_path):
             assert journal_of(path).take()[3] is False
     finally:
         end_journals(root)
+
+
+def test_restore_memory_does_not_grow_with_an_object(s3_server, tmp_path, monkeypatch):
+    """Restore streams every state object through bounded reads (remote_state invariant 4): the Python memory it
+    allocates at its peak (tracemalloc) stays under a few reads while the largest object is many times larger."""
+    uri = s3_server.uri(s3_server.bucket(), "pipe")
+    c = _circuit()
+    rng = random.Random(SEED + 7)
+    big = pa.table({"k": list(range(200_000)), "v": [rng.randrange(9) for _ in range(200_000)]}, schema=SCHEMA)
+    p = dbsp.Pipeline(c, workers=2, storage=uri, checkpoint_interval=None)
+    p.push("t", big)
+    want = p.step()["s"].to_dict()
+    p.close()  # the state's first checkpoint: one delta per database holding all of it
+    chunk = 64 << 10
+    monkeypatch.setattr(remote_mod, "GET_CHUNK", chunk)
+    r = Remote.of(uri, str(tmp_path / "c"))
+    largest = max(r.list("db").values())
+    cache = tmp_path / "c"
+    prepare_cache(str(cache))
+    tracemalloc.start()
+    try:
+        restore(r, str(cache), RemoteLogs(r))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    print(f"largest state object {largest} B, restore's peak Python memory {peak} B")
+    bound = 2 * DOWNLOAD_THREADS * chunk + (1 << 20)  # the reads in flight, one record, the file buffers
+    assert largest > 2 * bound, "the test needs an object larger than what restore may hold"
+    assert peak < bound
+    q = dbsp.Pipeline.open(uri, c, checkpoint_interval=None)  # and what it restored is the state
+    try:
+        got: dict = {}
+        for _, z in q.read_output("s"):
+            _add(got, z)
+        assert got == want
+        q.push("t", pa.table({"k": [1], "v": [5]}, schema=SCHEMA))
+        assert q.step()["s"].to_dict() == {(1, 1, want_s(want, 1)): -1, (1, 2, want_s(want, 1) + 5): 1}
+    finally:
+        q.close()
+
+
+def want_s(out: dict, k: int) -> int:
+    """The sum of group ``k`` in an output of "s" holding one row per group."""
+    return next(row[2] for row in out if row[0] == k)
+
+
+def test_a_damaged_delta_object_fails_the_open_and_applies_nothing(s3_server, tmp_path):
+    """A delta object whose bytes were damaged in the store is refused whole (its CRC, checked from the downloaded
+    file before any record is applied): CorruptionError naming the object; the store is left as it was."""
+    uri = s3_server.uri(s3_server.bucket(), "pipe")
+    _run(uri, _pushes(SEED + 9, 4), reopen_at=99)
+    r = Remote.of(uri, "/nonexistent")
+    deltas = sorted(n for n in r.list("db") if n.endswith(".delta") and "worker-0" in n)
+    name = deltas[-1]
+    data = bytearray(r.get(name))
+    data[len(data) // 2] ^= 0x40
+    r.put(name, bytes(data))
+    with pytest.raises(CorruptionError, match=name.replace(".", r"\.")):
+        dbsp.Pipeline.open(uri, _circuit(), cache_dir=str(tmp_path / "c"), checkpoint_interval=None)
+    assert r.get(name) == bytes(data)
