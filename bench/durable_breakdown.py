@@ -3,9 +3,10 @@
 How it measures:
 
 - The events are generated once (bench/nexmark.py's ``write_events``: one parquet file per stream and step).
-- Each run is a fresh child process running bench/nexmark.py's loop (read each step's files, push every stream,
-  step) with W workers, in memory or durable (``storage=<dir>`` beside the events, default settings); runs
-  alternate memory, durable, memory, durable ... so a load change on a shared machine hits both.
+- Each run is a fresh child process running bench/nexmark.py's loop (read each step's files, push every stream
+  with one ``push_many``, or with ``--one-by-one`` one push each, step) with W workers, in memory or durable
+  (``storage=<dir>`` beside the events, default settings); runs alternate memory, durable, memory, durable ...
+  so a load change on a shared machine hits both.
 - In a durable child the phases are timed by wrapping the functions that do them (the wrappers cost a few
   microseconds per call): the push's encode (``codec.encode_zset_parts``), each log's ``enqueue`` (CRC-32C and
   the copy into the log's buffer), its write (``pwrite`` into the page cache) and its ``fsync`` (a ``sync`` is
@@ -138,11 +139,14 @@ def child(a: dict) -> dict:
     try:
         for step in files:
             t0 = time.perf_counter()
-            for name in bench_nexmark.nexmark.SCHEMAS:
-                r0 = time.perf_counter()
-                t = pq.read_table(step[name])
-                read_s += time.perf_counter() - r0
-                p.push(name, t)
+            r0 = time.perf_counter()
+            tables = [(name, pq.read_table(step[name])) for name in bench_nexmark.nexmark.SCHEMAS]
+            read_s += time.perf_counter() - r0
+            if a.get("one_by_one"):
+                for name, t in tables:
+                    p.push(name, t)
+            else:  # as bench/nexmark.py: the step's pushes share one fsync
+                p.push_many(tables)
             events += sum(step["rows:" + name] for name in bench_nexmark.nexmark.SCHEMAS)
             p.step()
             seconds += time.perf_counter() - t0
@@ -189,6 +193,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--runs", type=int, default=3, help="memory/durable pairs per query, alternated")
     ap.add_argument("--disk-mib", type=int, default=512)
+    ap.add_argument("--one-by-one", action="store_true",
+                    help="push each stream with its own push (one fsync each), not one push_many per step")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -208,7 +214,8 @@ def main() -> None:
             for i in range(args.runs):
                 disk.append(disk_bandwidth(root, args.disk_mib))
                 for mode in ("memory", "durable"):
-                    r = run_child({"root": root, "query": q, "mode": mode, "workers": args.workers})
+                    r = run_child({"root": root, "query": q, "mode": mode, "workers": args.workers,
+                                   "one_by_one": args.one_by_one})
                     rates[mode].append(r["events"] / r["seconds"])
                     if mode == "durable":
                         durable_runs.append(r)

@@ -1,4 +1,4 @@
-"""Kill -9 tests of the durable pipeline: a real child process is killed at random moments and at named crash points (push, step division, step run, division fsync in flight, output write, checkpoint, commit, garbage collection, recovery), restarted until it finishes, and the output log is checked against DuckDB.
+"""Kill -9 tests of the durable pipeline: a real child process is killed at random moments and at named crash points (push, a push's records placed in the log but not yet fsynced, step division, step run, division fsync in flight, output write, checkpoint, commit, garbage collection, recovery), restarted until it finishes, and the output log is checked against DuckDB.
 
 Checked after every seed:
   1. the integral of every output in the log equals DuckDB over all acknowledged input;
@@ -34,7 +34,7 @@ SEEDS = int(os.environ.get("DBSP_EO_SEEDS", "200"))
 JOBS = int(os.environ.get("DBSP_EO_JOBS", "2"))
 BATCHES = 10
 HANG_S = 180  # a crash-point run still going after this long is a hang (a run takes about a second)
-POINTS = [("push-append", 12), ("push-acked", 12), ("step-divide", 6), ("step-run", 6), ("step-computed", 6),
+POINTS = [("push-append", 12), ("push-enqueued", 12), ("push-acked", 12), ("step-divide", 6), ("step-run", 6), ("step-computed", 6),
           ("step-output", 6), ("step-written", 6), ("checkpoint-start", 3), ("checkpoint-commit", 4),
           ("checkpoint-committed", 3), ("checkpoint-gc", 3), ("recover-step", 3)]
 

@@ -73,8 +73,12 @@ def to_table(handle: str, rows: list[tuple], weights: list[int]) -> pa.Table:
 
 
 def push_batch(p, seed: int, producer: str, seq: int, keyed: bool = False) -> list:
-    """Push one (producer, seq) as a single durable push (all handles of p1 under the same producer seq)."""
+    """Push one (producer, seq) as a single durable push (all handles of p1 under the same producer seq); seeds
+    with ``seed % 3 == 1`` record a batch's parts with one ``push_many`` (one fsync), the others one push each."""
     parts = batch(seed, producer, seq, keyed)
+    if seed % 3 == 1:
+        return p.push_many([{"handle": handle, "data": to_table(handle, rows, weights), "producer": f"{producer}.{k}",
+                             "seq": seq} for k, (handle, rows, weights) in enumerate(parts)])
     acks = []
     for k, (handle, rows, weights) in enumerate(parts):
         # one (producer, seq) per handle: the handle index is folded into the producer id
