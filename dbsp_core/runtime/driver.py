@@ -353,6 +353,9 @@ class Pipeline:
         self._division_sync: Future | None = None
         self._input: StepLog | None = None
         self._output: OutputLog | None = None
+        # with storage: {view: input} for views that are an input itself, logged as references to the pushes'
+        # records instead of a second copy of their rows (outputlog.py invariant 7)
+        self._ref_outputs: dict[str, str] = {}
         self._driver_db: Database | None = None
         # with an object store: the input and output logs as segment objects in it (storage/remote_log.py); a
         # push is acknowledged once the object holding it is there
@@ -445,6 +448,9 @@ class Pipeline:
                                 logs=self._remote_logs)
         self._input, self._output, self._driver_db = opened.input, opened.output, opened.driver_db
         self.consumers = opened.consumers
+        if self._remote_logs is None:  # an object store keeps its log copies apart: its output holds the rows
+            plain = {i: n for n, i in self.circuit.inputs.items() if n not in self._keys}
+            self._ref_outputs = {o: plain[i] for o, i in self.circuit.outputs.items() if i in plain}
         t0 = time.perf_counter()
         step, self.last_rescale = settle_state(root, self.executor, self.circuit, opened.layout, opened.last_rescale,
                                                rescale_to, self.stats, crashpoint, self._vfs)
@@ -882,6 +888,7 @@ class Pipeline:
             crashpoint("step-computed")  # the division record may or may not be durable yet
             self._await_division()  # invariant 3: durable before any output is written or returned
             crashpoint("step-output")
+            by_ref = self._owed is None  # a program change's first step: its views are their contents
             if self._owed is not None:  # change.py invariant 5: a rebuilt view's first output is its contents
                 for d, out in zip(run, outs):
                     self._owed.settle(d.input.step, out)
@@ -889,7 +896,7 @@ class Pipeline:
                     self._owed = None
             if self._output is not None:
                 for d, out in zip(run, outs):
-                    self._output.write(d.input.step, out, d.ranges)
+                    self._output.write(d.input.step, out, d.ranges, self._refs(d) if by_ref else None)
                     crashpoint("step-written" if not replay else "recover-step")
             self.stats["step_log_s"] += time.perf_counter() - t1
         except BaseException as exc:
@@ -912,6 +919,18 @@ class Pipeline:
         self.step_error = None
         self._advance(run)
         return outs
+
+    def _refs(self, d: Divided) -> dict[str, tuple[str, list[tuple[str, int]]]] | None:
+        """The views of step ``d`` whose change is exactly the sum of one input's pushes (the view is the input, no
+        row of it was late), as OutputLog.write takes them: written as references to the pushes' records."""
+        refs = {}
+        for view, handle in self._ref_outputs.items():
+            if d.late.get(handle, 0):
+                continue  # the input operator dropped rows: the view is not the pushes' sum
+            pairs = [(p, q) for h, p, q in d.entries if h == handle]
+            if pairs and len(set(pairs)) == len(pairs):  # pushes an older release logged may share seq 0
+                refs[view] = (handle, pairs)
+        return refs or None
 
     def _advance(self, run: list[Divided]) -> None:
         """The steps of the step run ``run`` ran and their output is logged: the pipeline moves past them."""
@@ -1132,7 +1151,9 @@ class Pipeline:
                         h.set_step(step)
                         h.commit()
                     crashpoint("checkpoint-gc")
-                    inp.truncate_below(step)  # the low watermark: the state and driver.db are both at step
+                    # the low watermark: the state and driver.db are both at step; and the output log's steps that
+                    # name pushes (outputlog.py invariant 7) keep their records
+                    inp.truncate_below(min(step, output.first) if self._ref_outputs else step)
                     # below every consumer's acknowledged step and the retention setting (storage.consumers)
                     consumers.truncate(output, step, self.output_retention)
                     self.stats["checkpoints"] += 1

@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import dbsp_core as dbsp  # noqa: E402
-from workload import PRODUCERS, batch, build_circuit, integral, oracle  # noqa: E402
+from workload import PRODUCERS, batch, build_circuit, integral, oracle, with_refs  # noqa: E402
 
 CHILD = os.path.join(HERE, "eo_kill_child.py")
 SEEDS = int(os.environ.get("DBSP_EO_SEEDS", "200"))
@@ -147,9 +147,10 @@ def check_seed(root: str, seed: int, runner=run_forked, keyed: bool = False) -> 
             lines = [x.split() for x in f.read().split("\n") if x.strip()]
         assert [int(x[0]) for x in lines] == list(range(BATCHES)), f"seed {seed}: acks of {pr} are {lines}"
         dups += sum(int(x[1]) for x in lines)
-    p = dbsp.Pipeline.open(d, build_circuit(keyed), checkpoint_interval=None)
+    refs = not keyed and with_refs(seed)
+    p = dbsp.Pipeline.open(d, build_circuit(keyed, refs), checkpoint_interval=None)
     try:
-        want = oracle(seed, {pr: BATCHES for pr in PRODUCERS}, keyed)
+        want = oracle(seed, {pr: BATCHES for pr in PRODUCERS}, keyed, refs)
         if keyed:  # the materialized state recovered: the views and the keyed table as DuckDB has them
             for name in ("by_cat", "big", "auctions"):
                 t = p.view(name, weights=True)
