@@ -14,7 +14,8 @@ Invariants (enforced here):
      push was admitted; a step is closed only when no admitted push is still being appended, and pushes wait
      while a step closes, so the log's steps never decrease and every record of step s precedes s's division.
      A step's pushes reach the executor in the log's order (the order recovery reads them in), which decides
-     which row of a key wins in a table with a primary key.
+     which row of a key wins in a table with a primary key. ``push_many`` validates all its pushes before it
+     records any, admits them together into one step and acknowledges them once one fsync covers them all.
   2. A ``(producer, seq)`` pair is counted once: it is marked seen only after its record is durable; a retry of
      a seen pair is acknowledged again (``duplicate=True``) and records nothing; a retry of a pair still being
      appended waits for it. The seen set is saved in ``driver.db`` at each checkpoint and completed on
@@ -32,7 +33,8 @@ Invariants (enforced here):
   5. A checkpoint at step X captures the executor's state at X while steps pause, then (possibly on a
      background thread, while later steps run) flushes the output log, makes the state durable, commits the
      driver's own record (seen set, clock) at X in ``driver.db``, and only then truncates the input log below
-     X (the low watermark) and drops old output (output at or after X is always kept, so replays can be
+     X (the low watermark; with a view logged by reference, outputlog.py invariant 7, below the output log's
+     first step if that is lower) and drops old output (output at or after X is always kept, so replays can be
      verified). ``driver.db``'s step never exceeds the executor's.
   6. Recovery (:meth:`Pipeline.open`, or a constructor given an existing directory) settles an interrupted layout
      change, puts the state at the newest checkpoint (step X), completes the seen set and clock from
