@@ -3,19 +3,22 @@
 How it measures:
 
 - The events are generated once (bench/nexmark.py's ``write_events``: one parquet file per stream and step).
-- Each run is a fresh child process running bench/nexmark.py's loop (read each step's files, push every stream,
-  step) with W workers, in memory or durable (``storage=<dir>`` beside the events, default settings); runs
-  alternate memory, durable, memory, durable ... so a load change on a shared machine hits both.
+- Each run is a fresh child process running bench/nexmark.py's loop (read each step's files, push every stream
+  with one ``push_many``, or with ``--one-by-one`` one push each, step) with W workers, in memory or durable
+  (``storage=<dir>`` beside the events, default settings); runs alternate memory, durable, memory, durable ...
+  so a load change on a shared machine hits both.
 - In a durable child the phases are timed by wrapping the functions that do them (the wrappers cost a few
   microseconds per call): the push's encode (``codec.encode_zset_parts``), each log's ``enqueue`` (CRC-32C and
   the copy into the log's buffer), its write (``pwrite`` into the page cache) and its ``fsync`` (a ``sync`` is
   split into ``write`` then ``sync``, which then only fsyncs), the engine (``executor.run``), the output record's
   encode, and checkpoints (foreground capture and the background thread). CPU is the calling thread's
   (``time.thread_time``); the engine's worker threads are counted in the process CPU only.
+- ``--baseline DIR``: a third run per round, durable, of an older dbsp_core (one push per stream, as before
+  ``push_many``), so the change is measured against it under the same load.
 - The disk: ``--disk-mib`` MiB written in 4 MiB ``write`` calls into a file in the same directory, fsync'd every
   16 MiB (about what one step of q0 logs) and once at the end; MiB/s = size / wall time of the whole.
 
-Run:  python bench/durable_breakdown.py --queries q0,q1,q2 --events 1000000 --runs 3
+Run:  python bench/durable_breakdown.py --queries q0,q1,q2 --events 1000000 --runs 3 [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if os.environ.get("DBSP_BREAKDOWN_CODE"):  # a --baseline child: the older dbsp_core, imported before nexmark.py
+    sys.path.insert(0, os.environ["DBSP_BREAKDOWN_CODE"])  # puts this tree first
+    import dbsp_core  # noqa: E402,F401
 
 import nexmark as bench_nexmark  # noqa: E402  (bench/nexmark.py, beside this file)
 
@@ -138,11 +144,14 @@ def child(a: dict) -> dict:
     try:
         for step in files:
             t0 = time.perf_counter()
-            for name in bench_nexmark.nexmark.SCHEMAS:
-                r0 = time.perf_counter()
-                t = pq.read_table(step[name])
-                read_s += time.perf_counter() - r0
-                p.push(name, t)
+            r0 = time.perf_counter()
+            tables = [(name, pq.read_table(step[name])) for name in bench_nexmark.nexmark.SCHEMAS]
+            read_s += time.perf_counter() - r0
+            if a.get("one_by_one"):
+                for name, t in tables:
+                    p.push(name, t)
+            else:  # as bench/nexmark.py: the step's pushes share one fsync
+                p.push_many(tables)
             events += sum(step["rows:" + name] for name in bench_nexmark.nexmark.SCHEMAS)
             p.step()
             seconds += time.perf_counter() - t0
@@ -168,9 +177,11 @@ def nexmark_circuit(query: str):
     return bench_nexmark.nexmark.circuit(query)
 
 
-def run_child(a: dict) -> dict:
+def run_child(a: dict, code: str | None = None) -> dict:
+    """One run in a fresh process; ``code``: a directory holding the dbsp_core to import instead of this tree's."""
+    env = dict(os.environ, DBSP_BREAKDOWN_CODE=code) if code else None
     r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(a)], capture_output=True,
-                       text=True)
+                       text=True, env=env)
     if r.returncode:
         raise RuntimeError(f"{a} failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -189,6 +200,11 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--runs", type=int, default=3, help="memory/durable pairs per query, alternated")
     ap.add_argument("--disk-mib", type=int, default=512)
+    ap.add_argument("--one-by-one", action="store_true",
+                    help="push each stream with its own push (one fsync each), not one push_many per step")
+    ap.add_argument("--baseline", help="a directory holding an older dbsp_core (e.g. `git archive COMMIT dbsp_core "
+                    "| tar -x -C DIR`, with this tree's built extensions copied in): its durable run, pushing one by "
+                    "one, alternates with this tree's in the same run")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -203,18 +219,22 @@ def main() -> None:
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, storage under {root}", flush=True)
         disk = []
         for q in args.queries.split(","):
-            rates: dict = {"memory": [], "durable": []}
-            durable_runs = []
+            modes = ("memory", "durable") + (("baseline",) if args.baseline else ())
+            rates: dict = {m: [] for m in modes}
+            runs: dict = {m: [] for m in modes}
             for i in range(args.runs):
                 disk.append(disk_bandwidth(root, args.disk_mib))
-                for mode in ("memory", "durable"):
-                    r = run_child({"root": root, "query": q, "mode": mode, "workers": args.workers})
+                for mode in modes:
+                    base = mode == "baseline"
+                    r = run_child({"root": root, "query": q, "mode": "durable" if base else mode,
+                                   "workers": args.workers, "one_by_one": args.one_by_one or base},
+                                  args.baseline if base else None)
                     rates[mode].append(r["events"] / r["seconds"])
-                    if mode == "durable":
-                        durable_runs.append(r)
-                    print(f"{q} {mode:>7} run {i + 1}: {r['events'] / r['seconds']:>12,.0f} events/s "
+                    runs[mode].append(r)
+                    print(f"{q} {mode:>8} run {i + 1}: {r['events'] / r['seconds']:>12,.0f} events/s "
                           f"({r['seconds']:.2f} s, process CPU {r['cpu']:.2f} s)", flush=True)
-            report(q, rates, durable_runs, disk)
+            for mode in modes[1:]:
+                report(q, mode, rates["memory"], rates[mode], runs[mode], disk)
         print(f"\ndisk, sequential write + fsync every 16 MiB, {args.disk_mib} MiB in the bench's directory: "
               f"{spread(disk)} MiB/s over {len(disk)} measurements")
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -223,19 +243,18 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def report(q: str, rates: dict, runs: list[dict], disk: list[float]) -> None:
-    mem, dur = rates["memory"], rates["durable"]
+def report(q: str, mode: str, mem: list[float], dur: list[float], runs: list[dict], disk: list[float]) -> None:
     ratio = [d / m for d, m in zip(dur, mem)]
     # bytes appended to the logs (what enqueue copied), not the directories' size at the end: a checkpoint
     # during the run truncates the input log
     mib = [sum(v[3] for k, v in r["phases"].items() if k.endswith("enqueue (CRC-32C, copy)")) / 2**20 for r in runs]
     rate_mib = [m / r["seconds"] for m, r in zip(mib, runs)]
-    print(f"\n{q}: memory {spread(mem)} events/s, durable {spread(dur)} events/s; durable / memory per pair "
+    print(f"\n{q}: memory {spread(mem)} events/s, {mode} {spread(dur)} events/s; {mode} / memory per pair "
           f"{', '.join(f'{x:.0%}' for x in ratio)}; durable logs {sum(mib) / len(mib):.0f} MiB "
           f"(on disk at the end: {', '.join(f'{k} {v / 2**20:.0f}' for k, v in runs[0]['written'].items())}) at "
           f"{spread(rate_mib)} MiB/s = {sum(rate_mib) / len(rate_mib) / (sum(disk) / len(disk)):.0%} of the disk")
     names = sorted({k for r in runs for k in r["phases"]})
-    print("| phase (durable, mean of runs) | calls | wall s | CPU s | MiB |\n|---|---|---|---|---|")
+    print(f"| phase ({mode}, mean of runs) | calls | wall s | CPU s | MiB |\n|---|---|---|---|---|")
     n = len(runs)
     print(f"| timed loop | - | {sum(r['seconds'] for r in runs) / n:.3f} | {sum(r['cpu'] for r in runs) / n:.3f} "
           f"(process) | - |")

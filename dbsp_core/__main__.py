@@ -105,7 +105,9 @@ def _inspect(args: argparse.Namespace) -> int:
           f"{info['input_steps'][0]}..{info['input_steps'][1]}"
           + (f", divided steps {div[0]}..{div[1]}" if div else ", no divided step"))
     held = f"steps {out[0]}..{out[1] - 1}" if out[1] > out[0] else "no step"
-    print(f"output log   {held} ({out[1] - out[0]} steps) in {info['output_segments']} segments")
+    refs = info.get("output_by_reference")
+    print(f"output log   {held} ({out[1] - out[0]} steps) in {info['output_segments']} segments"
+          + (f"; {refs} of them name their view's rows in the input log (kept as long as they)" if refs else ""))
     change = info.get("program_change")
     if change:
         print(f"program      changed at step {change['step']}: rebuilt {', '.join(change['rebuilt']) or 'no view'} "

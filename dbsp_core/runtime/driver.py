@@ -14,7 +14,8 @@ Invariants (enforced here):
      push was admitted; a step is closed only when no admitted push is still being appended, and pushes wait
      while a step closes, so the log's steps never decrease and every record of step s precedes s's division.
      A step's pushes reach the executor in the log's order (the order recovery reads them in), which decides
-     which row of a key wins in a table with a primary key.
+     which row of a key wins in a table with a primary key. ``push_many`` validates all its pushes before it
+     records any, admits them together into one step and acknowledges them once one fsync covers them all.
   2. A ``(producer, seq)`` pair is counted once: it is marked seen only after its record is durable; a retry of
      a seen pair is acknowledged again (``duplicate=True``) and records nothing; a retry of a pair still being
      appended waits for it. The seen set is saved in ``driver.db`` at each checkpoint and completed on
@@ -32,7 +33,8 @@ Invariants (enforced here):
   5. A checkpoint at step X captures the executor's state at X while steps pause, then (possibly on a
      background thread, while later steps run) flushes the output log, makes the state durable, commits the
      driver's own record (seen set, clock) at X in ``driver.db``, and only then truncates the input log below
-     X (the low watermark) and drops old output (output at or after X is always kept, so replays can be
+     X (the low watermark; with a view logged by reference, outputlog.py invariant 7, below the output log's
+     first step if that is lower) and drops old output (output at or after X is always kept, so replays can be
      verified). ``driver.db``'s step never exceeds the executor's.
   6. Recovery (:meth:`Pipeline.open`, or a constructor given an existing directory) settles an interrupted layout
      change, puts the state at the newest checkpoint (step X), completes the seen set and clock from
@@ -134,6 +136,17 @@ class Ack(NamedTuple):
     producer: str
     seq: int
     duplicate: bool
+
+
+class _Prepared(NamedTuple):
+    """A validated push (and with storage its encoded record) not yet recorded."""
+
+    handle: str
+    z: ZSet
+    payload: list | None  # the input-log record's parts (None in memory)
+    nbytes: int
+    producer: str | None
+    seq: int | None
 
 
 def _fmt(s: pa.Schema) -> str:
@@ -358,6 +371,9 @@ class Pipeline:
         self._division_sync: Future | None = None
         self._input: StepLog | None = None
         self._output: OutputLog | None = None
+        # with storage: {view: input} for views that are an input itself, logged as references to the pushes'
+        # records instead of a second copy of their rows (outputlog.py invariant 7)
+        self._ref_outputs: dict[str, str] = {}
         self._driver_db: Database | None = None
         # with an object store: the input and output logs as segment objects in it (storage/remote_log.py); a
         # push is acknowledged once the object holding it is there
@@ -456,6 +472,9 @@ class Pipeline:
                                 logs=self._remote_logs)
         self._input, self._output, self._driver_db = opened.input, opened.output, opened.driver_db
         self.consumers = opened.consumers
+        if self._remote_logs is None:  # an object store keeps its log copies apart: its output holds the rows
+            plain = {i: n for n, i in self.circuit.inputs.items() if n not in self._keys}
+            self._ref_outputs = {o: plain[i] for o, i in self.circuit.outputs.items() if i in plain}
         t0 = time.perf_counter()
         step, self.last_rescale = settle_state(root, self.executor, self.circuit, opened.layout, opened.last_rescale,
                                                rescale_to, self.stats, crashpoint, self._vfs)
@@ -593,8 +612,60 @@ class Pipeline:
         With storage, returns an :class:`Ack` once the push is durable in the input log; with ``producer`` and
         ``seq`` the push is idempotent across crashes: a pair already recorded is acknowledged again with
         ``duplicate=True`` and counted once. Keep each producer's seqs dense from 0 (any order) to keep the
-        dedup state small. Thread-safe: concurrent pushes share fsyncs. In memory, returns None.
+        dedup state small. Thread-safe: concurrent pushes share fsyncs (so do the pushes of one :meth:`push_many`).
+        In memory, returns None.
         """
+        return self._push_all([self._prepare(handle, data, weights, producer, seq)])[0]
+
+    def push_many(self, pushes: Any) -> list[Ack | None]:
+        """Several pushes, each as :meth:`push` takes it, recorded together: one fsync of the input log for all of
+        them instead of one each; returns their acknowledgements in order (with storage, once all are durable).
+
+        Each item is a tuple ``(handle, data)`` or ``(handle, data, weights)``, or a dict of :meth:`push`'s
+        arguments (``handle``, ``data`` and optionally ``weights``, ``producer``, ``seq``). Every item is validated
+        before any is recorded: one bad item raises and records none (invariant 1). The pushes belong to one
+        step, in this order (the input log's); a ``(producer, seq)`` already recorded is acknowledged as a
+        duplicate, and one named twice in the list raises ValueError. A crash before this returns may keep any
+        prefix of the new pushes (none acknowledged): retry them with the same producer and seq.
+
+        >>> import pyarrow as pa
+        >>> import dbsp_core as dbsp
+        >>> c = dbsp.Circuit()
+        >>> s = pa.schema([("x", pa.int64())])
+        >>> c.output("a", c.input("a", s)); c.output("b", c.input("b", s))
+        >>> p = dbsp.Pipeline(c)
+        >>> p.push_many([("a", [(1,)]), {"handle": "b", "data": [(2,)], "weights": [3]}])
+        [None, None]
+        >>> out = p.step(); out["a"].to_dict(), out["b"].to_dict()
+        ({(1,): 1}, {(2,): 3})
+        """
+        self._check_usable()
+        if isinstance(pushes, (str, bytes, dict)) or not hasattr(pushes, "__iter__"):
+            raise TypeError(f"push_many: give a list of pushes ((handle, data[, weights]) tuples or dicts of push's "
+                            f"arguments), got {type(pushes).__name__}")
+        prepared = []
+        for i, item in enumerate(pushes):
+            if isinstance(item, dict):
+                unknown = set(item) - {"handle", "data", "weights", "producer", "seq"}
+                if unknown or "handle" not in item or "data" not in item:
+                    raise TypeError(f"push_many: item {i} must name handle and data (and optionally weights, "
+                                    f"producer, seq); got keys {sorted(item)}")
+                args = (item["handle"], item["data"], item.get("weights"), item.get("producer"), item.get("seq"))
+            elif isinstance(item, tuple) and len(item) in (2, 3):
+                args = (item[0], item[1], item[2] if len(item) == 3 else None, None, None)
+            else:
+                raise TypeError(f"push_many: item {i} must be a (handle, data[, weights]) tuple or a dict of push's "
+                                f"arguments, got {type(item).__name__}")
+            prepared.append(self._prepare(*args))
+        named = [(x.producer, x.seq) for x in prepared if x.producer is not None]
+        if len(set(named)) != len(named):
+            twice = sorted({k for k in named if named.count(k) > 1})
+            raise ValueError(f"push_many: (producer, seq) {twice[0]} is named more than once in one call; each push "
+                             f"needs its own seq")
+        return self._push_all(prepared) if prepared else []
+
+    def _prepare(self, handle: str, data: Any, weights: Any, producer: str | None, seq: int | None) -> "_Prepared":
+        """Validate one push completely and, with storage, encode its record (invariant 1); records nothing."""
         self._check_usable()
         if (producer is None) != (seq is None):
             raise TypeError("push: give both producer= and seq=, or neither")
@@ -619,70 +690,92 @@ class Pipeline:
         if handle in self._keys:  # operators/upsert.py invariant 2: refused before anything is recorded
             check_keyed(z, self._keys[handle], f"push({handle!r})")
         if self.storage is None:
-            self._metrics.pushed(handle, z.num_rows)
-            with self._cond:
-                self._queued(z.num_rows, z.data.nbytes + z.weights.nbytes)
-                self._pending.append((handle, z))
-                self._step_inputs.append((handle, "", self._anon_seq))
-                self._anon_seq += 1
-            return None
+            return _Prepared(handle, z, None, z.data.nbytes + z.weights.nbytes, producer, seq)
         if not z.weights.flags.writeable:  # Arrow-backed weights are read-only; the kernels need writable ones
             z = ZSet._make(z.data, z.weights.copy())
         head, body = encode_zset_parts(z)  # gathered by the log, never joined into one more copy of the push
-        payload, nbytes = [head, body], len(head) + body.size
+        nbytes = len(head) + body.size
         if nbytes > MAX_PUSH_BYTES:  # invariant 1: refused before anything is recorded
             raise ValueError(f"push({handle!r}): the batch is {nbytes} bytes encoded, more than the limit of "
                              f"{MAX_PUSH_BYTES} bytes of one input-log record; push it in smaller parts")
-        prod, sq = producer or "", seq or 0
+        return _Prepared(handle, z, [head, body], nbytes, producer, seq)
+
+    def _push_all(self, batch: list["_Prepared"]) -> list[Ack | None]:
+        """Record validated pushes (invariants 1 and 2): admit them together into the open step, append their
+        records to the input log and fsync once, then queue them; returns their acknowledgements in order."""
+        if self.storage is None:
+            for x in batch:
+                self._metrics.pushed(x.handle, x.z.num_rows)
+            with self._cond:
+                for x in batch:
+                    self._queued(x.z.num_rows, x.nbytes)
+                    self._pending.append((x.handle, x.z))
+                    self._step_inputs.append((x.handle, "", self._anon_seq))
+                    self._anon_seq += 1
+            return [None] * len(batch)
+        acks: list[Ack | None] = [None] * len(batch)
         with self._cond:
-            if producer is None:
-                sq, self._anon_seq = self._anon_seq, self._anon_seq + 1  # an anonymous push's own seq
-            while True:
+            while True:  # admitted all at once: a batch never holds some pairs while it waits for others
                 if self._stopping:
-                    raise DbspError(f"push({handle!r}): the pipeline is closing; nothing was recorded")
-                if self._closing:
+                    raise DbspError(f"push({batch[0].handle!r}): the pipeline is closing; nothing was recorded")
+                if self._closing or any((x.producer, x.seq) in self._inflight_keys for x in batch
+                                        if x.producer is not None):
                     self._cond.wait()
                     continue
-                if producer is not None:
-                    if self._seen.has(prod, sq):
-                        self.stats["duplicates"] += 1
-                        return Ack(None, prod, sq, True)
-                    if (prod, sq) in self._inflight_keys:
-                        self._cond.wait()
-                        continue
-                    self._inflight_keys.add((prod, sq))
                 break
+            new = []
+            for i, x in enumerate(batch):
+                if x.producer is None:
+                    new.append((i, x, "", self._anon_seq))  # an anonymous push's own seq
+                    self._anon_seq += 1
+                elif self._seen.has(x.producer, x.seq):
+                    self.stats["duplicates"] += 1
+                    acks[i] = Ack(None, x.producer, x.seq, True)
+                else:
+                    new.append((i, x, x.producer, x.seq))
+                    self._inflight_keys.add((x.producer, x.seq))
+            if not new:
+                return acks
             step = self._open_step
-            self._inflight += 1
+            self._inflight += len(new)
+        tickets: list[int] = []
         try:
             crashpoint("push-append")
             assert self._input is not None
-            ticket = self._input.append(step, handle, payload, producer=prod, seq=sq)  # its place in the log
+            for _, x, prod, sq in new[:-1]:  # placed in the log's order one after the other, fsynced together
+                tickets.append(self._input.enqueue(step, x.handle, x.payload, producer=prod, seq=sq))
+            if tickets:
+                crashpoint("push-enqueued")  # in the log's order, not yet durable: a crash may keep any prefix
+            _, x, prod, sq = new[-1]
+            tickets.append(self._input.append(step, x.handle, x.payload, producer=prod, seq=sq))  # the one fsync
             crashpoint("push-acked")
         except BaseException as exc:
-            # the record may or may not be durable: only recovery (which reads the log) can tell, so a retry in
-            # this process could count it twice; stop accepting work (like a failed fsync in a database). A
-            # ValueError is the log refusing the record before it entered the log: nothing was written.
+            # the records may or may not be durable: only recovery (which reads the log) can tell, so a retry in
+            # this process could count one twice; stop accepting work (like a failed fsync in a database). A
+            # ValueError of the first record is the log refusing it before it entered the log: nothing was written.
             with self._cond:
-                if not isinstance(exc, ValueError):
+                if tickets or not isinstance(exc, ValueError):
                     self._broken = exc
-                self._inflight -= 1
-                self._inflight_keys.discard((prod, sq))
+                self._inflight -= len(new)
+                for _, _, prod, sq in new:
+                    self._inflight_keys.discard((prod, sq))
                 self._cond.notify_all()
             raise
         with self._cond:
-            self._queued(z.num_rows, nbytes)
-            self._pending.append((handle, z))
-            self._step_inputs.append((handle, prod, sq))
-            self._tickets[(handle, prod, sq)] = ticket
-            if producer is not None:
-                self._seen.add(prod, sq)
-                self._inflight_keys.discard((prod, sq))
-            self._inflight -= 1
-            self.stats["pushes"] += 1
-            self._metrics.pushed(handle, z.num_rows)
+            for (i, x, prod, sq), ticket in zip(new, tickets):
+                self._queued(x.z.num_rows, x.nbytes)
+                self._pending.append((x.handle, x.z))
+                self._step_inputs.append((x.handle, prod, sq))
+                self._tickets[(x.handle, prod, sq)] = ticket
+                if x.producer is not None:
+                    self._seen.add(prod, sq)
+                    self._inflight_keys.discard((prod, sq))
+                self.stats["pushes"] += 1
+                self._metrics.pushed(x.handle, x.z.num_rows)
+                acks[i] = Ack(step, prod, sq, False)
+            self._inflight -= len(new)
             self._cond.notify_all()
-        return Ack(step, prod, sq, False)
+        return acks
 
     def _queued(self, rows: int, nbytes: int) -> None:
         """A push joins the backlog (call with ``_cond``)."""
@@ -820,6 +913,7 @@ class Pipeline:
             crashpoint("step-computed")  # the division record may or may not be durable yet
             self._await_division()  # invariant 3: durable before any output is written or returned
             crashpoint("step-output")
+            by_ref = self._owed is None  # a program change's first step: its views are their contents
             if self._owed is not None:  # change.py invariant 5: a rebuilt view's first output is its contents
                 for d, out in zip(run, outs):
                     self._owed.settle(d.input.step, out)
@@ -827,7 +921,7 @@ class Pipeline:
                     self._owed = None
             if self._output is not None:
                 for d, out in zip(run, outs):
-                    self._output.write(d.input.step, out, d.ranges)
+                    self._output.write(d.input.step, out, d.ranges, self._refs(d) if by_ref else None)
                     crashpoint("step-written" if not replay else "recover-step")
             self.stats["step_log_s"] += time.perf_counter() - t1
         except BaseException as exc:
@@ -850,6 +944,18 @@ class Pipeline:
         self.step_error = None
         self._advance(run)
         return outs
+
+    def _refs(self, d: Divided) -> dict[str, tuple[str, list[tuple[str, int]]]] | None:
+        """The views of step ``d`` whose change is exactly the sum of one input's pushes (the view is the input, no
+        row of it was late), as OutputLog.write takes them: written as references to the pushes' records."""
+        refs = {}
+        for view, handle in self._ref_outputs.items():
+            if d.late.get(handle, 0):
+                continue  # the input operator dropped rows: the view is not the pushes' sum
+            pairs = [(p, q) for h, p, q in d.entries if h == handle]
+            if pairs and len(set(pairs)) == len(pairs):  # pushes an older release logged may share seq 0
+                refs[view] = (handle, pairs)
+        return refs or None
 
     def _advance(self, run: list[Divided]) -> None:
         """The steps of the step run ``run`` ran and their output is logged: the pipeline moves past them."""
@@ -1092,7 +1198,9 @@ class Pipeline:
                         h.set_step(step)
                         h.commit()
                     crashpoint("checkpoint-gc")
-                    inp.truncate_below(step)  # the low watermark: the state and driver.db are both at step
+                    # the low watermark: the state and driver.db are both at step; and the output log's steps that
+                    # name pushes (outputlog.py invariant 7) keep their records
+                    inp.truncate_below(min(step, output.first) if self._ref_outputs else step)
                     # below every consumer's acknowledged step and the retention setting (storage.consumers)
                     consumers.truncate(output, step, self.output_retention)
                     self.stats["checkpoints"] += 1

@@ -139,13 +139,13 @@ def open_directory(root: str, executor: Executor, circuit: Circuit, fingerprint:
         opened.callback(inp.close)
         try:
             out = OutputLog(os.path.join(root, OUTPUT_DIR), outputs, check=replay_check, sync=output_sync,
-                            segment_bytes=segment_bytes, since=(old or {}).get("since"), ship=ship_out)
+                            segment_bytes=segment_bytes, since=(old or {}).get("since"), ship=ship_out, input_log=inp)
         except CorruptionError:  # output is a function of input: rebuild it if the lost steps are replayed
             rebuilt = rebuild_output(root)
             stats["output_rebuilt"] = {k: rebuilt[k] for k in ("kept", "missing", "backup")}
             out = OutputLog(os.path.join(root, OUTPUT_DIR), outputs, check=replay_check, sync=output_sync,
                             segment_bytes=segment_bytes, expect=rebuilt["expect"], since=(old or {}).get("since"),
-                            ship=ship_out)
+                            ship=ship_out, input_log=inp)
         opened.callback(out.close)
         if logs is not None:
             logs.opened(out)

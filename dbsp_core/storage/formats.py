@@ -71,7 +71,10 @@ magic       where                                   body
 ``DDSC``    input log record, handle "\\x00discard"   JSON: input, producer, seq (of the push dropped by
             (its producer and seq name the push)    ``Pipeline.discard``), step (the step it was in)
 ``DZS1``    input log push payloads; values of       Arrow IPC stream of the data columns plus int64
-            ``z<node>.<attr>`` state tables          ``__dbsp_weight``
+            ``z<node>.<attr>`` state tables; output  ``__dbsp_weight``; in an output log record, format
+            log record parts                        version 3 (``OUTPUT_REF_VERSION``): JSON input, pushes
+                                                    ([producer, seq] of the input log records of the same
+                                                    step whose sum the output is; outputlog.py invariant 7)
 ``DRB1``    values of ``s<node>.<attr>`` tables      one schema-less Arrow IPC record batch (rows of one
                                                     shard of one trace batch, sorted by key hash)
 ``DRBG``    values of ``s<node>.<attr>`` tables      u32 run count, u32 run lengths, then one Arrow IPC
@@ -203,6 +206,9 @@ STEPLOG_RECORD_MAGIC = b"DSLR"  # the frame of a format-2 step log record (csrc/
 BATCH_FILE_MAGIC = b"DBSPBTCH"  # the header of a batch file (dbsp_core/trace/batchfile.py)
 BATCH_FILE_FOOTER_MAGIC = b"DBSPBTFT"  # its footer
 BATCH_FILE_VERSION = 1
+# an output-log part with magic ZSET_MAGIC and this format version names pushes in the input log instead of
+# holding rows (dbsp_core/storage/outputlog.py invariant 7; written since 2026-11-28, older builds refuse it)
+OUTPUT_REF_VERSION = 3
 
 REMOTE_MANIFEST_DIR = "manifest"  # object-store layout (dbsp_core.storage.remote)
 REMOTE_STATE_DIR = "db"

@@ -116,7 +116,10 @@ def _inspect(root: str, meta: dict, check_files: bool = True) -> dict:
     odir = os.path.join(root, OUTPUT_DIR)
     out = OutputLog(odir, {n: pa.schema([]) for n in meta["outputs"]}, readonly=True)
     info["output_steps"] = [out.first, out.last]
-    out.close()
+    try:
+        info["output_by_reference"] = out.steps_by_reference()  # outputlog.py invariant 7
+    finally:
+        out.close()
     info["output_segments"] = len([n for n in os.listdir(odir) if n.endswith(".seg")])
     sizes = {}
     for part in (INPUT_DIR, OUTPUT_DIR, STATE_DIR):

@@ -24,13 +24,24 @@ Invariants (enforced here):
   6. ``readonly=True`` never changes a file and may run in another process while the writer appends: a
      record is shown only once it is complete, and :meth:`OutputLog.refresh` shows new steps and forgets
      dropped ones.
+  7. An output whose change is exactly the sum of one input's pushes of the step (the view is the input
+     itself; the writer decides, dbsp_core.runtime.driver) may be written as a *reference* to those pushes
+     instead of a second copy of their rows: it names the input and the (producer, seq) of each push, whose
+     records the input log (the directory ``input`` beside this one) holds under the same step. Reading it
+     decodes those records, sums and consolidates them: every reader (``get``, ``read``, the replay check)
+     sees the same rows as from a copy. The writer keeps the input log's records as long as the output steps
+     that name them (Pipeline's checkpoint truncates the input log below the output log's first step);
+     records it cannot find raise LookupError if the input log was truncated past them, else CorruptionError.
 
 Byte layout of a record (step-log record: step = the step, empty handle and producer, seq 0; little-endian):
 the payload is ``u32 n`` (the number of outputs + 1) | ``u32 m`` | ``m`` bytes of UTF-8 JSON
 ``{"step": s, "outputs": [names in order], "inputs": [{"handle", "producer", "first_seq", "last_seq",
 "pushes"}]}`` | then per output, in the order named: ``u32 k`` | ``k`` bytes of
 :func:`dbsp_core.codec.encode_zset` (header ``DZS1``, version, checksum, then an Arrow IPC stream of the
-columns and ``__dbsp_weight``). This is byte for byte the body of a format-1 record. Each output's rows are
+columns and ``__dbsp_weight``), or a reference (invariant 7): header ``DZS1`` with format version
+``OUTPUT_REF_VERSION`` (3; older builds refuse it with FormatVersionError) and the CRC-32C of the body, then UTF-8
+JSON ``{"input": handle, "pushes": [[producer, seq], ...]}`` (written since 2026-11-28). Without references this
+is byte for byte the body of a format-1 record. Each output's rows are
 consolidated (no two equal, no zero weight) but in no particular order: a change that a step's operators produced
 distinct is written as it is (since 2026-11-27; earlier records are in canonical order), so a reader that needs
 the order sorts.
@@ -47,16 +58,69 @@ from typing import Iterator
 import pyarrow as pa
 
 from dbsp_core import _storage
+from dbsp_core._storage import crc32c
 from dbsp_core.codec import decode_zset, encode_zset_parts
 from dbsp_core.errors import CorruptionError, ReplayMismatchError
-from dbsp_core.storage.formats import segment_name
+from dbsp_core.storage.formats import INPUT_DIR, OUTPUT_REF_VERSION, ZSET_MAGIC, segment_name
 from dbsp_core.storage.logstore import LogShipper, ShippedLog
 from dbsp_core.storage.outputlog_format1 import Format1Segments
+from dbsp_core.storage.steplog import StepLog
 from dbsp_core.zset import ZSet
 
 __all__ = ["OutputLog"]
 
 _U32 = struct.Struct("<I")
+_HEAD = struct.Struct("<4sBI")  # the header of a part: magic, format version, CRC-32C of what follows (codec's)
+
+
+def _ref_part(handle: str, pushes: list[tuple[str, int]]) -> bytes:
+    """An output's part that names the pushes whose sum it is (invariant 7)."""
+    body = json.dumps({"input": handle, "pushes": [list(p) for p in pushes]}).encode("utf-8")
+    return _HEAD.pack(ZSET_MAGIC, OUTPUT_REF_VERSION, crc32c(body)) + body
+
+
+def _is_ref(part: memoryview) -> bool:
+    return len(part) >= _HEAD.size and part[4] == OUTPUT_REF_VERSION and bytes(part[:4]) == ZSET_MAGIC
+
+
+def _parts(body: memoryview) -> list[memoryview]:
+    """The parts of a record's payload (the byte layout above); struct.error or IndexError if malformed."""
+    (count,), pos, parts = _U32.unpack_from(body), _U32.size, []
+    for _ in range(count):
+        (n,) = _U32.unpack_from(body, pos)
+        if pos + 4 + n > len(body):
+            raise struct.error("part runs past the record")
+        parts.append(body[pos + 4:pos + 4 + n])
+        pos += 4 + n
+    return parts
+
+
+def _ref_body(part: memoryview, where: str) -> dict:
+    (crc,) = struct.unpack_from("<I", part, 5)
+    body = part[_HEAD.size:]
+    if crc32c(body) != crc:
+        raise CorruptionError(f"{where}: checksum mismatch of the reference to the input log")
+    try:
+        ref = json.loads(bytes(body).decode("utf-8"))
+        return {"input": str(ref["input"]), "pushes": [(str(p), int(q)) for p, q in ref["pushes"]]}
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptionError(f"{where}: malformed reference to the input log ({e})") from e
+
+
+def named_pushes(payload: bytes, where: str) -> list[tuple[str, str, int]]:
+    """``(input, producer, seq)`` of every push a record's references name (invariant 7), read without decoding
+    any rows (``dbsp repair`` checks them against what a damaged input log still holds); CorruptionError if the
+    record is malformed."""
+    try:
+        parts = _parts(memoryview(payload))
+    except (struct.error, IndexError) as e:
+        raise CorruptionError(f"{where}: malformed output record ({e})") from e
+    out = []
+    for part in parts[1:]:
+        if _is_ref(part):
+            ref = _ref_body(part, where)
+            out += [(ref["input"], p, q) for p, q in ref["pushes"]]
+    return out
 
 
 class OutputLog:
@@ -87,6 +151,9 @@ class OutputLog:
         appended step found here is verified against it, as a replayed step is (invariant 1).
     since
         ``{output name: first step of its current definition}`` (invariant 5); an output not named: step 0.
+    input_log
+        The pipeline's input log (a writer passes its own), read to resolve references (invariant 7); None: the
+        ``input`` directory beside ``path`` is opened read-only when the first reference is read.
 
     Examples
     --------
@@ -105,8 +172,9 @@ class OutputLog:
     def __init__(self, path: str, schemas: dict[str, pa.Schema], *, check: bool = True, sync: bool = True,
                  segment_bytes: int = 16 << 20, readonly: bool = False, vfs: str = "posix",
                  expect: dict[int, bytes] | None = None, since: dict[str, int] | None = None,
-                 ship: LogShipper | None = None) -> None:
+                 ship: LogShipper | None = None, input_log: StepLog | None = None) -> None:
         self.path = os.fspath(path)
+        self._input_log, self._own_input = input_log, False  # invariant 7; opened on the first reference if None
         self.schemas = dict(schemas)
         self.since = dict(since or {})
         self.names = list(self.schemas)
@@ -185,21 +253,28 @@ class OutputLog:
 
     # ---- write ----
 
-    def _encode(self, step: int, outputs: dict[str, ZSet], inputs: list) -> list:
+    def _encode(self, step: int, outputs: dict[str, ZSet], inputs: list, refs: dict | None = None) -> list:
         """The payload of ``step``'s record as a list of buffers (gathered by the log, not joined here)."""
         meta = json.dumps({"step": step, "outputs": self.names, "inputs": inputs}).encode("utf-8")
         chunks: list = [_U32.pack(len(self.names) + 1), _U32.pack(len(meta)), meta]
         for n in self.names:
+            if refs and n in refs:  # invariant 7: the pushes' records stand for the rows
+                part = _ref_part(*refs[n])
+                chunks += [_U32.pack(len(part)), part]
+                continue
             # a change an operator produced distinct (no equal rows, no zero weight) is stored as it is: sorting it
             # into canonical order costs, and no reader needs it
             head, blob = encode_zset_parts(outputs[n]._distinct_rows())
             chunks += [_U32.pack(len(head) + blob.size), head, blob]
         return chunks
 
-    def write(self, step: int, outputs: dict[str, ZSet], inputs: list | None = None) -> str:
+    def write(self, step: int, outputs: dict[str, ZSet], inputs: list | None = None,
+              refs: dict[str, tuple[str, list[tuple[str, int]]]] | None = None) -> str:
         """Record ``outputs`` (``{name: change}``) of ``step``; returns 'discarded', 'replayed' or 'appended'.
 
-        ``inputs`` describes the input that produced the step (see :meth:`inputs_of`).
+        ``inputs`` describes the input that produced the step (see :meth:`inputs_of`). ``refs`` names outputs
+        whose change is the sum of the pushes ``(producer, seq)`` of one input in this step, already durable in
+        the input log: ``{output: (input, [(producer, seq), ...])}``; they are written as references (invariant 7).
         """
         if self.readonly:
             raise ValueError("output log: opened read-only")
@@ -225,7 +300,7 @@ class OutputLog:
                         raise ReplayMismatchError(
                             f"step {step} computed again after the output log's rebuild gave a different change of "
                             f"output {n!r} than the intact record the rebuild kept")
-            ticket = self._log.enqueue(step, b"", b"", 0, self._encode(step, outputs, inputs or []))
+            ticket = self._log.enqueue(step, b"", b"", 0, self._encode(step, outputs, inputs or [], refs))
             if self.sync:
                 self._log.sync(ticket)
             else:
@@ -254,13 +329,7 @@ class OutputLog:
 
     def _decode(self, step: int, body: memoryview, where: str) -> tuple[dict, dict[str, ZSet]]:
         try:
-            (count,), pos, parts = _U32.unpack_from(body), _U32.size, []
-            for _ in range(count):
-                (n,) = _U32.unpack_from(body, pos)
-                if pos + 4 + n > len(body):
-                    raise struct.error("part runs past the record")
-                parts.append(body[pos + 4:pos + 4 + n])
-                pos += 4 + n
+            parts = _parts(body)
             meta = json.loads(bytes(parts[0]).decode("utf-8"))
         except (struct.error, IndexError, ValueError) as e:
             raise CorruptionError(f"{where}: record of output step {step} is malformed ({e})") from e
@@ -269,9 +338,36 @@ class OutputLog:
         current = [n for n in self.names if self.since.get(n, 0) <= step]  # invariant 5
         if not set(current) <= set(meta["outputs"]) or len(parts) != len(meta["outputs"]) + 1:
             raise CorruptionError(f"{where}: step {step} holds outputs {meta['outputs']}, expected {current}")
-        zs = {n: decode_zset(bytes(p), self.schemas[n], f"{where} step {step} output {n}")
+        zs = {n: self._resolve(step, p, self.schemas[n], f"{where} step {step} output {n}") if _is_ref(p) else
+              decode_zset(bytes(p), self.schemas[n], f"{where} step {step} output {n}")
               for n, p in zip(meta["outputs"], parts[1:]) if n in self.schemas and self.since.get(n, 0) <= step}
         return meta, zs
+
+    def _resolve(self, step: int, part: memoryview, schema: pa.Schema, where: str) -> ZSet:
+        """The change a reference part names (invariant 7): the sum of its pushes' records in the input log."""
+        ref = _ref_body(part, where)
+        handle, want = ref["input"], set(ref["pushes"])
+        if self._input_log is None:
+            self._input_log = StepLog(os.path.join(os.path.dirname(os.path.abspath(self.path)), INPUT_DIR),
+                                      readonly=True)
+            self._own_input = True
+        for attempt in range(2):  # a reader's view of the input log may predate the writer's last records
+            found = [r for r in self._input_log.read(step) if r.handle == handle and (r.producer, r.seq) in want]
+            if len(found) == len(want) and len({(r.producer, r.seq) for r in found}) == len(want):
+                break
+            if attempt == 0 and self._own_input:
+                self._input_log.refresh()
+        else:
+            first = self._input_log.first_step
+            missing = sorted(want - {(r.producer, r.seq) for r in found})[:5]
+            if first is None or step < first:
+                raise LookupError(f"{where}: the input log no longer holds step {step}, whose pushes this output "
+                                  f"step names (the input log was truncated past the output log's first step)")
+            raise CorruptionError(f"{where}: the input log holds {len(found)} of the {len(want)} pushes of input "
+                                  f"{handle!r} this output step names (missing e.g. {missing})")
+        zs = [decode_zset(r.payload, schema, f"{where} (input {handle!r} push {r.producer!r}, {r.seq})")
+              for r in found]
+        return ZSet.concat(zs).consolidate() if zs else ZSet.empty(schema)
 
     def get(self, step: int) -> dict[str, ZSet]:
         """Every output's change of ``step`` (those whose current definition it ran, invariant 5); KeyError if the
@@ -311,6 +407,21 @@ class OutputLog:
             yield step, z
             step += 1
 
+    def steps_by_reference(self) -> int:
+        """How many steps of the log name pushes in the input log instead of holding a view's rows (invariant 7);
+        reads every record (``dbsp inspect``)."""
+        with self._lock:
+            n, seg, off = 0, 0, 0
+            while True:
+                recs, seg, off = self._log.read(0, 2**63 - 1, 4 << 20, seg, off)
+                for r in recs:
+                    try:
+                        n += any(_is_ref(p) for p in _parts(memoryview(r[4]))[1:])
+                    except (struct.error, IndexError) as e:
+                        raise CorruptionError(f"{self.path}: record of output step {r[0]} is malformed ({e})") from e
+                if not seg:
+                    return n
+
     # ---- retention ----
 
     def truncate_below(self, step: int) -> int:
@@ -343,3 +454,5 @@ class OutputLog:
                     self._log.sync(self._ticket)
             finally:
                 self._log.close()
+                if self._own_input:
+                    self._input_log.close()

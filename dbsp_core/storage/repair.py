@@ -30,6 +30,9 @@ Invariants (enforced here):
      ``--drop-output FIRST..LAST``): the output of every step below the last damaged step under the checkpoint
      goes with it (the log is contiguous), and the new log starts after it, as if retention had dropped them.
      State and input are kept, so every push still counts once; only their output can no longer be read.
+  5b. An intact output record whose references (outputlog.py invariant 7) name a push the repaired input log
+     no longer holds at that step is as good as damaged: its view's rows were only in the lost record. It is
+     treated as a missing output step by invariants 4 and 5 (below the checkpoint: dropped only with consent).
   6. The other files: META cannot be rebuilt (it names the circuit); a state database's damaged newest version
      is given up (``Database.open`` of the one before, closed without commit) only when every state database
      holds that one intact and the input log and driver.db still go back to its step; LAYOUT is rebuilt from
@@ -168,13 +171,30 @@ def _output_steps(got: Salvaged, where: str) -> dict[int, bytes]:
     return out
 
 
-def _plan_output(root: str, below: int | None, drop: tuple[int, int] | None) -> dict[str, Any]:
-    """What a rebuilt output log keeps (invariants 4 and 5): ``{"intact", "first", "keep": (k, cut), "x",
-    "missing", "damaged", "dropped"}``. CorruptionError (nothing changed) when output history the replay cannot
-    compute again would go and ``drop`` does not consent to exactly that, naming the option that does."""
+def _unnamed_refs(root: str, held: set[tuple[int, str, str, int]]) -> list[int]:
+    """The intact output steps whose references name a push that ``held`` ((step, input, producer, seq) of the
+    records the repaired input log keeps at their step) lacks (invariant 5b)."""
+    from dbsp_core.storage.outputlog import named_pushes
+
+    odir = os.path.join(root, OUTPUT_DIR)
+    if not os.path.isdir(odir):
+        return []
+    return sorted(s for s, payload in _output_steps(salvage(odir), odir).items()
+                  if any((s, h, p, q) not in held for h, p, q in named_pushes(payload, f"{odir} step {s}")))
+
+
+def _plan_output(root: str, below: int | None, drop: tuple[int, int] | None,
+                 held: set[tuple[int, str, str, int]] | None = None) -> dict[str, Any]:
+    """What a rebuilt output log keeps (invariants 4, 5 and 5b: with ``held``, the records whose references name
+    a push it lacks count as missing): ``{"intact", "first", "keep": (k, cut), "x", "missing", "damaged",
+    "dropped", "unnamed"}``. CorruptionError (nothing changed) when output history the replay cannot compute
+    again would go and ``drop`` does not consent to exactly that, naming the option that does."""
     odir = os.path.join(root, OUTPUT_DIR)
     got = salvage(odir) if os.path.isdir(odir) else Salvaged([], [], None, [], [])
     intact = _output_steps(got, odir)
+    unnamed = _unnamed_refs(root, held) if held is not None else []
+    for s in unnamed:
+        del intact[s]
     steps = sorted(intact)
     first = steps[0] if steps else 0
     end = steps[-1] + 1 if steps else 0
@@ -186,29 +206,32 @@ def _plan_output(root: str, below: int | None, drop: tuple[int, int] | None) -> 
     k = max(bad) + 1 if bad else first  # the new log starts here: every damaged step below x goes
     cut = min([m for m in missing if m >= k] + ([below] if below is not None else []) + [end])
     where = ", ".join([f"{n} bytes {a}..{b}" for n, a, b in got.damaged] + [f"{n} missing" for n in got.missing])
+    where = f"damaged ({where})" if where else "intact, but its references name input records the damage took"
     dropped = None
     if bad or head:
         # the steps before the first intact record are unknown when the head is damaged: if the oldest segment
         # is the log's first, they start at step 0, else retention may have dropped some of them
         lo = 0 if head else first
         dropped = (lo, k - 1)
-        why = (f"output steps {bad[:20]} are missing and the state's checkpoint is at step {x}: they cannot be "
-               f"computed again (their input is gone)" if bad else
+        lost_refs = f" ({sorted(set(bad) & set(unnamed))[:20]} name input records the damage took)" \
+            if set(bad) & set(unnamed) else ""
+        why = (f"output steps {bad[:20]} are missing{lost_refs} and the state's checkpoint is at step {x}: they "
+               f"cannot be computed again (their input is gone)" if bad else
                f"it is damaged before its first intact record, which is of step {first}")
         if k - 1 < lo:
             dropped = None
         elif drop is None or tuple(drop) != dropped:
             given = "" if drop is None else f" (--drop-output {drop[0]}..{drop[1]} was given)"
             raise CorruptionError(
-                f"{odir}: damaged ({where}); {why}. Nothing was changed{given}. `dbsp repair {root} --drop-output "
+                f"{odir}: {where}; {why}. Nothing was changed{given}. `dbsp repair {root} --drop-output "
                 f"{lo}..{k - 1}` drops the output of steps {lo}..{k - 1} (consumers can no longer read them) "
                 f"and keeps the state and the input; or restore {odir} from a backup")
     if cut <= k and x > 0:
-        raise CorruptionError(f"{odir}: damaged ({where}); no intact output record is left at or after step {k} "
+        raise CorruptionError(f"{odir}: {where}; no intact output record is left at or after step {k} "
                               f"and the state is at step {x}: restore {odir} from a backup. Nothing was changed "
                               f"(dbsp repair cannot rebuild it)")
     return {"intact": intact, "keep": (k, cut), "x": x, "missing": missing, "damaged": got.damaged + [
-        (n, 0, 0) for n in got.missing], "dropped": dropped, "first": first}
+        (n, 0, 0) for n in got.missing], "dropped": dropped, "first": first, "unnamed": unnamed}
 
 
 def rebuild_output(root: str, below: int | None = None, backup: str | None = None,
@@ -318,8 +341,8 @@ def repair(root: str, drop_output: tuple[int, int] | None = None) -> dict[str, A
 
 def _empty_report(root: str) -> dict[str, Any]:
     return {"path": root, "input_damaged": [], "input_missing": [], "lost": [], "lost_unnamed": 0,
-            "withdrawn_output": None, "output_dropped": None, "backup": None, "requeued_pushes": 0, "repaired": [],
-            "unrepaired": []}
+            "withdrawn_output": None, "output_dropped": None, "output_unnamed": [], "backup": None,
+            "requeued_pushes": 0, "repaired": [], "unrepaired": []}
 
 
 def _why(exc: BaseException) -> str:
@@ -724,8 +747,11 @@ def _repair_logs(root: str, report: dict[str, Any], drop: tuple[int, int] | None
         s = max(x, min(lo for lo, h in zip(lows, highs) if h >= x))
     report["resume_step"] = x
     plan = None
-    if out_damaged or (s is not None and out_last > s):
-        plan = _plan_output(root, s, drop)  # CorruptionError here changes nothing
+    # invariant 5b: the input records the repaired log keeps at their step (those of steps >= s move to s)
+    held = {(r.step, r.handle, r.producer, r.seq) for r in recs if s is None or r.step < s}
+    if out_damaged or (s is not None and out_last > s) or _unnamed_refs(root, held):
+        plan = _plan_output(root, s, drop, held)  # CorruptionError here changes nothing
+        report["output_unnamed"] = plan["unnamed"]
     backup = _backup_dir(root)
     report["backup"] = backup
     for n in sorted({n for n, _, _ in damaged_ranges} - set(missing)):  # invariant 1: a copy of each

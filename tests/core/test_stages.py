@@ -352,10 +352,10 @@ def test_reopen_after_part_of_a_jobs_output_was_logged(tmp_path, monkeypatch) ->
         p.queue_step()
     real = type(p._output).write
 
-    def write(self, step, out, inputs=None):
+    def write(self, step, out, *rest, **kw):  # rest: the input ranges and the references
         if step == 2:
             raise OSError("disk gone while logging step 2")
-        return real(self, step, out, inputs)
+        return real(self, step, out, *rest, **kw)
 
     monkeypatch.setattr(type(p._output), "write", write)
     with pytest.raises(OSError, match="disk gone"):

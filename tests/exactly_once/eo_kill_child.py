@@ -15,7 +15,7 @@ import threading
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import dbsp_core as dbsp  # noqa: E402
-from workload import PRODUCERS, build_circuit, push_batch  # noqa: E402
+from workload import PRODUCERS, build_circuit, push_batch, with_refs  # noqa: E402
 
 
 def acked(path: str) -> int:
@@ -51,7 +51,7 @@ def forked(d: str, seed: int, batches: int, workers: int, run_no: int, crash: st
 
 def run(d: str, seed: int, batches: int, workers: int, run: int, keyed: bool = False) -> int:
     root = os.path.dirname(os.path.abspath(d))
-    c = build_circuit(keyed)
+    c = build_circuit(keyed, not keyed and with_refs(seed))
     # small log segments, so checkpoints truncate the input log (GC runs under the kills too)
     # odd seeds also checkpoint on a 20 ms timer: those checkpoints commit on a background thread while steps run
     interval = 0.02 if seed % 2 else None

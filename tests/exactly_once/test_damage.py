@@ -20,11 +20,13 @@ print(f"\n[damage] DBSP_DAMAGE_SEED={SEED}")
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
 
 
-def circuit() -> dbsp.Circuit:
+def circuit(by_reference: bool = True) -> dbsp.Circuit:
+    """``raw`` is the input itself, logged as references to the pushes (outputlog.py invariant 7); without
+    ``by_reference`` it is a projection of every column, logged with its rows."""
     c = dbsp.Circuit()
     t = c.input("t", SCHEMA)
     c.output("sums", t.group_by("k").agg(total=dbsp.sum("v")))
-    c.output("raw", t)
+    c.output("raw", t if by_reference else t.select(k="k", v="v"))
     return c
 
 
@@ -35,10 +37,11 @@ def batch(producer: str, seq: int) -> pa.Table:
                     schema=SCHEMA)
 
 
-def build(d: str, steps: int = 8, checkpoint_at: int = 3, segment_bytes: int = 4096) -> dict[tuple[str, int], int]:
+def build(d: str, steps: int = 8, checkpoint_at: int = 3, segment_bytes: int = 4096,
+          c: dbsp.Circuit | None = None) -> dict[tuple[str, int], int]:
     """A pipeline of ``steps`` steps (producers a and b, one push each per step), a checkpoint after step
     ``checkpoint_at - 1``, closed without a checkpoint; returns {(producer, seq): step}."""
-    p = dbsp.Pipeline(circuit(), workers=2, storage=d, checkpoint_interval=None, segment_bytes=segment_bytes)
+    p = dbsp.Pipeline(c or circuit(), workers=2, storage=d, checkpoint_interval=None, segment_bytes=segment_bytes)
     where = {}
     for s in range(steps):
         for pr in ("a", "b"):
@@ -133,12 +136,32 @@ def test_dbsp_repair_names_the_lost_pushes_and_leaves_a_directory_that_opens(tmp
 
 def test_damage_below_the_checkpoint_loses_nothing(tmp_path):
     d = str(tmp_path / "d")
-    where = build(d, checkpoint_at=6, segment_bytes=1 << 20)  # one segment: nothing truncated
+    where = build(d, checkpoint_at=6, segment_bytes=1 << 20, c=circuit(by_reference=False))  # one segment
     flip(d, "input", lambda r: r.producer == "b" and r.seq == 1)  # step 1, below the checkpoint at 6
     rep = repair(d)
     assert rep["lost"] == [] and "no push is lost" in rep["result"], rep
-    p = dbsp.Pipeline.open(d, circuit())
+    p = dbsp.Pipeline.open(d, circuit(by_reference=False))
     assert p.steps == 8 and views(p) == model(where)
+    p.close()
+
+
+def test_damage_below_the_checkpoint_to_a_push_a_reference_names_costs_that_output_step(tmp_path, capsys):
+    """The view ``raw`` of step 1 is held only by the damaged push's record (outputlog.py invariant 7): repair
+    counts that output step as lost (repair.py invariant 5b) and drops output history only with consent; the
+    push itself is held by the state, so no push is lost and the views go on exactly."""
+    d = str(tmp_path / "d")
+    where = build(d, checkpoint_at=6, segment_bytes=1 << 20)
+    flip(d, "input", lambda r: r.producer == "b" and r.seq == 1)  # step 1, below the checkpoint at 6
+    before = files(d)
+    assert cli(["repair", d]) == 1
+    assert "--drop-output 0..1" in capsys.readouterr().err and files(d) == before  # refused: nothing changed
+    rep = repair(d, drop_output=(0, 1))
+    assert rep["lost"] == [] and rep["output_dropped"] == [0, 1] and rep["output_unnamed"] == [1], rep
+    p = dbsp.Pipeline.open(d, circuit())
+    assert p.steps == 8 and p.output_steps == range(2, 8)
+    got = {s: z.to_dict() for s, z in p.read_output("raw", 2)}
+    assert got == {s: model([("a", s), ("b", s)])["raw"] for s in range(2, 8)}
+    assert p.push("t", batch("b", 1), producer="b", seq=1).duplicate  # held by the state: still counted once
     p.close()
 
 
@@ -205,12 +228,13 @@ def test_damage_to_steps_the_state_holds_but_driver_db_does_not(tmp_path):
     """The staged executor commits its state with every job, driver.db only at checkpoints: a division and a
     push of such a step were damaged. Repair makes up the division (recovery keeps only the clock of it) and
     marks the push seen with a discard record: its effect is in the state, so it is not lost and stays a
-    duplicate; the directory opens with every view right."""
+    duplicate; the directory opens with every view right (``raw`` holds its rows: a reference to the damaged
+    push would cost its output step, as the test above shows)."""
     from dbsp_core.runtime.staged import StagedExecutor
 
     d = str(tmp_path / "d")
-    p = dbsp.Pipeline(circuit(), workers=2, storage=d, checkpoint_interval=None, segment_bytes=1 << 20,
-                      executor=StagedExecutor())
+    p = dbsp.Pipeline(circuit(by_reference=False), workers=2, storage=d, checkpoint_interval=None,
+                      segment_bytes=1 << 20, executor=StagedExecutor())
     where = {}
     for s in range(6):
         for pr in ("a", "b"):
@@ -225,7 +249,7 @@ def test_damage_to_steps_the_state_holds_but_driver_db_does_not(tmp_path):
     rep = repair(d)
     assert rep["lost"] == [] and rep["made_up_divisions"] == [3], rep
     assert rep["held_by_the_state"] == [{"producer": "a", "seq": 4, "step": 4}], rep
-    q = dbsp.Pipeline.open(d, circuit(), executor=StagedExecutor())
+    q = dbsp.Pipeline.open(d, circuit(by_reference=False), executor=StagedExecutor())
     assert q.steps == 6 and views(q) == model(where)
     assert q.push("t", batch("a", 4), producer="a", seq=4).duplicate
     q.close()

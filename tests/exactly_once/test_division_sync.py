@@ -42,9 +42,9 @@ def test_output_is_written_and_returned_only_after_the_division_is_durable(tmp_p
     real_write = type(out).write
     seen: list[tuple[int, bool]] = []
 
-    def checked_write(self, step, outputs, inputs=None):
+    def checked_write(self, step, outputs, *rest, **kw):  # rest: the input ranges and the references
         seen.append((step, _divided(log, step)))
-        return real_write(self, step, outputs, inputs)
+        return real_write(self, step, outputs, *rest, **kw)
 
     monkeypatch.setattr(type(out), "write", checked_write)
     counts = {pr: 0 for pr in PRODUCERS}

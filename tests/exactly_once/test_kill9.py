@@ -1,4 +1,4 @@
-"""Kill -9 tests of the durable pipeline: a real child process is killed at random moments and at named crash points (push, step division, step run, division fsync in flight, output write, checkpoint, commit, garbage collection, recovery), restarted until it finishes, and the output log is checked against DuckDB.
+"""Kill -9 tests of the durable pipeline: a real child process is killed at random moments and at named crash points (push, a push's records placed in the log but not yet fsynced, step division, step run, division fsync in flight, output write, checkpoint, commit, garbage collection, recovery), restarted until it finishes, and the output log is checked against DuckDB.
 
 Checked after every seed:
   1. the integral of every output in the log equals DuckDB over all acknowledged input;
@@ -27,14 +27,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import dbsp_core as dbsp  # noqa: E402
-from workload import PRODUCERS, batch, build_circuit, integral, oracle  # noqa: E402
+from workload import PRODUCERS, batch, build_circuit, integral, oracle, with_refs  # noqa: E402
 
 CHILD = os.path.join(HERE, "eo_kill_child.py")
 SEEDS = int(os.environ.get("DBSP_EO_SEEDS", "200"))
 JOBS = int(os.environ.get("DBSP_EO_JOBS", "2"))
 BATCHES = 10
 HANG_S = 180  # a crash-point run still going after this long is a hang (a run takes about a second)
-POINTS = [("push-append", 12), ("push-acked", 12), ("step-divide", 6), ("step-run", 6), ("step-computed", 6),
+POINTS = [("push-append", 12), ("push-enqueued", 12), ("push-acked", 12), ("step-divide", 6), ("step-run", 6), ("step-computed", 6),
           ("step-output", 6), ("step-written", 6), ("checkpoint-start", 3), ("checkpoint-commit", 4),
           ("checkpoint-committed", 3), ("checkpoint-gc", 3), ("recover-step", 3)]
 
@@ -147,9 +147,10 @@ def check_seed(root: str, seed: int, runner=run_forked, keyed: bool = False) -> 
             lines = [x.split() for x in f.read().split("\n") if x.strip()]
         assert [int(x[0]) for x in lines] == list(range(BATCHES)), f"seed {seed}: acks of {pr} are {lines}"
         dups += sum(int(x[1]) for x in lines)
-    p = dbsp.Pipeline.open(d, build_circuit(keyed), checkpoint_interval=None)
+    refs = not keyed and with_refs(seed)
+    p = dbsp.Pipeline.open(d, build_circuit(keyed, refs), checkpoint_interval=None)
     try:
-        want = oracle(seed, {pr: BATCHES for pr in PRODUCERS}, keyed)
+        want = oracle(seed, {pr: BATCHES for pr in PRODUCERS}, keyed, refs)
         if keyed:  # the materialized state recovered: the views and the keyed table as DuckDB has them
             for name in ("by_cat", "big", "auctions"):
                 t = p.view(name, weights=True)

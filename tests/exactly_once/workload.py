@@ -20,9 +20,11 @@ CATS = ["art", "books", "cars", "music", "toys"]
 PRODUCERS = ("p0", "p1")
 
 
-def build_circuit(keyed: bool = False) -> dbsp.Circuit:
-    """Join + linear aggregate, a max (recomputed from a trace), a distinct and a filter; keyed: auctions with
-    primary key ``id``, and the join + aggregate and the filter as materialized views."""
+def build_circuit(keyed: bool = False, refs: bool = False) -> dbsp.Circuit:
+    """Join + linear aggregate, a max (recomputed from a trace), a distinct and a filter; ``refs``: also the bids
+    themselves (``all_bids``, an identity view the output log names by reference, outputlog.py invariant 7; the
+    input log then keeps what the output log names, so it is not truncated); keyed: auctions with primary key
+    ``id``, and the join + aggregate and the filter as materialized views."""
     if keyed:
         c = dbsp.Circuit()
         bids = c.input("bids", BIDS)
@@ -34,7 +36,14 @@ def build_circuit(keyed: bool = False) -> dbsp.Circuit:
     c.output("maxp", bids.group_by("auction").agg(hi=dbsp.max("price")))
     c.output("bidders", bids.select(bidder=pc.field("bidder")).distinct())
     c.output("big", bids.filter(pc.field("price") > 500))
+    if refs:
+        c.output("all_bids", bids)  # the input itself
     return c
+
+
+def with_refs(seed: int) -> bool:
+    """Whether a kill test's seed runs the circuit with the identity view (a quarter of them)."""
+    return seed % 4 == 3
 
 
 def _bid_rows(seed: int, producer: str, seq: int) -> list[tuple[int, int, int]]:
@@ -73,8 +82,12 @@ def to_table(handle: str, rows: list[tuple], weights: list[int]) -> pa.Table:
 
 
 def push_batch(p, seed: int, producer: str, seq: int, keyed: bool = False) -> list:
-    """Push one (producer, seq) as a single durable push (all handles of p1 under the same producer seq)."""
+    """Push one (producer, seq) as a single durable push (all handles of p1 under the same producer seq); seeds
+    with ``seed % 3 == 1`` record a batch's parts with one ``push_many`` (one fsync), the others one push each."""
     parts = batch(seed, producer, seq, keyed)
+    if seed % 3 == 1:
+        return p.push_many([{"handle": handle, "data": to_table(handle, rows, weights), "producer": f"{producer}.{k}",
+                             "seq": seq} for k, (handle, rows, weights) in enumerate(parts)])
     acks = []
     for k, (handle, rows, weights) in enumerate(parts):
         # one (producer, seq) per handle: the handle index is folded into the producer id
@@ -82,7 +95,7 @@ def push_batch(p, seed: int, producer: str, seq: int, keyed: bool = False) -> li
     return acks
 
 
-def oracle(seed: int, counts: dict[str, int], keyed: bool = False) -> dict[str, dict[tuple, int]]:
+def oracle(seed: int, counts: dict[str, int], keyed: bool = False, refs: bool = False) -> dict[str, dict[tuple, int]]:
     """DuckDB's views over every batch (producer, seq < counts[producer]), as {row: weight}; keyed, the views of
     the keyed circuit and the table "auctions" made by INSERT OR REPLACE and DELETE by id in push order (only p1
     pushes auctions, one seq after the other)."""
@@ -121,6 +134,8 @@ def oracle(seed: int, counts: dict[str, int], keyed: bool = False) -> dict[str, 
         "bidders": "SELECT DISTINCT bidder, 1 FROM bc WHERE w > 0",
         "big": "SELECT auction, bidder, price, w FROM bc WHERE price > 500",
     }
+    if refs:
+        q["all_bids"] = "SELECT auction, bidder, price, w FROM bc"
     if keyed:
         q = {"by_cat": q["by_cat"], "big": q["big"], "auctions": "SELECT id, category, w FROM ac"}
     for name, sql in q.items():
