@@ -201,6 +201,9 @@ class RemoteCheckpoints:
     def __init__(self, remote: Remote, root: str, manifest: dict | None, log_part: LogPart) -> None:
         self.remote, self.root, self.manifest = remote, root, manifest
         self.log_part = log_part
+        # a staged executor's stage state in the store (runtime/stage_store.py invariant 5): ``covered(step)`` is the
+        # manifest's ``stages``, ``retain(remote, live)`` deletes the stage objects no live manifest names
+        self.state_part: Any = None
         listed = remote.manifest_versions()  # a damaged newer manifest restore skipped: never written over
         self.version = max([0 if manifest is None else manifest["version"]] + listed)
         self.chain_limit = CHAIN_LIMIT
@@ -256,6 +259,8 @@ class RemoteCheckpoints:
         logs = self.log_part.covered(step)
         last["log_bytes"] = r.stats["put_bytes"] - b0
         m = {"version": v, "step": step, "records": records, "databases": dbs, "files": files, "logs": logs}
+        if self.state_part is not None:
+            m["stages"] = self.state_part.covered(step)
         r.write_manifest(m)  # the commit point (storage.remote invariant 2)
         self.previous, self.manifest, self.version = self.manifest, m, v
         last["uploaded_bytes"] = r.stats["put_bytes"] - put0
@@ -325,4 +330,6 @@ class RemoteCheckpoints:
                 r.delete(manifest_name(ver))
                 n += 1
         self.log_part.retain(r, live)
+        if self.state_part is not None:
+            n += self.state_part.retain(r, live)
         return n
