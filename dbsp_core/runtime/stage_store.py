@@ -288,11 +288,11 @@ def upload_delta(remote: Remote, stage: int, worker: int, version: int, rec: Rec
             "bytes": len(head) + len(body)}
 
 
-def needs_compaction(chain: list[dict], path: str, limit: int = CHAIN_LIMIT) -> bool:
-    """Invariant 4: the chain is long, or holds more bytes than the page file."""
+def needs_compaction(chain: list[dict], path: str) -> bool:
+    """Invariant 4: the chain is long (:data:`CHAIN_LIMIT` links), or holds more bytes than the page file."""
     if len(chain) < 2:
         return False
-    return len(chain) >= limit or sum(link["bytes"] for link in chain) > max(os.path.getsize(path), 1 << 20)
+    return len(chain) >= CHAIN_LIMIT or sum(link["bytes"] for link in chain) > max(os.path.getsize(path), 1 << 20)
 
 
 def upload_base(remote: Remote, path: str, stage: int, worker: int, version: int, made: str,
