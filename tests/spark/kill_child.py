@@ -11,7 +11,9 @@ Usage:
       A new pipeline on MASTER whose circuit kills the task holding the poison row of batch TARGET (MODE
       "worker": os._exit of the Python worker; "executor": it waits and the test kills the executor JVM);
       every step's output is pickled to OUT as ``[{output: sorted rows}]``. Prints READY and DONE.
-RUNTIME is ``spark`` (spark_glue.SparkPipeline on local[2]) or ``embedded`` (dbsp.Pipeline, to test the harness).
+RUNTIME is ``spark`` (spark_glue.SparkPipeline on local[2]), ``spark-store`` (the same with its storage on the object
+store named by DBSP_KILL_STORE_URI and STORAGE its driver's local cache, deleted first: every restart starts on an
+empty disk) or ``embedded`` (dbsp.Pipeline, to test the harness).
 """
 
 from __future__ import annotations
@@ -39,6 +41,18 @@ def acked(path: str) -> int:
 
 def make(runtime: str, storage: str, workers: int, circuit: dbsp.Circuit, master: str = "local[2]"):
     """Create or recover the pipeline in ``storage`` with the chosen runtime."""
+    if runtime == "spark-store":
+        import shutil
+
+        from dbsp_core.storage.remote import Remote
+        from spark_glue import SparkPipeline
+
+        uri = os.environ["DBSP_KILL_STORE_URI"]
+        shutil.rmtree(storage, ignore_errors=True)  # the old driver's local disk is gone
+        spark = session(master)
+        if Remote.of(uri, storage).manifest_versions():
+            return SparkPipeline.open(spark, uri, circuit, cache_dir=storage, checkpoint_interval=None)
+        return SparkPipeline(spark, circuit, workers=workers, storage=uri, cache_dir=storage, checkpoint_interval=None)
     exists = os.path.exists(os.path.join(storage, "META"))
     if runtime == "embedded":
         if exists:
