@@ -357,15 +357,11 @@ class StageChains:
 
     def record(self, acks: list[dict], version: int, step: int) -> None:
         """After a job whose acknowledgements all checked out (invariant 2)."""
+        chains = dict(self.chains)  # replaced whole: a checkpoint's retention may be reading the old one
         for a in acks:
             k = self.key(a["stage"], a["worker"])
-            delta = a["delta"]
-            self.chains[k] = ([a["base"]] if a.get("base") else self.chains.get(k, [])) + [delta]
-        self.version, self.step = version, step
-
-    def reset(self, keep: set[str]) -> None:
-        """Forget the chains of (stage, worker)s not in ``keep`` (workers a layout change removed)."""
-        self.chains = {k: v for k, v in self.chains.items() if k in keep}
+            chains[k] = ([a["base"]] if a.get("base") else chains.get(k, [])) + [a["delta"]]
+        self.chains, self.version, self.step = chains, version, step
 
     def bytes(self) -> int:
         return sum(link["bytes"] for c in self.chains.values() for link in c)
@@ -383,7 +379,7 @@ class StageChains:
         return got
 
     def retain(self, remote: Remote, live: list[dict]) -> int:
-        keep = {link["object"] for c in self.chains.values() for link in c}
+        keep = {link["object"] for c in list(self.chains.values()) for link in c}
         newest = 0
         for m in live:
             st = m.get("stages") or {}

@@ -10,7 +10,8 @@ Usage:
   kill_child.py task MODE STORAGE SEED BATCHES WORKERS MARKER MASTER TARGET OUT
       A new pipeline on MASTER whose circuit kills the task holding the poison row of batch TARGET (MODE
       "worker": os._exit of the Python worker; "executor": it waits and the test kills the executor JVM);
-      every step's output is pickled to OUT as ``[{output: sorted rows}]``. Prints READY and DONE.
+      every step's output is pickled to OUT as ``[{output: sorted rows}]``. Prints READY and DONE. With
+      DBSP_KILL_STORE_URI set, the pipeline's storage is that object store (STORAGE its driver's local cache).
 RUNTIME is ``spark`` (spark_glue.SparkPipeline on local[2]), ``spark-store`` (the same with its storage on the object
 store named by DBSP_KILL_STORE_URI and STORAGE its driver's local cache, deleted first: every restart starts on an
 empty disk) or ``embedded`` (dbsp.Pipeline, to test the harness).
@@ -88,7 +89,8 @@ def driver(runtime: str, storage: str, seed: int, batches: int, workers: int) ->
 
 def task(mode: str, storage: str, seed: int, batches: int, workers: int, marker: str, master: str, target: int,
          out: str) -> None:
-    p = make("spark", storage, workers, build_circuit(marker, mode), master)
+    runtime = "spark-store" if os.environ.get("DBSP_KILL_STORE_URI") else "spark"
+    p = make(runtime, storage, workers, build_circuit(marker, mode), master)
     print("READY", flush=True)
     steps = []
     for i in range(batches):
