@@ -308,6 +308,9 @@ class SparkPipeline(Pipeline):
         p.close()
         p = SparkPipeline.open(spark, "/shared/pipe", circuit)             # recover after a stop or a crash
         p = SparkPipeline.open(spark, "/shared/pipe", circuit, workers=4)  # ... at another worker count
+        # no shared path: the state's durable home is an object store, each Spark executor caches its tasks' state
+        p = SparkPipeline(spark, circuit, workers=2, storage="s3://bucket/pipe", cache_dir="/local/driver-cache")
+        p = SparkPipeline.open(spark, "s3://bucket/pipe", circuit)        # a new driver, any machine
     """
 
     def __init__(self, spark: Any, circuit: Circuit, workers: int = 1, storage: Any = None, *,

@@ -3,6 +3,8 @@
 A file is one :func:`dbsp_core.codec.frame` record (magic, format version, checksum of the body) whose body is a
 4-byte little-endian header length, a JSON header (the job's tag) and one Arrow IPC stream of the table. The
 CRC is computed over the Arrow buffers as written and checked over the file as read, without copying either.
+With an object store (runtime/stage_store.py) the same bytes are one object per worker's input (encode_table,
+decode_table), and no result file is written.
 
 Invariants (enforced here):
   1. A reader gets the table written under the tag it asks for, or an error: a missing, torn, corrupt or

@@ -1,4 +1,4 @@
-"""SparkPipeline with its storage on moto's S3 server and no path shared between the driver and the two executor JVMs of local-cluster[2,1,1024] (each keeps its tasks' stage state in its own Spark directory): steps against the embedded runtime and DuckDB, a live rescale 2 -> 3 -> 2, and a driver restart from the store with the old driver's local cache deleted; the tasks that found their state missing from their executor's cache (fetched through the store) are counted and must be there."""
+"""SparkPipeline with its storage on moto's S3 server and no path shared between the driver and the two executor JVMs of local-cluster[2,1,1024] (each keeps its tasks' stage state in its own Spark directory): steps against the embedded runtime and DuckDB (the first ones with a task attempt failing after its commit and upload, retried by Spark), a live rescale 2 -> 3 -> 2, and a driver restart from the store with the old driver's local cache deleted; the tasks that found their state missing from their executor's cache (fetched through the store) are counted and must be there."""
 
 from __future__ import annotations
 
@@ -47,7 +47,9 @@ def test_store_cluster_steps_rescale_and_driver_restart(store_cluster, s3_server
     uri = s3_server.uri(s3_server.bucket(), "pipe")
     driver = str(tmp_path / "driver")
     p = SparkPipeline(store_cluster, c, workers=2, storage=uri, cache_dir=driver, checkpoint_interval=None)
+    p.runner.fault = (1, "after-commit", 1)  # each job's first attempt commits, uploads, then fails: Spark retries
     outs = run(p, steps[:4], rng)
+    p.runner.fault = None
     p.rescale(3)
     outs += run(p, steps[4:7], rng)
     p.rescale(2)
