@@ -26,14 +26,20 @@ Design notes (each is a requirement this module keeps):
      is, and a push is acknowledged only once logged. Outputs are small changes collected to the driver;
      ``output_df`` / ``view_df`` build DataFrames from logged data, never from the job's lineage, so Spark can
      never re-run a stage task of a finished job by re-evaluating a DataFrame.
-  4. The storage directory must be visible at the same path to the driver and every Spark executor (a local path
-     in local mode, a shared mount on a cluster); stage state is under ``<storage>/state``.
+  4. A storage directory must be visible at the same path to the driver and every Spark executor (a local path
+     in local mode, a shared mount on a cluster); stage state is under ``<storage>/state``. With an object store
+     (``storage="s3://..."``) nothing is shared: each Spark executor keeps its tasks' stage state in a cache of
+     its own (``task_cache_dir``, default its Spark local directory) and the state moves between Spark executors
+     through the store (dbsp_core.runtime.stage_store; the driver's logs, META, driver.db and checkpoints go to
+     the store as an embedded store pipeline's, runtime/remote_state.py).
   5. Input and output rows cross the JVM only in the shuffle: the driver writes each worker's stage-0 blobs
      to a job input file under the storage directory (dbsp_core.runtime.job_files: checksummed, named by the
      job, removed when the job ends), and when the last stage is stateful its tasks leave their output shares in
      the result files they write before committing (dbsp_core.runtime.stage_task invariants 3 and 5), which the driver
      reads after the job, checking that each holds this job's committed result. Spark's ``toArrow()`` then
-     carries only the commit acknowledgements and control blobs.
+     carries only the commit acknowledgements and control blobs. With an object store, each worker's stage-0
+     blobs are one object in it (``jobs/worker-<w>.input``, replaced by each job, read under the job's
+     description: stage_store.write_job_inputs) and the output shares come back through ``toArrow()``.
   6. A job's DataFrame holds nothing job-specific but the worker count: the job (driver run id, layout, base
      version, steps with their ``now`` and seed) is described in its control blobs, which the input file carries to stage 0 and every
      stage forwards, and each task builds its StageTask from the one it receives (a stage-0 task checks it
@@ -62,9 +68,11 @@ from dbsp_core.layout import DEFAULT_SHARD_BITS, Layout
 from dbsp_core.runtime import Pipeline, StagedExecutor
 from dbsp_core.runtime.job_files import read_job_input, remove_job_inputs, write_job_inputs
 from dbsp_core.runtime.stage_plan import BLOB_SCHEMA, CONTROL_NODE, StagePlan, StepInfo, control_blobs
+from dbsp_core.runtime import stage_store
 from dbsp_core.runtime.stage_task import StageTask, read_result_outputs, run_stage_task
 from dbsp_core.runtime.staged import Job
 from dbsp_core.storage.formats import META_FILE
+from dbsp_core.storage.remote import is_remote
 from dbsp_core.zset import ZSet
 from spark_glue.check import check_executors
 from spark_glue.executors import SparkExecutors
@@ -98,10 +106,15 @@ def _blob_struct() -> Any:
                        StructField("payload", BinaryType())])
 
 
-def _describe(task: StageTask, fault: tuple[int, str, int] | None, attempts: int) -> dict:
-    """The job-specific part of a job's stage tasks, which travels with the blobs (design note 6)."""
-    return {"run": task.run, "version": task.version, "layout": task.layout.to_dict(),
-            "steps": [list(s) for s in task.steps], "fault": None if fault is None else [*fault, attempts]}
+def _describe(tasks: list[StageTask], fault: tuple[int, str, int] | None, attempts: int) -> dict:
+    """The job-specific part of a job's stage tasks, which travels with the blobs (design note 6); with an object
+    store, the chain of every stateful (stage, worker) (stage_store invariant 2)."""
+    task = tasks[0]
+    out = {"run": task.run, "version": task.version, "layout": task.layout.to_dict(),
+           "steps": [list(s) for s in task.steps], "fault": None if fault is None else [*fault, attempts]}
+    if task.store is not None:
+        out["chains"] = {str(t.stage): {str(w): c for w, c in t.chains.items()} for t in tasks if t.chains is not None}
+    return out
 
 
 def _job_of(blobs: pa.Table, where: str) -> dict:
@@ -112,7 +125,8 @@ def _job_of(blobs: pa.Table, where: str) -> dict:
     return json.loads(ctl[0].as_py())
 
 
-def _stage_fn(plan: StagePlan, stage: int, storage: str, outputs_in_result: bool):
+def _stage_fn(plan: StagePlan, stage: int, storage: str | None, outputs_in_result: bool,
+              store: stage_store.StageStore | None = None):
     """The mapInArrow function of one stage of any job: take the partition's blobs (stage 0: the worker's input
     file), build the stage task from the job description they carry, run it and yield its blobs."""
 
@@ -124,14 +138,23 @@ def _stage_fn(plan: StagePlan, stage: int, storage: str, outputs_in_result: bool
         where = f"stage {stage} worker {worker}"
         bs = list(batches)
         if stage == 0:
-            head, table = read_job_input(storage, worker)
+            if store is not None:
+                head, table = stage_store.read_job_input(stage_store.remote_of(store), worker)
+            else:
+                assert storage is not None
+                head, table = read_job_input(storage, worker)
         else:
             table = pa.Table.from_batches(bs) if bs else BLOB_SCHEMA.empty_table()
         job = _job_of(table, where)
         if stage == 0 and head != job:
             raise DbspError(f"{where}: the input file of job {head} carries the job {job}")
-        task = StageTask(plan, stage, Layout.from_dict(job["layout"], where), storage, job["run"], job["version"],
-                         [StepInfo(*s) for s in job["steps"]], outputs_in_result=outputs_in_result)
+        chains = None
+        if store is not None and str(stage) in job.get("chains", {}):
+            chains = {int(w): c for w, c in job["chains"][str(stage)].items()}
+        task = StageTask(plan, stage, Layout.from_dict(job["layout"], where),
+                         storage if store is None else store.root(), job["run"], job["version"],
+                         [StepInfo(*s) for s in job["steps"]], outputs_in_result=outputs_in_result, store=store,
+                         chains=chains)
         f = job["fault"]
         if f is not None and f[0] == stage and f[2] == worker and tc.attemptNumber() < f[3]:
             task = dataclasses.replace(task, fault=(f[1], worker))  # tests: fail the first attempt(s)
@@ -178,13 +201,13 @@ class SparkJobRunner:
 
     def _build(self, key: tuple, plan: StagePlan) -> Any:
         """A new DataFrame running every stage of a job (any job with these static parameters: design note 6)."""
-        storage, workers, by_file = key[1:]
+        storage, workers, by_file, store = key[1:]
         df = self.spark.range(0, workers, 1, workers)  # W one-row partitions: partition w = worker w
         last = plan.num_stages - 1
         for k in range(plan.num_stages):
             if k:
                 df = self._route(df, workers)
-            df = df.mapInArrow(_stage_fn(plan, k, storage, by_file and k == last), self._schema)
+            df = df.mapInArrow(_stage_fn(plan, k, storage, by_file and k == last, store), self._schema)
         return df
 
     def _dataframe(self, key: tuple, plan: StagePlan) -> Any:
@@ -200,22 +223,29 @@ class SparkJobRunner:
     def run_job(self, job: Job) -> pa.Table:
         tasks = job.tasks
         t0 = tasks[0]
-        plan, storage, last = t0.plan, t0.storage, len(tasks) - 1
-        if storage is None:
-            raise DbspError("SparkJobRunner: stage tasks need a storage directory every Spark executor can see")
-        by_file = self.outputs_by_file and plan.stateful[last]
+        plan, storage, last, store = t0.plan, t0.storage, len(tasks) - 1, t0.store
+        if storage is None and store is None:
+            raise DbspError("SparkJobRunner: stage tasks need a storage directory every Spark executor can see, or an "
+                            "object store")
+        # design note 5: with a store no file is shared, so the output shares come back through toArrow()
+        by_file = self.outputs_by_file and plan.stateful[last] and store is None
         W = job.workers
-        key = (id(plan), storage, W, by_file)
+        key = (id(plan), storage if store is None else None, W, by_file, store)
         df = self._dataframe(key, plan)
-        desc = _describe(t0, self.fault, self.fault_attempts)
+        desc = _describe(tasks, self.fault, self.fault_attempts)
         inputs = job.inputs
         ctl = inputs.column("node").to_numpy() == CONTROL_NODE
         inputs = pa.concat_tables([inputs.filter(pa.array(~ctl)), _control(W, t0.steps[0].step, desc)])
-        write_job_inputs(storage, desc, inputs, W)
-        try:
+        if store is not None:
+            stage_store.write_job_inputs(stage_store.remote_of(store), desc, inputs, W)
             result = df.toArrow()
-        finally:
-            remove_job_inputs(storage, W)
+        else:
+            assert storage is not None
+            write_job_inputs(storage, desc, inputs, W)
+            try:
+                result = df.toArrow()
+            finally:
+                remove_job_inputs(storage, W)
         if self.prebuild:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="dbsp-spark-plan")
@@ -252,9 +282,14 @@ class SparkPipeline(Pipeline):
         The circuit.
     workers : int
         W: Spark partitions per stage (one per worker). Results do not depend on it.
-    storage : str or os.PathLike or None
+    storage : str or os.PathLike or pyarrow.fs.FileSystem or None
         Directory for the input log, output log and stage state; every Spark executor must see it at the same path
-        (None: a new temporary directory, for local mode).
+        (None: a new temporary directory, for local mode). Or an object store's URI (``s3://bucket/prefix?...``,
+        credentials from the environment of the driver and of every Spark executor): nothing is shared then
+        (design note 4); ``cache_dir`` is the driver's local cache, as for ``dbsp_core.Pipeline``.
+    task_cache_dir : str or None
+        With an object store: where each Spark executor keeps its tasks' stage state, a directory local to it
+        (None: its own Spark directory, ``SPARK_EXECUTOR_DIRS`` / YARN's ``LOCAL_DIRS``).
     shard_bits, max_steps_per_job, checkpoint_interval, replay_check, output_retention, output_sync, autoscale
         As for ``dbsp_core.Pipeline`` and ``dbsp_core.runtime.StagedExecutor``. With ``autoscale`` the worker count
         (tasks per stage) follows the policy, up to its ``max_workers``, and Spark executors are asked for and
@@ -273,10 +308,14 @@ class SparkPipeline(Pipeline):
         p.close()
         p = SparkPipeline.open(spark, "/shared/pipe", circuit)             # recover after a stop or a crash
         p = SparkPipeline.open(spark, "/shared/pipe", circuit, workers=4)  # ... at another worker count
+        # no shared path: the state's durable home is an object store, each Spark executor caches its tasks' state
+        p = SparkPipeline(spark, circuit, workers=2, storage="s3://bucket/pipe", cache_dir="/local/driver-cache")
+        p = SparkPipeline.open(spark, "s3://bucket/pipe", circuit)        # a new driver, any machine
     """
 
     def __init__(self, spark: Any, circuit: Circuit, workers: int = 1, storage: Any = None, *,
-                 shard_bits: int = DEFAULT_SHARD_BITS, max_steps_per_job: int = 64, **kwargs: Any) -> None:
+                 shard_bits: int = DEFAULT_SHARD_BITS, max_steps_per_job: int = 64,
+                 task_cache_dir: str | os.PathLike | None = None, **kwargs: Any) -> None:
         from pyspark.sql import SparkSession
 
         if not isinstance(spark, SparkSession):
@@ -288,7 +327,8 @@ class SparkPipeline(Pipeline):
         if storage is None:
             storage = tempfile.mkdtemp(prefix="dbsp-spark-")
         self._views: dict[str, tuple[int, ZSet]] = {}
-        executor = StagedExecutor(SparkJobRunner(spark), max_steps_per_job=max_steps_per_job)
+        executor = StagedExecutor(SparkJobRunner(spark), max_steps_per_job=max_steps_per_job,
+                                  task_cache_dir=task_cache_dir)
         self._capacity = SparkExecutors(spark)  # an autoscaled worker count asks for Spark executors through it
         super().__init__(circuit, workers, shard_bits, storage, executor=executor, **kwargs)
 
@@ -299,6 +339,8 @@ class SparkPipeline(Pipeline):
         rescale, as :meth:`dbsp_core.Pipeline.open`)."""
         from dbsp_core.errors import RecoveryError
 
+        if is_remote(path):  # an object store: its newest manifest says whether it holds a pipeline
+            return cls(spark, circuit, 1, path, _rescale_to=workers, _open_only=True, **kwargs)
         root = os.fspath(path)
         if not os.path.isdir(root):
             raise FileNotFoundError(f"SparkPipeline.open: no storage directory {root!r}")

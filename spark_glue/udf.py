@@ -33,6 +33,8 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 import pyarrow as pa
 
+from dbsp_core.errors import DbspError
+from dbsp_core.storage.remote import Remote, is_remote
 from dbsp_core.circuit import Circuit
 from dbsp_core.layout import DEFAULT_SHARD_BITS, ShardMap
 from dbsp_core.runtime import Pipeline
@@ -109,6 +111,10 @@ def partition_pipeline(circuit: Circuit, root: str | os.PathLike, *, partition: 
         if tc is None:
             raise RuntimeError("partition_pipeline: not inside a Spark task; pass partition=")
         partition = tc.partitionId()
+    if is_remote(root):
+        raise DbspError(f"partition_pipeline: root must be a directory every task can reach; an object store "
+                        f"({Remote.of(root, '.').shown}) is not supported here yet (give a shared directory, or use "
+                        f"SparkPipeline, whose storage may be an object store)")
     kwargs.setdefault("checkpoint_interval", None)
     p = Pipeline(circuit, workers=workers, storage=os.path.join(os.fspath(root), f"part-{partition:05d}"), **kwargs)
     try:

@@ -104,6 +104,7 @@ from dbsp_core.runtime.recovery import LogReplay, open_directory, settle_state
 from dbsp_core.runtime.readable import ReadableState, as_rows, check_read_only, run_query
 from dbsp_core.runtime.remote_state import RemoteCheckpoints, prepare_cache, restore
 from dbsp_core.runtime.rescale import LiveRescale
+from dbsp_core.runtime.stage_store import StageChains, StageStore
 from dbsp_core.storage.consumers import ConsumerRegistry
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.dedup import SeenSet
@@ -305,14 +306,18 @@ class Pipeline:
         self._own_cache: str | None = None
         self._store_options = store_options if store_options is not None else StoreOptions()
         self.storage_uri: str | None = None
+        self._stage_store: StageStore | None = None
         if remote:
-            if self.executor.kind != "embedded":
-                raise DbspError(f"storage={storage!r}: an object store takes the embedded executor for now (the "
-                                f"staged executor keeps its state on a shared path)")
+            if self.executor.kind != "embedded" and not getattr(self.executor, "takes_store", False):
+                raise DbspError(f"storage={storage!r}: the {self.executor.kind} executor cannot keep its state in an "
+                                f"object store; use the embedded or the staged executor")
             if cache_dir is None:
                 cache_dir = self._own_cache = tempfile.mkdtemp(prefix="dbsp-cache-")
             self._remote = Remote.of(storage, os.fspath(cache_dir))
             self._remote.policy = self._store_options.policy()
+            if getattr(self.executor, "takes_store", False):  # runtime/stage_store.py: the tasks reach the store
+                self._stage_store = StageStore.of(storage, self._remote.location.name,
+                                                  getattr(self.executor, "task_cache_dir", None))
             self.storage_uri = self._remote.shown
             storage = cache_dir
         self.storage: str | None = None if storage is None else os.fspath(storage)
@@ -464,6 +469,10 @@ class Pipeline:
             # with a restored manifest, commits this writer's claim before the logs are opened
             self._remote_state = RemoteCheckpoints(self._remote, root, manifest, self._remote_logs, lease)
             new_remote = manifest is None
+            if self._stage_store is not None:  # the stage chains the manifest names (stage_store invariant 5)
+                chains = StageChains(self._remote, None if manifest is None else manifest.get("stages"))
+                self.executor.use_store(self._stage_store, chains)  # type: ignore[attr-defined]
+                self._remote_state.state_part = chains
         self._start_spilling()  # after the lock: the store clears the spill directory of an earlier process
         opened = open_directory(root, self.executor, self.circuit, self.fingerprint, self._inputs, self._out_schemas,
                                 workers=workers, shard_bits=shard_bits, open_only=open_only,

@@ -3,6 +3,8 @@
 A file is one :func:`dbsp_core.codec.frame` record (magic, format version, checksum of the body) whose body is a
 4-byte little-endian header length, a JSON header (the job's tag) and one Arrow IPC stream of the table. The
 CRC is computed over the Arrow buffers as written and checked over the file as read, without copying either.
+With an object store (runtime/stage_store.py) the same bytes are one object per worker's input (encode_table,
+decode_table), and no result file is written.
 
 Invariants (enforced here):
   1. A reader gets the table written under the tag it asks for, or an error: a missing, torn, corrupt or
@@ -26,8 +28,19 @@ from dbsp_core.errors import CorruptionError
 from dbsp_core.storage.directory import fsync_dir
 from dbsp_core.storage.formats import JOB_INPUT_MAGIC, TMP_SUFFIX, job_input_dir, job_input_path
 
-__all__ = ["write_table_file", "read_table_file", "input_dir", "input_path", "write_job_inputs",
+__all__ = ["encode_table", "decode_table", "write_table_file", "read_table_file", "input_dir", "input_path", "write_job_inputs",
            "read_job_input", "remove_job_inputs"]
+
+
+def encode_table(magic: bytes, tag: dict, table: pa.Table) -> list:
+    """The buffers of one table file (or object) holding ``table`` under ``tag``, in order."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as wr:
+        wr.write_table(table)
+    ipc = sink.getvalue()
+    head = json.dumps(tag, sort_keys=True).encode()
+    prefix = len(head).to_bytes(4, "little") + head
+    return [frame_head(magic, prefix, ipc), prefix, ipc]
 
 
 def write_table_file(path: str, magic: bytes, tag: dict, table: pa.Table, sync: bool) -> None:
@@ -35,17 +48,10 @@ def write_table_file(path: str, magic: bytes, tag: dict, table: pa.Table, sync: 
 
     With ``sync`` the file and its directory are fsynced before this returns (the file survives a crash).
     """
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as wr:
-        wr.write_table(table)
-    ipc = sink.getvalue()
-    head = json.dumps(tag, sort_keys=True).encode()
-    prefix = len(head).to_bytes(4, "little") + head
     tmp = path + TMP_SUFFIX
     with open(tmp, "wb") as f:
-        f.write(frame_head(magic, prefix, ipc))
-        f.write(prefix)
-        f.write(ipc)
+        for b in encode_table(magic, tag, table):
+            f.write(b)
         if sync:
             f.flush()
             os.fsync(f.fileno())
@@ -58,7 +64,12 @@ def read_table_file(path: str, magic: bytes, where: str) -> tuple[dict, pa.Table
     """The ``(tag, table)`` of a :func:`write_table_file` file; FileNotFoundError if it is missing,
     CorruptionError / FormatVersionError (naming ``where``) if it is torn or damaged."""
     with open(path, "rb") as f:  # one read into memory: blobs decoded from it never pin the file
-        body = unframe_view(magic, f.read(), where)
+        return decode_table(f.read(), magic, where)
+
+
+def decode_table(data: bytes, magic: bytes, where: str) -> tuple[dict, pa.Table]:
+    """The ``(tag, table)`` of the bytes of one table file (or object), checked (invariant 1)."""
+    body = unframe_view(magic, data, where)
     if body.nbytes < 4:
         raise CorruptionError(f"{where}: {body.nbytes}-byte body is shorter than its tag length")
     n = int.from_bytes(body[:4], "little")

@@ -256,6 +256,9 @@ class RemoteCheckpoints:
         self.remote, self.root, self.manifest = remote, root, manifest
         self.log_part = log_part
         self.lease = lease if lease is not None else remote.take_lease()
+        # a staged executor's stage state in the store (runtime/stage_store.py invariant 5): ``covered(step)`` is the
+        # manifest's ``stages``, ``retain(remote, live)`` deletes the stage objects no live manifest names
+        self.state_part: Any = None
         listed = remote.manifest_versions()  # a damaged newer manifest restore skipped: never written over
         # one version skipped: an older writer's manifest landing late has at most the version after the newest
         # listed one (storage.remote invariant 6)
@@ -304,7 +307,9 @@ class RemoteCheckpoints:
                     records[f"{CONSUMERS_DIR}/{name}"] = record_blob(f.read())
         b0 = self.remote.stats["put_bytes"]
         logs = self.log_part.covered(step)
-        return {"step": step, "referenced": set(referenced), "records": records, "logs": logs,
+        # the stage chains as the executor captured them at the checkpoint's step, steps paused (stage_store inv. 5)
+        stages = self.state_part.covered(step) if self.state_part is not None else None
+        return {"step": step, "referenced": set(referenced), "records": records, "logs": logs, "stages": stages,
                 "log_bytes": self.remote.stats["put_bytes"] - b0, "t0": time.perf_counter()}
 
     def send(self, captured: dict, before_commit: Callable[[], None] | None = None) -> dict:
@@ -334,6 +339,8 @@ class RemoteCheckpoints:
             last["spill_files"] += 1
         m = {"version": v, "step": step, "records": captured["records"], "databases": dbs, "files": files,
              "logs": captured["logs"], "writer": self.lease["generation"]}
+        if captured.get("stages") is not None:
+            m["stages"] = captured["stages"]
         r.check_lease(self.lease, f"commit manifest {v}")  # a newer writer fences this one (storage.remote inv. 6)
         if before_commit is not None:
             before_commit()
@@ -413,4 +420,6 @@ class RemoteCheckpoints:
                 r.delete(manifest_name(ver))
                 n += 1
         self.log_part.retain(r, live)
+        if self.state_part is not None:
+            n += self.state_part.retain(r, live)
         return n

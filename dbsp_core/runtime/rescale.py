@@ -117,6 +117,9 @@ def cold_rescale(root: str, executor: Executor, old: Layout, new: Layout, versio
     ``target``: ``new`` is one wave of a live change to ``target`` (invariant 4): RESCALE keeps the target after
     the change instead of being removed, unless ``new`` is the target."""
     t0 = time.perf_counter()
+    before = getattr(executor, "before_change", None)
+    if before is not None:  # a staged executor over an object store: the databases rebuilt where they change
+        before(old, version)
     groups = executor.groups(new)
     _check_sources(root, groups, old, version, vfs)  # invariant 5, before anything is written
     if target is not None and target == new:
@@ -134,6 +137,9 @@ def cold_rescale(root: str, executor: Executor, old: Layout, new: Layout, versio
               "kind": "cold", "step": step}
     write_rescale(root, _record(old, new, version, step, True, target, report), vfs)
     crashpoint("rescale-committed")
+    after = getattr(executor, "after_change", None)
+    if after is not None:  # ... and the changed databases made the state of the new layout there
+        after(new, version + 1, step)
     _finish(root, groups, old, new, report, crashpoint, vfs, target)
     return report
 

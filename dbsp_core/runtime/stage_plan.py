@@ -256,9 +256,12 @@ def encode_blobs(rows: list[tuple[int, int, int, int, ZSet]]) -> pa.Table:
                      pa.array([encode_zset(r[4]) for r in rows], pa.binary())], schema=BLOB_SCHEMA)
 
 
-def ack_blob(stage: int, worker: int, version: int, step: int, first: int, loaded: str) -> pa.Table:
+def ack_blob(stage: int, worker: int, version: int, step: int, first: int, loaded: str,
+             extra: dict | None = None) -> pa.Table:
+    """A commit acknowledgement; ``extra`` (a store pipeline's: the objects the attempt uploaded and how it found its
+    state, runtime/stage_store.py) rides along."""
     body = json.dumps({"stage": stage, "worker": worker, "version": version, "step": step,
-                       "loaded": loaded}).encode()
+                       "loaded": loaded, **(extra or {})}).encode()
     return pa.table([pa.array([worker], pa.int32()), pa.array([worker], pa.int32()), pa.array([ACK_NODE], pa.int32()),
                      pa.array([first], pa.int64()), pa.array([body], pa.binary())], schema=BLOB_SCHEMA)
 

@@ -31,6 +31,13 @@ Invariants (enforced here):
      the job has succeeded: the files hold exactly the committed attempt's blobs (invariant 3) under the job's
      tag, so the driver gets every output share once, whichever attempt committed, without moving them
      through the engine (the job's last shuffle output and the collect).
+  6. With an object store (``task.store``), invariants 2, 3 and 5 change where the state is and how attempts are
+     told apart (runtime/stage_store.py): the database is in the task process's own stage cache, never on a
+     shared path; before opening it the attempt brings it to the job's chain (fetching from the store what its
+     cache lacks), it uploads its commit's delta before committing and names it in its acknowledgement, and it
+     writes no result file: an attempt that finds ``v + 1`` in its cache discards it and runs the job again
+     (the driver takes whichever attempt's acknowledgement reached it, so no attempt needs another's result),
+     and the output shares always travel with the blobs.
 """
 
 from __future__ import annotations
@@ -54,6 +61,8 @@ from dbsp_core.runtime.job_files import read_table_file, write_table_file
 from dbsp_core.runtime.rollback import capture, restore
 from dbsp_core.runtime.stage_plan import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, StagePlan, StageWorker, StepInfo,
                                           ack_blob, encode_blobs, gather, output_node)
+from dbsp_core.runtime.stage_store import (Recorder, StageStore, needs_compaction, remote_of, sync_stage_db,
+                                          upload_base, upload_delta, write_side)
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.formats import (RESULT_MAGIC, SAVELOG_MAGIC, SAVELOG_TABLE, lock_path, result_path,
                                        state_db_path)
@@ -93,7 +102,10 @@ class StageTask:
     only: ``(point, worker)`` raises :class:`InjectedFault` at ``point`` (``"before-commit"`` or
     ``"after-commit"``; for a stateless stage both mean "after computing") when running ``worker``, if the
     caller asks for it (e.g. on a task's first attempt only). ``outputs_in_result`` (a stateful stage only):
-    the output shares are left in the result file for the driver, not returned (invariant 5).
+    the output shares are left in the result file for the driver, not returned (invariant 5). ``store`` (a
+    pipeline whose storage is an object store, invariant 6): the state lives in this process's stage cache
+    (``store.root()``, ``storage`` is ignored) and in the store, and ``chains`` names, per worker of this stage,
+    the chain leading to ``version`` (runtime/stage_store.py).
     """
 
     plan: StagePlan
@@ -105,14 +117,18 @@ class StageTask:
     steps: list[StepInfo]
     fault: tuple[str, int] | None = None
     outputs_in_result: bool = False
+    store: StageStore | None = None
+    chains: dict[int, list[dict]] | None = None
 
 
 class _Entry:
     """A cached stage worker: its live instances, their snapshot tracker, and where they are."""
 
-    def __init__(self, run: str, version: int, step: int, worker: StageWorker, snapshot: WorkerSnapshot) -> None:
+    def __init__(self, run: str, version: int, step: int, worker: StageWorker, snapshot: WorkerSnapshot,
+                 made: str | None = None) -> None:
         self.run, self.version, self.step = run, version, step
         self.worker, self.snapshot = worker, snapshot
+        self.made = made  # with a store: the id of the version it is at (stage_store invariant 3)
 
 
 _CACHE: "OrderedDict[tuple[str, int, int], _Entry]" = OrderedDict()
@@ -278,7 +294,7 @@ def run_stage_task(task: StageTask, worker: int, blobs: pa.Table) -> pa.Table:
         _fault(task, worker, "before-commit")
         _fault(task, worker, "after-commit")
         return pa.concat_tables([out, forward])
-    if task.storage is None:
+    if task.storage is None and task.store is None:
         raise DbspError(f"{where}: a stateful stage needs a storage directory")
     produced = _run_stateful(task, worker, sm, received)
     return pa.concat_tables([produced, forward])
@@ -295,8 +311,16 @@ def _check_layout(h: Any, task: StageTask, worker: int, where: str) -> None:
 
 def _run_stateful(task: StageTask, worker: int, sm: Any, received: dict[tuple[int, int], ZSet]) -> pa.Table:
     plan, k, v = task.plan, task.stage, task.version
-    assert task.storage is not None
-    path = stage_db_path(task.storage, k, worker)
+    remote = None
+    if task.store is not None:  # invariant 6: this process's stage cache of a store pipeline
+        root = task.store.root()
+        remote = remote_of(task.store)
+        if task.chains is None or worker not in task.chains:
+            raise DbspError(f"stage {k} worker {worker}: the job names no chain of this worker's state")
+    else:
+        assert task.storage is not None
+        root = task.storage
+    path = stage_db_path(root, k, worker)
     first, end = task.steps[0].step, task.steps[-1].step + 1
     tag = job_tag(task)
     where = f"{path}"
@@ -304,12 +328,21 @@ def _run_stateful(task: StageTask, worker: int, sm: Any, received: dict[tuple[in
     lockfd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(lockfd, fcntl.LOCK_EX)  # invariant 3: one attempt of this (stage, worker) at a time
+        extra: dict[str, Any] = {}
+        ids: dict[int, str] = {}
+        if remote is not None:  # stage_store invariants 3-4: the chain's version v here, then maybe a base
+            assert task.chains is not None
+            chain = task.chains[worker]
+            how, got, ids = sync_stage_db(remote, path, chain, v, where)
+            extra = {"fetch": how, "fetched_bytes": got, "cache_root": root}
+            if needs_compaction(chain, path):
+                extra["base"] = upload_base(remote, path, k, worker, v + 1, ids[v])
         db = Database(path)
         try:
             vs = db.versions()
-            if vs == range(v, v + 2):  # an earlier attempt committed this job: return what it produced
+            if remote is None and vs == range(v, v + 2):  # an earlier attempt committed this job: its result
                 cache_stats["replayed_results"] += 1
-                return _returned(task, _read_result(_result_path(task.storage, k, worker), tag))
+                return _returned(task, _read_result(_result_path(root, k, worker), tag))
             if vs.stop - 1 != v:
                 raise StaleAttemptError(f"{where}: holds versions {vs.start}..{vs.stop - 1}, this attempt is for "
                                         f"base version {v} (a stale attempt of an earlier job)")
@@ -318,13 +351,16 @@ def _run_stateful(task: StageTask, worker: int, sm: Any, received: dict[tuple[in
                 if h.get_step() != first:
                     raise RecoveryError(f"{where}: version {v} is at step {h.get_step()}, the job starts at {first}")
                 _check_layout(h, task, worker, f"{where} v{v}")
-                key = (task.storage, k, worker)
+                key = (root, k, worker)
+                made = ids.get(v)
                 with _CACHE_LOCK:
                     entry = _CACHE.pop(key, None)
-                if entry is None or (entry.run, entry.version, entry.step) != (task.run, v, first):
+                if entry is None or (entry.run, entry.version, entry.step, entry.made) != (task.run, v, first, made):
                     # a stale entry of this run (another process ran the jobs since) still holds most batches,
-                    # and the save log says which keys those jobs added and deleted
-                    fresh = entry is not None and entry.run == task.run and entry.version < v
+                    # and the save log says which keys those jobs added and deleted (with a store: only an entry
+                    # at a version of the chain, stage_store invariant 3)
+                    fresh = (entry is not None and entry.run == task.run and entry.version < v
+                             and (remote is None or ids.get(entry.version) == entry.made))
                     stale = entry.snapshot if fresh else None
                     listing = _listing(h, entry, v, where) if fresh else None
                     sw = StageWorker(plan.circuit, plan, k, worker, sm)
@@ -339,7 +375,7 @@ def _run_stateful(task: StageTask, worker: int, sm: Any, received: dict[tuple[in
                         sw = StageWorker(plan.circuit, plan, k, worker, sm)
                         snap = WorkerSnapshot(sw.stateful, task.layout.shard_bits, groupings=groupings(plan.circuit))
                         snap.load(h, f"{where} v{v}", reuse=stale)
-                    entry = _Entry(task.run, v, first, sw, snap)
+                    entry = _Entry(task.run, v, first, sw, snap, made)
                     loaded = "partial" if stale is not None else "full"
                     cache_stats["loads" if stale is None else "partial_loads"] += 1
                     cache_stats["listed_loads"] += listing is not None
@@ -350,12 +386,18 @@ def _run_stateful(task: StageTask, worker: int, sm: Any, received: dict[tuple[in
                 try:
                     out = _run_steps(task, entry.worker, received)
                     saves = entry.snapshot.prepare()
-                    WorkerSnapshot.apply(h, saves)
-                    _log_saves(h, v + 1, saves)
-                    write_worker_layout(h, task.layout, worker)
-                    h.set_step(end)
-                    out = pa.concat_tables([out, ack_blob(k, worker, v + 1, end, first, loaded)])
-                    _write_result(_result_path(task.storage, k, worker), tag, out)
+                    w = Recorder(h) if remote is not None else h  # stage_store invariant 1: what the commit writes
+                    WorkerSnapshot.apply(w, saves)
+                    _log_saves(w, v + 1, saves)
+                    write_worker_layout(w, task.layout, worker)
+                    w.set_step(end)
+                    if remote is not None:  # uploaded before the commit, named by the acknowledgement
+                        link = upload_delta(remote, k, worker, v + 1, w)
+                        extra["delta"] = link
+                        write_side(path, {v: ids[v], v + 1: link["made"]})
+                    out = pa.concat_tables([out, ack_blob(k, worker, v + 1, end, first, loaded, extra)])
+                    if remote is None:
+                        _write_result(_result_path(root, k, worker), tag, out)
                     _fault(task, worker, "before-commit")
                     h.commit()
                 except BaseException:
@@ -365,6 +407,7 @@ def _run_stateful(task: StageTask, worker: int, sm: Any, received: dict[tuple[in
                         _CACHE[key] = entry
                     raise
                 entry.version, entry.step = v + 1, end
+                entry.made = extra["delta"]["made"] if remote is not None else None
                 with _CACHE_LOCK:
                     _CACHE[key] = entry
                     while len(_CACHE) > _CACHE_MAX:

@@ -19,6 +19,12 @@ Invariants (enforced here):
      partial job. Once every database holds that one version, the record has done its work and is removed.
   3. Results do not depend on W, on the layout, on how steps are grouped into jobs, nor on task retries
      (stage_plan.py invariant 1, stage_task.py invariant 3).
+  4. With an object store (:meth:`StagedExecutor.use_store`) no stage database is on the driver: the driver's
+     chains (runtime/stage_store.py) say which objects make each (stage, worker)'s state, every job's tasks get
+     the chains of their stage and the driver records the objects the acknowledgements name, after the checks of
+     invariant 1; invariant 2's JOB record is not needed (the chains move only when a job succeeded, and
+     recovery takes the chains of the manifest it restores). Layout changes, ``traces`` and ``view`` rebuild the
+     databases they read in the driver's scratch directory (stage_store invariant 6).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import os
+import random
+import shutil
 import time
 import uuid
 from typing import Any, Callable, NamedTuple, Protocol
@@ -41,6 +49,7 @@ from dbsp_core.profile import NodeTimer, reset_task_timers, task_timers
 from dbsp_core.runtime.executor import StateGroup, StepInput, groupings, spread, step_error_of, traces_by_label
 from dbsp_core.runtime.stage_plan import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, StagePlan, StageWorker, StepInfo,
                                           control_blobs, encode_blobs, gather, read_acks)
+from dbsp_core.runtime.stage_store import StageChains, StageStore
 from dbsp_core.runtime.stage_task import (InjectedFault, StageTask, choose_stage_version, open_stage_databases,
                                           run_stage_task, stage_db_path)
 from dbsp_core.storage.database import Database
@@ -72,12 +81,20 @@ class LocalJobRunner:
 
     ``fail_first`` (tests): ``{(stage, point, worker), ...}``; the first attempt of each such task raises
     :class:`~dbsp_core.runtime.stage_task.InjectedFault` at ``point`` and is retried once, as Spark retries a
-    failed task.
+    failed task. ``cache_dirs`` (tests of a store pipeline): each task's stage cache is one of these, picked at
+    random from ``seed``; with ``duplicates`` every task of a store pipeline first runs once more on another
+    of them and that attempt's blobs are dropped (a speculative duplicate on another Spark executor).
     """
 
-    def __init__(self, fail_first: set[tuple[int, str, int]] | None = None) -> None:
+    def __init__(self, fail_first: set[tuple[int, str, int]] | None = None,
+                 cache_dirs: list[str] | None = None, seed: int = 0, duplicates: bool = False) -> None:
         self.fail_first = set(fail_first or ())
         self.retries = 0
+        # tests of a store pipeline: each task runs with one of these as its stage cache, picked at random (from
+        # ``seed``), as if on one of several processes with no common disk (stage_store invariant 7)
+        self.cache_dirs = list(cache_dirs or ())
+        self._rng = random.Random(seed)
+        self.duplicates = duplicates
 
     def run_job(self, job: Job) -> pa.Table:
         blobs = job.inputs
@@ -86,6 +103,12 @@ class LocalJobRunner:
             outs = []
             for w in range(job.workers):
                 mine = blobs.filter(pa.array(parts == w))
+                if task.store is not None and self.cache_dirs:
+                    pick = self._rng.sample(self.cache_dirs, 2 if self.duplicates else 1)
+                    if self.duplicates:  # it commits and uploads in its cache too; the driver never hears of it
+                        run_stage_task(dataclasses.replace(task, store=dataclasses.replace(
+                            task.store, cache_dir=pick[1])), w, mine)
+                    task = dataclasses.replace(task, store=dataclasses.replace(task.store, cache_dir=pick[0]))
                 for k, point, wk in sorted(self.fail_first):
                     if (k, wk) == (task.stage, w):  # a failed first attempt, then the retry below
                         self.fail_first.discard((k, point, wk))
@@ -107,6 +130,9 @@ class StagedExecutor:
         Where the tasks run (default: :class:`LocalJobRunner`, in this process).
     max_steps_per_job : int
         At most this many consecutive steps run in one job.
+    task_cache_dir : str or None
+        With ``storage="s3://..."`` (invariant 4): where each task process keeps its stage cache, a directory local to
+        it (None: the Spark executor's own directory, or the temporary directory; runtime/stage_store.py).
 
     Examples
     --------
@@ -134,12 +160,18 @@ class StagedExecutor:
     """
 
     kind = "staged"
+    takes_store = True  # its state can live in an object store (invariant 4; the driver calls use_store)
     division_first = True  # invariant 1: a job commits state, so its steps' divisions are durable first
     state_in_memory = False  # the stage databases hold the state: a live rescale moves it as cold changes
 
-    def __init__(self, runner: JobRunner | None = None, max_steps_per_job: int = 64) -> None:
+    def __init__(self, runner: JobRunner | None = None, max_steps_per_job: int = 64,
+                 task_cache_dir: str | os.PathLike | None = None) -> None:
         if not isinstance(max_steps_per_job, int) or max_steps_per_job < 1:
             raise ValueError(f"max_steps_per_job must be a positive int, got {max_steps_per_job!r}")
+        if task_cache_dir is not None and not isinstance(task_cache_dir, (str, os.PathLike)):
+            raise TypeError(f"task_cache_dir must be a directory path or None, got {type(task_cache_dir).__name__}")
+        # with an object store: the base of every task process's stage cache, local to it (stage_store invariant 7)
+        self.task_cache_dir = None if task_cache_dir is None else os.fspath(task_cache_dir)
         self.runner: JobRunner = runner if runner is not None else LocalJobRunner()
         self.max_steps_per_job = max_steps_per_job
         self.run_id = uuid.uuid4().hex  # cache entries of an earlier incarnation are never used (stage_task inv. 4)
@@ -153,8 +185,14 @@ class StagedExecutor:
         self.circuit: Circuit | None = None
         self.layout: Layout | None = None
         self.storage: str | None = None
+        self.store: StageStore | None = None
+        self.chains: StageChains | None = None
 
     # ---- setup ----
+
+    def use_store(self, store: StageStore, chains: StageChains) -> None:
+        """Keep the stage state in an object store (invariant 4): ``chains`` as the manifest restored has them."""
+        self.store, self.chains = store, chains
 
     def start(self, circuit: Circuit, layout: Layout, storage: str | None) -> None:
         if storage is None:
@@ -168,6 +206,8 @@ class StagedExecutor:
     def groups(self, layout: Layout) -> list[StateGroup]:
         assert self.storage is not None and self.circuit is not None
         root, out = self.storage, []
+        if self.chains is not None:  # invariant 4: the driver's own copies, made by before_change
+            root = self.chains.scratch_dir()
         for k in range(self.plan.num_stages):
             if not self.plan.stateful[k]:
                 continue
@@ -182,6 +222,9 @@ class StagedExecutor:
 
     def open_state(self) -> tuple[int, int | None]:
         assert self.storage is not None and self.layout is not None
+        if self.chains is not None:  # invariant 4: the chains of the restored manifest
+            self.version, self.step = self.chains.version, self.chains.step
+            return self.version, (self.step if any(self.plan.stateful) else None)
         paths = [p for _, _, p in open_stage_databases(self.storage, self.plan, self.layout.workers)]
         at_most = None
         job = read_record(self._job_path(), JOB_MAGIC)
@@ -255,6 +298,8 @@ class StagedExecutor:
         """After a job failed on its data: discard the version its tasks committed (some may have) and the JOB
         record, so every stage database is at ``self.version`` again, at ``self.step``."""
         assert self.storage is not None and self.layout is not None
+        if self.chains is not None:
+            return  # invariant 4: the chains did not move; the attempts' objects are garbage
         paths = [p for _, _, p in open_stage_databases(self.storage, self.plan, self.layout.workers)]
         v, _ = choose_stage_version(paths, self.version)
         if v != self.version:
@@ -276,7 +321,10 @@ class StagedExecutor:
     def _make_job(self, steps: list[StepInput]) -> Job:
         assert self.layout is not None
         infos = [StepInfo(s.step, s.now_ns, s.prev_now_ns, s.seed, dict(s.watermarks), len(s.pushes)) for s in steps]
-        tasks = [StageTask(self.plan, k, self.layout, self.storage, self.run_id, self.version, infos)
+        W = self.layout.workers
+        tasks = [StageTask(self.plan, k, self.layout, self.storage, self.run_id, self.version, infos,
+                           store=self.store, chains=None if self.chains is None or not self.plan.stateful[k] else
+                           {w: self.chains.chain(k, w) for w in range(W)})
                  for k in range(self.plan.num_stages)]
         inputs = pa.concat_tables([self._input_blobs(steps), control_blobs(self.layout.workers, steps[0].step)])
         return Job(tasks, inputs, self.layout.workers)
@@ -289,7 +337,7 @@ class StagedExecutor:
             raise DbspError(f"job for steps {first}..{end - 1} but the executor is at step {self.step}")
         t0 = time.perf_counter()
         stateful = any(self.plan.stateful)
-        if stateful:
+        if stateful and self.chains is None:
             write_record(self._job_path(), JOB_MAGIC, {"version": self.version, "first": first, "end": end})
         result = self.runner.run_job(self._make_job(steps))
         outs = self._collect(result, first, end)
@@ -316,6 +364,11 @@ class StagedExecutor:
         for a in acks:  # task-side cache effectiveness (stage_task.py invariant 4)
             key = {"cache": "state_cache_hits", "partial": "state_partial_loads"}.get(a.get("loaded"), "state_loads")
             self.stats[key] = self.stats.get(key, 0) + 1
+        if self.chains is not None:
+            missing = [a for a in acks if "delta" not in a]
+            if missing:
+                raise RecoveryError(f"job for steps {first}..{end - 1}: acknowledgements without a delta object "
+                                    f"{missing} (a task that does not know the store)")
         nodes = result.column("node")
         control = result.filter(pc.equal(nodes, CONTROL_NODE)).column("part").to_pylist()
         if sorted(control) != list(range(W)):
@@ -335,6 +388,19 @@ class StagedExecutor:
                 z = got_out.get((-1 - k, step))
                 out[name] = z.consolidate() if z is not None else ZSet.empty(self._out_schemas[name])
             outs.append(out)
+        if self.chains is not None and any(self.plan.stateful):  # invariant 4: only now does any chain move
+            self.chains.record(acks, self.version + 1, end)
+            for a in acks:
+                st = self.stats
+                fetched = a.get("fetch") in ("fetched", "rebuilt")
+                st["state_fetches"] = st.get("state_fetches", 0) + fetched
+                st["state_fetch_bytes"] = st.get("state_fetch_bytes", 0) + int(a.get("fetched_bytes", 0))
+                st["state_upload_bytes"] = (st.get("state_upload_bytes", 0) + a["delta"]["bytes"]
+                                            + (a["base"]["bytes"] if a.get("base") else 0))
+                st["state_compactions"] = st.get("state_compactions", 0) + bool(a.get("base"))
+                roots = st.setdefault("state_cache_roots", [])
+                if a.get("cache_root") and a["cache_root"] not in roots:
+                    roots.append(a["cache_root"])
         return outs
 
     # ---- durability ----
@@ -343,7 +409,37 @@ class StagedExecutor:
         """Every job commits the stage databases (invariant 1): the state is durable at the executor's step."""
         if step != self.step:
             raise DbspError(f"checkpoint at step {step}, but the stage databases are at step {self.step}")
+        if self.chains is not None:  # stage_store invariant 5: the manifest names the chains as they are now
+            self.chains.capture()
         return lambda: None
+
+    # ---- layout changes with an object store (stage_store invariant 6) ----
+
+    def before_change(self, old: Layout, version: int) -> None:
+        """Before a cold layout change from ``old`` at ``version``: the old workers' databases in the scratch
+        directory, rebuilt from their chains (runtime/rescale.py then changes them there)."""
+        if self.chains is None:
+            return
+        if version != self.chains.version:
+            raise RecoveryError(f"a layout change at version {version}, but the stage chains are at "
+                                f"{self.chains.version}")
+        root = self.chains.scratch_dir()
+        for name in os.listdir(root):  # the copies of an earlier change: this one starts from the chains
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        for k in range(self.plan.num_stages):
+            if self.plan.stateful[k]:
+                for w in range(old.workers):
+                    self.chains.materialize(stage_db_path(root, k, w), k, w)
+
+    def after_change(self, new: Layout, version: int, step: int) -> None:
+        """After the change committed ``version`` in the scratch directory: every database of ``new`` is uploaded
+        as the base of its chain."""
+        if self.chains is None:
+            return
+        root = self.chains.scratch_dir()
+        paths = {(k, w): stage_db_path(root, k, w) for k in range(self.plan.num_stages) if self.plan.stateful[k]
+                 for w in range(new.workers)}
+        self.chains.upload_all(paths, version, step)
 
     # ---- inspection ----
 
@@ -376,6 +472,9 @@ class StagedExecutor:
         assert self.layout is not None and self.storage is not None and self.circuit is not None
         v = self.version
         path = stage_db_path(self.storage, k, worker)
+        if self.chains is not None:  # invariant 4: a copy in the driver's scratch directory
+            path = stage_db_path(os.path.join(self.chains.scratch_dir(), "read"), k, worker)
+            self.chains.materialize(path, k, worker)
         sw = StageWorker(self.circuit, self.plan, k, worker, self.layout.shard_map)
         instances = sw.stateful if node is None else {node: sw.stateful[node]}
         lockfd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT, 0o644)
@@ -401,6 +500,8 @@ class StagedExecutor:
 
     def disk_bytes(self) -> int:
         assert self.storage is not None
+        if self.chains is not None:  # invariant 4: the bytes of the chains in the store
+            return self.chains.bytes()
         root = os.path.join(self.storage, STATE_DIR)
         return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
 
@@ -426,6 +527,8 @@ class StagedExecutor:
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
+        if self.chains is not None:
+            self.chains.close()
 
     def __repr__(self) -> str:
         return f"StagedExecutor(stages={getattr(self, 'plan', None)}, jobs={self.jobs})"

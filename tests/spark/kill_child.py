@@ -10,8 +10,11 @@ Usage:
   kill_child.py task MODE STORAGE SEED BATCHES WORKERS MARKER MASTER TARGET OUT
       A new pipeline on MASTER whose circuit kills the task holding the poison row of batch TARGET (MODE
       "worker": os._exit of the Python worker; "executor": it waits and the test kills the executor JVM);
-      every step's output is pickled to OUT as ``[{output: sorted rows}]``. Prints READY and DONE.
-RUNTIME is ``spark`` (spark_glue.SparkPipeline on local[2]) or ``embedded`` (dbsp.Pipeline, to test the harness).
+      every step's output is pickled to OUT as ``[{output: sorted rows}]``. Prints READY and DONE. With
+      DBSP_KILL_STORE_URI set, the pipeline's storage is that object store (STORAGE its driver's local cache).
+RUNTIME is ``spark`` (spark_glue.SparkPipeline on local[2]), ``spark-store`` (the same with its storage on the object
+store named by DBSP_KILL_STORE_URI and STORAGE its driver's local cache, deleted first: every restart starts on an
+empty disk) or ``embedded`` (dbsp.Pipeline, to test the harness).
 """
 
 from __future__ import annotations
@@ -39,6 +42,18 @@ def acked(path: str) -> int:
 
 def make(runtime: str, storage: str, workers: int, circuit: dbsp.Circuit, master: str = "local[2]"):
     """Create or recover the pipeline in ``storage`` with the chosen runtime."""
+    if runtime == "spark-store":
+        import shutil
+
+        from dbsp_core.storage.remote import Remote
+        from spark_glue import SparkPipeline
+
+        uri = os.environ["DBSP_KILL_STORE_URI"]
+        shutil.rmtree(storage, ignore_errors=True)  # the old driver's local disk is gone
+        spark = session(master)
+        if Remote.of(uri, storage).manifest_versions():
+            return SparkPipeline.open(spark, uri, circuit, cache_dir=storage, checkpoint_interval=None)
+        return SparkPipeline(spark, circuit, workers=workers, storage=uri, cache_dir=storage, checkpoint_interval=None)
     exists = os.path.exists(os.path.join(storage, "META"))
     if runtime == "embedded":
         if exists:
@@ -74,7 +89,8 @@ def driver(runtime: str, storage: str, seed: int, batches: int, workers: int) ->
 
 def task(mode: str, storage: str, seed: int, batches: int, workers: int, marker: str, master: str, target: int,
          out: str) -> None:
-    p = make("spark", storage, workers, build_circuit(marker, mode), master)
+    runtime = "spark-store" if os.environ.get("DBSP_KILL_STORE_URI") else "spark"
+    p = make(runtime, storage, workers, build_circuit(marker, mode), master)
     print("READY", flush=True)
     steps = []
     for i in range(batches):

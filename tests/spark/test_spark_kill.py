@@ -15,6 +15,7 @@ from a seed new per run, printed (with -rA and in every failure); DBSP_SPARK_KIL
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -184,8 +185,6 @@ def test_driver_kill_under_a_streaming_query(tmp_path, runtime):
 def test_driver_kill_and_open(tmp_path, runtime):
     """The driver process is killed at random moments while it pushes, steps and checkpoints; every restart
     recovers with ``open`` and resumes the producer after its last acknowledged batch."""
-    from kill_workload import batch
-
     storage, seed, batches = str(tmp_path / "p"), SEED % 10_000, 6 * KILLS + 2
     print(f"\n[spark kill] seed {SEED} (replay: DBSP_SPARK_KILL_SEED={SEED})")
     rng = random.Random(SEED + 2)
@@ -193,20 +192,50 @@ def test_driver_kill_and_open(tmp_path, runtime):
     runs, killed, at = kill_until(args, rng, str(tmp_path / "child.log"), storage, steps=batches)
     print(f"driver kills of the {runtime} pipeline: {killed} landed in {runs} runs "
           f"(steps in the output log at each kill: {at})")
+    check_acked(tmp_path, seed, batches, storage)
+
+
+def check_acked(tmp_path, seed: int, batches: int, root: str) -> None:
+    """Every batch was acknowledged, and the output log in ``root`` holds each in exactly one step (0 lost, 0
+    doubled), its integral equal to DuckDB over them."""
+    import pyarrow.parquet as pq
+    from kill_workload import batch
+
     acks = [int(x) for x in (tmp_path / "acks.txt").read_text().split()]
     assert acks == list(range(batches))
     data = tmp_path / "acked"
     data.mkdir()
-    import pyarrow.parquet as pq
-
     for i in acks:
         pq.write_table(batch(seed, i), str(data / f"part-{i:05d}.parquet"))
-    views, ranges = log_views(storage)
+    views, ranges = log_views(root)
     want = duckdb_expected(str(data))
     assert views == {name: want[name] for name in views}, f"the log differs from DuckDB (seed {SEED})"
     counted = sorted(b for rs in ranges for r in rs if r["producer"] == "gen"
                      for b in range(r["first_seq"], r["last_seq"] + 1))
     assert counted == acks  # every acknowledged batch in exactly one step
+
+
+def test_driver_kill_and_open_from_the_store(tmp_path, s3_server):
+    """As :func:`test_driver_kill_and_open` with ``storage="s3://..."`` (moto's server): every restart deletes the
+    driver's local cache first and recovers from the store alone (its Spark tasks' caches are new too), and the
+    output log read back from the store equals DuckDB over every acknowledged batch, each in exactly one step."""
+    from dbsp_core.runtime.remote_state import restored
+
+    uri = s3_server.uri(s3_server.bucket(), "pipe")
+    cache, seed, batches = str(tmp_path / "p"), SEED % 10_000, 6 * KILLS + 2
+    print(f"\n[spark kill, store] seed {SEED} (replay: DBSP_SPARK_KILL_SEED={SEED})")
+    rng = random.Random(SEED + 3)
+    os.environ["DBSP_KILL_STORE_URI"] = uri  # the children's environment (child_env copies it)
+    try:
+        args = [os.path.join(HERE, "kill_child.py"), "driver", "spark-store", cache, str(seed), str(batches), "2"]
+        runs, killed, at = kill_until(args, rng, str(tmp_path / "child.log"), cache, steps=batches)
+    finally:
+        del os.environ["DBSP_KILL_STORE_URI"]
+    print(f"driver kills of the SparkPipeline on the store: {killed} landed in {runs} runs "
+          f"(steps in the output log at each kill: {at})")
+    shutil.rmtree(cache)
+    with restored(uri) as (root, _, _):  # the store alone, read into a new directory
+        check_acked(tmp_path, seed, batches, root)
 
 
 def ancestors(pid: int) -> list[int]:
@@ -250,6 +279,16 @@ def test_task_kill_mid_step(tmp_path, mode, master):
     """A Python worker (os._exit inside its task) or an executor JVM (SIGKILL from here while its task runs) dies in
     the middle of step TARGET, on the first attempt only; Spark retries the task. Every step completes once: its
     output, returned by ``step`` and in the output log, equals the embedded runtime's, and no step is doubled."""
+    _task_kill(tmp_path, mode, master, None)
+
+
+def test_executor_kill_mid_step_with_the_store(tmp_path, s3_server):
+    """As the executor case of :func:`test_task_kill_mid_step` with ``storage="s3://..."``: the killed executor's
+    cache is gone with it, and the retried tasks take their state from the store (exactly once)."""
+    _task_kill(tmp_path, "executor", "local-cluster[2,1,1024]", s3_server.uri(s3_server.bucket(), "pipe"))
+
+
+def _task_kill(tmp_path, mode: str, master: str, uri: str | None) -> None:
     import pickle
 
     from kill_workload import batch, build_circuit as kill_circuit
@@ -261,7 +300,8 @@ def test_task_kill_mid_step(tmp_path, mode, master):
             master, str(target), out]
     log = str(tmp_path / "child.log")
     with open(log, "ab") as err:
-        proc = subprocess.Popen([sys.executable, *args], env=child_env(), stdout=subprocess.PIPE, stderr=err)
+        env = child_env({"DBSP_KILL_STORE_URI": uri} if uri else None)
+        proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=err)
         killed: list[int] = []
         if mode == "executor":
             deadline = time.monotonic() + 400
@@ -286,11 +326,16 @@ def test_task_kill_mid_step(tmp_path, mode, master):
         want.append({name: sorted(z.to_dict().items()) for name, z in ref.step().items()})
     ref.close()
     assert got == want
+    from dbsp_core.runtime.remote_state import restored
     from dbsp_core.storage.inspect import open_output
 
-    lg = open_output(storage)
-    try:
-        assert (lg.first, lg.last) == (0, batches)
-        assert [{name: sorted(z.to_dict().items()) for name, z in lg.get(s).items()} for s in range(batches)] == want
-    finally:
-        lg.close()
+    with contextlib.ExitStack() as stack:
+        if uri is not None:  # the output log as the store holds it, read into a new directory
+            storage = stack.enter_context(restored(uri))[0]
+        lg = open_output(storage)
+        try:
+            assert (lg.first, lg.last) == (0, batches)
+            assert [{name: sorted(z.to_dict().items()) for name, z in lg.get(s).items()}
+                    for s in range(batches)] == want
+        finally:
+            lg.close()

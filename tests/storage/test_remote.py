@@ -219,10 +219,6 @@ def test_cache_dir_and_store_are_checked(s3_server, tmp_path):
     assert (busy / "mine.txt").read_text() == "user data"
     with pytest.raises(ValueError, match="cache_dir is the local cache of an object store"):
         dbsp.Pipeline(_circuit(), storage=str(tmp_path / "d"), cache_dir=str(busy))
-    from dbsp_core.runtime.staged import StagedExecutor
-
-    with pytest.raises(DbspError, match="embedded executor"):
-        dbsp.Pipeline(_circuit(), storage=uri, executor=StagedExecutor())
     with pytest.raises(TypeError, match="storage must be"):
         dbsp.Pipeline(_circuit(), storage=42)
 
