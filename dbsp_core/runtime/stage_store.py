@@ -271,10 +271,14 @@ def _apply_links(remote: Remote, path: str, links: list[dict], ids: dict[int, st
         for link in links:
             if link["kind"] != "delta":
                 raise CorruptionError(f"{remote.shown}/{link['object']}: a base in the middle of a chain")
-            data = remote.get(link["object"])
-            got += len(data)
-            write_side(path, {link["from"]: ids[link["from"]], link["to"]: link["made"]})
-            apply_delta(db, link, data, f"{remote.shown}/{link['object']}")
+            tmp = path + ".delta"  # streamed into a file, never whole in memory (remote_state invariant 4)
+            try:
+                got += remote.get_file(link["object"], tmp, sync=False)
+                write_side(path, {link["from"]: ids[link["from"]], link["to"]: link["made"]})
+                apply_delta(db, link, tmp, f"{remote.shown}/{link['object']}")
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
     return got
 
 
