@@ -4,6 +4,14 @@ The README's test command (``python -m pytest -q tests``) runs every test not ma
 about ten minutes on two cores. The long suite (kill loops, soaks, local-cluster Spark, large data) runs with
 ``python -m pytest -q tests -m slow`` (what ``.ci/run`` does after the README command), or together with the
 rest with ``--long`` or ``DBSP_LONG=1``. A deselected test is counted in pytest's summary ("N deselected").
+
+The test command runs on two worker processes (pytest-xdist, ``-n 2 --dist loadfile`` in pyproject.toml: a test
+file's tests share one process, so a module's Spark session or server starts once). Every per-run seed of the test
+modules (the ``DBSP_*_SEED`` variables they read, found by :func:`_seed_names`) is drawn here, once, in the process
+that starts the workers, and handed to them through the environment: the workers collect the same parametrized
+tests (the SQL corpus draws its worker counts from its seed) and run with the seeds printed after the summary,
+which replay the run (``DBSP_SQL_SEED=... DBSP_HYPOTHESIS_SEED=... python -m pytest ...``). ``-n 0`` runs in one
+process.
 """
 
 import os
@@ -16,6 +24,27 @@ from hypothesis import HealthCheck, settings
 sys.path.insert(0, os.path.dirname(__file__))  # hypothesis_profile, for tests that set their own example counts
 
 from hypothesis_profile import DEFAULT_EXAMPLES  # noqa: E402
+
+
+def _seed_names() -> list[str]:
+    """The ``DBSP_*_SEED`` variables the test files read (a name followed by ``S``, a count of seeds, is not one)."""
+    import re
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    names = set()
+    for root, _, files in os.walk(here):
+        for f in files:
+            if f.endswith(".py"):
+                with open(os.path.join(root, f), encoding="utf-8") as fh:
+                    names.update(re.findall(r"\bDBSP_[A-Z0-9_]*SEED\b", fh.read()))
+    return sorted(names)
+
+
+DRAWN_SEEDS: dict[str, str] = {}  # the seeds this process drew (the xdist controller, or a run without -n)
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    for _name in _seed_names():
+        if not os.environ.get(_name):
+            os.environ[_name] = DRAWN_SEEDS[_name] = str(random.SystemRandom().randrange(2**31))
 
 _SEED_ENV = os.environ.get("DBSP_HYPOTHESIS_SEED", "")
 DERANDOMIZE = _SEED_ENV == "derandomize"
@@ -69,8 +98,11 @@ def pytest_report_header(config):
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    """The seed again after the summary: ``-q`` hides the header."""
+    """The seed again after the summary (``-q`` hides the header), and every seed drawn for the run."""
     terminalreporter.write_line(pytest_report_header(config))
+    if DRAWN_SEEDS:
+        terminalreporter.write_line("seeds of this run (set them to replay it): "
+                                    + " ".join(f"{k}={v}" for k, v in sorted(DRAWN_SEEDS.items())))
 
 
 @pytest.hookimpl(wrapper=True)
