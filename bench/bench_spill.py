@@ -83,6 +83,7 @@ def load(query: str, state: int, groups: int, args, limit) -> tuple[dbsp.Pipelin
     p.executor.settle_merges()
     p.push("bids", bids(rng, 1, query, groups))
     p.step()  # installs the settled merges; the store (if any) spills the merged batches after it
+    p.executor.settle_merges()  # and its spill thread has written them before the measured steps
     return p, rng, loaded
 
 

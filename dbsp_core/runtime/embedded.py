@@ -559,8 +559,11 @@ class EmbeddedExecutor:
 
     def settle_merges(self) -> None:
         """Wait until the merge thread has no merge left and every trace has installed what it merged (after a
-        bulk load, say, so later steps do not share the machine with the load's merges). Call between steps."""
+        bulk load, say, so later steps do not share the machine with the load's merges), and the batch store's spill
+        thread has written what it was handed (trace invariant 12). Call between steps."""
         self._install_merges(settle=True)
+        if self.batch_store is not None:
+            self.batch_store.settle()
 
     def _install_merges(self, settle: bool = False) -> None:
         """Between steps (the caller holds the step lock): every trace installs the merges the merge thread
