@@ -232,3 +232,71 @@ def test_metrics_show_memory_and_disk_per_operator() -> None:
         import urllib.request
         body = urllib.request.urlopen(f"http://127.0.0.1:{text[1]}/metrics").read().decode()
         assert "dbsp_trace_disk_bytes{operator=" in body and "dbsp_spill_disk_bytes" in body
+
+
+def _big_batch(rng, n: int, schema: pa.Schema):
+    """A consolidated batch of ``n`` random rows (k, v) indexed by k: above BatchStore.ASYNC_BYTES for n >= 4k."""
+    import numpy as np
+    from dbsp_core import ZSet
+
+    z = ZSet.from_arrow(pa.table({"k": rng.integers(0, 10 * n, n), "v": rng.integers(-9, 9, n)}, schema=schema),
+                        weights=np.ones(n, dtype=np.int64))
+    return z.consolidate().index_by(["k"])
+
+
+def test_big_batches_spill_off_the_stepping_thread(monkeypatch) -> None:
+    """A batch of at least ASYNC_BYTES is written by the spill thread: enforce returns before its file exists (the
+    step does not wait for the write), the batch is read from memory meanwhile, the next enforce (or settle)
+    switches it to its file; one merged away while written leaves no file; a write's error is raised by the next
+    enforce."""
+    import threading
+
+    import numpy as np
+    from dbsp_core.trace import Trace
+    from dbsp_core.trace import spill as spill_mod
+    from dbsp_core.trace.spill import batch_bytes
+
+    rng = np.random.default_rng(SEED)
+    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    writers: list[int] = []
+    real_write = spill_mod.write_batch
+
+    def write_batch(*a, **k):  # the real write, noting which thread ran it
+        writers.append(threading.get_ident())
+        return real_write(*a, **k)
+
+    monkeypatch.setattr(spill_mod, "write_batch", write_batch)
+    t = Trace(schema, ("k",))
+    with BatchStore(TINY) as store, spilling(store):
+        b = _big_batch(rng, 20_000, schema)
+        assert batch_bytes(b) >= BatchStore.ASYNC_BYTES
+        want = b.zset.to_dict()
+        t.insert(b)
+        assert store.enforce() == batch_bytes(b)
+        assert store.stats["files_written"] == 0 and not store.is_spilled(b)  # handed over, not written in the step
+        assert t.consolidated().zset.to_dict() == want
+        store.settle()
+        assert store.is_spilled(b) and store.stats["files_written"] == 1 and store.stats["written_in_background"] == 1
+        assert writers and threading.get_ident() not in writers
+        assert t.consolidated().zset.to_dict() == want
+        assert store.enforce() == 0  # spilled once: not handed over again
+        # merged away while written: its file goes, nothing is switched
+        u = Trace(schema, ("k",))
+        c = _big_batch(rng, 20_000, schema)
+        u.insert(c)
+        store.enforce()
+        u.clear()
+        del c
+        store.settle()
+        assert store.stats["written_for_nothing"] == 1 and store.stats["files_written"] == 1
+        assert len([n for n in os.listdir(store.directory) if n.endswith(".batch")]) == 1
+        # a write that fails: raised by the next enforce, and no file is left
+        def failing(*a, **k):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(spill_mod, "write_batch", failing)
+        w = Trace(schema, ("k",))
+        w.insert(_big_batch(rng, 20_000, schema))
+        assert store.enforce() > 0
+        with pytest.raises(OSError, match="No space"):
+            store.settle()
+        assert len([n for n in os.listdir(store.directory) if n.endswith(".batch")]) == 1
