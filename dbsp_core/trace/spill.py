@@ -160,7 +160,7 @@ class BatchStore:
         self._cache: "weakref.WeakKeyDictionary[Trace, list[int]]" = weakref.WeakKeyDictionary()  # [hits, misses]
         self._next = 0
         self._writing: dict[str, Any] = {}  # file name -> weakref to the batch the spill thread writes to it (12)
-        self._written: list[tuple] = []  # (batch weakref, name, path, size, error) the spill thread finished
+        self._written: list[tuple] = []  # (batch weakref, name, path, size, error, opened file): writes finished
         self._jobs: "queue.Queue[tuple | None] | None" = None  # the spill thread's work, once it runs
         self._spiller: threading.Thread | None = None
         self._token = os.urandom(6).hex()  # names never reused, even by a later process with the same pid
@@ -434,13 +434,15 @@ class BatchStore:
                 if job is None:
                     return
                 b, ref, name, path = job
-                size, error = 0, None
+                size, error, f = 0, None, None
                 try:
                     size = write_batch(path, b, self.vfs, sync=self.durable)
+                    f = open_batch(path)  # here too: its fence and filter are checked and copied (O(rows / 6))
                 except BaseException as exc:  # raised by the next enforce, on the stepping thread
                     error = exc
                 with self._lock:
-                    self._written.append((ref, name, path, size, error))
+                    self._written.append((ref, name, path, size, error, f))
+                del f
                 del b, job
             finally:
                 jobs.task_done()
@@ -450,10 +452,10 @@ class BatchStore:
         raise the first write error (invariant 12). Between steps only."""
         with self._lock:
             done, self._written = self._written, []
-            for _ref, name, _path, _size, _exc in done:
-                self._writing.pop(name, None)
+            for job in done:
+                self._writing.pop(job[1], None)
         error = None
-        for ref, name, path, size, exc in done:
+        for ref, name, path, size, exc, f in done:
             b = ref()
             if exc is not None or b is None:  # failed, or merged away while written: the file goes
                 if exc is None:
@@ -465,7 +467,7 @@ class BatchStore:
                 except OSError:
                     pass
                 continue
-            self._switch(b, name, path, size)
+            self._switch(b, name, path, size, f)
             self.stats["written_in_background"] += 1
         if error is not None:
             raise error
@@ -476,9 +478,11 @@ class BatchStore:
             self._jobs.join()
         self._switch_written()
 
-    def _switch(self, b: "IndexedZSet", name: str, path: str, size: int) -> BatchFile:
-        """Switch ``b``, in place, to the mapped buffers of the batch file just written for it (invariant 12)."""
-        f = open_batch(path)
+    def _switch(self, b: "IndexedZSet", name: str, path: str, size: int, f: BatchFile | None = None) -> BatchFile:
+        """Switch ``b``, in place, to the mapped buffers of the batch file just written for it (invariant 12), opened
+        here unless the spill thread opened it (``f``): then the switch costs no read of the file."""
+        if f is None:
+            f = open_batch(path)
         new = f.batch
         new._z._distinct = b._z._distinct  # the same rows: what the old ZSet knew of them still holds
         b._z, b._kh, b._rh, b._fx, b._cv = new._z, new._kh, new._rh, new._fx, None
