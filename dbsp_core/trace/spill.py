@@ -418,7 +418,7 @@ class BatchStore:
         with self._lock:
             self._writing[name] = ref
         assert self._jobs is not None
-        self._jobs.put((b, ref, name, path))
+        self._jobs.put((ref, name, path))  # not the batch: one merged away while queued is not written
 
     def _spill_loop(self, jobs: "queue.Queue[tuple | None]") -> None:
         """The spill thread: write each batch handed over; the next :meth:`enforce` switches it (invariant 12). It runs
@@ -433,11 +433,13 @@ class BatchStore:
             try:
                 if job is None:
                     return
-                b, ref, name, path = job
+                ref, name, path = job
+                b = ref()
                 size, error, f = 0, None, None
                 try:
-                    size = write_batch(path, b, self.vfs, sync=self.durable)
-                    f = open_batch(path)  # here too: its fence and filter are checked and copied (O(rows / 6))
+                    if b is not None:
+                        size = write_batch(path, b, self.vfs, sync=self.durable)
+                        f = open_batch(path)  # here too: its fence and filter are checked and copied (O(rows / 6))
                 except BaseException as exc:  # raised by the next enforce, on the stepping thread
                     error = exc
                 with self._lock:
@@ -457,8 +459,8 @@ class BatchStore:
         error = None
         for ref, name, path, size, exc, f in done:
             b = ref()
-            if exc is not None or b is None:  # failed, or merged away while written: the file goes
-                if exc is None:
+            if exc is not None or b is None:  # failed, or merged away while queued or written: the file goes
+                if exc is None and f is not None:
                     self.stats["written_for_nothing"] += 1
                 error = error or exc
                 self._delete(name)

@@ -280,7 +280,7 @@ def test_big_batches_spill_off_the_stepping_thread(monkeypatch) -> None:
         assert writers and threading.get_ident() not in writers
         assert t.consolidated().zset.to_dict() == want
         assert store.enforce() == 0  # spilled once: not handed over again
-        # merged away while written: its file goes, nothing is switched
+        # merged away while queued or written: not written, or its file goes; nothing is switched
         u = Trace(schema, ("k",))
         c = _big_batch(rng, 20_000, schema)
         u.insert(c)
@@ -288,7 +288,7 @@ def test_big_batches_spill_off_the_stepping_thread(monkeypatch) -> None:
         u.clear()
         del c
         store.settle()
-        assert store.stats["written_for_nothing"] == 1 and store.stats["files_written"] == 1
+        assert store.stats["written_for_nothing"] <= 1 and store.stats["files_written"] == 1  # (skipped if queued)
         assert len([n for n in os.listdir(store.directory) if n.endswith(".batch")]) == 1
         # a write that fails: raised by the next enforce, and no file is left
         def failing(*a, **k):
