@@ -20,9 +20,9 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      thread instead, off the step (a 1k-row step that installs a merged level must not wait for its file):
      ``enforce`` hands it over and counts its bytes as gone; a later ``enforce`` (between steps) switches it to the
      file once written, or deletes the file when the batch was merged away meanwhile; a write's error is raised
-     by that ``enforce``. Until then the batch is read from memory as before (the budget is exceeded by the
-     batches being written, at most what one ``enforce`` chose to spill); :meth:`BatchStore.settle` waits for the
-     writes and switches them. Writes through a VFS other than posix (the fault-injecting one of crash tests)
+     by that ``enforce``. Until then the batch is read from memory as before: the budget is exceeded by the
+     batches not written yet, at most ``ASYNC_SHARE`` of the limit (or the one batch being handed over): beyond
+     it ``enforce`` waits for the writes first (:meth:`BatchStore.settle`, which also switches them). Writes through a VFS other than posix (the fault-injecting one of crash tests)
      stay on the calling thread, so their I/O order is the step's.
      Merging spilled batches reads them through the mapping and writes the output in memory; a later
      ``enforce`` spills it to a new file. A file is deleted when its batch object is gone (merged away, dropped).
@@ -134,7 +134,8 @@ class BatchStore:
     PROGRESS_BYTES = 256 << 20  # an enforce spilling this much shows a progress line (dbsp_core/progress.py)
     ASYNC_BYTES = 64 << 10  # a batch this big is written by the spill thread, off the step (invariant 12); below it
     # a write takes a few ms and stays on the calling thread
-    SPILL_NICE = 10  # the spill thread's nice value (lower priority than steps)
+    ASYNC_SHARE = 0.25  # of the limit: bytes handed to the spill thread and not written yet, at most; beyond it
+    # enforce waits for the writes (the budget holds even when the spill thread falls behind)
 
     def __init__(self, memory_limit: int, directory: str | None = None, durable: bool = False,
                  vfs: str = "posix") -> None:
@@ -163,6 +164,7 @@ class BatchStore:
         self._written: list[tuple] = []  # (batch weakref, name, path, size, error, opened file): writes finished
         self._jobs: "queue.Queue[tuple | None] | None" = None  # the spill thread's work, once it runs
         self._spiller: threading.Thread | None = None
+        self._queued = 0  # bytes of the batches handed to the spill thread and not written yet
         self._token = os.urandom(6).hex()  # names never reused, even by a later process with the same pid
         self.stats.update({"files_written": 0, "bytes_written": 0, "evictions": 0, "bytes_evicted": 0,
                            "enforcements": 0, "cache_hits": 0, "cache_misses": 0, "pages_checked": 0,
@@ -383,7 +385,9 @@ class BatchStore:
                     if mem <= budget:
                         break
                     if n >= self.ASYNC_BYTES and self.vfs == "posix":
-                        self._submit(b)
+                        if self._queued + n > max(n, int(self.memory_limit * self.ASYNC_SHARE)):
+                            self.settle()  # the spill thread fell behind: wait for it (back-pressure)
+                        self._submit(b, n)
                         mem -= n
                     else:
                         f = self._spill(b)
@@ -406,7 +410,7 @@ class BatchStore:
         size = write_batch(path, b, self.vfs, sync=self.durable)
         return self._switch(b, name, path, size)
 
-    def _submit(self, b: "IndexedZSet") -> None:
+    def _submit(self, b: "IndexedZSet", n: int) -> None:
         """Hand ``b`` to the spill thread (started on first use) to be written to a new batch file (invariant 12)."""
         if self._spiller is None:
             self._jobs = queue.Queue()
@@ -417,23 +421,18 @@ class BatchStore:
         ref = weakref.ref(b)
         with self._lock:
             self._writing[name] = ref
+            self._queued += n
         assert self._jobs is not None
-        self._jobs.put((ref, name, path))  # not the batch: one merged away while queued is not written
+        self._jobs.put((ref, name, path, n))  # not the batch: one merged away while queued is not written
 
     def _spill_loop(self, jobs: "queue.Queue[tuple | None]") -> None:
-        """The spill thread: write each batch handed over; the next :meth:`enforce` switches it (invariant 12). It runs
-        at a lower CPU priority than the stepping threads (Linux: a thread's own nice value), so on a busy machine a
-        write waits for the step, not the other way round."""
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.SPILL_NICE)
-        except (AttributeError, OSError):  # not Linux, or not allowed: same priority
-            pass
+        """The spill thread: write each batch handed over; the next :meth:`enforce` switches it (invariant 12)."""
         while True:
             job = jobs.get()
             try:
                 if job is None:
                     return
-                ref, name, path = job
+                ref, name, path, n = job
                 b = ref()
                 size, error, f = 0, None, None
                 try:
@@ -444,6 +443,7 @@ class BatchStore:
                     error = exc
                 with self._lock:
                     self._written.append((ref, name, path, size, error, f))
+                    self._queued -= n
                 del f
                 del b, job
             finally:
