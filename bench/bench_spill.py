@@ -120,7 +120,8 @@ def run(query: str, state: int, groups: int, args, limit) -> dict:
         mem, kept = store.memory()
         out.update(disk_mb=store.disk_bytes() / 2**20, mem_mb=mem / 2**20, kept_mb=kept / 2**20,
                    files=len(store._files), spilled_rows=sum(f.rows for f in store._files.values()),
-                   background=store.stats.get("written_in_background", 0), wasted=store.stats.get("written_for_nothing", 0),
+                   background=store.stats.get("written_in_background", 0),
+                   wasted=store.stats.get("written_for_nothing", 0),
                    written_mb=store.stats["bytes_written"] / 2**20)
         pages, cold, majflt = [], [], []
         for k in range(args.cold):
