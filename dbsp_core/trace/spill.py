@@ -22,8 +22,9 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      file once written, or deletes the file when the batch was merged away meanwhile; a write's error is raised
      by that ``enforce``. Until then the batch is read from memory as before: the budget is exceeded by the
      batches not written yet, at most ``ASYNC_SHARE`` of the limit (or the one batch being handed over): beyond
-     it ``enforce`` waits for the writes first (:meth:`BatchStore.settle`, which also switches them). Writes through a VFS other than posix (the fault-injecting one of crash tests)
-     stay on the calling thread, so their I/O order is the step's.
+     it ``enforce`` waits for the writes first (:meth:`BatchStore.settle`, which also switches them). Writes
+     through a VFS other than posix (the fault-injecting one of crash tests) stay on the calling thread, so their
+     I/O order is the step's.
      Merging spilled batches reads them through the mapping and writes the output in memory; a later
      ``enforce`` spills it to a new file. A file is deleted when its batch object is gone (merged away, dropped).
      The cache: the pages of mapped files that reads touched are resident (the OS page cache, file-backed and
