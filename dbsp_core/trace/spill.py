@@ -59,6 +59,12 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      since it was spilled or opened (its pages must come from the page cache or the disk). File granularity: the
      kernel, not the engine, knows which 4 KiB pages fault.
 
+ 16. Every read of some keys in a spilled batch (``Trace.lookup``, ``key_sums``, ``match_weights``, an inner join's
+     walk, through ``Trace.narrowed``) first drops the keys the batch's Bloom filter rules out, and counts those it
+     seeks in ``stats["keys_sought"]``: each costs at least a page of the batch's key hashes, so a step that changes
+     k keys seeks about k times the batches that hold them (plus the filter's ~2% false positives), not k times
+     every spilled batch.
+
 What is not spilled: pending batches of a trace being restored (they are placed at its first read), merge inputs
 (until the merge ends), Z-set state of operators that is not a trace, key indexes (dbsp_core/trace/keyindex.py)
 and the per-batch fence and filter (about 1.4 bytes per row).
@@ -169,7 +175,7 @@ class BatchStore:
         self._token = os.urandom(6).hex()  # names never reused, even by a later process with the same pid
         self.stats.update({"files_written": 0, "bytes_written": 0, "evictions": 0, "bytes_evicted": 0,
                            "enforcements": 0, "cache_hits": 0, "cache_misses": 0, "pages_checked": 0,
-                           "written_in_background": 0, "written_for_nothing": 0})
+                           "written_in_background": 0, "written_for_nothing": 0, "keys_sought": 0})
 
     def __enter__(self) -> "BatchStore":
         return self
