@@ -609,6 +609,8 @@ class EmbeddedExecutor:
         if self._coord is None:
             raise DbspError("checkpoint: this executor keeps no state on disk")
         self._install_merges()
+        if self.batch_store is not None:  # batches the spill thread is writing: referenced by their files, not
+            self.batch_store.settle()  # copied row by row (trace invariant 12-13)
         at, plans = self._coord.begin_checkpoint()
         if at != step:
             raise DbspError(f"checkpoint at step {step}, but the workers are at step {at}")

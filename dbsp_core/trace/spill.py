@@ -31,7 +31,8 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      clean: the kernel can drop them at any time). The store bounds them too: every trace read in a step marks
      its spilled files used; when the files used since their last eviction add up to more than
      ``memory_limit * CACHE_SHARE`` bytes, the least recently used are evicted (madvise(MADV_DONTNEED): their pages
-     leave the process; a later read faults them back from the page cache or the disk).
+     leave the process; a later read faults them back from the page cache or the disk). The spill thread does the
+     madvise calls (posix VFS), off the step: unmapping a big file's resident pages takes tens of milliseconds.
 
  13. Checkpoints name files, not rows (a durable pipeline's store: files under ``<storage>/spill``, fsynced with
      their directory before the batch is switched to them, so before any checkpoint can name them): a checkpoint
@@ -419,11 +420,7 @@ class BatchStore:
 
     def _submit(self, b: "IndexedZSet", n: int) -> None:
         """Hand ``b`` to the spill thread (started on first use) to be written to a new batch file (invariant 12)."""
-        if self._spiller is None:
-            self._jobs = queue.Queue()
-            self._spiller = threading.Thread(target=self._spill_loop, args=(self._jobs,), name="dbsp-spill-thread",
-                                             daemon=True)
-            self._spiller.start()
+        self._start_thread()
         name, path = self._new_name()
         ref = weakref.ref(b)
         with self._lock:
@@ -432,6 +429,13 @@ class BatchStore:
         assert self._jobs is not None
         self._jobs.put((ref, name, path, n))  # not the batch: one merged away while queued is not written
 
+    def _start_thread(self) -> None:
+        if self._spiller is None:
+            self._jobs = queue.Queue()
+            self._spiller = threading.Thread(target=self._spill_loop, args=(self._jobs,), name="dbsp-spill-thread",
+                                             daemon=True)
+            self._spiller.start()
+
     def _spill_loop(self, jobs: "queue.Queue[tuple | None]") -> None:
         """The spill thread: write each batch handed over; the next :meth:`enforce` switches it (invariant 12)."""
         while True:
@@ -439,6 +443,9 @@ class BatchStore:
             try:
                 if job is None:
                     return
+                if job[0] == "evict":  # the cache's evictions (invariant 12)
+                    _evict(job[1])
+                    continue
                 ref, name, path, n = job
                 b = ref()
                 size, error, f = 0, None, None
@@ -540,18 +547,21 @@ class BatchStore:
                         self._resident.move_to_end(id(b))
         cap = int(self.memory_limit * self.CACHE_SHARE)
         total = sum(self._resident.values())
-        advice = getattr(mmap, "MADV_DONTNEED", None)
+        maps = []
         while total > cap and self._resident:
             key, size = self._resident.popitem(last=False)
             f = self._files.get(key)
-            if f is not None and advice is not None:
-                try:
-                    f.map.madvise(advice)
-                except (OSError, ValueError):  # closed: its batch is going
-                    pass
+            if f is not None:
+                maps.append(f.map)
                 self.stats["evictions"] += 1
                 self.stats["bytes_evicted"] += size
             total -= size
+        if maps and self.vfs == "posix":  # unmapping a file's resident pages costs in proportion to them (a
+            self._start_thread()  # whole merged level: tens of ms): the spill thread does it, off the step
+            assert self._jobs is not None
+            self._jobs.put(("evict", maps))
+        else:
+            _evict(maps)
 
     def close(self) -> None:
         """Forget the traces; a temporary directory is removed (mappings in use stay readable until released)."""
@@ -564,6 +574,16 @@ class BatchStore:
             self._traces = weakref.WeakSet()
         if self._own_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _evict(maps: list[mmap.mmap]) -> None:
+    """Drop the pages of these file mappings from the process (they stay in the page cache; a read faults them back)."""
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    for m in maps if advice is not None else ():
+        try:
+            m.madvise(advice)
+        except (OSError, ValueError):  # closed: its batch is gone
+            pass
 
 
 _tls = threading.local()
