@@ -5,6 +5,7 @@ Run from the repository root:
     python bench/bench_spill.py                                    # 2M rows, budget 16MiB, 200 steps per query
     python bench/bench_spill.py --state 5M --groups 500k --limit 32MiB --queries join
     python bench/bench_spill.py --state 200k --groups 20k --steps 20  # a check that it runs
+    python bench/bench_spill.py --state 10M --groups 1M --limit 1GiB --runs 2   # the issue's budget, alternated
 
 Per query, two pipelines (W=1, no storage) load ``--state`` bids in ``--load-step``-row steps (as
 bench/bench_scaling.py: ``--groups`` keys), settle their merges and then run ``--warmup`` + ``--steps`` steps of
@@ -15,6 +16,9 @@ DONTNEED after a sync), and count after the step the pages of the files that are
 the pages the step read from disk (the mappings are MADV_RANDOM, so no read-ahead is counted). The key indexes
 (trace invariant 11) answer distinct's and the group-by's lookups from memory; ``DBSP_KEY_INDEX=0`` in the
 environment turns them off so those steps read the batches (what the Bloom filter and fences are for).
+``--runs N`` alternates the two pipelines N times (memory, spilled, memory, ...) and prints each run and the
+spread (lowest-highest) of the means and p99s; the spilled line also shows how many batches the store wrote off the
+step (its spill thread) and how many of those were merged away before they were switched.
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ def load(query: str, state: int, groups: int, args, limit) -> tuple[dbsp.Pipelin
     p.executor.settle_merges()
     p.push("bids", bids(rng, 1, query, groups))
     p.step()  # installs the settled merges; the store (if any) spills the merged batches after it
+    p.executor.settle_merges()  # and its spill thread has written them before the measured steps
     return p, rng, loaded
 
 
@@ -114,7 +119,10 @@ def run(query: str, state: int, groups: int, args, limit) -> dict:
     if store is not None:
         mem, kept = store.memory()
         out.update(disk_mb=store.disk_bytes() / 2**20, mem_mb=mem / 2**20, kept_mb=kept / 2**20,
-                   files=len(store._files), spilled_rows=sum(f.rows for f in store._files.values()))
+                   files=len(store._files), spilled_rows=sum(f.rows for f in store._files.values()),
+                   background=store.stats.get("written_in_background", 0),
+                   wasted=store.stats.get("written_for_nothing", 0),
+                   written_mb=store.stats["bytes_written"] / 2**20)
         pages, cold, majflt = [], [], []
         for k in range(args.cold):
             drop_pages(store)
@@ -141,24 +149,40 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--cold", type=int, default=20, help="steps measured with the files' pages dropped first")
+    ap.add_argument("--runs", type=int, default=1, help="alternated memory/spilled runs per query")
     args = ap.parse_args()
     state, groups = _count(args.state), _count(args.groups)
     print(f"state {state:,} rows, {groups:,} keys, {args.change}-row steps, limit {args.limit}, "
           f"key indexes {'on' if settings().key_index else 'off'}, load {os.getloadavg()[0]:.2f}", flush=True)
     for q in args.queries.split(","):
-        mem = run(q, state, groups, args, None)
-        sp = run(q, state, groups, args, args.limit)
-        print(f"{q:9s} memory : mean {mem['mean']:.2f} ms p50 {mem['p50']:.2f} p99 {mem['p99']:.2f} "
-              f"max {mem['max']:.2f} (load {mem['load_s']:.1f} s)", flush=True)
-        print(f"{q:9s} spilled: mean {sp['mean']:.2f} ms p50 {sp['p50']:.2f} p99 {sp['p99']:.2f} "
-              f"max {sp['max']:.2f} (load {sp['load_s']:.1f} s) = {sp['mean'] / mem['mean']:.2f}x mean, "
-              f"{sp['p99'] / mem['p99']:.2f}x p99; on disk {sp['disk_mb']:.1f} MiB in {sp['files']} files "
-              f"({sp['spilled_rows']:,} rows), batches in memory {sp['mem_mb']:.1f} MiB, fences+filters "
-              f"{sp['kept_mb']:.1f} MiB", flush=True)
-        if "pages" in sp:
-            print(f"{q:9s} cold   : mean {sp['cold_mean']:.2f} ms p99 {sp['cold_p99']:.2f}; pages read per step "
-                  f"{sp['pages']:.0f} (max {sp['pages_max']}) = {sp['pages'] * PAGE / 2**10:.0f} KiB, "
-                  f"major faults {sp['majflt']:.0f}; {sp['pages'] / args.change:.2f} pages per changed row",
+        mems, sps = [], []
+        for r in range(args.runs):
+            mem = run(q, state, groups, args, None)
+            sp = run(q, state, groups, args, args.limit)
+            mems.append(mem)
+            sps.append(sp)
+            tag = f"{q:9s}" + (f" run {r + 1}" if args.runs > 1 else "")
+            print(f"{tag} memory : mean {mem['mean']:.2f} ms p50 {mem['p50']:.2f} p99 {mem['p99']:.2f} "
+                  f"max {mem['max']:.2f} (load {mem['load_s']:.1f} s)", flush=True)
+            print(f"{tag} spilled: mean {sp['mean']:.2f} ms p50 {sp['p50']:.2f} p99 {sp['p99']:.2f} "
+                  f"max {sp['max']:.2f} (load {sp['load_s']:.1f} s) = {sp['mean'] / mem['mean']:.2f}x mean, "
+                  f"{sp['p99'] / mem['p99']:.2f}x p99; on disk {sp['disk_mb']:.1f} MiB in {sp['files']} files "
+                  f"({sp['spilled_rows']:,} rows), batches in memory {sp['mem_mb']:.1f} MiB, fences+filters "
+                  f"{sp['kept_mb']:.1f} MiB; written {sp['written_mb']:.0f} MiB, {sp['background']} files off the "
+                  f"step ({sp['wasted']} more merged away first)", flush=True)
+            if "pages" in sp:
+                print(f"{tag} cold   : mean {sp['cold_mean']:.2f} ms p99 {sp['cold_p99']:.2f}; pages read per step "
+                      f"{sp['pages']:.0f} (max {sp['pages_max']}) = {sp['pages'] * PAGE / 2**10:.0f} KiB, "
+                      f"major faults {sp['majflt']:.0f}; {sp['pages'] / args.change:.2f} pages per changed row",
+                      flush=True)
+        if args.runs > 1:
+            def spread(rs: list, k: str) -> str:
+                return f"{min(x[k] for x in rs):.2f}-{max(x[k] for x in rs):.2f}"
+            ratio_mean = [x["mean"] / m["mean"] for x, m in zip(sps, mems)]
+            ratio_p99 = [x["p99"] / m["p99"] for x, m in zip(sps, mems)]
+            print(f"{q:9s} over {args.runs} runs: memory mean {spread(mems, 'mean')} p99 {spread(mems, 'p99')} ms; "
+                  f"spilled mean {spread(sps, 'mean')} p99 {spread(sps, 'p99')} ms; spilled/memory mean "
+                  f"{min(ratio_mean):.2f}-{max(ratio_mean):.2f}x, p99 {min(ratio_p99):.2f}-{max(ratio_p99):.2f}x",
                   flush=True)
     return 0
 

@@ -123,10 +123,14 @@ def inner_change(op: Join, left: Trace, right: Trace, da: "IndexedZSet | None", 
         right.insert(db)
     if da is not None and len(da):
         for batch in right.batches:
-            parts.append(op.pairs(da, batch))
+            d, _ = right.narrowed(batch, da)  # a spilled batch: only the change rows its filter may hold
+            if d is not None:
+                parts.append(op.pairs(d, batch))
     if db is not None and len(db):
         for batch in left.batches:
-            parts.append(op.pairs(batch, db))
+            d, _ = left.narrowed(batch, db)
+            if d is not None:
+                parts.append(op.pairs(batch, d))
     return parts
 
 

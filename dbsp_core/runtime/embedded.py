@@ -559,8 +559,11 @@ class EmbeddedExecutor:
 
     def settle_merges(self) -> None:
         """Wait until the merge thread has no merge left and every trace has installed what it merged (after a
-        bulk load, say, so later steps do not share the machine with the load's merges). Call between steps."""
+        bulk load, say, so later steps do not share the machine with the load's merges), and the batch store's spill
+        thread has written what it was handed (trace invariant 12). Call between steps."""
         self._install_merges(settle=True)
+        if self.batch_store is not None:
+            self.batch_store.settle()
 
     def _install_merges(self, settle: bool = False) -> None:
         """Between steps (the caller holds the step lock): every trace installs the merges the merge thread
@@ -606,6 +609,8 @@ class EmbeddedExecutor:
         if self._coord is None:
             raise DbspError("checkpoint: this executor keeps no state on disk")
         self._install_merges()
+        if self.batch_store is not None:  # batches the spill thread is writing: referenced by their files, not
+            self.batch_store.settle()  # copied row by row (trace invariant 12-13)
         at, plans = self._coord.begin_checkpoint()
         if at != step:
             raise DbspError(f"checkpoint at step {step}, but the workers are at step {at}")

@@ -455,6 +455,24 @@ class Trace(KeyIndexed):
         f = self._store.file_of(b) if self._store is not None else None
         return hashes if f is None else hashes[f.may_contain(hashes)]
 
+    def narrowed(self, b: "IndexedZSet", change: "IndexedZSet") -> tuple["IndexedZSet | None", np.ndarray | None]:
+        """``change`` (an indexed batch whose key hashes are comparable with batch ``b``'s) less the rows whose key
+        ``b``'s Bloom filter rules out when ``b`` is spilled (invariant 12: a walk of the change against ``b`` then
+        seeks only keys ``b`` may hold, so an absent key touches no page of it), and the row numbers kept: (change,
+        None) when ``b`` is in memory or every row may match, (None, None) when none may."""
+        f = self._store.file_of(b) if self._store is not None and len(change) else None
+        if f is None:
+            return change, None
+        keep = f.may_contain(change.key_hash)
+        n = int(keep.sum())
+        self._store.stats["keys_sought"] += n
+        if n == len(keep):
+            return change, None
+        if n == 0:
+            return None, None
+        rows = np.flatnonzero(keep)
+        return change.take(rows), rows
+
     def _levels(self) -> list["IndexedZSet"]:
         """The batches of every level (merge inputs included; not the pending ones), in the order they were placed."""
         entries = []
@@ -543,6 +561,8 @@ class Trace(KeyIndexed):
             asked = self._filtered(b, hashes)
             if len(asked) == 0:
                 continue
+            if store is not None and store.is_spilled(b):
+                store.stats["keys_sought"] += len(asked)
             idx = b.lookup(asked)  # one galloping C call per batch
             if lazy:
                 store.check_rows(b, idx)
@@ -570,6 +590,15 @@ class Trace(KeyIndexed):
                 same = b.schema.equals(schema)  # a cast batch's hashes are not the change's: walk it plainly
                 if same:
                     self._check_probe(b, change.key_hash)
+                    sub, rows = self.narrowed(b, change)  # a spilled batch: the rows its filter may hold
+                    if sub is None:
+                        continue
+                    if rows is not None:
+                        part = np.zeros(len(rows), dtype=np.int64)
+                        _zset.match_weights(sub._view(), None, None, b._view_as(schema), None, None, part,
+                                            sub._row_hashes(), b._row_hashes())
+                        acc[rows] += part
+                        continue
                 elif self._store is not None:
                     self._store.check(b)
                 _zset.match_weights(view, None, None, b._view_as(schema), None, None, acc,
@@ -619,6 +648,7 @@ class Trace(KeyIndexed):
                 self._check_probe(b, khash)
                 if spilled and self._store.is_spilled(b):  # invariant 12: only the keys its filter may hold
                     keep = self._store.file_of(b).may_contain(khash)
+                    self._store.stats["keys_sought"] += int(keep.sum())
                     if not keep.any():
                         continue
                     if not keep.all():

@@ -16,13 +16,23 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      before, through the C kernels, with no per-row Python. Reads touch only the pages they need: seeks go through
      the fence kept in memory (csrc/lookup.h), and ``Trace.lookup``/``key_sums`` first ask the batch's Bloom filter,
      so a step that changes k keys touches O(k) pages of a spilled batch, not the batch.
+     A batch of at least ``ASYNC_BYTES`` (the output of a merge of big levels, say) is written by the spill
+     thread instead, off the step (a 1k-row step that installs a merged level must not wait for its file):
+     ``enforce`` hands it over and counts its bytes as gone; a later ``enforce`` (between steps) switches it to the
+     file once written, or deletes the file when the batch was merged away meanwhile; a write's error is raised
+     by that ``enforce``. Until then the batch is read from memory as before: the budget is exceeded by the
+     batches not written yet, at most ``ASYNC_SHARE`` of the limit (or the one batch being handed over): beyond
+     it ``enforce`` waits for the writes first (:meth:`BatchStore.settle`, which also switches them). Writes
+     through a VFS other than posix (the fault-injecting one of crash tests) stay on the calling thread, so their
+     I/O order is the step's.
      Merging spilled batches reads them through the mapping and writes the output in memory; a later
      ``enforce`` spills it to a new file. A file is deleted when its batch object is gone (merged away, dropped).
      The cache: the pages of mapped files that reads touched are resident (the OS page cache, file-backed and
      clean: the kernel can drop them at any time). The store bounds them too: every trace read in a step marks
      its spilled files used; when the files used since their last eviction add up to more than
      ``memory_limit * CACHE_SHARE`` bytes, the least recently used are evicted (madvise(MADV_DONTNEED): their pages
-     leave the process; a later read faults them back from the page cache or the disk).
+     leave the process; a later read faults them back from the page cache or the disk). The spill thread does the
+     madvise calls (posix VFS), off the step: unmapping a big file's resident pages takes tens of milliseconds.
 
  13. Checkpoints name files, not rows (a durable pipeline's store: files under ``<storage>/spill``, fsynced with
      their directory before the batch is switched to them, so before any checkpoint can name them): a checkpoint
@@ -50,6 +60,12 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      since it was spilled or opened (its pages must come from the page cache or the disk). File granularity: the
      kernel, not the engine, knows which 4 KiB pages fault.
 
+ 16. Every read of some keys in a spilled batch (``Trace.lookup``, ``key_sums``, ``match_weights``, an inner join's
+     walk, through ``Trace.narrowed``) first drops the keys the batch's Bloom filter rules out, and counts those it
+     seeks in ``stats["keys_sought"]``: each costs at least a page of the batch's key hashes, so a step that changes
+     k keys seeks about k times the batches that hold them (plus the filter's ~2% false positives), not k times
+     every spilled batch.
+
 What is not spilled: pending batches of a trace being restored (they are placed at its first read), merge inputs
 (until the merge ends), Z-set state of operators that is not a trace, key indexes (dbsp_core/trace/keyindex.py)
 and the per-batch fence and filter (about 1.4 bytes per row).
@@ -59,6 +75,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import queue
 import shutil
 import tempfile
 import threading
@@ -123,6 +140,10 @@ class BatchStore:
     BATCH_SHARE = 0.75  # of the limit: batches in memory; the rest: the cache of spilled pages
     CACHE_SHARE = 0.25
     PROGRESS_BYTES = 256 << 20  # an enforce spilling this much shows a progress line (dbsp_core/progress.py)
+    ASYNC_BYTES = 64 << 10  # a batch this big is written by the spill thread, off the step (invariant 12); below it
+    # a write takes a few ms and stays on the calling thread
+    ASYNC_SHARE = 0.25  # of the limit: bytes handed to the spill thread and not written yet, at most; beyond it
+    # enforce waits for the writes (the budget holds even when the spill thread falls behind)
 
     def __init__(self, memory_limit: int, directory: str | None = None, durable: bool = False,
                  vfs: str = "posix") -> None:
@@ -147,9 +168,15 @@ class BatchStore:
         self._unchecked: dict[int, BatchFile] = {}  # id(batch) -> its lazily opened file with bytes unchecked (14)
         self._cache: "weakref.WeakKeyDictionary[Trace, list[int]]" = weakref.WeakKeyDictionary()  # [hits, misses]
         self._next = 0
+        self._writing: dict[str, Any] = {}  # file name -> weakref to the batch the spill thread writes to it (12)
+        self._written: list[tuple] = []  # (batch weakref, name, path, size, error, opened file): writes finished
+        self._jobs: "queue.Queue[tuple | None] | None" = None  # the spill thread's work, once it runs
+        self._spiller: threading.Thread | None = None
+        self._queued = 0  # bytes of the batches handed to the spill thread and not written yet
         self._token = os.urandom(6).hex()  # names never reused, even by a later process with the same pid
         self.stats.update({"files_written": 0, "bytes_written": 0, "evictions": 0, "bytes_evicted": 0,
-                           "enforcements": 0, "cache_hits": 0, "cache_misses": 0, "pages_checked": 0})
+                           "enforcements": 0, "cache_hits": 0, "cache_misses": 0, "pages_checked": 0,
+                           "written_in_background": 0, "written_for_nothing": 0, "keys_sought": 0})
 
     def __enter__(self) -> "BatchStore":
         return self
@@ -331,9 +358,12 @@ class BatchStore:
         """Spill loose batches, highest level and biggest first, until the batches in memory fit the budget's batch
         share; then trim the cache (invariant 12). Call between steps. Returns the bytes spilled."""
         self.stats["enforcements"] += 1
+        self._switch_written()
         candidates: list[tuple[int, int, Any]] = []
         mem = 0
         traces = self.traces()
+        with self._lock:
+            writing = {id(b) for b in (r() for r in self._writing.values()) if b is not None}
         for t in traces:
             busy = {id(x) for lvl in t._by_level if lvl.merge is not None for x in (lvl.merge.a[1], lvl.merge.b[1])}
             for lvl, level in enumerate(t._by_level):
@@ -342,6 +372,8 @@ class BatchStore:
                     if id(b) in self._files:
                         continue
                     n = batch_bytes(b)
+                    if id(b) in writing:  # on its way to a file (invariant 12): counted as gone
+                        continue
                     mem += n
                     if id(b) not in busy and len(b):
                         candidates.append((lvl, n, b))
@@ -360,22 +392,113 @@ class BatchStore:
                 for _lvl, n, b in candidates:
                     if mem <= budget:
                         break
-                    f = self._spill(b)
-                    mem -= n - f.memory_bytes()
+                    if n >= self.ASYNC_BYTES and self.vfs == "posix":
+                        if self._queued + n > max(n, int(self.memory_limit * self.ASYNC_SHARE)):
+                            self.settle()  # the spill thread fell behind: wait for it (back-pressure)
+                        self._submit(b, n)
+                        mem -= n
+                    else:
+                        f = self._spill(b)
+                        mem -= n - f.memory_bytes()
                     spilled += n
                     if shown is not None:
                         shown.update(min(over, spilled) >> 20)
         self._trim_cache(traces)
         return spilled
 
-    def _spill(self, b: "IndexedZSet") -> BatchFile:
-        """Write ``b`` to a new batch file and switch it, in place, to the file's mapped buffers (invariant 12)."""
+    def _new_name(self) -> tuple[str, str]:
         with self._lock:
             self._next += 1
             name = f"{self._token}-{self._next:012d}{BATCH_FILE_SUFFIX}"
-        path = os.path.join(self.directory, name)
+        return name, os.path.join(self.directory, name)
+
+    def _spill(self, b: "IndexedZSet") -> BatchFile:
+        """Write ``b`` to a new batch file and switch it, in place, to the file's mapped buffers (invariant 12)."""
+        name, path = self._new_name()
         size = write_batch(path, b, self.vfs, sync=self.durable)
-        f = open_batch(path)
+        return self._switch(b, name, path, size)
+
+    def _submit(self, b: "IndexedZSet", n: int) -> None:
+        """Hand ``b`` to the spill thread (started on first use) to be written to a new batch file (invariant 12)."""
+        self._start_thread()
+        name, path = self._new_name()
+        ref = weakref.ref(b)
+        with self._lock:
+            self._writing[name] = ref
+            self._queued += n
+        assert self._jobs is not None
+        self._jobs.put((ref, name, path, n))  # not the batch: one merged away while queued is not written
+
+    def _start_thread(self) -> None:
+        if self._spiller is None:
+            self._jobs = queue.Queue()
+            self._spiller = threading.Thread(target=self._spill_loop, args=(self._jobs,), name="dbsp-spill-thread",
+                                             daemon=True)
+            self._spiller.start()
+
+    def _spill_loop(self, jobs: "queue.Queue[tuple | None]") -> None:
+        """The spill thread: write each batch handed over; the next :meth:`enforce` switches it (invariant 12)."""
+        while True:
+            job = jobs.get()
+            try:
+                if job is None:
+                    return
+                if job[0] == "evict":  # the cache's evictions (invariant 12)
+                    _evict(job[1])
+                    continue
+                ref, name, path, n = job
+                b = ref()
+                size, error, f = 0, None, None
+                try:
+                    if b is not None:
+                        size = write_batch(path, b, self.vfs, sync=self.durable)
+                        f = open_batch(path)  # here too: its fence and filter are checked and copied (O(rows / 6))
+                except BaseException as exc:  # raised by the next enforce, on the stepping thread
+                    error = exc
+                with self._lock:
+                    self._written.append((ref, name, path, size, error, f))
+                    self._queued -= n
+                del f
+                del b, job
+            finally:
+                jobs.task_done()
+
+    def _switch_written(self) -> None:
+        """Switch each batch the spill thread has written to its file; delete the file of one merged away meanwhile;
+        raise the first write error (invariant 12). Between steps only."""
+        with self._lock:
+            done, self._written = self._written, []
+            for job in done:
+                self._writing.pop(job[1], None)
+        error = None
+        for ref, name, path, size, exc, f in done:
+            b = ref()
+            if exc is not None or b is None:  # failed, or merged away while queued or written: the file goes
+                if exc is None and f is not None:
+                    self.stats["written_for_nothing"] += 1
+                error = error or exc
+                self._delete(name)
+                try:
+                    os.unlink(path + ".tmp")
+                except OSError:
+                    pass
+                continue
+            self._switch(b, name, path, size, f)
+            self.stats["written_in_background"] += 1
+        if error is not None:
+            raise error
+
+    def settle(self) -> None:
+        """Wait until the spill thread has written every batch handed to it, and switch them (between steps)."""
+        if self._jobs is not None:
+            self._jobs.join()
+        self._switch_written()
+
+    def _switch(self, b: "IndexedZSet", name: str, path: str, size: int, f: BatchFile | None = None) -> BatchFile:
+        """Switch ``b``, in place, to the mapped buffers of the batch file just written for it (invariant 12), opened
+        here unless the spill thread opened it (``f``): then the switch costs no read of the file."""
+        if f is None:
+            f = open_batch(path)
         new = f.batch
         new._z._distinct = b._z._distinct  # the same rows: what the old ZSet knew of them still holds
         b._z, b._kh, b._rh, b._fx, b._cv = new._z, new._kh, new._rh, new._fx, None
@@ -424,25 +547,43 @@ class BatchStore:
                         self._resident.move_to_end(id(b))
         cap = int(self.memory_limit * self.CACHE_SHARE)
         total = sum(self._resident.values())
-        advice = getattr(mmap, "MADV_DONTNEED", None)
+        maps = []
         while total > cap and self._resident:
             key, size = self._resident.popitem(last=False)
             f = self._files.get(key)
-            if f is not None and advice is not None:
-                try:
-                    f.map.madvise(advice)
-                except (OSError, ValueError):  # closed: its batch is going
-                    pass
+            if f is not None:
+                maps.append(f.map)
                 self.stats["evictions"] += 1
                 self.stats["bytes_evicted"] += size
             total -= size
+        if maps and self.vfs == "posix":  # unmapping a file's resident pages costs in proportion to them (a
+            self._start_thread()  # whole merged level: tens of ms): the spill thread does it, off the step
+            assert self._jobs is not None
+            self._jobs.put(("evict", maps))
+        else:
+            _evict(maps)
 
     def close(self) -> None:
         """Forget the traces; a temporary directory is removed (mappings in use stay readable until released)."""
+        if self._spiller is not None:  # its unswitched files are scratch: an open sweeps what no checkpoint names
+            assert self._jobs is not None
+            self._jobs.put(None)
+            self._spiller.join()
+            self._spiller = None
         with self._lock:
             self._traces = weakref.WeakSet()
         if self._own_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _evict(maps: list[mmap.mmap]) -> None:
+    """Drop the pages of these file mappings from the process (they stay in the page cache; a read faults them back)."""
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    for m in maps if advice is not None else ():
+        try:
+            m.madvise(advice)
+        except (OSError, ValueError):  # closed: its batch is gone
+            pass
 
 
 _tls = threading.local()
