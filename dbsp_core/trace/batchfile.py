@@ -156,8 +156,7 @@ def write_batch(path: str, batch: Any, vfs: str = "posix", sync: bool = True, dr
         names.append(ROW_HASH_COL)
         fields.append(pa.field(ROW_HASH_COL, pa.uint64(), False))
     schema = pa.schema(fields, metadata={b"dbsp.key": json.dumps(list(batch.key)).encode(), b"dbsp.row_hash": rh_mode.encode()})
-    rb = pa.RecordBatch.from_arrays([c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c for c in cols],
-                                    schema=schema)
+    rb = pa.RecordBatch.from_arrays([_one_chunk(c) for c in cols], schema=schema)
     sizer = pa.MockOutputStream()  # the Arrow file's size, so it is written once, in place (no copy of the batch
     with pa.ipc.new_file(sizer, schema) as w:  # besides the file's image: spilling must not double the peak)
         w.write_batch(rb)
@@ -197,6 +196,14 @@ def write_batch(path: str, batch: Any, vfs: str = "posix", sync: bool = True, dr
     del mv
     _storage.file_replace(path, buf, vfs)
     return size
+
+
+def _one_chunk(c: Any) -> Any:
+    """A column as one array, in place when it is one already (``ChunkedArray.combine_chunks`` copies even one
+    chunk: a spill would hold its batch's data twice)."""
+    if not isinstance(c, pa.ChunkedArray):
+        return c
+    return c.chunk(0) if c.num_chunks == 1 else c.combine_chunks()
 
 
 STREAM_CHUNK = 4 << 20  # bytes a streamed write (write_batch, sync=False) hands the kernel at a time
