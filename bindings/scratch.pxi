@@ -80,6 +80,14 @@ def trim_caches(keep, bint all_threads_memory=False):
     return released
 
 
+def region_cache_limit(limit):
+    """Set the process's region cache limit in bytes (csrc/scratch.h; DBSP_REGION_CACHE_MB sets the first one),
+    trimming the cache to it; returns the previous limit."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"region_cache_limit: an int >= 0, got {limit!r}")
+    return dbsp_region_cache_limit(<size_t>limit)
+
+
 def cached_bytes():
     """(the calling thread's scratch cache, the process's region cache): bytes held for reuse (csrc/scratch.c)."""
     return dbsp_scratch_cached(), dbsp_region_cached()

@@ -26,7 +26,8 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      a piece at a time (batchfile.py ``write_batch``), so neither the merge nor its spill holds the output in
      memory. A merge in memory's output written so far counts in the budget (``merge_bytes``); a smaller output
      is spilled, if need be, by a later ``enforce``. A file is deleted when its batch object is gone (merged
-     away, dropped).
+     away, dropped). While a store lives, the C region cache (freed merge buffers kept for reuse, csrc/scratch.h)
+     keeps at most ``memory_limit * REGION_CACHE_SHARE`` bytes.
      The cache: the pages of mapped files that reads touched are resident (the OS page cache, file-backed and
      clean: the kernel can drop them at any time). The store bounds them too: every trace read in a step marks
      its spilled files used; when the files used since their last eviction add up to more than
@@ -147,6 +148,7 @@ class BatchStore:
     BATCH_SHARE = 0.75  # of the limit: batches in memory; the rest: the cache of spilled pages
     CACHE_SHARE = 0.25
     FILE_MERGE_MIN = 1 << 20  # input bytes from which a merge that does not fit the budget is built on disk
+    REGION_CACHE_SHARE = 0.125  # of the limit: the most the C region cache (csrc/scratch.h) keeps while a store lives
     PROGRESS_BYTES = 256 << 20  # an enforce spilling this much shows a progress line (dbsp_core/progress.py)
 
     def __init__(self, memory_limit: int, directory: str | None = None, durable: bool = False,
@@ -174,7 +176,13 @@ class BatchStore:
         self._next = 0
         self._in_memory = 0  # bytes in memory after the last enforce (batches, fences, filters, merge outputs)
         self._reserved = 0  # input bytes of merges started in memory since (merge_dir)
-        self._token = os.urandom(6).hex()  # names never reused, even by a later process with the same pid
+        self._token = os.urandom(6).hex()
+        from dbsp_core import _zset
+
+        cap = int(self.memory_limit * self.REGION_CACHE_SHARE)  # the C caches count in the budget's overhead
+        self._region_prev: int | None = _zset.region_cache_limit(cap)
+        if self._region_prev < cap:  # already lower (DBSP_REGION_CACHE_MB, another store): leave it
+            _zset.region_cache_limit(self._region_prev)  # names never reused, even by a later process with the same pid
         self.stats.update({"files_written": 0, "bytes_written": 0, "evictions": 0, "bytes_evicted": 0,
                            "enforcements": 0, "cache_hits": 0, "cache_misses": 0, "pages_checked": 0,
                            "merges_on_disk": 0})
@@ -504,6 +512,11 @@ class BatchStore:
         """Forget the traces; a temporary directory is removed (mappings in use stay readable until released)."""
         with self._lock:
             self._traces = weakref.WeakSet()
+            prev, self._region_prev = self._region_prev, None
+        if prev is not None:
+            from dbsp_core import _zset
+
+            _zset.region_cache_limit(prev)
         if self._own_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
 
