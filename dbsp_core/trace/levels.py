@@ -100,7 +100,7 @@ def level_of(work: int) -> int:
 class _Merge:
     """A merge in progress of two batches of one level; its inputs stay readable until it finishes."""
 
-    __slots__ = ("a", "b", "work", "cursor", "_out", "shared", "store")
+    __slots__ = ("a", "b", "work", "cursor", "_out", "shared", "store", "dropped")
 
     def __init__(self, a: tuple[int, "IndexedZSet", int], b: tuple[int, "IndexedZSet", int], store: Any = None
                  ) -> None:
@@ -115,6 +115,7 @@ class _Merge:
         self.cursor = merge_cursor(a[1], b[1], row_hashes=True, spill_dir=where)
         self._out: IndexedZSet | None = None
         self.shared: SharedMerge | None = None  # set when handed to a MergeThread (invariant 10)
+        self.dropped = 0  # input rows consumed when the output's pages last left the process (store.merge_pages_out)
 
     def renumbered(self, pa_: int, pb: int) -> "_Merge":
         """The same merge (sharing its progress) with its inputs at placement numbers ``pa_`` and ``pb``: a new
@@ -122,6 +123,7 @@ class _Merge:
         m = object.__new__(_Merge)
         m.a, m.b = (pa_,) + self.a[1:], (pb,) + self.b[1:]
         m.work, m.cursor, m._out, m.shared, m.store = self.work, self.cursor, self._out, self.shared, self.store
+        m.dropped = self.dropped
         return m
 
     def step(self, budget: int) -> int:

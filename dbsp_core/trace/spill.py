@@ -97,13 +97,13 @@ MERGE_SCRATCH_PREFIX = "merge-"  # scratch files of merges built on disk (unlink
 
 
 def merge_bytes(m: Any) -> int:
-    """Bytes of a merge's output written so far in memory (levels.py ``_Merge``): its inputs' bytes (an upper bound)
-    in proportion to the input rows consumed; 0 for an output built in a scratch file (invariant 12)."""
+    """Bytes of a merge's output held in memory (levels.py ``_Merge``): its inputs' bytes (an upper bound) in
+    proportion to the input rows consumed, for an output built in a scratch file only those consumed since its
+    pages last left the process (``m.dropped``, invariant 12)."""
     c = m.cursor
-    if c.mapping is not None:
-        return 0
     a, b = m.a[1], m.b[1]
-    return int((batch_bytes(a) + batch_bytes(b)) * c.consumed / max(1, len(a) + len(b)))
+    rows = c.consumed - (m.dropped if c.mapping is not None else 0)
+    return int((batch_bytes(a) + batch_bytes(b)) * rows / max(1, len(a) + len(b)))
 
 
 def batch_bytes(b: "IndexedZSet") -> int:
@@ -236,6 +236,7 @@ class BatchStore:
         """After a piece of merge ``m`` (levels.py ``_Merge.step``): the pages it wrote to a scratch output and read
         of spilled inputs leave the process (invariant 12)."""
         m.cursor.drop()
+        m.dropped = m.cursor.consumed
         advice = getattr(mmap, "MADV_DONTNEED", None)
         for x in (m.a[1], m.b[1]):
             f = self._files.get(id(x))
