@@ -188,6 +188,8 @@ def write_batch(path: str, batch: Any, vfs: str = "posix", sync: bool = True, dr
     mv = memoryview(buf)
     with pa.ipc.new_file(pa.FixedSizeBufferWriter(pa.py_buffer(mv[64:64 + alen])), schema) as w:
         w.write_batch(rb)
+    if drop is not None:  # the image holds the rows now: the source's pages may go before the VFS writes it
+        drop()
     mv[fence_off:crc_off] = sections
     crcs = np.array([_crc(mv[64 + i * PAGE:64 + min(alen, (i + 1) * PAGE)]) for i in range(npages)], dtype="<u4")
     mv[crc_off:crc_off + 4 * npages] = crcs.tobytes()
