@@ -248,8 +248,10 @@ class BatchStore:
 
     def spill_output(self, out: "IndexedZSet", cursor: Any) -> None:
         """Spill the output of a merge built in a scratch file (invariant 12), streaming its batch file from the
-        scratch mapping and dropping the pages read after each piece."""
-        self._spill(out, drop=cursor.drop)
+        scratch mapping and dropping the pages read after each piece. An output spilled already (a rolled-back step
+        installs the same merge's output again: levels.py ``_Merge.result``) stays as it is."""
+        if id(out) not in self._files:
+            self._spill(out, drop=cursor.drop)
 
     def cache_counts(self, trace: "Trace") -> tuple[int, int]:
         """(hits, misses) of ``trace``'s reads of its spilled batches so far (invariant 15)."""
