@@ -98,7 +98,7 @@ class _Sampler:
         mem = lambda b: 0 if store is not None and store.is_spilled(b) else batch_bytes(b)  # noqa: E731
         loose = merge_in = merge_out = kix = 0
         for t in self.ex._all_traces():
-            kix += t.index_bytes()
+            kix += t.index_bytes
             for level in list(t._by_level):
                 loose += sum(mem(e[1]) for e in level.loose)
                 if level.merge is not None:
