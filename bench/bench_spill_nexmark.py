@@ -14,6 +14,11 @@ budget's own accounting, sampled after each step), bytes on disk at the end, fil
 is peak RSS - limit: what the budget does not bound (baseline, the step's input and output batches, key indexes,
 merge outputs being built, allocator slack).
 
+``--breakdown``: a sampler thread in each child reads /proc/self/status every 5 ms and, at the peak RSS, records where
+it is (anonymous and file-backed RSS; batches in memory, merge inputs in memory and merge outputs written in memory;
+the Arrow pool; glibc's heap in use and free and its mapped blocks; the C region cache) and the Python stack of the
+step at that moment. Sampling slows the run: read the memory, not the rates, of such runs.
+
 Run:  python bench/bench_spill_nexmark.py --queries q4,q7,q9,q20 --events 5000000
       python bench/bench_spill_nexmark.py --queries q4 --events 200000   # a check that it runs
 """
@@ -33,7 +38,82 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MIB = 2**20
 
 
-def child(query: str, events: int, batch: int, limit: int | None, seed: int) -> dict:
+def _status() -> dict:
+    """VmRSS, RssAnon and RssFile of this process (bytes)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmRSS", "RssAnon", "RssFile")):
+                k, v = line.split(":")
+                out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def _mallinfo() -> tuple[int, int, int]:
+    """glibc's (heap bytes in use, heap bytes free, bytes in mmapped blocks), or zeros without mallinfo2."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in
+                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+        m = libc.mallinfo2()
+        return m.uordblks, m.fordblks, m.hblkhd
+    except (OSError, AttributeError):
+        return 0, 0, 0
+
+
+class _Sampler:
+    """The breakdown at the peak RSS of a run (``--breakdown``), sampled from a thread every 5 ms."""
+
+    def __init__(self, ex) -> None:
+        import threading
+
+        self.ex, self.peak, self.stop, self.main = ex, {"VmRSS": 0}, False, threading.get_ident()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while not self.stop:
+            s = _status()
+            if s["VmRSS"] > self.peak["VmRSS"]:
+                try:
+                    s.update(self._parts())
+                except Exception as exc:  # the step changed the levels under the scan: take the next sample
+                    s["error"] = repr(exc)
+                self.peak = s
+            time.sleep(0.005)
+
+    def _parts(self) -> dict:
+        import traceback
+
+        import pyarrow as pa
+
+        from dbsp_core import _zset
+        from dbsp_core.trace.spill import batch_bytes, merge_bytes
+
+        store = self.ex.batch_store
+        mem = lambda b: 0 if store is not None and store.is_spilled(b) else batch_bytes(b)  # noqa: E731
+        loose = merge_in = merge_out = kix = 0
+        for t in self.ex._all_traces():
+            kix += t.index_bytes
+            for level in list(t._by_level):
+                loose += sum(mem(e[1]) for e in level.loose)
+                if level.merge is not None:
+                    merge_in += mem(level.merge.a[1]) + mem(level.merge.b[1])
+                    merge_out += merge_bytes(level.merge)
+            loose += sum(mem(b) for b in t.pending)
+        heap, free, mapped = _mallinfo()
+        frame = sys._current_frames().get(self.main)
+        stack = [f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}" for f in traceback.extract_stack(frame)][-6:]
+        return {"batches_in_memory": loose, "merge_inputs_in_memory": merge_in, "merge_outputs_in_memory": merge_out,
+                "key_indexes": kix, "arrow_pool": pa.total_allocated_bytes(), "malloc_in_use": heap, "malloc_free": free,
+                "malloc_mapped": mapped, "region_cache": _zset.cached_bytes()[1], "stack": stack}
+
+
+def child(query: str, events: int, batch: int, limit: int | None, seed: int, breakdown: bool = False) -> dict:
     import dbsp_core as dbsp
     from dbsp_core import nexmark
     from dbsp_core.metrics import rss_bytes
@@ -44,6 +124,7 @@ def child(query: str, events: int, batch: int, limit: int | None, seed: int) -> 
     ex = EmbeddedExecutor(background_merge=False)
     p = dbsp.Pipeline(nexmark.circuit(query), executor=ex, memory_limit=limit)
     base = rss_bytes() or 0
+    sampler = _Sampler(ex) if breakdown else None
     seconds, peak_state, peak_budgeted, steps = 0.0, 0, 0, 0
     try:
         for b in nexmark.generate(events, seed=seed, batch=batch):
@@ -63,17 +144,22 @@ def child(query: str, events: int, batch: int, limit: int | None, seed: int) -> 
         out = {"query": query, "events": events, "steps": steps, "seconds": seconds, "limit": limit,
                "base_rss": base, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                "peak_state": peak_state, "peak_budgeted": peak_budgeted}
+        if sampler is not None:
+            sampler.stop = True
+            sampler.thread.join()
+            out["breakdown"] = sampler.peak
         store = ex.batch_store
         if store is not None:
-            out.update(disk=store.disk_bytes(), files_written=store.stats["files_written"],
+            out.update(disk=store.disk_bytes(), merges_on_disk=store.stats.get("merges_on_disk", 0), files_written=store.stats["files_written"],
                        bytes_written=store.stats["bytes_written"], evictions=store.stats["evictions"])
     finally:
         p.close()
     return out
 
 
-def run(query: str, events: int, batch: int, limit: int | None, seed: int) -> dict:
-    arg = json.dumps({"query": query, "events": events, "batch": batch, "limit": limit, "seed": seed})
+def run(query: str, events: int, batch: int, limit: int | None, seed: int, breakdown: bool = False) -> dict:
+    arg = json.dumps({"query": query, "events": events, "batch": batch, "limit": limit, "seed": seed,
+                      "breakdown": breakdown})
     r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", arg], capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"{query} limit={limit} failed:\n{r.stderr[-3000:]}")
@@ -87,19 +173,20 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=100_000, help="events per step")
     ap.add_argument("--fraction", type=float, default=0.10, help="memory_limit as a fraction of the peak state")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--breakdown", action="store_true", help="record what RSS holds at its peak (slows the run)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         a = json.loads(args.child)
-        print(json.dumps(child(a["query"], a["events"], a["batch"], a["limit"], a["seed"])))
+        print(json.dumps(child(a["query"], a["events"], a["batch"], a["limit"], a["seed"], a["breakdown"])))
         return 0
     print(f"{args.events:,} events in steps of {args.batch:,}, W=1, limit {args.fraction:.0%} of the unlimited "
           f"run's peak state; load {os.getloadavg()[0]:.2f}", flush=True)
     rows = []
     for q in args.queries.split(","):
-        free = run(q, args.events, args.batch, None, args.seed)
+        free = run(q, args.events, args.batch, None, args.seed, args.breakdown)
         limit = max(1 * MIB, int(free["peak_state"] * args.fraction))
-        lim = run(q, args.events, args.batch, limit, args.seed)
+        lim = run(q, args.events, args.batch, limit, args.seed, args.breakdown)
         r_free, r_lim = free["events"] / free["seconds"], lim["events"] / lim["seconds"]
         row = {"query": q, "free": free, "limited": lim}
         rows.append(row)
@@ -109,7 +196,14 @@ def main() -> int:
               f"{lim['peak_rss'] / MIB:,.0f} MiB (baseline {lim['base_rss'] / MIB:,.0f}; over the limit "
               f"{(lim['peak_rss'] - limit) / MIB:,.0f}), budgeted peak {lim['peak_budgeted'] / MIB:,.1f} MiB, "
               f"on disk {lim.get('disk', 0) / MIB:,.0f} MiB, written {lim.get('bytes_written', 0) / MIB:,.0f} MiB "
-              f"in {lim.get('files_written', 0)} files; load {os.getloadavg()[0]:.2f}", flush=True)
+              f"in {lim.get('files_written', 0)} files, {lim.get('merges_on_disk', 0)} merges on disk; load "
+              f"{os.getloadavg()[0]:.2f}", flush=True)
+        for name, r in (("unlimited", free), ("limited", lim)):
+            if "breakdown" in r:
+                b = r["breakdown"]
+                print(f"  {name} at peak RSS: " + ", ".join(
+                    f"{k} {v / MIB:,.0f}" for k, v in b.items() if isinstance(v, int)) + " MiB; in "
+                    + " > ".join(b.get("stack", [])), flush=True)
     print(json.dumps(rows))
     return 0
 

@@ -6,7 +6,12 @@ cdef class MergeCursor:
     and writes their consolidated sum into buffers sized for both inputs; ``result()`` then hands the rows to Arrow
     and numpy (unused pages returned to the system). The output is dbsp_zset_merge's, row for row. Given a side's
     row hashes (`arh`, `brh`: uint64 in index order) its rows of meeting keys are ordered without hashing; with
-    `row_hashes` the result carries the output's row hashes (computed for rows of a side without them)."""
+    `row_hashes` the result carries the output's row hashes (computed for rows of a side without them).
+
+    With `spill_dir` the output buffers are a shared mapping of a scratch file created there (and unlinked at once):
+    rows a step writes are the file's pages, so :meth:`drop` returns them from the process to the kernel's page
+    cache (which writes them back) without losing them, and a merge bigger than a memory budget holds only the
+    rows written since the last drop (trace invariant 12). ``result()`` then reads the same mapping in place."""
     cdef BatchView a
     cdef BatchView b
     cdef object arh_ref
@@ -21,6 +26,7 @@ cdef class MergeCursor:
     cdef Region kh
     cdef Region rh
     cdef readonly object schema
+    cdef readonly object mapping  # the scratch file's mapping of a file-backed output, else None
     cdef bint finished
 
     def __cinit__(self):
@@ -31,7 +37,7 @@ cdef class MergeCursor:
     def __dealloc__(self):
         free(self.out)
 
-    def __init__(self, a, b, keys, arh=None, brh=None, bint row_hashes=False):
+    def __init__(self, a, b, keys, arh=None, brh=None, bint row_hashes=False, spill_dir=None):
         cdef const uint64_t[::1] av
         cdef const uint64_t[::1] bv
         cdef int32_t c, ncols
@@ -65,24 +71,62 @@ cdef class MergeCursor:
             raise MemoryError()
         memset(self.out, 0, max(ncols, 1) * sizeof(COutColumn))
         self.regions = []
+        sizes = []  # per column: (validity or 0, values, data or -1)
         for c in range(ncols):
             if self.a.cols[c].type != self.b.cols[c].type:
                 raise SchemaError(f"MergeCursor: column {c} has different types on the two sides")
             dbsp_merge_cursor_sizes(&self.a.cols[c], self.a.c.nrows, &self.b.cols[c], self.b.c.nrows, &nv, &nx, &nd)
-            rv = new_region(nv) if nv else None
-            rx = new_region(nx)
-            rd = new_region(nd) if self.a.cols[c].type in (DBSP_UTF8, DBSP_LARGE_UTF8, DBSP_BINARY,
-                                                           DBSP_LARGE_BINARY) else None
+            sizes.append((nv, nx, nd if self.a.cols[c].type in (DBSP_UTF8, DBSP_LARGE_UTF8, DBSP_BINARY,
+                                                                DBSP_LARGE_BINARY) else -1))
+        alloc = new_region if spill_dir is None else self._file_regions(spill_dir, sizes, cap, row_hashes)
+        for c in range(ncols):
+            nv, nx, nd = sizes[c]
+            rv = alloc(nv) if nv else None
+            rx = alloc(nx)
+            rd = alloc(nd) if nd >= 0 else None
             self.out[c].validity = <uint8_t *>rv.ptr if rv is not None else NULL
             self.out[c].values = rx.ptr
             self.out[c].data = <uint8_t *>rd.ptr if rd is not None else NULL
             self.regions.append([rv, rx, rd])
-        self.w = new_region(cap * 8)
-        self.kh = new_region(cap * 8)
-        self.rh = new_region(cap * 8) if row_hashes else None
+        self.w = alloc(cap * 8)
+        self.kh = alloc(cap * 8)
+        self.rh = alloc(cap * 8) if row_hashes else None
         st = dbsp_merge_cursor_init(&self.a.c, &self.b.c, &self.m, self.out)
         check_status(st, "merge")
         self.finished = False
+
+    def _file_regions(self, spill_dir, sizes, int64_t cap, bint row_hashes):
+        """An allocator of the output's regions, in the order __init__ asks for them, from one shared mapping of a
+        scratch file in `spill_dir` sized for all of them (each region page-aligned)."""
+        import mmap as _mmap
+        import tempfile
+        page = _mmap.PAGESIZE
+        want = []
+        for nv, nx, nd in sizes:
+            want += ([nv] if nv else []) + [nx] + ([nd] if nd >= 0 else [])
+        want += [cap * 8, cap * 8] + ([cap * 8] if row_hashes else [])
+        total = sum((max(n, 1) + page - 1) // page * page for n in want)
+        fd, path = tempfile.mkstemp(prefix="merge-", suffix=".tmp", dir=spill_dir)
+        try:
+            os.unlink(path)  # nobody needs the file once the mapping goes: the kernel frees its pages then
+            os.ftruncate(fd, total)
+            self.mapping = _mmap.mmap(fd, total, flags=_mmap.MAP_SHARED, prot=_mmap.PROT_READ | _mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        offset = [0]
+
+        def alloc(n):
+            r = file_region(self.mapping, offset[0], n)
+            offset[0] += (max(n, 1) + page - 1) // page * page
+            return r
+        return alloc
+
+    def drop(self):
+        """Return the pages of a file-backed output written so far from the process to the page cache (they stay
+        the file's; a later read or write faults them back). Nothing for an output in memory."""
+        import mmap as _mmap
+        if self.mapping is not None and hasattr(_mmap, "MADV_DONTNEED"):
+            self.mapping.madvise(_mmap.MADV_DONTNEED)
 
     @property
     def consumed(self):
@@ -122,6 +166,8 @@ cdef class MergeCursor:
             raise ValueError("MergeCursor.result: the merge is not finished" if not self.finished
                              else "MergeCursor.result: the result was already taken")
         self.finished = True
+        if self.mapping is not None:
+            return self._file_result(n)
         cdef void **bufs = <void **>calloc(max(3 * ncols, 1), sizeof(void *))
         cdef size_t *mapped = <size_t *>calloc(max(3 * ncols, 1), sizeof(size_t))
         cdef int32_t *types = <int32_t *>malloc(max(ncols, 1) * sizeof(int32_t))
@@ -172,4 +218,36 @@ cdef class MergeCursor:
         if self.rh is not None:
             self.rh.trim(n * 8)
             rh = np.frombuffer(self.rh, dtype=np.uint64, count=n)
+        return table, w, kh, rh
+
+    def _file_result(self, int64_t n):
+        """result() of a file-backed output: Arrow arrays over the mapping's regions, in place (no copy)."""
+        cdef int32_t c, code
+        cdef int64_t nbytes, ndata
+        arrays = []
+        for c in range(self.a.c.ncols):
+            rv, rx, rd = self.regions[c]
+            code = self.out[c].type
+            ndata = 0
+            if code == DBSP_BOOL:
+                nbytes = (n + 7) // 8
+            elif rd is not None:
+                if code in (DBSP_LARGE_UTF8, DBSP_LARGE_BINARY):
+                    nbytes = (n + 1) * 8
+                    ndata = (<int64_t *>(<Region>rx).ptr)[n]
+                else:
+                    nbytes = (n + 1) * 4
+                    ndata = (<int32_t *>(<Region>rx).ptr)[n]
+            else:
+                nbytes = n * dbsp_type_width(code)
+            bufs = [pa.py_buffer(rv)[:(n + 7) // 8] if rv is not None else None, pa.py_buffer(rx)[:nbytes]]
+            if rd is not None:
+                bufs.append(pa.py_buffer(rd)[:ndata])
+            arrays.append(pa.Array.from_buffers(self.schema.field(c).type, n, bufs,
+                                                null_count=self.out[c].null_count if rv is not None else 0))
+        self.regions = []
+        table = pa.Table.from_batches([pa.RecordBatch.from_arrays(arrays, schema=self.schema)], schema=self.schema)
+        w = np.frombuffer(self.w, dtype=np.int64, count=n)
+        kh = np.frombuffer(self.kh, dtype=np.uint64, count=n)
+        rh = np.frombuffer(self.rh, dtype=np.uint64, count=n) if self.rh is not None else None
         return table, w, kh, rh

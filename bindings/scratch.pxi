@@ -2,15 +2,18 @@
 
 cdef class Region:
     """Owns memory from dbsp_region_alloc (scratch.h) and lends it to Arrow and numpy through the buffer protocol;
-    ``trim`` returns the pages past a length to the system without moving the rest."""
+    ``trim`` returns the pages past a length to the system without moving the rest. A region borrowed from a file
+    mapping (:func:`file_region`) keeps its ``owner`` (the mapping) alive and frees nothing."""
     cdef void *ptr
     cdef size_t mapped
+    cdef object owner
     cdef Py_ssize_t nbytes
     cdef Py_ssize_t shape[1]
     cdef Py_ssize_t strides[1]
 
     def __dealloc__(self):
-        dbsp_region_free(self.ptr, self.mapped)
+        if self.owner is None:
+            dbsp_region_free(self.ptr, self.mapped)
         self.ptr = NULL
 
     def __getbuffer__(self, Py_buffer *view, int flags):
@@ -36,7 +39,8 @@ cdef class Region:
 
     cdef void trim(self, Py_ssize_t keep):
         """Shrink to `keep` bytes (only before any export: an export keeps its own length)."""
-        self.mapped = dbsp_region_trim(self.ptr, self.mapped, keep)
+        if self.owner is None:
+            self.mapped = dbsp_region_trim(self.ptr, self.mapped, keep)
         if keep < self.nbytes:
             self.nbytes = keep
 
@@ -46,6 +50,18 @@ cdef Region new_region(Py_ssize_t nbytes):
     r.ptr = dbsp_region_alloc(max(nbytes, 1), &r.mapped)
     if r.ptr == NULL:
         raise MemoryError(f"merge: cannot allocate {nbytes} bytes")
+    r.nbytes = nbytes
+    return r
+
+
+cdef Region file_region(object mapping, Py_ssize_t offset, Py_ssize_t nbytes):
+    """A region of ``nbytes`` at ``offset`` of a writable ``mapping`` (an ``mmap.mmap`` of a file), which it keeps
+    alive: pages written there are the file's, so dropping them from the process (madvise) loses nothing."""
+    cdef unsigned char[::1] v = mapping
+    cdef Region r = Region.__new__(Region)
+    r.ptr = <void *>&v[offset]
+    r.mapped = 0
+    r.owner = mapping
     r.nbytes = nbytes
     return r
 
@@ -62,6 +78,14 @@ def trim_caches(keep, bint all_threads_memory=False):
         if all_threads_memory:
             dbsp_malloc_trim()
     return released
+
+
+def region_cache_limit(limit):
+    """Set the process's region cache limit in bytes (csrc/scratch.h; DBSP_REGION_CACHE_MB sets the first one),
+    trimming the cache to it; returns the previous limit."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"region_cache_limit: an int >= 0, got {limit!r}")
+    return dbsp_region_cache_limit(<size_t>limit)
 
 
 def cached_bytes():

@@ -9,6 +9,7 @@ from libc.string cimport memcpy
 
 from zset cimport *
 
+import os
 import numpy as np
 import pyarrow as pa
 

@@ -154,6 +154,16 @@ void *dbsp_region_alloc(size_t bytes, size_t *mapped) {
     return p;
 }
 
+size_t dbsp_region_cache_limit(size_t bytes) {
+    pthread_once(&region_once, region_init);
+    pthread_mutex_lock(&region_mu);
+    size_t prev = region_limit;
+    region_limit = bytes;
+    pthread_mutex_unlock(&region_mu);
+    dbsp_region_cache_trim(bytes);
+    return prev;
+}
+
 size_t dbsp_region_trim(void *p, size_t mapped, size_t keep) {
     if (!p || mapped == 0) return mapped;
     size_t k = (keep + PAGE - 1) & ~(PAGE - 1);

@@ -29,6 +29,10 @@ size_t dbsp_region_trim(void *p, size_t mapped, size_t keep);
  * dbsp_region_alloc, up to DBSP_REGION_CACHE_MB MiB in all (read once; default 256, 0 disables it). */
 void dbsp_region_free(void *p, size_t mapped);
 
+/* Set the region cache's limit (what DBSP_REGION_CACHE_MB sets at first use), trimming the cache down to it;
+ * returns the previous limit. A memory budget lowers it (dbsp_core/trace/spill.py). */
+size_t dbsp_region_cache_limit(size_t bytes);
+
 /* Return cached memory to the system (design note 6): this thread's scratch cache down to at most `keep` bytes,
  * the process's region cache down to at most `keep` bytes, largest buffers first; returns the bytes released.
  * What is cached after it still serves the next calls. */

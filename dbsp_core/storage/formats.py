@@ -29,6 +29,9 @@ Directory format 2 (``DIRECTORY_FORMAT``)::
       spill/<tok>-<n>.batch     batch files of traces spilled under a memory budget (dbsp_core/trace/spill.py);
                                 named by checkpoints (``DRBF`` values) instead of copying their rows; deleted when
                                 no live batch reads them and no checkpoint that may be opened names them
+      spill/merge-<random>.tmp  not a format: the raw output buffers of a merge built on disk (spill.py invariant
+                                12), unlinked as soon as they are mapped; one a crash left is deleted by the next
+                                open's sweep. Its rows reach disk as a batch file (above) when the merge ends
 
 A pipeline whose ``storage=`` is an object store (dbsp_core.storage.remote) runs on a local cache directory of
 the layout above (``cache_dir``, wiped and rebuilt from the store on open; ``.dbsp-cache`` marks it) and keeps

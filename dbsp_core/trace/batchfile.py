@@ -25,6 +25,8 @@ Invariants (enforced here; checked by :func:`verify`):
   1. A batch file is written whole to ``<name>.tmp``, fsynced, renamed to its name and its directory fsynced
      (csrc/smallfile.c through the VFS, so the fault-injecting VFS covers it); after that it never changes. A file
      under its final name is therefore complete, and its name can be handed to a checkpoint or an upload as is.
+     A scratch file (a store without storage: no crash needs it) is streamed to ``<name>.tmp`` in pieces and
+     renamed, without fsync: the same bytes, and no copy of the batch in memory while it is written.
   2. Its rows are a consolidated batch in index order (trace invariant 1): key hashes ascending, so the fence and
      a key hash locate the rows of a key, and the rows of a shard are one range (trace invariant 7).
   3. The Bloom filter holds every key hash of the batch: a key hash it rejects has no row, so a lookup skips the
@@ -131,11 +133,14 @@ def _fence(kh: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(kh[::FENCE_STEP])
 
 
-def write_batch(path: str, batch: Any, vfs: str = "posix", sync: bool = True) -> int:
+def write_batch(path: str, batch: Any, vfs: str = "posix", sync: bool = True, drop: Any = None) -> int:
     """Write ``batch`` (an IndexedZSet) as a batch file at ``path`` (invariant 1: temporary file, fsync, rename,
-    directory fsync, all through ``vfs``); returns the file's size. One buffer is built in C++ (the Arrow IPC
-    writer) and numpy (filter, fence, CRCs): no per-row Python. ``sync=False`` (scratch files of a pipeline
-    without storage, which no crash needs to find again) writes and renames without fsync."""
+    directory fsync, all through ``vfs``); returns the file's size. The Arrow IPC writer (C++) and numpy (filter,
+    fence, CRCs) write it: no per-row Python. ``sync=True`` builds the file's image in memory and hands it to the
+    VFS whole; ``sync=False`` (scratch files of a pipeline without storage, which no crash needs to find again, so
+    no fsync) streams it to the file in ``STREAM_CHUNK`` pieces, so writing holds no copy of the batch, and calls
+    ``drop()`` after each piece: a batch whose buffers are a file's mapping (a merge's output built in a scratch
+    file) then returns the pages the writer read, and a spill of it stays within a piece of memory."""
     from dbsp_core import _storage
 
     z = batch.zset
@@ -151,8 +156,7 @@ def write_batch(path: str, batch: Any, vfs: str = "posix", sync: bool = True) ->
         names.append(ROW_HASH_COL)
         fields.append(pa.field(ROW_HASH_COL, pa.uint64(), False))
     schema = pa.schema(fields, metadata={b"dbsp.key": json.dumps(list(batch.key)).encode(), b"dbsp.row_hash": rh_mode.encode()})
-    rb = pa.RecordBatch.from_arrays([c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c for c in cols],
-                                    schema=schema)
+    rb = pa.RecordBatch.from_arrays([_one_chunk(c) for c in cols], schema=schema)
     sizer = pa.MockOutputStream()  # the Arrow file's size, so it is written once, in place (no copy of the batch
     with pa.ipc.new_file(sizer, schema) as w:  # besides the file's image: spilling must not double the peak)
         w.write_batch(rb)
@@ -164,31 +168,118 @@ def write_batch(path: str, batch: Any, vfs: str = "posix", sync: bool = True) ->
     bloom_off = fence_off + 8 * len(fence)
     crc_off = bloom_off + 8 * len(bloom)
     size = _pad8(crc_off + 4 * npages) + FOOTER.size
+    end = size - FOOTER.size
+    sections = fence.tobytes() + bloom.tobytes()
+    filt_sec = _crc(sections)
+
+    def header(crcs: bytes) -> bytes:
+        fields = (BATCH_FILE_MAGIC, BATCH_FILE_VERSION, FLAG_SECTION_CRCS, 64, alen, len(batch), _crc(crcs), filt_sec)
+        return HEADER.pack(*fields, _crc(HEADER.pack(*fields, 0)[:60]))
+
+    def footer(whole: int) -> bytes:
+        foot = (BATCH_FILE_FOOTER_MAGIC, BATCH_FILE_VERSION, BLOOM_K, fence_off, len(fence), bloom_off, len(bloom),
+                crc_off, whole)
+        return FOOTER.pack(*foot, _crc(FOOTER.pack(*foot, 0)[:60]))
+
+    if not sync:
+        _stream_batch(path, schema, rb, alen, header, footer, sections, fence_off, crc_off, end, drop)
+        return size
     buf = bytearray(size)
     mv = memoryview(buf)
     with pa.ipc.new_file(pa.FixedSizeBufferWriter(pa.py_buffer(mv[64:64 + alen])), schema) as w:
         w.write_batch(rb)
-    mv[fence_off:bloom_off] = fence.tobytes()
-    mv[bloom_off:crc_off] = bloom.tobytes()
+    if drop is not None:  # the image holds the rows now: the source's pages may go before the VFS writes it
+        drop()
+    mv[fence_off:crc_off] = sections
     crcs = np.array([_crc(mv[64 + i * PAGE:64 + min(alen, (i + 1) * PAGE)]) for i in range(npages)], dtype="<u4")
     mv[crc_off:crc_off + 4 * npages] = crcs.tobytes()
-    crc_sec, filt_sec = _crc(mv[crc_off:crc_off + 4 * npages]), _crc(mv[fence_off:crc_off])
-    fields = (BATCH_FILE_MAGIC, BATCH_FILE_VERSION, FLAG_SECTION_CRCS, 64, alen, len(batch), crc_sec, filt_sec)
-    mv[0:64] = HEADER.pack(*fields, _crc(HEADER.pack(*fields, 0)[:60]))
-    end = size - FOOTER.size
-    whole = _crc(mv[:end])
-    foot = FOOTER.pack(BATCH_FILE_FOOTER_MAGIC, BATCH_FILE_VERSION, BLOOM_K, fence_off, len(fence), bloom_off,
-                       len(bloom), crc_off, whole, 0)
-    mv[end:] = FOOTER.pack(BATCH_FILE_FOOTER_MAGIC, BATCH_FILE_VERSION, BLOOM_K, fence_off, len(fence), bloom_off,
-                           len(bloom), crc_off, whole, _crc(foot[:60]))
+    mv[0:64] = header(crcs.tobytes())
+    mv[end:] = footer(_crc(mv[:end]))
     del mv
-    if sync:
-        _storage.file_replace(path, buf, vfs)
-    else:
-        with open(path + ".tmp", "wb") as out:
-            out.write(buf)
-        os.replace(path + ".tmp", path)
+    _storage.file_replace(path, buf, vfs)
     return size
+
+
+def _one_chunk(c: Any) -> Any:
+    """A column as one array, in place when it is one already (``ChunkedArray.combine_chunks`` copies even one
+    chunk: a spill would hold its batch's data twice)."""
+    if not isinstance(c, pa.ChunkedArray):
+        return c
+    return c.chunk(0) if c.num_chunks == 1 else c.combine_chunks()
+
+
+STREAM_CHUNK = 4 << 20  # bytes a streamed write (write_batch, sync=False) hands the kernel at a time
+
+
+class _PageSink:
+    """A write-only file object for the Arrow IPC writer (``pa.PythonFile``): writes what it is given to ``fd`` at
+    ``64 + position`` in ``STREAM_CHUNK`` pieces, keeping the CRC of each ``PAGE`` of it (invariant 4), and calls
+    ``drop`` after each piece (the writer hands big buffers over in place, as ``pa.Buffer``)."""
+
+    closed = False
+
+    def __init__(self, fd: int, drop: Any) -> None:
+        self.fd, self.drop, self.pos, self.cur, self.crcs = fd, drop, 0, 0, []
+
+    def write(self, data: Any) -> int:
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        for lo in range(0, n, STREAM_CHUNK):
+            piece = mv[lo:lo + STREAM_CHUNK]
+            done = 0
+            while done < len(piece):
+                done += os.pwrite(self.fd, piece[done:], 64 + self.pos + done)
+            i = 0
+            while i < len(piece):  # the page CRCs, page by page
+                take = min(PAGE - self.pos % PAGE, len(piece) - i)
+                self.cur = _crc(piece[i:i + take], self.cur)
+                self.pos += take
+                i += take
+                if self.pos % PAGE == 0:
+                    self.crcs.append(self.cur)
+                    self.cur = 0
+            if self.drop is not None:
+                self.drop()
+        return n
+
+    def page_crcs(self) -> bytes:
+        last = [self.cur] if self.pos % PAGE else []
+        return np.array(self.crcs + last, dtype="<u4").tobytes()
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _stream_batch(path: str, schema: pa.Schema, rb: pa.RecordBatch, alen: int, header: Any, footer: Any,
+                  sections: bytes, fence_off: int, crc_off: int, end: int, drop: Any) -> None:
+    """:func:`write_batch` without fsync, streamed: the Arrow file through a :class:`_PageSink`, then the sections,
+    the header and, read back from the page cache in pieces, the whole-file CRC of the footer."""
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        sink = _PageSink(fd, drop)
+        with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema) as w:
+            w.write_batch(rb)
+        if sink.pos != alen:
+            raise OSError(f"batch file {path}: the Arrow writer wrote {sink.pos} bytes, {alen} expected")
+        crcs = sink.page_crcs()
+        gap = bytes(fence_off - 64 - alen)
+        tail = gap + sections + crcs + bytes(end - crc_off - len(crcs))
+        os.pwrite(fd, tail, 64 + alen)
+        os.pwrite(fd, header(crcs), 0)
+        whole = 0
+        for lo in range(0, end, STREAM_CHUNK):
+            whole = _crc(os.pread(fd, min(STREAM_CHUNK, end - lo), lo), whole)
+        os.pwrite(fd, footer(whole), end)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
 
 
 class BatchFile(NamedTuple):

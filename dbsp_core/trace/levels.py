@@ -100,34 +100,57 @@ def level_of(work: int) -> int:
 class _Merge:
     """A merge in progress of two batches of one level; its inputs stay readable until it finishes."""
 
-    __slots__ = ("a", "b", "work", "cursor", "_out", "shared")
+    __slots__ = ("a", "b", "work", "cursor", "_out", "shared", "store", "dropped")
 
-    def __init__(self, a: tuple[int, "IndexedZSet", int], b: tuple[int, "IndexedZSet", int]) -> None:
+    def __init__(self, a: tuple[int, "IndexedZSet", int], b: tuple[int, "IndexedZSet", int], store: Any = None
+                 ) -> None:
         from dbsp_core.zset import merge_cursor
 
         self.a, self.b = a, b  # (placement number, batch, work)
         self.work = a[2] + b[2]
-        self.cursor = merge_cursor(a[1], b[1], row_hashes=True)  # the merge cursor: the resumable C merge (csrc/merge.h)
+        # the merge cursor: the resumable C merge (csrc/merge.h); its output in a scratch file when the batch store
+        # says it does not fit what the budget has left (spill.py invariant 12)
+        self.store = store
+        where = store.merge_dir(a[1], b[1]) if store is not None else None
+        self.cursor = merge_cursor(a[1], b[1], row_hashes=True, spill_dir=where)
         self._out: IndexedZSet | None = None
         self.shared: SharedMerge | None = None  # set when handed to a MergeThread (invariant 10)
+        self.dropped = 0  # input rows consumed when the output's pages last left the process (store.merge_pages_out)
 
     def renumbered(self, pa_: int, pb: int) -> "_Merge":
         """The same merge (sharing its progress) with its inputs at placement numbers ``pa_`` and ``pb``: a new
         object, so a shallow copy of the trace taken before still sees the old numbers."""
         m = object.__new__(_Merge)
         m.a, m.b = (pa_,) + self.a[1:], (pb,) + self.b[1:]
-        m.work, m.cursor, m._out, m.shared = self.work, self.cursor, self._out, self.shared
+        m.work, m.cursor, m._out, m.shared, m.store = self.work, self.cursor, self._out, self.shared, self.store
+        m.dropped = self.dropped
         return m
+
+    def step(self, budget: int) -> int:
+        """One cursor step of at least ``budget`` input rows (or the rest); under a batch store, in pieces of at most
+        DROP_ROWS after which the pages written to a scratch output and read from spilled inputs leave the process
+        (spill.py invariant 12), so a merge holds about one piece of them whatever its size. The caller holds the
+        shared lock, if any."""
+        if self.store is None:
+            return self.cursor.step(budget)
+        used = 0
+        while True:
+            used += self.cursor.step(min(max(budget - used, 1), self.DROP_ROWS))
+            self.store.merge_pages_out(self)
+            if used >= budget or self.cursor.done:
+                return used
+
+    DROP_ROWS = 131_072  # input rows between drops of a merge's pages under a budget (the merge thread's CHUNK)
 
     def advance(self, budget: int) -> int:
         """Merge at least ``budget`` more input rows (or the rest) on this thread; returns the rows merged."""
         sh = self.shared
         if sh is None:
-            return self.cursor.step(budget) if not self.cursor.done else 0
+            return self.step(budget) if not self.cursor.done else 0
         with sh.lock:
             if sh.error is not None:
                 raise sh.error
-            return self.cursor.step(budget) if not self.cursor.done else 0
+            return self.step(budget) if not self.cursor.done else 0
 
     def finished(self, wait: bool = True) -> bool:
         """Whether every input row is merged (with ``wait=False``: False while the merge thread holds it)."""
@@ -348,7 +371,7 @@ class Trace(KeyIndexed):
         if self._store is not None and self._store._unchecked:  # the merge reads every row (spill.py invariant 14)
             self._store.check(level.loose[0][1])
             self._store.check(level.loose[1][1])
-        m = _Merge(level.loose[0], level.loose[1])
+        m = _Merge(level.loose[0], level.loose[1], self._store)
         if handing and m.work > self.INLINE_MERGE:
             m.shared = SharedMerge()
         self._by_level[lvl] = _Level(level.loose[2:], m)
@@ -362,6 +385,8 @@ class Trace(KeyIndexed):
             m.shared.merged = 0
         out = m.result()
         if len(out):
+            if m.cursor.mapping is not None and m.store is not None:  # built in a scratch file: to its batch file
+                m.store.spill_output(out, m.cursor)  # now, a piece at a time (spill.py invariant 12)
             self._place(out, min(m.work, self.WORK_CAP * len(out)))
 
     def install_finished(self, thread: "MergeThread | None" = None) -> int:

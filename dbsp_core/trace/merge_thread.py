@@ -121,7 +121,7 @@ class MergeThread:
                     if sh.error is not None or m.cursor.done:
                         break
                     try:
-                        used = m.cursor.step(self.CHUNK)
+                        used = m.step(self.CHUNK)
                     except BaseException as exc:  # the inserting thread raises it when it needs the merge
                         sh.error = exc
                         break

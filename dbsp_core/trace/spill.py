@@ -25,8 +25,18 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      it ``enforce`` waits for the writes first (:meth:`BatchStore.settle`, which also switches them). Writes
      through a VFS other than posix (the fault-injecting one of crash tests) stay on the calling thread, so their
      I/O order is the step's.
-     Merging spilled batches reads them through the mapping and writes the output in memory; a later
-     ``enforce`` spills it to a new file. A file is deleted when its batch object is gone (merged away, dropped).
+     A merge is paid for in memory only when its output fits what the budget has left (:meth:`BatchStore.merge_dir`:
+     its inputs' bytes, an upper bound of its output's, against the batch share less the bytes in memory at the last
+     ``enforce`` and the merges started in memory since); a bigger one (from ``FILE_MERGE_MIN`` bytes on) builds
+     its output in a shared mapping of an unlinked scratch file in the store's directory, and every DROP_ROWS input
+     rows (levels.py ``_Merge.step``) the pages it wrote and the pages it read of spilled inputs leave the process
+     (madvise: the written ones stay the file's, in the page cache, which writes them back). When it finishes, the
+     output is spilled at once (:meth:`BatchStore.spill_output`), its batch file streamed from the scratch mapping
+     a piece at a time (batchfile.py ``write_batch``), so neither the merge nor its spill holds the output in
+     memory. A merge in memory's output written so far counts in the budget (``merge_bytes``); a smaller output
+     is spilled, if need be, by a later ``enforce``. A file is deleted when its batch object is gone (merged
+     away, dropped). While a store lives, the C region cache (freed merge buffers kept for reuse, csrc/scratch.h)
+     keeps at most ``memory_limit * REGION_CACHE_SHARE`` bytes.
      The cache: the pages of mapped files that reads touched are resident (the OS page cache, file-backed and
      clean: the kernel can drop them at any time). The store bounds them too: every trace read in a step marks
      its spilled files used; when the files used since their last eviction add up to more than
@@ -68,7 +78,9 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
 
 What is not spilled: pending batches of a trace being restored (they are placed at its first read), merge inputs
 (until the merge ends), Z-set state of operators that is not a trace, key indexes (dbsp_core/trace/keyindex.py)
-and the per-batch fence and filter (about 1.4 bytes per row).
+and the per-batch fence and filter (about 1.4 bytes per row). A durable store writes a batch file as one image in
+memory (csrc/smallfile.c through the VFS, so that the fault-injecting VFS covers it): spilling a batch there holds
+it twice for the write.
 """
 
 from __future__ import annotations
@@ -95,7 +107,20 @@ if TYPE_CHECKING:
     from dbsp_core.trace.levels import Trace
     from dbsp_core.zset import IndexedZSet
 
-__all__ = ["BatchStore", "spilling", "current_batch_store", "parse_memory_limit", "batch_bytes"]
+__all__ = ["BatchStore", "spilling", "current_batch_store", "parse_memory_limit", "batch_bytes", "merge_bytes"]
+
+
+MERGE_SCRATCH_PREFIX = "merge-"  # scratch files of merges built on disk (unlinked once mapped; a crash may leave one)
+
+
+def merge_bytes(m: Any) -> int:
+    """Bytes of a merge's output held in memory (levels.py ``_Merge``): its inputs' bytes (an upper bound) in
+    proportion to the input rows consumed, for an output built in a scratch file only those consumed since its
+    pages last left the process (``m.dropped``, invariant 12)."""
+    c = m.cursor
+    a, b = m.a[1], m.b[1]
+    rows = c.consumed - (m.dropped if c.mapping is not None else 0)
+    return int((batch_bytes(a) + batch_bytes(b)) * rows / max(1, len(a) + len(b)))
 
 
 def batch_bytes(b: "IndexedZSet") -> int:
@@ -139,6 +164,8 @@ class BatchStore:
 
     BATCH_SHARE = 0.75  # of the limit: batches in memory; the rest: the cache of spilled pages
     CACHE_SHARE = 0.25
+    FILE_MERGE_MIN = 1 << 20  # input bytes from which a merge that does not fit the budget is built on disk
+    REGION_CACHE_SHARE = 0.125  # of the limit: the most the C region cache (csrc/scratch.h) keeps while a store lives
     PROGRESS_BYTES = 256 << 20  # an enforce spilling this much shows a progress line (dbsp_core/progress.py)
     ASYNC_BYTES = 64 << 10  # a batch this big is written by the spill thread, off the step (invariant 12); below it
     # a write takes a few ms and stays on the calling thread
@@ -173,10 +200,19 @@ class BatchStore:
         self._jobs: "queue.Queue[tuple | None] | None" = None  # the spill thread's work, once it runs
         self._spiller: threading.Thread | None = None
         self._queued = 0  # bytes of the batches handed to the spill thread and not written yet
+        self._in_memory = 0  # bytes in memory after the last enforce (batches, fences, filters, merge outputs)
+        self._reserved = 0  # input bytes of merges started in memory since (merge_dir)
         self._token = os.urandom(6).hex()  # names never reused, even by a later process with the same pid
+        from dbsp_core import _zset
+
+        cap = int(self.memory_limit * self.REGION_CACHE_SHARE)  # the C caches count in the budget's overhead
+        self._region_prev: int | None = _zset.region_cache_limit(cap)
+        if self._region_prev < cap:  # already lower (DBSP_REGION_CACHE_MB, another store): leave it
+            _zset.region_cache_limit(self._region_prev)
         self.stats.update({"files_written": 0, "bytes_written": 0, "evictions": 0, "bytes_evicted": 0,
                            "enforcements": 0, "cache_hits": 0, "cache_misses": 0, "pages_checked": 0,
-                           "written_in_background": 0, "written_for_nothing": 0, "keys_sought": 0})
+                           "written_in_background": 0, "written_for_nothing": 0, "keys_sought": 0,
+                           "merges_on_disk": 0})
 
     def __enter__(self) -> "BatchStore":
         return self
@@ -210,6 +246,39 @@ class BatchStore:
             c[1] += misses
             self.stats["cache_hits"] += hits
             self.stats["cache_misses"] += misses
+
+    def merge_dir(self, a: "IndexedZSet", b: "IndexedZSet") -> str | None:
+        """Where the output of a merge of ``a`` and ``b`` is built (invariant 12): None (in memory) when their bytes
+        fit what the budget has left, else this store's directory (a scratch file there)."""
+        need = batch_bytes(a) + batch_bytes(b)
+        with self._lock:
+            room = int(self.memory_limit * self.BATCH_SHARE) - self._in_memory - self._reserved
+            if need < self.FILE_MERGE_MIN or need <= room:
+                self._reserved += need
+                return None
+        self.stats["merges_on_disk"] += 1
+        return self.directory
+
+    def merge_pages_out(self, m: Any) -> None:
+        """After a piece of merge ``m`` (levels.py ``_Merge.step``): the pages it wrote to a scratch output and read
+        of spilled inputs leave the process (invariant 12)."""
+        m.cursor.drop()
+        m.dropped = m.cursor.consumed
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        for x in (m.a[1], m.b[1]):
+            f = self._files.get(id(x))
+            if f is not None and advice is not None:
+                try:
+                    f.map.madvise(advice)
+                except (OSError, ValueError):  # closed: its batch is going
+                    pass
+
+    def spill_output(self, out: "IndexedZSet", cursor: Any) -> None:
+        """Spill the output of a merge built in a scratch file (invariant 12), streaming its batch file from the
+        scratch mapping and dropping the pages read after each piece. An output spilled already (a rolled-back step
+        installs the same merge's output again: levels.py ``_Merge.result``) stays as it is."""
+        if id(out) not in self._files:
+            self._spill(out, drop=cursor.drop)
 
     def cache_counts(self, trace: "Trace") -> tuple[int, int]:
         """(hits, misses) of ``trace``'s reads of its spilled batches so far (invariant 15)."""
@@ -305,7 +374,8 @@ class BatchStore:
             self._pinned = set(names)
             keep = self._pinned | set(getattr(self, "_owners", {}))  # (none yet when the constructor sweeps)
         for n in sorted(os.listdir(self.directory)):
-            if (n.endswith(BATCH_FILE_SUFFIX) and n not in keep) or n.endswith(BATCH_FILE_SUFFIX + ".tmp"):
+            if ((n.endswith(BATCH_FILE_SUFFIX) and n not in keep) or n.endswith(BATCH_FILE_SUFFIX + ".tmp")
+                    or (n.startswith(MERGE_SCRATCH_PREFIX) and n.endswith(".tmp"))):
                 self._delete(n)
 
     def _delete(self, name: str) -> None:
@@ -328,12 +398,14 @@ class BatchStore:
             return list(self._traces)
 
     def memory(self) -> tuple[int, int]:
-        """(bytes of batches in memory, bytes kept per spilled file: fences and filters) over every trace."""
+        """(bytes of batches in memory, merge outputs written so far in memory included; bytes kept per spilled
+        file: fences and filters) over every trace."""
         mem = 0
         for t in self.traces():
             for b in t._levels() + t.pending:
                 if id(b) not in self._files:
                     mem += batch_bytes(b)
+            mem += sum(merge_bytes(level.merge) for level in list(t._by_level) if level.merge is not None)
         return mem, sum(f.memory_bytes() for f in list(self._files.values()))
 
     def trace_bytes(self, trace: "Trace") -> dict[str, int]:
@@ -379,7 +451,7 @@ class BatchStore:
                         candidates.append((lvl, n, b))
                 if level.merge is not None:
                     mem += sum(batch_bytes(x) for x in (level.merge.a[1], level.merge.b[1])
-                               if id(x) not in self._files)
+                               if id(x) not in self._files) + merge_bytes(level.merge)
             mem += sum(batch_bytes(b) for b in t.pending)
         mem += sum(f.memory_bytes() for f in list(self._files.values()))
         budget = int(self.memory_limit * self.BATCH_SHARE)
@@ -403,6 +475,8 @@ class BatchStore:
                     spilled += n
                     if shown is not None:
                         shown.update(min(over, spilled) >> 20)
+        with self._lock:
+            self._in_memory, self._reserved = mem, 0
         self._trim_cache(traces)
         return spilled
 
@@ -412,10 +486,11 @@ class BatchStore:
             name = f"{self._token}-{self._next:012d}{BATCH_FILE_SUFFIX}"
         return name, os.path.join(self.directory, name)
 
-    def _spill(self, b: "IndexedZSet") -> BatchFile:
-        """Write ``b`` to a new batch file and switch it, in place, to the file's mapped buffers (invariant 12)."""
+    def _spill(self, b: "IndexedZSet", drop: Any = None) -> BatchFile:
+        """Write ``b`` to a new batch file and switch it, in place, to the file's mapped buffers (invariant 12);
+        ``drop`` returns the pages of a scratch mapping the write has read (a merge built on disk)."""
         name, path = self._new_name()
-        size = write_batch(path, b, self.vfs, sync=self.durable)
+        size = write_batch(path, b, self.vfs, sync=self.durable, drop=drop)
         return self._switch(b, name, path, size)
 
     def _submit(self, b: "IndexedZSet", n: int) -> None:
@@ -572,6 +647,11 @@ class BatchStore:
             self._spiller = None
         with self._lock:
             self._traces = weakref.WeakSet()
+            prev, self._region_prev = self._region_prev, None
+        if prev is not None:
+            from dbsp_core import _zset
+
+            _zset.region_cache_limit(prev)
         if self._own_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
 

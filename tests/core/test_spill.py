@@ -12,7 +12,7 @@ import pytest
 import dbsp_core as dbsp
 from dbsp_core.envvars import parse_memory_limit
 from dbsp_core.trace.batchfile import open_batch
-from dbsp_core.trace.spill import BatchStore, spilling
+from dbsp_core.trace.spill import BatchStore, batch_bytes, spilling
 from oracle import run_against_duckdb
 from test_circuit_composed import JOIN_GROUP_SQL, _join_then_group
 from test_fixpoint import QUERIES as FIXPOINT_SQL, build as fixpoint_build
@@ -38,8 +38,12 @@ def _spilled(stores: list[BatchStore]):
     return check
 
 
-@pytest.mark.parametrize("workers", [1, 3])
-def test_joins_aggregates_distinct_spilled(workers: int) -> None:
+@pytest.mark.parametrize("workers, on_disk", [(1, False), (3, False), (2, True)])
+def test_joins_aggregates_distinct_spilled(workers: int, on_disk: bool, monkeypatch) -> None:
+    """``on_disk``: every merge builds its output in a scratch file and spills it when it ends (spill.py invariant
+    12; by default only merges from BatchStore.FILE_MERGE_MIN bytes on, which these small steps never reach)."""
+    if on_disk:
+        monkeypatch.setattr(BatchStore, "FILE_MERGE_MIN", 0)
     stores: list[BatchStore] = []
     queries = dict(JOIN_GROUP_SQL)
     queries.update({
@@ -58,6 +62,7 @@ def test_joins_aggregates_distinct_spilled(workers: int) -> None:
     run_against_duckdb(build, queries, SEED, workers, steps=8, max_rows=12, after=_spilled(stores),
                        memory_limit=TINY)
     assert stores and stores[0].stats["files_deleted"] > 0  # merged-away batches took their files with them
+    assert (stores[0].stats["merges_on_disk"] > 0) == on_disk, stores[0].stats
 
 
 def test_top_k_spilled() -> None:
@@ -183,6 +188,62 @@ def test_trace_reads_the_same_spilled() -> None:
         assert looked(disk) == looked(mem)
         assert np.array_equal(disk.key_sums(probe, ["k"], hashes, order, ["v"]),
                               mem.key_sums(probe, ["k"], hashes, order, ["v"]))
+
+
+class _SampledStore(BatchStore):
+    """A batch store that records its own accounting (:meth:`BatchStore.memory`: batches and merge outputs in memory,
+    fences and filters) at every piece of a merge, before the piece's pages leave the process."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.samples: list[int] = []
+
+    def merge_pages_out(self, m) -> None:
+        mem, kept = self.memory()
+        self.samples.append(mem + kept)
+        super().merge_pages_out(m)
+
+
+def test_merge_over_the_budget_stays_within_it(monkeypatch) -> None:
+    """A merge of two spilled batches whose output is many times the budget builds it on disk: the store's accounting
+    stays within the limit at every piece of the merge (a merge in memory holds its whole output: about 7 MiB here
+    against a 1 MiB limit, of which the files' fences and filters take ~0.3), the output is spilled when the merge
+    ends, and the trace holds the inputs' sum."""
+    import pyarrow.compute as pc
+    import numpy as np
+    from dbsp_core import ZSet
+    from dbsp_core.trace import Trace
+    from dbsp_core.trace.levels import _Merge
+
+    monkeypatch.setattr(_Merge, "DROP_ROWS", 4096)  # pieces of 4k rows: many samples in a 100k-row merge
+    rng = np.random.default_rng(SEED)
+    schema = pa.schema([("k", pa.int64()), ("s", pa.utf8()), ("v", pa.int64())])
+    limit = 1 << 20
+    want: dict = {}
+    t = Trace(schema, ("k",))
+    with _SampledStore(limit) as store, spilling(store):
+        for _ in range(2):  # two batches of one level, each spilled before the merge starts
+            n = 100_000
+            k = pa.array(rng.integers(0, 80_000, n))
+            text = pc.if_else(pc.equal(pc.bit_wise_and(k, 7), 0), pa.scalar(None, pa.utf8()),
+                              pc.cast(pc.bit_wise_and(k, 127), pa.utf8()))
+            z = ZSet.from_arrow(pa.table({"k": k, "s": text, "v": rng.integers(0, 3, n)}),
+                                weights=rng.choice([1, 2, -1], n)).consolidate()
+            for r, w in z.to_dict().items():
+                want[r] = want.get(r, 0) + w
+            t.insert(z.index_by(["k"]), defer=True)  # placed, merge work owed: the merge runs below
+            store.enforce()
+        assert [store.is_spilled(b) for b in t.batches] == [True, True]
+        need = sum(batch_bytes(b) for b in t.batches)
+        assert need > 4 * limit
+        t.pay_deferred(1 << 30)  # the whole merge, in 4k-row pieces
+        assert len(store.samples) > 10
+        assert max(store.samples) <= limit, (max(store.samples), limit)
+        assert t.levels()[-1][2] is None and len(t.batches) == 1, t.levels()  # merged and installed
+        assert store.stats["merges_on_disk"] == 1
+        assert store.is_spilled(t.batches[0])  # spilled when installed, without an enforce
+        t.check()
+        assert t.consolidated().zset.to_dict() == {r: w for r, w in want.items() if w}
 
 
 @pytest.mark.parametrize("value, want", [("4GiB", 4 << 30), ("512MB", 512_000_000), (1, 1), ("1.5KiB", 1536),
