@@ -233,6 +233,7 @@ def test_merge_over_the_budget_stays_within_it(monkeypatch) -> None:
                 want[r] = want.get(r, 0) + w
             t.insert(z.index_by(["k"]), defer=True)  # placed, merge work owed: the merge runs below
             store.enforce()
+            store.settle()  # a batch this big is written by the spill thread: switched to its file here
         assert [store.is_spilled(b) for b in t.batches] == [True, True]
         need = sum(batch_bytes(b) for b in t.batches)
         assert need > 4 * limit
