@@ -60,6 +60,9 @@ def _run(c: dbsp.Circuit, steps: list, plan: bool, workers: int = 1, rescale_at:
         for i, step in enumerate(steps):
             if i == rescale_at:
                 p.rescale(workers=2 if workers == 1 else 1)
+                # plan.py invariant 2: at W = 2 no chain fuses through an exchange (a plan lowered for W = 1 would
+                # skip the exchange on one worker and leave the others waiting at its barrier)
+                assert all(not wk.plan.fused_nodes for wk in p.executor._workers) or len(p.executor._workers) == 1
             if step:
                 p.push("t", dbsp.ZSet.from_rows([r for r, _ in step], SCHEMA, weights=[w for _, w in step]))
             outs.append({name: z.to_dict() for name, z in p.step().items()})
