@@ -31,6 +31,8 @@ Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them
 - ``DBSP_CACHE_KEEP_MB`` (runtime/embedded.py): MiB of each of those two caches kept past the end of a step, a whole
   number >= 0 (default 16): the rest goes back to the system (csrc/scratch.c design note 6), so the buffers a large
   step used do not stay resident beside the state it built.
+- ``DBSP_STEP_PLAN`` (runtime/embedded.py): ``1``: the embedded executor's workers run fused chains of operators
+  as one call (runtime/plan.py); ``0``: every operator's own step (default 1). Results are the same either way.
 
 Not runtime settings, read where they are used (listed so that this is the one list of every ``DBSP_*`` variable;
 tests/core/test_envvars.py checks that the repository reads no other):
@@ -200,6 +202,7 @@ SETTINGS: tuple[Setting, ...] = (  # the list of the module docstring, in its or
     Setting("DBSP_REGION_CACHE_MB", "region_cache_mb", "whole"),  # likewise
     Setting("DBSP_MEMORY_LIMIT", "memory_limit", "bytes"),  # None: no budget unless a Pipeline sets one
     Setting("DBSP_CACHE_KEEP_MB", "cache_keep_mb", "whole", default=16),
+    Setting("DBSP_STEP_PLAN", "step_plan", "flag", default=True),
 )
 
 
@@ -217,6 +220,7 @@ class Settings(NamedTuple):
     region_cache_mb: int | None
     memory_limit: int | None
     cache_keep_mb: int
+    step_plan: bool
 
 
 assert Settings._fields == tuple(s.field for s in SETTINGS)

@@ -183,6 +183,29 @@ class Aggregate(Operator):
             cols.append(col)
         return pa.Table.from_arrays(cols, schema=self.schema)
 
+    @property
+    def int_slots(self) -> bool:
+        """Whether every aggregate is a count or the sum of an int64 column (one slot), all int64 results:
+        the aggregates :meth:`finalize_ints` finalizes (dbsp_core/runtime/plan.py fuses the steps of such
+        linear aggregates)."""
+        return self.linear and not self.distinct_columns and all(
+            (kind == "count" or (kind == "sum" and len(slots) == 2
+                                 and pat.is_int64(self.in_schema.field(self.kernel[slots[0]][1]).type)))
+            and pat.is_int64(field.type)
+            for (kind, slots), field in zip(self.plan, list(self.schema)[len(self.keys) if self.output_keys else 0:]))
+
+    def finalize_ints(self, keys: pa.Table, vals: np.ndarray) -> pa.Table:
+        """:meth:`finalize` of an aggregate with :attr:`int_slots` from the keys and the slot values as an
+        (slots, rows) int64 array, without a table of slots: a sum is null where its non-null count is 0."""
+        cols = list(keys.columns) if self.output_keys else []
+        for kind, slots in self.plan:
+            if kind == "sum":
+                none = vals[slots[1]] == 0
+                cols.append(pa.array(vals[slots[0]], pa.int64(), mask=none if none.any() else None))
+            else:
+                cols.append(pa.array(vals[slots[0]], pa.int64()))
+        return pa.Table.from_arrays(cols, schema=self.schema)
+
     def raise_overflow(self, exc: WeightOverflowError) -> None:
         """Raise ``exc``, which a kernel raised in a step of this aggregate, as an error naming the aggregate and its
         one-slot integer sums (invariant 5); ``exc`` itself when it already names the aggregate."""
@@ -488,11 +511,16 @@ class _LinearState:
         """The operator's state, by name (each trace can be read per shard)."""
         return {"partials": self.trace}
 
-    def _through_index(self, view: "_zset.BatchView") -> tuple | None:
+    def _through_index(self, view: "_zset.BatchView", keypos: tuple | None = None, slotpos: tuple | None = None
+                       ) -> tuple | None:
         """The step's groups and rows through the trace's key index in one C call (``_zset.linear_step``), which
-        also stores the new totals in the index; None when the trace cannot serve it (no index, or a stale one)."""
+        also stores the new totals in the index; None when the trace cannot serve it (no index, or a stale one).
+        ``keypos`` and ``slotpos``: where the keys and the partial values sit in ``view`` (default: partial rows)."""
+        keypos = self.keypos if keypos is None else keypos
+        slotpos = self.slotpos if slotpos is None else slotpos
+
         def step(ix: object) -> tuple:
-            rows, w, kh, rh, vals, ordered = _zset.linear_step(view, self.keypos, self.slotpos, ix)
+            rows, w, kh, rh, vals, ordered = _zset.linear_step(view, keypos, slotpos, ix)
             return rows, w, kh, vals, rh, ordered, ix
 
         return self.trace.through_index(self.spec, step)
@@ -520,12 +548,37 @@ class _LinearState:
             found = self._through_index(view) or self._through_batches(view, data)
         except WeightOverflowError as e:
             op.raise_overflow(e)
+        return self._emit(view, self.keypos, found, op.finalize)
+
+    def step_rows(self, z: "ZSet", keypos: tuple, slotpos: tuple, ctx: "StepContext") -> "ZSet | None":
+        """The step of this aggregate straight from its input rows (dbsp_core/runtime/plan.py: a fused chain
+        PreAggregate -> exchange -> aggregate where the exchange is the identity): ``z``'s rows are the partial
+        rows (keys at ``keypos``, each slot's int64 value at ``slotpos``: a count's column of ones, a sum's
+        column), as PreAggregate.rowwise would build them, without building them. Output as :meth:`finalize_ints`
+        makes it. None, having changed nothing, when the key index cannot serve the step (the caller then runs
+        the unfused chain)."""
+        op = self.op
+        prune(self, input_times(op), ctx)
+        view = _zset.BatchView(z.data, z.weights)
+        try:
+            found = self._through_index(view, keypos, slotpos)
+        except WeightOverflowError as e:
+            op.raise_overflow(e)
+        if found is None:
+            return None
+        return self._emit(view, keypos, found, None)
+
+    def _emit(self, view: "_zset.BatchView", keypos: tuple, found: tuple, finalize: object) -> "ZSet":
+        """The trace batch and the output of a step whose groups ``found`` gave (``_through_index``' tuple) over
+        the rows of ``view`` (keys at ``keypos``); ``finalize``: the aggregate's, or None for
+        :meth:`Aggregate.finalize_ints` over the slot values."""
+        op = self.op
         rows, w, kh, vals, rh, ordered, ix = found  # per output row: the change's row carrying its key, ...
         if len(rows) == 0:
             if ix is not None:
                 self.trace.index_done(ix)
             return empty(op.schema)
-        keys = _zset.take(view, rows, self.kschema, self.keypos)
+        keys = _zset.take(view, rows, self.kschema, keypos)
         partials = pa.Table.from_arrays(list(keys.columns) + [pa.array(vals[j]) for j in range(len(self.p))],
                                         schema=self.pschema)
         if ordered:  # groups by key hash, a group's two rows by row hash: the trace batch as it stands
@@ -537,7 +590,8 @@ class _LinearState:
         self.trace.insert(batch, indexed=ix)
         # a group's new and old rows sit side by side: they cancel when the view's columns did not change (a sum
         # that a 0 left as it was), and rows of two groups differ in their keys, so no sort makes it distinct
-        return sum_adjacent(make(op.finalize(partials), w, op.schema), kh)
+        out = op.finalize(partials) if finalize is not None else op.finalize_ints(keys, vals)
+        return sum_adjacent(make(out, w, op.schema), kh)
 
 
 class _ExtremesState(_GroupedState):

@@ -12,6 +12,8 @@ How the pieces fit (each module states its own invariants):
   the divided steps to run again and the pushes to queue.
 - ``executor.py``: the protocol between driver and executor (everything the driver asks of one, including how
   a live rescale moves its state), and the step record they share.
+- ``plan.py``: the step plan: each worker's live nodes lowered, when its workers are built and at every layout
+  change, to the calls of one step, with the chains it covers fused into one call (the design note there).
 - ``embedded.py``: W threads in this process; state in memory, checkpointed by ``coordinator.py`` (all workers
   pause at one step, commit a version each; the newest version every worker holds is the checkpoint).
 - ``staged.py`` (driver side), ``stage_plan.py`` (the circuit cut into stages; blobs), ``stage_task.py`` (runs

@@ -42,6 +42,7 @@ from dbsp_core.runtime.crashpoints import crashpoint
 from dbsp_core.runtime.executor import (StateGroup, StepInput, as_step_error, groupings, live_nodes, spread,
                                        traces_by_label)
 from dbsp_core.runtime.migrate import hand_over, move_shards
+from dbsp_core.runtime.plan import StepPlan
 from dbsp_core.runtime.rollback import capture, restore
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.formats import SPILL_DIR, state_db_path
@@ -120,7 +121,8 @@ class _Exchanger:
 class _Worker:
     """One copy of the circuit: an operator instance per live node, and its step context."""
 
-    def __init__(self, circuit: Circuit, live: list[int], ctx: StepContext) -> None:
+    def __init__(self, circuit: Circuit, live: list[int], ctx: StepContext, workers: int = 1,
+                 step_plan: bool = True) -> None:
         self.ctx = ctx
         self.live = live
         self.nodes = circuit.nodes
@@ -128,8 +130,15 @@ class _Worker:
         self.outputs = dict(circuit.outputs)
         # the instances with state, fixed for the worker's life (a restore changes their attributes, not them)
         self._stateful = {i: inst for i, inst in self.instances.items() if inst is not self.nodes[i]}
-        self._steps = [(self.instances[i].step, self.nodes[i].inputs, i) for i in live]
+        self._circuit = circuit
+        self.lower(workers, step_plan)
         self.timer = NodeTimer(live)  # dbsp_core.profile: what each operator costs this worker
+
+    def lower(self, workers: int, step_plan: bool) -> None:
+        """The calls of a step, lowered for a layout of ``workers`` workers (dbsp_core/runtime/plan.py invariant 2:
+        again at every layout change)."""
+        self.plan = StepPlan(self._circuit, self.live, self.instances, workers, fuse=step_plan)
+        self._steps = self.plan.calls
 
     def stateful(self) -> dict[int, Any]:
         return self._stateful
@@ -155,6 +164,10 @@ class EmbeddedExecutor:
     10), so a step does not wait for them: True, False, or None (the default: while the workers leave a core
     free, ``workers < os.cpu_count()``). Results, state and checkpoints are the same either way; it trades a
     second core for shorter steps.
+
+    ``step_plan``: the workers run their steps through a step plan that fuses the chains it covers
+    (dbsp_core/runtime/plan.py); False runs every node's own step (None: ``DBSP_STEP_PLAN``, default on). Results
+    and state are the same either way.
     """
 
     kind = "embedded"
@@ -162,9 +175,11 @@ class EmbeddedExecutor:
     division_first = False  # state becomes durable only at checkpoints: a step may run while its division syncs
     state_in_memory = True  # a live rescale moves state here (relayout); the driver makes it durable
 
-    def __init__(self, vfs: str = "posix", background_merge: bool | None = None) -> None:
+    def __init__(self, vfs: str = "posix", background_merge: bool | None = None, step_plan: bool | None = None
+                 ) -> None:
         self.vfs = vfs
         self.background_merge = background_merge
+        self.step_plan = settings().step_plan if step_plan is None else step_plan
         self._merge_thread: MergeThread | None = None
         self.batch_store: BatchStore | None = None  # the memory budget of the traces (trace invariant 12)
         self.circuit: Circuit | None = None
@@ -206,8 +221,8 @@ class EmbeddedExecutor:
         assert self.circuit is not None
         self.layout = layout
         self._exchanger = _Exchanger(layout)
-        self._workers = [_Worker(self.circuit, self._live, StepContext(w, layout.shard_map, self._exchanger))
-                         for w in range(layout.workers)]
+        self._workers = [_Worker(self.circuit, self._live, StepContext(w, layout.shard_map, self._exchanger),
+                                 layout.workers, self.step_plan) for w in range(layout.workers)]
         self._exchanger.timers = [wk.timer for wk in self._workers]
         for wk in self._workers:
             for i, inst in wk.stateful().items():
@@ -446,7 +461,8 @@ class EmbeddedExecutor:
         for w in range(len(self._workers), final.workers):
             if w in self._joining:
                 continue
-            wk = _Worker(self.circuit, self._live, StepContext(w, final.shard_map, None))
+            wk = _Worker(self.circuit, self._live, StepContext(w, final.shard_map, None), final.workers,
+                         self.step_plan)
             st = None
             if self._coord is not None:
                 assert self.storage is not None
@@ -517,6 +533,7 @@ class EmbeddedExecutor:
         for w, wk in enumerate(self._workers):
             wk.ctx.shard_map = layout.shard_map
             wk.ctx._exchanger = self._exchanger
+            wk.lower(W, self.step_plan)  # plan.py invariant 2: an exchange the identity at W = 1 is not at W > 1
         for st in (self._coord.stores if self._coord is not None else []):
             st.layout = layout
         if old.workers != W:  # the pool's size follows the worker count
