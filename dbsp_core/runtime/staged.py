@@ -396,6 +396,12 @@ class StagedExecutor:
                 roots = st.setdefault("state_cache_roots", [])
                 if a.get("cache_root") and a["cache_root"] not in roots:
                     roots.append(a["cache_root"])
+                if fetched:  # per (stage, worker): which workers' tasks found their state missing (issue 33)
+                    by = st.setdefault("state_fetches_by", {})
+                    by[(a["stage"], a["worker"])] = by.get((a["stage"], a["worker"]), 0) + 1
+            # the last job's tasks, (stage, worker) -> (fetch, cache root): where each ran and how it got its state
+            self.stats["state_last_job"] = {(a["stage"], a["worker"]): (a.get("fetch"), a.get("cache_root"))
+                                            for a in acks}
         return outs
 
     # ---- durability ----

@@ -1,0 +1,191 @@
+"""Losing one Spark executor while a SparkPipeline with its state on the S3 server runs (issue 33): a thread kills one executor JVM of local-cluster[2,1,1024] (SIGKILL, with its Python daemon and workers) at random moments while steps run and deletes its local directories, repeatedly; the master starts a replacement, the lost workers' next tasks rebuild their state from the chains in the store, and the other workers keep theirs.
+
+Checked: every step's outputs equal the embedded runtime's (a never-killed run) and DuckDB's, and the output log
+in the store holds each step once (0 lost, 0 doubled); the kills landed while steps ran (counted, with the steps
+run after each); per (stage, worker), how often a task took its state from the store, and that no task that ran
+again on the Spark executor that held its state reloaded it (the workers of the surviving executor kept their
+state through every kill). The data, the job cuts and the kill moments come from a seed new per run, printed;
+``DBSP_SPARK_LOSE_SEED`` replays one (the kill moments only roughly: they race with the steps).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pyspark")
+
+from executor_kill import executors, kill_executor  # noqa: E402
+from spark_glue import SparkPipeline  # noqa: E402
+from staged_circuits import build, changes, check_duckdb, embedded, same_outputs  # noqa: E402
+
+pytestmark = [pytest.mark.spark]
+SEED = int(os.environ.get("DBSP_SPARK_LOSE_SEED", random.SystemRandom().randrange(10**6)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def lose_cluster(s3_server, spark_session_factory):
+    """local-cluster[2,1,1024] as in test_spark_store.py (store credentials in the executors' environment, no
+    shared path), with task attempts to spare: each kill fails the attempts running on the lost executor."""
+    from s3_server import CREDENTIALS
+
+    pp = os.pathsep.join([REPO] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+    conf = {"spark.executorEnv.PYTHONPATH": pp, "spark.executorEnv.PYSPARK_PYTHON": sys.executable,
+            "spark.task.maxFailures": "8", "spark.executor.memory": "512m", "spark.deploy.maxExecutorRetries": "-1"}
+    conf.update({f"spark.executorEnv.{k}": v for k, v in CREDENTIALS.items()})
+    s = spark_session_factory("local-cluster[2,1,1024]", "dbsp-tests-lose", **conf)
+    yield s
+    s.stop()
+
+
+class Killer(threading.Thread):
+    """Kills one live executor of ``app`` at a random moment while steps run, ``kills`` times: each kill waits for
+    two live executors and for ``gap`` steps since the last kill, then lands 0-1.5 s later (mid-job, usually)."""
+
+    def __init__(self, app: str, kills: int, rng: random.Random, progress, gap: int = 2) -> None:
+        super().__init__(daemon=True)
+        self.app, self.todo, self.rng, self.progress, self.gap = app, kills, rng, progress, gap
+        self.landed: list[dict] = []  # per kill: executor id, pid, step reached when it landed, busy (a job ran)
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        last = -self.gap
+        while len(self.landed) < self.todo and not self.stop.is_set():
+            live = executors(self.app)
+            step, busy = self.progress()
+            if len(live) < 2 or step < last + self.gap:
+                time.sleep(0.2)
+                continue
+            if self.stop.wait(self.rng.uniform(0, 1.5)):
+                return
+            live = executors(self.app)
+            if len(live) < 2:
+                continue
+            eid = self.rng.choice(sorted(live))
+            step, busy = self.progress()
+            dirs = kill_executor(live[eid])
+            self.landed.append({"executor": eid, "pid": live[eid], "step": step, "busy": busy, "dirs": dirs})
+            last = step
+
+
+def _lose(cluster, s3_server, tmp_path, nsteps: int, kills: int) -> None:
+    print(f"DBSP_SPARK_LOSE_SEED={SEED}")
+    rng = np.random.default_rng(SEED)
+    steps, bags = changes(SEED, nsteps)
+    c, sql = build("carried")
+    uri = s3_server.uri(s3_server.bucket(), "pipe")
+    p = SparkPipeline(cluster, c, workers=2, storage=uri, cache_dir=str(tmp_path / "driver"),
+                      checkpoint_interval=None)
+    state = {"step": 0, "busy": False}
+    killer = Killer(cluster.sparkContext.applicationId, kills, random.Random(SEED), lambda: (state["step"],
+                                                                                            state["busy"]))
+    outs: list[dict] = []
+    jobs: list[tuple[int, int, int, dict]] = []  # (end step, kills landed before it began, before it ended, tasks)
+    killer.start()
+    try:
+        i = 0
+        while i < len(steps):
+            k = int(rng.integers(1, 3))
+            began = len(killer.landed)
+            state["busy"] = True
+            if k == 1:
+                for h, z in steps[i]:
+                    p.push(h, z)
+                outs.append(p.step())
+            else:
+                for pushes in steps[i:i + k]:
+                    for h, z in pushes:
+                        p.push(h, z)
+                    p.queue_step()
+                outs.extend(p.run_queued())
+            state["busy"] = False
+            i += k
+            state["step"] = i
+            jobs.append((i, began, len(killer.landed), dict(p.stats["state_last_job"])))
+            if i == len(steps) and len(killer.landed) < kills and i < 4 * nsteps:
+                steps_more, bags = changes(SEED, len(steps) + 4)  # kills still to land: a few more steps
+                steps = steps_more
+    finally:
+        killer.stop.set()
+        killer.join()
+        fetched_by = dict(p.stats.get("state_fetches_by", {}))
+        p.close(checkpoint=False)
+    same_outputs(outs, embedded(c, steps))
+    check_duckdb(sql, outs, bags)
+    _check_log(uri, outs)
+    landed = killer.landed
+    after = [jobs[-1][0] - kill["step"] for kill in landed]  # steps that ended after each kill
+    # each (stage, worker) task against its previous one: the same Spark executor directory and no kill of it in
+    # between (kept: its state must have been a cache hit); a killed Spark executor's, the kill landing before this
+    # job began (lost: rebuilt from the store, on the survivor or on the replacement, which the standalone worker
+    # gives the same directory) or while it ran (either); or moved by Spark between live executors
+    kept, lost, either, moved, reloaded, lost_how = 0, 0, 0, 0, [], []
+    for (_, began0, _, t0), (end1, began1, n1, t1) in zip(jobs, jobs[1:]):
+        before = {k["dirs"][0] for k in landed[began0:began1] if k["dirs"]}
+        during = {k["dirs"][0] for k in landed[began1:n1] if k["dirs"]}
+        for sw, (how, root) in t1.items():
+            was = t0.get(sw, (None, None))[1]
+            if was is None:
+                continue
+            if any(was.startswith(d) for d in before):
+                lost += 1
+                lost_how.append(how)
+            elif any(was.startswith(d) for d in during):
+                either += 1
+            elif was == root:
+                kept += 1
+                if how != "cache":
+                    reloaded.append((end1, sw, how, root))
+            else:
+                moved += 1
+    print(f"{len(steps)} steps in {len(jobs)} jobs; {len(landed)} executor kills: "
+          + "; ".join(f"executor {k['executor']} at step {k['step']} ({'mid-job' if k['busy'] else 'between jobs'}), "
+                      f"{a} steps after it" for k, a in zip(landed, after)))
+    print(f"tasks that took their state from the store, per (stage, worker): {sorted(fetched_by.items())}; "
+          f"next tasks of the workers of a killed Spark executor: {lost} ({lost_how}; {either} more with the kill "
+          f"landing during the task's job); tasks that ran again on the "
+          f"Spark executor holding their state: {kept}, reloads among them {len(reloaded)}; moved by Spark between "
+          f"live executors: {moved}")
+    print(f"killed executors' directories {[k['dirs'] for k in landed]}; cache roots "
+          f"{sorted({r for *_, t in jobs for _, r in t.values()})}")
+    assert len(landed) == kills, f"only {len(landed)} of {kills} kills landed in {len(steps)} steps"
+    assert any(k["busy"] for k in landed), "no kill landed while a job ran"
+    assert all(a > 0 for a in after), f"steps after each kill: {after}"
+    assert not reloaded, f"tasks that ran again where their state was cached reloaded it: {reloaded}"
+    assert lost > 0 and all(h in ("fetched", "rebuilt") for h in lost_how), \
+        f"the workers of a killed Spark executor did not all take their state from the store: {lost_how}"
+    assert sum(fetched_by.values()) >= lost
+
+
+def _check_log(uri: str, outs: list[dict]) -> None:
+    """The output log in the store holds every step once, equal to what the steps returned."""
+    from dbsp_core.runtime.remote_state import restored
+    from dbsp_core.storage.inspect import open_output
+
+    with restored(uri) as (path, *_):
+        lg = open_output(path)
+        try:
+            assert (lg.first, lg.last) == (0, len(outs))
+            for s, out in enumerate(outs):
+                got = lg.get(s)
+                assert set(got) == set(out)
+                for n in out:
+                    assert got[n].consolidate() == out[n].consolidate(), f"output log step {s} {n}"
+        finally:
+            lg.close()
+
+
+def test_lose_executors_short(lose_cluster, s3_server, tmp_path) -> None:
+    _lose(lose_cluster, s3_server, tmp_path, 12, 2)
+
+
+@pytest.mark.slow
+def test_lose_executors_repeatedly(lose_cluster, s3_server, tmp_path) -> None:
+    _lose(lose_cluster, s3_server, tmp_path, 40, int(os.environ.get("DBSP_SPARK_LOSE_KILLS", "6")))
