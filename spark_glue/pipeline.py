@@ -55,7 +55,8 @@ Design notes (each is a requirement this module keeps):
      attempts (and re-runs the earlier-stage tasks whose shuffle output was lost) wherever it places them; a
      task on a Spark executor whose cache is stale or gone rebuilds its worker's state from the shared mount or
      the chain in the store, while the workers whose Spark executor survived keep their cached state
-     (tests/spark/test_spark_lose.py counts both). So the per-job write is the default and the only mode: it is
+     (tests/spark/test_spark_lose.py counts both). A job Spark aborts (a task out of attempts) runs again from the
+     same chains (dbsp_core.runtime.staged invariant 5) instead of breaking the pipeline. So the per-job write is the default and the only mode: it is
      what replaces the issue's in-flight exchange log, and it costs the bytes each job changes (bench/RESULTS.md,
      issue 33). A lost driver still means whole-pipeline recovery: ``SparkPipeline.open`` from the last
      checkpoint, replaying the input log.
