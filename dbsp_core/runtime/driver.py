@@ -101,8 +101,8 @@ from dbsp_core.runtime.executor import Executor, StepInput
 from dbsp_core.runtime.recovery import LogReplay, open_directory, settle_state
 from dbsp_core.runtime.readable import ReadableState, as_rows, check_read_only, run_query
 from dbsp_core.runtime.remote_state import RemoteCheckpoints, prepare_cache, restore
-from dbsp_core.runtime.stage_store import StageChains, StageStore
 from dbsp_core.runtime.rescale import LiveRescale
+from dbsp_core.runtime.stage_store import StageChains, StageStore
 from dbsp_core.storage.consumers import ConsumerRegistry
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.dedup import SeenSet

@@ -54,7 +54,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -94,8 +94,8 @@ class StageStore:
     ``pyarrow.fs.FileSystem``); ``key`` names the pipeline in task caches; ``cache_dir`` is the task cache base
     on every process (None: the Spark executor's own directory, invariant 7)."""
 
-    storage: Any
-    key: str
+    storage: Any = field(repr=False)  # a URI may carry secrets: never shown (storage.remote invariant 5)
+    key: str = ""
     cache_dir: str | None = None
 
     @classmethod

@@ -90,13 +90,15 @@ class LocalJobRunner:
 
     ``fail_first`` (tests): ``{(stage, point, worker), ...}``; the first attempt of each such task raises
     :class:`~dbsp_core.runtime.stage_task.InjectedFault` at ``point`` and is retried once, as Spark retries a
-    failed task. ``abort_first`` (tests): the same, but the fault ends the whole job (as Spark aborts a job whose
-    task ran out of attempts), once per entry. ``cache_dirs`` (tests of a store pipeline): each task's stage cache is one of these, picked at
-    random from ``seed``.
+    failed task. ``cache_dirs`` (tests of a store pipeline): each task's stage cache is one of these, picked at
+    random from ``seed``; with ``duplicates`` every task of a store pipeline first runs once more on another
+    of them and that attempt's blobs are dropped (a speculative duplicate on another Spark executor).
+    ``abort_first`` (tests): as ``fail_first``, but the fault ends the whole job (as Spark aborts a job whose task
+    ran out of attempts), once per entry.
     """
 
     def __init__(self, fail_first: set[tuple[int, str, int]] | None = None,
-                 cache_dirs: list[str] | None = None, seed: int = 0,
+                 cache_dirs: list[str] | None = None, seed: int = 0, duplicates: bool = False,
                  abort_first: set[tuple[int, str, int]] | None = None) -> None:
         self.fail_first = set(fail_first or ())
         self.abort_first = set(abort_first or ())
@@ -105,6 +107,7 @@ class LocalJobRunner:
         # ``seed``), as if on one of several processes with no common disk (stage_store invariant 7)
         self.cache_dirs = list(cache_dirs or ())
         self._rng = random.Random(seed)
+        self.duplicates = duplicates
 
     def run_job(self, job: Job) -> pa.Table:
         blobs = job.inputs
@@ -114,8 +117,11 @@ class LocalJobRunner:
             for w in range(job.workers):
                 mine = blobs.filter(pa.array(parts == w))
                 if task.store is not None and self.cache_dirs:
-                    task = dataclasses.replace(task, store=dataclasses.replace(
-                        task.store, cache_dir=self._rng.choice(self.cache_dirs)))
+                    pick = self._rng.sample(self.cache_dirs, 2 if self.duplicates else 1)
+                    if self.duplicates:  # it commits and uploads in its cache too; the driver never hears of it
+                        run_stage_task(dataclasses.replace(task, store=dataclasses.replace(
+                            task.store, cache_dir=pick[1])), w, mine)
+                    task = dataclasses.replace(task, store=dataclasses.replace(task.store, cache_dir=pick[0]))
                 for k, point, wk in sorted(self.fail_first):
                     if (k, wk) == (task.stage, w):  # a failed first attempt, then the retry below
                         self.fail_first.discard((k, point, wk))

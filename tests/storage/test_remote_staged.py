@@ -21,8 +21,9 @@ from dbsp_core.storage.formats import state_db_paths  # noqa: E402
 SEED = int(os.environ.get("DBSP_STAGE_STORE_SEED", np.random.SeedSequence().entropy % 10**6))
 
 
-def _pipe(c, uri, cache, caches, workers=2, **kw):
-    ex = StagedExecutor(LocalJobRunner(cache_dirs=caches, seed=SEED), max_steps_per_job=kw.pop("max_steps_per_job", 64))
+def _pipe(c, uri, cache, caches, workers=2, runner=None, **kw):
+    ex = StagedExecutor(runner or LocalJobRunner(cache_dirs=caches, seed=SEED),
+                        max_steps_per_job=kw.pop("max_steps_per_job", 64))
     return dbsp.Pipeline(c, workers, 8, uri, executor=ex, cache_dir=cache, checkpoint_interval=None, **kw)
 
 
@@ -113,3 +114,24 @@ def test_chains_compact(s3_server, tmp_path, monkeypatch) -> None:
     assert live <= set(names) and len(names) == len(live), "retention leaves only the live chains"
     p.close()
     same_outputs(outs, embedded(c, steps))
+
+
+def test_duplicates_and_retries_on_other_caches(s3_server, tmp_path) -> None:
+    """Every task runs twice, on two different caches (a speculative duplicate on another Spark executor that
+    commits and uploads too), and some first attempts fail before or after their commit and are retried: the
+    driver keeps the acknowledged attempt's objects, a cache holding a duplicate's version discards it, and the
+    outputs are exact."""
+    steps, bags = changes(SEED + 2, 6)
+    c, sql = build("join_agg")
+    uri = s3_server.uri(s3_server.bucket(), "pipe")
+    caches = [str(tmp_path / f"exec-{i}") for i in range(3)]
+    runner = LocalJobRunner({(1, "after-commit", 0), (2, "before-commit", 1)}, caches, SEED, duplicates=True)
+    p = _pipe(c, uri, str(tmp_path / "driver"), caches, runner=runner)
+    outs = _feed(p, steps)
+    assert runner.retries == 2 and p.stats["state_fetches"] > 0
+    names = set(p._remote.list("stage"))
+    live = {link["object"] for ch in p.executor.chains.chains.values() for link in ch}
+    assert live < names, "the duplicates uploaded objects of their own, and the chains name none of them"
+    p.close()
+    same_outputs(outs, embedded(c, steps))
+    check_duckdb(sql, outs, bags)
