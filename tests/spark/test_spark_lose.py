@@ -92,7 +92,7 @@ def _lose(cluster, s3_server, tmp_path, nsteps: int, kills: int) -> None:
     try:
         i = 0
         while i < len(steps):
-            k = int(rng.integers(1, 3))
+            k = min(int(rng.integers(1, 3)), len(steps) - i)
             began = len(killer.landed)
             state["busy"] = True
             if k == 1:
