@@ -43,12 +43,21 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def executor_dirs(pid: int) -> list[str]:
+    """The local directories of executor JVM ``pid`` (its ``SPARK_EXECUTOR_DIRS``; the stage caches are under
+    the first)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(e.split("=", 1) for e in f.read().decode(errors="replace").split("\0") if "=" in e)
+    except OSError:  # gone meanwhile
+        return []
+    return [d for d in env.get("SPARK_EXECUTOR_DIRS", "").split(os.pathsep) if d]
+
+
 def kill_executor(pid: int) -> list[str]:
     """SIGKILL executor JVM ``pid`` and its Python daemon and workers, then delete its local directories (what a
     lost spot machine takes with it). Returns the directories deleted."""
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        env = dict(e.split("=", 1) for e in f.read().decode(errors="replace").split("\0") if "=" in e)
-    dirs = [d for d in env.get("SPARK_EXECUTOR_DIRS", "").split(os.pathsep) if d]
+    dirs = executor_dirs(pid)
     cwd = os.readlink(f"/proc/{pid}/cwd")  # work/<app>/<executor id>: its stdout, stderr and fetched files
     for p in _descendants(pid):  # the JVM first: the daemon must not see it go and restart workers
         try:

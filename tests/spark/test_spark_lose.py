@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("pyspark")
 
-from executor_kill import executors, kill_executor  # noqa: E402
+from executor_kill import executor_dirs, executors, kill_executor  # noqa: E402
 from spark_glue import SparkPipeline  # noqa: E402
 from staged_circuits import build, changes, check_duckdb, embedded, same_outputs  # noqa: E402
 
@@ -47,7 +47,8 @@ def lose_cluster(s3_server, spark_session_factory):
 
 class Killer(threading.Thread):
     """Kills one live executor of ``app`` at a random moment while steps run, ``kills`` times: each kill waits for
-    two live executors and for ``gap`` steps since the last kill, then lands 0-1.5 s later (mid-job, usually)."""
+    two live executors and for ``gap`` steps since the last kill, then lands 0-1.5 s later (mid-job, usually), on
+    one whose directory held a task of the last job (Spark may have run every task on the other)."""
 
     def __init__(self, app: str, kills: int, rng: random.Random, progress, gap: int = 2) -> None:
         super().__init__(daemon=True)
@@ -59,7 +60,7 @@ class Killer(threading.Thread):
         last = -self.gap
         while len(self.landed) < self.todo and not self.stop.is_set():
             live = executors(self.app)
-            step, busy = self.progress()
+            step, busy, _ = self.progress()
             if len(live) < 2 or step < last + self.gap:
                 time.sleep(0.2)
                 continue
@@ -68,8 +69,10 @@ class Killer(threading.Thread):
             live = executors(self.app)
             if len(live) < 2:
                 continue
-            eid = self.rng.choice(sorted(live))
-            step, busy = self.progress()
+            step, busy, roots = self.progress()
+            holding = [e for e in sorted(live) if any(r.startswith(d) for d in executor_dirs(live[e])[:1]
+                                                      for r in roots)]
+            eid = self.rng.choice(holding or sorted(live))  # one that holds state, if the last job left some
             dirs = kill_executor(live[eid])
             self.landed.append({"executor": eid, "pid": live[eid], "step": step, "busy": busy, "dirs": dirs})
             last = step
@@ -84,8 +87,8 @@ def _lose(cluster, s3_server, tmp_path, nsteps: int, kills: int) -> None:
     p = SparkPipeline(cluster, c, workers=2, storage=uri, cache_dir=str(tmp_path / "driver"),
                       checkpoint_interval=None)
     state = {"step": 0, "busy": False}
-    killer = Killer(cluster.sparkContext.applicationId, kills, random.Random(SEED), lambda: (state["step"],
-                                                                                            state["busy"]))
+    killer = Killer(cluster.sparkContext.applicationId, kills, random.Random(SEED),
+                    lambda: (state["step"], state["busy"], [r for _, r in p.stats.get("state_last_job", {}).values()]))
     outs: list[dict] = []
     jobs: list[tuple[int, int, int, dict]] = []  # (end step, kills landed before it began, before it ended, tasks)
     killer.start()
