@@ -1,11 +1,12 @@
-"""Losing one Spark executor while a SparkPipeline with its state on the S3 server runs (issue 33): a thread kills one executor JVM of local-cluster[2,1,1024] (SIGKILL, with its Python daemon and workers) at random moments while steps run and deletes its local directories, repeatedly; the master starts a replacement, the lost workers' next tasks rebuild their state from the chains in the store, and the other workers keep theirs.
+"""Losing one Spark executor while a SparkPipeline with its state on the S3 server runs (issue 33): a thread kills one executor JVM of local-cluster[2,1,1024] that holds state (SIGKILL, with its Python daemon and workers) at random moments while steps run and deletes its local directories, repeatedly; the master starts a replacement, the lost workers' next tasks rebuild their state from the chains in the store, and the other workers keep theirs.
 
 Checked: every step's outputs equal the embedded runtime's (a never-killed run) and DuckDB's, and the output log
 in the store holds each step once (0 lost, 0 doubled); the kills landed while steps ran (counted, with the steps
 run after each); per (stage, worker), how often a task took its state from the store, and that no task that ran
 again on the Spark executor that held its state reloaded it (the workers of the surviving executor kept their
 state through every kill). The data, the job cuts and the kill moments come from a seed new per run, printed;
-``DBSP_SPARK_LOSE_SEED`` replays one (the kill moments only roughly: they race with the steps).
+``DBSP_SPARK_LOSE_SEED`` replays one (the kill moments only roughly: they race with the steps);
+``DBSP_SPARK_LOSE_KILLS`` sets the kills of the slow variant (default 6).
 """
 
 from __future__ import annotations
