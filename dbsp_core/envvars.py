@@ -51,7 +51,9 @@ tests/core/test_envvars.py checks that the repository reads no other):
   ``DBSP_NEXMARK_SEED``, ``DBSP_CONNECTOR_SEED``, ``DBSP_FILES_SEED``, ``DBSP_DAMAGE_SEED``, ``DBSP_REPAIR_SEED``,
   ``DBSP_POISON_SEED``, ``DBSP_THREADS_SEED``, ``DBSP_CONCURRENCY_SEED``, ``DBSP_RACE_SEED``, ``DBSP_WIDE_SEED``,
   ``DBSP_RESCALE_SEED``, ``DBSP_RESCALE_KILL_SEED``, ``DBSP_LIVE_SEED``, ``DBSP_LIVE_KILL_SEED``,
-  ``DBSP_SPARK_KILL_SEED``, ``DBSP_FUZZ_SEED``, ``DBSP_TEST_SEED``, ``DBSP_PG_SEED``, ``DBSP_DELTA_SEED``,
+  ``DBSP_SPARK_KILL_SEED``, ``DBSP_SPARK_LOSE_SEED`` (tests/spark/test_spark_lose.py), ``DBSP_SPARK_STORE_SEED``,
+  ``DBSP_STAGE_STORE_SEED`` (tests/storage/test_remote_staged.py, test_stage_job_retry.py), ``DBSP_FUZZ_SEED``,
+  ``DBSP_TEST_SEED``, ``DBSP_PG_SEED``, ``DBSP_DELTA_SEED``,
   ``DBSP_SLT_SEED``, ``DBSP_AUTOSCALE_SEED``, ``DBSP_AUTOSCALE_KILL_SEED``, ``DBSP_STORE_FAULT_SEED`` (the
   store-fault tests: which store calls fail, and how), ``DBSP_REMOTE_SEED``, ``DBSP_REMOTE_KILL_SEED``,
   ``DBSP_RUN_SEED`` (tests/sql/test_run.py), ``DBSP_DECIMAL_SEED`` (tests/sql/test_decimal.py), ``DBSP_NOW_SEED``
@@ -61,11 +63,13 @@ tests/core/test_envvars.py checks that the repository reads no other):
   ``DBSP_CRASH_SEEDS``, ``DBSP_RESCALE_SEEDS``, ``DBSP_RESCALE_KILLS``, ``DBSP_RESCALE_CRASH_FULL``, ``DBSP_LIVE_KILLS``,
   ``DBSP_RACE_ROUNDS``, ``DBSP_WIDE_WORKERS``, ``DBSP_CONCURRENCY_ROUNDS``, ``DBSP_CONCURRENCY_KILLS``,
   ``DBSP_CONNECTOR_KILLS``, ``DBSP_FILES_KILLS``, ``DBSP_STORAGE_KILLS``, ``DBSP_STORAGE_SOAK``,
-  ``DBSP_SPARK_KILLS``, ``DBSP_SPARK_KILL_RUNTIMES``, ``DBSP_FUZZ_CASES``, ``DBSP_PG_KILLS``, ``DBSP_DELTA_KILLS``,
+  ``DBSP_SPARK_KILLS``, ``DBSP_SPARK_LOSE_KILLS``, ``DBSP_SPARK_KILL_RUNTIMES``, ``DBSP_FUZZ_CASES``,
+  ``DBSP_PG_KILLS``, ``DBSP_DELTA_KILLS``,
   ``DBSP_AUTOSCALE_KILLS``, ``DBSP_CHANGE_KILLS``, ``DBSP_SLT_QUERIES``, ``DBSP_SLT_MEMORY_GB`` (tests/sql/slt.py: the resident memory at which a sqllogictest child is stopped),
   ``DBSP_SLT_TRACEBACK`` (tracebacks in the runner's error lines).
 - benchmarks: ``DBSP_FLINK_PYTHON`` (the interpreter of a venv with apache-flink, bench/nexmark.py --peers flink).
-- what a test parent tells its child process: ``DBSP_RUN``, ``DBSP_TEST_KILL_AFTER_BATCH``, ``DBSP_UPGRADE_MARKERS``.
+- what a test parent tells its child process: ``DBSP_RUN``, ``DBSP_TEST_KILL_AFTER_BATCH``, ``DBSP_UPGRADE_MARKERS``,
+  ``DBSP_KILL_STORE_URI`` (tests/spark/test_spark_kill.py: the store the child's pipeline uses).
 """
 
 from __future__ import annotations

@@ -48,6 +48,18 @@ Design notes (each is a requirement this module keeps):
      reuse its shuffle output), and every guarantee of the stage tasks holds as before, since they check the
      job against their databases (dbsp_core.runtime.stage_task invariant 3). A layout change between jobs only
      changes the number of tasks per stage (the DataFrame of the new worker count) and the job description.
+  7. Losing a Spark executor (issue 33) costs only that Spark executor's work, never a rollback of the others:
+     every acknowledged job's state of every worker is durable outside it before the driver hears of the job
+     (with a shared mount: the stage databases on the mount, committed by each task; with an object store: each
+     stateful task's delta, uploaded before its commit, stage_store invariant 1). Spark retries the lost task
+     attempts (and re-runs the earlier-stage tasks whose shuffle output was lost) wherever it places them; a
+     task on a Spark executor whose cache is stale or gone rebuilds its worker's state from the shared mount or
+     the chain in the store, while the workers whose Spark executor survived keep their cached state
+     (tests/spark/test_spark_lose.py counts both). A job Spark aborts (a task out of attempts) runs again from the
+     same chains (dbsp_core.runtime.staged invariant 5) instead of breaking the pipeline. So the per-job write is the default and the only mode: it is
+     what replaces the issue's in-flight exchange log, and it costs the bytes each job changes (bench/RESULTS.md,
+     issue 33). A lost driver still means whole-pipeline recovery: ``SparkPipeline.open`` from the last
+     checkpoint, replaying the input log.
 """
 
 from __future__ import annotations

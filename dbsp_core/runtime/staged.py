@@ -25,6 +25,12 @@ Invariants (enforced here):
      invariant 1; invariant 2's JOB record is not needed (the chains move only when a job succeeded, and
      recovery takes the chains of the manifest it restores). Layout changes, ``traces`` and ``view`` rebuild the
      databases they read in the driver's scratch directory (stage_store invariant 6).
+  5. With an object store, a job that fails for any reason but its data (the job runner gave up: e.g. Spark
+     aborted the job after a lost Spark executor took a task's last attempt; or a task died between its upload
+     and its acknowledgement) is run again, up to :data:`JOB_RETRIES` times, before the failure reaches the
+     driver (which would mark the pipeline broken): nothing of it counts, since the chains did not move
+     (invariant 4) and the objects and cache versions its attempts left are not on them (stage_store invariants
+     1 and 3). Without a store the JOB record and the stage databases decide (invariant 2): no retry here.
 """
 
 from __future__ import annotations
@@ -70,6 +76,9 @@ class Job(NamedTuple):
     workers: int
 
 
+JOB_RETRIES = 2  # runs of a job again after a failure not of its data, with an object store (invariant 5)
+
+
 class JobRunner(Protocol):
     """Runs every stage task of a job for every worker and returns the blobs left after the last stage."""
 
@@ -84,11 +93,15 @@ class LocalJobRunner:
     failed task. ``cache_dirs`` (tests of a store pipeline): each task's stage cache is one of these, picked at
     random from ``seed``; with ``duplicates`` every task of a store pipeline first runs once more on another
     of them and that attempt's blobs are dropped (a speculative duplicate on another Spark executor).
+    ``abort_first`` (tests): as ``fail_first``, but the fault ends the whole job (as Spark aborts a job whose task
+    ran out of attempts), once per entry.
     """
 
     def __init__(self, fail_first: set[tuple[int, str, int]] | None = None,
-                 cache_dirs: list[str] | None = None, seed: int = 0, duplicates: bool = False) -> None:
+                 cache_dirs: list[str] | None = None, seed: int = 0, duplicates: bool = False,
+                 abort_first: set[tuple[int, str, int]] | None = None) -> None:
         self.fail_first = set(fail_first or ())
+        self.abort_first = set(abort_first or ())
         self.retries = 0
         # tests of a store pipeline: each task runs with one of these as its stage cache, picked at random (from
         # ``seed``), as if on one of several processes with no common disk (stage_store invariant 7)
@@ -116,6 +129,10 @@ class LocalJobRunner:
                             run_stage_task(dataclasses.replace(task, fault=(point, w)), w, mine)
                         except InjectedFault:
                             self.retries += 1
+                for k, point, wk in sorted(self.abort_first):
+                    if (k, wk) == (task.stage, w):  # the job ends here
+                        self.abort_first.discard((k, point, wk))
+                        run_stage_task(dataclasses.replace(task, fault=(point, w)), w, mine)
                 outs.append(run_stage_task(task, w, mine))
             blobs = pa.concat_tables(outs) if outs else blobs.slice(0, 0)
         return blobs
@@ -280,7 +297,7 @@ class StagedExecutor:
         for lo in range(0, len(steps), self.max_steps_per_job):
             job = steps[lo:lo + self.max_steps_per_job]
             try:
-                outs.extend(self._run_job(job))
+                outs.extend(self._run_job_retried(job))
             except Exception as exc:
                 err = step_error_of(exc)
                 if err is None:
@@ -293,6 +310,19 @@ class StagedExecutor:
                     raise
                 raise err from exc
         return outs
+
+    def _run_job_retried(self, steps: list[StepInput]) -> list[dict[str, ZSet]]:
+        """:meth:`_run_job`, run again after a failure not of its data when the state is in a store (invariant 5)."""
+        tries = 0
+        while True:
+            try:
+                return self._run_job(steps)
+            except Exception as exc:
+                if self.chains is None or step_error_of(exc) is not None or tries >= JOB_RETRIES:
+                    raise
+                tries += 1
+                self.stats["job_retries"] = self.stats.get("job_retries", 0) + 1
+                self.stats["last_job_retry"] = f"{type(exc).__name__}: {str(exc)[:500]}"
 
     def _undo_job(self) -> None:
         """After a job failed on its data: discard the version its tasks committed (some may have) and the JOB
@@ -401,6 +431,12 @@ class StagedExecutor:
                 roots = st.setdefault("state_cache_roots", [])
                 if a.get("cache_root") and a["cache_root"] not in roots:
                     roots.append(a["cache_root"])
+                if fetched:  # per (stage, worker): which workers' tasks found their state missing (issue 33)
+                    by = st.setdefault("state_fetches_by", {})
+                    by[(a["stage"], a["worker"])] = by.get((a["stage"], a["worker"]), 0) + 1
+            # the last job's tasks, (stage, worker) -> (fetch, cache root): where each ran and how it got its state
+            self.stats["state_last_job"] = {(a["stage"], a["worker"]): (a.get("fetch"), a.get("cache_root"))
+                                            for a in acks}
         return outs
 
     # ---- durability ----
