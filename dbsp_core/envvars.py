@@ -58,7 +58,8 @@ tests/core/test_envvars.py checks that the repository reads no other):
   store-fault tests: which store calls fail, and how), ``DBSP_REMOTE_SEED``, ``DBSP_REMOTE_KILL_SEED``,
   ``DBSP_RUN_SEED`` (tests/sql/test_run.py), ``DBSP_DECIMAL_SEED`` (tests/sql/test_decimal.py), ``DBSP_NOW_SEED``
   (tests/sql/test_now.py), ``DBSP_CHANGE_SEED`` and ``DBSP_CHANGE_KILL_SEED`` (program changes,
-  tests/exactly_once/test_program_change*.py).
+  tests/exactly_once/test_program_change*.py), ``DBSP_PUSH_MANY_SEED`` (tests/exactly_once/test_push_many.py),
+  ``DBSP_OUTPUT_REFS_SEED`` (tests/storage/test_output_refs.py).
 - sizes of the test loops and soaks: ``DBSP_SQL_CORPUS``, ``DBSP_EO_SEEDS``, ``DBSP_EO_KEYED_SEEDS``, ``DBSP_EO_JOBS``,
   ``DBSP_CRASH_SEEDS``, ``DBSP_RESCALE_SEEDS``, ``DBSP_RESCALE_KILLS``, ``DBSP_RESCALE_CRASH_FULL``, ``DBSP_LIVE_KILLS``,
   ``DBSP_RACE_ROUNDS``, ``DBSP_WIDE_WORKERS``, ``DBSP_CONCURRENCY_ROUNDS``, ``DBSP_CONCURRENCY_KILLS``,
@@ -67,7 +68,8 @@ tests/core/test_envvars.py checks that the repository reads no other):
   ``DBSP_PG_KILLS``, ``DBSP_DELTA_KILLS``,
   ``DBSP_AUTOSCALE_KILLS``, ``DBSP_CHANGE_KILLS``, ``DBSP_SLT_QUERIES``, ``DBSP_SLT_MEMORY_GB`` (tests/sql/slt.py: the resident memory at which a sqllogictest child is stopped),
   ``DBSP_SLT_TRACEBACK`` (tracebacks in the runner's error lines).
-- benchmarks: ``DBSP_FLINK_PYTHON`` (the interpreter of a venv with apache-flink, bench/nexmark.py --peers flink).
+- benchmarks: ``DBSP_FLINK_PYTHON`` (the interpreter of a venv with apache-flink, bench/nexmark.py --peers flink),
+  ``DBSP_BREAKDOWN_CODE`` (bench/durable_breakdown.py --baseline: the tree whose dbsp_core a child imports).
 - what a test parent tells its child process: ``DBSP_RUN``, ``DBSP_TEST_KILL_AFTER_BATCH``, ``DBSP_UPGRADE_MARKERS``,
   ``DBSP_KILL_STORE_URI`` (tests/spark/test_spark_kill.py: the store the child's pipeline uses).
 """
