@@ -27,8 +27,8 @@ KEYS = 200
 U_KEYS = 8  # keys of table u per thread
 SHARD_BITS = 4
 MODES = ("memory", "durable", "staged")
-OPS = ("push", "push", "push", "step", "queue", "checkpoint", "rescale", "discard", "read", "metrics", "view", "query",
-       "upsert", "upsert", "profile", "close")
+OPS = ("push", "push", "push", "push_many", "step", "queue", "checkpoint", "rescale", "discard", "read", "metrics", "view",
+       "query", "upsert", "upsert", "profile", "close")
 
 
 def circuit() -> dbsp.Circuit:
@@ -183,13 +183,13 @@ class Round:
     def _one(self, p: dbsp.Pipeline, t: int, rng: random.Random, state: dict) -> None:
         op = rng.choice(OPS)
         durable = self.d is not None
-        made: tuple[str, int] | None = None  # the push or u operation tried, for on_refused
+        made: list[tuple[str, int]] = []  # the pushes or u operation tried, for on_refused
         try:
             if op == "push":
                 producer, seq = f"r{self.run}t{t}", state["seq"]
                 if self.on_try:
                     self.on_try(producer, seq)
-                made = producer, seq
+                made.append((producer, seq))
                 state["seq"] += 1
                 z = batch(self.seed, producer, seq)
                 if durable:
@@ -202,11 +202,31 @@ class Round:
                     state["mine"].append(seq)
                 if self.on_ack:
                     self.on_ack(producer, seq)
+            elif op == "push_many":  # two pushes of one producer in one call: recorded together, one fsync
+                producer = f"r{self.run}t{t}"
+                seqs = [state["seq"], state["seq"] + 1]
+                state["seq"] += 2
+                for seq in seqs:
+                    if self.on_try:
+                        self.on_try(producer, seq)
+                    made.append((producer, seq))
+                if durable:
+                    acks = p.push_many([{"handle": "t", "data": batch(self.seed, producer, seq), "producer": producer,
+                                         "seq": seq} for seq in seqs])
+                    assert all(a is not None and not a.duplicate for a in acks), acks
+                else:
+                    assert p.push_many([("t", batch(self.seed, producer, seq)) for seq in seqs]) == [None, None]
+                with self.lock:
+                    self.acked.extend((self.seed, producer, seq) for seq in seqs)
+                    state["mine"].extend(seqs)
+                for seq in seqs:
+                    if self.on_ack:
+                        self.on_ack(producer, seq)
             elif op == "upsert":
                 producer, seq = u_producer(self.run, t), state["useq"]
                 if self.on_try:
                     self.on_try(producer, seq)
-                made = producer, seq
+                made.append((producer, seq))
                 state["useq"] += 1
                 ack = apply_u(p, self.seed, producer, seq, durable)
                 assert (ack is not None and not ack.duplicate) if durable else ack is None, ack
@@ -274,8 +294,8 @@ class Round:
                 self._fail(op, e)
             else:
                 self._refused(op, e)
-                if made is not None and self.on_refused:
-                    self.on_refused(*made)
+                for m in made if self.on_refused else ():
+                    self.on_refused(*m)
         except BaseException as e:  # anything else is a defect
             self._fail(op, e)
 
