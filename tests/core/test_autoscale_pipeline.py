@@ -66,15 +66,20 @@ def test_a_load_swing_rescales_up_and_down_and_the_output_stays_right() -> None:
     for _ in range(5):
         step(10)
     # The latency target comes from this machine: a third of a big step's time at one worker, measured before the
-    # policy starts (a fixed 50 ms failed on a quiet machine, where 150k-row steps took 22 ms: no scale-up).
-    target_ms = max(5.0, sum(step(150_000) for _ in range(3)) / 3 * 1000 / 3)
+    # policy starts (a fixed 50 ms failed on a quiet machine, where 150k-row steps took 22 ms: no scale-up). Big
+    # steps take at least ~90 ms at one worker, so the target is at least 30 ms: small steps at two workers meet it
+    # also on a loaded machine (with the step plan a 150k-row step at one worker takes 16-20 ms, and a 5 ms target
+    # was missed by 10-row steps under the long suite's load: no scale-down).
+    t150 = sum(step(150_000) for _ in range(3)) / 3
+    big = int(150_000 * max(1.0, 0.09 / t150))
+    target_ms = max(30.0, t150 * big / 150_000 * 1000 / 3)
     policy = dbsp.Autoscale(1, 4, max_step_ms=target_ms, window_s=2, interval_s=0, min_steps=3,
                             scale_down_window_s=1.0)
     p.autoscale(policy)
     assert p.workers == 1 and not changes("")
     deadline = time.monotonic() + 60
     while not changes("scale_up") and time.monotonic() < deadline:  # big steps: about 3x the target at one worker
-        step(150_000)
+        step(big)
     up = changes("scale_up")
     assert up, f"no scale-up under big steps (target {target_ms:.1f} ms): {p.autoscale_decisions[-3:]}"
     assert up[0]["workers"] == 1 and up[0]["target"] == 2  # worker threads stop at the cores (2 here)
