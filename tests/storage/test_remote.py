@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import tracemalloc
 
 import duckdb
@@ -19,6 +20,9 @@ from dbsp_core.storage import remote as remote_mod
 from dbsp_core.runtime.remote_state import DOWNLOAD_THREADS, prepare_cache, restore
 from dbsp_core.storage.remote import Remote, manifest_name
 from dbsp_core.storage.remote_log import RemoteLogs
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "exactly_once"))
+from workload import integrate  # noqa: E402  (the integral helper the kill tests use)
 
 SEED = int(os.environ.get("DBSP_REMOTE_SEED", random.randrange(2**31)))
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
@@ -43,15 +47,6 @@ def _duckdb(tables: list[pa.Table]) -> dict:
     return {tuple(r): 1 for r in duckdb.sql("SELECT k, count(*), sum(v) FROM allrows GROUP BY k").fetchall()}
 
 
-def _add(acc: dict, z: dbsp.ZSet) -> None:
-    for row, w in z.to_dict().items():
-        v = acc.get(row, 0) + w
-        if v:
-            acc[row] = v
-        else:
-            acc.pop(row, None)
-
-
 def _run(storage, pushes: list[pa.Table], reopen_at: int, **kw) -> tuple[list[dict], dict]:
     """Push, step, checkpoint every third step; close and reopen at step ``reopen_at``; returns every step's
     output of "s" and the integral of "s"."""
@@ -66,7 +61,7 @@ def _run(storage, pushes: list[pa.Table], reopen_at: int, **kw) -> tuple[list[di
         p.push("t", t, producer="gen", seq=i)
         out = p.step()["s"]
         outs.append(out.to_dict())
-        _add(acc, out)
+        integrate(acc, out)
         if i % 3 == 2:
             p.checkpoint()
     p.close()
@@ -87,7 +82,7 @@ def test_s3_outputs_equal_local_and_duckdb(s3_server, tmp_path):
     try:
         acc: dict = {}
         for _, z in p.read_output("s"):
-            _add(acc, z)
+            integrate(acc, z)
         assert acc == _duckdb(pushes)
         assert sorted(os.listdir(tmp_path / "cache" / "spill")), "the state names batch files: restored from the store"
         p.push("t", pushes[0], producer="gen", seq=0)  # seen before the crash: the dedup set came from the store
@@ -167,7 +162,7 @@ def test_newest_complete_manifest_wins_and_is_never_overwritten(s3_server, tmp_p
         assert p.steps == 6 and p.stats["replayed_steps"] == 3
         acc: dict = {}
         for _, z in p.read_output("s"):
-            _add(acc, z)
+            integrate(acc, z)
         assert acc == _duckdb(pushes)
         p.checkpoint()
         assert p._remote_state.manifest["version"] == newest + 3  # the damaged version is not written over
@@ -198,11 +193,11 @@ def test_long_chain_is_compacted_into_the_page_file(s3_server):
     try:
         acc: dict = {}
         for _, z in q.read_output("s"):
-            _add(acc, z)
+            integrate(acc, z)
         assert acc == _duckdb(pushes)
         q.push("t", pushes[0])
         acc2 = dict(acc)
-        _add(acc2, q.step()["s"])
+        integrate(acc2, q.step()["s"])
         assert acc2 == _duckdb(pushes + pushes[:1])
     finally:
         q.close()
@@ -284,17 +279,17 @@ def test_rescale_cold_and_live_on_a_store(s3_server):
     p = dbsp.Pipeline(c, workers=2, storage=uri, checkpoint_interval=None)
     for i in range(3):
         p.push("t", pushes[i], producer="gen", seq=i)
-        _add(acc, p.step()["s"])
+        integrate(acc, p.step()["s"])
     p.close()
     p = dbsp.Pipeline.open(uri, c, workers=3, checkpoint_interval=None)  # cold: new worker databases, journaled
     assert p.layout.workers == 3 and p.last_rescale["from_workers"] == 2
     for i in range(3, 6):
         p.push("t", pushes[i], producer="gen", seq=i)
-        _add(acc, p.step()["s"])
+        integrate(acc, p.step()["s"])
     p.rescale(1)  # live: shards move into worker 0, the others' databases go
     for i in range(6, 9):
         p.push("t", pushes[i], producer="gen", seq=i)
-        _add(acc, p.step()["s"])
+        integrate(acc, p.step()["s"])
     p.close()
     assert acc == _duckdb(pushes)
     q = dbsp.Pipeline.open(uri, c, checkpoint_interval=None)
@@ -303,11 +298,11 @@ def test_rescale_cold_and_live_on_a_store(s3_server):
                                                                                              "state/worker-0.db"]
         got: dict = {}
         for _, z in q.read_output("s"):
-            _add(got, z)
+            integrate(got, z)
         assert got == acc
         q.push("t", pushes[0], producer="gen", seq=0)  # a duplicate: the seen set came back through every change
         q.push("t", pushes[1], producer="other", seq=0)
-        _add(got, q.step()["s"])
+        integrate(got, q.step()["s"])
         assert got == _duckdb(pushes + pushes[1:2])
     finally:
         q.close()
@@ -385,7 +380,7 @@ def test_restore_memory_does_not_grow_with_an_object(s3_server, tmp_path, monkey
     try:
         got: dict = {}
         for _, z in q.read_output("s"):
-            _add(got, z)
+            integrate(got, z)
         assert got == want
         q.push("t", pa.table({"k": [1], "v": [5]}, schema=SCHEMA))
         assert q.step()["s"].to_dict() == {(1, 1, want_s(want, 1)): -1, (1, 2, want_s(want, 1) + 5): 1}
