@@ -84,6 +84,21 @@ def changes(seed: int, steps: int, max_rows: int = 8) -> tuple[list[list[tuple[s
     return out, bags
 
 
+def run_job(p, job: list[list[tuple[str, dbsp.ZSet]]], queued: bool) -> list[dict]:
+    """Push the steps of ``job`` and run them: as one ``step()`` (``queued`` false: a job of one step), or as queued
+    steps that ``run_queued()`` runs together; returns each step's outputs."""
+    if not queued:
+        (pushes,) = job
+        for h, z in pushes:
+            p.push(h, z)
+        return [p.step()]
+    for pushes in job:
+        for h, z in pushes:
+            p.push(h, z)
+        p.queue_step()
+    return p.run_queued()
+
+
 def embedded(circuit: dbsp.Circuit, steps: list[list[tuple[str, dbsp.ZSet]]], workers: int = 1) -> list[dict]:
     """Every step's outputs from the embedded runtime (the reference)."""
     res = []

@@ -24,7 +24,7 @@ pytest.importorskip("pyspark")
 
 from executor_kill import executor_dirs, executors, kill_executor  # noqa: E402
 from spark_glue import SparkPipeline  # noqa: E402
-from staged_circuits import build, changes, check_duckdb, embedded, same_outputs  # noqa: E402
+from staged_circuits import build, changes, check_duckdb, embedded, run_job, same_outputs  # noqa: E402
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]  # local-cluster JVMs and kills: 2-9 minutes, the long suite
 SEED = int(os.environ.get("DBSP_SPARK_LOSE_SEED", random.SystemRandom().randrange(10**6)))
@@ -99,16 +99,7 @@ def _lose(cluster, s3_server, tmp_path, nsteps: int, kills: int) -> None:
             k = min(int(rng.integers(1, 3)), len(steps) - i)
             began = len(killer.landed)
             state["busy"] = True
-            if k == 1:
-                for h, z in steps[i]:
-                    p.push(h, z)
-                outs.append(p.step())
-            else:
-                for pushes in steps[i:i + k]:
-                    for h, z in pushes:
-                        p.push(h, z)
-                    p.queue_step()
-                outs.extend(p.run_queued())
+            outs.extend(run_job(p, steps[i:i + k], k > 1))
             state["busy"] = False
             i += k
             state["step"] = i

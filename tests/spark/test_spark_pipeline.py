@@ -16,7 +16,7 @@ from dbsp_core.errors import DbspError, SchemaError  # noqa: E402
 from oracle import BIDS, accumulate  # noqa: E402
 from spark_glue import SparkPipeline  # noqa: E402
 from spark_glue.pipeline import partition_codes  # noqa: E402
-from staged_circuits import build, changes, check_duckdb, embedded, same_outputs  # noqa: E402
+from staged_circuits import build, changes, check_duckdb, embedded, run_job, same_outputs  # noqa: E402
 
 pytestmark = pytest.mark.spark
 
@@ -27,16 +27,7 @@ def run(p: SparkPipeline, steps, rng) -> list[dict]:
     i = 0
     while i < len(steps):
         k = int(rng.integers(1, 4))
-        if k == 1:
-            for h, z in steps[i]:
-                p.push(h, z)
-            outs.append(p.step())
-        else:
-            for pushes in steps[i:i + k]:
-                for h, z in pushes:
-                    p.push(h, z)
-                p.queue_step()
-            outs.extend(p.run_queued())
+        outs.extend(run_job(p, steps[i:i + k], k > 1))
         i += k
     return outs
 
