@@ -145,6 +145,16 @@ def join_agg_circuit() -> dbsp.Circuit:
     return c
 
 
+def group_by_circuit() -> dbsp.Circuit:
+    c = dbsp.Circuit()
+    b = c.input("bids", BIDS)
+    c.output("v", b.group_by("auction").agg(n=dbsp.count(), total=dbsp.sum("price")))
+    return c
+
+
+C_CIRCUITS = {"join-group_by": join_agg_circuit, "group_by": group_by_circuit}  # (c)'s circuits, by name
+
+
 JOIN_AGG_SQL = ("SELECT category, COUNT(*) AS n, SUM(price) AS total FROM bids JOIN auctions "
                 "ON bids.auction = auctions.id GROUP BY category")
 
@@ -154,15 +164,17 @@ def make_stream(total_rows: int, step_rows: int, n_auctions: int) -> list[pa.Tab
     return [bids_table(rng, step_rows, n_auctions) for _ in range(total_rows // step_rows)]
 
 
-def run_ours(batches: list[pa.Table], auctions: pa.Table, workers: int, background_merge: bool | None = False
-             ) -> tuple[float, list[float], float, list[float]]:
-    """Wall time, per-step times, process CPU time and per-worker CPU time of the join-aggregate run. Merges run
-    on the workers' threads unless ``background_merge`` (None: the default rule, a merge thread while the
-    workers leave a core free), so that W workers use W cores and (c) compares like with like."""
-    c = join_agg_circuit()
+def run_ours(batches: list[pa.Table], auctions: pa.Table, workers: int, background_merge: bool | None = False,
+             circuit: str = "join-group_by") -> tuple[float, list[float], float, list[float]]:
+    """Wall time, per-step times, process CPU time and per-worker CPU time of the run of ``circuit`` (a name of
+    C_CIRCUITS; the join-aggregate by default). Merges run on the workers' threads unless ``background_merge``
+    (None: the default rule, a merge thread while the workers leave a core free), so that W workers use W cores
+    and (c) compares like with like."""
+    c = C_CIRCUITS[circuit]()
     with dbsp.Pipeline(c, workers=workers, executor=EmbeddedExecutor(background_merge=background_merge)) as p:
         p.executor.measure_cpu = True  # per-worker CPU time for (c); 2 clock reads per worker and 100k-row step
-        p.push("auctions", auctions)
+        if "auctions" in c.inputs:
+            p.push("auctions", auctions)
         p.step()
         per_step = []
         cpu0 = time.process_time()
@@ -271,21 +283,25 @@ def bench_b_c(total_rows: int, step_rows: int, samples: int) -> dict:
             "pandas_once": pand_once, "w2_speedup": speedup, "control": control, "idle_bound": bound}
 
 
-def bench_c_alternating(total_rows: int, step_rows: int, rounds: int) -> list[float]:
+def bench_c_alternating(total_rows: int, step_rows: int, rounds: int, circuit: str = "join-group_by") -> list[float]:
     """(c) alone: W=1 and W=2 (merges on the workers' threads) alternated ``rounds`` times over the same stream
-    in one process after a warm-up; prints each round's ratio, the control and the median."""
+    in one process after a warm-up; prints each round's ratio, median step times, the control and the median."""
     n_auctions = 100_000
     auctions = auctions_table(n_auctions, 1000)
     batches = make_stream(total_rows, step_rows, n_auctions)
-    run_ours(batches[:len(batches) // 3], auctions, 1)  # warm-up (see bench_b_c)
+    run_ours(batches[:len(batches) // 3], auctions, 1, circuit=circuit)  # warm-up (see bench_b_c)
     ratios = []
+    print(f"(c) {circuit}: {total_rows} rows in steps of {step_rows}", flush=True)
     for r in range(rounds):
         order = (1, 2) if r % 2 == 0 else (2, 1)
-        t = {w: run_ours(batches, auctions, w)[0] for w in order}
+        res = {w: run_ours(batches, auctions, w, circuit=circuit) for w in order}
+        t = {w: v[0] for w, v in res.items()}
         control = parallel_control()
         ratios.append(t[1] / t[2])
-        print(f"(c) round {r + 1}: W=1 {t[1]:.2f} s, W=2 {t[2]:.2f} s -> {ratios[-1]:.2f}x (control {control:.2f}x, "
-              f"load {os.getloadavg()[0]:.2f})", flush=True)
+        print(f"(c) round {r + 1}: W=1 {t[1]:.2f} s (median step {median_ms(res[1][1]):.1f} ms), W=2 {t[2]:.2f} s "
+              f"(median step {median_ms(res[2][1]):.1f} ms) -> {ratios[-1]:.2f}x (control {control:.2f}x, "
+              f"load {os.getloadavg()[0]:.2f}); worker CPU s W=1 {['%.2f' % x for x in res[1][3]]}, "
+              f"W=2 {['%.2f' % x for x in res[2][3]]}", flush=True)
     print(f"(c) W=2 / W=1 over {rounds} alternating rounds: median {statistics.median(ratios):.2f}x, "
           f"range {min(ratios):.2f}x-{max(ratios):.2f}x", flush=True)
     return ratios
@@ -297,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=["a", "bc", "c"], default=None,
                     help="c: only (c), W=1 and W=2 alternated --rounds times (no peers)")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of --only c")
+    ap.add_argument("--circuit", choices=list(C_CIRCUITS), default="join-group_by", help="the circuit of --only c")
+    ap.add_argument("--step-rows", type=int, default=None, help="rows per step of (b) and (c) (default 100,000)")
+    ap.add_argument("--total-rows", type=int, default=None, help="rows of (b) and (c) (default 10M, quick 1M)")
     ap.add_argument("--queries", default=None, help=f"comma-separated subset of (a): {','.join(QUERIES_A)}")
     ap.add_argument("--background-merge", choices=["auto", "on", "off"], default="auto",
                     help="(a): merges on a merge thread (on), on the worker's thread (off), or the default rule")
@@ -311,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--state-rows must be at least {need}: each step deletes {change // 10} loaded rows")
         state = args.state_rows
     total, step_rows, samples = (1_000_000, 100_000, None) if args.quick else (10_000_000, 100_000, None)
+    total, step_rows = args.total_rows or total, args.step_rows or step_rows
     threads = duckdb.execute("SELECT current_setting('threads')").fetchone()[0]
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at start; dbsp_core "
           f"{dbsp.__version__}; duckdb {duckdb.__version__} ({threads} threads); pandas {pd.__version__}; "
@@ -325,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "bc"):
         bench_b_c(total, step_rows, samples)
     if args.only == "c":
-        bench_c_alternating(total, step_rows, args.rounds)
+        bench_c_alternating(total, step_rows, args.rounds, args.circuit)
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -17,6 +17,13 @@ cache for the store): a driver recovery at 2 workers and a cold rescale to 3. Ea
 part spent restoring the cache from the store), its peak RSS above the process's RSS before the open (VmHWM reset
 through /proc/self/clear_refs) and the bytes it downloaded (state objects, log segments); the restore of the state
 objects alone is measured too (``--baseline-tree DIR``: also with the dbsp_core of another built checkout).
+
+``--stage-rescale-rows N`` (``--stage-rescale-only`` skips the rest): the staged executor over the store (the
+reference job runner, each task on one of two stage caches of its own, none the driver's) builds an N-row state
+at 2 workers, checkpoints, and rescales live 2 -> 3 -> 2; for each change it prints the time, the bytes the
+driver's process moved to and from the store meanwhile (its Remote's GETs and PUTs) and the bytes the tasks
+fetched and uploaded (runtime/stage_store.py invariant 6). With ``--baseline-tree DIR`` the same runs on another
+built checkout's dbsp_core first (a new process each, same data, another prefix on the same server).
 """
 
 from __future__ import annotations
@@ -209,6 +216,62 @@ def recovery(server: "S3Server", rows: int, baseline: str | None = None) -> None
         shutil.rmtree(local, ignore_errors=True)
 
 
+def stage_rescale_child(storage: str, rows: int) -> None:
+    """In a new process: the staged executor over ``storage`` builds a ``rows``-row state at 2 workers, checkpoints,
+    and rescales live 2 -> 3 -> 2; prints one JSON line per change (seconds, the driver's bytes through the store,
+    the tasks')."""
+    from dbsp_core.runtime import StagedExecutor
+    from dbsp_core.runtime.staged import LocalJobRunner
+
+    work = tempfile.mkdtemp(prefix="bench-stage-rescale-")
+    try:
+        runner = LocalJobRunner(cache_dirs=[os.path.join(work, "exec-0"), os.path.join(work, "exec-1")], seed=0)
+        p = dbsp.Pipeline(circuit(), 2, 8, storage, executor=StagedExecutor(runner),
+                          cache_dir=os.path.join(work, "driver"), checkpoint_interval=None)
+        big = data(1, rows)
+        for i in range(0, rows, 100_000):
+            p.push("bids", big.slice(i, 100_000))
+            p.step()
+        p.checkpoint()
+        for workers in (3, 2):
+            r0, s0 = dict(p._remote.stats), dict(p.stats)
+            t = time.perf_counter()
+            rep = p.rescale(workers)
+            secs = time.perf_counter() - t
+            r1, s1 = p._remote.stats, p.stats
+            print(json.dumps({"to": workers, "seconds": secs, "driver_get_bytes": r1["get_bytes"] - r0["get_bytes"],
+                              "driver_gets": r1["gets"] - r0["gets"],
+                              "driver_put_bytes": r1["put_bytes"] - r0["put_bytes"],
+                              "task_fetch_bytes": s1.get("state_fetch_bytes", 0) - s0.get("state_fetch_bytes", 0),
+                              "task_upload_bytes": (s1.get("state_upload_bytes", 0)
+                                                    - s0.get("state_upload_bytes", 0)),
+                              "moved_bytes": rep["moved_bytes"], "waves": rep["batches"],
+                              "state_bytes": p.executor.disk_bytes()}), flush=True)
+        p.close(checkpoint=False)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def stage_rescale(server: "S3Server", rows: int, baseline: str | None) -> None:
+    """:func:`stage_rescale_child` for the baseline checkout (if any), then this one, each in a new process."""
+    MB = 1 << 20
+    print(f"staged executor over the store, {rows:,}-row state, live rescale 2 -> 3 -> 2, load {os.getloadavg()[0]:.2f}")
+    for tree, label in (((baseline, f"baseline {baseline}"),) if baseline else ()) + ((None, "this checkout"),):
+        cmd = [sys.executable, os.path.abspath(__file__), "--stage-rescale-child",
+               server.uri(server.bucket(), "stage-rescale"), "--rows", str(rows)]
+        env = dict(os.environ, PYTHONPATH=tree) if tree else None
+        r = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+        if r.returncode:
+            raise RuntimeError(f"stage rescale child failed: {r.stderr[-3000:]}")
+        for line in r.stdout.strip().splitlines():
+            x = json.loads(line)
+            print(f"  {label}: -> {x['to']} workers in {x['seconds']:.2f} s ({x['waves']} waves), through the driver "
+                  f"{x['driver_get_bytes'] / MB:.1f} MiB down ({x['driver_gets']} GETs) + "
+                  f"{x['driver_put_bytes'] / MB:.1f} MiB up; tasks fetched {x['task_fetch_bytes'] / MB:.1f} MiB, "
+                  f"uploaded {x['task_upload_bytes'] / MB:.1f} MiB; moved {x['moved_bytes'] / MB:.1f} MiB of a "
+                  f"{x['state_bytes'] / MB:.1f} MiB state in the store", flush=True)
+
+
 def step_latency(storage: str, rows: int, seconds: float, every: float) -> dict:
     """Step latency around checkpoints: an N-row state at 2 workers, then steps of 1,000 new rows in a loop for
     ``seconds`` while another thread calls ``checkpoint()`` every ``every`` seconds (and the timer is off)."""
@@ -249,6 +312,13 @@ def step_latency(storage: str, rows: int, seconds: float, every: float) -> dict:
 
 
 def main() -> None:
+    if "--stage-rescale-child" in sys.argv:
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--stage-rescale-child", required=True)
+        ap.add_argument("--rows", type=int, required=True)
+        a = ap.parse_args()
+        stage_rescale_child(a.stage_rescale_child, a.rows)
+        return
     if "--open-child" in sys.argv:
         ap = argparse.ArgumentParser()
         ap.add_argument("--open-child", required=True)
@@ -272,6 +342,8 @@ def main() -> None:
                     help="a checkout of another commit (built): its restore is measured beside this one's")
     ap.add_argument("--latency-rows", type=int, default=0)
     ap.add_argument("--latency-only", action="store_true")
+    ap.add_argument("--stage-rescale-rows", type=int, default=0)
+    ap.add_argument("--stage-rescale-only", action="store_true")
     a = ap.parse_args()
     server = S3Server()
     local = tempfile.mkdtemp(prefix="bench-remote-")
@@ -284,6 +356,10 @@ def main() -> None:
                       f"max {r['max']:.1f} ms; {r['checkpoints']} checkpoints of median {r['ckpt_s']:.2f} s")
             shutil.rmtree(os.path.join(local, "lat"), ignore_errors=True)
         if a.latency_only:
+            return
+        if a.stage_rescale_rows:
+            stage_rescale(server, a.stage_rescale_rows, a.baseline_tree)
+        if a.stage_rescale_only:
             return
         if a.recovery_rows:
             recovery(server, a.recovery_rows, a.baseline_tree)

@@ -14,7 +14,9 @@ join probes (GROUPS rows on the other side) and the distinct (auction, bidder) p
 deletions of loaded ones, pushed and stepped, timed with ``perf_counter`` around push and step. Each line
 prints the step time's mean, p50, p99 and max, and the trace merge work of the measured steps (input rows
 merged per step, counted by the traces: load-independent), and each size's mean and p99 as a ratio to the
-first size's (the target: every size within 2x of the 1M figure).
+first size's (the target: every size within 2x of the 1M figure). ``--queries join_group_by``: the join then
+``GROUP BY category`` (count, sum of price) of bench_circuits (a), over the same auctions (1000 categories);
+``group_by_min_max``: (a)'s ``GROUP BY auction`` MIN and MAX of price.
 """
 
 from __future__ import annotations
@@ -53,6 +55,10 @@ def bids(rng: np.random.Generator, n: int, query: str, groups: int) -> pa.Table:
     return pa.table({"auction": auction, "bidder": bidder, "price": rng.integers(1, 10_000, n)}, schema=BIDS)
 
 
+QUERIES = ("group_by", "join", "distinct", "join_group_by", "group_by_min_max")
+JOINED = ("join", "join_group_by")  # the queries that read auctions
+
+
 def circuit(query: str) -> dbsp.Circuit:
     c = dbsp.Circuit()
     b, a = c.input("bids", BIDS), c.input("auctions", AUCTIONS)
@@ -60,6 +66,11 @@ def circuit(query: str) -> dbsp.Circuit:
         v = b.group_by("auction").agg(n=dbsp.count(), total=dbsp.sum("price"))
     elif query == "join":
         v = b.join(a, left_on="auction", right_on="id")
+    elif query == "group_by_min_max":  # bench_circuits (a)'s group-by min+max
+        v = b.group_by("auction").agg(lo=dbsp.min("price"), hi=dbsp.max("price"))
+    elif query == "join_group_by":  # bench_circuits (a)'s join then group-by
+        v = b.join(a, left_on="auction", right_on="id").group_by("category").agg(n=dbsp.count(),
+                                                                                 total=dbsp.sum("price"))
     else:
         v = b.select(auction="auction", bidder="bidder").distinct()
     c.output("v", v)
@@ -76,7 +87,7 @@ def run(query: str, state: int, groups: int, args: argparse.Namespace) -> dict:
     p = dbsp.Pipeline(circuit(query), workers=args.workers, executor=EmbeddedExecutor(background_merge=bgm))
     dels_per_step = args.change // 10
     t0 = time.perf_counter()
-    if query == "join":
+    if query in JOINED:
         ids = np.arange(groups)
         p.push("auctions", pa.table({"id": ids, "category": ids % 1000}, schema=AUCTIONS))
     pool = None  # loaded bids kept for deletion (a prefix of the first load step)
@@ -147,8 +158,8 @@ def main() -> int:
         sizes.append((_count(s), _count(g)))
     queries = [q.strip() for q in args.queries.split(",")]
     for q in queries:
-        if q not in ("group_by", "join", "distinct"):
-            ap.error(f"unknown query {q!r}; choose from group_by, join, distinct")
+        if q not in QUERIES:
+            ap.error(f"unknown query {q!r}; choose from {', '.join(QUERIES)}")
     print(f"# dbsp_core {getattr(dbsp, '__version__', '?')}, W={args.workers}, {args.change}-row steps "
           f"(10% deletions), {args.warmup} warm-up + {args.steps} measured steps, loaded in "
           f"{args.load_step:,}-row steps; load average {os.getloadavg()[0]:.1f}", flush=True)

@@ -1,12 +1,13 @@
-"""Issue 33 on local-cluster: the cost of the per-job state upload (a SparkPipeline on the S3 server against one on a shared local directory, same data, alternated blocks of steps) and the recovery after one Spark executor is killed (SIGKILL, local directories deleted) in the middle of a step, against whole-pipeline recovery of the same failure (SparkPipeline.open on a new driver from the last checkpoint).
+"""Issue 33 on local-cluster: the cost of the per-job state upload (a SparkPipeline on the S3 server against one on a shared local directory, same data, alternated blocks of steps), then steps arriving at a fixed rate while one Spark executor is killed (SIGKILL, local directories deleted) a set time after a checkpoint: the time until the pipeline is back at the current step and the step latencies meanwhile, against whole-pipeline recovery of the same failure (SparkPipeline.open on a new driver from the checkpoint) in the same run; the Spark event log of the step in flight timed apart (bench/spark_timeline.py).
 
-Run: python bench/bench_spark_lose.py [--keys 200000] [--rows 2000] [--workers 4] [--blocks 2] [--block 6]
-Prints the measurements and a markdown table (copied into bench/RESULTS.md, issue 33 section).
+Run: python bench/bench_spark_lose.py [--keys 1000000] [--rows 2000] [--workers 4] [--period 0 (auto)] [--kill-after 30]
+Prints the measurements and markdown tables (copied into bench/RESULTS.md, issue 33 section).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -33,7 +34,7 @@ def step(p, t: pa.Table) -> float:
     return time.perf_counter() - t0
 
 
-def load(p, keys: int, chunk: int = 100_000) -> float:
+def load(p, keys: int, chunk: int = 1_000_000) -> float:
     """The state: ``keys`` distinct keys, pushed in steps of ``chunk`` rows."""
     t0 = time.perf_counter()
     for lo in range(0, keys, chunk):
@@ -47,16 +48,71 @@ def ms(xs: list[float]) -> str:
     return f"{1000 * statistics.median(xs):.0f}"
 
 
+class Driven:
+    """Steps arriving at a fixed rate: step ``i`` (of ``rows`` rows from ``feed``) arrives ``i * period`` s after
+    ``t0``; each job runs every step that has arrived and not run (queued, one Spark job). ``jobs`` records
+    (start, end, [(step, arrival)]) in wall-clock seconds."""
+
+    def __init__(self, feed: list[pa.Table], period: float, t0: float) -> None:
+        self.feed, self.period, self.t0 = feed, period, t0
+        self.done = 0
+        self.jobs: list[tuple[float, float, list[tuple[int, float]]]] = []
+        self.running_since: float | None = None  # when the job running now started
+
+    def due(self, t: float) -> int:
+        return int((t - self.t0) // self.period) + 1
+
+    def run(self, p, until: float, stop_at: float | None = None) -> None:
+        """Drive ``p`` until wall time ``until`` (or until a job ends past ``stop_at``)."""
+        while time.time() < until:
+            now = time.time()
+            n = self.due(now)
+            if n <= self.done:
+                time.sleep(min(self.t0 + self.done * self.period - now, until - now) + 0.001)
+                continue
+            for i in range(self.done, n):
+                p.push("s", self.feed[i % len(self.feed)])
+                p.queue_step()
+            self.running_since = now
+            p.run_queued()
+            self.running_since = None
+            end = time.time()
+            self.jobs.append((now, end, [(i, self.t0 + i * self.period) for i in range(self.done, n)]))
+            self.done = n
+            if stop_at is not None and end >= stop_at:
+                return
+
+    def back(self, since: float) -> tuple[float, list[tuple[int, float]]]:
+        """When the pipeline is back at the current step after an event at ``since``: the end of the first job
+        started after it with no more steps waiting than any job before it had (the steady state's backlog; 1 when
+        each step ran alone). Also the latencies (s) of the steps that ran from ``since`` until then."""
+        usual = max((len(steps) for _, end, steps in self.jobs if end < since), default=1)
+        lat = []
+        for start, end, steps in self.jobs:
+            if end < since:
+                continue
+            lat += [(i, end - arr) for i, arr in steps]
+            if start > since and len(steps) <= usual:
+                return end, lat
+        return float("nan"), lat
+
+
+def _fmt(lat: list[tuple[int, float]]) -> str:
+    return ", ".join(f"{x:.1f}" for _, x in lat)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--master", default="local-cluster[2,1,1024]")
-    ap.add_argument("--keys", type=int, default=200_000)
+    ap.add_argument("--keys", type=int, default=1_000_000)
     ap.add_argument("--rows", type=int, default=2000)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--blocks", type=int, default=2)
-    ap.add_argument("--block", type=int, default=6)
-    ap.add_argument("--since", type=int, default=3, help="steps between the checkpoint and the kill")
-    ap.add_argument("--after", type=int, default=6, help="steps measured after the recovery")
+    ap.add_argument("--block", type=int, default=5)
+    ap.add_argument("--period", type=float, default=0.0, help="s between step arrivals (0: twice the step p50)")
+    ap.add_argument("--kill-after", type=float, default=30.0, help="s between the checkpoint and the kill")
+    ap.add_argument("--run-after", type=float, default=60.0, help="s driven after the kill (at least)")
+    ap.add_argument("--conf", action="append", default=[], help="an extra Spark setting k=v (repeatable)")
     a = ap.parse_args()
     import pyspark
     from pyspark.sql import SparkSession
@@ -64,112 +120,166 @@ def main() -> None:
     from executor_kill import executors, kill_executor
     from s3_server import CREDENTIALS, S3Server
     from spark_glue import SparkPipeline
+    from spark_timeline import read_events, render, summary, window
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("SPARK_HOME", os.path.dirname(pyspark.__file__))
     server = S3Server()
+    tmp = tempfile.mkdtemp(prefix="bench-spark-lose-")
+    evdir = os.path.join(tmp, "events")
+    os.makedirs(evdir)
     pp = os.pathsep.join([os.path.dirname(HERE)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
     b = (SparkSession.builder.master(a.master).appName("bench-spark-lose").config("spark.ui.enabled", "false")
          .config("spark.ui.showConsoleProgress", "false").config("spark.sql.shuffle.partitions", str(a.workers))
          .config("spark.executorEnv.PYTHONPATH", pp).config("spark.executorEnv.PYSPARK_PYTHON", sys.executable)
          .config("spark.executor.memory", "768m").config("spark.task.maxFailures", "8")
-         .config("spark.deploy.maxExecutorRetries", "-1"))
+         .config("spark.deploy.maxExecutorRetries", "-1").config("spark.eventLog.enabled", "true")
+         .config("spark.eventLog.dir", "file://" + evdir).config("spark.eventLog.compress", "false"))
+    for kv in a.conf:
+        k, v = kv.split("=", 1)
+        b = b.config(k, v)
     for k, v in CREDENTIALS.items():
         b = b.config(f"spark.executorEnv.{k}", v)
     spark = b.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     app = spark.sparkContext.applicationId
     rng = np.random.default_rng(33)
-    data = [pa.table({"k": rng.integers(0, a.keys, a.rows), "v": rng.integers(0, 1000, a.rows)})
-            for _ in range(a.blocks * a.block + a.since + a.after + 2)]
-    tmp = tempfile.mkdtemp(prefix="bench-spark-lose-")
+    data = [pa.table({"k": rng.integers(0, a.keys, a.rows), "v": rng.integers(0, 1000, a.rows)}) for _ in range(64)]
     out: dict = {}
     try:
         uri = server.uri(server.bucket(), "pipe")
         kw = dict(workers=a.workers, checkpoint_interval=None)
-        pl = SparkPipeline(spark, circuit(), storage=os.path.join(tmp, "local"), **kw)
+        pl = SparkPipeline(spark, circuit(), storage=os.path.join(tmp, "local"), **kw) if a.blocks else None
         ps = SparkPipeline(spark, circuit(), storage=uri, cache_dir=os.path.join(tmp, "driver"), **kw)
-        out["load_s"] = {"local": load(pl, a.keys), "store": load(ps, a.keys)}
+        out["load_s"] = {"local": load(pl, a.keys) if pl else float("nan"), "store": load(ps, a.keys)}
+        print(f"loaded {a.keys:,} keys: {out['load_s']}", flush=True)
         lat: dict[str, list[float]] = {"local": [], "store": []}
+        up0, req0 = ps.stats.get("state_upload_bytes", 0), server.requests()
         for blk in range(a.blocks):  # alternated blocks, same data
             for name, p in (("local", pl), ("store", ps)) if blk % 2 == 0 else (("store", ps), ("local", pl)):
                 lat[name] += [step(p, t) for t in data[blk * a.block:(blk + 1) * a.block]]
+        if pl is None:  # --blocks 0: no upload-cost comparison, a few steps to set the period
+            lat["store"] = [step(ps, t) for t in data[:a.block]]
+            lat["local"] = [float("nan")]
         out["lat"] = lat
-        out["upload_bytes"] = ps.stats.get("state_upload_bytes", 0)
-        out["jobs"] = ps.stats.get("state_loads", 0) + ps.stats.get("state_cache_hits", 0)
-        pl.close(checkpoint=False)
-        rest = data[a.blocks * a.block:]
+        out["upload_bytes"] = ps.stats.get("state_upload_bytes", 0) - up0
+        out["requests"] = {k: v - req0.get(k, 0) for k, v in sorted(server.requests().items())}  # the store's steps only
+        if pl is not None:
+            pl.close(checkpoint=False)
         base = statistics.median(lat["store"])
+        period = a.period or round(2 * base, 1)
+        print(f"step p50 local {ms(lat['local'])} ms, store {ms(lat['store'])} ms; period {period} s", flush=True)
 
-        # one executor lost mid-step: the pipeline goes on
+        # (1) one Spark executor lost kill_after s after a checkpoint; steps go on arriving every period s
         ps.checkpoint()
-        for t in rest[:a.since]:
-            step(ps, t)
-        reached = ps.steps
-        f0 = dict(ps.stats.get("state_fetches_by", {}))
+        d1 = Driven(data, period, time.time())
         killed: list = []
 
-        def kill_soon() -> None:
-            time.sleep(0.3 * base)
+        def kill_at(t: float) -> None:
+            """At ``t`` or just after: while the first step running then has Spark tasks running (mid-step)."""
+            time.sleep(max(0.0, t - time.time()))
+            st = spark.sparkContext.statusTracker()
+            while not (d1.running_since is not None and any(
+                    (info := st.getStageInfo(s)) is not None and info.numActiveTasks > 0
+                    for s in st.getActiveStageIds())):
+                time.sleep(0.02)
             live = executors(app)
             eid = sorted(live)[0]
-            killed.append((eid, time.perf_counter()))
+            killed.append((eid, time.time()))
             kill_executor(live[eid])
 
-        th = threading.Thread(target=kill_soon)
+        th = threading.Thread(target=kill_at, args=(d1.t0 + a.kill_after,))
         th.start()
-        t0 = time.perf_counter()
-        hit = step(ps, rest[a.since])
+        f0 = dict(ps.stats)
+        d1.run(ps, d1.t0 + a.kill_after + a.run_after)
         th.join()
-        after = [step(ps, t) for t in rest[a.since + 1:a.since + 1 + a.after]]
-        f1 = dict(ps.stats.get("state_fetches_by", {}))
-        out["one"] = {"hit": hit, "after": after, "reached": reached,
-                      "fetched": {k: f1.get(k, 0) - f0.get(k, 0) for k in f1 if f1.get(k, 0) != f0.get(k, 0)},
-                      "back_s": time.perf_counter() - t0 - sum(after)}
+        tk = killed[0][1]
+        while True:  # at least until the pipeline is back at the current step
+            back, lat1 = d1.back(tk)
+            if back == back or time.time() > tk + 600:
+                break
+            d1.run(ps, time.time() + 10)
+        f1 = dict(ps.stats)
+        inflight = next(j for j in d1.jobs if j[1] >= tk)
+        out["one"] = {"back_s": back - tk, "lat": lat1, "inflight": (inflight[0] - tk, inflight[1] - tk),
+                      "before": [e - s for s, e, st in d1.jobs if e < tk][-5:],
+                      "delta": {k: f1.get(k, 0) - f0.get(k, 0) for k in ("state_fetches", "state_fetch_bytes",
+                                                                         "state_fetch_s", "state_load_s",
+                                                                         "state_loads", "state_cache_hits")},
+                      "fetched_by": {f"{k[0]}/{k[1]}": n - f0.get("state_fetches_by", {}).get(k, 0)
+                                     for k, n in f1.get("state_fetches_by", {}).items()},
+                      "placement": dict(getattr(getattr(ps.runner, "placement", None), "stats", {}))}
+        print(f"one Spark executor lost: {json.dumps(out['one'], default=str)}", flush=True)  # kept if cut short
         while len(executors(app)) < 2:  # the replacement, before the second failure
             time.sleep(0.5)
-        ck = ps.steps
-        ps.checkpoint()
-        for t in rest[:a.since]:
-            step(ps, t)
-        reached = ps.steps
 
-        # the same failure with whole-pipeline recovery: a new driver opens the store at the checkpoint, replays
+        # (2) the same failure with whole-pipeline recovery: at kill_after s after a checkpoint, an executor killed
+        # and the driver lost; a new driver opens the store at the checkpoint and replays, the steps keep arriving
+        ps.checkpoint()
+        d2 = Driven(data, period, time.time())
+        d2.done = 0
+        d2.run(ps, d2.t0 + a.kill_after, stop_at=d2.t0 + a.kill_after)
         live = executors(app)
-        t0 = time.perf_counter()
+        tk2 = time.time()
         kill_executor(live[sorted(live)[0]])
+        steps_at = ps.steps
         ps.close(checkpoint=False)
         shutil.rmtree(os.path.join(tmp, "driver"))
         q = SparkPipeline.open(spark, uri, circuit(), cache_dir=os.path.join(tmp, "driver2"), checkpoint_interval=None)
-        opened = time.perf_counter() - t0
-        assert q.steps == reached, (q.steps, reached, ck)
-        after2 = [step(q, t) for t in rest[a.since:a.since + 1 + a.after]]
-        out["whole"] = {"open_s": opened, "after": after2, "replayed": reached - ck}
+        opened = time.time() - tk2
+        assert q.steps == steps_at, (q.steps, steps_at)
+        d2.run(q, tk2 + a.run_after)
+        while True:
+            back2, lat2 = d2.back(tk2)
+            if back2 == back2 or time.time() > tk2 + 600:
+                break
+            d2.run(q, time.time() + 10)
+        out["whole"] = {"back_s": back2 - tk2, "open_s": opened, "lat": lat2,
+                        "before": [e - s for s, e, st in d2.jobs if e < tk2][-5:]}
         q.close(checkpoint=False)
     finally:
         spark.stop()
         server.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+    keep = os.path.join(os.getcwd(), f"bench-spark-lose-{app}")  # the event log and the numbers, to read again
+    shutil.copytree(evdir, os.path.join(keep, "events"))
+    with open(os.path.join(keep, "out.json"), "w") as f:
+        json.dump({"args": vars(a), "period": period, "kill": tk, "kill2": tk2, **out}, f, default=str)
+    print(f"event log and numbers kept in {keep}")
+    ev = read_events(evdir)
+    shutil.rmtree(tmp, ignore_errors=True)
     lat = out["lat"]
     n = len(lat["store"])
     print(f"\n{a.master}, W={a.workers}, group-by over a state of {a.keys:,} keys, steps of {a.rows:,} rows, "
-          f"{a.blocks} alternated blocks of {a.block} steps each, load {os.getloadavg()[0]:.1f}\n")
+          f"{a.blocks} alternated blocks of {a.block} steps each, load {os.getloadavg()[0]:.1f}, "
+          f"Spark settings {a.conf or 'as set here'}\n")
     print("| storage | state load s | step p50 ms | step mean ms | rows/s (mean) |")
     print("|---|---|---|---|---|")
     for name in ("local", "store"):
         mean = statistics.fmean(lat[name])
         print(f"| {'shared local directory' if name == 'local' else 'S3 (moto, 127.0.0.1), per-job upload'} | "
               f"{out['load_s'][name]:.1f} | {ms(lat[name])} | {1000 * mean:.0f} | {a.rows / mean:,.0f} |")
-    print(f"\nstate bytes uploaded by the store pipeline over its {n + a.keys // 100_000} jobs: "
-          f"{out['upload_bytes']:,}")
+    print(f"\nstate bytes uploaded by the store pipeline over its {n} steps: {out['upload_bytes']:,} "
+          f"({out['upload_bytes'] / n:,.0f} per step); S3 requests per step: "
+          f"{', '.join(f'{k} {v / n:.1f}' for k, v in out['requests'].items())}")
     one, whole = out["one"], out["whole"]
-    print("\n| recovery | back at the step reached s | step latencies after it ms |")
-    print("|---|---|---|")
-    print(f"| one executor lost mid-step, the job retried (this branch) | {one['back_s']:.1f} (the step in flight "
-          f"took {1000 * one['hit']:.0f} ms) | {', '.join(f'{1000 * x:.0f}' for x in one['after'])} |")
-    print(f"| whole pipeline: SparkPipeline.open on a new driver, {whole['replayed']} steps replayed | "
-          f"{whole['open_s']:.1f} | {', '.join(f'{1000 * x:.0f}' for x in whole['after'])} |")
-    print(f"\ntasks that fetched their state after the one-executor loss, per (stage, worker): {one['fetched']}")
+    print(f"\nsteps arrive every {period} s; the kill lands in the first step running {a.kill_after} s after a "
+          f"checkpoint, while its Spark tasks run\n")
+    print("| recovery | back at the current step s | latency of each step from the kill until then, s "
+          "| jobs before the kill s |")
+    print("|---|---|---|---|")
+    print(f"| one Spark executor lost, the others keep their state | {one['back_s']:.1f} | {_fmt(one['lat'])} | "
+          f"{', '.join(f'{x:.1f}' for x in one['before'])} |")
+    print(f"| whole pipeline: new driver, SparkPipeline.open (open {whole['open_s']:.1f} s) | {whole['back_s']:.1f} | "
+          f"{_fmt(whole['lat'])} | {', '.join(f'{x:.1f}' for x in whole['before'])} |")
+    print(f"\none-executor loss, task-side: {one['delta']}; fetches per (stage, worker): "
+          f"{ {k: v for k, v in one['fetched_by'].items() if v} }; task placement by cache: {one['placement']}")
+    s0, s1 = one["inflight"]
+    w = window(ev, tk, tk + s1)
+    print(f"\nthe job in flight at the kill: started {s0:.1f} s before it, ended {s1:.1f} s after; its Spark timeline "
+          f"from the kill (s):\n{render(w)}\n{summary(w)}")
+    back = one["back_s"] if one["back_s"] == one["back_s"] else s1  # never back (nan): up to the job in flight's end
+    w = window(ev, tk, tk + back)
+    print(f"\nfrom the kill until back at the current step (or the job in flight's end): {summary(w)}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ Run from the repository root:
     python bench/bench_spill.py --state 5M --groups 500k --limit 32MiB --queries join
     python bench/bench_spill.py --state 200k --groups 20k --steps 20  # a check that it runs
     python bench/bench_spill.py --state 10M --groups 1M --limit 1GiB --runs 2   # the issue's budget, alternated
+    python bench/bench_spill.py --state 10M --groups 10M --limit 100MiB --load-step 1M --prefetch off,on,off,on
 
 Per query, two pipelines (W=1, no storage) load ``--state`` bids in ``--load-step``-row steps (as
 bench/bench_scaling.py: ``--groups`` keys), settle their merges and then run ``--warmup`` + ``--steps`` steps of
@@ -16,7 +17,11 @@ DONTNEED after a sync), and count after the step the pages of the files that are
 the pages the step read from disk (the mappings are MADV_RANDOM, so no read-ahead is counted). The key indexes
 (trace invariant 11) answer distinct's and the group-by's lookups from memory; ``DBSP_KEY_INDEX=0`` in the
 environment turns them off so those steps read the batches (what the Bloom filter and fences are for).
-``--runs N`` alternates the two pipelines N times (memory, spilled, memory, ...) and prints each run and the
+With a budget, ``--prefetch`` (auto, on, off, or alternated as ``off,on,off,on``) sets ``BatchStore.PREFETCH`` for
+one phase of measured and cold steps each, over the same loaded state: whether a step first starts reading the pages
+its keys will read of spilled batches (madvise WILLNEED; counted as pages prefetched and runs) or faults them one at a
+time ("auto", the default: prefetch after a step that read pages from the disk), so the settings compare on the same
+files; the cold steps' major faults are the pages the walks still waited for. ``--runs N`` alternates the two pipelines N times (memory, spilled, memory, ...) and prints each run and the
 spread (lowest-highest) of the means and p99s; the spilled line also shows how many batches the store wrote off the
 step (its spill thread) and how many of those were merged away before they were switched.
 """
@@ -39,6 +44,7 @@ from bench_scaling import AUCTIONS, _count, bids, circuit  # noqa: E402
 import dbsp_core as dbsp  # noqa: E402
 from dbsp_core.envvars import settings  # noqa: E402
 from dbsp_core.runtime.embedded import EmbeddedExecutor  # noqa: E402
+from dbsp_core.trace.spill import BatchStore  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -71,6 +77,7 @@ def drop_pages(store) -> None:
 
 def load(query: str, state: int, groups: int, args, limit) -> tuple[dbsp.Pipeline, np.random.Generator, list]:
     rng = np.random.default_rng(7)
+    t0 = time.perf_counter()
     p = dbsp.Pipeline(circuit(query), executor=EmbeddedExecutor(background_merge=True), memory_limit=limit)
     if query == "join":
         import pyarrow as pa
@@ -84,6 +91,11 @@ def load(query: str, state: int, groups: int, args, limit) -> tuple[dbsp.Pipelin
         p.push("bids", t)
         p.step()
         done += n
+        if done * 10 // state != (done - n) * 10 // state:  # a line per tenth of the load
+            store = p.executor.batch_store
+            disk = f", {store.disk_bytes() / 2**20:.0f} MiB on disk" if store is not None else ""
+            print(f"  {query} {'spilled' if limit else 'memory'}: loaded {done:,} rows in "
+                  f"{time.perf_counter() - t0:.0f} s{disk}", file=sys.stderr, flush=True)
     p.executor.settle_merges()
     p.push("bids", bids(rng, 1, query, groups))
     p.step()  # installs the settled merges; the store (if any) spills the merged batches after it
@@ -104,38 +116,92 @@ def one_step(p: dbsp.Pipeline, rng, query: str, groups: int, change: int, loaded
     return (time.perf_counter() - t0) * 1e3
 
 
-def run(query: str, state: int, groups: int, args, limit) -> dict:
+def run(query: str, state: int, groups: int, args, limit) -> list[dict] | None:
+    """Load one pipeline and measure its steps: one phase in memory; with a budget, one phase per ``--prefetch``
+    setting (alternated over the same loaded state: "off,on,off,on")."""
+    if ("spilled" if limit else "memory") not in args.modes.split(","):
+        return None
     t0 = time.perf_counter()
     p, rng, loaded = load(query, state, groups, args, limit)
     load_s = time.perf_counter() - t0
-    ms = []
-    for k in range(args.warmup + args.steps):
-        x = one_step(p, rng, query, groups, args.change, loaded, k)
-        if k >= args.warmup:
-            ms.append(x)
-    out = {"load_s": load_s, "mean": float(np.mean(ms)), "p50": float(np.percentile(ms, 50)),
-           "p99": float(np.percentile(ms, 99)), "max": float(np.max(ms))}
     store = p.executor.batch_store
+    phases = args.prefetch.split(",") if store is not None else ["-"]
+    out, k = [], 0
+    for prefetch in phases:
+        if store is not None:
+            BatchStore.PREFETCH = prefetch
+        r, k = measure(p, rng, query, groups, args, loaded, k)
+        r.update(load_s=load_s, prefetch=prefetch)
+        out.append(r)
+    p.close()
+    return out
+
+
+def measure(p: dbsp.Pipeline, rng, query: str, groups: int, args, loaded: list, k: int) -> tuple[dict, int]:
+    """``--warmup`` then ``--steps`` measured steps, then ``--cold`` steps each after every file's pages left the page
+    cache; returns the figures and the next step number."""
+    ms = []
+    store = p.executor.batch_store
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup:  # the measured steps' page faults, disk reads and cache counts
+            ru0 = resource.getrusage(resource.RUSAGE_SELF)
+            st0 = dict(store.stats) if store is not None else {}
+        x = one_step(p, rng, query, groups, args.change, loaded, k)
+        k += 1
+        if i >= args.warmup:
+            ms.append(x)
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    out = {"mean": float(np.mean(ms)), "p50": float(np.percentile(ms, 50)),
+           "p99": float(np.percentile(ms, 99)), "max": float(np.max(ms)),
+           "majflt": (ru.ru_majflt - ru0.ru_majflt) / args.steps, "minflt": (ru.ru_minflt - ru0.ru_minflt) / args.steps,
+           "read_kib": (ru.ru_inblock - ru0.ru_inblock) * 512 / 1024 / args.steps}  # from disk, not the page cache
     if store is not None:
+        d = {n: store.stats.get(n, 0) - st0.get(n, 0) for n in ("cache_hits", "cache_misses", "evictions",
+                                                               "bytes_evicted", "pages_prefetched", "prefetch_runs")}
+        out.update(hits=d["cache_hits"] / args.steps, misses=d["cache_misses"] / args.steps,
+                   evicted_kib=d["bytes_evicted"] / 1024 / args.steps, cached_mb=store.cached_pages() * PAGE / 2**20,
+                   prefetched=d["pages_prefetched"] / args.steps, runs=d["prefetch_runs"] / args.steps)
         mem, kept = store.memory()
         out.update(disk_mb=store.disk_bytes() / 2**20, mem_mb=mem / 2**20, kept_mb=kept / 2**20,
                    files=len(store._files), spilled_rows=sum(f.rows for f in store._files.values()),
                    background=store.stats.get("written_in_background", 0),
                    wasted=store.stats.get("written_for_nothing", 0),
                    written_mb=store.stats["bytes_written"] / 2**20)
-        pages, cold, majflt = [], [], []
-        for k in range(args.cold):
+        pages, cold, majflt, fetched = [], [], [], []
+        for _ in range(args.cold):
             drop_pages(store)
             files = list(store._files.values())
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
-            cold.append(one_step(p, rng, query, groups, args.change, loaded, args.warmup + args.steps + k))
+            p0 = store.stats.get("pages_prefetched", 0)
+            cold.append(one_step(p, rng, query, groups, args.change, loaded, k))
+            k += 1
             majflt.append(resource.getrusage(resource.RUSAGE_SELF).ru_majflt - f0)
+            fetched.append(store.stats.get("pages_prefetched", 0) - p0)
             pages.append(sum(resident_pages(f.map) for f in files))
         if pages:
             out.update(cold_mean=float(np.mean(cold)), cold_p99=float(np.percentile(cold, 99)),
-                       pages=float(np.mean(pages)), pages_max=int(np.max(pages)), majflt=float(np.mean(majflt)))
-    p.close()
-    return out
+                       cold_max=float(np.max(cold)), pages=float(np.mean(pages)), pages_max=int(np.max(pages)),
+                       cold_majflt=float(np.mean(majflt)), cold_prefetched=float(np.mean(fetched)))
+    return out, k
+
+
+def show(tag: str, sp: dict, mem: dict | None, args) -> None:
+    """Print one spilled phase: its step times (and their ratio to the in-memory run's), files, cache and pages."""
+    ratio = f" = {sp['mean'] / mem['mean']:.2f}x mean, {sp['p99'] / mem['p99']:.2f}x p99" if mem is not None else ""
+    print(f"{tag} spilled: mean {sp['mean']:.2f} ms p50 {sp['p50']:.2f} p99 {sp['p99']:.2f} "
+          f"max {sp['max']:.2f} (load {sp['load_s']:.1f} s){ratio}; on disk "
+          f"{sp['disk_mb']:.1f} MiB in {sp['files']} files ({sp['spilled_rows']:,} rows), batches in memory "
+          f"{sp['mem_mb']:.1f} MiB, fences+filters {sp['kept_mb']:.1f} MiB; written {sp['written_mb']:.0f} MiB, "
+          f"{sp['background']} files off the step ({sp['wasted']} more merged away first)", flush=True)
+    print(f"{tag} per step: cache hits {sp['hits']:.0f} misses {sp['misses']:.0f} pages, evicted "
+          f"{sp['evicted_kib']:.0f} KiB, cache {sp['cached_mb']:.1f} MiB; prefetched {sp['prefetched']:.0f} pages "
+          f"in {sp['runs']:.0f} runs; major faults {sp['majflt']:.1f}, minor {sp['minflt']:.0f}, read from disk "
+          f"{sp['read_kib']:.0f} KiB", flush=True)
+    if "pages" in sp:
+        print(f"{tag} cold   : mean {sp['cold_mean']:.2f} ms p99 {sp['cold_p99']:.2f} max {sp['cold_max']:.2f}; "
+              f"pages read per step {sp['pages']:.0f} (max {sp['pages_max']}) = {sp['pages'] * PAGE / 2**10:.0f} KiB, "
+              f"prefetched {sp['cold_prefetched']:.0f}, major faults {sp['cold_majflt']:.0f}; "
+              f"{sp['pages'] / args.change:.2f} pages per changed row", flush=True)
 
 
 def main() -> int:
@@ -150,6 +216,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--cold", type=int, default=20, help="steps measured with the files' pages dropped first")
     ap.add_argument("--runs", type=int, default=1, help="alternated memory/spilled runs per query")
+    ap.add_argument("--prefetch", default="auto", help="the spilled pipeline's phases over its loaded state, each "
+                    "with --steps and --cold steps: auto, on, off, or alternated (off,on,...): BatchStore.PREFETCH")
+    ap.add_argument("--modes", default="memory,spilled", help="which pipelines run (a state too big for memory: "
+                    "spilled only)")
     args = ap.parse_args()
     state, groups = _count(args.state), _count(args.groups)
     print(f"state {state:,} rows, {groups:,} keys, {args.change}-row steps, limit {args.limit}, "
@@ -158,32 +228,27 @@ def main() -> int:
         mems, sps = [], []
         for r in range(args.runs):
             mem = run(q, state, groups, args, None)
-            sp = run(q, state, groups, args, args.limit)
+            phases = run(q, state, groups, args, args.limit) or []
+            mem = mem[0] if mem else None
             mems.append(mem)
-            sps.append(sp)
             tag = f"{q:9s}" + (f" run {r + 1}" if args.runs > 1 else "")
-            print(f"{tag} memory : mean {mem['mean']:.2f} ms p50 {mem['p50']:.2f} p99 {mem['p99']:.2f} "
-                  f"max {mem['max']:.2f} (load {mem['load_s']:.1f} s)", flush=True)
-            print(f"{tag} spilled: mean {sp['mean']:.2f} ms p50 {sp['p50']:.2f} p99 {sp['p99']:.2f} "
-                  f"max {sp['max']:.2f} (load {sp['load_s']:.1f} s) = {sp['mean'] / mem['mean']:.2f}x mean, "
-                  f"{sp['p99'] / mem['p99']:.2f}x p99; on disk {sp['disk_mb']:.1f} MiB in {sp['files']} files "
-                  f"({sp['spilled_rows']:,} rows), batches in memory {sp['mem_mb']:.1f} MiB, fences+filters "
-                  f"{sp['kept_mb']:.1f} MiB; written {sp['written_mb']:.0f} MiB, {sp['background']} files off the "
-                  f"step ({sp['wasted']} more merged away first)", flush=True)
-            if "pages" in sp:
-                print(f"{tag} cold   : mean {sp['cold_mean']:.2f} ms p99 {sp['cold_p99']:.2f}; pages read per step "
-                      f"{sp['pages']:.0f} (max {sp['pages_max']}) = {sp['pages'] * PAGE / 2**10:.0f} KiB, "
-                      f"major faults {sp['majflt']:.0f}; {sp['pages'] / args.change:.2f} pages per changed row",
-                      flush=True)
-        if args.runs > 1:
+            if mem is not None:
+                print(f"{tag} memory : mean {mem['mean']:.2f} ms p50 {mem['p50']:.2f} p99 {mem['p99']:.2f} "
+                      f"max {mem['max']:.2f} (load {mem['load_s']:.1f} s)", flush=True)
+            for sp in phases:
+                sps.append(sp)
+                show(tag + f" prefetch {sp['prefetch']}", sp, mem, args)
+        if args.runs > 1 or len(sps) > len(mems):
             def spread(rs: list, k: str) -> str:
-                return f"{min(x[k] for x in rs):.2f}-{max(x[k] for x in rs):.2f}"
-            ratio_mean = [x["mean"] / m["mean"] for x, m in zip(sps, mems)]
-            ratio_p99 = [x["p99"] / m["p99"] for x, m in zip(sps, mems)]
-            print(f"{q:9s} over {args.runs} runs: memory mean {spread(mems, 'mean')} p99 {spread(mems, 'p99')} ms; "
-                  f"spilled mean {spread(sps, 'mean')} p99 {spread(sps, 'p99')} ms; spilled/memory mean "
-                  f"{min(ratio_mean):.2f}-{max(ratio_mean):.2f}x, p99 {min(ratio_p99):.2f}-{max(ratio_p99):.2f}x",
-                  flush=True)
+                rs = [x for x in rs if x is not None]
+                return f"{min(x[k] for x in rs):.2f}-{max(x[k] for x in rs):.2f}" if rs else "-"
+            line = f"{q:9s} over {args.runs} runs: memory mean {spread(mems, 'mean')} p99 {spread(mems, 'p99')} ms"
+            for pf in args.prefetch.split(","):
+                if pf in {x["prefetch"] for x in sps} and pf not in line:
+                    mine = [x for x in sps if x["prefetch"] == pf]
+                    line += (f"; spilled, prefetch {pf}: mean {spread(mine, 'mean')} p99 {spread(mine, 'p99')} ms"
+                             + (f", cold mean {spread(mine, 'cold_mean')} ms" if args.cold else ""))
+            print(line, flush=True)
     return 0
 
 

@@ -8,19 +8,22 @@ the child in ``--batch``-event steps (generation untimed; push + step timed):
    query's peak state.
 2. "limited": ``memory_limit`` = ``--fraction`` (default 10%) of that peak state; the same events.
 
-Printed and returned per run: events/s, peak RSS (ru_maxrss), the RSS before the first push (interpreter, imports,
-the circuit: the baseline), the peak of the batches kept in memory plus the spilled files' fences and filters (the
+Printed and returned per run: events/s, the CPU seconds of push + step (process_time: every thread, user and
+system; on a loaded machine they move less than the wall time, so their ratio is printed too), peak RSS
+(ru_maxrss), the RSS before the first push (interpreter, imports, the circuit: the baseline), the peak of the batches kept in memory plus the spilled files' fences and filters (the
 budget's own accounting, sampled after each step), bytes on disk at the end, files written. The overhead stated
 is peak RSS - limit: what the budget does not bound (baseline, the step's input and output batches, key indexes,
 merge outputs being built, allocator slack).
 
 ``--breakdown``: a sampler thread in each child reads /proc/self/status every 5 ms and, at the peak RSS, records where
 it is (anonymous and file-backed RSS; batches in memory, merge inputs in memory and merge outputs written in memory;
-the Arrow pool; glibc's heap in use and free and its mapped blocks; the C region cache) and the Python stack of the
-step at that moment. Sampling slows the run: read the memory, not the rates, of such runs.
+the Arrow pool; glibc's heap in use and free and its mapped blocks; the C region cache; file-backed RSS split into
+the store's batch files, merge scratch files, key index files and other files, from /proc/self/smaps) and the
+Python stack of the step at that moment. Sampling slows the run: read the memory, not the rates, of such runs.
 
 Run:  python bench/bench_spill_nexmark.py --queries q4,q7,q9,q20 --events 5000000
       python bench/bench_spill_nexmark.py --queries q4 --events 200000   # a check that it runs
+      python bench/bench_spill_nexmark.py --queries q20 --events 2000000 --limit 27.3 --breakdown  # limited only
 """
 
 from __future__ import annotations
@@ -63,6 +66,29 @@ def _mallinfo() -> tuple[int, int, int]:
         return m.uordblks, m.fordblks, m.hblkhd
     except (OSError, AttributeError):
         return 0, 0, 0
+
+
+def _file_rss(directory: str | None) -> dict:
+    """File-backed RSS by what the files are (/proc/self/smaps, bytes): the batch files of the store's directory, its
+    merge scratch files, its other files (key indexes: unlinked temporary files), and every other file (libraries)."""
+    out = {"rss_batch_files": 0, "rss_merge_scratch": 0, "rss_index_files": 0, "rss_other_files": 0}
+    kind = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if line[0] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:  # a mapping's header line
+                parts = line.split(None, 5)
+                path = parts[5].strip() if len(parts) > 5 else ""
+                if not path.startswith("/"):
+                    kind = None  # anonymous, heap, stack: not file-backed
+                elif directory and path.startswith(directory + "/"):
+                    name = os.path.basename(path.replace(" (deleted)", ""))
+                    kind = ("rss_batch_files" if name.endswith(".batch") else
+                            "rss_merge_scratch" if name.startswith("merge-") else "rss_index_files")
+                else:
+                    kind = "rss_other_files"
+            elif kind is not None and line.startswith("Rss:"):
+                out[kind] += int(line.split()[1]) * 1024
+    return out
 
 
 class _Sampler:
@@ -108,7 +134,9 @@ class _Sampler:
         heap, free, mapped = _mallinfo()
         frame = sys._current_frames().get(self.main)
         stack = [f"{os.path.basename(f.filename)}:{f.lineno}:{f.name}" for f in traceback.extract_stack(frame)][-6:]
-        return {"batches_in_memory": loose, "merge_inputs_in_memory": merge_in, "merge_outputs_in_memory": merge_out,
+        files = _file_rss(store.directory if store is not None else None)
+        return {**files, "batches_in_memory": loose, "merge_inputs_in_memory": merge_in,
+                "merge_outputs_in_memory": merge_out,
                 "key_indexes": kix, "arrow_pool": pa.total_allocated_bytes(), "malloc_in_use": heap, "malloc_free": free,
                 "malloc_mapped": mapped, "region_cache": _zset.cached_bytes()[1], "stack": stack}
 
@@ -125,14 +153,15 @@ def child(query: str, events: int, batch: int, limit: int | None, seed: int, bre
     p = dbsp.Pipeline(nexmark.circuit(query), executor=ex, memory_limit=limit)
     base = rss_bytes() or 0
     sampler = _Sampler(ex) if breakdown else None
-    seconds, peak_state, peak_budgeted, steps = 0.0, 0, 0, 0
+    seconds, cpu, peak_state, peak_budgeted, steps = 0.0, 0.0, 0, 0, 0
     try:
         for b in nexmark.generate(events, seed=seed, batch=batch):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for name, t in b.items():
                 p.push(name, t)
             p.step()
             seconds += time.perf_counter() - t0
+            cpu += time.process_time() - c0
             steps += 1
             store = ex.batch_store
             if store is None:
@@ -141,7 +170,7 @@ def child(query: str, events: int, batch: int, limit: int | None, seed: int, bre
             else:
                 mem, kept = store.memory()
                 peak_budgeted = max(peak_budgeted, mem + kept)
-        out = {"query": query, "events": events, "steps": steps, "seconds": seconds, "limit": limit,
+        out = {"query": query, "events": events, "steps": steps, "seconds": seconds, "cpu_seconds": cpu, "limit": limit,
                "base_rss": base, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                "peak_state": peak_state, "peak_budgeted": peak_budgeted}
         if sampler is not None:
@@ -174,6 +203,8 @@ def main() -> int:
     ap.add_argument("--fraction", type=float, default=0.10, help="memory_limit as a fraction of the peak state")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--breakdown", action="store_true", help="record what RSS holds at its peak (slows the run)")
+    ap.add_argument("--limit", type=float, default=None,
+                    help="MiB: run only the limited child at this memory_limit (no unlimited run, no ratio)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -184,6 +215,14 @@ def main() -> int:
           f"run's peak state; load {os.getloadavg()[0]:.2f}", flush=True)
     rows = []
     for q in args.queries.split(","):
+        if args.limit is not None:  # the limited run alone, e.g. to read its breakdown again
+            lim = run(q, args.events, args.batch, int(args.limit * MIB), args.seed, args.breakdown)
+            rows.append({"query": q, "limited": lim})
+            print(f"{q}: limit {args.limit:,.1f} MiB: {lim['events'] / lim['seconds']:,.0f} ev/s, peak RSS "
+                  f"{lim['peak_rss'] / MIB:,.0f} MiB (baseline {lim['base_rss'] / MIB:,.0f}; over the limit "
+                  f"{(lim['peak_rss'] - lim['limit']) / MIB:,.0f})", flush=True)
+            _print_breakdown({"limited": lim})
+            continue
         free = run(q, args.events, args.batch, None, args.seed, args.breakdown)
         limit = max(1 * MIB, int(free["peak_state"] * args.fraction))
         lim = run(q, args.events, args.batch, limit, args.seed, args.breakdown)
@@ -192,20 +231,26 @@ def main() -> int:
         rows.append(row)
         print(f"{q}: unlimited {r_free:,.0f} ev/s, peak state {free['peak_state'] / MIB:,.0f} MiB, peak RSS "
               f"{free['peak_rss'] / MIB:,.0f} MiB (baseline {free['base_rss'] / MIB:,.0f}) | limit "
-              f"{limit / MIB:,.1f} MiB: {r_lim:,.0f} ev/s = {r_lim / r_free:.2f}x, peak RSS "
+              f"{limit / MIB:,.1f} MiB: {r_lim:,.0f} ev/s = {r_lim / r_free:.2f}x (CPU seconds "
+              f"{free['cpu_seconds']:,.1f} -> {lim['cpu_seconds']:,.1f}: "
+              f"{free['cpu_seconds'] / lim['cpu_seconds']:.2f}x), peak RSS "
               f"{lim['peak_rss'] / MIB:,.0f} MiB (baseline {lim['base_rss'] / MIB:,.0f}; over the limit "
               f"{(lim['peak_rss'] - limit) / MIB:,.0f}), budgeted peak {lim['peak_budgeted'] / MIB:,.1f} MiB, "
               f"on disk {lim.get('disk', 0) / MIB:,.0f} MiB, written {lim.get('bytes_written', 0) / MIB:,.0f} MiB "
               f"in {lim.get('files_written', 0)} files, {lim.get('merges_on_disk', 0)} merges on disk; load "
               f"{os.getloadavg()[0]:.2f}", flush=True)
-        for name, r in (("unlimited", free), ("limited", lim)):
-            if "breakdown" in r:
-                b = r["breakdown"]
-                print(f"  {name} at peak RSS: " + ", ".join(
-                    f"{k} {v / MIB:,.0f}" for k, v in b.items() if isinstance(v, int)) + " MiB; in "
-                    + " > ".join(b.get("stack", [])), flush=True)
+        _print_breakdown({"unlimited": free, "limited": lim})
     print(json.dumps(rows))
     return 0
+
+
+def _print_breakdown(runs: dict) -> None:
+    for name, r in runs.items():
+        if "breakdown" in r:
+            b = r["breakdown"]
+            print(f"  {name} at peak RSS: " + ", ".join(
+                f"{k} {v / MIB:,.0f}" for k, v in b.items() if isinstance(v, int)) + " MiB; in "
+                + " > ".join(b.get("stack", [])), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 Per size, in a child process: a durable pipeline (W=1, ``memory_limit=--limit``) of the join of
 bench/bench_scaling.py (bids joined with auctions on a key; the bids' trace holds every bid: three int64 columns)
-loads ``--state`` bids in ``--load-step``-row steps, settles its merges, checkpoints and closes; its traces' big
-batches are then batch files that the checkpoint names (trace invariant 13). A second child process (its own RSS)
+loads ``--state`` bids in ``--load-step``-row steps, settles its merges, checkpoints and closes (its seconds, peak
+RSS and storage directory's bytes reported); its traces' big batches are then batch files that the checkpoint names
+(trace invariant 13). A second child process (its own RSS)
 then measures:
 
 - ``open``: the seconds of ``Pipeline.open`` and the RSS before and after it (``/proc/self/statm``);
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -58,9 +60,15 @@ def build(root: str, state: int, groups: int, load_step: int, limit: str, retent
     p.checkpoint()
     store = p.executor.batch_store
     out = {"load_s": time.perf_counter() - t0, "files": len(store._files), "disk": store.disk_bytes(),
-           "spilled_rows": sum(f.rows for f in store._files.values())}
+           "spilled_rows": sum(f.rows for f in store._files.values()), "dir_bytes": _du(root),
+           "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     p.close()
     return out
+
+
+def _du(root: str) -> int:
+    """Bytes of every file under ``root`` (the storage directory: logs, state databases, batch files)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
 
 
 def reopen(root: str, groups: int, steps: int, limit: str, eager: bool = False) -> dict:
@@ -156,7 +164,8 @@ def main() -> int:
 def report(size: str, b: dict, r: dict, eager: bool, args: argparse.Namespace) -> None:
     steps = "" if eager else (f" | first step {r['first_s'] * 1e3:,.0f} ms, RSS after {r['rss_first'] / MIB:,.0f} MiB | "
                               f"next {args.steps} steps mean {r['next_mean_s'] * 1e3:,.1f} ms | cache {r['cache']}")
-    print(f"{size:>5} rows{' (eager check at open)' if eager else ''}: built in {b['load_s']:.1f} s, {b['files']} "
+    print(f"{size:>5} rows{' (eager check at open)' if eager else ''}: built in {b['load_s']:.1f} s (peak RSS "
+          f"{b.get('peak_rss', 0) / MIB:,.0f} MiB, directory {b.get('dir_bytes', 0) / MIB:,.0f} MiB), {b['files']} "
           f"batch files, {b['disk'] / MIB:,.0f} MiB, {b['spilled_rows']:,} spilled rows | open "
           f"{r['open_s'] * 1e3:,.0f} ms, RSS {r['rss_before'] / MIB:,.0f} -> {r['rss_open'] / MIB:,.0f} MiB "
           f"(+{(r['rss_open'] - r['rss_before']) / MIB:,.1f}){steps}; load {os.getloadavg()[0]:.2f}", flush=True)

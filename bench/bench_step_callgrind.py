@@ -36,11 +36,11 @@ def child(tree: str, query: str, state: int, groups: int, steps: int, load_step:
     import pyarrow as pa
 
     import dbsp_core as dbsp
-    from bench_scaling import AUCTIONS, bids, circuit
+    from bench_scaling import AUCTIONS, JOINED, bids, circuit
 
     rng = np.random.default_rng(7)
     p = dbsp.Pipeline(circuit(query), workers=1)
-    if query == "join":
+    if query in JOINED:
         ids = np.arange(groups)
         p.push("auctions", pa.table({"id": ids, "category": ids % 1000}, schema=AUCTIONS))
     loaded, pool = 0, None
@@ -114,7 +114,7 @@ def main() -> int:
     import numpy as np
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("queries", nargs="+", help="of group_by, join, distinct")
+    ap.add_argument("queries", nargs="+", help="of bench_scaling.QUERIES")
     ap.add_argument("--state", type=_count, default=1_000_000)
     ap.add_argument("--groups", type=_count, default=100_000)
     ap.add_argument("--steps", type=int, default=200)

@@ -3,15 +3,19 @@
 How it measures:
 
 - The events are generated once (bench/nexmark.py's ``write_events``: one parquet file per stream and step).
-- Each run is a fresh child process running bench/nexmark.py's loop (read each step's files, push every stream
-  with one ``push_many``, or with ``--one-by-one`` one push each, step) with W workers, in memory or durable
+- Each run is a fresh child process running bench/nexmark.py's loop with W workers, in memory or durable
   (``storage=<dir>`` beside the events, default settings); runs alternate memory, durable, memory, durable ...
-  so a load change on a shared machine hits both.
+  so a load change on a shared machine hits both. ``--reader files`` (the default) reads the streams the query
+  reads through one ``FileSource`` each, one file per step, in both modes; durable, the source declares its
+  files immutable, so a push is logged by reference to its file (fileref.py), as Flink's durable runs log no
+  input. ``--reader push``: read each step's files with pyarrow and push every stream with one ``push_many``
+  (or with ``--one-by-one`` one push each): the rows are logged.
 - In a durable child the phases are timed by wrapping the functions that do them (the wrappers cost a few
   microseconds per call): the push's encode (``codec.encode_zset_parts``), each log's ``enqueue`` (CRC-32C and
   the copy into the log's buffer), its write (``pwrite`` into the page cache) and its ``fsync`` (a ``sync`` is
   split into ``write`` then ``sync``, which then only fsyncs), the engine (``executor.run``), the output record's
-  encode, and checkpoints (foreground capture and the background thread). CPU is the calling thread's
+  encode, and checkpoints (foreground capture and the background thread); with FileSources, the unit's read and
+  decode (``read_unit``) and the reference (re-reading the unit's bytes for their CRC-32C). CPU is the calling thread's
   (``time.thread_time``); the engine's worker threads are counted in the process CPU only.
 - ``--baseline DIR``: a third run per round, durable, of an older dbsp_core (one push per stream, as before
   ``push_many``), so the change is measured against it under the same load.
@@ -116,6 +120,7 @@ def child(a: dict) -> dict:
     import pyarrow.parquet as pq
 
     import dbsp_core as dbsp
+    from dbsp_core.connectors import files as file_source
     from dbsp_core.runtime import driver
     from dbsp_core.runtime.embedded import EmbeddedExecutor
     from dbsp_core.storage import outputlog
@@ -134,24 +139,36 @@ def child(a: dict) -> dict:
         driver.Pipeline._checkpoint = ph.timed("checkpoint: capture (steps paused)", driver.Pipeline._checkpoint)
         driver.Pipeline._background = ph.timed("checkpoint: write and commit", driver.Pipeline._background)
         ex.run = ph.timed("engine (executor.run)", ex.run)
+        if hasattr(file_source, "reference"):
+            file_source.reference = ph.timed("push: reference (re-read the unit, CRC-32C)", file_source.reference)
+    reader = a.get("reader", "push")
+    if reader == "files":  # in both modes: the read is part of the loop
+        file_source.read_unit = ph.timed("FileSource: read and decode the unit", file_source.read_unit)
     p = dbsp.Pipeline(nexmark_circuit(query), workers=workers, storage=storage, executor=ex) if storage else \
         dbsp.Pipeline(nexmark_circuit(query), workers=workers, executor=ex)
     if storage:
         p._input._log = TimedLog(p._input._log, "input log", ph)
         p._output._log = TimedLog(p._output._log, "output log", ph)
     events, seconds, read_s = 0, 0.0, 0.0
+    names = bench_nexmark.nexmark.SCHEMAS
+    if reader == "files":
+        names = bench_nexmark.flink_nexmark.READS.get(query, names)
+        sources = bench_nexmark.file_sources(p, root, names, "parquet")
     cpu0 = time.process_time()
     try:
         for step in files:
             t0 = time.perf_counter()
-            r0 = time.perf_counter()
-            tables = [(name, pq.read_table(step[name])) for name in bench_nexmark.nexmark.SCHEMAS]
-            read_s += time.perf_counter() - r0
-            if a.get("one_by_one"):
-                for name, t in tables:
-                    p.push(name, t)
-            else:  # as bench/nexmark.py: the step's pushes share one fsync
-                p.push_many(tables)
+            if reader == "files":
+                bench_nexmark.push_step(p, step, names, "parquet", sources)
+            else:
+                r0 = time.perf_counter()
+                tables = [(name, pq.read_table(step[name])) for name in names]
+                read_s += time.perf_counter() - r0
+                if a.get("one_by_one"):
+                    for name, t in tables:
+                        p.push(name, t)
+                else:  # as bench/nexmark.py: the step's pushes share one fsync
+                    p.push_many(tables)
             events += sum(step["rows:" + name] for name in bench_nexmark.nexmark.SCHEMAS)
             p.step()
             seconds += time.perf_counter() - t0
@@ -205,6 +222,9 @@ def main() -> None:
     ap.add_argument("--baseline", help="a directory holding an older dbsp_core (e.g. `git archive COMMIT dbsp_core "
                     "| tar -x -C DIR`, with this tree's built extensions copied in): its durable run, pushing one by "
                     "one, alternates with this tree's in the same run")
+    ap.add_argument("--reader", choices=["files", "push"], default="files",
+                    help="files: a FileSource per stream the query reads (durable: pushes logged by reference); "
+                    "push: pyarrow reads and push_many of every stream (rows logged)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -215,7 +235,8 @@ def main() -> None:
         files, _ = bench_nexmark.write_events(root, args.events, args.batch, 0,
                                               bench_nexmark.nexmark.generator.DEFAULT_RATE)
         json.dump(files, open(os.path.join(root, "files.json"), "w"))
-        print(f"{args.events:,} events in {len(files)} steps, W={args.workers}, {os.cpu_count()} cores, load average "
+        print(f"reader: {args.reader}; {args.events:,} events in {len(files)} steps, W={args.workers}, "
+              f"{os.cpu_count()} cores, load average "
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, storage under {root}", flush=True)
         disk = []
         for q in args.queries.split(","):
@@ -227,7 +248,8 @@ def main() -> None:
                 for mode in modes:
                     base = mode == "baseline"
                     r = run_child({"root": root, "query": q, "mode": "durable" if base else mode,
-                                   "workers": args.workers, "one_by_one": args.one_by_one or base},
+                                   "workers": args.workers, "one_by_one": args.one_by_one or base,
+                                   "reader": "push" if base else args.reader},
                                   args.baseline if base else None)
                     rates[mode].append(r["events"] / r["seconds"])
                     runs[mode].append(r)
@@ -258,7 +280,7 @@ def report(q: str, mode: str, mem: list[float], dur: list[float], runs: list[dic
     n = len(runs)
     print(f"| timed loop | - | {sum(r['seconds'] for r in runs) / n:.3f} | {sum(r['cpu'] for r in runs) / n:.3f} "
           f"(process) | - |")
-    print(f"| read parquet | - | {sum(r['read_s'] for r in runs) / n:.3f} | - | - |")
+    print(f"| read parquet (push reader) | - | {sum(r['read_s'] for r in runs) / n:.3f} | - | - |")
     close = sum(r["close_s"] for r in runs) / n
     print(f"| close (final checkpoint; not in the timed loop) | 1 | {close:.3f} | - | - |")
     for k in names:

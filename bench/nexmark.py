@@ -8,6 +8,12 @@ How it measures (the fairness rules of bench/bench_spark.py):
 - dbsp: each (query, mode, W) runs in a fresh child process, so its peak RSS is its own: read + push + step
   of every step is timed (q13's side table is pushed before, untimed). ``durable`` is ``storage=<tmp dir>``
   with the default checkpoint interval (input log fsync'd on every push, division records, output log).
+  ``--reader files`` (the default when ``durable`` is among the modes) reads the events through one
+  ``FileSource`` per stream the query reads (``flink_nexmark.READS``, as Flink reads only those), one file per
+  stream and step, in every mode; durable, the source declares its files immutable (they are written once,
+  before the run), so its pushes are logged by reference to the files, not by their rows: Flink's durable runs
+  log no input either (their sources replay from the files). ``--reader push`` reads each step's files with
+  pyarrow and pushes every stream with one ``push_many`` (rows in the input log, one fsync per step).
 - Spark: the sum of ``durationMs.triggerExecution`` of the micro-batches; ``local[W]``,
   ``shuffle.partitions = W``, RocksDB state store. Only queries Structured Streaming can express run (no
   chained aggregations, no ROW_NUMBER, no COUNT(DISTINCT) on streams).
@@ -91,13 +97,14 @@ SPARK_SQL = {  # (SQL over the streams person, auction, bid and the static side_
 def write_events(root: str, events: int, batch: int, seed: int, rate: int,
                  csv: bool = False) -> tuple[list[dict], float]:
     """One parquet file per stream and step (and with ``csv`` one headerless CSV file too, under root/csv, with
-    empty twins of its directories under root/csv-empty); returns the files and the generator's own events/s."""
+    empty twins of its directories under root/csv-empty, and the same with a header line under root/csvh for
+    FileSource); returns the files and the generator's own events/s."""
     files, gen_s = [], 0.0
     for name in nexmark.SCHEMAS:
         os.makedirs(os.path.join(root, name))
         if csv:
-            os.makedirs(os.path.join(root, "csv", name))
-            os.makedirs(os.path.join(root, "csv-empty", name))
+            for sub in ("csv", "csv-empty", "csvh"):
+                os.makedirs(os.path.join(root, sub, name))
     next(nexmark.generate(1, seed=seed))  # the seed's string pools, drawn once per process: not the rate
     it = nexmark.generate(events, seed=seed, batch=batch, rate=rate)
     while True:
@@ -114,6 +121,7 @@ def write_events(root: str, events: int, batch: int, seed: int, rate: int,
             if csv:
                 step["csv:" + name] = os.path.join(root, "csv", name, f"part-{len(files):05d}.csv")
                 pa_csv.write_csv(t, step["csv:" + name], pa_csv.WriteOptions(include_header=False))
+                pa_csv.write_csv(t, os.path.join(root, "csvh", name, f"part-{len(files):05d}.csv"))
         files.append(step)
     pq.write_table(nexmark.side_input(), os.path.join(root, "side_input.parquet"))
     # The generator alone: a second pass with nothing in between (the pass above interleaves parquet writes,
@@ -136,10 +144,31 @@ def read_csv(path: str, name: str) -> pa.Table:
                            convert_options=pa_csv.ConvertOptions(column_types=schema, strings_can_be_null=False))
 
 
+def file_sources(p: dbsp.Pipeline, root: str, reads, source: str) -> list:
+    """One FileSource per stream of ``reads`` over its directory of step files (parquet, or CSV with a header);
+    durable, the files are declared immutable (pushes logged by reference to them)."""
+    from dbsp_core.connectors import FileSource
+
+    sub = "csvh" if source == "csv" else ""
+    return [FileSource(p, name, os.path.join(root, sub, name), immutable_files=p.storage is not None)
+            for name in reads]
+
+
+def push_step(p: dbsp.Pipeline, step: dict, reads, source: str, sources: list | None) -> None:
+    """One step's input: each source's next file, or (without sources) each stream's file read and pushed
+    with one push_many (durable: one fsync of the input log for the step's pushes)."""
+    if sources is not None:
+        for s in sources:
+            s.poll(max_files=1)
+        return
+    p.push_many([(name, read_csv(step["csv:" + name], name) if source == "csv" else pq.read_table(step[name]))
+                 for name in reads])
+
+
 def run_dbsp(query: str, mode: str, workers: int, files: list[dict], root: str,
-             source: str = "parquet") -> dict:
+             source: str = "parquet", reader: str = "push") -> dict:
     """One measurement, in this (child) process, reading each step's parquet (or with ``source="csv"``, CSV)
-    files inside the timed loop."""
+    files inside the timed loop, through FileSources (``reader="files"``) or pyarrow and push_many."""
     storage = tempfile.mkdtemp(prefix=f"nexmark-{query}-", dir=root) if mode == "durable" else None
     c = nexmark.circuit(query)
     from dbsp_core.runtime.embedded import EmbeddedExecutor
@@ -152,13 +181,14 @@ def run_dbsp(query: str, mode: str, workers: int, files: list[dict], root: str,
         if query == "q13":
             p.push("side_input", pq.read_table(os.path.join(root, "side_input.parquet")))
         events, seconds, out_rows, final_rows = 0, 0.0, 0, 0
-        # beside Flink (CSV), read only the streams the query reads, as Flink does; else all, as Spark is timed
-        reads = flink_nexmark.READS.get(query, nexmark.SCHEMAS) if source == "csv" else nexmark.SCHEMAS
+        # beside Flink (CSV) or through FileSources, read only the streams the query reads, as Flink does; else
+        # all, as Spark is timed
+        reads = (flink_nexmark.READS.get(query, nexmark.SCHEMAS) if source == "csv" or reader == "files"
+                 else nexmark.SCHEMAS)
+        sources = file_sources(p, root, reads, source) if reader == "files" else None
         for step in files:
             t0 = time.perf_counter()
-            # one push_many per step: durable, the step's pushes share one fsync of the input log
-            p.push_many([(name, read_csv(step["csv:" + name], name) if source == "csv" else pq.read_table(step[name]))
-                         for name in reads])
+            push_step(p, step, reads, source, sources)
             events += sum(step["rows:" + name] for name in nexmark.SCHEMAS)
             out = p.step()
             seconds += time.perf_counter() - t0
@@ -171,12 +201,15 @@ def run_dbsp(query: str, mode: str, workers: int, files: list[dict], root: str,
             shutil.rmtree(storage, ignore_errors=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     return {"query": query, "mode": mode, "workers": workers, "events": events, "seconds": seconds,
-            "peak_mib": peak, "out_rows": out_rows, "final_rows": final_rows, "late": late, "source": source}
+            "peak_mib": peak, "out_rows": out_rows, "final_rows": final_rows, "late": late, "source": source,
+            "reader": reader}
 
 
-def measure_dbsp(query: str, mode: str, workers: int, root: str, source: str = "parquet") -> dict:
+def measure_dbsp(query: str, mode: str, workers: int, root: str, source: str = "parquet",
+                 reader: str = "push") -> dict:
     """run_dbsp in a fresh child process (its own peak memory)."""
-    arg = json.dumps({"query": query, "mode": mode, "workers": workers, "root": root, "source": source})
+    arg = json.dumps({"query": query, "mode": mode, "workers": workers, "root": root, "source": source,
+                      "reader": reader})
     r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", arg], capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"{query} {mode} W={workers} failed:\n{r.stderr[-3000:]}")
@@ -363,6 +396,9 @@ def main() -> None:
     ap.add_argument("--flink-checkpoint-ms", type=int, default=1000, help="Flink's checkpoint interval, durable")
     ap.add_argument("--check", action="store_true",
                     help="with --peers: compare the rows of each final view with Flink's instead of timing")
+    ap.add_argument("--reader", choices=["auto", "files", "push"], default="auto",
+                    help="files: a FileSource per stream read (durable: pushes logged by reference to the files); "
+                    "push: pyarrow reads, one push_many per step; auto: files when durable is among the modes")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.check and not args.peers:
@@ -370,7 +406,8 @@ def main() -> None:
     if args.child:
         a = json.loads(args.child)
         files = json.load(open(os.path.join(a["root"], "files.json")))
-        print(json.dumps(run_dbsp(a["query"], a["mode"], a["workers"], files, a["root"], a["source"])))
+        print(json.dumps(run_dbsp(a["query"], a["mode"], a["workers"], files, a["root"], a["source"],
+                                  a.get("reader", "push"))))
         return
     queries = [q.strip() for q in args.queries.split(",") if q.strip()]
     for q in queries:
@@ -387,11 +424,14 @@ def main() -> None:
         if args.check:
             sys.exit(0 if check(args, queries, workers, root) else 1)
         source = "csv" if args.peers else "parquet"
+        reader = args.reader if args.reader != "auto" else "files" if "durable" in modes else "push"
+        print(f"dbsp reads the events through {'FileSources' if reader == 'files' else 'pyarrow and push_many'}",
+              flush=True)
         rows = []
         for q in queries:
             for mode in modes:
                 for w in workers:
-                    r = measure_dbsp(q, mode, w, root, source)
+                    r = measure_dbsp(q, mode, w, root, source, reader)
                     rate = r["events"] / r["seconds"]
                     print(f"{q:>4} {mode:>7} W={w}: {rate:>12,.0f} events/s  {rate / w:>12,.0f} /core  "
                           f"peak {r['peak_mib']:,.0f} MiB  ({r['out_rows']:,} output rows, {r['late']} late)",

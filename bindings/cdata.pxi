@@ -80,13 +80,17 @@ def take(table, idx, schema=None, cols=None):
     return import_batch(&out, schema)
 
 
-def take_pairs(left, lidx, rright, ridx, rcols, schema):
-    """A join's output rows: every column of `left` at `lidx`, then columns `rcols` (positions) of `rright` at
-    `ridx` (int64 arrays of one length, each index in range, else IndexError), as a Table of `schema` (those
-    columns' types, in that order) with one chunk per column, from one C call (csrc/cdata.h)."""
+def take_pairs(left, lidx, rright, ridx, rcols, schema, lcols=None):
+    """A join's output rows: every column of `left` (or, with `lcols`, those positions) at `lidx`, then columns
+    `rcols` (positions) of `rright` at `ridx` (int64 arrays of one length, each index in range, else IndexError), as
+    a Table of `schema` (those columns' types, in that order) with one chunk per column, from one C call
+    (csrc/cdata.h)."""
     cdef BatchView a = view_of(left)
     cdef BatchView b = view_of(rright)
     cdef Int32s bc = Int32s(rcols)
+    cdef Int32s ac = Int32s(lcols if lcols is not None else [])
+    cdef const int32_t *ap = ac.p if lcols is not None else NULL
+    cdef int32_t na = ac.n if lcols is not None else a.c.ncols
     li = np.ascontiguousarray(lidx, dtype=np.int64)
     ri = np.ascontiguousarray(ridx, dtype=np.int64)
     if li.shape[0] != ri.shape[0]:
@@ -94,7 +98,10 @@ def take_pairs(left, lidx, rright, ridx, rcols, schema):
     for k in range(bc.n):
         if bc.p[k] < 0 or bc.p[k] >= b.c.ncols:
             raise IndexError(f"take_pairs: right column {bc.p[k]} is outside 0..{b.c.ncols - 1}")
-    check_types(schema, a, NULL, a.c.ncols, b, bc.p, bc.n)
+    for k in range(na if ap != NULL else 0):
+        if ap[k] < 0 or ap[k] >= a.c.ncols:
+            raise IndexError(f"take_pairs: left column {ap[k]} is outside 0..{a.c.ncols - 1}")
+    check_types(schema, a, ap, na, b, bc.p, bc.n)
     cdef const int64_t[::1] pl = li
     cdef const int64_t[::1] pr = ri
     cdef int64_t m = li.shape[0]
@@ -108,7 +115,7 @@ def take_pairs(left, lidx, rright, ridx, rcols, schema):
         if st == DBSP_OK:
             st = dbsp_gather_check(rp, m, b.c.nrows)
         if st == DBSP_OK:
-            st = dbsp_cdata_gather2(&a.c, NULL, a.c.ncols, lp, &b.c, bc.p, bc.n, rp, m, &out)
+            st = dbsp_cdata_gather2(&a.c, ap, na, lp, &b.c, bc.p, bc.n, rp, m, &out)
     if st == DBSP_EINVAL:
         raise IndexError("take_pairs: a row index or column position is out of range")
     check_status(st, "take_pairs")

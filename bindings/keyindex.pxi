@@ -28,8 +28,31 @@ cdef class KeyIndex:
 
     @property
     def nbytes(self):
-        """Bytes of the slot tables (the new and the old one while growing)."""
+        """Bytes of the slot tables (the new and the old one while growing) and of the entries."""
         return dbsp_keyindex_bytes(self.ix)
+
+    @property
+    def regions(self):
+        """[(address, bytes)] of the mapped regions (the large slot tables and entries; csrc/keyindex.h
+        invariant 7): where /proc/self/smaps shows what of them the process holds."""
+        cdef void *at[3]
+        cdef size_t ln[3]
+        cdef int n = dbsp_keyindex_regions(self.ix, at, ln)
+        return [(<uintptr_t>at[i], ln[i]) for i in range(n)]
+
+    def set_dir(self, directory):
+        """Keep the large regions in unlinked files of ``directory`` from now on (None: anonymous memory), moving
+        those held now (csrc/keyindex.h invariant 7)."""
+        cdef bytes d = b""
+        cdef const char *p = NULL
+        if directory is not None:
+            d = os.fsencode(directory)
+            p = d
+        check_status(dbsp_keyindex_set_dir(self.ix, p), "KeyIndex.set_dir")
+
+    def drop_pages(self):
+        """Return the pages of the file regions to the page cache (invariant 7); their bytes (0 without files)."""
+        return dbsp_keyindex_drop_pages(self.ix)
 
     @property
     def growing(self):

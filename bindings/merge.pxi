@@ -110,6 +110,15 @@ cdef class MergeCursor:
         try:
             os.unlink(path)  # nobody needs the file once the mapping goes: the kernel frees its pages then
             os.ftruncate(fd, total)
+            try:  # blocks reserved now: a full disk is an error here, not a SIGBUS when a step writes a page
+                os.posix_fallocate(fd, 0, total)
+            except OSError as e:
+                if e.errno == errno.ENOSPC or e.errno == errno.EDQUOT:
+                    raise StorageError(e.errno, f"a merge's output needs {total} bytes of scratch space in "
+                                                f"{spill_dir}, and its file system has no room left: free space "
+                                                f"there, or point spill_dir at a bigger one") from None
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
             self.mapping = _mmap.mmap(fd, total, flags=_mmap.MAP_SHARED, prot=_mmap.PROT_READ | _mmap.PROT_WRITE)
         finally:
             os.close(fd)

@@ -50,7 +50,8 @@ cdef extern from "pagestore.h" nogil:
     int dbsp_pagestore_versions(DbspPageStore *ps, uint64_t *first, uint64_t *count)
     int dbsp_pagestore_check(DbspPageStore *ps)
     int dbsp_pagestore_check_version(DbspPageStore *ps, uint64_t version)
-    int dbsp_pagestore_stats(DbspPageStore *ps, uint64_t *page_count, uint64_t *free_pages, uint64_t *last_commit_pages)
+    int dbsp_pagestore_stats(DbspPageStore *ps, uint64_t *page_count, uint64_t *free_pages, uint64_t *last_commit_pages,
+                             uint64_t *cached_pages, uint64_t *dirty_pages)
     int dbsp_pagestore_begin(DbspPageStore *ps, uint64_t v, DbspTxn **out)
     int dbsp_pagestore_read(DbspPageStore *ps, uint64_t v, DbspTxn **out)
     int dbsp_txn_commit(DbspTxn *t)
@@ -111,3 +112,10 @@ cdef extern from "smallfile.h" nogil:
     int dbsp_file_replace(DbspVfs *vfs, const char *path, const void *data, size_t len)
     int dbsp_file_read(DbspVfs *vfs, const char *path, unsigned char **out, size_t *len)
     int dbsp_file_remove(DbspVfs *vfs, const char *path)
+    ctypedef struct DbspFileWriter:
+        pass
+    int dbsp_file_writer_open(DbspVfs *vfs, const char *path, DbspFileWriter **out)
+    int dbsp_file_writer_pwrite(DbspFileWriter *w, const void *data, size_t len, uint64_t off)
+    int dbsp_file_writer_pread(DbspFileWriter *w, void *buf, size_t len, uint64_t off, size_t *nread)
+    int dbsp_file_writer_commit(DbspFileWriter *w, int sync)
+    int dbsp_file_writer_abort(DbspFileWriter *w, int unlink)

@@ -3,6 +3,8 @@ from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport free, malloc
 from libc.errno cimport EIO, ENOSPC
 from cpython.bytes cimport PyBytes_FromStringAndSize
+from posix.mman cimport madvise
+from posix.uio cimport iovec
 
 from storage cimport *
 
@@ -56,6 +58,109 @@ def crc32c(data, unsigned int crc=0):
     with nogil:
         crc = dbsp_crc32c(crc, p, n)
     return crc
+
+
+cdef extern from *:
+    """
+    #include <errno.h>
+    #include <sys/mman.h>
+    #include <sys/syscall.h>
+    #include <sys/uio.h>
+    #include <unistd.h>
+
+    /* Whether this kernel refused process_madvise on this process (before Linux 6.13 it takes only MADV_COLD and
+     * MADV_PAGEOUT; or no such call): then every run is its own madvise. Set once, read racily (either is right). */
+    static int dbsp_advise_one_by_one = 0;
+    static long dbsp_advise_syscalls = 0;  /* system calls made by dbsp_advise_runs (advise_calls()) */
+
+    /* madvise(advice) of runs[0..n) of this process, at most 1024 (UIO_MAXIOV) per system call: process_madvise(2)
+     * on a pidfd of this process, so that the kernel takes the mmap lock, and flushes the TLBs of the process's other
+     * threads' CPUs, once per call rather than once per run; a run the call did not reach (partial: an error) and
+     * every run on a kernel that refuses it get a madvise of their own. Returns the runs advised. */
+    static long dbsp_advise_runs(struct iovec *runs, long n, int advice) {
+        long done = 0, i = 0, i0;
+    #if defined(SYS_process_madvise) && defined(SYS_pidfd_open)
+        if (n > 1 && !dbsp_advise_one_by_one) {
+            int fd = (int)syscall(SYS_pidfd_open, getpid(), 0);
+            if (fd >= 0) {
+                while (i < n) {
+                    long k = n - i < 1024 ? n - i : 1024, j = i;
+                    long got = syscall(SYS_process_madvise, fd, runs + i, (size_t)k, advice, 0u);
+                    __atomic_fetch_add(&dbsp_advise_syscalls, 1, __ATOMIC_RELAXED);
+                    if (got < 0) {
+                        if (errno == EINVAL || errno == ENOSYS || errno == EPERM) dbsp_advise_one_by_one = 1;
+                        break;
+                    }
+                    /* the runs it advised whole: a call that failed on a run returns the bytes before it */
+                    for (size_t left = (size_t)got; j < i + k && left >= runs[j].iov_len; j++) left -= runs[j].iov_len;
+                    done += j - i;
+                    if (j < i + k) {  /* stopped at run j: it and the rest, one by one */
+                        i = j;
+                        break;
+                    }
+                    i = j;
+                }
+                close(fd);
+            }
+        }
+    #endif
+        i0 = i;
+        for (; i < n; i++)
+            if (madvise(runs[i].iov_base, runs[i].iov_len, advice) == 0) done++;
+        __atomic_fetch_add(&dbsp_advise_syscalls, n - i0, __ATOMIC_RELAXED);
+        return done;
+    }
+    """
+    long dbsp_advise_runs(iovec *runs, long n, int advice) nogil
+    int dbsp_advise_one_by_one
+    long dbsp_advise_syscalls
+
+
+def advise_calls(one_by_one=None):
+    """System calls :func:`advise_pages` made so far in this process; ``one_by_one`` True/False: from now on a
+    madvise per run / up to 1024 runs a call where the kernel takes it (tests compare the two)."""
+    global dbsp_advise_one_by_one
+    if one_by_one is not None:
+        dbsp_advise_one_by_one = 1 if one_by_one else 0
+    return dbsp_advise_syscalls
+
+
+def advise_pages(mapping, const int64_t[::1] first, const int64_t[::1] count, size_t page, int advice):
+    """madvise(``advice``) runs of pages of ``mapping`` (an mmap: pages ``first[i]`` to ``first[i] + count[i]``, of
+    ``page`` bytes, clipped to it), the GIL released: MADV_DONTNEED for the batch store's cache evictions,
+    MADV_WILLNEED for its prefetch of the pages a step's keys will read (dbsp_core/trace/spill.py invariant 12: each
+    call starts the reads of its run without waiting for them, so the runs' reads overlap). Up to 1024 runs go in
+    one system call (``dbsp_advise_runs``: process_madvise, or a madvise per run where the kernel refuses it). The
+    mapping stays exported, so open, for the call. Returns the runs advised."""
+    cdef const unsigned char[::1] view = memoryview(mapping).cast("B")
+    cdef size_t n = view.shape[0], lo, hi
+    cdef Py_ssize_t i, runs = first.shape[0], done = 0, k = 0
+    cdef char *base = <char *> &view[0] if n else NULL
+    cdef iovec *iov
+    if count.shape[0] != runs:
+        raise ValueError("advise_pages: first and count differ in length")
+    if page == 0:
+        raise ValueError("advise_pages: a page of 0 bytes")
+    if runs == 0:
+        return 0
+    iov = <iovec *> malloc(runs * sizeof(iovec))
+    if iov == NULL:
+        raise MemoryError("advise_pages: out of memory")
+    try:
+        with nogil:
+            for i in range(runs):
+                # in pages first, so that no product wraps (a wrapped start would drop a page at the mapping's start)
+                if first[i] < 0 or count[i] <= 0 or n == 0 or <size_t> first[i] > (n - 1) / page:
+                    continue  # (a last page the mapping holds part of is in it)
+                lo = <size_t> first[i] * page
+                hi = n if <size_t> count[i] >= (n - lo + page - 1) / page else lo + <size_t> count[i] * page
+                iov[k].iov_base = base + lo
+                iov[k].iov_len = hi - lo
+                k += 1
+            done = dbsp_advise_runs(iov, k, advice)
+    finally:
+        free(iov)
+    return done
 
 
 def crc32c_portable(data, unsigned int crc=0):
@@ -152,10 +257,10 @@ cdef class PageStore:
         check(st)
 
     def stats(self):
-        cdef uint64_t pc, nf, lc
+        cdef uint64_t pc, nf, lc, cp, dp
         self.alive()
-        check(dbsp_pagestore_stats(self.ps, &pc, &nf, &lc))
-        return pc, nf, lc
+        check(dbsp_pagestore_stats(self.ps, &pc, &nf, &lc, &cp, &dp))
+        return pc, nf, lc, cp, dp
 
     def begin(self, uint64_t v, bint readonly=False):
         """A transaction writing v+1 from v (discarding the other version), or with ``readonly`` one reading v
@@ -574,3 +679,83 @@ def file_remove(str path, str vfs="posix"):
     with nogil:
         st = dbsp_file_remove(v, cp)
     check(st)
+
+
+# ---- files streamed in pieces and put in place atomically (csrc/smallfile.h, invariant 3) ----
+
+cdef class FileWriter:
+    """``path`` written in pieces through the VFS ``vfs``: to ``path``.tmp (created or truncated), then put in place
+    by :meth:`commit` (fsync, rename, fsync of the directory) or given up by :meth:`abort`. Every call is one VFS
+    operation (the fault VFS counts and can crash each); the I/O runs without the GIL."""
+    cdef DbspFileWriter *w
+    cdef readonly str path
+
+    def __cinit__(self, str path, str vfs="posix"):
+        cdef bytes p = path.encode()
+        cdef const char *cp = p
+        cdef DbspVfs *v = pick_vfs(vfs)
+        cdef int st
+        self.path = path
+        with nogil:
+            st = dbsp_file_writer_open(v, cp, &self.w)
+        check(st)
+
+    def __dealloc__(self):
+        if self.w != NULL:
+            dbsp_file_writer_abort(self.w, 0)
+            self.w = NULL
+
+    @property
+    def done(self):
+        """Whether :meth:`commit` or :meth:`abort` was called (whatever it returned: the writer is gone)."""
+        return self.w == NULL
+
+    cdef int alive(self) except -1:
+        if self.w == NULL:
+            raise ValueError(f"file writer of {self.path} is committed or aborted")
+        return 0
+
+    def pwrite(self, data, uint64_t offset):
+        """Write the bytes of ``data`` (any buffer) at ``offset`` of the temporary file."""
+        self.alive()
+        cdef const unsigned char[::1] view = as_view(data)
+        cdef size_t n = view.shape[0]
+        cdef const void *dp = &view[0] if n else NULL
+        cdef int st
+        with nogil:
+            st = dbsp_file_writer_pwrite(self.w, dp, n, offset)
+        check(st)
+
+    def pread(self, size_t n, uint64_t offset):
+        """Up to ``n`` bytes of the temporary file from ``offset`` (fewer only at its end)."""
+        self.alive()
+        cdef bytearray out = bytearray(n)
+        cdef unsigned char[::1] view = out
+        cdef size_t got = 0
+        cdef int st
+        with nogil:
+            st = dbsp_file_writer_pread(self.w, &view[0] if n else NULL, n, offset, &got)
+        check(st)
+        del view
+        if got < n:
+            del out[got:]
+        return out
+
+    cdef int finish(self, bint commit, bint flag) except -1:
+        """Commit (``flag``: sync) or abort (``flag``: unlink) the file; the writer is gone either way."""
+        cdef DbspFileWriter *w = self.w
+        cdef int st
+        self.w = NULL
+        with nogil:
+            st = dbsp_file_writer_commit(w, flag) if commit else dbsp_file_writer_abort(w, flag)
+        return check(st)
+
+    def commit(self, bint sync=True):
+        """Put the file in place: fsync it (``sync``), rename it over ``path``, fsync the directory (``sync``)."""
+        self.alive()
+        self.finish(True, sync)
+
+    def abort(self, bint unlink=True):
+        """Give the file up: close it and (``unlink``) remove the temporary file; a second call does nothing."""
+        if self.w != NULL:
+            self.finish(False, unlink)

@@ -61,10 +61,13 @@ cdef extern from "hash.h" nogil:
 cdef extern from "zset.h" nogil:
     int dbsp_zset_consolidate(const CBatch *b, const int32_t *keys, int32_t nkeys, CRows *out)
     int dbsp_zset_consolidate_rh(const CBatch *b, const int32_t *keys, int32_t nkeys, CRows *out, uint64_t **rhash)
+    int dbsp_zset_consolidate_runs(const CBatch *b, const uint64_t *kh, const int64_t *sel, int64_t n, CRows *out,
+                                   uint64_t *orh)
     int dbsp_zset_merge(const CBatch *a, const uint64_t *akh, const CBatch *b, const uint64_t *bkh,
                         const int32_t *keys, int32_t nkeys, CRows *out)
     int dbsp_weights_negate(const int64_t *w, int64_t n, int64_t *out)
     int dbsp_zset_sum_adjacent(const CBatch *b, const uint64_t *h, int64_t *idx, int64_t *w, int64_t *n)
+    int dbsp_zset_distinct(const CBatch *b, const uint64_t *rh, int64_t *idx, int64_t *w, int64_t *n)
     int dbsp_rows_check_order(const CBatch *b, const int64_t *sel, const int64_t *weights, const uint64_t *khash,
                               int64_t n, const int32_t *keys, int32_t nkeys)
     int64_t dbsp_small_rows
@@ -153,6 +156,9 @@ cdef extern from "keyindex.h" nogil:
     int dbsp_keyindex_put(CKeyIndex *ix, const CBatch *b, const int32_t *keys, int64_t r, uint64_t h,
                           const int64_t *vals, int64_t vstride, int64_t more)
     int dbsp_keyindex_check(const CKeyIndex *ix)
+    int dbsp_keyindex_set_dir(CKeyIndex *ix, const char *dir)
+    int64_t dbsp_keyindex_drop_pages(CKeyIndex *ix)
+    int dbsp_keyindex_regions(const CKeyIndex *ix, void **at, size_t *len)
 
 cdef extern from "partition.h" nogil:
     int dbsp_partition(const uint64_t *khash, int64_t n, const int32_t *part_of_shard, int shard_bits,

@@ -1,4 +1,4 @@
-# zset.pxi: the Z-set kernels (zset.h, rows.h): consolidate, merge, negate, sum_adjacent and the order checker.
+# zset.pxi: the Z-set kernels (zset.h, rows.h): consolidate, merge, negate, sum_adjacent, distinct and the order checker.
 
 cdef object rows_result(CRows *r):
     """Hand a DbspRows' arrays to numpy (ownership moves) as (idx, weights, khash)."""
@@ -25,6 +25,37 @@ def consolidate(table, weights, keys, bint row_hashes=False):
     if not row_hashes:
         return out
     return out + ((own_array(rh, out[0].shape[0], np.uint64) if rh != NULL else None),)
+
+
+def consolidate_runs(table, weights, khash, sel=None):
+    """(idx, weights, khash, rhash): the consolidated rows of (table, weights), or of its rows ``sel`` (ascending),
+    in canonical order for a key whose hash each row already has in ``khash`` (ascending over the rows taken: an
+    indexed batch's rows projected onto its key and other columns), sorted only within runs of equal key hashes;
+    rhash: the kept rows' row hashes over every column (csrc/zset.h dbsp_zset_consolidate_runs)."""
+    cdef BatchView v = view_of(table, weights)
+    kh = np.ascontiguousarray(khash, dtype=np.uint64)
+    if kh.shape[0] != v.c.nrows:
+        raise ValueError(f"consolidate_runs: {kh.shape[0]} key hashes for {v.c.nrows} rows")
+    cdef const uint64_t[::1] pk = kh
+    cdef const int64_t[::1] ps
+    cdef const int64_t *psel = NULL
+    cdef int64_t n = v.c.nrows
+    if sel is not None:
+        s = np.ascontiguousarray(sel, dtype=np.int64)
+        ps = s
+        n = s.shape[0]
+        psel = &ps[0] if n else NULL
+    rh = np.empty(max(n, 1), dtype=np.uint64)
+    cdef uint64_t[::1] prh = rh
+    cdef CRows r
+    cdef int st = DBSP_OK
+    if n == 0:
+        return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.uint64), np.empty(0, np.uint64)
+    with nogil:
+        st = dbsp_zset_consolidate_runs(&v.c, &pk[0], psel, n, &r, &prh[0])
+    check_status(st, "consolidate_runs")
+    out = rows_result(&r)
+    return out + (rh[:out[0].shape[0]],)
 
 
 def merge(ta, wa, kha, tb, wb, khb, keys):
@@ -86,6 +117,29 @@ def sum_adjacent(table, weights, h):
     with nogil:
         st = dbsp_zset_sum_adjacent(&v.c, &ph[0], &pi[0], &pw[0], &n)
     check_status(st, "sum_adjacent")
+    return None if n == m else (idx[:n], w[:n])
+
+
+def distinct(table, weights, rh):
+    """The equal rows of (table, weights) summed, in no particular order (csrc/zset.h dbsp_zset_distinct), given the
+    rows' row hashes rh: (idx, weights) of the rows kept, in row order, zero sums dropped; None when no two rows are
+    equal and no weight is 0 (every row stays as it is)."""
+    cdef BatchView v = view_of(table, weights)
+    hh = np.ascontiguousarray(rh, dtype=np.uint64)
+    cdef int64_t m = v.c.nrows, n = 0
+    if hh.shape[0] != m:
+        raise ValueError(f"distinct: {hh.shape[0]} row hashes for {m} rows")
+    if m == 0:
+        return None
+    idx = np.empty(m, dtype=np.int64)
+    w = np.empty(m, dtype=np.int64)
+    cdef const uint64_t[::1] ph = hh
+    cdef int64_t[::1] pi = idx
+    cdef int64_t[::1] pw = w
+    cdef int st
+    with nogil:
+        st = dbsp_zset_distinct(&v.c, &ph[0], &pi[0], &pw[0], &n)
+    check_status(st, "distinct")
     return None if n == m else (idx[:n], w[:n])
 
 

@@ -9,11 +9,12 @@ from libc.string cimport memcpy
 
 from zset cimport *
 
+import errno
 import os
 import numpy as np
 import pyarrow as pa
 
-from dbsp_core.errors import DbspError, SchemaError, WeightOverflowError
+from dbsp_core.errors import DbspError, SchemaError, StorageError, WeightOverflowError
 
 include "column.pxi"
 include "hash.pxi"

@@ -1,46 +1,95 @@
 /* keyindex.c: the hash index from fixed-width keys to int64 sums (keyindex.h). */
+#include <fcntl.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include "keyindex.h"
 #include "status.h"
 
-#define OCCUPIED (1ULL << 63)
-#define NULL_SHIFT 55                    /* a slot's head word: OCCUPIED | null mask << 55 | hash bits 0-54 */
-#define HASH_BITS ((1ULL << NULL_SHIFT) - 1)
-#define PF_AHEAD 16 /* probes prefetched ahead: a large index is bound by memory latency */
+#define HASH_BITS 28   /* a slot word (invariant 3): the low 28 bits of the key hash, which place it, */
+#define NULL_SHIFT 28  /* the key's null mask in bits 28-35, */
+#define ENTRY_SHIFT 36 /* and 1 + the number of its entry in bits 36-63; 0 is an empty slot */
+#define HASH_MASK ((1ULL << HASH_BITS) - 1)
+#define TAG_MASK ((1ULL << ENTRY_SHIFT) - 1) /* a slot's tag: hash bits and null mask, what a probe compares first */
+#define MAX_SLOTS (1LL << HASH_BITS)         /* a table's home is the hash's low bits: at most 2^28 slots */
+#define MAX_ENTRIES ((1LL << (64 - ENTRY_SHIFT)) - 1)
+#define PF_AHEAD 32 /* probes prefetched ahead: a large index is bound by memory latency */
+#define PF_GROUP 16 /* rows whose probes get_into prefetches together: their slots, then the entries */
+#define PF_NEAR 16   /* rows ahead whose home slot (prefetched PF_AHEAD rows ahead) is read to prefetch its entry */
 #define HUGE_ALIGN ((size_t)2 << 20) /* tables this large are mapped pages, aligned for 2 MiB (huge) pages */
+#define PAGE ((size_t)4096)
 #define MOVE_PER_ROW 8 /* old slots moved per probing row while growing (invariant 5) */
 
-/* Invariant 6: bytes of every index's slot tables in the process, and the budget on them (0: none). */
+/* Invariant 6: bytes of every index's slot tables and entries in the process, and the budget on them (0: none). */
 static _Atomic int64_t g_total = 0;
 static _Atomic int64_t g_limit = 0;
 
-/* A slot table: cap (a power of two) slots of stride words. */
+/* A slot table: cap (a power of two) slot words. */
 typedef struct {
     uint64_t *slots;
     int64_t cap;
     void *base;    /* what to unmap (mapped tables), NULL for a calloc'ed one */
     size_t mapped; /* bytes mapped at base */
+    int file;      /* a shared mapping of an unlinked file (invariant 7), not anonymous pages */
 } Table;
 
+/* The entries (invariant 3): entry e is the ew words at w + e * ew, its key words then its sums. */
+typedef struct {
+    uint64_t *w;
+    int64_t room;  /* entries allocated */
+    int64_t used;  /* entries ever handed out (live ones and free ones below it) */
+    int64_t free;  /* the first free entry below used (its word 0 holds the next one), -1 when none */
+    size_t bytes;  /* bytes allocated (counted in g_total) */
+    int mapped;    /* pages grown by mremap (no copy), else malloc'ed */
+    int fd;        /* mapped from this unlinked file (invariant 7), -1 for anonymous pages or malloc */
+} Entries;
+
 struct DbspKeyIndex {
-    int32_t nkeys, nvals, stride; /* stride = 1 + nkeys + nvals words: head (hash and tag), key words, sums */
+    int32_t nkeys, nvals, ew; /* ew = nkeys + nvals words per entry: key words, sums */
     int32_t types[DBSP_KEYINDEX_MAX_KEYS];
     int64_t count;      /* entries in both tables */
-    int64_t max_bytes;  /* the slot tables' limit (0: none) */
+    int64_t max_bytes;  /* the limit on the slot table plus the entries (0: none) */
     int broken;
     Table cur;          /* the table new entries go to */
     Table old;          /* while growing (old.slots != NULL): the table being moved into cur (invariant 5) */
+    Entries ents;
     uint64_t start;     /* growing: the old slot the move began at (empty when it began) */
     uint64_t moved;     /* growing: old slots moved so far, from start on (so [start, start + moved) is empty) */
     int64_t old_added;  /* growing: new keys put in the old table (at most an eighth of its slots) */
     int64_t spilled;    /* growing: new keys put in cur though their old home is not moved (lookups look twice) */
     int64_t spills;     /* spilled keys, ever (tests) */
     int huge_later;     /* cur was mapped without huge-page advice: give it once growing ends */
+    char *dir;          /* invariant 7: large regions are files in this directory (NULL: anonymous pages) */
 };
+
+/* Invariant 7: an unlinked file of `bytes` zero bytes in dir, open read-write; -1 on failure. */
+static int scratch_file(const char *dir, size_t bytes) {
+    int fd = -1;
+#ifdef O_TMPFILE
+    fd = open(dir, O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+#endif
+    if (fd < 0) { /* a file system without O_TMPFILE: a named file, unlinked at once */
+        size_t n = strlen(dir) + 32;
+        char *path = malloc(n);
+        if (!path) return -1;
+        snprintf(path, n, "%s/keyindex-XXXXXX", dir);
+        fd = mkstemp(path);
+        if (fd >= 0) unlink(path);
+        free(path);
+        if (fd < 0) return -1;
+    }
+    /* blocks reserved, not a sparse file: a full disk fails here (the owner walks its batches), never as a SIGBUS
+     * when a probe or a put first writes a page */
+    if (posix_fallocate(fd, 0, (off_t)bytes) != 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
 
 /* A zeroed table of cap slots. Small ones come from calloc; large ones are anonymous pages aligned to 2 MiB, which
  * the kernel zeroes as they are first written (1.4-2 us per 4 KiB page here: 55-80 ms for a 160 MiB table). With `huge`
@@ -51,13 +100,25 @@ struct DbspKeyIndex {
  * meanwhile its 4 KiB pages fault in one by one as the move and new keys reach them, spread over the steps that grow
  * it. (Prefaulting them on a thread of their own was tried: on two cores, with a merger thread beside the steps, it
  * took CPU from the steps and their p99 rose.) */
-static int table_alloc(Table *t, int64_t cap, int32_t stride, int huge) {
-    size_t n = (size_t)cap * (size_t)stride * 8;
+static int table_alloc(Table *t, int64_t cap, int huge, const char *dir) {
+    size_t n = (size_t)cap * 8;
     memset(t, 0, sizeof *t);
     if (n < HUGE_ALIGN) {
         t->slots = calloc(n, 1);
         if (!t->slots) return DBSP_ENOMEM;
         t->cap = cap;
+        return DBSP_OK;
+    }
+    if (dir) { /* invariant 7: a shared mapping of an unlinked file, whose pages can leave the process */
+        int fd = scratch_file(dir, n);
+        if (fd < 0) return DBSP_ENOMEM; /* no room in dir: as no memory (the owner walks its batches) */
+        void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        close(fd); /* the mapping keeps the file */
+        if (p == MAP_FAILED) return DBSP_ENOMEM;
+        t->cap = cap;
+        t->base = t->slots = p;
+        t->mapped = n;
+        t->file = 1;
         return DBSP_OK;
     }
     size_t len = n + HUGE_ALIGN;
@@ -73,16 +134,16 @@ static int table_alloc(Table *t, int64_t cap, int32_t stride, int huge) {
     return DBSP_OK;
 }
 
-static void table_free(Table *t, int32_t stride) {
-    if (t->slots) atomic_fetch_sub(&g_total, t->cap * (int64_t)stride * 8);
+static void table_free(Table *t) {
+    if (t->slots) atomic_fetch_sub(&g_total, t->cap * (int64_t)8);
     if (t->base) munmap(t->base, t->mapped);
     else free(t->slots);
     memset(t, 0, sizeof *t);
 }
 
-/* Invariant 6: count `bytes` of a table about to be allocated against the process-wide budget; 0 (nothing counted)
- * when the tables held plus these would pass it. One atomic add, so indexes growing on several worker threads at
- * once cannot pass the budget together. `check` 0: count without checking (a new index's first table, a shrink). */
+/* Invariant 6: count `bytes` about to be allocated against the process-wide budget; 0 (nothing counted) when the
+ * bytes held plus these would pass it. One atomic add, so indexes growing on several worker threads at once cannot
+ * pass the budget together. `check` 0: count without checking (a new index's first table, a shrink). */
 static int budget_take(int64_t bytes, int check) {
     int64_t after = atomic_fetch_add(&g_total, bytes) + bytes, limit = atomic_load(&g_limit);
     if (check && limit > 0 && after > limit) {
@@ -96,12 +157,136 @@ void dbsp_keyindex_set_budget(int64_t bytes) { atomic_store(&g_limit, bytes > 0 
 int64_t dbsp_keyindex_budget(void) { return atomic_load(&g_limit); }
 int64_t dbsp_keyindex_total_bytes(void) { return atomic_load(&g_total); }
 
-static void table_advise_huge(Table *t, int32_t stride) {
+static void table_advise_huge(Table *t) {
 #ifdef MADV_HUGEPAGE
-    if (t->base) madvise(t->slots, (size_t)t->cap * (size_t)stride * 8, MADV_HUGEPAGE);
+    if (t->base) madvise(t->slots, (size_t)t->cap * 8, MADV_HUGEPAGE);
 #else
-    (void)t, (void)stride;
+    (void)t;
 #endif
+}
+
+static void entries_free(Entries *e) {
+    atomic_fetch_sub(&g_total, (int64_t)e->bytes);
+    if (e->mapped) munmap(e->w, e->bytes);
+    else free(e->w);
+    if (e->fd >= 0) close(e->fd);
+    memset(e, 0, sizeof *e);
+    e->free = -1;
+    e->fd = -1;
+}
+
+/* An address range of `bytes` aligned to 2 MiB, reserved (no access, no memory) for a mapping to be put there with
+ * MAP_FIXED or MREMAP_FIXED; NULL when none is free. */
+static void *aligned_range(size_t bytes) {
+    size_t len = bytes + HUGE_ALIGN;
+    char *p = mmap(NULL, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return NULL;
+    char *a = (char *)(((uintptr_t)p + HUGE_ALIGN - 1) & ~(uintptr_t)(HUGE_ALIGN - 1));
+    if (a > p) munmap(p, (size_t)(a - p));
+    if (p + len > a + bytes) munmap(a + bytes, (size_t)(p + len - (a + bytes)));
+    return a;
+}
+
+/* Room for `room` entries of ew words (invariant 3): malloc'ed while small, then pages that grow by mremap (the
+ * kernel moves page tables, not bytes: no copy of a large index inside a step), resident only once written:
+ * anonymous, or with `dir` a shared mapping of an unlinked file there that grows with it (invariant 7). Counted
+ * against max_bytes (beside the slot table `slot_bytes`) and the budget (invariant 6); on failure nothing
+ * changes. */
+static int entries_grow(Entries *e, int64_t room, int32_t ew, int64_t max_bytes, int64_t slot_bytes,
+                        const char *dir) {
+    size_t want = (size_t)room * (size_t)ew * 8, bytes = want;
+    int map = want >= HUGE_ALIGN;
+    if (map) { /* anonymous: whole 2 MiB pages, so the page that new entries are written into is always whole in
+                * the mapping and faults in huge (a partial one at its end would fault in 4 KiB pages) */
+        size_t unit = dir ? PAGE : HUGE_ALIGN;
+        bytes = (want + unit - 1) & ~(unit - 1);
+    }
+    if (max_bytes && slot_bytes + (int64_t)bytes > max_bytes) return DBSP_ETOOBIG;
+    if (!budget_take((int64_t)bytes - (int64_t)e->bytes, 1)) return DBSP_ETOOBIG;
+    void *p = NULL;
+    int fd = e->fd; /* a file that cannot grow fails as memory does (the owner walks its batches) */
+    if (!map) {
+        p = realloc(e->w, bytes);
+    } else if (e->mapped && (e->fd >= 0) == (dir != NULL)) { /* grows in place: anonymous, or the same file */
+        if (e->fd >= 0) {
+            if (posix_fallocate(e->fd, 0, (off_t)bytes) == 0) p = mremap(e->w, e->bytes, bytes, MREMAP_MAYMOVE);
+        } else { /* to a 2 MiB-aligned place, so its huge pages stay huge and new ones can be */
+            void *at = aligned_range(bytes);
+            p = at ? mremap(e->w, e->bytes, bytes, MREMAP_MAYMOVE | MREMAP_FIXED, at) : MAP_FAILED;
+            if (p == MAP_FAILED && at) munmap(at, bytes);
+        }
+        if (p == MAP_FAILED) p = NULL;
+    } else { /* first mapped, or moving between anonymous pages and a file: copy what is used */
+        fd = dir ? scratch_file(dir, bytes) : -1;
+        void *at = dir ? NULL : aligned_range(bytes);
+        if (dir ? fd >= 0 : at != NULL) {
+            p = dir ? mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                    : mmap(at, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+            if (p == MAP_FAILED) {
+                if (at) munmap(at, bytes);
+                p = NULL;
+                if (fd >= 0) close(fd);
+                fd = e->fd;
+            } else {
+                if (e->w) memcpy(p, e->w, (size_t)e->used * (size_t)ew * 8);
+                if (e->mapped) munmap(e->w, e->bytes);
+                else free(e->w);
+                if (e->fd >= 0) close(e->fd);
+            }
+        }
+    }
+    if (!p) {
+        atomic_fetch_sub(&g_total, (int64_t)bytes - (int64_t)e->bytes);
+        return DBSP_ENOMEM;
+    }
+    e->w = p;
+    e->mapped = map;
+    e->fd = map ? fd : -1;
+    e->bytes = bytes;
+    e->room = (int64_t)(bytes / ((size_t)ew * 8));
+#ifdef MADV_HUGEPAGE
+    /* anonymous entries on huge pages (kept 2 MiB-aligned through growth): probes land at random in them, and a
+     * 4 KiB page per probe misses the TLB. Entries are written in order, so a step that adds keys faults in a fresh
+     * huge page once per 2 MiB of them */
+    if (map && fd < 0) madvise(p, bytes, MADV_HUGEPAGE);
+#endif
+    return DBSP_OK;
+}
+
+static inline uint64_t *entry_at(const DbspKeyIndex *ix, int64_t e) { return ix->ents.w + e * (int64_t)ix->ew; }
+
+/* The entry a full slot word points to. */
+static inline uint64_t *entry_of(const DbspKeyIndex *ix, uint64_t sw) {
+    return entry_at(ix, (int64_t)(sw >> ENTRY_SHIFT) - 1);
+}
+
+/* A fresh entry's number into *out: a free one, else the next unused one, growing the room by a quarter while it is
+ * malloc'ed and by a sixteenth once mapped (a growth is then an mremap: no copy, so small steps cost little and
+ * leave little room unused), never past the 3/4 of the slot table that can point to entries. May move the entries:
+ * pointers into them are stale after. */
+static int entry_take(DbspKeyIndex *ix, int64_t *out) {
+    Entries *e = &ix->ents;
+    if (e->free >= 0) {
+        *out = e->free;
+        e->free = (int64_t)entry_at(ix, e->free)[0];
+        return DBSP_OK;
+    }
+    if (e->used >= MAX_ENTRIES) return DBSP_ETOOBIG;
+    if (e->used == e->room) {
+        int64_t most = ix->cur.cap / 4 * 3, room = e->room + e->room / (e->mapped ? 16 : 4);
+        if (room < 16) room = 16;
+        if (room > most) room = most;
+        if (room <= e->used) room = e->used + 1;
+        int st = entries_grow(e, room, ix->ew, ix->max_bytes, ix->cur.cap * 8, ix->dir); /* old not counted */
+        if (st != DBSP_OK) return st;
+    }
+    *out = e->used++;
+    return DBSP_OK;
+}
+
+static void entry_give(DbspKeyIndex *ix, int64_t n) {
+    entry_at(ix, n)[0] = (uint64_t)ix->ents.free;
+    ix->ents.free = n;
 }
 
 static int fixed_width(int32_t t) { return t > 0 && t < DBSP_TYPE_END && dbsp_type_width(t) != 0; }
@@ -116,27 +301,81 @@ int dbsp_keyindex_new(const int32_t *types, int32_t nkeys, int32_t nvals, int64_
     if (!ix) return DBSP_ENOMEM;
     ix->nkeys = nkeys;
     ix->nvals = nvals;
-    ix->stride = 1 + nkeys + nvals;
+    ix->ew = nkeys + nvals;
     ix->max_bytes = max_bytes;
+    ix->ents.free = -1;
+    ix->ents.fd = -1;
     memcpy(ix->types, types, (size_t)nkeys * sizeof(int32_t));
-    if (table_alloc(&ix->cur, 64, ix->stride, 0) != DBSP_OK) {
+    if (table_alloc(&ix->cur, 64, 0, NULL) != DBSP_OK) {
         free(ix);
         return DBSP_ENOMEM;
     }
-    budget_take(64 * (int64_t)ix->stride * 8, 0);
+    budget_take(64 * (int64_t)8, 0);
     *out = ix;
     return DBSP_OK;
 }
 
 void dbsp_keyindex_free(DbspKeyIndex *ix) {
     if (!ix) return;
-    table_free(&ix->cur, ix->stride);
-    table_free(&ix->old, ix->stride);
+    table_free(&ix->cur);
+    table_free(&ix->old);
+    entries_free(&ix->ents);
+    free(ix->dir);
     free(ix);
 }
 
+/* Invariant 7: a table's copy in a file of dir (a large anonymous one), or nothing to do. */
+static int table_to_file(Table *t, const char *dir) {
+    if (!t->base || t->file) return DBSP_OK;
+    Table f;
+    int st = table_alloc(&f, t->cap, 0, dir);
+    if (st != DBSP_OK) return st;
+    memcpy(f.slots, t->slots, (size_t)t->cap * 8);
+    munmap(t->base, t->mapped); /* same bytes: nothing to count (invariant 6) */
+    *t = f;
+    return DBSP_OK;
+}
+
+int dbsp_keyindex_set_dir(DbspKeyIndex *ix, const char *dir) {
+    char *copy = NULL;
+    if (dir && !(copy = strdup(dir))) return DBSP_ENOMEM;
+    free(ix->dir);
+    ix->dir = copy;
+    if (!dir) return DBSP_OK; /* regions made from now on are anonymous; files already made stay */
+    int st = table_to_file(&ix->cur, dir);
+    if (st == DBSP_OK) st = table_to_file(&ix->old, dir);
+    if (st == DBSP_OK && ix->ents.mapped && ix->ents.fd < 0)
+        st = entries_grow(&ix->ents, ix->ents.room, ix->ew, 0, 0, dir); /* same room: copied into a file */
+    return st;
+}
+
+/* The mapped regions of an index (at most 3: two slot tables and the entries), or only those that are files
+ * (invariant 7): their starts into at, their bytes into len; returns how many. */
+static int regions(const DbspKeyIndex *ix, int files_only, void **at, size_t *len) {
+    int n = 0;
+    const Table *ts[2] = {&ix->cur, &ix->old};
+    for (int i = 0; i < 2; i++)
+        if (ts[i]->base && (ts[i]->file || !files_only)) at[n] = ts[i]->slots, len[n++] = (size_t)ts[i]->cap * 8;
+    if (ix->ents.mapped && (ix->ents.fd >= 0 || !files_only)) at[n] = ix->ents.w, len[n++] = ix->ents.bytes;
+    return n;
+}
+
+int64_t dbsp_keyindex_drop_pages(DbspKeyIndex *ix) {
+    void *at[3];
+    size_t len[3];
+    int64_t dropped = 0;
+    int n = regions(ix, 1, at, len);
+    for (int i = 0; i < n; i++)
+        if (madvise(at[i], len[i], MADV_DONTNEED) == 0) dropped += (int64_t)len[i];
+    return dropped;
+}
+
+int dbsp_keyindex_regions(const DbspKeyIndex *ix, void **at, size_t *len) { return regions(ix, 0, at, len); }
+
 int64_t dbsp_keyindex_len(const DbspKeyIndex *ix) { return ix->count; }
-int64_t dbsp_keyindex_bytes(const DbspKeyIndex *ix) { return (ix->cur.cap + ix->old.cap) * ix->stride * 8; }
+int64_t dbsp_keyindex_bytes(const DbspKeyIndex *ix) {
+    return (ix->cur.cap + ix->old.cap) * 8 + (int64_t)ix->ents.bytes;
+}
 int dbsp_keyindex_broken(const DbspKeyIndex *ix) { return ix->broken; }
 int dbsp_keyindex_growing(const DbspKeyIndex *ix) { return ix->old.slots != NULL; }
 int64_t dbsp_keyindex_spills(const DbspKeyIndex *ix) { return ix->spills; }
@@ -155,23 +394,23 @@ static int check_keys(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t 
     return DBSP_OK;
 }
 
-/* The canonical key words of row r (invariant 1) into w[0..nkeys); returns the tag (OCCUPIED | null mask << 55),
- * which head() joins to the key hash. */
+/* The canonical key words of row r (invariant 1) into w[0..nkeys); returns the null mask in its place in a slot word
+ * (bits 28-35), which tag() joins to the key hash. */
 static inline uint64_t key_words(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int64_t r,
                                  uint64_t *w) {
-    uint64_t tag = OCCUPIED;
+    uint64_t nulls = 0;
     for (int32_t k = 0; k < ix->nkeys; k++) {
         const DbspColumn *c = &b->cols[keys[k]];
         if (!dbsp_col_valid(c, r)) {
             w[k] = 0;
-            tag |= 1ULL << (NULL_SHIFT + k);
+            nulls |= 1ULL << (NULL_SHIFT + k);
         } else if (dbsp_type_class(c->type) == DBSP_CLASS_FLOAT) {
             w[k] = dbsp_canon_f64_bits(dbsp_col_f64(c, r));
         } else {
             w[k] = dbsp_col_u64(c, r);
         }
     }
-    return tag;
+    return nulls;
 }
 
 static inline int same_words(const uint64_t *a, const uint64_t *b, int32_t n) {
@@ -181,18 +420,26 @@ static inline int same_words(const uint64_t *a, const uint64_t *b, int32_t n) {
     return 1;
 }
 
-/* A slot's head word (invariant 3): the tag of key_words (OCCUPIED, null mask) over the low 55 bits of the key hash,
- * which place the entry (no table has 2^55 slots). Never 0, so 0 marks an empty slot. */
-static inline uint64_t head(uint64_t h, uint64_t tag) { return (h & HASH_BITS) | tag; }
+/* A key's tag (invariant 3): the low 28 bits of its key hash, which place it (no table has more than 2^28 slots),
+ * and its null mask (key_words). A full slot word is its tag and 1 + its entry's number above. */
+static inline uint64_t tag(uint64_t h, uint64_t nulls) { return (h & HASH_MASK) | nulls; }
 
-/* The slot of table t holding the key (head hd, words w), or the empty slot where it would go. */
-static inline uint64_t *find(const DbspKeyIndex *ix, const Table *t, uint64_t hd, const uint64_t *w) {
+/* The slot of table t holding the key (tag tg, words w), or the empty slot where it would go. */
+static inline uint64_t *find(const DbspKeyIndex *ix, const Table *t, uint64_t tg, const uint64_t *w) {
     uint64_t mask = (uint64_t)t->cap - 1;
-    for (uint64_t i = hd & mask;; i = (i + 1) & mask) {
-        uint64_t *s = t->slots + i * (uint64_t)ix->stride;
-        if (s[0] == 0) return s;
-        if (s[0] == hd && same_words(s + 1, w, ix->nkeys)) return s;
+    for (uint64_t i = tg & mask;; i = (i + 1) & mask) {
+        uint64_t *s = t->slots + i;
+        if (*s == 0) return s;
+        if ((*s & TAG_MASK) == tg && same_words(entry_of(ix, *s), w, ix->nkeys)) return s;
     }
+}
+
+/* The first empty slot of table t from the home of tag tg on (for a key known to be absent from t). */
+static inline uint64_t *find_empty(const Table *t, uint64_t tg) {
+    uint64_t mask = (uint64_t)t->cap - 1;
+    uint64_t i = tg & mask;
+    while (t->slots[i] != 0) i = (i + 1) & mask;
+    return t->slots + i;
 }
 
 /* Whether old slot i lies in the part already moved into cur (growing only). */
@@ -200,27 +447,27 @@ static inline int old_moved(const DbspKeyIndex *ix, uint64_t i) {
     return ((i - ix->start) & ((uint64_t)ix->old.cap - 1)) < ix->moved;
 }
 
-/* The slot holding the key (head hd, words w), or NULL (invariant 5: a key whose old home is moved is in cur; one whose
+/* The slot holding the key (tag tg, words w), or NULL (invariant 5: a key whose old home is moved is in cur; one whose
  * old home is not moved yet is in old, or in cur only when some new key spilled there). */
-static inline uint64_t *lookup(const DbspKeyIndex *ix, uint64_t hd, const uint64_t *w) {
-    if (ix->old.slots && !old_moved(ix, hd & ((uint64_t)ix->old.cap - 1))) {
-        uint64_t *s = find(ix, &ix->old, hd, w);
-        if (s[0] != 0) return s;
+static inline uint64_t *lookup(const DbspKeyIndex *ix, uint64_t tg, const uint64_t *w) {
+    if (ix->old.slots && !old_moved(ix, tg & ((uint64_t)ix->old.cap - 1))) {
+        uint64_t *s = find(ix, &ix->old, tg, w);
+        if (*s != 0) return s;
         if (!ix->spilled) return NULL;
     }
-    uint64_t *s = find(ix, &ix->cur, hd, w);
-    return s[0] != 0 ? s : NULL;
+    uint64_t *s = find(ix, &ix->cur, tg, w);
+    return *s != 0 ? s : NULL;
 }
 
 /* The empty slot for a new key, and its table (invariant 5): while growing, in old when the key's home there is not
  * moved yet, so that the new table's pages are first written by the move, in order, rather than by new keys at
  * random (each first write of a page costs a page fault and its zeroing); in cur when the old table holds its
  * share of new keys already or the key's probe run reaches the moved part (a spill). */
-static uint64_t *new_slot(DbspKeyIndex *ix, uint64_t hd, const uint64_t *w, Table **tab) {
-    if (ix->old.slots && !old_moved(ix, hd & ((uint64_t)ix->old.cap - 1))) {
+static uint64_t *new_slot(DbspKeyIndex *ix, uint64_t tg, const uint64_t *w, Table **tab) {
+    if (ix->old.slots && !old_moved(ix, tg & ((uint64_t)ix->old.cap - 1))) {
         if (ix->old_added * 8 < ix->old.cap) {
-            uint64_t *s = find(ix, &ix->old, hd, w);
-            if (!old_moved(ix, (uint64_t)(s - ix->old.slots) / (uint64_t)ix->stride)) {
+            uint64_t *s = find(ix, &ix->old, tg, w);
+            if (!old_moved(ix, (uint64_t)(s - ix->old.slots))) {
                 ix->old_added++;
                 *tab = &ix->old;
                 return s;
@@ -230,28 +477,29 @@ static uint64_t *new_slot(DbspKeyIndex *ix, uint64_t hd, const uint64_t *w, Tabl
         ix->spills++;
     }
     *tab = &ix->cur;
-    return find(ix, &ix->cur, hd, w);
+    return find(ix, &ix->cur, tg, w);
 }
 
 /* Move the next old slots into cur: at least `budget`, then on to the end of the cluster (the next empty slot),
- * so that a key's whole probe run moves at once (invariant 5). Ends growing once every old slot is moved. */
+ * so that a key's whole probe run moves at once (invariant 5). Ends growing once every old slot is moved. Entries
+ * stay where they are: a slot word moves. */
 static void move_some(DbspKeyIndex *ix, int64_t budget) {
-    uint64_t st = (uint64_t)ix->stride, omask = (uint64_t)ix->old.cap - 1;
+    uint64_t omask = (uint64_t)ix->old.cap - 1;
     while (ix->moved < (uint64_t)ix->old.cap) {
-        uint64_t *s = ix->old.slots + ((ix->start + ix->moved) & omask) * st;
-        if (s[0] == 0 && budget <= 0) return; /* at a cluster boundary with the budget spent */
-        if (s[0] != 0) {
-            memcpy(find(ix, &ix->cur, s[0], s + 1), s, st * 8);
-            memset(s, 0, st * 8);
+        uint64_t *s = ix->old.slots + ((ix->start + ix->moved) & omask);
+        if (*s == 0 && budget <= 0) return; /* at a cluster boundary with the budget spent */
+        if (*s != 0) {
+            *find_empty(&ix->cur, *s & TAG_MASK) = *s;
+            *s = 0;
         }
         ix->moved++;
         budget--;
     }
-    table_free(&ix->old, ix->stride);
+    table_free(&ix->old);
     ix->start = ix->moved = 0;
     ix->old_added = ix->spilled = 0;
     if (ix->huge_later) {
-        table_advise_huge(&ix->cur, ix->stride);
+        table_advise_huge(&ix->cur);
         ix->huge_later = 0;
     }
 }
@@ -263,65 +511,94 @@ static void move_some(DbspKeyIndex *ix, int64_t budget) {
 static int grow(DbspKeyIndex *ix, int64_t rows) {
     int64_t cap = ix->cur.cap * 2;
     int bulk = rows * 4 >= cap;
-    if ((ix->max_bytes && cap * ix->stride * 8 > ix->max_bytes) /* the table it grows to (the old one is freed) */
-        || !budget_take(cap * ix->stride * 8, 1)) {            /* invariant 6: beside every table held now */
+    if (cap > MAX_SLOTS                                                        /* invariant 3: 28 hash bits */
+        || (ix->max_bytes && cap * 8 + (int64_t)ix->ents.bytes > ix->max_bytes) /* the old table is freed */
+        || !budget_take(cap * 8, 1)) {                                         /* invariant 6 */
         ix->broken = 1;
         return DBSP_ETOOBIG;
     }
     Table fresh;
-    if (table_alloc(&fresh, cap, ix->stride, bulk) != DBSP_OK) {
-        atomic_fetch_sub(&g_total, cap * (int64_t)ix->stride * 8);
+    int st = table_alloc(&fresh, cap, bulk, ix->dir);
+    if (st != DBSP_OK) {
+        atomic_fetch_sub(&g_total, cap * (int64_t)8);
         ix->broken = 1;
-        return DBSP_ENOMEM;
+        return st;
     }
     ix->huge_later = fresh.base != NULL && !bulk;
     ix->old = ix->cur;
     ix->cur = fresh;
-    uint64_t st = (uint64_t)ix->stride, omask = (uint64_t)ix->old.cap - 1;
+    uint64_t omask = (uint64_t)ix->old.cap - 1;
     uint64_t i = 0;
-    while (ix->old.slots[i * st] != 0) i = (i + 1) & omask; /* an empty slot: at most 3/4 are full */
+    while (ix->old.slots[i] != 0) i = (i + 1) & omask; /* an empty slot: at most 3/4 are full */
     ix->start = i;
     ix->moved = 0;
     if (bulk) move_some(ix, ix->old.cap);
     return DBSP_OK;
 }
 
-/* Rehash every entry into a fresh table of cap slots at once (shrinking a mostly emptied index; not growing). */
+/* Rehash every entry into a fresh table of cap slots at once, and copy the live entries into entries of their own
+ * size, in slot order (shrinking a mostly emptied index; not growing). */
 static int rehash(DbspKeyIndex *ix, int64_t cap) {
     Table fresh;
-    if (table_alloc(&fresh, cap, ix->stride, 0) != DBSP_OK) return DBSP_ENOMEM;
-    budget_take(cap * (int64_t)ix->stride * 8, 0); /* smaller than the table it replaces */
-    for (int64_t i = 0; i < ix->cur.cap; i++) {
-        const uint64_t *s = ix->cur.slots + i * ix->stride;
-        if (s[0] == 0) continue;
-        memcpy(find(ix, &fresh, s[0], s + 1), s, (size_t)ix->stride * 8);
+    Entries ents = {NULL, 0, 0, -1, 0, 0, -1};
+    if (table_alloc(&fresh, cap, 0, ix->dir) != DBSP_OK) return DBSP_ENOMEM;
+    budget_take(cap * (int64_t)8, 0); /* smaller than the table it replaces */
+    if (ix->count && entries_grow(&ents, ix->count, ix->ew, 0, 0, ix->dir) != DBSP_OK) {
+        table_free(&fresh);
+        return DBSP_ENOMEM;
     }
-    table_free(&ix->cur, ix->stride);
+    size_t eb = (size_t)ix->ew * 8;
+    for (int64_t i = 0; i < ix->cur.cap; i++) {
+        uint64_t sw = ix->cur.slots[i];
+        if (sw == 0) continue;
+        memcpy(ents.w + ents.used * ix->ew, entry_of(ix, sw), eb);
+        *find_empty(&fresh, sw & TAG_MASK) = (sw & TAG_MASK) | (uint64_t)(++ents.used) << ENTRY_SHIFT;
+    }
+    table_free(&ix->cur);
+    entries_free(&ix->ents);
     ix->cur = fresh;
+    ix->ents = ents;
     return DBSP_OK;
 }
 
-/* Empty slot s of table t, shifting back the entries after it that probed past it (invariant 3). */
+/* Empty slot s of table t and free its entry, shifting back the slots after it that probed past it (invariant 3). */
 static void remove_slot(DbspKeyIndex *ix, Table *t, uint64_t *s) {
-    uint64_t mask = (uint64_t)t->cap - 1, st = (uint64_t)ix->stride;
-    uint64_t i = (uint64_t)(s - t->slots) / st, j = i;
+    uint64_t mask = (uint64_t)t->cap - 1;
+    uint64_t i = (uint64_t)(s - t->slots), j = i;
+    entry_give(ix, (int64_t)(*s >> ENTRY_SHIFT) - 1);
     for (;;) {
         j = (j + 1) & mask;
-        uint64_t *sj = t->slots + j * st;
-        if (sj[0] == 0) break;
-        uint64_t k = sj[0] & mask; /* where the entry at j wants to be */
+        uint64_t sj = t->slots[j];
+        if (sj == 0) break;
+        uint64_t k = sj & mask; /* where the slot at j wants to be */
         int stays = i <= j ? (i < k && k <= j) : (i < k || k <= j);
         if (stays) continue;
-        memcpy(t->slots + i * st, sj, st * 8);
+        t->slots[i] = sj;
         i = j;
     }
-    memset(t->slots + i * st, 0, st * 8);
+    t->slots[i] = 0;
     ix->count--;
 }
 
 static inline void prefetch_key(const DbspKeyIndex *ix, uint64_t h) {
-    __builtin_prefetch(ix->cur.slots + (h & ((uint64_t)ix->cur.cap - 1)) * (uint64_t)ix->stride);
-    if (ix->old.slots) __builtin_prefetch(ix->old.slots + (h & ((uint64_t)ix->old.cap - 1)) * (uint64_t)ix->stride);
+    __builtin_prefetch(ix->cur.slots + (h & ((uint64_t)ix->cur.cap - 1)));
+    if (ix->old.slots) __builtin_prefetch(ix->old.slots + (h & ((uint64_t)ix->old.cap - 1)));
+}
+
+/* The second stage of a probe's prefetch: the entry of the key's home slot (prefetched PF_AHEAD rows ago, so
+ * read from the cache by now). A key not at its home gets its first slot's entry, which is often its own. */
+static inline void prefetch_entry(const DbspKeyIndex *ix, uint64_t h) {
+    uint64_t sw = ix->cur.slots[h & ((uint64_t)ix->cur.cap - 1)];
+    if (sw) __builtin_prefetch(entry_of(ix, sw));
+    if (ix->old.slots) {
+        sw = ix->old.slots[h & ((uint64_t)ix->old.cap - 1)];
+        if (sw) __builtin_prefetch(entry_of(ix, sw));
+    }
+}
+
+static inline void prefetch_row(const DbspKeyIndex *ix, const uint64_t *kh, int64_t i, int64_t n) {
+    if (i + PF_AHEAD < n) prefetch_key(ix, kh[i + PF_AHEAD]);
+    if (i + PF_NEAR < n) prefetch_entry(ix, kh[i + PF_NEAR]);
 }
 
 static int get_into(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const int64_t *sel,
@@ -330,14 +607,18 @@ static int get_into(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *k
     if (st != DBSP_OK) return st;
     uint64_t w[DBSP_KEYINDEX_MAX_KEYS];
     for (int64_t i = 0; i < n; i++) {
-        if (i + PF_AHEAD < n) prefetch_key(ix, kh[i + PF_AHEAD]);
+        if ((i & (PF_GROUP - 1)) == 0) { /* a group of rows: their slots, then their home slots' entries */
+            int64_t end = i + PF_GROUP < n ? i + PF_GROUP : n;
+            for (int64_t j = i; j < end; j++) prefetch_key(ix, kh[j]);
+            for (int64_t j = i; j < end; j++) prefetch_entry(ix, kh[j]);
+        }
         int64_t r = sel ? sel[i] : i;
         if (r < 0 || r >= b->nrows) return DBSP_EINVAL;
-        uint64_t hd = head(kh[i], key_words(ix, b, keys, r, w));
-        uint64_t *s = lookup(ix, hd, w);
-        if (slots) slots[i] = s ? (int64_t *)(s + 1 + ix->nkeys) : NULL;
-        if (!s) continue; /* absent: all sums zero (invariant 2) */
-        const int64_t *v = (const int64_t *)(s + 1 + ix->nkeys);
+        uint64_t tg = tag(kh[i], key_words(ix, b, keys, r, w));
+        uint64_t *s = lookup(ix, tg, w);
+        int64_t *v = s ? (int64_t *)(entry_of(ix, *s) + ix->nkeys) : NULL;
+        if (slots) slots[i] = v;
+        if (!v) continue; /* absent: all sums zero (invariant 2) */
         int64_t *a = acc + i * ix->nvals;
         for (int32_t j = 0; j < ix->nvals; j++)
             if (__builtin_add_overflow(a[j], v[j], &a[j])) return DBSP_EOVERFLOW;
@@ -365,6 +646,32 @@ int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
     return dbsp_keyindex_add_before(ix, b, keys, kh, cols, sign, NULL);
 }
 
+/* A new entry for the key (tag tg, words w) with sums d, past 3/4 starting a growth first (invariants 3, 5); `rows`:
+ * the keys of the whole call (grow). Sets *out to its slot and *tab to its table. */
+static int insert_new(DbspKeyIndex *ix, uint64_t tg, const uint64_t *w, const int64_t *d, int64_t dstride,
+                      int64_t rows, uint64_t **out, Table **tab) {
+    if (!ix->old.slots && (ix->count + 1) * 4 > ix->cur.cap * 3) {
+        int st = grow(ix, rows);
+        if (st != DBSP_OK) return st;
+        move_some(ix, MOVE_PER_ROW);
+    }
+    int64_t e;
+    int st = entry_take(ix, &e);
+    if (st != DBSP_OK) {
+        ix->broken = 1;
+        return st;
+    }
+    uint64_t *s = new_slot(ix, tg, w, tab);
+    *s = tg | (uint64_t)(e + 1) << ENTRY_SHIFT;
+    uint64_t *ent = entry_at(ix, e);
+    memcpy(ent, w, (size_t)ix->nkeys * 8);
+    int64_t *v = (int64_t *)(ent + ix->nkeys);
+    for (int32_t j = 0; j < ix->nvals; j++) v[j] = d[j * dstride];
+    ix->count++;
+    *out = s;
+    return DBSP_OK;
+}
+
 int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
                              const int32_t *cols, int64_t sign, int64_t *before) {
     if (ix->broken) return DBSP_EINVAL;
@@ -376,13 +683,13 @@ int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t
         if (c >= b->ncols) return DBSP_EINVAL;
         if (cols[j] >= 0 && !summable(b->cols[c].type)) return DBSP_ETYPE;
     }
-    uint64_t w[DBSP_KEYINDEX_MAX_KEYS], lw[DBSP_KEYINDEX_MAX_KEYS], lhd = 0;
+    uint64_t w[DBSP_KEYINDEX_MAX_KEYS], lw[DBSP_KEYINDEX_MAX_KEYS], ltg = 0;
     int64_t d[DBSP_KEYINDEX_MAX_VALS];
     int64_t n = b->nrows;
     uint64_t *last = NULL; /* the slot of the previous row's key: rows of one key are adjacent in index order */
     Table *ltab = NULL;    /* the table it is in */
     for (int64_t i = 0; i < n; i++) {
-        if (i + PF_AHEAD < n) prefetch_key(ix, kh[i + PF_AHEAD]);
+        prefetch_row(ix, kh, i, n);
         int64_t wt = b->weights ? b->weights[i] : 1;
         if (sign < 0) {
             if (wt == INT64_MIN) goto overflow;
@@ -404,51 +711,42 @@ int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t
             nonzero |= d[j] != 0;
         }
         if (!nonzero && !before) continue;
-        uint64_t hd = head(kh[i], key_words(ix, b, keys, i, w));
+        uint64_t tg = tag(kh[i], key_words(ix, b, keys, i, w));
         uint64_t *s;
         Table *tab;
-        if (last && lhd == hd && same_words(lw, w, ix->nkeys)) {
+        if (last && ltg == tg && same_words(lw, w, ix->nkeys)) {
             s = last, tab = ltab;
         } else {
             if (ix->old.slots) move_some(ix, MOVE_PER_ROW); /* growing: every fresh probe moves a few slots first */
-            s = lookup(ix, hd, w);
-            tab = s && ix->old.slots && (uint64_t)(s - ix->old.slots) < (uint64_t)ix->old.cap * ix->stride
-                      ? &ix->old : &ix->cur;
+            s = lookup(ix, tg, w);
+            tab = s && ix->old.slots && (uint64_t)(s - ix->old.slots) < (uint64_t)ix->old.cap ? &ix->old : &ix->cur;
         }
         last = NULL;
         if (before) { /* the key's sums before this row */
             int64_t *o = before + i * ix->nvals;
-            if (s) memcpy(o, s + 1 + ix->nkeys, (size_t)ix->nvals * 8);
+            if (s) memcpy(o, entry_of(ix, *s) + ix->nkeys, (size_t)ix->nvals * 8);
             else memset(o, 0, (size_t)ix->nvals * 8);
         }
         if (!nonzero) {
-            if (s) last = s, ltab = tab, lhd = hd, memcpy(lw, w, (size_t)ix->nkeys * 8);
+            if (s) last = s, ltab = tab, ltg = tg, memcpy(lw, w, (size_t)ix->nkeys * 8);
             continue;
         }
-        if (!s) { /* a new entry, in cur; past 3/4, start growing (invariants 3, 5) */
-            if (!ix->old.slots && (ix->count + 1) * 4 > ix->cur.cap * 3) {
-                st = grow(ix, n);
-                if (st != DBSP_OK) return st;
-                move_some(ix, MOVE_PER_ROW);
-            }
-            s = new_slot(ix, hd, w, &tab);
-            s[0] = hd;
-            memcpy(s + 1, w, (size_t)ix->nkeys * 8);
-            memcpy(s + 1 + ix->nkeys, d, (size_t)ix->nvals * 8);
-            ix->count++;
-            last = s, ltab = tab, lhd = hd, memcpy(lw, w, (size_t)ix->nkeys * 8);
+        if (!s) {
+            st = insert_new(ix, tg, w, d, 1, n, &s, &tab);
+            if (st != DBSP_OK) return st;
+            last = s, ltab = tab, ltg = tg, memcpy(lw, w, (size_t)ix->nkeys * 8);
             continue;
         }
-        int64_t *v = (int64_t *)(s + 1 + ix->nkeys);
+        int64_t *v = (int64_t *)(entry_of(ix, *s) + ix->nkeys);
         int zero = 1;
         for (int32_t j = 0; j < ix->nvals; j++) {
             if (__builtin_add_overflow(v[j], d[j], &v[j])) goto overflow;
             zero &= v[j] == 0;
         }
         if (zero) {
-            remove_slot(ix, tab, s); /* invariant 2; entries may have shifted: no slot is remembered */
+            remove_slot(ix, tab, s); /* invariant 2; slots may have shifted: none is remembered */
         } else {
-            last = s, ltab = tab, lhd = hd, memcpy(lw, w, (size_t)ix->nkeys * 8);
+            last = s, ltab = tab, ltg = tg, memcpy(lw, w, (size_t)ix->nkeys * 8);
         }
     }
     if (!ix->old.slots && ix->cur.cap > 64 && ix->count * 16 < ix->cur.cap) {
@@ -470,54 +768,46 @@ int dbsp_keyindex_put(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
     if (st != DBSP_OK) return st;
     if (r < 0 || r >= b->nrows) return DBSP_EINVAL;
     uint64_t w[DBSP_KEYINDEX_MAX_KEYS];
-    uint64_t hd = head(h, key_words(ix, b, keys, r, w));
+    uint64_t tg = tag(h, key_words(ix, b, keys, r, w));
     int zero = 1;
     if (vals)
         for (int32_t j = 0; j < ix->nvals; j++) zero &= vals[j * vstride] == 0;
     if (ix->old.slots) move_some(ix, MOVE_PER_ROW);
-    uint64_t *s = lookup(ix, hd, w);
+    uint64_t *s = lookup(ix, tg, w);
     if (s) {
-        Table *tab = ix->old.slots && (uint64_t)(s - ix->old.slots) < (uint64_t)ix->old.cap * ix->stride
-                         ? &ix->old : &ix->cur;
+        Table *tab = ix->old.slots && (uint64_t)(s - ix->old.slots) < (uint64_t)ix->old.cap ? &ix->old : &ix->cur;
         if (zero) {
             remove_slot(ix, tab, s);
         } else {
-            int64_t *v = (int64_t *)(s + 1 + ix->nkeys);
+            int64_t *v = (int64_t *)(entry_of(ix, *s) + ix->nkeys);
             for (int32_t j = 0; j < ix->nvals; j++) v[j] = vals[j * vstride];
         }
         return DBSP_OK;
     }
     if (zero) return DBSP_OK; /* absent already (invariant 2) */
-    if (!ix->old.slots && (ix->count + 1) * 4 > ix->cur.cap * 3) {
-        st = grow(ix, more);
-        if (st != DBSP_OK) return st;
-        move_some(ix, MOVE_PER_ROW);
-    }
     Table *tab;
-    s = new_slot(ix, hd, w, &tab);
-    s[0] = hd;
-    memcpy(s + 1, w, (size_t)ix->nkeys * 8);
-    int64_t *v = (int64_t *)(s + 1 + ix->nkeys);
-    for (int32_t j = 0; j < ix->nvals; j++) v[j] = vals[j * vstride];
-    ix->count++;
-    return DBSP_OK;
+    return insert_new(ix, tg, w, vals, vstride, more, &s, &tab);
 }
 
-/* DBSP_OK when every entry of table t (old: its part not moved yet) is findable from its home, else DBSP_EINVAL;
- * counts the entries into *seen. */
-static int check_table(const DbspKeyIndex *ix, const Table *t, int old, int64_t *seen) {
+/* DBSP_OK when every slot of table t (old: its part not moved yet) is findable from its home and points to a live
+ * entry no other slot points to (marked in `seen`, a byte per entry), else DBSP_EINVAL; counts the slots into *n. */
+static int check_table(const DbspKeyIndex *ix, const Table *t, int old, unsigned char *seen, int64_t *n) {
     for (int64_t i = 0; i < t->cap; i++) {
-        const uint64_t *s = t->slots + i * ix->stride;
-        if (s[0] == 0) continue;
+        uint64_t sw = t->slots[i];
+        if (sw == 0) continue;
         if (old && old_moved(ix, (uint64_t)i)) return DBSP_EINVAL; /* the moved part is empty */
-        (*seen)++;
-        if (!(s[0] & OCCUPIED) || (s[0] >> NULL_SHIFT & 0xff) >> ix->nkeys) return DBSP_EINVAL; /* a bad tag */
-        if (find(ix, t, s[0], s + 1) != s) return DBSP_EINVAL;
-        if (old && old_moved(ix, s[0] & ((uint64_t)t->cap - 1))) return DBSP_EINVAL; /* home moved, entry not */
-        if (!old && ix->old.slots && !old_moved(ix, s[0] & ((uint64_t)ix->old.cap - 1))
-            && (!ix->spilled || find(ix, &ix->old, s[0], s + 1)[0] != 0))
+        (*n)++;
+        int64_t e = (int64_t)(sw >> ENTRY_SHIFT) - 1;
+        if (e >= ix->ents.used || seen[e]) return DBSP_EINVAL; /* out of range, free, or pointed to twice */
+        seen[e] = 1;
+        if ((sw >> NULL_SHIFT & 0xff) >> ix->nkeys) return DBSP_EINVAL; /* null bits past the key columns */
+        const uint64_t *ent = entry_at(ix, e);
+        if (find(ix, t, sw & TAG_MASK, ent) != t->slots + i) return DBSP_EINVAL;
+        if (old && old_moved(ix, sw & ((uint64_t)t->cap - 1))) return DBSP_EINVAL; /* home moved, entry not */
+        if (!old && ix->old.slots && !old_moved(ix, sw & ((uint64_t)ix->old.cap - 1))
+            && (!ix->spilled || find(ix, &ix->old, sw & TAG_MASK, ent)[0] != 0))
             return DBSP_EINVAL; /* in cur though its old home is not moved, with no spill; or in both tables */
-        const int64_t *v = (const int64_t *)(s + 1 + ix->nkeys);
+        const int64_t *v = (const int64_t *)(ent + ix->nkeys);
         int zero = 1;
         for (int32_t j = 0; j < ix->nvals; j++) zero &= v[j] == 0;
         if (zero) return DBSP_EINVAL;
@@ -526,13 +816,23 @@ static int check_table(const DbspKeyIndex *ix, const Table *t, int old, int64_t 
 }
 
 int dbsp_keyindex_check(const DbspKeyIndex *ix) {
-    int64_t seen = 0;
-    if (ix->count * 4 > ix->cur.cap * 3) return DBSP_EINVAL;
-    if (check_table(ix, &ix->cur, 0, &seen) != DBSP_OK) return DBSP_EINVAL;
-    if (ix->old.slots) {
-        if (ix->moved >= (uint64_t)ix->old.cap || ix->cur.cap != 2 * ix->old.cap) return DBSP_EINVAL;
-        if (check_table(ix, &ix->old, 1, &seen) != DBSP_OK) return DBSP_EINVAL;
-        if (ix->old_added * 8 > ix->old.cap) return DBSP_EINVAL;
+    int64_t n = 0, nfree = 0;
+    if (ix->count * 4 > ix->cur.cap * 3 || ix->ents.used > ix->ents.room) return DBSP_EINVAL;
+    unsigned char *seen = calloc((size_t)ix->ents.used + 1, 1);
+    if (!seen) return DBSP_ENOMEM;
+    int st = DBSP_OK;
+    for (int64_t e = ix->ents.free; e >= 0 && st == DBSP_OK; e = (int64_t)entry_at(ix, e)[0]) {
+        if (e >= ix->ents.used || seen[e]) st = DBSP_EINVAL; /* a free list that leaves the entries or loops */
+        else seen[e] = 1, nfree++;
     }
-    return seen == ix->count ? DBSP_OK : DBSP_EINVAL;
+    if (st == DBSP_OK) st = check_table(ix, &ix->cur, 0, seen, &n);
+    if (st == DBSP_OK && ix->old.slots) {
+        if (ix->moved >= (uint64_t)ix->old.cap || ix->cur.cap != 2 * ix->old.cap || ix->old_added * 8 > ix->old.cap)
+            st = DBSP_EINVAL;
+        else
+            st = check_table(ix, &ix->old, 1, seen, &n);
+    }
+    free(seen);
+    if (st != DBSP_OK) return st;
+    return n == ix->count && n + nfree == ix->ents.used ? DBSP_OK : DBSP_EINVAL;
 }

@@ -11,10 +11,20 @@
  *     with each row (the row's key hash, hash.h) only places the entry.
  *  2. An entry holds nvals int64 sums, and never all of them zero: an update that brings every sum of an entry
  *     to zero removes it, so an absent key reads as all zeros, which is what the sums of no rows are.
- *  3. Open addressing with linear probing over a power-of-two table of slots, at most 3/4 full; a removal shifts
- *     the entries after the hole back (no tombstones), so every probe ends at the first empty slot. A slot is
- *     1 + nkeys + nvals words: a head word (bit 63 set, the key's null mask in bits 55-62, the low 55 bits of the
- *     key hash, which place the entry: no table has 2^55 slots; 0 is an empty slot), the key words, the sums.
+ *  3. Open addressing with linear probing over a power-of-two table of slot words, at most 3/4 full; a removal
+ *     shifts the slots after the hole back (no tombstones), so every probe ends at the first empty slot. A slot is
+ *     one word: the low 28 bits of the key hash, which place it (no table has more than 2^28 slots), the key's null
+ *     mask in bits 28-35, and 1 + the number of its entry in bits 36-63 (0 is an empty slot). An entry is nkeys +
+ *     nvals words, the key words then the sums, in an array of entries apart from the table: a key costs its
+ *     entry plus one slot word (8 B at a table 3/8 to 3/4 full), where a slot holding the key and sums inline
+ *     cost a whole entry and a head word per slot, empty ones included (count and sum: three sums, 40 B per slot,
+ *     53-107 B per key; now 32 B + 11-21 B). A probe compares the slot's 36 tag bits, then the entry's key words;
+ *     it reads a slot word and then an entry: a get prefetches 16 probes' slots at once, then the entries of their
+ *     home slots (a key is mostly at home), so their misses overlap. Entries never move within the array: growing
+ *     and removals move slot words; a removed entry goes on a free list that new keys take first. The array grows
+ *     by a quarter while small, by a sixteenth by mremap once large (no copy inside a step), up to what the table can point to, in whole 2 MiB
+ *     pages kept 2 MiB-aligned (transparent huge pages: a probe into 4 KiB pages misses the TLB); a shrink (below)
+ *     copies the live entries into an array of their own size.
  *  4. Every product weight * value and every sum is checked: one outside int64 returns DBSP_EOVERFLOW and leaves
  *     the index broken (dbsp_keyindex_broken): the caller must drop it, its sums are then partly updated.
  *  5. Growing never rehashes the whole index in one call: a new entry that would pass 3/4 starts a table of twice
@@ -30,11 +40,19 @@
  *     0.3 s at 1.6M keys). A bulk call (rows at least a quarter of the new table's slots, such as a load) moves
  *     everything at once: that work is a part of its own. Shrinking (an index emptied to 1/16) still rehashes at
  *     once.
- *  6. A process-wide budget bounds the bytes of every index's slot tables together (dbsp_keyindex_set_budget; 0:
- *     none): a growth that would pass it fails like one past the index's own max_bytes (DBSP_ETOOBIG, the index
- *     broken), so its owner drops that index and the others keep theirs. The new table is counted beside every
- *     table held at that moment, the growing index's old one included, with one atomic add (indexes on several
- *     threads grow at once); a new index's first table (64 slots) and a shrink are counted, never refused.
+ *  6. A process-wide budget bounds the bytes of every index's slot tables and entry arrays together
+ *     (dbsp_keyindex_set_budget; 0: none): a growth of either that would pass it fails like one past the index's
+ *     own max_bytes (DBSP_ETOOBIG, the index broken), so its owner drops that index and the others keep theirs.
+ *     A growth is counted beside every byte held at that moment, the growing index's old table included, with one
+ *     atomic add (indexes on several threads grow at once); a new index's first table (64 slots) is counted, never
+ *     refused.
+ *  7. Under a memory budget (dbsp_core/trace/spill.py) the index can live in files instead of anonymous memory
+ *     (dbsp_keyindex_set_dir): from then on its large regions (a slot table or the entries from 2 MiB) are shared
+ *     mappings of unlinked files in that directory (O_TMPFILE; gone with the index, or with the process), and
+ *     dbsp_keyindex_drop_pages returns their pages to the page cache (madvise: the written ones stay the file's,
+ *     which the kernel writes back), so the index holds no memory of the process until a probe faults a page
+ *     back. Lookups, sums and growth are the same; a file that cannot be made or grown fails as memory does
+ *     (DBSP_ENOMEM).
  */
 #ifndef DBSP_KEYINDEX_H
 #define DBSP_KEYINDEX_H
@@ -48,8 +66,9 @@
 typedef struct DbspKeyIndex DbspKeyIndex;
 
 /* A new empty index for keys of the given column types (fixed width only) and nvals sums per key, whose slot
- * table never grows past max_bytes (0: no limit; while it grows, the old table, half that, is held beside it). Errors: DBSP_ETYPE (a variable-width type), DBSP_EINVAL
- * (counts out of range), DBSP_ENOMEM. */
+ * table and entries together never grow past max_bytes (0: no limit; while the table grows, the old one, half its
+ * size, is held beside it, not counted). Errors: DBSP_ETYPE (a variable-width type), DBSP_EINVAL (counts out of
+ * range), DBSP_ENOMEM. */
 int dbsp_keyindex_new(const int32_t *types, int32_t nkeys, int32_t nvals, int64_t max_bytes, DbspKeyIndex **out);
 void dbsp_keyindex_free(DbspKeyIndex *ix);
 
@@ -59,8 +78,8 @@ void dbsp_keyindex_set_budget(int64_t bytes);
 int64_t dbsp_keyindex_budget(void);
 int64_t dbsp_keyindex_total_bytes(void);
 
-/* Entries held, bytes of the slot tables (both while growing), whether it is broken (invariant 4) or growing
- * (invariant 5). */
+/* Entries held, bytes of the slot tables (both while growing) and of the entries, whether it is broken (invariant 4)
+ * or growing (invariant 5). */
 int64_t dbsp_keyindex_len(const DbspKeyIndex *ix);
 int64_t dbsp_keyindex_bytes(const DbspKeyIndex *ix);
 int dbsp_keyindex_broken(const DbspKeyIndex *ix);
@@ -74,8 +93,8 @@ int dbsp_keyindex_get(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t 
                       const uint64_t *kh, int64_t n, int64_t *acc);
 
 /* dbsp_keyindex_get that also sets slots[i] to where the sums of probed key i live (NULL when absent), for
- * dbsp_keyindex_set_slot. A slot stays valid until the index next changes shape: an entry added or removed, or
- * slots moved while growing (any dbsp_keyindex_add or dbsp_keyindex_put). */
+ * dbsp_keyindex_set_slot. Such a pointer stays valid until the index next changes shape: an entry added (the
+ * entries may move) or removed (any dbsp_keyindex_add or dbsp_keyindex_put). */
 int dbsp_keyindex_get_slots(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const int64_t *sel,
                             const uint64_t *kh, int64_t n, int64_t *acc, int64_t **slots);
 /* Overwrite the sums at a slot from dbsp_keyindex_get_slots with vals[v * vstride] (not all zero: invariant 2). */
@@ -86,8 +105,8 @@ void dbsp_keyindex_set_slot(DbspKeyIndex *ix, int64_t *slot, const int64_t *vals
  * column other than uint64, a date or a timestamp, as int64; a null value counts 0), += w for cols[v] == -1, and
  * += w if b[c][i] is not null for cols[v] == -2 - c (the weighted count of a column's values, which tells a sum
  * of 0 from a null). Entries are created and removed as invariant 2 says.
- * Errors: DBSP_ETYPE, DBSP_EINVAL, DBSP_EOVERFLOW (invariant 4), DBSP_ENOMEM, DBSP_ETOOBIG (the table would
- * pass max_bytes); after the last three the index is broken. */
+ * Errors: DBSP_ETYPE, DBSP_EINVAL, DBSP_EOVERFLOW (invariant 4), DBSP_ENOMEM, DBSP_ETOOBIG (the table or the
+ * entries would pass max_bytes or the budget, or the table 2^28 slots); after the last three the index is broken. */
 int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
                       const int32_t *cols, int64_t sign);
 
@@ -106,8 +125,19 @@ int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t
 int dbsp_keyindex_put(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int64_t r, uint64_t h,
                       const int64_t *vals, int64_t vstride, int64_t more);
 
-/* DBSP_OK when invariants 1-3 and 5 hold (each entry findable from its slot's hash, in one table only, no all-zero
- * entry, load bound, the moved part of an old table empty), else DBSP_EINVAL. */
+/* Invariant 7: make large regions files in `dir` from now on, moving the large anonymous ones there now (a copy);
+ * NULL: anonymous regions from now on. Errors: DBSP_ENOMEM (no memory, or the files cannot be made). */
+int dbsp_keyindex_set_dir(DbspKeyIndex *ix, const char *dir);
+/* Invariant 7: drop the pages of the file regions from the process; returns their bytes (0: none are files). Not
+ * while another thread uses the index. */
+int64_t dbsp_keyindex_drop_pages(DbspKeyIndex *ix);
+/* The mapped regions (the large ones, anonymous or files: at most 3, their starts into at and bytes into len);
+ * returns how many. For tests and measurements (the process's resident pages of each, /proc/self/smaps). */
+int dbsp_keyindex_regions(const DbspKeyIndex *ix, void **at, size_t *len);
+
+/* DBSP_OK when invariants 1-3 and 5 hold (each key findable from its slot's hash, in one table only, each entry
+ * pointed to by one slot or on the free list, no all-zero entry, load bound, the moved part of an old table
+ * empty), else DBSP_EINVAL. */
 int dbsp_keyindex_check(const DbspKeyIndex *ix);
 
 #endif

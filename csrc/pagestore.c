@@ -4,7 +4,8 @@
  * ============
  * Versions. The file keeps at most two committed versions, v and v+1. Version N lives in meta slot N % 2
  * (LMDB's rule). begin(v) first durably zeroes the other slot (so v is the only version from then on, even
- * after a crash), then builds v+1 in memory; commit writes the new pages, fsyncs, writes meta slot
+ * after a crash), then builds v+1 in memory (but for big values, whose pages go to the file as they are put:
+ * overflow_write_through); commit writes the new pages, fsyncs, writes meta slot
  * (v+1) % 2, fsyncs. A crash before the meta write is durable leaves v; after, v and v+1.
  *
  * Invariants (checked by check_version() on every openable version: after each commit and at open when
@@ -146,6 +147,7 @@ struct DbspTxn {
     unsigned char *scratch;
     size_t scratch_cap;
     uint64_t mods;
+    uint64_t through;    /* pages written as they were put (overflow_write_through), not by the commit */
     int failed;
     int readonly;        /* from dbsp_pagestore_read: reads v in place, writes nothing */
 };
@@ -442,8 +444,57 @@ static int scratch_reserve(unsigned char **buf, size_t *cap, size_t need) {
     return DBSP_OK;
 }
 
+/* A value of THROUGH_PAGES overflow pages or more is written to the file as it is put, in runs of adjacent pages,
+ * and is never held in the page cache: a transaction's pages otherwise stay in memory until its commit, so a commit
+ * of N bytes of big values held N bytes at once (a stage task committing a job's new batches, runtime/stage_task.py
+ * invariant 7). Crash-safe as the commit's own page writes are: the pages come from the pool (not reachable from the
+ * base version, which is the only one kept) or the end of the file, and are written as the commit would write them;
+ * the commit's fsync still precedes its meta write, and a transaction that fails or aborts leaves them unreachable.
+ * Overflow pages are never modified once written, only freed (a freed one joins the free list of the new version). */
+#define THROUGH_PAGES 16u
+
+static int overflow_write_through(DbspTxn *t, const unsigned char *val, size_t vlen, size_t npages,
+                                  uint64_t *first) {
+    DbspPageStore *ps = t->ps;
+    enum { RUN = 64 };
+    Vec pgs = {0};
+    int rc = DBSP_OK;
+    for (size_t i = 0; i < npages && !rc; i++) {
+        uint64_t pg = t->pool.n ? t->pool.a[--t->pool.n] : t->m.page_count++;
+        cache_drop(ps, pg); /* a stale clean copy of a page from a discarded version */
+        rc = vec_push(&pgs, pg);
+    }
+    unsigned char *stage = rc ? NULL : malloc((size_t)RUN * PS);
+    if (!rc && !stage) rc = oom();
+    size_t run = 0;
+    for (size_t i = 0; i < npages && !rc; i++) {
+        unsigned char *p = stage + run * PS;
+        size_t chunk = vlen - i * OV_DATA < OV_DATA ? vlen - i * OV_DATA : OV_DATA;
+        memset(p, 0, PS);
+        p[4] = T_OVERFLOW;
+        wr64(p + 8, pgs.a[i]);
+        wr64(p + 16, t->m.version);
+        wr16(p + 24, PS);
+        wr32(p + 28, (uint32_t)chunk);
+        wr64(p + 32, i + 1 < npages ? pgs.a[i + 1] : 0);
+        memcpy(p + 40, val + i * OV_DATA, chunk);
+        wr32(p, page_crc(p));
+        run++;
+        if (i + 1 == npages || run == RUN || pgs.a[i + 1] != pgs.a[i] + 1) {
+            rc = ps->vfs->pwrite(ps->f, stage, run * PS, (pgs.a[i] + 1 - run) * PS);
+            t->through += run;
+            run = 0;
+        }
+    }
+    *first = rc ? 0 : pgs.a[0];
+    free(stage);
+    free(pgs.a);
+    return rc;
+}
+
 static int overflow_write(DbspTxn *t, const unsigned char *val, size_t vlen, uint64_t *first) {
     size_t npages = (vlen + OV_DATA - 1) / OV_DATA;
+    if (npages >= THROUGH_PAGES) return overflow_write_through(t, val, vlen, npages, first);
     uint64_t prev_pg = 0;
     *first = 0;
     for (size_t i = 0; i < npages; i++) {
@@ -1000,8 +1051,11 @@ int dbsp_pagestore_versions(DbspPageStore *ps, uint64_t *first, uint64_t *count)
     return DBSP_OK;
 }
 
-int dbsp_pagestore_stats(DbspPageStore *ps, uint64_t *page_count, uint64_t *free_pages, uint64_t *last_commit_pages) {
+int dbsp_pagestore_stats(DbspPageStore *ps, uint64_t *page_count, uint64_t *free_pages, uint64_t *last_commit_pages,
+                         uint64_t *cached_pages, uint64_t *dirty_pages) {
     int s = newest_slot(ps);
+    *cached_pages = ps->count;
+    *dirty_pages = ps->count - ps->nclean;
     *last_commit_pages = ps->last_commit_pages;
     *page_count = ps->meta[s].page_count;
     *free_pages = ps->meta[s].nfree;
@@ -1259,7 +1313,7 @@ static int freelist_build(DbspTxn *t) {
 static int write_dirty(DbspTxn *t) {
     DbspPageStore *ps = t->ps;
     Vec *d = &t->dirty;
-    ps->last_commit_pages = 0;
+    ps->last_commit_pages = t->through;
     qsort(d->a, d->n, sizeof *d->a, cmp_u64);
     enum { RUN = 256 };
     unsigned char *stage = malloc((size_t)RUN * PS);

@@ -33,7 +33,8 @@ int dbsp_pagestore_check(DbspPageStore *ps);
 /* check_version() of one openable version only; DBSP_ENOTFOUND if it is not openable. */
 int dbsp_pagestore_check_version(DbspPageStore *ps, uint64_t version);
 /* Page count and free-page count of the newest version, and pages written by the last commit. */
-int dbsp_pagestore_stats(DbspPageStore *ps, uint64_t *page_count, uint64_t *free_pages, uint64_t *last_commit_pages);
+int dbsp_pagestore_stats(DbspPageStore *ps, uint64_t *page_count, uint64_t *free_pages, uint64_t *last_commit_pages,
+                         uint64_t *cached_pages, uint64_t *dirty_pages);
 
 /* Starts writing version v+1 as a copy of v and durably discards every other version. One transaction at a time. */
 int dbsp_pagestore_begin(DbspPageStore *ps, uint64_t v, DbspTxn **out);

@@ -1,8 +1,9 @@
-/* smallfile.h: whole files (a storage directory's layout and rescale records, spilled batch files) replaced atomically through the VFS; DBSP_SMALLFILE_MAX bounds what dbsp_file_read loads into memory, not what dbsp_file_replace writes. */
+/* smallfile.h: files put in place atomically through the VFS, whole (a storage directory's layout and rescale records) or streamed in pieces (spilled batch files); DBSP_SMALLFILE_MAX bounds what dbsp_file_read loads into memory, not what is written. */
 #ifndef DBSP_SMALLFILE_H
 #define DBSP_SMALLFILE_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "vfs.h"
 
@@ -12,6 +13,17 @@
  * directory.
  * A crash at any point leaves the old file or the new one, never a mix (a stale `path`.tmp may remain). */
 int dbsp_file_replace(DbspVfs *vfs, const char *path, const void *data, size_t len);
+/* A file streamed to `path`.tmp in pieces and then put in place whole (dbsp_file_replace is one piece of it):
+ * dbsp_file_writer_open creates or truncates `path`.tmp; pwrite and pread go to it at any offset;
+ * dbsp_file_writer_commit fsyncs it (with `sync`), closes it, renames it over `path` and fsyncs the directory (with
+ * `sync`); dbsp_file_writer_abort closes it and, with `unlink`, removes `path`.tmp. Commit and abort free the
+ * writer whatever happens. Every step is one operation of the VFS, so the fault VFS sees each of them. */
+typedef struct DbspFileWriter DbspFileWriter;
+int dbsp_file_writer_open(DbspVfs *vfs, const char *path, DbspFileWriter **out);
+int dbsp_file_writer_pwrite(DbspFileWriter *w, const void *data, size_t len, uint64_t off);
+int dbsp_file_writer_pread(DbspFileWriter *w, void *buf, size_t len, uint64_t off, size_t *nread);
+int dbsp_file_writer_commit(DbspFileWriter *w, int sync);
+int dbsp_file_writer_abort(DbspFileWriter *w, int unlink);
 /* Reads the whole file into a malloc'd buffer (*out, *len; the caller frees it); DBSP_ENOTFOUND if it is missing,
  * DBSP_ETOOBIG if it is larger than DBSP_SMALLFILE_MAX. */
 int dbsp_file_read(DbspVfs *vfs, const char *path, unsigned char **out, size_t *len);

@@ -30,6 +30,30 @@ static void srec_insertion_sort(SRec *a, int64_t n, const DbspBatch *b) {
     }
 }
 
+/* The rows of t[0..n) (sorted by srec_cmp) consolidated into out: equal rows' weights summed exactly (an overflow
+ * is reported for a sum, never a partial sum), zero sums dropped, each kept row's row hash into orh unless NULL. */
+static int srec_emit(const DbspBatch *b, const SRec *t, int64_t n, DbspRows *out, uint64_t *orh) {
+    int st = dbsp_rows_reserve(out, n);
+    if (st) return st;
+    const int64_t *w = b->weights;
+    for (int64_t i = 0; i < n;) {
+        int64_t j = i + 1, sum = w ? w[t[i].idx] : 1;
+        int32_t carry = 0;
+        while (j < n && t[j].kh == t[i].kh && t[j].rh == t[i].rh
+               && dbsp_row_cmp(b, t[i].idx, NULL, b, t[j].idx, NULL, b->ncols) == 0) {
+            dbsp_add_exact(&sum, w ? w[t[j].idx] : 1, &carry);
+            j++;
+        }
+        if (carry) return DBSP_EOVERFLOW;
+        if (sum != 0) {
+            if (orh) orh[out->n] = t[i].rh;
+            out->idx[out->n] = t[i].idx; out->weights[out->n] = sum; out->khash[out->n] = t[i].kh; out->n++;
+        }
+        i = j;
+    }
+    return DBSP_OK;
+}
+
 /* Small-batch design notes:
  *  1. A batch of at most dbsp_small_rows rows is consolidated by sorting (key hash, row hash, row number)
  *     records: a counting pass on the top bits of the key hash spreads the (uniform) hashes into about one
@@ -68,23 +92,7 @@ static int consolidate_small(const DbspBatch *b, const int32_t *keys, int32_t nk
         if (cnt[k] - s > 1) srec_insertion_sort(t + s, cnt[k] - s, b);
         s = cnt[k];
     }
-    if ((st = dbsp_rows_reserve(out, n))) goto done;
-    const int64_t *w = b->weights;
-    for (int64_t i = 0; i < n;) {
-        int64_t j = i + 1, sum = w ? w[t[i].idx] : 1;
-        int32_t carry = 0;
-        while (j < n && t[j].kh == t[i].kh && t[j].rh == t[i].rh
-               && dbsp_row_cmp(b, t[i].idx, NULL, b, t[j].idx, NULL, b->ncols) == 0) {
-            dbsp_add_exact(&sum, w ? w[t[j].idx] : 1, &carry);
-            j++;
-        }
-        if (carry) { st = DBSP_EOVERFLOW; goto done; }
-        if (sum != 0) {
-            if (orh) orh[out->n] = t[i].rh;
-            out->idx[out->n] = t[i].idx; out->weights[out->n] = sum; out->khash[out->n] = t[i].kh; out->n++;
-        }
-        i = j;
-    }
+    st = srec_emit(b, t, n, out, orh);
 done:
     free(rh); free(kh); free(t); free(cnt);
     if (st) dbsp_rows_free(out);
@@ -116,6 +124,58 @@ int dbsp_zset_consolidate_rh(const DbspBatch *b, const int32_t *keys, int32_t nk
 #ifdef DBSP_CHECK_INVARIANTS
     if (st == DBSP_OK) assert(dbsp_rows_check_order(b, out->idx, out->weights, out->khash, out->n, keys, nkeys) == 0);
 #endif
+    return st;
+}
+
+/* (row hash, source row) order, for a run of equal key hashes: rows of equal row hash are then ordered by value */
+static int srec_rh_cmp(const void *x, const void *y) {
+    const SRec *a = x, *b = y;
+    if (a->rh != b->rh) return a->rh < b->rh ? -1 : 1;
+    return (a->idx > b->idx) - (a->idx < b->idx);
+}
+
+/* Sorts t[0..n), whose key hashes are all equal, by srec_cmp: a long run (many rows of one key, or keys whose hashes
+ * collide) by row hash first, then only its ties by value, so it costs O(n log n), not insertion sort's O(n^2). */
+static void srec_sort_run(SRec *t, int64_t n, const DbspBatch *b) {
+    if (n <= 32) {
+        srec_insertion_sort(t, n, b);
+        return;
+    }
+    qsort(t, (size_t)n, sizeof *t, srec_rh_cmp);
+    for (int64_t i = 0; i < n;) {
+        int64_t j = i + 1;
+        while (j < n && t[j].rh == t[i].rh) j++;
+        if (j - i > 1) srec_insertion_sort(t + i, j - i, b);  /* mostly equal rows, already in row order */
+        i = j;
+    }
+}
+
+int dbsp_zset_consolidate_runs(const DbspBatch *b, const uint64_t *kh, const int64_t *sel, int64_t n, DbspRows *out,
+                               uint64_t *orh) {
+    int st = DBSP_OK;
+    memset(out, 0, sizeof *out);
+    for (int32_t k = 0; k < b->ncols; k++)
+        if (dbsp_type_class(b->cols[k].type) == 0) return DBSP_ETYPE;
+    if (n < 0 || (!sel && n != b->nrows)) return DBSP_EINVAL;
+    uint64_t *rh = malloc((size_t)(b->nrows ? b->nrows : 1) * 8);
+    SRec *t = malloc((size_t)(n ? n : 1) * sizeof(SRec));
+    if (!rh || !t) { st = DBSP_ENOMEM; goto done; }
+    if ((st = dbsp_hash_columns(b, NULL, 0, rh))) goto done;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = sel ? sel[i] : i;
+        if (r < 0 || r >= b->nrows || (i && kh[r] < t[i - 1].kh)) { st = DBSP_EINVAL; goto done; }
+        t[i].kh = kh[r]; t[i].rh = rh[r]; t[i].idx = r;
+    }
+    for (int64_t i = 0; i < n;) {
+        int64_t j = i + 1;
+        while (j < n && t[j].kh == t[i].kh) j++;
+        if (j - i > 1) srec_sort_run(t + i, j - i, b);
+        i = j;
+    }
+    st = srec_emit(b, t, n, out, orh);
+done:
+    free(rh); free(t);
+    if (st) dbsp_rows_free(out);
     return st;
 }
 
@@ -216,4 +276,52 @@ int dbsp_zset_sum_adjacent(const DbspBatch *b, const uint64_t *h, int64_t *idx, 
     }
     *n = k;
     return DBSP_OK;
+}
+
+/* Distinct-rows design notes:
+ *  1. One open-addressing table of 2^k >= 2n slots, indexed by the low bits of the row hash, holds a group
+ *     number per slot; a row probes from its slot until an empty one (a new group) or a group whose first row
+ *     has the same hash and equal values (dbsp_row_cmp_eqfast). Groups are numbered in order of their first
+ *     row, so the kept rows come out in row order.
+ *  2. Rows only move when some are equal: with none (the common case of a step's output), the caller keeps the
+ *     batch as it is, and this costs one probe per row, not the sort and gather of a consolidation.
+ */
+int dbsp_zset_distinct(const DbspBatch *b, const uint64_t *rh, int64_t *idx, int64_t *w, int64_t *n) {
+    int64_t m = b->nrows, ng = 0;
+    *n = 0;
+    if (m == 0) return DBSP_OK;
+    int64_t cap = 16;
+    while (cap < 2 * m) cap <<= 1;
+    const uint64_t mask = (uint64_t)cap - 1;
+    int64_t *slot = malloc((size_t)cap * 8);
+    int32_t *carry = calloc((size_t)m, 4);
+    int st = DBSP_OK;
+    if (!slot || !carry) { st = DBSP_ENOMEM; goto done; }
+    memset(slot, 0xff, (size_t)cap * 8);  /* -1: empty */
+    const int64_t *bw = b->weights;
+    for (int64_t i = 0; i < m; i++) {
+        uint64_t h = rh[i], p = h & mask;
+        int64_t g;
+        for (;;) {
+            g = slot[p];
+            if (g < 0 || (rh[idx[g]] == h && dbsp_row_cmp_eqfast(b, idx[g], NULL, b, i, NULL, b->ncols) == 0))
+                break;
+            p = (p + 1) & mask;
+        }
+        if (g < 0) {  /* a new group, numbered in row order (design note 1) */
+            slot[p] = g = ng++;
+            idx[g] = i; w[g] = bw ? bw[i] : 1;
+        } else {
+            dbsp_add_exact(&w[g], bw ? bw[i] : 1, &carry[g]);
+        }
+    }
+    int64_t k = 0;
+    for (int64_t g = 0; g < ng; g++) {
+        if (carry[g]) { st = DBSP_EOVERFLOW; goto done; }
+        if (w[g] != 0) { idx[k] = idx[g]; w[k] = w[g]; k++; }
+    }
+    *n = k;
+done:
+    free(slot); free(carry);
+    return st;
 }

@@ -17,6 +17,16 @@ int dbsp_zset_consolidate(const DbspBatch *b, const int32_t *keys, int32_t nkeys
 int dbsp_zset_consolidate_rh(const DbspBatch *b, const int32_t *keys, int32_t nkeys, DbspRows *out,
                              uint64_t **rhash);
 
+/* Consolidate the rows sel[0..n) (ascending; NULL and n == b->nrows: every row) of b, which are already in key-hash
+ * order: kh[r] is row r's key hash, not decreasing over the selection (an indexed batch's rows projected onto its key
+ * columns and some others, whose key hash is the same). The result is dbsp_zset_consolidate's for that key (rows.h
+ * canonical order, each group represented by its first row, exact sums, zero sums dropped), found by sorting only
+ * within each run of equal key hashes; out->khash holds kh of the kept rows, orh (room for n, unless NULL) their row
+ * hashes over every column of b. DBSP_EINVAL if kh decreases over the selection or a row is out of range;
+ * DBSP_EOVERFLOW, DBSP_ETYPE as dbsp_zset_consolidate. */
+int dbsp_zset_consolidate_runs(const DbspBatch *b, const uint64_t *kh, const int64_t *sel, int64_t n, DbspRows *out,
+                               uint64_t *orh);
+
 /* Batches of at most this many rows are consolidated by sorting instead of the grouping engine (same result;
  * zset.c "small-batch design notes"). A variable so tests can force either path. */
 #define DBSP_SMALL_ROWS 4096
@@ -33,6 +43,13 @@ int dbsp_zset_merge(const DbspBatch *a, const uint64_t *akh, const DbspBatch *b,
  * kept rows are idx[0..*n) (each run's first row) with weights w (room for b->nrows each); *n == b->nrows when
  * no run has two rows. DBSP_EOVERFLOW if a sum leaves int64. */
 int dbsp_zset_sum_adjacent(const DbspBatch *b, const uint64_t *h, int64_t *idx, int64_t *w, int64_t *n);
+
+/* Sum the equal rows of b in no particular order (no sort): rh[i] is row i's row hash (dbsp_hash_columns over
+ * every column); each set of equal rows is kept as its first row, with the exact sum of their weights
+ * (dbsp_add_exact), zero sums dropped. The kept rows are idx[0..*n) in row order with weights w (room for
+ * b->nrows each); *n == b->nrows when no two rows are equal and no weight is 0. A step's output needs only
+ * this (zset.py invariant 2, "distinct"), not canonical order. DBSP_EOVERFLOW if a sum leaves int64. */
+int dbsp_zset_distinct(const DbspBatch *b, const uint64_t *rh, int64_t *idx, int64_t *w, int64_t *n);
 
 /* out[i] = -w[i]; DBSP_EOVERFLOW for INT64_MIN. out may equal w. */
 int dbsp_weights_negate(const int64_t *w, int64_t n, int64_t *out);

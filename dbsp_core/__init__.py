@@ -6,6 +6,7 @@ The public surface is listed in ``__all__``; everything else is internal.
 from __future__ import annotations
 
 from dbsp_core.errors import (
+    AppendOnlyError,
     CircuitMismatchError,
     CorruptionError,
     DbspError,
@@ -40,6 +41,7 @@ __all__ = [
     "HASH_VERSION",
     "IndexedZSet",
     "ZSet",
+    "AppendOnlyError",
     "CircuitMismatchError",
     "CorruptionError",
     "DbspError",

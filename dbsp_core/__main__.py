@@ -18,6 +18,10 @@
   what it replaces, reports exactly which pushes are lost, and leaves a directory that opens, or says what is
   damaged and what to do (exit status 1); ``--drop-output`` consents to dropping output history that cannot be
   computed again, as the refusal names it (dbsp_core.storage.repair).
+  ``dbsp repair URI [--fall-back] [--json]`` of a store pipeline checks every stage object the newest manifest
+  names; when one is missing or damaged it names the newest whole checkpoint the logs can be replayed from and,
+  only with ``--fall-back``, makes it the newest; else it refuses and says what is lost (runtime/stage_check.py).
+  ``dbsp inspect URI`` lists the stage chains per (stage, worker), the objects no manifest names and the damage.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ def _inspect(args: argparse.Namespace) -> int:
         info["store"] = {"manifest": manifest["version"], "step": manifest["step"],
                          "databases": {k: len(v["chain"]) for k, v in manifest["databases"].items()},
                          "files": len(manifest["files"]), "logs": manifest["logs"].get("mode", "segments")}
+        info["stage_chains"] = _stage_chains(args.dir, not args.no_check)
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=True))
         return 0
@@ -80,6 +85,9 @@ def _inspect(args: argparse.Namespace) -> int:
         print(f"store        manifest {st['manifest']} (checkpoint {_through(st['step'])}): "
               f"{', '.join(f'{k} {n} objects' for k, n in sorted(st['databases'].items()))}; {st['files']} batch "
               f"files; logs: {st['logs']}")
+    sc = info.get("stage_chains")
+    if sc:
+        _print_stage_chains(sc, info["path"])
     per = info["shards_per_worker"]
     print(f"layout       {info['workers']} workers, {info['shards']} shards (epoch {info['layout_epoch']}; "
           f"{min(per)}..{max(per)} shards per worker); circuit {info['fingerprint']}")
@@ -153,6 +161,39 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stage_chains(where: str, check: bool) -> dict | None:
+    """The stage chains of a store pipeline (dbsp_core.runtime.stage_check), None without any."""
+    import tempfile
+
+    from dbsp_core.runtime.stage_check import inspect_stage_chains
+    from dbsp_core.storage.remote import Remote
+
+    return inspect_stage_chains(Remote.of(where, tempfile.gettempdir()), check)
+
+
+def _print_stage_chains(sc: dict, shown: str) -> None:
+    bad = len(sc["damaged"])
+    print(f"stage chains {len(sc['chains'])} (stage, worker) chains in manifest {sc['manifest']} "
+          f"({_through(sc['step'])}); "
+          + (f"{bad} links DAMAGED (dbsp repair {shown})" if bad else
+             "every link checked" if sc["checked"] else "links listed, not checked (--no-check)"))
+    for key, ch in sc["chains"].items():
+        stage, worker = key.split("/")
+        vs = ch["versions"]
+        print(f"  stage {stage} worker {worker}: {ch['links']} links, {ch['bytes']:,} B"
+              + (f", versions {vs[0]}..{vs[1]}" if vs else ""))
+        for link in ch["objects"]:
+            span = f"{link['from']}->{link['to']}" if link["kind"] == "delta" else f"base at {link['to']}"
+            print(f"             {link['object']}  {link['bytes']:,} B  {span}  manifests "
+                  f"{', '.join(map(str, link['manifests']))}  {link['check']}")
+    un = sc["unnamed"]
+    if un:
+        print(f"  named by no manifest: {len(un)} objects, {sum(u['bytes'] for u in un):,} B (retention deletes them; "
+              f"the newest may be jobs' work since the last checkpoint)")
+        for u in un:
+            print(f"             {u['object']}  {u['bytes']:,} B")
+
+
 def _read(args: argparse.Namespace) -> int:
     with _local(args.dir) as (root, _):
         return _read_dir(args, root)
@@ -210,9 +251,43 @@ def _steps(text: str) -> tuple[int, int]:
     return a, b
 
 
+def _repair_store(args: argparse.Namespace) -> int:
+    """``dbsp repair URI [--fall-back]``: a store pipeline's stage chains (dbsp_core.runtime.stage_check)."""
+    from dbsp_core.runtime.stage_check import repair_stage_chains
+
+    if args.drop_output is not None:
+        print("error: --drop-output repairs a local storage directory's output log; a store pipeline's logs are "
+              "segment objects", file=sys.stderr)
+        return 2
+    report = repair_stage_chains(args.dir, fall_back=args.fall_back)
+    ok = not report["damaged"] or report["done"]
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+        return 0 if ok else 1
+    print(f"repair       {report['path']} (newest manifest {report['manifest']}, {_through(report['step'])})")
+    for d in report["damaged"]:
+        print(f"damaged      {d['object']}: {d['problem']}")
+    fb = report["fallback"]
+    if fb:
+        print(f"whole        manifest {fb['manifest']} ({_through(fb['step'])}): recovery replays the input log from "
+              f"step {fb['replays_from_step']}")
+    for d in report["lost"]:
+        print(f"lost         {d['object']}" + (f" (stage/worker {d['chain']})" if d["chain"] else ""))
+    print(f"result       {report['result']}")
+    if report["action"]:
+        print(f"what to do   {report['action']}")
+    return 0 if ok else 1
+
+
 def _repair(args: argparse.Namespace) -> int:
+    from dbsp_core.storage.remote import is_remote
     from dbsp_core.storage.repair import repair
 
+    if is_remote(args.dir):
+        return _repair_store(args)
+    if args.fall_back:
+        print("error: --fall-back is for a pipeline in an object store (dbsp repair s3://...)", file=sys.stderr)
+        return 2
     try:
         report = repair(args.dir, drop_output=args.drop_output)
     except DbspError as exc:  # nothing was changed; the message says why and what to do
@@ -303,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--drop-output", type=_steps, metavar="FIRST..LAST", default=None,
                     help="drop the output of these steps, which is damaged and cannot be computed again (state and "
                          "input are kept); the refusal names the exact steps")
+    rp.add_argument("--fall-back", action="store_true",
+                    help="an object store's pipeline whose newest checkpoint has a missing or damaged stage object: "
+                         "make the newest whole checkpoint the newest again (the logs are replayed from it)")
     rp.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(args_list)
     if args.command == "run":

@@ -43,7 +43,7 @@ from dbsp_core.operators.semi_join import SemiJoin
 from dbsp_core.operators.session import Session
 from dbsp_core.operators.top_k import TopK, order_spec
 from dbsp_core.operators.upsert import Upsert
-from dbsp_core.operators.window import hop, interval_join, tumble
+from dbsp_core.operators.window import Window, hop, interval_join, tumble
 from dbsp_core.time.lineage import Times, meet, passed
 
 
@@ -127,11 +127,35 @@ class Circuit:
             self.times[op.node_id] = dict(times)
         return Stream(self, op.node_id)
 
+    def inserts_only(self, node_id: int) -> bool:
+        """Whether every change of node ``node_id``'s stream has only positive weights, by the circuit's structure:
+        an append-only input (operators/input.py invariant 3), and filter, select, flat_map, exchange, window
+        assignment, the hidden key of a keyless group_by, plus (not minus) and the inner join over streams that are
+        inserts only. Any other operator (a minus, an aggregate, an outer join, ...) may retract, so its stream is
+        not.
+
+        >>> import pyarrow as pa
+        >>> c = Circuit()
+        >>> s = c.input("t", pa.schema([("a", pa.int64())]), append_only=True)
+        >>> c.inserts_only(s.select(b="a").node_id), c.inserts_only((s - s).node_id)
+        (True, False)
+        """
+        flags: list[bool] = []
+        for op in self.nodes[:node_id + 1]:  # inputs before their readers (invariant 1)
+            if isinstance(op, Input):
+                flags.append(op.append_only)
+            else:
+                passes = (isinstance(op, (Filter, Select, FlatMap, Exchange, AddGlobalKey, Window))
+                          or type(op) is Join or (isinstance(op, Plus) and min(op.signs) > 0))  # a minus retracts
+                flags.append(passes and all(flags[i] for i in op.inputs))
+        return flags[node_id]
+
     def _where(self, kind: str) -> str:
         return f"{kind}#{len(self.nodes)}"
 
     def input(self, name: str, schema: pa.Schema, event_time: str | None = None, lateness: object = 0, *,
-              primary_key: Sequence[str] | None = None, materialized: bool = False) -> "Stream":
+              primary_key: Sequence[str] | None = None, materialized: bool = False,
+              append_only: bool = False) -> "Stream":
         """Declare input handle ``name`` with ``schema``; returns its stream.
 
         ``primary_key`` (column names) makes it a table with a key (operators/upsert.py): a pushed row whose key
@@ -147,6 +171,11 @@ class Circuit:
         their step (the one computed from the earlier steps), or null, are *late*: dropped, and counted in
         ``Pipeline.late_rows`` (dbsp_core/time/watermark.py).
         Windows and joins keyed by event time then drop the state that no later row can reach.
+
+        ``append_only=True`` declares that rows are only ever inserted: a push with a weight other than positive
+        raises AppendOnlyError and records nothing, and operators fed only by such inputs keep less state (a
+        top-k keeps only its shown rows per group, :meth:`inserts_only`). It excludes ``primary_key`` (a keyed
+        table retracts the rows it replaces).
 
         >>> import pyarrow as pa
         >>> Circuit().input("t", pa.schema([("a", pa.int32())])).schema.names
@@ -195,8 +224,13 @@ class Circuit:
             check_columns(schema, key, f"input {name!r}", "primary key column")
         if not isinstance(materialized, bool):
             raise TypeError(f"input {name!r}: materialized must be a bool, got {materialized!r}")
+        if not isinstance(append_only, bool):
+            raise TypeError(f"input {name!r}: append_only must be a bool, got {append_only!r}")
+        if append_only and primary_key is not None:
+            raise SchemaError(f"input {name!r}: append_only=True excludes primary_key (a table with a key retracts "
+                              f"the row a push replaces); declare one of them")
         self._check_readable(name, primary_key is not None or materialized)
-        s = self.add_operator(Input(name, nullable_schema(schema), event_time, int(lateness)), times)
+        s = self.add_operator(Input(name, nullable_schema(schema), event_time, int(lateness), append_only), times)
         self.inputs[name] = s.node_id
         if primary_key is not None:
             src = s._exchanged(key)
@@ -779,6 +813,8 @@ class GroupBy:
                 src = src + flips
         else:
             src = s._exchanged(keys)
+            if op.extremes and circuit.inserts_only(src.node_id):
+                op.append_only = True  # operators/aggregate.py invariant 7: no value multisets kept
         op.inputs = (src.node_id,)
         return circuit.add_operator(op, passed(src.times, {k: k for k in keys}) if hidden is None else {}, (src.times,))
 
@@ -803,7 +839,8 @@ class GroupBy:
         TopK(-1, schema0, self.keys or (GLOBAL_KEY,), order, k, with_ties, where)  # validate before adding nodes
         s, keys, hidden = self._keyed(where)
         src = s._exchanged(keys)
-        op = TopK(src.node_id, src.schema, keys, order, k, with_ties, where, hidden)
+        op = TopK(src.node_id, src.schema, keys, order, k, with_ties, where, hidden,
+                  append_only=s.circuit.inserts_only(src.node_id))
         return s.circuit.add_operator(op, passed(src.times, {c: c for c in keys if c != hidden}), (src.times,))
 
     def session(self, column: str, gap: int, start: str = "session_start", end: str = "session_end") -> Stream:

@@ -26,8 +26,10 @@ Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them
 - ``DBSP_REGION_CACHE_MB`` (csrc/scratch.c reads it itself; checked here): MiB of freed mapped regions the C core
   keeps for reuse, a whole number >= 0 (default 256).
 - ``DBSP_MEMORY_LIMIT`` (runtime/driver.py): the memory budget of a pipeline's traces when ``Pipeline(...,
-  memory_limit=)`` is not given, bytes or a size such as ``4GiB`` (default: none). CI runs suites with a tiny one
-  (``DBSP_MEMORY_LIMIT=1``) so that every trace spills its batches to files (dbsp_core/trace/spill.py).
+  memory_limit=)`` is not given, bytes or a size such as ``4GiB`` (default: none; an embedded pipeline's only: a
+  staged one, SparkPipeline's, takes a budget from its argument alone). ``.ci/run`` runs tests/core, tests/sql,
+  tests/nexmark, tests/exactly_once and tests/storage once more with ``DBSP_MEMORY_LIMIT=1``, so that every trace
+  spills its batches to files (dbsp_core/trace/spill.py).
 - ``DBSP_CACHE_KEEP_MB`` (runtime/embedded.py): MiB of each of those two caches kept past the end of a step, a whole
   number >= 0 (default 16): the rest goes back to the system (csrc/scratch.c design note 6), so the buffers a large
   step used do not stay resident beside the state it built.
@@ -52,26 +54,37 @@ tests/core/test_envvars.py checks that the repository reads no other):
   ``DBSP_POISON_SEED``, ``DBSP_THREADS_SEED``, ``DBSP_CONCURRENCY_SEED``, ``DBSP_RACE_SEED``, ``DBSP_WIDE_SEED``,
   ``DBSP_RESCALE_SEED``, ``DBSP_RESCALE_KILL_SEED``, ``DBSP_LIVE_SEED``, ``DBSP_LIVE_KILL_SEED``,
   ``DBSP_SPARK_KILL_SEED``, ``DBSP_SPARK_LOSE_SEED`` (tests/spark/test_spark_lose.py), ``DBSP_SPARK_STORE_SEED``,
-  ``DBSP_STAGE_STORE_SEED`` (tests/storage/test_remote_staged.py, test_stage_job_retry.py), ``DBSP_FUZZ_SEED``,
+  ``DBSP_STAGE_STORE_SEED`` (tests/storage/test_remote_staged.py, test_stage_job_retry.py, test_stage_exchange.py),
+  ``DBSP_STAGE_CHECK_SEED``
+  (tests/storage/test_stage_check.py: which stage object is damaged), ``DBSP_FUZZ_SEED``,
   ``DBSP_TEST_SEED``, ``DBSP_PG_SEED``, ``DBSP_DELTA_SEED``,
   ``DBSP_SLT_SEED``, ``DBSP_AUTOSCALE_SEED``, ``DBSP_AUTOSCALE_KILL_SEED``, ``DBSP_STORE_FAULT_SEED`` (the
   store-fault tests: which store calls fail, and how), ``DBSP_REMOTE_SEED``, ``DBSP_REMOTE_KILL_SEED``,
   ``DBSP_RUN_SEED`` (tests/sql/test_run.py), ``DBSP_DECIMAL_SEED`` (tests/sql/test_decimal.py), ``DBSP_NOW_SEED``
   (tests/sql/test_now.py), ``DBSP_CHANGE_SEED`` and ``DBSP_CHANGE_KILL_SEED`` (program changes,
   tests/exactly_once/test_program_change*.py), ``DBSP_PUSH_MANY_SEED`` (tests/exactly_once/test_push_many.py),
-  ``DBSP_OUTPUT_REFS_SEED`` (tests/storage/test_output_refs.py).
+  ``DBSP_OUTPUT_REFS_SEED`` (tests/storage/test_output_refs.py), ``DBSP_MOVE_TARGET_SEED`` (tests/storage/test_move_target.py),
+  ``DBSP_STAGED_SPILL_SEED`` and ``DBSP_SPARK_SPILL_SEED`` (tests/core/test_staged_spill.py, tests/spark/test_spark_spill.py),
+  ``DBSP_EXPR_KERNELS_SEED`` (tests/core/test_expr_kernels.py), ``DBSP_APPEND_ONLY_SEED`` (tests/sql/test_compile.py:
+  the rows pushed into append-only tables).
 - sizes of the test loops and soaks: ``DBSP_SQL_CORPUS``, ``DBSP_EO_SEEDS``, ``DBSP_EO_KEYED_SEEDS``, ``DBSP_EO_JOBS``,
   ``DBSP_CRASH_SEEDS``, ``DBSP_RESCALE_SEEDS``, ``DBSP_RESCALE_KILLS``, ``DBSP_RESCALE_CRASH_FULL``, ``DBSP_LIVE_KILLS``,
   ``DBSP_RACE_ROUNDS``, ``DBSP_WIDE_WORKERS``, ``DBSP_CONCURRENCY_ROUNDS``, ``DBSP_CONCURRENCY_KILLS``,
+  ``DBSP_CONCURRENCY_STORE_ROUNDS``, ``DBSP_CONCURRENCY_BUDGET_ROUNDS``, ``DBSP_SPARK_HARNESS_ROUNDS``
+  (tests/spark/test_spark_store.py),
   ``DBSP_CONNECTOR_KILLS``, ``DBSP_FILES_KILLS``, ``DBSP_STORAGE_KILLS``, ``DBSP_STORAGE_SOAK``,
-  ``DBSP_SPARK_KILLS``, ``DBSP_SPARK_LOSE_KILLS``, ``DBSP_SPARK_KILL_RUNTIMES``, ``DBSP_FUZZ_CASES``,
+  ``DBSP_SPARK_KILLS``, ``DBSP_SPARK_CLUSTER_KILLS`` (driver kills on local-cluster), ``DBSP_SPARK_LOSE_KILLS``,
+  ``DBSP_SPARK_KILL_RUNTIMES``, ``DBSP_FUZZ_CASES``,
   ``DBSP_PG_KILLS``, ``DBSP_DELTA_KILLS``,
   ``DBSP_AUTOSCALE_KILLS``, ``DBSP_CHANGE_KILLS``, ``DBSP_SLT_QUERIES``, ``DBSP_SLT_MEMORY_GB`` (tests/sql/slt.py: the resident memory at which a sqllogictest child is stopped),
-  ``DBSP_SLT_TRACEBACK`` (tracebacks in the runner's error lines).
+  ``DBSP_SLT_TRACEBACK`` (tracebacks in the runner's error lines), ``DBSP_SPARK_PLACE`` (tests/spark/test_spark_store.py:
+  ``0`` runs the placement test with Spark's own placement, the path before task placement by cache, to watch it fail).
 - benchmarks: ``DBSP_FLINK_PYTHON`` (the interpreter of a venv with apache-flink, bench/nexmark.py --peers flink),
   ``DBSP_BREAKDOWN_CODE`` (bench/durable_breakdown.py --baseline: the tree whose dbsp_core a child imports).
 - what a test parent tells its child process: ``DBSP_RUN``, ``DBSP_TEST_KILL_AFTER_BATCH``, ``DBSP_UPGRADE_MARKERS``,
-  ``DBSP_KILL_STORE_URI`` (tests/spark/test_spark_kill.py: the store the child's pipeline uses).
+  ``DBSP_KILL_STORE_URI`` (tests/spark/test_spark_kill.py: the store the child's pipeline uses),
+  ``DBSP_KILL_LOCAL_DIRS`` (there: the directory under which each run keeps its Spark local directories, deleted by
+  the next run).
 """
 
 from __future__ import annotations

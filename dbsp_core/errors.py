@@ -111,6 +111,11 @@ class PrimaryKeyError(DbspError, ValueError):
     +1 or -1), or a delete by key on a table without one; nothing was recorded."""
 
 
+class AppendOnlyError(DbspError, ValueError):
+    """A push of a row with a weight other than positive (a retraction) into an input declared append-only
+    (``Circuit.input(..., append_only=True)``, SQL ``WITH ('append_only' = 'true')``); nothing was recorded."""
+
+
 class QueryError(DbspError, ValueError):
     """An ad-hoc query (``Pipeline.query``) that is refused (not one read-only SELECT) or that DuckDB cannot run
     (bad SQL, a table or view that is not readable); the message says which and what the query can read."""

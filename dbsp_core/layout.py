@@ -151,6 +151,26 @@ class ShardMap:
             return np.zeros(len(h), dtype=np.int64)
         return (h >> np.uint64(64 - self._shard_bits)).astype(np.int64)
 
+    def runs(self, khash: np.ndarray) -> list[tuple[int, int, int]]:
+        """The rows of key hashes ``khash`` (ascending) as runs ``(worker, start, stop)`` of consecutive shards of one
+        owner, in row order: how an exchange cuts rows sorted by key hash into the workers' parts without a
+        permutation (one run per worker for the contiguous map of a new pipeline). Empty runs are left out.
+
+        Examples
+        --------
+        >>> m = ShardMap(workers=2, shard_bits=2)
+        >>> m.runs(np.array([1, 2, 1 << 63, 3 << 62], dtype=np.uint64))
+        [(0, 0, 2), (1, 2, 4)]
+        """
+        owners = self._part_of_shard
+        first = np.flatnonzero(np.diff(owners)) + 1  # the first shard of each run after the first
+        if self._shard_bits == 0 or len(first) == 0:
+            return [(int(owners[0]), 0, len(khash))] if len(khash) else []
+        lows = first.astype(np.uint64) << np.uint64(64 - self._shard_bits)  # the lowest key hash of each run
+        cuts = [0] + np.searchsorted(khash, lows).tolist() + [len(khash)]
+        whose = [int(owners[0])] + owners[first].tolist()
+        return [(w, s, e) for w, s, e in zip(whose, cuts, cuts[1:]) if e > s]
+
     def moved_shards(self, other: "ShardMap") -> list[int]:
         """Shards (at the finer of the two shard counts) whose owner differs between ``self`` and ``other``."""
         bits = max(self._shard_bits, other.shard_bits)

@@ -279,6 +279,8 @@ def gather(p: Any, state: bool = True) -> dict:
         store = p.executor.batch_store
         if store is not None:
             out["spill"] = spill_metrics(store, [p.traces(w) for w in range(p.layout.workers)])
+        elif "task_spill" in p.stats:  # a staged executor's task processes (runtime/stage_task.py invariant 7)
+            out["spill"] = task_spill_metrics(p.stats["task_spill"])
     out["profile"] = pipeline_profile(p, state)  # after the state: p.traces refuses a closed pipeline first
     return out
 
@@ -286,12 +288,12 @@ def gather(p: Any, state: bool = True) -> dict:
 def spill_metrics(store: Any, traces: list[dict[str, Any]]) -> dict:
     """The memory budget's state (trace invariant 12): ``limit``, ``memory_bytes`` (batches in memory),
     ``disk_bytes`` (batch files), the store's counters (files written and deleted, bytes written, cache
-    evictions and bytes evicted, cache hits and misses, pages of lazily opened files checked) and per operator's
+    evictions and bytes evicted, cache hits and misses, pages of lazily opened files checked, pages prefetched and
+    their runs: trace/spill.py ``BatchStore.prefetch``) and per operator's
     trace (``"<label>.<trace>"``, summed over workers) its rows, bytes in memory, bytes in batch files (a file's
-    size shared by the rows read from it) and cache hits and misses: per step that reads the trace, per spilled
-    batch, a hit when the store had not evicted its file's pages since its last use, a miss when it had or the
-    file was never read since it was written or opened (trace/spill.py invariant 15; which 4 KiB pages fault is
-    the kernel's to count)."""
+    size shared by the rows read from it) and cache hits and misses, in pages: per page of a spilled batch a read
+    of the trace used, a hit when the cache held it, a miss when it had evicted it or never held it (trace/spill.py
+    invariant 15; which of them fault is the kernel's to count)."""
     ops: dict[str, dict[str, int]] = {}
     for per_worker in traces:
         for label, t in per_worker.items():
@@ -306,6 +308,21 @@ def spill_metrics(store: Any, traces: list[dict[str, Any]]) -> dict:
     out = {"limit": store.memory_limit, "memory_bytes": mem, "filter_bytes": kept, "disk_bytes": store.disk_bytes(),
            "operators": ops}
     out.update(store.stats)
+    return out
+
+
+def task_spill_metrics(tot: dict) -> dict:
+    """The memory budget of a staged executor's task processes, from what their tasks reported (runtime/staged.py
+    ``_count_spills``): ``limit`` (per task process), the counters summed over every task so far, ``processes``
+    (``host:pid`` -> bytes in memory and in files after its last task) and their sums ``memory_bytes`` and
+    ``disk_bytes``, and ``files_by_stage_worker`` (``"<stage>.<worker>"`` -> files its tasks wrote)."""
+    out = {k: v for k, v in tot.items() if k not in ("by_stage_worker", "by_process")}
+    procs = tot["by_process"]
+    out["memory_bytes"] = sum(r["memory_bytes"] for r in procs.values())
+    out["disk_bytes"] = sum(r["disk_bytes"] for r in procs.values())
+    out["processes"] = {p: dict(r) for p, r in procs.items()}
+    out["files_by_stage_worker"] = {f"{k}.{w}": n for (k, w), n in sorted(tot["by_stage_worker"].items())}
+    out["operators"] = {}  # per operator: not reported by the tasks yet (their traces are in other processes)
     return out
 
 
@@ -394,24 +411,28 @@ def _families(m: dict) -> list:
         fams += [gauge("spill_memory_bytes", "Bytes of trace batches in memory under the memory budget", sp["memory_bytes"]),
                  gauge("spill_disk_bytes", "Bytes of the batch files spilled traces live in", sp["disk_bytes"]),
                  counter("spill_bytes_written_total", "Bytes of batch files written", sp["bytes_written"]),
-                 counter("spill_evictions_total", "Batch files whose mapped pages the cache evicted", sp["evictions"]),
+                 counter("spill_evictions_total", "Times the cache evicted pages of a batch file", sp["evictions"]),
                  gauge("trace_memory_bytes", "Bytes of an operator's trace batches in memory", labels=("operator",),
                        rows={k: v["memory_bytes"] for k, v in sp["operators"].items()}),
                  gauge("trace_disk_bytes", "Bytes of an operator's trace batches in batch files", labels=("operator",),
                        rows={k: v["disk_bytes"] for k, v in sp["operators"].items()}),
                  gauge("trace_rows", "Rows of an operator's trace batches (memory and batch files)",
                        labels=("operator",), rows={k: v["rows"] for k, v in sp["operators"].items()}),
-                 counter("trace_cache_hits_total", "Reads of an operator's spilled batches whose pages the cache "
-                         "kept", labels=("operator",), rows={k: v["cache_hits"] for k, v in sp["operators"].items()}),
-                 counter("trace_cache_misses_total", "Reads of an operator's spilled batches whose pages the cache "
-                         "had evicted or never held", labels=("operator",),
+                 counter("trace_cache_hits_total", "Pages of an operator's spilled batches its reads used that the "
+                         "cache held", labels=("operator",),
+                         rows={k: v["cache_hits"] for k, v in sp["operators"].items()}),
+                 counter("trace_cache_misses_total", "Pages of an operator's spilled batches its reads used that the "
+                         "cache had evicted or never held", labels=("operator",),
                          rows={k: v["cache_misses"] for k, v in sp["operators"].items()}),
-                 counter("spill_cache_hits_total", "Reads of spilled batches whose pages the cache kept",
+                 counter("spill_cache_hits_total", "Pages of spilled batches reads used that the cache held",
                          sp["cache_hits"]),
-                 counter("spill_cache_misses_total", "Reads of spilled batches whose pages the cache had evicted or "
-                         "never held", sp["cache_misses"]),
+                 counter("spill_cache_misses_total", "Pages of spilled batches reads used that the cache had evicted "
+                         "or never held", sp["cache_misses"]),
                  counter("spill_pages_checked_total", "Pages of lazily opened batch files checked as steps read them",
-                         sp["pages_checked"])]
+                         sp["pages_checked"]),
+                 counter("spill_pages_prefetched_total", "Pages of spilled batches steps asked the kernel to read "
+                         "before walking them (while the files did not fit the page cache)",
+                         sp.get("pages_prefetched", 0))]
     if "state_bytes" in m:
         fams += [gauge("state_bytes", "Bytes of operator state per worker", labels=("worker",),
                        rows={w: v["total"] for w, v in m["state_bytes"].items()}),

@@ -7,7 +7,8 @@ Invariants:
     zero, and rows are in canonical order (csrc/rows.h): by row hash, then by value; ``_rhash`` then holds the
     row hashes in that order. When ``_distinct`` is true (always when ``_consolidated`` is), no two rows are equal
     and no weight is zero, in any order: the Z-set's consolidated content, as an operator that produces its rows
-    distinct hands it over (a step's output needs no sort to be read).
+    distinct hands it over (a step's output needs no sort to be read). Whatever the flags, ``_rhash`` when not None
+    holds the stored rows' row hashes in stored order (always set when consolidated).
  3. An IndexedZSet's ZSet is consolidated and in canonical order for its key: by key hash, then row hash, then
     value; ``key_hash`` holds the key hashes, ascending.
 Every operation validates its inputs before touching any state and never mutates a ZSet: Z-sets are values.
@@ -61,6 +62,32 @@ def _concat_batches(batches: list[pa.RecordBatch]) -> pa.RecordBatch:
 
 
 _CONCAT_BATCHES = getattr(pa, "concat_batches", None)  # pyarrow >= 19
+
+
+def _rejoin(batches: list[pa.RecordBatch]) -> tuple[pa.RecordBatch, list[int]] | None:
+    """The record batch that ``batches`` were sliced from, when together they cover one contiguous range of it
+    in some order (every column's buffers shared, offsets adjacent), with that order; else None. No row is
+    copied: the result views the same buffers."""
+    firsts = [b.column(0) for b in batches]
+    key = [(x.buffers(), x.offset) for x in firsts]
+    if any(not _same_buffers(k[0], key[0][0]) for k in key[1:]):  # the common case: fails here, ~1 us a part
+        return None
+    order = sorted(range(len(batches)), key=lambda i: key[i][1])
+    cols = []
+    for j in range(batches[0].num_columns):
+        arrs = [batches[i].column(j) for i in order]
+        bufs, end = arrs[0].buffers(), arrs[0].offset
+        for a in arrs:
+            if a.offset != end or not _same_buffers(a.buffers(), bufs):
+                return None
+            end += len(a)
+        cols.append(pa.Array.from_buffers(arrs[0].type, end - arrs[0].offset, bufs, offset=arrs[0].offset))
+    return pa.RecordBatch.from_arrays(cols, schema=batches[0].schema), order
+
+
+def _same_buffers(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x is y or (x is not None and y is not None and x.address == y.address
+                                               and x.size == y.size) for x, y in zip(a, b))
 
 
 def _single_chunk(table: pa.Table) -> pa.Table:
@@ -212,8 +239,8 @@ class ZSet:
             rhash = _zset.hash_columns(z._data, list(range(z._data.num_columns)))
             consolidated = _zset.check_order(z._data, weights, rhash, [])
             z._consolidated = consolidated
-        z._rhash = rhash if consolidated else None
         z._distinct = distinct or consolidated
+        z._rhash = rhash
         return z
 
     @classmethod
@@ -279,7 +306,10 @@ class ZSet:
 
     @classmethod
     def concat(cls, zsets: Sequence[ZSet]) -> ZSet:
-        """The sum of Z-sets of one schema, without consolidating (cheap; consolidation happens on demand)."""
+        """The sum of Z-sets of one schema, without consolidating (cheap; consolidation happens on demand). Parts
+        that are slices of one table covering a contiguous range (a push spread over the workers and handed
+        through, as by a projection-free view) are joined again without copying, in their order in that table;
+        the row hashes of parts that all hold theirs are kept."""
         zsets = list(zsets)
         if not zsets:
             raise ValueError("concat needs at least one ZSet (the schema comes from it)")
@@ -293,8 +323,15 @@ class ZSet:
             return parts[0] if parts else first
         tables = [parts[0]._data] + [_conform(p._data, parts[0]._data.schema) for p in parts[1:]]
         batches = [b for t in tables for b in t.to_batches()]  # one each (invariant 1: one chunk per column)
-        data = pa.Table.from_batches([_concat_batches(batches)]) if batches else pa.concat_tables(tables)
-        return cls._make(data, np.concatenate([p._w for p in parts]))
+        joined = _rejoin(batches) if len(batches) == len(parts) else None
+        if joined is not None:
+            batch, order = joined
+            parts = [parts[i] for i in order]
+        else:
+            batch = _concat_batches(batches) if batches else None
+        data = pa.Table.from_batches([batch]) if batch is not None else pa.concat_tables(tables)
+        rh = np.concatenate([p._rhash for p in parts]) if all(p._rhash is not None for p in parts) else None
+        return cls._make(data, np.concatenate([p._w for p in parts]), rhash=rh)
 
     # ---- accessors ----
 
@@ -330,6 +367,30 @@ class ZSet:
         """This Z-set with no two equal rows and no zero weight (invariant 2): itself when it is so already, in
         whatever order its rows are, else consolidated (canonical order)."""
         return self if self._distinct else self.consolidate()
+
+    def _distinct_unsorted(self) -> ZSet:
+        """The same Z-set with equal rows summed and zero weights dropped, in no particular order (invariant 2,
+        distinct), with its row hashes: each set of equal rows stays where its first row is, and with no two rows
+        equal and no zero weight (a step's usual output) the data is kept as it is. It hashes and probes, but
+        neither sorts nor (then) gathers, which consolidation does (csrc/zset.c, distinct-rows design notes).
+        Row hashes the Z-set holds already are used (a concatenation of parts that had them).
+
+        >>> z = ZSet.from_arrow(pa.table({"x": [3, 1, 3, 2]}), weights=[1, 1, -1, 1])._distinct_unsorted()
+        >>> z.data.column("x").to_pylist(), z.weights.tolist()
+        ([1, 2], [1, 1])
+        """
+        if self._distinct and self._rhash is not None:
+            return self
+        rh = self._rhash
+        if rh is None:
+            rh = _zset.hash_columns(self._data, list(range(self._data.num_columns)))
+        if self._distinct:
+            return ZSet._make(self._data, self._w, distinct=True, rhash=rh)
+        kept = _zset.distinct(self._data, self._w, rh)
+        if kept is None:
+            return ZSet._make(self._data, self._w, distinct=True, rhash=rh)
+        idx, w = kept
+        return ZSet._make(_take(self._data, idx), w, distinct=True, rhash=rh[idx])
 
     # ---- kernels ----
 
@@ -396,12 +457,15 @@ class ZSet:
         out._rh = rh  # the row hashes, when the kernel had them (small batches): trace merges use them
         return out
 
-    def aggregate(self, key_columns: Sequence[str], aggs: Sequence[tuple[str, str | None]]) -> pa.Table:
+    def aggregate(self, key_columns: Sequence[str], aggs: Sequence[tuple[str, str | None]],
+                  consolidate: bool = True, keep_zero: bool = False) -> pa.Table:
         """Grouped aggregates straight from the stored rows, by hash grouping (no index is built).
 
         Same kinds and result layout as :meth:`IndexedZSet.reduce`. Groups whose weights sum to 0 have no row
-        (for a relation, where every weight is positive, that is SQL's GROUP BY). ``min``/``max`` look at rows
-        by their consolidated weight, so an unconsolidated Z-set is consolidated first when they are asked for.
+        (for a relation, where every weight is positive, that is SQL's GROUP BY) unless ``keep_zero``.
+        ``min``/``max`` look at rows by their consolidated weight, so an unconsolidated Z-set is consolidated
+        first when they are asked for, unless ``consolidate`` is False: then they look at each stored row with
+        a positive weight (the same result when equal rows of opposite weights carry no min/max value).
 
         Examples
         --------
@@ -414,8 +478,8 @@ class ZSet:
         if not pos:
             raise ValueError("aggregate needs at least one key column")
         specs = _agg_specs(self.schema, aggs)
-        z = self.consolidate() if any(k in ("min", "max") for k, _ in specs) else self
-        group_row, _, ivals, fvals, valid = _zset.group_reduce(z._data, z._w, pos, specs)
+        z = self.consolidate() if consolidate and any(k in ("min", "max") for k, _ in specs) else self
+        group_row, _, ivals, fvals, valid = _zset.group_reduce(z._data, z._w, pos, specs, bool(keep_zero))
         return _agg_table(z._data, list(key_columns), specs, group_row, ivals, fvals, valid)
 
     def join_rows(self, other: ZSet, left_on: Sequence[str], right_on: Sequence[str],
@@ -580,6 +644,31 @@ class IndexedZSet:
         ix._rh = None
         ix._keypos = _column_positions(z.schema, key, "index")
         return ix
+
+    @classmethod
+    def _from_key_order(cls, z: ZSet, key: Sequence[str], kh: np.ndarray, rows: np.ndarray | None = None
+                        ) -> IndexedZSet:
+        """``z`` (or its rows ``rows``, ascending) indexed by ``key``, given the key hash ``kh`` of each of its rows,
+        which are already in key-hash order (an indexed Z-set's rows projected onto its key and other columns, or
+        rows built group by group in index order): consolidated by sorting only within runs of equal key hashes
+        (csrc/zset.h dbsp_zset_consolidate_runs), the same batch as ``z.index_by(key)`` without hashing the key and
+        sorting every row. The batch keeps the row hashes the kernel computed (trace merges use them)."""
+        data = z._data
+        v = _zset.BatchView(data, z._w)  # one view for the kernel and the take
+        idx, w, kho, rh = _zset.consolidate_runs(v, None, kh, rows)
+        out = cls._make(ZSet._make(_take(data, idx, v), w, consolidated=False), tuple(key), kho)
+        out._rh = rh
+        return out
+
+    def _slice(self, start: int, stop: int) -> IndexedZSet:
+        """Rows ``start..stop`` of the index order as an indexed Z-set, without copying (the rows of a run of
+        shards, which an exchange of indexed rows sends as they are)."""
+        n = max(0, stop - start)
+        out = IndexedZSet._make(ZSet._make(self._z._data.slice(start, n), self._z._w[start:stop]), self._key,
+                                self._kh[start:stop])
+        if self._rh is not None:
+            out._rh = self._rh[start:stop]
+        return out
 
     @classmethod
     def empty(cls, schema: pa.Schema, key: Sequence[str]) -> IndexedZSet:

@@ -17,6 +17,8 @@ binding for it):
 from __future__ import annotations
 
 import math
+import os
+import re
 from typing import Any
 
 from dbsp_core.runtime.autoscaler import Capacity
@@ -38,6 +40,19 @@ class SparkExecutors(Capacity):
         cores = int(self._conf("spark.executor.cores", "1"))
         cpus = int(self._conf("spark.task.cpus", "1"))
         return max(1, cores // max(1, cpus))
+
+    def task_slots(self) -> int:
+        """Tasks one Spark executor runs at once: ``N`` of ``local[N]`` / ``local[N,F]`` (the cores of ``local[*]``),
+        the cores per executor of ``local-cluster[n,c,m]``, else :meth:`tasks_per_executor`."""
+        master = self.sc.master
+        m = re.fullmatch(r"local(?:\[(\*|\d+)(?:,\d+)?\])?", master)
+        if m is not None:
+            n = m.group(1)
+            return (os.cpu_count() or 1) if n == "*" else int(n or 1)
+        m = re.fullmatch(r"local-cluster\[\s*\d+\s*,\s*(\d+)\s*,.*\]", master)
+        if m is not None:
+            return max(1, int(m.group(1)) // max(1, int(self._conf("spark.task.cpus", "1"))))
+        return self.tasks_per_executor()
 
     def executor_ids(self) -> list[str]:
         """The Spark executors alive now (not the driver), without those already asked to go."""

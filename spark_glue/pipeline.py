@@ -10,7 +10,9 @@ supplies the job runner, which moves blobs: one Spark job runs a step run (queue
       -> mapInArrow(stage 1) -> [shuffle] -> ... -> toArrow() on the driver (commit acknowledgements)
       -> the driver reads the last stage's output shares from its result files
 
-(a stateless last stage returns its output shares through ``toArrow()`` instead).
+(a stateless last stage returns its output shares through ``toArrow()`` instead). With an object store each stage
+is a Spark job of its own instead, its tasks placed by cache and the blobs between stages passing through the store
+(spark_glue.placement; ``SparkJobRunner.place``).
 
 Design notes (each is a requirement this module keeps):
   1. Rows never cross Python one by one: a blob is one Z-set (Arrow IPC with a checksum); the shuffle moves
@@ -55,31 +57,43 @@ Design notes (each is a requirement this module keeps):
      attempts (and re-runs the earlier-stage tasks whose shuffle output was lost) wherever it places them; a
      task on a Spark executor whose cache is stale or gone rebuilds its worker's state from the shared mount or
      the chain in the store, while the workers whose Spark executor survived keep their cached state
-     (tests/spark/test_spark_lose.py counts both). A job Spark aborts (a task out of attempts) runs again from the
+     (tests/spark/test_spark_lose.py counts both). With an object store the tasks are placed by cache
+     (spark_glue.placement): the survivors' tasks stay where their state is, the lost workers go to the warm Spark
+     executors with the fewest, a replacement Spark executor takes workers only once a warm-up task ran on it, and
+     no stage's output is lost with a Spark executor (the exchange is in the store). A job Spark aborts (a task out of attempts) runs again from the
      same chains (dbsp_core.runtime.staged invariant 5) instead of breaking the pipeline. So the per-job write is the default and the only mode: it is
      what replaces the issue's in-flight exchange log, and it costs the bytes each job changes (bench/RESULTS.md,
      issue 33). A lost driver still means whole-pipeline recovery: ``SparkPipeline.open`` from the last
-     checkpoint, replaying the input log.
+     checkpoint, replaying the input log. A task whose state moved asks for its chain's objects at once
+     (stage_store._Prefetch). Where the rest of a loss goes (Spark's re-runs of lost shuffle output on the cores
+     left, and the replacement Spark executor's cold first tasks) is timed apart in bench/RESULTS.md, issue 33.
+  8. With an object store, a layout change (``rescale``, each wave of a live one, ``open(..., workers=)``) is a
+     Spark job too (:meth:`SparkJobRunner.run_tasks`): one task per stateful (stage, worker) of the new layout
+     fetches the old databases it reads through the store into its Spark executor's cache (reusing a cached
+     copy), builds its worker's new database there, uploads it as a base and acknowledges it; the driver only
+     assigns the tasks, checks the acknowledgements and records the new chains (dbsp_core.runtime.stage_store
+     invariant 6). No state passes through the driver; a retried or duplicated attempt uploads under a token of
+     its own, and a driver that dies mid-change recovers from the last checkpoint as for a step.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import tempfile
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from dbsp_core.circuit import Circuit
+from dbsp_core.envvars import parse_memory_limit
 from dbsp_core.errors import DbspError
-from dbsp_core.layout import DEFAULT_SHARD_BITS, Layout
+from dbsp_core.layout import DEFAULT_SHARD_BITS
 from dbsp_core.runtime import Pipeline, StagedExecutor
 from dbsp_core.runtime.job_files import read_job_input, remove_job_inputs, write_job_inputs
-from dbsp_core.runtime.stage_plan import BLOB_SCHEMA, CONTROL_NODE, StagePlan, StepInfo, control_blobs
+from dbsp_core.runtime.stage_plan import BLOB_SCHEMA, CONTROL_NODE, StagePlan, control_blobs
 from dbsp_core.runtime import stage_store
 from dbsp_core.runtime.stage_task import StageTask, read_result_outputs, run_stage_task
 from dbsp_core.runtime.staged import Job
@@ -88,6 +102,8 @@ from dbsp_core.storage.remote import is_remote
 from dbsp_core.zset import ZSet
 from spark_glue.check import check_executors
 from spark_glue.executors import SparkExecutors
+from spark_glue.placement import (Placement, executor_here, job_of, placed_rdd, run_placed_task, stage_task_of,
+                                  warm_up)
 
 __all__ = ["SparkPipeline", "SparkJobRunner", "partition_codes"]
 
@@ -123,18 +139,11 @@ def _describe(tasks: list[StageTask], fault: tuple[int, str, int] | None, attemp
     store, the chain of every stateful (stage, worker) (stage_store invariant 2)."""
     task = tasks[0]
     out = {"run": task.run, "version": task.version, "layout": task.layout.to_dict(),
-           "steps": [list(s) for s in task.steps], "fault": None if fault is None else [*fault, attempts]}
+           "steps": [list(s) for s in task.steps], "fault": None if fault is None else [*fault, attempts],
+           "memory": [task.memory_limit, task.spill_dir]}
     if task.store is not None:
         out["chains"] = {str(t.stage): {str(w): c for w, c in t.chains.items()} for t in tasks if t.chains is not None}
     return out
-
-
-def _job_of(blobs: pa.Table, where: str) -> dict:
-    """The job description in the control blob among ``blobs`` (design note 6)."""
-    ctl = blobs.filter(pc.equal(blobs.column("node"), CONTROL_NODE)).column("payload")
-    if len(ctl) != 1:
-        raise DbspError(f"{where}: {len(ctl)} control blobs, expected one (it carries the job)")
-    return json.loads(ctl[0].as_py())
 
 
 def _stage_fn(plan: StagePlan, stage: int, storage: str | None, outputs_in_result: bool,
@@ -157,19 +166,10 @@ def _stage_fn(plan: StagePlan, stage: int, storage: str | None, outputs_in_resul
                 head, table = read_job_input(storage, worker)
         else:
             table = pa.Table.from_batches(bs) if bs else BLOB_SCHEMA.empty_table()
-        job = _job_of(table, where)
+        job = job_of(table, where)
         if stage == 0 and head != job:
             raise DbspError(f"{where}: the input file of job {head} carries the job {job}")
-        chains = None
-        if store is not None and str(stage) in job.get("chains", {}):
-            chains = {int(w): c for w, c in job["chains"][str(stage)].items()}
-        task = StageTask(plan, stage, Layout.from_dict(job["layout"], where),
-                         storage if store is None else store.root(), job["run"], job["version"],
-                         [StepInfo(*s) for s in job["steps"]], outputs_in_result=outputs_in_result, store=store,
-                         chains=chains)
-        f = job["fault"]
-        if f is not None and f[0] == stage and f[2] == worker and tc.attemptNumber() < f[3]:
-            task = dataclasses.replace(task, fault=(f[1], worker))  # tests: fail the first attempt(s)
+        task = stage_task_of(plan, stage, storage, outputs_in_result, store, job, worker, tc.attemptNumber())
         out = run_stage_task(task, worker, table)
         yield from out.combine_chunks().to_batches()
 
@@ -189,6 +189,9 @@ class SparkJobRunner:
 
     def __init__(self, spark: Any) -> None:
         self.spark = spark
+        # tasks a Spark executor runs at once, each in a Python worker of its own: a memory budget per Spark
+        # executor is divided among them (dbsp_core.runtime.staged invariant 6)
+        self.task_slots = SparkExecutors(spark).task_slots()
         self._codes: dict[int, list[int]] = {}
         self._schema = _blob_struct()
         self.fault: tuple[int, str, int] | None = None
@@ -197,6 +200,11 @@ class SparkJobRunner:
         self.prebuild = True
         self._pool: ThreadPoolExecutor | None = None
         self._next: tuple[tuple, Future] | None = None
+        # with an object store: each stage a Spark job of tasks placed by cache (spark_glue.placement); off: one
+        # Spark job per step run, stages joined by Spark's shuffle, tasks wherever Spark puts them
+        self.place = True
+        self.placement = Placement()
+        self._executors = SparkExecutors(spark)
 
     def codes(self, workers: int) -> list[int]:
         """The partition codes of ``workers`` Spark partitions (design note 2), computed once per worker count."""
@@ -243,14 +251,14 @@ class SparkJobRunner:
         by_file = self.outputs_by_file and plan.stateful[last] and store is None
         W = job.workers
         key = (id(plan), storage if store is None else None, W, by_file, store)
-        df = self._dataframe(key, plan)
+        df = None if store is not None and self.place else self._dataframe(key, plan)
         desc = _describe(tasks, self.fault, self.fault_attempts)
         inputs = job.inputs
         ctl = inputs.column("node").to_numpy() == CONTROL_NODE
         inputs = pa.concat_tables([inputs.filter(pa.array(~ctl)), _control(W, t0.steps[0].step, desc)])
         if store is not None:
             stage_store.write_job_inputs(stage_store.remote_of(store), desc, inputs, W)
-            result = df.toArrow()
+            result = self._run_placed(plan, store, W, desc) if self.place else df.toArrow()
         else:
             assert storage is not None
             write_job_inputs(storage, desc, inputs, W)
@@ -258,7 +266,7 @@ class SparkJobRunner:
                 result = df.toArrow()
             finally:
                 remove_job_inputs(storage, W)
-        if self.prebuild:
+        if self.prebuild and df is not None:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="dbsp-spark-plan")
             self._next = (key, self._pool.submit(self._build, key, plan))
@@ -268,12 +276,103 @@ class SparkJobRunner:
             result = result.select(BLOB_SCHEMA.names).cast(BLOB_SCHEMA)
         return pa.concat_tables([result, read_result_outputs(tasks[last], W)])
 
+    def _run_placed(self, plan: StagePlan, store: stage_store.StageStore, workers: int, desc: dict) -> pa.Table:
+        """Each stage of the job as a Spark job of tasks placed by cache, the blobs between stages through the store
+        (spark_glue.placement); the last stage's blobs."""
+        sc = self.spark.sparkContext
+        pl = self.placement
+        desc = json.loads(json.dumps(desc, sort_keys=True))  # as the tasks read it from the objects' tags
+        pl.asked, pl.ran = {}, {}
+        tables = []
+        sent: list[dict] | None = None  # where each worker's committed attempt put what it sent into stage k
+        for k in range(plan.num_stages):
+            # per stage: a Spark executor lost meanwhile gets no preference (its workers' tasks would wait out
+            # spark.locality.wait), and a replacement registered meanwhile is warmed before it can take one cold
+            alive = self._executors.executor_ids()
+            self._warm_up(alive, store)
+            prefs = pl.assign(plan.stateful, workers, alive)
+            pl.asked.update({(k, w): e for w, e in enumerate(prefs[k]) if pl.location(e) is not None})
+            rdd = placed_rdd(sc, [pl.location(e) for e in prefs[k]])
+            got = rdd.mapPartitionsWithIndex(run_placed_task(plan, k, store, workers, desc, sent)).collect()
+            if sorted(w for w, _, _ in got) != list(range(workers)):
+                raise DbspError(f"stage {k}: results of workers {sorted(w for w, _, _ in got)}, expected one from each "
+                                f"of 0..{workers - 1}")
+            sent = [{} for _ in range(workers)]
+            for w, here, data in got:
+                pl.ran_on(k, w, here, plan.stateful[k])
+                if isinstance(data, bytes):
+                    tables.append(pa.ipc.open_stream(pa.py_buffer(data)).read_all())
+                else:
+                    sent[w] = data
+        return pa.concat_tables(tables) if tables else BLOB_SCHEMA.empty_table()
+
+    def _warm_up(self, alive: list[str], store: stage_store.StageStore) -> None:
+        """Start a warm-up task on each live Spark executor not yet warm (spark_glue.placement design note 5): a
+        Spark job of its own in the background, preferring that Spark executor (known by host once any task of its
+        host reported; else no preference, and Spark places it where a core is free)."""
+        pl = self.placement
+        with pl.lock:
+            cold = [e for e in alive if e not in pl.warm and e not in pl.warming]
+            pl.warming.update(cold)
+        if not cold or not pl.warm:  # the first job warms the Spark executors it runs on
+            with pl.lock:
+                pl.warming.difference_update(cold)
+            return
+        host = next(iter(pl.hosts.values()))
+        sc = self.spark.sparkContext
+
+        def run() -> None:
+            try:
+                got = placed_rdd(sc, [f"executor_{host}_{e}" for e in cold]).mapPartitionsWithIndex(
+                    warm_up(store)).collect()
+                with pl.lock:
+                    for here in got:
+                        if here is not None:
+                            pl.hosts[here[1]] = here[0]
+                            pl.warm.add(here[1])
+                    pl.stats["warmups"] += len(got)
+            except Exception:  # noqa: BLE001 - a lost Spark executor or a stopped session: warmed by a later job
+                pass
+            finally:
+                with pl.lock:
+                    pl.warming.difference_update(cold)
+
+        threading.Thread(target=run, name="dbsp-spark-warm-up", daemon=True).start()
+
+    def run_tasks(self, fn: Any, items: list[Any]) -> list[dict]:
+        """One Spark job of ``len(items)`` tasks, task ``i`` running ``fn(items[i])`` wherever Spark places it (a
+        layout change of a store pipeline, design note 8); Spark retries a failed attempt, and ``collect`` returns
+        the result of the one attempt per task it took, in task order."""
+        if not items:
+            return []
+        got = self.spark.sparkContext.parallelize(items, len(items)).map(_reporting(fn)).collect()
+        self.placement.asked = {}
+        for item, (_, here) in zip(items, got):  # a layout change's task built its worker's state where it ran
+            stage, worker = getattr(item, "stage", None), getattr(item, "worker", None)
+            if stage is not None and worker is not None:
+                self.placement.ran_on(stage, worker, here, True)
+        return [r for r, _ in got]
+
+    def release(self, pipeline: str) -> None:
+        """Not done on Spark: a task runs in any idle Python worker of a Spark executor, so no job reaches each
+        worker's cached stage workers of the closed pipeline; they stay until newer entries push them out (at most
+        64 per Python worker, stage_task invariant 4) or the Python worker exits."""
+
     def close(self) -> None:
         """Wait for a prebuild in flight and stop its thread."""
         self._next = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def _reporting(fn: Any) -> Any:
+    """``fn`` returning its result with the Spark executor it ran on (spark_glue.placement design note 3)."""
+
+    def run(item: Any) -> tuple[Any, Any]:
+        return fn(item), executor_here()
+
+    return run
 
 
 def _control(workers: int, step: int, desc: dict) -> pa.Table:
@@ -298,10 +397,25 @@ class SparkPipeline(Pipeline):
         Directory for the input log, output log and stage state; every Spark executor must see it at the same path
         (None: a new temporary directory, for local mode). Or an object store's URI (``s3://bucket/prefix?...``,
         credentials from the environment of the driver and of every Spark executor): nothing is shared then
-        (design note 4); ``cache_dir`` is the driver's local cache, as for ``dbsp_core.Pipeline``.
+        (design note 4), and state moves between Spark executors only through the store, never through the
+        driver, on a rescale as on a task rescheduled elsewhere (design notes 7 and 8); ``cache_dir`` is the
+        driver's local cache (logs and records, no stage state), as for ``dbsp_core.Pipeline``.
     task_cache_dir : str or None
         With an object store: where each Spark executor keeps its tasks' stage state, a directory local to it
         (None: its own Spark directory, ``SPARK_EXECUTOR_DIRS`` / YARN's ``LOCAL_DIRS``).
+    memory_limit : int or str or None
+        A memory budget for operator state per Spark executor (bytes, or a size such as ``"4GiB"``, parsed as
+        ``dbsp_core.Pipeline``'s): each task runs in a Python worker of the Spark executor, so each Python worker
+        keeps the traces it holds (its cache of live operator instances and the state a task loads from its stage
+        database) under the budget divided by the tasks the Spark executor runs at once (``local[N]``: N;
+        ``spark.executor.cores / spark.task.cpus``). Beyond it the biggest, oldest batches go to batch files in
+        the Spark executor's local directory (or ``spill_dir``, a local path on every Spark executor's machine),
+        read in place through a cache; results do not change. A job still commits the rows of spilled batches
+        into the stage databases (the files are one process's scratch: dbsp_core/runtime/stage_task.py
+        invariant 7). ``p.metrics()["spill"]`` and ``p.stats["task_spill"]`` sum what the tasks report. The
+        ``DBSP_MEMORY_LIMIT`` setting does not apply here: only the argument sets a budget.
+    spill_dir : str or None
+        With ``memory_limit``: the base directory of the Python workers' batch files on every Spark executor.
     shard_bits, max_steps_per_job, checkpoint_interval, replay_check, output_retention, output_sync, autoscale
         As for ``dbsp_core.Pipeline`` and ``dbsp_core.runtime.StagedExecutor``. With ``autoscale`` the worker count
         (tasks per stage) follows the policy, up to its ``max_workers``, and Spark executors are asked for and
@@ -323,6 +437,8 @@ class SparkPipeline(Pipeline):
         # no shared path: the state's durable home is an object store, each Spark executor caches its tasks' state
         p = SparkPipeline(spark, circuit, workers=2, storage="s3://bucket/pipe", cache_dir="/local/driver-cache")
         p = SparkPipeline.open(spark, "s3://bucket/pipe", circuit)        # a new driver, any machine
+        # operator state beyond memory: at most 8 GiB of it per Spark executor, the rest in its local directory
+        p = SparkPipeline(spark, circuit, workers=8, storage="/shared/pipe", memory_limit="8GiB")
     """
 
     def __init__(self, spark: Any, circuit: Circuit, workers: int = 1, storage: Any = None, *,
@@ -334,6 +450,7 @@ class SparkPipeline(Pipeline):
             raise TypeError(f"SparkPipeline needs a SparkSession, got {type(spark).__name__}")
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"SparkPipeline: workers must be a positive int, got {workers!r}")
+        parse_memory_limit(kwargs.get("memory_limit"))  # before any Spark work (Pipeline checks it again)
         self.spark = spark
         check_executors(spark)  # fails at once, saying what to set, if the workers cannot import the engine
         if storage is None:

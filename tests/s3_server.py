@@ -73,6 +73,23 @@ class S3Server:
         path = f"{bucket}/{prefix}".rstrip("/")
         return f"s3://{path}?endpoint_override={self.endpoint}&scheme=http&region=us-east-1"
 
+    def requests(self) -> dict[str, int]:
+        """Requests served so far, from the server's log: by HTTP method, and ``objects written`` (a PUT of a whole
+        object, or the start of a multipart upload, as pyarrow's output streams write: POST ?uploads, PUT a part,
+        POST to complete)."""
+        import re
+
+        fd = self.log.fileno()  # read with pread: the server writes through the same file offset
+        raw = os.pread(fd, os.fstat(fd).st_size, 0)
+        text = re.sub(r"\x1b\[[0-9;]*m", "", raw.decode(errors="replace"))
+        got: dict[str, int] = {}
+        for method, target in re.findall(r'"([A-Z]+) (\S+) HTTP/', text):
+            got[method] = got.get(method, 0) + 1
+            if (method == "POST" and target.endswith("?uploads")) or (method == "PUT" and "?" not in target
+                                                                       and target.count("/") > 1):
+                got["objects written"] = got.get("objects written", 0) + 1
+        return got
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

@@ -29,7 +29,22 @@ Invariants (enforced here):
      are listed and read through ``pyarrow.fs``; a file's identity there is its size and modification time (no
      inode); quarantine copies the object and deletes the original (object stores have no rename). The default
      name uses the URI without its query or credentials, so a restart with other credentials resumes.
-  6. The source's counters (``stats``) are part of ``Pipeline.metrics()["sources"][name]`` and of the Prometheus
+  6. Immutable files (``immutable_files=True``, local directories only; the default is False): the source
+     declares that a file, once it appears, is never changed, moved or deleted until a checkpoint covers every
+     step its pushes are in (``Pipeline.checkpoint()`` returned after those steps; for a view that is an input
+     logged by reference, outputlog.py invariant 7, until the output log no longer holds them). Each push is then
+     logged in the input log as a reference to its unit (path, row group, identity, CRC-32C of the unit's bytes:
+     dbsp_core.storage.fileref) instead of its rows, so a durable push costs a read of the unit's bytes instead
+     of encoding, writing and fsyncing its rows; recovery reads the rows again from the file and refuses, with a
+     RecoveryError naming the file, one that vanished or whose bytes differ. Such a push is acknowledged before
+     its record's fsync (driver invariant 1): a crash may lose it, and then it is not acknowledged after the
+     restart, so this source pushes it again from the file. A file that changes while it is read
+     for such a push is an InputFileError (invariant 4), never logged by a checksum of other bytes. With the
+     default, every push logs its rows and the file may go as soon as its pushes are acknowledged.
+  7. On a pipeline in memory (no ``storage=``) the source pushes each unit once per process, without a producer
+     or seq (there is no dedup, and nothing to resume after a restart): for runs measured against the same
+     files read durably (bench/), and for tests.
+  8. The source's counters (``stats``) are part of ``Pipeline.metrics()["sources"][name]`` and of the Prometheus
      text (dbsp_core.metrics) while the pipeline object lives; a source made again (same name, input and
      directory) counts on in the same counters.
 """
@@ -42,16 +57,14 @@ import shutil
 from typing import Any, Iterator
 
 import pyarrow as pa
-import pyarrow.csv as pacsv
 import pyarrow.fs as pafs
-import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from dbsp_core import metrics
 from dbsp_core.connectors.inputs import source_input
 from dbsp_core.errors import InputFileError, SchemaError
+from dbsp_core.storage.fileref import convert, read_checked, read_unit, reference, unit_zset
 from dbsp_core.storage.location import Location, resolve
-from dbsp_core.rows import conform
 
 __all__ = ["FileSource"]
 
@@ -85,7 +98,8 @@ class FileSource:
     Parameters
     ----------
     pipeline
-        A durable ``dbsp_core.Pipeline`` (``storage=``): exactly once rests on its ``(producer, seq)`` dedup.
+        A durable ``dbsp_core.Pipeline`` (``storage=``): exactly once rests on its ``(producer, seq)`` dedup. In
+        memory, each unit is pushed once per process (invariant 7).
     handle
         The input the rows go to.
     directory
@@ -106,6 +120,9 @@ class FileSource:
     filesystem
         A ``pyarrow.fs.FileSystem`` that ``directory`` is a path in (e.g. an fsspec store through
         ``PyFileSystem(FSSpecHandler(...))``).
+    immutable_files
+        Declare that the files stay unchanged where they are until a checkpoint covers their steps (invariant
+        6): pushes are logged by reference to the files instead of by their rows. A local directory only.
 
     Examples
     --------
@@ -130,14 +147,19 @@ class FileSource:
     def __init__(self, pipeline: Any, handle: str, directory: str | os.PathLike, *, name: str | None = None,
                  formats: tuple[str, ...] = tuple(FORMATS), recursive: bool = False, on_error: str = "raise",
                  quarantine_dir: str | os.PathLike | None = None,
-                 filesystem: pafs.FileSystem | None = None) -> None:
-        handle, schema = source_input("FileSource", pipeline, handle)
+                 filesystem: pafs.FileSystem | None = None, immutable_files: bool = False) -> None:
+        handle, schema = source_input("FileSource", pipeline, handle, durable=False)
         where = resolve(directory, filesystem, "FileSource directory")
         unknown = [f for f in formats if f not in FORMATS]
         if unknown:
             raise ValueError(f"FileSource: unknown formats {unknown}; known: {sorted(FORMATS)}")
         if on_error not in ON_ERROR:
             raise ValueError(f"FileSource: on_error={on_error!r}; it is one of {list(ON_ERROR)}")
+        if not isinstance(immutable_files, bool):
+            raise TypeError(f"FileSource: immutable_files={immutable_files!r}; it is True or False")
+        if immutable_files and not where.local:
+            raise ValueError(f"FileSource: immutable_files=True needs a local directory ({where.name} is not): a push "
+                             "logged by reference is read again from the file at recovery; pass immutable_files=False")
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"FileSource: name={name!r}; it is a non-empty string (or None for the default)")
         self.pipeline = pipeline
@@ -151,6 +173,7 @@ class FileSource:
         self.formats = tuple(formats)
         self.recursive = recursive
         self.on_error = on_error
+        self.immutable_files = immutable_files
         if where.local:
             self.quarantine_dir = os.fspath(quarantine_dir or os.path.join(self.directory, QUARANTINE))
             inside = os.path.relpath(os.path.realpath(self.quarantine_dir), self._real)
@@ -221,7 +244,7 @@ class FileSource:
             path = self._path(rel)
             try:
                 sig = _signature(self.where, path)
-                new += self._push_file(rel, path)
+                new += self._push_file(rel, path, sig)
             except FileNotFoundError:
                 log.warning("FileSource %s: %s vanished before it was read whole", self.name, path)
                 continue
@@ -289,7 +312,7 @@ class FileSource:
                 return old
         return own
 
-    def _push_file(self, rel: str, path: str) -> int:
+    def _push_file(self, rel: str, path: str, sig: tuple) -> int:
         producer = self._producer(rel)
         kind = FORMATS[os.path.splitext(rel)[1].lower()]
         p = self.pipeline
@@ -320,33 +343,21 @@ class FileSource:
                 raise self._error(path, e, pushed=new) from e
             if item is None:
                 return new
-            new += self._push(producer, *item)
+            new += self._push(producer, *item) if not self.immutable_files else self._push_unit(producer, path, kind,
+                                                                                                  sig, *item)
 
     def _read(self, path: str, kind: str, seqs: list[int]) -> Iterator[tuple[int, pa.Table]]:
         """``(seq, converted table)`` of each of ``seqs``, one row group at a time."""
         if kind != "parquet":
-            yield 0, self._convert(self._read_text(path, kind))
+            src = path if self.where.local else self.where.fs.open_input_stream(path)
+            yield 0, self._convert(read_unit(src, kind, 0, self.schema))
             return
         f = self._parquet(path)
         for seq in seqs:
-            yield seq, self._convert(f.read_row_group(seq, columns=self._columns(f)))
+            yield seq, self._convert(read_unit(f, kind, seq, self.schema))
 
     def _parquet(self, path: str) -> pq.ParquetFile:
         return pq.ParquetFile(path if self.where.local else self.where.open_input(path))
-
-    def _columns(self, f: pq.ParquetFile) -> list[str]:
-        return [n for n in f.schema_arrow.names if n in self.schema.names or n == "weight"]
-
-    def _read_text(self, path: str, kind: str) -> pa.Table:
-        # text parses to decimal128 only: a decimal64 column is read as decimal128 and cast safely by _convert
-        types = {n: pa.decimal128(t.precision, t.scale) if pa.types.is_decimal(t) else t
-                 for n, t in zip(self.schema.names, self.schema.types)}
-        if not self.where.local:
-            path = self.where.fs.open_input_stream(path)
-        if kind == "csv":
-            return pacsv.read_csv(path, convert_options=pacsv.ConvertOptions(column_types=types))
-        return pajson.read_json(path, parse_options=pajson.ParseOptions(
-            explicit_schema=pa.schema([pa.field(n, t) for n, t in types.items()])))
 
     def _error(self, path: str, e: BaseException, pushed: int = 0) -> InputFileError:
         what = f"{type(e).__name__}: {e}" if not isinstance(e, SchemaError) else str(e)
@@ -354,11 +365,31 @@ class FileSource:
         return InputFileError(f"FileSource {self.name!r}: cannot read {path}{more}: {what}", path)
 
     def _convert(self, table: pa.Table) -> pa.Table:
-        return conform(table, self.schema, f"the input {self.handle!r}", weight="weight", extra=True)
+        return convert(table, self.schema, f"the input {self.handle!r}")
+
+    def _push_unit(self, producer: str, path: str, kind: str, sig: tuple, seq: int, table: pa.Table) -> int:
+        """Push one unit logged by reference to the file (invariant 6); ``sig`` is the file's identity before any
+        of it was read, ``table`` its converted rows."""
+        what = f"FileSource {self.name!r}"
+        if self.pipeline.acknowledged(producer, seq) or self.pipeline.storage is None:  # no reference needed
+            return self._push(producer, seq, table)
+        ref, ident = reference(path, kind, seq)
+        if ident != sig:
+            raise self._error(path, InputFileError(f"{what}: {path} changed while it was read", path))
+        z = unit_zset(table, self.schema, f"the input {self.handle!r}")
+        read_checked(path, ident, what)  # fileref invariant 2: the rows and the checksum are of the same bytes
+        ack = self.pipeline._push_reference(self.handle, z, ref, producer, seq)
+        if ack.duplicate:
+            self.stats["duplicates"] += 1
+            return 0
+        self.stats["pushes"] += 1
+        self.stats["rows"] += table.num_rows
+        return 1
 
     def _push(self, producer: str, seq: int, table: pa.Table) -> int:
-        ack = self.pipeline.push(self.handle, table, producer=producer, seq=seq)
-        if ack.duplicate:
+        durable = self.pipeline.storage is not None
+        ack = self.pipeline.push(self.handle, table, **({"producer": producer, "seq": seq} if durable else {}))
+        if ack is not None and ack.duplicate:
             self.stats["duplicates"] += 1
             return 0
         self.stats["pushes"] += 1

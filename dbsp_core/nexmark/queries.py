@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 import dbsp_core as dbsp
 from dbsp_core.circuit import Circuit, Stream
 from dbsp_core.nexmark.generator import AUCTION, BID, PERSON
+from dbsp_core.operators.expr import split_parts, strftime
 from dbsp_core.operators.window import _window
 
 WINDOW_MS = 10_000
@@ -43,9 +44,14 @@ NOTES = {
 }
 
 
-def _inputs(c: Circuit, lateness: int) -> tuple[Stream, Stream, Stream]:
-    kw = {"event_time": "dateTime", "lateness": lateness}
+def _inputs(c: Circuit, lateness: int, append_only: bool) -> tuple[Stream, Stream, Stream]:
+    kw = {"event_time": "dateTime", "lateness": lateness, "append_only": append_only}
     return c.input("person", PERSON, **kw), c.input("auction", AUCTION, **kw), c.input("bid", BID, **kw)
+
+
+# DATE_FORMAT of the bids' dateTime, by the date cast and field kernels (operators/expr.py), not Arrow's strftime
+DAY = strftime(F("dateTime"), "%Y-%m-%d", BID.field("dateTime").type)
+MINUTE = strftime(F("dateTime"), "%H:%M", BID.field("dateTime").type)
 
 
 def _keep(s: Stream, *names: str, **renames: str) -> Stream:
@@ -120,11 +126,12 @@ def q9(p: Stream, a: Stream, b: Stream) -> Stream:
 
 def q10(p: Stream, a: Stream, b: Stream) -> Stream:
     return b.select(auction="auction", bidder="bidder", price="price", dateTime="dateTime", extra="extra",
-                    dt=pc.strftime(F("dateTime"), format="%Y-%m-%d"), hm=pc.strftime(F("dateTime"), format="%H:%M"))
+                    dt=DAY, hm=MINUTE)
 
 
 def q11(p: Stream, a: Stream, b: Stream) -> Stream:
-    sessions = b.group_by("bidder").session("dateTime", WINDOW_MS)
+    # the sessions keep only what the view reads: each stored row is 16 bytes, not a whole bid with its strings
+    sessions = _keep(b, "bidder", "dateTime").group_by("bidder").session("dateTime", WINDOW_MS)
     counts = sessions.group_by("bidder", "session_start", "session_end").agg(bid_count=dbsp.count())
     return counts.select(bidder="bidder", bid_count="bid_count", starttime="session_start", endtime="session_end")
 
@@ -172,15 +179,12 @@ def _report(b: Stream, keys: tuple[str, ...], extra: dict) -> Stream:
     return b.select(**cols, **extra).group_by(*keys).agg(**aggs)
 
 
-DAY = pc.strftime(F("dateTime"), format="%Y-%m-%d")
-
-
 def q15(p: Stream, a: Stream, b: Stream) -> Stream:
     return _report(b.select(day=DAY, bidder="bidder", auction="auction", price="price"), ("day",), {})
 
 
 def q16(p: Stream, a: Stream, b: Stream) -> Stream:
-    days = b.select(channel="channel", day=DAY, minute=pc.strftime(F("dateTime"), format="%H:%M"),
+    days = b.select(channel="channel", day=DAY, minute=MINUTE,
                     bidder="bidder", auction="auction", price="price")
     counts = _report(days, ("channel", "day"), {})
     minutes = days.group_by("channel", "day").agg(minute=dbsp.max("minute"))
@@ -234,12 +238,7 @@ def _channel_ids(batch: pa.RecordBatch) -> pa.RecordBatch:
 
 def _url_dirs(batch: pa.RecordBatch) -> pa.RecordBatch:
     """q22's SPLIT_INDEX(url, '/', 3..5): the parts of the URL between slashes, null when there are fewer."""
-    parts = pc.split_pattern(batch.column("url"), "/")
-    n = pc.list_value_length(parts)
-    dirs = []
-    for i in (3, 4, 5):
-        safe = pc.if_else(pc.greater(n, i), parts, pa.scalar([""] * (i + 1), parts.type))
-        dirs.append(pc.if_else(pc.greater(n, i), pc.list_element(safe, i), pa.scalar(None, pa.string())))
+    dirs = split_parts(batch.column("url"), "/", (3, 4, 5))
     return pa.RecordBatch.from_arrays([batch.column(n) for n in Q22.names[:4]] + dirs, schema=Q22)
 
 
@@ -257,9 +256,11 @@ QUERIES: dict[str, Callable[..., Stream]] = {
     "q19": q19, "q20": q20, "q21": q21, "q22": q22}
 
 
-def circuit(query: str, lateness: int | datetime.timedelta = datetime.timedelta(seconds=4)) -> Circuit:
+def circuit(query: str, lateness: int | datetime.timedelta = datetime.timedelta(seconds=4),
+            append_only: bool = True) -> Circuit:
     """The circuit of Nexmark query ``query`` ("q0".."q22"): inputs person, auction, bid (and side_input for q13),
-    one output named ``query``.
+    one output named ``query``. Nexmark's streams only insert, so they are declared ``append_only`` (a top-k then
+    keeps its shown rows alone, operators/top_k.py invariant 5); ``append_only=False`` takes deletions too.
 
     >>> c = circuit("q4")
     >>> sorted(c.inputs), list(c.outputs), c.nodes[c.outputs["q4"]].schema.names
@@ -268,7 +269,7 @@ def circuit(query: str, lateness: int | datetime.timedelta = datetime.timedelta(
     if query not in QUERIES:
         raise KeyError(f"unknown Nexmark query {query!r}; the queries are q0..q22")
     c = Circuit()
-    p, a, b = _inputs(c, lateness)
+    p, a, b = _inputs(c, lateness, append_only)
     if query == "q13":
         side = c.input("side_input", pa.schema([("key", pa.int64()), ("value", pa.string())]))
         c.output(query, q13(p, a, b, side))

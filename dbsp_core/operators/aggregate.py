@@ -34,6 +34,10 @@ Invariants:
      sum, in magnitude, past int64. ``avg`` divides the exact sum by the count in long double (as DuckDB does).
   6. When a group key column has a time lineage (dbsp_core/time), the groups below its bound are dropped from
      every trace at the start of a step (dbsp_core/time/cleanup.py): no later change can reach them.
+  7. Over a stream that is inserts only by the circuit's structure (``Circuit.inserts_only``), the extremes
+     strategy has ``append_only`` set and keeps the totals alone: no deletion can reach an extreme, so the value
+     multisets that only a recompute reads are never kept. A change with a retraction then raises DbspError
+     (the driver refuses retractions into append-only inputs before recording them, operators/input.py).
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ class Aggregate(Operator):
     in_times: tuple = ()  # time lineage of the input, set by the circuit when there is one (dbsp_core.time)
     extras: tuple = ()  # the whole-group aggregates (invariant 3, recompute), set only when there are some, so
     # circuits written before keep their fingerprint
+    append_only = False  # invariant 7; set by the circuit only over an inserts-only stream, extremes strategy
 
     def __init__(self, node: int, in_schema: pa.Schema, keys: Sequence[str], aggs: dict[str, AggSpec],
                  where: str, output_keys: bool = True) -> None:
@@ -137,11 +142,17 @@ class Aggregate(Operator):
             self.kernel.append((kind, column))
         return self.kernel.index((kind, column))
 
+    @property
+    def extremes(self) -> bool:
+        """Whether the extremes strategy serves this aggregate (invariant 3)."""
+        return not self.linear and not self.extras and all(
+            k in ("count", "count_col", "min", "max") or pat.is_integer(self.in_schema.field(c).type)
+            for k, c in self.kernel)
+
     def instance(self) -> "_LinearState | _ExtremesState | _RecomputeState":
         if self.linear:
             return _LinearState(self)
-        if not self.extras and all(k in ("count", "count_col", "min", "max")
-                                   or pat.is_integer(self.in_schema.field(c).type) for k, c in self.kernel):
+        if self.extremes:
             return _ExtremesState(self)
         return _RecomputeState(self)
 
@@ -236,7 +247,15 @@ class Aggregate(Operator):
 def reduce_groups(ix: "IndexedZSet", kernel: list[tuple[str, str | None]]) -> pa.Table:
     """``ix.reduce(kernel)`` with sums taken over the column with nulls replaced by 0 (same sum; the
     non-null count slot tells an all-null group apart)."""
-    data = ix.zset.data
+    data, kern = _sum_columns(ix.zset.data, kernel)
+    if data is not ix.zset.data:
+        ix = IndexedZSet._make(ZSet._make(data, ix.zset.weights), ix.key, ix.key_hash)
+    return ix.reduce(kern)
+
+
+def _sum_columns(data: pa.Table, kernel: list[tuple[str, str | None]]) -> tuple[pa.Table, list[tuple[str, str | None]]]:
+    """``data`` with the columns the kernel's slots sum (nulls as 0, limbs, zeros for count_distinct) appended,
+    and the kernel over them: what :func:`reduce_groups` and the combiner (PreAggregate) reduce."""
     extra: dict[str, pa.ChunkedArray] = {}
     kern = []
     for kind, col in kernel:
@@ -256,13 +275,9 @@ def reduce_groups(ix: "IndexedZSet", kernel: list[tuple[str, str | None]]) -> pa
             kern.append(("sum", name))
         else:
             kern.append((kind, col))
-    if extra:
-        from dbsp_core.zset import IndexedZSet, ZSet, sum_adjacent
-
-        for name, col in extra.items():
-            data = data.append_column(name, col)
-        ix = IndexedZSet._make(ZSet._make(data, ix.zset.weights), ix.key, ix.key_hash)
-    return ix.reduce(kern)
+    for name, col in extra.items():
+        data = data.append_column(name, col)
+    return data, kern
 
 
 class _GroupedState(ABC):
@@ -473,9 +488,12 @@ class PreAggregate(Operator):
         z = conform(z, self.agg.in_schema)
         if z.num_rows < self.GROUP_ABOVE:
             return self.rowwise(z)
-        ix = z.index_by(list(self.agg.keys))
+        # hash grouping by the keys alone: no index (a sort of whole rows) is built for a one-off reduce, and
+        # every group is kept, since a group whose weights sum to 0 may still move the sums
+        data, kern = _sum_columns(z.data, self.agg.kernel)
         try:
-            table = reduce_groups(ix, self.agg.kernel).rename_columns(self.schema.names)
+            table = ZSet._make(data, z.weights).aggregate(list(self.agg.keys), kern, consolidate=False,
+                                                          keep_zero=True).rename_columns(self.schema.names)
         except WeightOverflowError as e:
             self.agg.raise_overflow(e)
         return make(table, np.ones(table.num_rows, dtype=np.int64), self.schema)
@@ -502,7 +520,8 @@ class _LinearState:
         self.keypos = tuple(range(nk))
         self.combine = [("sum", nk + j) for j in range(len(self.p))]  # the p_j columns of pschema
         self.kschema = pa.schema(list(self.pschema)[:nk])  # the key columns of pschema
-        self.trace = Trace(self.pschema, op.keys)
+        # read by key only (the key index, or key_sums' walk): its batches keep no row hashes (trace invariant 1)
+        self.trace = Trace(self.pschema, op.keys, row_hashes=False)
         self.spec = ("key", tuple(self.p))
         self.slotpos = tuple(nk + j for j in range(len(self.p)))  # the p_j columns of pschema
         self.trace.keep_index(tuple(self.p))  # a group's old totals in one probe (trace invariant 11)
@@ -583,7 +602,7 @@ class _LinearState:
                                         schema=self.pschema)
         if ordered:  # groups by key hash, a group's two rows by row hash: the trace batch as it stands
             batch = IndexedZSet._make(ZSet._make(partials, w), tuple(self.keys), kh)
-            if rh is not None:
+            if rh is not None and self.trace.row_hashes:
                 batch._rh = rh  # the row hashes of (keys, slots), which the fold computed (trace merges use them)
         else:  # a key-hash or row-hash tie (rare): values decide the order
             batch = make(partials, w, self.pschema).index_by(self.keys)
@@ -616,7 +635,7 @@ class _ExtremesState(_GroupedState):
         key_fields = [pa.field(k, op.in_schema.field(k).type) for k in op.keys]
         self.lin = tuple(j for j, (kind, _) in enumerate(op.kernel) if kind not in ("min", "max"))
         self.ext = tuple((j, kind, col) for j, (kind, col) in enumerate(op.kernel) if kind in ("min", "max"))
-        cols = sorted({col for _, _, col in self.ext})
+        cols = sorted({col for _, _, col in self.ext}) if not op.append_only else []  # invariant 7
         self.val_cols = tuple((col, f"values_{i}") for i, col in enumerate(cols))  # (column, attribute)
         for col, attr in self.val_cols:
             setattr(self, attr, Trace(pa.schema(key_fields + [op.in_schema.field(col)]), op.keys))
@@ -728,8 +747,16 @@ class _ExtremesState(_GroupedState):
                 parts[f"d_{j}"].append(pa.nulls(m, t))
             weights.append(vals.weights)
         table = pa.Table.from_arrays([_joined(parts[f.name], f.type) for f in self.cschema], schema=self.cschema)
-        z = make(table, np.concatenate(weights), self.cschema)
-        return z.index_by(self.keys).reduce(list(self.aggs)).rename_columns(list(self.names))
+        return self._reduce(make(table, np.concatenate(weights), self.cschema))
+
+    def _reduce(self, combined: "ZSet") -> pa.Table:
+        """The grouping pass over a combined table, by hashing its rows as they stand: neither sorted nor
+        consolidated (the rows only feed sums and min/max, and two equal rows of opposite weights there carry
+        nulls in every extreme column: an old totals row and a change row differ in ``o_j`` unless the old
+        extreme is null, a change row and a deleted row's copy in ``d_j`` unless the value is null), every
+        group kept as :meth:`IndexedZSet.reduce` keeps it."""
+        sums = combined.aggregate(self.keys, list(self.aggs), consolidate=False, keep_zero=True)
+        return sums.rename_columns(list(self.names))
 
     def _with_limbs(self, z: "ZSet") -> "ZSet":
         """``z`` with the limb columns the one-pass kernel sums (invariant 5)."""
@@ -744,17 +771,22 @@ class _ExtremesState(_GroupedState):
         if dix is None:
             return empty(op.schema)
         change = dix.zset
+        if op.append_only and bool((change.weights < 0).any()):  # invariant 7
+            raise DbspError(f"{op.label}: a retraction reached a min/max over an append-only stream, which keeps "
+                            f"only its totals; declare the inputs without append_only=True to push deletions")
         for col, attr in self.val_cols:  # the value multisets first: a recompute must see this step's values
+            trace: Trace = getattr(self, attr)
+            # the change's (keys, value) rows, nulls left out, are in its key order: sorted only within a key
             proj = change.data.select(self.keys + [col])
-            valid = pc.is_valid(proj.column(col))
-            if pc.all(valid).as_py() is False:
-                mask = np.asarray(valid.to_numpy(zero_copy_only=False), dtype=bool)
-                proj, w = proj.filter(valid), change.weights[mask]
-            else:
-                w = change.weights
-            if proj.num_rows:
-                trace: Trace = getattr(self, attr)
-                trace.insert(make(proj, w, trace.schema).index_by(self.keys))
+            if not proj.schema.equals(trace.schema):
+                proj = proj.cast(trace.schema)
+            values = proj.column(col)
+            rows = None if values.null_count == 0 else np.flatnonzero(
+                np.asarray(pc.is_valid(values).to_numpy(zero_copy_only=False), dtype=bool))
+            if rows is None or len(rows):
+                batch = IndexedZSet._from_key_order(ZSet._make(proj, change.weights), self.keys, dix.key_hash, rows)
+                if len(batch):
+                    trace.insert(batch)
         out = None
         if self.spec is not None:
             out = self.totals.through_index(self.spec, lambda ix: self._through_index(dix, ix))
@@ -773,7 +805,8 @@ class _ExtremesState(_GroupedState):
         if len(grp) == 0:
             self.totals.index_done(ix)
             return empty(op.schema)
-        vals = np.where((w > 0)[:, None], nw[grp], old[grp])
+        # np.take gathers whole rows (nw[grp] would iterate each row's values: 3x the CPU at 1k groups)
+        vals = np.where((w > 0)[:, None], np.take(nw, grp, axis=0), np.take(old, grp, axis=0))
         nk, ns = len(self.keys), len(op.kernel)
         keys = _zset.take(view, group_row[grp], pa.schema(list(self.sschema)[:nk]), list(self.keypos))
         cols = list(keys.columns)
@@ -785,9 +818,11 @@ class _ExtremesState(_GroupedState):
             else:
                 cols.append(pa.array(vals[:, j], pa.int64()))
         table = pa.Table.from_arrays(cols, schema=self.sschema)
-        self.totals.insert(make(table, w, self.sschema).index_by(self.keys), indexed=ix)
+        # the rows come group by group in the change's key order (a group's old row, then its new one)
+        kh = gkh[grp]
+        self.totals.insert(IndexedZSet._from_key_order(make(table, w, self.sschema), self.keys, kh), indexed=ix)
         # a group's old and new rows sit side by side: they cancel when the view's columns did not change
-        return sum_adjacent(make(op.finalize(table), w, op.schema), gkh[grp])
+        return sum_adjacent(make(op.finalize(table), w, op.schema), kh)
 
     def _recompute_into(self, view: "_zset.BatchView", group_row: np.ndarray, gkh: np.ndarray, need: np.ndarray,
                         nw: np.ndarray) -> None:
@@ -815,7 +850,7 @@ class _ExtremesState(_GroupedState):
         if old_z.num_rows and not bool((old_z.weights == 1).all()):
             raise DbspError(f"{op.label}: aggregate state holds a group with weight other than 1 "
                             f"({sorted(set(old_z.weights.tolist()))[:4]}); the state is corrupt")
-        sums = self._combined(old_z.data, change).index_by(self.keys).reduce(list(self.aggs)).rename_columns(list(self.names))
+        sums = self._reduce(self._combined(old_z.data, change))
         need = self._need_recompute(sums)
         if need is not None:
             sums = self._recompute(sums, need)

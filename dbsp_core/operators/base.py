@@ -117,21 +117,28 @@ def conform(z: "ZSet", schema: pa.Schema) -> "ZSet":
 
 def keyed_change(state: Any, inputs: list["ZSet"], ctx: "StepContext", schema: pa.Schema, keys: Sequence[str],
                  prepare: Callable[["ZSet"], "ZSet"] | None = None, cleanup: bool = True) -> "IndexedZSet | None":
-    """How a keyed operator's step opens: first its state that no later change can reach is dropped (every trace
-    of ``state.traces()`` pruned by the lineage of ``state.op``'s input, dbsp_core.time.cleanup; skipped when not
-    ``cleanup``, for an operator that drops by other columns), then the step's input change is conformed to
-    ``schema``, passed through ``prepare`` (extra columns) and indexed by ``keys``. None when the change has no
-    rows, before or after indexing (the step then outputs nothing)."""
+    """How a keyed operator's step opens: :func:`opened_change`, then the change indexed by ``keys``. None when
+    the change has no rows, before or after indexing (the step then outputs nothing)."""
+    z = opened_change(state, inputs, ctx, schema, prepare, cleanup)
+    if z is None:
+        return None
+    dix = z.index_by(list(keys))
+    return dix if len(dix) else None
+
+
+def opened_change(state: Any, inputs: list["ZSet"], ctx: "StepContext", schema: pa.Schema,
+                  prepare: Callable[["ZSet"], "ZSet"] | None = None, cleanup: bool = True) -> "ZSet | None":
+    """A keyed operator's step change, not indexed: first its state that no later change can reach is dropped
+    (every trace of ``state.traces()`` pruned by the lineage of ``state.op``'s input, dbsp_core.time.cleanup;
+    skipped when not ``cleanup``, for an operator that drops by other columns), then the step's input change is
+    conformed to ``schema`` and passed through ``prepare`` (extra columns). None when it has no rows."""
     if cleanup:
         prune(state, input_times(state.op), ctx)
     z = inputs[0]
     if z.num_rows == 0:
         return None
     z = conform(z, schema)
-    if prepare is not None:
-        z = prepare(z)
-    dix = z.index_by(list(keys))
-    return dix if len(dix) else None
+    return prepare(z) if prepare is not None else z
 
 
 def make(table: pa.Table, weights: np.ndarray, schema: pa.Schema) -> "ZSet":

@@ -73,3 +73,13 @@ class StepContext:
         if self._exchanger is None:
             raise DbspError(f"exchange#{node_id} ran where exchanges are stage boundaries (a staged executor bug)")
         return self._exchanger(self.worker, node_id, z, key, schema)
+
+    def exchange_runs(self, node_id: int, runs: list[tuple[int, int, int]], cut: Callable[[int, int], object]
+                      ) -> list:
+        """:meth:`exchange` of rows already ordered by owner: runs ``(worker, start, stop)`` of them, each sent as
+        ``cut(start, stop)``; returns the parts sent to this worker, uncombined (the fused chains of
+        dbsp_core/runtime/plan.py). A runtime whose exchanger cannot do it refuses it."""
+        send = getattr(self._exchanger, "exchange_runs", None)
+        if send is None:
+            raise DbspError(f"exchange#{node_id}: this runtime cannot exchange runs of rows (a step plan bug)")
+        return send(self.worker, node_id, runs, cut)

@@ -6,6 +6,9 @@ Invariants:
      and at or above the watermark in force in the step, ``ctx.watermarks[name]`` (computed by the runtime from
      the pushes of the steps before; it counts the rows dropped here with the same rule). A runtime that gives no watermarks
      cannot run such an input: the step raises DbspError naming it.
+  3. With ``append_only``, every row pushed has a positive weight (the driver refuses any other push with
+     AppendOnlyError before recording it, runtime/driver.py), so every change of the stream is inserts only and
+     operators downstream may keep a smaller state (``Circuit.inserts_only``, operators/top_k.py).
 """
 
 from __future__ import annotations
@@ -29,13 +32,17 @@ class Input(Operator):
     kind = "input"
     event_time: str | None = None  # the event-time column; set (with ``lateness``) only when declared
     lateness = 0
+    append_only = False  # invariant 3; set only when declared
 
-    def __init__(self, name: str, schema: pa.Schema, event_time: str | None = None, lateness: int = 0) -> None:
+    def __init__(self, name: str, schema: pa.Schema, event_time: str | None = None, lateness: int = 0,
+                 append_only: bool = False) -> None:
         super().__init__((), schema, None)
         self.name = name
         if event_time is not None:  # set only when declared: circuits without event time keep their fingerprint
             self.event_time = event_time
             self.lateness = int(lateness)
+        if append_only:  # likewise
+            self.append_only = True
 
     def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         z = ctx.inputs.get(self.name)

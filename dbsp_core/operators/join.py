@@ -16,7 +16,7 @@ Invariants:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -92,17 +92,22 @@ class Join(Operator):
     def instance(self) -> "_JoinState":
         return _JoinState(self)
 
-    def pairs(self, left: "IndexedZSet", right: "IndexedZSet") -> "ZSet":
+    def pairs(self, left: "IndexedZSet", right: "IndexedZSet",
+              cols: "tuple[list[int], list[int], pa.Schema] | None" = None) -> "ZSet":
         """The join of two indexed batches as a Z-set of output rows: the C join kernel, then one C gather of the
-        left rows' columns and the kept right columns (key types were checked when the operator was built)."""
+        left rows' columns and the kept right columns (key types were checked when the operator was built). With
+        ``cols`` (left positions, right positions, the schema of those columns in that order), only those columns
+        of each output row: what an aggregate fused after the join reads (dbsp_core/runtime/plan.py note 4)."""
         lv, rv = left._view(), right._view()
         li, ri, w = _zset.join(lv, None, None, left._keypos, rv, None, None, right._keypos, False)
+        lcols, rcols, schema = (None, self.right_kept_pos, self.schema) if cols is None else cols
         if len(li) == 0:
-            return empty(self.schema)
+            return empty(schema)
         # distinct (zset.py invariant 2): both batches are consolidated, so no two pairs are equal rows (two right
         # rows that meet one left row share its key, so they differ in a column the output keeps), and a product
-        # of non-zero weights is not zero; a step whose change meets one batch needs no sort of its output
-        return ZSet._make(_zset.take_pairs(lv, li, rv, ri, self.right_kept_pos, self.schema), w, distinct=True)
+        # of non-zero weights is not zero; a step whose change meets one batch needs no sort of its output (a
+        # selection of columns may make two rows equal)
+        return ZSet._make(_zset.take_pairs(lv, li, rv, ri, rcols, schema, lcols), w, distinct=cols is None)
 
     def padded_left(self, left: "IndexedZSet", li: np.ndarray, w: np.ndarray) -> "ZSet":
         """Left rows ``li`` of ``left`` with null right columns and weights ``w``: the unmatched left rows of a left
@@ -113,25 +118,28 @@ class Join(Operator):
         return make(pa.Table.from_arrays(cols, schema=self.schema), w, self.schema)
 
 
-def inner_change(op: Join, left: Trace, right: Trace, da: "IndexedZSet | None", db: "IndexedZSet | None"
-                 ) -> list["ZSet"]:
+def inner_change(op: Join, left: Trace, right: Trace, da: "IndexedZSet | None", db: "IndexedZSet | None",
+                 pairs: "Callable[[IndexedZSet, IndexedZSet], Any] | None" = None) -> list:
     """The inner join's change ``da JOIN (R + db) + L JOIN db`` (invariant 1), as the join operator computes it: a
     change joined with each whole trace batch (the kernel gallops over the batch's key hashes, so no rows are
-    copied out first). Inserts ``db`` into ``right``; the caller inserts ``da`` into ``left`` after."""
+    copied out first). Inserts ``db`` into ``right``; the caller inserts ``da`` into ``left`` after. ``pairs``: what
+    each (left, right) meeting becomes, ``op.pairs`` (output rows) unless given (dbsp_core/runtime/plan.py: the
+    columns a fused aggregate reads); a None it returns is left out."""
+    pairs = op.pairs if pairs is None else pairs
     parts = []
     if db is not None:
         right.insert(db)
     if da is not None and len(da):
-        for batch in right.batches:
+        for batch in right.walked(da.key_hash):
             d, _ = right.narrowed(batch, da)  # a spilled batch: only the change rows its filter may hold
             if d is not None:
-                parts.append(op.pairs(d, batch))
+                parts.append(pairs(d, batch))
     if db is not None and len(db):
-        for batch in left.batches:
+        for batch in left.walked(db.key_hash):
             d, _ = left.narrowed(batch, db)
             if d is not None:
-                parts.append(op.pairs(batch, d))
-    return parts
+                parts.append(pairs(batch, d))
+    return [p for p in parts if p is not None]
 
 
 class _JoinState:
@@ -145,18 +153,35 @@ class _JoinState:
         return {"left": self.left, "right": self.right}
 
     def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
+        return self.step_indexed(self.indexed(inputs[0], 0), self.indexed(inputs[1], 1), ctx)
+
+    def indexed(self, z: "ZSet", side: int) -> "IndexedZSet | None":
+        """Input ``side``'s change (0 left, 1 right) indexed by its join key, None when empty."""
+        if not z.num_rows:
+            return None
+        op = self.op
+        return conform(z, op.lschema if side == 0 else op.rschema).index_by(list(op.left_on if side == 0
+                                                                                 else op.right_on))
+
+    def step_indexed(self, da: "IndexedZSet | None", db: "IndexedZSet | None", ctx: "StepContext") -> "ZSet":
+        """The step over changes already indexed by their join keys (:meth:`indexed`, or a fused exchange that
+        indexed them before it partitioned them, dbsp_core/runtime/plan.py note 4)."""
+        # unconsolidated: a consumer that needs it consolidates once
+        return concat(self.step_parts(da, db, ctx), self.op.schema)
+
+    def step_parts(self, da: "IndexedZSet | None", db: "IndexedZSet | None", ctx: "StepContext",
+                   pairs: "Callable[[IndexedZSet, IndexedZSet], Any] | None" = None) -> list:
+        """The step's change as parts, one per meeting of a change with a batch (:func:`inner_change`'s, ``pairs``
+        included), the traces brought up to the step as :meth:`step_indexed` does."""
         op = self.op
         if op.in_times:  # invariant 5
             lt, rt = input_times(op, 0), input_times(op, 1)
-            pairs = list(zip(op.left_on, op.right_on))
-            prune_trace(self.left, {lk: rt[rk] for lk, rk in pairs if rk in rt}, ctx)
-            prune_trace(self.right, {rk: lt[lk] for lk, rk in pairs if lk in lt}, ctx)
-        a, b = inputs
-        da = conform(a, op.lschema).index_by(list(op.left_on)) if a.num_rows else None
-        db = conform(b, op.rschema).index_by(list(op.right_on)) if b.num_rows else None
-        parts = inner_change(op, self.left, self.right, da, db)
+            on = list(zip(op.left_on, op.right_on))
+            prune_trace(self.left, {lk: rt[rk] for lk, rk in on if rk in rt}, ctx)
+            prune_trace(self.right, {rk: lt[lk] for lk, rk in on if lk in lt}, ctx)
+        parts = inner_change(op, self.left, self.right, da, db, pairs)
         if da is not None:
             self.left.insert(da)
-        return concat(parts, op.schema)  # unconsolidated: a consumer that needs it consolidates once
+        return parts
 
 

@@ -15,6 +15,12 @@ Invariants:
      every row of the group is shown), is recomputed from its shown rows and the change: O(k + change). Only a
      group where a deletion reaches its shown rows is recomputed from its whole input: O(group).
   4. Rows are never iterated in Python: one sort (Arrow) and numpy cumulative sums per step.
+  5. Over a stream that is inserts only by the circuit's structure (``Circuit.inserts_only``: append-only inputs
+     through filters, selects, inner joins, ...), ``append_only`` is set and the state is ``shown`` alone: a group's
+     top rows after an insert are the top rows of its shown rows and the change, so the input trace that only a
+     deletion reaching the shown rows would read is never kept (k rows per group instead of every row). A
+     change with a retraction then cannot be served and raises DbspError (the driver refuses retractions into
+     append-only inputs before recording them, operators/input.py invariant 3).
 """
 
 from __future__ import annotations
@@ -24,10 +30,10 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import pyarrow as pa
 
-from dbsp_core.errors import SchemaError
+from dbsp_core.errors import DbspError, SchemaError
 from dbsp_core.operators.aggregate import lookup_exact
-from dbsp_core.operators.base import (Operator, check_columns, concat, empty, keyed_change, make, run_starts,
-                                      sort_order)
+from dbsp_core.operators.base import (Operator, check_columns, concat, empty, keyed_change, make, opened_change,
+                                      run_starts, sort_order)
 from dbsp_core.trace import Trace, unique_sorted
 from dbsp_core.zset import ZSet
 
@@ -57,9 +63,11 @@ class TopK(Operator):
 
     kind = "top_k"
     in_times: tuple = ()  # time lineage of the input, set by the circuit when there is one (dbsp_core.time)
+    append_only = False  # invariant 5; set only when the input is inserts only
 
     def __init__(self, node: int, in_schema: pa.Schema, keys: Sequence[str], order: tuple[tuple[str, str], ...],
-                 k: int, with_ties: bool, where: str, hidden_key: str | None = None) -> None:
+                 k: int, with_ties: bool, where: str, hidden_key: str | None = None,
+                 append_only: bool = False) -> None:
         keys = tuple(keys)
         check_columns(in_schema, keys, where, "group_by column")
         check_columns(in_schema, [c for c, _ in order], where, "order_by column")
@@ -73,6 +81,8 @@ class TopK(Operator):
         self.k = int(k)
         self.with_ties = bool(with_ties)
         self.hidden_key = hidden_key
+        if append_only:  # set only then: the fingerprint of the general form is unchanged
+            self.append_only = True
         ordered = set(keys) | {c for c, _ in order}
         self.rest = tuple(c for c in in_schema.names if c not in ordered)
 
@@ -98,7 +108,9 @@ def top_rows(op: TopK, z: ZSet) -> ZSet:
     if z.num_rows == 0:
         return empty(op.in_schema)
     idx = _sorted(op, z.data)
-    t = z.data.take(pa.array(idx))
+    # the runs are found on the group (and order) columns alone; only the rows kept are gathered whole
+    runs = dict.fromkeys(list(op.keys) + ([c for c, _ in op.order] if op.with_ties else []))
+    t = z.data.select(list(runs)).take(pa.array(idx))
     w = z.weights[idx]
     ng = run_starts(t, op.keys)
     gid = np.cumsum(ng) - 1
@@ -112,7 +124,7 @@ def top_rows(op: TopK, z: ZSet) -> ZSet:
     else:
         out = np.clip(op.k - (first - base), 0, w)
     keep = out > 0
-    return make(t.filter(pa.array(keep)), out[keep], op.in_schema)
+    return make(z.data.take(pa.array(idx[keep])), out[keep], op.in_schema)
 
 
 def reaching(op: TopK, shown: ZSet, deleted: ZSet) -> np.ndarray:
@@ -137,20 +149,24 @@ def reaching(op: TopK, shown: ZSet, deleted: ZSet) -> np.ndarray:
 
 
 class _TopKState:
-    """Invariants 2 and 3."""
+    """Invariants 2, 3 and 5."""
 
     def __init__(self, op: TopK) -> None:
         self.op = op
         self.keys = list(op.keys)
-        self.input = Trace(op.in_schema, op.keys)
+        self.input = None if op.append_only else Trace(op.in_schema, op.keys)
         self.shown = Trace(op.in_schema, op.keys)
 
     def traces(self) -> dict[str, Trace]:
         """The operator's state, by name (each trace can be read per shard)."""
+        if self.input is None:
+            return {"shown": self.shown}
         return {"input": self.input, "shown": self.shown}
 
     def step(self, inputs: list[ZSet], ctx: "StepContext") -> ZSet:
         op = self.op
+        if self.input is None:
+            return self._step_inserts(inputs, ctx)
         dix = keyed_change(self, inputs, ctx, op.in_schema, self.keys)
         if dix is None:
             return empty(op.schema)
@@ -173,6 +189,25 @@ class _TopKState:
             parts.append(old)
         new = top_rows(op, concat(parts, op.in_schema).consolidate())
         self.input.insert(dix)
+        return self._show(new, old)
+
+    def _step_inserts(self, inputs: list[ZSet], ctx: "StepContext") -> ZSet:
+        """Invariant 5: the change (inserts only) is not indexed, only its keys hashed to look up the shown rows;
+        it is not consolidated either, as top_rows orders equal rows together and counts their weights."""
+        op = self.op
+        change = opened_change(self, inputs, ctx, op.in_schema)
+        if change is None:
+            return empty(op.schema)
+        if (change.weights < 0).any():
+            raise DbspError(f"{op.label}: a retraction reached a top-k over an append-only stream, which keeps only "
+                            f"its shown rows; declare the inputs without append_only=True to push deletions")
+        old = lookup_exact(self.shown, np.unique(change.hash(self.keys)), op.in_schema).consolidate()
+        return self._show(top_rows(op, concat([change, old], op.in_schema)).consolidate(), old)
+
+    def _show(self, new: ZSet, old: ZSet) -> ZSet:
+        """The step's output, ``new - old`` (the touched groups' top rows after and before), also added to
+        ``shown``."""
+        op = self.op
         delta = (new - old) if old.num_rows else new
         if delta.num_rows == 0:
             return empty(op.schema)

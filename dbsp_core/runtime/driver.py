@@ -14,7 +14,13 @@ Invariants (enforced here):
      push was admitted; a step is closed only when no admitted push is still being appended, and pushes wait
      while a step closes, so the log's steps never decrease and every record of step s precedes s's division.
      A step's pushes reach the executor in the log's order (the order recovery reads them in), which decides
-     which row of a key wins in a table with a primary key. ``push_many`` validates all its pushes before it
+     which row of a key wins in a table with a primary key. A push from a source whose files are immutable
+     (FileSource ``immutable_files=True``) is recorded as a reference to its file's unit (storage/fileref.py)
+     and read again from the file by recovery; it is acknowledged (and marked seen) once its record has its
+     place in the log's order, before its fsync: the step's division record, which follows it, makes it
+     durable before any output of the step (invariant 3), a checkpoint syncs the log up to it before saving a
+     seen set that holds it (invariant 5), and a crash before either loses the record and the seen mark
+     together, so the source, which replays from its file, pushes it again. ``push_many`` validates all its pushes before it
      records any, admits them together into one step and acknowledges them once one fsync covers them all.
   2. A ``(producer, seq)`` pair is counted once: it is marked seen only after its record is durable; a retry of
      a seen pair is acknowledged again (``duplicate=True``) and records nothing; a retry of a pair still being
@@ -67,6 +73,7 @@ Invariants (enforced here):
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import shutil
@@ -81,10 +88,10 @@ import pyarrow as pa
 
 from dbsp_core import _storage
 from dbsp_core.circuit import Circuit, circuit_fingerprint
-from dbsp_core.codec import decode_zset, encode_json, encode_zset_parts
+from dbsp_core.codec import encode_json, encode_zset_parts
 from dbsp_core.envvars import parse_memory_limit, settings
-from dbsp_core.errors import (CorruptionError, DbspError, PrimaryKeyError, RecoveryError, SchemaError, StepError,
-                              StorageError)
+from dbsp_core.errors import (AppendOnlyError, CorruptionError, DbspError, PrimaryKeyError, RecoveryError,
+                              SchemaError, StepError, StorageError)
 from dbsp_core.layout import DEFAULT_SHARD_BITS, Layout, ShardMap
 from dbsp_core.metrics import Metrics, gather, serve, stop_serving
 from dbsp_core.profile import Profile, pipeline_profile
@@ -104,10 +111,12 @@ from dbsp_core.runtime.recovery import LogReplay, open_directory, settle_state
 from dbsp_core.runtime.readable import ReadableState, as_rows, check_read_only, run_query
 from dbsp_core.runtime.remote_state import RemoteCheckpoints, prepare_cache, restore
 from dbsp_core.runtime.rescale import LiveRescale
+from dbsp_core.runtime.stage_check import check_present
 from dbsp_core.runtime.stage_store import StageChains, StageStore
 from dbsp_core.storage.consumers import ConsumerRegistry
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.dedup import SeenSet
+from dbsp_core.storage.fileref import decode_push
 from dbsp_core.storage.directory import lock_dir, read_record, unlock_dir, write_meta, write_record
 from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE,
                                        DISCARD_HANDLE, DISCARD_MAGIC, DIVISION_HANDLE, DIVISION_MAGIC, INPUT_DIR,
@@ -119,6 +128,7 @@ from dbsp_core.storage.remote_log import RemoteLogs
 from dbsp_core.storage.steplog import StepLog
 from dbsp_core.time.watermark import NO_WATERMARK, advance, specs_of
 from dbsp_core.trace import Trace
+from dbsp_core.trace.at_exit import stop_at_exit
 from dbsp_core.trace.spill import BatchStore
 from dbsp_core.zset import ZSet, weight_column
 
@@ -210,9 +220,12 @@ class Pipeline:
         A memory budget for the operators' traces: bytes, or a size such as ``"4GiB"`` or ``"512MB"``. Beyond it
         the biggest, oldest batches of the traces move to immutable batch files on local disk and are read in
         place through a cache (dbsp_core/trace/spill.py); results do not change. None: the ``DBSP_MEMORY_LIMIT``
-        setting, else no budget (every batch in memory). The embedded executor only, for now.
+        setting (embedded executor only), else no budget (every batch in memory). On the staged executor the
+        budget is per host of its task processes (a Spark executor), divided among the tasks it runs at once
+        (dbsp_core/runtime/stage_task.py invariant 7).
     spill_dir : str or os.PathLike or None
-        Where batch files go (default: ``<storage>/spill``, or a temporary directory without storage).
+        Where batch files go (default: ``<storage>/spill``, or a temporary directory without storage; on the
+        staged executor a directory on each host running tasks, default its Spark local directory).
 
     Examples
     --------
@@ -276,9 +289,9 @@ class Pipeline:
             raise TypeError(f"autoscale must be a dbsp_core.Autoscale or None, got {type(autoscale).__name__}")
         ShardMap(workers, shard_bits)  # validates shard_bits against workers before anything is created
         limit = parse_memory_limit(memory_limit)
-        from_setting = limit is None
-        if from_setting:
-            limit = settings().memory_limit
+        if limit is None and (executor is None or executor.kind == "embedded"):
+            limit = settings().memory_limit  # the setting is the embedded executor's only (a staged one's tasks
+            # take a budget from the argument alone), also for the check of spill_dir below
         if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
             raise TypeError(f"spill_dir must be a directory path or None, got {type(spill_dir).__name__}")
         if spill_dir is not None and limit is None:
@@ -328,6 +341,8 @@ class Pipeline:
         self._inputs = {name: circuit.nodes[i].schema for name, i in circuit.inputs.items()}
         self._out_schemas = {name: circuit.nodes[i].schema for name, i in circuit.outputs.items()}
         self._keys = dict(circuit.primary_keys)  # inputs with a primary key (operators/upsert.py)
+        # inputs declared append-only: pushes with a weight other than positive are refused (operators/input.py)
+        self._append_only = {name for name, i in circuit.inputs.items() if circuit.nodes[i].append_only}
         self._readable = ReadableState(circuit)  # what view() and query() read (invariant 9)
         self._cond = threading.Condition()
         self._step_lock = threading.RLock()
@@ -346,6 +361,7 @@ class Pipeline:
         # with storage: each pending push's place in the input log (its entry -> the log's ticket), by which a step's
         # pushes are ordered when it is divided, as recovery reads them (the last row of a key wins, upsert.py)
         self._tickets: dict[tuple[str, str, int], int] = {}
+        self._unsynced = 0  # the last ticket of a reference push acknowledged before its fsync (invariant 1)
         self._step_inputs: list[tuple[str, str, int]] = []
         self._anon_seq = 0  # the seq of the next anonymous push: its identity for StepError and discard
         self.step_error: StepError | None = None  # the failure of the step waiting at the head of the queue
@@ -372,6 +388,7 @@ class Pipeline:
         self.fingerprint = circuit_fingerprint(circuit)
         self._owed: Owed | None = None  # a program change's first step not yet run (change.py invariant 5)
         self._ckpt_thread: threading.Thread | None = None
+        stop_at_exit(self)  # never closed: a background checkpoint ends before Python finalizes (trace/at_exit.py)
         self._syncer: ThreadPoolExecutor | None = None
         self._division_sync: Future | None = None
         self._input: StepLog | None = None
@@ -393,9 +410,8 @@ class Pipeline:
         self._metrics = Metrics(list(self._inputs), list(self._out_schemas))  # dbsp_core.metrics
         self.consumers: ConsumerRegistry | None = None  # with storage: who still needs which output steps
         self._last_checkpoint = time.monotonic()
-        # the setting applies where it can (a staged executor keeps its traces in stage databases); an explicit
-        # memory_limit on an executor that cannot spill is refused by it (Executor.spill)
-        self._memory_limit = None if from_setting and self.executor.kind != "embedded" else limit
+        # an explicit memory_limit on an executor that cannot spill is refused by it (Executor.spill)
+        self._memory_limit = limit
         self._spill_dir = None if spill_dir is None else os.fspath(spill_dir)
         if self.storage is None:
             self._start_spilling()
@@ -436,6 +452,8 @@ class Pipeline:
         """Give the executor its batch store when a memory budget is set (trace invariant 12)."""
         if self._memory_limit is None:
             return
+        if self.executor.task_budget(self._memory_limit, self._spill_dir):
+            return  # the traces live in task processes, which keep the budget (staged.py invariant 6)
         directory = self._spill_dir
         if directory is None and self.storage is not None:
             directory = os.path.join(self.storage, SPILL_DIR)
@@ -462,10 +480,13 @@ class Pipeline:
                 if open_only and not self._remote.manifest_versions():
                     raise RecoveryError(f"Pipeline.open: {self.storage_uri} holds no pipeline (no manifest)")
                 lease = self._remote.take_lease()  # before the manifest is read (storage.remote invariant 6)
+                self._remote_logs.fence = functools.partial(self._remote.check_lease, lease)  # logstore inv. 2b
                 manifest = restore(self._remote, root, self._remote_logs)
             self.stats["restore_s"] = time.perf_counter() - t_restore  # the download into the empty cache
             if manifest is None and open_only:
                 raise RecoveryError(f"Pipeline.open: {self.storage_uri} holds no pipeline (no manifest)")
+            if self._stage_store is not None and manifest is not None:  # before the claim (stage_check rule 2)
+                check_present(self._remote, manifest)
             # with a restored manifest, commits this writer's claim before the logs are opened
             self._remote_state = RemoteCheckpoints(self._remote, root, manifest, self._remote_logs, lease)
             new_remote = manifest is None
@@ -673,7 +694,17 @@ class Pipeline:
                              f"needs its own seq")
         return self._push_all(prepared) if prepared else []
 
-    def _prepare(self, handle: str, data: Any, weights: Any, producer: str | None, seq: int | None) -> "_Prepared":
+    def _push_reference(self, handle: str, z: ZSet, reference: bytes, producer: str, seq: int) -> Ack | None:
+        """:meth:`push` of ``z``, the rows of a unit of an immutable file, whose input-log record is ``reference``
+        (dbsp_core.storage.fileref) instead of the rows: recovery reads them again from the file. Acknowledged
+        once the record has its place in the log, before its fsync (invariant 1). For FileSource with
+        ``immutable_files=True``; a pipeline whose storage is an object store logs the rows (its log must not
+        depend on this machine's files) and acknowledges them once durable."""
+        x = self._prepare(handle, z, None, producer, seq, reference)
+        return self._push_all([x], sync=x.payload is not None and x.payload[0] is not reference)[0]
+
+    def _prepare(self, handle: str, data: Any, weights: Any, producer: str | None, seq: int | None,
+                 reference: bytes | None = None) -> "_Prepared":
         """Validate one push completely and, with storage, encode its record (invariant 1); records nothing."""
         self._check_usable()
         if (producer is None) != (seq is None):
@@ -698,10 +729,17 @@ class Pipeline:
         z = self._to_zset(handle, data, weights)
         if handle in self._keys:  # operators/upsert.py invariant 2: refused before anything is recorded
             check_keyed(z, self._keys[handle], f"push({handle!r})")
+        if handle in self._append_only and len(z.weights) and int(z.weights.min()) <= 0:
+            bad = int(np.flatnonzero(z.weights <= 0)[0])
+            raise AppendOnlyError(f"push({handle!r}): input {handle!r} is append-only, but row {bad} has weight "
+                                  f"{int(z.weights[bad])}; push only inserts (positive weights) into it, or declare "
+                                  f"it without append_only to push deletions")
         if self.storage is None:
             return _Prepared(handle, z, None, z.data.nbytes + z.weights.nbytes, producer, seq)
         if not z.weights.flags.writeable:  # Arrow-backed weights are read-only; the kernels need writable ones
             z = ZSet._make(z.data, z.weights.copy())
+        if reference is not None and self._remote is None:
+            return _Prepared(handle, z, [reference], z.data.nbytes + z.weights.nbytes, producer, seq)
         head, body = encode_zset_parts(z)  # gathered by the log, never joined into one more copy of the push
         nbytes = len(head) + body.size
         if nbytes > MAX_PUSH_BYTES:  # invariant 1: refused before anything is recorded
@@ -709,9 +747,10 @@ class Pipeline:
                              f"{MAX_PUSH_BYTES} bytes of one input-log record; push it in smaller parts")
         return _Prepared(handle, z, [head, body], nbytes, producer, seq)
 
-    def _push_all(self, batch: list["_Prepared"]) -> list[Ack | None]:
+    def _push_all(self, batch: list["_Prepared"], sync: bool = True) -> list[Ack | None]:
         """Record validated pushes (invariants 1 and 2): admit them together into the open step, append their
-        records to the input log and fsync once, then queue them; returns their acknowledgements in order."""
+        records to the input log and fsync once (not ``sync``: only place them in the log's order, for pushes
+        logged by reference), then queue them; returns their acknowledgements in order."""
         if self.storage is None:
             for x in batch:
                 self._metrics.pushed(x.handle, x.z.num_rows)
@@ -756,7 +795,10 @@ class Pipeline:
             if tickets:
                 crashpoint("push-enqueued")  # in the log's order, not yet durable: a crash may keep any prefix
             _, x, prod, sq = new[-1]
-            tickets.append(self._input.append(step, x.handle, x.payload, producer=prod, seq=sq))  # the one fsync
+            if sync:
+                tickets.append(self._input.append(step, x.handle, x.payload, producer=prod, seq=sq))  # the one fsync
+            else:
+                tickets.append(self._input.enqueue(step, x.handle, x.payload, producer=prod, seq=sq))
             crashpoint("push-acked")
         except BaseException as exc:
             # the records may or may not be durable: only recovery (which reads the log) can tell, so a retry in
@@ -771,6 +813,8 @@ class Pipeline:
                 self._cond.notify_all()
             raise
         with self._cond:
+            if not sync:
+                self._unsynced = max(self._unsynced, tickets[-1])
             for (i, x, prod, sq), ticket in zip(new, tickets):
                 self._queued(x.z.num_rows, x.nbytes)
                 self._pending.append((x.handle, x.z))
@@ -1175,6 +1219,7 @@ class Pipeline:
             step = self.steps
             with self._cond:
                 seen = self._seen.copy()
+                unsynced = self._unsynced  # reference pushes in ``seen`` whose records may not be durable yet
             floor, prev_now, wms = self._now_floor, self._last_now, dict(self.watermarks)
             # what `dbsp profile DIR` prints: taken with the steps paused, written with METRICS (traces in memory only)
             prof = dict(pipeline_profile(self, state=self.executor.state_in_memory), step=step)
@@ -1192,6 +1237,8 @@ class Pipeline:
 
             def finish() -> None:
                 try:
+                    if unsynced:
+                        inp.sync(unsynced)  # invariant 1: every push the saved seen set holds is durable
                     output.flush()  # output of every step below the checkpoint is durable before it
                     with progress(f"checkpoint at step {step}"):
                         make_durable()
@@ -1257,6 +1304,12 @@ class Pipeline:
                                                      name="dbsp-checkpoint", daemon=True)
                 self._ckpt_thread.start()
             return step
+
+    def _stop_for_exit(self) -> None:
+        """Interpreter exit with the pipeline open (trace/at_exit.py): let a background checkpoint end."""
+        t = self._ckpt_thread
+        if t is not None and t is not threading.current_thread():
+            t.join()
 
     def _background(self, finish: Any) -> None:
         try:
@@ -1447,7 +1500,7 @@ class Pipeline:
             if r.handle == DIVISION_HANDLE:
                 divided = True
             else:
-                parts[r.handle].append(decode_zset(r.payload, self._inputs[r.handle], f"{self.storage} step {step}"))
+                parts[r.handle].append(decode_push(r.payload, self._inputs[r.handle], f"{self.storage} step {step}"))
         if not divided:
             raise LookupError(f"the input of step {step} was truncated below the low watermark")
         return {h: (ZSet.concat(ps).consolidate() if len(ps) > 1 else ps[0].consolidate() if ps

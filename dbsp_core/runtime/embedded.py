@@ -6,9 +6,11 @@ Invariants (enforced here):
   2. A step runs every live node (one that feeds an output) in id order on every worker; each worker reaches
      each exchange exactly once, so the barrier at an exchange is met by all W workers or the step fails
      (a failing worker aborts the barrier, releasing the others).
-  3. A step's output for a handle is the consolidated sum of the workers' outputs: sorted into canonical order,
-     unless each worker's output is distinct already (zset.py invariant 2) and rows of two workers cannot be
-     equal (the output is sharded by columns it keeps), when their concatenation is handed over as it is.
+  3. A step's output for a handle is the consolidated sum of the workers' outputs, distinct (zset.py invariant 2)
+     but not sorted: each worker makes its own output distinct on its thread, with its row hashes, unless it is
+     distinct already and rows of two workers cannot be equal (the output is sharded by columns it keeps); the
+     concatenation is then handed over as it is, or else made distinct once more across the workers from those
+     row hashes (one probe per row: ZSet._distinct_unsorted), never sorted.
      Because keyed operators see all rows of a key in one worker and linear operators commute with the sum,
      results do not depend on W, on the layout, nor on how input is split into steps.
   4. With storage, worker ``w``'s state lives in ``state/worker-<w>.db`` (dbsp_core.storage.formats), grouped by
@@ -106,6 +108,26 @@ class _Exchanger:
         self._wait(worker)
         mine = [row[worker] for row in box if row is not None]
         return concat(mine, schema)
+
+    def exchange_runs(self, worker: int, node_id: int, runs: list[tuple[int, int, int]], cut: Callable[[int, int], Any]
+                      ) -> list:
+        """The exchange of rows a fused chain has already ordered by owner (dbsp_core/runtime/plan.py note 4): each
+        run ``(worker, start, stop)`` of rows goes to that worker's mailbox as ``cut(start, stop)``, a part made
+        without copying rows. Returns the parts sent to this worker by every worker, itself included, as they were
+        cut (no concatenation)."""
+        box = self._grid(node_id)
+        out: list[list] = [[] for _ in range(self.workers)]
+        for dest, s, e in runs:
+            if e > s:
+                out[dest].append(cut(s, e))
+        box[worker] = out  # type: ignore[assignment]
+        if self.timers is not None and runs:
+            sent = self.timers[worker].exchange_bytes
+            node = node_id[0] if isinstance(node_id, tuple) else node_id
+            sent[node] = sent.get(node, 0) + sum(zset_bytes(getattr(p, "zset", p)) for k, ps in enumerate(out)
+                                                 if k != worker for p in ps)
+        self._wait(worker)
+        return [p for row in box if row is not None for p in row[worker]]
 
     def anyone(self, worker: int, node_id: object, flag: bool) -> bool:
         """Whether any worker passes ``flag`` True under mailbox ``node_id`` (one barrier, like an exchange): how
@@ -337,6 +359,9 @@ class EmbeddedExecutor:
         try:
             with merging(merge_thread), spilling(self.batch_store):
                 out = self._workers[w].step()
+            for name, z in out.items():  # invariant 3: each worker's share of the summing, in parallel
+                if not (z._distinct and self._disjoint[name]):
+                    out[name] = z._distinct_unsorted()
             if w:  # a pool thread: its own scratch cache (worker 0 runs on the driver's thread: _run_one)
                 _zset.trim_caches(settings().cache_keep_mb << 20)
             return out
@@ -442,8 +467,8 @@ class EmbeddedExecutor:
             z = concat(parts, schema)
             if z._distinct or (self._disjoint[name] and all(p._distinct for p in parts)):  # invariant 3: distinct
                 out[name] = z if z._distinct else ZSet._make(z.data, z.weights, distinct=True)  # parts need no sort
-            else:
-                out[name] = z.consolidate()
+            else:  # the workers' distinct parts, with their row hashes, summed across workers (invariant 3)
+                out[name] = z._distinct_unsorted()
         return out
 
     # ---- live layout changes ----
@@ -558,6 +583,10 @@ class EmbeddedExecutor:
     def resume(self, version: int, step: int) -> None:
         raise DbspError("resume: the embedded executor's state is in memory; a live rescale moves it with "
                         "relayout, and a stored layout change is loaded by open_state and load_state")
+
+    def task_budget(self, memory_limit: int, spill_dir: str | None) -> bool:
+        """The traces live in this process: the driver gives a store through :meth:`spill` instead."""
+        return False
 
     def spill(self, store: BatchStore | None) -> None:
         """Keep the traces' batches under ``store``'s memory budget from now on (trace invariant 12; None: in

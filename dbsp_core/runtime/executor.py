@@ -12,7 +12,8 @@ layout changes). An executor owns the operator state and runs steps over it:
 
 Invariants (every executor keeps them):
   1. ``run(steps)`` runs consecutive steps starting at the executor's current step and returns each step's
-     ``{output: change}``, consolidated; results do not depend on the number of workers, on the layout, nor on
+     ``{output: change}``, consolidated (distinct, zset.py invariant 2: no two equal rows, no zero weight, in
+     any order); results do not depend on the number of workers, on the layout, nor on
      how the steps are grouped into calls.
   2. Durable state moves only through versions of its databases, all of them at the same version and step
      after every checkpoint (embedded) or job (staged); ``open_state`` puts every database back on the newest
@@ -155,6 +156,11 @@ class Executor(Protocol):
 
     def disk_bytes(self) -> int:
         """Bytes of state on disk."""
+
+    def task_budget(self, memory_limit: int, spill_dir: str | None) -> bool:
+        """Give the processes that run this executor's tasks a memory budget of ``memory_limit`` bytes per host,
+        with batch files under ``spill_dir`` there (None: their local directory); False when the traces live in
+        this process instead, and the driver gives the executor a store with :meth:`spill`."""
 
     def spill(self, store: BatchStore | None) -> None:
         """Keep the traces' batches under ``store``'s memory budget (trace invariant 12, dbsp_core/trace/spill.py):

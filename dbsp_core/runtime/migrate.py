@@ -71,7 +71,7 @@ def cut_trace(trace: Trace, mask: np.ndarray, bits: int) -> tuple[list[IndexedZS
     runs = shard_runs(np.flatnonzero(mask))
     if not runs:
         return [], {}
-    trace._check_files()  # the cut reads key hashes and moves rows (trace/spill.py invariant 14)
+    trace._check_files(reads_all=False)  # the cut seeks key hashes and moves rows (trace/spill.py invariant 14)
     placed, pending = trace.parts()
     moved: list[IndexedZSet] = []
     changed: dict[int, list] = {}

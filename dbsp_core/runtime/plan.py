@@ -7,7 +7,7 @@ slices follow, in this order):
      a stage task, once per stage), the live nodes of the circuit, in id order, are lowered to a list of calls over
      the worker's operator instances. A call covers one node (today's path: the operator's ``step``) or a fused
      chain: a run of nodes with one consumer each whose intermediate Z-sets nobody else reads. **Built**: the
-     lowering, per-node calls, and one fused chain (note 4).
+     lowering, per-node calls, and the fused chains of note 4.
   2. The native interpreter. The target form of a plan is a program of a small instruction set (filter by a
      compiled predicate, project/gather columns, index, partition for an exchange, trace lookup / fold / insert,
      emit) over column buffers in C-owned scratch memory, run by one C call per step (``dbsp_plan_run``) that
@@ -28,9 +28,25 @@ slices follow, in this order):
      (``_zset.linear_step``), and finalizes its output from the slot values (``Aggregate.finalize_ints``)
      without the partial-row table, the combiner's call, nor a table of slots. A step it cannot serve (a value
      or count column with nulls, a trace without a current key index) runs the chain unfused, as before.
-     The exchange: at W > 1 a fused chain ends at the exchange's partition (the C partition kernel fills the
-     other workers' mailboxes) and the receiving worker's chain starts after its barrier; on Spark each stage
-     is one plan, so a stage task crosses into C once per stage.
+     The exchange, **built** for two chains at W > 1: a fused chain ends at the exchange's call, which cuts the
+     rows it sends into runs of consecutive rows per owner (``ShardMap.runs`` over rows sorted by key hash, or
+     the partition kernel's permutation) and fills the mailboxes with slices of them
+     (``StepContext.exchange_runs``); the receiving worker's chain starts after the barrier over the parts as
+     they were cut. (a) The linear group-by: the sender groups the change in one C pass (groups come out in
+     key-hash order, so the runs need no permutation) when grouping shrinks it, else gathers only the key and
+     slot columns through the partition kernel's permutation; the aggregate runs one ``linear_step`` over the
+     received partial rows (one call per part was measured slower: see ``_PartialsReceive``). (b) An exchange
+     whose one consumer is an inner join on the exchange's key: the sender builds the index the join would
+     build and sends runs of it; the join merges the sorted runs it received (csrc/merge.h) instead of the
+     exchange's gather, the concatenation and a second ``index_by``. **Built**, at any W: an inner join whose one
+     consumer is the linear group-by chain (``Join -> PreAggregate -> [Exchange] -> Aggregate``, the group key and
+     the counted and summed columns taken from the joined columns): the join's call gathers from the join
+     kernel's pairs (``da JOIN (B + db) + A JOIN db``, one part per meeting of a change with a trace batch) only the
+     columns the aggregate reads (``Join.pairs`` with ``cols``), and the chain's aggregate call folds them into
+     the totals per key as it folds its own input rows (``linear_step`` at W = 1, partial rows at W > 1): the
+     joined rows are never built, nor indexed, nor concatenated whole. Not built: other consumers of an exchange
+     (outer joins, distinct, non-linear aggregates), which get a concatenated Z-set as before; on Spark each
+     stage is to be one plan, so a stage task crosses into C once per stage.
   5. State stays where the runtime finds it: a plan holds no state of its own, only the operator instances'
      traces, which it reads and writes through the same Trace methods (insert, lookup, key index). So
      checkpoints (snapshot by shard), rollback (rollback.py copies the instances' attributes), live rescale
@@ -49,11 +65,15 @@ slices follow, in this order):
 
 Invariants (enforced here):
   1. A plan has one call per live node, in id order (the timers and ``failed_node`` index calls as nodes); a
-     fused chain's inner calls pass their input through unchanged, and only the chain's last node computes.
-  2. A chain is fused only when every inner node has exactly one consumer, is no output, and (an exchange) is
-     the identity on this worker's layout; a plan is lowered again whenever the layout changes.
+     fused chain's inner calls pass their input through unchanged, and only the chain's last node computes,
+     but for a fused exchange (it cuts what it sends) and a fused join (it gathers the aggregate's columns).
+  2. A chain is fused only when every inner node has exactly one consumer and is no output; an inner exchange is
+     skipped only where it is the identity (W = 1), at W > 1 it is the chain's fused exchange, on the key of the
+     chain's last node. A plan is lowered for one layout, and again whenever the layout changes (every worker
+     then reaches every exchange's barrier, fused or not, once a step).
   3. Per step, a fused call either serves the whole chain or changes nothing and runs the chain's own steps
-     (``counts["fused"]`` / ``counts["unfused"]`` count which).
+     (``counts["fused"]`` / ``counts["unfused"]`` count which); a W > 1 fused exchange always sends parts of the
+     form its receiver reads (partial rows, or runs of an index), whichever way it built them.
 """
 
 from __future__ import annotations
@@ -63,11 +83,14 @@ from typing import Any, Callable
 import numpy as np
 import pyarrow as pa
 
+from dbsp_core import _zset
 from dbsp_core.circuit import Circuit
+from dbsp_core.errors import WeightOverflowError
 from dbsp_core.operators.aggregate import Aggregate, PreAggregate, _LinearState
-from dbsp_core.operators.base import conform
+from dbsp_core.operators.base import concat, conform
 from dbsp_core.operators.exchange import Exchange
-from dbsp_core.zset import ZSet
+from dbsp_core.operators.join import Join, _JoinState
+from dbsp_core.zset import IndexedZSet, ZSet
 
 __all__ = ["StepPlan"]
 
@@ -79,13 +102,15 @@ def _passthrough(inputs: list, ctx: Any) -> Any:
     return inputs[0]
 
 
-class _LinearGroupBy:
-    """The fused linear group-by chain (design note 4): ``pre`` -> [identity exchange] -> ``agg``, run as ``agg``'s call
-    over the rows that reach ``pre``."""
+class _RowsOfSlots:
+    """A linear aggregate's input rows as the values of its kernel slots, without building partial rows: the rows
+    with a column of ones appended (keys at ``keypos``; per slot, the column it sums at ``slotpos``: a count's
+    ones, a sum's int64 column), as PreAggregate.rowwise would sum them. ``schema``: the rows' (the aggregate's
+    input schema, or the columns of it a fused join gathers, :class:`_JoinSlots`)."""
 
-    def __init__(self, pre: PreAggregate, agg: Aggregate, state: _LinearState, counts: dict[str, int]) -> None:
-        self.pre, self.agg, self.state, self.counts = pre, agg, state, counts
-        schema = agg.in_schema
+    def __init__(self, agg: Aggregate, pre: PreAggregate, schema: pa.Schema | None = None) -> None:
+        self.agg, self.pre = agg, pre
+        self.schema = schema = agg.in_schema if schema is None else schema
         self.keypos = tuple(schema.get_field_index(k) for k in agg.keys)
         ncols = len(schema)
         # per kernel slot: the input column it sums (a count, of rows or of a column without nulls: the column of
@@ -99,63 +124,278 @@ class _LinearGroupBy:
             self.ones = pa.array(np.ones(max(n, 2 * len(self.ones)), dtype=np.int64))
         return self.ones.slice(0, n)
 
+    def of(self, z: ZSet) -> ZSet | None:
+        """``z`` (with rows) as slot values; None when a counted or summed column has a null."""
+        z = conform(z, self.schema)
+        data = z.data
+        if any(data.column(c).null_count for c in self.checked):
+            return None
+        return ZSet._make(data.append_column("__dbsp_ones", self._ones(z.num_rows)), z.weights)
+
+    def partials(self, z: ZSet, ctx: Any) -> ZSet:
+        """The combiner's partial rows of ``z`` (a step the fused path cannot serve): PreAggregate's step over the
+        aggregate's input rows, its ``rowwise`` over the columns a fused join gathered (it reads them by name)."""
+        if self.schema is self.agg.in_schema:
+            return self.pre.step([z], ctx)
+        return self.pre.rowwise(conform(z, self.schema)) if z.num_rows else self.pre.step([z], ctx)
+
+
+class _LinearGroupBy:
+    """The fused linear group-by chain (design note 4): ``pre`` -> [identity exchange] -> ``agg``, run as ``agg``'s call
+    over the rows that reach ``pre``."""
+
+    def __init__(self, pre: PreAggregate, agg: Aggregate, state: _LinearState, counts: dict[str, int],
+                 schema: pa.Schema | None = None) -> None:
+        self.pre, self.agg, self.state, self.counts = pre, agg, state, counts
+        self.rows = _RowsOfSlots(agg, pre, schema)
+
     def __call__(self, inputs: list, ctx: Any) -> ZSet:
         z = inputs[0]
         if z.num_rows:
-            z = conform(z, self.agg.in_schema)
-            data = z.data
-            if not any(data.column(c).null_count for c in self.checked):
-                rows = ZSet._make(data.append_column("__dbsp_ones", self._ones(z.num_rows)), z.weights)
-                out = self.state.step_rows(rows, self.keypos, self.slotpos, ctx)
+            rows = self.rows.of(z)
+            if rows is not None:
+                out = self.state.step_rows(rows, self.rows.keypos, self.rows.slotpos, ctx)
                 if out is not None:
                     self.counts["fused"] += 1
                     return out
         self.counts["unfused"] += 1  # invariant 3: the chain's own steps (the exchange is the identity)
-        return self.state.step([self.pre.step([z], ctx)], ctx)
+        return self.state.step([self.rows.partials(z, ctx)], ctx)
+
+
+class _Received:
+    """What a fused exchange hands its chain's last node: the parts sent to this worker (all Z-sets, or all indexed
+    Z-sets), as their senders cut them (``ctx.exchange_runs``), not added up."""
+
+    __slots__ = ("parts", "num_rows")
+
+    def __init__(self, parts: list) -> None:
+        sizes = [p.num_rows if isinstance(p, ZSet) else len(p) for p in parts]
+        self.parts = [p for p, n in zip(parts, sizes) if n]
+        self.num_rows = sum(sizes)
+
+
+class _PartialsExchange:
+    """The sending half of the fused linear group-by chain at W > 1 (design note 4), as the exchange's call over the
+    rows that reach ``pre``. Two forms, chosen per step (both send partial rows that sum to the same totals):
+
+    - grouped (a change of many rows per group): one C grouping pass (``_zset.group_reduce``) sums each group's
+      partial values and leaves the groups in key-hash order, so each worker's shards are runs of groups that go to
+      its mailbox as slices of one table of partial rows (no permutation);
+    - partitioned (about a row per group, where grouping twice would cost more than it saves): the key hashes,
+      the partition kernel's permutation and one gather of the key and slot columns only, cut into the workers'
+      parts: each row a partial row of its own, as ``PreAggregate.rowwise``.
+
+    A step groups when it has at least ``GROUP_ROWS`` rows and the last grouping pass left at most
+    ``GROUPS_PER_ROW`` groups per row, or ``RETRY`` steps have passed since it was last tried."""
+
+    GROUP_ROWS = PreAggregate.GROUP_ABOVE  # rows; below, a grouping pass costs more than it saves
+    GROUPS_PER_ROW = 0.5
+    RETRY = 16
+
+    def __init__(self, node: int, pre: PreAggregate, agg: Aggregate, counts: dict[str, int],
+                 schema: pa.Schema | None = None) -> None:
+        self.node, self.pre, self.agg, self.counts = node, pre, agg, counts
+        self.rows = _RowsOfSlots(agg, pre, schema)
+        self.kschema = pa.schema(list(pre.schema)[:len(agg.keys)])  # the key columns of the partial rows
+        self.cols = list(self.rows.keypos) + list(self.rows.slotpos)  # the partial row's columns in the rows
+        self.groups_well, self.since = True, 0
+
+    def __call__(self, inputs: list, ctx: Any) -> _Received:
+        z = inputs[0]
+        runs: list = []
+        cut = None
+        if z.num_rows:
+            rows = self.rows.of(z)
+            if rows is None:  # a null in a counted or summed column: the combiner's own partial rows, indexed
+                ix = self.rows.partials(z, ctx).index_by(list(self.agg.keys))
+                table, w, runs = ix.zset.data, ix.zset.weights, ctx.shard_map.runs(ix.key_hash)
+                self.counts["unfused"] += 1
+            else:
+                self.since += 1
+                group = z.num_rows >= self.GROUP_ROWS and (self.groups_well or self.since >= self.RETRY)
+                try:
+                    table, w, runs = self._grouped(rows, ctx) if group else self._partitioned(rows, ctx)
+                except WeightOverflowError as e:
+                    self.agg.raise_overflow(e)
+                self.counts["sent"] += 1
+
+            def cut(s: int, e: int) -> ZSet:
+                return ZSet._make(table.slice(s, e - s), w[s:e])
+        return _Received(ctx.exchange_runs(self.node, runs, cut))
+
+    def _grouped(self, rows: ZSet, ctx: Any) -> tuple:
+        view = _zset.BatchView(rows.data, rows.weights)
+        specs = [("sum", j) for j in self.rows.slotpos]
+        group_row, khash, sums, _, _ = _zset.group_reduce(view, None, self.rows.keypos, specs, True)
+        self.counts["grouped"] += 1
+        self.groups_well, self.since = len(group_row) <= self.GROUPS_PER_ROW * rows.num_rows, 0
+        keys = _zset.take(view, group_row, self.kschema, self.rows.keypos)
+        table = pa.Table.from_arrays(list(keys.columns) + [pa.array(c) for c in np.ascontiguousarray(sums.T)],
+                                     schema=self.pre.schema)
+        return table, np.ones(len(group_row), dtype=np.int64), ctx.shard_map.runs(khash)
+
+    def _partitioned(self, rows: ZSet, ctx: Any) -> tuple:
+        khash = _zset.hash_columns(rows.data, list(self.rows.keypos))
+        m = ctx.shard_map
+        perm, offsets = _zset.partition(khash, m.part_of_shard, m.workers)
+        table = _zset.take(rows.data, perm, self.pre.schema, self.cols)
+        bounds = offsets.tolist()
+        return table, rows.weights[perm], [(p, bounds[p], bounds[p + 1]) for p in range(m.workers)]
+
+
+class _PartialsReceive:
+    """The receiving half: the aggregate's step over the received parts of partial rows, concatenated into one
+    grouping call (``_LinearState.step``). One call per part (``_LinearState.step_parts``) was measured slower:
+    every part after the first re-emits the totals the one before stored, so the output is no longer distinct and
+    the driver sorts it, and each part adds a trace batch to merge (bench/RESULTS.md, the step plan's W > 1
+    slice); the parts are the key and slot columns only, so their concatenation is the smallest copy of the
+    chain."""
+
+    def __init__(self, state: _LinearState, pschema: pa.Schema, counts: dict[str, int]) -> None:
+        self.state, self.pschema, self.counts = state, pschema, counts
+
+    def __call__(self, inputs: list, ctx: Any) -> ZSet:
+        self.counts["received"] += 1
+        return self.state.step([concat(inputs[0].parts, self.pschema)], ctx)
+
+
+class _IndexedExchange:
+    """An exchange whose one consumer is a join on the exchange's key (design note 4, at W > 1): the sender indexes
+    its change by the key (sorted by key hash: the index a join builds anyway), so each worker's shards are runs of
+    the index that go to its mailbox as slices, without the exchange's gather nor its concatenation."""
+
+    def __init__(self, node: int, schema: pa.Schema, key: tuple[str, ...], counts: dict[str, int]) -> None:
+        self.node, self.schema, self.key, self.counts = node, schema, list(key), counts
+
+    def __call__(self, inputs: list, ctx: Any) -> _Received:
+        z = inputs[0]
+        runs: list = []
+        cut = None
+        if z.num_rows:
+            ix = conform(z, self.schema).index_by(self.key)
+            runs, cut = ctx.shard_map.runs(ix.key_hash), ix._slice
+            self.counts["indexed"] += 1
+        return _Received(ctx.exchange_runs(self.node, runs, cut))
+
+
+class _IndexedJoin:
+    """The join's call after one or two fused exchanges: the indexed parts it received are merged into one indexed
+    change per side (the merge of sorted runs, csrc/merge.h: one gather), a side without a fused exchange is
+    indexed as the join would."""
+
+    def __init__(self, state: _JoinState, counts: dict[str, int]) -> None:
+        self.state, self.counts = state, counts
+
+    def _side(self, x: Any, side: int) -> IndexedZSet | None:
+        if not isinstance(x, _Received):
+            return self.state.indexed(x, side)
+        self.counts["merged"] += 1
+        parts = x.parts
+        if not parts:
+            return None
+        out = parts[0]
+        for p in parts[1:]:
+            out = out.merge(p)
+        return out
+
+    def __call__(self, inputs: list, ctx: Any) -> ZSet:
+        return self.state.step_indexed(self._side(inputs[0], 0), self._side(inputs[1], 1), ctx)
+
+
+class _JoinSlots(_IndexedJoin):
+    """The join's call in a fused chain ``Join -> PreAggregate -> [Exchange] -> linear Aggregate`` (design note 4):
+    the join's change as the columns the aggregate reads (its keys, counted and summed columns), gathered from the
+    join kernel's pairs of each meeting of a change with a trace batch, without building the joined rows; the
+    chain's aggregate call (:class:`_LinearGroupBy`, or at W > 1 :class:`_PartialsExchange`) folds them into the
+    totals kept per key as it folds its own input rows. The join's traces change as its own step changes them."""
+
+    def __init__(self, state: _JoinState, agg: Aggregate, counts: dict[str, int]) -> None:
+        super().__init__(state, counts)
+        op = state.op
+        nl = len(op.lschema)
+        names = dict.fromkeys(list(agg.keys) + [col for _, col in agg.kernel if col is not None])
+        pos = [op.schema.get_field_index(n) for n in names]  # in the join's output rows
+        left, right = [i for i in pos if i < nl], [i for i in pos if i >= nl]
+        self.schema = pa.schema([op.schema.field(i) for i in left + right])  # the columns, left side's first
+        self.cols = (left, [op.right_kept_pos[i - nl] for i in right], self.schema)
+        self.op = op
+
+    def _pairs(self, left: IndexedZSet, right: IndexedZSet) -> ZSet:
+        return self.op.pairs(left, right, self.cols)
+
+    def __call__(self, inputs: list, ctx: Any) -> ZSet:
+        self.counts["joined"] += 1
+        parts = self.state.step_parts(self._side(inputs[0], 0), self._side(inputs[1], 1), ctx, self._pairs)
+        return concat(parts, self.schema)
 
 
 class StepPlan:
     """The calls of one worker's step (the module docstring): ``calls`` as ``dbsp_core.profile.run_nodes`` takes
-    them, and ``counts`` of the steps fused chains served (``"fused"``) or left to their nodes (``"unfused"``)."""
+    them, and ``counts`` of what fused chains did (invariant 3): ``"fused"`` / ``"unfused"``, steps the W = 1
+    group-by chain served or left to its nodes (at W > 1, ``"unfused"``: steps whose partial rows the combiner
+    built because of a null); ``"sent"``, steps whose partial rows the W > 1 chain's sender built and partitioned
+    (``"grouped"``: of them, by a grouping pass); ``"received"``, aggregate steps over received parts;
+    ``"indexed"``, changes a join's fused exchange indexed before it partitioned them; ``"merged"``, join sides
+    built from received indexed parts; ``"joined"``, steps of a join that gathered its group-by's columns from its
+    pairs (:class:`_JoinSlots`)."""
 
     def __init__(self, circuit: Circuit, live: list[int], instances: dict[int, Any], workers: int,
                  fuse: bool = True) -> None:
         nodes = circuit.nodes
-        self.counts = {"fused": 0, "unfused": 0}
+        self.workers = workers  # the layout's worker count it was lowered for (invariant 2)
+        self.counts = dict.fromkeys(("fused", "unfused", "sent", "grouped", "received", "indexed", "merged",
+                                     "joined"), 0)
         self.fused_nodes: list[int] = []  # the last node of each fused chain
         steps: dict[int, Callable] = {i: instances[i].step for i in live}
         if fuse:
-            for agg, pre in self._linear_groupbys(circuit, live, instances, workers):
-                chain = _LinearGroupBy(nodes[pre], nodes[agg], instances[agg], self.counts)
-                for j in self._between(circuit, pre, agg):
-                    steps[j] = _passthrough
-                steps[agg] = chain
+            inner = self._inner(circuit, live)
+            slot_joins: set[int] = set()
+            for agg, pre in self._linear_groupbys(circuit, live, instances, workers, inner):
+                src = nodes[agg].inputs[0]
+                steps[pre] = _passthrough
+                schema = None  # the aggregate's input rows, unless a fused join gathers the columns it reads
+                j = nodes[pre].inputs[0]
+                if (type(nodes[j]) is Join and type(instances[j]) is _JoinState and inner(j)
+                        and (nodes[agg].keys or any(col for _, col in nodes[agg].kernel))):  # a column to gather
+                    steps[j] = _JoinSlots(instances[j], nodes[agg], self.counts)
+                    schema = steps[j].schema
+                    slot_joins.add(j)
+                    self.fused_nodes.append(j)
+                if src == pre or workers == 1:  # no exchange, or the identity (W = 1)
+                    steps[src] = _passthrough
+                    steps[agg] = _LinearGroupBy(nodes[pre], nodes[agg], instances[agg], self.counts, schema)
+                else:
+                    steps[src] = _PartialsExchange(src, nodes[pre], nodes[agg], self.counts, schema)
+                    steps[agg] = _PartialsReceive(instances[agg], nodes[pre].schema, self.counts)
                 self.fused_nodes.append(agg)
+            if workers > 1:
+                for join, sides in self._indexed_joins(circuit, live, instances, inner):
+                    op = nodes[join]
+                    for side in sides:
+                        e = op.inputs[side]
+                        steps[e] = _IndexedExchange(e, op.lschema if side == 0 else op.rschema, nodes[e].key,
+                                                    self.counts)
+                    if join not in slot_joins:  # a _JoinSlots reads the received parts as _IndexedJoin does
+                        steps[join] = _IndexedJoin(instances[join], self.counts)
+                        self.fused_nodes.append(join)
         self.calls: list[Call] = [(steps[i], nodes[i].inputs, i) for i in live]
 
     @staticmethod
-    def _between(circuit: Circuit, pre: int, agg: int) -> set[int]:
-        """The inner nodes of the chain ending at ``agg``: ``pre`` and the exchange between, if any."""
-        inner = {pre}
-        src = circuit.nodes[agg].inputs[0]
-        if src != pre:
-            inner.add(src)
-        return inner
-
-    @staticmethod
-    def _linear_groupbys(circuit: Circuit, live: list[int], instances: dict[int, Any], workers: int
-                         ) -> list[tuple[int, int]]:
-        """(aggregate, pre-aggregate) of every chain design note 4 fuses here (invariant 2)."""
-        nodes = circuit.nodes
+    def _inner(circuit: Circuit, live: list[int]) -> Callable[[int], bool]:
+        """Whether a node may be an inner node of a chain (invariant 2): one consumer, and no output."""
         consumers: dict[int, int] = {}
         for i in live:
-            for j in nodes[i].inputs:
+            for j in circuit.nodes[i].inputs:
                 consumers[j] = consumers.get(j, 0) + 1
         outputs = set(circuit.outputs.values())
+        return lambda j: consumers.get(j, 0) == 1 and j not in outputs
 
-        def inner(j: int) -> bool:
-            return consumers.get(j, 0) == 1 and j not in outputs
-
+    @staticmethod
+    def _linear_groupbys(circuit: Circuit, live: list[int], instances: dict[int, Any], workers: int,
+                         inner: Callable[[int], bool]) -> list[tuple[int, int]]:
+        """(aggregate, pre-aggregate) of every group-by chain design note 4 fuses here (invariant 2): through an
+        exchange at any W (the identity at W = 1, partitioned partial rows at W > 1)."""
+        nodes = circuit.nodes
         found = []
         for i in live:
             op = nodes[i]
@@ -164,10 +404,28 @@ class StepPlan:
                 continue
             src = op.inputs[0]
             if isinstance(nodes[src], Exchange):
-                if workers != 1 or not inner(src):
-                    continue
+                if not inner(src) or (workers > 1 and tuple(nodes[src].key) != tuple(op.keys)):
+                    continue  # at W > 1 the chain routes groups by the hash of the aggregate's keys
                 src = nodes[src].inputs[0]
             pre = nodes[src]
             if isinstance(pre, PreAggregate) and pre.agg is op and inner(src):
                 found.append((i, src))
+        return found
+
+    @staticmethod
+    def _indexed_joins(circuit: Circuit, live: list[int], instances: dict[int, Any], inner: Callable[[int], bool]
+                       ) -> list[tuple[int, list[int]]]:
+        """(join, its input sides fed by a fused exchange) of every inner join whose input is an exchange on that
+        side's join key with no other consumer (design note 4 at W > 1)."""
+        nodes = circuit.nodes
+        found = []
+        for i in live:
+            op = nodes[i]
+            if not (type(op) is Join and type(instances[i]) is _JoinState):
+                continue
+            sides = [k for k, key in enumerate((op.left_on, op.right_on))
+                     if isinstance(nodes[op.inputs[k]], Exchange) and inner(op.inputs[k])
+                     and tuple(nodes[op.inputs[k]].key) == tuple(key)]
+            if sides:
+                found.append((i, sides))
         return found

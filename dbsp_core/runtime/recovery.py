@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import pyarrow as pa
 
 from dbsp_core.circuit import Circuit, part_fingerprints
-from dbsp_core.codec import decode_json, decode_zset
+from dbsp_core.codec import decode_json
 from dbsp_core.errors import CircuitMismatchError, CorruptionError, RecoveryError
 from dbsp_core.layout import DEFAULT_SHARD_BITS, HASH_VERSION, Layout
 from dbsp_core.progress import progress
@@ -40,6 +40,7 @@ from dbsp_core.runtime.upgrade import is_format1, upgrade_format1
 from dbsp_core.storage.consumers import ConsumerRegistry
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.dedup import SeenSet
+from dbsp_core.storage.fileref import decode_push
 from dbsp_core.storage.directory import read_layout, read_meta, read_rescale, write_layout, write_meta
 from dbsp_core.storage.formats import (CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE, DISCARD_HANDLE, DISCARD_MAGIC,
                                        DIVISION_HANDLE, DIVISION_MAGIC, DRIVER_DB, INPUT_DIR, OUTPUT_DIR, STATE_DIR)
@@ -371,7 +372,7 @@ class LogReplay:
         for r in recs:
             if r.handle not in self._inputs:
                 raise CorruptionError(f"{self.root}: logged push to unknown input {r.handle!r} at step {r.step}")
-            out.append((r.handle, decode_zset(r.payload, self._inputs[r.handle], f"{self.root} input step "
+            out.append((r.handle, decode_push(r.payload, self._inputs[r.handle], f"{self.root} input step "
                                                                                 f"{r.step}")))
             if r.producer:
                 self._seen.add(r.producer, r.seq)

@@ -50,6 +50,14 @@ Invariants (enforced here):
      step run between two, until nothing is owed (the state's bytes, ``total_bytes``, are measured before, as
      the waves left it); then it takes its final checkpoint.
      The report counts them (``settle_pauses``) among its pauses.
+  8. An executor whose state is in an object store (``moves_by_tasks``: the staged one over ``storage="s3://..."``)
+     keeps the protocol's records and crash points, but step 2 is its ``move_state``: a job of tasks, one per new
+     (stage, worker), that build the new databases where the tasks run and upload them (runtime/stage_store.py
+     invariant 6); the new state counts from when the executor records its chains, after every task's
+     acknowledgement checked out. Before that, nothing durable changed (the chains, and what a checkpoint's
+     manifest names, are the old ones); after it, only a checkpoint makes the new layout and chains durable, and
+     a driver that dies before one recovers from the previous manifest (the old layout, its chains, the logs):
+     either way, the steps replay exactly once. Only shards whose owner changes move (invariant 3).
 """
 
 from __future__ import annotations
@@ -67,7 +75,7 @@ from dbsp_core.storage.database import Database
 from dbsp_core.storage.directory import (read_layout, read_rescale, remove_record, remove_rescale, write_layout,
                                          write_rescale)
 from dbsp_core.storage.formats import SPILL_DIR, STATE_DIR, worker_files
-from dbsp_core.storage.shardmove import relayout_group
+from dbsp_core.storage.shardmove import change_handles, check_source, relayout_group
 
 __all__ = ["LiveHost", "LiveRescale", "begin_live", "cold_rescale", "end_live", "live_target", "remove_leaving",
            "resolve"]
@@ -117,9 +125,8 @@ def cold_rescale(root: str, executor: Executor, old: Layout, new: Layout, versio
     ``target``: ``new`` is one wave of a live change to ``target`` (invariant 4): RESCALE keeps the target after
     the change instead of being removed, unless ``new`` is the target."""
     t0 = time.perf_counter()
-    before = getattr(executor, "before_change", None)
-    if before is not None:  # a staged executor over an object store: the databases rebuilt where they change
-        before(old, version)
+    if getattr(executor, "moves_by_tasks", False):  # invariant 8: the state is in an object store
+        return _rescale_by_tasks(root, executor, old, new, version, step, crashpoint, vfs, target, measure_total, t0)
     groups = executor.groups(new)
     _check_sources(root, groups, old, version, vfs)  # invariant 5, before anything is written
     if target is not None and target == new:
@@ -137,18 +144,35 @@ def cold_rescale(root: str, executor: Executor, old: Layout, new: Layout, versio
               "kind": "cold", "step": step}
     write_rescale(root, _record(old, new, version, step, True, target, report), vfs)
     crashpoint("rescale-committed")
-    after = getattr(executor, "after_change", None)
-    if after is not None:  # ... and the changed databases made the state of the new layout there
-        after(new, version + 1, step)
     _finish(root, groups, old, new, report, crashpoint, vfs, target)
+    return report
+
+
+def _rescale_by_tasks(root: str, executor: Executor, old: Layout, new: Layout, version: int, step: int,
+                      crashpoint: Callable[[str], None], vfs: str, target: Layout | None, measure_total: bool,
+                      t0: float) -> dict:
+    """:func:`cold_rescale` of an executor whose state is in an object store (invariant 8): the records as in the
+    protocol, step 2 as the executor's job of tasks (``move_state``)."""
+    if target is not None and target == new:
+        target = None
+    write_rescale(root, _record(old, new, version, step, False, target), vfs)
+    crashpoint("rescale-intent")
+    moved = executor.move_state(old, new, version, step, measure_total)  # type: ignore[attr-defined]
+    crashpoint("rescale-commit")
+    report = {"from_workers": old.workers, "to_workers": new.workers, "from_shards": old.shards,
+              "to_shards": new.shards, "moved_shards": len(old.moved_shards(new)),
+              "moved_bytes": moved["moved_bytes"], "total_bytes": moved["total_bytes"] or 0,
+              "fetched_bytes": moved["fetched_bytes"], "seconds": round(time.perf_counter() - t0, 6),
+              "kind": "cold", "step": step}
+    write_rescale(root, _record(old, new, version, step, True, target, report), vfs)
+    crashpoint("rescale-committed")
+    _finish(root, executor.groups(new), old, new, report, crashpoint, vfs, target)
     return report
 
 
 def _check_sources(root: str, groups: list[StateGroup], old: Layout, version: int, vfs: str) -> None:
     """Invariant 5: every existing database of a worker of ``old`` holds that worker's state of ``old`` at
     ``version`` (or no state yet); else RecoveryError naming the database, and nothing changes."""
-    from dbsp_core.storage.shardmove import read_worker_layout
-
     for g in groups:
         for w in range(old.workers):
             path = g.path_of(w)
@@ -158,48 +182,26 @@ def _check_sources(root: str, groups: list[StateGroup], old: Layout, version: in
                 if version not in db.versions():
                     continue  # a database created for this change (or one a rolled-back attempt left): no state
                 with db.read(version) as h:
-                    rec = read_worker_layout(h, path)
-            if rec is not None and (int(rec["epoch"]), int(rec["worker"])) != (old.epoch, w):
-                raise RecoveryError(
-                    f"{root}: moving state from layout epoch {old.epoch} (LAYOUT), but {path} version {version} "
-                    f"holds the state of worker {rec['worker']} of layout epoch {rec['epoch']}: the shards it moved "
-                    f"away would be read from a database that no longer holds them, and their groups would "
-                    f"restart from empty. Nothing was changed. The directory was written mid-way through a live "
-                    f"rescale (a checkpoint taken during the move); restore it from a copy taken before, or run "
-                    f"`dbsp repair` to see what it can save")
+                    check_source(h, old, w, f"{path} version {version}", root)
 
 
 def _relayout(g: StateGroup, old: Layout, new: Layout, version: int, step: int,
               crashpoint: Callable[[str], None], vfs: str, measure_total: bool = True) -> dict:
     """Step 2 of the protocol for one state group."""
-    n = max(old.workers, new.workers)
-    dbs: dict[int, Database] = {}
-    handles = {}
-    try:
-        for w in range(n):
-            path = g.path_of(w)
-            if w >= old.workers or not os.path.exists(path):
-                _remove_worker(path, vfs)  # a leftover of an attempt that was rolled back
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                dbs[w] = Database.create(path, version, vfs=vfs)
-            else:
-                dbs[w] = Database(path, vfs=vfs)
-            handles[w] = dbs[w].open(version)
+    paths = {w: g.path_of(w) for w in range(max(old.workers, new.workers))}
+    fresh = {w for w, path in paths.items() if w >= old.workers or not os.path.exists(path)}
+    for w in fresh:
+        _remove_worker(paths[w], vfs)  # a leftover of an attempt that was rolled back
+    with change_handles(paths, version, fresh, vfs) as handles:
         path0 = g.path_of(0)  # <root>/state/...: batch files that values name are in <root>/spill
         root = path0[:path0.rfind(os.sep + STATE_DIR + os.sep)]
         rep = relayout_group(handles, old, new, g.tables, f"{g.name}", measure_total,
                              batch_dir=os.path.join(root, SPILL_DIR))
-        for w in range(n):
+        for w in paths:
             handles[w].set_step(step)  # a new worker's database starts at step 0
             handles[w].commit()
             crashpoint("rescale-commit")
         return rep
-    finally:
-        for h in handles.values():
-            if not h.closed:
-                h.close()
-        for db in dbs.values():
-            db.close()
 
 
 def _finish(root: str, groups: list[StateGroup], old: Layout, new: Layout, report: dict,

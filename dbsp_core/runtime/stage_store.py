@@ -5,6 +5,7 @@ Layout under the pipeline's prefix (beside dbsp_core.storage.remote's ``manifest
     stage/<k>/<w>/<20-digit v>-<token>.delta   what one attempt of a job committed to (stage k, worker w): v-1 -> v
     stage/<k>/<w>/<20-digit v>-<token>.base    a page file (a compacted chain, or a layout change's new state)
     jobs/worker-<w>.input                      the running job's stage-0 blobs of worker w (transient)
+    jobs/stage-<k>/from-<s>.a<attempt>         what worker s sent into stage k, a part per receiver (transient)
 
 A **chain** is the list of links whose replay gives a (stage, worker)'s database at a version: a base (a page file)
 or a delta from a new, empty database, then deltas. Each link carries ``made``: the id of the version it leads to
@@ -28,18 +29,39 @@ Invariants (enforced here, with stage_task.py's remote branch and staged.py):
      applies only the deltas after it: moving a (stage, worker) to a Spark executor whose cache is stale costs
      the change since that version. A database with no version on the chain is rebuilt from the chain's start.
      The task processes' cache of live instances (stage_task.py invariant 4) is used only at an id on the chain.
-  4. Compaction: when a chain has :data:`CHAIN_LIMIT` links, or its bytes pass the page file's size, the task
-     uploads its page file at ``v`` (quiet: its lock held, no handle open) as a base before running the job,
-     under the job's version; the chain becomes that base and the job's delta.
+  4. Upload follows the change: once a chain has :data:`MERGE_AT` links, a job's delta absorbs the deltas at its
+     tail when :data:`MERGE_FANOUT` - 1 of them span as many jobs as it, and so on up (:func:`merge_run`; the task
+     GETs them and uploads one object, their records then its own, as the link from the first one's ``from`` to
+     ``v + 1``; the acknowledgement names the links it ``replaces``): a counter over jobs, so a chain of n jobs
+     has O(log n) links and each job's records are uploaded O(log n) times. Compaction: when the job's upload (its
+     delta and those it absorbs) would pass the page file's size before the job (at least 1 MiB; the page file
+     costs no more and empties the chain), or the chain with it would hold more delta bytes than that page file,
+     or more than :data:`CHAIN_LIMIT` links, the task commits ``v + 1`` and then uploads its page file (quiet: its
+     lock held, no handle open) as a base at ``v + 1`` instead of the delta, under the id it named in the sidecar
+     before the commit; the chain becomes that base. So a whole page file is uploaded only after about its size in
+     deltas, never every N jobs (a small state, whose page file is less than MERGE_AT jobs' deltas, compacts
+     before any merge; a big one merges and seldom compacts), and by the job that crosses the line (a big job,
+     e.g. a load, pays for its own compaction, not the small jobs after it). A base uploaded after the commit
+     keeps invariant 1's order where it matters: the acknowledgement follows the upload, and a cached ``v + 1``
+     whose upload never happened is on no chain (invariant 3).
   5. Checkpoints: the manifest (storage.remote invariant 2) carries the chains at the checkpoint's step under
      ``stages`` (captured when the checkpoint is taken, with the steps paused); recovery takes the chains from
      the manifest it restored and replays the logs from its step. Retention deletes ``stage/`` objects named by
      a version at or below the newest manifest's that neither live manifest nor the driver's current chains
      name; a newer object may belong to a job in flight and waits for a later pass.
-  6. Layout changes (cold, or the waves of a live one) run on the driver: it rebuilds the old workers'
-     databases from their chains in a scratch directory of its own, runs runtime/rescale.py's protocol there,
-     and uploads every database of the new layout as a base (the chains restart). That state passes through the
-     driver: a known limit of this version.
+  6. Layout changes (cold, or each wave of a live one) run as a job of tasks (:class:`MoveTask`, one per stateful
+     (stage, worker) of the new layout, wherever the job runner puts it), never through the driver: a task brings
+     the old databases it reads to their chains in its own stage cache (invariant 3: a cached copy at a version
+     of the chain is used as it is), the old workers whose shards move to its worker (every leaving worker) and
+     its own worker's, builds its worker's database of the new layout (dbsp_core.storage.shardmove invariant 5:
+     the rows of the shards it will own, the same bytes runtime/rescale.py's protocol writes there), uploads it
+     as a base under a token of its own (as invariant 1: attempts never write the same object) and acknowledges
+     it; it leaves the new database in its cache at the new version. The driver only decides the assignment,
+     checks one acknowledgement per (stage, worker) and restarts every chain from the base it names
+     (:meth:`StageChains.record_move`); attempts it did not take are garbage, and a job that fails is run again
+     from the same chains (staged.py invariant 5). Until the chains are recorded nothing durable changed: a
+     driver that dies mid-change recovers from the manifest's chains and layout (invariant 5), so the change
+     and the steps after the checkpoint replay exactly once.
   7. No path is shared: a task's cache is ``<base>/dbsp-stage-cache/<pipeline key>``, where ``base`` is the
      ``task_cache_dir`` setting or else the Spark executor's own directory (``SPARK_EXECUTOR_DIRS``, YARN's
      ``LOCAL_DIRS``, ``SPARK_LOCAL_DIRS``, the temporary directory); two Spark executors sharing one (one machine)
@@ -48,29 +70,41 @@ Invariants (enforced here, with stage_task.py's remote branch and staged.py):
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import tempfile
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
+import numpy as np
 import pyarrow as pa
 
-from dbsp_core.codec import frame_head
-from dbsp_core.errors import CorruptionError, RecoveryError
+from dbsp_core.codec import frame_head, unframe
+from dbsp_core.errors import CorruptionError, DbspError, RecoveryError
+from dbsp_core.layout import Layout
 from dbsp_core.runtime.job_files import decode_table, encode_table
+from dbsp_core.runtime.remote_state import DOWNLOAD_THREADS
 from dbsp_core.runtime.remote_state import _apply as apply_delta
 from dbsp_core.storage.database import JOURNAL_DELETE, JOURNAL_PUT, JOURNAL_STEP, Database
-from dbsp_core.storage.formats import JOB_INPUT_MAGIC, REMOTE_DELTA_MAGIC, TMP_SUFFIX
+from dbsp_core.storage.formats import JOB_INPUT_MAGIC, REMOTE_DELTA_MAGIC, TMP_SUFFIX, lock_path, state_db_path
 from dbsp_core.storage.remote import Remote, version_of
+from dbsp_core.storage.shardmove import (build_target, change_handles, check_source, moving_to, relayout_group,
+                                         state_bytes)
+from dbsp_core.storage.snapshot import TableSpec
 
-__all__ = ["StageStore", "StageChains", "Recorder", "CHAIN_LIMIT", "sync_stage_db", "upload_delta", "upload_base",
-           "remote_of", "write_job_inputs", "read_job_input", "default_cache_base"]
+__all__ = ["StageStore", "StageChains", "Recorder", "MoveTask", "CHAIN_LIMIT", "sync_stage_db", "upload_delta",
+           "upload_base", "merge_run", "needs_compaction", "remote_of", "run_move_task", "write_job_inputs",
+           "read_job_input", "write_exchange", "read_exchange", "by_receiver", "job_digest", "default_cache_base"]
 
-CHAIN_LIMIT = 16  # links of a chain before a task compacts it (invariant 4)
+CHAIN_LIMIT = 40  # links of a chain past which a task compacts it (invariant 4; merges keep it shorter)
+MERGE_FANOUT = 8  # deltas of one span that merge into one of the next (invariant 4)
+MERGE_AT = 16  # links of a chain before its deltas merge (invariant 4): a small state compacts before it
 STAGE_DIR = "stage"
 JOBS_DIR = "jobs"
 SIDE_SUFFIX = ".chain"
@@ -241,7 +275,8 @@ def sync_stage_db(remote: Remote, path: str, chain: list[dict], v: int, where: s
                 return "cache", 0, ids
             start = {link["to"]: i for i, link in enumerate(chain)}.get(x, -1)  # -1: a new database's first version
             write_side(path, {x: ids[x]})
-            return "fetched", _apply_links(remote, path, chain[start + 1:], ids), ids
+            with _Prefetch(remote, path, chain[start + 1:]) as pre:
+                return "fetched", _apply_links(remote, path, chain[start + 1:], ids, pre), ids
         _remove_db(path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if not chain:
@@ -250,53 +285,128 @@ def sync_stage_db(remote: Remote, path: str, chain: list[dict], v: int, where: s
         return "fresh", 0, ids
     got = 0
     first = chain[0]
-    if first["kind"] == "base":
-        got += remote.get_file(first["object"], path)
-        with Database(path) as db:
-            if db.versions().stop - 1 != first["to"]:
-                raise CorruptionError(f"{remote.shown}/{first['object']}: the page file is at version "
-                                      f"{db.versions().stop - 1}, the chain says {first['to']}")
-        write_side(path, {first["to"]: first["made"]})
-        rest = chain[1:]
-    else:
-        write_side(path, {first["from"]: FRESH})
-        Database.create(path, first["from"]).close()
-        rest = chain
-    return "rebuilt", got + _apply_links(remote, path, rest, ids), ids
+    rest = chain[1:] if first["kind"] == "base" else chain
+    with _Prefetch(remote, path, rest) as pre:  # the deltas download while the base does
+        if first["kind"] == "base":
+            got += remote.get_file(first["object"], path)
+            with Database(path) as db:
+                if db.versions().stop - 1 != first["to"]:
+                    raise CorruptionError(f"{remote.shown}/{first['object']}: the page file is at version "
+                                          f"{db.versions().stop - 1}, the chain says {first['to']}")
+            write_side(path, {first["to"]: first["made"]})
+        else:
+            write_side(path, {first["from"]: FRESH})
+            Database.create(path, first["from"]).close()
+        return "rebuilt", got + _apply_links(remote, path, rest, ids, pre), ids
 
 
-def _apply_links(remote: Remote, path: str, links: list[dict], ids: dict[int, str]) -> int:
+class _Prefetch:
+    """The objects of a chain's deltas, all asked for at once from :data:`DOWNLOAD_THREADS` threads (as
+    remote_state.restore does), each streamed into a file beside the database (never whole in memory,
+    remote_state invariant 4): a task whose state moved to another Spark executor waits about for the slowest
+    object instead of the sum of all (issue 33). The files left are removed on exit."""
+
+    def __init__(self, remote: Remote, path: str, links: list[dict]) -> None:
+        self.dsts = [f"{path}.delta{i}" for i in range(len(links))]
+        self.pool = (ThreadPoolExecutor(min(DOWNLOAD_THREADS, len(links)), thread_name_prefix="dbsp-stage-fetch")
+                     if links else None)
+        self.futs = [] if self.pool is None else [
+            self.pool.submit(remote.get_file, link["object"], dst, sync=False)
+            for link, dst in zip(links, self.dsts)]
+
+    def __enter__(self) -> "_Prefetch":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        for dst in self.dsts:
+            for p in (dst, dst + TMP_SUFFIX):
+                if os.path.exists(p):
+                    os.remove(p)
+
+
+def _apply_links(remote: Remote, path: str, links: list[dict], ids: dict[int, str], pre: _Prefetch) -> int:
     got = 0
     with Database(path) as db:
-        for link in links:
+        for i, link in enumerate(links):
             if link["kind"] != "delta":
                 raise CorruptionError(f"{remote.shown}/{link['object']}: a base in the middle of a chain")
-            tmp = path + ".delta"  # streamed into a file, never whole in memory (remote_state invariant 4)
-            try:
-                got += remote.get_file(link["object"], tmp, sync=False)
-                write_side(path, {link["from"]: ids[link["from"]], link["to"]: link["made"]})
-                apply_delta(db, link, tmp, f"{remote.shown}/{link['object']}")
-            finally:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
+            got += pre.futs[i].result()
+            write_side(path, {link["from"]: ids[link["from"]], link["to"]: link["made"]})
+            apply_delta(db, link, pre.dsts[i], f"{remote.shown}/{link['object']}")
+            os.remove(pre.dsts[i])
     return got
 
 
-def upload_delta(remote: Remote, stage: int, worker: int, version: int, rec: Recorder) -> dict:
-    """Upload what ``rec`` recorded as the delta leading to ``version`` (invariant 1); returns its link."""
-    body = rec.body()
-    head = frame_head(REMOTE_DELTA_MAGIC, body)
-    name = object_name(stage, worker, version)
-    remote.put(name, head + body)
-    return {"object": name, "kind": "delta", "from": version - 1, "to": version, "made": name,
-            "bytes": len(head) + len(body)}
+def merge_run(chain: list[dict], new_bytes: int) -> int:
+    """How many deltas at the tail of ``chain`` a job's delta absorbs (invariant 4). None while the chain with it has
+    at most :data:`MERGE_AT` links (a state whose page file is less than that many jobs' deltas compacts first, and
+    pays no merge); past it, a counter in base :data:`MERGE_FANOUT` over jobs: when the tail holds
+    ``MERGE_FANOUT - 1`` links of the run's span, they join it and the run spans ``MERGE_FANOUT`` times as many
+    jobs, then again at that span. So a chain of n small jobs has at most MERGE_AT + (MERGE_FANOUT - 1) log(n)
+    links past its base, and each job's records are uploaded at most 1 + log(n) times (logarithms to base
+    MERGE_FANOUT). ``new_bytes`` does not matter (a job's delta spans one job) but documents the call.
+
+    >>> d = lambda span: {"kind": "delta", "bytes": 1, "from": 0, "to": span}
+    >>> merge_run([d(1)] * 15, 9), merge_run([d(1)] * 16, 9), merge_run([d(1)] * 9 + [d(8)] * 7 + [d(1)] * 7, 9)
+    (0, 7, 14)
+    >>> merge_run([d(1)] * 14 + [d(8)] + [d(1)] * 2, 9), merge_run([{"kind": "base", "bytes": 1, "to": 3}] + [d(1)] * 16, 9)
+    (0, 7)
+    """
+    if len(chain) + 1 <= MERGE_AT:
+        return 0
+    span, n, i = 1, 0, len(chain)
+    while i >= MERGE_FANOUT - 1:
+        tail = chain[i - MERGE_FANOUT + 1:i]
+        if any(link["kind"] != "delta" or link["to"] - link["from"] != span for link in tail):
+            break
+        span, n, i = span * MERGE_FANOUT, n + len(tail), i - len(tail)
+    return n
 
 
-def needs_compaction(chain: list[dict], path: str) -> bool:
-    """Invariant 4: the chain is long (:data:`CHAIN_LIMIT` links), or holds more bytes than the page file."""
-    if len(chain) < 2:
-        return False
-    return len(chain) >= CHAIN_LIMIT or sum(link["bytes"] for link in chain) > max(os.path.getsize(path), 1 << 20)
+def delta_bodies(remote: Remote, links: list[dict]) -> list[bytes]:
+    """The checked record bodies of delta objects ``links``, asked for at once (invariant 4's merge)."""
+    def one(link: dict) -> bytes:
+        return unframe(REMOTE_DELTA_MAGIC, remote.get(link["object"]), f"{remote.shown}/{link['object']}")
+
+    if len(links) <= 1:
+        return [one(x) for x in links]
+    with ThreadPoolExecutor(min(DOWNLOAD_THREADS, len(links)), thread_name_prefix="dbsp-stage-merge") as pool:
+        return list(pool.map(one, links))
+
+
+def needs_compaction(chain: list[dict], new_bytes: int, page_bytes: int) -> bool:
+    """Invariant 4: the job's delta of ``new_bytes`` with the deltas it would absorb (:func:`merge_run`) holds more
+    than the page file's size before the job (``page_bytes``, at least 1 MiB: uploading the page file then costs no
+    more and empties the chain), or the chain with it has more delta bytes than the page file, or more than
+    :data:`CHAIN_LIMIT` links. A base is not counted: it is about the page file's size, so counting it compacted at
+    every job once a chain started with one.
+
+    >>> d = {"kind": "delta", "bytes": 10 << 20, "from": 0, "to": 1}
+    >>> needs_compaction([d], 20 << 20, 15 << 20), needs_compaction([d], 70_000, 15 << 20)  # a load; a small job
+    (True, False)
+    >>> needs_compaction([dict(d, bytes=2 << 20)] * 7, 2 << 20, 15 << 20)  # a merge of 16 MB: the page file instead
+    True
+    """
+    n = merge_run(chain, new_bytes)
+    page = max(page_bytes, 1 << 20)
+    merged = new_bytes + sum(link["bytes"] for link in chain[len(chain) - n:])
+    deltas = new_bytes + sum(link["bytes"] for link in chain if link["kind"] == "delta")
+    return len(chain) - n + 1 > CHAIN_LIMIT or deltas > page or merged > page
+
+
+def upload_delta(remote: Remote, version: int, body: bytes, chain: list[dict], name: str) -> tuple[dict, int]:
+    """Upload a job's delta records ``body`` (:meth:`Recorder.body`), behind the deltas at ``chain``'s tail it absorbs
+    (invariant 4), as object ``name`` (:func:`object_name`) leading to ``version`` (invariant 1); returns its link
+    and how many links of ``chain`` it replaces."""
+    n = merge_run(chain, len(body))
+    parts = delta_bodies(remote, chain[len(chain) - n:]) + [body]
+    head = frame_head(REMOTE_DELTA_MAGIC, *parts)
+    remote.put(name, b"".join([head, *parts]))
+    frm = chain[len(chain) - n]["from"] if n else version - 1
+    return ({"object": name, "kind": "delta", "from": frm, "to": version, "made": name,
+             "bytes": len(head) + sum(len(x) for x in parts)}, n)
 
 
 def upload_base(remote: Remote, path: str, stage: int, worker: int, version: int, made: str,
@@ -309,19 +419,166 @@ def upload_base(remote: Remote, path: str, stage: int, worker: int, version: int
     return {"object": name, "kind": "base", "to": to, "made": made or name, "bytes": n}
 
 
-# ---- job inputs through the store ----
+# ---- layout changes through the store (invariant 6) ----
+
+
+@dataclass(frozen=True)
+class MoveTask:
+    """One task of a layout change (invariant 6): build (``stage``, ``worker``)'s database of layout ``new`` (a
+    dict: ``Layout.to_dict``) from the old databases at ``version``, whose chains ``chains`` names by old worker
+    (only those it reads), and record ``step`` in it. ``specs``: the stage's state tables (picklable: it travels
+    to the task processes, as :class:`StageStore` does)."""
+
+    store: StageStore
+    stage: int
+    worker: int
+    old: dict
+    new: dict
+    version: int
+    step: int
+    chains: dict[int, list[dict]]
+    specs: dict[str, TableSpec]
+    measure: bool = False  # also report the bytes of every state value of the new database (``total_bytes``)
+
+    @staticmethod
+    def sources(old: Layout, new: Layout, worker: int) -> list[int]:
+        """The old workers whose databases ``worker``'s task reads: its own (if it is an old worker), every other
+        one whose shards move to it when the shard count stays (all of them, and every leaving one, else).
+
+        >>> a = Layout.local(2, 8)
+        >>> b = a.rebalance(3)                        # 256 shards still: worker 2 takes shards of 0 and 1
+        >>> [MoveTask.sources(a, b, w) for w in range(3)], [MoveTask.sources(b, a, w) for w in range(2)]
+        ([[0], [1], [0, 1]], [[0, 2], [1, 2]])
+        >>> MoveTask.sources(Layout.local(2, 4), Layout.local(2, 4).rebalance(3), 0)  # 16 -> 32 shards: all
+        [0, 1]
+        """
+        if old.shard_bits != new.shard_bits:
+            return list(range(old.workers))
+        src, dst = old.shard_map.part_of_shard, new.shard_map.part_of_shard
+        return [w for w in range(old.workers)
+                if w == worker or w >= new.workers or bool(((src == w) & (dst == worker)).any())]
+
+
+@contextmanager
+def _locked(path: str) -> Iterator[None]:
+    """The lock file stage tasks take beside a cached database (stage_task.py invariant 3)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _db_path(root: str, stage: int, worker: int) -> str:
+    return state_db_path(root, stage, worker)
+
+
+def run_move_task(task: MoveTask) -> dict:
+    """Run one task of a layout change where this process is (invariant 6); returns its acknowledgement
+    ``{stage, worker, version, step, base, moved_bytes, fetched_bytes, fetch, cache_root}`` (``base``: the link
+    of the object it uploaded; ``moved_bytes``: bytes moved into its worker's database, or, when the shard count
+    changes, every database's, ``group_moved``; with ``measure``, ``total_bytes``)."""
+    old, new = Layout.from_dict(task.old, "MoveTask old"), Layout.from_dict(task.new, "MoveTask new")
+    k, w, v = task.stage, task.worker, task.version
+    remote, root = remote_of(task.store), task.store.root()
+    os.makedirs(root, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix="move-", dir=root)  # beside the cache: the new database moves into it
+    fetched, how, copies = 0, {}, {}
+    try:
+        same_bits = old.shard_bits == new.shard_bits
+        incoming: list = []
+        counts: dict = {}
+        for s in sorted(task.chains):  # one lock at a time: tasks sharing this cache never wait on each other
+            path = _db_path(root, k, s)
+            where = f"stage {k} worker {s} of layout epoch {old.epoch}"
+            with _locked(path):
+                how[s], got, _ = sync_stage_db(remote, path, task.chains[s], v, where)
+                fetched += got
+                with Database(path) as db, db.read(v) as h:
+                    check_source(h, old, s, f"{where} (version {v}, from {remote.shown})", remote.shown)
+                    if same_bits and s != w:
+                        got_in, cnt = moving_to(h, s, w, old, new, task.specs, f"stage {k}")
+                        incoming.extend(got_in)
+                        counts.update(cnt)
+                if not same_bits or s == w:  # a copy to change (the cached one stays at v for other tasks)
+                    copies[s] = _db_path(scratch, k, s)
+                    os.makedirs(os.path.dirname(copies[s]), exist_ok=True)
+                    shutil.copyfile(path, copies[s])
+        target = copies.get(w) or _db_path(scratch, k, w)
+        if same_bits:
+            if w not in copies:
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                Database.create(target, v).close()
+            with Database(target) as db:
+                h = db.open(v)
+                try:
+                    moved = build_target(h, w, old, new, task.specs, incoming, counts, f"stage {k}")
+                    h.set_step(task.step)
+                    h.commit()
+                finally:
+                    if not h.closed:
+                        h.close()
+            done = {"moved_bytes": moved}
+        else:
+            done = {"group_moved": _move_all(copies, scratch, k, w, old, new, v, task)}
+        if task.measure:
+            with Database(target) as db, db.read(v + 1) as h:
+                done["total_bytes"] = state_bytes(h)
+        link = upload_base(remote, target, k, w, v + 1, "", at=v + 1)
+        own = _db_path(root, k, w)
+        with _locked(own):  # the new state stays in this cache at v + 1 (the next job's tasks may find it here)
+            _remove_db(own)
+            write_side(own, {v + 1: link["made"]})
+            os.replace(target, own)
+        return {"stage": k, "worker": w, "version": v + 1, "step": task.step, "base": link,
+                "fetched_bytes": fetched, "fetch": how, "cache_root": root, **done}
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _move_all(copies: dict[int, str], scratch: str, k: int, w: int, old: Layout, new: Layout, v: int,
+              task: MoveTask) -> int:
+    """A change of the shard count: every old database's copy (``copies``) and an empty one per joining worker,
+    changed together by runtime/rescale.py's protocol; only worker ``w``'s is committed. Returns the moved bytes of
+    the whole stage."""
+    paths = {x: copies.get(x) or _db_path(scratch, k, x) for x in range(max(old.workers, new.workers))}
+    with change_handles(paths, v, set(paths) - set(copies)) as handles:
+        rep = relayout_group(handles, old, new, task.specs, f"stage {k}", False)
+        handles[w].set_step(task.step)
+        handles[w].commit()
+        return int(rep["moved_bytes"])
+
+
+# ---- job inputs and exchanges through the store ----
 
 
 def _input_name(worker: int) -> str:
     return f"{JOBS_DIR}/worker-{worker}.input"
 
 
+def by_receiver(blobs: pa.Table, workers: int, where: str) -> list[pa.Table]:
+    """``blobs`` split by their ``part`` (the receiving worker), in one stable sort (not a filter per worker);
+    DbspError if a blob is addressed to no worker of ``workers`` (it would be lost)."""
+    parts = blobs.column("part").to_numpy(zero_copy_only=False)
+    bad = (parts < 0) | (parts >= workers)
+    if bad.any():
+        raise DbspError(f"{where}: blobs addressed to workers {sorted(set(parts[bad].tolist()))}, there are {workers}")
+    order = np.argsort(parts, kind="stable")
+    counts = np.bincount(parts, minlength=workers)
+    ends = np.cumsum(counts)
+    t = blobs.take(pa.array(order))
+    return [t.slice(int(ends[w] - counts[w]), int(counts[w])) for w in range(workers)]
+
+
 def write_job_inputs(remote: Remote, job: dict, blobs: pa.Table, workers: int) -> None:
     """Each worker's stage-0 blobs as one object under the job's description (job_files.py invariant 2: each job
-    replaces them; a reader checks the description, and the driver checks every acknowledgement's version)."""
-    parts = blobs.column("part").to_numpy()
-    for w in range(workers):
-        bufs = encode_table(JOB_INPUT_MAGIC, dict(job, worker=w), blobs.filter(pa.array(parts == w)))
+    replaces them; a reader checks the description, and the driver checks every acknowledgement's version). One
+    object a worker: a stage-0 task of the one-Spark-job path (design note 6 of spark_glue/pipeline.py) finds its
+    input by name alone."""
+    for w, t in enumerate(by_receiver(blobs, workers, "job input")):
+        bufs = encode_table(JOB_INPUT_MAGIC, dict(job, worker=w), t)
         remote.put(_input_name(w), b"".join(bytes(b) for b in bufs))
 
 
@@ -331,6 +588,54 @@ def read_job_input(remote: Remote, worker: int) -> tuple[dict, pa.Table]:
     if tag.pop("worker", None) != worker:
         raise CorruptionError(f"{remote.shown}/{name}: holds the input of another worker ({tag})")
     return tag, table
+
+
+def job_digest(job: dict) -> str:
+    """A job description's digest (SHA-256 of its canonical JSON): what an exchange's parts are tagged with."""
+    return hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
+
+
+def _exchange_tag(job: dict, stage: int, worker: int, src: int) -> dict:
+    return {"job": job_digest(job), "stage": stage, "worker": worker, "src": src}
+
+
+def write_exchange(remote: Remote, job: dict, stage: int, src: int, blobs: pa.Table, workers: int,
+                   attempt: int = 0) -> dict:
+    """What worker ``src`` sends into stage ``stage``, as ONE object (one PUT, not one per receiver): the part of
+    each receiving worker one after another, each a checksummed table tagged with the job's digest, the stage, the
+    receiver and the sender, so a receiver reads its part alone with a ranged GET and checks it whole. Named by
+    the sender and the task attempt (``attempt``, Spark's attempt number: duplicates of one task never write one
+    object; each job replaces the objects of the last). Returns ``{"object", "ranges"}``: ``ranges[w]`` is
+    ``[offset, length]`` of worker ``w``'s part, which the driver hands to the next stage's tasks
+    (:func:`read_exchange`)."""
+    name = f"{JOBS_DIR}/stage-{stage}/from-{src}.a{attempt}"
+    bufs, ranges, off = [], [], 0
+    for w, t in enumerate(by_receiver(blobs, workers, f"stage {stage - 1} worker {src}")):
+        enc = [bytes(b) for b in encode_table(JOB_INPUT_MAGIC, _exchange_tag(job, stage, w, src), t)]
+        n = sum(len(b) for b in enc)
+        ranges.append([off, n])
+        bufs += enc
+        off += n
+    remote.put(name, b"".join(bufs))
+    return {"object": name, "ranges": ranges}
+
+
+def read_exchange(remote: Remote, job: dict, stage: int, worker: int, sent: list[dict]) -> pa.Table:
+    """The blobs every worker sent ``worker`` into ``stage``: ``sent[src]`` is what :func:`write_exchange` returned
+    to sender ``src``'s committed attempt; one ranged GET a sender, all at once. CorruptionError if a part is
+    torn or tagged for another job, stage, receiver or sender (a zombie of an earlier job overwrote the object:
+    the job then runs again)."""
+    def one(src: int) -> pa.Table:
+        name, (off, n) = sent[src]["object"], sent[src]["ranges"][worker]
+        where = f"{remote.shown}/{name} [{off}, {off + n})"
+        tag, table = decode_table(remote.get_range(name, off, n), JOB_INPUT_MAGIC, where)
+        if tag != _exchange_tag(job, stage, worker, src):
+            raise CorruptionError(f"{where}: holds the blobs of another job or worker ({tag}), not those of stage "
+                                  f"{stage} worker {worker} from {src} in this job")
+        return table
+
+    with ThreadPoolExecutor(min(DOWNLOAD_THREADS, len(sent)), thread_name_prefix="dbsp-exchange") as pool:
+        return pa.concat_tables(list(pool.map(one, range(len(sent)))))
 
 
 # ---- driver side ----
@@ -347,7 +652,7 @@ class StageChains:
         self.version, self.step = int(entry["version"]), int(entry["step"])
         self.chains: dict[str, list[dict]] = {k: list(v) for k, v in entry["chains"].items()}
         self._captured: dict | None = None
-        self.scratch: str | None = None  # the driver's own copies of stage databases (invariant 6)
+        self.scratch: str | None = None  # the driver's own copies of stage databases (views and traces)
 
     @staticmethod
     def key(stage: int, worker: int) -> str:
@@ -360,11 +665,21 @@ class StageChains:
         return {"version": self.version, "step": self.step, "chains": {k: list(v) for k, v in self.chains.items()}}
 
     def record(self, acks: list[dict], version: int, step: int) -> None:
-        """After a job whose acknowledgements all checked out (invariant 2)."""
+        """After a job whose acknowledgements all checked out (invariant 2): each chain ends in its task's delta (in
+        place of the links it ``replaces``, invariant 4) or restarts from its task's base. RecoveryError, changing
+        nothing, if a delta replaces other links than the chain's tail."""
         chains = dict(self.chains)  # replaced whole: a checkpoint's retention may be reading the old one
         for a in acks:
             k = self.key(a["stage"], a["worker"])
-            chains[k] = ([a["base"]] if a.get("base") else chains.get(k, [])) + [a["delta"]]
+            if a.get("delta") is None:
+                chains[k] = [a["base"]]
+                continue
+            ch, gone = chains.get(k, []), list(a.get("replaces", []))
+            keep = len(ch) - len(gone)
+            if keep < 0 or [link["object"] for link in ch[keep:]] != gone:
+                raise RecoveryError(f"stage {a['stage']} worker {a['worker']}: the delta {a['delta']['object']} "
+                                    f"replaces {gone}, the chain ends in {[link['object'] for link in ch[-3:]]}")
+            chains[k] = ch[:keep] + [a["delta"]]
         self.chains, self.version, self.step = chains, version, step
 
     def bytes(self) -> int:
@@ -397,7 +712,7 @@ class StageChains:
                 n += 1
         return n
 
-    # ---- the driver's own copies (invariant 6; also views and traces) ----
+    # ---- the driver's own copies (views and traces: what the driver reads itself) ----
 
     def scratch_dir(self) -> str:
         if self.scratch is None:
@@ -409,15 +724,11 @@ class StageChains:
         return sync_stage_db(self.remote, path, self.chain(stage, worker), self.version,
                              f"stage {stage} worker {worker}")[0]
 
-    def upload_all(self, paths: dict[tuple[int, int], str], version: int, step: int) -> None:
-        """After a layout change in the scratch directory: every database of the new layout becomes a base at
-        ``version`` (invariant 6)."""
-        chains = {}
-        for (k, w), path in sorted(paths.items()):
-            link = upload_base(self.remote, path, k, w, version, "", at=version)
-            chains[self.key(k, w)] = [link]
-            write_side(path, {version: link["made"]})
-        self.chains, self.version, self.step = chains, version, step
+    def record_move(self, acks: list[dict], version: int, step: int) -> None:
+        """After a layout change's job whose acknowledgements all checked out: every chain restarts from the base
+        its task uploaded, at ``version`` (invariant 6); the chains of workers that left are dropped."""
+        self.chains = {self.key(a["stage"], a["worker"]): [a["base"]] for a in acks}
+        self.version, self.step = version, step
 
     def close(self) -> None:
         if self.scratch is not None:

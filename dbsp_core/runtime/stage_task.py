@@ -26,6 +26,8 @@ Invariants (enforced here):
      (table ``stagelog``, the last 16 versions), so a stale entry reads only the batches saved since it,
      without scanning the state. A failed attempt in the same process rolls the cached instances back to the
      job's start (traces are levels of immutable batches, so the rollback keeps references, not copies).
+     When a pipeline closes its runner releases the entries of its run in the processes it reaches
+     (:func:`release`; the reference runner's is this one): no later job can use them.
   5. With ``outputs_in_result`` (a runner sets it on a stateful last stage), a task returns its blobs without
      its output shares, and the driver reads those from the result files (:func:`read_result_outputs`) once
      the job has succeeded: the files hold exactly the committed attempt's blobs (invariant 3) under the job's
@@ -38,13 +40,46 @@ Invariants (enforced here):
      writes no result file: an attempt that finds ``v + 1`` in its cache discards it and runs the job again
      (the driver takes whichever attempt's acknowledgement reached it, so no attempt needs another's result),
      and the output shares always travel with the blobs.
+  7. A memory budget (``task.memory_limit``, bytes per task process; the driver divides the pipeline's
+     ``memory_limit``, which is per Spark executor, by the tasks a Spark executor runs at once, since each runs in
+     a Python worker of its own): each task process keeps one :class:`~dbsp_core.trace.spill.BatchStore` (trace
+     invariant 12) over every trace it holds, those of the cached instances of invariant 4 and those a task
+     loads from its stage database, with its batch files in ``<base>/dbsp-task-spill/<host>-<pid>`` where ``base`` is
+     the pipeline's ``spill_dir`` or else the Spark executor's own local directory (the stage cache's,
+     stage_store invariant 7); files a dead process of the host left there are removed by the next store created
+     beside them. A task runs under the store (``spilling``): a loaded trace is placed and the budget enforced after
+     each trace the load reads (a task that loads a whole (stage, worker) holds at most one trace beyond the
+     budget, not the whole state), and again after each step of the job. Budgeted tasks of one process run
+     one at a time (a process lock: the store's ``enforce`` needs every trace it holds idle; Spark runs one task
+     per Python worker anyway). After each step and after the commit the allocators' free memory goes back to the
+     system (runtime/embedded.py ``release_memory``: the C caches, glibc's free heap, the Arrow pool's free pages),
+     so that a process does not keep what one step used beside the state. The acknowledgement carries the store's counters (``"spill"``: files and
+     bytes written during the task, cache hits and misses, bytes in memory and in files after it), summed by
+     the driver into ``stats["task_spill"]``.
+     A commit copies the rows of spilled batches into the stage database (the page store) as it copies any
+     batch; it never names the batch files as an embedded checkpoint does (snapshot.py invariant 8). The files
+     are scratch of one task process, in a directory local to one Spark executor: another Spark executor (the
+     next job's task for this worker may run anywhere, design note 7 of spark_glue/pipeline.py), the driver
+     (``traces``, ``view``, layout changes) and a store pipeline's uploaded deltas must read the state without
+     them, and they vanish with their Spark executor. Referencing them would need them written where the state
+     lives (the shared path or the object store) and kept while a committed version names them: the next
+     issue's durable files. The copy costs only what a job changed (a save writes new batches only), and a
+     spilled batch it copies is read from the file's pages, not brought back into memory first. The commit holds
+     about one shard's value at a time: a batch is encoded shard by shard as it is put, and a value of 16 pages or
+     more goes to the database file as it is put (csrc/pagestore.c overflow_write_through), so the transaction
+     keeps only tree pages and small values in memory until its commit (the acknowledgement's ``commit_held``: its
+     dirty pages once the job's state is written).
 """
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import os
+import shutil
+import socket
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -56,22 +91,25 @@ from dbsp_core.codec import decode_json, encode_json
 from dbsp_core.errors import CorruptionError, DbspError, RecoveryError
 from dbsp_core.layout import Layout
 from dbsp_core.profile import task_timer
+from dbsp_core.runtime.embedded import BIG_STEP_ROWS, release_memory
 from dbsp_core.runtime.executor import groupings
 from dbsp_core.runtime.job_files import read_table_file, write_table_file
 from dbsp_core.runtime.rollback import capture, restore
 from dbsp_core.runtime.stage_plan import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, StagePlan, StageWorker, StepInfo,
                                           ack_blob, encode_blobs, gather, output_node)
-from dbsp_core.runtime.stage_store import (Recorder, StageStore, needs_compaction, remote_of, sync_stage_db,
-                                          upload_base, upload_delta, write_side)
+from dbsp_core.runtime.stage_store import (Recorder, StageStore, needs_compaction, object_name, remote_of,
+                                          sync_stage_db, upload_base, upload_delta, write_side)
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.formats import (RESULT_MAGIC, SAVELOG_MAGIC, SAVELOG_TABLE, lock_path, result_path,
                                        state_db_path)
 from dbsp_core.storage.shardmove import read_worker_layout, write_worker_layout
 from dbsp_core.storage.snapshot import WorkerSnapshot
+from dbsp_core.trace.spill import BatchStore, spilling
 from dbsp_core.zset import ZSet
 
 __all__ = ["StageTask", "StaleAttemptError", "InjectedFault", "run_stage_task", "stage_db_path",
-           "open_stage_databases", "choose_stage_version", "drop_cache", "cache_stats", "job_tag", "read_result_outputs"]
+           "open_stage_databases", "choose_stage_version", "drop_cache", "release", "cache_stats", "job_tag",
+           "read_result_outputs"]
 
 
 class StaleAttemptError(DbspError):
@@ -105,7 +143,9 @@ class StageTask:
     the output shares are left in the result file for the driver, not returned (invariant 5). ``store`` (a
     pipeline whose storage is an object store, invariant 6): the state lives in this process's stage cache
     (``store.root()``, ``storage`` is ignored) and in the store, and ``chains`` names, per worker of this stage,
-    the chain leading to ``version`` (runtime/stage_store.py).
+    the chain leading to ``version`` (runtime/stage_store.py). ``memory_limit`` (bytes, or None: no budget) bounds
+    the traces of this task's process and ``spill_dir`` is the base of its batch files (None: the Spark
+    executor's own local directory), invariant 7.
     """
 
     plan: StagePlan
@@ -119,6 +159,8 @@ class StageTask:
     outputs_in_result: bool = False
     store: StageStore | None = None
     chains: dict[int, list[dict]] | None = None
+    memory_limit: int | None = None
+    spill_dir: str | None = None
 
 
 class _Entry:
@@ -138,6 +180,61 @@ cache_stats = {"hits": 0, "loads": 0, "partial_loads": 0, "listed_loads": 0, "li
                "replayed_results": 0, "rollbacks": 0}
 
 
+_STORES: dict[str, BatchStore] = {}  # spill base directory -> this process's batch store there (invariant 7)
+_BUDGET_LOCK = threading.Lock()  # budgeted tasks of this process run one at a time (invariant 7)
+SPILL_SUBDIR = "dbsp-task-spill"
+PAGE_BYTES = 4096  # a stage database's page (csrc/pagestore.c)
+# the store's counters an acknowledgement reports (invariant 7)
+SPILL_COUNTERS = ("files_written", "bytes_written", "files_deleted", "evictions", "cache_hits", "cache_misses",
+                  "pages_checked", "merges_on_disk")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def task_store(memory_limit: int, spill_dir: str | None) -> BatchStore:
+    """This process's batch store in ``<host>-<pid>`` under ``<spill_dir or the Spark executor's local
+    directory>/dbsp-task-spill`` (invariant 7), created on first use (removing the directories of this host's dead
+    processes beside it), its budget set to ``memory_limit``."""
+    from dbsp_core.runtime.stage_store import default_cache_base
+
+    base = os.path.join(spill_dir if spill_dir is not None else default_cache_base(), SPILL_SUBDIR)
+    with _CACHE_LOCK:
+        store = _STORES.get(base)
+        if store is None:
+            os.makedirs(base, exist_ok=True)
+            host = socket.gethostname() + "-"
+            for name in os.listdir(base):  # a crashed or killed process's files on this host: nobody reads them
+                pid = name[len(host):]
+                if name.startswith(host) and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+                    shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+            mine = os.path.join(base, host + str(os.getpid()))
+            store = _STORES[base] = BatchStore(memory_limit, mine)  # scratch: sweeps what an earlier pid left
+            atexit.register(shutil.rmtree, mine, True)
+        store.memory_limit = int(memory_limit)  # the newest job's budget (a driver may change it on reopen)
+        return store
+
+
+def _spill_counts(store: BatchStore) -> dict[str, int]:
+    return {k: store.stats[k] for k in SPILL_COUNTERS}
+
+
+def _spill_report(store: BatchStore, before: dict[str, int], db: Database) -> dict[str, int]:
+    """What the acknowledgement says of the store (invariant 7): counters during the task, bytes after it, and the
+    bytes the commit holds in memory (the stage database's dirty pages once the job's state is written)."""
+    out = {k: v - before[k] for k, v in _spill_counts(store).items()}
+    out.update(limit=store.memory_limit, memory_bytes=store.memory()[0], disk_bytes=store.disk_bytes(),
+               process=f"{socket.gethostname()}:{os.getpid()}", commit_held=db.stats()["dirty_pages"] * PAGE_BYTES)
+    return out
+
+
 def _capture(entry: _Entry) -> tuple:
     """What :func:`_rollback` needs to put the cached state back where it is now (references, not copies)."""
     snap = entry.snapshot
@@ -149,8 +246,10 @@ def _rollback(entry: _Entry, saved: tuple) -> None:
     entry.snapshot._saved, entry.snapshot._next = saved[1]
 
 
-def _run_steps(task: StageTask, sw: StageWorker, received: dict[tuple[int, int], ZSet]) -> pa.Table:
-    """Run the job's steps in order on ``sw``; the blobs it produces."""
+def _run_steps(task: StageTask, sw: StageWorker, received: dict[tuple[int, int], ZSet],
+               store: BatchStore | None = None) -> pa.Table:
+    """Run the job's steps in order on ``sw``; the blobs it produces. With ``store``, its budget is enforced after
+    each step (invariant 7)."""
     w, k = sw.worker, task.stage
     rows: list[tuple[int, int, int, int, ZSet]] = []
     if task.storage is not None:  # dbsp_core.profile: the timings outlive this task in this process
@@ -164,6 +263,9 @@ def _run_steps(task: StageTask, sw: StageWorker, received: dict[tuple[int, int],
         rows.extend((w, w, j, st.step, z) for j, z in r.carried.items())
         names = task.plan.output_names
         rows.extend((w, w, output_node(names.index(n)), st.step, z) for n, z in r.outputs.items())
+        if store is not None:
+            store.enforce()
+            release_memory(BIG_STEP_ROWS)  # invariant 7: what the step used and the state does not hold
     return encode_blobs(rows)
 
 
@@ -296,7 +398,14 @@ def run_stage_task(task: StageTask, worker: int, blobs: pa.Table) -> pa.Table:
         return pa.concat_tables([out, forward])
     if task.storage is None and task.store is None:
         raise DbspError(f"{where}: a stateful stage needs a storage directory")
-    produced = _run_stateful(task, worker, sm, received)
+    if task.memory_limit is None:
+        produced = _run_stateful(task, worker, sm, received, None)
+    else:  # invariant 7: under this process's batch store, one budgeted task at a time
+        with _BUDGET_LOCK:
+            store = task_store(task.memory_limit, task.spill_dir)
+            with spilling(store):
+                produced = _run_stateful(task, worker, sm, received, store)
+            release_memory(BIG_STEP_ROWS)  # the commit's encoded values are freed: the next task starts lean
     return pa.concat_tables([produced, forward])
 
 
@@ -309,8 +418,21 @@ def _check_layout(h: Any, task: StageTask, worker: int, where: str) -> None:
                                 f"this attempt is for worker {worker} of epoch {lay.epoch} (a stale attempt)")
 
 
-def _run_stateful(task: StageTask, worker: int, sm: Any, received: dict[tuple[int, int], ZSet]) -> pa.Table:
+def _placed(store: BatchStore) -> Any:
+    """What a load calls after each trace it restored (invariant 7): the trace's batches placed, so that the
+    budget may spill them, and the budget enforced before the next trace is read."""
+
+    def after(trace: Any) -> None:
+        trace.settle()
+        store.enforce()
+
+    return after
+
+
+def _run_stateful(task: StageTask, worker: int, sm: Any, received: dict[tuple[int, int], ZSet],
+                  store: BatchStore | None) -> pa.Table:
     plan, k, v = task.plan, task.stage, task.version
+    before = _spill_counts(store) if store is not None else None
     remote = None
     if task.store is not None:  # invariant 6: this process's stage cache of a store pipeline
         root = task.store.root()
@@ -330,13 +452,16 @@ def _run_stateful(task: StageTask, worker: int, sm: Any, received: dict[tuple[in
         fcntl.flock(lockfd, fcntl.LOCK_EX)  # invariant 3: one attempt of this (stage, worker) at a time
         extra: dict[str, Any] = {}
         ids: dict[int, str] = {}
-        if remote is not None:  # stage_store invariants 3-4: the chain's version v here, then maybe a base
+        chain: list[dict] = []
+        page_bytes = 0
+        if remote is not None:  # stage_store invariant 3: the chain's version v here
             assert task.chains is not None
             chain = task.chains[worker]
+            t_sync = time.perf_counter()
             how, got, ids = sync_stage_db(remote, path, chain, v, where)
-            extra = {"fetch": how, "fetched_bytes": got, "cache_root": root}
-            if needs_compaction(chain, path):
-                extra["base"] = upload_base(remote, path, k, worker, v + 1, ids[v])
+            extra = {"fetch": how, "fetched_bytes": got, "cache_root": root,
+                     "fetch_s": time.perf_counter() - t_sync}
+            page_bytes = os.path.getsize(path)  # the page file before the job (stage_store invariant 4)
         db = Database(path)
         try:
             vs = db.versions()
@@ -363,8 +488,10 @@ def _run_stateful(task: StageTask, worker: int, sm: Any, received: dict[tuple[in
                              and (remote is None or ids.get(entry.version) == entry.made))
                     stale = entry.snapshot if fresh else None
                     listing = _listing(h, entry, v, where) if fresh else None
+                    t_load = time.perf_counter()
                     sw = StageWorker(plan.circuit, plan, k, worker, sm)
                     snap = WorkerSnapshot(sw.stateful, task.layout.shard_bits, groupings=groupings(plan.circuit))
+                    snap.after_trace = _placed(store) if store is not None else None
                     try:
                         snap.load(h, f"{where} v{v}", reuse=stale, listing=listing)
                     except CorruptionError:
@@ -374,9 +501,11 @@ def _run_stateful(task: StageTask, worker: int, sm: Any, received: dict[tuple[in
                         cache_stats["listing_fallbacks"] += 1
                         sw = StageWorker(plan.circuit, plan, k, worker, sm)
                         snap = WorkerSnapshot(sw.stateful, task.layout.shard_bits, groupings=groupings(plan.circuit))
+                        snap.after_trace = _placed(store) if store is not None else None
                         snap.load(h, f"{where} v{v}", reuse=stale)
                     entry = _Entry(task.run, v, first, sw, snap, made)
                     loaded = "partial" if stale is not None else "full"
+                    extra["load_s"] = time.perf_counter() - t_load
                     cache_stats["loads" if stale is None else "partial_loads"] += 1
                     cache_stats["listed_loads"] += listing is not None
                 else:
@@ -384,22 +513,34 @@ def _run_stateful(task: StageTask, worker: int, sm: Any, received: dict[tuple[in
                     cache_stats["hits"] += 1
                 saved = _capture(entry)
                 try:
-                    out = _run_steps(task, entry.worker, received)
+                    out = _run_steps(task, entry.worker, received, store)
                     saves = entry.snapshot.prepare()
                     w = Recorder(h) if remote is not None else h  # stage_store invariant 1: what the commit writes
                     WorkerSnapshot.apply(w, saves)
                     _log_saves(w, v + 1, saves)
                     write_worker_layout(w, task.layout, worker)
                     w.set_step(end)
-                    if remote is not None:  # uploaded before the commit, named by the acknowledgement
-                        link = upload_delta(remote, k, worker, v + 1, w)
-                        extra["delta"] = link
-                        write_side(path, {v: ids[v], v + 1: link["made"]})
-                    out = pa.concat_tables([out, ack_blob(k, worker, v + 1, end, first, loaded, extra)])
+                    compact, vid = False, None
+                    if remote is not None:  # stage_store invariants 1 and 4: the delta before the commit, or the
+                        vid = object_name(k, worker, v + 1)  # page file after it, named by the acknowledgement
+                        body = w.body()
+                        extra["delta_bytes"] = len(body)
+                        compact = needs_compaction(chain, len(body), page_bytes)
+                        if not compact:
+                            extra["delta"], n = upload_delta(remote, v + 1, body, chain, vid)
+                            extra["replaces"] = [link["object"] for link in chain[len(chain) - n:]]
+                        write_side(path, {v: ids[v], v + 1: vid})
+                    if store is not None:
+                        extra["spill"] = _spill_report(store, before, db)
                     if remote is None:
+                        out = pa.concat_tables([out, ack_blob(k, worker, v + 1, end, first, loaded, extra)])
                         _write_result(_result_path(root, k, worker), tag, out)
                     _fault(task, worker, "before-commit")
                     h.commit()
+                    if remote is not None:
+                        if compact:
+                            extra["base"] = upload_base(remote, path, k, worker, v + 1, vid, at=v + 1)
+                        out = pa.concat_tables([out, ack_blob(k, worker, v + 1, end, first, loaded, extra)])
                 except BaseException:
                     _rollback(entry, saved)
                     cache_stats["rollbacks"] += 1
@@ -407,7 +548,7 @@ def _run_stateful(task: StageTask, worker: int, sm: Any, received: dict[tuple[in
                         _CACHE[key] = entry
                     raise
                 entry.version, entry.step = v + 1, end
-                entry.made = extra["delta"]["made"] if remote is not None else None
+                entry.made = vid if remote is not None else None
                 with _CACHE_LOCK:
                     _CACHE[key] = entry
                     while len(_CACHE) > _CACHE_MAX:
@@ -494,3 +635,19 @@ def drop_cache() -> None:
     """Forget every cached stage worker of this process (tests; state is then loaded from the databases)."""
     with _CACHE_LOCK:
         _CACHE.clear()
+
+
+def release(pipeline: str) -> int:
+    """Forget this process's cached stage workers of a pipeline that closed (invariant 4: no later job can use
+    them, its next incarnation has another run), so that their instances, traces and key indexes are freed now
+    rather than when 64 newer entries push them out. ``pipeline`` is the storage directory its tasks ran on, or,
+    with an object store, its ``StageStore.key`` (whatever stage cache base the tasks had). Returns how many."""
+    def of(root: str) -> bool:
+        return root == pipeline or (os.path.basename(root) == pipeline
+                                    and os.path.basename(os.path.dirname(root)) == "dbsp-stage-cache")
+
+    with _CACHE_LOCK:
+        gone = [key for key in _CACHE if of(key[0])]
+        for key in gone:
+            del _CACHE[key]
+    return len(gone)

@@ -23,14 +23,19 @@ Invariants (enforced here):
      chains (runtime/stage_store.py) say which objects make each (stage, worker)'s state, every job's tasks get
      the chains of their stage and the driver records the objects the acknowledgements name, after the checks of
      invariant 1; invariant 2's JOB record is not needed (the chains move only when a job succeeded, and
-     recovery takes the chains of the manifest it restores). Layout changes, ``traces`` and ``view`` rebuild the
-     databases they read in the driver's scratch directory (stage_store invariant 6).
+     recovery takes the chains of the manifest it restores). A layout change is a job of tasks too
+     (:meth:`StagedExecutor.move_state`, stage_store invariant 6): no state passes through the driver; only
+     ``traces`` and ``view`` rebuild the databases they read in the driver's scratch directory.
   5. With an object store, a job that fails for any reason but its data (the job runner gave up: e.g. Spark
      aborted the job after a lost Spark executor took a task's last attempt; or a task died between its upload
      and its acknowledgement) is run again, up to :data:`JOB_RETRIES` times, before the failure reaches the
      driver (which would mark the pipeline broken): nothing of it counts, since the chains did not move
      (invariant 4) and the objects and cache versions its attempts left are not on them (stage_store invariants
      1 and 3). Without a store the JOB record and the stage databases decide (invariant 2): no retry here.
+  6. A memory budget (``Pipeline(memory_limit=...)``, :meth:`StagedExecutor.task_budget`) is per process that
+     runs tasks at once in parallel slots (a Spark executor: its Python workers): each task process gets
+     ``memory_limit // runner.task_slots`` and keeps its traces under it (stage_task.py invariant 7). The
+     driver's own reads of the state (``traces``, ``view``, layout changes) load it without a budget.
 """
 
 from __future__ import annotations
@@ -39,10 +44,9 @@ import dataclasses
 import fcntl
 import os
 import random
-import shutil
 import time
 import uuid
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Any, Callable, NamedTuple, Protocol, TypeVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -55,9 +59,10 @@ from dbsp_core.profile import NodeTimer, reset_task_timers, task_timers
 from dbsp_core.runtime.executor import StateGroup, StepInput, groupings, spread, step_error_of, traces_by_label
 from dbsp_core.runtime.stage_plan import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, StagePlan, StageWorker, StepInfo,
                                           control_blobs, encode_blobs, gather, read_acks)
-from dbsp_core.runtime.stage_store import StageChains, StageStore
-from dbsp_core.runtime.stage_task import (InjectedFault, StageTask, choose_stage_version, open_stage_databases,
-                                          run_stage_task, stage_db_path)
+from dbsp_core.runtime.stage_store import MoveTask, StageChains, StageStore, run_move_task
+from dbsp_core.runtime.stage_task import (SPILL_COUNTERS, InjectedFault, StageTask, choose_stage_version,
+                                          open_stage_databases, run_stage_task, stage_db_path)
+from dbsp_core.runtime.stage_task import release as release_stage_workers
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.directory import read_record, remove_record, write_record
 from dbsp_core.storage.formats import JOB_MAGIC, STATE_DIR, job_path, lock_path, stage_dir_name
@@ -76,13 +81,28 @@ class Job(NamedTuple):
     workers: int
 
 
+T = TypeVar("T")
 JOB_RETRIES = 2  # runs of a job again after a failure not of its data, with an object store (invariant 5)
 
 
 class JobRunner(Protocol):
-    """Runs every stage task of a job for every worker and returns the blobs left after the last stage."""
+    """Runs every stage task of a job for every worker and returns the blobs left after the last stage; and, for a
+    layout change of a store pipeline (stage_store invariant 6), runs ``fn(item)`` as one task per item wherever it
+    places tasks, returning one result per item, in order (a failed attempt is retried or the call raises).
+
+    ``task_slots``: how many tasks one of its processes' hosts runs at once, each in a process of its own (a Spark
+    executor's cores per task); a memory budget is divided among them (invariant 6)."""
+
+    task_slots: int
 
     def run_job(self, job: Job) -> pa.Table: ...
+
+    def run_tasks(self, fn: Callable[[Any], dict], items: list[Any]) -> list[dict]: ...
+
+    def release(self, pipeline: str) -> None:
+        """The pipeline ``pipeline`` (stage_task.release) closed: free its cached stage workers in the task
+        processes this runner can reach."""
+        ...
 
 
 class LocalJobRunner:
@@ -97,6 +117,8 @@ class LocalJobRunner:
     ran out of attempts), once per entry.
     """
 
+    task_slots = 1  # one task at a time, in this process
+
     def __init__(self, fail_first: set[tuple[int, str, int]] | None = None,
                  cache_dirs: list[str] | None = None, seed: int = 0, duplicates: bool = False,
                  abort_first: set[tuple[int, str, int]] | None = None) -> None:
@@ -109,6 +131,32 @@ class LocalJobRunner:
         self._rng = random.Random(seed)
         self.duplicates = duplicates
 
+    def _pick(self, store: StageStore, n: int) -> list[StageStore]:
+        """``n`` stores of a task, each with one of :attr:`cache_dirs` as its stage cache (tests)."""
+        return [dataclasses.replace(store, cache_dir=d) for d in self._rng.sample(self.cache_dirs, n)]
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run one task attempt (here: in this thread; a test's runner may run it in another process)."""
+        return fn(*args)
+
+    def run_tasks(self, fn: Callable[[Any], dict], items: list[Any]) -> list[dict]:
+        """Each item's task in turn; with :attr:`cache_dirs`, on one of them (with ``duplicates``, after an attempt
+        on another whose result is dropped), as :meth:`run_job` runs a store pipeline's stage tasks."""
+        out = []
+        for item in items:
+            store = getattr(item, "store", None)
+            if store is not None and self.cache_dirs:
+                picks = self._pick(store, 2 if self.duplicates else 1)
+                if self.duplicates:
+                    self.call(fn, dataclasses.replace(item, store=picks[1]))
+                item = dataclasses.replace(item, store=picks[0])
+            out.append(self.call(fn, item))
+        return out
+
+    def release(self, pipeline: str) -> None:
+        """Its tasks ran in this process: forget their cached stage workers of ``pipeline``."""
+        release_stage_workers(pipeline)
+
     def run_job(self, job: Job) -> pa.Table:
         blobs = job.inputs
         for task in job.tasks:
@@ -117,23 +165,22 @@ class LocalJobRunner:
             for w in range(job.workers):
                 mine = blobs.filter(pa.array(parts == w))
                 if task.store is not None and self.cache_dirs:
-                    pick = self._rng.sample(self.cache_dirs, 2 if self.duplicates else 1)
+                    picks = self._pick(task.store, 2 if self.duplicates else 1)
                     if self.duplicates:  # it commits and uploads in its cache too; the driver never hears of it
-                        run_stage_task(dataclasses.replace(task, store=dataclasses.replace(
-                            task.store, cache_dir=pick[1])), w, mine)
-                    task = dataclasses.replace(task, store=dataclasses.replace(task.store, cache_dir=pick[0]))
+                        self.call(run_stage_task, dataclasses.replace(task, store=picks[1]), w, mine)
+                    task = dataclasses.replace(task, store=picks[0])
                 for k, point, wk in sorted(self.fail_first):
                     if (k, wk) == (task.stage, w):  # a failed first attempt, then the retry below
                         self.fail_first.discard((k, point, wk))
                         try:
-                            run_stage_task(dataclasses.replace(task, fault=(point, w)), w, mine)
+                            self.call(run_stage_task, dataclasses.replace(task, fault=(point, w)), w, mine)
                         except InjectedFault:
                             self.retries += 1
                 for k, point, wk in sorted(self.abort_first):
                     if (k, wk) == (task.stage, w):  # the job ends here
                         self.abort_first.discard((k, point, wk))
-                        run_stage_task(dataclasses.replace(task, fault=(point, w)), w, mine)
-                outs.append(run_stage_task(task, w, mine))
+                        self.call(run_stage_task, dataclasses.replace(task, fault=(point, w)), w, mine)
+                outs.append(self.call(run_stage_task, task, w, mine))
             blobs = pa.concat_tables(outs) if outs else blobs.slice(0, 0)
         return blobs
 
@@ -204,6 +251,8 @@ class StagedExecutor:
         self.storage: str | None = None
         self.store: StageStore | None = None
         self.chains: StageChains | None = None
+        self.memory_limit: int | None = None  # the budget per task process (invariant 6), and its files' base
+        self.spill_dir: str | None = None
 
     # ---- setup ----
 
@@ -223,7 +272,7 @@ class StagedExecutor:
     def groups(self, layout: Layout) -> list[StateGroup]:
         assert self.storage is not None and self.circuit is not None
         root, out = self.storage, []
-        if self.chains is not None:  # invariant 4: the driver's own copies, made by before_change
+        if self.chains is not None:  # invariant 4: the driver's scratch directory (no stage database is there)
             root = self.chains.scratch_dir()
         for k in range(self.plan.num_stages):
             if not self.plan.stateful[k]:
@@ -313,10 +362,14 @@ class StagedExecutor:
 
     def _run_job_retried(self, steps: list[StepInput]) -> list[dict[str, ZSet]]:
         """:meth:`_run_job`, run again after a failure not of its data when the state is in a store (invariant 5)."""
+        return self._retried(lambda: self._run_job(steps))
+
+    def _retried(self, run: Callable[[], T]) -> T:
+        """``run()``, run again after a failure not of its data when the state is in a store (invariant 5)."""
         tries = 0
         while True:
             try:
-                return self._run_job(steps)
+                return run()
             except Exception as exc:
                 if self.chains is None or step_error_of(exc) is not None or tries >= JOB_RETRIES:
                     raise
@@ -354,7 +407,8 @@ class StagedExecutor:
         W = self.layout.workers
         tasks = [StageTask(self.plan, k, self.layout, self.storage, self.run_id, self.version, infos,
                            store=self.store, chains=None if self.chains is None or not self.plan.stateful[k] else
-                           {w: self.chains.chain(k, w) for w in range(W)})
+                           {w: self.chains.chain(k, w) for w in range(W)}, memory_limit=self.memory_limit,
+                           spill_dir=self.spill_dir)
                  for k in range(self.plan.num_stages)]
         inputs = pa.concat_tables([self._input_blobs(steps), control_blobs(self.layout.workers, steps[0].step)])
         return Job(tasks, inputs, self.layout.workers)
@@ -394,11 +448,12 @@ class StagedExecutor:
         for a in acks:  # task-side cache effectiveness (stage_task.py invariant 4)
             key = {"cache": "state_cache_hits", "partial": "state_partial_loads"}.get(a.get("loaded"), "state_loads")
             self.stats[key] = self.stats.get(key, 0) + 1
+        self._count_spills(acks)
         if self.chains is not None:
-            missing = [a for a in acks if "delta" not in a]
+            missing = [a for a in acks if not a.get("delta") and not a.get("base")]
             if missing:
-                raise RecoveryError(f"job for steps {first}..{end - 1}: acknowledgements without a delta object "
-                                    f"{missing} (a task that does not know the store)")
+                raise RecoveryError(f"job for steps {first}..{end - 1}: acknowledgements without a delta or a base "
+                                    f"object {missing} (a task that does not know the store)")
         nodes = result.column("node")
         control = result.filter(pc.equal(nodes, CONTROL_NODE)).column("part").to_pylist()
         if sorted(control) != list(range(W)):
@@ -425,9 +480,12 @@ class StagedExecutor:
                 fetched = a.get("fetch") in ("fetched", "rebuilt")
                 st["state_fetches"] = st.get("state_fetches", 0) + fetched
                 st["state_fetch_bytes"] = st.get("state_fetch_bytes", 0) + int(a.get("fetched_bytes", 0))
-                st["state_upload_bytes"] = (st.get("state_upload_bytes", 0) + a["delta"]["bytes"]
-                                            + (a["base"]["bytes"] if a.get("base") else 0))
+                for s in ("fetch_s", "load_s"):  # task seconds bringing the state to the chain / into memory
+                    st[f"state_{s}"] = st.get(f"state_{s}", 0.0) + float(a.get(s, 0.0))
+                st["state_upload_bytes"] = st.get("state_upload_bytes", 0) + (a.get("delta") or a["base"])["bytes"]
+                st["state_delta_bytes"] = st.get("state_delta_bytes", 0) + int(a.get("delta_bytes", 0))
                 st["state_compactions"] = st.get("state_compactions", 0) + bool(a.get("base"))
+                st["state_merges"] = st.get("state_merges", 0) + bool(a.get("replaces"))
                 roots = st.setdefault("state_cache_roots", [])
                 if a.get("cache_root") and a["cache_root"] not in roots:
                     roots.append(a["cache_root"])
@@ -438,6 +496,25 @@ class StagedExecutor:
             self.stats["state_last_job"] = {(a["stage"], a["worker"]): (a.get("fetch"), a.get("cache_root"))
                                             for a in acks}
         return outs
+
+    def _count_spills(self, acks: list[dict]) -> None:
+        """Sum what the acknowledgements say of the task processes' batch stores (stage_task.py invariant 7) into
+        ``stats["task_spill"]``: counters over every job, files written per (stage, worker), per task process
+        (``host:pid``) its store's bytes in memory and in files after the last task it ran, and the most bytes any
+        task's commit held in memory (``commit_held_max``, stage_task.py invariant 7)."""
+        reports = [(a["stage"], a["worker"], a["spill"]) for a in acks if a.get("spill")]
+        if not reports:
+            return
+        tot = self.stats.setdefault("task_spill", {"limit": 0, "by_stage_worker": {}, "by_process": {},
+                                                   "commit_held_max": 0, **dict.fromkeys(SPILL_COUNTERS, 0)})
+        for k, w, r in reports:
+            for name in SPILL_COUNTERS:
+                tot[name] += int(r.get(name, 0))
+            tot["commit_held_max"] = max(tot["commit_held_max"], int(r.get("commit_held", 0)))
+            tot["limit"] = int(r["limit"])
+            tot["by_stage_worker"][(k, w)] = tot["by_stage_worker"].get((k, w), 0) + int(r["files_written"])
+            tot["by_process"][r["process"]] = {"memory_bytes": int(r["memory_bytes"]),
+                                               "disk_bytes": int(r["disk_bytes"])}
 
     # ---- durability ----
 
@@ -451,31 +528,64 @@ class StagedExecutor:
 
     # ---- layout changes with an object store (stage_store invariant 6) ----
 
-    def before_change(self, old: Layout, version: int) -> None:
-        """Before a cold layout change from ``old`` at ``version``: the old workers' databases in the scratch
-        directory, rebuilt from their chains (runtime/rescale.py then changes them there)."""
-        if self.chains is None:
-            return
+    @property
+    def moves_by_tasks(self) -> bool:
+        """Whether a layout change runs as a job of tasks (:meth:`move_state`) instead of on stage databases the
+        driver reaches: with an object store (invariant 4)."""
+        return self.chains is not None
+
+    def move_state(self, old: Layout, new: Layout, version: int, step: int, measure_total: bool = True) -> dict:
+        """Change the state from layout ``old`` at ``version`` to ``new`` as one job of tasks, one per stateful
+        (stage, worker) of ``new`` (stage_store invariant 6), run again after a failure (invariant 5; nothing
+        counts until every acknowledgement checks out), then restart the chains from the bases the tasks uploaded,
+        at ``version + 1`` and ``step``. Returns ``{moved_bytes, total_bytes, fetched_bytes, tasks}`` (``total_bytes``:
+        the bytes of every state value of the new layout, None unless ``measure_total``)."""
+        assert self.chains is not None and self.store is not None and self.circuit is not None
         if version != self.chains.version:
             raise RecoveryError(f"a layout change at version {version}, but the stage chains are at "
                                 f"{self.chains.version}")
-        root = self.chains.scratch_dir()
-        for name in os.listdir(root):  # the copies of an earlier change: this one starts from the chains
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        tasks = []
         for k in range(self.plan.num_stages):
-            if self.plan.stateful[k]:
-                for w in range(old.workers):
-                    self.chains.materialize(stage_db_path(root, k, w), k, w)
+            if not self.plan.stateful[k]:
+                continue
+            sw = StageWorker(self.circuit, self.plan, k, 0, new.shard_map)
+            specs = state_tables(sw.stateful, groupings(self.circuit))
+            for w in range(new.workers):
+                tasks.append(MoveTask(self.store, k, w, old.to_dict(), new.to_dict(), version, step,
+                                      {s: self.chains.chain(k, s) for s in MoveTask.sources(old, new, w)}, specs,
+                                      measure_total))
 
-    def after_change(self, new: Layout, version: int, step: int) -> None:
-        """After the change committed ``version`` in the scratch directory: every database of ``new`` is uploaded
-        as the base of its chain."""
-        if self.chains is None:
-            return
-        root = self.chains.scratch_dir()
-        paths = {(k, w): stage_db_path(root, k, w) for k in range(self.plan.num_stages) if self.plan.stateful[k]
-                 for w in range(new.workers)}
-        self.chains.upload_all(paths, version, step)
+        def run() -> list[dict]:
+            acks = self.runner.run_tasks(run_move_task, tasks) if tasks else []
+            self._check_moved(tasks, acks, version + 1, step)
+            return acks
+
+        acks = self._retried(run)
+        self.chains.record_move(acks, version + 1, step)
+        st = self.stats
+        fetched = sum(int(a["fetched_bytes"]) for a in acks)
+        st["state_fetch_bytes"] = st.get("state_fetch_bytes", 0) + fetched
+        st["state_upload_bytes"] = st.get("state_upload_bytes", 0) + sum(a["base"]["bytes"] for a in acks)
+        st["move_tasks"] = st.get("move_tasks", 0) + len(acks)
+        group = {}  # a change of the shard count: each task of a stage reports the whole stage's moved bytes
+        for a in acks:
+            if "group_moved" in a:
+                group[a["stage"]] = int(a["group_moved"])
+        moved = sum(int(a.get("moved_bytes", 0)) for a in acks) + sum(group.values())
+        total = sum(int(a["total_bytes"]) for a in acks) if measure_total else None
+        return {"moved_bytes": moved, "total_bytes": total, "fetched_bytes": fetched, "tasks": len(acks)}
+
+    @staticmethod
+    def _check_moved(tasks: list[MoveTask], acks: list[dict], version: int, step: int) -> None:
+        """One acknowledgement per task, of its (stage, worker), ``version`` and ``step``, naming a base object of
+        its own (stage_store invariant 6); else RecoveryError (the job runs again)."""
+        want = [(t.stage, t.worker) for t in tasks]
+        got = [(a.get("stage"), a.get("worker")) for a in acks]
+        bad = [a for a in acks if (a.get("version"), a.get("step")) != (version, step) or not a.get("base")
+               or not str(a["base"].get("object", "")).startswith(f"stage/{a.get('stage')}/{a.get('worker')}/")]
+        if sorted(got) != sorted(want) or len(got) != len(want) or bad:
+            raise RecoveryError(f"a layout change's tasks acknowledged {sorted(got)} (bad: {bad}); the new layout "
+                                f"has the stateful (stage, worker) set {sorted(want)}")
 
     # ---- inspection ----
 
@@ -545,21 +655,34 @@ class StagedExecutor:
         """The state is in the stage databases: their bytes on disk."""
         return self.disk_bytes()
 
-    batch_store = None  # no memory budget (spill refuses one)
+    batch_store = None  # the traces live in the task processes, each with a store of its own (invariant 6)
+
+    def task_budget(self, memory_limit: int, spill_dir: str | None) -> bool:
+        """Keep the traces of every task process under ``memory_limit`` bytes per runner host (a Spark executor),
+        their spilled batches under ``spill_dir`` on the host running the task (None: its local directory), from
+        the next job on (invariant 6); True: the budget is kept in the task processes."""
+        slots = self.runner.task_slots
+        if not isinstance(slots, int) or slots < 1:
+            raise DbspError(f"{type(self.runner).__name__}.task_slots must be a positive int, got {slots!r}")
+        self.memory_limit = max(1, int(memory_limit) // slots)
+        self.spill_dir = spill_dir
+        return True
 
     def spill(self, store: Any) -> None:
-        """A memory budget is the embedded executor's (trace invariant 12): a staged run keeps its traces in stage
-        databases between jobs; refuses any store with DbspError."""
+        """The traces are not in this process (invariant 6: :meth:`task_budget` gives the task processes their
+        budget); refuses a store of this process with DbspError."""
         if store is not None:
             store.close()
-            raise DbspError("memory_limit: the staged executor does not spill batches yet; run the pipeline with "
-                            "the embedded executor, or without memory_limit (and DBSP_MEMORY_LIMIT unset)")
+            raise DbspError("a staged executor's traces live in its task processes: give the pipeline "
+                            "memory_limit=..., which it divides among them, instead of a BatchStore")
 
     def referenced_files(self) -> set[str]:
         """Stage databases hold rows, never names of batch files."""
         return set()
 
     def close(self) -> None:
+        if self.storage is not None:  # stage_task invariant 4: no later job uses this run's cached stage workers
+            self.runner.release(self.store.key if self.store is not None else self.storage)
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()

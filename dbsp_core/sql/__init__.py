@@ -10,7 +10,9 @@ Invariants:
      row replaces the row of its key, operators/upsert.py) and makes the table readable; so does
      ``CREATE MATERIALIZED TABLE`` or ``WITH ('materialized' = 'true')`` on a table without a key
      (``Circuit.input(materialized=True)``: its contents are kept, so a view added by a program change can be built
-     from them, runtime/change.py); a ``CREATE MATERIALIZED VIEW`` is an output declared ``materialized=True``
+     from them, runtime/change.py); ``WITH ('append_only' = 'true')`` declares a table that only inserts
+     (``Circuit.input(append_only=True)``: a push that deletes is refused, and a top-k over it keeps only its
+     shown rows); a ``CREATE MATERIALIZED VIEW`` is an output declared ``materialized=True``
      (``Pipeline.view`` and ``Pipeline.query`` read it).
      A connector declared in ``WITH (...)`` (a source on a table, a sink on a view) is checked and recorded in
      ``SqlProgram.connectors`` (connectors.py); ``dbsp run`` starts them, ``compile`` runs none.
@@ -105,6 +107,7 @@ def _add_table(src: Source, planner: Planner, program: SqlProgram, td: TableDef,
     if td.name in planner.relations:
         raise src.error(node, f"{td.name!r} is already defined")
     materialized = _materialized_table(src, node)
+    append_only = _table_flag(src, node, "append_only")
     conn = declared(src, "table", td.name, node)
     for f in td.schema:
         if f.name.startswith("__"):
@@ -112,7 +115,7 @@ def _add_table(src: Source, planner: Planner, program: SqlProgram, td: TableDef,
     try:
         stream = planner.circuit.input(td.name, td.schema, event_time=td.event_time, lateness=td.lateness,
                                        primary_key=td.primary_key or None,
-                                       materialized=materialized and not td.primary_key)
+                                       materialized=materialized and not td.primary_key, append_only=append_only)
     except SchemaError as exc:  # e.g. a primary key with a watermark: said at the statement (invariant 3)
         raise src.error(node, str(exc)) from None
     planner.relations[td.name] = Rel(stream, [Col(f.name, td.name, f.name) for f in td.schema])
@@ -125,17 +128,25 @@ def _materialized_table(src: Source, node: exp.Expression) -> bool:
     """Whether a CREATE TABLE says ``MATERIALIZED`` (before TABLE, or ``'materialized' = 'true'`` in its WITH, the
     option taken out of the connector's options here); invariant 1."""
     props = node.args.get("properties") if isinstance(node, exp.Create) else None
+    found = props is not None and any(isinstance(p, exp.MaterializedProperty) for p in props.expressions)
+    return _table_flag(src, node, "materialized") or found
+
+
+def _table_flag(src: Source, node: exp.Expression, option: str) -> bool:
+    """Whether a CREATE TABLE's WITH says ``'<option>' = 'true'`` (the option taken out of the connector's options
+    here; 'true' or 'false', else SqlError); invariant 1."""
+    props = node.args.get("properties") if isinstance(node, exp.Create) else None
     if props is None:
         return False
-    found = any(isinstance(p, exp.MaterializedProperty) for p in props.expressions)
+    found = False
     for p in list(props.expressions):
-        if type(p) is exp.Property and isinstance(p.this, exp.Literal) and str(p.this.this).lower() == "materialized":
+        if type(p) is exp.Property and isinstance(p.this, exp.Literal) and str(p.this.this).lower() == option:
             value = p.args.get("value")
             text = str(value.this).lower() if isinstance(value, (exp.Literal, exp.Boolean)) else None
             if isinstance(value, exp.Boolean):
                 text = "true" if value.this else "false"
             if text not in ("true", "false"):
-                raise src.error(p, "option 'materialized' takes 'true' or 'false'")
+                raise src.error(p, f"option '{option}' takes 'true' or 'false'")
             found = found or text == "true"
             p.pop()
     return found

@@ -41,7 +41,7 @@ import pyarrow.types as pat
 from sqlglot import exp
 
 from dbsp_core.errors import SchemaError
-from dbsp_core.operators.expr import project_schema
+from dbsp_core.operators.expr import project_schema, strftime
 from dbsp_core.sql import decimal as dec
 from dbsp_core.sql.errors import Source, SqlError
 from dbsp_core.sql.parse import DIALECT, ident, interval_value, tname
@@ -799,8 +799,8 @@ class Exprs:
             return out
         if isinstance(node, exp.TimeToStr):
             fmt = self._str_arg(node.args["format"], "the format")
-            e, _ = self._temporal(node, a)
-            return call("strftime", e, options=pc.StrftimeOptions(fmt))
+            e, t = self._temporal(node, a)
+            return strftime(e, fmt, t)
         if isinstance(node, exp.Anonymous):
             return self._anonymous(node)
         raise src.error(node, f"function {node.sql(dialect=DIALECT).split('(')[0]} is not supported")
@@ -812,8 +812,8 @@ class Exprs:
             fmt = self._str_arg(args[1], "the DATE_FORMAT pattern")
             for java, c in _JAVA_FORMAT:
                 fmt = fmt.replace(java, c)
-            e, _ = self._temporal(node, args[0])
-            return call("strftime", e, options=pc.StrftimeOptions(fmt))
+            e, t = self._temporal(node, args[0])
+            return strftime(e, fmt, t)
         if name in ("regexp_matches", "regexp_like") and len(args) == 2:
             return call("match_substring_regex", self._c(args[0]), options=self._regex(args[1]))
         if name == "count_substring" and len(args) == 2:

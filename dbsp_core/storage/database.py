@@ -355,9 +355,12 @@ class Database:
             raise KeyError(f"{self.path}: version {version} is not openable; versions() is {self.versions()}") from e
 
     def stats(self) -> dict:
-        """Page count and free-page count of the newest version, and pages written by the last commit."""
-        pages, free, last = self._ps.stats()
-        return {"pages": pages, "free_pages": free, "last_commit_pages": last}
+        """Page count and free-page count of the newest version, pages written by the last commit (big values included,
+        which an open transaction writes as they are put), and the pages the page cache holds now: all of them, and
+        the dirty ones (written by the open transaction, held until its commit)."""
+        pages, free, last, cached, dirty = self._ps.stats()
+        return {"pages": pages, "free_pages": free, "last_commit_pages": last, "cached_pages": cached,
+                "dirty_pages": dirty}
 
     def close(self) -> None:
         """Closes the file; an open handle is closed without commit (its base version is kept)."""

@@ -78,6 +78,12 @@ magic       where                                   body
             log record parts                        version 3 (``OUTPUT_REF_VERSION``): JSON input, pushes
                                                     ([producer, seq] of the input log records of the same
                                                     step whose sum the output is; outputlog.py invariant 7)
+``DFRF``    input log push payloads of a source     JSON: version (``FILE_REF_VERSION``, 1), path (absolute),
+            that declares its files immutable       kind (parquet, csv, jsonl), unit (row group; 0 for text),
+            (FileSource ``immutable_files=True``)   ino, size, mtime_ns (when pushed), crc32c (of the row
+                                                    group's column chunks then the footer; of a text file
+                                                    whole): the push's rows are read again from the file
+                                                    (dbsp_core.storage.fileref)
 ``DRB1``    values of ``s<node>.<attr>`` tables      one schema-less Arrow IPC record batch (rows of one
                                                     shard of one trace batch, sorted by key hash)
 ``DRBG``    values of ``s<node>.<attr>`` tables      u32 run count, u32 run lengths, then one Arrow IPC
@@ -106,7 +112,9 @@ magic       where                                   body
 ``DRMF``    manifest/<version> in an object         JSON: format (REMOTE_MANIFEST_FORMAT), version, step,
             store                                   records (small record files inline, base64), databases
                                                     (path -> version, chain of objects), files (batch
-                                                    files), logs (what the logs part records), written_ns
+                                                    files), logs (what the logs part records), written_ns;
+                                                    stages (the stage chains, runtime/stage_store.py), writer,
+                                                    repaired (from, damaged: dbsp repair --fall-back's copy)
 ``DRDL``    db/<db>/<version>.delta in an           body: records ``op (u8: 1 put, 0 delete, 2 step) |
             object store                            table length (u16 LE) | table | key length (u16 LE)
                                                     | key | value length (u64 LE; not for a delete) |
@@ -130,7 +138,8 @@ renamed into place: header (with the CRC-32C of the page-CRC section and of the 
 file can be opened reading metadata only and checked page by page as it is read), an embedded standard Arrow IPC
 file (data columns, weight, key hash, row hash), the fence of its key hashes, a Bloom filter on them, a CRC-32C per
 64 KiB page, and a footer with the whole file's CRC-32C. The same bytes can be uploaded as they are and named by a
-checkpoint.
+checkpoint. It is streamed to ``<name>.tmp`` and renamed into place through the VFS (csrc/smallfile.c's writer), so
+the fault-injecting VFS covers it like the page store and the step log.
 
 Formats below this module's level, specified byte by byte where they are written: the page file of a Database
 (``DBSPMETA`` meta slots, csrc/pagestore.c), the step log (``DBSPSLOG`` header, ``DBSPSSEG`` segments
@@ -187,6 +196,8 @@ WORKER_LAYOUT_MAGIC = b"DLWK"
 DIVISION_MAGIC = b"DDIV"
 DISCARD_MAGIC = b"DDSC"
 ZSET_MAGIC = b"DZS1"
+FILE_REF_MAGIC = b"DFRF"  # an input-log push naming a unit of an immutable file (storage/fileref.py)
+FILE_REF_VERSION = 1  # the JSON body's "version"
 BATCH_MAGIC = b"DRB1"
 BATCH_GROUP_MAGIC = b"DRBG"
 BATCH_REF_MAGIC = b"DRBF"

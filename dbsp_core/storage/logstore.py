@@ -20,6 +20,15 @@ Invariants (enforced here):
      with the same name and the same bytes (storage/retry.py rule 3), so a PUT that failed after its object landed
      is harmless; when the retries run out the log fails: every waiting and later ``wait`` raises
      StoreUnavailableError and nothing after the failed segment is acknowledged or written.
+  2b. With a ``fence`` (a writer's lease check, storage.remote invariant 6) a segment's records are acknowledged
+     only after its PUT returned and a check that started after that passed: a newer writer lists the log after
+     its lease landed, so either the older writer's check sees that lease (StoreFencedError: the records are not
+     acknowledged, every waiting and later ``wait`` raises it, and no PUT starts after it), or the check ran
+     before the lease landed, so the PUT did too and the newer writer's listing holds the segment. An older
+     writer never acknowledges a record the newer writer's history lacks. The checks (a LIST and a GET each) run
+     on a thread of their own beside the PUTs, one check covering every segment whose PUT returned before it
+     started: a push waits for one PUT and one check, and the PUTs go on back to back (invariant 2 orders them
+     by their PUTs, not by their checks).
   3. Group commit: records submitted while a PUT is in flight, or within ``group_commit_s`` of the first record
      waiting, go into one segment (up to ``segment_bytes``).
   4. Opening a log (:meth:`LogStore.restore`) lists the objects and follows the chain from the oldest: at each LSN
@@ -42,13 +51,13 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import pyarrow.fs as pafs
 
 from dbsp_core import _storage
 from dbsp_core.codec import frame_head, unframe_view
-from dbsp_core.errors import CorruptionError, StoreUnavailableError
+from dbsp_core.errors import CorruptionError, StoreFencedError, StoreUnavailableError
 from dbsp_core.storage import retry
 from dbsp_core.storage.formats import LOG_SEGMENT_MAGIC, LOG_SEGMENT_SUFFIX
 from dbsp_core.storage.location import Location
@@ -146,35 +155,45 @@ class ShipStats:
     segments: int = 0
     bytes: int = 0
     put_s: float = 0.0
+    checks: int = 0  # lease checks made (invariant 2b), each covering the segments that landed before it
+    fence_s: float = 0.0  # seconds they took
 
 
 class LogShipper:
     """Ships the records of one log to ``location`` (a directory of segment objects) from LSN ``next_lsn`` on, as
     writer generation ``gen``: :meth:`submit` queues a record, :meth:`wait` returns once it is durable in the store
-    (invariants 1-3)."""
+    (invariants 1-3); ``fence(what)``, if given, raises StoreFencedError once a newer writer holds the prefix and
+    runs after each PUT, before its records are acknowledged (invariant 2b)."""
 
     def __init__(self, location: Location, kind: str, *, gen: int, next_lsn: int, group_commit_s: float = 0.002,
-                 segment_bytes: int = 16 << 20, policy: retry.RetryPolicy = retry.DEFAULT_POLICY) -> None:
+                 segment_bytes: int = 16 << 20, policy: retry.RetryPolicy = retry.DEFAULT_POLICY,
+                 fence: Callable[[str], None] | None = None) -> None:
         if kind not in KINDS:
             raise ValueError(f"log kind {kind!r}: one of {KINDS}")
         if group_commit_s < 0:
             raise ValueError(f"group_commit_s must be >= 0, got {group_commit_s!r}")
         self.location, self.kind, self.gen = location, kind, gen
         self.group_commit_s, self.segment_bytes, self.policy = group_commit_s, segment_bytes, policy
-        self.stats = {"gets": 0, "get_bytes": 0}  # segments read by restore
+        self.fence = fence
         self.stats = ShipStats()
         self._cond = threading.Condition()
         self._pending: list[tuple] = []  # records submitted, not yet in a segment being written
         self._pending_bytes = 0
         self._since = 0.0  # when the oldest pending record came (monotonic)
         self._next = next_lsn  # the LSN of the next record submitted
-        self._durable = next_lsn - 1  # every LSN up to it is durable in the store
+        self._landed = next_lsn - 1  # every LSN up to it is in a segment whose PUT returned
+        self._durable = next_lsn - 1  # every LSN up to it is acknowledged: landed, and fenced (invariant 2b)
         self._failed: BaseException | None = None
         self._stop = False
+        self._uploaded = False  # the uploader thread is done
         if location.local:
             os.makedirs(location.path, exist_ok=True)
+        self._fencer = None if fence is None else \
+            threading.Thread(target=self._fence, name=f"dbsp-{kind}-log-fence", daemon=True)
         self._thread = threading.Thread(target=self._upload, name=f"dbsp-{kind}-log-shipper", daemon=True)
         self._thread.start()
+        if self._fencer is not None:
+            self._fencer.start()
 
     @property
     def next_lsn(self) -> int:
@@ -184,8 +203,10 @@ class LogShipper:
     def durable_lsn(self) -> int:
         return self._durable
 
-    def _error(self) -> StoreUnavailableError:
+    def _error(self) -> StoreUnavailableError | StoreFencedError:
         exc = self._failed
+        if isinstance(exc, StoreFencedError):  # invariant 2b: as raised, its type kept
+            return StoreFencedError(f"the {self.kind} log acknowledges nothing more: {exc}")
         if isinstance(exc, StoreUnavailableError):
             return StoreUnavailableError(f"the {self.kind} log cannot make records durable in the store: {exc}")
         return StoreUnavailableError(f"the {self.kind} log on {self.location.shown} stopped: {exc!r}; nothing after "
@@ -240,12 +261,20 @@ class LogShipper:
         records, self._pending = self._pending[:take], self._pending[take:]
         self._pending_bytes -= size
         self._since = time.monotonic()
-        return self._durable + 1, records
+        return self._landed + 1, records
 
     def _upload(self) -> None:
+        try:
+            self._upload_all()
+        finally:
+            with self._cond:
+                self._uploaded = True
+                self._cond.notify_all()
+
+    def _upload_all(self) -> None:
         while True:
             with self._cond:
-                got = self._take()
+                got = self._take() if self._failed is None else None
             if got is None:
                 return
             first, records = got
@@ -262,11 +291,37 @@ class LogShipper:
                     self._cond.notify_all()
                 return
             with self._cond:
-                self._durable = first + len(records) - 1
+                self._landed = first + len(records) - 1
+                if self._fencer is None:
+                    self._durable = self._landed
                 self.stats.records += len(records)
                 self.stats.segments += 1
                 self.stats.bytes += len(data)
                 self.stats.put_s += time.perf_counter() - t0
+                self._cond.notify_all()
+
+    def _fence(self) -> None:
+        """Invariant 2b: acknowledges what landed once a lease check that started after it passed."""
+        assert self.fence is not None
+        while True:
+            with self._cond:
+                while self._landed <= self._durable and self._failed is None and not self._uploaded:
+                    self._cond.wait()
+                if self._failed is not None or self._landed <= self._durable:
+                    return
+                first, last = self._durable + 1, self._landed
+            t0 = time.perf_counter()
+            try:
+                self.fence(f"acknowledge the {self.kind} log's records {first}..{last}")
+            except BaseException as exc:
+                with self._cond:
+                    self._failed = exc
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._durable = last
+                self.stats.checks += 1
+                self.stats.fence_s += time.perf_counter() - t0
                 self._cond.notify_all()
 
     def close(self) -> None:
@@ -275,6 +330,8 @@ class LogShipper:
             self._stop = True
             self._cond.notify_all()
         self._thread.join()
+        if self._fencer is not None:
+            self._fencer.join()
         if self._failed is not None and self._durable < self._next - 1:
             raise self._error()
 
@@ -394,10 +451,10 @@ class LogStore:
         return chain, off
 
     def restore(self, kind: str, local_dir: str | os.PathLike, from_step: int = 0,
-                local_segment_bytes: int = 64 << 20) -> LogShipper:
+                local_segment_bytes: int = 64 << 20, fence: Callable[[str], None] | None = None) -> LogShipper:
         """Rebuilds the local log ``local_dir`` from the store (deleting what it held) with every segment whose steps
-        reach ``from_step``, and returns the shipper that continues the log (invariant 4). Open the local log with
-        ``ship=`` it."""
+        reach ``from_step``, and returns the shipper that continues the log (invariant 4), with ``fence``
+        (invariant 2b). Open the local log with ``ship=`` it."""
         local_dir = os.fspath(local_dir)
         chain, off = self.listing(kind)
         if os.path.lexists(local_dir):
@@ -424,7 +481,7 @@ class LogStore:
         gen = max((s.gen for s in chain + off), default=0) + 1
         next_lsn = chain[-1].last + 1 if chain else 1
         return LogShipper(self.dir(kind), kind, gen=gen, next_lsn=next_lsn, group_commit_s=self.group_commit_s,
-                          segment_bytes=self.segment_bytes, policy=self.policy)
+                          segment_bytes=self.segment_bytes, policy=self.policy, fence=fence)
 
     def _get(self, path: str) -> bytes:
         with self.location.fs.open_input_stream(path) as f:

@@ -61,6 +61,7 @@ from dbsp_core import _storage
 from dbsp_core._storage import crc32c
 from dbsp_core.codec import decode_zset, encode_zset_parts
 from dbsp_core.errors import CorruptionError, ReplayMismatchError
+from dbsp_core.storage.fileref import decode_push
 from dbsp_core.storage.formats import INPUT_DIR, OUTPUT_REF_VERSION, ZSET_MAGIC, segment_name
 from dbsp_core.storage.logstore import LogShipper, ShippedLog
 from dbsp_core.storage.outputlog_format1 import Format1Segments
@@ -365,7 +366,7 @@ class OutputLog:
                                   f"step names (the input log was truncated past the output log's first step)")
             raise CorruptionError(f"{where}: the input log holds {len(found)} of the {len(want)} pushes of input "
                                   f"{handle!r} this output step names (missing e.g. {missing})")
-        zs = [decode_zset(r.payload, schema, f"{where} (input {handle!r} push {r.producer!r}, {r.seq})")
+        zs = [decode_push(r.payload, schema, f"{where} (input {handle!r} push {r.producer!r}, {r.seq})")
               for r in found]
         return ZSet.concat(zs).consolidate() if zs else ZSet.empty(schema)
 

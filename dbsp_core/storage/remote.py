@@ -52,10 +52,11 @@ Invariants (enforced here and by the checkpoint upload in dbsp_core.runtime.remo
      lease landed: at most that one manifest lands late, under a version at most one above what the newer writer
      listed, so the newer writer skips that version and commits a claim manifest (a copy of the one it restored,
      naming the same objects) at once, before its logs are opened: a late manifest of the older writer is never
-     the newest. Left open: pushes the older writer acknowledges between the newer writer's open and its own
-     next checkpoint go into log segments the newer writer's chain supersedes (one writer per prefix stays the
-     operator's rule; fencing bounds what a second one can break to that window), and two writers opening in
-     the same instant may take the same generation (the token check fences one of them at its first commit).
+     the newest. The log shippers run the same check after each segment PUT, before its records are acknowledged
+     (storage.logstore invariant 2b): a push the older writer acknowledges is in the newer writer's history, and
+     a push it can no longer make durable there raises StoreFencedError instead. Two writers opening in the same
+     instant may take the same generation: the token check fences the one whose lease was overwritten at its
+     first acknowledgement or commit.
 
 What the logs part provides (dbsp_core.storage.remote_log, plugged in as a :class:`LogPart`): the
 input and output logs as segment objects under ``log/`` with group commit, and
@@ -81,6 +82,7 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, TypeVar
 
@@ -211,6 +213,7 @@ class Remote:
         self.cache_dir = cache_dir
         self.stats = {"puts": 0, "put_bytes": 0, "gets": 0, "get_bytes": 0, "deletes": 0, "lists": 0}
         self._stats_lock = threading.Lock()  # restore downloads on several threads, the upload runs on its own
+        self._pool: ThreadPoolExecutor | None = None  # check_lease's second request
         self.policy = DEFAULT_POLICY
 
     def _count(self, op: str, n: int = 0) -> None:
@@ -277,6 +280,19 @@ class Remote:
                 return f.readall()
         data = self.call("GET", name, go)
         self._count("gets", len(data))
+        return data
+
+    def get_range(self, name: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of object ``name`` from ``offset`` (one ranged GET); CorruptionError if the object is
+        shorter, FileNotFoundError if there is none."""
+        def go() -> bytes:
+            with self.location.fs.open_input_file(self.path(name)) as f:
+                return f.read_at(length, offset)
+        data = self.call("GET", name, go)
+        self._count("gets", len(data))
+        if len(data) != length:
+            raise CorruptionError(f"{self.shown}/{name}: {len(data)} bytes at {offset}, expected {length} (a shorter "
+                                  "object: another writer replaced it)")
         return data
 
     def get_file(self, name: str, path: str, chunk: int | None = None, sync: bool = True) -> int:
@@ -378,17 +394,21 @@ class Remote:
 
     def check_lease(self, lease: dict, what: str) -> None:
         """Raise StoreFencedError unless ``lease`` is still the newest writer's (invariant 6); ``what`` says what
-        was about to happen (e.g. "commit manifest 7")."""
-        gens = self.writer_generations()
+        was about to happen (e.g. "commit manifest 7"). The LIST of the leases and the GET of this writer's run at
+        once (a check follows every log segment PUT: storage.logstore invariant 2b)."""
         g = lease["generation"]
+        with self._stats_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="dbsp-lease")
+        got = self._pool.submit(self._lease_or_none, g)
+        gens = self.writer_generations()
+        mine = got.result()
         newer = [v for v in gens if v > g]
         other = None
         if newer:
             other = self._lease_or_none(newer[-1])
-        else:
-            mine = self._lease_or_none(g)
-            if mine is None or mine.get("token") != lease["token"]:
-                other = mine or {"generation": g}
+        elif mine is None or mine.get("token") != lease["token"]:
+            other = mine or {"generation": g}
         if other is None:
             return
         who = (f"generation {other.get('generation')} (host {other.get('host', '?')}, pid {other.get('pid', '?')})"

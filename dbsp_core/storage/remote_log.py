@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any
+from typing import Any, Callable
 
 from dbsp_core.errors import StoreUnavailableError
 from dbsp_core.storage.formats import REMOTE_LOG_DIR
@@ -42,6 +42,9 @@ class RemoteLogs:
         self.store = LogStore(where, group_commit_s=group_commit_s, policy=remote.policy)
         self._from = {"input": 0, "output": 0}
         self._output: Any = None
+        # the writer's lease check (storage.remote invariant 6), run after each segment PUT before its records are
+        # acknowledged (storage.logstore invariant 2b); set by the writer once it holds its lease, None for a reader
+        self.fence: Callable[[str], None] | None = None
 
     # ---- LogPart (dbsp_core.storage.remote) ----
 
@@ -76,7 +79,8 @@ class RemoteLogs:
     def open_log(self, kind: str, local_dir: str, local_segment_bytes: int) -> LogShipper:
         """Rebuilds the local ``kind`` log in ``local_dir`` from the segments (from the restored manifest's position)
         and returns the shipper the opened log appends through (logstore invariant 4)."""
-        return self.store.restore(kind, local_dir, from_step=self._from[kind], local_segment_bytes=local_segment_bytes)
+        return self.store.restore(kind, local_dir, from_step=self._from[kind], local_segment_bytes=local_segment_bytes,
+                                  fence=self.fence)
 
     def rebuild(self, root: str, local_segment_bytes: int = 64 << 20) -> None:
         """For a reader of the store (no writer will append): rebuilds ``root/input`` and ``root/output`` from the

@@ -22,27 +22,34 @@ Invariants (enforced here):
      into rows otherwise.
   4. Everything happens in the caller's open handles (each writing version v+1 of its database): the change
      is durable only when the caller commits them all, so a crash before leaves version v everywhere.
+  5. One destination at a time (a layout change whose tasks each build one new database, runtime/stage_store.py
+     invariant 6): when the shard count stays, :func:`moving_to` reads from one source database what moves to
+     one destination, and :func:`build_target` changes the destination's database with what every source sent;
+     the destination ends byte for byte as :func:`relayout_group` leaves it (the same values under the same new
+     numbers: moved values are put in the same order), and no other database is read for it.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from contextlib import contextmanager
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 
 from dbsp_core.codec import (decode_batch, decode_json, decode_runs, decode_zset, encode_batch, encode_json,
                              encode_runs, encode_zset, frame, unframe, zset_batch)
-from dbsp_core.errors import CorruptionError
+from dbsp_core.errors import CorruptionError, RecoveryError
 from dbsp_core.layout import Layout, resample_owners, shard_runs
-from dbsp_core.storage.database import SHARD_PREFIX_BYTES, DatabaseHandle, shard_key
+from dbsp_core.storage.database import SHARD_PREFIX_BYTES, Database, DatabaseHandle, shard_key
 from dbsp_core.storage.formats import (BATCH_GROUP_MAGIC, BATCH_MAGIC, BATCH_REF_MAGIC, SNAPSHOT_LAYOUT, SNAPSHOT_TABLE,
                                        WORKER_LAYOUT_MAGIC, ZSET_MAGIC, is_state_table, order_key)
 from dbsp_core.storage.snapshot import TableSpec, read_next, read_order, write_next, write_order
 from dbsp_core.zset import ZSet
 
-__all__ = ["relayout_group", "state_bytes", "write_worker_layout", "read_worker_layout"]
+__all__ = ["relayout_group", "change_handles", "moving_to", "build_target", "check_source", "state_bytes",
+           "write_worker_layout", "read_worker_layout"]
 
 
 def _state_tables(h: DatabaseHandle) -> list[str]:
@@ -104,6 +111,19 @@ def read_worker_layout(h: DatabaseHandle, where: str, whole: bool = False) -> di
         if m is not None:
             return {k: int(v) for k, v in zip(("epoch", "shard_bits", "worker", "workers"), m.groups())}
     return decode_json(WORKER_LAYOUT_MAGIC, rec, f"{where} layout record")
+
+
+def check_source(h: DatabaseHandle, old: Layout, worker: int, where: str, root: str) -> None:
+    """A change moves state only from a database that holds worker ``worker``'s state of ``old`` (or none yet):
+    else RecoveryError naming the database ``where`` (runtime/rescale.py invariant 5)."""
+    rec = read_worker_layout(h, where)
+    if rec is not None and (int(rec["epoch"]), int(rec["worker"])) != (old.epoch, worker):
+        raise RecoveryError(
+            f"{root}: moving state from layout epoch {old.epoch} (LAYOUT), but {where} holds the state of worker "
+            f"{rec['worker']} of layout epoch {rec['epoch']}: the shards it moved away would be read from a database "
+            f"that no longer holds them, and their groups would restart from empty. Nothing was changed. The "
+            f"directory was written mid-way through a live rescale (a checkpoint taken during the move); restore it "
+            f"from a copy taken before, or run `dbsp repair` to see what it can save")
 
 
 def _halves_at(z: ZSet, key: tuple[str, ...], bit: int) -> tuple[ZSet, ZSet]:
@@ -279,43 +299,83 @@ def _cat(parts: list[ZSet], spec: TableSpec) -> ZSet:
     return ZSet.concat(parts) if len(parts) > 1 else parts[0]
 
 
+def _outgoing(h: DatabaseHandle, w: int, old: Layout, new: Layout, specs: dict[str, TableSpec], where: str,
+              to: int | None = None) -> tuple[list[tuple[str, bytes, bytes]], dict[str, dict[int, int]]]:
+    """The values of worker ``w``'s database (``h``, at layout ``old``) that leave it for layout ``new`` when the
+    shard count stays (all of them for a leaving worker; only ``to``'s, when given), as ``(table, key, value)``,
+    and the batch counts of each trace table they come from (:func:`_batch_counts`). Reads only the key ranges of
+    the shards ``w`` gives up (invariant 1)."""
+    src_owner, dst_owner = old.shard_map.part_of_shard, new.shard_map.part_of_shard
+    tables = _state_tables(h)
+    _check_known(tables, specs, f"{where} worker {w}")
+    if w >= new.workers:
+        ranges: list[tuple[bytes | None, bytes | None]] = [(None, None)]
+    else:
+        away = np.flatnonzero((src_owner == w) & (dst_owner != w if to is None else dst_owner == to))
+        ranges = [(shard_key(a, b""), shard_key(b, b"") if b < len(src_owner) else None)
+                  for a, b in shard_runs(away)]
+    out: list[tuple[str, bytes, bytes]] = []
+    counts: dict[str, dict[int, int]] = {}
+    for t in tables:
+        got = []
+        for a, b in ranges:
+            got.extend(h.scan(t, a, b))
+        got = [(k, v) for k, v in got if int(dst_owner[_shard_of(k)]) != w
+               and (to is None or int(dst_owner[_shard_of(k)]) == to)]
+        if not got:
+            continue
+        if specs[t].kind == "trace":
+            counts[t] = _batch_counts(h, t, f"{where} worker {w}")
+        out.extend((t, k, v) for k, v in got)
+    return out, counts
+
+
 def _move_same_bits(handles: dict[int, DatabaseHandle], old: Layout, new: Layout, specs: dict[str, TableSpec],
                     where: str, measure_total: bool) -> dict:
     """:func:`relayout_group` when the shard count stays: reads only the values that move (key ranges of the
     shards each worker gives up; everything of a leaving worker), so its cost follows the moved bytes."""
-    src_owner, dst_owner = old.shard_map.part_of_shard, new.shard_map.part_of_shard
-    moving = np.flatnonzero(src_owner != dst_owner)
+    dst_owner = new.shard_map.part_of_shard
+    moving = np.flatnonzero(old.shard_map.part_of_shard != dst_owner)
     total = sum(state_bytes(h) for h in handles.values()) if measure_total else None
     incoming: dict[int, list[tuple[int, str, bytes, bytes]]] = {w: [] for w in handles}
     counts: dict[tuple[int, str], dict[int, int]] = {}
     moved_bytes = 0
     for w, h in handles.items():
-        tables = _state_tables(h)
-        _check_known(tables, specs, f"{where} worker {w}")
-        if w >= new.workers:
-            ranges: list[tuple[bytes | None, bytes | None]] = [(None, None)]
-        else:
-            away = np.flatnonzero((src_owner == w) & (dst_owner != w))
-            ranges = [(shard_key(a, b""), shard_key(b, b"") if b < len(src_owner) else None)
-                      for a, b in shard_runs(away)]
-        for t in tables:
-            out = []
-            for a, b in ranges:
-                out.extend(h.scan(t, a, b))
-            out = [(k, v) for k, v in out if int(dst_owner[_shard_of(k)]) != w]
-            if not out:
-                continue
-            if specs[t].kind == "trace":
-                counts[(w, t)] = _batch_counts(h, t, f"{where} worker {w}")
-            for k, v in out:
-                incoming[int(dst_owner[_shard_of(k)])].append((w, t, k, v))
-                moved_bytes += len(v)
-                h.delete(t, k)  # the source's order record keeps the number; a load skips numbers with no value
+        out, cnt = _outgoing(h, w, old, new, specs, where)
+        counts.update({(w, t): c for t, c in cnt.items()})
+        for t, k, v in out:
+            incoming[int(dst_owner[_shard_of(k)])].append((w, t, k, v))
+            moved_bytes += len(v)
+            h.delete(t, k)  # the source's order record keeps the number; a load skips numbers with no value
     _import(handles, incoming, specs, counts, where)
     for w, h in handles.items():
         write_worker_layout(h, new, w)
     return {"moved_shards": int(len(moving)), "moved_bytes": int(moved_bytes), "total_bytes": total,
             "rekeyed_values": 0}
+
+
+def moving_to(h: DatabaseHandle, source: int, target: int, old: Layout, new: Layout, specs: dict[str, TableSpec],
+              where: str) -> tuple[list[tuple[int, str, bytes, bytes]], dict[tuple[int, str], dict[int, int]]]:
+    """One worker's database at a time, for a change that keeps the shard count (invariant 5): the values of
+    ``source``'s database (``h``, read only) that move to worker ``target``, as ``(source, table, key, value)``, and
+    the batch counts of their trace tables by ``(source, table)``; :func:`build_target` takes them."""
+    out, cnt = _outgoing(h, source, old, new, specs, where, to=target)
+    return [(source, t, k, v) for t, k, v in out], {(source, t): c for t, c in cnt.items()}
+
+
+def build_target(h: DatabaseHandle, target: int, old: Layout, new: Layout, specs: dict[str, TableSpec],
+                 incoming: list[tuple[int, str, bytes, bytes]], counts: dict[tuple[int, str], dict[int, int]],
+                 where: str) -> int:
+    """Invariant 5: make ``h`` (a write handle on ``target``'s database at ``old``: its own one, or an empty one for
+    a joining worker) hold ``target``'s state of ``new``: the values it gives up are deleted and ``incoming`` (what
+    :func:`moving_to` read from every other source) is put under new numbers, exactly as :func:`relayout_group`
+    changes ``target``'s database. Returns the bytes moved in."""
+    if target < old.workers:
+        for t, k, _ in _outgoing(h, target, old, new, specs, where)[0]:
+            h.delete(t, k)
+    _import({target: h}, {target: incoming}, specs, counts, where)
+    write_worker_layout(h, new, target)
+    return sum(len(v) for *_, v in incoming)
 
 
 def _import(handles: dict[int, DatabaseHandle], incoming: dict[int, list[tuple[int, str, bytes, bytes]]],
@@ -352,6 +412,32 @@ def _import(handles: dict[int, DatabaseHandle], incoming: dict[int, list[tuple[i
             cnt = [counts.get((back[n][0], t), {}).get(int.from_bytes(back[n][1], "big"), 1) for n in numbers]
             write_order(h, t, order[0] + numbers, order[1] + cnt, order[2])
         write_next(h, nxt)
+
+
+@contextmanager
+def change_handles(paths: dict[int, str], version: int, fresh: Iterable[int] = (), vfs: str = "posix"
+                   ) -> Iterator[dict[int, DatabaseHandle]]:
+    """Write handles on ``version`` of the databases ``paths`` (worker -> path; a worker in ``fresh`` gets a new,
+    empty one there, at ``version``), for :func:`relayout_group`; on exit every handle is closed (what was not
+    committed is discarded) and every database too."""
+    fresh = set(fresh)
+    dbs: dict[int, Database] = {}
+    handles: dict[int, DatabaseHandle] = {}
+    try:
+        for w, path in paths.items():
+            if w in fresh:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                dbs[w] = Database.create(path, version, vfs=vfs)
+            else:
+                dbs[w] = Database(path, vfs=vfs)
+            handles[w] = dbs[w].open(version)
+        yield handles
+    finally:
+        for h in handles.values():
+            if not h.closed:
+                h.close()
+        for db in dbs.values():
+            db.close()
 
 
 def relayout_group(handles: dict[int, DatabaseHandle], old: Layout, new: Layout, specs: dict[str, TableSpec],

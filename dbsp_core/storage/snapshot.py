@@ -270,6 +270,9 @@ class WorkerSnapshot:
         self._dropped: list[tuple[str, list[bytes]]] = []  # invariant 9: (table, keys) the next save deletes
         self.batch_store: Any = None
         self.batch_dir: str | None = None
+        # called with each trace :meth:`load` has restored, before the next is read (a stage task's memory budget
+        # is enforced there: runtime/stage_task.py invariant 7)
+        self.after_trace: Any = None
         self._key_file: dict[bytes, str] = {}
 
     def referenced(self) -> set[str]:
@@ -592,6 +595,8 @@ class WorkerSnapshot:
             for name in traces:
                 rows += self._load_trace(h, trace_table(src, name), getattr(inst, name), where,
                                          known.get(trace_table(src, name), {}), listing)
+                if self.after_trace is not None:
+                    self.after_trace(getattr(inst, name))
             for name in zsets:
                 cur: ZSet = getattr(inst, name)
                 table = zset_table(src, name)

@@ -16,7 +16,7 @@ Invariant (trace invariant 11, enforced here):
      3/4 full) hold more than INDEX_RATIO times its trace's rows (their data, weight and key hash) costs more memory
      than the state it serves for little speed (the walk over the batches reads a consolidated change in key-hash
      order, as they are) and is dropped for good, quietly: the trace walks its batches. It always passes (a copy of
-     every column, a head word and the weight), so a large distinct keeps its rows only. A key index (an
+     every column and the weight, and a slot word), so a large distinct keeps its rows only. A key index (an
      aggregate's, a join's) is about as large as its trace's rows when each key has one row, and is kept: it serves
      an aggregate's one-pass step, several times faster than the walk.
      A deferred change (trace invariant 14) parks the index instead of folding: the trace holds it aside
@@ -94,8 +94,8 @@ class KeyIndexed:
         column ``c`` is not null), per trace key (``on="key"``: serves :meth:`key_sums` of int64 columns, and
         :meth:`index_for_update`) or per whole row (``on="row"`` with ``(None,)``: serves :meth:`match_weights`).
         Returns whether the index is kept: only for keys of fixed-width columns (no strings), and not when
-        ``DBSP_KEY_INDEX=0``. Costs memory beside the batches (about 8 bytes per key column and sum, plus 8, per
-        key, over a table at most 3/4 full); a trace whose index would pass ``DBSP_KEY_INDEX_MB`` (by default an
+        ``DBSP_KEY_INDEX=0``. Costs memory beside the batches (per key, 8 bytes per key column and sum, and a slot
+        word of 8 in a table at most 3/4 full); a trace whose index would pass ``DBSP_KEY_INDEX_MB`` (by default an
         eighth of the memory, at least 512 MiB: dbsp_core/trace/sizing.py), or take the indexes of the process past
         ``DBSP_KEY_INDEX_TOTAL_MB`` together, drops it with an IndexDroppedWarning and walks its batches as without
         one."""
@@ -152,7 +152,26 @@ class KeyIndexed:
         limit = int(key_index_sizing().index_mb * 2**20)  # the first index built sizes them all (sizing.py)
         ix = _zset.KeyIndex([self.schema.field(n).type for n in names], len(cols), limit)
         ix.token = self._token
+        if self._store is not None:  # under a memory budget: its large regions are files (spill.py invariant 17)
+            ix.set_dir(self._store.directory)
         return ix
+
+    def _index_to_files(self, directory: str) -> None:
+        """The trace joins a BatchStore: its key index, if any, keeps its large regions in files of ``directory``
+        (csrc/keyindex.h invariant 7, spill.py invariant 17)."""
+        for ix in (self._kix, self._kix_parked):
+            if ix is not None:
+                try:
+                    ix.set_dir(directory)
+                except MemoryError as exc:  # as a failed fold: this trace walks its batches from now on
+                    self._drop_index(exc)
+                    return
+
+    @property
+    def held_index(self) -> Any:
+        """The key index held (current or parked), None without one: what a BatchStore's cache evicts (spill.py
+        invariant 17)."""
+        return self._kix if self._kix is not None else self._kix_parked
 
     def _index_args(self, b: "IndexedZSet") -> tuple:
         """(view, key positions, key hashes, sum positions) of a batch for the key index."""
@@ -235,11 +254,11 @@ class KeyIndexed:
                         else 8 for f in self.schema)
 
     def _weigh_index(self) -> None:
-        """Drop a whole-row index for good when it is past INDEX_FLOOR and its entries, at the table's fullest (3/4:
-        a slot of 1 + key columns + sums words per entry, csrc/keyindex.h invariant 3), hold more than INDEX_RATIO
-        times the bytes of the trace's rows (invariant 11). Weighed when the table's size changes; by its entries,
-        not by its table, so a table just doubled (or its old half still beside it, while it grows) does not
-        count against it."""
+        """Drop a whole-row index for good when it is past INDEX_FLOOR and its entries, with their slot words at the
+        table's fullest (an entry of key columns + sums words and a slot word at 3/4 full per key, csrc/keyindex.h
+        invariant 3), hold more than INDEX_RATIO times the bytes of the trace's rows (invariant 11). Weighed when
+        the index's size changes; by its entries, not by its table, so a table just doubled (or its old half still
+        beside it, while it grows) does not count against it."""
         ix = self._kix
         if ix is None or self._kix_spec[0] != "row":
             return
@@ -247,7 +266,7 @@ class KeyIndexed:
         if size <= self.INDEX_FLOOR or size == self._kix_seen:
             return
         self._kix_seen = size
-        entries = len(ix) * (1 + ix.nkeys + ix.nvals) * 8 * 4 // 3
+        entries = len(ix) * ((ix.nkeys + ix.nvals) * 8 + 8 * 4 // 3)
         if entries > self.INDEX_RATIO * self.num_rows * self._row_bytes():
             self._kix, self._kix_off = None, True  # a choice, not a failure: no warning
 
@@ -300,6 +319,10 @@ class KeyIndexed:
             ix = self._index(spec, self._read())  # a stale index: the third read that wants it rebuilds it
             if ix is None:
                 return None
+        else:
+            store = self._store if self._store is not None else self._attach()
+            if store is not None:  # no batch is read, but the index is: its pages count as used (spill.py inv. 17)
+                store.note_read(self, whole=False)
         ix.token = None
         return ix
 

@@ -5,7 +5,11 @@ dbsp_core/trace/merge_thread.py, 11 the key index's, dbsp_core/trace/keyindex.py
 dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lookups ask its Bloom filter first):
   1. Every batch is a consolidated IndexedZSet on the trace's key, rows ascending by key hash; the trace's
      content is the sum of its batches: the loose batches of every level, both inputs of every merge in
-     progress, and the pending batches (the same row may sit in several batches until they merge).
+     progress, and the pending batches (the same row may sit in several batches until they merge). Inserted
+     and merged batches keep their row hashes (8 B a row), so merges order rows of meeting keys without hashing
+     them, unless the trace is made with ``row_hashes=False``: then no batch keeps them (merges hash the rows
+     whose keys meet and differ, csrc/merge.h), for state that is read by key only, whose memory counts more
+     than its merges' hashing (a linear aggregate's partial totals, dbsp_core/operators/aggregate.py).
   2. A batch's work is the number of rows inserted into it, not its size: an inserted batch's work is its row
      count; a merge's output has its inputs' summed work, capped at WORK_CAP times its own rows. The batch
      sits at level ``ceil(log2(work))``, and a merge only joins two batches of one level. So the output of a
@@ -100,10 +104,10 @@ def level_of(work: int) -> int:
 class _Merge:
     """A merge in progress of two batches of one level; its inputs stay readable until it finishes."""
 
-    __slots__ = ("a", "b", "work", "cursor", "_out", "shared", "store", "dropped")
+    __slots__ = ("a", "b", "work", "cursor", "_out", "shared", "store", "dropped", "scratch")
 
-    def __init__(self, a: tuple[int, "IndexedZSet", int], b: tuple[int, "IndexedZSet", int], store: Any = None
-                 ) -> None:
+    def __init__(self, a: tuple[int, "IndexedZSet", int], b: tuple[int, "IndexedZSet", int], store: Any = None,
+                 row_hashes: bool = True) -> None:
         from dbsp_core.zset import merge_cursor
 
         self.a, self.b = a, b  # (placement number, batch, work)
@@ -112,10 +116,11 @@ class _Merge:
         # says it does not fit what the budget has left (spill.py invariant 12)
         self.store = store
         where = store.merge_dir(a[1], b[1]) if store is not None else None
-        self.cursor = merge_cursor(a[1], b[1], row_hashes=True, spill_dir=where)
+        self.cursor = merge_cursor(a[1], b[1], row_hashes=row_hashes, spill_dir=where)  # (invariant 1)
         self._out: IndexedZSet | None = None
         self.shared: SharedMerge | None = None  # set when handed to a MergeThread (invariant 10)
         self.dropped = 0  # input rows consumed when the output's pages last left the process (store.merge_pages_out)
+        self.scratch: tuple = ()  # drop() of each input read from a merge's scratch file (not spilled yet: Trace._work)
 
     def renumbered(self, pa_: int, pb: int) -> "_Merge":
         """The same merge (sharing its progress) with its inputs at placement numbers ``pa_`` and ``pb``: a new
@@ -123,7 +128,7 @@ class _Merge:
         m = object.__new__(_Merge)
         m.a, m.b = (pa_,) + self.a[1:], (pb,) + self.b[1:]
         m.work, m.cursor, m._out, m.shared, m.store = self.work, self.cursor, self._out, self.shared, self.store
-        m.dropped = self.dropped
+        m.dropped, m.scratch = self.dropped, self.scratch
         return m
 
     def step(self, budget: int) -> int:
@@ -137,6 +142,8 @@ class _Merge:
         while True:
             used += self.cursor.step(min(max(budget - used, 1), self.DROP_ROWS))
             self.store.merge_pages_out(self)
+            for drop in self.scratch:  # the pages read of an input still in its scratch file leave too
+                drop()
             if used >= budget or self.cursor.done:
                 return used
 
@@ -223,13 +230,19 @@ class Trace(KeyIndexed):
     PRUNE_MIN = 4096  # rows inserted before drop_below scans at all (invariant 8)
     DEFER_RATE = 2  # rows of deferred work (index folds; merge input rows per level) an insert pays per row it
     # inserts (invariant 14): the live rescale pays the rest between steps, so a small step stays small
+    row_hashes = True  # whether its batches keep their row hashes (invariant 1; a trace object made without
+    # __init__, as a restore may make one, keeps them)
+    SPILL_AT_WORK_END = True  # a merge output built on disk is spilled at the end of the _work that installed it
+    # (one merged away by then is never written), else when installed
+    _unspilled: "list | None" = None  # those outputs, during a _work
     INLINE_MERGE = 4096  # work (input rows) up to which a merge is not handed to the merge thread (invariant 10):
     # handing over a small step's merge (lock, wake-up, GIL hand-offs) cost more than merging it by fuel here
     # (1k-row steps on 1M rows, 600 steps alternated twice: mean 5-15% lower for distinct, group_by and join)
 
-    def __init__(self, schema: pa.Schema, key: tuple[str, ...]) -> None:
+    def __init__(self, schema: pa.Schema, key: tuple[str, ...], row_hashes: bool = True) -> None:
         self.schema = schema
         self.key = tuple(key)
+        self.row_hashes = row_hashes  # its batches keep their row hashes (invariant 1)
         self.merged_rows = 0  # input rows consumed by merges, ever (counts, not timings, for tests and benchmarks)
         self.inserted_rows = 0  # rows inserted, ever
         self._by_level: list[_Level] = []
@@ -264,7 +277,8 @@ class Trace(KeyIndexed):
             if indexed is not None:
                 self.index_done(indexed)
             return
-        batch._row_hashes()  # kept with the batch: merges order meeting keys without hashing (csrc/merge.h)
+        if self.row_hashes:
+            batch._row_hashes()  # kept with the batch: merges order meeting keys without hashing (csrc/merge.h)
         if self._store is None:
             self._attach()
         prev = self._changed()
@@ -333,6 +347,27 @@ class Trace(KeyIndexed):
         MergeThread in force, start merges and hand them over, paying fuel only for due ones (invariant 10)."""
         fuel = max(1, int(self.FUEL * rows)) if rows else 0
         mt = current_merge_thread()
+        self._unspilled = []
+        try:
+            self._merge_levels(fuel, mt)
+        finally:
+            self._spill_outputs()
+
+    def _spill_outputs(self) -> None:
+        """Spill the merge outputs built on disk by this work that no merge of the level above took in and finished
+        meanwhile (spill.py invariant 12); those merged away are never written."""
+        outputs, self._unspilled = self._unspilled, None
+        if not outputs:
+            return
+        alive = {id(b) for b in self._levels()}
+        for out, cursor, store in outputs:
+            if id(out) in alive:
+                store.spill_output(out, cursor)
+            else:
+                store.stats["outputs_never_written"] += 1
+
+    def _merge_levels(self, fuel: int, mt: Any) -> None:
+        """:meth:`_work`'s merging, its outputs built on disk left to spill to :meth:`_spill_outputs`."""
         handed = False
         lvl = 0
         while lvl < len(self._by_level):  # a finished merge may add a level above
@@ -371,7 +406,9 @@ class Trace(KeyIndexed):
         if self._store is not None and self._store._unchecked:  # the merge reads every row (spill.py invariant 14)
             self._store.check(level.loose[0][1])
             self._store.check(level.loose[1][1])
-        m = _Merge(level.loose[0], level.loose[1], self._store)
+        m = _Merge(level.loose[0], level.loose[1], self._store, self.row_hashes)
+        if self._unspilled:  # an input is an output of this work still read from its scratch file
+            m.scratch = tuple(c.drop for o, c, _s in self._unspilled if o is m.a[1] or o is m.b[1])
         if handing and m.work > self.INLINE_MERGE:
             m.shared = SharedMerge()
         self._by_level[lvl] = _Level(level.loose[2:], m)
@@ -385,8 +422,11 @@ class Trace(KeyIndexed):
             m.shared.merged = 0
         out = m.result()
         if len(out):
-            if m.cursor.mapping is not None and m.store is not None:  # built in a scratch file: to its batch file
-                m.store.spill_output(out, m.cursor)  # now, a piece at a time (spill.py invariant 12)
+            if m.cursor.mapping is not None and m.store is not None:  # built in a scratch file: to its batch file,
+                if self._unspilled is not None and self.SPILL_AT_WORK_END:  # a piece at a time (spill.py invariant
+                    self._unspilled.append((out, m.cursor, m.store))  # 12), at the end of the work, or now
+                else:
+                    m.store.spill_output(out, m.cursor)
             self._place(out, min(m.work, self.WORK_CAP * len(out)))
 
     def install_finished(self, thread: "MergeThread | None" = None) -> int:
@@ -426,10 +466,10 @@ class Trace(KeyIndexed):
         The seam of the batch store (invariant 12, dbsp_core/trace/spill.py): a spilled batch is read in place from
         its file's mapping; the read marks the trace's files used for the store's cache, and a batch of a file
         opened lazily is checked first (spill.py invariant 14), whole unless ``pages`` (the caller checks the
-        pages it reads: :meth:`lookup`)."""
+        pages it reads, and reports them to the store's cache: :meth:`lookup`, :meth:`narrowed`)."""
         store = self._store if self._store is not None else self._attach()
         if store is not None:
-            store.note_read(self)
+            store.note_read(self, whole=not pages)
         if self._fresh:
             self.settle()
             self._fresh = False
@@ -447,6 +487,28 @@ class Trace(KeyIndexed):
         (``_index``; spill.py invariant 14); a current index reads no row."""
         return self._read(pages=True)
 
+    def walked(self, keys: np.ndarray | None = None) -> list["IndexedZSet"]:
+        """Every batch (as :attr:`batches`), for a join's walks of a change's keys that go through :meth:`narrowed`,
+        which checks the pages each walk reads of a lazily opened file and reports them to the store's cache
+        (spill.py invariants 12 and 14): such a read uses the pages of its keys, not the whole files. ``keys``: the
+        key hashes of the change, whose pages of spilled batches start being read first (:meth:`prefetch`; a
+        join's walk reads no row hashes)."""
+        out = self._read(pages=True)
+        if keys is not None:
+            self.prefetch(out, keys, row_hashes=False)
+        return out
+
+    def prefetch(self, batches: list["IndexedZSet"], hashes: np.ndarray, row_hashes: bool = True) -> None:
+        """Before walks seek key hashes ``hashes`` in ``batches``: start reading the pages they will read of the
+        spilled ones (their row hashes too unless ``row_hashes`` is False), all batches before the first walk, so
+        that the reads overlap instead of each walk waiting for its page faults one at a time (spill.py
+        ``BatchStore.prefetch``, invariant 12)."""
+        store = self._store
+        if store is None or len(hashes) == 0 or not store.prefetching():
+            return
+        for b in batches:
+            store.prefetch(b, hashes, row_hashes)
+
     def _check_probe(self, b: "IndexedZSet", hashes: np.ndarray) -> None:
         """Before a C walk seeks ``hashes`` (ascending) in ``b`` through its fence and reads the rows found: check
         those pages when ``b`` is read from a lazily opened file (spill.py invariant 14)."""
@@ -458,13 +520,21 @@ class Trace(KeyIndexed):
             if len(asked):
                 store.check_rows(b, b.lookup(asked))
 
-    def _check_files(self) -> None:
+    def _check_files(self, reads_all: bool = True) -> None:
         """Check every batch read from a lazily opened file whole (spill.py invariant 14): before a read of rows
-        that does not go through :meth:`_read` (a shard cut, :meth:`drop_below`)."""
+        that does not go through :meth:`_read` (a shard cut, :meth:`drop_below`, a key index build). A read of
+        every row (``reads_all``: not a cut, which seeks key hashes), or a check, touches every page of the spilled
+        batches: they count as used for the store's cache (invariant 12), which else never evicted them."""
         store = self._store
-        if store is not None and store._unchecked:
+        if store is None:
+            return
+        checked = False
+        if store._unchecked:
             for b in self._levels() + self.pending:
+                checked = checked or id(b) in store._unchecked
                 store.check(b)
+        if reads_all or checked:
+            store.note_read(self)
 
     def _attach(self) -> Any:
         """Register with the BatchStore in force on this thread, if any (invariant 12); returns it."""
@@ -472,6 +542,7 @@ class Trace(KeyIndexed):
         if store is not None:
             store.register(self)
             self._store = store
+            self._index_to_files(store.directory)  # spill.py invariant 17
         return store
 
     def _filtered(self, b: "IndexedZSet", hashes: np.ndarray) -> np.ndarray:
@@ -484,13 +555,17 @@ class Trace(KeyIndexed):
         """``change`` (an indexed batch whose key hashes are comparable with batch ``b``'s) less the rows whose key
         ``b``'s Bloom filter rules out when ``b`` is spilled (invariant 12: a walk of the change against ``b`` then
         seeks only keys ``b`` may hold, so an absent key touches no page of it), and the row numbers kept: (change,
-        None) when ``b`` is in memory or every row may match, (None, None) when none may."""
+        None) when ``b`` is in memory or every row may match, (None, None) when none may. Checks the pages the walk
+        reads of a lazily opened file (spill.py invariant 14) and reports them to the store's cache (invariant 12):
+        callers read the trace with :meth:`walked`."""
         f = self._store.file_of(b) if self._store is not None and len(change) else None
         if f is None:
             return change, None
+        self._check_probe(b, change.key_hash)
         keep = f.may_contain(change.key_hash)
         n = int(keep.sum())
         self._store.stats["keys_sought"] += n
+        self._store.note_pages(self, b, change.key_hash[keep])  # the pages the walk reads (invariant 12)
         if n == len(keep):
             return change, None
         if n == 0:
@@ -574,11 +649,15 @@ class Trace(KeyIndexed):
         if len(hashes) == 0:
             return out
         store = self._store
-        for b in self._read(pages=True):
+        batches = self._read(pages=True)
+        self.prefetch([b for b in batches if len(b) >= dense_ratio * len(hashes)], hashes)
+        for b in batches:
             lazy = store is not None and id(b) in store._unchecked  # check what it reads (spill.py invariant 14)
             if len(b) < dense_ratio * len(hashes):
                 if lazy:
                     store.check(b)
+                if store is not None:
+                    store.note_pages(self, b)  # passed on whole: every page of it may be read
                 out.append(b)
                 continue
             if lazy:
@@ -586,11 +665,12 @@ class Trace(KeyIndexed):
             asked = self._filtered(b, hashes)
             if len(asked) == 0:
                 continue
-            if store is not None and store.is_spilled(b):
-                store.stats["keys_sought"] += len(asked)
             idx = b.lookup(asked)  # one galloping C call per batch
             if lazy:
                 store.check_rows(b, idx)
+            if store is not None and store.is_spilled(b):
+                store.stats["keys_sought"] += len(asked)
+                store.note_pages(self, b, asked, idx)
             if len(idx) == len(b):
                 out.append(b)
             elif len(idx):
@@ -611,10 +691,10 @@ class Trace(KeyIndexed):
                 return acc  # invariant 11: one probe per row instead of a walk per batch
             view, schema = change._view(), change.schema
             rh = change._row_hashes()  # rows of one key are in row-hash order: gallop within a big group's run
+            self.prefetch([b for b in batches if b.schema.equals(schema)], change.key_hash)
             for b in batches:
                 same = b.schema.equals(schema)  # a cast batch's hashes are not the change's: walk it plainly
                 if same:
-                    self._check_probe(b, change.key_hash)
                     sub, rows = self.narrowed(b, change)  # a spilled batch: the rows its filter may hold
                     if sub is None:
                         continue
@@ -626,6 +706,7 @@ class Trace(KeyIndexed):
                         continue
                 elif self._store is not None:
                     self._store.check(b)
+                    self._store.note_pages(self, b)  # a plain walk: any page of it
                 _zset.match_weights(view, None, None, b._view_as(schema), None, None, acc,
                                     rh if same else None, b._row_hashes() if same else None)
         return acc
@@ -669,11 +750,14 @@ class Trace(KeyIndexed):
             if self._index_sums(("key", tuple(columns)), batches, view, ppos, khash, rows, acc):
                 return acc  # invariant 11: one probe per key
             spilled = self._store is not None and any(self._store.is_spilled(b) for b in batches)
+            if spilled:
+                self.prefetch(batches, khash, row_hashes=False)  # (the sums read keys and values, not row hashes)
             for b in batches:
                 self._check_probe(b, khash)
                 if spilled and self._store.is_spilled(b):  # invariant 12: only the keys its filter may hold
                     keep = self._store.file_of(b).may_contain(khash)
                     self._store.stats["keys_sought"] += int(keep.sum())
+                    self._store.note_pages(self, b, khash[keep])  # the pages the walk reads (invariant 12)
                     if not keep.any():
                         continue
                     if not keep.all():

@@ -19,6 +19,8 @@ import threading
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator
 
+from dbsp_core.trace.at_exit import stop_at_exit
+
 if TYPE_CHECKING:
     from dbsp_core.trace.levels import Trace
 
@@ -67,6 +69,7 @@ class MergeThread:
         self.merged_rows = 0  # input rows merged on this thread, ever
         self._thread = threading.Thread(target=self._loop, name="dbsp-merge-thread", daemon=True)
         self._thread.start()
+        stop_at_exit(self)  # a pipeline never closed: stopped before Python finalizes (at_exit.py)
 
     def __enter__(self) -> "MergeThread":
         return self
@@ -94,6 +97,9 @@ class MergeThread:
             self._cond.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join()
+
+    def _stop_for_exit(self) -> None:
+        self.close()
 
     def _loop(self) -> None:
         while True:

@@ -48,9 +48,9 @@ def _value(setting: float | str | None, name: str) -> float | None:
 def key_index_mb(setting: float | str | None, memory: int | None, name: str = "DBSP_KEY_INDEX_MB") -> float:
     """The size limit of one key index in MiB (trace invariant 11): ``DBSP_KEY_INDEX_MB`` when set (``setting``, its
     value or its text: a positive number), else an eighth of the process's memory (:func:`memory_bytes`), at least
-    512 MiB (512 MiB when unknown). An index holds about 1.5 to 3 times its trace's bytes per key (a table 3/8 to
-    3/4 full), so a limit that does not grow with the machine would turn the indexes off exactly where the state is
-    large (at 10M groups a two-sum index needs 640 MiB).
+    512 MiB (512 MiB when unknown). An index holds about its trace's bytes per key (an entry of the key and sums,
+    and a slot word in a table 3/8 to 3/4 full), so a limit that does not grow with the machine would turn the
+    indexes off exactly where the state is large (at 10M groups a two-sum index needs about 360 MiB).
 
     >>> key_index_mb(None, 24 * 2**30), key_index_mb(None, 2 * 2**30), key_index_mb(None, None), key_index_mb("64", None)
     (3072.0, 512.0, 512.0, 64.0)

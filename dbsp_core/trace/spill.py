@@ -23,26 +23,51 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      by that ``enforce``. Until then the batch is read from memory as before: the budget is exceeded by the
      batches not written yet, at most ``ASYNC_SHARE`` of the limit (or the one batch being handed over): beyond
      it ``enforce`` waits for the writes first (:meth:`BatchStore.settle`, which also switches them). Writes
-     through a VFS other than posix (the fault-injecting one of crash tests) stay on the calling thread, so their
-     I/O order is the step's.
+     through a VFS not in ``ASYNC_VFS`` (the fault-injecting one of crash tests, unless a test adds it) stay on the
+     calling thread, so their I/O order is the step's.
      A merge is paid for in memory only when its output fits what the budget has left (:meth:`BatchStore.merge_dir`:
      its inputs' bytes, an upper bound of its output's, against the batch share less the bytes in memory at the last
      ``enforce`` and the merges started in memory since); a bigger one (from ``FILE_MERGE_MIN`` bytes on) builds
      its output in a shared mapping of an unlinked scratch file in the store's directory, and every DROP_ROWS input
      rows (levels.py ``_Merge.step``) the pages it wrote and the pages it read of spilled inputs leave the process
      (madvise: the written ones stay the file's, in the page cache, which writes them back). When it finishes, the
-     output is spilled at once (:meth:`BatchStore.spill_output`), its batch file streamed from the scratch mapping
-     a piece at a time (batchfile.py ``write_batch``), so neither the merge nor its spill holds the output in
-     memory. A merge in memory's output written so far counts in the budget (``merge_bytes``); a smaller output
-     is spilled, if need be, by a later ``enforce``. A file is deleted when its batch object is gone (merged
+     output is spilled (:meth:`BatchStore.spill_output`) at the end of the insert's merge work (levels.py
+     ``Trace._work``), its batch file streamed from the scratch mapping a piece at a time (batchfile.py
+     ``write_batch``), so neither the merge nor its spill holds the output in memory; an output that a merge of
+     the level above took in and finished within the same work (a big step's merges cascade up the levels) is
+     never written (``outputs_never_written``). A merge in memory's output written so far counts in the budget
+     (``merge_bytes``); a smaller output is spilled, if need be, by a later ``enforce``. A file is deleted when its batch object is gone (merged
      away, dropped). While a store lives, the C region cache (freed merge buffers kept for reuse, csrc/scratch.h)
      keeps at most ``memory_limit * REGION_CACHE_SHARE`` bytes.
-     The cache: the pages of mapped files that reads touched are resident (the OS page cache, file-backed and
-     clean: the kernel can drop them at any time). The store bounds them too: every trace read in a step marks
-     its spilled files used; when the files used since their last eviction add up to more than
-     ``memory_limit * CACHE_SHARE`` bytes, the least recently used are evicted (madvise(MADV_DONTNEED): their pages
-     leave the process; a later read faults them back from the page cache or the disk). The spill thread does the
-     madvise calls (posix VFS), off the step: unmapping a big file's resident pages takes tens of milliseconds.
+     The cache: the pages of mapped files that reads touched are resident (the OS page cache, file-backed and clean: the
+     kernel can drop them at any time). The store bounds them too, page by page (``mmap.PAGESIZE``): a read of some
+     keys in a spilled batch (``Trace.lookup``, ``key_sums``, ``narrowed`` for ``match_weights`` and the join walks
+     over ``Trace.walked``) reports the pages it reads (:meth:`BatchStore.note_pages`: from the fence in memory, the
+     key-hash pages its seek reads and the pages of the rows it finds or, for a walk, of the rows the fence places
+     each key among: ``BatchFile.pages_read``); any other read of a trace (``Trace._read`` without ``pages``: it may
+     touch any row) uses every page of its spilled batches. ``enforce`` adds the pages used since the last one to
+     the cache, stamped with its count (a clock per page of each file, 4 bytes per 4 KiB); when the cache holds more
+     than ``memory_limit * CACHE_SHARE`` bytes, the pages of the oldest reads not used since are evicted
+     (madvise(MADV_DONTNEED) over each run of adjacent pages, in C without the GIL, up to 1024 runs a system call
+     (``_storage.advise_pages``: process_madvise, or a madvise per run on a kernel that refuses it): they leave the
+     process; a later read faults them back from the page cache or the disk). So a step's working set (O(changed
+     keys) pages) stays cached across steps however big the files, and a file's other pages never count. The
+     accounting costs the step a few numpy operations per spilled batch read and the kernel's work per run of pages
+     evicted. A read fault maps besides its page the page-cache pages of the aligned 64 KiB around it (the kernel's
+     fault-around), which no read counted, so the files' mappings hold several times the cache's pages (clean pages
+     the kernel may take back: a 10M-row join under 100 MiB, 175 MiB against the cache's 25; bench/RESULTS.md,
+     2026-11-29). With ``EVICT_AROUND`` an eviction drops the pages of those 64 KiB too, but for the pages the cache
+     holds (``_around``): the mappings then hold the cache's pages and at most the rest of their 64 KiB (108 MiB
+     there), and steps fault more. A merge of spilled inputs drops their pages when it drops its own
+     (``merge_pages_out``).
+     Prefetch: a read of some keys names its pages before it walks (the same fence in memory), so ``Trace.lookup``,
+     ``key_sums``, ``match_weights`` and the join walks (``Trace.walked`` with the change's key hashes) first call
+     :meth:`BatchStore.prefetch` for every spilled batch they will seek: a madvise(MADV_WILLNEED) per run of the
+     pages its filter-passed keys read (batched as the evictions) and the cache does not hold, in C without the GIL, which starts their reads
+     and returns; the walks then find the pages in the page cache (or being read) instead of waiting for each
+     fault in turn, so a cold step waits for about one disk round trip instead of one per page. It is done while
+     the files do not fit the page cache (``PREFETCH`` "auto": the last step read pages from the disk, measured by
+     ``enforce``); when they do, a step's pages are minor faults and the calls would cost it for nothing.
 
  13. Checkpoints name files, not rows (a durable pipeline's store: files under ``<storage>/spill``, fsynced with
      their directory before the batch is switched to them, so before any checkpoint can name them): a checkpoint
@@ -64,11 +89,12 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      they read and no more. A check that fails raises CorruptionError naming the file and ``dbsp repair``; the
      step that read it fails before any row of the file is used.
 
- 15. The cache's counters, per trace (``"<operator>.<trace>"`` in ``Pipeline.metrics()["spill"]``): a read of a
-     trace counts, per spilled batch it holds, a hit when the store has not evicted the batch's file since its last
-     use (its pages are mapped in, or at least in the page cache) and a miss when it has, or it was never read
-     since it was spilled or opened (its pages must come from the page cache or the disk). File granularity: the
-     kernel, not the engine, knows which 4 KiB pages fault.
+ 15. The cache's counters, per trace (``"<operator>.<trace>"`` in ``Pipeline.metrics()["spill"]``), in pages: each
+     page a read of a trace uses (invariant 12: the pages of the keys it seeks, or every page of a batch it reads
+     whole) counts a hit when the cache holds it (used before and not evicted since: mapped in, or at least in the
+     page cache) and a miss when not (evicted, or never read since the batch was spilled or opened: it comes from
+     the page cache or the disk). The pages are the engine's account of what a read touches (a key's fence block
+     of key hashes, its rows' bytes); the kernel, not the engine, knows which of them fault.
 
  16. Every read of some keys in a spilled batch (``Trace.lookup``, ``key_sums``, ``match_weights``, an inner join's
      walk, through ``Trace.narrowed``) first drops the keys the batch's Bloom filter rules out, and counts those it
@@ -76,11 +102,18 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      k keys seeks about k times the batches that hold them (plus the filter's ~2% false positives), not k times
      every spilled batch.
 
+ 17. Key indexes live in files too (csrc/keyindex.h invariant 7): a registered trace's key index keeps its large
+     regions (a slot table or entries from 2 MiB) in unlinked files of the store's directory, so its pages are the
+     page cache's, not the process's. The cache counts a trace's index as its ``nbytes`` in pages, all used when
+     the trace is read in any way (which pages its probes touch is not known), stamped with the cache's clock like
+     a read's pages and evicted whole in the same oldest-first order; evicting it drops its pages (``KeyIndex.drop_pages``, on the thread calling
+     ``enforce``, between steps: no step reads or grows the index meanwhile), and the next probes fault back the
+     pages they touch, O(keys probed). Whatever an index holds, the memory it pins is bounded by the cache share.
+
 What is not spilled: pending batches of a trace being restored (they are placed at its first read), merge inputs
-(until the merge ends), Z-set state of operators that is not a trace, key indexes (dbsp_core/trace/keyindex.py)
-and the per-batch fence and filter (about 1.4 bytes per row). A durable store writes a batch file as one image in
-memory (csrc/smallfile.c through the VFS, so that the fault-injecting VFS covers it): spilling a batch there holds
-it twice for the write.
+(until the merge ends), Z-set state of operators that is not a trace, and the per-batch fence and filter (about
+1.4 bytes per row). A batch file is streamed through the store's VFS, posix or the
+fault-injecting one alike (batchfile.py invariant 1): spilling a batch never holds a second copy of it.
 """
 
 from __future__ import annotations
@@ -88,11 +121,12 @@ from __future__ import annotations
 import mmap
 import os
 import queue
+import resource
 import shutil
 import tempfile
 import threading
 import weakref
-from collections import OrderedDict
+from collections import deque
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -101,6 +135,7 @@ import numpy as np
 from dbsp_core.envvars import parse_memory_limit
 from dbsp_core.progress import progress
 from dbsp_core.storage.formats import BATCH_FILE_SUFFIX, SPILL_DIR
+from dbsp_core.trace.at_exit import stop_at_exit
 from dbsp_core.trace.batchfile import BatchFile, open_batch, write_batch
 
 if TYPE_CHECKING:
@@ -164,13 +199,26 @@ class BatchStore:
 
     BATCH_SHARE = 0.75  # of the limit: batches in memory; the rest: the cache of spilled pages
     CACHE_SHARE = 0.25
+    INDEX_FILE_MIN = 2 << 20  # bytes of key index from which its regions are files the cache counts (invariant 17)
     FILE_MERGE_MIN = 1 << 20  # input bytes from which a merge that does not fit the budget is built on disk
     REGION_CACHE_SHARE = 0.125  # of the limit: the most the C region cache (csrc/scratch.h) keeps while a store lives
     PROGRESS_BYTES = 256 << 20  # an enforce spilling this much shows a progress line (dbsp_core/progress.py)
     ASYNC_BYTES = 64 << 10  # a batch this big is written by the spill thread, off the step (invariant 12); below it
     # a write takes a few ms and stays on the calling thread
+    ASYNC_VFS = ("posix",)  # VFSes whose writes may go to the spill thread; the fault VFS's stay on the stepping
+    # thread, so a crash test's operation numbers name the same operations in every run (a test may add it)
     ASYNC_SHARE = 0.25  # of the limit: bytes handed to the spill thread and not written yet, at most; beyond it
     # enforce waits for the writes (the budget holds even when the spill thread falls behind)
+    # whether reads of some keys first start reading their pages of spilled batches (:meth:`prefetch`): "auto" when
+    # the process read at least PREFETCH_FROM pages from the disk during the last step (between the last two
+    # enforces: the files outgrow the page cache, so a walk would wait for each), "on" always, "off" never
+    PREFETCH = "auto"
+    PREFETCH_FROM = 16
+    # whether an eviction also drops the pages mapped around its pages' faults (invariant 12, ``_around``): the
+    # files' Rss falls toward the cache's pages (a 10M-row join under 100 MiB: 175 -> 108 MiB, the cache 25 MiB) and
+    # warm steps fault more (+22-49% a step there: bench/RESULTS.md, 2026-11-29); off, as before, until the budget's
+    # RSS (Nexmark's peak) is weighed against the steps' time
+    EVICT_AROUND = False
 
     def __init__(self, memory_limit: int, directory: str | None = None, durable: bool = False,
                  vfs: str = "posix") -> None:
@@ -190,8 +238,18 @@ class BatchStore:
         self._owners: dict[str, int] = {}  # file name -> live batches read from it
         self._pinned: set[str] = set()  # files the last checkpoint (or one being written) names: kept (invariant 13)
         self._dead: set[str] = set()  # pinned files without a live batch: deleted once no checkpoint names them
-        self._read: set[int] = set()  # ids of traces read since the last enforce
-        self._resident: "OrderedDict[int, int]" = OrderedDict()  # id(batch) -> file size, used since evicted; LRU
+        self._whole: set[int] = set()  # ids of traces read whole since the last enforce: every page is used
+        self._used: list[tuple] = []  # (trace, batch, hashes or None: every page, rows or None) read since then
+        # id(batch) -> per page of its file, the cache's clock when a read last used it, 0 when the cache does not
+        # hold it (never used, or evicted since): 4 bytes per 4 KiB page (invariant 12)
+        self._resident: dict[int, np.ndarray] = {}
+        self._rounds: "deque[tuple[int, int, np.ndarray]]" = deque()  # (clock, id(batch), pages used then), oldest
+        self._rounds_kept = 0  # rounds left by the last _compact_rounds: the next runs at twice as many
+        self._cached = 0  # pages the cache holds
+        self._generation = 0  # enforce calls that trimmed the cache: the cache's clock
+        self._touched: set[int] = set()  # ids of traces read in any way since then (their key index is used: 17)
+        # id(key index) -> (its trace, pages it held, clock of its last use), the indexes the cache holds (17)
+        self._index_used: "dict[int, tuple[weakref.ref[Trace], int, int]]" = {}
         self._unchecked: dict[int, BatchFile] = {}  # id(batch) -> its lazily opened file with bytes unchecked (14)
         self._cache: "weakref.WeakKeyDictionary[Trace, list[int]]" = weakref.WeakKeyDictionary()  # [hits, misses]
         self._next = 0
@@ -199,9 +257,13 @@ class BatchStore:
         self._written: list[tuple] = []  # (batch weakref, name, path, size, error, opened file): writes finished
         self._jobs: "queue.Queue[tuple | None] | None" = None  # the spill thread's work, once it runs
         self._spiller: threading.Thread | None = None
+        self._exiting = False  # the interpreter is exiting (at_exit.py): no spill thread is started again
         self._queued = 0  # bytes of the batches handed to the spill thread and not written yet
         self._in_memory = 0  # bytes in memory after the last enforce (batches, fences, filters, merge outputs)
         self._reserved = 0  # input bytes of merges started in memory since (merge_dir)
+        self._reads_before = 0  # the process's pages read from the disk at the last enforce (_measure_reads)
+        self._measure_reads()
+        self._from_disk = self.PREFETCH_FROM  # those read during the last step: at first, the files count as cold
         self._token = os.urandom(6).hex()  # names never reused, even by a later process with the same pid
         from dbsp_core import _zset
 
@@ -212,7 +274,8 @@ class BatchStore:
         self.stats.update({"files_written": 0, "bytes_written": 0, "evictions": 0, "bytes_evicted": 0,
                            "enforcements": 0, "cache_hits": 0, "cache_misses": 0, "pages_checked": 0,
                            "written_in_background": 0, "written_for_nothing": 0, "keys_sought": 0,
-                           "merges_on_disk": 0})
+                           "merges_on_disk": 0, "pages_prefetched": 0, "prefetch_runs": 0,
+                           "evict_calls": 0, "outputs_never_written": 0})
 
     def __enter__(self) -> "BatchStore":
         return self
@@ -227,25 +290,87 @@ class BatchStore:
         with self._lock:
             self._traces.add(trace)
 
-    def note_read(self, trace: "Trace") -> None:
-        """``trace`` was read: its spilled files are in use (the cache's LRU order, invariant 12), counted once per
-        step as hits and misses (invariant 15)."""
-        if id(trace) in self._read:
+    def note_read(self, trace: "Trace", whole: bool = True) -> None:
+        """``trace`` was read (``Trace._read``). A read that may touch any row (``whole``) uses every page of its
+        spilled batches, counted once per step at the next :meth:`enforce`; a read of some keys (``whole`` False)
+        reports the pages it reads itself, per batch (:meth:`note_pages`). Invariants 12 and 15."""
+        with self._lock:
+            self._touched.add(id(trace))
+            if whole:
+                self._whole.add(id(trace))
+
+    def note_pages(self, trace: "Trace", b: "IndexedZSet", hashes: np.ndarray | None = None,
+                   rows: np.ndarray | None = None) -> None:
+        """A read of ``trace`` seeks key hashes ``hashes`` in batch ``b`` (those its filter may hold; None: reads
+        any row of it) and reads the rows found (``rows``; None: the rows the fence places each hash among). When
+        ``b`` is spilled, the pages that reads are used (invariant 12): recorded here, located, counted (invariant
+        15) and added to the cache by the next :meth:`enforce` (:meth:`_trim_cache`)."""
+        if id(b) not in self._files or (hashes is not None and len(hashes) == 0):
             return
-        self._read.add(id(trace))
-        hits = misses = 0
-        for b in trace._levels():
-            if id(b) in self._files:
-                if id(b) in self._resident:
-                    hits += 1
-                else:
-                    misses += 1
-        if hits or misses:
-            c = self._cache.setdefault(trace, [0, 0])
-            c[0] += hits
-            c[1] += misses
-            self.stats["cache_hits"] += hits
-            self.stats["cache_misses"] += misses
+        with self._lock:
+            self._used.append((trace, b, hashes, rows))
+
+    def prefetch(self, b: "IndexedZSet", hashes: np.ndarray, row_hashes: bool = True) -> int:
+        """Before a walk seeks key hashes ``hashes`` in batch ``b``: when ``b`` is spilled, start reading the pages
+        the walk will read for those its filter may hold (``BatchFile.pages_read`` from the fence in memory: the
+        key-hash pages of each seek and the rows the fence places each hash among, in every column; the values of a
+        variable-width column, which its offsets locate, are left to the walk) but those the cache holds (mapped in
+        already): one madvise(MADV_WILLNEED) per run of pages, in C without the GIL, each starting its run's reads
+        and returning, so the reads of a step's pages overlap instead of waiting one fault at a time (invariant 12).
+        ``row_hashes`` False: the walk reads no row hashes (a join's), so their pages are not asked for. Counts
+        ``pages_prefetched`` and ``prefetch_runs``; returns the pages asked for."""
+        f = self._files.get(id(b)) if len(hashes) and self.prefetching() else None
+        if f is None or len(b) != f.rows or self._offsets.get(id(b)):  # (a restored slice seeks without the fence)
+            return 0
+        if id(b) in self._unchecked:  # a lazily opened file: its fence and filter are checked before use (14)
+            before = int(f.checked.sum())
+            f.check_sections()
+            self.stats["pages_checked"] += int(f.checked.sum()) - before
+        hashes = np.asarray(hashes, dtype=np.uint64)
+        hashes = hashes[f.may_contain(hashes)]
+        if len(hashes) == 0:
+            return 0
+        pages = f.pages_read(b, np.sort(hashes), values=False, row_hashes=row_hashes)
+        if pages is None or len(pages) == 0:  # no fence (a small batch): its walk gallops from the start
+            return 0
+        clock = self._resident.get(id(b))
+        if clock is not None:
+            pages = pages[pages < len(clock)]
+            pages = pages[clock[pages] == 0]
+        runs = _advise(f.map, pages, mmap.MADV_WILLNEED)
+        self.stats["pages_prefetched"] += len(pages)
+        self.stats["prefetch_runs"] += runs
+        return len(pages)
+
+    def prefetching(self) -> bool:
+        """Whether reads of some keys prefetch their pages now (``PREFETCH``; "auto": the last step read pages from
+        the disk, as :meth:`enforce` measured: when the files sit in the page cache a prefetch costs a step a
+        madvise per run of pages and saves nothing, and the first step that faults pages from the disk again turns
+        it back on)."""
+        return self.PREFETCH == "on" or (self.PREFETCH == "auto" and self._from_disk >= self.PREFETCH_FROM)
+
+    def _measure_reads(self) -> None:
+        """Pages the process read from the disk since the last call (major faults and blocks read: a prefetch's
+        reads count as blocks, a walk's as faults), for :meth:`prefetching`. At each :meth:`enforce`."""
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        now = ru.ru_majflt + ru.ru_inblock * 512 // mmap.PAGESIZE
+        self._from_disk, self._reads_before = now - self._reads_before, now
+
+    def _pages_used(self, b: "IndexedZSet", f: BatchFile, hashes: np.ndarray | None, rows: np.ndarray | None
+                    ) -> np.ndarray:
+        """The pages of ``f`` a read of ``hashes`` (None: any row) in ``b`` reads (:meth:`note_pages`)."""
+        pages = None
+        if hashes is not None and len(b) == f.rows and not self._offsets.get(id(b)):  # (a restored slice of a
+            hashes = np.sort(np.asarray(hashes, dtype=np.uint64))  # file seeks without the file's fence)
+            pages = f.pages_read(b, hashes, rows)
+        return np.arange(f.os_pages(), dtype=np.int64) if pages is None else pages
+
+    def _count(self, trace: "Trace", hits: int, misses: int) -> None:
+        c = self._cache.setdefault(trace, [0, 0])
+        c[0] += hits
+        c[1] += misses
+        self.stats["cache_hits"] += hits
+        self.stats["cache_misses"] += misses
 
     def merge_dir(self, a: "IndexedZSet", b: "IndexedZSet") -> str | None:
         """Where the output of a merge of ``a`` and ``b`` is built (invariant 12): None (in memory) when their bytes
@@ -267,6 +392,8 @@ class BatchStore:
         advice = getattr(mmap, "MADV_DONTNEED", None)
         for x in (m.a[1], m.b[1]):
             f = self._files.get(id(x))
+            with self._lock:
+                self._forget(id(x))  # its pages leave the cache too
             if f is not None and advice is not None:
                 try:
                     f.map.madvise(advice)
@@ -281,7 +408,8 @@ class BatchStore:
             self._spill(out, drop=cursor.drop)
 
     def cache_counts(self, trace: "Trace") -> tuple[int, int]:
-        """(hits, misses) of ``trace``'s reads of its spilled batches so far (invariant 15)."""
+        """(hits, misses) of ``trace``'s reads of its spilled batches so far, in pages (invariant 15), as of the last
+        :meth:`enforce`."""
         c = self._cache.get(trace)
         return (c[0], c[1]) if c is not None else (0, 0)
 
@@ -430,6 +558,7 @@ class BatchStore:
         """Spill loose batches, highest level and biggest first, until the batches in memory fit the budget's batch
         share; then trim the cache (invariant 12). Call between steps. Returns the bytes spilled."""
         self.stats["enforcements"] += 1
+        self._measure_reads()
         self._switch_written()
         candidates: list[tuple[int, int, Any]] = []
         mem = 0
@@ -464,7 +593,7 @@ class BatchStore:
                 for _lvl, n, b in candidates:
                     if mem <= budget:
                         break
-                    if n >= self.ASYNC_BYTES and self.vfs == "posix":
+                    if n >= self.ASYNC_BYTES and self.vfs in self.ASYNC_VFS and not self._exiting:
                         if self._queued + n > max(n, int(self.memory_limit * self.ASYNC_SHARE)):
                             self.settle()  # the spill thread fell behind: wait for it (back-pressure)
                         self._submit(b, n)
@@ -510,6 +639,7 @@ class BatchStore:
             self._spiller = threading.Thread(target=self._spill_loop, args=(self._jobs,), name="dbsp-spill-thread",
                                              daemon=True)
             self._spiller.start()
+            stop_at_exit(self)  # a pipeline never closed: stopped before Python finalizes (at_exit.py)
 
     def _spill_loop(self, jobs: "queue.Queue[tuple | None]") -> None:
         """The spill thread: write each batch handed over; the next :meth:`enforce` switches it (invariant 12)."""
@@ -518,9 +648,6 @@ class BatchStore:
             try:
                 if job is None:
                     return
-                if job[0] == "evict":  # the cache's evictions (invariant 12)
-                    _evict(job[1])
-                    continue
                 ref, name, path, n = job
                 b = ref()
                 size, error, f = 0, None, None
@@ -581,7 +708,6 @@ class BatchStore:
         with self._lock:
             self._files[id(b)] = f
             self._owners[name] = self._owners.get(name, 0) + 1
-        self._resident[id(b)] = size  # just written: its pages are in the page cache, not yet in this process
         weakref.finalize(b, self._release, id(b), name)
         self.stats["files_written"] += 1
         self.stats["bytes_written"] += size
@@ -593,7 +719,7 @@ class BatchStore:
         with self._lock:
             self._files.pop(key, None)
             self._offsets.pop(key, None)
-            self._resident.pop(key, None)
+            self._forget(key)
             self._unchecked.pop(key, None)
             left = self._owners.get(name, 1) - 1
             if left > 0:
@@ -606,45 +732,158 @@ class BatchStore:
         self._delete(name)
 
     def _trim_cache(self, traces: list["Trace"]) -> None:
-        """Mark the files of the traces read since the last call used; evict the least recently used until the
-        used ones fit the cache share (invariant 12)."""
-        read, self._read = self._read, set()
-        with self._lock:  # batches may die (and leave the LRU) on other threads meanwhile
-            self._trim_locked(traces, read)
-
-    def _trim_locked(self, traces: list["Trace"], read: set[int]) -> None:
-        for t in traces:
-            if id(t) in read:
-                for b in t._levels():
-                    f = self._files.get(id(b))
-                    if f is not None:
-                        self._resident[id(b)] = f.size
-                        self._resident.move_to_end(id(b))
-        cap = int(self.memory_limit * self.CACHE_SHARE)
-        total = sum(self._resident.values())
-        maps = []
-        while total > cap and self._resident:
-            key, size = self._resident.popitem(last=False)
-            f = self._files.get(key)
+        """The cache's accounting of the reads since the last call (:meth:`note_pages`; a trace read whole: every
+        page of its spilled batches): locate the pages each read, count hits and misses (invariant 15), stamp them
+        with the cache's clock, and evict the least recently used pages beyond ``memory_limit * CACHE_SHARE`` bytes
+        (invariant 12): a few numpy operations per batch read, over arrays of the pages read."""
+        with self._lock:
+            whole, self._whole = self._whole, set()
+            used, self._used = self._used, []
+            touched, self._touched = self._touched, set()
+            for t in traces:
+                if id(t) in whole:
+                    used.extend((t, b, None, None) for b in t._levels() if id(b) in self._files)
+        indexes = [(t, ix) for t in traces if id(t) in touched
+                   for ix in (t.held_index,) if ix is not None and ix.nbytes >= self.INDEX_FILE_MIN]
+        if not used and not indexes and self._cached == 0:
+            return
+        located = []
+        for t, b, hashes, rows in used:
+            f = self._files.get(id(b))
             if f is not None:
-                maps.append(f.map)
-                self.stats["evictions"] += 1
-                self.stats["bytes_evicted"] += size
-            total -= size
-        if maps and self.vfs == "posix":  # unmapping a file's resident pages costs in proportion to them (a
-            self._start_thread()  # whole merged level: tens of ms): the spill thread does it, off the step
-            assert self._jobs is not None
-            self._jobs.put(("evict", maps))
-        else:
-            _evict(maps)
+                located.append((t, id(b), f, self._pages_used(b, f, hashes, rows)))
+        del used
+        with self._lock:  # batches may die (and leave the cache) on other threads meanwhile
+            self._generation += 1
+            now = self._generation
+            for t, key, f, pages in located:
+                if key not in self._files:
+                    continue
+                clock = self._resident.get(key)
+                if clock is None:
+                    clock = self._resident[key] = np.zeros(f.os_pages(), dtype=np.int32)
+                before = clock[pages]
+                new = int(np.count_nonzero(before == 0))
+                self._count(t, len(pages) - new, new)
+                self._cached += new
+                clock[pages] = now
+                self._rounds.append((now, key, pages))
+            for t, ix in indexes:  # invariant 17: an index used counts whole (its probes' pages are not known)
+                n = -(-int(ix.nbytes) // mmap.PAGESIZE)
+                held = self._index_used.get(id(ix))
+                self._cached += n - (held[1] if held is not None else 0)
+                self._index_used[id(ix)] = (weakref.ref(t), n, now)
+                self._rounds.append((now, id(ix), None))
+            self._forget_indexes()
+            if len(self._rounds) > max(64, 2 * self._rounds_kept):
+                self._compact_rounds()
+            evict, drop = self._evict_oldest(int(self.memory_limit * self.CACHE_SHARE) // mmap.PAGESIZE)
+        for ix in drop:  # between steps: no step probes or grows the index meanwhile (invariant 17)
+            ix.drop_pages()
+        # the runs of pages evicted, in C with the GIL released, up to 1024 runs a system call (process_madvise:
+        # 4,300 runs a 10M join step took 13 ms as a madvise each); handing them to the spill thread cost the step
+        # more (waking it hands it the GIL) than the calls
+        self.stats["evict_calls"] += _evict(evict)
 
-    def close(self) -> None:
-        """Forget the traces; a temporary directory is removed (mappings in use stay readable until released)."""
+    def _evict_oldest(self, cap: int) -> tuple[list[tuple[mmap.mmap, np.ndarray]], list[Any]]:
+        """Drop from the cache the pages of the oldest reads not used since, a read at a time, until it holds at most
+        ``cap`` pages; returns them per file, for :func:`_evict`, and the key indexes whose pages go (invariant 17,
+        each whole). Under the lock."""
+        evict: list[tuple[mmap.mmap, np.ndarray]] = []
+        drop: list[Any] = []
+        while self._cached > cap and self._rounds:
+            when, key, pages = self._rounds.popleft()
+            if pages is None:  # a key index's use
+                held = self._index_used.get(key)
+                if held is None or held[2] != when:
+                    continue  # used again since (or evicted)
+                del self._index_used[key]
+                self._cached -= held[1]
+                t = held[0]()
+                ix = t.held_index if t is not None else None
+                if ix is not None and id(ix) == key:
+                    drop.append(ix)
+                    self.stats["evictions"] += 1
+                    self.stats["bytes_evicted"] += held[1] * mmap.PAGESIZE
+                continue
+            clock = self._resident.get(key)
+            f = self._files.get(key)
+            if clock is None or f is None:
+                continue
+            pages = pages[pages < len(clock)]
+            gone = pages[clock[pages] == when]  # not used since
+            over = self._cached - cap
+            if len(gone) > over:  # the last read evicted: only what the cache is over by, its other pages stay
+                self._rounds.appendleft((when, key, gone[over:]))
+                gone = gone[:over]
+            if len(gone):
+                clock[gone] = 0
+                self._cached -= len(gone)
+                evict.append((f.map, _around(f.base, clock, gone) if self.EVICT_AROUND else gone))
+                self.stats["evictions"] += 1
+                self.stats["bytes_evicted"] += len(gone) * mmap.PAGESIZE
+        return evict, drop
+
+    def _forget_indexes(self) -> None:
+        """The key indexes whose trace is gone or holds another one leave the cache (invariant 17): their pages went
+        with them. Under the lock."""
+        for key, (ref, n, _when) in list(self._index_used.items()):
+            t = ref()
+            ix = t.held_index if t is not None else None
+            if ix is None or id(ix) != key:
+                del self._index_used[key]
+                self._cached -= n
+
+    def _compact_rounds(self) -> None:
+        """Drop from the queue of rounds the pages used again since (stamped with a later round) or gone, and the
+        rounds left with none: evicting is what shortens the queue, and a cache under its share never evicts, so
+        without this it kept one round per batch read per enforce for ever. After it the queue holds at most a
+        round per page the cache holds (and per index it counts); called once it has doubled, so its cost is a
+        few numpy operations per round added. Under the lock."""
+        kept: "deque[tuple[int, int, np.ndarray]]" = deque()
+        for when, key, pages in self._rounds:
+            if pages is None:  # a key index's use: kept while it is the index's last
+                held = self._index_used.get(key)
+                if held is not None and held[2] == when:
+                    kept.append((when, key, pages))
+                continue
+            clock = self._resident.get(key)
+            if clock is None or key not in self._files:
+                continue
+            pages = pages[pages < len(clock)]
+            pages = pages[clock[pages] == when]
+            if len(pages):
+                kept.append((when, key, pages))
+        self._rounds = kept
+        self._rounds_kept = len(kept)
+
+    def _forget(self, key: int) -> None:
+        """Batch ``key``'s pages leave the cache (the batch is gone, or a merge dropped them). Under the lock."""
+        clock = self._resident.pop(key, None)
+        if clock is not None:
+            self._cached -= int(np.count_nonzero(clock))
+
+    def cached_pages(self) -> int:
+        """Pages of spilled files the cache holds (used since their last eviction; at most ``memory_limit *
+        CACHE_SHARE`` bytes of them after an :meth:`enforce`)."""
+        with self._lock:
+            return self._cached
+
+    def _stop_spill_thread(self) -> None:
         if self._spiller is not None:  # its unswitched files are scratch: an open sweeps what no checkpoint names
             assert self._jobs is not None
             self._jobs.put(None)
             self._spiller.join()
             self._spiller = None
+
+    def _stop_for_exit(self) -> None:
+        """Interpreter exit with the store open (at_exit.py): stop the spill thread; later spills write in place."""
+        self._exiting = True
+        self._stop_spill_thread()
+
+    def close(self) -> None:
+        """Forget the traces; a temporary directory is removed (mappings in use stay readable until released)."""
+        self._stop_spill_thread()
         with self._lock:
             self._traces = weakref.WeakSet()
             prev, self._region_prev = self._region_prev, None
@@ -656,14 +895,49 @@ class BatchStore:
             shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def _evict(maps: list[mmap.mmap]) -> None:
-    """Drop the pages of these file mappings from the process (they stay in the page cache; a read faults them back)."""
-    advice = getattr(mmap, "MADV_DONTNEED", None)
-    for m in maps if advice is not None else ():
-        try:
-            m.madvise(advice)
-        except (OSError, ValueError):  # closed: its batch is gone
-            pass
+def _advise(m: mmap.mmap, pages: np.ndarray, advice: int) -> int:
+    """madvise(``advice``) the pages ``pages`` (sorted, unique page numbers) of mapping ``m``, one call per run of
+    adjacent pages, in C without the GIL; returns the runs (0 when the mapping is closed: its batch is gone)."""
+    from dbsp_core import _storage
+
+    if len(pages) == 0:
+        return 0
+    cut = np.flatnonzero(np.diff(pages) != 1) + 1
+    first = np.ascontiguousarray(pages[np.concatenate(([0], cut))], dtype=np.int64)
+    last = np.ascontiguousarray(pages[np.append(cut - 1, len(pages) - 1)], dtype=np.int64)
+    try:
+        _storage.advise_pages(m, first, last - first + 1, mmap.PAGESIZE, advice)
+    except (OSError, ValueError):
+        return 0
+    return len(first)
+
+
+FAULT_AROUND = max(1, 65536 // mmap.PAGESIZE)  # pages a read fault may map (Linux's fault_around_bytes: 64 KiB)
+
+
+def _around(base: int, clock: np.ndarray, pages: np.ndarray) -> np.ndarray:
+    """``pages`` (sorted page numbers of a mapping at address ``base``) and the pages a read fault on them may have
+    mapped besides (the kernel maps the page-cache pages of the aligned ``FAULT_AROUND`` pages of address space around
+    the page faulted), less those the cache holds (``clock`` not 0): what an eviction of ``pages`` drops, so that the
+    pages no read counted leave with those it did (invariant 12). Sorted, unique."""
+    shift = (base // mmap.PAGESIZE) % FAULT_AROUND  # the mapping's first page's place in its window
+    w = (pages + shift) // FAULT_AROUND
+    w = w[np.concatenate(([True], w[1:] != w[:-1]))]
+    out = (w[:, None] * FAULT_AROUND + (np.arange(FAULT_AROUND) - shift)).ravel()
+    out = out[(out >= 0) & (out < len(clock))]
+    return out[clock[out] == 0]
+
+
+def _evict(evict: list[tuple[mmap.mmap, np.ndarray]]) -> int:
+    """Drop these pages (sorted page numbers, per file mapping) from the process, a madvise(MADV_DONTNEED) per run of
+    adjacent pages, up to 1024 runs a system call (they stay in the page cache; a read faults them back); returns the
+    system calls made."""
+    from dbsp_core import _storage
+
+    before = _storage.advise_calls()
+    for m, pages in evict:
+        _advise(m, pages, mmap.MADV_DONTNEED)
+    return _storage.advise_calls() - before
 
 
 _tls = threading.local()

@@ -1,8 +1,9 @@
 """A process the connector kill tests SIGKILL at random points.
 
-    connector_child.py writer STORAGE INBOX SQLITE PARQUET_DIR EXPECTED_FILES
+    connector_child.py writer STORAGE INBOX SQLITE PARQUET_DIR EXPECTED_FILES [immutable]
         runs the pipeline with a FileSource on INBOX and both sinks attached to it, until every one of
-        EXPECTED_FILES files is pushed, stepped and applied by both sinks; prints DONE.
+        EXPECTED_FILES files is pushed, stepped and applied by both sinks; prints DONE. With ``immutable`` the
+        source declares its files immutable (pushes logged by reference to them).
     connector_child.py sink STORAGE SQLITE PARQUET_DIR TARGET_STEP
         runs both sinks over the storage directory (the pipeline runs in another process) until both have
         applied every step below TARGET_STEP; prints DONE.
@@ -20,9 +21,9 @@ from dbsp_core.connectors import FileSource, ParquetSink, SqliteSink  # noqa: E4
 from connector_workload import circuit  # noqa: E402
 
 
-def writer(storage: str, inbox: str, sqlite: str, pdir: str, expected: int) -> None:
+def writer(storage: str, inbox: str, sqlite: str, pdir: str, expected: int, immutable: bool = False) -> None:
     p = dbsp.Pipeline(circuit(), workers=2, storage=storage, checkpoint_interval=0.05, segment_bytes=4096)
-    src = FileSource(p, "sales", inbox)
+    src = FileSource(p, "sales", inbox, immutable_files=immutable)
     sinks = [SqliteSink(p, "by_region", sqlite), ParquetSink(p, "big", pdir)]
     print("START", p.steps, flush=True)
     while True:
@@ -51,6 +52,6 @@ def sink(storage: str, sqlite: str, pdir: str, target: int) -> None:
 if __name__ == "__main__":
     mode, args = sys.argv[1], sys.argv[2:]
     if mode == "writer":
-        writer(*args[:4], int(args[4]))
+        writer(*args[:4], int(args[4]), args[5:] == ["immutable"])
     else:
         sink(*args[:3], int(args[3]))

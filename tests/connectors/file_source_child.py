@@ -1,4 +1,8 @@
-"""A process the FileSource restart test kills with SIGKILL: ``file_source_child.py STORAGE INBOX EXPECTED`` opens (or creates) the pipeline, pushes the files of INBOX one poll and one step at a time through a FileSource with the default name, printing ``PUSHED <n>`` after each, and prints ``DONE skipped=<row groups skipped> duplicates=<pushes found duplicate>`` once EXPECTED files are in."""
+"""A process the FileSource restart test kills with SIGKILL: ``file_source_child.py STORAGE INBOX EXPECTED [immutable]`` opens (or creates) the pipeline, pushes the files of INBOX one poll and one step at a time through a FileSource with the default name, printing ``PUSHED <n>`` after each, and prints ``DONE skipped=<row groups skipped> duplicates=<pushes found duplicate>`` once EXPECTED files are in.
+
+With ``immutable`` the source declares its files immutable (pushes logged by reference to the files) and the
+pipeline takes no checkpoint before its close, so every restart replays every step from the files; ``START``
+then also says how many steps recovery replayed."""
 
 from __future__ import annotations
 
@@ -20,11 +24,12 @@ def circuit() -> dbsp.Circuit:
     return c
 
 
-def main(storage: str, inbox: str, expected: int) -> None:
-    p = (dbsp.Pipeline.open(storage, circuit()) if os.path.exists(storage)
-         else dbsp.Pipeline(circuit(), storage=storage, checkpoint_interval=0.05))
-    src = FileSource(p, "t", inbox)
-    print("START", p.steps, flush=True)
+def main(storage: str, inbox: str, expected: int, immutable: bool = False) -> None:
+    every = None if immutable else 0.05
+    p = (dbsp.Pipeline.open(storage, circuit(), checkpoint_interval=every) if os.path.exists(storage)
+         else dbsp.Pipeline(circuit(), storage=storage, checkpoint_interval=every))
+    src = FileSource(p, "t", inbox, immutable_files=immutable)
+    print("START", p.steps, f"replayed={p.stats['replayed_steps']}", flush=True)
     while src.pending() or src.stats["files"] < expected:
         new = src.poll(max_files=1)
         p.step()
@@ -34,4 +39,4 @@ def main(storage: str, inbox: str, expected: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:] == ["immutable"])

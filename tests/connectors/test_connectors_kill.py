@@ -88,7 +88,8 @@ def _report(capsys, what: str, kills: int, working: int, rounds: int, steps: int
 
 
 @pytest.mark.slow
-def test_kill_the_writer(tmp_path, capsys) -> None:
+@pytest.mark.parametrize("immutable", [False, True], ids=["rows-logged", "immutable-files"])
+def test_kill_the_writer(tmp_path, capsys, immutable) -> None:
     print(f"[connectors] writer kills: seed {SEED} (replay: DBSP_CONNECTOR_SEED={SEED})")
     rng = random.Random(SEED)
     staging, inbox = str(tmp_path / "staging"), str(tmp_path / "in")
@@ -101,16 +102,18 @@ def test_kill_the_writer(tmp_path, capsys) -> None:
             if todo:
                 publish(staging, inbox, todo.pop(0))
         rounds += 1
-        k, w = _kill_at_random(_launch("writer", storage, inbox, sqlite_path, pdir, str(len(names))), rng)
+        k, w = _kill_at_random(_launch("writer", storage, inbox, sqlite_path, pdir, str(len(names)),
+                                       *["immutable"] * immutable), rng)
         kills, working = kills + k, working + w
     for name in todo:
         publish(staging, inbox, name)
     rounds += 1
-    out = _run_to_end(_launch("writer", storage, inbox, sqlite_path, pdir, str(len(names))))
+    out = _run_to_end(_launch("writer", storage, inbox, sqlite_path, pdir, str(len(names)), *["immutable"] * immutable))
     steps = int(out.split("DONE")[1].split()[0])
     _check(inbox, sqlite_path, pdir, steps, SEED)
     assert kills >= KILLS
-    _report(capsys, "writer (pipeline + file source + sinks)", kills, working, rounds, steps)
+    _report(capsys, "writer (pipeline + file source" + " with immutable files" * immutable + " + sinks)", kills, working,
+            rounds, steps)
 
 
 @pytest.mark.slow

@@ -23,6 +23,8 @@ import dbsp_core as dbsp
 from dbsp_core.connectors import FileSource
 from dbsp_core.errors import DbspError, InputFileError
 from dbsp_core.metrics import prometheus_text
+from dbsp_core.storage.formats import FILE_REF_MAGIC
+from dbsp_core.storage.steplog import StepLog
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -63,6 +65,12 @@ def _integral(p: dbsp.Pipeline, view: str = "rows") -> collections.Counter:
         for row, w in z.to_dict().items():
             acc[row] += w
     return +acc
+
+
+def _input_records(storage: str) -> collections.Counter:
+    """The input log's push records by payload magic (the division and discard records left out)."""
+    with StepLog(os.path.join(storage, "input"), readonly=True) as log:
+        return collections.Counter(bytes(r.payload[:4]) for r in log.iter_from(0) if not r.handle.startswith("\0"))
 
 
 def _pipeline(path: str, **kw) -> dbsp.Pipeline:
@@ -131,16 +139,19 @@ def test_a_directory_of_the_old_default_name_resumes_without_reading_a_file_twic
     q.close()
 
 
-def _launch(storage: str, inbox: str, expected: int) -> subprocess.Popen:
+def _launch(storage: str, inbox: str, expected: int, immutable: bool = False) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.Popen([sys.executable, CHILD, storage, inbox, str(expected)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen([sys.executable, CHILD, storage, inbox, str(expected)] + ["immutable"] * immutable,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-def test_default_name_survives_kill_9(tmp_path, capsys) -> None:
+@pytest.mark.parametrize("immutable", [False, True], ids=["rows-logged", "immutable-files"])
+def test_default_name_survives_kill_9(tmp_path, capsys, immutable) -> None:
     """kill -9 of a process running a default-named FileSource after it has pushed some files, restarted with
     the same arguments: the restarted source finds its files recorded under the same producer names (it skips
-    them without reading), and the output is each file's rows exactly once. ``DBSP_FILES_KILLS`` kills."""
+    them without reading), and the output is each file's rows exactly once. ``DBSP_FILES_KILLS`` kills. With
+    immutable files the pushes are logged by reference and no checkpoint is taken before the close, so every
+    restart replays the steps from the files themselves (asserted)."""
     rng = random.Random(SEED)
     inbox, storage = tmp_path / "in", str(tmp_path / "pipe")
     inbox.mkdir()
@@ -150,29 +161,35 @@ def test_default_name_survives_kill_9(tmp_path, capsys) -> None:
         rows = _rows(rng)
         _write(str(inbox / f"f{i:03d}{rng.choice(['.parquet', '.csv', '.jsonl'])}"), rows, rng)
         model.update(rows)
-    kills = 0
+    kills = replayed = 0
     for _ in range(KILLS):
-        proc = _launch(storage, str(inbox), n)
+        proc = _launch(storage, str(inbox), n, immutable)
         wait_for = rng.randrange(1, 4)
         lines = []
         while len(lines) < wait_for:
             line = proc.stdout.readline()
             assert line.startswith(("START", "PUSHED")), f"{WHY}: {line!r} {proc.communicate()}"
             lines.append(line) if line.startswith("PUSHED") else None
+            replayed += int(line.split("replayed=")[1]) if line.startswith("START") else 0
         proc.send_signal(signal.SIGKILL)
         proc.communicate()
         kills += proc.returncode == -signal.SIGKILL
     assert kills == KILLS, WHY
-    proc = _launch(storage, str(inbox), n)
+    proc = _launch(storage, str(inbox), n, immutable)
     out, err = proc.communicate(timeout=120)
+    replayed += int(out.split("replayed=")[1].split()[0])
     assert proc.returncode == 0 and "DONE" in out, f"{WHY}: {out}{err}"
     done = dict(kv.split("=") for kv in out.split("DONE")[1].split())
     assert int(done["skipped"]) > 0 and int(done["duplicates"]) == 0, f"{WHY}: {out}"
+    if immutable:  # every restart after a kill replayed the steps before it, reading their rows from the files
+        assert replayed >= KILLS, f"{WHY}: {replayed} steps replayed"
+        logged = _input_records(storage)
+        assert logged and set(logged) == {FILE_REF_MAGIC}, f"{WHY}: {logged}"
     q = dbsp.Pipeline.open(storage, circuit())
     assert _integral(q) == model, f"{WHY}: {kills} kills"
     q.close()
     with capsys.disabled():
-        print(f"\nFileSource restart: {kills} kill -9s, {n} files, {done['skipped']} row groups skipped unread "
+        print(f"\nFileSource restart{' (immutable files)' * immutable}: {kills} kill -9s, {replayed} steps replayed, {n} files, {done['skipped']} row groups skipped unread "
               f"after the last restart, 0 duplicates; output equals the files' rows once ({WHY})")
 
 

@@ -60,6 +60,13 @@ class Writer(threading.Thread):
                     c.execute("DELETE FROM sales WHERE id = %s", (rng.randrange(self.next_id),))
         self.txns += 1
 
+    def insert_one(self) -> None:
+        """One transaction that surely changes the table (an UPDATE or DELETE of a deleted id changes nothing, and
+        such a transaction leaves no commit in the WAL for the slot to confirm past)."""
+        self.conn.execute("INSERT INTO sales VALUES (%s, %s, %s)", (self.next_id, self.rng.choice(REGIONS), 1))
+        self.next_id += 1
+        self.txns += 1
+
     def run(self) -> None:
         try:
             while not self.stop.is_set():
@@ -131,7 +138,7 @@ def run_kills(pg_server, tmp_path, kills: int, capsys) -> None:
         writer.join()
     assert writer.error is None, writer.error
     before_last = _rows(src, "SELECT pg_current_wal_lsn()::text")[0][0]
-    writer.one()
+    writer.insert_one()  # not one(): a transaction of no-op updates/deletes would leave no WAL past before_last
     proc = _launch(storage, "finish", src, sink)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0 and "DONE" in out, out + err

@@ -41,7 +41,8 @@ class ChangeGen:
     """Random valid changes to a bag: inserts (with duplicates and weights > 1) and deletions of present rows.
     A subclass draws its own rows (``row``) and duplicates more or less often (``dup``: 0.3 + the chance)."""
 
-    dup = 0.45  # a roll below 0.3 deletes a present row; below this, duplicates one
+    dup = 0.45  # a roll below ``deletes`` deletes a present row; below this, duplicates one
+    deletes = 0.3  # 0 for an append-only input (inserts only)
 
     def __init__(self, rng: np.random.Generator, schema: pa.Schema) -> None:
         self.rng = rng
@@ -57,7 +58,7 @@ class ChangeGen:
         for _ in range(int(rng.integers(0, max_rows + 1))):
             present = [r for r, w in (self.bag + delta).items() if w > 0]
             roll = rng.random()
-            if present and roll < 0.3:  # delete a present row
+            if present and roll < self.deletes:  # delete a present row
                 delta[present[int(rng.integers(len(present)))]] -= 1
             elif present and roll < self.dup:  # duplicate a present row
                 delta[present[int(rng.integers(len(present)))]] += 1
@@ -138,16 +139,20 @@ def accumulate(acc: dict[tuple, int], z: dbsp.ZSet) -> None:
 def run_against_duckdb(build: Callable[[dbsp.Circuit, dict[str, dbsp.Stream]], dict[str, dbsp.Stream]],
                        queries: dict[str, str], seed: int, workers: int, steps: int = 5,
                        inputs: tuple[str, ...] = ("bids", "auctions"), max_rows: int = 8,
-                       after: Callable[[dbsp.Pipeline], None] | None = None, **pipeline: object) -> dict[str, dict]:
+                       after: Callable[[dbsp.Pipeline], None] | None = None, append_only: bool = False,
+                       **pipeline: object) -> dict[str, dict]:
     """Build a circuit, feed random changes in ``steps`` steps, and after every step compare each output's
     integral with DuckDB's answer over the integrated inputs. Returns the final integrals. ``pipeline``: more
-    arguments of the Pipeline (``memory_limit=``); ``after``: called with the pipeline after the last step."""
+    arguments of the Pipeline (``memory_limit=``); ``after``: called with the pipeline after the last step;
+    ``append_only``: the inputs are declared append-only and the changes only insert."""
     rng = np.random.default_rng(seed)
     c = dbsp.Circuit()
-    streams = {name: c.input(name, SCHEMAS[name]) for name in inputs}
+    streams = {name: c.input(name, SCHEMAS[name], append_only=append_only) for name in inputs}
     for name, s in build(c, streams).items():
         c.output(name, s)
     gens = {name: ChangeGen(rng, SCHEMAS[name]) for name in inputs}
+    for g in gens.values() if append_only else ():
+        g.deletes = 0.0
     views: dict[str, dict] = {name: {} for name in queries}
     with dbsp.Pipeline(c, workers=workers, **pipeline) as p:
         for step in range(steps):

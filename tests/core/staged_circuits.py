@@ -99,6 +99,17 @@ def run_job(p, job: list[list[tuple[str, dbsp.ZSet]]], queued: bool) -> list[dic
     return p.run_queued()
 
 
+def run_random_jobs(p, steps: list[list[tuple[str, dbsp.ZSet]]], rng) -> list[dict]:
+    """Feed ``steps``, cutting them into jobs at random: a job of 2-3 queued steps, or one step()."""
+    outs: list[dict] = []
+    i = 0
+    while i < len(steps):
+        k = int(rng.integers(1, 4))
+        outs.extend(run_job(p, steps[i:i + k], k > 1))
+        i += k
+    return outs
+
+
 def embedded(circuit: dbsp.Circuit, steps: list[list[tuple[str, dbsp.ZSet]]], workers: int = 1) -> list[dict]:
     """Every step's outputs from the embedded runtime (the reference)."""
     res = []

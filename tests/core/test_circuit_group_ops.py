@@ -66,6 +66,117 @@ def test_top_k_per_group(seed: int, workers: int, k: int) -> None:
     }, seed, workers, inputs=("bids",), steps=7)
 
 
+JOIN_REST = ("auction", "bidder", "f", "id", "reserve")  # the tie-breaking columns, in the joined schema's order
+
+
+def _top_k_traces(p: dbsp.Pipeline) -> list[str]:
+    return sorted({name.split(".")[-1] for w in range(p.workers) for name in p.traces(w) if "top_k" in name})
+
+
+@FEW
+@given(seed=SEEDS, workers=WORKERS, k=st.sampled_from([1, 2, 3]))
+def test_top_k_over_append_only_inputs_keeps_only_its_shown_rows(seed: int, workers: int, k: int) -> None:
+    """operators/top_k.py invariant 5: over inserts only (append-only inputs, through a filter and an inner join)
+    each top-k keeps its shown trace alone and its results are DuckDB's."""
+    def after(p: dbsp.Pipeline) -> None:
+        assert _top_k_traces(p) == ["shown"]  # the input trace of the general form is not kept
+
+    run_against_duckdb(lambda c, s: {
+        "top": s["bids"].group_by("auction").top_k(k, ("price", "descending")),
+        "ties": s["bids"].filter(pc.field("price") > 1).group_by("auction").top_k(k, ("price", "descending"),
+                                                                                  with_ties=True),
+        "all": s["bids"].group_by().top_k(k, [("price", "descending"), "bidder", "f"]),
+        "join": s["bids"].join(s["auctions"], left_on="auction", right_on="id").group_by("category").top_k(
+            k, ("price", "descending")),
+    }, {
+        "top": f"SELECT auction, bidder, price, f FROM (SELECT *, row_number() OVER (PARTITION BY auction {ORDER}) "
+               f"AS r FROM bids) WHERE r <= {k}",
+        "ties": f"SELECT auction, bidder, price, f FROM (SELECT *, rank() OVER (PARTITION BY auction ORDER BY price "
+                f"DESC NULLS LAST) AS r FROM bids WHERE price > 1) WHERE r <= {k}",
+        "all": f"SELECT auction, bidder, price, f FROM (SELECT *, row_number() OVER ({ORDER}, auction ASC NULLS "
+               f"LAST) AS r FROM bids) WHERE r <= {k}",
+        "join": f"SELECT auction, bidder, price, f, id, category, reserve FROM (SELECT *, row_number() OVER ("
+                f"PARTITION BY category ORDER BY price DESC NULLS LAST, {', '.join(c + ' NULLS LAST' for c in JOIN_REST)}) AS r "
+                f"FROM bids JOIN auctions ON auction = id) WHERE r <= {k}",
+    }, seed, workers, steps=7, append_only=True, after=after)
+
+
+@FEW
+@given(seed=SEEDS, workers=WORKERS)
+def test_min_max_over_append_only_inputs_keep_only_their_totals(seed: int, workers: int) -> None:
+    """operators/aggregate.py invariant 7: over inserts only, min/max keep their totals alone (no value multisets)
+    and their results are DuckDB's, through a filter, a keyless group and an inner join."""
+    def after(p: dbsp.Pipeline) -> None:
+        names = {name.split(".", 1)[-1] for w in range(p.workers) for name in p.traces(w) if "aggregate" in name}
+        assert names == {"totals"}, names
+
+    run_against_duckdb(lambda c, s: {
+        "g": s["bids"].group_by("auction").agg(n=dbsp.count(), lo=dbsp.min("price"), hi=dbsp.max("bidder"),
+                                               t=dbsp.sum("price")),
+        "flt": s["bids"].filter(pc.field("price") > 1).group_by().agg(lo=dbsp.min("f"), hi=dbsp.max("price")),
+        "join": s["bids"].join(s["auctions"], left_on="auction", right_on="id").group_by("category").agg(
+            hi=dbsp.max("price"), lo=dbsp.min("reserve"), n=dbsp.count()),
+        "win": s["bids"].hop("auction", 4, 2).group_by("window_start").agg(hi=dbsp.max("price")),
+    }, {
+        "g": "SELECT auction, count(*), min(price), max(bidder), sum(price) FROM bids GROUP BY auction",
+        "flt": "SELECT min(f), max(price) FROM bids WHERE price > 1 HAVING count(*) > 0",
+        "join": "SELECT category, max(price), min(reserve), count(*) FROM bids JOIN auctions ON auction = id "
+                "GROUP BY category",
+        "win": "SELECT s, max(price) FROM (SELECT price, unnest([auction - auction % 2, auction - auction % 2 - 2]) "
+               "AS s FROM bids WHERE auction IS NOT NULL) GROUP BY s",
+    }, seed, workers, steps=7, append_only=True, after=after)
+
+
+def test_append_only_input_refuses_a_retraction_and_records_nothing() -> None:
+    c = dbsp.Circuit()
+    t = c.input("bids", BIDS, append_only=True)
+    c.output("top", t.group_by("auction").top_k(1, ("price", "descending")))
+    with dbsp.Pipeline(c, workers=2) as p:
+        p.push("bids", to_zset({(1, "a", 5, 1.0): 2}, BIDS))
+        assert p.step()["top"].to_dict() == {(1, "a", 5, 1.0): 1}
+        with pytest.raises(dbsp.AppendOnlyError, match=r"push\('bids'\).*append-only.*row 1 has weight -1"):
+            p.push("bids", to_zset({(1, "b", 9, 1.0): 1, (1, "a", 5, 1.0): -1}, BIDS))
+        assert p.step()["top"].to_dict() == {}  # nothing of the refused push was recorded
+        assert _top_k_traces(p) == ["shown"]
+    with pytest.raises(dbsp.SchemaError, match="append_only=True excludes primary_key"):
+        dbsp.Circuit().input("t", BIDS, append_only=True, primary_key=["auction"])
+
+
+def test_top_k_over_a_stream_that_retracts_keeps_the_general_state() -> None:
+    """A minus of append-only streams may retract: the top-k keeps its input trace and serves the deletion."""
+    c = dbsp.Circuit()
+    t = c.input("bids", BIDS, append_only=True)
+    u = c.input("gone", BIDS, append_only=True)
+    s = t - u
+    assert c.inserts_only(t.node_id) and not c.inserts_only(s.node_id)
+    c.output("top", s.group_by("auction").top_k(1, ("price", "descending")))
+    c.output("hi", s.group_by("auction").agg(hi=dbsp.max("price")))
+    with dbsp.Pipeline(c, workers=1) as p:
+        p.push("bids", to_zset({(1, "a", 5, 1.0): 1, (1, "b", 9, 1.0): 1}, BIDS))
+        out = p.step()
+        assert out["top"].to_dict() == {(1, "b", 9, 1.0): 1} and out["hi"].to_dict() == {(1, 9): 1}
+        p.push("gone", to_zset({(1, "b", 9, 1.0): 1}, BIDS))
+        out = p.step()
+        assert out["top"].to_dict() == {(1, "b", 9, 1.0): -1, (1, "a", 5, 1.0): 1}
+        assert out["hi"].to_dict() == {(1, 9): -1, (1, 5): 1}  # re-reduced from the value multiset
+        assert _top_k_traces(p) == ["input", "shown"]
+
+
+def test_append_only_top_k_fed_a_retraction_raises() -> None:
+    """operators/top_k.py invariant 5: the shown-rows-only state cannot serve a deletion, and says so."""
+    from dbsp_core.operators.top_k import TopK
+
+    c = dbsp.Circuit()
+    t = c.input("bids", BIDS)
+    src = t._exchanged(("auction",))
+    c.output("top", c.add_operator(TopK(src.node_id, BIDS, ("auction",), (("price", "descending"),), 1, False,
+                                        "top_k", append_only=True)))
+    with dbsp.Pipeline(c) as p:
+        p.push("bids", to_zset({(1, "a", 5, 1.0): -1}, BIDS))
+        with pytest.raises(dbsp.DbspError, match=r"top_k#\d+: a retraction reached a top-k over an append-only"):
+            p.step()
+
+
 def test_keyless_aggregate_of_an_emptied_stream_has_no_row() -> None:
     c = dbsp.Circuit()
     t = c.input("bids", BIDS)
@@ -106,3 +217,13 @@ def test_group_op_validation() -> None:
         t.group_by().top_k(1, ("price", "down"))
     assert len(c.nodes) == n  # a rejected operator adds no node
     assert t.filter(pc.field("price") > 1).group_by().agg(n=dbsp.count()).schema == pa.schema([("n", pa.int64())])
+
+
+def test_top_k_with_ties_ordered_by_its_group_key() -> None:
+    """An order column that is also a group key: every row of a group ties (the run columns name it once)."""
+    c = dbsp.Circuit()
+    t = c.input("t", pa.schema([("a", pa.int64()), ("b", pa.int64())]))
+    c.output("o", t.group_by("a").top_k(1, ("a", "descending"), with_ties=True))
+    with dbsp.Pipeline(c) as p:
+        p.push("t", pa.table({"a": [1, 1, 2], "b": [3, 4, 5]}))
+        assert p.step()["o"].to_dict() == {(1, 3): 1, (1, 4): 1, (2, 5): 1}

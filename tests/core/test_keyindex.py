@@ -4,6 +4,8 @@ removals, over every fixed-width type, nulls, -0.0 and NaN (row identity), and i
 from __future__ import annotations
 
 import math
+import os
+import random
 
 import numpy as np
 import pyarrow as pa
@@ -203,8 +205,8 @@ def test_the_size_limit_bounds_the_table_it_grows_to_not_the_old_one_beside_it()
     """max_bytes caps the table an index grows to; the old table it is moving out of (half that) does not count,
     so an index whose table fits keeps growing (a 5M-group aggregate's 384 MiB table under the default 512 MiB
     limit once turned its index off for the old 192 MiB beside it)."""
-    limit = 4096 * 3 * 8  # 4096 slots of 3 words (head, one key, one sum: csrc/keyindex.h invariant 3)
-    ix = _zset.KeyIndex([pa.int64()], 1, limit)
+    limit = 4096 * 8 + 3072 * 2 * 8  # 4096 slot words and the 3072 entries they can point to (one key and one sum
+    ix = _zset.KeyIndex([pa.int64()], 1, limit)  # each: csrc/keyindex.h invariant 3)
     keys = np.arange(3000, dtype=np.int64)  # needs 4096 slots (at most 3/4 full), grown to from 2048 beside it
     for lo in range(0, 3000, 10):
         t = pa.table({"k": keys[lo:lo + 10]})
@@ -212,14 +214,15 @@ def test_the_size_limit_bounds_the_table_it_grows_to_not_the_old_one_beside_it()
     assert not ix.broken and len(ix) == 3000
     ix.check()
     t = pa.table({"k": np.arange(3000, 3100, dtype=np.int64)})  # past 3/4 of 4096: 8192 slots would pass the limit
+    assert ix.nbytes <= limit
     with pytest.raises(ValueError):
         ix.add(t, None, [0], _zset.hash_columns(t, [0]), [-1])
     assert ix.broken
 
 
 def test_the_process_budget_counts_every_table_and_refuses_the_growth_that_would_pass_it():
-    """Invariant 6: keyindex_total_bytes counts the slot tables of every index (a growing one's old table too) and
-    gives them back when freed; with a budget set, the growth that would pass it fails as one past max_bytes does
+    """Invariant 6: keyindex_total_bytes counts the slot tables and entries of every index (a growing one's old table
+    too) and gives them back when freed; with a budget set, the growth that would pass it fails as one past max_bytes does
     (ValueError, the index broken), while another index under it goes on."""
     import gc
 
@@ -229,13 +232,13 @@ def test_the_process_budget_counts_every_table_and_refuses_the_growth_that_would
     try:
         _zset.keyindex_budget(0)
         a = _zset.KeyIndex([pa.int64()], 1)
-        assert _zset.keyindex_total_bytes() - base == a.nbytes == 64 * 3 * 8
+        assert _zset.keyindex_total_bytes() - base == a.nbytes == 64 * 8  # 64 slot words, no entries yet
         keys = np.arange(3000, dtype=np.int64)
         for lo in range(0, 3000, 10):  # small adds: growth in steps, old table beside the new one
             t = pa.table({"k": keys[lo:lo + 10]})
             a.add(t, None, [0], _zset.hash_columns(t, [0]), [-1])
             assert _zset.keyindex_total_bytes() - base == a.nbytes
-        assert a.nbytes >= 4096 * 3 * 8
+        assert a.nbytes >= 4096 * 8 + 3000 * 2 * 8  # slot words, entries of a key and a sum
         # a budget that holds a's table and a second index's first growths, not a table of 4096 slots more
         _zset.keyindex_budget(_zset.keyindex_total_bytes() + 2048 * 3 * 8)
         b = _zset.KeyIndex([pa.int64()], 1)
@@ -321,9 +324,9 @@ def test_a_large_call_finishes_the_growth_it_starts(n):
                                    max_size=120), st.sampled_from([0, 1, 2**54, 2**63 + 5, 2**64 - 1]))
 def test_keys_with_one_hash_differ_by_their_null_mask(nkeys, rows, hash_value):
     """Every key given the same key hash (one probe run) whose columns are all 0 or null: keys differ only in
-    which columns are null, the bits a slot's head word keeps beside the low hash bits (keyindex.h invariant 3).
-    Sums per key and removals match a dict model keyed by the null mask; the hash's top bits (which the head word
-    drops) change nothing."""
+    which columns are null, the bits a slot word keeps beside the low hash bits (keyindex.h invariant 3). Sums per
+    key and removals match a dict model keyed by the null mask; the hash's top bits (which the slot word drops)
+    change nothing."""
     ix = _zset.KeyIndex([pa.int64()] * nkeys, 1)
     model: dict = {}
     for lo in range(0, len(rows), 17):  # a few calls, so entries are found, updated and removed across calls
@@ -346,3 +349,61 @@ def test_keys_with_one_hash_differ_by_their_null_mask(nkeys, rows, hash_value):
     got = np.zeros((len(probe_masks), 1), np.int64)
     ix.get(t, list(range(nkeys)), np.full(len(probe_masks), hash_value, np.uint64), got)
     assert got[:, 0].tolist() == [model.get(m, 0) for m in probe_masks]
+
+
+def test_a_key_costs_its_entry_and_a_few_slot_words_at_every_size():
+    """Invariant 3: a key costs its entry (key words and sums) and one slot word in a table 3/8 to 3/4 full, whatever
+    the index's size: the bytes ``nbytes`` reports (what keyindex_total_bytes and the state metrics count) stay
+    within 1.25 entries (the entries' room grows by a quarter at most, and a large array to whole 2 MiB pages) and
+    8/3 slot words per key after every add, or 4 slot words while a growth holds the old table beside the new one
+    (invariant 5), through growths by small adds and a bulk one. A layout that kept the key and sums in every slot (40 B a slot for one key and three sums)
+    held 53-107 B per such key, and up to 160 while growing. Then removals and new keys in turn: new keys take the
+    removed keys' entries (a free list), so the bytes do not grow while the number of keys does not; the sums match
+    a dict model throughout."""
+    seed = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
+    print(f"DBSP_TEST_SEED={seed}")
+    rng = np.random.default_rng(seed)
+    nvals = 3
+    entry = (1 + nvals) * 8  # one int64 key and three sums
+    at_rest, growing = 1.25 * entry + 8 * 8 / 3, 1.25 * entry + 4 * 8  # 61.3 and 72 B per key
+    ix = _zset.KeyIndex([pa.int64()], nvals)
+    model: dict = {}
+
+    def add(keys, w):  # a and b are functions of k, so that a key's sums go to zero with its weight
+        t = pa.table({"k": keys, "a": keys % 19 - 9, "b": keys * 7919 % 2**40})
+        ix.add(t, w, [0], _zset.hash_columns(t, [0]), [-1, 1, 2])
+        for k, x, a, b in zip(keys.tolist(), w.tolist(), t.column("a").to_pylist(), t.column("b").to_pylist()):
+            old = model.get(k, (0, 0, 0))
+            new = (old[0] + x, old[1] + x * a, old[2] + x * b)
+            if new == (0, 0, 0):
+                model.pop(k, None)
+            else:
+                model[k] = new
+
+    def check():
+        ix.check()
+        assert len(ix) == len(model)
+        keys = np.fromiter(model, dtype=np.int64, count=len(model))
+        t = pa.table({"k": keys})
+        acc = np.zeros((len(keys), nvals), np.int64)
+        ix.get(t, [0], _zset.hash_columns(t, [0]), acc)
+        assert [tuple(r) for r in acc.tolist()] == list(model.values())
+
+    worst = {False: 0.0, True: 0.0}  # bytes per key at rest, while growing
+    for lo in range(0, 60_000, 500):  # small adds: every growth is incremental (invariant 5)
+        add(np.arange(lo, lo + 500, dtype=np.int64), np.ones(500, np.int64))
+        worst[ix.growing] = max(worst[ix.growing], (ix.nbytes - 2**21) / len(ix))
+    add(np.arange(60_000, 200_000, dtype=np.int64), np.ones(140_000, np.int64))  # a bulk add grows at once
+    worst[ix.growing] = max(worst[ix.growing], (ix.nbytes - 2**21) / len(ix))
+    check()
+    assert worst[True] > 0, "no add left the index growing: the test did not see invariant 5's state"
+    assert worst[False] <= at_rest and worst[True] <= growing, (worst, at_rest, growing)
+    held = ix.nbytes
+    fresh = 200_000
+    for _ in range(20):  # churn: remove 5,000 keys, add 5,000 new ones
+        gone = rng.choice(np.fromiter(model, dtype=np.int64, count=len(model)), 5000, replace=False)
+        add(gone, -np.ones(5000, np.int64) * np.array([model[k][0] for k in gone.tolist()], np.int64))
+        add(np.arange(fresh, fresh + 5000, dtype=np.int64), np.ones(5000, np.int64))
+        fresh += 5000
+    check()
+    assert len(ix) == 200_000 and ix.nbytes == held, (ix.nbytes, held)

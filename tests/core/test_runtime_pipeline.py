@@ -5,9 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from oracle import BIDS, to_zset
 
 import dbsp_core as dbsp
+from dbsp_core import _zset as dbsp_zset
 from dbsp_core.errors import DbspError, SchemaError, StepError
 from dbsp_core.runtime.executor import spread
 from dbsp_core.trace import Trace
@@ -236,3 +239,31 @@ def test_a_failed_step_leaves_no_trace_in_the_key_indexes(workers: int) -> None:
                 for tr in vars(inst).values():
                     if isinstance(tr, Trace):
                         tr.check()
+
+
+@given(st.lists(st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["a", "b", None]), st.sampled_from([1, 1, 2, -1])),
+                         max_size=12), min_size=1, max_size=4), st.sampled_from([1, 2, 3]))
+def test_step_output_sums_equal_rows_across_workers_without_a_sort(steps, workers) -> None:
+    """embedded.py invariant 3: a pass-through and a projection, whose equal rows land on different workers (the
+    input is spread by position), hand over each step's change with equal rows summed and zero sums dropped (the
+    model's multiset), distinct, with the stored rows' row hashes, and unsorted (ZSet._distinct_unsorted)."""
+    schema = pa.schema([("k", pa.int64()), ("s", pa.utf8())])
+    c = dbsp.Circuit()
+    t = c.input("t", schema)
+    c.output("all", t)
+    c.output("keys", t.select(k="k"))
+    with dbsp.Pipeline(c, workers=workers) as p:
+        for step in steps:
+            if step:
+                p.push("t", dbsp.ZSet.from_rows([(k, s) for k, s, _ in step], schema, weights=[w for *_, w in step]))
+            out = p.step()
+            for name, cols in (("all", (0, 1)), ("keys", (0,))):
+                model: dict = {}
+                for row in step:
+                    key = tuple(row[i] for i in cols)
+                    model[key] = model.get(key, 0) + row[2]
+                z = out[name]
+                got = z.to_dict()
+                assert got == {r: w for r, w in model.items() if w}
+                assert z._distinct and z.num_rows == len(got) and 0 not in z.weights.tolist()
+                assert np.array_equal(z._rhash, dbsp_zset.hash_columns(z.data, list(range(z.data.num_columns))))

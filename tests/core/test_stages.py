@@ -197,6 +197,47 @@ def test_cache_loss_between_jobs_loads_state_from_the_databases(tmp_path) -> Non
     check_duckdb(sql, outs, bags)
 
 
+def test_closing_a_pipeline_releases_its_cached_stage_workers(tmp_path) -> None:
+    """A task process kept a closed pipeline's cached stage workers (their operator instances, traces and key
+    indexes) until 64 newer entries or drop_cache pushed them out. Closing it releases them (the traces are freed,
+    not only unlisted), and only its own: another open pipeline's stay, and its next job is a cache hit."""
+    import gc
+    import weakref
+
+    from dbsp_core.trace import Trace
+
+    c, _ = build("carried")
+    steps, _ = changes(5, 3)
+    a = staged_pipeline(c, 2, str(tmp_path / "a"))
+    b = staged_pipeline(build("carried")[0], 2, str(tmp_path / "b"))
+    for p in (a, b):
+        for batch in steps[:2]:
+            for name, z in batch:
+                p.push(name, z)
+            p.step()
+
+    def entries(p: dbsp.Pipeline) -> list:
+        return [e for k, e in stagetask._CACHE.items() if k[0] == p.executor.storage]
+
+    held = entries(a)
+    assert held and entries(b), "the staged pipelines ran no stateful stage task in this process"
+    traces = [weakref.ref(t) for e in held for inst in e.worker.stateful.values() for t in vars(inst).values()
+              if isinstance(t, Trace)]
+    assert traces
+    del held
+    a.close()
+    gc.collect()
+    assert not entries(a), "a closed pipeline's cached stage workers are still held"
+    assert not [r for r in traces if r() is not None], "a closed pipeline's traces are still alive"
+    hits = stagetask.cache_stats["hits"]
+    for name, z in steps[2]:
+        b.push(name, z)
+    b.step()
+    assert entries(b) and stagetask.cache_stats["hits"] > hits  # the open pipeline's entries were kept
+    b.close()
+    assert not entries(b)
+
+
 class PartialJob(LocalJobRunner):
     """Runs the first ``n`` jobs, then commits only worker 0 of every stateful stage and fails (a crashed job)."""
 

@@ -56,6 +56,39 @@ def test_consolidate_matches_model(tw):
     assert c.consolidate() is c
 
 
+@given(zsets(max_rows=60), st.booleans())
+def test_distinct_unsorted_matches_model(tw, collide):
+    """Equal rows summed without a sort (csrc/zset.c dbsp_zset_distinct): the model's Z-set, no two equal rows, no
+    zero weight, each kept row where its first copy was, with its row hash; rows only move when some are equal.
+    ``collide`` hands the kernel one hash for every row, so every probe meets other rows and only the row
+    comparison tells them apart."""
+    t, w = tw
+    w = np.asarray(w, dtype=np.int64)
+    z = dbsp.ZSet.from_arrow(t, weights=w)
+    d = z._distinct_unsorted()
+    model = model_of(t, w)
+    assert canon_dict(d.to_dict()) == model and d.num_rows == len(model)
+    assert d._distinct and 0 not in d.weights.tolist()
+    assert d.consolidate().num_rows == d.num_rows  # no two stored rows are equal
+    assert np.array_equal(d._rhash, _zset.hash_columns(d.data, list(range(t.num_columns))))
+    rows = [canon_row(r) for r in zip(*[c.to_pylist() for c in t.columns])] if t.num_columns else []
+    firsts = [rows.index(canon_row(r)) for r in zip(*[c.to_pylist() for c in d.data.columns])]
+    assert firsts == sorted(firsts)  # first-occurrence order
+    if len(model) == t.num_rows > 0:  # nothing to sum: the data is handed over, not gathered
+        assert [b.address for c in d.data.columns for b in c.chunk(0).buffers() if b is not None] == \
+            [b.address for c in z.data.columns for b in c.chunk(0).buffers() if b is not None]
+    rh = np.zeros(t.num_rows, np.uint64) if collide else _zset.hash_columns(t, list(range(t.num_columns)))
+    kept = _zset.distinct(t, w, rh)
+    if kept is None:
+        assert len(model) == t.num_rows
+    else:
+        idx, kw = kept
+        got = defaultdict(int)
+        for i, x in zip(idx.tolist(), kw.tolist()):
+            got[rows[i]] += x
+        assert dict(got) == model and len(idx) == len(model)
+
+
 @given(st.data())
 def test_small_batch_path_equals_grouping_engine(data):
     """Batches up to _zset.small_rows() rows are consolidated by sorting; the result (representative rows, weights,
@@ -511,7 +544,7 @@ def test_weight_overflow_does_not_depend_on_row_order(case):
         ones = dbsp.ZSet.from_arrow(pa.table({"k": pa.array(ks, pa.int64()), "u": pa.array([1] * len(ks))}),
                                     weights=np.array(ws, dtype=np.int64))
         if not fits:
-            for run in (z.consolidate, one.consolidate, lambda: z.aggregate(["s"], [("count", None)]),
+            for run in (z.consolidate, one.consolidate, z._distinct_unsorted, lambda: z.aggregate(["s"], [("count", None)]),
                         lambda: one.aggregate(["k"], [("count", None)]),
                         lambda: ones.aggregate(["k"], [("sum", "u")])):
                 with pytest.raises(WeightOverflowError):
@@ -775,19 +808,22 @@ def test_large_take_uses_gather_and_matches_arrow():
 
 @given(st.data())
 def test_take_pairs_equals_two_arrow_takes(data):
-    """A join's output rows gathered in one C call: the left table's columns at the left rows, then the chosen right
-    columns at the right rows, bit for bit Arrow's takes; a schema with other types is refused (TypeError), as are
-    indices or columns out of range."""
+    """A join's output rows gathered in one C call: the left table's columns (all, or the chosen ones: the columns a
+    fused aggregate reads) at the left rows, then the chosen right columns at the right rows, bit for bit Arrow's
+    takes; a schema with other types is refused (TypeError), as are indices or columns out of range."""
     lt, rt = data.draw(tables(max_rows=30)), data.draw(tables(max_rows=30))
     lt = lt.rename_columns([f"l{i}" for i in range(lt.num_columns)])
     rt = rt.rename_columns([f"r{i}" for i in range(rt.num_columns)])
     rcols = data.draw(st.lists(st.integers(0, rt.num_columns - 1), max_size=rt.num_columns, unique=True))
+    lcols = data.draw(st.one_of(st.none(), st.lists(st.integers(0, lt.num_columns - 1), max_size=lt.num_columns,
+                                                    unique=True)))
     m = data.draw(st.integers(0, 40)) if lt.num_rows and rt.num_rows else 0
     li = np.array(data.draw(st.lists(st.integers(0, lt.num_rows - 1), min_size=m, max_size=m)) if m else [], np.int64)
     ri = np.array(data.draw(st.lists(st.integers(0, rt.num_rows - 1), min_size=m, max_size=m)) if m else [], np.int64)
-    schema = pa.schema(list(lt.schema) + [rt.schema.field(c) for c in rcols])
-    got = _zset.take_pairs(lt, li, rt, ri, rcols, schema)
-    want = [c for c in lt.take(pa.array(li, pa.int64())).columns] + \
+    lpos = range(lt.num_columns) if lcols is None else lcols
+    schema = pa.schema([lt.schema.field(c) for c in lpos] + [rt.schema.field(c) for c in rcols])
+    got = _zset.take_pairs(lt, li, rt, ri, rcols, schema, lcols)
+    want = [lt.column(c).take(pa.array(li, pa.int64())) for c in lpos] + \
         [rt.column(c).take(pa.array(ri, pa.int64())) for c in rcols]
     assert got.schema == schema and got.num_rows == m
     for g, w in zip(got.columns, want):
@@ -795,14 +831,20 @@ def test_take_pairs_equals_two_arrow_takes(data):
     other = pa.schema([pa.field(f.name, pa.binary() if f.type != pa.binary() else pa.int8()) for f in schema])
     if len(schema):
         with pytest.raises(TypeError):
-            _zset.take_pairs(lt, li, rt, ri, rcols, other)
+            _zset.take_pairs(lt, li, rt, ri, rcols, other, lcols)
+    if lt.num_columns:
+        # the left table's own schema with every type swapped (``other`` follows the chosen columns, which may be
+        # none or a subset of the left table's)
         with pytest.raises(TypeError):
-            _zset.take(lt, li, pa.schema(list(other)[:lt.num_columns]))
+            _zset.take(lt, li, pa.schema([pa.field(f.name, pa.binary() if f.type != pa.binary() else pa.int8())
+                                          for f in lt.schema]))
     if m:
         with pytest.raises(IndexError):
-            _zset.take_pairs(lt, li, rt, np.full(m, rt.num_rows, np.int64), rcols, schema)
+            _zset.take_pairs(lt, li, rt, np.full(m, rt.num_rows, np.int64), rcols, schema, lcols)
     with pytest.raises(IndexError):
-        _zset.take_pairs(lt, li, rt, ri, rcols + [rt.num_columns], schema)
+        _zset.take_pairs(lt, li, rt, ri, rcols + [rt.num_columns], schema, lcols)
+    with pytest.raises(IndexError):
+        _zset.take_pairs(lt, li, rt, ri, rcols, schema, list(lpos) + [lt.num_columns])
 
 
 # ---- boundaries (zero columns, the weight column's name, the caller's arrays) ----
@@ -840,3 +882,33 @@ def test_from_arrow_copies_the_callers_weights():
     z = dbsp.ZSet.from_arrow(pa.table({"a": [1, 2]}), weights=w)
     w[0] = 99
     assert z.to_dict() == {(1,): 1, (2,): 2}
+
+
+@given(zsets(max_rows=30), st.lists(st.integers(0, 30), max_size=4), st.randoms(use_true_random=False),
+       st.booleans())
+def test_concat_rejoins_slices_of_one_table_without_copying(tw, cuts, rnd, gap):
+    """ZSet.concat of slices of one table that cover a contiguous range, in any order, views the table's buffers
+    (no copy) and is the sum of the parts, with the weights (and row hashes) of its rows; a gap, an overlap or
+    another table's part makes it copy, with the same sum."""
+    t, w = tw
+    z = dbsp.ZSet.from_arrow(t, weights=np.asarray(w, dtype=np.int64))._distinct_unsorted()  # rows with hashes
+    n = z.num_rows
+    bounds = sorted({0, n, *[c for c in cuts if c <= n]})
+    parts = [dbsp.ZSet._make(z.data.slice(s, e - s), z.weights[s:e], rhash=z._rhash[s:e])
+             for s, e in zip(bounds, bounds[1:])]
+    if gap and len(parts) > 2:
+        parts.pop(1)
+    rnd.shuffle(parts)
+    if not parts:
+        return
+    c = dbsp.ZSet.concat(parts)
+    want: dict = defaultdict(int)
+    for p in parts:
+        for r, x in p.to_dict().items():
+            want[canon_row(r)] += x
+    assert canon_dict(c.to_dict()) == {r: x for r, x in want.items() if x}
+    assert np.array_equal(c._rhash, _zset.hash_columns(c.data, list(range(t.num_columns))))
+    shared = [b.address for col in c.data.columns for b in col.chunk(0).buffers() if b is not None] == \
+        [b.address for col in z.data.columns for b in col.chunk(0).buffers() if b is not None]
+    if len(parts) > 1:  # a single part is handed back as it is
+        assert shared == (not (gap and len(bounds) > 3))  # rejoined without a copy iff the slices are contiguous

@@ -1,8 +1,16 @@
-"""The concurrency harness of issue 29: threads issuing random public operations (push, step, queue_step + run_queued, checkpoint, rescale, discard, read_output, metrics, view, query, profile, upsert and delete into a table with a primary key, close) on one pipeline, a plain-Python model of every acknowledged push, and the check of the output log's integral (or, in memory, of the returned steps) against it.
+"""The concurrency harness of issue 29: threads issuing random public operations (push, step, queue_step + run_queued, checkpoint, rescale, discard, read_output, metrics, view, query, profile, upsert and delete into a table with a primary key, pushes into an append-only input and retractions it must refuse, close) on one pipeline, a plain-Python model of every acknowledged push, and the check of the output log's integral (or, in memory, of the returned steps) against it.
 
 The keyed table ``u`` takes upserts (a pandas DataFrame or a list of tuples) and deletes by key; each thread
 owns its own keys (``t * 100 + 0..7``), so the last operation of a key is the last one its thread made, whatever
 the other threads do: the model applies each thread's acknowledged ``u`` operations in the order it made them.
+
+The append-only input ``a`` feeds a top-k and a min/max aggregate, which keep the smaller state of an inserts-only
+stream (operators/top_k.py invariant 5, operators/aggregate.py invariant 7); a push into it with a retraction must
+raise AppendOnlyError and record nothing (its producer's seq is used again by the next push, which must not be a
+duplicate).
+
+``Round(spark=session)`` runs the same on a SparkPipeline (tests/spark/test_spark_store.py: over an object store,
+tasks placed by cache).
 
 An operation may refuse with a typed error (``DbspError`` and its subclasses; ``KeyError`` from ``discard`` of a
 push that is not waiting) and change nothing; anything else, or a pipeline left broken, is a failure.
@@ -19,16 +27,19 @@ from typing import Any, Callable
 import pyarrow as pa
 
 import dbsp_core as dbsp
-from dbsp_core.errors import DbspError, StorageError
+from dbsp_core.errors import AppendOnlyError, DbspError, StorageError
 from dbsp_core.runtime import StagedExecutor
 
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
 KEYS = 200
 U_KEYS = 8  # keys of table u per thread
+PRELOAD_KEY = 1000  # the first key Round.preload pushes (above the threads' keys)
 SHARD_BITS = 4
 MODES = ("memory", "durable", "staged")
+A_KEYS = 12  # groups of the append-only input a
+A_TOP = 3  # rows per group of its top-k
 OPS = ("push", "push", "push", "push_many", "step", "queue", "checkpoint", "rescale", "discard", "read", "metrics", "view",
-       "query", "upsert", "upsert", "profile", "close")
+       "query", "upsert", "upsert", "append", "append", "append_bad", "profile", "close")
 
 
 def circuit() -> dbsp.Circuit:
@@ -39,7 +50,49 @@ def circuit() -> dbsp.Circuit:
     c.output("gi", g.integrate())  # the whole view at every step: what memory mode checks (outputs of queued
     u = c.input("u", SCHEMA, primary_key=["k"])  # steps that a step() runs are not returned to anyone)
     c.output("uv", u, materialized=True)
+    a = c.input("a", SCHEMA, append_only=True).group_by("k")  # inserts only: the smaller top-k and min/max state
+    c.output("atop", a.top_k(A_TOP, ("v", "descending")), materialized=True)
+    c.output("amm", a.agg(lo=dbsp.min("v"), hi=dbsp.max("v"), n=dbsp.count()), materialized=True)
     return c
+
+
+def append_only_state(c: dbsp.Circuit) -> list[str]:
+    """The operators of ``c`` that keep the append-only state (so that a round asserts what it exercises)."""
+    return [op.kind for op in c.nodes if getattr(op, "append_only", False) and op.kind in ("top_k", "aggregate")]
+
+
+def a_batch(seed: int, producer: str, seq: int, bad: bool = False) -> dbsp.ZSet:
+    """The push ``(producer, seq)`` into the append-only input ``a``: a few rows of weight 1 or 2; ``bad`` adds a
+    row of weight -1 or -2 (a retraction of a row no push made), which the input must refuse."""
+    rng = random.Random(f"{seed}/{producer}/{seq}/a")
+    n = rng.randint(1, 5)
+    rows = [(rng.randrange(A_KEYS), rng.randrange(-30, 30)) for _ in range(n)]
+    ws = [rng.choice((1, 1, 2)) for _ in rows]
+    if bad:  # at a random place in the batch
+        i = rng.randrange(n + 1)
+        rows.insert(i, (rng.randrange(A_KEYS), 1000 + seq))
+        ws.insert(i, -rng.randint(1, 2))
+    return dbsp.ZSet.from_rows(rows, SCHEMA, weights=ws)
+
+
+def model_a(pushes: list[tuple[int, str, int]], rows: list[tuple[int, int]] = ()) -> tuple[Counter, Counter]:
+    """The outputs ``atop`` and ``amm`` over the pushes ``(seed, producer, seq)`` into ``a`` and the ``rows``
+    (each of weight 1), as multisets of rows: per group its A_TOP largest values (a row of weight w fills w
+    places), and (k, min, max, count)."""
+    vals: dict[int, list[int]] = {}
+    for k, v in rows:
+        vals.setdefault(k, []).append(v)
+    for seed, producer, seq in pushes:
+        t = a_batch(seed, producer, seq).to_arrow()
+        for k, v, w in zip(t.column("k").to_pylist(), t.column("v").to_pylist(), t.column("weight").to_pylist()):
+            vals.setdefault(k, []).extend([v] * w)
+    top: Counter = Counter()
+    mm: Counter = Counter()
+    for k, vs in vals.items():
+        vs.sort(reverse=True)
+        top.update((k, v) for v in vs[:A_TOP])
+        mm[(k, vs[-1], vs[0], len(vs))] += 1
+    return top, mm
 
 
 def u_producer(run: int, t: int) -> str:
@@ -150,12 +203,17 @@ class Round:
                  on_try: Callable[[str, int], None] | None = None,
                  on_ack: Callable[[str, int], None] | None = None,
                  on_discard: Callable[[str, str, int], None] | None = None, allow_close: bool = True,
-                 on_refused: Callable[[str, int], None] | None = None) -> None:
+                 on_refused: Callable[[str, int], None] | None = None,
+                 memory_limit: int | str | None = None, spark: Any = None, cache_dir: str | None = None) -> None:
         self.mode, self.seed, self.d, self.threads, self.ops, self.run = mode, seed, d, threads, ops, run
+        self.spark, self.cache_dir = spark, cache_dir  # a SparkPipeline on session ``spark`` (driver cache: cache_dir)
+        self.memory_limit = memory_limit  # Pipeline(memory_limit=): 1 spills every trace after every step
         self.on_try, self.on_ack, self.on_discard, self.on_refused = on_try, on_ack, on_discard, on_refused
         self.allow_close = allow_close
         self.acked: list[tuple[int, str, int]] = []
         self.u_acked: list[tuple[int, str, int]] = []  # operations on the keyed table u
+        self.a_acked: list[tuple[int, str, int]] = []  # pushes into the append-only input a
+        self.a_final: list[tuple[int, int]] = []  # the rows check() pushes into a (_append_everywhere)
         self.discarded: set[tuple[str, int]] = set()
         self.outs: Counter = Counter()  # the sum of every output ``g`` a step or run_queued returned
         self.counts: Counter = Counter()
@@ -163,14 +221,42 @@ class Round:
         self.failures: list[str] = []
         self.lock = threading.Lock()
         self.closed_by_op = False
+        self.made = False  # this round created its pipeline (see open)
+        self.preloaded: Counter = Counter()  # the rows of g that preload() put there
+
+    def preload(self, p: dbsp.Pipeline, n: int) -> None:
+        """Before :meth:`go`: push ``n`` rows of distinct keys from ``PRELOAD_KEY`` on (none of the threads' keys),
+        in three steps (a trace builds its key index at a later step than its first), so that the group-by's key
+        index is big enough for its regions to be files under a budget (from 2 MiB: trace/spill.py invariant 17)
+        while the threads run."""
+        import numpy as np
+
+        k = np.arange(PRELOAD_KEY, PRELOAD_KEY + n, dtype=np.int64)
+        v = k % 7 - 3
+        for seq, part in enumerate(np.array_split(np.arange(n), 3)):
+            ids = {"producer": f"r{self.run}pre", "seq": seq} if self.d is not None else {}
+            p.push("t", pa.table({"k": k[part], "v": v[part]}, schema=SCHEMA), **ids)
+            p.step()
+        self.preloaded = Counter({(int(a), 1, int(b)): 1 for a, b in zip(k.tolist(), v.tolist())})
 
     def open(self, workers: int = 2) -> dbsp.Pipeline:
+        budget = {"memory_limit": self.memory_limit}
+        if self.spark is not None:  # each stage a Spark job of tasks placed by cache (spark_glue/placement.py)
+            from spark_glue import SparkPipeline
+
+            kw = {"checkpoint_interval": 0.2, "cache_dir": self.cache_dir, **budget}
+            if self.made:
+                return SparkPipeline.open(self.spark, self.d, circuit(), **kw)
+            self.made = True
+            return SparkPipeline(self.spark, circuit(), workers, storage=self.d, shard_bits=SHARD_BITS, **kw)
         if self.d is None:
-            return dbsp.Pipeline(circuit(), workers=workers, shard_bits=SHARD_BITS, checkpoint_interval=None)
-        if os.path.exists(os.path.join(self.d, "META")):
-            return dbsp.Pipeline.open(self.d, circuit(), executor=executor(self.mode), checkpoint_interval=0.2)
+            return dbsp.Pipeline(circuit(), workers=workers, shard_bits=SHARD_BITS, checkpoint_interval=None, **budget)
+        if self.made or ("://" not in self.d and os.path.exists(os.path.join(self.d, "META"))):
+            return dbsp.Pipeline.open(self.d, circuit(), executor=executor(self.mode), checkpoint_interval=0.2,
+                                      **budget)
+        self.made = True  # a store URI (s3://...) has no META to look for
         return dbsp.Pipeline(circuit(), workers=workers, shard_bits=SHARD_BITS, storage=self.d,
-                             executor=executor(self.mode), checkpoint_interval=0.2)
+                             executor=executor(self.mode), checkpoint_interval=0.2, **budget)
 
     def _refused(self, op: str, e: BaseException) -> None:
         with self.lock:
@@ -234,6 +320,27 @@ class Round:
                     self.u_acked.append((self.seed, producer, seq))
                 if self.on_ack:
                     self.on_ack(producer, seq)
+            elif op in ("append", "append_bad"):
+                producer, seq = f"r{self.run}t{t}a", state["aseq"]
+                ids = {"producer": producer, "seq": seq} if durable else {}
+                if op == "append_bad":  # refused whole, nothing recorded: the next push uses its seq again
+                    try:
+                        p.push("a", a_batch(self.seed, producer, seq, bad=True), **ids)
+                    except AppendOnlyError as e:
+                        assert "append-only" in str(e) and "'a'" in str(e), e
+                    else:
+                        raise AssertionError(f"the append-only input took a retraction (push {producer} {seq})")
+                else:
+                    if self.on_try:
+                        self.on_try(producer, seq)
+                    made.append((producer, seq))
+                    state["aseq"] += 1
+                    ack = p.push("a", a_batch(self.seed, producer, seq), **ids)
+                    assert (ack is not None and not ack.duplicate) if durable else ack is None, ack
+                    with self.lock:
+                        self.a_acked.append((self.seed, producer, seq))
+                    if self.on_ack:
+                        self.on_ack(producer, seq)
             elif op == "profile":
                 prof = p.profile(state=rng.random() < 0.5)
                 assert prof is not None
@@ -311,13 +418,23 @@ class Round:
         if got != want:
             self.failures.append(f"the materialized view {output} differs from the model: {differ(got, want)}")
 
+    def _append_everywhere(self, p: dbsp.Pipeline) -> None:
+        """Before the check's last step: push into ``a`` a row of every group, so that each group's top-k and
+        min/max combine the state kept so far (after a reopen: the recovered state) with a new insert."""
+        producer = f"r{self.run}fa"
+        rng = random.Random(f"{self.seed}/{producer}")
+        rows = [(k, rng.randrange(-40, 40)) for k in range(A_KEYS)]
+        z = dbsp.ZSet.from_rows(rows, SCHEMA)
+        p.push("a", z, **({"producer": producer, "seq": 0} if self.d is not None else {}))
+        self.a_final = rows
+
     def go(self, p: dbsp.Pipeline) -> None:
         """Run the threads to their end."""
         start = threading.Barrier(self.threads)
 
         def worker(t: int) -> None:
             rng = random.Random(f"{self.seed}/{self.run}/ops/{t}")
-            state = {"seq": 0, "useq": 0, "mine": []}
+            state = {"seq": 0, "useq": 0, "aseq": 0, "mine": []}
             try:
                 start.wait()
             except threading.BrokenBarrierError:
@@ -334,29 +451,42 @@ class Round:
             self.failures.append("a thread still runs after 300 s (a hang)")
 
     def check(self, p: dbsp.Pipeline | None) -> None:
-        """After :meth:`go`: in memory, step once more and compare the returned steps with the model; durable,
-        close (if no operation did), reopen, step once (the pushes acknowledged after the last step) and compare
-        the output log's integral with the model. Appends to ``failures``."""
-        want = model([a for a in self.acked if (a[1], a[2]) not in self.discarded])
+        """After :meth:`go`: in memory, push a row into every group of ``a``, step once more and compare the
+        returned steps and the views with the model; durable, close (if no operation did), reopen, push a row into
+        every group of ``a``, step once (also the pushes acknowledged after the last step) and compare the output
+        logs' integrals and the views with the model. Appends to ``failures``."""
+        want = model([a for a in self.acked if (a[1], a[2]) not in self.discarded]) + self.preloaded
         want_u = model_u(self.u_acked)
         if self.d is None:
             assert p is not None
+            self._append_everywhere(p)
             got = Counter({r: w for r, w in p.step()["gi"].to_dict().items() if w})
+            want_top, want_mm = model_a(self.a_acked, self.a_final)
             self._check_view(p, want)
             self._check_view(p, want_u, "uv")
+            self._check_view(p, want_top, "atop")
+            self._check_view(p, want_mm, "amm")
             p.close()
         else:
             if p is not None and not self.closed_by_op:
                 p.close()
             q = self.open()
             try:
+                self._append_everywhere(q)
                 q.step()
                 got = log_integral(q)
+                want_top, want_mm = model_a(self.a_acked, self.a_final)
                 self._check_view(q, want)
                 self._check_view(q, want_u, "uv")
+                self._check_view(q, want_top, "atop")
+                self._check_view(q, want_mm, "amm")
                 if log_integral(q, "uv") != want_u:
                     self.failures.append(f"the output log of uv differs from the model of {len(self.u_acked)} "
                                          f"operations: {differ(log_integral(q, 'uv'), want_u)}")
+                for name, w in (("atop", want_top), ("amm", want_mm)):
+                    if log_integral(q, name) != w:
+                        self.failures.append(f"the output log of {name} differs from the model of "
+                                             f"{len(self.a_acked)} appends: {differ(log_integral(q, name), w)}")
             finally:
                 q.close()
         if got != want:

@@ -52,7 +52,11 @@ def test_a_missing_middle_input_segment_names_every_lost_push_and_opens(tmp_path
     assert f"missing      input/{gone}" in out, out
     lost = {(ln.split("'")[1], int(ln.split("seq ")[1].split()[0])) for ln in out.splitlines()
             if ln.startswith("lost         producer")}
-    assert lost == held, (f"seed {SEED}: lost {sorted(lost)} != held by {gone} {sorted(held)}", out)
+    # a push of a step the checkpoint covers (steps 0..2) is in its state, not lost, even when the missing
+    # segment held it (where the segment boundaries fall varies between runs)
+    want = {x for x in held if where[x] >= 3}
+    assert lost == want, (f"seed {SEED}: lost {sorted(lost)} != held by {gone} after the checkpoint "
+                          f"{sorted(want)} (held {sorted(held)})", out)
     p = dbsp.Pipeline.open(d, circuit())
     p.step()  # the valid pushes of the withdrawn steps, logged again
     assert views(p) == model(sorted(set(where) - lost)), f"seed {SEED}"

@@ -1,7 +1,9 @@
 """A pipeline used from several threads at once: pushes run concurrently, steps (and checkpoints, traces, reads) are serialized, and the views equal a dict model of everything pushed, in memory and durable, at W=1 (the integrated view was corrupted) and W=2 (steps deadlocked at the exchange barrier); and the random-operations harness (ops_harness.py: every public operation from many threads, in memory, durable and staged, also under kill -9) with the defects it found.
 
 Opt-in sizes: ``DBSP_CONCURRENCY_ROUNDS`` (harness rounds over the three modes, default 48; 1,000 is the long run),
-``DBSP_CONCURRENCY_KILLS`` (kills that must land per mode, default 2); ``DBSP_CONCURRENCY_SEED`` replays a run.
+``DBSP_CONCURRENCY_KILLS`` (kills that must land per mode, default 2), ``DBSP_CONCURRENCY_STORE_ROUNDS`` (rounds per
+mode over an S3 prefix, default 2), ``DBSP_CONCURRENCY_BUDGET_ROUNDS`` (rounds per mode under ``memory_limit=1``,
+default 2); ``DBSP_CONCURRENCY_SEED`` replays a run.
 """
 
 from __future__ import annotations
@@ -204,40 +206,114 @@ OPS_KILLS = int(os.environ.get("DBSP_CONCURRENCY_KILLS", "2"))
 OPS_TOTALS: dict = {}
 
 
+def _harness_rounds(mode: str, rounds: int, offset: int, where, memory_limit: int | None = None,
+                    preload: int = 0) -> tuple:
+    """Run ``rounds`` rounds of the ops harness in ``mode`` (round r's seed ``OPS_SEED * 1000 + offset + r``, its
+    storage ``where(r)``, its pipelines' ``memory_limit``, ``preload`` rows pushed first: ``Round.preload``), each
+    checked at once; returns (counts, refusals) summed over them; under a budget the counts include what the batch
+    stores wrote and evicted, and the bytes of key indexes whose regions are files after the preload (embedded:
+    ``spill_*``)."""
+    from collections import Counter
+
+    from ops_harness import Round
+
+    totals: Counter = Counter()
+    refusals: Counter = Counter()
+    for r in range(rounds):
+        rnd = Round(mode, OPS_SEED * 1000 + offset + r, where(r), memory_limit=memory_limit)
+        p = rnd.open(workers=1 + r % 3)
+        store = p.executor.batch_store  # embedded: the pipeline's (closed with it); staged: in the task processes
+        if preload:
+            rnd.preload(p, preload)
+            if store is not None:
+                totals["spill_index_file_bytes"] += sum(
+                    n for w in range(p.layout.workers) for t in p.traces(w).values() if t.held_index is not None
+                    for _, n in t.held_index.regions if t.held_index.nbytes >= store.INDEX_FILE_MIN)
+        rnd.go(p)
+        spilled = store.stats if store is not None else p.stats.get("task_spill", {})
+        totals.update({f"spill_{k}": spilled.get(k, 0) for k in ("files_written", "evictions")})
+        rnd.check(p)
+        assert not rnd.failures, (f"{mode} round {r} on {where(r)} (replay: DBSP_CONCURRENCY_SEED={OPS_SEED}):\n"
+                                  + "\n".join(rnd.failures))
+        totals.update(rnd.counts)
+        totals["rounds"] += 1
+        refusals.update(rnd.refusals)
+    return totals, refusals
+
+
 @pytest.mark.parametrize("mode", ["memory", "durable", "staged"])
 def test_random_operations_from_many_threads_keep_every_acknowledged_push(tmp_path, mode) -> None:
     """``DBSP_CONCURRENCY_ROUNDS`` rounds over the three modes (default 48; 1,000 is the opt-in aim, replay one
     run with ``DBSP_CONCURRENCY_SEED``): 3 threads issue 10 random public operations each (push, step,
     queue_step + run_queued, checkpoint, rescale, discard, read_output, metrics, view, query, profile, upsert and
-    delete by key, close) on one
+    delete by key, pushes into an append-only input and retractions it refuses, close) on one
     pipeline; every
     operation completes or refuses with a typed error, none leaves the pipeline broken, and the integral of the
     output log after a reopen (in memory: of the steps returned) equals the model of the acknowledged pushes."""
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from collections import Counter
+    from ops_harness import MODES, append_only_state, circuit
 
-    from ops_harness import MODES, Round
-
-    totals: Counter = Counter()
-    refusals: Counter = Counter()
+    assert append_only_state(circuit()) == ["top_k", "aggregate"]  # the inserts-only state is what runs
     rounds = OPS_ROUNDS // len(MODES) + (MODES.index(mode) < OPS_ROUNDS % len(MODES))
-    for r in range(rounds):
-        seed = OPS_SEED * 1000 + r
-        rnd = Round(mode, seed, None if mode == "memory" else str(tmp_path / f"d{r}"))
-        p = rnd.open(workers=1 + r % 3)
-        rnd.go(p)
-        rnd.check(p)
-        assert not rnd.failures, (f"{mode} round {r} (replay: DBSP_CONCURRENCY_SEED={OPS_SEED}):\n"
-                                  + "\n".join(rnd.failures))
-        totals.update(rnd.counts)
-        totals["rounds"] += 1
-        refusals.update(rnd.refusals)
+    totals, refusals = _harness_rounds(mode, rounds, 0,
+                                       lambda r: None if mode == "memory" else str(tmp_path / f"d{r}"))
     OPS_TOTALS[mode] = dict(totals)
     print("\n".join(f"  refused {n}x {what}" for what, n in refusals.most_common()))
     print(f"\n[ops harness] {mode} DBSP_CONCURRENCY_SEED={OPS_SEED}: {dict(totals)}")
     assert totals["rounds"] == rounds and (rounds == 0 or totals["ops"] > rounds * 10)
+    if rounds >= 8:  # 288 draws or more: none is append_bad with p < 1e-6
+        assert totals["append"] and totals["append_bad"], dict(totals)
+
+
+OPS_BUDGET_ROUNDS = int(os.environ.get("DBSP_CONCURRENCY_BUDGET_ROUNDS", "2"))  # per mode
+OPS_BUDGET_PRELOAD = 150_000  # rows of distinct keys pushed first: a group-by key index of ~8 MiB on one worker
+
+
+@pytest.mark.parametrize("mode", ["memory", "durable", "staged"])
+def test_random_operations_under_a_budget_that_spills_every_trace(tmp_path, mode) -> None:
+    """The same harness with ``memory_limit=1`` (every trace's batches go to batch files after every step and the
+    cache keeps no page: trace/spill.py invariant 12; the traces' key indexes join the store, invariant 17):
+    embedded in memory (a temporary spill directory), durable (files under the storage directory, which
+    checkpoints name, invariant 13, while other threads step, read, rescale and close) and staged (the budget is
+    the task processes', stage_task.py invariant 7). Each round first pushes OPS_BUDGET_PRELOAD rows of keys of
+    their own, so the group-by's key index keeps its regions in files of the spill directory (invariant 17) and
+    the cache evicts it while the threads run. ``DBSP_CONCURRENCY_BUDGET_ROUNDS`` rounds per mode (default 2; the
+    long run: hundreds), each checked against the model as above; batch files were written and (embedded) a key
+    index lived in files."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    totals, refusals = _harness_rounds(mode, OPS_BUDGET_ROUNDS, 700,
+                                       lambda r: None if mode == "memory" else str(tmp_path / f"d{r}"), memory_limit=1,
+                                       preload=OPS_BUDGET_PRELOAD)
+    print("\n".join(f"  refused {n}x {what}" for what, n in refusals.most_common()))
+    print(f"\n[ops harness] budget {mode} DBSP_CONCURRENCY_SEED={OPS_SEED}: {dict(totals)}")
+    assert totals["rounds"] == OPS_BUDGET_ROUNDS
+    if OPS_BUDGET_ROUNDS:
+        assert totals["ops"] > OPS_BUDGET_ROUNDS * 10
+        assert totals["spill_files_written"] > 0, f"nothing was spilled: {dict(totals)}"
+        if mode != "staged":  # round 0 runs on one worker: the preload's group-by index is ~8 MiB, in files
+            assert totals["spill_index_file_bytes"] > 0, f"no key index lived in files: {dict(totals)}"
+
+
+OPS_STORE_ROUNDS = int(os.environ.get("DBSP_CONCURRENCY_STORE_ROUNDS", "2"))
+
+
+@pytest.mark.parametrize("mode", ["durable", "staged"])
+def test_random_operations_on_a_store_pipeline_keep_every_acknowledged_push(s3_server, mode) -> None:
+    """The same harness over a pipeline whose storage is an S3 prefix (moto's server through pyarrow's S3 client),
+    embedded (``durable``: logs as segment objects, checkpoint uploads off the step, the writer's lease) and staged
+    (stage state as chains of objects): ``DBSP_CONCURRENCY_STORE_ROUNDS`` rounds per mode (default 2), each on a new
+    prefix, checked after a reopen from the store as the local modes are."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    bucket = s3_server.bucket()
+    totals, _ = _harness_rounds(mode, OPS_STORE_ROUNDS, 500, lambda r: s3_server.uri(bucket, f"{mode}-{r}"))
+    print(f"\n[ops harness] store {mode} DBSP_CONCURRENCY_SEED={OPS_SEED}: {dict(totals)}")
+    assert totals["rounds"] == OPS_STORE_ROUNDS and (OPS_STORE_ROUNDS == 0 or totals["ops"] > OPS_STORE_ROUNDS * 10)
 
 
 @pytest.mark.parametrize("mode", ["durable", "staged"])
@@ -277,7 +353,7 @@ def test_random_operations_killed_with_sigkill_keep_every_acknowledged_push(tmp_
 def _check_after_kill(d: str, mode: str, stats) -> None:
     from collections import Counter
 
-    from ops_harness import apply_u, batch, circuit, differ, executor, log_integral, model, model_u
+    from ops_harness import a_batch, apply_u, batch, circuit, differ, executor, log_integral, model, model_a, model_u
 
     log = os.path.join(os.path.dirname(d), "ops-log.txt")
     if not os.path.exists(os.path.join(d, "META")):
@@ -296,6 +372,8 @@ def _check_after_kill(d: str, mode: str, stats) -> None:
         for p, s in sorted(tried - acked):  # in flight at the kill: durable or not, counted once now
             if p.endswith("u"):  # the last operation of its thread on table u: made again, it stays the last
                 ack = apply_u(q, OPS_SEED, p, s, True)
+            elif p.endswith("a"):
+                ack = q.push("a", a_batch(OPS_SEED, p, s), producer=p, seq=s)
             else:
                 ack = q.push("t", batch(OPS_SEED, p, s), producer=p, seq=s)
             stats["unacked_in_child_found_durable" if ack.duplicate else "unacked_in_child_pushed_anew"] += 1
@@ -311,11 +389,15 @@ def _check_after_kill(d: str, mode: str, stats) -> None:
         assert not (dropped & set(counted)), f"discarded pushes were counted: {sorted(dropped & set(counted))[:5]}"
         assert counted == Counter(kept), (f"seed {OPS_SEED}: pushes counted other than once: "
                                           f"{sorted((Counter(kept) - counted) + (counted - Counter(kept)))[:10]}")
-        got, want = log_integral(q), model([(OPS_SEED, p, s) for p, s in kept if not p.endswith("u")])
+        got, want = log_integral(q), model([(OPS_SEED, p, s) for p, s in kept if not p.endswith(("u", "a"))])
         assert got == want, (f"{mode} (replay: DBSP_CONCURRENCY_SEED={OPS_SEED}): the log's integral differs from "
                              f"the model of {len(kept)} pushes: {differ(got, want)}")
         got_u, want_u = log_integral(q, "uv"), model_u([(OPS_SEED, p, s) for p, s in kept if p.endswith("u")])
         assert got_u == want_u, (f"{mode} (replay: DBSP_CONCURRENCY_SEED={OPS_SEED}): table u's log differs from "
                                  f"the model of its operations: {differ(got_u, want_u)}")
+        for name, want_a in zip(("atop", "amm"), model_a([(OPS_SEED, p, s) for p, s in kept if p.endswith("a")])):
+            got_a = log_integral(q, name)
+            assert got_a == want_a, (f"{mode} (replay: DBSP_CONCURRENCY_SEED={OPS_SEED}): the log of {name} (over the "
+                                     f"append-only input) differs from the model: {differ(got_a, want_a)}")
     finally:
         q.close()

@@ -40,11 +40,23 @@ def _duckdb(sql: str, tables: dict[str, pa.Table]) -> dict:
         con.close()
 
 
+def _keeps_less_state(c: dbsp.Circuit) -> bool:
+    """Whether the append-only circuit has a state form of its own (a top-k keeping only its shown rows, a min/max
+    only its totals)."""
+    return any(getattr(op, "append_only", False) and op.kind in ("top_k", "aggregate") for op in c.nodes)
+
+
 @pytest.mark.parametrize("query", sorted(SQL, key=lambda q: int(q[1:])))
 def test_query_matches_duckdb(query: str) -> None:
-    for per_step, workers in SPLITS:
-        c = nexmark.circuit(query)
-        changes = Retractions(SEED + workers)
+    # the one-step split has no deletions: it runs the circuit Nexmark declares (append-only inputs); the others
+    # delete rows, so their inputs are declared without append_only; a query whose append-only form keeps less
+    # state also runs it over inserts only in several steps
+    splits = [(per_step, workers, per_step == EVENTS) for per_step, workers in SPLITS]
+    if _keeps_less_state(nexmark.circuit(query)):
+        splits.append((1700, 2, True))
+    for per_step, workers, append_only in splits:
+        c = nexmark.circuit(query, append_only=append_only)
+        changes = Retractions(SEED + workers, fraction=0.0 if append_only else 0.05)
         view: dict = {}
         now = [START_NS]
         with dbsp.Pipeline(c, workers=workers, clock=lambda: now[0]) as p:
@@ -71,7 +83,7 @@ def test_query_matches_duckdb(query: str) -> None:
                                      f"only in circuit: {dict(list(_diff(got, want).items())[:5])}\n"
                                      f"only in DuckDB: {dict(list(_diff(want, got).items())[:5])}")
             assert sum(p.late_rows.values()) == 0
-        assert per_step == EVENTS or changes.deleted > 0, "no row was deleted: the run checks inserts only"
+        assert append_only or changes.deleted > 0, "no row was deleted: the run checks inserts only"
     assert want or query in ("q2",), f"{query}: the reference is empty; the check proves nothing"
 
 

@@ -6,13 +6,7 @@ import os
 import shutil
 import signal
 
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().decode(errors="replace").split("\0")
-    except OSError:
-        return []
+from spark_glue.placement import cmdline_of as _cmdline
 
 
 def executors(app_id: str) -> dict[str, int]:

@@ -1,12 +1,15 @@
 """Child driver of the Spark kill tests: runs a pipeline over seeded batches and either gets killed (driver kills) or has one of its Spark tasks killed (worker and executor kills).
 
 Usage:
-  kill_child.py driver RUNTIME STORAGE SEED BATCHES WORKERS
+  kill_child.py driver RUNTIME STORAGE SEED BATCHES WORKERS [MASTER]
       Create or recover (``open``) the pipeline in STORAGE and push batch i with ``producer="gen", seq=i``
       from the first batch not acknowledged yet (the unacknowledged one is pushed again, the same seq), step
       after each push (SparkPipeline: queue even batches' steps, so each job runs two) and checkpoint every
       third batch. Each acknowledgement is appended to STORAGE/../acks.txt
-      (fsync'd) before the step. Prints READY after recovery and DONE at the end.
+      (fsync'd) before the step. Prints READY after recovery and DONE at the end. MASTER: Spark's (default
+      local[2]); with DBSP_KILL_LOCAL_DIRS set, every run deletes that directory and keeps its Spark local
+      directories (the executors' too, so their stage caches) in a new ``run-<n>`` under it, and the last run
+      writes its state fetch counters to STORAGE/../stats.json.
   kill_child.py task MODE STORAGE SEED BATCHES WORKERS MARKER MASTER TARGET OUT
       A new pipeline on MASTER whose circuit kills the task holding the poison row of batch TARGET (MODE
       "worker": os._exit of the Python worker; "executor": it waits and the test kills the executor JVM);
@@ -19,6 +22,7 @@ empty disk) or ``embedded`` (dbsp.Pipeline, to test the harness).
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import sys
@@ -50,6 +54,11 @@ def make(runtime: str, storage: str, workers: int, circuit: dbsp.Circuit, master
 
         uri = os.environ["DBSP_KILL_STORE_URI"]
         shutil.rmtree(storage, ignore_errors=True)  # the old driver's local disk is gone
+        disks = os.environ.get("DBSP_KILL_LOCAL_DIRS")
+        if disks:  # and the old executors' (their stage caches): the Spark local directories of this run only
+            shutil.rmtree(disks, ignore_errors=True)
+            os.environ["SPARK_LOCAL_DIRS"] = os.path.join(disks, f"run-{_next_run(storage)}")
+            os.makedirs(os.environ["SPARK_LOCAL_DIRS"])
         spark = session(master)
         if Remote.of(uri, storage).manifest_versions():
             return SparkPipeline.open(spark, uri, circuit, cache_dir=storage, checkpoint_interval=None)
@@ -67,9 +76,19 @@ def make(runtime: str, storage: str, workers: int, circuit: dbsp.Circuit, master
     return SparkPipeline(spark, circuit, workers=workers, storage=storage)
 
 
-def driver(runtime: str, storage: str, seed: int, batches: int, workers: int) -> None:
-    acks = os.path.join(os.path.dirname(os.path.abspath(storage)), "acks.txt")
-    p = make(runtime, storage, workers, build_circuit())
+def _next_run(storage: str) -> int:
+    """The number of this run (1 for the first), counted in STORAGE/../runs.txt."""
+    path = os.path.join(os.path.dirname(os.path.abspath(storage)), "runs.txt")
+    n = int(open(path).read()) + 1 if os.path.exists(path) else 1
+    with open(path, "w") as f:
+        f.write(str(n))
+    return n
+
+
+def driver(runtime: str, storage: str, seed: int, batches: int, workers: int, master: str = "local[2]") -> None:
+    base = os.path.dirname(os.path.abspath(storage))
+    acks = os.path.join(base, "acks.txt")
+    p = make(runtime, storage, workers, build_circuit(), master)
     print("READY", flush=True)
     for i in range(acked(acks), batches):
         ack = p.push("s", batch(seed, i), producer="gen", seq=i)
@@ -84,6 +103,11 @@ def driver(runtime: str, storage: str, seed: int, batches: int, workers: int) ->
             p.step()
         if i % 3 == 2:
             p.checkpoint()
+    if os.environ.get("DBSP_KILL_LOCAL_DIRS"):
+        st = p.stats
+        with open(os.path.join(base, "stats.json"), "w") as f:
+            json.dump({"run": int(open(os.path.join(base, "runs.txt")).read()), "fetches": st.get("state_fetches", 0),
+                       "fetch_bytes": st.get("state_fetch_bytes", 0), "roots": st.get("state_cache_roots", [])}, f)
     p.close()
 
 
@@ -104,7 +128,7 @@ def task(mode: str, storage: str, seed: int, batches: int, workers: int, marker:
 def main() -> int:
     a = sys.argv[1:]
     if a[0] == "driver":
-        driver(a[1], a[2], int(a[3]), int(a[4]), int(a[5]))
+        driver(a[1], a[2], int(a[3]), int(a[4]), int(a[5]), *a[6:7])
     elif a[0] == "task":
         task(a[1], a[2], int(a[3]), int(a[4]), int(a[5]), a[6], a[7], int(a[8]), a[9])
     else:

@@ -85,6 +85,9 @@ def session(master: str):
          .config("spark.executorEnv.PYTHONPATH", pp).config("spark.executorEnv.PYSPARK_PYTHON", sys.executable))
     if master.startswith("local-cluster"):
         b = b.config("spark.executor.memory", "768m")
+        for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"):  # an object store's, if any:
+            if k in os.environ:  # executors get them from their environment, as on a real cluster
+                b = b.config(f"spark.executorEnv.{k}", os.environ[k])
     s = b.getOrCreate()
     s.sparkContext.setLogLevel("ERROR")
     return s

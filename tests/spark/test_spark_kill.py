@@ -52,10 +52,10 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def kill_until(args: list[str], rng: random.Random, log: str, storage: str,
-               steps: int | None = None) -> tuple[int, int, list]:
-    """Run the child, killing it at a random moment (:func:`run_killed`), until KILLS kills landed (at most 4x as
-    many runs), then once more to the end. Returns (runs, kills landed, steps logged at each kill); fails if the
-    child finished before KILLS kills landed (the test would check fewer kills than it says).
+               steps: int | None = None, kills: int = KILLS, tree: bool = False) -> tuple[int, int, list]:
+    """Run the child, killing it at a random moment (:func:`run_killed`, ``tree`` as there), until ``kills`` kills
+    landed (at most 4x as many runs), then once more to the end. Returns (runs, kills landed, steps logged at each
+    kill); fails if the child finished before ``kills`` kills landed (the test would check fewer kills than it says).
 
     Without ``steps`` a kill lands 0-1 s after the log grew by 0-1 steps (children whose every step takes about a
     second). With ``steps`` (how many steps the child logs in all) the kills are spread over the steps still to
@@ -63,27 +63,30 @@ def kill_until(args: list[str], rng: random.Random, log: str, storage: str,
     cannot finish the child before every kill landed."""
     runs = killed = 0
     at: list = []
-    while killed < KILLS and runs < 4 * KILLS:
+    while killed < kills and runs < 4 * kills:
         runs += 1
         if steps is None:
             delay, after = rng.uniform(0.0, 1.0), rng.randint(0, 1)
         else:
-            share = (steps - (steps_logged(storage) or 0)) // (KILLS - killed + 1)
+            share = (steps - (steps_logged(storage) or 0)) // (kills - killed + 1)
             delay, after = rng.uniform(0.0, 0.3), rng.randint(0, max(0, share - 1))
-        if run_killed(args, delay, log, storage, after) == "done":
+        if run_killed(args, delay, log, storage, after, tree) == "done":
             break
         killed += 1
         at.append(steps_logged(storage))
-    assert killed >= KILLS, (f"only {killed} of {KILLS} kills landed in {runs} runs: the child finished first "
+    assert killed >= kills, (f"only {killed} of {kills} kills landed in {runs} runs: the child finished first "
                              f"(replay: DBSP_SPARK_KILL_SEED={SEED})")
     assert run_killed(args, None, log) == "done"
     return runs + 1, killed, at
 
 
-def run_killed(args: list[str], delay: float | None, log: str, storage: str | None = None, after_steps: int = 0) -> str:
+def run_killed(args: list[str], delay: float | None, log: str, storage: str | None = None, after_steps: int = 0,
+               tree: bool = False) -> str:
     """Run a child; with ``delay``, SIGKILL it ``delay`` seconds after it printed READY and the output log in
     ``storage`` grew by ``after_steps`` steps (so every kill lands after some progress, at a random moment of a
-    step). Returns 'killed' or 'done'; any other exit fails the test with the child's output."""
+    step). With ``tree`` (a driver of local-cluster) its Spark JVM is killed with it (the driver is both) and the
+    executor JVMs it started are waited for until they leave (:func:`kill_driver`). Returns 'killed' or 'done';
+    any other exit fails the test with the child's output."""
     with open(log, "ab") as out:
         proc = subprocess.Popen([sys.executable, *args], env=child_env(), stdout=subprocess.PIPE, stderr=out)
         assert proc.stdout is not None
@@ -94,7 +97,10 @@ def run_killed(args: list[str], delay: float | None, log: str, storage: str | No
                 time.sleep(0.1)
             time.sleep(delay)
             if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
+                if tree:
+                    kill_driver(proc.pid)
+                else:
+                    os.kill(proc.pid, signal.SIGKILL)
         rest = proc.stdout.read()
         rc = proc.wait(timeout=600)
     if rc == -signal.SIGKILL:
@@ -104,6 +110,35 @@ def run_killed(args: list[str], delay: float | None, log: str, storage: str | No
     with open(log, "rb") as f:
         err = f.read()[-4000:].decode(errors="replace")
     raise AssertionError(f"child {args[0]} exited {rc}:\n{err}")
+
+
+def kill_driver(pid: int, wait_s: float = 90.0) -> None:
+    """SIGKILL driver ``pid`` (Python) and its Spark JVM at once, then wait for the rest of its process tree (the
+    executor JVMs of local-cluster and their Python workers) to leave, as they do when their driver is gone;
+    whatever is left after ``wait_s`` is killed, so the next run starts on a machine without them."""
+    from executor_kill import _descendants
+
+    procs = _descendants(pid)
+    jvm = [p for p in procs if p != pid and "SparkSubmit" in cmdline(p)]
+    for p in [pid] + jvm:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + wait_s
+    while any(os.path.exists(f"/proc/{p}") and not _zombie(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for p in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def steps_logged(storage: str) -> int | None:
@@ -233,6 +268,45 @@ def test_driver_kill_and_open_from_the_store(tmp_path, s3_server):
         del os.environ["DBSP_KILL_STORE_URI"]
     print(f"driver kills of the SparkPipeline on the store: {killed} landed in {runs} runs "
           f"(steps in the output log at each kill: {at})")
+    shutil.rmtree(cache)
+    with restored(uri) as (root, _, _):  # the store alone, read into a new directory
+        check_acked(tmp_path, seed, batches, root)
+
+
+CLUSTER_KILLS = int(os.environ.get("DBSP_SPARK_CLUSTER_KILLS", "2"))
+
+
+def test_driver_kill_on_a_cluster_from_the_store(tmp_path, s3_server):
+    """As :func:`test_driver_kill_and_open_from_the_store` on local-cluster[2,1,1024] (two executor JVMs, the store's
+    credentials in their environment): each kill takes the driver (Python and its JVM) at a random moment and its
+    executors leave with it; every restart is a new driver process whose local disk starts empty: its cache and
+    the Spark local directories of the killed run (under which each executor kept its tasks' stage caches) are
+    deleted first, so the state comes back from the store alone. DBSP_SPARK_CLUSTER_KILLS kills land (default 2:
+    each run starts its JVMs anew, about a minute here); the output log in the store holds every acknowledged batch
+    in exactly one step, its integral equal to DuckDB, and the last run's tasks fetched their state from the store
+    into the new run's local directories."""
+    from dbsp_core.runtime.remote_state import restored
+
+    uri = s3_server.uri(s3_server.bucket(), "pipe")
+    cache, disks, seed, batches = str(tmp_path / "p"), str(tmp_path / "disks"), SEED % 10_000, 4 * CLUSTER_KILLS + 4
+    print(f"\n[spark kill, store, local-cluster] seed {SEED} (replay: DBSP_SPARK_KILL_SEED={SEED})")
+    rng = random.Random(SEED + 4)
+    os.environ.update(DBSP_KILL_STORE_URI=uri, DBSP_KILL_LOCAL_DIRS=disks)  # the children's environment
+    try:
+        args = [os.path.join(HERE, "kill_child.py"), "driver", "spark-store", cache, str(seed), str(batches), "2",
+                "local-cluster[2,1,1024]"]
+        runs, killed, at = kill_until(args, rng, str(tmp_path / "child.log"), cache, steps=batches,
+                                      kills=CLUSTER_KILLS, tree=True)
+    finally:
+        del os.environ["DBSP_KILL_STORE_URI"], os.environ["DBSP_KILL_LOCAL_DIRS"]
+    st = json.loads((tmp_path / "stats.json").read_text())  # the last run's, written before it closed
+    print(f"driver kills of the SparkPipeline on local-cluster and the store: {killed} landed in {runs} runs "
+          f"(steps in the output log at each kill: {at}); the last run's tasks fetched state {st['fetches']} times "
+          f"({st['fetch_bytes']:,} B) into {st['roots']}")
+    assert killed == CLUSTER_KILLS and runs == st["run"], (killed, runs, st)
+    assert st["fetches"] > 0 and st["roots"], "the last run found its state in no local cache: it came from the store"
+    assert all(r.startswith(os.path.join(disks, f"run-{runs}") + os.sep) for r in st["roots"]), st["roots"]
+    assert os.listdir(disks) == [f"run-{runs}"], "each restart deleted the local directories of the runs before"
     shutil.rmtree(cache)
     with restored(uri) as (root, _, _):  # the store alone, read into a new directory
         check_acked(tmp_path, seed, batches, root)

@@ -16,20 +16,10 @@ from dbsp_core.errors import DbspError, SchemaError  # noqa: E402
 from oracle import BIDS, accumulate  # noqa: E402
 from spark_glue import SparkPipeline  # noqa: E402
 from spark_glue.pipeline import partition_codes  # noqa: E402
-from staged_circuits import build, changes, check_duckdb, embedded, run_job, same_outputs  # noqa: E402
+from staged_circuits import build, changes, check_duckdb, embedded, same_outputs  # noqa: E402
+from staged_circuits import run_random_jobs as run  # noqa: E402
 
 pytestmark = pytest.mark.spark
-
-
-def run(p: SparkPipeline, steps, rng) -> list[dict]:
-    """Feed ``steps``, cutting them into jobs at random: a job of several queued steps, or one step()."""
-    outs: list[dict] = []
-    i = 0
-    while i < len(steps):
-        k = int(rng.integers(1, 4))
-        outs.extend(run_job(p, steps[i:i + k], k > 1))
-        i += k
-    return outs
 
 
 @pytest.mark.parametrize("name,workers,shard_bits", [

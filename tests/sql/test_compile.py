@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import tempfile
 
 import pyarrow as pa
@@ -151,3 +152,47 @@ def test_cli_prints_the_plan_of_each_view(tmp_path, capsys) -> None:
     f.write_text("CREATE TABLE t (a INT);\nCREATE VIEW v AS SELECT b FROM t")
     assert main(["sql", str(f)]) == 2
     assert capsys.readouterr().err.startswith(f"{f}:2:25: unknown column b")
+
+
+APPEND_ONLY_SEED = int(os.environ.get("DBSP_APPEND_ONLY_SEED", "0"))  # drawn per run by tests/conftest.py
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_append_only_table_row_number_view_matches_duckdb(workers: int) -> None:
+    """``WITH ('append_only' = 'true')``: the table refuses deletions, the ROW_NUMBER view's top-k keeps only its
+    shown rows (operators/top_k.py invariant 5) and the view is DuckDB's over every row pushed."""
+    import duckdb
+    import numpy as np
+
+    ddl = ("CREATE TABLE bid (auction BIGINT, bidder BIGINT, price BIGINT, url VARCHAR) "
+           "WITH ('append_only' = 'true');\n")
+    view = ("SELECT auction, bidder, price, url FROM (SELECT *, ROW_NUMBER() OVER (PARTITION BY bidder, auction "
+            "ORDER BY price DESC, url) AS rn FROM bid) WHERE rn <= {k}")
+    c = sql.compile(ddl + f"CREATE VIEW last1 AS {view.format(k=1)};\nCREATE VIEW last2 AS {view.format(k=2)};")
+    rng = np.random.default_rng(APPEND_ONLY_SEED)
+    pushed: list[pa.Table] = []
+    got: dict[str, dict] = {"last1": {}, "last2": {}}
+    with dbsp.Pipeline(c, workers=workers) as p:
+        for step in range(6):
+            n = int(rng.integers(1, 40))
+            t = pa.table({"auction": rng.integers(0, 4, n), "bidder": rng.integers(0, 5, n),
+                          "price": rng.integers(0, 30, n), "url": [f"u{i}" for i in rng.integers(0, 3, n)]})
+            p.push("bid", t)
+            pushed.append(t)
+            out = p.step()
+            every = pa.concat_tables(pushed)  # noqa: F841 (read by DuckDB)
+            for name, k in (("last1", 1), ("last2", 2)):
+                for r, w in out[name].to_dict().items():
+                    got[name][r] = got[name].get(r, 0) + w
+                got[name] = {r: w for r, w in got[name].items() if w}
+                want: dict = {}
+                for r in duckdb.sql(view.format(k=k).replace("FROM bid", "FROM every")).fetchall():
+                    want[r] = want.get(r, 0) + 1
+                assert got[name] == want, (f"{name} after step {step} (W={workers}, "
+                                           f"DBSP_APPEND_ONLY_SEED={APPEND_ONLY_SEED})")
+        with pytest.raises(dbsp.AppendOnlyError, match="append-only"):
+            p.push("bid", pa.table({"auction": [0], "bidder": [0], "price": [1], "url": ["u0"]}), weights=[-1])
+        names = {name.split(".")[-1] for w in range(workers) for name in p.traces(w) if "top_k" in name}
+        assert names == {"shown"}
+    with pytest.raises(SqlError, match="option 'append_only' takes 'true' or 'false'"):
+        sql.compile("CREATE TABLE t (a BIGINT) WITH ('append_only' = 'yes');")

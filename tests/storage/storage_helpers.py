@@ -81,6 +81,10 @@ def run_session(path: str, base: int, model: dict, seed: int, vfs: str = "fault"
         with Database(path, vfs=vfs, cache_pages=64) as db:
             with db.open(base) as h:
                 apply_ops(h, new, rng, 120)
+                for i in range(2):  # values the transaction writes to the file as it puts them (18 pages each,
+                    k = b"big%d" % i  # pagestore.c overflow_write_through)
+                    new[("alpha", k)] = v = rng.randbytes(70_000)
+                    h.put("alpha", k, v)
                 h.set_step(1000 + base)
                 new[("__step__", b"")] = 1000 + base
                 h.commit()

@@ -195,6 +195,52 @@ def test_a_store_that_stays_down_stops_acknowledging(s3_server, tmp_path):
     p.close()
 
 
+def test_records_are_acknowledged_only_after_a_check_that_saw_them_landed(where, tmp_path):
+    """logstore invariant 2b: threads submit records; every record a ``wait`` returned for was in a segment object
+    listed in the store when a check that acknowledged it started; once the check refuses (a newer writer), no wait
+    returns and no PUT starts after the refusal."""
+    from dbsp_core.errors import StoreFencedError
+
+    store = LogStore(where, group_commit_s=0.001, policy=FAST)
+    d = store.dir("input")
+    checks: list[int] = []  # per check: the highest LSN landed in the store when it started
+    refuse_after = random.Random(SEED + 7).randrange(3, 12)
+
+    def fence(what: str) -> None:
+        segs = [parse_segment_name(i.path) for i in d.files(recursive=False)]
+        checks.append(max((s.last for s in segs if s is not None), default=0))
+        if len(checks) > refuse_after:
+            raise StoreFencedError(f"a newer writer ({what})")
+
+    shipper = store.restore("input", str(tmp_path / "input"), fence=fence)
+    acked: list[int] = []
+    lock = threading.Lock()
+
+    def pusher(t: int) -> None:
+        for i in range(40):
+            lsn = shipper.submit(0, b"t", b"p%d" % t, i, b"x" * 10)
+            try:
+                shipper.wait(lsn)
+            except StoreFencedError:
+                return
+            with lock:
+                acked.append(lsn)
+
+    ths = [threading.Thread(target=pusher, args=(t,)) for t in range(4)]
+    for th in ths:
+        th.start()
+    for th in ths:
+        th.join()
+    with pytest.raises(StoreFencedError):
+        shipper.close()
+    print(f"DBSP_STORE_FAULT_SEED={SEED}: {len(checks)} checks, {len(acked)} records acknowledged before the refusal")
+    assert acked and len(checks) == refuse_after + 1
+    assert max(acked) <= checks[refuse_after - 1], "a record acknowledged without a check that saw it landed"
+    assert shipper.durable_lsn == max(acked)
+    landed = max(s.last for s in (parse_segment_name(i.path) for i in d.files(recursive=False)) if s)
+    assert landed <= checks[-1] + 4, "PUTs went on after the refusal"  # the one in flight: a record per thread
+
+
 def _circuit() -> dbsp.Circuit:
     c = dbsp.Circuit()
     t = c.input("t", SCHEMA)

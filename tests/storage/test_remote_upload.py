@@ -246,3 +246,40 @@ def test_a_newer_writer_fences_the_older_one(faulty, tmp_path):
         assert q.steps == 5 and _integral(q) == model
     finally:
         q.close()
+
+
+def test_an_older_writer_acknowledges_no_push_the_newer_history_lacks(s3_server, tmp_path):
+    """storage.logstore invariant 2b: once a newer writer opened the prefix, the older one's next push raises
+    StoreFencedError instead of an acknowledgement (its segment may have landed, the newer writer's history does
+    not hold it); what the older one acknowledged before holds; the producer pushes the refused batch again to the
+    newer writer and every batch counts once."""
+    uri, c = s3_server.uri(s3_server.bucket(), "pipe"), _circuit()
+    rng, model = random.Random(SEED + 5), {}
+    p1, p2 = dbsp.Pipeline(c, workers=2, storage=uri, cache_dir=str(tmp_path / "c1"), checkpoint_interval=None), None
+    try:
+        for seq in range(3):
+            _push(p1, rng, seq, model)
+            p1.step()
+        p1.checkpoint()
+        _push(p1, rng, 3, model)  # acknowledged before the newer writer opens: in its history
+        p2 = dbsp.Pipeline.open(uri, c, cache_dir=str(tmp_path / "c2"), checkpoint_interval=None)
+        state = rng.getstate()
+        with pytest.raises(dbsp.StoreFencedError, match="generation 2") as e:
+            _push(p1, rng, 4, model)  # the older writer: its segment's PUT is done, the lease check refuses it
+        assert "acknowledge the input log's records" in str(e.value)
+        with pytest.raises(DbspError):  # nothing more from the older writer
+            p1.push("t", pa.table({"k": [1], "v": [1]}, schema=SCHEMA), producer="gen", seq=5)
+        p2.step()
+        rng.setstate(state)
+        _push(p2, rng, 4, model)  # the producer's retry, at the newer writer
+        p2.step()
+        assert p2.steps == 5 and _integral(p2) == model
+    finally:
+        p1.close(checkpoint=False)
+        if p2 is not None:
+            p2.close()
+    q = dbsp.Pipeline.open(uri, c, checkpoint_interval=None)
+    try:
+        assert q.steps == 5 and _integral(q) == model
+    finally:
+        q.close()

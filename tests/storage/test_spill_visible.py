@@ -90,6 +90,7 @@ def test_metrics_and_prometheus_show_each_operator_and_its_cache() -> None:
     label = next(iter(spilled))
     assert f'dbsp_trace_cache_misses_total{{operator="{label}"}} {float(spilled[label]["cache_misses"])}' in text
     assert f'dbsp_trace_rows{{operator="{label}"}} {float(spilled[label]["rows"])}' in text
+    assert f'dbsp_spill_pages_prefetched_total {float(m["pages_prefetched"])}' in text
     want: dict = {}
     for x in ts:
         for y in us:

@@ -1,0 +1,99 @@
+"""The fast expression kernels of dbsp_core/operators/expr.py against their references: strftime against Arrow's own, on random timestamps and dates of every unit, negative ones, years past 9999 and nulls; split_parts against str.split (seed: DBSP_EXPR_KERNELS_SEED, printed after the summary)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from dbsp_core.operators.expr import project_rows, split_parts, strftime
+
+SEED = int(os.environ.get("DBSP_EXPR_KERNELS_SEED", "0"))
+MS_PER_DAY = 86_400_000
+FAST = ["%Y-%m-%d", "%H:%M", "%Y/%m/%d %H:%M", "day %d of %m, %Y%%", "%Y", "%m%d", "x%Hy", "%Y-%m-%d %H"]
+DATE_FAST = ["%Y-%m-%d", "%Y", "%d.%m.%Y", "%%%m"]
+SLOW = ["%S", "%F", "%Y-%m-%d %H:%M:%S", "%j", "%a %d", "plain text", "%"]
+
+
+def _millis(rng: np.random.Generator, n: int, lo_year: int, hi_year: int) -> np.ndarray:
+    lo, hi = (lo_year - 1970) * 365 * MS_PER_DAY, (hi_year - 1970) * 365 * MS_PER_DAY
+    edges = np.array([0, -1, 1, MS_PER_DAY - 1, MS_PER_DAY, -MS_PER_DAY, -MS_PER_DAY - 1], dtype=np.int64)
+    return np.concatenate([edges, rng.integers(lo, hi, n, dtype=np.int64)])
+
+
+def _eval(expr: pc.Expression, column: pa.Array) -> pa.Array:
+    data, _ = project_rows(pa.table({"t": column}), np.ones(len(column), np.int64), [expr], ["x"])
+    return data.column("x").combine_chunks()
+
+
+def _check(column: pa.Array, fmt: str) -> None:
+    expr = strftime(pc.field("t"), fmt, column.type)
+    assert "strftime" not in str(expr), f"{fmt!r} over {column.type} took Arrow's strftime: {expr}"
+    got, want = _eval(expr, column), pc.strftime(column, format=fmt)
+    bad = np.flatnonzero(~np.asarray(pc.fill_null(pc.equal(got, want), False)) & np.asarray(column.is_valid()))
+    if len(bad):
+        i = int(bad[0])  # the raw value: a negative year has no Python datetime
+        raise AssertionError(f"DBSP_EXPR_KERNELS_SEED={SEED} {fmt!r} over {column.type}: value "
+                             f"{column.cast(pa.int64())[i]} gave {got[i]}, strftime {want[i]}")
+    assert got.null_count == column.null_count and got.is_null().equals(column.is_null())
+
+
+@pytest.mark.parametrize("unit", ["s", "ms", "us", "ns"])
+def test_timestamps_match_arrow_strftime(unit: str) -> None:
+    rng = np.random.default_rng(SEED)
+    years = (1678, 2261) if unit == "ns" else (-300, 12_000)  # ns: what int64 nanoseconds reach
+    ms = _millis(rng, 20_000, *years)
+    scale = {"s": 1 / 1000, "ms": 1, "us": 1000, "ns": 1_000_000}[unit]
+    values = (ms // 1000) if unit == "s" else ms * int(scale)
+    mask = rng.random(len(values)) < 0.05
+    for tz in (None, "UTC"):
+        column = pa.array(values, pa.timestamp(unit, tz=tz), mask=mask)
+        for fmt in FAST:
+            _check(column, fmt)
+
+
+def test_dates_match_arrow_strftime() -> None:
+    rng = np.random.default_rng(SEED + 1)
+    days = _millis(rng, 20_000, -300, 12_000) // MS_PER_DAY
+    mask = rng.random(len(days)) < 0.05
+    for column in (pa.array(days.astype(np.int32), pa.date32(), mask=mask),
+                   pa.array(days * MS_PER_DAY, pa.date64(), mask=mask)):
+        for fmt in DATE_FAST:
+            _check(column, fmt)
+
+
+def test_other_formats_and_types_keep_arrow_strftime() -> None:
+    """Seconds (Arrow prints fractions), %F (its negative years), other directives, literal-only formats, time zones other than UTC and
+    a date's hours go to Arrow's strftime, which gives the same strings as before by definition."""
+    ts = pa.timestamp("ms")
+    for fmt in SLOW:
+        assert "strftime" in str(strftime(pc.field("t"), fmt, ts)), fmt
+    assert "strftime" in str(strftime(pc.field("t"), "%Y-%m-%d", pa.timestamp("ms", tz="Asia/Tokyo")))
+    assert "strftime" in str(strftime(pc.field("t"), "%Y %H", pa.date32()))
+    column = pa.array([0, 1_234_567, None], ts)
+    for fmt in SLOW:
+        assert _eval(strftime(pc.field("t"), fmt, ts), column).equals(pc.strftime(column, format=fmt))
+
+
+@pytest.mark.parametrize("sep", ["/", "ab", "é"])
+def test_split_parts_match_python_split(sep: str) -> None:
+    """split_parts (q22's SPLIT_INDEX) against str.split: empty parts, separators at both ends, nulls, non-ASCII
+    text, a sliced array and a chunked one."""
+    rng = np.random.default_rng(SEED + 2)
+    alphabet = ["a", "b", "é", "/", "x", "", sep, sep]
+    strings = ["".join(rng.choice(alphabet, rng.integers(0, 12))) for _ in range(3000)]
+    values = [None if rng.random() < 0.05 else s for s in strings]
+    for column in (pa.array(values), pa.array(values).slice(17, 2000),
+                   pa.chunked_array([pa.array(values[:1000]), pa.array(values[1000:])])):
+        py = column.to_pylist()
+        indexes = (0, 1, 3, 5)
+        got = split_parts(column, sep, indexes)
+        for i, arr in zip(indexes, got):
+            want = [None if s is None or len(s.split(sep)) <= i else s.split(sep)[i] for s in py]
+            bad = [k for k, (g, w) in enumerate(zip(arr.to_pylist(), want)) if g != w]
+            assert not bad, (f"DBSP_EXPR_KERNELS_SEED={SEED} sep {sep!r} part {i} of {py[bad[0]]!r}: "
+                             f"{arr[bad[0]]}, str.split {want[bad[0]]!r}")
+            assert sum(w is not None for w in want) > 0, "no string had the part: the check proved nothing"
