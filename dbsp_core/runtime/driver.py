@@ -117,7 +117,7 @@ from dbsp_core.storage.consumers import ConsumerRegistry
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.dedup import SeenSet
 from dbsp_core.storage.fileref import decode_push
-from dbsp_core.storage.directory import lock_dir, read_record, unlock_dir, write_meta, write_record
+from dbsp_core.storage.directory import lock_dir, read_record, tree_bytes, unlock_dir, write_meta, write_record
 from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE,
                                        DISCARD_HANDLE, DISCARD_MAGIC, DIVISION_HANDLE, DIVISION_MAGIC, INPUT_DIR,
                                        META_FILE, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR, PROFILE_FILE,
@@ -1654,19 +1654,8 @@ class Pipeline:
         self._need_storage("disk_usage")
         root = self.storage
         assert root is not None
-
-        def size(p: str) -> int:
-            try:
-                return os.path.getsize(p)
-            except FileNotFoundError:  # a log segment a background checkpoint truncated meanwhile
-                return 0
-
-        def du(p: str) -> int:
-            if os.path.isfile(p):
-                return size(p)
-            return sum(size(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs)
-        return {"input": du(os.path.join(root, INPUT_DIR)), "output": du(os.path.join(root, OUTPUT_DIR)),
-                "state": du(os.path.join(root, STATE_DIR))}
+        return {"input": tree_bytes(os.path.join(root, INPUT_DIR)),
+                "output": tree_bytes(os.path.join(root, OUTPUT_DIR)), "state": tree_bytes(os.path.join(root, STATE_DIR))}
 
     # ---- shutdown ----
 

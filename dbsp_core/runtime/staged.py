@@ -64,7 +64,7 @@ from dbsp_core.runtime.stage_task import (SPILL_COUNTERS, InjectedFault, StageTa
                                           open_stage_databases, run_stage_task, stage_db_path)
 from dbsp_core.runtime.stage_task import release as release_stage_workers
 from dbsp_core.storage.database import Database
-from dbsp_core.storage.directory import read_record, remove_record, write_record
+from dbsp_core.storage.directory import read_record, remove_record, tree_bytes, write_record
 from dbsp_core.storage.formats import JOB_MAGIC, STATE_DIR, job_path, lock_path, stage_dir_name
 from dbsp_core.storage.snapshot import WorkerSnapshot, state_tables
 from dbsp_core.trace import Trace
@@ -649,7 +649,7 @@ class StagedExecutor:
         if self.chains is not None:  # invariant 4: the bytes of the chains in the store
             return self.chains.bytes()
         root = os.path.join(self.storage, STATE_DIR)
-        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+        return tree_bytes(root)
 
     def state_bytes(self) -> int:
         """The state is in the stage databases: their bytes on disk."""

@@ -25,7 +25,8 @@ from dbsp_core.storage.formats import (DIRECTORY_FORMAT, LAYOUT_FILE, LAYOUT_MAG
                                        RESCALE_FILE, RESCALE_MAGIC)
 
 __all__ = ["lock_dir", "unlock_dir", "read_record", "write_record", "remove_record", "read_meta", "write_meta",
-           "read_layout", "write_layout", "read_rescale", "write_rescale", "remove_rescale", "fsync_dir"]
+           "read_layout", "write_layout", "read_rescale", "write_rescale", "remove_rescale", "fsync_dir",
+           "tree_bytes"]
 
 
 def fsync_dir(path: str) -> None:
@@ -35,6 +36,20 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def tree_bytes(path: str) -> int:
+    """The bytes of the files under ``path`` (a file: its size; missing: 0), counted while other threads of the
+    pipeline may write, rename and delete files there (a background checkpoint's log truncation, a staged job's
+    ``JOB.tmp`` renamed into place): a file gone between the listing and its ``stat`` counts 0, not an error."""
+    def size(p: str) -> int:
+        try:
+            return os.path.getsize(p)
+        except FileNotFoundError:
+            return 0
+    if os.path.isfile(path):
+        return size(path)
+    return sum(size(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
 def lock_dir(root: str) -> int:

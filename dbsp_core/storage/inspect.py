@@ -10,7 +10,7 @@ import pyarrow as pa
 from dbsp_core.errors import InUseError
 from dbsp_core.storage.consumers import ConsumerRegistry
 from dbsp_core.storage.database import SHARD_PREFIX_BYTES, Database
-from dbsp_core.storage.directory import read_layout, read_meta, read_record, read_rescale
+from dbsp_core.storage.directory import read_layout, read_meta, read_record, read_rescale, tree_bytes
 from dbsp_core.storage.formats import (DIVISION_HANDLE, DRIVER_DB, INPUT_DIR, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR,
                                        STATE_DIR, is_state_table, state_db_paths,
                                        worker_of_db)
@@ -124,7 +124,7 @@ def _inspect(root: str, meta: dict, check_files: bool = True) -> dict:
     sizes = {}
     for part in (INPUT_DIR, OUTPUT_DIR, STATE_DIR):
         p = os.path.join(root, part)
-        sizes[part] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs)
+        sizes[part] = tree_bytes(p)
     info["bytes"] = sizes
     info["consumers"] = ConsumerRegistry(root).list()
     info["metrics"] = read_record(os.path.join(root, METRICS_FILE), METRICS_MAGIC)

@@ -75,3 +75,35 @@ def test_each_executor_refuses_the_other_kinds_way_of_moving_state(tmp_path) -> 
         assert s.executor.state_bytes() == s.executor.disk_bytes() > 0
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("make", [EmbeddedExecutor, StagedExecutor], ids=["embedded", "staged"])
+def test_byte_counts_survive_a_file_that_vanishes_while_they_walk(tmp_path, monkeypatch, make) -> None:
+    """The storage directory is written while the byte counts walk it (a staged job's ``JOB.tmp`` renamed into
+    place, a background checkpoint truncating a log): a file listed and gone before its ``stat`` counts 0. CI
+    once failed a rescale's report here with FileNotFoundError on ``state/JOB.tmp``; the walk below lists one
+    such file in every directory."""
+    import os
+
+    from dbsp_core.storage.inspect import inspect_storage
+
+    p = dbsp.Pipeline(_circuit(), workers=2, storage=str(tmp_path / "d"), executor=make(), checkpoint_interval=None)
+    try:
+        p.push("t", pa.table({"k": [1, 2, 3]}))
+        p.step()
+        p.checkpoint()
+        before = (p.executor.disk_bytes(), p.disk_usage())
+        assert before[1]["state"] > 0
+        walk = os.walk
+
+        def walk_with_a_vanished_file(top, *a, **kw):
+            for d, dirs, files in walk(top, *a, **kw):
+                yield d, dirs, files + ["JOB.tmp-gone"]
+        monkeypatch.setattr(os, "walk", walk_with_a_vanished_file)
+        assert (p.executor.disk_bytes(), p.disk_usage()) == before
+        monkeypatch.setattr(os, "walk", walk)
+    finally:
+        p.close()
+    sizes = inspect_storage(str(tmp_path / "d"))["bytes"]
+    monkeypatch.setattr(os, "walk", walk_with_a_vanished_file)
+    assert inspect_storage(str(tmp_path / "d"))["bytes"] == sizes
