@@ -25,7 +25,8 @@ Invariants (enforced here):
      the damaged file, the steps that cannot be recomputed and the ``--drop-output FIRST..LAST`` of invariant
      5, and nothing changes. A segment missing between two others is damage (salvage invariant 4), and so is
      an input log that starts after driver.db's step (its oldest segment is gone: truncation never removes a
-     record of a step at or after it).
+     record of a step at or after it), or whose divisions end before the output log's steps do (a cut at a
+     record boundary: the lost records are repaired as damage at the end of the segment that held them).
   5. Output history is dropped only with consent naming exactly the steps that go (``drop_output``, CLI
      ``--drop-output FIRST..LAST``): the output of every step below the last damaged step under the checkpoint
      goes with it (the log is contiguous), and the new log starts after it, as if retention had dropped them.
@@ -690,9 +691,15 @@ def _repair_logs(root: str, report: dict[str, Any], drop: tuple[int, int] | None
     except CorruptionError:
         out_damaged = True
     front = None if damaged else _front_gap(root)
+    tail = None
     if front is not None:
         damaged = True
         report["error"] = front[1]
+    if not damaged and not out_damaged:
+        tail = _tail_gap(root)
+        if tail is not None:  # a cut at a record boundary: the damage is at the end of the segment it names
+            damaged = True
+            report["error"] = tail[1]
     if not damaged and not out_damaged:
         try:
             x, out_last = resume_step(root, _output_last(root)), _output_last(root)
@@ -721,7 +728,7 @@ def _repair_logs(root: str, report: dict[str, Any], drop: tuple[int, int] | None
     missing = list(got.missing) + ([front[0]] if front is not None else [])
     damaged_ranges = sorted(damaged_ranges + [(n, 0, 0) for n in missing])
     if not damaged_ranges and got.segments:
-        last = got.segments[-1]
+        last = tail[0] if tail is not None else got.segments[-1]
         end = os.path.getsize(os.path.join(idir, last))
         damaged_ranges = [(last, end, end)]
     report["input_damaged"] = [{"segment": n, "from": a, "to": b} for n, a, b in damaged_ranges
@@ -816,6 +823,34 @@ def _front_gap(root: str) -> tuple[str, str] | None:
             > held:
         return name, f"{idir}: the division of step {d} counts more pushes than the log holds"
     return None
+
+
+def _tail_gap(root: str) -> tuple[str, str] | None:
+    """The input log opens, but records of its newest steps are gone: its divisions from the step recovery resumes
+    at end before the output log does (a cut at a record boundary leaves no invalid byte, and a log not closed
+    cleanly has no end mark to miss; recovery refuses such a log). The lost division of the first step without
+    one came after that step's pushes and before any push of a later step: at the end of the segment holding the
+    last record of a step up to it (a later segment can hold the next steps' pushes). Returns (that segment,
+    why), or None."""
+    idir = os.path.join(root, INPUT_DIR)
+    if not os.path.isdir(idir):
+        return None
+    out_last = _output_last(root)
+    try:
+        x = resume_step(root, out_last)
+    except (CorruptionError, RecoveryError, OSError, KeyError):
+        return None  # listed by the checks of the files
+    got = salvage(idir)
+    divided = {r.step for r in got.records if r.handle == DIVISION_HANDLE}
+    step = x
+    while step in divided:
+        step += 1
+    if out_last <= step or not got.segments:
+        return None
+    before = [r.segment for r in got.records if r.step <= step]
+    return (before[-1] if before else got.segments[0],
+            f"{idir}: divides input only up to step {step - 1}, but the output log holds steps up to "
+            f"{out_last - 1} (the input log lost records of step {step} or later)")
 
 
 def _write_output(root: str, plan: dict[str, Any] | None, report: dict[str, Any]) -> list[str]:

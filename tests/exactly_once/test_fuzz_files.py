@@ -208,3 +208,34 @@ def test_damaged_files_every_case_kind(tmp_path):
 def test_damaged_files_long(tmp_path):
     """DBSP_FUZZ_CASES cases (opt-in), case kinds drawn at random after one of each."""
     _round(tmp_path, CASES)
+
+
+@pytest.mark.parametrize("newest", [True, False], ids=["in-the-newest-segment", "before-a-later-segment"])
+def test_an_input_log_cut_at_a_division_record_is_repaired(tmp_path, newest):
+    """A cut of the input log exactly at the division record of the newest output step leaves no invalid byte:
+    the log opens, but it divides input only up to the step before while the output log holds that step.
+    ``dbsp repair`` once reported "nothing to repair" and open kept refusing (DBSP_FUZZ_SEED=592252448, case 62:
+    the cut was in a segment a later segment follows, which holds the next step's pushes). Repair must name
+    the damage, withdraw that output step, and leave a directory that opens with the model's views."""
+    sys.path.insert(0, HERE)
+    from fuzz_files_child import judge
+
+    from dbsp_core.storage.formats import DIVISION_HANDLE
+    from dbsp_core.storage.repair import _output_last
+    from dbsp_core.storage.salvage import salvage
+
+    d = str(tmp_path / "t")
+    build(d, "embedded")
+    idir = os.path.join(d, "input")
+    recs = salvage(idir).records
+    last = _output_last(d) - 1
+    r = next(r for r in recs if r.handle == DIVISION_HANDLE and r.step == last)
+    later = sorted(n for n in os.listdir(idir) if n.endswith(".seg") and n > r.segment)
+    assert later, "the workload logs pushes of the next step in a later segment (the case of seed 592252448)"
+    with open(os.path.join(idir, r.segment), "r+b") as f:
+        f.truncate(r.offset)
+    if newest:  # nothing follows the cut
+        for n in later:
+            os.unlink(os.path.join(idir, n))
+    out = judge(d, "embedded")
+    assert out["verdict"] == "repaired", out
