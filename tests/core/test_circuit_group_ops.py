@@ -132,7 +132,8 @@ def test_min_max_over_append_only_inputs_keep_only_their_totals(seed: int, worke
 @given(seed=SEEDS, workers=WORKERS)
 def test_min_max_over_append_only_inputs_reduce_large_changes(seed: int, workers: int) -> None:
     """operators/aggregate.py invariant 8: a change reduced to one row per group (its extreme's row, weighted by the
-    group's count; here from any size on) gives DuckDB's results, with bags, null keys and null values."""
+    group's count; here from any size on) gives DuckDB's results, with bags, null keys and null values; at W > 1
+    the exchange before the aggregate reduces it on the sender (runtime/plan.py, ``_ReducedExchange``)."""
     calls: list[bool] = []
     reduced = _ExtremesState._reduced
 
@@ -140,6 +141,10 @@ def test_min_max_over_append_only_inputs_reduce_large_changes(seed: int, workers
         out = reduced(self, z)
         calls.append(out is not z)
         return out
+
+    def after(p: dbsp.Pipeline) -> None:
+        sent = sum(wk.plan.counts["reduced"] for wk in p.executor._workers)
+        assert (sent > 0) == (workers > 1), sent
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_ExtremesState, "REDUCE_ROWS", 1)
@@ -153,7 +158,7 @@ def test_min_max_over_append_only_inputs_reduce_large_changes(seed: int, workers
             "hi": "SELECT auction, max(price) FROM bids GROUP BY auction",
             "lo": "SELECT auction, bidder, count(*), min(price) FROM bids GROUP BY auction, bidder",
             "join": "SELECT category, max(reserve), count(*) FROM bids JOIN auctions ON auction = id GROUP BY category",
-        }, seed, workers, steps=6, max_rows=30, append_only=True)
+        }, seed, workers, steps=6, max_rows=30, append_only=True, after=after)
     assert any(calls)
 
 
