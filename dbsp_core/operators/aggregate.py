@@ -679,8 +679,10 @@ class _ExtremesState(_GroupedState):
         if (op.append_only and len(self.ext) == 1 and summable(slot_type[self.ext[0][0]])
                 and all(spec == ("count", None) for j, spec in enumerate(op.kernel) if j != self.ext[0][0])):
             self.reduce_specs = tuple(_agg_specs(op.in_schema, [("count", None), self.ext[0][1:]]))
-        self.reduced_steps = 0  # steps whose change was reduced (counts for tests, not state)
-        self._reduce_skip = 0  # steps left before the reduction is tried again (invariant 8)
+        self.reduced_steps = 0  # changes reduced (counts for tests, not state)
+        # steps left before the reduction is tried again (invariant 8): of the step's change, and of what a fused
+        # exchange sends (dbsp_core/runtime/plan.py): after a sender's reduction a group arrives as about one row
+        self._reduce_skip = self._send_skip = 0
 
     def traces(self) -> dict[str, Trace]:
         """The operator's state, by name (each trace can be read per shard)."""
@@ -776,13 +778,15 @@ class _ExtremesState(_GroupedState):
     GROUPS_PER_ROW = 0.5
     RETRY = 16
 
-    def _reduced(self, z: "ZSet") -> "ZSet":
+    def _reduced(self, z: "ZSet", sender: bool = False) -> "ZSet":
         """``z`` reduced to one row per group (invariant 8), or ``z`` itself when it is small, when it has a weight
-        that is not positive (the step then fails as invariant 7 says), or while reducing does not pay."""
+        that is not positive (the step then fails as invariant 7 says), or while reducing does not pay; ``sender``:
+        for a fused exchange, which keeps its own count of steps to skip."""
+        skip = "_send_skip" if sender else "_reduce_skip"
         if z.num_rows < self.REDUCE_ROWS:
             return z
-        if self._reduce_skip:
-            self._reduce_skip -= 1
+        if getattr(self, skip):
+            setattr(self, skip, getattr(self, skip) - 1)
             return z
         w = z.weights
         if not bool((w > 0).all()):
@@ -790,7 +794,7 @@ class _ExtremesState(_GroupedState):
         group_row, _, ivals, _, valid = _zset.group_reduce(z.data, w, list(self.keypos), list(self.reduce_specs),
                                                            False)
         if len(group_row) > self.GROUPS_PER_ROW * z.num_rows:
-            self._reduce_skip = self.RETRY
+            setattr(self, skip, self.RETRY)
         self.reduced_steps += 1
         rows = np.where(valid[:, 1].astype(bool), ivals[:, 1], group_row)  # the extreme's row, else the first
         return ZSet._make(_take(z.data, np.ascontiguousarray(rows, dtype=np.int64)),

@@ -285,8 +285,8 @@ class _IndexedExchange:
 class _ReducedExchange:
     """An exchange whose one consumer is an append-only min/max aggregate that reduces its change (design note 4,
     at W > 1): the sender reduces its change as the aggregate would (one row per group, ``_ExtremesState._reduced``,
-    which decides whether it pays), then exchanges the rows it kept; the aggregate folds them as it folds the
-    rows they stand for."""
+    which decides whether it pays, apart from the aggregate's own tries), then exchanges the rows it kept; the
+    aggregate folds them as it folds the rows they stand for."""
 
     def __init__(self, node: int, state: _ExtremesState, key: tuple[str, ...], counts: dict[str, int]) -> None:
         self.node, self.state, self.key, self.counts = node, state, tuple(key), counts
@@ -296,7 +296,7 @@ class _ReducedExchange:
         z = inputs[0]
         if z.num_rows:
             z = conform(z, self.schema)
-            r = self.state._reduced(z)
+            r = self.state._reduced(z, sender=True)
             if r is not z:
                 self.counts["reduced"] += 1
                 z = r

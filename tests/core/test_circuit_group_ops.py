@@ -137,8 +137,8 @@ def test_min_max_over_append_only_inputs_reduce_large_changes(seed: int, workers
     calls: list[bool] = []
     reduced = _ExtremesState._reduced
 
-    def counting(self, z):
-        out = reduced(self, z)
+    def counting(self, z, **kw):
+        out = reduced(self, z, **kw)
         calls.append(out is not z)
         return out
 
