@@ -84,7 +84,11 @@ def q3(p: Stream, a: Stream, b: Stream) -> Stream:
 
 
 def q4(p: Stream, a: Stream, b: Stream) -> Stream:
-    final = _auction_bids(a, b).group_by("id", "category").agg(final=dbsp.max("price"))
+    # the columns the view reads (the projections a SQL planner pushes down, as sql/joinplan.py does): the join's
+    # traces and its output hold 4 + 3 integer columns, not every auction and bid column with their strings
+    a, b = _keep(a, "id", "category", "dateTime", "expires"), _keep(b, "auction", "price", "dateTime")
+    final = _keep(_auction_bids(a, b), "id", "category", "price").group_by("id", "category").agg(
+        final=dbsp.max("price"))
     return final.group_by("category").agg(avg=dbsp.avg("final"))
 
 
@@ -101,9 +105,14 @@ def q6(p: Stream, a: Stream, b: Stream) -> Stream:
 
 
 def q7(p: Stream, a: Stream, b: Stream) -> Stream:
-    maxes = b.tumble("dateTime", WINDOW_MS).group_by("window_end").agg(maxprice=dbsp.max("price"))
-    # each bid with the window ends e (multiples of 10 s) in [dateTime, dateTime + 10 s]: BETWEEN e - 10 s AND e
-    ends = _window(b, "dateTime", "range", WINDOW_MS, 0, 0, WINDOW_MS, "wend", None, "q7")
+    # the columns the view reads (the projections a SQL planner pushes down): the aggregate indexes (price, time)
+    # rows, and the join's trace of bids holds no channel or url
+    maxes = _keep(b, "price", "dateTime").tumble("dateTime", WINDOW_MS).group_by("window_end").agg(
+        maxprice=dbsp.max("price"))
+    # each bid with the window ends e (multiples of 10 s) in [dateTime, dateTime + 10 s]: BETWEEN e - 10 s AND e;
+    # one e for most bids, two for a bid on a multiple of 10 s (window.py invariant 4)
+    bids = _keep(b, "auction", "price", "bidder", "dateTime", "extra")
+    ends = _window(bids, "dateTime", "points", WINDOW_MS, 0, 0, WINDOW_MS, "wend", None, "q7")
     j = ends.join(maxes, left_on=["wend", "price"], right_on=["window_end", "maxprice"])
     j = j.filter(F("dateTime").cast(pa.int64()) >= F("wend").cast(pa.int64()) - WINDOW_MS)
     j = j.filter(F("dateTime") <= F("wend"))

@@ -38,6 +38,13 @@ Invariants:
      strategy has ``append_only`` set and keeps the totals alone: no deletion can reach an extreme, so the value
      multisets that only a recompute reads are never kept. A change with a retraction then raises DbspError
      (the driver refuses retractions into append-only inputs before recording them, operators/input.py).
+  8. With ``append_only``, one min/max over an integer-like column and otherwise only row counts, a large change
+     whose weights are all positive is first reduced to one row per group, by hash grouping (no sort): the
+     group's row that holds its extreme (its first row when every value is null), weighted by the group's row
+     count. The totals fold it exactly as the whole change (a count adds the weights, an extreme is the extreme
+     of the positive-weight rows), so only the index of the change shrinks. A step whose reduction left more
+     than ``GROUPS_PER_ROW`` groups per row stops reducing for ``RETRY`` steps (about a row per group: the
+     grouping pass would cost more than it saves).
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ from dbsp_core import _zset
 from dbsp_core.time.cleanup import prune
 from dbsp_core.time.lineage import input_times
 from dbsp_core.trace import Trace, summable, unique_sorted
-from dbsp_core.zset import IndexedZSet, ZSet, sum_adjacent
+from dbsp_core.zset import IndexedZSet, ZSet, _agg_specs, _take, sum_adjacent
 
 if TYPE_CHECKING:
     from dbsp_core.operators.context import StepContext
@@ -667,6 +674,15 @@ class _ExtremesState(_GroupedState):
                      + tuple(("valid", f"s_{j}") for j, _, _ in self.ext))
         if not (all(summable(slot_type[j]) for j, _, _ in self.ext) and self.totals.keep_index(self.spec[1])):
             self.spec = None
+        # invariant 8: the reduction's grouping specs (row count, the one extreme), when the aggregate allows it
+        self.reduce_specs = None
+        if (op.append_only and len(self.ext) == 1 and summable(slot_type[self.ext[0][0]])
+                and all(spec == ("count", None) for j, spec in enumerate(op.kernel) if j != self.ext[0][0])):
+            self.reduce_specs = tuple(_agg_specs(op.in_schema, [("count", None), self.ext[0][1:]]))
+        self.reduced_steps = 0  # changes reduced (counts for tests, not state)
+        # steps left before the reduction is tried again (invariant 8): of the step's change, and of what a fused
+        # exchange sends (dbsp_core/runtime/plan.py): after a sender's reduction a group arrives as about one row
+        self._reduce_skip = self._send_skip = 0
 
     def traces(self) -> dict[str, Trace]:
         """The operator's state, by name (each trace can be read per shard)."""
@@ -758,6 +774,32 @@ class _ExtremesState(_GroupedState):
         sums = combined.aggregate(self.keys, list(self.aggs), consolidate=False, keep_zero=True)
         return sums.rename_columns(list(self.names))
 
+    REDUCE_ROWS = 1024  # rows of a change from which it is reduced (invariant 8); below, indexing it is cheap
+    GROUPS_PER_ROW = 0.5
+    RETRY = 16
+
+    def _reduced(self, z: "ZSet", sender: bool = False) -> "ZSet":
+        """``z`` reduced to one row per group (invariant 8), or ``z`` itself when it is small, when it has a weight
+        that is not positive (the step then fails as invariant 7 says), or while reducing does not pay; ``sender``:
+        for a fused exchange, which keeps its own count of steps to skip."""
+        skip = "_send_skip" if sender else "_reduce_skip"
+        if z.num_rows < self.REDUCE_ROWS:
+            return z
+        if getattr(self, skip):
+            setattr(self, skip, getattr(self, skip) - 1)
+            return z
+        w = z.weights
+        if not bool((w > 0).all()):
+            return z
+        group_row, _, ivals, _, valid = _zset.group_reduce(z.data, w, list(self.keypos), list(self.reduce_specs),
+                                                           False)
+        if len(group_row) > self.GROUPS_PER_ROW * z.num_rows:
+            setattr(self, skip, self.RETRY)
+        self.reduced_steps += 1
+        rows = np.where(valid[:, 1].astype(bool), ivals[:, 1], group_row)  # the extreme's row, else the first
+        return ZSet._make(_take(z.data, np.ascontiguousarray(rows, dtype=np.int64)),
+                          np.ascontiguousarray(ivals[:, 0], dtype=np.int64))
+
     def _with_limbs(self, z: "ZSet") -> "ZSet":
         """``z`` with the limb columns the one-pass kernel sums (invariant 5)."""
         data = z.data
@@ -767,7 +809,8 @@ class _ExtremesState(_GroupedState):
 
     def _step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
-        dix = keyed_change(self, inputs, ctx, op.in_schema, self.keys, self._with_limbs if self.limbs else None)
+        dix = keyed_change(self, inputs, ctx, op.in_schema, self.keys,
+                           self._with_limbs if self.limbs else self._reduced if self.reduce_specs else None)
         if dix is None:
             return empty(op.schema)
         change = dix.zset

@@ -14,6 +14,10 @@ Invariants:
      ``B = upper - lower + 1`` time units, each right row in the (one or two) buckets its range meets, and the
      two are equi-joined on keys and bucket, then filtered by the exact condition, so each matching pair is
      produced exactly once, and both sides' state is dropped as the other side's watermark passes it.
+  4. Mode "points" (``_window(..., "points", size, 0, lo, hi, column, None, ...)``): each row with a non-null time t
+     appears once per multiple p of ``size`` with ``t + lo <= p <= t + hi`` (none when there is no such multiple),
+     with p in the added column; lineage: ``p >= W + off + lo``. It lists exactly the window bounds a condition
+     ``p - hi <= t <= p - lo`` accepts (q7's window ends), where "range" lists every bucket meeting the interval.
 """
 
 from __future__ import annotations
@@ -51,8 +55,9 @@ def _positive(value: object, what: str, where: str) -> int:
 
 
 class Window(Operator):
-    """Window assignment (invariant 1): ``mode`` is "tumble", "hop" or "range" (the interval join's buckets:
-    every bucket of ``size`` meeting ``[t + lo, t + hi]``)."""
+    """Window assignment (invariant 1): ``mode`` is "tumble", "hop", "range" (the interval join's buckets: every
+    bucket of ``size`` meeting ``[t + lo, t + hi]``) or "points" (invariant 4: every multiple of ``size`` in
+    ``[t + lo, t + hi]``)."""
 
     kind = "window"
 
@@ -90,9 +95,12 @@ class Window(Operator):
             last = np.floor_divide(t, self.slide) * self.slide
             rows = np.repeat(np.arange(len(t), dtype=np.int64), n)
             start = last[rows] - np.tile(np.arange(n, dtype=np.int64), len(t)) * self.slide
-        else:  # range: the buckets meeting [t + lo, t + hi]
-            first = np.floor_divide(t + self.lo, self.size)
-            cnt = np.floor_divide(t + self.hi, self.size) - first + 1
+        else:  # range: the buckets meeting [t + lo, t + hi]; points: the multiples of size in it (invariant 4)
+            if self.mode == "range":
+                first = np.floor_divide(t + self.lo, self.size)
+            else:
+                first = -np.floor_divide(-(t + self.lo), self.size)  # ceil((t + lo) / size)
+            cnt = np.maximum(np.floor_divide(t + self.hi, self.size) - first + 1, 0)
             rows = np.repeat(np.arange(len(t), dtype=np.int64), cnt)
             within = np.arange(len(rows), dtype=np.int64) - np.repeat(np.cumsum(cnt) - cnt, cnt)
             start = (first[rows] + within) * self.size
@@ -112,7 +120,8 @@ def _window(stream: "Stream", column: str, mode: str, size: int, slide: int, lo:
     times = dict(stream.times)
     if column in times:  # invariant 2
         src, off = times[column]
-        times[start] = (src, off - size if mode != "range" else off + lo - size)
+        times[start] = (src, off - size if mode not in ("range", "points") else
+                        off + lo - size if mode == "range" else off + lo)
         if end:
             times[end] = (src, off)
     return stream.circuit.add_operator(op, times)

@@ -46,7 +46,10 @@ slices follow, in this order):
      the totals per key as it folds its own input rows (``linear_step`` at W = 1, partial rows at W > 1): the
      joined rows are never built, nor indexed, nor concatenated whole. Not built: other consumers of an exchange
      (outer joins, distinct, non-linear aggregates), which get a concatenated Z-set as before; on Spark each
-     stage is to be one plan, so a stage task crosses into C once per stage.
+     stage is to be one plan, so a stage task crosses into C once per stage. **Built**, at W > 1: an exchange
+     whose one consumer is an append-only min/max aggregate that reduces its change (operators/aggregate.py
+     invariant 8) reduces it on the sender, before partitioning it (``_ReducedExchange``): a group's rows cross
+     workers as one row per sender (a window's max: every bid of a step to the one worker owning the window, else).
   5. State stays where the runtime finds it: a plan holds no state of its own, only the operator instances'
      traces, which it reads and writes through the same Trace methods (insert, lookup, key index). So
      checkpoints (snapshot by shard), rollback (rollback.py copies the instances' attributes), live rescale
@@ -66,7 +69,8 @@ slices follow, in this order):
 Invariants (enforced here):
   1. A plan has one call per live node, in id order (the timers and ``failed_node`` index calls as nodes); a
      fused chain's inner calls pass their input through unchanged, and only the chain's last node computes,
-     but for a fused exchange (it cuts what it sends) and a fused join (it gathers the aggregate's columns).
+     but for a fused exchange (it cuts or reduces what it sends) and a fused join (it gathers the aggregate's
+     columns).
   2. A chain is fused only when every inner node has exactly one consumer and is no output; an inner exchange is
      skipped only where it is the identity (W = 1), at W > 1 it is the chain's fused exchange, on the key of the
      chain's last node. A plan is lowered for one layout, and again whenever the layout changes (every worker
@@ -86,7 +90,7 @@ import pyarrow as pa
 from dbsp_core import _zset
 from dbsp_core.circuit import Circuit
 from dbsp_core.errors import WeightOverflowError
-from dbsp_core.operators.aggregate import Aggregate, PreAggregate, _LinearState
+from dbsp_core.operators.aggregate import Aggregate, PreAggregate, _ExtremesState, _LinearState
 from dbsp_core.operators.base import concat, conform
 from dbsp_core.operators.exchange import Exchange
 from dbsp_core.operators.join import Join, _JoinState
@@ -278,6 +282,27 @@ class _IndexedExchange:
         return _Received(ctx.exchange_runs(self.node, runs, cut))
 
 
+class _ReducedExchange:
+    """An exchange whose one consumer is an append-only min/max aggregate that reduces its change (design note 4,
+    at W > 1): the sender reduces its change as the aggregate would (one row per group, ``_ExtremesState._reduced``,
+    which decides whether it pays, apart from the aggregate's own tries), then exchanges the rows it kept; the
+    aggregate folds them as it folds the rows they stand for."""
+
+    def __init__(self, node: int, state: _ExtremesState, key: tuple[str, ...], counts: dict[str, int]) -> None:
+        self.node, self.state, self.key, self.counts = node, state, tuple(key), counts
+        self.schema = state.op.in_schema
+
+    def __call__(self, inputs: list, ctx: Any) -> ZSet:
+        z = inputs[0]
+        if z.num_rows:
+            z = conform(z, self.schema)
+            r = self.state._reduced(z, sender=True)
+            if r is not z:
+                self.counts["reduced"] += 1
+                z = r
+        return ctx.exchange(self.node, z, self.key, self.schema)
+
+
 class _IndexedJoin:
     """The join's call after one or two fused exchanges: the indexed parts it received are merged into one indexed
     change per side (the merge of sorted runs, csrc/merge.h: one gather), a side without a fused exchange is
@@ -337,14 +362,15 @@ class StepPlan:
     (``"grouped"``: of them, by a grouping pass); ``"received"``, aggregate steps over received parts;
     ``"indexed"``, changes a join's fused exchange indexed before it partitioned them; ``"merged"``, join sides
     built from received indexed parts; ``"joined"``, steps of a join that gathered its group-by's columns from its
-    pairs (:class:`_JoinSlots`)."""
+    pairs (:class:`_JoinSlots`); ``"reduced"``, changes an exchange reduced for its min/max aggregate before it
+    partitioned them (:class:`_ReducedExchange`)."""
 
     def __init__(self, circuit: Circuit, live: list[int], instances: dict[int, Any], workers: int,
                  fuse: bool = True) -> None:
         nodes = circuit.nodes
         self.workers = workers  # the layout's worker count it was lowered for (invariant 2)
         self.counts = dict.fromkeys(("fused", "unfused", "sent", "grouped", "received", "indexed", "merged",
-                                     "joined"), 0)
+                                     "joined", "reduced"), 0)
         self.fused_nodes: list[int] = []  # the last node of each fused chain
         steps: dict[int, Callable] = {i: instances[i].step for i in live}
         if fuse:
@@ -369,6 +395,9 @@ class StepPlan:
                     steps[agg] = _PartialsReceive(instances[agg], nodes[pre].schema, self.counts)
                 self.fused_nodes.append(agg)
             if workers > 1:
+                for agg in self._reducing_aggregates(circuit, live, instances, inner):
+                    e = nodes[agg].inputs[0]
+                    steps[e] = _ReducedExchange(e, instances[agg], nodes[e].key, self.counts)
                 for join, sides in self._indexed_joins(circuit, live, instances, inner):
                     op = nodes[join]
                     for side in sides:
@@ -410,6 +439,23 @@ class StepPlan:
             pre = nodes[src]
             if isinstance(pre, PreAggregate) and pre.agg is op and inner(src):
                 found.append((i, src))
+        return found
+
+    @staticmethod
+    def _reducing_aggregates(circuit: Circuit, live: list[int], instances: dict[int, Any],
+                             inner: Callable[[int], bool]) -> list[int]:
+        """Every min/max aggregate that reduces its change (operators/aggregate.py invariant 8) whose input is an
+        exchange on its keys with no other consumer (design note 4 at W > 1)."""
+        nodes = circuit.nodes
+        found = []
+        for i in live:
+            op = nodes[i]
+            if not (isinstance(op, Aggregate) and type(instances[i]) is _ExtremesState
+                    and instances[i].reduce_specs is not None and len(op.inputs) == 1):
+                continue
+            e = op.inputs[0]
+            if isinstance(nodes[e], Exchange) and inner(e) and tuple(nodes[e].key) == tuple(op.keys):
+                found.append(i)
         return found
 
     @staticmethod

@@ -10,6 +10,7 @@ from hypothesis_profile import examples
 from hypothesis import strategies as st
 
 import dbsp_core as dbsp
+from dbsp_core.operators.aggregate import _ExtremesState
 from oracle import BIDS, run_against_duckdb, to_zset
 
 SEEDS = st.integers(0, 2**31 - 1)
@@ -125,6 +126,40 @@ def test_min_max_over_append_only_inputs_keep_only_their_totals(seed: int, worke
         "win": "SELECT s, max(price) FROM (SELECT price, unnest([auction - auction % 2, auction - auction % 2 - 2]) "
                "AS s FROM bids WHERE auction IS NOT NULL) GROUP BY s",
     }, seed, workers, steps=7, append_only=True, after=after)
+
+
+@FEW
+@given(seed=SEEDS, workers=WORKERS)
+def test_min_max_over_append_only_inputs_reduce_large_changes(seed: int, workers: int) -> None:
+    """operators/aggregate.py invariant 8: a change reduced to one row per group (its extreme's row, weighted by the
+    group's count; here from any size on) gives DuckDB's results, with bags, null keys and null values; at W > 1
+    the exchange before the aggregate reduces it on the sender (runtime/plan.py, ``_ReducedExchange``)."""
+    calls: list[bool] = []
+    reduced = _ExtremesState._reduced
+
+    def counting(self, z, **kw):
+        out = reduced(self, z, **kw)
+        calls.append(out is not z)
+        return out
+
+    def after(p: dbsp.Pipeline) -> None:
+        sent = sum(wk.plan.counts["reduced"] for wk in p.executor._workers)
+        assert (sent > 0) == (workers > 1), sent
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_ExtremesState, "REDUCE_ROWS", 1)
+        mp.setattr(_ExtremesState, "_reduced", counting)
+        run_against_duckdb(lambda c, s: {
+            "hi": s["bids"].group_by("auction").agg(hi=dbsp.max("price")),
+            "lo": s["bids"].group_by("auction", "bidder").agg(n=dbsp.count(), lo=dbsp.min("price")),
+            "join": s["bids"].join(s["auctions"], left_on="auction", right_on="id").group_by("category").agg(
+                hi=dbsp.max("reserve"), n=dbsp.count()),
+        }, {
+            "hi": "SELECT auction, max(price) FROM bids GROUP BY auction",
+            "lo": "SELECT auction, bidder, count(*), min(price) FROM bids GROUP BY auction, bidder",
+            "join": "SELECT category, max(reserve), count(*) FROM bids JOIN auctions ON auction = id GROUP BY category",
+        }, seed, workers, steps=6, max_rows=30, append_only=True, after=after)
+    assert any(calls)
 
 
 def test_append_only_input_refuses_a_retraction_and_records_nothing() -> None:

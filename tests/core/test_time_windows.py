@@ -12,7 +12,9 @@ from hypothesis_profile import examples
 from hypothesis import strategies as st
 
 import dbsp_core as dbsp
+from dbsp_core.operators.window import _window
 from dbsp_core.time.watermark import NO_WATERMARK, EventTime, advance
+from dbsp_core.trace import Trace
 from time_oracle import EV, run_event_time
 
 SEEDS = st.integers(0, 2**31 - 1)
@@ -78,6 +80,30 @@ def test_window_join_interval_join_and_top_k_per_window(seed: int, workers: int)
         "top": f"SELECT k, v, t, ws, ws + 10 FROM (SELECT *, {fl('t', 10)} AS ws, row_number() OVER (PARTITION BY "
                f"{fl('t', 10)} ORDER BY v DESC, k, t) AS r FROM a) WHERE r <= 2",
     }, seed, workers, inputs=("a", "b"), steps=10)
+
+
+@FEW
+@given(seed=SEEDS, workers=WORKERS)
+def test_points_window_and_a_join_on_it(seed: int, workers: int) -> None:
+    # window.py invariant 4, q7's form: each row once per multiple p of 10 in [t + lo, t + hi] (none, one or two of
+    # them), joined with a window aggregate on its window end; each side's state is dropped by the other's lineage
+    pts = "(SELECT range * 10 AS p FROM range(-30, 60))"
+
+    def build(c, s):
+        two = _window(s["a"], "t", "points", 10, 0, -3, 12, "p", None, "test")
+        few = _window(s["a"], "t", "points", 10, 0, 1, 4, "p", None, "test")
+        hi = s["b"].tumble("t", 10).group_by("window_end").agg(hi=dbsp.max("v"))
+        j = two.join(hi, left_on=["p"], right_on=["window_end"])
+        return {"two": two, "few": few, "join": j.select(k="k", v="v", t="t", p="p", hi="hi")}
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Trace, "PRUNE_MIN", 1)  # prune at every step that inserted anything: a lineage too high fails
+        run_event_time(build, {
+            "two": f"SELECT a.k, a.v, a.t, r.p FROM a, {pts} r WHERE r.p BETWEEN a.t - 3 AND a.t + 12",
+            "few": f"SELECT a.k, a.v, a.t, r.p FROM a, {pts} r WHERE r.p BETWEEN a.t + 1 AND a.t + 4",
+            "join": f"SELECT a.k, a.v, a.t, r.p, m.hi FROM a, {pts} r, (SELECT {fl('t', 10)} + 10 AS we, max(v) AS "
+                    f"hi FROM b GROUP BY we) m WHERE r.p BETWEEN a.t - 3 AND a.t + 12 AND m.we = r.p",
+        }, seed, workers, inputs=("a", "b"), steps=12)
 
 
 def test_endless_windowed_view_runs_in_bounded_memory() -> None:
