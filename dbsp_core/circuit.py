@@ -32,7 +32,7 @@ from dbsp_core.operators import (Aggregate, Delay, Differentiate, Distinct, Exch
 from dbsp_core.operators.aggregate import PreAggregate
 from dbsp_core.operators.base import check_columns, nullable_schema, same_columns
 from dbsp_core.operators.constant import Constant
-from dbsp_core.operators.count_distinct import CountDistinct
+from dbsp_core.operators.count_distinct import CountDistinct, pair_key
 from dbsp_core.operators.expr import as_expression
 from dbsp_core.operators.fixpoint import Fixpoint
 from dbsp_core.operators.keyless_aggregate import GLOBAL_KEY, AddGlobalKey
@@ -806,11 +806,12 @@ class GroupBy:
             pre = circuit.add_operator(PreAggregate(s.node_id, op, s.op.partitioning),
                                        passed(s.times, {k: k for k in keys}))
             src = pre._exchanged(keys)
-            for col in op.distinct_columns:  # count_distinct: value flips per group, as partial rows
-                vals = s.select(**{c: c for c in dict.fromkeys(keys + (col,))})._exchanged(keys)
+            for col in op.distinct_columns:  # count_distinct: value flips per group, as partial rows, counted
+                # where each (keys, value) pair lives and summed per group (operators/count_distinct.py inv. 1-2)
+                vals = s.select(**{c: c for c in dict.fromkeys(keys + (col,))})._exchanged(pair_key(keys, col))
                 flips = circuit.add_operator(CountDistinct(vals.node_id, vals.schema, op, col),
                                              passed(vals.times, {k: k for k in keys}), (vals.times,))
-                src = src + flips
+                src = src + flips._exchanged(keys)
         else:
             src = s._exchanged(keys)
             if op.extremes and circuit.inserts_only(src.node_id):

@@ -392,6 +392,36 @@ class ZSet:
         idx, w = kept
         return ZSet._make(_take(self._data, idx), w, distinct=True, rhash=rh[idx])
 
+    def _hashed_part(self, keep_below: float = 0.125) -> ZSet:
+        """This Z-set as one part of a sum that is made distinct afterwards (:meth:`_distinct_unsorted` of the
+        concatenation): with its row hashes, and made distinct here only when that drops at least ``keep_below``
+        of its rows, so a part that shrinks much is gathered where it is (a worker's thread) while one with a few
+        equal rows (a push of a bag handed through) is left as it is: the sum's one gather removes them, where a
+        gather here would copy every row once more, and the concatenation of parts that are slices of one push
+        stays a view (:meth:`concat`).
+
+        >>> z = ZSet.from_arrow(pa.table({"x": [1, 2, 3, 4, 5, 6, 7, 8, 8]}))._hashed_part()
+        >>> z.num_rows, z._rhash is not None, z._distinct
+        (9, True, False)
+        >>> ZSet.from_arrow(pa.table({"x": [7, 7]}))._hashed_part().to_dict()
+        {(7,): 2}
+        """
+        if self._distinct and self._rhash is not None:
+            return self
+        rh = self._rhash
+        if rh is None:
+            rh = _zset.hash_columns(self._data, list(range(self._data.num_columns)))
+        if self._distinct:
+            return ZSet._make(self._data, self._w, distinct=True, rhash=rh)
+        kept = _zset.distinct(self._data, self._w, rh)
+        if kept is None:
+            return ZSet._make(self._data, self._w, distinct=True, rhash=rh)
+        idx, w = kept
+        n = self._data.num_rows
+        if n - len(idx) < keep_below * n:
+            return ZSet._make(self._data, self._w, rhash=rh)
+        return ZSet._make(_take(self._data, idx), w, distinct=True, rhash=rh[idx])
+
     # ---- kernels ----
 
     def consolidate(self) -> ZSet:

@@ -1,17 +1,21 @@
 """The count-distinct operator: turns changes of a grouped column into the partial rows that move each group's ``count_distinct(column)`` by +1 or -1 when a value appears in or leaves the group.
 
 Invariants:
-  1. The state is the integral of the (group keys, value) pairs with a non-null value, indexed by the group
-     keys (the operator's exchange key), so a group's pairs live in one worker and move with its shard.
-  2. A step emits, for each pair whose accumulated multiplicity crosses zero (0 -> positive: +1, positive ->
-     0 or below: -1), one partial row of the aggregate's partial schema (keys, then one int64 per kernel slot)
-     with the sign in this column's ``count_distinct`` slot and 0 in every other slot, weight 1. Summed by the
-     linear aggregate, these give exactly the number of distinct non-null values per group, whatever the
-     split into steps and workers.
-  3. A step reads only the multiplicities of the change's pairs: one galloping C walk per trace batch by
-     key hash, then, inside a group's run, by row hash (a canonical batch keeps a key's rows in row-hash
-     order), so a big group costs log of its size per changed pair, not its size (Nexmark q15/q16 have a
-     handful of (channel, day) groups holding 10^5-10^6 distinct values each).
+  1. The state is the integral of the (group keys, value) pairs with a non-null value, indexed by the whole
+     pair (keys, value), which is also the operator's exchange key: a pair lives in exactly one worker and
+     moves with its shard, while one group's pairs spread over every worker (a two-phase distinct count: a
+     group of a few keys, such as Nexmark q15's day, does not put all its values on one worker).
+  2. A step emits, for each group, the sum of the signs of its pairs whose accumulated multiplicity crosses
+     zero (0 -> positive: +1, positive -> 0 or below: -1), as one partial row of the aggregate's partial
+     schema (keys, then one int64 per kernel slot) with that sum in this column's ``count_distinct`` slot and
+     0 in every other slot, weight 1 (no row for a group whose signs sum to 0). The partial rows are exchanged
+     by the group keys and summed by the linear aggregate with the other workers' and the other slots': since
+     each pair crosses zero in one worker only, they give exactly the number of distinct non-null values per
+     group under insertions and deletions alike, whatever the split into steps and workers.
+  3. A step reads only the multiplicities of the change's pairs: one probe per pair in the whole-row key
+     index when the pair's columns are fixed-width, else one galloping C walk per trace batch by row hash, so
+     a big group costs log of its size per changed pair, not its size (Nexmark q15/q16 have a handful of
+     (channel, day) groups holding 10^5-10^6 distinct values each).
 """
 
 from __future__ import annotations
@@ -27,11 +31,17 @@ from dbsp_core.operators.base import Operator, conform, empty, make
 from dbsp_core.time.cleanup import prune
 from dbsp_core.time.lineage import input_times
 from dbsp_core.trace import Trace
+from dbsp_core.zset import ZSet
 
 if TYPE_CHECKING:
     from dbsp_core.operators.aggregate import Aggregate
     from dbsp_core.operators.context import StepContext
-    from dbsp_core.zset import ZSet
+
+
+def pair_key(keys: tuple[str, ...], column: str) -> tuple[str, ...]:
+    """The exchange and trace key of a count distinct of ``column`` grouped by ``keys``: the whole (keys, value)
+    pair (invariant 1), the value's column once even when it is also a group key."""
+    return tuple(dict.fromkeys(tuple(keys) + (column,)))
 
 
 class CountDistinct(Operator):
@@ -40,11 +50,10 @@ class CountDistinct(Operator):
     kind = "count_distinct"
 
     def __init__(self, node: int, in_schema: pa.Schema, agg: "Aggregate", column: str) -> None:
-        super().__init__((node,), agg.pschema, agg.keys)
+        super().__init__((node,), agg.pschema, pair_key(agg.keys, column))
         self.keys = agg.keys
         self.column = column
-        self.vschema = pa.schema([pa.field(k, in_schema.field(k).type) for k in agg.keys]
-                                 + [pa.field(column, in_schema.field(column).type)])
+        self.vschema = pa.schema([pa.field(k, in_schema.field(k).type) for k in self.partitioning])
         self.slot = agg.kernel.index(("count_distinct", column))
         self.nslots = len(agg.kernel)
 
@@ -56,7 +65,8 @@ class _CountDistinctState:
     def __init__(self, op: CountDistinct) -> None:
         self.op = op
         self.keys = list(op.keys)
-        self.values = Trace(op.vschema, op.keys)
+        self.pair = list(op.partitioning)
+        self.values = Trace(op.vschema, op.partitioning)
         self.values.keep_index((None,), on="row")  # each pair's multiplicity in one probe (trace invariant 11)
 
     def traces(self) -> dict[str, Trace]:
@@ -69,14 +79,14 @@ class _CountDistinctState:
         z = inputs[0]
         out = empty(op.schema)
         if z.num_rows:
-            data = z.data.select(self.keys + [op.column])
+            data = z.data.select(self.pair)
             valid = pc.is_valid(data.column(op.column))
             w = z.weights
             if data.column(op.column).null_count:
                 mask = np.asarray(valid.to_numpy(zero_copy_only=False), dtype=bool)
                 data, w = data.filter(valid), w[mask]
             if data.num_rows:
-                dix = conform(make(data, w, op.vschema), op.vschema).index_by(self.keys)
+                dix = conform(make(data, w, op.vschema), op.vschema).index_by(self.pair)
                 if len(dix):
                     out = self._flips(dix)
         return out
@@ -94,6 +104,22 @@ class _CountDistinctState:
         idx = pa.array(flip, pa.int64())
         keys = dix.zset.data.select(self.keys).take(idx)
         sign = np.where(new[flip] > 0, 1, -1).astype(np.int64)
-        zeros = pa.array(np.zeros(len(flip), dtype=np.int64))
+        if len(flip) > 1:  # invariant 2: one partial row per group, the sum of its signs, before the exchange
+            nk = len(self.keys)
+            flips = ZSet._make(keys.append_column(_SIGN, pa.array(sign)), np.ones(len(flip), dtype=np.int64))
+            summed = flips.aggregate(self.keys, [("sum", _SIGN)], consolidate=False)
+            sums = summed.column(nk).to_numpy()
+            moved = np.flatnonzero(sums)
+            if len(moved) < len(sums):
+                summed = summed.take(pa.array(moved, pa.int64()))
+                sums = sums[moved]
+            if len(sums) == 0:
+                return empty(op.schema)
+            keys, sign = summed.select(self.keys), np.ascontiguousarray(sums, dtype=np.int64)
+        n = keys.num_rows
+        zeros = pa.array(np.zeros(n, dtype=np.int64))
         cols = list(keys.columns) + [pa.array(sign) if j == op.slot else zeros for j in range(op.nslots)]
-        return make(pa.Table.from_arrays(cols, schema=op.schema), np.ones(len(flip), dtype=np.int64), op.schema)
+        return make(pa.Table.from_arrays(cols, schema=op.schema), np.ones(n, dtype=np.int64), op.schema)
+
+
+_SIGN = "__dbsp_sign"  # the flips' sign column while they are summed per group (never a column of the output)

@@ -7,10 +7,13 @@ Invariants (enforced here):
      each exchange exactly once, so the barrier at an exchange is met by all W workers or the step fails
      (a failing worker aborts the barrier, releasing the others).
   3. A step's output for a handle is the consolidated sum of the workers' outputs, distinct (zset.py invariant 2)
-     but not sorted: each worker makes its own output distinct on its thread, with its row hashes, unless it is
-     distinct already and rows of two workers cannot be equal (the output is sharded by columns it keeps); the
-     concatenation is then handed over as it is, or else made distinct once more across the workers from those
-     row hashes (one probe per row: ZSet._distinct_unsorted), never sorted.
+     but not sorted. When rows of two workers cannot be equal (the output is sharded by columns it keeps), each
+     worker makes its own output distinct on its thread and the concatenation is handed over as it is. Else
+     each worker hashes its rows on its thread and makes them distinct there only when that drops at least an
+     eighth of them (ZSet._hashed_part: a gather that pays for itself); the concatenation is made distinct once
+     across the workers from those row hashes (one probe per row: ZSet._distinct_unsorted), never sorted, so a
+     push of a bag with a few equal rows handed through is copied once (the sum's gather), not once per worker
+     and again to concatenate the workers' copies.
      Because keyed operators see all rows of a key in one worker and linear operators commute with the sum,
      results do not depend on W, on the layout, nor on how input is split into steps.
   4. With storage, worker ``w``'s state lives in ``state/worker-<w>.db`` (dbsp_core.storage.formats), grouped by
@@ -360,8 +363,11 @@ class EmbeddedExecutor:
             with merging(merge_thread), spilling(self.batch_store):
                 out = self._workers[w].step()
             for name, z in out.items():  # invariant 3: each worker's share of the summing, in parallel
-                if not (z._distinct and self._disjoint[name]):
-                    out[name] = z._distinct_unsorted()
+                if self._disjoint[name]:
+                    if not z._distinct:
+                        out[name] = z._distinct_unsorted()
+                else:  # summed and made distinct across the workers on the driver: hashed here
+                    out[name] = z._hashed_part()
             if w:  # a pool thread: its own scratch cache (worker 0 runs on the driver's thread: _run_one)
                 _zset.trim_caches(settings().cache_keep_mb << 20)
             return out

@@ -241,6 +241,35 @@ def test_a_failed_step_leaves_no_trace_in_the_key_indexes(workers: int) -> None:
                         tr.check()
 
 
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_a_bag_handed_through_is_copied_once(workers: int, monkeypatch) -> None:
+    """embedded.py invariant 3: a pushed bag with a few equal rows (some in one worker's slice, some in two),
+    handed through to an output, is made distinct by one gather on the driver, not one per worker and then a
+    copy to concatenate the workers' parts."""
+    from dbsp_core import zset as zset_mod
+
+    takes = []
+    real = zset_mod._take
+    monkeypatch.setattr(zset_mod, "_take", lambda t, idx, view=None: takes.append(len(idx)) or real(t, idx, view))
+    schema = pa.schema([("k", pa.int64()), ("s", pa.utf8())])
+    c = dbsp.Circuit()
+    c.output("all", c.input("t", schema))
+    n = 3000
+    k = np.arange(n)
+    k[[1, 2, n // 2 + 1, n - 1]] = [0, 0, n // 2, 1]  # equal rows inside the first slice, and across slices
+    data = pa.table({"k": k, "s": pa.array([f"row {x}" for x in k])}, schema=schema)
+    with dbsp.Pipeline(c, workers=workers) as p:
+        for _ in range(2):
+            p.push("t", data)
+            takes.clear()
+            z = p.step()["all"]
+            assert len(takes) == 1, takes
+            want: dict = {}
+            for x in k.tolist():
+                want[(x, f"row {x}")] = want.get((x, f"row {x}"), 0) + 1
+            assert z.to_dict() == want and z._distinct and z.num_rows == len(want)
+
+
 @given(st.lists(st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["a", "b", None]), st.sampled_from([1, 1, 2, -1])),
                          max_size=12), min_size=1, max_size=4), st.sampled_from([1, 2, 3]))
 def test_step_output_sums_equal_rows_across_workers_without_a_sort(steps, workers) -> None:

@@ -210,6 +210,34 @@ def test_hash_v1_known_answers():
     assert got["utf8 hello"] == mix((0x082EFA98EC4E6C89 * 0x9E3779B97F4A7C15 + mix(h)) % 2**64)
 
 
+def _bytes_row_hash(v: bytes) -> int:
+    """The version-1 row hash of a one-column row holding byte string ``v``, from the specification (csrc/hash.h)."""
+    k, m = 0x9E3779B97F4A7C15, 2**64 - 1
+    h = _mix(len(v) ^ 0xA4093822299F31D0)
+    for i in range(0, len(v), 8):  # full words, then the partial one zero-padded
+        h = (_mix(h ^ int.from_bytes(v[i:i + 8].ljust(8, b"\0"), "little")) * k) & m
+    return _mix((0x082EFA98EC4E6C89 * k + _mix(h)) & m)
+
+
+@pytest.mark.parametrize("offset", [0, 3])
+def test_hash_v1_of_strings_of_every_length(offset: int) -> None:
+    """Strings of every length 0..40 (every partial word, one to five full words), in runs of 1..9 rows (the
+    kernel hashes four and two values at once, then one at a time), against the specification; also a slice."""
+    rng = np.random.default_rng(7)
+    values = [bytes(rng.integers(0, 256, n, dtype=np.uint8)) for n in range(41) for _ in range(3)]
+    rng.shuffle(values)
+    for rows in range(1, 10):
+        for start in range(0, len(values) - rows, 17):
+            vals = values[start:start + rows]
+            arr = pa.array([b"x" * offset] * offset + vals, pa.binary()).slice(offset)
+            z = dbsp.ZSet.from_arrow(pa.table({"b": arr}))
+            got = [int(x) for x in z.hash(["b"])]
+            assert got == [_bytes_row_hash(v) for v in vals], (rows, start)
+    text = ["", "a", "héllo wörld", "x" * 23]
+    z = dbsp.ZSet.from_arrow(pa.table({"s": pa.array(text, pa.string())}))
+    assert [int(x) for x in z.hash(["s"])] == [_bytes_row_hash(t.encode()) for t in text]
+
+
 def _mix(z):
     m = 2**64 - 1
     z ^= z >> 30
