@@ -142,6 +142,7 @@ cdef extern from "keyindex.h" nogil:
     int dbsp_keyindex_growing(const CKeyIndex *ix)
     int64_t dbsp_keyindex_spills(const CKeyIndex *ix)
     void dbsp_keyindex_set_budget(int64_t bytes)
+    void dbsp_keyindex_test_hash_bits(int32_t bits)
     int64_t dbsp_keyindex_budget()
     int64_t dbsp_keyindex_total_bytes()
     int dbsp_keyindex_get(const CKeyIndex *ix, const CBatch *b, const int32_t *keys, const int64_t *sel,
