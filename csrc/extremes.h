@@ -32,6 +32,17 @@ int dbsp_extremes_probe(const DbspKeyIndex *ix, const DbspBatch *b, const uint64
                         int32_t nkeys, const DbspAggSpec *slots, int32_t ns, int64_t *group_row, uint64_t *gkh,
                         int64_t *old, int64_t *nw, uint8_t *need, int64_t *ng);
 
+/* Phase 1 for a change of insertions only (every weight >= 0; DBSP_EINVAL otherwise), in any row order: its
+ * groups by hash grouping (reduce.h's dbsp_group_reduce_all, groups in key-hash order: no sort of the change's
+ * rows), their old totals read from the index and their new ones (linear slots add; an extreme becomes the
+ * extreme of the old one and the inserted values: no deleted value can reach it, design note 2, so no group
+ * needs a recompute). Allocates *group_row, *gkh, *old and *nw (*ng groups, V values each; free() them); nothing
+ * is allocated on an error. The same groups, totals and order as dbsp_extremes_probe over the indexed change.
+ * Errors: DBSP_EOVERFLOW, DBSP_ETYPE, DBSP_EINVAL, DBSP_ENOMEM. */
+int dbsp_extremes_probe_inserts(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int32_t nkeys,
+                                const DbspAggSpec *slots, int32_t ns, int64_t **group_row, uint64_t **gkh,
+                                int64_t **old, int64_t **nw, int64_t *ng);
+
 /* Phase 2, once the caller filled in the recomputed extremes: for each group whose new values differ from its
  * old ones, in group order, a row of its old totals (weight -1, when its old count, value 0, is not 0) and one
  * of its new totals (+1, when the new count is not 0): grp[k] (the group), w[k]; *n rows (room for 2 * ng);

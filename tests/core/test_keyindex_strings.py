@@ -238,3 +238,41 @@ def test_string_keyed_group_by_through_the_key_index(hash_bits, tmp_path, worker
 
     _steps_against_model(p, rng, 120, (0, 12), _day_row, 0.3, 0.15, DAY_SCHEMA, model, after=after)
     assert max(used) > 0, "no step went through the key index"
+
+
+@pytest.mark.parametrize("workers,seed", [(1, 31), (2, 32)])
+@pytest.mark.parametrize("bits", [2, 0])
+def test_append_only_min_max_groups_the_change_by_hashing(hash_bits, workers: int, seed: int, bits: int) -> None:
+    """q17's state: a min/max group-by over an append-only input keeps its totals alone (operators/aggregate.py
+    invariant 7), and a step folds its change into them without indexing it (``extremes_probe_inserts``: the rows
+    grouped by hashing, no sort). Against a dict model after every step, on (int, string) keys with the index's tags
+    cut to two hash bits or kept whole, steps of a few rows and of a few thousand (with many rows per group, so a
+    group's extreme comes from the old totals or from any row of the change)."""
+    hash_bits(bits)
+    rng = np.random.default_rng([SEED, seed, bits])
+    print(f"DBSP_TEST_SEED={SEED}")
+    c = dbsp.Circuit()
+    src = c.input("t", DAY_SCHEMA, append_only=True)
+    c.output("g", src.group_by("k", "day").agg(n=dbsp.count(), nv=dbsp.count("v"), lo=dbsp.min("v"),
+                                               hi=dbsp.max("v"), total=dbsp.sum("v")))
+    bag: Counter = Counter()
+    view: Counter = Counter()
+    with dbsp.Pipeline(c, workers=workers) as p:
+        for step in range(40):
+            n = int(rng.integers(1, 8)) if step % 3 else int(rng.integers(500, 3000))
+            rows = [_day_row(rng) for _ in range(n)]
+            w = rng.choice([1, 1, 2], n)
+            for r, x in zip(rows, w.tolist()):
+                bag[r] += x
+            p.push("t", dbsp.ZSet.from_rows(rows, DAY_SCHEMA, weights=w.tolist()))
+            for r, x in p.step()["g"].to_dict().items():
+                view[r] += x
+            view = Counter({r: x for r, x in view.items() if x})
+            assert dict(view) == _q17_model(bag), f"step {step}"
+            for wk in range(workers):
+                traces = p.traces(wk)
+                assert all(".values" not in name for name in traces), list(traces)  # totals alone (invariant 7)
+                for name, tr in traces.items():
+                    tr.check()
+                    if name.endswith(".totals") and tr.num_rows:
+                        assert tr.index_bytes > 0, "the totals' key index was not used"
