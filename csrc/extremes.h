@@ -14,7 +14,9 @@
  *     are deleted: then need[g] is set and the caller recomputes it (value and "not null") from the group's
  *     values (dbsp_extremes_scan, over the batches of the column's value multiset: a seek per batch and group,
  *     never a pass over the trace). So an extreme turns null only through a recompute, or with its group's count at 0.
- *  3. Groups are runs of the indexed change (canonical order for its key: equal keys are adjacent).
+ *  3. Groups are runs of the indexed change (canonical order for its key: equal keys are adjacent), or, for a
+ *     change of insertions only (dbsp_extremes_probe_inserts), the groups of a hash grouping of its rows in any
+ *     order (reduce.h), in the same key-hash order.
  */
 #ifndef DBSP_EXTREMES_H
 #define DBSP_EXTREMES_H

@@ -37,7 +37,9 @@ Invariants:
   7. Over a stream that is inserts only by the circuit's structure (``Circuit.inserts_only``), the extremes
      strategy has ``append_only`` set and keeps the totals alone: no deletion can reach an extreme, so the value
      multisets that only a recompute reads are never kept. A change with a retraction then raises DbspError
-     (the driver refuses retractions into append-only inputs before recording them, operators/input.py).
+     (the driver refuses retractions into append-only inputs before recording them, operators/input.py). With
+     the totals' key index, such a step does not index (sort) its change: the kernel groups its rows by hashing
+     (csrc/extremes.h, dbsp_extremes_probe_inserts), the same groups in the same key-hash order.
 """
 
 from __future__ import annotations
