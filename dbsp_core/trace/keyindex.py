@@ -103,8 +103,9 @@ class KeyIndexed:
         Returns whether the index is kept: for keys of fixed-width, string and binary columns (strings are compared
         byte for byte in the index, never by hash: csrc/keyindex.h invariant 8), whole rows of fixed-width columns
         only (a whole-row index over strings would copy every string of a distinct's rows), and not when
-        ``DBSP_KEY_INDEX=0``. Costs memory beside the batches (per key, 8 bytes per key column and sum, and a slot
-        word of 8 in a table at most 3/4 full); a trace whose index would pass ``DBSP_KEY_INDEX_MB`` (by default an
+        ``DBSP_KEY_INDEX=0``. Costs memory beside the batches (per key, 8 bytes per key column and sum, a slot
+        word of 8 in a table at most 3/4 full, and per string value a record of 8 bytes and its bytes rounded up
+        to 8); a trace whose index would pass ``DBSP_KEY_INDEX_MB`` (by default an
         eighth of the memory, at least 512 MiB: dbsp_core/trace/sizing.py), or take the indexes of the process past
         ``DBSP_KEY_INDEX_TOTAL_MB`` together, drops it with an IndexDroppedWarning and walks its batches as without
         one."""
