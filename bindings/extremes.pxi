@@ -37,6 +37,36 @@ def extremes_probe(table, keys, slots, KeyIndex ix):
     return group_row[:ng], gkh[:ng], old[:ng], nw[:ng], need[:ng].view(bool)
 
 
+def extremes_probe_inserts(table, keys, slots, KeyIndex ix):
+    """extremes_probe for a change of insertions only (every weight >= 0; ValueError otherwise) in any row order,
+    not indexed (csrc/extremes.h): its groups by hash grouping, in key-hash order, with the same
+    (group_row, gkh, old, nw, need) as extremes_probe over the indexed change (need all False: no deleted value
+    reaches an extreme). Reads only."""
+    cdef BatchView v = view_of(table)
+    cdef Int32s k = Int32s(keys)
+    cdef int32_t ns = len(slots), ne = sum(1 for kind, _ in slots if kind in ("min", "max"))
+    cdef int32_t V = ns + ne
+    if k.n != ix.nkeys or V != ix.nvals:
+        raise ValueError(f"extremes_probe_inserts: {k.n} keys and {V} values for an index of {ix.nkeys} and "
+                         f"{ix.nvals}")
+    cdef CAggSpec *specs = agg_specs(slots)
+    cdef int64_t *pg = NULL
+    cdef uint64_t *pk = NULL
+    cdef int64_t *po = NULL
+    cdef int64_t *pn = NULL
+    cdef int64_t ng = 0
+    cdef int st
+    with nogil:
+        st = dbsp_extremes_probe_inserts(ix.ix, &v.c, k.p, k.n, specs, ns, &pg, &pk, &po, &pn, &ng)
+    free(specs)
+    check_status(st, "extremes_probe_inserts")
+    group_row = own_array(pg, ng, np.int64)
+    gkh = own_array(pk, ng, np.uint64)
+    old = own_array(po, ng * V, np.int64).reshape(ng, V)
+    nw = own_array(pn, ng * V, np.int64).reshape(ng, V)
+    return group_row, gkh, old, nw, np.zeros(ng, dtype=bool)
+
+
 def extremes_scan(table, keys, rows, khash, batches, vkeys, int32_t vcol):
     """Extremes recomputed from a value trace (csrc/extremes.h): for each row ``rows[i]`` of ``table`` (a Table or
     BatchView; key columns ``keys``, key hash ``khash[i]``), over the rows of ``batches`` (BatchViews with key

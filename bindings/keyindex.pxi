@@ -1,7 +1,7 @@
 # keyindex.pxi: KeyIndex (keyindex.h): a hash index from keys to int64 sums, and the process-wide budget.
 
 cdef class KeyIndex:
-    """A hash index from a key of fixed-width columns to int64 sums (csrc/keyindex.h): ``get`` adds each probed
+    """A hash index from a key of fixed-width and string/binary columns to int64 sums (csrc/keyindex.h): ``get`` adds each probed
     key's sums to an accumulator with one probe per key, ``add`` folds a batch's rows into the sums (weight times
     int64 columns, or the weight alone for a column position of -1). ``token`` is free for the owner's use (a
     Trace records which state of its batches the sums match)."""
@@ -28,15 +28,16 @@ cdef class KeyIndex:
 
     @property
     def nbytes(self):
-        """Bytes of the slot tables (the new and the old one while growing) and of the entries."""
+        """Bytes of the slot tables (the new and the old one while growing), of the entries and of the arena of
+        string keys (csrc/keyindex.h invariant 8)."""
         return dbsp_keyindex_bytes(self.ix)
 
     @property
     def regions(self):
-        """[(address, bytes)] of the mapped regions (the large slot tables and entries; csrc/keyindex.h
-        invariant 7): where /proc/self/smaps shows what of them the process holds."""
-        cdef void *at[3]
-        cdef size_t ln[3]
+        """[(address, bytes)] of the mapped regions (the large slot tables, entries and arena of string keys;
+        csrc/keyindex.h invariants 7 and 8): where /proc/self/smaps shows what of them the process holds."""
+        cdef void *at[4]
+        cdef size_t ln[4]
         cdef int n = dbsp_keyindex_regions(self.ix, at, ln)
         return [(<uintptr_t>at[i], ln[i]) for i in range(n)]
 
@@ -157,9 +158,17 @@ def keyindex_total_bytes():
     return dbsp_keyindex_total_bytes()
 
 
+def keyindex_test_hash_bits(int bits):
+    """Tests only (csrc/keyindex.h invariant 8): from now on every KeyIndex keeps only the low ``bits`` bits of
+    each key hash in its slot tags (0: all 28), so distinct keys share tags and only their words and bytes tell
+    them apart. Set it before making the indexes it is for, and back to 0 after: an index must not be used under
+    a setting other than the one it was made under."""
+    dbsp_keyindex_test_hash_bits(bits)
+
+
 def keyindex_supports(types):
-    """Whether a KeyIndex can key on columns of these Arrow types (the C constructor's rule: fixed width, at most
-    DBSP_KEYINDEX_MAX_KEYS columns)."""
+    """Whether a KeyIndex can key on columns of these Arrow types (the C constructor's rule: fixed width, strings
+    and binaries, at most DBSP_KEYINDEX_MAX_KEYS columns)."""
     try:
         KeyIndex(types, 1)
     except (SchemaError, ValueError):

@@ -142,6 +142,7 @@ cdef extern from "keyindex.h" nogil:
     int dbsp_keyindex_growing(const CKeyIndex *ix)
     int64_t dbsp_keyindex_spills(const CKeyIndex *ix)
     void dbsp_keyindex_set_budget(int64_t bytes)
+    void dbsp_keyindex_test_hash_bits(int32_t bits)
     int64_t dbsp_keyindex_budget()
     int64_t dbsp_keyindex_total_bytes()
     int dbsp_keyindex_get(const CKeyIndex *ix, const CBatch *b, const int32_t *keys, const int64_t *sel,
@@ -235,6 +236,9 @@ cdef extern from "extremes.h" nogil:
     int dbsp_extremes_probe(const CKeyIndex *ix, const CBatch *b, const uint64_t *kh, const int32_t *keys,
                             int32_t nkeys, const CAggSpec *slots, int32_t ns, int64_t *group_row, uint64_t *gkh,
                             int64_t *old, int64_t *nw, uint8_t *need, int64_t *ng)
+    int dbsp_extremes_probe_inserts(const CKeyIndex *ix, const CBatch *b, const int32_t *keys, int32_t nkeys,
+                                    const CAggSpec *slots, int32_t ns, int64_t **group_row, uint64_t **gkh,
+                                    int64_t **old, int64_t **nw, int64_t *ng)
     int dbsp_extremes_scan(const CBatch *b, const int32_t *keys, int32_t nkeys, const int64_t *rows,
                            const uint64_t *kh, int64_t n, const CBatch *const *vb, const uint64_t *const *vkh,
                            int32_t nb, const int32_t *vkeys, int32_t vcol, uint8_t *has, int64_t *mn, int64_t *mx)

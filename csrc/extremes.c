@@ -3,6 +3,7 @@
 #include <string.h>
 #include "extremes.h"
 #include "lookup.h"
+#include "reduce.h"
 #include "status.h"
 
 static inline int64_t ival(const DbspColumn *c, int64_t r) {
@@ -87,6 +88,65 @@ int dbsp_extremes_probe(const DbspKeyIndex *ix, const DbspBatch *b, const uint64
     }
     *ng = g;
     return DBSP_OK;
+}
+
+int dbsp_extremes_probe_inserts(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int32_t nkeys,
+                                const DbspAggSpec *slots, int32_t ns, int64_t **group_row, uint64_t **gkh,
+                                int64_t **old, int64_t **nw, int64_t *ng) {
+    *group_row = NULL, *gkh = NULL, *old = NULL, *nw = NULL, *ng = 0;
+    int32_t ne = 0;
+    for (int32_t j = 0; j < ns; j++) {
+        int32_t k = slots[j].kind;
+        if (k < DBSP_AGG_COUNT || k > DBSP_AGG_MAX) return DBSP_EINVAL;
+        if (k == DBSP_AGG_COUNT) continue;
+        if (slots[j].col < 0 || slots[j].col >= b->ncols) return DBSP_EINVAL;
+        if (!holdable(b->cols[slots[j].col].type)) return DBSP_ETYPE;
+        ne += k == DBSP_AGG_MIN || k == DBSP_AGG_MAX;
+    }
+    if (b->weights)
+        for (int64_t i = 0; i < b->nrows; i++)
+            if (b->weights[i] < 0) return DBSP_EINVAL; /* a deletion: dbsp_extremes_probe's recompute rule */
+    const int32_t V = ns + ne;
+    DbspReduceOut r;
+    memset(&r, 0, sizeof r);
+    int st = dbsp_group_reduce_all(b, keys, nkeys, slots, ns, &r);
+    if (st != DBSP_OK) {
+        dbsp_reduce_free(&r);
+        return st;
+    }
+    int64_t g = r.ngroups;
+    int64_t *o = calloc((size_t)(g ? g : 1) * (size_t)V, 8), *x = malloc((size_t)(g ? g : 1) * (size_t)V * 8);
+    if (!o || !x) st = DBSP_ENOMEM;
+    if (st == DBSP_OK && g) st = dbsp_keyindex_get(ix, b, keys, r.group_row, (const uint64_t *)r.khash, g, o);
+    for (int64_t q = 0; st == DBSP_OK && q < g; q++) {
+        const int64_t *ov = o + q * V, *iv = r.ivals + q * ns;
+        const uint8_t *va = r.valid + q * ns;
+        int64_t *nv = x + q * V;
+        for (int32_t j = 0, e = 0; j < ns; j++) {
+            int32_t k = slots[j].kind;
+            if (k == DBSP_AGG_MIN || k == DBSP_AGG_MAX) { /* the extreme of the old one and the inserted values */
+                int64_t valid = ov[ns + e];
+                nv[j] = ov[j], nv[ns + e] = valid;
+                if (va[j]) {
+                    int64_t v = ival(&b->cols[slots[j].col], iv[j]); /* iv[j]: the row holding it (reduce.h) */
+                    if (!valid || (k == DBSP_AGG_MIN ? v < ov[j] : v > ov[j])) nv[j] = v, nv[ns + e] = 1;
+                }
+                e++;
+            } else if (__builtin_add_overflow(ov[j], va[j] || k != DBSP_AGG_SUM ? iv[j] : 0, &nv[j])) {
+                st = DBSP_EOVERFLOW;
+                break;
+            }
+        }
+    }
+    if (st == DBSP_OK) {
+        *group_row = r.group_row, *gkh = (uint64_t *)r.khash, *old = o, *nw = x, *ng = g;
+        r.group_row = NULL, r.khash = NULL;
+    } else {
+        free(o);
+        free(x);
+    }
+    dbsp_reduce_free(&r);
+    return st;
 }
 
 int dbsp_extremes_store(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int64_t ng, int32_t nv,

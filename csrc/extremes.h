@@ -14,7 +14,9 @@
  *     are deleted: then need[g] is set and the caller recomputes it (value and "not null") from the group's
  *     values (dbsp_extremes_scan, over the batches of the column's value multiset: a seek per batch and group,
  *     never a pass over the trace). So an extreme turns null only through a recompute, or with its group's count at 0.
- *  3. Groups are runs of the indexed change (canonical order for its key: equal keys are adjacent).
+ *  3. Groups are runs of the indexed change (canonical order for its key: equal keys are adjacent), or, for a
+ *     change of insertions only (dbsp_extremes_probe_inserts), the groups of a hash grouping of its rows in any
+ *     order (reduce.h), in the same key-hash order.
  */
 #ifndef DBSP_EXTREMES_H
 #define DBSP_EXTREMES_H
@@ -31,6 +33,17 @@
 int dbsp_extremes_probe(const DbspKeyIndex *ix, const DbspBatch *b, const uint64_t *kh, const int32_t *keys,
                         int32_t nkeys, const DbspAggSpec *slots, int32_t ns, int64_t *group_row, uint64_t *gkh,
                         int64_t *old, int64_t *nw, uint8_t *need, int64_t *ng);
+
+/* Phase 1 for a change of insertions only (every weight >= 0; DBSP_EINVAL otherwise), in any row order: its
+ * groups by hash grouping (reduce.h's dbsp_group_reduce_all, groups in key-hash order: no sort of the change's
+ * rows), their old totals read from the index and their new ones (linear slots add; an extreme becomes the
+ * extreme of the old one and the inserted values: no deleted value can reach it, design note 2, so no group
+ * needs a recompute). Allocates *group_row, *gkh, *old and *nw (*ng groups, V values each; free() them); nothing
+ * is allocated on an error. The same groups, totals and order as dbsp_extremes_probe over the indexed change.
+ * Errors: DBSP_EOVERFLOW, DBSP_ETYPE, DBSP_EINVAL, DBSP_ENOMEM. */
+int dbsp_extremes_probe_inserts(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int32_t nkeys,
+                                const DbspAggSpec *slots, int32_t ns, int64_t **group_row, uint64_t **gkh,
+                                int64_t **old, int64_t **nw, int64_t *ng);
 
 /* Phase 2, once the caller filled in the recomputed extremes: for each group whose new values differ from its
  * old ones, in group order, a row of its old totals (weight -1, when its old count, value 0, is not 0) and one

@@ -23,10 +23,17 @@
 #define HUGE_ALIGN ((size_t)2 << 20) /* tables this large are mapped pages, aligned for 2 MiB (huge) pages */
 #define PAGE ((size_t)4096)
 #define MOVE_PER_ROW 8 /* old slots moved per probing row while growing (invariant 5) */
+#define MK DBSP_KEYINDEX_MAX_KEYS
+/* A probe's key (invariant 1): words [0, MK) the canonical word of each key column (0 for a null or a
+ * variable-width value); for a variable-width column k, word MK + k the address of its bytes and 2 * MK + k their
+ * length (both 0 for a null). Entries keep, for such a column, 1 + the offset of a record in the arena instead. */
+#define PROBE_WORDS (3 * MK)
 
 /* Invariant 6: bytes of every index's slot tables and entries in the process, and the budget on them (0: none). */
 static _Atomic int64_t g_total = 0;
 static _Atomic int64_t g_limit = 0;
+/* Invariant 8: the key hash bits a tag keeps (tests narrow it so that distinct keys share tags). */
+static uint64_t g_hash_mask = ((1ULL << 28) - 1);
 
 /* A slot table: cap (a power of two) slot words. */
 typedef struct {
@@ -64,6 +71,9 @@ struct DbspKeyIndex {
     int64_t spills;     /* spilled keys, ever (tests) */
     int huge_later;     /* cur was mapped without huge-page advice: give it once growing ends */
     char *dir;          /* invariant 7: large regions are files in this directory (NULL: anonymous pages) */
+    uint32_t var;       /* invariant 8: bit k set when key column k is variable width (bytes) */
+    Entries arena;      /* invariant 8: records of those columns' values (ew 1: room and used count words) */
+    int64_t arena_live; /* words of the records live entries point to; the rest of arena.used is garbage */
 };
 
 /* Invariant 7: an unlinked file of `bytes` zero bytes in dir, open read-write; -1 on failure. */
@@ -277,28 +287,105 @@ static int entry_take(DbspKeyIndex *ix, int64_t *out) {
         if (room < 16) room = 16;
         if (room > most) room = most;
         if (room <= e->used) room = e->used + 1;
-        int st = entries_grow(e, room, ix->ew, ix->max_bytes, ix->cur.cap * 8, ix->dir); /* old not counted */
+        int st = entries_grow(e, room, ix->ew, ix->max_bytes, ix->cur.cap * 8 + (int64_t)ix->arena.bytes,
+                              ix->dir); /* old not counted */
         if (st != DBSP_OK) return st;
     }
     *out = e->used++;
     return DBSP_OK;
 }
 
+/* Words of an arena record of len bytes: a length word, then the bytes, zero-padded to a whole word. */
+static inline int64_t rec_words(int64_t len) { return 1 + (len + 7) / 8; }
+
+/* The bytes and length of the record an entry word of a variable-width column points to (invariant 8). */
+static inline const uint8_t *rec_bytes(const DbspKeyIndex *ix, uint64_t word, int64_t *len) {
+    const uint64_t *r = ix->arena.w + (word - 1);
+    *len = (int64_t)r[0];
+    return (const uint8_t *)(r + 1);
+}
+
 static void entry_give(DbspKeyIndex *ix, int64_t n) {
+    uint64_t *ent = entry_at(ix, n);
+    for (int32_t k = 0; ix->var >> k; k++) /* its records become garbage (invariant 8) */
+        if ((ix->var >> k & 1) && ent[k]) ix->arena_live -= rec_words((int64_t)ix->arena.w[ent[k] - 1]);
     entry_at(ix, n)[0] = (uint64_t)ix->ents.free;
     ix->ents.free = n;
 }
 
+/* Invariant 8: copy every live entry's records into a fresh arena of their size (and `extra` words more, and a
+ * quarter of room), in slot order, and point the entries at them; the old arena goes. O(slots + live bytes), paid
+ * when at least half the arena is garbage, so a removed key's bytes are reclaimed at O(1) amortized. On failure
+ * (memory, max_bytes, the budget) nothing changes. */
+static int arena_compact(DbspKeyIndex *ix, int64_t extra) {
+    Entries fresh = {NULL, 0, 0, -1, 0, 0, -1};
+    int64_t room = ix->arena_live + extra;
+    room += room / 4;
+    if (room < 64) room = 64;
+    int st = entries_grow(&fresh, room, 1, ix->max_bytes,
+                          (ix->cur.cap + ix->old.cap) * 8 + (int64_t)ix->ents.bytes, ix->dir);
+    if (st != DBSP_OK) return st;
+    const Table *ts[2] = {&ix->cur, &ix->old};
+    for (int i = 0; i < 2; i++) {
+        if (!ts[i]->slots) continue;
+        for (int64_t x = 0; x < ts[i]->cap; x++) {
+            uint64_t sw = ts[i]->slots[x];
+            if (sw == 0) continue;
+            uint64_t *ent = entry_of(ix, sw);
+            for (int32_t k = 0; ix->var >> k; k++) {
+                if (!(ix->var >> k & 1) || !ent[k]) continue;
+                const uint64_t *r = ix->arena.w + (ent[k] - 1);
+                int64_t nw = rec_words((int64_t)r[0]);
+                memcpy(fresh.w + fresh.used, r, (size_t)nw * 8);
+                ent[k] = (uint64_t)fresh.used + 1;
+                fresh.used += nw;
+            }
+        }
+    }
+    entries_free(&ix->arena);
+    ix->arena = fresh;
+    ix->arena_live = fresh.used;
+    return DBSP_OK;
+}
+
+/* Invariant 8: room in the arena for the records of probe w's non-null variable-width values (by tg's null mask): compacting when at
+ * least half the arena is garbage, else growing it by a quarter while malloc'ed, by a sixteenth once mapped. */
+static int arena_reserve(DbspKeyIndex *ix, uint64_t tg, const uint64_t *w) {
+    Entries *a = &ix->arena;
+    int64_t need = 0;
+    for (int32_t k = 0; ix->var >> k; k++)
+        if ((ix->var >> k & 1) && !(tg >> (NULL_SHIFT + k) & 1)) need += rec_words((int64_t)w[2 * MK + k]);
+    if (a->used + need <= a->room) return DBSP_OK;
+    int64_t garbage = a->used - ix->arena_live;
+    if (garbage * 2 >= a->used && garbage >= need) return arena_compact(ix, need);
+    int64_t room = a->room + a->room / (a->mapped ? 16 : 4);
+    if (room < a->used + need) room = a->used + need;
+    if (room < 64) room = 64;
+    return entries_grow(a, room, 1, ix->max_bytes, (ix->cur.cap + ix->old.cap) * 8 + (int64_t)ix->ents.bytes,
+                        ix->dir);
+}
+
 static int fixed_width(int32_t t) { return t > 0 && t < DBSP_TYPE_END && dbsp_type_width(t) != 0; }
+static int var_width(int32_t t) { return t > 0 && t < DBSP_TYPE_END && dbsp_type_class(t) == DBSP_CLASS_BYTES; }
+
+void dbsp_keyindex_test_hash_bits(int32_t bits) {
+    g_hash_mask = bits <= 0 || bits >= 28 ? ((1ULL << 28) - 1) : ((1ULL << bits) - 1);
+}
 
 int dbsp_keyindex_new(const int32_t *types, int32_t nkeys, int32_t nvals, int64_t max_bytes, DbspKeyIndex **out) {
     *out = NULL;
     if (nkeys < 1 || nkeys > DBSP_KEYINDEX_MAX_KEYS || nvals < 1 || nvals > DBSP_KEYINDEX_MAX_VALS)
         return DBSP_EINVAL;
-    for (int32_t k = 0; k < nkeys; k++)
-        if (!fixed_width(types[k])) return DBSP_ETYPE;
+    uint32_t var = 0;
+    for (int32_t k = 0; k < nkeys; k++) {
+        if (var_width(types[k])) var |= 1u << k;
+        else if (!fixed_width(types[k])) return DBSP_ETYPE;
+    }
     DbspKeyIndex *ix = calloc(1, sizeof *ix);
     if (!ix) return DBSP_ENOMEM;
+    ix->var = var;
+    ix->arena.free = -1;
+    ix->arena.fd = -1;
     ix->nkeys = nkeys;
     ix->nvals = nvals;
     ix->ew = nkeys + nvals;
@@ -320,6 +407,7 @@ void dbsp_keyindex_free(DbspKeyIndex *ix) {
     table_free(&ix->cur);
     table_free(&ix->old);
     entries_free(&ix->ents);
+    entries_free(&ix->arena);
     free(ix->dir);
     free(ix);
 }
@@ -346,10 +434,12 @@ int dbsp_keyindex_set_dir(DbspKeyIndex *ix, const char *dir) {
     if (st == DBSP_OK) st = table_to_file(&ix->old, dir);
     if (st == DBSP_OK && ix->ents.mapped && ix->ents.fd < 0)
         st = entries_grow(&ix->ents, ix->ents.room, ix->ew, 0, 0, dir); /* same room: copied into a file */
+    if (st == DBSP_OK && ix->arena.mapped && ix->arena.fd < 0)
+        st = entries_grow(&ix->arena, ix->arena.room, 1, 0, 0, dir);
     return st;
 }
 
-/* The mapped regions of an index (at most 3: two slot tables and the entries), or only those that are files
+/* The mapped regions of an index (at most 4: two slot tables, the entries and the arena), or only those that are files
  * (invariant 7): their starts into at, their bytes into len; returns how many. */
 static int regions(const DbspKeyIndex *ix, int files_only, void **at, size_t *len) {
     int n = 0;
@@ -357,12 +447,13 @@ static int regions(const DbspKeyIndex *ix, int files_only, void **at, size_t *le
     for (int i = 0; i < 2; i++)
         if (ts[i]->base && (ts[i]->file || !files_only)) at[n] = ts[i]->slots, len[n++] = (size_t)ts[i]->cap * 8;
     if (ix->ents.mapped && (ix->ents.fd >= 0 || !files_only)) at[n] = ix->ents.w, len[n++] = ix->ents.bytes;
+    if (ix->arena.mapped && (ix->arena.fd >= 0 || !files_only)) at[n] = ix->arena.w, len[n++] = ix->arena.bytes;
     return n;
 }
 
 int64_t dbsp_keyindex_drop_pages(DbspKeyIndex *ix) {
-    void *at[3];
-    size_t len[3];
+    void *at[4];
+    size_t len[4];
     int64_t dropped = 0;
     int n = regions(ix, 1, at, len);
     for (int i = 0; i < n; i++)
@@ -374,7 +465,7 @@ int dbsp_keyindex_regions(const DbspKeyIndex *ix, void **at, size_t *len) { retu
 
 int64_t dbsp_keyindex_len(const DbspKeyIndex *ix) { return ix->count; }
 int64_t dbsp_keyindex_bytes(const DbspKeyIndex *ix) {
-    return (ix->cur.cap + ix->old.cap) * 8 + (int64_t)ix->ents.bytes;
+    return (ix->cur.cap + ix->old.cap) * 8 + (int64_t)ix->ents.bytes + (int64_t)ix->arena.bytes;
 }
 int dbsp_keyindex_broken(const DbspKeyIndex *ix) { return ix->broken; }
 int dbsp_keyindex_growing(const DbspKeyIndex *ix) { return ix->old.slots != NULL; }
@@ -404,6 +495,12 @@ static inline uint64_t key_words(const DbspKeyIndex *ix, const DbspBatch *b, con
         if (!dbsp_col_valid(c, r)) {
             w[k] = 0;
             nulls |= 1ULL << (NULL_SHIFT + k);
+            if (ix->var >> k & 1) w[MK + k] = w[2 * MK + k] = 0;
+        } else if (ix->var >> k & 1) { /* invariant 8: the bytes, compared as bytes */
+            int64_t len;
+            w[k] = 0;
+            w[MK + k] = (uint64_t)(uintptr_t)dbsp_col_bytes(c, r, &len);
+            w[2 * MK + k] = (uint64_t)len;
         } else if (dbsp_type_class(c->type) == DBSP_CLASS_FLOAT) {
             w[k] = dbsp_canon_f64_bits(dbsp_col_f64(c, r));
         } else {
@@ -420,9 +517,60 @@ static inline int same_words(const uint64_t *a, const uint64_t *b, int32_t n) {
     return 1;
 }
 
-/* A key's tag (invariant 3): the low 28 bits of its key hash, which place it (no table has more than 2^28 slots),
- * and its null mask (key_words). A full slot word is its tag and 1 + its entry's number above. */
-static inline uint64_t tag(uint64_t h, uint64_t nulls) { return (h & HASH_MASK) | nulls; }
+/* Whether an entry's key is the probe's w (a tag that matched: their null masks are equal). Fixed-width columns by
+ * their words; a variable-width one by its record's length and bytes (invariant 8), never by the hash. */
+static inline int same_key(const DbspKeyIndex *ix, const uint64_t *ent, const uint64_t *w) {
+    if (!ix->var) return same_words(ent, w, ix->nkeys);
+    for (int32_t k = 0; k < ix->nkeys; k++) {
+        if (!(ix->var >> k & 1)) {
+            if (ent[k] != w[k]) return 0;
+        } else if (ent[k]) { /* 0: null, as the probe's (the tags' null masks are equal) */
+            int64_t len;
+            const uint8_t *p = rec_bytes(ix, ent[k], &len);
+            if (len != (int64_t)w[2 * MK + k]
+                || (len && memcmp(p, (const void *)(uintptr_t)w[MK + k], (size_t)len) != 0))
+                return 0;
+        }
+    }
+    return 1;
+}
+
+/* Whether two probes (whose tags are equal) hold the same key. */
+static inline int same_probe(const DbspKeyIndex *ix, const uint64_t *a, const uint64_t *b) {
+    if (!same_words(a, b, ix->nkeys)) return 0;
+    for (int32_t k = 0; ix->var >> k; k++)
+        if ((ix->var >> k & 1)
+            && (a[2 * MK + k] != b[2 * MK + k]
+                || (a[2 * MK + k] && a[MK + k] != b[MK + k]
+                    && memcmp((const void *)(uintptr_t)a[MK + k], (const void *)(uintptr_t)b[MK + k],
+                              (size_t)a[2 * MK + k]) != 0)))
+            return 0;
+    return 1;
+}
+
+/* Keep probe w in lw (add_before's previous key). */
+static inline void keep_probe(const DbspKeyIndex *ix, uint64_t *lw, const uint64_t *w) {
+    memcpy(lw, w, (size_t)(ix->var ? PROBE_WORDS : ix->nkeys) * 8);
+}
+
+/* The probe of an entry's own key (for check): the record's bytes in place of its arena word (invariant 8). */
+static void probe_of_entry(const DbspKeyIndex *ix, const uint64_t *ent, uint64_t *w) {
+    memcpy(w, ent, (size_t)ix->nkeys * 8);
+    for (int32_t k = 0; ix->var >> k; k++) {
+        if (!(ix->var >> k & 1)) continue;
+        w[k] = w[MK + k] = w[2 * MK + k] = 0;
+        if (ent[k]) {
+            int64_t len;
+            w[MK + k] = (uint64_t)(uintptr_t)rec_bytes(ix, ent[k], &len);
+            w[2 * MK + k] = (uint64_t)len;
+        }
+    }
+}
+
+/* A key's tag (invariant 3): the low 28 bits of its key hash, which place it (no table has more than 2^28 slots;
+ * fewer under the test hook of invariant 8), and its null mask (key_words). A full slot word is its tag and 1 + its
+ * entry's number above. */
+static inline uint64_t tag(uint64_t h, uint64_t nulls) { return (h & g_hash_mask) | nulls; }
 
 /* The slot of table t holding the key (tag tg, words w), or the empty slot where it would go. */
 static inline uint64_t *find(const DbspKeyIndex *ix, const Table *t, uint64_t tg, const uint64_t *w) {
@@ -430,7 +578,7 @@ static inline uint64_t *find(const DbspKeyIndex *ix, const Table *t, uint64_t tg
     for (uint64_t i = tg & mask;; i = (i + 1) & mask) {
         uint64_t *s = t->slots + i;
         if (*s == 0) return s;
-        if ((*s & TAG_MASK) == tg && same_words(entry_of(ix, *s), w, ix->nkeys)) return s;
+        if ((*s & TAG_MASK) == tg && same_key(ix, entry_of(ix, *s), w)) return s;
     }
 }
 
@@ -512,7 +660,7 @@ static int grow(DbspKeyIndex *ix, int64_t rows) {
     int64_t cap = ix->cur.cap * 2;
     int bulk = rows * 4 >= cap;
     if (cap > MAX_SLOTS                                                        /* invariant 3: 28 hash bits */
-        || (ix->max_bytes && cap * 8 + (int64_t)ix->ents.bytes > ix->max_bytes) /* the old table is freed */
+        || (ix->max_bytes && cap * 8 + (int64_t)(ix->ents.bytes + ix->arena.bytes) > ix->max_bytes) /* old freed */
         || !budget_take(cap * 8, 1)) {                                         /* invariant 6 */
         ix->broken = 1;
         return DBSP_ETOOBIG;
@@ -558,6 +706,7 @@ static int rehash(DbspKeyIndex *ix, int64_t cap) {
     entries_free(&ix->ents);
     ix->cur = fresh;
     ix->ents = ents;
+    if (ix->var && ix->arena.used > ix->arena_live) (void)arena_compact(ix, 0); /* invariant 8; harmless if not */
     return DBSP_OK;
 }
 
@@ -605,7 +754,7 @@ static int get_into(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *k
                     const uint64_t *kh, int64_t n, int64_t *acc, int64_t **slots) {
     int st = check_keys(ix, b, keys);
     if (st != DBSP_OK) return st;
-    uint64_t w[DBSP_KEYINDEX_MAX_KEYS];
+    uint64_t w[PROBE_WORDS];
     for (int64_t i = 0; i < n; i++) {
         if ((i & (PF_GROUP - 1)) == 0) { /* a group of rows: their slots, then their home slots' entries */
             int64_t end = i + PF_GROUP < n ? i + PF_GROUP : n;
@@ -657,6 +806,7 @@ static int insert_new(DbspKeyIndex *ix, uint64_t tg, const uint64_t *w, const in
     }
     int64_t e;
     int st = entry_take(ix, &e);
+    if (st == DBSP_OK && ix->var) st = arena_reserve(ix, tg, w); /* room for its records first: may compact */
     if (st != DBSP_OK) {
         ix->broken = 1;
         return st;
@@ -665,6 +815,17 @@ static int insert_new(DbspKeyIndex *ix, uint64_t tg, const uint64_t *w, const in
     *s = tg | (uint64_t)(e + 1) << ENTRY_SHIFT;
     uint64_t *ent = entry_at(ix, e);
     memcpy(ent, w, (size_t)ix->nkeys * 8);
+    for (int32_t k = 0; ix->var >> k; k++) /* invariant 8: the bytes into records, their places into the entry */
+        if ((ix->var >> k & 1) && !(tg >> (NULL_SHIFT + k) & 1)) {
+            int64_t len = (int64_t)w[2 * MK + k], at = ix->arena.used, nw = rec_words(len);
+            uint64_t *r = ix->arena.w + at;
+            r[0] = (uint64_t)len;
+            r[nw - 1] = 0; /* the padding of the last word */
+            if (len) memcpy(r + 1, (const void *)(uintptr_t)w[MK + k], (size_t)len);
+            ix->arena.used += nw;
+            ix->arena_live += nw;
+            ent[k] = (uint64_t)at + 1;
+        }
     int64_t *v = (int64_t *)(ent + ix->nkeys);
     for (int32_t j = 0; j < ix->nvals; j++) v[j] = d[j * dstride];
     ix->count++;
@@ -683,7 +844,7 @@ int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t
         if (c >= b->ncols) return DBSP_EINVAL;
         if (cols[j] >= 0 && !summable(b->cols[c].type)) return DBSP_ETYPE;
     }
-    uint64_t w[DBSP_KEYINDEX_MAX_KEYS], lw[DBSP_KEYINDEX_MAX_KEYS], ltg = 0;
+    uint64_t w[PROBE_WORDS], lw[PROBE_WORDS], ltg = 0;
     int64_t d[DBSP_KEYINDEX_MAX_VALS];
     int64_t n = b->nrows;
     uint64_t *last = NULL; /* the slot of the previous row's key: rows of one key are adjacent in index order */
@@ -714,7 +875,7 @@ int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t
         uint64_t tg = tag(kh[i], key_words(ix, b, keys, i, w));
         uint64_t *s;
         Table *tab;
-        if (last && ltg == tg && same_words(lw, w, ix->nkeys)) {
+        if (last && ltg == tg && same_probe(ix, lw, w)) {
             s = last, tab = ltab;
         } else {
             if (ix->old.slots) move_some(ix, MOVE_PER_ROW); /* growing: every fresh probe moves a few slots first */
@@ -728,13 +889,13 @@ int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t
             else memset(o, 0, (size_t)ix->nvals * 8);
         }
         if (!nonzero) {
-            if (s) last = s, ltab = tab, ltg = tg, memcpy(lw, w, (size_t)ix->nkeys * 8);
+            if (s) last = s, ltab = tab, ltg = tg, keep_probe(ix, lw, w);
             continue;
         }
         if (!s) {
             st = insert_new(ix, tg, w, d, 1, n, &s, &tab);
             if (st != DBSP_OK) return st;
-            last = s, ltab = tab, ltg = tg, memcpy(lw, w, (size_t)ix->nkeys * 8);
+            last = s, ltab = tab, ltg = tg, keep_probe(ix, lw, w);
             continue;
         }
         int64_t *v = (int64_t *)(entry_of(ix, *s) + ix->nkeys);
@@ -746,7 +907,7 @@ int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t
         if (zero) {
             remove_slot(ix, tab, s); /* invariant 2; slots may have shifted: none is remembered */
         } else {
-            last = s, ltab = tab, ltg = tg, memcpy(lw, w, (size_t)ix->nkeys * 8);
+            last = s, ltab = tab, ltg = tg, keep_probe(ix, lw, w);
         }
     }
     if (!ix->old.slots && ix->cur.cap > 64 && ix->count * 16 < ix->cur.cap) {
@@ -767,7 +928,7 @@ int dbsp_keyindex_put(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
     int st = check_keys(ix, b, keys);
     if (st != DBSP_OK) return st;
     if (r < 0 || r >= b->nrows) return DBSP_EINVAL;
-    uint64_t w[DBSP_KEYINDEX_MAX_KEYS];
+    uint64_t w[PROBE_WORDS];
     uint64_t tg = tag(h, key_words(ix, b, keys, r, w));
     int zero = 1;
     if (vals)
@@ -791,7 +952,9 @@ int dbsp_keyindex_put(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
 
 /* DBSP_OK when every slot of table t (old: its part not moved yet) is findable from its home and points to a live
  * entry no other slot points to (marked in `seen`, a byte per entry), else DBSP_EINVAL; counts the slots into *n. */
-static int check_table(const DbspKeyIndex *ix, const Table *t, int old, unsigned char *seen, int64_t *n) {
+static int check_table(const DbspKeyIndex *ix, const Table *t, int old, unsigned char *seen, int64_t *n,
+                       int64_t *live) {
+    uint64_t pw[PROBE_WORDS];
     for (int64_t i = 0; i < t->cap; i++) {
         uint64_t sw = t->slots[i];
         if (sw == 0) continue;
@@ -802,10 +965,23 @@ static int check_table(const DbspKeyIndex *ix, const Table *t, int old, unsigned
         seen[e] = 1;
         if ((sw >> NULL_SHIFT & 0xff) >> ix->nkeys) return DBSP_EINVAL; /* null bits past the key columns */
         const uint64_t *ent = entry_at(ix, e);
-        if (find(ix, t, sw & TAG_MASK, ent) != t->slots + i) return DBSP_EINVAL;
+        for (int32_t k = 0; ix->var >> k; k++) { /* invariant 8: a record for each non-null value, in the arena */
+            if (!(ix->var >> k & 1)) continue;
+            if (sw >> (NULL_SHIFT + k) & 1) {
+                if (ent[k] != 0) return DBSP_EINVAL;
+                continue;
+            }
+            if (ent[k] == 0 || (int64_t)ent[k] > ix->arena.used
+                || (int64_t)ent[k] - 1 + rec_words((int64_t)ix->arena.w[ent[k] - 1]) > ix->arena.used)
+                return DBSP_EINVAL;
+            *live += rec_words((int64_t)ix->arena.w[ent[k] - 1]);
+        }
+        probe_of_entry(ix, ent, pw);
+        const uint64_t *key = ix->var ? pw : ent;
+        if (find(ix, t, sw & TAG_MASK, key) != t->slots + i) return DBSP_EINVAL;
         if (old && old_moved(ix, sw & ((uint64_t)t->cap - 1))) return DBSP_EINVAL; /* home moved, entry not */
         if (!old && ix->old.slots && !old_moved(ix, sw & ((uint64_t)ix->old.cap - 1))
-            && (!ix->spilled || find(ix, &ix->old, sw & TAG_MASK, ent)[0] != 0))
+            && (!ix->spilled || find(ix, &ix->old, sw & TAG_MASK, key)[0] != 0))
             return DBSP_EINVAL; /* in cur though its old home is not moved, with no spill; or in both tables */
         const int64_t *v = (const int64_t *)(ent + ix->nkeys);
         int zero = 1;
@@ -816,8 +992,9 @@ static int check_table(const DbspKeyIndex *ix, const Table *t, int old, unsigned
 }
 
 int dbsp_keyindex_check(const DbspKeyIndex *ix) {
-    int64_t n = 0, nfree = 0;
-    if (ix->count * 4 > ix->cur.cap * 3 || ix->ents.used > ix->ents.room) return DBSP_EINVAL;
+    int64_t n = 0, nfree = 0, live = 0;
+    if (ix->count * 4 > ix->cur.cap * 3 || ix->ents.used > ix->ents.room || ix->arena.used > ix->arena.room)
+        return DBSP_EINVAL;
     unsigned char *seen = calloc((size_t)ix->ents.used + 1, 1);
     if (!seen) return DBSP_ENOMEM;
     int st = DBSP_OK;
@@ -825,14 +1002,14 @@ int dbsp_keyindex_check(const DbspKeyIndex *ix) {
         if (e >= ix->ents.used || seen[e]) st = DBSP_EINVAL; /* a free list that leaves the entries or loops */
         else seen[e] = 1, nfree++;
     }
-    if (st == DBSP_OK) st = check_table(ix, &ix->cur, 0, seen, &n);
+    if (st == DBSP_OK) st = check_table(ix, &ix->cur, 0, seen, &n, &live);
     if (st == DBSP_OK && ix->old.slots) {
         if (ix->moved >= (uint64_t)ix->old.cap || ix->cur.cap != 2 * ix->old.cap || ix->old_added * 8 > ix->old.cap)
             st = DBSP_EINVAL;
         else
-            st = check_table(ix, &ix->old, 1, seen, &n);
+            st = check_table(ix, &ix->old, 1, seen, &n, &live);
     }
     free(seen);
     if (st != DBSP_OK) return st;
-    return n == ix->count && n + nfree == ix->ents.used ? DBSP_OK : DBSP_EINVAL;
+    return n == ix->count && n + nfree == ix->ents.used && live == ix->arena_live ? DBSP_OK : DBSP_EINVAL;
 }

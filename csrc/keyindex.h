@@ -1,9 +1,10 @@
-/* keyindex.h: a hash index from a key of fixed-width columns to int64 sums, kept beside a trace so that a step
+/* keyindex.h: a hash index from a key of fixed-width and byte columns to int64 sums, kept beside a trace so that a step
  * finds a key's accumulated weight or sums with one probe instead of one galloping walk per trace batch.
  *
- * Invariants (enforced here; dbsp_keyindex_check verifies 1-3 and 5):
- *  1. An entry holds a key of nkeys columns (at most DBSP_KEYINDEX_MAX_KEYS), each a fixed-width type, as one
- *     canonical 64-bit word per column: integers sign- or zero-extended (bool 0/1, date32 and timestamps as
+ * Invariants (enforced here; dbsp_keyindex_check verifies 1-3, 5 and 8):
+ *  1. An entry holds a key of nkeys columns (at most DBSP_KEYINDEX_MAX_KEYS), each a fixed-width type or a byte
+ *     type (string, binary, large or not: invariant 8), as one 64-bit word per column: for a fixed-width one its
+ *     canonical value: integers sign- or zero-extended (bool 0/1, date32 and timestamps as
  *     integers), floats as their canonical bits (-0.0 as 0.0, every NaN alike: column.h invariant 2), a null as
  *     the word 0 with its bit set in the entry's null mask. The column types are fixed when the index is made;
  *     batches read or added must have the same types at the key positions (DBSP_ETYPE otherwise), so two rows
@@ -53,6 +54,19 @@
  *     which the kernel writes back), so the index holds no memory of the process until a probe faults a page
  *     back. Lookups, sums and growth are the same; a file that cannot be made or grown fails as memory does
  *     (DBSP_ENOMEM).
+ *  8. A byte column's word in an entry is 1 + the word offset of a record in the index's arena (0 for a null): a
+ *     length word, then the value's bytes, zero-padded to a whole word. A probe that meets a slot of its tag
+ *     compares such a column by length and bytes (memcmp), so keys whose hashes (all 64 bits, or the 28 a tag
+ *     keeps) collide stay apart: equality is row identity, as for fixed-width keys (column.h invariant 2: bytes
+ *     equal byte for byte). The arena grows like the entries (malloc'ed while small, mremap'ed whole pages once
+ *     large, a file under invariant 7, counted in max_bytes and the budget of invariant 6, in nbytes); a removed
+ *     key's records become garbage, and an arena that needs room while at least half of it is garbage is
+ *     compacted instead of grown (every live record copied into a fresh arena in slot order: O(slots + live
+ *     bytes) once per as many words freed, O(1) amortized; a shrink, invariant 5's rehash, compacts too). Entries
+ *     never move for it: only their record words change. The index is a cache (dbsp_core/trace/keyindex.py),
+ *     never written to disk, so records have no format of their own. A test hook (dbsp_keyindex_test_hash_bits)
+ *     keeps fewer hash bits in every tag, so that distinct keys share tags and only the comparison of words and
+ *     bytes tells them apart.
  */
 #ifndef DBSP_KEYINDEX_H
 #define DBSP_KEYINDEX_H
@@ -65,12 +79,17 @@
 
 typedef struct DbspKeyIndex DbspKeyIndex;
 
-/* A new empty index for keys of the given column types (fixed width only) and nvals sums per key, whose slot
+/* A new empty index for keys of the given column types (fixed width or bytes) and nvals sums per key, whose slot
  * table and entries together never grow past max_bytes (0: no limit; while the table grows, the old one, half its
- * size, is held beside it, not counted). Errors: DBSP_ETYPE (a variable-width type), DBSP_EINVAL (counts out of
+ * size, is held beside it, not counted). Errors: DBSP_ETYPE (another type), DBSP_EINVAL (counts out of
  * range), DBSP_ENOMEM. */
 int dbsp_keyindex_new(const int32_t *types, int32_t nkeys, int32_t nvals, int64_t max_bytes, DbspKeyIndex **out);
 void dbsp_keyindex_free(DbspKeyIndex *ix);
+
+/* Invariant 8's test hook: keep only the low `bits` bits of each key hash in tags (1-27; 0 or 28 and more: all 28)
+ * from now on, in every index of the process. Tests only, before any index is made: an index made under one
+ * setting must not be read or changed under another. */
+void dbsp_keyindex_test_hash_bits(int32_t bits);
 
 /* Invariant 6: set the process-wide budget on the slot tables of all indexes (bytes; 0 or less: none), read it, and
  * read the bytes held now. Tables held when a lower budget is set stay; only later growth is refused. */
@@ -131,13 +150,14 @@ int dbsp_keyindex_set_dir(DbspKeyIndex *ix, const char *dir);
 /* Invariant 7: drop the pages of the file regions from the process; returns their bytes (0: none are files). Not
  * while another thread uses the index. */
 int64_t dbsp_keyindex_drop_pages(DbspKeyIndex *ix);
-/* The mapped regions (the large ones, anonymous or files: at most 3, their starts into at and bytes into len);
+/* The mapped regions (the large ones, anonymous or files: at most 4, their starts into at and bytes into len);
  * returns how many. For tests and measurements (the process's resident pages of each, /proc/self/smaps). */
 int dbsp_keyindex_regions(const DbspKeyIndex *ix, void **at, size_t *len);
 
-/* DBSP_OK when invariants 1-3 and 5 hold (each key findable from its slot's hash, in one table only, each entry
+/* DBSP_OK when invariants 1-3, 5 and 8 hold (each key findable from its slot's hash, in one table only, each entry
  * pointed to by one slot or on the free list, no all-zero entry, load bound, the moved part of an old table
- * empty), else DBSP_EINVAL. */
+ * empty, each non-null byte value a record inside the arena, the live records' words counted), else
+ * DBSP_EINVAL. */
 int dbsp_keyindex_check(const DbspKeyIndex *ix);
 
 #endif

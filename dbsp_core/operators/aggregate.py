@@ -37,14 +37,16 @@ Invariants:
   7. Over a stream that is inserts only by the circuit's structure (``Circuit.inserts_only``), the extremes
      strategy has ``append_only`` set and keeps the totals alone: no deletion can reach an extreme, so the value
      multisets that only a recompute reads are never kept. A change with a retraction then raises DbspError
-     (the driver refuses retractions into append-only inputs before recording them, operators/input.py).
+     (the driver refuses retractions into append-only inputs before recording them, operators/input.py). With
+     the totals' key index, such a step does not index (sort) its change: the kernel groups its rows by hashing
+     (csrc/extremes.h, dbsp_extremes_probe_inserts), the same groups in the same key-hash order.
   8. With ``append_only``, one min/max over an integer-like column and otherwise only row counts, a large change
      whose weights are all positive is first reduced to one row per group, by hash grouping (no sort): the
      group's row that holds its extreme (its first row when every value is null), weighted by the group's row
      count. The totals fold it exactly as the whole change (a count adds the weights, an extreme is the extreme
-     of the positive-weight rows), so only the index of the change shrinks. A step whose reduction left more
-     than ``GROUPS_PER_ROW`` groups per row stops reducing for ``RETRY`` steps (about a row per group: the
-     grouping pass would cost more than it saves).
+     of the positive-weight rows), so only the index of the change shrinks (or, on invariant 7's unindexed path,
+     the rows the kernel groups). A step whose reduction left more than ``GROUPS_PER_ROW`` groups per row stops
+     reducing for ``RETRY`` steps (about a row per group: the grouping pass would cost more than it saves).
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ import pyarrow.types as pat
 
 from dbsp_core.aggregates import GROUP_KINDS, PAIR_KINDS, Aggregate as AggSpec
 from dbsp_core.errors import DbspError, SchemaError, WeightOverflowError
-from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, keyed_change, make
+from dbsp_core.operators.base import (Operator, check_columns, concat, conform, empty, keyed_change, make,
+                                      opened_change)
 from dbsp_core import _zset
 from dbsp_core.time.cleanup import prune
 from dbsp_core.time.lineage import input_times
@@ -809,14 +812,26 @@ class _ExtremesState(_GroupedState):
 
     def _step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
-        dix = keyed_change(self, inputs, ctx, op.in_schema, self.keys,
-                           self._with_limbs if self.limbs else self._reduced if self.reduce_specs else None)
+        prepare = self._with_limbs if self.limbs else self._reduced if self.reduce_specs else None
+        if op.append_only and self.spec is not None:  # invariant 7: totals alone, and no value trace to feed
+            z = opened_change(self, inputs, ctx, op.in_schema, prepare)
+            if z is None:
+                return empty(op.schema)
+            if bool((z.weights < 0).any()):
+                self._refuse_retraction()
+            # the change is not indexed: the kernel groups its rows by hashing (no sort of the change)
+            view = _zset.BatchView(z.data, z.weights)
+            out = self.totals.through_index(self.spec, lambda ix: self._through_index(view, ix, inserts=True))
+            if out is not None:
+                return out
+            dix = z.index_by(self.keys)
+            return self._through_totals(dix) if len(dix) else empty(op.schema)
+        dix = keyed_change(self, inputs, ctx, op.in_schema, self.keys, prepare)
         if dix is None:
             return empty(op.schema)
         change = dix.zset
         if op.append_only and bool((change.weights < 0).any()):  # invariant 7
-            raise DbspError(f"{op.label}: a retraction reached a min/max over an append-only stream, which keeps "
-                            f"only its totals; declare the inputs without append_only=True to push deletions")
+            self._refuse_retraction()
         for col, attr in self.val_cols:  # the value multisets first: a recompute must see this step's values
             trace: Trace = getattr(self, attr)
             # the change's (keys, value) rows, nulls left out, are in its key order: sorted only within a key
@@ -832,16 +847,22 @@ class _ExtremesState(_GroupedState):
                     trace.insert(batch)
         out = None
         if self.spec is not None:
-            out = self.totals.through_index(self.spec, lambda ix: self._through_index(dix, ix))
+            out = self.totals.through_index(self.spec, lambda ix: self._through_index(dix._view(), ix))
         return out if out is not None else self._through_totals(dix)
 
-    def _through_index(self, dix: "IndexedZSet", ix: object) -> "ZSet":
+    def _refuse_retraction(self) -> None:
+        raise DbspError(f"{self.op.label}: a retraction reached a min/max over an append-only stream, which keeps "
+                        f"only its totals; declare the inputs without append_only=True to push deletions")
+
+    def _through_index(self, view: "_zset.BatchView", ix: object, inserts: bool = False) -> "ZSet":
         """The step's totals through the key index of the totals (csrc/extremes.h): each group's old totals in one
         probe, new ones folded in C, the few extremes a deleted value reached recomputed from the value multisets,
-        then the changed groups' rows and the index's new values."""
+        then the changed groups' rows and the index's new values. ``view``: the indexed change's, or with
+        ``inserts`` (an append-only change: every weight positive) the change's rows in any order, which the kernel
+        groups by hashing (``extremes_probe_inserts``: no recompute can be needed)."""
         op = self.op
-        view = dix._view()
-        group_row, gkh, old, nw, need = _zset.extremes_probe(view, self.keypos, self.slot_specs, ix)
+        probe = _zset.extremes_probe_inserts if inserts else _zset.extremes_probe
+        group_row, gkh, old, nw, need = probe(view, self.keypos, self.slot_specs, ix)
         if need.any():
             self._recompute_into(view, group_row, gkh, np.flatnonzero(need), nw)
         grp, w = _zset.extremes_store(view, self.keypos, group_row, gkh, old, nw, ix)

@@ -52,6 +52,13 @@ __all__ = ["KeyIndexed", "summable"]
 _TOKENS = itertools.count(1)  # content tokens (invariant 11): unique in the process, never reused
 
 
+def _bytes_type(t: pa.DataType) -> bool:
+    """Whether ``t`` is a string or binary type (a key index keeps such values in its arena: csrc/keyindex.h
+    invariant 8)."""
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or \
+        pa.types.is_large_binary(t)
+
+
 def summable(t: pa.DataType) -> bool:
     """Whether a key index can sum a column of type ``t`` as int64 (csrc/keyindex.h): integers other than uint64,
     dates (date32) and timestamps.
@@ -93,9 +100,12 @@ class KeyIndexed:
         uint64, a date or a timestamp, summed as int64; None: the weight alone; ``("valid", c)``: the weight where
         column ``c`` is not null), per trace key (``on="key"``: serves :meth:`key_sums` of int64 columns, and
         :meth:`index_for_update`) or per whole row (``on="row"`` with ``(None,)``: serves :meth:`match_weights`).
-        Returns whether the index is kept: only for keys of fixed-width columns (no strings), and not when
-        ``DBSP_KEY_INDEX=0``. Costs memory beside the batches (per key, 8 bytes per key column and sum, and a slot
-        word of 8 in a table at most 3/4 full); a trace whose index would pass ``DBSP_KEY_INDEX_MB`` (by default an
+        Returns whether the index is kept: for keys of fixed-width, string and binary columns (strings are compared
+        byte for byte in the index, never by hash: csrc/keyindex.h invariant 8), whole rows of fixed-width columns
+        only (a whole-row index over strings would copy every string of a distinct's rows), and not when
+        ``DBSP_KEY_INDEX=0``. Costs memory beside the batches (per key, 8 bytes per key column and sum, a slot
+        word of 8 in a table at most 3/4 full, and per string value a record of 8 bytes and its bytes rounded up
+        to 8); a trace whose index would pass ``DBSP_KEY_INDEX_MB`` (by default an
         eighth of the memory, at least 512 MiB: dbsp_core/trace/sizing.py), or take the indexes of the process past
         ``DBSP_KEY_INDEX_TOTAL_MB`` together, drops it with an IndexDroppedWarning and walks its batches as without
         one."""
@@ -112,8 +122,9 @@ class KeyIndexed:
                     raise ValueError(f"keep_index: {c!r} is not ('valid', <column>)")
             elif c is not None and not summable(self.schema.field(c).type):
                 raise ValueError(f"keep_index: column {c!r} is {self.schema.field(c).type}, which does not sum as int64")
-        if not settings().key_index or not columns or not _zset.keyindex_supports(
-                [self.schema.field(n).type for n in names]):
+        types = [self.schema.field(n).type for n in names]
+        if not settings().key_index or not columns or not _zset.keyindex_supports(types) or (
+                on == "row" and any(_bytes_type(t) for t in types)):
             return False
         self._kix_spec = (on, tuple(columns))
         self._kix = None  # built from the batches at the first read that wants it

@@ -758,7 +758,7 @@ static void test_keyindex(int64_t n, int64_t kdom) {
     CHECK(dbsp_keyindex_len(ix) == live);
     CHECK(dbsp_keyindex_add(ix, &t.b, &key, kh, cols, -1) == DBSP_OK);  /* every row out again */
     CHECK(dbsp_keyindex_len(ix) == 0 && dbsp_keyindex_check(ix) == DBSP_OK);
-    int32_t bad[1] = { DBSP_UTF8 };
+    int32_t bad[1] = { DBSP_TYPE_END };  /* no such type (strings are keys: keyindex.h invariant 8) */
     DbspKeyIndex *no = NULL;
     CHECK(dbsp_keyindex_new(bad, 1, 1, 0, &no) == DBSP_ETYPE && no == NULL);
     DbspKeyIndex *small = NULL;  /* a limit of 4 KiB: 128 slots of 4 words (head, key, two sums) fit, 256 do not */
@@ -767,6 +767,60 @@ static void test_keyindex(int64_t n, int64_t kdom) {
     dbsp_keyindex_free(small);
     dbsp_keyindex_free(ix);
     free(acc); free(kh); tb_free(&t);
+}
+
+/* the key index over (int64, utf8) keys (keyindex.h invariant 8) with every key hash cut to `bits` bits, so that
+ * distinct keys share tags and only their bytes tell them apart: rounds of adds and removals of random batches
+ * (removed keys' records become garbage, compacted as new ones come), each checked against naive sums (row
+ * identity: null = null, "" is not null) and every invariant; at the end everything is removed */
+static void test_keyindex_strings(int64_t n, int64_t kdom, uint64_t bits, int rounds) {
+    int32_t keys[2] = { 0, 1 }, types[2] = { DBSP_INT64, DBSP_UTF8 }, cols[2] = { -1, 0 };
+    DbspKeyIndex *ix = NULL;
+    CHECK(dbsp_keyindex_new(types, 2, 2, 0, &ix) == DBSP_OK);
+    TBatch *all = calloc((size_t)rounds, sizeof *all);
+    int *in = calloc((size_t)rounds, sizeof *in); /* whether a batch's rows are in the index */
+    uint64_t **khs = calloc((size_t)rounds, sizeof *khs);
+    for (int r = 0; r < rounds; r++) {
+        tb_make(&all[r], n, kdom, -1, 2);
+        khs[r] = malloc((size_t)(n ? n : 1) * 8);
+        CHECK(dbsp_hash_columns(&all[r].b, keys, 2, khs[r]) == DBSP_OK);
+        for (int64_t i = 0; i < n; i++) khs[r][i] &= (1ULL << bits) - 1;
+        int back = r > 1 && next() % 3 == 0 ? (int)(next() % (uint64_t)r) : r; /* now and then one taken out */
+        if (back < r && in[back]) {
+            CHECK(dbsp_keyindex_add(ix, &all[back].b, keys, khs[back], cols, -1) == DBSP_OK);
+            in[back] = 0;
+        } else {
+            CHECK(dbsp_keyindex_add(ix, &all[r].b, keys, khs[r], cols, 1) == DBSP_OK);
+            in[r] = 1;
+        }
+        CHECK(dbsp_keyindex_check(ix) == DBSP_OK);
+        /* naive sums over the batches in, for every row of this round's batch */
+        TBatch *t = &all[r];
+        int64_t m = t->n;
+        int64_t *acc = calloc((size_t)(m ? m : 1) * 2, 8);
+        CHECK(dbsp_keyindex_get(ix, &t->b, keys, NULL, khs[r], m, acc) == DBSP_OK);
+        for (int64_t i = 0; i < m; i++) {
+            int64_t w = 0, wk = 0;
+            for (int q = 0; q <= r; q++) {
+                if (!in[q]) continue;
+                for (int64_t j = 0; j < all[q].n; j++) {
+                    if (dbsp_row_cmp(&t->b, i, keys, &all[q].b, j, keys, 2) != 0) continue;
+                    w += all[q].w[j];
+                    wk += all[q].w[j] * (dbsp_col_valid(&all[q].cols[0], j) ? all[q].k[j] : 0);
+                }
+            }
+            CHECK(acc[2 * i] == w && acc[2 * i + 1] == wk);
+        }
+        free(acc);
+    }
+    for (int r = 0; r < rounds; r++) {
+        if (in[r]) CHECK(dbsp_keyindex_add(ix, &all[r].b, keys, khs[r], cols, -1) == DBSP_OK);
+        tb_free(&all[r]);
+        free(khs[r]);
+    }
+    CHECK(dbsp_keyindex_len(ix) == 0 && dbsp_keyindex_check(ix) == DBSP_OK);
+    dbsp_keyindex_free(ix);
+    free(all); free(khs); free(in);
 }
 
 /* the key index growing a few slots per row (keyindex.h invariant 5): rows added in small chunks, every invariant
@@ -842,6 +896,8 @@ int main(void) {
     test_keyindex(3000, 100000);  /* grows past several resizes */
     test_keyindex_growing(60000, 200000, 97);
     test_keyindex_growing(5000, 300, 7);  /* few keys: updates and removals while it grows */
+    test_keyindex_strings(200, 40, 2, 12);  /* four tags: every probe meets other keys */
+    test_keyindex_strings(2000, 3000, 28, 10);
     if (failures) { fprintf(stderr, "%d failures\n", failures); return 1; }
     printf("kernels_test: all checks passed\n");
     return 0;
