@@ -207,7 +207,7 @@ def main() -> None:
 
         th = threading.Thread(target=kill_at, args=(d1.t0 + a.kill_after,))
         th.start()
-        f0 = dict(ps.stats)
+        f0 = {k: dict(v) if isinstance(v, dict) else v for k, v in ps.stats.items()}  # nested counts copied too
         d1.run(ps, d1.t0 + a.kill_after + a.run_after)
         th.join()
         tk = killed[0][1]
