@@ -1,4 +1,4 @@
-"""Issue 33 on local-cluster: the cost of the per-job state upload (a SparkPipeline on the S3 server against one on a shared local directory, same data, alternated blocks of steps), then steps arriving at a fixed rate while one Spark executor is killed (SIGKILL, local directories deleted) a set time after a checkpoint: the time until the pipeline is back at the current step and the step latencies meanwhile, against whole-pipeline recovery of the same failure (SparkPipeline.open on a new driver from the checkpoint) in the same run; the Spark event log of the step in flight timed apart (bench/spark_timeline.py).
+"""Issue 33 on local-cluster: the cost of the per-job state upload (a SparkPipeline on the S3 server against one on a shared local directory, same data, alternated blocks of steps), then steps arriving at a fixed rate while one Spark executor is killed (SIGKILL, local directories deleted) a set time after a checkpoint: the time until the pipeline is back at the current step and the step latencies meanwhile, against whole-pipeline recovery of the same failure (SparkPipeline.open on a new driver from the checkpoint) in the same run; the Spark event log of the step in flight timed apart (bench/spark_timeline.py), with how long each task retried after the loss waited while no task ran (the locality wait). The alternated blocks also run the store pipeline's steps with one Spark job a stage (``SparkJobRunner.job_per_executor = False``, the placement before design note 6 of spark_glue.placement) for that choice's per-step cost.
 
 Run: python bench/bench_spark_lose.py [--keys 1000000] [--rows 2000] [--workers 4] [--period 0 (auto)] [--kill-after 30]
 Prints the measurements and markdown tables (copied into bench/RESULTS.md, issue 33 section).
@@ -151,17 +151,34 @@ def main() -> None:
         kw = dict(workers=a.workers, checkpoint_interval=None)
         pl = SparkPipeline(spark, circuit(), storage=os.path.join(tmp, "local"), **kw) if a.blocks else None
         ps = SparkPipeline(spark, circuit(), storage=uri, cache_dir=os.path.join(tmp, "driver"), **kw)
-        out["load_s"] = {"local": load(pl, a.keys) if pl else float("nan"), "store": load(ps, a.keys)}
+        out["load_s"] = {"local": load(pl, a.keys) if pl else float("nan"), "store": load(ps, a.keys),
+                         "store1": float("nan")}  # the store pipeline's state, loaded once
         print(f"loaded {a.keys:,} keys: {out['load_s']}", flush=True)
-        lat: dict[str, list[float]] = {"local": [], "store": []}
+        lat: dict[str, list[float]] = {"local": [], "store": [], "store1": []}
+        cpu: dict[str, list[float]] = {"local": [], "store": [], "store1": []}  # the driver's CPU s a step
         up0, req0 = ps.stats.get("state_upload_bytes", 0), server.requests()
+        up1 = req1 = None  # the same for the store's steps with one Spark job a stage (counted apart)
         for blk in range(a.blocks):  # alternated blocks, same data
-            for name, p in (("local", pl), ("store", ps)) if blk % 2 == 0 else (("store", ps), ("local", pl)):
-                lat[name] += [step(p, t) for t in data[blk * a.block:(blk + 1) * a.block]]
+            order = [("local", pl), ("store", ps), ("store1", ps)]
+            for name, p in order if blk % 2 == 0 else order[::-1]:
+                ps.runner.job_per_executor = name != "store1"  # store1: one Spark job a stage (placement note 6)
+                u, r = ps.stats.get("state_upload_bytes", 0), server.requests()
+                for t in data[blk * a.block:(blk + 1) * a.block]:
+                    c0 = time.process_time()
+                    lat[name].append(step(p, t))
+                    cpu[name].append(time.process_time() - c0)
+                if name == "store1":  # not the store's steps of the upload cost below
+                    up1 = (up1 or 0) + ps.stats.get("state_upload_bytes", 0) - u
+                    r1 = server.requests()
+                    req1 = {k: (req1 or {}).get(k, 0) + v - r.get(k, 0) for k, v in r1.items()}
+                    up0 += ps.stats.get("state_upload_bytes", 0) - u
+                    req0 = {k: req0.get(k, 0) + v - r.get(k, 0) for k, v in r1.items()}
+        ps.runner.job_per_executor = True
         if pl is None:  # --blocks 0: no upload-cost comparison, a few steps to set the period
             lat["store"] = [step(ps, t) for t in data[:a.block]]
-            lat["local"] = [float("nan")]
-        out["lat"] = lat
+            lat["local"] = lat["store1"] = [float("nan")]
+        out["lat"], out["cpu"] = lat, cpu
+        out["store1"] = {"upload_bytes": up1, "requests": req1}
         out["upload_bytes"] = ps.stats.get("state_upload_bytes", 0) - up0
         out["requests"] = {k: v - req0.get(k, 0) for k, v in sorted(server.requests().items())}  # the store's steps only
         if pl is not None:
@@ -190,7 +207,7 @@ def main() -> None:
 
         th = threading.Thread(target=kill_at, args=(d1.t0 + a.kill_after,))
         th.start()
-        f0 = dict(ps.stats)
+        f0 = {k: dict(v) if isinstance(v, dict) else v for k, v in ps.stats.items()}  # nested counts copied too
         d1.run(ps, d1.t0 + a.kill_after + a.run_after)
         th.join()
         tk = killed[0][1]
@@ -252,12 +269,15 @@ def main() -> None:
     print(f"\n{a.master}, W={a.workers}, group-by over a state of {a.keys:,} keys, steps of {a.rows:,} rows, "
           f"{a.blocks} alternated blocks of {a.block} steps each, load {os.getloadavg()[0]:.1f}, "
           f"Spark settings {a.conf or 'as set here'}\n")
-    print("| storage | state load s | step p50 ms | step mean ms | rows/s (mean) |")
-    print("|---|---|---|---|---|")
-    for name in ("local", "store"):
+    print("| storage | state load s | step p50 ms | step mean ms | rows/s (mean) | driver CPU ms a step (mean) |")
+    print("|---|---|---|---|---|---|")
+    names = {"local": "shared local directory", "store": "S3 (moto, 127.0.0.1), per-job upload",
+             "store1": "... the same, one Spark job a stage (`job_per_executor = False`)"}
+    for name in ("local", "store", "store1"):
         mean = statistics.fmean(lat[name])
-        print(f"| {'shared local directory' if name == 'local' else 'S3 (moto, 127.0.0.1), per-job upload'} | "
-              f"{out['load_s'][name]:.1f} | {ms(lat[name])} | {1000 * mean:.0f} | {a.rows / mean:,.0f} |")
+        cmean = statistics.fmean(out["cpu"][name]) if out["cpu"][name] else float("nan")
+        print(f"| {names[name]} | {out['load_s'][name]:.1f} | {ms(lat[name])} | "
+              f"{1000 * mean:.0f} | {a.rows / mean:,.0f} | {1000 * cmean:.0f} |")
     print(f"\nstate bytes uploaded by the store pipeline over its {n} steps: {out['upload_bytes']:,} "
           f"({out['upload_bytes'] / n:,.0f} per step); S3 requests per step: "
           f"{', '.join(f'{k} {v / n:.1f}' for k, v in out['requests'].items())}")

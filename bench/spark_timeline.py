@@ -76,7 +76,8 @@ def window(events: list[dict], t0: float, t1: float) -> dict:
                           "attempt": ti["Attempt"], "executor": ti["Executor ID"], "locality": ti["Locality"],
                           "start": ti["Launch Time"] - a, "end": ti["Finish Time"] - a, "reason": reason,
                           "run_ms": m.get("Executor Run Time"), "deser_ms": m.get("Executor Deserialize Time")})
-    stages = {k: v for k, v in stages.items() if "submitted" in v and -60_000 <= v["submitted"] <= b - a}
+    stages = {k: v for k, v in stages.items()  # submitted in the window, or before it and still running at its start
+              if "submitted" in v and v["submitted"] <= b - a and v.get("completed", 0) >= 0}
     tasks.sort(key=lambda t: t["start"])
     return {"removed": ex_removed, "added": ex_added, "stages": sorted(stages.values(), key=lambda s: s["submitted"]),
             "tasks": tasks, "idle_ms": _idle(tasks, 0, b - a), "span_ms": b - a}
@@ -91,6 +92,25 @@ def _idle(tasks: list[dict], lo: int, hi: int) -> int:
             idle += s - at
         at = max(at, e)
     return idle + max(0, hi - at)
+
+
+def retry_waits(w: dict) -> list[dict]:
+    """Per task attempt retried after its Spark executor was lost (the previous attempt of that stage attempt and
+    index failed ``ExecutorLostFailure``): when the loss was seen, when the retry started, and how much of that no
+    task ran on any Spark executor (``idle_s``: the cores left waited, e.g. out ``spark.locality.wait``; the rest
+    they ran other tasks). Seconds from the window's start."""
+    lost = {}
+    out = []
+    for t in sorted(w["tasks"], key=lambda t: (t["start"], t["attempt"])):
+        key = (t["stage"], t["stage_attempt"], t["index"])
+        if key in lost and t["attempt"] > lost[key]["attempt"]:
+            prev = lost.pop(key)
+            out.append({"task": f"{key[0]}.{key[1]}/{key[2]}", "lost_s": prev["end"] / 1000,
+                        "retry_s": t["start"] / 1000, "on": t["executor"], "locality": t["locality"],
+                        "idle_s": _idle(w["tasks"], prev["end"], t["start"]) / 1000})
+        if t["reason"] == "ExecutorLostFailure":
+            lost[key] = t
+    return out
 
 
 def summary(w: dict) -> dict:
@@ -111,7 +131,7 @@ def summary(w: dict) -> dict:
             "stage_reattempts": sum(1 for s in w["stages"] if s["attempt"] > 0),
             "successful_task_s": ok_ms / 1000, "failed_task_s": lost_ms / 1000, "locality": loc,
             "executor_removed_s": [r["at"] / 1000 for r in w["removed"]],
-            "executor_added_s": [r["at"] / 1000 for r in w["added"]]}
+            "executor_added_s": [r["at"] / 1000 for r in w["added"]], "retries": retry_waits(w)}
 
 
 def render(w: dict) -> str:

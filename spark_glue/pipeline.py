@@ -59,7 +59,9 @@ Design notes (each is a requirement this module keeps):
      the chain in the store, while the workers whose Spark executor survived keep their cached state
      (tests/spark/test_spark_lose.py counts both). With an object store the tasks are placed by cache
      (spark_glue.placement): the survivors' tasks stay where their state is, the lost workers go to the warm Spark
-     executors with the fewest, a replacement Spark executor takes workers only once a warm-up task ran on it, and
+     executors with the fewest, a replacement Spark executor takes workers only once a warm-up task ran on it, the
+     tasks of a stage in flight that preferred the lost one run on the cores left without waiting out
+     ``spark.locality.wait`` (a Spark job per preferred Spark executor, spark_glue.placement design note 6), and
      no stage's output is lost with a Spark executor (the exchange is in the store). A job Spark aborts (a task out of attempts) runs again from the
      same chains (dbsp_core.runtime.staged invariant 5) instead of breaking the pipeline. So the per-job write is the default and the only mode: it is
      what replaces the issue's in-flight exchange log, and it costs the bytes each job changes (bench/RESULTS.md,
@@ -102,8 +104,8 @@ from dbsp_core.storage.remote import is_remote
 from dbsp_core.zset import ZSet
 from spark_glue.check import check_executors
 from spark_glue.executors import SparkExecutors
-from spark_glue.placement import (Placement, executor_here, job_of, placed_rdd, run_placed_task, stage_task_of,
-                                  warm_up)
+from spark_glue.placement import (Placement, executor_here, job_of, placed_rdd, run_by_executor, run_placed_task,
+                                  stage_task_of, warm_up)
 
 __all__ = ["SparkPipeline", "SparkJobRunner", "partition_codes"]
 
@@ -204,6 +206,9 @@ class SparkJobRunner:
         # Spark job per step run, stages joined by Spark's shuffle, tasks wherever Spark puts them
         self.place = True
         self.placement = Placement()
+        # ... each stage's tasks as one Spark job per preferred Spark executor, so that a lost one's tasks do not
+        # wait out spark.locality.wait (spark_glue.placement design note 6); off: one Spark job per stage
+        self.job_per_executor = True
         self._executors = SparkExecutors(spark)
 
     def codes(self, workers: int) -> list[int]:
@@ -292,8 +297,9 @@ class SparkJobRunner:
             self._warm_up(alive, store)
             prefs = pl.assign(plan.stateful, workers, alive)
             pl.asked.update({(k, w): e for w, e in enumerate(prefs[k]) if pl.location(e) is not None})
-            rdd = placed_rdd(sc, [pl.location(e) for e in prefs[k]])
-            got = rdd.mapPartitionsWithIndex(run_placed_task(plan, k, store, workers, desc, sent)).collect()
+            locs = [pl.location(e) for e in prefs[k]]
+            rdd = placed_rdd(sc, locs).mapPartitionsWithIndex(run_placed_task(plan, k, store, workers, desc, sent))
+            got = run_by_executor(sc, rdd, locs) if self.job_per_executor else rdd.collect()
             if sorted(w for w, _, _ in got) != list(range(workers)):
                 raise DbspError(f"stage {k}: results of workers {sorted(w for w, _, _ in got)}, expected one from each "
                                 f"of 0..{workers - 1}")

@@ -30,6 +30,18 @@ Design notes (each is a requirement this module keeps):
      and preferring it; only once that task reported from it does the policy give it workers. So its cold start
      (JVM, Python worker, imports: seconds) is off the steps' critical path, and the workers it takes then cost
      one chain fetch each.
+  6. One Spark job per preferred Spark executor: a stage's tasks are split by the Spark executor they prefer, and
+     each group runs as a Spark job of its own over the same RDD (``SparkContext.runJob`` on that group's
+     partitions; :func:`run_by_executor`), all at once, the results gathered. Why: Spark's delay scheduling (a
+     TaskSetManager's ``getAllowedLocalityLevel``) stays at PROCESS_LOCAL while any pending task of the task set
+     prefers any Spark executor, a lost one included, and a task attempt lost with its Spark executor is retried
+     with the same preference; in one task set of every worker, the retry of a lost worker's task (and its
+     workers' tasks not started yet) then waits out ``spark.locality.wait`` while the survivors sit idle (2.6-3.1
+     s a loss on local-cluster, bench/RESULTS.md issue 33). In a task set of its own, every task prefers the lost
+     Spark executor only, so when it is lost (``executorLost`` recomputes the valid levels) PROCESS_LOCAL is no
+     longer a valid level and the tasks go to the cores left at once. Without a loss the scheduling is the same
+     (each group's tasks wait ``spark.locality.wait`` for their Spark executor before another takes them); the
+     cost is a Spark job per warm Spark executor per stage instead of one (measured in bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -42,8 +54,8 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-__all__ = ["Placement", "cmdline_of", "executor_here", "placed_rdd", "run_placed_task", "stage_task_of", "job_of",
-           "warm_up"]
+__all__ = ["Placement", "cmdline_of", "executor_here", "placed_rdd", "run_by_executor", "run_placed_task",
+           "stage_task_of", "job_of", "warm_up"]
 
 _HERE: list[tuple[str, str] | None] = []  # this process's Spark executor, found once
 
@@ -100,6 +112,43 @@ def placed_rdd(sc: Any, prefs: list[str | None]) -> Any:
     tag = jvm.scala.reflect.ClassTag.apply(jvm.java.lang.Class.forName("java.lang.String"))
     jrdd = sc._jsc.sc().makeRDD(seq(items), tag)
     return RDD(jrdd.toJavaRDD(), sc, UTF8Deserializer())
+
+
+def run_by_executor(sc: Any, rdd: Any, prefs: list[str | None]) -> list[Any]:
+    """What ``rdd.collect()`` returns, run as one Spark job per distinct preference in ``prefs`` (partition ``w``
+    preferring ``prefs[w]``, as ``rdd``'s partitions do; design note 6), the jobs at once, each in a thread that
+    keeps the caller's Spark local properties (job group, pool). Every job is waited for before an error of one is
+    raised, so no task of this call runs after it returns."""
+    from pyspark import InheritableThread
+    from pyspark.util import _load_from_socket
+
+    groups: dict[str | None, list[int]] = {}
+    for w, p in enumerate(prefs):
+        groups.setdefault(p, []).append(w)
+    if len(groups) <= 1:
+        return rdd.collect()
+    parts = list(groups.values())
+    got: list[list[Any] | None] = [None] * len(parts)
+    errors: list[BaseException] = []
+    jrdd = rdd._jrdd  # one JVM RDD (the task function pickled once) for every group's job
+
+    def run(i: int) -> None:
+        try:
+            sock = sc._jvm.PythonRDD.runJob(sc._jsc.sc(), jrdd, parts[i])
+            with _load_from_socket(sock, rdd._jrdd_deserializer) as stream:
+                got[i] = list(stream)
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread once every job ended
+            errors.append(exc)
+
+    threads = [InheritableThread(target=run, args=(i,), name="dbsp-spark-stage-job") for i in range(1, len(parts))]
+    for t in threads:
+        t.start()
+    run(0)
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [r for g in got for r in (g or [])]
 
 
 def job_of(blobs: pa.Table, where: str) -> dict:
