@@ -300,6 +300,7 @@ class SparkJobRunner:
             locs = [pl.location(e) for e in prefs[k]]
             rdd = placed_rdd(sc, locs).mapPartitionsWithIndex(run_placed_task(plan, k, store, workers, desc, sent))
             got = run_by_executor(sc, rdd, locs) if self.job_per_executor else rdd.collect()
+            got.sort(key=lambda g: g[0])  # worker order, as one job's collect() gives it, whatever job ran first
             if sorted(w for w, _, _ in got) != list(range(workers)):
                 raise DbspError(f"stage {k}: results of workers {sorted(w for w, _, _ in got)}, expected one from each "
                                 f"of 0..{workers - 1}")
