@@ -260,10 +260,14 @@ class KeyIndexed:
         the index's size changes; by its entries, not by its table, so a table just doubled (or its old half still
         beside it, while it grows) does not count against it."""
         ix = self._kix
-        if ix is None or self._kix_spec[0] != "row":
+        if ix is None:
             return
         size = int(ix.nbytes)
-        if size <= self.INDEX_FLOOR or size == self._kix_seen:
+        store = self._store
+        if store is not None and size > store.memory_limit * store.CACHE_SHARE:  # under a budget: too big to cache
+            self._kix, self._kix_off = None, True  # a choice, not a failure: no warning
+            return
+        if self._kix_spec[0] != "row" or size <= self.INDEX_FLOOR or size == self._kix_seen:
             return
         self._kix_seen = size
         entries = len(ix) * ((ix.nkeys + ix.nvals) * 8 + 8 * 4 // 3)

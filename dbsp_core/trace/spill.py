@@ -219,6 +219,10 @@ class BatchStore:
     # warm steps fault more (+22-49% a step there: bench/RESULTS.md, 2026-11-29); off, as before, until the budget's
     # RSS (Nexmark's peak) is weighed against the steps' time
     EVICT_AROUND = False
+    # an eviction of a file's pages that makes this many runs or more drops the whole file's mapping instead, in one
+    # madvise (invariant 12): the kernel's work per run (a TLB flush, ~1-2 us) dominated a warm spilled step, where a
+    # whole clean mapping goes at ~0.1 us per mapped page and a read fault maps a page back at ~0.3 us; 0: never
+    WHOLE_RUNS = 16
 
     def __init__(self, memory_limit: int, directory: str | None = None, durable: bool = False,
                  vfs: str = "posix") -> None:
@@ -275,7 +279,7 @@ class BatchStore:
                            "enforcements": 0, "cache_hits": 0, "cache_misses": 0, "pages_checked": 0,
                            "written_in_background": 0, "written_for_nothing": 0, "keys_sought": 0,
                            "merges_on_disk": 0, "pages_prefetched": 0, "prefetch_runs": 0,
-                           "evict_calls": 0, "outputs_never_written": 0})
+                           "evict_calls": 0, "outputs_never_written": 0, "whole_evictions": 0})
 
     def __enter__(self) -> "BatchStore":
         return self
@@ -777,7 +781,7 @@ class BatchStore:
             self._forget_indexes()
             if len(self._rounds) > max(64, 2 * self._rounds_kept):
                 self._compact_rounds()
-            evict, drop = self._evict_oldest(int(self.memory_limit * self.CACHE_SHARE) // mmap.PAGESIZE)
+            evict, drop = self._evict_oldest(self.cache_cap() // mmap.PAGESIZE)
         for ix in drop:  # between steps: no step probes or grows the index meanwhile (invariant 17)
             ix.drop_pages()
         # the runs of pages evicted, in C with the GIL released, up to 1024 runs a system call (process_madvise:
@@ -816,7 +820,15 @@ class BatchStore:
             if len(gone) > over:  # the last read evicted: only what the cache is over by, its other pages stay
                 self._rounds.appendleft((when, key, gone[over:]))
                 gone = gone[:over]
-            if len(gone):
+            if len(gone) and self.WHOLE_RUNS and _runs(gone) >= self.WHOLE_RUNS:
+                held = int(np.count_nonzero(clock))  # the whole file leaves the process, in one call
+                clock[:] = 0
+                self._cached -= held
+                evict.append((f.map, None))
+                self.stats["evictions"] += 1
+                self.stats["whole_evictions"] += 1
+                self.stats["bytes_evicted"] += held * mmap.PAGESIZE
+            elif len(gone):
                 clock[gone] = 0
                 self._cached -= len(gone)
                 evict.append((f.map, _around(f.base, clock, gone) if self.EVICT_AROUND else gone))
@@ -863,9 +875,16 @@ class BatchStore:
         if clock is not None:
             self._cached -= int(np.count_nonzero(clock))
 
+    def cache_cap(self) -> int:
+        """Bytes the cache may hold after an :meth:`enforce` (invariant 12): what the budget has left beside the bytes
+        in memory at that enforce (batches, merge outputs, fences and filters), and at least ``memory_limit *
+        CACHE_SHARE``. A state whose batches are all spilled gives the cache nearly all of the budget: the batch
+        share is a ceiling for batches, not a reservation the cache may not use."""
+        return max(int(self.memory_limit * self.CACHE_SHARE), self.memory_limit - self._in_memory)
+
     def cached_pages(self) -> int:
-        """Pages of spilled files the cache holds (used since their last eviction; at most ``memory_limit *
-        CACHE_SHARE`` bytes of them after an :meth:`enforce`)."""
+        """Pages of spilled files the cache holds (used since their last eviction; at most :meth:`cache_cap` bytes of
+        them after an :meth:`enforce`)."""
         with self._lock:
             return self._cached
 
@@ -935,9 +954,22 @@ def _evict(evict: list[tuple[mmap.mmap, np.ndarray]]) -> int:
     from dbsp_core import _storage
 
     before = _storage.advise_calls()
+    whole = 0
     for m, pages in evict:
-        _advise(m, pages, mmap.MADV_DONTNEED)
-    return _storage.advise_calls() - before
+        if pages is None:  # the whole mapping: one madvise
+            try:
+                m.madvise(mmap.MADV_DONTNEED)
+                whole += 1
+            except (OSError, ValueError):  # closed: its batch is gone
+                pass
+        else:
+            _advise(m, pages, mmap.MADV_DONTNEED)
+    return _storage.advise_calls() - before + whole
+
+
+def _runs(pages: np.ndarray) -> int:
+    """Runs of adjacent pages in ``pages`` (sorted, unique page numbers)."""
+    return int(np.count_nonzero(np.diff(pages) != 1)) + 1 if len(pages) else 0
 
 
 _tls = threading.local()
