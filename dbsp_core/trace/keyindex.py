@@ -264,7 +264,8 @@ class KeyIndexed:
             return
         size = int(ix.nbytes)
         store = self._store
-        if store is not None and size > store.memory_limit * store.CACHE_SHARE:  # under a budget: too big to cache
+        if store is not None and store.INDEX_MAX_SHARE is not None and size > (
+                store.INDEX_MAX_SHARE * store.memory_limit * store.CACHE_SHARE):  # under a budget: too big to cache
             self._kix, self._kix_off = None, True  # a choice, not a failure: no warning
             return
         if self._kix_spec[0] != "row" or size <= self.INDEX_FLOOR or size == self._kix_seen:

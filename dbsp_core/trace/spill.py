@@ -200,6 +200,11 @@ class BatchStore:
     BATCH_SHARE = 0.75  # of the limit: batches in memory; the rest: the cache of spilled pages
     CACHE_SHARE = 0.25
     INDEX_FILE_MIN = 2 << 20  # bytes of key index from which its regions are files the cache counts (invariant 17)
+    # a trace under the store drops its key index for good once it passes this times the cache share (invariant 17;
+    # None: never): a step's probes write pages all over it, so evicted every enforce it costs each step a write
+    # fault per page probed (~5 us: a 10M-group group-by under 100 MiB, 16.7 ms a 1k-row step against 5.7 ms walking
+    # its spilled batches, bench/RESULTS.md 2026-11-29)
+    INDEX_MAX_SHARE: float | None = 1.0
     FILE_MERGE_MIN = 1 << 20  # input bytes from which a merge that does not fit the budget is built on disk
     REGION_CACHE_SHARE = 0.125  # of the limit: the most the C region cache (csrc/scratch.h) keeps while a store lives
     PROGRESS_BYTES = 256 << 20  # an enforce spilling this much shows a progress line (dbsp_core/progress.py)
@@ -820,18 +825,14 @@ class BatchStore:
             if len(gone) > over:  # the last read evicted: only what the cache is over by, its other pages stay
                 self._rounds.appendleft((when, key, gone[over:]))
                 gone = gone[:over]
-            if len(gone) and self.WHOLE_RUNS and _runs(gone) >= self.WHOLE_RUNS:
-                held = int(np.count_nonzero(clock))  # the whole file leaves the process, in one call
-                clock[:] = 0
-                self._cached -= held
-                evict.append((f.map, None))
-                self.stats["evictions"] += 1
-                self.stats["whole_evictions"] += 1
-                self.stats["bytes_evicted"] += held * mmap.PAGESIZE
-            elif len(gone):
+            if len(gone):
                 clock[gone] = 0
                 self._cached -= len(gone)
-                evict.append((f.map, _around(f.base, clock, gone) if self.EVICT_AROUND else gone))
+                if self.WHOLE_RUNS and _runs(gone) >= self.WHOLE_RUNS:  # the whole mapping, in one madvise: the
+                    evict.append((f.map, None))  # pages the cache holds stay counted (a read faults them back)
+                    self.stats["whole_evictions"] += 1
+                else:
+                    evict.append((f.map, _around(f.base, clock, gone) if self.EVICT_AROUND else gone))
                 self.stats["evictions"] += 1
                 self.stats["bytes_evicted"] += len(gone) * mmap.PAGESIZE
         return evict, drop
