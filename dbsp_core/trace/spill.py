@@ -47,10 +47,18 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      each key among: ``BatchFile.pages_read``); any other read of a trace (``Trace._read`` without ``pages``: it may
      touch any row) uses every page of its spilled batches. ``enforce`` adds the pages used since the last one to
      the cache, stamped with its count (a clock per page of each file, 4 bytes per 4 KiB); when the cache holds more
-     than ``memory_limit * CACHE_SHARE`` bytes, the pages of the oldest reads not used since are evicted
-     (madvise(MADV_DONTNEED) over each run of adjacent pages, in C without the GIL, up to 1024 runs a system call
-     (``_storage.advise_pages``: process_madvise, or a madvise per run on a kernel that refuses it): they leave the
-     process; a later read faults them back from the page cache or the disk). So a step's working set (O(changed
+     than :meth:`BatchStore.cache_cap` bytes (what the budget has left beside the bytes in memory at that enforce,
+     batches, merge outputs, fences and filters, and at least ``memory_limit * CACHE_SHARE``: the batch share is a
+     ceiling for batches, not a reservation, so a state whose batches are all spilled gives the cache nearly all of
+     the budget), the pages of the oldest reads not used since are evicted (madvise(MADV_DONTNEED) over each run of
+     adjacent pages, in C without the GIL, up to 1024 runs a system call (``_storage.advise_pages``:
+     process_madvise, or a madvise per run on a kernel that refuses it): they leave the process; a later read faults
+     them back from the page cache or the disk). An eviction of a file's pages in ``WHOLE_RUNS`` runs or more is
+     one madvise over the file's whole mapping instead: the kernel's work per run (a TLB flush, 1-2 us here) was
+     most of a warm step, where a whole clean mapping goes at ~0.1 us per mapped page (the pages around faults
+     included); the pages the cache still holds leave the mapping too but stay counted as held (a read faults them
+     back from the page cache, a minor fault), so the accounting, hits and misses included, is the per-page clock's
+     either way. So a step's working set (O(changed
      keys) pages) stays cached across steps however big the files, and a file's other pages never count. The
      accounting costs the step a few numpy operations per spilled batch read and the kernel's work per run of pages
      evicted. A read fault maps besides its page the page-cache pages of the aligned 64 KiB around it (the kernel's
@@ -109,6 +117,11 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      a read's pages and evicted whole in the same oldest-first order; evicting it drops its pages (``KeyIndex.drop_pages``, on the thread calling
      ``enforce``, between steps: no step reads or grows the index meanwhile), and the next probes fault back the
      pages they touch, O(keys probed). Whatever an index holds, the memory it pins is bounded by the cache share.
+     An index past ``INDEX_MAX_SHARE`` times the cache share is not kept at all (keyindex.py ``_weigh_index``: the
+     trace drops it for good, quietly, and walks its batches, the spilled ones through their filters and fences,
+     invariant 16): a step's probes land all over it and write what they find, so an index the cache cannot hold is
+     evicted every enforce and costs every step a write fault per page probed (a shared file mapping: ~5 us each, where
+     a read fault on an immutable batch file maps a page in ~0.3 us).
 
 What is not spilled: pending batches of a trace being restored (they are placed at its first read), merge inputs
 (until the merge ends), Z-set state of operators that is not a trace, and the per-batch fence and filter (about
