@@ -81,16 +81,15 @@ def test_an_eviction_of_many_runs_drops_the_whole_mapping_and_keeps_the_accounti
             before = (store.stats["whole_evictions"], store.stats["evictions"])
             store.enforce()
             assert store.cached_pages() * mmap.PAGESIZE <= store.cache_cap()
-            if store.stats["evictions"] == before[1]:
+            if store.stats["whole_evictions"] == before[0]:  # none, or a few pages (what the cache was over by)
                 continue
             assert _rss(f.map) == 0, (_rss(f.map), SEED)  # the whole mapping left, held pages included
-            assert store.stats["whole_evictions"] > before[0], store.stats
             whole += 1
             hits, misses = store.stats["cache_hits"], store.stats["cache_misses"]
             _read(t, keys, model)  # the newest read's pages: still the cache's
             store.enforce()
             assert store.stats["cache_misses"] == misses and store.stats["cache_hits"] > hits, SEED
-        assert whole >= 2, (whole, store.stats)
+        assert whole >= 2, (whole, store.stats, SEED)
 
 
 def test_the_cache_takes_the_budget_the_batches_leave() -> None:
