@@ -157,7 +157,8 @@ def measure(p: dbsp.Pipeline, rng, query: str, groups: int, args, loaded: list, 
            "read_kib": (ru.ru_inblock - ru0.ru_inblock) * 512 / 1024 / args.steps,  # from disk, not the page cache
            # CPU time of the process per measured step, every thread (the merge and spill threads too), user and
            # system (the kernel's faults and evictions): steadier than wall time on a loaded host
-           "user": (ru.ru_utime - ru0.ru_utime) * 1e3 / args.steps, "sys": (ru.ru_stime - ru0.ru_stime) * 1e3 / args.steps}
+           "user": (ru.ru_utime - ru0.ru_utime) * 1e3 / args.steps,
+           "sys": (ru.ru_stime - ru0.ru_stime) * 1e3 / args.steps}
     if store is not None:
         d = {n: store.stats.get(n, 0) - st0.get(n, 0) for n in ("cache_hits", "cache_misses", "evictions",
                                                                "bytes_evicted", "pages_prefetched", "prefetch_runs")}
