@@ -241,6 +241,9 @@ class BatchStore:
     # madvise (invariant 12): the kernel's work per run (a TLB flush, ~1-2 us) dominated a warm spilled step, where a
     # whole clean mapping goes at ~0.1 us per mapped page and a read fault maps a page back at ~0.3 us; 0: never
     WHOLE_RUNS = 16
+    # a cache over its cap evicts down to this share of it (the oldest reads first, as ever): evicting just what it is
+    # over by made a full cache drop whole mappings at every enforce, and every step faulted its pages back
+    EVICT_TO = 0.5
 
     def __init__(self, memory_limit: int, directory: str | None = None, durable: bool = False,
                  vfs: str = "posix") -> None:
@@ -799,7 +802,8 @@ class BatchStore:
             self._forget_indexes()
             if len(self._rounds) > max(64, 2 * self._rounds_kept):
                 self._compact_rounds()
-            evict, drop = self._evict_oldest(self.cache_cap() // mmap.PAGESIZE)
+            cap = self.cache_cap() // mmap.PAGESIZE  # over it: evict down to EVICT_TO of it, so that the whole
+            evict, drop = self._evict_oldest(cap if self._cached <= cap else int(cap * self.EVICT_TO))  # drops space out
         for ix in drop:  # between steps: no step probes or grows the index meanwhile (invariant 17)
             ix.drop_pages()
         # the runs of pages evicted, in C with the GIL released, up to 1024 runs a system call (process_madvise:
