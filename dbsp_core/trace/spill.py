@@ -972,17 +972,16 @@ def _evict(evict: list[tuple[mmap.mmap, np.ndarray]]) -> int:
     from dbsp_core import _storage
 
     before = _storage.advise_calls()
-    whole = 0
+    whole = {id(m): m for m, pages in evict if pages is None}  # each mapping once (several reads of it evicted)
+    for m in whole.values():
+        try:
+            m.madvise(mmap.MADV_DONTNEED)
+        except (OSError, ValueError):  # closed: its batch is gone
+            pass
     for m, pages in evict:
-        if pages is None:  # the whole mapping: one madvise
-            try:
-                m.madvise(mmap.MADV_DONTNEED)
-                whole += 1
-            except (OSError, ValueError):  # closed: its batch is gone
-                pass
-        else:
+        if pages is not None and id(m) not in whole:
             _advise(m, pages, mmap.MADV_DONTNEED)
-    return _storage.advise_calls() - before + whole
+    return _storage.advise_calls() - before + len(whole)
 
 
 def _runs(pages: np.ndarray) -> int:
