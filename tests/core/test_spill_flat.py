@@ -135,6 +135,9 @@ def test_a_group_by_under_a_budget_drops_a_key_index_too_big_to_cache() -> None:
             p.push("t", pa.table({"k": k, "v": v}, schema=SCHEMA))
             p.step()
             store = p.executor.batch_store
+            store.settle()  # the load's batch, handed to the spill thread, is switched to its file
+            store.enforce()
+            store.settle()
             (trace,) = p.traces(0).values()
             assert trace.held_index is None and trace.index_spec is None, trace.held_index
             checked = 0
