@@ -18,7 +18,9 @@ Invariant (trace invariant 11, enforced here):
      order, as they are) and is dropped for good, quietly: the trace walks its batches. It always passes (a copy of
      every column and the weight, and a slot word), so a large distinct keeps its rows only. A key index (an
      aggregate's, a join's) is about as large as its trace's rows when each key has one row, and is kept: it serves
-     an aggregate's one-pass step, several times faster than the walk.
+     an aggregate's one-pass step, several times faster than the walk. Under a memory budget (a BatchStore) any
+     index past ``BatchStore.INDEX_MAX_SHARE`` times the cache share is dropped for good, quietly, the same way
+     (trace/spill.py invariant 17: the cache could not hold it, and every step would fault its pages back).
      A deferred change (trace invariant 14) parks the index instead of folding: the trace holds it aside
      (``_kix_parked``) with the folds it is owed, in order (``_kix_owed``: (batch, sign)); while parked, every
      change that would fold appends to them instead, anything else drops the index as above, and reads walk the
@@ -265,16 +267,23 @@ class KeyIndexed:
                         else 8 for f in self.schema)
 
     def _weigh_index(self) -> None:
-        """Drop a whole-row index for good when it is past INDEX_FLOOR and its entries, with their slot words at the
-        table's fullest (an entry of key columns + sums words and a slot word at 3/4 full per key, csrc/keyindex.h
-        invariant 3), hold more than INDEX_RATIO times the bytes of the trace's rows (invariant 11). Weighed when
-        the index's size changes; by its entries, not by its table, so a table just doubled (or its old half still
-        beside it, while it grows) does not count against it."""
+        """Drop the index for good when the trace is under a BatchStore and the index passes the store's
+        ``INDEX_MAX_SHARE`` times its cache share (by its bytes, at every weighing); drop a whole-row index for good
+        when it is past INDEX_FLOOR and its entries, with their slot words at the table's fullest (an entry of key
+        columns + sums words and a slot word at 3/4 full per key, csrc/keyindex.h invariant 3), hold more than
+        INDEX_RATIO times the bytes of the trace's rows (invariant 11). Weighed when the index's size changes; by
+        its entries, not by its table, so a table just doubled (or its old half still beside it, while it grows)
+        does not count against it."""
         ix = self._kix
-        if ix is None or self._kix_spec[0] != "row":
+        if ix is None:
             return
         size = int(ix.nbytes)
-        if size <= self.INDEX_FLOOR or size == self._kix_seen:
+        store = self._store
+        if store is not None and store.INDEX_MAX_SHARE is not None and size > (
+                store.INDEX_MAX_SHARE * store.memory_limit * store.CACHE_SHARE):  # under a budget: too big to cache
+            self._kix, self._kix_off = None, True  # a choice, not a failure: no warning
+            return
+        if self._kix_spec[0] != "row" or size <= self.INDEX_FLOOR or size == self._kix_seen:
             return
         self._kix_seen = size
         entries = len(ix) * ((ix.nkeys + ix.nvals) * 8 + 8 * 4 // 3)

@@ -47,10 +47,18 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      each key among: ``BatchFile.pages_read``); any other read of a trace (``Trace._read`` without ``pages``: it may
      touch any row) uses every page of its spilled batches. ``enforce`` adds the pages used since the last one to
      the cache, stamped with its count (a clock per page of each file, 4 bytes per 4 KiB); when the cache holds more
-     than ``memory_limit * CACHE_SHARE`` bytes, the pages of the oldest reads not used since are evicted
-     (madvise(MADV_DONTNEED) over each run of adjacent pages, in C without the GIL, up to 1024 runs a system call
-     (``_storage.advise_pages``: process_madvise, or a madvise per run on a kernel that refuses it): they leave the
-     process; a later read faults them back from the page cache or the disk). So a step's working set (O(changed
+     than :meth:`BatchStore.cache_cap` bytes (what the budget has left beside the bytes in memory at that enforce,
+     batches, merge outputs, fences and filters, and at least ``memory_limit * CACHE_SHARE``: the batch share is a
+     ceiling for batches, not a reservation, so a state whose batches are all spilled gives the cache nearly all of
+     the budget), the pages of the oldest reads not used since are evicted (madvise(MADV_DONTNEED) over each run of
+     adjacent pages, in C without the GIL, up to 1024 runs a system call (``_storage.advise_pages``:
+     process_madvise, or a madvise per run on a kernel that refuses it): they leave the process; a later read faults
+     them back from the page cache or the disk). An eviction of a file's pages in ``WHOLE_RUNS`` runs or more is
+     one madvise over the file's whole mapping instead: the kernel's work per run (a TLB flush, 1-2 us here) was
+     most of a warm step, where a whole clean mapping goes at ~0.1 us per mapped page (the pages around faults
+     included); the pages the cache still holds leave the mapping too but stay counted as held (a read faults them
+     back from the page cache, a minor fault), so the accounting, hits and misses included, is the per-page clock's
+     either way. So a step's working set (O(changed
      keys) pages) stays cached across steps however big the files, and a file's other pages never count. The
      accounting costs the step a few numpy operations per spilled batch read and the kernel's work per run of pages
      evicted. A read fault maps besides its page the page-cache pages of the aligned 64 KiB around it (the kernel's
@@ -109,6 +117,11 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      a read's pages and evicted whole in the same oldest-first order; evicting it drops its pages (``KeyIndex.drop_pages``, on the thread calling
      ``enforce``, between steps: no step reads or grows the index meanwhile), and the next probes fault back the
      pages they touch, O(keys probed). Whatever an index holds, the memory it pins is bounded by the cache share.
+     An index past ``INDEX_MAX_SHARE`` times the cache share is not kept at all (keyindex.py ``_weigh_index``: the
+     trace drops it for good, quietly, and walks its batches, the spilled ones through their filters and fences,
+     invariant 16): a step's probes land all over it and write what they find, so an index the cache cannot hold is
+     evicted every enforce and costs every step a write fault per page probed (a shared file mapping: ~5 us each, where
+     a read fault on an immutable batch file maps a page in ~0.3 us).
 
 What is not spilled: pending batches of a trace being restored (they are placed at its first read), merge inputs
 (until the merge ends), Z-set state of operators that is not a trace, and the per-batch fence and filter (about
@@ -200,6 +213,11 @@ class BatchStore:
     BATCH_SHARE = 0.75  # of the limit: batches in memory; the rest: the cache of spilled pages
     CACHE_SHARE = 0.25
     INDEX_FILE_MIN = 2 << 20  # bytes of key index from which its regions are files the cache counts (invariant 17)
+    # a trace under the store drops its key index for good once it passes this times the cache share (invariant 17;
+    # None: never): a step's probes write pages all over it, so evicted every enforce it costs each step a write
+    # fault per page probed (~5 us: a 10M-group group-by under 100 MiB, 16.7 ms a 1k-row step against 5.7 ms walking
+    # its spilled batches, bench/RESULTS.md 2026-11-29)
+    INDEX_MAX_SHARE: float | None = 1.0
     FILE_MERGE_MIN = 1 << 20  # input bytes from which a merge that does not fit the budget is built on disk
     REGION_CACHE_SHARE = 0.125  # of the limit: the most the C region cache (csrc/scratch.h) keeps while a store lives
     PROGRESS_BYTES = 256 << 20  # an enforce spilling this much shows a progress line (dbsp_core/progress.py)
@@ -219,6 +237,13 @@ class BatchStore:
     # warm steps fault more (+22-49% a step there: bench/RESULTS.md, 2026-11-29); off, as before, until the budget's
     # RSS (Nexmark's peak) is weighed against the steps' time
     EVICT_AROUND = False
+    # an eviction of a file's pages that makes this many runs or more drops the whole file's mapping instead, in one
+    # madvise (invariant 12): the kernel's work per run (a TLB flush, ~1-2 us) dominated a warm spilled step, where a
+    # whole clean mapping goes at ~0.1 us per mapped page and a read fault maps a page back at ~0.3 us; 0: never
+    WHOLE_RUNS = 16
+    # a cache over its cap evicts down to this share of it (the oldest reads first, as ever): evicting just what it is
+    # over by made a full cache drop whole mappings at every enforce, and every step faulted its pages back
+    EVICT_TO = 0.5
 
     def __init__(self, memory_limit: int, directory: str | None = None, durable: bool = False,
                  vfs: str = "posix") -> None:
@@ -275,7 +300,7 @@ class BatchStore:
                            "enforcements": 0, "cache_hits": 0, "cache_misses": 0, "pages_checked": 0,
                            "written_in_background": 0, "written_for_nothing": 0, "keys_sought": 0,
                            "merges_on_disk": 0, "pages_prefetched": 0, "prefetch_runs": 0,
-                           "evict_calls": 0, "outputs_never_written": 0})
+                           "evict_calls": 0, "outputs_never_written": 0, "whole_evictions": 0})
 
     def __enter__(self) -> "BatchStore":
         return self
@@ -777,7 +802,8 @@ class BatchStore:
             self._forget_indexes()
             if len(self._rounds) > max(64, 2 * self._rounds_kept):
                 self._compact_rounds()
-            evict, drop = self._evict_oldest(int(self.memory_limit * self.CACHE_SHARE) // mmap.PAGESIZE)
+            cap = self.cache_cap() // mmap.PAGESIZE  # over it: evict down to EVICT_TO of it, so that the whole
+            evict, drop = self._evict_oldest(cap if self._cached <= cap else int(cap * self.EVICT_TO))  # drops space out
         for ix in drop:  # between steps: no step probes or grows the index meanwhile (invariant 17)
             ix.drop_pages()
         # the runs of pages evicted, in C with the GIL released, up to 1024 runs a system call (process_madvise:
@@ -819,7 +845,11 @@ class BatchStore:
             if len(gone):
                 clock[gone] = 0
                 self._cached -= len(gone)
-                evict.append((f.map, _around(f.base, clock, gone) if self.EVICT_AROUND else gone))
+                if self.WHOLE_RUNS and _runs(gone) >= self.WHOLE_RUNS:  # the whole mapping, in one madvise: the
+                    evict.append((f.map, None))  # pages the cache holds stay counted (a read faults them back)
+                    self.stats["whole_evictions"] += 1
+                else:
+                    evict.append((f.map, _around(f.base, clock, gone) if self.EVICT_AROUND else gone))
                 self.stats["evictions"] += 1
                 self.stats["bytes_evicted"] += len(gone) * mmap.PAGESIZE
         return evict, drop
@@ -863,9 +893,16 @@ class BatchStore:
         if clock is not None:
             self._cached -= int(np.count_nonzero(clock))
 
+    def cache_cap(self) -> int:
+        """Bytes the cache may hold after an :meth:`enforce` (invariant 12): what the budget has left beside the bytes
+        in memory at that enforce (batches, merge outputs, fences and filters), and at least ``memory_limit *
+        CACHE_SHARE``. A state whose batches are all spilled gives the cache nearly all of the budget: the batch
+        share is a ceiling for batches, not a reservation the cache may not use."""
+        return max(int(self.memory_limit * self.CACHE_SHARE), self.memory_limit - self._in_memory)
+
     def cached_pages(self) -> int:
-        """Pages of spilled files the cache holds (used since their last eviction; at most ``memory_limit *
-        CACHE_SHARE`` bytes of them after an :meth:`enforce`)."""
+        """Pages of spilled files the cache holds (used since their last eviction; at most :meth:`cache_cap` bytes of
+        them after an :meth:`enforce`)."""
         with self._lock:
             return self._cached
 
@@ -935,9 +972,21 @@ def _evict(evict: list[tuple[mmap.mmap, np.ndarray]]) -> int:
     from dbsp_core import _storage
 
     before = _storage.advise_calls()
+    whole = {id(m): m for m, pages in evict if pages is None}  # each mapping once (several reads of it evicted)
+    for m in whole.values():
+        try:
+            m.madvise(mmap.MADV_DONTNEED)
+        except (OSError, ValueError):  # closed: its batch is gone
+            pass
     for m, pages in evict:
-        _advise(m, pages, mmap.MADV_DONTNEED)
-    return _storage.advise_calls() - before
+        if pages is not None and id(m) not in whole:
+            _advise(m, pages, mmap.MADV_DONTNEED)
+    return _storage.advise_calls() - before + len(whole)
+
+
+def _runs(pages: np.ndarray) -> int:
+    """Runs of adjacent pages in ``pages`` (sorted, unique page numbers)."""
+    return int(np.count_nonzero(np.diff(pages) != 1)) + 1 if len(pages) else 0
 
 
 _tls = threading.local()

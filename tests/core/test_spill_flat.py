@@ -1,0 +1,162 @@
+"""What a warm spilled step costs the kernel (dbsp_core/trace/spill.py invariants 12 and 17): evictions of many runs
+drop a file's mapping in one call, the cache takes the budget the batches leave, and a key index too big to cache
+is not kept under a budget. Each checked against a dict model (multisets)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import warnings
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+
+import dbsp_core as dbsp
+from dbsp_core import ZSet
+from dbsp_core.errors import IndexDroppedWarning
+from dbsp_core.trace import Trace
+from dbsp_core.trace.spill import BatchStore, spilling
+
+SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
+SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+
+
+def test_seed_is_printed() -> None:
+    print(f"DBSP_TEST_SEED={SEED}")
+
+
+def _rss(m: mmap.mmap) -> int:
+    """Bytes of mapping ``m`` resident in this process (its Rss in /proc/self/smaps)."""
+    start = np.frombuffer(m, dtype=np.uint8).ctypes.data
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(None, 1)[0]
+            if "-" in head and not head.endswith(":"):
+                inside = int(head.split("-")[0], 16) == start
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("mapping not found in /proc/self/smaps")
+
+
+def _spilled_trace(store: BatchStore, n: int, rng: np.random.Generator) -> tuple[Trace, Counter]:
+    """A trace of ``n`` rows (k, v), k = 0..n, in one batch spilled to a file of ``store``; and its dict model."""
+    t = Trace(SCHEMA, ("k",))
+    k, v = np.arange(n, dtype=np.int64), rng.integers(0, 1000, n)
+    t.insert(ZSet.from_arrow(pa.table({"k": k, "v": v}, schema=SCHEMA)).index_by(["k"]))
+    store.settle()
+    store.enforce()
+    store.settle()
+    (b,) = t._levels()
+    assert store.file_of(b) is not None, "the batch was not spilled"
+    return t, Counter(zip(k.tolist(), v.tolist()))
+
+
+def _read(t: Trace, keys: np.ndarray, model: Counter) -> None:
+    """``t.lookup`` of ``keys`` finds the model's rows of those keys (multisets)."""
+    hashes = np.sort(ZSet.from_arrow(pa.table({"k": keys, "v": keys}, schema=SCHEMA)).hash(["k"]))
+    asked = set(keys.tolist())
+    got = Counter(r for x in t.lookup(hashes) for r in zip(x.zset.data.column("k").to_pylist(),
+                                                           x.zset.data.column("v").to_pylist()) if r[0] in asked)
+    assert got == Counter({r: c for r, c in model.items() if r[0] in asked}), SEED
+
+
+def test_an_eviction_of_many_runs_drops_the_whole_mapping_and_keeps_the_accounting() -> None:
+    """An eviction of a file's pages in WHOLE_RUNS runs or more is one madvise over the file's whole mapping
+    (invariant 12): after the enforce that made it, the file holds no page in the process (a madvise per run left
+    the pages the cache holds, and the 64 KiB around each fault, mapped), while the cache's accounting is the
+    per-page clock's as before: at most :meth:`BatchStore.cache_cap` bytes, and the pages of the newest read still
+    held, so reading its keys again counts hits only (they fault back from the page cache)."""
+    rng = np.random.default_rng(SEED)
+    with BatchStore(4 << 20) as store, spilling(store):
+        t, model = _spilled_trace(store, 300_000, rng)
+        f = store.file_of(t._levels()[0])
+        assert f.size > 2 * store.cache_cap(), (f.size, store.cache_cap())
+        whole = 0
+        for _ in range(24):  # 50 keys a step: ~200 pages, in ~50 runs; the cache fills in a few steps
+            keys = rng.choice(300_000, 50, replace=False)
+            _read(t, keys, model)
+            before = (store.stats["whole_evictions"], store.stats["evictions"])
+            store.enforce()
+            assert store.cached_pages() * mmap.PAGESIZE <= store.cache_cap()
+            if store.stats["whole_evictions"] == before[0]:  # none, or a few pages (what the cache was over by)
+                continue
+            assert _rss(f.map) == 0, (_rss(f.map), SEED)  # the whole mapping left, held pages included
+            whole += 1
+            hits, misses = store.stats["cache_hits"], store.stats["cache_misses"]
+            _read(t, keys, model)  # the newest read's pages: still the cache's
+            store.enforce()
+            assert store.stats["cache_misses"] == misses and store.stats["cache_hits"] > hits, SEED
+        assert whole >= 2, (whole, store.stats, SEED)
+
+
+def test_the_cache_takes_the_budget_the_batches_leave() -> None:
+    """With every batch spilled, the cache may hold what the budget has left beside the bytes in memory (fences,
+    filters), not only ``CACHE_SHARE`` of it (invariant 12, :meth:`BatchStore.cache_cap`): a working set of about
+    twice the share, read step after step, misses in the first step only (with the cache held to its share, every
+    step evicted part of it and missed again). Rows as the model's."""
+    rng = np.random.default_rng(SEED)
+    limit = 4 << 20
+    with BatchStore(limit) as store, spilling(store):
+        t, model = _spilled_trace(store, 300_000, rng)
+        share = limit * BatchStore.CACHE_SHARE
+        assert store.cache_cap() >= 2 * share, (store.cache_cap(), share)
+        keys = rng.choice(300_000, 160, replace=False)
+        _read(t, keys, model)
+        store.enforce()
+        held = store.cached_pages() * mmap.PAGESIZE
+        assert share < held <= store.cache_cap(), (held, share, store.cache_cap())
+        for _ in range(3):
+            misses = store.stats["cache_misses"]
+            _read(t, keys, model)
+            store.enforce()
+            assert store.stats["cache_misses"] == misses, (store.stats, SEED)
+
+
+def test_a_group_by_under_a_budget_drops_a_key_index_too_big_to_cache() -> None:
+    """A linear aggregate's key index past ``INDEX_MAX_SHARE`` times the cache share under a budget is dropped for
+    good, quietly (invariant 17: its probes write pages all over it, so evicted at every enforce it cost every
+    step a write fault per page probed); the aggregate then reads its old totals from its spilled batches through
+    their filters and fences (``keys_sought``). Its outputs stay a dict model's."""
+    rng = np.random.default_rng(SEED)
+    c = dbsp.Circuit()
+    t = c.input("t", SCHEMA)
+    c.output("g", t.group_by("k").agg(s=dbsp.sum("v"), n=dbsp.count()))
+    p = dbsp.Pipeline(c, memory_limit="4MiB")  # a cache share of 1 MiB; the index would be ~8 MiB
+    try:
+        n = 150_000
+        k = rng.permutation(np.arange(n, dtype=np.int64))
+        v = rng.integers(-9, 10, n)
+        model = {int(a): [int(b), 1] for a, b in zip(k, v)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", IndexDroppedWarning)  # a choice, not a failure: no warning
+            p.push("t", pa.table({"k": k, "v": v}, schema=SCHEMA))
+            p.step()
+            store = p.executor.batch_store
+            store.settle()  # the load's batch, handed to the spill thread, is switched to its file
+            store.enforce()
+            store.settle()
+            (trace,) = p.traces(0).values()
+            assert trace.held_index is None and trace.index_spec is None, trace.held_index
+            checked = 0
+            for i in range(4):
+                keys = rng.choice(n, 50, replace=False).astype(np.int64)
+                sought = store.stats["keys_sought"]
+                spilled = any(store.is_spilled(b) for b in trace._levels())
+                p.push("t", pa.table({"k": keys, "v": np.full(50, i + 1)}, schema=SCHEMA))
+                out = p.step()["g"].to_dict()
+                want = Counter()
+                for a in keys.tolist():
+                    old = model[a]
+                    model[a] = [old[0] + i + 1, old[1] + 1]
+                    want[(a, *old)] -= 1
+                    want[(a, *model[a])] += 1
+                assert Counter(out) == want, SEED
+                if spilled:
+                    assert store.stats["keys_sought"] > sought, "the step did not seek the spilled batches"
+                    checked += 1
+            assert checked, "no step read a spilled batch"
+    finally:
+        p.close()
