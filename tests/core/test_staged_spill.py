@@ -48,7 +48,14 @@ def test_budgeted_staged_pipeline_matches_embedded_and_duckdb_across_a_retry_and
     assert m["limit"] == LIMIT and m["bytes_written"] > 0
     written = {int(sw.split(".")[0]) for sw, n in m["files_by_stage_worker"].items() if n > 0}
     assert written == _stateful(p), f"seed {seed}: batch files written by stages {written} only"
-    assert m["disk_bytes"] > 1000 * LIMIT and m["memory_bytes"] <= m["disk_bytes"] // 10, f"seed {seed}: {m}"
+    # what stays in memory is the output of merges under way (a level merge advances a step at a time, its output
+    # built in memory until it is finished and spilled; with a few rows a step that can be 10% of the files, as
+    # DBSP_STAGED_SPILL_SEED=868886276 showed): no loose or pending batch of any trace
+    loose = [(lvl, len(e[1])) for store in stage_task._STORES.values() for t in store.traces()
+             for lvl, level in enumerate(t._by_level) for e in level.loose if id(e[1]) not in store._files]
+    loose += [("pending", len(b)) for store in stage_task._STORES.values() for t in store.traces() for b in t.pending]
+    assert not loose, f"seed {seed}: batches left in memory under a budget of {LIMIT} byte: {loose}"
+    assert m["disk_bytes"] > 1000 * LIMIT and m["memory_bytes"] <= m["disk_bytes"] // 4, f"seed {seed}: {m}"
     p.close()
     stage_task.drop_cache()  # a new driver on other processes: state is loaded from the stage databases
     q = open_staged(d, c, memory_limit=LIMIT)
