@@ -151,6 +151,12 @@ def test_random_operations_on_a_spark_pipeline_placed_by_cache(store_cluster, s3
         p = rnd.open(workers=2 + r % 2)
         assert p.executor.runner.place
         rnd.go(p)
+        # a draw can run fewer than two jobs (step, queue and checkpoint are 3 of the 20 operations; CI once drew
+        # none in 33): then steps with no new input place the tasks of the state the threads left, before the check
+        for _ in range(3):
+            if p.executor.runner.placement.stats["asked"] > 0 or rnd.closed_by_op:
+                break
+            p.step()
         asked += p.executor.runner.placement.stats["asked"]
         rnd.check(p)
         assert not rnd.failures, (f"round {r} (replay: DBSP_SPARK_STORE_SEED={SEED}):\n" + "\n".join(rnd.failures))
