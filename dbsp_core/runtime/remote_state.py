@@ -74,6 +74,16 @@ _KEY = struct.Struct("<H")
 _VAL = struct.Struct("<Q")
 
 
+def _present(path: str) -> bytes | None:
+    """The bytes of the file ``path``, or None if it is not there (also when it vanishes between a listing or an
+    existence check and this read: a record other threads and processes may remove)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
 def prepare_cache(cache_dir: str) -> None:
     """Claim ``cache_dir`` (invariant 1): it must be empty or a cache this module made; marks it as one."""
     if os.path.isdir(cache_dir):
@@ -295,16 +305,18 @@ class RemoteCheckpoints:
         root = self.root
         records = {}
         for name in RECORDS:
-            p = os.path.join(root, name)
-            if os.path.exists(p):
-                with open(p, "rb") as f:
-                    records[name] = record_blob(f.read())
+            blob = _present(os.path.join(root, name))
+            if blob is not None:
+                records[name] = record_blob(blob)
         cdir = os.path.join(root, CONSUMERS_DIR)
         for name in sorted(os.listdir(cdir)) if os.path.isdir(cdir) else ():
             p = os.path.join(cdir, name)
             if os.path.isfile(p) and not name.startswith(".") and name != "LOCK" and not name.endswith(".tmp"):
-                with open(p, "rb") as f:
-                    records[f"{CONSUMERS_DIR}/{name}"] = record_blob(f.read())
+                # a consumer (another thread, or a reader in another process) may unregister, removing its
+                # record, between the listing and the read: it is then not in this checkpoint
+                blob = _present(p)
+                if blob is not None:
+                    records[f"{CONSUMERS_DIR}/{name}"] = record_blob(blob)
         b0 = self.remote.stats["put_bytes"]
         logs = self.log_part.covered(step)
         # the stage chains as the executor captured them at the checkpoint's step, steps paused (stage_store inv. 5)
