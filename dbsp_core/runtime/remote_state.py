@@ -23,14 +23,16 @@ Invariants (enforced here):
      applied, then applied one record at a time; only one record's value is in memory at once.
   5. The upload runs off the step path: the driver calls :meth:`RemoteCheckpoints.capture` while the local
      checkpoint is committed (the records, the batch files its state names and the logs' position as they are at
-     its step), then steps go on while :meth:`RemoteCheckpoints.send` uploads on the checkpoint thread. At most one
-     upload is in flight: the driver's next checkpoint starts only after it (an explicit one waits, the timer's is
-     skipped and its change goes up with the next), so the databases, their journals and the batch files the
-     upload reads do not change under it (the embedded executor writes its databases only when a checkpoint
-     commits; a live rescale waits for the upload too; the batch store keeps the files a checkpoint names until
-     the next one commits, trace/spill.py invariant 13). The local logs may be truncated at the local commit:
-     recovery reads the store's log segments, which retention keeps for both live manifests (the last uploaded one
-     and the one before), never the local logs. A failed upload breaks the pipeline (StoreUnavailableError).
+     its step; a consumer record removed between the listing and the read, by a consumer unregistering in another
+     thread or process, is left out, not an error), then steps go on while :meth:`RemoteCheckpoints.send` uploads
+     on the checkpoint thread. At most one upload is in flight: the driver's next checkpoint starts only after it
+     (an explicit one waits, the timer's is skipped and its change goes up with the next), so the databases, their
+     journals and the batch files the upload reads do not change under it (the embedded executor writes its
+     databases only when a checkpoint commits; a live rescale waits for the upload too; the batch store keeps the
+     files a checkpoint names until the next one commits, trace/spill.py invariant 13). The local logs may be
+     truncated at the local commit: recovery reads the store's log segments, which retention keeps for both live
+     manifests (the last uploaded one and the one before), never the local logs. A failed upload breaks the
+     pipeline (StoreUnavailableError).
 """
 
 from __future__ import annotations
