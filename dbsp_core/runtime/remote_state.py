@@ -23,14 +23,16 @@ Invariants (enforced here):
      applied, then applied one record at a time; only one record's value is in memory at once.
   5. The upload runs off the step path: the driver calls :meth:`RemoteCheckpoints.capture` while the local
      checkpoint is committed (the records, the batch files its state names and the logs' position as they are at
-     its step), then steps go on while :meth:`RemoteCheckpoints.send` uploads on the checkpoint thread. At most one
-     upload is in flight: the driver's next checkpoint starts only after it (an explicit one waits, the timer's is
-     skipped and its change goes up with the next), so the databases, their journals and the batch files the
-     upload reads do not change under it (the embedded executor writes its databases only when a checkpoint
-     commits; a live rescale waits for the upload too; the batch store keeps the files a checkpoint names until
-     the next one commits, trace/spill.py invariant 13). The local logs may be truncated at the local commit:
-     recovery reads the store's log segments, which retention keeps for both live manifests (the last uploaded one
-     and the one before), never the local logs. A failed upload breaks the pipeline (StoreUnavailableError).
+     its step; a consumer record removed between the listing and the read, by a consumer unregistering in another
+     thread or process, is left out, not an error), then steps go on while :meth:`RemoteCheckpoints.send` uploads
+     on the checkpoint thread. At most one upload is in flight: the driver's next checkpoint starts only after it
+     (an explicit one waits, the timer's is skipped and its change goes up with the next), so the databases, their
+     journals and the batch files the upload reads do not change under it (the embedded executor writes its
+     databases only when a checkpoint commits; a live rescale waits for the upload too; the batch store keeps the
+     files a checkpoint names until the next one commits, trace/spill.py invariant 13). The local logs may be
+     truncated at the local commit: recovery reads the store's log segments, which retention keeps for both live
+     manifests (the last uploaded one and the one before), never the local logs. A failed upload breaks the
+     pipeline (StoreUnavailableError).
 """
 
 from __future__ import annotations
@@ -72,6 +74,16 @@ RECORDS = (META_FILE, LAYOUT_FILE, RESCALE_FILE, METRICS_FILE, PROFILE_FILE)
 _REC = struct.Struct("<BH")
 _KEY = struct.Struct("<H")
 _VAL = struct.Struct("<Q")
+
+
+def _present(path: str) -> bytes | None:
+    """The bytes of the file ``path``, or None if it is not there (also when it vanishes between a listing or an
+    existence check and this read: a record other threads and processes may remove)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
 
 
 def prepare_cache(cache_dir: str) -> None:
@@ -295,16 +307,18 @@ class RemoteCheckpoints:
         root = self.root
         records = {}
         for name in RECORDS:
-            p = os.path.join(root, name)
-            if os.path.exists(p):
-                with open(p, "rb") as f:
-                    records[name] = record_blob(f.read())
+            blob = _present(os.path.join(root, name))
+            if blob is not None:
+                records[name] = record_blob(blob)
         cdir = os.path.join(root, CONSUMERS_DIR)
         for name in sorted(os.listdir(cdir)) if os.path.isdir(cdir) else ():
             p = os.path.join(cdir, name)
             if os.path.isfile(p) and not name.startswith(".") and name != "LOCK" and not name.endswith(".tmp"):
-                with open(p, "rb") as f:
-                    records[f"{CONSUMERS_DIR}/{name}"] = record_blob(f.read())
+                # a consumer (another thread, or a reader in another process) may unregister, removing its
+                # record, between the listing and the read: it is then not in this checkpoint
+                blob = _present(p)
+                if blob is not None:
+                    records[f"{CONSUMERS_DIR}/{name}"] = record_blob(blob)
         b0 = self.remote.stats["put_bytes"]
         logs = self.log_part.covered(step)
         # the stage chains as the executor captured them at the checkpoint's step, steps paused (stage_store inv. 5)

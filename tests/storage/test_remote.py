@@ -407,3 +407,44 @@ def test_a_damaged_delta_object_fails_the_open_and_applies_nothing(s3_server, tm
     with pytest.raises(CorruptionError, match=name.replace(".", r"\.")):
         dbsp.Pipeline.open(uri, _circuit(), cache_dir=str(tmp_path / "c"), checkpoint_interval=None)
     assert r.get(name) == bytes(data)
+
+
+def test_a_consumer_unregistered_while_a_checkpoint_is_captured_is_left_out(s3_server, tmp_path, monkeypatch):
+    """A consumer (another thread, or a reader in another process) unregisters between the checkpoint's look at
+    its record in ``consumers/`` and its read of it: the checkpoint leaves it out. Before, the read raised
+    FileNotFoundError and broke the pipeline."""
+    store = s3_server.uri(s3_server.bucket(), "pipe")
+    p = dbsp.Pipeline(_circuit(), storage=store, cache_dir=str(tmp_path / "cache"), checkpoint_interval=None)
+    try:
+        for name in ("gone", "kept"):
+            p.consumers.register(name)
+        pushes = _pushes(SEED, 2)
+        p.push("t", pushes[0], producer="gen", seq=0)
+        p.step()
+        real = os.path.isfile
+        raced = []
+
+        def isfile(path):  # the race, made certain: "gone" unregisters right after the capture looked at its file
+            there = real(path)
+            if sys._getframe(1).f_code.co_name == "capture" and os.path.basename(path) == "gone" and not raced:
+                raced.append(there)
+                p.consumers.unregister("gone")
+            return there
+
+        monkeypatch.setattr(os.path, "isfile", isfile)
+        p.checkpoint()
+        monkeypatch.undo()
+        assert raced == [True], "the checkpoint saw the record before the unregistering"
+        p.push("t", pushes[1], producer="gen", seq=1)
+        p.step()
+    finally:
+        p.close()
+    q = dbsp.Pipeline.open(store, _circuit(), cache_dir=str(tmp_path / "cache2"), checkpoint_interval=None)
+    try:
+        assert q.consumers.list() == {"kept": 0}
+        acc: dict = {}
+        for _, z in q.read_output("s"):
+            integrate(acc, z)
+        assert acc == _duckdb(pushes)
+    finally:
+        q.close(checkpoint=False)
