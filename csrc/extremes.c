@@ -15,18 +15,26 @@ static int holdable(int32_t t) {
     return (cls == DBSP_CLASS_SIGNED || cls == DBSP_CLASS_UNSIGNED) && t != DBSP_UINT64;
 }
 
-int dbsp_extremes_probe(const DbspKeyIndex *ix, const DbspBatch *b, const uint64_t *kh, const int32_t *keys,
-                        int32_t nkeys, const DbspAggSpec *slots, int32_t ns, int64_t *group_row, uint64_t *gkh,
-                        int64_t *old, int64_t *nw, uint8_t *need, int64_t *ng) {
-    int32_t ne = 0;
+/* The slots' check: each a count, sum, min or max over a column the totals can hold; *ne: how many are min/max */
+static int check_slots(const DbspBatch *b, const DbspAggSpec *slots, int32_t ns, int32_t *ne) {
+    *ne = 0;
     for (int32_t j = 0; j < ns; j++) {
         int32_t k = slots[j].kind;
         if (k < DBSP_AGG_COUNT || k > DBSP_AGG_MAX) return DBSP_EINVAL;
         if (k == DBSP_AGG_COUNT) continue;
         if (slots[j].col < 0 || slots[j].col >= b->ncols) return DBSP_EINVAL;
         if (!holdable(b->cols[slots[j].col].type)) return DBSP_ETYPE;
-        ne += k == DBSP_AGG_MIN || k == DBSP_AGG_MAX;
+        *ne += k == DBSP_AGG_MIN || k == DBSP_AGG_MAX;
     }
+    return DBSP_OK;
+}
+
+int dbsp_extremes_probe(const DbspKeyIndex *ix, const DbspBatch *b, const uint64_t *kh, const int32_t *keys,
+                        int32_t nkeys, const DbspAggSpec *slots, int32_t ns, int64_t *group_row, uint64_t *gkh,
+                        int64_t *old, int64_t *nw, uint8_t *need, int64_t *ng) {
+    int32_t ne;
+    int cs = check_slots(b, slots, ns, &ne);
+    if (cs != DBSP_OK) return cs;
     const int32_t V = ns + ne;
     int64_t n = b->nrows, g = 0;
     *ng = 0;
@@ -94,15 +102,9 @@ int dbsp_extremes_probe_inserts(const DbspKeyIndex *ix, const DbspBatch *b, cons
                                 const DbspAggSpec *slots, int32_t ns, int64_t **group_row, uint64_t **gkh,
                                 int64_t **old, int64_t **nw, int64_t *ng) {
     *group_row = NULL, *gkh = NULL, *old = NULL, *nw = NULL, *ng = 0;
-    int32_t ne = 0;
-    for (int32_t j = 0; j < ns; j++) {
-        int32_t k = slots[j].kind;
-        if (k < DBSP_AGG_COUNT || k > DBSP_AGG_MAX) return DBSP_EINVAL;
-        if (k == DBSP_AGG_COUNT) continue;
-        if (slots[j].col < 0 || slots[j].col >= b->ncols) return DBSP_EINVAL;
-        if (!holdable(b->cols[slots[j].col].type)) return DBSP_ETYPE;
-        ne += k == DBSP_AGG_MIN || k == DBSP_AGG_MAX;
-    }
+    int32_t ne;
+    int cs = check_slots(b, slots, ns, &ne);
+    if (cs != DBSP_OK) return cs;
     if (b->weights)
         for (int64_t i = 0; i < b->nrows; i++)
             if (b->weights[i] < 0) return DBSP_EINVAL; /* a deletion: dbsp_extremes_probe's recompute rule */

@@ -379,23 +379,12 @@ class ZSet:
         >>> z.data.column("x").to_pylist(), z.weights.tolist()
         ([1, 2], [1, 1])
         """
-        if self._distinct and self._rhash is not None:
-            return self
-        rh = self._rhash
-        if rh is None:
-            rh = _zset.hash_columns(self._data, list(range(self._data.num_columns)))
-        if self._distinct:
-            return ZSet._make(self._data, self._w, distinct=True, rhash=rh)
-        kept = _zset.distinct(self._data, self._w, rh)
-        if kept is None:
-            return ZSet._make(self._data, self._w, distinct=True, rhash=rh)
-        idx, w = kept
-        return ZSet._make(_take(self._data, idx), w, distinct=True, rhash=rh[idx])
+        return self._hashed_part(0.0)
 
     def _hashed_part(self, keep_below: float = 0.125) -> ZSet:
         """This Z-set as one part of a sum that is made distinct afterwards (:meth:`_distinct_unsorted` of the
         concatenation): with its row hashes, and made distinct here only when that drops at least ``keep_below``
-        of its rows, so a part that shrinks much is gathered where it is (a worker's thread) while one with a few
+        of its rows (0: always, which is :meth:`_distinct_unsorted`), so a part that shrinks much is gathered where it is (a worker's thread) while one with a few
         equal rows (a push of a bag handed through) is left as it is: the sum's one gather removes them, where a
         gather here would copy every row once more, and the concatenation of parts that are slices of one push
         stays a view (:meth:`concat`).
