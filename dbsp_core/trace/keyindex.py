@@ -19,7 +19,8 @@ Invariant (trace invariant 11, enforced here):
      every column and the weight, and a slot word), so a large distinct keeps its rows only. A key index (an
      aggregate's, a join's) is about as large as its trace's rows when each key has one row, and is kept: it serves
      an aggregate's one-pass step, several times faster than the walk. Under a memory budget (a BatchStore) any
-     index past ``BatchStore.INDEX_MAX_SHARE`` times the cache share is dropped for good, quietly, the same way
+     index past ``BatchStore.INDEX_MAX_SHARE`` times the cache share (and past ``BatchStore.INDEX_KEEP_BYTES``) is
+     dropped for good, quietly, the same way
      (trace/spill.py invariant 17: the cache could not hold it, and every step would fault its pages back).
      A deferred change (trace invariant 14) parks the index instead of folding: the trace holds it aside
      (``_kix_parked``) with the folds it is owed, in order (``_kix_owed``: (batch, sign)); while parked, every
@@ -268,7 +269,7 @@ class KeyIndexed:
 
     def _weigh_index(self) -> None:
         """Drop the index for good when the trace is under a BatchStore and the index passes the store's
-        ``INDEX_MAX_SHARE`` times its cache share (by its bytes, at every weighing); drop a whole-row index for good
+        ``INDEX_MAX_SHARE`` times its cache share and its ``INDEX_KEEP_BYTES`` (by its bytes, at every weighing); drop a whole-row index for good
         when it is past INDEX_FLOOR and its entries, with their slot words at the table's fullest (an entry of key
         columns + sums words and a slot word at 3/4 full per key, csrc/keyindex.h invariant 3), hold more than
         INDEX_RATIO times the bytes of the trace's rows (invariant 11). Weighed when the index's size changes; by
@@ -279,8 +280,8 @@ class KeyIndexed:
             return
         size = int(ix.nbytes)
         store = self._store
-        if store is not None and store.INDEX_MAX_SHARE is not None and size > (
-                store.INDEX_MAX_SHARE * store.memory_limit * store.CACHE_SHARE):  # under a budget: too big to cache
+        if store is not None and store.INDEX_MAX_SHARE is not None and size > max(
+                store.INDEX_KEEP_BYTES, store.INDEX_MAX_SHARE * store.memory_limit * store.CACHE_SHARE):  # too big
             self._kix, self._kix_off = None, True  # a choice, not a failure: no warning
             return
         if self._kix_spec[0] != "row" or size <= self.INDEX_FLOOR or size == self._kix_seen:

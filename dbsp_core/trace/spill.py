@@ -117,7 +117,8 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      a read's pages and evicted whole in the same oldest-first order; evicting it drops its pages (``KeyIndex.drop_pages``, on the thread calling
      ``enforce``, between steps: no step reads or grows the index meanwhile), and the next probes fault back the
      pages they touch, O(keys probed). Whatever an index holds, the memory it pins is bounded by the cache share.
-     An index past ``INDEX_MAX_SHARE`` times the cache share is not kept at all (keyindex.py ``_weigh_index``: the
+     An index past ``INDEX_MAX_SHARE`` times the cache share and past ``INDEX_KEEP_BYTES`` is not kept at all
+     (keyindex.py ``_weigh_index``: the
      trace drops it for good, quietly, and walks its batches, the spilled ones through their filters and fences,
      invariant 16): a step's probes land all over it and write what they find, so an index the cache cannot hold is
      evicted every enforce and costs every step a write fault per page probed (a shared file mapping: ~5 us each, where
@@ -218,6 +219,10 @@ class BatchStore:
     # fault per page probed (~5 us: a 10M-group group-by under 100 MiB, 16.7 ms a 1k-row step against 5.7 ms walking
     # its spilled batches, bench/RESULTS.md 2026-11-29)
     INDEX_MAX_SHARE: float | None = 1.0
+    # ... but an index of at most this many bytes is kept whatever the budget: re-faulting all of it costs a step at
+    # most ~4k write faults (~20 ms), and the rule is for the indexes a budget's cache can never hold (hundreds of
+    # MiB); a tiny budget (DBSP_MEMORY_LIMIT=1 in CI) then still runs the paths a key index serves
+    INDEX_KEEP_BYTES = 16 << 20
     FILE_MERGE_MIN = 1 << 20  # input bytes from which a merge that does not fit the budget is built on disk
     REGION_CACHE_SHARE = 0.125  # of the limit: the most the C region cache (csrc/scratch.h) keeps while a store lives
     PROGRESS_BYTES = 256 << 20  # an enforce spilling this much shows a progress line (dbsp_core/progress.py)

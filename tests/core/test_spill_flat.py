@@ -115,7 +115,7 @@ def test_the_cache_takes_the_budget_the_batches_leave() -> None:
             assert store.stats["cache_misses"] == misses, (store.stats, SEED)
 
 
-def test_a_group_by_under_a_budget_drops_a_key_index_too_big_to_cache() -> None:
+def test_a_group_by_under_a_budget_drops_a_key_index_too_big_to_cache(monkeypatch) -> None:
     """A linear aggregate's key index past ``INDEX_MAX_SHARE`` times the cache share under a budget is dropped for
     good, quietly (invariant 17: its probes write pages all over it, so evicted at every enforce it cost every
     step a write fault per page probed); the aggregate then reads its old totals from its spilled batches through
@@ -124,7 +124,10 @@ def test_a_group_by_under_a_budget_drops_a_key_index_too_big_to_cache() -> None:
     c = dbsp.Circuit()
     t = c.input("t", SCHEMA)
     c.output("g", t.group_by("k").agg(s=dbsp.sum("v"), n=dbsp.count()))
-    p = dbsp.Pipeline(c, memory_limit="4MiB")  # a cache share of 1 MiB; the index would be ~8 MiB
+    # the rule past INDEX_KEEP_BYTES (16 MiB: an index a real budget's cache cannot hold is hundreds of MiB) at a
+    # size a test builds in a second: a cache share of 1 MiB, an index of ~8 MiB, a floor of 2 MiB
+    monkeypatch.setattr(BatchStore, "INDEX_KEEP_BYTES", 2 << 20)
+    p = dbsp.Pipeline(c, memory_limit="4MiB")
     try:
         n = 150_000
         k = rng.permutation(np.arange(n, dtype=np.int64))
