@@ -89,6 +89,7 @@ def driver(runtime: str, storage: str, seed: int, batches: int, workers: int, ma
     base = os.path.dirname(os.path.abspath(storage))
     acks = os.path.join(base, "acks.txt")
     p = make(runtime, storage, workers, build_circuit(), master)
+    opened_at = p.steps - p.stats.get("replayed_steps", 0)  # the checkpoint's step this run recovered from
     print("READY", flush=True)
     for i in range(acked(acks), batches):
         ack = p.push("s", batch(seed, i), producer="gen", seq=i)
@@ -106,7 +107,7 @@ def driver(runtime: str, storage: str, seed: int, batches: int, workers: int, ma
     if os.environ.get("DBSP_KILL_LOCAL_DIRS"):
         st = p.stats
         with open(os.path.join(base, "stats.json"), "w") as f:
-            json.dump({"run": int(open(os.path.join(base, "runs.txt")).read()), "fetches": st.get("state_fetches", 0),
+            json.dump({"run": int(open(os.path.join(base, "runs.txt")).read()), "fetches": st.get("state_fetches", 0), "opened_at": opened_at,
                        "fetch_bytes": st.get("state_fetch_bytes", 0), "roots": st.get("state_cache_roots", [])}, f)
     p.close()
 

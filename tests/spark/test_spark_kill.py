@@ -304,7 +304,14 @@ def test_driver_kill_on_a_cluster_from_the_store(tmp_path, s3_server):
           f"(steps in the output log at each kill: {at}); the last run's tasks fetched state {st['fetches']} times "
           f"({st['fetch_bytes']:,} B) into {st['roots']}")
     assert killed == CLUSTER_KILLS and runs == st["run"], (killed, runs, st)
-    assert st["fetches"] > 0 and st["roots"], "the last run found its state in no local cache: it came from the store"
+    # a last run that recovered from the first manifest (the kills landed before any checkpoint committed: the child
+    # checkpoints after every third push) replays from no state, so it has nothing to fetch (seen once:
+    # DBSP_SPARK_KILL_SEED=297592486, kills at steps 2 and 3)
+    if st["opened_at"] > 0:
+        assert st["fetches"] > 0 and st["roots"], f"the last run found its state in no local cache: {st}"
+    else:
+        print("the last run recovered from step 0 (no checkpoint committed before the kills): nothing to fetch")
+    assert st["roots"], st
     assert all(r.startswith(os.path.join(disks, f"run-{runs}") + os.sep) for r in st["roots"]), st["roots"]
     assert os.listdir(disks) == [f"run-{runs}"], "each restart deleted the local directories of the runs before"
     shutil.rmtree(cache)
