@@ -121,7 +121,7 @@ def kill_when_busy(spark, app: str, d: "Driven", t: float, killed: list) -> None
 
 
 POLICY_STATS = ("state_upload_bytes", "state_job_uploads", "state_local_commits", "state_flushes",
-                "state_flush_uploads", "state_flush_bytes", "state_flush_s", "state_fetches", "state_fetch_bytes",
+                "state_flush_uploads", "state_flush_compactions", "state_flush_bytes", "state_flush_s", "state_fetches", "state_fetch_bytes",
                 "state_fetch_s", "state_load_s", "lost_recoveries", "lost_replayed_steps", "lost_recovery_s",
                 "state_rollbacks")
 
@@ -168,6 +168,9 @@ def policy(a, spark, server, tmp: str, app: str) -> None:
         p.checkpoint()
         out["ckpt_s"][f"{m} after the blocks"] = time.perf_counter() - t0
         out[f"ckpt_up_{m}"] = p.stats.get("state_upload_bytes", 0) - u
+        out[f"ckpt_stats_{m}"] = {k: p.stats.get(k, 0) for k in POLICY_STATS}
+        print(f"{m}: checkpoint after the blocks {out['ckpt_s'][f'{m} after the blocks']:.1f} s, "
+              f"{out[f'ckpt_up_{m}']:,} bytes uploaded; totals {out[f'ckpt_stats_{m}']}", flush=True)
         out[f"ckpt_req_{m}"] = {k: v - r.get(k, 0) for k, v in server.requests().items() if v - r.get(k, 0)}
     period = a.period or round(2 * max(statistics.median(out["lat"][m]) for m in modes), 1)
     p50s = ", ".join(f"{m} {ms(out['lat'][m])} ms" for m in modes)

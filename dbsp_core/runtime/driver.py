@@ -1032,6 +1032,17 @@ class Pipeline:
         t = self._ckpt_thread
         if t is not None and t is not threading.current_thread():
             t.join()  # its driver record and truncation are done before the log is read
+        try:
+            self._recover_lost_steps(upto, exc)
+        except WorkerStateLostError:
+            raise  # lost again meanwhile: recovered again by the caller (_lost_recovered)
+        except BaseException as failed:
+            self._broken = failed  # the executor is behind the driver: only open() recovers now
+            raise
+
+    def _recover_lost_steps(self, upto: int, exc: BaseException) -> None:
+        assert self.storage is not None and self._input is not None and self._output is not None
+        assert self._driver_db is not None
         t0 = time.perf_counter()
         x = self.executor.rollback_lost()
         log = LogReplay(self.storage, self._input, self._output, self._driver_db, self._inputs, self._event_time,
@@ -1606,7 +1617,7 @@ class Pipeline:
         """
         self._check_usable()
         with self._step_lock:
-            return self.executor.traces(worker)
+            return self._lost_recovered(lambda: self.executor.traces(worker), self.steps)  # invariant 10
 
     # ---- current contents: materialized views and readable tables (invariant 9; runtime/readable.py) ----
 
@@ -1637,7 +1648,7 @@ class Pipeline:
         node = self._readable.node(name, f"view({name!r})")
         with self._step_lock:
             self._check_usable()
-            z = self.executor.view(node)
+            z = self._lost_recovered(lambda: self.executor.view(node), self.steps)  # invariant 10
         return as_rows(z, name, weights)
 
     def query(self, sql: str) -> pa.Table:
@@ -1665,7 +1676,8 @@ class Pipeline:
         names = self._readable.names_in(sql)
         with self._step_lock:
             self._check_usable()
-            zs = {n: self.executor.view(self._readable.nodes[n]) for n in names}
+            zs = self._lost_recovered(lambda: {n: self.executor.view(self._readable.nodes[n]) for n in names},
+                                      self.steps)  # invariant 10
         return run_query(sql, {n: as_rows(z, n, False) for n, z in zs.items()}, list(self._readable.nodes))
 
     def metrics(self, state: bool = True) -> dict:

@@ -588,6 +588,7 @@ class StagedExecutor:
         st = self.stats
         st["state_flushes"] = st.get("state_flushes", 0) + 1
         st["state_flush_uploads"] = st.get("state_flush_uploads", 0) + len(acks)
+        st["state_flush_compactions"] = st.get("state_flush_compactions", 0) + sum(bool(a.get("base")) for a in acks)
         n = sum((a.get("delta") or a["base"])["bytes"] for a in acks)
         st["state_flush_bytes"] = st.get("state_flush_bytes", 0) + n
         st["state_upload_bytes"] = st.get("state_upload_bytes", 0) + n

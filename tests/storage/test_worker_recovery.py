@@ -153,6 +153,9 @@ def test_a_lost_worker_recovers_the_whole_pipeline(s3_server, tmp_path) -> None:
     p.checkpoint()  # the flush finds worker 0's state gone: recovered from step 8, then flushed
     assert st["lost_recoveries"] == 2 and st["lost_replayed_steps"] == 3 + 4, st
     outs += _feed(p, steps[12:])
+    assert _lose(tmp_path, 1)
+    assert p.traces(1)  # the driver's read flushes first: the loss it finds is recovered, then read
+    assert st["lost_recoveries"] == 3 and st["lost_replayed_steps"] == 3 + 4 + 2, st
     p.close()
     same_outputs(outs, embedded(c, steps))
     check_duckdb(sql, outs, bags)
