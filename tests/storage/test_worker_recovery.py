@@ -172,3 +172,25 @@ def test_capture_refuses_local_links(s3_server, tmp_path) -> None:
     with pytest.raises(RecoveryError, match="flush first"):
         p.executor.chains.capture()
     p.close()
+
+
+@pytest.mark.slow  # 10-20 s: a live rescale's waves and a whole-pipeline recovery
+def test_a_rescale_flushes_first(s3_server, tmp_path) -> None:
+    """"pipeline": a live rescale 2 -> 3 reads the durable chains, so it flushes first (no checkpoint before it);
+    a loss after it is recovered from the rescale's state, not from before it."""
+    steps, bags = changes(SEED + 3, 8)
+    c, sql = build("join_agg")
+    uri = s3_server.uri(s3_server.bucket(), "pipe")
+    p = _pipe(c, uri, tmp_path, "pipeline")
+    outs = _feed(p, steps[:3])
+    assert any(p.executor.chains.pending.values())
+    p.rescale(3)
+    assert p.stats["state_flushes"] >= 1 and p.layout.workers == 3
+    outs += _feed(p, steps[3:6])
+    assert _lose(tmp_path, 2)
+    outs += _feed(p, steps[6:])
+    assert p.stats["lost_recoveries"] == 1 and p.stats["lost_replayed_steps"] <= 3, p.stats
+    p.close()
+    same_outputs(outs, embedded(c, steps))
+    check_duckdb(sql, outs, bags)
+    _check_log(uri, outs)
