@@ -121,7 +121,8 @@ def kill_when_busy(spark, app: str, d: "Driven", t: float, killed: list) -> None
 
 
 POLICY_STATS = ("state_upload_bytes", "state_job_uploads", "state_local_commits", "state_flushes",
-                "state_flush_uploads", "state_flush_compactions", "state_flush_bytes", "state_flush_s", "state_fetches", "state_fetch_bytes",
+                "state_flush_uploads", "state_flush_compactions", "state_flush_bytes", "state_flush_s", "state_fetches",
+                "state_fetch_bytes",
                 "state_fetch_s", "state_load_s", "lost_recoveries", "lost_replayed_steps", "lost_recovery_s",
                 "state_rollbacks")
 
@@ -193,7 +194,8 @@ def policy(a, spark, server, tmp: str, app: str) -> None:
             if back == back or time.time() > tk + 600:
                 break
             d.run(p, time.time() + 10)
-        out[f"kill_{m}"] = {"back_s": back - tk, "lat": lat, "steps_before": sum(len(x) for _, e, x in d.jobs if e < tk),
+        out[f"kill_{m}"] = {"back_s": back - tk, "lat": lat,
+                            "steps_before": sum(len(x) for _, e, x in d.jobs if e < tk),
                             "before": [e - s for s, e, _ in d.jobs if e < tk][-5:],
                             "delta": {k: p.stats.get(k, 0) - f0[k] for k in POLICY_STATS}}
         print(f"{m}: one Spark executor lost: {json.dumps(out[f'kill_{m}'], default=str)}", flush=True)
@@ -205,7 +207,8 @@ def policy(a, spark, server, tmp: str, app: str) -> None:
         json.dump({"args": vars(a), "period": period, **out}, f, default=str)
     print(f"\n{a.master}, W={a.workers}, group-by over a state of {a.keys:,} keys, steps of {a.rows:,} rows, "
           f"{a.blocks} alternated blocks of {a.block} steps each, load {os.getloadavg()[0]:.1f}\n")
-    print("| worker_recovery | step p50 ms | step mean ms | rows/s (mean) | driver CPU ms a step | state bytes uploaded "
+    print("| worker_recovery | step p50 ms | step mean ms | rows/s (mean) | driver CPU ms a step "
+          "| state bytes uploaded "
           "a step | store requests a step | checkpoint after the blocks s (bytes uploaded) |")
     print("|---|---|---|---|---|---|---|---|")
     for m in modes:

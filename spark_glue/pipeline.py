@@ -65,7 +65,8 @@ Design notes (each is a requirement this module keeps):
      no stage's output is lost with a Spark executor (the exchange is in the store). A job Spark aborts (a task out of attempts) runs again from the
      same chains (dbsp_core.runtime.staged invariant 5) instead of breaking the pipeline. So the per-job write is the
      default (``worker_recovery="alone"``; the other option is design note 9): it is what replaces the issue's
-     in-flight exchange log, and it costs the bytes each job changes (bench/RESULTS.md, issue 33). A lost driver still means whole-pipeline recovery: ``SparkPipeline.open`` from the last
+     in-flight exchange log, and it costs the bytes each job changes (bench/RESULTS.md, issue 33). A lost driver
+     still means whole-pipeline recovery: ``SparkPipeline.open`` from the last
      checkpoint, replaying the input log. A task whose state moved asks for its chain's objects at once
      (stage_store._Prefetch). Where the rest of a loss goes (Spark's re-runs of lost shuffle output on the cores
      left, and the replacement Spark executor's cold first tasks) is timed apart in bench/RESULTS.md, issue 33.
@@ -103,7 +104,8 @@ Design notes (each is a requirement this module keeps):
      2,000-row step, 9.3 MB a 20,000-row one) and moves it to the checkpoint (a flush of 1.3-2.3 s, steps paused,
      at most the page files); a loss then costs a rollback of every worker and a replay of every step since the
      checkpoint. Measured: the upload's per-step cost was inside the noise at 2,000-row steps ("pipeline" 8% slower
-     at p50 in one run, 11% faster in the other) and 16% of the mean step at 20,000-row steps, while one Spark executor lost 30 s after a checkpoint
+     at p50 in one run, 11% faster in the other) and 16% of the mean step at 20,000-row steps, while one Spark
+     executor lost 30 s after a checkpoint
      took ``"pipeline"`` 21.9-30.0 s back to the current step against 6.4-12.6 s, latencies 15-24 s against 3.4-8.4
      s. So the default is ``"alone"``: on a cluster where losing an executor is routine (the issue's premise) the
      per-job write costs little and keeps a loss to its own workers; ``"pipeline"`` fits pipelines that write much

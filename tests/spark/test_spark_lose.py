@@ -233,9 +233,11 @@ def _lose_pipeline(cluster, s3_server, tmp_path, nsteps: int, kills: int, every:
     print(f"{len(steps)} steps, {checkpoints} checkpoints; {len(killer.landed)} executor kills: "
           + "; ".join(f"executor {k['executor']} at step {k['step']} ({'mid-job' if k['busy'] else 'between jobs'})"
                       for k in killer.landed)
-          + f"; whole-pipeline recoveries {st.get('lost_recoveries', 0)}, steps replayed {st.get('lost_replayed_steps', 0)}"
+          + f"; whole-pipeline recoveries {st.get('lost_recoveries', 0)}, steps replayed "
+          f"{st.get('lost_replayed_steps', 0)}"
           f", {st.get('lost_recovery_s', 0.0):.1f} s; per-job uploads {st.get('state_job_uploads', 0)}, local commits "
-          f"{st.get('state_local_commits', 0)}, flushes {st.get('state_flushes', 0)} ({st.get('state_flush_uploads', 0)}"
+          f"{st.get('state_local_commits', 0)}, flushes {st.get('state_flushes', 0)} "
+          f"({st.get('state_flush_uploads', 0)}"
           f" objects); last loss: {st.get('last_state_lost')}")
     assert len(killer.landed) == kills, f"only {len(killer.landed)} of {kills} kills landed in {len(steps)} steps"
     assert st.get("state_job_uploads", 0) == 0, "a job uploaded state in worker_recovery='pipeline'"

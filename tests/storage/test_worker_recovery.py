@@ -53,7 +53,8 @@ def _lose(tmp_path, worker: int) -> list[str]:
     """Lose the Spark executor holding ``worker``: its cached databases, sidecars and pending records are gone, and
     the instances this process cached (as a new Python worker would start)."""
     gone = []
-    for path in glob.glob(str(tmp_path / "tasks" / "dbsp-stage-cache" / "*" / "state" / "stage-*" / f"worker-{worker}.*")):
+    cache = tmp_path / "tasks" / "dbsp-stage-cache"
+    for path in glob.glob(str(cache / "*" / "state" / "stage-*" / f"worker-{worker}.*")):
         gone.append(path)
         shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     stage_task.drop_cache()
@@ -98,7 +99,6 @@ def test_uploads_per_job_by_mode(s3_server, tmp_path, mode) -> None:
     c, sql = build("join_agg")
     uri = s3_server.uri(s3_server.bucket(), "pipe")
     p = _pipe(c, uri, tmp_path, mode)
-    put0 = p._remote.stats["puts"] if "puts" in p._remote.stats else None
     outs = _feed(p, steps[:4])
     cells = sum(p.executor.plan.stateful) * 2
     st = p.stats
@@ -121,7 +121,6 @@ def test_uploads_per_job_by_mode(s3_server, tmp_path, mode) -> None:
                            cache_dir=str(tmp_path / "driver"), checkpoint_interval=None)
     assert q.steps == 6 and q.stats["replayed_steps"] == 2
     q.close()
-    del put0
     same_outputs(outs, embedded(c, steps))
     check_duckdb(sql, outs, bags)
 
