@@ -2,6 +2,13 @@
 
 Run: python bench/bench_spark_lose.py [--keys 1000000] [--rows 2000] [--workers 4] [--period 0 (auto)] [--kill-after 30]
 Prints the measurements and markdown tables (copied into bench/RESULTS.md, issue 33 section).
+
+``--policy`` measures the recovery policy instead (spark_glue/pipeline.py design note 9): two store pipelines on the
+same data, ``worker_recovery="alone"`` (every job uploads its delta) and ``"pipeline"`` (nothing uploaded between
+checkpoints), their steps in alternated blocks (latency, the driver's CPU, bytes and requests to the store), the
+checkpoint after the blocks (the flush of "pipeline"), then in each mode in turn one Spark executor killed
+``--kill-after`` s after a checkpoint while steps arrive every period: the time until back at the current step, the
+step latencies meanwhile, and for "pipeline" the whole-pipeline recovery's rollbacks and replayed steps.
 """
 
 from __future__ import annotations
@@ -97,6 +104,135 @@ class Driven:
         return float("nan"), lat
 
 
+def kill_when_busy(spark, app: str, d: "Driven", t: float, killed: list) -> None:
+    """At ``t`` or just after, while the step running then has Spark tasks running (mid-step): kill the Spark
+    executor of the lowest id (SIGKILL, its directories deleted); appends ``(id, time)`` to ``killed``."""
+    from executor_kill import executors, kill_executor
+
+    time.sleep(max(0.0, t - time.time()))
+    st = spark.sparkContext.statusTracker()
+    while not (d.running_since is not None and any(
+            (info := st.getStageInfo(s)) is not None and info.numActiveTasks > 0 for s in st.getActiveStageIds())):
+        time.sleep(0.02)
+    live = executors(app)
+    eid = sorted(live)[0]
+    killed.append((eid, time.time()))
+    kill_executor(live[eid])
+
+
+POLICY_STATS = ("state_upload_bytes", "state_job_uploads", "state_local_commits", "state_flushes",
+                "state_flush_uploads", "state_flush_compactions", "state_flush_bytes", "state_flush_s", "state_fetches",
+                "state_fetch_bytes",
+                "state_fetch_s", "state_load_s", "lost_recoveries", "lost_replayed_steps", "lost_recovery_s",
+                "state_rollbacks")
+
+
+def policy(a, spark, server, tmp: str, app: str) -> None:
+    """``--policy``: the per-step cost of the per-job upload and one Spark executor's loss, "alone" against
+    "pipeline" (see the module docstring)."""
+    from executor_kill import executors
+    from spark_glue import SparkPipeline
+
+    modes = ("alone", "pipeline")
+    rng = np.random.default_rng(33)
+    data = [pa.table({"k": rng.integers(0, a.keys, a.rows), "v": rng.integers(0, 1000, a.rows)}) for _ in range(64)]
+    out: dict = {"load_s": {}, "ckpt_s": {}, "lat": {m: [] for m in modes}, "cpu": {m: [] for m in modes},
+                 "up": dict.fromkeys(modes, 0), "req": {m: {} for m in modes}, "n": dict.fromkeys(modes, 0)}
+    pipes = {}
+    for m in modes:
+        uri = server.uri(server.bucket(), f"pipe-{m}")
+        pipes[m] = SparkPipeline(spark, circuit(), workers=a.workers, storage=uri,
+                                 cache_dir=os.path.join(tmp, f"driver-{m}"), checkpoint_interval=None,
+                                 worker_recovery=m)
+        out["load_s"][m] = load(pipes[m], a.keys)
+        t0 = time.perf_counter()
+        pipes[m].checkpoint()
+        out["ckpt_s"][f"{m} after load"] = time.perf_counter() - t0
+        print(f"{m}: loaded {a.keys:,} keys in {out['load_s'][m]:.1f} s, checkpoint "
+              f"{out['ckpt_s'][f'{m} after load']:.1f} s", flush=True)
+    for blk in range(a.blocks):  # alternated blocks, same data
+        for m in modes if blk % 2 == 0 else modes[::-1]:
+            p = pipes[m]
+            u, r = p.stats.get("state_upload_bytes", 0), server.requests()
+            for t in data[blk * a.block:(blk + 1) * a.block]:
+                c0 = time.process_time()
+                out["lat"][m].append(step(p, t))
+                out["cpu"][m].append(time.process_time() - c0)
+            out["up"][m] += p.stats.get("state_upload_bytes", 0) - u
+            out["n"][m] += a.block
+            for k, v in server.requests().items():
+                out["req"][m][k] = out["req"][m].get(k, 0) + v - r.get(k, 0)
+    for m in modes:  # the checkpoint after the blocks: "pipeline" uploads what its steps changed here
+        p = pipes[m]
+        u, r = p.stats.get("state_upload_bytes", 0), server.requests()
+        t0 = time.perf_counter()
+        p.checkpoint()
+        out["ckpt_s"][f"{m} after the blocks"] = time.perf_counter() - t0
+        out[f"ckpt_up_{m}"] = p.stats.get("state_upload_bytes", 0) - u
+        out[f"ckpt_stats_{m}"] = {k: p.stats.get(k, 0) for k in POLICY_STATS}
+        print(f"{m}: checkpoint after the blocks {out['ckpt_s'][f'{m} after the blocks']:.1f} s, "
+              f"{out[f'ckpt_up_{m}']:,} bytes uploaded; totals {out[f'ckpt_stats_{m}']}", flush=True)
+        out[f"ckpt_req_{m}"] = {k: v - r.get(k, 0) for k, v in server.requests().items() if v - r.get(k, 0)}
+    period = a.period or round(2 * max(statistics.median(out["lat"][m]) for m in modes), 1)
+    p50s = ", ".join(f"{m} {ms(out['lat'][m])} ms" for m in modes)
+    print(f"step p50 {p50s}; period {period} s", flush=True)
+    for m in modes:
+        p = pipes[m]
+        while len(executors(app)) < 2:  # the replacement of the last kill, before this one
+            time.sleep(0.5)
+        p.checkpoint()
+        d = Driven(data, period, time.time())
+        killed: list = []
+        th = threading.Thread(target=kill_when_busy, args=(spark, app, d, d.t0 + a.kill_after, killed))
+        th.start()
+        f0 = {k: p.stats.get(k, 0) for k in POLICY_STATS}
+        d.run(p, d.t0 + a.kill_after + a.run_after)
+        th.join()
+        tk = killed[0][1]
+        while True:
+            back, lat = d.back(tk)
+            if back == back or time.time() > tk + 600:
+                break
+            d.run(p, time.time() + 10)
+        out[f"kill_{m}"] = {"back_s": back - tk, "lat": lat,
+                            "steps_before": sum(len(x) for _, e, x in d.jobs if e < tk),
+                            "before": [e - s for s, e, _ in d.jobs if e < tk][-5:],
+                            "delta": {k: p.stats.get(k, 0) - f0[k] for k in POLICY_STATS}}
+        print(f"{m}: one Spark executor lost: {json.dumps(out[f'kill_{m}'], default=str)}", flush=True)
+    for p in pipes.values():
+        p.close(checkpoint=False)
+    keep = os.path.join(os.getcwd(), f"bench-spark-policy-{app}")
+    os.makedirs(keep, exist_ok=True)
+    with open(os.path.join(keep, "out.json"), "w") as f:
+        json.dump({"args": vars(a), "period": period, **out}, f, default=str)
+    print(f"\n{a.master}, W={a.workers}, group-by over a state of {a.keys:,} keys, steps of {a.rows:,} rows, "
+          f"{a.blocks} alternated blocks of {a.block} steps each, load {os.getloadavg()[0]:.1f}\n")
+    print("| worker_recovery | step p50 ms | step mean ms | rows/s (mean) | driver CPU ms a step "
+          "| state bytes uploaded "
+          "a step | store requests a step | checkpoint after the blocks s (bytes uploaded) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for m in modes:
+        n, lat = out["n"][m], out["lat"][m]
+        mean = statistics.fmean(lat)
+        req = ", ".join(f"{k} {v / n:.1f}" for k, v in sorted(out["req"][m].items()) if v)
+        print(f"| {m} | {ms(lat)} | {1000 * mean:.0f} | {a.rows / mean:,.0f} | "
+              f"{1000 * statistics.fmean(out['cpu'][m]):.0f} | {out['up'][m] / n:,.0f} | {req} | "
+              f"{out['ckpt_s'][f'{m} after the blocks']:.1f} ({out[f'ckpt_up_{m}']:,}) |")
+    print(f"\nsteps arrive every {period} s; the kill lands in the first step running {a.kill_after} s after a "
+          f"checkpoint, while its Spark tasks run\n")
+    print("| worker_recovery | back at the current step s | latency of each step from the kill until then, s | jobs "
+          "before the kill s | steps since the checkpoint | recovery |")
+    print("|---|---|---|---|---|---|")
+    for m in modes:
+        k = out[f"kill_{m}"]
+        dl = k["delta"]
+        how = (f"{dl['lost_recoveries']} whole-pipeline recoveries, {dl['lost_replayed_steps']} steps replayed, "
+               f"{dl['lost_recovery_s']:.1f} s" if m == "pipeline" else "")
+        how += f"; {dl['state_fetches']} state fetches, {dl['state_fetch_bytes']:,} bytes, {dl['state_fetch_s']:.1f} s"
+        print(f"| {m} | {k['back_s']:.1f} | {_fmt(k['lat'])} | {', '.join(f'{x:.1f}' for x in k['before'])} | "
+              f"{k['steps_before']} | {how} |")
+
+
 def _fmt(lat: list[tuple[int, float]]) -> str:
     return ", ".join(f"{x:.1f}" for _, x in lat)
 
@@ -113,6 +249,7 @@ def main() -> None:
     ap.add_argument("--kill-after", type=float, default=30.0, help="s between the checkpoint and the kill")
     ap.add_argument("--run-after", type=float, default=60.0, help="s driven after the kill (at least)")
     ap.add_argument("--conf", action="append", default=[], help="an extra Spark setting k=v (repeatable)")
+    ap.add_argument("--policy", action="store_true", help="worker_recovery 'alone' against 'pipeline' (docstring)")
     a = ap.parse_args()
     import pyspark
     from pyspark.sql import SparkSession
@@ -143,6 +280,14 @@ def main() -> None:
     spark = b.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     app = spark.sparkContext.applicationId
+    if a.policy:
+        try:
+            policy(a, spark, server, tmp, app)
+        finally:
+            spark.stop()
+            server.stop()
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
     rng = np.random.default_rng(33)
     data = [pa.table({"k": rng.integers(0, a.keys, a.rows), "v": rng.integers(0, 1000, a.rows)}) for _ in range(64)]
     out: dict = {}

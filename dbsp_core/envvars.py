@@ -55,7 +55,7 @@ tests/core/test_envvars.py checks that the repository reads no other):
   ``DBSP_RESCALE_SEED``, ``DBSP_RESCALE_KILL_SEED``, ``DBSP_LIVE_SEED``, ``DBSP_LIVE_KILL_SEED``,
   ``DBSP_SPARK_KILL_SEED``, ``DBSP_SPARK_LOSE_SEED`` (tests/spark/test_spark_lose.py), ``DBSP_SPARK_STORE_SEED``,
   ``DBSP_STAGE_STORE_SEED`` (tests/storage/test_remote_staged.py, test_stage_job_retry.py, test_stage_exchange.py),
-  ``DBSP_STAGE_CHECK_SEED``
+  ``DBSP_WORKER_RECOVERY_SEED`` (tests/storage/test_worker_recovery.py), ``DBSP_STAGE_CHECK_SEED``
   (tests/storage/test_stage_check.py: which stage object is damaged), ``DBSP_FUZZ_SEED``,
   ``DBSP_TEST_SEED``, ``DBSP_PG_SEED``, ``DBSP_DELTA_SEED``,
   ``DBSP_SLT_SEED``, ``DBSP_AUTOSCALE_SEED``, ``DBSP_AUTOSCALE_KILL_SEED``, ``DBSP_STORE_FAULT_SEED`` (the

@@ -49,6 +49,13 @@ class RecoveryError(DbspError):
     """Durable state cannot be recovered consistently (e.g. the workers share no database version)."""
 
 
+class WorkerStateLostError(RecoveryError):
+    """A worker's state since the last durable point was lost with the process that held it (a Spark executor of a
+    pipeline run with ``worker_recovery="pipeline"``, whose tasks commit to their Spark executor's cache only): the
+    driver recovers the whole pipeline from the last checkpoint, replaying the input log (driver invariant 10).
+    ``where`` names the (stage, worker) whose task found its state missing or behind."""
+
+
 class StepError(DbspError):
     """A step failed on its data (an integer overflow, a division by zero, a user function's exception, ...).
 

@@ -63,9 +63,10 @@ Design notes (each is a requirement this module keeps):
      tasks of a stage in flight that preferred the lost one run on the cores left without waiting out
      ``spark.locality.wait`` (a Spark job per preferred Spark executor, spark_glue.placement design note 6), and
      no stage's output is lost with a Spark executor (the exchange is in the store). A job Spark aborts (a task out of attempts) runs again from the
-     same chains (dbsp_core.runtime.staged invariant 5) instead of breaking the pipeline. So the per-job write is the default and the only mode: it is
-     what replaces the issue's in-flight exchange log, and it costs the bytes each job changes (bench/RESULTS.md,
-     issue 33). A lost driver still means whole-pipeline recovery: ``SparkPipeline.open`` from the last
+     same chains (dbsp_core.runtime.staged invariant 5) instead of breaking the pipeline. So the per-job write is the
+     default (``worker_recovery="alone"``; the other option is design note 9): it is what replaces the issue's
+     in-flight exchange log, and it costs the bytes each job changes (bench/RESULTS.md, issue 33). A lost driver
+     still means whole-pipeline recovery: ``SparkPipeline.open`` from the last
      checkpoint, replaying the input log. A task whose state moved asks for its chain's objects at once
      (stage_store._Prefetch). Where the rest of a loss goes (Spark's re-runs of lost shuffle output on the cores
      left, and the replacement Spark executor's cold first tasks) is timed apart in bench/RESULTS.md, issue 33.
@@ -76,6 +77,39 @@ Design notes (each is a requirement this module keeps):
      assigns the tasks, checks the acknowledgements and records the new chains (dbsp_core.runtime.stage_store
      invariant 6). No state passes through the driver; a retried or duplicated attempt uploads under a token of
      its own, and a driver that dies mid-change recovers from the last checkpoint as for a step.
+  9. Recovery policy (issue 33, deliver 3): ``worker_recovery="alone" | "pipeline"``, per pipeline (per driver
+     incarnation: ``SparkPipeline(...)`` and ``open(...)`` take it, nothing of it is stored, and either mode opens
+     what the other wrote, since a manifest names durable chains only), checked at the API boundary
+     (:func:`check_worker_recovery`: another value, or ``"pipeline"`` without an object store, is a ValueError
+     before any Spark work).
+     - ``"alone"`` (default): design note 7. Every stateful task uploads its delta before its commit; a lost Spark
+       executor's workers are rebuilt from their chains while the others keep their cached state.
+     - ``"pipeline"``: no task uploads anything (dbsp_core.runtime.stage_store invariant 8): each commits in its
+       Spark executor's cache and writes its records to a pending file there, and its acknowledgement names a
+       local link; the driver keeps local links apart from the durable chains. Tasks are placed by cache
+       (``SparkJobRunner.place``; refused without it) and a worker with local links is pinned to its Spark
+       executor (spark_glue.placement design note 7). A flush uploads, per stateful (stage, worker), the pending
+       records since its durable chain as one delta (or its page file, by stage_store invariant 4's rule), in a
+       Spark job of tasks placed where the state is: at every checkpoint (so a checkpoint uploads what changed
+       since the last one, while the steps are paused), before a layout change and before the driver reads the
+       state (``view``, ``traces``). A task whose worker's state is missing or behind (its Spark executor was lost,
+       or Spark ran it elsewhere) reports WorkerStateLostError (returned, not raised: Spark would retry it in
+       vain), as does a job whose pinned worker's Spark executor is gone before it starts; the driver then
+       recovers the whole pipeline in place (dbsp_core.runtime.driver invariant 10): every chain back at the last
+       durable point, the steps since replayed from the input log with their logged determinants, their outputs
+       checked against the output log and not emitted again, then the failed steps run again. Exactly once as
+       after a driver loss, with the driver kept.
+     The trade (bench/RESULTS.md, issue 33, "Recovery policy"; local-cluster, W=4, 1M keys, moto, load 8-15):
+     ``"pipeline"`` saves the per-job upload (a PUT per stateful task a job and the bytes it changed: 0.8 MB a
+     2,000-row step, 9.3 MB a 20,000-row one) and moves it to the checkpoint (a flush of 1.3-2.3 s, steps paused,
+     at most the page files); a loss then costs a rollback of every worker and a replay of every step since the
+     checkpoint. Measured: the upload's per-step cost was inside the noise at 2,000-row steps ("pipeline" 8% slower
+     at p50 in one run, 11% faster in the other) and 16% of the mean step at 20,000-row steps, while one Spark
+     executor lost 30 s after a checkpoint
+     took ``"pipeline"`` 21.9-30.0 s back to the current step against 6.4-12.6 s, latencies 15-24 s against 3.4-8.4
+     s. So the default is ``"alone"``: on a cluster where losing an executor is routine (the issue's premise) the
+     per-job write costs little and keeps a loss to its own workers; ``"pipeline"`` fits pipelines that write much
+     state per step on executors rarely lost, with short checkpoint intervals.
 """
 
 from __future__ import annotations
@@ -91,7 +125,7 @@ import pyarrow as pa
 
 from dbsp_core.circuit import Circuit
 from dbsp_core.envvars import parse_memory_limit
-from dbsp_core.errors import DbspError
+from dbsp_core.errors import DbspError, WorkerStateLostError
 from dbsp_core.layout import DEFAULT_SHARD_BITS
 from dbsp_core.runtime import Pipeline, StagedExecutor
 from dbsp_core.runtime.job_files import read_job_input, remove_job_inputs, write_job_inputs
@@ -107,7 +141,7 @@ from spark_glue.executors import SparkExecutors
 from spark_glue.placement import (Placement, executor_here, job_of, placed_rdd, run_by_executor, run_placed_task,
                                   stage_task_of, warm_up)
 
-__all__ = ["SparkPipeline", "SparkJobRunner", "partition_codes"]
+__all__ = ["SparkPipeline", "SparkJobRunner", "partition_codes", "check_worker_recovery"]
 
 
 def partition_codes(spark: Any, workers: int) -> list[int]:
@@ -127,6 +161,18 @@ def partition_codes(spark: Any, workers: int) -> list[int]:
     raise RuntimeError(f"no int hashes to every one of {workers} Spark partitions")  # pragma: no cover
 
 
+def check_worker_recovery(mode: Any, storage: Any) -> None:
+    """Design note 9: ``worker_recovery`` is ``"alone"`` or ``"pipeline"``, and ``"pipeline"`` needs an object store
+    (with a shared directory every job's state is already on the mount: nothing to choose). ValueError otherwise."""
+    if not isinstance(mode, str) or mode not in stage_store.RECOVERY_MODES:
+        raise ValueError(f"worker_recovery must be one of {', '.join(map(repr, stage_store.RECOVERY_MODES))}, got "
+                         f"{mode!r}")
+    if mode == "pipeline" and not is_remote(storage):
+        raise ValueError("worker_recovery='pipeline' chooses when a store pipeline uploads its state; it needs "
+                         "storage='s3://...' (or another store's URI): a shared directory holds every job's state "
+                         "already")
+
+
 def _blob_struct() -> Any:
     """The Spark schema of a blob table (a StructType: mapInArrow then parses no DDL string through the JVM)."""
     from pyspark.sql.types import BinaryType, IntegerType, LongType, StructField, StructType
@@ -142,7 +188,7 @@ def _describe(tasks: list[StageTask], fault: tuple[int, str, int] | None, attemp
     task = tasks[0]
     out = {"run": task.run, "version": task.version, "layout": task.layout.to_dict(),
            "steps": [list(s) for s in task.steps], "fault": None if fault is None else [*fault, attempts],
-           "memory": [task.memory_limit, task.spill_dir]}
+           "memory": [task.memory_limit, task.spill_dir], "recovery": task.worker_recovery}
     if task.store is not None:
         out["chains"] = {str(t.stage): {str(w): c for w, c in t.chains.items()} for t in tasks if t.chains is not None}
     return out
@@ -261,6 +307,10 @@ class SparkJobRunner:
         inputs = job.inputs
         ctl = inputs.column("node").to_numpy() == CONTROL_NODE
         inputs = pa.concat_tables([inputs.filter(pa.array(~ctl)), _control(W, t0.steps[0].step, desc)])
+        if store is not None and t0.worker_recovery == "pipeline" and not self.place:
+            raise DbspError("worker_recovery='pipeline' needs tasks placed by cache (SparkJobRunner.place): placed by "
+                            "Spark alone, a worker's next task lands on another Spark executor, whose cache lacks "
+                            "the state committed since the last checkpoint")
         if store is not None:
             stage_store.write_job_inputs(stage_store.remote_of(store), desc, inputs, W)
             result = self._run_placed(plan, store, W, desc) if self.place else df.toArrow()
@@ -288,6 +338,15 @@ class SparkJobRunner:
         pl = self.placement
         desc = json.loads(json.dumps(desc, sort_keys=True))  # as the tasks read it from the objects' tags
         pl.asked, pl.ran = {}, {}
+        # design note 9: a worker whose state since the last durable point is in its Spark executor's cache only
+        pinned = {(int(k), int(w)) for k, ch in desc.get("chains", {}).items() for w, c in ch.items()
+                  if c and c[-1]["kind"] == stage_store.LOCAL}
+        if pinned:
+            alive0 = set(self._executors.executor_ids())
+            gone = sorted(kw for kw in pinned if pl.last.get(kw) is not None and pl.last[kw] not in alive0)
+            if gone:
+                raise WorkerStateLostError(f"the Spark executors holding the state of (stage, worker) {gone} since "
+                                           f"the last checkpoint are lost (worker_recovery='pipeline')")
         tables = []
         sent: list[dict] | None = None  # where each worker's committed attempt put what it sent into stage k
         for k in range(plan.num_stages):
@@ -295,7 +354,7 @@ class SparkJobRunner:
             # spark.locality.wait), and a replacement registered meanwhile is warmed before it can take one cold
             alive = self._executors.executor_ids()
             self._warm_up(alive, store)
-            prefs = pl.assign(plan.stateful, workers, alive)
+            prefs = pl.assign(plan.stateful, workers, alive, pinned)
             pl.asked.update({(k, w): e for w, e in enumerate(prefs[k]) if pl.location(e) is not None})
             locs = [pl.location(e) for e in prefs[k]]
             rdd = placed_rdd(sc, locs).mapPartitionsWithIndex(run_placed_task(plan, k, store, workers, desc, sent))
@@ -304,6 +363,9 @@ class SparkJobRunner:
             if sorted(w for w, _, _ in got) != list(range(workers)):
                 raise DbspError(f"stage {k}: results of workers {sorted(w for w, _, _ in got)}, expected one from each "
                                 f"of 0..{workers - 1}")
+            lost = [f"worker {w}: {data['lost']}" for w, _, data in got if isinstance(data, dict) and "lost" in data]
+            if lost:
+                raise WorkerStateLostError(f"stage {k}: " + "; ".join(lost))
             sent = [{} for _ in range(workers)]
             for w, here, data in got:
                 pl.ran_on(k, w, here, plan.stateful[k])
@@ -352,12 +414,23 @@ class SparkJobRunner:
         the result of the one attempt per task it took, in task order."""
         if not items:
             return []
-        got = self.spark.sparkContext.parallelize(items, len(items)).map(_reporting(fn)).collect()
-        self.placement.asked = {}
+        sc, pl = self.spark.sparkContext, self.placement
+        locs = [pl.location(pl.last.get((item.stage, item.worker))) if getattr(item, "where_cached", False) else None
+                for item in items]
+        if any(locs):  # a flush task runs where its worker's state is cached (design note 9)
+            rdd = placed_rdd(sc, locs).mapPartitionsWithIndex(_reporting_placed(fn, items))
+            got = run_by_executor(sc, rdd, locs) if self.job_per_executor else rdd.collect()
+            got = [g for _, g in sorted(got, key=lambda x: x[0])]
+        else:
+            got = sc.parallelize(items, len(items)).map(_reporting(fn)).collect()
+        lost = [r["lost"] for r, _ in got if isinstance(r, dict) and "lost" in r]
+        if lost:
+            raise WorkerStateLostError("; ".join(lost))
+        pl.asked = {}
         for item, (_, here) in zip(items, got):  # a layout change's task built its worker's state where it ran
             stage, worker = getattr(item, "stage", None), getattr(item, "worker", None)
             if stage is not None and worker is not None:
-                self.placement.ran_on(stage, worker, here, True)
+                pl.ran_on(stage, worker, here, True)
         return [r for r, _ in got]
 
     def release(self, pipeline: str) -> None:
@@ -374,10 +447,28 @@ class SparkJobRunner:
 
 
 def _reporting(fn: Any) -> Any:
-    """``fn`` returning its result with the Spark executor it ran on (spark_glue.placement design note 3)."""
+    """``fn`` returning its result with the Spark executor it ran on (spark_glue.placement design note 3); a
+    WorkerStateLostError is returned as ``{"lost": why}`` (placement design note 7)."""
 
     def run(item: Any) -> tuple[Any, Any]:
-        return fn(item), executor_here()
+        from dbsp_core.errors import WorkerStateLostError
+
+        try:
+            return fn(item), executor_here()
+        except WorkerStateLostError as exc:
+            return {"lost": str(exc)}, executor_here()
+
+    return run
+
+
+def _reporting_placed(fn: Any, items: list[Any]) -> Any:
+    """:func:`_reporting` as the function of a placed RDD's partitions: partition ``i`` runs ``items[i]``."""
+    one = _reporting(fn)
+
+    def run(index: int, it: Any) -> Any:
+        for _ in it:  # read to its end, else the Python worker is not reused
+            pass
+        yield index, one(items[index])
 
     return run
 
@@ -423,6 +514,13 @@ class SparkPipeline(Pipeline):
         ``DBSP_MEMORY_LIMIT`` setting does not apply here: only the argument sets a budget.
     spill_dir : str or None
         With ``memory_limit``: the base directory of the Python workers' batch files on every Spark executor.
+    worker_recovery : str
+        With an object store, how the state of a lost Spark executor's workers comes back (design note 9):
+        ``"alone"`` (default) uploads every job's state delta before the job is acknowledged, so those workers are
+        rebuilt from the store while the others keep their state; ``"pipeline"`` uploads nothing between
+        checkpoints (each checkpoint uploads what changed since the last one) and recovers the whole pipeline from
+        the last checkpoint, replaying the input log, when a worker's state is lost. ValueError for another value,
+        or for ``"pipeline"`` without an object store.
     shard_bits, max_steps_per_job, checkpoint_interval, replay_check, output_retention, output_sync, autoscale
         As for ``dbsp_core.Pipeline`` and ``dbsp_core.runtime.StagedExecutor``. With ``autoscale`` the worker count
         (tasks per stage) follows the policy, up to its ``max_workers``, and Spark executors are asked for and
@@ -450,13 +548,15 @@ class SparkPipeline(Pipeline):
 
     def __init__(self, spark: Any, circuit: Circuit, workers: int = 1, storage: Any = None, *,
                  shard_bits: int = DEFAULT_SHARD_BITS, max_steps_per_job: int = 64,
-                 task_cache_dir: str | os.PathLike | None = None, **kwargs: Any) -> None:
+                 task_cache_dir: str | os.PathLike | None = None, worker_recovery: str = "alone",
+                 **kwargs: Any) -> None:
         from pyspark.sql import SparkSession
 
         if not isinstance(spark, SparkSession):
             raise TypeError(f"SparkPipeline needs a SparkSession, got {type(spark).__name__}")
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"SparkPipeline: workers must be a positive int, got {workers!r}")
+        check_worker_recovery(worker_recovery, storage)  # design note 9, before any Spark work
         parse_memory_limit(kwargs.get("memory_limit"))  # before any Spark work (Pipeline checks it again)
         self.spark = spark
         check_executors(spark)  # fails at once, saying what to set, if the workers cannot import the engine
@@ -464,7 +564,7 @@ class SparkPipeline(Pipeline):
             storage = tempfile.mkdtemp(prefix="dbsp-spark-")
         self._views: dict[str, tuple[int, ZSet]] = {}
         executor = StagedExecutor(SparkJobRunner(spark), max_steps_per_job=max_steps_per_job,
-                                  task_cache_dir=task_cache_dir)
+                                  task_cache_dir=task_cache_dir, worker_recovery=worker_recovery)
         self._capacity = SparkExecutors(spark)  # an autoscaled worker count asks for Spark executors through it
         super().__init__(circuit, workers, shard_bits, storage, executor=executor, **kwargs)
 

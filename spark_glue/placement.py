@@ -42,6 +42,12 @@ Design notes (each is a requirement this module keeps):
      longer a valid level and the tasks go to the cores left at once. Without a loss the scheduling is the same
      (each group's tasks wait ``spark.locality.wait`` for their Spark executor before another takes them); the
      cost is a Spark job per warm Spark executor per stage instead of one (measured in bench/RESULTS.md).
+  7. ``worker_recovery="pipeline"`` (spark_glue/pipeline.py design note 9): a worker whose state since the last
+     durable point is only in its Spark executor's cache (local links) is pinned there: :meth:`Placement.assign`
+     never moves it for balance (moving it would lose that state), only once it is durable again. A task that finds
+     its worker's state missing or behind returns ``{"lost": why}`` instead of raising (Spark would retry it up to
+     ``spark.task.maxFailures`` times, each attempt as lost), and the driver raises WorkerStateLostError for it;
+     a pinned worker whose Spark executor is gone is known lost before its job starts.
 """
 
 from __future__ import annotations
@@ -183,7 +189,8 @@ def stage_task_of(plan: Any, stage: int, storage: str | None, outputs_in_result:
     task = StageTask(plan, stage, Layout.from_dict(job["layout"], where),
                      storage if store is None else store.root(), job["run"], job["version"],
                      [StepInfo(*s) for s in job["steps"]], outputs_in_result=outputs_in_result, store=store,
-                     chains=chains, memory_limit=job["memory"][0], spill_dir=job["memory"][1])
+                     chains=chains, memory_limit=job["memory"][0], spill_dir=job["memory"][1],
+                     worker_recovery=job.get("recovery", "alone"))
     f = job["fault"]
     if f is not None and f[0] == stage and f[2] == worker and attempt < f[3]:
         task = dataclasses.replace(task, fault=(f[1], worker))  # tests: fail the first attempt(s)
@@ -203,7 +210,7 @@ def run_placed_task(plan: Any, stage: int, store: Any, workers: int, job: dict,
             pass
         from pyspark import TaskContext
 
-        from dbsp_core.errors import DbspError
+        from dbsp_core.errors import DbspError, WorkerStateLostError
         from dbsp_core.runtime import stage_store
         from dbsp_core.runtime.stage_task import run_stage_task
 
@@ -221,7 +228,11 @@ def run_placed_task(plan: Any, stage: int, store: Any, workers: int, job: dict,
                                 "sent into this stage")
             table = stage_store.read_exchange(remote, job, stage, worker, sent)
         task = stage_task_of(plan, stage, None, False, store, job, worker, attempt)
-        out = run_stage_task(task, worker, table)
+        try:
+            out = run_stage_task(task, worker, table)
+        except WorkerStateLostError as exc:  # design note 7: reported, not raised (Spark would retry it in vain)
+            yield worker, executor_here(), {"lost": str(exc)}
+            return
         here = executor_here()
         if last:
             sink = pa.BufferOutputStream()
@@ -265,8 +276,10 @@ class Placement:
         self.asked: dict[tuple[int, int], str | None] = {}  # the last job's preferences
         self.ran: dict[tuple[int, int], str | None] = {}  # ... and where each task ran
 
-    def assign(self, stateful: list[bool], workers: int, alive: list[str]) -> dict[int, list[str | None]]:
-        """Per stage, each worker's preferred Spark executor id (None: no preference), design note 4."""
+    def assign(self, stateful: list[bool], workers: int, alive: list[str],
+               pinned: set[tuple[int, int]] = frozenset()) -> dict[int, list[str | None]]:  # type: ignore[assignment]
+        """Per stage, each worker's preferred Spark executor id (None: no preference), design note 4; a ``pinned``
+        (stage, worker) stays on its live Spark executor whatever its share (design note 7)."""
         with self.lock:
             warm = sorted((e for e in alive if e in self.warm), key=lambda x: (len(x), x))
             out: dict[int, list[str | None]] = {}
@@ -281,7 +294,12 @@ class Placement:
                 pick: list[str | None] = [None] * workers
                 for w in range(workers):
                     e = self.last.get((k, w))
-                    if e in count and count[e] < cap:
+                    if e in count and (k, w) in pinned:
+                        pick[w] = e
+                        count[e] += 1
+                for w in range(workers):
+                    e = self.last.get((k, w))
+                    if pick[w] is None and e in count and count[e] < cap:
                         pick[w] = e
                         count[e] += 1
                 for w in range(workers):

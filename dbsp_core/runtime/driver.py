@@ -69,6 +69,15 @@ Invariants (enforced here):
   9. ``view`` and ``query`` read the executor's state (the trace of each readable node, Circuit invariant 6) under
      the step lock, so what they see is the state after the last completed step, the same for every table and
      view of one query; DuckDB runs a query after the lock is released, over Arrow tables it cannot change.
+ 10. A worker's lost state (WorkerStateLostError from the executor's ``run`` or ``checkpoint``: a staged executor
+     with ``worker_recovery="pipeline"`` whose task found its worker's state missing or behind, staged.py
+     invariant 7) is recovered in place, under the step lock, as ``open`` recovers (invariant 6) but without a
+     new driver: the background checkpoint is waited for, the executor rolls back to its last durable state
+     (``rollback_lost``, step X), the steps from X to the failing ones are read again from the input log
+     (recovery.LogReplay, with their logged determinants) and run, their output verified against the output log
+     and never returned (OutputLog.write), then the failing steps (or checkpoint) run again. At most
+     :data:`LOST_RECOVERIES` times in a row; a loss during a recovery starts it again. Counted in
+     ``stats["lost_recoveries"]``, ``stats["lost_replayed_steps"]`` and ``stats["lost_recovery_s"]``.
 """
 
 from __future__ import annotations
@@ -91,7 +100,7 @@ from dbsp_core.circuit import Circuit, circuit_fingerprint
 from dbsp_core.codec import encode_json, encode_zset_parts
 from dbsp_core.envvars import parse_memory_limit, settings
 from dbsp_core.errors import (AppendOnlyError, CorruptionError, DbspError, PrimaryKeyError, RecoveryError,
-                              SchemaError, StepError, StorageError)
+                              SchemaError, StepError, StorageError, WorkerStateLostError)
 from dbsp_core.layout import DEFAULT_SHARD_BITS, Layout, ShardMap
 from dbsp_core.metrics import Metrics, gather, serve, stop_serving
 from dbsp_core.profile import Profile, pipeline_profile
@@ -136,6 +145,7 @@ from dbsp_core.zset import ZSet, weight_column
 PushData = ZSet | pa.Table | pa.RecordBatch | dict | list
 MAX_PRODUCER_BYTES = 1024  # a producer id is a key of driver.db's dedup table (the page store's key limit)
 MAX_PUSH_BYTES = _storage.MAX_PAYLOAD  # one push is one input-log record
+LOST_RECOVERIES = 3  # in-place recoveries of a lost worker's state in a row before the pipeline breaks (inv. 10)
 
 __all__ = ["Ack", "Pipeline", "PushData"]
 
@@ -958,7 +968,7 @@ class Pipeline:
         failed: StepError | None = None
         try:
             try:
-                outs = self.executor.run(steps)
+                outs = self._lost_recovered(lambda: self.executor.run(steps), run[0].input.step)
             except StepError as exc:  # invariant 7: the executor is as after the steps before the failed one
                 failed, outs = exc, list(exc.done)
             t1 = time.perf_counter()
@@ -997,6 +1007,70 @@ class Pipeline:
         self.step_error = None
         self._advance(run)
         return outs
+
+    def _lost_recovered(self, call: Callable[[], Any], upto: int) -> Any:
+        """``call()`` (the executor's run or checkpoint), after a WorkerStateLostError recovering the state of the
+        steps before ``upto`` in place and calling it again (invariant 10)."""
+        tries, lost = 0, None
+        while True:
+            try:
+                if lost is not None:
+                    self._recover_lost(upto, lost)
+                return call()
+            except WorkerStateLostError as exc:
+                tries += 1
+                self.stats["last_state_lost"] = str(exc)[:500]
+                if tries > LOST_RECOVERIES:
+                    raise
+                lost = exc
+
+    def _recover_lost(self, upto: int, exc: BaseException) -> None:
+        """Invariant 10: the executor back at its last durable state, the steps from there to ``upto`` run again
+        from the input log, their output verified against the output log."""
+        assert self.storage is not None and self._input is not None and self._output is not None
+        assert self._driver_db is not None
+        t = self._ckpt_thread
+        if t is not None and t is not threading.current_thread():
+            t.join()  # its driver record and truncation are done before the log is read
+        try:
+            self._recover_lost_steps(upto, exc)
+        except WorkerStateLostError:
+            raise  # lost again meanwhile: recovered again by the caller (_lost_recovered)
+        except BaseException as failed:
+            self._broken = failed  # the executor is behind the driver: only open() recovers now
+            raise
+
+    def _recover_lost_steps(self, upto: int, exc: BaseException) -> None:
+        assert self.storage is not None and self._input is not None and self._output is not None
+        assert self._driver_db is not None
+        t0 = time.perf_counter()
+        x = self.executor.rollback_lost()
+        log = LogReplay(self.storage, self._input, self._output, self._driver_db, self._inputs, self._event_time,
+                        SeenSet())  # the live seen set is complete; the log's pairs are read into a copy
+        log.catch_up(x)
+        prev = log.prev_now
+        n = 0
+        with progress(f"recovery of lost worker state (steps {x}..{upto - 1})", unit=" steps") as shown:
+            for run in log.divided(shown):
+                run = [d for d in run if d.input.step < upto]
+                if run:
+                    steps = []
+                    for d in run:
+                        steps.append(d.input._replace(prev_now_ns=prev, pushes=keep_last(d.input.pushes, self._keys)))
+                        prev = d.input.now_ns
+                    outs = self.executor.run(steps)
+                    for d, out in zip(run, outs):  # steps < the log's end: verified and discarded (invariant 4)
+                        self._output.write(d.input.step, out, d.ranges, self._refs(d))
+                    n += len(run)
+                if not run or run[-1].input.step + 1 >= upto:
+                    break
+        if x + n != upto:
+            raise RecoveryError(f"recovery of lost worker state: replayed steps {x}..{x + n - 1} of the input log, the "
+                                f"pipeline was at step {upto} ({exc})")
+        st = self.stats
+        st["lost_recoveries"] = st.get("lost_recoveries", 0) + 1
+        st["lost_replayed_steps"] = st.get("lost_replayed_steps", 0) + n
+        st["lost_recovery_s"] = st.get("lost_recovery_s", 0.0) + time.perf_counter() - t0
 
     def _refs(self, d: Divided) -> dict[str, tuple[str, list[tuple[str, int]]]] | None:
         """The views of step ``d`` whose change is exactly the sum of one input's pushes (the view is the input, no
@@ -1227,7 +1301,7 @@ class Pipeline:
             counters = dict(self._metrics.snapshot(), duplicates=self.stats["duplicates"],
                             late_rows=dict(self.late_rows))
             try:
-                make_durable = self.executor.checkpoint(step)
+                make_durable = self._lost_recovered(lambda: self.executor.checkpoint(step), step)
             except BaseException as exc:
                 self._broken = exc
                 raise
@@ -1543,7 +1617,7 @@ class Pipeline:
         """
         self._check_usable()
         with self._step_lock:
-            return self.executor.traces(worker)
+            return self._lost_recovered(lambda: self.executor.traces(worker), self.steps)  # invariant 10
 
     # ---- current contents: materialized views and readable tables (invariant 9; runtime/readable.py) ----
 
@@ -1574,7 +1648,7 @@ class Pipeline:
         node = self._readable.node(name, f"view({name!r})")
         with self._step_lock:
             self._check_usable()
-            z = self.executor.view(node)
+            z = self._lost_recovered(lambda: self.executor.view(node), self.steps)  # invariant 10
         return as_rows(z, name, weights)
 
     def query(self, sql: str) -> pa.Table:
@@ -1602,7 +1676,8 @@ class Pipeline:
         names = self._readable.names_in(sql)
         with self._step_lock:
             self._check_usable()
-            zs = {n: self.executor.view(self._readable.nodes[n]) for n in names}
+            zs = self._lost_recovered(lambda: {n: self.executor.view(self._readable.nodes[n]) for n in names},
+                                      self.steps)  # invariant 10
         return run_query(sql, {n: as_rows(z, n, False) for n, z in zs.items()}, list(self._readable.nodes))
 
     def metrics(self, state: bool = True) -> dict:

@@ -590,6 +590,10 @@ class EmbeddedExecutor:
         raise DbspError("resume: the embedded executor's state is in memory; a live rescale moves it with "
                         "relayout, and a stored layout change is loaded by open_state and load_state")
 
+    def rollback_lost(self) -> int:
+        raise DbspError("rollback_lost: the embedded executor's workers are threads of this process; their state is "
+                        "never lost alone")
+
     def task_budget(self, memory_limit: int, spill_dir: str | None) -> bool:
         """The traces live in this process: the driver gives a store through :meth:`spill` instead."""
         return False

@@ -35,7 +35,7 @@ import threading
 from typing import Any, Callable, NamedTuple, Protocol
 
 from dbsp_core.circuit import Circuit
-from dbsp_core.errors import RecoveryError, StepError
+from dbsp_core.errors import RecoveryError, StepError, WorkerStateLostError
 from dbsp_core.layout import Layout
 from dbsp_core.profile import NodeTimer
 from dbsp_core.storage.snapshot import TableSpec
@@ -140,6 +140,12 @@ class Executor(Protocol):
     def resume(self, version: int, step: int) -> None:
         """State on disk: every state database now holds ``version`` at ``step`` (a layout change committed it,
         after :meth:`start` on the new layout): go on from there."""
+
+    def rollback_lost(self) -> int:
+        """After :meth:`run` or :meth:`checkpoint` raised WorkerStateLostError (only an executor whose workers keep
+        state between checkpoints where they ran, e.g. the staged executor with ``worker_recovery="pipeline"``):
+        put every worker back at the last state made durable, forgetting the rest; returns its step, from which the
+        driver replays the input log (driver invariant 10). Others raise DbspError."""
 
     def traces(self, worker: int) -> dict[str, Trace]:
         """All keyed state of one worker as ``{"<operator label>.<trace name>": Trace}``."""
@@ -251,6 +257,22 @@ def as_step_error(exc: Exception, node: str, step: int | None) -> Exception:
 
 
 _REMOTE = re.compile(r"StepError: (\S+) failed on (?:the data of step (\d+)|its data): ([^\n]*)")
+
+
+_LOST = re.compile(r"WorkerStateLostError: ([^\n]*)")
+
+
+def state_lost_of(exc: BaseException) -> WorkerStateLostError | None:
+    """The WorkerStateLostError behind ``exc``: itself, or one raised in a task in another process whose traceback a
+    job runner (Spark) reports as text; None otherwise.
+
+    >>> state_lost_of(RuntimeError("...dbsp_core.errors.WorkerStateLostError: stage 1 worker 0: gone"))
+    WorkerStateLostError('stage 1 worker 0: gone')
+    """
+    if isinstance(exc, WorkerStateLostError):
+        return exc
+    m = _LOST.search(str(exc))
+    return None if m is None else WorkerStateLostError(m.group(1))
 
 
 def step_error_of(exc: BaseException) -> StepError | None:

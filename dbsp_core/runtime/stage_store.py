@@ -66,6 +66,23 @@ Invariants (enforced here, with stage_task.py's remote branch and staged.py):
      ``task_cache_dir`` setting or else the Spark executor's own directory (``SPARK_EXECUTOR_DIRS``, YARN's
      ``LOCAL_DIRS``, ``SPARK_LOCAL_DIRS``, the temporary directory); two Spark executors sharing one (one machine)
      is fine: attempts there are serialized by the lock file, and every version is checked by invariant 3.
+  8. ``worker_recovery="pipeline"`` (spark_glue/pipeline.py design note 9): a stateful task uploads nothing; it
+     writes its commit's records (the delta invariant 1 would upload, in its format: REMOTE_DELTA_MAGIC, checksummed)
+     to a pending file beside its cached database (``<db>.pending/<20-digit v>-<token>.delta``) before it commits
+     ``v + 1`` there, and acknowledges a **local** link (``kind "local"``, no object) naming the version's id. The
+     driver keeps local links apart from the durable chains (:attr:`StageChains.pending`): they never reach a
+     manifest (:meth:`StageChains.capture` refuses them) and retention never sees them. A task is given the
+     durable chain followed by its local links; a cached database at the chain's version (the tail's id) is used
+     as it is, but one that is missing or behind a local link cannot be rebuilt from the store: the task raises
+     WorkerStateLostError, and the driver recovers the whole pipeline (:meth:`StageChains.rollback`, driver
+     invariant 10). A task also checks that the pending file of every local link is there (else the same error)
+     and removes the pending files of no local link (another attempt's, or already durable). A flush
+     (:class:`FlushTask`, at a checkpoint, before a layout change and before the driver reads the state) runs
+     one task per (stage, worker) on the process holding it: it checks the cached database is at the chain's
+     version, uploads the pending records since the durable chain as ONE delta from its first ``from`` to the
+     version (or the page file as a base, by invariant 4's rule), under a token of its own, and acknowledges it;
+     the driver then appends it to the chain (:meth:`StageChains.record_flush`). So a checkpoint uploads what
+     changed since the last durable point, and nothing is uploaded between them.
 """
 
 from __future__ import annotations
@@ -86,7 +103,7 @@ import numpy as np
 import pyarrow as pa
 
 from dbsp_core.codec import frame_head, unframe
-from dbsp_core.errors import CorruptionError, DbspError, RecoveryError
+from dbsp_core.errors import CorruptionError, DbspError, RecoveryError, WorkerStateLostError
 from dbsp_core.layout import Layout
 from dbsp_core.runtime.job_files import decode_table, encode_table
 from dbsp_core.runtime.remote_state import DOWNLOAD_THREADS
@@ -100,7 +117,8 @@ from dbsp_core.storage.snapshot import TableSpec
 
 __all__ = ["StageStore", "StageChains", "Recorder", "MoveTask", "CHAIN_LIMIT", "sync_stage_db", "upload_delta",
            "upload_base", "merge_run", "needs_compaction", "remote_of", "run_move_task", "write_job_inputs",
-           "read_job_input", "write_exchange", "read_exchange", "by_receiver", "job_digest", "default_cache_base"]
+           "read_job_input", "write_exchange", "read_exchange", "by_receiver", "job_digest", "default_cache_base",
+           "FlushTask", "run_flush_task", "write_pending", "check_pending", "local_links", "LOCAL", "RECOVERY_MODES"]
 
 CHAIN_LIMIT = 40  # links of a chain past which a task compacts it (invariant 4; merges keep it shorter)
 MERGE_FANOUT = 8  # deltas of one span that merge into one of the next (invariant 4)
@@ -109,6 +127,12 @@ STAGE_DIR = "stage"
 JOBS_DIR = "jobs"
 SIDE_SUFFIX = ".chain"
 FRESH = "fresh"  # the id of an empty database's first version
+LOCAL = "local"  # the kind of a link committed in one process's cache only (invariant 8)
+PENDING_SUFFIX = ".pending"
+# how a lost worker's state is brought back (spark_glue/pipeline.py design note 9): "alone" uploads every job's delta
+# (invariant 1) so the worker is rebuilt from its chain; "pipeline" uploads at flushes only (invariant 8) and a loss
+# recovers the whole pipeline from the last durable point
+RECOVERY_MODES = ("alone", "pipeline")
 
 
 def default_cache_base() -> str:
@@ -259,6 +283,7 @@ def sync_stage_db(remote: Remote, path: str, chain: list[dict], v: int, where: s
     ids = made_ids(chain, v)
     if chain and chain[-1]["to"] != v:
         raise RecoveryError(f"{where}: the job's chain leads to version {chain[-1]['to']}, its base version is {v}")
+    local = next((i for i, link in enumerate(chain) if link["kind"] == LOCAL), len(chain))  # invariant 8
     start = -1  # index of the chain link the cached version is at (-1: before the first link)
     if os.path.exists(path):
         side = read_side(path)
@@ -274,10 +299,18 @@ def sync_stage_db(remote: Remote, path: str, chain: list[dict], v: int, where: s
             if x == v:
                 return "cache", 0, ids
             start = {link["to"]: i for i, link in enumerate(chain)}.get(x, -1)  # -1: a new database's first version
+            if start + 1 < len(chain) and any(link["kind"] == LOCAL for link in chain[start + 1:]):
+                raise WorkerStateLostError(f"{where}: the cached database is at version {x}, behind the version "
+                                           f"{chain[local]['to']} committed in another process's cache only "
+                                           f"(worker_recovery='pipeline')")
             write_side(path, {x: ids[x]})
             with _Prefetch(remote, path, chain[start + 1:]) as pre:
                 return "fetched", _apply_links(remote, path, chain[start + 1:], ids, pre), ids
         _remove_db(path)
+    if local < len(chain):
+        raise WorkerStateLostError(f"{where}: no cached database at version {v}, and versions "
+                                   f"{chain[local]['from'] + 1}..{v} were committed in a process's cache only "
+                                   f"(worker_recovery='pipeline')")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if not chain:
         write_side(path, {v: FRESH})
@@ -396,16 +429,19 @@ def needs_compaction(chain: list[dict], new_bytes: int, page_bytes: int) -> bool
     return len(chain) - n + 1 > CHAIN_LIMIT or deltas > page or merged > page
 
 
-def upload_delta(remote: Remote, version: int, body: bytes, chain: list[dict], name: str) -> tuple[dict, int]:
+def upload_delta(remote: Remote, version: int, body: bytes | list[bytes], chain: list[dict], name: str,
+                 frm: int | None = None, made: str | None = None) -> tuple[dict, int]:
     """Upload a job's delta records ``body`` (:meth:`Recorder.body`), behind the deltas at ``chain``'s tail it absorbs
     (invariant 4), as object ``name`` (:func:`object_name`) leading to ``version`` (invariant 1); returns its link
-    and how many links of ``chain`` it replaces."""
-    n = merge_run(chain, len(body))
-    parts = delta_bodies(remote, chain[len(chain) - n:]) + [body]
+    and how many links of ``chain`` it replaces. A flush (invariant 8) gives the records of several jobs as a list,
+    the version they start from (``frm``) and the id of the version they lead to (``made``)."""
+    bodies = body if isinstance(body, list) else [body]
+    n = merge_run(chain, sum(len(b) for b in bodies))
+    parts = delta_bodies(remote, chain[len(chain) - n:]) + bodies
     head = frame_head(REMOTE_DELTA_MAGIC, *parts)
     remote.put(name, b"".join([head, *parts]))
-    frm = chain[len(chain) - n]["from"] if n else version - 1
-    return ({"object": name, "kind": "delta", "from": frm, "to": version, "made": name,
+    start = chain[len(chain) - n]["from"] if n else (version - 1 if frm is None else frm)
+    return ({"object": name, "kind": "delta", "from": start, "to": version, "made": made or name,
              "bytes": len(head) + sum(len(x) for x in parts)}, n)
 
 
@@ -551,6 +587,111 @@ def _move_all(copies: dict[int, str], scratch: str, k: int, w: int, old: Layout,
         return int(rep["moved_bytes"])
 
 
+# ---- worker_recovery="pipeline": local commits and flushes (invariant 8) ----
+
+
+def local_links(chain: list[dict]) -> list[dict]:
+    """The local links at ``chain``'s tail (invariant 8)."""
+    n = len(chain)
+    while n and chain[n - 1]["kind"] == LOCAL:
+        n -= 1
+    return chain[n:]
+
+
+def _pending_dir(path: str) -> str:
+    return (path[:-len(".db")] if path.endswith(".db") else path) + PENDING_SUFFIX
+
+
+def _pending_file(path: str, link: dict) -> str:
+    return os.path.join(_pending_dir(path), f"{link['to']:020d}-{link['made'].rsplit('/', 1)[-1]}")
+
+
+def write_pending(path: str, link: dict, body: bytes) -> None:
+    """The pending file of ``link`` (a local commit of the database at ``path``): its records framed as a delta
+    object (REMOTE_DELTA_MAGIC, checksummed); written whole (a temporary file renamed) before the commit. Not
+    fsynced: a machine that loses it loses the cache with it, and a torn one fails its checksum at the flush."""
+    dst = _pending_file(path, link)
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    tmp = dst + TMP_SUFFIX
+    with open(tmp, "wb") as f:
+        f.write(frame_head(REMOTE_DELTA_MAGIC, body))
+        f.write(body)
+    os.replace(tmp, dst)
+
+
+def check_pending(path: str, chain: list[dict], where: str) -> None:
+    """Invariant 8: every local link of ``chain`` has its pending file beside ``path`` (else WorkerStateLostError);
+    the pending files of no local link are removed (an attempt the driver did not take, or already flushed). Call
+    with the database's lock held."""
+    keep = {os.path.basename(_pending_file(path, link)) for link in local_links(chain)}
+    d = _pending_dir(path)
+    have = set(os.listdir(d)) if os.path.isdir(d) else set()
+    if keep - have:
+        raise WorkerStateLostError(f"{where}: the pending records of versions "
+                                   f"{sorted(int(n.split('-', 1)[0]) for n in keep - have)} are missing "
+                                   f"(worker_recovery='pipeline')")
+    for name in have - keep:
+        os.remove(os.path.join(d, name))
+
+
+def _pending_bodies(path: str, links: list[dict], where: str) -> list[bytes]:
+    out = []
+    for link in links:
+        f = _pending_file(path, link)
+        try:
+            with open(f, "rb") as fh:
+                out.append(unframe(REMOTE_DELTA_MAGIC, fh.read(), f))
+        except (FileNotFoundError, CorruptionError) as e:
+            raise WorkerStateLostError(f"{where}: the pending records of version {link['to']}: {e}") from None
+    return out
+
+
+@dataclass(frozen=True)
+class FlushTask:
+    """One task of a flush (invariant 8): upload what (``stage``, ``worker``) committed in its process's cache since
+    its durable chain; ``chain`` is the durable chain followed by the local links. Runs where the worker's state is
+    cached (``where_cached``: a job runner prefers the process its last task ran on)."""
+
+    store: StageStore
+    stage: int
+    worker: int
+    chain: list[dict]
+    where_cached = True
+
+
+def run_flush_task(task: FlushTask) -> dict:
+    """Run one flush task where this process is (invariant 8); returns ``{stage, worker, version, delta | base,
+    replaces, bytes, cache_root}``. WorkerStateLostError if the cached database is not at the chain's version
+    (another process, or a lost cache) or a pending file is missing or torn."""
+    k, w = task.stage, task.worker
+    remote, root = remote_of(task.store), task.store.root()
+    path = _db_path(root, k, w)
+    where = f"stage {k} worker {w} (flush, {root})"
+    locs = local_links(task.chain)
+    durable = task.chain[:len(task.chain) - len(locs)]
+    if not locs:
+        raise DbspError(f"{where}: nothing to flush")
+    v, made = locs[-1]["to"], locs[-1]["made"]
+    with _locked(path):
+        if not os.path.exists(path):
+            raise WorkerStateLostError(f"{where}: no cached database (worker_recovery='pipeline')")
+        with Database(path) as db:
+            top = db.versions().stop - 1
+        if top != v or read_side(path).get(v) != made:
+            raise WorkerStateLostError(f"{where}: the cached database is at version {top}, not at the chain's {v} "
+                                       f"(worker_recovery='pipeline')")
+        bodies = _pending_bodies(path, locs, where)
+        total = sum(len(b) for b in bodies)
+        out = {"stage": k, "worker": w, "version": v, "cache_root": root, "delta_bytes": total}
+        if needs_compaction(durable, total, os.path.getsize(path)):
+            out["base"] = upload_base(remote, path, k, w, v, made, at=v)
+        else:
+            out["delta"], n = upload_delta(remote, v, bodies, durable, object_name(k, w, v), frm=locs[0]["from"],
+                                           made=made)
+            out["replaces"] = [link["object"] for link in durable[len(durable) - n:]]
+        return out
+
+
 # ---- job inputs and exchanges through the store ----
 
 
@@ -651,6 +792,9 @@ class StageChains:
         entry = entry or {"version": 0, "step": 0, "chains": {}}
         self.version, self.step = int(entry["version"]), int(entry["step"])
         self.chains: dict[str, list[dict]] = {k: list(v) for k, v in entry["chains"].items()}
+        # invariant 8: the local links after each durable chain, and the version and step the durable chains are at
+        self.pending: dict[str, list[dict]] = {}
+        self.durable = (self.version, self.step)
         self._captured: dict | None = None
         self.scratch: str | None = None  # the driver's own copies of stage databases (views and traces)
 
@@ -659,7 +803,12 @@ class StageChains:
         return f"{stage}/{worker}"
 
     def chain(self, stage: int, worker: int) -> list[dict]:
+        """The durable chain of (stage, worker) (its links are objects in the store)."""
         return self.chains.get(self.key(stage, worker), [])
+
+    def task_chain(self, stage: int, worker: int) -> list[dict]:
+        """What a task is given: the durable chain and the local links after it (invariant 8)."""
+        return self.chain(stage, worker) + self.pending.get(self.key(stage, worker), [])
 
     def entry(self) -> dict:
         return {"version": self.version, "step": self.step, "chains": {k: list(v) for k, v in self.chains.items()}}
@@ -669,8 +818,15 @@ class StageChains:
         place of the links it ``replaces``, invariant 4) or restarts from its task's base. RecoveryError, changing
         nothing, if a delta replaces other links than the chain's tail."""
         chains = dict(self.chains)  # replaced whole: a checkpoint's retention may be reading the old one
+        pending = dict(self.pending)
         for a in acks:
             k = self.key(a["stage"], a["worker"])
+            if a.get("local") is not None:  # invariant 8: committed in its process's cache only
+                pending[k] = pending.get(k, []) + [a["local"]]
+                continue
+            if pending.get(k):
+                raise RecoveryError(f"stage {a['stage']} worker {a['worker']}: an uploaded link after local ones "
+                                    f"(flush first)")
             if a.get("delta") is None:
                 chains[k] = [a["base"]]
                 continue
@@ -680,7 +836,27 @@ class StageChains:
                 raise RecoveryError(f"stage {a['stage']} worker {a['worker']}: the delta {a['delta']['object']} "
                                     f"replaces {gone}, the chain ends in {[link['object'] for link in ch[-3:]]}")
             chains[k] = ch[:keep] + [a["delta"]]
-        self.chains, self.version, self.step = chains, version, step
+        self.chains, self.pending, self.version, self.step = chains, pending, version, step
+        if not any(pending.values()):
+            self.durable = (version, step)
+
+    def record_flush(self, acks: list[dict]) -> None:
+        """After a flush whose acknowledgements all checked out (invariant 8): each chain ends in the delta its task
+        uploaded (or restarts from its base), its local links gone; the durable chains are then at the current
+        version and step."""
+        for a in acks:
+            if a["version"] != self.version:
+                raise RecoveryError(f"stage {a['stage']} worker {a['worker']}: a flush to version {a['version']}, the "
+                                    f"chains are at {self.version}")
+        self.pending = {}
+        self.record([{k: v for k, v in a.items() if k != "local"} for a in acks], self.version, self.step)
+
+    def rollback(self) -> int:
+        """Forget the local links (their state was lost, invariant 8): the chains are at the durable version and
+        step again; returns that step."""
+        self.pending = {}
+        self.version, self.step = self.durable
+        return self.step
 
     def bytes(self) -> int:
         return sum(link["bytes"] for c in self.chains.values() for link in c)
@@ -688,7 +864,10 @@ class StageChains:
     # ---- checkpoints (invariant 5) ----
 
     def capture(self) -> None:
-        """The chains at the checkpoint being taken (the steps are paused)."""
+        """The chains at the checkpoint being taken (the steps are paused); RecoveryError if local links are left
+        (invariant 8: a flush comes first)."""
+        if any(self.pending.values()):
+            raise RecoveryError(f"a checkpoint of stage chains with local links {sorted(self.pending)}: flush first")
         self._captured = self.entry()
 
     def covered(self, step: int) -> dict:
@@ -728,7 +907,9 @@ class StageChains:
         """After a layout change's job whose acknowledgements all checked out: every chain restarts from the base
         its task uploaded, at ``version`` (invariant 6); the chains of workers that left are dropped."""
         self.chains = {self.key(a["stage"], a["worker"]): [a["base"]] for a in acks}
+        self.pending = {}
         self.version, self.step = version, step
+        self.durable = (version, step)
 
     def close(self) -> None:
         if self.scratch is not None:

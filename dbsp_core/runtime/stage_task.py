@@ -39,7 +39,9 @@ Invariants (enforced here):
      cache lacks), it uploads its commit's delta before committing and names it in its acknowledgement, and it
      writes no result file: an attempt that finds ``v + 1`` in its cache discards it and runs the job again
      (the driver takes whichever attempt's acknowledgement reached it, so no attempt needs another's result),
-     and the output shares always travel with the blobs.
+     and the output shares always travel with the blobs. With ``worker_recovery="pipeline"`` it uploads nothing: it
+     writes its commit's records to a pending file in its cache and acknowledges a local link (stage_store
+     invariant 8); a cached database behind the job's chain then raises WorkerStateLostError.
   7. A memory budget (``task.memory_limit``, bytes per task process; the driver divides the pipeline's
      ``memory_limit``, which is per Spark executor, by the tasks a Spark executor runs at once, since each runs in
      a Python worker of its own): each task process keeps one :class:`~dbsp_core.trace.spill.BatchStore` (trace
@@ -97,8 +99,9 @@ from dbsp_core.runtime.job_files import read_table_file, write_table_file
 from dbsp_core.runtime.rollback import capture, restore
 from dbsp_core.runtime.stage_plan import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, StagePlan, StageWorker, StepInfo,
                                           ack_blob, encode_blobs, gather, output_node)
-from dbsp_core.runtime.stage_store import (Recorder, StageStore, needs_compaction, object_name, remote_of,
-                                          sync_stage_db, upload_base, upload_delta, write_side)
+from dbsp_core.runtime.stage_store import (LOCAL, Recorder, StageStore, check_pending, needs_compaction, object_name,
+                                          remote_of, sync_stage_db, upload_base, upload_delta, write_pending,
+                                          write_side)
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.formats import (RESULT_MAGIC, SAVELOG_MAGIC, SAVELOG_TABLE, lock_path, result_path,
                                        state_db_path)
@@ -161,6 +164,7 @@ class StageTask:
     chains: dict[int, list[dict]] | None = None
     memory_limit: int | None = None
     spill_dir: str | None = None
+    worker_recovery: str = "alone"  # "pipeline": commit in this process's cache only (stage_store invariant 8)
 
 
 class _Entry:
@@ -459,6 +463,8 @@ def _run_stateful(task: StageTask, worker: int, sm: Any, received: dict[tuple[in
             chain = task.chains[worker]
             t_sync = time.perf_counter()
             how, got, ids = sync_stage_db(remote, path, chain, v, where)
+            if task.worker_recovery == "pipeline":
+                check_pending(path, chain, where)  # stage_store invariant 8
             extra = {"fetch": how, "fetched_bytes": got, "cache_root": root,
                      "fetch_s": time.perf_counter() - t_sync}
             page_bytes = os.path.getsize(path)  # the page file before the job (stage_store invariant 4)
@@ -525,8 +531,12 @@ def _run_stateful(task: StageTask, worker: int, sm: Any, received: dict[tuple[in
                         vid = object_name(k, worker, v + 1)  # page file after it, named by the acknowledgement
                         body = w.body()
                         extra["delta_bytes"] = len(body)
-                        compact = needs_compaction(chain, len(body), page_bytes)
-                        if not compact:
+                        if task.worker_recovery == "pipeline":  # stage_store invariant 8: nothing uploaded
+                            extra["local"] = {"kind": LOCAL, "from": v, "to": v + 1, "made": vid, "bytes": len(body)}
+                            write_pending(path, extra["local"], body)
+                        else:
+                            compact = needs_compaction(chain, len(body), page_bytes)
+                        if not compact and "local" not in extra:
                             extra["delta"], n = upload_delta(remote, v + 1, body, chain, vid)
                             extra["replaces"] = [link["object"] for link in chain[len(chain) - n:]]
                         write_side(path, {v: ids[v], v + 1: vid})

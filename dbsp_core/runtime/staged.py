@@ -36,6 +36,15 @@ Invariants (enforced here):
      runs tasks at once in parallel slots (a Spark executor: its Python workers): each task process gets
      ``memory_limit // runner.task_slots`` and keeps its traces under it (stage_task.py invariant 7). The
      driver's own reads of the state (``traces``, ``view``, layout changes) load it without a budget.
+  7. ``worker_recovery`` (with an object store; spark_glue/pipeline.py design note 9): ``"alone"`` (the default)
+     is invariant 4 (every job's delta uploaded before its commit, so a lost worker is rebuilt from its chain
+     alone); ``"pipeline"`` makes every job commit in its task processes' caches only (stage_store invariant 8) and
+     uploads what changed since the last durable point in a flush (:meth:`StagedExecutor.flush`: one task per
+     stateful (stage, worker), where its state is) at each checkpoint, before a layout change and before the
+     driver reads the state. A task that finds its worker's state missing or behind raises WorkerStateLostError,
+     which a job is never run again for (invariant 5 would only lose it again): it reaches the driver, which
+     calls :meth:`StagedExecutor.rollback_lost` (the chains back at the durable version and step, a new run id)
+     and replays the input log from there (driver invariant 10).
 """
 
 from __future__ import annotations
@@ -52,14 +61,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from dbsp_core.circuit import Circuit
-from dbsp_core.errors import DbspError, RecoveryError
+from dbsp_core.errors import DbspError, RecoveryError, WorkerStateLostError
 from dbsp_core.layout import Layout
 from dbsp_core.operators.base import concat
 from dbsp_core.profile import NodeTimer, reset_task_timers, task_timers
-from dbsp_core.runtime.executor import StateGroup, StepInput, groupings, spread, step_error_of, traces_by_label
+from dbsp_core.runtime.executor import (StateGroup, StepInput, groupings, spread, state_lost_of, step_error_of,
+                                        traces_by_label)
 from dbsp_core.runtime.stage_plan import (ACK_NODE, BLOB_SCHEMA, CONTROL_NODE, StagePlan, StageWorker, StepInfo,
                                           control_blobs, encode_blobs, gather, read_acks)
-from dbsp_core.runtime.stage_store import MoveTask, StageChains, StageStore, run_move_task
+from dbsp_core.runtime.stage_store import (RECOVERY_MODES, FlushTask, MoveTask, StageChains, StageStore,
+                                          run_flush_task, run_move_task)
 from dbsp_core.runtime.stage_task import (SPILL_COUNTERS, InjectedFault, StageTask, choose_stage_version,
                                           open_stage_databases, run_stage_task, stage_db_path)
 from dbsp_core.runtime.stage_task import release as release_stage_workers
@@ -197,6 +208,10 @@ class StagedExecutor:
     task_cache_dir : str or None
         With ``storage="s3://..."`` (invariant 4): where each task process keeps its stage cache, a directory local to
         it (None: the Spark executor's own directory, or the temporary directory; runtime/stage_store.py).
+    worker_recovery : str
+        With ``storage="s3://..."`` (invariant 7): ``"alone"`` (default) uploads every job's state delta so a lost
+        worker is rebuilt alone; ``"pipeline"`` uploads at checkpoints only and recovers the whole pipeline from the
+        last one when a worker's state is lost.
 
     Examples
     --------
@@ -229,7 +244,11 @@ class StagedExecutor:
     state_in_memory = False  # the stage databases hold the state: a live rescale moves it as cold changes
 
     def __init__(self, runner: JobRunner | None = None, max_steps_per_job: int = 64,
-                 task_cache_dir: str | os.PathLike | None = None) -> None:
+                 task_cache_dir: str | os.PathLike | None = None, worker_recovery: str = "alone") -> None:
+        if worker_recovery not in RECOVERY_MODES:
+            raise ValueError(f"worker_recovery must be one of {', '.join(map(repr, RECOVERY_MODES))}, got "
+                             f"{worker_recovery!r}")
+        self.worker_recovery = worker_recovery
         if not isinstance(max_steps_per_job, int) or max_steps_per_job < 1:
             raise ValueError(f"max_steps_per_job must be a positive int, got {max_steps_per_job!r}")
         if task_cache_dir is not None and not isinstance(task_cache_dir, (str, os.PathLike)):
@@ -259,6 +278,11 @@ class StagedExecutor:
     def use_store(self, store: StageStore, chains: StageChains) -> None:
         """Keep the stage state in an object store (invariant 4): ``chains`` as the manifest restored has them."""
         self.store, self.chains = store, chains
+
+    @property
+    def local_commits(self) -> bool:
+        """Whether jobs commit in the task processes' caches only (invariant 7, ``worker_recovery="pipeline"``)."""
+        return self.chains is not None and self.worker_recovery == "pipeline"
 
     def start(self, circuit: Circuit, layout: Layout, storage: str | None) -> None:
         if storage is None:
@@ -371,6 +395,11 @@ class StagedExecutor:
             try:
                 return run()
             except Exception as exc:
+                lost = state_lost_of(exc) if self.chains is not None else None
+                if lost is not None:  # invariant 7: a lost state stays lost; the driver recovers the pipeline
+                    if lost is exc:
+                        raise
+                    raise lost from exc
                 if self.chains is None or step_error_of(exc) is not None or tries >= JOB_RETRIES:
                     raise
                 tries += 1
@@ -407,8 +436,9 @@ class StagedExecutor:
         W = self.layout.workers
         tasks = [StageTask(self.plan, k, self.layout, self.storage, self.run_id, self.version, infos,
                            store=self.store, chains=None if self.chains is None or not self.plan.stateful[k] else
-                           {w: self.chains.chain(k, w) for w in range(W)}, memory_limit=self.memory_limit,
-                           spill_dir=self.spill_dir)
+                           {w: self.chains.task_chain(k, w) for w in range(W)}, memory_limit=self.memory_limit,
+                           spill_dir=self.spill_dir,
+                           worker_recovery="pipeline" if self.local_commits else "alone")
                  for k in range(self.plan.num_stages)]
         inputs = pa.concat_tables([self._input_blobs(steps), control_blobs(self.layout.workers, steps[0].step)])
         return Job(tasks, inputs, self.layout.workers)
@@ -450,7 +480,8 @@ class StagedExecutor:
             self.stats[key] = self.stats.get(key, 0) + 1
         self._count_spills(acks)
         if self.chains is not None:
-            missing = [a for a in acks if not a.get("delta") and not a.get("base")]
+            missing = [a for a in acks if not a.get("delta") and not a.get("base")
+                       and not (self.local_commits and a.get("local"))]
             if missing:
                 raise RecoveryError(f"job for steps {first}..{end - 1}: acknowledgements without a delta or a base "
                                     f"object {missing} (a task that does not know the store)")
@@ -482,7 +513,10 @@ class StagedExecutor:
                 st["state_fetch_bytes"] = st.get("state_fetch_bytes", 0) + int(a.get("fetched_bytes", 0))
                 for s in ("fetch_s", "load_s"):  # task seconds bringing the state to the chain / into memory
                     st[f"state_{s}"] = st.get(f"state_{s}", 0.0) + float(a.get(s, 0.0))
-                st["state_upload_bytes"] = st.get("state_upload_bytes", 0) + (a.get("delta") or a["base"])["bytes"]
+                up = a.get("delta") or a.get("base")  # invariant 7: none in "pipeline" mode (a local link)
+                st["state_upload_bytes"] = st.get("state_upload_bytes", 0) + (up["bytes"] if up else 0)
+                st["state_job_uploads"] = st.get("state_job_uploads", 0) + bool(up)
+                st["state_local_commits"] = st.get("state_local_commits", 0) + bool(a.get("local"))
                 st["state_delta_bytes"] = st.get("state_delta_bytes", 0) + int(a.get("delta_bytes", 0))
                 st["state_compactions"] = st.get("state_compactions", 0) + bool(a.get("base"))
                 st["state_merges"] = st.get("state_merges", 0) + bool(a.get("replaces"))
@@ -523,8 +557,56 @@ class StagedExecutor:
         if step != self.step:
             raise DbspError(f"checkpoint at step {step}, but the stage databases are at step {self.step}")
         if self.chains is not None:  # stage_store invariant 5: the manifest names the chains as they are now
+            self.flush()  # invariant 7: what the tasks committed locally since the last durable point, first
             self.chains.capture()
         return lambda: None
+
+    def flush(self) -> None:
+        """Invariant 7: upload what every stateful (stage, worker) committed in its task process's cache since the
+        durable chains (one :class:`FlushTask` each, where its state is; run again after a failure not of a lost
+        state, invariant 5), then record the uploaded links. Nothing to do unless local links are pending.
+        WorkerStateLostError if a task found its worker's state missing or behind (the chains do not move)."""
+        ch = self.chains
+        if ch is None or not any(ch.pending.values()):
+            return
+        assert self.store is not None and self.layout is not None
+        t0 = time.perf_counter()
+        tasks = [FlushTask(self.store, k, w, ch.task_chain(k, w)) for k in range(self.plan.num_stages)
+                 if self.plan.stateful[k] for w in range(self.layout.workers)]
+
+        def run() -> list[dict]:
+            acks = self.runner.run_tasks(run_flush_task, tasks)
+            want = sorted((t.stage, t.worker) for t in tasks)
+            got = sorted((a.get("stage"), a.get("worker")) for a in acks)
+            bad = [a for a in acks if a.get("version") != ch.version or not (a.get("delta") or a.get("base"))]
+            if got != want or bad:
+                raise RecoveryError(f"a flush's tasks acknowledged {got} (bad: {bad}), expected {want}")
+            return acks
+
+        acks = self._retried(run)
+        ch.record_flush(acks)
+        st = self.stats
+        st["state_flushes"] = st.get("state_flushes", 0) + 1
+        st["state_flush_uploads"] = st.get("state_flush_uploads", 0) + len(acks)
+        st["state_flush_compactions"] = st.get("state_flush_compactions", 0) + sum(bool(a.get("base")) for a in acks)
+        n = sum((a.get("delta") or a["base"])["bytes"] for a in acks)
+        st["state_flush_bytes"] = st.get("state_flush_bytes", 0) + n
+        st["state_upload_bytes"] = st.get("state_upload_bytes", 0) + n
+        st["state_flush_s"] = st.get("state_flush_s", 0.0) + time.perf_counter() - t0
+
+    def rollback_lost(self) -> int:
+        """After WorkerStateLostError (invariant 7): every chain back at the durable version and step, its local
+        links forgotten, under a new run id (no task process's cached instances of the lost lineage are used);
+        returns the step the driver replays from."""
+        if not self.local_commits:
+            raise DbspError("rollback_lost: this pipeline's jobs upload their state (worker_recovery='alone'); a "
+                            "lost worker is rebuilt from its chain, nothing to roll back")
+        assert self.chains is not None
+        self.step = self.chains.rollback()
+        self.version = self.chains.version
+        self.run_id = uuid.uuid4().hex
+        self.stats["state_rollbacks"] = self.stats.get("state_rollbacks", 0) + 1
+        return self.step
 
     # ---- layout changes with an object store (stage_store invariant 6) ----
 
@@ -541,6 +623,7 @@ class StagedExecutor:
         at ``version + 1`` and ``step``. Returns ``{moved_bytes, total_bytes, fetched_bytes, tasks}`` (``total_bytes``:
         the bytes of every state value of the new layout, None unless ``measure_total``)."""
         assert self.chains is not None and self.store is not None and self.circuit is not None
+        self.flush()  # invariant 7: the move tasks read the durable chains
         if version != self.chains.version:
             raise RecoveryError(f"a layout change at version {version}, but the stage chains are at "
                                 f"{self.chains.version}")
@@ -619,6 +702,7 @@ class StagedExecutor:
         v = self.version
         path = stage_db_path(self.storage, k, worker)
         if self.chains is not None:  # invariant 4: a copy in the driver's scratch directory
+            self.flush()  # invariant 7: the driver reads the durable chains
             path = stage_db_path(os.path.join(self.chains.scratch_dir(), "read"), k, worker)
             self.chains.materialize(path, k, worker)
         sw = StageWorker(self.circuit, self.plan, k, worker, self.layout.shard_map)

@@ -116,9 +116,11 @@ magic       where                                   body
                                                     stages (the stage chains, runtime/stage_store.py), writer,
                                                     repaired (from, damaged: dbsp repair --fall-back's copy)
 ``DRDL``    db/<db>/<version>.delta in an           body: records ``op (u8: 1 put, 0 delete, 2 step) |
-            object store                            table length (u16 LE) | table | key length (u16 LE)
-                                                    | key | value length (u64 LE; not for a delete) |
-                                                    value``, in commit order (database.Journal)
+            object store (also stage/<k>/<w>/...    table length (u16 LE) | table | key length (u16 LE)
+            .delta, and a task cache's pending      | key | value length (u64 LE; not for a delete) |
+            files state/stage-<k>/worker-<w>        value``, in commit order (database.Journal)
+            .pending/<v>-<token>.delta,
+            runtime/stage_store.py invariant 8)
 ``DLSG``    log segment objects in an object store  ``u32 n`` | ``n`` bytes of JSON: kind (input or output), first and
             (``<store>/log/<kind>/<first LSN>-<last  last (LSNs), gen (the writer's generation), steps ([lo, hi]),
             LSN>-g<gen>-s<lo step>-<hi step>.dlsg``) records | per record ``i64 step u64 seq u32 handle length u32
