@@ -201,8 +201,11 @@ def _lose_pipeline(cluster, s3_server, tmp_path, nsteps: int, kills: int, every:
     p = SparkPipeline(cluster, c, workers=2, storage=uri, cache_dir=str(tmp_path / "driver"),
                       checkpoint_interval=None, worker_recovery="pipeline")
     state = {"step": 0, "busy": False}
-    killer = Killer(cluster.sparkContext.applicationId, kills, random.Random(SEED),
-                    lambda: (state["step"], state["busy"], [r for _, r in p.stats.get("state_last_job", {}).values()]))
+    def progress():
+        return state["step"], state["busy"], [r for _, r in p.stats.get("state_last_job", {}).values()]
+
+    killer = Killer(cluster.sparkContext.applicationId, kills, random.Random(SEED), progress)
+    landed: list[dict] = []  # the kills of killers that finished
     outs: list[dict] = []
     checkpoints = 0
     killer.start()
@@ -219,32 +222,40 @@ def _lose_pipeline(cluster, s3_server, tmp_path, nsteps: int, kills: int, every:
                 last = i
             state["busy"] = False
             state["step"] = i
-            if i == len(steps) and len(killer.landed) < kills and i < 4 * nsteps:
+            # a kill that lands between a checkpoint and the next job finds no state pending, and there is nothing
+            # to recover: kill again (one more killer) until a whole-pipeline recovery happened, bounded
+            if not killer.is_alive() and not p.stats.get("lost_recoveries", 0) and i < 4 * nsteps:
+                landed += killer.landed
+                killer = Killer(cluster.sparkContext.applicationId, 1, random.Random(SEED + len(landed)), progress)
+                killer.start()
+            if i == len(steps) and (len(landed) + len(killer.landed) < kills or not p.stats.get("lost_recoveries", 0)) \
+                    and i < 4 * nsteps:
                 steps, bags = changes(SEED, len(steps) + 4)  # kills still to land: a few more steps
     finally:
         killer.stop.set()
         killer.join()
+        landed += killer.landed
         st = dict(p.stats)
         p.close(checkpoint=False)
     same_outputs(outs, embedded(c, steps))
     check_duckdb(sql, outs, bags)
     _check_log(uri, outs)
     cells = 2 * sum(p.executor.plan.stateful)
-    print(f"{len(steps)} steps, {checkpoints} checkpoints; {len(killer.landed)} executor kills: "
+    print(f"{len(steps)} steps, {checkpoints} checkpoints; {len(landed)} executor kills: "
           + "; ".join(f"executor {k['executor']} at step {k['step']} ({'mid-job' if k['busy'] else 'between jobs'})"
-                      for k in killer.landed)
+                      for k in landed)
           + f"; whole-pipeline recoveries {st.get('lost_recoveries', 0)}, steps replayed "
           f"{st.get('lost_replayed_steps', 0)}"
           f", {st.get('lost_recovery_s', 0.0):.1f} s; per-job uploads {st.get('state_job_uploads', 0)}, local commits "
           f"{st.get('state_local_commits', 0)}, flushes {st.get('state_flushes', 0)} "
           f"({st.get('state_flush_uploads', 0)}"
           f" objects); last loss: {st.get('last_state_lost')}")
-    assert len(killer.landed) == kills, f"only {len(killer.landed)} of {kills} kills landed in {len(steps)} steps"
+    assert len(landed) >= kills, f"only {len(landed)} of {kills} kills landed in {len(steps)} steps"
     assert st.get("state_job_uploads", 0) == 0, "a job uploaded state in worker_recovery='pipeline'"
     assert st["state_local_commits"] > 0 and st["state_flush_uploads"] == cells * st["state_flushes"]
     assert st.get("lost_recoveries", 0) >= 1 and st["state_rollbacks"] == st["lost_recoveries"], st
-    assert st["lost_replayed_steps"] >= 0
 
 
+@pytest.mark.slow
 def test_lose_executors_pipeline_recovery(lose_cluster, s3_server, tmp_path) -> None:
     _lose_pipeline(lose_cluster, s3_server, tmp_path, 16, 2)
