@@ -50,6 +50,7 @@ from dbsp_core.runtime.migrate import hand_over, move_shards
 from dbsp_core.runtime.plan import StepPlan
 from dbsp_core.runtime.rollback import capture, restore
 from dbsp_core.storage.database import Database
+from dbsp_core.storage.directory import tree_bytes
 from dbsp_core.storage.formats import SPILL_DIR, state_db_path
 from dbsp_core.storage.snapshot import state_attrs, state_tables
 from dbsp_core.trace import MergeThread, Trace, merging
@@ -702,7 +703,7 @@ class EmbeddedExecutor:
     def disk_bytes(self) -> int:
         if self.storage is None or self.layout is None:
             return 0
-        return sum(os.path.getsize(p) for p in self._paths() if os.path.exists(p))
+        return sum(tree_bytes(p) for p in self._paths())  # a file gone at its stat counts 0
 
     def close(self) -> None:
         if self._pool is not None:

@@ -44,8 +44,19 @@ def _check(path: str) -> tuple[str, int | None]:
         return "missing", None
     try:
         return "ok", verify(path)
+    except FileNotFoundError:  # deleted since the check above (a merge of the live pipeline)
+        return "missing", None
     except (CorruptionError, FormatVersionError, OSError, ValueError) as exc:
         return "damaged: " + str(exc).split("; run `dbsp repair")[0], None
+
+
+def _size(path: str) -> int | None:
+    """The bytes of ``path``, None if it is not there: a live pipeline's merges delete batch files while ``dbsp
+    inspect`` lists them, so a file listed (or checked for) may be gone at its ``stat``."""
+    try:
+        return os.path.getsize(path)
+    except FileNotFoundError:
+        return None
 
 
 def check_batch_files(root: str, named: dict[str, dict[str, int]], check: bool = True) -> dict[str, Any]:
@@ -58,11 +69,12 @@ def check_batch_files(root: str, named: dict[str, dict[str, int]], check: bool =
     files, bad, total = [], [], 0
     for name in sorted(named):
         path = os.path.join(d, name)
-        size = os.path.getsize(path) if os.path.exists(path) else None
+        size = _size(path)
         status, rows = _check(path) if check else (("present" if size is not None else "missing"), None)
         if status not in ("ok", "present"):
             bad.append(name)
         total += size or 0
         files.append({"file": name, "bytes": size, "rows": rows, "tables": named[name], "check": status})
-    unnamed = [{"file": n, "bytes": os.path.getsize(os.path.join(d, n))} for n in present if n not in named]
+    unnamed = [{"file": n, "bytes": size} for n in present
+               if n not in named and (size := _size(os.path.join(d, n))) is not None]
     return {"files": files, "unnamed": unnamed, "bytes": total, "bad": bad}

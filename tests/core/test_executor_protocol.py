@@ -107,3 +107,27 @@ def test_byte_counts_survive_a_file_that_vanishes_while_they_walk(tmp_path, monk
     sizes = inspect_storage(str(tmp_path / "d"))["bytes"]
     monkeypatch.setattr(os, "walk", walk_with_a_vanished_file)
     assert inspect_storage(str(tmp_path / "d"))["bytes"] == sizes
+
+
+def test_batch_file_listing_survives_files_a_merge_deletes_while_it_lists(tmp_path, monkeypatch) -> None:
+    """``dbsp inspect`` of a live pipeline lists its batch files while the pipeline's merges delete some: a file
+    listed and gone at its ``stat`` is left out of the unnamed files, and a named one gone after its check is
+    "missing", not an error (the listing once called ``getsize`` on every name it listed)."""
+    import os
+
+    from dbsp_core.storage import batchrefs
+    from dbsp_core.storage.formats import BATCH_FILE_SUFFIX, SPILL_DIR
+
+    d = tmp_path / SPILL_DIR
+    d.mkdir()
+    (d / ("kept" + BATCH_FILE_SUFFIX)).write_bytes(b"x" * 10)
+    listdir, exists = os.listdir, os.path.exists
+    monkeypatch.setattr(os, "listdir", lambda p: listdir(p) + ["merged-away" + BATCH_FILE_SUFFIX])
+    monkeypatch.setattr(os.path, "exists", lambda p: True if str(p).endswith(BATCH_FILE_SUFFIX) else exists(p))
+    named = {"gone" + BATCH_FILE_SUFFIX: {"t": 1}}
+    for check in (False, True):
+        found = batchrefs.check_batch_files(str(tmp_path), named, check)
+        assert found["unnamed"] == [{"file": "kept" + BATCH_FILE_SUFFIX, "bytes": 10}]
+        assert [(f["file"], f["bytes"], f["check"]) for f in found["files"]] == \
+            [("gone" + BATCH_FILE_SUFFIX, None, "missing")]
+        assert found["bad"] == ["gone" + BATCH_FILE_SUFFIX] and found["bytes"] == 0
