@@ -22,7 +22,7 @@ SCHEMA = pa.schema([("k", pa.int64()), ("j", pa.int64()), ("v", pa.int64()), ("s
 USCHEMA = pa.schema([("id", pa.int64()), ("x", pa.string()), ("m", pa.int64())])  # the join's other side
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))  # the join test's rows; replayable
 COUNTS = ("fused", "unfused", "sent", "grouped", "received", "indexed", "merged", "joined",
-          "reduced")  # StepPlan.counts' keys
+          "reduced", "sliced")  # StepPlan.counts' keys
 
 rows = st.tuples(st.integers(0, 5), st.one_of(st.none(), st.integers(0, 2)),
                  st.one_of(st.none(), st.integers(-9, 9)), st.sampled_from(["a", "b", None]))
@@ -54,8 +54,18 @@ def _circuit(shape: dict) -> dbsp.Circuit:
         if not shape.get("join_only_g"):  # else the group-by is the join's one consumer: a fused chain
             c.output("join", j)
         c.output("join_g", j.group_by("j").agg(n=dbsp.count(), total=dbsp.sum("m")))
+    if shape.get("hop"):  # a linear group-by over hopping windows of v (null v: no window), by slices when the
+        # window is no view of its own (the plan's _HopSlices)
+        w = s.hop("v", *HOPS[shape["hop"]][0])
+        if shape.get("hop_view"):
+            c.output("windows", w)
+        c.output("hop_g", w.group_by(*HOPS[shape["hop"]][1]).agg(n=dbsp.count(), total=dbsp.sum("j")))
     c.output("rows", s)
     return c
+
+
+HOPS = {1: ((6, 2), ("k", "window_start")), 2: ((9, 3), ("window_end",)),  # (size, slide), the group keys
+        3: ((4, 1), ("window_start", "s", "window_end"))}
 
 
 shapes = st.fixed_dictionaries({
@@ -70,6 +80,8 @@ shapes = st.fixed_dictionaries({
     "join_only_g": st.booleans(),  # the join's rows are no view: its group-by gathers from its pairs
     "workers": st.sampled_from([1, 2, 3]),
     "group_rows": st.sampled_from([None, 0]),  # 0: the W > 1 sender groups every step, however small
+    "hop": st.sampled_from([0, 1, 2, 3]),  # no hopping windows, or HOPS' circuit
+    "hop_view": st.booleans(),  # the windows are a view too: not sliced
 })
 
 
@@ -146,6 +158,8 @@ def test_plan_equals_unplanned_path_on_random_circuits_and_splits(shape, drawn):
     reached = any(r[0] != shape["filter"] for step in steps for r, _ in step)
     # the join's call gathered the group-by's columns from its pairs every step, on every worker
     assert counts["joined"] == (len(steps) * workers if shape["join"] and shape["join_only_g"] else 0)
+    # the hopping windows' group-by summed slices every step, on every worker, unless the windows are a view
+    assert counts["sliced"] == (len(steps) * workers if shape["hop"] and not shape["hop_view"] else 0)
     linear = [keys for keys, names in shape["groups"] if set(names) <= {"n", "total", "nv"}]
     if workers == 1:
         # a chain over keys (or none; string keys too: csrc/keyindex.h invariant 8) of counts and int64 sums, a step
