@@ -55,6 +55,9 @@ slices follow, in this order):
      per slice (the rows of one group-key value and one latest window), then copies each into its size / slide
      windows (``_HopSlices``, Flink's sliced window aggregation): rows are never copied per window (Nexmark q5: 4.6M
      window rows of 920K bids became 300K partial rows, the step's CPU 1.14 -> 0.5 s).
+     **Built**, at W > 1: an exchange whose one consumer is a count-distinct on its (keys, value) pair sends the
+     change's distinct non-null pairs, equal pairs summed (``_PairsExchange``; q15: 92K bids of a step over 2K-6K
+     (day, bidder) pairs, for each of its 8 count-distincts).
   5. State stays where the runtime finds it: a plan holds no state of its own, only the operator instances'
      traces, which it reads and writes through the same Trace methods (insert, lookup, key index). So
      checkpoints (snapshot by shard), rollback (rollback.py copies the instances' attributes), live rescale
@@ -98,6 +101,7 @@ from dbsp_core.circuit import Circuit
 from dbsp_core.errors import WeightOverflowError
 from dbsp_core.operators.aggregate import Aggregate, PreAggregate, _ExtremesState, _LinearState
 from dbsp_core.operators.base import concat, conform
+from dbsp_core.operators.count_distinct import CountDistinct, _CountDistinctState
 from dbsp_core.operators.exchange import Exchange
 from dbsp_core.operators.join import Join, _JoinState
 from dbsp_core.operators.window import Window
@@ -356,6 +360,24 @@ class _ReducedExchange:
         return ctx.exchange(self.node, z, self.key, self.schema)
 
 
+class _PairsExchange:
+    """An exchange whose one consumer is a count-distinct on the exchange's key, its (keys, value) pairs (design note
+    4, at W > 1): the sender sends its change's non-null pairs with equal pairs summed (``pairs``,
+    operators/count_distinct.py invariant 4), so a pair crosses workers once per sender, not once per row."""
+
+    def __init__(self, node: int, state: Any, schema: pa.Schema, key: tuple[str, ...], counts: dict[str, int]
+                 ) -> None:
+        self.node, self.state, self.schema, self.key, self.counts = node, state, schema, tuple(key), counts
+
+    def __call__(self, inputs: list, ctx: Any) -> ZSet:
+        z = inputs[0]
+        if z.num_rows:
+            pairs = self.state.pairs(conform(z, self.schema))
+            z = ZSet.empty(self.schema) if pairs is None else conform(pairs, self.schema)
+            self.counts["paired"] += 1
+        return ctx.exchange(self.node, z, self.key, self.schema)
+
+
 class _IndexedJoin:
     """The join's call after one or two fused exchanges: the indexed parts it received are merged into one indexed
     change per side (the merge of sorted runs, csrc/merge.h: one gather), a side without a fused exchange is
@@ -417,14 +439,15 @@ class StepPlan:
     built from received indexed parts; ``"joined"``, steps of a join that gathered its group-by's columns from its
     pairs (:class:`_JoinSlots`); ``"reduced"``, changes an exchange reduced for its min/max aggregate before it
     partitioned them (:class:`_ReducedExchange`); ``"sliced"``, steps of a hopping window that summed its group-by's
-    slices (:class:`_HopSlices`)."""
+    slices (:class:`_HopSlices`); ``"paired"``, changes an exchange summed into distinct (keys, value) pairs for its
+    count-distinct before it partitioned them (:class:`_PairsExchange`)."""
 
     def __init__(self, circuit: Circuit, live: list[int], instances: dict[int, Any], workers: int,
                  fuse: bool = True) -> None:
         nodes = circuit.nodes
         self.workers = workers  # the layout's worker count it was lowered for (invariant 2)
         self.counts = dict.fromkeys(("fused", "unfused", "sent", "grouped", "received", "indexed", "merged",
-                                     "joined", "reduced", "sliced"), 0)
+                                     "joined", "reduced", "sliced", "paired"), 0)
         self.fused_nodes: list[int] = []  # the last node of each fused chain
         steps: dict[int, Callable] = {i: instances[i].step for i in live}
         if fuse:
@@ -456,6 +479,9 @@ class StepPlan:
                 for agg in self._reducing_aggregates(circuit, live, instances, inner):
                     e = nodes[agg].inputs[0]
                     steps[e] = _ReducedExchange(e, instances[agg], nodes[e].key, self.counts)
+                for cd in self._count_distincts(circuit, live, instances, inner):
+                    e = nodes[cd].inputs[0]
+                    steps[e] = _PairsExchange(e, instances[cd], nodes[e].schema, nodes[e].key, self.counts)
                 for join, sides in self._indexed_joins(circuit, live, instances, inner):
                     op = nodes[join]
                     for side in sides:
@@ -524,6 +550,16 @@ class StepPlan:
             if isinstance(nodes[e], Exchange) and inner(e) and tuple(nodes[e].key) == tuple(op.keys):
                 found.append(i)
         return found
+
+    @staticmethod
+    def _count_distincts(circuit: Circuit, live: list[int], instances: dict[int, Any], inner: Callable[[int], bool]
+                         ) -> list[int]:
+        """Every count-distinct whose input is an exchange on its (keys, value) pair with no other consumer (design
+        note 4 at W > 1)."""
+        nodes = circuit.nodes
+        return [i for i in live if type(nodes[i]) is CountDistinct and type(instances[i]) is _CountDistinctState
+                and isinstance(nodes[nodes[i].inputs[0]], Exchange) and inner(nodes[i].inputs[0])
+                and tuple(nodes[nodes[i].inputs[0]].key) == tuple(nodes[i].partitioning)]
 
     @staticmethod
     def _indexed_joins(circuit: Circuit, live: list[int], instances: dict[int, Any], inner: Callable[[int], bool]
