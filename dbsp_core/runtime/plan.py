@@ -363,7 +363,8 @@ class _ReducedExchange:
 class _PairsExchange:
     """An exchange whose one consumer is a count-distinct on the exchange's key, its (keys, value) pairs (design note
     4, at W > 1): the sender sends its change's non-null pairs with equal pairs summed (``pairs``,
-    operators/count_distinct.py invariant 4), so a pair crosses workers once per sender, not once per row."""
+    operators/count_distinct.py invariant 4, when that pays), so a pair crosses workers once per sender, not once
+    per row."""
 
     def __init__(self, node: int, state: Any, schema: pa.Schema, key: tuple[str, ...], counts: dict[str, int]
                  ) -> None:
@@ -372,7 +373,7 @@ class _PairsExchange:
     def __call__(self, inputs: list, ctx: Any) -> ZSet:
         z = inputs[0]
         if z.num_rows:
-            pairs = self.state.pairs(conform(z, self.schema))
+            pairs = self.state.pairs(conform(z, self.schema), sender=True)
             z = ZSet.empty(self.schema) if pairs is None else conform(pairs, self.schema)
             self.counts["paired"] += 1
         return ctx.exchange(self.node, z, self.key, self.schema)
