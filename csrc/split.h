@@ -1,6 +1,7 @@
 /* split.h: the parts of strings split at a literal separator (SQL SPLIT_INDEX), into caller-allocated Arrow buffers.
  *
- * Invariants (the kernel enforces them; tests/core/test_expr_kernels.py checks them against a Python model):
+ * Invariants (the kernel enforces them; tests/c/kernels_test.c and tests/core/test_expr_kernels.py check them against
+ * naive models):
  *  1. A string is split at every occurrence of `sep` found scanning left to right, each match starting after the
  *     previous one ends (non-overlapping, as Arrow's split_pattern): s = p0 sep p1 sep ... pm, m >= 0 matches.
  *     Part i is p_i when i <= m, else null; a null string gives null parts; "" has the one part "".
