@@ -1,4 +1,4 @@
-# zset.pxd: declarations mirroring the Z-set kernel headers of csrc/ (column, rows, hash, zset, merge, scratch, partition, join, lookup, agg, reduce, gather).
+# zset.pxd: declarations mirroring the Z-set kernel headers of csrc/ (column, rows, hash, zset, merge, scratch, partition, join, lookup, agg, reduce, gather, split).
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 
 cdef extern from "status.h" nogil:
@@ -231,6 +231,12 @@ cdef extern from "gather.h" nogil:
                            int64_t *src, int64_t *null_count, int64_t *data_bytes)
     int dbsp_gather_data(const CColumn *c, int64_t nrows, int64_t m, const void *offsets, const int64_t *src,
                          uint8_t *data)
+
+cdef extern from "split.h" nogil:
+    int dbsp_split_locate(const CColumn *c, int64_t n, const uint8_t *sep, int64_t seplen, const int64_t *idx,
+                          int32_t k, int64_t *start, int32_t *const *offsets, uint8_t *const *validity,
+                          int64_t *null_count, int64_t *bytes)
+    int dbsp_split_copy(const CColumn *c, int64_t n, const int64_t *start, const int32_t *offsets, uint8_t *data)
 
 cdef extern from "extremes.h" nogil:
     int dbsp_extremes_probe(const CKeyIndex *ix, const CBatch *b, const uint64_t *kh, const int32_t *keys,

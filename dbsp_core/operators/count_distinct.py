@@ -16,6 +16,11 @@ Invariants:
      index when the pair's columns are fixed-width, else one galloping C walk per trace batch by row hash, so
      a big group costs log of its size per changed pair, not its size (Nexmark q15/q16 have a handful of
      (channel, day) groups holding 10^5-10^6 distinct values each).
+  4. Equal pairs of a change may be summed by one hashing pass before the change is indexed (a pair whose weights
+     sum to 0 moves no multiplicity; index_by consolidates what is not summed), so a change of many rows over few
+     pairs (q15's 92K bids of a step over 2K-6K (day, bidder) pairs) sorts the pairs, not the rows. A pass that left
+     more than ``PAIRS_PER_ROW`` pairs per row (q16's (channel, day, bidder): 50K of 92K) is not tried again for
+     ``RETRY`` steps.
 """
 
 from __future__ import annotations
@@ -62,8 +67,14 @@ class CountDistinct(Operator):
 
 
 class _CountDistinctState:
+    PAIRS_PER_ROW = 0.5  # a change that sums to more pairs per row than this is not summed for RETRY steps
+    RETRY = 16
+
     def __init__(self, op: CountDistinct) -> None:
         self.op = op
+        # steps left before equal pairs are summed again (invariant 4): of the step's change, and of what a fused
+        # exchange sends (counters that steer cost, not state: any value gives the same results)
+        self._sum_skip = self._send_skip = 0
         self.keys = list(op.keys)
         self.pair = list(op.partitioning)
         self.values = Trace(op.vschema, op.partitioning)
@@ -73,23 +84,39 @@ class _CountDistinctState:
         """The operator's state, by name (each trace can be read per shard)."""
         return {"values": self.values}
 
+    def pairs(self, z: "ZSet", sender: bool = False) -> "ZSet | None":
+        """The change's (keys, value) pairs with a non-null value, equal pairs summed and zero sums dropped when that
+        pays (invariant 4); None when none is left. A fused exchange (dbsp_core/runtime/plan.py) sends these
+        (``sender``: its own tries)."""
+        op = self.op
+        data = z.data.select(self.pair)
+        w = z.weights
+        if data.column(op.column).null_count:
+            valid = pc.is_valid(data.column(op.column))
+            mask = np.asarray(valid.to_numpy(zero_copy_only=False), dtype=bool)
+            data, w = data.filter(valid), w[mask]
+        if not data.num_rows:
+            return None
+        rows = conform(make(data, w, op.vschema), op.vschema)
+        attr = "_send_skip" if sender else "_sum_skip"
+        skip = getattr(self, attr)
+        if skip:  # the last try kept most rows: not summed (index_by consolidates them all the same)
+            setattr(self, attr, skip - 1)
+            return rows
+        # equal pairs summed first, by hashing: the sort of index_by (or the exchange) then sees each pair once
+        pairs = rows._distinct_unsorted()
+        if pairs.num_rows > self.PAIRS_PER_ROW * rows.num_rows:
+            setattr(self, attr, self.RETRY)
+        return pairs if pairs.num_rows else None
+
     def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
         prune(self, input_times(op), ctx)  # state no later change can reach (dbsp_core.time.cleanup)
         z = inputs[0]
-        out = empty(op.schema)
-        if z.num_rows:
-            data = z.data.select(self.pair)
-            valid = pc.is_valid(data.column(op.column))
-            w = z.weights
-            if data.column(op.column).null_count:
-                mask = np.asarray(valid.to_numpy(zero_copy_only=False), dtype=bool)
-                data, w = data.filter(valid), w[mask]
-            if data.num_rows:
-                dix = conform(make(data, w, op.vschema), op.vschema).index_by(self.pair)
-                if len(dix):
-                    out = self._flips(dix)
-        return out
+        pairs = self.pairs(z) if z.num_rows else None
+        if pairs is None:
+            return empty(op.schema)
+        return self._flips(pairs.index_by(self.pair))
 
     def _flips(self, dix) -> "ZSet":
         op = self.op

@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.acero as ac
 import pyarrow.compute as pc
 
+from dbsp_core import _zset
 from dbsp_core.errors import SchemaError
 
 WEIGHT_COL = "__dbsp_weight__"
@@ -90,12 +91,18 @@ def strftime(value: pc.Expression, fmt: str, typ: pa.DataType) -> pc.Expression:
 
 def split_parts(strings: "pa.Array | pa.ChunkedArray", sep: str, indexes: Sequence[int]) -> list[pa.Array]:
     """Part ``i`` (0-based) of each string split at the literal ``sep``, for each ``i`` in ``indexes``: null where
-    the string is null or has ``i`` parts or fewer. One ``split_pattern`` for all the parts, then a gather per
-    part at the list offsets (numpy): choosing a part with ``if_else`` over the lists instead copies the lists.
+    the string is null or has ``i`` parts or fewer. For utf8 and binary strings, one C pass locates the parts and
+    copies only them (csrc/split.h); else one ``split_pattern`` for all the parts, then a gather per part at the
+    list offsets (numpy): choosing a part with ``if_else`` over the lists instead copies the lists.
 
     >>> [a.to_pylist() for a in split_parts(pa.array(["a/b/c", "a", None, "/x/"]), "/", [1, 2])]
     [['b', None, None, 'x'], ['c', None, None, '']]
     """
+    if sep and len(indexes) and min(indexes) >= 0 and (pa.types.is_string(strings.type)
+                                                       or pa.types.is_binary(strings.type)):
+        if isinstance(strings, pa.ChunkedArray):
+            strings = strings.combine_chunks()
+        return _zset.split_parts(strings, sep, list(indexes))
     lists = pc.split_pattern(strings, sep)
     if isinstance(lists, pa.ChunkedArray):
         lists = lists.combine_chunks()

@@ -78,7 +78,12 @@ class Window(Operator):
         self.start, self.end, self.out_type = start, end, out_type
 
     def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
-        z = inputs[0]
+        return self.assign(inputs[0])
+
+    def assign(self, z: "ZSet", latest: bool = False) -> "ZSet":
+        """The step's output for the change ``z``; with ``latest`` (mode "hop"), each row once, in the latest of its
+        windows only (``window_start`` the largest multiple of slide at most t): the slices of
+        dbsp_core/runtime/plan.py's fused hop, whose other windows start ``k * slide`` earlier (0 < k < size / slide)."""
         if z.num_rows == 0:
             return empty(self.schema)
         data, w = z.data, z.weights
@@ -92,9 +97,10 @@ class Window(Operator):
             start = np.floor_divide(t, self.size) * self.size
         elif self.mode == "hop":
             n = self.size // self.slide
-            last = np.floor_divide(t, self.slide) * self.slide
-            rows = np.repeat(np.arange(len(t), dtype=np.int64), n)
-            start = last[rows] - np.tile(np.arange(n, dtype=np.int64), len(t)) * self.slide
+            start = last = np.floor_divide(t, self.slide) * self.slide
+            if not latest:
+                rows = np.repeat(np.arange(len(t), dtype=np.int64), n)
+                start = last[rows] - np.tile(np.arange(n, dtype=np.int64), len(t)) * self.slide
         else:  # range: the buckets meeting [t + lo, t + hi]; points: the multiples of size in it (invariant 4)
             if self.mode == "range":
                 first = np.floor_divide(t + self.lo, self.size)

@@ -12,6 +12,7 @@
 #include "keyindex.h"
 #include "group.h"
 #include "gather.h"
+#include "split.h"
 #include "merge.h"
 
 static int failures = 0;
@@ -659,6 +660,73 @@ static void test_group_int(void) {
 }
 
 /* gather: every column kind against a naive copy, at random indices with repeats, from a sliced batch */
+/* split.h against a naive model: part `want` of s[0, len) split at sep, as (start, length), or start -1 */
+static void naive_part(const uint8_t *s, int64_t len, const uint8_t *sep, int64_t seplen, int64_t want,
+                       int64_t *start, int64_t *plen) {
+    int64_t from = 0, part = 0, i = 0;
+    *start = -1;
+    while (1) {
+        int64_t at = -1;
+        for (i = from; i + seplen <= len; i++)
+            if (memcmp(s + i, sep, (size_t)seplen) == 0) { at = i; break; }
+        if (part == want) { *start = from; *plen = (at < 0 ? len : at) - from; return; }
+        if (at < 0) return;
+        from = at + seplen;
+        part++;
+    }
+}
+
+static void test_split(int64_t nrows, const char *sepstr) {
+    /* strings of 0-24 bytes over {a, b, /} in a buffer of exactly the bytes in use (ASan sees any over-read),
+     * some null, viewed from row 5 (a non-zero Arrow offset) */
+    const uint8_t *sep = (const uint8_t *)sepstr;
+    int64_t seplen = (int64_t)strlen(sepstr), off = 5, n = nrows - off;
+    int32_t *soff = malloc((size_t)(nrows + 1) * 4);
+    uint8_t *bytes = malloc((size_t)nrows * 24 + 1), *valid = calloc((size_t)(nrows / 8 + 1), 1);
+    soff[0] = 0;
+    for (int64_t i = 0; i < nrows; i++) {
+        int32_t len = (int32_t)(next() % 25);
+        for (int32_t b = 0; b < len; b++) bytes[soff[i] + b] = (uint8_t)"ab/"[next() % 3];
+        soff[i + 1] = soff[i] + len;
+        set_bit(valid, i, next() % 8 != 0);
+    }
+    bytes = realloc(bytes, (size_t)soff[nrows] + 1);
+    DbspColumn col = { DBSP_UTF8, off, valid, soff, bytes };
+    int64_t idx[4] = { 3, 0, 1, 0 };
+    int32_t k = 4;
+    int64_t *start = malloc((size_t)(n * k + 1) * 8), nulls[4], nbytes[4];
+    int32_t *offs[4];
+    uint8_t *vals[4];
+    for (int32_t j = 0; j < k; j++) { offs[j] = malloc((size_t)(n + 1) * 4); vals[j] = malloc((size_t)(n / 8 + 1)); }
+    CHECK(dbsp_split_locate(&col, n, sep, seplen, idx, k, start, offs, vals, nulls, nbytes) == DBSP_OK);
+    for (int32_t j = 0; j < k; j++) {
+        uint8_t *data = malloc((size_t)nbytes[j] + 1);
+        CHECK(dbsp_split_copy(&col, n, start + j * n, offs[j], data) == DBSP_OK);
+        int64_t want_nulls = 0;
+        for (int64_t i = 0; i < n; i++) {
+            int64_t ws = -1, wl = 0, len = 0;
+            if (dbsp_col_valid(&col, i)) {
+                const uint8_t *s = dbsp_col_bytes(&col, i, &len);
+                naive_part(s, len, sep, seplen, idx[j], &ws, &wl);
+                if (ws >= 0) ws += s - bytes;
+            }
+            want_nulls += ws < 0;
+            CHECK(dbsp_bit(vals[j], i) == (ws >= 0));
+            CHECK((int64_t)offs[j][i + 1] - offs[j][i] == (ws >= 0 ? wl : 0));
+            if (ws >= 0) CHECK(memcmp(data + offs[j][i], bytes + ws, (size_t)wl) == 0);
+        }
+        CHECK(nulls[j] == want_nulls && offs[j][n] == nbytes[j]);
+        free(data);
+    }
+    CHECK(dbsp_split_locate(&col, n, sep, 0, idx, k, start, offs, vals, nulls, nbytes) == DBSP_EINVAL);
+    idx[0] = -1;
+    CHECK(dbsp_split_locate(&col, n, sep, seplen, idx, k, start, offs, vals, nulls, nbytes) == DBSP_EINVAL);
+    col.type = DBSP_LARGE_UTF8;
+    CHECK(dbsp_split_locate(&col, n, sep, seplen, idx, k, start, offs, vals, nulls, nbytes) == DBSP_ETYPE);
+    for (int32_t j = 0; j < k; j++) { free(offs[j]); free(vals[j]); }
+    free(start); free(soff); free(bytes); free(valid);
+}
+
 static void test_gather(void) {
     TBatch t; tb_make(&t, 3000, 1000, 1, 1);
     int64_t off = 7, n = t.n - off, m = 5000;  /* view rows 7.. as the batch (non-zero Arrow offsets) */
@@ -891,6 +959,10 @@ int main(void) {
     test_group_reduce_all();
     test_group_int();
     test_gather();
+    test_split(3000, "/");
+    test_split(3000, "a/");
+    test_split(2000, "aa");  /* overlapping matches: "aaa" is "" and "a" */
+    test_split(6, "/");
     test_keyindex(0, 10);
     test_keyindex(300, 40);
     test_keyindex(3000, 100000);  /* grows past several resizes */

@@ -78,18 +78,20 @@ def test_other_formats_and_types_keep_arrow_strftime() -> None:
         assert _eval(strftime(pc.field("t"), fmt, ts), column).equals(pc.strftime(column, format=fmt))
 
 
-@pytest.mark.parametrize("sep", ["/", "ab", "é"])
+@pytest.mark.parametrize("sep", ["/", "ab", "é", "aa"])
 def test_split_parts_match_python_split(sep: str) -> None:
-    """split_parts (q22's SPLIT_INDEX) against str.split: empty parts, separators at both ends, nulls, non-ASCII
-    text, a sliced array and a chunked one."""
+    """split_parts (q22's SPLIT_INDEX; utf8 and binary by csrc/split.h, large_string by Arrow) against str.split:
+    empty parts, separators at both ends, overlapping matches ("aa" in "aaa"), nulls, non-ASCII text, a sliced
+    array and a chunked one, part indexes out of order and repeated."""
     rng = np.random.default_rng(SEED + 2)
     alphabet = ["a", "b", "é", "/", "x", "", sep, sep]
     strings = ["".join(rng.choice(alphabet, rng.integers(0, 12))) for _ in range(3000)]
     values = [None if rng.random() < 0.05 else s for s in strings]
     for column in (pa.array(values), pa.array(values).slice(17, 2000),
-                   pa.chunked_array([pa.array(values[:1000]), pa.array(values[1000:])])):
+                   pa.chunked_array([pa.array(values[:1000]), pa.array(values[1000:])]),
+                   pa.array(values, pa.large_string())):
         py = column.to_pylist()
-        indexes = (0, 1, 3, 5)
+        indexes = (3, 0, 1, 5, 0)
         got = split_parts(column, sep, indexes)
         for i, arr in zip(indexes, got):
             want = [None if s is None or len(s.split(sep)) <= i else s.split(sep)[i] for s in py]
@@ -97,3 +99,15 @@ def test_split_parts_match_python_split(sep: str) -> None:
             assert not bad, (f"DBSP_EXPR_KERNELS_SEED={SEED} sep {sep!r} part {i} of {py[bad[0]]!r}: "
                              f"{arr[bad[0]]}, str.split {want[bad[0]]!r}")
             assert sum(w is not None for w in want) > 0, "no string had the part: the check proved nothing"
+
+
+def test_split_parts_of_binary_and_empty_columns() -> None:
+    """The C kernel over binary (bytes in, bytes out), an empty column and an all-null one; a bad call raises."""
+    from dbsp_core import _zset
+
+    got = split_parts(pa.array([b"a\x00b", None, b"\x00"], pa.binary()), "\x00", [1])
+    assert got[0].type == pa.binary() and got[0].to_pylist() == [b"b", None, b""]
+    assert [a.to_pylist() for a in split_parts(pa.array([], pa.string()), "/", [0, 2])] == [[], []]
+    assert split_parts(pa.array([None, None], pa.string()), "/", [0])[0].to_pylist() == [None, None]
+    with pytest.raises(ValueError):
+        _zset.split_parts(pa.array(["a"]), "", [0])

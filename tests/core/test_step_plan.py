@@ -22,7 +22,7 @@ SCHEMA = pa.schema([("k", pa.int64()), ("j", pa.int64()), ("v", pa.int64()), ("s
 USCHEMA = pa.schema([("id", pa.int64()), ("x", pa.string()), ("m", pa.int64())])  # the join's other side
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))  # the join test's rows; replayable
 COUNTS = ("fused", "unfused", "sent", "grouped", "received", "indexed", "merged", "joined",
-          "reduced")  # StepPlan.counts' keys
+          "reduced", "sliced", "paired")  # StepPlan.counts' keys
 
 rows = st.tuples(st.integers(0, 5), st.one_of(st.none(), st.integers(0, 2)),
                  st.one_of(st.none(), st.integers(-9, 9)), st.sampled_from(["a", "b", None]))
@@ -54,8 +54,23 @@ def _circuit(shape: dict) -> dbsp.Circuit:
         if not shape.get("join_only_g"):  # else the group-by is the join's one consumer: a fused chain
             c.output("join", j)
         c.output("join_g", j.group_by("j").agg(n=dbsp.count(), total=dbsp.sum("m")))
+    if shape.get("hop"):  # a linear group-by over hopping windows of v (null v: no window), by slices when the
+        # window is no view of its own (the plan's _HopSlices)
+        w = s.hop("v", *HOPS[shape["hop"]][0])
+        if shape.get("hop_view"):
+            c.output("windows", w)
+        c.output("hop_g", w.group_by(*HOPS[shape["hop"]][1]).agg(n=dbsp.count(), total=dbsp.sum("j")))
+    if shape.get("distinct") == 1:  # count-distincts (their exchanges send summed pairs at W > 1), of an int column
+        # with nulls and of a string column
+        c.output("cd", s.group_by("k").agg(n=dbsp.count(), nd=dbsp.count_distinct("v")))
+    elif shape.get("distinct") == 2:
+        c.output("cd", s.group_by("j").agg(ns=dbsp.count_distinct("s"), total=dbsp.sum("k")))
     c.output("rows", s)
     return c
+
+
+HOPS = {1: ((6, 2), ("k", "window_start")), 2: ((9, 3), ("window_end",)),  # (size, slide), the group keys
+        3: ((4, 1), ("window_start", "s", "window_end"))}
 
 
 shapes = st.fixed_dictionaries({
@@ -70,6 +85,9 @@ shapes = st.fixed_dictionaries({
     "join_only_g": st.booleans(),  # the join's rows are no view: its group-by gathers from its pairs
     "workers": st.sampled_from([1, 2, 3]),
     "group_rows": st.sampled_from([None, 0]),  # 0: the W > 1 sender groups every step, however small
+    "hop": st.sampled_from([0, 1, 2, 3]),  # no hopping windows, or HOPS' circuit
+    "hop_view": st.booleans(),  # the windows are a view too: not sliced
+    "distinct": st.sampled_from([0, 1, 2]),  # no count-distinct, or one of two
 })
 
 
@@ -146,6 +164,10 @@ def test_plan_equals_unplanned_path_on_random_circuits_and_splits(shape, drawn):
     reached = any(r[0] != shape["filter"] for step in steps for r, _ in step)
     # the join's call gathered the group-by's columns from its pairs every step, on every worker
     assert counts["joined"] == (len(steps) * workers if shape["join"] and shape["join_only_g"] else 0)
+    # at W > 1 a count-distinct's exchange sent summed pairs whenever a worker had rows for it
+    assert (counts["paired"] >= 1) == bool(workers > 1 and shape["distinct"] and reached)
+    # the hopping windows' group-by summed slices every step, on every worker, unless the windows are a view
+    assert counts["sliced"] == (len(steps) * workers if shape["hop"] and not shape["hop_view"] else 0)
     linear = [keys for keys, names in shape["groups"] if set(names) <= {"n", "total", "nv"}]
     if workers == 1:
         # a chain over keys (or none; string keys too: csrc/keyindex.h invariant 8) of counts and int64 sums, a step
@@ -356,3 +378,53 @@ def test_join_then_group_by_folds_the_pairs_and_matches_duckdb_and_a_model(worke
         assert counts["fused"] + counts["unfused"] == 6 and counts["fused"] >= 1, counts
     else:  # every worker's sender built partial rows from the gathered columns (or, after a null, the combiner)
         assert counts["sent"] + counts["unfused"] >= 6 and counts["received"] == 6 * workers, counts
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_count_distinct_exchange_sends_summed_pairs_and_matches_a_model(workers):
+    """At W > 1 a count-distinct's exchange sends each sender's distinct (key, value) pairs with their summed
+    weights (plan.py ``_PairsExchange``): random steps over few pairs (DBSP_TEST_SEED), with duplicates in a step,
+    deletions that take a pair's multiplicity to 0 and back, and null values, against a dict model of
+    count(DISTINCT v) and count(*) per k over the integrated input, and against the unplanned path at W = 1."""
+    rng = np.random.default_rng(SEED)
+    c = dbsp.Circuit()
+    t = c.input("t", SCHEMA)
+    c.output("cd", t.group_by("k").agg(n=dbsp.count(), nd=dbsp.count_distinct("v"), ns=dbsp.count_distinct("s")))
+    bag: dict = {}
+    steps = []
+    for i in range(9):
+        if i % 3 == 2:  # every third step deletes every row of one value of v, or of s, in every group: those pairs'
+            # multiplicities go to 0 (flips of -1) while their groups stay
+            col, value = (2, i // 3) if i % 2 else (3, "ab"[i // 6])
+            step = [(row, -w) for row, w in bag.items() if w > 0 and row[col] == value]
+            for row, w in step:
+                bag[row] += w
+            steps.append(step)
+            continue
+        step = []
+        for _ in range(int(rng.integers(20, 60))):
+            row = (int(rng.integers(0, 3)), 0, None if rng.random() < 0.1 else int(rng.integers(0, 4)),
+                   ["a", "b", None][int(rng.integers(0, 3))])
+            w = int(rng.choice([1, 1, 2, -1, -2])) if bag.get(row, 0) > 0 else int(rng.integers(1, 3))
+            w = max(w, -bag.get(row, 0))
+            if w:
+                bag[row] = bag.get(row, 0) + w
+                step.append((row, w))
+        steps.append(step)
+    planned, counts = _run(c, steps, plan=True, workers=workers)
+    assert counts["paired"] >= len(steps), counts  # some worker sent summed pairs every step
+    assert planned == _run(c, steps, plan=False)[0], f"DBSP_TEST_SEED={SEED}"
+    acc: dict = {}
+    view: dict = {}
+    for step, out in zip(steps, planned):
+        for row, w in step:
+            acc[row] = acc.get(row, 0) + w
+        for row, w in out["cd"].items():
+            view[row] = view.get(row, 0) + w
+        view = {r: w for r, w in view.items() if w}
+        want = {}
+        for k in {r[0] for r, w in acc.items() if w}:
+            rows = {r: w for r, w in acc.items() if w and r[0] == k}
+            want[(k, sum(rows.values()), len({r[2] for r in rows if r[2] is not None}),
+                  len({r[3] for r in rows if r[3] is not None}))] = 1
+        assert view == want, f"DBSP_TEST_SEED={SEED}"
