@@ -418,6 +418,53 @@ def test_big_writes_are_cut_at_2_mib_multiples_of_the_file(monkeypatch: pytest.M
     os.unlink(path)
 
 
+def _mapped(addr: int, n: int) -> np.ndarray:
+    """Per page of [addr, addr + n) of this process: whether a page-table entry maps it (/proc/self/pagemap bit 63)."""
+    import mmap
+
+    first, last = addr // mmap.PAGESIZE, (addr + n - 1) // mmap.PAGESIZE
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        raw = f.read((last - first + 1) * 8)
+    return (np.frombuffer(raw, dtype="<u8") >> np.uint64(63)).astype(bool)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="needs Linux's /proc/self/pagemap")
+def test_a_write_from_a_dropped_mapping_maps_each_piece_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Invariant 6: a batch read from a mapping whose pages the writer drops after each piece (``drop``: a merge
+    built on disk) has each piece's pages mapped when it goes to the VFS, so the kernel's copy does not come up short
+    and fall back to small folios. Read off the page tables (pagemap) at each pwrite; the file written reads back as
+    the batch. Fails without ``_touch`` (every page of a piece unmapped: the previous piece's drop took them)."""
+    import mmap
+
+    import dbsp_core.trace.batchfile as bf
+
+    rng = np.random.default_rng(SEED)
+    n = 700_000
+    t = pa.table({"k": rng.integers(0, n, n), "v": rng.integers(0, 9, n)})
+    b = ZSet.from_arrow(t).consolidate().index_by(["k"])
+    d = tempfile.mkdtemp()
+    write_batch(os.path.join(d, "src.batch"), b, sync=False)
+    src = open_batch(os.path.join(d, "src.batch"))
+    src.map.madvise(mmap.MADV_DONTNEED)
+    lo, hi = src.base, src.base + src.size
+    seen = []
+    pwrite = bf._PageSink._pwrite
+
+    def spy(self, data, offset):
+        m = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        at = m.ctypes.data
+        if lo <= at < hi and len(m) >= bf.GATHER:  # a piece read in place from the source's mapping
+            seen.append(bool(_mapped(at, len(m)).all()))
+        return pwrite(self, data, offset)
+
+    monkeypatch.setattr(bf._PageSink, "_pwrite", spy)
+    out = os.path.join(d, "out.batch")
+    write_batch(out, src.batch, sync=False, drop=lambda: src.map.madvise(mmap.MADV_DONTNEED))
+    assert len(seen) >= 4 and all(seen), seen
+    assert open_batch(out, verify=True).batch.zset.to_dict() == b.zset.to_dict()
+
+
 def test_crc_combine_equals_the_crc_of_the_concatenation() -> None:
     """crc_combine (the whole-file CRC of a streamed write) against the CRC of the bytes joined, random lengths."""
     from dbsp_core.trace.batchfile import _crc, crc_combine
