@@ -107,6 +107,7 @@ def _lib() -> ctypes.CDLL:
         f.write(C_SOURCE)
     subprocess.check_call(["cc", "-O2", "-shared", "-fPIC", "-o", so, src])
     lib = ctypes.CDLL(so)
+    subprocess.call(["rm", "-rf", d])  # loaded: the mapping keeps the library
     P = ctypes.c_void_p
     lib.touch.argtypes = [P, P, ctypes.c_int64, ctypes.c_int64]
     lib.touch.restype = ctypes.c_uint64
