@@ -159,6 +159,7 @@ def measure(p: dbsp.Pipeline, rng, query: str, groups: int, args, loaded: list, 
            # system (the kernel's faults and evictions): steadier than wall time on a loaded host
            "user": (ru.ru_utime - ru0.ru_utime) * 1e3 / args.steps,
            "sys": (ru.ru_stime - ru0.ru_stime) * 1e3 / args.steps}
+    out["rss_file_mb"] = _rss_file() / 2**20  # the files' pages mapped now (and any other file's: the libraries')
     if store is not None:
         d = {n: store.stats.get(n, 0) - st0.get(n, 0) for n in ("cache_hits", "cache_misses", "evictions",
                                                                "bytes_evicted", "pages_prefetched", "prefetch_runs")}
@@ -189,6 +190,18 @@ def measure(p: dbsp.Pipeline, rng, query: str, groups: int, args, loaded: list, 
     return out, k
 
 
+def _rss_file() -> int:
+    """Bytes of file-backed pages mapped into the process (RssFile of /proc/self/status; 0 where absent)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssFile:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def show(tag: str, sp: dict, mem: dict | None, args) -> None:
     """Print one spilled phase: its step times (and their ratio to the in-memory run's), files, cache and pages."""
     ratio = f" = {sp['mean'] / mem['mean']:.2f}x mean, {sp['p99'] / mem['p99']:.2f}x p99" if mem is not None else ""
@@ -200,7 +213,8 @@ def show(tag: str, sp: dict, mem: dict | None, args) -> None:
     print(f"{tag} per step: cache hits {sp['hits']:.0f} misses {sp['misses']:.0f} pages, evicted "
           f"{sp['evicted_kib']:.0f} KiB, cache {sp['cached_mb']:.1f} MiB; prefetched {sp['prefetched']:.0f} pages "
           f"in {sp['runs']:.0f} runs; major faults {sp['majflt']:.1f}, minor {sp['minflt']:.0f}, read from disk "
-          f"{sp['read_kib']:.0f} KiB; CPU {sp['user'] + sp['sys']:.2f} ms (user {sp['user']:.2f}, sys {sp['sys']:.2f})",
+          f"{sp['read_kib']:.0f} KiB; CPU {sp['user'] + sp['sys']:.2f} ms (user {sp['user']:.2f}, sys {sp['sys']:.2f}); "
+          f"RssFile after the steps {sp['rss_file_mb']:.0f} MiB",
           flush=True)
     if "pages" in sp:
         print(f"{tag} cold   : mean {sp['cold_mean']:.2f} ms p99 {sp['cold_p99']:.2f} max {sp['cold_max']:.2f}; "

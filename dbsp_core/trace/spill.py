@@ -66,8 +66,13 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      the kernel may take back: a 10M-row join under 100 MiB, 175 MiB against the cache's 25; bench/RESULTS.md,
      2026-11-29). With ``EVICT_AROUND`` an eviction drops the pages of those 64 KiB too, but for the pages the cache
      holds (``_around``): the mappings then hold the cache's pages and at most the rest of their 64 KiB (108 MiB
-     there), and steps fault more. A merge of spilled inputs drops their pages when it drops its own
-     (``merge_pages_out``).
+     there), and steps fault more. Newer kernels (Linux 6.18 here) map the whole page-cache folio a fault lands in
+     (up to 2 MiB, with one PMD entry when it is 2 MiB and aligned), and batch files are written so that most of them
+     is (batchfile.py invariant 6): a fault then maps 2 MiB and a drop unmaps it as one entry, at a fraction of the
+     kernel's cost per page of smaller folios (bench/RESULTS.md, 2026-11-29, branch r31-pread); the mappings then hold
+     the 2 MiB around every page read (a 10M-row join under 100 MiB: ~390 MiB of its 878 MiB of files between two
+     whole drops, 385 MiB with the files written before), clean pages the kernel may take back; the cache's accounting
+     is unchanged. A merge of spilled inputs drops their pages when it drops its own (``merge_pages_out``).
      Prefetch: a read of some keys names its pages before it walks (the same fence in memory), so ``Trace.lookup``,
      ``key_sums``, ``match_weights`` and the join walks (``Trace.walked`` with the change's key hashes) first call
      :meth:`BatchStore.prefetch` for every spilled batch they will seek: a madvise(MADV_WILLNEED) per run of the

@@ -366,6 +366,105 @@ def test_a_streamed_batch_file_is_not_read_back_for_its_whole_file_crc(sync: boo
     os.unlink(path)
 
 
+def test_big_writes_are_cut_at_2_mib_multiples_of_the_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Invariant 6: every aligned FOLIO_ALIGN (2 MiB) of the file that lies inside one big write of the Arrow writer
+    (a column's buffer) goes to the VFS in one pwrite, so the page cache may hold it as one folio, mapped with one
+    page-table entry; pieces cut from the write's start (offset 64 + its place in the Arrow file: before) split
+    them. The bytes are the same: the file reads back as a dict model of the batch, every checksum right. Fails
+    with ``FOLIO_ALIGN = 0`` (the pieces of before): aligned regions split by a cut."""
+    import dbsp_core.trace.batchfile as bf
+
+    rng = np.random.default_rng(SEED)
+    n = 700_000 + int(rng.integers(0, 100_000))  # 5.6-6.4 MiB columns: two pieces each, at several alignments
+    t = pa.table({"k": rng.integers(0, n // 2, n), "v": rng.integers(-5, 5, n)})
+    w = rng.choice([1, 2, -1], n)
+    b = ZSet.from_arrow(t, weights=w).consolidate().index_by(["k"])
+    code = t.column("k").to_numpy() * 16 + t.column("v").to_numpy() + 5  # the model: weight per distinct (k, v)
+    rows, inv = np.unique(code, return_inverse=True)
+    sums = np.bincount(inv, weights=w).astype(np.int64)
+    rows, sums = rows[sums != 0], sums[sums != 0]
+    big, cuts = [], []  # the Arrow writer's big writes [start, end) and every pwrite's (start, end), file offsets
+    write, pwrite = bf._PageSink.write, bf._PageSink._pwrite
+
+    def spy_write(self, data):
+        m = memoryview(data).cast("B")
+        if len(m) >= bf.GATHER:
+            big.append((64 + self.pos, 64 + self.pos + len(m)))
+        return write(self, data)
+
+    def spy_pwrite(self, data, offset):
+        cuts.append((offset, offset + len(memoryview(data).cast("B"))))
+        return pwrite(self, data, offset)
+
+    monkeypatch.setattr(bf._PageSink, "write", spy_write)
+    monkeypatch.setattr(bf._PageSink, "_pwrite", spy_pwrite)
+    path = os.path.join(tempfile.mkdtemp(), "aligned.batch")
+    write_batch(path, b, "posix", sync=False)
+    A = 2 << 20
+    assert bf.STREAM_CHUNK % A == 0
+    assert all(hi - lo <= bf.STREAM_CHUNK for lo, hi in cuts)
+    starts = np.array(sorted(lo for lo, _ in cuts))
+    regions = 0
+    for lo, hi in big:
+        for r in range(-(-lo // A) * A, hi - A + 1, A):  # the aligned regions inside this write
+            regions += 1
+            inside = starts[(starts > r) & (starts < r + A)]
+            assert len(inside) == 0, (lo, hi, r, inside.tolist())
+    assert regions >= 4  # the columns' writes hold such regions
+    got = open_batch(path, verify=True).batch
+    gc = got.zset.data.column("k").to_numpy() * 16 + got.zset.data.column("v").to_numpy() + 5
+    order = np.argsort(gc, kind="stable")
+    assert np.array_equal(gc[order], rows) and np.array_equal(got.zset.weights[order], sums)
+    os.unlink(path)
+
+
+def _mapped(addr: int, n: int) -> np.ndarray:
+    """Per page of [addr, addr + n) of this process: whether a page-table entry maps it (/proc/self/pagemap bit 63)."""
+    import mmap
+
+    first, last = addr // mmap.PAGESIZE, (addr + n - 1) // mmap.PAGESIZE
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(first * 8)
+        raw = f.read((last - first + 1) * 8)
+    return (np.frombuffer(raw, dtype="<u8") >> np.uint64(63)).astype(bool)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="needs Linux's /proc/self/pagemap")
+def test_a_write_from_a_dropped_mapping_maps_each_piece_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Invariant 6: a batch read from a mapping whose pages the writer drops after each piece (``drop``: a merge
+    built on disk) has each piece's pages mapped when it goes to the VFS, so the kernel's copy does not come up short
+    and fall back to small folios. Read off the page tables (pagemap) at each pwrite; the file written reads back as
+    the batch. Fails without ``_touch`` (every page of a piece unmapped: the previous piece's drop took them)."""
+    import mmap
+
+    import dbsp_core.trace.batchfile as bf
+
+    rng = np.random.default_rng(SEED)
+    n = 700_000
+    t = pa.table({"k": rng.integers(0, n, n), "v": rng.integers(0, 9, n)})
+    b = ZSet.from_arrow(t).consolidate().index_by(["k"])
+    d = tempfile.mkdtemp()
+    write_batch(os.path.join(d, "src.batch"), b, sync=False)
+    src = open_batch(os.path.join(d, "src.batch"))
+    src.map.madvise(mmap.MADV_DONTNEED)
+    lo, hi = src.base, src.base + src.size
+    seen = []
+    pwrite = bf._PageSink._pwrite
+
+    def spy(self, data, offset):
+        m = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        at = m.ctypes.data
+        if lo <= at < hi and len(m) >= bf.GATHER:  # a piece read in place from the source's mapping
+            seen.append(bool(_mapped(at, len(m)).all()))
+        return pwrite(self, data, offset)
+
+    monkeypatch.setattr(bf._PageSink, "_pwrite", spy)
+    out = os.path.join(d, "out.batch")
+    write_batch(out, src.batch, sync=False, drop=lambda: src.map.madvise(mmap.MADV_DONTNEED))
+    assert len(seen) >= 4 and all(seen), seen
+    assert open_batch(out, verify=True).batch.zset.to_dict() == b.zset.to_dict()
+
+
 def test_crc_combine_equals_the_crc_of_the_concatenation() -> None:
     """crc_combine (the whole-file CRC of a streamed write) against the CRC of the bytes joined, random lengths."""
     from dbsp_core.trace.batchfile import _crc, crc_combine
