@@ -24,6 +24,7 @@ from dbsp_core.errors import (
     StoreFencedError,
     StoreUnavailableError,
     WeightOverflowError,
+    WorkerStateLostError,
 )
 
 from dbsp_core.envvars import settings
@@ -60,6 +61,7 @@ __all__ = [
     "StoreFencedError",
     "StoreUnavailableError",
     "WeightOverflowError",
+    "WorkerStateLostError",
 ]
 
 # circuits, operators and the embedded runtime

@@ -44,12 +44,13 @@ def _rows(rng: random.Random, n: int | None = None) -> list[tuple[int, int]]:
     return [(rng.randrange(6), rng.randrange(-5, 5)) for _ in range(n)]
 
 
-def _write(path: str, rows: list[tuple[int, int]], rng: random.Random) -> None:
+def _write(path: str, rows: list[tuple[int, int]], rng: random.Random, row_groups=(2, 5, 100)) -> None:
+    """``rows`` in ``path`` by its extension; Parquet in row groups of a size drawn from ``row_groups``."""
     kind = os.path.splitext(path)[1]
     tmp = os.path.join(os.path.dirname(path), "." + os.path.basename(path))  # published by an atomic rename
     if kind == ".parquet":
         pq.write_table(pa.table({"k": [r[0] for r in rows], "v": [r[1] for r in rows]}), tmp,
-                       row_group_size=rng.choice([2, 5, 100]))
+                       row_group_size=rng.choice(list(row_groups)))
     elif kind == ".csv":
         with open(tmp, "w") as f:
             f.write("k,v\n" + "".join(f"{k},{v}\n" for k, v in rows))
