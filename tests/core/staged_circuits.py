@@ -156,3 +156,31 @@ def open_staged(path, c: dbsp.Circuit, runner=None, workers=None, **kwargs) -> d
     from dbsp_core.runtime import StagedExecutor
 
     return dbsp.Pipeline.open(path, c, workers, executor=StagedExecutor(runner), **kwargs)
+
+
+def feed(p, steps: list[list[tuple[str, dbsp.ZSet]]]) -> list[dict]:
+    """Each step's pushes, then the step: the outputs of the steps, in order."""
+    outs = []
+    for pushes in steps:
+        for h, z in pushes:
+            p.push(h, z)
+        outs.append(p.step())
+    return outs
+
+
+def check_output_log(uri: str, outs: list[dict]) -> None:
+    """The output log of the store pipeline at ``uri`` holds every step once, equal to what the steps returned."""
+    from dbsp_core.runtime.remote_state import restored
+    from dbsp_core.storage.inspect import open_output
+
+    with restored(uri) as (path, *_):
+        lg = open_output(path)
+        try:
+            assert (lg.first, lg.last) == (0, len(outs))
+            for s, out in enumerate(outs):
+                got = lg.get(s)
+                assert set(got) == set(out)
+                for n in out:
+                    assert got[n].consolidate() == out[n].consolidate(), f"output log step {s} {n}"
+        finally:
+            lg.close()

@@ -24,7 +24,8 @@ pytest.importorskip("pyspark")
 
 from executor_kill import executor_dirs, executors, kill_executor  # noqa: E402
 from spark_glue import SparkPipeline  # noqa: E402
-from staged_circuits import build, changes, check_duckdb, embedded, run_job, same_outputs  # noqa: E402
+from staged_circuits import (build, changes, check_duckdb, check_output_log, embedded, run_job,  # noqa: E402
+                              same_outputs)
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]  # local-cluster JVMs and kills: 2-9 minutes, the long suite
 SEED = int(os.environ.get("DBSP_SPARK_LOSE_SEED", random.SystemRandom().randrange(10**6)))
@@ -114,7 +115,7 @@ def _lose(cluster, s3_server, tmp_path, nsteps: int, kills: int) -> None:
         p.close(checkpoint=False)
     same_outputs(outs, embedded(c, steps))
     check_duckdb(sql, outs, bags)
-    _check_log(uri, outs)
+    check_output_log(uri, outs)
     landed = killer.landed
     after = [jobs[-1][0] - kill["step"] for kill in landed]  # steps that ended after each kill
     # each (stage, worker) task against its previous one: on the same Spark executor directory with no kill of it
@@ -161,22 +162,6 @@ def _lose(cluster, s3_server, tmp_path, nsteps: int, kills: int) -> None:
     assert sum(fetched_by.values()) >= moved + took - len(lost)
 
 
-def _check_log(uri: str, outs: list[dict]) -> None:
-    """The output log in the store holds every step once, equal to what the steps returned."""
-    from dbsp_core.runtime.remote_state import restored
-    from dbsp_core.storage.inspect import open_output
-
-    with restored(uri) as (path, *_):
-        lg = open_output(path)
-        try:
-            assert (lg.first, lg.last) == (0, len(outs))
-            for s, out in enumerate(outs):
-                got = lg.get(s)
-                assert set(got) == set(out)
-                for n in out:
-                    assert got[n].consolidate() == out[n].consolidate(), f"output log step {s} {n}"
-        finally:
-            lg.close()
 
 
 def test_lose_executors_short(lose_cluster, s3_server, tmp_path) -> None:
@@ -239,7 +224,7 @@ def _lose_pipeline(cluster, s3_server, tmp_path, nsteps: int, kills: int, every:
         p.close(checkpoint=False)
     same_outputs(outs, embedded(c, steps))
     check_duckdb(sql, outs, bags)
-    _check_log(uri, outs)
+    check_output_log(uri, outs)
     cells = 2 * sum(p.executor.plan.stateful)
     print(f"{len(steps)} steps, {checkpoints} checkpoints; {len(landed)} executor kills: "
           + "; ".join(f"executor {k['executor']} at step {k['step']} ({'mid-job' if k['busy'] else 'between jobs'})"

@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "core"))
 
-from staged_circuits import build, changes, check_duckdb, embedded, same_outputs  # noqa: E402
+from staged_circuits import build, changes, check_duckdb, embedded, feed, same_outputs  # noqa: E402
 
 import dbsp_core as dbsp  # noqa: E402
 import dbsp_core.runtime.driver as driver_module  # noqa: E402
@@ -37,13 +37,6 @@ def _open(c, uri, cache, caches, workers=None):
     return dbsp.Pipeline.open(uri, c, workers, executor=ex, cache_dir=cache, checkpoint_interval=None)
 
 
-def _feed(p, steps):
-    outs = []
-    for pushes in steps:
-        for h, z in pushes:
-            p.push(h, z)
-        outs.append(p.step())
-    return outs
 
 
 def _checkpointed(s3_server, tmp_path, steps, n: int) -> tuple:
@@ -54,9 +47,9 @@ def _checkpointed(s3_server, tmp_path, steps, n: int) -> tuple:
     caches = [str(tmp_path / f"exec-{i}") for i in range(2)]
     driver = str(tmp_path / "driver")
     p = _pipe(c, uri, driver, caches)
-    outs = _feed(p, steps[:n])
+    outs = feed(p, steps[:n])
     p.checkpoint()
-    outs += _feed(p, steps[n:n + 1])
+    outs += feed(p, steps[n:n + 1])
     return c, sql, uri, caches, driver, p, outs
 
 
@@ -69,7 +62,7 @@ def test_stage_state_moves_and_the_driver_restarts(s3_server, tmp_path) -> None:
     p._shutdown()
     shutil.rmtree(driver)
     q = _open(c, uri, driver, caches)
-    outs += _feed(q, steps[4:])
+    outs += feed(q, steps[4:])
     fetched += q.stats["state_fetches"]
     q.close()
     assert fetched > 0
@@ -87,23 +80,23 @@ def test_stage_state_moves_through_the_store(s3_server, tmp_path, name) -> None:
     caches = [str(tmp_path / f"exec-{i}") for i in range(3)]
     driver = str(tmp_path / "driver")
     p = _pipe(c, uri, driver, caches)
-    outs = _feed(p, steps[:5])
+    outs = feed(p, steps[:5])
     st = p.stats
     # three caches picked at random by each task: most tasks find their cache stale or empty
     assert st["state_fetches"] > 0 and st["state_fetch_bytes"] > 0, st
     assert len(st["state_cache_roots"]) == 3 and all(not r.startswith(driver) for r in st["state_cache_roots"])
     assert state_db_paths(driver) == [], "no stage database on the driver's disk"
     p.rescale(3)
-    outs += _feed(p, steps[5:7])
+    outs += feed(p, steps[5:7])
     p.rescale(2)
-    outs += _feed(p, steps[7:8])
+    outs += feed(p, steps[7:8])
     p.checkpoint()
-    outs += _feed(p, steps[8:10])  # after the checkpoint: replayed by the restart
+    outs += feed(p, steps[8:10])  # after the checkpoint: replayed by the restart
     p._shutdown()  # the driver dies without closing
     shutil.rmtree(driver)
     q = _open(c, uri, driver, caches[1:], workers=3)  # a cold rescale at open, on an empty driver disk
     assert q.steps == 10 and q.layout.workers == 3
-    outs += _feed(q, steps[10:])
+    outs += feed(q, steps[10:])
     q.close()
     same_outputs(outs, embedded(c, steps))
     check_duckdb(sql, outs, bags)
@@ -115,7 +108,7 @@ def test_chains_compact(s3_server, tmp_path, monkeypatch) -> None:
     c, _ = build("carried")
     uri = s3_server.uri(s3_server.bucket(), "pipe")
     p = _pipe(c, uri, str(tmp_path / "driver"), [str(tmp_path / "a"), str(tmp_path / "b")])
-    outs = _feed(p, steps)
+    outs = feed(p, steps)
     assert p.stats["state_compactions"] > 0
     assert max(len(ch) for ch in p.executor.chains.chains.values()) <= 2
     p.checkpoint()
@@ -137,7 +130,7 @@ def test_duplicates_and_retries_on_other_caches(s3_server, tmp_path) -> None:
     caches = [str(tmp_path / f"exec-{i}") for i in range(3)]
     runner = LocalJobRunner({(1, "after-commit", 0), (2, "before-commit", 1)}, caches, SEED, duplicates=True)
     p = _pipe(c, uri, str(tmp_path / "driver"), caches, runner=runner)
-    outs = _feed(p, steps)
+    outs = feed(p, steps)
     assert runner.retries == 2 and p.stats["state_fetches"] > 0
     names = set(p._remote.list("stage"))
     live = {link["object"] for ch in p.executor.chains.chains.values() for link in ch}
@@ -208,12 +201,12 @@ def test_a_rescale_moves_state_through_tasks_never_the_driver(s3_server, tmp_pat
     caches = [str(tmp_path / f"exec-{i}") for i in range(2)]
     runner = ProcessRunner(caches, SEED)
     p = _pipe(c, uri, str(tmp_path / "driver"), caches, runner=runner)
-    outs = _feed(p, steps[:3])
+    outs = feed(p, steps[:3])
     p.checkpoint()
     _rescale_by_tasks(p, runner, tmp_path, 3, batch_shards=64)
-    outs += _feed(p, steps[3:4])
+    outs += feed(p, steps[3:4])
     _rescale_by_tasks(p, runner, tmp_path, 2, batch_shards=64)
-    outs += _feed(p, steps[4:])
+    outs += feed(p, steps[4:])
     assert p.layout.workers == 2
     p.close()
     same_outputs(outs, embedded(c, steps))
@@ -249,9 +242,9 @@ def test_a_driver_crash_mid_rescale_recovers_exactly_once(s3_server, tmp_path, m
     shutil.rmtree(driver)
     q = _open(c, uri, driver, caches)
     assert q.steps == 3, "every logged step is recovered, once"
-    outs += _feed(q, steps[3:5])
+    outs += feed(q, steps[3:5])
     q.rescale(3, batch_shards=64)
-    outs += _feed(q, steps[5:])
+    outs += feed(q, steps[5:])
     q.close()
     same_outputs(outs, embedded(c, steps))
     check_duckdb(sql, outs, bags)
@@ -273,7 +266,7 @@ def test_a_moved_worker_downloads_its_chain_at_once(s3_server, tmp_path, monkeyp
     runner = LocalJobRunner(cache_dirs=[old], seed=SEED)
     monkeypatch.setattr(stage_store, "MERGE_FANOUT", 64)  # no merged deltas: a chain of one object a job
     p = _pipe(c, uri, str(tmp_path / "driver"), [old], runner=runner)
-    outs = _feed(p, steps[:5])  # each stateful (stage, worker) has a chain of 5 deltas, all cached in `old`
+    outs = feed(p, steps[:5])  # each stateful (stage, worker) has a chain of 5 deltas, all cached in `old`
     assert min(len(ch) for ch in p.executor.chains.chains.values()) >= 5
     state = {"now": 0, "most": 0, "gets": 0}
     lock = threading.Lock()
@@ -296,7 +289,7 @@ def test_a_moved_worker_downloads_its_chain_at_once(s3_server, tmp_path, monkeyp
     monkeypatch.setattr(Remote, "get_file", slow_get_file)
     runner.cache_dirs = [new]  # the next job's tasks all run where no state is
     fetches = p.stats["state_fetches"]
-    outs += _feed(p, steps[5:])
+    outs += feed(p, steps[5:])
     assert p.stats["state_fetches"] - fetches == len(p.executor.chains.chains), p.stats
     assert state["gets"] >= 5 * len(p.executor.chains.chains), state
     assert state["most"] > 1, f"the chain's objects were downloaded one after another: {state}"
@@ -366,13 +359,13 @@ def test_the_upload_of_small_steps_follows_the_change(s3_server, tmp_path) -> No
         pushed.append(pa.table({"k": k, "v": k % 1000}))
     for _ in range(small):
         pushed.append(pa.table({"k": rng.integers(0, keys, rows), "v": rng.integers(0, 1000, rows)}))
-    outs = _feed(p, [[("s", t)] for t in pushed[:2]])
+    outs = feed(p, [[("s", t)] for t in pushed[:2]])
     state = min(sum(link["bytes"] for link in ch) for ch in p.executor.chains.chains.values())
     c0, d0 = p.stats.get("state_compactions", 0), p.stats.get("state_delta_bytes", 0)
     per_step, deltas = [], []
     for t in pushed[2:]:
         u, d = p.stats["state_upload_bytes"], p.stats.get("state_delta_bytes", 0)
-        outs += _feed(p, [[("s", t)]])
+        outs += feed(p, [[("s", t)]])
         per_step.append(p.stats["state_upload_bytes"] - u)
         deltas.append(p.stats.get("state_delta_bytes", 0) - d)
     own = p.stats.get("state_delta_bytes", 0) - d0
@@ -389,7 +382,7 @@ def test_the_upload_of_small_steps_follows_the_change(s3_server, tmp_path) -> No
     shutil.rmtree(str(tmp_path / "driver"))
     q = _open(circuit(), uri, str(tmp_path / "driver"), [str(tmp_path / "c2")])  # a cache rebuilt from the chains
     pushed.append(pa.table({"k": rng.integers(0, keys, rows), "v": rng.integers(0, 1000, rows)}))
-    outs += _feed(q, [[("s", pushed[-1])]])
+    outs += feed(q, [[("s", pushed[-1])]])
     assert q.stats.get("state_fetches", 0) > 0
     q.close()
     model = pa.concat_tables(pushed).group_by("k").aggregate([("v", "count"), ("v", "sum")])  # Arrow's, not ours

@@ -24,7 +24,8 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "core"))
 
-from staged_circuits import build, changes, check_duckdb, embedded, same_outputs  # noqa: E402
+from staged_circuits import (build, changes, check_duckdb, check_output_log, embedded, feed,  # noqa: E402
+                              same_outputs)
 
 import dbsp_core as dbsp  # noqa: E402
 from dbsp_core.errors import RecoveryError  # noqa: E402
@@ -40,13 +41,6 @@ def _pipe(c, uri, tmp_path, mode: str, workers: int = 2):
                          checkpoint_interval=None)
 
 
-def _feed(p, steps):
-    outs = []
-    for pushes in steps:
-        for h, z in pushes:
-            p.push(h, z)
-        outs.append(p.step())
-    return outs
 
 
 def _lose(tmp_path, worker: int) -> list[str]:
@@ -61,21 +55,6 @@ def _lose(tmp_path, worker: int) -> list[str]:
     return gone
 
 
-def _check_log(uri: str, outs: list[dict]) -> None:
-    """The output log in the store holds every step once, equal to what the steps returned."""
-    from dbsp_core.runtime.remote_state import restored
-    from dbsp_core.storage.inspect import open_output
-
-    with restored(uri) as (path, *_):
-        lg = open_output(path)
-        try:
-            assert (lg.first, lg.last) == (0, len(outs))
-            for s, out in enumerate(outs):
-                got = lg.get(s)
-                for n in out:
-                    assert got[n].consolidate() == out[n].consolidate(), f"output log step {s} {n}"
-        finally:
-            lg.close()
 
 
 def test_the_option_is_checked(tmp_path) -> None:
@@ -99,7 +78,7 @@ def test_uploads_per_job_by_mode(s3_server, tmp_path, mode) -> None:
     c, sql = build("join_agg")
     uri = s3_server.uri(s3_server.bucket(), "pipe")
     p = _pipe(c, uri, tmp_path, mode)
-    outs = _feed(p, steps[:4])
+    outs = feed(p, steps[:4])
     cells = sum(p.executor.plan.stateful) * 2
     st = p.stats
     if mode == "alone":
@@ -113,7 +92,7 @@ def test_uploads_per_job_by_mode(s3_server, tmp_path, mode) -> None:
         assert st["state_flushes"] == 1 and st["state_flush_uploads"] == cells and st["state_upload_bytes"] > 0
         assert not any(p.executor.chains.pending.values())
         assert all(ch[-1]["to"] == p.executor.version for ch in p.executor.chains.chains.values())
-    outs += _feed(p, steps[4:])
+    outs += feed(p, steps[4:])
     p._shutdown()  # the driver dies: the steps after the checkpoint are replayed by the next one
     shutil.rmtree(tmp_path / "driver")
     q = dbsp.Pipeline.open(uri, c, executor=StagedExecutor(LocalJobRunner(), task_cache_dir=str(tmp_path / "tasks"),
@@ -135,30 +114,30 @@ def test_a_lost_worker_recovers_the_whole_pipeline(s3_server, tmp_path) -> None:
     c, sql = build("join_agg")
     uri = s3_server.uri(s3_server.bucket(), "pipe")
     p = _pipe(c, uri, tmp_path, "pipeline")
-    outs = _feed(p, steps[:3])
+    outs = feed(p, steps[:3])
     p.checkpoint()
-    outs += _feed(p, steps[3:6])
+    outs += feed(p, steps[3:6])
     assert _lose(tmp_path, 1)
-    outs += _feed(p, steps[6:8])
+    outs += feed(p, steps[6:8])
     st = p.stats
     assert st["lost_recoveries"] == 1 and st["lost_replayed_steps"] == 3 and st["state_rollbacks"] == 1, st
     assert "worker-1.db" in st["last_state_lost"]
     p.checkpoint()
     assert _lose(tmp_path, 0)  # right after a checkpoint: the chains are durable, worker 0 is rebuilt alone
-    outs += _feed(p, steps[8:10])
+    outs += feed(p, steps[8:10])
     assert st["lost_recoveries"] == 1, st
-    outs += _feed(p, steps[10:12])
+    outs += feed(p, steps[10:12])
     assert _lose(tmp_path, 0)
     p.checkpoint()  # the flush finds worker 0's state gone: recovered from step 8, then flushed
     assert st["lost_recoveries"] == 2 and st["lost_replayed_steps"] == 3 + 4, st
-    outs += _feed(p, steps[12:])
+    outs += feed(p, steps[12:])
     assert _lose(tmp_path, 1)
     assert p.traces(1)  # the driver's read flushes first: the loss it finds is recovered, then read
     assert st["lost_recoveries"] == 3 and st["lost_replayed_steps"] == 3 + 4 + 2, st
     p.close()
     same_outputs(outs, embedded(c, steps))
     check_duckdb(sql, outs, bags)
-    _check_log(uri, outs)
+    check_output_log(uri, outs)
 
 
 def test_capture_refuses_local_links(s3_server, tmp_path) -> None:
@@ -167,7 +146,7 @@ def test_capture_refuses_local_links(s3_server, tmp_path) -> None:
     c, _ = build("carried")
     uri = s3_server.uri(s3_server.bucket(), "pipe")
     p = _pipe(c, uri, tmp_path, "pipeline")
-    _feed(p, steps)
+    feed(p, steps)
     with pytest.raises(RecoveryError, match="flush first"):
         p.executor.chains.capture()
     p.close()
@@ -181,15 +160,15 @@ def test_a_rescale_flushes_first(s3_server, tmp_path) -> None:
     c, sql = build("join_agg")
     uri = s3_server.uri(s3_server.bucket(), "pipe")
     p = _pipe(c, uri, tmp_path, "pipeline")
-    outs = _feed(p, steps[:3])
+    outs = feed(p, steps[:3])
     assert any(p.executor.chains.pending.values())
     p.rescale(3)
     assert p.stats["state_flushes"] >= 1 and p.layout.workers == 3
-    outs += _feed(p, steps[3:6])
+    outs += feed(p, steps[3:6])
     assert _lose(tmp_path, 2)
-    outs += _feed(p, steps[6:])
+    outs += feed(p, steps[6:])
     assert p.stats["lost_recoveries"] == 1 and p.stats["lost_replayed_steps"] <= 3, p.stats
     p.close()
     same_outputs(outs, embedded(c, steps))
     check_duckdb(sql, outs, bags)
-    _check_log(uri, outs)
+    check_output_log(uri, outs)
