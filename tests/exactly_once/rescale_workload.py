@@ -252,7 +252,7 @@ def run_child(argv: list[str], crash: str | None, kill_after: float | None, hang
         return "killed", None
     if p.returncode == -9:
         return "killed", None
-    assert p.returncode == 0, f"child failed (rc {p.returncode}):\n{err[-3000:]}"
+    assert p.returncode == 0, f"child failed (rc {p.returncode}):\n{err[-3000:]}{out[-3000:]}"  # failures on stdout
     return "done", json.loads(out.strip().splitlines()[-1])
 
 
