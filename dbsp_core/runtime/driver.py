@@ -59,7 +59,8 @@ Invariants (enforced here):
      later push or step raises DbspError until the directory is reopened with :meth:`Pipeline.open`.
   8. Every public operation may be called from any thread. Pushes run concurrently; steps, ``queue_step``,
      ``run_queued``, ``discard``, checkpoints and each wave of a live rescale hold the step lock. A live rescale
-     starts (under the step lock) only with no checkpoint in flight; while it runs, ``checkpoint`` and ``close``
+     starts (under the step lock) only with no checkpoint in flight; while it runs (until its report, which
+     LAYOUT keeps on disk, is written: a later one is never overwritten by it), ``checkpoint`` and ``close``
      wait for its end on one condition of the step lock (deciding and acting under the lock, never between),
      and another ``rescale`` is refused with DbspError. ``close`` waits for the pushes being appended and
      refuses later ones. A rescale that fails before or between its waves is undone (rescale.py invariant 6):
@@ -1447,8 +1448,10 @@ class Pipeline:
                 return change.report(self.steps)
             change.begin()
             self.rescale_progress = change.progress  # the change is in progress (invariant 8)
+        ran, rep = False, None
         try:
             change.run(self)
+            ran = True
         except BaseException as exc:
             # a failure is undone (rescale.py invariant 6); a BaseException that is not an Exception
             # (KeyboardInterrupt, SystemExit: the process is going down, as a kill would) leaves the change to
@@ -1459,11 +1462,18 @@ class Pipeline:
                 self._broken = self._broken or exc  # state may be between layouts: Pipeline.open finishes the move
             raise
         finally:
+            # the change's report (LAYOUT's, on disk) is written while the change is still in progress: once
+            # rescale_progress is None another rescale may start and run in full, and a report of this change
+            # written after it would name a layout the stage databases are no longer in (invariant 8)
             with self._step_lock:
-                self.rescale_progress = None
-                self._layout_idle.notify_all()
-        self.last_rescale = change.finish(self)
-        return self.last_rescale
+                try:
+                    if ran:
+                        rep = self.last_rescale = change.finish(self)
+                finally:
+                    self.rescale_progress = None
+                    self._layout_idle.notify_all()
+        assert rep is not None
+        return rep
 
     def autoscale(self, policy: Autoscale | None) -> None:
         """Size the pipeline by ``policy`` from now on (replacing any policy it had), or stop autoscaling (None;

@@ -365,3 +365,52 @@ def test_a_live_rescale_defers_merge_work_past_its_waves_and_then_does_it(tmp_pa
     finally:
         live.close()
         ref.close()
+
+
+@pytest.mark.parametrize("kind", ["embedded", "staged"])
+def test_a_rescale_that_starts_before_the_last_one_returned_leaves_layout_its_own(tmp_path, monkeypatch,
+                                                                                  kind: str) -> None:
+    """Driver invariant 8: a rescale is in progress until its report is written. The concurrency harness (staged,
+    seeds 317957078, 2465417435, ~1 child in 80) found a rescale 2 -> 3 whose thread was descheduled between
+    clearing ``rescale_progress`` and ``LiveRescale.finish``: another thread's rescale 3 -> 1 ran in full
+    (deleting workers 1 and 2's stage databases), then the late ``finish`` wrote LAYOUT back to the 3 workers,
+    and the next open failed ("the stage databases share no version"). Forced here: the first ``finish`` waits
+    until a second rescale, started from it in another thread, returned (or, fixed, for a while: that one waits
+    for the first to end)."""
+    d = str(tmp_path / "d")
+    live = Live(d, Workload(BASE_SEED, 6, keys=64), kind, workers=2, interval=None)
+    live.run_to(3)
+    done, errors, calls, threads = threading.Event(), [], [], []
+    orig = driver_module.LiveRescale.finish
+
+    def second() -> None:
+        try:
+            live.p.rescale(1, batch_shards=16)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+        finally:
+            done.set()
+
+    def finish(self, host):
+        calls.append(self.final.workers)
+        if len(calls) == 1:
+            th = threading.Thread(target=second)
+            th.start()
+            done.wait(2.0)  # before the fix the second rescale runs in full here; after it, it waits for us
+            threads.append(th)
+        return orig(self, host)
+
+    monkeypatch.setattr(driver_module.LiveRescale, "finish", finish)
+    assert live.p.rescale(3, batch_shards=16)["to_workers"] == 3
+    threads[0].join()
+    if errors:
+        raise errors[0]
+    assert live.p.workers == 1
+    live.run_to(5)
+    lay = read_layout(d)[0].workers
+    live.p.close()
+    q = dbsp.Pipeline.open(d, build_circuit(), executor=_executor(kind), checkpoint_interval=None)
+    try:
+        assert q.workers == lay == 1, f"LAYOUT names {lay} workers"
+    finally:
+        q.close()
