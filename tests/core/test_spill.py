@@ -159,8 +159,9 @@ def test_trace_reads_the_same_spilled() -> None:
         for _ in range(12):
             n = int(rng.integers(1, 400))
             k = rng.integers(0, 300, n)
-            z = ZSet.from_arrow(pa.table({"k": k, "s": pa.array([None if x % 7 == 0 else str(x) for x in k]),
-                                          "v": rng.integers(-5, 5, n)}), weights=rng.choice([1, 2, -1], n))
+            s = pa.array([None if x % 7 == 0 else str(x) for x in k], pa.utf8())  # typed: all None is type null
+            z = ZSet.from_arrow(pa.table({"k": k, "s": s, "v": rng.integers(-5, 5, n)}),
+                                weights=rng.choice([1, 2, -1], n))
             ix = z.consolidate().index_by(["k"])
             mem.insert(ix)
             disk.insert(ix)
