@@ -80,14 +80,20 @@ class Killer(threading.Thread):
             last = step
 
 
-def _lose(cluster, s3_server, tmp_path, nsteps: int, kills: int) -> None:
+def _start(cluster, s3_server, tmp_path, nsteps: int, **opts):
+    """The seed printed, the steps' changes, the circuit and a store pipeline at W=2 with ``opts``."""
     print(f"DBSP_SPARK_LOSE_SEED={SEED}")
     rng = np.random.default_rng(SEED)
     steps, bags = changes(SEED, nsteps)
     c, sql = build("carried")
     uri = s3_server.uri(s3_server.bucket(), "pipe")
     p = SparkPipeline(cluster, c, workers=2, storage=uri, cache_dir=str(tmp_path / "driver"),
-                      checkpoint_interval=None)
+                      checkpoint_interval=None, **opts)
+    return rng, steps, bags, c, sql, uri, p
+
+
+def _lose(cluster, s3_server, tmp_path, nsteps: int, kills: int) -> None:
+    rng, steps, bags, c, sql, uri, p = _start(cluster, s3_server, tmp_path, nsteps)
     state = {"step": 0, "busy": False}
     killer = Killer(cluster.sparkContext.applicationId, kills, random.Random(SEED),
                     lambda: (state["step"], state["busy"], [r for _, r in p.stats.get("state_last_job", {}).values()]))
@@ -178,14 +184,9 @@ def _lose_pipeline(cluster, s3_server, tmp_path, nsteps: int, kills: int, every:
     ``every`` steps. Checked: outputs as above (embedded, DuckDB, the output log: 0 lost, 0 doubled); no job uploaded
     state (each checkpoint's flush did, one object per stateful (stage, worker)); the losses were recovered by the
     whole pipeline (counted: rollbacks, steps replayed from the input log)."""
-    print(f"DBSP_SPARK_LOSE_SEED={SEED}")
-    rng = np.random.default_rng(SEED)
-    steps, bags = changes(SEED, nsteps)
-    c, sql = build("carried")
-    uri = s3_server.uri(s3_server.bucket(), "pipe")
-    p = SparkPipeline(cluster, c, workers=2, storage=uri, cache_dir=str(tmp_path / "driver"),
-                      checkpoint_interval=None, worker_recovery="pipeline")
+    rng, steps, bags, c, sql, uri, p = _start(cluster, s3_server, tmp_path, nsteps, worker_recovery="pipeline")
     state = {"step": 0, "busy": False}
+
     def progress():
         return state["step"], state["busy"], [r for _, r in p.stats.get("state_last_job", {}).values()]
 
