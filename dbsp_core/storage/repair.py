@@ -193,12 +193,15 @@ def _plan_output(root: str, below: int | None, drop: tuple[int, int] | None,
     odir = os.path.join(root, OUTPUT_DIR)
     got = salvage(odir) if os.path.isdir(odir) else Salvaged([], [], None, [], [])
     intact = _output_steps(got, odir)
+    # the log's span before invariant 5b takes out the records naming lost pushes: an unnamed step after the last
+    # record kept is missing all the same (below the checkpoint it cannot be computed again)
+    logged = sorted(intact)
     unnamed = _unnamed_refs(root, held) if held is not None else []
     for s in unnamed:
         del intact[s]
     steps = sorted(intact)
-    first = steps[0] if steps else 0
-    end = steps[-1] + 1 if steps else 0
+    first = logged[0] if logged else 0
+    end = logged[-1] + 1 if logged else 0
     head = bool(got.damaged) and (not got.records or (got.damaged[0][0], got.damaged[0][1]) <
                                   (got.records[0].segment, got.records[0].offset))
     missing = [s for s in range(first, end) if s not in intact]
@@ -208,29 +211,30 @@ def _plan_output(root: str, below: int | None, drop: tuple[int, int] | None,
     cut = min([m for m in missing if m >= k] + ([below] if below is not None else []) + [end])
     where = ", ".join([f"{n} bytes {a}..{b}" for n, a, b in got.damaged] + [f"{n} missing" for n in got.missing])
     where = f"damaged ({where})" if where else "intact, but its references name input records the damage took"
-    dropped = None
+    # what a backup must replace: the output log when it is damaged itself, else the directory (5b: the input took it)
+    target = odir if got.damaged or got.missing else f"the directory {root}"
+    dropped = why = None
     if bad or head:
         # the steps before the first intact record are unknown when the head is damaged: if the oldest segment
         # is the log's first, they start at step 0, else retention may have dropped some of them
         lo = 0 if head else first
-        dropped = (lo, k - 1)
+        dropped = (lo, k - 1) if k - 1 >= lo else None
         lost_refs = f" ({sorted(set(bad) & set(unnamed))[:20]} name input records the damage took)" \
             if set(bad) & set(unnamed) else ""
         why = (f"output steps {bad[:20]} are missing{lost_refs} and the state's checkpoint is at step {x}: they "
                f"cannot be computed again (their input is gone)" if bad else
                f"it is damaged before its first intact record, which is of step {first}")
-        if k - 1 < lo:
-            dropped = None
-        elif drop is None or tuple(drop) != dropped:
-            given = "" if drop is None else f" (--drop-output {drop[0]}..{drop[1]} was given)"
-            raise CorruptionError(
-                f"{odir}: {where}; {why}. Nothing was changed{given}. `dbsp repair {root} --drop-output "
-                f"{lo}..{k - 1}` drops the output of steps {lo}..{k - 1} (consumers can no longer read them) "
-                f"and keeps the state and the input; or restore {odir} from a backup")
-    if cut <= k and x > 0:
-        raise CorruptionError(f"{odir}: {where}; no intact output record is left at or after step {k} "
-                              f"and the state is at step {x}: restore {odir} from a backup. Nothing was changed "
-                              f"(dbsp repair cannot rebuild it)")
+    if cut <= k and x > 0:  # before any --drop-output advice: dropping would leave no record to start the log at
+        raise CorruptionError(f"{odir}: {where}; {why + '; ' if why else ''}no intact output record is left at or "
+                              f"after step {k} and the state is at step {x}: restore {target} from a backup. Nothing "
+                              f"was changed (dbsp repair cannot rebuild it: an output log starts at its oldest "
+                              f"record, and none would be left)")
+    if dropped is not None and (drop is None or tuple(drop) != dropped):
+        given = "" if drop is None else f" (--drop-output {drop[0]}..{drop[1]} was given)"
+        raise CorruptionError(
+            f"{odir}: {where}; {why}. Nothing was changed{given}. `dbsp repair {root} --drop-output "
+            f"{dropped[0]}..{dropped[1]}` drops the output of steps {dropped[0]}..{dropped[1]} (consumers can no "
+            f"longer read them) and keeps the state and the input; or restore {target} from a backup")
     return {"intact": intact, "keep": (k, cut), "x": x, "missing": missing, "damaged": got.damaged + [
         (n, 0, 0) for n in got.missing], "dropped": dropped, "first": first, "unnamed": unnamed}
 

@@ -35,7 +35,8 @@ def _pushes_in(d: str, part: str, segment: str) -> set[tuple[str, int]]:
 def test_a_missing_middle_input_segment_names_every_lost_push_and_opens(tmp_path, capsys):
     """Before the fix repair reported a 0-byte damaged range in another segment and "0 pushes are lost", and
     the directory did not open; now every push the missing segment held is named and the directory opens with
-    the views of every other acknowledged push."""
+    the views of every other acknowledged push. Where the segment boundaries fall varies between runs: a draw
+    whose missing segment also held a push of a step the checkpoint covers goes to :func:`_named_push_taken`."""
     d = str(tmp_path / "d")
     where = build(d, steps=14, checkpoint_at=3, segment_bytes=4096)
     segs = _segments(d, "input")
@@ -44,6 +45,16 @@ def test_a_missing_middle_input_segment_names_every_lost_push_and_opens(tmp_path
     gone = segs[rng.randrange(1, len(segs) - 1)]  # a middle one: neither the oldest nor the newest
     held = _pushes_in(d, "input", gone)
     assert held, f"segment {gone} holds no push (seed {SEED})"
+    if any(where[x] < 3 for x in held):
+        _named_push_taken(d, where, gone, held, capsys)
+        return
+    _lost_after_the_checkpoint(d, where, gone, held, capsys)
+
+
+def _lost_after_the_checkpoint(d: str, where: dict[tuple[str, int], int], gone: str, held: set[tuple[str, int]],
+                               capsys) -> None:
+    """``gone`` held pushes of steps after the checkpoint only: repair names each as lost, withdraws the output
+    from the checkpoint on, and the directory opens; each lost push can be pushed again, once."""
     os.unlink(os.path.join(d, "input", gone))
     with pytest.raises(CorruptionError, match="dbsp repair"):
         dbsp.Pipeline.open(d, circuit())
@@ -52,11 +63,7 @@ def test_a_missing_middle_input_segment_names_every_lost_push_and_opens(tmp_path
     assert f"missing      input/{gone}" in out, out
     lost = {(ln.split("'")[1], int(ln.split("seq ")[1].split()[0])) for ln in out.splitlines()
             if ln.startswith("lost         producer")}
-    # a push of a step the checkpoint covers (steps 0..2) is in its state, not lost, even when the missing
-    # segment held it (where the segment boundaries fall varies between runs)
-    want = {x for x in held if where[x] >= 3}
-    assert lost == want, (f"seed {SEED}: lost {sorted(lost)} != held by {gone} after the checkpoint "
-                          f"{sorted(want)} (held {sorted(held)})", out)
+    assert lost == held, (f"seed {SEED}: lost {sorted(lost)} != held by {gone} {sorted(held)}", out)
     p = dbsp.Pipeline.open(d, circuit())
     p.step()  # the valid pushes of the withdrawn steps, logged again
     assert views(p) == model(sorted(set(where) - lost)), f"seed {SEED}"
@@ -66,6 +73,76 @@ def test_a_missing_middle_input_segment_names_every_lost_push_and_opens(tmp_path
     assert views(p) == model(sorted(where)), f"seed {SEED}"
     p.close()
     assert repair(d)["result"].startswith("nothing to repair")
+
+
+def _named_push_taken(d: str, where: dict[tuple[str, int], int], gone: str, held: set[tuple[str, int]],
+                      capsys, cp: int = 3) -> None:
+    """``gone`` held a push of a step the checkpoint covers: the push is in the state (not lost), but the output
+    of its step named it (``raw`` is logged by reference), so that output is gone and cannot be computed again.
+    Repair changes nothing and names the way out: ``--drop-output`` when an intact output record would be left
+    to start the log at (then the directory opens with every push counted once), else a backup. Before the
+    fix repair exited 0 saying only later output was withdrawn, and the directory did not open
+    (DBSP_REPAIR_SEED=589308532 DBSP_DAMAGE_SEED=2115617419)."""
+    named = sorted({where[x] for x in held if where[x] < cp})  # cp: the checkpoint's step
+    early = named[-1]
+    os.unlink(os.path.join(d, "input", gone))
+    before = _files(d)
+    assert cli(["repair", d]) == 1
+    err = capsys.readouterr().err
+    assert f"output steps {named} are missing" in err and "Nothing was changed" in err, (SEED, err)
+    assert _files(d) == before
+    if any(where[x] >= cp for x in held):  # every output record from the checkpoint on is withdrawn: none is left
+        assert f"restore the directory {d} from a backup" in err and "--drop-output" not in err, err
+        with pytest.raises(CorruptionError, match="dbsp repair"):
+            dbsp.Pipeline.open(d, circuit())
+        return
+    assert f"dbsp repair {d} --drop-output 0..{early}" in err, err
+    assert cli(["repair", d, "--drop-output", f"0..{early}"]) == 0
+    out = capsys.readouterr().out
+    assert "lost         producer" not in out, out  # its effect is in the state
+    p = dbsp.Pipeline.open(d, circuit())
+    start, acc = _from(p)
+    assert start == early + 1
+    assert acc["raw"] == model([x for x in where if where[x] >= start])["raw"], f"seed {SEED}"
+    for pr, q in sorted(held):  # still seen: a retry is a duplicate
+        assert p.push("t", batch(pr, q), producer=pr, seq=q).duplicate
+    # the state counts every push once: the next change of "sums" retracts the totals of all of them
+    old = dict(model(sorted(where))["sums"])
+    p.push("t", batch("c", 0), producer="c", seq=0)
+    z = p.step()["sums"]
+    new = model(sorted(where) + [("c", 0)])["sums"]
+    assert z.to_dict() == {**{r: -1 for r in old if r not in new}, **{r: 1 for r in new if r not in old}}, SEED
+    p.close()
+
+
+def _layout_with(tmp_path, cp: int, want) -> tuple[str, dict[tuple[str, int], int], str, set[tuple[str, int]]]:
+    """The first of the damage seeds 0.. whose build has a middle input segment ``want(held)`` accepts (segment
+    boundaries follow the drawn row counts); returns (directory, where, segment, the pushes it holds)."""
+    import test_damage
+
+    for seed in range(200):
+        test_damage.SEED = seed  # batch() draws its rows from it
+        d = str(tmp_path / f"d{seed}")
+        where = build(d, steps=14, checkpoint_at=cp, segment_bytes=4096)
+        for gone in _segments(d, "input")[1:-1]:
+            held = _pushes_in(d, "input", gone)
+            if held and want({where[x] for x in held}):
+                return d, where, gone, held
+        shutil.rmtree(d)
+    raise AssertionError("no damage seed below 200 lays out the input log as the test needs")
+
+
+@pytest.mark.parametrize("also_after", [False, True], ids=["only-under-the-checkpoint", "and-after-it"])
+def test_a_missing_segment_that_held_a_push_an_output_step_names(tmp_path, capsys, monkeypatch, also_after):
+    import test_damage
+
+    monkeypatch.setattr(test_damage, "SEED", test_damage.SEED)  # restored after the search below changes it
+    cp = 7  # a middle segment can hold steps below it only (segments of 4 KiB hold 2-3 steps)
+    if also_after:
+        found = _layout_with(tmp_path, cp, lambda steps: min(steps) < cp <= max(steps))
+    else:
+        found = _layout_with(tmp_path, cp, lambda steps: max(steps) < cp)
+    _named_push_taken(*found, capsys, cp)
 
 
 def _from(p: dbsp.Pipeline) -> tuple[int, dict[str, dict]]:
