@@ -106,8 +106,13 @@ def _inspect(args: argparse.Namespace) -> int:
     if info["in_use"]:
         print(f"checkpoint   not read: {', '.join(info['in_use'])} in use by a running pipeline")
     else:
-        print(f"checkpoint   {'none consistent' if ck is None else _through(ck)} "
+        none = "none whole" if info.get("state_missing") else "none consistent"
+        print(f"checkpoint   {none if ck is None else _through(ck)} "
               f"(versions per worker: {', '.join(f'{a}..{z}' for a, z in info['versions'])})")
+    for f in info.get("state_missing", []):
+        print(f"state        {f} MISSING: LAYOUT names it (dbsp repair {info['path']} says what to do)")
+    for f in info.get("state_unnamed", []):
+        print(f"state        {f} not named by LAYOUT: never read (dbsp repair moves it aside)")
     div = info["divided_steps"]
     print(f"input log    {info['input_records']} records in {info['input_segments']} segments, steps "
           f"{info['input_steps'][0]}..{info['input_steps'][1]}"

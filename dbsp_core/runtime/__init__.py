@@ -53,9 +53,9 @@ the lowest step every registered consumer acknowledged, and the retention settin
 Step: push -> (input log) -> divide (division record) -> executor.run -> output log -> returned.
 Checkpoint at X: executor captures state (steps paused) -> output log flushed -> state committed -> driver.db
 at X -> input log truncated below X -> output log truncated below min(X, consumers, retention) -> METRICS.
-Open: finish an interrupted repair -> upgrade a format-1 directory -> resolve RESCALE -> executor.open_state
-(version v, step X) -> finish an interrupted live change (cold, to its target) -> optional cold rescale
-(v -> v+1) -> a program change recorded in META (change.py) -> load (nodes renamed by fingerprint) -> metrics
+Open: finish an interrupted repair -> upgrade a format-1 directory -> every state database LAYOUT names is there
+(storage/statefiles.py) -> resolve RESCALE -> executor.open_state (version v, step X) -> finish an interrupted
+live change (cold, to its target) -> optional cold rescale (v -> v+1) -> a program change recorded in META (change.py) -> load (nodes renamed by fingerprint) -> metrics
 counters from METRICS -> complete dedup from the log -> bootstrap the built nodes -> replay divided steps >= X.
 """
 

@@ -14,9 +14,11 @@ Invariants (enforced here; together they are driver invariant 6):
      different circuit is a program change (dbsp_core.runtime.change), carried out by the driver, or refused
      with CircuitMismatchError naming the views (outputs) and tables (inputs) added, removed or changed, by the
      part fingerprints META records (the two circuit hashes if META predates them), and why.
-  3. A damaged input log raises CorruptionError naming the file and offset and changes nothing (``dbsp repair``
-     is the way forward); a damaged output log is rebuilt when every step it lost is one the replay computes
-     again, and refused otherwise (dbsp_core.storage.repair, invariants 1 and 4).
+  3. A state database LAYOUT names that is missing while the state is past step 0 raises CorruptionError naming
+     it before anything is created or changed, also before an interrupted layout change is settled
+     (storage/statefiles.py invariant 2). A damaged input log raises CorruptionError naming the file and offset
+     and changes nothing (``dbsp repair`` is the way forward); a damaged output log is rebuilt when every step it
+     lost is one the replay computes again, and refused otherwise (dbsp_core.storage.repair, invariants 1 and 4).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from dbsp_core.storage.formats import (CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE, DISC
 from dbsp_core.storage.outputlog import OutputLog
 from dbsp_core.storage.remote_log import RemoteLogs
 from dbsp_core.storage.repair import finish_repair, rebuild_output
+from dbsp_core.storage.statefiles import check_named
 from dbsp_core.storage.steplog import StepLog
 from dbsp_core.time.watermark import NO_WATERMARK, EventTime, advance
 from dbsp_core.zset import ZSet
@@ -103,8 +106,11 @@ def open_directory(root: str, executor: Executor, circuit: Circuit, fingerprint:
             raise RecoveryError(f"Pipeline.open: {root!r} holds no pipeline (META is missing)")
         if os.path.exists(os.path.join(root, STATE_DIR)) or os.path.exists(os.path.join(root, DRIVER_DB)):
             raise RecoveryError(f"{root}: state databases exist but META is missing")
-        write_layout(root, Layout.local(workers, shard_bits), None, vfs)
-        write_meta(root, meta, vfs)  # META last: the directory holds a pipeline from here on
+        new = Layout.local(workers, shard_bits)
+        write_layout(root, new, None, vfs)
+        executor.start(circuit, new, root)  # its state groups: the databases LAYOUT names (statefiles invariant 1)
+        write_meta(root, dict(meta, state_groups=[g.name for g in executor.groups(new)]), vfs)  # META last: the
+        # directory holds a pipeline from here on
     else:
         if old.get("executor") != meta["executor"]:
             raise CircuitMismatchError(
@@ -125,10 +131,13 @@ def open_directory(root: str, executor: Executor, circuit: Circuit, fingerprint:
         raise CircuitMismatchError(f"{root} holds a pipeline of {layout.workers} workers, not {workers}; "
                                    f"Pipeline.open({root!r}, circuit, workers={workers}) rescales it")
     executor.start(circuit, layout, root)
+    _check_state_files(root, executor, layout, logs)  # before anything is created or changed
     # an interrupted layout change: finish it or undo it
     stats["rescale_recovery"] = resolve(root, executor, crashpoint, vfs)
     layout, last_rescale = read_layout(root, vfs)
     executor.start(circuit, layout, root)
+    if stats["rescale_recovery"] is not None:
+        _check_state_files(root, executor, layout, logs)
     with contextlib.ExitStack() as opened:
         ship_in = ship_out = None
         if logs is not None:
@@ -159,6 +168,16 @@ def open_directory(root: str, executor: Executor, circuit: Circuit, fingerprint:
         executor.output_steps = lambda: out.last
         opened.pop_all()  # the caller holds them from here on
     return Opened(inp, out, db, consumers, layout, last_rescale, old if old is not None else meta, changed, differences)
+
+
+def _check_state_files(root: str, executor: Executor, layout: Layout, logs: RemoteLogs | None) -> None:
+    """Every state database LAYOUT names is present, or the state is at step 0 (storage/statefiles.py invariant 2):
+    else CorruptionError naming the missing files and ``dbsp repair``. With an object store the manifest names
+    the state instead (runtime/stage_check.py rule 2, runtime/remote_state.py)."""
+    if logs is not None:
+        return
+    named = [g.path_of(w) for g in executor.groups(layout) for w in range(layout.workers)]
+    check_named(root, named, layout.workers, layout.epoch)
 
 
 def _differences(old: dict, new: dict) -> str:

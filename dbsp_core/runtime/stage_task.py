@@ -9,7 +9,9 @@ Invariants (enforced here):
      another layout or worker (a zombie of a job before a layout change). A task runs
      a job of consecutive steps ``n..n+k-1`` against base version ``v`` whose step is ``n``: it opens ``v``,
      runs the steps, saves the changed state, ``set_step(n+k)`` and commits ``v+1``, once per job. Every task
-     of a job commits, so all stage databases move through the same versions in lockstep.
+     of a job commits, so all stage databases move through the same versions in lockstep. A task never creates
+     its database: the driver's open made it (open_stage_databases), so a missing one is damage and the task
+     raises CorruptionError naming it (an empty one made in its place would hold no state of version ``v``).
   3. Retries never corrupt state nor change output: before committing, a task durably writes the blobs it
      produced to ``worker-<w>.result`` (tagged with the job: base version and steps). An attempt that finds
      ``v+1`` already committed (an earlier attempt got that far) returns that file's blobs and leaves the
@@ -468,6 +470,9 @@ def _run_stateful(task: StageTask, worker: int, sm: Any, received: dict[tuple[in
             extra = {"fetch": how, "fetched_bytes": got, "cache_root": root,
                      "fetch_s": time.perf_counter() - t_sync}
             page_bytes = os.path.getsize(path)  # the page file before the job (stage_store invariant 4)
+        if not os.path.exists(path):  # invariant 2: never made empty in place of the state of version v
+            raise CorruptionError(f"{where}: missing; the job's base version {v} (step {first}) of stage {k} worker "
+                                  f"{worker} was in it")
         db = Database(path)
         try:
             vs = db.versions()

@@ -10,6 +10,8 @@ Directory format 2 (``DIRECTORY_FORMAT``)::
       REPAIR                    only while ``dbsp repair`` (or an output rebuild) swaps in repaired logs
       repair-<n>/               what a repair replaced: the old input/ or output/, damaged segments as they were,
                                 the state databases before a damaged version was given up (state-worker-<w>.db),
+                                state files set aside (a database LAYOUT does not name, or every one when the
+                                state is computed again from the input log: storage/statefiles.py),
                                 a damaged driver.db, LAYOUT or JOB (dbsp_core.storage.repair)
       LOCK                      flock(2)ed by the process that owns the directory (empty)
       driver.db                 Database: the dedup set and the clock at the driver's last checkpoint
@@ -61,7 +63,11 @@ magic       where                                   body
                                                     change is refused); after a program change
                                                     (dbsp_core.runtime.change): change (step, nodes: the
                                                     old circuit's node fingerprints, rebuilt, removed) and
-                                                    since (view -> first step of its definition)
+                                                    since (view -> first step of its definition);
+                                                    state_groups (the executor's state groups when the
+                                                    directory was made: ``state`` or ``stage-<k>``; the
+                                                    databases LAYOUT names, storage/statefiles.py; absent
+                                                    in directories made before it)
 ``DLAY``    LAYOUT                                  JSON: layout (dbsp_core.layout.Layout.to_dict),
                                                     last_rescale (report or null)
 ``DRSC``    RESCALE                                 JSON: kind (cold or live), from and to (layout records),

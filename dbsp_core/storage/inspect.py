@@ -12,9 +12,9 @@ from dbsp_core.storage.consumers import ConsumerRegistry
 from dbsp_core.storage.database import SHARD_PREFIX_BYTES, Database
 from dbsp_core.storage.directory import read_layout, read_meta, read_record, read_rescale, tree_bytes
 from dbsp_core.storage.formats import (DIVISION_HANDLE, DRIVER_DB, INPUT_DIR, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR,
-                                       STATE_DIR, is_state_table, state_db_paths,
-                                       worker_of_db)
+                                       STATE_DIR, is_state_table, worker_of_db)
 from dbsp_core.storage.outputlog import OutputLog
+from dbsp_core.storage.statefiles import state_groups, survey
 from dbsp_core.storage.steplog import StepLog
 
 __all__ = ["inspect_storage", "open_output"]
@@ -50,7 +50,9 @@ def inspect_storage(path: str | os.PathLike, check_files: bool = True) -> dict:
     Only reads: it creates, writes or locks no file of the directory (not even ``LOCK``), and never runs the
     circuit. The logs are read read-only (a torn tail is left as it is), so they can be read while a pipeline
     runs; the state databases are opened read-only, which their locks refuse while a pipeline has them open:
-    ``info["in_use"]`` then lists them and the checkpoint fields are None.
+    ``info["in_use"]`` then lists them and the checkpoint fields are None. ``info["state_missing"]`` lists the
+    state databases LAYOUT names that are not there (then no checkpoint is whole: the checkpoint fields are None)
+    and ``info["state_unnamed"]`` those present it does not name, which are never read (storage/statefiles.py).
 
     >>> import tempfile, pyarrow as pa, dbsp_core as dbsp
     >>> c = dbsp.Circuit(); s = c.input("x", pa.schema([("a", pa.int64())])); c.output("o", s.distinct())
@@ -76,7 +78,10 @@ def _inspect(root: str, meta: dict, check_files: bool = True) -> dict:
                             "outputs": meta["outputs"], "versions": [], "db_pages": 0, "in_use": [],
                             "program_change": {k: v for k, v in meta["change"].items() if k != "nodes"}
                             if meta.get("change") else None}
-    paths = state_db_paths(root)
+    files = survey(root, state_groups(root, meta), layout.workers)  # the databases LAYOUT names (statefiles inv. 1)
+    info["state_missing"] = [os.path.relpath(p, root) for p in files.missing]
+    info["state_unnamed"] = [os.path.relpath(p, root) for p in files.unnamed]
+    paths = [p for p in files.named if p not in files.missing]  # a database LAYOUT does not name is never read
     info["checkpoint_version"] = info["checkpoint_step"] = None
     try:
         for p in paths:
@@ -84,7 +89,7 @@ def _inspect(root: str, meta: dict, check_files: bool = True) -> dict:
                 vs = db.versions()
                 info["versions"].append([vs.start, vs.stop - 1])
                 info["db_pages"] += db.stats()["pages"]
-        if paths:
+        if paths and not files.missing:  # with one missing, no checkpoint can be opened
             lo, hi = max(v[0] for v in info["versions"]), min(v[1] for v in info["versions"])
             info["checkpoint_version"] = hi if lo <= hi else None
             if lo <= hi:
@@ -103,7 +108,7 @@ def _inspect(root: str, meta: dict, check_files: bool = True) -> dict:
             with Database(dpath, readonly=True) as db:
                 with db.read(db.versions().stop - 1) as h:
                     info["driver_step"] = h.get_step()
-                    if not paths:
+                    if not paths and not files.missing:
                         info["checkpoint_step"] = info["driver_step"]
         except InUseError:
             info["in_use"].append(DRIVER_DB)

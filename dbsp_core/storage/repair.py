@@ -45,6 +45,16 @@ Invariants (enforced here):
      backup is the same bytes) and nothing changes: the state it holds is in no other file (a clean close keeps
      one version of each state database, so no older checkpoint can stand in for it), and opening the pipeline
      would fail on it (when it opens or when a step reads the damaged pages), never read it as data.
+  6c. State databases (storage/statefiles.py): every one LAYOUT names must be present once a record says the state
+     got past step 0. A missing one is repaired only when another file holds what it held: driver.db is at step 0
+     (so no checkpoint truncated the input log) and the input log holds every record from step 0, undamaged; then
+     every state file present (databases, the files beside them, the batch files they name, JOB) moves to the
+     backup directory and the next open computes the state again from step 0, each step's output checked against
+     the output log. Otherwise each missing one is listed unrepaired (restore that file from a backup: the state it
+     held is in no other file, since a clean close keeps one version of each database and the other workers'
+     databases hold other shards) and nothing changes. No database is ever created in place of a missing one. A
+     database LAYOUT does not name, beside a complete set that holds LAYOUT's state, moves to the backup directory
+     (recovery never reads it; statefiles invariant 3).
   7. Repair finishes or says exactly why not: damage it leaves is listed in the report's ``unrepaired`` (file,
      problem, what the user can do) and nothing is changed for it; the CLI then exits with status 1. A
      directory repair reports as repaired opens (the file fuzz test checks it for every kind of file).
@@ -69,8 +79,9 @@ from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOC
                                        DIVISION_HANDLE, DIVISION_MAGIC, DRIVER_DB, INPUT_DIR, JOB_FILE, JOB_MAGIC,
                                        LAYOUT_FILE, META_FILE, NEW_SUFFIX, OUTPUT_DIR, REPAIR_BACKUP_PREFIX,
                                        REPAIR_FILE, REPAIR_MAGIC, RESCALE_FILE, SPILL_DIR, STAGE_DIR_PREFIX, STATE_DIR,
-                                       job_path, segment_name, state_db_path, state_db_paths, worker_db_name)
+                                       job_path, segment_name, state_db_paths, worker_files, worker_of_db)
 from dbsp_core.storage.salvage import Record, Salvaged, salvage
+from dbsp_core.storage.statefiles import StateFiles, state_groups, state_step, survey
 
 __all__ = ["finish_repair", "rebuild_output", "repair", "resume_step"]
 
@@ -134,7 +145,14 @@ def _write_log(path: str, records: list[tuple[int, str, str, int, bytes]], log_f
 # ---- where recovery resumes ----
 
 def _state_paths(root: str) -> list[str]:
-    return state_db_paths(root)
+    """The state databases recovery reads: those LAYOUT names that are present (statefiles invariant 3: no other is
+    ever read), or every one present when LAYOUT cannot be read (it is rebuilt from their records)."""
+    try:
+        layout = read_layout(root)[0]
+    except (CorruptionError, FormatVersionError):
+        return state_db_paths(root)
+    files = survey(root, state_groups(root, _meta(root)), layout.workers)
+    return [p for p in files.named if p not in files.missing]
 
 
 def resume_step(root: str, out_last: int) -> int:
@@ -329,6 +347,11 @@ def repair(root: str, drop_output: tuple[int, int] | None = None) -> dict[str, A
             report["result"] = f"NOT REPAIRED: RESCALE: {_why(exc)}"
             return report
         if rescale is not None:
+            report = _empty_report(root)
+            if _missing_in_change(root, report):  # open refuses before it settles the change: say what to do
+                report["result"] = "NOT REPAIRED: " + "; ".join(f"{u['file']}: {u['problem']} -> {u['action']}"
+                                                                for u in report["unrepaired"])
+                return report
             raise RecoveryError(f"dbsp repair: {root}: a layout change is in progress (RESCALE); Pipeline.open "
                                 f"finishes or undoes it before it reads anything else: open the pipeline first, and "
                                 f"if open fails on the change itself, restore the directory from a backup")
@@ -448,27 +471,174 @@ def _repair_job(root: str, report: dict[str, Any]) -> bool:
 
 
 def _repair_state(root: str, report: dict[str, Any]) -> bool:
-    """Every state database's version recovery opens must be readable in full; if one is not and every database
-    holds the version before it intact, and the input log still holds the steps from there, every database goes
-    back to it (the damaged version is discarded: ``Database.open(v - 1)`` closed without commit). A database
-    missing beside others, or holding the state of another layout than LAYOUT's, is listed unrepaired. Returns
-    whether the state is usable (True when there is none)."""
-    paths = _state_paths(root)
-    if not paths:
-        return True
+    """The state databases LAYOUT names (invariant 6c), then their versions (:func:`_repair_versions`); a
+    database LAYOUT does not name is set aside once those hold LAYOUT's state. Returns whether the state is
+    usable (True when there is none)."""
     try:
         layout = read_layout(root)[0]
     except (CorruptionError, FormatVersionError):
         layout = None
-    stages = sorted({os.path.dirname(p) for p in paths if os.path.basename(os.path.dirname(p)).startswith(STAGE_DIR_PREFIX)})
-    want = [os.path.join(st, worker_db_name(w)) for st in stages for w in range(layout.workers)] if stages and layout \
-        else [state_db_path(root, None, w) for w in range(layout.workers)] if layout else []
-    gone = [p for p in want if p not in paths]
-    for p in gone:
-        _unrepaired(report, root, p, "missing", "that worker's state is lost (the input log no longer holds the "
-                    "steps that made it): restore the directory from a backup")
-    if gone:
+    if layout is None:  # LAYOUT itself is damaged: rebuilt (or not) from the databases' own records afterwards
+        return _repair_versions(root, report, _state_paths(root), None)
+    files = survey(root, state_groups(root, _meta(root)), layout.workers)
+    if files.missing:
+        done = _missing_state(root, report, files, layout)
+        if done is not True:
+            return done is None  # None: the state is at step 0, and the executor creates the missing ones
+        return True  # every database set aside: the state starts again at step 0 (see _missing_state)
+    if not _repair_versions(root, report, files.named, layout):
         return False
+    if files.unnamed:
+        _set_aside_unnamed(root, report, files.unnamed, layout)
+    return True
+
+
+def _meta(root: str) -> dict:
+    try:
+        return read_meta(root, (1, DIRECTORY_FORMAT))
+    except (FileNotFoundError, CorruptionError, FormatVersionError):  # listed by the META check
+        kind = "staged" if os.path.isdir(os.path.join(root, STATE_DIR)) and any(
+            n.startswith(STAGE_DIR_PREFIX) for n in os.listdir(os.path.join(root, STATE_DIR))) else "embedded"
+        return {"executor": kind}
+
+
+def _restart_refused(root: str) -> str | None:
+    """Why the state cannot start again at step 0 and be computed again from the input log (None: it can): that
+    needs driver.db at step 0 (then no checkpoint truncated the input log) and an input log that holds every
+    record from step 0, undamaged."""
+    dpath = os.path.join(root, DRIVER_DB)
+    d = _driver_step(root, {})
+    if d is None:
+        return f"{os.path.relpath(dpath, root)} is missing or unreadable"
+    if d > 0:
+        return f"driver.db's checkpoint is at step {d}, and each checkpoint truncates the input log below its step"
+    idir = os.path.join(root, INPUT_DIR)
+    got = salvage(idir) if os.path.isdir(idir) else Salvaged([], [], None, [], [])
+    if got.damaged or got.missing:
+        return "the input log is damaged (run `dbsp repair` again once the state is restored)"
+    if got.records and got.records[0].step != 0:
+        return f"the input log starts at step {got.records[0].step}"
+    return None
+
+
+def _missing_in_change(root: str, report: dict[str, Any]) -> bool:
+    """A layout change is in progress (RESCALE) and a database LAYOUT names is missing while the state is past
+    step 0 (``Pipeline.open`` refuses before it settles the change): listed unrepaired, nothing changed (the
+    state is not started again during a change). Returns whether it listed any."""
+    try:
+        layout = read_layout(root)[0]
+    except (CorruptionError, FormatVersionError):
+        return False
+    files = survey(root, state_groups(root, _meta(root)), layout.workers)
+    return bool(files.missing) and _missing_state(root, report, files, layout, restart=False) is False
+
+
+def _missing_state(root: str, report: dict[str, Any], files: StateFiles, layout: Any,
+                   restart: bool = True) -> bool | None:
+    """Databases LAYOUT names are missing (invariant 6c). None: nothing says the state got past step 0 (not
+    damage). True: it did, but driver.db is at step 0 and the input log holds every step from 0, so the state is
+    computed again: every state file present is set aside and the next open starts the state at step 0. False:
+    listed unrepaired, nothing changed."""
+    present = [p for p in files.named if p not in files.missing]
+    said = state_step(root, present)
+    if said is None:
+        return None
+    step, where = said
+    at = f"at step {step}" if step is not None else "unreadable (it may hold state)"
+    why = _restart_refused(root) if restart else "a layout change is in progress (RESCALE)"
+    if why is None:
+        backup = _backup_dir(root)
+        moved = _set_aside(root, backup, present + files.unnamed)
+        job = job_path(root)
+        if os.path.exists(job):
+            os.rename(job, os.path.join(backup, JOB_FILE))
+            fsync_dir(os.path.dirname(job))
+            moved.append(os.path.relpath(job, root))
+        report["repaired"].append(
+            f"state database{'s' if len(files.missing) > 1 else ''} "
+            f"{', '.join(os.path.relpath(p, root) for p in files.missing)} missing while "
+            f"{os.path.relpath(where, root)} is {at}; driver.db is at step 0 and the input log holds every step from "
+            f"0, so the state is computed again from it: {', '.join(moved) or 'nothing else'} moved to {backup}, and "
+            f"the next open starts every state database at step 0 and replays the input log (each step's output "
+            f"checked against the output log)")
+        return True
+    versions = {}
+    for p in present:
+        try:
+            with Database(p, readonly=True) as db:
+                versions[p] = db.versions()
+        except (CorruptionError, StorageError):
+            continue
+    lo = max((r.start for r in versions.values()), default=None)
+    hi = min((r.stop - 1 for r in versions.values()), default=None)
+    need = (f" holding version {hi} (the other databases' version{'' if lo == hi else f's {lo}..{hi}'})"
+            if lo is not None and hi is not None and lo <= hi else "")
+    for p in files.missing:
+        g = os.path.basename(os.path.dirname(p))
+        whose = f"worker {worker_of_db(p)}" + (f" of stage {g[len(STAGE_DIR_PREFIX):]}" if g.startswith(
+            STAGE_DIR_PREFIX) else "")
+        _unrepaired(report, root, p, f"missing: LAYOUT ({layout.workers} workers, epoch {layout.epoch}) names it, and "
+                    f"{os.path.relpath(where, root)} is {at}",
+                    f"the state of {whose} was in this file only ({why}, so it cannot be computed again): restore "
+                    f"{os.path.relpath(p, root)} from a backup of the directory{need}, or restore the whole "
+                    f"directory from a backup; nothing was changed")
+    return False
+
+
+def _set_aside(root: str, backup: str, paths: list[str], batch_files: bool = True) -> list[str]:
+    """Move the state databases ``paths``, the files a stage task keeps beside each and (with ``batch_files``) the
+    batch files they name into ``backup`` (invariant 1: nothing is destroyed); returns what moved (relative to
+    ``root``)."""
+    from dbsp_core.storage.batchrefs import referenced_files
+
+    moved: list[str] = []
+    batch: set[str] = set()
+    for p in paths if batch_files else []:
+        try:
+            with Database(p, readonly=True) as db:
+                for v in db.versions():
+                    batch |= set(referenced_files(db, v))
+        except (CorruptionError, StorageError, KeyError):
+            pass
+    for f in [q for p in paths for q in worker_files(p)] + [os.path.join(root, SPILL_DIR, n) for n in sorted(batch)]:
+        if os.path.exists(f):
+            rel = os.path.relpath(f, root)
+            os.rename(f, os.path.join(backup, rel.replace(os.sep, "-")))
+            fsync_dir(os.path.dirname(f))
+            moved.append(rel)
+    return moved
+
+
+def _set_aside_unnamed(root: str, report: dict[str, Any], unnamed: list[str], layout: Any) -> None:
+    """Invariant 6c: databases LAYOUT does not name (no layout change is in progress: repair refuses while RESCALE
+    exists) are no part of the state; they go to the backup directory, as they are."""
+    from dbsp_core.storage.shardmove import read_worker_layout
+
+    held = []
+    for p in unnamed:
+        try:
+            with Database(p, readonly=True) as db, db.read(db.versions().stop - 1) as h:
+                rec = read_worker_layout(h, p)
+            what = "no state" if rec is None else f"worker {rec['worker']} of layout epoch {rec['epoch']}"
+            held.append(f"{os.path.relpath(p, root)} ({what})")
+        except (CorruptionError, StorageError, KeyError):
+            held.append(f"{os.path.relpath(p, root)} (unreadable)")
+    backup = _backup_dir(root)
+    _set_aside(root, backup, unnamed, False)  # no batch file it names is moved: a database LAYOUT names may name it too
+    report["repaired"].append(
+        f"state database{'s' if len(unnamed) > 1 else ''} {', '.join(held)} not named by LAYOUT ({layout.workers} "
+        f"workers, epoch {layout.epoch}), whose databases are all present and hold its state: recovery never reads "
+        f"{'them' if len(unnamed) > 1 else 'it'} (a leftover of a layout change, or a copy); moved to {backup}")
+
+
+def _repair_versions(root: str, report: dict[str, Any], paths: list[str], layout: Any) -> bool:
+    """Every state database's version recovery opens must be readable in full; if one is not and every database
+    holds the version before it intact, and the input log still holds the steps from there, every database goes
+    back to it (the damaged version is discarded: ``Database.open(v - 1)`` closed without commit). A database
+    holding the state of another layout than LAYOUT's is listed unrepaired. Returns whether the state is usable
+    (True when there is none)."""
+    if not paths:
+        return True
     vers: dict[str, range] = {}
     dbs: dict[str, Database] = {}
     try:
