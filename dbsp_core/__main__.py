@@ -112,7 +112,9 @@ def _inspect(args: argparse.Namespace) -> int:
     for f in info.get("state_missing", []):
         print(f"state        {f} MISSING: LAYOUT names it (dbsp repair {info['path']} says what to do)")
     for f in info.get("state_unnamed", []):
-        print(f"state        {f} not named by LAYOUT: never read (dbsp repair moves it aside)")
+        print(f"state        {f} not named by LAYOUT: " + ("a database of the layout change in progress"
+                                                           if info["rescale_in_progress"] else
+                                                           "never read (dbsp repair moves it aside)"))
     div = info["divided_steps"]
     print(f"input log    {info['input_records']} records in {info['input_segments']} segments, steps "
           f"{info['input_steps'][0]}..{info['input_steps'][1]}"

@@ -581,6 +581,8 @@ def _run_stateful(task: StageTask, worker: int, sm: Any, received: dict[tuple[in
 
 def open_stage_databases(storage: str, plan: StagePlan, workers: int) -> list[tuple[int, int, str]]:
     """Create (if missing) the Database of every stateful (stage, worker); returns ``[(stage, worker, path)]``.
+    The driver's open has checked that none is missing unless the state is at step 0 (storage/statefiles.py
+    invariant 2), so a database made here never stands in for one that held state.
 
     Takes each database's lock file, as a task attempt does (invariant 3), so a task still running (a zombie)
     is waited for rather than met by the database's own lock (InUseError)."""
