@@ -39,14 +39,21 @@ Invariants:
      multisets that only a recompute reads are never kept. A change with a retraction then raises DbspError
      (the driver refuses retractions into append-only inputs before recording them, operators/input.py). With
      the totals' key index, such a step does not index (sort) its change: the kernel groups its rows by hashing
-     (csrc/extremes.h, dbsp_extremes_probe_inserts), the same groups in the same key-hash order.
-  8. With ``append_only``, one min/max over an integer-like column and otherwise only row counts, a large change
-     whose weights are all positive is first reduced to one row per group, by hash grouping (no sort): the
-     group's row that holds its extreme (its first row when every value is null), weighted by the group's row
-     count. The totals fold it exactly as the whole change (a count adds the weights, an extreme is the extreme
-     of the positive-weight rows), so only the index of the change shrinks (or, on invariant 7's unindexed path,
-     the rows the kernel groups). A step whose reduction left more than ``GROUPS_PER_ROW`` groups per row stops
-     reducing for ``RETRY`` steps (about a row per group: the grouping pass would cost more than it saves).
+     (csrc/extremes.h, dbsp_extremes_probe_inserts), the same groups in the same key-hash order, in the one pass
+     that folds them (linear slots summed, each extreme the extreme of the group's non-null values).
+  8. With ``append_only``, one min/max over an integer-like or a string (or binary) column and otherwise only row
+     counts, a large change whose weights are all positive is reduced to one row per group, by hash grouping (no
+     sort), where a grouping or an exchange follows that would otherwise take every row: on the sender of a fused
+     exchange (dbsp_core/runtime/plan.py: a group crosses workers as a row per sender) and before the change is
+     indexed (a string extreme, which no key index holds, or invariant 7's path when the totals' key index does
+     not serve). The reduced row of a group is its row that holds its extreme (its first row when every value is
+     null), weighted by the group's row count; the totals fold it exactly as the whole change (a count adds the
+     weights, an extreme is the extreme of the positive-weight rows, in the order the fold uses: csrc/agg.h). On
+     invariant 7's unindexed path the aggregate does not reduce its change: the kernel's hash grouping is the
+     reduction, so a worker hashes and groups the key columns of its change once per step (a receiver groups the
+     rows its senders reduced: a group's rows from several senders meet only there). A step whose reduction
+     left more than ``GROUPS_PER_ROW`` groups per row stops reducing for ``RETRY`` steps (about a row per group:
+     the grouping pass would cost more than it saves).
 """
 
 from __future__ import annotations
@@ -679,7 +686,7 @@ class _ExtremesState(_GroupedState):
             self.spec = None
         # invariant 8: the reduction's grouping specs (row count, the one extreme), when the aggregate allows it
         self.reduce_specs = None
-        if (op.append_only and len(self.ext) == 1 and summable(slot_type[self.ext[0][0]])
+        if (op.append_only and len(self.ext) == 1 and _reducible(slot_type[self.ext[0][0]])
                 and all(spec == ("count", None) for j, spec in enumerate(op.kernel) if j != self.ext[0][0])):
             self.reduce_specs = tuple(_agg_specs(op.in_schema, [("count", None), self.ext[0][1:]]))
         self.reduced_steps = 0  # changes reduced (counts for tests, not state)
@@ -812,9 +819,9 @@ class _ExtremesState(_GroupedState):
 
     def _step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         op = self.op
-        prepare = self._with_limbs if self.limbs else self._reduced if self.reduce_specs else None
         if op.append_only and self.spec is not None:  # invariant 7: totals alone, and no value trace to feed
-            z = opened_change(self, inputs, ctx, op.in_schema, prepare)
+            # not reduced first (invariant 8): the kernel's one hash grouping of the change is its reduction
+            z = opened_change(self, inputs, ctx, op.in_schema, self._with_limbs if self.limbs else None)
             if z is None:
                 return empty(op.schema)
             if bool((z.weights < 0).any()):
@@ -824,8 +831,9 @@ class _ExtremesState(_GroupedState):
             out = self.totals.through_index(self.spec, lambda ix: self._through_index(view, ix, inserts=True))
             if out is not None:
                 return out
-            dix = z.index_by(self.keys)
+            dix = (self._reduced(z) if self.reduce_specs else z).index_by(self.keys)  # no current index: reduced
             return self._through_totals(dix) if len(dix) else empty(op.schema)
+        prepare = self._with_limbs if self.limbs else self._reduced if self.reduce_specs else None
         dix = keyed_change(self, inputs, ctx, op.in_schema, self.keys, prepare)
         if dix is None:
             return empty(op.schema)
@@ -965,6 +973,13 @@ def _slot_ints(totals: pa.Table, nk: int, slots: list[int]) -> tuple[np.ndarray,
         return ints(slots[0]), None, n
     hi, lo = ints(slots[0]), ints(slots[1])
     return hi + (lo >> 32), lo & 0xFFFFFFFF, n
+
+
+def _reducible(t: pa.DataType) -> bool:
+    """Whether invariant 8 reduces a change for an extreme of type ``t``: integer-like (the totals' key index holds
+    it, invariant 7's path) or string-like (no key index: the reduced change is indexed and folded with the old
+    totals, ``_through_totals``), whose order the reduction's kernel (csrc/agg.h) and the fold share."""
+    return summable(t) or pat.is_string(t) or pat.is_large_string(t) or pat.is_binary(t) or pat.is_large_binary(t)
 
 
 def _int_array(values: np.ndarray, typ: pa.DataType, null: np.ndarray) -> pa.Array:

@@ -133,7 +133,9 @@ def test_min_max_over_append_only_inputs_keep_only_their_totals(seed: int, worke
 def test_min_max_over_append_only_inputs_reduce_large_changes(seed: int, workers: int) -> None:
     """operators/aggregate.py invariant 8: a change reduced to one row per group (its extreme's row, weighted by the
     group's count; here from any size on) gives DuckDB's results, with bags, null keys and null values; at W > 1
-    the exchange before the aggregate reduces it on the sender (runtime/plan.py, ``_ReducedExchange``)."""
+    the exchange before the aggregate reduces it on the sender (runtime/plan.py, ``_ReducedExchange``). At W = 1
+    the aggregate reduces only a change it indexes (the totals' key index not serving): the kernel's grouping is the
+    reduction otherwise (tests/core/test_aggregate_append_only.py checks that path)."""
     calls: list[bool] = []
     reduced = _ExtremesState._reduced
 
@@ -159,7 +161,7 @@ def test_min_max_over_append_only_inputs_reduce_large_changes(seed: int, workers
             "lo": "SELECT auction, bidder, count(*), min(price) FROM bids GROUP BY auction, bidder",
             "join": "SELECT category, max(reserve), count(*) FROM bids JOIN auctions ON auction = id GROUP BY category",
         }, seed, workers, steps=6, max_rows=30, append_only=True, after=after)
-    assert any(calls)
+    assert any(calls) or workers == 1
 
 
 def test_append_only_input_refuses_a_retraction_and_records_nothing() -> None:
