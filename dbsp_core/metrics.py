@@ -291,14 +291,17 @@ def spill_metrics(store: Any, traces: list[dict[str, Any]]) -> dict:
     evictions and bytes evicted, cache hits and misses, pages of lazily opened files checked, pages prefetched and
     their runs: trace/spill.py ``BatchStore.prefetch``) and per operator's
     trace (``"<label>.<trace>"``, summed over workers) its rows, bytes in memory, bytes in batch files (a file's
-    size shared by the rows read from it) and cache hits and misses, in pages: per page of a spilled batch a read
+    size shared by the rows read from it), ``mapped_bytes`` (its files' pages reads may have left mapped in the
+    process at the last enforce: 2 MiB per unit read, trace/spill.py invariant 12 "mapped"; the store's
+    ``mapped_bytes`` adds the key indexes the cache holds: what the budget bounds beside ``memory_bytes`` and
+    ``filter_bytes``) and cache hits and misses, in pages: per page of a spilled batch a read
     of the trace used, a hit when the cache held it, a miss when it had evicted it or never held it (trace/spill.py
     invariant 15; which of them fault is the kernel's to count)."""
     ops: dict[str, dict[str, int]] = {}
     for per_worker in traces:
         for label, t in per_worker.items():
-            o = ops.setdefault(label, {"rows": 0, "memory_bytes": 0, "disk_bytes": 0, "cache_hits": 0,
-                                       "cache_misses": 0})
+            o = ops.setdefault(label, {"rows": 0, "memory_bytes": 0, "disk_bytes": 0, "mapped_bytes": 0,
+                                       "cache_hits": 0, "cache_misses": 0})
             for k, v in store.trace_bytes(t).items():
                 o[k] += v
             hits, misses = store.cache_counts(t)
@@ -306,7 +309,7 @@ def spill_metrics(store: Any, traces: list[dict[str, Any]]) -> dict:
             o["cache_misses"] += misses
     mem, kept = store.memory()
     out = {"limit": store.memory_limit, "memory_bytes": mem, "filter_bytes": kept, "disk_bytes": store.disk_bytes(),
-           "operators": ops}
+           "mapped_bytes": store.mapped_bytes(), "operators": ops}
     out.update(store.stats)
     return out
 
