@@ -71,8 +71,28 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      is (batchfile.py invariant 6): a fault then maps 2 MiB and a drop unmaps it as one entry, at a fraction of the
      kernel's cost per page of smaller folios (bench/RESULTS.md, 2026-11-29, branch r31-pread); the mappings then hold
      the 2 MiB around every page read (a 10M-row join under 100 MiB: ~390 MiB of its 878 MiB of files between two
-     whole drops, 385 MiB with the files written before), clean pages the kernel may take back; the cache's accounting
-     is unchanged. A merge of spilled inputs drops their pages when it drops its own (``merge_pages_out``).
+     whole drops, 385 MiB with the files written before): clean pages the kernel may take back, but RSS (``ps``, a
+     container's view) counts them. A merge of spilled inputs drops their pages when it drops its own
+     (``merge_pages_out``).
+     Mapped pages count against the budget (``BOUND_MAPPED``): what the budget bounds after every ``enforce`` is the
+     bytes in memory (batches, merge outputs, fences and filters: ``memory()``) plus the pages of spilled files and
+     key indexes mapped into the process. The store counts a spilled file's mapping in ``MAP_UNIT``s (2 MiB of
+     address space: one page table, the most a read fault maps, whether it maps a 2 MiB folio with one PMD entry, a
+     smaller folio whole or its fault-around window): a unit is marked when a read uses a page in it (the same
+     pages the cache counts) and unmarked when the file's mapping is dropped whole. After the cache's eviction,
+     while the marked units (``MAP_UNIT`` each) and the key indexes the cache holds come to more than
+     :meth:`cache_cap`, ``enforce`` drops whole mappings, the file read longest ago first (``_bound_mapped``; the
+     pages the cache holds stay counted as held, as for a whole eviction): so the files' Rss is at most
+     ``mapped_bytes()`` <= ``cache_cap()``, and with the bytes in memory at most ``memory_limit`` (or, when those are
+     over the batch share because merges or writes are in flight, those plus ``CACHE_SHARE`` of it). A file's
+     mapping is dropped once it is opened (``_switch``, ``adopt``: what opening read), so no page is mapped that no
+     read counted, but for these, the slack the bound does not count: the pages a merge read of its spilled inputs
+     since its last drop (``DROP_ROWS`` input rows, about 2 MiB per column and input when folios are 2 MiB), and
+     a step's own reads until its ``enforce``: within a step the files hold what the step's reads mapped, ``MAP_UNIT``
+     per unit read (a 1k-row step on a 10M-row join: ~190 units, ~380 MiB; the bound is between steps). Reads outside
+     a step must go through the store or not touch a spilled batch's pages (metrics' shard bytes use the fence:
+     metrics.py ``_fenced_bounds``). The cost: the steps fault back the units the drop took, one minor fault per 2
+     MiB folio (bench/RESULTS.md, 2026-11-29, branch r31-rss).
      Prefetch: a read of some keys names its pages before it walks (the same fence in memory), so ``Trace.lookup``,
      ``key_sums``, ``match_weights`` and the join walks (``Trace.walked`` with the change's key hashes) first call
      :meth:`BatchStore.prefetch` for every spilled batch they will seek: a madvise(MADV_WILLNEED) per run of the
