@@ -279,6 +279,12 @@ class BatchStore:
     # leaves beside the bytes in memory (:meth:`cache_cap`); False: only the cache's pages are (as before, when a
     # 10M-row join under 100 MiB kept 380 MiB of its files mapped between steps); tests switch it off to watch fail
     BOUND_MAPPED = True
+    # within a step (invariant 12, "mapped"): a walk of a change over a spilled batch goes in pieces of the change
+    # (key-hash order) that each map about this share of the limit (at least a unit per column) of the batch's file,
+    # the mapping dropped after each, so a step's reads map at most about a piece beyond what the last enforce left
+    PIECE_SHARE = 0.25
+    PIECE_MIN: int | None = None  # bytes a piece may map at least (None: a unit per column; tests set it low)
+    MAX_PIECES = 64
 
     def __init__(self, memory_limit: int, directory: str | None = None, durable: bool = False,
                  vfs: str = "posix") -> None:
@@ -311,6 +317,7 @@ class BatchStore:
         self._mapped: dict[int, np.ndarray] = {}
         self._mapped_at: dict[int, int] = {}
         self._mapped_bytes = 0  # bytes of the units marked, as of the last enforce (and key indexes held): mapped_bytes
+        self._walked_out: set[int] = set()  # ids of batches whose mapping a walk dropped after its last read (12)
         self._generation = 0  # enforce calls that trimmed the cache: the cache's clock
         self._touched: set[int] = set()  # ids of traces read in any way since then (their key index is used: 17)
         # id(key index) -> (its trace, pages it held, clock of its last use), the indexes the cache holds (17)
@@ -341,7 +348,7 @@ class BatchStore:
                            "written_in_background": 0, "written_for_nothing": 0, "keys_sought": 0,
                            "merges_on_disk": 0, "pages_prefetched": 0, "prefetch_runs": 0,
                            "evict_calls": 0, "outputs_never_written": 0, "whole_evictions": 0,
-                           "mapped_drops": 0, "mapped_bytes_dropped": 0})
+                           "mapped_drops": 0, "mapped_bytes_dropped": 0, "walk_pieces": 0})
 
     def __enter__(self) -> "BatchStore":
         return self
@@ -375,6 +382,33 @@ class BatchStore:
             return
         with self._lock:
             self._used.append((trace, b, hashes, rows))
+            self._walked_out.discard(id(b))
+
+    def walk_pieces(self, b: "IndexedZSet", rows: int) -> int:
+        """In how many pieces a walk of ``rows`` change rows (key-hash order) over batch ``b`` goes (invariant 12,
+        "mapped"): 1 for a batch in memory; for a spilled one, so that each piece maps at most about ``PIECE_SHARE``
+        of the limit (the rows' units: at most a unit per row and column, at most the file), at most
+        ``MAX_PIECES``. The caller walks each piece in turn and calls :meth:`walked_out` after each when more than
+        one."""
+        f = self._files.get(id(b))
+        if f is None or not self.BOUND_MAPPED or rows < 2:
+            return 1
+        cols = b.zset.data.num_columns + 3  # weights, key hashes, row hashes
+        span = min(f.size, rows * cols * MAP_UNIT)
+        floor = cols * MAP_UNIT if self.PIECE_MIN is None else self.PIECE_MIN
+        piece = max(1, floor, int(self.memory_limit * self.PIECE_SHARE))
+        return int(max(1, min(rows, -(-span // piece), self.MAX_PIECES)))
+
+    def walked_out(self, b: "IndexedZSet") -> None:
+        """After a piece of a walk over spilled batch ``b`` (:meth:`walk_pieces`): its mapping is dropped whole, and
+        the units its reads marked since are not counted at the next enforce unless it is read again first."""
+        f = self._files.get(id(b))
+        if f is None:
+            return
+        _drop_mapping(f.map)
+        with self._lock:
+            self._walked_out.add(id(b))
+        self.stats["walk_pieces"] += 1
 
     def prefetch(self, b: "IndexedZSet", hashes: np.ndarray, row_hashes: bool = True) -> int:
         """Before a walk seeks key hashes ``hashes`` in batch ``b``: when ``b`` is spilled, start reading the pages
@@ -808,6 +842,7 @@ class BatchStore:
         with self._lock:
             whole, self._whole = self._whole, set()
             used, self._used = self._used, []
+            out, self._walked_out = self._walked_out, set()  # dropped after their last read: no unit mapped
             touched, self._touched = self._touched, set()
             for t in traces:
                 if id(t) in whole:
@@ -840,8 +875,9 @@ class BatchStore:
                 marks = self._mapped.get(key)
                 if marks is None:
                     marks = self._mapped[key] = np.zeros(_units(f.base, f.size), dtype=bool)
-                marks[_unit_of(f.base, pages)] = True
-                self._mapped_at[key] = now
+                if key not in out:
+                    marks[_unit_of(f.base, pages)] = True
+                    self._mapped_at[key] = now
             for t, ix in indexes:  # invariant 17: an index used counts whole (its probes' pages are not known)
                 n = -(-int(ix.nbytes) // mmap.PAGESIZE)
                 held = self._index_used.get(id(ix))

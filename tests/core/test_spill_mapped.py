@@ -93,3 +93,113 @@ def test_a_join_reports_the_mapped_bytes_it_bounds() -> None:
     finally:
         for p in pipes:
             p.close()
+
+
+def _join_pipes(n: int, limit: str) -> list:
+    """An inner join l(a, x) with r(id, y), spilled under ``limit`` and in memory, ``n`` right rows loaded."""
+    from dbsp_core.runtime.embedded import EmbeddedExecutor
+
+    c = dbsp.Circuit()
+    left = c.input("l", pa.schema([("a", pa.int64()), ("x", pa.int64())]))
+    right = c.input("r", pa.schema([("id", pa.int64()), ("y", pa.int64())]))
+    c.output("v", left.join(right, left_on="a", right_on="id"))
+    pipes = [dbsp.Pipeline(c, executor=EmbeddedExecutor(background_merge=False), memory_limit=lim)
+             for lim in (limit, None)]
+    for p in pipes:
+        p.push("r", pa.table({"id": np.arange(n), "y": np.arange(n) % 7}))
+        p.step()
+    store = pipes[0].executor.batch_store
+    store.settle()
+    store.enforce()
+    store.settle()
+    return pipes
+
+
+def test_a_step_walks_a_spilled_batch_in_pieces_and_maps_about_one_at_a_time(monkeypatch) -> None:
+    """Within a step (invariant 12, "mapped"): a join's walk of 4,000 keys over a spilled right side of 1.2M rows
+    (a 50 MiB file under 4 MiB) goes in pieces of the change, the file's mapping dropped after each, so when the
+    step's enforce starts the file's Rss is at most the cap plus a piece and a unit per column (where the pieces
+    meet), not the file; the outputs are the same pipeline's in memory. With pieces off (one piece), the step maps
+    most of the file."""
+    from dbsp_core.trace import spill
+
+    rng = np.random.default_rng(SEED)
+    n = 1_200_000
+    monkeypatch.setattr(BatchStore, "PIECE_MIN", spill.MAP_UNIT)
+    monkeypatch.setattr(BatchStore, "PIECE_SHARE", 0.5)  # a piece: 2 MiB of the file
+    pipes = _join_pipes(n, "4MiB")
+    try:
+        store = pipes[0].executor.batch_store
+        assert store.disk_bytes() > 40 << 20, store.disk_bytes()
+        seen: list[tuple[int, int]] = []
+        orig = store.enforce
+
+        def enforce() -> int:  # the files' Rss when the step's reads are done, and the cap they had
+            seen.append((sum(_rss(f.map) for f in list(store._files.values())), store.cache_cap()))
+            return orig()
+
+        store.enforce = enforce  # type: ignore[method-assign]
+        for pieces_off in (False, False, True):
+            monkeypatch.setattr(BatchStore, "MAX_PIECES", 1 if pieces_off else 64)
+            keys = rng.choice(2 * n, 4_000, replace=False)
+            outs = []
+            for p in pipes:
+                p.push("l", pa.table({"a": keys, "x": np.arange(len(keys))}))
+                outs.append(p.step()["v"].to_dict())
+            assert outs[0] == outs[1] and sum(outs[0].values()) == int((keys < n).sum()), SEED
+            rss, cap = seen[-1]
+            slack = spill.MAP_UNIT + 5 * spill.MAP_UNIT  # a piece, and a unit per column where two pieces meet
+            if pieces_off:
+                assert rss > cap + slack, (rss, cap, SEED)  # (else this checks nothing)
+            else:
+                assert rss <= cap + slack, (rss, cap, slack, store.stats["walk_pieces"], SEED)
+        assert store.stats["walk_pieces"] > 0, store.stats
+    finally:
+        for p in pipes:
+            p.close()
+
+
+def test_walks_in_pieces_find_what_whole_walks_find(monkeypatch) -> None:
+    """``match_weights`` (a distinct's walk) and ``key_sums`` (an aggregate's) over spilled batches in pieces of up to
+    64 (each piece's mapping dropped after it) return what the same trace in memory returns, a dict model's."""
+    from collections import Counter
+
+    from dbsp_core import ZSet
+    from dbsp_core.trace import Trace
+
+    monkeypatch.setattr(BatchStore, "PIECE_MIN", 1)
+    monkeypatch.setattr(BatchStore, "PIECE_SHARE", 0.0)
+    rng = np.random.default_rng(SEED)
+    mem, disk = Trace(SCHEMA, ("k",)), Trace(SCHEMA, ("k",))
+    model: Counter = Counter()
+    with BatchStore(1 << 20) as store, spilling(store):
+        for size in (60_000, 20_000):
+            k, v = rng.integers(0, 50_000, size), rng.integers(0, 5, size)
+            z = ZSet.from_arrow(pa.table({"k": k, "v": v}, schema=SCHEMA)).index_by(["k"])
+            model.update(zip(k.tolist(), v.tolist()))
+            mem.insert(z)
+            disk.insert(z)
+            store.settle()
+            store.enforce()
+            store.settle()
+        assert all(store.is_spilled(b) for b in disk.batches), SEED
+        k, v = rng.integers(0, 60_000, 3_000), rng.integers(0, 5, 3_000)
+        change = ZSet.from_arrow(pa.table({"k": k, "v": v}, schema=SCHEMA)).consolidate().index_by(["k"])
+        rows = list(zip(change.zset.data.column("k").to_pylist(), change.zset.data.column("v").to_pylist()))
+        before = store.stats["walk_pieces"]
+        got = disk.match_weights(change)
+        assert store.stats["walk_pieces"] > before, store.stats
+        assert np.array_equal(got, mem.match_weights(change)), SEED
+        assert got.tolist() == [model[r] for r in rows], SEED
+        kh = ZSet.from_arrow(pa.table({"k": np.unique(k), "v": np.unique(k)}, schema=SCHEMA)).index_by(["k"])
+        probe = kh.zset.data.select(["k"])  # in key-hash order: probe row i has key hash khash[i]
+        khash, at = kh.key_hash, np.arange(len(kh))
+        before = store.stats["walk_pieces"]
+        sums = disk.key_sums(probe, ["k"], khash, at, ["v"])
+        assert store.stats["walk_pieces"] > before, store.stats
+        assert np.array_equal(sums, mem.key_sums(probe, ["k"], khash, at, ["v"])), SEED
+        want = Counter()
+        for (kk, vv), c in model.items():
+            want[kk] += vv * c
+        keys = probe.column("k").to_pylist()
+        assert [int(sums[i, 0]) for i in range(len(at))] == [want[keys[j]] for j in at.tolist()], SEED
