@@ -88,8 +88,15 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      mapping is dropped once it is opened (``_switch``, ``adopt``: what opening read), so no page is mapped that no
      read counted, but for these, the slack the bound does not count: the pages a merge read of its spilled inputs
      since its last drop (``DROP_ROWS`` input rows, about 2 MiB per column and input when folios are 2 MiB), and
-     a step's own reads until its ``enforce``: within a step the files hold what the step's reads mapped, ``MAP_UNIT``
-     per unit read (a 1k-row step on a 10M-row join: ~190 units, ~380 MiB; the bound is between steps). Reads outside
+     a step's own reads until its ``enforce``, ``MAP_UNIT`` per unit read (a 1k-row step on a 10M-row join read ~190
+     units, ~380 MiB). Those are bounded within the step too for the walks that read most: a join's walk
+     (operators/join.py ``inner_change``), ``match_weights`` and ``key_sums`` walk a spilled batch in pieces of the
+     change (key-hash order: each piece reads its share of every column, ``Trace.in_pieces``), as many as
+     :meth:`walk_pieces` says (each piece maps about ``PIECE_SHARE`` of the limit, at least a unit per column, at most
+     ``MAX_PIECES`` pieces), and drop the batch's mapping after each (:meth:`walked_out`: its units then count as not
+     mapped at the next enforce unless read again before it), so such a step maps at most about what the last enforce
+     left, a piece and a unit per column where two pieces meet; ``Trace.lookup`` and whole reads are not in pieces
+     (their slack is what they map). Reads outside
      a step must go through the store or not touch a spilled batch's pages (metrics' shard bytes use the fence:
      metrics.py ``_fenced_bounds``). The cost: the steps fault back the units the drop took, one minor fault per 2
      MiB folio (bench/RESULTS.md, 2026-11-29, branch r31-rss).
