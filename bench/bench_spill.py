@@ -230,6 +230,21 @@ def _watch_enforce() -> None:
     BatchStore.enforce = enforce  # type: ignore[method-assign]
 
 
+def _watch_pieces() -> None:
+    """Sample RssFile before each piece of a walk drops its batch's mapping (``BatchStore.walked_out``, where the
+    tree has it): the peak within a step walked in pieces. A read of /proc/self/status per piece: the steps' time
+    and CPU are not the figures to read in such a run."""
+    orig = getattr(BatchStore, "walked_out", None)
+    if orig is None:
+        return
+
+    def walked_out(self, b):  # type: ignore[no-untyped-def]
+        _PEAK["in_step"] = max(_PEAK["in_step"], _rss_file())
+        return orig(self, b)
+
+    BatchStore.walked_out = walked_out  # type: ignore[method-assign]
+
+
 def show(tag: str, sp: dict, mem: dict | None, args) -> None:
     """Print one spilled phase: its step times (and their ratio to the in-memory run's), files, cache and pages."""
     ratio = f" = {sp['mean'] / mem['mean']:.2f}x mean, {sp['p99'] / mem['p99']:.2f}x p99" if mem is not None else ""
@@ -271,8 +286,12 @@ def main() -> int:
                     "with --steps and --cold steps: auto, on, off, or alternated (off,on,...): BatchStore.PREFETCH")
     ap.add_argument("--modes", default="memory,spilled", help="which pipelines run (a state too big for memory: "
                     "spilled only)")
+    ap.add_argument("--watch-pieces", action="store_true", help="also sample RssFile before each piece of a walk "
+                    "drops its mapping (the peak within a step; costs the steps a /proc read per piece)")
     args = ap.parse_args()
     _watch_enforce()
+    if args.watch_pieces:
+        _watch_pieces()
     state, groups = _count(args.state), _count(args.groups)
     print(f"state {state:,} rows, {groups:,} keys, {args.change}-row steps, limit {args.limit}, "
           f"key indexes {'on' if settings().key_index else 'off'}, load {os.getloadavg()[0]:.2f}", flush=True)
