@@ -89,7 +89,8 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      read counted, but for these, the slack the bound does not count: the pages a merge read of its spilled inputs
      since its last drop (``DROP_ROWS`` input rows, about 2 MiB per column and input when folios are 2 MiB), and
      a step's own reads until its ``enforce``, ``MAP_UNIT`` per unit read (a 1k-row step on a 10M-row join read ~190
-     units, ~380 MiB). Those are bounded within the step too for the walks that read most: a join's walk
+     units, ~380 MiB). With ``WALK_IN_PIECES`` (off by default: it costs the steps CPU, see there) those are
+     bounded within the step too for the walks that read most: a join's walk
      (operators/join.py ``inner_change``), ``match_weights`` and ``key_sums`` walk a spilled batch in pieces of the
      change (key-hash order: each piece reads its share of every column, ``Trace.in_pieces``), as many as
      :meth:`walk_pieces` says (each piece maps about ``PIECE_SHARE`` of the limit, at least a unit per column, at most
@@ -286,9 +287,14 @@ class BatchStore:
     # leaves beside the bytes in memory (:meth:`cache_cap`); False: only the cache's pages are (as before, when a
     # 10M-row join under 100 MiB kept 380 MiB of its files mapped between steps); tests switch it off to watch fail
     BOUND_MAPPED = True
-    # within a step (invariant 12, "mapped"): a walk of a change over a spilled batch goes in pieces of the change
-    # (key-hash order) that each map about this share of the limit (at least a unit per column) of the batch's file,
-    # the mapping dropped after each, so a step's reads map at most about a piece beyond what the last enforce left
+    # within a step (invariant 12, "mapped"): with WALK_IN_PIECES a walk of a change over a spilled batch goes in
+    # pieces of the change (key-hash order) that each map about PIECE_SHARE of the limit (at least a unit per column)
+    # of the batch's file, the mapping dropped after each, so a step's reads map at most about a piece beyond what the
+    # last enforce left. Off: the pieces cost a 1k-row step at 10M rows under 100 MiB +1.0-1.3 ms CPU (distinct,
+    # join; 1.5-1.9x the step's CPU) at 0.25, +0.8-1.0 at 0.5, and 2-3x at 30M (bench/RESULTS.md, 2026-11-29, branch
+    # r31-rss), for a peak within the step of ~40 MiB of the files mapped instead of 290-410 MiB (10M) and 770-1,460
+    # MiB (30M): clean pages the kernel may take back
+    WALK_IN_PIECES = False
     PIECE_SHARE = 0.25
     PIECE_MIN: int | None = None  # bytes a piece may map at least (None: a unit per column; tests set it low)
     MAX_PIECES = 64
@@ -393,12 +399,12 @@ class BatchStore:
 
     def walk_pieces(self, b: "IndexedZSet", rows: int) -> int:
         """In how many pieces a walk of ``rows`` change rows (key-hash order) over batch ``b`` goes (invariant 12,
-        "mapped"): 1 for a batch in memory; for a spilled one, so that each piece maps at most about ``PIECE_SHARE``
-        of the limit (the rows' units: at most a unit per row and column, at most the file), at most
-        ``MAX_PIECES``. The caller walks each piece in turn and calls :meth:`walked_out` after each when more than
-        one."""
+        "mapped"): 1 for a batch in memory or without ``WALK_IN_PIECES``; for a spilled one, so that each piece maps at
+        most about ``PIECE_SHARE`` of the limit (the rows' units: at most a unit per row and column, at most the file),
+        at most ``MAX_PIECES``. The caller walks each piece in turn and calls :meth:`walked_out` after each when more
+        than one."""
         f = self._files.get(id(b))
-        if f is None or not self.BOUND_MAPPED or rows < 2:
+        if f is None or not self.BOUND_MAPPED or not self.WALK_IN_PIECES or rows < 2:
             return 1
         cols = b.zset.data.num_columns + 3  # weights, key hashes, row hashes
         span = min(f.size, rows * cols * MAP_UNIT)

@@ -116,15 +116,16 @@ def _join_pipes(n: int, limit: str) -> list:
 
 
 def test_a_step_walks_a_spilled_batch_in_pieces_and_maps_about_one_at_a_time(monkeypatch) -> None:
-    """Within a step (invariant 12, "mapped"): a join's walk of 4,000 keys over a spilled right side of 1.2M rows
-    (a 50 MiB file under 4 MiB) goes in pieces of the change, the file's mapping dropped after each, so when the
-    step's enforce starts the file's Rss is at most the cap plus a piece and a unit per column (where the pieces
-    meet), not the file; the outputs are the same pipeline's in memory. With pieces off (one piece), the step maps
-    most of the file."""
+    """Within a step (invariant 12, "mapped", with ``WALK_IN_PIECES``): a join's walk of 4,000 keys over a spilled right
+    side of 1.2M rows (a 50 MiB file under 4 MiB) goes in pieces of the change, the file's mapping dropped after each,
+    so when the step's enforce starts the file's Rss is at most the cap plus a piece and a unit per column (where the
+    pieces meet), not the file; the outputs are the same pipeline's in memory. With pieces off (one piece), the step
+    maps most of the file."""
     from dbsp_core.trace import spill
 
     rng = np.random.default_rng(SEED)
     n = 1_200_000
+    monkeypatch.setattr(BatchStore, "WALK_IN_PIECES", True)
     monkeypatch.setattr(BatchStore, "PIECE_MIN", spill.MAP_UNIT)
     monkeypatch.setattr(BatchStore, "PIECE_SHARE", 0.5)  # a piece: 2 MiB of the file
     pipes = _join_pipes(n, "4MiB")
@@ -167,6 +168,7 @@ def test_walks_in_pieces_find_what_whole_walks_find(monkeypatch) -> None:
     from dbsp_core import ZSet
     from dbsp_core.trace import Trace
 
+    monkeypatch.setattr(BatchStore, "WALK_IN_PIECES", True)
     monkeypatch.setattr(BatchStore, "PIECE_MIN", 1)
     monkeypatch.setattr(BatchStore, "PIECE_SHARE", 0.0)
     rng = np.random.default_rng(SEED)
