@@ -17,8 +17,9 @@ The Prometheus names (``dbsp_`` prefix): ``steps_total``, ``pushes_total``, ``du
 ``rows_in_total{input}``, ``rows_out_total{output}``, ``step_seconds`` (histogram), ``checkpoints_total``,
 ``checkpoint_seconds`` (last), ``checkpoint_time_seconds_total``, ``replayed_steps_total``, ``recovery_seconds``,
 ``log_bytes{log}``, ``state_bytes{worker}``, ``state_shard_bytes{worker,shard}``, ``key_index_bytes{worker}``,
-under a memory budget ``spill_memory_bytes``, ``spill_disk_bytes``, ``spill_bytes_written_total``,
-``spill_evictions_total``, ``trace_memory_bytes{operator}``, ``trace_disk_bytes{operator}`` (trace invariant 12),
+under a memory budget ``spill_memory_bytes``, ``spill_disk_bytes``, ``spill_mapped_bytes``,
+``spill_bytes_written_total``, ``spill_evictions_total``, ``trace_memory_bytes{operator}``,
+``trace_disk_bytes{operator}`` (trace invariant 12),
 (the traces' key indexes, memory beside the state: trace invariant 11, dbsp_core/trace/keyindex.py), ``late_rows_total{input}``,
 ``output_steps{end}`` (first, last), ``consumer_next_step{consumer}``, ``workers``, ``shards``; of each source
 (dbsp_core.connectors.files) ``source_files_total{source}``, ``source_rows_total{source}``,
@@ -427,6 +428,8 @@ def _families(m: dict) -> list:
         sp = m["spill"]
         fams += [gauge("spill_memory_bytes", "Bytes of trace batches in memory under the memory budget", sp["memory_bytes"]),
                  gauge("spill_disk_bytes", "Bytes of the batch files spilled traces live in", sp["disk_bytes"]),
+                 gauge("spill_mapped_bytes", "Bytes of batch files and key indexes reads may have left mapped into "
+                       "the process at the last enforce, under the memory budget", sp.get("mapped_bytes", 0)),
                  counter("spill_bytes_written_total", "Bytes of batch files written", sp["bytes_written"]),
                  counter("spill_evictions_total", "Times the cache evicted pages of a batch file", sp["evictions"]),
                  gauge("trace_memory_bytes", "Bytes of an operator's trace batches in memory", labels=("operator",),
