@@ -77,6 +77,7 @@ def drop_pages(store) -> None:
 
 def load(query: str, state: int, groups: int, args, limit) -> tuple[dbsp.Pipeline, np.random.Generator, list]:
     rng = np.random.default_rng(7)
+    _PEAK.update(load_file=0, load_anon=0)
     t0 = time.perf_counter()
     p = dbsp.Pipeline(circuit(query), executor=EmbeddedExecutor(background_merge=True), memory_limit=limit)
     if query == "join":
@@ -90,6 +91,8 @@ def load(query: str, state: int, groups: int, args, limit) -> tuple[dbsp.Pipelin
         loaded.append(t.slice(0, min(n, 10_000)))
         p.push("bids", t)
         p.step()
+        _PEAK["load_file"] = max(_PEAK.get("load_file", 0), _rss_file())
+        _PEAK["load_anon"] = max(_PEAK.get("load_anon", 0), _rss_file("RssAnon"))
         done += n
         if done * 10 // state != (done - n) * 10 // state:  # a line per tenth of the load
             store = p.executor.batch_store
@@ -142,14 +145,17 @@ def measure(p: dbsp.Pipeline, rng, query: str, groups: int, args, loaded: list, 
     cache; returns the figures and the next step number."""
     ms = []
     store = p.executor.batch_store
+    steady = 0
     for i in range(args.warmup + args.steps):
         if i == args.warmup:  # the measured steps' page faults, disk reads and cache counts
             ru0 = resource.getrusage(resource.RUSAGE_SELF)
             st0 = dict(store.stats) if store is not None else {}
+            _PEAK["in_step"] = 0
         x = one_step(p, rng, query, groups, args.change, loaded, k)
         k += 1
         if i >= args.warmup:
             ms.append(x)
+            steady = max(steady, _rss_file())  # after the step (its enforce done): outside its time
     ru = resource.getrusage(resource.RUSAGE_SELF)
     out = {"mean": float(np.mean(ms)), "p50": float(np.percentile(ms, 50)),
            "p99": float(np.percentile(ms, 99)), "max": float(np.max(ms)),
@@ -160,6 +166,9 @@ def measure(p: dbsp.Pipeline, rng, query: str, groups: int, args, loaded: list, 
            "user": (ru.ru_utime - ru0.ru_utime) * 1e3 / args.steps,
            "sys": (ru.ru_stime - ru0.ru_stime) * 1e3 / args.steps}
     out["rss_file_mb"] = _rss_file() / 2**20  # the files' pages mapped now (and any other file's: the libraries')
+    out.update(rss_file_steady_mb=steady / 2**20, rss_file_in_step_mb=_PEAK["in_step"] / 2**20,
+               rss_anon_mb=_rss_file("RssAnon") / 2**20, load_file_mb=_PEAK["load_file"] / 2**20,
+               load_anon_mb=_PEAK["load_anon"] / 2**20)
     if store is not None:
         d = {n: store.stats.get(n, 0) - st0.get(n, 0) for n in ("cache_hits", "cache_misses", "evictions",
                                                                "bytes_evicted", "pages_prefetched", "prefetch_runs")}
@@ -190,16 +199,50 @@ def measure(p: dbsp.Pipeline, rng, query: str, groups: int, args, loaded: list, 
     return out, k
 
 
-def _rss_file() -> int:
-    """Bytes of file-backed pages mapped into the process (RssFile of /proc/self/status; 0 where absent)."""
+def _rss_file(field: str = "RssFile") -> int:
+    """Bytes of file-backed pages mapped into the process (``field`` of /proc/self/status, RssAnon for anonymous
+    memory; 0 where absent)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("RssFile:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+_PEAK = {"in_step": 0}  # the highest RssFile at the start of an enforce (a step's reads done, before its evictions)
+
+
+def _watch_enforce() -> None:
+    """Sample RssFile as each ``BatchStore.enforce`` starts (a read of /proc/self/status, ~20 us, in the step's
+    time): the peak within the steps, which the figures after each step do not see."""
+    orig = BatchStore.enforce
+    if getattr(orig, "_watched", False):
+        return
+
+    def enforce(self):  # type: ignore[no-untyped-def]
+        _PEAK["in_step"] = max(_PEAK["in_step"], _rss_file())
+        return orig(self)
+
+    enforce._watched = True  # type: ignore[attr-defined]
+    BatchStore.enforce = enforce  # type: ignore[method-assign]
+
+
+def _watch_pieces() -> None:
+    """Sample RssFile before each piece of a walk drops its batch's mapping (``BatchStore.walked_out``, where the
+    tree has it): the peak within a step walked in pieces. A read of /proc/self/status per piece: the steps' time
+    and CPU are not the figures to read in such a run."""
+    orig = getattr(BatchStore, "walked_out", None)
+    if orig is None:
+        return
+
+    def walked_out(self, b):  # type: ignore[no-untyped-def]
+        _PEAK["in_step"] = max(_PEAK["in_step"], _rss_file())
+        return orig(self, b)
+
+    BatchStore.walked_out = walked_out  # type: ignore[method-assign]
 
 
 def show(tag: str, sp: dict, mem: dict | None, args) -> None:
@@ -216,6 +259,10 @@ def show(tag: str, sp: dict, mem: dict | None, args) -> None:
           f"{sp['read_kib']:.0f} KiB; CPU {sp['user'] + sp['sys']:.2f} ms (user {sp['user']:.2f}, sys {sp['sys']:.2f}); "
           f"RssFile after the steps {sp['rss_file_mb']:.0f} MiB",
           flush=True)
+    print(f"{tag} RSS: RssFile after each step at most {sp['rss_file_steady_mb']:.0f} MiB, at an enforce's start (the "
+          f"step's reads done) at most {sp['rss_file_in_step_mb']:.0f} MiB; RssAnon after the steps "
+          f"{sp['rss_anon_mb']:.0f} MiB; during the load at most RssFile {sp['load_file_mb']:.0f} MiB, RssAnon "
+          f"{sp['load_anon_mb']:.0f} MiB (after each load step)", flush=True)
     if "pages" in sp:
         print(f"{tag} cold   : mean {sp['cold_mean']:.2f} ms p99 {sp['cold_p99']:.2f} max {sp['cold_max']:.2f}; "
               f"pages read per step {sp['pages']:.0f} (max {sp['pages_max']}) = {sp['pages'] * PAGE / 2**10:.0f} KiB, "
@@ -239,7 +286,12 @@ def main() -> int:
                     "with --steps and --cold steps: auto, on, off, or alternated (off,on,...): BatchStore.PREFETCH")
     ap.add_argument("--modes", default="memory,spilled", help="which pipelines run (a state too big for memory: "
                     "spilled only)")
+    ap.add_argument("--watch-pieces", action="store_true", help="also sample RssFile before each piece of a walk "
+                    "drops its mapping (the peak within a step; costs the steps a /proc read per piece)")
     args = ap.parse_args()
+    _watch_enforce()
+    if args.watch_pieces:
+        _watch_pieces()
     state, groups = _count(args.state), _count(args.groups)
     print(f"state {state:,} rows, {groups:,} keys, {args.change}-row steps, limit {args.limit}, "
           f"key indexes {'on' if settings().key_index else 'off'}, load {os.getloadavg()[0]:.2f}", flush=True)

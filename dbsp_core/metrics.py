@@ -17,8 +17,9 @@ The Prometheus names (``dbsp_`` prefix): ``steps_total``, ``pushes_total``, ``du
 ``rows_in_total{input}``, ``rows_out_total{output}``, ``step_seconds`` (histogram), ``checkpoints_total``,
 ``checkpoint_seconds`` (last), ``checkpoint_time_seconds_total``, ``replayed_steps_total``, ``recovery_seconds``,
 ``log_bytes{log}``, ``state_bytes{worker}``, ``state_shard_bytes{worker,shard}``, ``key_index_bytes{worker}``,
-under a memory budget ``spill_memory_bytes``, ``spill_disk_bytes``, ``spill_bytes_written_total``,
-``spill_evictions_total``, ``trace_memory_bytes{operator}``, ``trace_disk_bytes{operator}`` (trace invariant 12),
+under a memory budget ``spill_memory_bytes``, ``spill_disk_bytes``, ``spill_mapped_bytes``,
+``spill_bytes_written_total``, ``spill_evictions_total``, ``trace_memory_bytes{operator}``,
+``trace_disk_bytes{operator}`` (trace invariant 12),
 (the traces' key indexes, memory beside the state: trace invariant 11, dbsp_core/trace/keyindex.py), ``late_rows_total{input}``,
 ``output_steps{end}`` (first, last), ``consumer_next_step{consumer}``, ``workers``, ``shards``; of each source
 (dbsp_core.connectors.files) ``source_files_total{source}``, ``source_rows_total{source}``,
@@ -231,9 +232,23 @@ def state_bytes(traces: dict[str, Any], shard_bits: int) -> tuple[int, dict[int,
                 continue
             nbytes = b.zset.data.nbytes + b.zset.weights.nbytes + b.key_hash.nbytes
             total += nbytes
-            per += np.diff(b.shard_bounds(shard_bits)) * (nbytes / n)
+            fence = getattr(b, "_fx", None)
+            bounds = b.shard_bounds(shard_bits) if fence is None or shard_bits == 0 else \
+                _fenced_bounds(fence, n, shard_bits)
+            per += np.diff(bounds) * (nbytes / n)
     shards = {int(s): int(round(per[s])) for s in np.flatnonzero(per)}
     return total, shards
+
+
+def _fenced_bounds(fence: np.ndarray, n: int, shard_bits: int) -> np.ndarray:
+    """A batch's ``shard_bounds`` from its fence (every ``FENCE_STEP``-th key hash, in memory: trace/batchfile.py),
+    each within ``FENCE_STEP`` rows of the exact bound: the exact ones binary-search the key hashes, which for a
+    spilled batch maps pages of its file no read of the store counts (trace/spill.py invariant 12, "mapped")."""
+    from dbsp_core.trace.batchfile import FENCE_STEP
+
+    starts = np.arange(1 << shard_bits, dtype=np.uint64) << np.uint64(64 - shard_bits)
+    b = np.minimum(np.searchsorted(fence, starts, side="left").astype(np.int64) * FENCE_STEP, n)
+    return np.append(b, np.int64(n))
 
 
 def rss_bytes() -> int | None:
@@ -291,14 +306,17 @@ def spill_metrics(store: Any, traces: list[dict[str, Any]]) -> dict:
     evictions and bytes evicted, cache hits and misses, pages of lazily opened files checked, pages prefetched and
     their runs: trace/spill.py ``BatchStore.prefetch``) and per operator's
     trace (``"<label>.<trace>"``, summed over workers) its rows, bytes in memory, bytes in batch files (a file's
-    size shared by the rows read from it) and cache hits and misses, in pages: per page of a spilled batch a read
+    size shared by the rows read from it), ``mapped_bytes`` (its files' pages reads may have left mapped in the
+    process at the last enforce: 2 MiB per unit read, trace/spill.py invariant 12 "mapped"; the store's
+    ``mapped_bytes`` adds the key indexes the cache holds: what the budget bounds beside ``memory_bytes`` and
+    ``filter_bytes``) and cache hits and misses, in pages: per page of a spilled batch a read
     of the trace used, a hit when the cache held it, a miss when it had evicted it or never held it (trace/spill.py
     invariant 15; which of them fault is the kernel's to count)."""
     ops: dict[str, dict[str, int]] = {}
     for per_worker in traces:
         for label, t in per_worker.items():
-            o = ops.setdefault(label, {"rows": 0, "memory_bytes": 0, "disk_bytes": 0, "cache_hits": 0,
-                                       "cache_misses": 0})
+            o = ops.setdefault(label, {"rows": 0, "memory_bytes": 0, "disk_bytes": 0, "mapped_bytes": 0,
+                                       "cache_hits": 0, "cache_misses": 0})
             for k, v in store.trace_bytes(t).items():
                 o[k] += v
             hits, misses = store.cache_counts(t)
@@ -306,7 +324,7 @@ def spill_metrics(store: Any, traces: list[dict[str, Any]]) -> dict:
             o["cache_misses"] += misses
     mem, kept = store.memory()
     out = {"limit": store.memory_limit, "memory_bytes": mem, "filter_bytes": kept, "disk_bytes": store.disk_bytes(),
-           "operators": ops}
+           "mapped_bytes": store.mapped_bytes(), "operators": ops}
     out.update(store.stats)
     return out
 
@@ -410,6 +428,8 @@ def _families(m: dict) -> list:
         sp = m["spill"]
         fams += [gauge("spill_memory_bytes", "Bytes of trace batches in memory under the memory budget", sp["memory_bytes"]),
                  gauge("spill_disk_bytes", "Bytes of the batch files spilled traces live in", sp["disk_bytes"]),
+                 gauge("spill_mapped_bytes", "Bytes of batch files and key indexes reads may have left mapped into "
+                       "the process at the last enforce, under the memory budget", sp.get("mapped_bytes", 0)),
                  counter("spill_bytes_written_total", "Bytes of batch files written", sp["bytes_written"]),
                  counter("spill_evictions_total", "Times the cache evicted pages of a batch file", sp["evictions"]),
                  gauge("trace_memory_bytes", "Bytes of an operator's trace batches in memory", labels=("operator",),

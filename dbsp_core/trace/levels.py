@@ -498,6 +498,23 @@ class Trace(KeyIndexed):
             self.prefetch(out, keys, row_hashes=False)
         return out
 
+    def in_pieces(self, b: "IndexedZSet", change: "IndexedZSet", walk: Any) -> list:
+        """``walk(piece)`` for consecutive pieces of ``change`` (an indexed batch, key-hash order) that a walk over
+        batch ``b`` of this trace takes one at a time: one piece (the whole change) unless ``b`` is spilled and the
+        walk would map more of its file than a piece may (spill.py ``BatchStore.walk_pieces``, invariant 12
+        "mapped"); then the batch's mapping is dropped after each piece. Returns what each call returned."""
+        store = self._store
+        g = store.walk_pieces(b, len(change)) if store is not None else 1
+        if g == 1:
+            return [walk(change)]
+        out = []
+        cuts = np.linspace(0, len(change), g + 1).astype(np.int64)
+        for lo, hi in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+            if hi > lo:
+                out.append(walk(change.slice(lo, hi)))
+                store.walked_out(b)
+        return out
+
     def prefetch(self, batches: list["IndexedZSet"], hashes: np.ndarray, row_hashes: bool = True) -> None:
         """Before walks seek key hashes ``hashes`` in ``batches``: start reading the pages they will read of the
         spilled ones (their row hashes too unless ``row_hashes`` is False), all batches before the first walk, so
@@ -698,11 +715,17 @@ class Trace(KeyIndexed):
                     sub, rows = self.narrowed(b, change)  # a spilled batch: the rows its filter may hold
                     if sub is None:
                         continue
-                    if rows is not None:
-                        part = np.zeros(len(rows), dtype=np.int64)
-                        _zset.match_weights(sub._view(), None, None, b._view_as(schema), None, None, part,
-                                            sub._row_hashes(), b._row_hashes())
-                        acc[rows] += part
+                    pieces = self._store.walk_pieces(b, len(sub)) if self._store is not None else 1
+                    if rows is not None or pieces > 1:
+                        bv, brh = b._view_as(schema), b._row_hashes()
+
+                        def weigh(s: "IndexedZSet", bv: Any = bv, brh: Any = brh) -> np.ndarray:
+                            part = np.zeros(len(s), dtype=np.int64)
+                            _zset.match_weights(s._view(), None, None, bv, None, None, part, s._row_hashes(), brh)
+                            return part
+
+                        part = np.concatenate(self.in_pieces(b, sub, weigh))  # the pieces in order: sub's rows
+                        acc[np.arange(len(change)) if rows is None else rows] += part
                         continue
                 elif self._store is not None:
                     self._store.check(b)
@@ -760,10 +783,16 @@ class Trace(KeyIndexed):
                     self._store.note_pages(self, b, khash[keep])  # the pages the walk reads (invariant 12)
                     if not keep.any():
                         continue
-                    if not keep.all():
-                        sub = acc[keep]
-                        b._key_sums(view, ppos, khash[keep], rows[keep], cpos, sub)
-                        acc[keep] = sub
+                    sel = np.flatnonzero(keep)
+                    pieces = self._store.walk_pieces(b, len(sel))
+                    if pieces > 1 or len(sel) < len(keep):  # (in pieces of the keys: invariant 12, "mapped")
+                        for p in np.array_split(sel, pieces):
+                            if len(p):
+                                sub = acc[p]
+                                b._key_sums(view, ppos, khash[p], rows[p], cpos, sub)
+                                acc[p] = sub
+                                if pieces > 1:
+                                    self._store.walked_out(b)
                         continue
                 b._key_sums(view, ppos, khash, rows, cpos, acc)
         return acc

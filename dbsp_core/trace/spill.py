@@ -71,8 +71,36 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      is (batchfile.py invariant 6): a fault then maps 2 MiB and a drop unmaps it as one entry, at a fraction of the
      kernel's cost per page of smaller folios (bench/RESULTS.md, 2026-11-29, branch r31-pread); the mappings then hold
      the 2 MiB around every page read (a 10M-row join under 100 MiB: ~390 MiB of its 878 MiB of files between two
-     whole drops, 385 MiB with the files written before), clean pages the kernel may take back; the cache's accounting
-     is unchanged. A merge of spilled inputs drops their pages when it drops its own (``merge_pages_out``).
+     whole drops, 385 MiB with the files written before): clean pages the kernel may take back, but RSS (``ps``, a
+     container's view) counts them. A merge of spilled inputs drops their pages when it drops its own
+     (``merge_pages_out``).
+     Mapped pages count against the budget (``BOUND_MAPPED``): what the budget bounds after every ``enforce`` is the
+     bytes in memory (batches, merge outputs, fences and filters: ``memory()``) plus the pages of spilled files and
+     key indexes mapped into the process. The store counts a spilled file's mapping in ``MAP_UNIT``s (2 MiB of
+     address space: one page table, the most a read fault maps, whether it maps a 2 MiB folio with one PMD entry, a
+     smaller folio whole or its fault-around window): a unit is marked when a read uses a page in it (the same
+     pages the cache counts) and unmarked when the file's mapping is dropped whole. After the cache's eviction,
+     while the marked units (``MAP_UNIT`` each) and the key indexes the cache holds come to more than
+     :meth:`cache_cap`, ``enforce`` drops whole mappings, the file read longest ago first (``_bound_mapped``; the
+     pages the cache holds stay counted as held, as for a whole eviction): so the files' Rss is at most
+     ``mapped_bytes()`` <= ``cache_cap()``, and with the bytes in memory at most ``memory_limit`` (or, when those are
+     over the batch share because merges or writes are in flight, those plus ``CACHE_SHARE`` of it). A file's
+     mapping is dropped once it is opened (``_switch``, ``adopt``: what opening read), so no page is mapped that no
+     read counted, but for these, the slack the bound does not count: the pages a merge read of its spilled inputs
+     since its last drop (``DROP_ROWS`` input rows, about 2 MiB per column and input when folios are 2 MiB), and
+     a step's own reads until its ``enforce``, ``MAP_UNIT`` per unit read (a 1k-row step on a 10M-row join read ~190
+     units, ~380 MiB). With ``WALK_IN_PIECES`` (off by default: it costs the steps CPU, see there) those are
+     bounded within the step too for the walks that read most: a join's walk
+     (operators/join.py ``inner_change``), ``match_weights`` and ``key_sums`` walk a spilled batch in pieces of the
+     change (key-hash order: each piece reads its share of every column, ``Trace.in_pieces``), as many as
+     :meth:`walk_pieces` says (each piece maps about ``PIECE_SHARE`` of the limit, at least a unit per column, at most
+     ``MAX_PIECES`` pieces), and drop the batch's mapping after each (:meth:`walked_out`: its units then count as not
+     mapped at the next enforce unless read again before it), so such a step maps at most about what the last enforce
+     left, a piece and a unit per column where two pieces meet; ``Trace.lookup`` and whole reads are not in pieces
+     (their slack is what they map). Reads outside
+     a step must go through the store or not touch a spilled batch's pages (metrics' shard bytes use the fence:
+     metrics.py ``_fenced_bounds``). The cost: the steps fault back the units the drop took, one minor fault per 2
+     MiB folio (bench/RESULTS.md, 2026-11-29, branch r31-rss).
      Prefetch: a read of some keys names its pages before it walks (the same fence in memory), so ``Trace.lookup``,
      ``key_sums``, ``match_weights`` and the join walks (``Trace.walked`` with the change's key hashes) first call
      :meth:`BatchStore.prefetch` for every spilled batch they will seek: a madvise(MADV_WILLNEED) per run of the
@@ -254,6 +282,22 @@ class BatchStore:
     # a cache over its cap evicts down to this share of it (the oldest reads first, as ever): evicting just what it is
     # over by made a full cache drop whole mappings at every enforce, and every step faulted its pages back
     EVICT_TO = 0.5
+    # whether the mapped units of spilled files count in the budget (invariant 12, "mapped"): after each enforce the
+    # batch files' units a read may have mapped, with the key indexes the cache holds, are at most what the budget
+    # leaves beside the bytes in memory (:meth:`cache_cap`); False: only the cache's pages are (as before, when a
+    # 10M-row join under 100 MiB kept 380 MiB of its files mapped between steps); tests switch it off to watch fail
+    BOUND_MAPPED = True
+    # within a step (invariant 12, "mapped"): with WALK_IN_PIECES a walk of a change over a spilled batch goes in
+    # pieces of the change (key-hash order) that each map about PIECE_SHARE of the limit (at least a unit per column)
+    # of the batch's file, the mapping dropped after each, so a step's reads map at most about a piece beyond what the
+    # last enforce left. Off: the pieces cost a 1k-row step at 10M rows under 100 MiB +1.0-1.3 ms CPU (distinct,
+    # join; 1.5-1.9x the step's CPU) at 0.25, +0.8-1.0 at 0.5, and 2-3x at 30M (bench/RESULTS.md, 2026-11-29, branch
+    # r31-rss), for a peak within the step of ~40 MiB of the files mapped instead of 290-410 MiB (10M) and 770-1,460
+    # MiB (30M): clean pages the kernel may take back
+    WALK_IN_PIECES = False
+    PIECE_SHARE = 0.25
+    PIECE_MIN: int | None = None  # bytes a piece may map at least (None: a unit per column; tests set it low)
+    MAX_PIECES = 64
 
     def __init__(self, memory_limit: int, directory: str | None = None, durable: bool = False,
                  vfs: str = "posix") -> None:
@@ -281,6 +325,12 @@ class BatchStore:
         self._rounds: "deque[tuple[int, int, np.ndarray]]" = deque()  # (clock, id(batch), pages used then), oldest
         self._rounds_kept = 0  # rounds left by the last _compact_rounds: the next runs at twice as many
         self._cached = 0  # pages the cache holds
+        # id(batch) -> per MAP_UNIT (2 MiB of address space) of its mapping, whether a read since the mapping was last
+        # dropped may have mapped pages there, and the clock of its last read (invariant 12, "mapped")
+        self._mapped: dict[int, np.ndarray] = {}
+        self._mapped_at: dict[int, int] = {}
+        self._mapped_bytes = 0  # bytes of the units marked, as of the last enforce (and key indexes held): mapped_bytes
+        self._walked_out: set[int] = set()  # ids of batches whose mapping a walk dropped after its last read (12)
         self._generation = 0  # enforce calls that trimmed the cache: the cache's clock
         self._touched: set[int] = set()  # ids of traces read in any way since then (their key index is used: 17)
         # id(key index) -> (its trace, pages it held, clock of its last use), the indexes the cache holds (17)
@@ -310,7 +360,8 @@ class BatchStore:
                            "enforcements": 0, "cache_hits": 0, "cache_misses": 0, "pages_checked": 0,
                            "written_in_background": 0, "written_for_nothing": 0, "keys_sought": 0,
                            "merges_on_disk": 0, "pages_prefetched": 0, "prefetch_runs": 0,
-                           "evict_calls": 0, "outputs_never_written": 0, "whole_evictions": 0})
+                           "evict_calls": 0, "outputs_never_written": 0, "whole_evictions": 0,
+                           "mapped_drops": 0, "mapped_bytes_dropped": 0, "walk_pieces": 0})
 
     def __enter__(self) -> "BatchStore":
         return self
@@ -344,6 +395,33 @@ class BatchStore:
             return
         with self._lock:
             self._used.append((trace, b, hashes, rows))
+            self._walked_out.discard(id(b))
+
+    def walk_pieces(self, b: "IndexedZSet", rows: int) -> int:
+        """In how many pieces a walk of ``rows`` change rows (key-hash order) over batch ``b`` goes (invariant 12,
+        "mapped"): 1 for a batch in memory or without ``WALK_IN_PIECES``; for a spilled one, so that each piece maps at
+        most about ``PIECE_SHARE`` of the limit (the rows' units: at most a unit per row and column, at most the file),
+        at most ``MAX_PIECES``. The caller walks each piece in turn and calls :meth:`walked_out` after each when more
+        than one."""
+        f = self._files.get(id(b))
+        if f is None or not self.BOUND_MAPPED or not self.WALK_IN_PIECES or rows < 2:
+            return 1
+        cols = b.zset.data.num_columns + 3  # weights, key hashes, row hashes
+        span = min(f.size, rows * cols * MAP_UNIT)
+        floor = cols * MAP_UNIT if self.PIECE_MIN is None else self.PIECE_MIN
+        piece = max(1, floor, int(self.memory_limit * self.PIECE_SHARE))
+        return int(max(1, min(rows, -(-span // piece), self.MAX_PIECES)))
+
+    def walked_out(self, b: "IndexedZSet") -> None:
+        """After a piece of a walk over spilled batch ``b`` (:meth:`walk_pieces`): its mapping is dropped whole, and
+        the units its reads marked since are not counted at the next enforce unless it is read again first."""
+        f = self._files.get(id(b))
+        if f is None:
+            return
+        _drop_mapping(f.map)
+        with self._lock:
+            self._walked_out.add(id(b))
+        self.stats["walk_pieces"] += 1
 
     def prefetch(self, b: "IndexedZSet", hashes: np.ndarray, row_hashes: bool = True) -> int:
         """Before a walk seeks key hashes ``hashes`` in batch ``b``: when ``b`` is spilled, start reading the pages
@@ -513,6 +591,7 @@ class BatchStore:
             self._owners[name] = self._owners.get(name, 0) + 1
             if f.unchecked():  # opened lazily: checked as it is read (invariant 14)
                 self._unchecked[id(b)] = f
+        _drop_mapping(f.map)  # what opening read leaves the process (invariant 12, "mapped")
         weakref.finalize(b, self._release, id(b), name)
 
     def pin(self, name: str) -> None:
@@ -572,9 +651,10 @@ class BatchStore:
         return mem, sum(f.memory_bytes() for f in list(self._files.values()))
 
     def trace_bytes(self, trace: "Trace") -> dict[str, int]:
-        """A trace's ``rows``, ``memory_bytes`` (batches in memory) and ``disk_bytes`` (its share of the batch files
-        its spilled batches read: a file's size over the rows read from it)."""
-        out = {"rows": 0, "memory_bytes": 0, "disk_bytes": 0}
+        """A trace's ``rows``, ``memory_bytes`` (batches in memory), ``disk_bytes`` (its share of the batch files
+        its spilled batches read: a file's size over the rows read from it) and ``mapped_bytes`` (the pages of its
+        spilled batches' files reads may have left mapped, as of the last enforce: :meth:`mapped_bytes`)."""
+        out = {"rows": 0, "memory_bytes": 0, "disk_bytes": 0, "mapped_bytes": self.mapped_bytes(trace)}
         placed, pending = trace.parts()
         for b in list(placed) + list(pending):
             out["rows"] += len(b)
@@ -740,6 +820,7 @@ class BatchStore:
         new._z._distinct = b._z._distinct  # the same rows: what the old ZSet knew of them still holds
         b._z, b._kh, b._rh, b._fx, b._cv = new._z, new._kh, new._rh, new._fx, None
         f = f._replace(batch=None)  # the file must not keep its batch alive: the batch's death deletes the file
+        _drop_mapping(f.map)  # what opening read (header, footer, sections) leaves the process: no read counted it
         with self._lock:
             self._files[id(b)] = f
             self._owners[name] = self._owners.get(name, 0) + 1
@@ -774,13 +855,14 @@ class BatchStore:
         with self._lock:
             whole, self._whole = self._whole, set()
             used, self._used = self._used, []
+            out, self._walked_out = self._walked_out, set()  # dropped after their last read: no unit mapped
             touched, self._touched = self._touched, set()
             for t in traces:
                 if id(t) in whole:
                     used.extend((t, b, None, None) for b in t._levels() if id(b) in self._files)
         indexes = [(t, ix) for t in traces if id(t) in touched
                    for ix in (t.held_index,) if ix is not None and ix.nbytes >= self.INDEX_FILE_MIN]
-        if not used and not indexes and self._cached == 0:
+        if not used and not indexes and self._cached == 0 and self._mapped_bytes == 0:
             return
         located = []
         for t, b, hashes, rows in used:
@@ -803,6 +885,12 @@ class BatchStore:
                 self._cached += new
                 clock[pages] = now
                 self._rounds.append((now, key, pages))
+                marks = self._mapped.get(key)
+                if marks is None:
+                    marks = self._mapped[key] = np.zeros(_units(f.base, f.size), dtype=bool)
+                if key not in out:
+                    marks[_unit_of(f.base, pages)] = True
+                    self._mapped_at[key] = now
             for t, ix in indexes:  # invariant 17: an index used counts whole (its probes' pages are not known)
                 n = -(-int(ix.nbytes) // mmap.PAGESIZE)
                 held = self._index_used.get(id(ix))
@@ -814,6 +902,7 @@ class BatchStore:
                 self._compact_rounds()
             cap = self.cache_cap() // mmap.PAGESIZE  # over it: evict down to EVICT_TO of it, so that the whole
             evict, drop = self._evict_oldest(cap if self._cached <= cap else int(cap * self.EVICT_TO))  # drops space out
+            evict.extend(self._bound_mapped(cap * mmap.PAGESIZE))
         for ix in drop:  # between steps: no step probes or grows the index meanwhile (invariant 17)
             ix.drop_pages()
         # the runs of pages evicted, in C with the GIL released, up to 1024 runs a system call (process_madvise:
@@ -858,11 +947,55 @@ class BatchStore:
                 if self.WHOLE_RUNS and _runs(gone) >= self.WHOLE_RUNS:  # the whole mapping, in one madvise: the
                     evict.append((f.map, None))  # pages the cache holds stay counted (a read faults them back)
                     self.stats["whole_evictions"] += 1
+                    self._unmap(key)
                 else:
                     evict.append((f.map, _around(f.base, clock, gone) if self.EVICT_AROUND else gone))
                 self.stats["evictions"] += 1
                 self.stats["bytes_evicted"] += len(gone) * mmap.PAGESIZE
         return evict, drop
+
+    def _bound_mapped(self, cap: int) -> list[Any]:
+        """Invariant 12, "mapped": while the units of spilled files that reads may have mapped (``MAP_UNIT`` each,
+        marked by :meth:`_trim_cache`) and the key indexes the cache holds come to more than ``cap`` bytes, drop the
+        mapping of the file read longest ago (the biggest first among those read at the same enforce), whole, in one
+        madvise; returns them for :func:`_evict`. The pages the cache holds stay counted (a read faults them back
+        from the page cache: invariant 15's hits and misses are the clock's either way). Sets ``_mapped_bytes``.
+        Under the lock."""
+        index = sum(n for _ref, n, _when in self._index_used.values()) * mmap.PAGESIZE
+        held = {key: int(np.count_nonzero(m)) * MAP_UNIT for key, m in self._mapped.items()}
+        total = sum(held.values())
+        out: list[Any] = []
+        if self.BOUND_MAPPED and total + index > cap:
+            for key in sorted(held, key=lambda k: (self._mapped_at.get(k, 0), -held[k])):
+                if total + index <= cap:
+                    break
+                f = self._files.get(key)
+                if f is None or not held[key]:
+                    continue
+                out.append((f.map, None))
+                self._unmap(key)
+                total -= held[key]
+                self.stats["mapped_drops"] += 1
+                self.stats["mapped_bytes_dropped"] += held[key]
+        self._mapped_bytes = total + index
+        return out
+
+    def _unmap(self, key: int) -> None:
+        """Batch ``key``'s mapping is dropped whole: none of its units holds a page a read mapped. Under the lock."""
+        marks = self._mapped.get(key)
+        if marks is not None:
+            marks[:] = False
+
+    def mapped_bytes(self, trace: "Trace | None" = None) -> int:
+        """Bytes of spilled files' pages that reads may have left mapped in the process, as of the last
+        :meth:`enforce` (invariant 12, "mapped": ``MAP_UNIT`` per unit a read marked since its mapping was last
+        dropped; at most :meth:`cache_cap` less the key indexes the cache holds, which the total includes); of
+        ``trace``'s batches only (no index) when given."""
+        if trace is None:
+            return self._mapped_bytes
+        with self._lock:
+            keys = [id(b) for b in trace._levels()]
+            return sum(int(np.count_nonzero(self._mapped[k])) * MAP_UNIT for k in keys if k in self._mapped)
 
     def _forget_indexes(self) -> None:
         """The key indexes whose trace is gone or holds another one leave the cache (invariant 17): their pages went
@@ -902,6 +1035,8 @@ class BatchStore:
         clock = self._resident.pop(key, None)
         if clock is not None:
             self._cached -= int(np.count_nonzero(clock))
+        self._mapped.pop(key, None)
+        self._mapped_at.pop(key, None)
 
     def cache_cap(self) -> int:
         """Bytes the cache may hold after an :meth:`enforce` (invariant 12): what the budget has left beside the bytes
@@ -975,6 +1110,14 @@ def _around(base: int, clock: np.ndarray, pages: np.ndarray) -> np.ndarray:
     return out[clock[out] == 0]
 
 
+def _drop_mapping(m: mmap.mmap) -> None:
+    """Every page of mapping ``m`` leaves the process (madvise(MADV_DONTNEED): they stay in the page cache)."""
+    try:
+        m.madvise(mmap.MADV_DONTNEED)
+    except (OSError, ValueError):  # closed: its batch is gone
+        pass
+
+
 def _evict(evict: list[tuple[mmap.mmap, np.ndarray]]) -> int:
     """Drop these pages (sorted page numbers, per file mapping) from the process, a madvise(MADV_DONTNEED) per run of
     adjacent pages, up to 1024 runs a system call (they stay in the page cache; a read faults them back); returns the
@@ -984,14 +1127,27 @@ def _evict(evict: list[tuple[mmap.mmap, np.ndarray]]) -> int:
     before = _storage.advise_calls()
     whole = {id(m): m for m, pages in evict if pages is None}  # each mapping once (several reads of it evicted)
     for m in whole.values():
-        try:
-            m.madvise(mmap.MADV_DONTNEED)
-        except (OSError, ValueError):  # closed: its batch is gone
-            pass
+        _drop_mapping(m)
     for m, pages in evict:
         if pages is not None and id(m) not in whole:
             _advise(m, pages, mmap.MADV_DONTNEED)
     return _storage.advise_calls() - before + len(whole)
+
+
+MAP_UNIT = 2 << 20  # bytes of address space one read fault may map at most (a PMD: invariant 12, "mapped")
+
+
+def _units(base: int, size: int) -> int:
+    """``MAP_UNIT``s of address space a mapping of ``size`` bytes at address ``base`` spans."""
+    return (base % MAP_UNIT + size + MAP_UNIT - 1) // MAP_UNIT if size else 0
+
+
+def _unit_of(base: int, pages: np.ndarray) -> np.ndarray:
+    """The ``MAP_UNIT`` (numbered from the one holding the mapping's first byte) that each of ``pages`` (page numbers
+    of a mapping at address ``base``) lies in: what a read fault on the page may map, at most (a fault maps its page,
+    the page-cache pages of its fault-around window or its whole folio, within one page table: one PMD)."""
+    first = (base % MAP_UNIT) // mmap.PAGESIZE
+    return (pages + first) // (MAP_UNIT // mmap.PAGESIZE)
 
 
 def _runs(pages: np.ndarray) -> int:
