@@ -232,23 +232,10 @@ def state_bytes(traces: dict[str, Any], shard_bits: int) -> tuple[int, dict[int,
                 continue
             nbytes = b.zset.data.nbytes + b.zset.weights.nbytes + b.key_hash.nbytes
             total += nbytes
-            fence = getattr(b, "_fx", None)
-            bounds = b.shard_bounds(shard_bits) if fence is None or shard_bits == 0 else \
-                _fenced_bounds(fence, n, shard_bits)
+            bounds = b.shard_bounds(shard_bits, near=True)  # not the spilled key hashes' pages (zset.py)
             per += np.diff(bounds) * (nbytes / n)
     shards = {int(s): int(round(per[s])) for s in np.flatnonzero(per)}
     return total, shards
-
-
-def _fenced_bounds(fence: np.ndarray, n: int, shard_bits: int) -> np.ndarray:
-    """A batch's ``shard_bounds`` from its fence (every ``FENCE_STEP``-th key hash, in memory: trace/batchfile.py),
-    each within ``FENCE_STEP`` rows of the exact bound: the exact ones binary-search the key hashes, which for a
-    spilled batch maps pages of its file no read of the store counts (trace/spill.py invariant 12, "mapped")."""
-    from dbsp_core.trace.batchfile import FENCE_STEP
-
-    starts = np.arange(1 << shard_bits, dtype=np.uint64) << np.uint64(64 - shard_bits)
-    b = np.minimum(np.searchsorted(fence, starts, side="left").astype(np.int64) * FENCE_STEP, n)
-    return np.append(b, np.int64(n))
 
 
 def rss_bytes() -> int | None:

@@ -26,7 +26,9 @@ import pyarrow.compute as pc
 from dbsp_core import _zset
 from dbsp_core.errors import SchemaError
 
-__all__ = ["ZSet", "IndexedZSet", "HASH_VERSION", "weight_column"]
+__all__ = ["ZSet", "IndexedZSet", "HASH_VERSION", "FENCE_STEP", "weight_column"]
+
+FENCE_STEP = 64  # csrc/lookup.h: a fence holds every 64th key hash (IndexedZSet._fence, trace/batchfile.py)
 
 HASH_VERSION: int = _zset.HASH_VERSION
 """Version of the row/key hash (csrc/hash.h); shard placement depends on it."""
@@ -834,15 +836,23 @@ class IndexedZSet:
         out._rh = self._rh[idx] if self._rh is not None else None
         return out
 
-    def shard_bounds(self, shard_bits: int) -> np.ndarray:
-        """Row range of every shard: shard s holds rows ``bounds[s]:bounds[s+1]`` (length 2**shard_bits + 1)."""
+    def shard_bounds(self, shard_bits: int, near: bool = False) -> np.ndarray:
+        """Row range of every shard: shard s holds rows ``bounds[s]:bounds[s+1]`` (length 2**shard_bits + 1).
+
+        With ``near`` and a fence kept (every ``FENCE_STEP``-th key hash, in memory), each bound comes from the
+        fence, within ``FENCE_STEP`` rows of the exact one: the exact ones binary-search the key hashes, which for
+        a spilled batch maps pages of its file that no read of the store counts (trace/spill.py invariant 12)."""
         if not 0 <= shard_bits <= 30:
             raise ValueError(f"shard_bits must be in 0..30, got {shard_bits}")
+        n = len(self)
         if shard_bits == 0:
-            return np.array([0, len(self)], dtype=np.int64)
+            return np.array([0, n], dtype=np.int64)
         starts = np.arange(1 << shard_bits, dtype=np.uint64) << np.uint64(64 - shard_bits)
-        b = np.searchsorted(self._kh, starts, side="left").astype(np.int64)
-        return np.append(b, np.int64(len(self)))
+        if near and self._fx is not None:
+            b = np.minimum(np.searchsorted(self._fx, starts, side="left").astype(np.int64) * FENCE_STEP, n)
+        else:
+            b = np.searchsorted(self._kh, starts, side="left").astype(np.int64)
+        return np.append(b, np.int64(n))
 
     def join(self, other: IndexedZSet, left_outer: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Row pairs with equal keys, as (left rows, right rows, weight products); nulls never match.

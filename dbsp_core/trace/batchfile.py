@@ -77,6 +77,7 @@ import pyarrow as pa
 
 from dbsp_core.errors import CorruptionError, FormatVersionError, StorageError
 from dbsp_core.storage.formats import BATCH_FILE_FOOTER_MAGIC, BATCH_FILE_MAGIC, BATCH_FILE_VERSION
+from dbsp_core.zset import FENCE_STEP
 
 __all__ = ["BatchFile", "write_batch", "open_batch", "verify", "bloom_build", "bloom_may_contain",
            "BATCH_FILE_MAGIC", "BATCH_FILE_FOOTER_MAGIC", "BATCH_FILE_VERSION", "PAGE"]
@@ -89,7 +90,6 @@ assert HEADER.size == 64 and FOOTER.size == 64
 BLOOM_BITS_PER_KEY = 10  # ~1.5-2% false positives with K = 6 bits in one word (blocked)
 BLOOM_K = 6
 BLOOM_CHUNK = 1 << 18  # key hashes per piece of bloom_build: its temporaries, not the batch, bound its memory
-FENCE_STEP = 64  # csrc/lookup.h: a fence holds every 64th key hash
 
 WEIGHT_COL, KEY_HASH_COL, ROW_HASH_COL = "__dbsp_weight", "__dbsp_key_hash", "__dbsp_row_hash"
 

@@ -99,8 +99,8 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      left, a piece and a unit per column where two pieces meet; ``Trace.lookup`` and whole reads are not in pieces
      (their slack is what they map). Reads outside
      a step must go through the store or not touch a spilled batch's pages (metrics' shard bytes use the fence:
-     metrics.py ``_fenced_bounds``). The cost: the steps fault back the units the drop took, one minor fault per 2
-     MiB folio (bench/RESULTS.md, 2026-11-29, branch r31-rss).
+     ``IndexedZSet.shard_bounds(near=True)``). The cost: the steps fault back the units the drop took, one minor
+     fault per 2 MiB folio (bench/RESULTS.md, 2026-11-29, branch r31-rss).
      Prefetch: a read of some keys names its pages before it walks (the same fence in memory), so ``Trace.lookup``,
      ``key_sums``, ``match_weights`` and the join walks (``Trace.walked`` with the change's key hashes) first call
      :meth:`BatchStore.prefetch` for every spilled batch they will seek: a madvise(MADV_WILLNEED) per run of the
