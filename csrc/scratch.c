@@ -50,6 +50,31 @@ static void cache_init(void) {
     pthread_key_create(&cache_key, cache_release);
 }
 
+/* whether buffers of BIG_ALIGN and more get MADV_HUGEPAGE (design note 2): DBSP_HUGEPAGES, read once */
+static int hugepages = 1;
+static pthread_once_t huge_once = PTHREAD_ONCE_INIT;
+
+static void huge_init(void) {
+    const char *e = getenv("DBSP_HUGEPAGES");  /* "0", blanks around it allowed (dbsp_core/envvars.py checks it) */
+    if (!e) return;
+    while (*e == ' ' || *e == '\t') e++;
+    if (*e++ != '0') return;
+    while (*e == ' ' || *e == '\t') e++;
+    if (!*e) hugepages = 0;
+}
+
+static void advise_huge(void *p, size_t sz) {
+    pthread_once(&huge_once, huge_init);
+#ifdef MADV_HUGEPAGE
+    if (hugepages) madvise(p, sz, MADV_HUGEPAGE);
+#endif
+}
+
+int dbsp_hugepages(void) {
+    pthread_once(&huge_once, huge_init);
+    return hugepages;
+}
+
 static size_t cached_size(size_t bytes) {
     size_t unit = bytes >= BIG_ALIGN ? BIG_ALIGN : CACHED_MIN;
     return (bytes + unit - 1) & ~(unit - 1);
@@ -77,9 +102,7 @@ void *dbsp_alloc_result(size_t bytes) {
     size_t sz = cached_size(bytes);
     void *p = NULL;
     if (posix_memalign(&p, BIG_ALIGN, sz)) return NULL;
-#ifdef MADV_HUGEPAGE
-    madvise(p, sz, MADV_HUGEPAGE);
-#endif
+    advise_huge(p, sz);
     return p;
 }
 
@@ -147,9 +170,7 @@ void *dbsp_region_alloc(size_t bytes, size_t *mapped) {
     pthread_mutex_unlock(&region_mu);
     void *p = mmap(NULL, sz, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return NULL;
-#ifdef MADV_HUGEPAGE
-    if (sz >= BIG_ALIGN) madvise(p, sz, MADV_HUGEPAGE);
-#endif
+    if (sz >= BIG_ALIGN) advise_huge(p, sz);
     *mapped = sz;
     return p;
 }

@@ -44,5 +44,7 @@ size_t dbsp_region_cached(void);
 /* glibc's malloc_trim(0): the free memory of every malloc arena returned to the system (1 when some was; 0, and
  * nothing done, without glibc). */
 int dbsp_malloc_trim(void);
+/* 1 when buffers of 2 MiB and more are madvised for transparent huge pages (DBSP_HUGEPAGES, read once), else 0 */
+int dbsp_hugepages(void);
 
 #endif
