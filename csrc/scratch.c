@@ -6,8 +6,19 @@
  *     consolidate; buffers of CACHED_MIN bytes and more are therefore kept in a small per-thread cache and
  *     reused by the next call of similar size (best fit, at most twice the need).
  *  2. Buffers of BIG_ALIGN (2 MiB) and more are aligned to it and madvise(MADV_HUGEPAGE)d, which cuts the TLB
- *     misses of scattered writes; so are large result buffers (dbsp_alloc_result), which cuts the page faults
- *     of filling them.
+ *     misses of scattered writes; so are large result buffers (dbsp_alloc_result) and mapped regions, which cuts
+ *     the page faults of filling them. DBSP_HUGEPAGES=0 (read once) turns the advice off; the buffers stay
+ *     aligned. The cost: with THP defrag = madvise (a common default, this host's), a madvised region's fault
+ *     compacts memory directly (a stall) when no free 2 MiB page is at hand. Measured (bench/bench_hugepage.py,
+ *     bench/RESULTS.md "Huge-page advice", 2026-11-29, load 3.3-4.8, alternated, caches trimmed after every call
+ *     as after a step): with the advice, index_by of 1M rows 121-130 ms CPU per call against 131-137 without,
+ *     consolidate of 1M 101-113 against 112-125 (7-10% less), join 1M x 1M, gather 1M and index_by of 92K rows
+ *     the same (a 92K-row change has few buffers of 2 MiB, and the cache keeps them); Nexmark q4, q7 (1M
+ *     events, W=1) the same within their spread; no compaction stall in any of these runs (host-wide
+ *     compact_stall: 2,591 in 6.7 h of uptime against 1.18M huge-page faults, 0.2%). At 0.2% of faults even a
+ *     10 ms stall (r37-minmax's spikes were 6-21 ms) costs 20 us per huge page on average, against about 200 us of CPU a huge page saved in a 1M-row
+ *     index_by: the advice stays on by default. DBSP_HUGEPAGES=0 is for a host whose memory is fragmented enough
+ *     that compact_stall (/proc/vmstat) climbs while the pipeline runs.
  *  3. The cache holds at most DBSP_SCRATCH_MB MiB per thread (read once; default 512, 0 disables it), evicting
  *     its smallest buffers to make room, and is released when the thread exits.
  *  4. A buffer must be freed with the byte count it was allocated with (it decides malloc vs cache).
