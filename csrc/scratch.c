@@ -14,11 +14,11 @@
  *     as after a step): with the advice, index_by of 1M rows 121-130 ms CPU per call against 131-137 without,
  *     consolidate of 1M 101-113 against 112-125 (7-10% less), join 1M x 1M, gather 1M and index_by of 92K rows
  *     the same (a 92K-row change has few buffers of 2 MiB, and the cache keeps them); Nexmark q4, q7 (1M
- *     events, W=1) the same within their spread; no compaction stall in any of these runs (host-wide
- *     compact_stall: 2,591 in 6.7 h of uptime against 1.18M huge-page faults, 0.2%). At 0.2% of faults even a
- *     10 ms stall (r37-minmax's spikes were 6-21 ms) costs 20 us per huge page on average, against about 200 us of CPU a huge page saved in a 1M-row
- *     index_by: the advice stays on by default. DBSP_HUGEPAGES=0 is for a host whose memory is fragmented enough
- *     that compact_stall (/proc/vmstat) climbs while the pipeline runs.
+ *     events, W=1 and 2) the same within their spread. In a stall-prone period (memory full of page cache,
+ *     host-wide compact_stall +2,100 in minutes) runs with the advice during which the host counted 49-76
+ *     stalls still spent 8-9% less CPU, the stalls included (direct compaction runs in the faulting thread), with no worse
+ *     tails: the advice stays on by default. DBSP_HUGEPAGES=0 is for a host whose compaction stalls do cost
+ *     (compact_stall in /proc/vmstat climbing while steps slow down).
  *  3. The cache holds at most DBSP_SCRATCH_MB MiB per thread (read once; default 512, 0 disables it), evicting
  *     its smallest buffers to make room, and is released when the thread exits.
  *  4. A buffer must be freed with the byte count it was allocated with (it decides malloc vs cache).
