@@ -9,12 +9,12 @@ time per call (mean, p50, p99, max), CPU per call (``getrusage``, the process), 
 processes' faults count too).
 
     python bench/bench_hugepage.py --rounds 3 --calls 50
-    python bench/bench_hugepage.py --nexmark q4,q7 --rounds 3     # end to end: bench/nexmark.py's child run
+    python bench/bench_hugepage.py --nexmark q4,q7 --rounds 4   # end to end: bench/nexmark.py's child run
 
-With ``--nexmark``, the events are written once (bench/nexmark.py's defaults: 1M events, steps of 100k, seed 0, its event rate) and each
-query runs in bench/nexmark.py's child process per mode, alternated: its steps' wall time (what nexmark.py
-reports), the child's CPU (``RUSAGE_CHILDREN``: the whole process, reading the files included) and the vmstat
-deltas over the run.
+With ``--nexmark``, the events are written once (bench/nexmark.py's defaults: 1M events, steps of 100k, seed 0,
+its event rate) and each query runs in bench/nexmark.py's child process per mode, alternated: its steps' wall
+time (what nexmark.py reports), the child's CPU (``RUSAGE_CHILDREN``: the whole process, reading the files
+included) and the vmstat deltas over the run.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@
  *     the same (a 92K-row change has few buffers of 2 MiB, and the cache keeps them); Nexmark q4, q7 (1M
  *     events, W=1 and 2) the same within their spread. In a stall-prone period (memory full of page cache,
  *     host-wide compact_stall +2,100 in minutes) runs with the advice during which the host counted 49-76
- *     stalls still spent 8-9% less CPU, the stalls included (direct compaction runs in the faulting thread), with no worse
- *     tails: the advice stays on by default. DBSP_HUGEPAGES=0 is for a host whose compaction stalls do cost
- *     (compact_stall in /proc/vmstat climbing while steps slow down).
+ *     stalls still spent 8-9% less CPU, the stalls included (direct compaction runs in the faulting
+ *     thread), with no worse tails: the advice stays on by default. DBSP_HUGEPAGES=0 is for a host whose
+ *     compaction stalls do cost (compact_stall in /proc/vmstat climbing while steps slow down).
  *  3. The cache holds at most DBSP_SCRATCH_MB MiB per thread (read once; default 512, 0 disables it), evicting
  *     its smallest buffers to make room, and is released when the thread exits.
  *  4. A buffer must be freed with the byte count it was allocated with (it decides malloc vs cache).
