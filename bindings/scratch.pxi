@@ -91,3 +91,9 @@ def region_cache_limit(limit):
 def cached_bytes():
     """(the calling thread's scratch cache, the process's region cache): bytes held for reuse (csrc/scratch.c)."""
     return dbsp_scratch_cached(), dbsp_region_cached()
+
+
+def hugepages():
+    """Whether the C core madvises its buffers of 2 MiB and more for transparent huge pages (csrc/scratch.c design
+    note 2; ``DBSP_HUGEPAGES``, read once)."""
+    return bool(dbsp_hugepages())

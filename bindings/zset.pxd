@@ -100,6 +100,7 @@ cdef extern from "scratch.h" nogil:
     size_t dbsp_region_cache_limit(size_t bytes)
     size_t dbsp_scratch_cached()
     size_t dbsp_region_cached()
+    int dbsp_hugepages()
     int dbsp_malloc_trim()
 
 cdef extern from "cdata.h" nogil:

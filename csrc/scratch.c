@@ -6,8 +6,19 @@
  *     consolidate; buffers of CACHED_MIN bytes and more are therefore kept in a small per-thread cache and
  *     reused by the next call of similar size (best fit, at most twice the need).
  *  2. Buffers of BIG_ALIGN (2 MiB) and more are aligned to it and madvise(MADV_HUGEPAGE)d, which cuts the TLB
- *     misses of scattered writes; so are large result buffers (dbsp_alloc_result), which cuts the page faults
- *     of filling them.
+ *     misses of scattered writes; so are large result buffers (dbsp_alloc_result) and mapped regions, which cuts
+ *     the page faults of filling them. DBSP_HUGEPAGES=0 (read once) turns the advice off; the buffers stay
+ *     aligned. The cost: with THP defrag = madvise (a common default, this host's), a madvised region's fault
+ *     compacts memory directly (a stall) when no free 2 MiB page is at hand. Measured (bench/bench_hugepage.py,
+ *     bench/RESULTS.md "Huge-page advice", 2026-11-29, load 3.3-4.8, alternated, caches trimmed after every call
+ *     as after a step): with the advice, index_by of 1M rows 121-130 ms CPU per call against 131-137 without,
+ *     consolidate of 1M 101-113 against 112-125 (7-10% less), join 1M x 1M, gather 1M and index_by of 92K rows
+ *     the same (a 92K-row change has few buffers of 2 MiB, and the cache keeps them); Nexmark q4, q7 (1M
+ *     events, W=1 and 2) the same within their spread. In a stall-prone period (memory full of page cache,
+ *     host-wide compact_stall +2,100 in minutes) runs with the advice during which the host counted 49-76
+ *     stalls still spent 8-9% less CPU, the stalls included (direct compaction runs in the faulting
+ *     thread), with no worse tails: the advice stays on by default. DBSP_HUGEPAGES=0 is for a host whose
+ *     compaction stalls do cost (compact_stall in /proc/vmstat climbing while steps slow down).
  *  3. The cache holds at most DBSP_SCRATCH_MB MiB per thread (read once; default 512, 0 disables it), evicting
  *     its smallest buffers to make room, and is released when the thread exits.
  *  4. A buffer must be freed with the byte count it was allocated with (it decides malloc vs cache).
@@ -50,6 +61,31 @@ static void cache_init(void) {
     pthread_key_create(&cache_key, cache_release);
 }
 
+/* whether buffers of BIG_ALIGN and more get MADV_HUGEPAGE (design note 2): DBSP_HUGEPAGES, read once */
+static int hugepages = 1;
+static pthread_once_t huge_once = PTHREAD_ONCE_INIT;
+
+static void huge_init(void) {
+    const char *e = getenv("DBSP_HUGEPAGES");  /* "0", blanks around it allowed (dbsp_core/envvars.py checks it) */
+    if (!e) return;
+    while (*e == ' ' || *e == '\t') e++;
+    if (*e++ != '0') return;
+    while (*e == ' ' || *e == '\t') e++;
+    if (!*e) hugepages = 0;
+}
+
+static void advise_huge(void *p, size_t sz) {
+    pthread_once(&huge_once, huge_init);
+#ifdef MADV_HUGEPAGE
+    if (hugepages) madvise(p, sz, MADV_HUGEPAGE);
+#endif
+}
+
+int dbsp_hugepages(void) {
+    pthread_once(&huge_once, huge_init);
+    return hugepages;
+}
+
 static size_t cached_size(size_t bytes) {
     size_t unit = bytes >= BIG_ALIGN ? BIG_ALIGN : CACHED_MIN;
     return (bytes + unit - 1) & ~(unit - 1);
@@ -77,9 +113,7 @@ void *dbsp_alloc_result(size_t bytes) {
     size_t sz = cached_size(bytes);
     void *p = NULL;
     if (posix_memalign(&p, BIG_ALIGN, sz)) return NULL;
-#ifdef MADV_HUGEPAGE
-    madvise(p, sz, MADV_HUGEPAGE);
-#endif
+    advise_huge(p, sz);
     return p;
 }
 
@@ -147,9 +181,7 @@ void *dbsp_region_alloc(size_t bytes, size_t *mapped) {
     pthread_mutex_unlock(&region_mu);
     void *p = mmap(NULL, sz, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return NULL;
-#ifdef MADV_HUGEPAGE
-    if (sz >= BIG_ALIGN) madvise(p, sz, MADV_HUGEPAGE);
-#endif
+    if (sz >= BIG_ALIGN) advise_huge(p, sz);
     *mapped = sz;
     return p;
 }

@@ -11,7 +11,8 @@ void *dbsp_scratch_alloc(size_t bytes);
 void dbsp_scratch_free(void *p, size_t bytes);
 
 /* like malloc(bytes) for a large buffer the caller keeps (a kernel's result; free it with free()): from 2 MiB on,
- * aligned and madvised for transparent huge pages, so filling it faults once per 2 MiB instead of per 4 KiB */
+ * aligned and madvised for transparent huge pages (unless DBSP_HUGEPAGES=0), so filling it faults once per 2 MiB
+ * instead of per 4 KiB */
 void *dbsp_alloc_result(size_t bytes);
 
 /* Memory for a result that may end up shorter than allocated (a merge's output, merge.h): from
@@ -44,5 +45,7 @@ size_t dbsp_region_cached(void);
 /* glibc's malloc_trim(0): the free memory of every malloc arena returned to the system (1 when some was; 0, and
  * nothing done, without glibc). */
 int dbsp_malloc_trim(void);
+/* 1 when buffers of 2 MiB and more are madvised for transparent huge pages (DBSP_HUGEPAGES, read once), else 0 */
+int dbsp_hugepages(void);
 
 #endif

@@ -25,6 +25,9 @@ Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them
   thread, a whole number >= 0 (0: none; default 512).
 - ``DBSP_REGION_CACHE_MB`` (csrc/scratch.c reads it itself; checked here): MiB of freed mapped regions the C core
   keeps for reuse, a whole number >= 0 (default 256).
+- ``DBSP_HUGEPAGES`` (csrc/scratch.c reads it itself; checked here): ``1``: the C core's buffers of 2 MiB and more
+  are madvised for transparent huge pages; ``0``: never (default 1; csrc/scratch.c design note 2 has the measured
+  gain and the compaction stalls that ``0`` avoids on a host whose free memory is fragmented).
 - ``DBSP_MEMORY_LIMIT`` (runtime/driver.py): the memory budget of a pipeline's traces when ``Pipeline(...,
   memory_limit=)`` is not given, bytes or a size such as ``4GiB`` (default: none; an embedded pipeline's only: a
   staged one, SparkPipeline's, takes a budget from its argument alone). ``.ci/run`` runs tests/core, tests/sql,
@@ -219,6 +222,7 @@ SETTINGS: tuple[Setting, ...] = (  # the list of the module docstring, in its or
     Setting("DBSP_CRASHPOINT", "crashpoint", "crashpoint", default=""),
     Setting("DBSP_SCRATCH_MB", "scratch_mb", "whole"),  # None: the C core's default (csrc/scratch.c)
     Setting("DBSP_REGION_CACHE_MB", "region_cache_mb", "whole"),  # likewise
+    Setting("DBSP_HUGEPAGES", "hugepages", "flag"),  # None: the C core's default (csrc/scratch.c: on)
     Setting("DBSP_MEMORY_LIMIT", "memory_limit", "bytes"),  # None: no budget unless a Pipeline sets one
     Setting("DBSP_CACHE_KEEP_MB", "cache_keep_mb", "whole", default=16),
     Setting("DBSP_STEP_PLAN", "step_plan", "flag", default=True),
@@ -237,6 +241,7 @@ class Settings(NamedTuple):
     crashpoint: str
     scratch_mb: int | None
     region_cache_mb: int | None
+    hugepages: bool | None
     memory_limit: int | None
     cache_keep_mb: int
     step_plan: bool

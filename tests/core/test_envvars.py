@@ -41,7 +41,8 @@ def test_the_native_settings_are_checked():
 @pytest.mark.parametrize("name,value", [("DBSP_SCRATCH_MB", "lots"), ("DBSP_PROGRESS_DELAY", "soon"),
                                         ("DBSP_KEY_INDEX_MB", "0"), ("DBSP_KEY_INDEX_TOTAL_MB", "-1"),
                                         ("DBSP_PAGE_CACHE_MB", "0"), ("DBSP_KEY_INDEX", "yes"),
-                                        ("DBSP_PROGRESS", "2"), ("DBSP_CRASHPOINT", "commit:x")])
+                                        ("DBSP_PROGRESS", "2"), ("DBSP_CRASHPOINT", "commit:x"),
+                                        ("DBSP_HUGEPAGES", "yes")])
 def test_importing_with_a_bad_setting_fails_at_once_with_its_name(name, value):
     env = dict(os.environ, PYTHONPATH=ROOT, **{name: value})
     r = subprocess.run([sys.executable, "-c", "import dbsp_core"], env=env, capture_output=True, text=True,

@@ -1,0 +1,53 @@
+"""DBSP_HUGEPAGES (csrc/scratch.c design note 2) takes effect: a merge's result region of 2 MiB and more carries the
+kernel's huge-page advice (the ``hg`` flag of its mapping in /proc/self/smaps) by default and with ``1``, never with
+``0``; the merge's rows are the same either way."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PROBE = r"""
+import json
+import numpy as np, pyarrow as pa
+from dbsp_core import _zset
+from dbsp_core.zset import ZSet
+n = 300_000  # 2.4 MB per int64 column: a mapped region past 2 MiB
+a = ZSet.from_arrow(pa.table({"k": np.arange(0, 2 * n, 2), "v": np.arange(n)})).index_by(["k"])
+b = ZSet.from_arrow(pa.table({"k": np.arange(1, 2 * n, 2), "v": np.arange(n, 2 * n)})).index_by(["k"])
+m = a.merge(b)
+buf = m.zset.data.column("v").chunk(0).buffers()[1]
+flags = None
+for line in open("/proc/self/smaps"):
+    f = line.split()
+    if not f[0].endswith(":"):
+        lo, hi = (int(x, 16) for x in f[0].split("-"))
+        inside = lo <= buf.address < hi
+    elif inside and f[0] == "VmFlags:":
+        flags = f[1:]
+rows = sorted(zip(m.zset.data.column("k").to_pylist(), m.zset.data.column("v").to_pylist(), m.zset.weights.tolist()))
+ok = rows == [(k, k // 2 + (n if k % 2 else 0), 1) for k in range(2 * n)]
+print(json.dumps({"on": _zset.hugepages(), "flags": flags, "rows_ok": ok}))
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel/mm/transparent_hugepage"), reason="no transparent huge pages")
+@pytest.mark.parametrize("value, advised", [(None, True), ("1", True), ("0", False), (" 0 ", False), ("", True)])
+def test_the_setting_decides_the_advice(value: str | None, advised: bool) -> None:
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("DBSP_HUGEPAGES", None)
+    if value is not None:
+        env["DBSP_HUGEPAGES"] = value
+    r = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["rows_ok"]
+    assert got["flags"] is not None, "the result buffer is in no mapping of smaps"
+    assert got["on"] is advised
+    assert ("hg" in got["flags"]) is advised, got["flags"]
