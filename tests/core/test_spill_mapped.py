@@ -57,24 +57,11 @@ def test_a_join_reports_the_mapped_bytes_it_bounds() -> None:
     step's enforce: at least the batch files' Rss in /proc/self/smaps, and with the bytes in memory within the budget.
     An inner join whose right side (600k rows) is spilled under 4 MiB, probed by steps of 2,000 keys, whose walks
     read pages in every 2 MiB of its file; outputs as the same pipeline's in memory."""
-    from dbsp_core.runtime.embedded import EmbeddedExecutor
-
     rng = np.random.default_rng(SEED)
-    c = dbsp.Circuit()
-    left = c.input("l", pa.schema([("a", pa.int64()), ("x", pa.int64())]))
-    right = c.input("r", pa.schema([("id", pa.int64()), ("y", pa.int64())]))
-    c.output("v", left.join(right, left_on="a", right_on="id"))
     n = 600_000
-    pipes = [dbsp.Pipeline(c, executor=EmbeddedExecutor(background_merge=False), memory_limit=lim)
-             for lim in ("4MiB", None)]
+    pipes = _join_pipes(n, "4MiB")
     try:
-        for p in pipes:
-            p.push("r", pa.table({"id": np.arange(n), "y": np.arange(n) % 7}))
-            p.step()
         store = pipes[0].executor.batch_store
-        store.settle()
-        store.enforce()
-        store.settle()
         assert store.disk_bytes() > 4 * (4 << 20), store.disk_bytes()
         for _ in range(3):
             keys = rng.choice(2 * n, 2_000, replace=False)  # about half of them present

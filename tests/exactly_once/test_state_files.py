@@ -16,6 +16,7 @@ from dbsp_core.runtime.staged import StagedExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_damage import SEED, batch, circuit, model, views  # noqa: E402
+from test_repair_finishes import _files  # noqa: E402
 
 KINDS = ["embedded", "staged"]
 
@@ -47,16 +48,6 @@ def _build(d: str, kind: str, checkpoint: bool = True, steps: int = 6) -> list[t
 
 def _dbs(d: str) -> list[str]:
     return sorted(glob.glob(os.path.join(d, "state", "**", "worker-*.db"), recursive=True))
-
-
-def _files(d: str) -> dict[str, bytes]:
-    out = {}
-    for r, _, fs in os.walk(d):
-        for f in fs:
-            if f != "LOCK":
-                with open(os.path.join(r, f), "rb") as fh:
-                    out[os.path.relpath(os.path.join(r, f), d)] = fh.read()
-    return out
 
 
 def _goes_on(d: str, kind: str, pushes: list[tuple[str, int]], new: tuple[str, int] = ("c", 0), **kw) -> None:
