@@ -90,7 +90,12 @@ def main() -> int:
     ap.add_argument("--change", type=int, default=1000)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--trace", type=int, default=0, help="tracemalloc frames (0: off): who holds numpy arrays")
+    ap.add_argument("--pages-chunk", type=_count, default=0, help="BatchFile.pages_read's piece (0: as is; 1G: "
+                    "one pass, as before the pieces)")
     args = ap.parse_args()
+    if args.pages_chunk:
+        import dbsp_core.trace.batchfile as bf
+        bf.PAGES_CHUNK = args.pages_chunk
     if args.trace:
         tracemalloc.start(args.trace)
     print(f"RssAnon at the start (Python, numpy, Arrow, the extension imported) {anon() / MiB:,.0f} MiB", flush=True)
