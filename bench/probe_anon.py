@@ -88,6 +88,7 @@ def main() -> int:
     ap.add_argument("--limit", default="100MiB")
     ap.add_argument("--load-step", type=_count, default=1_000_000)
     ap.add_argument("--change", type=int, default=1000)
+    ap.add_argument("--auctions-step", type=_count, default=0, help="as bench_spill.py's")
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--trace", type=int, default=0, help="tracemalloc frames (0: off): who holds numpy arrays")
     ap.add_argument("--pages-chunk", type=_count, default=0, help="BatchFile.pages_read's piece (0: as is; 1G: "
