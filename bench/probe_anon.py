@@ -43,7 +43,8 @@ def sampler(stop: threading.Event) -> None:
         if a > pk.get(_PHASE["name"], 0):
             pk[_PHASE["name"]] = a
             _PHASE.setdefault("at", {})[_PHASE["name"]] = (a, malloc_in_use(), pa.total_allocated_bytes())
-            if tracemalloc.is_tracing() and _PHASE["name"] != "load step 1" and a > _PHASE.get("snap_at", 0) + 32 * MiB:
+            if (tracemalloc.is_tracing() and _PHASE["name"] != "load step 1"
+                    and a > _PHASE.get("snap_at", 0) + 32 * MiB):
                 _PHASE["snap_at"], _PHASE["snap"] = a, tracemalloc.take_snapshot()
 
 
@@ -72,7 +73,8 @@ def attribute(tag: str, p) -> None:
     print("  " + anon_maps() + f"; malloc in use {malloc_in_use() / MiB:,.0f} MiB", flush=True)
     if tracemalloc.is_tracing():
         snap = tracemalloc.take_snapshot()
-        print(f"  traced (numpy arrays and Python objects) {sum(s.size for s in snap.statistics('filename')) / MiB:,.0f} MiB; largest:", flush=True)
+        traced = sum(s.size for s in snap.statistics("filename"))
+        print(f"  traced (numpy arrays and Python objects) {traced / MiB:,.0f} MiB; largest:", flush=True)
         for st in snap.statistics("traceback")[:8]:
             print(f"    {st.size / MiB:,.1f} MiB in {st.count} blocks: " + " <- ".join(
                 f"{os.path.basename(fr.filename)}:{fr.lineno}" for fr in reversed(st.traceback)), flush=True)
@@ -126,7 +128,8 @@ def main() -> int:
         for k in sorted(lp, key=lambda k: int(k.split()[-1])):
             print(f"    {k}: {at_peak(k)}", flush=True)
         if "snap" in _PHASE:
-            print(f"  traced at the load's peak after its first step ({_PHASE['snap_at'] / MiB:,.0f} MiB RssAnon):", flush=True)
+            print(f"  traced at the load's peak after its first step ({_PHASE['snap_at'] / MiB:,.0f} MiB RssAnon):",
+                  flush=True)
             for st in _PHASE.pop("snap").statistics("traceback")[:10]:
                 print(f"    {st.size / MiB:,.1f} MiB in {st.count} blocks: " + " <- ".join(
                     f"{os.path.basename(fr.filename)}:{fr.lineno}" for fr in reversed(st.traceback)), flush=True)
