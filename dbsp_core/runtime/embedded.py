@@ -617,10 +617,12 @@ class EmbeddedExecutor:
     def settle_merges(self) -> None:
         """Wait until the merge thread has no merge left and every trace has installed what it merged (after a
         bulk load, say, so later steps do not share the machine with the load's merges), and the batch store's spill
-        thread has written what it was handed (trace invariant 12). Call between steps."""
+        thread has written what it was handed (trace invariant 12); then return the memory they freed, as after a
+        big step (:func:`release_memory`). Call between steps."""
         self._install_merges(settle=True)
         if self.batch_store is not None:
             self.batch_store.settle()
+        release_memory(BIG_STEP_ROWS)  # a load's merges freed their inputs: the allocators' free memory too
 
     def _install_merges(self, settle: bool = False) -> None:
         """Between steps (the caller holds the step lock): every trace installs the merges the merge thread

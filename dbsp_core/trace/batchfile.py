@@ -90,6 +90,9 @@ assert HEADER.size == 64 and FOOTER.size == 64
 BLOOM_BITS_PER_KEY = 10  # ~1.5-2% false positives with K = 6 bits in one word (blocked)
 BLOOM_K = 6
 BLOOM_CHUNK = 1 << 18  # key hashes per piece of bloom_build: its temporaries, not the batch, bound its memory
+PAGES_CHUNK = 1 << 16  # hashes (and rows) per piece of BatchFile.pages_read: its temporaries (two int64 arrays per
+# column and section, a page run per range) are O(piece), not O(hashes): the accounting of a 1M-row step's reads
+# in a 10M-row spilled join held ~450 MiB of them at once (bench/RESULTS.md, "Where the anonymous memory goes")
 
 WEIGHT_COL, KEY_HASH_COL, ROW_HASH_COL = "__dbsp_weight", "__dbsp_key_hash", "__dbsp_row_hash"
 
@@ -515,6 +518,24 @@ class BatchFile(NamedTuple):
 
     def pages_read(self, batch: Any, hashes: np.ndarray, rows: np.ndarray | None = None, values: bool = True,
                    row_hashes: bool = True) -> np.ndarray | None:
+        """:meth:`_pages_read` in pieces of ``PAGES_CHUNK`` hashes and rows, the pages gathered in a mask of the
+        mapping's pages: the same pages, with temporaries bounded by the piece, not by the read."""
+        n = max(len(hashes), 0 if rows is None else len(rows))
+        if n <= PAGES_CHUNK:
+            return self._pages_read(batch, hashes, rows, values, row_hashes)
+        seen = np.zeros(self.os_pages(), dtype=bool)
+        for i in range(0, n, PAGES_CHUNK):
+            part = self._pages_read(batch, hashes[i:i + PAGES_CHUNK], None if rows is None else
+                                    rows[i:i + PAGES_CHUNK], values, row_hashes)
+            if part is None:
+                return None
+            if len(part) and part[-1] >= len(seen):  # (sorted: the last is the largest)
+                seen = np.concatenate((seen, np.zeros(int(part[-1]) + 1 - len(seen), dtype=bool)))
+            seen[part] = True
+        return np.flatnonzero(seen).astype(np.int64)
+
+    def _pages_read(self, batch: Any, hashes: np.ndarray, rows: np.ndarray | None = None, values: bool = True,
+                    row_hashes: bool = True) -> np.ndarray | None:
         """The pages (``mmap.PAGESIZE``, numbered from the mapping's start; sorted, unique) a fenced seek of ``hashes``
         (ascending) in ``batch`` (this file's whole batch) reads, and then a read of rows ``rows`` (the rows found,
         ascending) of every column, weights and hashes; ``rows`` None: of the rows between the fence entries below

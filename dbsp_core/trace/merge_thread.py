@@ -11,6 +11,10 @@ Invariant (trace invariant 10, enforced here and by dbsp_core/trace/levels.py, `
      levels: it installs finished merges at its next insert or read (a read still merges nothing). A merge's
      lock keeps the two threads from advancing it at once; its result does not depend on who advanced it,
      so the content, the batches once merges finish, checkpoints and outputs are those of invariant 3.
+
+When its queue runs empty after merging, the thread trims its own C scratch cache (csrc/scratch.c: per thread, up
+to DBSP_SCRATCH_MB) and the region cache to ``DBSP_CACHE_KEEP_MB``, as a step's end does for the stepping thread
+(runtime/embedded.py ``release_memory``): buffers a large merge left would otherwise stay resident beside the state.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import threading
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator
 
+from dbsp_core import _zset
+from dbsp_core.envvars import settings
 from dbsp_core.trace.at_exit import stop_at_exit
 
 if TYPE_CHECKING:
@@ -102,10 +108,16 @@ class MergeThread:
         self.close()
 
     def _loop(self) -> None:
+        worked = False  # merged since this thread last trimmed its scratch cache
         while True:
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()
+                idle = not self._queue and not self._closed
+            if idle and worked:  # its own scratch cache, which no step's trim reaches (csrc/scratch.c note 6)
+                worked = False
+                _zset.trim_caches(settings().cache_keep_mb << 20)
+            with self._cond:
                 while not self._queue and not self._closed:
                     self._cond.wait()
                 if self._closed:
@@ -133,6 +145,7 @@ class MergeThread:
                         break
                     sh.merged += used
                     self.merged_rows += used
+                    worked = True
 
 
 _tls = threading.local()

@@ -171,3 +171,33 @@ def test_small_merges_stay_on_the_inserting_thread_and_large_ones_are_handed_ove
         assert bg.wait_idle(30) and bg.merged_rows > 0
         assert t.consolidated().zset.to_dict() == model.to_dict()
         t.check()
+
+
+def test_the_merge_thread_trims_its_scratch_cache_when_it_runs_out_of_merges(hand_over_all, monkeypatch):
+    """csrc/scratch.c's scratch cache is per thread and a step's end trims only the stepping thread's: the merge
+    thread, once its queue is empty after merging, trims its own to DBSP_CACHE_KEEP_MB (buffers a large merge left
+    stayed resident beside the state). Fails without the trim in ``MergeThread._loop`` (no call on that thread)."""
+    import threading
+    import time
+
+    from dbsp_core import _zset
+    from dbsp_core.envvars import settings
+
+    real, seen = _zset.trim_caches, []
+
+    def trim(keep, all_threads_memory=False):
+        out = real(keep, all_threads_memory)
+        seen.append((threading.current_thread().name, keep, _zset.cached_bytes()[0]))
+        return out
+
+    monkeypatch.setattr(_zset, "trim_caches", trim)
+    with MergeThread() as bg, merging(bg):
+        t = Trace(S, ("k",))
+        for i in range(30):
+            t.insert(_z(i, 3000).index_by(["k"]))
+        bg.wait_idle(30)
+        deadline = time.monotonic() + 10
+        while not any(n == "dbsp-merge-thread" for n, _, _ in seen) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    mine = [(keep, left) for n, keep, left in seen if n == "dbsp-merge-thread"]
+    assert mine and all(keep == settings().cache_keep_mb << 20 and left <= keep for keep, left in mine), seen

@@ -345,6 +345,33 @@ def test_the_pages_a_seek_reads_are_those_of_np_unique() -> None:
         assert got.dtype == np.int64 and np.array_equal(got, np.unique(pages)), (len(pages), len(got))
 
 
+def test_the_pages_a_large_seek_reads_are_located_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BatchFile.pages_read locates the pages of many hashes (and rows) PAGES_CHUNK at a time, gathered in a mask
+    of the mapping's pages, so its temporaries follow the piece (a 1M-row step's accounting held ~450 MiB of them):
+    the same pages as one pass over all of them, for hashes found and not, with and without rows, a string column
+    included. Fails if a piece is dropped or misplaced (e.g. the loop stops after the first piece)."""
+    import dbsp_core.trace.batchfile as bf
+
+    rng = np.random.default_rng(SEED)
+    b = _batch(rng, 60_000, ("k", "s"))
+    b._row_hashes()
+    path = os.path.join(tempfile.mkdtemp(), "p.batch")
+    write_batch(path, b)
+    f = open_batch(path)
+    got = f.batch
+    assert got._fence() is not None
+    kh = np.asarray(got.key_hash)
+    hashes = np.sort(np.concatenate((rng.choice(kh, 3000), rng.integers(0, 2**63, 2000).astype(np.uint64))))
+    rows = np.sort(rng.choice(len(got), 4000, replace=False)).astype(np.int64)
+    monkeypatch.setattr(bf, "PAGES_CHUNK", 700)
+    for r in (None, rows):
+        whole = f._pages_read(got, hashes, r)
+        assert whole is not None and len(whole) > 10
+        pieces = f.pages_read(got, hashes, r)
+        assert pieces.dtype == np.int64 and np.array_equal(pieces, whole), (len(pieces), len(whole))
+    os.unlink(path)
+
+
 @pytest.mark.parametrize("sync", [False, True])
 def test_a_streamed_batch_file_is_not_read_back_for_its_whole_file_crc(sync: bool) -> None:
     """The streamed write read the whole file back (pread in pieces) to compute the footer's whole-file CRC: a
