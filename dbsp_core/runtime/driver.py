@@ -299,7 +299,7 @@ class Pipeline:
             raise TypeError(f"clock must be a callable returning nanoseconds since the epoch, got {clock!r}")
         if autoscale is not None and not isinstance(autoscale, Autoscale):
             raise TypeError(f"autoscale must be a dbsp_core.Autoscale or None, got {type(autoscale).__name__}")
-        use_jemalloc()  # dbsp_core/arrow_pool.py: steps keep their freed pages instead of faulting them in again
+        use_jemalloc()  # dbsp_core/arrow_pool.py: with DBSP_JEMALLOC=1, Arrow's pool becomes jemalloc
         ShardMap(workers, shard_bits)  # validates shard_bits against workers before anything is created
         limit = parse_memory_limit(memory_limit)
         if limit is None and (executor is None or executor.kind == "embedded"):

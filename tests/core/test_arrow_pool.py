@@ -1,5 +1,6 @@
-"""dbsp_core/arrow_pool.py: the first Pipeline of a process makes jemalloc Arrow's default pool (invariant 1), unless
-DBSP_JEMALLOC=0 or ARROW_DEFAULT_MEMORY_POOL chooses; each case in a fresh process (the choice is once per process)."""
+"""dbsp_core/arrow_pool.py: with DBSP_JEMALLOC=1 the first Pipeline of a process makes jemalloc Arrow's default pool
+(invariant 1), unless ARROW_DEFAULT_MEMORY_POOL chooses; unset, the pool stays Arrow's; each case in a fresh process
+(the choice is once per process)."""
 
 from __future__ import annotations
 
@@ -45,11 +46,12 @@ def _has_jemalloc() -> bool:
 
 @pytest.mark.skipif(not _has_jemalloc(), reason="this pyarrow has no jemalloc")
 def test_a_pipeline_makes_jemalloc_the_default_pool():
-    before, after = _pools()
+    before, after = _pools(DBSP_JEMALLOC="1")
     assert after == "jemalloc", (before, after)
 
 
 def test_the_setting_and_arrows_own_choice_keep_the_pool():
-    before, after = _pools(DBSP_JEMALLOC="0")
-    assert after == before
-    assert _pools(ARROW_DEFAULT_MEMORY_POOL="system") == ["system", "system"]
+    for env in ({}, {"DBSP_JEMALLOC": "0"}):
+        before, after = _pools(**env)
+        assert after == before, env
+    assert _pools(DBSP_JEMALLOC="1", ARROW_DEFAULT_MEMORY_POOL="system") == ["system", "system"]
