@@ -204,9 +204,9 @@ def _dso_kind(dso: str) -> str:
     for key, kind in (("_zset", "dbsp C kernels"), ("_storage", "dbsp C kernels"), ("libarrow", "Arrow"),
                       ("libparquet", "Arrow"), ("pyarrow", "Arrow"), ("lib.cpython", "Arrow"),
                       ("libpython", "Python interpreter"), ("python3", "Python interpreter"),
-                      ("libc.so", "libc (malloc, memcpy)"), ("libc-", "libc (malloc, memcpy)"),
+                      ("libc.so", "libc (malloc/memcpy)"), ("libc-", "libc (malloc/memcpy)"),
                       ("numpy", "numpy"), ("_multiarray", "numpy"), ("libopenblas", "numpy"),
-                      ("libm.so", "libm"), ("ld-linux", "libc (malloc, memcpy)"),
+                      ("libm.so", "libm"), ("ld-linux", "libc (malloc/memcpy)"),
                       ("libstdc++", "C++ runtime"), ("libgcc", "C++ runtime"), ("libjemalloc", "Arrow")):
         if key in base:
             return kind
@@ -358,6 +358,24 @@ def table_rows(results: list[dict]) -> list[str]:
     return rows
 
 
+def perf_table_rows(results: list[dict]) -> list[str]:
+    """The markdown table of perf's CPU seconds by phase and object, one row per query (``--perf``)."""
+    rows = ["| query | read: all (Arrow / kernel) | push: all (kernel) | step: all | step: dbsp C kernels / Python "
+            "interpreter / Arrow + numpy / libc / kernel | system CPU s, minor faults (getrusage) |",
+            "|---|---|---|---|---|---|"]
+    for r in results:
+        by = r["perf"]["by"]
+
+        def g(phase: str, kind: str | None = None) -> float:
+            return sum(v for k, v in by.items() if k.startswith(phase + "|") and (kind is None or k.endswith("|" + kind)))
+        rows.append(f"| {r['query']} | {g('read'):.3f} ({g('read', 'Arrow'):.3f} / {g('read', 'kernel'):.3f}) | "
+                    f"{g('push'):.3f} ({g('push', 'kernel'):.3f}) | {g('step'):.3f} | {g('step', 'dbsp C kernels'):.3f} / "
+                    f"{g('step', 'Python interpreter'):.3f} / {g('step', 'Arrow') + g('step', 'numpy'):.3f} / "
+                    f"{g('step', 'libc (malloc/memcpy)'):.3f} / {g('step', 'kernel'):.3f} | "
+                    f"{sum(r['sys'].values()):.3f}, {sum(r['minflt'].values()):,} |")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("query", nargs="?")
@@ -385,6 +403,9 @@ def main() -> None:
                 print(line, flush=True)
         print()
         print("\n".join(table_rows(results)))
+        if args.perf:
+            print()
+            print("\n".join(perf_table_rows(results)))
         return
     if args.query not in nexmark.QUERIES:
         sys.exit(f"unknown query {args.query!r}: the queries are q0..q22")
