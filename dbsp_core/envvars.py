@@ -36,6 +36,9 @@ Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them
 - ``DBSP_CACHE_KEEP_MB`` (runtime/embedded.py): MiB of each of those two caches kept past the end of a step, a whole
   number >= 0 (default 16): the rest goes back to the system (csrc/scratch.c design note 6), so the buffers a large
   step used do not stay resident beside the state it built.
+- ``DBSP_JEMALLOC`` (arrow_pool.py): ``1``: the first Pipeline of a process makes jemalloc Arrow's default memory
+  pool, unless ``ARROW_DEFAULT_MEMORY_POOL`` chooses one; ``0``: Arrow's default stays (mimalloc in the pyarrow
+  wheels; default 0: arrow_pool.py has what each costs, measured on Nexmark).
 - ``DBSP_STEP_PLAN`` (runtime/embedded.py): ``1``: the embedded executor's workers run fused chains of operators
   as one call (runtime/plan.py); ``0``: every operator's own step (default 1). Results are the same either way.
 
@@ -226,6 +229,7 @@ SETTINGS: tuple[Setting, ...] = (  # the list of the module docstring, in its or
     Setting("DBSP_MEMORY_LIMIT", "memory_limit", "bytes"),  # None: no budget unless a Pipeline sets one
     Setting("DBSP_CACHE_KEEP_MB", "cache_keep_mb", "whole", default=16),
     Setting("DBSP_STEP_PLAN", "step_plan", "flag", default=True),
+    Setting("DBSP_JEMALLOC", "jemalloc", "flag", default=False),
 )
 
 
@@ -245,6 +249,7 @@ class Settings(NamedTuple):
     memory_limit: int | None
     cache_keep_mb: int
     step_plan: bool
+    jemalloc: bool
 
 
 assert Settings._fields == tuple(s.field for s in SETTINGS)

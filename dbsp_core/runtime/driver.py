@@ -97,6 +97,7 @@ import numpy as np
 import pyarrow as pa
 
 from dbsp_core import _storage
+from dbsp_core.arrow_pool import use_jemalloc
 from dbsp_core.circuit import Circuit, circuit_fingerprint
 from dbsp_core.codec import encode_json, encode_zset_parts
 from dbsp_core.envvars import parse_memory_limit, settings
@@ -298,6 +299,7 @@ class Pipeline:
             raise TypeError(f"clock must be a callable returning nanoseconds since the epoch, got {clock!r}")
         if autoscale is not None and not isinstance(autoscale, Autoscale):
             raise TypeError(f"autoscale must be a dbsp_core.Autoscale or None, got {type(autoscale).__name__}")
+        use_jemalloc()  # dbsp_core/arrow_pool.py: with DBSP_JEMALLOC=1, Arrow's pool becomes jemalloc
         ShardMap(workers, shard_bits)  # validates shard_bits against workers before anything is created
         limit = parse_memory_limit(memory_limit)
         if limit is None and (executor is None or executor.kind == "embedded"):
