@@ -686,6 +686,7 @@ class _ExtremesState(_GroupedState):
         if not op.append_only and len(op.keys) + len(read) < len(op.in_schema):
             self.projected = list(op.keys) + read
         src = op.in_schema if self.projected is None else pa.schema([op.in_schema.field(c) for c in self.projected])
+        self.proj_schema = src  # what a projected change holds (a fused exchange sends it so, runtime/plan.py)
         self.keypos = tuple(src.get_field_index(k) for k in op.keys)
         # limb slots sum columns appended to the change (invariant 5): their positions follow the input's
         self.limbs = tuple((kind, col) for kind, col in op.kernel if kind in LIMBS)
@@ -859,9 +860,12 @@ class _ExtremesState(_GroupedState):
             dix = (self._reduced(z) if self.reduce_specs else z).index_by(self.keys)  # no current index: reduced
             return self._through_totals(dix) if len(dix) else empty(op.schema)
         prepare = self._with_limbs if self.limbs else self._reduced if self.reduce_specs else None
+        schema = op.in_schema
         if self.projected is not None:  # invariant 9 (not append-only, so never reduced): limbs after indexing
             prepare = self._project
-        dix = keyed_change(self, inputs, ctx, op.in_schema, self.keys, prepare)
+            if inputs[0].schema.names == self.projected:  # projected by a fused exchange (runtime/plan.py)
+                schema, prepare = self.proj_schema, None
+        dix = keyed_change(self, inputs, ctx, schema, self.keys, prepare)
         if dix is None:
             return empty(op.schema)
         change = dix.zset

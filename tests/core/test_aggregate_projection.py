@@ -1,7 +1,8 @@
 """min/max aggregates over inputs with columns they do not read (operators/aggregate.py invariant 9): the change is
 projected onto the keys and the read columns before it is indexed, so rows that differ only in other columns
 consolidate (an insertion and a deletion of two such rows cancel), limb columns (avg) are appended after the
-indexing, and a (key, value) projection is the value multiset's batch as it stands. Checked against a dict model
+indexing, a (key, value) projection is the value multiset's batch as it stands, and at W = 2 the exchange before
+the aggregate projects on the sender (runtime/plan.py ``_ProjectedExchange``). Checked against a dict model
 after every step, W in {1, 2}, with nulls in keys and values."""
 
 from __future__ import annotations
@@ -48,5 +49,8 @@ def test_min_max_over_a_projection(workers: int, seed: int, nulls: float) -> Non
         v = None if rng.random() < nulls else int(rng.integers(-8, 8))
         return (int(rng.integers(0, 3)), k, str(rng.choice(["a", "bb", ""])), v)
 
+    workers_ = p.executor._workers
     _steps_against_model(p, rng, 120, (0, 14), new_row, 0.3, 0.15, SCHEMA, _model)
     assert sum(s.projected_steps for s in states) >= 100
+    # at W = 2 the exchange before the aggregate projects on the sender (runtime/plan.py _ProjectedExchange)
+    assert (sum(wk.plan.counts["projected"] for wk in workers_) >= 100) == (workers > 1)
