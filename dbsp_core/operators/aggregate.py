@@ -830,6 +830,14 @@ class _ExtremesState(_GroupedState):
         self.projected_steps += 1
         return ZSet._make(z.data.select(self.projected), z.weights)
 
+    def _as_projected(self, z: "ZSet") -> "ZSet | None":
+        """``z`` in the projection's column order when it holds exactly the projected columns in some order (a fused
+        exchange or join of runtime/plan.py sent or gathered only those), else None; no row copied."""
+        names = z.schema.names
+        if self.projected is None or len(names) != len(self.projected) or set(names) != set(self.projected):
+            return None
+        return z if names == self.projected else ZSet._make(z.data.select(self.projected), z.weights)
+
     def _limbs_after(self, dix: IndexedZSet) -> IndexedZSet:
         """The projected, indexed change ``dix`` with the limb columns appended (invariant 9): a limb is a function
         of its column, so the rows and their order are those of indexing the change with its limbs; the result is
@@ -863,8 +871,9 @@ class _ExtremesState(_GroupedState):
         schema = op.in_schema
         if self.projected is not None:  # invariant 9 (not append-only, so never reduced): limbs after indexing
             prepare = self._project
-            if inputs[0].schema.names == self.projected:  # projected by a fused exchange (runtime/plan.py)
-                schema, prepare = self.proj_schema, None
+            done = self._as_projected(inputs[0])  # projected by a fused exchange or join (runtime/plan.py)
+            if done is not None:
+                inputs, schema, prepare = [done], self.proj_schema, None
         dix = keyed_change(self, inputs, ctx, schema, self.keys, prepare)
         if dix is None:
             return empty(op.schema)

@@ -60,7 +60,9 @@ slices follow, in this order):
      (day, bidder) pairs, for each of its 8 count-distincts).
      **Built**, at W > 1: an exchange whose one consumer is a min/max aggregate that projects its change
      (operators/aggregate.py invariant 9) projects it on the sender (``_ProjectedExchange``): only the keys and the
-     read columns are gathered and sent (the demo's category_stats and last_hour: 2 of the join's 7 columns).
+     read columns are gathered and sent (the demo's category_stats and last_hour: 2 of the join's 8 columns); when
+     that exchange's input is an inner join with no other consumer, the join gathers only those columns from its
+     pairs (``_JoinSlots``, as for a linear group-by: the demo's last_hour).
   5. State stays where the runtime finds it: a plan holds no state of its own, only the operator instances'
      traces, which it reads and writes through the same Trace methods (insert, lookup, key index). So
      checkpoints (snapshot by shard), rollback (rollback.py copies the instances' attributes), live rescale
@@ -376,7 +378,8 @@ class _ProjectedExchange:
     def __call__(self, inputs: list, ctx: Any) -> ZSet:
         z = inputs[0]
         if z.num_rows:
-            z = self.state._project(conform(z, self.full))
+            done = self.state._as_projected(z)  # a fused join gathered only those columns (:class:`_JoinSlots`)
+            z = self.state._project(conform(z, self.full)) if done is None else done
             self.counts["projected"] += 1
         else:
             z = ZSet.empty(self.schema)
@@ -507,6 +510,11 @@ class StepPlan:
                 for agg in self._projecting_aggregates(circuit, live, instances, inner):
                     e = nodes[agg].inputs[0]
                     steps[e] = _ProjectedExchange(e, instances[agg], nodes[e].key, self.counts)
+                    j = nodes[e].inputs[0]
+                    if type(nodes[j]) is Join and type(instances[j]) is _JoinState and inner(j):
+                        steps[j] = _JoinSlots(instances[j], nodes[agg], self.counts)  # gathers the read columns
+                        slot_joins.add(j)
+                        self.fused_nodes.append(j)
                 for cd in self._count_distincts(circuit, live, instances, inner):
                     e = nodes[cd].inputs[0]
                     steps[e] = _PairsExchange(e, instances[cd], nodes[e].schema, nodes[e].key, self.counts)

@@ -54,3 +54,61 @@ def test_min_max_over_a_projection(workers: int, seed: int, nulls: float) -> Non
     assert sum(s.projected_steps for s in states) >= 100
     # at W = 2 the exchange before the aggregate projects on the sender (runtime/plan.py _ProjectedExchange)
     assert (sum(wk.plan.counts["projected"] for wk in workers_) >= 100) == (workers > 1)
+
+
+OTHER = pa.schema([("id", pa.int64()), ("cat", pa.utf8()), ("junk", pa.utf8())])
+
+
+@pytest.mark.parametrize("workers,seed", [(1, 15), (2, 16)])
+def test_min_max_over_a_join_gathering_only_the_read_columns(workers: int, seed: int) -> None:
+    """A join whose one consumer is the exchange before a projecting min/max aggregate: at W = 2 the join gathers
+    only the (category, value) columns from its pairs (runtime/plan.py ``_JoinSlots``), left and right columns in
+    the join's order, which the exchange and the aggregate put in the projection's order; deletions on both sides."""
+    rng = np.random.default_rng(seed)
+    c = dbsp.Circuit()
+    t = c.input("t", SCHEMA)
+    o = c.input("o", OTHER)
+    c.output("g", t.join(o, left_on="k", right_on="id").group_by("cat").agg(
+        n=dbsp.count(), lo=dbsp.min("v"), hi=dbsp.max("v"), mean=dbsp.avg("v")))
+    p = dbsp.Pipeline(c, workers=workers)
+    bag: Counter = Counter()
+    others: Counter = Counter()
+    view: Counter = Counter()
+    for step in range(60):
+        delta = Counter()
+        for _ in range(int(rng.integers(0, 12))):
+            present = [r for r, w in (bag + delta).items() if w > 0]
+            if present and rng.random() < 0.4:
+                delta[present[int(rng.integers(len(present)))]] -= 1
+            else:
+                v = None if rng.random() < 0.1 else int(rng.integers(-8, 8))
+                delta[(int(rng.integers(0, 3)), int(rng.integers(0, 8)), "s", v)] += 1
+        odelta = Counter()
+        if rng.random() < 0.5:
+            present = [r for r, w in others.items() if w > 0]
+            if present and rng.random() < 0.4:
+                odelta[present[int(rng.integers(len(present)))]] -= 1
+            else:
+                odelta[(int(rng.integers(0, 8)), str(rng.choice(["a", "b", "c"])), "j" * int(rng.integers(3)))] += 1
+        delta = Counter({r: w for r, w in delta.items() if w})
+        odelta = Counter({r: w for r, w in odelta.items() if w})
+        bag.update(delta)
+        others.update(odelta)
+        if delta:
+            p.push("t", dbsp.ZSet.from_rows(list(delta), SCHEMA, weights=list(delta.values())))
+        if odelta:
+            p.push("o", dbsp.ZSet.from_rows(list(odelta), OTHER, weights=list(odelta.values())))
+        for r, w in p.step()["g"].to_dict().items():
+            view[r] += w
+        view = Counter({r: w for r, w in view.items() if w})
+        joined = Counter()
+        for (x, k, s, v), w in bag.items():
+            for (i, cat, junk), w2 in others.items():
+                if k is not None and k == i and w and w2:
+                    joined[(x, cat, s, v)] += w * w2
+        assert dict(view) == _model(joined), f"step {step}"
+    counts = Counter()
+    for wk in p.executor._workers:
+        counts.update(wk.plan.counts)
+    p.close()
+    assert (counts["joined"] >= 30) == (workers > 1), counts
