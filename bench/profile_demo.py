@@ -7,7 +7,9 @@ Run from the repository root (takes about a minute at the demo's default size):
 
 Nothing overlaps here (the demo runs its producer thread beside the steps): each phase is timed with
 ``perf_counter`` around the call that does it, over the same batches of ``dbsp_core.demo.Generator``, so the
-sums say what each part would cost if it had the machine to itself. Per-view rows run the circuit with only that
+sums say what each part would cost if it had the machine to itself. The last column is the process's CPU seconds
+over the same calls (every thread: the workers, the merge thread, a checkpoint running beside them), steadier than
+wall time on a loaded machine. Per-view rows run the circuit with only that
 view as output (the nodes no output needs are not run), in memory.
 """
 
@@ -41,29 +43,36 @@ def _steps(p: dbsp.Pipeline, batches: list, durable: bool) -> dict[str, float]:
     """Push each batch and step once per batch; seconds spent pushing, in the executor, and in the rest of step."""
     run = p.executor.run
     spent = {"push": 0.0, "engine": 0.0, "step": 0.0}
+    cpu = {"push": 0.0, "engine": 0.0, "step": 0.0}  # the process's CPU seconds (every thread: workers, merges,
+    # a background checkpoint), which other load on the machine moves less than wall time
 
     def timed_run(steps):  # the executor's share of step(): the circuit itself, all workers
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         try:
             return run(steps)
         finally:
             spent["engine"] += time.perf_counter() - t
+            cpu["engine"] += time.process_time() - c
 
     p.executor.run = timed_run
     for k, b in enumerate(batches):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         for stream, (rows, w) in b.items():
             if durable:
                 p.push(HANDLE[stream], rows, weights=w, producer=f"gen.{stream}", seq=k)
             else:
                 p.push(HANDLE[stream], rows, weights=w)
         spent["push"] += time.perf_counter() - t
-        t = time.perf_counter()
+        cpu["push"] += time.process_time() - c
+        t, c = time.perf_counter(), time.process_time()
         p.step()
         spent["step"] += time.perf_counter() - t
-    t = time.perf_counter()
+        cpu["step"] += time.process_time() - c
+    t, c = time.perf_counter(), time.process_time()
     p.close()
     spent["close"] = time.perf_counter() - t
+    cpu["close"] = time.process_time() - c
+    spent["cpu"] = cpu  # type: ignore[assignment]
     return spent
 
 
@@ -86,28 +95,31 @@ def main() -> int:
     rows = _rows(batches)
     print(f"# {args.batches} batches of {args.bids:,} bids ({rows:,} rows), W={args.workers}; "
           f"load average {os.getloadavg()[0]:.1f}")
-    print("| phase | seconds | ms per batch | k rows/s |")
-    print("|---|---|---|---|")
+    print("| phase | seconds | ms per batch | k rows/s | CPU seconds |")
+    print("|---|---|---|---|---|")
 
-    def line(what: str, s: float) -> None:
-        print(f"| {what} | {s:.2f} | {s / args.batches * 1e3:.1f} | {rows / s / 1e3:,.0f} |", flush=True)
+    def line(what: str, s: float, c: float | None = None) -> None:
+        cs = "" if c is None else f"{c:.2f}"
+        print(f"| {what} | {s:.2f} | {s / args.batches * 1e3:.1f} | {rows / s / 1e3:,.0f} | {cs} |", flush=True)
 
     line("generate (Generator.batch)", gen_s)
     mem = _steps(dbsp.Pipeline(build_circuit(), workers=args.workers), batches, durable=False)
-    line("in memory: push", mem["push"])
-    line("in memory: step, five views", mem["step"])
+    line("in memory: push", mem["push"], mem["cpu"]["push"])
+    line("in memory: step, five views", mem["step"], mem["cpu"]["step"])
     for name in build_circuit().outputs:
         one = _steps(dbsp.Pipeline(_one_view(name), workers=args.workers), batches, durable=False)
-        line(f"in memory: step, {name} alone", one["step"])
+        line(f"in memory: step, {name} alone", one["step"], one["cpu"]["step"])
     with tempfile.TemporaryDirectory(prefix="dbsp-profile-") as d:
         p = dbsp.Pipeline(build_circuit(), workers=args.workers, storage=d,
                           checkpoint_interval=args.checkpoint_interval)
         dur = _steps(p, batches, durable=True)
         ckpts = p.stats["checkpoints"]
-    line("durable: push (encode, input log, fsync)", dur["push"])
-    line("durable: step, executor (the engine)", dur["engine"])
-    line("durable: step, the rest (division, output log, checkpoint start)", dur["step"] - dur["engine"])
-    line(f"durable: close (final checkpoint; {ckpts} in all)", dur["close"])
+    c = dur["cpu"]
+    line("durable: push (encode, input log, fsync)", dur["push"], c["push"])
+    line("durable: step, executor (the engine)", dur["engine"], c["engine"])
+    line("durable: step, the rest (division, output log, checkpoint start)", dur["step"] - dur["engine"],
+         c["step"] - c["engine"])
+    line(f"durable: close (final checkpoint; {ckpts} in all)", dur["close"], c["close"])
     return 0
 
 

@@ -531,9 +531,10 @@ def _demo(args: argparse.Namespace, root: str) -> int:
         steps = p.steps
         ckpt = p.checkpoint()
         med = float(np.median(res["step_ms"])) if res["step_ms"] else 0.0
+        p99 = float(np.percentile(res["step_ms"], 99)) if res["step_ms"] else 0.0
         print(f"done: {res['rows']:,} new rows in {res['seconds']:.2f} s end to end "
-              f"({res['rows'] / res['seconds'] / 1e3:,.0f}k rows/s), {res['steps']} steps (median {med:.1f} ms of "
-              f"step()), {p.stats['checkpoints']} checkpoint(s) (the last covers steps 0..{ckpt - 1}), "
+              f"({res['rows'] / res['seconds'] / 1e3:,.0f}k rows/s), {res['steps']} steps (median {med:.1f} ms, p99 "
+              f"{p99:.1f} ms of step()), {p.stats['checkpoints']} checkpoint(s) (the last covers steps 0..{ckpt - 1}), "
               f"{res['duplicates']} duplicate pushes recognized", flush=True)
         if not child:
             print(_breakdown(res, p), flush=True)

@@ -54,6 +54,12 @@ Invariants:
      rows its senders reduced: a group's rows from several senders meet only there). A step whose reduction
      left more than ``GROUPS_PER_ROW`` groups per row stops reducing for ``RETRY`` steps (about a row per group:
      the grouping pass would cost more than it saves).
+  9. The extremes strategy without ``append_only``, over an input with columns it does not read, projects its
+     change onto the keys and the columns its aggregates read before indexing it (its result is a function of
+     that projection: counts add weights, sums add weight times value, an extreme reads the value multiset), so
+     only those columns are hashed, sorted and gathered, and rows equal on them are consolidated; limb columns
+     (invariant 5), functions of their column, are appended after the indexing. When the projection is the keys
+     and one value column without nulls, the indexed change is the value multiset's batch as it stands.
 """
 
 from __future__ import annotations
@@ -673,12 +679,20 @@ class _ExtremesState(_GroupedState):
         self.names = tuple(f.name for f in fields)  # reduce output: the keys, then one column per agg
         # the one-pass step (csrc/extremes.h) through a key index of the totals: per group its slots, then one
         # "not null" flag per extreme; only where every extreme's values sum as int64 (integers, dates, timestamps)
-        self.keypos = tuple(op.in_schema.get_field_index(k) for k in op.keys)
+        # invariant 9: a change with retractions is projected onto the columns the aggregate reads before it is
+        # indexed (keys first, then the other columns in input order); the positions below are the projection's
+        read = [c for c in op.in_schema.names if c not in op.keys and any(col == c for _, col in op.kernel)]
+        self.projected: list[str] | None = None
+        if not op.append_only and len(op.keys) + len(read) < len(op.in_schema):
+            self.projected = list(op.keys) + read
+        src = op.in_schema if self.projected is None else pa.schema([op.in_schema.field(c) for c in self.projected])
+        self.proj_schema = src  # what a projected change holds (a fused exchange sends it so, runtime/plan.py)
+        self.keypos = tuple(src.get_field_index(k) for k in op.keys)
         # limb slots sum columns appended to the change (invariant 5): their positions follow the input's
         self.limbs = tuple((kind, col) for kind, col in op.kernel if kind in LIMBS)
-        nin = len(op.in_schema)
+        nin = len(src)
         self.slot_specs = tuple(("sum", nin + self.limbs.index((kind, col))) if kind in LIMBS
-                                else (kind, None if col is None else op.in_schema.get_field_index(col))
+                                else (kind, None if col is None else src.get_field_index(col))
                                 for kind, col in op.kernel)
         self.spec = ("key", tuple(f"s_{j}" for j in range(len(op.kernel)))
                      + tuple(("valid", f"s_{j}") for j, _, _ in self.ext))
@@ -690,6 +704,7 @@ class _ExtremesState(_GroupedState):
                 and all(spec == ("count", None) for j, spec in enumerate(op.kernel) if j != self.ext[0][0])):
             self.reduce_specs = tuple(_agg_specs(op.in_schema, [("count", None), self.ext[0][1:]]))
         self.reduced_steps = 0  # changes reduced (counts for tests, not state)
+        self.projected_steps = 0  # changes projected (invariant 9; counts for tests, not state)
         # steps left before the reduction is tried again (invariant 8): of the step's change, and of what a fused
         # exchange sends (dbsp_core/runtime/plan.py): after a sender's reduction a group arrives as about one row
         self._reduce_skip = self._send_skip = 0
@@ -810,6 +825,25 @@ class _ExtremesState(_GroupedState):
         return ZSet._make(_take(z.data, np.ascontiguousarray(rows, dtype=np.int64)),
                           np.ascontiguousarray(ivals[:, 0], dtype=np.int64))
 
+    def _project(self, z: "ZSet") -> "ZSet":
+        """``z`` with only the columns the aggregate reads (invariant 9), no row copied."""
+        self.projected_steps += 1
+        return ZSet._make(z.data.select(self.projected), z.weights)
+
+    def _as_projected(self, z: "ZSet") -> "ZSet | None":
+        """``z`` in the projection's column order when it holds exactly the projected columns in some order (a fused
+        exchange or join of runtime/plan.py sent or gathered only those), else None; no row copied."""
+        names = z.schema.names
+        if self.projected is None or len(names) != len(self.projected) or set(names) != set(self.projected):
+            return None
+        return z if names == self.projected else ZSet._make(z.data.select(self.projected), z.weights)
+
+    def _limbs_after(self, dix: IndexedZSet) -> IndexedZSet:
+        """The projected, indexed change ``dix`` with the limb columns appended (invariant 9): a limb is a function
+        of its column, so the rows and their order are those of indexing the change with its limbs; the result is
+        read by the fold (group runs in key-hash order), never stored."""
+        return IndexedZSet._make(self._with_limbs(dix.zset), dix.key, dix.key_hash)
+
     def _with_limbs(self, z: "ZSet") -> "ZSet":
         """``z`` with the limb columns the one-pass kernel sums (invariant 5)."""
         data = z.data
@@ -834,7 +868,13 @@ class _ExtremesState(_GroupedState):
             dix = (self._reduced(z) if self.reduce_specs else z).index_by(self.keys)  # no current index: reduced
             return self._through_totals(dix) if len(dix) else empty(op.schema)
         prepare = self._with_limbs if self.limbs else self._reduced if self.reduce_specs else None
-        dix = keyed_change(self, inputs, ctx, op.in_schema, self.keys, prepare)
+        schema = op.in_schema
+        if self.projected is not None:  # invariant 9 (not append-only, so never reduced): limbs after indexing
+            prepare = self._project
+            done = self._as_projected(inputs[0])  # projected by a fused exchange or join (runtime/plan.py)
+            if done is not None:
+                inputs, schema, prepare = [done], self.proj_schema, None
+        dix = keyed_change(self, inputs, ctx, schema, self.keys, prepare)
         if dix is None:
             return empty(op.schema)
         change = dix.zset
@@ -843,16 +883,25 @@ class _ExtremesState(_GroupedState):
         for col, attr in self.val_cols:  # the value multisets first: a recompute must see this step's values
             trace: Trace = getattr(self, attr)
             # the change's (keys, value) rows, nulls left out, are in its key order: sorted only within a key
-            proj = change.data.select(self.keys + [col])
+            whole = change.data.column_names == self.keys + [col]  # the change is (keys, value) already
+            proj = change.data if whole else change.data.select(self.keys + [col])
             if not proj.schema.equals(trace.schema):
                 proj = proj.cast(trace.schema)
             values = proj.column(col)
             rows = None if values.null_count == 0 else np.flatnonzero(
                 np.asarray(pc.is_valid(values).to_numpy(zero_copy_only=False), dtype=bool))
-            if rows is None or len(rows):
+            if whole and rows is None:  # invariant 9: the indexed change is the batch, in index order, as it stands
+                batch = dix if proj is change.data else IndexedZSet._make(ZSet._make(proj, change.weights),
+                                                                          tuple(self.keys), dix.key_hash)
+                if batch is not dix:
+                    batch._rh = dix._rh
+                trace.insert(batch)
+            elif rows is None or len(rows):
                 batch = IndexedZSet._from_key_order(ZSet._make(proj, change.weights), self.keys, dix.key_hash, rows)
                 if len(batch):
                     trace.insert(batch)
+        if self.projected is not None and self.limbs:
+            dix = self._limbs_after(dix)
         out = None
         if self.spec is not None:
             out = self.totals.through_index(self.spec, lambda ix: self._through_index(dix._view(), ix))

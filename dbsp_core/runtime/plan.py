@@ -58,6 +58,11 @@ slices follow, in this order):
      **Built**, at W > 1: an exchange whose one consumer is a count-distinct on its (keys, value) pair sends the
      change's distinct non-null pairs, equal pairs summed (``_PairsExchange``; q15: 92K bids of a step over 2K-6K
      (day, bidder) pairs, for each of its 8 count-distincts).
+     **Built**, at W > 1: an exchange whose one consumer is a min/max aggregate that projects its change
+     (operators/aggregate.py invariant 9) projects it on the sender (``_ProjectedExchange``): only the keys and the
+     read columns are gathered and sent (the demo's category_stats and last_hour: 2 of the join's 8 columns); when
+     that exchange's input is an inner join with no other consumer, the join gathers only those columns from its
+     pairs (``_JoinSlots``, as for a linear group-by: the demo's last_hour).
   5. State stays where the runtime finds it: a plan holds no state of its own, only the operator instances'
      traces, which it reads and writes through the same Trace methods (insert, lookup, key index). So
      checkpoints (snapshot by shard), rollback (rollback.py copies the instances' attributes), live rescale
@@ -77,7 +82,7 @@ slices follow, in this order):
 Invariants (enforced here):
   1. A plan has one call per live node, in id order (the timers and ``failed_node`` index calls as nodes); a
      fused chain's inner calls pass their input through unchanged, and only the chain's last node computes,
-     but for a fused exchange (it cuts or reduces what it sends), a fused join (it gathers the aggregate's
+     but for a fused exchange (it cuts, reduces or projects what it sends), a fused join (it gathers the aggregate's
      columns) and a sliced hopping window (it sums the combiner's partial rows).
   2. A chain is fused only when every inner node has exactly one consumer and is no output; an inner exchange is
      skipped only where it is the identity (W = 1), at W > 1 it is the chain's fused exchange, on the key of the
@@ -360,6 +365,27 @@ class _ReducedExchange:
         return ctx.exchange(self.node, z, self.key, self.schema)
 
 
+class _ProjectedExchange:
+    """An exchange whose one consumer is a min/max aggregate that projects its change (operators/aggregate.py
+    invariant 9; design note 4, at W > 1): the sender projects the change onto the columns the aggregate reads
+    before it partitions it (no row copied; only those columns are gathered and sent), and the aggregate reads
+    the projected rows as it would have projected them."""
+
+    def __init__(self, node: int, state: _ExtremesState, key: tuple[str, ...], counts: dict[str, int]) -> None:
+        self.node, self.state, self.key, self.counts = node, state, tuple(key), counts
+        self.full, self.schema = state.op.in_schema, state.proj_schema
+
+    def __call__(self, inputs: list, ctx: Any) -> ZSet:
+        z = inputs[0]
+        if z.num_rows:
+            done = self.state._as_projected(z)  # a fused join gathered only those columns (:class:`_JoinSlots`)
+            z = self.state._project(conform(z, self.full)) if done is None else done
+            self.counts["projected"] += 1
+        else:
+            z = ZSet.empty(self.schema)
+        return ctx.exchange(self.node, z, self.key, self.schema)
+
+
 class _PairsExchange:
     """An exchange whose one consumer is a count-distinct on the exchange's key, its (keys, value) pairs (design note
     4, at W > 1): the sender sends its change's non-null pairs with equal pairs summed (``pairs``,
@@ -441,14 +467,15 @@ class StepPlan:
     pairs (:class:`_JoinSlots`); ``"reduced"``, changes an exchange reduced for its min/max aggregate before it
     partitioned them (:class:`_ReducedExchange`); ``"sliced"``, steps of a hopping window that summed its group-by's
     slices (:class:`_HopSlices`); ``"paired"``, changes an exchange summed into distinct (keys, value) pairs for its
-    count-distinct before it partitioned them (:class:`_PairsExchange`)."""
+    count-distinct before it partitioned them (:class:`_PairsExchange`); ``"projected"``, changes an exchange
+    projected onto the columns its min/max aggregate reads before it partitioned them (:class:`_ProjectedExchange`)."""
 
     def __init__(self, circuit: Circuit, live: list[int], instances: dict[int, Any], workers: int,
                  fuse: bool = True) -> None:
         nodes = circuit.nodes
         self.workers = workers  # the layout's worker count it was lowered for (invariant 2)
         self.counts = dict.fromkeys(("fused", "unfused", "sent", "grouped", "received", "indexed", "merged",
-                                     "joined", "reduced", "sliced", "paired"), 0)
+                                     "joined", "reduced", "sliced", "paired", "projected"), 0)
         self.fused_nodes: list[int] = []  # the last node of each fused chain
         steps: dict[int, Callable] = {i: instances[i].step for i in live}
         if fuse:
@@ -480,6 +507,14 @@ class StepPlan:
                 for agg in self._reducing_aggregates(circuit, live, instances, inner):
                     e = nodes[agg].inputs[0]
                     steps[e] = _ReducedExchange(e, instances[agg], nodes[e].key, self.counts)
+                for agg in self._projecting_aggregates(circuit, live, instances, inner):
+                    e = nodes[agg].inputs[0]
+                    steps[e] = _ProjectedExchange(e, instances[agg], nodes[e].key, self.counts)
+                    j = nodes[e].inputs[0]
+                    if type(nodes[j]) is Join and type(instances[j]) is _JoinState and inner(j):
+                        steps[j] = _JoinSlots(instances[j], nodes[agg], self.counts)  # gathers the read columns
+                        slot_joins.add(j)
+                        self.fused_nodes.append(j)
                 for cd in self._count_distincts(circuit, live, instances, inner):
                     e = nodes[cd].inputs[0]
                     steps[e] = _PairsExchange(e, instances[cd], nodes[e].schema, nodes[e].key, self.counts)
@@ -546,6 +581,23 @@ class StepPlan:
             op = nodes[i]
             if not (isinstance(op, Aggregate) and type(instances[i]) is _ExtremesState
                     and instances[i].reduce_specs is not None and len(op.inputs) == 1):
+                continue
+            e = op.inputs[0]
+            if isinstance(nodes[e], Exchange) and inner(e) and tuple(nodes[e].key) == tuple(op.keys):
+                found.append(i)
+        return found
+
+    @staticmethod
+    def _projecting_aggregates(circuit: Circuit, live: list[int], instances: dict[int, Any],
+                               inner: Callable[[int], bool]) -> list[int]:
+        """Every min/max aggregate that projects its change (operators/aggregate.py invariant 9) whose input is an
+        exchange on its keys with no other consumer (design note 4 at W > 1)."""
+        nodes = circuit.nodes
+        found = []
+        for i in live:
+            op = nodes[i]
+            if not (isinstance(op, Aggregate) and type(instances[i]) is _ExtremesState
+                    and instances[i].projected is not None and len(op.inputs) == 1):
                 continue
             e = op.inputs[0]
             if isinstance(nodes[e], Exchange) and inner(e) and tuple(nodes[e].key) == tuple(op.keys):
