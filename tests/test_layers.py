@@ -18,8 +18,8 @@ PACKAGE = "dbsp_core"
 # Bottom to top. Each entry is a module or a package (all modules under it), relative to dbsp_core; a module takes
 # the layer of the longest entry that covers it. "" is dbsp_core/__init__.py.
 LAYERS: list[tuple[str, tuple[str, ...], str]] = [
-    ("base", ("errors", "envvars", "storage.formats", "_zset", "_storage"),
-     "typed errors, DBSP_* settings, the table of on-disk formats (constants) and the C core's extension modules "
+    ("base", ("errors", "envvars", "arrow_pool", "storage.formats", "_zset", "_storage"),
+     "typed errors, DBSP_* settings (and the Arrow memory pool one of them chooses), the table of on-disk formats (constants) and the C core's extension modules "
      "(built from bindings/*.pyx): what every layer may raise, read, write or call"),
     ("values", ("zset", "layout", "aggregates", "codec", "metrics", "profile", "status", "progress", "rows"),
      "Z-sets over the C core, the shard layout, aggregate specs, the byte codecs of stored values, metrics, "
