@@ -32,7 +32,13 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      ``parts()`` and settles gets the same batches back (``parts()`` lists placed batches in the order they
      were placed). Freshness ends at the first read, which places the pending batches (no merge work: later
      inserts pay for their merges); while no read comes, an insert beyond MAX_PENDING pending batches inserts
-     the oldest one as above. A new trace is not fresh.
+     the oldest one as above. A new trace is not fresh. Freshness protects the restore only (the saved batches
+     back unmerged, in their order, settled or pending as saved); once a trace's load has returned, ending it
+     changes no batch and no content, so the batch store ends it too (:meth:`Trace.end_fresh`) when its budget
+     needs the pending batches spilled (spill.py invariant 12: between steps, never inside a load, which calls
+     it only once a trace is restored). Placing them must end freshness, as a read does: placed and still fresh,
+     a trace inserted into and never read would place every step's batch loose, never merging (no insert would
+     pay fuel below MAX_PENDING), so invariant 3's bound on its batches would not hold.
   6. A lookup touches only the rows whose key hash is asked for (a galloping C search per batch), or whole
      batches smaller than a few rows per asked key, so its cost grows with the change, not with the state.
   7. State is grouped by shard: a shard (top ``shard_bits`` bits of the key hash) is a contiguous row range
@@ -334,6 +340,16 @@ class Trace(KeyIndexed):
             self._place(b, len(b))
         self.pending = []
 
+    def end_fresh(self) -> bool:
+        """End freshness (invariant 5): place the pending batches, merging nothing (later inserts pay for their
+        merges), as a first read does; returns whether the trace was fresh. Call it on the inserting thread or
+        between steps, never inside a restore (between :meth:`clear` and the last insert of the saved batches)."""
+        if not self._fresh:
+            return False
+        self.settle()
+        self._fresh = False
+        return True
+
     def _place(self, batch: "IndexedZSet", work: int) -> None:
         lvl = level_of(work)
         while len(self._by_level) <= lvl:
@@ -470,9 +486,7 @@ class Trace(KeyIndexed):
         store = self._store if self._store is not None else self._attach()
         if store is not None:
             store.note_read(self, whole=not pages)
-        if self._fresh:
-            self.settle()
-            self._fresh = False
+        self.end_fresh()
         if self._handed and current_merge_thread() is not None:  # install the merges the merge thread finished
             self._work(0)  # (invariant 10); merges nothing
         out = self._levels()
