@@ -72,7 +72,7 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -512,22 +512,26 @@ class Trace(KeyIndexed):
             self.prefetch(out, keys, row_hashes=False)
         return out
 
-    def in_pieces(self, b: "IndexedZSet", change: "IndexedZSet", walk: Any) -> list:
-        """``walk(piece)`` for consecutive pieces of ``change`` (an indexed batch, key-hash order) that a walk over
-        batch ``b`` of this trace takes one at a time: one piece (the whole change) unless ``b`` is spilled and the
-        walk would map more of its file than a piece may (spill.py ``BatchStore.walk_pieces``, invariant 12
-        "mapped"); then the batch's mapping is dropped after each piece. Returns what each call returned."""
+    def pieces(self, b: "IndexedZSet", n: int) -> Iterator[tuple[int, int]]:
+        """The (lo, hi) ranges of ``n`` change rows (key-hash order) a walk over batch ``b`` takes in turn: (0, n)
+        unless ``b`` is spilled and the walk would map more of its file than a piece may (spill.py
+        ``BatchStore.walk_pieces``, invariant 12 "mapped"); then its mapping is dropped after each (as the next is
+        asked for)."""
         store = self._store
-        g = store.walk_pieces(b, len(change)) if store is not None else 1
+        g = store.walk_pieces(b, n) if store is not None else 1
         if g == 1:
-            return [walk(change)]
-        out = []
-        cuts = np.linspace(0, len(change), g + 1).astype(np.int64)
+            yield 0, n
+            return
+        cuts = np.linspace(0, n, g + 1).astype(np.int64)
         for lo, hi in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
             if hi > lo:
-                out.append(walk(change.slice(lo, hi)))
+                yield lo, hi
                 store.walked_out(b)
-        return out
+
+    def in_pieces(self, b: "IndexedZSet", change: "IndexedZSet", walk: Any) -> list:
+        """What ``walk(piece)`` returns for each piece of ``change`` (an indexed batch) :meth:`pieces` cuts for b."""
+        n = len(change)
+        return [walk(change if hi - lo == n else change.slice(lo, hi)) for lo, hi in self.pieces(b, n)]
 
     def prefetch(self, batches: list["IndexedZSet"], hashes: np.ndarray, row_hashes: bool = True) -> None:
         """Before walks seek key hashes ``hashes`` in ``batches``: start reading the pages they will read of the
@@ -729,17 +733,14 @@ class Trace(KeyIndexed):
                     sub, rows = self.narrowed(b, change)  # a spilled batch: the rows its filter may hold
                     if sub is None:
                         continue
-                    pieces = self._store.walk_pieces(b, len(sub)) if self._store is not None else 1
-                    if rows is not None or pieces > 1:
-                        bv, brh = b._view_as(schema), b._row_hashes()
-
-                        def weigh(s: "IndexedZSet", bv: Any = bv, brh: Any = brh) -> np.ndarray:
-                            part = np.zeros(len(s), dtype=np.int64)
-                            _zset.match_weights(s._view(), None, None, bv, None, None, part, s._row_hashes(), brh)
-                            return part
-
-                        part = np.concatenate(self.in_pieces(b, sub, weigh))  # the pieces in order: sub's rows
-                        acc[np.arange(len(change)) if rows is None else rows] += part
+                    for lo, hi in self.pieces(b, len(sub)):
+                        if hi - lo == len(change):
+                            break  # one piece, the whole change: the plain walk below
+                        s, part = sub.slice(lo, hi), np.zeros(hi - lo, dtype=np.int64)
+                        _zset.match_weights(s._view(), None, None, b._view_as(schema), None, None, part,
+                                            s._row_hashes(), b._row_hashes())
+                        acc[slice(lo, hi) if rows is None else rows[lo:hi]] += part
+                    else:
                         continue
                 elif self._store is not None:
                     self._store.check(b)
@@ -791,24 +792,20 @@ class Trace(KeyIndexed):
                 self.prefetch(batches, khash, row_hashes=False)  # (the sums read keys and values, not row hashes)
             for b in batches:
                 self._check_probe(b, khash)
+                sel = None  # the probed keys the walk seeks (positions), None: all of them
                 if spilled and self._store.is_spilled(b):  # invariant 12: only the keys its filter may hold
                     keep = self._store.file_of(b).may_contain(khash)
                     self._store.stats["keys_sought"] += int(keep.sum())
                     self._store.note_pages(self, b, khash[keep])  # the pages the walk reads (invariant 12)
                     if not keep.any():
                         continue
-                    sel = np.flatnonzero(keep)
-                    pieces = self._store.walk_pieces(b, len(sel))
-                    if pieces > 1 or len(sel) < len(keep):  # (in pieces of the keys: invariant 12, "mapped")
-                        for p in np.array_split(sel, pieces):
-                            if len(p):
-                                sub = acc[p]
-                                b._key_sums(view, ppos, khash[p], rows[p], cpos, sub)
-                                acc[p] = sub
-                                if pieces > 1:
-                                    self._store.walked_out(b)
-                        continue
-                b._key_sums(view, ppos, khash, rows, cpos, acc)
+                    sel = None if keep.all() else np.flatnonzero(keep)
+                for lo, hi in self.pieces(b, len(rows) if sel is None else len(sel)):  # (invariant 12, "mapped")
+                    p = slice(lo, hi) if sel is None else sel[lo:hi]
+                    sub = acc[p]
+                    b._key_sums(view, ppos, khash[p], rows[p], cpos, sub)
+                    if sel is not None:
+                        acc[p] = sub
         return acc
 
     def consolidated(self) -> "IndexedZSet":
