@@ -178,8 +178,8 @@ import tempfile
 import threading
 import weakref
 from collections import deque
-from itertools import chain
 from contextlib import contextmanager, nullcontext
+from itertools import chain
 from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
