@@ -72,7 +72,7 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -512,21 +512,22 @@ class Trace(KeyIndexed):
             self.prefetch(out, keys, row_hashes=False)
         return out
 
-    def pieces(self, b: "IndexedZSet", n: int) -> Iterator[tuple[int, int]]:
+    def pieces(self, b: "IndexedZSet", n: int) -> Iterable[tuple[int, int]]:
         """The (lo, hi) ranges of ``n`` change rows (key-hash order) a walk over batch ``b`` takes in turn: (0, n)
-        unless ``b`` is spilled and the walk would map more of its file than a piece may (spill.py
-        ``BatchStore.walk_pieces``, invariant 12 "mapped"); then its mapping is dropped after each (as the next is
-        asked for)."""
+        unless ``b`` is spilled and the walk would map more of its file than a piece may (spill.py ``walk_pieces``,
+        invariant 12 "mapped"); then its mapping is dropped after each piece (as the next range is asked for)."""
         store = self._store
         g = store.walk_pieces(b, n) if store is not None else 1
         if g == 1:
-            yield 0, n
-            return
-        cuts = np.linspace(0, n, g + 1).astype(np.int64)
-        for lo, hi in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
-            if hi > lo:
-                yield lo, hi
-                store.walked_out(b)
+            return ((0, n),)  # (no generator: a read calls this per batch)
+        cuts = np.linspace(0, n, g + 1).astype(np.int64).tolist()
+
+        def cut() -> Iterator[tuple[int, int]]:
+            for lo, hi in zip(cuts[:-1], cuts[1:]):
+                if hi > lo:
+                    yield lo, hi
+                    store.walked_out(b)
+        return cut()
 
     def in_pieces(self, b: "IndexedZSet", change: "IndexedZSet", walk: Any) -> list:
         """What ``walk(piece)`` returns for each piece of ``change`` (an indexed batch) :meth:`pieces` cuts for b."""
@@ -802,7 +803,7 @@ class Trace(KeyIndexed):
                     sel = None if keep.all() else np.flatnonzero(keep)
                 for lo, hi in self.pieces(b, len(rows) if sel is None else len(sel)):  # (invariant 12, "mapped")
                     p = slice(lo, hi) if sel is None else sel[lo:hi]
-                    sub = acc[p]
+                    sub = acc[p]  # (a view of acc for a slice)
                     b._key_sums(view, ppos, khash[p], rows[p], cpos, sub)
                     if sel is not None:
                         acc[p] = sub
