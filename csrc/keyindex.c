@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "keyindex.h"
+#include "scratch.h"
 #include "status.h"
 
 #define HASH_BITS 28   /* a slot word (invariant 3): the low 28 bits of the key hash, which place it, */
@@ -138,9 +139,7 @@ static int table_alloc(Table *t, int64_t cap, int huge, const char *dir) {
     t->base = p;
     t->mapped = len;
     t->slots = (uint64_t *)(((uintptr_t)p + HUGE_ALIGN - 1) & ~(uintptr_t)(HUGE_ALIGN - 1));
-#ifdef MADV_HUGEPAGE
-    if (huge) madvise(t->slots, n, MADV_HUGEPAGE);
-#endif
+    if (huge) dbsp_advise_huge(t->slots, n);
     return DBSP_OK;
 }
 
@@ -168,11 +167,7 @@ int64_t dbsp_keyindex_budget(void) { return atomic_load(&g_limit); }
 int64_t dbsp_keyindex_total_bytes(void) { return atomic_load(&g_total); }
 
 static void table_advise_huge(Table *t) {
-#ifdef MADV_HUGEPAGE
-    if (t->base) madvise(t->slots, (size_t)t->cap * 8, MADV_HUGEPAGE);
-#else
-    (void)t;
-#endif
+    if (t->base) dbsp_advise_huge(t->slots, (size_t)t->cap * 8);
 }
 
 static void entries_free(Entries *e) {
@@ -254,12 +249,10 @@ static int entries_grow(Entries *e, int64_t room, int32_t ew, int64_t max_bytes,
     e->fd = map ? fd : -1;
     e->bytes = bytes;
     e->room = (int64_t)(bytes / ((size_t)ew * 8));
-#ifdef MADV_HUGEPAGE
     /* anonymous entries on huge pages (kept 2 MiB-aligned through growth): probes land at random in them, and a
      * 4 KiB page per probe misses the TLB. Entries are written in order, so a step that adds keys faults in a fresh
-     * huge page once per 2 MiB of them */
-    if (map && fd < 0) madvise(p, bytes, MADV_HUGEPAGE);
-#endif
+     * huge page once per 2 MiB of them (unless DBSP_HUGEPAGES=0: scratch.c design note 2) */
+    if (map && fd < 0) dbsp_advise_huge(p, bytes);
     return DBSP_OK;
 }
 

@@ -7,7 +7,8 @@
  *     reused by the next call of similar size (best fit, at most twice the need).
  *  2. Buffers of BIG_ALIGN (2 MiB) and more are aligned to it and madvise(MADV_HUGEPAGE)d, which cuts the TLB
  *     misses of scattered writes; so are large result buffers (dbsp_alloc_result) and mapped regions, which cuts
- *     the page faults of filling them. DBSP_HUGEPAGES=0 (read once) turns the advice off; the buffers stay
+ *     the page faults of filling them, and the key index's large anonymous regions (keyindex.c). DBSP_HUGEPAGES=0
+ *     (read once) turns the advice off, all of it (dbsp_advise_huge is the one place it is given); the buffers stay
  *     aligned. The cost: with THP defrag = madvise (a common default, this host's), a madvised region's fault
  *     compacts memory directly (a stall) when no free 2 MiB page is at hand. Measured (bench/bench_hugepage.py,
  *     bench/RESULTS.md "Huge-page advice", 2026-11-29, load 3.3-4.8, alternated, caches trimmed after every call
@@ -74,7 +75,7 @@ static void huge_init(void) {
     if (!*e) hugepages = 0;
 }
 
-static void advise_huge(void *p, size_t sz) {
+void dbsp_advise_huge(void *p, size_t sz) {
     pthread_once(&huge_once, huge_init);
 #ifdef MADV_HUGEPAGE
     if (hugepages) madvise(p, sz, MADV_HUGEPAGE);
@@ -113,7 +114,7 @@ void *dbsp_alloc_result(size_t bytes) {
     size_t sz = cached_size(bytes);
     void *p = NULL;
     if (posix_memalign(&p, BIG_ALIGN, sz)) return NULL;
-    advise_huge(p, sz);
+    dbsp_advise_huge(p, sz);
     return p;
 }
 
@@ -181,7 +182,7 @@ void *dbsp_region_alloc(size_t bytes, size_t *mapped) {
     pthread_mutex_unlock(&region_mu);
     void *p = mmap(NULL, sz, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return NULL;
-    if (sz >= BIG_ALIGN) advise_huge(p, sz);
+    if (sz >= BIG_ALIGN) dbsp_advise_huge(p, sz);
     *mapped = sz;
     return p;
 }

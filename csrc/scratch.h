@@ -47,5 +47,8 @@ size_t dbsp_region_cached(void);
 int dbsp_malloc_trim(void);
 /* 1 when buffers of 2 MiB and more are madvised for transparent huge pages (DBSP_HUGEPAGES, read once), else 0 */
 int dbsp_hugepages(void);
+/* madvise(MADV_HUGEPAGE) over [p, p + bytes) unless DBSP_HUGEPAGES=0 (design note 2): the one switch of every such
+ * advice of the C core, the key index's regions included (keyindex.c) */
+void dbsp_advise_huge(void *p, size_t bytes);
 
 #endif

@@ -173,7 +173,10 @@ def open_directory(root: str, executor: Executor, circuit: Circuit, fingerprint:
 def _check_state_files(root: str, executor: Executor, layout: Layout, logs: RemoteLogs | None) -> None:
     """Every state database LAYOUT names is present, or the state is at step 0 (storage/statefiles.py invariant 2):
     else CorruptionError naming the missing files and ``dbsp repair``. With an object store the manifest names
-    the state instead (runtime/stage_check.py rule 2, runtime/remote_state.py)."""
+    the state instead (runtime/stage_check.py rule 2, runtime/remote_state.py); a manifest lists the databases the
+    cache held (remote_state.py ``_databases``), which may lack one LAYOUT names, so the embedded executor's
+    ``open_state`` keeps its own refusal of a worker database missing beside one with state
+    (tests/exactly_once/test_state_files.py, the object store's case)."""
     if logs is not None:
         return
     named = [g.path_of(w) for g in executor.groups(layout) for w in range(layout.workers)]

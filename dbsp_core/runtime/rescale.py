@@ -39,7 +39,11 @@ Invariants (enforced here):
      by releases before this rule) the moved shards' state would be read from databases that no longer hold
      it and the move would "finish" with their groups empty: the change is refused with RecoveryError before
      anything is written, and recovery of a live change rolls back only to a version that holds LAYOUT's
-     epoch in every database, refusing (changing nothing) when no version does.
+     epoch in every database, refusing (changing nothing) when no version does. A database of a worker of ``old``
+     that is missing is damage, never a worker with no state: the state it held is in no other file
+     (storage/statefiles.py invariant 2, which ``Pipeline.open`` checks first), so the change refuses it with
+     CorruptionError naming the file and ``dbsp repair`` (:func:`_check_sources`, before anything is written, and
+     step 2 again for any other caller), instead of making it empty and moving its shards' state as empty groups.
   6. A live change moves one wave per pause of the steps (under the driver's step lock, driver invariant 8) and
      lets a step that waits run between two waves. One that fails before or between its waves (not inside a
      wave's move, nor in the checkpoint that ends it) moves the moved shards back and removes what it created
@@ -68,7 +72,7 @@ import time
 from typing import Callable, Protocol
 
 from dbsp_core.circuit import Circuit
-from dbsp_core.errors import RecoveryError
+from dbsp_core.errors import CorruptionError, RecoveryError
 from dbsp_core.layout import Layout
 from dbsp_core.runtime.executor import Executor, StateGroup
 from dbsp_core.storage.database import Database
@@ -170,14 +174,25 @@ def _rescale_by_tasks(root: str, executor: Executor, old: Layout, new: Layout, v
     return report
 
 
+def _refuse_missing(root: str, g: StateGroup, old: Layout) -> None:
+    """Invariant 5: CorruptionError naming every database of a worker of ``old`` in group ``g`` that is missing and
+    ``dbsp repair``; returns quietly when all are there."""
+    missing = [os.path.relpath(g.path_of(w), root) for w in range(old.workers) if not os.path.exists(g.path_of(w))]
+    if missing:
+        raise CorruptionError(
+            f"{root}: the layout change from {old.workers} workers (layout epoch {old.epoch}) needs state database"
+            f"{'s' if len(missing) > 1 else ''} {', '.join(missing)}, missing: the state held there is in no other "
+            f"file, and no database is made empty in its place. Run `dbsp repair {root}`: it says whether that "
+            f"state can be computed again from the input log, or which file to restore from a backup")
+
+
 def _check_sources(root: str, groups: list[StateGroup], old: Layout, version: int, vfs: str) -> None:
-    """Invariant 5: every existing database of a worker of ``old`` holds that worker's state of ``old`` at
-    ``version`` (or no state yet); else RecoveryError naming the database, and nothing changes."""
+    """Invariant 5: every database of a worker of ``old`` is there (else CorruptionError) and holds that worker's
+    state of ``old`` at ``version`` (or no state yet; else RecoveryError naming the database); nothing changes."""
     for g in groups:
+        _refuse_missing(root, g, old)
         for w in range(old.workers):
             path = g.path_of(w)
-            if not os.path.exists(path):
-                continue
             with Database(path, vfs=vfs) as db:
                 if version not in db.versions():
                     continue  # a database created for this change (or one a rolled-back attempt left): no state
@@ -189,12 +204,13 @@ def _relayout(g: StateGroup, old: Layout, new: Layout, version: int, step: int,
               crashpoint: Callable[[str], None], vfs: str, measure_total: bool = True) -> dict:
     """Step 2 of the protocol for one state group."""
     paths = {w: g.path_of(w) for w in range(max(old.workers, new.workers))}
-    fresh = {w for w, path in paths.items() if w >= old.workers or not os.path.exists(path)}
+    path0 = g.path_of(0)  # <root>/state/...: batch files that values name are in <root>/spill
+    root = path0[:path0.rfind(os.sep + STATE_DIR + os.sep)]
+    _refuse_missing(root, g, old)  # invariant 5: a missing old database is damage, not a new worker
+    fresh = set(range(old.workers, new.workers))
     for w in fresh:
         _remove_worker(paths[w], vfs)  # a leftover of an attempt that was rolled back
     with change_handles(paths, version, fresh, vfs) as handles:
-        path0 = g.path_of(0)  # <root>/state/...: batch files that values name are in <root>/spill
-        root = path0[:path0.rfind(os.sep + STATE_DIR + os.sep)]
         rep = relayout_group(handles, old, new, g.tables, f"{g.name}", measure_total,
                              batch_dir=os.path.join(root, SPILL_DIR))
         for w in paths:

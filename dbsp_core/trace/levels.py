@@ -32,7 +32,13 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      ``parts()`` and settles gets the same batches back (``parts()`` lists placed batches in the order they
      were placed). Freshness ends at the first read, which places the pending batches (no merge work: later
      inserts pay for their merges); while no read comes, an insert beyond MAX_PENDING pending batches inserts
-     the oldest one as above. A new trace is not fresh.
+     the oldest one as above. A new trace is not fresh. Freshness protects the restore only (the saved batches
+     back unmerged, in their order, settled or pending as saved); once a trace's load has returned, ending it
+     changes no batch and no content, so the batch store ends it too (:meth:`Trace.end_fresh`) when its budget
+     needs the pending batches spilled (spill.py invariant 12: between steps, never inside a load, which calls
+     it only once a trace is restored). Placing them must end freshness, as a read does: placed and still fresh,
+     a trace inserted into and never read would place every step's batch loose, never merging (no insert would
+     pay fuel below MAX_PENDING), so invariant 3's bound on its batches would not hold.
   6. A lookup touches only the rows whose key hash is asked for (a galloping C search per batch), or whole
      batches smaller than a few rows per asked key, so its cost grows with the change, not with the state.
   7. State is grouped by shard: a shard (top ``shard_bits`` bits of the key hash) is a contiguous row range
@@ -66,7 +72,7 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -334,6 +340,16 @@ class Trace(KeyIndexed):
             self._place(b, len(b))
         self.pending = []
 
+    def end_fresh(self) -> bool:
+        """End freshness (invariant 5): place the pending batches, merging nothing (later inserts pay for their
+        merges), as a first read does; returns whether the trace was fresh. Call it on the inserting thread or
+        between steps, never inside a restore (between :meth:`clear` and the last insert of the saved batches)."""
+        if not self._fresh:
+            return False
+        self.settle()
+        self._fresh = False
+        return True
+
     def _place(self, batch: "IndexedZSet", work: int) -> None:
         lvl = level_of(work)
         while len(self._by_level) <= lvl:
@@ -470,9 +486,7 @@ class Trace(KeyIndexed):
         store = self._store if self._store is not None else self._attach()
         if store is not None:
             store.note_read(self, whole=not pages)
-        if self._fresh:
-            self.settle()
-            self._fresh = False
+        self.end_fresh()
         if self._handed and current_merge_thread() is not None:  # install the merges the merge thread finished
             self._work(0)  # (invariant 10); merges nothing
         out = self._levels()
@@ -498,22 +512,27 @@ class Trace(KeyIndexed):
             self.prefetch(out, keys, row_hashes=False)
         return out
 
-    def in_pieces(self, b: "IndexedZSet", change: "IndexedZSet", walk: Any) -> list:
-        """``walk(piece)`` for consecutive pieces of ``change`` (an indexed batch, key-hash order) that a walk over
-        batch ``b`` of this trace takes one at a time: one piece (the whole change) unless ``b`` is spilled and the
-        walk would map more of its file than a piece may (spill.py ``BatchStore.walk_pieces``, invariant 12
-        "mapped"); then the batch's mapping is dropped after each piece. Returns what each call returned."""
+    def pieces(self, b: "IndexedZSet", n: int) -> Iterable[tuple[int, int]]:
+        """The (lo, hi) ranges of ``n`` change rows (key-hash order) a walk over batch ``b`` takes in turn: (0, n)
+        unless ``b`` is spilled and the walk would map more of its file than a piece may (spill.py ``walk_pieces``,
+        invariant 12 "mapped"); then its mapping is dropped after each piece (as the next range is asked for)."""
         store = self._store
-        g = store.walk_pieces(b, len(change)) if store is not None else 1
+        g = store.walk_pieces(b, n) if store is not None else 1
         if g == 1:
-            return [walk(change)]
-        out = []
-        cuts = np.linspace(0, len(change), g + 1).astype(np.int64)
-        for lo, hi in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
-            if hi > lo:
-                out.append(walk(change.slice(lo, hi)))
-                store.walked_out(b)
-        return out
+            return ((0, n),)  # (no generator: a read calls this per batch)
+        cuts = np.linspace(0, n, g + 1).astype(np.int64).tolist()
+
+        def cut() -> Iterator[tuple[int, int]]:
+            for lo, hi in zip(cuts[:-1], cuts[1:]):
+                if hi > lo:
+                    yield lo, hi
+                    store.walked_out(b)
+        return cut()
+
+    def in_pieces(self, b: "IndexedZSet", change: "IndexedZSet", walk: Any) -> list:
+        """What ``walk(piece)`` returns for each piece of ``change`` (an indexed batch) :meth:`pieces` cuts for b."""
+        n = len(change)
+        return [walk(change if hi - lo == n else change.slice(lo, hi)) for lo, hi in self.pieces(b, n)]
 
     def prefetch(self, batches: list["IndexedZSet"], hashes: np.ndarray, row_hashes: bool = True) -> None:
         """Before walks seek key hashes ``hashes`` in ``batches``: start reading the pages they will read of the
@@ -715,17 +734,14 @@ class Trace(KeyIndexed):
                     sub, rows = self.narrowed(b, change)  # a spilled batch: the rows its filter may hold
                     if sub is None:
                         continue
-                    pieces = self._store.walk_pieces(b, len(sub)) if self._store is not None else 1
-                    if rows is not None or pieces > 1:
-                        bv, brh = b._view_as(schema), b._row_hashes()
-
-                        def weigh(s: "IndexedZSet", bv: Any = bv, brh: Any = brh) -> np.ndarray:
-                            part = np.zeros(len(s), dtype=np.int64)
-                            _zset.match_weights(s._view(), None, None, bv, None, None, part, s._row_hashes(), brh)
-                            return part
-
-                        part = np.concatenate(self.in_pieces(b, sub, weigh))  # the pieces in order: sub's rows
-                        acc[np.arange(len(change)) if rows is None else rows] += part
+                    for lo, hi in self.pieces(b, len(sub)):
+                        if hi - lo == len(change):
+                            break  # one piece, the whole change: the plain walk below
+                        s, part = sub.slice(lo, hi), np.zeros(hi - lo, dtype=np.int64)
+                        _zset.match_weights(s._view(), None, None, b._view_as(schema), None, None, part,
+                                            s._row_hashes(), b._row_hashes())
+                        acc[slice(lo, hi) if rows is None else rows[lo:hi]] += part
+                    else:
                         continue
                 elif self._store is not None:
                     self._store.check(b)
@@ -777,24 +793,20 @@ class Trace(KeyIndexed):
                 self.prefetch(batches, khash, row_hashes=False)  # (the sums read keys and values, not row hashes)
             for b in batches:
                 self._check_probe(b, khash)
+                sel = None  # the probed keys the walk seeks (positions), None: all of them
                 if spilled and self._store.is_spilled(b):  # invariant 12: only the keys its filter may hold
                     keep = self._store.file_of(b).may_contain(khash)
                     self._store.stats["keys_sought"] += int(keep.sum())
                     self._store.note_pages(self, b, khash[keep])  # the pages the walk reads (invariant 12)
                     if not keep.any():
                         continue
-                    sel = np.flatnonzero(keep)
-                    pieces = self._store.walk_pieces(b, len(sel))
-                    if pieces > 1 or len(sel) < len(keep):  # (in pieces of the keys: invariant 12, "mapped")
-                        for p in np.array_split(sel, pieces):
-                            if len(p):
-                                sub = acc[p]
-                                b._key_sums(view, ppos, khash[p], rows[p], cpos, sub)
-                                acc[p] = sub
-                                if pieces > 1:
-                                    self._store.walked_out(b)
-                        continue
-                b._key_sums(view, ppos, khash, rows, cpos, acc)
+                    sel = None if keep.all() else np.flatnonzero(keep)
+                for lo, hi in self.pieces(b, len(rows) if sel is None else len(sel)):  # (invariant 12, "mapped")
+                    p = slice(lo, hi) if sel is None else sel[lo:hi]
+                    sub = acc[p]  # (a view of acc for a slice)
+                    b._key_sums(view, ppos, khash[p], rows[p], cpos, sub)
+                    if sel is not None:
+                        acc[p] = sub
         return acc
 
     def consolidated(self) -> "IndexedZSet":

@@ -157,10 +157,14 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      evicted every enforce and costs every step a write fault per page probed (a shared file mapping: ~5 us each, where
      a read fault on an immutable batch file maps a page in ~0.3 us).
 
-What is not spilled: pending batches of a trace being restored (they are placed at its first read), merge inputs
-(until the merge ends), Z-set state of operators that is not a trace, and the per-batch fence and filter (about
-1.4 bytes per row). A batch file is streamed through the store's VFS, posix or the
-fault-injecting one alike (batchfile.py invariant 1): spilling a batch never holds a second copy of it.
+What is not spilled: pending batches (those of a trace restored and not read since) while the loose batches meet the
+budget; beyond that ``enforce`` places them, ending the trace's freshness as a first read would, and spills them as
+loose ones (levels.py invariant 5: freshness protects a restore, which is over once a trace's load returns, and
+``enforce`` runs between steps, never inside a load: a staged task's load calls it only after each trace is
+restored, runtime/stage_task.py ``_placed``). Merge inputs (until the merge ends), Z-set state of operators that is
+not a trace, and the per-batch fence and filter (about 1.4 bytes per row). A batch file is streamed through the
+store's VFS, posix or the fault-injecting one alike (batchfile.py invariant 1): spilling a batch never holds a second
+copy of it.
 """
 
 from __future__ import annotations
@@ -175,6 +179,7 @@ import threading
 import weakref
 from collections import deque
 from contextlib import contextmanager, nullcontext
+from itertools import chain
 from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
@@ -670,8 +675,9 @@ class BatchStore:
         return sum(f.size for f in list(self._files.values()))
 
     def enforce(self) -> int:
-        """Spill loose batches, highest level and biggest first, until the batches in memory fit the budget's batch
-        share; then trim the cache (invariant 12). Call between steps. Returns the bytes spilled."""
+        """Spill loose batches, highest level and biggest first, then the pending ones of fresh traces (placed:
+        :meth:`_fresh_pending`), until the batches in memory fit the budget's batch share; then trim the cache
+        (invariant 12). Call between steps, never inside a restore. Returns the bytes spilled."""
         self.stats["enforcements"] += 1
         self._measure_reads()
         self._switch_written()
@@ -696,7 +702,7 @@ class BatchStore:
                 if level.merge is not None:
                     mem += sum(batch_bytes(x) for x in (level.merge.a[1], level.merge.b[1])
                                if id(x) not in self._files) + merge_bytes(level.merge)
-            mem += sum(batch_bytes(b) for b in t.pending)
+            mem += sum(batch_bytes(b) for b in t.pending if id(b) not in self._files and id(b) not in writing)
         mem += sum(f.memory_bytes() for f in list(self._files.values()))
         budget = int(self.memory_limit * self.BATCH_SHARE)
         spilled = 0
@@ -705,7 +711,7 @@ class BatchStore:
             over = mem - budget
             with (progress("spilling state to batch files", total=over >> 20, unit=" MiB")
                   if over >= self.PROGRESS_BYTES else nullcontext()) as shown:
-                for _lvl, n, b in candidates:
+                for _lvl, n, b in chain(candidates, self._fresh_pending(traces, writing)):
                     if mem <= budget:
                         break
                     if n >= self.ASYNC_BYTES and self.vfs in self.ASYNC_VFS and not self._exiting:
@@ -723,6 +729,19 @@ class BatchStore:
             self._in_memory, self._reserved = mem, 0
         self._trim_cache(traces)
         return spilled
+
+    def _fresh_pending(self, traces: list["Trace"], writing: set[int]) -> Iterator[tuple[int, int, Any]]:
+        """What :meth:`enforce` spills once its loose batches are not enough (invariant 12): the pending batches of
+        fresh traces (restored and not read since), placed as their first read would place them (levels.py
+        invariant 5, ``Trace.end_fresh``: no merge, no change of content or order), biggest first. A generator:
+        nothing is placed unless the budget is still exceeded when the loose batches are spent."""
+        late = []
+        for t in traces:
+            pending = [b for b in t.pending if id(b) not in self._files and id(b) not in writing and len(b)]
+            if pending and t.end_fresh():
+                late += [(0, batch_bytes(b), b) for b in pending]
+        late.sort(key=lambda c: (len(c[2]), c[1]), reverse=True)  # (a placed batch's level grows with its rows)
+        yield from late
 
     def _new_name(self) -> tuple[str, str]:
         with self._lock:

@@ -1,6 +1,7 @@
-"""DBSP_HUGEPAGES (csrc/scratch.c design note 2) takes effect: a merge's result region of 2 MiB and more carries the
-kernel's huge-page advice (the ``hg`` flag of its mapping in /proc/self/smaps) by default and with ``1``, never with
-``0``; the merge's rows are the same either way."""
+"""DBSP_HUGEPAGES (csrc/scratch.c design note 2) takes effect: a merge's result region of 2 MiB and more, and the
+key index's large anonymous regions (its slot table and entries after a bulk add, csrc/keyindex.c), carry the kernel's
+huge-page advice (the ``hg`` flag of their mappings in /proc/self/smaps) by default and with ``1``, never with ``0``;
+the merge's rows and the index's sums are the same either way."""
 
 from __future__ import annotations
 
@@ -23,17 +24,30 @@ a = ZSet.from_arrow(pa.table({"k": np.arange(0, 2 * n, 2), "v": np.arange(n)})).
 b = ZSet.from_arrow(pa.table({"k": np.arange(1, 2 * n, 2), "v": np.arange(n, 2 * n)})).index_by(["k"])
 m = a.merge(b)
 buf = m.zset.data.column("v").chunk(0).buffers()[1]
-flags = None
-for line in open("/proc/self/smaps"):
-    f = line.split()
-    if not f[0].endswith(":"):
-        lo, hi = (int(x, 16) for x in f[0].split("-"))
-        inside = lo <= buf.address < hi
-    elif inside and f[0] == "VmFlags:":
-        flags = f[1:]
+t = pa.table({"k": np.arange(n, dtype=np.int64)})
+kh = _zset.hash_columns(t, [0])
+ix = _zset.KeyIndex([pa.int64()], 1)
+ix.add(t, None, [0], kh, [-1])  # a bulk add: a slot table of 4 MiB and entries of 4.8 MB, advised at once
+acc = np.zeros((n, 1), dtype=np.int64)
+ix.get(t, [0], kh, acc)
+
+
+def flags_at(address):
+    flags = None
+    for line in open("/proc/self/smaps"):
+        f = line.split()
+        if not f[0].endswith(":"):
+            lo, hi = (int(x, 16) for x in f[0].split("-"))
+            inside = lo <= address < hi
+        elif inside and f[0] == "VmFlags:":
+            flags = f[1:]
+    return flags
+
+
 rows = sorted(zip(m.zset.data.column("k").to_pylist(), m.zset.data.column("v").to_pylist(), m.zset.weights.tolist()))
-ok = rows == [(k, k // 2 + (n if k % 2 else 0), 1) for k in range(2 * n)]
-print(json.dumps({"on": _zset.hugepages(), "flags": flags, "rows_ok": ok}))
+ok = rows == [(k, k // 2 + (n if k % 2 else 0), 1) for k in range(2 * n)] and bool((acc == 1).all())
+print(json.dumps({"on": _zset.hugepages(), "flags": flags_at(buf.address), "rows_ok": ok,
+                  "index": [flags_at(at) for at, size in ix.regions if size >= 2 << 20]}))
 """
 
 
@@ -51,3 +65,5 @@ def test_the_setting_decides_the_advice(value: str | None, advised: bool) -> Non
     assert got["flags"] is not None, "the result buffer is in no mapping of smaps"
     assert got["on"] is advised
     assert ("hg" in got["flags"]) is advised, got["flags"]
+    assert len(got["index"]) == 2 and None not in got["index"], got["index"]  # the slot table and the entries
+    assert all(("hg" in f) is advised for f in got["index"]), got["index"]

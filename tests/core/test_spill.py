@@ -828,3 +828,59 @@ def test_a_merge_output_merged_away_within_its_step_is_never_written(monkeypatch
     assert (deferred["files_written"] + deferred["outputs_never_written"] == at_once["files_written"]), (deferred,
                                                                                                      at_once)
 
+
+
+def test_a_restored_trace_never_read_spills_its_pending_batches_and_merges_again() -> None:
+    """A trace restored (cleared, its saved batches inserted and settled: trace invariant 5) and then only inserted
+    into stays fresh, its inserts pending; the store's enforce spilled loose batches only, so up to MAX_PENDING of
+    them stayed in memory whatever the budget (issue 31: a retried staged task's trace, DBSP_STAGED_SPILL_SEED=9119767).
+    Now enforce places them once the loose batches are not enough, ending freshness as a first read would: none is
+    left in memory, content and placement order are unchanged, and later inserts pay for their merges again (O(log n)
+    batches, which placing them and staying fresh would not keep). Under a budget the loose batches meet, they stay
+    pending and the trace fresh."""
+    from dbsp_core import ZSet
+    from dbsp_core.trace import Trace
+    from dbsp_core.trace.levels import level_of
+
+    rng = np.random.default_rng(SEED)
+    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    for limit in (1 << 30, TINY):
+        model: dict = {}
+
+        def insert(t: Trace) -> None:
+            n = int(rng.integers(1, 40))
+            z = ZSet.from_arrow(pa.table({"k": rng.integers(0, 300, n), "v": rng.integers(0, 5, n)})).consolidate()
+            t.insert(z.index_by(["k"]))
+            for r, w in z.to_dict().items():
+                model[r] = model.get(r, 0) + w
+
+        with BatchStore(limit) as store, spilling(store):
+            t = Trace(schema, ("k",))
+            for _ in range(6):
+                insert(t)
+                store.enforce()
+            placed, pending = t.parts()
+            t.clear()  # a restore, as storage/snapshot.py loads a trace
+            for b in placed:
+                t.insert(b)
+            t.settle()
+            for b in pending:
+                t.insert(b)
+            restored = [id(b) for b in t.parts()[0]]
+            insert(t)  # the retried job's step: inserts, no read
+            new = [id(b) for b in t.pending]
+            store.enforce()
+            if limit > TINY:
+                assert t._fresh and [id(b) for b in t.pending] == new and not store.is_spilled(t.pending[0])
+                continue
+            placed, pending = t.parts()
+            assert not pending and not t._fresh, f"seed {SEED}: {len(pending)} pending batches left in memory"
+            assert [id(b) for b in placed] == restored + new and all(store.is_spilled(b) for b in placed)
+            for _ in range(200):  # no read yet: the inserts merge as a read trace's do (trace invariant 3)
+                insert(t)
+                store.enforce()
+            assert len(t.parts()[0]) <= 2 * (level_of(t.inserted_rows) + 1), f"seed {SEED}: {t.levels()}"
+            loose = [e[1] for level in t._by_level for e in level.loose]  # (a merge's inputs stay in memory)
+            assert not t.pending and all(store.is_spilled(b) for b in loose), f"seed {SEED}"
+            t.check()
+            assert t.consolidated().zset.to_dict() == {r: w for r, w in model.items() if w}, f"seed {SEED}"

@@ -219,3 +219,63 @@ def test_a_stage_database_lost_while_the_pipeline_runs(tmp_path, capsys):
     assert cli(["repair", d]) == 0
     assert "the state is computed again" in capsys.readouterr().out
     _goes_on(d, "staged", pushes)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_layout_change_refuses_a_missing_old_database_called_directly(tmp_path, kind):
+    """runtime/rescale.py invariant 5, for callers other than ``Pipeline.open`` (whose check comes first): step 2
+    (``_relayout``) took an old worker's missing database for a new worker's, made it empty and moved its shards'
+    state as empty groups; it now refuses naming the file and ``dbsp repair`` and makes nothing, and
+    ``cold_rescale`` refuses before RESCALE is written."""
+    from dbsp_core.runtime.embedded import EmbeddedExecutor
+    from dbsp_core.runtime.rescale import _relayout, cold_rescale
+    from dbsp_core.storage.database import Database
+    from dbsp_core.storage.directory import read_layout
+
+    d = str(tmp_path / "d")
+    _build(d, kind)
+    old, _ = read_layout(d)
+    new = old.rebalance(3)
+    ex = _executor(kind) or EmbeddedExecutor()
+    ex.start(circuit(by_reference=False), new, d)
+    gone = [p for p in _dbs(d) if p.endswith("worker-1.db")]
+    with Database(_dbs(d)[0], readonly=True) as db:
+        version = db.versions().stop - 1
+    for p in gone:
+        os.unlink(p)
+    before = _files(d)
+
+    def nothing(_name: str) -> None:
+        pass
+
+    for g in ex.groups(new):
+        with pytest.raises(CorruptionError) as e:
+            _relayout(g, old, new, version, 6, nothing, "posix")
+        assert os.path.relpath(g.path_of(1), d) in str(e.value) and f"dbsp repair {d}" in str(e.value), str(e.value)
+    with pytest.raises(CorruptionError, match="dbsp repair"):
+        cold_rescale(d, ex, old, new, version, 6, nothing)
+    assert _files(d) == before and not os.path.exists(os.path.join(d, "RESCALE"))
+    ex.close()
+
+
+def test_an_object_stores_manifest_without_a_database_is_refused_by_the_executor(s3_server, tmp_path):
+    """Why EmbeddedExecutor.open_state keeps its own check of a missing worker database beside storage/statefiles.py's:
+    with an object store ``Pipeline.open`` skips that one (the manifest names the state, runtime/recovery.py
+    ``_check_state_files``), and a manifest lists the databases the cache held (runtime/remote_state.py
+    ``_databases``): one deleted from the cache while the pipeline ran is missing from the next manifest. The open
+    from the store then meets worker-1.db missing beside a worker-0.db with state: open_state refuses naming it and
+    ``dbsp repair`` (without its check: RecoveryError "the state databases share no version", after making it)."""
+    uri = s3_server.uri(s3_server.bucket(), "pipe")
+    cache = str(tmp_path / "cache")
+    p = dbsp.Pipeline(circuit(by_reference=False), 2, storage=uri, cache_dir=cache, checkpoint_interval=None)
+    for s in range(4):
+        for pr in ("a", "b"):
+            p.push("t", batch(pr, s), producer=pr, seq=s)
+        p.step()
+        if s == 1:
+            p.checkpoint()
+            os.unlink(os.path.join(cache, "state", "worker-1.db"))
+    p.close()
+    with pytest.raises(CorruptionError, match=r"worker-1\.db is missing.*dbsp repair"):
+        dbsp.Pipeline.open(uri, circuit(by_reference=False), cache_dir=str(tmp_path / "again"),
+                           checkpoint_interval=None)
