@@ -298,6 +298,10 @@ class BatchStore:
     PIECE_SHARE = 0.25
     PIECE_MIN: int | None = None  # bytes a piece may map at least (None: a unit per column; tests set it low)
     MAX_PIECES = 64
+    # whether a drop of a spilled file's pages (an eviction, a whole-mapping drop, a merge's or a walk piece's) marks
+    # the pages reads used as used in the page cache's LRU (invariant 12, "recency": the mapping is MADV_NORMAL for the
+    # drop); False: as before, MADV_RANDOM throughout, and the kernel never learns which files a step reads
+    RECENCY = True
 
     def __init__(self, memory_limit: int, directory: str | None = None, durable: bool = False,
                  vfs: str = "posix") -> None:
@@ -508,10 +512,7 @@ class BatchStore:
             with self._lock:
                 self._forget(id(x))  # its pages leave the cache too
             if f is not None and advice is not None:
-                try:
-                    f.map.madvise(advice)
-                except (OSError, ValueError):  # closed: its batch is going
-                    pass
+                _drop_mapping(f.map)  # (closed: its batch is going)
 
     def spill_output(self, out: "IndexedZSet", cursor: Any) -> None:
         """Spill the output of a merge built in a scratch file (invariant 12), streaming its batch file from the
@@ -1111,11 +1112,38 @@ def _around(base: int, clock: np.ndarray, pages: np.ndarray) -> np.ndarray:
 
 
 def _drop_mapping(m: mmap.mmap) -> None:
-    """Every page of mapping ``m`` leaves the process (madvise(MADV_DONTNEED): they stay in the page cache)."""
+    """Every page of mapping ``m`` leaves the process (madvise(MADV_DONTNEED): they stay in the page cache), the pages
+    reads used since the last drop marked used in the page cache's LRU on the way out (:func:`_recency`)."""
     try:
-        m.madvise(mmap.MADV_DONTNEED)
+        with _recency(m):
+            m.madvise(mmap.MADV_DONTNEED)
     except (OSError, ValueError):  # closed: its batch is gone
         pass
+
+
+@contextmanager
+def _recency(m: mmap.mmap) -> Iterator[None]:
+    """Around a drop of pages of batch-file mapping ``m`` (invariant 12, "recency"): the mapping is MADV_NORMAL for the
+    drop and MADV_RANDOM again after it, so that the kernel's unmapping marks the page-cache folio of every page a read
+    used (its accessed bit set) as used (Linux ``zap_present_ptes``: ``folio_mark_accessed`` only for a mapping with
+    recency, which MADV_RANDOM takes away; reclaim's reference scan skips such a mapping too). Without it the engine's
+    reads never reached the page cache's LRU: a file read every step aged as one never read, and under memory pressure
+    the kernel reclaimed the hot files first (bench/RESULTS.md, 2026-11-29, branch r31-fault100). Faults stay under
+    MADV_RANDOM (no read-around). ``BatchStore.RECENCY`` False: the drop as before."""
+    on = BatchStore.RECENCY and hasattr(mmap, "MADV_NORMAL")
+    if on:
+        try:
+            m.madvise(mmap.MADV_NORMAL)
+        except (OSError, ValueError):
+            on = False
+    try:
+        yield
+    finally:
+        if on:
+            try:
+                m.madvise(mmap.MADV_RANDOM)
+            except (OSError, ValueError):  # closed meanwhile: its batch is gone
+                pass
 
 
 def _evict(evict: list[tuple[mmap.mmap, np.ndarray]]) -> int:
@@ -1128,9 +1156,17 @@ def _evict(evict: list[tuple[mmap.mmap, np.ndarray]]) -> int:
     whole = {id(m): m for m, pages in evict if pages is None}  # each mapping once (several reads of it evicted)
     for m in whole.values():
         _drop_mapping(m)
+    runs: dict[int, list] = {}
     for m, pages in evict:
         if pages is not None and id(m) not in whole:
-            _advise(m, pages, mmap.MADV_DONTNEED)
+            runs.setdefault(id(m), [m]).append(pages)
+    for m, *parts in runs.values():  # the recency once per mapping (two madvise calls), around its runs
+        try:
+            with _recency(m):
+                for pages in parts:
+                    _advise(m, pages, mmap.MADV_DONTNEED)
+        except (OSError, ValueError):
+            pass
     return _storage.advise_calls() - before + len(whole)
 
 
