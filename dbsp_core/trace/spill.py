@@ -101,6 +101,32 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      a step must go through the store or not touch a spilled batch's pages (metrics' shard bytes use the fence:
      ``IndexedZSet.shard_bounds(near=True)``). The cost: the steps fault back the units the drop took, one minor
      fault per 2 MiB folio (bench/RESULTS.md, 2026-11-29, branch r31-rss).
+     Recency: the mappings are MADV_RANDOM (a fault reads no pages around it from the disk), and under that advice
+     Linux takes no notice of the mapping's accesses: unmapping a young page does not mark its page-cache folio
+     accessed, and reclaim's reference scan skips the mapping (``vma_has_recency``). So every drop of a spilled file's
+     pages (an eviction, a whole-mapping drop, a merge's ``merge_pages_out``, a walk piece's ``walked_out``: all through
+     ``_drop_mapping`` or ``_evict``) is made with the mapping MADV_NORMAL and sets it MADV_RANDOM again after
+     (``_recency``, two madvise calls per mapping dropped; ``RECENCY``): the pages reads used since the last drop are
+     marked used in the LRU, so under memory pressure the kernel reclaims the files steps do not read (a join's side
+     that only grows) before the ones every step reads. Without it, at 100M rows under 1 GiB (files 12 GiB on a 23 GiB
+     host shared with other work) the files a join step reads, written first, were reclaimed first and came back one
+     page at a time, in order-0 folios: a fault then maps 16 pages around its page a PTE each, 5x the kernel's cost of
+     a page in a 2 MiB folio (the same steps replayed: 19-21 ms a step in 16 KiB folios, 3.7 in 2 MiB ones, 36-56 on
+     the store's own files; bench/RESULTS.md, 2026-11-29, branch r31-fault100). A thread that faults a page of the
+     mapping during those two calls gets the kernel's read-around (read_ahead_kb of the disk): a cost, not an error.
+     Next step, measured and not built: reads through pread(2) for files whose pages sit in small folios or whose
+     reads find few pages per 2 MiB (the same 100M steps: pread 5.3 ms a step in 2 MiB folios, 7.6-8.1 in 16 KiB ones,
+     6.7-7.4 on the store's files; at 10M, 30 pages a unit, the mapping wins 8x). It changes how rows reach the
+     kernels: today a spilled batch's Arrow buffers are the mapping (``_switch``) and every C kernel (csrc/lookup.c
+     seeks, the join walk, ``key_sums``, ``match_weights``, merges) reads them in place, so a pread path must hand the
+     kernels an in-memory batch of the rows they will read instead: for a read of some keys (``Trace.narrowed``,
+     ``lookup``, ``key_sums``), gather, in C without the GIL, the fence blocks of the sought hashes (one pread each,
+     runs merged), the rows whose hashes match, and those rows of each column (a pread per run of rows), into a small
+     batch the walk reads in place of the spilled one (the join's ``inner_change`` then walks the gathered batch); the
+     pages it read are counted as now (invariants 12 and 15), a lazily opened file's pages are checked per 64 KiB page
+     read (invariant 14), columns of variable width, nulls and row hashes handled; whole reads (merges, a key index
+     build) keep the mapping. The store picks per file: pread while the file's reads find few pages per ``MAP_UNIT``
+     (the marks it keeps already) and the mapping maps small folios (its smaps FilePmdMapped against Rss, sampled).
      Prefetch: a read of some keys names its pages before it walks (the same fence in memory), so ``Trace.lookup``,
      ``key_sums``, ``match_weights`` and the join walks (``Trace.walked`` with the change's key hashes) first call
      :meth:`BatchStore.prefetch` for every spilled batch they will seek: a madvise(MADV_WILLNEED) per run of the
