@@ -112,7 +112,9 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      host shared with other work) the files a join step reads, written first, were reclaimed first and came back one
      page at a time, in order-0 folios: a fault then maps 16 pages around its page a PTE each, 5x the kernel's cost of
      a page in a 2 MiB folio (the same steps replayed: 19-21 ms a step in 16 KiB folios, 3.7 in 2 MiB ones, 36-56 on
-     the store's own files; bench/RESULTS.md, 2026-11-29, branch r31-fault100). A thread that faults a page of the
+     the store's own files; bench/RESULTS.md, 2026-11-29, branch r31-fault100); with it the hot files kept their
+     2 MiB folios in two of three runs (the LRU took their unread row hashes instead): 5.9-6.7 ms CPU a step against
+     29-33 on main, whose hot files degraded in both of its runs. A thread that faults a page of the
      mapping during those two calls gets the kernel's read-around (read_ahead_kb of the disk): a cost, not an error.
      Next step, measured and not built: reads through pread(2) for files whose pages sit in small folios or whose
      reads find few pages per 2 MiB (the same 100M steps: pread 5.3 ms a step in 2 MiB folios, 7.6-8.1 in 16 KiB ones,
