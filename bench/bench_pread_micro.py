@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", 1)
+MAP_UNIT = 2 << 20
 
 C_SOURCE = r"""
 #define _GNU_SOURCE
@@ -165,7 +166,7 @@ def record(a: argparse.Namespace) -> None:
     spill.BatchStore._pages_used = pages_used
     spill.BatchStore._evict_oldest = evict_oldest
     spill._evict = evict
-    args = argparse.Namespace(load_step=_count(a.load_step), change=1000)
+    args = argparse.Namespace(load_step=_count(a.load_step), change=1000, auctions_step=_count(a.auctions_step))
     groups = _count(a.groups)
     p, rng, loaded = bench_spill.load(a.query, _count(a.state), groups, args, a.limit)
     store = p.executor.batch_store
@@ -181,7 +182,8 @@ def record(a: argparse.Namespace) -> None:
                           "cpu": (ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime) * 1e3,
                           "minflt": ru.ru_minflt - ru0.ru_minflt})
     cap = store.cache_cap() // PAGE
-    p.close()
+    real = {f.path: f for f in store._files.values()}
+    _smaps_report(real)
     names = sorted(sizes)
     ix = {n: i for i, n in enumerate(names)}
     out: dict[str, np.ndarray] = {"sizes": np.array([sizes[n] for n in names], dtype=np.int64),
@@ -201,6 +203,11 @@ def record(a: argparse.Namespace) -> None:
     print(f"recorded {len(steps)} steps of {a.query}: {len(names)} files, {sum(sizes.values()) / 2**20:.0f} MiB; "
           f"pages used a step {np.mean(u):.0f}, the step's CPU {np.mean(out['cpu']):.2f} ms, minor faults "
           f"{np.mean(out['minflt']):.0f}; cache cap {cap * PAGE / 2**20:.0f} MiB", flush=True)
+    if a.replay_rounds:  # the replay on the pipeline's own files (their page cache's folios as the store left them)
+        live = [n for n in names if n in real and os.path.exists(n)]
+        print(f"replay on the pipeline's own files ({len(live)} of {len(names)} still live)", flush=True)
+        _replay(np.load(a.out), names, a.replay_rounds, a.replay_modes)
+    p.close()
 
 
 # ---- replay ----
@@ -220,10 +227,94 @@ def _ptr(x: np.ndarray) -> int:
 
 
 def replay(a: argparse.Namespace) -> None:
+    z = np.load(a.trace)
+    sizes = z["sizes"]
+    d = tempfile.mkdtemp(prefix="pread-micro-", dir=a.dir)
+    paths = []
+    block = os.urandom(8 << 20)
+    used = set()
+    for k in z.files:
+        if k[0] in "ue" and k[1:].isdigit():
+            used.update(int(f) for f in np.unique(z[k][0]))
+    for i, n in enumerate(sizes):  # files of the recorded sizes, in the page cache (written, not dropped), written
+        path = os.path.join(d, f"f{i}")  # in the pieces of --layout (the page cache's folios follow the writes)
+        paths.append(path)
+        if i not in used:  # no step reads it: not written (_replay skips a file that is not there)
+            continue
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            for at, ln in _pieces(int(n), a.layout):
+                os.pwrite(fd, block[:ln], at)
+        finally:
+            os.close(fd)
+    print(f"layout {a.layout}", flush=True)
+    try:
+        _replay(z, paths, a.rounds, a.modes)
+    finally:
+        subprocess.call(["rm", "-rf", d])
+
+
+def _smaps_report(files: dict) -> None:
+    """Per batch file mapped by the store: its mapping's Size, Rss and FilePmdMapped (/proc/self/smaps), its base's
+    place in a 2 MiB unit; then a fresh mapping of each file probed: 256 random pages touched, one at a time (the
+    faults and what they mapped: Rss / faults is the folio or fault-around size the page cache serves), dropped."""
+    import mmap
+
+    ent: dict[int, dict] = {}
+    cur = None
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                lo = int(head[0].split("-")[0], 16)
+                cur = ent.setdefault(lo, {})
+            elif cur is not None and head[0].endswith(":") and len(head) >= 2 and head[1].isdigit():
+                cur[head[0][:-1]] = int(head[1])
+    lib = _lib()
+    for path, f in sorted(files.items(), key=lambda kv: -kv[1].size):
+        e = ent.get(f.base, {})
+        fd = os.open(path, os.O_RDONLY)
+        m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        m.madvise(mmap.MADV_RANDOM)
+        base = np.frombuffer(m, dtype=np.uint8).ctypes.data
+        npages = f.size // PAGE
+        pages = np.sort(np.random.default_rng(1).choice(npages, min(2048, npages), replace=False)).astype(np.int64)
+        ru0, t0 = resource.getrusage(RUSAGE_THREAD), time.perf_counter()
+        lib.touch(base, _ptr(pages), len(pages), PAGE)
+        ru1, t1 = resource.getrusage(RUSAGE_THREAD), time.perf_counter()
+        e2 = _smaps_of(base)
+        m.madvise(mmap.MADV_DONTNEED)
+        ru2 = resource.getrusage(RUSAGE_THREAD)
+        m.close()
+        os.close(fd)
+        flt = ru1.ru_minflt - ru0.ru_minflt
+        print(f"  {os.path.basename(path)}: {f.size / 2**20:.0f} MiB, store's mapping at +{f.base % (2 << 20)} of a "
+              f"2 MiB unit (fresh: +{base % (2 << 20)}), Rss {e.get('Rss', 0) / 1024:.1f} MiB, FilePmdMapped "
+              f"{e.get('FilePmdMapped', 0) / 1024:.1f} MiB; probe: {len(pages)} pages, {flt} faults (major "
+              f"{ru1.ru_majflt - ru0.ru_majflt}), mapped Rss {e2.get('Rss', 0) / 1024:.1f} MiB, PMD "
+              f"{e2.get('FilePmdMapped', 0) / 1024:.1f} MiB ({e2.get('Rss', 0) / 4 / max(1, flt):.0f} pages a fault), "
+              f"sys {(ru1.ru_stime - ru0.ru_stime) * 1e6 / max(1, flt):.2f} us a fault + user "
+              f"{(ru1.ru_utime - ru0.ru_utime) * 1e6 / max(1, flt):.2f}, wall {(t1 - t0) * 1e6 / max(1, flt):.2f}, drop {(ru2.ru_stime - ru1.ru_stime) * 1e6:.0f} us",
+              flush=True)
+
+
+def _smaps_of(base: int) -> dict:
+    out: dict = {}
+    on = False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split()
+            if "-" in head[0] and ":" not in head[0]:
+                on = int(head[0].split("-")[0], 16) == base
+            elif on and head[0].endswith(":") and len(head) >= 2 and head[1].isdigit():
+                out[head[0][:-1]] = int(head[1])
+    return out
+
+
+def _replay(z, paths: list, rounds: int, modes_s: str) -> None:
     import mmap
 
     lib = _lib()
-    z = np.load(a.trace)
     sizes = z["sizes"]
     nsteps = sum(1 for k in z.files if k.startswith("u"))
     steps = []
@@ -233,37 +324,36 @@ def replay(a: argparse.Namespace) -> None:
         ev = {int(f): (None if (e[1, e[0] == f] < 0).any() else np.unique(e[1, e[0] == f])) for f in np.unique(e[0])}
         gone = {int(f): np.unique(g[1, g[0] == f]) for f in np.unique(g[0])}
         steps.append((used, ev, gone))
-    d = tempfile.mkdtemp(prefix="pread-micro-", dir=a.dir)
-    fds, maps = [], []
-    block = os.urandom(8 << 20)
-    for i, n in enumerate(sizes):  # files of the recorded sizes, in the page cache (written, not dropped), written
-        path = os.path.join(d, f"f{i}")  # in the pieces of --layout (the page cache's folios follow the writes)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        try:
-            for at, ln in _pieces(int(n), a.layout):
-                os.pwrite(fd, block[:ln], at)
-        finally:
-            os.close(fd)
-        fds.append(os.open(path, os.O_RDONLY))
-        maps.append(None)
-    print(f"{z['query'][0]}, layout {a.layout}: {nsteps} steps, {len(sizes)} files {sizes.sum() / 2**20:.0f} MiB, pages used a step "
-          f"{np.mean([sum(len(p) for p in s[0].values()) for s in steps]):.0f}, recorded step CPU "
-          f"{np.mean(z['cpu']):.2f} ms, minor faults {np.mean(z['minflt']):.0f}; load {os.getloadavg()[0]:.2f}",
-          flush=True)
+    fds = [os.open(p, os.O_RDONLY) if os.path.exists(p) else -1 for p in paths]
+    live = [i for i, fd in enumerate(fds) if fd >= 0]
+    steps = [({f: p for f, p in u.items() if fds[f] >= 0}, {f: p for f, p in e.items() if fds[f] >= 0},
+              {f: p for f, p in g.items() if fds[f] >= 0}) for u, e, g in steps]
+    units = [sum(len(np.unique(p // (MAP_UNIT // PAGE))) for p in s[0].values()) for s in steps]
+    npg = [sum(len(p) for p in s[0].values()) for s in steps]
+    print(f"{z['query'][0]}: {nsteps} steps, {len(live)} files {sizes[live].sum() / 2**20:.0f} MiB, pages used a step "
+          f"{np.mean(npg):.0f} in {np.mean(units):.0f} distinct 2 MiB units ({np.mean(npg) / max(1, np.mean(units)):.1f} "
+          f"pages a unit), recorded step CPU {np.mean(z['cpu']):.2f} ms, minor faults {np.mean(z['minflt']):.0f}; "
+          f"load {os.getloadavg()[0]:.2f}", flush=True)
 
     def open_maps(advice: int | None) -> list:
         out = []
         for i, fd in enumerate(fds):
+            if fd < 0:
+                out.append((None, 0))
+                continue
             m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             if advice is not None:
                 m.madvise(advice)
             out.append((m, np.frombuffer(m, dtype=np.uint8).ctypes.data))
         return out
 
-    def run_mmap(advice: int | None, evict: bool, populate: bool = False) -> tuple[float, ...]:
+    def run_mmap(advice: int | None, evict: bool, populate: bool = False, huge: int | None = None) -> tuple[float, ...]:
         ms = open_maps(advice)
         for m, _ in ms:  # a cold mapping, as a spilled batch's after a whole eviction
-            m.madvise(mmap.MADV_DONTNEED)
+            if m is not None:
+                if huge is not None:
+                    m.madvise(huge)
+                m.madvise(mmap.MADV_DONTNEED)
         ru0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
         ev_cpu = 0.0  # the evictions' share: CPU of this thread around them
@@ -287,7 +377,8 @@ def replay(a: argparse.Namespace) -> None:
         wall = time.perf_counter() - t0
         ru = resource.getrusage(resource.RUSAGE_SELF)
         for m, _ in ms:
-            m.close()
+            if m is not None:
+                m.close()
         return _per_step(ru0, ru, wall, nsteps) + (None, ev_cpu * 1e3 / nsteps)
 
     def run_pread(coalesce: bool) -> tuple[float, float, float]:
@@ -332,11 +423,13 @@ def replay(a: argparse.Namespace) -> None:
              "mmap-normal": lambda: run_mmap(mmap.MADV_NORMAL, True),
              "mmap-keep": lambda: run_mmap(mmap.MADV_RANDOM, False),
              "populate": lambda: run_mmap(mmap.MADV_RANDOM, True, populate=True),
+             "nohuge": lambda: run_mmap(mmap.MADV_RANDOM, True, huge=mmap.MADV_NOHUGEPAGE),
+             "hugepage": lambda: run_mmap(mmap.MADV_RANDOM, True, huge=mmap.MADV_HUGEPAGE),
              "pread": lambda: run_pread(True),
              "pread-page": lambda: run_pread(False)}
-    chosen = a.modes.split(",")
+    chosen = modes_s.split(",")
     res: dict[str, list] = {m: [] for m in chosen}
-    for r in range(a.rounds):
+    for r in range(rounds):
         for m in chosen:
             x = modes[m]()
             res[m].append(x)
@@ -346,21 +439,24 @@ def replay(a: argparse.Namespace) -> None:
                   f"wall {x[2]:.3f} ms, minor faults {x[3]:.0f}{extra}; load {os.getloadavg()[0]:.2f}", flush=True)
     for m in chosen:
         cpu = [x[0] + x[1] for x in res[m]]
-        print(f"{m:12s}: CPU a step {min(cpu):.3f}-{max(cpu):.3f} ms over {a.rounds} rounds", flush=True)
+        print(f"{m:12s}: CPU a step {min(cpu):.3f}-{max(cpu):.3f} ms over {rounds} rounds", flush=True)
     for fd in fds:
-        os.close(fd)
-    subprocess.call(["rm", "-rf", d])
+        if fd >= 0:
+            os.close(fd)
+
 
 
 def _pieces(n: int, layout: str) -> list[tuple[int, int]]:
     """(offset, length) of the writes that make a file of ``n`` bytes: "store" as batchfile.write_batch streams it
     (a 64-byte header, then pieces of STREAM_CHUNK from offset 64, then the header), "aligned" pieces of
-    STREAM_CHUNK cut at multiples of 2 MiB of the file, "1m" 1 MiB writes from 0."""
+    STREAM_CHUNK cut at multiples of 2 MiB of the file, "1m" 1 MiB writes from 0, "small" 16 KiB writes."""
     from dbsp_core.trace.batchfile import STREAM_CHUNK
 
     out = []
     if layout == "1m":
         return [(at, min(1 << 20, n - at)) for at in range(0, n, 1 << 20)]
+    if layout == "small":  # 16 KiB writes: 16 KiB folios, as a file re-read a page at a time after reclaim
+        return [(at, min(16384, n - at)) for at in range(0, n, 16384)]
     at = 64
     while at < n:
         ln = min(STREAM_CHUNK, n - at)
@@ -388,13 +484,16 @@ def main() -> int:
     r.add_argument("--steps", type=int, default=100)
     r.add_argument("--warmup", type=int, default=10)
     r.add_argument("--out", required=True)
+    r.add_argument("--auctions-step", default="0")
+    r.add_argument("--replay-rounds", type=int, default=0, help="then replay the steps on the pipeline's own files")
+    r.add_argument("--replay-modes", default="mmap-random,mmap-keep,nohuge,populate,pread")
     p = sub.add_parser("replay")
     p.add_argument("trace")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--modes", default="mmap-random,mmap-normal,mmap-keep,populate,pread,pread-page")
     p.add_argument("--layout", default="store", help="how the files are written (their page cache's folios): "
                    "store (4 MiB pieces from offset 64, as batchfile.write_batch), aligned (pieces cut at 2 MiB "
-                   "multiples of the file), 1m (1 MiB writes)")
+                   "multiples of the file), 1m (1 MiB writes), small (16 KiB writes)")
     p.add_argument("--dir", default=None, help="where the files go (default: the temporary directory)")
     a = ap.parse_args()
     record(a) if a.cmd == "record" else replay(a)

@@ -101,6 +101,34 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      a step must go through the store or not touch a spilled batch's pages (metrics' shard bytes use the fence:
      ``IndexedZSet.shard_bounds(near=True)``). The cost: the steps fault back the units the drop took, one minor
      fault per 2 MiB folio (bench/RESULTS.md, 2026-11-29, branch r31-rss).
+     Recency: the mappings are MADV_RANDOM (a fault reads no pages around it from the disk), and under that advice
+     Linux takes no notice of the mapping's accesses: unmapping a young page does not mark its page-cache folio
+     accessed, and reclaim's reference scan skips the mapping (``vma_has_recency``). So every drop of a spilled file's
+     pages (an eviction, a whole-mapping drop, a merge's ``merge_pages_out``, a walk piece's ``walked_out``: all through
+     ``_drop_mapping`` or ``_evict``) is made with the mapping MADV_NORMAL and sets it MADV_RANDOM again after
+     (``_recency``, two madvise calls per mapping dropped; ``RECENCY``): the pages reads used since the last drop are
+     marked used in the LRU, so under memory pressure the kernel reclaims the files steps do not read (a join's side
+     that only grows) before the ones every step reads. Without it, at 100M rows under 1 GiB (files 12 GiB on a 23 GiB
+     host shared with other work) the files a join step reads, written first, were reclaimed first and came back one
+     page at a time, in order-0 folios: a fault then maps 16 pages around its page a PTE each, 5x the kernel's cost of
+     a page in a 2 MiB folio (the same steps replayed: 19-21 ms a step in 16 KiB folios, 3.7 in 2 MiB ones, 36-56 on
+     the store's own files; bench/RESULTS.md, 2026-11-29, branch r31-fault100); with it the hot files kept their
+     2 MiB folios in two of three runs (the LRU took their unread row hashes instead): 5.9-6.7 ms CPU a step against
+     29-33 on main, whose hot files degraded in both of its runs. A thread that faults a page of the
+     mapping during those two calls gets the kernel's read-around (read_ahead_kb of the disk): a cost, not an error.
+     Next step, measured and not built: reads through pread(2) for files whose pages sit in small folios or whose
+     reads find few pages per 2 MiB (the same 100M steps: pread 5.3 ms a step in 2 MiB folios, 7.6-8.1 in 16 KiB ones,
+     6.7-7.4 on the store's files; at 10M, 30 pages a unit, the mapping wins 8x). It changes how rows reach the
+     kernels: today a spilled batch's Arrow buffers are the mapping (``_switch``) and every C kernel (csrc/lookup.c
+     seeks, the join walk, ``key_sums``, ``match_weights``, merges) reads them in place, so a pread path must hand the
+     kernels an in-memory batch of the rows they will read instead: for a read of some keys (``Trace.narrowed``,
+     ``lookup``, ``key_sums``), gather, in C without the GIL, the fence blocks of the sought hashes (one pread each,
+     runs merged), the rows whose hashes match, and those rows of each column (a pread per run of rows), into a small
+     batch the walk reads in place of the spilled one (the join's ``inner_change`` then walks the gathered batch); the
+     pages it read are counted as now (invariants 12 and 15), a lazily opened file's pages are checked per 64 KiB page
+     read (invariant 14), columns of variable width, nulls and row hashes handled; whole reads (merges, a key index
+     build) keep the mapping. The store picks per file: pread while the file's reads find few pages per ``MAP_UNIT``
+     (the marks it keeps already) and the mapping maps small folios (its smaps FilePmdMapped against Rss, sampled).
      Prefetch: a read of some keys names its pages before it walks (the same fence in memory), so ``Trace.lookup``,
      ``key_sums``, ``match_weights`` and the join walks (``Trace.walked`` with the change's key hashes) first call
      :meth:`BatchStore.prefetch` for every spilled batch they will seek: a madvise(MADV_WILLNEED) per run of the
@@ -303,6 +331,10 @@ class BatchStore:
     PIECE_SHARE = 0.25
     PIECE_MIN: int | None = None  # bytes a piece may map at least (None: a unit per column; tests set it low)
     MAX_PIECES = 64
+    # whether a drop of a spilled file's pages (an eviction, a whole-mapping drop, a merge's or a walk piece's) marks
+    # the pages reads used as used in the page cache's LRU (invariant 12, "recency": the mapping is MADV_NORMAL for the
+    # drop); False: as before, MADV_RANDOM throughout, and the kernel never learns which files a step reads
+    RECENCY = True
 
     def __init__(self, memory_limit: int, directory: str | None = None, durable: bool = False,
                  vfs: str = "posix") -> None:
@@ -513,10 +545,7 @@ class BatchStore:
             with self._lock:
                 self._forget(id(x))  # its pages leave the cache too
             if f is not None and advice is not None:
-                try:
-                    f.map.madvise(advice)
-                except (OSError, ValueError):  # closed: its batch is going
-                    pass
+                _drop_mapping(f.map)  # (closed: its batch is going)
 
     def spill_output(self, out: "IndexedZSet", cursor: Any) -> None:
         """Spill the output of a merge built in a scratch file (invariant 12), streaming its batch file from the
@@ -1130,11 +1159,38 @@ def _around(base: int, clock: np.ndarray, pages: np.ndarray) -> np.ndarray:
 
 
 def _drop_mapping(m: mmap.mmap) -> None:
-    """Every page of mapping ``m`` leaves the process (madvise(MADV_DONTNEED): they stay in the page cache)."""
+    """Every page of mapping ``m`` leaves the process (madvise(MADV_DONTNEED): they stay in the page cache), the pages
+    reads used since the last drop marked used in the page cache's LRU on the way out (:func:`_recency`)."""
     try:
-        m.madvise(mmap.MADV_DONTNEED)
+        with _recency(m):
+            m.madvise(mmap.MADV_DONTNEED)
     except (OSError, ValueError):  # closed: its batch is gone
         pass
+
+
+@contextmanager
+def _recency(m: mmap.mmap) -> Iterator[None]:
+    """Around a drop of pages of batch-file mapping ``m`` (invariant 12, "recency"): the mapping is MADV_NORMAL for the
+    drop and MADV_RANDOM again after it, so that the kernel's unmapping marks the page-cache folio of every page a read
+    used (its accessed bit set) as used (Linux ``zap_present_ptes``: ``folio_mark_accessed`` only for a mapping with
+    recency, which MADV_RANDOM takes away; reclaim's reference scan skips such a mapping too). Without it the engine's
+    reads never reached the page cache's LRU: a file read every step aged as one never read, and under memory pressure
+    the kernel reclaimed the hot files first (bench/RESULTS.md, 2026-11-29, branch r31-fault100). Faults stay under
+    MADV_RANDOM (no read-around). ``BatchStore.RECENCY`` False: the drop as before."""
+    on = BatchStore.RECENCY and hasattr(mmap, "MADV_NORMAL")
+    if on:
+        try:
+            m.madvise(mmap.MADV_NORMAL)
+        except (OSError, ValueError):
+            on = False
+    try:
+        yield
+    finally:
+        if on:
+            try:
+                m.madvise(mmap.MADV_RANDOM)
+            except (OSError, ValueError):  # closed meanwhile: its batch is gone
+                pass
 
 
 def _evict(evict: list[tuple[mmap.mmap, np.ndarray]]) -> int:
@@ -1147,9 +1203,17 @@ def _evict(evict: list[tuple[mmap.mmap, np.ndarray]]) -> int:
     whole = {id(m): m for m, pages in evict if pages is None}  # each mapping once (several reads of it evicted)
     for m in whole.values():
         _drop_mapping(m)
+    runs: dict[int, list] = {}
     for m, pages in evict:
         if pages is not None and id(m) not in whole:
-            _advise(m, pages, mmap.MADV_DONTNEED)
+            runs.setdefault(id(m), [m]).append(pages)
+    for m, *parts in runs.values():  # the recency once per mapping (two madvise calls), around its runs
+        try:
+            with _recency(m):
+                for pages in parts:
+                    _advise(m, pages, mmap.MADV_DONTNEED)
+        except (OSError, ValueError):
+            pass
     return _storage.advise_calls() - before + len(whole)
 
 

@@ -1,0 +1,81 @@
+"""A drop of a spilled file's pages tells the page cache which pages reads used (dbsp_core/trace/spill.py invariant 12,
+"recency"): the store maps batch files MADV_RANDOM (no read-around at a fault), and under that advice Linux neither
+marks the folio of an unmapped page accessed nor scans the mapping for references (``vma_has_recency``), so the files a
+step reads every time aged in the LRU like files never read (at 100M rows the hot files were reclaimed first and came
+back a page at a time, in small folios: ~5x the kernel's cost a page; bench/RESULTS.md, branch r31-fault100). So every
+drop happens with the mapping MADV_NORMAL, and the mapping is MADV_RANDOM again after it: read back in the mapping's
+VmFlags in /proc/self/smaps ("rr": random read) at each drop. The rows found are a dict model's (multisets)."""
+
+from __future__ import annotations
+
+import os
+import random
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+
+from dbsp_core.trace import spill
+from dbsp_core.trace.spill import BatchStore, spilling
+from tests.core.test_spill_flat import _read, _rss, _spilled_trace
+
+SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
+
+
+def test_seed_is_printed() -> None:
+    print(f"DBSP_TEST_SEED={SEED}")
+
+
+def _vmflags(m) -> set[str]:
+    """The VmFlags of mapping ``m`` in /proc/self/smaps."""
+    start = np.frombuffer(m, dtype=np.uint8).ctypes.data
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(None, 1)[0]
+            if "-" in head and not head.endswith(":"):
+                inside = int(head.split("-")[0], 16) == start
+            elif inside and head == "VmFlags:":
+                return set(line.split()[1:])
+    raise AssertionError("mapping not found in /proc/self/smaps")
+
+
+@pytest.mark.parametrize("recency", [True, False])
+def test_a_drop_of_a_spilled_files_pages_is_made_with_recency(recency: bool, monkeypatch) -> None:
+    """Steps of 150 lookups over a spilled batch of 1M rows (a 32 MiB file, twice the budget: every enforce drops the
+    file's mapping, invariant 12 "mapped"). Each drop of the file's pages is made while its mapping is not random-read
+    ("rr" absent from its VmFlags: the kernel marks the folios of the young pages it unmaps accessed), and the mapping
+    is random-read again after every enforce (faults read no pages around them). With ``RECENCY`` off every drop is
+    made random-read (the second case: the check can fail). The rows found are the model's; the budget holds."""
+    monkeypatch.setattr(BatchStore, "RECENCY", recency)
+    seen: list[bool] = []  # per drop of the file's mapping: "rr" in its VmFlags during it
+    inner = spill._recency
+
+    @contextmanager
+    def watched(m):
+        with inner(m):
+            if m is target[0]:
+                seen.append("rr" in _vmflags(m))
+            yield
+
+    target: list = [None]
+    monkeypatch.setattr(spill, "_recency", watched)
+    rng = np.random.default_rng(SEED)
+    limit = 16 << 20
+    with BatchStore(limit) as store, spilling(store):
+        t, model = _spilled_trace(store, 1_000_000, rng)
+        f = store.file_of(t._levels()[0])
+        target[0] = f.map
+        assert "rr" in _vmflags(f.map), _vmflags(f.map)  # opened random-read
+        for _ in range(3):
+            _read(t, rng.choice(1_000_000, 150, replace=False), model)
+            store.enforce()
+            rss = _rss(f.map)
+            assert rss <= store.mapped_bytes() <= store.cache_cap(), (rss, store.mapped_bytes(), SEED)
+            assert "rr" in _vmflags(f.map), SEED  # random-read again between steps
+        assert store.stats["mapped_drops"] + store.stats["whole_evictions"] >= 3, store.stats
+        assert len(seen) >= 3, seen
+        if recency:
+            assert not any(seen), (seen, SEED)
+        else:
+            assert all(seen), (seen, SEED)
