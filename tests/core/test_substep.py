@@ -359,3 +359,46 @@ def test_a_durable_pipeline_reopens_after_split_steps_and_goes_on_exactly(tmp_pa
             assert _integral(q, name) == want[name], (name, workers, kill, SEED)
     finally:
         q.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_piece_that_fails_on_its_data_puts_the_whole_step_back(workers: int) -> None:
+    """A StepError in a later piece (the poisoned push is the step's last) undoes the pieces before it too
+    (executor.py invariant 4): after the discard, every output is that of a pipeline that never saw the push."""
+    from dbsp_core.errors import StepError
+
+    def c_of() -> dbsp.Circuit:
+        c = dbsp.Circuit()
+        t = c.input("t", KEYED)
+        c.output("d", t.select(k="k").distinct())
+        c.output("s", t.group_by("k").agg(n=dbsp.count(), s=dbsp.sum("v"), hi=dbsp.max("v")))
+
+        def boom(batch: pa.RecordBatch) -> pa.RecordBatch:  # runs after the stateful operators
+            if batch.num_rows and 666 in batch.column("v").to_pylist():
+                raise ValueError("poison")
+            return batch
+        c.output("x", t.flat_map(boom, schema=KEYED))
+        return c
+
+    rng = np.random.default_rng(SEED)
+    steps = [pa.table({"k": rng.integers(0, 20, 40), "v": rng.integers(0, 50, 40)}, schema=KEYED) for _ in range(5)]
+    poison = pa.table({"k": [1, 2, 3, 99], "v": [5, 6, 666, 7]}, schema=KEYED)
+    split = dbsp.Pipeline(c_of(), workers=workers, executor=EmbeddedExecutor(substep_bytes=PIECE), memory_limit=TINY)
+    ref = dbsp.Pipeline(c_of(), workers=workers)
+    try:
+        for i, data in enumerate(steps):
+            split.push("t", data)
+            ref.push("t", data)
+            if i == 2:
+                split.push("t", poison)
+                before = _split(split)["pieces"]
+                with pytest.raises(StepError) as info:
+                    split.step()
+                assert _split(split)["pieces"] > before + 1  # the step was cut, so earlier pieces ran
+                split.discard(*info.value.inputs[-1][1:])
+            got, want = split.step(), ref.step()
+            for name in got:
+                assert got[name] == want[name], (name, i, workers, SEED)
+    finally:
+        split.close()
+        ref.close()
