@@ -84,8 +84,8 @@ def _compare(build: Callable[[dbsp.Circuit, dict], dict], queries: dict[str, str
             tables = {name: (schemas[name], dict(g.bag)) for name, g in gens.items()}
             for name, q in queries.items():
                 assert _distinct(got[name]), f"{name}: step {step}'s output holds equal rows (seed {seed})"
-                assert got[name] == want[name], (f"{name}: step {step} in pieces differs from the whole step (W="
-                                                 f"{workers}, seed {seed}): {_diff(got[name].to_dict(), want[name].to_dict())}")
+                diff = _diff(got[name].to_dict(), want[name].to_dict())
+                assert got[name] == want[name], f"{name}: step {step} in pieces differs (W={workers}, {seed}): {diff}"
                 accumulate(views[name], got[name])
                 ref = duckdb_query(q, tables)
                 assert normalize(views[name]) == ref, (f"{name} differs from DuckDB after step {step} (W={workers}, "
@@ -141,7 +141,8 @@ SQL_TEXT = """
     CREATE TABLE auctions (id INTEGER, category VARCHAR, reserve BIGINT);
     CREATE VIEW v AS SELECT a.category, count(*) AS n, sum(b.price) AS total, count(DISTINCT b.bidder) AS nb
                      FROM bids b JOIN auctions a ON b.auction = a.id WHERE b.price > 1 GROUP BY a.category;
-    CREATE VIEW w AS SELECT DISTINCT bidder FROM bids WHERE auction NOT IN (SELECT id FROM auctions WHERE id IS NOT NULL);
+    CREATE VIEW w AS SELECT DISTINCT bidder FROM bids
+                     WHERE auction NOT IN (SELECT id FROM auctions WHERE id IS NOT NULL);
 """
 
 
@@ -170,7 +171,8 @@ def test_pieces_cut_by_bytes_without_copying() -> None:
             whole = [z for g, z in pushes if g == h and z.num_rows]
             parts = [z for g, z in flat if g == h]
             assert pa.concat_tables([z.data for z in parts]).equals(pa.concat_tables([z.data for z in whole]))
-            assert np.array_equal(np.concatenate([z.weights for z in parts]), np.concatenate([z.weights for z in whole]))
+            assert np.array_equal(np.concatenate([z.weights for z in parts]),
+                                  np.concatenate([z.weights for z in whole]))
         parents = {b.address for _, z in pushes for col in z.data.columns for ch in col.chunks for b in ch.buffers()
                    if b is not None}
         assert {b.address for _, z in flat for col in z.data.columns for ch in col.chunks for b in ch.buffers()
