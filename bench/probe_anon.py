@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import resource
 import sys
 import threading
 import time
@@ -46,6 +47,12 @@ def sampler(stop: threading.Event) -> None:
             if (tracemalloc.is_tracing() and _PHASE["name"] != "load step 1"
                     and a > _PHASE.get("snap_at", 0) + 32 * MiB):
                 _PHASE["snap_at"], _PHASE["snap"] = a, tracemalloc.take_snapshot()
+
+
+def _cpu() -> float:
+    """CPU seconds of this process so far, all threads (user + system)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def at_peak(name: str) -> str:
@@ -118,11 +125,13 @@ def main() -> int:
         state, groups = _count(args.state), _count(args.groups)
         _PHASE["name"] = "load"
         _PHASE["load_steps"] = 0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu()
         p, rng, loaded = bench_spill.load(q, state, groups, args, args.limit)
+        cpu = _cpu() - c0
         lp = {k: v for k, v in _PHASE["peak"].items() if k.startswith("load step")}
         top = max(lp, key=lp.get)
-        print(f"{q}: loaded in {time.perf_counter() - t0:.0f} s; during the load: at {top} (of "
+        print(f"{q}: loaded in {time.perf_counter() - t0:.0f} s, CPU {cpu:.0f} s; peak RssAnon of the load "
+              f"{max(lp.values()) / MiB:,.0f} MiB; during the load: at {top} (of "
               f"{_PHASE['load_steps']}) {at_peak(top)}; peak RssAnon of the steps after the first "
               f"{max(v for k, v in lp.items() if k != 'load step 1') / MiB:,.0f} MiB", flush=True)
         for k in sorted(lp, key=lambda k: int(k.split()[-1])):

@@ -41,6 +41,10 @@ Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them
   wheels; default 0: arrow_pool.py has what each costs, measured on Nexmark).
 - ``DBSP_STEP_PLAN`` (runtime/embedded.py): ``1``: the embedded executor's workers run fused chains of operators
   as one call (runtime/plan.py); ``0``: every operator's own step (default 1). Results are the same either way.
+- ``DBSP_SUBSTEP_BYTES`` (runtime/substep.py): under a memory budget, the most pushed bytes (Arrow data and weights)
+  one piece of a step holds: a bigger step runs as sub-steps over pieces of its input (default: an eighth of the
+  budget, at least 4 MiB; bytes or a size such as ``64MiB``). Results are the same either way; with no budget it is
+  not read.
 
 Not runtime settings, read where they are used (listed so that this is the one list of every ``DBSP_*`` variable;
 tests/core/test_envvars.py checks that the repository reads no other):
@@ -230,6 +234,7 @@ SETTINGS: tuple[Setting, ...] = (  # the list of the module docstring, in its or
     Setting("DBSP_CACHE_KEEP_MB", "cache_keep_mb", "whole", default=16),
     Setting("DBSP_STEP_PLAN", "step_plan", "flag", default=True),
     Setting("DBSP_JEMALLOC", "jemalloc", "flag", default=False),
+    Setting("DBSP_SUBSTEP_BYTES", "substep_bytes", "bytes"),  # None: runtime/substep.py derives it from the budget
 )
 
 
@@ -250,6 +255,7 @@ class Settings(NamedTuple):
     cache_keep_mb: int
     step_plan: bool
     jemalloc: bool
+    substep_bytes: int | None
 
 
 assert Settings._fields == tuple(s.field for s in SETTINGS)

@@ -281,6 +281,8 @@ def gather(p: Any, state: bool = True) -> dict:
         store = p.executor.batch_store
         if store is not None:
             out["spill"] = spill_metrics(store, [p.traces(w) for w in range(p.layout.workers)])
+            if "substeps" in p.stats:  # steps run in pieces under the budget (dbsp_core/runtime/substep.py)
+                out["spill"]["substeps"] = dict(p.stats["substeps"])
         elif "task_spill" in p.stats:  # a staged executor's task processes (runtime/stage_task.py invariant 7)
             out["spill"] = task_spill_metrics(p.stats["task_spill"])
     out["profile"] = pipeline_profile(p, state)  # after the state: p.traces refuses a closed pipeline first

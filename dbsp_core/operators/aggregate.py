@@ -91,6 +91,7 @@ class Aggregate(Operator):
     """``group_by(*keys).agg(name=aggregate, ...)``."""
 
     kind = "aggregate"
+    split_safe = True  # base.py invariant 6 (invariant 1: a function of the integrated input)
     output_keys = True  # the key columns lead the output (False: a keyless aggregate's hidden key)
     distinct_columns: tuple[str, ...] = ()  # columns of count_distinct slots (partials from CountDistinct)
     in_times: tuple = ()  # time lineage of the input, set by the circuit when there is one (dbsp_core.time)
@@ -474,6 +475,8 @@ class PreAggregate(Operator):
     changes into 1000 groups). Both forms sum to the same totals in exact integer arithmetic, so results do
     not depend on the choice.
     """
+
+    split_safe = True  # base.py invariant 6 (linear: a change as partial rows)
 
     kind = "pre_aggregate"
     GROUP_ABOVE = 16_384  # rows; below this, a grouping pass costs more than it saves

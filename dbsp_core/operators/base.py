@@ -14,6 +14,11 @@ Invariants (every operator subclass keeps them):
      "the output is partitioned"; an operator whose state is keyed internally though its output is not (the
      fixpoint's nested traces) sets it True.
   5. Operators never iterate over rows in Python: they call Arrow compute, numpy or the Z-set kernels.
+  6. ``split_safe`` (default False) says that the operator is time-invariant over steps: its output at a step is
+     ``F(integral of its inputs after the step) - F(before)`` (or linear), reading nothing of the step context but
+     its inputs, its worker and the exchange. A step of a circuit whose live nodes are all split-safe may run, under
+     a memory budget, as several sub-steps over pieces of its input, with the same result as a Z-set
+     (dbsp_core/runtime/substep.py). An operator that is not sure says False: its circuits' steps then run whole.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class Operator:
     """A node of a circuit. Subclasses set ``kind`` and implement :meth:`step` (or :meth:`instance`)."""
 
     kind = "operator"
+    split_safe = False  # invariant 6: a subclass that is time-invariant over steps says True
 
     def __init__(self, inputs: Sequence[int], schema: pa.Schema, partitioning: tuple[str, ...] | None = None
                  ) -> None:

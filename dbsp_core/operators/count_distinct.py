@@ -53,6 +53,7 @@ class CountDistinct(Operator):
     """The distinct-value flips of ``column`` per group of ``agg``, as partial rows for ``agg`` (invariant 2)."""
 
     kind = "count_distinct"
+    split_safe = True  # base.py invariant 6 (invariant 2: the same counts whatever the split into steps)
 
     def __init__(self, node: int, in_schema: pa.Schema, agg: "Aggregate", column: str) -> None:
         super().__init__((node,), agg.pschema, pair_key(agg.keys, column))

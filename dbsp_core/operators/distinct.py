@@ -33,6 +33,7 @@ class Distinct(Operator):
     """``s.distinct()``."""
 
     kind = "distinct"
+    split_safe = True  # base.py invariant 6 (invariant 1: a function of the integrated input)
     in_times: tuple = ()  # time lineage of the input, set by the circuit when there is one (dbsp_core.time)
 
     def __init__(self, node: int, schema: pa.Schema) -> None:

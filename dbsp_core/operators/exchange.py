@@ -24,6 +24,7 @@ class Exchange(Operator):
     """Re-shard by ``key``; the output is partitioned by ``key``."""
 
     kind = "exchange"
+    split_safe = True  # base.py invariant 6 (linear)
 
     def __init__(self, node: int, schema: pa.Schema, key: tuple[str, ...]) -> None:
         super().__init__((node,), schema, tuple(key))

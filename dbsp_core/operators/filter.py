@@ -19,6 +19,7 @@ class Filter(Operator):
     """``filter(predicate)``: rows where the predicate is true; null counts as false, as in SQL WHERE."""
 
     kind = "filter"
+    split_safe = True  # base.py invariant 6 (linear)
 
     def __init__(self, node: int, schema: pa.Schema, partitioning: tuple[str, ...] | None,
                  predicate: pc.Expression, where: str) -> None:

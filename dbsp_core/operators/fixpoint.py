@@ -69,6 +69,7 @@ class Fixpoint(Operator):
     """The fixed point of a body circuit (see the module docstring); build it with ``Circuit.recursive``."""
 
     kind = "fixpoint"
+    split_safe = True  # base.py invariant 6 (invariant 1: each piece iterates to its fixed point; body: invariant 4)
 
 
     @property

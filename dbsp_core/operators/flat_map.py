@@ -35,6 +35,7 @@ class FlatMap(Operator):
     """``flat_map(fn, schema=...)``: output rows are ``fn(batch)`` for the record batch of the rows of each weight."""
 
     kind = "flat_map"
+    split_safe = True  # base.py invariant 6 (linear)
 
     def __init__(self, node: int, in_schema: pa.Schema, fn: FlatMapFn, schema: pa.Schema | None,
                  where: str) -> None:

@@ -34,6 +34,12 @@ class Input(Operator):
     lateness = 0
     append_only = False  # invariant 3; set only when declared
 
+    @property
+    def split_safe(self) -> bool:  # type: ignore[override]
+        """base.py invariant 6: without event time the output is the pushed change (invariant 1); with it, late rows
+        and what the watermark lets operators drop are judged per step: not proven safe in pieces."""
+        return self.event_time is None
+
     def __init__(self, name: str, schema: pa.Schema, event_time: str | None = None, lateness: int = 0,
                  append_only: bool = False) -> None:
         super().__init__((), schema, None)

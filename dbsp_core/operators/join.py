@@ -77,6 +77,7 @@ class Join(Operator):
     """Inner equi-join of two streams on ``left_on`` = ``right_on``."""
 
     kind = "join"
+    split_safe = True  # base.py invariant 6 (invariant 1 here and the outer joins': a function of the integrals)
     in_times: tuple = ()  # time lineage of both inputs, set by the circuit when there is one (dbsp_core.time)
     pad_types: list[pa.DataType]  # the right columns' types, set by the joins that pad left rows (padded_left)
 

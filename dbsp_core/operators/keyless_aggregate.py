@@ -32,6 +32,7 @@ class AddGlobalKey(Operator):
     """Each row with the constant column :data:`GLOBAL_KEY` appended (invariant 1)."""
 
     kind = "add_global_key"
+    split_safe = True  # base.py invariant 6 (linear)
 
     def __init__(self, node: int, schema: pa.Schema, partitioning: tuple[str, ...] | None, where: str) -> None:
         if GLOBAL_KEY in schema.names:

@@ -29,6 +29,7 @@ class Materialize(Operator):
     """The integral of its input, kept in a trace keyed like the input (invariant 2); outputs nothing."""
 
     kind = "materialize"
+    split_safe = True  # base.py invariant 6 (invariant 1: its trace is the integral, its output empty)
 
     def __init__(self, node: int, schema: pa.Schema, key: tuple[str, ...], name: str) -> None:
         super().__init__((node,), schema, tuple(key))

@@ -15,6 +15,7 @@ class Negate(Operator):
     """``-s``: every weight negated; WeightOverflowError for the weight -2**63."""
 
     kind = "negate"
+    split_safe = True  # base.py invariant 6 (linear)
 
     def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         return negate(inputs[0])

@@ -17,6 +17,7 @@ class Plus(Operator):
     """Sum of the inputs, each multiplied by its sign (+1 or -1); no consolidation."""
 
     kind = "plus"
+    split_safe = True  # base.py invariant 6 (linear)
 
     def __init__(self, nodes: Sequence[int], signs: Sequence[int], schema: pa.Schema,
                  partitioning: tuple[str, ...] | None) -> None:

@@ -19,6 +19,7 @@ class Select(Operator):
     """``select(name=expr, ...)``: one output column per keyword, in keyword order; weights unchanged."""
 
     kind = "select"
+    split_safe = True  # base.py invariant 6 (linear)
 
     def __init__(self, node: int, in_schema: pa.Schema, in_partitioning: tuple[str, ...] | None,
                  columns: dict[str, pc.Expression], where: str) -> None:

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 class SemiJoin(Operator):
     """``left.semi_join(right, ...)`` (``anti=False``) and ``left.anti_join(right, ...)`` (``anti=True``)."""
 
+    split_safe = True  # base.py invariant 6 (invariant 1: a function of the integrated inputs)
+
     def __init__(self, left: int, right: int, lschema: pa.Schema, rschema: pa.Schema,
                  left_on: Sequence[str], right_on: Sequence[str], anti: bool, where: str) -> None:
         join_schema(lschema, rschema, left_on, right_on, False, where)  # validates the keys (join invariant 3)

@@ -53,6 +53,7 @@ class Session(Operator):
     """``group_by(*keys).session(column, gap)``: the input rows followed by their session's bounds (invariant 1)."""
 
     kind = "session"
+    split_safe = True  # base.py invariant 6 (invariant 1: any split into steps gives the same integral)
     in_times: tuple = ()  # time lineage of the input, set by the circuit when there is one (dbsp_core.time)
 
     def __init__(self, node: int, in_schema: pa.Schema, keys: Sequence[str], column: str, gap: int, start: str,

@@ -62,6 +62,7 @@ class TopK(Operator):
     """``group_by(*keys).top_k(k, order_by)``: the first ``k`` rows of each group (invariant 1)."""
 
     kind = "top_k"
+    split_safe = True  # base.py invariant 6 (invariant 1: a function of the integrated input)
     in_times: tuple = ()  # time lineage of the input, set by the circuit when there is one (dbsp_core.time)
     append_only = False  # invariant 5; set only when the input is inserts only
 

@@ -39,6 +39,7 @@ class Upsert(Materialize):
     table's change (invariant 3)."""
 
     kind = "upsert"
+    split_safe = True  # base.py invariant 6: the driver keeps a key's last row over the whole step (invariant 2)
 
     def instance(self) -> "_UpsertState":
         return _UpsertState(self)

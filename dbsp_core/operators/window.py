@@ -60,6 +60,7 @@ class Window(Operator):
     ``[t + lo, t + hi]``)."""
 
     kind = "window"
+    split_safe = True  # base.py invariant 6 (linear: windows assigned row by row (invariant 1))
 
     def __init__(self, node: int, in_schema: pa.Schema, partitioning: tuple[str, ...] | None, column: str,
                  mode: str, size: int, slide: int, lo: int, hi: int, start: str, end: str | None, where: str

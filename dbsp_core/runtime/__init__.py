@@ -16,6 +16,8 @@ How the pieces fit (each module states its own invariants):
   change, to the calls of one step, with the chains it covers fused into one call (the design note there).
 - ``embedded.py``: W threads in this process; state in memory, checkpointed by ``coordinator.py`` (all workers
   pause at one step, commit a version each; the newest version every worker holds is the checkpoint).
+- ``substep.py``: under a memory budget, a step whose pushes are bigger than a share of it runs in the embedded
+  executor as sub-steps over slices of its input (the user sees one step), when every live node is split-safe.
 - ``staged.py`` (driver side), ``stage_plan.py`` (the circuit cut into stages; blobs), ``stage_task.py`` (runs
   inside a task, against its stage database), ``job_files.py`` (blob files between driver and tasks); a job
   runner moves blobs between tasks (``LocalJobRunner`` here, ``spark_glue.SparkJobRunner`` on Spark).

@@ -19,10 +19,18 @@ Invariants (enforced here):
   4. With storage, worker ``w``'s state lives in ``state/worker-<w>.db`` (dbsp_core.storage.formats), grouped by
      shard (dbsp_core.storage.snapshot), in the version the coordinator last committed; the workers' step
      counters advance with every step and must all equal the checkpoint's step.
+  5. Under a memory budget (a batch store), a step whose pushes hold more than a piece's bytes runs as several
+     sub-steps over pieces of them when every live node is split-safe (dbsp_core/runtime/substep.py: when, what,
+     why the step's output is the same, what is not split): :meth:`EmbeddedExecutor._run_one` decides the pieces
+     once per step on the calling thread (every worker runs each of them: exchanges are barriers), runs each on all
+     workers with the step's context, enforces the budget between pieces and returns the sum of their outputs made
+     distinct (invariant 3, without the disjoint shortcut: two pieces may hold equal rows). The step counts once:
+     one ``advance`` of the worker stores, one rollback capture, one release of memory after it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -49,6 +57,7 @@ from dbsp_core.runtime.executor import (StateGroup, StepInput, as_step_error, gr
 from dbsp_core.runtime.migrate import hand_over, move_shards
 from dbsp_core.runtime.plan import StepPlan
 from dbsp_core.runtime.rollback import capture, restore
+from dbsp_core.runtime.substep import piece_bytes, pieces, split_off
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.directory import tree_bytes
 from dbsp_core.storage.formats import SPILL_DIR, state_db_path
@@ -57,6 +66,8 @@ from dbsp_core.trace import MergeThread, Trace, merging
 from dbsp_core.trace.spill import BatchStore, spilling
 from dbsp_core.zset import ZSet
 
+
+log = logging.getLogger("dbsp_core.substep")
 
 BIG_STEP_ROWS = 1 << 18  # pushed rows from which a step also returns the allocators' free memory (release_memory)
 
@@ -194,6 +205,10 @@ class EmbeddedExecutor:
     ``step_plan``: the workers run their steps through a step plan that fuses the chains it covers
     (dbsp_core/runtime/plan.py); False runs every node's own step (None: ``DBSP_STEP_PLAN``, default on). Results
     and state are the same either way.
+
+    ``substep_bytes`` (tests, benchmarks): under a memory budget, the most pushed bytes a piece of a step holds
+    (invariant 5; None: ``DBSP_SUBSTEP_BYTES``, else an eighth of the budget, at least 4 MiB). Results are the same
+    whatever it is.
     """
 
     kind = "embedded"
@@ -201,9 +216,12 @@ class EmbeddedExecutor:
     division_first = False  # state becomes durable only at checkpoints: a step may run while its division syncs
     state_in_memory = True  # a live rescale moves state here (relayout); the driver makes it durable
 
-    def __init__(self, vfs: str = "posix", background_merge: bool | None = None, step_plan: bool | None = None
-                 ) -> None:
+    def __init__(self, vfs: str = "posix", background_merge: bool | None = None, step_plan: bool | None = None,
+                 substep_bytes: int | None = None) -> None:
         self.vfs = vfs
+        self.substep_bytes = substep_bytes  # invariant 5: a piece's bytes (None: substep.py's, from the budget)
+        self._split_off: str | None = None  # why this circuit's steps run whole (None: they may run in pieces)
+        self._said_off = False  # whether the log said why already
         self.background_merge = background_merge
         self.step_plan = settings().step_plan if step_plan is None else step_plan
         self._merge_thread: MergeThread | None = None
@@ -240,6 +258,9 @@ class EmbeddedExecutor:
                           and set(circuit.nodes[i].partitioning) <= set(circuit.nodes[i].schema.names)
                           for name, i in circuit.outputs.items()}
         self._live = live_nodes(circuit)
+        self._split_off = split_off(circuit, self._live)
+        if "substeps" in self.stats:  # a budget given before the circuit (the driver's order)
+            self.stats["substeps"]["off"] = self._split_off
         self._groupings = groupings(circuit)
         self._build(layout)
 
@@ -432,11 +453,63 @@ class EmbeddedExecutor:
             fresh.close()
         return outs
 
+    def _pieces(self, s: StepInput) -> list[list[tuple[str, ZSet]]]:
+        """The pushes of step ``s`` as the pieces it runs in (invariant 5, dbsp_core/runtime/substep.py): one, unless
+        a budget is set, the pushes hold more than a piece's bytes and the circuit is split-safe."""
+        store = self.batch_store
+        if store is None or not s.pushes:
+            return [s.pushes]
+        limit = self.substep_bytes if self.substep_bytes is not None else piece_bytes(store.memory_limit)
+        cut = pieces(s.pushes, limit)
+        if len(cut) == 1:
+            return cut
+        counts = self._substep_stats()
+        if self._split_off is not None:  # substep.py invariant 5: said once, the step runs whole
+            if not self._said_off:
+                self._said_off = True
+                log.debug("step %d runs whole (%d pieces of its input under the budget): %s", s.step, len(cut),
+                          self._split_off)
+            return [s.pushes]
+        counts["split_steps"] += 1
+        counts["pieces"] += len(cut)
+        return cut
+
+    def _substep_stats(self) -> dict[str, Any]:
+        """The counters of split steps (``Pipeline.metrics()["spill"]["substeps"]``): steps run in pieces, their
+        pieces, and why this circuit's steps run whole (None: they may run in pieces)."""
+        return self.stats.setdefault("substeps", {"split_steps": 0, "pieces": 0, "off": self._split_off})
+
     def _run_one(self, s: StepInput) -> dict[str, ZSet]:
+        assert self.circuit is not None and self.layout is not None
+        cut = self._pieces(s)
+        results: list[dict[str, ZSet]] = []
+        for k, pushes in enumerate(cut):
+            if k:  # between pieces no worker runs, as between steps (substep.py invariant 3)
+                assert self.batch_store is not None
+                self.batch_store.enforce()
+                release_memory(sum(z.num_rows for _, z in cut[k - 1]))
+            results += self._run_piece(s, pushes)
+        if self._coord is not None:
+            for st in self._coord.stores:
+                st.advance()
+        whole = len(cut) == 1  # pieces' outputs may hold equal rows of two pieces (substep.py invariant 3)
+        out = {}
+        for name, schema in self._out_schemas.items():
+            parts = [r[name] for r in results]
+            z = concat(parts, schema)
+            if z._distinct or (whole and self._disjoint[name] and all(p._distinct for p in parts)):  # invariant 3
+                out[name] = z if z._distinct else ZSet._make(z.data, z.weights, distinct=True)  # parts need no sort
+            else:  # the workers' distinct parts, with their row hashes, summed across workers (invariant 3)
+                out[name] = z._distinct_unsorted()
+        return out
+
+    def _run_piece(self, s: StepInput, pushes: list[tuple[str, ZSet]]) -> list[dict[str, ZSet]]:
+        """Run the circuit once on every worker over ``pushes`` (the step's, or a piece of them) with the context of
+        step ``s``; returns each worker's outputs."""
         assert self.circuit is not None and self.layout is not None and self._exchanger is not None
         W = self.layout.workers
         inputs = self.circuit.inputs
-        parts = spread(s.pushes, W, s.step % W)
+        parts = spread(pushes, W, s.step % W)
         schemas = {h: self.circuit.nodes[i].schema for h, i in inputs.items()}
         for w, wk in enumerate(self._workers):
             wk.timer.step = s.step
@@ -448,35 +521,23 @@ class EmbeddedExecutor:
         self._exchanger.waited = [0.0] * W
         mt = self._step_merge_thread()
         if self._pool is None:
-            results = [self._run_worker(0, mt)]
-        else:
-            futures = [self._pool.submit(self._run_worker, w, mt) for w in range(1, W)]
-            errors: list[BaseException] = []
-            results = []
+            return [self._run_worker(0, mt)]
+        futures = [self._pool.submit(self._run_worker, w, mt) for w in range(1, W)]
+        errors: list[BaseException] = []
+        results = []
+        try:
+            results.append(self._run_worker(0, mt))
+        except BaseException as exc:  # wait for the others before reporting
+            errors.append(exc)
+        for f in futures:
             try:
-                results.append(self._run_worker(0, mt))
-            except BaseException as exc:  # wait for the others before reporting
+                results.append(f.result())
+            except BaseException as exc:
                 errors.append(exc)
-            for f in futures:
-                try:
-                    results.append(f.result())
-                except BaseException as exc:
-                    errors.append(exc)
-            if errors:  # report the root cause, not a worker released from the barrier by it
-                real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
-                raise (real or errors)[0]
-        if self._coord is not None:
-            for st in self._coord.stores:
-                st.advance()
-        out = {}
-        for name, schema in self._out_schemas.items():
-            parts = [r[name] for r in results]
-            z = concat(parts, schema)
-            if z._distinct or (self._disjoint[name] and all(p._distinct for p in parts)):  # invariant 3: distinct
-                out[name] = z if z._distinct else ZSet._make(z.data, z.weights, distinct=True)  # parts need no sort
-            else:  # the workers' distinct parts, with their row hashes, summed across workers (invariant 3)
-                out[name] = z._distinct_unsorted()
-        return out
+        if errors:  # report the root cause, not a worker released from the barrier by it
+            real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+            raise (real or errors)[0]
+        return results
 
     # ---- live layout changes ----
 
@@ -603,6 +664,8 @@ class EmbeddedExecutor:
         """Keep the traces' batches under ``store``'s memory budget from now on (trace invariant 12; None: in
         memory); the traces already built register now, and it is enforced at once and after every step."""
         self.batch_store = store
+        if store is not None:
+            self._substep_stats()
         if store is not None and self._workers:
             for t in self._all_traces():
                 t._store = store
