@@ -147,13 +147,15 @@ def read_csv(path: str, name: str) -> pa.Table:
                            convert_options=pa_csv.ConvertOptions(column_types=schema, strings_can_be_null=False))
 
 
-def file_sources(p: dbsp.Pipeline, root: str, reads, source: str) -> list:
+def file_sources(p: dbsp.Pipeline, root: str, reads, source: str, read_ahead: int | None = None) -> list:
     """One FileSource per stream of ``reads`` over its directory of step files (parquet, or CSV with a header);
-    durable, the files are declared immutable (pushes logged by reference to them)."""
+    durable, the files are declared immutable (pushes logged by reference to them); ``read_ahead`` None: the
+    source's default."""
     from dbsp_core.connectors import FileSource
 
     sub = "csvh" if source == "csv" else ""
-    return [FileSource(p, name, os.path.join(root, sub, name), immutable_files=p.storage is not None)
+    more = {} if read_ahead is None else {"read_ahead": read_ahead}
+    return [FileSource(p, name, os.path.join(root, sub, name), immutable_files=p.storage is not None, **more)
             for name in reads]
 
 
@@ -169,7 +171,7 @@ def push_step(p: dbsp.Pipeline, step: dict, reads, source: str, sources: list | 
 
 
 def run_dbsp(query: str, mode: str, workers: int, files: list[dict], root: str,
-             source: str = "parquet", reader: str = "push") -> dict:
+             source: str = "parquet", reader: str = "push", read_ahead: int | None = None) -> dict:
     """One measurement, in this (child) process, reading each step's parquet (or with ``source="csv"``, CSV)
     files inside the timed loop, through FileSources (``reader="files"``) or pyarrow and push_many."""
     storage = tempfile.mkdtemp(prefix=f"nexmark-{query}-", dir=root) if mode == "durable" else None
@@ -183,15 +185,16 @@ def run_dbsp(query: str, mode: str, workers: int, files: list[dict], root: str,
     try:
         if query == "q13":
             p.push("side_input", pq.read_table(os.path.join(root, "side_input.parquet")))
-        events, seconds, out_rows, final_rows, sources = 0, 0.0, 0, 0, []
+        events, seconds, read_s, out_rows, final_rows, sources = 0, 0.0, 0.0, 0, 0, []
         # beside Flink (CSV) or through FileSources, read only the streams the query reads, as Flink does; else
         # all, as Spark is timed
         reads = (flink_nexmark.READS.get(query, nexmark.SCHEMAS) if source == "csv" or reader == "files"
                  else nexmark.SCHEMAS)
-        sources = file_sources(p, root, reads, source) if reader == "files" else []
+        sources = file_sources(p, root, reads, source, read_ahead) if reader == "files" else []
         for step in files:
             t0 = time.perf_counter()
             push_step(p, step, reads, source, sources or None)
+            read_s += time.perf_counter() - t0
             events += sum(step["rows:" + name] for name in nexmark.SCHEMAS)
             out = p.step()
             seconds += time.perf_counter() - t0
@@ -205,7 +208,7 @@ def run_dbsp(query: str, mode: str, workers: int, files: list[dict], root: str,
         if storage:
             shutil.rmtree(storage, ignore_errors=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    return {"query": query, "mode": mode, "workers": workers, "events": events, "seconds": seconds,
+    return {"query": query, "mode": mode, "workers": workers, "events": events, "seconds": seconds, "read_s": read_s,
             "peak_mib": peak, "out_rows": out_rows, "final_rows": final_rows, "late": late, "source": source,
             "reader": reader}
 
@@ -414,7 +417,7 @@ def main() -> None:
         a = json.loads(args.child)
         files = json.load(open(os.path.join(a["root"], "files.json")))
         print(json.dumps(run_dbsp(a["query"], a["mode"], a["workers"], files, a["root"], a["source"],
-                                  a.get("reader", "push"))))
+                                  a.get("reader", "push"), a.get("read_ahead"))))
         return
     queries = [q.strip() for q in args.queries.split(",") if q.strip()]
     for q in queries:

@@ -3,7 +3,11 @@
 way; prints events/s (the child's timed loop, wall) and the child's whole CPU seconds (user + system, from
 ``wait4``; imports and setup included, the same on both sides), per run and as a median with the spread.
 
-Run:  python bench/nexmark_ab.py --trees /tmp/main,/work/wt/branch --queries q0,q1,q2 --modes memory,durable \
+A tree may be given as ``path@N``: its FileSources then read ahead N files (``run_dbsp``'s ``read_ahead``; a
+tree whose bench/nexmark.py does not know it ignores it). The table also gives the seconds of the timed loop
+spent in the read and push (``read_s``: the FileSources' polls, or pyarrow and push_many), where the child says.
+
+Run:  python bench/nexmark_ab.py --trees /tmp/main,/work/wt/branch@0,/work/wt/branch --queries q0,q1,q2 --modes memory,durable \
           --source csv --reader files --pairs 3 [--events 1000000 --batch 100000 --workers 2]
 
 The events are written once by this tree's ``nexmark.write_events`` (with ``--source csv`` the CSV twins too).
@@ -24,8 +28,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import nexmark as bench  # noqa: E402  (bench/nexmark.py)
 
 
-def child(tree: str, arg: dict) -> tuple[dict, float]:
-    """One run of ``tree``'s bench/nexmark.py child: its result and its CPU seconds."""
+def child(spec: str, arg: dict) -> tuple[dict, float]:
+    """One run of ``spec``'s (``tree`` or ``tree@read_ahead``) bench/nexmark.py child: its result and its CPU
+    seconds."""
+    tree, _, ahead = spec.partition("@")
+    if ahead:
+        arg = dict(arg, read_ahead=int(ahead))
     env = dict(os.environ, PYTHONPATH=tree)
     proc = subprocess.Popen([sys.executable, os.path.join(tree, "bench", "nexmark.py"), "--child", json.dumps(arg)],
                             cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -63,14 +71,17 @@ def main() -> None:
                         r, cpu = child(tree, {"query": q, "mode": mode, "workers": args.workers, "root": root,
                                               "source": args.source, "reader": args.reader})
                         rate = r["events"] / r["seconds"]
-                        runs.setdefault((q, mode, tree), []).append((rate, cpu))
+                        runs.setdefault((q, mode, tree), []).append((rate, cpu, r.get("read_s")))
                         print(f"pair {i + 1} {q} {mode:>7} {tree}: {rate:>12,.0f} events/s  CPU {cpu:.2f} s  "
+                              f"read {r.get('read_s') or float('nan'):.3f} s  "
                               f"load {os.getloadavg()[0]:.1f}", flush=True)
-        print("\n| query | mode | tree | events/s median (min-max) | CPU s median (min-max) |\n|---|---|---|---|---|")
+        print("\n| query | mode | tree | events/s median (min-max) | CPU s median (min-max) | read+push s median |"
+              "\n|---|---|---|---|---|---|")
         for (q, mode, tree), v in runs.items():
-            rates, cpus = [x[0] for x in v], [x[1] for x in v]
+            rates, cpus, reads = [x[0] for x in v], [x[1] for x in v], [x[2] for x in v if x[2] is not None]
             print(f"| {q} | {mode} | {tree} | {statistics.median(rates):,.0f} ({min(rates):,.0f}-{max(rates):,.0f}) "
-                  f"| {statistics.median(cpus):.2f} ({min(cpus):.2f}-{max(cpus):.2f}) |")
+                  f"| {statistics.median(cpus):.2f} ({min(cpus):.2f}-{max(cpus):.2f}) "
+                  f"| {f'{statistics.median(reads):.3f}' if reads else '-'} |")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -19,7 +19,7 @@ Invariants (enforced here):
   4. Rows are taken by the input's column names (extra columns are ignored) and cast safely to the input's
      types; an integer ``weight`` column, if present, gives the rows' weights (-1 deletes). A file is read and
      converted whole before any of it is pushed (a Parquet file with several row groups left to push is
-     decoded twice), so a file that cannot be read or does not fit (corrupt, empty, a missing column, a value
+     decoded twice, unless it was read ahead: invariant 9 keeps its tables), so a file that cannot be read or does not fit (corrupt, empty, a missing column, a value
      the input's type cannot hold) pushes nothing that was not already recorded. It is named in an
      InputFileError and, by ``on_error``, stops the poll (``"raise"``: the files after it wait), or is logged,
      counted (``bad_files``) and passed over: ``"skip"`` leaves it in place (tried again if it is replaced, or
