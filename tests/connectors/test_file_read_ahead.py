@@ -59,8 +59,19 @@ def _record(p: dbsp.Pipeline, log: list) -> None:
     p.push, p._push_reference = rec_push, rec_ref
 
 
+_OLDER: set = set()  # read-ahead threads of sources made before the running test (other tests' unclosed sources)
+
+
+@pytest.fixture(autouse=True)
+def _older_threads():
+    _OLDER.clear()
+    _OLDER.update(threading.enumerate())
+    yield
+
+
 def _threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("dbsp-files-")]
+    """The read-ahead threads alive that this test's sources started."""
+    return [t for t in threading.enumerate() if t.name.startswith("dbsp-files-") and t not in _OLDER]
 
 
 def _run(tmp_path, d, read_ahead: int, polls: list[int | None], immutable: bool) -> tuple[list, collections.Counter]:
