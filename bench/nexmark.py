@@ -9,13 +9,13 @@ How it measures (the fairness rules of bench/bench_spark.py):
   of every step is timed (q13's side table is pushed before, untimed). ``durable`` is ``storage=<tmp dir>``
   with the default checkpoint interval (input log fsync'd on every push, division records, output log).
   ``--reader files`` (the default) reads the events through one ``FileSource`` per stream the query reads
-  (``flink_nexmark.READS``, as Flink reads only those), one file per stream and step, in every mode: the
-  product's file reader, which reads the next files ahead on a thread of its own while the pipeline steps
-  (connectors/files.py invariant 9), as Flink's file source parses beside its operators; durable, the source declares its files immutable (they are written once,
-  before the run), so its pushes are logged by reference to the files, not by their rows: Flink's durable runs
-  log no input either (their sources replay from the files). ``--reader push`` reads each step's files with
-  pyarrow and pushes every stream with one ``push_many`` (rows in the input log, one fsync per step), the read
-  serial with the step on the caller's thread.
+  (``flink_nexmark.READS``, as Flink reads only those), one file per stream and step, in every mode: the product's
+  file reader, which reads the next files ahead on a thread of its own while the pipeline steps (connectors/files.py
+  invariant 9), as Flink's file source parses beside its operators; durable, the source declares its files immutable
+  (they are written once, before the run), so its pushes are logged by reference to the files, not by their rows:
+  Flink's durable runs log no input either (their sources replay from the files). ``--reader push`` reads each step's
+  files with pyarrow and pushes every stream with one ``push_many`` (rows in the input log, one fsync per step), the
+  read serial with the step on the caller's thread.
 - Spark: the sum of ``durationMs.triggerExecution`` of the micro-batches; ``local[W]``,
   ``shuffle.partitions = W``, RocksDB state store. Only queries Structured Streaming can express run (no
   chained aggregations, no ROW_NUMBER, no COUNT(DISTINCT) on streams).
@@ -331,7 +331,8 @@ def check(args: argparse.Namespace, queries: list[str], workers: list[int], root
 
 def head_line(gen_rate: float, args: argparse.Namespace) -> str:
     return (f"{args.events:,} events in steps of {args.batch:,} (seed {args.seed}, {args.rate:,} events/s of event "
-            f"time), read from {'CSV' if args.source == 'csv' else 'parquet'} files (dbsp: {args.reader_used}); generator alone: "
+            f"time), read from {'CSV' if args.source == 'csv' else 'parquet'} files (dbsp: {args.reader_used}); "
+            f"generator alone: "
             f"{gen_rate / 1e6:.2f} M events/s; {os.cpu_count()} cores, load average "
             f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; dbsp_core {dbsp.__version__}, pyarrow {pa.__version__}")
 

@@ -7,8 +7,8 @@ A tree may be given as ``path@N``: its FileSources then read ahead N files (``ru
 tree whose bench/nexmark.py does not know it ignores it). The table also gives the seconds of the timed loop
 spent in the read and push (``read_s``: the FileSources' polls, or pyarrow and push_many), where the child says.
 
-Run:  python bench/nexmark_ab.py --trees /tmp/main,/work/wt/branch@0,/work/wt/branch --queries q0,q1,q2 --modes memory,durable \
-          --source csv --reader files --pairs 3 [--events 1000000 --batch 100000 --workers 2]
+Run:  python bench/nexmark_ab.py --trees /tmp/main,/work/wt/branch@0,/work/wt/branch --queries q0,q1,q2 \
+          --modes memory,durable --source csv --reader files --pairs 3 [--events 1000000 --batch 100000 --workers 2]
 
 The events are written once by this tree's ``nexmark.write_events`` (with ``--source csv`` the CSV twins too).
 """

@@ -16,14 +16,14 @@ Invariants (enforced here):
      this source has read (another inode, size or modification time) is not read again, but logged as a
      warning and counted (``rewritten``). Only what this process has seen is compared: a file rewritten while
      no source ran goes unnoticed.
-  4. Rows are taken by the input's column names (extra columns are ignored) and cast safely to the input's
-     types; an integer ``weight`` column, if present, gives the rows' weights (-1 deletes). A file is read and
-     converted whole before any of it is pushed (a Parquet file with several row groups left to push is
-     decoded twice, unless it was read ahead: invariant 9 keeps its tables), so a file that cannot be read or does not fit (corrupt, empty, a missing column, a value
-     the input's type cannot hold) pushes nothing that was not already recorded. It is named in an
-     InputFileError and, by ``on_error``, stops the poll (``"raise"``: the files after it wait), or is logged,
-     counted (``bad_files``) and passed over: ``"skip"`` leaves it in place (tried again if it is replaced, or
-     after a restart), ``"quarantine"`` moves it under ``quarantine_dir`` beside ``<file>.error``, the reason.
+  4. Rows are taken by the input's column names (extra columns are ignored) and cast safely to the input's types;
+     an integer ``weight`` column, if present, gives the rows' weights (-1 deletes). A file is read and converted
+     whole before any of it is pushed (a Parquet file with several row groups left to push is decoded twice, unless
+     it was read ahead: invariant 9 keeps its tables), so a file that cannot be read or does not fit (corrupt, empty,
+     a missing column, a value the input's type cannot hold) pushes nothing that was not already recorded. It is
+     named in an InputFileError and, by ``on_error``, stops the poll (``"raise"``: the files after it wait), or is
+     logged, counted (``bad_files``) and passed over: ``"skip"`` leaves it in place (tried again if it is replaced,
+     or after a restart), ``"quarantine"`` moves it under ``quarantine_dir`` beside ``<file>.error``, the reason.
   5. The directory may be on an object store: a URI (``s3://bucket/prefix?endpoint_override=...``, ``gs://``,
      ``hdfs://``) or a path with ``filesystem=`` a ``pyarrow.fs.FileSystem`` (dbsp_core.storage.location). Files
      are listed and read through ``pyarrow.fs``; a file's identity there is its size and modification time (no
