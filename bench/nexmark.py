@@ -8,12 +8,14 @@ How it measures (the fairness rules of bench/bench_spark.py):
 - dbsp: each (query, mode, W) runs in a fresh child process, so its peak RSS is its own: read + push + step
   of every step is timed (q13's side table is pushed before, untimed). ``durable`` is ``storage=<tmp dir>``
   with the default checkpoint interval (input log fsync'd on every push, division records, output log).
-  ``--reader files`` (the default when ``durable`` is among the modes) reads the events through one
-  ``FileSource`` per stream the query reads (``flink_nexmark.READS``, as Flink reads only those), one file per
-  stream and step, in every mode; durable, the source declares its files immutable (they are written once,
-  before the run), so its pushes are logged by reference to the files, not by their rows: Flink's durable runs
-  log no input either (their sources replay from the files). ``--reader push`` reads each step's files with
-  pyarrow and pushes every stream with one ``push_many`` (rows in the input log, one fsync per step).
+  ``--reader files`` (the default) reads the events through one ``FileSource`` per stream the query reads
+  (``flink_nexmark.READS``, as Flink reads only those), one file per stream and step, in every mode: the product's
+  file reader, which reads the next files ahead on a thread of its own while the pipeline steps (connectors/files.py
+  invariant 9), as Flink's file source parses beside its operators; durable, the source declares its files immutable
+  (they are written once, before the run), so its pushes are logged by reference to the files, not by their rows:
+  Flink's durable runs log no input either (their sources replay from the files). ``--reader push`` reads each step's
+  files with pyarrow and pushes every stream with one ``push_many`` (rows in the input log, one fsync per step), the
+  read serial with the step on the caller's thread.
 - Spark: the sum of ``durationMs.triggerExecution`` of the micro-batches; ``local[W]``,
   ``shuffle.partitions = W``, RocksDB state store. Only queries Structured Streaming can express run (no
   chained aggregations, no ROW_NUMBER, no COUNT(DISTINCT) on streams).
@@ -22,8 +24,9 @@ How it measures (the fairness rules of bench/bench_spark.py):
   P = W, hashmap state, for ``memory`` no checkpoints, for ``durable`` checkpoints to a local directory every
   ``--flink-checkpoint-ms``. Both sides then read the same CSV files (one per stream and step, written once
   from the generator's tables): Flink's filesystem source has no Parquet reader without an extra jar, and CSV
-  parsing is counted on both sides (ours: ``pyarrow.csv.read_csv`` of each step's files inside the timed
-  loop); both read only the streams the query reads (``flink_nexmark.READS``). Flink's time = the job's net
+  parsing is counted on both sides (ours: the FileSources' parse, or with ``--reader push``
+  ``pyarrow.csv.read_csv`` of each step's files, inside the timed loop; ``--source csv`` reads the CSV files
+  without Flink); both read only the streams the query reads (``flink_nexmark.READS``). Flink's time = the job's net
   runtime minus the median of three runs of the same job on empty files. ``--check`` instead compares the
   number of rows of each final view on both sides (is it the same work?).
 - events/s = events of all steps / time; per core = events/s / W (W worker threads, or Spark's local[W]).
@@ -144,20 +147,22 @@ def read_csv(path: str, name: str) -> pa.Table:
                            convert_options=pa_csv.ConvertOptions(column_types=schema, strings_can_be_null=False))
 
 
-def file_sources(p: dbsp.Pipeline, root: str, reads, source: str) -> list:
+def file_sources(p: dbsp.Pipeline, root: str, reads, source: str, read_ahead: int | None = None) -> list:
     """One FileSource per stream of ``reads`` over its directory of step files (parquet, or CSV with a header);
-    durable, the files are declared immutable (pushes logged by reference to them)."""
+    durable, the files are declared immutable (pushes logged by reference to them); ``read_ahead`` None: the
+    source's default."""
     from dbsp_core.connectors import FileSource
 
     sub = "csvh" if source == "csv" else ""
-    return [FileSource(p, name, os.path.join(root, sub, name), immutable_files=p.storage is not None)
+    more = {} if read_ahead is None else {"read_ahead": read_ahead}
+    return [FileSource(p, name, os.path.join(root, sub, name), immutable_files=p.storage is not None, **more)
             for name in reads]
 
 
 def push_step(p: dbsp.Pipeline, step: dict, reads, source: str, sources: list | None) -> None:
     """One step's input: each source's next file, or (without sources) each stream's file read and pushed
     with one push_many (durable: one fsync of the input log for the step's pushes)."""
-    if sources is not None:
+    if sources:
         for s in sources:
             s.poll(max_files=1)
         return
@@ -166,7 +171,7 @@ def push_step(p: dbsp.Pipeline, step: dict, reads, source: str, sources: list | 
 
 
 def run_dbsp(query: str, mode: str, workers: int, files: list[dict], root: str,
-             source: str = "parquet", reader: str = "push") -> dict:
+             source: str = "parquet", reader: str = "push", read_ahead: int | None = None) -> dict:
     """One measurement, in this (child) process, reading each step's parquet (or with ``source="csv"``, CSV)
     files inside the timed loop, through FileSources (``reader="files"``) or pyarrow and push_many."""
     storage = tempfile.mkdtemp(prefix=f"nexmark-{query}-", dir=root) if mode == "durable" else None
@@ -180,15 +185,16 @@ def run_dbsp(query: str, mode: str, workers: int, files: list[dict], root: str,
     try:
         if query == "q13":
             p.push("side_input", pq.read_table(os.path.join(root, "side_input.parquet")))
-        events, seconds, out_rows, final_rows = 0, 0.0, 0, 0
+        events, seconds, read_s, out_rows, final_rows, sources = 0, 0.0, 0.0, 0, 0, []
         # beside Flink (CSV) or through FileSources, read only the streams the query reads, as Flink does; else
         # all, as Spark is timed
         reads = (flink_nexmark.READS.get(query, nexmark.SCHEMAS) if source == "csv" or reader == "files"
                  else nexmark.SCHEMAS)
-        sources = file_sources(p, root, reads, source) if reader == "files" else None
+        sources = file_sources(p, root, reads, source, read_ahead) if reader == "files" else []
         for step in files:
             t0 = time.perf_counter()
-            push_step(p, step, reads, source, sources)
+            push_step(p, step, reads, source, sources or None)
+            read_s += time.perf_counter() - t0
             events += sum(step["rows:" + name] for name in nexmark.SCHEMAS)
             out = p.step()
             seconds += time.perf_counter() - t0
@@ -196,11 +202,13 @@ def run_dbsp(query: str, mode: str, workers: int, files: list[dict], root: str,
             final_rows += int(out[query].weights.sum())
         late = sum(p.late_rows.values())
     finally:
+        for s in sources:
+            s.close()  # joins each source's read-ahead thread
         p.close()
         if storage:
             shutil.rmtree(storage, ignore_errors=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    return {"query": query, "mode": mode, "workers": workers, "events": events, "seconds": seconds,
+    return {"query": query, "mode": mode, "workers": workers, "events": events, "seconds": seconds, "read_s": read_s,
             "peak_mib": peak, "out_rows": out_rows, "final_rows": final_rows, "late": late, "source": source,
             "reader": reader}
 
@@ -323,7 +331,8 @@ def check(args: argparse.Namespace, queries: list[str], workers: list[int], root
 
 def head_line(gen_rate: float, args: argparse.Namespace) -> str:
     return (f"{args.events:,} events in steps of {args.batch:,} (seed {args.seed}, {args.rate:,} events/s of event "
-            f"time), read from {'CSV' if args.peers else 'parquet'} files; generator alone: "
+            f"time), read from {'CSV' if args.source == 'csv' else 'parquet'} files (dbsp: {args.reader_used}); "
+            f"generator alone: "
             f"{gen_rate / 1e6:.2f} M events/s; {os.cpu_count()} cores, load average "
             f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; dbsp_core {dbsp.__version__}, pyarrow {pa.__version__}")
 
@@ -397,8 +406,10 @@ def main() -> None:
     ap.add_argument("--check", action="store_true",
                     help="with --peers: compare the rows of each final view with Flink's instead of timing")
     ap.add_argument("--reader", choices=["auto", "files", "push"], default="auto",
-                    help="files: a FileSource per stream read (durable: pushes logged by reference to the files); "
-                    "push: pyarrow reads, one push_many per step; auto: files when durable is among the modes")
+                    help="files (auto): a FileSource per stream read, reading ahead while the pipeline steps (durable: "
+                    "pushes logged by reference to the files); push: pyarrow reads, one push_many per step")
+    ap.add_argument("--source", choices=["auto", "csv", "parquet"], default="auto",
+                    help="the files our side reads: csv (auto with --peers: the files Flink reads) or parquet")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.check and not args.peers:
@@ -407,7 +418,7 @@ def main() -> None:
         a = json.loads(args.child)
         files = json.load(open(os.path.join(a["root"], "files.json")))
         print(json.dumps(run_dbsp(a["query"], a["mode"], a["workers"], files, a["root"], a["source"],
-                                  a.get("reader", "push"))))
+                                  a.get("reader", "push"), a.get("read_ahead"))))
         return
     queries = [q.strip() for q in args.queries.split(",") if q.strip()]
     for q in queries:
@@ -417,14 +428,17 @@ def main() -> None:
     modes = [m.strip() for m in args.modes.split(",")]
     root = tempfile.mkdtemp(prefix="nexmark-bench-")
     try:
-        files, gen_rate = write_events(root, args.events, args.batch, args.seed, args.rate, csv=bool(args.peers))
+        source = args.source if args.source != "auto" else "csv" if args.peers else "parquet"
+        if args.peers and source != "csv":
+            ap.error("--peers reads CSV on both sides: --source csv (or auto)")
+        files, gen_rate = write_events(root, args.events, args.batch, args.seed, args.rate, csv=source == "csv")
         json.dump(files, open(os.path.join(root, "files.json"), "w"))
         print(f"generated {args.events:,} events in {len(files)} steps; generator {gen_rate / 1e6:.2f} M events/s",
               flush=True)
         if args.check:
             sys.exit(0 if check(args, queries, workers, root) else 1)
-        source = "csv" if args.peers else "parquet"
-        reader = args.reader if args.reader != "auto" else "files" if "durable" in modes else "push"
+        reader = args.reader if args.reader != "auto" else "files"
+        args.source, args.reader_used = source, "FileSources" if reader == "files" else "pyarrow + push_many"
         print(f"dbsp reads the events through {'FileSources' if reader == 'files' else 'pyarrow and push_many'}",
               flush=True)
         rows = []

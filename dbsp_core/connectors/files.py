@@ -16,14 +16,14 @@ Invariants (enforced here):
      this source has read (another inode, size or modification time) is not read again, but logged as a
      warning and counted (``rewritten``). Only what this process has seen is compared: a file rewritten while
      no source ran goes unnoticed.
-  4. Rows are taken by the input's column names (extra columns are ignored) and cast safely to the input's
-     types; an integer ``weight`` column, if present, gives the rows' weights (-1 deletes). A file is read and
-     converted whole before any of it is pushed (a Parquet file with several row groups left to push is
-     decoded twice), so a file that cannot be read or does not fit (corrupt, empty, a missing column, a value
-     the input's type cannot hold) pushes nothing that was not already recorded. It is named in an
-     InputFileError and, by ``on_error``, stops the poll (``"raise"``: the files after it wait), or is logged,
-     counted (``bad_files``) and passed over: ``"skip"`` leaves it in place (tried again if it is replaced, or
-     after a restart), ``"quarantine"`` moves it under ``quarantine_dir`` beside ``<file>.error``, the reason.
+  4. Rows are taken by the input's column names (extra columns are ignored) and cast safely to the input's types;
+     an integer ``weight`` column, if present, gives the rows' weights (-1 deletes). A file is read and converted
+     whole before any of it is pushed (a Parquet file with several row groups left to push is decoded twice, unless
+     it was read ahead: invariant 9 keeps its tables), so a file that cannot be read or does not fit (corrupt, empty,
+     a missing column, a value the input's type cannot hold) pushes nothing that was not already recorded. It is
+     named in an InputFileError and, by ``on_error``, stops the poll (``"raise"``: the files after it wait), or is
+     logged, counted (``bad_files``) and passed over: ``"skip"`` leaves it in place (tried again if it is replaced,
+     or after a restart), ``"quarantine"`` moves it under ``quarantine_dir`` beside ``<file>.error``, the reason.
   5. The directory may be on an object store: a URI (``s3://bucket/prefix?endpoint_override=...``, ``gs://``,
      ``hdfs://``) or a path with ``filesystem=`` a ``pyarrow.fs.FileSystem`` (dbsp_core.storage.location). Files
      are listed and read through ``pyarrow.fs``; a file's identity there is its size and modification time (no
@@ -47,6 +47,20 @@ Invariants (enforced here):
   8. The source's counters (``stats``) are part of ``Pipeline.metrics()["sources"][name]`` and of the Prometheus
      text (dbsp_core.metrics) while the pipeline object lives; a source made again (same name, input and
      directory) counts on in the same counters.
+  9. Read-ahead (``read_ahead=``, default READ_AHEAD = 2 files): while a file is pushed and, between polls, while
+     the pipeline steps, the next pending files (in name order) are read and converted on one background thread
+     of the source (pyarrow's readers release the GIL), at most ``read_ahead`` files and, as long as they are
+     held, at most ``read_ahead_bytes`` (default READ_AHEAD_BYTES; with a pipeline ``memory_limit``, at most
+     READ_AHEAD_SHARE of it) counted as each file's size until it is parsed and then as its tables' bytes: a file
+     that would go beyond is read at its turn instead. Only the read moves ahead: every push is still made on
+     the caller's thread, in name order, at the file's turn, with its ``(producer, seq)`` unchanged, and a
+     file's parsed tables are used only if its identity (invariant 3) and producer are still those taken when
+     its read began (else it is read again at its turn). A read's error is kept and raised at the file's turn on
+     the caller's thread, where invariant 4 handles it as before (``on_error``: earlier files pushed, the later
+     ones wait or go on); a file parsed ahead but not pushed is simply read again after a restart or a
+     ``close()``, so exactly once rests on invariant 1 as before. ``close()`` (or leaving a ``with`` block) drops
+     what is parsed ahead and joins the thread; a later ``poll()`` starts it again. ``read_ahead=0`` reads every
+     file at its turn on the caller's thread, as before.
 """
 
 from __future__ import annotations
@@ -54,7 +68,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from typing import Any, Iterator
+import weakref
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Iterator, NamedTuple
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -78,6 +95,33 @@ QUARANTINE = "_quarantine"
 
 # what reading or converting a bad file raises (a vanished file, FileNotFoundError, is not a bad file)
 _BAD = (pa.ArrowException, SchemaError, OSError, UnicodeDecodeError)
+
+READ_AHEAD = 2  # files read ahead by default (invariant 9)
+READ_AHEAD_BYTES = 256 << 20  # bytes held ahead by default (invariant 9)
+READ_AHEAD_SHARE = 0.125  # at most this share of a pipeline's memory_limit is held ahead (invariant 9)
+
+
+class _Ahead(NamedTuple):
+    """A file being read ahead (invariant 9): what its read began with, and the read."""
+    rel: str
+    sig: tuple
+    producer: str
+    future: Future
+    estimate: int  # its size on disk, the bytes it is counted as until parsed
+
+    def held(self) -> int:
+        if self.future.done() and not self.future.cancelled() and self.future.exception() is None:
+            got = self.future.result()
+            return got[2] if got is not None else 0
+        return self.estimate
+
+
+def _shutdown(pool: list, wait: bool = True) -> None:
+    """Stop a source's read-ahead thread (``pool`` is its one-slot holder); with ``wait``, join it. (A source
+    collected without close() stops it without waiting: the collection may happen on that very thread.)"""
+    if pool[0] is not None:
+        pool[0].shutdown(wait=wait, cancel_futures=True)
+        pool[0] = None
 
 
 def _signature(where: Location, path: str) -> tuple[int, int, int]:
@@ -123,6 +167,12 @@ class FileSource:
     immutable_files
         Declare that the files stay unchanged where they are until a checkpoint covers their steps (invariant
         6): pushes are logged by reference to the files instead of by their rows. A local directory only.
+    read_ahead
+        How many of the next files are read and converted on a background thread while the caller pushes and
+        steps (invariant 9); 0 reads each file at its turn. Call :meth:`close` (or use ``with``) to join it.
+    read_ahead_bytes
+        At most this many bytes held ahead (default READ_AHEAD_BYTES, and at most READ_AHEAD_SHARE of the
+        pipeline's ``memory_limit`` if it has one).
 
     Examples
     --------
@@ -147,7 +197,8 @@ class FileSource:
     def __init__(self, pipeline: Any, handle: str, directory: str | os.PathLike, *, name: str | None = None,
                  formats: tuple[str, ...] = tuple(FORMATS), recursive: bool = False, on_error: str = "raise",
                  quarantine_dir: str | os.PathLike | None = None,
-                 filesystem: pafs.FileSystem | None = None, immutable_files: bool = False) -> None:
+                 filesystem: pafs.FileSystem | None = None, immutable_files: bool = False,
+                 read_ahead: int = READ_AHEAD, read_ahead_bytes: int | None = None) -> None:
         handle, schema = source_input("FileSource", pipeline, handle, durable=False)
         where = resolve(directory, filesystem, "FileSource directory")
         unknown = [f for f in formats if f not in FORMATS]
@@ -160,6 +211,11 @@ class FileSource:
         if immutable_files and not where.local:
             raise ValueError(f"FileSource: immutable_files=True needs a local directory ({where.name} is not): a push "
                              "logged by reference is read again from the file at recovery; pass immutable_files=False")
+        if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
+            raise ValueError(f"FileSource: read_ahead={read_ahead!r}; it is a number of files >= 0")
+        if read_ahead_bytes is not None and (isinstance(read_ahead_bytes, bool) or not isinstance(read_ahead_bytes, int)
+                                             or read_ahead_bytes < 0):
+            raise ValueError(f"FileSource: read_ahead_bytes={read_ahead_bytes!r}; it is a number of bytes >= 0")
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"FileSource: name={name!r}; it is a non-empty string (or None for the default)")
         self.pipeline = pipeline
@@ -185,6 +241,13 @@ class FileSource:
         if recursive and (inside == "." or not inside.startswith((".", "_"))):
             raise ValueError(f"FileSource: quarantine_dir {self.quarantine_dir} is a directory the source reads "
                              "(recursive=True): start its name with '_' or put it outside the directory")
+        self.read_ahead = read_ahead
+        budget = READ_AHEAD_BYTES if read_ahead_bytes is None else read_ahead_bytes
+        limit = getattr(pipeline, "_memory_limit", None)  # the pipeline's budget (driver.Pipeline memory_limit=)
+        self.read_ahead_bytes = min(budget, int(limit * READ_AHEAD_SHARE)) if limit else budget
+        self._ahead: deque[_Ahead] = deque()  # files being read ahead, in name order (invariant 9)
+        self._pool: list = [None]  # the read-ahead thread's executor, made at the first read ahead
+        self._finalizer = weakref.finalize(self, _shutdown, self._pool, False)
         self._done: dict[str, tuple] = {}  # files fully pushed (in this process) -> their signature
         self._bad: dict[str, tuple] = {}  # files skipped or quarantined -> their signature (a new one is read)
         self.errors: list[tuple[str, str]] = []  # (file, why) of every file skipped or quarantined
@@ -240,11 +303,18 @@ class FileSource:
 
         A file that cannot be read or converted raises InputFileError or is passed over, by ``on_error``."""
         new = 0
-        for rel in self.pending()[:max_files]:
+        pending = self.pending()
+        todo = pending[:max_files]
+        for i, rel in enumerate(todo):
             path = self._path(rel)
+            ahead = self._take(rel)
             try:
                 sig = _signature(self.where, path)
-                new += self._push_file(rel, path, sig)
+                if ahead is not None and ahead.sig != sig:  # not the file whose read began (invariant 9)
+                    ahead.future.cancel()
+                    ahead = None
+                self._read_ahead(pending, i + 1)  # the next files are read while this one is pushed
+                new += self._push_file(rel, path, sig, ahead)
             except FileNotFoundError:
                 log.warning("FileSource %s: %s vanished before it was read whole", self.name, path)
                 continue
@@ -253,7 +323,72 @@ class FileSource:
                 continue
             self._done[rel] = sig
             self.stats["files"] += 1
+        self._read_ahead(pending, len(todo))  # and the files of the next poll while the pipeline steps
         return new
+
+    def close(self) -> None:
+        """Drop what is read ahead and join the read-ahead thread (invariant 9); the source stays usable (a later
+        poll reads ahead again). Pushes nothing and acknowledges nothing: files read ahead are read again."""
+        self._drop(len(self._ahead))
+        _shutdown(self._pool)
+
+    def __enter__(self) -> "FileSource":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _drop(self, n: int) -> None:
+        for _ in range(n):
+            self._ahead.popleft().future.cancel()  # a read already begun finishes on its own; its result is dropped
+
+    def _take(self, rel: str) -> _Ahead | None:
+        """The read ahead of ``rel`` if it is the next one; reads ahead of files before it (passed over, vanished,
+        done) are dropped, those of files after it kept."""
+        while self._ahead and self._ahead[0].rel < rel:
+            self._drop(1)
+        if self._ahead and self._ahead[0].rel == rel:
+            return self._ahead.popleft()
+        return None
+
+    def _read_ahead(self, pending: list[str], start: int) -> None:
+        """Begin reading ``pending[start:]`` ahead, within ``read_ahead`` files and ``read_ahead_bytes``."""
+        if not self.read_ahead:
+            return
+        want = pending[start:start + self.read_ahead]
+        have = [a.rel for a in self._ahead]
+        if have != want[:len(have)]:  # other files came first (a new name, a file passed over): begin again
+            self._drop(len(have))
+            have = []
+        held = sum(a.held() for a in self._ahead)
+        for rel in want[len(have):]:
+            path = self._path(rel)
+            try:
+                sig = _signature(self.where, path)
+            except FileNotFoundError:
+                return
+            if held + sig[1] > self.read_ahead_bytes:
+                return
+            if self._pool[0] is None:
+                self._pool[0] = ThreadPoolExecutor(1, thread_name_prefix=f"dbsp-files-{self.handle}")
+            producer = self._producer(rel)
+            kind = FORMATS[os.path.splitext(rel)[1].lower()]
+            self._ahead.append(_Ahead(rel, sig, producer, self._pool[0].submit(self._parse, path, kind, producer),
+                                      sig[1]))
+            held += sig[1]
+
+    def _parse(self, path: str, kind: str, producer: str) -> tuple[int, dict[int, pa.Table], int] | None:
+        """On the read-ahead thread: ``(units, {seq: converted table} of the units not acknowledged, bytes)``;
+        a read's error is raised to whoever takes the result (the caller's thread, at the file's turn); None if
+        the pipeline cannot say what is acknowledged (the file is then read at its turn)."""
+        f = self._parquet(path) if kind == "parquet" else None
+        units = f.num_row_groups if f is not None else 1
+        try:
+            todo = [seq for seq in range(units) if not self.pipeline.acknowledged(producer, seq)]
+        except Exception:  # e.g. a pipeline closed meanwhile: leave it to the file's turn
+            return None
+        tables = dict(self._read(path, kind, todo, f))
+        return units, tables, sum(t.nbytes for t in tables.values())
 
     def _rewritten(self, rel: str, sig: tuple) -> None:
         self._done[rel] = sig  # warn once per rewrite
@@ -312,17 +447,21 @@ class FileSource:
                 return old
         return own
 
-    def _push_file(self, rel: str, path: str, sig: tuple) -> int:
+    def _push_file(self, rel: str, path: str, sig: tuple, ahead: _Ahead | None = None) -> int:
         producer = self._producer(rel)
         kind = FORMATS[os.path.splitext(rel)[1].lower()]
         p = self.pipeline
         try:
-            units = self._parquet(path).num_row_groups if kind == "parquet" else 1
+            # a read ahead's error is raised here, at the file's turn, on this thread (invariant 9)
+            got = ahead.future.result() if ahead is not None and ahead.producer == producer else None
+            units = got[0] if got is not None else self._parquet(path).num_row_groups if kind == "parquet" else 1
             todo = [seq for seq in range(units) if not p.acknowledged(producer, seq)]
             self.stats["skipped"] += units - len(todo)
             if not todo:
                 return 0
-            if len(todo) == 1:
+            if got is not None and all(seq in got[1] for seq in todo):  # acknowledged ones only grow meanwhile
+                kept = [(seq, got[1][seq]) for seq in todo]
+            elif len(todo) == 1:
                 kept = list(self._read(path, kind, todo))
             else:
                 kept = None
@@ -346,13 +485,14 @@ class FileSource:
             new += self._push(producer, *item) if not self.immutable_files else self._push_unit(producer, path, kind,
                                                                                                   sig, *item)
 
-    def _read(self, path: str, kind: str, seqs: list[int]) -> Iterator[tuple[int, pa.Table]]:
-        """``(seq, converted table)`` of each of ``seqs``, one row group at a time."""
+    def _read(self, path: str, kind: str, seqs: list[int],
+              f: pq.ParquetFile | None = None) -> Iterator[tuple[int, pa.Table]]:
+        """``(seq, converted table)`` of each of ``seqs``, one row group at a time (of ``f`` if given)."""
         if kind != "parquet":
             src = path if self.where.local else self.where.fs.open_input_stream(path)
             yield 0, self._convert(read_unit(src, kind, 0, self.schema))
             return
-        f = self._parquet(path)
+        f = f if f is not None else self._parquet(path)
         for seq in seqs:
             yield seq, self._convert(read_unit(f, kind, seq, self.schema))
 

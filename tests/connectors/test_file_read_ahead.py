@@ -1,0 +1,219 @@
+"""FileSource's read-ahead (dbsp_core/connectors/files.py invariant 9): the same pushes, in the same order, with the
+same ``(producer, seq)``, made on the caller's thread, whether files are read ahead or not; a bad file's error raised
+at its turn, by each ``on_error``; nothing pushed twice or lost when a source closes (or its process's pipeline is
+closed without a checkpoint) while files are read ahead; the thread joined by ``close()``. The rows are compared as
+multisets with a plain-Python model of the files.
+
+Seeds vary per run and are printed in every assertion message; ``DBSP_FILES_SEED`` replays one.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import sys
+import threading
+import time
+
+import pyarrow as pa
+import pytest
+
+import dbsp_core as dbsp
+from dbsp_core.connectors import FileSource
+from dbsp_core.connectors import files as files_mod
+from dbsp_core.errors import InputFileError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from file_source_child import circuit  # noqa: E402
+from test_file_source import SEED, WHY, _integral, _rows, _write  # noqa: E402
+
+
+def _inbox(d, rng: random.Random, n: int) -> tuple[list[str], collections.Counter]:
+    """``n`` files of every format (Parquet in several row groups), in name order; their rows as a multiset."""
+    d.mkdir(exist_ok=True)
+    model: collections.Counter = collections.Counter()
+    names = []
+    for i in range(n):
+        name = f"f{i:03d}" + rng.choice([".parquet", ".csv", ".jsonl"])
+        rows = _rows(rng)
+        _write(str(d / name), rows, rng)
+        model.update(rows)
+        names.append(name)
+    return names, model
+
+
+def _record(p: dbsp.Pipeline, log: list) -> None:
+    """Record every push of ``p`` (producer, seq, rows, thread) in ``log``."""
+    push, ref = p.push, p._push_reference
+
+    def rec_push(handle, table, producer=None, seq=None, **kw):
+        log.append((producer, seq, table.num_rows, threading.get_ident()))
+        return push(handle, table, producer=producer, seq=seq, **kw) if producer is not None else push(handle, table)
+
+    def rec_ref(handle, z, r, producer, seq):
+        log.append((producer, seq, len(z), threading.get_ident()))
+        return ref(handle, z, r, producer, seq)
+
+    p.push, p._push_reference = rec_push, rec_ref
+
+
+_OLDER: set = set()  # read-ahead threads of sources made before the running test (other tests' unclosed sources)
+
+
+@pytest.fixture(autouse=True)
+def _older_threads():
+    _OLDER.clear()
+    _OLDER.update(threading.enumerate())
+    yield
+
+
+def _threads() -> list[threading.Thread]:
+    """The read-ahead threads alive that this test's sources started."""
+    return [t for t in threading.enumerate() if t.name.startswith("dbsp-files-") and t not in _OLDER]
+
+
+def _run(tmp_path, d, read_ahead: int, polls: list[int | None], immutable: bool) -> tuple[list, collections.Counter]:
+    p = dbsp.Pipeline(circuit(), storage=str(tmp_path / f"pipe{read_ahead}"), checkpoint_interval=None)
+    log: list = []
+    _record(p, log)
+    with FileSource(p, "t", d, name="src", read_ahead=read_ahead, immutable_files=immutable) as src:
+        for n in polls:
+            src.poll(max_files=n)
+            p.step()
+        src.poll()
+        p.step()
+        got = _integral(p)
+    p.close()
+    return log, got
+
+
+@pytest.mark.parametrize("immutable", [False, True])
+def test_read_ahead_makes_the_same_pushes_in_the_same_order(tmp_path, immutable) -> None:
+    rng = random.Random(SEED)
+    d = tmp_path / "in"
+    _, model = _inbox(d, rng, 14)
+    polls = [rng.choice([1, 1, 2, 3, None]) for _ in range(8)]
+    before, got0 = _run(tmp_path, d, 0, polls, immutable)
+    after, got3 = _run(tmp_path, d, 3, polls, immutable)
+    assert got0 == model and got3 == model, f"{WHY} polls {polls}"
+    assert [r[:3] for r in after] == [r[:3] for r in before], f"{WHY} polls {polls}"
+    assert {r[3] for r in after} == {threading.get_ident()}, f"{WHY}: every push on the caller's thread"
+    assert not _threads(), WHY
+
+
+def test_files_are_read_ahead_while_the_pipeline_steps(tmp_path, monkeypatch) -> None:
+    """The next files' reads happen on the source's thread, begun before their poll (not at their turn)."""
+    rng = random.Random(SEED)
+    d = tmp_path / "in"
+    names, model = _inbox(d, rng, 6)
+    where: dict = {}
+    read = FileSource._read
+
+    def spy(self, path, kind, seqs, f=None):
+        where.setdefault(os.path.basename(path), threading.current_thread().name)
+        return read(self, path, kind, seqs, f)
+
+    monkeypatch.setattr(FileSource, "_read", spy)
+    p = dbsp.Pipeline(circuit(), storage=str(tmp_path / "pipe"), checkpoint_interval=None)
+    src = FileSource(p, "t", d, read_ahead=2)
+    for _ in names:
+        src.poll(max_files=1)
+        p.step()
+    assert _integral(p) == model, WHY
+    assert where[names[0]] == threading.current_thread().name, where  # the first: nothing was ahead of it
+    assert all(where[n].startswith("dbsp-files-") for n in names[1:]), where
+    src.close()
+    p.close()
+
+
+def _bad(d, rng: random.Random) -> tuple[collections.Counter, collections.Counter]:
+    """a.csv and b.parquet good, c.csv bad (a value its type cannot hold), d.jsonl and e.csv good: the rows of the
+    files before the bad one and after it."""
+    d.mkdir()
+    before: collections.Counter = collections.Counter()
+    after: collections.Counter = collections.Counter()
+    for name, acc in (("a.csv", before), ("b.parquet", before), ("d.jsonl", after), ("e.csv", after)):
+        rows = _rows(rng)
+        _write(str(d / name), rows, rng)
+        acc.update(rows)
+    (d / "c.csv").write_text("k,v\n1,2\n3,three\n")
+    return before, after
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip", "quarantine"])
+def test_a_bad_file_read_ahead_fails_at_its_turn(tmp_path, on_error) -> None:
+    rng = random.Random(SEED)
+    d = tmp_path / "in"
+    before, after = _bad(d, rng)
+    p = dbsp.Pipeline(circuit(), storage=str(tmp_path / "pipe"), checkpoint_interval=None)
+    src = FileSource(p, "t", d, on_error=on_error, read_ahead=3)
+    assert src.poll(max_files=1) == 1  # a.csv; c.csv's read has begun (and failed) on the thread meanwhile
+    time.sleep(0.05)
+    assert src.poll(max_files=1) >= 1 and src.stats["bad_files"] == 0, WHY  # b.parquet: c.csv not yet its turn
+    if on_error == "raise":
+        for _ in range(2):  # at its turn, on this thread, every poll; the files after it wait
+            with pytest.raises(InputFileError) as e:
+                src.poll()
+            assert e.value.path == str(d / "c.csv") and "on_error" in str(e.value), WHY
+        p.step()
+        assert _integral(p) == before and src.stats["files"] == 2 and src.stats["bad_files"] == 2, WHY
+    else:
+        src.poll()
+        p.step()
+        assert _integral(p) == before + after, WHY
+        assert [rel for rel, _ in src.errors] == ["c.csv"] and src.stats["bad_files"] == 1, WHY
+        assert (d / "_quarantine" / "c.csv").exists() == (on_error == "quarantine"), WHY
+        assert (d / "c.csv").exists() == (on_error == "skip"), WHY
+    src.close()
+    assert not _threads(), WHY
+    p.close()
+
+
+@pytest.mark.parametrize("immutable", [False, True])
+def test_closing_with_files_read_ahead_pushes_nothing_twice_and_loses_nothing(tmp_path, immutable) -> None:
+    rng = random.Random(SEED)
+    d = tmp_path / "in"
+    names, model = _inbox(d, rng, 10)
+    storage = str(tmp_path / "pipe")
+    p = dbsp.Pipeline(circuit(), storage=storage, checkpoint_interval=None)
+    stop = rng.randrange(1, len(names) - 2)
+    src = FileSource(p, "t", d, read_ahead=3, immutable_files=immutable)
+    for _ in range(stop):
+        src.poll(max_files=1)
+        p.step()
+    assert len(src._ahead) == 3, WHY  # files read ahead, not pushed
+    ahead, pushed = {a.rel for a in src._ahead}, src.stats["pushes"]
+    if rng.random() < 0.5:
+        src.close()
+        assert not _threads(), WHY
+    p.close(checkpoint=False)  # with immutable files, recovery replays every step from the files
+    p = dbsp.Pipeline.open(storage, circuit(), checkpoint_interval=None)
+    src = FileSource(p, "t", d, read_ahead=3, immutable_files=immutable)
+    while src.pending():
+        src.poll(max_files=rng.choice([1, 2]))
+        p.step()
+    assert _integral(p) == model, f"{WHY}: stopped after {stop} files with {sorted(ahead)} read ahead"
+    # the units pushed before are skipped unread (acknowledged), none found a duplicate
+    assert src.stats["duplicates"] == 0 and src.stats["skipped"] == pushed, WHY
+    src.close()
+    p.close()
+    assert not _threads(), WHY
+
+
+def test_read_ahead_is_bounded_by_bytes_and_the_memory_limit(tmp_path) -> None:
+    rng = random.Random(SEED)
+    d = tmp_path / "in"
+    names, model = _inbox(d, rng, 5)
+    p = dbsp.Pipeline(circuit(), storage=str(tmp_path / "pipe"), checkpoint_interval=None, memory_limit="64MiB")
+    assert FileSource(p, "t", d, name="a").read_ahead_bytes == int((64 << 20) * files_mod.READ_AHEAD_SHARE)
+    src = FileSource(p, "t", d, name="b", read_ahead=3, read_ahead_bytes=1)  # no file fits: none read ahead
+    src.poll(max_files=1)
+    assert not src._ahead and not _threads(), WHY
+    src.poll()
+    p.step()
+    assert _integral(p) == model, WHY
+    with pytest.raises(ValueError, match="read_ahead"):
+        FileSource(p, "t", d, name="c", read_ahead=-1)
+    p.close()
