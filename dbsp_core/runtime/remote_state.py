@@ -33,6 +33,16 @@ Invariants (enforced here):
      truncated at the local commit: recovery reads the store's log segments, which retention keeps for both live
      manifests (the last uploaded one and the one before), never the local logs. A failed upload breaks the
      pipeline (StoreUnavailableError).
+  6. A manifest never lacks a state database its LAYOUT names: :meth:`RemoteCheckpoints.capture` takes the
+     databases the upload sends (driver.db and every state database present) and checks them against those the
+     LAYOUT it captures names (storage/statefiles.py invariant 1: META's state groups, LAYOUT's workers; LAYOUT is
+     the layout in force at the checkpoint, as a live change's last checkpoint writes LAYOUT before driver.db and
+     removes a leaving worker's database only after). One that is missing (deleted from the cache while the
+     pipeline ran) raises CorruptionError naming it before anything is uploaded: the checkpoint fails, the pipeline
+     is broken, and the store keeps its last manifest (the previous checkpoint), from which reopening rebuilds the
+     cache and replays the input log. Before, the manifest named the databases present, silently dropping that
+     worker's state from the store. A staged executor's state is its stage chains (runtime/stage_store.py), not
+     databases in this cache: the check does not apply to it.
 """
 
 from __future__ import annotations
@@ -51,13 +61,15 @@ from dbsp_core.codec import check_framed_file, frame_head
 from dbsp_core.errors import CorruptionError, DbspError
 from dbsp_core.storage.database import (JOURNAL_DELETE, JOURNAL_PUT, JOURNAL_STEP, Database, end_journals,
                                         journal_of, journal_under)
-from dbsp_core.storage.formats import (CACHE_MARKER, CONSUMERS_DIR, DRIVER_DB, LAYOUT_FILE, LOCK_FILE, META_FILE,
-                                       METRICS_FILE, PROFILE_FILE, REMOTE_DELTA_MAGIC,
+from dbsp_core.storage.directory import read_layout, read_meta
+from dbsp_core.storage.formats import (CACHE_MARKER, CONSUMERS_DIR, DIRECTORY_FORMAT, DRIVER_DB, LAYOUT_FILE,
+                                       LOCK_FILE, META_FILE, METRICS_FILE, PROFILE_FILE, REMOTE_DELTA_MAGIC,
                                        REMOTE_MANIFEST_DIR, REMOTE_SPILL_DIR, REMOTE_STATE_DIR, RESCALE_FILE,
                                        SPILL_DIR, state_db_paths)
 from dbsp_core.storage.remote import (LogPart, Remote, blob_record, delta_name, manifest_name,
                                       record_blob, spill_name, version_of)
 from dbsp_core.storage.remote_log import RemoteLogs
+from dbsp_core.storage.statefiles import named_paths, state_groups
 
 __all__ = ["RemoteCheckpoints", "restore", "prepare_cache", "restored", "CHAIN_LIMIT"]
 
@@ -295,6 +307,31 @@ class RemoteCheckpoints:
         rels = [DRIVER_DB] if os.path.exists(os.path.join(self.root, DRIVER_DB)) else []
         return rels + [os.path.relpath(p, self.root).replace(os.sep, "/") for p in state_db_paths(self.root)]
 
+    def _check_named(self, step: int, databases: list[str]) -> None:
+        """Invariant 6: CorruptionError, before anything is uploaded, if a state database the LAYOUT in force names
+        is not among ``databases`` (what the upload sends; an embedded executor's: a staged one's state is its
+        stage chains)."""
+        if self.state_part is not None:
+            return
+        root = self.root
+        layout, _ = read_layout(root)
+        groups = state_groups(root, read_meta(root, (1, DIRECTORY_FORMAT)))
+        sent = set(databases)
+        rel = [r for r in (os.path.relpath(p, root).replace(os.sep, "/")
+                           for p in named_paths(root, groups, layout.workers)) if r not in sent]
+        if not rel:
+            return
+        s = "s" if len(rel) > 1 else ""
+        prev = self.manifest or {}
+        kept = (f"its manifest {prev['version']} (the checkpoint at step {prev['step']})" if "step" in prev
+                else "no manifest of this pipeline")
+        raise CorruptionError(
+            f"{root}: LAYOUT ({layout.workers} workers, layout epoch {layout.epoch}) names state database{s} "
+            f"{', '.join(rel)}, missing from the cache at the checkpoint of step {step} (deleted while the pipeline "
+            f"ran): its state is in no other local file. Nothing was uploaded: the store keeps {kept}. Close the "
+            f"pipeline and reopen it from the store (Pipeline.open rebuilds the cache from that manifest and replays "
+            f"the input log from its step): a cache is rebuilt at every open, so `dbsp repair` of it does not apply")
+
     def upload(self, step: int, referenced: set[str]) -> dict:
         """Upload the checkpoint at ``step`` that just committed locally; ``referenced`` names the batch files its
         state names. Returns what it uploaded (also :attr:`last`). :meth:`capture` then :meth:`send`."""
@@ -305,6 +342,8 @@ class RemoteCheckpoints:
         taken before steps go on (invariant 5): the small records, the batch files its state names, the logs
         part's position (its output steps below ``step`` made durable). Quick: no state object is read."""
         root = self.root
+        databases = self._databases()
+        self._check_named(step, databases)  # invariant 6: before anything is captured or uploaded
         records = {}
         for name in RECORDS:
             blob = _present(os.path.join(root, name))
@@ -323,7 +362,8 @@ class RemoteCheckpoints:
         logs = self.log_part.covered(step)
         # the stage chains as the executor captured them at the checkpoint's step, steps paused (stage_store inv. 5)
         stages = self.state_part.covered(step) if self.state_part is not None else None
-        return {"step": step, "referenced": set(referenced), "records": records, "logs": logs, "stages": stages,
+        return {"step": step, "referenced": set(referenced), "records": records, "databases": databases,
+                "logs": logs, "stages": stages,
                 "log_bytes": self.remote.stats["put_bytes"] - b0, "t0": time.perf_counter()}
 
     def send(self, captured: dict, before_commit: Callable[[], None] | None = None) -> dict:
@@ -338,7 +378,7 @@ class RemoteCheckpoints:
         last = {"version": v, "step": step, "delta_bytes": 0, "base_bytes": 0, "spill_bytes": 0,
                 "log_bytes": captured["log_bytes"], "changed_bytes": 0, "deltas": 0, "bases": 0, "spill_files": 0}
         dbs: dict[str, dict] = {}
-        for rel in self._databases():
+        for rel in captured["databases"]:  # invariant 6: checked by capture
             dbs[rel] = self._upload_db(rel, prev.get("databases", {}).get(rel), v, last)
         files: dict[str, dict] = {}
         old_files = prev.get("files", {})

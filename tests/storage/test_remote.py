@@ -448,3 +448,44 @@ def test_a_consumer_unregistered_while_a_checkpoint_is_captured_is_left_out(s3_s
         assert acc == _duckdb(pushes)
     finally:
         q.close(checkpoint=False)
+
+
+def test_a_state_database_deleted_from_the_cache_fails_the_checkpoint_before_any_upload(s3_server, tmp_path):
+    """``state/worker-1.db`` deleted from the cache while the pipeline runs (W=2): the next checkpoint raises
+    CorruptionError naming it and uploads nothing, so the store keeps its last good manifest (remote_state
+    invariant 6); reopening from the store gives that checkpoint's state and replaying the input log gives exactly
+    DuckDB's rows. Before, the manifest listed the databases present, so it silently omitted worker-1's state."""
+    store = s3_server.uri(s3_server.bucket(), "pipe")
+    cache = str(tmp_path / "cache")
+    pushes = _pushes(SEED + 11, 5)
+    r = Remote.of(store, "/nonexistent")
+    p = dbsp.Pipeline(_circuit(), workers=2, storage=store, cache_dir=cache, checkpoint_interval=None)
+    try:
+        for i in range(3):
+            p.push("t", pushes[i], producer="gen", seq=i)
+            p.step()
+        p.checkpoint()
+        good = r.newest_manifest()
+        assert good["step"] == 3 and {"state/worker-0.db", "state/worker-1.db"} <= set(good["databases"])
+        gone = os.path.join(cache, "state", "worker-1.db")
+        os.remove(gone)
+        for i in range(3, 5):
+            p.push("t", pushes[i], producer="gen", seq=i)
+            p.step()
+        with pytest.raises(CorruptionError, match=r"state/worker-1\.db.*missing") as e:
+            p.checkpoint()
+        assert "reopen" in str(e.value) and "step 3" in str(e.value), e.value
+        after = r.newest_manifest()
+        assert after["version"] == good["version"] and after["databases"] == good["databases"], \
+            "a checkpoint uploaded a manifest without a state database LAYOUT names"
+    finally:
+        p.close()
+    q = dbsp.Pipeline.open(store, _circuit(), cache_dir=str(tmp_path / "cache2"), checkpoint_interval=None)
+    try:
+        assert q.steps == 5
+        acc: dict = {}
+        for _, z in q.read_output("s"):
+            integrate(acc, z)
+        assert acc == _duckdb(pushes)
+    finally:
+        q.close(checkpoint=False)
