@@ -504,10 +504,10 @@ class StepPlan:
                     steps[agg] = _PartialsReceive(instances[agg], nodes[pre].schema, self.counts)
                 self.fused_nodes.append(agg)
             if workers > 1:
-                for agg in self._reducing_aggregates(circuit, live, instances, inner):
+                for agg in self._extremes_fed_by_exchange(circuit, live, instances, inner, "reduce_specs"):
                     e = nodes[agg].inputs[0]
                     steps[e] = _ReducedExchange(e, instances[agg], nodes[e].key, self.counts)
-                for agg in self._projecting_aggregates(circuit, live, instances, inner):
+                for agg in self._extremes_fed_by_exchange(circuit, live, instances, inner, "projected"):
                     e = nodes[agg].inputs[0]
                     steps[e] = _ProjectedExchange(e, instances[agg], nodes[e].key, self.counts)
                     j = nodes[e].inputs[0]
@@ -571,33 +571,17 @@ class StepPlan:
         return bool(cols & set(agg.keys)) and not cols & {col for _, col in agg.kernel}
 
     @staticmethod
-    def _reducing_aggregates(circuit: Circuit, live: list[int], instances: dict[int, Any],
-                             inner: Callable[[int], bool]) -> list[int]:
-        """Every min/max aggregate that reduces its change (operators/aggregate.py invariant 8) whose input is an
-        exchange on its keys with no other consumer (design note 4 at W > 1)."""
+    def _extremes_fed_by_exchange(circuit: Circuit, live: list[int], instances: dict[int, Any],
+                                  inner: Callable[[int], bool], attr: str) -> list[int]:
+        """Every min/max aggregate whose state's ``attr`` is set (``reduce_specs``: it reduces its change,
+        operators/aggregate.py invariant 8; ``projected``: it projects it, invariant 9) and whose input is an exchange
+        on its keys with no other consumer (design note 4 at W > 1)."""
         nodes = circuit.nodes
         found = []
         for i in live:
             op = nodes[i]
             if not (isinstance(op, Aggregate) and type(instances[i]) is _ExtremesState
-                    and instances[i].reduce_specs is not None and len(op.inputs) == 1):
-                continue
-            e = op.inputs[0]
-            if isinstance(nodes[e], Exchange) and inner(e) and tuple(nodes[e].key) == tuple(op.keys):
-                found.append(i)
-        return found
-
-    @staticmethod
-    def _projecting_aggregates(circuit: Circuit, live: list[int], instances: dict[int, Any],
-                               inner: Callable[[int], bool]) -> list[int]:
-        """Every min/max aggregate that projects its change (operators/aggregate.py invariant 9) whose input is an
-        exchange on its keys with no other consumer (design note 4 at W > 1)."""
-        nodes = circuit.nodes
-        found = []
-        for i in live:
-            op = nodes[i]
-            if not (isinstance(op, Aggregate) and type(instances[i]) is _ExtremesState
-                    and instances[i].projected is not None and len(op.inputs) == 1):
+                    and getattr(instances[i], attr) is not None and len(op.inputs) == 1):
                 continue
             e = op.inputs[0]
             if isinstance(nodes[e], Exchange) and inner(e) and tuple(nodes[e].key) == tuple(op.keys):

@@ -27,8 +27,8 @@ def test_seed_is_printed() -> None:
     print(f"DBSP_TEST_SEED={SEED}")
 
 
-def _rss(m: mmap.mmap) -> int:
-    """Bytes of mapping ``m`` resident in this process (its Rss in /proc/self/smaps)."""
+def _smaps_values(m: mmap.mmap, field: str) -> list[str]:
+    """The values of line ``field`` (e.g. ``"Rss:"``, ``"VmFlags:"``) of mapping ``m`` in /proc/self/smaps."""
     start = np.frombuffer(m, dtype=np.uint8).ctypes.data
     inside = False
     with open("/proc/self/smaps") as f:
@@ -36,9 +36,14 @@ def _rss(m: mmap.mmap) -> int:
             head = line.split(None, 1)[0]
             if "-" in head and not head.endswith(":"):
                 inside = int(head.split("-")[0], 16) == start
-            elif inside and head == "Rss:":
-                return int(line.split()[1]) * 1024
+            elif inside and head == field:
+                return line.split()[1:]
     raise AssertionError("mapping not found in /proc/self/smaps")
+
+
+def _rss(m: mmap.mmap) -> int:
+    """Bytes of mapping ``m`` resident in this process (its Rss in /proc/self/smaps)."""
+    return int(_smaps_values(m, "Rss:")[0]) * 1024
 
 
 def _spilled_trace(store: BatchStore, n: int, rng: np.random.Generator) -> tuple[Trace, Counter]:

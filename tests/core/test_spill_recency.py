@@ -17,7 +17,7 @@ import pytest
 
 from dbsp_core.trace import spill
 from dbsp_core.trace.spill import BatchStore, spilling
-from tests.core.test_spill_flat import _read, _rss, _spilled_trace
+from tests.core.test_spill_flat import _read, _rss, _smaps_values, _spilled_trace
 
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
 
@@ -28,16 +28,7 @@ def test_seed_is_printed() -> None:
 
 def _vmflags(m) -> set[str]:
     """The VmFlags of mapping ``m`` in /proc/self/smaps."""
-    start = np.frombuffer(m, dtype=np.uint8).ctypes.data
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split(None, 1)[0]
-            if "-" in head and not head.endswith(":"):
-                inside = int(head.split("-")[0], 16) == start
-            elif inside and head == "VmFlags:":
-                return set(line.split()[1:])
-    raise AssertionError("mapping not found in /proc/self/smaps")
+    return set(_smaps_values(m, "VmFlags:"))
 
 
 @pytest.mark.parametrize("recency", [True, False])

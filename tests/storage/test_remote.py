@@ -409,6 +409,14 @@ def test_a_damaged_delta_object_fails_the_open_and_applies_nothing(s3_server, tm
     assert r.get(name) == bytes(data)
 
 
+def _integrated_output(q) -> dict:
+    """The output ``s`` of pipeline ``q`` integrated over its log (a multiset of rows)."""
+    acc: dict = {}
+    for _, z in q.read_output("s"):
+        integrate(acc, z)
+    return acc
+
+
 def test_a_consumer_unregistered_while_a_checkpoint_is_captured_is_left_out(s3_server, tmp_path, monkeypatch):
     """A consumer (another thread, or a reader in another process) unregisters between the checkpoint's look at
     its record in ``consumers/`` and its read of it: the checkpoint leaves it out. Before, the read raised
@@ -442,10 +450,7 @@ def test_a_consumer_unregistered_while_a_checkpoint_is_captured_is_left_out(s3_s
     q = dbsp.Pipeline.open(store, _circuit(), cache_dir=str(tmp_path / "cache2"), checkpoint_interval=None)
     try:
         assert q.consumers.list() == {"kept": 0}
-        acc: dict = {}
-        for _, z in q.read_output("s"):
-            integrate(acc, z)
-        assert acc == _duckdb(pushes)
+        assert _integrated_output(q) == _duckdb(pushes)
     finally:
         q.close(checkpoint=False)
 
@@ -483,9 +488,6 @@ def test_a_state_database_deleted_from_the_cache_fails_the_checkpoint_before_any
     q = dbsp.Pipeline.open(store, _circuit(), cache_dir=str(tmp_path / "cache2"), checkpoint_interval=None)
     try:
         assert q.steps == 5
-        acc: dict = {}
-        for _, z in q.read_output("s"):
-            integrate(acc, z)
-        assert acc == _duckdb(pushes)
+        assert _integrated_output(q) == _duckdb(pushes)
     finally:
         q.close(checkpoint=False)
