@@ -243,7 +243,7 @@ class FileSource:
                              "(recursive=True): start its name with '_' or put it outside the directory")
         self.read_ahead = read_ahead
         budget = READ_AHEAD_BYTES if read_ahead_bytes is None else read_ahead_bytes
-        limit = getattr(pipeline, "_memory_limit", None)  # the pipeline's budget (driver.Pipeline memory_limit=)
+        limit = getattr(pipeline, "memory_limit", None)  # the pipeline's budget (Pipeline.memory_limit)
         self.read_ahead_bytes = min(budget, int(limit * READ_AHEAD_SHARE)) if limit else budget
         self._ahead: deque[_Ahead] = deque()  # files being read ahead, in name order (invariant 9)
         self._pool: list = [None]  # the read-ahead thread's executor, made at the first read ahead

@@ -1527,6 +1527,12 @@ class Pipeline:
             raise undo from exc
 
     @property
+    def memory_limit(self) -> int | None:
+        """The memory budget of the pipeline's state in bytes (``memory_limit=`` or ``DBSP_MEMORY_LIMIT``), None
+        without one; connectors size what they hold ahead by it (connectors/files.py invariant 9)."""
+        return self._memory_limit
+
+    @property
     def layout(self) -> Layout:
         """The layout in force: ``.workers``, ``.shards`` and ``.owner(shard) -> worker``."""
         lay = self.executor.layout
