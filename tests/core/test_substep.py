@@ -404,3 +404,83 @@ def test_a_piece_that_fails_on_its_data_puts_the_whole_step_back(workers: int) -
     finally:
         split.close()
         ref.close()
+
+
+def test_split_steps_hold_while_other_threads_push_checkpoint_and_read(tmp_path) -> None:
+    """While one thread runs steps that split into pieces (W=2, durable), others push (another producer),
+    checkpoint, read metrics and read the output log, all at once: every call returns or fails cleanly, the steps
+    did split, checkpoints ran during them, and at the end every view's logged integral equals the reference's
+    (a pipeline without a budget over all pushes) and DuckDB's."""
+    import threading
+
+    rng = np.random.default_rng(SEED + 7)
+    held_a: list = []
+    held_b: list = []
+    mine = [_change(rng, held_a, 80) for _ in range(8)]
+    theirs = [_change(rng, held_b, 40) for _ in range(8)]  # a producer of its own (deletions of its own rows only)
+    d = str(tmp_path / "p")
+    p = dbsp.Pipeline(_circuit(), workers=2, storage=d, memory_limit=TINY, checkpoint_interval=None,
+                      executor=EmbeddedExecutor(substep_bytes=PIECE))
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    done = {"checkpoints": 0, "metrics": 0, "reads": 0, "pushes": 0}
+
+    def run(what: str, body: Callable[[], None]) -> threading.Thread:
+        def loop() -> None:
+            try:
+                while not stop.is_set() and body() is not False:
+                    done[what] += 1
+                    stop.wait(0.02)  # a pace that lets the steps run between the calls
+            except BaseException as e:  # noqa: BLE001  (reported below)
+                errors.append(e)
+        t = threading.Thread(target=loop, name=what)
+        t.start()
+        return t
+
+    left = list(enumerate(theirs))
+
+    def push_theirs() -> bool:
+        if not left:
+            return False
+        i, z = left.pop(0)
+        p.push("t", z, producer="other", seq=i)
+        return True
+
+    seen: list[int] = []  # split steps done when each checkpoint returned
+
+    def checkpoint() -> None:
+        p.checkpoint()
+        seen.append(_split(p).get("split_steps", 0))
+
+    threads = [run("checkpoints", checkpoint), run("metrics", p.metrics),
+               run("reads", lambda: _integral(p, "g") and None), run("pushes", push_theirs)]
+    try:
+        for i, z in enumerate(mine):
+            p.push("t", z, producer="gen", seq=i)
+            p.step()
+        while left:  # the other producer's last pushes, then a step that takes them
+            threading.Event().wait(0.01)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        p.step()
+        assert _split(p)["split_steps"] >= 4, _split(p)
+        assert done["checkpoints"] >= 1 and done["metrics"] >= 1 and done["pushes"] == len(theirs), done
+        assert any(0 < n < _split(p)["split_steps"] for n in seen), (seen, _split(p))  # checkpoints amid the split steps
+        with dbsp.Pipeline(_circuit()) as ref:
+            want = {"g": {}, "d": {}}
+            for z in mine + theirs:
+                ref.push("t", z)
+            for name, out in ref.step().items():
+                accumulate(want[name], out)
+        bag: dict = {}
+        for z in mine + theirs:
+            accumulate(bag, z)
+        tables = {"t": (KEYED, bag)}
+        assert want["g"] == duckdb_query("SELECT k, count(*), min(v), max(v) FROM t GROUP BY k", tables)
+        for name in ("g", "d"):
+            assert _integral(p, name) == want[name], (name, SEED)
+    finally:
+        stop.set()
+        p.close()
