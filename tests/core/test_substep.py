@@ -69,16 +69,19 @@ def _compare(build: Callable[[dbsp.Circuit, dict], dict], queries: dict[str, str
     try:
         for step in range(steps):
             size = 0
-            for name, g in gens.items():
-                change = g.change(rows if step == 0 else rows // 2)
-                keys = list(change)
-                cut = int(rng.integers(0, len(keys) + 1))
-                for part in (keys[:cut], keys[cut:]):
-                    if part:
-                        z = to_zset({r: change[r] for r in part}, schemas[name])
-                        split.push(name, z)
-                        whole.push(name, z)
-                        size += z.data.nbytes + z.weights.nbytes
+            while True:  # the first step pushes until it holds more than two pieces: some seeds draw few rows
+                for name, g in gens.items():
+                    change = g.change(rows if step == 0 else rows // 2)
+                    keys = list(change)
+                    cut = int(rng.integers(0, len(keys) + 1))
+                    for part in (keys[:cut], keys[cut:]):
+                        if part:
+                            z = to_zset({r: change[r] for r in part}, schemas[name])
+                            split.push(name, z)
+                            whole.push(name, z)
+                            size += z.data.nbytes + z.weights.nbytes
+                if step or size > 2 * piece:
+                    break
             big += size > piece
             got, want = split.step(), whole.step()
             tables = {name: (schemas[name], dict(g.bag)) for name, g in gens.items()}
