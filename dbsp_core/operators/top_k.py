@@ -21,6 +21,11 @@ Invariants:
      deletion reaching the shown rows would read is never kept (k rows per group instead of every row). A
      change with a retraction then cannot be served and raises DbspError (the driver refuses retractions into
      append-only inputs before recording them, operators/input.py invariant 3).
+  6. An argmax/argmin with ties (k = 1, ``with_ties``) over one signed integer column whose rows hold no null
+     there finds a group's top rows without a sort: one hash grouping gives each group's max (min), and its rows
+     with that value are its top rows (every one of them, with its weight: ties are kept whole, so the order of
+     the other columns decides nothing). Groups are told apart by key hash; when two groups of a step share one,
+     the sort serves that step.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import pyarrow as pa
 
+from dbsp_core import _zset
 from dbsp_core.errors import DbspError, SchemaError
 from dbsp_core.operators.aggregate import lookup_exact
 from dbsp_core.operators.base import (Operator, check_columns, concat, empty, keyed_change, make, opened_change,
@@ -101,6 +107,29 @@ def _sorted(op: TopK, table: pa.Table, extra: Sequence[tuple[str, str]] = ()) ->
     return sort_order(table, op.sort_keys(extra))
 
 
+def _argmax_rows(op: TopK, z: ZSet) -> ZSet | None:
+    """Invariant 6: the top rows of ``z`` (every weight positive) when ``op`` is an argmax/argmin with ties over one
+    signed integer column without nulls: each group's rows whose value is the group's max (min), by one hash
+    grouping, no sort; None when that does not apply (the sort of :func:`top_rows` then serves)."""
+    if not (op.k == 1 and op.with_ties and len(op.order) == 1):
+        return None
+    col, direction = op.order[0]
+    values = z.data.column(col)
+    if not pa.types.is_signed_integer(values.type) or values.null_count:
+        return None
+    keypos = [z.data.schema.get_field_index(c) for c in op.keys]
+    vpos = z.data.schema.get_field_index(col)
+    kind = "max" if direction == "descending" else "min"
+    _, khash, ivals, _, _ = _zset.group_reduce(z.data, z.weights, keypos, [(kind, vpos)], True)
+    if len(khash) > 1 and bool((khash[1:] == khash[:-1]).any()):  # two groups share a key hash: rows can't tell
+        return None
+    v = np.asarray(values.to_numpy(zero_copy_only=False), dtype=np.int64)
+    # groups in key-hash order, every row's group among them; a group's extreme is the value of its row ivals
+    keep = v == v[ivals[np.searchsorted(khash, z.hash(list(op.keys))), 0]]
+    rows = np.flatnonzero(keep)
+    return make(z.data.take(pa.array(rows)), z.weights[rows], op.in_schema)
+
+
 def top_rows(op: TopK, z: ZSet) -> ZSet:
     """The top rows of every group of ``z`` (consolidated; rows of weight <= 0 are ignored), invariant 1."""
     pos = z.weights > 0
@@ -108,6 +137,9 @@ def top_rows(op: TopK, z: ZSet) -> ZSet:
         z = ZSet._make(z.data.filter(pa.array(pos)), z.weights[pos])
     if z.num_rows == 0:
         return empty(op.in_schema)
+    fast = _argmax_rows(op, z)
+    if fast is not None:
+        return fast
     idx = _sorted(op, z.data)
     # the runs are found on the group (and order) columns alone; only the rows kept are gathered whole
     runs = dict.fromkeys(list(op.keys) + ([c for c, _ in op.order] if op.with_ties else []))

@@ -67,6 +67,37 @@ def test_top_k_per_group(seed: int, workers: int, k: int) -> None:
     }, seed, workers, inputs=("bids",), steps=7)
 
 
+@FEW
+@given(seed=SEEDS, workers=WORKERS, append_only=st.booleans())
+def test_argmax_over_an_integer_column_without_nulls(seed: int, workers: int, append_only: bool) -> None:
+    """operators/top_k.py invariant 6: argmax/argmin with ties over a non-null integer column (q5's form) take the
+    hash grouping, not the sort (counted), and give DuckDB's rows, with deletions and null group keys."""
+    from dbsp_core.operators import top_k
+
+    taken = []
+    real = top_k._argmax_rows
+
+    def counted(op, z):
+        out = real(op, z)
+        taken.append(out is not None)
+        return out
+
+    top_k._argmax_rows = counted
+    try:
+        run_against_duckdb(lambda c, s: {
+            "max": s["bids"].filter(pc.field("price").is_valid()).group_by("bidder").argmax("price"),
+            "min": s["bids"].filter(pc.field("price").is_valid()).group_by("auction", "bidder").argmin("price"),
+        }, {
+            "max": "SELECT auction, bidder, price, f FROM (SELECT *, rank() OVER (PARTITION BY bidder ORDER BY price "
+                   "DESC) AS r FROM bids WHERE price IS NOT NULL) WHERE r <= 1",
+            "min": "SELECT auction, bidder, price, f FROM (SELECT *, rank() OVER (PARTITION BY auction, bidder ORDER "
+                   "BY price ASC) AS r FROM bids WHERE price IS NOT NULL) WHERE r <= 1",
+        }, seed, workers, inputs=("bids",), steps=7, max_rows=20, append_only=append_only)
+    finally:
+        top_k._argmax_rows = real
+    assert taken and all(taken), "the argmax did not take the hash grouping"
+
+
 JOIN_REST = ("auction", "bidder", "f", "id", "reserve")  # the tie-breaking columns, in the joined schema's order
 
 
