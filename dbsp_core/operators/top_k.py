@@ -26,6 +26,14 @@ Invariants:
      with that value are its top rows (every one of them, with its weight: ties are kept whole, so the order of
      the other columns decides nothing). Groups are told apart by key hash; when two groups of a step share one,
      the sort serves that step.
+  7. Over an aggregate's output ordered first by its row count (``count()``) descending, when the aggregate's input
+     is inserts only, its keys include the top-k's group keys and it has no count_distinct (``grows``, set by the
+     circuit, q5's hot items): the state is ``shown`` alone, as in invariant 5. A step changes a group of the
+     aggregate only by inserting rows, so it retracts the group's row only beside the group's new row, of a
+     strictly larger count, in the same top-k group: that row sorts before the one it replaces, and every row
+     the step does not touch keeps its place, so the rows shown before and not retracted, with the step's new
+     rows, hold the top rows after the step. A step consolidates the shown rows of its groups with its change
+     (a retraction cancels the shown row it deletes) and takes their top rows.
 """
 
 from __future__ import annotations
@@ -71,10 +79,11 @@ class TopK(Operator):
     split_safe = True  # base.py invariant 6 (invariant 1: a function of the integrated input)
     in_times: tuple = ()  # time lineage of the input, set by the circuit when there is one (dbsp_core.time)
     append_only = False  # invariant 5; set only when the input is inserts only
+    grows = False  # invariant 7; set only when the input is a row count that only grows
 
     def __init__(self, node: int, in_schema: pa.Schema, keys: Sequence[str], order: tuple[tuple[str, str], ...],
                  k: int, with_ties: bool, where: str, hidden_key: str | None = None,
-                 append_only: bool = False) -> None:
+                 append_only: bool = False, grows: bool = False) -> None:
         keys = tuple(keys)
         check_columns(in_schema, keys, where, "group_by column")
         check_columns(in_schema, [c for c, _ in order], where, "order_by column")
@@ -90,6 +99,8 @@ class TopK(Operator):
         self.hidden_key = hidden_key
         if append_only:  # set only then: the fingerprint of the general form is unchanged
             self.append_only = True
+        if grows and not append_only:  # likewise
+            self.grows = True
         ordered = set(keys) | {c for c, _ in order}
         self.rest = tuple(c for c in in_schema.names if c not in ordered)
 
@@ -187,7 +198,7 @@ class _TopKState:
     def __init__(self, op: TopK) -> None:
         self.op = op
         self.keys = list(op.keys)
-        self.input = None if op.append_only else Trace(op.in_schema, op.keys)
+        self.input = None if op.append_only or op.grows else Trace(op.in_schema, op.keys)
         self.shown = Trace(op.in_schema, op.keys)
 
     def traces(self) -> dict[str, Trace]:
@@ -226,11 +237,15 @@ class _TopKState:
 
     def _step_inserts(self, inputs: list[ZSet], ctx: "StepContext") -> ZSet:
         """Invariant 5: the change (inserts only) is not indexed, only its keys hashed to look up the shown rows;
-        it is not consolidated either, as top_rows orders equal rows together and counts their weights."""
+        it is not consolidated either, as top_rows orders equal rows together and counts their weights. Invariant
+        7: the same over a growing count, the change's retractions cancelling the shown rows they delete."""
         op = self.op
         change = opened_change(self, inputs, ctx, op.in_schema)
         if change is None:
             return empty(op.schema)
+        if op.grows:
+            old = lookup_exact(self.shown, np.unique(change.hash(self.keys)), op.in_schema).consolidate()
+            return self._show(top_rows(op, concat([change, old], op.in_schema).consolidate()), old)
         if (change.weights < 0).any():
             raise DbspError(f"{op.label}: a retraction reached a top-k over an append-only stream, which keeps only "
                             f"its shown rows; declare the inputs without append_only=True to push deletions")
