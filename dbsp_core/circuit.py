@@ -150,6 +150,24 @@ class Circuit:
                 flags.append(passes and all(flags[i] for i in op.inputs))
         return flags[node_id]
 
+    def count_grows(self, node_id: int, keys: Sequence[str], order: tuple[str, str]) -> bool:
+        """Whether ``order`` (a column, a direction) is the row count (``count()``) of the aggregate whose output is
+        node ``node_id``'s stream (through exchanges), descending, the aggregate grouping by every column of
+        ``keys`` (and maybe more), without count_distinct, over a stream that is inserts only: a step then
+        retracts a group's row only beside its new row of a larger count (operators/top_k.py invariant 7)."""
+        op = self.nodes[node_id]
+        while isinstance(op, Exchange):
+            op = self.nodes[op.inputs[0]]
+        col, direction = order
+        if (not isinstance(op, Aggregate) or not op.output_keys or op.distinct_columns or direction != "descending"
+                or not set(keys) <= set(op.keys) or col not in op.names
+                or op.plan[op.names.index(col)] != ("count", [0])):
+            return False
+        src = self.nodes[op.inputs[0]]
+        while isinstance(src, Exchange):
+            src = self.nodes[src.inputs[0]]
+        return self.inserts_only(src.inputs[0] if isinstance(src, PreAggregate) else src.node_id)
+
     def _where(self, kind: str) -> str:
         return f"{kind}#{len(self.nodes)}"
 
@@ -841,7 +859,8 @@ class GroupBy:
         s, keys, hidden = self._keyed(where)
         src = s._exchanged(keys)
         op = TopK(src.node_id, src.schema, keys, order, k, with_ties, where, hidden,
-                  append_only=s.circuit.inserts_only(src.node_id))
+                  append_only=s.circuit.inserts_only(src.node_id),
+                  grows=s.circuit.count_grows(src.node_id, keys, order[0]))
         return s.circuit.add_operator(op, passed(src.times, {c: c for c in keys if c != hidden}), (src.times,))
 
     def session(self, column: str, gap: int, start: str = "session_start", end: str = "session_end") -> Stream:

@@ -21,6 +21,19 @@ Invariants:
      deletion reaching the shown rows would read is never kept (k rows per group instead of every row). A
      change with a retraction then cannot be served and raises DbspError (the driver refuses retractions into
      append-only inputs before recording them, operators/input.py invariant 3).
+  6. An argmax/argmin with ties (k = 1, ``with_ties``) over one signed integer column whose rows hold no null
+     there finds a group's top rows without a sort: one hash grouping gives each group's max (min), and its rows
+     with that value are its top rows (every one of them, with its weight: ties are kept whole, so the order of
+     the other columns decides nothing). Groups are told apart by key hash; when two groups of a step share one,
+     the sort serves that step.
+  7. Over an aggregate's output ordered first by its row count (``count()``) descending, when the aggregate's input
+     is inserts only, its keys include the top-k's group keys and it has no count_distinct (``grows``, set by the
+     circuit, q5's hot items): the state is ``shown`` alone, as in invariant 5. A step changes a group of the
+     aggregate only by inserting rows, so it retracts the group's row only beside the group's new row, of a
+     strictly larger count, in the same top-k group: that row sorts before the one it replaces, and every row
+     the step does not touch keeps its place, so the rows shown before and not retracted, with the step's new
+     rows, hold the top rows after the step. A step consolidates the shown rows of its groups with its change
+     (a retraction cancels the shown row it deletes) and takes their top rows.
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import pyarrow as pa
 
+from dbsp_core import _zset
 from dbsp_core.errors import DbspError, SchemaError
 from dbsp_core.operators.aggregate import lookup_exact
 from dbsp_core.operators.base import (Operator, check_columns, concat, empty, keyed_change, make, opened_change,
@@ -65,10 +79,11 @@ class TopK(Operator):
     split_safe = True  # base.py invariant 6 (invariant 1: a function of the integrated input)
     in_times: tuple = ()  # time lineage of the input, set by the circuit when there is one (dbsp_core.time)
     append_only = False  # invariant 5; set only when the input is inserts only
+    grows = False  # invariant 7; set only when the input is a row count that only grows
 
     def __init__(self, node: int, in_schema: pa.Schema, keys: Sequence[str], order: tuple[tuple[str, str], ...],
                  k: int, with_ties: bool, where: str, hidden_key: str | None = None,
-                 append_only: bool = False) -> None:
+                 append_only: bool = False, grows: bool = False) -> None:
         keys = tuple(keys)
         check_columns(in_schema, keys, where, "group_by column")
         check_columns(in_schema, [c for c, _ in order], where, "order_by column")
@@ -84,6 +99,8 @@ class TopK(Operator):
         self.hidden_key = hidden_key
         if append_only:  # set only then: the fingerprint of the general form is unchanged
             self.append_only = True
+        if grows and not append_only:  # likewise
+            self.grows = True
         ordered = set(keys) | {c for c, _ in order}
         self.rest = tuple(c for c in in_schema.names if c not in ordered)
 
@@ -101,6 +118,29 @@ def _sorted(op: TopK, table: pa.Table, extra: Sequence[tuple[str, str]] = ()) ->
     return sort_order(table, op.sort_keys(extra))
 
 
+def _argmax_rows(op: TopK, z: ZSet) -> ZSet | None:
+    """Invariant 6: the top rows of ``z`` (every weight positive) when ``op`` is an argmax/argmin with ties over one
+    signed integer column without nulls: each group's rows whose value is the group's max (min), by one hash
+    grouping, no sort; None when that does not apply (the sort of :func:`top_rows` then serves)."""
+    if not (op.k == 1 and op.with_ties and len(op.order) == 1):
+        return None
+    col, direction = op.order[0]
+    values = z.data.column(col)
+    if not pa.types.is_signed_integer(values.type) or values.null_count:
+        return None
+    keypos = [z.data.schema.get_field_index(c) for c in op.keys]
+    vpos = z.data.schema.get_field_index(col)
+    kind = "max" if direction == "descending" else "min"
+    _, khash, ivals, _, _ = _zset.group_reduce(z.data, z.weights, keypos, [(kind, vpos)], True)
+    if len(khash) > 1 and bool((khash[1:] == khash[:-1]).any()):  # two groups share a key hash: rows can't tell
+        return None
+    v = np.asarray(values.to_numpy(zero_copy_only=False), dtype=np.int64)
+    # groups in key-hash order, every row's group among them; a group's extreme is the value of its row ivals
+    keep = v == v[ivals[np.searchsorted(khash, z.hash(list(op.keys))), 0]]
+    rows = np.flatnonzero(keep)
+    return make(z.data.take(pa.array(rows)), z.weights[rows], op.in_schema)
+
+
 def top_rows(op: TopK, z: ZSet) -> ZSet:
     """The top rows of every group of ``z`` (consolidated; rows of weight <= 0 are ignored), invariant 1."""
     pos = z.weights > 0
@@ -108,6 +148,9 @@ def top_rows(op: TopK, z: ZSet) -> ZSet:
         z = ZSet._make(z.data.filter(pa.array(pos)), z.weights[pos])
     if z.num_rows == 0:
         return empty(op.in_schema)
+    fast = _argmax_rows(op, z)
+    if fast is not None:
+        return fast
     idx = _sorted(op, z.data)
     # the runs are found on the group (and order) columns alone; only the rows kept are gathered whole
     runs = dict.fromkeys(list(op.keys) + ([c for c, _ in op.order] if op.with_ties else []))
@@ -155,7 +198,7 @@ class _TopKState:
     def __init__(self, op: TopK) -> None:
         self.op = op
         self.keys = list(op.keys)
-        self.input = None if op.append_only else Trace(op.in_schema, op.keys)
+        self.input = None if op.append_only or op.grows else Trace(op.in_schema, op.keys)
         self.shown = Trace(op.in_schema, op.keys)
 
     def traces(self) -> dict[str, Trace]:
@@ -194,11 +237,15 @@ class _TopKState:
 
     def _step_inserts(self, inputs: list[ZSet], ctx: "StepContext") -> ZSet:
         """Invariant 5: the change (inserts only) is not indexed, only its keys hashed to look up the shown rows;
-        it is not consolidated either, as top_rows orders equal rows together and counts their weights."""
+        it is not consolidated either, as top_rows orders equal rows together and counts their weights. Invariant
+        7: the same over a growing count, the change's retractions cancelling the shown rows they delete."""
         op = self.op
         change = opened_change(self, inputs, ctx, op.in_schema)
         if change is None:
             return empty(op.schema)
+        if op.grows:
+            old = lookup_exact(self.shown, np.unique(change.hash(self.keys)), op.in_schema).consolidate()
+            return self._show(top_rows(op, concat([change, old], op.in_schema).consolidate()), old)
         if (change.weights < 0).any():
             raise DbspError(f"{op.label}: a retraction reached a top-k over an append-only stream, which keeps only "
                             f"its shown rows; declare the inputs without append_only=True to push deletions")

@@ -67,6 +67,75 @@ def test_top_k_per_group(seed: int, workers: int, k: int) -> None:
     }, seed, workers, inputs=("bids",), steps=7)
 
 
+@FEW
+@given(seed=SEEDS, workers=WORKERS, append_only=st.booleans())
+def test_argmax_over_an_integer_column_without_nulls(seed: int, workers: int, append_only: bool) -> None:
+    """operators/top_k.py invariant 6: argmax/argmin with ties over a non-null integer column (q5's form) take the
+    hash grouping, not the sort (counted), and give DuckDB's rows, with deletions and null group keys."""
+    from dbsp_core.operators import top_k
+
+    taken = []
+    real = top_k._argmax_rows
+
+    def counted(op, z):
+        out = real(op, z)
+        taken.append(out is not None)
+        return out
+
+    top_k._argmax_rows = counted
+    try:
+        run_against_duckdb(lambda c, s: {
+            "max": s["bids"].filter(pc.field("price").is_valid()).group_by("bidder").argmax("price"),
+            "min": s["bids"].filter(pc.field("price").is_valid()).group_by("auction", "bidder").argmin("price"),
+        }, {
+            "max": "SELECT auction, bidder, price, f FROM (SELECT *, rank() OVER (PARTITION BY bidder ORDER BY price "
+                   "DESC) AS r FROM bids WHERE price IS NOT NULL) WHERE r <= 1",
+            "min": "SELECT auction, bidder, price, f FROM (SELECT *, rank() OVER (PARTITION BY auction, bidder ORDER "
+                   "BY price ASC) AS r FROM bids WHERE price IS NOT NULL) WHERE r <= 1",
+        }, seed, workers, inputs=("bids",), steps=7, max_rows=20, append_only=append_only)
+    finally:
+        top_k._argmax_rows = real
+    assert taken and all(taken), "the argmax did not take the hash grouping"
+
+
+@FEW
+@given(seed=SEEDS, workers=WORKERS, k=st.sampled_from([1, 2]), ties=st.booleans())
+def test_top_k_over_a_growing_count_keeps_only_its_shown_rows(seed: int, workers: int, k: int, ties: bool) -> None:
+    """operators/top_k.py invariant 7 (q5's form): the top groups by row count over append-only inputs keep only the
+    shown rows, and give DuckDB's rows after every step (counts grow across steps, groups tie)."""
+    def traces(p: dbsp.Pipeline) -> None:
+        assert _top_k_traces(p) == ["shown"]
+
+    rank = "rank" if ties else "row_number"
+    run_against_duckdb(lambda c, s: {
+        "top": s["bids"].group_by("auction", "bidder").agg(n=dbsp.count(), hi=dbsp.max("price"))
+        .group_by("auction").top_k(k, [("n", "descending"), "bidder"], with_ties=ties),
+    }, {
+        "top": f"SELECT auction, bidder, n, hi FROM (SELECT *, {rank}() OVER (PARTITION BY auction ORDER BY n DESC, "
+               f"bidder ASC NULLS LAST) AS r FROM (SELECT auction, bidder, count(*) AS n, max(price) AS hi FROM bids "
+               f"GROUP BY auction, bidder)) WHERE r <= {k}",
+    }, seed, workers, inputs=("bids",), steps=7, max_rows=20, append_only=True, after=traces)
+
+
+def test_top_k_over_a_count_grows_only_where_it_must() -> None:
+    """operators/top_k.py invariant 7 holds only for a row count, descending, of an aggregate over inserts only
+    grouping by the top-k's keys: any other form keeps the general state."""
+    def top(append_only: bool, **kw: object) -> bool:
+        c = dbsp.Circuit()
+        t = c.input("bids", BIDS, append_only=append_only)
+        g = t.group_by("auction", "bidder").agg(n=dbsp.count(), nf=dbsp.count("f"), s=dbsp.sum("price"),
+                                                 **kw.pop("more", {}))
+        out = g.group_by(kw.pop("keys", "auction")).top_k(1, (kw.pop("col", "n"), kw.pop("dir", "descending")))
+        return c.nodes[out.node_id].grows
+
+    assert top(True)
+    assert not top(False)  # the count may fall
+    assert not top(True, dir="ascending")
+    assert not top(True, col="nf") and not top(True, col="s")  # a count of non-nulls or a sum may stay put
+    assert not top(True, keys="n")  # a group's new row lands in another top-k group
+    assert not top(True, more={"d": dbsp.count_distinct("price")})
+
+
 JOIN_REST = ("auction", "bidder", "f", "id", "reserve")  # the tie-breaking columns, in the joined schema's order
 
 
