@@ -254,3 +254,34 @@ def test_linear_step_rows_as_slices_or_copied():
         assert (base is rows.base) == sliced, "slices of one buffer iff the rows fill half of it"
         if not sliced:  # 2 * 10 rows of 500 groups: a buffer of their size, not of the groups'
             assert base.nbytes <= (3 + 2) * len(fw) * 8
+
+
+def test_fused_step_output_distinct_without_the_adjacent_pass():
+    """The fused linear group-by (runtime/plan.py) skips sum_adjacent when no group's new and old rows finalize
+    equal (Aggregate.ints_may_cancel) and flags its output distinct; a group whose shown columns did not change (a
+    sum over a new row of v = 0, a group whose rows cancel within the step) must still output nothing, and the
+    output holds no row twice, at W = 1 where the chain fuses (a step with a null v runs unfused: the first)."""
+    import numpy as np
+
+    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    c = dbsp.Circuit()
+    t = c.input("t", schema)
+    c.output("g", t.group_by("k").agg(total=dbsp.sum("v")))
+    c.output("h", t.group_by("k").agg(n=dbsp.count("v"), total=dbsp.sum("v")))
+    with dbsp.Pipeline(c, workers=1) as p:
+        p.push("t", pa.table({"k": [1, 2, 3, 4], "v": [5, 6, None, 7]}, schema=schema))
+        p.step()
+        counts = p.executor._workers[0].plan.counts
+        assert counts["fused"] == 0
+        # k=1: +v=0 (g's total unchanged: nothing for it; h's count(v) changes); k=2: +v=3; k=5: a new group;
+        # k=4: +7 and -7 in one step (no change)
+        p.push("t", pa.table({"k": [1, 2, 5, 4], "v": [0, 3, 1, 7]}, schema=schema))
+        p.push("t", pa.table({"k": [4], "v": [7]}, schema=schema), weights=np.array([-1]))
+        out = p.step()
+        assert counts["fused"] == 2  # both chains, the second step
+        for name in ("g", "h"):
+            rows = out[name].to_dict()
+            assert all(w != 0 for w in rows.values())
+            assert len(rows) == out[name].num_rows, f"{name}: a row twice in a distinct output"
+        assert out["g"].to_dict() == {(2, 9): 1, (2, 6): -1, (5, 1): 1}
+        assert out["h"].to_dict() == {(1, 2, 5): 1, (1, 1, 5): -1, (2, 2, 9): 1, (2, 1, 6): -1, (5, 1, 1): 1}
