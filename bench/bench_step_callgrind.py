@@ -20,6 +20,7 @@ import argparse
 import glob
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -70,7 +71,8 @@ def child(tree: str, query: str, state: int, groups: int, steps: int, load_step:
     os._exit(0)  # no teardown of a big state in the last dump
 
 
-def measure(tree: str, query: str, state: int, groups: int, steps: int, load_step: int) -> list[int]:
+def measure(tree: str, query: str, state: int, groups: int, steps: int, load_step: int,
+            keep: str | None = None) -> list[int]:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "cg.out")
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONHASHSEED="0")
@@ -98,6 +100,9 @@ def measure(tree: str, query: str, state: int, groups: int, steps: int, load_ste
         for f in sorted(glob.glob(out + ".*"), key=lambda f: int(f.rsplit(".", 1)[1])):
             m = re.search(r"^(?:summary|totals): (\d+)", open(f).read(), re.M)
             counts.append(int(m.group(1)))
+            if keep:  # each step's dump, for callgrind_annotate
+                os.makedirs(keep, exist_ok=True)
+                shutil.copy(f, os.path.join(keep, f"{query}.{os.path.basename(f)}"))
         return counts[1:]  # the first dump holds the switch-on as well as its step
 
 
@@ -120,9 +125,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--load-step", type=_count, default=1_000_000)
     ap.add_argument("--tree", default=os.path.dirname(HERE), help="the checkout whose dbsp_core to measure")
+    ap.add_argument("--keep", help="a directory to copy each step's callgrind dump into (for callgrind_annotate)")
     args = ap.parse_args()
     for q in args.queries:
-        c = np.array(measure(os.path.abspath(args.tree), q, args.state, args.groups, args.steps, args.load_step)) / 1e6
+        c = np.array(measure(os.path.abspath(args.tree), q, args.state, args.groups, args.steps, args.load_step,
+                             args.keep)) / 1e6
         print(f"{q} {args.state:,} rows / {args.groups:,} groups ({os.path.basename(os.path.abspath(args.tree))}): "
               f"{len(c)} steps, M instructions per step: mean {c.mean():.2f}, p50 {np.percentile(c, 50):.2f}, "
               f"p99 {np.percentile(c, 99):.2f}, max {c.max():.2f}", flush=True)

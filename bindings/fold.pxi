@@ -96,8 +96,14 @@ def linear_step(table, keys, cols, KeyIndex ix):
     free(old); free(grp); free(slots)
     dbsp_reduce_free(&r)
     check_status(st, "linear_step")
-    # what the caller keeps (w, kh, rh and the slots go into the trace batch) moves to a buffer of its size: slices
-    # of `buf` would pin all of it, 2 * groups * (4 + ns) words, while the batch lives
+    # what the caller keeps (w, kh, rh and the slots go into the trace batch): slices of `buf`, no copy, when the rows
+    # fill at least half of it (every changed group emits one or two rows, so only groups whose sums cancelled leave
+    # it emptier); they then pin at most about twice their words while the batch lives. Else they move to a buffer
+    # of their size, so that a step whose sums mostly cancel does not pin 2 * groups * (4 + ns) words for a few rows
+    if 2 * n >= cap:
+        vv = buf[4 * cap:].reshape(ns, cap)[:, :n]
+        return (buf[:n], buf[cap:cap + n], buf[2 * cap:2 * cap + n].view(np.uint64),
+                buf[3 * cap:3 * cap + n].view(np.uint64), vv, bool(ordered))
     kept = np.empty((3 + ns, n), dtype=np.int64)
     kept[0] = buf[cap:cap + n]
     kept[1] = buf[2 * cap:2 * cap + n]

@@ -241,6 +241,24 @@ class Aggregate(Operator):
                 cols.append(pa.array(vals[slots[0]], pa.int64()))
         return pa.Table.from_arrays(cols, schema=self.schema)
 
+    def ints_may_cancel(self, rows: np.ndarray, vals: np.ndarray) -> bool:
+        """Whether two adjacent output rows of :meth:`finalize_ints` over a linear step's rows (``rows``: the change's
+        row carrying each output row's key; ``vals``: the slot values) may be equal: rows of one group (the same
+        carrying row) whose shown slots agree (a null sum's slot is 0, so equal rows have equal slots: the test is
+        conservative). False means the step's output is distinct as it stands (rows of two groups differ in their
+        keys), so no ``sum_adjacent`` pass is needed; an aggregate whose output leaves its keys out answers True."""
+        if not self.output_keys:
+            return True
+        if len(rows) < 2:
+            return False
+        same = rows[1:] == rows[:-1]
+        for _, slots in self.plan:
+            if not same.any():
+                return False
+            v = vals[slots[0]]
+            same &= v[1:] == v[:-1]
+        return bool(same.any())
+
     def raise_overflow(self, exc: WeightOverflowError) -> None:
         """Raise ``exc``, which a kernel raised in a step of this aggregate, as an error naming the aggregate and its
         one-slot integer sums (invariant 5); ``exc`` itself when it already names the aggregate."""
@@ -635,7 +653,12 @@ class _LinearState:
         self.trace.insert(batch, indexed=ix)
         # a group's new and old rows sit side by side: they cancel when the view's columns did not change (a sum
         # that a 0 left as it was), and rows of two groups differ in their keys, so no sort makes it distinct
-        out = op.finalize(partials) if finalize is not None else op.finalize_ints(keys, vals)
+        if finalize is None:
+            out = op.finalize_ints(keys, vals)  # one chunk a column, op.schema's own (its from_arrays)
+            if not op.ints_may_cancel(rows, vals):  # distinct as it stands: no pass over the rows
+                return ZSet._make(out, np.ascontiguousarray(w, dtype=np.int64), distinct=True)
+        else:
+            out = op.finalize(partials)
         return sum_adjacent(make(out, w, op.schema), kh)
 
 

@@ -161,6 +161,28 @@ class Ack(NamedTuple):
     duplicate: bool
 
 
+def row_width(schema: pa.Schema) -> int | None:
+    """Bytes of one row's values when every column of ``schema`` is fixed-width and byte-aligned (integers, floats,
+    temporal types, decimals, fixed-size binary): what ``Table.nbytes`` gives per row of such a table without null
+    bitmaps; None with any other column (strings, booleans, dictionaries, nested types).
+
+    >>> row_width(pa.schema([("a", pa.int64()), ("b", pa.int32()), ("t", pa.timestamp("us"))]))
+    20
+    >>> row_width(pa.schema([("a", pa.int64()), ("s", pa.string())])) is None
+    True
+    """
+    width = 0
+    for f in schema:
+        t = f.type
+        if not (pa.types.is_primitive(t) or pa.types.is_decimal(t) or pa.types.is_fixed_size_binary(t)):
+            return None
+        bits = t.bit_width
+        if bits % 8:  # booleans are bit-packed
+            return None
+        width += bits // 8
+    return width
+
+
 class _Prepared(NamedTuple):
     """A validated push (and with storage its encoded record) not yet recorded."""
 
@@ -370,6 +392,7 @@ class Pipeline:
         # the backlog: rows and bytes pushed and not yet divided into a step, and when the oldest came (monotonic)
         self._backlog_rows = self._backlog_bytes = 0
         self._backlog_since: float | None = None
+        self._row_widths: dict[str, tuple[pa.Schema, int | None]] = {}  # per input: (its schema, row_width of it)
         self._autoscaler: Autoscaler | None = None
         # with storage: each pending push's place in the input log (its entry -> the log's ticket), by which a step's
         # pushes are ordered when it is divided, as recovery reads them (the last row of a key wins, upsert.py)
@@ -550,7 +573,7 @@ class Pipeline:
         for handle, z, entry in tail:
             self._pending.append((handle, z))
             self._step_inputs.append(entry)
-            self._queued(z.num_rows, z.data.nbytes + z.weights.nbytes)
+            self._queued(z.num_rows, self._push_bytes(handle, z))
         self.stats["recovered_pushes"] = len(tail)
         self._open_step = log.next_step
         self._now_floor, self._wm_divided, self._anon_seq = log.now_floor, log.watermarks, log.anon_seq
@@ -748,11 +771,11 @@ class Pipeline:
                                   f"{int(z.weights[bad])}; push only inserts (positive weights) into it, or declare "
                                   f"it without append_only to push deletions")
         if self.storage is None:
-            return _Prepared(handle, z, None, z.data.nbytes + z.weights.nbytes, producer, seq)
+            return _Prepared(handle, z, None, self._push_bytes(handle, z), producer, seq)
         if not z.weights.flags.writeable:  # Arrow-backed weights are read-only; the kernels need writable ones
             z = ZSet._make(z.data, z.weights.copy())
         if reference is not None and self._remote is None:
-            return _Prepared(handle, z, [reference], z.data.nbytes + z.weights.nbytes, producer, seq)
+            return _Prepared(handle, z, [reference], self._push_bytes(handle, z), producer, seq)
         head, body = encode_zset_parts(z)  # gathered by the log, never joined into one more copy of the push
         nbytes = len(head) + body.size
         if nbytes > MAX_PUSH_BYTES:  # invariant 1: refused before anything is recorded
@@ -842,6 +865,20 @@ class Pipeline:
             self._inflight -= len(new)
             self._cond.notify_all()
         return acks
+
+    def _push_bytes(self, handle: str, z: ZSet) -> int:
+        """A push's bytes in the backlog (``backlog_bytes``): its weights and its rows' values; for an input whose
+        columns are all fixed-width, rows times :func:`row_width` of its schema (``Table.nbytes`` walks every
+        buffer's byte ranges: ~84k instructions a push, 3-4% of a 1k-row step), else ``Table.nbytes``. The width
+        is computed once per input schema (``z`` has the input's schema: :meth:`_to_zset` conforms it)."""
+        schema = self._inputs.get(handle)
+        if schema is None:  # not an input of this circuit (never from push, which checks the handle)
+            return z.data.nbytes + z.weights.nbytes
+        got = self._row_widths.get(handle)
+        if got is None or got[0] is not schema:
+            got = self._row_widths[handle] = (schema, row_width(schema))
+        width = got[1]
+        return (z.data.nbytes if width is None else z.num_rows * width) + z.weights.nbytes
 
     def _queued(self, rows: int, nbytes: int) -> None:
         """A push joins the backlog (call with ``_cond``)."""

@@ -222,3 +222,66 @@ def test_aggregate_output_is_distinct_without_a_sort(steps, workers):
                 if m:
                     model[k] = (model.get(k, (0, 0))[0] + m, model.get(k, (0, 0))[1] + v * m)
             assert view == {(k, tot): 1 for k, (n, tot) in model.items() if n}
+
+
+def test_linear_step_rows_as_slices_or_copied():
+    """linear_step hands back slices of its one buffer when its rows fill at least half of it (a step of new groups:
+    one row a group) and a copy of their size when most groups' sums cancelled; both equal linear_fold's rows for
+    the same old totals, and the copy pins no buffer of the groups' size."""
+    import numpy as np
+
+    schema = pa.schema([("k", pa.int64()), ("p_0", pa.int64()), ("p_1", pa.int64())])
+    ix, kept = _zset.KeyIndex([pa.int64()], 2), _zset.KeyIndex([pa.int64()], 2)
+    n = 500
+    new = pa.table({"k": np.arange(n), "p_0": np.ones(n, np.int64), "p_1": np.arange(n) * 3}, schema=schema)
+    # step 2: every key +1 and -1 (its sums cancel) but for keys 0..9, which change
+    keys = np.concatenate([np.arange(n), np.arange(n)])
+    back = pa.table({"k": keys, "p_0": np.ones(2 * n, np.int64), "p_1": np.where(keys < 10, 7, 5)}, schema=schema)
+    wb = np.concatenate([np.ones(n, np.int64), -np.ones(n, np.int64)])
+    for t, w, sliced in ((new, np.ones(n, np.int64), True), (back, wb, False)):
+        view = _zset.BatchView(t, w)
+        rows, fw, fkh, rh, fvals, _ = _zset.linear_step(view, (0,), (1, 2), ix)
+        group_row, khash, delta, _, _ = _zset.group_reduce(view, None, (0,), [("sum", 1), ("sum", 2)], True)
+        old = np.zeros((len(group_row), 2), np.int64)
+        kept.get(view, [0], khash, old, sel=group_row)
+        grp, w2, kh2, vals2, _ = _zset.linear_fold(old, delta, khash)
+        assert (rows == group_row[grp]).all() and (fw == w2).all() and (fkh == kh2).all() and (fvals == vals2).all()
+        out = pa.table({"k": t.column("k").take(pa.array(rows, pa.int64())), "p_0": pa.array(fvals[0]),
+                        "p_1": pa.array(fvals[1])}, schema=schema)
+        assert (rh == _zset.hash_columns(out, [0, 1, 2])).all()
+        kept.add(out, fw, [0], fkh, [1, 2])
+        base = fw.base if fw.base is not None else fw
+        assert (base is rows.base) == sliced, "slices of one buffer iff the rows fill half of it"
+        if not sliced:  # 2 * 10 rows of 500 groups: a buffer of their size, not of the groups'
+            assert base.nbytes <= (3 + 2) * len(fw) * 8
+
+
+def test_fused_step_output_distinct_without_the_adjacent_pass():
+    """The fused linear group-by (runtime/plan.py) skips sum_adjacent when no group's new and old rows finalize
+    equal (Aggregate.ints_may_cancel) and flags its output distinct; a group whose shown columns did not change (a
+    sum over a new row of v = 0, a group whose rows cancel within the step) must still output nothing, and the
+    output holds no row twice, at W = 1 where the chain fuses (a step with a null v runs unfused: the first)."""
+    import numpy as np
+
+    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    c = dbsp.Circuit()
+    t = c.input("t", schema)
+    c.output("g", t.group_by("k").agg(total=dbsp.sum("v")))
+    c.output("h", t.group_by("k").agg(n=dbsp.count("v"), total=dbsp.sum("v")))
+    with dbsp.Pipeline(c, workers=1) as p:
+        p.push("t", pa.table({"k": [1, 2, 3, 4], "v": [5, 6, None, 7]}, schema=schema))
+        p.step()
+        counts = p.executor._workers[0].plan.counts
+        assert counts["fused"] == 0
+        # k=1: +v=0 (g's total unchanged: nothing for it; h's count(v) changes); k=2: +v=3; k=5: a new group;
+        # k=4: +7 and -7 in one step (no change)
+        p.push("t", pa.table({"k": [1, 2, 5, 4], "v": [0, 3, 1, 7]}, schema=schema))
+        p.push("t", pa.table({"k": [4], "v": [7]}, schema=schema), weights=np.array([-1]))
+        out = p.step()
+        assert counts["fused"] == 2  # both chains, the second step
+        for name in ("g", "h"):
+            rows = out[name].to_dict()
+            assert all(w != 0 for w in rows.values())
+            assert len(rows) == out[name].num_rows, f"{name}: a row twice in a distinct output"
+        assert out["g"].to_dict() == {(2, 9): 1, (2, 6): -1, (5, 1): 1}
+        assert out["h"].to_dict() == {(1, 2, 5): 1, (1, 1, 5): -1, (2, 2, 9): 1, (2, 1, 6): -1, (5, 1, 1): 1}

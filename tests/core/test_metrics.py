@@ -143,3 +143,32 @@ def test_metrics_server_stops_when_the_pipeline_closes(tmp_path) -> None:
     finally:
         racing.shutdown()
         racing.server_close()
+
+
+def test_backlog_bytes_of_fixed_width_and_string_pushes() -> None:
+    """backlog_bytes: a push of fixed-width columns counts rows times the schema's row width (runtime/driver.py
+    row_width, no walk of its buffers; a slice counts its rows only), a push with a string column Table.nbytes,
+    both with their weights' 8 bytes a row; a step empties the backlog."""
+    import numpy as np
+
+    from dbsp_core.runtime.driver import row_width
+
+    fixed = pa.schema([("k", pa.int64()), ("v", pa.int32()), ("t", pa.timestamp("us")), ("d", pa.date32())])
+    strs = pa.schema([("k", pa.int64()), ("s", pa.string())])
+    assert row_width(fixed) == 8 + 4 + 8 + 4 and row_width(strs) is None
+    assert row_width(pa.schema([("b", pa.bool_())])) is None
+    c = dbsp.Circuit()
+    a, b = c.input("a", fixed), c.input("b", strs)
+    c.output("a", a)
+    c.output("b", b)
+    with dbsp.Pipeline(c, workers=1) as p:
+        n = 1000
+        big = pa.table({"k": np.arange(n), "v": np.arange(n, dtype=np.int32),
+                        "t": pa.array(np.arange(n), pa.timestamp("us")), "d": pa.array(np.arange(n), pa.int32())
+                        .cast(pa.date32())}, schema=fixed)
+        p.push("a", big.slice(100, 37))
+        s = pa.table({"k": [1, 2, 3], "s": ["x", "yy", None]}, schema=strs)
+        p.push("b", s)
+        assert p.metrics(state=False)["backlog"]["bytes"] == 37 * (24 + 8) + s.nbytes + 3 * 8
+        p.step()
+        assert p.metrics(state=False)["backlog"]["bytes"] == 0
