@@ -41,6 +41,9 @@ Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them
   wheels; default 0: arrow_pool.py has what each costs, measured on Nexmark).
 - ``DBSP_STEP_PLAN`` (runtime/embedded.py): ``1``: the embedded executor's workers run fused chains of operators
   as one call (runtime/plan.py); ``0``: every operator's own step (default 1). Results are the same either way.
+- ``DBSP_PRUNE`` (runtime/prune.py): ``1``: a pipeline's joins and ``within_last`` windows keep in their state only the
+  columns read after them (operators/pruned.py); ``0``: every column (default 1). A durable pipeline keeps what its
+  directory recorded when it was created. Results are the same either way.
 - ``DBSP_SUBSTEP_BYTES`` (runtime/substep.py): under a memory budget, the most pushed bytes (Arrow data and weights)
   one piece of a step holds: a bigger step runs as sub-steps over pieces of its input (default: an eighth of the
   budget, at least 4 MiB; bytes or a size such as ``64MiB``). Results are the same either way; with no budget it is
@@ -233,6 +236,7 @@ SETTINGS: tuple[Setting, ...] = (  # the list of the module docstring, in its or
     Setting("DBSP_MEMORY_LIMIT", "memory_limit", "bytes"),  # None: no budget unless a Pipeline sets one
     Setting("DBSP_CACHE_KEEP_MB", "cache_keep_mb", "whole", default=16),
     Setting("DBSP_STEP_PLAN", "step_plan", "flag", default=True),
+    Setting("DBSP_PRUNE", "prune", "flag", default=True),
     Setting("DBSP_JEMALLOC", "jemalloc", "flag", default=False),
     Setting("DBSP_SUBSTEP_BYTES", "substep_bytes", "bytes"),  # None: runtime/substep.py derives it from the budget
 )
@@ -254,6 +258,7 @@ class Settings(NamedTuple):
     memory_limit: int | None
     cache_keep_mb: int
     step_plan: bool
+    prune: bool
     jemalloc: bool
     substep_bytes: int | None
 
