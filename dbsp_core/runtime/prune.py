@@ -5,10 +5,11 @@ Invariants (enforced here):
      backwards (consumers are later nodes, circuit invariant 1). An output, a readable view and every operator this
      pass does not know read every column of their inputs; so do distinct, top-k, count-distinct, outer and semi
      joins, windows, flat_map (a user function) and anything nested, whose results depend on columns that make rows
-     distinct. Known readers: filter (its predicate's columns and what its consumers read), select (the columns
-     of its expressions), exchange, plus/minus, negate, integrate, delay, differentiate (what their consumers read),
-     the keyless group-by's hidden key, pre-aggregate and aggregate (keys and aggregated columns), inner join and
-     ``within_last`` (their keys or time column and what their consumers read).
+     distinct. Known readers: filter (its predicate's columns and what its consumers read), select (the columns of
+     its expressions, or of its plain column picks read after it), exchange, plus/minus, negate, integrate, delay,
+     differentiate (what their consumers read), the keyless group-by's hidden key, pre-aggregate and aggregate
+     (keys and aggregated columns), inner join and ``within_last`` (their keys or time column and what their
+     consumers read).
   2. A join or window is pruned only where its kept columns are fewer than its input's, so a circuit whose every
      column is read runs as before.
   3. The decision is data: ``{node: [[kept columns] per stored input]}``, JSON as META records it (operators/pruned.py
@@ -69,9 +70,9 @@ def _input_reads(circuit: Circuit, op: Any, need: set[str]) -> list[set[str]]:
     if t is Select:
         src = circuit.nodes[op.inputs[0]].schema
         cols: set[str] = set()
-        if op.picks is not None:
-            cols = set(op.picks)
-        else:
+        if op.picks is not None:  # plain column picks: only those read after it (a pick cannot fail)
+            cols = {c for n, c in zip(op.names, op.picks) if n in need}
+        else:  # every expression is evaluated, read after it or not
             for e in op.exprs:
                 cols |= expression_columns(e, src)
         return [cols]

@@ -180,3 +180,18 @@ def test_directory_keeps_its_state_schema(first: bool, then: bool, monkeypatch) 
         _run_durable(root, _circuit(), then, monkeypatch, range(8, 16), SEED, reference, clock, gens)
         assert read_meta(root)["stored_columns"] == recorded
     reference.close()
+
+
+def test_dbsp_sql_shows_kept_columns() -> None:
+    """``dbsp sql`` (sql/explain.py invariant 5): a join under a subquery that selects a column no view reads keeps
+    only the read ones, and the plan says so."""
+    from dbsp_core import sql
+    from dbsp_core.sql.explain import explain
+
+    c = sql.compile("CREATE TABLE bids (auction BIGINT, bidder BIGINT, price BIGINT); "
+                    "CREATE TABLE auctions (id BIGINT, category VARCHAR, reserve BIGINT); "
+                    "CREATE VIEW top AS SELECT category, hi FROM (SELECT a.category, b.price AS hi, b.bidder "
+                    "FROM bids b JOIN auctions a ON b.auction = a.id) WHERE hi > 10")
+    text = explain(c)
+    assert "kept columns left [auction, price], right [id, category]" in text, text
+    assert "trace keyed by (auction) of (auction, price)" in text, text
