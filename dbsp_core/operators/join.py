@@ -107,14 +107,15 @@ class Join(Operator):
         return _JoinState(self)
 
     def pairs(self, left: "IndexedZSet", right: "IndexedZSet",
-              cols: "tuple[list[int], list[int], pa.Schema] | None" = None) -> "ZSet":
+              cols: "tuple[list[int], list[int], pa.Schema] | None" = None, st: "JoinStored | None" = None
+              ) -> "ZSet":
         """The join of two indexed batches as a Z-set of output rows: the C join kernel, then one C gather of the
         left rows' columns and the kept right columns (key types were checked when the operator was built). With
         ``cols`` (left positions, right positions, the schema of those columns in that order), only those columns
-        of each output row: what an aggregate fused after the join reads (dbsp_core/runtime/plan.py note 4)."""
+        of each output row: what an aggregate fused after the join reads (dbsp_core/runtime/plan.py note 4). ``st``: the
+        columns the batches keep (invariant 6; the instance's, :meth:`_JoinState.pairs`), None for every column."""
         lv, rv = left._view(), right._view()
         li, ri, w = _zset.join(lv, None, None, left._keypos, rv, None, None, right._keypos, False)
-        st = self.stored
         if st is not None:  # invariant 6: the batches hold the kept columns; positions map to theirs
             if cols is None:
                 if len(li) == 0:
@@ -167,9 +168,14 @@ def inner_change(op: Join, left: Trace, right: Trace, da: "IndexedZSet | None", 
 class _JoinState:
     def __init__(self, op: Join) -> None:
         self.op = op
-        st = op.stored
+        self.stored = st = op.stored  # invariant 6, as it was when this instance was built
         self.left = Trace(op.lschema if st is None else st.lschema, op.left_on)
         self.right = Trace(op.rschema if st is None else st.rschema, op.right_on)
+
+    def pairs(self, left: "IndexedZSet", right: "IndexedZSet",
+              cols: "tuple[list[int], list[int], pa.Schema] | None" = None) -> "ZSet":
+        """:meth:`Join.pairs` of two batches of this instance (its kept columns)."""
+        return self.op.pairs(left, right, cols, self.stored)
 
     def traces(self) -> dict[str, Trace]:
         """The operator's state, by name (each trace can be read per shard)."""
@@ -184,8 +190,8 @@ class _JoinState:
             return None
         op = self.op
         z = conform(z, op.lschema if side == 0 else op.rschema)
-        if op.stored is not None:  # invariant 6: projected before it is indexed (which consolidates it)
-            z = project(z, op.stored.left if side == 0 else op.stored.right)
+        if self.stored is not None:  # invariant 6: projected before it is indexed (which consolidates it)
+            z = project(z, self.stored.left if side == 0 else self.stored.right)
         return z.index_by(list(op.left_on if side == 0 else op.right_on))
 
     def step_indexed(self, da: "IndexedZSet | None", db: "IndexedZSet | None", ctx: "StepContext") -> "ZSet":
@@ -204,7 +210,7 @@ class _JoinState:
             on = list(zip(op.left_on, op.right_on))
             prune_trace(self.left, {lk: rt[rk] for lk, rk in on if rk in rt}, ctx)
             prune_trace(self.right, {rk: lt[lk] for lk, rk in on if lk in lt}, ctx)
-        parts = inner_change(op, self.left, self.right, da, db, pairs)
+        parts = inner_change(op, self.left, self.right, da, db, self.pairs if pairs is None else pairs)
         if da is not None:
             self.left.insert(da)
         return parts

@@ -92,7 +92,8 @@ class _WithinLastState:
 
     def __init__(self, op: WithinLast) -> None:
         self.op = op
-        self.schema = op.schema if op.stored is None else op.stored.schema  # the rows held and emitted (invariant 4)
+        self.stored = op.stored  # invariant 4, as it was when this instance was built
+        self.schema = op.schema if op.stored is None else op.stored.schema  # the rows held and emitted
         self.bucket_ns = max(1, op.window_ns // 64)
         self.hschema = pa.schema(list(self.schema) + [pa.field("__bucket", pa.int64())])
         self.held = Trace(self.hschema, ("__bucket",))
@@ -165,8 +166,8 @@ class _WithinLastState:
         z = inputs[0]
         if z.num_rows:
             z = conform(z, self.op.schema)
-            if self.op.stored is not None:
-                z = project(z, self.op.stored.names)
+            if self.stored is not None:
+                z = project(z, self.stored.names)
             t = self._times_ns(z.data)
             out.append(self._rows(z.data, z.weights, (t >= lo) & (t <= now), 1))
             keep = t >= lo
@@ -175,7 +176,7 @@ class _WithinLastState:
                 rows = z.data.filter(pa.array(keep)).append_column("__bucket", buckets)
                 self.held.insert(ZSet._make(rows, np.asarray(z.weights[keep], dtype=np.int64))
                                  .index_by(["__bucket"]))
-        if self.op.stored is not None:
+        if self.stored is not None:
             return pad(concat(out, self.schema), self.op.schema)
         return concat(out, self.schema)
 

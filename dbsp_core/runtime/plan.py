@@ -448,7 +448,7 @@ class _JoinSlots(_IndexedJoin):
         self.op = op
 
     def _pairs(self, left: IndexedZSet, right: IndexedZSet) -> ZSet:
-        return self.op.pairs(left, right, self.cols)
+        return self.state.pairs(left, right, self.cols)
 
     def __call__(self, inputs: list, ctx: Any) -> ZSet:
         self.counts["joined"] += 1

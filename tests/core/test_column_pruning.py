@@ -98,7 +98,7 @@ def test_pruned_equals_unpruned_and_duckdb(workers: int, monkeypatch) -> None:
     clock = [NOW0 * 10**9]
     c = _circuit()
     on = _pipeline(c, workers, True, monkeypatch, clock)
-    off = _pipeline(_circuit(), workers, False, monkeypatch, clock)
+    off = _pipeline(c, workers, False, monkeypatch, clock)  # the same circuit object: each keeps its own choice
     kept = _kept(on)
     assert sorted(map(tuple, sum(kept.values(), []))) == sorted([
         ("auction", "bidder", "price"), ("id", "category"), ("t", "k", "v", "__bucket"), ("k", "v"),
