@@ -8,8 +8,8 @@ Invariants (enforced here):
      distinct. Known readers: filter (its predicate's columns and what its consumers read), select (the columns of
      its expressions, or of its plain column picks read after it), exchange, plus/minus, negate, integrate, delay,
      differentiate (what their consumers read), the keyless group-by's hidden key, pre-aggregate and aggregate
-     (keys and aggregated columns), inner join and ``within_last`` (their keys or time column and what their
-     consumers read).
+     (keys and aggregated columns; every column when it has whole-group aggregates), inner join and
+     ``within_last`` (their keys or time column and what their consumers read).
   2. A join or window is pruned only where its kept columns are fewer than its input's, so a circuit whose every
      column is read runs as before.
   3. The decision is data: ``{node: [[kept columns] per stored input]}``, JSON as META records it (operators/pruned.py
@@ -80,8 +80,8 @@ def _input_reads(circuit: Circuit, op: Any, need: set[str]) -> list[set[str]]:
         return [need - {GLOBAL_KEY}]
     if t is Aggregate or t is PreAggregate:
         agg = op if t is Aggregate else op.agg
-        if t is Aggregate and len(op.inputs) != 1:
-            return ins
+        if (t is Aggregate and len(op.inputs) != 1) or agg.extras:  # whole-group aggregates (variance, first
+            return ins  # ORDER BY, ...) read what their specs name: every column, to be sure
         cols = set(agg.keys) | {c for _, c in agg.kernel if c is not None} | set(agg.distinct_columns)
         return [cols & ins[0]]
     if t is Join:
