@@ -6,16 +6,16 @@ Invariants (enforced here):
      pass does not know read every column of their inputs; so do distinct, top-k, count-distinct, outer and semi
      joins, windows, flat_map (a user function) and anything nested, whose results depend on columns that make rows
      distinct. Known readers: filter (its predicate's columns and what its consumers read), select (the columns of
-     its expressions, or of its plain column picks read after it), exchange, plus/minus, negate, integrate, delay,
-     differentiate (what their consumers read), the keyless group-by's hidden key, pre-aggregate and aggregate
-     (keys and aggregated columns; every column when it has whole-group aggregates), inner join and
-     ``within_last`` (their keys or time column and what their consumers read).
+     its expressions, or of its plain column picks read after it), exchange (its key and what its consumers read),
+     plus/minus, negate, integrate, delay, differentiate (what their consumers read), the keyless group-by's hidden
+     key, pre-aggregate and aggregate (keys and aggregated columns; every column when it has whole-group
+     aggregates), inner join and ``within_last`` (their keys or time column and what their consumers read).
   2. A join or window is pruned only where its kept columns are fewer than its input's, so a circuit whose every
      column is read runs as before.
   3. The decision is data: ``{node: [[kept columns] per stored input]}``, JSON as META records it (operators/pruned.py
      invariant 3); :func:`apply` sets it on the circuit's nodes before instances are built, and clears the nodes
-     it does not name, so one circuit object opened twice (a directory from before pruning, a new one) runs as
-     each directory needs.
+     it does not name; each instance keeps the choice in force when it was built, so one circuit object opened
+     twice (a directory from before pruning, a new one) runs as each directory needs.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from dbsp_core.operators.temporal import WithinLast
 
 __all__ = ["stored_columns", "apply", "chosen", "decide", "describe"]
 
-_PASS = (Exchange, Plus, Negate, Integrate, Delay, Differentiate)
+_PASS = (Plus, Negate, Integrate, Delay, Differentiate)
 
 
 def enabled() -> bool:
@@ -63,6 +63,8 @@ def _input_reads(circuit: Circuit, op: Any, need: set[str]) -> list[set[str]]:
     (invariant 1)."""
     ins = [set(circuit.nodes[i].schema.names) for i in op.inputs]
     t = type(op)
+    if t is Exchange:  # its key decides where each row goes (and where a keyed consumer's state sits)
+        return [(need | set(op.key)) & ins[0]]
     if t in _PASS:
         return [need & s for s in ins]
     if t is Filter:
