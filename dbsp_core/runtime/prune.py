@@ -98,7 +98,18 @@ def _input_reads(circuit: Circuit, op: Any, need: set[str]) -> list[set[str]]:
 
 def stored_columns(circuit: Circuit) -> dict[str, list[list[str]]]:
     """The pass (invariants 1-2): ``{str(node): [kept columns of each stored input, in schema order]}`` for every live
-    inner join and ``within_last`` that needs fewer columns than its inputs have."""
+    inner join and ``within_last`` that needs fewer columns than its inputs have.
+
+    >>> import pyarrow as pa
+    >>> import dbsp_core as dbsp
+    >>> c = dbsp.Circuit()
+    >>> bids = c.input("bids", pa.schema([("auction", pa.int64()), ("price", pa.int64()), ("ts", pa.int64())]))
+    >>> auctions = c.input("auctions", pa.schema([("id", pa.int64()), ("category", pa.utf8()), ("seller", pa.int64())]))
+    >>> j = bids.join(auctions, left_on="auction", right_on="id")
+    >>> c.output("stats", j.group_by("category").agg(hi=dbsp.max("price")))
+    >>> stored_columns(c)
+    {'4': [['auction', 'price'], ['id', 'category']]}
+    """
     live = circuit.live_nodes()
     reads: dict[int, set[str]] = {i: set() for i in live}
     for i in set(circuit.outputs.values()) | set(circuit.readable.values()):
