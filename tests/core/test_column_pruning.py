@@ -195,3 +195,50 @@ def test_dbsp_sql_shows_kept_columns() -> None:
     text = explain(c)
     assert "kept columns left [auction, price], right [id, category]" in text, text
     assert "trace keyed by (auction) of (auction, price)" in text, text
+
+
+def _change_circuit(extra: str | None) -> dbsp.Circuit:
+    c = dbsp.Circuit()
+    bids = c.input("bids", BIDS, materialized=True)
+    auctions = c.input("auctions", AUCTIONS, materialized=True)
+    j = bids.join(auctions, left_on="auction", right_on="id")  # the first program keeps (auction, price) | (id, category)
+    c.output("by_cat", j.group_by("category").agg(hi=dbsp.max("price")))
+    if extra == "kept":
+        c.output("n_cat", j.group_by("category").agg(n=dbsp.count()))
+    elif extra == "dropped":
+        c.output("reserve", j.group_by("category").agg(r=dbsp.sum("reserve")))
+    return c
+
+
+def test_program_change_through_a_pruned_join(monkeypatch) -> None:
+    """A changed program that reads through a kept pruned join only columns it kept opens, keeps the join's state and
+    gives the reference's views; one that reads a column the join dropped is refused (its state cannot give it)."""
+    from dbsp_core.errors import CircuitMismatchError
+
+    rng = np.random.default_rng([SEED, 7])
+    gens = {"bids": ChangeGen(rng, BIDS), "auctions": ChangeGen(rng, AUCTIONS)}
+    with tempfile.TemporaryDirectory() as root:
+        p = dbsp.Pipeline(_change_circuit(None), workers=2, storage=root, checkpoint_interval=None)
+        for _ in range(5):
+            for name, g in gens.items():
+                ch = g.change(10)
+                if ch:
+                    p.push(name, to_zset(ch, g.schema))
+            p.step()
+        p.checkpoint()
+        p.close()
+        assert list(read_meta(root)["stored_columns"].values()) == [[["auction", "price"], ["id", "category"]]]
+        with pytest.raises(CircuitMismatchError, match="reserve"):
+            dbsp.Pipeline.open(root, _change_circuit("dropped"))
+        p = dbsp.Pipeline.open(root, _change_circuit("kept"), checkpoint_interval=None)
+        got = Counter()
+        for _ in range(2):
+            for name, g in gens.items():
+                ch = g.change(10)
+                if ch:
+                    p.push(name, to_zset(ch, g.schema))
+            got.update(p.step()["n_cat"].to_dict())
+        p.close()
+    tables = {n: (g.schema, dict(g.bag)) for n, g in gens.items()}
+    want = duckdb_query("SELECT category, count(*) FROM bids JOIN auctions ON auction = id GROUP BY category", tables)
+    assert normalize({r: w for r, w in got.items() if w}) == want
