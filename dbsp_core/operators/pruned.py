@@ -1,4 +1,4 @@
-"""Stored columns: a stateful operator that keeps, of its input rows, only the columns its consumers read (the circuit pass of dbsp_core/runtime/prune.py decides which), projecting its input before its trace and padding its output with null columns where the dropped ones were.
+"""Stored columns: a stateful operator that keeps only the input columns read after it, projecting its input before its trace and padding its output with nulls where the dropped columns were.
 
 Invariants (enforced here and by the operators that use it):
   1. A pruned operator's output has its full schema (so nothing after it changes, the circuit's fingerprint

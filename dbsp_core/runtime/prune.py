@@ -1,4 +1,4 @@
-"""Column pruning of stored state: a pass over a circuit, when a pipeline is built, that finds for every inner join and ``within_last`` window the columns read after it and makes its traces keep only those (operators/pruned.py).
+"""Column pruning of stored state: a pass, when a pipeline is built, that has every inner join and ``within_last`` window keep only the columns read after it (operators/pruned.py).
 
 Invariants (enforced here):
   1. ``reads[n]`` is the set of node ``n``'s output columns that some consumer reads, computed from the outputs

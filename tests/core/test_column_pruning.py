@@ -201,7 +201,7 @@ def _change_circuit(extra: str | None) -> dbsp.Circuit:
     c = dbsp.Circuit()
     bids = c.input("bids", BIDS, materialized=True)
     auctions = c.input("auctions", AUCTIONS, materialized=True)
-    j = bids.join(auctions, left_on="auction", right_on="id")  # the first program keeps (auction, price) | (id, category)
+    j = bids.join(auctions, left_on="auction", right_on="id")  # first program: (auction, price) | (id, category)
     c.output("by_cat", j.group_by("category").agg(hi=dbsp.max("price")))
     if extra == "kept":
         c.output("n_cat", j.group_by("category").agg(n=dbsp.count()))
