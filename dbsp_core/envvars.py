@@ -41,6 +41,9 @@ Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them
   wheels; default 0: arrow_pool.py has what each costs, measured on Nexmark).
 - ``DBSP_STEP_PLAN`` (runtime/embedded.py): ``1``: the embedded executor's workers run fused chains of operators
   as one call (runtime/plan.py); ``0``: every operator's own step (default 1). Results are the same either way.
+- ``DBSP_PRUNE`` (runtime/prune.py): ``1``: a pipeline's joins and ``within_last`` windows keep in their state only the
+  columns read after them (operators/pruned.py); ``0``: every column (default 1). A durable pipeline keeps what its
+  directory recorded when it was created. Results are the same either way.
 - ``DBSP_SUBSTEP_BYTES`` (runtime/substep.py): under a memory budget, the most pushed bytes (Arrow data and weights)
   one piece of a step holds: a bigger step runs as sub-steps over pieces of its input (default: an eighth of the
   budget, at least 4 MiB; bytes or a size such as ``64MiB``). Results are the same either way; with no budget it is
@@ -75,7 +78,8 @@ tests/core/test_envvars.py checks that the repository reads no other):
   tests/exactly_once/test_program_change*.py), ``DBSP_PUSH_MANY_SEED`` (tests/exactly_once/test_push_many.py),
   ``DBSP_OUTPUT_REFS_SEED`` (tests/storage/test_output_refs.py), ``DBSP_MOVE_TARGET_SEED`` (tests/storage/test_move_target.py),
   ``DBSP_STAGED_SPILL_SEED`` and ``DBSP_SPARK_SPILL_SEED`` (tests/core/test_staged_spill.py, tests/spark/test_spark_spill.py),
-  ``DBSP_EXPR_KERNELS_SEED`` (tests/core/test_expr_kernels.py), ``DBSP_APPEND_ONLY_SEED`` (tests/sql/test_compile.py:
+  ``DBSP_EXPR_KERNELS_SEED`` (tests/core/test_expr_kernels.py), ``DBSP_PRUNE_SEED``
+  (tests/core/test_column_pruning.py), ``DBSP_APPEND_ONLY_SEED`` (tests/sql/test_compile.py:
   the rows pushed into append-only tables).
 - sizes of the test loops and soaks: ``DBSP_SQL_CORPUS``, ``DBSP_EO_SEEDS``, ``DBSP_EO_KEYED_SEEDS``, ``DBSP_EO_JOBS``,
   ``DBSP_CRASH_SEEDS``, ``DBSP_RESCALE_SEEDS``, ``DBSP_RESCALE_KILLS``, ``DBSP_RESCALE_CRASH_FULL``, ``DBSP_LIVE_KILLS``,
@@ -233,6 +237,7 @@ SETTINGS: tuple[Setting, ...] = (  # the list of the module docstring, in its or
     Setting("DBSP_MEMORY_LIMIT", "memory_limit", "bytes"),  # None: no budget unless a Pipeline sets one
     Setting("DBSP_CACHE_KEEP_MB", "cache_keep_mb", "whole", default=16),
     Setting("DBSP_STEP_PLAN", "step_plan", "flag", default=True),
+    Setting("DBSP_PRUNE", "prune", "flag", default=True),
     Setting("DBSP_JEMALLOC", "jemalloc", "flag", default=False),
     Setting("DBSP_SUBSTEP_BYTES", "substep_bytes", "bytes"),  # None: runtime/substep.py derives it from the budget
 )
@@ -254,6 +259,7 @@ class Settings(NamedTuple):
     memory_limit: int | None
     cache_keep_mb: int
     step_plan: bool
+    prune: bool
     jemalloc: bool
     substep_bytes: int | None
 

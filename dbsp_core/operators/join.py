@@ -12,6 +12,9 @@ Invariants:
   5. When a key column of one side has a time lineage (dbsp_core/time), the other side's rows whose matching
      key is below that bound are dropped at the start of a step: no later change of the first side can match
      them (dbsp_core/time/cleanup.py invariant 2).
+  6. With ``stored`` set (operators/pruned.py, by the pass of dbsp_core/runtime/prune.py), each side's trace holds
+     only that side's kept columns (keys included): a change is projected before it is indexed (which
+     consolidates it), pairs gather the kept columns and the output is padded with nulls to ``schema``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import pyarrow.types as pat
 from dbsp_core import _zset
 from dbsp_core.errors import SchemaError
 from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, make
+from dbsp_core.operators.pruned import JoinStored, pad, project
 from dbsp_core.time.cleanup import prune_trace
 from dbsp_core.time.lineage import input_times
 from dbsp_core.trace import Trace
@@ -80,6 +84,7 @@ class Join(Operator):
     split_safe = True  # base.py invariant 6 (invariant 1 here and the outer joins': a function of the integrals)
     in_times: tuple = ()  # time lineage of both inputs, set by the circuit when there is one (dbsp_core.time)
     pad_types: list[pa.DataType]  # the right columns' types, set by the joins that pad left rows (padded_left)
+    stored: "JoinStored | None" = None  # invariant 6: the columns each side's trace keeps (None: all)
 
     def __init__(self, left: int, right: int, lschema: pa.Schema, rschema: pa.Schema,
                  left_on: Sequence[str], right_on: Sequence[str], drop_right_keys: bool, where: str) -> None:
@@ -90,17 +95,34 @@ class Join(Operator):
         self.right_kept = kept
         self.right_kept_pos = [rschema.get_field_index(c) for c in kept]
 
+    def keep(self, left: "Sequence[str] | None", right: "Sequence[str] | None" = None) -> None:
+        """Invariant 6: keep only columns ``left`` and ``right`` of each side in the traces (None: every column); set
+        before the instances are built (dbsp_core/runtime/prune.py)."""
+        if left is None:
+            self.__dict__.pop("stored", None)
+        else:
+            self.stored = JoinStored(self, left, right or ())
+
     def instance(self) -> "_JoinState":
         return _JoinState(self)
 
     def pairs(self, left: "IndexedZSet", right: "IndexedZSet",
-              cols: "tuple[list[int], list[int], pa.Schema] | None" = None) -> "ZSet":
+              cols: "tuple[list[int], list[int], pa.Schema] | None" = None, st: "JoinStored | None" = None
+              ) -> "ZSet":
         """The join of two indexed batches as a Z-set of output rows: the C join kernel, then one C gather of the
         left rows' columns and the kept right columns (key types were checked when the operator was built). With
         ``cols`` (left positions, right positions, the schema of those columns in that order), only those columns
-        of each output row: what an aggregate fused after the join reads (dbsp_core/runtime/plan.py note 4)."""
+        of each output row: what an aggregate fused after the join reads (dbsp_core/runtime/plan.py note 4). ``st``: the
+        columns the batches keep (invariant 6; the instance's, :meth:`_JoinState.pairs`), None for every column."""
         lv, rv = left._view(), right._view()
         li, ri, w = _zset.join(lv, None, None, left._keypos, rv, None, None, right._keypos, False)
+        if st is not None:  # invariant 6: the batches hold the kept columns; positions map to theirs
+            if cols is None:
+                if len(li) == 0:
+                    return empty(self.schema)
+                return pad(ZSet._make(_zset.take_pairs(lv, li, rv, ri, st.rcols, st.schema, None), w, distinct=True),
+                           self.schema)
+            cols = ([st.lmap[i] for i in cols[0]], [st.rmap[i] for i in cols[1]], cols[2])
         lcols, rcols, schema = (None, self.right_kept_pos, self.schema) if cols is None else cols
         if len(li) == 0:
             return empty(schema)
@@ -146,8 +168,14 @@ def inner_change(op: Join, left: Trace, right: Trace, da: "IndexedZSet | None", 
 class _JoinState:
     def __init__(self, op: Join) -> None:
         self.op = op
-        self.left = Trace(op.lschema, op.left_on)
-        self.right = Trace(op.rschema, op.right_on)
+        self.stored = st = op.stored  # invariant 6, as it was when this instance was built
+        self.left = Trace(op.lschema if st is None else st.lschema, op.left_on)
+        self.right = Trace(op.rschema if st is None else st.rschema, op.right_on)
+
+    def pairs(self, left: "IndexedZSet", right: "IndexedZSet",
+              cols: "tuple[list[int], list[int], pa.Schema] | None" = None) -> "ZSet":
+        """:meth:`Join.pairs` of two batches of this instance (its kept columns)."""
+        return self.op.pairs(left, right, cols, self.stored)
 
     def traces(self) -> dict[str, Trace]:
         """The operator's state, by name (each trace can be read per shard)."""
@@ -161,8 +189,10 @@ class _JoinState:
         if not z.num_rows:
             return None
         op = self.op
-        return conform(z, op.lschema if side == 0 else op.rschema).index_by(list(op.left_on if side == 0
-                                                                                 else op.right_on))
+        z = conform(z, op.lschema if side == 0 else op.rschema)
+        if self.stored is not None:  # invariant 6: projected before it is indexed (which consolidates it)
+            z = project(z, self.stored.left if side == 0 else self.stored.right)
+        return z.index_by(list(op.left_on if side == 0 else op.right_on))
 
     def step_indexed(self, da: "IndexedZSet | None", db: "IndexedZSet | None", ctx: "StepContext") -> "ZSet":
         """The step over changes already indexed by their join keys (:meth:`indexed`, or a fused exchange that
@@ -180,7 +210,7 @@ class _JoinState:
             on = list(zip(op.left_on, op.right_on))
             prune_trace(self.left, {lk: rt[rk] for lk, rk in on if rk in rt}, ctx)
             prune_trace(self.right, {rk: lt[lk] for lk, rk in on if lk in lt}, ctx)
-        parts = inner_change(op, self.left, self.right, da, db, pairs)
+        parts = inner_change(op, self.left, self.right, da, db, self.pairs if pairs is None else pairs)
         if da is not None:
             self.left.insert(da)
         return parts

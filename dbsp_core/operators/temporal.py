@@ -14,7 +14,9 @@ Invariants (enforced here):
      the window). The operator is linear in its input, so each worker handles its own rows, and its output is
      not partitioned: the held rows are grouped by time bucket, so a layout change may move a row to another
      worker than its input's key would (any placement of a linear operator's state gives the same sum).
-  4. ``filter_now``: after every step, integral(output) == filter(integral(input), predicate(now)). Its state is
+  4. With ``stored`` set (operators/pruned.py, by the pass of dbsp_core/runtime/prune.py), ``within_last`` holds only
+     the kept columns (its time column among them) and pads its output with nulls to its schema.
+  5. ``filter_now``: after every step, integral(output) == filter(integral(input), predicate(now)). Its state is
      the whole integral of its input (a row may come back into the filter), so a step costs O(state);
      prefer ``within_last`` for sliding windows.
 """
@@ -32,6 +34,7 @@ import pyarrow.types as pat
 from dbsp_core.errors import SchemaError
 from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty
 from dbsp_core.operators.aggregate import lookup_exact
+from dbsp_core.operators.pruned import RowsStored, pad, project
 from dbsp_core.trace import Trace
 
 if TYPE_CHECKING:
@@ -55,6 +58,7 @@ class WithinLast(Operator):
     """A circuit node keeping the rows whose ``column`` is within the last ``window_ns`` of the step's now."""
 
     kind = "within_last"
+    stored: "RowsStored | None" = None  # invariant 4: the columns the state keeps (None: all)
 
     def __init__(self, node: int, schema: pa.Schema, column: str, window_ns: int, unit_ns: int) -> None:
         super().__init__((node,), schema, None)  # invariant 3: state grouped by bucket, not by the input's key
@@ -62,6 +66,14 @@ class WithinLast(Operator):
         self.state_format = 3  # part of the circuit fingerprint: older state (with a clock Z-set) is refused
         self.window_ns = window_ns
         self.unit_ns = unit_ns
+
+    def keep(self, names: "list[str] | None") -> None:
+        """Invariant 4: keep only columns ``names`` (the time column among them; None: every column); set before the
+        instances are built (dbsp_core/runtime/prune.py)."""
+        if names is None:
+            self.__dict__.pop("stored", None)
+        else:
+            self.stored = RowsStored(self.schema, names)
 
     def instance(self) -> "_WithinLastState":
         return _WithinLastState(self)
@@ -80,9 +92,10 @@ class _WithinLastState:
 
     def __init__(self, op: WithinLast) -> None:
         self.op = op
-        self.schema = op.schema
+        self.stored = op.stored  # invariant 4, as it was when this instance was built
+        self.schema = op.schema if op.stored is None else op.stored.schema  # the rows held and emitted
         self.bucket_ns = max(1, op.window_ns // 64)
-        self.hschema = pa.schema(list(op.schema) + [pa.field("__bucket", pa.int64())])
+        self.hschema = pa.schema(list(self.schema) + [pa.field("__bucket", pa.int64())])
         self.held = Trace(self.hschema, ("__bucket",))
 
     def traces(self) -> dict[str, "Trace"]:
@@ -152,7 +165,9 @@ class _WithinLastState:
                                  .index_by(["__bucket"]))
         z = inputs[0]
         if z.num_rows:
-            z = conform(z, self.schema)
+            z = conform(z, self.op.schema)
+            if self.stored is not None:
+                z = project(z, self.stored.names)
             t = self._times_ns(z.data)
             out.append(self._rows(z.data, z.weights, (t >= lo) & (t <= now), 1))
             keep = t >= lo
@@ -161,6 +176,8 @@ class _WithinLastState:
                 rows = z.data.filter(pa.array(keep)).append_column("__bucket", buckets)
                 self.held.insert(ZSet._make(rows, np.asarray(z.weights[keep], dtype=np.int64))
                                  .index_by(["__bucket"]))
+        if self.stored is not None:
+            return pad(concat(out, self.schema), self.op.schema)
         return concat(out, self.schema)
 
 

@@ -118,6 +118,7 @@ from dbsp_core.runtime.crashpoints import crashpoint
 from dbsp_core.runtime.division import Divided, ranges
 from dbsp_core.runtime.embedded import EmbeddedExecutor
 from dbsp_core.runtime.executor import Executor, StepInput
+from dbsp_core.runtime.prune import decide as decide_stored
 from dbsp_core.runtime.recovery import LogReplay, open_directory, settle_state
 from dbsp_core.runtime.readable import ReadableState, as_rows, check_read_only, run_query
 from dbsp_core.runtime.remote_state import RemoteCheckpoints, prepare_cache, restore
@@ -451,6 +452,7 @@ class Pipeline:
         self._spill_dir = None if spill_dir is None else os.fspath(spill_dir)
         if self.storage is None:
             self._start_spilling()
+            decide_stored(circuit)  # the columns joins and windows keep (runtime/prune.py); with storage: META's
             self.executor.start(circuit, Layout.local(workers, shard_bits), None)
         else:
             try:

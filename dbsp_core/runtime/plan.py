@@ -330,15 +330,15 @@ class _IndexedExchange:
     its change by the key (sorted by key hash: the index a join builds anyway), so each worker's shards are runs of
     the index that go to its mailbox as slices, without the exchange's gather nor its concatenation."""
 
-    def __init__(self, node: int, schema: pa.Schema, key: tuple[str, ...], counts: dict[str, int]) -> None:
-        self.node, self.schema, self.key, self.counts = node, schema, list(key), counts
+    def __init__(self, node: int, join: _JoinState, side: int, counts: dict[str, int]) -> None:
+        self.node, self.join, self.side, self.counts = node, join, side, counts
 
     def __call__(self, inputs: list, ctx: Any) -> _Received:
         z = inputs[0]
         runs: list = []
         cut = None
-        if z.num_rows:
-            ix = conform(z, self.schema).index_by(self.key)
+        ix = self.join.indexed(z, self.side)  # as the join indexes it (projected first when it keeps fewer columns)
+        if ix is not None:
             runs, cut = ctx.shard_map.runs(ix.key_hash), ix._slice
             self.counts["indexed"] += 1
         return _Received(ctx.exchange_runs(self.node, runs, cut))
@@ -448,7 +448,7 @@ class _JoinSlots(_IndexedJoin):
         self.op = op
 
     def _pairs(self, left: IndexedZSet, right: IndexedZSet) -> ZSet:
-        return self.op.pairs(left, right, self.cols)
+        return self.state.pairs(left, right, self.cols)
 
     def __call__(self, inputs: list, ctx: Any) -> ZSet:
         self.counts["joined"] += 1
@@ -522,8 +522,7 @@ class StepPlan:
                     op = nodes[join]
                     for side in sides:
                         e = op.inputs[side]
-                        steps[e] = _IndexedExchange(e, op.lschema if side == 0 else op.rschema, nodes[e].key,
-                                                    self.counts)
+                        steps[e] = _IndexedExchange(e, instances[join], side, self.counts)
                     if join not in slot_joins:  # a _JoinSlots reads the received parts as _IndexedJoin does
                         steps[join] = _IndexedJoin(instances[join], self.counts)
                         self.fused_nodes.append(join)

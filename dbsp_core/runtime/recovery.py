@@ -37,6 +37,7 @@ from dbsp_core.progress import progress
 from dbsp_core.runtime.division import Divided, ranges
 from dbsp_core.runtime.executor import Executor, StepInput
 from dbsp_core.runtime.change import check as check_change
+from dbsp_core.runtime.prune import apply as apply_stored, chosen as chosen_columns, stored_columns
 from dbsp_core.runtime.rescale import cold_rescale, end_live, live_target, resolve
 from dbsp_core.runtime.upgrade import is_format1, upgrade_format1
 from dbsp_core.storage.consumers import ConsumerRegistry
@@ -91,15 +92,23 @@ def open_directory(root: str, executor: Executor, circuit: Circuit, fingerprint:
             "output_schemas": {n: sch.serialize().to_pybytes().hex() for n, sch in outputs.items()},
             "part_fingerprints": part_fingerprints(circuit)}
     legacy = is_format1(root)
+    old = None
+    if legacy is None:
+        try:
+            old = read_meta(root)
+        except FileNotFoundError:
+            pass
+    # the columns joins and windows keep (operators/pruned.py invariant 3): a new directory records the pass's choice,
+    # an existing one is opened with what it recorded (none when it predates the record, or for its nodes after a
+    # program change that are not the same nodes as before)
+    meta["stored_columns"] = stored = {} if legacy is not None else _stored_columns(old, meta, circuit)
+    apply_stored(circuit, stored)
     if legacy is not None:  # the previous release's directory: converted, then opened as any other
         executor.start(circuit, Layout.local(int(legacy.get("workers", 1)),
                                              int(legacy.get("shard_bits", DEFAULT_SHARD_BITS))), root)
         upgrade_format1(root, legacy, executor, fingerprint, vfs)
         stats["upgraded_from_format"] = 1
-    try:
         old = read_meta(root)
-    except FileNotFoundError:
-        old = None
     changed, differences = None, ""
     if old is None:
         if open_only:
@@ -168,6 +177,44 @@ def open_directory(root: str, executor: Executor, circuit: Circuit, fingerprint:
         executor.output_steps = lambda: out.last
         opened.pop_all()  # the caller holds them from here on
     return Opened(inp, out, db, consumers, layout, last_rescale, old if old is not None else meta, changed, differences)
+
+
+def _stored_columns(old: dict | None, meta: dict, circuit: Circuit) -> dict:
+    """The kept columns to open a directory with (operators/pruned.py invariant 3): the pass's for a new one; the
+    recorded ones for a directory of the same circuit; after a program change, the recorded ones of each node that
+    is the same node as before (same part fingerprint; change.py keeps its state), and the pass's for the new nodes
+    (built from scratch). A kept node whose recorded columns lack one the changed program reads through it is
+    refused (CircuitMismatchError): its state cannot give that column."""
+    if old is None:
+        return chosen_columns(circuit)
+    was = old.get("stored_columns")
+    if not isinstance(was, dict) or not was:
+        return {}
+    if old.get("fingerprint") == meta["fingerprint"]:
+        return dict(was)
+    before = (old.get("part_fingerprints") or {}).get("nodes") or []
+    now = meta["part_fingerprints"]["nodes"]
+    where = {fp: i for i, fp in enumerate(before) if fp is not None}
+    fresh = chosen_columns(circuit)
+    reads = stored_columns(circuit)  # what the changed program reads through each node, pruning on or off
+    out = {}
+    for i, fp in enumerate(now):
+        j = where.get(fp)
+        if j is None:
+            if str(i) in fresh:
+                out[str(i)] = fresh[str(i)]
+        elif str(j) in was:
+            out[str(i)] = kept = was[str(j)]
+            op = circuit.nodes[i]
+            need = reads.get(str(i)) or [s.names for s in ((op.lschema, op.rschema) if hasattr(op, "lschema")
+                                                           else (op.schema,))]
+            lacking = [sorted(set(n) - set(k)) for n, k in zip(need, kept)]
+            if any(lacking):  # the kept state lacks columns the changed program reads: never serve nulls
+                raise CircuitMismatchError(
+                    f"{op.label} keeps only columns {kept} of its inputs in its stored state (operators/pruned.py), "
+                    f"and the changed program reads {[c for cols in lacking for c in cols]} through it too; open the "
+                    f"directory with the program that wrote it, or change the new view to read the columns kept")
+    return out
 
 
 def _check_state_files(root: str, executor: Executor, layout: Layout, logs: RemoteLogs | None) -> None:

@@ -9,6 +9,8 @@ Invariants:
   3. The summary line of a view counts its operators, exchanges and traces (shared ones included).
   4. Under a compiled view's SQL text come the plans of its FROM clauses of two or more inputs (joinplan.py
      invariant 6): the join order, each join's keys, the filters pushed to each input and the columns it keeps.
+  5. A join or window whose state keeps only the columns read after it (runtime/prune.py, as a pipeline built now
+     would: :func:`explain` applies the pass) says which it keeps, and its traces show those columns.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from dbsp_core.circuit import Circuit
 from dbsp_core.operators.base import Operator
+from dbsp_core.runtime.prune import decide, describe
 from dbsp_core.storage.snapshot import state_attrs
 
 _WIDTH = 100
@@ -70,6 +73,9 @@ def _state(op: Operator) -> list[str]:
         out.append(f"{name}: trace keyed by ({', '.join(t.key)}) of ({', '.join(t.schema.names)})")
     for name in zsets:
         out.append(f"{name}: z-set")
+    kept = describe(op)
+    if kept is not None:  # invariant 5
+        out.append(f"kept columns {kept}: no operator after it reads the others")
     return out
 
 
@@ -125,7 +131,7 @@ def _fixpoint_state(op: Operator) -> list[str]:
 
 
 def explain(circuit: Circuit, views: list[str] | None = None) -> str:
-    """The plan of ``views`` (default: every output) as text (invariants 1-3).
+    """The plan of ``views`` (default: every output) as text (invariants 1-3 and 5).
 
     >>> from dbsp_core import sql
     >>> c = sql.compile("CREATE TABLE t (k INT, v BIGINT); "
@@ -140,6 +146,7 @@ def explain(circuit: Circuit, views: list[str] | None = None) -> str:
             input#0  table t
     """
     program = getattr(circuit, "sql", None)
+    decide(circuit)  # invariant 5: the columns each join and window keeps, as a pipeline built now would keep them
     out = []
     for name in views or list(circuit.outputs):
         if name not in circuit.outputs:

@@ -67,7 +67,11 @@ magic       where                                   body
                                                     state_groups (the executor's state groups when the
                                                     directory was made: ``state`` or ``stage-<k>``; the
                                                     databases LAYOUT names, storage/statefiles.py; absent
-                                                    in directories made before it)
+                                                    in directories made before it); stored_columns (node
+                                                    id -> the columns each of its traces' inputs keeps,
+                                                    operators/pruned.py invariant 3: the schema of the
+                                                    join and window state; absent or {} in directories
+                                                    whose traces hold every column)
 ``DLAY``    LAYOUT                                  JSON: layout (dbsp_core.layout.Layout.to_dict),
                                                     last_rescale (report or null)
 ``DRSC``    RESCALE                                 JSON: kind (cold or live), from and to (layout records),

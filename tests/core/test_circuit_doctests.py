@@ -13,7 +13,8 @@ MODULES = ["dbsp_core.circuit", "dbsp_core.runtime.driver", "dbsp_core.runtime.e
            "dbsp_core.nexmark.generator", "dbsp_core.nexmark.queries", "dbsp_core.nexmark.sql_queries", "dbsp_core.sql",
            "dbsp_core.sql.explain", "dbsp_core.metrics", "dbsp_core.profile", "dbsp_core.progress",
            "dbsp_core.trace.merge_thread", "dbsp_core.trace.keyindex", "dbsp_core.trace.sizing", "dbsp_core.operators.upsert",
-           "dbsp_core.runtime.readable", "dbsp_core.rows"]
+           "dbsp_core.runtime.readable", "dbsp_core.rows",
+           "dbsp_core.runtime.prune"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -1,0 +1,244 @@
+"""Column pruning of stored state (runtime/prune.py, operators/pruned.py): joins and ``within_last`` windows keep only
+the columns read after them. Pruned and unpruned pipelines give the same Z-set for every view after every step, at
+W = 1 and W = 2, with deletions and rows that differ only in columns no view reads, and the integrals equal DuckDB's
+answer; a user function after a join keeps every column; a directory written without pruning reopens (with it on)
+unpruned, and one written with pruning reopens pruned whatever the setting. ``DBSP_PRUNE_SEED`` replays the data."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import dbsp_core as dbsp
+from dbsp_core.runtime import prune
+from dbsp_core.storage.directory import read_meta
+
+from oracle import AUCTIONS, BIDS, ChangeGen, duckdb_query, normalize, to_zset
+
+SEED = int(os.environ.get("DBSP_PRUNE_SEED", "0")) or int(np.random.SeedSequence().entropy % 2**31)
+EVENTS = pa.schema([("t", pa.int64()), ("k", pa.int64()), ("v", pa.int64()), ("junk", pa.utf8())])
+NOW0 = 1_000  # seconds: the steps' now is NOW0 + step
+
+
+class _Events(ChangeGen):
+    """Events whose time is within a few seconds of the step's now (some already out of the window)."""
+
+    step = 0
+
+    def row(self) -> tuple:
+        rng = self.rng
+        return (NOW0 + self.step - int(rng.integers(-2, 8)), int(rng.integers(0, 4)),
+                None if rng.random() < 0.1 else int(rng.integers(0, 9)), str(rng.choice(["x", "yy", "", "zzz"])))
+
+
+def _circuit(user_fn: bool = False) -> dbsp.Circuit:
+    c = dbsp.Circuit()
+    bids = c.input("bids", BIDS)
+    auctions = c.input("auctions", AUCTIONS)
+    events = c.input("events", EVENTS)
+    j = bids.join(auctions, left_on="auction", right_on="id")  # keeps auction, bidder, price | id, category
+    c.output("by_cat", j.group_by("category").agg(n=dbsp.count(), total=dbsp.sum("price"), hi=dbsp.max("price"),
+                                                 lo=dbsp.min("price")))
+    c.output("pairs", j.select(category="category", price="price"))  # a bag: weights must add up
+    c.output("distinct", j.select(category="category", bidder="bidder").distinct())
+    c.output("filtered", j.filter(dbsp_expr_price_gt(2)).select(bidder="bidder"))
+    recent = dbsp.within_last(events, "t", 4)  # keeps t, k, v (junk read by no view)
+    c.output("recent", recent.group_by("k").agg(n=dbsp.count(), hi=dbsp.max("v")))
+    ej = recent.join(auctions, left_on="k", right_on="id")  # keeps k, v | id, category
+    c.output("recent_cat", ej.group_by("category").agg(total=dbsp.sum("v")))
+    if user_fn:
+        c.output("udf", bids.join(auctions, left_on="price", right_on="reserve")
+                 .flat_map(lambda b: b.select([0]), pa.schema([("auction", pa.int64())])))
+    return c
+
+
+def dbsp_expr_price_gt(x: int):
+    import pyarrow.compute as pc
+
+    return pc.field("price") > x
+
+
+QUERIES = {
+    "by_cat": "SELECT category, count(*), sum(price), max(price), min(price) FROM bids JOIN auctions ON auction = id "
+              "GROUP BY category",
+    "pairs": "SELECT category, price, sum(bids_w.__w * auctions_w.__w) AS __w FROM bids_w JOIN auctions_w "
+             "ON auction = id GROUP BY category, price",
+    "distinct": "SELECT DISTINCT category, bidder FROM bids JOIN auctions ON auction = id",
+    "filtered": "SELECT bidder, sum(bids_w.__w * auctions_w.__w) AS __w FROM bids_w JOIN auctions_w ON auction = id "
+                "WHERE price > 2 GROUP BY bidder",
+    "recent": "SELECT k, count(*), max(v) FROM events WHERE t BETWEEN {now} - 4 AND {now} GROUP BY k",
+    "recent_cat": "SELECT category, sum(v) FROM events JOIN auctions ON k = id WHERE t BETWEEN {now} - 4 AND {now} "
+                  "GROUP BY category HAVING count(*) > 0",
+}
+
+
+def _pipeline(c: dbsp.Circuit, workers: int, pruned: bool, monkeypatch, clock: list, **kw) -> dbsp.Pipeline:
+    with monkeypatch.context() as m:
+        m.setattr(prune, "enabled", lambda: pruned)
+        return dbsp.Pipeline(c, workers=workers, clock=lambda: clock[0], **kw)
+
+
+def _kept(p: dbsp.Pipeline) -> dict:
+    """{node: [trace column names]} of the pipeline's first worker's join and window traces."""
+    inst = p.executor._workers[0].instances
+    return {i: [t.schema.names for t in s.traces().values()] for i, s in inst.items()
+            if type(s).__name__ in ("_JoinState", "_WithinLastState")}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_pruned_equals_unpruned_and_duckdb(workers: int, monkeypatch) -> None:
+    print(f"DBSP_PRUNE_SEED={SEED}")
+    rng = np.random.default_rng([SEED, workers])
+    gens = {"bids": ChangeGen(rng, BIDS), "auctions": ChangeGen(rng, AUCTIONS), "events": _Events(rng, EVENTS)}
+    clock = [NOW0 * 10**9]
+    c = _circuit()
+    on = _pipeline(c, workers, True, monkeypatch, clock)
+    off = _pipeline(c, workers, False, monkeypatch, clock)  # the same circuit object: each keeps its own choice
+    kept = _kept(on)
+    assert sorted(map(tuple, sum(kept.values(), []))) == sorted([
+        ("auction", "bidder", "price"), ("id", "category"), ("t", "k", "v", "__bucket"), ("k", "v"),
+        ("id", "category")]), kept
+    assert sorted(len(t) for t in sum(_kept(off).values(), [])) == [3, 3, 4, 4, 5]  # every column (+ __bucket)
+    integral: dict[str, Counter] = {name: Counter() for name in c.outputs}
+    for step in range(30):
+        clock[0] = (NOW0 + step) * 10**9
+        gens["events"].step = step
+        for name, g in gens.items():
+            ch = g.change(10)
+            if ch:
+                for p in (on, off):
+                    p.push(name, to_zset(ch, g.schema))
+        a, b = on.step(), off.step()
+        for name in c.outputs:
+            assert a[name].to_dict() == b[name].to_dict(), (name, step)
+            integral[name].update(a[name].to_dict())
+        if step % 10 == 9 or step == 29:
+            tables = {n: (g.schema, dict(g.bag)) for n, g in gens.items()}
+            for name, q in QUERIES.items():
+                got = normalize({r: w for r, w in integral[name].items() if w})
+                assert got == duckdb_query(q.format(now=NOW0 + step), tables), (name, step)
+    on.close()
+    off.close()
+
+
+def test_user_function_keeps_every_column(monkeypatch) -> None:
+    c = _circuit(user_fn=True)
+    cols = prune.stored_columns(c)
+    udf_join = c.nodes[c.outputs["udf"]].inputs[0]
+    assert str(udf_join) not in cols  # flat_map reads every column: the join before it keeps them all
+    assert len(cols) == 3  # the other joins and the window are pruned
+
+
+def test_a_read_column_is_kept() -> None:
+    """Keys, a filter's column and a window's time column stay, though no view shows them."""
+    cols = prune.stored_columns(_circuit())
+    kept = sorted(tuple(map(tuple, v)) for v in cols.values())
+    assert (("auction", "bidder", "price"), ("id", "category")) in kept  # price: the filter and the aggregates
+    assert (("t", "k", "v"),) in kept
+
+
+def _run_durable(root: str, c: dbsp.Circuit, pruned: bool, monkeypatch, steps: range, rng_seed: int,
+                 reference: dbsp.Pipeline, clock: list, gens: dict) -> None:
+    with monkeypatch.context() as m:
+        m.setattr(prune, "enabled", lambda: pruned)
+        kw = dict(clock=lambda: clock[0], checkpoint_interval=None)
+        p = dbsp.Pipeline.open(root, c, **kw) if os.path.exists(os.path.join(root, "META")) else \
+            dbsp.Pipeline(c, workers=2, storage=root, **kw)
+    for step in steps:
+        clock[0] = (NOW0 + step) * 10**9
+        gens["events"].step = step
+        for name, g in gens.items():
+            ch = g.change(10)
+            if ch:
+                for q in (p, reference):
+                    q.push(name, to_zset(ch, g.schema))
+        a, b = p.step(), reference.step()
+        for name in c.outputs:
+            assert a[name].to_dict() == b[name].to_dict(), (name, step)
+    p.checkpoint()
+    p.close()
+
+
+@pytest.mark.parametrize("first,then", [(False, True), (True, False)])
+def test_directory_keeps_its_state_schema(first: bool, then: bool, monkeypatch) -> None:
+    """A directory created without pruning (the old code path) reopens unpruned with pruning on, and one created with
+    pruning reopens pruned with it off: META's ``stored_columns`` is the state's schema (operators/pruned.py
+    invariant 3); the views go on equal to an in-memory reference's."""
+    rng = np.random.default_rng([SEED, int(first)])
+    gens = {"bids": ChangeGen(rng, BIDS), "auctions": ChangeGen(rng, AUCTIONS), "events": _Events(rng, EVENTS)}
+    clock = [NOW0 * 10**9]
+    reference = _pipeline(_circuit(), 1, False, monkeypatch, clock)
+    with tempfile.TemporaryDirectory() as root:
+        _run_durable(root, _circuit(), first, monkeypatch, range(0, 8), SEED, reference, clock, gens)
+        recorded = read_meta(root)["stored_columns"]
+        assert bool(recorded) == first
+        _run_durable(root, _circuit(), then, monkeypatch, range(8, 16), SEED, reference, clock, gens)
+        assert read_meta(root)["stored_columns"] == recorded
+    reference.close()
+
+
+def test_dbsp_sql_shows_kept_columns() -> None:
+    """``dbsp sql`` (sql/explain.py invariant 5): a join under a subquery that selects a column no view reads keeps
+    only the read ones, and the plan says so."""
+    from dbsp_core import sql
+    from dbsp_core.sql.explain import explain
+
+    c = sql.compile("CREATE TABLE bids (auction BIGINT, bidder BIGINT, price BIGINT); "
+                    "CREATE TABLE auctions (id BIGINT, category VARCHAR, reserve BIGINT); "
+                    "CREATE VIEW top AS SELECT category, hi FROM (SELECT a.category, b.price AS hi, b.bidder "
+                    "FROM bids b JOIN auctions a ON b.auction = a.id) WHERE hi > 10")
+    text = explain(c)
+    assert "kept columns left [auction, price], right [id, category]" in text, text
+    assert "trace keyed by (auction) of (auction, price)" in text, text
+
+
+def _change_circuit(extra: str | None) -> dbsp.Circuit:
+    c = dbsp.Circuit()
+    bids = c.input("bids", BIDS, materialized=True)
+    auctions = c.input("auctions", AUCTIONS, materialized=True)
+    j = bids.join(auctions, left_on="auction", right_on="id")  # first program: (auction, price) | (id, category)
+    c.output("by_cat", j.group_by("category").agg(hi=dbsp.max("price")))
+    if extra == "kept":
+        c.output("n_cat", j.group_by("category").agg(n=dbsp.count()))
+    elif extra == "dropped":
+        c.output("reserve", j.group_by("category").agg(r=dbsp.sum("reserve")))
+    return c
+
+
+def test_program_change_through_a_pruned_join(monkeypatch) -> None:
+    """A changed program that reads through a kept pruned join only columns it kept opens, keeps the join's state and
+    gives the reference's views; one that reads a column the join dropped is refused (its state cannot give it)."""
+    from dbsp_core.errors import CircuitMismatchError
+
+    rng = np.random.default_rng([SEED, 7])
+    gens = {"bids": ChangeGen(rng, BIDS), "auctions": ChangeGen(rng, AUCTIONS)}
+    with tempfile.TemporaryDirectory() as root:
+        p = dbsp.Pipeline(_change_circuit(None), workers=2, storage=root, checkpoint_interval=None)
+        for _ in range(5):
+            for name, g in gens.items():
+                ch = g.change(10)
+                if ch:
+                    p.push(name, to_zset(ch, g.schema))
+            p.step()
+        p.checkpoint()
+        p.close()
+        assert list(read_meta(root)["stored_columns"].values()) == [[["auction", "price"], ["id", "category"]]]
+        with pytest.raises(CircuitMismatchError, match="reserve"):
+            dbsp.Pipeline.open(root, _change_circuit("dropped"))
+        p = dbsp.Pipeline.open(root, _change_circuit("kept"), checkpoint_interval=None)
+        got = Counter()
+        for _ in range(2):
+            for name, g in gens.items():
+                ch = g.change(10)
+                if ch:
+                    p.push(name, to_zset(ch, g.schema))
+            got.update(p.step()["n_cat"].to_dict())
+        p.close()
+    tables = {n: (g.schema, dict(g.bag)) for n, g in gens.items()}
+    want = duckdb_query("SELECT category, count(*) FROM bids JOIN auctions ON auction = id GROUP BY category", tables)
+    assert normalize({r: w for r, w in got.items() if w}) == want
