@@ -52,7 +52,10 @@ Invariants (enforced here):
      of the source (pyarrow's readers release the GIL), at most ``read_ahead`` files and, as long as they are
      held, at most ``read_ahead_bytes`` (default READ_AHEAD_BYTES; with a pipeline ``memory_limit``, at most
      READ_AHEAD_SHARE of it) counted as each file's size until it is parsed and then as its tables' bytes: a file
-     that would go beyond is read at its turn instead. Only the read moves ahead: every push is still made on
+     that would go beyond is read at its turn instead. Only the read moves ahead (with immutable files on a
+     durable pipeline, invariant 6, the references too: each unit's identity and checksum are taken on that
+     thread before its rows are read, and the push checks the identity again at the file's turn, fileref
+     invariant 2, so a file replaced meanwhile is read again at its turn): every push is still made on
      the caller's thread, in name order, at the file's turn, with its ``(producer, seq)`` unchanged, and a
      file's parsed tables are used only if its identity (invariant 3) and producer are still those taken when
      its read began (else it is read again at its turn). A read's error is kept and raised at the file's turn on
@@ -377,18 +380,26 @@ class FileSource:
                                       sig[1]))
             held += sig[1]
 
-    def _parse(self, path: str, kind: str, producer: str) -> tuple[int, dict[int, pa.Table], int] | None:
-        """On the read-ahead thread: ``(units, {seq: converted table} of the units not acknowledged, bytes)``;
-        a read's error is raised to whoever takes the result (the caller's thread, at the file's turn); None if
-        the pipeline cannot say what is acknowledged (the file is then read at its turn)."""
+    def _parse(self, path: str, kind: str,
+               producer: str) -> tuple[int, dict[int, pa.Table], int, dict[int, tuple[bytes, tuple]]] | None:
+        """On the read-ahead thread: ``(units, {seq: converted table} of the units not acknowledged, bytes,
+        {seq: (reference record, identity)})``, the references (invariant 6) only with immutable files on a durable
+        pipeline, each taken before its unit's rows are read (fileref invariant 2: the push checks the identity
+        again); a read's error is raised to whoever takes the result (the caller's thread, at the file's turn);
+        None if the pipeline cannot say what is acknowledged (the file is then read at its turn)."""
         f = self._parquet(path) if kind == "parquet" else None
         units = f.num_row_groups if f is not None else 1
         try:
             todo = [seq for seq in range(units) if not self.pipeline.acknowledged(producer, seq)]
+            refs = {seq: reference(path, kind, seq) for seq in todo} if self._by_reference() else {}
         except Exception:  # e.g. a pipeline closed meanwhile: leave it to the file's turn
             return None
         tables = dict(self._read(path, kind, todo, f))
-        return units, tables, sum(t.nbytes for t in tables.values())
+        return units, tables, sum(t.nbytes for t in tables.values()), refs
+
+    def _by_reference(self) -> bool:
+        """Whether pushes are logged by reference to the files (invariant 6)."""
+        return self.immutable_files and self.pipeline.storage is not None
 
     def _rewritten(self, rel: str, sig: tuple) -> None:
         self._done[rel] = sig  # warn once per rewrite
@@ -459,6 +470,7 @@ class FileSource:
             self.stats["skipped"] += units - len(todo)
             if not todo:
                 return 0
+            refs = got[3] if got is not None else {}  # references taken ahead (invariant 9), by seq
             if got is not None and all(seq in got[1] for seq in todo):  # acknowledged ones only grow meanwhile
                 kept = [(seq, got[1][seq]) for seq in todo]
             elif len(todo) == 1:
@@ -482,8 +494,8 @@ class FileSource:
                 raise self._error(path, e, pushed=new) from e
             if item is None:
                 return new
-            new += self._push(producer, *item) if not self.immutable_files else self._push_unit(producer, path, kind,
-                                                                                                  sig, *item)
+            new += self._push(producer, *item) if not self.immutable_files else self._push_unit(
+                producer, path, kind, sig, *item, ahead=refs.get(item[0]))
 
     def _read(self, path: str, kind: str, seqs: list[int],
               f: pq.ParquetFile | None = None) -> Iterator[tuple[int, pa.Table]]:
@@ -507,13 +519,15 @@ class FileSource:
     def _convert(self, table: pa.Table) -> pa.Table:
         return convert(table, self.schema, f"the input {self.handle!r}")
 
-    def _push_unit(self, producer: str, path: str, kind: str, sig: tuple, seq: int, table: pa.Table) -> int:
+    def _push_unit(self, producer: str, path: str, kind: str, sig: tuple, seq: int, table: pa.Table,
+                   ahead: tuple[bytes, tuple] | None = None) -> int:
         """Push one unit logged by reference to the file (invariant 6); ``sig`` is the file's identity before any
-        of it was read, ``table`` its converted rows."""
+        of it was read, ``table`` its converted rows, ``ahead`` the reference and identity the read-ahead took
+        before it read them (None: taken now, after them: the checksum reads the bytes again either way)."""
         what = f"FileSource {self.name!r}"
         if self.pipeline.acknowledged(producer, seq) or self.pipeline.storage is None:  # no reference needed
             return self._push(producer, seq, table)
-        ref, ident = reference(path, kind, seq)
+        ref, ident = ahead if ahead is not None else reference(path, kind, seq)
         if ident != sig:
             raise self._error(path, InputFileError(f"{what}: {path} changed while it was read", path))
         z = unit_zset(table, self.schema, f"the input {self.handle!r}")
