@@ -210,9 +210,10 @@ def thread_cpu() -> dict[str, float]:
     """CPU seconds (user + system) of this process's threads so far, summed by thread name (Linux)."""
     out: dict[str, float] = collections.defaultdict(float)
     tick = os.sysconf("SC_CLK_TCK")
+    named = {t.native_id: t.name for t in threading.enumerate()}  # the rest: Arrow's pools, C threads
     for tid in os.listdir("/proc/self/task"):
         try:
-            name = open(f"/proc/self/task/{tid}/comm").read().strip()
+            name = named.get(int(tid)) or "other: " + open(f"/proc/self/task/{tid}/comm").read().strip()
             f = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
         except OSError:
             continue

@@ -274,8 +274,11 @@ def test_a_file_replaced_after_its_reference_was_taken_ahead_is_never_logged_by_
         tmp_path, monkeypatch) -> None:
     """A file that breaks its promise: replaced (other rows, a new inode) on the read-ahead thread right after its
     reference was taken there, before its rows are read. The source must not log the new rows under the old
-    checksum: the identity differs at the file's turn, so it reads the file again there, the pipeline holds the new
-    rows, and a reopen without a checkpoint replays them from the file without a RecoveryError."""
+    checksum: the identity differs at the file's turn, so it reads the file again there (or, if the replacement
+    came after the turn's identity was taken, refuses the push as changed while read, and the next poll pushes it),
+    the pipeline holds the new rows, and a reopen without a checkpoint replays them from the file without a
+    RecoveryError. (Watched fail with the poll's and the push's identity checks removed: RecoveryError at the
+    reopen, the file's size differed from the reference's.)"""
     rng = random.Random(SEED + 1)
     d = tmp_path / "in"
     d.mkdir()
@@ -300,14 +303,143 @@ def test_a_file_replaced_after_its_reference_was_taken_ahead_is_never_logged_by_
     monkeypatch.setattr(files_mod, "reference", reference_then_replace)
     store = str(tmp_path / "pipe")
     p = dbsp.Pipeline(circuit(), storage=store, checkpoint_interval=None)
+    refused = []
     with FileSource(p, "t", d, name="src", read_ahead=2, immutable_files=True) as src:
-        for _ in names:
-            src.poll(max_files=1)
+        while src.pending():
+            try:
+                src.poll(max_files=1)
+            except InputFileError as e:  # replaced while its rows were read ahead: refused at its turn, retried
+                assert victim in str(e) and "changed" in str(e), f"{WHY}: {e}"
+                refused.append(victim)
             p.step()
     assert replaced, f"{WHY}: the file was not replaced while read ahead"
+    assert len(refused) <= 1 and _refs_logged(store).keys() >= {f"{victim}#0"}, f"{WHY}: {refused}"
     model = collections.Counter(r for name in names for r in (new_rows if name == victim else files[name]))
     assert _integral(p) == +model, f"{WHY}: the pipeline does not hold the replaced file's new rows"
+    steps = p.steps
     p.close(checkpoint=False)
     q = dbsp.Pipeline.open(store, circuit(), checkpoint_interval=None)  # RecoveryError if logged by the old CRC
-    assert _integral(q) == +model and q.stats["replayed_steps"] == len(names), WHY
+    assert _integral(q) == +model and q.stats["replayed_steps"] == steps, WHY
     q.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_two_sources_reading_ahead_beside_threads_that_push_step_and_checkpoint(tmp_path, monkeypatch, workers) -> None:
+    """Two sources, each polled on its own thread while files keep appearing, each with its read-ahead thread, beside
+    a thread pushing as another producer, one stepping and one checkpointing and reading metrics, on a durable
+    pipeline: every file's rows and every push land exactly once (multisets), reads did happen ahead on the sources'
+    threads and checkpoints between steps, and a reopen from the storage with the sources made again pushes nothing
+    twice."""
+    rng = random.Random(f"{SEED}/threads/{workers}")
+    storage = str(tmp_path / "pipe")
+    dirs = {"t": tmp_path / "in_t", "u": tmp_path / "in_u"}
+    model: collections.Counter = collections.Counter()
+    late: dict[str, list] = {}
+    for h, d in dirs.items():
+        _, rows = _inbox(d, rng, 3)
+        model.update(rows)
+        late[h] = []
+        for i in range(3, 12):  # published while the sources poll
+            name = f"f{i:03d}" + rng.choice([".parquet", ".csv", ".jsonl"])
+            rows = _rows(rng)
+            model.update(rows)
+            late[h].append((name, rows, random.Random(rng.random())))
+    immutable = rng.random() < 0.5
+    ahead: list[str] = []
+    read = FileSource._read
+
+    def spy(self, path, kind, seqs, f=None):
+        ahead.append(threading.current_thread().name)
+        return read(self, path, kind, seqs, f)
+
+    monkeypatch.setattr(FileSource, "_read", spy)
+    p = dbsp.Pipeline(circuit(), workers=workers, storage=storage, checkpoint_interval=None)
+    sources = {h: FileSource(p, h, d, name=f"src-{h}", read_ahead=2, immutable_files=immutable)
+               for h, d in dirs.items()}
+    published = {h: threading.Event() for h in dirs}
+    done = threading.Event()
+    errors: list = []
+    counts = collections.Counter()
+    pushes = []
+    for i in range(30):
+        rows = _rows(rng, rng.randrange(1, 6))
+        model.update(rows)
+        pushes.append(pa.table({"k": [r[0] for r in rows], "v": [r[1] for r in rows]},
+                               schema=pa.schema([("k", pa.int64()), ("v", pa.int32())])))
+
+    def guard(fn):
+        def run():
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - reported by the main thread
+                errors.append(e)
+                done.set()
+        return run
+
+    def publish(h):
+        for name, rows, r in late[h]:
+            _write(str(dirs[h] / name), rows, r)
+            time.sleep(r.uniform(0, 0.01))
+        published[h].set()
+
+    def poll(h):
+        r = random.Random(f"{SEED}/poll/{h}")
+        while not published[h].is_set() or sources[h].pending():
+            counts["polls"] += 1
+            sources[h].poll(max_files=r.choice([1, 2, None]))
+            time.sleep(0.002)
+
+    def push():
+        for i, t in enumerate(pushes):
+            p.push("u", t, producer="other", seq=i)
+            time.sleep(0.001)
+
+    def step():
+        while not done.is_set():
+            p.step()
+            counts["steps"] += 1
+
+    def checkpoint():
+        while not done.is_set():
+            p.checkpoint()
+            counts["checkpoints"] += 1
+            m = p.metrics()
+            assert set(m["sources"]) >= {"src-t", "src-u"}, sorted(m["sources"])
+            time.sleep(0.005)
+
+    workers_ = [threading.Thread(target=guard(lambda h=h: publish(h))) for h in dirs]
+    workers_ += [threading.Thread(target=guard(lambda h=h: poll(h))) for h in dirs]
+    workers_ += [threading.Thread(target=guard(push))]
+    background = [threading.Thread(target=guard(step)), threading.Thread(target=guard(checkpoint))]
+    for t in workers_ + background:
+        t.start()
+    for t in workers_:
+        t.join(120)
+    done.set()
+    for t in background:
+        t.join(120)
+    assert not errors, f"{WHY}: {errors!r}"
+    for src in sources.values():
+        src.poll()
+    p.step()
+    got = _integral(p)
+    assert got == +model, f"{WHY} (W={workers}, immutable={immutable}): missing {model - got}, extra {got - model}"
+    assert counts["steps"] >= 3 and counts["checkpoints"] >= 2, (WHY, counts)
+    assert any(t.startswith("dbsp-files-") for t in ahead), (WHY, collections.Counter(ahead))
+    for src in sources.values():
+        src.close()
+    assert not _threads(), WHY
+    p.close()
+    p = dbsp.Pipeline.open(storage, circuit(), checkpoint_interval=None)
+    try:
+        again = {h: FileSource(p, h, d, name=f"src-{h}", immutable_files=immutable) for h, d in dirs.items()}
+        for src in again.values():
+            src.poll()
+        p.step()
+        assert _integral(p) == +model, f"{WHY} (W={workers}, immutable={immutable}): after the reopen"
+        assert sum(s.stats["pushes"] for s in again.values()) == 0, (WHY, [s.stats for s in again.values()])
+        assert sum(s.stats["skipped"] for s in again.values()) > 0, (WHY, [s.stats for s in again.values()])
+        for src in again.values():
+            src.close()
+    finally:
+        p.close()
