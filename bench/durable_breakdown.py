@@ -90,7 +90,8 @@ class Phases:
                 wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
                 thread = threading.current_thread().name
                 where = ("checkpoint thread: " if thread.startswith("dbsp-checkpoint") else
-                         "division sync thread: " if thread.startswith("dbsp-division") else "")
+                         "division sync thread: " if thread.startswith("dbsp-division") else
+                         "read-ahead thread: " if thread.startswith("dbsp-files") else "")
                 with self.lock:
                     row = self.t[where + name]
                     row[0] += 1
@@ -258,6 +259,10 @@ def main() -> None:
                     "push: pyarrow reads and push_many of every stream (rows logged)")
     ap.add_argument("--source", choices=["parquet", "csv"], default="parquet",
                     help="the files the FileSources read (csv: the files bench/nexmark.py --peers flink reads)")
+    ap.add_argument("--old", help="a source tree (e.g. `git worktree add --detach /tmp/old main`, built): its "
+                    "dbsp_core runs this script's loop, same reader and source, alternated with this tree's as mode "
+                    "'old-durable' (and 'old-memory' with --old-memory)")
+    ap.add_argument("--old-memory", action="store_true")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -273,17 +278,19 @@ def main() -> None:
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, storage under {root}", flush=True)
         disk = []
         for q in args.queries.split(","):
-            modes = ("memory", "durable") + (("baseline",) if args.baseline else ())
+            modes = (("memory", "durable") + (("baseline",) if args.baseline else ())
+                     + (("old-memory",) if args.old and args.old_memory else ()) + (("old-durable",) if args.old else ()))
             rates: dict = {m: [] for m in modes}
             runs: dict = {m: [] for m in modes}
             for i in range(args.runs):
                 disk.append(disk_bandwidth(root, args.disk_mib))
                 for mode in modes:
-                    base = mode == "baseline"
-                    r = run_child({"root": root, "query": q, "mode": "durable" if base else mode,
+                    base, old = mode == "baseline", mode.startswith("old-")
+                    r = run_child({"root": root, "query": q,
+                                   "mode": "durable" if base else mode[4:] if old else mode,
                                    "workers": args.workers, "one_by_one": args.one_by_one or base,
                                    "reader": "push" if base else args.reader, "source": args.source},
-                                  args.baseline if base else None)
+                                  args.baseline if base else args.old if old else None)
                     rates[mode].append(r["events"] / r["seconds"])
                     runs[mode].append(r)
                     print(f"{q} {mode:>8} run {i + 1}: {r['events'] / r['seconds']:>12,.0f} events/s "
