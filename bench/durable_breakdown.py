@@ -156,7 +156,8 @@ def child(a: dict) -> dict:
     source = a.get("source", "parquet")
     if reader == "files":  # in both modes: the read is part of the loop
         file_source.read_unit = ph.timed("FileSource: read and decode the unit", file_source.read_unit)
-    p = dbsp.Pipeline(nexmark_circuit(query), workers=workers, storage=storage, executor=ex) if storage else \
+    p = dbsp.Pipeline(nexmark_circuit(query), workers=workers, storage=storage, executor=ex,
+                      checkpoint_interval=a.get("checkpoint_s", 10.0)) if storage else \
         dbsp.Pipeline(nexmark_circuit(query), workers=workers, executor=ex)
     if storage:
         p._input._log = TimedLog(p._input._log, "input log", ph)
@@ -263,6 +264,9 @@ def main() -> None:
                     "dbsp_core runs this script's loop, same reader and source, alternated with this tree's as mode "
                     "'old-durable' (and 'old-memory' with --old-memory)")
     ap.add_argument("--old-memory", action="store_true")
+    ap.add_argument("--checkpoint-s", type=float, default=10.0,
+                    help="the durable pipeline's checkpoint_interval (default 10 s, the Pipeline's default; bench/"
+                    "nexmark.py's Flink checkpoints every 1 s)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -289,7 +293,8 @@ def main() -> None:
                     r = run_child({"root": root, "query": q,
                                    "mode": "durable" if base else mode[4:] if old else mode,
                                    "workers": args.workers, "one_by_one": args.one_by_one or base,
-                                   "reader": "push" if base else args.reader, "source": args.source},
+                                   "reader": "push" if base else args.reader, "source": args.source,
+                                   "checkpoint_s": args.checkpoint_s},
                                   args.baseline if base else args.old if old else None)
                     rates[mode].append(r["events"] / r["seconds"])
                     runs[mode].append(r)
