@@ -53,9 +53,10 @@ Invariants (enforced here):
      held, at most ``read_ahead_bytes`` (default READ_AHEAD_BYTES; with a pipeline ``memory_limit``, at most
      READ_AHEAD_SHARE of it) counted as each file's size until it is parsed and then as its tables' bytes: a file
      that would go beyond is read at its turn instead. Only the read moves ahead (with immutable files on a
-     durable pipeline, invariant 6, the references too: each unit's identity and checksum are taken on that
-     thread before its rows are read, and the push checks the identity again at the file's turn, fileref
-     invariant 2, so a file replaced meanwhile is read again at its turn): every push is still made on
+     durable pipeline, invariant 6, the references too, on a second thread of the source beside the read, so
+     the read's chain is not lengthened: each unit's identity is taken before its checksum, and the push checks
+     the identity again at the file's turn, fileref invariant 2, so a file replaced meanwhile is read again at
+     its turn or refused as changed): every push is still made on
      the caller's thread, in name order, at the file's turn, with its ``(producer, seq)`` unchanged, and a
      file's parsed tables are used only if its identity (invariant 3) and producer are still those taken when
      its read began (else it is read again at its turn). A read's error is kept and raised at the file's turn on
@@ -111,6 +112,7 @@ class _Ahead(NamedTuple):
     producer: str
     future: Future
     estimate: int  # its size on disk, the bytes it is counted as until parsed
+    refs: Future | None = None  # with immutable files on a durable pipeline: its units' references (invariant 9)
 
     def held(self) -> int:
         if self.future.done() and not self.future.cancelled() and self.future.exception() is None:
@@ -120,11 +122,13 @@ class _Ahead(NamedTuple):
 
 
 def _shutdown(pool: list, wait: bool = True) -> None:
-    """Stop a source's read-ahead thread (``pool`` is its one-slot holder); with ``wait``, join it. (A source
-    collected without close() stops it without waiting: the collection may happen on that very thread.)"""
-    if pool[0] is not None:
-        pool[0].shutdown(wait=wait, cancel_futures=True)
-        pool[0] = None
+    """Stop a source's read-ahead threads (``pool`` holds their executors: the read's, the references'); with
+    ``wait``, join them. (A source collected without close() stops them without waiting: the collection may
+    happen on one of those very threads.)"""
+    for i, ex in enumerate(pool):
+        if ex is not None:
+            ex.shutdown(wait=wait, cancel_futures=True)
+            pool[i] = None
 
 
 def _signature(where: Location, path: str) -> tuple[int, int, int]:
@@ -249,7 +253,8 @@ class FileSource:
         limit = getattr(pipeline, "memory_limit", None)  # the pipeline's budget (Pipeline.memory_limit)
         self.read_ahead_bytes = min(budget, int(limit * READ_AHEAD_SHARE)) if limit else budget
         self._ahead: deque[_Ahead] = deque()  # files being read ahead, in name order (invariant 9)
-        self._pool: list = [None]  # the read-ahead thread's executor, made at the first read ahead
+        # the read-ahead thread's executor and the references' (made at the first read ahead; invariant 9)
+        self._pool: list = [None, None]
         self._finalizer = weakref.finalize(self, _shutdown, self._pool, False)
         self._done: dict[str, tuple] = {}  # files fully pushed (in this process) -> their signature
         self._bad: dict[str, tuple] = {}  # files skipped or quarantined -> their signature (a new one is read)
@@ -343,7 +348,10 @@ class FileSource:
 
     def _drop(self, n: int) -> None:
         for _ in range(n):
-            self._ahead.popleft().future.cancel()  # a read already begun finishes on its own; its result is dropped
+            a = self._ahead.popleft()
+            a.future.cancel()  # a read already begun finishes on its own; its result is dropped
+            if a.refs is not None:
+                a.refs.cancel()
 
     def _take(self, rel: str) -> _Ahead | None:
         """The read ahead of ``rel`` if it is the next one; reads ahead of files before it (passed over, vanished,
@@ -376,26 +384,38 @@ class FileSource:
                 self._pool[0] = ThreadPoolExecutor(1, thread_name_prefix=f"dbsp-files-{self.handle}")
             producer = self._producer(rel)
             kind = FORMATS[os.path.splitext(rel)[1].lower()]
+            refs = None
+            if self._by_reference():  # beside the read, not before it on its thread (invariant 9)
+                if self._pool[1] is None:
+                    self._pool[1] = ThreadPoolExecutor(1, thread_name_prefix=f"dbsp-files-ref-{self.handle}")
+                refs = self._pool[1].submit(self._references, path, kind, producer)
             self._ahead.append(_Ahead(rel, sig, producer, self._pool[0].submit(self._parse, path, kind, producer),
-                                      sig[1]))
+                                      sig[1], refs))
             held += sig[1]
 
-    def _parse(self, path: str, kind: str,
-               producer: str) -> tuple[int, dict[int, pa.Table], int, dict[int, tuple[bytes, tuple]]] | None:
-        """On the read-ahead thread: ``(units, {seq: converted table} of the units not acknowledged, bytes,
-        {seq: (reference record, identity)})``, the references (invariant 6) only with immutable files on a durable
-        pipeline, each taken before its unit's rows are read (fileref invariant 2: the push checks the identity
-        again); a read's error is raised to whoever takes the result (the caller's thread, at the file's turn);
-        None if the pipeline cannot say what is acknowledged (the file is then read at its turn)."""
+    def _parse(self, path: str, kind: str, producer: str) -> tuple[int, dict[int, pa.Table], int] | None:
+        """On the read-ahead thread: ``(units, {seq: converted table} of the units not acknowledged, bytes)``;
+        a read's error is raised to whoever takes the result (the caller's thread, at the file's turn); None if
+        the pipeline cannot say what is acknowledged (the file is then read at its turn)."""
         f = self._parquet(path) if kind == "parquet" else None
         units = f.num_row_groups if f is not None else 1
         try:
             todo = [seq for seq in range(units) if not self.pipeline.acknowledged(producer, seq)]
-            refs = {seq: reference(path, kind, seq) for seq in todo} if self._by_reference() else {}
         except Exception:  # e.g. a pipeline closed meanwhile: leave it to the file's turn
             return None
         tables = dict(self._read(path, kind, todo, f))
-        return units, tables, sum(t.nbytes for t in tables.values()), refs
+        return units, tables, sum(t.nbytes for t in tables.values())
+
+    def _references(self, path: str, kind: str, producer: str) -> dict[int, tuple[bytes, tuple]]:
+        """On the references' thread, beside the read of the same file: ``{seq: (reference record, identity)}`` of
+        the units not acknowledged (invariant 6), each identity taken before its checksum; the push checks it
+        again at the file's turn (fileref invariant 2). Empty if anything fails: the turn takes them then."""
+        try:
+            units = self._parquet(path).num_row_groups if kind == "parquet" else 1
+            return {seq: reference(path, kind, seq) for seq in range(units)
+                    if not self.pipeline.acknowledged(producer, seq)}
+        except Exception:  # a vanished or bad file, a pipeline closed meanwhile: the file's turn decides
+            return {}
 
     def _by_reference(self) -> bool:
         """Whether pushes are logged by reference to the files (invariant 6)."""
@@ -470,7 +490,9 @@ class FileSource:
             self.stats["skipped"] += units - len(todo)
             if not todo:
                 return 0
-            refs = got[3] if got is not None else {}  # references taken ahead (invariant 9), by seq
+            # references taken ahead (invariant 9), by seq; none if they failed or were not taken
+            refs = (ahead.refs.result() if got is not None and ahead.refs is not None
+                    and not ahead.refs.cancelled() else {})
             if got is not None and all(seq in got[1] for seq in todo):  # acknowledged ones only grow meanwhile
                 kept = [(seq, got[1][seq]) for seq in todo]
             elif len(todo) == 1:

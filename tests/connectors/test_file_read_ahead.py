@@ -235,8 +235,8 @@ def _refs_logged(storage: str) -> dict[str, int]:
 
 
 def test_references_are_taken_ahead_and_are_those_taken_at_the_turn(tmp_path, monkeypatch) -> None:
-    """With immutable files, a file read ahead has its references (the checksum of its units' bytes) taken on the
-    source's thread too, not at its turn on the caller's; the input log then holds the same references as with
+    """With immutable files, a file read ahead has its references (the checksum of its units' bytes) taken on a
+    thread of the source too (beside the read), not at its turn on the caller's; the input log then holds the same references as with
     ``read_ahead=0``, and a reopen without a checkpoint replays the same rows from the files. (Before the change
     every reference was taken at the file's turn, on the caller's thread: the first assertion failed.)"""
     rng = random.Random(SEED)
@@ -272,8 +272,9 @@ def test_references_are_taken_ahead_and_are_those_taken_at_the_turn(tmp_path, mo
 
 def test_a_file_replaced_after_its_reference_was_taken_ahead_is_never_logged_by_the_old_checksum(
         tmp_path, monkeypatch) -> None:
-    """A file that breaks its promise: replaced (other rows, a new inode) on the read-ahead thread right after its
-    reference was taken there, before its rows are read. The source must not log the new rows under the old
+    """A file that breaks its promise: replaced (other rows, a new inode) on the source's references thread right
+    after its reference was taken there, while or before its rows are read ahead. The source must not log the new
+    rows under the old
     checksum: the identity differs at the file's turn, so it reads the file again there (or, if the replacement
     came after the turn's identity was taken, refuses the push as changed while read, and the next poll pushes it),
     the pipeline holds the new rows, and a reopen without a checkpoint replays them from the file without a
