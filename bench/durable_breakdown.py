@@ -31,6 +31,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -73,6 +74,13 @@ class Phases:
         self.lock = threading.Lock()
         self.t: dict = collections.defaultdict(lambda: [0, 0.0, 0.0, 0])
 
+    def add(self, name: str, wall: float, cpu: float) -> None:
+        with self.lock:
+            row = self.t[name]
+            row[0] += 1
+            row[1] += wall
+            row[2] += cpu
+
     def timed(self, name: str, f, nbytes=None):
         def wrapper(*a, **k):
             t0, c0 = time.perf_counter(), time.thread_time()
@@ -82,7 +90,8 @@ class Phases:
                 wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
                 thread = threading.current_thread().name
                 where = ("checkpoint thread: " if thread.startswith("dbsp-checkpoint") else
-                         "division sync thread: " if thread.startswith("dbsp-division") else "")
+                         "division sync thread: " if thread.startswith("dbsp-division") else
+                         "read-ahead thread: " if thread.startswith("dbsp-files") else "")
                 with self.lock:
                     row = self.t[where + name]
                     row[0] += 1
@@ -137,14 +146,18 @@ def child(a: dict) -> dict:
         outputlog.OutputLog._encode = ph.timed("output: encode (Arrow IPC, frame checksum)",
                                                outputlog.OutputLog._encode)
         driver.Pipeline._checkpoint = ph.timed("checkpoint: capture (steps paused)", driver.Pipeline._checkpoint)
+        driver.Pipeline._await_division = ph.timed("step: wait for the division record's fsync",
+                                                   driver.Pipeline._await_division)
         driver.Pipeline._background = ph.timed("checkpoint: write and commit", driver.Pipeline._background)
         ex.run = ph.timed("engine (executor.run)", ex.run)
         if hasattr(file_source, "reference"):
             file_source.reference = ph.timed("push: reference (re-read the unit, CRC-32C)", file_source.reference)
     reader = a.get("reader", "push")
+    source = a.get("source", "parquet")
     if reader == "files":  # in both modes: the read is part of the loop
         file_source.read_unit = ph.timed("FileSource: read and decode the unit", file_source.read_unit)
-    p = dbsp.Pipeline(nexmark_circuit(query), workers=workers, storage=storage, executor=ex) if storage else \
+    p = dbsp.Pipeline(nexmark_circuit(query), workers=workers, storage=storage, executor=ex,
+                      checkpoint_interval=a.get("checkpoint_s", 10.0)) if storage else \
         dbsp.Pipeline(nexmark_circuit(query), workers=workers, executor=ex)
     if storage:
         p._input._log = TimedLog(p._input._log, "input log", ph)
@@ -153,13 +166,15 @@ def child(a: dict) -> dict:
     names = bench_nexmark.nexmark.SCHEMAS
     if reader == "files":
         names = bench_nexmark.flink_nexmark.READS.get(query, names)
-        sources = bench_nexmark.file_sources(p, root, names, "parquet")
+        sources = bench_nexmark.file_sources(p, root, names, source)
     cpu0 = time.process_time()
     try:
         for step in files:
             t0 = time.perf_counter()
             if reader == "files":
-                bench_nexmark.push_step(p, step, names, "parquet", sources)
+                r0 = time.perf_counter()
+                bench_nexmark.push_step(p, step, names, source, sources)
+                read_s += time.perf_counter() - r0
             else:
                 r0 = time.perf_counter()
                 tables = [(name, pq.read_table(step[name])) for name in names]
@@ -170,9 +185,12 @@ def child(a: dict) -> dict:
                 else:  # as bench/nexmark.py: the step's pushes share one fsync
                     p.push_many(tables)
             events += sum(step["rows:" + name] for name in bench_nexmark.nexmark.SCHEMAS)
+            s0, c0 = time.perf_counter(), time.thread_time()
             p.step()
+            ph.add("step() on the calling thread", time.perf_counter() - s0, time.thread_time() - c0)
             seconds += time.perf_counter() - t0
         cpu = time.process_time() - cpu0
+        threads = thread_cpu()
         with ph.lock:  # the timed loop's phases (a background checkpoint still running adds to them: counted)
             phases = {k: list(v) for k, v in ph.t.items()}
         written = {}
@@ -187,7 +205,22 @@ def child(a: dict) -> dict:
         if storage:
             shutil.rmtree(storage, ignore_errors=True)
     return {"query": query, "mode": mode, "events": events, "seconds": seconds, "cpu": cpu, "read_s": read_s,
-            "written": written, "phases": phases, "close_s": close_s}
+            "written": written, "phases": phases, "close_s": close_s, "threads": threads}
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of this process's threads so far, summed by thread name (Linux)."""
+    out: dict[str, float] = collections.defaultdict(float)
+    tick = os.sysconf("SC_CLK_TCK")
+    named = {t.native_id: t.name for t in threading.enumerate()}  # the rest: Arrow's pools, C threads
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            name = named.get(int(tid)) or "other: " + open(f"/proc/self/task/{tid}/comm").read().strip()
+            f = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[re.sub(r"[0-9_-]+$", "", name) or name] += (int(f[11]) + int(f[12])) / tick
+    return dict(out)
 
 
 def nexmark_circuit(query: str):
@@ -225,6 +258,15 @@ def main() -> None:
     ap.add_argument("--reader", choices=["files", "push"], default="files",
                     help="files: a FileSource per stream the query reads (durable: pushes logged by reference); "
                     "push: pyarrow reads and push_many of every stream (rows logged)")
+    ap.add_argument("--source", choices=["parquet", "csv"], default="parquet",
+                    help="the files the FileSources read (csv: the files bench/nexmark.py --peers flink reads)")
+    ap.add_argument("--old", help="a source tree (e.g. `git worktree add --detach /tmp/old main`, built): its "
+                    "dbsp_core runs this script's loop, same reader and source, alternated with this tree's as mode "
+                    "'old-durable' (and 'old-memory' with --old-memory)")
+    ap.add_argument("--old-memory", action="store_true")
+    ap.add_argument("--checkpoint-s", type=float, default=10.0,
+                    help="the durable pipeline's checkpoint_interval (default 10 s, the Pipeline's default; bench/"
+                    "nexmark.py's Flink checkpoints every 1 s)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -233,30 +275,40 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="durable-breakdown-")
     try:
         files, _ = bench_nexmark.write_events(root, args.events, args.batch, 0,
-                                              bench_nexmark.nexmark.generator.DEFAULT_RATE)
+                                              bench_nexmark.nexmark.generator.DEFAULT_RATE, csv=args.source == "csv")
         json.dump(files, open(os.path.join(root, "files.json"), "w"))
         print(f"reader: {args.reader}; {args.events:,} events in {len(files)} steps, W={args.workers}, "
               f"{os.cpu_count()} cores, load average "
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, storage under {root}", flush=True)
         disk = []
         for q in args.queries.split(","):
-            modes = ("memory", "durable") + (("baseline",) if args.baseline else ())
+            modes = (("memory", "durable") + (("baseline",) if args.baseline else ())
+                     + (("old-memory",) if args.old and args.old_memory else ()) + (("old-durable",) if args.old else ()))
             rates: dict = {m: [] for m in modes}
             runs: dict = {m: [] for m in modes}
             for i in range(args.runs):
                 disk.append(disk_bandwidth(root, args.disk_mib))
                 for mode in modes:
-                    base = mode == "baseline"
-                    r = run_child({"root": root, "query": q, "mode": "durable" if base else mode,
+                    base, old = mode == "baseline", mode.startswith("old-")
+                    r = run_child({"root": root, "query": q,
+                                   "mode": "durable" if base else mode[4:] if old else mode,
                                    "workers": args.workers, "one_by_one": args.one_by_one or base,
-                                   "reader": "push" if base else args.reader},
-                                  args.baseline if base else None)
+                                   "reader": "push" if base else args.reader, "source": args.source,
+                                   "checkpoint_s": args.checkpoint_s},
+                                  args.baseline if base else args.old if old else None)
                     rates[mode].append(r["events"] / r["seconds"])
                     runs[mode].append(r)
                     print(f"{q} {mode:>8} run {i + 1}: {r['events'] / r['seconds']:>12,.0f} events/s "
                           f"({r['seconds']:.2f} s, process CPU {r['cpu']:.2f} s)", flush=True)
             for mode in modes[1:]:
                 report(q, mode, rates["memory"], rates[mode], runs[mode], disk)
+            mem = runs["memory"]
+            names = sorted({k for r in mem for k in r.get("threads", {})})
+            print("memory runs: threads' CPU s (process lifetime): " + ", ".join(
+                f"{k} {sum(r.get('threads', {}).get(k, 0.0) for r in mem) / len(mem):.2f}" for k in names))
+            print("memory runs: " + ", ".join(
+                f"{k} {sum(r['phases'].get(k, [0, 0.0])[1] for r in mem) / len(mem):.3f} s wall"
+                for k in sorted({k for r in mem for k in r["phases"]})))
         print(f"\ndisk, sequential write + fsync every 16 MiB, {args.disk_mib} MiB in the bench's directory: "
               f"{spread(disk)} MiB/s over {len(disk)} measurements")
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -280,13 +332,17 @@ def report(q: str, mode: str, mem: list[float], dur: list[float], runs: list[dic
     n = len(runs)
     print(f"| timed loop | - | {sum(r['seconds'] for r in runs) / n:.3f} | {sum(r['cpu'] for r in runs) / n:.3f} "
           f"(process) | - |")
-    print(f"| read parquet (push reader) | - | {sum(r['read_s'] for r in runs) / n:.3f} | - | - |")
+    print(f"| read and push (the polls, or pyarrow and push_many) | - | {sum(r['read_s'] for r in runs) / n:.3f} | - "
+          f"| - |")
     close = sum(r["close_s"] for r in runs) / n
     print(f"| close (final checkpoint; not in the timed loop) | 1 | {close:.3f} | - | - |")
     for k in names:
         rows = [r["phases"].get(k, [0, 0.0, 0.0, 0]) for r in runs]
         print(f"| {k} | {sum(x[0] for x in rows) / n:.0f} | {sum(x[1] for x in rows) / n:.3f} | "
               f"{sum(x[2] for x in rows) / n:.3f} | {sum(x[3] for x in rows) / n / 2**20:.0f} |")
+    names = sorted({k for r in runs for k in r.get("threads", {})})
+    print("threads' CPU s at the loop's end (process lifetime): " + ", ".join(
+        f"{k} {sum(r.get('threads', {}).get(k, 0.0) for r in runs) / n:.2f}" for k in names))
 
 
 if __name__ == "__main__":

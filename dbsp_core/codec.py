@@ -117,9 +117,16 @@ def encode_zset(z: ZSet, magic: bytes = ZSET_MAGIC) -> bytes:
     return b"".join(encode_zset_parts(z, magic))
 
 
-def encode_zset_parts(z: ZSet, magic: bytes = ZSET_MAGIC) -> tuple[bytes, pa.Buffer]:
+REUSE_MAX = 64 << 20  # encode_zset_parts writes a body larger than this into a fresh buffer, not ``into``
+
+
+def encode_zset_parts(z: ZSet, magic: bytes = ZSET_MAGIC,
+                      into: pa.ResizableBuffer | None = None) -> tuple[bytes, pa.Buffer]:
     """:func:`encode_zset` as (header, body) without joining them (the body is Arrow's buffer, not copied), for
-    writers that gather.
+    writers that gather. ``into``: a resizable buffer (``pa.allocate_buffer(0, resizable=True)``) the body is
+    written into and returned as (resized to the body, its capacity kept), so a writer that copies each body away
+    before the next (a log's enqueue) reuses one buffer instead of faulting in a fresh one of the body's size
+    every time; a body over REUSE_MAX goes to a fresh buffer (``into`` never holds more than that).
 
     >>> import pyarrow as pa
     >>> z = ZSet.from_rows([(1,)], pa.schema([("x", pa.int64())]))
@@ -133,7 +140,11 @@ def encode_zset_parts(z: ZSet, magic: bytes = ZSET_MAGIC) -> tuple[bytes, pa.Buf
     mock = pa.MockOutputStream()
     with pa.ipc.new_stream(mock, table.schema) as w:
         w.write_table(table)
-    body = pa.allocate_buffer(mock.size())
+    if into is None or mock.size() > REUSE_MAX:
+        body = pa.allocate_buffer(mock.size())
+    else:
+        into.resize(mock.size(), shrink_to_fit=False)  # keeps its capacity: no new memory once it is big enough
+        body = into
     with pa.ipc.new_stream(pa.FixedSizeBufferWriter(body), table.schema) as w:
         w.write_table(table)
     return frame_head(magic, body), body

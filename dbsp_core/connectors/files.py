@@ -52,7 +52,11 @@ Invariants (enforced here):
      of the source (pyarrow's readers release the GIL), at most ``read_ahead`` files and, as long as they are
      held, at most ``read_ahead_bytes`` (default READ_AHEAD_BYTES; with a pipeline ``memory_limit``, at most
      READ_AHEAD_SHARE of it) counted as each file's size until it is parsed and then as its tables' bytes: a file
-     that would go beyond is read at its turn instead. Only the read moves ahead: every push is still made on
+     that would go beyond is read at its turn instead. Only the read moves ahead (with immutable files on a
+     durable pipeline, invariant 6, the references too, on a second thread of the source beside the read, so
+     the read's chain is not lengthened: each unit's identity is taken before its checksum, and the push checks
+     the identity again at the file's turn, fileref invariant 2, so a file replaced meanwhile is read again at
+     its turn or refused as changed): every push is still made on
      the caller's thread, in name order, at the file's turn, with its ``(producer, seq)`` unchanged, and a
      file's parsed tables are used only if its identity (invariant 3) and producer are still those taken when
      its read began (else it is read again at its turn). A read's error is kept and raised at the file's turn on
@@ -108,6 +112,7 @@ class _Ahead(NamedTuple):
     producer: str
     future: Future
     estimate: int  # its size on disk, the bytes it is counted as until parsed
+    refs: Future | None = None  # with immutable files on a durable pipeline: its units' references (invariant 9)
 
     def held(self) -> int:
         if self.future.done() and not self.future.cancelled() and self.future.exception() is None:
@@ -117,11 +122,13 @@ class _Ahead(NamedTuple):
 
 
 def _shutdown(pool: list, wait: bool = True) -> None:
-    """Stop a source's read-ahead thread (``pool`` is its one-slot holder); with ``wait``, join it. (A source
-    collected without close() stops it without waiting: the collection may happen on that very thread.)"""
-    if pool[0] is not None:
-        pool[0].shutdown(wait=wait, cancel_futures=True)
-        pool[0] = None
+    """Stop a source's read-ahead threads (``pool`` holds their executors: the read's, the references'); with
+    ``wait``, join them. (A source collected without close() stops them without waiting: the collection may
+    happen on one of those very threads.)"""
+    for i, ex in enumerate(pool):
+        if ex is not None:
+            ex.shutdown(wait=wait, cancel_futures=True)
+            pool[i] = None
 
 
 def _signature(where: Location, path: str) -> tuple[int, int, int]:
@@ -246,7 +253,8 @@ class FileSource:
         limit = getattr(pipeline, "memory_limit", None)  # the pipeline's budget (Pipeline.memory_limit)
         self.read_ahead_bytes = min(budget, int(limit * READ_AHEAD_SHARE)) if limit else budget
         self._ahead: deque[_Ahead] = deque()  # files being read ahead, in name order (invariant 9)
-        self._pool: list = [None]  # the read-ahead thread's executor, made at the first read ahead
+        # the read-ahead thread's executor and the references' (made at the first read ahead; invariant 9)
+        self._pool: list = [None, None]
         self._finalizer = weakref.finalize(self, _shutdown, self._pool, False)
         self._done: dict[str, tuple] = {}  # files fully pushed (in this process) -> their signature
         self._bad: dict[str, tuple] = {}  # files skipped or quarantined -> their signature (a new one is read)
@@ -340,7 +348,10 @@ class FileSource:
 
     def _drop(self, n: int) -> None:
         for _ in range(n):
-            self._ahead.popleft().future.cancel()  # a read already begun finishes on its own; its result is dropped
+            a = self._ahead.popleft()
+            a.future.cancel()  # a read already begun finishes on its own; its result is dropped
+            if a.refs is not None:
+                a.refs.cancel()
 
     def _take(self, rel: str) -> _Ahead | None:
         """The read ahead of ``rel`` if it is the next one; reads ahead of files before it (passed over, vanished,
@@ -373,8 +384,13 @@ class FileSource:
                 self._pool[0] = ThreadPoolExecutor(1, thread_name_prefix=f"dbsp-files-{self.handle}")
             producer = self._producer(rel)
             kind = FORMATS[os.path.splitext(rel)[1].lower()]
+            refs = None
+            if self._by_reference():  # beside the read, not before it on its thread (invariant 9)
+                if self._pool[1] is None:
+                    self._pool[1] = ThreadPoolExecutor(1, thread_name_prefix=f"dbsp-files-ref-{self.handle}")
+                refs = self._pool[1].submit(self._references, path, kind, producer)
             self._ahead.append(_Ahead(rel, sig, producer, self._pool[0].submit(self._parse, path, kind, producer),
-                                      sig[1]))
+                                      sig[1], refs))
             held += sig[1]
 
     def _parse(self, path: str, kind: str, producer: str) -> tuple[int, dict[int, pa.Table], int] | None:
@@ -389,6 +405,21 @@ class FileSource:
             return None
         tables = dict(self._read(path, kind, todo, f))
         return units, tables, sum(t.nbytes for t in tables.values())
+
+    def _references(self, path: str, kind: str, producer: str) -> dict[int, tuple[bytes, tuple]]:
+        """On the references' thread, beside the read of the same file: ``{seq: (reference record, identity)}`` of
+        the units not acknowledged (invariant 6), each identity taken before its checksum; the push checks it
+        again at the file's turn (fileref invariant 2). Empty if anything fails: the turn takes them then."""
+        try:
+            units = self._parquet(path).num_row_groups if kind == "parquet" else 1
+            return {seq: reference(path, kind, seq) for seq in range(units)
+                    if not self.pipeline.acknowledged(producer, seq)}
+        except Exception:  # a vanished or bad file, a pipeline closed meanwhile: the file's turn decides
+            return {}
+
+    def _by_reference(self) -> bool:
+        """Whether pushes are logged by reference to the files (invariant 6)."""
+        return self.immutable_files and self.pipeline.storage is not None
 
     def _rewritten(self, rel: str, sig: tuple) -> None:
         self._done[rel] = sig  # warn once per rewrite
@@ -459,6 +490,9 @@ class FileSource:
             self.stats["skipped"] += units - len(todo)
             if not todo:
                 return 0
+            # references taken ahead (invariant 9), by seq; none if they failed or were not taken
+            refs = (ahead.refs.result() if got is not None and ahead.refs is not None
+                    and not ahead.refs.cancelled() else {})
             if got is not None and all(seq in got[1] for seq in todo):  # acknowledged ones only grow meanwhile
                 kept = [(seq, got[1][seq]) for seq in todo]
             elif len(todo) == 1:
@@ -482,8 +516,8 @@ class FileSource:
                 raise self._error(path, e, pushed=new) from e
             if item is None:
                 return new
-            new += self._push(producer, *item) if not self.immutable_files else self._push_unit(producer, path, kind,
-                                                                                                  sig, *item)
+            new += self._push(producer, *item) if not self.immutable_files else self._push_unit(
+                producer, path, kind, sig, *item, ahead=refs.get(item[0]))
 
     def _read(self, path: str, kind: str, seqs: list[int],
               f: pq.ParquetFile | None = None) -> Iterator[tuple[int, pa.Table]]:
@@ -507,13 +541,15 @@ class FileSource:
     def _convert(self, table: pa.Table) -> pa.Table:
         return convert(table, self.schema, f"the input {self.handle!r}")
 
-    def _push_unit(self, producer: str, path: str, kind: str, sig: tuple, seq: int, table: pa.Table) -> int:
+    def _push_unit(self, producer: str, path: str, kind: str, sig: tuple, seq: int, table: pa.Table,
+                   ahead: tuple[bytes, tuple] | None = None) -> int:
         """Push one unit logged by reference to the file (invariant 6); ``sig`` is the file's identity before any
-        of it was read, ``table`` its converted rows."""
+        of it was read, ``table`` its converted rows, ``ahead`` the reference and identity the read-ahead took
+        before it read them (None: taken now, after them: the checksum reads the bytes again either way)."""
         what = f"FileSource {self.name!r}"
         if self.pipeline.acknowledged(producer, seq) or self.pipeline.storage is None:  # no reference needed
             return self._push(producer, seq, table)
-        ref, ident = reference(path, kind, seq)
+        ref, ident = ahead if ahead is not None else reference(path, kind, seq)
         if ident != sig:
             raise self._error(path, InputFileError(f"{what}: {path} changed while it was read", path))
         z = unit_zset(table, self.schema, f"the input {self.handle!r}")

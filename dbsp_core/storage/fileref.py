@@ -39,7 +39,10 @@ from dbsp_core.zset import ZSet
 
 __all__ = ["decode_push", "is_reference", "read_unit", "reference", "unit_zset"]
 
-_CHUNK = 4 << 20  # bytes read per pread while checksumming
+# bytes read per pread while checksumming, into one buffer reused for the whole unit: a fresh 4 MiB bytes object
+# per pread cost its page faults and a copy besides the read (4-7 ms of CPU for a 12 MB CSV file, against 1.5 ms
+# this way, of which the CRC-32C itself is 1.1 ms); 256 KiB stays in the L2 cache between the read and the CRC
+_CHUNK = 256 << 10
 
 
 def read_unit(source: Any, kind: str, unit: int, schema: pa.Schema) -> pa.Table:
@@ -103,16 +106,17 @@ def _spans(path: str, kind: str, unit: int, size: int) -> list[tuple[int, int]]:
 
 def _checksum(path: str, spans: list[tuple[int, int]]) -> int:
     crc = 0
+    buf = memoryview(bytearray(_CHUNK))
     fd = os.open(path, os.O_RDONLY)
     try:
         for off, n in spans:
             end = off + n
             while off < end:
-                b = os.pread(fd, min(_CHUNK, end - off), off)
-                if not b:
+                got = os.preadv(fd, [buf[:min(_CHUNK, end - off)]], off)
+                if not got:
                     raise EOFError(f"{path}: ends at byte {off}, before {end}")
-                crc = crc32c(b, crc)
-                off += len(b)
+                crc = crc32c(buf[:got], crc)
+                off += got
     finally:
         os.close(fd)
     return crc

@@ -185,6 +185,9 @@ class OutputLog:
         self.readonly = readonly
         self._lock = threading.Lock()
         self._ticket = 0  # of the newest appended record (flush syncs up to it)
+        # per output, the buffer its change is encoded into, reused under _lock: the log's enqueue copies a record
+        # before write returns (codec.encode_zset_parts ``into``)
+        self._scratch: dict[str, pa.ResizableBuffer] = {}
         self._expect = dict(expect or {})
         self.first = self.last = 0
         if readonly:
@@ -255,7 +258,8 @@ class OutputLog:
     # ---- write ----
 
     def _encode(self, step: int, outputs: dict[str, ZSet], inputs: list, refs: dict | None = None) -> list:
-        """The payload of ``step``'s record as a list of buffers (gathered by the log, not joined here)."""
+        """The payload of ``step``'s record as a list of buffers (gathered by the log, not joined here). Call under
+        ``_lock`` and hand the list to the log at once: an output's buffer is reused by the next call."""
         meta = json.dumps({"step": step, "outputs": self.names, "inputs": inputs}).encode("utf-8")
         chunks: list = [_U32.pack(len(self.names) + 1), _U32.pack(len(meta)), meta]
         for n in self.names:
@@ -265,7 +269,10 @@ class OutputLog:
                 continue
             # a change an operator produced distinct (no equal rows, no zero weight) is stored as it is: sorting it
             # into canonical order costs, and no reader needs it
-            head, blob = encode_zset_parts(outputs[n]._distinct_rows())
+            into = self._scratch.get(n)
+            if into is None:
+                into = self._scratch[n] = pa.allocate_buffer(0, resizable=True)
+            head, blob = encode_zset_parts(outputs[n]._distinct_rows(), into=into)
             chunks += [_U32.pack(len(head) + blob.size), head, blob]
         return chunks
 

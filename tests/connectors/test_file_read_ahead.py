@@ -219,6 +219,111 @@ def test_read_ahead_is_bounded_by_bytes_and_the_memory_limit(tmp_path) -> None:
     p.close()
 
 
+def _refs_logged(storage: str) -> dict[str, int]:
+    """``{file name: CRC-32C}`` of the reference records in a pipeline's input log (one per unit; the last wins)."""
+    from dbsp_core.codec import decode_json
+    from dbsp_core.storage.formats import FILE_REF_MAGIC
+    from dbsp_core.storage.steplog import StepLog
+
+    out = {}
+    with StepLog(os.path.join(storage, "input"), readonly=True) as log:
+        for r in log.iter_from(0):
+            if bytes(r.payload[:4]) == FILE_REF_MAGIC:
+                ref = decode_json(FILE_REF_MAGIC, r.payload, "test")
+                out[f"{os.path.basename(ref['path'])}#{ref['unit']}"] = ref["crc32c"]
+    return out
+
+
+def test_references_are_taken_ahead_and_are_those_taken_at_the_turn(tmp_path, monkeypatch) -> None:
+    """With immutable files, a file read ahead has its references (the checksum of its units' bytes) taken on a
+    thread of the source too (beside the read), not at its turn on the caller's; the input log then holds the same references as with
+    ``read_ahead=0``, and a reopen without a checkpoint replays the same rows from the files. (Before the change
+    every reference was taken at the file's turn, on the caller's thread: the first assertion failed.)"""
+    rng = random.Random(SEED)
+    d = tmp_path / "in"
+    names, model = _inbox(d, rng, 6)
+    where: dict = {}
+    real = files_mod.reference
+
+    def spy(path, kind, unit):
+        where.setdefault(os.path.basename(path), threading.current_thread().name)
+        return real(path, kind, unit)
+
+    monkeypatch.setattr(files_mod, "reference", spy)
+    logged = {}
+    for ahead in (2, 0):
+        store = str(tmp_path / f"pipe{ahead}")
+        p = dbsp.Pipeline(circuit(), storage=store, checkpoint_interval=None)
+        with FileSource(p, "t", d, name="src", read_ahead=ahead, immutable_files=True) as src:
+            for _ in names:
+                src.poll(max_files=1)
+                p.step()
+        assert _integral(p) == model, WHY
+        p.close(checkpoint=False)
+        logged[ahead] = _refs_logged(store)
+        q = dbsp.Pipeline.open(store, circuit(), checkpoint_interval=None)
+        assert _integral(q) == model and q.stats["replayed_steps"] == len(names), WHY
+        q.close()
+        if ahead:
+            assert all(where[n].startswith("dbsp-files-") for n in names[1:]), f"{WHY}: {where}"
+            where.clear()
+    assert logged[2] == logged[0] and len(logged[0]) >= len(names), f"{WHY}: {logged}"
+
+
+def test_a_file_replaced_after_its_reference_was_taken_ahead_is_never_logged_by_the_old_checksum(
+        tmp_path, monkeypatch) -> None:
+    """A file that breaks its promise: replaced (other rows, a new inode) on the source's references thread right
+    after its reference was taken there, while or before its rows are read ahead. The source must not log the new
+    rows under the old
+    checksum: the identity differs at the file's turn, so it reads the file again there (or, if the replacement
+    came after the turn's identity was taken, refuses the push as changed while read, and the next poll pushes it),
+    the pipeline holds the new rows, and a reopen without a checkpoint replays them from the file without a
+    RecoveryError. (Watched fail with the poll's and the push's identity checks removed: RecoveryError at the
+    reopen, the file's size differed from the reference's.)"""
+    rng = random.Random(SEED + 1)
+    d = tmp_path / "in"
+    d.mkdir()
+    files = {f"f{i}" + rng.choice([".parquet", ".csv", ".jsonl"]): _rows(rng) for i in range(5)}
+    for name, rows in files.items():
+        _write(str(d / name), rows, rng)
+    names = sorted(files)
+    victim = names[2]
+    new_rows = _rows(rng, 30)
+    real = files_mod.reference
+    replaced: list = []
+
+    def reference_then_replace(path, kind, unit):
+        got = real(path, kind, unit)
+        if (os.path.basename(path) == victim and not replaced
+                and threading.current_thread().name.startswith("dbsp-files-")):
+            time.sleep(0.01)  # a new modification time even on a coarse clock
+            _write(str(d / victim), new_rows, rng)  # a new inode and size
+            replaced.append(victim)
+        return got
+
+    monkeypatch.setattr(files_mod, "reference", reference_then_replace)
+    store = str(tmp_path / "pipe")
+    p = dbsp.Pipeline(circuit(), storage=store, checkpoint_interval=None)
+    refused = []
+    with FileSource(p, "t", d, name="src", read_ahead=2, immutable_files=True) as src:
+        while src.pending():
+            try:
+                src.poll(max_files=1)
+            except InputFileError as e:  # replaced while its rows were read ahead: refused at its turn, retried
+                assert victim in str(e) and "changed" in str(e), f"{WHY}: {e}"
+                refused.append(victim)
+            p.step()
+    assert replaced, f"{WHY}: the file was not replaced while read ahead"
+    assert len(refused) <= 1 and _refs_logged(store).keys() >= {f"{victim}#0"}, f"{WHY}: {refused}"
+    model = collections.Counter(r for name in names for r in (new_rows if name == victim else files[name]))
+    assert _integral(p) == +model, f"{WHY}: the pipeline does not hold the replaced file's new rows"
+    steps = p.steps
+    p.close(checkpoint=False)
+    q = dbsp.Pipeline.open(store, circuit(), checkpoint_interval=None)  # RecoveryError if logged by the old CRC
+    assert _integral(q) == +model and q.stats["replayed_steps"] == steps, WHY
+    q.close()
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_two_sources_reading_ahead_beside_threads_that_push_step_and_checkpoint(tmp_path, monkeypatch, workers) -> None:
     """Two sources, each polled on its own thread while files keep appearing, each with its read-ahead thread, beside
