@@ -141,6 +141,20 @@ class _Sampler:
                 "malloc_mapped": mapped, "region_cache": _zset.cached_bytes()[1], "stack": stack}
 
 
+def _io() -> dict:
+    """This process's /proc/self/io counters (bytes it caused to be written to storage, and those cancelled by a
+    truncate or unlink before write-back)."""
+    out = {}
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                k, v = line.split(":")
+                out[k] = int(v)
+    except OSError:
+        pass
+    return out
+
+
 def child(query: str, events: int, batch: int, limit: int | None, seed: int, breakdown: bool = False) -> dict:
     import dbsp_core as dbsp
     from dbsp_core import nexmark
@@ -152,6 +166,7 @@ def child(query: str, events: int, batch: int, limit: int | None, seed: int, bre
     ex = EmbeddedExecutor(background_merge=False)
     p = dbsp.Pipeline(nexmark.circuit(query), executor=ex, memory_limit=limit)
     base = rss_bytes() or 0
+    io0 = _io()
     sampler = _Sampler(ex) if breakdown else None
     seconds, cpu, peak_state, peak_budgeted, steps = 0.0, 0.0, 0, 0, 0
     try:
@@ -173,6 +188,9 @@ def child(query: str, events: int, batch: int, limit: int | None, seed: int, bre
         out = {"query": query, "events": events, "steps": steps, "seconds": seconds, "cpu_seconds": cpu, "limit": limit,
                "base_rss": base, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                "peak_state": peak_state, "peak_budgeted": peak_budgeted}
+        io1 = _io()
+        out["io_write_bytes"] = io1.get("write_bytes", 0) - io0.get("write_bytes", 0)
+        out["io_cancelled_bytes"] = io1.get("cancelled_write_bytes", 0) - io0.get("cancelled_write_bytes", 0)
         if sampler is not None:
             sampler.stop = True
             sampler.thread.join()
@@ -237,7 +255,8 @@ def main() -> int:
               f"{lim['peak_rss'] / MIB:,.0f} MiB (baseline {lim['base_rss'] / MIB:,.0f}; over the limit "
               f"{(lim['peak_rss'] - limit) / MIB:,.0f}), budgeted peak {lim['peak_budgeted'] / MIB:,.1f} MiB, "
               f"on disk {lim.get('disk', 0) / MIB:,.0f} MiB, written {lim.get('bytes_written', 0) / MIB:,.0f} MiB "
-              f"in {lim.get('files_written', 0)} files, {lim.get('merges_on_disk', 0)} merges on disk; load "
+              f"in {lim.get('files_written', 0)} files, {lim.get('merges_on_disk', 0)} merges on disk; process wrote "
+              f"{lim.get('io_write_bytes', 0) / MIB:,.0f} MiB (cancelled {lim.get('io_cancelled_bytes', 0) / MIB:,.0f}); load "
               f"{os.getloadavg()[0]:.2f}", flush=True)
         _print_breakdown({"unlimited": free, "limited": lim})
     print(json.dumps(rows))
