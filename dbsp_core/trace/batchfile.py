@@ -13,7 +13,10 @@ Format (version 1, ``BATCH_FILE_MAGIC``; listed in dbsp_core/storage/formats.py)
                      ``__dbsp_key_hash`` (uint64, ascending) and, when the batch keeps row hashes apart from its
                      key hashes, ``__dbsp_row_hash`` (uint64); schema metadata ``dbsp.key`` (JSON list of key
                      columns) and ``dbsp.row_hash`` ("0", "1": a column, "key": the key hashes are the row hashes).
-                     No compression: every buffer is 8-byte aligned and read in place through mmap(2) or pread(2)
+                     No compression: every buffer is 8-byte aligned and read in place through mmap(2) or pread(2).
+                     The body's buffers follow one another, or, in a file made in place from a merge's scratch file
+                     (invariant 7), lie where the merge wrote them, page-aligned, with room between them (the
+                     metadata's buffer offsets say where; any Arrow reader reads it so)
     [.., +8F)        fence: every 64th key hash (csrc/lookup.h's fence), so a seek needs no scan of the key hashes
     [.., +8B)        Bloom filter: B u64 words (a power of two), blocked: K bits in one word per key hash
                      (``bloom_build``)
@@ -61,6 +64,19 @@ Invariants (enforced here; checked by :func:`verify`):
      The bytes written are the same; only the cuts between the VFS's pwrites move. A piece read from a mapping whose
      pages were dropped (a merge built on disk, ``drop``) is mapped first (:func:`_touch`): the kernel's copy from
      pages not mapped comes up short and it retries in smaller folios.
+  7. A merge output built on disk becomes its batch file in place (:func:`write_in_place`, spill.py ``IN_PLACE``):
+     the merge wrote its columns into a scratch file (``merge-*.tmp`` in the store's directory, named until its
+     mapping goes) from :func:`in_place_room` bytes on; the Arrow IPC writer is run over the batch to a sink that
+     records its metadata and the addresses of the buffers it hands over in place (nothing of the rows is copied),
+     the record batch's buffer offsets and body length are moved to where the merge put each buffer (the flatbuffer
+     fields, found by their vtables; any buffer not in the scratch mapping, or a byte of the body the writer made
+     itself, and the file is written by :func:`write_batch` instead), and then, by pwrite(2) on the scratch file:
+     the metadata before the rows, the Arrow footer, fence, filter and page CRCs after them (the CRCs read the
+     rows back through a mapping, a piece at a time), the header, the footer; the room the output did not fill is
+     given back (a hole) before the CRCs read it; fsync, rename to the batch file's name, fsync of the directory,
+     as in invariant 1 (a crash before the rename leaves a ``merge-*.tmp``, which an open sweeps). The rows are
+     written once, by the merge; the spill writes O(metadata + sections). The same format, checksums and
+     checks; posix VFS only (the fault VFS's crash tests keep the copy, whose operations they number).
 """
 
 from __future__ import annotations

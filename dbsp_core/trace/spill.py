@@ -32,8 +32,11 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      rows (levels.py ``_Merge.step``) the pages it wrote and the pages it read of spilled inputs leave the process
      (madvise: the written ones stay the file's, in the page cache, which writes them back). When it finishes, the
      output is spilled (:meth:`BatchStore.spill_output`) at the end of the insert's merge work (levels.py
-     ``Trace._work``), its batch file streamed from the scratch mapping a piece at a time (batchfile.py
-     ``write_batch``), so neither the merge nor its spill holds the output in memory; an output that a merge of
+     ``Trace._work``): under the posix VFS (``IN_PLACE``) the scratch file, which the merge built with room for
+     the batch file's header and Arrow metadata before its rows (:meth:`BatchStore.merge_room`), becomes the batch
+     file in place, its rows never copied (batchfile.py invariant 7); else its batch file is streamed from the
+     scratch mapping a piece at a time (batchfile.py ``write_batch``); so neither the merge nor its spill holds the
+     output in memory; an output that a merge of
      the level above took in and finished within the same work (a big step's merges cascade up the levels) is
      never written (``outputs_never_written``). A merge in memory's output written so far counts in the budget
      (``merge_bytes``); a smaller output is spilled, if need be, by a later ``enforce``. A file is deleted when its batch object is gone (merged
