@@ -139,6 +139,9 @@ for _ in range(63):
     _X2N.append(_gf2_mulmod(_X2N[-1], _X2N[-1]))
 
 
+COMBINE_IN_C = True  # crc_combine in C (csrc/crc32c.h; False: the Python below, which tests compare it with)
+
+
 def crc_combine(crc1: int, crc2: int, len2: int) -> int:
     """The CRC-32C of ``A + B`` from ``crc1`` of A, ``crc2`` of B and ``len(B)`` (zlib's crc32_combine, for the
     Castagnoli polynomial): no byte is read again. ``crc_combine(_crc(a), _crc(b), len(b)) == _crc(a + b)``.
@@ -147,6 +150,10 @@ def crc_combine(crc1: int, crc2: int, len2: int) -> int:
     >>> crc_combine(_crc(a), _crc(b), len(b)) == _crc(a + b)
     True
     """
+    from dbsp_core import _storage
+
+    if COMBINE_IN_C:
+        return _storage.crc32c_combine(crc1, crc2, len2)
     p, n, k = 1 << 31, len2, 3  # x^(8 len2): the shift of crc1 past B's bits
     while n:
         if n & 1:
@@ -181,9 +188,14 @@ def bloom_build(hashes: np.ndarray, k: int = BLOOM_K) -> np.ndarray:
     >>> bool(bloom_may_contain(f, np.array([2], dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))[0])
     True
     """
+    from dbsp_core import _storage
+
     n = max(1, len(hashes))
     words = min(1 << 28, 1 << max(0, (n * BLOOM_BITS_PER_KEY + 63) // 64 - 1).bit_length())
     f = np.zeros(words, dtype=np.uint64)
+    if BLOOM_IN_C:  # one pass in C (csrc/bloom.h), bit for bit the pieces below
+        _storage.bloom_build(np.ascontiguousarray(hashes, dtype=np.uint64), f, k)
+        return f
     last = -1  # the word of the previous piece's last hash
     for lo in range(0, len(hashes), BLOOM_CHUNK):  # a piece at a time: the temporaries (~40 B a hash) stay a
         word, mask = _bloom_parts(hashes[lo:lo + BLOOM_CHUNK], words, k)  # piece's, not the batch's
@@ -193,6 +205,9 @@ def bloom_build(hashes: np.ndarray, k: int = BLOOM_K) -> np.ndarray:
         f[word[starts]] |= np.bitwise_or.reduceat(mask, starts)  # a word may span two pieces: or, not set
         last = int(word[-1])
     return f
+
+
+BLOOM_IN_C = True  # bloom_build in one C pass (False: the numpy pieces; tests compare the two)
 
 
 def bloom_may_contain(f: np.ndarray, hashes: np.ndarray, k: int = BLOOM_K) -> np.ndarray:
@@ -678,6 +693,8 @@ _LIBC: Any = None
 def _page_crcs(fd: int, at: int, n: int) -> tuple[list[int], int]:
     """The CRC-32C of each ``PAGE`` of the ``n`` bytes at file offset ``at`` of ``fd``, and of all of them, read
     through a mapping a ``STREAM_CHUNK`` at a time whose pages leave the process after each."""
+    from dbsp_core import _storage
+
     crcs: list[int] = []
     whole = 0
     lo = at - at % mmap.ALLOCATIONGRANULARITY
@@ -685,11 +702,11 @@ def _page_crcs(fd: int, at: int, n: int) -> tuple[list[int], int]:
     try:
         mv = memoryview(m)
         try:
-            for i in range(0, n, STREAM_CHUNK):
+            for i in range(0, n, STREAM_CHUNK):  # (STREAM_CHUNK is a multiple of PAGE)
                 piece = mv[at - lo + i:at - lo + min(n, i + STREAM_CHUNK)]
-                whole = _crc(piece, whole)
-                for j in range(0, len(piece), PAGE):
-                    crcs.append(_crc(piece[j:j + PAGE]))
+                out = np.empty(-(-len(piece) // PAGE), dtype=np.uint32)
+                whole = crc_combine(whole, _storage.crc32c_pages(piece, PAGE, out), len(piece))
+                crcs.extend(out.tolist())
                 piece.release()
                 m.madvise(mmap.MADV_DONTNEED)  # what this piece read leaves the process (spill.py invariant 12)
         finally:
