@@ -10,7 +10,8 @@ the child in ``--batch``-event steps (generation untimed; push + step timed):
 
 Printed and returned per run: events/s, the CPU seconds of push + step (process_time: every thread, user and
 system; on a loaded machine they move less than the wall time, so their ratio is printed too), peak RSS
-(ru_maxrss), the RSS before the first push (interpreter, imports, the circuit: the baseline), the peak of the batches kept in memory plus the spilled files' fences and filters (the
+(ru_maxrss), the bytes the process wrote for the disk and those cancelled before write-back (/proc/self/io
+write_bytes, cancelled_write_bytes: files deleted before the kernel wrote them), the RSS before the first push (interpreter, imports, the circuit: the baseline), the peak of the batches kept in memory plus the spilled files' fences and filters (the
 budget's own accounting, sampled after each step), bytes on disk at the end, files written. The overhead stated
 is peak RSS - limit: what the budget does not bound (baseline, the step's input and output batches, key indexes,
 merge outputs being built, allocator slack).
