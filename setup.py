@@ -38,7 +38,7 @@ if sanitize:
     ldflags += ["-fsanitize=address,undefined"]
 
 # the storage engine's C files (page store, step log, small files, their VFS, status and checksum): _storage's
-STORAGE = ["csrc/crc32c.c", "csrc/pagestore.c", "csrc/smallfile.c", "csrc/steplog.c", "csrc/storage_status.c",
+STORAGE = ["csrc/bloom.c", "csrc/crc32c.c", "csrc/pagestore.c", "csrc/smallfile.c", "csrc/steplog.c", "csrc/storage_status.c",
            "csrc/vfs.c"]
 csources = {
     "storage": STORAGE,

@@ -10,7 +10,8 @@ the child in ``--batch``-event steps (generation untimed; push + step timed):
 
 Printed and returned per run: events/s, the CPU seconds of push + step (process_time: every thread, user and
 system; on a loaded machine they move less than the wall time, so their ratio is printed too), peak RSS
-(ru_maxrss), the RSS before the first push (interpreter, imports, the circuit: the baseline), the peak of the batches kept in memory plus the spilled files' fences and filters (the
+(ru_maxrss), the bytes the process wrote for the disk and those cancelled before write-back (/proc/self/io
+write_bytes, cancelled_write_bytes: files deleted before the kernel wrote them), the RSS before the first push (interpreter, imports, the circuit: the baseline), the peak of the batches kept in memory plus the spilled files' fences and filters (the
 budget's own accounting, sampled after each step), bytes on disk at the end, files written. The overhead stated
 is peak RSS - limit: what the budget does not bound (baseline, the step's input and output batches, key indexes,
 merge outputs being built, allocator slack).
@@ -141,6 +142,20 @@ class _Sampler:
                 "malloc_mapped": mapped, "region_cache": _zset.cached_bytes()[1], "stack": stack}
 
 
+def _io() -> dict:
+    """This process's /proc/self/io counters (bytes it caused to be written to storage, and those cancelled by a
+    truncate or unlink before write-back)."""
+    out = {}
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                k, v = line.split(":")
+                out[k] = int(v)
+    except OSError:
+        pass
+    return out
+
+
 def child(query: str, events: int, batch: int, limit: int | None, seed: int, breakdown: bool = False) -> dict:
     import dbsp_core as dbsp
     from dbsp_core import nexmark
@@ -152,6 +167,7 @@ def child(query: str, events: int, batch: int, limit: int | None, seed: int, bre
     ex = EmbeddedExecutor(background_merge=False)
     p = dbsp.Pipeline(nexmark.circuit(query), executor=ex, memory_limit=limit)
     base = rss_bytes() or 0
+    io0 = _io()
     sampler = _Sampler(ex) if breakdown else None
     seconds, cpu, peak_state, peak_budgeted, steps = 0.0, 0.0, 0, 0, 0
     try:
@@ -173,6 +189,9 @@ def child(query: str, events: int, batch: int, limit: int | None, seed: int, bre
         out = {"query": query, "events": events, "steps": steps, "seconds": seconds, "cpu_seconds": cpu, "limit": limit,
                "base_rss": base, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                "peak_state": peak_state, "peak_budgeted": peak_budgeted}
+        io1 = _io()
+        out["io_write_bytes"] = io1.get("write_bytes", 0) - io0.get("write_bytes", 0)
+        out["io_cancelled_bytes"] = io1.get("cancelled_write_bytes", 0) - io0.get("cancelled_write_bytes", 0)
         if sampler is not None:
             sampler.stop = True
             sampler.thread.join()
@@ -237,7 +256,8 @@ def main() -> int:
               f"{lim['peak_rss'] / MIB:,.0f} MiB (baseline {lim['base_rss'] / MIB:,.0f}; over the limit "
               f"{(lim['peak_rss'] - limit) / MIB:,.0f}), budgeted peak {lim['peak_budgeted'] / MIB:,.1f} MiB, "
               f"on disk {lim.get('disk', 0) / MIB:,.0f} MiB, written {lim.get('bytes_written', 0) / MIB:,.0f} MiB "
-              f"in {lim.get('files_written', 0)} files, {lim.get('merges_on_disk', 0)} merges on disk; load "
+              f"in {lim.get('files_written', 0)} files, {lim.get('merges_on_disk', 0)} merges on disk; process wrote "
+              f"{lim.get('io_write_bytes', 0) / MIB:,.0f} MiB (cancelled {lim.get('io_cancelled_bytes', 0) / MIB:,.0f}); load "
               f"{os.getloadavg()[0]:.2f}", flush=True)
         _print_breakdown({"unlimited": free, "limited": lim})
     print(json.dumps(rows))

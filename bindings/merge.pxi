@@ -11,7 +11,11 @@ cdef class MergeCursor:
     With `spill_dir` the output buffers are a shared mapping of a scratch file created there (and unlinked at once):
     rows a step writes are the file's pages, so :meth:`drop` returns them from the process to the kernel's page
     cache (which writes them back) without losing them, and a merge bigger than a memory budget holds only the
-    rows written since the last drop (trace invariant 12). ``result()`` then reads the same mapping in place."""
+    rows written since the last drop (trace invariant 12). ``result()`` then reads the same mapping in place.
+    With ``prefix`` > 0 as well, the regions start ``prefix`` bytes into the file (page-aligned), and the file keeps
+    its name (``scratch_path``) until its mapping is gone: the output can then become a batch file in place
+    (dbsp_core/trace/batchfile.py ``write_in_place``: the header and Arrow metadata in the prefix, the sections
+    after the rows), which :meth:`adopt_scratch` takes over; a file not adopted is unlinked with its mapping."""
     cdef BatchView a
     cdef BatchView b
     cdef object arh_ref
@@ -27,6 +31,7 @@ cdef class MergeCursor:
     cdef Region rh
     cdef readonly object schema
     cdef readonly object mapping  # the scratch file's mapping of a file-backed output, else None
+    cdef object _scratch  # [path] of a named scratch file (``prefix``), None once adopted; else None
     cdef bint finished
 
     def __cinit__(self):
@@ -37,7 +42,7 @@ cdef class MergeCursor:
     def __dealloc__(self):
         free(self.out)
 
-    def __init__(self, a, b, keys, arh=None, brh=None, bint row_hashes=False, spill_dir=None):
+    def __init__(self, a, b, keys, arh=None, brh=None, bint row_hashes=False, spill_dir=None, int64_t prefix=0):
         cdef const uint64_t[::1] av
         cdef const uint64_t[::1] bv
         cdef int32_t c, ncols
@@ -78,7 +83,7 @@ cdef class MergeCursor:
             dbsp_merge_cursor_sizes(&self.a.cols[c], self.a.c.nrows, &self.b.cols[c], self.b.c.nrows, &nv, &nx, &nd)
             sizes.append((nv, nx, nd if self.a.cols[c].type in (DBSP_UTF8, DBSP_LARGE_UTF8, DBSP_BINARY,
                                                                 DBSP_LARGE_BINARY) else -1))
-        alloc = new_region if spill_dir is None else self._file_regions(spill_dir, sizes, cap, row_hashes)
+        alloc = new_region if spill_dir is None else self._file_regions(spill_dir, sizes, cap, row_hashes, prefix)
         for c in range(ncols):
             nv, nx, nd = sizes[c]
             rv = alloc(nv) if nv else None
@@ -95,20 +100,26 @@ cdef class MergeCursor:
         check_status(st, "merge")
         self.finished = False
 
-    def _file_regions(self, spill_dir, sizes, int64_t cap, bint row_hashes):
+    def _file_regions(self, spill_dir, sizes, int64_t cap, bint row_hashes, int64_t prefix=0):
         """An allocator of the output's regions, in the order __init__ asks for them, from one shared mapping of a
-        scratch file in `spill_dir` sized for all of them (each region page-aligned)."""
+        scratch file in `spill_dir` sized for all of them (each region page-aligned), from ``prefix`` bytes on (a
+        page multiple; > 0: the file keeps its name, see the class)."""
         import mmap as _mmap
         import tempfile
+        import weakref
         page = _mmap.PAGESIZE
+        prefix = (prefix + page - 1) // page * page
         want = []
         for nv, nx, nd in sizes:
             want += ([nv] if nv else []) + [nx] + ([nd] if nd >= 0 else [])
         want += [cap * 8, cap * 8] + ([cap * 8] if row_hashes else [])
-        total = sum((max(n, 1) + page - 1) // page * page for n in want)
+        total = prefix + sum((max(n, 1) + page - 1) // page * page for n in want)
         fd, path = tempfile.mkstemp(prefix="merge-", suffix=".tmp", dir=spill_dir)
         try:
-            os.unlink(path)  # nobody needs the file once the mapping goes: the kernel frees its pages then
+            if prefix == 0:
+                os.unlink(path)  # nobody needs the file once the mapping goes: the kernel frees its pages then
+            else:
+                self._scratch = [path]
             os.ftruncate(fd, total)
             try:  # blocks reserved now: a full disk is an error here, not a SIGBUS when a step writes a page
                 os.posix_fallocate(fd, 0, total)
@@ -120,15 +131,35 @@ cdef class MergeCursor:
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
                     raise
             self.mapping = _mmap.mmap(fd, total, flags=_mmap.MAP_SHARED, prot=_mmap.PROT_READ | _mmap.PROT_WRITE)
+            if self._scratch is not None:  # unlinked with its mapping unless adopted (a crash leaves it: swept)
+                weakref.finalize(self.mapping, _unlink_scratch, self._scratch)
+        except BaseException:
+            if self._scratch is not None:
+                _unlink_scratch(self._scratch)
+            raise
         finally:
             os.close(fd)
-        offset = [0]
+        offset = [prefix]
 
         def alloc(n):
             r = file_region(self.mapping, offset[0], n)
             offset[0] += (max(n, 1) + page - 1) // page * page
             return r
         return alloc
+
+    @property
+    def scratch_path(self):
+        """The path of the named scratch file the output is built in (``prefix`` > 0), None otherwise or once
+        adopted."""
+        return self._scratch[0] if self._scratch is not None else None
+
+    def adopt_scratch(self):
+        """Take over the named scratch file (it is no longer unlinked with the mapping): returns its path."""
+        path = self.scratch_path
+        if path is None:
+            raise ValueError("MergeCursor.adopt_scratch: no named scratch file")
+        self._scratch[0] = None
+        return path
 
     def drop(self):
         """Return the pages of a file-backed output written so far from the process to the page cache (they stay
@@ -260,3 +291,13 @@ cdef class MergeCursor:
         kh = np.frombuffer(self.kh, dtype=np.uint64, count=n)
         rh = np.frombuffer(self.rh, dtype=np.uint64, count=n) if self.rh is not None else None
         return table, w, kh, rh
+
+
+def _unlink_scratch(holder):
+    """Unlink a named scratch file not adopted (MergeCursor ``prefix``), quietly (gone already: nothing to do)."""
+    path, holder[0] = holder[0], None
+    if path is not None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

@@ -24,6 +24,11 @@ cdef extern from "storage_status.h" nogil:
 cdef extern from "crc32c.h" nogil:
     unsigned int dbsp_crc32c(unsigned int crc, const void *data, size_t len)
     unsigned int dbsp_crc32c_portable(unsigned int crc, const void *data, size_t len)
+    unsigned int dbsp_crc32c_combine(unsigned int crc_a, unsigned int crc_b, uint64_t len_b)
+    unsigned int dbsp_crc32c_pages(unsigned int crc, const void *data, size_t len, size_t page, unsigned int *out)
+
+cdef extern from "bloom.h" nogil:
+    int dbsp_bloom_build(const uint64_t *hashes, size_t n, uint64_t *words, size_t nwords, int k)
 
 cdef extern from "vfs.h" nogil:
     ctypedef struct DbspVfs:

@@ -163,6 +163,37 @@ def advise_pages(mapping, const int64_t[::1] first, const int64_t[::1] count, si
     return done
 
 
+def crc32c_pages(data, size_t page, unsigned int[::1] out, unsigned int crc=0):
+    """The CRC-32C of each ``page``-byte page of a bytes-like object into ``out`` (uint32, one per page, the last may
+    be short), in one pass without the GIL; returns the CRC-32C of all of it continuing from ``crc``."""
+    cdef const unsigned char[::1] view = memoryview(data).cast("B")
+    cdef size_t n = view.shape[0]
+    cdef const unsigned char *p = &view[0] if n else NULL
+    if page == 0 or <size_t>out.shape[0] < (n + page - 1) // page:
+        raise ValueError(f"crc32c_pages: {out.shape[0]} slots for {n} bytes in pages of {page}")
+    with nogil:
+        crc = dbsp_crc32c_pages(crc, p, n, page, &out[0] if out.shape[0] else NULL)
+    return crc
+
+
+def crc32c_combine(unsigned int crc_a, unsigned int crc_b, uint64_t len_b):
+    """The CRC-32C of A + B from A's, B's and len(B)."""
+    return dbsp_crc32c_combine(crc_a, crc_b, len_b)
+
+
+def bloom_build(const uint64_t[::1] hashes, uint64_t[::1] words, int k):
+    """Set the ``k`` bits of each key hash (ascending) in the blocked Bloom filter ``words`` (bloom.h), without the GIL;
+    ValueError when the hashes do not ascend."""
+    cdef size_t n = hashes.shape[0], nw = words.shape[0]
+    cdef int st
+    if nw == 0 or (nw & (nw - 1)):
+        raise ValueError(f"bloom_build: {nw} words, not a power of two")
+    with nogil:
+        st = dbsp_bloom_build(&hashes[0] if n else NULL, n, &words[0], nw, k)
+    if st:
+        raise ValueError("bloom_build: key hashes must ascend")
+
+
 def crc32c_portable(data, unsigned int crc=0):
     """The same CRC-32C by the portable slicing-by-8 code only (for tests against the hardware path)."""
     cdef const unsigned char[::1] view = memoryview(data).cast("B")

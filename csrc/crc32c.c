@@ -83,3 +83,47 @@ uint32_t dbsp_crc32c_portable(uint32_t crc, const void *data, size_t len) {
     while (len--) c = crc_table[0][(c ^ *p++) & 0xff] ^ (c >> 8);
     return ~c;
 }
+
+/* a * b modulo the polynomial, both reflected (zlib's multmodp) */
+static uint32_t multmodp(uint32_t a, uint32_t b) {
+    uint32_t m = (uint32_t)1 << 31, p = 0;
+    for (;;) {
+        if (a & m) {
+            p ^= b;
+            if ((a & (m - 1)) == 0) break;
+        }
+        m >>= 1;
+        b = (b & 1) ? (b >> 1) ^ 0x82F63B78u : b >> 1;
+    }
+    return p;
+}
+
+/* x^(8 n) modulo the polynomial: the shift of a CRC past n bytes */
+static uint32_t shift_bytes(uint64_t n) {
+    uint32_t x2k = (uint32_t)1 << 30, p = (uint32_t)1 << 31; /* x^1, x^0 */
+    n <<= 3;
+    while (n) {
+        if (n & 1) p = multmodp(x2k, p);
+        x2k = multmodp(x2k, x2k);
+        n >>= 1;
+    }
+    return p;
+}
+
+uint32_t dbsp_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+    return multmodp(shift_bytes(len_b), crc_a) ^ crc_b;
+}
+
+uint32_t dbsp_crc32c_pages(uint32_t crc, const void *data, size_t len, size_t page, uint32_t *out) {
+    const unsigned char *p = data;
+    uint32_t op = page ? shift_bytes(page) : 0;
+    size_t i = 0;
+    if (page == 0) return dbsp_crc32c(crc, data, len);
+    for (size_t at = 0; at < len; at += page, i++) {
+        size_t n = len - at < page ? len - at : page;
+        uint32_t c = dbsp_crc32c(0, p + at, n);
+        out[i] = c;
+        crc = (n == page ? multmodp(op, crc) : multmodp(shift_bytes(n), crc)) ^ c;
+    }
+    return crc;
+}

@@ -32,8 +32,11 @@ Directory format 2 (``DIRECTORY_FORMAT``)::
                                 named by checkpoints (``DRBF`` values) instead of copying their rows; deleted when
                                 no live batch reads them and no checkpoint that may be opened names them
       spill/merge-<random>.tmp  not a format: the raw output buffers of a merge built on disk (spill.py invariant
-                                12), unlinked as soon as they are mapped; one a crash left is deleted by the next
-                                open's sweep. Its rows reach disk as a batch file (above) when the merge ends
+                                12), unlinked as soon as they are mapped, or (posix VFS) kept, with room for a
+                                batch file's header before the rows, until the merge ends and the file becomes
+                                its batch file in place (renamed: batchfile.py invariant 7) or the merge is
+                                dropped (unlinked); one a crash left is deleted by the next open's sweep. Its
+                                rows reach disk as a batch file (above) when the merge ends
 
 A pipeline whose ``storage=`` is an object store (dbsp_core.storage.remote) runs on a local cache directory of
 the layout above (``cache_dir``, wiped and rebuilt from the store on open; ``.dbsp-cache`` marks it) and keeps

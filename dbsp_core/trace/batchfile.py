@@ -13,7 +13,10 @@ Format (version 1, ``BATCH_FILE_MAGIC``; listed in dbsp_core/storage/formats.py)
                      ``__dbsp_key_hash`` (uint64, ascending) and, when the batch keeps row hashes apart from its
                      key hashes, ``__dbsp_row_hash`` (uint64); schema metadata ``dbsp.key`` (JSON list of key
                      columns) and ``dbsp.row_hash`` ("0", "1": a column, "key": the key hashes are the row hashes).
-                     No compression: every buffer is 8-byte aligned and read in place through mmap(2) or pread(2)
+                     No compression: every buffer is 8-byte aligned and read in place through mmap(2) or pread(2).
+                     The body's buffers follow one another, or, in a file made in place from a merge's scratch file
+                     (invariant 7), lie where the merge wrote them, page-aligned, with room between them (the
+                     metadata's buffer offsets say where; any Arrow reader reads it so)
     [.., +8F)        fence: every 64th key hash (csrc/lookup.h's fence), so a seek needs no scan of the key hashes
     [.., +8B)        Bloom filter: B u64 words (a power of two), blocked: K bits in one word per key hash
                      (``bloom_build``)
@@ -61,10 +64,24 @@ Invariants (enforced here; checked by :func:`verify`):
      The bytes written are the same; only the cuts between the VFS's pwrites move. A piece read from a mapping whose
      pages were dropped (a merge built on disk, ``drop``) is mapped first (:func:`_touch`): the kernel's copy from
      pages not mapped comes up short and it retries in smaller folios.
+  7. A merge output built on disk becomes its batch file in place (:func:`write_in_place`, spill.py ``IN_PLACE``):
+     the merge wrote its columns into a scratch file (``merge-*.tmp`` in the store's directory, named until its
+     mapping goes) from :func:`in_place_room` bytes on; the Arrow IPC writer is run over the batch to a sink that
+     records its metadata and the addresses of the buffers it hands over in place (nothing of the rows is copied),
+     the record batch's buffer offsets and body length are moved to where the merge put each buffer (the flatbuffer
+     fields, found by their vtables; any buffer not in the scratch mapping, or a byte of the body the writer made
+     itself, and the file is written by :func:`write_batch` instead), and then, by pwrite(2) on the scratch file:
+     the metadata before the rows, the Arrow footer, fence, filter and page CRCs after them (the CRCs read the
+     rows back through a mapping, a piece at a time), the header, the footer; the room the output did not fill is
+     given back (a hole) before the CRCs read it; fsync, rename to the batch file's name, fsync of the directory,
+     as in invariant 1 (a crash before the rename leaves a ``merge-*.tmp``, which an open sweeps). The rows are
+     written once, by the merge; the spill writes O(metadata + sections). The same format, checksums and
+     checks; posix VFS only (the fault VFS's crash tests keep the copy, whose operations they number).
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import mmap
@@ -79,7 +96,7 @@ from dbsp_core.errors import CorruptionError, FormatVersionError, StorageError
 from dbsp_core.storage.formats import BATCH_FILE_FOOTER_MAGIC, BATCH_FILE_MAGIC, BATCH_FILE_VERSION
 from dbsp_core.zset import FENCE_STEP
 
-__all__ = ["BatchFile", "write_batch", "open_batch", "verify", "bloom_build", "bloom_may_contain",
+__all__ = ["BatchFile", "write_batch", "write_in_place", "in_place_room", "open_batch", "verify", "bloom_build", "bloom_may_contain",
            "BATCH_FILE_MAGIC", "BATCH_FILE_FOOTER_MAGIC", "BATCH_FILE_VERSION", "PAGE"]
 
 PAGE = 65536  # bytes per page CRC
@@ -122,6 +139,9 @@ for _ in range(63):
     _X2N.append(_gf2_mulmod(_X2N[-1], _X2N[-1]))
 
 
+COMBINE_IN_C = True  # crc_combine in C (csrc/crc32c.h; False: the Python below, which tests compare it with)
+
+
 def crc_combine(crc1: int, crc2: int, len2: int) -> int:
     """The CRC-32C of ``A + B`` from ``crc1`` of A, ``crc2`` of B and ``len(B)`` (zlib's crc32_combine, for the
     Castagnoli polynomial): no byte is read again. ``crc_combine(_crc(a), _crc(b), len(b)) == _crc(a + b)``.
@@ -130,6 +150,10 @@ def crc_combine(crc1: int, crc2: int, len2: int) -> int:
     >>> crc_combine(_crc(a), _crc(b), len(b)) == _crc(a + b)
     True
     """
+    from dbsp_core import _storage
+
+    if COMBINE_IN_C:
+        return _storage.crc32c_combine(crc1, crc2, len2)
     p, n, k = 1 << 31, len2, 3  # x^(8 len2): the shift of crc1 past B's bits
     while n:
         if n & 1:
@@ -164,9 +188,14 @@ def bloom_build(hashes: np.ndarray, k: int = BLOOM_K) -> np.ndarray:
     >>> bool(bloom_may_contain(f, np.array([2], dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))[0])
     True
     """
+    from dbsp_core import _storage
+
     n = max(1, len(hashes))
     words = min(1 << 28, 1 << max(0, (n * BLOOM_BITS_PER_KEY + 63) // 64 - 1).bit_length())
     f = np.zeros(words, dtype=np.uint64)
+    if BLOOM_IN_C:  # one pass in C (csrc/bloom.h), bit for bit the pieces below
+        _storage.bloom_build(np.ascontiguousarray(hashes, dtype=np.uint64), f, k)
+        return f
     last = -1  # the word of the previous piece's last hash
     for lo in range(0, len(hashes), BLOOM_CHUNK):  # a piece at a time: the temporaries (~40 B a hash) stay a
         word, mask = _bloom_parts(hashes[lo:lo + BLOOM_CHUNK], words, k)  # piece's, not the batch's
@@ -176,6 +205,9 @@ def bloom_build(hashes: np.ndarray, k: int = BLOOM_K) -> np.ndarray:
         f[word[starts]] |= np.bitwise_or.reduceat(mask, starts)  # a word may span two pieces: or, not set
         last = int(word[-1])
     return f
+
+
+BLOOM_IN_C = True  # bloom_build in one C pass (False: the numpy pieces; tests compare the two)
 
 
 def bloom_may_contain(f: np.ndarray, hashes: np.ndarray, k: int = BLOOM_K) -> np.ndarray:
@@ -199,6 +231,19 @@ def write_batch(path: str, batch: Any, vfs: str = "posix", sync: bool = True, dr
     stays within a piece of memory. ``sync=False`` (scratch files of a pipeline without storage, which no crash
     needs to find again) skips the two fsyncs. One path for every VFS: the fault-injecting one sees (and can crash)
     each operation production makes."""
+    schema, rb = _record_batch(batch)
+    sizer = pa.MockOutputStream()  # the Arrow file's size, so the sections' offsets are known before it is written
+    with pa.ipc.new_file(sizer, schema) as w:
+        w.write_batch(rb)
+    alen = sizer.size()
+    fence_off, crc_off, end, size, sections, header, footer = _layout(batch, alen)
+    _stream_batch(path, vfs, schema, rb, alen, header, footer, sections, fence_off, crc_off, end, drop, sync)
+    return size
+
+
+def _record_batch(batch: Any) -> tuple[pa.Schema, pa.RecordBatch]:
+    """The Arrow schema and record batch of a batch file's Arrow part (the format above): ``batch``'s data columns,
+    weights, key hashes and the row hashes it keeps apart from them, over its own buffers (no copy)."""
     z = batch.zset
     data = z.data.combine_chunks()
     kh = np.ascontiguousarray(batch.key_hash, dtype=np.uint64)
@@ -210,11 +255,14 @@ def write_batch(path: str, batch: Any, vfs: str = "posix", sync: bool = True, dr
         cols.append(pa.array(np.ascontiguousarray(rh, dtype=np.uint64)))
         fields.append(pa.field(ROW_HASH_COL, pa.uint64(), False))
     schema = pa.schema(fields, metadata={b"dbsp.key": json.dumps(list(batch.key)).encode(), b"dbsp.row_hash": rh_mode.encode()})
-    rb = pa.RecordBatch.from_arrays([_one_chunk(c) for c in cols], schema=schema)
-    sizer = pa.MockOutputStream()  # the Arrow file's size, so the sections' offsets are known before it is written
-    with pa.ipc.new_file(sizer, schema) as w:
-        w.write_batch(rb)
-    alen = sizer.size()
+    return schema, pa.RecordBatch.from_arrays([_one_chunk(c) for c in cols], schema=schema)
+
+
+def _layout(batch: Any, alen: int) -> tuple:
+    """Where a batch file's parts go once its Arrow part (``alen`` bytes at 64) is known: (fence offset, page-CRC
+    offset, footer offset, file size, the fence and filter sections' bytes, ``header(page_crcs)``,
+    ``footer(whole_crc)``)."""
+    kh = np.ascontiguousarray(batch.key_hash, dtype=np.uint64)
     fence = _fence(kh)
     bloom = bloom_build(kh)
     fence_off = _pad8(64 + alen)
@@ -225,9 +273,10 @@ def write_batch(path: str, batch: Any, vfs: str = "posix", sync: bool = True, dr
     end = size - FOOTER.size
     sections = fence.tobytes() + bloom.tobytes()
     filt_sec = _crc(sections)
+    rows = len(batch)
 
     def header(crcs: bytes) -> bytes:
-        fields = (BATCH_FILE_MAGIC, BATCH_FILE_VERSION, FLAG_SECTION_CRCS, 64, alen, len(batch), _crc(crcs), filt_sec)
+        fields = (BATCH_FILE_MAGIC, BATCH_FILE_VERSION, FLAG_SECTION_CRCS, 64, alen, rows, _crc(crcs), filt_sec)
         return HEADER.pack(*fields, _crc(HEADER.pack(*fields, 0)[:60]))
 
     def footer(whole: int) -> bytes:
@@ -235,8 +284,7 @@ def write_batch(path: str, batch: Any, vfs: str = "posix", sync: bool = True, dr
                 crc_off, whole)
         return FOOTER.pack(*foot, _crc(FOOTER.pack(*foot, 0)[:60]))
 
-    _stream_batch(path, vfs, schema, rb, alen, header, footer, sections, fence_off, crc_off, end, drop, sync)
-    return size
+    return fence_off, crc_off, end, size, sections, header, footer
 
 
 def _one_chunk(c: Any) -> Any:
@@ -397,6 +445,283 @@ def _stream_batch(path: str, vfs: str, schema: pa.Schema, rb: pa.RecordBatch, al
         hint = (f"free space in {where} or give the pipeline a spill_dir with room" if code == errno.ENOSPC
                 else f"check the disk of {where}")
         raise StorageError(code, f"writing batch file {path}: {getattr(e, 'strerror', None) or e}; {hint}") from e
+
+
+def in_place_room(batch: Any) -> int:
+    """Bytes a merge output's scratch file reserves before its rows so that it can become a batch file in place
+    (:func:`write_in_place`): the header and an upper bound of the Arrow file's magic, schema message and record
+    batch metadata for ``batch``'s schema and key (the output's are its inputs'), rounded up to whole pages."""
+    data = batch.zset.data
+    fields = list(data.schema) + [pa.field(WEIGHT_COL, pa.int64(), False), pa.field(KEY_HASH_COL, pa.uint64(), False),
+                                  pa.field(ROW_HASH_COL, pa.uint64(), False)]
+    meta = {b"dbsp.key": json.dumps(list(batch.key)).encode(), b"dbsp.row_hash": b"key"}
+    schema_msg = pa.schema(fields, metadata=meta).serialize().size
+    need = 64 + 8 + schema_msg + 256 + 48 * (3 * len(fields))  # record batch metadata: nodes, buffers, header
+    return (need + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+
+
+class _Capture:
+    """A write-only file object for the Arrow IPC writer that records what it writes instead of writing it: bytes
+    (metadata, padding) as they are, and each buffer of the batch (``pa.Buffer``, handed over in place) as its
+    address and length (:func:`write_in_place`)."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.pos, self.parts = 0, []  # (position, bytes or None, address, length)
+
+    def write(self, data: Any) -> int:
+        if isinstance(data, pa.Buffer):
+            self.parts.append((self.pos, None, data.address, data.size))
+            n = data.size
+        else:
+            b = bytes(data)
+            self.parts.append((self.pos, b, 0, len(b)))
+            n = len(b)
+        self.pos += n
+        return n
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _fb_table(buf: bytes, at: int) -> tuple[int, int, int]:
+    """A flatbuffer table at ``at``: (its position, its vtable's position, the vtable's size)."""
+    vt = at - struct.unpack_from("<i", buf, at)[0]
+    return at, vt, struct.unpack_from("<H", buf, vt)[0]
+
+
+def _fb_field(buf: bytes, table: tuple[int, int, int], i: int) -> int | None:
+    """The position of field ``i`` of a flatbuffer table, None when absent."""
+    at, vt, vsize = table
+    if 4 + 2 * i >= vsize:
+        return None
+    off = struct.unpack_from("<H", buf, vt + 4 + 2 * i)[0]
+    return at + off if off else None
+
+
+def _fb_deref(buf: bytes, pos: int) -> int:
+    """What the uoffset at ``pos`` points to."""
+    return pos + struct.unpack_from("<I", buf, pos)[0]
+
+
+def _relocate(arrow: bytes, body_at: int, moves: dict[int, int], body_len: int, meta_at: int) -> bytearray:
+    """The Arrow file's bytes before the body (``arrow[:body_at]``) with the record batch message at ``meta_at`` (its
+    continuation marker) patched: each buffer at body offset ``k`` of ``moves`` moved to ``moves[k]``, and the body's
+    length set to ``body_len``. Raises ValueError when the metadata is not the flatbuffer expected (the caller then
+    writes the file the ordinary way)."""
+    out = bytearray(arrow[:body_at])
+    if struct.unpack_from("<I", out, meta_at)[0] != 0xFFFFFFFF:
+        raise ValueError("no continuation marker")
+    fb = meta_at + 8  # the Message flatbuffer
+    msg = _fb_table(out, _fb_deref(out, fb))
+    pos = _fb_field(out, msg, 3)  # bodyLength
+    head = _fb_field(out, msg, 2)  # header: the RecordBatch table
+    if pos is None or head is None:
+        raise ValueError("no body length or header")
+    struct.pack_into("<q", out, pos, body_len)
+    rb = _fb_table(out, _fb_deref(out, head))
+    bufs = _fb_field(out, rb, 2)  # buffers: [Buffer { offset: long, length: long }]
+    if bufs is None:
+        raise ValueError("no buffers")
+    vec = _fb_deref(out, bufs)
+    for i in range(struct.unpack_from("<I", out, vec)[0]):
+        at = vec + 4 + 16 * i
+        off, length = struct.unpack_from("<qq", out, at)
+        if length:
+            if off not in moves:
+                raise ValueError(f"buffer {i} at body offset {off} not placed")
+            struct.pack_into("<q", out, at, moves[off])
+    return out
+
+
+def _relocate_footer(trailer: bytes, body_len: int) -> bytearray:
+    """The Arrow file's footer part (footer flatbuffer, its length, the magic) with its one record batch block's body
+    length set to ``body_len``."""
+    out = bytearray(trailer)
+    flen = struct.unpack_from("<i", out, len(out) - 10)[0]
+    fb = len(out) - 10 - flen
+    foot = _fb_table(out, _fb_deref(out, fb))
+    pos = _fb_field(out, foot, 3)  # recordBatches: [Block { offset: long, metaDataLength: int, bodyLength: long }]
+    if pos is None:
+        raise ValueError("no record batch blocks")
+    vec = _fb_deref(out, pos)
+    if struct.unpack_from("<I", out, vec)[0] != 1:
+        raise ValueError("not one record batch")
+    struct.pack_into("<q", out, vec + 4 + 16, body_len)
+    return out
+
+
+def write_in_place(path: str, batch: Any, cursor: Any, sync: bool = True) -> int | None:
+    """Make the finished merge output ``batch``, built by ``cursor`` in a named scratch file with room before its
+    rows (bindings/merge.pxi ``prefix``), the batch file at ``path`` without copying its rows (invariant 7); returns
+    the file's size, or None when the output's buffers are not where the file needs them (then nothing is written
+    and the caller writes the file with :func:`write_batch`)."""
+    scratch = cursor.scratch_path
+    mapping = cursor.mapping
+    if scratch is None or mapping is None or len(batch) == 0:
+        return None
+    schema, rb = _record_batch(batch)
+    cap = _Capture()
+    with pa.ipc.new_file(pa.PythonFile(cap, mode="w"), schema) as w:
+        w.write_batch(rb)
+    last = len(cap.parts)  # the writes after the last buffer: padding, end of stream, the footer
+    while last and cap.parts[last - 1][1] is not None:
+        last -= 1
+    if last == 0:
+        return None
+    end_at = cap.parts[last][0] if last < len(cap.parts) else cap.pos
+    ending = b"".join(b for _p, b, _a, _n in cap.parts[last:])
+    flen = struct.unpack_from("<i", ending, len(ending) - 10)[0]
+    foot = _fb_table(ending, _fb_deref(ending, len(ending) - 10 - flen))
+    pos = _fb_field(ending, foot, 3)
+    if pos is None:
+        return None
+    vec = _fb_deref(ending, pos)
+    meta_at, meta_len, _pad, body_len = struct.unpack_from("<qiiq", ending, vec + 4)
+    body_at = meta_at + meta_len
+    if body_at + body_len < end_at:
+        return None
+    opening = b"".join(b for p, b, _a, _n in cap.parts if p < body_at)
+    if len(opening) != body_at or any(b is None for p, b, _a, _n in cap.parts if p < body_at):
+        return None
+    mv = memoryview(mapping)
+    base = pa.py_buffer(mv).address
+    room = len(mv)
+    mv.release()
+    new_at = 64 + body_at  # the body's first byte in the file
+    moves: dict[int, int] = {}
+    new_len = 0
+    for p, b, addr, n in cap.parts:
+        if not body_at <= p < body_at + body_len:
+            continue
+        if b is not None:
+            if b.strip(b"\0"):
+                return None  # bytes of the batch the writer made (not a buffer in place): not in the scratch file
+            continue
+        rel = addr - base - new_at
+        if not (0 <= rel and addr + n <= base + room and rel % 8 == 0):
+            return None
+        moves[p - body_at] = rel
+        new_len = max(new_len, _pad8(rel + n))
+    try:
+        head = _relocate(opening, body_at, moves, new_len, meta_at)
+        tail = _relocate_footer(ending[body_at + body_len - end_at:], new_len)
+    except (ValueError, struct.error):
+        return None
+    alen = body_at + new_len + len(tail)
+    fence_off, crc_off, end, size, sections, header, footer = _layout(batch, alen)
+    cursor.drop()  # the key hashes the filter and fence read leave the process (spill.py invariant 12)
+    fd = os.open(scratch, os.O_RDWR)
+    try:
+        os.ftruncate(fd, size)
+        _punch(fd, new_at, [(new_at + rel, n) for (_p, b, addr, n), rel in _placed(cap.parts, body_at, body_len,
+                                                                                      base, new_at)])
+        os.pwrite(fd, head, 64)
+        os.pwrite(fd, tail, 64 + body_at + new_len)
+        crcs, whole = _page_crcs(fd, 64, alen)
+        crc_bytes = np.array(crcs, dtype="<u4").tobytes()
+        rest = bytes(fence_off - 64 - alen) + sections + crc_bytes + bytes(end - crc_off - len(crc_bytes))
+        os.pwrite(fd, rest, 64 + alen)
+        hb = header(crc_bytes)
+        os.pwrite(fd, hb, 0)
+        os.pwrite(fd, footer(_crc(rest, crc_combine(_crc(hb), whole, alen))), end)
+        if sync:
+            os.fsync(fd)
+    except OSError as e:
+        raise StorageError(e.errno or 0, f"writing batch file {path} in place of {scratch}: {e.strerror or e}; "
+                                         f"check the disk of {os.path.dirname(path) or '.'}") from e
+    finally:
+        os.close(fd)
+    os.rename(cursor.adopt_scratch(), path)
+    if sync:
+        _fsync_dir(os.path.dirname(path) or ".")
+    return size
+
+
+def _placed(parts: list, body_at: int, body_len: int, base: int, new_at: int) -> list:
+    """The buffers of the body among the writes ``parts`` (:class:`_Capture`), each with its offset from ``new_at``
+    in the file."""
+    return [(x, x[2] - base - new_at) for x in parts if x[1] is None and body_at <= x[0] < body_at + body_len]
+
+
+def _punch(fd: int, at: int, used: list[tuple[int, int]]) -> None:
+    """Give back the disk blocks of the whole pages between the buffers ``used`` ((file offset, length)) of a body
+    starting at ``at``: the room a merge's output did not fill (it shrank), read as zeros from now on. Best effort
+    (a file system without hole punching keeps them)."""
+    page = mmap.PAGESIZE
+    holes = []
+    prev = at
+    for off, n in sorted(used):
+        lo, hi = -(-prev // page) * page, off // page * page
+        if hi - lo >= PUNCH_MIN:
+            holes.append((lo, hi - lo))
+        prev = max(prev, off + n)
+    if not holes:
+        return
+    libc = _libc()
+    if libc is None:
+        return
+    for lo, n in holes:
+        if libc.fallocate(fd, 3, ctypes.c_long(lo), ctypes.c_long(n)) != 0:  # PUNCH_HOLE | KEEP_SIZE
+            return
+
+
+PUNCH_MIN = 64 << 10  # bytes of unfilled room from which write_in_place gives its blocks back
+
+
+def _libc() -> Any:
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL(None, use_errno=True)
+            _LIBC.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+        except (OSError, AttributeError):
+            _LIBC = False
+    return _LIBC or None
+
+
+_LIBC: Any = None
+
+
+def _page_crcs(fd: int, at: int, n: int) -> tuple[list[int], int]:
+    """The CRC-32C of each ``PAGE`` of the ``n`` bytes at file offset ``at`` of ``fd``, and of all of them, read
+    through a mapping a ``STREAM_CHUNK`` at a time whose pages leave the process after each."""
+    from dbsp_core import _storage
+
+    crcs: list[int] = []
+    whole = 0
+    lo = at - at % mmap.ALLOCATIONGRANULARITY
+    m = mmap.mmap(fd, at + n - lo, access=mmap.ACCESS_READ, offset=lo)
+    try:
+        mv = memoryview(m)
+        try:
+            for i in range(0, n, STREAM_CHUNK):  # (STREAM_CHUNK is a multiple of PAGE)
+                piece = mv[at - lo + i:at - lo + min(n, i + STREAM_CHUNK)]
+                out = np.empty(-(-len(piece) // PAGE), dtype=np.uint32)
+                whole = crc_combine(whole, _storage.crc32c_pages(piece, PAGE, out), len(piece))
+                crcs.extend(out.tolist())
+                piece.release()
+                m.madvise(mmap.MADV_DONTNEED)  # what this piece read leaves the process (spill.py invariant 12)
+        finally:
+            mv.release()
+    finally:
+        m.close()
+    return crcs, whole
+
+
+def _fsync_dir(d: str) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class BatchFile(NamedTuple):

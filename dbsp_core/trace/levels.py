@@ -122,7 +122,8 @@ class _Merge:
         # says it does not fit what the budget has left (spill.py invariant 12)
         self.store = store
         where = store.merge_dir(a[1], b[1]) if store is not None else None
-        self.cursor = merge_cursor(a[1], b[1], row_hashes=row_hashes, spill_dir=where)  # (invariant 1)
+        room = store.merge_room(a[1]) if where is not None else 0  # (its batch file's header and metadata)
+        self.cursor = merge_cursor(a[1], b[1], row_hashes=row_hashes, spill_dir=where, prefix=room)  # (invariant 1)
         self._out: IndexedZSet | None = None
         self.shared: SharedMerge | None = None  # set when handed to a MergeThread (invariant 10)
         self.dropped = 0  # input rows consumed when the output's pages last left the process (store.merge_pages_out)

@@ -32,8 +32,11 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      rows (levels.py ``_Merge.step``) the pages it wrote and the pages it read of spilled inputs leave the process
      (madvise: the written ones stay the file's, in the page cache, which writes them back). When it finishes, the
      output is spilled (:meth:`BatchStore.spill_output`) at the end of the insert's merge work (levels.py
-     ``Trace._work``), its batch file streamed from the scratch mapping a piece at a time (batchfile.py
-     ``write_batch``), so neither the merge nor its spill holds the output in memory; an output that a merge of
+     ``Trace._work``): under the posix VFS (``IN_PLACE``) the scratch file, which the merge built with room for
+     the batch file's header and Arrow metadata before its rows (:meth:`BatchStore.merge_room`), becomes the batch
+     file in place, its rows never copied (batchfile.py invariant 7); else its batch file is streamed from the
+     scratch mapping a piece at a time (batchfile.py ``write_batch``); so neither the merge nor its spill holds the
+     output in memory; an output that a merge of
      the level above took in and finished within the same work (a big step's merges cascade up the levels) is
      never written (``outputs_never_written``). A merge in memory's output written so far counts in the budget
      (``merge_bytes``); a smaller output is spilled, if need be, by a later ``enforce``. A file is deleted when its batch object is gone (merged
@@ -216,7 +219,7 @@ from dbsp_core.envvars import parse_memory_limit
 from dbsp_core.progress import progress
 from dbsp_core.storage.formats import BATCH_FILE_SUFFIX, SPILL_DIR
 from dbsp_core.trace.at_exit import stop_at_exit
-from dbsp_core.trace.batchfile import BatchFile, open_batch, write_batch
+from dbsp_core.trace.batchfile import BatchFile, in_place_room, open_batch, write_batch, write_in_place
 
 if TYPE_CHECKING:
     from dbsp_core.trace.levels import Trace
@@ -335,6 +338,11 @@ class BatchStore:
     # the pages reads used as used in the page cache's LRU (invariant 12, "recency": the mapping is MADV_NORMAL for the
     # drop); False: as before, MADV_RANDOM throughout, and the kernel never learns which files a step reads
     RECENCY = True
+    # whether a merge built on disk (``merge_dir``) builds its output in a scratch file with room for the batch file's
+    # header and Arrow metadata before its rows, so that its spill (``spill_output``) writes those and the sections
+    # after the rows and renames the file (batchfile.py invariant 7) instead of copying every row into a new file;
+    # posix VFS only (the fault VFS's crash tests see the copy's operations). False: the copy, as before
+    IN_PLACE = True
 
     def __init__(self, memory_limit: int, directory: str | None = None, durable: bool = False,
                  vfs: str = "posix") -> None:
@@ -398,7 +406,8 @@ class BatchStore:
                            "written_in_background": 0, "written_for_nothing": 0, "keys_sought": 0,
                            "merges_on_disk": 0, "pages_prefetched": 0, "prefetch_runs": 0,
                            "evict_calls": 0, "outputs_never_written": 0, "whole_evictions": 0,
-                           "mapped_drops": 0, "mapped_bytes_dropped": 0, "walk_pieces": 0})
+                           "mapped_drops": 0, "mapped_bytes_dropped": 0, "walk_pieces": 0, "written_in_place": 0,
+                           "bytes_in_place": 0})
 
     def __enter__(self) -> "BatchStore":
         return self
@@ -534,6 +543,13 @@ class BatchStore:
         self.stats["merges_on_disk"] += 1
         return self.directory
 
+    def merge_room(self, a: "IndexedZSet") -> int:
+        """Bytes a merge built on disk (:meth:`merge_dir`) of batches like ``a`` reserves before its rows, so that
+        its output becomes its batch file in place (invariant 12, ``IN_PLACE``); 0: the output is copied into one."""
+        if not self.IN_PLACE or self.vfs != "posix":
+            return 0
+        return in_place_room(a)
+
     def merge_pages_out(self, m: Any) -> None:
         """After a piece of merge ``m`` (levels.py ``_Merge.step``): the pages it wrote to a scratch output and read
         of spilled inputs leave the process (invariant 12)."""
@@ -551,8 +567,17 @@ class BatchStore:
         """Spill the output of a merge built in a scratch file (invariant 12), streaming its batch file from the
         scratch mapping and dropping the pages read after each piece. An output spilled already (a rolled-back step
         installs the same merge's output again: levels.py ``_Merge.result``) stays as it is."""
-        if id(out) not in self._files:
-            self._spill(out, drop=cursor.drop)
+        if id(out) in self._files:
+            return
+        if getattr(cursor, "scratch_path", None) is not None:  # built with room for the header: in place
+            name, path = self._new_name()
+            size = write_in_place(path, out, cursor, sync=self.durable)
+            if size is not None:
+                self.stats["written_in_place"] += 1
+                self.stats["bytes_in_place"] += size
+                self._switch(out, name, path, size)
+                return
+        self._spill(out, drop=cursor.drop)
 
     def cache_counts(self, trace: "Trace") -> tuple[int, int]:
         """(hits, misses) of ``trace``'s reads of its spilled batches so far, in pages (invariant 15), as of the last
