@@ -928,8 +928,8 @@ def _node_text(op: Operator, inputs: str, ref: Callable[[Operator], str]) -> str
     ``ref`` names a parameter that is another node."""
     parts = [type(op).__name__, getattr(op, "kind", ""), inputs, op.schema.to_string(), repr(op.partitioning)]
     for k, v in sorted(vars(op).items()):
-        if k in ("node_id", "inputs", "schema", "partitioning", "stored"):  # stored: what a run keeps, not what
-            continue  # the circuit computes (operators/pruned.py)
+        if k in ("node_id", "inputs", "schema", "partitioning", "stored", "grows"):  # stored, grows: what a run
+            continue  # keeps, not what the circuit computes (operators/pruned.py; top_k.py invariant 7)
         if isinstance(v, (str, int, float, bool, tuple, list, type(None))):
             parts.append(f"{k}={v!r}")
         elif isinstance(v, pa.Schema):

@@ -33,7 +33,10 @@ Invariants:
      strictly larger count, in the same top-k group: that row sorts before the one it replaces, and every row
      the step does not touch keeps its place, so the rows shown before and not retracted, with the step's new
      rows, hold the top rows after the step. A step consolidates the shown rows of its groups with its change
-     (a retraction cancels the shown row it deletes) and takes their top rows.
+     (a retraction cancels the shown row it deletes) and takes their top rows. ``grows`` is not part of the
+     circuit's fingerprint (circuit.py ``_node_text``): it changes the state kept, not the rows shown, so a
+     directory written by the general form (before this invariant) opens with the same circuit, its ``shown``
+     trace serving the growing form as it stands (its ``input`` table is left unread in the state database).
 """
 
 from __future__ import annotations

@@ -10,8 +10,11 @@ from hypothesis_profile import examples
 from hypothesis import strategies as st
 
 import dbsp_core as dbsp
+from dbsp_core.circuit import circuit_fingerprint
 from dbsp_core.operators.aggregate import _ExtremesState
-from oracle import BIDS, run_against_duckdb, to_zset
+import numpy as np
+
+from oracle import BIDS, ChangeGen, accumulate, duckdb_query, normalize, run_against_duckdb, to_zset
 
 SEEDS = st.integers(0, 2**31 - 1)
 WORKERS = st.sampled_from([1, 2, 4])
@@ -115,6 +118,46 @@ def test_top_k_over_a_growing_count_keeps_only_its_shown_rows(seed: int, workers
                f"bidder ASC NULLS LAST) AS r FROM (SELECT auction, bidder, count(*) AS n, max(price) AS hi FROM bids "
                f"GROUP BY auction, bidder)) WHERE r <= {k}",
     }, seed, workers, inputs=("bids",), steps=7, max_rows=20, append_only=True, after=traces)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_directory_of_the_general_top_k_reopens_with_the_growing_form(tmp_path, workers: int) -> None:
+    """A directory written before operators/top_k.py invariant 7 (the general form: input and shown traces) opens
+    with the same circuit under the growing form (``grows`` is not part of the fingerprint: the same rows are shown,
+    only the state kept differs), and its results go on to equal DuckDB's; the growing form runs only on its shown
+    trace. (An engine upgrade must not turn an unchanged program into a changed one.)"""
+    rng = np.random.default_rng(workers)
+
+    def circuit(general: bool) -> dbsp.Circuit:
+        c = dbsp.Circuit()
+        t = c.input("bids", BIDS, append_only=True)
+        out = t.group_by("auction", "bidder").agg(n=dbsp.count()).group_by("auction").top_k(
+            1, [("n", "descending"), "bidder"])
+        c.output("top", out)
+        if general:
+            vars(c.nodes[out.node_id]).pop("grows")  # the operator as the code before invariant 7 built it
+        return c
+
+    assert circuit_fingerprint(circuit(False)) == circuit_fingerprint(circuit(True))
+    g = ChangeGen(rng, BIDS)
+    g.deletes = 0.0
+    view: dict = {}
+    sql = ("SELECT auction, bidder, n FROM (SELECT *, row_number() OVER (PARTITION BY auction ORDER BY n DESC, "
+           "bidder ASC NULLS LAST) AS r FROM (SELECT auction, bidder, count(*) AS n FROM bids GROUP BY auction, "
+           "bidder)) WHERE r <= 1")
+    storage = str(tmp_path / "p")
+    for general, steps in ((True, 4), (False, 4)):
+        p = (dbsp.Pipeline(circuit(general), workers=workers, storage=storage) if general
+             else dbsp.Pipeline.open(storage, circuit(general)))
+        try:
+            assert _top_k_traces(p) == (["input", "shown"] if general else ["shown"])
+            for _ in range(steps):
+                p.push("bids", to_zset(g.change(20), BIDS))
+                accumulate(view, p.step()["top"])
+                assert normalize(view) == duckdb_query(sql, {"bids": (BIDS, dict(g.bag))}), (workers, general)
+            p.checkpoint()
+        finally:
+            p.close()
 
 
 def test_top_k_over_a_count_grows_only_where_it_must() -> None:
