@@ -62,7 +62,7 @@ from dbsp_core.errors import CorruptionError, DbspError
 from dbsp_core.storage.database import (JOURNAL_DELETE, JOURNAL_PUT, JOURNAL_STEP, Database, end_journals,
                                         journal_of, journal_under)
 from dbsp_core.storage.directory import read_layout, read_meta
-from dbsp_core.storage.formats import (CACHE_MARKER, CONSUMERS_DIR, DIRECTORY_FORMAT, DRIVER_DB, LAYOUT_FILE,
+from dbsp_core.storage.formats import (CACHE_MARKER, CONSUMERS_DIR, DIRECTORY_FORMATS, DRIVER_DB, LAYOUT_FILE,
                                        LOCK_FILE, META_FILE, METRICS_FILE, PROFILE_FILE, REMOTE_DELTA_MAGIC,
                                        REMOTE_MANIFEST_DIR, REMOTE_SPILL_DIR, REMOTE_STATE_DIR, RESCALE_FILE,
                                        SPILL_DIR, state_db_paths)
@@ -315,7 +315,7 @@ class RemoteCheckpoints:
             return
         root = self.root
         layout, _ = read_layout(root)
-        groups = state_groups(root, read_meta(root, (1, DIRECTORY_FORMAT)))
+        groups = state_groups(root, read_meta(root, (1, *DIRECTORY_FORMATS)))
         sent = set(databases)
         rel = [r for r in (os.path.relpath(p, root).replace(os.sep, "/")
                            for p in named_paths(root, groups, layout.workers)) if r not in sent]

@@ -21,8 +21,8 @@ from dbsp_core import _storage
 from dbsp_core.codec import decode_json, encode_json
 from dbsp_core.errors import CorruptionError, FormatVersionError, InUseError
 from dbsp_core.layout import Layout
-from dbsp_core.storage.formats import (DIRECTORY_FORMAT, LAYOUT_FILE, LAYOUT_MAGIC, LOCK_FILE, META_FILE, META_MAGIC,
-                                       RESCALE_FILE, RESCALE_MAGIC)
+from dbsp_core.storage.formats import (DIRECTORY_FORMAT, DIRECTORY_FORMATS, LAYOUT_FILE, LAYOUT_MAGIC, LOCK_FILE,
+                                       META_FILE, META_MAGIC, PRUNED_FORMAT, RESCALE_FILE, RESCALE_MAGIC)
 
 __all__ = ["lock_dir", "unlock_dir", "read_record", "write_record", "remove_record", "read_meta", "write_meta",
            "read_layout", "write_layout", "read_rescale", "write_rescale", "remove_rescale", "fsync_dir",
@@ -96,7 +96,7 @@ def remove_record(path: str, vfs: str = "posix") -> None:
     _storage.file_remove(path, vfs)
 
 
-def read_meta(root: str, formats: tuple[int, ...] = (DIRECTORY_FORMAT,)) -> dict:
+def read_meta(root: str, formats: tuple[int, ...] = DIRECTORY_FORMATS) -> dict:
     """The META record of a storage directory; FileNotFoundError if there is none, FormatVersionError if it is
     of a directory format not in ``formats``, CorruptionError if it is damaged (invariant 3)."""
     path = os.path.join(root, META_FILE)
@@ -112,7 +112,10 @@ def read_meta(root: str, formats: tuple[int, ...] = (DIRECTORY_FORMAT,)) -> dict
 
 
 def write_meta(root: str, meta: dict, vfs: str = "posix") -> None:
-    write_record(os.path.join(root, META_FILE), META_MAGIC, dict(meta, format=DIRECTORY_FORMAT), vfs)
+    """Write META: format PRUNED_FORMAT when the directory's state keeps fewer columns (``stored_columns``), so a
+    reader of DIRECTORY_FORMAT alone refuses it (storage/formats.py), else DIRECTORY_FORMAT."""
+    fmt = PRUNED_FORMAT if meta.get("stored_columns") else DIRECTORY_FORMAT
+    write_record(os.path.join(root, META_FILE), META_MAGIC, dict(meta, format=fmt), vfs)
 
 
 def read_layout(root: str, vfs: str = "posix") -> tuple[Layout, dict | None]:

@@ -1,6 +1,9 @@
 """Every on-disk format of a storage directory in one place: file names, magics, versions and byte layouts.
 
-Directory format 2 (``DIRECTORY_FORMAT``)::
+Directory format 2 (``DIRECTORY_FORMAT``), or 3 (``PRUNED_FORMAT``) for a directory whose join and window state keeps
+only the columns read after it (META's ``stored_columns`` not empty, dbsp_core/runtime/prune.py): the same files,
+the number telling a reader of format 2 alone (the release before column pruning) to refuse it, since it would read
+those traces with their inputs' full schemas. Both are read (``DIRECTORY_FORMATS``)::
 
     <root>/
       META                      the pipeline: circuit fingerprint (and one per input, output and node), executor,
@@ -176,6 +179,9 @@ import glob
 import os
 
 DIRECTORY_FORMAT = 2
+PRUNED_FORMAT = 3  # a directory whose stored state keeps fewer columns (META stored_columns not empty)
+DIRECTORY_FORMATS = (DIRECTORY_FORMAT, PRUNED_FORMAT)  # the directory formats this release reads (1: Pipeline.open
+# upgrades it)
 
 META_FILE = "META"
 LAYOUT_FILE = "LAYOUT"

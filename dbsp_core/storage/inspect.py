@@ -11,7 +11,7 @@ from dbsp_core.errors import InUseError
 from dbsp_core.storage.consumers import ConsumerRegistry
 from dbsp_core.storage.database import SHARD_PREFIX_BYTES, Database
 from dbsp_core.storage.directory import read_layout, read_meta, read_record, read_rescale, tree_bytes
-from dbsp_core.storage.formats import (DIVISION_HANDLE, DRIVER_DB, INPUT_DIR, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR,
+from dbsp_core.storage.formats import (DIRECTORY_FORMATS, DIVISION_HANDLE, DRIVER_DB, INPUT_DIR, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR,
                                        STATE_DIR, is_state_table, worker_of_db)
 from dbsp_core.storage.outputlog import OutputLog
 from dbsp_core.storage.statefiles import state_groups, survey
@@ -38,7 +38,7 @@ def open_output(path: str | os.PathLike) -> OutputLog:
     >>> p.close(); log.close()
     """
     root = os.fspath(path)
-    meta = read_meta(root, formats=(1, 2))  # the output log of the previous release's directories reads the same
+    meta = read_meta(root, formats=(1, *DIRECTORY_FORMATS))  # the output log of the previous release's directories reads the same
     schemas = {n: pa.ipc.read_schema(pa.py_buffer(bytes.fromhex(h))) for n, h in meta["output_schemas"].items()}
     return OutputLog(os.path.join(root, OUTPUT_DIR), {n: schemas[n] for n in meta["outputs"]}, readonly=True,
                      since=meta.get("since"))

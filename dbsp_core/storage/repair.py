@@ -75,7 +75,7 @@ from dbsp_core.storage.database import Database
 from dbsp_core.storage.directory import (fsync_dir, lock_dir, read_layout, read_meta, read_record, read_rescale,
                                         remove_record, unlock_dir, write_layout, write_record)
 from dbsp_core.storage.formats import (ACKED_KEY, ACKED_MAGIC, ACKED_TABLE, CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE,
-                                       DEDUP_MAGIC, DEDUP_TABLE, DIRECTORY_FORMAT, DISCARD_HANDLE, DISCARD_MAGIC,
+                                       DEDUP_MAGIC, DEDUP_TABLE, DIRECTORY_FORMATS, DISCARD_HANDLE, DISCARD_MAGIC,
                                        DIVISION_HANDLE, DIVISION_MAGIC, DRIVER_DB, INPUT_DIR, JOB_FILE, JOB_MAGIC,
                                        LAYOUT_FILE, META_FILE, NEW_SUFFIX, OUTPUT_DIR, REPAIR_BACKUP_PREFIX,
                                        REPAIR_FILE, REPAIR_MAGIC, RESCALE_FILE, SPILL_DIR, STAGE_DIR_PREFIX, STATE_DIR,
@@ -398,7 +398,7 @@ def _repair_files(root: str, report: dict[str, Any]) -> None:
     what they held, else listed in ``report["unrepaired"]`` with what the user can do."""
     meta_problem = None
     try:
-        if read_meta(root, (1, DIRECTORY_FORMAT)).get("format") == 1:
+        if read_meta(root, (1, *DIRECTORY_FORMATS)).get("format") == 1:
             return  # the previous directory format: Pipeline.open upgrades it; nothing here reads it
     except FileNotFoundError:
         meta_problem = "missing"
@@ -495,7 +495,7 @@ def _repair_state(root: str, report: dict[str, Any]) -> bool:
 
 def _meta(root: str) -> dict:
     try:
-        return read_meta(root, (1, DIRECTORY_FORMAT))
+        return read_meta(root, (1, *DIRECTORY_FORMATS))
     except (FileNotFoundError, CorruptionError, FormatVersionError):  # listed by the META check
         kind = "staged" if os.path.isdir(os.path.join(root, STATE_DIR)) and any(
             n.startswith(STAGE_DIR_PREFIX) for n in os.listdir(os.path.join(root, STATE_DIR))) else "embedded"
