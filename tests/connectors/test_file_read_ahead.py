@@ -383,9 +383,15 @@ def test_two_sources_reading_ahead_beside_threads_that_push_step_and_checkpoint(
             time.sleep(r.uniform(0, 0.01))
         published[h].set()
 
+    def overlapped() -> bool:
+        """Two checkpoints and three steps ran while this thread worked (or a minute went by: asserted below)."""
+        return (counts["checkpoints"] >= 2 and counts["steps"] >= 3) or time.monotonic() > give_up
+
+    give_up = time.monotonic() + 60
+
     def poll(h):
         r = random.Random(f"{SEED}/poll/{h}")
-        while not published[h].is_set() or sources[h].pending():
+        while not published[h].is_set() or sources[h].pending() or not overlapped():
             counts["polls"] += 1
             sources[h].poll(max_files=r.choice([1, 2, None]))
             time.sleep(0.002)
@@ -394,6 +400,8 @@ def test_two_sources_reading_ahead_beside_threads_that_push_step_and_checkpoint(
         for i, t in enumerate(pushes):
             p.push("u", t, producer="other", seq=i)
             time.sleep(0.001)
+        while not overlapped():
+            time.sleep(0.002)
 
     def step():
         while not done.is_set():
