@@ -92,6 +92,22 @@ def _kept(p: dbsp.Pipeline) -> dict:
             if type(s).__name__ in ("_JoinState", "_WithinLastState")}
 
 
+def _step_both(p: dbsp.Pipeline, q: dbsp.Pipeline, gens: dict, clock: list, step: int) -> dict:
+    """Push one random change per input to ``p`` and ``q`` at the step's clock, step both and assert every output's
+    change is the same Z-set in both; returns ``p``'s outputs."""
+    clock[0] = (NOW0 + step) * 10**9
+    gens["events"].step = step
+    for name, g in gens.items():
+        ch = g.change(10)
+        if ch:
+            for r in (p, q):
+                r.push(name, to_zset(ch, g.schema))
+    a, b = p.step(), q.step()
+    for name in a:
+        assert a[name].to_dict() == b[name].to_dict(), (name, step)
+    return a
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_pruned_equals_unpruned_and_duckdb(workers: int, monkeypatch) -> None:
     print(f"DBSP_PRUNE_SEED={SEED}")
@@ -108,16 +124,8 @@ def test_pruned_equals_unpruned_and_duckdb(workers: int, monkeypatch) -> None:
     assert sorted(len(t) for t in sum(_kept(off).values(), [])) == [3, 3, 4, 4, 5]  # every column (+ __bucket)
     integral: dict[str, Counter] = {name: Counter() for name in c.outputs}
     for step in range(30):
-        clock[0] = (NOW0 + step) * 10**9
-        gens["events"].step = step
-        for name, g in gens.items():
-            ch = g.change(10)
-            if ch:
-                for p in (on, off):
-                    p.push(name, to_zset(ch, g.schema))
-        a, b = on.step(), off.step()
+        a = _step_both(on, off, gens, clock, step)
         for name in c.outputs:
-            assert a[name].to_dict() == b[name].to_dict(), (name, step)
             integral[name].update(a[name].to_dict())
         if step % 10 == 9 or step == 29:
             tables = {n: (g.schema, dict(g.bag)) for n, g in gens.items()}
@@ -152,16 +160,7 @@ def _run_durable(root: str, c: dbsp.Circuit, pruned: bool, monkeypatch, steps: r
         p = dbsp.Pipeline.open(root, c, **kw) if os.path.exists(os.path.join(root, "META")) else \
             dbsp.Pipeline(c, workers=2, storage=root, **kw)
     for step in steps:
-        clock[0] = (NOW0 + step) * 10**9
-        gens["events"].step = step
-        for name, g in gens.items():
-            ch = g.change(10)
-            if ch:
-                for q in (p, reference):
-                    q.push(name, to_zset(ch, g.schema))
-        a, b = p.step(), reference.step()
-        for name in c.outputs:
-            assert a[name].to_dict() == b[name].to_dict(), (name, step)
+        _step_both(p, reference, gens, clock, step)
     p.checkpoint()
     p.close()
 
