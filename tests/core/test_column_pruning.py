@@ -250,3 +250,94 @@ def test_program_change_through_a_pruned_join(monkeypatch) -> None:
     tables = {n: (g.schema, dict(g.bag)) for n, g in gens.items()}
     want = duckdb_query("SELECT category, count(*) FROM bids JOIN auctions ON auction = id GROUP BY category", tables)
     assert normalize({r: w for r, w in got.items() if w}) == want
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_pruned_join_while_threads_push_step_checkpoint_and_read(tmp_path, workers: int) -> None:
+    """A pruned join (its sides keep 2 of 3 columns) on a durable pipeline while four threads push (each its own
+    producer), step, checkpoint and read metrics and traces at once: the summed outputs equal a dict model of
+    every push, the join's state held the pruned columns only, checkpoints and steps ran during the pushes, and a
+    reopen continues with the same kept columns."""
+    import random
+    import threading
+
+    left = pa.schema([("k", pa.int64()), ("v", pa.int64()), ("pad", pa.utf8())])
+    right = pa.schema([("id", pa.int64()), ("g", pa.int64()), ("note", pa.utf8())])
+
+    def circuit() -> dbsp.Circuit:
+        c = dbsp.Circuit()
+        a, b = c.input("a", left), c.input("b", right)
+        c.output("s", a.join(b, left_on="k", right_on="id").group_by("g").agg(total=dbsp.sum("v"), n=dbsp.count()))
+        return c
+
+    def batch(t: int, i: int) -> tuple[str, pa.Table]:
+        r = random.Random(f"{SEED}/{t}/{i}")
+        n = r.randint(1, 6)
+        if t % 2:
+            return "b", pa.table({"id": [r.randrange(8) for _ in range(n)], "g": [r.randrange(3) for _ in range(n)],
+                                  "note": [f"n{r.randrange(99)}" for _ in range(n)]}, schema=right)
+        return "a", pa.table({"k": [r.randrange(8) for _ in range(n)], "v": [r.randrange(-5, 9) for _ in range(n)],
+                              "pad": [f"p{r.randrange(99)}" for _ in range(n)]}, schema=left)
+
+    root = str(tmp_path / "d")
+    p = dbsp.Pipeline(circuit(), workers=workers, storage=root, checkpoint_interval=None)
+    assert read_meta(root)["stored_columns"], "the join was not pruned"
+    outs: list = []
+    counts: Counter = Counter()
+    errors: list = []
+    lock = threading.Lock()
+    start = threading.Barrier(4)
+
+    def run(t: int) -> None:
+        r = random.Random(f"{SEED}/run/{t}")
+        try:
+            start.wait()
+            for i in range(20):
+                p.push(*batch(t, i), producer=f"p{t}", seq=i)
+                roll = r.random()
+                if roll < 0.3:
+                    out = p.step()
+                    with lock:
+                        outs.append(out["s"])
+                        counts["steps"] += 1
+                elif roll < 0.4:
+                    p.checkpoint()
+                    with lock:
+                        counts["checkpoints"] += 1
+                elif roll < 0.5:
+                    p.metrics()
+                    p.traces(0)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=300)
+    assert not errors, errors
+    outs.append(p.step()["s"])
+    assert counts["steps"] >= 1 and counts["checkpoints"] >= 1, counts
+    widths = {len(t.schema) for w in range(workers) for name, t in p.traces(w).items() if "join" in name}
+    assert widths == {2}, widths  # join key + the one column read after it, on both sides
+    rows: dict[str, list] = {"a": [], "b": []}
+    for t in range(4):
+        for i in range(20):
+            h, tb = batch(t, i)
+            rows[h] += tb.to_pylist()
+    want: dict = {}
+    for x in rows["a"]:
+        for y in rows["b"]:
+            if x["k"] == y["id"]:
+                tot, n = want.get(y["g"], (0, 0))
+                want[y["g"]] = (tot + x["v"], n + 1)
+    acc: Counter = Counter()
+    for z in outs:
+        acc.update(z.to_dict())
+    assert +acc == Counter({(g, tot, n): 1 for g, (tot, n) in want.items()}), SEED
+    p.close()
+    q = dbsp.Pipeline.open(root, circuit())
+    try:
+        assert {len(t.schema) for name, t in q.traces(0).items() if "join" in name} == {2}
+    finally:
+        q.close()
