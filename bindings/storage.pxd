@@ -18,6 +18,7 @@ cdef extern from "storage_status.h" nogil:
         DBSP_ESTATE
         DBSP_ENOTFOUND
         DBSP_EBUSY
+        DBSP_ENOTSUP
     const char *dbsp_storage_errmsg()
     int dbsp_storage_errno()
 
@@ -32,7 +33,7 @@ cdef extern from "bloom.h" nogil:
 
 cdef extern from "vfs.h" nogil:
     ctypedef struct DbspVfs:
-        pass
+        int (*punch)(void *f, uint64_t off, uint64_t len)
     DbspVfs *dbsp_vfs_posix()
     DbspVfs *dbsp_vfs_fault()
     void dbsp_vfs_fault_arm(uint64_t crash_at, int mode, uint64_t seed, uint64_t error_at, int error_errno)
@@ -120,6 +121,9 @@ cdef extern from "smallfile.h" nogil:
     ctypedef struct DbspFileWriter:
         pass
     int dbsp_file_writer_open(DbspVfs *vfs, const char *path, DbspFileWriter **out)
+    int dbsp_file_writer_adopt(DbspVfs *vfs, const char *tmp, const char *path, DbspFileWriter **out)
+    int dbsp_file_writer_truncate(DbspFileWriter *w, uint64_t size)
+    int dbsp_file_writer_punch(DbspFileWriter *w, uint64_t off, uint64_t len)
     int dbsp_file_writer_pwrite(DbspFileWriter *w, const void *data, size_t len, uint64_t off)
     int dbsp_file_writer_pread(DbspFileWriter *w, void *buf, size_t len, uint64_t off, size_t *nread)
     int dbsp_file_writer_commit(DbspFileWriter *w, int sync)

@@ -1,7 +1,7 @@
 # storage.pyx: cdef classes owning the C page store, transactions, cursors and step log (dbsp_core._storage).
 from libc.stdint cimport int64_t, uint64_t
 from libc.stdlib cimport free, malloc
-from libc.errno cimport EIO, ENOSPC
+from libc.errno cimport EIO, ENOSPC, EOPNOTSUPP
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from posix.mman cimport madvise
 from posix.uio cimport iovec
@@ -31,6 +31,8 @@ cdef int check(int st) except -1:
         raise StorageError(ENOSPC, msg)
     if st == DBSP_EBUSY:
         raise InUseError(err or EIO, msg)
+    if st == DBSP_ENOTSUP:
+        raise StorageError(EOPNOTSUPP, msg)
     if st == DBSP_EIO or st == DBSP_ECRASHED or st == DBSP_ESTATE:
         raise StorageError(err or EIO, msg)
     if st == DBSP_ENOTFOUND:
@@ -204,9 +206,10 @@ def crc32c_portable(data, unsigned int crc=0):
 def fault_arm(uint64_t crash_at=0, str mode="drop", uint64_t seed=0, uint64_t error_at=0, str error="EIO"):
     if mode not in CRASH_MODES:
         raise ValueError(f"unknown crash mode {mode!r}; expected one of {sorted(CRASH_MODES)}")
-    if error not in ("EIO", "ENOSPC"):
-        raise ValueError(f"unknown error {error!r}; expected 'EIO' or 'ENOSPC'")
-    dbsp_vfs_fault_arm(crash_at, CRASH_MODES[mode], seed, error_at, EIO if error == "EIO" else ENOSPC)
+    errors = {"EIO": EIO, "ENOSPC": ENOSPC, "EOPNOTSUPP": EOPNOTSUPP}
+    if error not in errors:
+        raise ValueError(f"unknown error {error!r}; expected one of {sorted(errors)}")
+    dbsp_vfs_fault_arm(crash_at, CRASH_MODES[mode], seed, error_at, errors[error])
 
 
 def fault_ops():
@@ -701,6 +704,12 @@ def file_read(str path, str vfs="posix"):
         free(buf)
 
 
+def vfs_adopts(str vfs):
+    """Whether the VFS ``vfs`` can take over a file written outside it and punch holes in it (FileWriter ``adopt``):
+    a merge's scratch output then becomes its batch file in place (batchfile.py invariant 7)."""
+    return pick_vfs(vfs).punch != NULL
+
+
 def file_remove(str path, str vfs="posix"):
     """Durably remove ``path`` (unlink and fsync of its directory); a missing file is fine."""
     cdef bytes p = path.encode()
@@ -715,20 +724,26 @@ def file_remove(str path, str vfs="posix"):
 # ---- files streamed in pieces and put in place atomically (csrc/smallfile.h, invariant 3) ----
 
 cdef class FileWriter:
-    """``path`` written in pieces through the VFS ``vfs``: to ``path``.tmp (created or truncated), then put in place
-    by :meth:`commit` (fsync, rename, fsync of the directory) or given up by :meth:`abort`. Every call is one VFS
+    """``path`` written in pieces through the VFS ``vfs``: to ``path``.tmp (created or truncated), or with ``adopt``
+    to that existing file (written outside the VFS, through a mapping, and never synced: csrc/smallfile.h), then put
+    in place by :meth:`commit` (fsync, rename, fsync of the directory) or given up by :meth:`abort`. Every call is one VFS
     operation (the fault VFS counts and can crash each); the I/O runs without the GIL."""
     cdef DbspFileWriter *w
     cdef readonly str path
 
-    def __cinit__(self, str path, str vfs="posix"):
+    def __cinit__(self, str path, str vfs="posix", str adopt=None):
         cdef bytes p = path.encode()
         cdef const char *cp = p
+        cdef bytes t = (adopt or "").encode()
+        cdef const char *tp = t
         cdef DbspVfs *v = pick_vfs(vfs)
         cdef int st
         self.path = path
         with nogil:
-            st = dbsp_file_writer_open(v, cp, &self.w)
+            if adopt is None:
+                st = dbsp_file_writer_open(v, cp, &self.w)
+            else:
+                st = dbsp_file_writer_adopt(v, tp, cp, &self.w)
         check(st)
 
     def __dealloc__(self):
@@ -756,6 +771,26 @@ cdef class FileWriter:
         with nogil:
             st = dbsp_file_writer_pwrite(self.w, dp, n, offset)
         check(st)
+
+    def truncate(self, uint64_t size):
+        """Set the temporary file's size."""
+        self.alive()
+        cdef int st
+        with nogil:
+            st = dbsp_file_writer_truncate(self.w, size)
+        check(st)
+
+    def punch(self, uint64_t offset, uint64_t length):
+        """Punch a hole (the blocks given back, zeros read) in the temporary file; False (nothing done) when its
+        file system cannot."""
+        self.alive()
+        cdef int st
+        with nogil:
+            st = dbsp_file_writer_punch(self.w, offset, length)
+        if st == DBSP_ENOTSUP:
+            return False
+        check(st)
+        return True
 
     def pread(self, size_t n, uint64_t offset):
         """Up to ``n`` bytes of the temporary file from ``offset`` (fewer only at its end)."""

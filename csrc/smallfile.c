@@ -9,7 +9,11 @@
  *      caller makes, and reach `path` only by dbsp_file_writer_commit's rename after its fsync. dbsp_file_replace
  *      is a writer with one piece, so both take the same operations in the same order: open, truncate, pwrite
  *      (each piece), fsync, rename, fsync of the directory (without `sync`, the two fsyncs are left out: a file no
- *      crash needs to find again).
+ *      crash needs to find again);
+ *  (4) an adopted writer (dbsp_file_writer_adopt: a merge's scratch file that becomes a batch file in place) is
+ *      (3) over a temporary file that exists already: its bytes so far written outside the VFS and never synced
+ *      (the fault VFS remembers them as unsynced writes), then truncate, punch and pwrite as the caller makes them,
+ *      and the same commit: fsync, rename over `path`, fsync of the directory.
  * Callers frame what they store (magic, version, checksum: dbsp_core/codec.py) and check it when reading.
  */
 #include "smallfile.h"
@@ -53,6 +57,28 @@ int dbsp_file_writer_open(DbspVfs *vfs, const char *path, DbspFileWriter **out) 
     if (rc) { writer_free(w); return rc; }
     *out = w;
     return DBSP_OK;
+}
+
+int dbsp_file_writer_adopt(DbspVfs *vfs, const char *tmp, const char *path, DbspFileWriter **out) {
+    if (!vfs->punch)
+        return dbsp_storage_fail(DBSP_ENOTSUP, EOPNOTSUPP, "the %s VFS cannot take over a file in place", vfs->name);
+    DbspFileWriter *w = calloc(1, sizeof *w);
+    if (!w) return oom();
+    w->vfs = vfs;
+    w->path = strdup(path);
+    w->tmp = strdup(tmp);
+    w->dir = dbsp_path_dirname(path);
+    if (!w->path || !w->tmp || !w->dir) { writer_free(w); return oom(); }
+    int rc = vfs->open(vfs, w->tmp, DBSP_VFS_ADOPT, &w->f);
+    if (rc) { writer_free(w); return rc; }
+    *out = w;
+    return DBSP_OK;
+}
+
+int dbsp_file_writer_truncate(DbspFileWriter *w, uint64_t size) { return w->vfs->truncate(w->f, size); }
+
+int dbsp_file_writer_punch(DbspFileWriter *w, uint64_t off, uint64_t len) {
+    return len ? w->vfs->punch(w->f, off, len) : DBSP_OK;
 }
 
 int dbsp_file_writer_pwrite(DbspFileWriter *w, const void *data, size_t len, uint64_t off) {

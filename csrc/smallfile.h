@@ -20,6 +20,14 @@ int dbsp_file_replace(DbspVfs *vfs, const char *path, const void *data, size_t l
  * writer whatever happens. Every step is one operation of the VFS, so the fault VFS sees each of them. */
 typedef struct DbspFileWriter DbspFileWriter;
 int dbsp_file_writer_open(DbspVfs *vfs, const char *path, DbspFileWriter **out);
+/* A writer whose temporary file is the existing file `tmp` (a merge's scratch file, its rows written through a shared
+ * mapping and never synced: opened with DBSP_VFS_ADOPT, not truncated), put in place over `path` by commit as the
+ * others are; abort with `unlink` removes `tmp`. DBSP_ENOTSUP when the VFS cannot punch holes (it has no punch). */
+int dbsp_file_writer_adopt(DbspVfs *vfs, const char *tmp, const char *path, DbspFileWriter **out);
+/* Sets the temporary file's size (one VFS truncate). */
+int dbsp_file_writer_truncate(DbspFileWriter *w, uint64_t size);
+/* Punches a hole in the temporary file (one VFS punch); DBSP_ENOTSUP when its file system cannot. */
+int dbsp_file_writer_punch(DbspFileWriter *w, uint64_t off, uint64_t len);
 int dbsp_file_writer_pwrite(DbspFileWriter *w, const void *data, size_t len, uint64_t off);
 int dbsp_file_writer_pread(DbspFileWriter *w, void *buf, size_t len, uint64_t off, size_t *nread);
 int dbsp_file_writer_commit(DbspFileWriter *w, int sync);

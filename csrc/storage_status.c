@@ -21,4 +21,6 @@ const char *dbsp_storage_errmsg(void) { return err_msg; }
 
 int dbsp_storage_errno(void) { return err_errno; }
 
-int dbsp_storage_status_of_errno(int err) { return err == ENOSPC || err == EDQUOT ? DBSP_ENOSPC : DBSP_EIO; }
+int dbsp_storage_status_of_errno(int err) {
+    return err == ENOSPC || err == EDQUOT ? DBSP_ENOSPC : err == EOPNOTSUPP ? DBSP_ENOTSUP : DBSP_EIO;
+}

@@ -13,7 +13,8 @@ enum {
     DBSP_ECRASHED = 104,  /* the fault VFS simulated a crash; every later operation fails */
     DBSP_ESTATE = 105,    /* the object is closed or failed and must be reopened */
     DBSP_ENOTFOUND = 106, /* the requested version, table or record does not exist */
-    DBSP_EBUSY = 107      /* another open object holds the file's OS lock (a second writer would lose data) */
+    DBSP_EBUSY = 107,     /* another open object holds the file's OS lock (a second writer would lose data) */
+    DBSP_ENOTSUP = 108    /* the file system does not support the operation (hole punching) */
 };
 
 /* Records a formatted message for the calling thread and returns `status` (so callers can `return dbsp_storage_fail(...)`). */
@@ -22,7 +23,7 @@ int dbsp_storage_fail(int status, int err, const char *fmt, ...) __attribute__((
 const char *dbsp_storage_errmsg(void);
 /* The errno recorded with the last failure on this thread (0 if none). */
 int dbsp_storage_errno(void);
-/* Maps an errno value to DBSP_ENOSPC or DBSP_EIO. */
+/* Maps an errno value to DBSP_ENOSPC, DBSP_ENOTSUP (EOPNOTSUPP) or DBSP_EIO. */
 int dbsp_storage_status_of_errno(int err);
 
 #endif

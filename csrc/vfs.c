@@ -5,9 +5,18 @@
  *     "crashes": for every file with unsynced writes (open or already closed), the writes are undone in reverse
  *     order (restoring the remembered pre-images and the synced size), then a subset chosen by the damage mode
  *     is re-applied in order, possibly torn. From then on every operation fails with DBSP_ECRASHED.
- *  2. fsync is a barrier: it forgets the file's remembered writes. truncate is also treated as durable
- *     (a simplification: the page store never truncates, and the step log fsyncs right after it does).
+ *  2. fsync is a barrier: it forgets the file's remembered writes. A truncate of a file with no remembered write is
+ *     also treated as durable (a simplification: the page store never truncates, the step log fsyncs right after it
+ *     does, and a streamed file truncates its new temporary file); a truncate of one with remembered writes is
+ *     remembered as they are (with the bytes it cut), undone at a crash and kept or not as a write is, never torn.
+ *     A punched hole is remembered as a write of zeros. A file opened with DBSP_VFS_ADOPT (a merge's scratch file,
+ *     written through a shared mapping: batchfile.py invariant 7) is remembered as one write of all its bytes over
+ *     an empty synced file, and as created: until an fsync, a crash may drop, tear or remove it.
  *  3. Operation `error_at` fails once with the armed errno (EIO or ENOSPC) and has no effect.
+ *  5. A crash leaves the open descriptors and mappings of the files it damages as they were: each damaged file is
+ *     rebuilt in a new file renamed over its name (the damage applied there), so a mapping of the old one (a merge's
+ *     scratch output, a batch file) never faults with SIGBUS on a page the crash cut away; the process is over for
+ *     the model anyway (every later operation fails) and the next open reads the names.
  *  4. Creating a file and renaming one are not durable until the directory is fsynced: at a crash (in every
  *     mode but keep; at random in reorder and chaos) an undurable rename is undone and an undurable new file
  *     is removed. Unlinks are treated as durable once they return, and so is a rename over an existing file
@@ -17,6 +26,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/falloc.h>
 #include <sys/file.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -182,18 +192,33 @@ static int px_unlink(DbspVfs *vfs, const char *path) {
     return DBSP_OK;
 }
 
+static int px_punch(DbspFile *f, uint64_t off, uint64_t len) {
+#ifdef FALLOC_FL_PUNCH_HOLE
+    if (fallocate(f->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)off, (off_t)len) == 0) return DBSP_OK;
+    int err = errno;
+    if (err == EOPNOTSUPP || err == ENOSYS || err == EINVAL) /* no hole punching on this file system */
+        return dbsp_storage_fail(DBSP_ENOTSUP, EOPNOTSUPP, "punch hole %s: not supported by its file system",
+                                 f->path);
+    return io_fail(err, "punch hole", f->path);
+#else
+    return dbsp_storage_fail(DBSP_ENOTSUP, EOPNOTSUPP, "punch hole %s: not supported here", f->path);
+#endif
+}
+
 static DbspVfs posix_vfs = {"posix", px_open, px_close, px_pread, px_pwrite, px_fsync,
-                            px_size, px_truncate, px_fsync_dir, px_rename, px_unlink};
+                            px_size, px_truncate, px_fsync_dir, px_rename, px_unlink, px_punch};
 
 DbspVfs *dbsp_vfs_posix(void) { return &posix_vfs; }
 
 /* ---------- fault injection ---------- */
 
 typedef struct PendingWrite {
-    uint64_t off;
-    size_t len;
-    size_t old_len;       /* bytes of the pre-image that existed in the file (the rest was past EOF) */
+    uint64_t off;         /* a truncate: the size it set */
+    size_t len;           /* a truncate: 0 */
+    size_t old_len;       /* bytes of the pre-image that existed in the file (the rest was past EOF); a truncate:
+                           * the bytes it cut */
     unsigned char *data;  /* len new bytes followed by old_len pre-image bytes */
+    int trunc;            /* a truncate (of a file with unsynced writes), not a write */
 } PendingWrite;
 
 typedef struct FaultState {    /* the unsynced state of one path */
@@ -250,11 +275,39 @@ static void fault_free_all(void) {
 }
 
 /* Applies the damage mode to every remembered write of every path; caller holds fault_mu. */
+/* A copy of `path` in a new file (its name: *tmp, malloc'd), open read-write; -1 when it cannot be made. */
+static int copy_to_new(const char *path, char **tmp) {
+    int in = open(path, O_RDONLY | O_CLOEXEC);
+    if (in < 0) return -1;
+    size_t n = strlen(path);
+    char *t = malloc(n + 8);
+    int out = -1;
+    if (t) {
+        memcpy(t, path, n);
+        memcpy(t + n, ".crash~", 8);
+        out = open(t, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    }
+    char buf[1 << 16];
+    ssize_t r = 0;
+    while (out >= 0 && (r = read(in, buf, sizeof buf)) > 0)
+        if (write(out, buf, (size_t)r) != r) r = -1;
+    close(in);
+    if (out >= 0 && r < 0) {
+        close(out);
+        unlink(t);
+        out = -1;
+    }
+    if (out < 0) free(t);
+    else *tmp = t;
+    return out;
+}
+
 static void fault_do_crash(int mode, uint64_t seed) {
     uint64_t rng = seed * 0x9E3779B97F4A7C15ull + 1;
     for (FaultState *s = fault_files; s; s = s->next) {
         if (s->n == 0 || !s->path[0]) continue;
-        int fd = open(s->path, O_RDWR | O_CLOEXEC);
+        char *tmp = NULL;
+        int fd = copy_to_new(s->path, &tmp); /* model 5: the damage goes to a new file, renamed over the name */
         if (fd < 0) continue;
         for (size_t i = s->n; i-- > 0;) { /* undo, newest first */
             PendingWrite *w = &s->w[i];
@@ -263,21 +316,27 @@ static void fault_do_crash(int mode, uint64_t seed) {
         if (ftruncate(fd, (off_t)s->synced_size) != 0) { /* best effort */ }
         for (size_t i = 0; i < s->n; i++) {
             PendingWrite *w = &s->w[i];
-            size_t keep = w->len;
+            size_t keep = w->trunc ? 1 : w->len; /* a truncate is kept or not, never torn */
             switch (mode) {
             case DBSP_CRASH_DROP: keep = 0; break;
-            case DBSP_CRASH_TEAR: if (i + 1 == s->n) keep = (size_t)(rng_next(&rng) % w->len); break;
-            case DBSP_CRASH_REORDER: keep = (rng_next(&rng) & 1) ? w->len : 0; break;
+            case DBSP_CRASH_TEAR:
+                if (i + 1 == s->n) keep = w->trunc || !w->len ? (size_t)(rng_next(&rng) & 1) : (size_t)(rng_next(&rng) % w->len);
+                break;
+            case DBSP_CRASH_REORDER: keep = (rng_next(&rng) & 1) ? keep : 0; break;
             case DBSP_CRASH_CHAOS: {
                 uint64_t r = rng_next(&rng) % 3;
-                keep = r == 0 ? 0 : r == 1 ? w->len : (size_t)(rng_next(&rng) % w->len);
+                keep = r == 0 ? 0 : r == 1 || w->trunc || !w->len ? keep : (size_t)(rng_next(&rng) % w->len);
                 break;
             }
             default: break;
             }
-            if (keep && pwrite(fd, w->data, keep, (off_t)w->off) < 0) break;
+            if (keep && w->trunc) {
+                if (ftruncate(fd, (off_t)w->off) != 0) break;
+            } else if (keep && pwrite(fd, w->data, keep, (off_t)w->off) < 0) break;
         }
         close(fd);
+        if (rename(tmp, s->path) != 0) unlink(tmp);
+        free(tmp);
         state_forget(s);
     }
     for (FaultState *s = fault_files; s; s = s->next) { /* then the directory entries */
@@ -318,15 +377,50 @@ static int fault_tick(const char *op, const char *path) {
         return guard_rc_;                       \
     }
 
+static int fault_remember(FaultState *s, PendingWrite w) {
+    if (s->n == s->cap) {
+        size_t cap = s->cap ? s->cap * 2 : 16;
+        PendingWrite *p = realloc(s->w, cap * sizeof *p);
+        if (!p) return DBSP_ENOMEM;
+        s->w = p;
+        s->cap = cap;
+    }
+    s->w[s->n++] = w;
+    return DBSP_OK;
+}
+
+/* DBSP_VFS_ADOPT (model 2): every byte of the file is one unsynced write over an empty file, the file created. */
+static int fault_adopt(FaultState *s, DbspFile *f) {
+    struct stat st;
+    if (fstat(f->fd, &st) != 0) return io_fail(errno, "fstat", f->path);
+    size_t len = (size_t)st.st_size, got = 0;
+    unsigned char *data = malloc(len + 1);
+    if (!data) return dbsp_storage_fail(DBSP_ENOMEM, ENOMEM, "open %s: out of memory in fault VFS", f->path);
+    int rc = px_pread(f, data, len, 0, &got);
+    if (!rc && got != len) rc = dbsp_storage_fail(DBSP_EIO, EIO, "open %s: changed while adopted", f->path);
+    state_forget(s);
+    s->synced_size = 0;
+    s->created = 1;
+    if (!rc && len && fault_remember(s, (PendingWrite){0, len, 0, data, 0}) == DBSP_OK) data = NULL;
+    else if (!rc && len) rc = dbsp_storage_fail(DBSP_ENOMEM, ENOMEM, "open %s: out of memory in fault VFS", f->path);
+    free(data);
+    return rc;
+}
+
 static int ft_open(DbspVfs *vfs, const char *path, int flags, DbspFile **out) {
     FAULT_GUARD("open", path);
     int existed = access(path, F_OK) == 0;
-    int rc = px_open(vfs, path, flags, out);
+    int rc = px_open(vfs, path, flags & ~DBSP_VFS_ADOPT, out);
     if (rc == DBSP_OK) {
         FaultState *s = state_get(path, (*out)->fd);
         if (s) {
             s->open_count++;
             if (!existed) s->created = 1;
+        }
+        if (s && (flags & DBSP_VFS_ADOPT)) rc = fault_adopt(s, *out);
+        if (rc) {
+            px_close(*out);
+            *out = NULL;
         }
     }
     pthread_mutex_unlock(&fault_mu);
@@ -350,18 +444,11 @@ static int ft_pwrite(DbspFile *f, const void *buf, size_t len, uint64_t off) {
     FaultState *s = state_get(f->path, f->fd);
     unsigned char *data = malloc(len * 2 + 1);
     if (!s || !data) goto out;
-    if (s->n == s->cap) {
-        size_t cap = s->cap ? s->cap * 2 : 16;
-        PendingWrite *w = realloc(s->w, cap * sizeof *w);
-        if (!w) goto out;
-        s->w = w;
-        s->cap = cap;
-    }
     memcpy(data, buf, len);
     size_t old_len = 0;
     if ((rc = px_pread(f, data + len, len, off, &old_len)) != DBSP_OK) goto out;
-    if ((rc = px_pwrite(f, buf, len, off)) != DBSP_OK) goto out;
-    s->w[s->n++] = (PendingWrite){off, len, old_len, data};
+    if ((rc = fault_remember(s, (PendingWrite){off, len, old_len, data, 0})) != DBSP_OK) goto out;
+    if ((rc = px_pwrite(f, buf, len, off)) != DBSP_OK) { s->n--; goto out; }
     data = NULL;
 out:
     free(data);
@@ -394,8 +481,42 @@ static int ft_size(DbspFile *f, uint64_t *out) {
 
 static int ft_truncate(DbspFile *f, uint64_t size) {
     FAULT_GUARD("truncate", f->path);
-    int rc = px_truncate(f, size);
-    if (rc == DBSP_OK) fault_mark_synced(f);
+    FaultState *s = state_get(f->path, f->fd);
+    int rc = DBSP_OK;
+    if (s && s->n) { /* model 2: remembered with the bytes it cuts */
+        uint64_t cur = 0;
+        unsigned char *cut = NULL;
+        size_t got = 0;
+        if (!(rc = px_size(f, &cur)) && cur > size) {
+            if (!(cut = malloc((size_t)(cur - size))))
+                rc = dbsp_storage_fail(DBSP_ENOMEM, ENOMEM, "truncate %s: out of memory in fault VFS", f->path);
+            else rc = px_pread(f, cut, (size_t)(cur - size), size, &got);
+        }
+        if (!rc && fault_remember(s, (PendingWrite){size, 0, got, cut, 1}) != DBSP_OK)
+            rc = dbsp_storage_fail(DBSP_ENOMEM, ENOMEM, "truncate %s: out of memory in fault VFS", f->path);
+        else if (!rc && (rc = px_truncate(f, size))) s->n--;
+        if (rc) free(cut);
+    } else if ((rc = px_truncate(f, size)) == DBSP_OK) fault_mark_synced(f);
+    pthread_mutex_unlock(&fault_mu);
+    return rc;
+}
+
+static int ft_punch(DbspFile *f, uint64_t off, uint64_t len) { /* model 2: a write of zeros */
+    FAULT_GUARD("punch hole", f->path);
+    FaultState *s = state_get(f->path, f->fd);
+    uint64_t cur = 0;
+    int rc = px_size(f, &cur);
+    size_t n = !rc && off < cur ? (size_t)((off + len < cur ? off + len : cur) - off) : 0;
+    unsigned char *data = n ? calloc(1, 2 * n) : NULL;
+    size_t got = 0;
+    if (!rc && (!s || (n && !data))) rc = dbsp_storage_fail(DBSP_ENOMEM, ENOMEM, "punch hole %s: out of memory in fault VFS", f->path);
+    if (!rc && n) rc = px_pread(f, data + n, n, off, &got);
+    if (!rc) rc = px_punch(f, off, len);
+    if (!rc && n && fault_remember(s, (PendingWrite){off, n, got, data, 0}) != DBSP_OK)
+        rc = dbsp_storage_fail(DBSP_ENOMEM, ENOMEM, "punch hole %s: out of memory in fault VFS (the hole is made)",
+                               f->path);
+    else if (!rc && n) data = NULL;
+    free(data);
     pthread_mutex_unlock(&fault_mu);
     return rc;
 }
@@ -453,7 +574,7 @@ static int ft_unlink(DbspVfs *vfs, const char *path) {
 }
 
 static DbspVfs fault_vfs = {"fault", ft_open, ft_close, ft_pread, ft_pwrite, ft_fsync,
-                            ft_size, ft_truncate, ft_fsync_dir, ft_rename, ft_unlink};
+                            ft_size, ft_truncate, ft_fsync_dir, ft_rename, ft_unlink, ft_punch};
 
 DbspVfs *dbsp_vfs_fault(void) { return &fault_vfs; }
 

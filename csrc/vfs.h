@@ -10,7 +10,15 @@
 typedef struct DbspVfs DbspVfs;
 typedef struct DbspFile DbspFile;
 
-enum { DBSP_VFS_CREATE = 1, DBSP_VFS_EXCL = 2, DBSP_VFS_READONLY = 4 /* open for reading only */ };
+enum {
+    DBSP_VFS_CREATE = 1,
+    DBSP_VFS_EXCL = 2,
+    DBSP_VFS_READONLY = 4, /* open for reading only */
+    /* open an existing file whose bytes were written outside the VFS (through a shared mapping: a merge's scratch
+     * file) and neither they nor its name were ever synced; the fault VFS remembers all of them as unsynced writes
+     * and the file as created since its directory was last fsynced (a crash may lose, tear or remove them) */
+    DBSP_VFS_ADOPT = 8
+};
 
 /* Every entry returns DBSP_OK or a storage status with the thread's message set.
  * pread returns fewer bytes than asked only at end of file (*nread says how many). */
@@ -26,6 +34,10 @@ struct DbspVfs {
     int (*fsync_dir)(DbspVfs *vfs, const char *dirpath);
     int (*rename)(DbspVfs *vfs, const char *from, const char *to);
     int (*unlink)(DbspVfs *vfs, const char *path);
+    /* Gives back the blocks of [off, off + len) (a hole: reads as zeros, the size unchanged). DBSP_ENOTSUP when the
+     * file system cannot (the caller keeps the blocks: a hole is room, never content). NULL in a VFS that has no
+     * such call: a merge output then never becomes its batch file in place (batchfile.py invariant 7). */
+    int (*punch)(DbspFile *f, uint64_t off, uint64_t len);
 };
 
 struct DbspFile {
@@ -38,8 +50,9 @@ struct DbspFile {
 DbspVfs *dbsp_vfs_posix(void);
 
 /* The process-wide fault-injecting implementation (wraps POSIX; one global controller, thread-safe).
- * It counts every open/pread/pwrite/fsync/size/truncate/fsync_dir/rename/unlink as one operation.
- * Unsynced writes are remembered per file (with the bytes they overwrote) until fsync or truncate. */
+ * It counts every open/pread/pwrite/fsync/size/truncate/fsync_dir/rename/unlink/punch as one operation.
+ * Unsynced writes (punches and truncates of a file with unsynced writes included) are remembered per file (with the
+ * bytes they overwrote) until fsync (or a truncate of a file with none). */
 DbspVfs *dbsp_vfs_fault(void);
 
 /* Damage applied to unsynced writes when the fault VFS simulates a crash. */
@@ -53,7 +66,8 @@ enum {
 
 /* Arms the fault VFS: the operation numbered `crash_at` (1-based; 0 = never) simulates a crash with `mode`
  * (using `seed` for the random choices) instead of running, and every later operation fails with DBSP_ECRASHED.
- * The operation numbered `error_at` (0 = never) fails once with `error_errno` (EIO or ENOSPC) and does nothing.
+ * The operation numbered `error_at` (0 = never) fails once with `error_errno` (EIO, ENOSPC or EOPNOTSUPP: the
+ * operation is not supported, DBSP_ENOTSUP) and does nothing.
  * Resets the operation counter and forgets all remembered writes. */
 void dbsp_vfs_fault_arm(uint64_t crash_at, int mode, uint64_t seed, uint64_t error_at, int error_errno);
 /* Number of operations counted since the last arm. */

@@ -12,7 +12,8 @@ class FaultInjector:
 
     ``arm(crash_at=N, mode=...)`` makes the N-th I/O operation simulate a crash: unsynced writes are kept,
     dropped, torn, reordered or mixed (``mode`` in ``keep, drop, tear, reorder, chaos``) and every later
-    operation fails. ``arm(error_at=N, error="EIO"|"ENOSPC")`` fails the N-th operation once.
+    operation fails. ``arm(error_at=N, error="EIO"|"ENOSPC"|"EOPNOTSUPP")`` fails the N-th operation once
+    (EOPNOTSUPP: as a file system without the operation answers; a hole punch then goes without the hole).
 
     Examples
     --------

@@ -35,10 +35,11 @@ those traces with their inputs' full schemas. Both are read (``DIRECTORY_FORMATS
                                 named by checkpoints (``DRBF`` values) instead of copying their rows; deleted when
                                 no live batch reads them and no checkpoint that may be opened names them
       spill/merge-<random>.tmp  not a format: the raw output buffers of a merge built on disk (spill.py invariant
-                                12), unlinked as soon as they are mapped, or (posix VFS) kept, with room for a
-                                batch file's header before the rows, until the merge ends and the file becomes
-                                its batch file in place (renamed: batchfile.py invariant 7) or the merge is
-                                dropped (unlinked); one a crash left is deleted by the next open's sweep. Its
+                                12), unlinked as soon as they are mapped, or (a VFS that adopts files: posix, the
+                                fault one) kept, with room for a batch file's header before the rows, until the
+                                merge ends and the file becomes its batch file in place (renamed: batchfile.py
+                                invariant 7) or the merge is dropped (unlinked); one a crash left is deleted by
+                                the next open's sweep. Its
                                 rows reach disk as a batch file (above) when the merge ends
 
 A pipeline whose ``storage=`` is an object store (dbsp_core.storage.remote) runs on a local cache directory of

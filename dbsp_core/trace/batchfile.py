@@ -72,16 +72,21 @@ Invariants (enforced here; checked by :func:`verify`):
      fields, found by their vtables; any buffer not in the scratch mapping, or a byte of the body the writer made
      itself, and the file is written by :func:`write_batch` instead), and then, by pwrite(2) on the scratch file:
      the metadata before the rows, the Arrow footer, fence, filter and page CRCs after them (the CRCs read the
-     rows back through a mapping, a piece at a time), the header, the footer; the room the output did not fill is
-     given back (a hole) before the CRCs read it; fsync, rename to the batch file's name, fsync of the directory,
-     as in invariant 1 (a crash before the rename leaves a ``merge-*.tmp``, which an open sweeps). The rows are
-     written once, by the merge; the spill writes O(metadata + sections). The same format, checksums and
-     checks; posix VFS only (the fault VFS's crash tests keep the copy, whose operations they number).
+     rows from the scratch mapping, a piece at a time: the file's bytes, never read through the file), the header,
+     the footer; the room the output did not fill is given back (a hole) before the CRCs read it; fsync, rename to
+     the batch file's name, fsync of the directory, as in invariant 1 (a crash before the rename leaves a
+     ``merge-*.tmp``, which an open sweeps). The rows are written once, by the merge; the spill writes O(metadata +
+     sections). The same format, checksums and checks. Every step is an operation of the store's VFS (a
+     ``_storage.FileWriter`` that adopts the scratch file, csrc/smallfile.h invariant 4: open, truncate, each hole,
+     each pwrite, fsync, rename, fsync of the directory), so the fault VFS counts, crashes and fails each as it
+     does invariant 1's; it models the rows the merge wrote through the mapping as unsynced writes of a file not
+     yet durable in its directory (csrc/vfs.c, model 2), so a missing fsync before the rename loses them at a
+     crash. A file system without hole punching (EOPNOTSUPP) keeps the blocks (the bytes are zeros either way).
+     A VFS that cannot adopt a file (no ``punch`` entry; posix and fault both can) gets the copy.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import mmap
@@ -558,11 +563,15 @@ def _relocate_footer(trailer: bytes, body_len: int) -> bytearray:
     return out
 
 
-def write_in_place(path: str, batch: Any, cursor: Any, sync: bool = True) -> int | None:
+def write_in_place(path: str, batch: Any, cursor: Any, sync: bool = True, vfs: str = "posix") -> int | None:
     """Make the finished merge output ``batch``, built by ``cursor`` in a named scratch file with room before its
     rows (bindings/merge.pxi ``prefix``), the batch file at ``path`` without copying its rows (invariant 7); returns
     the file's size, or None when the output's buffers are not where the file needs them (then nothing is written
-    and the caller writes the file with :func:`write_batch`)."""
+    and the caller writes the file with :func:`write_batch`). Every write, the truncate, the holes and the commit
+    are operations of the VFS ``vfs`` (it must adopt files: ``_storage.vfs_adopts``), so the fault VFS counts and can
+    crash or fail each; an error is a StorageError naming the file, and leaves the scratch file to its cursor."""
+    from dbsp_core import _storage
+
     scratch = cursor.scratch_path
     mapping = cursor.mapping
     if scratch is None or mapping is None or len(batch) == 0:
@@ -618,30 +627,34 @@ def write_in_place(path: str, batch: Any, cursor: Any, sync: bool = True) -> int
     alen = body_at + new_len + len(tail)
     fence_off, crc_off, end, size, sections, header, footer = _layout(batch, alen)
     cursor.drop()  # the key hashes the filter and fence read leave the process (spill.py invariant 12)
-    fd = os.open(scratch, os.O_RDWR)
+    holes = _holes(new_at, [(new_at + rel, n) for (_p, _b, _a, n), rel in _placed(cap.parts, body_at, body_len, base,
+                                                                                   new_at)])
+    out = None
     try:
-        os.ftruncate(fd, size)
-        _punch(fd, new_at, [(new_at + rel, n) for (_p, b, addr, n), rel in _placed(cap.parts, body_at, body_len,
-                                                                                      base, new_at)])
-        os.pwrite(fd, head, 64)
-        os.pwrite(fd, tail, 64 + body_at + new_len)
-        crcs, whole = _page_crcs(fd, 64, alen)
+        out = _storage.FileWriter(path, vfs, adopt=scratch)  # the scratch file as the temporary file (invariant 7)
+        out.truncate(size)
+        for lo, n in holes:
+            if not out.punch(lo, n):  # a file system without hole punching keeps the blocks (zeros either way)
+                break
+        out.pwrite(head, 64)
+        out.pwrite(tail, 64 + body_at + new_len)
+        crcs, whole = _page_crcs((bytes(head), mapping, bytes(tail)), (0, new_at, new_at + new_len), new_len,
+                                 cursor.drop)
         crc_bytes = np.array(crcs, dtype="<u4").tobytes()
         rest = bytes(fence_off - 64 - alen) + sections + crc_bytes + bytes(end - crc_off - len(crc_bytes))
-        os.pwrite(fd, rest, 64 + alen)
+        out.pwrite(rest, 64 + alen)
         hb = header(crc_bytes)
-        os.pwrite(fd, hb, 0)
-        os.pwrite(fd, footer(_crc(rest, crc_combine(_crc(hb), whole, alen))), end)
-        if sync:
-            os.fsync(fd)
-    except OSError as e:
-        raise StorageError(e.errno or 0, f"writing batch file {path} in place of {scratch}: {e.strerror or e}; "
-                                         f"check the disk of {os.path.dirname(path) or '.'}") from e
-    finally:
-        os.close(fd)
-    os.rename(cursor.adopt_scratch(), path)
-    if sync:
-        _fsync_dir(os.path.dirname(path) or ".")
+        out.pwrite(hb, 0)
+        out.pwrite(footer(_crc(rest, crc_combine(_crc(hb), whole, alen))), end)
+        out.commit(sync)  # fsync, rename over path, fsync of the directory (sync)
+    except OSError as e:  # StorageError is an OSError
+        if out is not None and not out.done:
+            out.abort(unlink=False)  # the scratch file goes with the cursor's mapping (not adopted)
+        code = getattr(e, "errno", None) or 0
+        raise StorageError(code, f"writing batch file {path} in place of {scratch}: "
+                                 f"{getattr(e, 'strerror', None) or e}; check the disk of "
+                                 f"{os.path.dirname(path) or '.'}") from e
+    cursor.adopt_scratch()  # renamed: nothing to unlink with the mapping
     return size
 
 
@@ -651,10 +664,15 @@ def _placed(parts: list, body_at: int, body_len: int, base: int, new_at: int) ->
     return [(x, x[2] - base - new_at) for x in parts if x[1] is None and body_at <= x[0] < body_at + body_len]
 
 
-def _punch(fd: int, at: int, used: list[tuple[int, int]]) -> None:
-    """Give back the disk blocks of the whole pages between the buffers ``used`` ((file offset, length)) of a body
-    starting at ``at``: the room a merge's output did not fill (it shrank), read as zeros from now on. Best effort
-    (a file system without hole punching keeps them)."""
+def _holes(at: int, used: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The whole pages (offset, length) between the buffers ``used`` ((file offset, length)) of a body starting at
+    ``at``, runs of at least ``PUNCH_MIN`` bytes: the room a merge's output did not fill (it shrank), which
+    :func:`write_in_place` gives back (a hole: read as zeros from then on; a file system without hole punching keeps
+    the blocks, zeros too).
+
+    >>> _holes(0, [(0, 10), (200_000, 8)])
+    [(4096, 192512)]
+    """
     page = mmap.PAGESIZE
     holes = []
     prev = at
@@ -663,65 +681,54 @@ def _punch(fd: int, at: int, used: list[tuple[int, int]]) -> None:
         if hi - lo >= PUNCH_MIN:
             holes.append((lo, hi - lo))
         prev = max(prev, off + n)
-    if not holes:
-        return
-    libc = _libc()
-    if libc is None:
-        return
-    for lo, n in holes:
-        if libc.fallocate(fd, 3, ctypes.c_long(lo), ctypes.c_long(n)) != 0:  # PUNCH_HOLE | KEEP_SIZE
-            return
+    return holes
 
 
 PUNCH_MIN = 64 << 10  # bytes of unfilled room from which write_in_place gives its blocks back
 
 
-def _libc() -> Any:
-    global _LIBC
-    if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL(None, use_errno=True)
-            _LIBC.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-        except (OSError, AttributeError):
-            _LIBC = False
-    return _LIBC or None
-
-
-_LIBC: Any = None
-
-
-def _page_crcs(fd: int, at: int, n: int) -> tuple[list[int], int]:
-    """The CRC-32C of each ``PAGE`` of the ``n`` bytes at file offset ``at`` of ``fd``, and of all of them, read
-    through a mapping a ``STREAM_CHUNK`` at a time whose pages leave the process after each."""
+def _page_crcs(parts: tuple, starts: tuple, big: int, drop: Any) -> tuple[list[int], int]:
+    """The CRC-32C of each ``PAGE`` of the Arrow file made of ``parts`` (byte strings, and the scratch mapping), and
+    of all of them: part i from file offset ``starts[i]`` on (the Arrow file's first byte at 64), the mapping's part
+    ``big`` bytes long (the file's bytes are the mapping's: the rows the merge wrote, the holes punched), read a
+    ``STREAM_CHUNK`` at a time, its pages leaving the process after each (``drop``, spill.py invariant 12). Nothing is
+    read through the file: its bytes are in memory already, so the fault VFS's model of them is the writes'."""
     from dbsp_core import _storage
 
     crcs: list[int] = []
-    whole = 0
-    lo = at - at % mmap.ALLOCATIONGRANULARITY
-    m = mmap.mmap(fd, at + n - lo, access=mmap.ACCESS_READ, offset=lo)
-    try:
-        mv = memoryview(m)
+    whole = cur = pos = 0
+    for part, at in zip(parts, starts):
+        mv = memoryview(part).cast("B")
         try:
-            for i in range(0, n, STREAM_CHUNK):  # (STREAM_CHUNK is a multiple of PAGE)
-                piece = mv[at - lo + i:at - lo + min(n, i + STREAM_CHUNK)]
-                out = np.empty(-(-len(piece) // PAGE), dtype=np.uint32)
-                whole = crc_combine(whole, _storage.crc32c_pages(piece, PAGE, out), len(piece))
-                crcs.extend(out.tolist())
-                piece.release()
-                m.madvise(mmap.MADV_DONTNEED)  # what this piece read leaves the process (spill.py invariant 12)
+            if isinstance(part, (bytes, bytearray)):
+                lo, hi = 0, len(mv)
+            else:
+                lo, hi = at, at + big
+            i = lo
+            while i < hi:
+                if pos % PAGE == 0 and hi - i >= PAGE:  # whole pages: one C pass a piece
+                    take = min(hi - i, STREAM_CHUNK) // PAGE * PAGE
+                    out = np.empty(take // PAGE, dtype=np.uint32)
+                    whole = crc_combine(whole, _storage.crc32c_pages(mv[i:i + take], PAGE, out), take)
+                    crcs.extend(out.tolist())
+                    if drop is not None and not isinstance(part, (bytes, bytearray)):
+                        drop()
+                else:
+                    take = min(PAGE - pos % PAGE, hi - i)
+                    cur = _crc(mv[i:i + take], cur)
+                    whole = _crc(mv[i:i + take], whole)
+                    if (pos + take) % PAGE == 0:
+                        crcs.append(cur)
+                        cur = 0
+                i += take
+                pos += take
         finally:
             mv.release()
-    finally:
-        m.close()
+    if pos % PAGE:
+        crcs.append(cur)
+    if drop is not None:
+        drop()
     return crcs, whole
-
-
-def _fsync_dir(d: str) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class BatchFile(NamedTuple):

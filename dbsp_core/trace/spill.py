@@ -32,7 +32,9 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      rows (levels.py ``_Merge.step``) the pages it wrote and the pages it read of spilled inputs leave the process
      (madvise: the written ones stay the file's, in the page cache, which writes them back). When it finishes, the
      output is spilled (:meth:`BatchStore.spill_output`) at the end of the insert's merge work (levels.py
-     ``Trace._work``): under the posix VFS (``IN_PLACE``) the scratch file, which the merge built with room for
+     ``Trace._work``): with ``IN_PLACE`` (through the store's VFS, posix or the fault-injecting one alike: each
+     write, truncate, hole, fsync and rename an operation it counts and can crash or fail) the scratch file, which
+     the merge built with room for
      the batch file's header and Arrow metadata before its rows (:meth:`BatchStore.merge_room`), becomes the batch
      file in place, its rows never copied (batchfile.py invariant 7); else its batch file is streamed from the
      scratch mapping a piece at a time (batchfile.py ``write_batch``); so neither the merge nor its spill holds the
@@ -341,7 +343,8 @@ class BatchStore:
     # whether a merge built on disk (``merge_dir``) builds its output in a scratch file with room for the batch file's
     # header and Arrow metadata before its rows, so that its spill (``spill_output``) writes those and the sections
     # after the rows and renames the file (batchfile.py invariant 7) instead of copying every row into a new file;
-    # posix VFS only (the fault VFS's crash tests see the copy's operations). False: the copy, as before
+    # through the store's VFS, posix or fault (one that cannot adopt a file, ``_storage.vfs_adopts``: the copy).
+    # False: the copy, as before
     IN_PLACE = True
 
     def __init__(self, memory_limit: int, directory: str | None = None, durable: bool = False,
@@ -546,7 +549,9 @@ class BatchStore:
     def merge_room(self, a: "IndexedZSet") -> int:
         """Bytes a merge built on disk (:meth:`merge_dir`) of batches like ``a`` reserves before its rows, so that
         its output becomes its batch file in place (invariant 12, ``IN_PLACE``); 0: the output is copied into one."""
-        if not self.IN_PLACE or self.vfs != "posix":
+        from dbsp_core import _storage
+
+        if not self.IN_PLACE or not _storage.vfs_adopts(self.vfs):  # (posix and fault both do)
             return 0
         return in_place_room(a)
 
@@ -571,7 +576,7 @@ class BatchStore:
             return
         if getattr(cursor, "scratch_path", None) is not None:  # built with room for the header: in place
             name, path = self._new_name()
-            size = write_in_place(path, out, cursor, sync=self.durable)
+            size = write_in_place(path, out, cursor, sync=self.durable, vfs=self.vfs)
             if size is not None:
                 self.stats["written_in_place"] += 1
                 self.stats["bytes_in_place"] += size

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from dbsp_core import ZSet
+from dbsp_core import ZSet, _storage
 from dbsp_core.trace import Trace
 from dbsp_core.trace.batchfile import open_batch, verify
 from dbsp_core.trace.spill import BatchStore, spilling
@@ -28,17 +28,21 @@ def test_seed_is_printed() -> None:
 def _run(in_place: bool, durable: bool, monkeypatch, tmp_path) -> tuple[dict, dict, dict, int, list]:
     """Steps of growing inserts (int keys, nullable strings, weights that cancel) into a trace under a 1-byte budget,
     every merge built on disk, an enforce after each step. Returns (content, dict model, store stats, bytes handed to
-    os.pwrite, the batch files' paths at the end, each verified)."""
+    the VFS by the writers that adopt a scratch file, the batch files' paths at the end, each verified)."""
     monkeypatch.setattr(BatchStore, "FILE_MERGE_MIN", 0)
     monkeypatch.setattr(BatchStore, "IN_PLACE", in_place)
     written = [0]
-    real = os.pwrite
 
-    def counted(fd: int, data, offset: int) -> int:
-        written[0] += len(memoryview(data).cast("B"))
-        return real(fd, data, offset)
+    class Counted(_storage.FileWriter):  # the bytes handed to the VFS by writers that adopt a scratch file
+        def __init__(self, path, vfs="posix", adopt=None):
+            self.adopted = adopt is not None
 
-    monkeypatch.setattr(os, "pwrite", counted)
+        def pwrite(self, data, offset):
+            if self.adopted:
+                written[0] += len(memoryview(data).cast("B"))
+            return super().pwrite(data, offset)
+
+    monkeypatch.setattr(_storage, "FileWriter", Counted)
     rng = np.random.default_rng(SEED)
     schema = pa.schema([("k", pa.int64()), ("s", pa.utf8()), ("v", pa.int64())])
     t, want = Trace(schema, ("k",)), {}
@@ -76,7 +80,7 @@ def _run(in_place: bool, durable: bool, monkeypatch, tmp_path) -> tuple[dict, di
 def test_merge_outputs_become_their_batch_files_in_place(durable: bool, monkeypatch, tmp_path) -> None:
     """Against the dict model and against the copy (IN_PLACE False, the same merges on disk): the same content, and
     the spilled outputs became their files without their rows passing through a write: what the spill handed to
-    pwrite(2) is the header, the Arrow metadata, the fence, filter and page CRCs, a small part of the files. Breaking
+    the VFS's pwrite is the header, the Arrow metadata, the fence, filter and page CRCs, a small part of the files. Breaking
     the relocation of the record batch's buffers (their offsets moved by 8 bytes) fails the files' reads (Arrow: file
     too short); without the finalizer that unlinks a scratch file not adopted (bindings/merge.pxi), the check for
     scratch files left behind fails."""
