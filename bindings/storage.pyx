@@ -726,8 +726,8 @@ def file_remove(str path, str vfs="posix"):
 cdef class FileWriter:
     """``path`` written in pieces through the VFS ``vfs``: to ``path``.tmp (created or truncated), or with ``adopt``
     to that existing file (written outside the VFS, through a mapping, and never synced: csrc/smallfile.h), then put
-    in place by :meth:`commit` (fsync, rename, fsync of the directory) or given up by :meth:`abort`. Every call is one VFS
-    operation (the fault VFS counts and can crash each); the I/O runs without the GIL."""
+    in place by :meth:`commit` (fsync, rename, fsync of the directory) or given up by :meth:`abort`. Every call is
+    one VFS operation (the fault VFS counts and can crash each); the I/O runs without the GIL."""
     cdef DbspFileWriter *w
     cdef readonly str path
 

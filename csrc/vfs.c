@@ -12,15 +12,15 @@
  *     A punched hole is remembered as a write of zeros. A file opened with DBSP_VFS_ADOPT (a merge's scratch file,
  *     written through a shared mapping: batchfile.py invariant 7) is remembered as one write of all its bytes over
  *     an empty synced file, and as created: until an fsync, a crash may drop, tear or remove it.
- *  3. Operation `error_at` fails once with the armed errno (EIO or ENOSPC) and has no effect.
- *  5. A crash leaves the open descriptors and mappings of the files it damages as they were: each damaged file is
- *     rebuilt in a new file renamed over its name (the damage applied there), so a mapping of the old one (a merge's
- *     scratch output, a batch file) never faults with SIGBUS on a page the crash cut away; the process is over for
- *     the model anyway (every later operation fails) and the next open reads the names.
+ *  3. Operation `error_at` fails once with the armed errno (EIO, ENOSPC or EOPNOTSUPP) and has no effect.
  *  4. Creating a file and renaming one are not durable until the directory is fsynced: at a crash (in every
  *     mode but keep; at random in reorder and chaos) an undurable rename is undone and an undurable new file
  *     is removed. Unlinks are treated as durable once they return, and so is a rename over an existing file
  *     (also when the renamed file was new: the existing name is replaced atomically, never left absent).
+ *  5. A crash leaves the open descriptors and mappings of the files it damages as they were: each damaged file is
+ *     rebuilt in a new file renamed over its name (the damage applied there), so a mapping of the old one (a merge's
+ *     scratch output, a batch file) never faults with SIGBUS on a page the crash cut away; the process is over for
+ *     the model anyway (every later operation fails) and the next open reads the names.
  */
 #include "vfs.h"
 
@@ -320,7 +320,8 @@ static void fault_do_crash(int mode, uint64_t seed) {
             switch (mode) {
             case DBSP_CRASH_DROP: keep = 0; break;
             case DBSP_CRASH_TEAR:
-                if (i + 1 == s->n) keep = w->trunc || !w->len ? (size_t)(rng_next(&rng) & 1) : (size_t)(rng_next(&rng) % w->len);
+                if (i + 1 == s->n)
+                    keep = w->trunc || !w->len ? (size_t)(rng_next(&rng) & 1) : (size_t)(rng_next(&rng) % w->len);
                 break;
             case DBSP_CRASH_REORDER: keep = (rng_next(&rng) & 1) ? keep : 0; break;
             case DBSP_CRASH_CHAOS: {
@@ -509,7 +510,8 @@ static int ft_punch(DbspFile *f, uint64_t off, uint64_t len) { /* model 2: a wri
     size_t n = !rc && off < cur ? (size_t)((off + len < cur ? off + len : cur) - off) : 0;
     unsigned char *data = n ? calloc(1, 2 * n) : NULL;
     size_t got = 0;
-    if (!rc && (!s || (n && !data))) rc = dbsp_storage_fail(DBSP_ENOMEM, ENOMEM, "punch hole %s: out of memory in fault VFS", f->path);
+    if (!rc && (!s || (n && !data)))
+        rc = dbsp_storage_fail(DBSP_ENOMEM, ENOMEM, "punch hole %s: out of memory in fault VFS", f->path);
     if (!rc && n) rc = px_pread(f, data + n, n, off, &got);
     if (!rc) rc = px_punch(f, off, len);
     if (!rc && n && fault_remember(s, (PendingWrite){off, n, got, data, 0}) != DBSP_OK)
