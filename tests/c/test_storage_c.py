@@ -33,6 +33,24 @@ def test_crc32c_hardware_and_portable_paths_agree():
         assert crc32c(view, seed) == crc32c_portable(view, seed), (lo, n, seed)
 
 
+def test_crc32c_three_chains_agree_at_their_block_edges():
+    """csrc/crc32c.c design note 1: inputs of three 8 KiB or 256-byte blocks are checksummed as three interleaved
+    chains and combined; every length around those edges, at every alignment, chained from a seed or not, gives the
+    one-chain checksum (slicing-by-8)."""
+    rng = random.Random(11)
+    buf = rng.randbytes(4 * 24_576 + 2_000)
+    lengths = {0, 8, 767, 768, 769, 1535, 1536, 24_575, 24_576, 24_577, 24_576 + 768, 24_576 + 767,
+               2 * 24_576 + 5 * 768 + 13, 4 * 24_576}
+    for n in sorted(lengths):
+        for lo in (0, 1, 3, 7, 8):
+            seed = rng.getrandbits(32)
+            view = memoryview(buf)[lo:lo + n]
+            assert crc32c(view) == crc32c_portable(view), (lo, n)
+            assert crc32c(view, seed) == crc32c_portable(view, seed), (lo, n, seed)
+            cut = n // 3
+            assert crc32c(view[cut:], crc32c(view[:cut], seed)) == crc32c_portable(view, seed), (lo, n, cut)
+
+
 def scan(txn, table):
     cur = txn.cursor(table)
     out = []
