@@ -252,6 +252,17 @@ static int cache_insert(DbspPageStore *ps, uint64_t pgno, unsigned char *buf, in
 
 static uint32_t page_crc(const unsigned char *p) { return dbsp_crc32c(0, p + 4, PS - 4); }
 
+/* Reads page pgno from the file into buf (PS bytes) and verifies it: checksum, number, type. */
+static int page_read_checked(DbspPageStore *ps, uint64_t pgno, unsigned char *buf) {
+    if (pgno < 2) return ps_corrupt(ps, pgno, "reference to a meta page");
+    int rc = dbsp_vfs_read_exact(ps->f, buf, PS, pgno * PS, "page");
+    if (rc) return rc;
+    if (rd32(buf) != page_crc(buf)) return ps_corrupt(ps, pgno, "checksum mismatch");
+    if (rd64(buf + 8) != pgno) return ps_corrupt(ps, pgno, "header names another page");
+    if (buf[4] < T_LEAF || buf[4] > T_FREELIST) return ps_corrupt(ps, pgno, "unknown page type");
+    return DBSP_OK;
+}
+
 /* Returns the page (verified when read from disk). Clean page pointers stay valid until the next page load. */
 static int page_get(DbspPageStore *ps, uint64_t pgno, unsigned char **out) {
     Ent *e = cache_find(ps, pgno);
@@ -263,11 +274,8 @@ static int page_get(DbspPageStore *ps, uint64_t pgno, unsigned char **out) {
     if (pgno < 2) return ps_corrupt(ps, pgno, "reference to a meta page");
     unsigned char *buf = malloc(PS);
     if (!buf) return oom();
-    int rc = dbsp_vfs_read_exact(ps->f, buf, PS, pgno * PS, "page");
+    int rc = page_read_checked(ps, pgno, buf);
     if (rc) { free(buf); return rc; }
-    if (rd32(buf) != page_crc(buf)) { free(buf); return ps_corrupt(ps, pgno, "checksum mismatch"); }
-    if (rd64(buf + 8) != pgno) { free(buf); return ps_corrupt(ps, pgno, "header names another page"); }
-    if (buf[4] < T_LEAF || buf[4] > T_FREELIST) { free(buf); return ps_corrupt(ps, pgno, "unknown page type"); }
     if ((rc = cache_insert(ps, pgno, buf, 0, &e))) { free(buf); return rc; }
     *out = buf;
     return DBSP_OK;
@@ -534,16 +542,29 @@ static int overflow_read(DbspPageStore *ps, uint64_t pg, size_t vlen, unsigned c
     return DBSP_OK;
 }
 
+/* Frees a value's overflow chain. A page not in the cache is read into one buffer and verified as page_get
+ * verifies it, but not cached: it is freed at once, and caching it would evict pages still in use (a checkpoint
+ * deletes as many bytes of merged-away batches as it writes). */
 static int overflow_free(DbspTxn *t, uint64_t pg) {
+    unsigned char *scratch = NULL;
+    int rc = DBSP_OK;
     while (pg) {
-        unsigned char *p;
-        int rc = page_get_typed(t->ps, pg, T_OVERFLOW, &p);
-        if (rc) return rc;
+        const unsigned char *p;
+        Ent *e = cache_find(t->ps, pg);
+        if (e) {
+            p = e->buf;
+        } else {
+            if (!scratch && !(scratch = malloc(PS))) return oom();
+            if ((rc = page_read_checked(t->ps, pg, scratch))) break;
+            p = scratch;
+        }
+        if (p[4] != T_OVERFLOW) { rc = ps_corrupt(t->ps, pg, "unexpected page type"); break; }
         uint64_t next = rd64(p + 32);
-        if ((rc = page_free(t, pg))) return rc;
+        if ((rc = page_free(t, pg))) break;
         pg = next;
     }
-    return DBSP_OK;
+    free(scratch);
+    return rc;
 }
 
 /* ---------- B+tree ---------- */

@@ -33,6 +33,24 @@ def test_crc32c_hardware_and_portable_paths_agree():
         assert crc32c(view, seed) == crc32c_portable(view, seed), (lo, n, seed)
 
 
+def test_crc32c_three_chains_agree_at_their_block_edges():
+    """csrc/crc32c.c design note 1: inputs of three 8 KiB or 256-byte blocks are checksummed as three interleaved
+    chains and combined; every length around those edges, at every alignment, chained from a seed or not, gives the
+    one-chain checksum (slicing-by-8)."""
+    rng = random.Random(11)
+    buf = rng.randbytes(4 * 24_576 + 2_000)
+    lengths = {0, 8, 767, 768, 769, 1535, 1536, 24_575, 24_576, 24_577, 24_576 + 768, 24_576 + 767,
+               2 * 24_576 + 5 * 768 + 13, 4 * 24_576}
+    for n in sorted(lengths):
+        for lo in (0, 1, 3, 7, 8):
+            seed = rng.getrandbits(32)
+            view = memoryview(buf)[lo:lo + n]
+            assert crc32c(view) == crc32c_portable(view), (lo, n)
+            assert crc32c(view, seed) == crc32c_portable(view, seed), (lo, n, seed)
+            cut = n // 3
+            assert crc32c(view[cut:], crc32c(view[:cut], seed)) == crc32c_portable(view, seed), (lo, n, cut)
+
+
 def scan(txn, table):
     cur = txn.cursor(table)
     out = []
@@ -71,6 +89,56 @@ def test_btree_grow_and_shrink_with_invariants(tmp_path):
     ps.check()
     pages, free = ps.stats()[:2]
     assert free > pages // 2  # emptied tree: its pages went back to the free list
+    ps.close()
+
+
+def test_freeing_values_read_from_the_file_keeps_checks_and_free_pages(tmp_path):
+    """pagestore.c overflow_free: a deleted value whose overflow pages are not in the cache (a reopened file) is
+    freed from pages read and verified one at a time, not cached: its pages go back to the free list (a value put
+    again reuses them), the file still checks, and a damaged page of a value being deleted is still refused."""
+    rng = random.Random(3)
+    path = str(tmp_path / "db")
+    vals = {b"big": rng.randbytes(70_000), b"mid": rng.randbytes(9_000), b"small": rng.randbytes(50),
+            b"keep": rng.randbytes(20_000)}
+    ps = PageStore(path, "posix", 16)
+    t = ps.begin(0)
+    for k, v in vals.items():
+        t.put(b"t", k, v)
+    t.commit()
+    ps.close()
+    ps = PageStore(path, "posix", 16)  # cold: no page of the values is cached
+    t = ps.begin(1)
+    for k in (b"big", b"mid", b"small"):
+        assert t.delete(b"t", k)
+    assert scan(t, b"t") == [(b"keep", vals[b"keep"])]
+    t.commit()
+    ps.check()
+    pages = ps.stats()[0]
+    ps.close()
+    ps = PageStore(path, "posix", 16)
+    t = ps.begin(2)  # the freed pages are free once version 2 is the only one before it
+    t.commit()
+    t = ps.begin(3)
+    for k in (b"big", b"mid"):
+        t.put(b"t", k, vals[k])
+    assert scan(t, b"t") == sorted((k, vals[k]) for k in (b"big", b"mid", b"keep"))
+    t.commit()
+    ps.check()
+    assert ps.stats()[0] <= pages + 2  # built from the freed pages, not new ones at the end of the file
+    ps.close()
+
+    # a damaged overflow page of the value being deleted: found by its checksum, the delete refused
+    with open(path, "r+b") as f:
+        data = f.read()
+        mid = vals[b"mid"]
+        at = next(o for o in range(2 * 4096, len(data), 4096) if data[o + 4] == 3 and data[o + 40:o + 72] == mid[:32])
+        f.seek(at + 1000)
+        f.write(bytes([data[at + 1000] ^ 0xFF]))
+    ps = PageStore(path, "posix", 16)
+    first, count = ps.versions()
+    t = ps.begin(first + count - 1)
+    with pytest.raises(Exception, match="checksum mismatch"):
+        t.delete(b"t", b"mid")
     ps.close()
 
 
