@@ -294,6 +294,9 @@ class BatchStore:
     INDEX_KEEP_BYTES = 16 << 20
     FILE_MERGE_MIN = 1 << 20  # input bytes from which a merge that does not fit the budget is built on disk
     REGION_CACHE_SHARE = 0.125  # of the limit: the most the C region cache (csrc/scratch.h) keeps while a store lives
+    SCRATCH_SHARE = 0.0625  # of the limit: the most each thread's C scratch cache keeps while a store lives (512 MiB
+    # a thread otherwise: a one-push load's pieces left ~50 MiB of it at 10M rows under 100 MiB, bench/RESULTS.md
+    # "A one-push load under the budget")
     PROGRESS_BYTES = 256 << 20  # an enforce spilling this much shows a progress line (dbsp_core/progress.py)
     ASYNC_BYTES = 64 << 10  # a batch this big is written by the spill thread, off the step (invariant 12); below it
     # a write takes a few ms and stays on the calling thread
@@ -401,6 +404,10 @@ class BatchStore:
         self._region_prev: int | None = _zset.region_cache_limit(cap)
         if self._region_prev < cap:  # already lower (DBSP_REGION_CACHE_MB, another store): leave it
             _zset.region_cache_limit(self._region_prev)
+        cap = int(self.memory_limit * self.SCRATCH_SHARE)
+        self._scratch_prev: int | None = _zset.scratch_cache_limit(cap)
+        if self._scratch_prev < cap:  # the same for each thread's scratch cache (DBSP_SCRATCH_MB)
+            _zset.scratch_cache_limit(self._scratch_prev)
         self.stats.update({"files_written": 0, "bytes_written": 0, "evictions": 0, "bytes_evicted": 0,
                            "enforcements": 0, "cache_hits": 0, "cache_misses": 0, "pages_checked": 0,
                            "written_in_background": 0, "written_for_nothing": 0, "keys_sought": 0,
@@ -1142,10 +1149,13 @@ class BatchStore:
         with self._lock:
             self._traces = weakref.WeakSet()
             prev, self._region_prev = self._region_prev, None
+            scratch, self._scratch_prev = self._scratch_prev, None
         if prev is not None:
             from dbsp_core import _zset
 
             _zset.region_cache_limit(prev)
+            if scratch is not None:
+                _zset.scratch_cache_limit(scratch)
         if self._own_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
 
