@@ -41,7 +41,8 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      never written (``outputs_never_written``). A merge in memory's output written so far counts in the budget
      (``merge_bytes``); a smaller output is spilled, if need be, by a later ``enforce``. A file is deleted when its batch object is gone (merged
      away, dropped). While a store lives, the C region cache (freed merge buffers kept for reuse, csrc/scratch.h)
-     keeps at most ``memory_limit * REGION_CACHE_SHARE`` bytes.
+     keeps at most ``memory_limit * REGION_CACHE_SHARE`` bytes, and each thread's scratch cache (kernels' freed
+     buffers, 512 MiB a thread otherwise) at most ``memory_limit * SCRATCH_SHARE``.
      The cache: the pages of mapped files that reads touched are resident (the OS page cache, file-backed and clean: the
      kernel can drop them at any time). The store bounds them too, page by page (``mmap.PAGESIZE``): a read of some
      keys in a spilled batch (``Trace.lookup``, ``key_sums``, ``narrowed`` for ``match_weights`` and the join walks
