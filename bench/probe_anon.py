@@ -40,6 +40,12 @@ def sampler(stop: threading.Event) -> None:
     mapped regions of the C core (merge outputs), mimalloc's free pages, Python's small-object arenas)."""
     while not stop.wait(0.02):
         a = anon()
+        rf = bench_spill._rss_file("RssFile")
+        fp = _PHASE.setdefault("file_peak", {})
+        if rf > fp.get(_PHASE["name"], 0):
+            fp[_PHASE["name"]] = rf
+            if _PHASE.get("where"):
+                _PHASE.setdefault("file_where", {})[_PHASE["name"]] = where()
         tl = _PHASE.get("timeline")
         if tl is not None and _PHASE["name"] in ("load step 1", "load step 2", "load step 3"):
             main = sys._current_frames().get(threading.main_thread().ident)
@@ -186,6 +192,13 @@ def main() -> int:
               f"{max(lp.values()) / MiB:,.0f} MiB; during the load: at {top} (of "
               f"{_PHASE['load_steps']}) {at_peak(top)}; peak RssAnon of the steps after the first "
               f"{max(v for k, v in lp.items() if k != 'load step 1') / MiB:,.0f} MiB", flush=True)
+        fp = _PHASE.get("file_peak", {})
+        print(f"{q}: peak RssFile of load step 1 {fp.get('load step 1', 0) / MiB:,.0f} MiB, of the load steps after "
+              f"it {max((v for k, v in fp.items() if k.startswith('load step') and k != 'load step 1'), default=0) / MiB:,.0f}"
+              f" (the libraries' ~65 included)", flush=True)
+        for k, w in sorted(_PHASE.get("file_where", {}).items()):
+            if k.startswith("load step") and int(k.split()[-1]) <= 3:
+                print(f"    at {k}'s RssFile peak ({fp[k] / MiB:,.0f} MiB):\n{w}", flush=True)
         for k in sorted(lp, key=lambda k: int(k.split()[-1])):
             print(f"    {k}: {at_peak(k)}", flush=True)
             if k in _PHASE.get("where_at", {}):

@@ -93,7 +93,8 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      read counted, but for these, the slack the bound does not count: the pages a merge read of its spilled inputs
      since its last drop (``DROP_ROWS`` input rows, about 2 MiB per column and input when folios are 2 MiB), and
      a step's own reads until its ``enforce``, ``MAP_UNIT`` per unit read (a 1k-row step on a 10M-row join read ~190
-     units, ~380 MiB). With ``WALK_IN_PIECES`` (off by default: it costs the steps CPU, see there) those are
+     units, ~380 MiB). With ``WALK_IN_PIECES`` (off by default: it costs the steps CPU, see there; on for walks of ``WALK_PIECES_FROM``
+     change rows or more, a big step's, whatever it says) those are
      bounded within the step too for the walks that read most: a join's walk
      (operators/join.py ``inner_change``), ``match_weights`` and ``key_sums`` walk a spilled batch in pieces of the
      change (key-hash order: each piece reads its share of every column, ``Trace.in_pieces``), as many as
@@ -335,6 +336,11 @@ class BatchStore:
     # r31-rss), for a peak within the step of ~40 MiB of the files mapped instead of 290-410 MiB (10M) and 770-1,460
     # MiB (30M): clean pages the kernel may take back
     WALK_IN_PIECES = False
+    # ... but a walk of this many change rows or more goes in pieces whatever WALK_IN_PIECES says (None: never): a big
+    # step's walk reads most units of the files it walks (a 1M-row join step at 10M rows under 100 MiB mapped ~300
+    # MiB of them), and a piece's walk call and madvise are nothing beside it (bench/RESULTS.md, "A one-push load
+    # under the budget")
+    WALK_PIECES_FROM: int | None = 1 << 16
     PIECE_SHARE = 0.25
     PIECE_MIN: int | None = None  # bytes a piece may map at least (None: a unit per column; tests set it low)
     MAX_PIECES = 64
@@ -458,7 +464,8 @@ class BatchStore:
         at most ``MAX_PIECES``. The caller walks each piece in turn and calls :meth:`walked_out` after each when more
         than one."""
         f = self._files.get(id(b))
-        if f is None or not self.BOUND_MAPPED or not self.WALK_IN_PIECES or rows < 2:
+        big = self.WALK_PIECES_FROM is not None and rows >= self.WALK_PIECES_FROM
+        if f is None or not self.BOUND_MAPPED or not (self.WALK_IN_PIECES or big) or rows < 2:
             return 1
         cols = b.zset.data.num_columns + 3  # weights, key hashes, row hashes
         span = min(f.size, rows * cols * MAP_UNIT)

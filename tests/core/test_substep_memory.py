@@ -1,7 +1,8 @@
 """A one-push load under a small budget (dbsp_core/runtime/substep.py): a whole table pushed in one step, then big
 steps, run in pieces whose C caches hold at most their shares of the budget at the end of every piece (the engine's
 own accounting, ``_zset.cached_bytes``, steady on a loaded machine where RSS is not), the pieces' outputs are gone
-before their sum is hashed, and every step's output is the unbudgeted twin's (a Z-set: multisets)."""
+before their sum is hashed, the big steps' walks over spilled batches go in pieces, and every step's output is the
+unbudgeted twin's (a Z-set: multisets)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def test_a_one_push_load_keeps_its_caches_within_the_budget_and_equals_the_unbud
     thread's C scratch cache holds at most ``SCRATCH_SHARE`` of the budget and the region cache at most
     ``REGION_CACHE_SHARE``; no piece's output is alive when the step's sum is hashed. Watched fail with the scratch
     cache left at 512 MiB a thread (main's: 37.9 MiB held at a piece's end against 0.5) and with the pieces' outputs
-    kept beside their sum (main's: 8 alive)."""
+    kept beside their sum (main's: 8 alive), and with ``WALK_PIECES_FROM`` None (main's: no walk in pieces)."""
     rng = np.random.default_rng(SEED)
     seen = {"scratch": [], "region": [], "alive": 0, "sums": 0}
     trim = embedded.release_memory
@@ -105,6 +106,9 @@ def test_a_one_push_load_keeps_its_caches_within_the_budget_and_equals_the_unbud
             f"{LIMIT * BatchStore.SCRATCH_SHARE / 2**20:.1f}")
         assert max(seen["region"]) <= LIMIT * BatchStore.REGION_CACHE_SHARE
         assert seen["alive"] == 0, f"{seen['alive']} pieces' outputs alive while their sum was hashed"
+        # the big walks (>= WALK_PIECES_FROM change rows) went over the spilled batches in pieces, each piece's pages
+        # dropped after it (spill.py invariant 12, "mapped"; test_spill_mapped.py checks what that bounds in smaps)
+        assert split.executor.batch_store.stats["walk_pieces"] > 0, split.executor.batch_store.stats
     finally:
         split.close()
         whole.close()
