@@ -3,6 +3,11 @@ under a budget, sampling RssAnon every 20 ms, then attribute RssAnon after the l
 
     python bench/probe_anon.py --state 10M --groups 10M --limit 100MiB --load-step 1M --steps 100 --queries join
 
+Where a load step's peak is: ``--where N`` (N frames of every thread and the store's bytes at each load step's RssAnon
+and RssFile peaks), ``--timeline FILE`` (every 20 ms of load steps 1-3: RssAnon, malloc in use and free, Arrow, the
+spill thread's backlog, the main thread's frames), ``--trace N --trace-first`` (tracemalloc at the peaks, load step 1
+included).
+
 Attribution: the store's batches in memory and fences+filters (BatchStore.memory), the Arrow pool's bytes and
 its peak, the C caches of this thread (scratch) and the process (regions), then what RssAnon drops by when the
 caches of this thread are trimmed with glibc's malloc_trim(0), and when the Arrow pool releases its free pages.
