@@ -88,6 +88,14 @@ def region_cache_limit(limit):
     return dbsp_region_cache_limit(<size_t>limit)
 
 
+def scratch_cache_limit(limit):
+    """Set the limit of every thread's scratch cache in bytes (csrc/scratch.c design note 3; DBSP_SCRATCH_MB sets
+    the first one), trimming the calling thread's cache to it; returns the previous limit."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"scratch_cache_limit: an int >= 0, got {limit!r}")
+    return dbsp_scratch_cache_limit(<size_t>limit)
+
+
 def cached_bytes():
     """(the calling thread's scratch cache, the process's region cache): bytes held for reuse (csrc/scratch.c)."""
     return dbsp_scratch_cached(), dbsp_region_cached()

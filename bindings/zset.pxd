@@ -97,6 +97,7 @@ cdef extern from "scratch.h" nogil:
     void dbsp_region_free(void *p, size_t mapped)
     size_t dbsp_scratch_trim(size_t keep)
     size_t dbsp_region_cache_trim(size_t keep)
+    size_t dbsp_scratch_cache_limit(size_t bytes)
     size_t dbsp_region_cache_limit(size_t bytes)
     size_t dbsp_scratch_cached()
     size_t dbsp_region_cached()

@@ -21,7 +21,10 @@
  *     thread), with no worse tails: the advice stays on by default. DBSP_HUGEPAGES=0 is for a host whose
  *     compaction stalls do cost (compact_stall in /proc/vmstat climbing while steps slow down).
  *  3. The cache holds at most DBSP_SCRATCH_MB MiB per thread (read once; default 512, 0 disables it), evicting
- *     its smallest buffers to make room, and is released when the thread exits.
+ *     its smallest buffers to make room, and is released when the thread exits. dbsp_scratch_cache_limit lowers
+ *     (or raises) that limit for every thread: a memory budget does (dbsp_core/trace/spill.py), since 512 MiB per
+ *     thread kept beside a 100 MiB budget is most of a big step's peak; a thread over a lowered limit trims its
+ *     cache down to it at its next free.
  *  4. A buffer must be freed with the byte count it was allocated with (it decides malloc vs cache).
  *  5. Regions (dbsp_region_alloc) are results that may turn out shorter than their worst case, such as a
  *     merge whose rows cancel: large ones are mapped pages, so trimming the tail unmaps pages in place and
@@ -49,7 +52,7 @@ static __thread Slot cache[CACHE_SLOTS];
 static __thread size_t cached_bytes;
 static pthread_key_t cache_key;
 static pthread_once_t cache_once = PTHREAD_ONCE_INIT;
-static size_t cache_limit;
+static size_t cache_limit;  /* read and set with __atomic: dbsp_scratch_cache_limit may run on any thread */
 
 static void cache_release(void *unused) {
     for (int i = 0; i < CACHE_SLOTS; i++) { free(cache[i].p); cache[i].p = NULL; cache[i].sz = 0; }
@@ -118,11 +121,20 @@ void *dbsp_alloc_result(size_t bytes) {
     return p;
 }
 
+size_t dbsp_scratch_cache_limit(size_t bytes) {
+    pthread_once(&cache_once, cache_init);
+    size_t prev = __atomic_exchange_n(&cache_limit, bytes, __ATOMIC_RELAXED);
+    dbsp_scratch_trim(bytes);
+    return prev;
+}
+
 void dbsp_scratch_free(void *p, size_t bytes) {
     if (!p) return;
     if (bytes < CACHED_MIN) { free(p); return; }
     size_t sz = cached_size(bytes);
-    if (sz <= cache_limit) {
+    size_t limit = __atomic_load_n(&cache_limit, __ATOMIC_RELAXED);
+    if (cached_bytes > limit) dbsp_scratch_trim(limit);  /* a lowered limit (design note 3) */
+    if (sz <= limit) {
         /* make room: evict the smallest cached buffers until this one fits in the limit and a slot */
         for (;;) {
             int free_slot = 0, smallest = -1;
@@ -130,7 +142,7 @@ void dbsp_scratch_free(void *p, size_t bytes) {
                 if (!cache[i].p) free_slot = 1;
                 else if (smallest < 0 || cache[i].sz < cache[smallest].sz) smallest = i;
             }
-            if (free_slot && cached_bytes + sz <= cache_limit) break;
+            if (free_slot && cached_bytes + sz <= limit) break;
             cached_bytes -= cache[smallest].sz;
             free(cache[smallest].p);
             cache[smallest].p = NULL; cache[smallest].sz = 0;

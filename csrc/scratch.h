@@ -30,6 +30,11 @@ size_t dbsp_region_trim(void *p, size_t mapped, size_t keep);
  * dbsp_region_alloc, up to DBSP_REGION_CACHE_MB MiB in all (read once; default 256, 0 disables it). */
 void dbsp_region_free(void *p, size_t mapped);
 
+/* Set the limit of every thread's scratch cache (what DBSP_SCRATCH_MB sets at first use; design note 3),
+ * trimming the calling thread's cache down to it (the others trim at their next free); returns the previous
+ * limit. A memory budget lowers it (dbsp_core/trace/spill.py). */
+size_t dbsp_scratch_cache_limit(size_t bytes);
+
 /* Set the region cache's limit (what DBSP_REGION_CACHE_MB sets at first use), trimming the cache down to it;
  * returns the previous limit. A memory budget lowers it (dbsp_core/trace/spill.py). */
 size_t dbsp_region_cache_limit(size_t bytes);

@@ -22,7 +22,8 @@ Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them
 - ``DBSP_CRASHPOINT`` (runtime/crashpoints.py; kill tests): ``name:n``, the n-th hit (n >= 1) of crash point
   ``name`` kills the process (default: none).
 - ``DBSP_SCRATCH_MB`` (csrc/scratch.c reads it itself; checked here): MiB of scratch buffers the C core caches per
-  thread, a whole number >= 0 (0: none; default 512).
+  thread, a whole number >= 0 (0: none; default 512; a memory budget lowers it to ``BatchStore.SCRATCH_SHARE`` of
+  the budget while it lives).
 - ``DBSP_REGION_CACHE_MB`` (csrc/scratch.c reads it itself; checked here): MiB of freed mapped regions the C core
   keeps for reuse, a whole number >= 0 (default 256).
 - ``DBSP_HUGEPAGES`` (csrc/scratch.c reads it itself; checked here): ``1``: the C core's buffers of 2 MiB and more

@@ -416,9 +416,7 @@ class EmbeddedExecutor:
                 exc.step, exc.done = s.step, done
                 raise
             saved = None  # the rollback copy held the batches the step replaced: freed before the trim
-            if self.batch_store is not None:  # between steps: no worker runs (trace invariant 12)
-                self.batch_store.enforce()
-            release_memory(sum(z.num_rows for _, z in s.pushes))  # stored rows: len() would consolidate
+            self._enforce(sum(z.num_rows for _, z in s.pushes))  # stored rows: len() would consolidate
         return done
 
     def rename_state(self, renames: dict[int, int]) -> None:
@@ -453,6 +451,18 @@ class EmbeddedExecutor:
             fresh.close()
         return outs
 
+    def _enforce(self, rows: int) -> None:
+        """Between steps or pieces (no worker runs: trace invariant 12): the batch store's budget enforced, and the
+        memory the step (or piece) of ``rows`` pushed rows used and the state does not hold returned
+        (:func:`release_memory`); after a big one also before the enforce, so that the enforce's own work (the
+        cache's accounting, spills) grows from the state, not beside what the step freed (bench/RESULTS.md, "A
+        one-push load under the budget")."""
+        if self.batch_store is not None:
+            if rows >= BIG_STEP_ROWS:
+                release_memory(rows)
+            self.batch_store.enforce()
+        release_memory(rows)
+
     def _pieces(self, s: StepInput) -> list[list[tuple[str, ZSet]]]:
         """The pushes of step ``s`` as the pieces it runs in (invariant 5, dbsp_core/runtime/substep.py): one, unless
         a budget is set, the pushes hold more than a piece's bytes and the circuit is split-safe."""
@@ -485,21 +495,23 @@ class EmbeddedExecutor:
         results: list[dict[str, ZSet]] = []
         for k, pushes in enumerate(cut):
             if k:  # between pieces no worker runs, as between steps (substep.py invariant 3)
-                assert self.batch_store is not None
-                self.batch_store.enforce()
-                release_memory(sum(z.num_rows for _, z in cut[k - 1]))
+                self._enforce(sum(z.num_rows for _, z in cut[k - 1]))
             results += self._run_piece(s, pushes)
+        if len(cut) > 1:  # what the last piece freed leaves before the pieces' outputs are summed
+            release_memory(sum(z.num_rows for _, z in cut[-1]))
         if self._coord is not None:
             for st in self._coord.stores:
                 st.advance()
         whole = len(cut) == 1  # pieces' outputs may hold equal rows of two pieces (substep.py invariant 3)
         out = {}
         for name, schema in self._out_schemas.items():
-            parts = [r[name] for r in results]
+            parts = [r.pop(name) for r in results]  # popped: the sum below holds the only reference to them
             z = concat(parts, schema)
             if z._distinct or (whole and self._disjoint[name] and all(p._distinct for p in parts)):  # invariant 3
                 out[name] = z if z._distinct else ZSet._make(z.data, z.weights, distinct=True)  # parts need no sort
             else:  # the workers' distinct parts, with their row hashes, summed across workers (invariant 3)
+                del parts  # copied into z (or z itself): freed before the hashing, not beside it (a split step's
+                # outputs of every piece: a 1M-row join step's ~48 MiB, its peak)
                 out[name] = z._distinct_unsorted()
         return out
 

@@ -21,7 +21,8 @@ Invariants (enforced here and by the embedded executor's ``_run_one``, dbsp_core
      ``advance`` of the worker stores, one rollback capture (a StepError in any piece puts every operator back as
      before the step, executor.py invariant 4: the store switches spilled batches in place, rollback.py keeps
      them, trace invariant 12). Not bounded by the pieces: the pushes themselves (held until the step ends), the
-     pieces' outputs until they are summed, and the batches the rollback capture keeps from before the step.
+     pieces' outputs until they are summed (dropped once concatenated, before the sum is hashed), and the batches
+     the rollback capture keeps from before the step.
      The cost: each piece's batches are spilled and merged with the levels below, where a whole step inserts one
      batch: more bytes written and more CPU (bench/RESULTS.md, "A whole table in one push": a 10M-row push under
      100 MiB writes 3.5x the bytes for half the peak memory); ``DBSP_SUBSTEP_BYTES`` trades one for the other.

@@ -43,7 +43,8 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      never written (``outputs_never_written``). A merge in memory's output written so far counts in the budget
      (``merge_bytes``); a smaller output is spilled, if need be, by a later ``enforce``. A file is deleted when its batch object is gone (merged
      away, dropped). While a store lives, the C region cache (freed merge buffers kept for reuse, csrc/scratch.h)
-     keeps at most ``memory_limit * REGION_CACHE_SHARE`` bytes.
+     keeps at most ``memory_limit * REGION_CACHE_SHARE`` bytes, and each thread's scratch cache (kernels' freed
+     buffers, 512 MiB a thread otherwise) at most ``memory_limit * SCRATCH_SHARE``.
      The cache: the pages of mapped files that reads touched are resident (the OS page cache, file-backed and clean: the
      kernel can drop them at any time). The store bounds them too, page by page (``mmap.PAGESIZE``): a read of some
      keys in a spilled batch (``Trace.lookup``, ``key_sums``, ``narrowed`` for ``match_weights`` and the join walks
@@ -94,7 +95,8 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      read counted, but for these, the slack the bound does not count: the pages a merge read of its spilled inputs
      since its last drop (``DROP_ROWS`` input rows, about 2 MiB per column and input when folios are 2 MiB), and
      a step's own reads until its ``enforce``, ``MAP_UNIT`` per unit read (a 1k-row step on a 10M-row join read ~190
-     units, ~380 MiB). With ``WALK_IN_PIECES`` (off by default: it costs the steps CPU, see there) those are
+     units, ~380 MiB). With ``WALK_IN_PIECES`` (off by default: it costs the steps CPU, see there; on for walks of ``WALK_PIECES_FROM``
+     change rows or more, a big step's, whatever it says) those are
      bounded within the step too for the walks that read most: a join's walk
      (operators/join.py ``inner_change``), ``match_weights`` and ``key_sums`` walk a spilled batch in pieces of the
      change (key-hash order: each piece reads its share of every column, ``Trace.in_pieces``), as many as
@@ -296,6 +298,9 @@ class BatchStore:
     INDEX_KEEP_BYTES = 16 << 20
     FILE_MERGE_MIN = 1 << 20  # input bytes from which a merge that does not fit the budget is built on disk
     REGION_CACHE_SHARE = 0.125  # of the limit: the most the C region cache (csrc/scratch.h) keeps while a store lives
+    SCRATCH_SHARE = 0.0625  # of the limit: the most each thread's C scratch cache keeps while a store lives (512 MiB
+    # a thread otherwise: a one-push load's pieces left ~50 MiB of it at 10M rows under 100 MiB, bench/RESULTS.md
+    # "A one-push load under the budget")
     PROGRESS_BYTES = 256 << 20  # an enforce spilling this much shows a progress line (dbsp_core/progress.py)
     ASYNC_BYTES = 64 << 10  # a batch this big is written by the spill thread, off the step (invariant 12); below it
     # a write takes a few ms and stays on the calling thread
@@ -333,6 +338,11 @@ class BatchStore:
     # r31-rss), for a peak within the step of ~40 MiB of the files mapped instead of 290-410 MiB (10M) and 770-1,460
     # MiB (30M): clean pages the kernel may take back
     WALK_IN_PIECES = False
+    # ... but a walk of this many change rows or more goes in pieces whatever WALK_IN_PIECES says (None: never): a big
+    # step's walk reads most units of the files it walks (a 1M-row join step at 10M rows under 100 MiB mapped ~300
+    # MiB of them), and a piece's walk call and madvise are nothing beside it (bench/RESULTS.md, "A one-push load
+    # under the budget")
+    WALK_PIECES_FROM: int | None = 1 << 16
     PIECE_SHARE = 0.25
     PIECE_MIN: int | None = None  # bytes a piece may map at least (None: a unit per column; tests set it low)
     MAX_PIECES = 64
@@ -404,6 +414,10 @@ class BatchStore:
         self._region_prev: int | None = _zset.region_cache_limit(cap)
         if self._region_prev < cap:  # already lower (DBSP_REGION_CACHE_MB, another store): leave it
             _zset.region_cache_limit(self._region_prev)
+        cap = int(self.memory_limit * self.SCRATCH_SHARE)
+        self._scratch_prev: int | None = _zset.scratch_cache_limit(cap)
+        if self._scratch_prev < cap:  # the same for each thread's scratch cache (DBSP_SCRATCH_MB)
+            _zset.scratch_cache_limit(self._scratch_prev)
         self.stats.update({"files_written": 0, "bytes_written": 0, "evictions": 0, "bytes_evicted": 0,
                            "enforcements": 0, "cache_hits": 0, "cache_misses": 0, "pages_checked": 0,
                            "written_in_background": 0, "written_for_nothing": 0, "keys_sought": 0,
@@ -453,7 +467,8 @@ class BatchStore:
         at most ``MAX_PIECES``. The caller walks each piece in turn and calls :meth:`walked_out` after each when more
         than one."""
         f = self._files.get(id(b))
-        if f is None or not self.BOUND_MAPPED or not self.WALK_IN_PIECES or rows < 2:
+        big = self.WALK_PIECES_FROM is not None and rows >= self.WALK_PIECES_FROM
+        if f is None or not self.BOUND_MAPPED or not (self.WALK_IN_PIECES or big) or rows < 2:
             return 1
         cols = b.zset.data.num_columns + 3  # weights, key hashes, row hashes
         span = min(f.size, rows * cols * MAP_UNIT)
@@ -1147,10 +1162,13 @@ class BatchStore:
         with self._lock:
             self._traces = weakref.WeakSet()
             prev, self._region_prev = self._region_prev, None
+            scratch, self._scratch_prev = self._scratch_prev, None
         if prev is not None:
             from dbsp_core import _zset
 
             _zset.region_cache_limit(prev)
+            if scratch is not None:
+                _zset.scratch_cache_limit(scratch)
         if self._own_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
 
