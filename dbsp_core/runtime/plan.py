@@ -208,15 +208,39 @@ class _HopSlices:
 
 class _LinearGroupBy:
     """The fused linear group-by chain (design note 4): ``pre`` -> [identity exchange] -> ``agg``, run as ``agg``'s call
-    over the rows that reach ``pre``."""
+    over the rows that reach ``pre``: in one C call (``_zset.LinearRun``, design note 2: :meth:`_LinearState.step_run`)
+    when it serves the step, else through ``linear_step`` and Python (:meth:`_LinearState.step_rows`), else the chain's
+    own steps."""
+
+    C_STEP = True  # the one-call step (tests turn it off to compare with the path before it)
 
     def __init__(self, pre: PreAggregate, agg: Aggregate, state: _LinearState, counts: dict[str, int],
                  schema: pa.Schema | None = None) -> None:
         self.pre, self.agg, self.state, self.counts = pre, agg, state, counts
         self.rows = _RowsOfSlots(agg, pre, schema)
+        self.run = self._linear_run(self.rows, agg, state) if self.C_STEP else None
+
+    @staticmethod
+    def _linear_run(rows: _RowsOfSlots, agg: Aggregate, state: _LinearState) -> Any:
+        """The chain's one-call step over the rows as they reach it (their columns at ``rows``' positions): per kernel
+        slot a count of weights or an int64 column's sum; per aggregate its slot, a sum null where its non-null count
+        is 0 (:meth:`Aggregate.finalize_ints`)."""
+        ncols = len(rows.schema)
+        specs = [("sum", p) if p < ncols else ("count", None) for p in rows.slotpos]
+        shown = [slots[0] for _, slots in agg.plan]
+        nonnull = [slots[1] if kind == "sum" else -1 for kind, slots in agg.plan]
+        checked = [rows.schema.get_field_index(c) for c in rows.checked]  # a null there: the Python paths serve it
+        return _zset.LinearRun(list(rows.keypos), specs, shown, nonnull, agg.output_keys, state.pschema, agg.schema,
+                               checked)
 
     def __call__(self, inputs: list, ctx: Any) -> ZSet:
         z = inputs[0]
+        if z.num_rows and self.run is not None:
+            out = self.state.step_run(conform(z, self.rows.schema), self.run, ctx)
+            if out is not None:
+                self.counts["fused"] += 1
+                self.counts["cstep"] += 1
+                return out
         if z.num_rows:
             rows = self.rows.of(z)
             if rows is not None:
@@ -474,7 +498,7 @@ class StepPlan:
                  fuse: bool = True) -> None:
         nodes = circuit.nodes
         self.workers = workers  # the layout's worker count it was lowered for (invariant 2)
-        self.counts = dict.fromkeys(("fused", "unfused", "sent", "grouped", "received", "indexed", "merged",
+        self.counts = dict.fromkeys(("fused", "cstep", "unfused", "sent", "grouped", "received", "indexed", "merged",
                                      "joined", "reduced", "sliced", "paired", "projected"), 0)
         self.fused_nodes: list[int] = []  # the last node of each fused chain
         steps: dict[int, Callable] = {i: instances[i].step for i in live}
