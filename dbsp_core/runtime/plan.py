@@ -343,10 +343,24 @@ class _PartialsReceive:
 
     def __init__(self, state: _LinearState, pschema: pa.Schema, counts: dict[str, int]) -> None:
         self.state, self.pschema, self.counts = state, pschema, counts
+        agg = state.op
+        self.run = None  # the one-call step over the partial rows (design note 2; _LinearGroupBy's C_STEP)
+        if _LinearGroupBy.C_STEP:
+            nk = len(agg.keys)
+            self.run = _zset.LinearRun(list(range(nk)), [("sum", nk + j) for j in range(len(agg.kernel))],
+                                       [slots[0] for _, slots in agg.plan],
+                                       [slots[1] if kind == "sum" else -1 for kind, slots in agg.plan],
+                                       agg.output_keys, state.pschema, agg.schema)
 
     def __call__(self, inputs: list, ctx: Any) -> ZSet:
         self.counts["received"] += 1
-        return self.state.step([concat(inputs[0].parts, self.pschema)], ctx)
+        z = concat(inputs[0].parts, self.pschema)
+        if z.num_rows and self.run is not None:
+            out = self.state.step_run(z, self.run, ctx)
+            if out is not None:
+                self.counts["cstep"] += 1
+                return out
+        return self.state.step([z], ctx)
 
 
 class _IndexedExchange:
