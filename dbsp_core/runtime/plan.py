@@ -15,8 +15,15 @@ slices follow, in this order):
      nodes that stay in Python, never between fused operators. Chains of stateless linear operators (filter,
      select, map, negate, plus) fuse into one pass over the change's buffers; keyed operators (aggregate, join,
      distinct) call their trace operations (lookup, fold into the totals kept per key, insert) from C, as
-     ``linear_step`` already does for one operator. Not built: every fused chain still enters C once per
-     kernel and builds Arrow objects between kernels of one operator.
+     ``linear_step`` already does for one operator. **Built** for one chain: the linear group-by of note 4 at
+     W = 1, and its receiving aggregate at W > 1, run their step in one C call that releases the GIL once
+     (``_zset.LinearRun``, csrc/linrun.h): from the change's buffers (its keys, a count as the weights' sum, an
+     int64 column's sum; a null in a counted or summed column sends the step back to the Python paths) through the
+     grouping, the key index's probes and stores and the fold, to the trace batch's and the output Z-set's columns,
+     exported as two record batches through the C data interface, with the check that says whether the output is
+     distinct as it stands; its scratch is kept across steps (``counts["cstep"]``). Not built: the other chains
+     (and the steps around that call: the pushes, the driver, the trace's insert and merges stay in Python) enter C
+     once per kernel and build Arrow objects between kernels of one operator.
   3. What stays in Python: building and validating circuits, lowering, operators that run user code (flat_map,
      UDF-like expressions pyarrow evaluates), the boundary (pushes, division, the output log, checkpoints,
      rollback on a StepError), and every node the plan does not cover: such a node is a call of today's
@@ -498,7 +505,8 @@ class StepPlan:
     """The calls of one worker's step (the module docstring): ``calls`` as ``dbsp_core.profile.run_nodes`` takes
     them, and ``counts`` of what fused chains did (invariant 3): ``"fused"`` / ``"unfused"``, steps the W = 1
     group-by chain served or left to its nodes (at W > 1, ``"unfused"``: steps whose partial rows the combiner
-    built because of a null); ``"sent"``, steps whose partial rows the W > 1 chain's sender built and partitioned
+    built because of a null); ``"cstep"``, steps of a linear group-by's aggregate run in one C call (design note 2:
+    at W = 1 counted in ``"fused"`` too; at W > 1 of the ``"received"``); ``"sent"``, steps whose partial rows the W > 1 chain's sender built and partitioned
     (``"grouped"``: of them, by a grouping pass); ``"received"``, aggregate steps over received parts;
     ``"indexed"``, changes a join's fused exchange indexed before it partitioned them; ``"merged"``, join sides
     built from received indexed parts; ``"joined"``, steps of a join that gathered its group-by's columns from its
