@@ -268,3 +268,38 @@ def test_linear_run_kernel_against_a_dict_model() -> None:
     before = len(ix)
     assert run.step(nulls, np.ones(2, dtype=np.int64), ix) is None and len(ix) == before
     assert run.steps == 40
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_one_call_step_past_its_kept_scratch_and_with_most_sums_cancelling(workers: int, monkeypatch) -> None:
+    """A first step of 100k groups (past the scratch a LinearRun keeps, csrc/linrun.h invariant 3: freed after it),
+    then steps where most groups' rows cancel within the step (few output rows for many groups: the weights and key
+    hashes are trimmed to them) and small steps: every output equals the plan's Python path's, the C step served
+    them, and the key indexes match their batches."""
+    rng = np.random.default_rng(SEED + 7 + workers)
+    n = 100_000
+    first = pa.table({"k": np.arange(n), "j": rng.integers(0, 3, n), "v": rng.integers(-9, 9, n)}, schema=SCHEMA)
+    steps = [(first, np.ones(n, dtype=np.int64))]
+    for _ in range(4):  # 20k keys: a row and its deletion each, and 100 of them a row more
+        k = rng.integers(0, 2 * n, 20_000)
+        v = rng.integers(-9, 9, 20_000)
+        rows = pa.table({"k": np.concatenate([k, k, k[:100]]), "j": np.zeros(40_100, dtype=np.int64),
+                         "v": np.concatenate([v, v, v[:100]])}, schema=SCHEMA)
+        steps.append((rows, np.concatenate([np.ones(20_000), -np.ones(20_000), np.ones(100)]).astype(np.int64)))
+    for _ in range(4):
+        m = int(rng.integers(1, 50))
+        steps.append((pa.table({"k": rng.integers(0, n, m), "j": rng.integers(0, 3, m), "v": rng.integers(-9, 9, m)},
+                               schema=SCHEMA), rng.choice([-1, 1, 2], m).astype(np.int64)))
+    outs = {}
+    for mode in ("c", "python"):
+        monkeypatch.setattr(_LinearGroupBy, "C_STEP", mode == "c")
+        with dbsp.Pipeline(_circuit(), workers=workers) as p:
+            got = []
+            for t, w in steps:
+                p.push("t", t, weights=w)
+                got.append({name: z.to_dict() for name, z in p.step().items()})
+            _check_traces(p)
+            served = _cstep(p)
+        outs[mode] = got
+        assert served >= (len(VIEWS) * (len(steps) - 2) if mode == "c" else 0), served
+    assert outs["c"] == outs["python"]
