@@ -101,11 +101,14 @@ cdef class LinearRun:
     (``("sum", position)``), probes `ix` (a KeyIndex of those slots' totals per key), stores the new totals and returns
     the trace batch and the output Z-set's columns, built in C: ``(batch, out, w, kh, ordered, distinct)``. ``batch``
     has ``bschema`` (the keys, then the slots), ``out`` has ``oschema`` (the keys unless ``out_keys`` is false, then per
-    shown aggregate ``shown[o]``'s slot, null where slot ``nonnull[o]`` (>= 0) is 0); both None when no row changed.
+    shown aggregate ``shown[o]``'s slot, null where slot ``nonnull[o]`` (>= 0) is 0; with ``avg[o]`` not None, a
+    float64 avg: the sum in slot ``shown[o]`` and low limb slot ``avg[o]`` (-1: none) over the count in slot
+    ``nonnull[o]``, as Aggregate.finalize divides; specs may sum ``("sum_hi", c)`` / ``("sum_lo", c)``, the limbs of
+    an int64 column); both None when no row changed.
     Returns None, having read and changed nothing, when a summed column or one of ``checked`` (positions: the columns
     a count of values counts) has a null. Errors as linear_step's."""
     cdef CLinRun s
-    cdef Int32s keys, shown, nonnull
+    cdef Int32s keys, shown, nonnull, avg, avg_lo
     cdef CAggSpec *specs
     cdef int32_t ns, nout
     cdef int out_keys
@@ -121,14 +124,25 @@ cdef class LinearRun:
         dbsp_linrun_free(&self.s)
         free(self.specs)
 
-    def __init__(self, keys, specs, shown, nonnull, out_keys, bschema, oschema, checked=()):
+    def __init__(self, keys, specs, shown, nonnull, out_keys, bschema, oschema, checked=(), avg=None):
+        cdef int32_t j
         if len(shown) != len(nonnull) or not specs or len(specs) + len(shown) > 64:
             raise ValueError("LinearRun: 1 to 64 columns, and one non-null slot (or -1) per shown slot")
+        avg = [None] * len(shown) if avg is None else list(avg)  # per shown slot: None, or an avg's low limb slot
+        if len(avg) != len(shown) or any(a is not None and (nonnull[o] < 0 or not -1 <= a < len(specs))
+                                         for o, a in enumerate(avg)):
+            raise ValueError("LinearRun: an avg needs its count slot, and its low limb slot or -1")
         if any(not 0 <= j < len(specs) for j in shown) or any(not -1 <= j < len(specs) for j in nonnull):
             raise ValueError("LinearRun: a shown or non-null slot outside the slots")
         self.keys, self.shown, self.nonnull = Int32s(keys), Int32s(shown), Int32s(nonnull)
+        self.avg = Int32s([0 if a is None else 1 for a in avg])
+        self.avg_lo = Int32s([-1 if a is None else a for a in avg])
         self.ns, self.nout, self.out_keys = len(specs), len(shown), 1 if out_keys else 0
-        self.specs = agg_specs(specs)
+        limbs = {"sum_hi": DBSP_LINRUN_SUM_HI, "sum_lo": DBSP_LINRUN_SUM_LO}  # a limb of an int64 column's sum
+        self.specs = agg_specs([("sum", c) if kind in limbs else (kind, c) for kind, c in specs])
+        for j, (kind, c) in enumerate(specs):
+            if kind in limbs:
+                self.specs[j].kind = limbs[kind]
         self.summed = tuple(sorted({c for kind, c in specs if c is not None} | set(checked)))
         self.bschema, self.oschema = bschema, oschema
         self.steps = 0
@@ -150,9 +164,9 @@ cdef class LinearRun:
         cdef int64_t n = 0
         cdef int ordered = 1, distinct = 1, st
         with nogil:
-            st = dbsp_linear_run(&self.s, &v.c, self.keys.p, self.keys.n, self.specs, self.ns, ix.ix, self.shown.p,
-                                 self.nonnull.p, self.nout, self.out_keys, &batch, &out, &w, &kh, &n, &ordered,
-                                 &distinct)
+            st = dbsp_linear_run2(&self.s, &v.c, self.keys.p, self.keys.n, self.specs, self.ns, ix.ix, self.shown.p,
+                                  self.nonnull.p, self.avg.p, self.avg_lo.p, self.nout, self.out_keys, &batch, &out,
+                                  &w, &kh, &n, &ordered, &distinct)
         check_status(st, "linear_run")
         self.steps += 1
         if n == 0:

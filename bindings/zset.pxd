@@ -264,3 +264,10 @@ cdef extern from "linrun.h" nogil:
                         int32_t ns, CKeyIndex *ix, const int32_t *shown, const int32_t *nonnull, int32_t nout,
                         int out_keys, ArrowArray *batch, ArrowArray *out, int64_t **w, uint64_t **kh,
                         int64_t *n, int *ordered, int *distinct)
+    enum:
+        DBSP_LINRUN_SUM_HI
+        DBSP_LINRUN_SUM_LO
+    int dbsp_linear_run2(CLinRun *s, const CBatch *b, const int32_t *keys, int32_t nkeys, const CAggSpec *specs,
+                         int32_t ns, CKeyIndex *ix, const int32_t *shown, const int32_t *nonnull, const int32_t *avg,
+                         const int32_t *avg_lo, int32_t nout, int out_keys, ArrowArray *batch, ArrowArray *out,
+                         int64_t **w, uint64_t **kh, int64_t *n, int *ordered, int *distinct)

@@ -62,21 +62,78 @@ int dbsp_linear_run(DbspLinRun *s, const DbspBatch *b, const int32_t *keys, int3
                     int32_t ns, DbspKeyIndex *ix, const int32_t *shown, const int32_t *nonnull, int32_t nout,
                     int out_keys, struct ArrowArray *batch, struct ArrowArray *out, int64_t **w, uint64_t **kh,
                     int64_t *n, int *ordered, int *distinct) {
+    return dbsp_linear_run2(s, b, keys, nkeys, specs, ns, ix, shown, nonnull, NULL, NULL, nout, out_keys, batch, out,
+                            w, kh, n, ordered, distinct);
+}
+
+/* an avg's value from its slots (linrun.h), as Aggregate.finalize computes it in long double */
+static double avg_of(int64_t hi, int64_t lo, int has_lo, int64_t cnt) {
+    long double v;
+    if (has_lo) {
+        hi += lo >> 32;
+        lo &= 0xFFFFFFFF;
+        v = (long double)hi * 4294967296.0L + (long double)lo;
+    } else {
+        v = (long double)hi;
+    }
+    return cnt ? (double)(v / (long double)cnt) : 0.0;
+}
+
+int dbsp_linear_run2(DbspLinRun *s, const DbspBatch *b0, const int32_t *keys, int32_t nkeys, const DbspAggSpec *specs0,
+                     int32_t ns, DbspKeyIndex *ix, const int32_t *shown, const int32_t *nonnull, const int32_t *avg,
+                     const int32_t *avg_lo, int32_t nout, int out_keys, struct ArrowArray *batch,
+                     struct ArrowArray *out, int64_t **w, uint64_t **kh, int64_t *n, int *ordered, int *distinct) {
     DbspReduceOut r;
+    DbspAggSpec specs[64];
+    DbspColumn lcols[64 + 64];  /* the batch's columns, then one int64 column per limb slot */
+    int64_t *limbs[64];
+    DbspBatch bb = *b0;
+    const DbspBatch *b = b0;
+    int32_t nlimb = 0;
     int64_t *cols[64];  /* the exported int64 columns: the trace batch's ns slots, then the output's nout */
     uint8_t *valid[64];
     int64_t nulls[64];
     int32_t nc = ns + nout;
+    int64_t ng = 0, cap = 0, m = 0;
     memset(&r, 0, sizeof r);
     batch->release = NULL;
     out->release = NULL;
     *w = NULL; *kh = NULL; *n = 0; *ordered = 1; *distinct = 1;
-    if (ns < 1 || nout < 0 || nc > 64) return DBSP_EINVAL;
+    if (ns < 1 || nout < 0 || nc > 64 || b0->ncols > 64) return DBSP_EINVAL;
     memset(cols, 0, sizeof cols);
     memset(valid, 0, sizeof valid);
     memset(nulls, 0, sizeof nulls);
-    int st = dbsp_group_reduce_all(b, keys, nkeys, specs, ns, &r);
-    int64_t ng = r.ngroups, cap = 2 * ng, m = 0;
+    memset(limbs, 0, sizeof limbs);
+    int st = DBSP_OK;
+    for (int32_t j = 0; j < ns; j++) {  /* limb slots sum a column of limbs made here (linrun.h) */
+        specs[j] = specs0[j];
+        int32_t kind = specs0[j].kind, c = specs0[j].col;
+        if (kind != DBSP_LINRUN_SUM_HI && kind != DBSP_LINRUN_SUM_LO) continue;
+        if (c < 0 || c >= b0->ncols || b0->cols[c].type != DBSP_INT64 || b0->cols[c].validity) {
+            st = DBSP_EINVAL;
+            goto done;
+        }
+        if (!nlimb) memcpy(lcols, b0->cols, (size_t)b0->ncols * sizeof *lcols);
+        int64_t rows = b0->nrows;
+        if (!(limbs[nlimb] = malloc((size_t)(rows ? rows : 1) * 8))) { st = DBSP_ENOMEM; goto done; }
+        const int64_t *v = (const int64_t *)b0->cols[c].values + b0->cols[c].offset;
+        for (int64_t i = 0; i < rows; i++)
+            limbs[nlimb][i] = kind == DBSP_LINRUN_SUM_HI ? v[i] >> 32 : v[i] & 0xFFFFFFFF;
+        DbspColumn *lc = &lcols[b0->ncols + nlimb];
+        memset(lc, 0, sizeof *lc);
+        lc->type = DBSP_INT64;
+        lc->values = limbs[nlimb];
+        specs[j].kind = DBSP_AGG_SUM;
+        specs[j].col = b0->ncols + nlimb++;
+    }
+    if (nlimb) {
+        bb.cols = lcols;
+        bb.ncols = b0->ncols + nlimb;
+        b = &bb;
+    }
+    st = dbsp_group_reduce_all(b, keys, nkeys, specs, ns, &r);
+    ng = r.ngroups;
+    cap = 2 * ng;
     if (st != DBSP_OK || ng == 0) goto done;
     if ((st = reserve(s, ng, ns)) != DBSP_OK) goto done;
     *w = malloc((size_t)cap * 8);
@@ -87,18 +144,19 @@ int dbsp_linear_run(DbspLinRun *s, const DbspBatch *b, const int32_t *keys, int3
     m = *n;
     if (st != DBSP_OK || m == 0) goto done;
     const int64_t *rows = s->rows, *vals = s->vals;
-    /* distinct unless two adjacent rows of one group show equal values (Aggregate.ints_may_cancel) */
-    if (!out_keys) *distinct = 0;
-    for (int64_t i = 1; *distinct && i < m; i++) {
-        if (rows[i] != rows[i - 1]) continue;
-        int same = 1;
-        for (int32_t o = 0; same && o < nout; o++) same = vals[shown[o] * cap + i] == vals[shown[o] * cap + i - 1];
-        if (same) *distinct = 0;
-    }
     for (int32_t k = 0; k < nc; k++) {
         int32_t j = k < ns ? k : shown[k - ns];
         if (!(cols[k] = malloc((size_t)m * 8))) { st = DBSP_ENOMEM; goto done; }
-        memcpy(cols[k], vals + j * cap, (size_t)m * 8);
+        if (k >= ns && avg && avg[k - ns]) {  /* an avg: its double's bits */
+            const int64_t *hi = vals + j * cap, *cn = vals + nonnull[k - ns] * cap;
+            const int64_t *lo = avg_lo[k - ns] >= 0 ? vals + avg_lo[k - ns] * cap : NULL;
+            for (int64_t i = 0; i < m; i++) {
+                double d = avg_of(hi[i], lo ? lo[i] : 0, lo != NULL, cn[i]);
+                memcpy(&cols[k][i], &d, 8);
+            }
+        } else {
+            memcpy(cols[k], vals + j * cap, (size_t)m * 8);
+        }
         if (k < ns || nonnull[k - ns] < 0) continue;
         const int64_t *nn = vals + nonnull[k - ns] * cap;
         int64_t z = 0;
@@ -108,6 +166,19 @@ int dbsp_linear_run(DbspLinRun *s, const DbspBatch *b, const int32_t *keys, int3
         for (int64_t i = 0; i < m; i++)
             if (nn[i] != 0) valid[k][i >> 3] |= (uint8_t)(1u << (i & 7));
         nulls[k] = z;
+    }
+    /* distinct unless two adjacent rows of one group show equal values (Aggregate.ints_may_cancel; an avg by its
+     * value, a null equal to a null) */
+    if (!out_keys) *distinct = 0;
+    for (int64_t i = 1; *distinct && i < m; i++) {
+        if (rows[i] != rows[i - 1]) continue;
+        int same = 1;
+        for (int32_t o = 0; same && o < nout; o++) {
+            const uint8_t *vb = valid[ns + o];
+            int na = vb && !(vb[i >> 3] >> (i & 7) & 1), nb = vb && !(vb[(i - 1) >> 3] >> ((i - 1) & 7) & 1);
+            same = (na && nb) || (!na && !nb && cols[ns + o][i] == cols[ns + o][i - 1]);
+        }
+        if (same) *distinct = 0;
     }
     if ((st = dbsp_cdata_gather_ints(b, keys, nkeys, rows, m, ns, cols, valid, nulls, batch)) != DBSP_OK) goto done;
     for (int32_t k = 0; k < ns; k++) cols[k] = NULL, valid[k] = NULL;  /* the batch's now */
@@ -122,6 +193,7 @@ int dbsp_linear_run(DbspLinRun *s, const DbspBatch *b, const int32_t *keys, int3
     }
 done:
     for (int32_t k = 0; k < nc && k < 64; k++) { free(cols[k]); free(valid[k]); }
+    for (int32_t k = 0; k < nlimb; k++) free(limbs[k]);
     if (ng > DBSP_LINRUN_KEEP) dbsp_linrun_free(s);
     dbsp_reduce_free(&r);
     if (st != DBSP_OK || m == 0) {

@@ -60,4 +60,18 @@ int dbsp_linear_run(DbspLinRun *s, const DbspBatch *b, const int32_t *keys, int3
                     int out_keys, struct ArrowArray *batch, struct ArrowArray *out, int64_t **w, uint64_t **kh,
                     int64_t *n, int *ordered, int *distinct);
 
+/* Slot kinds beside agg.h's for dbsp_linear_run's specs: the high / low limb of an int64 column (operators/aggregate.py
+ * invariant 5: value >> 32 rounded down, and its low 32 bits), summed times the weights. */
+enum { DBSP_LINRUN_SUM_HI = 100, DBSP_LINRUN_SUM_LO = 101 };
+
+/* An output column that is an avg (float64, its 8-byte values exported as dbsp_linear_run's int64 ones are): for
+ * shown[o] >= 0 and avg_lo[o] >= -1 given, the value (hi + (lo >> 32)) * 2^32 + (lo & 0xffffffff) (hi = slot
+ * shown[o], lo = slot avg_lo[o], or hi alone when avg_lo[o] is -1) divided by slot nonnull[o], in long double, as
+ * Aggregate.finalize divides (null where the count is 0). dbsp_linear_run2 is dbsp_linear_run with, per output, avg[o]
+ * (1: such a column, 0: an int64 one) and avg_lo[o]; its distinct check compares the values shown (an avg's double). */
+int dbsp_linear_run2(DbspLinRun *s, const DbspBatch *b, const int32_t *keys, int32_t nkeys, const DbspAggSpec *specs,
+                     int32_t ns, DbspKeyIndex *ix, const int32_t *shown, const int32_t *nonnull, const int32_t *avg,
+                     const int32_t *avg_lo, int32_t nout, int out_keys, struct ArrowArray *batch,
+                     struct ArrowArray *out, int64_t **w, uint64_t **kh, int64_t *n, int *ordered, int *distinct);
+
 #endif

@@ -259,6 +259,64 @@ class _LinearGroupBy:
         return self.state.step([self.rows.partials(z, ctx)], ctx)
 
 
+class _CGroupBy:
+    """A linear group-by chain ``pre`` -> [identity exchange] -> ``agg`` at W = 1 whose aggregates the C step serves
+    and :class:`_LinearGroupBy` does not (an avg of an int64 column: two limb slots and a float64 result, invariant 5 of
+    operators/aggregate.py), run as ``agg``'s call over the rows that reach ``pre``: in one C call
+    (:meth:`_LinearState.step_run`), else the chain's own steps."""
+
+    def __init__(self, pre: PreAggregate, agg: Aggregate, state: _LinearState, counts: dict[str, int]) -> None:
+        self.pre, self.agg, self.state, self.counts = pre, agg, state, counts
+        schema = agg.in_schema
+        ncols = len(schema)
+        specs, checked = [], []
+        for kind, col in agg.kernel:
+            pos = None if col is None else schema.get_field_index(col)
+            if kind in ("count", "count_col"):
+                specs.append(("count", None))
+                if pos is not None:
+                    checked.append(pos)  # a null there: the chain's own steps
+            else:
+                specs.append((kind, pos))  # sum, sum_hi, sum_lo
+        shown, nonnull, avg = [], [], []
+        for kind, slots in agg.plan:
+            shown.append(slots[0])
+            nonnull.append(slots[-1] if kind in ("sum", "avg") else -1)
+            avg.append((slots[1] if len(slots) == 3 else -1) if kind == "avg" else None)
+        self.run = _zset.LinearRun([schema.get_field_index(k) for k in agg.keys], specs, shown, nonnull,
+                                   agg.output_keys, state.pschema, agg.schema, checked, avg)
+        assert ncols == len(schema)
+
+    @staticmethod
+    def serves(agg: Aggregate) -> bool:
+        """Whether the C step computes every aggregate of ``agg``: counts, sums of int64 columns (int64 results) and avgs
+        of int64 columns (float64 results)."""
+        import pyarrow.types as pat
+
+        if not agg.linear or agg.distinct_columns or agg.extras:
+            return False
+        fields = list(agg.schema)[len(agg.keys) if agg.output_keys else 0:]
+        for (kind, slots), field in zip(agg.plan, fields):
+            cols = {agg.kernel[j][1] for j in slots} - {None}
+            if any(not pat.is_int64(agg.in_schema.field(c).type) for c in cols):
+                return False
+            want = {"count": pa.int64(), "sum": pa.int64(), "avg": pa.float64()}.get(kind)
+            if want is None or not field.type.equals(want) or (kind == "sum" and len(slots) != 2):
+                return False
+        return True
+
+    def __call__(self, inputs: list, ctx: Any) -> ZSet:
+        z = inputs[0]
+        if z.num_rows:
+            out = self.state.step_run(conform(z, self.agg.in_schema), self.run, ctx)
+            if out is not None:
+                self.counts["fused"] += 1
+                self.counts["cstep"] += 1
+                return out
+        self.counts["unfused"] += 1  # invariant 3: the chain's own steps (the exchange is the identity)
+        return self.state.step([self.pre.step([z], ctx)], ctx)
+
+
 class _Received:
     """What a fused exchange hands its chain's last node: the parts sent to this worker (all Z-sets, or all indexed
     Z-sets), as their senders cut them (``ctx.exchange_runs``), not added up."""
@@ -549,6 +607,11 @@ class StepPlan:
                     steps[src] = _PartialsExchange(src, nodes[pre], nodes[agg], self.counts, schema)
                     steps[agg] = _PartialsReceive(instances[agg], nodes[pre].schema, self.counts)
                 self.fused_nodes.append(agg)
+            if workers == 1 and _LinearGroupBy.C_STEP:  # linear group-bys only the C step serves (an avg)
+                for agg, pre in self._c_groupbys(circuit, live, instances, inner):
+                    steps[pre] = steps[nodes[agg].inputs[0]] = _passthrough
+                    steps[agg] = _CGroupBy(nodes[pre], nodes[agg], instances[agg], self.counts)
+                    self.fused_nodes.append(agg)
             if workers > 1:
                 for agg in self._extremes_fed_by_exchange(circuit, live, instances, inner, "reduce_specs"):
                     e = nodes[agg].inputs[0]
@@ -603,6 +666,27 @@ class StepPlan:
                 src = nodes[src].inputs[0]
             pre = nodes[src]
             if isinstance(pre, PreAggregate) and pre.agg is op and inner(src):
+                found.append((i, src))
+        return found
+
+    @staticmethod
+    def _c_groupbys(circuit: Circuit, live: list[int], instances: dict[int, Any], inner: Callable[[int], bool]
+                    ) -> list[tuple[int, int]]:
+        """(aggregate, pre-aggregate) of every linear group-by chain at W = 1 that :meth:`_linear_groupbys` leaves and
+        the C step serves (:class:`_CGroupBy`): counts, int64 sums and avgs of int64 columns."""
+        nodes = circuit.nodes
+        found = []
+        for i in live:
+            op = nodes[i]
+            if not (isinstance(op, Aggregate) and type(instances[i]) is _LinearState and not op.int_slots
+                    and len(op.inputs) == 1 and _CGroupBy.serves(op)):
+                continue
+            src = op.inputs[0]
+            if isinstance(nodes[src], Exchange):
+                if not inner(src):
+                    continue
+                src = nodes[src].inputs[0]
+            if isinstance(nodes[src], PreAggregate) and nodes[src].agg is op and inner(src):
                 found.append((i, src))
         return found
 
