@@ -23,7 +23,7 @@ int dbsp_linear_apply(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
     if (st == DBSP_OK) st = dbsp_linear_fold(ng, ns, old, r->ivals, khash, grp, w, kh, vals, n, ordered, rh);
     if (st != DBSP_OK) return st;
     int64_t m = *n;
-    for (int64_t i = 0; i < m; i++) {  /* new totals of keys held: in place, before anything changes the index's shape */
+    for (int64_t i = 0; i < m; i++) {  /* new totals of keys held: in place, before the index changes shape */
         int64_t g = grp[i];
         rows[i] = r->group_row[g];
         if (w[i] > 0 && slots[g] != NULL) dbsp_keyindex_set_slot(ix, slots[g], vals + i, cap);

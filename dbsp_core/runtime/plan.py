@@ -16,9 +16,10 @@ slices follow, in this order):
      select, map, negate, plus) fuse into one pass over the change's buffers; keyed operators (aggregate, join,
      distinct) call their trace operations (lookup, fold into the totals kept per key, insert) from C, as
      ``linear_step`` already does for one operator. **Built** for one chain: the linear group-by of note 4 at
-     W = 1, and its receiving aggregate at W > 1, run their step in one C call that releases the GIL once
-     (``_zset.LinearRun``, csrc/linrun.h): from the change's buffers (its keys, a count as the weights' sum, an
-     int64 column's sum; a null in a counted or summed column sends the step back to the Python paths) through the
+     W = 1, its receiving aggregate at W > 1, and at W = 1 a linear group-by with avgs of int64 columns (limb slots,
+     a float64 result: ``_CGroupBy``, which note 4's chain does not fuse) run their step in one C call that releases
+     the GIL once (``_zset.LinearRun``, csrc/linrun.h): from the change's buffers (its keys, a count as the weights'
+     sum, an int64 column's sum or limbs; a null in a counted or summed column sends the step back) through the
      grouping, the key index's probes and stores and the fold, to the trace batch's and the output Z-set's columns,
      exported as two record batches through the C data interface, with the check that says whether the output is
      distinct as it stands; its scratch is kept across steps (``counts["cstep"]``). Not built: the other chains
@@ -287,8 +288,8 @@ class _CGroupBy:
 
     @staticmethod
     def serves(agg: Aggregate) -> bool:
-        """Whether the C step computes every aggregate of ``agg``: counts, sums of int64 columns (int64 results) and avgs
-        of int64 columns (float64 results)."""
+        """Whether the C step computes every aggregate of ``agg``: counts, sums of int64 columns (int64 results) and
+        avgs of int64 columns (float64 results)."""
         if not agg.linear or agg.distinct_columns or agg.extras:
             return False
         fields = list(agg.schema)[len(agg.keys) if agg.output_keys else 0:]
@@ -560,7 +561,8 @@ class StepPlan:
     them, and ``counts`` of what fused chains did (invariant 3): ``"fused"`` / ``"unfused"``, steps the W = 1
     group-by chain served or left to its nodes (at W > 1, ``"unfused"``: steps whose partial rows the combiner
     built because of a null); ``"cstep"``, steps of a linear group-by's aggregate run in one C call (design note 2:
-    at W = 1 counted in ``"fused"`` too; at W > 1 of the ``"received"``); ``"sent"``, steps whose partial rows the W > 1 chain's sender built and partitioned
+    at W = 1 counted in ``"fused"`` too; at W > 1 of the ``"received"``); ``"sent"``, steps whose partial rows the
+    W > 1 chain's sender built and partitioned
     (``"grouped"``: of them, by a grouping pass); ``"received"``, aggregate steps over received parts;
     ``"indexed"``, changes a join's fused exchange indexed before it partitioned them; ``"merged"``, join sides
     built from received indexed parts; ``"joined"``, steps of a join that gathered its group-by's columns from its
