@@ -16,7 +16,7 @@ prints the step time's mean, p50, p99 and max, and the trace merge work of the m
 merged per step, counted by the traces: load-independent), and each size's mean and p99 as a ratio to the
 first size's (the target: every size within 2x of the 1M figure). ``--queries join_group_by``: the join then
 ``GROUP BY category`` (count, sum of price) of bench_circuits (a), over the same auctions (1000 categories);
-``group_by_min_max``: (a)'s ``GROUP BY auction`` MIN and MAX of price.
+``group_by_min_max``: (a)'s ``GROUP BY auction`` MIN and MAX of price; ``group_by_avg``: its AVG of price.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def bids(rng: np.random.Generator, n: int, query: str, groups: int) -> pa.Table:
     return pa.table({"auction": auction, "bidder": bidder, "price": rng.integers(1, 10_000, n)}, schema=BIDS)
 
 
-QUERIES = ("group_by", "join", "distinct", "join_group_by", "group_by_min_max")
+QUERIES = ("group_by", "join", "distinct", "join_group_by", "group_by_min_max", "group_by_avg")
 JOINED = ("join", "join_group_by")  # the queries that read auctions
 
 
@@ -66,6 +66,8 @@ def circuit(query: str) -> dbsp.Circuit:
         v = b.group_by("auction").agg(n=dbsp.count(), total=dbsp.sum("price"))
     elif query == "join":
         v = b.join(a, left_on="auction", right_on="id")
+    elif query == "group_by_avg":  # bench_circuits (a)'s group-by avg
+        v = b.group_by("auction").agg(m=dbsp.avg("price"))
     elif query == "group_by_min_max":  # bench_circuits (a)'s group-by min+max
         v = b.group_by("auction").agg(lo=dbsp.min("price"), hi=dbsp.max("price"))
     elif query == "join_group_by":  # bench_circuits (a)'s join then group-by

@@ -58,7 +58,7 @@ def linear_step(table, keys, cols, KeyIndex ix):
     if st != DBSP_OK:
         dbsp_reduce_free(&r)
         check_status(st, "linear_step")
-    cdef int64_t ng = r.ngroups, cap = max(2 * r.ngroups, 1), n = 0, i, g
+    cdef int64_t ng = r.ngroups, cap = max(2 * r.ngroups, 1), n = 0
     cdef int ordered = 1
     buf = np.empty(cap * (4 + ns), dtype=np.int64)  # rows, w, kh, rh, then the slots: one allocation
     cdef int64_t[::1] pb = buf
@@ -67,32 +67,14 @@ def linear_step(table, keys, cols, KeyIndex ix):
     cdef uint64_t *kh = <uint64_t *>(rows + 2 * cap)
     cdef uint64_t *rh = <uint64_t *>(rows + 3 * cap)
     cdef int64_t *vals = rows + 4 * cap
-    cdef int64_t *old = <int64_t *>calloc(max(ng * ns, 1), 8)
+    cdef int64_t *old = <int64_t *>malloc(max(ng * ns, 1) * 8)
     cdef int64_t *grp = <int64_t *>malloc(cap * 8)
     cdef int64_t **slots = <int64_t **>malloc(max(ng, 1) * sizeof(int64_t *))
     if old == NULL or grp == NULL or slots == NULL:
         free(old); free(grp); free(slots); dbsp_reduce_free(&r)
         raise MemoryError("linear_step: out of memory")
-    with nogil:
-        if ng:
-            st = dbsp_keyindex_get_slots(ix.ix, &v.c, k.p, r.group_row, <uint64_t *>r.khash, ng, old, slots)
-            if st == DBSP_OK:
-                st = dbsp_linear_fold(ng, ns, old, r.ivals, <uint64_t *>r.khash, grp, w, kh, vals, &n, &ordered, rh)
-        if st == DBSP_OK:
-            for i in range(n):  # new totals of keys the index holds: in place, before anything changes its shape
-                g = grp[i]
-                rows[i] = r.group_row[g]
-                if w[i] > 0 and slots[g] != NULL:
-                    dbsp_keyindex_set_slot(ix.ix, slots[g], vals + i, cap)
-            i = 0
-            while st == DBSP_OK and i < n:  # then new keys, and groups whose new count is 0 (their old row alone)
-                g = grp[i]
-                if w[i] > 0:
-                    if slots[g] == NULL:
-                        st = dbsp_keyindex_put(ix.ix, &v.c, k.p, rows[i], kh[i], vals + i, cap, n)
-                elif (i + 1 >= n or grp[i + 1] != g) and (i == 0 or grp[i - 1] != g):
-                    st = dbsp_keyindex_put(ix.ix, &v.c, k.p, rows[i], kh[i], NULL, cap, n)
-                i += 1
+    with nogil:  # probe, fold and store (csrc/linrun.h invariant 1: the code dbsp_linear_run runs too)
+        st = dbsp_linear_apply(ix.ix, &v.c, k.p, &r, ns, old, slots, grp, rows, w, kh, vals, rh, &n, &ordered)
     free(old); free(grp); free(slots)
     dbsp_reduce_free(&r)
     check_status(st, "linear_step")
@@ -110,3 +92,90 @@ def linear_step(table, keys, cols, KeyIndex ix):
     kept[2] = buf[3 * cap:3 * cap + n]
     kept[3:] = buf[4 * cap:].reshape(ns, cap)[:, :n]
     return (buf[:n], kept[0], kept[1].view(np.uint64), kept[2].view(np.uint64), kept[3:], bool(ordered))
+
+
+cdef class LinearRun:
+    """A linear group-by's whole step in one C call that releases the GIL once (csrc/linrun.h; dbsp_core/runtime/plan.py
+    design notes 2 and 4), with its scratch kept across steps: ``step(table, weights, ix)`` groups the change's rows by
+    the key columns ``keys``, summing per slot its weights (``("count", None)``) or weight times an int64 column
+    (``("sum", position)``), probes `ix` (a KeyIndex of those slots' totals per key), stores the new totals and returns
+    the trace batch and the output Z-set's columns, built in C: ``(batch, out, w, kh, ordered, distinct)``. ``batch``
+    has ``bschema`` (the keys, then the slots), ``out`` has ``oschema`` (the keys unless ``out_keys`` is false, then per
+    shown aggregate ``shown[o]``'s slot, null where slot ``nonnull[o]`` (>= 0) is 0; with ``avg[o]`` not None, a
+    float64 avg: the sum in slot ``shown[o]`` and low limb slot ``avg[o]`` (-1: none) over the count in slot
+    ``nonnull[o]``, as Aggregate.finalize divides; specs may sum ``("sum_hi", c)`` / ``("sum_lo", c)``, the limbs of
+    an int64 column); both None when no row changed.
+    Returns None, having read and changed nothing, when a summed column or one of ``checked`` (positions: the columns
+    a count of values counts) has a null. Errors as linear_step's."""
+    cdef CLinRun s
+    cdef Int32s keys, shown, nonnull, avg, avg_lo
+    cdef CAggSpec *specs
+    cdef int32_t ns, nout
+    cdef int out_keys
+    cdef tuple summed
+    cdef readonly object bschema, oschema
+    cdef readonly int64_t steps  # steps served (a counter for tests: the C path ran)
+
+    def __cinit__(self):
+        memset(&self.s, 0, sizeof(self.s))
+        self.specs = NULL
+
+    def __dealloc__(self):
+        dbsp_linrun_free(&self.s)
+        free(self.specs)
+
+    def __init__(self, keys, specs, shown, nonnull, out_keys, bschema, oschema, checked=(), avg=None):
+        cdef int32_t j
+        if len(shown) != len(nonnull) or not specs or len(specs) + len(shown) > 64:
+            raise ValueError("LinearRun: 1 to 64 columns, and one non-null slot (or -1) per shown slot")
+        avg = [None] * len(shown) if avg is None else list(avg)  # per shown slot: None, or an avg's low limb slot
+        if len(avg) != len(shown) or any(a is not None and (nonnull[o] < 0 or not -1 <= a < len(specs))
+                                         for o, a in enumerate(avg)):
+            raise ValueError("LinearRun: an avg needs its count slot, and its low limb slot or -1")
+        if any(not 0 <= j < len(specs) for j in shown) or any(not -1 <= j < len(specs) for j in nonnull):
+            raise ValueError("LinearRun: a shown or non-null slot outside the slots")
+        self.keys, self.shown, self.nonnull = Int32s(keys), Int32s(shown), Int32s(nonnull)
+        self.avg = Int32s([0 if a is None else 1 for a in avg])
+        self.avg_lo = Int32s([-1 if a is None else a for a in avg])
+        self.ns, self.nout, self.out_keys = len(specs), len(shown), 1 if out_keys else 0
+        limbs = {"sum_hi": DBSP_LINRUN_SUM_HI, "sum_lo": DBSP_LINRUN_SUM_LO}  # a limb of an int64 column's sum
+        self.specs = agg_specs([("sum", c) if kind in limbs else (kind, c) for kind, c in specs])
+        for j, (kind, c) in enumerate(specs):
+            if kind in limbs:
+                self.specs[j].kind = limbs[kind]
+        self.summed = tuple(sorted({c for kind, c in specs if c is not None} | set(checked)))
+        self.bschema, self.oschema = bschema, oschema
+        self.steps = 0
+
+    def step(self, table, weights, KeyIndex ix):
+        cdef BatchView v = view_of(table, weights)
+        cdef int32_t c
+        if self.keys.n != ix.nkeys or self.ns != ix.nvals:
+            raise ValueError(f"LinearRun: {self.keys.n} keys and {self.ns} slots for an index of {ix.nkeys} and "
+                             f"{ix.nvals}")
+        for c in self.summed:
+            if c < 0 or c >= v.c.ncols:
+                raise ValueError(f"LinearRun: column {c} outside the change's {v.c.ncols}")
+            if v.c.cols[c].validity != NULL:  # a null: the chain's own steps serve it (counts of a column)
+                return None
+        cdef ArrowArray batch, out
+        cdef int64_t *w = NULL
+        cdef uint64_t *kh = NULL
+        cdef int64_t n = 0
+        cdef int ordered = 1, distinct = 1, st
+        with nogil:
+            st = dbsp_linear_run2(&self.s, &v.c, self.keys.p, self.keys.n, self.specs, self.ns, ix.ix, self.shown.p,
+                                  self.nonnull.p, self.avg.p, self.avg_lo.p, self.nout, self.out_keys, &batch, &out,
+                                  &w, &kh, &n, &ordered, &distinct)
+        check_status(st, "linear_run")
+        self.steps += 1
+        if n == 0:
+            return None, None, None, None, True, True
+        wa = own_array(w, n, np.int64)
+        ka = own_array(kh, n, np.uint64)
+        try:
+            bt = import_batch(&batch, self.bschema)
+        except BaseException:
+            out.release(&out)  # not imported: the first import failed
+            raise
+        return bt, import_batch(&out, self.oschema), wa, ka, bool(ordered), bool(distinct)

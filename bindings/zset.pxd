@@ -253,3 +253,22 @@ cdef extern from "extremes.h" nogil:
     int dbsp_extremes_store(CKeyIndex *ix, const CBatch *b, const int32_t *keys, int64_t ng, int32_t nv,
                             const int64_t *group_row, const uint64_t *gkh, const int64_t *old, const int64_t *nw,
                             int64_t *grp, int64_t *w, int64_t *n)
+
+cdef extern from "linrun.h" nogil:
+    ctypedef struct CLinRun "DbspLinRun":
+        int64_t groups
+    void dbsp_linrun_free(CLinRun *s)
+    int dbsp_linear_apply(CKeyIndex *ix, const CBatch *b, const int32_t *keys, const CReduceOut *r, int32_t ns,
+                          int64_t *old, int64_t **slots, int64_t *grp, int64_t *rows, int64_t *w, uint64_t *kh,
+                          int64_t *vals, uint64_t *rh, int64_t *n, int *ordered)
+    int dbsp_linear_run(CLinRun *s, const CBatch *b, const int32_t *keys, int32_t nkeys, const CAggSpec *specs,
+                        int32_t ns, CKeyIndex *ix, const int32_t *shown, const int32_t *nonnull, int32_t nout,
+                        int out_keys, ArrowArray *batch, ArrowArray *out, int64_t **w, uint64_t **kh,
+                        int64_t *n, int *ordered, int *distinct)
+    enum:
+        DBSP_LINRUN_SUM_HI
+        DBSP_LINRUN_SUM_LO
+    int dbsp_linear_run2(CLinRun *s, const CBatch *b, const int32_t *keys, int32_t nkeys, const CAggSpec *specs,
+                         int32_t ns, CKeyIndex *ix, const int32_t *shown, const int32_t *nonnull, const int32_t *avg,
+                         const int32_t *avg_lo, int32_t nout, int out_keys, ArrowArray *batch, ArrowArray *out,
+                         int64_t **w, uint64_t **kh, int64_t *n, int *ordered, int *distinct)

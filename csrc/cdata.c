@@ -156,14 +156,15 @@ fail:
     return st;
 }
 
-int dbsp_cdata_gather2(const DbspBatch *a, const int32_t *acols, int32_t na, const int64_t *aidx,
+/* dbsp_cdata_gather2 with room for `extra` more children after the gathered ones (p->n counts the gathered) */
+static int gather_root(const DbspBatch *a, const int32_t *acols, int32_t na, const int64_t *aidx,
                        const DbspBatch *b, const int32_t *bcols, int32_t nb, const int64_t *bidx, int64_t m,
-                       struct ArrowArray *out) {
+                       int32_t extra, struct ArrowArray *out) {
     int64_t n = (int64_t)na + (b ? nb : 0);
     RootPriv *p = calloc(1, sizeof *p);
     if (!p) return DBSP_ENOMEM;
-    p->kids = calloc((size_t)(n ? n : 1), sizeof(struct ArrowArray));
-    p->kid_ptrs = calloc((size_t)(n ? n : 1), sizeof(struct ArrowArray *));
+    p->kids = calloc((size_t)(n + extra ? n + extra : 1), sizeof(struct ArrowArray));
+    p->kid_ptrs = calloc((size_t)(n + extra ? n + extra : 1), sizeof(struct ArrowArray *));
     if (!p->kids || !p->kid_ptrs) { free(p->kids); free(p->kid_ptrs); free(p); return DBSP_ENOMEM; }
     for (int64_t k = 0; k < n; k++) {
         const DbspBatch *src = k < na ? a : b;
@@ -190,6 +191,46 @@ int dbsp_cdata_gather2(const DbspBatch *a, const int32_t *acols, int32_t na, con
     out->release = release_root;
     out->private_data = p;
     return DBSP_OK;
+}
+
+int dbsp_cdata_gather2(const DbspBatch *a, const int32_t *acols, int32_t na, const int64_t *aidx,
+                       const DbspBatch *b, const int32_t *bcols, int32_t nb, const int64_t *bidx, int64_t m,
+                       struct ArrowArray *out) {
+    return gather_root(a, acols, na, aidx, b, bcols, nb, bidx, m, 0, out);
+}
+
+int dbsp_cdata_gather_ints(const DbspBatch *a, const int32_t *acols, int32_t na, const int64_t *aidx, int64_t m,
+                           int32_t ni, int64_t *const *ivals, uint8_t *const *ivalid, const int64_t *inulls,
+                           struct ArrowArray *out) {
+    ChildPriv **cp = calloc((size_t)(ni ? ni : 1), sizeof *cp);
+    int st = DBSP_ENOMEM;
+    if (!cp) return st;
+    for (int32_t k = 0; k < ni; k++)  /* allocate first: nothing can fail once the buffers are taken */
+        if (!(cp[k] = calloc(1, sizeof(ChildPriv)))) goto fail;
+    if ((st = gather_root(a, acols, na, aidx, NULL, NULL, 0, NULL, m, ni, out))) goto fail;
+    RootPriv *p = out->private_data;
+    for (int32_t k = 0; k < ni; k++) {
+        struct ArrowArray *c = &p->kids[p->n];
+        cp[k]->owned[0] = inulls[k] ? ivalid[k] : NULL;
+        cp[k]->owned[1] = ivals[k];
+        if (!inulls[k]) free(ivalid[k]);  /* no nulls: no validity buffer */
+        for (int i = 0; i < 3; i++) cp[k]->bufs[i] = cp[k]->owned[i];
+        memset(c, 0, sizeof *c);
+        c->length = m;
+        c->null_count = inulls[k];
+        c->n_buffers = 2;
+        c->buffers = cp[k]->bufs;
+        c->release = release_child;
+        c->private_data = cp[k];
+        p->kid_ptrs[p->n++] = c;
+    }
+    out->n_children = p->n;
+    free(cp);
+    return DBSP_OK;
+fail:
+    for (int32_t k = 0; k < ni; k++) free(cp[k]);
+    free(cp);
+    return st;
 }
 
 int dbsp_cdata_gather(const DbspBatch *b, const int64_t *idx, int64_t m, struct ArrowArray *out) {

@@ -81,6 +81,14 @@ int dbsp_cdata_gather2(const DbspBatch *a, const int32_t *acols, int32_t na, con
                        const DbspBatch *b, const int32_t *bcols, int32_t nb, const int64_t *bidx, int64_t m,
                        struct ArrowArray *out);
 
+/* The columns acols[0..na) of a at rows aidx[0..m) (indices checked, as dbsp_cdata_gather2), then ni int64 columns of
+ * m values each: ivals[k] and the validity bitmap ivalid[k] (inulls[k] nulls; both malloc'ed, ivalid[k] may be NULL
+ * when inulls[k] is 0), which the export takes over on DBSP_OK (an unused bitmap is freed); on an error they stay
+ * the caller's. */
+int dbsp_cdata_gather_ints(const DbspBatch *a, const int32_t *acols, int32_t na, const int64_t *aidx, int64_t m,
+                           int32_t ni, int64_t *const *ivals, uint8_t *const *ivalid, const int64_t *inulls,
+                           struct ArrowArray *out);
+
 /* Columns whose buffers are regions (scratch.h: dbsp_region_alloc) exported as a record batch of n rows that owns
  * them: column k has type types[k], null count null_counts[k] and buffers bufs[3k..3k+2] (validity or NULL, values,
  * character data or NULL) with mapped sizes mapped[3k..3k+2]; releasing a column frees its regions. On success

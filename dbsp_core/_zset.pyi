@@ -79,6 +79,16 @@ def linear_fold(old: np.ndarray, delta: np.ndarray, khash: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]: ...
 def linear_step(table: pa.Table | BatchView, keys: Sequence[int], cols: Sequence[int], ix: KeyIndex
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]: ...
+class LinearRun:
+    """A linear group-by's whole step in one C call, its scratch kept across steps (csrc/linrun.h)."""
+    bschema: pa.Schema
+    oschema: pa.Schema
+    steps: int
+    def __init__(self, keys: Sequence[int], specs: Sequence[tuple[str, int | None]], shown: Sequence[int],
+                 nonnull: Sequence[int], out_keys: bool, bschema: pa.Schema, oschema: pa.Schema,
+                 checked: Sequence[int] = ()) -> None: ...
+    def step(self, table: pa.Table | BatchView, weights: np.ndarray | None, ix: KeyIndex
+             ) -> tuple[pa.Table | None, pa.Table | None, np.ndarray | None, np.ndarray | None, bool, bool] | None: ...
 class MergeCursor:
     """A merge cursor: a resumable merge of two canonical batches (csrc/merge.h)."""
     schema: pa.Schema

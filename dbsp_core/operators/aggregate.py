@@ -631,6 +631,39 @@ class _LinearState:
             return None
         return self._emit(view, keypos, found, None)
 
+    def step_run(self, z: "ZSet", run: "_zset.LinearRun", ctx: "StepContext") -> "ZSet | None":
+        """:meth:`step_rows` in one C call (``run``, a ``_zset.LinearRun`` over ``z``'s columns: csrc/linrun.h): the
+        grouping, the key index's probes and stores, the trace batch's and the output's columns, built without a
+        Python or Arrow call between them. None, having changed nothing, when it cannot serve the step (no current
+        key index, or a null in a counted or summed column): the caller then takes another path."""
+        op = self.op
+        prune(self, input_times(op), ctx)
+
+        def step(ix: object) -> tuple | None:
+            r = run.step(z.data, z.weights, ix)
+            if r is None:  # a null: nothing read nor stored
+                self.trace.index_done(ix)
+                return None
+            return r, ix
+
+        try:
+            found = self.trace.through_index(self.spec, step)
+        except WeightOverflowError as e:
+            op.raise_overflow(e)
+        if found is None:
+            return None
+        (batch, out, w, kh, ordered, distinct), ix = found
+        if batch is None:  # no group changed
+            self.trace.index_done(ix)
+            return empty(op.schema)
+        if ordered:  # groups by key hash, a group's two rows by row hash: the trace batch as it stands
+            self.trace.insert(IndexedZSet._make(ZSet._make(batch, w), tuple(self.keys), kh), indexed=ix)
+        else:  # a key-hash or row-hash tie (rare): values decide the order
+            self.trace.insert(make(batch, w, self.pschema).index_by(self.keys), indexed=ix)
+        if distinct:  # no group shows equal new and old rows (csrc/linrun.h invariant 2)
+            return ZSet._make(out, w, distinct=True)
+        return sum_adjacent(make(out, w, op.schema), kh)
+
     def _emit(self, view: "_zset.BatchView", keypos: tuple, found: tuple, finalize: object) -> "ZSet":
         """The trace batch and the output of a step whose groups ``found`` gave (``_through_index``' tuple) over
         the rows of ``view`` (keys at ``keypos``); ``finalize``: the aggregate's, or None for

@@ -15,8 +15,16 @@ slices follow, in this order):
      nodes that stay in Python, never between fused operators. Chains of stateless linear operators (filter,
      select, map, negate, plus) fuse into one pass over the change's buffers; keyed operators (aggregate, join,
      distinct) call their trace operations (lookup, fold into the totals kept per key, insert) from C, as
-     ``linear_step`` already does for one operator. Not built: every fused chain still enters C once per
-     kernel and builds Arrow objects between kernels of one operator.
+     ``linear_step`` already does for one operator. **Built** for one chain: the linear group-by of note 4 at
+     W = 1, its receiving aggregate at W > 1, and at W = 1 a linear group-by with avgs of int64 columns (limb slots,
+     a float64 result: ``_CGroupBy``, which note 4's chain does not fuse) run their step in one C call that releases
+     the GIL once (``_zset.LinearRun``, csrc/linrun.h): from the change's buffers (its keys, a count as the weights'
+     sum, an int64 column's sum or limbs; a null in a counted or summed column sends the step back) through the
+     grouping, the key index's probes and stores and the fold, to the trace batch's and the output Z-set's columns,
+     exported as two record batches through the C data interface, with the check that says whether the output is
+     distinct as it stands; its scratch is kept across steps (``counts["cstep"]``). Not built: the other chains
+     (and the steps around that call: the pushes, the driver, the trace's insert and merges stay in Python) enter C
+     once per kernel and build Arrow objects between kernels of one operator.
   3. What stays in Python: building and validating circuits, lowering, operators that run user code (flat_map,
      UDF-like expressions pyarrow evaluates), the boundary (pushes, division, the output log, checkpoints,
      rollback on a StepError), and every node the plan does not cover: such a node is a call of today's
@@ -208,15 +216,39 @@ class _HopSlices:
 
 class _LinearGroupBy:
     """The fused linear group-by chain (design note 4): ``pre`` -> [identity exchange] -> ``agg``, run as ``agg``'s call
-    over the rows that reach ``pre``."""
+    over the rows that reach ``pre``: in one C call (``_zset.LinearRun``, design note 2: :meth:`_LinearState.step_run`)
+    when it serves the step, else through ``linear_step`` and Python (:meth:`_LinearState.step_rows`), else the chain's
+    own steps."""
+
+    C_STEP = True  # the one-call step (tests turn it off to compare with the path before it)
 
     def __init__(self, pre: PreAggregate, agg: Aggregate, state: _LinearState, counts: dict[str, int],
                  schema: pa.Schema | None = None) -> None:
         self.pre, self.agg, self.state, self.counts = pre, agg, state, counts
         self.rows = _RowsOfSlots(agg, pre, schema)
+        self.run = self._linear_run(self.rows, agg, state) if self.C_STEP else None
+
+    @staticmethod
+    def _linear_run(rows: _RowsOfSlots, agg: Aggregate, state: _LinearState) -> Any:
+        """The chain's one-call step over the rows as they reach it (their columns at ``rows``' positions): per kernel
+        slot a count of weights or an int64 column's sum; per aggregate its slot, a sum null where its non-null count
+        is 0 (:meth:`Aggregate.finalize_ints`)."""
+        ncols = len(rows.schema)
+        specs = [("sum", p) if p < ncols else ("count", None) for p in rows.slotpos]
+        shown = [slots[0] for _, slots in agg.plan]
+        nonnull = [slots[1] if kind == "sum" else -1 for kind, slots in agg.plan]
+        checked = [rows.schema.get_field_index(c) for c in rows.checked]  # a null there: the Python paths serve it
+        return _zset.LinearRun(list(rows.keypos), specs, shown, nonnull, agg.output_keys, state.pschema, agg.schema,
+                               checked)
 
     def __call__(self, inputs: list, ctx: Any) -> ZSet:
         z = inputs[0]
+        if z.num_rows and self.run is not None:
+            out = self.state.step_run(conform(z, self.rows.schema), self.run, ctx)
+            if out is not None:
+                self.counts["fused"] += 1
+                self.counts["cstep"] += 1
+                return out
         if z.num_rows:
             rows = self.rows.of(z)
             if rows is not None:
@@ -226,6 +258,60 @@ class _LinearGroupBy:
                     return out
         self.counts["unfused"] += 1  # invariant 3: the chain's own steps (the exchange is the identity)
         return self.state.step([self.rows.partials(z, ctx)], ctx)
+
+
+class _CGroupBy:
+    """A linear group-by chain ``pre`` -> [identity exchange] -> ``agg`` at W = 1 whose aggregates the C step serves
+    and :class:`_LinearGroupBy` does not (an avg of an int64 column: two limb slots and a float64 result, invariant 5 of
+    operators/aggregate.py), run as ``agg``'s call over the rows that reach ``pre``: in one C call
+    (:meth:`_LinearState.step_run`), else the chain's own steps."""
+
+    def __init__(self, pre: PreAggregate, agg: Aggregate, state: _LinearState, counts: dict[str, int]) -> None:
+        self.pre, self.agg, self.state, self.counts = pre, agg, state, counts
+        schema = agg.in_schema
+        specs, checked = [], []
+        for kind, col in agg.kernel:
+            pos = None if col is None else schema.get_field_index(col)
+            if kind in ("count", "count_col"):
+                specs.append(("count", None))
+                if pos is not None:
+                    checked.append(pos)  # a null there: the chain's own steps
+            else:
+                specs.append((kind, pos))  # sum, sum_hi, sum_lo
+        shown, nonnull, avg = [], [], []
+        for kind, slots in agg.plan:
+            shown.append(slots[0])
+            nonnull.append(slots[-1] if kind in ("sum", "avg") else -1)
+            avg.append((slots[1] if len(slots) == 3 else -1) if kind == "avg" else None)
+        self.run = _zset.LinearRun([schema.get_field_index(k) for k in agg.keys], specs, shown, nonnull,
+                                   agg.output_keys, state.pschema, agg.schema, checked, avg)
+
+    @staticmethod
+    def serves(agg: Aggregate) -> bool:
+        """Whether the C step computes every aggregate of ``agg``: counts, sums of int64 columns (int64 results) and
+        avgs of int64 columns (float64 results)."""
+        if not agg.linear or agg.distinct_columns or agg.extras:
+            return False
+        fields = list(agg.schema)[len(agg.keys) if agg.output_keys else 0:]
+        for (kind, slots), field in zip(agg.plan, fields):
+            cols = {agg.kernel[j][1] for j in slots} - {None}
+            if any(not pa.types.is_int64(agg.in_schema.field(c).type) for c in cols):
+                return False
+            want = {"count": pa.int64(), "sum": pa.int64(), "avg": pa.float64()}.get(kind)
+            if want is None or not field.type.equals(want) or (kind == "sum" and len(slots) != 2):
+                return False
+        return True
+
+    def __call__(self, inputs: list, ctx: Any) -> ZSet:
+        z = inputs[0]
+        if z.num_rows:
+            out = self.state.step_run(conform(z, self.agg.in_schema), self.run, ctx)
+            if out is not None:
+                self.counts["fused"] += 1
+                self.counts["cstep"] += 1
+                return out
+        self.counts["unfused"] += 1  # invariant 3: the chain's own steps (the exchange is the identity)
+        return self.state.step([self.pre.step([z], ctx)], ctx)
 
 
 class _Received:
@@ -319,10 +405,24 @@ class _PartialsReceive:
 
     def __init__(self, state: _LinearState, pschema: pa.Schema, counts: dict[str, int]) -> None:
         self.state, self.pschema, self.counts = state, pschema, counts
+        agg = state.op
+        self.run = None  # the one-call step over the partial rows (design note 2; _LinearGroupBy's C_STEP)
+        if _LinearGroupBy.C_STEP:
+            nk = len(agg.keys)
+            self.run = _zset.LinearRun(list(range(nk)), [("sum", nk + j) for j in range(len(agg.kernel))],
+                                       [slots[0] for _, slots in agg.plan],
+                                       [slots[1] if kind == "sum" else -1 for kind, slots in agg.plan],
+                                       agg.output_keys, state.pschema, agg.schema)
 
     def __call__(self, inputs: list, ctx: Any) -> ZSet:
         self.counts["received"] += 1
-        return self.state.step([concat(inputs[0].parts, self.pschema)], ctx)
+        z = concat(inputs[0].parts, self.pschema)
+        if z.num_rows and self.run is not None:
+            out = self.state.step_run(z, self.run, ctx)
+            if out is not None:
+                self.counts["cstep"] += 1
+                return out
+        return self.state.step([z], ctx)
 
 
 class _IndexedExchange:
@@ -460,7 +560,9 @@ class StepPlan:
     """The calls of one worker's step (the module docstring): ``calls`` as ``dbsp_core.profile.run_nodes`` takes
     them, and ``counts`` of what fused chains did (invariant 3): ``"fused"`` / ``"unfused"``, steps the W = 1
     group-by chain served or left to its nodes (at W > 1, ``"unfused"``: steps whose partial rows the combiner
-    built because of a null); ``"sent"``, steps whose partial rows the W > 1 chain's sender built and partitioned
+    built because of a null); ``"cstep"``, steps of a linear group-by's aggregate run in one C call (design note 2:
+    at W = 1 counted in ``"fused"`` too; at W > 1 of the ``"received"``); ``"sent"``, steps whose partial rows the
+    W > 1 chain's sender built and partitioned
     (``"grouped"``: of them, by a grouping pass); ``"received"``, aggregate steps over received parts;
     ``"indexed"``, changes a join's fused exchange indexed before it partitioned them; ``"merged"``, join sides
     built from received indexed parts; ``"joined"``, steps of a join that gathered its group-by's columns from its
@@ -474,7 +576,7 @@ class StepPlan:
                  fuse: bool = True) -> None:
         nodes = circuit.nodes
         self.workers = workers  # the layout's worker count it was lowered for (invariant 2)
-        self.counts = dict.fromkeys(("fused", "unfused", "sent", "grouped", "received", "indexed", "merged",
+        self.counts = dict.fromkeys(("fused", "cstep", "unfused", "sent", "grouped", "received", "indexed", "merged",
                                      "joined", "reduced", "sliced", "paired", "projected"), 0)
         self.fused_nodes: list[int] = []  # the last node of each fused chain
         steps: dict[int, Callable] = {i: instances[i].step for i in live}
@@ -503,6 +605,11 @@ class StepPlan:
                     steps[src] = _PartialsExchange(src, nodes[pre], nodes[agg], self.counts, schema)
                     steps[agg] = _PartialsReceive(instances[agg], nodes[pre].schema, self.counts)
                 self.fused_nodes.append(agg)
+            if workers == 1 and _LinearGroupBy.C_STEP:  # linear group-bys only the C step serves (an avg)
+                for agg, pre in self._c_groupbys(circuit, live, instances, inner):
+                    steps[pre] = steps[nodes[agg].inputs[0]] = _passthrough
+                    steps[agg] = _CGroupBy(nodes[pre], nodes[agg], instances[agg], self.counts)
+                    self.fused_nodes.append(agg)
             if workers > 1:
                 for agg in self._extremes_fed_by_exchange(circuit, live, instances, inner, "reduce_specs"):
                     e = nodes[agg].inputs[0]
@@ -557,6 +664,27 @@ class StepPlan:
                 src = nodes[src].inputs[0]
             pre = nodes[src]
             if isinstance(pre, PreAggregate) and pre.agg is op and inner(src):
+                found.append((i, src))
+        return found
+
+    @staticmethod
+    def _c_groupbys(circuit: Circuit, live: list[int], instances: dict[int, Any], inner: Callable[[int], bool]
+                    ) -> list[tuple[int, int]]:
+        """(aggregate, pre-aggregate) of every linear group-by chain at W = 1 that :meth:`_linear_groupbys` leaves and
+        the C step serves (:class:`_CGroupBy`): counts, int64 sums and avgs of int64 columns."""
+        nodes = circuit.nodes
+        found = []
+        for i in live:
+            op = nodes[i]
+            if not (isinstance(op, Aggregate) and type(instances[i]) is _LinearState and not op.int_slots
+                    and len(op.inputs) == 1 and _CGroupBy.serves(op)):
+                continue
+            src = op.inputs[0]
+            if isinstance(nodes[src], Exchange):
+                if not inner(src):
+                    continue
+                src = nodes[src].inputs[0]
+            if isinstance(nodes[src], PreAggregate) and nodes[src].agg is op and inner(src):
                 found.append((i, src))
         return found
 

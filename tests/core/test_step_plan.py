@@ -21,7 +21,7 @@ from dbsp_core.runtime.plan import _PartialsExchange
 SCHEMA = pa.schema([("k", pa.int64()), ("j", pa.int64()), ("v", pa.int64()), ("s", pa.string())])
 USCHEMA = pa.schema([("id", pa.int64()), ("x", pa.string()), ("m", pa.int64())])  # the join's other side
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))  # the join test's rows; replayable
-COUNTS = ("fused", "unfused", "sent", "grouped", "received", "indexed", "merged", "joined",
+COUNTS = ("fused", "cstep", "unfused", "sent", "grouped", "received", "indexed", "merged", "joined",
           "reduced", "sliced", "paired", "projected")  # StepPlan.counts' keys
 
 rows = st.tuples(st.integers(0, 5), st.one_of(st.none(), st.integers(0, 2)),
@@ -215,7 +215,7 @@ def test_fused_chain_runs_and_counts_and_falls_back_on_nulls(workers, group_rows
              [((2, 0, 7, "a"), -1)]]
     planned, counts = _run(c, steps, plan=True, workers=workers, group_rows=group_rows)
     if workers == 1:
-        assert counts == {**dict.fromkeys(COUNTS, 0), "fused": 2, "unfused": 1}
+        assert counts == {**dict.fromkeys(COUNTS, 0), "fused": 2, "cstep": 2, "unfused": 1}
     else:  # a worker given rows groups them ("sent"), or, with a null among them, the combiner does ("unfused");
         # every worker runs its aggregate over what it received once a step
         assert counts["sent"] >= 2 and counts["unfused"] >= 1 and counts["received"] == 3 * workers, counts
@@ -289,7 +289,7 @@ def test_plan_fuses_through_the_exchange_at_two_workers_and_nothing_when_off():
             assert len(p.step()["g"].to_dict()) == 5
             counts = [wk.plan.counts for wk in p.executor._workers]
             if workers == 1:
-                assert counts == [{**dict.fromkeys(COUNTS, 0), "fused": 1}]
+                assert counts == [{**dict.fromkeys(COUNTS, 0), "fused": 1, "cstep": 1}]
             else:  # each worker grouped its rows and sent them (one sent none), and ran its aggregate once
                 assert sum(x["sent"] for x in counts) >= 1 and [x["received"] for x in counts] == [1, 1]
 

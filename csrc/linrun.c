@@ -1,0 +1,204 @@
+/* linrun.c: a linear group-by's whole step in one call (see linrun.h). */
+#include <stdlib.h>
+#include <string.h>
+#include "linrun.h"
+#include "fold.h"
+#include "status.h"
+
+void dbsp_linrun_free(DbspLinRun *s) {
+    free(s->old); free(s->slots); free(s->grp); free(s->rows); free(s->vals);
+    memset(s, 0, sizeof *s);
+}
+
+int dbsp_linear_apply(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const DbspReduceOut *r, int32_t ns,
+                      int64_t *old, int64_t **slots, int64_t *grp, int64_t *rows, int64_t *w, uint64_t *kh,
+                      int64_t *vals, uint64_t *rh, int64_t *n, int *ordered) {
+    int64_t ng = r->ngroups, cap = 2 * ng;
+    const uint64_t *khash = (const uint64_t *)r->khash;
+    *n = 0;
+    *ordered = 1;
+    if (ng == 0) return DBSP_OK;
+    memset(old, 0, (size_t)(ng * ns) * 8);
+    int st = dbsp_keyindex_get_slots(ix, b, keys, r->group_row, khash, ng, old, slots);
+    if (st == DBSP_OK) st = dbsp_linear_fold(ng, ns, old, r->ivals, khash, grp, w, kh, vals, n, ordered, rh);
+    if (st != DBSP_OK) return st;
+    int64_t m = *n;
+    for (int64_t i = 0; i < m; i++) {  /* new totals of keys held: in place, before the index changes shape */
+        int64_t g = grp[i];
+        rows[i] = r->group_row[g];
+        if (w[i] > 0 && slots[g] != NULL) dbsp_keyindex_set_slot(ix, slots[g], vals + i, cap);
+    }
+    for (int64_t i = 0; st == DBSP_OK && i < m; i++) {  /* then new keys, and groups whose new count is 0 */
+        int64_t g = grp[i];
+        if (w[i] > 0) {
+            if (slots[g] == NULL) st = dbsp_keyindex_put(ix, b, keys, rows[i], kh[i], vals + i, cap, m);
+        } else if ((i + 1 >= m || grp[i + 1] != g) && (i == 0 || grp[i - 1] != g)) {  /* its old row alone */
+            st = dbsp_keyindex_put(ix, b, keys, rows[i], kh[i], NULL, cap, m);
+        }
+    }
+    return st;
+}
+
+/* room in s for ng groups of ns slots (invariant 3: kept up to DBSP_LINRUN_KEEP groups) */
+static int reserve(DbspLinRun *s, int64_t ng, int32_t ns) {
+    if (s->groups >= ng && s->ns == ns) return DBSP_OK;
+    dbsp_linrun_free(s);
+    int64_t g = ng < 1024 ? 1024 : ng;
+    s->old = malloc((size_t)(g * ns) * 8);
+    s->slots = malloc((size_t)g * sizeof(int64_t *));
+    s->grp = malloc((size_t)(2 * g) * 8);
+    s->rows = malloc((size_t)(2 * g) * 8);
+    s->vals = malloc((size_t)(2 * g * ns) * 8);
+    if (!s->old || !s->slots || !s->grp || !s->rows || !s->vals) {
+        dbsp_linrun_free(s);
+        return DBSP_ENOMEM;
+    }
+    s->groups = g;
+    s->ns = ns;
+    return DBSP_OK;
+}
+
+int dbsp_linear_run(DbspLinRun *s, const DbspBatch *b, const int32_t *keys, int32_t nkeys, const DbspAggSpec *specs,
+                    int32_t ns, DbspKeyIndex *ix, const int32_t *shown, const int32_t *nonnull, int32_t nout,
+                    int out_keys, struct ArrowArray *batch, struct ArrowArray *out, int64_t **w, uint64_t **kh,
+                    int64_t *n, int *ordered, int *distinct) {
+    return dbsp_linear_run2(s, b, keys, nkeys, specs, ns, ix, shown, nonnull, NULL, NULL, nout, out_keys, batch, out,
+                            w, kh, n, ordered, distinct);
+}
+
+/* an avg's value from its slots (linrun.h), as Aggregate.finalize computes it in long double */
+static double avg_of(int64_t hi, int64_t lo, int has_lo, int64_t cnt) {
+    long double v;
+    if (has_lo) {
+        hi += lo >> 32;
+        lo &= 0xFFFFFFFF;
+        v = (long double)hi * 4294967296.0L + (long double)lo;
+    } else {
+        v = (long double)hi;
+    }
+    return cnt ? (double)(v / (long double)cnt) : 0.0;
+}
+
+int dbsp_linear_run2(DbspLinRun *s, const DbspBatch *b0, const int32_t *keys, int32_t nkeys, const DbspAggSpec *specs0,
+                     int32_t ns, DbspKeyIndex *ix, const int32_t *shown, const int32_t *nonnull, const int32_t *avg,
+                     const int32_t *avg_lo, int32_t nout, int out_keys, struct ArrowArray *batch,
+                     struct ArrowArray *out, int64_t **w, uint64_t **kh, int64_t *n, int *ordered, int *distinct) {
+    DbspReduceOut r;
+    DbspAggSpec specs[64];
+    DbspColumn lcols[64 + 64];  /* the batch's columns, then one int64 column per limb slot */
+    int64_t *limbs[64];
+    DbspBatch bb = *b0;
+    const DbspBatch *b = b0;
+    int32_t nlimb = 0;
+    int64_t *cols[64];  /* the exported int64 columns: the trace batch's ns slots, then the output's nout */
+    uint8_t *valid[64];
+    int64_t nulls[64];
+    int32_t nc = ns + nout;
+    int64_t ng = 0, cap = 0, m = 0;
+    memset(&r, 0, sizeof r);
+    batch->release = NULL;
+    out->release = NULL;
+    *w = NULL; *kh = NULL; *n = 0; *ordered = 1; *distinct = 1;
+    if (ns < 1 || nout < 0 || nc > 64 || b0->ncols > 64) return DBSP_EINVAL;
+    memset(cols, 0, sizeof cols);
+    memset(valid, 0, sizeof valid);
+    memset(nulls, 0, sizeof nulls);
+    memset(limbs, 0, sizeof limbs);
+    int st = DBSP_OK;
+    for (int32_t j = 0; j < ns; j++) {  /* limb slots sum a column of limbs made here (linrun.h) */
+        specs[j] = specs0[j];
+        int32_t kind = specs0[j].kind, c = specs0[j].col;
+        if (kind != DBSP_LINRUN_SUM_HI && kind != DBSP_LINRUN_SUM_LO) continue;
+        if (c < 0 || c >= b0->ncols || b0->cols[c].type != DBSP_INT64 || b0->cols[c].validity) {
+            st = DBSP_EINVAL;
+            goto done;
+        }
+        if (!nlimb) memcpy(lcols, b0->cols, (size_t)b0->ncols * sizeof *lcols);
+        int64_t rows = b0->nrows;
+        if (!(limbs[nlimb] = malloc((size_t)(rows ? rows : 1) * 8))) { st = DBSP_ENOMEM; goto done; }
+        const int64_t *v = (const int64_t *)b0->cols[c].values + b0->cols[c].offset;
+        for (int64_t i = 0; i < rows; i++)
+            limbs[nlimb][i] = kind == DBSP_LINRUN_SUM_HI ? v[i] >> 32 : v[i] & 0xFFFFFFFF;
+        DbspColumn *lc = &lcols[b0->ncols + nlimb];
+        memset(lc, 0, sizeof *lc);
+        lc->type = DBSP_INT64;
+        lc->values = limbs[nlimb];
+        specs[j].kind = DBSP_AGG_SUM;
+        specs[j].col = b0->ncols + nlimb++;
+    }
+    if (nlimb) {
+        bb.cols = lcols;
+        bb.ncols = b0->ncols + nlimb;
+        b = &bb;
+    }
+    st = dbsp_group_reduce_all(b, keys, nkeys, specs, ns, &r);
+    ng = r.ngroups;
+    cap = 2 * ng;
+    if (st != DBSP_OK || ng == 0) goto done;
+    if ((st = reserve(s, ng, ns)) != DBSP_OK) goto done;
+    *w = malloc((size_t)cap * 8);
+    *kh = malloc((size_t)cap * 8);
+    if (!*w || !*kh) { st = DBSP_ENOMEM; goto done; }
+    st = dbsp_linear_apply(ix, b, keys, &r, ns, s->old, s->slots, s->grp, s->rows, *w, *kh, s->vals, NULL, n,
+                           ordered);
+    m = *n;
+    if (st != DBSP_OK || m == 0) goto done;
+    const int64_t *rows = s->rows, *vals = s->vals;
+    for (int32_t k = 0; k < nc; k++) {
+        int32_t j = k < ns ? k : shown[k - ns];
+        if (!(cols[k] = malloc((size_t)m * 8))) { st = DBSP_ENOMEM; goto done; }
+        if (k >= ns && avg && avg[k - ns]) {  /* an avg: its double's bits */
+            const int64_t *hi = vals + j * cap, *cn = vals + nonnull[k - ns] * cap;
+            const int64_t *lo = avg_lo[k - ns] >= 0 ? vals + avg_lo[k - ns] * cap : NULL;
+            for (int64_t i = 0; i < m; i++) {
+                double d = avg_of(hi[i], lo ? lo[i] : 0, lo != NULL, cn[i]);
+                memcpy(&cols[k][i], &d, 8);
+            }
+        } else {
+            memcpy(cols[k], vals + j * cap, (size_t)m * 8);
+        }
+        if (k < ns || nonnull[k - ns] < 0) continue;
+        const int64_t *nn = vals + nonnull[k - ns] * cap;
+        int64_t z = 0;
+        for (int64_t i = 0; i < m; i++) z += nn[i] == 0;
+        if (!z) continue;
+        if (!(valid[k] = calloc((size_t)(m + 7) / 8 + 1, 1))) { st = DBSP_ENOMEM; goto done; }
+        for (int64_t i = 0; i < m; i++)
+            if (nn[i] != 0) valid[k][i >> 3] |= (uint8_t)(1u << (i & 7));
+        nulls[k] = z;
+    }
+    /* distinct unless two adjacent rows of one group show equal values (Aggregate.ints_may_cancel; an avg by its
+     * value, a null equal to a null) */
+    if (!out_keys) *distinct = 0;
+    for (int64_t i = 1; *distinct && i < m; i++) {
+        if (rows[i] != rows[i - 1]) continue;
+        int same = 1;
+        for (int32_t o = 0; same && o < nout; o++) {
+            const uint8_t *vb = valid[ns + o];
+            int na = vb && !(vb[i >> 3] >> (i & 7) & 1), nb = vb && !(vb[(i - 1) >> 3] >> ((i - 1) & 7) & 1);
+            same = (na && nb) || (!na && !nb && cols[ns + o][i] == cols[ns + o][i - 1]);
+        }
+        if (same) *distinct = 0;
+    }
+    if ((st = dbsp_cdata_gather_ints(b, keys, nkeys, rows, m, ns, cols, valid, nulls, batch)) != DBSP_OK) goto done;
+    for (int32_t k = 0; k < ns; k++) cols[k] = NULL, valid[k] = NULL;  /* the batch's now */
+    st = dbsp_cdata_gather_ints(b, keys, out_keys ? nkeys : 0, rows, m, nout, cols + ns, valid + ns, nulls + ns, out);
+    if (st != DBSP_OK) { batch->release(batch); goto done; }
+    for (int32_t k = ns; k < nc; k++) cols[k] = NULL, valid[k] = NULL;
+    if (2 * m < cap) {  /* the weights and key hashes pin their room only while it is mostly used */
+        int64_t *w2 = realloc(*w, (size_t)m * 8);
+        uint64_t *k2 = realloc(*kh, (size_t)m * 8);
+        if (w2) *w = w2;
+        if (k2) *kh = k2;
+    }
+done:
+    for (int32_t k = 0; k < nc && k < 64; k++) { free(cols[k]); free(valid[k]); }
+    for (int32_t k = 0; k < nlimb; k++) free(limbs[k]);
+    if (ng > DBSP_LINRUN_KEEP) dbsp_linrun_free(s);
+    dbsp_reduce_free(&r);
+    if (st != DBSP_OK || m == 0) {
+        free(*w); free(*kh);
+        *w = NULL; *kh = NULL; *n = 0;
+    }
+    return st;
+}

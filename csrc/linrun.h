@@ -1,0 +1,77 @@
+/* linrun.h: a linear group-by's whole step in one call (dbsp_core/runtime/plan.py design notes 2 and 4): from the
+ * change's buffers to the buffers of the trace batch and of the output Z-set, through the totals' key index.
+ *
+ * Invariants:
+ *  1. dbsp_linear_apply is the one place that reads a step's old totals from a key index, folds them (fold.h) and
+ *     stores the new totals back: linear_step (bindings/fold.pxi) and dbsp_linear_run both call it, so the two
+ *     paths leave the same index and emit the same rows in the same order.
+ *  2. dbsp_linear_run's outputs are exactly what the Python chain builds from linear_step's (operators/aggregate.py
+ *     ``_LinearState._emit`` with ``Aggregate.finalize_ints``): the trace batch holds the key columns gathered at
+ *     each row's carrying row, then the ns slot columns; the output holds the key columns (unless hidden), then
+ *     per shown aggregate its slot, null where its non-null count slot is 0; ``distinct`` is
+ *     ``not Aggregate.ints_may_cancel``.
+ *  3. Scratch (old totals, slot pointers, groups, rows, slot values) lives in a DbspLinRun kept by the caller across
+ *     steps and grows to the largest step up to DBSP_LINRUN_KEEP groups; a larger step's scratch is freed at its
+ *     end, so a bulk load does not leave its buffers behind.
+ *  4. On an error after the index was changed (DBSP_ENOMEM or DBSP_ETOOBIG while storing or exporting) nothing is
+ *     returned and the index may hold the step's totals: the caller treats it as stale (trace/keyindex.py
+ *     invariant 11). DBSP_EOVERFLOW is found before anything is stored.
+ */
+#ifndef DBSP_LINRUN_H
+#define DBSP_LINRUN_H
+
+#include <stdint.h>
+#include "agg.h"
+#include "cdata.h"
+#include "column.h"
+#include "keyindex.h"
+#include "reduce.h"
+
+#define DBSP_LINRUN_KEEP 65536  /* groups of scratch kept between steps (invariant 3) */
+
+typedef struct DbspLinRun {
+    int64_t groups;  /* groups the scratch has room for */
+    int32_t ns;
+    int64_t *old;    /* groups * ns */
+    int64_t **slots; /* groups */
+    int64_t *grp, *rows, *vals;  /* 2 * groups, 2 * groups, 2 * groups * ns */
+} DbspLinRun;
+
+void dbsp_linrun_free(DbspLinRun *s);
+
+/* Given the change b's groups r (dbsp_group_reduce_all over keys, ns sums: slot 0 the row count): read each group's
+ * old totals from ix into old (ng * ns, zeroed here), emit the rows of new (+1) and old (-1) totals of the changed
+ * groups (dbsp_linear_fold: grp, w, kh, vals with stride 2 * ng, rh if not NULL, *n, *ordered), set rows[i] to the
+ * row of b carrying row i's key, then store each changed group's new totals in ix (in place where the key was
+ * found, else a new entry), or drop the group when its new count is 0. Room: ng for old and slots, 2 * ng for the
+ * rest. A DBSP_EOVERFLOW leaves ix unchanged; DBSP_ENOMEM or DBSP_ETOOBIG while storing leaves it broken. */
+int dbsp_linear_apply(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const DbspReduceOut *r, int32_t ns,
+                      int64_t *old, int64_t **slots, int64_t *grp, int64_t *rows, int64_t *w, uint64_t *kh,
+                      int64_t *vals, uint64_t *rh, int64_t *n, int *ordered);
+
+/* The whole step (invariant 2): group b by keys[0..nkeys) summing specs[0..ns) (COUNT: weights; SUM: an int64
+ * column without nulls), dbsp_linear_apply through ix, then export the trace batch (the key columns at the carrying
+ * rows, the ns slot columns) into *batch and the output (the key columns when out_keys, then for o < nout slot
+ * shown[o], null where slot nonnull[o] is 0 when nonnull[o] >= 0) into *out, with their weights *w and key hashes
+ * *kh (malloc'ed, *n each; the caller frees them) and *ordered, *distinct. With *n == 0 nothing is exported (the
+ * releases stay NULL) and *w, *kh are NULL. */
+int dbsp_linear_run(DbspLinRun *s, const DbspBatch *b, const int32_t *keys, int32_t nkeys, const DbspAggSpec *specs,
+                    int32_t ns, DbspKeyIndex *ix, const int32_t *shown, const int32_t *nonnull, int32_t nout,
+                    int out_keys, struct ArrowArray *batch, struct ArrowArray *out, int64_t **w, uint64_t **kh,
+                    int64_t *n, int *ordered, int *distinct);
+
+/* Slot kinds beside agg.h's for dbsp_linear_run's specs: the high / low limb of an int64 column (operators/aggregate.py
+ * invariant 5: value >> 32 rounded down, and its low 32 bits), summed times the weights. */
+enum { DBSP_LINRUN_SUM_HI = 100, DBSP_LINRUN_SUM_LO = 101 };
+
+/* An output column that is an avg (float64, its 8-byte values exported as dbsp_linear_run's int64 ones are): for
+ * shown[o] >= 0 and avg_lo[o] >= -1 given, the value (hi + (lo >> 32)) * 2^32 + (lo & 0xffffffff) (hi = slot
+ * shown[o], lo = slot avg_lo[o], or hi alone when avg_lo[o] is -1) divided by slot nonnull[o], in long double, as
+ * Aggregate.finalize divides (null where the count is 0). dbsp_linear_run2 is dbsp_linear_run with, per output, avg[o]
+ * (1: such a column, 0: an int64 one) and avg_lo[o]; its distinct check compares the values shown (an avg's double). */
+int dbsp_linear_run2(DbspLinRun *s, const DbspBatch *b, const int32_t *keys, int32_t nkeys, const DbspAggSpec *specs,
+                     int32_t ns, DbspKeyIndex *ix, const int32_t *shown, const int32_t *nonnull, const int32_t *avg,
+                     const int32_t *avg_lo, int32_t nout, int out_keys, struct ArrowArray *batch,
+                     struct ArrowArray *out, int64_t **w, uint64_t **kh, int64_t *n, int *ordered, int *distinct);
+
+#endif
