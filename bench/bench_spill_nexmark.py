@@ -129,7 +129,7 @@ class _Sampler:
             for level in list(t._by_level):
                 loose += sum(mem(e[1]) for e in level.loose)
                 if level.merge is not None:
-                    merge_in += mem(level.merge.a[1]) + mem(level.merge.b[1])
+                    merge_in += sum(mem(e[1]) for e in level.merge.inputs)
                     merge_out += merge_bytes(level.merge)
             loose += sum(mem(b) for b in t.pending)
         heap, free, mapped = _mallinfo()

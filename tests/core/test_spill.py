@@ -218,6 +218,7 @@ def test_merge_over_the_budget_stays_within_it(monkeypatch) -> None:
     from dbsp_core.trace.levels import _Merge
 
     monkeypatch.setattr(_Merge, "DROP_ROWS", 4096)  # pieces of 4k rows: many samples in a 100k-row merge
+    monkeypatch.setattr(Trace, "FAN_IN", 2)  # two spilled batches merge at once (not tiered: levels.py invariant 15)
     rng = np.random.default_rng(SEED)
     schema = pa.schema([("k", pa.int64()), ("s", pa.utf8()), ("v", pa.int64())])
     limit = 1 << 20
@@ -793,6 +794,7 @@ def _cascade(defer: bool, monkeypatch) -> tuple[dict, dict, dict]:
 
     monkeypatch.setattr(BatchStore, "FILE_MERGE_MIN", 0)
     monkeypatch.setattr(Trace, "SPILL_AT_WORK_END", defer)
+    monkeypatch.setattr(Trace, "FAN_IN", 2)  # two-way merges cascade up every level (not tiered: invariant 15)
     rng = np.random.default_rng(SEED)
     schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
     t, want = Trace(schema, ("k",)), {}
