@@ -73,11 +73,14 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      until it holds FAN_IN loose batches, then merges the FAN_IN oldest in one pass (the k-way cursor, csrc/merge.h
      invariant 4), whose output's work (their summed work, capped as invariant 2 says) lands about log2(FAN_IN)
      levels up: a row is written once per log2(FAN_IN) levels above the budget instead of once per level (two-way
-     merges of spilled levels rewrite both inputs at each level). Such a level holds at most FAN_IN loose batches and
-     a merge of FAN_IN (its merge, paid FUEL per inserted row as in invariant 3, finishes before FAN_IN more arrive;
+     merges of spilled levels rewrite both inputs at each level). Such a level holds at most 2 * FAN_IN loose batches
+     and a merge of FAN_IN (its merge, paid FUEL per inserted row as in invariant 3, finishes before FAN_IN more arrive;
      with a merge thread, invariant 10, it is due when FAN_IN more are loose), so a read of some keys touches
      O(levels x FAN_IN) spilled batches, each asked through its Bloom filter and fence first (invariant 12). Levels
      in memory, and traces without a store, merge two at a time as before. The content never depends on it.
+     A tiered merge starts once its FAN_IN inputs are spilled (or the level holds 2 * FAN_IN loose batches): a
+     merge pins its inputs' buffers until it ends, so one started from batches in memory would keep them beyond
+     the budget for the whole merge; loose ones the store's next enforce spills (the highest levels first).
 """
 
 from __future__ import annotations
@@ -336,8 +339,7 @@ class Trace(KeyIndexed):
     def _settle_owed(self) -> None:
         """Owed merge fuel is due no more once it has nothing to do (invariant 14): no merge in progress and no
         level with two loose batches to start one."""
-        if self._owed and all(len(level.loose) < self._fan_in(level) and level.merge is None
-                              for level in self._by_level):
+        if self._owed and all(not self._ready(level) and level.merge is None for level in self._by_level):
             self._owed = 0
 
     def _pay(self, rows: int) -> int:
@@ -408,7 +410,7 @@ class Trace(KeyIndexed):
                 level = self._by_level[lvl]
                 m = level.merge
                 if m is None:
-                    if len(level.loose) < self._fan_in(level):
+                    if not self._ready(level):
                         break
                     m = self._start_merge(lvl, mt is not None)
                     level = self._by_level[lvl]
@@ -437,6 +439,18 @@ class Trace(KeyIndexed):
         if store is None or self.FAN_IN <= 2 or len(level.loose) < 2:
             return 2
         return self.FAN_IN if store.on_disk(level.loose[0][1], level.loose[1][1]) else 2
+
+    def _ready(self, level: _Level) -> bool:
+        """Whether ``level`` (no merge in progress) starts one now (invariant 15): it holds its fan-in of loose
+        batches, and on a tiered level the FAN_IN oldest are spilled (a merge pins its inputs' buffers until it ends, so
+        one started from batches in memory would hold them beyond the budget; the store's next enforce spills them),
+        or it holds twice that."""
+        k = self._fan_in(level)
+        if len(level.loose) < k:
+            return False
+        if k == 2 or len(level.loose) >= 2 * k:
+            return True
+        return all(self._store.is_spilled(e[1]) for e in level.loose[:k])
 
     def _start_merge(self, lvl: int, handing: bool) -> _Merge:
         """Start merging the oldest loose batches of level ``lvl`` (it has no merge in progress): its fan-in of them
@@ -486,7 +500,7 @@ class Trace(KeyIndexed):
                 self._install(lvl, m)
                 installed += 1
                 level, m = self._by_level[lvl], None
-            if m is None and thread is not None and len(level.loose) >= self._fan_in(level):
+            if m is None and thread is not None and self._ready(level):
                 m = self._start_merge(lvl, True)
             handed = handed or (m is not None and m.shared is not None)
         if thread is not None and handed:

@@ -546,13 +546,16 @@ class BatchStore:
         return self.directory
 
     def on_disk(self, a: "IndexedZSet", b: "IndexedZSet") -> bool:
-        """Whether a merge of ``a`` and ``b`` would be built on disk (:meth:`merge_dir`, reserving nothing), or reads
-        a spilled input: their level is tiered (levels.py invariant 15)."""
+        """Whether a merge of ``a`` and ``b`` would be built on disk (:meth:`merge_dir`, reserving nothing: their bytes
+        do not fit what the budget has left) or, from FILE_MERGE_MIN bytes on, reads a spilled input: their level is
+        tiered (levels.py invariant 15). Smaller merges are built in memory whatever their inputs."""
+        need = batch_bytes(a) + batch_bytes(b)
+        if need < self.FILE_MERGE_MIN:
+            return False
         if id(a) in self._files or id(b) in self._files:
             return True
-        need = batch_bytes(a) + batch_bytes(b)
         room = int(self.memory_limit * self.BATCH_SHARE) - self._in_memory - self._reserved
-        return need >= self.FILE_MERGE_MIN and need > room
+        return need > room
 
     def merge_room(self, a: "IndexedZSet") -> int:
         """Bytes a merge built on disk (:meth:`merge_dir`) of batches like ``a`` reserves before its rows, so that
