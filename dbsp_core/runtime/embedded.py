@@ -698,7 +698,8 @@ class EmbeddedExecutor:
         freed = 0
         with progress("settling merges", unit=" merges installed") if settle else nullcontext() as shown:
             while True:
-                installed = sum(t.install_finished(self._merge_thread if settle else None) for t in traces)
+                installed = sum(t.install_finished(self._merge_thread if settle else None, compact=settle)
+                                for t in traces)  # (settled: tiered levels compacted, trace invariant 15)
                 freed += installed
                 if shown is not None:
                     shown.update(freed)

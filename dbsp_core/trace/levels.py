@@ -81,6 +81,11 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      A tiered merge starts once its FAN_IN inputs are spilled (or the level holds 2 * FAN_IN loose batches): a
      merge pins its inputs' buffers until it ends, so one started from batches in memory would keep them beyond
      the budget for the whole merge; loose ones the store's next enforce spills (the highest levels first).
+     The price is reads: a step's lookups ask up to 2 * FAN_IN batches per tiered level instead of about one, so
+     when a bulk load is over (``EmbeddedExecutor.settle_merges``, :meth:`install_finished` with ``compact``) every
+     tiered level holding two loose batches or more merges them, fewer than FAN_IN at once, and the small steps
+     that follow read about a batch per level again. Without that call the tiered files stay until their levels
+     fill.
 """
 
 from __future__ import annotations
@@ -485,12 +490,14 @@ class Trace(KeyIndexed):
                     m.store.spill_output(out, m.cursor)
             self._place(out, min(m.work, self.WORK_CAP * len(out)))
 
-    def install_finished(self, thread: "MergeThread | None" = None) -> int:
+    def install_finished(self, thread: "MergeThread | None" = None, compact: bool = False) -> int:
         """Install the merges the merge thread has finished (invariant 10), from any thread while the inserting one
         is between steps, so a checkpoint or a layout change sees merged batches; with ``thread``, also start the
-        merges the installed outputs make possible and hand them to it. Merges nothing, waits for nothing; returns
-        the merges installed."""
-        if not self._handed:
+        merges the installed outputs make possible and hand them to it, and with ``compact`` (a bulk load is over:
+        ``EmbeddedExecutor.settle_merges``) those of every tiered level holding two loose batches or more, fewer
+        than FAN_IN (invariant 15: the steps after a load then read about a batch per level). Merges nothing, waits
+        for nothing; returns the merges installed."""
+        if not self._handed and not (compact and thread is not None):
             return 0
         installed, handed = 0, False
         for lvl in range(len(self._by_level)):  # a level's output lands higher up: one pass sees it
@@ -500,10 +507,12 @@ class Trace(KeyIndexed):
                 self._install(lvl, m)
                 installed += 1
                 level, m = self._by_level[lvl], None
-            if m is None and thread is not None and self._ready(level):
+            if m is None and thread is not None and (self._ready(level) or (
+                    compact and len(level.loose) >= 2 and self._fan_in(level) > 2)):
                 m = self._start_merge(lvl, True)
             handed = handed or (m is not None and m.shared is not None)
         if thread is not None and handed:
+            self._handed = True
             thread.submit(self)
         return installed
 
