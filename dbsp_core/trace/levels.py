@@ -82,10 +82,9 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      merge pins its inputs' buffers until it ends, so one started from batches in memory would keep them beyond
      the budget for the whole merge; loose ones the store's next enforce spills (the highest levels first).
      The price is reads: a step's lookups ask up to 2 * FAN_IN batches per tiered level instead of about one, so
-     when a bulk load is over (``EmbeddedExecutor.settle_merges``, :meth:`install_finished` with ``compact``) every
-     tiered level holding two loose batches or more merges them, fewer than FAN_IN at once, and the small steps
-     that follow read about a batch per level again. Without that call the tiered files stay until their levels
-     fill.
+     when a bulk load is over (``EmbeddedExecutor.settle_merges``: :meth:`Trace.compact_spilled`) the spilled loose
+     batches merge into one, in one k-way pass (a rewrite of the spilled state, once), and the small steps that
+     follow read one spilled batch. Without that call the tiered files stay until their levels fill.
 """
 
 from __future__ import annotations
@@ -490,14 +489,12 @@ class Trace(KeyIndexed):
                     m.store.spill_output(out, m.cursor)
             self._place(out, min(m.work, self.WORK_CAP * len(out)))
 
-    def install_finished(self, thread: "MergeThread | None" = None, compact: bool = False) -> int:
+    def install_finished(self, thread: "MergeThread | None" = None) -> int:
         """Install the merges the merge thread has finished (invariant 10), from any thread while the inserting one
         is between steps, so a checkpoint or a layout change sees merged batches; with ``thread``, also start the
-        merges the installed outputs make possible and hand them to it, and with ``compact`` (a bulk load is over:
-        ``EmbeddedExecutor.settle_merges``) those of every tiered level holding two loose batches or more, fewer
-        than FAN_IN (invariant 15: the steps after a load then read about a batch per level). Merges nothing, waits
-        for nothing; returns the merges installed."""
-        if not self._handed and not (compact and thread is not None):
+        merges the installed outputs make possible and hand them to it. Merges nothing, waits for nothing; returns
+        the merges installed."""
+        if not self._handed:
             return 0
         installed, handed = 0, False
         for lvl in range(len(self._by_level)):  # a level's output lands higher up: one pass sees it
@@ -507,14 +504,44 @@ class Trace(KeyIndexed):
                 self._install(lvl, m)
                 installed += 1
                 level, m = self._by_level[lvl], None
-            if m is None and thread is not None and (self._ready(level) or (
-                    compact and len(level.loose) >= 2 and self._fan_in(level) > 2)):
+            if m is None and thread is not None and self._ready(level):
                 m = self._start_merge(lvl, True)
             handed = handed or (m is not None and m.shared is not None)
         if thread is not None and handed:
-            self._handed = True
             thread.submit(self)
         return installed
+
+    def compact_spilled(self) -> int:
+        """Merge the spilled loose batches of every level with no merge in progress, and the loose batches of tiered
+        levels still in memory, into one, in one k-way pass (on disk when the store says so), placed at the level of
+        their summed work (capped as invariant 2 says): what a bulk load's end does
+        (``EmbeddedExecutor.settle_merges``, invariant 15), so the small steps after it ask one spilled batch where
+        tiered levels left up to 2 * FAN_IN per level. The content is unchanged (a merge's), as is a key index.
+        Call between steps. Returns the batches merged (0: fewer than two)."""
+        store = self._store
+        if store is None or self._fresh:
+            return 0
+        picked = [e for level in self._by_level if level.merge is None
+                  for e in (level.loose if self._fan_in(level) > 2 else ()) + level.loose
+                  if store.is_spilled(e[1]) or self._fan_in(level) > 2]
+        picked = list({id(e[1]): e for e in picked}.values())
+        if len(picked) < 2:
+            return 0
+        picked = sorted(picked, key=lambda e: e[0])[:64]  # (the k-way cursor's bound)
+        gone = {id(e[1]) for e in picked}
+        for e in picked:
+            store.check(e[1])  # (a merge reads every row: spill.py invariant 14)
+        m = _Merge(tuple(picked), store, self.row_hashes)
+        m.step(m.cursor.remaining)
+        self.merged_rows += sum(len(e[1]) for e in picked)
+        self._by_level = [level._replace(loose=tuple(e for e in level.loose if id(e[1]) not in gone))
+                          for level in self._by_level]
+        out = m.result()
+        if len(out):
+            if m.cursor.mapping is not None:
+                store.spill_output(out, m.cursor)
+            self._place(out, min(m.work, self.WORK_CAP * len(out)))
+        return len(picked)
 
     def _unfinished(self) -> "_Merge | None":
         """A handed-over merge not finished yet, lowest level first (the merge thread calls this)."""

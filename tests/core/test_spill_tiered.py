@@ -40,3 +40,36 @@ def test_a_growing_spilled_trace_writes_at_most_three_times_its_state() -> None:
             assert len(loose) <= 2 * Trace.FAN_IN and (merge is None or len(merge) <= Trace.FAN_IN), t.levels()
         t.check()
         assert t.consolidated().zset.to_dict() == {r: w for r, w in model.items() if w}
+
+
+def test_compact_spilled_leaves_one_spilled_batch_and_the_content() -> None:
+    """After a tiered load (several spilled batches, some at one level), ``compact_spilled`` (what settle_merges
+    calls) merges them into one spilled batch, in place on disk: the content is the dict model's, invariants 1, 2
+    and 5 hold, the merged-away files are deleted, and a second call finds nothing to merge."""
+    import gc
+
+    rng = np.random.default_rng(SEED)
+    schema = pa.schema([("k", pa.int64()), ("s", pa.utf8()), ("v", pa.int64())])
+    t, model = Trace(schema, ("k",)), {}
+    with BatchStore(256 << 10) as store, spilling(store):
+        for _ in range(24):
+            k = rng.integers(0, 30_000, 3000)
+            z = ZSet.from_arrow(pa.table({"k": k, "s": pa.array([None if x % 5 == 0 else str(x % 97) for x in k]),
+                                          "v": rng.integers(0, 3, 3000)}), weights=rng.choice([1, 2, -1], 3000))
+            z = z.consolidate()
+            for r, w in z.to_dict().items():
+                model[r] = model.get(r, 0) + w
+            t.insert(z.index_by(["k"]))
+            store.enforce()
+            store.settle()
+        spilled = [b for b in t.batches if store.is_spilled(b)]
+        assert len(spilled) >= 3, t.levels()
+        assert t.compact_spilled() >= 2
+        loose = [e[1] for lv in t._by_level if lv.merge is None for e in lv.loose if store.is_spilled(e[1])]
+        assert len(loose) == 1, t.levels()
+        assert t.compact_spilled() == 0
+        t.check()
+        assert t.consolidated().zset.to_dict() == {r: w for r, w in model.items() if w}
+        del spilled, loose
+        gc.collect()
+        assert len(store._files) == len([b for b in t.batches if store.is_spilled(b)])
