@@ -44,7 +44,11 @@ def test_joins_aggregates_distinct_spilled(workers: int, on_disk: bool, monkeypa
     """``on_disk``: every merge builds its output in a scratch file and spills it when it ends (spill.py invariant
     12; by default only merges from BatchStore.FILE_MERGE_MIN bytes on, which these small steps never reach)."""
     if on_disk:
+        from dbsp_core.trace import Trace
+
         monkeypatch.setattr(BatchStore, "FILE_MERGE_MIN", 0)
+        monkeypatch.setattr(Trace, "FAN_IN", 3)  # tiered levels merge three at once (the k-way cursor), so that
+        # these 8 steps merge some on disk (FAN_IN 8 waits for 8 spilled batches a level: invariant 15)
     stores: list[BatchStore] = []
     queries = dict(JOIN_GROUP_SQL)
     queries.update({
