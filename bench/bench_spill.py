@@ -179,7 +179,8 @@ def measure(p: dbsp.Pipeline, rng, query: str, groups: int, args, loaded: list, 
                load_anon_mb=_PEAK["load_anon"] / 2**20)
     if store is not None:
         d = {n: store.stats.get(n, 0) - st0.get(n, 0) for n in ("cache_hits", "cache_misses", "evictions",
-                                                               "bytes_evicted", "pages_prefetched", "prefetch_runs")}
+                                                               "bytes_evicted", "pages_prefetched", "prefetch_runs",
+                                                               "keys_sought")}
         out.update(hits=d["cache_hits"] / args.steps, misses=d["cache_misses"] / args.steps,
                    evicted_kib=d["bytes_evicted"] / 1024 / args.steps, cached_mb=store.cached_pages() * PAGE / 2**20,
                    prefetched=d["pages_prefetched"] / args.steps, runs=d["prefetch_runs"] / args.steps)
@@ -188,7 +189,10 @@ def measure(p: dbsp.Pipeline, rng, query: str, groups: int, args, loaded: list, 
                    files=len(store._files), spilled_rows=sum(f.rows for f in store._files.values()),
                    background=store.stats.get("written_in_background", 0),
                    wasted=store.stats.get("written_for_nothing", 0),
-                   written_mb=store.stats["bytes_written"] / 2**20)
+                   written_mb=store.stats["bytes_written"] / 2**20, sought=d["keys_sought"] / args.steps,
+                   # a read of some keys asks each spilled batch's Bloom filter for every key: about (change keys) x
+                   # (spilled batches of the traces the step reads) probes a step
+                   spilled_batches=sum(1 for t in p.executor._all_traces() for b in t._levels() if store.is_spilled(b)))
         pages, cold, majflt, fetched = [], [], [], []
         for _ in range(args.cold):
             drop_pages(store)
@@ -265,8 +269,8 @@ def show(tag: str, sp: dict, mem: dict | None, args) -> None:
           f"{sp['evicted_kib']:.0f} KiB, cache {sp['cached_mb']:.1f} MiB; prefetched {sp['prefetched']:.0f} pages "
           f"in {sp['runs']:.0f} runs; major faults {sp['majflt']:.1f}, minor {sp['minflt']:.0f}, read from disk "
           f"{sp['read_kib']:.0f} KiB; CPU {sp['user'] + sp['sys']:.2f} ms (user {sp['user']:.2f}, sys {sp['sys']:.2f}); "
-          f"RssFile after the steps {sp['rss_file_mb']:.0f} MiB",
-          flush=True)
+          f"RssFile after the steps {sp['rss_file_mb']:.0f} MiB; {sp['spilled_batches']} spilled batches, keys sought "
+          f"in them after their filters {sp['sought']:.0f} a step", flush=True)
     print(f"{tag} RSS: RssFile after each step at most {sp['rss_file_steady_mb']:.0f} MiB, at an enforce's start (the "
           f"step's reads done) at most {sp['rss_file_in_step_mb']:.0f} MiB; RssAnon after the steps "
           f"{sp['rss_anon_mb']:.0f} MiB; during the load at most RssFile {sp['load_file_mb']:.0f} MiB, RssAnon "

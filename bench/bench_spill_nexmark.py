@@ -129,7 +129,7 @@ class _Sampler:
             for level in list(t._by_level):
                 loose += sum(mem(e[1]) for e in level.loose)
                 if level.merge is not None:
-                    merge_in += mem(level.merge.a[1]) + mem(level.merge.b[1])
+                    merge_in += sum(mem(e[1]) for e in level.merge.inputs)
                     merge_out += merge_bytes(level.merge)
             loose += sum(mem(b) for b in t.pending)
         heap, free, mapped = _mallinfo()
@@ -199,7 +199,10 @@ def child(query: str, events: int, batch: int, limit: int | None, seed: int, bre
         store = ex.batch_store
         if store is not None:
             out.update(disk=store.disk_bytes(), merges_on_disk=store.stats.get("merges_on_disk", 0), files_written=store.stats["files_written"],
-                       bytes_written=store.stats["bytes_written"], evictions=store.stats["evictions"])
+                       bytes_written=store.stats["bytes_written"], evictions=store.stats["evictions"],
+                       # of which merge outputs written on disk (in place, or copied), the rest batches spilled whole
+                       bytes_in_place=store.stats.get("bytes_in_place", 0),
+                       merge_inputs_on_disk=store.stats.get("merge_inputs_on_disk", 0))
     finally:
         p.close()
     return out
@@ -256,7 +259,8 @@ def main() -> int:
               f"{lim['peak_rss'] / MIB:,.0f} MiB (baseline {lim['base_rss'] / MIB:,.0f}; over the limit "
               f"{(lim['peak_rss'] - limit) / MIB:,.0f}), budgeted peak {lim['peak_budgeted'] / MIB:,.1f} MiB, "
               f"on disk {lim.get('disk', 0) / MIB:,.0f} MiB, written {lim.get('bytes_written', 0) / MIB:,.0f} MiB "
-              f"in {lim.get('files_written', 0)} files, {lim.get('merges_on_disk', 0)} merges on disk; process wrote "
+              f"in {lim.get('files_written', 0)} files ({lim.get('bytes_in_place', 0) / MIB:,.0f} MiB of it merge outputs "
+              f"in place), {lim.get('merges_on_disk', 0)} merges on disk; process wrote "
               f"{lim.get('io_write_bytes', 0) / MIB:,.0f} MiB (cancelled {lim.get('io_cancelled_bytes', 0) / MIB:,.0f}); load "
               f"{os.getloadavg()[0]:.2f}", flush=True)
         _print_breakdown({"unlimited": free, "limited": lim})

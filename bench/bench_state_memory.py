@@ -194,7 +194,7 @@ def breakdown(p) -> tuple[dict[str, int], dict]:  # noqa: ANN001
                     _batch(led, "loose", b)
                 if lvl.merge is not None:
                     merges += 1
-                    for _, b, _ in (lvl.merge.a, lvl.merge.b):
+                    for _, b, _ in lvl.merge.inputs:
                         _batch(led, "merge input", b)
             for b in t.pending:
                 _batch(led, "pending", b)

@@ -1,12 +1,13 @@
-# merge.pxi: MergeCursor (merge.h): a merge of two canonical batches advanced in bounded steps.
+# merge.pxi: MergeCursor (merge.h): a merge of two or more canonical batches advanced in bounded steps.
 
 cdef class MergeCursor:
-    """A merge cursor: a merge of two canonical batches (BatchViews with key hashes, of one schema and key)
-    advanced in bounded steps (csrc/merge.h): ``step(budget)`` consumes at least `budget` input rows (or the rest)
-    and writes their consolidated sum into buffers sized for both inputs; ``result()`` then hands the rows to Arrow
-    and numpy (unused pages returned to the system). The output is dbsp_zset_merge's, row for row. Given a side's
-    row hashes (`arh`, `brh`: uint64 in index order) its rows of meeting keys are ordered without hashing; with
-    `row_hashes` the result carries the output's row hashes (computed for rows of a side without them).
+    """A merge cursor: a merge of k >= 2 canonical batches (BatchViews with key hashes, of one schema and key)
+    advanced in bounded steps (csrc/merge.h; two inputs go through the two-way kernel, more through the k-way one,
+    invariant 4): ``step(budget)`` consumes at least `budget` input rows (or the rest) and writes their consolidated
+    sum into buffers sized for all inputs; ``result()`` then hands the rows to Arrow and numpy (unused pages returned
+    to the system). The output is dbsp_zset_merge's (of the inputs two at a time), row for row. Given an input's row
+    hashes (``rhs[x]``: uint64 in index order, or None) its rows of meeting keys are ordered without hashing; with
+    `row_hashes` the result carries the output's row hashes (computed for rows of an input without them).
 
     With `spill_dir` the output buffers are a shared mapping of a scratch file created there (and unlinked at once):
     rows a step writes are the file's pages, so :meth:`drop` returns them from the process to the kernel's page
@@ -16,12 +17,15 @@ cdef class MergeCursor:
     its name (``scratch_path``) until its mapping is gone: the output can then become a batch file in place
     (dbsp_core/trace/batchfile.py ``write_in_place``: the header and Arrow metadata in the prefix, the sections
     after the rows), which :meth:`adopt_scratch` takes over; a file not adopted is unlinked with its mapping."""
+    cdef list views  # the inputs' BatchViews
     cdef BatchView a
-    cdef BatchView b
-    cdef object arh_ref
-    cdef object brh_ref
-    cdef const uint64_t *arh
-    cdef const uint64_t *brh
+    cdef list rh_refs
+    cdef int32_t k
+    cdef const CBatch **inp
+    cdef const uint64_t **khs
+    cdef const uint64_t **rhs
+    cdef int64_t *pos
+    cdef int64_t total
     cdef Int32s keys
     cdef CMergeCursor m
     cdef COutColumn *out
@@ -36,53 +40,92 @@ cdef class MergeCursor:
 
     def __cinit__(self):
         self.out = NULL
-        self.arh = NULL
-        self.brh = NULL
+        self.inp = NULL
+        self.khs = NULL
+        self.rhs = NULL
+        self.pos = NULL
 
     def __dealloc__(self):
         free(self.out)
+        free(self.inp)
+        free(self.khs)
+        free(self.rhs)
+        free(self.pos)
 
-    def __init__(self, a, b, keys, arh=None, brh=None, bint row_hashes=False, spill_dir=None, int64_t prefix=0):
-        cdef const uint64_t[::1] av
-        cdef const uint64_t[::1] bv
-        cdef int32_t c, ncols
-        cdef int64_t nv = 0, nx = 0, nd = 0, cap
+    def __init__(self, views, keys, rhs=None, bint row_hashes=False, spill_dir=None, int64_t prefix=0):
+        cdef const uint64_t[::1] hv
+        cdef int32_t c, x, ncols, k
+        cdef int64_t nv = 0, nx = 0, nd = 0, cap = 0
         cdef int st
         cdef Region rv, rx, rd
-        self.a = <BatchView?>a
-        self.b = <BatchView?>b
-        if (self.a.c.nrows and self.a.kh == NULL) or (self.b.c.nrows and self.b.kh == NULL):
-            raise ValueError("MergeCursor: both views need their key hashes")
+        cdef BatchView v
+        cdef const CColumn **cols = NULL
+        cdef int64_t *ns = NULL
+        self.views = [<BatchView?>view for view in views]
+        k = len(self.views)
+        if k < 2 or k > 64:
+            raise ValueError(f"MergeCursor: {k} inputs (2 to 64)")
+        self.k = k
+        self.a = self.views[0]
+        rhs = list(rhs) if rhs is not None else [None] * k
+        if len(rhs) != k:
+            raise ValueError("MergeCursor: one row-hash array (or None) per input")
+        self.inp = <const CBatch **>calloc(k, sizeof(CBatch *))
+        self.khs = <const uint64_t **>calloc(k, sizeof(uint64_t *))
+        self.rhs = <const uint64_t **>calloc(k, sizeof(uint64_t *))
+        self.pos = <int64_t *>calloc(k, sizeof(int64_t))
+        if self.inp == NULL or self.khs == NULL or self.rhs == NULL or self.pos == NULL:
+            raise MemoryError()
+        self.rh_refs = []
+        for x in range(k):
+            v = self.views[x]
+            if v.c.nrows and v.kh == NULL:
+                raise ValueError("MergeCursor: every view needs its key hashes")
+            self.inp[x] = &v.c
+            self.khs[x] = v.kh
+            ref = None
+            if rhs[x] is not None and v.c.nrows:
+                ref = np.ascontiguousarray(rhs[x], dtype=np.uint64)
+                if ref.shape[0] != v.c.nrows:
+                    raise ValueError("MergeCursor: one row hash per row")
+                hv = ref
+                self.rhs[x] = &hv[0]
+            self.rh_refs.append(ref)
+            cap += v.c.nrows
+        self.total = cap
         self.keys = Int32s(keys)
         self.schema = self.a.pyschema
-        if arh is not None and self.a.c.nrows:
-            self.arh_ref = np.ascontiguousarray(arh, dtype=np.uint64)
-            if self.arh_ref.shape[0] != self.a.c.nrows:
-                raise ValueError("MergeCursor: one row hash per row")
-            av = self.arh_ref
-            self.arh = &av[0]
-        if brh is not None and self.b.c.nrows:
-            self.brh_ref = np.ascontiguousarray(brh, dtype=np.uint64)
-            if self.brh_ref.shape[0] != self.b.c.nrows:
-                raise ValueError("MergeCursor: one row hash per row")
-            bv = self.brh_ref
-            self.brh = &bv[0]
         ncols = self.a.c.ncols
-        if ncols == 0 or self.b.c.ncols != ncols:
-            raise ValueError(f"MergeCursor: {ncols} columns against {self.b.c.ncols} (a merge needs key columns)")
-        cap = self.a.c.nrows + self.b.c.nrows
+        for x in range(1, k):
+            if (<BatchView>self.views[x]).c.ncols != ncols:
+                ncols = -1
+        if ncols <= 0:
+            raise ValueError(f"MergeCursor: inputs of {[(<BatchView>v).c.ncols for v in self.views]} columns "
+                             f"(a merge needs key columns, the same on every side)")
         self.out = <COutColumn *>malloc(max(ncols, 1) * sizeof(COutColumn))
         if self.out == NULL:
             raise MemoryError()
         memset(self.out, 0, max(ncols, 1) * sizeof(COutColumn))
         self.regions = []
         sizes = []  # per column: (validity or 0, values, data or -1)
-        for c in range(ncols):
-            if self.a.cols[c].type != self.b.cols[c].type:
-                raise SchemaError(f"MergeCursor: column {c} has different types on the two sides")
-            dbsp_merge_cursor_sizes(&self.a.cols[c], self.a.c.nrows, &self.b.cols[c], self.b.c.nrows, &nv, &nx, &nd)
-            sizes.append((nv, nx, nd if self.a.cols[c].type in (DBSP_UTF8, DBSP_LARGE_UTF8, DBSP_BINARY,
-                                                                DBSP_LARGE_BINARY) else -1))
+        cols = <const CColumn **>malloc(k * sizeof(CColumn *))
+        ns = <int64_t *>malloc(k * sizeof(int64_t))
+        try:
+            if cols == NULL or ns == NULL:
+                raise MemoryError()
+            for c in range(ncols):
+                for x in range(k):
+                    v = self.views[x]
+                    if v.cols[c].type != self.a.cols[c].type:
+                        raise SchemaError(f"MergeCursor: column {c} has different types on two sides")
+                    cols[x] = &v.cols[c]
+                    ns[x] = v.c.nrows
+                dbsp_merge_k_sizes(cols, ns, k, &nv, &nx, &nd)
+                sizes.append((nv, nx, nd if self.a.cols[c].type in (DBSP_UTF8, DBSP_LARGE_UTF8, DBSP_BINARY,
+                                                                    DBSP_LARGE_BINARY) else -1))
+        finally:
+            free(cols)
+            free(ns)
         alloc = new_region if spill_dir is None else self._file_regions(spill_dir, sizes, cap, row_hashes, prefix)
         for c in range(ncols):
             nv, nx, nd = sizes[c]
@@ -96,7 +139,8 @@ cdef class MergeCursor:
         self.w = alloc(cap * 8)
         self.kh = alloc(cap * 8)
         self.rh = alloc(cap * 8) if row_hashes else None
-        st = dbsp_merge_cursor_init(&self.a.c, &self.b.c, &self.m, self.out)
+        memset(&self.m, 0, sizeof(CMergeCursor))
+        st = dbsp_merge_k_init(self.inp, k, self.out)
         check_status(st, "merge")
         self.finished = False
 
@@ -168,32 +212,53 @@ cdef class MergeCursor:
         if self.mapping is not None and hasattr(_mmap, "MADV_DONTNEED"):
             self.mapping.madvise(_mmap.MADV_DONTNEED)
 
+    cdef int64_t _consumed(self):
+        cdef int64_t s = 0
+        cdef int32_t x
+        if self.k == 2:
+            return self.m.ia + self.m.ib
+        for x in range(self.k):
+            s += self.pos[x]
+        return s
+
+    @property
+    def inputs(self):
+        """The number of inputs (k)."""
+        return self.k
+
     @property
     def consumed(self):
         """Input rows merged so far."""
-        return self.m.ia + self.m.ib
+        return self._consumed()
 
     @property
     def remaining(self):
         """Input rows still to merge."""
-        return self.a.c.nrows + self.b.c.nrows - self.m.ia - self.m.ib
+        return self.total - self._consumed()
 
     @property
     def done(self):
-        return self.m.ia == self.a.c.nrows and self.m.ib == self.b.c.nrows
+        return self._consumed() == self.total
 
     def step(self, int64_t budget):
         """Merge at least `budget` more input rows (or the rest); returns the number merged."""
-        cdef int64_t before = self.m.ia + self.m.ib
+        cdef int64_t before = self._consumed()
         cdef int st
         if self.finished:
             raise ValueError("MergeCursor.step: the result was already taken")
         cdef uint64_t *rh = <uint64_t *>self.rh.ptr if self.rh is not None else NULL
-        with nogil:
-            st = dbsp_merge_cursor_step(&self.a.c, self.a.kh, self.arh, &self.b.c, self.b.kh, self.brh, self.keys.p, self.keys.n,
-                                 budget, &self.m, self.out, <int64_t *>self.w.ptr, <uint64_t *>self.kh.ptr, rh)
+        if self.k == 2:
+            with nogil:
+                st = dbsp_merge_cursor_step(self.inp[0], self.khs[0], self.rhs[0], self.inp[1], self.khs[1],
+                                            self.rhs[1], self.keys.p, self.keys.n, budget, &self.m, self.out,
+                                            <int64_t *>self.w.ptr, <uint64_t *>self.kh.ptr, rh)
+        else:
+            with nogil:
+                st = dbsp_merge_k_step(self.inp, self.khs, self.rhs, self.k, self.keys.p, self.keys.n, budget,
+                                       self.pos, &self.m.n, self.out, <int64_t *>self.w.ptr, <uint64_t *>self.kh.ptr,
+                                       rh)
         check_status(st, "merge")
-        return self.m.ia + self.m.ib - before
+        return self._consumed() - before
 
     def result(self):
         """(table, weights, key hashes, row hashes or None) of the finished merge, over its own buffers (trimmed

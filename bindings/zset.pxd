@@ -90,6 +90,12 @@ cdef extern from "merge.h" nogil:
                                const uint64_t *bkh, const uint64_t *brh, const int32_t *keys, int32_t nkeys,
                                int64_t budget, CMergeCursor *m, COutColumn *out, int64_t *w, uint64_t *kh,
                                uint64_t *rh)
+    void dbsp_merge_k_sizes(const CColumn *const *cols, const int64_t *n, int32_t k, int64_t *validity,
+                            int64_t *values, int64_t *data)
+    int dbsp_merge_k_init(const CBatch *const *inp, int32_t k, COutColumn *out)
+    int dbsp_merge_k_step(const CBatch *const *inp, const uint64_t *const *kh, const uint64_t *const *rh, int32_t k,
+                          const int32_t *keys, int32_t nkeys, int64_t budget, int64_t *pos, int64_t *n,
+                          COutColumn *out, int64_t *w, uint64_t *okh, uint64_t *orh)
 
 cdef extern from "scratch.h" nogil:
     void *dbsp_region_alloc(size_t nbytes, size_t *mapped)

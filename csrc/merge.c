@@ -33,27 +33,42 @@ static int64_t col_bytes(const DbspColumn *c, int64_t n) {
     return (int64_t)o[n] - o[0];
 }
 
-void dbsp_merge_cursor_sizes(const DbspColumn *a, int64_t na, const DbspColumn *b, int64_t nb, int64_t *validity,
-                             int64_t *values, int64_t *data) {
-    int64_t cap = na + nb;
-    *validity = (a->validity || b->validity) ? (cap + 7) / 8 : 0;
+void dbsp_merge_k_sizes(const DbspColumn *const *cols, const int64_t *n, int32_t k, int64_t *validity,
+                        int64_t *values, int64_t *data) {
+    int64_t cap = 0;
+    int nullable = 0;
     *data = 0;
-    if (a->type == DBSP_BOOL) {
+    for (int32_t x = 0; x < k; x++) {
+        cap += n[x];
+        nullable |= cols[x]->validity != NULL;
+        if (dbsp_type_class(cols[0]->type) == DBSP_CLASS_BYTES) *data += col_bytes(cols[x], n[x]);
+    }
+    *validity = nullable ? (cap + 7) / 8 : 0;
+    if (cols[0]->type == DBSP_BOOL) {
         *values = (cap + 7) / 8;
-    } else if (dbsp_type_class(a->type) == DBSP_CLASS_BYTES) {
-        *values = (cap + 1) * (is_large(a->type) ? 8 : 4);
-        *data = col_bytes(a, na) + col_bytes(b, nb);
+    } else if (dbsp_type_class(cols[0]->type) == DBSP_CLASS_BYTES) {
+        *values = (cap + 1) * (is_large(cols[0]->type) ? 8 : 4);
     } else {
-        *values = cap * dbsp_type_width(a->type);
+        *values = cap * dbsp_type_width(cols[0]->type);
     }
 }
 
-int dbsp_merge_cursor_init(const DbspBatch *a, const DbspBatch *b, DbspMergeCursor *m, DbspOutColumn *out) {
-    memset(m, 0, sizeof *m);
-    if (a->ncols != b->ncols) return DBSP_EINVAL;
-    for (int32_t c = 0; c < a->ncols; c++) {
-        int32_t t = a->cols[c].type;
-        if (t != b->cols[c].type || dbsp_type_class(t) == 0) return DBSP_ETYPE;
+void dbsp_merge_cursor_sizes(const DbspColumn *a, int64_t na, const DbspColumn *b, int64_t nb, int64_t *validity,
+                             int64_t *values, int64_t *data) {
+    const DbspColumn *cols[2] = { a, b };
+    int64_t n[2] = { na, nb };
+    dbsp_merge_k_sizes(cols, n, 2, validity, values, data);
+}
+
+int dbsp_merge_k_init(const DbspBatch *const *in, int32_t k, DbspOutColumn *out) {
+    if (k < 2 || k > DBSP_MERGE_MAX_K) return DBSP_EINVAL;
+    for (int32_t x = 1; x < k; x++)
+        if (in[x]->ncols != in[0]->ncols) return DBSP_EINVAL;
+    for (int32_t c = 0; c < in[0]->ncols; c++) {
+        int32_t t = in[0]->cols[c].type;
+        if (dbsp_type_class(t) == 0) return DBSP_ETYPE;
+        for (int32_t x = 1; x < k; x++)
+            if (in[x]->cols[c].type != t) return DBSP_ETYPE;
         out[c].type = t;
         out[c].null_count = 0;
         if (dbsp_type_class(t) == DBSP_CLASS_BYTES) {
@@ -62,6 +77,12 @@ int dbsp_merge_cursor_init(const DbspBatch *a, const DbspBatch *b, DbspMergeCurs
         }
     }
     return DBSP_OK;
+}
+
+int dbsp_merge_cursor_init(const DbspBatch *a, const DbspBatch *b, DbspMergeCursor *m, DbspOutColumn *out) {
+    const DbspBatch *in[2] = { a, b };
+    memset(m, 0, sizeof *m);
+    return dbsp_merge_k_init(in, 2, out);
 }
 
 /* bit k of an output bitmap written in row order: a new byte starts at zero (merge.h invariant 3) */
@@ -209,6 +230,145 @@ int dbsp_merge_cursor_step(const DbspBatch *a, const uint64_t *akh, const uint64
         }
         n += cnt;
         m->ia = i; m->ib = j; m->n = n;
+    }
+    return st;
+}
+
+/* ---- the k-way merge (merge.h, "k-way"): the same row order, weights and output form as the two-way cursor ---- */
+
+/* rows (sin[r], srow[r]) of one column of k inputs into output rows [n, n + cnt) (design note 2, for k inputs) */
+static int copy_column_k(const DbspColumn *const *cc, int32_t k, const uint8_t *sin, const int64_t *srow, int64_t cnt,
+                         int64_t n, DbspOutColumn *o) {
+    if (o->validity) {
+        int64_t nulls = 0;
+        for (int64_t r = 0; r < cnt; r++) {
+            int v = dbsp_col_valid(cc[sin[r]], srow[r]);
+            put_bit(o->validity, n + r, v);
+            nulls += !v;
+        }
+        o->null_count += nulls;
+    }
+    if (o->type == DBSP_BOOL) {
+        for (int64_t r = 0; r < cnt; r++) {
+            const DbspColumn *c = cc[sin[r]];
+            int64_t at = c->offset + srow[r];
+            put_bit((uint8_t *)o->values, n + r, (((const uint8_t *)c->values)[at >> 3] >> (at & 7)) & 1);
+        }
+    } else if (dbsp_type_class(o->type) == DBSP_CLASS_BYTES) {
+        int large = is_large(o->type);
+        int64_t limit = large ? INT64_MAX : (int64_t)INT32_MAX;
+        int64_t at = large ? ((int64_t *)o->values)[n] : (int64_t)((int32_t *)o->values)[n];
+        for (int64_t r = 0; r < cnt; r++) {
+            int64_t len;
+            const uint8_t *p = dbsp_col_bytes(cc[sin[r]], srow[r], &len);
+            if (at + len > limit) return DBSP_ETOOBIG;
+            if (len) memcpy(o->data + at, p, (size_t)len);
+            at += len;
+            if (large) ((int64_t *)o->values)[n + r + 1] = at;
+            else ((int32_t *)o->values)[n + r + 1] = (int32_t)at;
+        }
+    } else {
+        int wd = dbsp_type_width(o->type);
+        const uint8_t *base[DBSP_MERGE_MAX_K];
+        for (int32_t x = 0; x < k; x++) base[x] = (const uint8_t *)cc[x]->values + cc[x]->offset * wd;
+#define COPY_K(T)                                                                      \
+        do {                                                                           \
+            T *ov = (T *)o->values + n;                                                \
+            for (int64_t r = 0; r < cnt; r++) ov[r] = ((const T *)base[sin[r]])[srow[r]]; \
+        } while (0)
+        switch (wd) {
+        case 1: COPY_K(uint8_t); break;
+        case 2: COPY_K(uint16_t); break;
+        case 4: COPY_K(uint32_t); break;
+        default: COPY_K(uint64_t); break;
+        }
+#undef COPY_K
+    }
+    return DBSP_OK;
+}
+
+/* The heads of a k-way merge: per input its row hash at the head, computed at most once per row (design note 3). */
+typedef struct {
+    const DbspBatch *const *in;
+    const uint64_t *const *kh;
+    const uint64_t *const *rh;
+    int32_t nkeys;
+    const int64_t *pos;
+    int64_t hat[DBSP_MERGE_MAX_K];
+    uint64_t h[DBSP_MERGE_MAX_K];
+} KHeads;
+
+static inline uint64_t head_rh(KHeads *s, int32_t x) {
+    int64_t i = s->pos[x];
+    if (s->hat[x] != i) {
+        s->h[x] = row_hash(s->in[x], s->kh[x], s->rh[x], s->nkeys, i);
+        s->hat[x] = i;
+    }
+    return s->h[x];
+}
+
+/* canonical order (rows.h) of the heads of inputs x and y: key hash, row hash, values */
+static inline int head_cmp(KHeads *s, int32_t x, int32_t y) {
+    int64_t i = s->pos[x], j = s->pos[y];
+    uint64_t p = s->kh[x][i], q = s->kh[y][j];
+    if (p != q) return p < q ? -1 : 1;
+    if (s->nkeys != 0) {
+        p = head_rh(s, x);
+        q = head_rh(s, y);
+        if (p != q) return p < q ? -1 : 1;
+    }
+    return dbsp_row_cmp_eqfast(s->in[x], i, NULL, s->in[y], j, NULL, s->in[x]->ncols);
+}
+
+int dbsp_merge_k_step(const DbspBatch *const *in, const uint64_t *const *kh, const uint64_t *const *rh, int32_t k,
+                      const int32_t *keys, int32_t nkeys, int64_t budget, int64_t *pos, int64_t *nout,
+                      DbspOutColumn *out, int64_t *w, uint64_t *okh, uint64_t *orh) {
+    (void)keys;
+    if (k < 2 || k > DBSP_MERGE_MAX_K) return DBSP_EINVAL;
+    int64_t total = 0, used = 0, n = *nout;
+    for (int32_t x = 0; x < k; x++) { total += in[x]->nrows; used += pos[x]; }
+    int64_t stop = budget >= total - used ? total : used + (budget > 0 ? budget : 0);
+    KHeads s = { in, kh, rh, nkeys, pos, {0}, {0} };
+    for (int32_t x = 0; x < k; x++) s.hat[x] = -1;
+    const DbspColumn *cc[DBSP_MERGE_MAX_K];
+    uint8_t sin[CHUNK];
+    int64_t srow[CHUNK];
+    int32_t ties[DBSP_MERGE_MAX_K];
+    int st = DBSP_OK;
+    while (used < stop && st == DBSP_OK) {
+        int64_t cnt = 0;
+        while (cnt < CHUNK && used < stop) {
+            int32_t best = -1, nt = 0;
+            for (int32_t x = 0; x < k; x++) {
+                if (pos[x] == in[x]->nrows) continue;
+                if (best < 0) { best = x; continue; }
+                int c = head_cmp(&s, x, best);
+                if (c < 0) { best = x; nt = 0; }
+                else if (c == 0) ties[nt++] = x;
+            }
+            int64_t i = pos[best];
+            int64_t sum = in[best]->weights ? in[best]->weights[i] : 1;
+            for (int32_t t = 0; t < nt && st == DBSP_OK; t++) {
+                const DbspBatch *y = in[ties[t]];
+                st = dbsp_add_weight(&sum, y->weights ? y->weights[pos[ties[t]]] : 1);
+            }
+            if (st) break;  /* the cursor stands before these rows */
+            if (sum != 0) {
+                sin[cnt] = (uint8_t)best; srow[cnt] = i; w[n + cnt] = sum; okh[n + cnt] = kh[best][i];
+                if (orh) orh[n + cnt] = head_rh(&s, best);
+                cnt++;
+            }
+            pos[best]++;
+            used++;
+            for (int32_t t = 0; t < nt; t++) { pos[ties[t]]++; used++; }
+        }
+        for (int32_t c = 0; c < in[0]->ncols; c++) {
+            for (int32_t x = 0; x < k; x++) cc[x] = &in[x]->cols[c];
+            int cs = copy_column_k(cc, k, sin, srow, cnt, n, &out[c]);
+            if (cs) return cs;
+        }
+        n += cnt;
+        *nout = n;
     }
     return st;
 }

@@ -915,19 +915,20 @@ def sum_adjacent(z: ZSet, h: np.ndarray) -> ZSet:
     return ZSet._make(_take(z._data, idx), np.ascontiguousarray(w), distinct=True)
 
 
-def merge_cursor(a: IndexedZSet, b: IndexedZSet, row_hashes: bool = False, spill_dir: str | None = None,
+def merge_cursor(a: IndexedZSet, *others: IndexedZSet, row_hashes: bool = False, spill_dir: str | None = None,
                  prefix: int = 0) -> Any:
-    """A resumable merge of two non-empty indexed Z-sets of one schema (types) and key (csrc/merge.h): ``step(n)``
-    merges at least n more input rows, ``done`` tells when every row is in; :func:`merged` then gives the sum.
-    Rows of meeting keys are ordered by the row hashes the inputs keep (else computed where needed); with
-    ``row_hashes`` the sum keeps its own. With ``spill_dir`` the output is built in a scratch file's shared
-    mapping there, whose written pages ``drop()`` returns to the page cache (bindings/merge.pxi); with ``prefix`` too,
-    the file is named and its rows start ``prefix`` bytes in, so that it can become a batch file in place
-    (dbsp_core/trace/batchfile.py ``write_in_place``)."""
+    """A resumable merge of two or more non-empty indexed Z-sets of one schema (types) and key (csrc/merge.h; more
+    than two in one pass, merge.h invariant 4): ``step(n)`` merges at least n more input rows, ``done`` tells when
+    every row is in; :func:`merged` then gives the sum. Rows of meeting keys are ordered by the row hashes the inputs
+    keep (else computed where needed); with ``row_hashes`` the sum keeps its own. With ``spill_dir`` the output is
+    built in a scratch file's shared mapping there, whose written pages ``drop()`` returns to the page cache
+    (bindings/merge.pxi); with ``prefix`` too, the file is named and its rows start ``prefix`` bytes in, so that it
+    can become a batch file in place (dbsp_core/trace/batchfile.py ``write_in_place``)."""
     # a key of every column in order hashes like the whole row: the kernel then reuses the key hashes as row
     # hashes ([] = whole-row key) instead of hashing rows whose key hashes meet
     keys = [] if a._keypos == list(range(a._z._data.num_columns)) else a._keypos
-    return _zset.MergeCursor(a._view(), b._view_as(a._z._data.schema), keys, a._rh, b._rh,
+    schema = a._z._data.schema
+    return _zset.MergeCursor([a._view()] + [b._view_as(schema) for b in others], keys, [a._rh] + [b._rh for b in others],
                              row_hashes and bool(keys), spill_dir, prefix)
 
 

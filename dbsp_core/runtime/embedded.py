@@ -692,11 +692,15 @@ class EmbeddedExecutor:
     def settle_merges(self) -> None:
         """Wait until the merge thread has no merge left and every trace has installed what it merged (after a
         bulk load, say, so later steps do not share the machine with the load's merges), and the batch store's spill
-        thread has written what it was handed (trace invariant 12); then return the memory they freed, as after a
-        big step (:func:`release_memory`). Call between steps."""
+        thread has written what it was handed (trace invariant 12), and each trace's spilled loose batches are one
+        (``Trace.compact_spilled``, trace invariant 15: the load left tiered levels of several files, which every
+        small step after it would ask); then return the memory they freed, as after a big step
+        (:func:`release_memory`). Call between steps."""
         self._install_merges(settle=True)
         if self.batch_store is not None:
             self.batch_store.settle()
+            for t in self._all_traces():  # the tiered levels' spilled batches, one batch each (trace invariant 15)
+                t.compact_spilled()
         release_memory(BIG_STEP_ROWS)  # a load's merges freed their inputs: the allocators' free memory too
 
     def _install_merges(self, settle: bool = False) -> None:

@@ -5,9 +5,9 @@ Invariant (trace invariant 10, enforced here and by dbsp_core/trace/levels.py, `
      invariant 3's merges are the same, but the thread that inserts only starts them and hands them to the
      merge thread, which advances them in GIL-free chunks while steps run (merges of at most INLINE_MERGE
      rows of work are not handed over: they advance by fuel as in invariant 3); the inserting thread pays
-     invariant 3's fuel itself only for a merge that is due (its level already holds two more loose batches:
-     the merge thread fell behind), so a level holds at most a merge and two loose batches and the bound on
-     batches, and on a step's merge work, stays that of invariant 3. Only the inserting thread changes the
+     invariant 3's fuel itself only for a merge that is due (its level already holds two more loose batches, or
+     FAN_IN on a tiered level, invariant 15: the merge thread fell behind), so a level holds at most a merge and
+     two (FAN_IN) loose batches and the bound on batches, and on a step's merge work, stays that of invariant 3. Only the inserting thread changes the
      levels: it installs finished merges at its next insert or read (a read still merges nothing). A merge's
      lock keeps the two threads from advancing it at once; its result does not depend on who advanced it,
      so the content, the batches once merges finish, checkpoints and outputs are those of invariant 3.

@@ -240,9 +240,9 @@ def merge_bytes(m: Any) -> int:
     proportion to the input rows consumed, for an output built in a scratch file only those consumed since its
     pages last left the process (``m.dropped``, invariant 12)."""
     c = m.cursor
-    a, b = m.a[1], m.b[1]
+    ins = [e[1] for e in m.inputs]
     rows = c.consumed - (m.dropped if c.mapping is not None else 0)
-    return int((batch_bytes(a) + batch_bytes(b)) * rows / max(1, len(a) + len(b)))
+    return int(sum(batch_bytes(x) for x in ins) * rows / max(1, sum(len(x) for x in ins)))
 
 
 def batch_bytes(b: "IndexedZSet") -> int:
@@ -424,7 +424,8 @@ class BatchStore:
                            "merges_on_disk": 0, "pages_prefetched": 0, "prefetch_runs": 0,
                            "evict_calls": 0, "outputs_never_written": 0, "whole_evictions": 0,
                            "mapped_drops": 0, "mapped_bytes_dropped": 0, "walk_pieces": 0, "written_in_place": 0,
-                           "bytes_in_place": 0})
+                           "bytes_in_place": 0, "merge_inputs_on_disk": 0,
+                           "bytes_merged_out": 0})
 
     def __enter__(self) -> "BatchStore":
         return self
@@ -549,17 +550,30 @@ class BatchStore:
         self.stats["cache_hits"] += hits
         self.stats["cache_misses"] += misses
 
-    def merge_dir(self, a: "IndexedZSet", b: "IndexedZSet") -> str | None:
-        """Where the output of a merge of ``a`` and ``b`` is built (invariant 12): None (in memory) when their bytes
+    def merge_dir(self, batches: list["IndexedZSet"]) -> str | None:
+        """Where the output of a merge of ``batches`` is built (invariant 12): None (in memory) when their bytes
         fit what the budget has left, else this store's directory (a scratch file there)."""
-        need = batch_bytes(a) + batch_bytes(b)
+        need = sum(batch_bytes(x) for x in batches)
         with self._lock:
             room = int(self.memory_limit * self.BATCH_SHARE) - self._in_memory - self._reserved
             if need < self.FILE_MERGE_MIN or need <= room:
                 self._reserved += need
                 return None
         self.stats["merges_on_disk"] += 1
+        self.stats["merge_inputs_on_disk"] += len(batches)
         return self.directory
+
+    def on_disk(self, a: "IndexedZSet", b: "IndexedZSet") -> bool:
+        """Whether a merge of ``a`` and ``b`` would be built on disk (:meth:`merge_dir`, reserving nothing: their bytes
+        do not fit what the budget has left) or, from FILE_MERGE_MIN bytes on, reads a spilled input: their level is
+        tiered (levels.py invariant 15). Smaller merges are built in memory whatever their inputs."""
+        need = batch_bytes(a) + batch_bytes(b)
+        if need < self.FILE_MERGE_MIN:
+            return False
+        if id(a) in self._files or id(b) in self._files:
+            return True
+        room = int(self.memory_limit * self.BATCH_SHARE) - self._in_memory - self._reserved
+        return need > room
 
     def merge_room(self, a: "IndexedZSet") -> int:
         """Bytes a merge built on disk (:meth:`merge_dir`) of batches like ``a`` reserves before its rows, so that
@@ -576,7 +590,7 @@ class BatchStore:
         m.cursor.drop()
         m.dropped = m.cursor.consumed
         advice = getattr(mmap, "MADV_DONTNEED", None)
-        for x in (m.a[1], m.b[1]):
+        for x in (e[1] for e in m.inputs):
             f = self._files.get(id(x))
             with self._lock:
                 self._forget(id(x))  # its pages leave the cache too
@@ -595,9 +609,10 @@ class BatchStore:
             if size is not None:
                 self.stats["written_in_place"] += 1
                 self.stats["bytes_in_place"] += size
+                self.stats["bytes_merged_out"] += size
                 self._switch(out, name, path, size)
                 return
-        self._spill(out, drop=cursor.drop)
+        self.stats["bytes_merged_out"] += self._spill(out, drop=cursor.drop).size
 
     def cache_counts(self, trace: "Trace") -> tuple[int, int]:
         """(hits, misses) of ``trace``'s reads of its spilled batches so far, in pages (invariant 15), as of the last
@@ -761,7 +776,7 @@ class BatchStore:
         with self._lock:
             writing = {id(b) for b in (r() for r in self._writing.values()) if b is not None}
         for t in traces:
-            busy = {id(x) for lvl in t._by_level if lvl.merge is not None for x in (lvl.merge.a[1], lvl.merge.b[1])}
+            busy = {id(e[1]) for lvl in t._by_level if lvl.merge is not None for e in lvl.merge.inputs}
             for lvl, level in enumerate(t._by_level):
                 for e in level.loose:
                     b = e[1]
@@ -774,8 +789,8 @@ class BatchStore:
                     if id(b) not in busy and len(b):
                         candidates.append((lvl, n, b))
                 if level.merge is not None:
-                    mem += sum(batch_bytes(x) for x in (level.merge.a[1], level.merge.b[1])
-                               if id(x) not in self._files) + merge_bytes(level.merge)
+                    mem += sum(batch_bytes(e[1]) for e in level.merge.inputs
+                               if id(e[1]) not in self._files) + merge_bytes(level.merge)
             mem += sum(batch_bytes(b) for b in t.pending if id(b) not in self._files and id(b) not in writing)
         mem += sum(f.memory_bytes() for f in list(self._files.values()))
         budget = int(self.memory_limit * self.BATCH_SHARE)

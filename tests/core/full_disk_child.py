@@ -16,6 +16,12 @@ if sys.argv[2] == "inject":
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     os.posix_fallocate = _full
 
+from dbsp_core.trace import Trace  # noqa: E402
+
+Trace.FAN_IN = 2  # spilled levels merge two at a time (levels.py invariant 15): a merge's scratch file, not a batch
+# file, is the write that finds the disk full (with FAN_IN 4 the unmerged batches' files fill it first: a clear
+# error too, from the batch file's write)
+
 c = dbsp.Circuit()
 s = c.input("t", pa.schema([("k", pa.int64()), ("v", pa.int64())]))
 c.output("d", s.distinct())

@@ -44,7 +44,11 @@ def test_joins_aggregates_distinct_spilled(workers: int, on_disk: bool, monkeypa
     """``on_disk``: every merge builds its output in a scratch file and spills it when it ends (spill.py invariant
     12; by default only merges from BatchStore.FILE_MERGE_MIN bytes on, which these small steps never reach)."""
     if on_disk:
+        from dbsp_core.trace import Trace
+
         monkeypatch.setattr(BatchStore, "FILE_MERGE_MIN", 0)
+        monkeypatch.setattr(Trace, "FAN_IN", 3)  # tiered levels merge three at once (the k-way cursor), so that
+        # these 8 steps merge some on disk (FAN_IN 8 waits for 8 spilled batches a level: invariant 15)
     stores: list[BatchStore] = []
     queries = dict(JOIN_GROUP_SQL)
     queries.update({
@@ -218,6 +222,7 @@ def test_merge_over_the_budget_stays_within_it(monkeypatch) -> None:
     from dbsp_core.trace.levels import _Merge
 
     monkeypatch.setattr(_Merge, "DROP_ROWS", 4096)  # pieces of 4k rows: many samples in a 100k-row merge
+    monkeypatch.setattr(Trace, "FAN_IN", 2)  # two spilled batches merge at once (not tiered: levels.py invariant 15)
     rng = np.random.default_rng(SEED)
     schema = pa.schema([("k", pa.int64()), ("s", pa.utf8()), ("v", pa.int64())])
     limit = 1 << 20
@@ -793,6 +798,7 @@ def _cascade(defer: bool, monkeypatch) -> tuple[dict, dict, dict]:
 
     monkeypatch.setattr(BatchStore, "FILE_MERGE_MIN", 0)
     monkeypatch.setattr(Trace, "SPILL_AT_WORK_END", defer)
+    monkeypatch.setattr(Trace, "FAN_IN", 2)  # two-way merges cascade up every level (not tiered: invariant 15)
     rng = np.random.default_rng(SEED)
     schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
     t, want = Trace(schema, ("k",)), {}

@@ -64,6 +64,7 @@ def _run(in_place: bool, durable: bool, monkeypatch, tmp_path) -> tuple[dict, di
         t.check()
         got = t.consolidated().zset.to_dict()
         stats = dict(store.stats)
+        stats["running"] = sum(1 for lv in t._by_level if lv.merge is not None and lv.merge.cursor.mapping is not None)
         assert all(store.is_spilled(b) for b in t.batches)
         paths = sorted(f.path for f in store._files.values())
         for p in paths:
@@ -92,5 +93,7 @@ def test_merge_outputs_become_their_batch_files_in_place(durable: bool, monkeypa
     assert copy_stats["written_in_place"] == 0
     assert stats["written_in_place"] > 0, stats
     # every merge output spilled went in place (none fell back to the copy): the others were merged away first
-    assert stats["written_in_place"] == stats["merges_on_disk"] - stats["outputs_never_written"], stats
+    # (but for merges on disk still running at the end: a tiered level's, levels.py invariant 15)
+    assert stats["written_in_place"] == stats["merges_on_disk"] - stats["outputs_never_written"] - stats["running"], \
+        stats
     assert 0 < pwritten < stats["bytes_in_place"] / 2, (pwritten, stats["bytes_in_place"])

@@ -202,6 +202,10 @@ def test_a_crash_at_every_io_operation_of_spills_and_a_checkpoint(tmp_path, monk
 
     for name, value in VARIANTS[variant].items():
         monkeypatch.setattr(BatchStore, name, value)
+    if variant == "merge_on_disk":  # tiered levels (trace invariant 15) merge three spilled batches at once here,
+        from dbsp_core.trace import Trace  # the k-way cursor into a scratch file, within the session's two steps
+
+        monkeypatch.setattr(Trace, "FAN_IN", 3)
     pushes = _pushes(7, rows=30)
     base = str(tmp_path / "base")
     with dbsp.Pipeline(_circuit(), storage=base, memory_limit=1, checkpoint_interval=None) as p:

@@ -18,7 +18,7 @@ from dbsp_core.trace.batchfile import PAGE, open_batch
 
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
-KEYS = 4000
+KEYS = 40000
 
 
 def test_seed_is_printed() -> None:
@@ -55,11 +55,13 @@ def _view(p: dbsp.Pipeline) -> dict:
 
 
 def _build(root: str, rng: np.random.Generator) -> list[tuple[int, int, int]]:
-    """A durable pipeline whose group-by state (20k rows) lives in batch files a checkpoint names."""
+    """A durable pipeline whose group-by state (80k rows, ~34k groups) lives in batch files a checkpoint names
+    (settle_merges compacts each trace's into one: trace invariant 15; so many rows and groups that a file's pages
+    are many more than opening and a small step check)."""
     rows: list[tuple[int, int, int]] = []
     p = dbsp.Pipeline(_circuit(), storage=root, memory_limit="64KiB")
     for _ in range(4):
-        t = pa.table({"k": rng.integers(0, KEYS, 5000), "v": rng.integers(0, 10**6, 5000)}, schema=SCHEMA)
+        t = pa.table({"k": rng.integers(0, KEYS, 20000), "v": rng.integers(0, 10**6, 20000)}, schema=SCHEMA)
         p.push("t", t)
         p.step()
         rows += [(k, v, 1) for k, v in zip(t.column("k").to_pylist(), t.column("v").to_pylist())]
@@ -114,8 +116,9 @@ def test_a_damaged_byte_fails_the_step_that_reads_it(where: str) -> None:
     root = tempfile.mkdtemp()
     try:
         p = dbsp.Pipeline(_semi(), storage=root, memory_limit="64KiB")
-        for _ in range(4):
-            p.push("u", pa.table({"k": rng.integers(0, 10**6, 5000), "v": rng.integers(0, 10**6, 5000)},
+        for _ in range(4):  # (files of 40k rows, whose middle rows sit on pages opening does not check, even when
+            # the four stay unmerged: a tiered level, trace invariant 15)
+            p.push("u", pa.table({"k": rng.integers(0, 10**6, 40000), "v": rng.integers(0, 10**6, 40000)},
                                  schema=SCHEMA))
             p.step()
         p.executor.settle_merges()

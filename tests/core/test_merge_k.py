@@ -1,0 +1,80 @@
+"""The k-way merge cursor (csrc/merge.h invariant 4) against a dict model and against merging two at a time: random batches of every column type (nulls, strings), equal rows across inputs, weights that cancel."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import dbsp_core as dbsp
+from dbsp_core import _zset
+from dbsp_core.zset import merge_cursor, merged
+
+from test_zset import _bits_table, zsets
+from zset_model import add_models, canon_dict, model_of, schemas
+
+
+def _same(got: dbsp.IndexedZSet, want: dbsp.IndexedZSet) -> None:
+    """Rows, weights, key hashes, nulls and order identical (the two-way merge's output form)."""
+    got.zset.data.validate(full=True)
+    assert got.zset.data.equals(want.zset.data) or _bits_table(got.zset.data) == _bits_table(want.zset.data)
+    assert np.array_equal(got.zset.weights, want.zset.weights)
+    assert np.array_equal(got.key_hash, want.key_hash)
+    assert [c.null_count for c in got.zset.data.columns] == [c.null_count for c in want.zset.data.columns]
+
+
+@given(st.data())
+def test_k_way_merge_matches_the_model_and_two_way_merges(data):
+    """k in 3..6 inputs, some drawn as pieces of another input with weights negated or doubled (rows equal across
+    inputs, weights that cancel to zero), advanced by random budgets: the output is the dict model's sum, row for row
+    the index of the concatenation and the cascade of two-way merges, and carries the right row hashes."""
+    schema = data.draw(schemas())
+    key = list(schema.names[:data.draw(st.integers(1, len(schema)))])
+    k = data.draw(st.integers(3, 6))
+    parts = []
+    for i in range(k):
+        if parts and data.draw(st.booleans()):  # rows equal to another input's: cancel, or add up
+            t, w = parts[data.draw(st.integers(0, len(parts) - 1))]
+            keep = data.draw(st.lists(st.booleans(), min_size=t.num_rows, max_size=t.num_rows))
+            idx = np.flatnonzero(np.array(keep, dtype=bool))
+            f = data.draw(st.sampled_from([-1, 1, 2]))
+            parts.append((t.take(pa.array(idx, pa.int64())), [f * int(w[j]) for j in idx]))
+        else:
+            parts.append(data.draw(zsets(schema=schema, max_rows=60)))
+    zs = [dbsp.ZSet.from_arrow(t, weights=w) for t, w in parts]
+    ix = [z.index_by(key) for z in zs]
+    ix = [x for x in ix if len(x)]
+    if len(ix) < 2:
+        return
+    for x in ix:
+        if data.draw(st.booleans()):
+            x._row_hashes()  # inputs that keep their row hashes and inputs that do not, mixed
+    keep = data.draw(st.booleans())
+    m = merge_cursor(ix[0], *ix[1:], row_hashes=keep)
+    assert m.inputs == len(ix) and m.remaining == sum(len(x) for x in ix)
+    while not m.done:
+        assert m.step(data.draw(st.integers(1, 13))) >= 1
+    got = merged(ix[0], m)
+    model: dict = {}
+    for t, w in parts:
+        model = add_models(model, model_of(t, w))
+    assert canon_dict(got.zset.to_dict()) == model
+    _same(got, dbsp.ZSet.concat(zs).index_by(key))
+    pair = ix[0]
+    for x in ix[1:]:
+        pair = pair.merge(x)
+    _same(got, pair)
+    if keep and len(got):
+        assert np.array_equal(got._row_hashes(), _zset.hash_columns(got.zset.data, list(range(len(schema)))))
+
+
+def test_k_way_merge_checks_its_inputs():
+    """Too few inputs, or inputs whose column types differ, are refused with the reason."""
+    a = dbsp.ZSet.from_arrow(pa.table({"k": [1, 2]})).index_by(["k"])
+    b = dbsp.ZSet.from_arrow(pa.table({"k": ["x"]})).index_by(["k"])
+    with pytest.raises(ValueError, match="2 to 64"):
+        _zset.MergeCursor([a._view()], [0])
+    with pytest.raises(dbsp.SchemaError if hasattr(dbsp, "SchemaError") else Exception, match="different types"):
+        _zset.MergeCursor([a._view(), a._view(), b._view()], [0])
