@@ -243,6 +243,8 @@ class EmbeddedExecutor:
         # CPU time each worker's thread spent in steps, counted only while ``measure_cpu`` is set: reading a
         # thread's CPU clock is a system call (4-40 us on this VM), a measurable share of a 1k-row step
         self.measure_cpu = False
+        self._after_load = False  # the last step pushed BIG_STEP_ROWS rows or more (_compact_after_load)
+        self._written_at_compact = 0  # the batch store's bytes_written when its traces were last compacted
         self.worker_cpu_seconds: list[float] = []
         # busy seconds per worker of the last run(): time in its operators, not waiting at an exchange's barrier
         # (the autoscaling policy's measure of work: dbsp_core.runtime.autoscale)
@@ -416,8 +418,35 @@ class EmbeddedExecutor:
                 exc.step, exc.done = s.step, done
                 raise
             saved = None  # the rollback copy held the batches the step replaced: freed before the trim
-            self._enforce(sum(z.num_rows for _, z in s.pushes))  # stored rows: len() would consolidate
+            rows = sum(z.num_rows for _, z in s.pushes)  # stored rows: len() would consolidate
+            self._enforce(rows)
+            self._compact_after_load(rows)
         return done
+
+    def _compact_after_load(self, rows: int) -> None:
+        """After a step of ``rows`` pushed rows, between steps: the first small step (under BIG_STEP_ROWS) after a
+        bulk load of big ones settles the merges and compacts each trace's spilled loose batches into one
+        (:meth:`settle_merges`; trace invariant 15: a load leaves tiered levels of several spilled files, which every
+        small step after it would ask, 1.3-2.8x the CPU of a step over one file in bench/RESULTS.md "Fewer
+        rewrites of spilled levels"), when the store wrote at least half of what its files now hold since the last
+        compaction: a compaction rewrites the spilled state, so a workload alternating loads and small steps writes
+        at most about twice more than without it. The step that triggers it pays the wait (the stats'
+        ``compactions`` count them)."""
+        store = self.batch_store
+        if store is None:
+            return
+        if rows >= BIG_STEP_ROWS:
+            self._after_load = True
+            return
+        if not self._after_load:
+            return
+        self._after_load = False
+        written = store.stats["bytes_written"]
+        if 2 * (written - self._written_at_compact) < store.disk_bytes():
+            return
+        self.settle_merges()
+        store.stats["compactions"] += 1
+        self._written_at_compact = store.stats["bytes_written"]
 
     def rename_state(self, renames: dict[int, int]) -> None:
         """The next :meth:`load_state` reads node ``n``'s state from the tables of node ``renames[n]`` (snapshot

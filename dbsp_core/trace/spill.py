@@ -418,7 +418,7 @@ class BatchStore:
         self._scratch_prev: int | None = _zset.scratch_cache_limit(cap)
         if self._scratch_prev < cap:  # the same for each thread's scratch cache (DBSP_SCRATCH_MB)
             _zset.scratch_cache_limit(self._scratch_prev)
-        self.stats.update({"files_written": 0, "bytes_written": 0, "evictions": 0, "bytes_evicted": 0,
+        self.stats.update({"files_written": 0, "compactions": 0, "bytes_written": 0, "evictions": 0, "bytes_evicted": 0,
                            "enforcements": 0, "cache_hits": 0, "cache_misses": 0, "pages_checked": 0,
                            "written_in_background": 0, "written_for_nothing": 0, "keys_sought": 0,
                            "merges_on_disk": 0, "pages_prefetched": 0, "prefetch_runs": 0,

@@ -73,3 +73,51 @@ def test_compact_spilled_leaves_one_spilled_batch_and_the_content() -> None:
         del spilled, loose
         gc.collect()
         assert len(store._files) == len([b for b in t.batches if store.is_spilled(b)])
+
+
+def test_the_first_small_step_after_a_bulk_load_compacts_the_tiered_spilled_batches(monkeypatch) -> None:
+    """A pipeline under a 1 MiB budget loads a distinct in six big steps (BIG_STEP_ROWS lowered to 20,000 rows:
+    tiered levels leave several spilled batches), then runs small steps without any call of settle_merges: the
+    first small step compacts (one compaction, every trace left with at most one spilled batch), a second small
+    step does not compact again, and every output equals the unbudgeted twin's (multisets). Watched fail with
+    the executor's hook (``_compact_after_load``) removed: no compaction, 3 spilled batches left."""
+    import dbsp_core as dbsp
+    import dbsp_core.runtime.embedded as embedded
+    from dbsp_core.runtime.embedded import EmbeddedExecutor
+
+    monkeypatch.setattr(embedded, "BIG_STEP_ROWS", 20_000)
+    monkeypatch.setattr(Trace, "FAN_IN", 4)
+    rng = np.random.default_rng(SEED)
+    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+
+    def circuit() -> "dbsp.Circuit":
+        c = dbsp.Circuit()
+        c.output("d", c.input("t", schema).distinct())
+        return c
+
+    budgeted = dbsp.Pipeline(circuit(), executor=EmbeddedExecutor(background_merge=False), memory_limit=1 << 20)
+    twin = dbsp.Pipeline(circuit())
+    store = budgeted.executor.batch_store
+    assert store is not None
+
+    def spilled() -> list[int]:
+        return [sum(store.is_spilled(e[1]) for level in t._by_level for e in level.loose)
+                for t in budgeted.executor._all_traces()]
+
+    try:
+        for n in [30_000] * 6 + [500, 500]:
+            z = pa.table({"k": rng.integers(0, 1 << 40, n), "v": rng.integers(0, 3, n)}, schema=schema)
+            budgeted.push("t", z)
+            twin.push("t", z)
+            a, b = budgeted.step(), twin.step()
+            assert a["d"].to_dict() == b["d"].to_dict()
+            if n == 30_000:
+                loaded = spilled()
+            elif store.stats["compactions"] == 1 and "after" not in locals():
+                after = spilled()
+        assert max(loaded) >= 2, loaded  # the load left tiered spilled batches to compact
+        assert store.stats["compactions"] == 1, (store.stats["compactions"], spilled())
+        assert max(after) <= 1 and max(spilled()) <= 1, (after, spilled())
+    finally:
+        budgeted.close()
+        twin.close()
