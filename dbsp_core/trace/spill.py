@@ -235,6 +235,49 @@ __all__ = ["BatchStore", "spilling", "current_batch_store", "parse_memory_limit"
 MERGE_SCRATCH_PREFIX = "merge-"  # scratch files of merges built on disk (unlinked once mapped; a crash may leave one)
 
 
+class _SharedLimit:
+    """A process-wide limit of a C cache (the region cache, each thread's scratch cache) that every open store
+    lowers to its share of its budget: the limit is the smallest share of the stores open, and the limit found
+    before the first one when none is, whatever order stores open and close in (two pipelines of one process, one
+    budgeted and one not, or closed out of order, never leave each other a lowered or raised limit)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name  # the _zset function that sets the limit and returns the previous one
+        self._lock = threading.Lock()
+        self._caps: dict[str, int] = {}
+        self._base: int | None = None
+
+    def _set(self, limit: int) -> int:
+        from dbsp_core import _zset
+
+        return int(getattr(_zset, self._name)(limit))
+
+    def hold(self, key: str, cap: int) -> None:
+        with self._lock:
+            prev = self._set(cap)
+            if self._base is None:
+                self._base = prev
+            self._caps[key] = cap
+            self._set(min([self._base, *self._caps.values()]))
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            if self._caps.pop(key, None) is None or self._base is None:
+                return
+            self._set(min([self._base, *self._caps.values()]))
+            if not self._caps:
+                self._base = None
+
+
+_REGION_LIMIT = _SharedLimit("region_cache_limit")
+_SCRATCH_LIMIT = _SharedLimit("scratch_cache_limit")
+
+
+def _release_limits(token: str) -> None:
+    _REGION_LIMIT.release(token)
+    _SCRATCH_LIMIT.release(token)
+
+
 def merge_bytes(m: Any) -> int:
     """Bytes of a merge's output held in memory (levels.py ``_Merge``): its inputs' bytes (an upper bound) in
     proportion to the input rows consumed, for an output built in a scratch file only those consumed since its
@@ -408,16 +451,12 @@ class BatchStore:
         self._measure_reads()
         self._from_disk = self.PREFETCH_FROM  # those read during the last step: at first, the files count as cold
         self._token = os.urandom(6).hex()  # names never reused, even by a later process with the same pid
-        from dbsp_core import _zset
-
-        cap = int(self.memory_limit * self.REGION_CACHE_SHARE)  # the C caches count in the budget's overhead
-        self._region_prev: int | None = _zset.region_cache_limit(cap)
-        if self._region_prev < cap:  # already lower (DBSP_REGION_CACHE_MB, another store): leave it
-            _zset.region_cache_limit(self._region_prev)
-        cap = int(self.memory_limit * self.SCRATCH_SHARE)
-        self._scratch_prev: int | None = _zset.scratch_cache_limit(cap)
-        if self._scratch_prev < cap:  # the same for each thread's scratch cache (DBSP_SCRATCH_MB)
-            _zset.scratch_cache_limit(self._scratch_prev)
+        # the C caches count in the budget's overhead: each at most its share while this store is open, or lower
+        # (DBSP_REGION_CACHE_MB, DBSP_SCRATCH_MB, another store's smaller share: _SharedLimit)
+        self._limits_held = True
+        _REGION_LIMIT.hold(self._token, int(self.memory_limit * self.REGION_CACHE_SHARE))
+        _SCRATCH_LIMIT.hold(self._token, int(self.memory_limit * self.SCRATCH_SHARE))
+        weakref.finalize(self, _release_limits, self._token)  # a store never closed gives its shares back too
         self.stats.update({"files_written": 0, "compactions": 0, "bytes_written": 0, "evictions": 0, "bytes_evicted": 0,
                            "enforcements": 0, "cache_hits": 0, "cache_misses": 0, "pages_checked": 0,
                            "written_in_background": 0, "written_for_nothing": 0, "keys_sought": 0,
@@ -1176,14 +1215,9 @@ class BatchStore:
         self._stop_spill_thread()
         with self._lock:
             self._traces = weakref.WeakSet()
-            prev, self._region_prev = self._region_prev, None
-            scratch, self._scratch_prev = self._scratch_prev, None
-        if prev is not None:
-            from dbsp_core import _zset
-
-            _zset.region_cache_limit(prev)
-            if scratch is not None:
-                _zset.scratch_cache_limit(scratch)
+            held, self._limits_held = self._limits_held, False
+        if held:
+            _release_limits(self._token)
         if self._own_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
 

@@ -17,6 +17,7 @@ import dbsp_core as dbsp
 import dbsp_core.runtime.embedded as embedded
 from dbsp_core import _zset
 from dbsp_core.runtime.embedded import EmbeddedExecutor
+from dbsp_core.trace import Trace
 from dbsp_core.trace.spill import BatchStore
 from dbsp_core.zset import ZSet
 
@@ -75,6 +76,10 @@ def test_a_one_push_load_keeps_its_caches_within_the_budget_and_equals_the_unbud
     monkeypatch.setattr(embedded, "concat", watched_concat)
     monkeypatch.setattr(ZSet, "_distinct_unsorted", watched_distinct)
 
+    # two-way merges of spilled levels (levels.py invariant 15), so that the auctions end in one file bigger than a
+    # walk's piece: with tiered levels (FAN_IN 8) they stay in files of under a piece each, and each walk over one
+    # is one piece (walk_pieces stays 0); what a walk over several such files keeps mapped is bounded per file only
+    monkeypatch.setattr(Trace, "FAN_IN", 2)
     split = dbsp.Pipeline(_circuit(), executor=EmbeddedExecutor(background_merge=True), memory_limit=LIMIT)
     whole = dbsp.Pipeline(_circuit())
     try:
@@ -112,3 +117,36 @@ def test_a_one_push_load_keeps_its_caches_within_the_budget_and_equals_the_unbud
     finally:
         split.close()
         whole.close()
+
+
+def test_stores_opened_and_closed_in_any_order_leave_the_cache_limits_as_they_found_them() -> None:
+    """Each open store lowers the C caches' limits to its shares; the limits are the smallest share of the stores
+    open, and return to what they were before the first once every store is closed, or dropped unclosed (two
+    pipelines in one process: a budgeted one never leaves an unbudgeted one its small caches). Watched fail on the
+    code before, which put back the limit each store found at its open: closed out of order, the first store put
+    back 256 MiB and 512 MiB while the 16 MiB store was still open (and that store's close then left the first
+    store's shares for good: how test_step_memory found no cached bytes after an earlier test in its process)."""
+    import gc
+
+    base = (_zset.region_cache_limit(1 << 30), _zset.scratch_cache_limit(1 << 30))
+    _zset.region_cache_limit(base[0])
+    _zset.scratch_cache_limit(base[1])
+
+    def limits() -> tuple[int, int]:
+        got = (_zset.region_cache_limit(0), _zset.scratch_cache_limit(0))
+        _zset.region_cache_limit(got[0])
+        _zset.scratch_cache_limit(got[1])
+        return got
+
+    shares = lambda m: (int(m * BatchStore.REGION_CACHE_SHARE), int(m * BatchStore.SCRATCH_SHARE))  # noqa: E731
+    big, small = BatchStore(64 << 20), BatchStore(16 << 20)
+    assert limits() == tuple(min(b, s) for b, s in zip(base, shares(16 << 20)))
+    big.close()  # the first opened, closed first: the other's shares stay
+    assert limits() == tuple(min(b, s) for b, s in zip(base, shares(16 << 20)))
+    small.close()
+    assert limits() == base
+    dropped = BatchStore(16 << 20)
+    assert limits() != base
+    del dropped
+    gc.collect()
+    assert limits() == base
