@@ -119,7 +119,7 @@ def test_a_one_push_load_keeps_its_caches_within_the_budget_and_equals_the_unbud
         whole.close()
 
 
-def test_stores_opened_and_closed_in_any_order_leave_the_cache_limits_as_they_found_them() -> None:
+def test_stores_opened_and_closed_in_any_order_leave_the_cache_limits_as_they_found_them(monkeypatch) -> None:
     """Each open store lowers the C caches' limits to its shares; the limits are the smallest share of the stores
     open, and return to what they were before the first once every store is closed, or dropped unclosed (two
     pipelines in one process: a budgeted one never leaves an unbudgeted one its small caches). Watched fail on the
@@ -128,9 +128,13 @@ def test_stores_opened_and_closed_in_any_order_leave_the_cache_limits_as_they_fo
     store's shares for good: how test_step_memory found no cached bytes after an earlier test in its process)."""
     import gc
 
-    base = (_zset.region_cache_limit(1 << 30), _zset.scratch_cache_limit(1 << 30))
-    _zset.region_cache_limit(base[0])
-    _zset.scratch_cache_limit(base[1])
+    from dbsp_core.trace import spill
+
+    # fresh shared limits (a store another test left open keeps its shares in the module's) over known limits
+    monkeypatch.setattr(spill, "_REGION_LIMIT", spill._SharedLimit("region_cache_limit"))
+    monkeypatch.setattr(spill, "_SCRATCH_LIMIT", spill._SharedLimit("scratch_cache_limit"))
+    found = (_zset.region_cache_limit(256 << 20), _zset.scratch_cache_limit(512 << 20))
+    base = (256 << 20, 512 << 20)
 
     def limits() -> tuple[int, int]:
         got = (_zset.region_cache_limit(0), _zset.scratch_cache_limit(0))
@@ -150,3 +154,5 @@ def test_stores_opened_and_closed_in_any_order_leave_the_cache_limits_as_they_fo
     del dropped
     gc.collect()
     assert limits() == base
+    _zset.region_cache_limit(found[0])
+    _zset.scratch_cache_limit(found[1])

@@ -22,7 +22,7 @@ from dbsp_core.errors import CorruptionError
 from dbsp_core.runtime.embedded import EmbeddedExecutor
 from dbsp_core.storage import FaultInjector
 from dbsp_core.storage.formats import BATCH_FILE_SUFFIX, SPILL_DIR
-from dbsp_core.trace import batchfile, spill
+from dbsp_core.trace import Trace, batchfile, spill
 from dbsp_core.trace.spill import BatchStore
 
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
@@ -207,6 +207,8 @@ def setup(tmp_path, monkeypatch):
     """The base directory (posix, in place, checkpointed), a probe of the session (its operations, the in-place
     writes' operation ranges, the checkpoint's range) and the twin's output."""
     monkeypatch.setattr(BatchStore, "FILE_MERGE_MIN", 0)  # every merge built on disk: its output in place
+    monkeypatch.setattr(Trace, "FAN_IN", 3)  # spilled levels merge three at once (the k-way cursor; levels.py
+    # invariant 15), so these few steps merge on disk (FAN_IN 8 waits for 8 spilled batches a level: no file in place)
     monkeypatch.setattr(batchfile, "PUNCH_MIN", 4096)  # the room an output left, every page of it, is punched
     rec = _InPlace(monkeypatch)
     FaultInjector.disarm()
@@ -321,6 +323,7 @@ def test_a_file_system_without_hole_punching_keeps_the_blocks(tmp_path, monkeypa
     file made in place verifies (every checksum)."""
     monkeypatch.setattr(BatchStore, "FILE_MERGE_MIN", 0)
     monkeypatch.setattr(batchfile, "PUNCH_MIN", 4096)  # every page of room the output left is punched
+    monkeypatch.setattr(Trace, "FAN_IN", 3)  # (as in the setup fixture: merges of three spilled batches on disk)
     rec = _InPlace(monkeypatch)
     punches = rec.punches
     pushes = _pushes()
