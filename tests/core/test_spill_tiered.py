@@ -15,6 +15,16 @@ from dbsp_core.trace.spill import BatchStore, spilling
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
 
 
+def _insert(t: Trace, store: BatchStore, z: ZSet, model: dict) -> None:
+    """``z`` (consolidated) added to ``model`` and inserted into ``t``, then the store's budget enforced and its
+    spill thread settled, as between steps."""
+    for r, w in z.to_dict().items():
+        model[r] = model.get(r, 0) + w
+    t.insert(z.index_by(["k"]))
+    store.enforce()
+    store.settle()
+
+
 def test_a_growing_spilled_trace_writes_at_most_three_times_its_state() -> None:
     """64 steps of 2,000 new keys into a trace under a 256 KiB budget (a final state ~20x the budget), an enforce after
     each: the batch files written in all come to at most 3x the files the state ends in (measured 2.3x; 2.8x with
@@ -27,12 +37,7 @@ def test_a_growing_spilled_trace_writes_at_most_three_times_its_state() -> None:
     with BatchStore(256 << 10) as store, spilling(store):
         for _ in range(64):
             z = ZSet.from_arrow(pa.table({"k": rng.integers(0, 1 << 40, 2000), "v": rng.integers(0, 3, 2000)}))
-            z = z.consolidate()
-            for r, w in z.to_dict().items():
-                model[r] = model.get(r, 0) + w
-            t.insert(z.index_by(["k"]))
-            store.enforce()
-            store.settle()
+            _insert(t, store, z.consolidate(), model)
         written, disk = store.stats["bytes_written"], store.disk_bytes()
         assert disk > 10 * (256 << 10)  # the state is many times the budget: most levels are spilled
         assert written <= 3 * disk, (written, disk, written / disk, store.stats["merges_on_disk"], t.levels())
@@ -56,12 +61,7 @@ def test_compact_spilled_leaves_one_spilled_batch_and_the_content() -> None:
             k = rng.integers(0, 30_000, 3000)
             z = ZSet.from_arrow(pa.table({"k": k, "s": pa.array([None if x % 5 == 0 else str(x % 97) for x in k]),
                                           "v": rng.integers(0, 3, 3000)}), weights=rng.choice([1, 2, -1], 3000))
-            z = z.consolidate()
-            for r, w in z.to_dict().items():
-                model[r] = model.get(r, 0) + w
-            t.insert(z.index_by(["k"]))
-            store.enforce()
-            store.settle()
+            _insert(t, store, z.consolidate(), model)
         spilled = [b for b in t.batches if store.is_spilled(b)]
         assert len(spilled) >= 3, t.levels()
         assert t.compact_spilled() >= 2

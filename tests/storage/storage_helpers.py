@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 
+import pyarrow as pa
+
+import dbsp_core as dbsp
 from dbsp_core.errors import StorageError
 from dbsp_core.storage import Database, FaultInjector
 
@@ -109,3 +113,39 @@ def dry_run_ops(path: str, base: int, model: dict, seed: int, tmpdir: str) -> in
 
 def same(a: dict, b: dict) -> bool:
     return a == b
+
+
+SPILL_SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+
+
+def count_sum_circuit() -> dbsp.Circuit:
+    """The spill tests' view ``g``: per ``k`` of SPILL_SCHEMA rows, their count ``n`` and the sum ``s`` of ``v``."""
+    c = dbsp.Circuit()
+    t = c.input("t", SPILL_SCHEMA)
+    c.output("g", t.group_by("k").agg(n=dbsp.count(), s=dbsp.sum("v")))
+    return c
+
+
+def view_integral(p: dbsp.Pipeline, name: str = "g") -> dict:
+    """{row: weight} of view ``name``'s outputs summed from step 0 (rows of weight 0 dropped)."""
+    acc: dict = {}
+    for _, z in p.read_output(name, from_step=0):
+        for r, w in z.to_dict().items():
+            acc[r] = acc.get(r, 0) + w
+            if acc[r] == 0:
+                del acc[r]
+    return acc
+
+
+def fault_op(exc: BaseException | None, n: int, pattern: "re.Pattern[str]") -> tuple[str, str] | None:
+    """The operation (name, path) the fault VFS crashed or failed at as operation ``n``, as the error ``exc`` (or
+    one in its chain of causes) names it through ``pattern`` (groups: name, path, operation number); None when
+    nothing raised names it."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        for m in pattern.finditer(str(exc)):
+            if int(m.group(3)) == n:
+                return m.group(1), m.group(2)
+        exc = exc.__cause__ or exc.__context__
+    return None

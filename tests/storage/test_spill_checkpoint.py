@@ -14,6 +14,8 @@ import pytest
 import dbsp_core as dbsp
 from dbsp_core.storage import Database, FaultInjector
 from dbsp_core.storage.formats import BATCH_GROUP_MAGIC, BATCH_MAGIC, BATCH_REF_MAGIC, SPILL_DIR, state_db_paths
+from storage_helpers import fault_op
+from storage_helpers import view_integral as _integral
 
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
@@ -47,16 +49,6 @@ def _stored_values(root: str) -> dict[bytes, int]:
                     for _, v in h.scan(table):
                         counts[v[:4]] = counts.get(v[:4], 0) + 1
     return counts
-
-
-def _integral(p: dbsp.Pipeline, name: str) -> dict:
-    acc: dict = {}
-    for _, z in p.read_output(name, from_step=0):
-        for r, w in z.to_dict().items():
-            acc[r] = acc.get(r, 0) + w
-            if acc[r] == 0:
-                del acc[r]
-    return acc
 
 
 def _reference(pushes: list[pa.Table]) -> dict[str, dict]:
@@ -159,14 +151,7 @@ def _crashed_op(exc: BaseException | None, n: int) -> tuple[str, str] | None:
     """The operation (name, path) the fault VFS crashed at, as the error raised by it (or one it caused) names it;
     None when nothing raised names it (a caller that ignores a failed unlink: the next operation's error says only
     that the crash happened)."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        for m in CRASH.finditer(str(exc)):
-            if int(m.group(3)) == n:
-                return m.group(1), m.group(2)
-        exc = exc.__cause__ or exc.__context__
-    return None
+    return fault_op(exc, n, CRASH)
 
 
 def _in_batch_file(op: tuple[str, str]) -> bool:

@@ -24,6 +24,9 @@ from dbsp_core.storage import FaultInjector
 from dbsp_core.storage.formats import BATCH_FILE_SUFFIX, SPILL_DIR
 from dbsp_core.trace import Trace, batchfile, spill
 from dbsp_core.trace.spill import BatchStore
+from storage_helpers import count_sum_circuit as _circuit
+from storage_helpers import fault_op
+from storage_helpers import view_integral as _integral
 
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
@@ -35,13 +38,6 @@ QUIET = "fault"
 
 def test_seed_is_printed() -> None:
     print(f"DBSP_TEST_SEED={SEED}")
-
-
-def _circuit() -> dbsp.Circuit:
-    c = dbsp.Circuit()
-    t = c.input("t", SCHEMA)
-    c.output("g", t.group_by("k").agg(n=dbsp.count(), s=dbsp.sum("v")))
-    return c
 
 
 def _pushes() -> list[tuple[pa.Table, list[int]]]:
@@ -69,16 +65,6 @@ def _pipeline(d: str, vfs: str, create: bool = False) -> dbsp.Pipeline:
     kw = dict(memory_limit=1, vfs=vfs, executor=EmbeddedExecutor(vfs=vfs, background_merge=False),
               checkpoint_interval=None)
     return dbsp.Pipeline(_circuit(), storage=d, **kw) if create else dbsp.Pipeline.open(d, _circuit(), **kw)
-
-
-def _integral(p: dbsp.Pipeline) -> dict:
-    acc: dict = {}
-    for _, z in p.read_output("g", from_step=0):
-        for r, w in z.to_dict().items():
-            acc[r] = acc.get(r, 0) + w
-            if acc[r] == 0:
-                del acc[r]
-    return acc
 
 
 def _reference(pushes: list) -> dict:
@@ -183,14 +169,7 @@ CRASH = re.compile(r"(\w+(?: \w+)?) (\S+): (?:simulated crash|injected [^:;]+?) 
 def _failed_op(exc: BaseException | None, n: int) -> tuple[str, str] | None:
     """The operation (name, path) the fault VFS crashed or failed at, as the error it raised (or one it caused)
     names it."""
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        for m in CRASH.finditer(str(exc)):
-            if int(m.group(3)) == n:
-                return m.group(1), m.group(2)
-        exc = exc.__cause__ or exc.__context__
-    return None
+    return fault_op(exc, n, CRASH)
 
 
 def _named(d: str) -> set[str]:

@@ -15,6 +15,7 @@ import dbsp_core as dbsp
 from dbsp_core.errors import CorruptionError
 from dbsp_core.storage.formats import SPILL_DIR
 from dbsp_core.trace.batchfile import PAGE, open_batch
+from storage_helpers import view_integral as _view
 
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
@@ -42,16 +43,6 @@ def _model(rows: list[tuple[int, int, int]]) -> dict:
         assert w >= 0
         groups.setdefault(k, []).extend([v] * w)
     return {(k, len(vs), min(vs)): 1 for k, vs in groups.items() if vs}
-
-
-def _view(p: dbsp.Pipeline) -> dict:
-    acc: dict = {}
-    for _, z in p.read_output("g", from_step=0):
-        for r, w in z.to_dict().items():
-            acc[r] = acc.get(r, 0) + w
-            if acc[r] == 0:
-                del acc[r]
-    return acc
 
 
 def _build(root: str, rng: np.random.Generator) -> list[tuple[int, int, int]]:

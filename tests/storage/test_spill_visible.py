@@ -17,6 +17,8 @@ from dbsp_core.metrics import prometheus_text
 from dbsp_core.storage.formats import SPILL_DIR
 from dbsp_core.storage.inspect import inspect_storage
 from dbsp_core.storage.repair import repair
+from storage_helpers import count_sum_circuit as _circuit
+from storage_helpers import view_integral as _view
 
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
@@ -27,28 +29,11 @@ def test_seed_is_printed() -> None:
     print(f"DBSP_TEST_SEED={SEED}")
 
 
-def _circuit() -> dbsp.Circuit:
-    c = dbsp.Circuit()
-    t = c.input("t", SCHEMA)
-    c.output("g", t.group_by("k").agg(n=dbsp.count(), s=dbsp.sum("v")))
-    return c
-
-
 def _model(rows: list[tuple[int, int]]) -> dict:
     g: dict[int, list[int]] = {}
     for k, v in rows:
         g.setdefault(k, []).append(v)
     return {(k, len(vs), sum(vs)): 1 for k, vs in g.items()}
-
-
-def _view(p: dbsp.Pipeline) -> dict:
-    acc: dict = {}
-    for _, z in p.read_output("g", from_step=0):
-        for r, w in z.to_dict().items():
-            acc[r] = acc.get(r, 0) + w
-            if acc[r] == 0:
-                del acc[r]
-    return acc
 
 
 def _push(p: dbsp.Pipeline, rng: np.random.Generator, rows: list, n: int = 3000) -> None:
