@@ -38,8 +38,13 @@ def _run(keep_mb: int, monkeypatch: pytest.MonkeyPatch) -> tuple[dict, tuple[int
 
 
 def test_a_step_trims_the_caches_to_the_size_kept_and_results_do_not_change(monkeypatch):
-    # the caches' limits as a process starts (a budgeted store another test left open in this process would hold
-    # them at its shares: spill.py _SharedLimit), put back after
+    import dbsp_core.runtime.driver as driver_module
+    from dbsp_core.envvars import load
+
+    # as without DBSP_MEMORY_LIMIT (CI's second run sets it: a budget keeps the caches at its shares, which
+    # test_substep_memory checks), and with the caches' limits a process starts with (a budgeted store another
+    # test left open in this process would hold them at its shares: spill.py _SharedLimit), put back after
+    monkeypatch.setattr(driver_module, "settings", lambda: load({}))
     found = (_zset.region_cache_limit(256 << 20), _zset.scratch_cache_limit(512 << 20))
     try:
         big, kept = _run(1 << 20, monkeypatch)  # keep everything: the step leaves buffers in the caches
