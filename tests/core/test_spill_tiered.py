@@ -121,3 +121,91 @@ def test_the_first_small_step_after_a_bulk_load_compacts_the_tiered_spilled_batc
     finally:
         budgeted.close()
         twin.close()
+
+
+def test_compaction_after_loads_while_threads_load_step_checkpoint_and_read(tmp_path, monkeypatch) -> None:
+    """A durable pipeline under a 1 MiB budget while three threads run at once: one pushes big batches (over
+    BIG_STEP_ROWS, lowered to 20,000) and steps, one pushes small ones and steps, one checkpoints and reads
+    metrics and traces. They keep going until the small steps after loads compacted at least twice and two
+    checkpoints ran (a minute at most); then the distinct's summed outputs equal the set of every pushed row, and
+    a reopen holds the same state."""
+    import threading
+    import time
+
+    import dbsp_core as dbsp
+    import dbsp_core.runtime.embedded as embedded
+
+    monkeypatch.setattr(embedded, "BIG_STEP_ROWS", 20_000)
+    monkeypatch.setattr(Trace, "FAN_IN", 4)
+    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+
+    def circuit() -> "dbsp.Circuit":
+        c = dbsp.Circuit()
+        c.output("d", c.input("t", schema).distinct())
+        return c
+
+    root = str(tmp_path / "d")
+    p = dbsp.Pipeline(circuit(), storage=root, memory_limit=1 << 20, checkpoint_interval=None)
+    store = p.executor.batch_store
+    assert store is not None
+    pushed: list[pa.Table] = []
+    outs: list = []
+    counts = {"checkpoints": 0, "steps": 0}
+    errors: list = []
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def done_yet() -> bool:
+        return store.stats["compactions"] >= 2 and counts["checkpoints"] >= 2
+
+    def stepper(n: int, t: int) -> None:
+        rng = np.random.default_rng(SEED + t)
+        try:
+            while not done.is_set():
+                z = pa.table({"k": rng.integers(0, 1 << 40, n), "v": rng.integers(0, 3, n)}, schema=schema)
+                with lock:
+                    pushed.append(z)
+                p.push("t", z, producer=f"p{t}", seq=len(pushed))
+                out = p.step()["d"]
+                with lock:
+                    outs.append(out)
+                    counts["steps"] += 1
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            done.set()
+
+    def reader() -> None:
+        try:
+            while not done.is_set():
+                p.checkpoint()
+                counts["checkpoints"] += 1
+                p.metrics()
+                p.traces(0)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            done.set()
+
+    threads = [threading.Thread(target=stepper, args=(30_000, 1)), threading.Thread(target=stepper, args=(200, 2)),
+               threading.Thread(target=reader)]
+    for th in threads:
+        th.start()
+    deadline = time.monotonic() + 60
+    while not done.is_set() and not done_yet() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    done.set()
+    for th in threads:
+        th.join(timeout=120)
+    assert not errors, errors
+    assert done_yet(), (store.stats["compactions"], counts)
+    outs.append(p.step()["d"])
+    acc: dict = {}
+    for z in outs:
+        for r, w in z.to_dict().items():
+            acc[r] = acc.get(r, 0) + w
+    want = {r: 1 for t in pushed for r in zip(t["k"].to_pylist(), t["v"].to_pylist())}
+    assert {r: w for r, w in acc.items() if w} == want, SEED
+    p.close()
+    old = next(iter(want))
+    with dbsp.Pipeline.open(root, circuit(), memory_limit=1 << 20) as q:  # the state held: a row seen adds nothing
+        q.push("t", pa.table({"k": [old[0], -1], "v": [old[1], 0]}, schema=schema))
+        assert q.step()["d"].to_dict() == {(-1, 0): 1}
