@@ -444,8 +444,8 @@ class EmbeddedExecutor:
         written = store.stats["bytes_written"]
         if 2 * (written - self._written_at_compact) < store.disk_bytes():
             return
-        self.settle_merges()
-        store.stats["compactions"] += 1
+        if self.settle_merges():  # (counted when it merged something)
+            store.stats["compactions"] += 1
         self._written_at_compact = store.stats["bytes_written"]
 
     def rename_state(self, renames: dict[int, int]) -> None:
@@ -718,19 +718,21 @@ class EmbeddedExecutor:
         return [getattr(inst, name) for wk in self._workers for i, inst in wk.stateful().items()
                 for name in state_attrs(i, inst)[0]]
 
-    def settle_merges(self) -> None:
+    def settle_merges(self) -> int:
         """Wait until the merge thread has no merge left and every trace has installed what it merged (after a
         bulk load, say, so later steps do not share the machine with the load's merges), and the batch store's spill
         thread has written what it was handed (trace invariant 12), and each trace's spilled loose batches are one
         (``Trace.compact_spilled``, trace invariant 15: the load left tiered levels of several files, which every
         small step after it would ask); then return the memory they freed, as after a big step
-        (:func:`release_memory`). Call between steps."""
+        (:func:`release_memory`). Call between steps. Returns the batches the compaction merged."""
         self._install_merges(settle=True)
+        merged = 0
         if self.batch_store is not None:
             self.batch_store.settle()
             for t in self._all_traces():  # the tiered levels' spilled batches, one batch each (trace invariant 15)
-                t.compact_spilled()
+                merged += t.compact_spilled()
         release_memory(BIG_STEP_ROWS)  # a load's merges freed their inputs: the allocators' free memory too
+        return merged
 
     def _install_merges(self, settle: bool = False) -> None:
         """Between steps (the caller holds the step lock): every trace installs the merges the merge thread
