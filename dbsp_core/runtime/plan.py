@@ -235,8 +235,7 @@ class _LinearGroupBy:
         is 0 (:meth:`Aggregate.finalize_ints`)."""
         ncols = len(rows.schema)
         specs = [("sum", p) if p < ncols else ("count", None) for p in rows.slotpos]
-        shown = [slots[0] for _, slots in agg.plan]
-        nonnull = [slots[1] if kind == "sum" else -1 for kind, slots in agg.plan]
+        shown, nonnull, _ = _run_outputs(agg)
         checked = [rows.schema.get_field_index(c) for c in rows.checked]  # a null there: the Python paths serve it
         return _zset.LinearRun(list(rows.keypos), specs, shown, nonnull, agg.output_keys, state.pschema, agg.schema,
                                checked)
@@ -260,6 +259,18 @@ class _LinearGroupBy:
         return self.state.step([self.rows.partials(z, ctx)], ctx)
 
 
+def _run_outputs(agg: Aggregate) -> tuple[list[int], list[int], list[int | None]]:
+    """What a one-call step (``_zset.LinearRun``) makes of ``agg``'s slots, per aggregate: the slot it shows, the
+    slot of its non-null count (-1: a count, never null) and, for an avg, the slot of its low limb (-1: none; None:
+    no avg)."""
+    shown, nonnull, avg = [], [], []
+    for kind, slots in agg.plan:
+        shown.append(slots[0])
+        nonnull.append(slots[-1] if kind in ("sum", "avg") else -1)
+        avg.append((slots[1] if len(slots) == 3 else -1) if kind == "avg" else None)
+    return shown, nonnull, avg
+
+
 class _CGroupBy:
     """A linear group-by chain ``pre`` -> [identity exchange] -> ``agg`` at W = 1 whose aggregates the C step serves
     and :class:`_LinearGroupBy` does not (an avg of an int64 column: two limb slots and a float64 result, invariant 5 of
@@ -278,11 +289,7 @@ class _CGroupBy:
                     checked.append(pos)  # a null there: the chain's own steps
             else:
                 specs.append((kind, pos))  # sum, sum_hi, sum_lo
-        shown, nonnull, avg = [], [], []
-        for kind, slots in agg.plan:
-            shown.append(slots[0])
-            nonnull.append(slots[-1] if kind in ("sum", "avg") else -1)
-            avg.append((slots[1] if len(slots) == 3 else -1) if kind == "avg" else None)
+        shown, nonnull, avg = _run_outputs(agg)
         self.run = _zset.LinearRun([schema.get_field_index(k) for k in agg.keys], specs, shown, nonnull,
                                    agg.output_keys, state.pschema, agg.schema, checked, avg)
 
@@ -409,10 +416,9 @@ class _PartialsReceive:
         self.run = None  # the one-call step over the partial rows (design note 2; _LinearGroupBy's C_STEP)
         if _LinearGroupBy.C_STEP:
             nk = len(agg.keys)
-            self.run = _zset.LinearRun(list(range(nk)), [("sum", nk + j) for j in range(len(agg.kernel))],
-                                       [slots[0] for _, slots in agg.plan],
-                                       [slots[1] if kind == "sum" else -1 for kind, slots in agg.plan],
-                                       agg.output_keys, state.pschema, agg.schema)
+            shown, nonnull, _ = _run_outputs(agg)
+            self.run = _zset.LinearRun(list(range(nk)), [("sum", nk + j) for j in range(len(agg.kernel))], shown,
+                                       nonnull, agg.output_keys, state.pschema, agg.schema)
 
     def __call__(self, inputs: list, ctx: Any) -> ZSet:
         self.counts["received"] += 1
