@@ -523,9 +523,7 @@ class Trace(KeyIndexed):
         if store is None or self._fresh:
             return 0
         picked = [e for level in self._by_level if level.merge is None
-                  for e in (level.loose if self._fan_in(level) > 2 else ()) + level.loose
-                  if store.is_spilled(e[1]) or self._fan_in(level) > 2]
-        picked = list({id(e[1]): e for e in picked}.values())
+                  for e in level.loose if self._fan_in(level) > 2 or store.is_spilled(e[1])]
         if len(picked) < 2:
             return 0
         picked = sorted(picked, key=lambda e: e[0])[:64]  # (the k-way cursor's bound)
