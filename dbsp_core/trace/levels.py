@@ -255,6 +255,8 @@ class Trace(KeyIndexed):
     FAN_IN = 8  # loose batches one merge of a tiered level takes (invariant 15): each row is rewritten once per
     # log2(FAN_IN) levels above the budget instead of once per level, a lookup reads up to 2 * FAN_IN batches there
     # (measured, 20M events under a 10% budget: 4 wrote 2.45-2.60x the final state, 8 wrote 1.71-2.24x, less CPU)
+    FROM_MEMORY = True  # a tiered merge whose inputs are not all spilled starts when this insert's fuel finishes it
+    # (invariant 15): its inputs in memory are then written once, in its output, and never alone
     MAX_PENDING = 64  # a fresh trace's pending batches beyond which it inserts the oldest (invariant 5)
     PRUNE_MIN = 4096  # rows inserted before drop_below scans at all (invariant 8)
     DEFER_RATE = 2  # rows of deferred work (index folds; merge input rows per level) an insert pays per row it
@@ -415,7 +417,7 @@ class Trace(KeyIndexed):
                 level = self._by_level[lvl]
                 m = level.merge
                 if m is None:
-                    if not self._ready(level):
+                    if not self._ready(level, budget):
                         break
                     m = self._start_merge(lvl, mt is not None)
                     level = self._by_level[lvl]
@@ -445,7 +447,7 @@ class Trace(KeyIndexed):
             return 2
         return self.FAN_IN if store.on_disk(level.loose[0][1], level.loose[1][1]) else 2
 
-    def _ready(self, level: _Level) -> bool:
+    def _ready(self, level: _Level, fuel: int = 0) -> bool:
         """Whether ``level`` (no merge in progress) starts one now (invariant 15): it holds its fan-in of loose
         batches, and on a tiered level the FAN_IN oldest are spilled (a merge pins its inputs' buffers until it ends, so
         one started from batches in memory would hold them beyond the budget; the store's next enforce spills them),
@@ -455,7 +457,9 @@ class Trace(KeyIndexed):
             return False
         if k == 2 or len(level.loose) >= 2 * k:
             return True
-        return all(self._store.is_spilled(e[1]) for e in level.loose[:k])
+        if all(self._store.is_spilled(e[1]) for e in level.loose[:k]):
+            return True
+        return self.FROM_MEMORY and fuel >= sum(len(e[1]) for e in level.loose[:k])
 
     def _start_merge(self, lvl: int, handing: bool) -> _Merge:
         """Start merging the oldest loose batches of level ``lvl`` (it has no merge in progress): its fan-in of them
@@ -470,7 +474,8 @@ class Trace(KeyIndexed):
         if self._unspilled:  # an input is an output of this work still read from its scratch file
             ins = {id(e[1]) for e in m.inputs}
             m.scratch = tuple(c.drop for o, c, _s in self._unspilled if id(o) in ins)
-        if handing and m.work > self.INLINE_MERGE:
+        if handing and m.work > self.INLINE_MERGE and (
+                self._store is None or all(self._store.is_spilled(e[1]) for e in m.inputs)):
             m.shared = SharedMerge()
         self._by_level[lvl] = _Level(level.loose[k:], m)
         return m
