@@ -522,10 +522,23 @@ class EmbeddedExecutor:
         assert self.circuit is not None and self.layout is not None
         cut = self._pieces(s)
         results: list[dict[str, ZSet]] = []
-        for k, pushes in enumerate(cut):
-            if k:  # between pieces no worker runs, as between steps (substep.py invariant 3)
-                self._enforce(sum(z.num_rows for _, z in cut[k - 1]))
-            results += self._run_piece(s, pushes)
+        store, marks = self.batch_store, None
+        if len(cut) >= Trace.FAN_IN and store is not None:  # a load in pieces: their batches wait as loose files of
+            marks = [(t, t._placed) for t in self._all_traces()]  # their tiered levels, merged once below (trace
+            store.holding = True  # invariant 15) instead of FAN_IN at a time and again with those merges' outputs
+        try:
+            for k, pushes in enumerate(cut):
+                if k:  # between pieces no worker runs, as between steps (substep.py invariant 3)
+                    self._enforce(sum(z.num_rows for _, z in cut[k - 1]))
+                results += self._run_piece(s, pushes)
+        finally:
+            if marks is not None:
+                store.holding = False
+        if marks is not None:  # each trace's loose batches placed by the pieces, merged k at once (the tiered ones
+            self._install_merges(settle=True)  # and the spilled), on disk: one more write of the step's rows
+            store.settle()
+            for t, placed in marks:
+                t.compact_spilled(since=placed)
         if len(cut) > 1:  # what the last piece freed leaves before the pieces' outputs are summed
             release_memory(sum(z.num_rows for _, z in cut[-1]))
         if self._coord is not None:

@@ -257,6 +257,8 @@ class Trace(KeyIndexed):
     # (measured, 20M events under a 10% budget: 4 wrote 2.45-2.60x the final state, 8 wrote 1.71-2.24x, less CPU)
     FROM_MEMORY = True  # a tiered merge whose inputs are not all spilled starts when this insert's fuel finishes it
     # (invariant 15): its inputs in memory are then written once, in its output, and never alone
+    HOLD_FAN_IN = 64  # a tiered level's fan-in while the store holds (a step run in pieces, invariant 15): the
+    # pieces' batches stay loose files, merged once at the step's end (compact_spilled(since=)); the k-way cursor's bound
     MAX_PENDING = 64  # a fresh trace's pending batches beyond which it inserts the oldest (invariant 5)
     PRUNE_MIN = 4096  # rows inserted before drop_below scans at all (invariant 8)
     DEFER_RATE = 2  # rows of deferred work (index folds; merge input rows per level) an insert pays per row it
@@ -445,7 +447,9 @@ class Trace(KeyIndexed):
         store = self._store
         if store is None or self.FAN_IN <= 2 or len(level.loose) < 2:
             return 2
-        return self.FAN_IN if store.on_disk(level.loose[0][1], level.loose[1][1]) else 2
+        if not store.on_disk(level.loose[0][1], level.loose[1][1]):
+            return 2
+        return max(self.FAN_IN, self.HOLD_FAN_IN) if store.holding else self.FAN_IN
 
     def _ready(self, level: _Level, fuel: int = 0) -> bool:
         """Whether ``level`` (no merge in progress) starts one now (invariant 15): it holds its fan-in of loose
@@ -517,7 +521,7 @@ class Trace(KeyIndexed):
             thread.submit(self)
         return installed
 
-    def compact_spilled(self) -> int:
+    def compact_spilled(self, since: int = 0) -> int:
         """Merge the spilled loose batches of every level with no merge in progress, and the loose batches of tiered
         levels still in memory, into one, in one k-way pass (on disk when the store says so), placed at the level of
         their summed work (capped as invariant 2 says): what a bulk load's end does
@@ -528,7 +532,7 @@ class Trace(KeyIndexed):
         if store is None or self._fresh:
             return 0
         picked = [e for level in self._by_level if level.merge is None
-                  for e in level.loose if self._fan_in(level) > 2 or store.is_spilled(e[1])]
+                  for e in level.loose if e[0] >= since and (self._fan_in(level) > 2 or store.is_spilled(e[1]))]
         if len(picked) < 2:
             return 0
         picked = sorted(picked, key=lambda e: e[0])[:64]  # (the k-way cursor's bound)
