@@ -461,9 +461,16 @@ class Trace(KeyIndexed):
             return False
         if k == 2 or len(level.loose) >= 2 * k:
             return True
-        if all(self._store.is_spilled(e[1]) for e in level.loose[:k]):
+        if not self._from_memory(level, k):
             return True
         return self.FROM_MEMORY and fuel >= sum(len(e[1]) for e in level.loose[:k])
+
+    def _from_memory(self, level: _Level, k: int) -> bool:
+        """Whether a merge of the ``k`` oldest loose batches of ``level`` is a tiered one that only this insert's fuel
+        may start (invariant 15): some input is still in memory and the level holds fewer than 2 * k loose batches.
+        Such a merge runs to its end within the insert (never handed to the merge thread): it pins its inputs."""
+        return (k > 2 and len(level.loose) < 2 * k
+                and not all(self._store.is_spilled(e[1]) for e in level.loose[:k]))
 
     def _start_merge(self, lvl: int, handing: bool) -> _Merge:
         """Start merging the oldest loose batches of level ``lvl`` (it has no merge in progress): its fan-in of them
@@ -478,8 +485,7 @@ class Trace(KeyIndexed):
         if self._unspilled:  # an input is an output of this work still read from its scratch file
             ins = {id(e[1]) for e in m.inputs}
             m.scratch = tuple(c.drop for o, c, _s in self._unspilled if id(o) in ins)
-        if handing and m.work > self.INLINE_MERGE and (
-                self._store is None or all(self._store.is_spilled(e[1]) for e in m.inputs)):
+        if handing and m.work > self.INLINE_MERGE and not self._from_memory(level, k):
             m.shared = SharedMerge()
         self._by_level[lvl] = _Level(level.loose[k:], m)
         return m
