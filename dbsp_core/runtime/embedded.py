@@ -25,7 +25,9 @@ Invariants (enforced here):
      once per step on the calling thread (every worker runs each of them: exchanges are barriers), runs each on all
      workers with the step's context, enforces the budget between pieces and returns the sum of their outputs made
      distinct (invariant 3, without the disjoint shortcut: two pieces may hold equal rows). The step counts once:
-     one ``advance`` of the worker stores, one rollback capture, one release of memory after it.
+     one ``advance`` of the worker stores, one rollback capture, one release of memory after it. A step of at least
+     ``Trace.FAN_IN`` pieces holds the store's tiered merges while they run and, after the last, merges each trace's
+     batches the pieces placed in one pass (trace invariant 15: each piece's rows written once alone, once merged).
 """
 
 from __future__ import annotations

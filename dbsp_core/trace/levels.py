@@ -80,7 +80,17 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      in memory, and traces without a store, merge two at a time as before. The content never depends on it.
      A tiered merge starts once its FAN_IN inputs are spilled (or the level holds 2 * FAN_IN loose batches): a
      merge pins its inputs' buffers until it ends, so one started from batches in memory would keep them beyond
-     the budget for the whole merge; loose ones the store's next enforce spills (the highest levels first).
+     the budget for the whole merge; loose ones the store's next enforce spills (the highest levels first). But
+     for one case (``FROM_MEMORY``, :meth:`Trace._from_memory`): when the insert that brings the level its FAN_IN-th
+     loose batch pays fuel enough to merge them all, the merge starts at once with its inputs in memory and ends
+     within that insert (never handed to the merge thread), so it pins nothing past the insert, and those inputs
+     are written once, in its output, instead of once alone and again in it (a budget that holds FAN_IN of a
+     level's step batches: Nexmark q4 at 20M events under 10%, 2.24x -> 1.86x the final state written). While the
+     store holds (``BatchStore.holding``: a step run in at least FAN_IN pieces, dbsp_core/runtime/substep.py) a
+     tiered level takes HOLD_FAN_IN (64, the k-way cursor's bound) loose batches instead: the pieces' batches stay
+     loose files, each written once, and at the step's end the executor merges each trace's loose batches placed
+     by the pieces in one pass (:meth:`Trace.compact_spilled` with ``since``), so a load in pieces writes its
+     rows about twice, not FAN_IN at a time and then again by the compaction after the load.
      The price is reads: a step's lookups ask up to 2 * FAN_IN batches per tiered level instead of about one, so
      when a bulk load is over (``EmbeddedExecutor.settle_merges``: :meth:`Trace.compact_spilled`) the spilled loose
      batches merge into one, in one k-way pass (a rewrite of the spilled state, once), and the small steps that
@@ -533,7 +543,9 @@ class Trace(KeyIndexed):
         their summed work (capped as invariant 2 says): what a bulk load's end does
         (``EmbeddedExecutor.settle_merges``, invariant 15), so the small steps after it ask one spilled batch where
         tiered levels left up to 2 * FAN_IN per level. The content is unchanged (a merge's), as is a key index.
-        Call between steps. Returns the batches merged (0: fewer than two)."""
+        ``since``: only the batches placed from that placement number on (``_placed`` before a step in pieces: its
+        pieces' batches and what merged them, invariant 15). Call between steps or pieces. Returns the batches
+        merged (0: fewer than two)."""
         store = self._store
         if store is None or self._fresh:
             return 0
