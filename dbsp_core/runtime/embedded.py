@@ -525,9 +525,9 @@ class EmbeddedExecutor:
         cut = self._pieces(s)
         results: list[dict[str, ZSet]] = []
         store, marks = self.batch_store, None
-        if len(cut) >= Trace.FAN_IN and store is not None:  # a load in pieces: their batches wait as loose files of
-            marks = [(t, t._placed) for t in self._all_traces()]  # their tiered levels, merged once below (trace
-            store.holding = True  # invariant 15) instead of FAN_IN at a time and again with those merges' outputs
+        if len(cut) >= Trace.FAN_IN and store is not None:  # a load in pieces (invariant 5): their batches wait as
+            marks = [(t, getattr(t, "_placed", 0)) for t in self._all_traces()]  # loose files of their tiered levels,
+            store.holding = True  # merged once below (trace invariant 15), not FAN_IN at a time and then again
         try:
             for k, pushes in enumerate(cut):
                 if k:  # between pieces no worker runs, as between steps (substep.py invariant 3)
