@@ -536,13 +536,14 @@ class EmbeddedExecutor:
         finally:
             if marks is not None:
                 store.holding = False
+        if len(cut) > 1:  # what the last piece freed leaves before the pieces' outputs are summed
+            release_memory(sum(z.num_rows for _, z in cut[-1]))
         if marks is not None:  # each trace's loose batches placed by the pieces, merged k at once (the tiered ones
             self._install_merges(settle=True)  # and the spilled), on disk: one more write of the step's rows
             store.settle()
             for t, placed in marks:
                 t.compact_spilled(since=placed)
-        if len(cut) > 1:  # what the last piece freed leaves before the pieces' outputs are summed
-            release_memory(sum(z.num_rows for _, z in cut[-1]))
+            release_memory(BIG_STEP_ROWS)  # (the merge's freed inputs)
         if self._coord is not None:
             for st in self._coord.stores:
                 st.advance()
