@@ -465,7 +465,8 @@ class Trace(KeyIndexed):
         """Whether ``level`` (no merge in progress) starts one now (invariant 15): it holds its fan-in of loose
         batches, and on a tiered level the FAN_IN oldest are spilled (a merge pins its inputs' buffers until it ends, so
         one started from batches in memory would hold them beyond the budget; the store's next enforce spills them),
-        or it holds twice that."""
+        or it holds twice that, or (``FROM_MEMORY``) ``fuel``, the merge input rows this insert pays the level, covers
+        the whole merge, which then ends within the insert."""
         k = self._fan_in(level)
         if len(level.loose) < k:
             return False
