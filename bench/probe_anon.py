@@ -197,6 +197,10 @@ def main() -> int:
               f"{max(lp.values()) / MiB:,.0f} MiB; during the load: at {top} (of "
               f"{_PHASE['load_steps']}) {at_peak(top)}; peak RssAnon of the steps after the first "
               f"{max(v for k, v in lp.items() if k != 'load step 1') / MiB:,.0f} MiB", flush=True)
+        st = p.executor.batch_store
+        if st is not None:  # the load's batch files written against those its state ends in (write amplification)
+            print(f"{q}: the load wrote {st.stats['bytes_written'] / MiB:,.0f} MiB of batch files in "
+                  f"{st.stats['files_written']} files, {st.disk_bytes() / MiB:,.0f} MiB on disk after it", flush=True)
         fp = _PHASE.get("file_peak", {})
         print(f"{q}: peak RssFile of load step 1 {fp.get('load step 1', 0) / MiB:,.0f} MiB, of the load steps after "
               f"it {max((v for k, v in fp.items() if k.startswith('load step') and k != 'load step 1'), default=0) / MiB:,.0f}"

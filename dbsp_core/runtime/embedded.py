@@ -25,7 +25,9 @@ Invariants (enforced here):
      once per step on the calling thread (every worker runs each of them: exchanges are barriers), runs each on all
      workers with the step's context, enforces the budget between pieces and returns the sum of their outputs made
      distinct (invariant 3, without the disjoint shortcut: two pieces may hold equal rows). The step counts once:
-     one ``advance`` of the worker stores, one rollback capture, one release of memory after it.
+     one ``advance`` of the worker stores, one rollback capture, one release of memory after it. A step of at least
+     ``Trace.FAN_IN`` pieces holds the store's tiered merges while they run and, after the last, merges each trace's
+     batches the pieces placed in one pass (trace invariant 15: each piece's rows written once alone, once merged).
 """
 
 from __future__ import annotations
@@ -522,12 +524,26 @@ class EmbeddedExecutor:
         assert self.circuit is not None and self.layout is not None
         cut = self._pieces(s)
         results: list[dict[str, ZSet]] = []
-        for k, pushes in enumerate(cut):
-            if k:  # between pieces no worker runs, as between steps (substep.py invariant 3)
-                self._enforce(sum(z.num_rows for _, z in cut[k - 1]))
-            results += self._run_piece(s, pushes)
+        store, marks = self.batch_store, None
+        if len(cut) >= Trace.FAN_IN and store is not None:  # a load in pieces (invariant 5): their batches wait as
+            marks = [(t, getattr(t, "_placed", 0)) for t in self._all_traces()]  # loose files of their tiered levels,
+            store.holding = True  # merged once below (trace invariant 15), not FAN_IN at a time and then again
+        try:
+            for k, pushes in enumerate(cut):
+                if k:  # between pieces no worker runs, as between steps (substep.py invariant 3)
+                    self._enforce(sum(z.num_rows for _, z in cut[k - 1]))
+                results += self._run_piece(s, pushes)
+        finally:
+            if marks is not None:
+                store.holding = False
         if len(cut) > 1:  # what the last piece freed leaves before the pieces' outputs are summed
             release_memory(sum(z.num_rows for _, z in cut[-1]))
+        if marks is not None:  # each trace's loose batches placed by the pieces, merged k at once (the tiered ones
+            self._install_merges(settle=True)  # and the spilled), on disk: one more write of the step's rows
+            store.settle()
+            for t, placed in marks:
+                t.compact_spilled(since=placed)
+            release_memory(BIG_STEP_ROWS)  # (the merge's freed inputs)
         if self._coord is not None:
             for st in self._coord.stores:
                 st.advance()

@@ -23,9 +23,13 @@ Invariants (enforced here and by the embedded executor's ``_run_one``, dbsp_core
      them, trace invariant 12). Not bounded by the pieces: the pushes themselves (held until the step ends), the
      pieces' outputs until they are summed (dropped once concatenated, before the sum is hashed), and the batches
      the rollback capture keeps from before the step.
-     The cost: each piece's batches are spilled and merged with the levels below, where a whole step inserts one
-     batch: more bytes written and more CPU (bench/RESULTS.md, "A whole table in one push": a 10M-row push under
-     100 MiB writes 3.5x the bytes for half the peak memory); ``DBSP_SUBSTEP_BYTES`` trades one for the other.
+     The cost: each piece's batches are spilled, where a whole step inserts one batch: more bytes written and more
+     CPU (bench/RESULTS.md, "A whole table in one push": a 10M-row push under 100 MiB wrote 3.5x the bytes for half
+     the peak memory when each piece was merged with the levels below); ``DBSP_SUBSTEP_BYTES`` trades one for the
+     other. A step of at least FAN_IN pieces holds the batch store's tiered merges while its pieces run
+     (``BatchStore.holding``, trace invariant 15) and merges each trace's batches placed by its pieces once at its
+     end (``EmbeddedExecutor._run_one``), so each piece's rows are written once alone and once merged (bench/RESULTS.md,
+     "Write amplification of q4 and of a load in pieces").
   4. Why it is exact. A circuit whose live nodes are all split-safe (operators/base.py invariant 6) is
      time-invariant: each view's output at a step is ``V(I + d) - V(I)``, a function of the integrated inputs
      ``I`` before the step and the step's change ``d`` only. Its pieces ``d = p1 + ... + pk`` give ``V(I + p1) -

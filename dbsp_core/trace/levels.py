@@ -80,7 +80,17 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      in memory, and traces without a store, merge two at a time as before. The content never depends on it.
      A tiered merge starts once its FAN_IN inputs are spilled (or the level holds 2 * FAN_IN loose batches): a
      merge pins its inputs' buffers until it ends, so one started from batches in memory would keep them beyond
-     the budget for the whole merge; loose ones the store's next enforce spills (the highest levels first).
+     the budget for the whole merge; loose ones the store's next enforce spills (the highest levels first). But
+     for one case (``FROM_MEMORY``, :meth:`Trace._from_memory`): when the insert that brings the level its FAN_IN-th
+     loose batch pays fuel enough to merge them all, the merge starts at once with its inputs in memory and ends
+     within that insert (never handed to the merge thread), so it pins nothing past the insert, and those inputs
+     are written once, in its output, instead of once alone and again in it (a budget that holds FAN_IN of a
+     level's step batches: Nexmark q4 at 20M events under 10%, 2.24x -> 1.86x the final state written). While the
+     store holds (``BatchStore.holding``: a step run in at least FAN_IN pieces, dbsp_core/runtime/substep.py) a
+     tiered level takes HOLD_FAN_IN (64, the k-way cursor's bound) loose batches instead: the pieces' batches stay
+     loose files, each written once, and at the step's end the executor merges each trace's loose batches placed
+     by the pieces in one pass (:meth:`Trace.compact_spilled` with ``since``), so a load in pieces writes its
+     rows about twice, not FAN_IN at a time and then again by the compaction after the load.
      The price is reads: a step's lookups ask up to 2 * FAN_IN batches per tiered level instead of about one, so
      when a bulk load is over (``EmbeddedExecutor.settle_merges``: :meth:`Trace.compact_spilled`) the spilled loose
      batches merge into one, in one k-way pass (a rewrite of the spilled state, once), and the small steps that
@@ -255,6 +265,10 @@ class Trace(KeyIndexed):
     FAN_IN = 8  # loose batches one merge of a tiered level takes (invariant 15): each row is rewritten once per
     # log2(FAN_IN) levels above the budget instead of once per level, a lookup reads up to 2 * FAN_IN batches there
     # (measured, 20M events under a 10% budget: 4 wrote 2.45-2.60x the final state, 8 wrote 1.71-2.24x, less CPU)
+    FROM_MEMORY = True  # a tiered merge whose inputs are not all spilled starts when this insert's fuel finishes it
+    # (invariant 15): its inputs in memory are then written once, in its output, and never alone
+    HOLD_FAN_IN = 64  # a tiered level's fan-in while the store holds (a step run in pieces, invariant 15): the
+    # pieces' batches stay loose files, merged once at the step's end (compact_spilled(since=)); the k-way cursor's bound
     MAX_PENDING = 64  # a fresh trace's pending batches beyond which it inserts the oldest (invariant 5)
     PRUNE_MIN = 4096  # rows inserted before drop_below scans at all (invariant 8)
     DEFER_RATE = 2  # rows of deferred work (index folds; merge input rows per level) an insert pays per row it
@@ -415,7 +429,7 @@ class Trace(KeyIndexed):
                 level = self._by_level[lvl]
                 m = level.merge
                 if m is None:
-                    if not self._ready(level):
+                    if not self._ready(level, budget):
                         break
                     m = self._start_merge(lvl, mt is not None)
                     level = self._by_level[lvl]
@@ -443,19 +457,31 @@ class Trace(KeyIndexed):
         store = self._store
         if store is None or self.FAN_IN <= 2 or len(level.loose) < 2:
             return 2
-        return self.FAN_IN if store.on_disk(level.loose[0][1], level.loose[1][1]) else 2
+        if not store.on_disk(level.loose[0][1], level.loose[1][1]):
+            return 2
+        return max(self.FAN_IN, self.HOLD_FAN_IN) if store.holding else self.FAN_IN
 
-    def _ready(self, level: _Level) -> bool:
+    def _ready(self, level: _Level, fuel: int = 0) -> bool:
         """Whether ``level`` (no merge in progress) starts one now (invariant 15): it holds its fan-in of loose
         batches, and on a tiered level the FAN_IN oldest are spilled (a merge pins its inputs' buffers until it ends, so
         one started from batches in memory would hold them beyond the budget; the store's next enforce spills them),
-        or it holds twice that."""
+        or it holds twice that, or (``FROM_MEMORY``) ``fuel``, the merge input rows this insert pays the level, covers
+        the whole merge, which then ends within the insert."""
         k = self._fan_in(level)
         if len(level.loose) < k:
             return False
         if k == 2 or len(level.loose) >= 2 * k:
             return True
-        return all(self._store.is_spilled(e[1]) for e in level.loose[:k])
+        if not self._from_memory(level, k):
+            return True
+        return self.FROM_MEMORY and fuel >= sum(len(e[1]) for e in level.loose[:k])
+
+    def _from_memory(self, level: _Level, k: int) -> bool:
+        """Whether a merge of the ``k`` oldest loose batches of ``level`` is a tiered one that only this insert's fuel
+        may start (invariant 15): some input is still in memory and the level holds fewer than 2 * k loose batches.
+        Such a merge runs to its end within the insert (never handed to the merge thread): it pins its inputs."""
+        return (k > 2 and len(level.loose) < 2 * k
+                and not all(self._store.is_spilled(e[1]) for e in level.loose[:k]))
 
     def _start_merge(self, lvl: int, handing: bool) -> _Merge:
         """Start merging the oldest loose batches of level ``lvl`` (it has no merge in progress): its fan-in of them
@@ -470,7 +496,7 @@ class Trace(KeyIndexed):
         if self._unspilled:  # an input is an output of this work still read from its scratch file
             ins = {id(e[1]) for e in m.inputs}
             m.scratch = tuple(c.drop for o, c, _s in self._unspilled if id(o) in ins)
-        if handing and m.work > self.INLINE_MERGE:
+        if handing and m.work > self.INLINE_MERGE and not self._from_memory(level, k):
             m.shared = SharedMerge()
         self._by_level[lvl] = _Level(level.loose[k:], m)
         return m
@@ -512,18 +538,20 @@ class Trace(KeyIndexed):
             thread.submit(self)
         return installed
 
-    def compact_spilled(self) -> int:
+    def compact_spilled(self, since: int = 0) -> int:
         """Merge the spilled loose batches of every level with no merge in progress, and the loose batches of tiered
         levels still in memory, into one, in one k-way pass (on disk when the store says so), placed at the level of
         their summed work (capped as invariant 2 says): what a bulk load's end does
         (``EmbeddedExecutor.settle_merges``, invariant 15), so the small steps after it ask one spilled batch where
         tiered levels left up to 2 * FAN_IN per level. The content is unchanged (a merge's), as is a key index.
-        Call between steps. Returns the batches merged (0: fewer than two)."""
+        ``since``: only the batches placed from that placement number on (``_placed`` before a step in pieces: its
+        pieces' batches and what merged them, invariant 15). Call between steps or pieces. Returns the batches
+        merged (0: fewer than two)."""
         store = self._store
         if store is None or self._fresh:
             return 0
         picked = [e for level in self._by_level if level.merge is None
-                  for e in level.loose if self._fan_in(level) > 2 or store.is_spilled(e[1])]
+                  for e in level.loose if e[0] >= since and (self._fan_in(level) > 2 or store.is_spilled(e[1]))]
         if len(picked) < 2:
             return 0
         picked = sorted(picked, key=lambda e: e[0])[:64]  # (the k-way cursor's bound)

@@ -339,6 +339,8 @@ class BatchStore:
     # most ~4k write faults (~20 ms), and the rule is for the indexes a budget's cache can never hold (hundreds of
     # MiB); a tiny budget (DBSP_MEMORY_LIMIT=1 in CI) then still runs the paths a key index serves
     INDEX_KEEP_BYTES = 16 << 20
+    holding = False  # a step runs in pieces (dbsp_core/runtime/substep.py): tiered levels take HOLD_FAN_IN loose
+    # batches before they merge (levels.py invariant 15), so that the pieces' files merge once, at the step's end
     FILE_MERGE_MIN = 1 << 20  # input bytes from which a merge that does not fit the budget is built on disk
     REGION_CACHE_SHARE = 0.125  # of the limit: the most the C region cache (csrc/scratch.h) keeps while a store lives
     SCRATCH_SHARE = 0.0625  # of the limit: the most each thread's C scratch cache keeps while a store lives (512 MiB
