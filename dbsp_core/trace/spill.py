@@ -464,7 +464,7 @@ class BatchStore:
                            "evict_calls": 0, "outputs_never_written": 0, "whole_evictions": 0,
                            "mapped_drops": 0, "mapped_bytes_dropped": 0, "walk_pieces": 0, "written_in_place": 0,
                            "bytes_in_place": 0, "merge_inputs_on_disk": 0,
-                           "bytes_merged_out": 0})
+                           "bytes_merged_out": 0, "bytes_compacted": 0, "compactions_abandoned": 0})
 
     def __enter__(self) -> "BatchStore":
         return self
@@ -473,6 +473,17 @@ class BatchStore:
         self.close()
 
     # ---- what traces call ----
+
+    def count(self, stat: str, n: int) -> None:
+        """Add ``n`` to ``stats[stat]`` under the store's lock: the merge thread writes files too (levels.py
+        ``_Merge.seal``), and an increment is not atomic across threads."""
+        with self._lock:
+            self.stats[stat] = self.stats.get(stat, 0) + n
+
+    def writing(self) -> bool:
+        """Whether batches handed to the spill thread are not switched to their files yet (invariant 12)."""
+        with self._lock:
+            return bool(self._writing)
 
     def register(self, trace: "Trace") -> None:
         """``trace`` keeps its batches under this store's budget from now on."""
@@ -646,12 +657,12 @@ class BatchStore:
             name, path = self._new_name()
             size = write_in_place(path, out, cursor, sync=self.durable, vfs=self.vfs)
             if size is not None:
-                self.stats["written_in_place"] += 1
-                self.stats["bytes_in_place"] += size
-                self.stats["bytes_merged_out"] += size
+                self.count("written_in_place", 1)
+                self.count("bytes_in_place", size)
+                self.count("bytes_merged_out", size)
                 self._switch(out, name, path, size)
                 return
-        self.stats["bytes_merged_out"] += self._spill(out, drop=cursor.drop).size
+        self.count("bytes_merged_out", self._spill(out, drop=cursor.drop).size)
 
     def cache_counts(self, trace: "Trace") -> tuple[int, int]:
         """(hits, misses) of ``trace``'s reads of its spilled batches so far, in pages (invariant 15), as of the last
@@ -971,9 +982,9 @@ class BatchStore:
         with self._lock:
             self._files[id(b)] = f
             self._owners[name] = self._owners.get(name, 0) + 1
+            self.stats["files_written"] += 1
+            self.stats["bytes_written"] += size
         weakref.finalize(b, self._release, id(b), name)
-        self.stats["files_written"] += 1
-        self.stats["bytes_written"] += size
         return f
 
     def _release(self, key: int, name: str) -> None:
