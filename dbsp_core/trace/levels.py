@@ -148,16 +148,13 @@ class _Merge:
     """A merge in progress of two (or, on a tiered level, more: invariant 15) batches of one level; its inputs stay
     readable until it finishes."""
 
-    __slots__ = ("inputs", "work", "cursor", "_out", "shared", "store", "dropped", "scratch", "compaction", "sealed",
-                 "failed", "unchecked")
+    __slots__ = ("inputs", "work", "cursor", "_out", "shared", "store", "dropped", "scratch", "compaction", "unchecked")
 
     def __init__(self, inputs: tuple[tuple[int, "IndexedZSet", int], ...], store: Any = None,
                  row_hashes: bool = True, compaction: bool = False) -> None:
         from dbsp_core.zset import merge_cursor
 
         self.compaction = compaction  # a background compaction of spilled loose batches of several levels (invariant 16)
-        self.sealed = False  # its output built (and, built on disk, made its batch file) by the merge thread: seal()
-        self.failed: BaseException | None = None  # what sealing a compaction raised: it is abandoned when installed
         # a compaction's inputs read from lazily opened files (spill.py invariant 14): checked by its first step, on
         # the merge thread, not by the stepping thread that starts it
         self.unchecked: tuple = tuple(e[1] for e in inputs) if compaction and store is not None else ()
@@ -182,7 +179,7 @@ class _Merge:
         m.inputs = tuple((p,) + e[1:] for p, e in zip(numbers, self.inputs))
         m.work, m.cursor, m._out, m.shared, m.store = self.work, self.cursor, self._out, self.shared, self.store
         m.dropped, m.scratch = self.dropped, self.scratch
-        m.compaction, m.sealed, m.failed, m.unchecked = self.compaction, self.sealed, self.failed, self.unchecked
+        m.compaction, m.unchecked = self.compaction, self.unchecked
         return m
 
     def step(self, budget: int) -> int:
@@ -238,9 +235,16 @@ class _Merge:
 
     def abandoned(self) -> BaseException | None:
         """What made a compaction fail (its cursor's step or its seal), None when it did not (invariant 16)."""
-        if not self.compaction:
+        sh = self.shared
+        if not self.compaction or sh is None:
             return None
-        return self.failed or (self.shared.error if self.shared is not None else None)
+        return sh.failed or sh.error
+
+    @property
+    def sealed(self) -> bool:
+        """Whether the merge thread built its output (:meth:`seal`); kept in the shared part, so a renumbered copy
+        (:meth:`renumbered`) sees it too."""
+        return self.shared is not None and self.shared.out is not None
 
     def seal(self) -> None:
         """On the merge thread, under the shared lock, once every input row is merged (invariant 10): build the output
@@ -251,7 +255,8 @@ class _Merge:
         always (it runs on the merge thread by design). Never raises: a compaction that fails is abandoned when
         installed (``failed``); a level merge's output left unwritten is spilled by its install as before, which
         raises what fails again."""
-        if self.sealed or not self.cursor.done:
+        sh = self.shared
+        if sh is None or sh.out is not None or sh.failed is not None or not self.cursor.done:
             return
         st = self.store
         try:
@@ -263,16 +268,17 @@ class _Merge:
                     st.count("bytes_compacted", st.file_of(out).size)
         except BaseException as exc:  # noqa: BLE001 - kept for the install (see above)
             if self.compaction:
-                self.failed = exc
+                sh.failed = exc
             return
-        self.sealed = True
+        sh.out = out
 
     def result(self) -> "IndexedZSet":
         """The finished merge's output (the same object every time: a rolled-back trace may finish it again)."""
         from dbsp_core.zset import merged
 
         if self._out is None:
-            self._out = merged(self.inputs[0][1], self.cursor)
+            sh = self.shared
+            self._out = sh.out if sh is not None and sh.out is not None else merged(self.inputs[0][1], self.cursor)
         return self._out
 
 

@@ -40,12 +40,14 @@ __all__ = ["MergeThread", "SharedMerge", "merging", "current_merge_thread"]
 class SharedMerge:
     """What a merge handed to a MergeThread shares between the two threads (invariant 10)."""
 
-    __slots__ = ("lock", "error", "merged")
+    __slots__ = ("lock", "error", "merged", "out", "failed")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.error: BaseException | None = None  # what advancing it on the merge thread raised
         self.merged = 0  # input rows the merge thread merged (counted into the trace when installed)
+        self.out: Any = None  # its output once sealed (levels.py ``_Merge.seal``: its file written there)
+        self.failed: BaseException | None = None  # what sealing a compaction raised (it is abandoned when installed)
 
 
 class MergeThread:
