@@ -3,7 +3,8 @@ a 100 MiB budget loads N random rows in 1M-row steps, then runs 1k-row steps; pr
 and p99 of the first 10 small steps, the mean and p99 of the next 100, the small step at whose end the compaction
 was installed (``installed at``: 0 when the first small step compacted it itself, as on main), the mean and p99 of
 100 small steps after that, the wall and process CPU (every thread) of the small steps up to there and of the whole
-run, and the bytes the store wrote (load, then the small steps). Modes: ``auto`` (the engine's own compaction),
+run, the bytes the store wrote (load, then the small steps), and the stepping thread's CPU a small step (``*_cpu_*``:
+``time.thread_time``; W=1 runs worker 0 there; the merge thread's work is not in it). Modes: ``auto`` (the engine's own compaction),
 ``settle`` (settle_merges called after the load, as the benchmarks do), ``none`` (the hook off: the tiered batches
 stay). ``--gap MS`` sleeps that long between small steps (a stream paced below the engine's speed).
 ``python bench/probe_compaction.py 20000000 auto``; works on trees before the background compaction too."""
@@ -54,10 +55,14 @@ else:
     settle = 0.0
 
 
+cpus: list[float] = []  # each small step's CPU on the stepping thread (W=1: worker 0 runs there), ms
+
+
 def small() -> float:
     p.push("t", pa.table({"k": rng.integers(0, 1 << 40, 1000), "v": rng.integers(0, 3, 1000)}, schema=S))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     p.step()
+    cpus.append((time.thread_time() - c0) * 1000)
     return (time.perf_counter() - t0) * 1000
 
 
@@ -88,6 +93,8 @@ out = {
     "total_wall_s": round(total_wall, 1), "total_cpu_s": round(total_cpu, 1),
     "written_load_mib": written_load >> 20, "written_small_mib": (store.stats["bytes_written"] - written_load) >> 20,
     "compactions": store.stats["compactions"], "disk_mib": store.disk_bytes() >> 20,
+    "first10_cpu_max": round(max(cpus[:10]), 2), "next100_cpu_mean": round(float(np.mean(cpus[10:110])), 2),
+    "after_cpu_mean": round(float(np.mean(cpus[-100:])), 2),
 }
 print(json.dumps(out))
 p.close()

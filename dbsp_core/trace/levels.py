@@ -88,8 +88,9 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
   16. Background compaction (with a merge thread, invariant 10): what ``compact_spilled`` does, off the stepping
      thread. :meth:`Trace.start_compaction`, on the inserting thread or between steps (the executor calls it at the end
      of a step once a compaction is due and the merge thread is idle: runtime/embedded.py ``_compact_after_load``),
-     takes the spilled loose batches of the levels with no merge in progress (in memory ones stay loose: a merge pins
-     its inputs' buffers, which the budget could then not spill) as the inputs of one k-way merge, parked in the merge
+     takes the batches ``compact_spilled`` would (the loose ones of the levels with no merge in progress that are
+     spilled or on a tiered level: those in memory are pinned until it ends, bytes the budget counted already and
+     that its enforce then leaves for other batches) as the inputs of one k-way merge, parked in the merge
      slot of the level of their summed work (or the first free one above it) and handed to the merge thread, which
      advances it only while no level merge is handed over (level merges are what steps wait for: it yields between
      chunks when one may have come) and, once its cursor is done, makes the output its batch file there, in place when
@@ -605,19 +606,27 @@ class Trace(KeyIndexed):
             level = self._by_level[lvl]
             self._by_level[lvl] = level._replace(loose=tuple(sorted(level.loose + (e,), key=lambda x: x[0])))
 
+    def _to_compact(self) -> list:
+        """What a compaction merges (invariants 15-16): the loose batches of every level with no merge in progress that
+        are spilled or on a tiered level (whose in-memory ones wait to be spilled: left, they are batches every read
+        asks), the oldest 64 at most (the k-way cursor's bound), in placement order; [] when fewer than two."""
+        store = self._store
+        if store is None or self._fresh:
+            return []
+        picked = [e for level in self._by_level if level.merge is None
+                  for e in level.loose if self._fan_in(level) > 2 or store.is_spilled(e[1])]
+        return sorted(picked, key=lambda e: e[0])[:64] if len(picked) >= 2 else []
+
     def start_compaction(self, thread: "MergeThread") -> int:
-        """Start a background compaction (invariant 16): the spilled loose batches of every level with no merge in
-        progress (at most 64, the oldest: the k-way cursor's bound) become the inputs of one k-way merge parked in a
+        """Start a background compaction (invariant 16): what :meth:`compact_spilled` merges (``_to_compact``) becomes
+        the inputs of one k-way merge parked in a
         free merge slot at or above the level of their summed work and handed to ``thread``, which merges them and
         makes the output its batch file; the inserting thread installs it as any merge. Call on the inserting thread or
         between steps. Returns the batches it merges (0: fewer than two, nothing started)."""
+        picked = self._to_compact()
+        if not picked:
+            return 0
         store = self._store
-        if store is None or self._fresh:
-            return 0
-        picked = [e for level in self._by_level if level.merge is None for e in level.loose if store.is_spilled(e[1])]
-        if len(picked) < 2:
-            return 0
-        picked = sorted(picked, key=lambda e: e[0])[:64]
         gone = {id(e[1]) for e in picked}
         m = _Merge(tuple(picked), store, self.row_hashes, compaction=True)
         m.shared = SharedMerge()
@@ -645,14 +654,10 @@ class Trace(KeyIndexed):
         (``EmbeddedExecutor.settle_merges``, invariant 15), so the small steps after it ask one spilled batch where
         tiered levels left up to 2 * FAN_IN per level. The content is unchanged (a merge's), as is a key index.
         Call between steps. Returns the batches merged (0: fewer than two)."""
+        picked = self._to_compact()
+        if not picked:
+            return 0
         store = self._store
-        if store is None or self._fresh:
-            return 0
-        picked = [e for level in self._by_level if level.merge is None
-                  for e in level.loose if self._fan_in(level) > 2 or store.is_spilled(e[1])]
-        if len(picked) < 2:
-            return 0
-        picked = sorted(picked, key=lambda e: e[0])[:64]  # (the k-way cursor's bound)
         gone = {id(e[1]) for e in picked}
         for e in picked:
             store.check(e[1])  # (a merge reads every row: spill.py invariant 14)
