@@ -21,7 +21,8 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      ``enforce`` hands it over and counts its bytes as gone; a later ``enforce`` (between steps) switches it to the
      file once written, or deletes the file when the batch was merged away meanwhile; a write's error is raised
      by that ``enforce``. Until then the batch is read from memory as before: the budget is exceeded by the
-     batches not written yet, at most ``ASYNC_SHARE`` of the limit (or the one batch being handed over): beyond
+     batches not written yet (and the inputs in memory of a background compaction, levels.py invariant 16, whose
+     output is on its way to a file: counted as gone within the same share), at most ``ASYNC_SHARE`` of the limit (or the one batch being handed over): beyond
      it ``enforce`` waits for the writes first (:meth:`BatchStore.settle`, which also switches them). Writes
      through a VFS not in ``ASYNC_VFS`` (the fault-injecting one of crash tests, unless a test adds it) stay on the
      calling thread, so their I/O order is the step's.
@@ -821,7 +822,7 @@ class BatchStore:
         self._measure_reads()
         self._switch_written()
         candidates: list[tuple[int, int, Any]] = []
-        mem = 0
+        mem = compacting = 0
         traces = self.traces()
         with self._lock:
             writing = {id(b) for b in (r() for r in self._writing.values()) if b is not None}
@@ -839,9 +840,14 @@ class BatchStore:
                     if id(b) not in busy and len(b):
                         candidates.append((lvl, n, b))
                 if level.merge is not None:
-                    mem += sum(batch_bytes(e[1]) for e in level.merge.inputs
-                               if id(e[1]) not in self._files) + merge_bytes(level.merge)
+                    pinned = sum(batch_bytes(e[1]) for e in level.merge.inputs if id(e[1]) not in self._files)
+                    if getattr(level.merge, "compaction", False):  # on their way to a file, as those the spill
+                        compacting += pinned  # thread writes (levels.py invariant 16): counted as gone, up to a share
+                        pinned = 0
+                    mem += pinned + merge_bytes(level.merge)
             mem += sum(batch_bytes(b) for b in t.pending if id(b) not in self._files and id(b) not in writing)
+        with self._lock:
+            mem += max(0, compacting - max(0, int(self.memory_limit * self.ASYNC_SHARE) - self._queued))
         mem += sum(f.memory_bytes() for f in list(self._files.values()))
         budget = int(self.memory_limit * self.BATCH_SHARE)
         spilled = 0
