@@ -4,9 +4,9 @@ and p99 of the first 10 small steps, the mean and p99 of the next 100, the small
 was installed (``installed at``: 0 when the first small step compacted it itself, as on main), the mean and p99 of
 100 small steps after that, the wall and process CPU (every thread) of the small steps up to there and of the whole
 run, the bytes the store wrote (load, then the small steps), and the stepping thread's CPU a small step (``*_cpu_*``:
-``time.thread_time``; W=1 runs worker 0 there; the merge thread's work is not in it). Modes: ``auto`` (the engine's own compaction),
-``settle`` (settle_merges called after the load, as the benchmarks do), ``none`` (the hook off: the tiered batches
-stay). ``--gap MS`` sleeps that long between small steps (a stream paced below the engine's speed).
+``time.thread_time``; W=1 runs worker 0 there; the merge thread's work is not in it). Modes: ``auto`` (the engine's
+own compaction), ``settle`` (settle_merges called after the load, as the benchmarks do), ``none`` (the hook off: the
+tiered batches stay). ``--gap MS`` sleeps that long between small steps (a stream paced below the engine's speed).
 ``python bench/probe_compaction.py 20000000 auto``; works on trees before the background compaction too."""
 import argparse
 import json

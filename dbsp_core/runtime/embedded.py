@@ -434,8 +434,8 @@ class EmbeddedExecutor:
         rewrites the spilled state, so a workload alternating loads and small steps writes at most about twice more
         than without it. With a merge thread the compaction runs there (trace invariant 16): at the end of the first
         step after it is due that finds the merge thread idle (the load's merges finished and installed, the spill
-        thread's writes switched; a load that resumes meanwhile does not cancel it), every trace starts one (:meth:`Trace.start_compaction`, cheap: no row is read)
-        and the steps go on over the old batches until the end of a step installs it; the stats' ``compactions``
+        thread's writes switched; a load that resumes meanwhile does not cancel it), every trace starts
+        one (:meth:`Trace.start_compaction`, cheap: no row is read) and the steps go on over the old batches until the end of a step installs it; the stats' ``compactions``
         count the rounds started. Without a merge thread (``background_merge`` off, as when the workers take every
         core) the step that makes it due compacts on this thread (:meth:`settle_merges`) and pays the wait."""
         store = self.batch_store

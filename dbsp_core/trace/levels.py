@@ -155,7 +155,7 @@ class _Merge:
                  row_hashes: bool = True, compaction: bool = False) -> None:
         from dbsp_core.zset import merge_cursor
 
-        self.compaction = compaction  # a background compaction of spilled loose batches of several levels (invariant 16)
+        self.compaction = compaction  # a background compaction of loose batches of several levels (invariant 16)
         # a compaction's inputs read from lazily opened files (spill.py invariant 14): checked by its first step, on
         # the merge thread, not by the stepping thread that starts it
         self.unchecked: tuple = tuple(e[1] for e in inputs) if compaction and store is not None else ()
@@ -630,7 +630,8 @@ class Trace(KeyIndexed):
         gone = {id(e[1]) for e in picked}
         m = _Merge(tuple(picked), store, self.row_hashes, compaction=True)
         m.shared = SharedMerge()
-        levels = [level._replace(loose=tuple(e for e in level.loose if id(e[1]) not in gone)) for level in self._by_level]
+        levels = [level._replace(loose=tuple(e for e in level.loose if id(e[1]) not in gone))
+                  for level in self._by_level]
         at = level_of(m.work)  # (at or above every input's level)
         while at < len(levels) and levels[at].merge is not None:
             at += 1
@@ -869,8 +870,8 @@ class Trace(KeyIndexed):
                 seen.add(placed)
                 assert len(b) and work >= 1, (lvl, len(b), work)
                 # (a compaction's inputs come from its level and those below: invariant 16)
-                assert level_of(work) == lvl or (level.merge is not None and level.merge.compaction and placed in
-                                                 {e[0] for e in level.merge.inputs} and level_of(work) < lvl), (lvl, work)
+                ins = {e[0] for e in level.merge.inputs} if level.merge is not None and level.merge.compaction else ()
+                assert level_of(work) == lvl or (placed in ins and level_of(work) < lvl), (lvl, work)
             if level.merge is not None:
                 assert level.merge.work == sum(e[2] for e in level.merge.inputs)
         self._check_index()  # invariant 11: a current index holds the batches' sums
