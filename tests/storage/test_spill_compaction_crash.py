@@ -6,6 +6,10 @@ After each, the reopened pipeline (recovery), fed the same pushes again (dedupli
 unbudgeted twin's output (multisets); after an error the session itself goes on (the compaction is abandoned, its
 batches stay) and its output equals the twin's too. W=1 and W=2 (one merge thread for both workers).
 
+Watched fail: with the executor's start of the compaction removed (no compaction: the setup's check), and with an
+abandoned compaction's inputs not put back (``Trace._unpick`` emptied: the EIO runs' sessions lose rows, "replayed
+step 7 produced a different change of output 'g' than the one in the output log").
+
 The compaction's operations are numbered alone: its seal (levels.py ``_Merge.seal``) waits at a gate until the test,
 between steps, has armed the fault VFS, and the test waits for the merge thread to be idle before the next step."""
 
