@@ -246,7 +246,9 @@ class EmbeddedExecutor:
         # thread's CPU clock is a system call (4-40 us on this VM), a measurable share of a 1k-row step
         self.measure_cpu = False
         self._after_load = False  # the last step pushed BIG_STEP_ROWS rows or more (_compact_after_load)
-        self._written_at_compact = 0  # the batch store's bytes_written when its traces were last compacted
+        self._written_at_compact = 0  # the batch store's bytes written, compactions' aside, at the last compaction
+        self._compact_due = False  # a compaction is wanted, started once the merge thread is idle (_compact_after_load)
+        self._compacting: list[Trace] = []  # traces whose background compaction is not installed yet
         self.worker_cpu_seconds: list[float] = []
         # busy seconds per worker of the last run(): time in its operators, not waiting at an exchange's barrier
         # (the autoscaling policy's measure of work: dbsp_core.runtime.autoscale)
@@ -427,28 +429,49 @@ class EmbeddedExecutor:
 
     def _compact_after_load(self, rows: int) -> None:
         """After a step of ``rows`` pushed rows, between steps: the first small step (under BIG_STEP_ROWS) after a
-        bulk load of big ones settles the merges and compacts each trace's spilled loose batches into one
-        (:meth:`settle_merges`; trace invariant 15: a load leaves tiered levels of several spilled files, which every
-        small step after it would ask, 1.3-2.8x the CPU of a step over one file in bench/RESULTS.md "Fewer
-        rewrites of spilled levels"), when the store wrote at least half of what its files now hold since the last
-        compaction: a compaction rewrites the spilled state, so a workload alternating loads and small steps writes
-        at most about twice more than without it. The step that triggers it pays the wait (the stats'
-        ``compactions`` count them)."""
+        bulk load of big ones makes a compaction of each trace's spilled loose batches due (trace invariant 15: a
+        load leaves tiered levels of several spilled files, which every small step after it would ask, 1.3-2.8x the
+        CPU of a step over one file in bench/RESULTS.md "Fewer rewrites of spilled levels"), when the store wrote at
+        least half of what its files now hold since the last compaction (compactions' own writes aside): a compaction
+        rewrites the spilled state, so a workload alternating loads and small steps writes at most about twice more
+        than without it. With a merge thread the compaction runs there (trace invariant 16): at the end of the first
+        step after it is due that finds the merge thread idle (the load's merges finished and installed, the spill
+        thread's writes switched; a load that resumes meanwhile does not cancel it), every trace starts
+        one (:meth:`Trace.start_compaction`, cheap: no row is read) and the steps go on over the old batches until the end of a step installs it; the stats' ``compactions``
+        count the rounds started. Without a merge thread (``background_merge`` off, as when the workers take every
+        core) the step that makes it due compacts on this thread (:meth:`settle_merges`) and pays the wait."""
         store = self.batch_store
         if store is None:
             return
+        if self._compacting:  # installed between steps: the old files go now, not at a later step's first read
+            for t in self._compacting:
+                t.install_finished()
+            self._compacting = [t for t in self._compacting if t.compacting]
         if rows >= BIG_STEP_ROWS:
             self._after_load = True
             return
-        if not self._after_load:
+        written = store.stats["bytes_written"] - store.stats["bytes_compacted"]
+        if self._after_load:
+            self._after_load = False
+            if 2 * (written - self._written_at_compact) >= store.disk_bytes():
+                self._compact_due = True
+        if not self._compact_due:
             return
-        self._after_load = False
-        written = store.stats["bytes_written"]
-        if 2 * (written - self._written_at_compact) < store.disk_bytes():
+        mt = self._merge_thread
+        if mt is None:  # no merge thread: this step pays the compaction (the fallback)
+            self._compact_due = False
+            if self.settle_merges():  # (counted when it merged something)
+                store.stats["compactions"] += 1
+            self._written_at_compact = store.stats["bytes_written"] - store.stats["bytes_compacted"]
             return
-        if self.settle_merges():  # (counted when it merged something)
+        if self._compacting or not mt.wait_idle(0) or store.writing():
+            return  # the load's merges and writes first: a later step's end looks again
+        self._install_merges()  # (hands nothing over: the merge thread stays idle)
+        self._compact_due = False
+        self._written_at_compact = written
+        self._compacting = [t for t in self._all_traces() if t.start_compaction(mt)]
+        if self._compacting:
             store.stats["compactions"] += 1
-        self._written_at_compact = store.stats["bytes_written"]
 
     def rename_state(self, renames: dict[int, int]) -> None:
         """The next :meth:`load_state` reads node ``n``'s state from the tables of node ``renames[n]`` (snapshot

@@ -95,10 +95,29 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      when a bulk load is over (``EmbeddedExecutor.settle_merges``: :meth:`Trace.compact_spilled`) the spilled loose
      batches merge into one, in one k-way pass (a rewrite of the spilled state, once), and the small steps that
      follow read one spilled batch. Without that call the tiered files stay until their levels fill.
+  16. Background compaction (with a merge thread, invariant 10): what ``compact_spilled`` does, off the stepping
+     thread. :meth:`Trace.start_compaction`, on the inserting thread or between steps (the executor calls it at the end
+     of a step once a compaction is due and the merge thread is idle: runtime/embedded.py ``_compact_after_load``),
+     takes the batches ``compact_spilled`` would (the loose ones of the levels with no merge in progress that are
+     spilled or on a tiered level: those in memory are pinned until it ends, bytes the budget counted already and
+     that its enforce then leaves for other batches) as the inputs of one k-way merge, parked in the merge
+     slot of the level of their summed work (or the first free one above it) and handed to the merge thread, which
+     advances it only while no level merge is handed over (level merges are what steps wait for: it yields between
+     chunks when one may have come) and, once its cursor is done, makes the output its batch file there, in place when
+     built on disk (``_Merge.seal``). Until installed it is a merge like any other: its inputs are read by steps and
+     named by checkpoints (``parts``), a merge slot of one level is taken (that level's loose batches wait, and pay
+     its fuel if they reach their fan-in: invariant 3's due merge), shard cuts and drop_below restart it from its
+     inputs, a rollback keeps it. The install (at a step's read, or between steps) replaces the inputs by the output
+     in one change of the levels, so a checkpoint names the old batches or the new one, never a mix, and the inputs'
+     files go when their batch objects do (spill.py invariant 13: not before a checkpoint that does not name them has
+     committed). A compaction whose merge or seal fails is abandoned when installed: its inputs go back loose at their
+     levels, in placement order, the store counts ``compactions_abandoned``, and nothing else changes (its output
+     file, if any, goes with its batch). The content never depends on it.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple
 
 import numpy as np
@@ -108,6 +127,8 @@ from dbsp_core.errors import WeightOverflowError
 from dbsp_core.trace.keyindex import KeyIndexed
 from dbsp_core.trace.merge_thread import MergeThread, SharedMerge, current_merge_thread
 from dbsp_core.trace.spill import current_batch_store
+
+_log = logging.getLogger("dbsp_core.trace")
 
 if TYPE_CHECKING:
     from dbsp_core.zset import IndexedZSet
@@ -138,12 +159,16 @@ class _Merge:
     """A merge in progress of two (or, on a tiered level, more: invariant 15) batches of one level; its inputs stay
     readable until it finishes."""
 
-    __slots__ = ("inputs", "work", "cursor", "_out", "shared", "store", "dropped", "scratch")
+    __slots__ = ("inputs", "work", "cursor", "_out", "shared", "store", "dropped", "scratch", "compaction", "unchecked")
 
     def __init__(self, inputs: tuple[tuple[int, "IndexedZSet", int], ...], store: Any = None,
-                 row_hashes: bool = True) -> None:
+                 row_hashes: bool = True, compaction: bool = False) -> None:
         from dbsp_core.zset import merge_cursor
 
+        self.compaction = compaction  # a background compaction of loose batches of several levels (invariant 16)
+        # a compaction's inputs read from lazily opened files (spill.py invariant 14): checked by its first step, on
+        # the merge thread, not by the stepping thread that starts it
+        self.unchecked: tuple = tuple(e[1] for e in inputs) if compaction and store is not None else ()
         self.inputs = tuple(inputs)  # (placement number, batch, work) each, oldest first
         self.work = sum(e[2] for e in self.inputs)
         # the merge cursor: the resumable C merge (csrc/merge.h; k-way for more than two inputs); its output in a
@@ -165,6 +190,7 @@ class _Merge:
         m.inputs = tuple((p,) + e[1:] for p, e in zip(numbers, self.inputs))
         m.work, m.cursor, m._out, m.shared, m.store = self.work, self.cursor, self._out, self.shared, self.store
         m.dropped, m.scratch = self.dropped, self.scratch
+        m.compaction, m.unchecked = self.compaction, self.unchecked
         return m
 
     def step(self, budget: int) -> int:
@@ -174,6 +200,10 @@ class _Merge:
         shared lock, if any."""
         if self.store is None:
             return self.cursor.step(budget)
+        if self.unchecked:  # (a compaction: every row is read)
+            for b in self.unchecked:
+                self.store.check(b)
+            self.unchecked = ()
         used = 0
         while True:
             used += self.cursor.step(min(max(budget - used, 1), self.DROP_ROWS))
@@ -192,11 +222,14 @@ class _Merge:
             return self.step(budget) if not self.cursor.done else 0
         with sh.lock:
             if sh.error is not None:
+                if self.compaction:  # abandoned when installed (invariant 16)
+                    return 0
                 raise sh.error
             return self.step(budget) if not self.cursor.done else 0
 
     def finished(self, wait: bool = True) -> bool:
-        """Whether every input row is merged (with ``wait=False``: False while the merge thread holds it)."""
+        """Whether every input row is merged (with ``wait=False``: False while the merge thread holds it); a compaction
+        that failed counts as finished (its install abandons it, invariant 16)."""
         sh = self.shared
         if sh is None:
             return self.cursor.done
@@ -204,17 +237,59 @@ class _Merge:
             return False
         try:
             if sh.error is not None:
+                if self.compaction:
+                    return True
                 raise sh.error
             return self.cursor.done
         finally:
             sh.lock.release()
+
+    def abandoned(self) -> BaseException | None:
+        """What made a compaction fail (its cursor's step or its seal), None when it did not (invariant 16)."""
+        sh = self.shared
+        if not self.compaction or sh is None:
+            return None
+        return sh.failed or sh.error
+
+    @property
+    def sealed(self) -> bool:
+        """Whether the merge thread built its output (:meth:`seal`); kept in the shared part, so a renumbered copy
+        (:meth:`renumbered`) sees it too."""
+        return self.shared is not None and self.shared.out is not None
+
+    def seal(self) -> None:
+        """On the merge thread, under the shared lock, once every input row is merged (invariant 10): build the output
+        and, when it was built in a scratch file, make it its batch file (``BatchStore.spill_output``: in place, with
+        its page checksums, filter and fence, O(its bytes)) there, so that the install on the inserting thread only
+        swaps batches. A level merge's output is made its file here only through a VFS whose writes may leave the
+        step (spill.py ``ASYNC_VFS``: a crash test's fault VFS numbers the step's operations in order), a compaction's
+        always (it runs on the merge thread by design). Never raises: a compaction that fails is abandoned when
+        installed (``failed``); a level merge's output left unwritten is spilled by its install as before, which
+        raises what fails again."""
+        sh = self.shared
+        if sh is None or sh.out is not None or sh.failed is not None or not self.cursor.done:
+            return
+        st = self.store
+        try:
+            out = self.result()
+            if (len(out) and st is not None and self.cursor.mapping is not None
+                    and (self.compaction or st.vfs in st.ASYNC_VFS)):
+                st.spill_output(out, self.cursor)
+                if self.compaction:
+                    st.count("bytes_compacted", st.file_of(out).size)
+        except BaseException as exc:  # noqa: BLE001 - kept for the install (see above)
+            if self.compaction:
+                sh.failed = exc
+            return
+        sh.out = out
 
     def result(self) -> "IndexedZSet":
         """The finished merge's output (the same object every time: a rolled-back trace may finish it again)."""
         from dbsp_core.zset import merged
 
         if self._out is None:
-            self._out = merged(self.inputs[0][1], self.cursor)
+            sh = self.shared
+            self._out = sh.out if sh is not None and sh.out is not None else merged(self.inputs[0][1], self.cursor)
         return self._out
 
 
@@ -502,14 +577,24 @@ class Trace(KeyIndexed):
         return m
 
     def _install(self, lvl: int, m: _Merge) -> None:
-        """Replace a finished merge's inputs by its output (invariant 4)."""
+        """Replace a finished merge's inputs by its output (invariant 4); a compaction that failed puts its inputs back
+        loose instead (invariant 16)."""
         self._by_level[lvl] = self._by_level[lvl]._replace(merge=None)
         if m.shared is not None:
             self.merged_rows += m.shared.merged
             m.shared.merged = 0
+        failed = m.abandoned()
+        if failed is not None:
+            self._unpick(m.inputs)
+            if m.store is not None:
+                m.store.count("compactions_abandoned", 1)
+            _log.warning("a background compaction of %d spilled batches failed and was abandoned (the batches stay as "
+                         "they were): %s", len(m.inputs), failed)
+            return
         out = m.result()
         if len(out):
-            if m.cursor.mapping is not None and m.store is not None:  # built in a scratch file: to its batch file,
+            if m.cursor.mapping is not None and m.store is not None and not m.store.is_spilled(out):  # built in a
+                # scratch file and not made its batch file by the merge thread (_Merge.seal): to its batch file,
                 if self._unspilled is not None and self.SPILL_AT_WORK_END:  # a piece at a time (spill.py invariant
                     self._unspilled.append((out, m.cursor, m.store))  # 12), at the end of the work, or now
                 else:
@@ -538,6 +623,58 @@ class Trace(KeyIndexed):
             thread.submit(self)
         return installed
 
+    def _unpick(self, entries: tuple) -> None:
+        """Put the inputs of a compaction abandoned back loose at their levels, in placement order (invariant 16)."""
+        for e in entries:
+            lvl = level_of(e[2])
+            while len(self._by_level) <= lvl:
+                self._by_level.append(_Level())
+            level = self._by_level[lvl]
+            self._by_level[lvl] = level._replace(loose=tuple(sorted(level.loose + (e,), key=lambda x: x[0])))
+
+    def _to_compact(self, since: int = 0) -> list:
+        """What a compaction merges (invariants 15-16): the loose batches of every level with no merge in progress that
+        are spilled or on a tiered level (whose in-memory ones wait to be spilled: left, they are batches every read
+        asks), the oldest 64 at most (the k-way cursor's bound), in placement order; [] when fewer than two. ``since``:
+        only the batches placed from that placement number on (invariant 15: a step in pieces merges its own)."""
+        store = self._store
+        if store is None or self._fresh:
+            return []
+        picked = [e for level in self._by_level if level.merge is None
+                  for e in level.loose if e[0] >= since and (self._fan_in(level) > 2 or store.is_spilled(e[1]))]
+        return sorted(picked, key=lambda e: e[0])[:64] if len(picked) >= 2 else []
+
+    def start_compaction(self, thread: "MergeThread") -> int:
+        """Start a background compaction (invariant 16): what :meth:`compact_spilled` merges (``_to_compact``) becomes
+        the inputs of one k-way merge parked in a
+        free merge slot at or above the level of their summed work and handed to ``thread``, which merges them and
+        makes the output its batch file; the inserting thread installs it as any merge. Call on the inserting thread or
+        between steps. Returns the batches it merges (0: fewer than two, nothing started)."""
+        picked = self._to_compact()
+        if not picked:
+            return 0
+        store = self._store
+        gone = {id(e[1]) for e in picked}
+        m = _Merge(tuple(picked), store, self.row_hashes, compaction=True)
+        m.shared = SharedMerge()
+        levels = [level._replace(loose=tuple(e for e in level.loose if id(e[1]) not in gone))
+                  for level in self._by_level]
+        at = level_of(m.work)  # (at or above every input's level)
+        while at < len(levels) and levels[at].merge is not None:
+            at += 1
+        while len(levels) <= at:
+            levels.append(_Level())
+        levels[at] = levels[at]._replace(merge=m)
+        self._by_level = levels
+        self._handed = True
+        thread.submit(self)
+        return len(picked)
+
+    @property
+    def compacting(self) -> bool:
+        """Whether a background compaction (invariant 16) is in progress."""
+        return any(level.merge is not None and level.merge.compaction for level in self._by_level)
+
     def compact_spilled(self, since: int = 0) -> int:
         """Merge the spilled loose batches of every level with no merge in progress, and the loose batches of tiered
         levels still in memory, into one, in one k-way pass (on disk when the store says so), placed at the level of
@@ -547,14 +684,10 @@ class Trace(KeyIndexed):
         ``since``: only the batches placed from that placement number on (``_placed`` before a step in pieces: its
         pieces' batches and what merged them, invariant 15). Call between steps or pieces. Returns the batches
         merged (0: fewer than two)."""
+        picked = self._to_compact(since)
+        if not picked:
+            return 0
         store = self._store
-        if store is None or self._fresh:
-            return 0
-        picked = [e for level in self._by_level if level.merge is None
-                  for e in level.loose if e[0] >= since and (self._fan_in(level) > 2 or store.is_spilled(e[1]))]
-        if len(picked) < 2:
-            return 0
-        picked = sorted(picked, key=lambda e: e[0])[:64]  # (the k-way cursor's bound)
         gone = {id(e[1]) for e in picked}
         for e in picked:
             store.check(e[1])  # (a merge reads every row: spill.py invariant 14)
@@ -570,13 +703,19 @@ class Trace(KeyIndexed):
             self._place(out, min(m.work, self.WORK_CAP * len(out)))
         return len(picked)
 
-    def _unfinished(self) -> "_Merge | None":
-        """A handed-over merge not finished yet, lowest level first (the merge thread calls this)."""
+    def _unfinished(self) -> tuple["_Merge | None", "_Merge | None"]:
+        """The handed-over level merge not finished yet, lowest level first, and the compaction not finished yet (the
+        merge thread calls this: it advances level merges first, invariant 16)."""
+        found: "_Merge | None" = None
+        compaction: "_Merge | None" = None
         for level in list(self._by_level):
             m = level.merge
             if m is not None and m.shared is not None and m.shared.error is None and not m.cursor.done:
-                return m
-        return None
+                if m.compaction:
+                    compaction = compaction or m
+                elif found is None:
+                    found = m
+        return found, compaction
 
     # ---- reading ----
 
@@ -759,7 +898,9 @@ class Trace(KeyIndexed):
                 assert placed < self._placed and placed not in seen, (lvl, placed)
                 seen.add(placed)
                 assert len(b) and work >= 1, (lvl, len(b), work)
-                assert level_of(work) == lvl, (lvl, work)
+                # (a compaction's inputs come from its level and those below: invariant 16)
+                ins = {e[0] for e in level.merge.inputs} if level.merge is not None and level.merge.compaction else ()
+                assert level_of(work) == lvl or (placed in ins and level_of(work) < lvl), (lvl, work)
             if level.merge is not None:
                 assert level.merge.work == sum(e[2] for e in level.merge.inputs)
         self._check_index()  # invariant 11: a current index holds the batches' sums

@@ -10,7 +10,11 @@ Invariant (trace invariant 10, enforced here and by dbsp_core/trace/levels.py, `
      two (FAN_IN) loose batches and the bound on batches, and on a step's merge work, stays that of invariant 3. Only the inserting thread changes the
      levels: it installs finished merges at its next insert or read (a read still merges nothing). A merge's
      lock keeps the two threads from advancing it at once; its result does not depend on who advanced it,
-     so the content, the batches once merges finish, checkpoints and outputs are those of invariant 3.
+     so the content, the batches once merges finish, checkpoints and outputs are those of invariant 3. When a
+     merge's last chunk is merged, this thread also builds its output and, built on disk, makes it its batch file
+     (levels.py ``_Merge.seal``: through a VFS in spill.py ``ASYNC_VFS``, and always for a compaction), so the install
+     on the inserting thread only swaps batches. It advances level merges before background compactions (trace
+     invariant 16), which yield between chunks whenever a merge may have been handed over.
 
 When its queue runs empty after merging, the thread trims its own C scratch cache (csrc/scratch.c: per thread, up
 to DBSP_SCRATCH_MB) and the region cache to ``DBSP_CACHE_KEEP_MB``, as a step's end does for the stepping thread
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from dbsp_core import _zset
 from dbsp_core.envvars import settings
@@ -36,12 +40,14 @@ __all__ = ["MergeThread", "SharedMerge", "merging", "current_merge_thread"]
 class SharedMerge:
     """What a merge handed to a MergeThread shares between the two threads (invariant 10)."""
 
-    __slots__ = ("lock", "error", "merged")
+    __slots__ = ("lock", "error", "merged", "out", "failed")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.error: BaseException | None = None  # what advancing it on the merge thread raised
         self.merged = 0  # input rows the merge thread merged (counted into the trace when installed)
+        self.out: Any = None  # its output once sealed (levels.py ``_Merge.seal``: its file written there)
+        self.failed: BaseException | None = None  # what sealing a compaction raised (it is abandoned when installed)
 
 
 class MergeThread:
@@ -72,6 +78,7 @@ class MergeThread:
         self._queue: dict[int, "Trace"] = {}  # id(trace) -> trace with merges to advance, oldest first
         self._busy = False
         self._closed = False
+        self._submits = 0  # submit() calls, ever: a compaction in progress yields to the merges they may bring
         self.merged_rows = 0  # input rows merged on this thread, ever
         self._thread = threading.Thread(target=self._loop, name="dbsp-merge-thread", daemon=True)
         self._thread.start()
@@ -87,6 +94,7 @@ class MergeThread:
         """``trace`` has merges in progress for this thread to advance."""
         with self._cond:
             trace._hand_overs += 1
+            self._submits += 1
             if id(trace) not in self._queue:
                 self._queue[id(trace)] = trace
                 self._cond.notify()
@@ -122,16 +130,11 @@ class MergeThread:
                     self._cond.wait()
                 if self._closed:
                     return
-                tid, trace = next(iter(self._queue.items()))
-                seq = trace._hand_overs
+                queued = [(tid, t, t._hand_overs) for tid, t in self._queue.items()]
+                submits = self._submits
                 self._busy = True
-            m = trace._unfinished()
+            m = self._pick(queued)
             if m is None:
-                with self._cond:
-                    if trace._hand_overs == seq:  # nothing handed over since the scan began
-                        self._queue.pop(tid, None)
-                    else:  # move it to the back: fair among traces
-                        self._queue[tid] = self._queue.pop(tid)
                 continue
             sh = m.shared
             while not self._closed:  # the same merge to its end, with no scan or queue work between chunks
@@ -143,9 +146,28 @@ class MergeThread:
                     except BaseException as exc:  # the inserting thread raises it when it needs the merge
                         sh.error = exc
                         break
+                    if m.cursor.done:
+                        m.seal()  # its output's file written here, not by the install (invariant 10)
                     sh.merged += used
                     self.merged_rows += used
                     worked = True
+                if m.compaction and self._submits != submits:  # a level merge may be waiting: it goes first
+                    break
+            del m, sh, queued  # (a merge's inputs, their files, go once the trace installed it: not held here)
+
+    def _pick(self, queued: list) -> "Any":
+        """The merge to advance next among the queued traces ``queued`` ((id, trace, hand-overs) each, oldest
+        first): the lowest unfinished level merge of the first trace that has one, else the first compaction
+        (trace invariant 16: level merges are what steps wait for); traces with neither, and nothing handed over
+        since the scan began, leave the queue. None when nothing is left."""
+        found = [(tid, t, seq) + t._unfinished() for tid, t, seq in queued]
+        pick = next((e[3] for e in found if e[3] is not None), None) or next((e[4] for e in found if e[4] is not None),
+                                                                             None)
+        with self._cond:
+            for tid, t, seq, lv, cp in found:
+                if lv is None and cp is None and t._hand_overs == seq:  # nothing handed over since the scan began
+                    self._queue.pop(tid, None)
+        return pick
 
 
 _tls = threading.local()

@@ -21,7 +21,8 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      ``enforce`` hands it over and counts its bytes as gone; a later ``enforce`` (between steps) switches it to the
      file once written, or deletes the file when the batch was merged away meanwhile; a write's error is raised
      by that ``enforce``. Until then the batch is read from memory as before: the budget is exceeded by the
-     batches not written yet, at most ``ASYNC_SHARE`` of the limit (or the one batch being handed over): beyond
+     batches not written yet (and the inputs in memory of a background compaction, levels.py invariant 16, whose
+     output is on its way to a file: counted as gone within the same share), at most ``ASYNC_SHARE`` of the limit (or the one batch being handed over): beyond
      it ``enforce`` waits for the writes first (:meth:`BatchStore.settle`, which also switches them). Writes
      through a VFS not in ``ASYNC_VFS`` (the fault-injecting one of crash tests, unless a test adds it) stay on the
      calling thread, so their I/O order is the step's.
@@ -466,7 +467,7 @@ class BatchStore:
                            "evict_calls": 0, "outputs_never_written": 0, "whole_evictions": 0,
                            "mapped_drops": 0, "mapped_bytes_dropped": 0, "walk_pieces": 0, "written_in_place": 0,
                            "bytes_in_place": 0, "merge_inputs_on_disk": 0,
-                           "bytes_merged_out": 0})
+                           "bytes_merged_out": 0, "bytes_compacted": 0, "compactions_abandoned": 0})
 
     def __enter__(self) -> "BatchStore":
         return self
@@ -475,6 +476,17 @@ class BatchStore:
         self.close()
 
     # ---- what traces call ----
+
+    def count(self, stat: str, n: int) -> None:
+        """Add ``n`` to ``stats[stat]`` under the store's lock: the merge thread writes files too (levels.py
+        ``_Merge.seal``), and an increment is not atomic across threads."""
+        with self._lock:
+            self.stats[stat] = self.stats.get(stat, 0) + n
+
+    def writing(self) -> bool:
+        """Whether batches handed to the spill thread are not switched to their files yet (invariant 12)."""
+        with self._lock:
+            return bool(self._writing)
 
     def register(self, trace: "Trace") -> None:
         """``trace`` keeps its batches under this store's budget from now on."""
@@ -648,12 +660,12 @@ class BatchStore:
             name, path = self._new_name()
             size = write_in_place(path, out, cursor, sync=self.durable, vfs=self.vfs)
             if size is not None:
-                self.stats["written_in_place"] += 1
-                self.stats["bytes_in_place"] += size
-                self.stats["bytes_merged_out"] += size
+                self.count("written_in_place", 1)
+                self.count("bytes_in_place", size)
+                self.count("bytes_merged_out", size)
                 self._switch(out, name, path, size)
                 return
-        self.stats["bytes_merged_out"] += self._spill(out, drop=cursor.drop).size
+        self.count("bytes_merged_out", self._spill(out, drop=cursor.drop).size)
 
     def cache_counts(self, trace: "Trace") -> tuple[int, int]:
         """(hits, misses) of ``trace``'s reads of its spilled batches so far, in pages (invariant 15), as of the last
@@ -812,7 +824,7 @@ class BatchStore:
         self._measure_reads()
         self._switch_written()
         candidates: list[tuple[int, int, Any]] = []
-        mem = 0
+        mem = compacting = 0
         traces = self.traces()
         with self._lock:
             writing = {id(b) for b in (r() for r in self._writing.values()) if b is not None}
@@ -830,9 +842,14 @@ class BatchStore:
                     if id(b) not in busy and len(b):
                         candidates.append((lvl, n, b))
                 if level.merge is not None:
-                    mem += sum(batch_bytes(e[1]) for e in level.merge.inputs
-                               if id(e[1]) not in self._files) + merge_bytes(level.merge)
+                    pinned = sum(batch_bytes(e[1]) for e in level.merge.inputs if id(e[1]) not in self._files)
+                    if getattr(level.merge, "compaction", False):  # on their way to a file, as those the spill
+                        compacting += pinned  # thread writes (levels.py invariant 16): counted as gone, up to a share
+                        pinned = 0
+                    mem += pinned + merge_bytes(level.merge)
             mem += sum(batch_bytes(b) for b in t.pending if id(b) not in self._files and id(b) not in writing)
+        with self._lock:
+            mem += max(0, compacting - max(0, int(self.memory_limit * self.ASYNC_SHARE) - self._queued))
         mem += sum(f.memory_bytes() for f in list(self._files.values()))
         budget = int(self.memory_limit * self.BATCH_SHARE)
         spilled = 0
@@ -973,9 +990,9 @@ class BatchStore:
         with self._lock:
             self._files[id(b)] = f
             self._owners[name] = self._owners.get(name, 0) + 1
+            self.stats["files_written"] += 1
+            self.stats["bytes_written"] += size
         weakref.finalize(b, self._release, id(b), name)
-        self.stats["files_written"] += 1
-        self.stats["bytes_written"] += size
         return f
 
     def _release(self, key: int, name: str) -> None:

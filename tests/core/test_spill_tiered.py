@@ -6,6 +6,7 @@ import os
 import random
 
 import numpy as np
+import pytest
 import pyarrow as pa
 
 from dbsp_core import ZSet
@@ -274,3 +275,111 @@ def test_compaction_after_loads_while_threads_load_step_checkpoint_and_read(tmp_
     with dbsp.Pipeline.open(root, circuit(), memory_limit=1 << 20) as q:  # the state held: a row seen adds nothing
         q.push("t", pa.table({"k": [old[0], -1], "v": [old[1], 0]}, schema=schema))
         assert q.step()["d"].to_dict() == {(-1, 0): 1}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_compaction_after_a_load_runs_on_the_merge_thread_while_steps_run(tmp_path, monkeypatch, workers) -> None:
+    """With a merge thread (trace invariant 16), the compaction after a bulk load (BIG_STEP_ROWS lowered to 20,000)
+    runs off the stepping thread: every step of its merge and the writing of its file are on the merge thread; its
+    file is held back (a gate in ``_Merge.seal``) until a small step has run meanwhile over the old batches, then
+    released; a later step's end installs it (one spilled loose batch per trace). Every output, the traces' content
+    after it and after a reopen equal the unbudgeted twin's (multisets). W=1 and W=2 (one merge thread for both
+    workers). Watched fail with the executor's start of it removed (``start_compaction`` never called: no
+    compaction, a step ran with nothing gated, tiered batches left) and with the seal back on the installing thread."""
+    import threading
+
+    import dbsp_core as dbsp
+    import dbsp_core.runtime.embedded as embedded
+    from dbsp_core.runtime.embedded import EmbeddedExecutor
+    from dbsp_core.trace import levels
+
+    monkeypatch.setattr(embedded, "BIG_STEP_ROWS", 20_000)
+    monkeypatch.setattr(Trace, "FAN_IN", 4)
+    rng = np.random.default_rng(SEED)
+    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    where: dict[str, set] = {"step": set(), "seal": set()}
+    gate, gated = threading.Event(), threading.Event()
+    real_step, real_seal = levels._Merge.step, levels._Merge.seal
+
+    def step(self, budget):  # noqa: ANN001
+        if self.compaction:
+            where["step"].add(threading.current_thread().name)
+        return real_step(self, budget)
+
+    def seal(self):  # noqa: ANN001
+        if self.compaction and self.cursor.done and not self.sealed:
+            where["seal"].add(threading.current_thread().name)
+            gated.set()
+            assert gate.wait(60), "the test never opened the gate"
+        return real_seal(self)
+
+    monkeypatch.setattr(levels._Merge, "step", step)
+    monkeypatch.setattr(levels._Merge, "seal", seal)
+
+    def circuit() -> "dbsp.Circuit":
+        c = dbsp.Circuit()
+        c.output("d", c.input("t", schema).distinct())
+        return c
+
+    root = str(tmp_path / "p")
+    budgeted = dbsp.Pipeline(circuit(), workers=workers, storage=root, checkpoint_interval=None, memory_limit=1 << 20,
+                             executor=EmbeddedExecutor(background_merge=True))
+    twin = dbsp.Pipeline(circuit(), workers=workers, executor=EmbeddedExecutor(background_merge=False))
+    ex = budgeted.executor
+    store = ex.batch_store
+    assert store is not None
+
+    def spilled() -> int:  # (merge inputs included)
+        return max(sum(store.is_spilled(b) for b in t._levels()) for t in ex._all_traces())
+
+    def content(p: "dbsp.Pipeline") -> dict:
+        out: dict = {}
+        for w in range(workers):
+            for label, t in p.traces(w).items():
+                for r, n in t.consolidated().zset.to_dict().items():
+                    out[(label, r)] = out.get((label, r), 0) + n
+        return out
+
+    def push(n: int) -> None:
+        z = pa.table({"k": rng.integers(0, 1 << 40, n), "v": rng.integers(0, 3, n)}, schema=schema)
+        budgeted.push("t", z, producer="gen", seq=push.seq)
+        twin.push("t", z)
+        push.seq += 1
+        a, b = budgeted.step(), twin.step()
+        assert a["d"].to_dict() == b["d"].to_dict()
+    push.seq = 0
+
+    try:
+        for _ in range(6):
+            push(30_000)
+        loaded = spilled()
+        assert loaded >= 2, loaded  # the load left tiered spilled batches to compact
+        ran_during, started = 0, False
+        for _ in range(400):  # small steps until the end of one finds the merge thread idle and starts it, then
+            push(300)  # until the end of one installs it
+            if ex._compacting and not started:
+                started = True
+                assert gated.wait(30), "the compaction never reached its seal"  # merged, its file held back
+                push(300)  # a step while it is in progress: it reads the old batches and does not wait
+                ran_during += bool(ex._compacting and not gate.is_set())
+                gate.set()
+                assert ex._merge_thread.wait_idle(60)
+            elif started and not ex._compacting:
+                break
+        assert store.stats["compactions"] == 1 and not ex._compacting, (store.stats["compactions"], ex._compacting)
+        assert ran_during == 1, "no step ran while the compaction was in progress"
+        assert where["step"] and where["seal"] and all(n.startswith("dbsp-merge-thread") for n in
+                                                       where["step"] | where["seal"]), where
+        assert spilled() <= 1, (loaded, spilled())
+        assert store.stats["compactions_abandoned"] == 0
+        push(300)
+        want = content(twin)
+        assert content(budgeted) == want
+        budgeted.close()
+        with dbsp.Pipeline.open(root, circuit(), memory_limit=1 << 20) as q:
+            assert content(q) == want
+    finally:
+        gate.set()
+        if not budgeted._closed:
+            budgeted.close()
+        twin.close()

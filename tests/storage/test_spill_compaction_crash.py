@@ -1,0 +1,253 @@
+"""The background compaction after a bulk load (trace invariant 16: the merge thread merges the spilled loose batches
+and writes the output's batch file in place) under the fault-injecting VFS: a crash, and separately an I/O error, at
+every I/O operation of the compaction (its files' truncates, holes, writes, fsyncs, renames, directory fsyncs, on the
+merge thread), and at sampled operations of the step that installs it and of the checkpoint that names its files.
+After each, the reopened pipeline (recovery), fed the same pushes again (deduplicated), ends with exactly the
+unbudgeted twin's output (multisets); after an error the session itself goes on (the compaction is abandoned, its
+batches stay) and its output equals the twin's too. W=1 and W=2 (one merge thread for both workers).
+
+Watched fail: with the executor's start of the compaction removed (no compaction: the setup's check), and with an
+abandoned compaction's inputs not put back (``Trace._unpick`` emptied: the EIO runs' sessions lose rows, "replayed
+step 7 produced a different change of output 'g' than the one in the output log").
+
+The compaction's operations are numbered alone: its seal (levels.py ``_Merge.seal``) waits at a gate until the test,
+between steps, has armed the fault VFS, and the test waits for the merge thread to be idle before the next step."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import threading
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import dbsp_core as dbsp
+import dbsp_core.runtime.embedded as embedded
+from dbsp_core.runtime.embedded import EmbeddedExecutor
+from dbsp_core.storage import FaultInjector
+from dbsp_core.storage.formats import BATCH_FILE_SUFFIX, SPILL_DIR
+from dbsp_core.trace import Trace, levels
+from dbsp_core.trace.spill import BatchStore
+from storage_helpers import count_sum_circuit as _circuit
+from storage_helpers import view_integral as _integral
+
+SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
+SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+BIG, SMALL = 3000, 50  # rows of a load's push (BIG_STEP_ROWS lowered to BIG) and of a small one
+BASE_LOADS = 2  # big pushes before the session (checkpointed)
+SESSION = ("big", "big", "big", "small", "small", "small")  # the session's pushes: its loads write more than half the files
+# (the compaction's rule), the compaction starts at the first small step's end, is armed and released before the
+# second, which installs it; a checkpoint comes before the third
+FIRST_SMALL = SESSION.index("small")
+QUIET = "fault"  # the VFS of the base, the recoveries and the reads: the fault VFS, disarmed
+
+
+def test_seed_is_printed() -> None:
+    print(f"DBSP_TEST_SEED={SEED}")
+
+
+def _pushes() -> list[pa.Table]:
+    rng = np.random.default_rng(SEED)
+    sizes = [BIG] * BASE_LOADS + [BIG if s == "big" else SMALL for s in SESSION]
+    return [pa.table({"k": rng.integers(0, 20_000, n), "v": rng.integers(0, 1000, n)}, schema=SCHEMA) for n in sizes]
+
+
+def _pipeline(d: str, vfs: str, workers: int, create: bool = False, background: bool = True) -> dbsp.Pipeline:
+    kw = dict(memory_limit=1, vfs=vfs, executor=EmbeddedExecutor(vfs=vfs, background_merge=background),
+              checkpoint_interval=None)
+    if create:
+        return dbsp.Pipeline(_circuit(), workers=workers, storage=d, **kw)
+    return dbsp.Pipeline.open(d, _circuit(), **kw)
+
+
+def _reference(pushes: list) -> dict:
+    with dbsp.Pipeline(_circuit(), executor=EmbeddedExecutor(background_merge=False)) as ref:
+        acc: dict = {}
+        for x in pushes:
+            ref.push("t", x)
+            for r, w in ref.step()["g"].to_dict().items():
+                acc[r] = acc.get(r, 0) + w
+                if acc[r] == 0:
+                    del acc[r]
+    return acc
+
+
+class _Gate:
+    """Holds every compaction's seal (the writing of its file, on the merge thread) until :meth:`open`; records the
+    fault VFS's operation counter around each seal."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.event = threading.Event()
+        self.seals: list[tuple[int, int, str]] = []
+        real = levels._Merge.seal
+        gate = self
+
+        def seal(m):  # noqa: ANN001
+            if not (m.compaction and m.cursor.done and not m.sealed):
+                return real(m)
+            assert gate.event.wait(60), "the gate was never opened"
+            before = FaultInjector.ops()
+            try:
+                return real(m)
+            finally:
+                gate.seals.append((before, FaultInjector.ops(), threading.current_thread().name))
+
+        monkeypatch.setattr(levels._Merge, "seal", seal)
+
+    def close(self) -> None:
+        self.event.clear()
+
+    def open(self) -> None:
+        self.event.set()
+
+
+def _session(d: str, pushes: list, workers: int, gate: _Gate, arm: dict) -> dict:
+    """Open ``d`` (the fault VFS, disarmed), push the session's big step and wait for its merges, then its first small
+    step (whose end starts the compaction, held at the gate), arm the fault VFS (``arm``; operations counted from
+    here), release the compaction and wait for it; push the second small step (installs it), checkpoint, push the
+    third. Returns the session's facts; raises what the fault raised."""
+    p = None
+    facts: dict = {}
+    try:
+        FaultInjector.arm()
+        gate.close()
+        p = _pipeline(d, QUIET, workers)
+        ex = p.executor
+        first = BASE_LOADS
+        for i, kind in enumerate(SESSION):
+            if i == FIRST_SMALL + 2:  # (after the install)
+                facts["checkpoint"] = [FaultInjector.ops()]
+                p.checkpoint()
+                facts["checkpoint"].append(FaultInjector.ops())
+            p.push("t", pushes[first + i], producer="gen", seq=first + i)
+            p.step()
+            if kind == "big":
+                assert ex._merge_thread.wait_idle(60)
+            if i == FIRST_SMALL:
+                facts["started"] = list(ex._compacting)
+                FaultInjector.arm(**arm)
+                gate.open()
+                assert ex._merge_thread.wait_idle(60)
+                facts["compaction"] = FaultInjector.ops()
+        facts["end"] = FaultInjector.ops()
+        facts["abandoned"] = ex.batch_store.stats["compactions_abandoned"]
+        facts["installed"] = not ex._compacting
+        facts["output"] = _integral(p)
+        return facts
+    finally:
+        gate.open()
+        if p is not None:
+            try:
+                p.close(checkpoint=False)
+            except Exception:
+                p._shutdown()
+
+
+def _left_over(d: str, store: BatchStore) -> list[str]:
+    keep = set(store._owners) | store._pinned
+    return sorted(n for n in os.listdir(os.path.join(d, SPILL_DIR))
+                  if not (n.endswith(BATCH_FILE_SUFFIX) and n in keep))
+
+
+def _recover_and_check(d: str, pushes: list, want: dict, what: str) -> None:
+    """Reopen ``d`` (no merge thread: the compaction, if due again, runs at the step), push every session push
+    again (a push recorded before the fault counts once), compare with the twin; checkpoint; nothing left over."""
+    with _pipeline(d, QUIET, 0, background=False) as q:
+        for i in range(BASE_LOADS, len(pushes)):
+            q.push("t", pushes[i], producer="gen", seq=i)
+            q.step()
+        assert _integral(q) == want, f"{what}: state differs from the unbudgeted twin"
+        q.checkpoint()
+        left = _left_over(d, q.executor.batch_store)
+        assert not left, f"{what}: left over after a checkpoint: {left}"
+
+
+@pytest.fixture()
+def setup(case, tmp_path, monkeypatch):
+    """The base (loads, checkpointed), a probe of the session (its compaction's operations) and the twin's output."""
+    workers = case[0]
+    monkeypatch.setattr(embedded, "BIG_STEP_ROWS", BIG)
+    monkeypatch.setattr(BatchStore, "FILE_MERGE_MIN", 0)  # every merge built on disk, the compaction's in place
+    monkeypatch.setattr(Trace, "FAN_IN", 3)
+    FaultInjector.disarm()
+    gate = _Gate(monkeypatch)
+    gate.open()
+    pushes = _pushes()
+    base = str(tmp_path / "base")
+    with _pipeline(base, QUIET, workers, create=True) as p:
+        for i in range(BASE_LOADS):
+            p.push("t", pushes[i], producer="gen", seq=i)
+            p.step()
+            assert p.executor._merge_thread.wait_idle(60)
+    probe = str(tmp_path / "probe")
+    shutil.copytree(base, probe)
+    gate.seals.clear()
+    facts = _session(probe, pushes, workers, gate, {})
+    FaultInjector.disarm()
+    want = _reference(pushes)
+    assert facts["started"], "the session's first small step started no compaction"
+    assert len(gate.seals) == len(facts["started"]) and all(n.startswith("dbsp-merge-thread") for *_x, n in gate.seals)
+    assert facts["installed"] and facts["abandoned"] == 0 and facts["output"] == want, facts
+    nops = facts["compaction"]
+    assert nops > 0 and all(a <= nops for _b, a, _n in gate.seals), (nops, gate.seals)
+    return dict(pushes=pushes, base=base, nops=nops, facts=facts, want=want, tmp=tmp_path, gate=gate,
+                workers=workers)
+
+
+def _run(s: dict, points: list[int], error: str | None) -> dict:
+    where = {"compaction": 0, "later": 0, "abandoned": 0, "runs": 0}
+    for n in points:
+        d = str(s["tmp"] / f"c{n}")
+        shutil.copytree(s["base"], d)
+        arm = dict(error_at=n, error=error) if error else dict(crash_at=n, mode="drop", seed=SEED + n)
+        raised, facts = None, None
+        try:
+            facts = _session(d, s["pushes"], s["workers"], s["gate"], arm)
+        except (OSError, dbsp.DbspError) as e:
+            raised = e
+        crashed, reached = FaultInjector.crashed(), FaultInjector.ops() >= n
+        FaultInjector.disarm()
+        what = f"{error or 'crash'} at I/O operation {n} (W={s['workers']}, DBSP_TEST_SEED={SEED})"
+        assert crashed if error is None else reached, f"{what}: the session did not reach it"
+        if n <= s["nops"]:  # an operation of the compaction, on the merge thread: abandoned, never a failed step
+            where["compaction"] += 1
+            if error is not None:
+                assert raised is None and facts is not None, (what, raised)
+                assert facts["abandoned"] >= 1 and facts["output"] == s["want"], (what, facts)
+                where["abandoned"] += 1
+        else:
+            where["later"] += 1
+        _recover_and_check(d, s["pushes"], s["want"], what)
+        where["runs"] += 1
+        shutil.rmtree(d)
+    return where
+
+
+def _points(s: dict, stride: int, later: int) -> list[int]:
+    """Every operation of the compaction and ``later`` after it, every ``stride``-th from a seeded offset."""
+    end = min(s["nops"] + later, s["facts"]["end"])
+    return list(range(1, s["nops"] + 1)) + list(range(s["nops"] + 1 + SEED % stride, end + 1, stride))
+
+
+@pytest.fixture(params=[pytest.param((1, None), id="W1-crash"), pytest.param((2, "EIO"), id="W2-EIO"),
+                        pytest.param((1, "EIO"), id="W1-EIO", marks=pytest.mark.slow),
+                        pytest.param((2, None), id="W2-crash", marks=pytest.mark.slow)])
+def case(request):
+    return request.param
+
+
+def test_a_fault_at_every_io_operation_of_a_background_compaction(case, setup) -> None:
+    """A crash (unsynced writes dropped) or an injected EIO at each I/O operation of the background compaction, and
+    at every 7th of the 60 operations after it (the step that installs it, the checkpoint naming its files): an
+    error in the compaction abandons it (the session's output still equals the twin's), and after every fault the
+    reopened pipeline equals the twin, with no file left over once it checkpointed."""
+    s, error = setup, case[1]
+    where = _run(s, _points(s, 7, 60), error)
+    assert where["compaction"] == s["nops"] > 0, where
+    if error is not None:
+        assert where["abandoned"] == s["nops"], where
+    print(f"\n[background compaction, W={s['workers']}, {error or 'crash'}] {s['nops']} operations in the "
+          f"compaction ({len(s['facts']['started'])} traces), {where}")
