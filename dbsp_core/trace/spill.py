@@ -769,10 +769,12 @@ class BatchStore:
 
     def checkpointed(self, names: set[str]) -> None:
         """A checkpoint naming exactly the files ``names`` committed (every worker's): files it does not name and
-        no live batch reads are deleted; ``names`` stay pinned until the next one."""
+        no live batch reads are deleted, those of batches gone and those the checkpoint before named without a
+        batch ever reading them (a table no operator reads: snapshot.py invariant 10); ``names`` stay pinned until
+        the next one."""
         with self._lock:
-            self._pinned = set(names)
-            gone = [n for n in self._dead if n not in self._pinned and n not in self._owners]
+            before, self._pinned = self._pinned, set(names)
+            gone = [n for n in self._dead | before if n not in self._pinned and n not in self._owners]
             self._dead.difference_update(gone)
         for n in gone:
             self._delete(n)
