@@ -527,19 +527,20 @@ class BatchStore:
         kept = self._walks()
         if kept.held and kept.span + span > piece:  # with the files walked before, more than a piece: drop them first
             held, kept.held, kept.span = kept.held, [], 0
-            for i, g in held:
-                self._drop_walked(i, g)
+            for i in held:
+                self._drop_walked(i)
             self.stats["walk_pieces"] += 1
         n = int(max(1, min(rows, -(-span // piece), self.MAX_PIECES)))
         if n == 1:  # walked in one piece, kept mapped until the walks after it come to more than a piece
-            kept.held.append((id(b), f))
+            kept.held.append(id(b))
             kept.span += span
         return n
 
     def _walks(self) -> Any:
-        """This thread's files walked in one piece since the last enforce and still mapped (``held``: (id of the
-        batch, its file)), and the units they may map (``span``): :meth:`walk_pieces`. An enforce counts them in the
-        units mapped and bounds them (invariant 12, "mapped"), so a new enforce starts an empty list."""
+        """This thread's files walked in one piece since the last enforce and still mapped (``held``: ids of their
+        batches, no reference: a batch merged away meanwhile takes its mapping along), and the units they may map
+        (``span``): :meth:`walk_pieces`. An enforce counts them in the units mapped and bounds them (invariant 12,
+        "mapped"), so a new enforce starts an empty list."""
         kept = self._walk_state
         gen = self.stats["enforcements"]
         if getattr(kept, "gen", None) != gen:
@@ -549,18 +550,19 @@ class BatchStore:
     def walked_out(self, b: "IndexedZSet") -> None:
         """After a piece of a walk over spilled batch ``b`` (:meth:`walk_pieces`): its mapping is dropped whole, and
         the units its reads marked since are not counted at the next enforce unless it is read again first."""
-        f = self._files.get(id(b))
-        if f is not None:
-            self._drop_walked(id(b), f)
+        if self._drop_walked(id(b)):
             self.stats["walk_pieces"] += 1
 
-    def _drop_walked(self, i: int, f: BatchFile) -> None:
-        """:meth:`walked_out` of the batch with id ``i`` whose file is ``f``, unless it is gone (merged away since)."""
-        if self._files.get(i) is not f:
-            return
+    def _drop_walked(self, i: int) -> bool:
+        """:meth:`walked_out` of the spilled batch with id ``i``; False when there is none (merged away since; a
+        batch spilled since under a reused id has its mapping dropped instead: a cost, never an error)."""
+        f = self._files.get(i)
+        if f is None:
+            return False
         _drop_mapping(f.map)
         with self._lock:
             self._walked_out.add(i)
+        return True
 
     def prefetch(self, b: "IndexedZSet", hashes: np.ndarray, row_hashes: bool = True) -> int:
         """Before a walk seeks key hashes ``hashes`` in batch ``b``: when ``b`` is spilled, start reading the pages
