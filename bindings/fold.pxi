@@ -60,38 +60,44 @@ def linear_step(table, keys, cols, KeyIndex ix):
         check_status(st, "linear_step")
     cdef int64_t ng = r.ngroups, cap = max(2 * r.ngroups, 1), n = 0
     cdef int ordered = 1
-    buf = np.empty(cap * (4 + ns), dtype=np.int64)  # rows, w, kh, rh, then the slots: one allocation
-    cdef int64_t[::1] pb = buf
-    cdef int64_t *rows = &pb[0]
-    cdef int64_t *w = rows + cap
-    cdef uint64_t *kh = <uint64_t *>(rows + 2 * cap)
-    cdef uint64_t *rh = <uint64_t *>(rows + 3 * cap)
-    cdef int64_t *vals = rows + 4 * cap
+    cdef int32_t j
+    # per emitted row: rows, w, kh, rh, then the slots (ns rows of cap): each its own allocation, shrunk to the rows
+    # emitted below, so what the trace batch keeps (w, kh, the slots; rh when it keeps row hashes) pins no byte
+    # beyond its own (a slice of one buffer for all of them, as before, pinned up to 2 * groups * (4 + ns) words,
+    # ~2x the batch's, which the budget, counting the arrays' own bytes (spill.py batch_bytes), did not see until
+    # the batch merged; bench/RESULTS.md, issue 31, r31-mend)
+    cdef int64_t *rows = <int64_t *>malloc(cap * 8)
+    cdef int64_t *w = <int64_t *>malloc(cap * 8)
+    cdef uint64_t *kh = <uint64_t *>malloc(cap * 8)
+    cdef uint64_t *rh = <uint64_t *>malloc(cap * 8)
+    cdef int64_t *vals = <int64_t *>malloc(cap * ns * 8)
     cdef int64_t *old = <int64_t *>malloc(max(ng * ns, 1) * 8)
     cdef int64_t *grp = <int64_t *>malloc(cap * 8)
     cdef int64_t **slots = <int64_t **>malloc(max(ng, 1) * sizeof(int64_t *))
-    if old == NULL or grp == NULL or slots == NULL:
+    if (old == NULL or grp == NULL or slots == NULL or rows == NULL or w == NULL or kh == NULL or rh == NULL
+            or vals == NULL):
         free(old); free(grp); free(slots); dbsp_reduce_free(&r)
+        free(rows); free(w); free(kh); free(rh); free(vals)
         raise MemoryError("linear_step: out of memory")
     with nogil:  # probe, fold and store (csrc/linrun.h invariant 1: the code dbsp_linear_run runs too)
         st = dbsp_linear_apply(ix.ix, &v.c, k.p, &r, ns, old, slots, grp, rows, w, kh, vals, rh, &n, &ordered)
+        if st == DBSP_OK:
+            for j in range(1, ns):  # the slots' rows side by side
+                memmove(vals + j * n, vals + j * cap, n * 8)
     free(old); free(grp); free(slots)
     dbsp_reduce_free(&r)
-    check_status(st, "linear_step")
-    # what the caller keeps (w, kh, rh and the slots go into the trace batch): slices of `buf`, no copy, when the rows
-    # fill at least half of it (every changed group emits one or two rows, so only groups whose sums cancelled leave
-    # it emptier); they then pin at most about twice their words while the batch lives. Else they move to a buffer
-    # of their size, so that a step whose sums mostly cancel does not pin 2 * groups * (4 + ns) words for a few rows
-    if 2 * n >= cap:
-        vv = buf[4 * cap:].reshape(ns, cap)[:, :n]
-        return (buf[:n], buf[cap:cap + n], buf[2 * cap:2 * cap + n].view(np.uint64),
-                buf[3 * cap:3 * cap + n].view(np.uint64), vv, bool(ordered))
-    kept = np.empty((3 + ns, n), dtype=np.int64)
-    kept[0] = buf[cap:cap + n]
-    kept[1] = buf[2 * cap:2 * cap + n]
-    kept[2] = buf[3 * cap:3 * cap + n]
-    kept[3:] = buf[4 * cap:].reshape(ns, cap)[:, :n]
-    return (buf[:n], kept[0], kept[1].view(np.uint64), kept[2].view(np.uint64), kept[3:], bool(ordered))
+    if st != DBSP_OK:
+        free(rows); free(w); free(kh); free(rh); free(vals)
+        check_status(st, "linear_step")
+    return (own_array(rows, n, np.int64), own_array(_shrunk(w, n), n, np.int64),
+            own_array(_shrunk(kh, n), n, np.uint64), own_array(_shrunk(rh, n), n, np.uint64),
+            own_array(_shrunk(vals, n * ns), n * ns, np.int64).reshape(ns, n), bool(ordered))
+
+
+cdef void *_shrunk(void *p, int64_t n) noexcept:
+    """``p`` (malloc'ed) shrunk to ``n`` words (in place: a shrink copies nothing), or as it was if realloc fails."""
+    cdef void *q = realloc(p, max(n, 1) * 8)
+    return p if q == NULL else q
 
 
 cdef class LinearRun:

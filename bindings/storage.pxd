@@ -36,10 +36,12 @@ cdef extern from "vfs.h" nogil:
         int (*punch)(void *f, uint64_t off, uint64_t len)
     DbspVfs *dbsp_vfs_posix()
     DbspVfs *dbsp_vfs_fault()
-    void dbsp_vfs_fault_arm(uint64_t crash_at, int mode, uint64_t seed, uint64_t error_at, int error_errno)
-    uint64_t dbsp_vfs_fault_ops()
-    int dbsp_vfs_fault_crashed()
-    void dbsp_vfs_fault_crash_now(int mode, uint64_t seed)
+    DbspVfs *dbsp_vfs_fault_new()
+    void dbsp_vfs_fault_arm(DbspVfs *vfs, uint64_t crash_at, int mode, uint64_t seed, uint64_t error_at,
+                            int error_errno)
+    uint64_t dbsp_vfs_fault_ops(DbspVfs *vfs)
+    int dbsp_vfs_fault_crashed(DbspVfs *vfs)
+    void dbsp_vfs_fault_crash_now(DbspVfs *vfs, int mode, uint64_t seed)
 
 cdef extern from "pagestore.h" nogil:
     ctypedef struct DbspPageStore:

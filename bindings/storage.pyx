@@ -1,5 +1,5 @@
 # storage.pyx: cdef classes owning the C page store, transactions, cursors and step log (dbsp_core._storage).
-from libc.stdint cimport int64_t, uint64_t
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
 from libc.errno cimport EIO, ENOSPC, EOPNOTSUPP
 from cpython.bytes cimport PyBytes_FromStringAndSize
@@ -44,12 +44,23 @@ cdef int check(int st) except -1:
     raise StorageError(EIO, f"storage: unknown status {st}: {msg}")
 
 
+_FAULT_VFSES = {}  # name ("fault:N") -> address of a fault VFS made by fault_new (never freed: vfs.c model 6)
+
+
 cdef DbspVfs *pick_vfs(str vfs) except NULL:
     if vfs == "posix":
         return dbsp_vfs_posix()
     if vfs == "fault":
         return dbsp_vfs_fault()
-    raise ValueError(f"unknown vfs {vfs!r}; expected 'posix' or 'fault'")
+    if vfs in _FAULT_VFSES:
+        return <DbspVfs *><uintptr_t>_FAULT_VFSES[vfs]
+    raise ValueError(f"unknown vfs {vfs!r}; expected 'posix', 'fault' or a name fault_new returned")
+
+
+cdef DbspVfs *pick_fault(str vfs) except NULL:
+    if vfs != "fault" and vfs not in _FAULT_VFSES:
+        raise ValueError(f"{vfs!r} is not a fault VFS; expected 'fault' or a name fault_new returned")
+    return pick_vfs(vfs)
 
 
 def crc32c(data, unsigned int crc=0):
@@ -203,25 +214,37 @@ def crc32c_portable(data, unsigned int crc=0):
     return dbsp_crc32c_portable(crc, &view[0] if n else NULL, n)
 
 
-def fault_arm(uint64_t crash_at=0, str mode="drop", uint64_t seed=0, uint64_t error_at=0, str error="EIO"):
+def fault_new():
+    """The name ("fault:N", a ``vfs`` argument) of a new fault VFS with a counter, arming and remembered writes of
+    its own (vfs.c model 6); the functions below take it as ``vfs`` ("fault": the process-wide one)."""
+    cdef DbspVfs *v = dbsp_vfs_fault_new()
+    if v == NULL:
+        raise MemoryError("fault_new: out of memory")
+    name = f"fault:{len(_FAULT_VFSES) + 1}"
+    _FAULT_VFSES[name] = <uintptr_t>v
+    return name
+
+
+def fault_arm(uint64_t crash_at=0, str mode="drop", uint64_t seed=0, uint64_t error_at=0, str error="EIO",
+              str vfs="fault"):
     if mode not in CRASH_MODES:
         raise ValueError(f"unknown crash mode {mode!r}; expected one of {sorted(CRASH_MODES)}")
     errors = {"EIO": EIO, "ENOSPC": ENOSPC, "EOPNOTSUPP": EOPNOTSUPP}
     if error not in errors:
         raise ValueError(f"unknown error {error!r}; expected one of {sorted(errors)}")
-    dbsp_vfs_fault_arm(crash_at, CRASH_MODES[mode], seed, error_at, errors[error])
+    dbsp_vfs_fault_arm(pick_fault(vfs), crash_at, CRASH_MODES[mode], seed, error_at, errors[error])
 
 
-def fault_ops():
-    return dbsp_vfs_fault_ops()
+def fault_ops(str vfs="fault"):
+    return dbsp_vfs_fault_ops(pick_fault(vfs))
 
 
-def fault_crashed():
-    return bool(dbsp_vfs_fault_crashed())
+def fault_crashed(str vfs="fault"):
+    return bool(dbsp_vfs_fault_crashed(pick_fault(vfs)))
 
 
-def fault_crash_now(str mode="drop", uint64_t seed=0):
-    dbsp_vfs_fault_crash_now(CRASH_MODES[mode], seed)
+def fault_crash_now(str mode="drop", uint64_t seed=0, str vfs="fault"):
+    dbsp_vfs_fault_crash_now(pick_fault(vfs), CRASH_MODES[mode], seed)
 
 
 cdef class PageStore:

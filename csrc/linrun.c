@@ -185,7 +185,7 @@ int dbsp_linear_run2(DbspLinRun *s, const DbspBatch *b0, const int32_t *keys, in
     st = dbsp_cdata_gather_ints(b, keys, out_keys ? nkeys : 0, rows, m, nout, cols + ns, valid + ns, nulls + ns, out);
     if (st != DBSP_OK) { batch->release(batch); goto done; }
     for (int32_t k = ns; k < nc; k++) cols[k] = NULL, valid[k] = NULL;
-    if (2 * m < cap) {  /* the weights and key hashes pin their room only while it is mostly used */
+    if (m < cap) {  /* the weights and key hashes pin no room beyond their rows (a shrink: in place, no copy) */
         int64_t *w2 = realloc(*w, (size_t)m * 8);
         uint64_t *k2 = realloc(*kh, (size_t)m * 8);
         if (w2) *w = w2;

@@ -1,7 +1,7 @@
 /* vfs.c: the POSIX I/O table and a fault-injecting wrapper modelled on SQLite's test6.c crash layer.
  *
  * Fault model (the fault VFS):
- *  1. Every counted operation increments one global counter; operation `crash_at` does not run and instead
+ *  1. Every counted operation increments its fault VFS's counter (model 6); operation `crash_at` does not run and instead
  *     "crashes": for every file with unsynced writes (open or already closed), the writes are undone in reverse
  *     order (restoring the remembered pre-images and the synced size), then a subset chosen by the damage mode
  *     is re-applied in order, possibly torn. From then on every operation fails with DBSP_ECRASHED.
@@ -21,6 +21,11 @@
  *     rebuilt in a new file renamed over its name (the damage applied there), so a mapping of the old one (a merge's
  *     scratch output, a batch file) never faults with SIGBUS on a page the crash cut away; the process is over for
  *     the model anyway (every later operation fails) and the next open reads the names.
+ *  6. Each fault VFS is a model of its own: the process-wide one (dbsp_vfs_fault) and each one dbsp_vfs_fault_new
+ *     makes (a pipeline's or a store's, in tests) count, arm, crash and remember writes apart, so the operations of
+ *     another pipeline of the process (one an earlier test left to the collector, whose files a finalizer
+ *     unlinks) or of another thread through another instance never take a number of the one a test enumerates.
+ *     Within one instance the numbering is the order its operations take its lock, over every thread using it.
  */
 #include "vfs.h"
 
@@ -232,10 +237,13 @@ typedef struct FaultState {    /* the unsynced state of one path */
     struct FaultState *next;
 } FaultState;
 
-static pthread_mutex_t fault_mu = PTHREAD_MUTEX_INITIALIZER;
-static uint64_t fault_ops, fault_crash_at, fault_error_at, fault_seed;
-static int fault_mode, fault_errno, fault_crashed;
-static FaultState *fault_files;
+typedef struct FaultVfs {     /* one fault VFS (model 6): its own counter, arming and remembered writes */
+    DbspVfs base;             /* first: the DbspVfs * of a fault VFS (and every DbspFile's vfs) is its FaultVfs */
+    pthread_mutex_t mu;
+    uint64_t ops, crash_at, error_at, seed;
+    int mode, err, crashed;
+    FaultState *files;
+} FaultVfs;
 
 static uint64_t rng_next(uint64_t *s) { /* splitmix64 */
     uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
@@ -249,23 +257,23 @@ static void state_forget(FaultState *s) {
     s->n = 0;
 }
 
-static FaultState *state_get(const char *path, int fd) {
-    for (FaultState *s = fault_files; s; s = s->next)
+static FaultState *state_get(FaultVfs *fv, const char *path, int fd) {
+    for (FaultState *s = fv->files; s; s = s->next)
         if (strcmp(s->path, path) == 0) return s;
     FaultState *s = calloc(1, sizeof *s);
     if (!s) return NULL;
     s->path = strdup(path);
     struct stat st;
     s->synced_size = fstat(fd, &st) == 0 ? (uint64_t)st.st_size : 0;
-    s->next = fault_files;
-    fault_files = s;
+    s->next = fv->files;
+    fv->files = s;
     return s;
 }
 
-static void fault_free_all(void) {
-    while (fault_files) {
-        FaultState *s = fault_files;
-        fault_files = s->next;
+static void fault_free_all(FaultVfs *fv) {
+    while (fv->files) {
+        FaultState *s = fv->files;
+        fv->files = s->next;
         state_forget(s);
         free(s->w);
         free(s->path);
@@ -274,7 +282,7 @@ static void fault_free_all(void) {
     }
 }
 
-/* Applies the damage mode to every remembered write of every path; caller holds fault_mu. */
+/* Applies the damage mode to every remembered write of every path of fv (fault_do_crash, below); caller holds fv->mu. */
 /* A copy of `path` in a new file (its name: *tmp, malloc'd), open read-write; -1 when it cannot be made. */
 static int copy_to_new(const char *path, char **tmp) {
     int in = open(path, O_RDONLY | O_CLOEXEC);
@@ -302,9 +310,9 @@ static int copy_to_new(const char *path, char **tmp) {
     return out;
 }
 
-static void fault_do_crash(int mode, uint64_t seed) {
+static void fault_do_crash(FaultVfs *fv, int mode, uint64_t seed) {
     uint64_t rng = seed * 0x9E3779B97F4A7C15ull + 1;
-    for (FaultState *s = fault_files; s; s = s->next) {
+    for (FaultState *s = fv->files; s; s = s->next) {
         if (s->n == 0 || !s->path[0]) continue;
         char *tmp = NULL;
         int fd = copy_to_new(s->path, &tmp); /* model 5: the damage goes to a new file, renamed over the name */
@@ -340,7 +348,7 @@ static void fault_do_crash(int mode, uint64_t seed) {
         free(tmp);
         state_forget(s);
     }
-    for (FaultState *s = fault_files; s; s = s->next) { /* then the directory entries */
+    for (FaultState *s = fv->files; s; s = s->next) { /* then the directory entries */
         if (!s->path[0] || mode == DBSP_CRASH_KEEP) continue;
         int undo = (mode == DBSP_CRASH_REORDER || mode == DBSP_CRASH_CHAOS) ? (int)(rng_next(&rng) & 1) : 1;
         if (!undo) continue;
@@ -351,31 +359,33 @@ static void fault_do_crash(int mode, uint64_t seed) {
         }
         if (s->created) unlink(s->path);
     }
-    fault_crashed = 1;
+    fv->crashed = 1;
 }
 
-/* Counts one operation; returns nonzero (with the message set) if it must not run. Caller holds fault_mu. */
-static int fault_tick(const char *op, const char *path) {
-    if (fault_crashed) return dbsp_storage_fail(DBSP_ECRASHED, EIO, "%s %s: simulated crash already happened", op, path);
-    fault_ops++;
-    if (fault_crash_at && fault_ops == fault_crash_at) {
-        fault_do_crash(fault_mode, fault_seed);
+/* Counts one operation of `fv`; returns nonzero (with the message set) if it must not run. Caller holds fv->mu. */
+static int fault_tick(FaultVfs *fv, const char *op, const char *path) {
+    if (fv->crashed) return dbsp_storage_fail(DBSP_ECRASHED, EIO, "%s %s: simulated crash already happened", op, path);
+    fv->ops++;
+    if (fv->crash_at && fv->ops == fv->crash_at) {
+        fault_do_crash(fv, fv->mode, fv->seed);
         return dbsp_storage_fail(DBSP_ECRASHED, EIO, "%s %s: simulated crash at operation %llu", op, path,
-                                 (unsigned long long)fault_ops);
+                                 (unsigned long long)fv->ops);
     }
-    if (fault_error_at && fault_ops == fault_error_at)
-        return dbsp_storage_fail(dbsp_storage_status_of_errno(fault_errno), fault_errno,
-                                 "%s %s: injected %s at operation %llu", op, path, strerror(fault_errno),
-                                 (unsigned long long)fault_ops);
+    if (fv->error_at && fv->ops == fv->error_at)
+        return dbsp_storage_fail(dbsp_storage_status_of_errno(fv->err), fv->err,
+                                 "%s %s: injected %s at operation %llu", op, path, strerror(fv->err),
+                                 (unsigned long long)fv->ops);
     return 0;
 }
 
-#define FAULT_GUARD(op, path)                   \
-    pthread_mutex_lock(&fault_mu);              \
-    int guard_rc_ = fault_tick(op, path);       \
-    if (guard_rc_) {                            \
-        pthread_mutex_unlock(&fault_mu);        \
-        return guard_rc_;                       \
+/* Declares `fv` (the FaultVfs of `vfs_`), locks it and counts the operation; returns its refusal, unlocked. */
+#define FAULT_GUARD(vfs_, op, path)                  \
+    FaultVfs *fv = (FaultVfs *)(vfs_);               \
+    pthread_mutex_lock(&fv->mu);                     \
+    int guard_rc_ = fault_tick(fv, op, path);        \
+    if (guard_rc_) {                                 \
+        pthread_mutex_unlock(&fv->mu);               \
+        return guard_rc_;                            \
     }
 
 static int fault_remember(FaultState *s, PendingWrite w) {
@@ -409,11 +419,11 @@ static int fault_adopt(FaultState *s, DbspFile *f) {
 }
 
 static int ft_open(DbspVfs *vfs, const char *path, int flags, DbspFile **out) {
-    FAULT_GUARD("open", path);
+    FAULT_GUARD(vfs, "open", path);
     int existed = access(path, F_OK) == 0;
     int rc = px_open(vfs, path, flags & ~DBSP_VFS_ADOPT, out);
     if (rc == DBSP_OK) {
-        FaultState *s = state_get(path, (*out)->fd);
+        FaultState *s = state_get(fv, path, (*out)->fd);
         if (s) {
             s->open_count++;
             if (!existed) s->created = 1;
@@ -424,7 +434,7 @@ static int ft_open(DbspVfs *vfs, const char *path, int flags, DbspFile **out) {
             *out = NULL;
         }
     }
-    pthread_mutex_unlock(&fault_mu);
+    pthread_mutex_unlock(&fv->mu);
     return rc;
 }
 
@@ -433,16 +443,16 @@ static int ft_close(DbspFile *f) { /* not counted: the remembered writes outlive
 }
 
 static int ft_pread(DbspFile *f, void *buf, size_t len, uint64_t off, size_t *nread) {
-    FAULT_GUARD("pread", f->path);
+    FAULT_GUARD(f->vfs, "pread", f->path);
     int rc = px_pread(f, buf, len, off, nread);
-    pthread_mutex_unlock(&fault_mu);
+    pthread_mutex_unlock(&fv->mu);
     return rc;
 }
 
 static int ft_pwrite(DbspFile *f, const void *buf, size_t len, uint64_t off) {
-    FAULT_GUARD("pwrite", f->path);
+    FAULT_GUARD(f->vfs, "pwrite", f->path);
     int rc = DBSP_ENOMEM;
-    FaultState *s = state_get(f->path, f->fd);
+    FaultState *s = state_get(fv, f->path, f->fd);
     unsigned char *data = malloc(len * 2 + 1);
     if (!s || !data) goto out;
     memcpy(data, buf, len);
@@ -453,13 +463,13 @@ static int ft_pwrite(DbspFile *f, const void *buf, size_t len, uint64_t off) {
     data = NULL;
 out:
     free(data);
-    pthread_mutex_unlock(&fault_mu);
+    pthread_mutex_unlock(&fv->mu);
     if (rc == DBSP_ENOMEM) dbsp_storage_fail(rc, ENOMEM, "pwrite %s: out of memory in fault VFS", f->path);
     return rc;
 }
 
-static void fault_mark_synced(DbspFile *f) {
-    FaultState *s = state_get(f->path, f->fd);
+static void fault_mark_synced(FaultVfs *fv, DbspFile *f) {
+    FaultState *s = state_get(fv, f->path, f->fd);
     if (!s) return;
     state_forget(s);
     struct stat st;
@@ -467,22 +477,22 @@ static void fault_mark_synced(DbspFile *f) {
 }
 
 static int ft_fsync(DbspFile *f) { /* no real fsync: durability is what the model says it is */
-    FAULT_GUARD("fsync", f->path);
-    fault_mark_synced(f);
-    pthread_mutex_unlock(&fault_mu);
+    FAULT_GUARD(f->vfs, "fsync", f->path);
+    fault_mark_synced(fv, f);
+    pthread_mutex_unlock(&fv->mu);
     return DBSP_OK;
 }
 
 static int ft_size(DbspFile *f, uint64_t *out) {
-    FAULT_GUARD("size", f->path);
+    FAULT_GUARD(f->vfs, "size", f->path);
     int rc = px_size(f, out);
-    pthread_mutex_unlock(&fault_mu);
+    pthread_mutex_unlock(&fv->mu);
     return rc;
 }
 
 static int ft_truncate(DbspFile *f, uint64_t size) {
-    FAULT_GUARD("truncate", f->path);
-    FaultState *s = state_get(f->path, f->fd);
+    FAULT_GUARD(f->vfs, "truncate", f->path);
+    FaultState *s = state_get(fv, f->path, f->fd);
     int rc = DBSP_OK;
     if (s && s->n) { /* model 2: remembered with the bytes it cuts */
         uint64_t cur = 0;
@@ -497,14 +507,14 @@ static int ft_truncate(DbspFile *f, uint64_t size) {
             rc = dbsp_storage_fail(DBSP_ENOMEM, ENOMEM, "truncate %s: out of memory in fault VFS", f->path);
         else if (!rc && (rc = px_truncate(f, size))) s->n--;
         if (rc) free(cut);
-    } else if ((rc = px_truncate(f, size)) == DBSP_OK) fault_mark_synced(f);
-    pthread_mutex_unlock(&fault_mu);
+    } else if ((rc = px_truncate(f, size)) == DBSP_OK) fault_mark_synced(fv, f);
+    pthread_mutex_unlock(&fv->mu);
     return rc;
 }
 
 static int ft_punch(DbspFile *f, uint64_t off, uint64_t len) { /* model 2: a write of zeros */
-    FAULT_GUARD("punch hole", f->path);
-    FaultState *s = state_get(f->path, f->fd);
+    FAULT_GUARD(f->vfs, "punch hole", f->path);
+    FaultState *s = state_get(fv, f->path, f->fd);
     uint64_t cur = 0;
     int rc = px_size(f, &cur);
     size_t n = !rc && off < cur ? (size_t)((off + len < cur ? off + len : cur) - off) : 0;
@@ -519,13 +529,13 @@ static int ft_punch(DbspFile *f, uint64_t off, uint64_t len) { /* model 2: a wri
                                f->path);
     else if (!rc && n) data = NULL;
     free(data);
-    pthread_mutex_unlock(&fault_mu);
+    pthread_mutex_unlock(&fv->mu);
     return rc;
 }
 
 static int ft_fsync_dir(DbspVfs *vfs, const char *dirpath) {
-    FAULT_GUARD("fsync directory", dirpath);
-    for (FaultState *s = fault_files; s; s = s->next) {
+    FAULT_GUARD(vfs, "fsync directory", dirpath);
+    for (FaultState *s = fv->files; s; s = s->next) {
         char *d = s->path[0] ? dbsp_path_dirname(s->path) : NULL;
         if (d && strcmp(d, dirpath) == 0) {
             s->created = 0;
@@ -534,19 +544,19 @@ static int ft_fsync_dir(DbspVfs *vfs, const char *dirpath) {
         }
         free(d);
     }
-    pthread_mutex_unlock(&fault_mu);
+    pthread_mutex_unlock(&fv->mu);
     return DBSP_OK;
 }
 
 static int ft_rename(DbspVfs *vfs, const char *from, const char *to) {
-    FAULT_GUARD("rename", from);
+    FAULT_GUARD(vfs, "rename", from);
     int target_existed = access(to, F_OK) == 0;
     int rc = px_rename(vfs, from, to);
     if (rc == DBSP_OK) {
-        for (FaultState *s = fault_files; s; s = s->next) { /* the target's old state is gone; the source moves */
+        for (FaultState *s = fv->files; s; s = s->next) { /* the target's old state is gone; the source moves */
             if (strcmp(s->path, to) == 0) { state_forget(s); s->synced_size = 0; s->path[0] = 0; }
         }
-        for (FaultState *s = fault_files; s; s = s->next) {
+        for (FaultState *s = fv->files; s; s = s->next) {
             if (strcmp(s->path, from) == 0) {
                 char *p = strdup(to);
                 if (p) {
@@ -561,54 +571,74 @@ static int ft_rename(DbspVfs *vfs, const char *from, const char *to) {
             }
         }
     }
-    pthread_mutex_unlock(&fault_mu);
+    pthread_mutex_unlock(&fv->mu);
     return rc;
 }
 
 static int ft_unlink(DbspVfs *vfs, const char *path) {
-    FAULT_GUARD("unlink", path);
+    FAULT_GUARD(vfs, "unlink", path);
     int rc = px_unlink(vfs, path);
     if (rc == DBSP_OK)
-        for (FaultState *s = fault_files; s; s = s->next)
+        for (FaultState *s = fv->files; s; s = s->next)
             if (strcmp(s->path, path) == 0) { state_forget(s); s->path[0] = 0; }
-    pthread_mutex_unlock(&fault_mu);
+    pthread_mutex_unlock(&fv->mu);
     return rc;
 }
 
-static DbspVfs fault_vfs = {"fault", ft_open, ft_close, ft_pread, ft_pwrite, ft_fsync,
-                            ft_size, ft_truncate, ft_fsync_dir, ft_rename, ft_unlink, ft_punch};
+#define FAULT_TABLE {"fault", ft_open, ft_close, ft_pread, ft_pwrite, ft_fsync, \
+                     ft_size, ft_truncate, ft_fsync_dir, ft_rename, ft_unlink, ft_punch}
 
-DbspVfs *dbsp_vfs_fault(void) { return &fault_vfs; }
+static FaultVfs fault_vfs = {FAULT_TABLE, PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, 0, 0, EIO, 0, NULL};
 
-void dbsp_vfs_fault_arm(uint64_t crash_at, int mode, uint64_t seed, uint64_t error_at, int error_errno) {
-    pthread_mutex_lock(&fault_mu);
-    fault_free_all();
-    fault_ops = 0;
-    fault_crash_at = crash_at;
-    fault_mode = mode;
-    fault_seed = seed;
-    fault_error_at = error_at;
-    fault_errno = error_errno ? error_errno : EIO;
-    fault_crashed = 0;
-    pthread_mutex_unlock(&fault_mu);
+DbspVfs *dbsp_vfs_fault(void) { return &fault_vfs.base; }
+
+DbspVfs *dbsp_vfs_fault_new(void) {
+    static const DbspVfs table = FAULT_TABLE;
+    FaultVfs *fv = calloc(1, sizeof *fv);
+    if (!fv) return NULL;
+    fv->base = table;
+    fv->err = EIO;
+    if (pthread_mutex_init(&fv->mu, NULL) != 0) {
+        free(fv);
+        return NULL;
+    }
+    return &fv->base;
 }
 
-uint64_t dbsp_vfs_fault_ops(void) {
-    pthread_mutex_lock(&fault_mu);
-    uint64_t n = fault_ops;
-    pthread_mutex_unlock(&fault_mu);
+void dbsp_vfs_fault_arm(DbspVfs *vfs, uint64_t crash_at, int mode, uint64_t seed, uint64_t error_at,
+                        int error_errno) {
+    FaultVfs *fv = (FaultVfs *)vfs;
+    pthread_mutex_lock(&fv->mu);
+    fault_free_all(fv);
+    fv->ops = 0;
+    fv->crash_at = crash_at;
+    fv->mode = mode;
+    fv->seed = seed;
+    fv->error_at = error_at;
+    fv->err = error_errno ? error_errno : EIO;
+    fv->crashed = 0;
+    pthread_mutex_unlock(&fv->mu);
+}
+
+uint64_t dbsp_vfs_fault_ops(DbspVfs *vfs) {
+    FaultVfs *fv = (FaultVfs *)vfs;
+    pthread_mutex_lock(&fv->mu);
+    uint64_t n = fv->ops;
+    pthread_mutex_unlock(&fv->mu);
     return n;
 }
 
-int dbsp_vfs_fault_crashed(void) {
-    pthread_mutex_lock(&fault_mu);
-    int c = fault_crashed;
-    pthread_mutex_unlock(&fault_mu);
+int dbsp_vfs_fault_crashed(DbspVfs *vfs) {
+    FaultVfs *fv = (FaultVfs *)vfs;
+    pthread_mutex_lock(&fv->mu);
+    int c = fv->crashed;
+    pthread_mutex_unlock(&fv->mu);
     return c;
 }
 
-void dbsp_vfs_fault_crash_now(int mode, uint64_t seed) {
-    pthread_mutex_lock(&fault_mu);
-    if (!fault_crashed) fault_do_crash(mode, seed);
-    pthread_mutex_unlock(&fault_mu);
+void dbsp_vfs_fault_crash_now(DbspVfs *vfs, int mode, uint64_t seed) {
+    FaultVfs *fv = (FaultVfs *)vfs;
+    pthread_mutex_lock(&fv->mu);
+    if (!fv->crashed) fault_do_crash(fv, mode, seed);
+    pthread_mutex_unlock(&fv->mu);
 }

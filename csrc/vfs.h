@@ -49,11 +49,14 @@ struct DbspFile {
 /* The process-wide POSIX implementation. */
 DbspVfs *dbsp_vfs_posix(void);
 
-/* The process-wide fault-injecting implementation (wraps POSIX; one global controller, thread-safe).
+/* The process-wide fault-injecting implementation (wraps POSIX; thread-safe).
  * It counts every open/pread/pwrite/fsync/size/truncate/fsync_dir/rename/unlink/punch as one operation.
  * Unsynced writes (punches and truncates of a file with unsynced writes included) are remembered per file (with the
  * bytes they overwrote) until fsync (or a truncate of a file with none). */
 DbspVfs *dbsp_vfs_fault(void);
+/* A new fault-injecting implementation with a counter, arming and remembered writes of its own (vfs.c model 6);
+ * NULL when out of memory. Never freed (a file may point at it; arm frees what it remembers). */
+DbspVfs *dbsp_vfs_fault_new(void);
 
 /* Damage applied to unsynced writes when the fault VFS simulates a crash. */
 enum {
@@ -64,18 +67,20 @@ enum {
     DBSP_CRASH_CHAOS = 4    /* a random subset, each possibly torn at a random byte */
 };
 
-/* Arms the fault VFS: the operation numbered `crash_at` (1-based; 0 = never) simulates a crash with `mode`
+/* The calls below take a fault VFS (dbsp_vfs_fault() or one of dbsp_vfs_fault_new()) and act on it alone.
+ * Arms the fault VFS: the operation numbered `crash_at` (1-based; 0 = never) simulates a crash with `mode`
  * (using `seed` for the random choices) instead of running, and every later operation fails with DBSP_ECRASHED.
  * The operation numbered `error_at` (0 = never) fails once with `error_errno` (EIO, ENOSPC or EOPNOTSUPP: the
  * operation is not supported, DBSP_ENOTSUP) and does nothing.
  * Resets the operation counter and forgets all remembered writes. */
-void dbsp_vfs_fault_arm(uint64_t crash_at, int mode, uint64_t seed, uint64_t error_at, int error_errno);
+void dbsp_vfs_fault_arm(DbspVfs *vfs, uint64_t crash_at, int mode, uint64_t seed, uint64_t error_at,
+                        int error_errno);
 /* Number of operations counted since the last arm. */
-uint64_t dbsp_vfs_fault_ops(void);
+uint64_t dbsp_vfs_fault_ops(DbspVfs *vfs);
 /* 1 once a crash has been simulated since the last arm. */
-int dbsp_vfs_fault_crashed(void);
+int dbsp_vfs_fault_crashed(DbspVfs *vfs);
 /* Simulates a crash now (same as reaching crash_at). */
-void dbsp_vfs_fault_crash_now(int mode, uint64_t seed);
+void dbsp_vfs_fault_crash_now(DbspVfs *vfs, int mode, uint64_t seed);
 
 /* OS locks (flock(2): per open file, so two opens in one process exclude each other too; released when the file
  * is closed or its process dies). dbsp_vfs_lock takes an exclusive (writer) or shared (reader) lock on an open

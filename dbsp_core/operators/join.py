@@ -156,12 +156,12 @@ def inner_change(op: Join, left: Trace, right: Trace, da: "IndexedZSet | None", 
         for batch in right.walked(da.key_hash):
             d, _ = right.narrowed(batch, da)  # a spilled batch: only the change rows its filter may hold
             if d is not None:  # (in pieces when the walk would map much of a spilled batch: trace/spill.py 12)
-                parts.extend(right.in_pieces(batch, d, lambda piece, batch=batch: pairs(piece, batch)))
+                parts.extend(right.in_pieces(batch, d, lambda piece, batch=batch: pairs(piece, batch), len(da)))
     if db is not None and len(db):
         for batch in left.walked(db.key_hash):
             d, _ = left.narrowed(batch, db)
             if d is not None:
-                parts.extend(left.in_pieces(batch, d, lambda piece, batch=batch: pairs(batch, piece)))
+                parts.extend(left.in_pieces(batch, d, lambda piece, batch=batch: pairs(batch, piece), len(db)))
     return [p for p in parts if p is not None]
 
 

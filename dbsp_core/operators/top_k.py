@@ -36,7 +36,8 @@ Invariants:
      (a retraction cancels the shown row it deletes) and takes their top rows. ``grows`` is not part of the
      circuit's fingerprint (circuit.py ``_node_text``): it changes the state kept, not the rows shown, so a
      directory written by the general form (before this invariant) opens with the same circuit, its ``shown``
-     trace serving the growing form as it stands (its ``input`` table is left unread in the state database).
+     trace serving the growing form as it stands (its ``input`` table, which nothing reads, is deleted with the
+     batch files only it names by the first checkpoint after the reopen: storage/snapshot.py invariant 10).
 """
 
 from __future__ import annotations

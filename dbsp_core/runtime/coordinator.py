@@ -58,7 +58,7 @@ class WorkerStore:
                                     f"{self.layout.epoch} ({self.layout.shards} shards) and this is worker "
                                     f"{self.index}: LAYOUT or RESCALE does not belong with the state; restore the "
                                     f"directory from a backup (`dbsp repair DIR` lists the damage)")
-            self.snapshot.load(self.handle, where, renames=self.renames)
+            self.snapshot.load(self.handle, where, renames=self.renames, drop_unread=True)
             self.renames = None
         self._paused = None
         return self.step

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dbsp_core.errors import CorruptionError, FormatVersionError, StorageError
 from dbsp_core.storage.database import SHARD_PREFIX_BYTES, Database, DatabaseHandle, shard_key, shard_of_key
-from dbsp_core.storage.faults import FaultInjector
+from dbsp_core.storage.faults import FaultInjector, FaultVfs
 from dbsp_core.storage.steplog import LogRecord, StepLog
 
-__all__ = ["CorruptionError", "Database", "DatabaseHandle", "FaultInjector", "FormatVersionError", "LogRecord",
+__all__ = ["CorruptionError", "Database", "DatabaseHandle", "FaultInjector", "FaultVfs", "FormatVersionError", "LogRecord",
            "SHARD_PREFIX_BYTES", "StepLog", "StorageError", "shard_key", "shard_of_key"]

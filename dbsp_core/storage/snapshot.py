@@ -42,6 +42,12 @@ Invariants (enforced here):
      node ``renames[n]`` wrote and leaves a node ``renames`` does not name empty; the next save then deletes
      every state table the database held (values and order records) and writes all state again under the
      current node numbers, in one commit, so a database never mixes two circuits' numbering.
+ 10. A load with ``drop_unread`` (a worker's whole state, the embedded coordinator's) that finds a stored state
+     table no instance reads any more (an engine upgrade changed the state an operator keeps: operators/top_k.py
+     invariant 7 left the general top-k's ``input`` table) has the next save delete it, values and order record;
+     the batch files its values name count as named (:meth:`WorkerSnapshot.referenced`) until that save, so the
+     opened checkpoint's files stay on disk until a checkpoint that no longer names them has committed
+     (dbsp_core/trace/spill.py invariant 13), and a crash before it reopens the same directory.
 """
 
 from __future__ import annotations
@@ -567,7 +573,8 @@ class WorkerSnapshot:
         return self.apply(h, self.prepare())
 
     def load(self, h: DatabaseHandle, where: str, reuse: "WorkerSnapshot | None" = None,
-             listing: dict[str, list[bytes]] | None = None, renames: dict[int, int] | None = None) -> int:
+             listing: dict[str, list[bytes]] | None = None, renames: dict[int, int] | None = None,
+             drop_unread: bool = False) -> int:
         """Restore the state saved by :meth:`save` into fresh instances; returns the number of rows loaded.
 
         ``reuse``: an older snapshot of the same worker's state, saved into an earlier version of the same
@@ -577,6 +584,8 @@ class WorkerSnapshot:
         a log of the saves since ``reuse``): the tables are then not scanned and only values of batches not
         taken from ``reuse`` are read.
         ``renames``: ``{node: node whose tables hold its state}`` after a program change (invariant 9).
+        ``drop_unread``: ``instances`` are all the state ``h`` holds; a stored table none reads is deleted by the
+        next save (invariant 10).
         """
         known: dict[str, dict[bytes, tuple[Any, list[bytes]]]] = {}
         if reuse is not None:
@@ -611,7 +620,25 @@ class WorkerSnapshot:
                 rows += z.num_rows
         if renames is not None:
             self._drop_all(h)
+        elif drop_unread:
+            self._drop_unread(h, where)
         return rows
+
+    def _drop_unread(self, h: DatabaseHandle, where: str) -> None:
+        """Invariant 10: every stored state table that no instance reads (and its order record) is deleted by the
+        next save; the batch files its values name stay named until then."""
+        read = set(self.tables())
+        for table in h.tables():
+            if not is_state_table(table) or table in read:
+                continue
+            keys = []
+            for k, v in h.scan(table):
+                keys.append(k)
+                if v[:4] == BATCH_REF_MAGIC:
+                    self._key_file[k] = str(decode_json(BATCH_REF_MAGIC, v, f"{where} {table}")["file"])
+            self._dropped.append((table, keys))
+            if h.get(SNAPSHOT_TABLE, order_key(table)) is not None:
+                self._dropped.append((SNAPSHOT_TABLE, [order_key(table)]))
 
     def _drop_all(self, h: DatabaseHandle) -> None:
         """Invariant 9: every stored state table (and trace order record) is deleted by the next save, and every

@@ -754,12 +754,14 @@ class Trace(KeyIndexed):
             self.prefetch(out, keys, row_hashes=False)
         return out
 
-    def pieces(self, b: "IndexedZSet", n: int) -> Iterable[tuple[int, int]]:
-        """The (lo, hi) ranges of ``n`` change rows (key-hash order) a walk over batch ``b`` takes in turn: (0, n)
-        unless ``b`` is spilled and the walk would map more of its file than a piece may (spill.py ``walk_pieces``,
-        invariant 12 "mapped"); then its mapping is dropped after each piece (as the next range is asked for)."""
+    def pieces(self, b: "IndexedZSet", n: int, walk_rows: int | None = None) -> Iterable[tuple[int, int]]:
+        """The (lo, hi) ranges of ``n`` change rows (key-hash order) a walk over batch ``b`` takes in turn, part of a
+        walk of ``walk_rows`` change rows over every batch (``n`` unless given): (0, n) unless ``b`` is spilled and
+        the walk would map more than a piece may (spill.py ``walk_pieces``, invariant 12 "mapped": what the walks
+        before it keep mapped counts too); then its mapping is dropped after each piece (as the next range is asked
+        for)."""
         store = self._store
-        g = store.walk_pieces(b, n) if store is not None else 1
+        g = store.walk_pieces(b, n, walk_rows) if store is not None else 1
         if g == 1:
             return ((0, n),)  # (no generator: a read calls this per batch)
         cuts = np.linspace(0, n, g + 1).astype(np.int64).tolist()
@@ -771,10 +773,10 @@ class Trace(KeyIndexed):
                     store.walked_out(b)
         return cut()
 
-    def in_pieces(self, b: "IndexedZSet", change: "IndexedZSet", walk: Any) -> list:
+    def in_pieces(self, b: "IndexedZSet", change: "IndexedZSet", walk: Any, walk_rows: int | None = None) -> list:
         """What ``walk(piece)`` returns for each piece of ``change`` (an indexed batch) :meth:`pieces` cuts for b."""
         n = len(change)
-        return [walk(change if hi - lo == n else change.slice(lo, hi)) for lo, hi in self.pieces(b, n)]
+        return [walk(change if hi - lo == n else change.slice(lo, hi)) for lo, hi in self.pieces(b, n, walk_rows)]
 
     def prefetch(self, batches: list["IndexedZSet"], hashes: np.ndarray, row_hashes: bool = True) -> None:
         """Before walks seek key hashes ``hashes`` in ``batches``: start reading the pages they will read of the
@@ -977,7 +979,7 @@ class Trace(KeyIndexed):
                     sub, rows = self.narrowed(b, change)  # a spilled batch: the rows its filter may hold
                     if sub is None:
                         continue
-                    for lo, hi in self.pieces(b, len(sub)):
+                    for lo, hi in self.pieces(b, len(sub), len(change)):
                         if hi - lo == len(change):
                             break  # one piece, the whole change: the plain walk below
                         s, part = sub.slice(lo, hi), np.zeros(hi - lo, dtype=np.int64)
@@ -1044,7 +1046,7 @@ class Trace(KeyIndexed):
                     if not keep.any():
                         continue
                     sel = None if keep.all() else np.flatnonzero(keep)
-                for lo, hi in self.pieces(b, len(rows) if sel is None else len(sel)):  # (invariant 12, "mapped")
+                for lo, hi in self.pieces(b, len(rows) if sel is None else len(sel), len(rows)):  # (12, "mapped")
                     p = slice(lo, hi) if sel is None else sel[lo:hi]
                     sub = acc[p]  # (a view of acc for a slice)
                     b._key_sums(view, ppos, khash[p], rows[p], cpos, sub)

@@ -103,7 +103,10 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      change (key-hash order: each piece reads its share of every column, ``Trace.in_pieces``), as many as
      :meth:`walk_pieces` says (each piece maps about ``PIECE_SHARE`` of the limit, at least a unit per column, at most
      ``MAX_PIECES`` pieces), and drop the batch's mapping after each (:meth:`walked_out`: its units then count as not
-     mapped at the next enforce unless read again before it), so such a step maps at most about what the last enforce
+     mapped at the next enforce unless read again before it); the bound is across a thread's walks, not per file: the
+     files walked in one piece each (a tiered level's, each under a piece) stay mapped until they and the next file
+     would map more than a piece, then are dropped first (a walk is big by its whole change's rows, not the rows each
+     file's filter leaves); so such a step maps at most about what the last enforce
      left, a piece and a unit per column where two pieces meet; ``Trace.lookup`` and whole reads are not in pieces
      (their slack is what they map). Reads outside
      a step must go through the store or not touch a spilled batch's pages (metrics' shard bytes use the fence:
@@ -435,6 +438,7 @@ class BatchStore:
         self._mapped_at: dict[int, int] = {}
         self._mapped_bytes = 0  # bytes of the units marked, as of the last enforce (and key indexes held): mapped_bytes
         self._walked_out: set[int] = set()  # ids of batches whose mapping a walk dropped after its last read (12)
+        self._walk_state = threading.local()  # per thread, the files its walks keep mapped (walk_pieces)
         self._generation = 0  # enforce calls that trimmed the cache: the cache's clock
         self._touched: set[int] = set()  # ids of traces read in any way since then (their key index is used: 17)
         # id(key index) -> (its trace, pages it held, clock of its last use), the indexes the cache holds (17)
@@ -514,32 +518,65 @@ class BatchStore:
             self._used.append((trace, b, hashes, rows))
             self._walked_out.discard(id(b))
 
-    def walk_pieces(self, b: "IndexedZSet", rows: int) -> int:
+    def walk_pieces(self, b: "IndexedZSet", rows: int, walk_rows: int | None = None) -> int:
         """In how many pieces a walk of ``rows`` change rows (key-hash order) over batch ``b`` goes (invariant 12,
-        "mapped"): 1 for a batch in memory or without ``WALK_IN_PIECES``; for a spilled one, so that each piece maps at
+        "mapped"), part of a walk of ``walk_rows`` change rows over every batch of a trace (``rows`` unless given;
+        each batch's filter may leave fewer): 1 for a batch in memory, or without ``WALK_IN_PIECES`` for a walk of
+        under ``WALK_PIECES_FROM`` (the whole walk's rows: a big step's walk over a tiered level's files is big, however
+        few of its rows each file's filter leaves); for a spilled one, so that each piece maps at
         most about ``PIECE_SHARE`` of the limit (the rows' units: at most a unit per row and column, at most the file),
         at most ``MAX_PIECES``. The caller walks each piece in turn and calls :meth:`walked_out` after each when more
-        than one."""
+        than one. The bound holds across the walks of a thread between two enforces, not per file: a walk over
+        several files of under a piece each (a tiered level's, levels.py invariant 15) walks each in one piece and
+        keeps it mapped (:meth:`_walks`) until the files so kept and the next one would map more than a piece; then
+        those are dropped first (:meth:`walked_out`, one piece of the walk)."""
         f = self._files.get(id(b))
-        big = self.WALK_PIECES_FROM is not None and rows >= self.WALK_PIECES_FROM
-        if f is None or not self.BOUND_MAPPED or not (self.WALK_IN_PIECES or big) or rows < 2:
+        big = self.WALK_PIECES_FROM is not None and max(rows, walk_rows or 0) >= self.WALK_PIECES_FROM
+        if f is None or not self.BOUND_MAPPED or not (self.WALK_IN_PIECES or big) or rows < 1:
             return 1
         cols = b.zset.data.num_columns + 3  # weights, key hashes, row hashes
         span = min(f.size, rows * cols * MAP_UNIT)
         floor = cols * MAP_UNIT if self.PIECE_MIN is None else self.PIECE_MIN
         piece = max(1, floor, int(self.memory_limit * self.PIECE_SHARE))
-        return int(max(1, min(rows, -(-span // piece), self.MAX_PIECES)))
+        kept = self._walks()
+        if kept.held and kept.span + span > piece:  # with the files walked before, more than a piece: drop them first
+            held, kept.held, kept.span = kept.held, [], 0
+            for i in held:
+                self._drop_walked(i)
+            self.stats["walk_pieces"] += 1
+        n = int(max(1, min(rows, -(-span // piece), self.MAX_PIECES)))
+        if n == 1:  # walked in one piece, kept mapped until the walks after it come to more than a piece
+            kept.held.append(id(b))
+            kept.span += span
+        return n
+
+    def _walks(self) -> Any:
+        """This thread's files walked in one piece since the last enforce and still mapped (``held``: ids of their
+        batches, no reference: a batch merged away meanwhile takes its mapping along), and the units they may map
+        (``span``): :meth:`walk_pieces`. An enforce counts them in the units mapped and bounds them (invariant 12,
+        "mapped"), so a new enforce starts an empty list."""
+        kept = self._walk_state
+        gen = self.stats["enforcements"]
+        if getattr(kept, "gen", None) != gen:
+            kept.gen, kept.held, kept.span = gen, [], 0
+        return kept
 
     def walked_out(self, b: "IndexedZSet") -> None:
         """After a piece of a walk over spilled batch ``b`` (:meth:`walk_pieces`): its mapping is dropped whole, and
         the units its reads marked since are not counted at the next enforce unless it is read again first."""
-        f = self._files.get(id(b))
+        if self._drop_walked(id(b)):
+            self.stats["walk_pieces"] += 1
+
+    def _drop_walked(self, i: int) -> bool:
+        """:meth:`walked_out` of the spilled batch with id ``i``; False when there is none (merged away since; a
+        batch spilled since under a reused id has its mapping dropped instead: a cost, never an error)."""
+        f = self._files.get(i)
         if f is None:
-            return
+            return False
         _drop_mapping(f.map)
         with self._lock:
-            self._walked_out.add(id(b))
-        self.stats["walk_pieces"] += 1
+            self._walked_out.add(i)
+        return True
 
     def prefetch(self, b: "IndexedZSet", hashes: np.ndarray, row_hashes: bool = True) -> int:
         """Before a walk seeks key hashes ``hashes`` in batch ``b``: when ``b`` is spilled, start reading the pages
@@ -748,10 +785,12 @@ class BatchStore:
 
     def checkpointed(self, names: set[str]) -> None:
         """A checkpoint naming exactly the files ``names`` committed (every worker's): files it does not name and
-        no live batch reads are deleted; ``names`` stay pinned until the next one."""
+        no live batch reads are deleted, those of batches gone and those the checkpoint before named without a
+        batch ever reading them (a table no operator reads: snapshot.py invariant 10); ``names`` stay pinned until
+        the next one."""
         with self._lock:
-            self._pinned = set(names)
-            gone = [n for n in self._dead if n not in self._pinned and n not in self._owners]
+            before, self._pinned = self._pinned, set(names)
+            gone = [n for n in self._dead | before if n not in self._pinned and n not in self._owners]
             self._dead.difference_update(gone)
         for n in gone:
             self._delete(n)

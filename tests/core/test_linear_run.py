@@ -306,3 +306,30 @@ def test_one_call_step_past_its_kept_scratch_and_with_most_sums_cancelling(worke
         outs[mode] = got
         assert served >= ((len(VIEWS) if workers == 1 else W2_VIEWS) * (len(steps) - 2) if mode == "c" else 0), served
     assert outs["c"] == outs["python"]
+
+
+@pytest.mark.parametrize("mode", ["c", "python"])
+def test_a_fresh_batch_of_the_group_by_pins_only_its_own_bytes(monkeypatch, mode) -> None:
+    """A step of 5,000 new groups, through the one-call C step (``LinearRun``) and through ``linear_step``: the
+    trace's fresh batch's weights and key hashes hold allocations of their own size (malloc_usable_size, glibc),
+    no slice of a buffer sized for twice the groups, so the budget's count of a batch's bytes (spill.py
+    ``batch_bytes``) is what it pins. Watched fail on the code before: C 80,008 usable bytes under 40,000 (the
+    room kept while the rows filled half of it), Python a slice of a 560,000-byte buffer."""
+    import ctypes
+
+    usable = ctypes.CDLL(None).malloc_usable_size
+    usable.restype, usable.argtypes = ctypes.c_size_t, [ctypes.c_void_p]
+    monkeypatch.setattr(_LinearGroupBy, "C_STEP", mode == "c")
+    c = dbsp.Circuit()
+    t = c.input("t", SCHEMA)
+    c.output("g", t.group_by("k").agg(n=dbsp.count(), total=dbsp.sum("v")))
+    n = 5_000
+    with dbsp.Pipeline(c) as p:
+        p.push("t", pa.table({"k": np.arange(n), "j": np.zeros(n, np.int64), "v": np.arange(n)}, schema=SCHEMA))
+        p.step()
+        assert (_cstep(p) > 0) == (mode == "c")
+        (b,) = [b for tr in p.traces(0).values() for b in tr.batches if len(b)]
+        assert len(b) == n
+        for a in (b.zset.weights, b.key_hash):
+            assert not isinstance(a.base, np.ndarray) or a.base.nbytes == a.nbytes, (a.base.nbytes, a.nbytes)
+            assert usable(a.ctypes.data) < a.nbytes + 64, (usable(a.ctypes.data), a.nbytes)

@@ -192,3 +192,37 @@ def test_walks_in_pieces_find_what_whole_walks_find(monkeypatch) -> None:
             want[kk] += vv * c
         keys = probe.column("k").to_pylist()
         assert [int(sums[i, 0]) for i in range(len(at))] == [want[keys[j]] for j in at.tolist()], SEED
+
+
+def test_a_big_walk_over_several_files_under_a_piece_each_maps_about_a_piece() -> None:
+    """A walk over a trace of five spilled files of ~3.6 MiB each (tiered levels, levels.py invariant 15: each file
+    under a piece, ``cols`` units of 2 MiB = 10 MiB) by a change of ~90k rows (a big walk, ``WALK_PIECES_FROM``): the
+    walk bounds what it maps across its files, not per file (invariant 12, "mapped"), so when it ends the files' Rss
+    (smaps) is at most a piece; the weights found are the same trace's in memory. Watched fail on the code that
+    bounded each file alone (each walked in one piece and left mapped: 17.5 MiB of the files, no drop)."""
+    from dbsp_core import ZSet
+    from dbsp_core.trace import Trace, spill
+
+    rng = np.random.default_rng(SEED)
+    mem, disk = Trace(SCHEMA, ("k",)), Trace(SCHEMA, ("k",))
+    with BatchStore(8 << 20) as store, spilling(store):
+        for _ in range(6):
+            k, v = rng.integers(0, 100_000, 100_000), rng.integers(0, 5, 100_000)
+            z = ZSet.from_arrow(pa.table({"k": k, "v": v}, schema=SCHEMA)).index_by(["k"])
+            mem.insert(z)
+            disk.insert(z)
+            store.settle()
+            store.enforce()
+            store.settle()
+        files = [store.file_of(b) for b in disk.batches if store.is_spilled(b)]
+        piece = (len(SCHEMA) + 3) * spill.MAP_UNIT  # a unit per column: more than the budget's PIECE_SHARE
+        assert len(files) >= 4 and sum(f.size for f in files) > piece > max(f.size for f in files), (
+            [f.size for f in files], SEED)
+        k, v = rng.integers(0, 100_000, 150_000), rng.integers(0, 5, 150_000)
+        change = ZSet.from_arrow(pa.table({"k": k, "v": v}, schema=SCHEMA)).consolidate().index_by(["k"])
+        before = store.stats["walk_pieces"]
+        got = disk.match_weights(change)
+        rss = sum(_rss(f.map) for f in files)
+        assert rss <= piece, (rss, piece, store.stats["walk_pieces"] - before, SEED)
+        assert store.stats["walk_pieces"] > before, store.stats  # (the walk was big enough to go in pieces)
+        assert np.array_equal(got, mem.match_weights(change)), SEED

@@ -17,7 +17,6 @@ import dbsp_core as dbsp
 import dbsp_core.runtime.embedded as embedded
 from dbsp_core import _zset
 from dbsp_core.runtime.embedded import EmbeddedExecutor
-from dbsp_core.trace import Trace
 from dbsp_core.trace.spill import BatchStore
 from dbsp_core.zset import ZSet
 
@@ -44,7 +43,8 @@ def test_a_one_push_load_keeps_its_caches_within_the_budget_and_equals_the_unbud
     thread's C scratch cache holds at most ``SCRATCH_SHARE`` of the budget and the region cache at most
     ``REGION_CACHE_SHARE``; no piece's output is alive when the step's sum is hashed. Watched fail with the scratch
     cache left at 512 MiB a thread (main's: 37.9 MiB held at a piece's end against 0.5) and with the pieces' outputs
-    kept beside their sum (main's: 8 alive), and with ``WALK_PIECES_FROM`` None (main's: no walk in pieces)."""
+    kept beside their sum (main's: 8 alive), and with ``WALK_PIECES_FROM`` None (main's: no walk in pieces), and at the
+    default FAN_IN with walks bounded per file (the tiered levels' files are each under a piece: no walk in pieces)."""
     rng = np.random.default_rng(SEED)
     seen = {"scratch": [], "region": [], "alive": 0, "sums": 0}
     trim = embedded.release_memory
@@ -76,10 +76,6 @@ def test_a_one_push_load_keeps_its_caches_within_the_budget_and_equals_the_unbud
     monkeypatch.setattr(embedded, "concat", watched_concat)
     monkeypatch.setattr(ZSet, "_distinct_unsorted", watched_distinct)
 
-    # two-way merges of spilled levels (levels.py invariant 15), so that the auctions end in one file bigger than a
-    # walk's piece: with tiered levels (FAN_IN 8) they stay in files of under a piece each, and each walk over one
-    # is one piece (walk_pieces stays 0); what a walk over several such files keeps mapped is bounded per file only
-    monkeypatch.setattr(Trace, "FAN_IN", 2)
     split = dbsp.Pipeline(_circuit(), executor=EmbeddedExecutor(background_merge=True), memory_limit=LIMIT)
     whole = dbsp.Pipeline(_circuit())
     try:
