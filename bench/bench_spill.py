@@ -209,7 +209,7 @@ def measure(p: dbsp.Pipeline, rng, query: str, groups: int, args, loaded: list, 
                 k += 1
             pr.disable()
             print(f"  {query} {'spilled' if store is not None else 'memory'}: cProfile of {args.profile} steps", flush=True)
-            pstats.Stats(pr).sort_stats("tottime").print_stats(22)
+            pstats.Stats(pr).sort_stats(os.environ.get("BENCH_PROFILE_SORT", "tottime")).print_stats(22)
         pages, cold, majflt, fetched = [], [], [], []
         for _ in range(args.cold):
             drop_pages(store)
