@@ -143,7 +143,9 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      and returns; the walks then find the pages in the page cache (or being read) instead of waiting for each
      fault in turn, so a cold step waits for about one disk round trip instead of one per page. It is done while
      the files do not fit the page cache (``PREFETCH`` "auto": the last step read pages from the disk, measured by
-     ``enforce``); when they do, a step's pages are minor faults and the calls would cost it for nothing.
+     ``enforce``, at least ``PREFETCH_FROM`` and ``PREFETCH_SHARE`` of the pages its lookups missed in the cache);
+     when they do, a step's pages are minor faults and the calls would cost it for nothing (a few pages the host took
+     back from a warm step do not turn it on).
 
  13. Checkpoints name files, not rows (a durable pipeline's store: files under ``<storage>/spill``, fsynced with
      their directory before the batch is switched to them, so before any checkpoint can name them): a checkpoint
