@@ -144,6 +144,12 @@ def run(query: str, state: int, groups: int, args, limit) -> list[dict] | None:
         r, k = measure(p, rng, query, groups, args, loaded, k)
         r.update(load_s=load_s, prefetch=prefetch)
         out.append(r)
+    if store is not None:
+        for i, t in enumerate(p.executor._all_traces()):  # the files a lookup may touch: per trace, its batches and the spilled ones
+            bs = t._levels()
+            print(f"  {query} trace {i} (key {list(t.key)}): {len(bs)} batches ({sum(len(b) for b in bs):,} rows), "
+                  f"{sum(1 for b in bs if store.is_spilled(b))} spilled, levels {[lv for lv, _, _ in t.levels()]}",
+                  flush=True)
     p.close()
     return out
 
@@ -193,6 +199,17 @@ def measure(p: dbsp.Pipeline, rng, query: str, groups: int, args, loaded: list, 
                    # a read of some keys asks each spilled batch's Bloom filter for every key: about (change keys) x
                    # (spilled batches of the traces the step reads) probes a step
                    spilled_batches=sum(1 for t in p.executor._all_traces() for b in t._levels() if store.is_spilled(b)))
+        if args.profile:
+            import cProfile
+            import pstats
+            pr = cProfile.Profile(time.thread_time)  # CPU of the stepping thread: a loaded host's preemption not counted
+            pr.enable()
+            for _ in range(args.profile):
+                one_step(p, rng, query, groups, args.change, loaded, k)
+                k += 1
+            pr.disable()
+            print(f"  {query} {'spilled' if store is not None else 'memory'}: cProfile of {args.profile} steps", flush=True)
+            pstats.Stats(pr).sort_stats(os.environ.get("BENCH_PROFILE_SORT", "tottime")).print_stats(22)
         pages, cold, majflt, fetched = [], [], [], []
         for _ in range(args.cold):
             drop_pages(store)
@@ -300,6 +317,8 @@ def main() -> int:
                     "with --steps and --cold steps: auto, on, off, or alternated (off,on,...): BatchStore.PREFETCH")
     ap.add_argument("--modes", default="memory,spilled", help="which pipelines run (a state too big for memory: "
                     "spilled only)")
+    ap.add_argument("--profile", type=int, default=0, help="after the measured steps, this many more under cProfile "
+                    "(the stepping thread's CPU; its top functions by own time printed; the measured figures are taken before)")
     ap.add_argument("--watch-pieces", action="store_true", help="also sample RssFile before each piece of a walk "
                     "drops its mapping (the peak within a step; costs the steps a /proc read per piece)")
     args = ap.parse_args()

@@ -27,7 +27,8 @@ Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them
 - ``DBSP_REGION_CACHE_MB`` (csrc/scratch.c reads it itself; checked here): MiB of freed mapped regions the C core
   keeps for reuse, a whole number >= 0 (default 256).
 - ``DBSP_HUGEPAGES`` (csrc/scratch.c reads it itself; checked here): ``1``: the C core's buffers of 2 MiB and more
-  (key indexes' included) are madvised for transparent huge pages; ``0``: never (default 1; csrc/scratch.c design note 2 has the measured
+  (key indexes' included) are madvised for transparent huge pages, and so is the scratch mapping of a merge output built
+  on disk (bindings/merge.pxi ``HUGE_SCRATCH``: its page cache in 2 MiB folios); ``0``: never (default 1; csrc/scratch.c design note 2 has the measured
   gain and the compaction stalls that ``0`` avoids on a host whose free memory is fragmented).
 - ``DBSP_MEMORY_LIMIT`` (runtime/driver.py): the memory budget of a pipeline's traces when ``Pipeline(...,
   memory_limit=)`` is not given, bytes or a size such as ``4GiB`` (default: none; an embedded pipeline's only: a

@@ -61,7 +61,10 @@ Invariants (enforced here; checked by :func:`verify`):
      the page cache hold it as one folio (Linux's large folios, ext4 from 6.16, xfs), which the mapping maps with one
      PMD entry at a read fault and unmaps as one at an eviction (dbsp_core/trace/spill.py invariant 12), where pieces
      from offset 64 left about half of each file in smaller folios, mapped and unmapped a page-table entry per 4 KiB.
-     The bytes written are the same; only the cuts between the VFS's pwrites move. A piece read from a mapping whose
+     The bytes written are the same; only the cuts between the VFS's pwrites move. A file made in place from a
+     merge's scratch file (invariant 7), whose rows the merge wrote through a shared mapping, gets 2 MiB folios from
+     that mapping's MADV_HUGEPAGE (bindings/merge.pxi ``HUGE_SCRATCH``): without it the page cache took those writes
+     in a mix of small folios, and every compacted state's steps faulted 64 KiB at a time. A piece read from a mapping whose
      pages were dropped (a merge built on disk, ``drop``) is mapped first (:func:`_touch`): the kernel's copy from
      pages not mapped comes up short and it retries in smaller folios.
   7. A merge output built on disk becomes its batch file in place (:func:`write_in_place`, spill.py ``IN_PLACE``):

@@ -605,8 +605,12 @@ class Trace(KeyIndexed):
         """Install the merges the merge thread has finished (invariant 10), from any thread while the inserting one
         is between steps, so a checkpoint or a layout change sees merged batches; with ``thread``, also start the
         merges the installed outputs make possible and hand them to it. Merges nothing, waits for nothing; returns
-        the merges installed."""
-        if not self._handed:
+        the merges installed. With ``thread``, a shareable merge the inserting thread kept for itself (due: its level
+        filled up, so ``_merge_levels`` advanced it by fuel and handed nothing) is handed too: else a settle
+        (``EmbeddedExecutor.settle_merges``) left it unfinished and ``compact_spilled`` skipped its level (a 30M-row
+        distinct kept 8 spilled batches after a load; bench/RESULTS.md, 2026-11-29, branch r31-flat100)."""
+        if not self._handed and (thread is None or not any(
+                lv.merge is not None and lv.merge.shared is not None for lv in self._by_level)):
             return 0
         installed, handed = 0, False
         for lvl in range(len(self._by_level)):  # a level's output lands higher up: one pass sees it
@@ -620,6 +624,7 @@ class Trace(KeyIndexed):
                 m = self._start_merge(lvl, True)
             handed = handed or (m is not None and m.shared is not None)
         if thread is not None and handed:
+            self._handed = True
             thread.submit(self)
         return installed
 

@@ -147,7 +147,9 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      and returns; the walks then find the pages in the page cache (or being read) instead of waiting for each
      fault in turn, so a cold step waits for about one disk round trip instead of one per page. It is done while
      the files do not fit the page cache (``PREFETCH`` "auto": the last step read pages from the disk, measured by
-     ``enforce``); when they do, a step's pages are minor faults and the calls would cost it for nothing.
+     ``enforce``, at least ``PREFETCH_FROM`` and ``PREFETCH_SHARE`` of the pages its lookups missed in the cache);
+     when they do, a step's pages are minor faults and the calls would cost it for nothing (a few pages the host took
+     back from a warm step do not turn it on).
 
  13. Checkpoints name files, not rows (a durable pipeline's store: files under ``<storage>/spill``, fsynced with
      their directory before the batch is switched to them, so before any checkpoint can name them): a checkpoint
@@ -362,6 +364,12 @@ class BatchStore:
     # enforces: the files outgrow the page cache, so a walk would wait for each), "on" always, "off" never
     PREFETCH = "auto"
     PREFETCH_FROM = 16
+    # ... and at least PREFETCH_SHARE of the pages the last step's reads of some keys missed in the cache (so read
+    # from the page cache or the disk): a warm step whose few pages came from the disk (the host's other work took
+    # them back: 5 major faults in a 100M-row join step's ~4,500 misses) does not make the next step ask for all of
+    # its pages; a spurious prefetch cost a 10M-row join step +1.7-2.0 ms of CPU (3.3-3.6 -> 5.3 ms; bench/RESULTS.md,
+    # 2026-11-29, branch r31-flat100). 0: PREFETCH_FROM alone decides, as before
+    PREFETCH_SHARE = 0.125
     # whether an eviction also drops the pages mapped around its pages' faults (invariant 12, ``_around``): the
     # files' Rss falls toward the cache's pages (a 10M-row join under 100 MiB: 175 -> 108 MiB, the cache 25 MiB) and
     # warm steps fault more (+22-49% a step there: bench/RESULTS.md, 2026-11-29); off, as before, until the budget's
@@ -457,6 +465,7 @@ class BatchStore:
         self._reads_before = 0  # the process's pages read from the disk at the last enforce (_measure_reads)
         self._measure_reads()
         self._from_disk = self.PREFETCH_FROM  # those read during the last step: at first, the files count as cold
+        self._step_misses = 0  # pages the reads accounted at the last enforce missed in the cache (PREFETCH_SHARE)
         self._token = os.urandom(6).hex()  # names never reused, even by a later process with the same pid
         # the C caches count in the budget's overhead: each at most its share while this store is open, or lower
         # (DBSP_REGION_CACHE_MB, DBSP_SCRATCH_MB, another store's smaller share: _SharedLimit)
@@ -612,10 +621,11 @@ class BatchStore:
 
     def prefetching(self) -> bool:
         """Whether reads of some keys prefetch their pages now (``PREFETCH``; "auto": the last step read pages from
-        the disk, as :meth:`enforce` measured: when the files sit in the page cache a prefetch costs a step a
-        madvise per run of pages and saves nothing, and the first step that faults pages from the disk again turns
-        it back on)."""
-        return self.PREFETCH == "on" or (self.PREFETCH == "auto" and self._from_disk >= self.PREFETCH_FROM)
+        the disk, as :meth:`enforce` measured, at least ``PREFETCH_FROM`` and ``PREFETCH_SHARE`` of the pages its
+        reads missed in the cache: when the files sit in the page cache a prefetch costs a step a madvise per run
+        of pages and saves nothing, and the first step that faults pages from the disk again turns it back on)."""
+        return self.PREFETCH == "on" or (self.PREFETCH == "auto" and self._from_disk >= max(
+            self.PREFETCH_FROM, int(self.PREFETCH_SHARE * self._step_misses)))
 
     def _measure_reads(self) -> None:
         """Pages the process read from the disk since the last call (major faults and blocks read: a prefetch's
@@ -1065,6 +1075,7 @@ class BatchStore:
             for t in traces:
                 if id(t) in whole:
                     used.extend((t, b, None, None) for b in t._levels() if id(b) in self._files)
+        self._step_misses = 0
         indexes = [(t, ix) for t in traces if id(t) in touched
                    for ix in (t.held_index,) if ix is not None and ix.nbytes >= self.INDEX_FILE_MIN]
         if not used and not indexes and self._cached == 0 and self._mapped_bytes == 0:
@@ -1073,12 +1084,12 @@ class BatchStore:
         for t, b, hashes, rows in used:
             f = self._files.get(id(b))
             if f is not None:
-                located.append((t, id(b), f, self._pages_used(b, f, hashes, rows)))
+                located.append((t, id(b), f, self._pages_used(b, f, hashes, rows), hashes is not None))
         del used
         with self._lock:  # batches may die (and leave the cache) on other threads meanwhile
             self._generation += 1
             now = self._generation
-            for t, key, f, pages in located:
+            for t, key, f, pages, sought in located:
                 if key not in self._files:
                     continue
                 clock = self._resident.get(key)
@@ -1088,6 +1099,8 @@ class BatchStore:
                 new = int(np.count_nonzero(before == 0))
                 self._count(t, len(pages) - new, new)
                 self._cached += new
+                if sought:  # (a read of every page, a merge's say, is no measure of a step's lookups)
+                    self._step_misses += new
                 clock[pages] = now
                 self._rounds.append((now, key, pages))
                 marks = self._mapped.get(key)

@@ -890,3 +890,87 @@ def test_a_restored_trace_never_read_spills_its_pending_batches_and_merges_again
             assert not t.pending and all(store.is_spilled(b) for b in loose), f"seed {SEED}"
             t.check()
             assert t.consolidated().zset.to_dict() == {r: w for r, w in model.items() if w}, f"seed {SEED}"
+
+
+def test_a_warm_step_with_a_few_pages_from_the_disk_does_not_prefetch_the_next(monkeypatch) -> None:
+    """``PREFETCH`` "auto" (spill.py invariant 12, ``BatchStore.prefetching``): the next step asks for its pages
+    ahead only when the last one read from the disk at least ``PREFETCH_FROM`` pages and ``PREFETCH_SHARE`` of the
+    pages its lookups missed in the cache. A warm step of a big state whose few pages the host took back (tens read
+    from the disk among ~1,000 missed) used to turn the prefetch on for the next step, which then paid a madvise per
+    run of its pages for nothing (a 10M-row join step +1.7-2.0 ms of CPU). The step's measured reads are set by hand
+    (``_from_disk``: what getrusage would have said); the misses are the step's own. Outputs as the dict model's."""
+    from collections import Counter
+
+    import numpy as np
+    from dbsp_core.runtime.embedded import EmbeddedExecutor
+
+    rng = np.random.default_rng(SEED)
+    c = dbsp.Circuit()
+    left = c.input("l", pa.schema([("a", pa.int64()), ("x", pa.int64())]))
+    right = c.input("r", pa.schema([("id", pa.int64()), ("y", pa.int64())]))
+    c.output("v", left.join(right, left_on="a", right_on="id"))
+    n = 300_000
+    p = dbsp.Pipeline(c, executor=EmbeddedExecutor(background_merge=False), memory_limit=4 << 20)
+    try:
+        ys = rng.integers(0, 1000, n)
+        store = _spill_right_side(p, ys)
+        monkeypatch.setattr(BatchStore, "PREFETCH", "auto")
+        monkeypatch.setattr(BatchStore, "PREFETCH_FROM", 16)
+        for s, cold in enumerate([True, True, False, False, True]):  # cold: all of the step's misses from the disk
+            keys = rng.choice(n, 300, replace=False)  # new keys: their pages missed in the cache
+            x = rng.integers(0, 100, len(keys))
+            before = store.stats["pages_prefetched"]
+            p.push("l", pa.table({"a": keys, "x": x}))
+            out = p.step()
+            assert Counter(out["v"].to_dict()) == Counter({(int(a), int(b), int(a), int(ys[a])): 1
+                                                           for a, b in zip(keys, x)}), (s, SEED)
+            if s > 0:  # what the step before it measured decides
+                assert (store.stats["pages_prefetched"] > before) == want, (s, SEED)
+            misses = store._step_misses
+            assert misses >= 300, misses  # ~4 pages a present key (key hashes, weights, id, y)
+            # the step's pages from the disk: all of its misses, or a few (40: over PREFETCH_FROM, under 1/8 of them)
+            store._from_disk = misses if cold else 40
+            want = cold
+    finally:
+        p.close()
+
+
+def test_a_small_steps_lookups_and_pages_are_bounded_by_its_keys_and_files(monkeypatch) -> None:
+    """Issue 31's lookup bound, counted by the store (spill.py invariants 12, 15, 16): a step that changes k keys of a
+    spilled join side seeks at most its present keys (plus the filter's false positives) in each spilled batch, and
+    the pages its reads use (the cache's hits + misses: the fence-located key-hash block and each column's pages of
+    the rows found) are O(k x files), however big the files. Steps of 150 present and 150 absent keys: sought <= 1.1 x
+    150 x files + 10, pages <= 8 per key sought + 4 per file. Outputs as the dict model's. Fails with the filters
+    off (every absent key sought)."""
+    from collections import Counter
+
+    import numpy as np
+    from dbsp_core.runtime.embedded import EmbeddedExecutor
+
+    rng = np.random.default_rng(SEED)
+    c = dbsp.Circuit()
+    left = c.input("l", pa.schema([("a", pa.int64()), ("x", pa.int64())]))
+    right = c.input("r", pa.schema([("id", pa.int64()), ("y", pa.int64())]))
+    c.output("v", left.join(right, left_on="a", right_on="id"))
+    n = 300_000
+    p = dbsp.Pipeline(c, executor=EmbeddedExecutor(background_merge=False), memory_limit=4 << 20)
+    try:
+        ys = rng.integers(0, 1000, n)
+        store = _spill_right_side(p, ys)
+        files = sum(1 for t in p.executor._all_traces() for b in t._levels() if store.is_spilled(b))
+        assert files >= 1
+        for s in range(4):
+            keys = np.concatenate([rng.choice(n, 150, replace=False), n + rng.choice(10 * n, 150, replace=False)])
+            x = rng.integers(0, 100, len(keys))
+            before = dict(store.stats)
+            p.push("l", pa.table({"a": keys, "x": x}))
+            out = p.step()
+            hit = [(int(a), int(b)) for a, b in zip(keys, x) if a < n]
+            assert Counter(out["v"].to_dict()) == Counter({(a, b, a, int(ys[a])): 1 for a, b in hit}), (s, SEED)
+            sought = store.stats["keys_sought"] - before["keys_sought"]
+            pages = (store.stats["cache_hits"] + store.stats["cache_misses"]
+                     - before["cache_hits"] - before["cache_misses"])
+            assert sought <= 1.1 * 150 * files + 10, (s, sought, files, SEED)
+            assert pages <= 8 * sought + 4 * files, (s, pages, sought, files, SEED)
+    finally:
+        p.close()

@@ -383,3 +383,56 @@ def test_the_compaction_after_a_load_runs_on_the_merge_thread_while_steps_run(tm
         if not budgeted._closed:
             budgeted.close()
         twin.close()
+
+
+def test_settle_merges_finishes_a_due_merge_and_compacts_its_level(monkeypatch) -> None:
+    """``EmbeddedExecutor.settle_merges`` after a load with the merge thread on: a tiered level whose merge became due
+    (the level filled with FAN_IN more loose batches while it ran, so the inserting thread kept it to advance by fuel
+    and handed nothing) is handed and finished too, and the compaction then leaves each trace one spilled batch and
+    no merge in progress (before, the merge stayed unfinished and ``compact_spilled`` skipped its level: a 30M-row
+    distinct kept 8 spilled batches, bench/RESULTS.md, 2026-11-29, branch r31-flat100). Content as the unbudgeted
+    twin's."""
+    import dbsp_core as dbsp
+    from dbsp_core.runtime.embedded import EmbeddedExecutor
+
+    monkeypatch.setattr(Trace, "FAN_IN", 3)
+    rng = np.random.default_rng(SEED)
+    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+
+    def circuit() -> "dbsp.Circuit":
+        c = dbsp.Circuit()
+        c.output("d", c.input("t", schema).distinct())
+        return c
+
+    budgeted = dbsp.Pipeline(circuit(), executor=EmbeddedExecutor(background_merge=True), memory_limit=1 << 20)
+    twin = dbsp.Pipeline(circuit())
+    store = budgeted.executor.batch_store
+    # the merge thread is held off during the load (it finds nothing to advance), as a busy one falls behind: the
+    # merges it was handed become due as their levels fill, and the steps' fuel advances them
+    monkeypatch.setattr(Trace, "_unfinished", lambda self: None)
+    try:
+        for n in [20_000] * 40:
+            z = pa.table({"k": rng.integers(0, 1 << 40, n), "v": rng.integers(0, 3, n)}, schema=schema)
+            budgeted.push("t", z)
+            twin.push("t", z)
+            budgeted.step()
+            twin.step()
+        running = sum(level.merge is not None and level.merge.shared is not None and not level.merge.cursor.done
+                      for t in budgeted.executor._all_traces() for level in t._by_level)
+        monkeypatch.undo()  # the merge thread back (and FAN_IN 2 again: the levels as they are)
+        monkeypatch.setattr(Trace, "FAN_IN", 3)
+        assert running, "no handed merge left unfinished by the load: the case is not built"
+        for t in budgeted.executor._all_traces():  # as a last step leaves it whose pass found every running merge
+            t._handed = False  # due (advanced by its fuel, none handed): the 30M distinct's level 20
+        budgeted.executor.settle_merges()
+        for t in budgeted.executor._all_traces():
+            running = [lvl for lvl, level in enumerate(t._by_level) if level.merge is not None]
+            spilled = sum(store.is_spilled(e[1]) for level in t._by_level for e in level.loose)
+            assert not running and spilled <= 1, (t.levels(), SEED)
+        z = pa.table({"k": rng.integers(0, 1 << 40, 100), "v": rng.integers(0, 3, 100)}, schema=schema)
+        budgeted.push("t", z)
+        twin.push("t", z)
+        assert budgeted.step()["d"].to_dict() == twin.step()["d"].to_dict()
+    finally:
+        budgeted.close()
+        twin.close()

@@ -1,0 +1,105 @@
+"""A merge output built on disk lands in the page cache in 2 MiB folios (bindings/merge.pxi ``HUGE_SCRATCH``: its
+scratch mapping is MADV_HUGEPAGE), as a batch file written by pwrite does (batchfile.py invariant 6): the steps that
+read the file after it became a batch file in place then fault one PMD entry per 2 MiB instead of one small folio per
+64 KiB (bench/RESULTS.md, 2026-11-29, branch r31-flat100). Skipped where this kernel and file system keep no file in
+2 MiB folios (the check of a file written by 2 MiB-aligned pwrites first)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import re
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from dbsp_core import ZSet, _zset
+from dbsp_core.trace import Trace
+from dbsp_core.trace.spill import BatchStore, spilling
+
+SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
+
+
+def test_seed_is_printed() -> None:
+    print(f"DBSP_TEST_SEED={SEED}")
+
+
+def _pmd_share(path: str, touches: int = 128) -> float:
+    """The share of a fresh MADV_RANDOM read-only mapping of ``path`` that ``touches`` random page reads mapped with
+    PMD entries (smaps FilePmdMapped / Rss): ~1 when the file's page cache is in 2 MiB folios."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    try:
+        m.madvise(mmap.MADV_RANDOM)
+        base = np.frombuffer(m, dtype=np.uint8).ctypes.data
+        pages = np.random.default_rng(SEED).integers(0, size // mmap.PAGESIZE, touches)
+        mv = memoryview(m)
+        total = sum(mv[int(p) * mmap.PAGESIZE] for p in pages)  # the reads fault the pages in
+        del mv
+        with open("/proc/self/smaps") as f:
+            for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", f.read()):
+                lo, hi = (int(x, 16) for x in block.split(" ", 1)[0].split("-"))
+                if lo <= base < hi:
+                    rss = int(re.search(r"\nRss:\s+(\d+)", block).group(1))
+                    pmd = int(re.search(r"\nFilePmdMapped:\s+(\d+)", block).group(1))
+                    assert total >= 0
+                    return pmd / max(1, rss)
+        raise AssertionError("mapping not in smaps")
+    finally:
+        m.close()
+
+
+def _large_folios(tmp_path) -> bool:
+    """Whether this kernel and file system hold a file written in 2 MiB-aligned pwrites in 2 MiB folios."""
+    path = str(tmp_path / "probe.bin")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        for i in range(16):
+            os.pwrite(fd, np.full(1 << 18, i, dtype=np.uint64).tobytes(), i << 21)
+    finally:
+        os.close(fd)
+    try:
+        return _pmd_share(path) > 0.9
+    finally:
+        os.unlink(path)
+
+
+@pytest.mark.parametrize("huge", [True, False])
+def test_a_merge_output_made_in_place_is_in_2mib_folios(huge: bool, monkeypatch, tmp_path) -> None:
+    if not os.path.exists("/proc/self/smaps") or not hasattr(mmap, "MADV_HUGEPAGE") or not _large_folios(tmp_path):
+        pytest.skip("no file in 2 MiB folios here")
+    monkeypatch.setattr(_zset, "HUGE_SCRATCH", huge)
+    monkeypatch.setattr(BatchStore, "FILE_MERGE_MIN", 0)
+    monkeypatch.setattr(BatchStore, "IN_PLACE", True)
+    rng = np.random.default_rng(SEED)
+    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    t, want = Trace(schema, ("k",)), {}
+    with BatchStore(1, directory=str(tmp_path / "spill")) as store, spilling(store):
+        for _ in range(2):  # two batches of ~10 MiB each, spilled, then merged on disk into one file made in place
+            n = 300_000
+            k, v, w = rng.integers(0, 1 << 40, n), rng.integers(0, 5, n), rng.choice([1, 2, -1], n)
+            z = ZSet.from_arrow(pa.table({"k": k, "v": v}, schema=schema), weights=w).consolidate()
+            for r, x in z.to_dict().items():
+                want[r] = want.get(r, 0) + x
+            t.insert(z.index_by(["k"]))
+            store.enforce()
+            store.settle()
+        t.compact_spilled()  # the two files merged into one (on disk: the budget is a byte)
+        store.enforce()
+        store.settle()
+        assert store.stats["written_in_place"] >= 1
+        shares = {f.path: _pmd_share(f.path) for f in store._files.values() if f.map is not None}
+        got = t.consolidated().zset.to_dict()
+    assert got == {r: x for r, x in want.items() if x}
+    made = list(shares.values())
+    assert made
+    if huge:
+        assert min(made) > 0.9, shares  # a read of the file maps 2 MiB folios
+    else:
+        assert max(made) < 0.9, shares  # the old way: small folios (the check can fail: a parametrized witness)
