@@ -23,6 +23,7 @@ to DBSP_SCRATCH_MB) and the region cache to ``DBSP_CACHE_KEEP_MB``, as a step's 
 
 from __future__ import annotations
 
+import logging
 import threading
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Iterator
@@ -33,6 +34,8 @@ from dbsp_core.trace.at_exit import stop_at_exit
 
 if TYPE_CHECKING:
     from dbsp_core.trace.levels import Trace
+
+log = logging.getLogger(__name__)
 
 __all__ = ["MergeThread", "SharedMerge", "merging", "current_merge_thread"]
 
@@ -80,6 +83,7 @@ class MergeThread:
         self._closed = False
         self._submits = 0  # submit() calls, ever: a compaction in progress yields to the merges they may bring
         self.merged_rows = 0  # input rows merged on this thread, ever
+        self.failed = False  # the loop stopped on an unexpected error (_loop): closed since
         self._thread = threading.Thread(target=self._loop, name="dbsp-merge-thread", daemon=True)
         self._thread.start()
         stop_at_exit(self)  # a pipeline never closed: stopped before Python finalizes (at_exit.py)
@@ -116,6 +120,15 @@ class MergeThread:
         self.close()
 
     def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException:  # a bug outside a merge's own step (which its trace raises): the thread stops as
+            log.exception("the merge thread stopped on an unexpected error; traces finish their merges themselves")
+            with self._cond:  # closed, so waiters return and traces merge on their inserting threads (close())
+                self._closed, self._busy, self.failed = True, False, True
+                self._cond.notify_all()
+
+    def _run(self) -> None:
         worked = False  # merged since this thread last trimmed its scratch cache
         while True:
             with self._cond:

@@ -201,3 +201,30 @@ def test_the_merge_thread_trims_its_scratch_cache_when_it_runs_out_of_merges(han
             time.sleep(0.01)
     mine = [(keep, left) for n, keep, left in seen if n == "dbsp-merge-thread"]
     assert mine and all(keep == settings().cache_keep_mb << 20 and left <= keep for keep, left in mine), seen
+
+
+def test_a_merge_thread_that_stops_on_an_unexpected_error_leaves_no_waiter_hanging(hand_over_all, monkeypatch):
+    """An error outside a merge's own step (here the queue scan, ``MergeThread._pick``) stops the thread as closed:
+    ``wait_idle`` and ``settle_merges`` return instead of waiting for a thread that is gone (before: a pipeline's
+    settle hung for ever), ``failed`` says so, and the traces finish their merges on the inserting thread with the
+    content unchanged. Watched hang (wait_idle False after 5 s) with the loop's guard removed."""
+    def broken(self, queued):  # noqa: ANN001
+        raise TypeError("a bug in the queue scan")
+
+    monkeypatch.setattr(MergeThread, "_pick", broken)
+    ex = EmbeddedExecutor(background_merge=True)
+    c = dbsp.Circuit()
+    c.output("n", c.input("t", S).group_by("k").agg(n=dbsp.count()))
+    twin_c = dbsp.Circuit()
+    twin_c.output("n", twin_c.input("t", S).group_by("k").agg(n=dbsp.count()))
+    with dbsp.Pipeline(c, workers=1, executor=ex) as p, dbsp.Pipeline(twin_c, workers=1) as twin:
+        for i in range(30):
+            p.push("t", _z(i, 4000).data)
+            twin.push("t", _z(i, 4000).data)
+            assert sorted(p.step()["n"].to_dict().items()) == sorted(twin.step()["n"].to_dict().items())
+        assert ex._merge_thread.wait_idle(5), "a waiter hangs on a merge thread that stopped"
+        assert ex._merge_thread.failed
+        ex.settle_merges()
+        for name, tr in ex.traces(0).items():
+            assert tr.consolidated().zset.to_dict() == twin.executor.traces(0)[name].consolidated().zset.to_dict()
+            tr.check()

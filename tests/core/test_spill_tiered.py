@@ -409,7 +409,7 @@ def test_settle_merges_finishes_a_due_merge_and_compacts_its_level(monkeypatch) 
     store = budgeted.executor.batch_store
     # the merge thread is held off during the load (it finds nothing to advance), as a busy one falls behind: the
     # merges it was handed become due as their levels fill, and the steps' fuel advances them
-    monkeypatch.setattr(Trace, "_unfinished", lambda self: None)
+    monkeypatch.setattr(Trace, "_unfinished", lambda self: (None, None))
     try:
         for n in [20_000] * 40:
             z = pa.table({"k": rng.integers(0, 1 << 40, n), "v": rng.integers(0, 3, n)}, schema=schema)
