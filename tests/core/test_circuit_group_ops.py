@@ -120,6 +120,19 @@ def test_top_k_over_a_growing_count_keeps_only_its_shown_rows(seed: int, workers
     }, seed, workers, inputs=("bids",), steps=7, max_rows=20, append_only=True, after=traces)
 
 
+def _top_bidder_circuit(general: bool) -> dbsp.Circuit:
+    """``top``: each auction's bidder with the most bids, a top-k over an append-only count (the growing form of
+    operators/top_k.py invariant 7); ``general``: the operator as the code before invariant 7 built it."""
+    c = dbsp.Circuit()
+    t = c.input("bids", BIDS, append_only=True)
+    out = t.group_by("auction", "bidder").agg(n=dbsp.count()).group_by("auction").top_k(
+        1, [("n", "descending"), "bidder"])
+    c.output("top", out)
+    if general:
+        vars(c.nodes[out.node_id]).pop("grows")
+    return c
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_directory_of_the_general_top_k_reopens_with_the_growing_form(tmp_path, workers: int) -> None:
     """A directory written before operators/top_k.py invariant 7 (the general form: input and shown traces) opens
@@ -128,17 +141,7 @@ def test_a_directory_of_the_general_top_k_reopens_with_the_growing_form(tmp_path
     trace. (An engine upgrade must not turn an unchanged program into a changed one.)"""
     rng = np.random.default_rng(workers)
 
-    def circuit(general: bool) -> dbsp.Circuit:
-        c = dbsp.Circuit()
-        t = c.input("bids", BIDS, append_only=True)
-        out = t.group_by("auction", "bidder").agg(n=dbsp.count()).group_by("auction").top_k(
-            1, [("n", "descending"), "bidder"])
-        c.output("top", out)
-        if general:
-            vars(c.nodes[out.node_id]).pop("grows")  # the operator as the code before invariant 7 built it
-        return c
-
-    assert circuit_fingerprint(circuit(False)) == circuit_fingerprint(circuit(True))
+    assert circuit_fingerprint(_top_bidder_circuit(False)) == circuit_fingerprint(_top_bidder_circuit(True))
     g = ChangeGen(rng, BIDS)
     g.deletes = 0.0
     view: dict = {}
@@ -147,8 +150,8 @@ def test_a_directory_of_the_general_top_k_reopens_with_the_growing_form(tmp_path
            "bidder)) WHERE r <= 1")
     storage = str(tmp_path / "p")
     for general, steps in ((True, 4), (False, 4)):
-        p = (dbsp.Pipeline(circuit(general), workers=workers, storage=storage) if general
-             else dbsp.Pipeline.open(storage, circuit(general)))
+        p = (dbsp.Pipeline(_top_bidder_circuit(general), workers=workers, storage=storage) if general
+             else dbsp.Pipeline.open(storage, _top_bidder_circuit(general)))
         try:
             assert _top_k_traces(p) == (["input", "shown"] if general else ["shown"])
             for _ in range(steps):
@@ -175,16 +178,6 @@ def test_an_upgraded_directory_drops_the_general_top_ks_input_table_at_its_next_
 
     rng = np.random.default_rng(7)
 
-    def circuit(general: bool) -> dbsp.Circuit:
-        c = dbsp.Circuit()
-        t = c.input("bids", BIDS, append_only=True)
-        out = t.group_by("auction", "bidder").agg(n=dbsp.count()).group_by("auction").top_k(
-            1, [("n", "descending"), "bidder"])
-        c.output("top", out)
-        if general:
-            vars(c.nodes[out.node_id]).pop("grows")  # the operator as the code before invariant 7 built it
-        return c
-
     def stored(d: str) -> tuple[set[str], set[str]]:
         """The input tables (values or order record) of the last checkpoint, and the files their values name."""
         with Database(state_db_path(d, None, 0), readonly=True) as db, db.read(db.versions().stop - 1) as h:
@@ -209,25 +202,25 @@ def test_an_upgraded_directory_drops_the_general_top_ks_input_table_at_its_next_
             accumulate(view, p.step()["top"])
             assert normalize(view) == duckdb_query(sql, {"bids": (BIDS, dict(g.bag))})
 
-    with dbsp.Pipeline(circuit(True), storage=d, memory_limit=1) as p:
+    with dbsp.Pipeline(_top_bidder_circuit(True), storage=d, memory_limit=1) as p:
         steps(p, 4)
         p.checkpoint()
     tables, files = stored(d)
     assert len(tables) == 1 and files, (tables, files)  # the general form's input table names spilled files
     on_disk = lambda: set(os.listdir(os.path.join(d, SPILL_DIR)))  # noqa: E731
     assert files <= on_disk()
-    p = dbsp.Pipeline.open(d, circuit(False), memory_limit=1)
+    p = dbsp.Pipeline.open(d, _top_bidder_circuit(False), memory_limit=1)
     steps(p, 2)
     p.close(checkpoint=False)  # a crash before the next checkpoint (its steps replay from the input log at reopen)
     assert stored(d)[0] == tables and files <= on_disk()  # the table and its files are still there
-    p = dbsp.Pipeline.open(d, circuit(False), memory_limit=1)
+    p = dbsp.Pipeline.open(d, _top_bidder_circuit(False), memory_limit=1)
     steps(p, 2)
     p.checkpoint()
     assert not files & on_disk(), sorted(files & on_disk())  # the files only the table named are gone
     steps(p, 1)
     p.close(checkpoint=False)
     assert stored(d) == (set(), set()), stored(d)  # and so are the table and its order record
-    with dbsp.Pipeline.open(d, circuit(False), memory_limit=1) as p:
+    with dbsp.Pipeline.open(d, _top_bidder_circuit(False), memory_limit=1) as p:
         steps(p, 2)
 
 

@@ -892,6 +892,23 @@ def test_a_restored_trace_never_read_spills_its_pending_batches_and_merges_again
             assert t.consolidated().zset.to_dict() == {r: w for r, w in model.items() if w}, f"seed {SEED}"
 
 
+def _join_over_a_spilled_side(ys) -> tuple[dbsp.Pipeline, BatchStore]:
+    """A pipeline under a 4 MiB budget joining ``l`` (a, x) with ``r`` (id, y) on a = id into ``v``, its right side
+    loaded with ids 0..len(ys)-1 and ``ys`` and spilled (``_spill_right_side``); the pipeline and its batch store."""
+    from dbsp_core.runtime.embedded import EmbeddedExecutor
+
+    c = dbsp.Circuit()
+    left = c.input("l", pa.schema([("a", pa.int64()), ("x", pa.int64())]))
+    right = c.input("r", pa.schema([("id", pa.int64()), ("y", pa.int64())]))
+    c.output("v", left.join(right, left_on="a", right_on="id"))
+    p = dbsp.Pipeline(c, executor=EmbeddedExecutor(background_merge=False), memory_limit=4 << 20)
+    try:
+        return p, _spill_right_side(p, ys)
+    except BaseException:
+        p.close()
+        raise
+
+
 def test_a_warm_step_with_a_few_pages_from_the_disk_does_not_prefetch_the_next(monkeypatch) -> None:
     """``PREFETCH`` "auto" (spill.py invariant 12, ``BatchStore.prefetching``): the next step asks for its pages
     ahead only when the last one read from the disk at least ``PREFETCH_FROM`` pages and ``PREFETCH_SHARE`` of the
@@ -902,18 +919,12 @@ def test_a_warm_step_with_a_few_pages_from_the_disk_does_not_prefetch_the_next(m
     from collections import Counter
 
     import numpy as np
-    from dbsp_core.runtime.embedded import EmbeddedExecutor
 
     rng = np.random.default_rng(SEED)
-    c = dbsp.Circuit()
-    left = c.input("l", pa.schema([("a", pa.int64()), ("x", pa.int64())]))
-    right = c.input("r", pa.schema([("id", pa.int64()), ("y", pa.int64())]))
-    c.output("v", left.join(right, left_on="a", right_on="id"))
     n = 300_000
-    p = dbsp.Pipeline(c, executor=EmbeddedExecutor(background_merge=False), memory_limit=4 << 20)
+    ys = rng.integers(0, 1000, n)
+    p, store = _join_over_a_spilled_side(ys)
     try:
-        ys = rng.integers(0, 1000, n)
-        store = _spill_right_side(p, ys)
         monkeypatch.setattr(BatchStore, "PREFETCH", "auto")
         monkeypatch.setattr(BatchStore, "PREFETCH_FROM", 16)
         for s, cold in enumerate([True, True, False, False, True]):  # cold: all of the step's misses from the disk
@@ -945,18 +956,12 @@ def test_a_small_steps_lookups_and_pages_are_bounded_by_its_keys_and_files(monke
     from collections import Counter
 
     import numpy as np
-    from dbsp_core.runtime.embedded import EmbeddedExecutor
 
     rng = np.random.default_rng(SEED)
-    c = dbsp.Circuit()
-    left = c.input("l", pa.schema([("a", pa.int64()), ("x", pa.int64())]))
-    right = c.input("r", pa.schema([("id", pa.int64()), ("y", pa.int64())]))
-    c.output("v", left.join(right, left_on="a", right_on="id"))
     n = 300_000
-    p = dbsp.Pipeline(c, executor=EmbeddedExecutor(background_merge=False), memory_limit=4 << 20)
+    ys = rng.integers(0, 1000, n)
+    p, store = _join_over_a_spilled_side(ys)
     try:
-        ys = rng.integers(0, 1000, n)
-        store = _spill_right_side(p, ys)
         files = sum(1 for t in p.executor._all_traces() for b in t._levels() if store.is_spilled(b))
         assert files >= 1
         for s in range(4):

@@ -16,6 +16,18 @@ from dbsp_core.trace.spill import BatchStore, spilling
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
 
 
+KV = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+
+
+def _distinct_circuit() -> "dbsp.Circuit":
+    """``d``: the distinct rows of input ``t`` (KV): the compaction tests' circuit."""
+    import dbsp_core as dbsp
+
+    c = dbsp.Circuit()
+    c.output("d", c.input("t", KV).distinct())
+    return c
+
+
 def _insert(t: Trace, store: BatchStore, z: ZSet, model: dict) -> None:
     """``z`` (consolidated) added to ``model`` and inserted into ``t``, then the store's budget enforced and its
     spill thread settled, as between steps."""
@@ -33,7 +45,7 @@ def test_a_growing_spilled_trace_writes_at_most_three_times_its_state() -> None:
     3.5x, each row rewritten once per level above the budget), and the trace holds the dict model's sum, in at most
     2 * FAN_IN loose batches and a merge of FAN_IN per level."""
     rng = np.random.default_rng(SEED)
-    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    schema = KV
     t, model = Trace(schema, ("k",)), {}
     with BatchStore(256 << 10) as store, spilling(store):
         for _ in range(64):
@@ -55,7 +67,7 @@ def test_step_batches_a_budget_holds_merge_from_memory_and_are_written_once() ->
     files written come to at most 1.75x the state's (measured 1.56x; 1.89x when such a merge waited for the enforce
     to spill every input first), and the trace holds the dict model's sum."""
     rng = np.random.default_rng(SEED)
-    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    schema = KV
     t, pushed = Trace(schema, ("k",)), []
     with BatchStore(4 << 20) as store, spilling(store):
         for _ in range(64):
@@ -154,15 +166,11 @@ def test_the_first_small_step_after_a_bulk_load_compacts_the_tiered_spilled_batc
     monkeypatch.setattr(embedded, "BIG_STEP_ROWS", 20_000)
     monkeypatch.setattr(Trace, "FAN_IN", 4)
     rng = np.random.default_rng(SEED)
-    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    schema = KV
 
-    def circuit() -> "dbsp.Circuit":
-        c = dbsp.Circuit()
-        c.output("d", c.input("t", schema).distinct())
-        return c
-
-    budgeted = dbsp.Pipeline(circuit(), executor=EmbeddedExecutor(background_merge=False), memory_limit=1 << 20)
-    twin = dbsp.Pipeline(circuit())
+    budgeted = dbsp.Pipeline(_distinct_circuit(), executor=EmbeddedExecutor(background_merge=False),
+                             memory_limit=1 << 20)
+    twin = dbsp.Pipeline(_distinct_circuit())
     store = budgeted.executor.batch_store
     assert store is not None
 
@@ -203,15 +211,10 @@ def test_compaction_after_loads_while_threads_load_step_checkpoint_and_read(tmp_
 
     monkeypatch.setattr(embedded, "BIG_STEP_ROWS", 20_000)
     monkeypatch.setattr(Trace, "FAN_IN", 4)
-    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
-
-    def circuit() -> "dbsp.Circuit":
-        c = dbsp.Circuit()
-        c.output("d", c.input("t", schema).distinct())
-        return c
+    schema = KV
 
     root = str(tmp_path / "d")
-    p = dbsp.Pipeline(circuit(), storage=root, memory_limit=1 << 20, checkpoint_interval=None)
+    p = dbsp.Pipeline(_distinct_circuit(), storage=root, memory_limit=1 << 20, checkpoint_interval=None)
     store = p.executor.batch_store
     assert store is not None
     pushed: list[pa.Table] = []
@@ -272,7 +275,8 @@ def test_compaction_after_loads_while_threads_load_step_checkpoint_and_read(tmp_
     assert {r: w for r, w in acc.items() if w} == want, SEED
     p.close()
     old = next(iter(want))
-    with dbsp.Pipeline.open(root, circuit(), memory_limit=1 << 20) as q:  # the state held: a row seen adds nothing
+    with dbsp.Pipeline.open(root, _distinct_circuit(), memory_limit=1 << 20) as q:  # the state held: a row seen adds
+        # nothing
         q.push("t", pa.table({"k": [old[0], -1], "v": [old[1], 0]}, schema=schema))
         assert q.step()["d"].to_dict() == {(-1, 0): 1}
 
@@ -296,7 +300,7 @@ def test_the_compaction_after_a_load_runs_on_the_merge_thread_while_steps_run(tm
     monkeypatch.setattr(embedded, "BIG_STEP_ROWS", 20_000)
     monkeypatch.setattr(Trace, "FAN_IN", 4)
     rng = np.random.default_rng(SEED)
-    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    schema = KV
     where: dict[str, set] = {"step": set(), "seal": set()}
     gate, gated = threading.Event(), threading.Event()
     real_step, real_seal = levels._Merge.step, levels._Merge.seal
@@ -316,15 +320,10 @@ def test_the_compaction_after_a_load_runs_on_the_merge_thread_while_steps_run(tm
     monkeypatch.setattr(levels._Merge, "step", step)
     monkeypatch.setattr(levels._Merge, "seal", seal)
 
-    def circuit() -> "dbsp.Circuit":
-        c = dbsp.Circuit()
-        c.output("d", c.input("t", schema).distinct())
-        return c
-
     root = str(tmp_path / "p")
-    budgeted = dbsp.Pipeline(circuit(), workers=workers, storage=root, checkpoint_interval=None, memory_limit=1 << 20,
-                             executor=EmbeddedExecutor(background_merge=True))
-    twin = dbsp.Pipeline(circuit(), workers=workers, executor=EmbeddedExecutor(background_merge=False))
+    budgeted = dbsp.Pipeline(_distinct_circuit(), workers=workers, storage=root, checkpoint_interval=None,
+                             memory_limit=1 << 20, executor=EmbeddedExecutor(background_merge=True))
+    twin = dbsp.Pipeline(_distinct_circuit(), workers=workers, executor=EmbeddedExecutor(background_merge=False))
     ex = budgeted.executor
     store = ex.batch_store
     assert store is not None
@@ -376,7 +375,7 @@ def test_the_compaction_after_a_load_runs_on_the_merge_thread_while_steps_run(tm
         want = content(twin)
         assert content(budgeted) == want
         budgeted.close()
-        with dbsp.Pipeline.open(root, circuit(), memory_limit=1 << 20) as q:
+        with dbsp.Pipeline.open(root, _distinct_circuit(), memory_limit=1 << 20) as q:
             assert content(q) == want
     finally:
         gate.set()
@@ -397,15 +396,11 @@ def test_settle_merges_finishes_a_due_merge_and_compacts_its_level(monkeypatch) 
 
     monkeypatch.setattr(Trace, "FAN_IN", 3)
     rng = np.random.default_rng(SEED)
-    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    schema = KV
 
-    def circuit() -> "dbsp.Circuit":
-        c = dbsp.Circuit()
-        c.output("d", c.input("t", schema).distinct())
-        return c
-
-    budgeted = dbsp.Pipeline(circuit(), executor=EmbeddedExecutor(background_merge=True), memory_limit=1 << 20)
-    twin = dbsp.Pipeline(circuit())
+    budgeted = dbsp.Pipeline(_distinct_circuit(), executor=EmbeddedExecutor(background_merge=True),
+                             memory_limit=1 << 20)
+    twin = dbsp.Pipeline(_distinct_circuit())
     store = budgeted.executor.batch_store
     # the merge thread is held off during the load (it finds nothing to advance), as a busy one falls behind: the
     # merges it was handed become due as their levels fill, and the steps' fuel advances them

@@ -130,11 +130,16 @@ def view_integral(p: dbsp.Pipeline, name: str = "g") -> dict:
     """{row: weight} of view ``name``'s outputs summed from step 0 (rows of weight 0 dropped)."""
     acc: dict = {}
     for _, z in p.read_output(name, from_step=0):
-        for r, w in z.to_dict().items():
-            acc[r] = acc.get(r, 0) + w
-            if acc[r] == 0:
-                del acc[r]
+        add_change(acc, z)
     return acc
+
+
+def add_change(acc: dict, z) -> None:
+    """Add Z-set ``z``'s {row: weight} to ``acc``, rows of weight 0 dropped (a view's integral, step by step)."""
+    for r, w in z.to_dict().items():
+        acc[r] = acc.get(r, 0) + w
+        if acc[r] == 0:
+            del acc[r]
 
 
 def fault_op(exc: BaseException | None, n: int, pattern: "re.Pattern[str]") -> tuple[str, str] | None:

@@ -24,6 +24,7 @@ from dbsp_core.storage import FaultVfs
 from dbsp_core.storage.formats import BATCH_FILE_SUFFIX, SPILL_DIR
 from dbsp_core.trace import Trace, batchfile, spill
 from dbsp_core.trace.spill import BatchStore
+from storage_helpers import add_change
 from storage_helpers import count_sum_circuit as _circuit
 from storage_helpers import fault_op
 from storage_helpers import view_integral as _integral
@@ -75,10 +76,7 @@ def _reference(pushes: list) -> dict:
         acc: dict = {}
         for i in range(len(pushes)):
             _push(ref, pushes, i, durable=False)
-            for r, w in ref.step()["g"].to_dict().items():
-                acc[r] = acc.get(r, 0) + w
-                if acc[r] == 0:
-                    del acc[r]
+            add_change(acc, ref.step()["g"])
     return acc
 
 
