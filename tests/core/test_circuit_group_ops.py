@@ -120,6 +120,11 @@ def test_top_k_over_a_growing_count_keeps_only_its_shown_rows(seed: int, workers
     }, seed, workers, inputs=("bids",), steps=7, max_rows=20, append_only=True, after=traces)
 
 
+TOP_BIDDER_SQL = ("SELECT auction, bidder, n FROM (SELECT *, row_number() OVER (PARTITION BY auction ORDER BY n DESC, "
+                  "bidder ASC NULLS LAST) AS r FROM (SELECT auction, bidder, count(*) AS n FROM bids GROUP BY "
+                  "auction, bidder)) WHERE r <= 1")  # what _top_bidder_circuit's view holds, for DuckDB
+
+
 def _top_bidder_circuit(general: bool) -> dbsp.Circuit:
     """``top``: each auction's bidder with the most bids, a top-k over an append-only count (the growing form of
     operators/top_k.py invariant 7); ``general``: the operator as the code before invariant 7 built it."""
@@ -145,9 +150,7 @@ def test_a_directory_of_the_general_top_k_reopens_with_the_growing_form(tmp_path
     g = ChangeGen(rng, BIDS)
     g.deletes = 0.0
     view: dict = {}
-    sql = ("SELECT auction, bidder, n FROM (SELECT *, row_number() OVER (PARTITION BY auction ORDER BY n DESC, "
-           "bidder ASC NULLS LAST) AS r FROM (SELECT auction, bidder, count(*) AS n FROM bids GROUP BY auction, "
-           "bidder)) WHERE r <= 1")
+    sql = TOP_BIDDER_SQL
     storage = str(tmp_path / "p")
     for general, steps in ((True, 4), (False, 4)):
         p = (dbsp.Pipeline(_top_bidder_circuit(general), workers=workers, storage=storage) if general
@@ -191,9 +194,7 @@ def test_an_upgraded_directory_drops_the_general_top_ks_input_table_at_its_next_
     g = ChangeGen(rng, BIDS)
     g.deletes = 0.0
     view: dict = {}
-    sql = ("SELECT auction, bidder, n FROM (SELECT *, row_number() OVER (PARTITION BY auction ORDER BY n DESC, "
-           "bidder ASC NULLS LAST) AS r FROM (SELECT auction, bidder, count(*) AS n FROM bids GROUP BY auction, "
-           "bidder)) WHERE r <= 1")
+    sql = TOP_BIDDER_SQL
     d = str(tmp_path / "p")
 
     def steps(p: dbsp.Pipeline, n: int) -> None:

@@ -154,3 +154,23 @@ def fault_op(exc: BaseException | None, n: int, pattern: "re.Pattern[str]") -> t
                 return m.group(1), m.group(2)
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def spill_left_over(d: str, store) -> list[str]:
+    """Files of pipeline directory ``d``'s spill directory that are scratch files, temporary files, or batch files
+    that neither a live batch of ``store`` reads nor the last checkpoint names (trace invariant 13)."""
+    from dbsp_core.storage.formats import BATCH_FILE_SUFFIX, SPILL_DIR
+
+    keep = set(store._owners) | store._pinned
+    return sorted(n for n in os.listdir(os.path.join(d, SPILL_DIR))
+                  if not (n.endswith(BATCH_FILE_SUFFIX) and n in keep))
+
+
+def close_crashed(p: "dbsp.Pipeline | None") -> None:
+    """Close a pipeline a fault may have left broken, without a checkpoint; one that cannot close is shut down."""
+    if p is None:
+        return
+    try:
+        p.close(checkpoint=False)
+    except Exception:
+        p._shutdown()

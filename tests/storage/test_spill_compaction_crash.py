@@ -28,10 +28,9 @@ import dbsp_core as dbsp
 import dbsp_core.runtime.embedded as embedded
 from dbsp_core.runtime.embedded import EmbeddedExecutor
 from dbsp_core.storage import FaultInjector
-from dbsp_core.storage.formats import BATCH_FILE_SUFFIX, SPILL_DIR
 from dbsp_core.trace import Trace, levels
 from dbsp_core.trace.spill import BatchStore
-from storage_helpers import add_change
+from storage_helpers import add_change, close_crashed, spill_left_over
 from storage_helpers import count_sum_circuit as _circuit
 from storage_helpers import view_integral as _integral
 
@@ -137,17 +136,7 @@ def _session(d: str, pushes: list, workers: int, gate: _Gate, arm: dict) -> dict
         return facts
     finally:
         gate.open()
-        if p is not None:
-            try:
-                p.close(checkpoint=False)
-            except Exception:
-                p._shutdown()
-
-
-def _left_over(d: str, store: BatchStore) -> list[str]:
-    keep = set(store._owners) | store._pinned
-    return sorted(n for n in os.listdir(os.path.join(d, SPILL_DIR))
-                  if not (n.endswith(BATCH_FILE_SUFFIX) and n in keep))
+        close_crashed(p)
 
 
 def _recover_and_check(d: str, pushes: list, want: dict, what: str) -> None:
@@ -159,7 +148,7 @@ def _recover_and_check(d: str, pushes: list, want: dict, what: str) -> None:
             q.step()
         assert _integral(q) == want, f"{what}: state differs from the unbudgeted twin"
         q.checkpoint()
-        left = _left_over(d, q.executor.batch_store)
+        left = spill_left_over(d, q.executor.batch_store)
         assert not left, f"{what}: left over after a checkpoint: {left}"
 
 

@@ -21,10 +21,10 @@ from dbsp_core import _storage
 from dbsp_core.errors import CorruptionError
 from dbsp_core.runtime.embedded import EmbeddedExecutor
 from dbsp_core.storage import FaultVfs
-from dbsp_core.storage.formats import BATCH_FILE_SUFFIX, SPILL_DIR
+from dbsp_core.storage.formats import SPILL_DIR
 from dbsp_core.trace import Trace, batchfile, spill
 from dbsp_core.trace.spill import BatchStore
-from storage_helpers import add_change
+from storage_helpers import add_change, close_crashed, spill_left_over
 from storage_helpers import count_sum_circuit as _circuit
 from storage_helpers import fault_op
 from storage_helpers import view_integral as _integral
@@ -136,19 +136,7 @@ def _session(d: str, pushes: list, arm: dict) -> list[int]:
         p.step()
         return marks
     finally:
-        if p is not None:
-            try:
-                p.close(checkpoint=False)
-            except Exception:
-                p._shutdown()
-
-
-def _left_over(d: str, store: BatchStore) -> list[str]:
-    """Files of the spill directory that are scratch files, temporary files, or batch files that neither a live
-    batch reads nor the last checkpoint names (trace invariant 13)."""
-    keep = set(store._owners) | store._pinned
-    return sorted(n for n in os.listdir(os.path.join(d, SPILL_DIR))
-                  if not (n.endswith(BATCH_FILE_SUFFIX) and n in keep))
+        close_crashed(p)
 
 
 def _recover_and_check(d: str, pushes: list, want: dict, what: str) -> None:
@@ -160,7 +148,7 @@ def _recover_and_check(d: str, pushes: list, want: dict, what: str) -> None:
             q.step()
         assert _integral(q) == want, f"{what}: state differs from the unbudgeted twin"
         q.checkpoint()
-        left = _left_over(d, q.executor.batch_store)
+        left = spill_left_over(d, q.executor.batch_store)
         assert not left, f"{what}: left over after a checkpoint: {left}"
 
 
