@@ -549,7 +549,7 @@ class EmbeddedExecutor:
         results: list[dict[str, ZSet]] = []
         store, marks = self.batch_store, None
         if len(cut) >= Trace.FAN_IN and store is not None:  # a load in pieces (invariant 5): their batches wait as
-            marks = [(t, getattr(t, "_placed", 0)) for t in self._all_traces()]  # loose files of their tiered levels,
+            marks = [(t, t._placed) for t in self._all_traces()]  # loose files of their tiered levels,
             store.holding = True  # merged once below (trace invariant 15), not FAN_IN at a time and then again
         try:
             for k, pushes in enumerate(cut):

@@ -344,6 +344,7 @@ class Trace(KeyIndexed):
     # (invariant 15): its inputs in memory are then written once, in its output, and never alone
     HOLD_FAN_IN = 64  # a tiered level's fan-in while the store holds (a step run in pieces, invariant 15): the
     # pieces' batches stay loose files, merged once at the step's end (compact_spilled(since=)); the k-way cursor's bound
+    _placed = 0  # placement numbers handed out (set per instance by __init__; here for a trace built without it)
     MAX_PENDING = 64  # a fresh trace's pending batches beyond which it inserts the oldest (invariant 5)
     PRUNE_MIN = 4096  # rows inserted before drop_below scans at all (invariant 8)
     DEFER_RATE = 2  # rows of deferred work (index folds; merge input rows per level) an insert pays per row it
