@@ -170,6 +170,7 @@ def test_trace_reads_the_same_spilled() -> None:
             mem.insert(ix)
             disk.insert(ix)
             store.enforce()
+        store.settle()  # the spill thread's writes done: a big batch (a merge's output) is written there, not inline
         spilled = [b for b in disk.batches if store.is_spilled(b)]
         assert spilled
         for b in spilled:  # read in place: the buffers are the file's read-only mapping, not a copy in memory
