@@ -789,11 +789,15 @@ class EmbeddedExecutor:
         bulk load, say, so later steps do not share the machine with the load's merges), and the batch store's spill
         thread has written what it was handed (trace invariant 12), and each trace's spilled loose batches are one
         (``Trace.compact_spilled``, trace invariant 15: the load left tiered levels of several files, which every
-        small step after it would ask); then return the memory they freed, as after a big step
+        small step after it would ask; a compaction paid in slices, trace invariant 17, is finished first); then return the memory they freed, as after a big step
         (:func:`release_memory`). Call between steps. Returns the batches the compaction merged."""
         self._install_merges(settle=True)
         merged = 0
         if self.batch_store is not None:
+            if self._merge_thread is None and self._compacting:  # a compaction paid in slices: the rest now
+                for t in self._compacting:
+                    t.advance_compaction(1 << 62)
+                self._compacting = []
             self.batch_store.settle()
             for t in self._all_traces():  # the tiered levels' spilled batches, one batch each (trace invariant 15)
                 merged += t.compact_spilled()
