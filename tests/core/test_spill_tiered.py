@@ -305,13 +305,15 @@ def test_the_compaction_after_a_load_runs_on_the_merge_thread_while_steps_run(tm
     gate, gated = threading.Event(), threading.Event()
     real_step, real_seal = levels._Merge.step, levels._Merge.seal
 
+    watched: dict = {}  # the budgeted pipeline's store (the twin's compacts in slices under DBSP_MEMORY_LIMIT)
+
     def step(self, budget):  # noqa: ANN001
-        if self.compaction:
+        if self.compaction and self.store is watched.get("store"):
             where["step"].add(threading.current_thread().name)
         return real_step(self, budget)
 
     def seal(self):  # noqa: ANN001
-        if self.compaction and self.cursor.done and not self.sealed:
+        if self.compaction and self.cursor.done and not self.sealed and self.store is watched.get("store"):
             where["seal"].add(threading.current_thread().name)
             gated.set()
             assert gate.wait(60), "the test never opened the gate"
@@ -325,7 +327,7 @@ def test_the_compaction_after_a_load_runs_on_the_merge_thread_while_steps_run(tm
                              memory_limit=1 << 20, executor=EmbeddedExecutor(background_merge=True))
     twin = dbsp.Pipeline(_distinct_circuit(), workers=workers, executor=EmbeddedExecutor(background_merge=False))
     ex = budgeted.executor
-    store = ex.batch_store
+    store = watched["store"] = ex.batch_store
     assert store is not None
 
     def spilled() -> int:  # (merge inputs included)
