@@ -450,7 +450,7 @@ class EmbeddedExecutor:
         from the one that starts it on, advances it by :func:`compaction_slice` input rows in all (the first trace
         still compacting first), the last slice installing it. A reopened state (:meth:`load_state`), whose writes since
         its last compaction are not known, makes it due at the end of its first small step (which has read its traces:
-        a trace still fresh counts nothing) when its traces' loose spilled files beyond each trace's largest hold at
+        a trace still fresh counts nothing) when the batches a compaction of its traces merges (loose spilled ones, loose ones of tiered levels) beyond each trace's largest hold at
         least a third of those largest ones' bytes (``Trace.loose_spilled_bytes``): a load's tiered files, not one
         compacted file and the small batches of the steps after it; so that compaction rewrites at most four times
         those bytes."""

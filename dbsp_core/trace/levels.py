@@ -720,11 +720,15 @@ class Trace(KeyIndexed):
         return 0
 
     def loose_spilled_bytes(self) -> tuple[int, int]:
-        """The bytes of the spilled files a compaction would merge (``_to_compact``): (those beyond its largest one,
-        the largest one's), (0, 0) when fewer than two. A reopened trace's share of the executor's compaction rule
+        """The bytes of the batches a compaction would merge (``_to_compact``: loose spilled batches, and loose ones of
+        tiered levels still in memory), their files' or their buffers': (those beyond the largest one, the largest
+        one's), (0, 0) when fewer than two. A reopened trace's share of the executor's compaction rule
         (runtime/embedded.py ``_compact_after_load``: what was written since the last compaction is not known there)."""
+        from dbsp_core.trace.spill import batch_bytes
+
         store = self._store
-        sizes = [f.size for f in (store.file_of(e[1]) for e in self._to_compact()) if f is not None]
+        sizes = [f.size if f is not None else batch_bytes(e[1])
+                 for e, f in ((e, store.file_of(e[1])) for e in self._to_compact())]
         return (sum(sizes) - max(sizes), max(sizes)) if len(sizes) >= 2 else (0, 0)
 
     @property
