@@ -71,7 +71,6 @@ if root:
     p = dbsp.Pipeline.open(root, c, memory_limit="100MiB", workers=args.workers, **executor())
     reopen_s = time.perf_counter() - t0
 store = p.executor.batch_store
-merge_thread = p.executor._merge_thread is not None
 written_load = store.stats["bytes_written"]
 if explicit:
     t0 = time.perf_counter()
@@ -123,7 +122,7 @@ out = {
     "compactions": store.stats["compactions"], "disk_mib": store.disk_bytes() >> 20,
     "first10_cpu_max": round(max(cpus[:10]), 2), "next100_cpu_mean": round(float(np.mean(cpus[10:110])), 2),
     "after_cpu_mean": round(float(np.mean(cpus[-100:])), 2),
-    "workers": args.workers, "merge_thread": merge_thread, "reopen_s": round(reopen_s, 2),
+    "workers": args.workers, "merge_thread": p.executor._merge_thread is not None, "reopen_s": round(reopen_s, 2),
     "upto_cpu_max": round(max(cpus[:len(ts)]), 2), "upto_cpu_p99": round(float(np.percentile(cpus[:len(ts)], 99)), 2),
     "upto_cpu_mean": round(float(np.mean(cpus[:len(ts)])), 2),
     "first10_pcpu_max": round(max(pcpus[:10]), 2), "upto_pcpu_max": round(max(pcpus[:len(ts)]), 2),
