@@ -156,9 +156,10 @@ def test_compact_spilled_leaves_one_spilled_batch_and_the_content() -> None:
 def test_the_first_small_step_after_a_bulk_load_compacts_the_tiered_spilled_batches(monkeypatch) -> None:
     """A pipeline under a 1 MiB budget loads a distinct in six big steps (BIG_STEP_ROWS lowered to 20,000 rows:
     tiered levels leave several spilled batches), then runs small steps without any call of settle_merges: the
-    first small step compacts (one compaction, every trace left with at most one spilled batch), a second small
-    step does not compact again, and every output equals the unbudgeted twin's (multisets). Watched fail with
-    the executor's hook (``_compact_after_load``) removed: no compaction, 3 spilled batches left."""
+    first small step starts the compaction (one compaction, every trace left with at most one loose spilled batch:
+    the others are its inputs, paid in slices by the steps, trace invariant 17), a second small step does not start
+    another, and every output equals the unbudgeted twin's (multisets). Watched fail with the executor's hook
+    (``_compact_after_load``) removed: no compaction, 3 spilled batches left."""
     import dbsp_core as dbsp
     import dbsp_core.runtime.embedded as embedded
     from dbsp_core.runtime.embedded import EmbeddedExecutor
