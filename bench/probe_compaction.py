@@ -127,7 +127,8 @@ out = {
     "upto_cpu_mean": round(float(np.mean(cpus[:len(ts)])), 2),
     "first10_pcpu_max": round(max(pcpus[:10]), 2), "upto_pcpu_max": round(max(pcpus[:len(ts)]), 2),
     "upto_pcpu_p99": round(float(np.percentile(pcpus[:len(ts)], 99)), 2),
-    "upto_pcpu_mean": round(float(np.mean(pcpus[:len(ts)])), 2), "after_pcpu_mean": round(float(np.mean(pcpus[-100:])), 2),
+    "upto_pcpu_mean": round(float(np.mean(pcpus[:len(ts)])), 2),
+    "after_pcpu_mean": round(float(np.mean(pcpus[-100:])), 2),
     "after_pcpu_p99": round(float(np.percentile(pcpus[-100:], 99)), 2),
 }
 print(json.dumps(out))

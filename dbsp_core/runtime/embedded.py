@@ -71,6 +71,7 @@ from dbsp_core.zset import ZSet
 
 log = logging.getLogger("dbsp_core.substep")
 
+
 def compaction_slice(rows: int) -> int:
     """The compaction input rows a step that pushed ``rows`` rows pays without a merge thread (trace invariant 17)."""
     return max(Trace.COMPACT_SLICE, Trace.COMPACT_FUEL * rows)
@@ -450,10 +451,10 @@ class EmbeddedExecutor:
         from the one that starts it on, advances it by :func:`compaction_slice` input rows in all (the first trace
         still compacting first), the last slice installing it. A reopened state (:meth:`load_state`), whose writes since
         its last compaction are not known, makes it due at the end of its first small step (which has read its traces:
-        a trace still fresh counts nothing) when the batches a compaction of its traces merges (loose spilled ones, loose ones of tiered levels) beyond each trace's largest hold at
-        least a third of those largest ones' bytes (``Trace.loose_spilled_bytes``): a load's tiered files, not one
-        compacted file and the small batches of the steps after it; so that compaction rewrites at most four times
-        those bytes."""
+        a trace still fresh counts nothing) when the batches a compaction of its traces merges (loose spilled ones,
+        loose ones of tiered levels) beyond each trace's largest hold at least a third of those largest ones' bytes
+        (``Trace.loose_spilled_bytes``): a load's tiered files, not one compacted file and the small batches of the
+        steps after it; so that compaction rewrites at most four times those bytes."""
         store = self.batch_store
         if store is None:
             return
@@ -492,8 +493,8 @@ class EmbeddedExecutor:
                 self._compacting = [t for t in self._compacting if t.compacting]
 
     def _pay_compaction(self, rows: int) -> None:
-        """A step's slice of the compactions started without a merge thread (trace invariant 17): :func:`compaction_slice`
-        input rows in all, the first trace still compacting first."""
+        """A step's slice of the compactions started without a merge thread (trace invariant 17):
+        :func:`compaction_slice` input rows in all, the first trace still compacting first."""
         left = compaction_slice(rows)
         for t in self._compacting:
             left -= t.advance_compaction(left)
@@ -789,8 +790,9 @@ class EmbeddedExecutor:
         bulk load, say, so later steps do not share the machine with the load's merges), and the batch store's spill
         thread has written what it was handed (trace invariant 12), and each trace's spilled loose batches are one
         (``Trace.compact_spilled``, trace invariant 15: the load left tiered levels of several files, which every
-        small step after it would ask; a compaction paid in slices, trace invariant 17, is finished first); then return the memory they freed, as after a big step
-        (:func:`release_memory`). Call between steps. Returns the batches the compaction merged."""
+        small step after it would ask; a compaction paid in slices, trace invariant 17, is finished first); then
+        return the memory they freed, as after a big step (:func:`release_memory`). Call between steps. Returns the
+        batches the compaction merged."""
         self._install_merges(settle=True)
         merged = 0
         if self.batch_store is not None:

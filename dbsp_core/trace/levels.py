@@ -136,7 +136,7 @@ import pyarrow as pa
 from dbsp_core.errors import WeightOverflowError
 from dbsp_core.trace.keyindex import KeyIndexed
 from dbsp_core.trace.merge_thread import MergeThread, SharedMerge, current_merge_thread
-from dbsp_core.trace.spill import current_batch_store
+from dbsp_core.trace.spill import batch_bytes, current_batch_store
 
 _log = logging.getLogger("dbsp_core.trace")
 
@@ -695,8 +695,8 @@ class Trace(KeyIndexed):
         return len(picked)
 
     def advance_compaction(self, rows: int) -> int:
-        """Pay a slice of a compaction started without a merge thread (invariant 17): merge at least ``rows`` more of its
-        input rows (or the rest; a failure abandons it, as on the merge thread), and once every row is in, build its
+        """Pay a slice of a compaction started without a merge thread (invariant 17): merge at least ``rows`` more of
+        its input rows (or the rest; a failure abandons it, as on the merge thread), and once every row is in, build its
         output's file (``_Merge.seal``) and install it. Call between steps. Returns the input rows merged now (also
         added to ``compacted_rows``)."""
         for lvl, level in enumerate(self._by_level):
@@ -724,8 +724,6 @@ class Trace(KeyIndexed):
         tiered levels still in memory), their files' or their buffers': (those beyond the largest one, the largest
         one's), (0, 0) when fewer than two. A reopened trace's share of the executor's compaction rule
         (runtime/embedded.py ``_compact_after_load``: what was written since the last compaction is not known there)."""
-        from dbsp_core.trace.spill import batch_bytes
-
         store = self._store
         sizes = [f.size if f is not None else batch_bytes(e[1])
                  for e, f in ((e, store.file_of(e[1])) for e in self._to_compact())]
