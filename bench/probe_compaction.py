@@ -7,10 +7,17 @@ run, the bytes the store wrote (load, then the small steps), and the stepping th
 ``time.thread_time``; W=1 runs worker 0 there; the merge thread's work is not in it). Modes: ``auto`` (the engine's
 own compaction), ``settle`` (settle_merges called after the load, as the benchmarks do), ``none`` (the hook off: the
 tiered batches stay). ``--gap MS`` sleeps that long between small steps (a stream paced below the engine's speed).
+``--workers W``, ``--merge on|off`` (the merge thread; default: the engine's choice), ``--reopen`` (the load is
+checkpointed, closed and reopened before the small steps: the compaction a reopened state makes due). The
+``*_pcpu_*`` figures are each small step's process CPU (every thread: W=2's workers, the merge thread), ms;
+``upto_*`` cover the small steps up to the install.
 ``python bench/probe_compaction.py 20000000 auto``; works on trees before the background compaction too."""
 import argparse
 import json
+import os
 import resource
+import shutil
+import tempfile
 import time
 
 import numpy as np
@@ -24,6 +31,10 @@ ap.add_argument("rows", type=int)
 ap.add_argument("mode", choices=("auto", "settle", "none"))
 ap.add_argument("--gap", type=float, default=0.0, help="ms slept between small steps")
 ap.add_argument("--max-steps", type=int, default=20_000, help="small steps at most while waiting for the install")
+ap.add_argument("--workers", type=int, default=1)
+ap.add_argument("--merge", choices=("default", "on", "off"), default="default", help="the merge thread")
+ap.add_argument("--reopen", action="store_true", help="checkpoint, close and reopen after the load")
+ap.add_argument("--dump", help="write each small step's stepping-thread CPU (ms) to this JSON file")
 args = ap.parse_args()
 N, explicit = args.rows, args.mode == "settle"
 if args.mode == "none":
@@ -38,13 +49,27 @@ def cpu() -> float:
 S = pa.schema([("k", pa.int64()), ("v", pa.int64())])
 c = dbsp.Circuit()
 c.output("d", c.input("t", S).distinct())
-p = dbsp.Pipeline(c, memory_limit="100MiB")
+
+
+def executor() -> dict:
+    return {} if args.merge == "default" else {"executor": EmbeddedExecutor(background_merge=args.merge == "on")}
+
+
+root = tempfile.mkdtemp(prefix="probe-compaction-", dir=os.environ.get("TMPDIR", "/tmp")) if args.reopen else None
+kw = dict(storage=root, checkpoint_interval=None) if root else {}
+p = dbsp.Pipeline(c, memory_limit="100MiB", workers=args.workers, **kw, **executor())
 rng = np.random.default_rng(1)
 w0, c0 = time.perf_counter(), cpu()
 for _ in range(N // 1_000_000):
     p.push("t", pa.table({"k": rng.integers(0, 1 << 40, 1_000_000), "v": rng.integers(0, 3, 1_000_000)}, schema=S))
     p.step()
 load = time.perf_counter() - w0
+reopen_s = 0.0
+if root:
+    p.close()
+    t0 = time.perf_counter()
+    p = dbsp.Pipeline.open(root, c, memory_limit="100MiB", workers=args.workers, **executor())
+    reopen_s = time.perf_counter() - t0
 store = p.executor.batch_store
 written_load = store.stats["bytes_written"]
 if explicit:
@@ -56,13 +81,15 @@ else:
 
 
 cpus: list[float] = []  # each small step's CPU on the stepping thread (W=1: worker 0 runs there), ms
+pcpus: list[float] = []  # each small step's process CPU (every thread), ms
 
 
 def small() -> float:
     p.push("t", pa.table({"k": rng.integers(0, 1 << 40, 1000), "v": rng.integers(0, 3, 1000)}, schema=S))
-    t0, c0 = time.perf_counter(), time.thread_time()
+    t0, c0, p0 = time.perf_counter(), time.thread_time(), cpu()
     p.step()
     cpus.append((time.thread_time() - c0) * 1000)
+    pcpus.append((cpu() - p0) * 1000)
     return (time.perf_counter() - t0) * 1000
 
 
@@ -95,6 +122,19 @@ out = {
     "compactions": store.stats["compactions"], "disk_mib": store.disk_bytes() >> 20,
     "first10_cpu_max": round(max(cpus[:10]), 2), "next100_cpu_mean": round(float(np.mean(cpus[10:110])), 2),
     "after_cpu_mean": round(float(np.mean(cpus[-100:])), 2),
+    "workers": args.workers, "merge_thread": p.executor._merge_thread is not None, "reopen_s": round(reopen_s, 2),
+    "upto_cpu_max": round(max(cpus[:len(ts)]), 2), "upto_cpu_p99": round(float(np.percentile(cpus[:len(ts)], 99)), 2),
+    "upto_cpu_mean": round(float(np.mean(cpus[:len(ts)])), 2),
+    "first10_pcpu_max": round(max(pcpus[:10]), 2), "upto_pcpu_max": round(max(pcpus[:len(ts)]), 2),
+    "upto_pcpu_p99": round(float(np.percentile(pcpus[:len(ts)], 99)), 2),
+    "upto_pcpu_mean": round(float(np.mean(pcpus[:len(ts)])), 2),
+    "after_pcpu_mean": round(float(np.mean(pcpus[-100:])), 2),
+    "after_pcpu_p99": round(float(np.percentile(pcpus[-100:], 99)), 2),
 }
 print(json.dumps(out))
+if args.dump:
+    with open(args.dump, "w") as f:
+        json.dump({"cpu_ms": cpus, "installed_at": out["installed_at"]}, f)
 p.close()
+if root:
+    shutil.rmtree(root, ignore_errors=True)

@@ -71,6 +71,12 @@ from dbsp_core.zset import ZSet
 
 log = logging.getLogger("dbsp_core.substep")
 
+
+def compaction_slice(rows: int) -> int:
+    """The compaction input rows a step that pushed ``rows`` rows pays without a merge thread (trace invariant 17)."""
+    return max(Trace.COMPACT_SLICE, Trace.COMPACT_FUEL * rows)
+
+
 BIG_STEP_ROWS = 1 << 18  # pushed rows from which a step also returns the allocators' free memory (release_memory)
 
 
@@ -249,6 +255,7 @@ class EmbeddedExecutor:
         self._written_at_compact = 0  # the batch store's bytes written, compactions' aside, at the last compaction
         self._compact_due = False  # a compaction is wanted, started once the merge thread is idle (_compact_after_load)
         self._compacting: list[Trace] = []  # traces whose background compaction is not installed yet
+        self._reopened = False  # load_state ran and no small step has looked at the loose files it opened yet
         self.worker_cpu_seconds: list[float] = []
         # busy seconds per worker of the last run(): time in its operators, not waiting at an exchange's barrier
         # (the autoscaling policy's measure of work: dbsp_core.runtime.autoscale)
@@ -352,6 +359,7 @@ class EmbeddedExecutor:
             if self.batch_store.durable:  # keep the files the opened checkpoint names (trace invariant 13)
                 self.batch_store.sweep(self._referenced())
             self.spill(self.batch_store)
+            self._reopened = True  # (their loose spilled files count toward the write rule: _compact_after_load)
 
     def _name_files(self, st: WorkerStore) -> None:
         """Checkpoints of ``st`` name the durable store's batch files instead of copying their rows (trace
@@ -439,17 +447,32 @@ class EmbeddedExecutor:
         thread's writes switched; a load that resumes meanwhile does not cancel it), every trace starts
         one (:meth:`Trace.start_compaction`, cheap: no row is read) and the steps go on over the old batches until the end of a step installs it; the stats' ``compactions``
         count the rounds started. Without a merge thread (``background_merge`` off, as when the workers take every
-        core) the step that makes it due compacts on this thread (:meth:`settle_merges`) and pays the wait."""
+        core) the same compaction is started with no thread and paid in slices (trace invariant 17): every step's end,
+        from the one that starts it on, advances it by :func:`compaction_slice` input rows in all (the first trace
+        still compacting first), the last slice installing it. A reopened state (:meth:`load_state`), whose writes since
+        its last compaction are not known, makes it due at the end of its first small step (which has read its traces:
+        a trace still fresh counts nothing) when the batches a compaction of its traces merges (loose spilled ones,
+        loose ones of tiered levels) beyond each trace's largest hold at least a third of those largest ones' bytes
+        (``Trace.loose_spilled_bytes``): a load's tiered files, not one compacted file and the small batches of the
+        steps after it; so that compaction rewrites at most four times those bytes."""
         store = self.batch_store
         if store is None:
             return
+        mt = self._merge_thread
         if self._compacting:  # installed between steps: the old files go now, not at a later step's first read
+            if mt is None:  # (this step's slice: trace invariant 17)
+                self._pay_compaction(rows)
             for t in self._compacting:
                 t.install_finished()
             self._compacting = [t for t in self._compacting if t.compacting]
         if rows >= BIG_STEP_ROWS:
             self._after_load = True
             return
+        if self._reopened:  # a reopened state: its loose spilled files count (what wrote them is not known)
+            self._reopened = False
+            beyond, largest = (sum(x) for x in zip((0, 0), *(t.loose_spilled_bytes() for t in self._all_traces())))
+            if beyond and 3 * beyond >= largest:
+                self._compact_due = True
         written = store.stats["bytes_written"] - store.stats["bytes_compacted"]
         if self._after_load:
             self._after_load = False
@@ -457,14 +480,7 @@ class EmbeddedExecutor:
                 self._compact_due = True
         if not self._compact_due:
             return
-        mt = self._merge_thread
-        if mt is None:  # no merge thread: this step pays the compaction (the fallback)
-            self._compact_due = False
-            if self.settle_merges():  # (counted when it merged something)
-                store.stats["compactions"] += 1
-            self._written_at_compact = store.stats["bytes_written"] - store.stats["bytes_compacted"]
-            return
-        if self._compacting or not mt.wait_idle(0) or store.writing():
+        if self._compacting or store.writing() or (mt is not None and not mt.wait_idle(0)):
             return  # the load's merges and writes first: a later step's end looks again
         self._install_merges()  # (hands nothing over: the merge thread stays idle)
         self._compact_due = False
@@ -472,6 +488,18 @@ class EmbeddedExecutor:
         self._compacting = [t for t in self._all_traces() if t.start_compaction(mt)]
         if self._compacting:
             store.stats["compactions"] += 1
+            if mt is None:  # the step that starts it pays its first slice
+                self._pay_compaction(rows)
+                self._compacting = [t for t in self._compacting if t.compacting]
+
+    def _pay_compaction(self, rows: int) -> None:
+        """A step's slice of the compactions started without a merge thread (trace invariant 17):
+        :func:`compaction_slice` input rows in all, the first trace still compacting first."""
+        left = compaction_slice(rows)
+        for t in self._compacting:
+            left -= t.advance_compaction(left)
+            if left <= 0:
+                break
 
     def rename_state(self, renames: dict[int, int]) -> None:
         """The next :meth:`load_state` reads node ``n``'s state from the tables of node ``renames[n]`` (snapshot
@@ -762,11 +790,16 @@ class EmbeddedExecutor:
         bulk load, say, so later steps do not share the machine with the load's merges), and the batch store's spill
         thread has written what it was handed (trace invariant 12), and each trace's spilled loose batches are one
         (``Trace.compact_spilled``, trace invariant 15: the load left tiered levels of several files, which every
-        small step after it would ask); then return the memory they freed, as after a big step
-        (:func:`release_memory`). Call between steps. Returns the batches the compaction merged."""
+        small step after it would ask; a compaction paid in slices, trace invariant 17, is finished first); then
+        return the memory they freed, as after a big step (:func:`release_memory`). Call between steps. Returns the
+        batches the compaction merged."""
         self._install_merges(settle=True)
         merged = 0
         if self.batch_store is not None:
+            if self._merge_thread is None and self._compacting:  # a compaction paid in slices: the rest now
+                for t in self._compacting:
+                    t.advance_compaction(1 << 62)
+                self._compacting = []
             self.batch_store.settle()
             for t in self._all_traces():  # the tiered levels' spilled batches, one batch each (trace invariant 15)
                 merged += t.compact_spilled()

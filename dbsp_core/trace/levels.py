@@ -113,6 +113,16 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      committed). A compaction whose merge or seal fails is abandoned when installed: its inputs go back loose at their
      levels, in placement order, the store counts ``compactions_abandoned``, and nothing else changes (its output
      file, if any, goes with its batch). The content never depends on it.
+  17. Compaction in slices (no merge thread: ``background_merge`` off, as when the workers take every core): the same
+     compaction (invariant 16's, started by :meth:`Trace.start_compaction` with no thread, handed nowhere) is paid by
+     the steps, as a level merge is by fuel (invariants 3 and 14): at each step's end the executor
+     (runtime/embedded.py ``_compact_after_load``) calls :meth:`Trace.advance_compaction` with what is left of the
+     step's slice, ``max(COMPACT_SLICE, COMPACT_FUEL * rows)`` input rows for a step that pushed ``rows`` rows, shared
+     by every trace compacting (the first unfinished one first); the slice that merges the last row also builds the
+     output's file (``_Merge.seal``, one pass over its bytes) and installs it. So a step pays at most one slice of
+     compaction rows (plus, once, the seal), and a compaction of R rows is installed within ceil(R / COMPACT_SLICE)
+     steps. Inserts leave it alone (``_merge_levels`` advances it by fuel only when its level's loose batches reach
+     their fan-in, as a due merge). Until installed its inputs are read, as in invariant 16; a failed slice abandons it.
 """
 
 from __future__ import annotations
@@ -126,7 +136,7 @@ import pyarrow as pa
 from dbsp_core.errors import WeightOverflowError
 from dbsp_core.trace.keyindex import KeyIndexed
 from dbsp_core.trace.merge_thread import MergeThread, SharedMerge, current_merge_thread
-from dbsp_core.trace.spill import current_batch_store
+from dbsp_core.trace.spill import batch_bytes, current_batch_store
 
 _log = logging.getLogger("dbsp_core.trace")
 
@@ -344,6 +354,10 @@ class Trace(KeyIndexed):
     # (invariant 15): its inputs in memory are then written once, in its output, and never alone
     HOLD_FAN_IN = 64  # a tiered level's fan-in while the store holds (a step run in pieces, invariant 15): the
     # pieces' batches stay loose files, merged once at the step's end (compact_spilled(since=)); the k-way cursor's bound
+    COMPACT_SLICE = 16_384  # compaction input rows a step pays at least without a merge thread (invariant 17): about a
+    # 1k-row step's own CPU on a spilled distinct (a k-way merge of ~5M rows/s: ~3 ms)
+    COMPACT_FUEL = 16  # and per row the step pushed, when more: a slice is max(COMPACT_SLICE, COMPACT_FUEL * rows)
+    compacted_rows = 0  # (set per instance by __init__)
     _placed = 0  # placement numbers handed out (set per instance by __init__; here for a trace built without it)
     MAX_PENDING = 64  # a fresh trace's pending batches beyond which it inserts the oldest (invariant 5)
     PRUNE_MIN = 4096  # rows inserted before drop_below scans at all (invariant 8)
@@ -363,6 +377,7 @@ class Trace(KeyIndexed):
         self.key = tuple(key)
         self.row_hashes = row_hashes  # its batches keep their row hashes (invariant 1)
         self.merged_rows = 0  # input rows consumed by merges, ever (counts, not timings, for tests and benchmarks)
+        self.compacted_rows = 0  # of which by advance_compaction's slices (invariant 17)
         self.inserted_rows = 0  # rows inserted, ever
         self._by_level: list[_Level] = []
         self.pending: list[IndexedZSet] = []
@@ -509,10 +524,11 @@ class Trace(KeyIndexed):
                         break
                     m = self._start_merge(lvl, mt is not None)
                     level = self._by_level[lvl]
-                if mt is not None and m.shared is not None and len(level.loose) < self._fan_in(level):  # not due: the merge
-                    # thread advances it
+                if (m.shared is not None and (mt is not None or m.compaction)
+                        and len(level.loose) < self._fan_in(level)):  # not due: the merge thread advances it, or a
+                    # compaction without one is paid in slices between steps (invariant 17)
                     if not m.finished(wait=False):
-                        handed = True
+                        handed = handed or mt is not None
                         break
                 elif budget > 0 and not m.finished():
                     used = m.advance(budget)
@@ -650,12 +666,13 @@ class Trace(KeyIndexed):
                   for e in level.loose if e[0] >= since and (self._fan_in(level) > 2 or store.is_spilled(e[1]))]
         return sorted(picked, key=lambda e: e[0])[:64] if len(picked) >= 2 else []
 
-    def start_compaction(self, thread: "MergeThread") -> int:
+    def start_compaction(self, thread: "MergeThread | None") -> int:
         """Start a background compaction (invariant 16): what :meth:`compact_spilled` merges (``_to_compact``) becomes
         the inputs of one k-way merge parked in a
         free merge slot at or above the level of their summed work and handed to ``thread``, which merges them and
-        makes the output its batch file; the inserting thread installs it as any merge. Call on the inserting thread or
-        between steps. Returns the batches it merges (0: fewer than two, nothing started)."""
+        makes the output its batch file; the inserting thread installs it as any merge. With ``thread`` None (no merge
+        thread) nothing is handed over: :meth:`advance_compaction` pays it in slices between steps (invariant 17). Call
+        on the inserting thread or between steps. Returns the batches it merges (0: fewer than two, nothing started)."""
         picked = self._to_compact()
         if not picked:
             return 0
@@ -672,9 +689,45 @@ class Trace(KeyIndexed):
             levels.append(_Level())
         levels[at] = levels[at]._replace(merge=m)
         self._by_level = levels
-        self._handed = True
-        thread.submit(self)
+        if thread is not None:
+            self._handed = True
+            thread.submit(self)
         return len(picked)
+
+    def advance_compaction(self, rows: int) -> int:
+        """Pay a slice of a compaction started without a merge thread (invariant 17): merge at least ``rows`` more of
+        its input rows (or the rest; a failure abandons it, as on the merge thread), and once every row is in, build its
+        output's file (``_Merge.seal``) and install it. Call between steps. Returns the input rows merged now (also
+        added to ``compacted_rows``)."""
+        for lvl, level in enumerate(self._by_level):
+            m = level.merge
+            if m is None or not m.compaction or m.shared is None:
+                continue
+            sh, used = m.shared, 0
+            with sh.lock:
+                if sh.error is None and not m.cursor.done and rows > 0:
+                    try:
+                        used = m.step(rows)
+                    except Exception as exc:  # noqa: BLE001 - abandoned when installed (invariant 16)
+                        sh.error = exc
+                    sh.merged += used
+                if m.cursor.done:
+                    m.seal()
+            self.compacted_rows += used
+            if m.finished():
+                self._install(lvl, m)
+            return used
+        return 0
+
+    def loose_spilled_bytes(self) -> tuple[int, int]:
+        """The bytes of the batches a compaction would merge (``_to_compact``: loose spilled batches, and loose ones of
+        tiered levels still in memory), their files' or their buffers': (those beyond the largest one, the largest
+        one's), (0, 0) when fewer than two. A reopened trace's share of the executor's compaction rule
+        (runtime/embedded.py ``_compact_after_load``: what was written since the last compaction is not known there)."""
+        store = self._store
+        sizes = [f.size if f is not None else batch_bytes(e[1])
+                 for e, f in ((e, store.file_of(e[1])) for e in self._to_compact())]
+        return (sum(sizes) - max(sizes), max(sizes)) if len(sizes) >= 2 else (0, 0)
 
     @property
     def compacting(self) -> bool:

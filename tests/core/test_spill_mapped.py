@@ -96,6 +96,7 @@ def _join_pipes(n: int, limit: str) -> list:
         p.push("r", pa.table({"id": np.arange(n), "y": np.arange(n) % 7}))
         p.step()
     store = pipes[0].executor.batch_store
+    pipes[0].executor.settle_merges()  # the load's spilled pieces one file (else compacted in slices by the steps)
     store.settle()
     store.enforce()
     store.settle()

@@ -156,9 +156,10 @@ def test_compact_spilled_leaves_one_spilled_batch_and_the_content() -> None:
 def test_the_first_small_step_after_a_bulk_load_compacts_the_tiered_spilled_batches(monkeypatch) -> None:
     """A pipeline under a 1 MiB budget loads a distinct in six big steps (BIG_STEP_ROWS lowered to 20,000 rows:
     tiered levels leave several spilled batches), then runs small steps without any call of settle_merges: the
-    first small step compacts (one compaction, every trace left with at most one spilled batch), a second small
-    step does not compact again, and every output equals the unbudgeted twin's (multisets). Watched fail with
-    the executor's hook (``_compact_after_load``) removed: no compaction, 3 spilled batches left."""
+    first small step starts the compaction (one compaction, every trace left with at most one loose spilled batch:
+    the others are its inputs, paid in slices by the steps, trace invariant 17), a second small step does not start
+    another, and every output equals the unbudgeted twin's (multisets). Watched fail with the executor's hook
+    (``_compact_after_load``) removed: no compaction, 3 spilled batches left."""
     import dbsp_core as dbsp
     import dbsp_core.runtime.embedded as embedded
     from dbsp_core.runtime.embedded import EmbeddedExecutor
@@ -305,13 +306,15 @@ def test_the_compaction_after_a_load_runs_on_the_merge_thread_while_steps_run(tm
     gate, gated = threading.Event(), threading.Event()
     real_step, real_seal = levels._Merge.step, levels._Merge.seal
 
+    watched: dict = {}  # the budgeted pipeline's store (the twin's compacts in slices under DBSP_MEMORY_LIMIT)
+
     def step(self, budget):  # noqa: ANN001
-        if self.compaction:
+        if self.compaction and self.store is watched.get("store"):
             where["step"].add(threading.current_thread().name)
         return real_step(self, budget)
 
     def seal(self):  # noqa: ANN001
-        if self.compaction and self.cursor.done and not self.sealed:
+        if self.compaction and self.cursor.done and not self.sealed and self.store is watched.get("store"):
             where["seal"].add(threading.current_thread().name)
             gated.set()
             assert gate.wait(60), "the test never opened the gate"
@@ -325,7 +328,7 @@ def test_the_compaction_after_a_load_runs_on_the_merge_thread_while_steps_run(tm
                              memory_limit=1 << 20, executor=EmbeddedExecutor(background_merge=True))
     twin = dbsp.Pipeline(_distinct_circuit(), workers=workers, executor=EmbeddedExecutor(background_merge=False))
     ex = budgeted.executor
-    store = ex.batch_store
+    store = watched["store"] = ex.batch_store
     assert store is not None
 
     def spilled() -> int:  # (merge inputs included)
@@ -430,4 +433,145 @@ def test_settle_merges_finishes_a_due_merge_and_compacts_its_level(monkeypatch) 
         assert budgeted.step()["d"].to_dict() == twin.step()["d"].to_dict()
     finally:
         budgeted.close()
+        twin.close()
+
+
+def _content(p: "dbsp.Pipeline", workers: int) -> dict:
+    """Every trace's rows, summed over the workers, by trace label (multisets)."""
+    out: dict = {}
+    for w in range(workers):
+        for label, t in p.traces(w).items():
+            for r, n in t.consolidated().zset.to_dict().items():
+                out[(label, r)] = out.get((label, r), 0) + n
+    return {k: n for k, n in out.items() if n}
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_without_a_merge_thread_the_compaction_after_a_load_is_paid_in_slices(tmp_path, monkeypatch, workers) -> None:
+    """Without a merge thread (trace invariant 17) the compaction after a bulk load (BIG_STEP_ROWS lowered to 20,000,
+    COMPACT_SLICE to 3,000 rows) is paid by the small steps that follow: no step merges more compaction rows than its
+    slice (``compaction_slice``: counted, not timed), it takes several steps and is installed within
+    ceil(rows / slice) + 1 of them, its inputs replaced by its output; every output, the traces' content and
+    a reopen's equal the unbudgeted twin's (multisets). W=1 and W=2. Watched fail with the slice removed (the whole
+    compaction at the first small step, as on main: 'step 0 merged 180000 > 3000')."""
+    import math
+
+    import dbsp_core as dbsp
+    import dbsp_core.runtime.embedded as embedded
+    from dbsp_core.runtime.embedded import EmbeddedExecutor, compaction_slice
+
+    monkeypatch.setattr(embedded, "BIG_STEP_ROWS", 20_000)
+    monkeypatch.setattr(Trace, "FAN_IN", 4)
+    monkeypatch.setattr(Trace, "COMPACT_SLICE", 3_000)
+    monkeypatch.setattr(Trace, "COMPACT_FUEL", 4)
+    rng = np.random.default_rng(SEED)
+    root = str(tmp_path / "p")
+    budgeted = dbsp.Pipeline(_distinct_circuit(), workers=workers, storage=root, checkpoint_interval=None,
+                             memory_limit=1 << 20, executor=EmbeddedExecutor(background_merge=False))
+    twin = dbsp.Pipeline(_distinct_circuit(), workers=workers, executor=EmbeddedExecutor(background_merge=False))
+    ex = budgeted.executor
+    store = ex.batch_store
+    assert store is not None and ex._merge_thread is None
+
+    def spilled() -> int:  # loose spilled batches of the fullest trace (a compaction's inputs are not loose)
+        return max(sum(store.is_spilled(e[1]) for level in t._by_level for e in level.loose) for t in ex._all_traces())
+
+    def compacted() -> int:
+        return sum(t.compacted_rows for t in ex._all_traces())
+
+    def push(n: int) -> None:
+        z = pa.table({"k": rng.integers(0, 1 << 40, n), "v": rng.integers(0, 3, n)}, schema=KV)
+        budgeted.push("t", z)
+        twin.push("t", z)
+        a, b = budgeted.step(), twin.step()
+        assert a["d"].to_dict() == b["d"].to_dict()
+
+    try:
+        for _ in range(6):
+            push(30_000)
+        assert spilled() >= 2, spilled()  # the load left tiered spilled batches to compact
+        per_step, rows, started = [], 0, None
+        for i in range(200):
+            before = compacted()
+            push(300)
+            per_step.append(compacted() - before)
+            assert per_step[-1] <= compaction_slice(300), f"step {i} merged {per_step[-1]} > {compaction_slice(300)}"
+            if ex._compacting and started is None:
+                started = i
+                inputs = [e[1] for t in ex._compacting for lv in t._by_level if lv.merge is not None
+                          and lv.merge.compaction for e in lv.merge.inputs]
+                rows = sum(len(b) for b in inputs)
+            if started is not None and not ex._compacting:
+                break
+        assert started is not None and not ex._compacting, (started, per_step)
+        steps = i - started + 1
+        assert 1 < steps <= math.ceil(rows / compaction_slice(300)) + 1, (steps, rows, per_step)
+        assert store.stats["compactions"] == 1 and store.stats["compactions_abandoned"] == 0
+        assert sum(per_step) == rows, (sum(per_step), rows)
+        left = {id(b) for t in ex._all_traces() for b in t._levels()}  # its inputs replaced by its output
+        assert not any(id(b) in left for b in inputs)
+        del inputs
+        push(300)
+        want = _content(twin, workers)
+        assert _content(budgeted, workers) == want
+        budgeted.close()
+        with dbsp.Pipeline.open(root, _distinct_circuit(), workers=workers, memory_limit=1 << 20,
+                                executor=EmbeddedExecutor(background_merge=False)) as q:
+            assert _content(q, workers) == want
+    finally:
+        if not budgeted._closed:
+            budgeted.close()
+        twin.close()
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["sliced", "merge-thread"])
+def test_a_reopened_state_with_loose_spilled_files_compacts(tmp_path, monkeypatch, background) -> None:
+    """A state closed right after a bulk load (tiered levels of several spilled files, no small step: no compaction)
+    and reopened counts those files toward the compaction's write rule (``Trace.loose_spilled_bytes``): small steps
+    after the reopen compact it (one compaction, installed, one spilled loose batch per trace left), with and
+    without a merge thread, and the content equals the unbudgeted twin's before and after. Watched fail with the
+    reopen hook removed (``_reopened`` never set: no compaction, 2-3 spilled batches left)."""
+    import dbsp_core as dbsp
+    import dbsp_core.runtime.embedded as embedded
+    from dbsp_core.runtime.embedded import EmbeddedExecutor
+
+    monkeypatch.setattr(embedded, "BIG_STEP_ROWS", 20_000)
+    monkeypatch.setattr(Trace, "FAN_IN", 4)
+    rng = np.random.default_rng(SEED)
+    root = str(tmp_path / "p")
+    twin = dbsp.Pipeline(_distinct_circuit(), executor=EmbeddedExecutor(background_merge=False))
+
+    def push(p: "dbsp.Pipeline", n: int) -> None:
+        z = pa.table({"k": rng.integers(0, 1 << 40, n), "v": rng.integers(0, 3, n)}, schema=KV)
+        p.push("t", z)
+        twin.push("t", z)
+        assert p.step()["d"].to_dict() == twin.step()["d"].to_dict()
+
+    try:
+        with dbsp.Pipeline(_distinct_circuit(), storage=root, checkpoint_interval=None, memory_limit=1 << 20,
+                           executor=EmbeddedExecutor(background_merge=background)) as p:
+            for _ in range(6):
+                push(p, 30_000)
+            assert p.executor.batch_store.stats["compactions"] == 0
+        with dbsp.Pipeline.open(root, _distinct_circuit(), memory_limit=1 << 20,
+                                executor=EmbeddedExecutor(background_merge=background)) as q:
+            ex = q.executor
+            store = ex.batch_store
+
+            def spilled() -> int:
+                return max(sum(store.is_spilled(e[1]) for level in t._by_level for e in level.loose)
+                           for t in ex._all_traces())
+
+            push(q, 300)
+            assert spilled() >= 2 or ex._compacting, spilled()  # the reopened loose files (or their compaction)
+            for _ in range(400):
+                push(q, 300)
+                if store.stats["compactions"] and not ex._compacting:
+                    break
+                if ex._merge_thread is not None:
+                    ex._merge_thread.wait_idle(5)
+            assert store.stats["compactions"] == 1 and not ex._compacting, (store.stats["compactions"], spilled())
+            assert spilled() <= 1, spilled()
+            assert _content(q, 1) == _content(twin, 1)
+    finally:
         twin.close()
