@@ -245,13 +245,20 @@ class _SharedLimit:
     """A process-wide limit of a C cache (the region cache, each thread's scratch cache) that every open store
     lowers to its share of its budget: the limit is the smallest share of the stores open, and the limit found
     before the first one when none is, whatever order stores open and close in (two pipelines of one process, one
-    budgeted and one not, or closed out of order, never leave each other a lowered or raised limit)."""
+    budgeted and one not, or closed out of order, never leave each other a lowered or raised limit).
+
+    A store never closed gives its share back from a ``weakref.finalize`` callback (:meth:`release_later`), which
+    runs wherever the store is collected: on any thread, and on this very thread in the middle of :meth:`hold` or
+    :meth:`release` when the garbage collector runs inside their call into C. So it never waits for the lock (seen:
+    a test process hung for ever in ``release`` called from ``hold``'s collection, the lock being its own): it
+    queues its key, and whoever holds the lock applies the queue before letting it go and looks again after."""
 
     def __init__(self, name: str) -> None:
         self._name = name  # the _zset function that sets the limit and returns the previous one
         self._lock = threading.Lock()
         self._caps: dict[str, int] = {}
         self._base: int | None = None
+        self._gone: list[str] = []  # keys released by finalizers, not applied yet (list.append: atomic)
 
     def _set(self, limit: int) -> int:
         from dbsp_core import _zset
@@ -265,14 +272,39 @@ class _SharedLimit:
                 self._base = prev
             self._caps[key] = cap
             self._set(min([self._base, *self._caps.values()]))
+            self._apply_gone()
+        self._after()
 
     def release(self, key: str) -> None:
         with self._lock:
-            if self._caps.pop(key, None) is None or self._base is None:
-                return
-            self._set(min([self._base, *self._caps.values()]))
-            if not self._caps:
-                self._base = None
+            self._drop(key)
+            self._apply_gone()
+        self._after()
+
+    def release_later(self, key: str) -> None:
+        """:meth:`release` from a finalizer: now if the lock is free, else by the thread holding it."""
+        self._gone.append(key)
+        self._after()
+
+    def _drop(self, key: str) -> None:
+        if self._caps.pop(key, None) is None or self._base is None:
+            return
+        self._set(min([self._base, *self._caps.values()]))
+        if not self._caps:
+            self._base = None
+
+    def _apply_gone(self) -> None:  # under the lock; a collection inside _set may queue more: the loop takes them
+        while self._gone:
+            self._drop(self._gone.pop())
+
+    def _after(self) -> None:
+        """Apply keys queued while another thread held the lock (it looks again once it has let it go, so a key
+        queued just before that is applied by one of the two)."""
+        while self._gone and self._lock.acquire(blocking=False):
+            try:
+                self._apply_gone()
+            finally:
+                self._lock.release()
 
 
 _REGION_LIMIT = _SharedLimit("region_cache_limit")
@@ -282,6 +314,12 @@ _SCRATCH_LIMIT = _SharedLimit("scratch_cache_limit")
 def _release_limits(token: str) -> None:
     _REGION_LIMIT.release(token)
     _SCRATCH_LIMIT.release(token)
+
+
+def _release_limits_later(token: str) -> None:
+    """A store collected without close(): its shares back, never waiting for a lock (``_SharedLimit.release_later``)."""
+    _REGION_LIMIT.release_later(token)
+    _SCRATCH_LIMIT.release_later(token)
 
 
 def merge_bytes(m: Any) -> int:
@@ -472,7 +510,7 @@ class BatchStore:
         self._limits_held = True
         _REGION_LIMIT.hold(self._token, int(self.memory_limit * self.REGION_CACHE_SHARE))
         _SCRATCH_LIMIT.hold(self._token, int(self.memory_limit * self.SCRATCH_SHARE))
-        weakref.finalize(self, _release_limits, self._token)  # a store never closed gives its shares back too
+        weakref.finalize(self, _release_limits_later, self._token)  # a store never closed gives its shares back too
         self.stats.update({"files_written": 0, "compactions": 0, "bytes_written": 0, "evictions": 0, "bytes_evicted": 0,
                            "enforcements": 0, "cache_hits": 0, "cache_misses": 0, "pages_checked": 0,
                            "written_in_background": 0, "written_for_nothing": 0, "keys_sought": 0,

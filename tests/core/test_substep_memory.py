@@ -152,3 +152,61 @@ def test_stores_opened_and_closed_in_any_order_leave_the_cache_limits_as_they_fo
     assert limits() == base
     _zset.region_cache_limit(found[0])
     _zset.scratch_cache_limit(found[1])
+
+
+def test_a_store_collected_while_another_opens_leaves_no_thread_waiting_and_the_limits_as_found(monkeypatch) -> None:
+    """A store dropped unclosed gives its shares back from a finalizer, which the garbage collector may run on the
+    very thread that is in the middle of another store's open (its ``_SharedLimit.hold``, inside the call into C
+    that sets a limit). Before, that finalizer waited for the lock its own thread held: the process hung for ever
+    (CI's DBSP_MEMORY_LIMIT=1 run, 2026-11-30; reproduced in 2 of 6 runs of test_integer_sql.py under that
+    setting). Here the collection is made to happen exactly there; the open must end (watched hang on the old code:
+    the thread still alive after 10 s) and, once every store is closed, the limits are back as found."""
+    import gc
+    import threading
+
+    from dbsp_core.trace import spill
+
+    monkeypatch.setattr(spill, "_REGION_LIMIT", spill._SharedLimit("region_cache_limit"))
+    monkeypatch.setattr(spill, "_SCRATCH_LIMIT", spill._SharedLimit("scratch_cache_limit"))
+    found = (_zset.region_cache_limit(256 << 20), _zset.scratch_cache_limit(512 << 20))
+    base = (256 << 20, 512 << 20)
+
+    def limits() -> tuple[int, int]:
+        got = (_zset.region_cache_limit(0), _zset.scratch_cache_limit(0))
+        _zset.region_cache_limit(got[0])
+        _zset.scratch_cache_limit(got[1])
+        return got
+
+    class Cycle:  # collected only by the garbage collector, not by reference counting
+        pass
+
+    gc.disable()
+    try:
+        dropped = BatchStore(16 << 20)
+        holder = Cycle()
+        holder.store, holder.me = dropped, holder
+        del dropped, holder
+        real_set = spill._REGION_LIMIT._set
+        collected = []
+
+        def set_and_collect(limit: int) -> int:  # the collection inside hold's call into C, on hold's thread
+            if not collected:
+                collected.append(gc.collect())
+            return real_set(limit)
+
+        monkeypatch.setattr(spill._REGION_LIMIT, "_set", set_and_collect)
+        opened: list = []
+        t = threading.Thread(target=lambda: opened.append(BatchStore(32 << 20)), daemon=True)
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "a store's open hung: its collection of another store waited for its own lock"
+        assert collected and collected[0] > 0  # the dropped store was collected there
+        monkeypatch.setattr(spill._REGION_LIMIT, "_set", real_set)
+        shares = (int((32 << 20) * BatchStore.REGION_CACHE_SHARE), int((32 << 20) * BatchStore.SCRATCH_SHARE))
+        assert limits() == tuple(min(b, s) for b, s in zip(base, shares))  # the dropped store's smaller share gone
+        opened[0].close()
+        assert limits() == base
+    finally:
+        gc.enable()
+        _zset.region_cache_limit(found[0])
+        _zset.scratch_cache_limit(found[1])
