@@ -115,10 +115,12 @@ class _InPlace:
         return [p for _b, _a, p, failed in self.calls if p is not None and not failed]
 
 
-def _session(d: str, pushes: list, arm: dict) -> list[int]:
+def _session(d: str, pushes: list, arm: dict, seen: dict | None = None) -> list[int]:
     """Open ``d`` through the fault VFS, arm it (``arm``: FAULT.arm's arguments; the operations are counted
     from here), push and step ``SESSION_STEPS`` times, checkpoint, push and step once more; returns the operation
-    counts at the checkpoint's start and end. Raises what the fault raised."""
+    counts at the checkpoint's start and end. Raises what the fault raised. ``seen["abandoned"]``: the background
+    compactions the session abandoned (levels.py invariant 16: one whose in-place write fails is abandoned, not
+    raised)."""
     p = None
     marks: list[int] = []
     try:
@@ -136,6 +138,8 @@ def _session(d: str, pushes: list, arm: dict) -> list[int]:
         p.step()
         return marks
     finally:
+        if seen is not None and p is not None:
+            seen["abandoned"] = p.executor.batch_store.stats.get("compactions_abandoned", 0)
         close_crashed(p)
 
 
@@ -218,16 +222,16 @@ def _in_place_ops(s: dict, points: list[int]) -> int:
 def _run(s: dict, points: list[int], modes: tuple, error: str | None) -> dict:
     """A crash (``error`` None: each damage mode of ``modes``) or an injected ``error`` at each operation of
     ``points``; after each, recovery is checked (:func:`_recover_and_check`). Returns the counts."""
-    where = {"in place": 0, "checkpoint": 0, "other": 0, "runs": 0, "in-place calls": 0}
+    where = {"in place": 0, "checkpoint": 0, "other": 0, "runs": 0, "in-place calls": 0, "abandoned": 0}
     for n in points:
         for mode in modes:
             d = str(s["tmp"] / f"c{n}-{mode}")
             shutil.copytree(s["base"], d)
             s["rec"].calls.clear()
             arm = dict(error_at=n, error=error) if error else dict(crash_at=n, mode=mode, seed=SEED + n)
-            raised = None
+            raised, seen = None, {}
             try:
-                _session(d, s["pushes"], arm)
+                _session(d, s["pushes"], arm, seen)
             except (OSError, dbsp.DbspError) as e:
                 raised = e
             crashed, reached = FAULT.crashed(), FAULT.ops() >= n
@@ -236,7 +240,9 @@ def _run(s: dict, points: list[int], modes: tuple, error: str | None) -> dict:
             assert crashed if error is None else reached, f"{what}: the session did not reach it"
             op = _failed_op(raised, n)
             in_place = any(b <= n <= a for b, a in s["ranges"])
-            if in_place:  # the operation is one of an in-place write's: the scratch file's, or its commit's; it
+            if in_place and op is None and seen.get("abandoned"):  # a compaction's in-place write (its output's
+                where["abandoned"] += 1  # file): abandoned, its batches kept as they were (levels.py invariant 16)
+            elif in_place:  # the operation is one of an in-place write's: the scratch file's, or its commit's; it
                 # fails the step (an error elsewhere may be one a caller rides out: a file's deletion, swept later)
                 assert op is not None and (os.path.basename(op[1]).startswith(spill.MERGE_SCRATCH_PREFIX)
                                            or op[1].endswith(SPILL_DIR)), (what, op)
@@ -266,7 +272,7 @@ def test_a_crash_at_every_io_operation_of_in_place_writes_and_their_checkpoint(s
     assert where["in place"] == _in_place_ops(s, points) * len(modes) > 0, where
     assert where["checkpoint"] > 0 and where["in-place calls"] > 0, where
     print(f"\n[in-place crash] {s['nops']} I/O operations, {len(points)} tried x {len(modes)} modes = {where['runs']} "
-          f"runs: {where['in place']} at an in-place write's operation (the session: {len(s['ranges'])} writes, "
+          f"runs: {where['in place']} at an in-place write's operation ({where['abandoned']} a compaction's, abandoned; the session: {len(s['ranges'])} writes, "
           f"{sum(a - b + 1 for b, a in s['ranges'])} operations, {s['holes']} holes), {where['checkpoint']} in the "
           f"checkpoint, {where['other']} elsewhere; 0 violations")
 
