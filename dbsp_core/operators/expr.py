@@ -52,11 +52,13 @@ def as_expression(value: object, where: str) -> pc.Expression:
 
 def strftime(value: pc.Expression, fmt: str, typ: pa.DataType) -> pc.Expression:
     """``pc.strftime(value, format=fmt)`` over a ``typ`` column, the same string for every value (nulls stay null),
-    built from Arrow's date cast and field kernels when ``fmt`` has only ``%Y %m %d %H %M %%`` and literal
-    text, and ``typ`` is a timestamp without a time zone (or UTC), or a date without ``%H``/``%M``: Arrow's
-    strftime formats row by row through a stream (1-2 us a row), the cast costs a tenth of that. Any other
-    format or type: ``pc.strftime`` itself (``%S``: Arrow prints a timestamp's fractional seconds; ``%F``: Arrow prints
-    a negative year unlike ``%Y-%m-%d``).
+    by one C pass (csrc/timefmt.h, as the scalar function ``dbsp_time_format_<type>``, :func:`_time_format`) when
+    ``fmt`` has only ``%Y %m %d %H %M %%`` and literal text, and ``typ`` is a timestamp without a time zone (or
+    UTC), or a date without ``%H``/``%M``: Arrow's strftime formats row by row through a stream (1-2 us a row), the
+    C pass costs a hundredth of that and a tenth of Arrow's date cast and field kernels (:func:`_cast_format`, which
+    it falls back to for a batch with a year outside [0, 9999]). Any other format or type: ``pc.strftime`` itself
+    (``%S``: Arrow prints a timestamp's fractional seconds; ``%F``: Arrow prints a negative year unlike
+    ``%Y-%m-%d``).
 
     >>> t = pa.array([86_399_999, None, -1], pa.timestamp("ms"))
     >>> _eval(strftime(pc.field("t"), "%d.%m.%Y %H:%M", t.type), t)
@@ -68,6 +70,12 @@ def strftime(value: pc.Expression, fmt: str, typ: pa.DataType) -> pc.Expression:
     if not (timestamp or pa.types.is_date(typ)) or any(t[0] == "%" and t not in fast for t in tokens) \
             or all(t[0] != "%" or t == "%%" for t in tokens):
         return pc.strftime(value, format=fmt)
+    return pc.Expression._call(_time_format_name(typ), [value, pc.scalar(fmt)])
+
+
+def _cast_format(value: pc.Expression, fmt: str, typ: pa.DataType) -> pc.Expression:
+    """What :func:`strftime` formats in C, built from Arrow's date cast and field kernels (the year as strftime
+    prints it, sign and 5 digits past 9999): :func:`_time_format`'s way for years outside [0, 9999]."""
     day = value.cast(pa.date32()).cast(pa.string())  # "YYYY-MM-DD", the year as strftime prints it (sign, 5 digits)
 
     def two(e: pc.Expression) -> pc.Expression:
@@ -77,7 +85,7 @@ def strftime(value: pc.Expression, fmt: str, typ: pa.DataType) -> pc.Expression:
               "%m": lambda: two(pc.month(value)), "%d": lambda: two(pc.day(value)),
               "%H": lambda: two(pc.hour(value)), "%M": lambda: two(pc.minute(value))}
     parts: list = []  # expressions and literal strings, adjacent literals joined
-    for t in tokens:
+    for t in _STRFTIME_TOKENS.findall(fmt):
         if t in fields:
             parts.append(fields[t]())
         elif parts and isinstance(parts[-1], str):
@@ -87,6 +95,51 @@ def strftime(value: pc.Expression, fmt: str, typ: pa.DataType) -> pc.Expression:
     if len(parts) == 1:
         return parts[0]
     return pc.binary_join_element_wise(*[pc.scalar(p) if isinstance(p, str) else p for p in parts], "")
+
+
+# the column types strftime formats in C, by the suffix of their scalar function's name (registered when this module
+# is imported, so an expression naming one runs in any process that imports dbsp_core, e.g. a Spark executor's)
+_TIME_TYPES = {**{f"ts_{u}": pa.timestamp(u) for u in ("s", "ms", "us", "ns")},
+               **{f"ts_{u}_utc": pa.timestamp(u, tz="UTC") for u in ("s", "ms", "us", "ns")},
+               "date32": pa.date32(), "date64": pa.date64()}
+_UNITS_PER_DAY = {"s": 86_400, "ms": 86_400_000, "us": 86_400_000_000, "ns": 86_400_000_000_000}
+
+
+def _time_format_name(typ: pa.DataType) -> str:
+    for suffix, t in _TIME_TYPES.items():
+        if t == typ:
+            return "dbsp_time_format_" + suffix
+    raise TypeError(f"strftime: no C formatting for {typ}")  # strftime sends only _TIME_TYPES here
+
+
+def _time_format(ctx: object, values: "pa.Array | pa.Scalar", fmt: pa.Scalar) -> pa.Array:
+    """The scalar function behind :func:`strftime`'s C path: one batch of ``values`` formatted by ``fmt``, by
+    csrc/timefmt.h, or by :func:`_cast_format` when a year is outside [0, 9999] (the kernel's invariant 3)."""
+    fmt_s = fmt.as_py()
+    if isinstance(values, pa.Scalar):  # a literal: the batch's length of it (Arrow's fill, no Python per row)
+        values = pa.nulls(ctx.batch_length, values.type).fill_null(values)  # type: ignore[attr-defined]
+    typ = values.type
+    units = 1 if pa.types.is_date32(typ) else 86_400_000 if pa.types.is_date64(typ) else _UNITS_PER_DAY[typ.unit]
+    out = _zset.time_format(values, fmt_s, units)
+    if out is None:
+        plan = ac.Declaration("project", ac.ProjectNodeOptions([_cast_format(pc.field("t"), fmt_s, typ)], ["x"]))
+        out = _run(pa.table({"t": values}), plan).column(0).combine_chunks()
+    return out
+
+
+def _register_time_formats() -> None:
+    for suffix, typ in _TIME_TYPES.items():
+        name = "dbsp_time_format_" + suffix
+        try:
+            pc.get_function(name)
+        except pa.ArrowKeyError:
+            pc.register_scalar_function(
+                _time_format, name, {"summary": "strftime by fixed-width fields (dbsp_core.operators.expr)",
+                                     "description": "The values formatted by %Y %m %d %H %M %% and literal text."},
+                {"values": typ, "format": pa.string()}, pa.string())
+
+
+_register_time_formats()
 
 
 def split_parts(strings: "pa.Array | pa.ChunkedArray", sep: str, indexes: Sequence[int]) -> list[pa.Array]:
