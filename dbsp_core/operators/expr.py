@@ -5,6 +5,10 @@ Invariants:
      the plan emits rows in.
   2. Validation runs the same plan on an empty table of the input schema, so an expression that
      builds also runs; an unknown field is reported as a SchemaError naming the operator and the column.
+  3. :func:`strftime`'s C path is a call of the scalar function ``dbsp_time_format_<type>`` (csrc/timefmt.h),
+     registered with Arrow once per process when this module is imported, for every type in ``_TIME_TYPES``: an
+     expression naming one (a circuit built here, its fingerprint's text) runs wherever dbsp_core is imported, and
+     it gives Arrow's strftime's strings (tests/core/test_expr_kernels.py).
 """
 
 from __future__ import annotations
