@@ -8,7 +8,10 @@ Invariants:
   3. :func:`strftime`'s C path is a call of the scalar function ``dbsp_time_format_<type>`` (csrc/timefmt.h),
      registered with Arrow once per process when this module is imported, for every type in ``_TIME_TYPES``: an
      expression naming one (a circuit built here, its fingerprint's text) runs wherever dbsp_core is imported, and
-     it gives Arrow's strftime's strings (tests/core/test_expr_kernels.py).
+     it gives Arrow's strftime's strings (tests/core/test_expr_kernels.py). A circuit fingerprint reads such a call
+     as the expression it replaced (:func:`fingerprint_text`, from the text alone), so every circuit keeps the
+     fingerprints the code before it computed and its checkpoints reopen as the same program
+     (tests/core/test_strftime_fingerprint.py, tests/exactly_once/test_strftime_upgrade.py).
 """
 
 from __future__ import annotations
@@ -99,6 +102,65 @@ def _cast_format(value: pc.Expression, fmt: str, typ: pa.DataType) -> pc.Express
     if len(parts) == 1:
         return parts[0]
     return pc.binary_join_element_wise(*[pc.scalar(p) if isinstance(p, str) else p for p in parts], "")
+
+
+_FORMAT_ARG = "__dbsp_time_format_arg__"  # a placeholder field: _cast_format's text over it, then the argument's
+_FORMAT_CALL = re.compile(r"(?<![\w.])dbsp_time_format_([a-z0-9_]+)\(")
+_UNESCAPE = {'"': '"', "\\": "\\", "n": "\n", "r": "\r", "t": "\t"}
+
+
+def _scan_call(text: str, start: int) -> tuple[int, int] | None:
+    """From just past a call's ``(`` at ``start``: (the index of its last argument's comma, of its closing ``)``),
+    skipping string literals (``"..."``, backslash escapes) and balanced parentheses; None if it does not close."""
+    depth, comma, i = 0, -1, start
+    while i < len(text):
+        ch = text[i]
+        if ch == '"':
+            i += 1
+            while i < len(text) and text[i] != '"':
+                i += 2 if text[i] == "\\" else 1
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                return (comma, i) if ch == ")" and comma >= 0 else None
+            depth -= 1
+        elif ch == "," and depth == 0:
+            comma = i
+        i += 1
+    return None
+
+
+def fingerprint_text(text: str) -> str:
+    """``text`` (an expression's, as a circuit fingerprint hashes it, circuit.py ``_node_text``) with every call
+    ``dbsp_time_format_<type>(<arg>, "<fmt>")`` of :func:`strftime`'s C path written as the expression that
+    formatted the same strings before it (:func:`_cast_format` over ``<arg>``) prints: a circuit keeps the
+    fingerprint it had, so its checkpoints reopen as the same program. A pure function of the text (no state kept
+    when the expression was built), so it gives the same in every process (a Spark executor's unpickled circuit).
+    Text that is not such a call (an unknown type, a format that does not print back the same) is left as is.
+
+    >>> t = pa.timestamp("ms")
+    >>> fingerprint_text(str(strftime(pc.field("t"), "%H", t))) == str(_cast_format(pc.field("t"), "%H", t))
+    True
+    """
+    out, pos = [], 0
+    for m in _FORMAT_CALL.finditer(text):
+        if m.start() < pos or m.group(1) not in _TIME_TYPES:
+            continue  # inside a call already rewritten (its argument's calls are rewritten with it), or not ours
+        scan = _scan_call(text, m.end())
+        if scan is None:
+            continue
+        comma, close = scan
+        arg, lit = text[m.end():comma], text[comma + 1:close].strip()
+        if not (len(lit) >= 2 and lit[0] == lit[-1] == '"'):
+            continue
+        fmt = re.sub(r"(?s)\\(.)", lambda e: _UNESCAPE.get(e.group(1), "\\" + e.group(1)), lit[1:-1])
+        if str(pc.scalar(fmt)) != lit:  # not a literal this function reads back exactly: leave the text
+            continue
+        old = str(_cast_format(pc.field(_FORMAT_ARG), fmt, _TIME_TYPES[m.group(1)]))
+        out += [text[pos:m.start()], old.replace(_FORMAT_ARG, fingerprint_text(arg))]
+        pos = close + 1
+    return "".join(out) + text[pos:]
 
 
 # the column types strftime formats in C, by the suffix of their scalar function's name (registered when this module
