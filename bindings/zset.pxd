@@ -1,4 +1,4 @@
-# zset.pxd: declarations mirroring the Z-set kernel headers of csrc/ (column, rows, hash, zset, merge, scratch, partition, join, lookup, agg, reduce, gather, split).
+# zset.pxd: declarations mirroring the Z-set kernel headers of csrc/ (column, rows, hash, zset, merge, scratch, partition, join, lookup, agg, reduce, gather, split, timefmt).
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 
 cdef extern from "status.h" nogil:
@@ -245,6 +245,11 @@ cdef extern from "split.h" nogil:
                           int32_t k, int64_t *start, int32_t *const *offsets, uint8_t *const *validity,
                           int64_t *null_count, int64_t *bytes)
     int dbsp_split_copy(const CColumn *c, int64_t n, const int64_t *start, const int32_t *offsets, uint8_t *data)
+
+cdef extern from "timefmt.h" nogil:
+    int64_t dbsp_timefmt_width(const uint8_t *fmt, int64_t fmtlen)
+    int dbsp_timefmt(const void *values, int width, const uint8_t *validity, int64_t vbit, int64_t n,
+                     int64_t units_per_day, const uint8_t *fmt, int64_t fmtlen, int32_t *offsets, uint8_t *data)
 
 cdef extern from "extremes.h" nogil:
     int dbsp_extremes_probe(const CKeyIndex *ix, const CBatch *b, const uint64_t *kh, const int32_t *keys,

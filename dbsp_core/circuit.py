@@ -33,7 +33,7 @@ from dbsp_core.operators.aggregate import PreAggregate
 from dbsp_core.operators.base import check_columns, nullable_schema, same_columns
 from dbsp_core.operators.constant import Constant
 from dbsp_core.operators.count_distinct import CountDistinct, pair_key
-from dbsp_core.operators.expr import as_expression
+from dbsp_core.operators.expr import as_expression, fingerprint_text
 from dbsp_core.operators.fixpoint import Fixpoint
 from dbsp_core.operators.keyless_aggregate import GLOBAL_KEY, AddGlobalKey
 from dbsp_core.operators.materialize import Materialize
@@ -930,8 +930,10 @@ def _node_text(op: Operator, inputs: str, ref: Callable[[Operator], str]) -> str
     for k, v in sorted(vars(op).items()):
         if k in ("node_id", "inputs", "schema", "partitioning", "stored", "grows"):  # stored, grows: what a run
             continue  # keeps, not what the circuit computes (operators/pruned.py; top_k.py invariant 7)
-        if isinstance(v, (str, int, float, bool, tuple, list, type(None))):
+        if isinstance(v, (str, int, float, bool, type(None))):
             parts.append(f"{k}={v!r}")
+        elif isinstance(v, (tuple, list)):  # of expressions too: their text as before strftime's C path
+            parts.append(f"{k}=" + fingerprint_text(repr(v)))
         elif isinstance(v, pa.Schema):
             parts.append(f"{k}={v.to_string()}")
         elif isinstance(v, Operator):
@@ -941,7 +943,8 @@ def _node_text(op: Operator, inputs: str, ref: Callable[[Operator], str]) -> str
                          f":{_source_hash(v)}>")
         else:
             # e.g. pyarrow compute expressions print their full text; addresses vary between processes
-            parts.append(f"{k}=" + re.sub(r" at 0x[0-9a-fA-F]+", "", str(v)))
+            # (strftime's C path printed as the expression it replaced, operators/expr.py fingerprint_text)
+            parts.append(f"{k}=" + fingerprint_text(re.sub(r" at 0x[0-9a-fA-F]+", "", str(v))))
     return "\x1f".join(parts)
 
 
@@ -950,7 +953,8 @@ def circuit_fingerprint(circuit: Circuit) -> str:
 
     It depends on what the circuit computes as written (schemas, expression text, the source text of functions
     given to ``flat_map`` or ``filter_now``), never on Python bytecode or object addresses, so the same circuit
-    has the same fingerprint in every process and after a Python or library upgrade (rolling upgrade).
+    has the same fingerprint in every process and after a Python or library upgrade (rolling upgrade). A call of
+    strftime's C path is read as the expression it replaced (operators/expr.py ``fingerprint_text``).
 
     >>> import pyarrow as pa
     >>> c = Circuit(); s = c.input("x", pa.schema([("a", pa.int64())])); c.output("o", s.distinct())

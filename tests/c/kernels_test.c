@@ -13,6 +13,7 @@
 #include "group.h"
 #include "gather.h"
 #include "split.h"
+#include "timefmt.h"
 #include "merge.h"
 
 static int failures = 0;
@@ -727,6 +728,75 @@ static void test_split(int64_t nrows, const char *sepstr) {
     free(start); free(soff); free(bytes); free(valid);
 }
 
+/* timefmt.h against a naive calendar: the civil date of a day count by walking years and months from 1970 */
+static int leap(int64_t y) { return (y % 4 == 0 && y % 100 != 0) || y % 400 == 0; }
+
+static void naive_civil(int64_t days, int64_t *y, int *m, int *d) {
+    static const int mdays[12] = { 31, 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31 };
+    int64_t yy = 1970;
+    while (days < 0) { yy--; days += 365 + leap(yy); }
+    while (days >= 365 + leap(yy)) { days -= 365 + leap(yy); yy++; }
+    int mm = 0;
+    while (days >= mdays[mm] + (mm == 1 && leap(yy))) { days -= mdays[mm] + (mm == 1 && leap(yy)); mm++; }
+    *y = yy; *m = mm + 1; *d = (int)days + 1;
+}
+
+static void test_timefmt(int width, int64_t upd) {
+    /* values over years 0-9999 (a date32 or an int64 time of upd units a day), some null, viewed from row 3 */
+    const char *fmt = "%Y-%m-%d|%H:%M %% x";
+    const char *datefmt = "%d.%m.%Y%%";
+    int date = width == 4;
+    const char *f = date ? datefmt : fmt;
+    int64_t nrows = 4000, off = 3, n = nrows - off, lo = -719528, hi = 2932896;  /* 0000-01-01 .. 9999-12-31 */
+    int ns = upd > 86400000000LL;  /* int64 nanoseconds reach 1677-09-21 .. 2262-04-11 only */
+    if (ns) { lo = -106000; hi = 106000; }
+    int64_t *v64 = malloc((size_t)nrows * 8);
+    int32_t *v32 = malloc((size_t)nrows * 4);
+    uint8_t *valid = calloc((size_t)(nrows / 8 + 1), 1);
+    for (int64_t i = 0; i < nrows; i++) {
+        int64_t day = i < 8 ? (int64_t[]){ 0, -1, 1, lo, hi, 59, 60, -306 }[i] : lo + (int64_t)(next() % (uint64_t)(hi - lo + 1));
+        if (i > 8 && i % 7 == 0) day = (i & 1) ? lo + (int64_t)(next() % 400) : hi - (int64_t)(next() % 400);
+        int64_t within = date ? 0 : (int64_t)(next() % (uint64_t)upd);
+        if (i % 11 == 0 && !date) within = upd - 1;
+        v64[i] = day * upd + within;
+        v32[i] = (int32_t)day;
+        set_bit(valid, i, next() % 9 != 0);
+    }
+    int64_t w = dbsp_timefmt_width((const uint8_t *)f, (int64_t)strlen(f));
+    CHECK(w == (date ? 11 : 20));
+    int32_t *offs = malloc((size_t)(n + 1) * 4);
+    uint8_t *data = malloc((size_t)(n * w + 1));
+    const void *vals = date ? (const void *)(v32 + off) : (const void *)(v64 + off);
+    CHECK(dbsp_timefmt(vals, width, valid, off, n, upd, (const uint8_t *)f, (int64_t)strlen(f), offs, data) == DBSP_OK);
+    CHECK(offs[0] == 0);
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = i + off, y;
+        int m, d;
+        int64_t len = offs[i + 1] - offs[i];
+        if (!dbsp_bit(valid, r)) { CHECK(len == 0); continue; }
+        int64_t day = date ? v32[r] : v64[r] / upd, rem = date ? 0 : v64[r] % upd;
+        if (rem < 0) { day--; rem += upd; }
+        naive_civil(day, &y, &m, &d);
+        int64_t minute = rem / (upd / 1440 ? upd / 1440 : 1);
+        char want[64];
+        if (date) snprintf(want, sizeof want, "%02d.%02d.%04lld%%", d, m, (long long)y);
+        else snprintf(want, sizeof want, "%04lld-%02d-%02d|%02d:%02d %% x", (long long)y, m, d, (int)(minute / 60),
+                      (int)(minute % 60));
+        CHECK(len == w && (int64_t)strlen(want) == w && memcmp(data + offs[i], want, (size_t)w) == 0);
+    }
+    /* a year past 9999 or before 0, a bad format, a time field over dates: refused */
+    int64_t past[2] = { (hi + 1) * upd, (lo - 1) * upd };
+    int32_t past32[2] = { (int32_t)(hi + 1), (int32_t)(lo - 1) };
+    for (int k = 0; k < 2 && !ns; k++)
+        CHECK(dbsp_timefmt(date ? (const void *)(past32 + k) : (const void *)(past + k), width, NULL, 0, 1, upd,
+                           (const uint8_t *)f, (int64_t)strlen(f), offs, data) == DBSP_ETOOBIG);
+    CHECK(dbsp_timefmt(vals, width, NULL, 0, 1, upd, (const uint8_t *)"%S", 2, offs, data) == DBSP_EINVAL);
+    CHECK(dbsp_timefmt(vals, width, NULL, 0, 1, upd, (const uint8_t *)"x%", 2, offs, data) == DBSP_EINVAL);
+    CHECK(dbsp_timefmt(vals, width, NULL, 0, 1, 1000, (const uint8_t *)"%H", 2, offs, data) == DBSP_EINVAL);
+    CHECK(dbsp_timefmt_width((const uint8_t *)"%q", 2) == -1);
+    free(v64); free(v32); free(valid); free(offs); free(data);
+}
+
 static void test_gather(void) {
     TBatch t; tb_make(&t, 3000, 1000, 1, 1);
     int64_t off = 7, n = t.n - off, m = 5000;  /* view rows 7.. as the batch (non-zero Arrow offsets) */
@@ -963,6 +1033,12 @@ int main(void) {
     test_split(3000, "a/");
     test_split(2000, "aa");  /* overlapping matches: "aaa" is "" and "a" */
     test_split(6, "/");
+    test_timefmt(4, 1);
+    test_timefmt(8, 86400LL);
+    test_timefmt(8, 86400000LL);
+    test_timefmt(8, 86400000000LL);
+    test_timefmt(8, 86400000000000LL);
+    test_timefmt(8, 86400LL * 7);  /* a unit the kernel has no constant for */
     test_keyindex(0, 10);
     test_keyindex(300, 40);
     test_keyindex(3000, 100000);  /* grows past several resizes */

@@ -10,7 +10,7 @@ import tempfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KERNELS = ["hash.c", "scratch.c", "rows.c", "group.c", "group_int.c", "gather.c", "split.c", "zset.c", "merge.c", "partition.c", "join.c", "reduce.c", "lookup.c", "keyindex.c"]
+KERNELS = ["hash.c", "scratch.c", "rows.c", "group.c", "group_int.c", "gather.c", "split.c", "timefmt.c", "zset.c", "merge.c", "partition.c", "join.c", "reduce.c", "lookup.c", "keyindex.c"]
 
 
 def _compile(out: str, flags: list[str]) -> subprocess.CompletedProcess:

@@ -65,6 +65,32 @@ def test_dates_match_arrow_strftime() -> None:
             _check(column, fmt)
 
 
+@pytest.mark.parametrize("unit", ["s", "ms", "us", "ns", "date32"])
+def test_c_formatting_matches_arrow_strftime(unit: str) -> None:
+    """Years 0-9999, where csrc/timefmt.h formats every value itself (none falls back to the cast kernels): each
+    unit, nulls, a sliced column, against Arrow's strftime; a year past 9999 in the batch falls back whole."""
+    from dbsp_core import _zset
+    from dbsp_core.operators.expr import _UNITS_PER_DAY
+
+    rng = np.random.default_rng(SEED + 3)
+    years = (1678, 2261) if unit == "ns" else (0, 9999)
+    ms = np.clip(_millis(rng, 20_000, *years), (years[0] - 1970) * 365 * MS_PER_DAY, None)
+    mask = rng.random(len(ms)) < 0.05
+    if unit == "date32":
+        column, upd, fmts = pa.array(ms // MS_PER_DAY, pa.int32(), mask=mask).cast(pa.date32()), 1, DATE_FAST
+    else:
+        values = (ms // 1000) if unit == "s" else ms * {"ms": 1, "us": 1000, "ns": 1_000_000}[unit]
+        column, upd, fmts = pa.array(values, pa.timestamp(unit), mask=mask), _UNITS_PER_DAY[unit], FAST
+    for col in (column, column.slice(13, 15_000)):
+        for fmt in fmts:
+            assert _zset.time_format(col, fmt, upd) is not None, f"{fmt!r} over {col.type}: the kernel refused"
+            _check(col, fmt)
+    if unit != "ns":
+        past = pa.concat_arrays([column, pa.array([(11_000 - 1970) * 365 * upd], column.type)])
+        assert _zset.time_format(past, fmts[0], upd) is None  # year 10999: the cast kernels' way
+        _check(past, fmts[0])
+
+
 def test_other_formats_and_types_keep_arrow_strftime() -> None:
     """Seconds (Arrow prints fractions), %F (its negative years), other directives, literal-only formats, time zones other than UTC and
     a date's hours go to Arrow's strftime, which gives the same strings as before by definition."""
