@@ -105,6 +105,13 @@ magic       where                                   body
                                                     shard of one trace batch, sorted by key hash)
 ``DRBG``    values of ``s<node>.<attr>`` tables      u32 run count, u32 run lengths, then one Arrow IPC
                                                     record batch: one shard's rows of several batches
+``DRBR``    values of ``s<node>.<attr>`` tables      u32 width, u32 run count (width x batches), u32 run
+            (written since 2026-11-30; a build     lengths, then one Arrow IPC record batch: the rows of
+            before it refuses the value: bad       ``width`` consecutive shards of one trace batch or of a
+            magic, a CorruptionError naming it)    group of batches, shard by shard, each shard's batches
+                                                    in turn (snapshot.py invariant 11); never crosses a
+                                                    multiple of ``RANGE_SHARDS`` shards; its key names its
+                                                    first shard
 ``DRBF``    values of ``s<node>.<attr>`` tables      JSON: file (a batch file's name in spill/), lo, hi: the rows
                                                     of one shard of a spilled batch, read in place from the file
                                                     (snapshot.py invariant 8)
@@ -223,6 +230,8 @@ FILE_REF_VERSION = 1  # the JSON body's "version"
 BATCH_MAGIC = b"DRB1"
 BATCH_GROUP_MAGIC = b"DRBG"
 BATCH_REF_MAGIC = b"DRBF"
+BATCH_RANGE_MAGIC = b"DRBR"
+RANGE_SHARDS = 16  # a DRBR value holds the rows of shards of one aligned block of this many (snapshot.py invariant 11)
 ORDER_MAGIC = b"DORD"
 DEDUP_MAGIC = b"DDUP"
 CLOCK_MAGIC = b"DCLK"

@@ -137,7 +137,8 @@ def _inspect(root: str, meta: dict, check_files: bool = True) -> dict:
 
 
 def _state_bytes(paths: list[str], layout: Any) -> dict[str, dict[int, int]]:
-    """Bytes of stored operator state (keys and values of the newest version) per worker and shard."""
+    """Bytes of stored operator state (keys and values of the newest version) per worker and shard (a range value,
+    several shards' rows of one block, snapshot.py invariant 11, counts at its first shard)."""
     out: dict[str, dict[int, int]] = {}
     for p in paths:
         worker = worker_of_db(p)
