@@ -264,6 +264,24 @@ def decode_width_runs(blob: bytes, schema: pa.Schema, where: str, magic: bytes) 
     return width, runs
 
 
+def width_runs_head(blob: bytes, where: str) -> tuple[int, list[int]]:
+    """``(width, run lengths)`` of an :func:`encode_width_runs` blob read from its header alone, the body not
+    checked (for routing and accounting; :func:`decode_width_runs` checks); CorruptionError if it is cut short.
+
+    >>> import pyarrow as pa
+    >>> z = ZSet.from_rows([(1,), (2,), (3,)], pa.schema([("x", pa.int64())]))
+    >>> width_runs_head(encode_width_runs(zset_batch(z), 2, [2, 1], b"TEST"), "t")
+    (2, [2, 1])
+    """
+    off = _HEAD.size
+    if len(blob) < off + 2 * _COUNT.size:
+        raise CorruptionError(f"{where}: width header is cut short")
+    width, k = struct.unpack_from("<II", blob, off)
+    if len(blob) < off + (2 + k) * _COUNT.size:
+        raise CorruptionError(f"{where}: {k} run lengths do not fit in {len(blob)} bytes")
+    return width, list(struct.unpack_from(f"<{k}I", blob, off + 2 * _COUNT.size))
+
+
 def _decode_runs_body(body: bytes, schema: pa.Schema, where: str) -> list[ZSet]:
     if len(body) < _COUNT.size:
         raise CorruptionError(f"{where}: run header is cut short")

@@ -28,12 +28,14 @@ Invariants (enforced here):
      the destination ends byte for byte as :func:`relayout_group` leaves it (the same values under the same new
      numbers: moved values are put in the same order), and no other database is read for it.
   6. A range value (``DRBR``: the rows of several shards of one block of ``RANGE_SHARDS``, snapshot.py invariant 11)
-     moves as the one-shard values it holds: reading what leaves a database scans from the start of each block
-     a moving shard is in, splits a range value found there into one ``DRB1`` (``DRBG`` for a group) value per
-     shard with rows, under its number, and takes those of the moving shards; where the source is changed, the
-     range value is deleted and its staying shards' values put under the same number, so the number's values
-     still concatenate to the batch. A change of the shard count splits every range value so first. So a move
-     reads and rewrites at most one block's values beyond the moved ones at each end of a run of moving shards.
+     moves by its shards: reading what leaves a database scans from the start of each block a moving shard is
+     in, and splits a range value found there that a move cuts into one value (range or one-shard) per run of
+     consecutive shards going to the same worker or staying, under its number, and takes the leaving ones;
+     where the source is changed, the range value is deleted and its staying part put under the same number,
+     so the number's values still concatenate to the batch. A change of the shard count splits every range
+     value into one-shard values first. So a move
+     reads and rewrites at most one block's values beyond the moved ones at each end of a run of moving shards; a
+     range value all of whose shards move to one worker moves as it is.
 """
 
 from __future__ import annotations
@@ -41,19 +43,19 @@ from __future__ import annotations
 import os
 import re
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
 from dbsp_core.codec import (decode_batch, decode_json, decode_runs, decode_zset, encode_batch, encode_json,
-                             encode_runs, encode_zset, frame, unframe, zset_batch)
+                             encode_runs, encode_zset, frame, unframe, width_runs_head, zset_batch)
 from dbsp_core.errors import CorruptionError, RecoveryError
 from dbsp_core.layout import Layout, resample_owners, shard_runs
 from dbsp_core.storage.database import SHARD_PREFIX_BYTES, Database, DatabaseHandle, shard_key
 from dbsp_core.storage.formats import (BATCH_GROUP_MAGIC, BATCH_MAGIC, BATCH_RANGE_MAGIC, BATCH_REF_MAGIC,
                                        RANGE_SHARDS, SNAPSHOT_LAYOUT, SNAPSHOT_TABLE, WORKER_LAYOUT_MAGIC, ZSET_MAGIC,
                                        is_state_table, order_key)
-from dbsp_core.storage.snapshot import TableSpec, range_pieces, read_next, read_order, write_next, write_order
+from dbsp_core.storage.snapshot import TableSpec, encode_range_value, range_pieces, read_next, read_order, write_next, write_order
 from dbsp_core.zset import ZSet
 
 __all__ = ["relayout_group", "change_handles", "moving_to", "build_target", "check_source", "state_bytes",
@@ -88,8 +90,10 @@ def _shard_of(key: bytes) -> int:
     return int.from_bytes(key[:SHARD_PREFIX_BYTES], "big")
 
 
-def _split_range(table: str, spec: TableSpec, key: bytes, value: bytes, where: str) -> list[tuple[bytes, bytes]]:
-    """The one-shard values ``(key, value)`` a range value holds (invariant 6), under its number, in shard order;
+def _split_range(table: str, spec: TableSpec, key: bytes, value: bytes, where: str,
+                 side: Callable[[int], Any] | None = None) -> list[tuple[bytes, bytes]]:
+    """The values ``(key, value)`` a range value splits into (invariant 6), under its number, in shard order: one
+    per run of consecutive shards with rows on the same ``side`` (``side(shard)``; None: one per shard with rows);
     any other value as it is."""
     if value[:4] != BATCH_RANGE_MAGIC:
         return [(key, value)]
@@ -97,12 +101,18 @@ def _split_range(table: str, spec: TableSpec, key: bytes, value: bytes, where: s
         raise CorruptionError(f"{where}: a range value in {table}, which is not a trace")
     number = key[SHARD_PREFIX_BYTES:]
     _, pieces = range_pieces(value, _shard_of(key), spec.schema, f"{where} shard {_shard_of(key)}")
-    out = []
-    for s, runs in pieces:
-        if len(runs) == 1:
-            out.append((shard_key(s, number), encode_batch(zset_batch(runs[0]), BATCH_MAGIC)))
-        else:
-            out.append((shard_key(s, number), _encode_runs(tuple(runs), spec)))
+    out: list[tuple[bytes, bytes]] = []
+    i = 0
+    while i < len(pieces):
+        j = i + 1
+        while side is not None and j < len(pieces) and side(pieces[j][0]) == side(pieces[i][0]):
+            j += 1
+        first, last = pieces[i][0], pieces[j - 1][0]
+        by_shard = dict(pieces[i:j])
+        empty = [ZSet.empty(spec.schema)] * len(pieces[i][1])
+        parts = [by_shard.get(s, empty) for s in range(first, last + 1)]
+        out.append((shard_key(first, number), encode_range_value(parts, spec.schema)))
+        i = j
     return out
 
 
@@ -379,7 +389,15 @@ def _outgoing(h: DatabaseHandle, w: int, old: Layout, new: Layout, specs: dict[s
                         got.append((k, v))
                         removals.append((t, k, []))
                     continue
-                parts = _split_range(t, specs[t], k, v, f"{where} worker {w} {t}")
+                width, _ = width_runs_head(v, f"{where} worker {w} {t}")
+                a = _shard_of(k)
+                dst = np.unique(dst_owner[a:a + width])
+                if len(dst) == 1 and leaves(k):  # its whole block leaves for one worker: moved as it is
+                    got.append((k, v))
+                    removals.append((t, k, []))
+                    continue
+                parts = _split_range(t, specs[t], k, v, f"{where} worker {w} {t}",
+                                     lambda s: int(dst_owner[s]) if leaves(shard_key(s, b"")) else -1)
                 gone = [(pk, pv) for pk, pv in parts if leaves(pk)]
                 if gone:
                     got.extend(gone)

@@ -209,6 +209,20 @@ def range_pieces(value: bytes, first: int, schema: pa.Schema, where: str) -> tup
     return width, out
 
 
+def encode_range_value(parts: list[list[ZSet]], schema: pa.Schema) -> bytes:
+    """The value of consecutive shards' rows (``parts[i]``: shard i's rows of each batch, empty ones included):
+    ``DRBR`` for several shards, ``DRB1`` (``DRBG`` for several batches) for one (invariant 11)."""
+    runs = [r for part in parts for r in part]
+    rows = [r for r in runs if r.num_rows]
+    z = ZSet.concat(rows) if len(rows) > 1 else rows[0] if rows else ZSet.empty(schema)
+    counts = [r.num_rows for r in runs]
+    if len(parts) > 1:
+        return encode_width_runs(zset_batch(z), len(parts), counts, BATCH_RANGE_MAGIC)
+    if len(runs) == 1:
+        return encode_batch(zset_batch(z), BATCH_MAGIC)
+    return encode_runs(zset_batch(z), counts, BATCH_GROUP_MAGIC)
+
+
 def _shard_major(run: list, bounds: list[np.ndarray], sel: np.ndarray) -> tuple[pa.RecordBatch, np.ndarray]:
     """The rows of shards ``sel`` of consecutive batches ``run``, shard by shard and each shard's batches in turn,
     as one record batch, and the row counts ``(len(sel), len(run))``."""
