@@ -78,7 +78,8 @@ tests/core/test_envvars.py checks that the repository reads no other):
   ``DBSP_RUN_SEED`` (tests/sql/test_run.py), ``DBSP_DECIMAL_SEED`` (tests/sql/test_decimal.py), ``DBSP_NOW_SEED``
   (tests/sql/test_now.py), ``DBSP_CHANGE_SEED`` and ``DBSP_CHANGE_KILL_SEED`` (program changes,
   tests/exactly_once/test_program_change*.py), ``DBSP_PUSH_MANY_SEED`` (tests/exactly_once/test_push_many.py),
-  ``DBSP_OUTPUT_REFS_SEED`` (tests/storage/test_output_refs.py), ``DBSP_MOVE_TARGET_SEED`` (tests/storage/test_move_target.py),
+  ``DBSP_OUTPUT_REFS_SEED`` (tests/storage/test_output_refs.py), ``DBSP_MOVE_TARGET_SEED`` (tests/storage/test_move_target.py), ``DBSP_RANGES_SEED``
+  (tests/exactly_once/test_shard_ranges.py),
   ``DBSP_STAGED_SPILL_SEED`` and ``DBSP_SPARK_SPILL_SEED`` (tests/core/test_staged_spill.py, tests/spark/test_spark_spill.py),
   ``DBSP_EXPR_KERNELS_SEED`` (tests/core/test_expr_kernels.py), ``DBSP_PRUNE_SEED``
   (tests/core/test_column_pruning.py), ``DBSP_APPEND_ONLY_SEED`` (tests/sql/test_compile.py:
