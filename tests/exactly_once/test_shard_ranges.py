@@ -152,8 +152,8 @@ def test_a_directory_saved_one_value_per_shard_opens_and_goes_on(tmp_path, monke
 def test_rescale_of_range_values(tmp_path, live: bool) -> None:
     """A 2 -> 3 rescale (cold: ``Pipeline.open(dir, c, 3)``, moving shards through the stored values; live:
     ``p.rescale(workers=3)``, cutting batches in memory and rebinding their stored values) of state saved as range
-    values: the run goes on to the reference's output and DuckDB's answer, and a reopen after more checkpoints
-    restores what was saved."""
+    values, and later 3 -> 2: the run goes on to the reference's output and DuckDB's answer, and a reopen after
+    more checkpoints restores what was saved."""
     r, ref = _run(tmp_path, "d", 2, 30, SEED + 20 + live)
     for step in range(15):
         r.continue_to(step + 1)
@@ -175,8 +175,12 @@ def test_rescale_of_range_values(tmp_path, live: bool) -> None:
             before = contents(r.p)
             reopen(r, 3, checkpoint=False)
             assert contents(r.p) == before
-        if step == 22:
-            reopen(r, 3, checkpoint=False)
+        if step == 22:  # and back to 2: the leaving worker's blocks go to both others, shard by shard
+            if live:
+                r.p.rescale(workers=2)
+            else:
+                reopen(r, 2)
+    assert r.p.layout.workers == 2
     assert r.outs == ref
     check_log_against_duckdb(r.p, r.w, 29)
     r.p.close()
