@@ -95,7 +95,9 @@ tests/core/test_envvars.py checks that the repository reads no other):
   ``DBSP_PG_KILLS``, ``DBSP_DELTA_KILLS``,
   ``DBSP_AUTOSCALE_KILLS``, ``DBSP_CHANGE_KILLS``, ``DBSP_SLT_QUERIES``, ``DBSP_SLT_MEMORY_GB`` (tests/sql/slt.py: the resident memory at which a sqllogictest child is stopped),
   ``DBSP_SLT_TRACEBACK`` (tracebacks in the runner's error lines), ``DBSP_SPARK_PLACE`` (tests/spark/test_spark_store.py:
-  ``0`` runs the placement test with Spark's own placement, the path before task placement by cache, to watch it fail).
+  ``0`` runs the placement test with Spark's own placement, the path before task placement by cache, to watch it fail),
+  ``DBSP_OLD_BUILD`` (tests/exactly_once/test_range_format.py: the source tree, with its compiled modules, of an
+  earlier build run in a subprocess to open and write directories; its tests are skipped without it).
 - benchmarks: ``DBSP_FLINK_PYTHON`` (the interpreter of a venv with apache-flink, bench/nexmark.py --peers flink),
   ``DBSP_BREAKDOWN_CODE`` (bench/durable_breakdown.py --baseline: the tree whose dbsp_core a child imports).
 - what a test parent tells its child process: ``DBSP_RUN``, ``DBSP_TEST_KILL_AFTER_BATCH``, ``DBSP_UPGRADE_MARKERS``,
