@@ -73,7 +73,8 @@ def inspect_storage(path: str | os.PathLike, check_files: bool = True) -> dict:
 def _inspect(root: str, meta: dict, check_files: bool = True) -> dict:
     layout, last = read_layout(root)
     counts = [len(layout.shard_map.shards_of(w)) for w in range(layout.workers)]
-    info: dict[str, Any] = {"path": root, "executor": meta.get("executor"), "workers": layout.workers,
+    info: dict[str, Any] = {"path": root, "executor": meta.get("executor"), "format": meta.get("format"),
+                            "workers": layout.workers,
                             "shards": layout.shards, "layout_epoch": layout.epoch, "shards_per_worker": counts,
                             "last_rescale": last, "rescale_in_progress": read_rescale(root) is not None,
                             "fingerprint": meta["fingerprint"][:16], "inputs": meta["inputs"],
