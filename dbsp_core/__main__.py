@@ -79,7 +79,7 @@ def _inspect(args: argparse.Namespace) -> int:
     b = info["bytes"]
     ck = info["checkpoint_step"]
     out = info["output_steps"]
-    print(f"storage      {info['path']} ({info['executor']} executor)")
+    print(f"storage      {info['path']} ({info['executor']} executor, directory format {info.get('format')})")
     st = info.get("store")
     if st:
         print(f"store        manifest {st['manifest']} (checkpoint {_through(st['step'])}): "

@@ -229,7 +229,60 @@ def encode_runs(rb: pa.RecordBatch, counts: list[int], magic: bytes = BATCH_GROU
 
 def decode_runs(blob: bytes, schema: pa.Schema, where: str, magic: bytes = BATCH_GROUP_MAGIC) -> list[ZSet]:
     """The runs of an :func:`encode_runs` blob as Z-sets (empty runs included); CorruptionError if bad."""
+    return _decode_runs_body(unframe(magic, blob, where), schema, where)
+
+
+def encode_width_runs(rb: pa.RecordBatch, width: int, counts: list[int], magic: bytes) -> bytes:
+    """:func:`encode_runs` behind a u32 ``width`` (the runs form ``width`` equal parts: a range of shards, each with
+    the same number of batches), for :func:`decode_width_runs`.
+
+    >>> import pyarrow as pa
+    >>> z = ZSet.from_rows([(1,), (2,), (3,)], pa.schema([("x", pa.int64())]))
+    >>> w, runs = decode_width_runs(encode_width_runs(zset_batch(z), 2, [2, 1], b"TEST"), z.schema, "t", b"TEST")
+    >>> w, [r.to_dict() for r in runs]
+    (2, [{(1,): 1, (2,): 1}, {(3,): 1}])
+    """
+    if width < 1 or len(counts) % width:
+        raise ValueError(f"encode_width_runs: {len(counts)} runs do not make {width} equal parts")
+    if sum(counts) != rb.num_rows:
+        raise ValueError(f"encode_width_runs: runs of {sum(counts)} rows for a {rb.num_rows}-row record batch")
+    head = struct.pack(f"<II{len(counts)}I", width, len(counts), *counts)
+    body = rb.serialize()
+    return b"".join((frame_head(magic, head, body), head, body))
+
+
+def decode_width_runs(blob: bytes, schema: pa.Schema, where: str, magic: bytes) -> tuple[int, list[ZSet]]:
+    """``(width, runs)`` of an :func:`encode_width_runs` blob; CorruptionError if bad (a run count that is not a
+    multiple of the width included)."""
     body = unframe(magic, blob, where)
+    if len(body) < 2 * _COUNT.size:
+        raise CorruptionError(f"{where}: width header is cut short")
+    (width,) = _COUNT.unpack_from(body)
+    runs = _decode_runs_body(body[_COUNT.size:], schema, where)
+    if width < 1 or len(runs) % width:
+        raise CorruptionError(f"{where}: {len(runs)} runs do not make {width} equal parts")
+    return width, runs
+
+
+def width_runs_head(blob: bytes, where: str) -> tuple[int, list[int]]:
+    """``(width, run lengths)`` of an :func:`encode_width_runs` blob read from its header alone, the body not
+    checked (for routing and accounting; :func:`decode_width_runs` checks); CorruptionError if it is cut short.
+
+    >>> import pyarrow as pa
+    >>> z = ZSet.from_rows([(1,), (2,), (3,)], pa.schema([("x", pa.int64())]))
+    >>> width_runs_head(encode_width_runs(zset_batch(z), 2, [2, 1], b"TEST"), "t")
+    (2, [2, 1])
+    """
+    off = _HEAD.size
+    if len(blob) < off + 2 * _COUNT.size:
+        raise CorruptionError(f"{where}: width header is cut short")
+    width, k = struct.unpack_from("<II", blob, off)
+    if len(blob) < off + (2 + k) * _COUNT.size:
+        raise CorruptionError(f"{where}: {k} run lengths do not fit in {len(blob)} bytes")
+    return width, list(struct.unpack_from(f"<{k}I", blob, off + 2 * _COUNT.size))
+
+
+def _decode_runs_body(body: bytes, schema: pa.Schema, where: str) -> list[ZSet]:
     if len(body) < _COUNT.size:
         raise CorruptionError(f"{where}: run header is cut short")
     (k,) = _COUNT.unpack_from(body)

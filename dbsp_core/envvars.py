@@ -78,7 +78,8 @@ tests/core/test_envvars.py checks that the repository reads no other):
   ``DBSP_RUN_SEED`` (tests/sql/test_run.py), ``DBSP_DECIMAL_SEED`` (tests/sql/test_decimal.py), ``DBSP_NOW_SEED``
   (tests/sql/test_now.py), ``DBSP_CHANGE_SEED`` and ``DBSP_CHANGE_KILL_SEED`` (program changes,
   tests/exactly_once/test_program_change*.py), ``DBSP_PUSH_MANY_SEED`` (tests/exactly_once/test_push_many.py),
-  ``DBSP_OUTPUT_REFS_SEED`` (tests/storage/test_output_refs.py), ``DBSP_MOVE_TARGET_SEED`` (tests/storage/test_move_target.py),
+  ``DBSP_OUTPUT_REFS_SEED`` (tests/storage/test_output_refs.py), ``DBSP_MOVE_TARGET_SEED`` (tests/storage/test_move_target.py), ``DBSP_RANGES_SEED``
+  (tests/exactly_once/test_shard_ranges.py),
   ``DBSP_STAGED_SPILL_SEED`` and ``DBSP_SPARK_SPILL_SEED`` (tests/core/test_staged_spill.py, tests/spark/test_spark_spill.py),
   ``DBSP_EXPR_KERNELS_SEED`` (tests/core/test_expr_kernels.py), ``DBSP_PRUNE_SEED``
   (tests/core/test_column_pruning.py), ``DBSP_APPEND_ONLY_SEED`` (tests/sql/test_compile.py:
@@ -94,7 +95,9 @@ tests/core/test_envvars.py checks that the repository reads no other):
   ``DBSP_PG_KILLS``, ``DBSP_DELTA_KILLS``,
   ``DBSP_AUTOSCALE_KILLS``, ``DBSP_CHANGE_KILLS``, ``DBSP_SLT_QUERIES``, ``DBSP_SLT_MEMORY_GB`` (tests/sql/slt.py: the resident memory at which a sqllogictest child is stopped),
   ``DBSP_SLT_TRACEBACK`` (tracebacks in the runner's error lines), ``DBSP_SPARK_PLACE`` (tests/spark/test_spark_store.py:
-  ``0`` runs the placement test with Spark's own placement, the path before task placement by cache, to watch it fail).
+  ``0`` runs the placement test with Spark's own placement, the path before task placement by cache, to watch it fail),
+  ``DBSP_OLD_BUILD`` (tests/exactly_once/test_range_format.py: the source tree, with its compiled modules, of an
+  earlier build run in a subprocess to open and write directories; its tests are skipped without it).
 - benchmarks: ``DBSP_FLINK_PYTHON`` (the interpreter of a venv with apache-flink, bench/nexmark.py --peers flink),
   ``DBSP_BREAKDOWN_CODE`` (bench/durable_breakdown.py --baseline: the tree whose dbsp_core a child imports).
 - what a test parent tells its child process: ``DBSP_RUN``, ``DBSP_TEST_KILL_AFTER_BATCH``, ``DBSP_UPGRADE_MARKERS``,

@@ -35,7 +35,8 @@ class WorkerStore:
         self.index = index
         self.layout = layout
         self.db = Database(path, vfs=vfs)
-        self.snapshot = WorkerSnapshot(instances, layout.shard_bits, group_pending=True, groupings=groupings)
+        self.snapshot = WorkerSnapshot(instances, layout.shard_bits, group_pending=True, groupings=groupings,
+                                       shard_ranges=True)
         self.handle: DatabaseHandle | None = None
         self.renames: dict[int, int] | None = None  # a program change: where the next load reads each node's state
         self.step = 0

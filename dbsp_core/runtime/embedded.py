@@ -223,6 +223,7 @@ class EmbeddedExecutor:
     PREPARE_MERGE_WAIT = 10.0  # seconds prepare_relayout waits for the merge thread, outside any pause
     division_first = False  # state becomes durable only at checkpoints: a step may run while its division syncs
     state_in_memory = True  # a live rescale moves state here (relayout); the driver makes it durable
+    range_values = True  # its checkpoints save a batch as one value per block of shards (snapshot.py invariant 11)
 
     def __init__(self, vfs: str = "posix", background_merge: bool | None = None, step_plan: bool | None = None,
                  substep_bytes: int | None = None) -> None:

@@ -76,6 +76,7 @@ class Executor(Protocol):
     kind: str  # "embedded" or "staged": recorded in META, a directory is reopened with the same kind
     division_first: bool  # the division of a step must be durable before it runs (state commits while it runs)
     state_in_memory: bool  # state lives in memory between checkpoints, not committed by every step (see above)
+    range_values: bool  # its checkpoints may write range values (DRBR): its directories are of format 4 (formats.py)
     layout: Layout | None  # the layout of the workers built by the last start()
     stats: dict  # counters, shared with the driver's (the driver adds its own to the same dict)
     # the end of the driver's output log (the driver sets it when it opens the log): an executor whose state

@@ -19,6 +19,10 @@ Invariants (enforced here; together they are driver invariant 6):
      (storage/statefiles.py invariant 2). A damaged input log raises CorruptionError naming the file and offset
      and changes nothing (``dbsp repair`` is the way forward); a damaged output log is rebuilt when every step it
      lost is one the replay computes again, and refused otherwise (dbsp_core.storage.repair, invariants 1 and 4).
+  4. An executor whose checkpoints may write range values (``range_values``: the embedded one) creates a directory
+     of format 4 and raises one of format 2 or 3 to it (one atomic META rewrite, storage/directory.py invariant
+     3) after the refusals above and before anything that writes state (the settling of a layout change, the
+     first checkpoint): no range value is ever under a META an older build reads.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ from dbsp_core.storage.consumers import ConsumerRegistry
 from dbsp_core.storage.database import Database
 from dbsp_core.storage.dedup import SeenSet
 from dbsp_core.storage.fileref import decode_push
-from dbsp_core.storage.directory import read_layout, read_meta, read_rescale, write_layout, write_meta
+from dbsp_core.storage.directory import (raise_to_ranges, read_layout, read_meta, read_rescale, write_layout,
+                                         write_meta)
 from dbsp_core.storage.formats import (CLOCK_KEY, CLOCK_MAGIC, CLOCK_TABLE, DISCARD_HANDLE, DISCARD_MAGIC,
                                        DIVISION_HANDLE, DIVISION_MAGIC, DRIVER_DB, INPUT_DIR, OUTPUT_DIR, STATE_DIR)
 from dbsp_core.storage.outputlog import OutputLog
@@ -118,7 +123,8 @@ def open_directory(root: str, executor: Executor, circuit: Circuit, fingerprint:
         new = Layout.local(workers, shard_bits)
         write_layout(root, new, None, vfs)
         executor.start(circuit, new, root)  # its state groups: the databases LAYOUT names (statefiles invariant 1)
-        write_meta(root, dict(meta, state_groups=[g.name for g in executor.groups(new)]), vfs)  # META last: the
+        write_meta(root, dict(meta, state_groups=[g.name for g in executor.groups(new)]), vfs,
+                   ranges=executor.range_values)  # META last: the
         # directory holds a pipeline from here on
     else:
         if old.get("executor") != meta["executor"]:
@@ -141,6 +147,8 @@ def open_directory(root: str, executor: Executor, circuit: Circuit, fingerprint:
                                    f"Pipeline.open({root!r}, circuit, workers={workers}) rescales it")
     executor.start(circuit, layout, root)
     _check_state_files(root, executor, layout, logs)  # before anything is created or changed
+    if old is not None and executor.range_values:  # format 2 or 3 raised to 4 before anything can write a range
+        old = raise_to_ranges(root, old, vfs)  # value (invariant 4): no DRBR under a META of 2 or 3
     # an interrupted layout change: finish it or undo it
     stats["rescale_recovery"] = resolve(root, executor, crashpoint, vfs)
     layout, last_rescale = read_layout(root, vfs)

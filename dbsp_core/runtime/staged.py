@@ -241,6 +241,7 @@ class StagedExecutor:
     kind = "staged"
     takes_store = True  # its state can live in an object store (invariant 4; the driver calls use_store)
     division_first = True  # invariant 1: a job commits state, so its steps' divisions are durable first
+    range_values = False  # its state is saved one shard per value: its directories keep format 2 or 3
     state_in_memory = False  # the stage databases hold the state: a live rescale moves it as cold changes
 
     def __init__(self, runner: JobRunner | None = None, max_steps_per_job: int = 64,

@@ -7,8 +7,10 @@ Invariants (enforced here):
      naming the file.
   2. One process owns a directory at a time: :func:`lock_dir` takes an exclusive ``flock`` on ``LOCK`` and a
      second opener (in this process or another) gets InUseError instead of sharing the files.
-  3. META is written once, when the directory is created, and names the directory format; a directory of
-     another format is refused with FormatVersionError before anything else is read.
+  3. META is written when the directory is created, and names the directory format; a directory of
+     another format is refused with FormatVersionError before anything else is read. It is rewritten only to
+     record a program change (keeping its format) and once to raise format 2 or 3 to 4 (``RANGE_FORMAT``,
+     :func:`raise_to_ranges`) before the first range value can be written; format 4 is never lowered.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from dbsp_core.codec import decode_json, encode_json
 from dbsp_core.errors import CorruptionError, FormatVersionError, InUseError
 from dbsp_core.layout import Layout
 from dbsp_core.storage.formats import (DIRECTORY_FORMAT, DIRECTORY_FORMATS, LAYOUT_FILE, LAYOUT_MAGIC, LOCK_FILE,
-                                       META_FILE, META_MAGIC, PRUNED_FORMAT, RESCALE_FILE, RESCALE_MAGIC)
+                                       META_FILE, META_MAGIC, PRUNED_FORMAT, RANGE_FORMAT, RESCALE_FILE,
+                                       RESCALE_MAGIC)
 
 __all__ = ["lock_dir", "unlock_dir", "read_record", "write_record", "remove_record", "read_meta", "write_meta",
+           "raise_to_ranges",
            "read_layout", "write_layout", "read_rescale", "write_rescale", "remove_rescale", "fsync_dir",
            "tree_bytes"]
 
@@ -111,11 +115,25 @@ def read_meta(root: str, formats: tuple[int, ...] = DIRECTORY_FORMATS) -> dict:
     return meta
 
 
-def write_meta(root: str, meta: dict, vfs: str = "posix") -> None:
-    """Write META: format PRUNED_FORMAT when the directory's state keeps fewer columns (``stored_columns``), so a
-    reader of DIRECTORY_FORMAT alone refuses it (storage/formats.py), else DIRECTORY_FORMAT."""
-    fmt = PRUNED_FORMAT if meta.get("stored_columns") else DIRECTORY_FORMAT
+def write_meta(root: str, meta: dict, vfs: str = "posix", ranges: bool = False) -> None:
+    """Write META: format RANGE_FORMAT when the state may hold range values (``ranges``, or ``meta`` read from a
+    directory of that format: it is never lowered, invariant 3), so a reader of formats 2 and 3 alone refuses it;
+    else PRUNED_FORMAT when the directory's state keeps fewer columns (``stored_columns``), so a reader of
+    DIRECTORY_FORMAT alone refuses it (storage/formats.py), else DIRECTORY_FORMAT."""
+    if ranges or meta.get("format") == RANGE_FORMAT:
+        fmt = RANGE_FORMAT
+    else:
+        fmt = PRUNED_FORMAT if meta.get("stored_columns") else DIRECTORY_FORMAT
     write_record(os.path.join(root, META_FILE), META_MAGIC, dict(meta, format=fmt), vfs)
+
+
+def raise_to_ranges(root: str, meta: dict, vfs: str = "posix") -> dict:
+    """``meta`` (read from ``root``) at RANGE_FORMAT: META rewritten (atomically, through ``vfs``) if it was of
+    format 2 or 3, before anything that may write a range value runs (invariant 3)."""
+    if meta.get("format") == RANGE_FORMAT:
+        return meta
+    write_meta(root, meta, vfs, ranges=True)
+    return dict(meta, format=RANGE_FORMAT)
 
 
 def read_layout(root: str, vfs: str = "posix") -> tuple[Layout, dict | None]:

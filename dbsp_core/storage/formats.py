@@ -3,7 +3,14 @@
 Directory format 2 (``DIRECTORY_FORMAT``), or 3 (``PRUNED_FORMAT``) for a directory whose join and window state keeps
 only the columns read after it (META's ``stored_columns`` not empty, dbsp_core/runtime/prune.py): the same files,
 the number telling a reader of format 2 alone (the release before column pruning) to refuse it, since it would read
-those traces with their inputs' full schemas. Both are read (``DIRECTORY_FORMATS``)::
+those traces with their inputs' full schemas. Format 4 (``RANGE_FORMAT``): a directory whose state databases may
+hold range values (``DRBR``, snapshot.py invariant 11: the embedded executor's checkpoints), which a reader of
+formats 2 and 3 alone (the release before them) would take for damage; a superset of both: pruned or not is told
+by META's ``stored_columns`` alone, as in format 3. The embedded executor writes it when it creates a directory and
+raises a format-2 or -3 directory to it when it opens one (one META rewrite, before its first checkpoint can write a
+range value: a crash after it leaves a format-4 directory without range values, which this release opens, and no
+range value is ever under a META of format 2 or 3); the staged executor (and Spark) never writes range values and
+keeps format 2 or 3. All three are read (``DIRECTORY_FORMATS``)::
 
     <root>/
       META                      the pipeline: circuit fingerprint (and one per input, output and node), executor,
@@ -105,6 +112,13 @@ magic       where                                   body
                                                     shard of one trace batch, sorted by key hash)
 ``DRBG``    values of ``s<node>.<attr>`` tables      u32 run count, u32 run lengths, then one Arrow IPC
                                                     record batch: one shard's rows of several batches
+``DRBR``    values of ``s<node>.<attr>`` tables      u32 width, u32 run count (width x batches), u32 run
+            (written since 2026-11-30; a build     lengths, then one Arrow IPC record batch: the rows of
+            before it refuses the value: bad       ``width`` consecutive shards of one trace batch or of a
+            magic, a CorruptionError naming it)    group of batches, shard by shard, each shard's batches
+                                                    in turn (snapshot.py invariant 11); never crosses a
+                                                    multiple of ``RANGE_SHARDS`` shards; its key names its
+                                                    first shard
 ``DRBF``    values of ``s<node>.<attr>`` tables      JSON: file (a batch file's name in spill/), lo, hi: the rows
                                                     of one shard of a spilled batch, read in place from the file
                                                     (snapshot.py invariant 8)
@@ -181,8 +195,9 @@ import os
 
 DIRECTORY_FORMAT = 2
 PRUNED_FORMAT = 3  # a directory whose stored state keeps fewer columns (META stored_columns not empty)
-DIRECTORY_FORMATS = (DIRECTORY_FORMAT, PRUNED_FORMAT)  # the directory formats this release reads (1: Pipeline.open
-# upgrades it)
+RANGE_FORMAT = 4  # state may hold range values (DRBR); a superset of 2 and 3 (META stored_columns tells pruned or not)
+DIRECTORY_FORMATS = (DIRECTORY_FORMAT, PRUNED_FORMAT, RANGE_FORMAT)  # the directory formats this release reads
+# (1: Pipeline.open upgrades it)
 
 META_FILE = "META"
 LAYOUT_FILE = "LAYOUT"
@@ -223,6 +238,8 @@ FILE_REF_VERSION = 1  # the JSON body's "version"
 BATCH_MAGIC = b"DRB1"
 BATCH_GROUP_MAGIC = b"DRBG"
 BATCH_REF_MAGIC = b"DRBF"
+BATCH_RANGE_MAGIC = b"DRBR"
+RANGE_SHARDS = 16  # a DRBR value holds the rows of shards of one aligned block of this many (snapshot.py invariant 11)
 ORDER_MAGIC = b"DORD"
 DEDUP_MAGIC = b"DDUP"
 CLOCK_MAGIC = b"DCLK"

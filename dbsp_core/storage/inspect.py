@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 
+from dbsp_core.codec import width_runs_head
 from dbsp_core.errors import InUseError
 from dbsp_core.storage.consumers import ConsumerRegistry
 from dbsp_core.storage.database import SHARD_PREFIX_BYTES, Database
 from dbsp_core.storage.directory import read_layout, read_meta, read_record, read_rescale, tree_bytes
-from dbsp_core.storage.formats import (DIRECTORY_FORMATS, DIVISION_HANDLE, DRIVER_DB, INPUT_DIR, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR,
+from dbsp_core.storage.formats import (BATCH_RANGE_MAGIC, DIRECTORY_FORMATS, DIVISION_HANDLE, DRIVER_DB, INPUT_DIR, METRICS_FILE, METRICS_MAGIC, OUTPUT_DIR,
                                        STATE_DIR, is_state_table, worker_of_db)
 from dbsp_core.storage.outputlog import OutputLog
 from dbsp_core.storage.statefiles import state_groups, survey
@@ -71,7 +73,8 @@ def inspect_storage(path: str | os.PathLike, check_files: bool = True) -> dict:
 def _inspect(root: str, meta: dict, check_files: bool = True) -> dict:
     layout, last = read_layout(root)
     counts = [len(layout.shard_map.shards_of(w)) for w in range(layout.workers)]
-    info: dict[str, Any] = {"path": root, "executor": meta.get("executor"), "workers": layout.workers,
+    info: dict[str, Any] = {"path": root, "executor": meta.get("executor"), "format": meta.get("format"),
+                            "workers": layout.workers,
                             "shards": layout.shards, "layout_epoch": layout.epoch, "shards_per_worker": counts,
                             "last_rescale": last, "rescale_in_progress": read_rescale(root) is not None,
                             "fingerprint": meta["fingerprint"][:16], "inputs": meta["inputs"],
@@ -137,7 +140,8 @@ def _inspect(root: str, meta: dict, check_files: bool = True) -> dict:
 
 
 def _state_bytes(paths: list[str], layout: Any) -> dict[str, dict[int, int]]:
-    """Bytes of stored operator state (keys and values of the newest version) per worker and shard."""
+    """Bytes of stored operator state (keys and values of the newest version) per worker and shard (a range value,
+    several shards' rows of one block, snapshot.py invariant 11, shared among its shards by their rows)."""
     out: dict[str, dict[int, int]] = {}
     for p in paths:
         worker = worker_of_db(p)
@@ -147,7 +151,14 @@ def _state_bytes(paths: list[str], layout: Any) -> dict[str, dict[int, int]]:
                 if isinstance(table, str) and is_state_table(table):
                     for k, v in h.scan(table):
                         s = int.from_bytes(k[:SHARD_PREFIX_BYTES], "big")
-                        shards[s] = shards.get(s, 0) + len(k) + len(v)
+                        if v[:4] != BATCH_RANGE_MAGIC:
+                            shards[s] = shards.get(s, 0) + len(k) + len(v)
+                            continue
+                        width, runs = width_runs_head(v, f"{p} {table}")
+                        rows = np.asarray(runs, dtype=np.int64).reshape(width, -1).sum(axis=1)
+                        share = (len(k) + len(v)) * rows // max(1, int(rows.sum()))
+                        for i in np.flatnonzero(rows).tolist():
+                            shards[s + i] = shards.get(s + i, 0) + int(share[i])
     return out
 
 

@@ -27,6 +27,15 @@ Invariants (enforced here):
      one destination, and :func:`build_target` changes the destination's database with what every source sent;
      the destination ends byte for byte as :func:`relayout_group` leaves it (the same values under the same new
      numbers: moved values are put in the same order), and no other database is read for it.
+  6. A range value (``DRBR``: the rows of several shards of one block of ``RANGE_SHARDS``, snapshot.py invariant 11)
+     moves by its shards: reading what leaves a database scans from the start of each block a moving shard is
+     in, and splits a range value found there that a move cuts into one value (range or one-shard) per run of
+     consecutive shards going to the same worker or staying, under its number, and takes the leaving ones;
+     where the source is changed, the range value is deleted and its staying part put under the same number,
+     so the number's values still concatenate to the batch. A change of the shard count splits every range
+     value into one-shard values first. So a move
+     reads and rewrites at most one block's values beyond the moved ones at each end of a run of moving shards; a
+     range value all of whose shards move to one worker moves as it is.
 """
 
 from __future__ import annotations
@@ -34,18 +43,19 @@ from __future__ import annotations
 import os
 import re
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
 from dbsp_core.codec import (decode_batch, decode_json, decode_runs, decode_zset, encode_batch, encode_json,
-                             encode_runs, encode_zset, frame, unframe, zset_batch)
+                             encode_runs, encode_zset, frame, unframe, width_runs_head, zset_batch)
 from dbsp_core.errors import CorruptionError, RecoveryError
 from dbsp_core.layout import Layout, resample_owners, shard_runs
 from dbsp_core.storage.database import SHARD_PREFIX_BYTES, Database, DatabaseHandle, shard_key
-from dbsp_core.storage.formats import (BATCH_GROUP_MAGIC, BATCH_MAGIC, BATCH_REF_MAGIC, SNAPSHOT_LAYOUT, SNAPSHOT_TABLE,
-                                       WORKER_LAYOUT_MAGIC, ZSET_MAGIC, is_state_table, order_key)
-from dbsp_core.storage.snapshot import TableSpec, read_next, read_order, write_next, write_order
+from dbsp_core.storage.formats import (BATCH_GROUP_MAGIC, BATCH_MAGIC, BATCH_RANGE_MAGIC, BATCH_REF_MAGIC,
+                                       RANGE_SHARDS, SNAPSHOT_LAYOUT, SNAPSHOT_TABLE, WORKER_LAYOUT_MAGIC, ZSET_MAGIC,
+                                       is_state_table, order_key)
+from dbsp_core.storage.snapshot import TableSpec, encode_range_value, range_pieces, read_next, read_order, write_next, write_order
 from dbsp_core.zset import ZSet
 
 __all__ = ["relayout_group", "change_handles", "moving_to", "build_target", "check_source", "state_bytes",
@@ -78,6 +88,41 @@ def _batch_counts(h: DatabaseHandle, table: str, where: str) -> dict[int, int]:
 def _shard_of(key: bytes) -> int:
     """The shard a state value's key names (its first SHARD_PREFIX_BYTES bytes, big-endian)."""
     return int.from_bytes(key[:SHARD_PREFIX_BYTES], "big")
+
+
+def _split_range(table: str, spec: TableSpec, key: bytes, value: bytes, where: str,
+                 side: Callable[[int], Any] | None = None) -> list[tuple[bytes, bytes]]:
+    """The values ``(key, value)`` a range value splits into (invariant 6), under its number, in shard order: one
+    per run of consecutive shards with rows on the same ``side`` (``side(shard)``; None: one per shard with rows);
+    any other value as it is."""
+    if value[:4] != BATCH_RANGE_MAGIC:
+        return [(key, value)]
+    if spec.kind != "trace":
+        raise CorruptionError(f"{where}: a range value in {table}, which is not a trace")
+    number = key[SHARD_PREFIX_BYTES:]
+    _, pieces = range_pieces(value, _shard_of(key), spec.schema, f"{where} shard {_shard_of(key)}")
+    out: list[tuple[bytes, bytes]] = []
+    i = 0
+    while i < len(pieces):
+        j = i + 1
+        while side is not None and j < len(pieces) and side(pieces[j][0]) == side(pieces[i][0]):
+            j += 1
+        first, last = pieces[i][0], pieces[j - 1][0]
+        by_shard = dict(pieces[i:j])
+        empty = [ZSet.empty(spec.schema)] * len(pieces[i][1])
+        parts = [by_shard.get(s, empty) for s in range(first, last + 1)]
+        out.append((shard_key(first, number), encode_range_value(parts, spec.schema)))
+        i = j
+    return out
+
+
+def _remove(h: DatabaseHandle, removals: list[tuple[str, bytes, list[tuple[bytes, bytes]]]]) -> None:
+    """Delete what leaves a database (:func:`_outgoing`): each removed key, and for a range value the one-shard
+    values of its shards that stay, put back under its number (invariant 6)."""
+    for t, k, stay in removals:
+        h.delete(t, k)
+        for sk, sv in stay:
+            h.put(t, sk, sv)
 
 
 def state_bytes(h: DatabaseHandle) -> int:
@@ -158,9 +203,18 @@ class _Group:
         self.counts: dict[int, dict[str, dict[int, int]]] = {}
         for w, h in handles.items():
             tables: dict[str, dict[bytes, bytes]] = {}
+            ranges = []
             for t, k, v in _entries(h):
-                tables.setdefault(t, {})[k] = v
-            _check_known(tables, specs, f"{where} worker {w}")
+                if v[:4] == BATCH_RANGE_MAGIC:
+                    ranges.append((t, k, v))
+                else:
+                    tables.setdefault(t, {})[k] = v
+            _check_known(tables.keys() | {t for t, _, _ in ranges}, specs, f"{where} worker {w}")
+            for t, k, v in ranges:  # invariant 6: a change of the shard count works on one-shard values
+                h.delete(t, k)
+                for sk, sv in _split_range(t, specs[t], k, v, f"{where} worker {w} {t}"):
+                    h.put(t, sk, sv)
+                    tables.setdefault(t, {})[sk] = sv
             self.values[w] = tables
             self.counts[w] = {t: _batch_counts(h, t, f"{where} worker {w}") for t in tables
                               if specs[t].kind == "trace"}
@@ -300,11 +354,12 @@ def _cat(parts: list[ZSet], spec: TableSpec) -> ZSet:
 
 
 def _outgoing(h: DatabaseHandle, w: int, old: Layout, new: Layout, specs: dict[str, TableSpec], where: str,
-              to: int | None = None) -> tuple[list[tuple[str, bytes, bytes]], dict[str, dict[int, int]]]:
+              to: int | None = None) -> tuple[list[tuple[str, bytes, bytes]], dict[str, dict[int, int]], list]:
     """The values of worker ``w``'s database (``h``, at layout ``old``) that leave it for layout ``new`` when the
     shard count stays (all of them for a leaving worker; only ``to``'s, when given), as ``(table, key, value)``,
-    and the batch counts of each trace table they come from (:func:`_batch_counts`). Reads only the key ranges of
-    the shards ``w`` gives up (invariant 1)."""
+    the batch counts of each trace table they come from (:func:`_batch_counts`), and what :func:`_remove` deletes
+    from ``h`` for them. Reads only the key ranges of the shards ``w`` gives up (invariant 1), from the start of
+    their blocks (a range value there is split, invariant 6)."""
     src_owner, dst_owner = old.shard_map.part_of_shard, new.shard_map.part_of_shard
     tables = _state_tables(h)
     _check_known(tables, specs, f"{where} worker {w}")
@@ -312,22 +367,47 @@ def _outgoing(h: DatabaseHandle, w: int, old: Layout, new: Layout, specs: dict[s
         ranges: list[tuple[bytes | None, bytes | None]] = [(None, None)]
     else:
         away = np.flatnonzero((src_owner == w) & (dst_owner != w if to is None else dst_owner == to))
-        ranges = [(shard_key(a, b""), shard_key(b, b"") if b < len(src_owner) else None)
+        ranges = [(shard_key(a - a % RANGE_SHARDS, b""), shard_key(b, b"") if b < len(src_owner) else None)
                   for a, b in shard_runs(away)]
+
+    def leaves(k: bytes) -> bool:
+        return int(dst_owner[_shard_of(k)]) != w and (to is None or int(dst_owner[_shard_of(k)]) == to)
+
     out: list[tuple[str, bytes, bytes]] = []
     counts: dict[str, dict[int, int]] = {}
+    removals: list[tuple[str, bytes, list[tuple[bytes, bytes]]]] = []
     for t in tables:
         got = []
+        seen: set[bytes] = set()
         for a, b in ranges:
-            got.extend(h.scan(t, a, b))
-        got = [(k, v) for k, v in got if int(dst_owner[_shard_of(k)]) != w
-               and (to is None or int(dst_owner[_shard_of(k)]) == to)]
+            for k, v in h.scan(t, a, b):
+                if k in seen:  # two runs of moving shards in one block
+                    continue
+                seen.add(k)
+                if v[:4] != BATCH_RANGE_MAGIC:
+                    if leaves(k):
+                        got.append((k, v))
+                        removals.append((t, k, []))
+                    continue
+                width, _ = width_runs_head(v, f"{where} worker {w} {t}")
+                a = _shard_of(k)
+                dst = np.unique(dst_owner[a:a + width])
+                if len(dst) == 1 and leaves(k):  # its whole block leaves for one worker: moved as it is
+                    got.append((k, v))
+                    removals.append((t, k, []))
+                    continue
+                parts = _split_range(t, specs[t], k, v, f"{where} worker {w} {t}",
+                                     lambda s: int(dst_owner[s]) if leaves(shard_key(s, b"")) else -1)
+                gone = [(pk, pv) for pk, pv in parts if leaves(pk)]
+                if gone:
+                    got.extend(gone)
+                    removals.append((t, k, [(pk, pv) for pk, pv in parts if not leaves(pk)]))
         if not got:
             continue
         if specs[t].kind == "trace":
             counts[t] = _batch_counts(h, t, f"{where} worker {w}")
         out.extend((t, k, v) for k, v in got)
-    return out, counts
+    return out, counts, removals
 
 
 def _move_same_bits(handles: dict[int, DatabaseHandle], old: Layout, new: Layout, specs: dict[str, TableSpec],
@@ -341,12 +421,12 @@ def _move_same_bits(handles: dict[int, DatabaseHandle], old: Layout, new: Layout
     counts: dict[tuple[int, str], dict[int, int]] = {}
     moved_bytes = 0
     for w, h in handles.items():
-        out, cnt = _outgoing(h, w, old, new, specs, where)
+        out, cnt, removals = _outgoing(h, w, old, new, specs, where)
         counts.update({(w, t): c for t, c in cnt.items()})
         for t, k, v in out:
             incoming[int(dst_owner[_shard_of(k)])].append((w, t, k, v))
             moved_bytes += len(v)
-            h.delete(t, k)  # the source's order record keeps the number; a load skips numbers with no value
+        _remove(h, removals)  # the source's order record keeps the number; a load skips numbers with no value
     _import(handles, incoming, specs, counts, where)
     for w, h in handles.items():
         write_worker_layout(h, new, w)
@@ -359,7 +439,7 @@ def moving_to(h: DatabaseHandle, source: int, target: int, old: Layout, new: Lay
     """One worker's database at a time, for a change that keeps the shard count (invariant 5): the values of
     ``source``'s database (``h``, read only) that move to worker ``target``, as ``(source, table, key, value)``, and
     the batch counts of their trace tables by ``(source, table)``; :func:`build_target` takes them."""
-    out, cnt = _outgoing(h, source, old, new, specs, where, to=target)
+    out, cnt, _ = _outgoing(h, source, old, new, specs, where, to=target)
     return [(source, t, k, v) for t, k, v in out], {(source, t): c for t, c in cnt.items()}
 
 
@@ -371,8 +451,7 @@ def build_target(h: DatabaseHandle, target: int, old: Layout, new: Layout, specs
     :func:`moving_to` read from every other source) is put under new numbers, exactly as :func:`relayout_group`
     changes ``target``'s database. Returns the bytes moved in."""
     if target < old.workers:
-        for t, k, _ in _outgoing(h, target, old, new, specs, where)[0]:
-            h.delete(t, k)
+        _remove(h, _outgoing(h, target, old, new, specs, where)[2])
     _import({target: h}, {target: incoming}, specs, counts, where)
     write_worker_layout(h, new, target)
     return sum(len(v) for *_, v in incoming)

@@ -9,7 +9,8 @@ Invariants (enforced here):
      be silently left out.
   3. Every stored value holds the rows of ONE shard and sits under :func:`shard_key` ``(shard, number)``, so a
      shard's state is one contiguous key range of each table: moving a shard moves those values and nothing
-     else (dbsp_core.storage.shardmove). ``number`` comes from one counter per database (``snapshot/next``),
+     else (dbsp_core.storage.shardmove); the one exception is invariant 11's range values, keyed by their first
+     shard and never crossing a multiple of ``RANGE_SHARDS``. ``number`` comes from one counter per database (``snapshot/next``),
      never reused; the state of a table is the sum of its values.
   4. A trace (table ``s<node>.<attr>``) is stored as its batches, settled and pending alike (saving never
      settles, so it never merges what the running pipeline would not), each split into its shards' row ranges
@@ -48,6 +49,16 @@ Invariants (enforced here):
      the batch files its values name count as named (:meth:`WorkerSnapshot.referenced`) until that save, so the
      opened checkpoint's files stay on disk until a checkpoint that no longer names them has committed
      (dbsp_core/trace/spill.py invariant 13), and a crash before it reopens the same directory.
+ 11. With ``shard_ranges`` (the embedded durable pipeline), a trace batch or group written as rows is saved as one
+     value per aligned block of ``RANGE_SHARDS`` shards that holds any of its rows, not one per shard: a ``DRBR``
+     value from the block's first to its last shard with rows (its key: the first), holding each shard's rows
+     (of each batch of a group in turn) and their run lengths; a block with one such shard keeps invariant 3's
+     one-shard form (``DRB1``, ``DRBG``). A checkpoint's cost follows its values more than its bytes (about 8 us a
+     value against 0.6 ns a byte: bench/RESULTS.md, r37-demo5), and a step's 12k-row batch spread over a
+     worker's 128 shards made 128 values of ~100 rows. A load splits a range value into its shards' rows, so a
+     number's values still concatenate, in key order, to the batch (invariant 4). What moves state by shard
+     splits a range value a move cuts into one-shard values first (shardmove.py invariant 6); a live rescale's
+     cut (:meth:`WorkerSnapshot.rebind`) that falls inside a range value's shards saves that batch again.
 """
 
 from __future__ import annotations
@@ -59,13 +70,13 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from dbsp_core.codec import (decode_batch, decode_json, decode_runs, decode_zset, encode_batch, encode_json,
-                             encode_runs, encode_zset, zset_batch)
+from dbsp_core.codec import (decode_batch, decode_json, decode_runs, decode_width_runs, decode_zset, encode_batch,
+                             encode_json, encode_runs, encode_width_runs, encode_zset, zset_batch)
 from dbsp_core.errors import CorruptionError, DbspError
 from dbsp_core.storage.database import SHARD_PREFIX_BYTES, DatabaseHandle, shard_key, shard_of_key
-from dbsp_core.storage.formats import (BATCH_GROUP_MAGIC, BATCH_MAGIC, BATCH_REF_MAGIC, ORDER_MAGIC, SNAPSHOT_NEXT,
-                                       SNAPSHOT_TABLE, ZSET_MAGIC, is_state_table, order_key, trace_table,
-                                       zset_table)
+from dbsp_core.storage.formats import (BATCH_GROUP_MAGIC, BATCH_MAGIC, BATCH_RANGE_MAGIC, BATCH_REF_MAGIC,
+                                       ORDER_MAGIC, RANGE_SHARDS, SNAPSHOT_NEXT, SNAPSHOT_TABLE, ZSET_MAGIC,
+                                       is_state_table, order_key, trace_table, zset_table)
 from dbsp_core.trace import Trace
 from dbsp_core.zset import IndexedZSet, ZSet
 
@@ -166,21 +177,101 @@ def ranges_to_indices(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     return np.repeat(lo - starts, lens) + np.arange(total, dtype=np.int64)
 
 
-def _put_group(h: DatabaseHandle, table: str, run: list, bounds: list[np.ndarray], shards: list[int],
-               keys: list[bytes]) -> int:
-    """Write consecutive batches as one value per shard: each shard's rows of every batch, batch after batch,
-    with the run lengths (invariant 7): one Arrow message per shard instead of one per batch and shard."""
+def range_spans(shards: list[int]) -> list[tuple[int, int]]:
+    """``[(first, end)]``: the shards with rows (ascending) by aligned block of ``RANGE_SHARDS``, each from the
+    block's first to past its last shard with rows (invariant 11).
+
+    >>> range_spans([0, 3, 15, 16, 40, 41])
+    [(0, 16), (16, 17), (40, 42)]
+    """
+    out: list[tuple[int, int]] = []
+    for sh in shards:
+        if out and sh // RANGE_SHARDS == out[-1][0] // RANGE_SHARDS:
+            out[-1] = (out[-1][0], sh + 1)
+        else:
+            out.append((sh, sh + 1))
+    return out
+
+
+def range_pieces(value: bytes, first: int, schema: pa.Schema, where: str) -> tuple[int, list[tuple[int, list[ZSet]]]]:
+    """``(width, [(shard, its rows of each batch)])`` of a ``DRBR`` value keyed at shard ``first`` (invariant 11),
+    the shards without rows left out."""
+    width, runs = decode_width_runs(value, schema, where, BATCH_RANGE_MAGIC)
+    nb = len(runs) // width
+    if first % RANGE_SHARDS + width > RANGE_SHARDS:
+        raise CorruptionError(f"{where}: a range of {width} shards from shard {first} crosses a block of "
+                              f"{RANGE_SHARDS}")
+    out = []
+    for i in range(width):
+        part = runs[i * nb:(i + 1) * nb]
+        if any(r.num_rows for r in part):
+            out.append((first + i, part))
+    return width, out
+
+
+def encode_range_value(parts: list[list[ZSet]], schema: pa.Schema) -> bytes:
+    """The value of consecutive shards' rows (``parts[i]``: shard i's rows of each batch, empty ones included):
+    ``DRBR`` for several shards, ``DRB1`` (``DRBG`` for several batches) for one (invariant 11)."""
+    runs = [r for part in parts for r in part]
+    rows = [r for r in runs if r.num_rows]
+    z = ZSet.concat(rows) if len(rows) > 1 else rows[0] if rows else ZSet.empty(schema)
+    counts = [r.num_rows for r in runs]
+    if len(parts) > 1:
+        return encode_width_runs(zset_batch(z), len(parts), counts, BATCH_RANGE_MAGIC)
+    if len(runs) == 1:
+        return encode_batch(zset_batch(z), BATCH_MAGIC)
+    return encode_runs(zset_batch(z), counts, BATCH_GROUP_MAGIC)
+
+
+def _shard_major(run: list, bounds: list[np.ndarray], sel: np.ndarray) -> tuple[pa.RecordBatch, np.ndarray]:
+    """The rows of shards ``sel`` of consecutive batches ``run``, shard by shard and each shard's batches in turn,
+    as one record batch, and the row counts ``(len(sel), len(run))``."""
+    if len(run) == 1:  # one batch: each shard's rows are one slice; a take only when shards are skipped
+        edges = bounds[0]
+        lo, hi = edges[:-1][sel], edges[1:][sel]
+        rb = zset_batch(run[0].zset)
+        if len(sel) and np.all(lo[1:] == hi[:-1]):
+            return rb.slice(int(lo[0]), int(hi[-1] - lo[0])), (hi - lo)[:, None]
+        return rb.take(pa.array(ranges_to_indices(lo, hi))), (hi - lo)[:, None]
     rbs = [zset_batch(b.zset) for b in run]
     if hasattr(pa, "concat_batches"):  # pyarrow >= 19
         whole = pa.concat_batches(rbs)
     else:  # pragma: no cover - older pyarrow
         whole = pa.Table.from_batches(rbs).combine_chunks().to_batches()[0]
     offs = np.cumsum([0] + [rb.num_rows for rb in rbs])[:-1]
-    sel = np.asarray(shards, dtype=np.int64)
     lo = np.stack([bd[:-1][sel] + o for bd, o in zip(bounds, offs)], axis=1)  # (shard, batch) row ranges
     hi = np.stack([bd[1:][sel] + o for bd, o in zip(bounds, offs)], axis=1)
-    rows = whole.take(pa.array(ranges_to_indices(lo.ravel(), hi.ravel())))  # grouped by shard, then batch
-    counts = (hi - lo).tolist()
+    return whole.take(pa.array(ranges_to_indices(lo.ravel(), hi.ravel()))), hi - lo  # by shard, then batch
+
+
+def _put_ranges(h: DatabaseHandle, table: str, run: list, bounds: list[np.ndarray], spans: list[tuple[int, int]],
+                keys: list[bytes]) -> int:
+    """Write a batch (or consecutive batches) as one value per span of shards (invariant 11): ``DRBR`` for a span
+    of several shards, ``DRB1`` (``DRBG`` for several batches) for one."""
+    sel = np.concatenate([np.arange(a, e, dtype=np.int64) for a, e in spans])
+    rows, counts = _shard_major(run, bounds, sel)
+    start, i, tname = 0, 0, table.encode("utf-8")
+    for (a, e), key in zip(spans, keys):
+        c = counts[i:i + e - a]
+        i += e - a
+        n = int(c.sum())
+        piece = rows.slice(start, n)
+        start += n
+        if e - a > 1:
+            h.put(tname, key, encode_width_runs(piece, e - a, c.ravel().tolist(), BATCH_RANGE_MAGIC))
+        elif len(run) == 1:
+            h.put(tname, key, encode_batch(piece, BATCH_MAGIC))
+        else:
+            h.put(tname, key, encode_runs(piece, c[0].tolist(), BATCH_GROUP_MAGIC))
+    return len(keys)
+
+
+def _put_group(h: DatabaseHandle, table: str, run: list, bounds: list[np.ndarray], shards: list[int],
+               keys: list[bytes]) -> int:
+    """Write consecutive batches as one value per shard: each shard's rows of every batch, batch after batch,
+    with the run lengths (invariant 7): one Arrow message per shard instead of one per batch and shard."""
+    rows, counts = _shard_major(run, bounds, np.asarray(shards, dtype=np.int64))
+    counts = counts.tolist()
     start, tname = 0, table.encode("utf-8")
     for key, cnt in zip(keys, counts):
         n = sum(cnt)
@@ -252,13 +343,17 @@ class WorkerSnapshot:
         Save consecutive new pending batches of a trace as one group (invariant 7).
     groupings : dict or None
         ``{node id: partitioning columns or None}``: how Z-set attributes are grouped (invariant 5).
+    shard_ranges : bool
+        Save a trace batch's rows as one value per block of shards (invariant 11).
     """
 
     def __init__(self, instances: dict[int, Any], shard_bits: int, group_pending: bool = False,
-                 groupings: dict[int, tuple[str, ...] | None] | None = None) -> None:
+                 groupings: dict[int, tuple[str, ...] | None] | None = None, shard_ranges: bool = False) -> None:
         self.instances = instances
         self.shard_bits = shard_bits
         self.group_pending = group_pending
+        self.shard_ranges = shard_ranges
+        self._ranged: dict[bytes, int] = {}  # key of a stored DRBR value -> its width in shards (invariant 11)
         self.groupings = dict(groupings or {})
         # (table) -> {id(batch): (weak reference to the batch, [keys written for it])}; the batches of a group
         # (saved together, invariant 7) share one keys list object. An entry whose batch is gone is dropped by
@@ -313,12 +408,28 @@ class WorkerSnapshot:
                     del saved[bid]
                 self._orphans.setdefault(table, []).append(keys)
                 continue
+            if not self._ranges_fit(keys, kept, mask):  # invariant 11: a cut inside a range value's shards
+                self._orphans.setdefault(table, []).append(keys)
+                continue
             by_shard = {shard_of_key(k): k for k in keys}
             for piece, lo, hi in kept:
                 self._put(saved, piece, [k for sh, k in sorted(by_shard.items()) if lo <= sh < hi])
             cut = [k for sh, k in by_shard.items() if mask[sh]]
             if cut:
                 self._orphans.setdefault(table, []).append(cut)
+
+    def _ranges_fit(self, keys: list[bytes], kept: list, mask: np.ndarray) -> bool:
+        """Whether every range value among ``keys`` (invariant 11) lies whole in one kept slice's shards, or whole
+        among the cut ones (``mask``), so the values can be shared out by shard as they are."""
+        for k in keys:
+            width = self._ranged.get(k)
+            if width is None:
+                continue
+            a = shard_of_key(k)
+            e = a + width
+            if not (mask[a:e].all() or (not mask[a:e].any() and any(lo <= a and e <= hi for _, lo, hi in kept))):
+                return False
+        return True
 
     def set_shard_bits(self, bits: int) -> None:
         """The layout's shard count changed: every stored value is deleted and saved again at the new count."""
@@ -388,10 +499,11 @@ class WorkerSnapshot:
                 self._next += 1
                 self._saved_z[table] = (z, keys)
         plan.append(("next", self._next))
-        for op in plan:  # the files the stored values name once the plan is applied (invariant 8)
+        for op in plan:  # the files the stored values name once the plan is applied (invariant 8), the range values
             if op[0] == "delete":
                 for k in op[2]:
                     self._key_file.pop(k, None)
+                    self._ranged.pop(k, None)
         return plan
 
     def _put(self, saved: dict, b: Any, keys: list[bytes]) -> None:
@@ -455,6 +567,11 @@ class WorkerSnapshot:
                 for k in keys:
                     self._key_file[k] = name
                 plan.append(("ref", table, name, store.offset_of(run[0]), bounds[0], shards, keys))
+            elif self.shard_ranges:  # invariant 11: one value per block of shards with rows
+                spans = range_spans(shards)
+                keys[:] = [shard_key(a, number) for a, _ in spans]
+                self._ranged.update((k, e - a) for k, (a, e) in zip(keys, spans) if e - a > 1)
+                plan.append(("ranges", table, run, bounds, spans, keys))
             elif len(run) == 1:
                 plan.append(("batch", table, run[0], bounds[0], shards, keys))
             else:
@@ -550,6 +667,9 @@ class WorkerSnapshot:
             elif op[0] == "group":
                 _, table, run, bounds, shards, keys = op
                 changed += _put_group(h, table, run, bounds, shards, keys)
+            elif op[0] == "ranges":
+                _, table, run, bounds, spans, keys = op
+                changed += _put_ranges(h, table, run, bounds, spans, keys)
             elif op[0] == "order":
                 _, table, numbers, counts, settled = op
                 write_order(h, table, numbers, counts, settled)
@@ -593,6 +713,7 @@ class WorkerSnapshot:
                 known[table] = {keys[0][SHARD_PREFIX_BYTES:]: (ref(), keys) for ref, keys in saved.values()
                                 if keys and ref() is not None}  # a batch gone from memory is read back
         rows = 0
+        self._ranged = dict(reuse._ranged) if reuse is not None else {}  # keys taken from reuse are not read
         self._next = read_next(h)
         self._saved, self._saved_z, self._orphans, self._key_file = {}, {}, {}, {}
         self._files: dict[str, Any] = {}  # batch files opened by this load (each checked whole once)
@@ -697,16 +818,20 @@ class WorkerSnapshot:
                 b = self._referenced_batch(trace, values, keys)
                 restored.append((b, keys, is_settled))
                 continue
-            if count == 1:
-                members = [[decode_batch(v, trace.schema, w, BATCH_MAGIC) for v, w in values]]
-            else:
-                runs = [decode_runs(v, trace.schema, w, BATCH_GROUP_MAGIC) for v, w in values]
-                if any(len(r) != count for r in runs):
-                    raise CorruptionError(f"{where} {table}: a value of batch group {number.hex()} does not "
-                                          f"hold {count} runs")
-                members = [[r[i] for r in runs if r[i].num_rows] for i in range(count)]
-                if any(not parts for parts in members):
-                    partial.add(id(keys))
+            runs: list[list[ZSet]] = []  # per shard, its rows of each of the number's batches
+            for (v, w), k in zip(values, keys):
+                if v[:4] == BATCH_RANGE_MAGIC:  # invariant 11: several shards' rows
+                    self._ranged[k], pieces = range_pieces(v, shard_of_key(k), trace.schema, w)
+                    runs.extend(r for _, r in pieces)
+                elif count == 1:
+                    runs.append([decode_batch(v, trace.schema, w, BATCH_MAGIC)])
+                else:
+                    runs.append(decode_runs(v, trace.schema, w, BATCH_GROUP_MAGIC))
+            if any(len(r) != count for r in runs):
+                raise CorruptionError(f"{where} {table}: a value of batch {number.hex()} does not hold {count} runs")
+            members = [[r[i] for r in runs if r[i].num_rows] for i in range(count)]
+            if count > 1 and any(not parts for parts in members):
+                partial.add(id(keys))
             for parts in members:
                 if not parts:
                     continue  # every shard of this member of a group moved to another worker

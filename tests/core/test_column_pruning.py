@@ -18,7 +18,7 @@ import dbsp_core as dbsp
 from dbsp_core.runtime import prune
 from dbsp_core.errors import FormatVersionError
 from dbsp_core.storage.directory import read_meta
-from dbsp_core.storage.formats import DIRECTORY_FORMAT, PRUNED_FORMAT
+from dbsp_core.storage.formats import DIRECTORY_FORMAT, PRUNED_FORMAT, RANGE_FORMAT
 
 from oracle import AUCTIONS, BIDS, ChangeGen, duckdb_query, normalize, to_zset
 
@@ -178,15 +178,15 @@ def test_directory_keeps_its_state_schema(first: bool, then: bool, monkeypatch) 
         _run_durable(root, _circuit(), first, monkeypatch, range(0, 8), SEED, reference, clock, gens)
         recorded = read_meta(root)["stored_columns"]
         assert bool(recorded) == first
-        # a pruned directory is format 3, which the release before pruning (a reader of format 2 alone) refuses
-        # instead of reading narrow traces with full schemas; an unpruned one stays format 2 (storage/formats.py)
-        assert read_meta(root)["format"] == (PRUNED_FORMAT if first else DIRECTORY_FORMAT)
-        if first:
-            with pytest.raises(FormatVersionError, match="format 3"):
-                read_meta(root, (DIRECTORY_FORMAT,))
+        # an embedded directory is format 4 (its state may hold range values), which the releases before pruning
+        # and before range values (readers of format 2, or 2 and 3) refuse instead of reading narrow traces with
+        # full schemas; pruned or not is told by stored_columns alone (storage/formats.py)
+        assert read_meta(root)["format"] == RANGE_FORMAT
+        with pytest.raises(FormatVersionError, match="format 4"):
+            read_meta(root, (DIRECTORY_FORMAT, PRUNED_FORMAT))
         _run_durable(root, _circuit(), then, monkeypatch, range(8, 16), SEED, reference, clock, gens)
         assert read_meta(root)["stored_columns"] == recorded
-        assert read_meta(root)["format"] == (PRUNED_FORMAT if first else DIRECTORY_FORMAT)
+        assert read_meta(root)["format"] == RANGE_FORMAT
     reference.close()
 
 

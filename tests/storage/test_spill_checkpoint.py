@@ -13,7 +13,8 @@ import pytest
 
 import dbsp_core as dbsp
 from dbsp_core.storage import Database, FaultInjector
-from dbsp_core.storage.formats import BATCH_GROUP_MAGIC, BATCH_MAGIC, BATCH_REF_MAGIC, SPILL_DIR, state_db_paths
+from dbsp_core.storage.formats import (BATCH_GROUP_MAGIC, BATCH_MAGIC, BATCH_RANGE_MAGIC, BATCH_REF_MAGIC, SPILL_DIR,
+                                       state_db_paths)
 from storage_helpers import fault_op
 from storage_helpers import view_integral as _integral
 
@@ -119,8 +120,8 @@ def test_a_checkpoint_of_spilled_state_copies_no_rows(tmp_path, monkeypatch) -> 
         sizes[label] = (sum(os.path.getsize(x) for x in state_db_paths(d)), counts)
     assert sizes["spilled"][1].get(BATCH_REF_MAGIC, 0) > 0
     assert sizes["memory"][1].get(BATCH_REF_MAGIC, 0) == 0
-    rows_spilled = sizes["spilled"][1].get(BATCH_MAGIC, 0) + sizes["spilled"][1].get(BATCH_GROUP_MAGIC, 0)
-    rows_memory = sizes["memory"][1].get(BATCH_MAGIC, 0) + sizes["memory"][1].get(BATCH_GROUP_MAGIC, 0)
+    rows_spilled, rows_memory = (sum(sizes[k][1].get(m, 0) for m in (BATCH_MAGIC, BATCH_GROUP_MAGIC, BATCH_RANGE_MAGIC))
+                                 for k in ("spilled", "memory"))
     assert rows_spilled < rows_memory, (sizes["spilled"][1], sizes["memory"][1])
 
 
