@@ -12,6 +12,7 @@ import weakref
 
 import numpy as np
 import pyarrow as pa
+import pytest
 
 import dbsp_core as dbsp
 import dbsp_core.runtime.embedded as embedded
@@ -115,7 +116,29 @@ def test_a_one_push_load_keeps_its_caches_within_the_budget_and_equals_the_unbud
         whole.close()
 
 
-def test_stores_opened_and_closed_in_any_order_leave_the_cache_limits_as_they_found_them(monkeypatch) -> None:
+@pytest.fixture()
+def fresh_limits(monkeypatch):
+    """Fresh shared cache limits (a store another test left open keeps its shares in the module's) over known limits
+    (256 MiB region cache, 512 MiB scratch): yields (those limits, a function reading the limits in force); puts the
+    limits found back after."""
+    from dbsp_core.trace import spill
+
+    monkeypatch.setattr(spill, "_REGION_LIMIT", spill._SharedLimit("region_cache_limit"))
+    monkeypatch.setattr(spill, "_SCRATCH_LIMIT", spill._SharedLimit("scratch_cache_limit"))
+    found = (_zset.region_cache_limit(256 << 20), _zset.scratch_cache_limit(512 << 20))
+
+    def limits() -> tuple[int, int]:
+        got = (_zset.region_cache_limit(0), _zset.scratch_cache_limit(0))
+        _zset.region_cache_limit(got[0])
+        _zset.scratch_cache_limit(got[1])
+        return got
+
+    yield (256 << 20, 512 << 20), limits
+    _zset.region_cache_limit(found[0])
+    _zset.scratch_cache_limit(found[1])
+
+
+def test_stores_opened_and_closed_in_any_order_leave_the_cache_limits_as_they_found_them(fresh_limits) -> None:
     """Each open store lowers the C caches' limits to its shares; the limits are the smallest share of the stores
     open, and return to what they were before the first once every store is closed, or dropped unclosed (two
     pipelines in one process: a budgeted one never leaves an unbudgeted one its small caches). Watched fail on the
@@ -124,20 +147,7 @@ def test_stores_opened_and_closed_in_any_order_leave_the_cache_limits_as_they_fo
     store's shares for good: how test_step_memory found no cached bytes after an earlier test in its process)."""
     import gc
 
-    from dbsp_core.trace import spill
-
-    # fresh shared limits (a store another test left open keeps its shares in the module's) over known limits
-    monkeypatch.setattr(spill, "_REGION_LIMIT", spill._SharedLimit("region_cache_limit"))
-    monkeypatch.setattr(spill, "_SCRATCH_LIMIT", spill._SharedLimit("scratch_cache_limit"))
-    found = (_zset.region_cache_limit(256 << 20), _zset.scratch_cache_limit(512 << 20))
-    base = (256 << 20, 512 << 20)
-
-    def limits() -> tuple[int, int]:
-        got = (_zset.region_cache_limit(0), _zset.scratch_cache_limit(0))
-        _zset.region_cache_limit(got[0])
-        _zset.scratch_cache_limit(got[1])
-        return got
-
+    base, limits = fresh_limits
     shares = lambda m: (int(m * BatchStore.REGION_CACHE_SHARE), int(m * BatchStore.SCRATCH_SHARE))  # noqa: E731
     big, small = BatchStore(64 << 20), BatchStore(16 << 20)
     assert limits() == tuple(min(b, s) for b, s in zip(base, shares(16 << 20)))
@@ -150,11 +160,10 @@ def test_stores_opened_and_closed_in_any_order_leave_the_cache_limits_as_they_fo
     del dropped
     gc.collect()
     assert limits() == base
-    _zset.region_cache_limit(found[0])
-    _zset.scratch_cache_limit(found[1])
 
 
-def test_a_store_collected_while_another_opens_leaves_no_thread_waiting_and_the_limits_as_found(monkeypatch) -> None:
+def test_a_store_collected_while_another_opens_leaves_no_thread_waiting_and_the_limits_as_found(fresh_limits,
+                                                                                               monkeypatch) -> None:
     """A store dropped unclosed gives its shares back from a finalizer, which the garbage collector may run on the
     very thread that is in the middle of another store's open (its ``_SharedLimit.hold``, inside the call into C
     that sets a limit). Before, that finalizer waited for the lock its own thread held: the process hung for ever
@@ -166,17 +175,7 @@ def test_a_store_collected_while_another_opens_leaves_no_thread_waiting_and_the_
 
     from dbsp_core.trace import spill
 
-    monkeypatch.setattr(spill, "_REGION_LIMIT", spill._SharedLimit("region_cache_limit"))
-    monkeypatch.setattr(spill, "_SCRATCH_LIMIT", spill._SharedLimit("scratch_cache_limit"))
-    found = (_zset.region_cache_limit(256 << 20), _zset.scratch_cache_limit(512 << 20))
-    base = (256 << 20, 512 << 20)
-
-    def limits() -> tuple[int, int]:
-        got = (_zset.region_cache_limit(0), _zset.scratch_cache_limit(0))
-        _zset.region_cache_limit(got[0])
-        _zset.scratch_cache_limit(got[1])
-        return got
-
+    base, limits = fresh_limits
     class Cycle:  # collected only by the garbage collector, not by reference counting
         pass
 
@@ -208,5 +207,3 @@ def test_a_store_collected_while_another_opens_leaves_no_thread_waiting_and_the_
         assert limits() == base
     finally:
         gc.enable()
-        _zset.region_cache_limit(found[0])
-        _zset.scratch_cache_limit(found[1])

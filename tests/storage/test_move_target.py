@@ -63,6 +63,32 @@ def _one_target(src: dict[int, str], dst: str, w: int, old, new, specs, version:
     return moved
 
 
+def one_target_equals_whole(tmp_path, old, groups, version_of) -> tuple[int, int]:
+    """For a worker joining and one leaving (``old`` rebalanced to 3 and to 1 workers): each group's databases
+    (``groups``, at ``version_of(group)``) changed one destination at a time (:func:`_one_target`) equal, entry by
+    entry, the same change made all at once (:func:`_all_at_once`). Returns (databases compared, those a move
+    wrote to)."""
+    checked = moved = 0
+    for new_workers in (3, 1):  # a worker joins; one leaves
+        new = old.rebalance(new_workers)
+        assert new.shard_bits == old.shard_bits
+        for g in groups:
+            version = version_of(g)
+            n = max(old.workers, new.workers)
+            whole = {w: str(tmp_path / f"whole-{new_workers}-{g.name}-{w}.db") for w in range(n)}
+            for w in range(old.workers):
+                shutil.copyfile(g.path_of(w), whole[w])
+            src = {w: g.path_of(w) for w in range(old.workers)}
+            _all_at_once(whole, old, new, g.tables, version)
+            for w in range(new.workers):
+                one = str(tmp_path / f"one-{new_workers}-{g.name}-{w}.db")
+                moved += _one_target(src, one, w, old, new, g.tables, version) > 0
+                got, want = _contents(one), _contents(whole[w])
+                assert got == want, f"{g.name} worker {w} of {new_workers}: {len(got)} entries != {len(want)}"
+                checked += 1
+    return checked, moved
+
+
 @pytest.mark.parametrize("name", ["join_agg", "carried"])
 def test_one_target_at_a_time_equals_the_whole_change(tmp_path, name) -> None:
     print(f"DBSP_MOVE_TARGET_SEED={SEED}")
@@ -77,21 +103,5 @@ def test_one_target_at_a_time_equals_the_whole_change(tmp_path, name) -> None:
     old, version = p.layout, p.executor.version
     groups = p.executor.groups(old)
     p.close()
-    checked = moved_any = 0
-    for new_workers in (3, 1):  # a worker joins; one leaves
-        new = old.rebalance(new_workers)
-        assert new.shard_bits == old.shard_bits
-        for g in groups:
-            n = max(old.workers, new.workers)
-            whole = {w: str(tmp_path / f"whole-{new_workers}-{g.name}-{w}.db") for w in range(n)}
-            for w in range(old.workers):
-                shutil.copyfile(g.path_of(w), whole[w])
-            src = {w: g.path_of(w) for w in range(old.workers)}
-            _all_at_once(whole, old, new, g.tables, version)
-            for w in range(new.workers):
-                one = str(tmp_path / f"one-{new_workers}-{g.name}-{w}.db")
-                moved_any += _one_target(src, one, w, old, new, g.tables, version) > 0
-                got, want = _contents(one), _contents(whole[w])
-                assert got == want, f"{g.name} worker {w} of {new_workers}: {len(got)} entries != {len(want)}"
-                checked += 1
+    checked, moved_any = one_target_equals_whole(tmp_path, old, groups, lambda g: version)
     assert checked == len(groups) * 4 and moved_any > 0 and len(groups) > 0
