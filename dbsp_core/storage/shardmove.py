@@ -354,12 +354,15 @@ def _cat(parts: list[ZSet], spec: TableSpec) -> ZSet:
 
 
 def _outgoing(h: DatabaseHandle, w: int, old: Layout, new: Layout, specs: dict[str, TableSpec], where: str,
-              to: int | None = None) -> tuple[list[tuple[str, bytes, bytes]], dict[str, dict[int, int]], list]:
+              to: int | None = None) -> tuple[list[tuple[str, bytes, bytes]], dict[str, dict[int, int]], list, int]:
     """The values of worker ``w``'s database (``h``, at layout ``old``) that leave it for layout ``new`` when the
     shard count stays (all of them for a leaving worker; only ``to``'s, when given), as ``(table, key, value)``,
     the batch counts of each trace table they come from (:func:`_batch_counts`), and what :func:`_remove` deletes
     from ``h`` for them. Reads only the key ranges of the shards ``w`` gives up (invariant 1), from the start of
-    their blocks (a range value there is split, invariant 6)."""
+    their blocks (a range value there is split, invariant 6). Last, the stored bytes that leave: a value's length,
+    and for a range value that is split its share of it by the bytes of its pieces (a piece has an Arrow header of
+    its own, so the pieces' bytes may exceed the value's: the report's ``moved_bytes`` stays a part of the state's
+    ``total_bytes``, rescale.py invariant 3)."""
     src_owner, dst_owner = old.shard_map.part_of_shard, new.shard_map.part_of_shard
     tables = _state_tables(h)
     _check_known(tables, specs, f"{where} worker {w}")
@@ -376,6 +379,7 @@ def _outgoing(h: DatabaseHandle, w: int, old: Layout, new: Layout, specs: dict[s
     out: list[tuple[str, bytes, bytes]] = []
     counts: dict[str, dict[int, int]] = {}
     removals: list[tuple[str, bytes, list[tuple[bytes, bytes]]]] = []
+    stored = 0
     for t in tables:
         got = []
         seen: set[bytes] = set()
@@ -388,6 +392,7 @@ def _outgoing(h: DatabaseHandle, w: int, old: Layout, new: Layout, specs: dict[s
                     if leaves(k):
                         got.append((k, v))
                         removals.append((t, k, []))
+                        stored += len(v)
                     continue
                 width, _ = width_runs_head(v, f"{where} worker {w} {t}")
                 a = _shard_of(k)
@@ -395,11 +400,13 @@ def _outgoing(h: DatabaseHandle, w: int, old: Layout, new: Layout, specs: dict[s
                 if len(dst) == 1 and leaves(k):  # its whole block leaves for one worker: moved as it is
                     got.append((k, v))
                     removals.append((t, k, []))
+                    stored += len(v)
                     continue
                 parts = _split_range(t, specs[t], k, v, f"{where} worker {w} {t}",
                                      lambda s: int(dst_owner[s]) if leaves(shard_key(s, b"")) else -1)
                 gone = [(pk, pv) for pk, pv in parts if leaves(pk)]
                 if gone:
+                    stored += len(v) * sum(len(pv) for _pk, pv in gone) // max(1, sum(len(pv) for _pk, pv in parts))
                     got.extend(gone)
                     removals.append((t, k, [(pk, pv) for pk, pv in parts if not leaves(pk)]))
         if not got:
@@ -407,7 +414,7 @@ def _outgoing(h: DatabaseHandle, w: int, old: Layout, new: Layout, specs: dict[s
         if specs[t].kind == "trace":
             counts[t] = _batch_counts(h, t, f"{where} worker {w}")
         out.extend((t, k, v) for k, v in got)
-    return out, counts, removals
+    return out, counts, removals, stored
 
 
 def _move_same_bits(handles: dict[int, DatabaseHandle], old: Layout, new: Layout, specs: dict[str, TableSpec],
@@ -421,11 +428,11 @@ def _move_same_bits(handles: dict[int, DatabaseHandle], old: Layout, new: Layout
     counts: dict[tuple[int, str], dict[int, int]] = {}
     moved_bytes = 0
     for w, h in handles.items():
-        out, cnt, removals = _outgoing(h, w, old, new, specs, where)
+        out, cnt, removals, stored = _outgoing(h, w, old, new, specs, where)
         counts.update({(w, t): c for t, c in cnt.items()})
         for t, k, v in out:
             incoming[int(dst_owner[_shard_of(k)])].append((w, t, k, v))
-            moved_bytes += len(v)
+        moved_bytes += stored
         _remove(h, removals)  # the source's order record keeps the number; a load skips numbers with no value
     _import(handles, incoming, specs, counts, where)
     for w, h in handles.items():
@@ -439,7 +446,7 @@ def moving_to(h: DatabaseHandle, source: int, target: int, old: Layout, new: Lay
     """One worker's database at a time, for a change that keeps the shard count (invariant 5): the values of
     ``source``'s database (``h``, read only) that move to worker ``target``, as ``(source, table, key, value)``, and
     the batch counts of their trace tables by ``(source, table)``; :func:`build_target` takes them."""
-    out, cnt, _ = _outgoing(h, source, old, new, specs, where, to=target)
+    out, cnt, _, _ = _outgoing(h, source, old, new, specs, where, to=target)
     return [(source, t, k, v) for t, k, v in out], {(source, t): c for t, c in cnt.items()}
 
 

@@ -136,10 +136,10 @@ def _load(d: str, rows: int, workers: int) -> dict:
 
 def test_moved_bytes_are_near_the_ideal(tmp_path) -> None:
     """W -> W+1 and W -> W-1 for W in 1..8: exactly the minimum number of shards moves, and the bytes moved are
-    within 1.15x of (state bytes) x (that fraction of the shards). (Within 1.1x before checkpoints stored a block
-    of 16 shards as one value, snapshot.py invariant 11: a leaving worker's shards, shared out to several workers
-    shard by shard, now leave as one value per shard, each with its own Arrow message header, ~9% more than the
-    range values they were stored as at this state's ~40 rows a shard.)"""
+    within 1.1x of (state bytes) x (that fraction of the shards). A range value a move splits (snapshot.py invariant
+    11) counts its share of its stored bytes, not its pieces' (each has an Arrow header of its own: counted as
+    written, a leaving worker's blocks shared out shard by shard came to 1.108x, and moved bytes exceeded the
+    state's total in a rescale sequence below)."""
     worst = 0.0
     for w in range(1, 9):
         for to in (w + 1, w - 1):
@@ -157,7 +157,7 @@ def test_moved_bytes_are_near_the_ideal(tmp_path) -> None:
             ideal = rep["total_bytes"] * need / S
             ratio = rep["moved_bytes"] / ideal
             worst = max(worst, ratio)
-            assert ratio <= 1.15, f"{w} -> {to}: moved {rep['moved_bytes']} B, ideal {ideal:.0f} B ({ratio:.3f}x)"
+            assert ratio <= 1.1, f"{w} -> {to}: moved {rep['moved_bytes']} B, ideal {ideal:.0f} B ({ratio:.3f}x)"
             p.close()
     print(f"\n[rescale] moved bytes / ideal, worst over W -> W+-1, W in 1..8: {worst:.3f}")
 
