@@ -35,7 +35,7 @@ from dbsp_core.storage import FaultInjector  # noqa: E402
 from dbsp_core.runtime import recovery  # noqa: E402
 from dbsp_core.storage.directory import raise_to_ranges, read_meta  # noqa: E402
 from dbsp_core.storage.formats import DIRECTORY_FORMAT, PRUNED_FORMAT, RANGE_FORMAT  # noqa: E402
-from test_shard_ranges import range_values  # noqa: E402
+from test_shard_ranges import _no_budget, range_values  # noqa: E402,F401 (_no_budget: autouse, range values need no budget)
 
 OLD = os.environ.get("DBSP_OLD_BUILD")
 LAST = 13  # the fixture's steps 0..8, its acknowledged pushes (step 9), then new ones up to 12
@@ -73,7 +73,8 @@ else:
 
 
 def _old(d: str, action: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=OLD)
+    env = {k: v for k, v in os.environ.items() if k != "DBSP_MEMORY_LIMIT"}  # (under a budget: file references)
+    env["PYTHONPATH"] = OLD
     r = subprocess.run([sys.executable, "-c", OLD_SCRIPT, d, action], cwd=OLD, env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, f"the older build failed:\n{r.stderr[-3000:]}"
