@@ -213,7 +213,8 @@ def test_a_crash_at_every_io_operation_of_spills_and_a_checkpoint(tmp_path, monk
         assert stats["written_in_background"] > 0, stats
     want = _reference(pushes)
     tried = crashed = 0
-    missed: list[int] = []  # points the session did not reach: a run may make a few operations fewer than the probe
+    missed: list[int] = []  # points a run reached without crashing there (a fault VFS that missed: never allowed)
+    short: list[int] = []  # points a run did not reach (below)
     where = {"batch file": 0, "other": 0, "unnamed": 0}
     points = range(1 + SEED % stride, nops + 1, stride)
     for n in points:
@@ -228,6 +229,8 @@ def test_a_crash_at_every_io_operation_of_spills_and_a_checkpoint(tmp_path, monk
                 error = e
             if FaultInjector.crashed():
                 crashed += 1
+            elif FaultInjector.ops() < n:  # this run made fewer operations than n: it never reached the point
+                short.append(n)
             else:
                 missed.append(n)
             op = _crashed_op(error, n)
@@ -242,10 +245,11 @@ def test_a_crash_at_every_io_operation_of_spills_and_a_checkpoint(tmp_path, monk
             tried += 1
             shutil.rmtree(d)
     assert tried == len(points) * len(modes) > 0
-    # which merges the merge thread has finished when a step ends varies by run, and with it the files written and
-    # deleted: a run may make a few operations fewer than the probe, never a file's write (10) fewer
-    assert crashed + len(missed) == tried and all(n > nops - 10 for n in missed), (missed, nops, SEED)
+    # which merges the merge thread has finished when a step ends varies by run, and since r31-open so does whether
+    # the first step after the reopen starts a compaction there, and with them the files written and deleted: a run
+    # may make fewer operations than the probe (seen: 26 fewer, 7 of 875 points). A point a run reached must crash.
+    assert not missed and crashed + len(short) == tried and len(short) <= tried // 4, (missed, short, nops, SEED)
     assert where["batch file"] > 0, where  # the files' own operations were among the crash points
     print(f"\n[spill crash, {variant}] {nops} I/O operations, {len(points)} tried x {len(modes)} modes = {tried} runs, "
           f"{crashed} crashed (at a batch file's operation {where['batch file']}, another {where['other']}, unnamed "
-          f"{where['unnamed']}; {len(missed)} past the run's last operation), 0 violations")
+          f"{where['unnamed']}; {len(short)} past the run's last operation), 0 violations")
