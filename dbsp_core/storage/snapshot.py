@@ -215,12 +215,18 @@ def encode_range_value(parts: list[list[ZSet]], schema: pa.Schema) -> bytes:
     runs = [r for part in parts for r in part]
     rows = [r for r in runs if r.num_rows]
     z = ZSet.concat(rows) if len(rows) > 1 else rows[0] if rows else ZSet.empty(schema)
-    counts = [r.num_rows for r in runs]
-    if len(parts) > 1:
-        return encode_width_runs(zset_batch(z), len(parts), counts, BATCH_RANGE_MAGIC)
-    if len(runs) == 1:
-        return encode_batch(zset_batch(z), BATCH_MAGIC)
-    return encode_runs(zset_batch(z), counts, BATCH_GROUP_MAGIC)
+    return _span_value(zset_batch(z), len(parts), [r.num_rows for r in runs], len(parts[0]))
+
+
+def _span_value(rb: pa.RecordBatch, width: int, counts: list[int], batches: int) -> bytes:
+    """The value of ``width`` consecutive shards' rows ``rb`` (shard by shard, each shard's ``batches`` batches in
+    turn, run lengths ``counts``): ``DRBR`` for several shards, else ``DRB1`` for one batch, ``DRBG`` for several
+    (invariant 11)."""
+    if width > 1:
+        return encode_width_runs(rb, width, counts, BATCH_RANGE_MAGIC)
+    if batches == 1:
+        return encode_batch(rb, BATCH_MAGIC)
+    return encode_runs(rb, counts, BATCH_GROUP_MAGIC)
 
 
 def _shard_major(run: list, bounds: list[np.ndarray], sel: np.ndarray) -> tuple[pa.RecordBatch, np.ndarray]:
@@ -257,12 +263,7 @@ def _put_ranges(h: DatabaseHandle, table: str, run: list, bounds: list[np.ndarra
         n = int(c.sum())
         piece = rows.slice(start, n)
         start += n
-        if e - a > 1:
-            h.put(tname, key, encode_width_runs(piece, e - a, c.ravel().tolist(), BATCH_RANGE_MAGIC))
-        elif len(run) == 1:
-            h.put(tname, key, encode_batch(piece, BATCH_MAGIC))
-        else:
-            h.put(tname, key, encode_runs(piece, c[0].tolist(), BATCH_GROUP_MAGIC))
+        h.put(tname, key, _span_value(piece, e - a, c.ravel().tolist(), len(run)))
     return len(keys)
 
 
