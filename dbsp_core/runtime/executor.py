@@ -189,10 +189,10 @@ def spread(pushes: list[tuple[str, ZSet]], workers: int, cursor: int, keep: Any 
     at worker ``cursor``: ``[{handle: [parts]} per worker]``. A push of fewer than ``2 * min_rows`` rows goes whole
     to the cursor's worker, and the cursor moves on once that worker was handed ``min_rows`` rows so (so a step of
     small pushes keeps the other workers' stateless operators idle: a call costs ~0.1 ms whatever its rows, an
-    empty input is skipped; and many small pushes still spread); a push cut in ``k < W`` slices moves it on by ``k``, one cut over all ``W`` by its rows
-    (past the workers its uneven rows gave one more).
-    Pushes to a handle not in ``keep`` (if given) are dropped. Results never depend on the split: it only balances
-    the work.
+    empty input is skipped; and many small pushes still spread). A push cut in ``k < W`` slices moves the cursor
+    on by ``k``; one cut over all ``W`` workers moves it by its rows (past the workers its uneven rows gave one
+    more). Pushes to a handle not in ``keep`` (if given) are dropped. Results never depend on the split: it only
+    balances the work.
 
     >>> import pyarrow as pa
     >>> z = ZSet.from_arrow(pa.table({"x": [1, 2, 3]}))
