@@ -94,6 +94,19 @@ def release_memory(step_rows: int) -> None:
 _CORES = os.cpu_count() or 1  # read once: the call reads /sys, ~12 us, a measurable share of a small step
 
 
+def _start_pool(workers: int) -> ThreadPoolExecutor | None:
+    """The threads of workers 1..W-1 (worker 0 runs on the caller's), started now, when the pipeline is built,
+    not by its first step: one task per thread, each held until all have started (an idle thread would take the
+    next one instead of a new thread starting)."""
+    if workers <= 1:
+        return None
+    pool = ThreadPoolExecutor(max_workers=workers - 1, thread_name_prefix="dbsp-worker")
+    started = threading.Barrier(workers - 1)
+    for _ in range(workers - 1):
+        pool.submit(started.wait, 10.0)
+    return pool
+
+
 class _Exchanger:
     """All-to-all mailboxes of one step: one W x W grid per exchange node, and one barrier."""
 
@@ -290,8 +303,7 @@ class EmbeddedExecutor:
                 state_attrs(i, inst)  # snapshot invariant 2: refuse state we could not checkpoint
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-        self._pool = ThreadPoolExecutor(max_workers=layout.workers - 1, thread_name_prefix="dbsp-worker") \
-            if layout.workers > 1 else None
+        self._pool = _start_pool(layout.workers)
         self.worker_cpu_seconds = [0.0] * layout.workers
 
     def groups(self, layout: Layout) -> list[StateGroup]:
@@ -741,7 +753,7 @@ class EmbeddedExecutor:
         if old.workers != W:  # the pool's size follows the worker count
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
-            self._pool = ThreadPoolExecutor(max_workers=W - 1, thread_name_prefix="dbsp-worker") if W > 1 else None
+            self._pool = _start_pool(W)
         self.worker_cpu_seconds = (self.worker_cpu_seconds + [0.0] * W)[:W]
         return moved
 

@@ -180,37 +180,51 @@ class Executor(Protocol):
         """Release threads and files (and the batch store it was given)."""
 
 
-def spread(pushes: list[tuple[str, ZSet]], workers: int, cursor: int, keep: Any = None
-           ) -> list[dict[str, list[ZSet]]]:
-    """Each push split in contiguous, even slices over the workers, starting at worker ``cursor`` and moving on
-    by the rows placed (so small pushes spread too): ``[{handle: [parts]} per worker]``. Pushes to a handle
-    not in ``keep`` (if given) are dropped. Results never depend on the split: it only balances the work.
+SPREAD_MIN_ROWS = 1024  # the fewest rows spread() hands a worker from one push (but for a push of fewer rows)
+
+
+def spread(pushes: list[tuple[str, ZSet]], workers: int, cursor: int, keep: Any = None,
+           min_rows: int = SPREAD_MIN_ROWS) -> list[dict[str, list[ZSet]]]:
+    """Each push split in contiguous, even slices of at least ``min_rows`` rows over up to all the workers, starting
+    at worker ``cursor``: ``[{handle: [parts]} per worker]``. A push of fewer than ``2 * min_rows`` rows goes whole
+    to the cursor's worker, and the cursor moves on once that worker was handed ``min_rows`` rows so (so a step of
+    small pushes keeps the other workers' stateless operators idle: a call costs ~0.1 ms whatever its rows, an
+    empty input is skipped; and many small pushes still spread). A push cut in ``k < W`` slices moves the cursor
+    on by ``k``; one cut over all ``W`` workers moves it by its rows (past the workers its uneven rows gave one
+    more). Pushes to a handle not in ``keep`` (if given) are dropped. Results never depend on the split: it only
+    balances the work.
 
     >>> import pyarrow as pa
     >>> z = ZSet.from_arrow(pa.table({"x": [1, 2, 3]}))
-    >>> [{h: [p.num_rows for p in ps] for h, ps in w.items()} for w in spread([("t", z)], 2, 1)]
+    >>> [{h: [p.num_rows for p in ps] for h, ps in w.items()} for w in spread([("t", z)], 2, 1, min_rows=1)]
     [{'t': [1]}, {'t': [2]}]
+    >>> [{h: [p.num_rows for p in ps] for h, ps in w.items()} for w in spread([("t", z), ("u", z)], 2, 1)]
+    [{}, {'t': [3], 'u': [3]}]
     """
     out: list[dict[str, list[ZSet]]] = [{} for _ in range(workers)]
+    min_rows = max(1, min_rows)
+    fill = 0  # rows the cursor's worker was handed by whole small pushes
     for handle, z in pushes:
         if keep is not None and handle not in keep:
             continue
         n = z.num_rows
         if n == 0:
             continue
-        if workers == 1:
-            out[0].setdefault(handle, []).append(z)
+        k = min(workers, n // min_rows)
+        if k <= 1:
+            out[cursor % workers].setdefault(handle, []).append(z)
+            fill += n
+            if fill >= min_rows:
+                cursor, fill = (cursor + 1) % workers, 0
             continue
-        base, extra = divmod(n, workers)
+        base, extra = divmod(n, k)
         start = 0
-        for k in range(workers):
-            size = base + (1 if k < extra else 0)
-            if size == 0:
-                continue
-            w = (cursor + k) % workers
+        for j in range(k):
+            size = base + (1 if j < extra else 0)
+            w = (cursor + j) % workers
             out[w].setdefault(handle, []).append(ZSet._make(z.data.slice(start, size), z.weights[start:start + size]))
             start += size
-        cursor = (cursor + n) % workers
+        cursor, fill = (cursor + (n if k == workers else k)) % workers, 0  # all: past the workers given one more
     return out
 
 

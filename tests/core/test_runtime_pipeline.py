@@ -63,9 +63,38 @@ def test_push_spreads_rows_evenly_over_workers() -> None:
     pushes = [("bids", to_zset({(i, "a", i, None): 1 for i in range(10)}, BIDS)),
               ("bids", to_zset({(100, "b", 1, None): 1}, BIDS))]
     for cursor in range(4):
-        per = spread(pushes, 4, cursor)
+        per = spread(pushes, 4, cursor, min_rows=1)
         sizes = [sum(z.num_rows for z in pend.get("bids", [])) for pend in per]
         assert sorted(sizes) == [2, 3, 3, 3]
+
+
+def test_spread_keeps_small_pushes_whole_and_slices_large_ones() -> None:
+    """executor.spread: a push under two slices of ``min_rows`` goes whole to the cursor's worker, with the step's
+    other small pushes, until that worker was handed ``min_rows`` rows (so the other workers' stateless operators
+    stay idle on a small step, and many small pushes still spread); a larger push is cut in slices of at least
+    ``min_rows`` rows, in order, over up to all the workers."""
+    def z(n: int, base: int = 0) -> dbsp.ZSet:
+        return to_zset({(base + i, "a", i, None): 1 for i in range(n)}, BIDS)
+
+    def rows(per: list[dict]) -> list[int]:
+        return [sum(p.num_rows for ps in pend.values() for p in ps) for pend in per]
+
+    for cursor in range(3):
+        small = spread([("bids", z(5)), ("other", z(3, 200)), ("bids", z(4, 100)), ("bids", z(2, 300))], 3, cursor,
+                       min_rows=10)
+        assert rows(small) == [{cursor: 12, (cursor + 1) % 3: 2}.get(w, 0) for w in range(3)]
+        assert [p.num_rows for p in small[cursor]["bids"]] == [5, 4] and small[cursor]["other"][0].num_rows == 3
+        # a push of 25 rows: two slices of at least 10, from the cursor on, in order
+        big = spread([("bids", z(25))], 3, cursor, min_rows=10)
+        assert rows(big) == [{cursor: 13, (cursor + 1) % 3: 12}.get(w, 0) for w in range(3)]
+        got = dbsp.ZSet.concat([big[cursor]["bids"][0], big[(cursor + 1) % 3]["bids"][0]])
+        assert got == z(25)
+        # 8 pushes of 4 rows: a worker is handed 12 rows (past 10), then the next worker
+        many = spread([("bids", z(4, 10 * k)) for k in range(8)], 3, cursor, min_rows=10)
+        assert rows(many) == [{cursor: 12, (cursor + 1) % 3: 12, (cursor + 2) % 3: 8}[w] for w in range(3)]
+        # at most one slice per worker
+        assert rows(spread([("bids", z(100))], 3, cursor, min_rows=10)) == [34 if w == cursor else 33
+                                                                            for w in range(3)]
 
 
 def test_step_without_input_and_closed_pipeline() -> None:
@@ -122,7 +151,7 @@ def test_exchange_routes_rows_by_shard_owner() -> None:
     c.output("x", b._exchanged(("auction",)))
     with dbsp.Pipeline(c, workers=2, shard_bits=3) as p:
         z = to_zset({(i, "a", i, None): 1 for i in range(40)}, BIDS)
-        for w, pend in enumerate(spread([("bids", z)], 2, 0)):
+        for w, pend in enumerate(spread([("bids", z)], 2, 0, min_rows=1)):
             p.executor._workers[w].ctx.begin({"bids": dbsp.ZSet.concat(pend["bids"])}, None, None, None)
         import threading
 
