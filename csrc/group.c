@@ -266,10 +266,17 @@ static int ensure(void **p, int64_t *cap, int64_t need, size_t item) {
 
 int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const int32_t *kcols, int32_t nkcols,
                const DbspAggSpec *aggs, int32_t naggs, int drop_zero, DbspRows *out, DbspAcc **acc_out) {
+    return dbsp_group_ih(b, icols, nicols, kcols, nkcols, aggs, naggs, drop_zero, out, acc_out, NULL);
+}
+
+int dbsp_group_ih(const DbspBatch *b, const int32_t *icols, int32_t nicols, const int32_t *kcols, int32_t nkcols,
+                  const DbspAggSpec *aggs, int32_t naggs, int drop_zero, DbspRows *out, DbspAcc **acc_out,
+                  uint64_t **ih_out) {
     int64_t n = b->nrows;
     int st = DBSP_OK;
     memset(out, 0, sizeof *out);
     if (acc_out) *acc_out = NULL;
+    if (ih_out) *ih_out = NULL;
     Ident id = { b, icols, icols ? nicols : b->ncols };
     for (int32_t k = 0; k < id.ncols; k++) {
         if (icols && (icols[k] < 0 || icols[k] >= b->ncols)) return DBSP_EINVAL;
@@ -294,9 +301,11 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
     int32_t *carry = NULL;  /* wraps of each group's weight sum, allocated at the first one */
     DbspAcc *A = NULL, *accs = NULL;
     Rec *R = NULL, *R2 = NULL;
+    uint64_t *oih = NULL;  /* the output rows' identity hashes (ih_out) */
     int64_t slots_cap = 0, u_cap = 0, a_cap = 0, r_cap = 0, accs_cap = 0, S_bytes = 0;
     size_t arena_bytes = 0;
     if (!ih) return DBSP_ENOMEM;
+    if (ih_out && !(oih = dbsp_alloc_result((size_t)n * 8))) { st = DBSP_ENOMEM; goto done; }
     if ((st = dbsp_hash_columns(b, icols, id.ncols, ih))) goto done;
     if (nkcols > 0) {
         kh = dbsp_scratch_alloc((size_t)n * 8);
@@ -502,6 +511,7 @@ int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const i
         if (naggs && (st = ensure((void **)&accs, &accs_cap, (out->n + nr) * naggs, sizeof(DbspAcc)))) goto done;
         for (int64_t r = 0; r < nr; r++) {
             if (naggs) memcpy(&accs[out->n * naggs], &A[R[r].u * naggs], (size_t)naggs * sizeof(DbspAcc));
+            if (oih) oih[out->n] = R[r].ih;
             out->idx[out->n] = R[r].idx;
             out->weights[out->n] = U[R[r].u].w;
             out->khash[out->n] = R[r].kh;
@@ -514,7 +524,12 @@ done:
     dbsp_scratch_free(slots, (size_t)slots_cap * 8); dbsp_scratch_free(U, (size_t)u_cap * sizeof(Uniq));
     dbsp_scratch_free(R, (size_t)r_cap * sizeof(Rec)); dbsp_scratch_free(R2, (size_t)r_cap * sizeof(Rec));
     dbsp_scratch_free(A, (size_t)a_cap * sizeof(DbspAcc)); free(sort_cnt); free(carry);
-    if (st) { dbsp_rows_free(out); free(accs); accs = NULL; }
+    if (st) { dbsp_rows_free(out); free(accs); accs = NULL; free(oih); oih = NULL; }
     if (acc_out) *acc_out = accs; else free(accs);
+    if (oih && out->n < n / 2) {  /* most rows cancelled or summed: give back the unused tail */
+        uint64_t *shrunk = realloc(oih, (size_t)(out->n ? out->n : 1) * 8);
+        if (shrunk) oih = shrunk;
+    }
+    if (ih_out) *ih_out = oih;
     return st;
 }

@@ -145,7 +145,7 @@ int dbsp_zset_consolidate_rh(const DbspBatch *b, const int32_t *keys, int32_t nk
         if (st == DBSP_OK && rhash) *rhash = rh;
         else free(rh);
     } else {
-        st = dbsp_group(b, NULL, 0, keys, nkeys, NULL, 0, 1, out, NULL);
+        st = dbsp_group_ih(b, NULL, 0, keys, nkeys, NULL, 0, 1, out, NULL, rhash);  /* identity = the whole row */
     }
 #ifdef DBSP_CHECK_INVARIANTS
     if (st == DBSP_OK) assert(dbsp_rows_check_order(b, out->idx, out->weights, out->khash, out->n, keys, nkeys) == 0);

@@ -58,6 +58,9 @@ def test_index_by_few_keys_is_canonical(rng: np.random.Generator, n: int, keys: 
     assert np.array_equal(ix.key_hash, _zset.hash_columns(z.data, [0]))
     assert _counter(z.data, z.weights) == _counter(t, w)
     assert len(ix) == len(_counter(t, w)), "equal rows not summed into one"
+    # the row hashes come with the batch from either path (small: its sort keys; grouping engine: its identity
+    # hashes, group.h dbsp_group_ih), equal to hashing its rows: trace merges order meeting keys by them
+    assert ix._rh is not None and np.array_equal(ix._rh, _zset.hash_columns(z.data, [0, 1, 2]))
     # the same rows as a whole-row index (no key), which sorts by row hash alone: one canonical content
     whole = ZSet._make(t, w).consolidate()
     assert _counter(whole.data, whole.weights) == _counter(z.data, z.weights)
@@ -75,5 +78,30 @@ def test_grouping_by_few_keys_is_canonical(rng: np.random.Generator, n: int) -> 
         got = t.take(pa.array(idx))
         assert _zset.check_order(got, cw, kh, [0]), (n, row_hashes)
         assert _counter(got, cw) == _counter(t, w)
-        if row_hashes and res[3] is not None:
+        if row_hashes:
+            assert res[3] is not None, "no row hashes handed over"
             assert np.array_equal(res[3], _zset.hash_columns(got, [0, 1]))
+
+
+@pytest.mark.parametrize("n", [10, 5000, 60000])
+def test_row_hashes_of_a_consolidation_that_shrinks(rng: np.random.Generator, n: int) -> None:
+    """Most rows cancel (each inserted and retracted, a few kept): the row hashes handed over are the kept rows',
+    one each (the grouping engine gives back the unused tail of its array), and a one-integer-column batch, which
+    the engine groups without hashing its identity, hands none over."""
+    keys = rng.integers(0, 50, n)
+    vals = rng.integers(0, 10**6, n)
+    t = pa.table({"k": pa.array(np.concatenate([keys, keys]), pa.int64()),
+                  "v": pa.array(np.concatenate([vals, vals]), pa.int64())})
+    w = np.concatenate([np.ones(n, np.int64), -np.ones(n, np.int64)])
+    w[rng.integers(0, n, max(1, n // 100))] = 2  # these rows survive (weight 2 - 1)
+    idx, cw, kh, rh = _zset.consolidate(t, w, [0], True)
+    got = t.take(pa.array(idx))
+    assert _zset.check_order(got, cw, kh, [0])
+    assert _counter(got, cw) == _counter(t, w)
+    assert rh is not None and np.array_equal(rh, _zset.hash_columns(got, [0, 1]))
+    one = t.select(["v"])
+    idx1, cw1, kh1, rh1 = _zset.consolidate(one, w, [0], True)
+    got1 = one.take(pa.array(idx1))
+    assert _counter(got1, cw1) == _counter(one, w)
+    if rh1 is not None:  # the small path (<= 4096 rows) sorts by row hash and hands them over
+        assert np.array_equal(rh1, _zset.hash_columns(got1, [0]))
