@@ -12,7 +12,7 @@ cdef object rows_result(CRows *r):
 def consolidate(table, weights, keys, bint row_hashes=False):
     """(idx, weights, khash): the consolidated rows of (table, weights) in canonical order for key positions `keys`;
     with `row_hashes`, (idx, weights, khash, rhash) where rhash holds the rows' row hashes when the kernel had
-    them (batches of at most small_rows() rows), else None."""
+    them (csrc/zset.h dbsp_zset_consolidate_rh: every batch but one of one integer column), else None."""
     cdef BatchView v = view_of(table, weights)
     cdef Int32s k = Int32s(keys)
     cdef CRows r

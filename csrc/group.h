@@ -19,6 +19,14 @@
 int dbsp_group(const DbspBatch *b, const int32_t *icols, int32_t nicols, const int32_t *kcols, int32_t nkcols,
                const DbspAggSpec *aggs, int32_t naggs, int drop_zero, DbspRows *rows, DbspAcc **acc);
 
+/* dbsp_group, and with ih_out (not NULL) the identity hash (dbsp_hash_columns over icols) of each output row:
+ * *ih_out is then a malloc'ed array of rows->n hashes (free with free()), or NULL when the call took the one-integer-
+ * column path (dbsp_group_int, which hashes no identity) or failed. consolidate keeps them as the row hashes of the
+ * batch it builds (zset.h dbsp_zset_consolidate_rh): trace merges read them, so nothing hashes the rows again. */
+int dbsp_group_ih(const DbspBatch *b, const int32_t *icols, int32_t nicols, const int32_t *kcols, int32_t nkcols,
+                  const DbspAggSpec *aggs, int32_t naggs, int drop_zero, DbspRows *rows, DbspAcc **acc,
+                  uint64_t **ih_out);
+
 /* Internal status of dbsp_group_int: the input does not qualify (a weight outside int32); run dbsp_group. */
 #define DBSP_GROUP_INT_NO (-1)
 

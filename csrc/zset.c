@@ -55,11 +55,36 @@ static int srec_emit(const DbspBatch *b, const SRec *t, int64_t n, DbspRows *out
     return DBSP_OK;
 }
 
+/* (key hash, row hash, source row) order: rows of equal key and row hash are then ordered by value */
+static int srec_rh_cmp(const void *x, const void *y) {
+    const SRec *a = x, *b = y;
+    if (a->kh != b->kh) return a->kh < b->kh ? -1 : 1;
+    if (a->rh != b->rh) return a->rh < b->rh ? -1 : 1;
+    return (a->idx > b->idx) - (a->idx < b->idx);
+}
+
+/* Sorts t[0..n) by srec_cmp: a long run (many rows of one key, or keys whose hashes collide) by key and row hash
+ * first, then only its ties by value, so it costs O(n log n), not insertion sort's O(n^2). */
+static void srec_sort_run(SRec *t, int64_t n, const DbspBatch *b) {
+    if (n <= 32) {
+        srec_insertion_sort(t, n, b);
+        return;
+    }
+    qsort(t, (size_t)n, sizeof *t, srec_rh_cmp);
+    for (int64_t i = 0; i < n;) {
+        int64_t j = i + 1;
+        while (j < n && t[j].rh == t[i].rh && t[j].kh == t[i].kh) j++;
+        if (j - i > 1) srec_insertion_sort(t + i, j - i, b);  /* mostly equal rows, already in row order */
+        i = j;
+    }
+}
+
 /* Small-batch design notes:
  *  1. A batch of at most dbsp_small_rows rows is consolidated by sorting (key hash, row hash, row number)
  *     records: a counting pass on the top bits of the key hash spreads the (uniform) hashes into about one
- *     bucket per row, and each bucket is insertion-sorted with the full comparison (srec_cmp), so many rows of
- *     one key (one bucket) still sort correctly, only more slowly.
+ *     bucket per row, and each bucket is insertion-sorted with the full comparison (srec_cmp); a bucket of more
+ *     than 32 rows (many rows of one key: a column of few values) is sorted by key and row hash first
+ *     (srec_sort_run), not by insertion sort's O(n^2) comparisons.
  *  2. The result equals the grouping engine's bit for bit: the same canonical order, each group represented by
  *     its first source row, its weights summed exactly (rows.h dbsp_add_exact: an overflow is reported when a
  *     sum does not fit, whatever the row order), and
@@ -90,7 +115,7 @@ static int consolidate_small(const DbspBatch *b, const int32_t *keys, int32_t nk
 #undef BUCKET
     int64_t s = 0;  /* cnt[k] is now the end of bucket k */
     for (int64_t k = 0; k < nb; k++) {
-        if (cnt[k] - s > 1) srec_insertion_sort(t + s, cnt[k] - s, b);
+        if (cnt[k] - s > 1) srec_sort_run(t + s, cnt[k] - s, b);  /* long buckets (many rows of a key): note 1 */
         s = cnt[k];
     }
     st = srec_emit(b, t, n, out, orh);
@@ -120,35 +145,12 @@ int dbsp_zset_consolidate_rh(const DbspBatch *b, const int32_t *keys, int32_t nk
         if (st == DBSP_OK && rhash) *rhash = rh;
         else free(rh);
     } else {
-        st = dbsp_group(b, NULL, 0, keys, nkeys, NULL, 0, 1, out, NULL);
+        st = dbsp_group_ih(b, NULL, 0, keys, nkeys, NULL, 0, 1, out, NULL, rhash);  /* identity = the whole row */
     }
 #ifdef DBSP_CHECK_INVARIANTS
     if (st == DBSP_OK) assert(dbsp_rows_check_order(b, out->idx, out->weights, out->khash, out->n, keys, nkeys) == 0);
 #endif
     return st;
-}
-
-/* (row hash, source row) order, for a run of equal key hashes: rows of equal row hash are then ordered by value */
-static int srec_rh_cmp(const void *x, const void *y) {
-    const SRec *a = x, *b = y;
-    if (a->rh != b->rh) return a->rh < b->rh ? -1 : 1;
-    return (a->idx > b->idx) - (a->idx < b->idx);
-}
-
-/* Sorts t[0..n), whose key hashes are all equal, by srec_cmp: a long run (many rows of one key, or keys whose hashes
- * collide) by row hash first, then only its ties by value, so it costs O(n log n), not insertion sort's O(n^2). */
-static void srec_sort_run(SRec *t, int64_t n, const DbspBatch *b) {
-    if (n <= 32) {
-        srec_insertion_sort(t, n, b);
-        return;
-    }
-    qsort(t, (size_t)n, sizeof *t, srec_rh_cmp);
-    for (int64_t i = 0; i < n;) {
-        int64_t j = i + 1;
-        while (j < n && t[j].rh == t[i].rh) j++;
-        if (j - i > 1) srec_insertion_sort(t + i, j - i, b);  /* mostly equal rows, already in row order */
-        i = j;
-    }
 }
 
 int dbsp_zset_consolidate_runs(const DbspBatch *b, const uint64_t *kh, const int64_t *sel, int64_t n, DbspRows *out,

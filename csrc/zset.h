@@ -12,8 +12,9 @@
 int dbsp_zset_consolidate(const DbspBatch *b, const int32_t *keys, int32_t nkeys, DbspRows *out);
 
 /* dbsp_zset_consolidate that also hands over the output rows' row hashes (over every column) when it has them: for
- * a batch of at most dbsp_small_rows rows, *rhash is a malloc'ed array of out->n hashes (the caller frees it);
- * otherwise NULL. */
+ * *rhash is a malloc'ed array of out->n hashes (the caller frees it): a batch of at most dbsp_small_rows rows (sorted
+ * by them) and a larger one grouped by the grouping engine (its identity hashes, group.h dbsp_group_ih); NULL when
+ * the engine's one-integer-column path ran (a one-column batch: its row hash is computed on demand). */
 int dbsp_zset_consolidate_rh(const DbspBatch *b, const int32_t *keys, int32_t nkeys, DbspRows *out,
                              uint64_t **rhash);
 

@@ -475,7 +475,7 @@ class ZSet:
         v = _zset.BatchView(self._data, self._w)  # one view for the kernel and the take
         idx, w, kh, rh = _zset.consolidate(v, None, pos, True)
         out = IndexedZSet._make(ZSet._make(_take(self._data, idx, v), w, consolidated=False), tuple(key_columns), kh)
-        out._rh = rh  # the row hashes, when the kernel had them (small batches): trace merges use them
+        out._rh = rh  # the row hashes, when the kernel had them (csrc/zset.h consolidate_rh): trace merges use them
         return out
 
     def aggregate(self, key_columns: Sequence[str], aggs: Sequence[tuple[str, str | None]],
