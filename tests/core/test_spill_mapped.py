@@ -36,7 +36,12 @@ def test_steps_that_read_all_over_a_spilled_file_leave_at_most_the_budget_mapped
         assert f.size >= 2 * limit, (f.size, limit)
         assert _rss(f.map) == 0, _rss(f.map)  # what opening it read left with the switch
         peak = 0
-        for _ in range(3):
+        # at least 3 steps, more (up to 12) until one maps more than the budget: how much a step's faults map
+        # depends on what the page cache already holds (fault-around maps only pages already read), which the
+        # host's load moves (seen: 7.2 MB after 3 steps, once, on a loaded host)
+        for step in range(12):
+            if step >= 3 and peak > limit:
+                break
             keys = rng.choice(1_000_000, 150, replace=False)
             _read(t, keys, model)
             peak = max(peak, _rss(f.map))
@@ -47,7 +52,7 @@ def test_steps_that_read_all_over_a_spilled_file_leave_at_most_the_budget_mapped
             assert rss <= store.mapped_bytes() <= store.cache_cap(), (rss, store.mapped_bytes(), store.cache_cap(),
                                                                         SEED)
             assert mem + kept + rss <= limit, (mem, kept, rss, limit, SEED)
-        assert peak > limit, (peak, limit)  # the steps did map more than the budget (else this checks nothing)
+        assert peak > limit, (peak, limit, SEED)  # the steps did map more than the budget (else this checks nothing)
         assert store.stats["mapped_drops"] >= 1, store.stats
         assert store.stats["whole_evictions"] == 0, store.stats  # the cache's clock alone would have kept them
 
