@@ -371,6 +371,8 @@ class Trace(KeyIndexed):
     # (one merged away by then is never written), else when installed
     _unspilled: "list | None" = None  # those outputs, during a _work
     _keeps: "tuple | None" = None  # the last _filters: (the key hashes, its tests), for a join's narrowed
+    FILTERS_MAX = 1 << 22  # a read's Bloom tests in one call up to this many (batch, hash) pairs (a byte each, kept
+    # until the next read's): the per-batch Python they save matters for small steps, a big one tests per batch
     INLINE_MERGE = 4096  # work (input rows) up to which a merge is not handed to the merge thread (invariant 10):
     # handing over a small step's merge (lock, wake-up, GIL hand-offs) cost more than merging it by fuel here
     # (1k-row steps on 1M rows, 600 steps alternated twice: mean 5-15% lower for distinct, group_by and join)
@@ -905,8 +907,8 @@ class Trace(KeyIndexed):
             return {}
         files = [(b, f) for b in batches for f in (store.file_of(b),)
                  if f is not None and id(b) not in store._unchecked]
-        if not files:
-            return {}
+        if not files or len(files) * len(hashes) > self.FILTERS_MAX:
+            return {}  # (a big step: its filters' test per batch, a mask at a time, as its walk goes)
         keep, _ = spillread.may_contain([f for _, f in files], hashes)
         out = {id(b): (weakref.ref(b), keep[i]) for i, (b, _) in enumerate(files)}
         self._keeps = (hashes, out)

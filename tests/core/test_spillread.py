@@ -312,4 +312,6 @@ def test_a_traces_reads_and_cache_counts_are_the_same_batched(monkeypatch: pytes
 
     batched, per_batch = run(True), run(False)
     assert batched == per_batch
+    monkeypatch.setattr(Trace, "FILTERS_MAX", 0)  # a big read: its filters tested per batch (C, one at a time)
+    assert run(True) == batched
     assert all(x[1] > 0 and x[2] > 0 for x in batched[-1][3:])  # each cache was used: hits and misses counted
