@@ -321,7 +321,14 @@ def main() -> int:
                     "(the stepping thread's CPU; its top functions by own time printed; the measured figures are taken before)")
     ap.add_argument("--watch-pieces", action="store_true", help="also sample RssFile before each piece of a walk "
                     "drops its mapping (the peak within a step; costs the steps a /proc read per piece)")
+    ap.add_argument("--no-compaction", action="store_true", help="the spilled levels' compaction off (Trace."
+                    "start_compaction and compact_spilled do nothing): the steps before a compaction installs, reading "
+                    "every file of the tiered levels (bench/RESULTS.md, r31-open (c) and r31-batched)")
     args = ap.parse_args()
+    if args.no_compaction:
+        from dbsp_core.trace.levels import Trace
+        Trace.start_compaction = lambda self, thread=None: 0
+        Trace.compact_spilled = lambda self, since=0: 0
     _watch_enforce()
     if args.watch_pieces:
         _watch_pieces()

@@ -848,3 +848,4 @@ cdef class FileWriter:
         """Give the file up: close it and (``unlink``) remove the temporary file; a second call does nothing."""
         if self.w != NULL:
             self.finish(False, unlink)
+include "spillread.pxi"

@@ -756,8 +756,13 @@ class BatchFile(NamedTuple):
     sections: tuple[int, int, int] = (0, 0, 0)  # fence offset, page-CRC offset, their CRC-32C (invariant 5)
 
     def may_contain(self, hashes: np.ndarray) -> np.ndarray:
-        """Per key hash: whether the batch may hold it (the Bloom filter, invariant 3)."""
-        return bloom_may_contain(self.bloom, hashes, self.bloom_k)
+        """Per key hash: whether the batch may hold it (the Bloom filter, invariant 3): one C call
+        (trace/spillread.py; ``bloom_may_contain``'s numpy with its IN_C False)."""
+        from dbsp_core.trace import spillread
+
+        if not spillread.IN_C or len(hashes) == 0:
+            return bloom_may_contain(self.bloom, hashes, self.bloom_k)
+        return spillread.may_contain([self], hashes)[0][0]
 
     def memory_bytes(self) -> int:
         """Bytes this open file keeps besides the rows (fence, filter, page CRCs)."""

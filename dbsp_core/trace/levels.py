@@ -128,6 +128,7 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple
 
 import numpy as np
@@ -135,6 +136,7 @@ import pyarrow as pa
 
 from dbsp_core.errors import WeightOverflowError
 from dbsp_core.trace.keyindex import KeyIndexed
+from dbsp_core.trace import spillread
 from dbsp_core.trace.merge_thread import MergeThread, SharedMerge, current_merge_thread
 from dbsp_core.trace.spill import batch_bytes, current_batch_store
 
@@ -368,6 +370,9 @@ class Trace(KeyIndexed):
     SPILL_AT_WORK_END = True  # a merge output built on disk is spilled at the end of the _work that installed it
     # (one merged away by then is never written), else when installed
     _unspilled: "list | None" = None  # those outputs, during a _work
+    _keeps: "tuple | None" = None  # the last _filters: (the key hashes, its tests), for a join's narrowed
+    FILTERS_MAX = 1 << 22  # a read's Bloom tests in one call up to this many (batch, hash) pairs (a byte each, kept
+    # until the next read's): the per-batch Python they save matters for small steps, a big one tests per batch
     INLINE_MERGE = 4096  # work (input rows) up to which a merge is not handed to the merge thread (invariant 10):
     # handing over a small step's merge (lock, wake-up, GIL hand-offs) cost more than merging it by fuel here
     # (1k-row steps on 1M rows, 600 steps alternated twice: mean 5-15% lower for distinct, group_by and join)
@@ -810,6 +815,7 @@ class Trace(KeyIndexed):
         join's walk reads no row hashes)."""
         out = self._read(pages=True)
         if keys is not None:
+            self._filters(out, keys)  # every spilled batch's Bloom test of the keys, one C call (:meth:`narrowed`)
             self.prefetch(out, keys, row_hashes=False)
         return out
 
@@ -890,18 +896,51 @@ class Trace(KeyIndexed):
         f = self._store.file_of(b) if self._store is not None else None
         return hashes if f is None else hashes[f.may_contain(hashes)]
 
-    def narrowed(self, b: "IndexedZSet", change: "IndexedZSet") -> tuple["IndexedZSet | None", np.ndarray | None]:
+    def _filters(self, batches: list["IndexedZSet"], hashes: np.ndarray) -> dict[int, tuple[Any, np.ndarray]]:
+        """The Bloom test of key hashes ``hashes`` against the filter of every spilled batch of ``batches`` in one C
+        call (spillread.may_contain; per batch in numpy it cost ~50 us of Python a batch a step): per batch read
+        from a file, ``id(b) -> (weakref to b, keep)``; also kept for :meth:`narrowed` of a change with these very
+        key hashes (a join's walks, which ask per batch). A lazily opened file whose filter is not checked yet
+        (spill.py invariant 14) is left to the test per batch, after its check."""
+        store = self._store
+        if store is None or len(hashes) == 0:
+            return {}
+        files = [(b, f) for b in batches for f in (store.file_of(b),)
+                 if f is not None and id(b) not in store._unchecked]
+        if not files or len(files) * len(hashes) > self.FILTERS_MAX:
+            return {}  # (a big step: its filters' test per batch, a mask at a time, as its walk goes)
+        keep, _ = spillread.may_contain([f for _, f in files], hashes)
+        out = {id(b): (weakref.ref(b), keep[i]) for i, (b, _) in enumerate(files)}
+        self._keeps = (hashes, out)
+        return out
+
+    def _keep_of(self, b: "IndexedZSet", hashes: np.ndarray, keeps: dict | None = None) -> np.ndarray | None:
+        """``b``'s Bloom test of ``hashes`` made by :meth:`_filters` (``keeps``, else the last one made for these
+        very hashes), None when none was."""
+        if keeps is None:
+            memo = self._keeps
+            if memo is None or memo[0] is not hashes:
+                return None
+            keeps = memo[1]
+        got = keeps.get(id(b))
+        return got[1] if got is not None and got[0]() is b else None
+
+    def narrowed(self, b: "IndexedZSet", change: "IndexedZSet", keeps: dict | None = None
+                 ) -> tuple["IndexedZSet | None", np.ndarray | None]:
         """``change`` (an indexed batch whose key hashes are comparable with batch ``b``'s) less the rows whose key
         ``b``'s Bloom filter rules out when ``b`` is spilled (invariant 12: a walk of the change against ``b`` then
         seeks only keys ``b`` may hold, so an absent key touches no page of it), and the row numbers kept: (change,
         None) when ``b`` is in memory or every row may match, (None, None) when none may. Checks the pages the walk
         reads of a lazily opened file (spill.py invariant 14) and reports them to the store's cache (invariant 12):
-        callers read the trace with :meth:`walked`."""
+        callers read the trace with :meth:`walked`. ``keeps``: :meth:`_filters` of the change's key hashes (else the
+        one :meth:`walked` made for them, if any, else the filter is asked here)."""
         f = self._store.file_of(b) if self._store is not None and len(change) else None
         if f is None:
             return change, None
         self._check_probe(b, change.key_hash)
-        keep = f.may_contain(change.key_hash)
+        keep = self._keep_of(b, change.key_hash, keeps)
+        if keep is None:
+            keep = f.may_contain(change.key_hash)
         n = int(keep.sum())
         self._store.stats["keys_sought"] += n
         self._store.note_pages(self, b, change.key_hash[keep])  # the pages the walk reads (invariant 12)
@@ -990,7 +1029,9 @@ class Trace(KeyIndexed):
             return out
         store = self._store
         batches = self._read(pages=True)
-        self.prefetch([b for b in batches if len(b) >= dense_ratio * len(hashes)], hashes)
+        sought = [b for b in batches if len(b) >= dense_ratio * len(hashes)]
+        keeps = self._filters(sought, hashes)  # one C call for every spilled batch's Bloom test
+        self.prefetch(sought, hashes)
         for b in batches:
             lazy = store is not None and id(b) in store._unchecked  # check what it reads (spill.py invariant 14)
             if len(b) < dense_ratio * len(hashes):
@@ -1002,7 +1043,8 @@ class Trace(KeyIndexed):
                 continue
             if lazy:
                 lazy = store.check_seek(b, hashes)
-            asked = self._filtered(b, hashes)
+            keep = self._keep_of(b, hashes, keeps)
+            asked = self._filtered(b, hashes) if keep is None else hashes[keep]
             if len(asked) == 0:
                 continue
             idx = b.lookup(asked)  # one galloping C call per batch
@@ -1031,11 +1073,13 @@ class Trace(KeyIndexed):
                 return acc  # invariant 11: one probe per row instead of a walk per batch
             view, schema = change._view(), change.schema
             rh = change._row_hashes()  # rows of one key are in row-hash order: gallop within a big group's run
-            self.prefetch([b for b in batches if b.schema.equals(schema)], change.key_hash)
+            alike = [b for b in batches if b.schema.equals(schema)]
+            keeps = self._filters(alike, change.key_hash)  # one C call for every spilled batch's Bloom test
+            self.prefetch(alike, change.key_hash)
             for b in batches:
                 same = b.schema.equals(schema)  # a cast batch's hashes are not the change's: walk it plainly
                 if same:
-                    sub, rows = self.narrowed(b, change)  # a spilled batch: the rows its filter may hold
+                    sub, rows = self.narrowed(b, change, keeps)  # a spilled batch: the rows its filter may hold
                     if sub is None:
                         continue
                     for lo, hi in self.pieces(b, len(sub), len(change)):
@@ -1093,13 +1137,17 @@ class Trace(KeyIndexed):
             if self._index_sums(("key", tuple(columns)), batches, view, ppos, khash, rows, acc):
                 return acc  # invariant 11: one probe per key
             spilled = self._store is not None and any(self._store.is_spilled(b) for b in batches)
+            keeps = {}
             if spilled:
+                keeps = self._filters(batches, khash)  # one C call for every spilled batch's Bloom test
                 self.prefetch(batches, khash, row_hashes=False)  # (the sums read keys and values, not row hashes)
             for b in batches:
                 self._check_probe(b, khash)
                 sel = None  # the probed keys the walk seeks (positions), None: all of them
                 if spilled and self._store.is_spilled(b):  # invariant 12: only the keys its filter may hold
-                    keep = self._store.file_of(b).may_contain(khash)
+                    keep = self._keep_of(b, khash, keeps)
+                    if keep is None:
+                        keep = self._store.file_of(b).may_contain(khash)
                     self._store.stats["keys_sought"] += int(keep.sum())
                     self._store.note_pages(self, b, khash[keep])  # the pages the walk reads (invariant 12)
                     if not keep.any():

@@ -228,6 +228,7 @@ import numpy as np
 from dbsp_core.envvars import parse_memory_limit
 from dbsp_core.progress import progress
 from dbsp_core.storage.formats import BATCH_FILE_SUFFIX, SPILL_DIR
+from dbsp_core.trace import spillread
 from dbsp_core.trace.at_exit import stop_at_exit
 from dbsp_core.trace.batchfile import BatchFile, in_place_room, open_batch, write_batch, write_in_place
 
@@ -467,6 +468,7 @@ class BatchStore:
         self._traces: "weakref.WeakSet[Trace]" = weakref.WeakSet()
         self._files: dict[int, BatchFile] = {}  # id(batch) -> its open file, while the batch lives
         self._offsets: dict[int, int] = {}  # id(batch) -> the file row its first row is (a restored slice), if not 0
+        self._spans: dict = {}  # (id(batch), row hashes) -> its buffers' byte spans (spillread.pages_used's cache)
         self._owners: dict[str, int] = {}  # file name -> live batches read from it
         self._pinned: set[str] = set()  # files the last checkpoint (or one being written) names: kept (invariant 13)
         self._dead: set[str] = set()  # pinned files without a live batch: deleted once no checkpoint names them
@@ -1088,6 +1090,8 @@ class BatchStore:
         with self._lock:
             self._files.pop(key, None)
             self._offsets.pop(key, None)
+            self._spans.pop((key, True), None)
+            self._spans.pop((key, False), None)
             self._forget(key)
             self._unchecked.pop(key, None)
             left = self._owners.get(name, 1) - 1
@@ -1119,11 +1123,21 @@ class BatchStore:
         if not used and not indexes and self._cached == 0 and self._mapped_bytes == 0:
             return
         located = []
+        seeks = []  # the reads of some keys: their pages located in one C call (spillread.pages_used)
         for t, b, hashes, rows in used:
             f = self._files.get(id(b))
-            if f is not None:
-                located.append((t, id(b), f, self._pages_used(b, f, hashes, rows), hashes is not None))
-        del used
+            if f is None:
+                continue
+            if hashes is not None and len(b) == f.rows and not self._offsets.get(id(b)):  # (a restored slice of a
+                seeks.append((len(located), b, f, hashes, rows))  # file seeks without the file's fence)
+                located.append([t, id(b), f, None, True])
+            else:
+                located.append((t, id(b), f, np.arange(f.os_pages(), dtype=np.int64), hashes is not None))
+        if seeks:
+            pages = spillread.pages_used([(b, f, h, r) for _, b, f, h, r in seeks], self._spans)
+            for (i, _, f, _, _), p in zip(seeks, pages):
+                located[i][3] = np.arange(f.os_pages(), dtype=np.int64) if p is None else p
+        del used, seeks
         with self._lock:  # batches may die (and leave the cache) on other threads meanwhile
             self._generation += 1
             now = self._generation
@@ -1133,13 +1147,11 @@ class BatchStore:
                 clock = self._resident.get(key)
                 if clock is None:
                     clock = self._resident[key] = np.zeros(f.os_pages(), dtype=np.int32)
-                before = clock[pages]
-                new = int(np.count_nonzero(before == 0))
+                new = spillread.stamp(clock, pages, now)  # (clock[pages] = now: the misses were at 0)
                 self._count(t, len(pages) - new, new)
                 self._cached += new
                 if sought:  # (a read of every page, a merge's say, is no measure of a step's lookups)
                     self._step_misses += new
-                clock[pages] = now
                 self._rounds.append((now, key, pages))
                 marks = self._mapped.get(key)
                 if marks is None:
