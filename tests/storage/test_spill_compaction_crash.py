@@ -82,13 +82,13 @@ class _Gate:
         real = levels._Merge.seal
         gate = self
 
-        def seal(m):  # noqa: ANN001
+        def seal(m, budget=None):  # noqa: ANN001
             if not (m.compaction and m.cursor.done and not m.sealed) or m.store.vfs != QUIET:  # (the reference's,
-                return real(m)  # under DBSP_MEMORY_LIMIT, paid in slices: trace invariant 17)
+                return real(m, budget)  # under DBSP_MEMORY_LIMIT, paid in slices: trace invariant 17)
             assert gate.event.wait(60), "the gate was never opened"
             before = FaultInjector.ops()
             try:
-                return real(m)
+                return real(m, budget)
             finally:
                 gate.seals.append((before, FaultInjector.ops(), threading.current_thread().name))
 
