@@ -124,9 +124,9 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      slice row (what the merge left of the slice that merged the last row, then whole slices), and the slice that
      commits the file installs it. So a step pays at most one slice of compaction rows or of the file's write (the
      commit's fsync aside), never a pass over the output, and a compaction of R rows is installed within
-     ceil(R / COMPACT_SLICE) steps plus about R x 1.3 / (COMPACT_SLICE x SEAL_FUEL) for its file (~15% more). Inserts
-     leave it alone (``_merge_levels`` advances it by fuel, its file's write included, only when its level's loose
-     batches reach their fan-in, as a due merge). Until installed its inputs are read, as in invariant 16; a failed
+     ceil(R / COMPACT_SLICE) steps plus about 3.7 R / (COMPACT_SLICE x SEAL_FUEL) for its file's write (rows of
+     32-40 bytes; measured ~8% more steps). Inserts leave it alone (``_merge_levels`` advances it by fuel, its file's
+     write included, only when its level's loose batches reach their fan-in, as a due merge). Until installed its inputs are read, as in invariant 16; a failed
      slice abandons it. The merge thread (invariant 10) and the slices advance a compaction by one body,
      ``_Merge.pay``.
 """
