@@ -909,7 +909,7 @@ class BatchStore:
                 os.close(fd)
 
     RECLAIM_BYTES = 64 << 20  # bytes of deleted files an enforce gives back at most (invariant 12): ~30 us a MiB
-    RECLAIM_FILES = 4096  # deleted files waiting for it at most (beyond: the oldest descriptor is closed at once)
+    RECLAIM_FILES = 256  # deleted files waiting for it at most (descriptors held; beyond: the oldest is closed at once)
 
     def _reclaim_files(self, budget: int | None = None) -> int:
         """Give back the blocks and page cache of deleted files whose mappings are gone, ``budget`` bytes
