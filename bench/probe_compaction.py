@@ -10,8 +10,10 @@ tiered batches stay). ``--gap MS`` sleeps that long between small steps (a strea
 ``--workers W``, ``--merge on|off`` (the merge thread; default: the engine's choice), ``--reopen`` (the load is
 checkpointed, closed and reopened before the small steps: the compaction a reopened state makes due). The
 ``*_pcpu_*`` figures are each small step's process CPU (every thread: W=2's workers, the merge thread), ms;
-``upto_*`` cover the small steps up to the install.
-``python bench/probe_compaction.py 20000000 auto``; works on trees before the background compaction too."""
+``upto_*`` cover the small steps up to the install; ``install_*`` is the install step's CPU, ``pre_*`` the steps before it
+and ``post10_*`` the worst of the 10 after it.
+``PYTHONPATH=. python bench/probe_compaction.py 20000000 auto`` (the tree's dbsp_core, not the editable install's);
+works on trees before the background compaction too."""
 import argparse
 import json
 import os
@@ -131,6 +133,15 @@ out = {
     "after_pcpu_mean": round(float(np.mean(pcpus[-100:])), 2),
     "after_pcpu_p99": round(float(np.percentile(pcpus[-100:], 99)), 2),
 }
+if installed:  # the install step apart from the steps before it (the slices), and the 10 after it
+    pre, pre_p = cpus[:installed - 1] or [0.0], pcpus[:installed - 1] or [0.0]
+    out.update({
+        "install_cpu": round(cpus[installed - 1], 2), "install_pcpu": round(pcpus[installed - 1], 2),
+        "pre_cpu_mean": round(float(np.mean(pre)), 2), "pre_cpu_p99": round(float(np.percentile(pre, 99)), 2),
+        "pre_cpu_max": round(max(pre), 2), "pre_pcpu_mean": round(float(np.mean(pre_p)), 2),
+        "pre_pcpu_p99": round(float(np.percentile(pre_p, 99)), 2), "pre_pcpu_max": round(max(pre_p), 2),
+        "post10_cpu_max": round(max(cpus[installed:installed + 10]), 2),
+        "post10_pcpu_max": round(max(pcpus[installed:installed + 10]), 2)})
 print(json.dumps(out))
 if args.dump:
     with open(args.dump, "w") as f:

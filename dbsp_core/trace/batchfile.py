@@ -86,6 +86,18 @@ Invariants (enforced here; checked by :func:`verify`):
      yet durable in its directory (csrc/vfs.c, model 2), so a missing fsync before the rename loses them at a
      crash. A file system without hole punching (EOPNOTSUPP) keeps the blocks (the bytes are zeros either way).
      A VFS that cannot adopt a file (no ``punch`` entry; posix and fault both can) gets the copy.
+  8. Invariant 7's write can be made in pieces (:class:`InPlaceWrite`: a compaction paid in slices by the steps,
+     dbsp_core/trace/levels.py invariant 17): the same operations and bytes in the same order, cut between calls that
+     each do about the bytes of work they are given (at least one piece): the opening operations (adopt, truncate,
+     holes, the Arrow metadata: O(metadata)); the page CRCs, a piece of the scratch mapping at a time; the Bloom
+     filter and the fence, a piece of the key hashes at a time (a filter built from the pieces in order is bit for
+     bit the one built whole); the sections after the Arrow file, a piece at a time, their CRC-32Cs folded as they are
+     written; then the header, the footer (its whole-file CRC combined from the parts') and the commit. So no call
+     passes over the file: the one that commits does O(metadata) work and the fsync. Until the commit the scratch
+     file is a temporary file no reader takes (a crash leaves a ``merge-*.tmp``, which an open sweeps) and the
+     writer holds the filter, fence and page CRCs (about 1.4 bytes a row: the batch store counts them,
+     dbsp_core/trace/spill.py ``merge_bytes``); the file is then opened with them (``open_batch(sections=...)``),
+     not read back.
 """
 
 from __future__ import annotations
@@ -104,7 +116,7 @@ from dbsp_core.errors import CorruptionError, FormatVersionError, StorageError
 from dbsp_core.storage.formats import BATCH_FILE_FOOTER_MAGIC, BATCH_FILE_MAGIC, BATCH_FILE_VERSION
 from dbsp_core.zset import FENCE_STEP
 
-__all__ = ["BatchFile", "write_batch", "write_in_place", "in_place_room", "open_batch", "verify", "bloom_build", "bloom_may_contain",
+__all__ = ["BatchFile", "write_batch", "write_in_place", "InPlaceWrite", "in_place_room", "open_batch", "verify", "bloom_build", "bloom_may_contain",
            "BATCH_FILE_MAGIC", "BATCH_FILE_FOOTER_MAGIC", "BATCH_FILE_VERSION", "PAGE"]
 
 PAGE = 65536  # bytes per page CRC
@@ -188,6 +200,13 @@ def _bloom_parts(hashes: np.ndarray, words: int, k: int) -> tuple[np.ndarray, np
     return word, mask
 
 
+def bloom_words(n: int) -> int:
+    """The words of the Bloom filter of ``n`` key hashes: a power of two, about ``BLOOM_BITS_PER_KEY`` bits a hash,
+    at most 2**28."""
+    n = max(1, n)
+    return min(1 << 28, 1 << max(0, (n * BLOOM_BITS_PER_KEY + 63) // 64 - 1).bit_length())
+
+
 def bloom_build(hashes: np.ndarray, k: int = BLOOM_K) -> np.ndarray:
     """A blocked Bloom filter (uint64 words, a power of two of them, at most 2**28) holding every hash of
     ``hashes``, ascending (invariant 3): word ``h >> (64 - log2 words)`` has bits ``(h >> 6 i) mod 64`` set, i < k.
@@ -196,23 +215,27 @@ def bloom_build(hashes: np.ndarray, k: int = BLOOM_K) -> np.ndarray:
     >>> bool(bloom_may_contain(f, np.array([2], dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))[0])
     True
     """
+    f = np.zeros(bloom_words(len(hashes)), dtype=np.uint64)
+    _bloom_add(f, hashes, k)
+    return f
+
+
+def _bloom_add(f: np.ndarray, hashes: np.ndarray, k: int = BLOOM_K) -> None:
+    """Set the bits of ``hashes`` (ascending) in the filter ``f`` (a piece at a time: a filter built from pieces
+    of a batch's key hashes, in order, is the one :func:`bloom_build` makes of them all, bit for bit)."""
     from dbsp_core import _storage
 
-    n = max(1, len(hashes))
-    words = min(1 << 28, 1 << max(0, (n * BLOOM_BITS_PER_KEY + 63) // 64 - 1).bit_length())
-    f = np.zeros(words, dtype=np.uint64)
     if BLOOM_IN_C:  # one pass in C (csrc/bloom.h), bit for bit the pieces below
         _storage.bloom_build(np.ascontiguousarray(hashes, dtype=np.uint64), f, k)
-        return f
+        return
     last = -1  # the word of the previous piece's last hash
     for lo in range(0, len(hashes), BLOOM_CHUNK):  # a piece at a time: the temporaries (~40 B a hash) stay a
-        word, mask = _bloom_parts(hashes[lo:lo + BLOOM_CHUNK], words, k)  # piece's, not the batch's
+        word, mask = _bloom_parts(hashes[lo:lo + BLOOM_CHUNK], len(f), k)  # piece's, not the batch's
         starts = np.concatenate(([0], np.flatnonzero(word[1:] != word[:-1]) + 1))
         if word[0] < last or (len(word) > 1 and bool((word[1:] < word[:-1]).any())):
             raise ValueError("bloom_build: key hashes must ascend")
         f[word[starts]] |= np.bitwise_or.reduceat(mask, starts)  # a word may span two pieces: or, not set
         last = int(word[-1])
-    return f
 
 
 BLOOM_IN_C = True  # bloom_build in one C pass (False: the numpy pieces; tests compare the two)
@@ -273,26 +296,34 @@ def _layout(batch: Any, alen: int) -> tuple:
     kh = np.ascontiguousarray(batch.key_hash, dtype=np.uint64)
     fence = _fence(kh)
     bloom = bloom_build(kh)
-    fence_off = _pad8(64 + alen)
-    bloom_off = fence_off + 8 * len(fence)
-    crc_off = bloom_off + 8 * len(bloom)
-    npages = (alen + PAGE - 1) // PAGE
-    size = _pad8(crc_off + 4 * npages) + FOOTER.size
-    end = size - FOOTER.size
+    fence_off, bloom_off, crc_off, end, size = _places(len(batch), alen)
     sections = fence.tobytes() + bloom.tobytes()
     filt_sec = _crc(sections)
     rows = len(batch)
+    return (fence_off, crc_off, end, size, sections, lambda crcs: _header(alen, rows, _crc(crcs), filt_sec),
+            lambda whole: _footer(fence_off, len(fence), bloom_off, len(bloom), crc_off, whole))
 
-    def header(crcs: bytes) -> bytes:
-        fields = (BATCH_FILE_MAGIC, BATCH_FILE_VERSION, FLAG_SECTION_CRCS, 64, alen, rows, _crc(crcs), filt_sec)
-        return HEADER.pack(*fields, _crc(HEADER.pack(*fields, 0)[:60]))
 
-    def footer(whole: int) -> bytes:
-        foot = (BATCH_FILE_FOOTER_MAGIC, BATCH_FILE_VERSION, BLOOM_K, fence_off, len(fence), bloom_off, len(bloom),
-                crc_off, whole)
-        return FOOTER.pack(*foot, _crc(FOOTER.pack(*foot, 0)[:60]))
+def _places(rows: int, alen: int) -> tuple[int, int, int, int, int]:
+    """The offsets of a batch file of ``rows`` rows whose Arrow part is ``alen`` bytes (at 64): (fence, filter,
+    page CRCs, footer, the file's size)."""
+    fence_off = _pad8(64 + alen)
+    bloom_off = fence_off + 8 * -(-rows // FENCE_STEP)
+    crc_off = bloom_off + 8 * bloom_words(rows)
+    size = _pad8(crc_off + 4 * ((alen + PAGE - 1) // PAGE)) + FOOTER.size
+    return fence_off, bloom_off, crc_off, size - FOOTER.size, size
 
-    return fence_off, crc_off, end, size, sections, header, footer
+
+def _header(alen: int, rows: int, crcs_crc: int, filt_sec: int) -> bytes:
+    """A batch file's header: ``crcs_crc`` the CRC-32C of its page-CRC section, ``filt_sec`` its fence and filter's."""
+    fields = (BATCH_FILE_MAGIC, BATCH_FILE_VERSION, FLAG_SECTION_CRCS, 64, alen, rows, crcs_crc, filt_sec)
+    return HEADER.pack(*fields, _crc(HEADER.pack(*fields, 0)[:60]))
+
+
+def _footer(fence_off: int, nfence: int, bloom_off: int, nbloom: int, crc_off: int, whole: int) -> bytes:
+    """A batch file's footer: ``whole`` the CRC-32C of every byte before it."""
+    foot = (BATCH_FILE_FOOTER_MAGIC, BATCH_FILE_VERSION, BLOOM_K, fence_off, nfence, bloom_off, nbloom, crc_off, whole)
+    return FOOTER.pack(*foot, _crc(FOOTER.pack(*foot, 0)[:60]))
 
 
 def _one_chunk(c: Any) -> Any:
@@ -572,93 +603,236 @@ def write_in_place(path: str, batch: Any, cursor: Any, sync: bool = True, vfs: s
     the file's size, or None when the output's buffers are not where the file needs them (then nothing is written
     and the caller writes the file with :func:`write_batch`). Every write, the truncate, the holes and the commit
     are operations of the VFS ``vfs`` (it must adopt files: ``_storage.vfs_adopts``), so the fault VFS counts and can
-    crash or fail each; an error is a StorageError naming the file, and leaves the scratch file to its cursor."""
-    from dbsp_core import _storage
+    crash or fail each; an error is a StorageError naming the file, and leaves the scratch file to its cursor. One
+    :class:`InPlaceWrite` run to its end (invariant 8 runs it in pieces)."""
+    w = InPlaceWrite.plan(path, batch, cursor, sync=sync, vfs=vfs)
+    if w is None:
+        return None
+    w.advance(None)
+    return w.size
 
-    scratch = cursor.scratch_path
-    mapping = cursor.mapping
-    if scratch is None or mapping is None or len(batch) == 0:
-        return None
-    schema, rb = _record_batch(batch)
-    cap = _Capture()
-    with pa.ipc.new_file(pa.PythonFile(cap, mode="w"), schema) as w:
-        w.write_batch(rb)
-    last = len(cap.parts)  # the writes after the last buffer: padding, end of stream, the footer
-    while last and cap.parts[last - 1][1] is not None:
-        last -= 1
-    if last == 0:
-        return None
-    end_at = cap.parts[last][0] if last < len(cap.parts) else cap.pos
-    ending = b"".join(b for _p, b, _a, _n in cap.parts[last:])
-    flen = struct.unpack_from("<i", ending, len(ending) - 10)[0]
-    foot = _fb_table(ending, _fb_deref(ending, len(ending) - 10 - flen))
-    pos = _fb_field(ending, foot, 3)
-    if pos is None:
-        return None
-    vec = _fb_deref(ending, pos)
-    meta_at, meta_len, _pad, body_len = struct.unpack_from("<qiiq", ending, vec + 4)
-    body_at = meta_at + meta_len
-    if body_at + body_len < end_at:
-        return None
-    opening = b"".join(b for p, b, _a, _n in cap.parts if p < body_at)
-    if len(opening) != body_at or any(b is None for p, b, _a, _n in cap.parts if p < body_at):
-        return None
-    mv = memoryview(mapping)
-    base = pa.py_buffer(mv).address
-    room = len(mv)
-    mv.release()
-    new_at = 64 + body_at  # the body's first byte in the file
-    moves: dict[int, int] = {}
-    new_len = 0
-    for p, b, addr, n in cap.parts:
-        if not body_at <= p < body_at + body_len:
-            continue
-        if b is not None:
-            if b.strip(b"\0"):
-                return None  # bytes of the batch the writer made (not a buffer in place): not in the scratch file
-            continue
-        rel = addr - base - new_at
-        if not (0 <= rel and addr + n <= base + room and rel % 8 == 0):
+
+WORK_KEYS = 8  # what a byte of key hashes costs InPlaceWrite (the filter and fence of them), in bytes checksummed
+WORK_WRITE = 16  # and a byte of the sections written (copied to the page cache, checksummed): measured at 5M and 20M
+# rows, a byte checksummed from the scratch mapping 0.1 ns, a byte of key hashes 0.7-1.15 ns, a byte written 1.6-2.4 ns
+
+
+class InPlaceWrite:
+    """:func:`write_in_place` in pieces (invariant 8): :meth:`plan` reads the output's metadata only (no I/O, no row),
+    then each :meth:`advance` does about the bytes of work it is given, in this order: the opening operations
+    (adopt the scratch file, truncate it, punch the holes, write the Arrow metadata before and after the rows:
+    O(metadata)); the page CRCs of the Arrow file, read from the scratch mapping a piece at a time (``_PageCrcs``);
+    the Bloom filter and the fence, from the key hashes a piece of rows at a time (``_bloom_add``); the sections
+    after the Arrow file (fence, filter, page CRCs) written a piece at a time, their CRC-32Cs folded as they go;
+    then the header, the footer (its whole-file CRC combined from the parts' CRCs: nothing is read back) and the
+    commit (fsync, rename, fsync of the directory). The bytes and the operations are :func:`write_in_place`'s; only
+    the cut between calls moves. After an error (a StorageError naming the file) the writer is given up and the
+    scratch file left to its cursor; :meth:`abort` gives up one no longer wanted. ``fence`` and ``bloom`` are the
+    sections it wrote, for :func:`open_batch` to take as they are once it is done (``sections``)."""
+
+    def __init__(self, path: str, batch: Any, cursor: Any, sync: bool, vfs: str, head: bytes, tail: bytes,
+                 body_at: int, new_len: int, holes: list[tuple[int, int]]) -> None:
+        self.path, self.cursor, self.sync, self.vfs = path, cursor, sync, vfs
+        self.scratch = cursor.scratch_path
+        self.head, self.tail, self.body_at, self.new_len, self.holes = head, tail, body_at, new_len, holes
+        self.rows = len(batch)
+        self.kh = batch.key_hash  # (in the scratch mapping: read a piece at a time)
+        self.alen = alen = body_at + new_len + len(tail)
+        self.fence_off, self.bloom_off, self.crc_off, self.end, self.size = _places(self.rows, alen)
+        self.fence = self.bloom = np.zeros(0, dtype=np.uint64)  # (made when the page CRCs are done: held less long)
+        new_at = 64 + body_at
+        self.pages = _PageCrcs((head, cursor.mapping, tail), (0, new_at, new_at + new_len), new_len, cursor.drop)
+        self.out: Any = None  # the _storage.FileWriter, once opened
+        self.row = 0  # key hashes in the filter and fence so far
+        self.parts: list | None = None  # the sections after the Arrow file, once the page CRCs are known
+        self.pieces: list[tuple[int, int]] = []  # their writes not done yet
+        self.rest_crc = self.filt_crc = 0  # CRC-32C of the sections written so far, and of their fence and filter
+        self.done = self.failed = False
+
+    @classmethod
+    def plan(cls, path: str, batch: Any, cursor: Any, sync: bool = True, vfs: str = "posix") -> "InPlaceWrite | None":
+        """The writer of ``batch``'s file in place of ``cursor``'s scratch file (:func:`write_in_place`'s arguments),
+        or None when its buffers are not where the file needs them. Reads metadata only; does no I/O."""
+        scratch = cursor.scratch_path
+        mapping = cursor.mapping
+        if scratch is None or mapping is None or len(batch) == 0:
             return None
-        moves[p - body_at] = rel
-        new_len = max(new_len, _pad8(rel + n))
-    try:
-        head = _relocate(opening, body_at, moves, new_len, meta_at)
-        tail = _relocate_footer(ending[body_at + body_len - end_at:], new_len)
-    except (ValueError, struct.error):
-        return None
-    alen = body_at + new_len + len(tail)
-    fence_off, crc_off, end, size, sections, header, footer = _layout(batch, alen)
-    cursor.drop()  # the key hashes the filter and fence read leave the process (spill.py invariant 12)
-    holes = _holes(new_at, [(new_at + rel, n) for (_p, _b, _a, n), rel in _placed(cap.parts, body_at, body_len, base,
-                                                                                   new_at)])
-    out = None
-    try:
-        out = _storage.FileWriter(path, vfs, adopt=scratch)  # the scratch file as the temporary file (invariant 7)
-        out.truncate(size)
-        for lo, n in holes:
-            if not out.punch(lo, n):  # a file system without hole punching keeps the blocks (zeros either way)
+        schema, rb = _record_batch(batch)
+        cap = _Capture()
+        with pa.ipc.new_file(pa.PythonFile(cap, mode="w"), schema) as w:
+            w.write_batch(rb)
+        last = len(cap.parts)  # the writes after the last buffer: padding, end of stream, the footer
+        while last and cap.parts[last - 1][1] is not None:
+            last -= 1
+        if last == 0:
+            return None
+        end_at = cap.parts[last][0] if last < len(cap.parts) else cap.pos
+        ending = b"".join(b for _p, b, _a, _n in cap.parts[last:])
+        flen = struct.unpack_from("<i", ending, len(ending) - 10)[0]
+        foot = _fb_table(ending, _fb_deref(ending, len(ending) - 10 - flen))
+        pos = _fb_field(ending, foot, 3)
+        if pos is None:
+            return None
+        vec = _fb_deref(ending, pos)
+        meta_at, meta_len, _pad, body_len = struct.unpack_from("<qiiq", ending, vec + 4)
+        body_at = meta_at + meta_len
+        if body_at + body_len < end_at:
+            return None
+        opening = b"".join(b for p, b, _a, _n in cap.parts if p < body_at)
+        if len(opening) != body_at or any(b is None for p, b, _a, _n in cap.parts if p < body_at):
+            return None
+        mv = memoryview(mapping)
+        base = pa.py_buffer(mv).address
+        room = len(mv)
+        mv.release()
+        new_at = 64 + body_at  # the body's first byte in the file
+        moves: dict[int, int] = {}
+        new_len = 0
+        for p, b, addr, n in cap.parts:
+            if not body_at <= p < body_at + body_len:
+                continue
+            if b is not None:
+                if b.strip(b"\0"):
+                    return None  # bytes of the batch the writer made (not a buffer in place): not in the scratch file
+                continue
+            rel = addr - base - new_at
+            if not (0 <= rel and addr + n <= base + room and rel % 8 == 0):
+                return None
+            moves[p - body_at] = rel
+            new_len = max(new_len, _pad8(rel + n))
+        try:
+            head = _relocate(opening, body_at, moves, new_len, meta_at)
+            tail = _relocate_footer(ending[body_at + body_len - end_at:], new_len)
+        except (ValueError, struct.error):
+            return None
+        holes = _holes(new_at, [(new_at + rel, n) for (_p, _b, _a, n), rel in _placed(cap.parts, body_at, body_len,
+                                                                                       base, new_at)])
+        return cls(path, batch, cursor, sync, vfs, bytes(head), bytes(tail), body_at, new_len, holes)
+
+    @property
+    def row_bytes(self) -> int:
+        """The Arrow file's bytes a row, at least 1 (a budget in rows times this is one in bytes of work)."""
+        return max(1, self.alen // max(1, self.rows))
+
+    def memory_bytes(self) -> int:
+        """Bytes it holds until done: the filter, the fence and the page CRCs (the budget counts them, spill.py)."""
+        return int(self.fence.nbytes + self.bloom.nbytes) + 4 * len(self.pages.crcs)
+
+    def advance(self, budget: int | None) -> bool:
+        """Do about ``budget`` bytes of the write's work (None: all of it; at least one piece of what is next), in
+        the order of the class's description: a byte checksummed is one, a byte of key hashes ``WORK_KEYS``, a byte
+        of the sections written ``WORK_WRITE`` (so that a budget costs about the same in every part); True once the
+        file is committed (its scratch file adopted by it)."""
+        if self.done:
+            return True
+        if self.failed:
+            raise StorageError(0, f"writing batch file {self.path} in place of {self.scratch}: given up after an error")
+        left = (1 << 62) if budget is None else budget
+        try:
+            if self.out is None:
+                self._open()
+            while left > 0 and not self.done:
+                if not self.pages.done:
+                    left -= self.pages.run(left)
+                elif self.row < self.rows:
+                    left -= self._keys(left)
+                elif self.parts is None or self.pieces:
+                    left -= self._sections(left)
+                else:
+                    self._finish()
+        except BaseException as e:
+            self.abort()
+            if not isinstance(e, OSError):  # StorageError is an OSError
+                raise
+            code = getattr(e, "errno", None) or 0
+            raise StorageError(code, f"writing batch file {self.path} in place of {self.scratch}: "
+                                     f"{getattr(e, 'strerror', None) or e}; check the disk of "
+                                     f"{os.path.dirname(self.path) or '.'}") from e
+        return self.done
+
+    def abort(self) -> None:
+        """Give the write up: the scratch file stays its cursor's (not adopted), as it was or with the holes and
+        metadata written so far (a temporary file under no name a reader takes)."""
+        if not self.done:
+            self.failed = True
+            if self.out is not None and not self.out.done:
+                try:
+                    self.out.abort(unlink=False)
+                except OSError:  # the fault VFS crashed: the file goes with the cursor's mapping, or the next open
+                    pass
+
+    def _open(self) -> None:
+        from dbsp_core import _storage
+
+        self.out = _storage.FileWriter(self.path, self.vfs, adopt=self.scratch)  # the scratch file as the temporary
+        self.out.truncate(self.size)  # file (invariant 7)
+        for lo, n in self.holes:
+            if not self.out.punch(lo, n):  # a file system without hole punching keeps the blocks (zeros either way)
                 break
-        out.pwrite(head, 64)
-        out.pwrite(tail, 64 + body_at + new_len)
-        crcs, whole = _page_crcs((bytes(head), mapping, bytes(tail)), (0, new_at, new_at + new_len), new_len,
-                                 cursor.drop)
-        crc_bytes = np.array(crcs, dtype="<u4").tobytes()
-        rest = bytes(fence_off - 64 - alen) + sections + crc_bytes + bytes(end - crc_off - len(crc_bytes))
-        out.pwrite(rest, 64 + alen)
-        hb = header(crc_bytes)
-        out.pwrite(hb, 0)
-        out.pwrite(footer(_crc(rest, crc_combine(_crc(hb), whole, alen))), end)
-        out.commit(sync)  # fsync, rename over path, fsync of the directory (sync)
-    except OSError as e:  # StorageError is an OSError
-        if out is not None and not out.done:
-            out.abort(unlink=False)  # the scratch file goes with the cursor's mapping (not adopted)
-        code = getattr(e, "errno", None) or 0
-        raise StorageError(code, f"writing batch file {path} in place of {scratch}: "
-                                 f"{getattr(e, 'strerror', None) or e}; check the disk of "
-                                 f"{os.path.dirname(path) or '.'}") from e
-    cursor.adopt_scratch()  # renamed: nothing to unlink with the mapping
-    return size
+        self.out.pwrite(self.head, 64)
+        self.out.pwrite(self.tail, 64 + self.body_at + self.new_len)
+
+    def _keys(self, budget: int) -> int:
+        """The filter and fence of the next key hashes, about ``budget`` bytes of work (``WORK_KEYS`` a byte of
+        them; at least one); returns the work done."""
+        r0 = self.row
+        if r0 == 0:
+            self.fence = np.empty((self.bloom_off - self.fence_off) // 8, dtype=np.uint64)
+            self.bloom = np.zeros((self.crc_off - self.bloom_off) // 8, dtype=np.uint64)
+        r1 = min(self.rows, r0 + max(1, budget // (8 * WORK_KEYS)))
+        kh = self.kh
+        if r0 and kh[r0] < kh[r0 - 1]:
+            raise ValueError("bloom_build: key hashes must ascend")
+        _bloom_add(self.bloom, kh[r0:r1])
+        f0, f1 = -(-r0 // FENCE_STEP), -(-r1 // FENCE_STEP)
+        self.fence[f0:f1] = kh[f0 * FENCE_STEP:r1:FENCE_STEP]
+        self.row = r1
+        self.cursor.drop()  # the key hashes read leave the process (spill.py invariant 12)
+        return 8 * WORK_KEYS * (r1 - r0)
+
+    def _sections(self, budget: int) -> int:
+        """Write the next pieces of the sections after the Arrow file (fence, filter, page CRCs, between their
+        paddings), about ``budget`` bytes of work (``WORK_WRITE`` a byte written; at least a ``PAGE``), cut at
+        multiples of ``PAGE`` within invariant 6's pieces; returns the work done."""
+        if self.parts is None:
+            crcs = np.array(self.pages.crcs, dtype="<u4")
+            self.crc_bytes = crcs.tobytes()
+            at = 64 + self.alen
+            self.parts = [(at, bytes(self.fence_off - at)), (self.fence_off, self.fence), (self.bloom_off, self.bloom),
+                          (self.crc_off, self.crc_bytes), (self.crc_off + len(self.crc_bytes),
+                                                           bytes(self.end - self.crc_off - len(self.crc_bytes)))]
+            self.pieces = [(at + lo, at + hi) for lo, hi in reversed(_pieces(at, self.end - at))]
+        done = 0
+        while self.pieces and done < budget:
+            lo, hi = self.pieces.pop()
+            cut = (lo + max(PAGE, (budget - done) // WORK_WRITE)) // PAGE * PAGE
+            if lo < cut < hi:  # the rest of the piece is the next call's
+                self.pieces.append((cut, hi))
+                hi = cut
+            views = []
+            for k, (start, part) in enumerate(self.parts):
+                mv = memoryview(part).cast("B")
+                a, b = max(lo, start), min(hi, start + len(mv))
+                if a < b:
+                    views.append(mv[a - start:b - start])
+                    c = _crc(views[-1])
+                    self.rest_crc = crc_combine(self.rest_crc, c, b - a)
+                    if k in (1, 2):  # the fence and the filter
+                        self.filt_crc = crc_combine(self.filt_crc, c, b - a)
+            self.out.pwrite(views[0] if len(views) == 1 else b"".join(views), lo)
+            done += WORK_WRITE * (hi - lo)
+        return max(done, 1)
+
+    def _finish(self) -> None:
+        hb = _header(self.alen, self.rows, _crc(self.crc_bytes), self.filt_crc)
+        self.out.pwrite(hb, 0)
+        whole = crc_combine(crc_combine(_crc(hb), self.pages.whole, self.alen), self.rest_crc, self.end - 64 - self.alen)
+        self.out.pwrite(_footer(self.fence_off, len(self.fence), self.bloom_off, len(self.bloom), self.crc_off, whole),
+                        self.end)
+        self.out.commit(self.sync)  # fsync, rename over path, fsync of the directory (sync)
+        self.cursor.adopt_scratch()  # renamed: nothing to unlink with the mapping
+        self.done = True
+        self.kh = None
 
 
 def _placed(parts: list, body_at: int, body_len: int, base: int, new_at: int) -> list:
@@ -690,48 +864,66 @@ def _holes(at: int, used: list[tuple[int, int]]) -> list[tuple[int, int]]:
 PUNCH_MIN = 64 << 10  # bytes of unfilled room from which write_in_place gives its blocks back
 
 
-def _page_crcs(parts: tuple, starts: tuple, big: int, drop: Any) -> tuple[list[int], int]:
+class _PageCrcs:
     """The CRC-32C of each ``PAGE`` of the Arrow file made of ``parts`` (byte strings, and the scratch mapping), and
-    of all of them: part i from file offset ``starts[i]`` on (the Arrow file's first byte at 64), the mapping's part
-    ``big`` bytes long (the file's bytes are the mapping's: the rows the merge wrote, the holes punched), read a
-    ``STREAM_CHUNK`` at a time, its pages leaving the process after each (``drop``, spill.py invariant 12). Nothing is
-    read through the file: its bytes are in memory already, so the fault VFS's model of them is the writes'."""
-    from dbsp_core import _storage
+    of all of them, a piece at a time (:meth:`run`): part i from file offset ``starts[i]`` on (the Arrow file's first
+    byte at 64), the mapping's part ``big`` bytes long (the file's bytes are the mapping's: the rows the merge wrote,
+    the holes punched), read at most a ``STREAM_CHUNK`` at a time, its pages leaving the process after each
+    (``drop``, spill.py invariant 12). Nothing is read through the file: its bytes are in memory already, so the
+    fault VFS's model of them is the writes'."""
 
-    crcs: list[int] = []
-    whole = cur = pos = 0
-    for part, at in zip(parts, starts):
-        mv = memoryview(part).cast("B")
-        try:
-            if isinstance(part, (bytes, bytearray)):
-                lo, hi = 0, len(mv)
-            else:
-                lo, hi = at, at + big
-            i = lo
-            while i < hi:
-                if pos % PAGE == 0 and hi - i >= PAGE:  # whole pages: one C pass a piece
-                    take = min(hi - i, STREAM_CHUNK) // PAGE * PAGE
-                    out = np.empty(take // PAGE, dtype=np.uint32)
-                    whole = crc_combine(whole, _storage.crc32c_pages(mv[i:i + take], PAGE, out), take)
-                    crcs.extend(out.tolist())
-                    if drop is not None and not isinstance(part, (bytes, bytearray)):
-                        drop()
-                else:
-                    take = min(PAGE - pos % PAGE, hi - i)
-                    cur = _crc(mv[i:i + take], cur)
-                    whole = _crc(mv[i:i + take], whole)
-                    if (pos + take) % PAGE == 0:
-                        crcs.append(cur)
-                        cur = 0
-                i += take
-                pos += take
-        finally:
-            mv.release()
-    if pos % PAGE:
-        crcs.append(cur)
-    if drop is not None:
-        drop()
-    return crcs, whole
+    def __init__(self, parts: tuple, starts: tuple, big: int, drop: Any) -> None:
+        self.parts, self.starts, self.big, self.drop = parts, starts, big, drop
+        self.crcs: list[int] = []
+        self.whole = self.cur = self.pos = 0
+        self.k = 0  # the part being read
+        self.i: int | None = None  # the offset in it
+        self.done = False
+
+    def run(self, budget: int) -> int:
+        """Read about ``budget`` more bytes (at least one; whole pages in pieces of at most ``STREAM_CHUNK``);
+        returns the bytes read."""
+        from dbsp_core import _storage
+
+        n = 0
+        while not self.done and n < budget:
+            part, at = self.parts[self.k], self.starts[self.k]
+            mapped = not isinstance(part, (bytes, bytearray))
+            lo, hi = (at, at + self.big) if mapped else (0, len(part))
+            i = lo if self.i is None else self.i
+            mv = memoryview(part).cast("B")
+            try:
+                while i < hi and n < budget:
+                    if self.pos % PAGE == 0 and hi - i >= PAGE:  # whole pages: one C pass a piece
+                        take = min(hi - i, STREAM_CHUNK, max(PAGE, budget - n)) // PAGE * PAGE
+                        out = np.empty(take // PAGE, dtype=np.uint32)
+                        self.whole = crc_combine(self.whole, _storage.crc32c_pages(mv[i:i + take], PAGE, out), take)
+                        self.crcs.extend(out.tolist())
+                        if mapped and self.drop is not None:
+                            self.drop()
+                    else:
+                        take = min(PAGE - self.pos % PAGE, hi - i)
+                        c = _crc(mv[i:i + take])
+                        self.cur = crc_combine(self.cur, c, take)
+                        self.whole = crc_combine(self.whole, c, take)
+                        if (self.pos + take) % PAGE == 0:
+                            self.crcs.append(self.cur)
+                            self.cur = 0
+                    i += take
+                    self.pos += take
+                    n += take
+            finally:
+                mv.release()
+            self.i = i
+            if i >= hi:
+                self.k, self.i = self.k + 1, None
+                if self.k == len(self.parts):
+                    self.done = True
+                    if self.pos % PAGE:
+                        self.crcs.append(self.cur)
+                    if self.drop is not None:
+                        self.drop()
+        return max(n, 1)
 
 
 class BatchFile(NamedTuple):
@@ -1022,13 +1214,16 @@ def _check_pages(path: str, mv: memoryview, arrow_off: int, alen: int, crcs: np.
             raise _bad(path, f"page {i} of the Arrow section fails its CRC-32C")
 
 
-def open_batch(path: str, verify: bool = False, advice: int | None = None, lazy: bool = False) -> BatchFile:
+def open_batch(path: str, verify: bool = False, advice: int | None = None, lazy: bool = False,
+               sections: tuple[np.ndarray, np.ndarray] | None = None) -> BatchFile:
     """Map the batch file at ``path`` and read the batch in place (invariant 4: header, footer, page CRCs and the
     Arrow pages opening reads are checked; the fence and filter, copied into memory, too; every page with
     ``verify``). ``lazy`` (invariant 5): the fence and filter stay in the mapping, unchecked, and
     :attr:`BatchFile.checked` records what the reader still has to check (a file written before the section CRCs
     existed is checked whole instead). ``advice``: an ``mmap.MADV_*`` for the mapping (default MADV_RANDOM: a
-    lookup wants its pages, not the kernel's read-ahead around them)."""
+    lookup wants its pages, not the kernel's read-ahead around them). ``sections``: the fence and filter this
+    process just wrote to the file (:class:`InPlaceWrite`), kept as they are instead of read back and checked
+    (invariant 8: opening then reads no section)."""
     from dbsp_core.zset import IndexedZSet, ZSet
 
     with open(path, "rb") as f:
@@ -1062,7 +1257,10 @@ def open_batch(path: str, verify: bool = False, advice: int | None = None, lazy:
             raise _bad(path, "its page CRCs fail their CRC-32C")
         crcs = np.frombuffer(mv, dtype="<u4", count=npages, offset=crc_off).copy()
         lazy = lazy and sectioned and not verify
-        if lazy:  # in place, checked before use (invariant 5)
+        if sections is not None and not verify and len(sections[0]) == nfence and len(sections[1]) == nbloom:
+            fence, bloom = sections  # what was written, in memory already (not read back)
+            lazy = False
+        elif lazy:  # in place, checked before use (invariant 5)
             fence = np.frombuffer(m, dtype="<u8", count=nfence, offset=fence_off)
             bloom = np.frombuffer(m, dtype="<u8", count=nbloom, offset=bloom_off)
         else:

@@ -118,11 +118,17 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      the steps, as a level merge is by fuel (invariants 3 and 14): at each step's end the executor
      (runtime/embedded.py ``_compact_after_load``) calls :meth:`Trace.advance_compaction` with what is left of the
      step's slice, ``max(COMPACT_SLICE, COMPACT_FUEL * rows)`` input rows for a step that pushed ``rows`` rows, shared
-     by every trace compacting (the first unfinished one first); the slice that merges the last row also builds the
-     output's file (``_Merge.seal``, one pass over its bytes) and installs it. So a step pays at most one slice of
-     compaction rows (plus, once, the seal), and a compaction of R rows is installed within ceil(R / COMPACT_SLICE)
-     steps. Inserts leave it alone (``_merge_levels`` advances it by fuel only when its level's loose batches reach
-     their fan-in, as a due merge). Until installed its inputs are read, as in invariant 16; a failed slice abandons it.
+     by every trace compacting (the first unfinished one first); once its last row is merged, the slices write the
+     output's file (``_Merge.seal``: batchfile.py invariant 8, the in-place write in pieces: page CRCs, Bloom filter
+     and fence, the sections, then header, footer and commit), ``SEAL_FUEL`` output rows' worth of that write per
+     slice row (what the merge left of the slice that merged the last row, then whole slices), and the slice that
+     commits the file installs it. So a step pays at most one slice of compaction rows or of the file's write (the
+     commit's fsync aside), never a pass over the output, and a compaction of R rows is installed within
+     ceil(R / COMPACT_SLICE) steps plus about 3.7 R / (COMPACT_SLICE x SEAL_FUEL) for its file's write (rows of
+     32-40 bytes; measured ~8% more steps). Inserts leave it alone (``_merge_levels`` advances it by fuel, its file's
+     write included, only when its level's loose batches reach their fan-in, as a due merge). Until installed its inputs are read, as in invariant 16; a failed
+     slice abandons it. The merge thread (invariant 10) and the slices advance a compaction by one body,
+     ``_Merge.pay``.
 """
 
 from __future__ import annotations
@@ -227,21 +233,57 @@ class _Merge:
 
     DROP_ROWS = 131_072  # input rows between drops of a merge's pages under a budget (the merge thread's CHUNK)
 
-    def advance(self, budget: int) -> int:
-        """Merge at least ``budget`` more input rows (or the rest) on this thread; returns the rows merged."""
+    def advance(self, budget: int, seal_fuel: int = 1) -> int:
+        """Merge at least ``budget`` more input rows (or the rest) on this thread; returns the rows merged. A
+        compaction (invariant 16) is paid as a step's slice pays it (:meth:`pay`: its file written in pieces of what
+        the budget leaves, ``seal_fuel`` output rows' worth a row; a failure abandons it)."""
         sh = self.shared
         if sh is None:
             return self.step(budget) if not self.cursor.done else 0
+        if self.compaction:
+            return self.pay(budget, seal_fuel, count=False)[0]
         with sh.lock:
             if sh.error is not None:
-                if self.compaction:  # abandoned when installed (invariant 16)
-                    return 0
                 raise sh.error
             return self.step(budget) if not self.cursor.done else 0
 
+    def pay(self, budget: int, seal_fuel: int | None = None, catch: type = Exception, count: bool = True
+            ) -> tuple[int, int, bool]:
+        """Advance a merge handed over (``shared``), under its lock, as the merge thread (invariant 10) and a step's
+        slice of a compaction (invariant 17) do: merge at least ``budget`` more input rows, an error (of ``catch``)
+        kept in ``shared.error`` (the inserting thread raises it when it needs a level merge; a compaction is
+        abandoned when installed); once every row is merged, :meth:`seal` it: whole with ``seal_fuel`` None, else
+        with what the merge left of ``budget``, ``seal_fuel`` output rows' worth of its file's write for each row.
+        A level merge is sealed only by the call whose rows finished it (one the inserting thread finished by fuel
+        is its install's), a compaction by whichever call finds it unsealed. The rows merged are added to
+        ``shared.merged`` (``count``: the trace adds them when installed). Returns (input rows merged, budget used:
+        all of it once the seal had a share, whether work is left)."""
+        sh = self.shared
+        merged = paid = 0
+        with sh.lock:
+            stepped = sh.error is None and not self.cursor.done
+            if stepped:
+                try:
+                    merged = paid = self.step(budget)
+                except catch as exc:
+                    sh.error = exc
+                if count:
+                    sh.merged += merged
+            if (sh.error is None and self.cursor.done and sh.out is None and sh.failed is None
+                    and (stepped or self.compaction)):
+                if seal_fuel is None:
+                    self.seal()
+                elif budget > paid:
+                    self.seal((budget - paid) * seal_fuel)
+                    paid = budget
+            more = sh.error is None and sh.failed is None and sh.out is None and (
+                not self.cursor.done or self.compaction)
+            return merged, paid, more
+
     def finished(self, wait: bool = True) -> bool:
-        """Whether every input row is merged (with ``wait=False``: False while the merge thread holds it); a compaction
-        that failed counts as finished (its install abandons it, invariant 16)."""
+        """Whether every input row is merged (with ``wait=False``: False while the merge thread holds it), and for a
+        compaction its output sealed (:meth:`seal`: its file written, perhaps in pieces); a compaction that failed
+        counts as finished (its install abandons it, invariant 16)."""
         sh = self.shared
         if sh is None:
             return self.cursor.done
@@ -252,6 +294,8 @@ class _Merge:
                 if self.compaction:
                     return True
                 raise sh.error
+            if self.compaction:
+                return sh.failed is not None or sh.out is not None
             return self.cursor.done
         finally:
             sh.lock.release()
@@ -269,27 +313,47 @@ class _Merge:
         (:meth:`renumbered`) sees it too."""
         return self.shared is not None and self.shared.out is not None
 
-    def seal(self) -> None:
-        """On the merge thread, under the shared lock, once every input row is merged (invariant 10): build the output
-        and, when it was built in a scratch file, make it its batch file (``BatchStore.spill_output``: in place, with
-        its page checksums, filter and fence, O(its bytes)) there, so that the install on the inserting thread only
-        swaps batches. A level merge's output is made its file here only through a VFS whose writes may leave the
-        step (spill.py ``ASYNC_VFS``: a crash test's fault VFS numbers the step's operations in order), a compaction's
-        always (it runs on the merge thread by design). Never raises: a compaction that fails is abandoned when
-        installed (``failed``); a level merge's output left unwritten is spilled by its install as before, which
-        raises what fails again."""
+    def seal(self, budget: int | None = None) -> None:
+        """Under the shared lock, once every input row is merged (invariants 10 and 17): build the output and, when it
+        was built in a scratch file, make it its batch file (``BatchStore.spill_output``: in place, with its page
+        checksums, filter and fence), so that the install only swaps batches. A level merge's output is made its
+        file here (on the merge thread) only through a VFS whose writes may leave the step (spill.py ``ASYNC_VFS``: a
+        crash test's fault VFS numbers the step's operations in order), a compaction's always. ``budget`` (a
+        compaction paid in slices by the steps, invariant 17): only about that many output rows' worth of the write
+        now (``BatchStore.output_writer``, batchfile.py invariant 8: the writer kept in the shared part, so the next
+        call goes on), the output sealed by the call that finishes it; None: all of it. Never raises: a compaction
+        that fails is abandoned when installed (``failed``); a level merge's output left unwritten is spilled by its
+        install as before, which raises what fails again."""
         sh = self.shared
         if sh is None or sh.out is not None or sh.failed is not None or not self.cursor.done:
             return
         st = self.store
         try:
             out = self.result()
-            if (len(out) and st is not None and self.cursor.mapping is not None
-                    and (self.compaction or st.vfs in st.ASYNC_VFS)):
-                st.spill_output(out, self.cursor)
-                if self.compaction:
-                    st.count("bytes_compacted", st.file_of(out).size)
+            w = sh.writer
+            if w is None:
+                if not (len(out) and st is not None and self.cursor.mapping is not None
+                        and (self.compaction or st.vfs in st.ASYNC_VFS)):
+                    sh.out = out
+                    return
+                w = st.output_writer(out, self.cursor) if budget is not None else None
+                if w is None:  # whole (or not in place: the copy, whole)
+                    st.spill_output(out, self.cursor)
+                    if self.compaction:
+                        st.count("bytes_compacted", st.file_of(out).size)
+                    sh.out = out
+                    return
+                sh.writer = w
+            if not w.advance(None if budget is None else budget * w.row_bytes):
+                return
+            sh.writer = None
+            st.output_written(out, w)
+            if self.compaction:
+                st.count("bytes_compacted", w.size)
         except BaseException as exc:  # noqa: BLE001 - kept for the install (see above)
+            if sh.writer is not None:
+                sh.writer.abort()
+                sh.writer = None
             if self.compaction:
                 sh.failed = exc
             return
@@ -359,6 +423,10 @@ class Trace(KeyIndexed):
     COMPACT_SLICE = 16_384  # compaction input rows a step pays at least without a merge thread (invariant 17): about a
     # 1k-row step's own CPU on a spilled distinct (a k-way merge of ~5M rows/s: ~3 ms)
     COMPACT_FUEL = 16  # and per row the step pushed, when more: a slice is max(COMPACT_SLICE, COMPACT_FUEL * rows)
+    SEAL_FUEL = 48  # output rows' worth of its file's write (batchfile.py invariant 8: page CRCs, filter and fence,
+    # sections, each byte of work weighed by its cost) a compaction's slice pays per row once its merge is done
+    # (invariant 17): measured, a 16,384-row slice of it costs about what a slice of the merge does (~2-3 ms), and
+    # the write takes ~8% more steps than the merge
     compacted_rows = 0  # (set per instance by __init__)
     _placed = 0  # placement numbers handed out (set per instance by __init__; here for a trace built without it)
     MAX_PENDING = 64  # a fresh trace's pending batches beyond which it inserts the oldest (invariant 5)
@@ -536,7 +604,7 @@ class Trace(KeyIndexed):
                         handed = handed or mt is not None
                         break
                 elif budget > 0 and not m.finished():
-                    used = m.advance(budget)
+                    used = m.advance(budget, self.SEAL_FUEL)
                     budget -= used
                     self.merged_rows += used
                 if not m.finished():
@@ -701,24 +769,16 @@ class Trace(KeyIndexed):
 
     def advance_compaction(self, rows: int) -> int:
         """Pay a slice of a compaction started without a merge thread (invariant 17): merge at least ``rows`` more of
-        its input rows (or the rest; a failure abandons it, as on the merge thread), and once every row is in, build its
-        output's file (``_Merge.seal``) and install it. Call between steps. Returns the input rows merged now (also
-        added to ``compacted_rows``)."""
+        its input rows (or the rest; a failure abandons it, as on the merge thread), and once every row is in, write
+        its output's file with what is left (``SEAL_FUEL`` output rows' worth a row, ``_Merge.seal``, batchfile.py
+        invariant 8) and install it once written. Call between steps. Returns the rows of the slice used (all of it
+        once the file's write had a share); the input rows merged are added to ``compacted_rows``."""
         for lvl, level in enumerate(self._by_level):
             m = level.merge
             if m is None or not m.compaction or m.shared is None:
                 continue
-            sh, used = m.shared, 0
-            with sh.lock:
-                if sh.error is None and not m.cursor.done and rows > 0:
-                    try:
-                        used = m.step(rows)
-                    except Exception as exc:  # noqa: BLE001 - abandoned when installed (invariant 16)
-                        sh.error = exc
-                    sh.merged += used
-                if m.cursor.done:
-                    m.seal()
-            self.compacted_rows += used
+            merged, used, _more = m.pay(rows, self.SEAL_FUEL)
+            self.compacted_rows += merged
             if m.finished():
                 self._install(lvl, m)
             return used
@@ -774,7 +834,8 @@ class Trace(KeyIndexed):
         compaction: "_Merge | None" = None
         for level in list(self._by_level):
             m = level.merge
-            if m is not None and m.shared is not None and m.shared.error is None and not m.cursor.done:
+            if m is not None and m.shared is not None and m.shared.error is None and (not m.cursor.done or (
+                    m.compaction and m.shared.out is None and m.shared.failed is None)):  # (or its file unwritten)
                 if m.compaction:
                     compaction = compaction or m
                 elif found is None:

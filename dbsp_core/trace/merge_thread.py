@@ -43,7 +43,7 @@ __all__ = ["MergeThread", "SharedMerge", "merging", "current_merge_thread"]
 class SharedMerge:
     """What a merge handed to a MergeThread shares between the two threads (invariant 10)."""
 
-    __slots__ = ("lock", "error", "merged", "out", "failed")
+    __slots__ = ("lock", "error", "merged", "out", "failed", "writer")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -51,6 +51,7 @@ class SharedMerge:
         self.merged = 0  # input rows the merge thread merged (counted into the trace when installed)
         self.out: Any = None  # its output once sealed (levels.py ``_Merge.seal``: its file written there)
         self.failed: BaseException | None = None  # what sealing a compaction raised (it is abandoned when installed)
+        self.writer: Any = None  # its file's write in pieces while the steps pay it (levels.py invariant 17)
 
 
 class MergeThread:
@@ -149,24 +150,17 @@ class MergeThread:
             m = self._pick(queued)
             if m is None:
                 continue
-            sh = m.shared
             while not self._closed:  # the same merge to its end, with no scan or queue work between chunks
-                with sh.lock:
-                    if sh.error is not None or m.cursor.done:
-                        break
-                    try:
-                        used = m.step(self.CHUNK)
-                    except BaseException as exc:  # the inserting thread raises it when it needs the merge
-                        sh.error = exc
-                        break
-                    if m.cursor.done:
-                        m.seal()  # its output's file written here, not by the install (invariant 10)
-                    sh.merged += used
-                    self.merged_rows += used
-                    worked = True
+                # (an error is kept for the inserting thread, which raises it when it needs the merge; the last chunk
+                # also writes the output's file here, not at the install: invariant 10)
+                used, _paid, more = m.pay(self.CHUNK, None, BaseException)
+                self.merged_rows += used
+                worked = worked or used > 0
+                if not more:
+                    break
                 if m.compaction and self._submits != submits:  # a level merge may be waiting: it goes first
                     break
-            del m, sh, queued  # (a merge's inputs, their files, go once the trace installed it: not held here)
+            del m, queued  # (a merge's inputs, their files, go once the trace installed it: not held here)
 
     def _pick(self, queued: list) -> "Any":
         """The merge to advance next among the queued traces ``queued`` ((id, trace, hand-overs) each, oldest

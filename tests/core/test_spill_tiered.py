@@ -451,7 +451,8 @@ def test_without_a_merge_thread_the_compaction_after_a_load_is_paid_in_slices(tm
     """Without a merge thread (trace invariant 17) the compaction after a bulk load (BIG_STEP_ROWS lowered to 20,000,
     COMPACT_SLICE to 3,000 rows) is paid by the small steps that follow: no step merges more compaction rows than its
     slice (``compaction_slice``: counted, not timed), it takes several steps and is installed within
-    ceil(rows / slice) + 1 of them, its inputs replaced by its output; every output, the traces' content and
+    ceil(rows / slice) + 1 of them and those its file's write takes (``SEAL_FUEL`` output rows' worth a slice row:
+    at most ceil(4 rows / (slice x SEAL_FUEL)) + 1 here), its inputs replaced by its output; every output, the traces' content and
     a reopen's equal the unbudgeted twin's (multisets). W=1 and W=2. Watched fail with the slice removed (the whole
     compaction at the first small step, as on main: 'step 0 merged 180000 > 3000')."""
     import math
@@ -505,7 +506,9 @@ def test_without_a_merge_thread_the_compaction_after_a_load_is_paid_in_slices(tm
                 break
         assert started is not None and not ex._compacting, (started, per_step)
         steps = i - started + 1
-        assert 1 < steps <= math.ceil(rows / compaction_slice(300)) + 1, (steps, rows, per_step)
+        seal = math.ceil(4 * rows / (compaction_slice(300) * Trace.SEAL_FUEL)) + 1  # then its file's write in pieces
+        # (its work weighed, batchfile.InPlaceWrite.advance: about 3.7 rows' worth a row of these 32-byte rows)
+        assert 1 < steps <= math.ceil(rows / compaction_slice(300)) + seal + 1, (steps, rows, per_step)
         assert store.stats["compactions"] == 1 and store.stats["compactions_abandoned"] == 0
         assert sum(per_step) == rows, (sum(per_step), rows)
         left = {id(b) for t in ex._all_traces() for b in t._levels()}  # its inputs replaced by its output
@@ -521,6 +524,107 @@ def test_without_a_merge_thread_the_compaction_after_a_load_is_paid_in_slices(tm
     finally:
         if not budgeted._closed:
             budgeted.close()
+        twin.close()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_sliced_compaction_writes_its_file_a_slice_at_a_time(tmp_path, monkeypatch, workers) -> None:
+    """Without a merge thread (trace invariant 17) the compaction's batch file is written in pieces by the slices
+    (batchfile.py invariant 8): no step's share of its write, the install step's included, passes over the file.
+    Counted (not timed) per step, within the compaction's seal (``_Merge.seal``): the bytes checksummed (CRC-32C, page
+    CRCs), written (``FileWriter.pwrite``) and put in the Bloom filter (8 a key hash). Each step's count is at most
+    its slice's share (``compaction_slice`` x ``SEAL_FUEL`` output rows of the file's bytes a row) and a few pieces
+    of 64 KiB (``STREAM_CHUNK`` lowered: a write's piece, an Arrow page, the two pages opening checks); the whole
+    count covers the file (so the counting sees the write); the write takes several steps, the last of them the
+    install's; the outputs and the content equal the unbudgeted twin's. W=1 and W=2 (the slice is shared by the
+    workers' traces). Watched fail on main, which writes the file at the install step in one pass: 'step 59 paid
+    8.49 MB > its bound 1.22 MB' (W=1; W=2: 4.36 MB at each worker's install)."""
+    import dbsp_core as dbsp
+    import dbsp_core.runtime.embedded as embedded
+    from dbsp_core import _storage
+    from dbsp_core.runtime.embedded import EmbeddedExecutor, compaction_slice
+    from dbsp_core.trace import batchfile, levels
+
+    monkeypatch.setattr(embedded, "BIG_STEP_ROWS", 20_000)
+    monkeypatch.setattr(Trace, "FAN_IN", 4)
+    monkeypatch.setattr(Trace, "COMPACT_SLICE", 3_000)
+    monkeypatch.setattr(Trace, "COMPACT_FUEL", 4)
+    piece = 64 << 10
+    monkeypatch.setattr(batchfile, "STREAM_CHUNK", piece)  # the write's pieces (and the bound's slack): 64 KiB
+    monkeypatch.setattr(batchfile, "FOLIO_ALIGN", 0)
+    fuel = 8
+    monkeypatch.setattr(Trace, "SEAL_FUEL", fuel, raising=False)  # (a tighter bound than the default's; main has none)
+    rng = np.random.default_rng(SEED)
+    budgeted = dbsp.Pipeline(_distinct_circuit(), workers=workers, storage=str(tmp_path / "p"),
+                             checkpoint_interval=None, memory_limit=1 << 20,
+                             executor=EmbeddedExecutor(background_merge=False))
+    twin = dbsp.Pipeline(_distinct_circuit(), workers=workers, executor=EmbeddedExecutor(background_merge=False))
+    ex = budgeted.executor
+    store = ex.batch_store
+    assert store is not None and ex._merge_thread is None
+    count, sealing = [0], [0]  # bytes of the compaction's write so far, seals of it in progress (this store's only:
+    # under DBSP_MEMORY_LIMIT the twin compacts too)
+    real_seal = levels._Merge.seal
+
+    def seal(m, *args, **kw):  # noqa: ANN001, ANN002, ANN003
+        mine = bool(m.compaction and m.store is store)
+        sealing[0] += mine
+        try:
+            return real_seal(m, *args, **kw)
+        finally:
+            sealing[0] -= mine
+
+    def counted(f, size):  # noqa: ANN001
+        def call(*args, **kw):  # noqa: ANN002, ANN003
+            if sealing[0]:
+                count[0] += size(*args)
+            return f(*args, **kw)
+        return call
+
+    class Counted(_storage.FileWriter):
+        def pwrite(self, data, offset):  # noqa: ANN001
+            if sealing[0]:
+                count[0] += memoryview(data).nbytes
+            return super().pwrite(data, offset)
+
+    monkeypatch.setattr(levels._Merge, "seal", seal)
+    monkeypatch.setattr(_storage, "crc32c", counted(_storage.crc32c, lambda data, *_: memoryview(data).nbytes))
+    monkeypatch.setattr(_storage, "crc32c_pages", counted(_storage.crc32c_pages,
+                                                          lambda data, *_: memoryview(data).nbytes))
+    monkeypatch.setattr(_storage, "bloom_build", counted(_storage.bloom_build, lambda hashes, *_: 8 * len(hashes)))
+    monkeypatch.setattr(_storage, "FileWriter", Counted)
+
+    def push(n: int) -> None:
+        z = pa.table({"k": rng.integers(0, 1 << 40, n), "v": rng.integers(0, 3, n)}, schema=KV)
+        budgeted.push("t", z)
+        twin.push("t", z)
+        a, b = budgeted.step(), twin.step()
+        assert a["d"].to_dict() == b["d"].to_dict()
+
+    try:
+        for _ in range(6):
+            push(30_000)
+        per_step: list[int] = []
+        started = None
+        for i in range(300):
+            before = count[0]
+            push(300)
+            per_step.append(count[0] - before)
+            started = i if started is None and ex._compacting else started
+            if started is not None and not ex._compacting:
+                break
+        assert started is not None and not ex._compacting and store.stats["compactions"] == 1, (started, per_step)
+        out = max(store._files.values(), key=lambda f: f.rows)  # the compaction's output (W=2: the larger)
+        bound = int(1.25 * compaction_slice(300) * fuel * out.arrow_len / out.rows) + 4 * piece
+        for j, n in enumerate(per_step):
+            assert n <= bound, f"step {j} paid {n / 1e6:.2f} MB > its bound {bound / 1e6:.2f} MB ({per_step})"
+        assert sum(per_step) >= out.size, (sum(per_step), out.size)  # every byte of it went through the counting
+        assert sum(1 for n in per_step if n) >= 3, per_step  # its write took several steps
+        assert per_step[-1] > 0, per_step  # the last, the install step's, committed it
+        push(300)
+        assert _content(budgeted, workers) == _content(twin, workers)
+    finally:
+        budgeted.close()
         twin.close()
 
 
@@ -575,3 +679,39 @@ def test_a_reopened_state_with_loose_spilled_files_compacts(tmp_path, monkeypatc
             assert _content(q, 1) == _content(twin, 1)
     finally:
         twin.close()
+
+
+def test_a_deleted_files_blocks_are_given_back_a_piece_at_a_time(monkeypatch) -> None:
+    """A batch file deleted (its batch gone) keeps a descriptor across the unlink, and each enforce then truncates it
+    from its end, ``RECLAIM_BYTES`` at most (lowered to 64 KiB here), once its mapping is gone; emptied, the
+    descriptor is closed (spill.py invariant 12: the kernel frees a file at ~30 us a MiB, and a compaction's install
+    drops all its inputs at once). Watched fail with ``_reclaim_files`` a no-op ('not given back in pieces: [2073408,
+    2073408, ...]')."""
+    import gc
+
+    piece = 64 << 10
+    monkeypatch.setattr(BatchStore, "RECLAIM_BYTES", piece)
+    rng = np.random.default_rng(SEED)
+    t = Trace(KV, ("k",))
+    with BatchStore(1) as store, spilling(store):
+        z = ZSet.from_arrow(pa.table({"k": rng.integers(0, 1 << 40, 50_000), "v": rng.integers(0, 3, 50_000)}))
+        t.insert(z.consolidate().index_by(["k"]))
+        store.enforce()
+        store.settle()
+        size = store.disk_bytes()
+        assert size > 8 * piece and not store._reclaim, size
+        del t, z
+        gc.collect()
+        assert len(store._reclaim) == 1, store._reclaim  # deleted, not freed yet
+        fd = store._reclaim[0][0]
+        assert os.fstat(fd).st_nlink == 0  # unlinked: no name reaches it
+        left = [os.fstat(fd).st_size]
+        for _ in range(size // piece + 10):
+            store.enforce()
+            if not store._reclaim:
+                break
+            left.append(os.fstat(fd).st_size)
+        assert not store._reclaim and len(left) >= size // piece and all(
+            0 < a - b <= piece for a, b in zip(left, left[1:])), f"not given back in pieces: {left}"
+        with pytest.raises(OSError):
+            os.fstat(fd)  # closed once empty

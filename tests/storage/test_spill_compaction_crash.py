@@ -82,13 +82,13 @@ class _Gate:
         real = levels._Merge.seal
         gate = self
 
-        def seal(m):  # noqa: ANN001
+        def seal(m, budget=None):  # noqa: ANN001
             if not (m.compaction and m.cursor.done and not m.sealed) or m.store.vfs != QUIET:  # (the reference's,
-                return real(m)  # under DBSP_MEMORY_LIMIT, paid in slices: trace invariant 17)
+                return real(m, budget)  # under DBSP_MEMORY_LIMIT, paid in slices: trace invariant 17)
             assert gate.event.wait(60), "the gate was never opened"
             before = FaultInjector.ops()
             try:
-                return real(m)
+                return real(m, budget)
             finally:
                 gate.seals.append((before, FaultInjector.ops(), threading.current_thread().name))
 
@@ -245,7 +245,7 @@ def test_a_fault_at_every_io_operation_of_a_background_compaction(case, setup) -
 
 # ---- the same compaction without a merge thread, paid in slices by the steps (trace invariant 17) ----
 
-SLICED_SMALLS = 24  # small pushes generated for the sliced session (it uses as many as its compaction takes, plus one)
+SLICED_SMALLS = 40  # small pushes generated for the sliced session (it uses as many as its compaction takes, plus one)
 
 
 def _sliced_pushes() -> list[pa.Table]:
@@ -302,7 +302,9 @@ def sliced(request, tmp_path, monkeypatch):
     monkeypatch.setattr(Trace, "FAN_IN", 3)
     monkeypatch.setattr(Trace, "COMPACT_SLICE", 1500)
     monkeypatch.setattr(Trace, "COMPACT_FUEL", 4)
+    monkeypatch.setattr(Trace, "SEAL_FUEL", 4, raising=False)  # its file's write in several slices too (batchfile.py invariant 8)
     slices: list = []
+    writers: set = set()  # the traces whose slices did I/O
     paid: list = []  # compaction rows of each advance_compaction
     real = Trace.advance_compaction
 
@@ -315,6 +317,7 @@ def sliced(request, tmp_path, monkeypatch):
         finally:
             if FaultInjector.ops() > before:
                 slices.append((before + 1, FaultInjector.ops()))
+                writers.add(id(t))
 
     monkeypatch.setattr(Trace, "advance_compaction", advance)
     FaultInjector.disarm()
@@ -332,6 +335,7 @@ def sliced(request, tmp_path, monkeypatch):
     want = _reference(pushes)
     assert facts["compactions"] == 1 and facts["installed"] and facts["abandoned"] == 0, facts
     assert sum(1 for n in paid if n) > workers, f"the compaction was not sliced: {paid}"
+    assert len(slices) >= 2 * len(writers), f"its file was written in one slice: {slices}"  # (open ... commit)
     assert facts["output"] == want, "the sliced session differs from the unbudgeted twin"
     ops = sorted({n for a, b in slices for n in range(a, b + 1)})
     paid.clear()
@@ -362,10 +366,12 @@ def _sliced_run(s: dict, points: list[int]) -> int:
 @pytest.mark.parametrize("sliced", [1, 2], indirect=True, ids=["W1", "W2"])
 def test_a_crash_in_a_sliced_compaction(sliced) -> None:
     """A crash (unsynced writes dropped) at I/O operations of a compaction paid in slices by the steps (no merge
-    thread, trace invariant 17; COMPACT_SLICE lowered so that it takes several small steps), every 5th from a seeded
-    offset (the slow variant below: every one): the reopened pipeline, fed the same pushes again, equals the
-    unbudgeted twin, with no file left over once it checkpointed (a merge in progress's scratch aside). Watched fail
-    with the slice removed (``advance_compaction`` merging all: 'the compaction was not sliced', W=1 and W=2)."""
+    thread, trace invariant 17; COMPACT_SLICE and SEAL_FUEL lowered so that its merge and its file's write, in place
+    and in pieces, take several small steps), every 5th from a seeded offset (the slow variant below: every one):
+    the reopened pipeline, fed the same pushes again, equals the unbudgeted twin, with no file left over once it
+    checkpointed (a merge in progress's scratch aside). Watched fail with the slice removed (``advance_compaction``
+    merging all: 'the compaction was not sliced', W=1 and W=2), and on main, whose install slice writes the file
+    whole ('its file was written in one slice')."""
     s = sliced
     runs = _sliced_run(s, s["ops"][SEED % 5::5])
     print(f"\n[sliced compaction, W={s['workers']}] {len(s['ops'])} operations in {s['facts']['smalls']} steps' "
