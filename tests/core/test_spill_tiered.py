@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -562,28 +563,31 @@ def test_a_sliced_compaction_writes_its_file_a_slice_at_a_time(tmp_path, monkeyp
     ex = budgeted.executor
     store = ex.batch_store
     assert store is not None and ex._merge_thread is None
-    count, sealing = [0], [0]  # bytes of the compaction's write so far, seals of it in progress (this store's only:
-    # under DBSP_MEMORY_LIMIT the twin compacts too)
+    count = [0]  # bytes of the compaction's write so far
+    sealing: dict[int, int] = {}  # seals of it in progress by thread (this store's only: under DBSP_MEMORY_LIMIT the
+    # twin compacts too; a seal runs on its worker's thread, and at W=2 the other worker's own spills, checksummed and
+    # written at the same time on its thread, are not the seal's)
     real_seal = levels._Merge.seal
 
     def seal(m, *args, **kw):  # noqa: ANN001, ANN002, ANN003
         mine = bool(m.compaction and m.store is store)
-        sealing[0] += mine
+        me = threading.get_ident()
+        sealing[me] = sealing.get(me, 0) + mine
         try:
             return real_seal(m, *args, **kw)
         finally:
-            sealing[0] -= mine
+            sealing[me] -= mine
 
     def counted(f, size):  # noqa: ANN001
         def call(*args, **kw):  # noqa: ANN002, ANN003
-            if sealing[0]:
+            if sealing.get(threading.get_ident()):
                 count[0] += size(*args)
             return f(*args, **kw)
         return call
 
     class Counted(_storage.FileWriter):
         def pwrite(self, data, offset):  # noqa: ANN001
-            if sealing[0]:
+            if sealing.get(threading.get_ident()):
                 count[0] += memoryview(data).nbytes
             return super().pwrite(data, offset)
 
