@@ -283,3 +283,7 @@ cdef extern from "linrun.h" nogil:
                          int32_t ns, CKeyIndex *ix, const int32_t *shown, const int32_t *nonnull, const int32_t *avg,
                          const int32_t *avg_lo, int32_t nout, int out_keys, ArrowArray *batch, ArrowArray *out,
                          int64_t **w, uint64_t **kh, int64_t *n, int *ordered, int *distinct)
+
+cdef extern from "top1.h" nogil:
+    int dbsp_top1(const CBatch *b, const uint64_t *kh, const int32_t *keys, int32_t nkeys, const int32_t *ocols,
+                  const uint8_t *desc, int32_t nord, int64_t *best, int64_t *ngroups)

@@ -145,6 +145,27 @@ def _argmax_rows(op: TopK, z: ZSet) -> ZSet | None:
     return make(z.data.take(pa.array(rows)), z.weights[rows], op.in_schema)
 
 
+_TOP1_TYPES = (pa.types.is_integer, pa.types.is_float32, pa.types.is_float64, pa.types.is_boolean,
+               pa.types.is_date32, pa.types.is_timestamp, pa.types.is_string, pa.types.is_large_string,
+               pa.types.is_binary, pa.types.is_large_binary)
+
+
+def _top1_rows(op: TopK, z: ZSet) -> ZSet | None:
+    """Invariant 8: the top row of every group of ``z`` (every weight positive) for a top-1 without ties, by the C
+    hash grouping; None when that does not apply (the sort of :func:`top_rows` then serves)."""
+    if op.k != 1 or op.with_ties:
+        return None
+    schema = z.data.schema
+    if not all(any(f(fld.type) for f in _TOP1_TYPES) for fld in schema):
+        return None
+    pos = schema.get_field_index
+    order = [(pos(c), d == "descending") for c, d in op.order] + [(pos(c), False) for c in op.rest]
+    rows = _zset.top1_rows(z.data, z.hash(list(op.keys)), [pos(c) for c in op.keys], order)
+    if rows is None:  # two groups share a key hash
+        return None
+    return make(_zset.gather(z.data, rows), np.ones(len(rows), np.int64), op.in_schema)
+
+
 def top_rows(op: TopK, z: ZSet) -> ZSet:
     """The top rows of every group of ``z`` (consolidated; rows of weight <= 0 are ignored), invariant 1."""
     pos = z.weights > 0
@@ -153,6 +174,8 @@ def top_rows(op: TopK, z: ZSet) -> ZSet:
     if z.num_rows == 0:
         return empty(op.in_schema)
     fast = _argmax_rows(op, z)
+    if fast is None:
+        fast = _top1_rows(op, z)
     if fast is not None:
         return fast
     idx = _sorted(op, z.data)
