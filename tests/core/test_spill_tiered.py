@@ -447,6 +447,15 @@ def _content(p: "dbsp.Pipeline", workers: int) -> dict:
     return {k: n for k, n in out.items() if n}
 
 
+def _push_both(budgeted, twin, rng, n: int) -> None:  # noqa: ANN001
+    """Push ``n`` random rows of KV to both pipelines, step both, and check the view's changes are equal."""
+    z = pa.table({"k": rng.integers(0, 1 << 40, n), "v": rng.integers(0, 3, n)}, schema=KV)
+    budgeted.push("t", z)
+    twin.push("t", z)
+    a, b = budgeted.step(), twin.step()
+    assert a["d"].to_dict() == b["d"].to_dict()
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_without_a_merge_thread_the_compaction_after_a_load_is_paid_in_slices(tmp_path, monkeypatch, workers) -> None:
     """Without a merge thread (trace invariant 17) the compaction after a bulk load (BIG_STEP_ROWS lowered to 20,000,
@@ -482,11 +491,7 @@ def test_without_a_merge_thread_the_compaction_after_a_load_is_paid_in_slices(tm
         return sum(t.compacted_rows for t in ex._all_traces())
 
     def push(n: int) -> None:
-        z = pa.table({"k": rng.integers(0, 1 << 40, n), "v": rng.integers(0, 3, n)}, schema=KV)
-        budgeted.push("t", z)
-        twin.push("t", z)
-        a, b = budgeted.step(), twin.step()
-        assert a["d"].to_dict() == b["d"].to_dict()
+        _push_both(budgeted, twin, rng, n)
 
     try:
         for _ in range(6):
@@ -599,11 +604,7 @@ def test_a_sliced_compaction_writes_its_file_a_slice_at_a_time(tmp_path, monkeyp
     monkeypatch.setattr(_storage, "FileWriter", Counted)
 
     def push(n: int) -> None:
-        z = pa.table({"k": rng.integers(0, 1 << 40, n), "v": rng.integers(0, 3, n)}, schema=KV)
-        budgeted.push("t", z)
-        twin.push("t", z)
-        a, b = budgeted.step(), twin.step()
-        assert a["d"].to_dict() == b["d"].to_dict()
+        _push_both(budgeted, twin, rng, n)
 
     try:
         for _ in range(6):
