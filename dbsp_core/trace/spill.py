@@ -888,10 +888,12 @@ class BatchStore:
         from dbsp_core import _storage
 
         path = os.path.join(self.directory, name)
-        try:  # a descriptor that keeps the inode once unlinked, to free it in pieces (invariant 12)
-            fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
-        except OSError:
-            fd = -1
+        fd = -1
+        if self.RECLAIM_FILES > 0:  # (off by default, see RECLAIM_FILES)
+            try:  # a descriptor that keeps the inode once unlinked, to free it in pieces (invariant 12)
+                fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError:
+                fd = -1
         try:
             if self.durable:
                 _storage.file_remove(path, self.vfs)
@@ -911,7 +913,12 @@ class BatchStore:
                 os.close(fd)
 
     RECLAIM_BYTES = 64 << 20  # bytes of deleted files an enforce gives back at most (invariant 12): ~30 us a MiB
-    RECLAIM_FILES = 256  # deleted files waiting for it at most (descriptors held; beyond: the oldest is closed at once)
+    RECLAIM_FILES = 0  # deleted files waiting for it at most (descriptors held; beyond: the oldest is closed at once).
+    # 0: OFF, a deleted file is unlinked and closed at once, as before r31-slicewrite. Truncating a file is only safe
+    # once every mapping of it is gone, and the weak reference kept is to the BatchFile's current mapping only: under
+    # DBSP_MEMORY_LIMIT=1 tests/exactly_once/test_live_rescale.py died of SIGBUS (a read of a mapping whose deleted file
+    # was truncated, in a live rescale's shard_bounds; 1 of 3 runs). Turning it on (256 was the value measured) needs
+    # every mapping of a file counted, e.g. the file's mapping registry kept by the store, not a weakref to one.
 
     def _reclaim_files(self, budget: int | None = None) -> int:
         """Give back the blocks and page cache of deleted files whose mappings are gone, ``budget`` bytes

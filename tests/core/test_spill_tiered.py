@@ -696,6 +696,7 @@ def test_a_deleted_files_blocks_are_given_back_a_piece_at_a_time(monkeypatch) ->
 
     piece = 64 << 10
     monkeypatch.setattr(BatchStore, "RECLAIM_BYTES", piece)
+    monkeypatch.setattr(BatchStore, "RECLAIM_FILES", 256)  # (off by default: spill.py RECLAIM_FILES says why)
     rng = np.random.default_rng(SEED)
     t = Trace(KV, ("k",))
     with BatchStore(1) as store, spilling(store):
