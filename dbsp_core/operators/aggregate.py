@@ -936,6 +936,37 @@ class _ExtremesState(_GroupedState):
         dix = keyed_change(self, inputs, ctx, schema, self.keys, prepare)
         if dix is None:
             return empty(op.schema)
+        return self._step_indexed(dix)
+
+    def index_projected(self, z: "ZSet") -> IndexedZSet | None:
+        """A fused exchange's half of a projected step (invariant 9 at W > 1, runtime/plan.py ``_ProjectedExchange``):
+        the change ``z`` projected as :meth:`_step` projects it and indexed by the keys, which the exchange cuts into
+        runs of shards; None when it has no rows. The receiver's :meth:`step_indexed` takes the merged runs."""
+        if z.num_rows == 0:
+            return None
+        done = self._as_projected(z)  # a fused join gathered only those columns (runtime/plan.py ``_JoinSlots``)
+        z = conform(self._project(conform(z, self.op.in_schema)) if done is None else done, self.proj_schema)
+        try:
+            dix = z.index_by(self.keys)
+        except WeightOverflowError as e:
+            self.op.raise_overflow(e)
+        return dix if len(dix) else None
+
+    def step_indexed(self, dix: IndexedZSet | None, ctx: "StepContext") -> "ZSet":
+        """The step of a projected min/max (invariant 9) over its change already projected and indexed by the keys
+        (:meth:`index_projected` on the senders, their runs merged): the state's unreachable rows are dropped first,
+        as :func:`keyed_change` drops them, then the same step as :meth:`_step` takes from the indexed change."""
+        try:
+            prune(self, input_times(self.op), ctx)
+            if dix is None or len(dix) == 0:
+                return empty(self.op.schema)
+            return self._step_indexed(dix)
+        except WeightOverflowError as e:
+            self.op.raise_overflow(e)
+
+    def _step_indexed(self, dix: IndexedZSet) -> "ZSet":
+        """The step from its change indexed by the keys (projected first when invariant 9 projects it)."""
+        op = self.op
         change = dix.zset
         if op.append_only and bool((change.weights < 0).any()):  # invariant 7
             self._refuse_retraction()

@@ -8,7 +8,9 @@ Invariants:
      (trace invariant 11, Trace.match_and_insert; for rows with string columns, a galloping C walk over each
      trace batch), so its cost grows with the change, and emits +1 for rows that become positive, -1 for rows
      that stop being positive, consolidated.
-  3. The input is exchanged by all columns, so each row's whole history lives in one worker.
+  3. The input is exchanged by all columns, so each row's whole history lives in one worker (at W > 1 a fused
+     exchange sends the change indexed, :meth:`_DistinctState.index_change`, and the step merges what it received,
+     :meth:`_DistinctState.step_indexed`: the same index, dbsp_core/runtime/plan.py design note 4).
   4. Rows whose time columns (dbsp_core/time lineage) are below their bounds are dropped from the trace: no later
      change can carry them.
 """
@@ -21,9 +23,11 @@ import numpy as np
 import pyarrow as pa
 
 from dbsp_core.errors import WeightOverflowError
-from dbsp_core.operators.base import Operator, empty, keyed_change
+from dbsp_core.operators.base import Operator, conform, empty, keyed_change
+from dbsp_core.time.cleanup import prune
+from dbsp_core.time.lineage import input_times
 from dbsp_core.trace import Trace
-from dbsp_core.zset import ZSet
+from dbsp_core.zset import IndexedZSet, ZSet
 
 if TYPE_CHECKING:
     from dbsp_core.operators.context import StepContext
@@ -57,6 +61,24 @@ class _DistinctState:
 
     def step(self, inputs: list["ZSet"], ctx: "StepContext") -> "ZSet":
         dix = keyed_change(self, inputs, ctx, self.schema, self.cols)  # pruned first: invariant 4
+        return self._step_indexed(dix)
+
+    def index_change(self, z: ZSet) -> IndexedZSet | None:
+        """A fused exchange's half of a step (invariant 3 at W > 1, runtime/plan.py ``_IndexedChangeExchange``): the
+        change indexed by every column, as :meth:`step` indexes it, which the exchange cuts into runs of shards; None
+        when it has no rows."""
+        if z.num_rows == 0:
+            return None
+        dix = conform(z, self.schema).index_by(self.cols)
+        return dix if len(dix) else None
+
+    def step_indexed(self, dix: IndexedZSet | None, ctx: "StepContext") -> "ZSet":
+        """The step over a change already indexed by every column (:meth:`index_change` on the senders, their runs
+        merged): the trace's unreachable rows dropped first (invariant 4), as :meth:`step` drops them."""
+        prune(self, input_times(self.op), ctx)
+        return self._step_indexed(dix if dix is not None and len(dix) else None)
+
+    def _step_indexed(self, dix: IndexedZSet | None) -> "ZSet":
         if dix is None:
             return empty(self.schema)
         try:  # each changed row's accumulated weight before this step, and the change into the trace

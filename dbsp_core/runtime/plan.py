@@ -71,6 +71,12 @@ slices follow, in this order):
      read columns are gathered and sent (the demo's category_stats and last_hour: 2 of the join's 8 columns); when
      that exchange's input is an inner join with no other consumer, the join gathers only those columns from its
      pairs (``_JoinSlots``, as for a linear group-by: the demo's last_hour).
+     **Built**, at W > 1: an exchange whose one consumer is a distinct on its whole row, or such a projecting min/max
+     aggregate, sends its change indexed as the operator would index it, cut into runs of shards, as for a join
+     (``_IndexedChangeExchange``); the operator merges the runs it received (``_MergedChange``: one k-way pass, the
+     row hashes kept) and steps from that index (``step_indexed``): no partition and gather of the change, no
+     concatenation and no ``index_by`` on the receiver (the demo's bidders_per_category, category_stats and
+     last_hour).
   5. State stays where the runtime finds it: a plan holds no state of its own, only the operator instances'
      traces, which it reads and writes through the same Trace methods (insert, lookup, key index). So
      checkpoints (snapshot by shard), rollback (rollback.py copies the instances' attributes), live rescale
@@ -115,10 +121,11 @@ from dbsp_core.errors import WeightOverflowError
 from dbsp_core.operators.aggregate import Aggregate, PreAggregate, _ExtremesState, _LinearState
 from dbsp_core.operators.base import concat, conform
 from dbsp_core.operators.count_distinct import CountDistinct, _CountDistinctState
+from dbsp_core.operators.distinct import Distinct, _DistinctState
 from dbsp_core.operators.exchange import Exchange
 from dbsp_core.operators.join import Join, _JoinState
 from dbsp_core.operators.window import Window
-from dbsp_core.zset import IndexedZSet, ZSet
+from dbsp_core.zset import IndexedZSet, ZSet, merge_cursor, merged
 
 __all__ = ["StepPlan"]
 
@@ -471,25 +478,78 @@ class _ReducedExchange:
         return ctx.exchange(self.node, z, self.key, self.schema)
 
 
-class _ProjectedExchange:
-    """An exchange whose one consumer is a min/max aggregate that projects its change (operators/aggregate.py
-    invariant 9; design note 4, at W > 1): the sender projects the change onto the columns the aggregate reads
-    before it partitions it (no row copied; only those columns are gathered and sent), and the aggregate reads
-    the projected rows as it would have projected them."""
+class _IndexedChangeExchange:
+    """An exchange whose one consumer is a keyed operator that indexes its change by the exchange's key (design note 4,
+    at W > 1): a distinct (its key is the whole row), or a min/max aggregate that projects its change
+    (:class:`_ProjectedExchange`). The sender indexes its change as the operator would (``index``: the change, or
+    None when nothing is left), so each worker's shards are runs of that index that go to its mailbox as slices; the
+    operator's call (:class:`_MergedChange`) merges the sorted runs it received (csrc/merge.h) instead of the
+    exchange's partition and gather, the concatenation and a second ``index_by`` of the received rows."""
 
-    def __init__(self, node: int, state: _ExtremesState, key: tuple[str, ...], counts: dict[str, int]) -> None:
-        self.node, self.state, self.key, self.counts = node, state, tuple(key), counts
-        self.full, self.schema = state.op.in_schema, state.proj_schema
+    def __init__(self, node: int, index: Callable[[ZSet], IndexedZSet | None], counts: dict[str, int],
+                 counted: str = "keyed") -> None:
+        self.node, self.index, self.counts, self.counted = node, index, counts, counted
+
+    def __call__(self, inputs: list, ctx: Any) -> _Received:
+        runs: list = []
+        cut = None
+        ix = self.index(inputs[0])
+        if ix is not None:
+            runs, cut = ctx.shard_map.runs(ix.key_hash), ix._slice
+            self.counts[self.counted] += 1
+        return _Received(ctx.exchange_runs(self.node, runs, cut))
+
+
+class _ProjectedExchange(_IndexedChangeExchange):
+    """An exchange whose one consumer is a min/max aggregate that projects its change (operators/aggregate.py
+    invariant 9; design note 4, at W > 1): the sender projects the change onto the columns the aggregate reads (no
+    row copied) and indexes it by the keys, as the aggregate would (``_ExtremesState.index_projected``); only those
+    columns are gathered, by the index, and sent as runs of it; the aggregate merges them
+    (:class:`_MergedChange`)."""
+
+    def __init__(self, node: int, state: _ExtremesState, counts: dict[str, int]) -> None:
+        super().__init__(node, state.index_projected, counts, "projected")
+
+
+class _MergedChange:
+    """The keyed operator's call after an :class:`_IndexedChangeExchange`: the indexed runs it received merged into
+    one indexed change (one pass of the k-way merge, row hashes kept), which ``step_indexed`` takes as the change
+    its own ``index_by`` would have built (the same rows in the same canonical order: the consolidated sum)."""
+
+    def __init__(self, step_indexed: Callable[[IndexedZSet | None, Any], ZSet], counts: dict[str, int],
+                 overflow: Callable[[WeightOverflowError], Any] | None = None) -> None:
+        self.step_indexed, self.counts, self.overflow = step_indexed, counts, overflow
 
     def __call__(self, inputs: list, ctx: Any) -> ZSet:
-        z = inputs[0]
-        if z.num_rows:
-            done = self.state._as_projected(z)  # a fused join gathered only those columns (:class:`_JoinSlots`)
-            z = self.state._project(conform(z, self.full)) if done is None else done
-            self.counts["projected"] += 1
-        else:
-            z = ZSet.empty(self.schema)
-        return ctx.exchange(self.node, z, self.key, self.schema)
+        self.counts["changes_merged"] += 1
+        try:
+            dix = merge_parts(inputs[0].parts)
+        except WeightOverflowError as e:
+            if self.overflow is None:
+                raise
+            self.overflow(e)
+        return self.step_indexed(dix, ctx)
+
+
+def merge_parts(parts: list) -> IndexedZSet | None:
+    """The consolidated sum of indexed Z-sets of one schema and key (the runs an exchange of indexed rows sent), in
+    k-way merges of up to the cursor's bound at a time (csrc/merge.h invariant 4), row hashes kept; None for none."""
+    parts = [p for p in parts if len(p)]
+    while len(parts) > 1:
+        done = []
+        for i in range(0, len(parts), MERGE_K):
+            group = parts[i:i + MERGE_K]
+            if len(group) == 1:
+                done.append(group[0])
+                continue
+            m = merge_cursor(*group, row_hashes=True)
+            m.step(sum(len(p) for p in group))
+            done.append(merged(group[0], m))
+        parts = [p for p in done if len(p)]
+    return parts[0] if parts else None
+
+
+MERGE_K = 64  # inputs of one k-way merge at most (csrc/merge.h DBSP_MERGE_MAX_K)
 
 
 class _PairsExchange:
@@ -576,14 +636,17 @@ class StepPlan:
     partitioned them (:class:`_ReducedExchange`); ``"sliced"``, steps of a hopping window that summed its group-by's
     slices (:class:`_HopSlices`); ``"paired"``, changes an exchange summed into distinct (keys, value) pairs for its
     count-distinct before it partitioned them (:class:`_PairsExchange`); ``"projected"``, changes an exchange
-    projected onto the columns its min/max aggregate reads before it partitioned them (:class:`_ProjectedExchange`)."""
+    projected onto the columns its min/max aggregate reads and indexed before it cut them (:class:`_ProjectedExchange`);
+    ``"keyed"``, changes an exchange indexed for its distinct before it cut them (:class:`_IndexedChangeExchange`);
+    ``"changes_merged"``, steps of such a distinct or min/max over the received runs merged (:class:`_MergedChange`)."""
 
     def __init__(self, circuit: Circuit, live: list[int], instances: dict[int, Any], workers: int,
                  fuse: bool = True) -> None:
         nodes = circuit.nodes
         self.workers = workers  # the layout's worker count it was lowered for (invariant 2)
         self.counts = dict.fromkeys(("fused", "cstep", "unfused", "sent", "grouped", "received", "indexed", "merged",
-                                     "joined", "reduced", "sliced", "paired", "projected"), 0)
+                                     "joined", "reduced", "sliced", "paired", "projected", "keyed",
+                                     "changes_merged"), 0)
         self.fused_nodes: list[int] = []  # the last node of each fused chain
         steps: dict[int, Callable] = {i: instances[i].step for i in live}
         if fuse:
@@ -622,12 +685,19 @@ class StepPlan:
                     steps[e] = _ReducedExchange(e, instances[agg], nodes[e].key, self.counts)
                 for agg in self._extremes_fed_by_exchange(circuit, live, instances, inner, "projected"):
                     e = nodes[agg].inputs[0]
-                    steps[e] = _ProjectedExchange(e, instances[agg], nodes[e].key, self.counts)
+                    steps[e] = _ProjectedExchange(e, instances[agg], self.counts)
+                    steps[agg] = _MergedChange(instances[agg].step_indexed, self.counts, nodes[agg].raise_overflow)
+                    self.fused_nodes.append(agg)
                     j = nodes[e].inputs[0]
                     if type(nodes[j]) is Join and type(instances[j]) is _JoinState and inner(j):
                         steps[j] = _JoinSlots(instances[j], nodes[agg], self.counts)  # gathers the read columns
                         slot_joins.add(j)
                         self.fused_nodes.append(j)
+                for d in self._distincts(circuit, live, instances, inner):
+                    e = nodes[d].inputs[0]
+                    steps[e] = _IndexedChangeExchange(e, instances[d].index_change, self.counts)
+                    steps[d] = _MergedChange(instances[d].step_indexed, self.counts)
+                    self.fused_nodes.append(d)
                 for cd in self._count_distincts(circuit, live, instances, inner):
                     e = nodes[cd].inputs[0]
                     steps[e] = _PairsExchange(e, instances[cd], nodes[e].schema, nodes[e].key, self.counts)
@@ -730,6 +800,16 @@ class StepPlan:
         return [i for i in live if type(nodes[i]) is CountDistinct and type(instances[i]) is _CountDistinctState
                 and isinstance(nodes[nodes[i].inputs[0]], Exchange) and inner(nodes[i].inputs[0])
                 and tuple(nodes[nodes[i].inputs[0]].key) == tuple(nodes[i].partitioning)]
+
+    @staticmethod
+    def _distincts(circuit: Circuit, live: list[int], instances: dict[int, Any], inner: Callable[[int], bool]
+                   ) -> list[int]:
+        """Every distinct whose input is an exchange on its whole row (its columns, in order) with no other consumer
+        (design note 4 at W > 1)."""
+        nodes = circuit.nodes
+        return [i for i in live if type(nodes[i]) is Distinct and type(instances[i]) is _DistinctState
+                and isinstance(nodes[nodes[i].inputs[0]], Exchange) and inner(nodes[i].inputs[0])
+                and tuple(nodes[nodes[i].inputs[0]].key) == tuple(instances[i].cols)]
 
     @staticmethod
     def _indexed_joins(circuit: Circuit, live: list[int], instances: dict[int, Any], inner: Callable[[int], bool]

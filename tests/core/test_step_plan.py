@@ -22,7 +22,7 @@ SCHEMA = pa.schema([("k", pa.int64()), ("j", pa.int64()), ("v", pa.int64()), ("s
 USCHEMA = pa.schema([("id", pa.int64()), ("x", pa.string()), ("m", pa.int64())])  # the join's other side
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))  # the join test's rows; replayable
 COUNTS = ("fused", "cstep", "unfused", "sent", "grouped", "received", "indexed", "merged", "joined",
-          "reduced", "sliced", "paired", "projected")  # StepPlan.counts' keys
+          "reduced", "sliced", "paired", "projected", "keyed", "changes_merged")  # StepPlan.counts' keys
 
 rows = st.tuples(st.integers(0, 5), st.one_of(st.none(), st.integers(0, 2)),
                  st.one_of(st.none(), st.integers(-9, 9)), st.sampled_from(["a", "b", None]))
