@@ -209,7 +209,10 @@ def measure(p: dbsp.Pipeline, rng, query: str, groups: int, args, loaded: list, 
                 k += 1
             pr.disable()
             print(f"  {query} {'spilled' if store is not None else 'memory'}: cProfile of {args.profile} steps", flush=True)
-            pstats.Stats(pr).sort_stats(os.environ.get("BENCH_PROFILE_SORT", "tottime")).print_stats(22)
+            st = pstats.Stats(pr).sort_stats(os.environ.get("BENCH_PROFILE_SORT", "tottime"))
+            st.print_stats(int(os.environ.get("BENCH_PROFILE_LINES", "22")))
+            if os.environ.get("BENCH_PROFILE_CALLERS"):  # the callers of these functions (a regular expression)
+                st.print_callers(os.environ["BENCH_PROFILE_CALLERS"])
         pages, cold, majflt, fetched = [], [], [], []
         for _ in range(args.cold):
             drop_pages(store)

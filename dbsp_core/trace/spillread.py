@@ -121,6 +121,30 @@ def pages_used(reads: list[tuple[Any, Any, np.ndarray | None, np.ndarray | None]
     return out
 
 
+def evict(runs: list[tuple[mmap.mmap, np.ndarray | None]], recency: bool) -> int:
+    """Drop from the process the pages of an enforce's evictions (per entry a file's mapping and its pages, sorted
+    page numbers, or None: the whole mapping; a mapping evicted whole is not also evicted by runs; several entries of
+    one mapping are dropped together), a madvise(MADV_DONTNEED) per run of adjacent pages, in one C call whose runs
+    go to the kernel up to 1024 a system call (``_storage.evict_mappings``); with ``recency`` each mapping is
+    MADV_NORMAL for the drop (spill.py ``_recency``). spill.py ``_evict`` (a madvise or three and ~10 Python calls a
+    file: a join step over 25 spilled batches evicted 17 files whole a step) stays the reference (``IN_C`` False).
+    Returns the system calls that dropped pages."""
+    whole = {id(m): m for m, pages in runs if pages is None}  # each mapping once (several reads of it evicted)
+    parts: dict[int, list] = {}
+    for m, pages in runs:
+        if pages is not None and id(m) not in whole:
+            parts.setdefault(id(m), [m]).append(pages)
+    entries: list[tuple[Any, np.ndarray | None]] = [(m, None) for m in whole.values()]
+    for m, *ps in parts.values():
+        p = ps[0] if len(ps) == 1 else np.unique(np.concatenate(ps))
+        entries.append((m, np.ascontiguousarray(p, dtype=np.int64)))
+    if not entries:
+        return 0
+    from dbsp_core import _storage
+
+    return _storage.evict_mappings(entries, mmap.PAGESIZE, recency)
+
+
 def stamp(clock: np.ndarray, pages: np.ndarray, now: int) -> int:
     """``clock[pages] = now``; returns how many of ``pages`` had clock 0 (the cache's misses)."""
     if IN_C:
