@@ -25,6 +25,7 @@ import pyarrow as pa
 from dbsp_core.zset import FENCE_STEP
 
 IN_C = True  # the C calls below (False: the numpy path per batch; tests compare the two)
+EVICT_IN_C = True  # with IN_C, the cache's evictions through :func:`evict` (False: spill.py ``_evict``, a file at a time)
 
 FIXED, BITS, VAR = 0, 1, 2  # csrc/spillread.h DBSP_SPAN_*
 _FENCE_SHIFT = FENCE_STEP.bit_length() - 1
