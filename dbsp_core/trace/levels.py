@@ -1029,7 +1029,7 @@ class Trace(KeyIndexed):
         """:meth:`narrowed`'s (rows of ``change`` kept, their row numbers, how many) for batch ``b`` from the Bloom
         tests ``keeps`` (:meth:`_filters` of the change's key hashes): the first call for a change takes the rows
         every tested batch keeps in one take (ascending within each batch; a batch's part is a slice of it, no
-        copy), instead of a take a batch (~40 us of Python each, a join over 25 spilled batches paid it 17 times a
+        copy), instead of a take a batch (~45 us each under cProfile; a join over 25 spilled batches took 17 a
         step). None: not taken together (``NARROW_TOGETHER`` off, tests made otherwise, more than
         ``NARROW_TOGETHER_MAX`` rows), the caller takes per batch."""
         tests = self._keeps
@@ -1046,7 +1046,7 @@ class Trace(KeyIndexed):
             if total > self.NARROW_TOGETHER_MAX:
                 return None
             if total:
-                which, rows = np.nonzero(keep[part])  # (row-major: each batch's rows ascending, batch after batch)
+                _, rows = np.nonzero(keep[part])  # (row-major: each batch's rows ascending, batch after batch)
                 taken = change.take(rows)
                 ends = np.cumsum(counts[part]).tolist()
                 lo = 0
