@@ -119,7 +119,8 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      Linux takes no notice of the mapping's accesses: unmapping a young page does not mark its page-cache folio
      accessed, and reclaim's reference scan skips the mapping (``vma_has_recency``). So every drop of a spilled file's
      pages (an eviction, a whole-mapping drop, a merge's ``merge_pages_out``, a walk piece's ``walked_out``: all through
-     ``_drop_mapping`` or ``_evict``) is made with the mapping MADV_NORMAL and sets it MADV_RANDOM again after
+     ``_drop_mapping`` or ``_evict``; an enforce's evictions through ``spillread.evict``, the same calls in one C
+     call) is made with the mapping MADV_NORMAL and sets it MADV_RANDOM again after
      (``_recency``, two madvise calls per mapping dropped; ``RECENCY``): the pages reads used since the last drop are
      marked used in the LRU, so under memory pressure the kernel reclaims the files steps do not read (a join's side
      that only grows) before the ones every step reads. Without it, at 100M rows under 1 GiB (files 12 GiB on a 23 GiB
