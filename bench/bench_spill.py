@@ -45,6 +45,7 @@ import dbsp_core as dbsp  # noqa: E402
 from dbsp_core.envvars import settings  # noqa: E402
 from dbsp_core.runtime.embedded import EmbeddedExecutor  # noqa: E402
 from dbsp_core.trace.spill import BatchStore  # noqa: E402
+from dbsp_core.trace import Trace, spillread  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -138,12 +139,16 @@ def run(query: str, state: int, groups: int, args, limit) -> list[dict] | None:
     store = p.executor.batch_store
     phases = args.prefetch.split(",") if store is not None else ["-"]
     out, k = [], 0
+    walks = args.walk.split(",") if store is not None else ["-"]
     for prefetch in phases:
-        if store is not None:
-            BatchStore.PREFETCH = prefetch
-        r, k = measure(p, rng, query, groups, args, loaded, k)
-        r.update(load_s=load_s, prefetch=prefetch)
-        out.append(r)
+        for walk in walks:
+            if store is not None:
+                BatchStore.PREFETCH = prefetch
+            if walk != "-":  # branch r31-walk's batched narrowed take and evictions (new) or a batch at a time (old)
+                Trace.NARROW_TOGETHER = spillread.EVICT_IN_C = walk == "new"
+            r, k = measure(p, rng, query, groups, args, loaded, k)
+            r.update(load_s=load_s, prefetch=prefetch if walk == "-" else f"{prefetch} walk {walk}")
+            out.append(r)
     if store is not None:
         for i, t in enumerate(p.executor._all_traces()):  # the files a lookup may touch: per trace, its batches and the spilled ones
             bs = t._levels()
@@ -209,7 +214,10 @@ def measure(p: dbsp.Pipeline, rng, query: str, groups: int, args, loaded: list, 
                 k += 1
             pr.disable()
             print(f"  {query} {'spilled' if store is not None else 'memory'}: cProfile of {args.profile} steps", flush=True)
-            pstats.Stats(pr).sort_stats(os.environ.get("BENCH_PROFILE_SORT", "tottime")).print_stats(22)
+            st = pstats.Stats(pr).sort_stats(os.environ.get("BENCH_PROFILE_SORT", "tottime"))
+            st.print_stats(int(os.environ.get("BENCH_PROFILE_LINES", "22")))
+            if os.environ.get("BENCH_PROFILE_CALLERS"):  # the callers of these functions (a regular expression)
+                st.print_callers(os.environ["BENCH_PROFILE_CALLERS"])
         pages, cold, majflt, fetched = [], [], [], []
         for _ in range(args.cold):
             drop_pages(store)
@@ -313,6 +321,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--cold", type=int, default=20, help="steps measured with the files' pages dropped first")
     ap.add_argument("--runs", type=int, default=1, help="alternated memory/spilled runs per query")
+    ap.add_argument("--walk", default="-", help="the spilled pipeline's phases (within each --prefetch phase) over "
+                    "its loaded state, alternated as old,new,old,new: Trace.NARROW_TOGETHER and spillread.EVICT_IN_C "
+                    "off (old: a take and a madvise or three a spilled batch) or on (new); -: as they are")
     ap.add_argument("--prefetch", default="auto", help="the spilled pipeline's phases over its loaded state, each "
                     "with --steps and --cold steps: auto, on, off, or alternated (off,on,...): BatchStore.PREFETCH")
     ap.add_argument("--modes", default="memory,spilled", help="which pipelines run (a state too big for memory: "

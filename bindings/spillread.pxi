@@ -1,6 +1,7 @@
 # spillread.pxi (included by storage.pyx): the batched Bloom tests and page accounting of a step's reads of spilled
 # batches (csrc/spillread.h; dbsp_core/trace/spillread.py calls these).
 from libc.stdint cimport int32_t, uint8_t
+from posix.mman cimport MADV_DONTNEED, MADV_NORMAL, MADV_RANDOM
 
 cdef extern from "spillread.h" nogil:
     ctypedef struct DbspSpan:
@@ -90,3 +91,86 @@ def pages_stamp(int32_t[::1] clock, const int64_t[::1] pages, int32_t now):
         if pages[i] < 0 or pages[i] >= nc:
             raise IndexError(f"pages_stamp: page {pages[i]} of a clock of {nc}")
     return dbsp_pages_stamp(&clock[0] if nc else NULL, &pages[0] if m else NULL, m, now)
+
+
+
+def evict_mappings(entries, size_t page, bint recency):
+    """The cache's evictions of one enforce (dbsp_core/trace/spill.py ``_evict``) in one call: per entry ``(mapping,
+    pages)`` madvise(MADV_DONTNEED) of the runs of adjacent pages of ``pages`` (sorted, unique page numbers of
+    ``page`` bytes, clipped to the mapping as :func:`advise_pages`; None: the whole mapping) of ``mapping`` (an mmap);
+    every entry's runs go to the kernel together, up to 1024 a system call (``dbsp_advise_runs``: one mmap lock and TLB
+    flush a call, instead of a madvise or three and as many Python calls a file). With ``recency`` each mapping is
+    MADV_NORMAL for the drop and MADV_RANDOM after it (spill.py ``_recency``: a madvise each, which flush nothing). A
+    closed mapping (its batch gone) is skipped. The mappings stay exported, so open, for the call. Returns the system
+    calls that dropped pages (as ``advise_calls``; the recency's are not counted)."""
+    cdef list views = []
+    cdef const unsigned char[::1] view
+    cdef const int64_t[::1] pages
+    cdef size_t n, lo, hi
+    cdef Py_ssize_t i, j, k = 0, total = 0, nmaps, np_
+    cdef int64_t p0, p1
+    cdef long before = dbsp_advise_syscalls
+    cdef iovec *iov
+    cdef iovec *whole
+    cdef char *base
+    for m, pg in entries:
+        try:
+            view = memoryview(m).cast("B")
+        except (ValueError, TypeError):  # closed: its batch is gone
+            continue
+        if view.shape[0] == 0:
+            continue
+        if pg is None:
+            total += 1
+        else:
+            pages = pg
+            total += pages.shape[0]
+        views.append((view, pg))
+    nmaps = len(views)
+    if nmaps == 0:
+        return 0
+    iov = <iovec *> malloc((total + nmaps) * sizeof(iovec))
+    if iov == NULL:
+        raise MemoryError("evict_mappings: out of memory")
+    whole = iov + total
+    try:
+        for j in range(nmaps):
+            view, pg = views[j]
+            n = view.shape[0]
+            base = <char *> &view[0]
+            whole[j].iov_base = base
+            whole[j].iov_len = n
+            if pg is None:
+                iov[k].iov_base = base
+                iov[k].iov_len = n
+                k += 1
+                continue
+            pages = pg
+            np_ = pages.shape[0]
+            i = 0
+            while i < np_:
+                p0 = pages[i]
+                p1 = p0
+                while i + 1 < np_ and pages[i + 1] == p1 + 1:
+                    i += 1
+                    p1 += 1
+                i += 1
+                if p0 < 0 or <size_t> p0 > (n - 1) / page:
+                    continue  # (a last page the mapping holds part of is in it)
+                lo = <size_t> p0 * page
+                hi = n if <size_t> (p1 - p0 + 1) >= (n - lo + page - 1) / page else lo + <size_t> (p1 - p0 + 1) * page
+                iov[k].iov_base = base + lo
+                iov[k].iov_len = hi - lo
+                k += 1
+        with nogil:
+            if recency:
+                for j in range(nmaps):
+                    madvise(whole[j].iov_base, whole[j].iov_len, MADV_NORMAL)
+            if k:
+                dbsp_advise_runs(iov, k, MADV_DONTNEED)
+            if recency:
+                for j in range(nmaps):
+                    madvise(whole[j].iov_base, whole[j].iov_len, MADV_RANDOM)
+    finally:
+        free(iov)
+    return dbsp_advise_syscalls - before

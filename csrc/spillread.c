@@ -6,7 +6,14 @@ size_t dbsp_bloom_probe(const uint64_t *words, size_t nwords, int k, const uint6
     int bits = 0;
     while (((size_t)1 << bits) < nwords) bits++;
     size_t c = 0;
+    /* each probe reads a random word of a filter of up to some MiB: a cache (and TLB) miss a hash, one after the
+     * other when not fetched ahead; the words of the hashes AHEAD on are asked for first, so that the misses overlap */
+    enum { AHEAD = 16 };
+    for (size_t i = 0; i < m && i < AHEAD; i++)
+        __builtin_prefetch(&words[bits ? (size_t)(hashes[i] >> (64 - bits)) : 0]);
     for (size_t i = 0; i < m; i++) {
+        if (i + AHEAD < m)
+            __builtin_prefetch(&words[bits ? (size_t)(hashes[i + AHEAD] >> (64 - bits)) : 0]);
         uint64_t h = hashes[i], mask = 0;
         for (int j = 0; j < k; j++) mask |= (uint64_t)1 << ((h >> (6 * j)) & 63);
         uint64_t w = words[bits ? (size_t)(h >> (64 - bits)) : 0];

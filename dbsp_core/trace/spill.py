@@ -119,7 +119,8 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      Linux takes no notice of the mapping's accesses: unmapping a young page does not mark its page-cache folio
      accessed, and reclaim's reference scan skips the mapping (``vma_has_recency``). So every drop of a spilled file's
      pages (an eviction, a whole-mapping drop, a merge's ``merge_pages_out``, a walk piece's ``walked_out``: all through
-     ``_drop_mapping`` or ``_evict``) is made with the mapping MADV_NORMAL and sets it MADV_RANDOM again after
+     ``_drop_mapping`` or ``_evict``; an enforce's evictions through ``spillread.evict``, the same calls in one C
+     call) is made with the mapping MADV_NORMAL and sets it MADV_RANDOM again after
      (``_recency``, two madvise calls per mapping dropped; ``RECENCY``): the pages reads used since the last drop are
      marked used in the LRU, so under memory pressure the kernel reclaims the files steps do not read (a join's side
      that only grows) before the ones every step reads. Without it, at 100M rows under 1 GiB (files 12 GiB on a 23 GiB
@@ -1265,7 +1266,8 @@ class BatchStore:
         # the runs of pages evicted, in C with the GIL released, up to 1024 runs a system call (process_madvise:
         # 4,300 runs a 10M join step took 13 ms as a madvise each); handing them to the spill thread cost the step
         # more (waking it hands it the GIL) than the calls
-        self.stats["evict_calls"] += _evict(evict)
+        self.stats["evict_calls"] += (spillread.evict(evict, self.RECENCY and hasattr(mmap, "MADV_NORMAL"))
+                                      if spillread.IN_C and spillread.EVICT_IN_C else _evict(evict))
 
     def _evict_oldest(self, cap: int) -> tuple[list[tuple[mmap.mmap, np.ndarray]], list[Any]]:
         """Drop from the cache the pages of the oldest reads not used since, a read at a time, until it holds at most

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from dbsp_core.trace import spill
+from dbsp_core.trace import spill, spillread
 from dbsp_core.trace.spill import BatchStore, spilling
 from tests.core.test_spill_flat import _read, _rss, _smaps_values, _spilled_trace
 
@@ -39,6 +39,9 @@ def test_a_drop_of_a_spilled_files_pages_is_made_with_recency(recency: bool, mon
     is random-read again after every enforce (faults read no pages around them). With ``RECENCY`` off every drop is
     made random-read (the second case: the check can fail). The rows found are the model's; the budget holds."""
     monkeypatch.setattr(BatchStore, "RECENCY", recency)
+    # the cache's drops through the reference path (spill.py _evict, a _recency a mapping: watched below); the batched
+    # C call (spillread.evict, IN_C) is test_a_batched_drop_of_a_spilled_files_pages_leaves_it_random_read's
+    monkeypatch.setattr(spillread, "IN_C", False)
     seen: list[bool] = []  # per drop of the file's mapping: "rr" in its VmFlags during it
     inner = spill._recency
 
@@ -70,3 +73,27 @@ def test_a_drop_of_a_spilled_files_pages_is_made_with_recency(recency: bool, mon
             assert not any(seen), (seen, SEED)
         else:
             assert all(seen), (seen, SEED)
+
+
+@pytest.mark.parametrize("recency", [True, False])
+def test_a_batched_drop_of_a_spilled_files_pages_leaves_it_random_read(recency: bool, monkeypatch) -> None:
+    """The same steps with the cache's drops batched in C (spillread.evict: every mapping's runs in one call, each
+    mapping MADV_NORMAL around its drop with ``RECENCY``): after every enforce the file's Rss is within what the
+    store counts mapped and the cap, its mapping is random-read again, the drops happened, and the rows found are
+    the model's. (The mapping's flags during the C call are not observable from here; the order of the calls is
+    spillread.pxi ``evict_mappings``'s.)"""
+    monkeypatch.setattr(BatchStore, "RECENCY", recency)
+    monkeypatch.setattr(spillread, "IN_C", True)
+    rng = np.random.default_rng(SEED)
+    with BatchStore(16 << 20) as store, spilling(store):
+        t, model = _spilled_trace(store, 1_000_000, rng)
+        f = store.file_of(t._levels()[0])
+        calls = store.stats["evict_calls"]
+        for _ in range(3):
+            _read(t, rng.choice(1_000_000, 150, replace=False), model)
+            store.enforce()
+            rss = _rss(f.map)
+            assert rss <= store.mapped_bytes() <= store.cache_cap(), (rss, store.mapped_bytes(), SEED)
+            assert "rr" in _vmflags(f.map), SEED
+        assert store.stats["mapped_drops"] + store.stats["whole_evictions"] >= 3, store.stats
+        assert store.stats["evict_calls"] > calls, store.stats
