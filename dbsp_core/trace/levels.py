@@ -441,6 +441,9 @@ class Trace(KeyIndexed):
     _keeps: "tuple | None" = None  # the last _filters: (the key hashes, its tests), for a join's narrowed
     FILTERS_MAX = 1 << 22  # a read's Bloom tests in one call up to this many (batch, hash) pairs (a byte each, kept
     # until the next read's): the per-batch Python they save matters for small steps, a big one tests per batch
+    held_merges = 0  # merges of more than two batches started on a held level (invariant 18), for tests
+    hold = 0  # invariant 18: the fan-in up to which the low levels of a trace read through its key index merge (0:
+    # two at a time, as every trace); set per instance (a linear aggregate's totals: operators/aggregate.py)
     INLINE_MERGE = 4096  # work (input rows) up to which a merge is not handed to the merge thread (invariant 10):
     # handing over a small step's merge (lock, wake-up, GIL hand-offs) cost more than merging it by fuel here
     # (1k-row steps on 1M rows, 600 steps alternated twice: mean 5-15% lower for distinct, group_by and join)
@@ -618,8 +621,12 @@ class Trace(KeyIndexed):
 
     def _fan_in(self, level: _Level) -> int:
         """How many loose batches of ``level`` one merge takes (invariant 15): FAN_IN when the level is tiered (its
-        two oldest loose batches would merge on disk: the batch store says so), else 2."""
+        two oldest loose batches would merge on disk: the batch store says so); without a store, on a trace that
+        holds its steps' batches (``hold``, invariant 18) and reads through a key index, up to ``hold`` on a low
+        level; else 2."""
         store = self._store
+        if store is None and self.hold > 2 and len(level.loose) >= 2:
+            return self._held_fan_in(level)
         if store is None or self.FAN_IN <= 2 or len(level.loose) < 2:
             return 2
         if not store.on_disk(level.loose[0][1], level.loose[1][1]):
@@ -641,11 +648,27 @@ class Trace(KeyIndexed):
             return True
         return self.FROM_MEMORY and fuel >= sum(len(e[1]) for e in level.loose[:k])
 
+    def _held_fan_in(self, level: _Level) -> int:
+        """Invariant 18: the fan-in of a level of a trace that holds (``hold``) whose reads of keys go through a current
+        key index: ``2 ** j`` for the largest j with ``2 ** j <= hold`` whose output (about j levels up) stays below
+        the trace's highest level by at least one, else 2."""
+        if self._kix_spec is None or self._kix_off or self._kix is None:
+            return 2
+        lvl = level_of(level.loose[0][2])
+        top = len(self._by_level) - 1
+        while top > lvl and not self._by_level[top].loose and self._by_level[top].merge is None:
+            top -= 1
+        k = 2
+        while 2 * k <= self.hold and lvl + (2 * k).bit_length() - 1 < top:
+            k *= 2
+        return k
+
     def _from_memory(self, level: _Level, k: int) -> bool:
         """Whether a merge of the ``k`` oldest loose batches of ``level`` is a tiered one that only this insert's fuel
         may start (invariant 15): some input is still in memory and the level holds fewer than 2 * k loose batches.
-        Such a merge runs to its end within the insert (never handed to the merge thread): it pins its inputs."""
-        return (k > 2 and len(level.loose) < 2 * k
+        Such a merge runs to its end within the insert (never handed to the merge thread): it pins its inputs. Never
+        without a batch store (a held level, invariant 18, pins nothing a budget counts)."""
+        return (k > 2 and self._store is not None and len(level.loose) < 2 * k
                 and not all(self._store.is_spilled(e[1]) for e in level.loose[:k]))
 
     def _start_merge(self, lvl: int, handing: bool) -> _Merge:
@@ -658,6 +681,8 @@ class Trace(KeyIndexed):
             for e in level.loose[:k]:
                 self._store.check(e[1])
         m = _Merge(level.loose[:k], self._store, self.row_hashes)
+        if k > 2 and self._store is None:
+            self.held_merges += 1  # (invariant 18; a count for tests)
         if self._unspilled:  # an input is an output of this work still read from its scratch file
             ins = {id(e[1]) for e in m.inputs}
             m.scratch = tuple(c.drop for o, c, _s in self._unspilled if id(o) in ins)
