@@ -48,7 +48,7 @@ Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them
   directory recorded when it was created. Results are the same either way.
 - ``DBSP_TOTALS_HOLD`` (operators/aggregate.py): the fan-in up to which the low levels of a linear aggregate's totals
   trace merge while its key index serves its reads (trace/levels.py invariant 18), a whole number >= 0 (0 or 1: two at a
-  time, as every other trace; default 16). Results and state are the same either way; only the merge work differs.
+  time, as every other trace; default 8). Results and state are the same either way; only the merge work differs.
 - ``DBSP_SUBSTEP_BYTES`` (runtime/substep.py): under a memory budget, the most pushed bytes (Arrow data and weights)
   one piece of a step holds: a bigger step runs as sub-steps over pieces of its input (default: an eighth of the
   budget, at least 4 MiB; bytes or a size such as ``64MiB``). Results are the same either way; with no budget it is
@@ -248,7 +248,7 @@ SETTINGS: tuple[Setting, ...] = (  # the list of the module docstring, in its or
     Setting("DBSP_STEP_PLAN", "step_plan", "flag", default=True),
     Setting("DBSP_PRUNE", "prune", "flag", default=True),
     Setting("DBSP_JEMALLOC", "jemalloc", "flag", default=False),
-    Setting("DBSP_TOTALS_HOLD", "totals_hold", "whole", default=16),
+    Setting("DBSP_TOTALS_HOLD", "totals_hold", "whole", default=8),
     Setting("DBSP_SUBSTEP_BYTES", "substep_bytes", "bytes"),  # None: runtime/substep.py derives it from the budget
 )
 

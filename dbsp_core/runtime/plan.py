@@ -98,9 +98,11 @@ slices follow, in this order):
      syncs first, and the trace then serves as today. What (a)-(d) buy: no per-step batch and no merges between
      syncs; a sync costs the dirty keys (at most the state) once, at the cadence of checkpoints. **Built** instead
      (the part that is safe today): the merges amortized, trace invariant 18 (``Trace.hold``, ``DBSP_TOTALS_HOLD``):
-     the totals trace's low levels merge up to 16 step batches at a time while its key index serves its reads,
-     about halving its merge input rows (13.9k -> 6.7k a step) with the content, and so every reader above,
-     unchanged. Not built: (a)-(d); the undo log of (c) is what a rollback needs first.
+     the totals trace's low levels merge up to 8 step batches at a time (one k-way pass) while its key index serves
+     its reads: its merge input rows halve (13.9k -> 6.7k a step) with the content, and so every reader above,
+     unchanged; but a k-way pass costs ~2x a two-way one a row (and hashes more rows: the batches keep no row
+     hashes), so a step's instructions fell ~9% (4.18M -> 3.79M over 400 steps), not the merges' half. Not built:
+     (a)-(d); the undo log of (c) is what a rollback needs first.
   6. Proof of equality: a fused call must produce exactly the Z-set of the chain it replaces (multiset equal
      after consolidation) and leave the same state. The DuckDB-checked suites (tests/core, tests/sql,
      tests/nexmark) run with the plan on (the default), and tests/core/test_step_plan.py runs random circuits

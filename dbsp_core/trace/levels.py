@@ -135,7 +135,7 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      summed work) stays below the trace's highest non-empty level, in one k-way pass (csrc/merge.h invariant 4), as a
      tiered level does (invariant 15, without its spill rules: nothing is pinned against a budget), else two. Every
      step's batch of old and new totals is then rewritten about once per j levels on its way up instead of once per
-     level (measured, 1k-row steps into 100k groups: 13.9k -> 6.7k merge input rows a step), and such a level holds up
+     level (measured, 1k-row steps into 100k groups, hold 8: 13.9k -> 6.7k merge input rows a step; instructions -9%: a k-way pass costs more a row), and such a level holds up
      to 2 * hold loose batches, which only an index rebuild, a checkpoint, a shard cut or a view read reads. The content,
      the placement order and every reader's view of it are invariant 1's, whatever the fan-in; under a store (and with
      no current index) the fan-in is invariant 15's or 2, as for every trace.
