@@ -19,6 +19,7 @@ import pyarrow as pa
 import pytest
 
 import dbsp_core as dbsp
+from dbsp_core.envvars import settings
 from dbsp_core.errors import StepError
 from dbsp_core.operators.aggregate import _LinearState
 from dbsp_core.runtime.embedded import EmbeddedExecutor
@@ -29,6 +30,7 @@ GROUPS = 3000  # keys of k: a load of about this many groups puts the totals' to
 AGGS = {"n": lambda: dbsp.count(), "total": lambda: dbsp.sum("v"), "nv": lambda: dbsp.count("v"),
         "m": lambda: dbsp.avg("v")}
 KEYS = [("k",), ("k", "j"), ("s",), ("j",)]
+BUDGET = settings().memory_limit is not None  # DBSP_MEMORY_LIMIT set: every pipeline spills, nothing holds
 
 
 def _circuit(views: list, poison: bool = False) -> dbsp.Circuit:
@@ -121,11 +123,14 @@ def test_held_levels_give_the_outputs_and_state_of_two_way_merges(case: int, mon
         for i, (a, b) in enumerate(zip(on, off)):
             assert a == b, f"hold {hold}, step {i}, views {views}, W={workers} (DBSP_HOLD_SEED={SEED})"
         assert state_on == state_off, f"hold {hold} (DBSP_HOLD_SEED={SEED})"
-        assert held_on >= workers, (held_on, views)  # the totals by k (GROUPS groups) merged more than two at once
+        if BUDGET:  # DBSP_MEMORY_LIMIT: every trace has a batch store, whose levels merge by invariant 15 alone
+            assert held_on == 0
+        else:
+            assert held_on >= workers, (held_on, views)  # the totals by k (GROUPS groups) merged more than two at once
     assert held_off == 0
     # and the unplanned path (no fused chain: the aggregate's own step) holds the same way
     unplanned, state_u, held_u = _run(views, deltas, 16, workers, monkeypatch, plan=False)
-    assert unplanned == off and state_u == state_off and held_u >= workers
+    assert unplanned == off and state_u == state_off and (held_u == 0 if BUDGET else held_u >= workers)
 
 
 def test_held_levels_across_checkpoint_reopen_rollback_and_live_rescale(tmp_path, monkeypatch) -> None:
