@@ -335,16 +335,32 @@ int dbsp_merge_k_step(const DbspBatch *const *in, const uint64_t *const *kh, con
     int64_t srow[CHUNK];
     int32_t ties[DBSP_MERGE_MAX_K];
     int st = DBSP_OK;
+    /* the live inputs (rows left), in input order, and the key hash at each one's head: a row's pick compares these
+     * cached hashes (one load each), and the full order (head_cmp) only among the heads whose key hashes are the least */
+    int32_t live[DBSP_MERGE_MAX_K], nlive = 0;
+    uint64_t hk[DBSP_MERGE_MAX_K];
+    for (int32_t x = 0; x < k; x++)
+        if (pos[x] < in[x]->nrows) { live[nlive++] = x; hk[x] = kh[x][pos[x]]; }
     while (used < stop && st == DBSP_OK) {
         int64_t cnt = 0;
         while (cnt < CHUNK && used < stop) {
-            int32_t best = -1, nt = 0;
-            for (int32_t x = 0; x < k; x++) {
-                if (pos[x] == in[x]->nrows) continue;
-                if (best < 0) { best = x; continue; }
-                int c = head_cmp(&s, x, best);
-                if (c < 0) { best = x; nt = 0; }
-                else if (c == 0) ties[nt++] = x;
+            int32_t best = live[0], nt = 0, tied = 0;
+            uint64_t m = hk[best];
+            for (int32_t t = 1; t < nlive; t++) {
+                uint64_t q = hk[live[t]];
+                if (q < m) { m = q; best = live[t]; tied = 0; }
+                else if (q == m) tied = 1;
+            }
+            if (tied) {  /* the heads of the least key hash, in input order, as a scan of every head by head_cmp */
+                best = -1;
+                for (int32_t t = 0; t < nlive; t++) {
+                    int32_t x = live[t];
+                    if (hk[x] != m) continue;
+                    if (best < 0) { best = x; continue; }
+                    int c = head_cmp(&s, x, best);
+                    if (c < 0) { best = x; nt = 0; }
+                    else if (c == 0) ties[nt++] = x;
+                }
             }
             int64_t i = pos[best];
             int64_t sum = in[best]->weights ? in[best]->weights[i] : 1;
@@ -361,6 +377,18 @@ int dbsp_merge_k_step(const DbspBatch *const *in, const uint64_t *const *kh, con
             pos[best]++;
             used++;
             for (int32_t t = 0; t < nt; t++) { pos[ties[t]]++; used++; }
+            int gone = 0;  /* the moved heads' key hashes; an input out of rows leaves the live list */
+            if (pos[best] < in[best]->nrows) hk[best] = kh[best][pos[best]]; else gone = 1;
+            for (int32_t t = 0; t < nt; t++) {
+                int32_t x = ties[t];
+                if (pos[x] < in[x]->nrows) hk[x] = kh[x][pos[x]]; else gone = 1;
+            }
+            if (gone) {
+                int32_t j = 0;
+                for (int32_t t = 0; t < nlive; t++)
+                    if (pos[live[t]] < in[live[t]]->nrows) live[j++] = live[t];
+                nlive = j;
+            }
         }
         for (int32_t c = 0; c < in[0]->ncols; c++) {
             for (int32_t x = 0; x < k; x++) cc[x] = &in[x]->cols[c];

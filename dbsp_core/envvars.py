@@ -46,6 +46,9 @@ Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them
 - ``DBSP_PRUNE`` (runtime/prune.py): ``1``: a pipeline's joins and ``within_last`` windows keep in their state only the
   columns read after them (operators/pruned.py); ``0``: every column (default 1). A durable pipeline keeps what its
   directory recorded when it was created. Results are the same either way.
+- ``DBSP_TOTALS_HOLD`` (operators/aggregate.py): the fan-in up to which the low levels of a linear aggregate's totals
+  trace merge while its key index serves its reads (trace/levels.py invariant 18), a whole number >= 0 (0 or 1: two at a
+  time, as every other trace; default 8). Results and state are the same either way; only the merge work differs.
 - ``DBSP_SUBSTEP_BYTES`` (runtime/substep.py): under a memory budget, the most pushed bytes (Arrow data and weights)
   one piece of a step holds: a bigger step runs as sub-steps over pieces of its input (default: an eighth of the
   budget, at least 4 MiB; bytes or a size such as ``64MiB``). Results are the same either way; with no budget it is
@@ -73,6 +76,7 @@ tests/core/test_envvars.py checks that the repository reads no other):
   ``DBSP_WORKER_RECOVERY_SEED`` (tests/storage/test_worker_recovery.py), ``DBSP_STAGE_CHECK_SEED``
   (tests/storage/test_stage_check.py: which stage object is damaged), ``DBSP_FUZZ_SEED``,
   ``DBSP_TEST_SEED``, ``DBSP_PG_SEED``, ``DBSP_DELTA_SEED``, ``DBSP_LINRUN_SEED`` (tests/core/test_linear_run.py),
+  ``DBSP_HOLD_SEED`` (tests/core/test_totals_hold.py),
   ``DBSP_SLT_SEED``, ``DBSP_AUTOSCALE_SEED``, ``DBSP_AUTOSCALE_KILL_SEED``, ``DBSP_STORE_FAULT_SEED`` (the
   store-fault tests: which store calls fail, and how), ``DBSP_REMOTE_SEED``, ``DBSP_REMOTE_KILL_SEED``,
   ``DBSP_RUN_SEED`` (tests/sql/test_run.py), ``DBSP_DECIMAL_SEED`` (tests/sql/test_decimal.py), ``DBSP_NOW_SEED``
@@ -244,6 +248,7 @@ SETTINGS: tuple[Setting, ...] = (  # the list of the module docstring, in its or
     Setting("DBSP_STEP_PLAN", "step_plan", "flag", default=True),
     Setting("DBSP_PRUNE", "prune", "flag", default=True),
     Setting("DBSP_JEMALLOC", "jemalloc", "flag", default=False),
+    Setting("DBSP_TOTALS_HOLD", "totals_hold", "whole", default=8),
     Setting("DBSP_SUBSTEP_BYTES", "substep_bytes", "bytes"),  # None: runtime/substep.py derives it from the budget
 )
 
@@ -266,6 +271,7 @@ class Settings(NamedTuple):
     step_plan: bool
     prune: bool
     jemalloc: bool
+    totals_hold: int
     substep_bytes: int | None
 
 

@@ -74,6 +74,7 @@ import pyarrow.compute as pc
 import pyarrow.types as pat
 
 from dbsp_core.aggregates import GROUP_KINDS, PAIR_KINDS, Aggregate as AggSpec
+from dbsp_core.envvars import settings
 from dbsp_core.errors import DbspError, SchemaError, WeightOverflowError
 from dbsp_core.operators.base import (Operator, check_columns, concat, conform, empty, keyed_change, make,
                                       opened_change)
@@ -555,6 +556,8 @@ class _LinearState:
     totals changed produce output and trace rows.
     """
 
+    HOLD: int | None = None  # the totals trace's ``hold`` (trace invariant 18); None: ``DBSP_TOTALS_HOLD``'s (tests set it)
+
     def __init__(self, op: Aggregate) -> None:
         self.op = op
         self.keys = list(op.keys)
@@ -569,6 +572,9 @@ class _LinearState:
         self.spec = ("key", tuple(self.p))
         self.slotpos = tuple(nk + j for j in range(len(self.p)))  # the p_j columns of pschema
         self.trace.keep_index(tuple(self.p))  # a group's old totals in one probe (trace invariant 11)
+        hold = settings().totals_hold if self.HOLD is None else self.HOLD
+        if hold > 2:  # its low levels merge many at a time while the index serves its reads (trace invariant 18)
+            self.trace.hold = hold
 
     def traces(self) -> dict[str, Trace]:
         """The operator's state, by name (each trace can be read per shard)."""

@@ -86,6 +86,29 @@ slices follow, in this order):
      native trace operation reads a batch through its memory view, which the cache pins for the call, and a
      lookup into the totals kept per key (the key index) never walks the levels; a plan never assumes a
      batch is in memory.
+     Totals kept per key (the linear aggregate's; issue 37). The key index already holds every group's totals, and
+     the step reads and stores them there (``linear_step``, ``LinearRun``); the trace is read by nothing else on a
+     step, yet every step inserts a batch of the changed groups' old (-1) and new (+1) totals, and every level merges
+     it until old and new totals meet (1k-row steps into 100k groups: ~14k merge input rows a step, 1.2-2.4M of a
+     3.3-4.5M-instruction step). The target: the index is the state and the trace a view of it, written only when
+     something reads it. Design: (a) the step stores into the index and appends its changed keys (no rows) to a
+     dirty set; (b) the trace is brought up to date from the index on demand, one batch per sync: the dirty keys'
+     new totals (+1, from the index's slots) and the totals the trace holds for them (-1, from the slots as of the
+     last sync, kept beside the dirty set by the first step that touched each key), consolidated, key-hash sorted,
+     inserted as any batch; (c) a sync runs before every reader of the trace sees it: a checkpoint (``parts``), a
+     shard cut or rescale (``shard``, ``replace``, migrate.py), a view or a walk (``_read``), a drop_below, a
+     BatchStore's enforce (the index stays in memory, spill.py invariant 17: its bytes count), and a rollback
+     capture (rollback.py copies attributes; the index is written in place by the step, so a capture must either
+     sync and mark the index stale, or the C step must keep an undo log of the slots it overwrote); (d) the index
+     can no longer be dropped quietly (trace invariant 11's size limits, an overflow, DBSP_KEY_INDEX=0): a drop
+     syncs first, and the trace then serves as today. What (a)-(d) buy: no per-step batch and no merges between
+     syncs; a sync costs the dirty keys (at most the state) once, at the cadence of checkpoints. **Built** instead
+     (the part that is safe today): the merges amortized, trace invariant 18 (``Trace.hold``, ``DBSP_TOTALS_HOLD``):
+     the totals trace's low levels merge up to 8 step batches at a time (one k-way pass) while its key index serves
+     its reads: its merge input rows halve (13.9k -> 6.7k a step) with the content, and so every reader above,
+     unchanged; but a k-way pass costs ~2x a two-way one a row (and hashes more rows: the batches keep no row
+     hashes), so a step's instructions fell ~9% (4.18M -> 3.79M over 400 steps), not the merges' half. Not built:
+     (a)-(d); the undo log of (c) is what a rollback needs first.
   6. Proof of equality: a fused call must produce exactly the Z-set of the chain it replaces (multiset equal
      after consolidation) and leave the same state. The DuckDB-checked suites (tests/core, tests/sql,
      tests/nexmark) run with the plan on (the default), and tests/core/test_step_plan.py runs random circuits
