@@ -44,8 +44,10 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      never written (``outputs_never_written``). A merge in memory's output written so far counts in the budget
      (``merge_bytes``); a smaller output is spilled, if need be, by a later ``enforce``. A file is deleted when its batch object is gone (merged
      away, dropped); its blocks and page cache are given back by the enforces after that, ``RECLAIM_BYTES`` each
-     (:meth:`BatchStore._reclaim_files`: a descriptor kept across the unlink, the file truncated from its end once its
-     mapping is gone), not at once by the step that drops it: the kernel frees a file at ~30 us a MiB, and the install of
+     (:meth:`BatchStore._reclaim_files`: a descriptor kept across the unlink, the file truncated from its end once no
+     mapping of it is alive in the process, its batch's or any other: every mapping of a batch file is registered,
+     batchfile.py invariant 9, and the kernel's list of mappings is asked before a file's first piece, ``RECLAIM_CHECK``),
+     not at once by the step that drops it: the kernel frees a file at ~30 us a MiB, and the install of
      a compaction drops all its inputs (650 MB for 20M rows: 34 ms). While a store lives, the C region cache (freed merge buffers kept for reuse, csrc/scratch.h)
      keeps at most ``memory_limit * REGION_CACHE_SHARE`` bytes, and each thread's scratch cache (kernels' freed
      buffers, 512 MiB a thread otherwise) at most ``memory_limit * SCRATCH_SHARE``.
