@@ -39,8 +39,13 @@ ap.add_argument("--workers", type=int, default=1)
 ap.add_argument("--merge", choices=("default", "on", "off"), default="default", help="the merge thread")
 ap.add_argument("--reopen", action="store_true", help="checkpoint, close and reopen after the load")
 ap.add_argument("--dump", help="write each small step's stepping-thread CPU (ms) to this JSON file")
+ap.add_argument("--reclaim-mib", type=int, help="BatchStore.RECLAIM_BYTES in MiB (the bytes of deleted files an enforce "
+                                                "gives back at most; trees that have it)")
 args = ap.parse_args()
 N, explicit = args.rows, args.mode == "settle"
+if args.reclaim_mib is not None:
+    from dbsp_core.trace.spill import BatchStore
+    BatchStore.RECLAIM_BYTES = args.reclaim_mib << 20
 if args.mode == "none":
     EmbeddedExecutor._compact_after_load = lambda self, rows: None
 
@@ -172,7 +177,8 @@ if installed:  # the install step apart from the steps before it (the slices), a
 print(json.dumps(out))
 if args.dump:
     with open(args.dump, "w") as f:
-        json.dump({"cpu_ms": cpus, "installed_at": out["installed_at"]}, f)
+        json.dump({"cpu_ms": cpus, "pcpu_ms": pcpus, "reclaimed": reclaimed, "reclaim_ms": reclaim_ms,
+                   "installed_at": out["installed_at"]}, f)
 p.close()
 if root:
     shutil.rmtree(root, ignore_errors=True)

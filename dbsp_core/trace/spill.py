@@ -891,7 +891,8 @@ class BatchStore:
 
         path = os.path.join(self.directory, name)
         fd, key = -1, None
-        if self.RECLAIM_FILES > 0:
+        if self.RECLAIM_FILES > 0 and name.endswith(BATCH_FILE_SUFFIX):  # (not a temporary or a merge's scratch file,
+            # which an open sweeps: a merge's scratch mapping is registered only once its file is made in place)
             try:  # a descriptor that keeps the inode once unlinked, to free it in pieces (invariant 12)
                 fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
                 key = batchfile.file_key(os.fstat(fd))
@@ -921,7 +922,10 @@ class BatchStore:
             if fd >= 0:
                 os.close(fd)
 
-    RECLAIM_BYTES = 64 << 20  # bytes of deleted files an enforce gives back at most (invariant 12): ~30 us a MiB
+    # bytes of deleted files an enforce gives back at most (invariant 12): ~30 us a MiB on a quiet host, 60-150 under
+    # load; 64 MiB cost the 10 steps after a 20M compaction's install 2-6 ms each (8-17 ms steps against main's 4-11),
+    # 16 MiB 0.8-2.6 ms (5-11 ms), the 650 MB freed over ~45 steps (bench/RESULTS.md, r31-reclaim)
+    RECLAIM_BYTES = 16 << 20
     # deleted files waiting for it at most (descriptors held; beyond: the oldest is closed at once, and the kernel frees
     # it when its last mapping goes). 0: off, a deleted file is unlinked and closed at once. A file is truncated only
     # once no mapping of it is alive: every mapping of a batch file is registered by the file's identity
