@@ -935,8 +935,8 @@ class BatchStore:
     # and before a file's first truncation, the kernel's list of this process's mappings (/proc/self/maps: one read per
     # enforce that has a file to start, ~0.3-1 ms) is asked too: "kernel", a mapping the registry missed keeps the file
     # whole and counts ``reclaim_untracked``; "strict" raises instead (tests: a mapping not registered is a bug);
-    # "off": the registry alone (DBSP_RECLAIM_CHECK sets it)
-    RECLAIM_CHECK = os.environ.get("DBSP_RECLAIM_CHECK", "kernel").strip() or "kernel"
+    # "off": the registry alone
+    RECLAIM_CHECK = "kernel"
 
     def _reclaim_files(self, budget: int | None = None) -> int:
         """Give back the blocks and page cache of deleted files whose mappings are gone, ``budget`` bytes
