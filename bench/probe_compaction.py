@@ -11,7 +11,9 @@ tiered batches stay). ``--gap MS`` sleeps that long between small steps (a strea
 checkpointed, closed and reopened before the small steps: the compaction a reopened state makes due). The
 ``*_pcpu_*`` figures are each small step's process CPU (every thread: W=2's workers, the merge thread), ms;
 ``upto_*`` cover the small steps up to the install; ``install_*`` is the install step's CPU, ``pre_*`` the steps before it
-and ``post10_*`` the worst of the 10 after it.
+and ``post10_*`` the worst of the 10 after it; ``post10_cpus`` each of those 10, ``post10_reclaim_mib`` the MiB of deleted
+files the store gave back in each (``bytes_reclaimed``, spill.py ``_reclaim_files``), ``install_reclaim_mib`` in the
+install step.
 ``PYTHONPATH=. python bench/probe_compaction.py 20000000 auto`` (the tree's dbsp_core, not the editable install's);
 works on trees before the background compaction too."""
 import argparse
@@ -37,8 +39,13 @@ ap.add_argument("--workers", type=int, default=1)
 ap.add_argument("--merge", choices=("default", "on", "off"), default="default", help="the merge thread")
 ap.add_argument("--reopen", action="store_true", help="checkpoint, close and reopen after the load")
 ap.add_argument("--dump", help="write each small step's stepping-thread CPU (ms) to this JSON file")
+ap.add_argument("--reclaim-mib", type=int, help="BatchStore.RECLAIM_BYTES in MiB (the bytes of deleted files an enforce "
+                                                "gives back at most; trees that have it)")
 args = ap.parse_args()
 N, explicit = args.rows, args.mode == "settle"
+if args.reclaim_mib is not None:
+    from dbsp_core.trace.spill import BatchStore
+    BatchStore.RECLAIM_BYTES = args.reclaim_mib << 20
 if args.mode == "none":
     EmbeddedExecutor._compact_after_load = lambda self, rows: None
 
@@ -84,14 +91,30 @@ else:
 
 cpus: list[float] = []  # each small step's CPU on the stepping thread (W=1: worker 0 runs there), ms
 pcpus: list[float] = []  # each small step's process CPU (every thread), ms
+reclaimed: list[int] = []  # bytes of deleted files the store gave back during each small step (0 where none is)
+rcpu = [0.0]  # thread CPU in the store's _reclaim_files so far, s (trees that have it)
+if hasattr(store, "_reclaim_files"):
+    _rf = store._reclaim_files
+
+    def _timed_reclaim(*a, **k):
+        t = time.thread_time()
+        try:
+            return _rf(*a, **k)
+        finally:
+            rcpu[0] += time.thread_time() - t
+    store._reclaim_files = _timed_reclaim
+reclaim_ms: list[float] = []  # of it, in each small step, ms
 
 
 def small() -> float:
     p.push("t", pa.table({"k": rng.integers(0, 1 << 40, 1000), "v": rng.integers(0, 3, 1000)}, schema=S))
+    r0, q0 = store.stats.get("bytes_reclaimed", 0), rcpu[0]
     t0, c0, p0 = time.perf_counter(), time.thread_time(), cpu()
     p.step()
     cpus.append((time.thread_time() - c0) * 1000)
     pcpus.append((cpu() - p0) * 1000)
+    reclaimed.append(store.stats.get("bytes_reclaimed", 0) - r0)
+    reclaim_ms.append((rcpu[0] - q0) * 1000)
     return (time.perf_counter() - t0) * 1000
 
 
@@ -141,11 +164,21 @@ if installed:  # the install step apart from the steps before it (the slices), a
         "pre_cpu_max": round(max(pre), 2), "pre_pcpu_mean": round(float(np.mean(pre_p)), 2),
         "pre_pcpu_p99": round(float(np.percentile(pre_p, 99)), 2), "pre_pcpu_max": round(max(pre_p), 2),
         "post10_cpu_max": round(max(cpus[installed:installed + 10]), 2),
-        "post10_pcpu_max": round(max(pcpus[installed:installed + 10]), 2)})
+        "post10_pcpu_max": round(max(pcpus[installed:installed + 10]), 2),
+        "post10_cpus": [round(x, 2) for x in cpus[installed:installed + 10]],
+        "post10_pcpus": [round(x, 2) for x in pcpus[installed:installed + 10]],
+        "install_reclaim_mib": reclaimed[installed - 1] >> 20,
+        "post10_reclaim_mib": [r >> 20 for r in reclaimed[installed:installed + 10]],
+        "post10_reclaim_ms": [round(x, 2) for x in reclaim_ms[installed:installed + 10]],
+        "install_reclaim_ms": round(reclaim_ms[installed - 1], 2),
+        "reclaim_steps": int(np.count_nonzero(reclaimed)), "reclaim_mib": sum(reclaimed) >> 20,
+        "reclaim_ms_total": round(sum(reclaim_ms), 1), "reclaim_ms_max": round(max(reclaim_ms), 2),
+        "reclaim_calls": sum(1 for x in reclaim_ms if x > 0)})
 print(json.dumps(out))
 if args.dump:
     with open(args.dump, "w") as f:
-        json.dump({"cpu_ms": cpus, "installed_at": out["installed_at"]}, f)
+        json.dump({"cpu_ms": cpus, "pcpu_ms": pcpus, "reclaimed": reclaimed, "reclaim_ms": reclaim_ms,
+                   "installed_at": out["installed_at"]}, f)
 p.close()
 if root:
     shutil.rmtree(root, ignore_errors=True)

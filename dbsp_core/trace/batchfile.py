@@ -98,6 +98,16 @@ Invariants (enforced here; checked by :func:`verify`):
      writer holds the filter, fence and page CRCs (about 1.4 bytes a row: the batch store counts them,
      dbsp_core/trace/spill.py ``merge_bytes``); the file is then opened with them (``open_batch(sections=...)``),
      not read back.
+  9. Every mapping of a batch file this process makes is registered, by the file's identity (``st_dev``,
+     ``st_ino``: a rename keeps it, and no other file takes it while the inode lives), with a weak reference to its
+     ``mmap`` object (:func:`note_mapping`): :func:`open_batch`'s (the store's switch, the spill thread's, a
+     checkpoint's restore, a shard move, ``verify``), and the merge's scratch mapping of a file made in place
+     (:class:`InPlaceWrite`: the same inode becomes the batch file, and views of the output taken before its switch
+     read that mapping). The ``mmap`` object lives as long as anything built over it (an Arrow buffer from
+     ``pa.py_buffer``, a numpy array, a merge Region keep it as their owner), and it is unmapped when it dies, so
+     :func:`mapped` (a live reference under the identity) is False only once no byte of the file is mapped in the
+     process. The batch store truncates a deleted file only then (dbsp_core/trace/spill.py invariant 12, the
+     reclaim): a truncated file under a live mapping is a bus error when a page past the new end is read.
 """
 
 from __future__ import annotations
@@ -107,6 +117,8 @@ import json
 import mmap
 import os
 import struct
+import threading
+import weakref
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -117,7 +129,7 @@ from dbsp_core.storage.formats import BATCH_FILE_FOOTER_MAGIC, BATCH_FILE_MAGIC,
 from dbsp_core.zset import FENCE_STEP
 
 __all__ = ["BatchFile", "write_batch", "write_in_place", "InPlaceWrite", "in_place_room", "open_batch", "verify", "bloom_build", "bloom_may_contain",
-           "BATCH_FILE_MAGIC", "BATCH_FILE_FOOTER_MAGIC", "BATCH_FILE_VERSION", "PAGE"]
+           "note_mapping", "mapped", "file_key", "BATCH_FILE_MAGIC", "BATCH_FILE_FOOTER_MAGIC", "BATCH_FILE_VERSION", "PAGE"]
 
 PAGE = 65536  # bytes per page CRC
 HEADER = struct.Struct("<8sIIQQQII12xI")  # 64 bytes
@@ -132,6 +144,49 @@ PAGES_CHUNK = 1 << 16  # hashes (and rows) per piece of BatchFile.pages_read: it
 # in a 10M-row spilled join held ~450 MiB of them at once (bench/RESULTS.md, "Where the anonymous memory goes")
 
 WEIGHT_COL, KEY_HASH_COL, ROW_HASH_COL = "__dbsp_weight", "__dbsp_key_hash", "__dbsp_row_hash"
+
+
+# ---- the mappings of batch files (invariant 9) ----
+
+_maps_lock = threading.Lock()
+_maps: dict[tuple[int, int], list] = {}  # file identity -> weak references to the mmap objects mapping it
+_maps_pruned = 0  # identities after the last whole prune: the next one runs at twice as many
+
+
+def file_key(st: os.stat_result) -> tuple[int, int]:
+    """A file's identity (device, inode) from its ``os.stat``/``os.fstat``: what :func:`note_mapping` files it under."""
+    return st.st_dev, st.st_ino
+
+
+def note_mapping(m: Any, key: tuple[int, int]) -> None:
+    """Register ``m`` (an ``mmap.mmap``) as a mapping of the file with identity ``key`` (:func:`file_key`) while it
+    lives (invariant 9). O(1) but for a prune of dead references, amortized."""
+    global _maps_pruned
+    ref = weakref.ref(m)
+    with _maps_lock:
+        refs = _maps.get(key)
+        if refs is None:
+            _maps[key] = [ref]
+        else:
+            refs[:] = [r for r in refs if r() is not None]
+            refs.append(ref)
+        if len(_maps) > 2 * _maps_pruned + 64:  # identities of files gone (unlinked, closed elsewhere): dropped
+            for k in [k for k, refs in _maps.items() if all(r() is None for r in refs)]:
+                del _maps[k]
+            _maps_pruned = len(_maps)
+
+
+def mapped(key: tuple[int, int]) -> bool:
+    """Whether a mapping of the file with identity ``key`` registered by :func:`note_mapping` is still alive; when
+    none is, the identity is forgotten (invariant 9)."""
+    with _maps_lock:
+        refs = _maps.get(key)
+        if refs is None:
+            return False
+        refs[:] = [r for r in refs if r() is not None]
+        if not refs:
+            del _maps[key]
+        return bool(refs)
 
 
 def _crc(data: Any, crc: int = 0) -> int:
@@ -634,6 +689,7 @@ class InPlaceWrite:
                  body_at: int, new_len: int, holes: list[tuple[int, int]]) -> None:
         self.path, self.cursor, self.sync, self.vfs = path, cursor, sync, vfs
         self.scratch = cursor.scratch_path
+        note_mapping(cursor.mapping, file_key(os.stat(self.scratch)))  # the batch file's inode, mapped (invariant 9)
         self.head, self.tail, self.body_at, self.new_len, self.holes = head, tail, body_at, new_len, holes
         self.rows = len(batch)
         self.kh = batch.key_hash  # (in the scratch mapping: read a piece at a time)
@@ -1227,10 +1283,12 @@ def open_batch(path: str, verify: bool = False, advice: int | None = None, lazy:
     from dbsp_core.zset import IndexedZSet, ZSet
 
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+        st = os.fstat(f.fileno())
+        size = st.st_size
         if size < HEADER.size + FOOTER.size:
             raise _bad(path, f"{size} bytes, shorter than a header and a footer")
         m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    note_mapping(m, file_key(st))  # (invariant 9)
     if advice is None:
         advice = getattr(mmap, "MADV_RANDOM", None)
     if advice is not None:

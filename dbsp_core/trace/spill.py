@@ -44,8 +44,10 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      never written (``outputs_never_written``). A merge in memory's output written so far counts in the budget
      (``merge_bytes``); a smaller output is spilled, if need be, by a later ``enforce``. A file is deleted when its batch object is gone (merged
      away, dropped); its blocks and page cache are given back by the enforces after that, ``RECLAIM_BYTES`` each
-     (:meth:`BatchStore._reclaim_files`: a descriptor kept across the unlink, the file truncated from its end once its
-     mapping is gone), not at once by the step that drops it: the kernel frees a file at ~30 us a MiB, and the install of
+     (:meth:`BatchStore._reclaim_files`: a descriptor kept across the unlink, the file truncated from its end once no
+     mapping of it is alive in the process, its batch's or any other: every mapping of a batch file is registered,
+     batchfile.py invariant 9, and the kernel's list of mappings is asked before a file's first piece, ``RECLAIM_CHECK``),
+     not at once by the step that drops it: the kernel frees a file at ~30 us a MiB, and the install of
      a compaction drops all its inputs (650 MB for 20M rows: 34 ms). While a store lives, the C region cache (freed merge buffers kept for reuse, csrc/scratch.h)
      keeps at most ``memory_limit * REGION_CACHE_SHARE`` bytes, and each thread's scratch cache (kernels' freed
      buffers, 512 MiB a thread otherwise) at most ``memory_limit * SCRATCH_SHARE``.
@@ -234,6 +236,7 @@ from dbsp_core.progress import progress
 from dbsp_core.storage.formats import BATCH_FILE_SUFFIX, SPILL_DIR
 from dbsp_core.trace import spillread
 from dbsp_core.trace.at_exit import stop_at_exit
+from dbsp_core.trace import batchfile
 from dbsp_core.trace.batchfile import BatchFile, InPlaceWrite, in_place_room, open_batch, write_batch, write_in_place
 
 if TYPE_CHECKING:
@@ -470,8 +473,7 @@ class BatchStore:
         os.makedirs(self.directory, exist_ok=True)
         self._lock = threading.RLock()
         self.stats: dict[str, int] = {"files_deleted": 0}
-        self._reclaim: deque = deque()  # [descriptor, weakref to its mapping or None, bytes left] of each file deleted
-        # whose blocks and page cache are not given back yet (:meth:`_reclaim_files`)
+        self._reclaim: "deque[_Deleted]" = deque()  # deleted files not given back yet (:meth:`_reclaim_files`)
         if not durable:  # scratch: no checkpoint names an earlier process's files
             self.sweep(set())
         self._traces: "weakref.WeakSet[Trace]" = weakref.WeakSet()
@@ -883,17 +885,21 @@ class BatchStore:
                     or (n.startswith(MERGE_SCRATCH_PREFIX) and n.endswith(".tmp"))):
                 self._delete(n)
 
-    def _delete(self, name: str, mapping: Any = None) -> None:
+    def _delete(self, name: str) -> None:
         """Delete file ``name`` (through the VFS when durable); its blocks and page cache are given back later, a
-        piece at a time (:meth:`_reclaim_files`), once ``mapping`` (a weak reference to its mapping, if any) is gone."""
+        piece at a time (:meth:`_reclaim_files`), once no mapping of it is alive (batchfile.py invariant 9)."""
         from dbsp_core import _storage
 
         path = os.path.join(self.directory, name)
-        fd = -1
-        if self.RECLAIM_FILES > 0:  # (off by default, see RECLAIM_FILES)
+        fd, key = -1, None
+        if self.RECLAIM_FILES > 0 and name.endswith(BATCH_FILE_SUFFIX):  # (not a temporary or a merge's scratch file,
+            # which an open sweeps: a merge's scratch mapping is registered only once its file is made in place)
             try:  # a descriptor that keeps the inode once unlinked, to free it in pieces (invariant 12)
                 fd = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+                key = batchfile.file_key(os.fstat(fd))
             except OSError:
+                if fd >= 0:
+                    os.close(fd)
                 fd = -1
         try:
             if self.durable:
@@ -907,19 +913,31 @@ class BatchStore:
             return
         if fd >= 0:  # unlinked (durably, through a VFS: its unlinks are once they return): no name reaches it now
             with self._lock:
-                self._reclaim.append([fd, mapping, -1])
-                over = len(self._reclaim) > self.RECLAIM_FILES
-                fd = self._reclaim.popleft()[0] if over else -1
+                self._reclaim.append(_Deleted(fd, key, path))
+                fd = -1
+                if len(self._reclaim) > self.RECLAIM_FILES:  # the oldest not being truncated now (an enforce on
+                    old = next((e for e in self._reclaim if not e.busy), None)  # another thread) is closed
+                    if old is not None:
+                        self._reclaim.remove(old)
+                        fd = old.fd
             if fd >= 0:
                 os.close(fd)
 
-    RECLAIM_BYTES = 64 << 20  # bytes of deleted files an enforce gives back at most (invariant 12): ~30 us a MiB
-    RECLAIM_FILES = 0  # deleted files waiting for it at most (descriptors held; beyond: the oldest is closed at once).
-    # 0: OFF, a deleted file is unlinked and closed at once, as before r31-slicewrite. Truncating a file is only safe
-    # once every mapping of it is gone, and the weak reference kept is to the BatchFile's current mapping only: under
-    # DBSP_MEMORY_LIMIT=1 tests/exactly_once/test_live_rescale.py died of SIGBUS (a read of a mapping whose deleted file
-    # was truncated, in a live rescale's shard_bounds; 1 of 3 runs). Turning it on (256 was the value measured) needs
-    # every mapping of a file counted, e.g. the file's mapping registry kept by the store, not a weakref to one.
+    # bytes of deleted files an enforce gives back at most (invariant 12): ~30 us a MiB on a quiet host, 60-150 under
+    # load; 64 MiB cost the 10 steps after a 20M compaction's install 2-6 ms each (8-17 ms steps against main's 4-11),
+    # 16 MiB 0.8-2.6 ms (5-11 ms), the 650 MB freed over ~45 steps (bench/RESULTS.md, r31-reclaim)
+    RECLAIM_BYTES = 16 << 20
+    # deleted files waiting for it at most (descriptors held; beyond: the oldest is closed at once, and the kernel frees
+    # it when its last mapping goes). 0: off, a deleted file is unlinked and closed at once. A file is truncated only
+    # once no mapping of it is alive: every mapping of a batch file is registered by the file's identity
+    # (batchfile.py invariant 9, ``mapped``). (r31-slicewrite kept a weak reference to the batch's current mapping
+    # only, and a live rescale under DBSP_MEMORY_LIMIT=1 died of SIGBUS reading another: so it was off on main.)
+    RECLAIM_FILES = 256
+    # and before a file's first truncation, the kernel's list of this process's mappings (/proc/self/maps: one read per
+    # enforce that has a file to start, ~0.3-1 ms) is asked too: "kernel", a mapping the registry missed keeps the file
+    # whole and counts ``reclaim_untracked``; "strict" raises instead (tests: a mapping not registered is a bug);
+    # "off": the registry alone
+    RECLAIM_CHECK = "kernel"
 
     def _reclaim_files(self, budget: int | None = None) -> int:
         """Give back the blocks and page cache of deleted files whose mappings are gone, ``budget`` bytes
@@ -931,30 +949,44 @@ class BatchStore:
         freed = 0
         with self._lock:
             todo = list(self._reclaim)
+        kernel: tuple[set, set] | None = None
         for e in todo:
             if freed >= budget:
                 break
-            fd, ref, size = e
-            if ref is not None and ref() is not None:  # still mapped (its batch's buffers going): a later enforce
+            if batchfile.mapped(e.key):  # still mapped (a batch's buffers, a view, a restore's file): a later enforce
                 continue
+            if e.size < 0 and self.RECLAIM_CHECK != "off":  # its first piece (no mapping of it can be made now: no
+                kernel = _mapped_deleted() if kernel is None else kernel  # name, a write-only descriptor)
+                if (os.major(e.key[0]), os.minor(e.key[0]), e.key[1]) in kernel[0] or e.path in kernel[1]:
+                    if self.RECLAIM_CHECK == "strict":
+                        raise RuntimeError(f"reclaim of deleted batch file {e.path}: still mapped in this process, "
+                                           "and no mapping of it is registered (batchfile.py invariant 9)")
+                    if not e.untracked:
+                        e.untracked = True
+                        self.count("reclaim_untracked", 1)
+                    continue
+            with self._lock:
+                if e not in self._reclaim:  # closed meanwhile (over RECLAIM_FILES)
+                    continue
+                e.busy = True  # its descriptor is not closed under us
+            size = e.size
             try:
                 if size < 0:
-                    size = os.fstat(fd).st_size
+                    size = os.fstat(e.fd).st_size
                 while size > 0 and freed < budget:
                     cut = min(size, budget - freed)
                     size -= cut
-                    os.ftruncate(fd, size)
+                    os.ftruncate(e.fd, size)
                     freed += cut
             except OSError:
                 size = 0
-            e[2] = size
+            e.size = size
+            with self._lock:
+                e.busy = False
+                if size == 0:
+                    self._reclaim.remove(e)
             if size == 0:
-                with self._lock:
-                    try:
-                        self._reclaim.remove(e)
-                    except ValueError:
-                        continue
-                os.close(fd)
+                os.close(e.fd)
         return freed
 
     # ---- the budget ----
@@ -1192,7 +1224,7 @@ class BatchStore:
             if name in self._pinned:
                 self._dead.add(name)
                 return
-        self._delete(name, weakref.ref(f.map) if f is not None else None)  # (the mapping goes with its batch)
+        self._delete(name)  # (truncated once no mapping of it is alive: batchfile.py invariant 9)
 
     def _trim_cache(self, traces: list["Trace"]) -> None:
         """The cache's accounting of the reads since the last call (:meth:`note_pages`; a trace read whole: every
@@ -1426,7 +1458,7 @@ class BatchStore:
         """Forget the traces; a temporary directory is removed (mappings in use stay readable until released)."""
         self._stop_spill_thread()
         with self._lock:
-            fds, self._reclaim = [e[0] for e in self._reclaim], deque()
+            fds, self._reclaim = [e.fd for e in self._reclaim], deque()
         for fd in fds:  # (the kernel frees what is left of them now)
             os.close(fd)
         with self._lock:
@@ -1436,6 +1468,46 @@ class BatchStore:
             _release_limits(self._token)
         if self._own_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class _Deleted:
+    """A deleted batch file whose blocks and page cache are not given back yet (``BatchStore._reclaim_files``): its
+    descriptor (write-only), identity (batchfile.py ``file_key``), bytes left (-1: not looked at yet), path, whether
+    the kernel showed a mapping the registry did not know (counted once), and whether a reclaim truncates it now."""
+
+    __slots__ = ("fd", "key", "size", "path", "untracked", "busy")
+
+    def __init__(self, fd: int, key: tuple[int, int], path: str) -> None:
+        self.fd, self.key, self.size, self.path = fd, key, -1, path
+        self.untracked = self.busy = False
+
+    def __repr__(self) -> str:
+        return f"_Deleted({self.path!r}, fd={self.fd}, size={self.size})"
+
+
+def _mapped_deleted() -> tuple[set[tuple[int, int, int]], set[str]]:
+    """The (major, minor, inode) and paths of the deleted files mapped in this process, from /proc/self/maps (empty
+    where there is none: the registry alone then decides, batchfile.py invariant 9)."""
+    ids: set[tuple[int, int, int]] = set()
+    paths: set[str] = set()
+    try:
+        with open("/proc/self/maps", "rb") as fh:
+            text = fh.read()
+    except OSError:
+        return ids, paths
+    for line in text.split(b"\n"):
+        if not line.endswith(b" (deleted)"):
+            continue
+        parts = line.split(None, 5)
+        if len(parts) < 6:
+            continue
+        major, _, minor = parts[3].partition(b":")
+        try:
+            ids.add((int(major, 16), int(minor, 16), int(parts[4])))
+        except ValueError:
+            pass
+        paths.add(os.fsdecode(parts[5][:-len(b" (deleted)")]))
+    return ids, paths
 
 
 def _advise(m: mmap.mmap, pages: np.ndarray, advice: int) -> int:

@@ -709,7 +709,7 @@ def test_a_deleted_files_blocks_are_given_back_a_piece_at_a_time(monkeypatch) ->
         del t, z
         gc.collect()
         assert len(store._reclaim) == 1, store._reclaim  # deleted, not freed yet
-        fd = store._reclaim[0][0]
+        fd = store._reclaim[0].fd
         assert os.fstat(fd).st_nlink == 0  # unlinked: no name reaches it
         left = [os.fstat(fd).st_size]
         for _ in range(size // piece + 10):
