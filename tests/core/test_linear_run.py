@@ -40,13 +40,19 @@ def _circuit(poison: bool = False) -> dbsp.Circuit:
     t = c.input("t", SCHEMA)
     for name, (keys, aggs) in VIEWS.items():
         c.output(name, t.group_by(*keys).agg(**{a: f() for a, f in aggs.items()}))
-    if poison:  # a later node that fails on v == 666, after every aggregate stored its step's totals
-        def boom(batch: pa.RecordBatch) -> pa.RecordBatch:
-            if batch.num_rows and 666 in batch.column("v").to_pylist():
-                raise ValueError("poison")
-            return batch
-        c.output("x", t.flat_map(boom, schema=SCHEMA))
+    if poison:
+        add_poison(c, t, SCHEMA)
     return c
+
+
+def add_poison(c: dbsp.Circuit, t, schema: pa.Schema) -> None:
+    """A later node of ``c`` over ``t`` that fails on a row with v == 666, after every aggregate stored its step's
+    totals: a step that must roll back."""
+    def boom(batch: pa.RecordBatch) -> pa.RecordBatch:
+        if batch.num_rows and 666 in batch.column("v").to_pylist():
+            raise ValueError("poison")
+        return batch
+    c.output("x", t.flat_map(boom, schema=schema))
 
 
 def _model(bag: Counter) -> dict[str, dict]:

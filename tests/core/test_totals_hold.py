@@ -23,6 +23,7 @@ from dbsp_core.envvars import settings
 from dbsp_core.errors import StepError
 from dbsp_core.operators.aggregate import _LinearState
 from dbsp_core.runtime.embedded import EmbeddedExecutor
+from tests.core.test_linear_run import add_poison
 
 SEED = int(os.environ.get("DBSP_HOLD_SEED", random.randrange(2**31)))
 SCHEMA = pa.schema([("k", pa.int64()), ("j", pa.int64()), ("v", pa.int64()), ("s", pa.string())])
@@ -38,12 +39,8 @@ def _circuit(views: list, poison: bool = False) -> dbsp.Circuit:
     t = c.input("t", SCHEMA)
     for i, (keys, names) in enumerate(views):
         c.output(f"g{i}", t.group_by(*keys).agg(**{n: AGGS[n]() for n in names}))
-    if poison:  # a later node that fails on v == 666, after every aggregate stored its step's totals
-        def boom(batch: pa.RecordBatch) -> pa.RecordBatch:
-            if batch.num_rows and 666 in batch.column("v").to_pylist():
-                raise ValueError("poison")
-            return batch
-        c.output("x", t.flat_map(boom, schema=SCHEMA))
+    if poison:
+        add_poison(c, t, SCHEMA)
     return c
 
 
