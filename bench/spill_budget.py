@@ -22,6 +22,21 @@ import bench_spill as bs  # noqa: E402
 from dbsp_core.trace.spill import BatchStore, MAP_UNIT, batch_bytes, merge_bytes  # noqa: E402
 
 MiB = 2 ** 20
+_SPENT = {"enforce": 0.0, "_trim_cache": 0.0}  # thread CPU seconds inside these BatchStore methods
+
+
+def _timed(name: str) -> None:
+    """Count the stepping thread's CPU time inside ``BatchStore.<name>`` in ``_SPENT`` (two thread_time calls)."""
+    orig = getattr(BatchStore, name)
+
+    def wrapped(self, *a, **kw):  # type: ignore[no-untyped-def]
+        t0 = time.thread_time()
+        try:
+            return orig(self, *a, **kw)
+        finally:
+            _SPENT[name] += time.thread_time() - t0
+
+    setattr(BatchStore, name, wrapped)
 
 
 def parts(store) -> dict:
@@ -69,6 +84,8 @@ def main() -> int:
         name, vals = pair.split("=")
         old, new = vals.split(":")
         settings[name] = (eval(old), eval(new))  # noqa: S307 (bench settings from the command line)
+    for name in _SPENT:
+        _timed(name)
     q = args.queries
     print(f"{q} state {args.state} groups {args.groups} limit {args.limit} load {os.getloadavg()[0]:.2f}", flush=True)
     p, rng, loaded = bs.load(q, bs._count(args.state), bs._count(args.groups), args, args.limit)
@@ -82,6 +99,7 @@ def main() -> int:
         for i in range(args.warmup + args.steps):
             if i == args.warmup:
                 st0 = dict(store.stats)
+                spent0 = dict(_SPENT)
             r0 = resource.getrusage(resource.RUSAGE_SELF)
             x = bs.one_step(p, rng, q, bs._count(args.groups), args.change, loaded, k)
             r1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -104,7 +122,9 @@ def main() -> int:
               f"{np.mean(cpu):.2f} p99 {np.percentile(cpu, 99):.2f} ms; minflt {np.mean(flt):.0f}; hits "
               f"{d['cache_hits'] / s:.0f} misses {d['cache_misses'] / s:.0f}; whole evictions "
               f"{d['whole_evictions'] / s:.1f}, mapped drops {d['mapped_drops'] / s:.1f} "
-              f"({d['mapped_bytes_dropped'] / s / MiB:.1f} MiB), evicted {d['bytes_evicted'] / s / MiB:.1f} MiB a step",
+              f"({d['mapped_bytes_dropped'] / s / MiB:.1f} MiB), evicted {d['bytes_evicted'] / s / MiB:.1f} MiB a step; "
+              f"thread CPU in enforce {(_SPENT['enforce'] - spent0['enforce']) * 1e3 / s:.2f} ms, of it _trim_cache "
+              f"{(_SPENT['_trim_cache'] - spent0['_trim_cache']) * 1e3 / s:.2f}",
               flush=True)
         print(f"  budget (MiB, mean after the enforce): in memory {mean['in_memory']:.1f} = loose batches "
               f"{mean['loose']:.1f} (by level {', '.join(f'{a}: {b:.1f}' for a, b in sorted(lv.items()))}) + pending "
