@@ -152,7 +152,7 @@ import pyarrow as pa
 
 from dbsp_core.errors import WeightOverflowError
 from dbsp_core.trace.keyindex import KeyIndexed
-from dbsp_core.trace import spillread
+from dbsp_core.trace import prefault, spillread
 from dbsp_core.trace.merge_thread import MergeThread, SharedMerge, current_merge_thread
 from dbsp_core.trace.spill import batch_bytes, current_batch_store
 
@@ -206,6 +206,7 @@ class _Merge:
         where = store.merge_dir(batches) if store is not None else None
         room = store.merge_room(batches[0]) if where is not None else 0  # (its batch file's header and metadata)
         self.cursor = merge_cursor(*batches, row_hashes=row_hashes, spill_dir=where, prefix=room)  # (invariant 1)
+        prefault.ask(self.cursor)  # a scratch output's first pages faulted off this thread (prefault.py)
         self._out: IndexedZSet | None = None
         self.shared: SharedMerge | None = None  # set when handed to a MergeThread (invariant 10)
         self.dropped = 0  # input rows consumed when the output's pages last left the process (store.merge_pages_out)
@@ -235,6 +236,7 @@ class _Merge:
         used = 0
         while True:
             used += self.cursor.step(min(max(budget - used, 1), self.DROP_ROWS))
+            prefault.ask(self.cursor)  # its next pieces' faults taken off this thread (prefault.py)
             self.store.merge_pages_out(self)
             for drop in self.scratch:  # the pages read of an input still in its scratch file leave too
                 drop()
