@@ -60,6 +60,7 @@ cdef class MergeCursor:
     cdef bint finished
     cdef char *fbase  # the scratch mapping's first byte (file-backed output), else NULL
     cdef list spans  # per output region of a file-backed output: [file offset, bytes, populated up to (offset)]
+    cdef object plock  # serializes populate_ahead's calls
 
     def __cinit__(self):
         self.out = NULL
@@ -69,6 +70,7 @@ cdef class MergeCursor:
         self.pos = NULL
         self.fbase = NULL
         self.spans = []
+        self.plock = None
 
     def __dealloc__(self):
         free(self.out)
@@ -175,6 +177,7 @@ cdef class MergeCursor:
         page multiple; > 0: the file keeps its name, see the class)."""
         import mmap as _mmap
         import tempfile
+        import threading
         import weakref
         cdef unsigned char[::1] fb
         page = _mmap.PAGESIZE
@@ -205,6 +208,7 @@ cdef class MergeCursor:
                 self.mapping.madvise(_mmap.MADV_HUGEPAGE)
                 fb = self.mapping
                 self.fbase = <char *>&fb[0]  # (populate_ahead: only for a huge-page mapping)
+                self.plock = threading.Lock()
             if self._scratch is not None:  # unlinked with its mapping unless adopted (a crash leaves it: swept)
                 weakref.finalize(self.mapping, _unlink_scratch, self._scratch)
         except BaseException:
@@ -244,19 +248,34 @@ cdef class MergeCursor:
         if self.mapping is not None and hasattr(_mmap, "MADV_DONTNEED"):
             self.mapping.madvise(_mmap.MADV_DONTNEED)
 
-    def populate_ahead(self, int64_t lead):
+    def populate_ahead(self, int64_t lead, int64_t rows=0):
         """Fault in, writable, the pages of each output region of a file-backed huge-page output from where it was
-        populated so far up to ``lead`` bytes past where the writer is about to be (its share of the input rows
-        consumed: a region's rows are written in order and at most one per input row), in 2 MiB-aligned pieces of
-        the file (the page cache's folios; comment above the class): MADV_POPULATE_WRITE, without the GIL. Meant for
-        a thread other than the stepping one, concurrently with :meth:`step` (it reads the cursor's progress only;
-        the caller keeps this cursor, so its mapping, alive). Returns the bytes populated; 0 for an output in memory,
-        without huge pages, or where the kernel refuses (before Linux 5.14)."""
+        populated so far up to ``lead`` bytes past where its writer is (the region's share of the output rows
+        written: exact for fixed-width columns, weights and hashes, whose regions hold one slot per input row and
+        are written in order; a variable-width column's bytes taken as proportional), in 2 MiB-aligned pieces of
+        the file (the page cache's folios; comment above the class): MADV_POPULATE_WRITE, without the GIL. With ``rows``,
+        past where the writer will be after that many more output rows (the stepping thread, before a step: what the
+        prefault thread has not populated yet). Meant for a thread other than the stepping one, concurrently with
+        :meth:`step` (it reads the cursor's progress only; the caller keeps this cursor, so its mapping, alive).
+        Calls are serialized (a lock of the cursor) and each piece is populated once: two threads' first faults on
+        one 2 MiB range at once can leave it in small folios (the loser's readahead falls back to order 0), so the
+        writer must find its pieces populated, never populate them alongside. Returns the bytes populated; 0 for an
+        output in memory, without huge pages, or where the kernel refuses (before Linux 5.14)."""
         global populate_refused
-        cdef int64_t done = 0, total = self.total, used = self._consumed(), off, n, at, want, end, piece = 2 << 20
+        cdef int64_t done = 0, total = self.total, used, off, n, at, want, end, piece = 2 << 20
         cdef int rc = 0, err = 0
         if self.fbase == NULL or populate_refused or total <= 0 or self.finished:
             return 0
+        with self.plock:
+            if self.finished:
+                return 0
+            used = min(total, self.m.n + max(rows, 0))
+            return self._populate(used, lead)
+
+    cdef int64_t _populate(self, int64_t used, int64_t lead) except -1:
+        global populate_refused
+        cdef int64_t done = 0, total = self.total, off, n, at, want, end, piece = 2 << 20
+        cdef int rc = 0, err = 0
         for sp in self.spans:
             off, n, at = sp
             end = (off + n + 4095) // 4096 * 4096

@@ -14,9 +14,15 @@ Invariants:
      consumed. The folios are the same the writer would have faulted (same mapping, same VM_HUGEPAGE fault path);
      only the thread that pays for them changes. A populate writes no byte of the file (the pages read as the
      zeros fallocate reserved), so the file format and crash safety do not change.
-  2. It is an optimisation only: an error of a populate (a kernel without MADV_POPULATE_WRITE, a merge gone) is
+  2. The writer must find its pieces populated, never populate them alongside: two threads' first faults on one
+     2 MiB range at once can leave it in small folios (the loser's readahead falls back to order 0). So before each
+     piece of a step :func:`before_step` populates, on the stepping thread, what the thread has not yet reached of
+     the rows that piece writes (``populate_ahead(0, rows)``; the cursor serializes populates and does each piece
+     once): nothing when the thread is ahead (the usual case), a wait or the faults themselves when it is late
+     (counted in ``late``).
+  3. It is an optimisation only: an error of a populate (a kernel without MADV_POPULATE_WRITE, a merge gone) is
      dropped and the writer faults its pages itself, as before. ``AHEAD = 0`` turns it off (measurements, tests).
-  3. Its work is kernel CPU like before, on another thread: the process pays the same (measured: bench/RESULTS.md,
+  4. Its work is kernel CPU like before, on another thread: the process pays the same (measured: bench/RESULTS.md,
      2026-11-30, branch r31-slicefault). The queue holds a cursor (so its mapping) only until its populate
      returns; the thread ends after ``IDLE`` seconds without work and at interpreter exit, and a forked child starts
      its own.
@@ -39,6 +45,7 @@ _thread: threading.Thread | None = None
 _pid = 0
 _closing = False
 populated = 0  # bytes populated by this process's thread (tests, measurements)
+late = 0  # bytes the stepping threads populated themselves, the thread being late (invariant 2)
 _spent = [0.0]  # CPU seconds of the threads that ended
 
 
@@ -57,6 +64,14 @@ def ask(cursor: Any) -> None:
             _cond.notify()
 
 
+def before_step(cursor: Any, rows: int) -> None:
+    """Before a piece of ``rows`` output rows at most of ``cursor``'s step on this thread: populate what the
+    prefault thread has not reached of what it writes (invariant 2)."""
+    global late
+    if AHEAD > 0 and getattr(cursor, "mapping", None) is not None:
+        late += cursor.populate_ahead(0, rows + 4096)  # (a step may finish a key's rows past its budget)
+
+
 def _run() -> None:
     global populated, _thread
     me = threading.current_thread()
@@ -72,7 +87,7 @@ def _run() -> None:
             _, cursor = _want.popitem()
         try:
             populated += cursor.populate_ahead(AHEAD)
-        except Exception:  # (invariant 2) the writer faults these pages itself
+        except Exception:  # (invariant 3) the writer faults these pages itself
             pass
         del cursor
 
