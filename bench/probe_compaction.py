@@ -231,6 +231,8 @@ if installed:  # the install step apart from the steps before it (the slices), a
         "reclaim_steps": int(np.count_nonzero(reclaimed)), "reclaim_mib": sum(reclaimed) >> 20,
         "reclaim_ms_total": round(sum(reclaim_ms), 1), "reclaim_ms_max": round(max(reclaim_ms), 2),
         "reclaim_calls": sum(1 for x in reclaim_ms if x > 0)})
+if prefault is not None:  # (prefault.py) bytes its thread populated, and the stepping threads themselves
+    out.update({"prefault_mib": prefault.populated >> 20, "prefault_late_mib": getattr(prefault, "late", 0) >> 20})
 if slices:
     tot, su, ss = (np.array([x[i] for x in slices]) for i in range(3))
     out.update({"slices": len(slices), "slice_cpu_mean": round(float(tot.mean()), 2),
