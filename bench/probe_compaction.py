@@ -211,9 +211,12 @@ if installed:  # the install step apart from the steps before it (the slices), a
         "pre_prefault_total": round(sum(pfcpu[:installed - 1]), 1),
         "install_wall": round(walls[installed - 1], 2), "install_usr": round(pusr[installed - 1], 2),
         "install_sys": round(psys[installed - 1], 2),
-        "after_noprefault_mean": round(float(np.mean([a + b - c for a, b, c in zip(pusr[-100:], psys[-100:], pfcpu[-100:])])), 2),
-        "after_prefault_total": round(sum(pfcpu[-100:]), 1), "after_minflt_mean": round(float(np.mean(minflt[-100:])), 1),
-        "after_usr_mean": round(float(np.mean(pusr[-100:])), 2), "after_sys_mean": round(float(np.mean(psys[-100:])), 2),
+        "after_noprefault_mean": round(float(np.mean([a + b - c for a, b, c in
+                                                      zip(pusr[-100:], psys[-100:], pfcpu[-100:])])), 2),
+        "after_prefault_total": round(sum(pfcpu[-100:]), 1),
+        "after_minflt_mean": round(float(np.mean(minflt[-100:])), 1),
+        "after_usr_mean": round(float(np.mean(pusr[-100:])), 2),
+        "after_sys_mean": round(float(np.mean(psys[-100:])), 2),
         "after_wall_mean": round(float(np.mean(walls[-100:])), 2),
         "after_wall_p99": round(float(np.percentile(walls[-100:], 99)), 2),
         "install_cpu": round(cpus[installed - 1], 2), "install_pcpu": round(pcpus[installed - 1], 2),
@@ -244,7 +247,8 @@ if slices:
 print(json.dumps(out))
 if args.dump:
     with open(args.dump, "w") as f:
-        json.dump({"cpu_ms": cpus, "pcpu_ms": pcpus, "wall_ms": walls, "usr_ms": pusr, "sys_ms": psys, "prefault_ms": pfcpu, "slices": slices, "reclaimed": reclaimed, "reclaim_ms": reclaim_ms,
+        json.dump({"cpu_ms": cpus, "pcpu_ms": pcpus, "wall_ms": walls, "usr_ms": pusr, "sys_ms": psys,
+                   "prefault_ms": pfcpu, "slices": slices, "reclaimed": reclaimed, "reclaim_ms": reclaim_ms,
                    "installed_at": out["installed_at"]}, f)
 p.close()
 if root:

@@ -15,7 +15,7 @@ HUGE_SCRATCH = os.environ.get("DBSP_HUGEPAGES", "1").strip() != "0"
 # mapped, 16-29 ms of system time on a loaded host in the slice that first writes a new 2 MiB of a region (measured:
 # bench/RESULTS.md, 2026-11-30, branches r31-reclaim and r31-slicefault). :meth:`MergeCursor.populate_ahead` takes
 # those faults ahead of the writer with MADV_POPULATE_WRITE (Linux 5.14), called off the stepping thread
-# (dbsp_core/trace/levels.py ``_Prefaulter``): the same folios, allocated by another thread, the file's bytes
+# (dbsp_core/trace/prefault.py): the same folios, allocated by another thread, the file's bytes
 # unchanged (its blocks were reserved by fallocate and read as zeros; a populate writes nothing, it only faults the
 # pages in writable, so crash safety and the file format are untouched).
 cdef int MADV_POPULATE_WRITE_ = 23  # <linux/mman.h>; EINVAL before Linux 5.14: then populate_ahead does nothing
@@ -219,7 +219,6 @@ cdef class MergeCursor:
             os.close(fd)
         offset = [prefix]
 
-
         def alloc(n):
             r = file_region(self.mapping, offset[0], n)
             self.spans.append([offset[0], n, offset[0]])
@@ -253,24 +252,22 @@ cdef class MergeCursor:
         populated so far up to ``lead`` bytes past where its writer is (the region's share of the output rows
         written: exact for fixed-width columns, weights and hashes, whose regions hold one slot per input row and
         are written in order; a variable-width column's bytes taken as proportional), in 2 MiB-aligned pieces of
-        the file (the page cache's folios; comment above the class): MADV_POPULATE_WRITE, without the GIL. With ``rows``,
-        past where the writer will be after that many more output rows (the stepping thread, before a step: what the
-        prefault thread has not populated yet). Meant for a thread other than the stepping one, concurrently with
-        :meth:`step` (it reads the cursor's progress only; the caller keeps this cursor, so its mapping, alive).
-        Calls are serialized (a lock of the cursor) and each piece is populated once: two threads' first faults on
-        one 2 MiB range at once can leave it in small folios (the loser's readahead falls back to order 0), so the
-        writer must find its pieces populated, never populate them alongside. Returns the bytes populated; 0 for an
-        output in memory, without huge pages, or where the kernel refuses (before Linux 5.14)."""
-        global populate_refused
-        cdef int64_t done = 0, total = self.total, used, off, n, at, want, end, piece = 2 << 20
-        cdef int rc = 0, err = 0
+        the file (the page cache's folios; comment above the class): MADV_POPULATE_WRITE, without the GIL. With
+        ``rows``, past where the writer will be after that many more output rows (the stepping thread, before a
+        step: what the prefault thread has not populated yet). Meant for a thread other than the stepping one,
+        concurrently with :meth:`step` (it reads the cursor's progress only; the caller keeps this cursor, so its
+        mapping, alive). Calls are serialized (a lock of the cursor) and each piece is populated once: two
+        threads' first faults on one 2 MiB range at once can leave it in small folios (the loser's readahead falls
+        back to order 0), so the writer must find its pieces populated, never populate them alongside. Returns the
+        bytes populated; 0 for an output in memory, without huge pages, or where the kernel refuses (before Linux
+        5.14)."""
+        cdef int64_t total = self.total
         if self.fbase == NULL or populate_refused or total <= 0 or self.finished:
             return 0
         with self.plock:
             if self.finished:
                 return 0
-            used = min(total, self.m.n + max(rows, 0))
-            return self._populate(used, lead)
+            return self._populate(min(total, self.m.n + max(rows, 0)), lead)
 
     cdef int64_t _populate(self, int64_t used, int64_t lead) except -1:
         global populate_refused

@@ -129,8 +129,9 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      write included, only when its level's loose batches reach their fan-in, as a due merge). Until installed its inputs are read, as in invariant 16; a failed
      slice abandons it. The merge thread (invariant 10) and the slices advance a compaction by one body,
      ``_Merge.pay``. The page faults that allocate its scratch output's 2 MiB folios are taken ahead of the slices by
-     the prefault thread (prefault.py: ``_Merge`` asks it at its start and after each piece), so a slice does not
-     pay a folio's allocation (up to 36 ms of system time measured on a loaded host).
+     the prefault thread (prefault.py: ``_Merge`` asks it at its start and after each piece; a piece populates
+     itself only what the thread has not reached, as the first slice, paid right after the start, may), so a slice
+     does not pay a folio's allocation (up to 36 ms of system time measured on a loaded host).
  18. Held levels (``hold``, set per trace: a linear aggregate's totals, ``DBSP_TOTALS_HOLD``): a trace without a batch
      store whose reads of keys go through a current key index (invariant 11: a step never walks its batches) merges a
      level's loose batches ``2 ** j`` at a time, the largest ``2 ** j <= hold`` whose output (about j levels up: their
