@@ -41,11 +41,38 @@ ap.add_argument("--reopen", action="store_true", help="checkpoint, close and reo
 ap.add_argument("--dump", help="write each small step's stepping-thread CPU (ms) to this JSON file")
 ap.add_argument("--reclaim-mib", type=int, help="BatchStore.RECLAIM_BYTES in MiB (the bytes of deleted files an enforce "
                                                 "gives back at most; trees that have it)")
+ap.add_argument("--prefault-mib", type=int, help="dbsp_core.trace.prefault.AHEAD in MiB (0: off; trees that have it)")
 args = ap.parse_args()
 N, explicit = args.rows, args.mode == "settle"
 if args.reclaim_mib is not None:
     from dbsp_core.trace.spill import BatchStore
     BatchStore.RECLAIM_BYTES = args.reclaim_mib << 20
+try:
+    from dbsp_core.trace import prefault
+except ImportError:  # a tree before it
+    prefault = None
+if args.prefault_mib is not None and prefault is not None:
+    prefault.AHEAD = args.prefault_mib << 20
+# each compaction slice's (_Merge.step) thread CPU ms (thread_time), its user and sys ms (getrusage: tick-sampled
+# on some kernels, so only their sums mean much), minor faults
+slices: list[tuple[float, float, float, int]] = []
+try:
+    from dbsp_core.trace.levels import _Merge
+    _mstep = _Merge.step
+
+    def _timed_step(self, budget):
+        if not self.compaction:
+            return _mstep(self, budget)
+        r0, t0 = resource.getrusage(resource.RUSAGE_THREAD), time.thread_time()
+        try:
+            return _mstep(self, budget)
+        finally:
+            t1, r1 = time.thread_time(), resource.getrusage(resource.RUSAGE_THREAD)
+            slices.append(((t1 - t0) * 1000, (r1.ru_utime - r0.ru_utime) * 1000, (r1.ru_stime - r0.ru_stime) * 1000,
+                           r1.ru_minflt - r0.ru_minflt))
+    _Merge.step = _timed_step
+except (ImportError, AttributeError):
+    pass
 if args.mode == "none":
     EmbeddedExecutor._compact_after_load = lambda self, rows: None
 
@@ -104,13 +131,30 @@ if hasattr(store, "_reclaim_files"):
             rcpu[0] += time.thread_time() - t
     store._reclaim_files = _timed_reclaim
 reclaim_ms: list[float] = []  # of it, in each small step, ms
+walls: list[float] = []  # each small step's wall ms
+pusr: list[float] = []  # each small step's process user CPU, ms
+psys: list[float] = []  # ... system CPU, ms
+minflt: list[int] = []  # each small step's minor faults (process)
+pfcpu: list[float] = []  # of the process CPU, the prefault thread's (prefault.py; 0 on trees without it), ms
+
+
+def ru() -> tuple[float, float, float]:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    pf = prefault.cpu_seconds() if prefault is not None else 0.0
+    return r.ru_utime, r.ru_stime, pf, r.ru_minflt
 
 
 def small() -> float:
     p.push("t", pa.table({"k": rng.integers(0, 1 << 40, 1000), "v": rng.integers(0, 3, 1000)}, schema=S))
     r0, q0 = store.stats.get("bytes_reclaimed", 0), rcpu[0]
-    t0, c0, p0 = time.perf_counter(), time.thread_time(), cpu()
+    t0, c0, p0, u0 = time.perf_counter(), time.thread_time(), cpu(), ru()
     p.step()
+    u1 = ru()
+    walls.append((time.perf_counter() - t0) * 1000)
+    pusr.append((u1[0] - u0[0]) * 1000)
+    psys.append((u1[1] - u0[1]) * 1000)
+    pfcpu.append((u1[2] - u0[2]) * 1000)
+    minflt.append(u1[3] - u0[3])
     cpus.append((time.thread_time() - c0) * 1000)
     pcpus.append((cpu() - p0) * 1000)
     reclaimed.append(store.stats.get("bytes_reclaimed", 0) - r0)
@@ -159,6 +203,22 @@ out = {
 if installed:  # the install step apart from the steps before it (the slices), and the 10 after it
     pre, pre_p = cpus[:installed - 1] or [0.0], pcpus[:installed - 1] or [0.0]
     out.update({
+        **{f"pre_{name}_{stat}": round(float(f(np.array(xs[:installed - 1] or [0.0]))), 2)
+           for name, xs in (("wall", walls), ("usr", pusr), ("sys", psys), ("prefault", pfcpu),
+                            ("noprefault", [a + b - c for a, b, c in zip(pusr, psys, pfcpu)]))
+           for stat, f in (("mean", np.mean), ("p99", lambda a: np.percentile(a, 99)), ("max", np.max))},
+        "pre_sys_total": round(sum(psys[:installed - 1]), 1), "pre_usr_total": round(sum(pusr[:installed - 1]), 1),
+        "pre_prefault_total": round(sum(pfcpu[:installed - 1]), 1),
+        "install_wall": round(walls[installed - 1], 2), "install_usr": round(pusr[installed - 1], 2),
+        "install_sys": round(psys[installed - 1], 2),
+        "after_noprefault_mean": round(float(np.mean([a + b - c for a, b, c in
+                                                      zip(pusr[-100:], psys[-100:], pfcpu[-100:])])), 2),
+        "after_prefault_total": round(sum(pfcpu[-100:]), 1),
+        "after_minflt_mean": round(float(np.mean(minflt[-100:])), 1),
+        "after_usr_mean": round(float(np.mean(pusr[-100:])), 2),
+        "after_sys_mean": round(float(np.mean(psys[-100:])), 2),
+        "after_wall_mean": round(float(np.mean(walls[-100:])), 2),
+        "after_wall_p99": round(float(np.percentile(walls[-100:], 99)), 2),
         "install_cpu": round(cpus[installed - 1], 2), "install_pcpu": round(pcpus[installed - 1], 2),
         "pre_cpu_mean": round(float(np.mean(pre)), 2), "pre_cpu_p99": round(float(np.percentile(pre, 99)), 2),
         "pre_cpu_max": round(max(pre), 2), "pre_pcpu_mean": round(float(np.mean(pre_p)), 2),
@@ -174,10 +234,21 @@ if installed:  # the install step apart from the steps before it (the slices), a
         "reclaim_steps": int(np.count_nonzero(reclaimed)), "reclaim_mib": sum(reclaimed) >> 20,
         "reclaim_ms_total": round(sum(reclaim_ms), 1), "reclaim_ms_max": round(max(reclaim_ms), 2),
         "reclaim_calls": sum(1 for x in reclaim_ms if x > 0)})
+if prefault is not None:  # (prefault.py) bytes its thread populated, and the stepping threads themselves
+    out.update({"prefault_mib": prefault.populated >> 20, "prefault_late_mib": getattr(prefault, "late", 0) >> 20})
+if slices:
+    tot, su, ss = (np.array([x[i] for x in slices]) for i in range(3))
+    out.update({"slices": len(slices), "slice_cpu_mean": round(float(tot.mean()), 2),
+                "slice_cpu_p99": round(float(np.percentile(tot, 99)), 2), "slice_cpu_max": round(float(tot.max()), 2),
+                "slice_sys_mean": round(float(ss.mean()), 2), "slice_sys_p99": round(float(np.percentile(ss, 99)), 2),
+                "slice_sys_total": round(float(ss.sum()), 1), "slice_usr_total": round(float(su.sum()), 1),
+                "slices_over_10ms": int((tot > 10).sum()),
+                "slice_minflt_mean": round(float(np.mean([x[3] for x in slices])), 1)})
 print(json.dumps(out))
 if args.dump:
     with open(args.dump, "w") as f:
-        json.dump({"cpu_ms": cpus, "pcpu_ms": pcpus, "reclaimed": reclaimed, "reclaim_ms": reclaim_ms,
+        json.dump({"cpu_ms": cpus, "pcpu_ms": pcpus, "wall_ms": walls, "usr_ms": pusr, "sys_ms": psys,
+                   "prefault_ms": pfcpu, "slices": slices, "reclaimed": reclaimed, "reclaim_ms": reclaim_ms,
                    "installed_at": out["installed_at"]}, f)
 p.close()
 if root:

@@ -10,6 +10,17 @@
 # 617 -> 170 minor faults (bench/RESULTS.md, 2026-11-29, branch r31-flat100). Tests set it False to see the old way.
 HUGE_SCRATCH = os.environ.get("DBSP_HUGEPAGES", "1").strip() != "0"
 
+# The cost of those folios is the write fault that allocates one: a fresh 2 MiB folio of the page cache, allocated
+# (THP defrag "madvise": with synchronous reclaim and compaction for a VM_HUGEPAGE mapping), zeroed and its blocks
+# mapped, 16-29 ms of system time on a loaded host in the slice that first writes a new 2 MiB of a region (measured:
+# bench/RESULTS.md, 2026-11-30, branches r31-reclaim and r31-slicefault). :meth:`MergeCursor.populate_ahead` takes
+# those faults ahead of the writer with MADV_POPULATE_WRITE (Linux 5.14), called off the stepping thread
+# (dbsp_core/trace/prefault.py): the same folios, allocated by another thread, the file's bytes
+# unchanged (its blocks were reserved by fallocate and read as zeros; a populate writes nothing, it only faults the
+# pages in writable, so crash safety and the file format are untouched).
+cdef int MADV_POPULATE_WRITE_ = 23  # <linux/mman.h>; EINVAL before Linux 5.14: then populate_ahead does nothing
+cdef bint populate_refused = False  # the kernel refused MADV_POPULATE_WRITE once (set racily: either is right)
+
 cdef class MergeCursor:
     """A merge cursor: a merge of k >= 2 canonical batches (BatchViews with key hashes, of one schema and key)
     advanced in bounded steps (csrc/merge.h; two inputs go through the two-way kernel, more through the k-way one,
@@ -47,6 +58,9 @@ cdef class MergeCursor:
     cdef readonly object mapping  # the scratch file's mapping of a file-backed output, else None
     cdef object _scratch  # [path] of a named scratch file (``prefix``), None once adopted; else None
     cdef bint finished
+    cdef char *fbase  # the scratch mapping's first byte (file-backed output), else NULL
+    cdef list spans  # per output region of a file-backed output: [file offset, bytes, populated up to (offset)]
+    cdef object plock  # serializes populate_ahead's calls
 
     def __cinit__(self):
         self.out = NULL
@@ -54,6 +68,9 @@ cdef class MergeCursor:
         self.khs = NULL
         self.rhs = NULL
         self.pos = NULL
+        self.fbase = NULL
+        self.spans = []
+        self.plock = None
 
     def __dealloc__(self):
         free(self.out)
@@ -160,7 +177,9 @@ cdef class MergeCursor:
         page multiple; > 0: the file keeps its name, see the class)."""
         import mmap as _mmap
         import tempfile
+        import threading
         import weakref
+        cdef unsigned char[::1] fb
         page = _mmap.PAGESIZE
         prefix = (prefix + page - 1) // page * page
         want = []
@@ -187,6 +206,9 @@ cdef class MergeCursor:
             self.mapping = _mmap.mmap(fd, total, flags=_mmap.MAP_SHARED, prot=_mmap.PROT_READ | _mmap.PROT_WRITE)
             if HUGE_SCRATCH and hasattr(_mmap, "MADV_HUGEPAGE"):  # the output's page cache in 2 MiB folios (below)
                 self.mapping.madvise(_mmap.MADV_HUGEPAGE)
+                fb = self.mapping
+                self.fbase = <char *>&fb[0]  # (populate_ahead: only for a huge-page mapping)
+                self.plock = threading.Lock()
             if self._scratch is not None:  # unlinked with its mapping unless adopted (a crash leaves it: swept)
                 weakref.finalize(self.mapping, _unlink_scratch, self._scratch)
         except BaseException:
@@ -199,6 +221,7 @@ cdef class MergeCursor:
 
         def alloc(n):
             r = file_region(self.mapping, offset[0], n)
+            self.spans.append([offset[0], n, offset[0]])
             offset[0] += (max(n, 1) + page - 1) // page * page
             return r
         return alloc
@@ -223,6 +246,55 @@ cdef class MergeCursor:
         import mmap as _mmap
         if self.mapping is not None and hasattr(_mmap, "MADV_DONTNEED"):
             self.mapping.madvise(_mmap.MADV_DONTNEED)
+
+    def populate_ahead(self, int64_t lead, int64_t rows=0):
+        """Fault in, writable, the pages of each output region of a file-backed huge-page output from where it was
+        populated so far up to ``lead`` bytes past where its writer is (the region's share of the output rows
+        written: exact for fixed-width columns, weights and hashes, whose regions hold one slot per input row and
+        are written in order; a variable-width column's bytes taken as proportional), in 2 MiB-aligned pieces of
+        the file (the page cache's folios; comment above the class): MADV_POPULATE_WRITE, without the GIL. With
+        ``rows``, past where the writer will be after that many more output rows (the stepping thread, before a
+        step: what the prefault thread has not populated yet). Meant for a thread other than the stepping one,
+        concurrently with :meth:`step` (it reads the cursor's progress only; the caller keeps this cursor, so its
+        mapping, alive). Calls are serialized (a lock of the cursor) and each piece is populated once: two
+        threads' first faults on one 2 MiB range at once can leave it in small folios (the loser's readahead falls
+        back to order 0), so the writer must find its pieces populated, never populate them alongside. Returns the
+        bytes populated; 0 for an output in memory, without huge pages, or where the kernel refuses (before Linux
+        5.14)."""
+        cdef int64_t total = self.total
+        if self.fbase == NULL or populate_refused or total <= 0 or self.finished:
+            return 0
+        with self.plock:
+            if self.finished:
+                return 0
+            return self._populate(min(total, self.m.n + max(rows, 0)), lead)
+
+    cdef int64_t _populate(self, int64_t used, int64_t lead) except -1:
+        global populate_refused
+        cdef int64_t done = 0, total = self.total, off, n, at, want, end, piece = 2 << 20
+        cdef int rc = 0, err = 0
+        for sp in self.spans:
+            off, n, at = sp
+            end = (off + n + 4095) // 4096 * 4096
+            want = off + <int64_t>(<double>n * used / total) + lead
+            want = min(end, (want + piece - 1) // piece * piece)
+            while at < want:
+                n = min(want, (at // piece + 1) * piece) - at
+                with nogil:
+                    rc = madvise(self.fbase + at, <size_t>n, MADV_POPULATE_WRITE_)
+                    if rc != 0:
+                        err = c_errno
+                if rc != 0:
+                    if err == errno.EINVAL or err == errno.ENOSYS:
+                        populate_refused = True
+                        return done
+                    if err != errno.EINTR and err != errno.EAGAIN:
+                        raise OSError(err, f"merge: MADV_POPULATE_WRITE of the scratch file: {os.strerror(err)}")
+                    continue
+                at += n
+                done += n
+                sp[2] = at
+        return done
 
     cdef int64_t _consumed(self):
         cdef int64_t s = 0

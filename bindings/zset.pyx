@@ -6,6 +6,8 @@ from libc.string cimport memset
 from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_WRITABLE
 from cpython.pycapsule cimport PyCapsule_GetPointer
 from libc.string cimport memcpy, memmove
+from libc.errno cimport errno as c_errno
+from posix.mman cimport madvise
 
 from zset cimport *
 
