@@ -81,18 +81,7 @@ def test_a_merge_output_made_in_place_is_in_2mib_folios(huge: bool, monkeypatch,
     schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
     t, want = Trace(schema, ("k",)), {}
     with BatchStore(1, directory=str(tmp_path / "spill")) as store, spilling(store):
-        for _ in range(2):  # two batches of ~10 MiB each, spilled, then merged on disk into one file made in place
-            n = 300_000
-            k, v, w = rng.integers(0, 1 << 40, n), rng.integers(0, 5, n), rng.choice([1, 2, -1], n)
-            z = ZSet.from_arrow(pa.table({"k": k, "v": v}, schema=schema), weights=w).consolidate()
-            for r, x in z.to_dict().items():
-                want[r] = want.get(r, 0) + x
-            t.insert(z.index_by(["k"]))
-            store.enforce()
-            store.settle()
-        t.compact_spilled()  # the two files merged into one (on disk: the budget is a byte)
-        store.enforce()
-        store.settle()
+        _two_spilled_then_compacted(rng, schema, t, want, store)
         assert store.stats["written_in_place"] >= 1
         shares = {f.path: _pmd_share(f.path) for f in store._files.values() if f.map is not None}
         got = t.consolidated().zset.to_dict()
@@ -188,21 +177,28 @@ def test_a_spilled_compaction_is_populated_ahead_by_the_prefault_thread(monkeypa
         time.sleep(0.05)
         before = prefault.populated
         with BatchStore(1, directory=str(tmp_path / f"spill{ahead}")) as store, spilling(store):
-            for _ in range(2):
-                n = 300_000
-                k, v, w = rng.integers(0, 1 << 40, n), rng.integers(0, 5, n), rng.choice([1, 2, -1], n)
-                z = ZSet.from_arrow(pa.table({"k": k, "v": v}, schema=schema), weights=w).consolidate()
-                for r, x in z.to_dict().items():
-                    want[r] = want.get(r, 0) + x
-                t.insert(z.index_by(["k"]))
-                store.enforce()
-                store.settle()
-            t.compact_spilled()
-            store.enforce()
-            store.settle()
+            _two_spilled_then_compacted(rng, schema, t, want, store)
             got = t.consolidated().zset.to_dict()
         assert got == {r: x for r, x in want.items() if x}
         deadline = time.monotonic() + 10
         while ahead and prefault.populated == before and time.monotonic() < deadline:
             time.sleep(0.01)  # (the thread may still be in its populate)
         assert (prefault.populated > before) == bool(ahead), (ahead, before, prefault.populated)
+
+
+def _two_spilled_then_compacted(rng: np.random.Generator, schema: pa.Schema, t: Trace, want: dict,
+                                store: BatchStore) -> None:
+    """Two batches of ~10 MiB each inserted into ``t`` and spilled (their rows added to ``want``), then merged on disk
+    into one file made in place (the budget is a byte)."""
+    for _ in range(2):
+        n = 300_000
+        k, v, w = rng.integers(0, 1 << 40, n), rng.integers(0, 5, n), rng.choice([1, 2, -1], n)
+        z = ZSet.from_arrow(pa.table({"k": k, "v": v}, schema=schema), weights=w).consolidate()
+        for r, x in z.to_dict().items():
+            want[r] = want.get(r, 0) + x
+        t.insert(z.index_by(["k"]))
+        store.enforce()
+        store.settle()
+    t.compact_spilled()
+    store.enforce()
+    store.settle()
