@@ -41,8 +41,7 @@ IDLE = 2.0  # seconds without work after which the thread ends (the next ask sta
 
 _cond = threading.Condition(threading.Lock())
 _want: dict[int, Any] = {}  # id(cursor) -> cursor, to populate
-_thread: threading.Thread | None = None
-_pid = 0
+_thread: threading.Thread | None = None  # (None in a forked child: _after_fork)
 _closing = False
 populated = 0  # bytes populated by this process's thread (tests, measurements)
 late = 0  # bytes the stepping threads populated themselves, the thread being late (invariant 2)
@@ -51,13 +50,12 @@ _spent = [0.0]  # CPU seconds of the threads that ended
 
 def ask(cursor: Any) -> None:
     """Have the prefault thread populate ``cursor``'s file-backed output ahead of its writer (invariant 1)."""
-    global _thread, _pid
+    global _thread
     if AHEAD <= 0 or getattr(cursor, "mapping", None) is None or _closing:
         return
     with _cond:
         _want[id(cursor)] = cursor
-        if _thread is None or _pid != os.getpid() or not _thread.is_alive():
-            _pid = os.getpid()
+        if _thread is None or not _thread.is_alive():
             _thread = threading.Thread(target=_run, name="dbsp-prefault", daemon=True)
             _thread.start()
         else:
