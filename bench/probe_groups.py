@@ -193,55 +193,83 @@ def main() -> int:
     for k, v in acc.items():
         print(f"  {k:34s} mean {np.mean(v):9.2f}  p99 {np.percentile(v, 99):9.2f}", flush=True)
     print(f"  load {os.getloadavg()[0]:.2f} {time.strftime('%H:%M:%S', time.gmtime())}", flush=True)
-    replay(steps, args.replay_rounds)
+    replay(steps, args.replay_rounds, args.replay_group)
     return 0
 
 
-def replay(steps: list, rounds: int) -> None:
-    """The measured steps' reads replayed on the store's own files (their page cache as the steps left it), through
-    a fresh MADV_RANDOM mapping of each: a byte read at every byte a step's rows touch, in the columnar layout (the
-    files' own offsets: what the steps did) or at the offsets the grouped layout would put them at, then every
-    mapping dropped (MADV_DONTNEED: the budget's drop of a step's mappings); alternated ``rounds`` times. Only the
-    offsets differ (the bytes read are whatever lies there), so the difference is the kernel's: faults and drops."""
+def replay(steps: list, rounds: int, group: int) -> None:
+    """The measured steps' reads replayed on the store's own files (their page cache as the steps left it), alternated
+    ``rounds`` times, each mode over every step three times (the loops in C: bench_pread_micro.py's):
+
+    - ``columnar-mmap``: through a fresh MADV_RANDOM mapping of each file, a byte read in every 4 KiB page the step's
+      rows touch where they lie (what the steps did), then every mapping dropped (MADV_DONTNEED: the budget's drop);
+    - ``grouped-mmap``: the same at the pages the row-grouped layout (groups of ``group`` bytes) puts those rows in;
+    - ``grouped-pread``: no mapping: one pread(2) of ``group`` bytes a group the step's rows lie in, into a buffer;
+    - ``columnar-pread``: one pread of 4 KiB a page the columnar layout's rows lie in (r31-fault100's pread, per page).
+
+    Only the offsets differ (the bytes are whatever lies there), so the differences are the kernel's: faults, drops,
+    system calls and copies."""
+    import ctypes
     import mmap
 
+    from bench_pread_micro import _lib
+
+    lib = _lib()
     maps: dict = {}
     for touched in steps:
         for (path, size), _, _ in touched:
             if path not in maps and os.path.exists(path):
                 fd = os.open(path, os.O_RDONLY)
-                try:
-                    m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-                finally:
-                    os.close(fd)
+                m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
                 m.madvise(mmap.MADV_RANDOM)
-                maps[path] = (m, np.frombuffer(m, dtype=np.uint8))
+                maps[path] = (m, np.frombuffer(m, dtype=np.uint8).ctypes.data, fd, size)
+    plans = []  # per step: per file (path, columnar pages, grouped pages, grouped slots)
+    for touched in steps:
+        per = []
+        for (path, _size), col, grp in touched:
+            if path not in maps:
+                continue
+            size = maps[path][3]
+            cp = np.unique(col[col < size] // PG).astype(np.int64)
+            gp = np.unique(grp[grp < size] // PG).astype(np.int64)
+            gs = np.unique(grp[grp < size] // group).astype(np.int64)
+            per.append((path, cp, gp, gs))
+        plans.append(per)
+    most = max((max(len(cp), len(gs)) for per in plans for _, cp, _, gs in per), default=1)
+    pool = np.zeros(most * max(group, PG) + PG, dtype=np.uint8)
+    ones = np.ones(most, dtype=np.int64)
+    slots = np.arange(most, dtype=np.int64)
     th = getattr(resource, "RUSAGE_THREAD", 1)
     for rnd in range(rounds):
-        for k, name in ((1, "columnar"), (2, "grouped")):
-            for m, _ in maps.values():
+        for name in ("columnar-mmap", "grouped-mmap", "grouped-pread", "columnar-pread"):
+            for m, *_ in maps.values():
                 m.madvise(mmap.MADV_DONTNEED)
             r0 = resource.getrusage(th)
             t0, c0 = time.perf_counter(), time.thread_time()
-            sink = 0
-            for touched in steps * 3:
-                used = set()
-                for t in touched:
-                    path = t[0][0]
-                    if path in maps:
-                        a = maps[path][1]
-                        off = t[k]
-                        sink += int(a[off[off < len(a)]].sum())
-                        used.add(path)
-                for path in used:
-                    maps[path][0].madvise(mmap.MADV_DONTNEED)
+            calls = 0
+            for per in plans * 3:
+                for path, cp, gp, gs in per:
+                    m, base, fd, _size = maps[path]
+                    if name.endswith("mmap"):
+                        pg = cp if name.startswith("columnar") else gp
+                        lib.touch(base, pg.ctypes.data, len(pg), PG)
+                    else:
+                        first, unit = (gs, group) if name.startswith("grouped") else (cp, PG)
+                        got = lib.read_runs(fd, pool.ctypes.data, first.ctypes.data, ones.ctypes.data,
+                                            slots.ctypes.data, len(first), unit)
+                        if got < 0:
+                            raise OSError("short pread")
+                        calls += got
+                if name.endswith("mmap"):
+                    for path, *_ in per:
+                        maps[path][0].madvise(mmap.MADV_DONTNEED)
             cpu = time.thread_time() - c0
             r1 = resource.getrusage(th)
-            n = 3 * len(steps)
-            print(f"  replay round {rnd} {name:9s}: CPU {cpu * 1e3 / n:.3f} "
-                  f"ms a step (user {(r1.ru_utime - r0.ru_utime) * 1e3 / n:.3f}, sys {(r1.ru_stime - r0.ru_stime) * 1e3 / n:.3f}), "
-                  f"minflt {(r1.ru_minflt - r0.ru_minflt) / n:.1f}, wall {(time.perf_counter() - t0) * 1e3 / n:.3f} ms "
-                  f"(load {os.getloadavg()[0]:.2f}) [{sink % 7}]", flush=True)
+            n = 3 * len(plans)
+            print(f"  replay round {rnd} {name:14s}: CPU {cpu * 1e3 / n:.3f} ms a step (user "
+                  f"{(r1.ru_utime - r0.ru_utime) * 1e3 / n:.3f}, sys {(r1.ru_stime - r0.ru_stime) * 1e3 / n:.3f}), "
+                  f"minflt {(r1.ru_minflt - r0.ru_minflt) / n:.1f}, preads {calls / n:.0f}, wall "
+                  f"{(time.perf_counter() - t0) * 1e3 / n:.3f} ms (load {os.getloadavg()[0]:.2f})", flush=True)
 
 
 if __name__ == "__main__":
