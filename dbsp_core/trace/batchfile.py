@@ -70,10 +70,11 @@ Readers (designed):
   - Switch: ``DBSP_BATCH_GROUPS`` (envvars.py; 0 = version 1, the default until measured, or G) - not added, as
     nothing reads it yet.
 
-What it would buy (measured by replaying a step's reads on the store's own files, RESULTS): through the mapping, the
-units a step faults fall only where a step's keys are fewer than the units its pages lie in (100M rows), and at 10M
-and 30M the faults and drops are ~0.3-0.4 ms of a 6-8 ms step; by pread of a group a key, ~1 ms a step at any state
-size (flat), against the mapping's ~0.4 ms at 10M and its faults at 100M.
+What it would buy (measured by replaying 1k-row steps' reads on the store's own files, RESULTS): through the mapping,
+the 2 MiB units a step faults fall only where a step's keys are fewer than the units its pages lie in: the same at
+10M rows (186 -> 189 for a join; faults and drops 0.3-0.5 ms of a 5-7 ms step either way), -16 to -22% at 30M, -56%
+at 100M (1,771 -> 784); by one pread of a group a key, 0.9-1.3 ms a step at 10M and 30M and 3.3-3.7 at 100M (no
+mapping, no fault, no drop), against the mapping's 0.35-0.48, 1.1-1.6 and 9-30 ms: the read that makes the step flat.
 
 Invariants (enforced here; checked by :func:`verify`):
   1. A batch file is written whole to ``<name>.tmp``, fsynced, renamed to its name and its directory fsynced;
