@@ -56,8 +56,10 @@ Readers (designed):
     of its slots (adjacent groups in one call) into a scratch buffer of the step. The touched groups, concatenated in
     order, are a consolidated batch in index order (whole keys, ascending key hashes), so the kernels of csrc/lookup.h
     run on it unchanged; a caller that needs the file's row numbers adds each group's first row. No mapping, no
-    fault, nothing to drop after the step: the page cache is the cache, the budget counts the scratch. A slot read is
-    checked against its CRC page's page CRC the first time (invariant 5, per page as now).
+    fault, nothing to drop after the step: the page cache is the cache, the budget counts the scratch (the store's
+    per-page cache accounting and mapped bound, spill.py invariants 12 and 15, have nothing to count for such a
+    file). A lazily opened file's slot is checked the first time its CRC page is read (invariant 5: that read takes
+    the whole ``PAGE`` bytes once, then the page is marked checked).
   - Whole reads (a merge's or compaction's input, a scan, ``check_all``, :func:`verify`, ``dbsp inspect``): the
     groups in order. The merge kernels (csrc merge, bindings/merge.pxi) take an input as a chain of segments (a
     cursor that steps to the next group's buffers); a reader that needs one contiguous batch (verify, inspect)
