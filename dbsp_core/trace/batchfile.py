@@ -75,7 +75,7 @@ Readers (designed):
 What it would buy (measured by replaying 1k-row steps' reads on the store's own files, RESULTS): through the mapping,
 the 2 MiB units a step faults fall only where a step's keys are fewer than the units its pages lie in: the same at
 10M rows (186 -> 189 for a join; faults and drops 0.3-0.5 ms of a 5-7 ms step either way), -16 to -22% at 30M, -56%
-at 100M (1,771 -> 784); by one pread of a group a key, 0.9-1.3 ms a step at 10M and 30M and 3.3-3.7 at 100M (no
+at 100M (1,771 -> 784; the replay's faults and drops 9-30 -> 2.7-7.8 ms); by one pread of a group a key, 0.9-1.3 ms a step at 10M and 30M and 2.9-5.7 at 100M (no
 mapping, no fault, no drop), against the mapping's 0.35-0.48, 1.1-1.6 and 9-30 ms: the read that makes the step flat.
 
 Invariants (enforced here; checked by :func:`verify`):
