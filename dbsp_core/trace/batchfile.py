@@ -24,6 +24,60 @@ Format (version 1, ``BATCH_FILE_MAGIC``; listed in dbsp_core/storage/formats.py)
     [EOF-64, EOF)    footer: magic "DBSPBTFT" | version u32 | K u32 | fence offset u64 | F u64 | bloom offset u64 |
                      B u64 | page-CRC offset u64 | CRC-32C of bytes [0, EOF-64) u32 | CRC-32C of footer bytes 0..55 u32
 
+Format version 2 (``BATCH_FILE_GROUPED_VERSION``, formats.py): **designed, not written or read by this build**
+(branch r31-groups; a version-2 file is refused by :func:`open_batch` with FormatVersionError). Row groups, so that
+a key's rows lie in one small span of the file instead of one place in each column buffer. What it is for, measured
+first (bench/probe_groups.py, bench/RESULTS.md "Row-grouped batch files, measured before building"): a 1k-row step's
+seeks read 5.1-6.2 pages of 4 KiB a key sought (the key hashes 1.2, the weights 1, the row hashes 1, each column 1),
+in as many 2 MiB units of the file; the layout below reads one. Changes against version 1:
+
+    header           version 2; flags bit 1 (``FLAG_GROUPED``); in the 12 reserved bytes: the slot size G (u32, a
+                     power of two, 4096 by default) and the number of groups (u64)
+    [64, 64 + A)     an Arrow IPC file of the same schema holding one record batch per row group, in index order. A
+                     group is a run of whole keys (a key's rows are never split between groups) whose record-batch
+                     block (message metadata and body, buffers 8-byte aligned) fits one G-byte slot aligned to G in
+                     the file; a key whose rows alone do not fit takes a run of slots, alone. Each block starts on a
+                     slot boundary (the Arrow footer's blocks say where; the gap to the next slot is zeros, which any
+                     Arrow reader skips, as it skips invariant 7's room between buffers)
+    [.., +24N)       the group index, in place of version 1's fence (the footer's fence offset and count name it):
+                     per group its first key hash u64, first row u64, first slot u32 and slots u32
+    Bloom filter, page CRCs (of ``PAGE`` bytes, as version 1: a slot lies in one CRC page), footer: as version 1.
+
+G is 4 KiB because the measure says so: with G = 16 KiB a key's rows still lie in ~3.9 pages and with 64 KiB in
+4.9-6.0 (each buffer's share of a group is a page or more), the same as version 1; only 2 MiB units are saved by
+those. The cost: a record batch's metadata is ~250-350 bytes for 3-5 columns, ~8% of a 4 KiB slot, and the Arrow
+footer 24 bytes a group (a file of 100M rows of 40 bytes: ~1M groups, a generic Arrow reader sees that many chunks).
+
+Readers (designed):
+  - A version-1 file is one group: the fence, the whole record batch, read as today.
+  - The 1k-row lookup path (spill.py's seeks and cache accounting, levels.py ``narrowed``, the C kernels behind
+    ``lookup`` / ``key_sums`` / the join's walk, csrc/lookup.h): Bloom filter, then the group index (binary search of
+    the in-memory first key hashes, as the fence) gives the groups a step's keys lie in; each is read by one pread(2)
+    of its slots (adjacent groups in one call) into a scratch buffer of the step. The touched groups, concatenated in
+    order, are a consolidated batch in index order (whole keys, ascending key hashes), so the kernels of csrc/lookup.h
+    run on it unchanged; a caller that needs the file's row numbers adds each group's first row. No mapping, no
+    fault, nothing to drop after the step: the page cache is the cache, the budget counts the scratch (the store's
+    per-page cache accounting and mapped bound, spill.py invariants 12 and 15, have nothing to count for such a
+    file). A lazily opened file's slot is checked the first time its CRC page is read (invariant 5: that read takes
+    the whole ``PAGE`` bytes once, then the page is marked checked).
+  - Whole reads (a merge's or compaction's input, a scan, ``check_all``, :func:`verify`, ``dbsp inspect``): the
+    groups in order. The merge kernels (csrc merge, bindings/merge.pxi) take an input as a chain of segments (a
+    cursor that steps to the next group's buffers); a reader that needs one contiguous batch (verify, inspect)
+    concatenates (a copy, bounded by the file).
+  - Writers: :func:`write_batch` cuts the groups at key boundaries and writes each record batch at its slot (the
+    Arrow footer's block offsets are the slots: written by this module, not pyarrow's writer, which places blocks back
+    to back). A merge output built on disk (invariant 7) would have to be written in groups by the merge itself (its
+    output cursor cutting a group when the slot fills): the compacted files a big state's steps read are merge
+    outputs, so version 2 for the spill writer alone would leave the measured states' hot files in version 1.
+  - Switch: ``DBSP_BATCH_GROUPS`` (envvars.py; 0 = version 1, the default until measured, or G) - not added, as
+    nothing reads it yet.
+
+What it would buy (measured by replaying 1k-row steps' reads on the store's own files, RESULTS): through the mapping,
+the 2 MiB units a step faults fall only where a step's keys are fewer than the units its pages lie in: the same at
+10M rows (186 -> 189 for a join; faults and drops 0.3-0.5 ms of a 5-7 ms step either way), -16 to -22% at 30M, -56%
+at 100M (1,771 -> 784; the replay's faults and drops 9-30 -> 2.7-7.8 ms); by one pread of a group a key, 0.9-1.3 ms a step at 10M and 30M and 2.9-5.7 at 100M (no
+mapping, no fault, no drop), against the mapping's 0.35-0.48, 1.1-1.6 and 9-30 ms: the read that makes the step flat.
+
 Invariants (enforced here; checked by :func:`verify`):
   1. A batch file is written whole to ``<name>.tmp``, fsynced, renamed to its name and its directory fsynced;
      after that it never changes. A file under its final name is therefore complete, and its name can be handed to
