@@ -214,9 +214,6 @@ for _ in range(63):
     _X2N.append(_gf2_mulmod(_X2N[-1], _X2N[-1]))
 
 
-COMBINE_IN_C = True  # crc_combine in C (csrc/crc32c.h; False: the Python below, which tests compare it with)
-
-
 def crc_combine(crc1: int, crc2: int, len2: int) -> int:
     """The CRC-32C of ``A + B`` from ``crc1`` of A, ``crc2`` of B and ``len(B)`` (zlib's crc32_combine, for the
     Castagnoli polynomial): no byte is read again. ``crc_combine(_crc(a), _crc(b), len(b)) == _crc(a + b)``.
@@ -226,8 +223,9 @@ def crc_combine(crc1: int, crc2: int, len2: int) -> int:
     True
     """
     from dbsp_core import _storage
+    from dbsp_core.trace import spillread
 
-    if COMBINE_IN_C:
+    if spillread.NATIVE:  # in C (csrc/crc32c.h; else the Python below, the reference: tests compare the two)
         return _storage.crc32c_combine(crc1, crc2, len2)
     p, n, k = 1 << 31, len2, 3  # x^(8 len2): the shift of crc1 past B's bits
     while n:
@@ -279,8 +277,9 @@ def _bloom_add(f: np.ndarray, hashes: np.ndarray, k: int = BLOOM_K) -> None:
     """Set the bits of ``hashes`` (ascending) in the filter ``f`` (a piece at a time: a filter built from pieces
     of a batch's key hashes, in order, is the one :func:`bloom_build` makes of them all, bit for bit)."""
     from dbsp_core import _storage
+    from dbsp_core.trace import spillread
 
-    if BLOOM_IN_C:  # one pass in C (csrc/bloom.h), bit for bit the pieces below
+    if spillread.NATIVE:  # one pass in C (csrc/bloom.h), bit for bit the pieces below (the reference)
         _storage.bloom_build(np.ascontiguousarray(hashes, dtype=np.uint64), f, k)
         return
     last = -1  # the word of the previous piece's last hash
@@ -291,9 +290,6 @@ def _bloom_add(f: np.ndarray, hashes: np.ndarray, k: int = BLOOM_K) -> None:
             raise ValueError("bloom_build: key hashes must ascend")
         f[word[starts]] |= np.bitwise_or.reduceat(mask, starts)  # a word may span two pieces: or, not set
         last = int(word[-1])
-
-
-BLOOM_IN_C = True  # bloom_build in one C pass (False: the numpy pieces; tests compare the two)
 
 
 def bloom_may_contain(f: np.ndarray, hashes: np.ndarray, k: int = BLOOM_K) -> np.ndarray:
@@ -1005,10 +1001,10 @@ class BatchFile(NamedTuple):
 
     def may_contain(self, hashes: np.ndarray) -> np.ndarray:
         """Per key hash: whether the batch may hold it (the Bloom filter, invariant 3): one C call
-        (trace/spillread.py; ``bloom_may_contain``'s numpy with its IN_C False)."""
+        (trace/spillread.py; ``bloom_may_contain``'s numpy with its ``NATIVE`` False)."""
         from dbsp_core.trace import spillread
 
-        if not spillread.IN_C or len(hashes) == 0:
+        if not spillread.NATIVE or len(hashes) == 0:
             return bloom_may_contain(self.bloom, hashes, self.bloom_k)
         return spillread.may_contain([self], hashes)[0][0]
 

@@ -1299,7 +1299,7 @@ class BatchStore:
         # 4,300 runs a 10M join step took 13 ms as a madvise each); handing them to the spill thread cost the step
         # more (waking it hands it the GIL) than the calls
         self.stats["evict_calls"] += (spillread.evict(evict, self.RECENCY and hasattr(mmap, "MADV_NORMAL"))
-                                      if spillread.IN_C and spillread.EVICT_IN_C else _evict(evict))
+                                      if spillread.NATIVE else _evict(evict))
 
     def _evict_oldest(self, cap: int) -> tuple[list[tuple[mmap.mmap, np.ndarray]], list[Any]]:
         """Drop from the cache the pages of the oldest reads not used since, a read at a time, until it holds at most

@@ -40,8 +40,8 @@ def test_a_drop_of_a_spilled_files_pages_is_made_with_recency(recency: bool, mon
     made random-read (the second case: the check can fail). The rows found are the model's; the budget holds."""
     monkeypatch.setattr(BatchStore, "RECENCY", recency)
     # the cache's drops through the reference path (spill.py _evict, a _recency a mapping: watched below); the batched
-    # C call (spillread.evict, IN_C) is test_a_batched_drop_of_a_spilled_files_pages_leaves_it_random_read's
-    monkeypatch.setattr(spillread, "IN_C", False)
+    # C call (spillread.evict, NATIVE) is test_a_batched_drop_of_a_spilled_files_pages_leaves_it_random_read's
+    monkeypatch.setattr(spillread, "NATIVE", False)
     seen: list[bool] = []  # per drop of the file's mapping: "rr" in its VmFlags during it
     inner = spill._recency
 
@@ -83,7 +83,7 @@ def test_a_batched_drop_of_a_spilled_files_pages_leaves_it_random_read(recency: 
     the model's. (The mapping's flags during the C call are not observable from here; the order of the calls is
     spillread.pxi ``evict_mappings``'s.)"""
     monkeypatch.setattr(BatchStore, "RECENCY", recency)
-    monkeypatch.setattr(spillread, "IN_C", True)
+    monkeypatch.setattr(spillread, "NATIVE", True)
     rng = np.random.default_rng(SEED)
     with BatchStore(16 << 20) as store, spilling(store):
         t, model = _spilled_trace(store, 1_000_000, rng)

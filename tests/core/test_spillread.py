@@ -211,7 +211,7 @@ def _batch(rng: np.random.Generator, n: int, key=("k",)):
 def test_pages_used_of_batch_files_is_pages_read(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """``spillread.pages_used`` of several reads of batch files (string, large string, bool, nullable int32,
     float columns; hashes found, absent and at fence entries; the rows a lookup found or None; values and row
-    hashes or not) gives ``BatchFile.pages_read``'s pages (its numpy path, ``IN_C`` False, the same), None for a
+    hashes or not) gives ``BatchFile.pages_read``'s pages (its numpy path, ``spillread.NATIVE`` False, the same), None for a
     batch without a fence; the spans kept per batch are reused only for the same buffers."""
     rng = np.random.default_rng(SEED + n)
     d = tempfile.mkdtemp()
@@ -241,9 +241,9 @@ def test_pages_used_of_batch_files_is_pages_read(n: int, monkeypatch: pytest.Mon
                     assert g is None and b._fx is None
                 else:
                     assert g is not None and np.array_equal(g, want), (len(g), len(want))
-            monkeypatch.setattr(spillread, "IN_C", False)
+            monkeypatch.setattr(spillread, "NATIVE", False)
             py = spillread.pages_used(reads, None, values, rh)
-            monkeypatch.setattr(spillread, "IN_C", True)
+            monkeypatch.setattr(spillread, "NATIVE", True)
             assert all((a is None and c is None) or np.array_equal(a, c) for a, c in zip(py, got_pages))
     assert all(v[0][2] == files[0].base or any(v[0][2] == f.base for f in files) for v in cache.values())
 
@@ -252,7 +252,7 @@ def test_a_traces_reads_and_cache_counts_are_the_same_batched(monkeypatch: pytes
     """Two traces of five batches (three or more spilled), each under its own store, read step after step by
     match_weights (whole-row key), lookup and key_sums (each through the batched Bloom tests) and accounted by their
     store's cache (the batched page accounting): the same results, keys sought, cache hits and misses, evictions
-    and cached pages as the numpy path per batch (``IN_C`` False), and results equal to the same traces in memory."""
+    and cached pages as the numpy path per batch (``spillread.NATIVE`` False, the reference path), and results equal to the same traces in memory."""
     from dbsp_core.trace import Trace
     from dbsp_core.trace.spill import BatchStore, spilling
 
@@ -267,7 +267,7 @@ def test_a_traces_reads_and_cache_counts_are_the_same_batched(monkeypatch: pytes
         whole_mem.insert(z.index_by(["k", "v"]))
 
     def run(in_c: bool) -> list:
-        monkeypatch.setattr(spillread, "IN_C", in_c)
+        monkeypatch.setattr(spillread, "NATIVE", in_c)
         rng = np.random.default_rng(SEED)
         disk, whole_disk = Trace(schema, ("k",)), Trace(schema, ("k", "v"))
         stores = [BatchStore(1 << 18), BatchStore(1 << 18)]
