@@ -188,7 +188,11 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      walk, through ``Trace.narrowed``) first drops the keys the batch's Bloom filter rules out, and counts those it
      seeks in ``stats["keys_sought"]``: each costs at least a page of the batch's key hashes, so a step that changes
      k keys seeks about k times the batches that hold them (plus the filter's ~2% false positives), not k times
-     every spilled batch.
+     every spilled batch. A filter is in memory only once a read has probed it (``LAZY_FILTERS``): ``_switch`` lets
+     go of the copy the writer built (batchfile.py ``BatchFile.release_filter``) and the first probe copies it back
+     from the file's mapping, fence and filter checked against their section CRC first (batchfile.py invariant 5),
+     so a trace whose keys no step seeks (a join's side that only grows, whose changes no other side's walk looks
+     up) holds no filter in the budget; the probed ones are held as before (``memory()``: ``filter_held``).
 
  17. Key indexes live in files too (csrc/keyindex.h invariant 7): a registered trace's key index keeps its large
      regions (a slot table or entries from 2 MiB) in unlinked files of the store's directory, so its pages are the
@@ -462,6 +466,9 @@ class BatchStore:
     # through the store's VFS, posix or fault (one that cannot adopt a file, ``_storage.vfs_adopts``: the copy).
     # False: the copy, as before
     IN_PLACE = True
+    # a batch switched to the file this process wrote for it lets go of its Bloom filter's copy, read back from the
+    # mapping (checked) at the first probe (invariant 16): a trace no read probes holds no filter in the budget
+    LAZY_FILTERS = True
 
     def __init__(self, memory_limit: int, directory: str | None = None, durable: bool = False,
                  vfs: str = "posix") -> None:
@@ -1197,6 +1204,8 @@ class BatchStore:
         new._z._distinct = b._z._distinct  # the same rows: what the old ZSet knew of them still holds
         b._z, b._kh, b._rh, b._fx, b._cv = new._z, new._kh, new._rh, new._fx, None
         f = f._replace(batch=None)  # the file must not keep its batch alive: the batch's death deletes the file
+        if self.LAZY_FILTERS:  # (invariant 16: held again at the first probe)
+            f.release_filter()
         _drop_mapping(f.map)  # what opening read (header, footer, sections) leaves the process: no read counted it
         with self._lock:
             self._files[id(b)] = f

@@ -252,9 +252,13 @@ def test_a_traces_reads_and_cache_counts_are_the_same_batched(monkeypatch: pytes
     """Two traces of five batches (three or more spilled), each under its own store, read step after step by
     match_weights (whole-row key), lookup and key_sums (each through the batched Bloom tests) and accounted by their
     store's cache (the batched page accounting): the same results, keys sought, cache hits and misses, evictions
-    and cached pages as the numpy path per batch (``spillread.NATIVE`` False, the reference path), and results equal to the same traces in memory."""
+    and cached pages as the numpy path per batch (``spillread.NATIVE`` False, the reference path), and results equal to the same traces in memory.
+    Filters are held from the start (``LAZY_FILTERS`` off: which ones a read probes differs with ``FILTERS_MAX``,
+    and the bytes held set the cache's cap)."""
     from dbsp_core.trace import Trace
     from dbsp_core.trace.spill import BatchStore, spilling
+
+    monkeypatch.setattr(BatchStore, "LAZY_FILTERS", False)
 
     schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
     sizes = [40_000, 20_000, 10_000, 5_000, 2_500]
