@@ -121,11 +121,15 @@ def one_step(p: dbsp.Pipeline, rng, query: str, groups: int, change: int, loaded
     dels = change // 10
     src = loaded[k % len(loaded)]
     gone = src.slice((k * dels) % max(1, src.num_rows - dels), dels)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     p.push("bids", bids(rng, change - dels, query, groups))
     p.push("bids", ZSet.from_arrow(gone, weights=np.full(gone.num_rows, -1, dtype=np.int64)))
     p.step()
+    _STEP_CPU.append((time.thread_time() - c0) * 1e3)
     return (time.perf_counter() - t0) * 1e3
+
+
+_STEP_CPU: list[float] = []  # the stepping thread's CPU per step, ms (thread_time: W=1 steps and enforces on it)
 
 
 def run(query: str, state: int, groups: int, args, limit) -> list[dict] | None:
@@ -145,7 +149,7 @@ def run(query: str, state: int, groups: int, args, limit) -> list[dict] | None:
             if store is not None:
                 BatchStore.PREFETCH = prefetch
             if walk != "-":  # branch r31-walk's batched narrowed take and evictions (new) or a batch at a time (old)
-                Trace.NARROW_TOGETHER = spillread.EVICT_IN_C = walk == "new"
+                spillread.NATIVE = walk == "new"
             r, k = measure(p, rng, query, groups, args, loaded, k)
             r.update(load_s=load_s, prefetch=prefetch if walk == "-" else f"{prefetch} walk {walk}")
             out.append(r)
@@ -168,6 +172,7 @@ def measure(p: dbsp.Pipeline, rng, query: str, groups: int, args, loaded: list, 
     for i in range(args.warmup + args.steps):
         if i == args.warmup:  # the measured steps' page faults, disk reads and cache counts
             ru0 = resource.getrusage(resource.RUSAGE_SELF)
+            _STEP_CPU.clear()
             st0 = dict(store.stats) if store is not None else {}
             _PEAK["in_step"] = 0
         x = one_step(p, rng, query, groups, args.change, loaded, k)
@@ -176,7 +181,8 @@ def measure(p: dbsp.Pipeline, rng, query: str, groups: int, args, loaded: list, 
             ms.append(x)
             steady = max(steady, _rss_file())  # after the step (its enforce done): outside its time
     ru = resource.getrusage(resource.RUSAGE_SELF)
-    out = {"mean": float(np.mean(ms)), "p50": float(np.percentile(ms, 50)),
+    cpu = _STEP_CPU[-args.steps:]
+    out = {"cpu_mean": float(np.mean(cpu)), "cpu_p99": float(np.percentile(cpu, 99)), "mean": float(np.mean(ms)), "p50": float(np.percentile(ms, 50)),
            "p99": float(np.percentile(ms, 99)), "max": float(np.max(ms)),
            "majflt": (ru.ru_majflt - ru0.ru_majflt) / args.steps, "minflt": (ru.ru_minflt - ru0.ru_minflt) / args.steps,
            "read_kib": (ru.ru_inblock - ru0.ru_inblock) * 512 / 1024 / args.steps,  # from disk, not the page cache
@@ -294,6 +300,7 @@ def show(tag: str, sp: dict, mem: dict | None, args) -> None:
           f"{sp['evicted_kib']:.0f} KiB, cache {sp['cached_mb']:.1f} MiB; prefetched {sp['prefetched']:.0f} pages "
           f"in {sp['runs']:.0f} runs; major faults {sp['majflt']:.1f}, minor {sp['minflt']:.0f}, read from disk "
           f"{sp['read_kib']:.0f} KiB; CPU {sp['user'] + sp['sys']:.2f} ms (user {sp['user']:.2f}, sys {sp['sys']:.2f}); "
+          f"stepping thread CPU mean {sp['cpu_mean']:.2f} p99 {sp['cpu_p99']:.2f} ms; "
           f"RssFile after the steps {sp['rss_file_mb']:.0f} MiB; {sp['spilled_batches']} spilled batches, keys sought "
           f"in them after their filters {sp['sought']:.0f} a step", flush=True)
     print(f"{tag} RSS: RssFile after each step at most {sp['rss_file_steady_mb']:.0f} MiB, at an enforce's start (the "
@@ -322,8 +329,9 @@ def main() -> int:
     ap.add_argument("--cold", type=int, default=20, help="steps measured with the files' pages dropped first")
     ap.add_argument("--runs", type=int, default=1, help="alternated memory/spilled runs per query")
     ap.add_argument("--walk", default="-", help="the spilled pipeline's phases (within each --prefetch phase) over "
-                    "its loaded state, alternated as old,new,old,new: Trace.NARROW_TOGETHER and spillread.EVICT_IN_C "
-                    "off (old: a take and a madvise or three a spilled batch) or on (new); -: as they are")
+                    "its loaded state, alternated as old,new,old,new: spillread.NATIVE (DBSP_SPILL_NATIVE) "
+                    "off (old: the reference path, a take, a numpy Bloom test and a madvise or three a spilled batch) "
+                    "or on (new); -: as it is")
     ap.add_argument("--prefetch", default="auto", help="the spilled pipeline's phases over its loaded state, each "
                     "with --steps and --cold steps: auto, on, off, or alternated (off,on,...): BatchStore.PREFETCH")
     ap.add_argument("--modes", default="memory,spilled", help="which pipelines run (a state too big for memory: "

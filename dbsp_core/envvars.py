@@ -53,6 +53,11 @@ Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them
   one piece of a step holds: a bigger step runs as sub-steps over pieces of its input (default: an eighth of the
   budget, at least 4 MiB; bytes or a size such as ``64MiB``). Results are the same either way; with no budget it is
   not read.
+- ``DBSP_SPILL_NATIVE`` (trace/spillread.py ``NATIVE``): ``1``: the spilled state's native paths (the C calls of
+  trace/spillread.py that test the Bloom filters of a read's batches, locate its pages and stamp and evict them in
+  one call each, ``Trace.narrowed``'s one take for every batch, and batchfile.py's Bloom build and CRC combine in
+  C); ``0``: their reference paths (numpy and a Python call per batch), which the tests compare the native ones
+  with (default 1). Results, files and the cache's counts are the same either way; only the CPU differs.
 
 Not runtime settings, read where they are used (listed so that this is the one list of every ``DBSP_*`` variable;
 tests/core/test_envvars.py checks that the repository reads no other):
@@ -250,6 +255,7 @@ SETTINGS: tuple[Setting, ...] = (  # the list of the module docstring, in its or
     Setting("DBSP_JEMALLOC", "jemalloc", "flag", default=False),
     Setting("DBSP_TOTALS_HOLD", "totals_hold", "whole", default=8),
     Setting("DBSP_SUBSTEP_BYTES", "substep_bytes", "bytes"),  # None: runtime/substep.py derives it from the budget
+    Setting("DBSP_SPILL_NATIVE", "spill_native", "flag", default=True),
 )
 
 
@@ -273,6 +279,7 @@ class Settings(NamedTuple):
     jemalloc: bool
     totals_hold: int
     substep_bytes: int | None
+    spill_native: bool
 
 
 assert Settings._fields == tuple(s.field for s in SETTINGS)

@@ -109,7 +109,11 @@ Invariants (enforced here; checked by :func:`verify`):
      :meth:`BatchFile.check_sections` before the fence or filter is used, :meth:`BatchFile.check_seek` and
      :meth:`BatchFile.check_rows` around a lookup of some keys (the pages a fenced seek and the rows found touch),
      and :meth:`BatchFile.check_all` before any other read. A page that fails raises CorruptionError naming the
-     file and the page: a damaged file is never read as data.
+     file and the page: a damaged file is never read as data. The filter a file this process wrote kept in memory
+     may be let go (:meth:`BatchFile.release_filter`: the batch store does so when it switches a batch to its file,
+     spill.py invariant 16): the first probe after (:attr:`BatchFile.bloom`) copies it back from the mapping, the
+     fence and filter checked against their section CRC first as here, so a trace whose filters no read probes
+     holds none of them.
   6. A big write's pieces (invariant 1) end at multiples of ``FOLIO_ALIGN`` (2 MiB) of the file, whatever the Arrow
      file's offset (64) and the buffer's place in it: a write that covers an aligned 2 MiB of the file whole lets
      the page cache hold it as one folio (Linux's large folios, ext4 from 6.16, xfs), which the mapping maps with one
@@ -268,9 +272,6 @@ for _ in range(63):
     _X2N.append(_gf2_mulmod(_X2N[-1], _X2N[-1]))
 
 
-COMBINE_IN_C = True  # crc_combine in C (csrc/crc32c.h; False: the Python below, which tests compare it with)
-
-
 def crc_combine(crc1: int, crc2: int, len2: int) -> int:
     """The CRC-32C of ``A + B`` from ``crc1`` of A, ``crc2`` of B and ``len(B)`` (zlib's crc32_combine, for the
     Castagnoli polynomial): no byte is read again. ``crc_combine(_crc(a), _crc(b), len(b)) == _crc(a + b)``.
@@ -280,8 +281,9 @@ def crc_combine(crc1: int, crc2: int, len2: int) -> int:
     True
     """
     from dbsp_core import _storage
+    from dbsp_core.trace import spillread
 
-    if COMBINE_IN_C:
+    if spillread.NATIVE:  # in C (csrc/crc32c.h; else the Python below, the reference: tests compare the two)
         return _storage.crc32c_combine(crc1, crc2, len2)
     p, n, k = 1 << 31, len2, 3  # x^(8 len2): the shift of crc1 past B's bits
     while n:
@@ -333,8 +335,9 @@ def _bloom_add(f: np.ndarray, hashes: np.ndarray, k: int = BLOOM_K) -> None:
     """Set the bits of ``hashes`` (ascending) in the filter ``f`` (a piece at a time: a filter built from pieces
     of a batch's key hashes, in order, is the one :func:`bloom_build` makes of them all, bit for bit)."""
     from dbsp_core import _storage
+    from dbsp_core.trace import spillread
 
-    if BLOOM_IN_C:  # one pass in C (csrc/bloom.h), bit for bit the pieces below
+    if spillread.NATIVE:  # one pass in C (csrc/bloom.h), bit for bit the pieces below (the reference)
         _storage.bloom_build(np.ascontiguousarray(hashes, dtype=np.uint64), f, k)
         return
     last = -1  # the word of the previous piece's last hash
@@ -345,9 +348,6 @@ def _bloom_add(f: np.ndarray, hashes: np.ndarray, k: int = BLOOM_K) -> None:
             raise ValueError("bloom_build: key hashes must ascend")
         f[word[starts]] |= np.bitwise_or.reduceat(mask, starts)  # a word may span two pieces: or, not set
         last = int(word[-1])
-
-
-BLOOM_IN_C = True  # bloom_build in one C pass (False: the numpy pieces; tests compare the two)
 
 
 def bloom_may_contain(f: np.ndarray, hashes: np.ndarray, k: int = BLOOM_K) -> np.ndarray:
@@ -1040,7 +1040,8 @@ class BatchFile(NamedTuple):
     """An open batch file: its mapping and what is kept of it (fence, filter, page CRCs, ~1.4 bytes per row: in
     memory, or read in place from the mapping when opened lazily), and the batch read in place from the mapping
     (its buffers are the file's pages). ``checked``: None when every byte was checked when opened, else a flag per
-    Arrow page and a last one for the fence and filter (invariant 5), shared by the copies ``_replace`` makes."""
+    Arrow page and a last one for the fence and filter (invariant 5), shared by the copies ``_replace`` makes; so is
+    ``filt``, the cell of the Bloom filter (None once let go: :meth:`release_filter`, :attr:`bloom`)."""
 
     path: str
     size: int
@@ -1049,7 +1050,7 @@ class BatchFile(NamedTuple):
     arrow_off: int
     arrow_len: int
     fence: np.ndarray
-    bloom: np.ndarray
+    filt: list  # [the Bloom filter's words, or None: let go, read back from the mapping at the next probe]
     bloom_k: int
     page_crcs: np.ndarray
     batch: Any  # IndexedZSet over the mapping
@@ -1059,16 +1060,57 @@ class BatchFile(NamedTuple):
 
     def may_contain(self, hashes: np.ndarray) -> np.ndarray:
         """Per key hash: whether the batch may hold it (the Bloom filter, invariant 3): one C call
-        (trace/spillread.py; ``bloom_may_contain``'s numpy with its IN_C False)."""
+        (trace/spillread.py; ``bloom_may_contain``'s numpy with its ``NATIVE`` False)."""
         from dbsp_core.trace import spillread
 
-        if not spillread.IN_C or len(hashes) == 0:
+        if not spillread.NATIVE or len(hashes) == 0:
             return bloom_may_contain(self.bloom, hashes, self.bloom_k)
         return spillread.may_contain([self], hashes)[0][0]
 
     def memory_bytes(self) -> int:
         """Bytes this open file keeps besides the rows (fence, filter, page CRCs)."""
-        return int(self.fence.nbytes + self.bloom.nbytes + self.page_crcs.nbytes)
+        held = self.filt[0]
+        return int(self.fence.nbytes + (held.nbytes if held is not None else 0) + self.page_crcs.nbytes)
+
+    @property
+    def bloom(self) -> np.ndarray:
+        """The Bloom filter's words (invariant 3): the copy held, else (let go by :meth:`release_filter`) copied
+        back from the mapping, the fence and filter checked against their section CRC first (invariant 5), and
+        held again; the pages that read mapped leave the process."""
+        held = self.filt[0]
+        if held is None:
+            lo, hi, want = self.sections
+            mv = memoryview(self.map)
+            try:
+                if _crc(mv[lo:hi]) != want:
+                    raise _bad(self.path, "its fence and Bloom filter fail their CRC-32C")
+                at = lo + 8 * len(self.fence)
+                held = np.frombuffer(mv, dtype="<u8", count=(hi - at) // 8, offset=at).astype(np.uint64)
+            finally:
+                mv.release()
+            page = mmap.PAGESIZE
+            start = lo // page * page
+            try:  # (clean file pages: a read of them faults them back)
+                self.map.madvise(mmap.MADV_DONTNEED, start, min(len(self.map), -(-hi // page) * page) - start)
+            except (OSError, ValueError):
+                pass
+            self.filt[0] = held
+        return held
+
+    def release_filter(self) -> bool:
+        """Let go of the filter's copy in memory (invariant 5): only a file whose fence and filter have a section
+        CRC (header flag ``FLAG_SECTION_CRCS``) and were checked or written by this process (``checked`` None: a
+        lazily opened file reads its filter in place). Returns whether it was let go."""
+        if self.checked is not None or self.filt[0] is None or self.sections[1] <= self.sections[0]:
+            return False
+        if not HEADER.unpack_from(self.map, 0)[2] & FLAG_SECTION_CRCS:
+            return False
+        self.filt[0] = None
+        return True
+
+    def filter_held(self) -> bool:
+        """Whether the Bloom filter's words are in memory (or read in place, a lazily opened file's)."""
+        return self.filt[0] is not None
 
     # ---- lazy checks (invariant 5) ----
 
@@ -1421,7 +1463,7 @@ def open_batch(path: str, verify: bool = False, advice: int | None = None, lazy:
     ix._rh = kh if rh_mode == "key" else (rb.column(ndata + 2).to_numpy(zero_copy_only=True) if rh_mode == "1" else None)
     if len(fence) and rows >= IndexedZSet.FENCE_MIN:
         ix._fx = fence  # kernels seek through it without reading the key hashes (csrc/lookup.h)
-    return BatchFile(path, size, rows, m, aoff, alen, fence, bloom, k, crcs, ix, checked, buf.address,
+    return BatchFile(path, size, rows, m, aoff, alen, fence, [bloom], k, crcs, ix, checked, buf.address,
                      (fence_off, crc_off, filt_sec))
 
 

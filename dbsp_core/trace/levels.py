@@ -458,8 +458,6 @@ class Trace(KeyIndexed):
     _keeps: "tuple | None" = None  # the last _filters: (the key hashes, its tests, their matrix, counts per batch
     # and batch ids), for a join's narrowed
     _taken: "tuple | None" = None  # the last narrowed take of every batch's rows: (change, tests, {id(b): part})
-    NARROW_TOGETHER = True  # narrowed takes the change rows of every spilled batch _filters tested in one take
-    # (False: a take a batch, the reference; tests compare the two)
     NARROW_TOGETHER_MAX = 1 << 16  # change rows up to which they are taken together (a bigger step: per batch,
     # so that it holds no more than one batch's narrowed change at a time besides the parts its walks made)
     FILTERS_MAX = 1 << 22  # a read's Bloom tests in one call up to this many (batch, hash) pairs (a byte each, kept
@@ -1071,10 +1069,10 @@ class Trace(KeyIndexed):
         tests ``keeps`` (:meth:`_filters` of the change's key hashes): the first call for a change takes the rows
         every tested batch keeps in one take (ascending within each batch; a batch's part is a slice of it, no
         copy), instead of a take a batch (~45 us each under cProfile; a join over 25 spilled batches took 17 a
-        step). None: not taken together (``NARROW_TOGETHER`` off, tests made otherwise, more than
+        step). None: not taken together (the reference path, spillread ``NATIVE`` off, tests made otherwise, more than
         ``NARROW_TOGETHER_MAX`` rows), the caller takes per batch."""
         tests = self._keeps
-        if not self.NARROW_TOGETHER or tests is None or tests[1] is not keeps:
+        if not spillread.NATIVE or tests is None or tests[1] is not keeps:
             return None
         memo = self._taken
         if memo is None or memo[0]() is not change or memo[1] is not keeps:

@@ -26,6 +26,10 @@ Invariants:
      2026-11-30, branch r31-slicefault). The queue holds a cursor (so its mapping) only until its populate
      returns; the thread ends after ``IDLE`` seconds without work and at interpreter exit, and a forked child starts
      its own.
+  5. Its counters (``populated``, ``late``, the CPU of ended threads) are added to under ``_tally``, a lock of their
+     own: the stepping threads of a pipeline's workers call :func:`before_step` at once, and ``late += n`` is a read
+     and a write another thread may come between (an update lost). A step that populated nothing (the thread ahead,
+     the usual case) takes no lock.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ _closing = False
 populated = 0  # bytes populated by this process's thread (tests, measurements)
 late = 0  # bytes the stepping threads populated themselves, the thread being late (invariant 2)
 _spent = [0.0]  # CPU seconds of the threads that ended
+_tally = threading.Lock()  # the counters above (invariant 5)
 
 
 def ask(cursor: Any) -> None:
@@ -67,7 +72,10 @@ def before_step(cursor: Any, rows: int) -> None:
     prefault thread has not reached of what it writes (invariant 2)."""
     global late
     if AHEAD > 0 and getattr(cursor, "mapping", None) is not None:
-        late += cursor.populate_ahead(0, rows + 4096)  # (a step may finish a key's rows past its budget)
+        n = cursor.populate_ahead(0, rows + 4096)  # (a step may finish a key's rows past its budget)
+        if n:
+            with _tally:  # (invariant 5)
+                late += n
 
 
 def _run() -> None:
@@ -80,13 +88,17 @@ def _run() -> None:
             if not _want or _closing:
                 if _thread is me:
                     _thread = None
-                _spent[0] += time.thread_time()
+                with _tally:
+                    _spent[0] += time.thread_time()
                 return
             _, cursor = _want.popitem()
         try:
-            populated += cursor.populate_ahead(AHEAD)
+            n = cursor.populate_ahead(AHEAD)
         except Exception:  # (invariant 3) the writer faults these pages itself
-            pass
+            n = 0
+        if n:
+            with _tally:  # (invariant 5: a thread that just ended may still be adding its CPU; a restarted one)
+                populated += n
         del cursor
 
 
@@ -114,8 +126,8 @@ def _stop() -> None:
 
 
 def _after_fork() -> None:  # the parent's thread is not in the child
-    global _cond, _thread, _want
-    _cond, _thread, _want = threading.Condition(threading.Lock()), None, {}
+    global _cond, _thread, _want, _tally
+    _cond, _thread, _want, _tally = threading.Condition(threading.Lock()), None, {}, threading.Lock()
 
 
 atexit.register(_stop)

@@ -183,12 +183,26 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      page cache) and a miss when not (evicted, or never read since the batch was spilled or opened: it comes from
      the page cache or the disk). The pages are the engine's account of what a read touches (a key's fence block
      of key hashes, its rows' bytes); the kernel, not the engine, knows which of them fault.
+     Overflow (``OVERFLOW_EMPTIES``): an enforce whose reads marked more ``MAP_UNIT``s than :meth:`cache_cap` (a
+     step's pages at random keys land in a unit each: the 10M join under 100 MiB read ~190 units, 380 MiB, against a
+     cap of 29-44 MiB) would drop every mapping they read and every older one (invariant 12, "mapped"), so the cache
+     could keep none of them mapped; it then skips the per-page clock (stamps, rounds, the oldest-first eviction:
+     0.43-0.46 ms a step there, bench/RESULTS.md, r31-share) and empties: every page those reads used counts a miss,
+     the cache holds no page after it (clocks and rounds dropped, ``cached_pages()`` 0), and every mapping a read
+     marked is dropped whole (``stats["overflows"]`` counts such enforces). So in a state whose steps overflow the
+     cache, ``cache_hits`` stay 0 and ``cache_misses`` are every page read, where the clock counted as hits the pages
+     read again that it still held in the page cache (5-8% of them there; they faulted back all the same: the
+     mapping had been dropped). A key index the cache counts keeps the clock (its pages go in the clock's order).
 
  16. Every read of some keys in a spilled batch (``Trace.lookup``, ``key_sums``, ``match_weights``, an inner join's
      walk, through ``Trace.narrowed``) first drops the keys the batch's Bloom filter rules out, and counts those it
      seeks in ``stats["keys_sought"]``: each costs at least a page of the batch's key hashes, so a step that changes
      k keys seeks about k times the batches that hold them (plus the filter's ~2% false positives), not k times
-     every spilled batch.
+     every spilled batch. A filter is in memory only once a read has probed it (``LAZY_FILTERS``): ``_switch`` lets
+     go of the copy the writer built (batchfile.py ``BatchFile.release_filter``) and the first probe copies it back
+     from the file's mapping, fence and filter checked against their section CRC first (batchfile.py invariant 5),
+     so a trace whose keys no step seeks (a join's side that only grows, whose changes no other side's walk looks
+     up) holds no filter in the budget; the probed ones are held as before (``memory()``: ``filter_held``).
 
  17. Key indexes live in files too (csrc/keyindex.h invariant 7): a registered trace's key index keeps its large
      regions (a slot table or entries from 2 MiB) in unlinked files of the store's directory, so its pages are the
@@ -462,6 +476,12 @@ class BatchStore:
     # through the store's VFS, posix or fault (one that cannot adopt a file, ``_storage.vfs_adopts``: the copy).
     # False: the copy, as before
     IN_PLACE = True
+    # a batch switched to the file this process wrote for it lets go of its Bloom filter's copy, read back from the
+    # mapping (checked) at the first probe (invariant 16): a trace no read probes holds no filter in the budget
+    LAZY_FILTERS = True
+    # an enforce whose reads marked more units than the cap empties the cache instead of stamping their pages
+    # (invariant 15, "overflow": :meth:`_overflows`); False: the per-page clock always (tests of the clock)
+    OVERFLOW_EMPTIES = True
 
     def __init__(self, memory_limit: int, directory: str | None = None, durable: bool = False,
                  vfs: str = "posix") -> None:
@@ -525,7 +545,7 @@ class BatchStore:
         _SCRATCH_LIMIT.hold(self._token, int(self.memory_limit * self.SCRATCH_SHARE))
         weakref.finalize(self, _release_limits_later, self._token)  # a store never closed gives its shares back too
         self.stats.update({"files_written": 0, "compactions": 0, "bytes_written": 0, "evictions": 0, "bytes_evicted": 0,
-                           "enforcements": 0, "cache_hits": 0, "cache_misses": 0, "pages_checked": 0,
+                           "enforcements": 0, "cache_hits": 0, "cache_misses": 0, "pages_checked": 0, "overflows": 0,
                            "written_in_background": 0, "written_for_nothing": 0, "keys_sought": 0,
                            "merges_on_disk": 0, "pages_prefetched": 0, "prefetch_runs": 0,
                            "evict_calls": 0, "outputs_never_written": 0, "whole_evictions": 0,
@@ -1197,6 +1217,8 @@ class BatchStore:
         new._z._distinct = b._z._distinct  # the same rows: what the old ZSet knew of them still holds
         b._z, b._kh, b._rh, b._fx, b._cv = new._z, new._kh, new._rh, new._fx, None
         f = f._replace(batch=None)  # the file must not keep its batch alive: the batch's death deletes the file
+        if self.LAZY_FILTERS:  # (invariant 16: held again at the first probe)
+            f.release_filter()
         _drop_mapping(f.map)  # what opening read (header, footer, sections) leaves the process: no read counted it
         with self._lock:
             self._files[id(b)] = f
@@ -1260,6 +1282,8 @@ class BatchStore:
             for (i, _, f, _, _), p in zip(seeks, pages):
                 located[i][3] = np.arange(f.os_pages(), dtype=np.int64) if p is None else p
         del used, seeks
+        if self.OVERFLOW_EMPTIES and located and not indexes and self._overflows(located):
+            return
         with self._lock:  # batches may die (and leave the cache) on other threads meanwhile
             self._generation += 1
             now = self._generation
@@ -1299,7 +1323,57 @@ class BatchStore:
         # 4,300 runs a 10M join step took 13 ms as a madvise each); handing them to the spill thread cost the step
         # more (waking it hands it the GIL) than the calls
         self.stats["evict_calls"] += (spillread.evict(evict, self.RECENCY and hasattr(mmap, "MADV_NORMAL"))
-                                      if spillread.IN_C and spillread.EVICT_IN_C else _evict(evict))
+                                      if spillread.NATIVE else _evict(evict))
+
+    def _overflows(self, located: list) -> bool:
+        """Invariant 15, "overflow": when the ``MAP_UNIT``s the reads since the last enforce marked (``located``: per
+        read its trace, batch key, file, pages and whether it sought keys) come to more than :meth:`cache_cap`, the
+        mapped bound would drop every mapping they read (and every older one) whatever the clock says, so the page
+        bookkeeping is skipped: every page read counts a miss, the cache is emptied (clocks, rounds, marks: it holds
+        no page past this enforce), and every mapping a read marked is dropped whole. Returns False (nothing done)
+        otherwise, or while the cache counts a key index (its pages are evicted in the clock's order)."""
+        marks: dict[int, np.ndarray] = {}
+        for _t, key, f, pages, _sought in located:
+            u = marks.get(key)
+            if u is None:
+                u = marks[key] = np.zeros(_units(f.base, f.size), dtype=bool)
+            u[_unit_of(f.base, pages[pages < f.os_pages()])] = True
+        cap = self.cache_cap()
+        if sum(int(np.count_nonzero(u)) for u in marks.values()) * MAP_UNIT <= cap:
+            return False
+        evict: list[Any] = []
+        with self._lock:
+            if self._index_used:
+                return False
+            self._generation += 1
+            misses = 0
+            for t, key, f, pages, sought in located:
+                if key not in self._files:
+                    continue
+                self._count(t, 0, len(pages))
+                if sought:
+                    misses += len(pages)
+            self._step_misses = misses
+            dropped = set(marks) | {k for k, m in self._mapped.items() if m.any()}
+            for key in dropped:
+                f = self._files.get(key)
+                if f is not None:
+                    evict.append((f.map, None))
+                    self.stats["mapped_drops"] += 1
+                    held = self._mapped.get(key)
+                    self.stats["mapped_bytes_dropped"] += int(np.count_nonzero(
+                        marks[key] if key in marks else held)) * MAP_UNIT
+            self.stats["overflows"] += 1
+            self._resident.clear()
+            self._rounds.clear()
+            self._rounds_kept = 0
+            self._mapped.clear()
+            self._mapped_at.clear()
+            self._cached = 0
+            self._mapped_bytes = 0
+        self.stats["evict_calls"] += (spillread.evict(evict, self.RECENCY and hasattr(mmap, "MADV_NORMAL"))
+                                      if spillread.NATIVE else _evict(evict))
+        return True
 
     def _evict_oldest(self, cap: int) -> tuple[list[tuple[mmap.mmap, np.ndarray]], list[Any]]:
         """Drop from the cache the pages of the oldest reads not used since, a read at a time, until it holds at most

@@ -11,7 +11,13 @@ step against 1.22 with 9 (bench/RESULTS.md, r31-open (c)). Here:
 - :func:`pages_used` locates the pages of all the batches a step read in one C call: per read a bitmap of the
   mapping's pages, marked from the fence (a binary search per hash) and per-batch byte spans of each buffer
   (:func:`spans_of`, located once per batch and kept by the store), listed ascending: the same pages as
-  ``BatchFile.pages_read``, which stays the reference (``IN_C`` False: tests compare the two).
+  ``BatchFile.pages_read``, which stays the reference.
+
+``NATIVE`` (``DBSP_SPILL_NATIVE``, dbsp_core/envvars.py) is the one switch between these native paths and the
+reference ones, for the whole spilled read and write path: with it False, the filters are tested and the pages
+located per batch in numpy, the clock stamped in numpy, the evictions made by spill.py ``_evict`` (a file at a time),
+``Trace.narrowed`` takes a batch at a time, and batchfile.py builds filters and combines CRCs in numpy/Python.
+Tests compare the two (monkeypatch ``spillread.NATIVE``); results, files and counts are the same either way.
 """
 
 from __future__ import annotations
@@ -22,10 +28,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from dbsp_core.envvars import settings
 from dbsp_core.zset import FENCE_STEP
 
-IN_C = True  # the C calls below (False: the numpy path per batch; tests compare the two)
-EVICT_IN_C = True  # with IN_C, the cache's evictions through :func:`evict` (False: spill.py ``_evict``, a file at a time)
+NATIVE = settings().spill_native  # the native paths (False: the reference ones; tests compare the two)
 
 FIXED, BITS, VAR = 0, 1, 2  # csrc/spillread.h DBSP_SPAN_*
 _FENCE_SHIFT = FENCE_STEP.bit_length() - 1
@@ -35,9 +41,9 @@ assert 1 << _FENCE_SHIFT == FENCE_STEP and 1 << _PAGE_SHIFT == mmap.PAGESIZE
 
 def may_contain(files: list[Any], hashes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per BatchFile of ``files`` (a row each) and key hash: whether its Bloom filter may hold the hash, and the count
-    per file: one C call for every file (``BatchFile.may_contain`` each, with ``IN_C`` False)."""
+    per file: one C call for every file (``BatchFile.may_contain`` each, with ``NATIVE`` False)."""
     hashes = np.ascontiguousarray(hashes, dtype=np.uint64)
-    if not IN_C:
+    if not NATIVE:
         keep = np.array([f.may_contain(hashes) for f in files], dtype=bool).reshape(len(files), len(hashes))
         return keep, keep.sum(axis=1).astype(np.int64)
     from dbsp_core import _storage
@@ -100,7 +106,7 @@ def pages_used(reads: list[tuple[Any, Any, np.ndarray | None, np.ndarray | None]
         n = len(b.key_hash)
         if b._fx is None or n == 0:
             continue
-        if not IN_C:
+        if not NATIVE:
             out[i] = f.pages_read(b, np.sort(np.asarray(hashes, dtype=np.uint64)), rows, values, row_hashes)
             continue
         spans = _spans(cache, b, f, row_hashes)
@@ -128,7 +134,7 @@ def evict(runs: list[tuple[mmap.mmap, np.ndarray | None]], recency: bool) -> int
     one mapping are dropped together), a madvise(MADV_DONTNEED) per run of adjacent pages, in one C call whose runs
     go to the kernel up to 1024 a system call (``_storage.evict_mappings``); with ``recency`` each mapping is
     MADV_NORMAL for the drop (spill.py ``_recency``). spill.py ``_evict`` (a madvise or three and ~10 Python calls a
-    file: a join step over 25 spilled batches evicted 17 files whole a step) stays the reference (``IN_C`` False).
+    file: a join step over 25 spilled batches evicted 17 files whole a step) stays the reference (``NATIVE`` False).
     Returns the system calls that dropped pages."""
     whole = {id(m): m for m, pages in runs if pages is None}  # each mapping once (several reads of it evicted)
     parts: dict[int, list] = {}
@@ -148,7 +154,7 @@ def evict(runs: list[tuple[mmap.mmap, np.ndarray | None]], recency: bool) -> int
 
 def stamp(clock: np.ndarray, pages: np.ndarray, now: int) -> int:
     """``clock[pages] = now``; returns how many of ``pages`` had clock 0 (the cache's misses)."""
-    if IN_C:
+    if NATIVE:
         from dbsp_core import _storage
 
         return _storage.pages_stamp(clock, np.ascontiguousarray(pages, dtype=np.int64), now)

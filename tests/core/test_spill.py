@@ -454,12 +454,13 @@ def _lookup_matches_model(t, keys, schema: pa.Schema, model) -> None:
     assert got == Counter({r: c for r, c in model.items() if r[0] in asked})
 
 
-def test_cache_keeps_the_pages_steps_read_over_a_state_bigger_than_its_share() -> None:
+def test_cache_keeps_the_pages_steps_read_over_a_state_bigger_than_its_share(monkeypatch) -> None:
     """The cache accounts the pages reads touch, not whole files (spill.py invariant 12): over two spilled batches
     each bigger than the cache share, lookups of the same 20 keys step after step miss only in the first step and
     hit every page after it (whole-file accounting evicted both files at every enforce: no hit after the first
     step); lookups of 300 other keys each step keep the cache within its share by evicting the oldest pages, and
     20 keys read after them hit when read again. The rows found are those of a dict model, as multisets."""
+    monkeypatch.setattr(BatchStore, "OVERFLOW_EMPTIES", False)  # the per-page clock (spill.py invariant 15)
     import mmap
     from collections import Counter
 
@@ -521,11 +522,12 @@ def _spill_right_side(p: dbsp.Pipeline, ys) -> BatchStore:
     return store
 
 
-def test_join_steps_hit_the_pages_of_their_keys_in_a_spilled_side() -> None:
+def test_join_steps_hit_the_pages_of_their_keys_in_a_spilled_side(monkeypatch) -> None:
     """An inner join's walk of a change over a spilled side reports the pages of the change's keys to the cache
     (Trace.walked, Trace.narrowed: spill.py invariant 12), not whole files: with the side's files bigger than the
     cache share, steps probing the same keys hit after the first one (whole-file accounting: 0 hits), and each
     step's output is the dict model's join."""
+    monkeypatch.setattr(BatchStore, "OVERFLOW_EMPTIES", False)  # the per-page clock (spill.py invariant 15)
     import numpy as np
     from collections import Counter
     from dbsp_core.runtime.embedded import EmbeddedExecutor
@@ -753,6 +755,7 @@ def test_an_eviction_drops_the_pages_mapped_around_its_faults(monkeypatch) -> No
     for the pages the cache holds (spill.py invariant 12): after every enforce the files' Rss fits in the 64 KiB
     windows of the pages the cache holds. Steps of 300 lookups over a spilled batch 8x the cache share; the rows
     found are a dict model's (multisets), and evictions happened."""
+    monkeypatch.setattr(BatchStore, "OVERFLOW_EMPTIES", False)  # the per-page clock (spill.py invariant 15)
     import mmap
     from collections import Counter
 

@@ -68,12 +68,13 @@ def _read(t: Trace, keys: np.ndarray, model: Counter) -> None:
     assert got == Counter({r: c for r, c in model.items() if r[0] in asked}), SEED
 
 
-def test_an_eviction_of_many_runs_drops_the_whole_mapping_and_keeps_the_accounting() -> None:
+def test_an_eviction_of_many_runs_drops_the_whole_mapping_and_keeps_the_accounting(monkeypatch) -> None:
     """An eviction of a file's pages in WHOLE_RUNS runs or more is one madvise over the file's whole mapping
     (invariant 12): after the enforce that made it, the file holds no page in the process (a madvise per run left
     the pages the cache holds, and the 64 KiB around each fault, mapped), while the cache's accounting is the
     per-page clock's as before: at most :meth:`BatchStore.cache_cap` bytes, and the pages of the newest read still
     held, so reading its keys again counts hits only (they fault back from the page cache)."""
+    monkeypatch.setattr(BatchStore, "OVERFLOW_EMPTIES", False)  # the per-page clock (spill.py invariant 15)
     rng = np.random.default_rng(SEED)
     with BatchStore(4 << 20) as store, spilling(store):
         t, model = _spilled_trace(store, 300_000, rng)
@@ -97,11 +98,12 @@ def test_an_eviction_of_many_runs_drops_the_whole_mapping_and_keeps_the_accounti
         assert whole >= 2, (whole, store.stats, SEED)
 
 
-def test_the_cache_takes_the_budget_the_batches_leave() -> None:
+def test_the_cache_takes_the_budget_the_batches_leave(monkeypatch) -> None:
     """With every batch spilled, the cache may hold what the budget has left beside the bytes in memory (fences,
     filters), not only ``CACHE_SHARE`` of it (invariant 12, :meth:`BatchStore.cache_cap`): a working set of about
     twice the share, read step after step, misses in the first step only (with the cache held to its share, every
     step evicted part of it and missed again). Rows as the model's."""
+    monkeypatch.setattr(BatchStore, "OVERFLOW_EMPTIES", False)  # the per-page clock (spill.py invariant 15)
     rng = np.random.default_rng(SEED)
     limit = 4 << 20
     with BatchStore(limit) as store, spilling(store):
@@ -168,3 +170,34 @@ def test_a_group_by_under_a_budget_drops_a_key_index_too_big_to_cache(monkeypatc
             assert checked, "no step read a spilled batch"
     finally:
         p.close()
+
+
+def test_an_overflowing_step_empties_the_cache_and_counts_every_page_a_miss(monkeypatch) -> None:
+    """Steps of 300 lookups over a spilled batch of 300k rows under 4 MiB (the ~300 pages they read lie in more
+    2 MiB units than the cap: spill.py invariant 15, "overflow"), run twice from the same seed: with the per-page
+    clock (``OVERFLOW_EMPTIES`` off, the reference) and with the overflow path. Per step the pages counted
+    (hits + misses) are the same; with the overflow path every one is a miss, the cache holds no page after the
+    enforce and the file's mapping holds none (Rss 0, ``mapped_bytes`` 0), each enforce is counted in
+    ``overflows``; the rows found are the model's both ways."""
+    def run(empties: bool) -> list:
+        monkeypatch.setattr(BatchStore, "OVERFLOW_EMPTIES", empties)
+        rng = np.random.default_rng(SEED)
+        out = []
+        with BatchStore(4 << 20) as store, spilling(store):
+            t, model = _spilled_trace(store, 300_000, rng)
+            f = store.file_of(t._levels()[0])
+            for _ in range(6):
+                h0, m0 = store.stats["cache_hits"], store.stats["cache_misses"]
+                _read(t, rng.choice(300_000, 300, replace=False), model)
+                store.enforce()
+                h, m = store.stats["cache_hits"] - h0, store.stats["cache_misses"] - m0
+                out.append((h, m))
+                if empties:
+                    assert h == 0 and m > 0 and store.cached_pages() == 0, (h, m, store.cached_pages(), SEED)
+                    assert _rss(f.map) == 0 and store.mapped_bytes() == 0, (_rss(f.map), SEED)
+            assert (store.stats["overflows"] == 6) == empties, store.stats["overflows"]
+        return out
+
+    clock, empty = run(False), run(True)
+    assert [h + m for h, m in clock] == [m for _, m in empty], (clock, empty, SEED)
+    assert sum(h for h, _ in clock) > 0, clock  # (the clock counted hits: the two ways differ in what they count)

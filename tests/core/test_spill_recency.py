@@ -8,6 +8,7 @@ VmFlags in /proc/self/smaps ("rr": random read) at each drop. The rows found are
 
 from __future__ import annotations
 
+import mmap
 import os
 import random
 from contextlib import contextmanager
@@ -39,9 +40,9 @@ def test_a_drop_of_a_spilled_files_pages_is_made_with_recency(recency: bool, mon
     is random-read again after every enforce (faults read no pages around them). With ``RECENCY`` off every drop is
     made random-read (the second case: the check can fail). The rows found are the model's; the budget holds."""
     monkeypatch.setattr(BatchStore, "RECENCY", recency)
-    # the cache's drops through the reference path (spill.py _evict, a _recency a mapping: watched below); the batched
-    # C call (spillread.evict, IN_C) is test_a_batched_drop_of_a_spilled_files_pages_leaves_it_random_read's
-    monkeypatch.setattr(spillread, "IN_C", False)
+    # the cache's drops through the reference path (spill.py _evict, a _recency a mapping: watched below); the native
+    # one (one C call, spillread.evict) is test_a_native_drop_marks_the_pages_read_accessed's
+    monkeypatch.setattr(spillread, "NATIVE", False)
     seen: list[bool] = []  # per drop of the file's mapping: "rr" in its VmFlags during it
     inner = spill._recency
 
@@ -83,7 +84,7 @@ def test_a_batched_drop_of_a_spilled_files_pages_leaves_it_random_read(recency: 
     the model's. (The mapping's flags during the C call are not observable from here; the order of the calls is
     spillread.pxi ``evict_mappings``'s.)"""
     monkeypatch.setattr(BatchStore, "RECENCY", recency)
-    monkeypatch.setattr(spillread, "IN_C", True)
+    monkeypatch.setattr(spillread, "NATIVE", True)
     rng = np.random.default_rng(SEED)
     with BatchStore(16 << 20) as store, spilling(store):
         t, model = _spilled_trace(store, 1_000_000, rng)
@@ -97,3 +98,79 @@ def test_a_batched_drop_of_a_spilled_files_pages_leaves_it_random_read(recency: 
             assert "rr" in _vmflags(f.map), SEED
         assert store.stats["mapped_drops"] + store.stats["whole_evictions"] >= 3, store.stats
         assert store.stats["evict_calls"] > calls, store.stats
+
+
+KPF_REFERENCED, KPF_ACTIVE = 1 << 2, 1 << 6  # /proc/kpageflags (Documentation/admin-guide/mm/pagemap.rst)
+
+
+def _pfns(m) -> dict[int, int]:
+    """Page number -> page frame of the pages of mapping ``m`` present in this process (/proc/self/pagemap: bit 63
+    present, bits 0-54 the frame, shown to a process with CAP_SYS_ADMIN only, else 0)."""
+    start = np.frombuffer(m, dtype=np.uint8).ctypes.data
+    page = os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(start // page * 8)
+        bits = np.frombuffer(f.read(-(-len(m) // page) * 8), dtype=np.uint64)
+    present = np.flatnonzero(bits >> np.uint64(63))
+    return dict(zip(present.tolist(), (bits[present] & np.uint64((1 << 55) - 1)).tolist()))
+
+
+def _kpageflags(pfns: list[int]) -> list[int]:
+    with open("/proc/kpageflags", "rb") as f:
+        out = []
+        for pfn in pfns:
+            f.seek(pfn * 8)
+            out.append(int.from_bytes(f.read(8), "little"))
+        return out
+
+
+@pytest.mark.parametrize("recency", [True, False])
+def test_a_native_drop_marks_the_pages_read_accessed(recency: bool, monkeypatch) -> None:
+    """The native path (spillread.evict, one C call for an enforce's drops) gives the advice of invariant 12,
+    "recency", seen by its effect on the page cache: the file's pages are put out of the page cache (fsync, then
+    fadvise DONTNEED with the mapping dropped), a step's lookups fault some back (fresh folios, not referenced: a
+    fault does not mark a folio accessed), and the enforce drops them from the process (the file is twice the budget).
+    With ``RECENCY`` the kernel unmapped them from a mapping that has recency, so it marked their folios accessed
+    (/proc/kpageflags REFERENCED or ACTIVE, read at the frames /proc/self/pagemap gave before the drop) - nearly all
+    of the pages dropped; without it (the mapping MADV_RANDOM during the drop: the second case, where the check can
+    fail) nearly none. Needs CAP_SYS_ADMIN for the frames (skipped without)."""
+    if not os.access("/proc/kpageflags", os.R_OK):
+        pytest.skip("/proc/kpageflags is not readable (needs CAP_SYS_ADMIN)")
+    monkeypatch.setattr(BatchStore, "RECENCY", recency)
+    monkeypatch.setattr(spillread, "NATIVE", True)
+    monkeypatch.setattr(BatchStore, "PREFETCH", "off")  # (WILLNEED would read pages ahead of the faults)
+    calls = {"native": 0}
+    inner = spillread.evict
+
+    def counted(runs, rec):
+        calls["native"] += 1
+        return inner(runs, rec)
+
+    monkeypatch.setattr(spillread, "evict", counted)
+    rng = np.random.default_rng(SEED)
+    with BatchStore(16 << 20) as store, spilling(store):
+        t, model = _spilled_trace(store, 1_000_000, rng)
+        f = store.file_of(t._levels()[0])
+        marked, dropped = [], 0
+        for _ in range(3):
+            f.map.madvise(mmap.MADV_DONTNEED)  # the page cache's copy can go only once no process maps it
+            fd = os.open(f.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            _read(t, rng.choice(1_000_000, 150, replace=False), model)
+            before = _pfns(f.map)
+            assert before and any(before.values()), "no page frame shown"
+            store.enforce()
+            after = _pfns(f.map)
+            gone = [pfn for p, pfn in before.items() if p not in after]
+            dropped += len(gone)
+            marked += [bool(x & (KPF_REFERENCED | KPF_ACTIVE)) for x in _kpageflags(gone)]
+        assert calls["native"] >= 3 and dropped >= 100, (calls, dropped, store.stats)
+        share = sum(marked) / len(marked)
+        if recency:
+            assert share >= 0.9, (share, len(marked), SEED)
+        else:
+            assert share <= 0.1, (share, len(marked), SEED)

@@ -1,5 +1,6 @@
 """A step's walks over many spilled batches, batched (branch r31-walk): ``Trace.narrowed`` taking the change rows of
-every spilled batch its Bloom tests pass in one take (``NARROW_TOGETHER``) against a take a batch (the reference),
+every spilled batch its Bloom tests pass in one take (the native path, ``spillread.NATIVE``) against a take a batch
+(the reference path, which also tests the filters and locates pages a batch at a time in numpy),
 and the cache's evictions of an enforce in one C call (``spillread.evict`` -> ``_storage.evict_mappings``) against
 spill.py ``_evict`` (a madvise a run or mapping), page for page (/proc/self/pagemap's present bits)."""
 
@@ -125,7 +126,7 @@ def test_narrowed_together_is_a_take_per_batch(key: tuple, monkeypatch: pytest.M
     walked by changes of random keys (present, absent, repeated; one empty, one of absent keys only, one of a single
     row), as a join walks (``walked`` then ``narrowed`` a batch): per batch the same change rows (the rows, weights,
     key hashes and row numbers), the same keys sought and the same cache counts with the rows taken together
-    (``NARROW_TOGETHER``) as with a take a batch, and as with a take a batch for more than
+    (``spillread.NATIVE``) as with a take a batch (the reference path), and as with a take a batch for more than
     ``NARROW_TOGETHER_MAX`` rows; each change row a batch keeps is one whose key the batch's filter may hold and
     every row whose key the batch holds is kept (multisets of (key, batch))."""
     sizes = [60_000, 30_000, 20_000, 12_000, 6_000, 500]
@@ -134,7 +135,7 @@ def test_narrowed_together_is_a_take_per_batch(key: tuple, monkeypatch: pytest.M
     keyed = list(key)
 
     def run(together: bool, most: int) -> list:
-        monkeypatch.setattr(Trace, "NARROW_TOGETHER", together)
+        monkeypatch.setattr(spillread, "NATIVE", together)
         monkeypatch.setattr(Trace, "NARROW_TOGETHER_MAX", most)
         rng = np.random.default_rng(SEED + 1)
         store = BatchStore(1 << 18)
@@ -206,7 +207,7 @@ def test_a_join_over_spilled_batches_is_the_same_together(monkeypatch: pytest.Mo
     rs = pa.schema([("id", pa.int64()), ("y", pa.int64())])
 
     def outputs(limit: int | None, together: bool) -> list:
-        monkeypatch.setattr(Trace, "NARROW_TOGETHER", together)
+        monkeypatch.setattr(spillread, "NATIVE", together)
         rng = np.random.default_rng(SEED + 2)
         c = dbsp.Circuit()
         left, right = c.input("l", ls), c.input("r", rs)

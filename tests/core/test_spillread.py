@@ -211,7 +211,7 @@ def _batch(rng: np.random.Generator, n: int, key=("k",)):
 def test_pages_used_of_batch_files_is_pages_read(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """``spillread.pages_used`` of several reads of batch files (string, large string, bool, nullable int32,
     float columns; hashes found, absent and at fence entries; the rows a lookup found or None; values and row
-    hashes or not) gives ``BatchFile.pages_read``'s pages (its numpy path, ``IN_C`` False, the same), None for a
+    hashes or not) gives ``BatchFile.pages_read``'s pages (its numpy path, ``spillread.NATIVE`` False, the same), None for a
     batch without a fence; the spans kept per batch are reused only for the same buffers."""
     rng = np.random.default_rng(SEED + n)
     d = tempfile.mkdtemp()
@@ -241,20 +241,27 @@ def test_pages_used_of_batch_files_is_pages_read(n: int, monkeypatch: pytest.Mon
                     assert g is None and b._fx is None
                 else:
                     assert g is not None and np.array_equal(g, want), (len(g), len(want))
-            monkeypatch.setattr(spillread, "IN_C", False)
+            monkeypatch.setattr(spillread, "NATIVE", False)
             py = spillread.pages_used(reads, None, values, rh)
-            monkeypatch.setattr(spillread, "IN_C", True)
+            monkeypatch.setattr(spillread, "NATIVE", True)
             assert all((a is None and c is None) or np.array_equal(a, c) for a, c in zip(py, got_pages))
     assert all(v[0][2] == files[0].base or any(v[0][2] == f.base for f in files) for v in cache.values())
 
 
-def test_a_traces_reads_and_cache_counts_are_the_same_batched(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("overflow", [False, True])
+def test_a_traces_reads_and_cache_counts_are_the_same_batched(overflow: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two traces of five batches (three or more spilled), each under its own store, read step after step by
     match_weights (whole-row key), lookup and key_sums (each through the batched Bloom tests) and accounted by their
     store's cache (the batched page accounting): the same results, keys sought, cache hits and misses, evictions
-    and cached pages as the numpy path per batch (``IN_C`` False), and results equal to the same traces in memory."""
+    and cached pages as the numpy path per batch (``spillread.NATIVE`` False, the reference path), and results equal to the same traces in memory.
+    Filters are held from the start (``LAZY_FILTERS`` off: which ones a read probes differs with ``FILTERS_MAX``,
+    and the bytes held set the cache's cap); with ``overflow`` the cache empties when the reads overflow it (spill.py
+    invariant 15, "overflow": every page a miss), else the per-page clock (hits counted)."""
     from dbsp_core.trace import Trace
     from dbsp_core.trace.spill import BatchStore, spilling
+
+    monkeypatch.setattr(BatchStore, "LAZY_FILTERS", False)
+    monkeypatch.setattr(BatchStore, "OVERFLOW_EMPTIES", overflow)
 
     schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
     sizes = [40_000, 20_000, 10_000, 5_000, 2_500]
@@ -267,7 +274,7 @@ def test_a_traces_reads_and_cache_counts_are_the_same_batched(monkeypatch: pytes
         whole_mem.insert(z.index_by(["k", "v"]))
 
     def run(in_c: bool) -> list:
-        monkeypatch.setattr(spillread, "IN_C", in_c)
+        monkeypatch.setattr(spillread, "NATIVE", in_c)
         rng = np.random.default_rng(SEED)
         disk, whole_disk = Trace(schema, ("k",)), Trace(schema, ("k", "v"))
         stores = [BatchStore(1 << 18), BatchStore(1 << 18)]
@@ -314,4 +321,7 @@ def test_a_traces_reads_and_cache_counts_are_the_same_batched(monkeypatch: pytes
     assert batched == per_batch
     monkeypatch.setattr(Trace, "FILTERS_MAX", 0)  # a big read: its filters tested per batch (C, one at a time)
     assert run(True) == batched
-    assert all(x[1] > 0 and x[2] > 0 for x in batched[-1][3:])  # each cache was used: hits and misses counted
+    if overflow:  # every enforce overflowed (units of 2 MiB against a cap of a few): misses only, nothing cached
+        assert all(x[1] == 0 and x[2] > 0 and x[4] == 0 for x in batched[-1][3:]), batched[-1][3:]
+    else:
+        assert all(x[1] > 0 and x[2] > 0 for x in batched[-1][3:])  # each cache was used: hits and misses counted

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dbsp_core import _storage
-from dbsp_core.trace import batchfile
+from dbsp_core.trace import batchfile, spillread
 from dbsp_core.trace.batchfile import PAGE, _crc, bloom_build
 
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
@@ -28,7 +28,7 @@ def test_bloom_in_c_is_the_numpy_filter(n: int, monkeypatch) -> None:
         hashes[5:9] = hashes[5]  # equal key hashes (a key's rows)
         hashes[:2] = 0
     c = bloom_build(hashes)
-    monkeypatch.setattr(batchfile, "BLOOM_IN_C", False)
+    monkeypatch.setattr(spillread, "NATIVE", False)  # the reference path
     assert np.array_equal(c, bloom_build(hashes))
     if n > 10:
         with pytest.raises(ValueError, match="ascend"):
@@ -44,6 +44,6 @@ def test_page_crcs_in_one_pass(n: int, monkeypatch) -> None:
     assert out.tolist() == [_crc(data[i:i + PAGE]) for i in range(0, n, PAGE)]
     assert _storage.crc32c_pages(data, PAGE, out, 12345) == _crc(data, 12345)
     a, b = data[:n // 3], data[n // 3:]
-    monkeypatch.setattr(batchfile, "COMBINE_IN_C", False)
+    monkeypatch.setattr(spillread, "NATIVE", False)  # the reference path
     assert batchfile.crc_combine(_crc(a), _crc(b), len(b)) == _storage.crc32c_combine(_crc(a), _crc(b), len(b)) \
         == _crc(data)
