@@ -239,6 +239,9 @@ cdef extern from "gather.h" nogil:
                            int64_t *src, int64_t *null_count, int64_t *data_bytes)
     int dbsp_gather_data(const CColumn *c, int64_t nrows, int64_t m, const void *offsets, const int64_t *src,
                          uint8_t *data)
+    int dbsp_gather_column_at(const CColumn *c, const int64_t *idx, int64_t m, int64_t at, int64_t base,
+                              uint8_t *validity, void *values, int64_t *src, int64_t *null_count,
+                              int64_t *data_bytes)
 
 cdef extern from "split.h" nogil:
     int dbsp_split_locate(const CColumn *c, int64_t n, const uint8_t *sep, int64_t seplen, const int64_t *idx,

@@ -111,3 +111,67 @@ int dbsp_gather_data(const DbspColumn *c, int64_t nrows, int64_t m, const void *
     else GATHER_BYTES(int32_t);
     return DBSP_OK;
 }
+
+/* out bits at .. at + m - 1 := bit (off + idx[i]) of src, or 1 each when src is NULL (a column without a validity
+ * bitmap); the bits before `at` in its byte are kept; returns the number of set bits written */
+static int64_t gather_bits_at(const uint8_t *src, int64_t off, const int64_t *idx, int64_t m, uint8_t *out,
+                              int64_t at) {
+    if (src && (at & 7) == 0) return gather_bits(src, off, idx, m, out + (at >> 3));
+    int64_t ones = 0;
+    for (int64_t i = 0; i < m; i++) {
+        int bit = 1;
+        if (src) {
+            if (i + DIST < m) __builtin_prefetch(src + ((off + idx[i + DIST]) >> 3));
+            int64_t r = off + idx[i];
+            bit = (src[r >> 3] >> (r & 7)) & 1;
+        }
+        int64_t o = at + i;
+        uint8_t mask = (uint8_t)(1u << (o & 7));
+        out[o >> 3] = (uint8_t)(bit ? (out[o >> 3] | mask) : (out[o >> 3] & ~mask));
+        ones += bit;
+    }
+    return ones;
+}
+
+#define GATHER_OFFSETS_AT(T, LIMIT)                                                  \
+    do {                                                                             \
+        const T *so = (const T *)c->values + c->offset;                              \
+        T *oo = (T *)values + at;                                                    \
+        int64_t *sr = src + at;                                                      \
+        int64_t acc = base;                                                          \
+        oo[0] = (T)base;                                                             \
+        for (int64_t i = 0; i < m; i++) {                                            \
+            if (i + DIST < m) __builtin_prefetch(&so[idx[i + DIST]]);                \
+            int64_t r = idx[i];                                                      \
+            sr[i] = (int64_t)so[r];                                                  \
+            acc += (int64_t)so[r + 1] - (int64_t)so[r];                              \
+            if (acc > (LIMIT)) return DBSP_ETOOBIG;                                  \
+            oo[i + 1] = (T)acc;                                                      \
+        }                                                                            \
+        *data_bytes = acc - base;                                                    \
+    } while (0)
+
+int dbsp_gather_column_at(const DbspColumn *c, const int64_t *idx, int64_t m, int64_t at, int64_t base,
+                          uint8_t *validity, void *values, int64_t *src, int64_t *null_count, int64_t *data_bytes) {
+    int cls = dbsp_type_class(c->type);
+    *null_count = 0;
+    *data_bytes = 0;
+    if (cls == 0) return DBSP_ETYPE;
+    if (validity) *null_count = m - gather_bits_at(c->validity, c->offset, idx, m, validity, at);
+    if (c->type == DBSP_BOOL) {
+        gather_bits_at((const uint8_t *)c->values, c->offset, idx, m, (uint8_t *)values, at);
+    } else if (cls == DBSP_CLASS_BYTES) {
+        if (c->type == DBSP_LARGE_UTF8 || c->type == DBSP_LARGE_BINARY) GATHER_OFFSETS_AT(int64_t, INT64_MAX);
+        else GATHER_OFFSETS_AT(int32_t, (int64_t)INT32_MAX);
+    } else {
+        int64_t width = dbsp_type_width(c->type);
+        values = (uint8_t *)values + at * width;
+        switch (width) {
+        case 1: GATHER_FIXED(uint8_t); break;
+        case 2: GATHER_FIXED(uint16_t); break;
+        case 4: GATHER_FIXED(uint32_t); break;
+        default: GATHER_FIXED(uint64_t); break;
+        }
+    }
+    return DBSP_OK;
+}

@@ -23,4 +23,16 @@ int dbsp_gather_column(const DbspColumn *c, const int64_t *idx, int64_t m, uint8
 int dbsp_gather_data(const DbspColumn *c, int64_t nrows, int64_t m, const void *offsets, const int64_t *src,
                      uint8_t *data);
 
+/* dbsp_gather_column for one part of a gather from several batches into one output (the parts in turn, `at` the
+ * rows the parts before wrote): the rows go from output row `at` on, validity and bool bits from bit `at` (the
+ * bits before it kept; a column without validity gives set bits when `validity` is given, as the output has a
+ * bitmap if any part does), fixed-width values from value `at`, variable-width offsets values[at .. at + m] =
+ * `base` (the bytes the parts before wrote) + the running byte count, and src[at .. at + m); *data_bytes is this
+ * part's bytes. Then dbsp_gather_data(c, nrows, m, offsets + at, src + at, data) copies them: the offsets are
+ * absolute, so the parts are copied in turn into one buffer (a short value's 16-byte move may pass its row's end
+ * into the next part's bytes, which that part writes afterwards). Errors as dbsp_gather_column (DBSP_ETOOBIG on
+ * base + bytes). */
+int dbsp_gather_column_at(const DbspColumn *c, const int64_t *idx, int64_t m, int64_t at, int64_t base,
+                          uint8_t *validity, void *values, int64_t *src, int64_t *null_count, int64_t *data_bytes);
+
 #endif

@@ -335,6 +335,32 @@ class ZSet:
         rh = np.concatenate([p._rhash for p in parts]) if all(p._rhash is not None for p in parts) else None
         return cls._make(data, np.concatenate([p._w for p in parts]), rhash=rh)
 
+    @classmethod
+    def _gather_parts(cls, parts: Sequence[tuple[ZSet, np.ndarray]], schema: pa.Schema) -> ZSet:
+        """The rows of each ``(zset, indices)`` of ``parts`` in turn, with their weights (and row hashes when every
+        part holds them), as one Z-set, not consolidated: ``concat`` of the parts' takes, with each row copied once
+        (one gather from every part into one output, csrc/gather.h dbsp_gather_column_at) where the takes and
+        their concatenation copy it twice. An exchange's receiver builds its input so from the senders' rows."""
+        parts = [(z, i) for z, i in parts if len(i)]
+        if not parts:
+            return ZSet.empty(schema)
+        n = sum(len(i) for _, i in parts)
+        if len(parts) == 1 or n < _GATHER_MIN:
+            return cls.concat([cls._make(_take(z._data, i), z._w[i], rhash=z._rhash[i] if z._rhash is not None
+                                         else None) for z, i in parts])
+        first = parts[0][0]
+        for z, _ in parts[1:]:
+            _require_same_schema(first.schema, z.schema, "concat")
+        tables = [first._data] + [_conform(z._data, first._data.schema) for z, _ in parts[1:]]
+        try:
+            data = _zset.gather_parts(tables, [i for _, i in parts])
+        except OverflowError:  # over 2**31 - 1 bytes in one utf8 column: the parts stay apart until concat
+            return cls.concat([cls._make(_take(z._data, i), z._w[i]) for z, i in parts])
+        w = np.concatenate([z._w[i] for z, i in parts])
+        rh = (np.concatenate([z._rhash[i] for z, i in parts]) if all(z._rhash is not None for z, _ in parts)
+              else None)
+        return cls._make(pa.Table.from_batches(data.to_batches(), schema=data.schema), w, rhash=rh)
+
     # ---- accessors ----
 
     @property

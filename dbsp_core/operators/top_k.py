@@ -38,6 +38,12 @@ Invariants:
      directory written by the general form (before this invariant) opens with the same circuit, its ``shown``
      trace serving the growing form as it stands (its ``input`` table, which nothing reads, is deleted with the
      batch files only it names by the first checkpoint after the reopen: storage/snapshot.py invariant 10).
+  9. An append-only top-1 without ties (invariant 5, k = 1; q18's latest bid per key, SQL's ``ROW_NUMBER() ... = 1``
+     deduplication) over columns the C grouping orders takes the change's first row of each group by that
+     grouping (no sort), then each such candidate against its group's shown row by the grouping again (the shown
+     row first: a candidate equal to it changes nothing); the output is the candidates that won and the shown rows
+     they replace, indexed once for ``shown``. The change and the top rows are neither sorted nor consolidated.
+     Two keys of one hash send the step to the general path.
 """
 
 from __future__ import annotations
@@ -276,8 +282,67 @@ class _TopKState:
         if (change.weights < 0).any():
             raise DbspError(f"{op.label}: a retraction reached a top-k over an append-only stream, which keeps only "
                             f"its shown rows; declare the inputs without append_only=True to push deletions")
+        out = self._step_top1_inserts(change)
+        if out is not None:
+            return out
         old = lookup_exact(self.shown, np.unique(change.hash(self.keys)), op.in_schema).consolidate()
         return self._show(top_rows(op, concat([change, old], op.in_schema)).consolidate(), old)
+
+    def _step_top1_inserts(self, change: ZSet) -> ZSet | None:
+        """Invariant 9: an append-only top-1 without ties: the change's first row of each group (the C grouping,
+        on the change alone), then each such candidate against its group's shown row (the grouping again, on the
+        two sets of at most one row per touched group, the shown row first so that an equal candidate changes
+        nothing). The output is the candidates that won and the shown rows they replace; no sort, no
+        consolidation of the change or of the top rows. None when it does not apply (the general path then
+        serves): another shape, a type the grouping does not order, or two keys sharing a hash."""
+        op = self.op
+        if op.k != 1 or op.with_ties:
+            return None
+        schema = change.data.schema
+        if not all(any(f(fld.type) for f in _TOP1_TYPES) for fld in schema):
+            return None
+        pos = schema.get_field_index
+        keypos = [pos(c) for c in op.keys]
+        order = [(pos(c), d == "descending") for c, d in op.order] + [(pos(c), False) for c in op.rest]
+        w = change.weights
+        if not (w > 0).all():  # weights of 0 left by the driver's conform: not rows
+            change = ZSet._make(change.data.filter(pa.array(w > 0)), w[w > 0])
+            if change.num_rows == 0:
+                return empty(op.schema)
+        kh = change.hash(self.keys)
+        rows = _zset.top1_rows(change.data, kh, keypos, order)
+        if rows is None:
+            return None
+        ch = kh[rows]
+        by_hash = np.argsort(ch)
+        old = lookup_exact(self.shown, ch[by_hash], op.in_schema).consolidate()
+        if old.num_rows and not (old.weights > 0).all():  # not a state this path made: the general path decides
+            return None
+        cand = make(_zset.gather(change.data, rows), np.ones(len(rows), np.int64), op.in_schema)
+        n_old = old.num_rows
+        if n_old:
+            both = concat([old, cand], op.in_schema)
+            bh = np.concatenate([old.hash(self.keys), ch])
+            best = _zset.top1_rows(both.data, bh, keypos, order)
+            if best is None:
+                return None
+            won = best[best >= n_old] - n_old
+            lost = np.ones(n_old, dtype=bool)
+            lost[best[best < n_old]] = False
+        else:
+            won = np.arange(len(rows))
+            lost = np.zeros(0, dtype=bool)
+        if len(won) == 0:
+            return empty(op.schema)
+        parts = [ZSet._make(cand.data.take(pa.array(won)), cand.weights[won]) if len(won) < len(rows) else cand]
+        if lost.any():
+            parts.append(ZSet._make(old.data.filter(pa.array(lost)), -old.weights[lost]))
+        dix = concat(parts, op.in_schema).index_by(self.keys)
+        self.shown.insert(dix)
+        delta = dix.zset
+        if op.hidden_key is not None:
+            return make(delta.data.drop_columns([op.hidden_key]), delta.weights, op.schema)
+        return delta
 
     def _show(self, new: ZSet, old: ZSet) -> ZSet:
         """The step's output, ``new - old`` (the touched groups' top rows after and before), also added to

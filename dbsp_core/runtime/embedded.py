@@ -136,14 +136,28 @@ class _Exchanger:
         if w == 1:
             return z
         box = self._grid(node_id)
-        box[worker] = parts = z.partition(list(key), self.shard_map.part_of_shard, w) if z.num_rows else None
-        if parts is not None and self.timers is not None:
+        # each sender posts its rows and their order by owner (zset.py partition's, without its gather); each
+        # receiver gathers its rows from every sender at once, so a row is copied once (ZSet._gather_parts)
+        sent_rows = None
+        if z.num_rows:
+            perm, offsets = _zset.partition(z.hash(list(key)), self.shard_map.part_of_shard, w)
+            box[worker] = sent_rows = (z, perm, offsets.tolist())
+        else:
+            box[worker] = None
+        if sent_rows is not None and self.timers is not None:
             sent = self.timers[worker].exchange_bytes
             node = node_id[0] if isinstance(node_id, tuple) else node_id  # a fixpoint's (node, iteration, inner)
-            sent[node] = sent.get(node, 0) + sum(zset_bytes(p) for k, p in enumerate(parts) if k != worker)
+            off = sent_rows[2]  # the bytes sent: the input's, in proportion to the rows sent
+            out = z.num_rows - (off[worker + 1] - off[worker])
+            sent[node] = sent.get(node, 0) + zset_bytes(z) * out // z.num_rows
         self._wait(worker)
-        mine = [row[worker] for row in box if row is not None]
-        return concat(mine, schema)
+        mine = []
+        for row in box:
+            if row is not None:
+                src, perm, off = row
+                if off[worker + 1] > off[worker]:
+                    mine.append((src, perm[off[worker]:off[worker + 1]]))
+        return ZSet._gather_parts(mine, schema)
 
     def exchange_runs(self, worker: int, node_id: int, runs: list[tuple[int, int, int]], cut: Callable[[int, int], Any]
                       ) -> list:

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from dbsp_core.operators.expr import project_rows, split_parts, strftime
+from dbsp_core.operators.expr import filter_rows, project_rows, split_parts, strftime
 
 SEED = int(os.environ.get("DBSP_EXPR_KERNELS_SEED", "0"))
 MS_PER_DAY = 86_400_000
@@ -137,3 +137,25 @@ def test_split_parts_of_binary_and_empty_columns() -> None:
     assert split_parts(pa.array([None, None], pa.string()), "/", [0])[0].to_pylist() == [None, None]
     with pytest.raises(ValueError):
         _zset.split_parts(pa.array(["a"]), "", [0])
+
+
+@pytest.mark.parametrize("n", [7, 5000])  # under and over the gather's threshold (zset._GATHER_MIN)
+def test_filter_rows_against_arrows_filter(n: int) -> None:
+    """filter_rows (the predicate as a mask, then one gather) equals Arrow's filter with null as false, weights
+    kept, each column one chunk; a column the C gathers do not read (a list) takes Arrow's take."""
+    rng = np.random.default_rng(SEED + n)
+    t = pa.table({"a": pa.array(rng.integers(0, 10, n), mask=rng.random(n) < 0.2),
+                  "s": pa.array([None if i % 5 == 0 else "v" * int(i % 11) for i in range(n)]),
+                  "b": pa.array(rng.random(n) < 0.5), "f": rng.random(n)})
+    w = rng.integers(1, 5, n)
+    for pred in (pc.field("a") > 4, (pc.field("s") != "vv") & pc.field("b"), pc.scalar(True), pc.field("a") > 99):
+        got, gw = filter_rows(t, w, pred)
+        want = t.filter(pred, null_selection_behavior="drop")
+        assert got.equals(want) and all(c.num_chunks == 1 for c in got.columns)
+        # the weights: the same rows' weights, by Arrow's filter of the weight column beside the others
+        ww = pa.table({"w": w, **{c: t.column(c) for c in t.column_names}}).filter(pred).column("w").to_numpy()
+        assert gw.tolist() == ww.tolist()
+    lt = t.append_column("l", pa.array([[i] for i in range(n)]))
+    got, gw = filter_rows(lt, w, pc.field("a") > 4)
+    assert got.equals(lt.filter(pc.field("a") > 4)) and gw.tolist() == w[np.asarray(
+        pc.fill_null(pc.greater(t.column("a"), 4), False))].tolist()

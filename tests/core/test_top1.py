@@ -121,3 +121,48 @@ def test_a_shared_key_hash_leaves_the_step_to_the_sort() -> None:
     t = pa.table({"k": [1, 2, 1], "v": [5, 9, 7]})
     assert _zset.top1_rows(t, np.zeros(3, np.uint64), [0], [(1, True)]) is None
     assert sorted(_zset.top1_rows(t, np.array([1, 2, 1], np.uint64), [0], [(1, True)]).tolist()) == [1, 2]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_append_only_top1_steps_against_a_dict_model(case: int, workers: int, monkeypatch) -> None:
+    """operators/top_k.py invariant 9: an append-only top-1 stepped over many small steps (rows equal to shown
+    ones pushed again, ties on the order columns, nulls, NaN, -0.0, weights above 1) shows after every step the
+    dict model's first row of each group of everything pushed so far, once each; the path is taken (counted) on
+    every step with rows."""
+    import dbsp_core as dbsp
+    keys, order = CASES[case]
+    rng = random.Random(case * 31 + workers)
+    real = top_k._TopKState._step_top1_inserts
+    taken = []
+
+    def counted(self, change):
+        out = real(self, change)
+        taken.append(out is not None)
+        return out
+    monkeypatch.setattr(top_k._TopKState, "_step_top1_inserts", counted)
+    c = dbsp.Circuit()
+    c.output("top", c.input("t", SCHEMA, append_only=True).group_by(*keys).top_k(1, order))
+    ordered = set(keys) | {c_ for c_, _ in order}
+    full = [(c_, d == "descending") for c_, d in order] + [(c_, False) for c_ in SCHEMA.names if c_ not in ordered]
+    pushed = []
+    with dbsp.Pipeline(c, workers=workers) as p:
+        shown: dict = {}
+        for _ in range(12):
+            t = _table(rng, rng.choice([1, 5, 30]))
+            if pushed and rng.random() < 0.5:  # rows pushed before, again (equal to shown rows, or not)
+                t = pa.concat_tables([t, pushed[rng.randrange(len(pushed))]])
+            pushed.append(t)
+            w = np.array([rng.randrange(1, 3) for _ in range(t.num_rows)], np.int64)
+            p.push("t", ZSet._make(t, w))
+            out = p.step()["top"]
+            for r, wt in zip(out.data.to_pylist(), out.weights):
+                k = repr(r)
+                shown[k] = shown.get(k, 0) + int(wt)
+                if shown[k] == 0:
+                    del shown[k]
+            everything = pa.concat_tables(pushed)
+            first = _model(everything, keys, full)
+            model = sorted(repr(r) for i, r in enumerate(everything.to_pylist()) if i in first)
+            assert sorted(shown.items()) == sorted((k, 1) for k in model)
+    assert taken and all(taken)

@@ -825,6 +825,47 @@ def test_gather_equals_arrow_take(gather, t, data):
             gather(t, np.array([-1], dtype=np.int64))
 
 
+@given(t=tables(max_rows=60), data=st.data())
+def test_gather_parts_equals_arrow_takes_concatenated(t, data):
+    """One gather from several tables (an exchange's receiver, zset.py ZSet._gather_parts) equals Arrow's takes of
+    each, concatenated, bit for bit: slices of the table at any offset (validity and bool bits written from an
+    unaligned row), parts with and without nulls, empty parts, and out-of-range indices refused."""
+    parts, idxs = [], []
+    for _ in range(data.draw(st.integers(1, 4))):
+        lo = data.draw(st.integers(0, t.num_rows))
+        p = t.slice(lo, data.draw(st.integers(0, t.num_rows - lo)))
+        n = p.num_rows
+        parts.append(p)
+        idxs.append(np.array(data.draw(st.lists(st.integers(0, n - 1), max_size=40)) if n else [], dtype=np.int64))
+    got = _zset.gather_parts(parts, idxs)
+    want = pa.concat_tables([p.take(pa.array(i, pa.int64())) for p, i in zip(parts, idxs)])
+    assert got.schema == t.schema and got.num_rows == want.num_rows
+    got.validate(full=True)
+    for g, w in zip(got.columns, want.columns):
+        assert g.num_chunks == 1 and g.null_count == w.null_count
+        assert _bits(g) == _bits(w)
+    if parts[-1].num_rows:
+        with pytest.raises(IndexError):
+            _zset.gather_parts(parts, idxs[:-1] + [np.array([parts[-1].num_rows], dtype=np.int64)])
+
+
+def test_exchange_receiver_gathers_from_every_sender():
+    """zset.py ZSet._gather_parts: the rows of each (zset, indices) in turn with their weights and row hashes, as
+    the takes of each concatenated; below the gather's size and above it."""
+    from dbsp_core.zset import _GATHER_MIN, ZSet as Z
+    rng = np.random.default_rng(5)
+    for n in (50, 3 * _GATHER_MIN):
+        zs = [Z.from_arrow(pa.table({"k": rng.integers(0, 9, n), "s": [("x" * int(i % 5)) if i % 3 else None
+                                                                       for i in range(n)]}),
+                           weights=rng.integers(1, 4, n)).consolidate() for _ in range(2)]
+        idx = [rng.integers(0, z.num_rows, n // 2) for z in zs]
+        got = Z._gather_parts(list(zip(zs, idx)), zs[0].schema)
+        assert got.data.equals(pa.concat_tables([z.data.take(pa.array(i)) for z, i in zip(zs, idx)]))
+        assert got.weights.tolist() == [int(x) for z, i in zip(zs, idx) for x in z.weights[i]]
+        assert got._rhash.tolist() == [int(x) for z, i in zip(zs, idx) for x in z._rhash[i]]
+    assert Z._gather_parts([(zs[0], np.zeros(0, np.int64))], zs[0].schema).num_rows == 0
+
+
 def test_large_take_uses_gather_and_matches_arrow():
     from dbsp_core.zset import _GATHER_MIN, _take
     rng = np.random.default_rng(3)
