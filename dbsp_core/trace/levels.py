@@ -154,7 +154,7 @@ import numpy as np
 import pyarrow as pa
 
 from dbsp_core.errors import WeightOverflowError
-from dbsp_core.trace.keyindex import KeyIndexed
+from dbsp_core.trace.keyindex import KeyIndexed, PerKeyTotals
 from dbsp_core.trace import prefault, spillread
 from dbsp_core.trace.merge_thread import MergeThread, SharedMerge, current_merge_thread
 from dbsp_core.trace.spill import batch_bytes, current_batch_store
@@ -404,7 +404,7 @@ class _Level(NamedTuple):
     merge: _Merge | None = None
 
 
-class Trace(KeyIndexed):
+class Trace(KeyIndexed, PerKeyTotals):
     """Consolidated, key-hash-sorted batches in levels by work: the integral of an indexed stream.
 
     Parameters
@@ -488,6 +488,7 @@ class Trace(KeyIndexed):
         self._handed = False  # merges were handed to a MergeThread: the next read installs finished ones
         self._owed = 0  # rows placed by deferred inserts whose merge fuel is not paid yet (invariant 14)
         self._init_key_index()  # the content's token and no key index (invariant 11)
+        self._init_per_key()  # totals kept in the batches (invariant 19 off)
         self._store: Any = None  # the BatchStore keeping this trace's batches under a memory budget (invariant 12)
 
     def clear(self) -> None:
@@ -495,6 +496,7 @@ class Trace(KeyIndexed):
         self._by_level = []
         self.pending = []
         self._fresh = True
+        self._pk_rec, self._pk_dirty = [], None  # (invariant 19) the content is gone, the dirty keys' with it
         self._changed()
         self._stale_index()
 
@@ -506,6 +508,8 @@ class Trace(KeyIndexed):
         which the caller already brought up to this batch (invariant 11: it then matches the new content); else an
         index kept is updated here. ``defer``: place it only; its merge work and index fold are owed, paid by later
         inserts (invariant 14)."""
+        if self._pk_rec and not self._pk_syncing:  # invariant 19: the batches up to date first
+            self._pk_sync()
         if len(batch) == 0:
             if indexed is not None:
                 self.index_done(indexed)
@@ -1109,6 +1113,8 @@ class Trace(KeyIndexed):
 
     def _levels(self) -> list["IndexedZSet"]:
         """The batches of every level (merge inputs included; not the pending ones), in the order they were placed."""
+        if self._pk_rec and not self._pk_syncing:  # invariant 19: every reader of the batches reads them synced
+            self._pk_sync()
         entries = []
         for level in self._by_level:
             entries.extend(level.loose)
@@ -1352,6 +1358,7 @@ class Trace(KeyIndexed):
         """
         if not bounds or (not force and self._grown < max(self._kept, self.PRUNE_MIN)):
             return 0
+        self._pk_sync()  # invariant 19
         import pyarrow.compute as pc
 
         def kept(b: "IndexedZSet") -> "IndexedZSet | None":
@@ -1417,6 +1424,7 @@ class Trace(KeyIndexed):
         >>> [len(x) for x in t.batches], t.merged_rows
         ([3, 3], 0)
         """
+        self._pk_sync()  # invariant 19
         if not pieces:
             return
         prev = self._changed()
