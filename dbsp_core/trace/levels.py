@@ -142,6 +142,19 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      to 2 * hold loose batches, which only an index rebuild, a checkpoint, a shard cut or a view read reads. The content,
      the placement order and every reader's view of it are invariant 1's, whatever the fan-in; under a store (and with
      no current index) the fan-in is invariant 15's or 2, as for every trace.
+ 19. Totals kept per key (``keep_totals_per_key``, a linear aggregate's totals under ``DBSP_TOTALS_PER_KEY=1``;
+     dbsp_core/trace/keyindex.py ``PerKeyTotals``): the key index is the state and the batches a view of it, synced on
+     demand. A step that stored its groups' totals in the index (``store_totals``) inserts no batch: it records each
+     of its keys not dirty yet, once, with the totals the batches hold for it (its -1 row, or none). The content is
+     the batches plus, per dirty key, its index totals less its recorded ones; every reader of the batches syncs
+     first (``_levels``, so ``_read``, ``parts``, ``shard``, views, walks, ``check``; and ``insert``, ``replace``,
+     ``drop_below``, a stale or dropped index): one consolidated, key-hash-sorted batch of the dirty keys' recorded
+     totals (-1) and index totals (+1), where they differ, inserted as any batch. So between reads a step costs its
+     groups' probes and a probe of the dirty-key index, and no merge. Only without a batch store (a trace that joins
+     one syncs and keeps batches from then on: spill.py invariant 17 weighs and may drop the index). An index that
+     breaks half way through a step (memory, size limits) with dirty keys loses state: a DbspError says so (with
+     ``DBSP_TOTALS_PER_KEY=0`` it never happens: the batches are the state). A rollback capture marks the trace, and
+     every change of its key index in place is then logged and undone by the restore (rollback.py invariant 3).
 """
 
 from __future__ import annotations
