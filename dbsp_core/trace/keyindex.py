@@ -560,7 +560,7 @@ class PerKeyTotals:
         dirty keys' recorded totals (-1) and their index totals (+1), where the two differ."""
         if not self._pk_rec or self._pk_syncing:
             return
-        from dbsp_core.operators.base import make
+        from dbsp_core.zset import ZSet
 
         ix = self._kix
         if ix is None or ix.token != self._token:
@@ -584,7 +584,7 @@ class PerKeyTotals:
                                     schema=self.schema)
         table = pa.concat_tables([data.take(pa.array(minus)), ptab]).combine_chunks()
         w = np.concatenate([np.full(len(minus), -1, dtype=np.int64), np.ones(len(plus), dtype=np.int64)])
-        b = make(table, w, self.schema).index_by(list(self.key))
+        b = ZSet._make(table, w).index_by(list(self.key))  # key-hash sorted (its rows are distinct: no sums)
         PerKeyTotals.pk_syncs += 1
         self._pk_syncing = True
         try:
