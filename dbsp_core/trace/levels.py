@@ -1124,9 +1124,10 @@ class Trace(KeyIndexed, PerKeyTotals):
         taken, rows = memo[2][None]
         return taken.slice(lo, hi), rows[lo:hi], hi - lo
 
-    def _levels(self) -> list["IndexedZSet"]:
-        """The batches of every level (merge inputs included; not the pending ones), in the order they were placed."""
-        if self._pk_rec and not self._pk_syncing:  # invariant 19: every reader of the batches reads them synced
+    def _levels(self, sync: bool = True) -> list["IndexedZSet"]:
+        """The batches of every level (merge inputs included; not the pending ones), in the order they were placed.
+        ``sync``: synced first (invariant 19); False for a size estimate, which may run on another thread."""
+        if sync and self._pk_rec and not self._pk_syncing:  # invariant 19: every reader of the batches reads them synced
             self._pk_sync()
         entries = []
         for level in self._by_level:
@@ -1141,10 +1142,12 @@ class Trace(KeyIndexed, PerKeyTotals):
         """Every batch the trace's content is the sum of (invariant 1); reading it merges nothing."""
         return self._read()
 
-    def parts(self) -> tuple[list["IndexedZSet"], list["IndexedZSet"]]:
+    def parts(self, sync: bool = True) -> tuple[list["IndexedZSet"], list["IndexedZSet"]]:
         """The placed batches (in placement order) and the pending ones, as they are: what a checkpoint saves.
-        Inserting both lists into a cleared trace, with :meth:`settle` between them, restores it (invariant 5)."""
-        return self._levels(), list(self.pending)
+        Inserting both lists into a cleared trace, with :meth:`settle` between them, restores it (invariant 5).
+        ``sync=False``: without the sync of invariant 19 (a size estimate: totals kept per key since the last sync
+        are not counted; it may run on another thread than the steps)."""
+        return self._levels(sync), list(self.pending)
 
     @property
     def deferred(self) -> tuple[int, int]:
