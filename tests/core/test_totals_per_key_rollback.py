@@ -15,6 +15,7 @@ import pyarrow as pa
 import pytest
 
 import dbsp_core as dbsp
+from dbsp_core.envvars import settings
 from dbsp_core.operators.aggregate import _LinearState
 from dbsp_core.runtime.rollback import capture, restore
 from dbsp_core.trace.keyindex import PerKeyTotals
@@ -88,5 +89,6 @@ def test_rollbacks_of_totals_per_key_against_a_model(case: int, monkeypatch) -> 
         trace.check()
         assert {r: w for r, w in trace.consolidated().zset.to_dict().items() if w} == \
             {(k, n, s, n): 1 for (k, n, s) in _view(bag)}
-    assert PerKeyTotals.pk_steps - steps0 >= 160 and undone > 0
+    assert undone > 0
+    assert (settings().memory_limit is not None) or PerKeyTotals.pk_steps - steps0 >= 160  # (a budget: batches)
 
