@@ -517,6 +517,8 @@ class PerKeyTotals:
         """The step's rows of old (-1) and new (+1) totals of its changed groups, which the caller already stored in
         ``ix`` (from :meth:`index_for_update`): inserted as any batch, or with totals per key only recorded: each of
         its keys not dirty yet is recorded with the totals the batches hold for it (its -1 row, or none)."""
+        if self._pk_on and self._store is not None and not self._pk_rec:  # joined a batch store (the executor's
+            self._pk_on = False  # spill()) with nothing recorded: the batches are up to date, kept from now on
         if not self._pk_on or ix is not self._kix or len(batch) == 0:
             self.insert(batch, indexed=ix)
             return
@@ -525,7 +527,7 @@ class PerKeyTotals:
         PerKeyTotals.pk_steps += 1
         self.inserted_rows += len(batch)
         self._grown += len(batch)  # (drop_below's amortization, trace invariant 8)
-        view, keys, kh, w = batch._view(), batch._keypos, batch._kh, batch.zset.weights
+        view, keys, kh = batch._view(), batch._keypos, batch._kh
         if len(self._pk_marks):  # the step's store into ix is +batch: its undo is -batch
             self._pk_undo.entries.append((ix, view, keys, kh, self._cpos(batch), 1))
         dirty = self._pk_dirty
@@ -536,8 +538,14 @@ class PerKeyTotals:
         acc = np.zeros((len(batch), 1), dtype=np.int64)
         dirty.get(view, keys, kh, acc)
         fresh = acc[:, 0] == 0
-        if not fresh.any():
-            return
+        if fresh.any():
+            self._pk_record(batch, dirty, fresh)
+        if self._store is not None:  # joined a batch store (the executor's spill()): batches from now on
+            self._pk_off()
+
+    def _pk_record(self, batch: "IndexedZSet", dirty: Any, fresh: np.ndarray) -> None:
+        """Record the keys of ``batch``'s rows ``fresh`` (not dirty yet), once each, with the batches' totals."""
+        view, keys, kh, w = batch._view(), batch._keypos, batch._kh, batch.zset.weights
         for old in (True, False):  # old rows first: a key's -1 row holds the totals its batches hold
             sel = np.flatnonzero(fresh & ((w < 0) if old else (w > 0)))
             if not old and len(sel):  # a key with no -1 row in this step is a new group (the batches hold none)
