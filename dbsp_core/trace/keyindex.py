@@ -520,7 +520,9 @@ class PerKeyTotals:
         if self._pk_on and self._store is not None and not self._pk_rec:  # joined a batch store (the executor's
             self._pk_on = False  # spill()) with nothing recorded: the batches are up to date, kept from now on
         if not self._pk_on or ix is not self._kix or len(batch) == 0:
-            self.insert(batch, indexed=ix)
+            if len(self._pk_marks) and ix is self._kix and len(batch):  # a capture lives (taken while per key):
+                self._pk_undo.entries.append((ix, batch._view(), batch._keypos, batch._kh, self._cpos(batch), 1))
+            self.insert(batch, indexed=ix)  # the C step's store into ix is logged too, or its undo misses it
             return
         self._changed()
         ix.token = self._token

@@ -40,10 +40,6 @@ def _diff(a: dict, b: dict) -> dict:
     return {r: w for r, w in out.items() if w}
 
 
-@pytest.mark.xfail(settings().memory_limit is not None, strict=False,
-                   reason="open (r37-perkey): under DBSP_MEMORY_LIMIT=1 with the class forced on, some seeds "
-                          "(DBSP_PERKEY_SEED=482586901, case 0) give a wrong output at step 8 after a rollback; "
-                          "the same seed passes with totals per key off; not found by the deadline")
 @pytest.mark.parametrize("case", range(4))
 def test_rollbacks_of_totals_per_key_against_a_model(case: int, monkeypatch) -> None:
     monkeypatch.setattr(_LinearState, "PER_KEY", True)
