@@ -225,7 +225,7 @@ def state_bytes(traces: dict[str, Any], shard_bits: int) -> tuple[int, dict[int,
     per = np.zeros(1 << shard_bits, dtype=np.float64)
     total = 0
     for trace in traces.values():
-        placed, pending = trace.parts()
+        placed, pending = trace.parts(sync=False)  # (an estimate: trace/levels.py invariant 19)
         for b in list(placed) + list(pending):
             n = len(b)
             if not n:

@@ -557,6 +557,7 @@ class _LinearState:
     """
 
     HOLD: int | None = None  # the totals trace's ``hold`` (trace invariant 18); None: ``DBSP_TOTALS_HOLD``'s (tests set it)
+    PER_KEY: bool | None = None  # totals kept per key (trace invariant 19); None: ``DBSP_TOTALS_PER_KEY``'s (tests set it)
 
     def __init__(self, op: Aggregate) -> None:
         self.op = op
@@ -575,6 +576,8 @@ class _LinearState:
         hold = settings().totals_hold if self.HOLD is None else self.HOLD
         if hold > 2:  # its low levels merge many at a time while the index serves its reads (trace invariant 18)
             self.trace.hold = hold
+        if (settings().totals_per_key if self.PER_KEY is None else self.PER_KEY):
+            self.trace.keep_totals_per_key()  # the index is the state, the batches synced on reads (invariant 19)
 
     def traces(self) -> dict[str, Trace]:
         """The operator's state, by name (each trace can be read per shard)."""
@@ -663,9 +666,9 @@ class _LinearState:
             self.trace.index_done(ix)
             return empty(op.schema)
         if ordered:  # groups by key hash, a group's two rows by row hash: the trace batch as it stands
-            self.trace.insert(IndexedZSet._make(ZSet._make(batch, w), tuple(self.keys), kh), indexed=ix)
+            self.trace.store_totals(IndexedZSet._make(ZSet._make(batch, w), tuple(self.keys), kh), ix)
         else:  # a key-hash or row-hash tie (rare): values decide the order
-            self.trace.insert(make(batch, w, self.pschema).index_by(self.keys), indexed=ix)
+            self.trace.store_totals(make(batch, w, self.pschema).index_by(self.keys), ix)
         if distinct:  # no group shows equal new and old rows (csrc/linrun.h invariant 2)
             return ZSet._make(out, w, distinct=True)
         return sum_adjacent(make(out, w, op.schema), kh)
@@ -689,7 +692,10 @@ class _LinearState:
                 batch._rh = rh  # the row hashes of (keys, slots), which the fold computed (trace merges use them)
         else:  # a key-hash or row-hash tie (rare): values decide the order
             batch = make(partials, w, self.pschema).index_by(self.keys)
-        self.trace.insert(batch, indexed=ix)
+        if ix is not None:
+            self.trace.store_totals(batch, ix)  # inserted, or with totals per key recorded (trace invariant 19)
+        else:
+            self.trace.insert(batch)
         # a group's new and old rows sit side by side: they cancel when the view's columns did not change (a sum
         # that a 0 left as it was), and rows of two groups differ in their keys, so no sort makes it distinct
         if finalize is None:

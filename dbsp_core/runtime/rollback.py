@@ -9,6 +9,12 @@ Invariants (enforced here):
      object (snapshots and caches refer to them), so the instances behave as if the steps after the capture
      never ran. Operator state is only ever held in such attributes (dbsp_core.storage.snapshot invariant 2
      refuses anything else).
+  3. But for one thing held in place: a trace that keeps its totals per key (trace/levels.py invariant 19) holds
+     state in its key index, which a step writes in place. :func:`capture` takes a mark of such a trace
+     (``Trace._pk_mark``: while a mark lives, every change of a key index in place is logged with its inverse), and
+     :func:`restore` undoes the changes made since, newest first (``Trace._pk_rollback``), before putting the
+     attributes back: the index then holds what it held at the capture, exactly. O(rows changed since), never
+     O(state).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ def capture(instances: Iterable[Any]) -> list:
     saved = []
     for inst in instances:
         attrs = dict(vars(inst))
-        traces = [(t, {k: (list(v) if isinstance(v, list) else v) for k, v in vars(t).items()})
+        traces = [(t, {k: (list(v) if isinstance(v, list) else v) for k, v in vars(t).items()}, t._pk_mark())
                   for t in attrs.values() if isinstance(t, Trace)]
         saved.append((inst, attrs, traces))
     return saved
@@ -46,6 +52,8 @@ def restore(saved: list) -> None:
     for inst, attrs, traces in saved:
         vars(inst).clear()
         vars(inst).update(attrs)
-        for t, tv in traces:
+        for t, tv, mark in traces:
+            if mark is not None:  # invariant 3: the key index's changes in place undone first
+                t._pk_rollback(mark)
             vars(t).clear()
             vars(t).update({k: (list(v) if isinstance(v, list) else v) for k, v in tv.items()})

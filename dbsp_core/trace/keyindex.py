@@ -37,6 +37,7 @@ dbsp_core/trace/sizing.py, computed when the first index is built.
 from __future__ import annotations
 
 import itertools
+import weakref
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -44,13 +45,13 @@ import numpy as np
 import pyarrow as pa
 
 from dbsp_core.envvars import settings
-from dbsp_core.errors import IndexDroppedWarning, WeightOverflowError
+from dbsp_core.errors import DbspError, IndexDroppedWarning, WeightOverflowError
 from dbsp_core.trace.sizing import key_index_sizing
 
 if TYPE_CHECKING:
     from dbsp_core.zset import IndexedZSet
 
-__all__ = ["KeyIndexed", "summable"]
+__all__ = ["KeyIndexed", "PerKeyTotals", "summable"]
 
 _TOKENS = itertools.count(1)  # content tokens (invariant 11): unique in the process, never reused
 
@@ -149,6 +150,8 @@ class KeyIndexed:
 
     def _stale_index(self) -> None:
         """Drop the key index: the third read that wants it rebuilds it from the batches (invariant 11)."""
+        if self._pk_rec and not self._pk_syncing:  # totals per key: the index holds state the batches lack
+            self._pk_sync()
         self._kix, self._kix_wait = None, self.INDEX_WAIT
         self._kix_parked, self._kix_owed = None, ()
 
@@ -173,6 +176,8 @@ class KeyIndexed:
     def _index_to_files(self, directory: str) -> None:
         """The trace joins a BatchStore: its key index, if any, keeps its large regions in files of ``directory``
         (csrc/keyindex.h invariant 7, spill.py invariant 17)."""
+        if self._pk_on:  # totals per key only without a store (trace invariant 19): into the batches first
+            self._pk_off()
         for ix in (self._kix, self._kix_parked):
             if ix is not None:
                 try:
@@ -211,7 +216,7 @@ class KeyIndexed:
             for b in batches:
                 if len(b):
                     view, keys, kh, cpos = self._index_args(b)
-                    ix.add(view, None, keys, kh, cpos, sign)
+                    self._ix_add(ix, view, keys, kh, cpos, sign)
         except (ArithmeticError, MemoryError, ValueError) as exc:  # WeightOverflowError, SchemaError included: walk
             self._drop_index(exc)  # instead
             return
@@ -246,7 +251,7 @@ class KeyIndexed:
                 b, sign = owed[0]
                 part = b if len(b) <= rows else b.slice(0, rows)
                 view, keys, kh, cpos = self._index_args(part)
-                ix.add(view, None, keys, kh, cpos, sign)
+                self._ix_add(ix, view, keys, kh, cpos, sign)
                 rows -= len(part)
                 owed[0:1] = [] if part is b else [(b.slice(len(part), len(b)), sign)]
         except (ArithmeticError, MemoryError, ValueError) as exc:  # as _index_fold: the trace walks its batches
@@ -360,6 +365,11 @@ class KeyIndexed:
     def _drop_index(self, exc: BaseException | None) -> None:
         """Turn the key index off for good (it failed with ``exc``; None: a size limit met half way): this trace
         walks its batches from now on, and says so once with an IndexDroppedWarning."""
+        if self._pk_rec:  # totals per key (trace invariant 19): the broken index held state the batches lack
+            raise DbspError(f"a trace on key {list(self.key)} keeping its totals per key lost its key index half way "
+                            f"through a step ({exc!r}); its state since its last sync is lost. Run with "
+                            f"DBSP_TOTALS_PER_KEY=0 and recover from the last checkpoint")
+        self._pk_on = False
         ix, self._kix, self._kix_off = self._kix, None, True
         self._kix_parked, self._kix_owed = None, ()
         from dbsp_core import _zset
@@ -448,3 +458,195 @@ class KeyIndexed:
             ix.get(view, keys, kh, got)
             fresh.get(view, keys, kh, want)
             assert np.array_equal(got, want), "key index sums differ from the batches'"
+
+
+class PerKeyTotals:
+    """Totals kept per key (runtime/plan.py design note 5; trace invariant 19): the linear aggregate's steps store
+    their groups' totals in the trace's key index only, and the trace's batches are brought up to date from it when
+    something reads them. It uses :class:`KeyIndexed`'s index and the trace's ``insert`` and ``_changed``.
+
+    State (attributes of the trace, so a rollback's capture holds them; their lists are copied by it):
+      ``_pk_on``: the mode is on (:meth:`keep_totals_per_key`; off for good once the trace joins a batch store or its
+      index is dropped, each after a sync). ``_pk_rec``: per dirty key (a key whose totals changed since the last
+      sync), once, the totals the batches hold for it: tuples (table of key and total columns, key hashes, whether
+      the batches hold a row for it); ``_pk_dirty``: a KeyIndex of one count per dirty key (1), which tells a key
+      already recorded from a new one. The content is the batches plus, per dirty key, (index totals) - (recorded
+      totals). ``_pk_undo``: while a rollback capture is alive (``_pk_marks``), every change made to a key index
+      object in place since the oldest one: (index, view of rows, key positions, key hashes, columns, sign), undone in
+      reverse by :meth:`_pk_rollback` (rollback.py invariant 3): the index is the state, a capture cannot rebuild it.
+    """
+
+    pk_steps = 0  # steps stored per key, in the process (counts, for tests: the new path ran)
+    pk_syncs = 0  # syncs that inserted a batch, in the process
+    _pk_on = False  # (class defaults: a trace made without __init__, as a restore may make one)
+    _pk_rec: Any = ()
+    _pk_dirty: Any = None
+    _pk_undo: Any = None
+    _pk_marks: Any = ()
+    _pk_syncing = False
+
+    def _init_per_key(self) -> None:
+        self._pk_on = False
+        self._pk_rec: list = []
+        self._pk_dirty = None
+        self._pk_undo = _UndoLog()  # not a list: a capture keeps this object, not a copy
+        self._pk_marks = weakref.WeakSet()
+        self._pk_syncing = False
+
+    def keep_totals_per_key(self) -> bool:
+        """Keep the totals per key (trace invariant 19) when the trace keeps a key index on its key of every
+        non-key column (a linear aggregate's totals) and no batch store holds it; returns whether it does."""
+        if self._kix_spec is None or self._kix_off or self._kix_spec[0] != "key" or self._store is not None:
+            return False
+        if list(self.key) + list(self._kix_spec[1]) != list(self.schema.names):
+            return False
+        self._pk_on = True
+        return True
+
+    @property
+    def totals_per_key(self) -> bool:
+        return self._pk_on
+
+    def _ix_add(self, ix: Any, view: Any, keys: Any, kh: np.ndarray, cpos: Any, sign: int) -> None:
+        """``ix.add`` that, while a capture is alive, records the change for its undo (invariant 19)."""
+        ix.add(view, None, keys, kh, cpos, sign)
+        if len(self._pk_marks):
+            self._pk_undo.entries.append((ix, view, keys, kh, cpos, sign))
+
+    def store_totals(self, batch: "IndexedZSet", ix: Any) -> None:
+        """The step's rows of old (-1) and new (+1) totals of its changed groups, which the caller already stored in
+        ``ix`` (from :meth:`index_for_update`): inserted as any batch, or with totals per key only recorded: each of
+        its keys not dirty yet is recorded with the totals the batches hold for it (its -1 row, or none)."""
+        if self._pk_on and self._store is not None and not self._pk_rec:  # joined a batch store (the executor's
+            self._pk_on = False  # spill()) with nothing recorded: the batches are up to date, kept from now on
+        if not self._pk_on or ix is not self._kix or len(batch) == 0:
+            if len(self._pk_marks) and ix is self._kix and len(batch):  # a capture lives (taken while per key):
+                self._pk_undo.entries.append((ix, batch._view(), batch._keypos, batch._kh, self._cpos(batch), 1))
+            self.insert(batch, indexed=ix)  # the C step's store into ix is logged too, or its undo misses it
+            return
+        self._changed()
+        ix.token = self._token
+        PerKeyTotals.pk_steps += 1
+        self.inserted_rows += len(batch)
+        self._grown += len(batch)  # (drop_below's amortization, trace invariant 8)
+        view, keys, kh = batch._view(), batch._keypos, batch._kh
+        if len(self._pk_marks):  # the step's store into ix is +batch: its undo is -batch
+            self._pk_undo.entries.append((ix, view, keys, kh, self._cpos(batch), 1))
+        dirty = self._pk_dirty
+        if dirty is None:
+            from dbsp_core import _zset
+
+            dirty = self._pk_dirty = _zset.KeyIndex([self.schema.field(k).type for k in self.key], 1, 0)
+        acc = np.zeros((len(batch), 1), dtype=np.int64)
+        dirty.get(view, keys, kh, acc)
+        fresh = acc[:, 0] == 0
+        if fresh.any():
+            self._pk_record(batch, dirty, fresh)
+        if self._store is not None:  # joined a batch store (the executor's spill()): batches from now on
+            self._pk_off()
+
+    def _pk_record(self, batch: "IndexedZSet", dirty: Any, fresh: np.ndarray) -> None:
+        """Record the keys of ``batch``'s rows ``fresh`` (not dirty yet), once each, with the batches' totals."""
+        view, keys, kh, w = batch._view(), batch._keypos, batch._kh, batch.zset.weights
+        for old in (True, False):  # old rows first: a key's -1 row holds the totals its batches hold
+            sel = np.flatnonzero(fresh & ((w < 0) if old else (w > 0)))
+            if not old and len(sel):  # a key with no -1 row in this step is a new group (the batches hold none)
+                acc = np.zeros((len(sel), 1), dtype=np.int64)
+                dirty.get(view, keys, kh[sel], acc, sel=sel)
+                sel = sel[acc[:, 0] == 0]
+            if not len(sel):
+                continue
+            part = batch.zset.data.take(pa.array(sel))
+            pkh = np.ascontiguousarray(kh[sel])
+            pw = np.full(len(sel), -1 if old else 1, dtype=np.int64)
+            self._ix_add(dirty, _view_of(part, pw), keys, pkh, [-1], -1 if old else 1)
+            self._pk_rec.append((part, pkh, old))
+
+    def _cpos(self, batch: "IndexedZSet") -> list:
+        return self._index_args(batch)[3]
+
+    def _pk_sync(self) -> None:
+        """Bring the batches up to date from the index (invariant 19): one consolidated, key-hash-sorted batch of the
+        dirty keys' recorded totals (-1) and their index totals (+1), where the two differ."""
+        if not self._pk_rec or self._pk_syncing:
+            return
+        from dbsp_core.zset import ZSet
+
+        ix = self._kix
+        if ix is None or ix.token != self._token:
+            raise AssertionError("totals per key: the key index is not current at a sync (its totals are the state)")
+        recs, self._pk_rec, self._pk_dirty = self._pk_rec, [], None  # a new dirty index: a capture keeps the old one
+        data = pa.concat_tables([r[0] for r in recs])
+        kh = np.concatenate([r[1] for r in recs])
+        had = np.concatenate([np.full(len(r[1]), r[2]) for r in recs])
+        nk = len(self.key)
+        keys = list(range(nk))
+        new = np.zeros((len(kh), ix.nvals), dtype=np.int64)
+        ix.get(_view_of(data, None), keys, kh, new)
+        old = np.column_stack([data.column(nk + j).to_numpy(zero_copy_only=False) for j in range(ix.nvals)])
+        has = new[:, 0] != 0  # slot 0 is the row count: a group of the index (operators/aggregate.py invariant 1)
+        same = had & has & (old == new).all(axis=1)
+        minus, plus = np.flatnonzero(had & ~same), np.flatnonzero(has & ~same)
+        if not len(minus) and not len(plus):
+            return
+        kcols = data.select(keys).take(pa.array(plus))
+        ptab = pa.Table.from_arrays(list(kcols.columns) + [pa.array(new[plus, j]) for j in range(ix.nvals)],
+                                    schema=self.schema)
+        table = pa.concat_tables([data.take(pa.array(minus)), ptab]).combine_chunks()
+        w = np.concatenate([np.full(len(minus), -1, dtype=np.int64), np.ones(len(plus), dtype=np.int64)])
+        b = ZSet._make(table, w).index_by(list(self.key))  # key-hash sorted (its rows are distinct: no sums)
+        PerKeyTotals.pk_syncs += 1
+        self._pk_syncing = True
+        try:
+            self.insert(b, indexed=ix)  # the index holds it already: the content is the same (a fresh token)
+        finally:
+            self._pk_syncing = False
+
+    def _pk_off(self) -> None:
+        """Sync, then keep the totals in the batches as before (a batch store joined, the index dropped)."""
+        self._pk_sync()
+        self._pk_on = False
+
+    def _pk_mark(self) -> Any:
+        """A rollback capture of this trace (rollback.py invariant 3): what :meth:`_pk_rollback` needs; None when the
+        trace never kept totals per key (its index is a cache: a rollback leaves it stale, invariant 11)."""
+        if not self._pk_on and not len(self._pk_marks):
+            return None
+        if not len(self._pk_marks):
+            self._pk_undo.entries = []  # no capture alive: nothing to undo before this one
+        mark = _Mark(self._pk_undo, len(self._pk_undo.entries), self._kix,
+                     self._kix.token if self._kix is not None else None)
+        self._pk_marks.add(mark)
+        return mark
+
+    def _pk_rollback(self, mark: Any) -> None:
+        """Undo every in-place change of a key index made since ``mark`` (newest first); the capture's attributes
+        are put back after this."""
+        undo = self._pk_undo
+        if undo is not mark.undo:
+            raise AssertionError("totals per key: the undo log of a capture was dropped while the capture lived")
+        for ix, view, keys, kh, cpos, sign in reversed(undo.entries[mark.at:]):
+            ix.add(view, None, keys, kh, cpos, -sign)
+        del undo.entries[mark.at:]
+        if mark.ix is not None:
+            mark.ix.token = mark.token
+
+
+class _UndoLog:
+    __slots__ = ("entries",)
+
+    def __init__(self) -> None:
+        self.entries: list = []
+
+
+class _Mark:
+    __slots__ = ("undo", "at", "ix", "token", "__weakref__")
+
+    def __init__(self, undo: list, at: int, ix: Any, token: Any) -> None:
+        self.undo, self.at, self.ix, self.token = undo, at, ix, token
+
+
+def _view_of(table: pa.Table, weights: np.ndarray | None) -> Any:
+    from dbsp_core import _zset
+
+    return _zset.BatchView(table, weights)

@@ -142,6 +142,19 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      to 2 * hold loose batches, which only an index rebuild, a checkpoint, a shard cut or a view read reads. The content,
      the placement order and every reader's view of it are invariant 1's, whatever the fan-in; under a store (and with
      no current index) the fan-in is invariant 15's or 2, as for every trace.
+ 19. Totals kept per key (``keep_totals_per_key``, a linear aggregate's totals under ``DBSP_TOTALS_PER_KEY=1``;
+     dbsp_core/trace/keyindex.py ``PerKeyTotals``): the key index is the state and the batches a view of it, synced on
+     demand. A step that stored its groups' totals in the index (``store_totals``) inserts no batch: it records each
+     of its keys not dirty yet, once, with the totals the batches hold for it (its -1 row, or none). The content is
+     the batches plus, per dirty key, its index totals less its recorded ones; every reader of the batches syncs
+     first (``_levels``, so ``_read``, ``parts``, ``shard``, views, walks, ``check``; and ``insert``, ``replace``,
+     ``drop_below``, a stale or dropped index): one consolidated, key-hash-sorted batch of the dirty keys' recorded
+     totals (-1) and index totals (+1), where they differ, inserted as any batch. So between reads a step costs its
+     groups' probes and a probe of the dirty-key index, and no merge. Only without a batch store (a trace that joins
+     one syncs and keeps batches from then on: spill.py invariant 17 weighs and may drop the index). An index that
+     breaks half way through a step (memory, size limits) with dirty keys loses state: a DbspError says so (with
+     ``DBSP_TOTALS_PER_KEY=0`` it never happens: the batches are the state). A rollback capture marks the trace, and
+     every change of its key index in place is then logged and undone by the restore (rollback.py invariant 3).
 """
 
 from __future__ import annotations
@@ -154,7 +167,7 @@ import numpy as np
 import pyarrow as pa
 
 from dbsp_core.errors import WeightOverflowError
-from dbsp_core.trace.keyindex import KeyIndexed
+from dbsp_core.trace.keyindex import KeyIndexed, PerKeyTotals
 from dbsp_core.trace import prefault, spillread
 from dbsp_core.trace.merge_thread import MergeThread, SharedMerge, current_merge_thread
 from dbsp_core.trace.spill import batch_bytes, current_batch_store
@@ -404,7 +417,7 @@ class _Level(NamedTuple):
     merge: _Merge | None = None
 
 
-class Trace(KeyIndexed):
+class Trace(KeyIndexed, PerKeyTotals):
     """Consolidated, key-hash-sorted batches in levels by work: the integral of an indexed stream.
 
     Parameters
@@ -486,6 +499,7 @@ class Trace(KeyIndexed):
         self._handed = False  # merges were handed to a MergeThread: the next read installs finished ones
         self._owed = 0  # rows placed by deferred inserts whose merge fuel is not paid yet (invariant 14)
         self._init_key_index()  # the content's token and no key index (invariant 11)
+        self._init_per_key()  # totals kept in the batches (invariant 19 off)
         self._store: Any = None  # the BatchStore keeping this trace's batches under a memory budget (invariant 12)
 
     def clear(self) -> None:
@@ -493,6 +507,7 @@ class Trace(KeyIndexed):
         self._by_level = []
         self.pending = []
         self._fresh = True
+        self._pk_rec, self._pk_dirty = [], None  # (invariant 19) the content is gone, the dirty keys' with it
         self._changed()
         self._stale_index()
 
@@ -504,6 +519,8 @@ class Trace(KeyIndexed):
         which the caller already brought up to this batch (invariant 11: it then matches the new content); else an
         index kept is updated here. ``defer``: place it only; its merge work and index fold are owed, paid by later
         inserts (invariant 14)."""
+        if self._pk_rec and not self._pk_syncing:  # invariant 19: the batches up to date first
+            self._pk_sync()
         if len(batch) == 0:
             if indexed is not None:
                 self.index_done(indexed)
@@ -1105,8 +1122,11 @@ class Trace(KeyIndexed):
         taken, rows = memo[2][None]
         return taken.slice(lo, hi), rows[lo:hi], hi - lo
 
-    def _levels(self) -> list["IndexedZSet"]:
-        """The batches of every level (merge inputs included; not the pending ones), in the order they were placed."""
+    def _levels(self, sync: bool = True) -> list["IndexedZSet"]:
+        """The batches of every level (merge inputs included; not the pending ones), in the order they were placed.
+        ``sync``: synced first (invariant 19); False for a size estimate, which may run on another thread."""
+        if sync and self._pk_rec and not self._pk_syncing:  # invariant 19: every reader of the batches reads them synced
+            self._pk_sync()
         entries = []
         for level in self._by_level:
             entries.extend(level.loose)
@@ -1120,10 +1140,12 @@ class Trace(KeyIndexed):
         """Every batch the trace's content is the sum of (invariant 1); reading it merges nothing."""
         return self._read()
 
-    def parts(self) -> tuple[list["IndexedZSet"], list["IndexedZSet"]]:
+    def parts(self, sync: bool = True) -> tuple[list["IndexedZSet"], list["IndexedZSet"]]:
         """The placed batches (in placement order) and the pending ones, as they are: what a checkpoint saves.
-        Inserting both lists into a cleared trace, with :meth:`settle` between them, restores it (invariant 5)."""
-        return self._levels(), list(self.pending)
+        Inserting both lists into a cleared trace, with :meth:`settle` between them, restores it (invariant 5).
+        ``sync=False``: without the sync of invariant 19 (a size estimate: totals kept per key since the last sync
+        are not counted; it may run on another thread than the steps)."""
+        return self._levels(sync), list(self.pending)
 
     @property
     def deferred(self) -> tuple[int, int]:
@@ -1350,6 +1372,7 @@ class Trace(KeyIndexed):
         """
         if not bounds or (not force and self._grown < max(self._kept, self.PRUNE_MIN)):
             return 0
+        self._pk_sync()  # invariant 19
         import pyarrow.compute as pc
 
         def kept(b: "IndexedZSet") -> "IndexedZSet | None":
@@ -1415,6 +1438,7 @@ class Trace(KeyIndexed):
         >>> [len(x) for x in t.batches], t.merged_rows
         ([3, 3], 0)
         """
+        self._pk_sync()  # invariant 19
         if not pieces:
             return
         prev = self._changed()

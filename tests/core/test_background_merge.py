@@ -212,6 +212,9 @@ def test_a_merge_thread_that_stops_on_an_unexpected_error_leaves_no_waiter_hangi
         raise TypeError("a bug in the queue scan")
 
     monkeypatch.setattr(MergeThread, "_pick", broken)
+    from dbsp_core.operators.aggregate import _LinearState
+
+    monkeypatch.setattr(_LinearState, "PER_KEY", False)  # the group-by's totals in step batches: merges to hand over
     ex = EmbeddedExecutor(background_merge=True)
     c = dbsp.Circuit()
     c.output("n", c.input("t", S).group_by("k").agg(n=dbsp.count()))

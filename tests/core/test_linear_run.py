@@ -326,6 +326,9 @@ def test_a_fresh_batch_of_the_group_by_pins_only_its_own_bytes(monkeypatch, mode
     usable = ctypes.CDLL(None).malloc_usable_size
     usable.restype, usable.argtypes = ctypes.c_size_t, [ctypes.c_void_p]
     monkeypatch.setattr(_LinearGroupBy, "C_STEP", mode == "c")
+    from dbsp_core.operators.aggregate import _LinearState
+
+    monkeypatch.setattr(_LinearState, "PER_KEY", False)  # the step's batch in the trace (not totals per key)
     c = dbsp.Circuit()
     t = c.input("t", SCHEMA)
     c.output("g", t.group_by("k").agg(n=dbsp.count(), total=dbsp.sum("v")))

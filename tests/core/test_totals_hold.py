@@ -95,6 +95,7 @@ def _held(p: dbsp.Pipeline) -> int:
 
 def _run(views: list, deltas: list, hold: int, workers: int, monkeypatch, plan: bool = True, **kw) -> tuple:
     monkeypatch.setattr(_LinearState, "HOLD", hold)
+    monkeypatch.setattr(_LinearState, "PER_KEY", False)  # held levels are of step batches (not totals per key)
     outs = []
     with dbsp.Pipeline(_circuit(views), workers=workers, executor=EmbeddedExecutor(step_plan=plan), **kw) as p:
         assert all(tr.hold == (hold if hold > 2 else 0) for _, tr in _totals(p))
@@ -139,6 +140,7 @@ def test_held_levels_across_checkpoint_reopen_rollback_and_live_rescale(tmp_path
     views = [(("k",), ["n", "total"]), (("s",), ["n", "nv"]), (("k", "j"), ["m"])]
     deltas = _deltas(rng, 150, False)
     pipes = {}
+    monkeypatch.setattr(_LinearState, "PER_KEY", False)  # held levels are of step batches (not totals per key)
     for hold in (16, 0):
         monkeypatch.setattr(_LinearState, "HOLD", hold)
         pipes[hold] = dbsp.Pipeline(_circuit(views, poison=True), workers=1, storage=str(tmp_path / f"h{hold}"))

@@ -1,0 +1,188 @@
+"""A linear aggregate's totals kept per key (dbsp_core/trace/levels.py invariant 19, ``DBSP_TOTALS_PER_KEY``;
+runtime/plan.py design note 5): its steps store the totals in the key index only, and the totals trace's batches are
+brought up to date from it when something reads them.
+
+Over random group-by circuits (keys of ints and strings, counts, int64 sums, counts of a column with nulls, avgs) and
+random splits into steps after a load, at W = 1 and 2, plan on and off: with totals per key on, every step's output
+equals the run with it off, and the synced traces' content (consolidated) equals it too, their batches and key
+indexes passing ``Trace.check``; steps did store per key (``PerKeyTotals.pk_steps``). The same across checkpoints and
+reopens, steps rolled back (StepError: the undo log of the index's changes in place, rollback.py invariant 3), live
+rescales, and under a memory budget (the traces then keep their totals in batches). DBSP_PERKEY_SEED replays."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import dbsp_core as dbsp
+from dbsp_core.envvars import settings
+from dbsp_core.errors import StepError
+from dbsp_core.operators.aggregate import _LinearState
+from dbsp_core.runtime.embedded import EmbeddedExecutor
+from dbsp_core.trace.keyindex import PerKeyTotals
+from tests.core.test_linear_run import add_poison
+
+SEED = int(os.environ.get("DBSP_PERKEY_SEED", random.randrange(2**31)))
+SCHEMA = pa.schema([("k", pa.int64()), ("j", pa.int64()), ("v", pa.int64()), ("s", pa.string())])
+GROUPS = 3000  # keys of k: a load of about this many groups puts the totals' top level well above a step's batches
+AGGS = {"n": lambda: dbsp.count(), "total": lambda: dbsp.sum("v"), "nv": lambda: dbsp.count("v"),
+        "m": lambda: dbsp.avg("v")}
+KEYS = [("k",), ("k", "j"), ("s",), ("j",)]
+BUDGET = settings().memory_limit is not None  # DBSP_MEMORY_LIMIT set: every pipeline spills, nothing holds
+
+
+def _circuit(views: list, poison: bool = False) -> dbsp.Circuit:
+    c = dbsp.Circuit()
+    t = c.input("t", SCHEMA)
+    for i, (keys, names) in enumerate(views):
+        c.output(f"g{i}", t.group_by(*keys).agg(**{n: AGGS[n]() for n in names}))
+    if poison:
+        add_poison(c, t, SCHEMA)
+    return c
+
+
+def _row(rng: np.random.Generator, nulls: bool) -> tuple:
+    k = int(rng.integers(0, GROUPS))
+    v = None if nulls and rng.random() < 0.05 else int(rng.integers(-50, 50))
+    return (k, int(rng.integers(0, 3)), v, f"s{k % 400}")
+
+
+def _deltas(rng: np.random.Generator, steps: int, nulls: bool) -> list[Counter]:
+    """A load of about GROUPS rows, then small steps of inserts and deletions of rows present."""
+    bag: Counter = Counter()
+    out = []
+    for i in range(steps):
+        d: Counter = Counter()
+        for _ in range(2 * GROUPS if i == 0 else int(rng.integers(0, 40))):
+            d[_row(rng, nulls)] += 1
+        live = [r for r, w in bag.items() if w > 0]
+        for j in rng.permutation(len(live))[:int(rng.integers(0, 15))]:
+            d[live[j]] -= int(rng.integers(1, bag[live[j]] + 1))
+        d = Counter({r: w for r, w in d.items() if w})
+        bag.update(d)
+        bag = Counter({r: w for r, w in bag.items() if w})
+        out.append(d)
+    return out
+
+
+def _push(p: dbsp.Pipeline, d: Counter) -> None:
+    if d:
+        p.push("t", dbsp.ZSet.from_rows(list(d), SCHEMA, weights=list(d.values())))
+
+
+def _totals(p: dbsp.Pipeline) -> list:
+    """Every linear aggregate's totals trace: (worker, name) -> the trace."""
+    return [((w, name), tr) for w in range(p.workers) for name, tr in sorted(p.traces(w).items())
+            if name.endswith("partials")]
+
+
+def _state(p: dbsp.Pipeline) -> dict:
+    """Each totals trace's content, consolidated, by node name (summed over workers), after Trace.check."""
+    out: dict = {}
+    for (_, name), tr in _totals(p):
+        tr.check()  # batches consolidated, at their levels, the key index equal to their sums
+        acc = out.setdefault(name, Counter())
+        acc.update(tr.consolidated().zset.to_dict())
+    return {n: {r: w for r, w in c.items() if w} for n, c in out.items()}
+
+
+def _per_key(p: dbsp.Pipeline) -> int:
+    return sum(tr.totals_per_key for _, tr in _totals(p))
+
+
+def _run(views: list, deltas: list, on: bool, workers: int, monkeypatch, plan: bool = True, read_every: int = 0,
+         **kw) -> tuple:
+    monkeypatch.setattr(_LinearState, "PER_KEY", on)
+    outs = []
+    steps0 = PerKeyTotals.pk_steps
+    with dbsp.Pipeline(_circuit(views), workers=workers, executor=EmbeddedExecutor(step_plan=plan), **kw) as p:
+        for i, d in enumerate(deltas):
+            _push(p, d)
+            outs.append({n: z.to_dict() for n, z in p.step().items()})
+            if read_every and i % read_every == read_every - 1:
+                outs.append(_state(p))  # a read between steps: the traces synced, and stepping on from there
+        return outs, _state(p), PerKeyTotals.pk_steps - steps0, _per_key(p)
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_totals_per_key_give_the_outputs_and_state_of_batches(case: int, monkeypatch) -> None:
+    """Random circuits over random splits: totals per key against batches, step by step, and the synced state."""
+    rng = np.random.default_rng(SEED + case)
+    keys = [KEYS[0]] + [KEYS[int(i)] for i in rng.choice(range(1, len(KEYS)), int(rng.integers(0, 3)), replace=False)]
+    views = [(k, [str(n) for n in sorted(rng.choice(sorted(AGGS), int(rng.integers(1, 4)), replace=False))])
+             for k in keys]
+    workers = 1 + case % 2
+    nulls = case % 3 == 2  # a null in v sends a step of count(v)/sum(v)/avg off the C path (linear_step or Python)
+    deltas = _deltas(rng, 120, nulls)
+    read_every = (0, 7, 30)[case % 3]
+    for plan in (True, False):
+        off, state_off, steps_off, _ = _run(views, deltas, False, workers, monkeypatch, plan, read_every)
+        on, state_on, steps_on, kept = _run(views, deltas, True, workers, monkeypatch, plan, read_every)
+        for i, (a, b) in enumerate(zip(on, off)):
+            assert a == b, f"plan {plan}, step {i}, views {views}, W={workers} (DBSP_PERKEY_SEED={SEED})"
+        assert len(on) == len(off) and state_on == state_off, f"plan {plan} (DBSP_PERKEY_SEED={SEED})"
+        assert steps_off == 0
+        if BUDGET:  # DBSP_MEMORY_LIMIT: every trace has a batch store and keeps its totals in batches
+            assert steps_on == 0 and kept == 0
+        else:
+            assert steps_on >= len(deltas) // 2 and kept == len(views) * workers, (steps_on, kept)  # (empty steps store nothing)
+
+
+def test_totals_per_key_across_checkpoint_reopen_rollback_and_live_rescale(tmp_path, monkeypatch) -> None:
+    """A durable pipeline stepping with totals per key and one without, in lockstep: a checkpoint and reopen every
+    40 steps, pushes a later node fails on (StepError) after the aggregates stored their totals, discarded (the
+    index's changes undone), live rescales 1 -> 2 -> 1 workers. Outputs step by step and the totals equal."""
+    rng = np.random.default_rng(SEED + 100)
+    views = [(("k",), ["n", "total"]), (("s",), ["n", "nv"]), (("k", "j"), ["m"])]
+    deltas = _deltas(rng, 150, False)
+    pipes = {}
+    steps0 = PerKeyTotals.pk_steps
+    for on in (True, False):
+        monkeypatch.setattr(_LinearState, "PER_KEY", on)
+        pipes[on] = dbsp.Pipeline(_circuit(views, poison=True), workers=1, storage=str(tmp_path / f"p{on}"))
+    poisoned = set(int(x) for x in rng.choice(range(5, 150), 12, replace=False))
+    try:
+        for i, d in enumerate(deltas):
+            outs = {}
+            for on in (True, False):
+                monkeypatch.setattr(_LinearState, "PER_KEY", on)
+                p = pipes[on]
+                if i in (50, 110):
+                    p.rescale(workers=2 if p.workers == 1 else 1)
+                _push(p, d)
+                if i in poisoned:
+                    p.push("t", dbsp.ZSet.from_rows([(1, 0, 5, "s1"), (9, 2, 666, "s9")], SCHEMA))
+                    with pytest.raises(StepError, match="poison") as info:
+                        p.step()
+                    producer, seq = info.value.inputs[-1][1:]
+                    p.discard(producer, seq)
+                outs[on] = {n: z.to_dict() for n, z in p.step().items()}
+                if i % 40 == 39:
+                    p.checkpoint()
+                    p.close()
+                    pipes[on] = p = dbsp.Pipeline.open(str(tmp_path / f"p{on}"), _circuit(views, poison=True))
+            assert outs[True] == outs[False], f"step {i} (DBSP_PERKEY_SEED={SEED})"
+            if i % 25 == 24:
+                assert _state(pipes[True]) == _state(pipes[False]), f"step {i} (DBSP_PERKEY_SEED={SEED})"
+        assert _state(pipes[True]) == _state(pipes[False])
+        assert BUDGET or PerKeyTotals.pk_steps - steps0 >= len(deltas)
+    finally:
+        for p in pipes.values():
+            p.close()
+
+
+def test_totals_per_key_under_a_memory_budget_keep_batches(tmp_path, monkeypatch) -> None:
+    """With every batch spilled (memory_limit of a byte) a totals trace belongs to a batch store and keeps its totals
+    in batches: outputs and state equal the run without, and no step stored per key."""
+    rng = np.random.default_rng(SEED + 200)
+    views = [(("k",), ["n", "total"]), (("s",), ["nv"])]
+    deltas = _deltas(rng, 80, False)
+    off, state_off, _, _ = _run(views, deltas, False, 1, monkeypatch)
+    on, state_on, steps, kept = _run(views, deltas, True, 1, monkeypatch, memory_limit=1, spill_dir=str(tmp_path))
+    assert on == off and state_on == state_off
+    assert steps == 0 and kept == 0
