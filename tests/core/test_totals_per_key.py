@@ -13,82 +13,19 @@ from __future__ import annotations
 
 import os
 import random
-from collections import Counter
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
 import dbsp_core as dbsp
-from dbsp_core.envvars import settings
 from dbsp_core.errors import StepError
 from dbsp_core.operators.aggregate import _LinearState
 from dbsp_core.runtime.embedded import EmbeddedExecutor
 from dbsp_core.trace.keyindex import PerKeyTotals
-from tests.core.test_linear_run import add_poison
+# the same circuits, steps and state reads as the held merges' tests
+from tests.core.test_totals_hold import AGGS, BUDGET, KEYS, SCHEMA, _circuit, _deltas, _push, _state, _totals
 
 SEED = int(os.environ.get("DBSP_PERKEY_SEED", random.randrange(2**31)))
-SCHEMA = pa.schema([("k", pa.int64()), ("j", pa.int64()), ("v", pa.int64()), ("s", pa.string())])
-GROUPS = 3000  # keys of k: a load of about this many groups puts the totals' top level well above a step's batches
-AGGS = {"n": lambda: dbsp.count(), "total": lambda: dbsp.sum("v"), "nv": lambda: dbsp.count("v"),
-        "m": lambda: dbsp.avg("v")}
-KEYS = [("k",), ("k", "j"), ("s",), ("j",)]
-BUDGET = settings().memory_limit is not None  # DBSP_MEMORY_LIMIT set: every pipeline spills, nothing holds
-
-
-def _circuit(views: list, poison: bool = False) -> dbsp.Circuit:
-    c = dbsp.Circuit()
-    t = c.input("t", SCHEMA)
-    for i, (keys, names) in enumerate(views):
-        c.output(f"g{i}", t.group_by(*keys).agg(**{n: AGGS[n]() for n in names}))
-    if poison:
-        add_poison(c, t, SCHEMA)
-    return c
-
-
-def _row(rng: np.random.Generator, nulls: bool) -> tuple:
-    k = int(rng.integers(0, GROUPS))
-    v = None if nulls and rng.random() < 0.05 else int(rng.integers(-50, 50))
-    return (k, int(rng.integers(0, 3)), v, f"s{k % 400}")
-
-
-def _deltas(rng: np.random.Generator, steps: int, nulls: bool) -> list[Counter]:
-    """A load of about GROUPS rows, then small steps of inserts and deletions of rows present."""
-    bag: Counter = Counter()
-    out = []
-    for i in range(steps):
-        d: Counter = Counter()
-        for _ in range(2 * GROUPS if i == 0 else int(rng.integers(0, 40))):
-            d[_row(rng, nulls)] += 1
-        live = [r for r, w in bag.items() if w > 0]
-        for j in rng.permutation(len(live))[:int(rng.integers(0, 15))]:
-            d[live[j]] -= int(rng.integers(1, bag[live[j]] + 1))
-        d = Counter({r: w for r, w in d.items() if w})
-        bag.update(d)
-        bag = Counter({r: w for r, w in bag.items() if w})
-        out.append(d)
-    return out
-
-
-def _push(p: dbsp.Pipeline, d: Counter) -> None:
-    if d:
-        p.push("t", dbsp.ZSet.from_rows(list(d), SCHEMA, weights=list(d.values())))
-
-
-def _totals(p: dbsp.Pipeline) -> list:
-    """Every linear aggregate's totals trace: (worker, name) -> the trace."""
-    return [((w, name), tr) for w in range(p.workers) for name, tr in sorted(p.traces(w).items())
-            if name.endswith("partials")]
-
-
-def _state(p: dbsp.Pipeline) -> dict:
-    """Each totals trace's content, consolidated, by node name (summed over workers), after Trace.check."""
-    out: dict = {}
-    for (_, name), tr in _totals(p):
-        tr.check()  # batches consolidated, at their levels, the key index equal to their sums
-        acc = out.setdefault(name, Counter())
-        acc.update(tr.consolidated().zset.to_dict())
-    return {n: {r: w for r, w in c.items() if w} for n, c in out.items()}
 
 
 def _per_key(p: dbsp.Pipeline) -> int:
