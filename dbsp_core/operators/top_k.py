@@ -156,17 +156,26 @@ _TOP1_TYPES = (pa.types.is_integer, pa.types.is_float32, pa.types.is_float64, pa
                pa.types.is_binary, pa.types.is_large_binary)
 
 
-def _top1_rows(op: TopK, z: ZSet) -> ZSet | None:
-    """Invariant 8: the top row of every group of ``z`` (every weight positive) for a top-1 without ties, by the C
-    hash grouping; None when that does not apply (the sort of :func:`top_rows` then serves)."""
+def _top1_plan(op: TopK, schema: pa.Schema) -> tuple[list[int], list[tuple[int, bool]]] | None:
+    """The key positions and the (position, descending) order the C top-1 grouping takes, for a top-1 without ties
+    over columns of types it orders; None otherwise."""
     if op.k != 1 or op.with_ties:
         return None
-    schema = z.data.schema
     if not all(any(f(fld.type) for f in _TOP1_TYPES) for fld in schema):
         return None
     pos = schema.get_field_index
     order = [(pos(c), d == "descending") for c, d in op.order] + [(pos(c), False) for c in op.rest]
-    rows = _zset.top1_rows(z.data, z.hash(list(op.keys)), [pos(c) for c in op.keys], order)
+    return [pos(c) for c in op.keys], order
+
+
+def _top1_rows(op: TopK, z: ZSet) -> ZSet | None:
+    """Invariant 8: the top row of every group of ``z`` (every weight positive) for a top-1 without ties, by the C
+    hash grouping; None when that does not apply (the sort of :func:`top_rows` then serves)."""
+    plan = _top1_plan(op, z.data.schema)
+    if plan is None:
+        return None
+    keypos, order = plan
+    rows = _zset.top1_rows(z.data, z.hash(list(op.keys)), keypos, order)
     if rows is None:  # two groups share a key hash
         return None
     return make(_zset.gather(z.data, rows), np.ones(len(rows), np.int64), op.in_schema)
@@ -296,14 +305,10 @@ class _TopKState:
         consolidation of the change or of the top rows. None when it does not apply (the general path then
         serves): another shape, a type the grouping does not order, or two keys sharing a hash."""
         op = self.op
-        if op.k != 1 or op.with_ties:
+        plan = _top1_plan(op, change.data.schema)
+        if plan is None:
             return None
-        schema = change.data.schema
-        if not all(any(f(fld.type) for f in _TOP1_TYPES) for fld in schema):
-            return None
-        pos = schema.get_field_index
-        keypos = [pos(c) for c in op.keys]
-        order = [(pos(c), d == "descending") for c, d in op.order] + [(pos(c), False) for c in op.rest]
+        keypos, order = plan
         w = change.weights
         if not (w > 0).all():  # weights of 0 left by the driver's conform: not rows
             change = ZSet._make(change.data.filter(pa.array(w > 0)), w[w > 0])
