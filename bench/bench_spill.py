@@ -242,6 +242,13 @@ def measure(p: dbsp.Pipeline, rng, query: str, groups: int, args, loaded: list, 
     return out, k
 
 
+def no_compaction() -> None:
+    """The spilled levels' compaction off in this process (``Trace.start_compaction`` and ``compact_spilled`` do
+    nothing): steps read every file of the tiered levels (``--no-compaction`` of the spill benchmarks)."""
+    Trace.start_compaction = lambda self, thread=None: 0
+    Trace.compact_spilled = lambda self, since=0: 0
+
+
 def _rss_file(field: str = "RssFile") -> int:
     """Bytes of file-backed pages mapped into the process (``field`` of /proc/self/status, RssAnon for anonymous
     memory; 0 where absent)."""
@@ -345,9 +352,7 @@ def main() -> int:
                     "every file of the tiered levels (bench/RESULTS.md, r31-open (c) and r31-batched)")
     args = ap.parse_args()
     if args.no_compaction:
-        from dbsp_core.trace.levels import Trace
-        Trace.start_compaction = lambda self, thread=None: 0
-        Trace.compact_spilled = lambda self, since=0: 0
+        no_compaction()
     _watch_enforce()
     if args.watch_pieces:
         _watch_pieces()

@@ -118,9 +118,7 @@ def main() -> int:
     args.load_step = bs._count(args.load_step)
     args.modes = "spilled"
     if args.no_compaction:
-        from dbsp_core.trace.levels import Trace
-        Trace.start_compaction = lambda self, thread=None: 0
-        Trace.compact_spilled = lambda self, since=0: 0
+        bs.no_compaction()
     gs = [int(x.replace("KiB", "")) * 1024 for x in args.groups_of.split(",")]
     q = args.queries
     print(f"{q} state {args.state} groups {args.groups} limit {args.limit} load {os.getloadavg()[0]:.2f} "

@@ -76,9 +76,7 @@ def main() -> int:
     args.load_step = bs._count(args.load_step)
     args.modes = "spilled"
     if args.no_compaction:
-        from dbsp_core.trace.levels import Trace
-        Trace.start_compaction = lambda self, thread=None: 0
-        Trace.compact_spilled = lambda self, since=0: 0
+        bs.no_compaction()
     settings = {}
     for pair in filter(None, args.set.split(",")):
         name, vals = pair.split("=")

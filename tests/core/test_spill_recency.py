@@ -18,6 +18,7 @@ import pytest
 
 from dbsp_core.trace import spill, spillread
 from dbsp_core.trace.spill import BatchStore, spilling
+from tests.core.test_spill import _drop_cached
 from tests.core.test_spill_flat import _read, _rss, _smaps_values, _spilled_trace
 
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
@@ -153,13 +154,7 @@ def test_a_native_drop_marks_the_pages_read_accessed(recency: bool, monkeypatch)
         f = store.file_of(t._levels()[0])
         marked, dropped = [], 0
         for _ in range(3):
-            f.map.madvise(mmap.MADV_DONTNEED)  # the page cache's copy can go only once no process maps it
-            fd = os.open(f.path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            _drop_cached(store)  # the files' pages out of the process and the page cache
             _read(t, rng.choice(1_000_000, 150, replace=False), model)
             before = _pfns(f.map)
             assert before and any(before.values()), "no page frame shown"

@@ -105,15 +105,20 @@ def _run(views: list, deltas: list, hold: int, workers: int, monkeypatch, plan: 
         return outs, _state(p), _held(p)
 
 
+def _random_case(rng: np.random.Generator, case: int) -> tuple[list, int, bool]:
+    """A random case's views (group keys, aggregates), worker count (1 or 2 by case) and whether v has nulls (a null
+    in v sends a step of count(v)/sum(v)/avg off the C path: linear_step or Python)."""
+    keys = [KEYS[0]] + [KEYS[int(i)] for i in rng.choice(range(1, len(KEYS)), int(rng.integers(0, 3)), replace=False)]
+    views = [(k, [str(n) for n in sorted(rng.choice(sorted(AGGS), int(rng.integers(1, 4)), replace=False))])
+             for k in keys]
+    return views, 1 + case % 2, case % 3 == 2
+
+
 @pytest.mark.parametrize("case", range(6))
 def test_held_levels_give_the_outputs_and_state_of_two_way_merges(case: int, monkeypatch) -> None:
     """Random circuits over random splits: hold 16 (and 4) against hold off, step by step, and the state."""
     rng = np.random.default_rng(SEED + case)
-    keys = [KEYS[0]] + [KEYS[int(i)] for i in rng.choice(range(1, len(KEYS)), int(rng.integers(0, 3)), replace=False)]
-    views = [(k, [str(n) for n in sorted(rng.choice(sorted(AGGS), int(rng.integers(1, 4)), replace=False))])
-             for k in keys]
-    workers = 1 + case % 2
-    nulls = case % 3 == 2  # a null in v sends a step of count(v)/sum(v)/avg off the C path (linear_step or Python)
+    views, workers, nulls = _random_case(rng, case)
     deltas = _deltas(rng, 160, nulls)
     off, state_off, held_off = _run(views, deltas, 0, workers, monkeypatch)
     for hold in (16, 4):

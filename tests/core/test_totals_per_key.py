@@ -23,7 +23,8 @@ from dbsp_core.operators.aggregate import _LinearState
 from dbsp_core.runtime.embedded import EmbeddedExecutor
 from dbsp_core.trace.keyindex import PerKeyTotals
 # the same circuits, steps and state reads as the held merges' tests
-from tests.core.test_totals_hold import AGGS, BUDGET, KEYS, SCHEMA, _circuit, _deltas, _push, _state, _totals
+from tests.core.test_totals_hold import (BUDGET, SCHEMA, _circuit, _deltas, _push, _random_case, _state,
+                                         _totals)
 
 SEED = int(os.environ.get("DBSP_PERKEY_SEED", random.randrange(2**31)))
 
@@ -50,11 +51,7 @@ def _run(views: list, deltas: list, on: bool, workers: int, monkeypatch, plan: b
 def test_totals_per_key_give_the_outputs_and_state_of_batches(case: int, monkeypatch) -> None:
     """Random circuits over random splits: totals per key against batches, step by step, and the synced state."""
     rng = np.random.default_rng(SEED + case)
-    keys = [KEYS[0]] + [KEYS[int(i)] for i in rng.choice(range(1, len(KEYS)), int(rng.integers(0, 3)), replace=False)]
-    views = [(k, [str(n) for n in sorted(rng.choice(sorted(AGGS), int(rng.integers(1, 4)), replace=False))])
-             for k in keys]
-    workers = 1 + case % 2
-    nulls = case % 3 == 2  # a null in v sends a step of count(v)/sum(v)/avg off the C path (linear_step or Python)
+    views, workers, nulls = _random_case(rng, case)
     deltas = _deltas(rng, 120, nulls)
     read_every = (0, 7, 30)[case % 3]
     for plan in (True, False):
