@@ -122,7 +122,7 @@ def test_a_big_batch_round_trips_and_its_row_hashes_are_kept() -> None:
     write_grouped(path, b)
     _check_layout(path, b)
     with open_grouped(path) as f:
-        assert f.groups > 100 and f.checked.sum() <= 2  # opening read the schema's page, no row
+        assert f.groups > 100 and f.checked.sum() <= 4  # opening read the schema and Arrow footer pages, no row
         got = f.read_all()
         assert got.zset.to_dict() == b.zset.to_dict()
         assert np.array_equal(got._row_hashes(), b._row_hashes())
