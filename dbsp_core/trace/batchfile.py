@@ -488,7 +488,8 @@ class _PageSink:
     fails, later ones do nothing (the Arrow writer closing on the way out must not hide the first error)."""
 
     closed = False
-    pbase = 0  # where a CRC page starts: at multiples of PAGE of ``pos + pbase`` (format 2: of the file, 64)
+    pbase = 0  # where a CRC page starts: at multiples of ``page`` of ``pos + pbase`` (format 2: of the file, 64)
+    page = PAGE  # bytes a page CRC covers (format 2: its slot size)
 
     def __init__(self, out: Any, drop: Any) -> None:
         self.out, self.drop, self.pos, self.cur, self.crcs = out, drop, 0, 0, []
@@ -533,16 +534,16 @@ class _PageSink:
         self.whole = _crc(piece, self.whole)
         i = 0
         while i < len(piece):
-            take = min(PAGE - (self.pos + self.pbase) % PAGE, len(piece) - i)
+            take = min(self.page - (self.pos + self.pbase) % self.page, len(piece) - i)
             self.cur = _crc(piece[i:i + take], self.cur)
             self.pos += take
             i += take
-            if (self.pos + self.pbase) % PAGE == 0:
+            if (self.pos + self.pbase) % self.page == 0:
                 self.crcs.append(self.cur)
                 self.cur = 0
 
     def page_crcs(self) -> bytes:
-        last = [self.cur] if (self.pos + self.pbase) % PAGE else []
+        last = [self.cur] if (self.pos + self.pbase) % self.page else []
         return np.array(self.crcs + last, dtype="<u4").tobytes()
 
     def tell(self) -> int:

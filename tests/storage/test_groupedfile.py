@@ -19,7 +19,7 @@ from hypothesis_profile import examples
 
 from dbsp_core import ZSet
 from dbsp_core.errors import CorruptionError, FormatVersionError, StorageError
-from dbsp_core.trace.batchfile import FOOTER, PAGE, open_batch, write_batch
+from dbsp_core.trace.batchfile import FOOTER, open_batch, write_batch
 from dbsp_core.trace.groupedfile import HEADER2, open_grouped, verify, write_grouped
 
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
@@ -122,12 +122,13 @@ def test_a_big_batch_round_trips_and_its_row_hashes_are_kept() -> None:
     write_grouped(path, b)
     _check_layout(path, b)
     with open_grouped(path) as f:
-        assert f.groups > 100 and f.checked.sum() <= 4  # opening read the schema and Arrow footer pages, no row
+        footer = -(-f.groups * 24 // f.slot) + 2
+        assert f.groups > 100 and f.checked.sum() <= 1 + footer  # opening read the schema and Arrow footer, no row
         got = f.read_all()
         assert got.zset.to_dict() == b.zset.to_dict()
         assert np.array_equal(got._row_hashes(), b._row_hashes())
         last = int(f.index["slot"][-1] + f.index["slots"][-1]) * f.slot  # (the Arrow footer after it: not read)
-        assert f.checked[:(min(last, 64 + f.alen) - 1) // PAGE + 1].all()
+        assert f.checked[:(min(last, 64 + f.alen) - 1) // f.slot + 1].all()
 
 
 def _damage(path: str, offset: int) -> None:
@@ -297,9 +298,9 @@ def test_an_error_at_any_operation_of_a_format_2_write_is_a_storage_error_leavin
             os.unlink(path)
 
 
-def test_crc_pages_are_pages_of_the_file() -> None:
-    """Format 2's CRC pages are cut at multiples of PAGE of the file (a slot lies in one): the first covers the
-    Arrow bytes [0, PAGE - 64)."""
+def test_crc_pages_are_the_slots_of_the_file() -> None:
+    """Format 2's CRC pages are its slots, cut at multiples of the slot size of the file: the first covers the
+    Arrow bytes [0, G - 64), so a group's first read checks its own slots."""
     b = _wide_batch(2000)
     path = os.path.join(tempfile.mkdtemp(), "g.batch")
     write_grouped(path, b)
@@ -308,5 +309,9 @@ def test_crc_pages_are_pages_of_the_file() -> None:
     with open(path, "rb") as fh:
         raw = fh.read()
     with open_grouped(path) as f:
-        assert _crc(raw[64:PAGE]) == int(f.page_crcs[0])
-        assert _crc(raw[PAGE:2 * PAGE]) == int(f.page_crcs[1])
+        g = f.slot
+        assert _crc(raw[64:g]) == int(f.page_crcs[0])
+        assert _crc(raw[g:2 * g]) == int(f.page_crcs[1])
+        assert len(f.page_crcs) == -(-(64 + f.alen) // g)
+        f.lookup(f.first_hash[5:6])
+        assert f.checked.sum() <= 6  # the schema's slot, the Arrow footer's (two), the group's
