@@ -44,7 +44,8 @@ in as many 2 MiB units of the file; the layout below reads one. Changes against 
                      Arrow reader skips, as it skips invariant 7's room between buffers)
     [.., +24N)       the group index, in place of version 1's fence (the footer's fence offset and count name it):
                      per group its first key hash u64, first row u64, first slot u32 and slots u32
-    Bloom filter, page CRCs (of ``PAGE`` bytes, as version 1: a slot lies in one CRC page), footer: as version 1.
+    Bloom filter and footer as version 1; page CRCs one a slot (as built: groupedfile.py, where this design's one
+    a ``PAGE`` made a group's first read check 64 KiB).
 
 G is 4 KiB because the measure says so: with G = 16 KiB a key's rows still lie in ~3.9 pages and with 64 KiB in
 4.9-6.0 (each buffer's share of a group is a page or more), the same as version 1; only 2 MiB units are saved by
