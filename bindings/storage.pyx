@@ -1,12 +1,14 @@
 # storage.pyx: cdef classes owning the C page store, transactions, cursors and step log (dbsp_core._storage).
 from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
-from libc.errno cimport EIO, ENOSPC, EOPNOTSUPP
+from libc.errno cimport EINTR, EIO, ENOSPC, EOPNOTSUPP, errno
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from posix.mman cimport madvise
 from posix.uio cimport iovec
 
 from storage cimport *
+
+import os
 
 from dbsp_core.errors import CorruptionError, FormatVersionError, InUseError, StorageError
 
@@ -71,6 +73,48 @@ def crc32c(data, unsigned int crc=0):
     with nogil:
         crc = dbsp_crc32c(crc, p, n)
     return crc
+
+
+cdef extern from "<unistd.h>" nogil:
+    ssize_t c_pread "pread"(int fd, void *buf, size_t count, long offset)
+
+
+def pread_ranges(int fd, const int64_t[::1] offsets, const int64_t[::1] lengths, const int64_t[::1] dst, out):
+    """Read ``lengths[i]`` bytes of file ``fd`` at ``offsets[i]`` into ``out`` (a writable bytes-like object) at
+    ``dst[i]``, for every i, by pread(2) without the GIL (dbsp_core/trace/groupedfile.py: a group a call); raises
+    OSError on an error, returns the index of the first range read short (the file ended), or -1."""
+    cdef unsigned char[::1] view = memoryview(out).cast("B")
+    cdef Py_ssize_t n = offsets.shape[0], i, size = view.shape[0]
+    cdef int64_t got, r
+    cdef int err = 0
+    cdef Py_ssize_t short = -1
+    if lengths.shape[0] != n or dst.shape[0] != n:
+        raise ValueError("pread_ranges: offsets, lengths and dst differ in length")
+    for i in range(n):
+        if dst[i] < 0 or lengths[i] < 0 or offsets[i] < 0 or dst[i] + lengths[i] > size:
+            raise ValueError(f"pread_ranges: range {i} does not fit the buffer")
+    with nogil:
+        for i in range(n):
+            got = 0
+            while got < lengths[i]:
+                r = c_pread(fd, &view[dst[i] + got], lengths[i] - got, offsets[i] + got)
+                if r < 0:
+                    err = errno
+                    if err == EINTR:
+                        err = 0
+                        continue
+                    break
+                if r == 0:
+                    break
+                got += r
+            if err:
+                break
+            if got < lengths[i]:
+                short = i
+                break
+    if err:
+        raise OSError(err, os.strerror(err))
+    return short
 
 
 cdef extern from *:

@@ -38,7 +38,7 @@ def referenced_files(db: Database, version: int) -> dict[str, dict[str, int]]:
 
 def _check(path: str) -> tuple[str, int | None]:
     """("ok", rows), ("missing", None) or ("damaged: <what>", None) for the batch file at ``path``."""
-    from dbsp_core.trace.batchfile import verify
+    from dbsp_core.trace.groupedfile import verify  # (format 1 or 2)
 
     if not os.path.exists(path):
         return "missing", None

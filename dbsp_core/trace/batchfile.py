@@ -24,8 +24,11 @@ Format (version 1, ``BATCH_FILE_MAGIC``; listed in dbsp_core/storage/formats.py)
     [EOF-64, EOF)    footer: magic "DBSPBTFT" | version u32 | K u32 | fence offset u64 | F u64 | bloom offset u64 |
                      B u64 | page-CRC offset u64 | CRC-32C of bytes [0, EOF-64) u32 | CRC-32C of footer bytes 0..55 u32
 
-Format version 2 (``BATCH_FILE_GROUPED_VERSION``, formats.py): **designed, not written or read by this build**
-(branch r31-groups; a version-2 file is refused by :func:`open_batch` with FormatVersionError). Row groups, so that
+Format version 2 (``BATCH_FILE_GROUPED_VERSION``, formats.py): **written and read by dbsp_core/trace/groupedfile.py
+(byte by byte there; branch r31-grouped), not yet by the spill store** (no switch makes it write version 2, and
+:func:`open_batch`, the mapped reader, refuses a version-2 file with FormatVersionError naming
+``groupedfile.open_grouped``; ``groupedfile.verify`` checks either version, and ``dbsp inspect`` calls it).
+Row groups, so that
 a key's rows lie in one small span of the file instead of one place in each column buffer. What it is for, measured
 first (bench/probe_groups.py, bench/RESULTS.md "Row-grouped batch files, measured before building"): a 1k-row step's
 seeks read 5.1-6.2 pages of 4 KiB a key sought (the key hashes 1.2, the weights 1, the row hashes 1, each column 1),
@@ -41,7 +44,8 @@ in as many 2 MiB units of the file; the layout below reads one. Changes against 
                      Arrow reader skips, as it skips invariant 7's room between buffers)
     [.., +24N)       the group index, in place of version 1's fence (the footer's fence offset and count name it):
                      per group its first key hash u64, first row u64, first slot u32 and slots u32
-    Bloom filter, page CRCs (of ``PAGE`` bytes, as version 1: a slot lies in one CRC page), footer: as version 1.
+    Bloom filter and footer as version 1; page CRCs one a slot (as built: groupedfile.py, where this design's one
+    a ``PAGE`` made a group's first read check 64 KiB).
 
 G is 4 KiB because the measure says so: with G = 16 KiB a key's rows still lie in ~3.9 pages and with 64 KiB in
 4.9-6.0 (each buffer's share of a group is a page or more), the same as version 1; only 2 MiB units are saved by
@@ -183,7 +187,8 @@ import numpy as np
 import pyarrow as pa
 
 from dbsp_core.errors import CorruptionError, FormatVersionError, StorageError
-from dbsp_core.storage.formats import BATCH_FILE_FOOTER_MAGIC, BATCH_FILE_MAGIC, BATCH_FILE_VERSION
+from dbsp_core.storage.formats import (BATCH_FILE_FOOTER_MAGIC, BATCH_FILE_GROUPED_VERSION, BATCH_FILE_MAGIC,
+                                       BATCH_FILE_VERSION)
 from dbsp_core.zset import FENCE_STEP
 
 __all__ = ["BatchFile", "write_batch", "write_in_place", "InPlaceWrite", "in_place_room", "open_batch", "verify", "bloom_build", "bloom_may_contain",
@@ -484,6 +489,8 @@ class _PageSink:
     fails, later ones do nothing (the Arrow writer closing on the way out must not hide the first error)."""
 
     closed = False
+    pbase = 0  # where a CRC page starts: at multiples of ``page`` of ``pos + pbase`` (format 2: of the file, 64)
+    page = PAGE  # bytes a page CRC covers (format 2: its slot size)
 
     def __init__(self, out: Any, drop: Any) -> None:
         self.out, self.drop, self.pos, self.cur, self.crcs = out, drop, 0, 0, []
@@ -528,16 +535,16 @@ class _PageSink:
         self.whole = _crc(piece, self.whole)
         i = 0
         while i < len(piece):
-            take = min(PAGE - self.pos % PAGE, len(piece) - i)
+            take = min(self.page - (self.pos + self.pbase) % self.page, len(piece) - i)
             self.cur = _crc(piece[i:i + take], self.cur)
             self.pos += take
             i += take
-            if self.pos % PAGE == 0:
+            if (self.pos + self.pbase) % self.page == 0:
                 self.crcs.append(self.cur)
                 self.cur = 0
 
     def page_crcs(self) -> bytes:
-        last = [self.cur] if self.pos % PAGE else []
+        last = [self.cur] if (self.pos + self.pbase) % self.page else []
         return np.array(self.crcs + last, dtype="<u4").tobytes()
 
     def tell(self) -> int:
@@ -1394,8 +1401,13 @@ def open_batch(path: str, verify: bool = False, advice: int | None = None, lazy:
         magic, version, flags, aoff, alen, rows, crc_sec, filt_sec, hcrc = HEADER.unpack_from(mv, 0)
         if magic != BATCH_FILE_MAGIC:
             raise _bad(path, f"magic {magic!r}, not {BATCH_FILE_MAGIC!r}")
+        if version == BATCH_FILE_GROUPED_VERSION and magic == BATCH_FILE_MAGIC:
+            raise FormatVersionError(f"{path}: batch file format {version} (row groups) is read by pread, not mapped: "
+                                     f"open it with dbsp_core.trace.groupedfile.open_grouped (this build's spill "
+                                     f"store reads format {BATCH_FILE_VERSION} only)")
         if version != BATCH_FILE_VERSION:
-            raise FormatVersionError(f"{path}: batch file format {version}; this build reads {BATCH_FILE_VERSION}")
+            raise FormatVersionError(f"{path}: batch file format {version}; this build reads {BATCH_FILE_VERSION} "
+                                     f"and {BATCH_FILE_GROUPED_VERSION} (dbsp_core.trace.groupedfile)")
         if _crc(mv[:60]) != hcrc:
             raise _bad(path, "the header fails its CRC-32C")
         end = size - FOOTER.size
@@ -1468,6 +1480,7 @@ def open_batch(path: str, verify: bool = False, advice: int | None = None, lazy:
 
 
 def verify(path: str) -> int:
-    """Check every checksum of the batch file at ``path`` (invariant 4); returns its rows, or raises
-    CorruptionError naming what is damaged."""
+    """Check every checksum of the format-1 batch file at ``path`` (invariant 4); returns its rows, or raises
+    CorruptionError naming what is damaged (FormatVersionError for a format-2 file:
+    :func:`dbsp_core.trace.groupedfile.verify` checks either format)."""
     return open_batch(path, verify=True).rows

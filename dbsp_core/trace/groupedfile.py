@@ -1,0 +1,631 @@
+"""Batch file format version 2 (``BATCH_FILE_GROUPED_VERSION``, dbsp_core/storage/formats.py): the rows in groups of
+whole keys, one Arrow record batch a slot of ``G`` bytes aligned to ``G`` in the file, and a group index, so that a
+key's rows are read by one pread(2) of its group's slots (the design and what it is for: dbsp_core/trace/batchfile.py,
+"Format version 2"; measured first by bench/probe_groups.py). This module writes it and reads it; format 1 stays
+batchfile.py's, and :func:`verify` here checks either (``dbsp inspect`` calls it).
+
+Format, against version 1 (batchfile.py's docstring), all integers little-endian::
+
+    [0, 64)          header (``HEADER2``): magic "DBSPBTCH" | version u32 = 2 | flags u32 (bit 0
+                     ``FLAG_SECTION_CRCS``, bit 1 ``FLAG_GROUPED``: both set) | arrow offset u64 (= 64) | arrow length
+                     u64 | rows u64 | CRC-32C of the page-CRC section u32 | CRC-32C of the group index and filter
+                     sections u32 | slot size G u32 (a power of two, at least 4096) | groups N u64 | CRC-32C of bytes
+                     0..59 u32
+    [64, 64 + A)     an Arrow IPC file (version 1's schema and metadata) of N record batches, one a group, in index
+                     order. A group is a run of whole keys (of whole key hashes: the rows of a key hash are never
+                     split) whose record-batch message fits one G-byte slot; a key hash whose rows alone do not fit
+                     takes a run of slots, alone. Each message starts on a slot boundary of the file (offset a
+                     multiple of G); the gap to it is zeros. The Arrow footer's blocks say where each message is, so
+                     any Arrow reader reads the groups (and skips the gaps)
+    [.., +24N)       group index (where version 1 has its fence; the footer's fence offset and count name it): per
+                     group its first key hash u64, first row u64, first slot u32 (file offset / G), slots u32
+    [.., +8B)        Bloom filter, as version 1
+    [.., +4P)        CRC-32C of each slot of the Arrow section (G bytes, where version 1 has one a 64 KiB ``PAGE``),
+                     cut at multiples of G of the file (not of the Arrow section as in version 1): CRC page 0 is the
+                     Arrow bytes [0, G - 64), page i the file's bytes [i G, (i + 1) G). So a group's first read checks
+                     its own slots, not 64 KiB around them (with 64 KiB pages, measured: a 1k-key step of a 10M-row
+                     file read and checked ~1,000 pages of 64 KiB the first time, 20-40 ms a step)
+    [EOF-64, EOF)    footer: version 1's, version 2, its fence offset and count naming the group index
+
+Invariants (besides batchfile.py's 1-4, which hold as they are: one streamed write through the VFS, temporary file,
+fsync, rename, directory fsync; rows consolidated in index order; the filter holds every key hash; every byte under
+a checksum):
+  G1. The groups cover the rows in order, each a non-empty run of whole key hashes; group i's first row is the
+      index's, its first key hash the row's; its message lies in its slots, and the next group's slots follow.
+  G2. A reader checks header, footer, the page-CRC section and the index and filter sections on opening (they are
+      read into memory: 24 + ~1.3 bytes a row), and every CRC page it reads before it decodes a byte of it: a
+      damaged file raises CorruptionError naming the file, the part, and what to do (as version 1's).
+  G3. A key hash's rows are all in the one group whose first key hash is the greatest not above it (G1: keys are
+      whole in a group): :meth:`GroupedFile.lookup` reads those groups' slots by pread(2), adjacent ones in one call,
+      and maps nothing.
+  G4. Only columns whose bytes a row's share can be bounded are grouped (fixed-width, boolean, string and binary):
+      a batch with another column type is written as version 1 by :func:`dbsp_core.trace.batchfile.write_batch`.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import struct
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from dbsp_core.errors import CorruptionError, FormatVersionError, StorageError
+from dbsp_core.storage.formats import BATCH_FILE_FOOTER_MAGIC, BATCH_FILE_GROUPED_VERSION, BATCH_FILE_MAGIC
+from dbsp_core.trace import batchfile
+
+__all__ = ["write_grouped", "open_grouped", "GroupedFile", "verify_grouped", "verify", "file_version", "groupable",
+           "GROUP_SLOT", "HEADER2",
+           "GROUP_INDEX", "FLAG_GROUPED"]
+
+GROUP_SLOT = 4096  # the slot size G by default (bench/RESULTS.md "Row-grouped batch files, measured before building")
+HEADER2 = struct.Struct("<8sIIQQQIIIQI")  # 64 bytes
+FLAG_GROUPED = 2  # header flags bit 1
+GROUP_INDEX = np.dtype([("key_hash", "<u8"), ("row", "<u8"), ("slot", "<u4"), ("slots", "<u4")])
+assert HEADER2.size == 64 and GROUP_INDEX.itemsize == 24
+
+
+def _bf():
+    return batchfile
+
+
+# ---- cutting the groups (invariant G1) ----
+
+def _row_bits(arr: pa.Array) -> tuple[np.ndarray | int, int, int] | None:
+    """What ``arr``'s rows take in a record batch message: (bits a row, an array or a constant; buffers; bytes a
+    group adds at most besides, for padding, a bitmap's last byte and a variable-width column's last offset); None
+    for a type this does not bound (invariant G4)."""
+    t = arr.type
+    nbuf = len(arr.buffers())
+    extra = 8 * nbuf + 1  # each buffer padded to 8, a bitmap's partial byte
+    if pa.types.is_boolean(t):
+        return 2, nbuf, extra
+    if len(arr.buffers()) == 2 and pa.types.is_primitive(t) and t.bit_width % 8 == 0:
+        return t.bit_width + 1, nbuf, extra
+    if pa.types.is_decimal(t) and t.bit_width % 8 == 0:
+        return t.bit_width + 1, nbuf, extra
+    wide = pa.types.is_large_string(t) or pa.types.is_large_binary(t)
+    if wide or pa.types.is_string(t) or pa.types.is_binary(t):
+        offs = np.frombuffer(arr.buffers()[1], dtype=np.int64 if wide else np.int32)
+        offs = offs[arr.offset:arr.offset + len(arr) + 1]
+        w = 64 if wide else 32
+        return np.diff(offs).astype(np.int64) * 8 + (w + 1), nbuf, extra + w // 8 + 1
+    return None
+
+
+def groupable(batch: Any) -> bool:
+    """Whether ``batch``'s data columns are all of types a group's size is bounded for (invariant G4)."""
+    return all(_row_bits(_bf()._one_chunk(c)) is not None for c in batch.zset.data.combine_chunks().columns)
+
+
+def _cut(rb: pa.RecordBatch, kh: np.ndarray, slot: int) -> np.ndarray | None:
+    """The first row of each group of ``rb`` (key hashes ``kh``, ascending) and its row count last (an int64 array of
+    groups + 1 bounds): greedy, each group the most whole key hashes whose message is at most ``slot`` bytes by an
+    upper bound of its size (the message's metadata, measured on no rows, plus each buffer's bytes and padding), a
+    key hash too big alone. None: a column of a type not bounded (invariant G4)."""
+    n = rb.num_rows
+    bits: np.ndarray | int = 0
+    extra = 0
+    for c in rb.columns:
+        got = _row_bits(c)
+        if got is None:
+            return None
+        b, _, e = got
+        bits = bits + b
+        extra += e
+    if n == 0:
+        return np.zeros(1, dtype=np.int64)
+    meta = pa.ipc.get_record_batch_size(rb.slice(0, 1))  # (a row's body too: an upper bound; a slice of no rows
+    budget = 8 * (slot - meta - extra)  # is written with its whole buffers)
+    if budget <= 0:
+        raise ValueError(f"a slot of {slot} bytes holds no row of {rb.num_columns} columns; use a larger one")
+    per = np.broadcast_to(np.asarray(bits, dtype=np.int64), (n,))
+    cum = np.concatenate(([0], np.cumsum(per)))
+    ks = np.concatenate(([0], np.flatnonzero(kh[1:] != kh[:-1]) + 1, [n])).astype(np.int64)  # key hash runs
+    ck = cum[ks]
+    out = [0]
+    i, last = 0, len(ks) - 1
+    while i < last:  # a group at a time (~100 rows of 40 bytes): no Python per row
+        j = int(np.searchsorted(ck, ck[i] + budget, "right")) - 1
+        j = max(j, i + 1)
+        out.append(int(ks[j]))
+        i = j
+    return np.array(out, dtype=np.int64)
+
+
+# ---- writing ----
+
+class _GroupSink:
+    """The Arrow writer's file object for a grouped file: batchfile.py's page sink (pieces through the VFS, page CRCs,
+    whole CRC) with its position moved to the next slot boundary before each group's message (zeros written), and
+    the Arrow footer held back (:meth:`capture`) to have its blocks' offsets moved where the messages went."""
+
+    def __init__(self, out: Any, drop: Any, slot: int, first: int) -> None:
+        sink = _bf()._PageSink(out, drop)
+        sink.pbase, sink.page = 64, slot  # format 2's CRC pages are the file's slots
+        self.sink, self.slot = sink, slot
+        self.lpos = 0  # bytes the Arrow writer wrote (its positions)
+        self.pad_at = first  # the writer position before which the next group's padding goes
+        self.logical: list[int] = []  # per group, the writer's position of its message and where it went
+        self.placed: list[int] = []
+        self.held: bytearray | None = None
+        self.buf = bytearray()  # messages and gaps gathered, not handed to the sink yet
+        self.closed = False
+
+    GATHER = 1 << 20  # bytes gathered before a write to the page sink: the Arrow writer's ~10 writes a group are
+    # appends, not a pass of the sink's Python each (17x v1's write time at 57 rows a group before)
+
+    def next_group(self) -> None:
+        if self.lpos:
+            self.pad_at = self.lpos
+
+    def capture(self) -> None:
+        self.drain()
+        self.pad_at = -1
+        self.held = bytearray()
+
+    def write(self, data: Any) -> int:
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        if self.held is not None:
+            self.held += mv
+        else:
+            buf = self.buf
+            if self.lpos == self.pad_at:
+                at = self.sink.pos + len(buf)
+                gap = -(64 + at) % self.slot
+                if gap:
+                    buf += bytes(gap)
+                self.logical.append(self.lpos)
+                self.placed.append(at + gap)
+                self.pad_at = -1
+            buf += mv
+            if len(buf) >= self.GATHER:
+                self.drain()
+        self.lpos += n
+        return n
+
+    def drain(self) -> None:
+        """Hand what is gathered to the page sink (one write: its pieces, CRCs and pwrites a chunk at a time)."""
+        if self.buf:
+            data, self.buf = self.buf, bytearray()  # (a failed write's traceback may hold a view of it)
+            self.sink.write(data)
+
+    def tell(self) -> int:
+        return self.lpos
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _move_blocks(footer: bytearray, logical: list[int], placed: list[int]) -> bytearray:
+    """The Arrow footer (flatbuffer, length, magic) with record batch block i's offset ``logical[i]`` moved to
+    ``placed[i]``; raises ValueError (a bug: the writer reports it so) when the blocks are not the messages the sink
+    placed."""
+    bf = _bf()
+    flen = struct.unpack_from("<i", footer, len(footer) - 10)[0]
+    fb = len(footer) - 10 - flen
+    foot = bf._fb_table(footer, bf._fb_deref(footer, fb))
+    pos = bf._fb_field(footer, foot, 3)  # recordBatches: [Block {offset: long, metaDataLength: int, bodyLength: long}]
+    if pos is None:
+        raise ValueError("no record batch blocks")
+    vec = bf._fb_deref(footer, pos)
+    count = struct.unpack_from("<I", footer, vec)[0]
+    if count != len(logical):
+        raise ValueError(f"{count} record batch blocks, {len(logical)} groups written")
+    at = np.frombuffer(footer, dtype="<i8", count=3 * count, offset=vec + 4).reshape(count, 3)[:, 0].copy()
+    if not np.array_equal(at, np.asarray(logical, dtype=np.int64)):
+        raise ValueError("the record batch blocks are not where the groups were written")
+    view = np.ndarray((count, 3), dtype="<i8", buffer=footer, offset=vec + 4)
+    view[:, 0] = np.asarray(placed, dtype=np.int64)
+    return footer
+
+
+def write_grouped(path: str, batch: Any, vfs: str = "posix", sync: bool = True, drop: Any = None,
+                  slot: int = GROUP_SLOT) -> int | None:
+    """Write ``batch`` (an IndexedZSet, consolidated, in index order) as a format-2 batch file at ``path`` through the
+    VFS ``vfs``, in groups of whole key hashes, a group's message at a slot of ``slot`` bytes (invariant G1); returns
+    the file's size, or None when a column's type is not grouped (invariant G4: nothing is written, the caller writes
+    format 1). The write is batchfile.py's (invariant 1): one streamed pass of the Arrow writer through a
+    ``_storage.FileWriter`` (its pieces cut at 2 MiB of the file), the sections, the header, the footer with its
+    whole-file CRC combined from the parts, fsync (``sync``), rename, directory fsync (``sync``); an error is a
+    StorageError naming the file and what to do, and leaves no temporary file. Python runs a group at a time (the
+    Arrow writer writes each), not a row at a time."""
+    from dbsp_core import _storage
+
+    bf = _bf()
+    if slot < 4096 or slot & (slot - 1) or slot > 1 << 20:
+        raise ValueError(f"slot {slot}: a power of two from 4096 to 1 MiB")
+    schema, rb = bf._record_batch(batch)
+    kh = np.ascontiguousarray(batch.key_hash, dtype=np.uint64)
+    cuts = _cut(rb, kh, slot)
+    if cuts is None:
+        return None
+    rows = len(batch)
+    ngroups = len(cuts) - 1
+    first = 8 + schema.serialize().size  # where the writer puts the first record batch (magic, schema message)
+    out = None
+    try:
+        out = _storage.FileWriter(path, vfs)
+        gs = _GroupSink(out, drop, slot, first)
+        with pa.ipc.new_file(pa.PythonFile(gs, mode="w"), schema) as w:
+            for g in range(ngroups):
+                gs.next_group()
+                w.write_batch(rb.slice(int(cuts[g]), int(cuts[g + 1] - cuts[g])))
+            gs.capture()
+        if len(gs.placed) != ngroups:
+            raise ValueError(f"{len(gs.placed)} groups placed of {ngroups}")
+        footer = _move_blocks(gs.held, gs.logical, gs.placed)
+        sink = gs.sink
+        sink.write(footer)
+        sink.close()
+        alen = sink.pos
+        placed = np.asarray(gs.placed + [alen - len(footer)], dtype=np.int64)
+        index = np.zeros(ngroups, dtype=GROUP_INDEX)
+        index["key_hash"] = kh[cuts[:-1]]
+        index["row"] = cuts[:-1]
+        index["slot"] = (64 + placed[:-1]) // slot
+        lengths = np.asarray(gs.logical[1:] + [gs.lpos - len(footer)], dtype=np.int64) - np.asarray(gs.logical)
+        index["slots"] = -(-lengths // slot)
+        bloom = bf.bloom_build(kh)
+        idx_off, bloom_off, crc_off, end, size = _places(ngroups, len(bloom), alen, slot)
+        sections = index.tobytes() + bloom.tobytes()
+        crcs = sink.page_crcs()
+        tail = bytes(idx_off - 64 - alen) + sections + crcs + bytes(end - crc_off - len(crcs))
+        out.pwrite(tail, 64 + alen)
+        fields = (BATCH_FILE_MAGIC, BATCH_FILE_GROUPED_VERSION, bf.FLAG_SECTION_CRCS | FLAG_GROUPED, 64, alen, rows,
+                  bf._crc(crcs), bf._crc(sections), slot, ngroups)
+        head = HEADER2.pack(*fields, bf._crc(HEADER2.pack(*fields, 0)[:60]))
+        out.pwrite(head, 0)
+        whole = bf._crc(tail, bf.crc_combine(bf._crc(head), sink.whole, alen))  # not read back
+        foot = (BATCH_FILE_FOOTER_MAGIC, BATCH_FILE_GROUPED_VERSION, bf.BLOOM_K, idx_off, ngroups, bloom_off,
+                len(bloom), crc_off, whole)
+        out.pwrite(bf.FOOTER.pack(*foot, bf._crc(bf.FOOTER.pack(*foot, 0)[:60])), end)
+        out.commit(sync)
+        return size
+    except (OSError, pa.ArrowException, ValueError) as e:
+        try:
+            if out is not None and not out.done:
+                out.abort()
+            else:
+                _storage.file_remove(path + ".tmp", vfs)
+        except OSError:  # the fault VFS crashed: a crash leaves the temporary file, the next open sweeps it
+            pass
+        if isinstance(e, ValueError):
+            raise StorageError(0, f"writing batch file {path}: {e}; a bug: report it") from e
+        code = getattr(e, "errno", None) or 0
+        where = os.path.dirname(path) or "."
+        hint = (f"free space in {where} or give the pipeline a spill_dir with room" if code == errno.ENOSPC
+                else f"check the disk of {where}")
+        raise StorageError(code, f"writing batch file {path}: {getattr(e, 'strerror', None) or e}; {hint}") from e
+
+
+def _npages(alen: int, slot: int) -> int:
+    """CRC pages of an Arrow section of ``alen`` bytes at 64, cut at multiples of the slot size of the file."""
+    return (64 + alen + slot - 1) // slot
+
+
+def _places(ngroups: int, nbloom: int, alen: int, slot: int) -> tuple[int, int, int, int, int]:
+    """(group index, filter, page CRCs, footer offsets, file size) of a format-2 file."""
+    idx_off = (64 + alen + 7) & ~7
+    bloom_off = idx_off + GROUP_INDEX.itemsize * ngroups
+    crc_off = bloom_off + 8 * nbloom
+    end = (crc_off + 4 * _npages(alen, slot) + 7) & ~7
+    return idx_off, bloom_off, crc_off, end, end + 64
+
+
+# ---- reading ----
+
+def _bad(path: str, what: str) -> CorruptionError:
+    return CorruptionError(f"{path}: batch file damaged: {what} (format 2, row groups); the file cannot be read: "
+                           f"restore the pipeline from its last checkpoint or the file from a copy")
+
+
+class GroupedFile:
+    """An open format-2 batch file (invariant G2): its descriptor, header fields, group index, Bloom filter and page
+    CRCs in memory, a flag per CRC page checked, and the Arrow schema. Rows are read by pread(2) only:
+    :meth:`lookup` (the groups of some key hashes), :meth:`read_all` (every group, one contiguous batch: a copy)."""
+
+    def __init__(self, path: str, fd: int, size: int, rows: int, alen: int, slot: int, index: np.ndarray,
+                 bloom: np.ndarray, bloom_k: int, page_crcs: np.ndarray) -> None:
+        self.path, self.fd, self.size, self.rows, self.alen, self.slot = path, fd, size, rows, alen, slot
+        self.index, self.bloom, self.bloom_k, self.page_crcs = index, bloom, bloom_k, page_crcs
+        self.first_hash = np.ascontiguousarray(index["key_hash"])
+        self.checked = np.zeros(len(page_crcs), dtype=bool)
+        self.schema: pa.Schema | None = None
+        self.key: tuple = ()
+        self.rh_mode = "0"
+        self.ndata = 0
+        self.schema_msg = b""  # the Arrow schema message (a stream's first), read on opening
+        self.msg_len = np.zeros(0, dtype=np.int64)  # per group, its message's bytes (the Arrow footer's blocks)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "GroupedFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except OSError:
+            pass
+
+    @property
+    def groups(self) -> int:
+        return len(self.index)
+
+    def memory_bytes(self) -> int:
+        """Bytes this open file keeps (group index, first key hashes, filter, page CRCs, flags)."""
+        return int(self.index.nbytes + self.first_hash.nbytes + self.bloom.nbytes + self.page_crcs.nbytes
+                   + self.checked.nbytes + self.msg_len.nbytes)
+
+    def _read(self, lo: int, hi: int) -> memoryview:
+        """The file's bytes [lo, hi) of the Arrow section, read by one pread(2) widened to whole CRC pages, each page
+        not checked yet checked (invariant G2); returns the bytes asked for."""
+        page = self.slot
+        plo, phi = lo // page, (hi - 1) // page + 1  # CRC pages of the file
+        alo, ahi = max(64, plo * page), min(64 + self.alen, phi * page)
+        todo = ~self.checked[plo:phi]
+        if todo.any():
+            rlo, rhi = alo, ahi
+        else:
+            rlo, rhi = lo, hi
+        buf = os.pread(self.fd, rhi - rlo, rlo)
+        if len(buf) != rhi - rlo:
+            raise _bad(self.path, f"{rhi - rlo} bytes at {rlo} asked, {len(buf)} read: the file is short")
+        mv = memoryview(buf)
+        if todo.any():
+            for p in np.flatnonzero(todo).tolist():
+                i = plo + p
+                a, b = max(64, i * page), min(64 + self.alen, (i + 1) * page)
+                if _bf()._crc(mv[a - rlo:b - rlo]) != int(self.page_crcs[i]):
+                    raise _bad(self.path, f"CRC page {i} of the Arrow section fails its CRC-32C")
+            self.checked[plo:phi] = True
+        return mv[lo - rlo:hi - rlo]
+
+    def _read_schema(self) -> None:
+        """Read (checking their CRC pages) the Arrow schema message and the Arrow footer's blocks: each group's
+        message length (its metadata and body), which must lie where the group index says (invariant G1)."""
+        head = self._read(64, 64 + min(self.alen, 16))
+        if bytes(head[:6]) != b"ARROW1":
+            raise _bad(self.path, "the Arrow section does not start with ARROW1")
+        cont, mlen = struct.unpack_from("<Ii", head, 8)
+        if cont != 0xFFFFFFFF or mlen <= 0 or mlen % 8 or 16 + mlen > self.alen:
+            raise _bad(self.path, "the Arrow schema message's length does not fit")
+        self.schema_msg = bytes(self._read(64 + 8, 64 + 16 + mlen))
+        self.schema = pa.ipc.read_schema(pa.py_buffer(self.schema_msg))
+        meta = self.schema.metadata or {}
+        self.key = tuple(json.loads(meta[b"dbsp.key"]))
+        self.rh_mode = meta.get(b"dbsp.row_hash", b"0").decode()
+        self.ndata = len(self.schema) - (3 if self.rh_mode == "1" else 2)
+        end = 64 + self.alen
+        tail = self._read(end - 10, end)
+        flen = struct.unpack_from("<i", tail, 0)[0]
+        if bytes(tail[4:]) != b"ARROW1" or flen <= 0 or flen > self.alen - 10:
+            raise _bad(self.path, "the Arrow footer's length does not fit")
+        footer = bytes(self._read(end - 10 - flen, end - 10))
+        try:
+            bf = _bf()
+            foot = bf._fb_table(footer, bf._fb_deref(footer, 0))
+            pos = bf._fb_field(footer, foot, 3)
+            vec = bf._fb_deref(footer, pos) if pos is not None else -1
+            count = struct.unpack_from("<I", footer, vec)[0] if pos is not None else 0
+            blocks = np.frombuffer(footer, dtype="<i8", count=3 * count, offset=vec + 4).reshape(count, 3)
+        except (struct.error, ValueError, TypeError) as e:
+            raise _bad(self.path, f"the Arrow footer does not decode: {e}") from e
+        if count != self.groups:
+            raise _bad(self.path, f"the Arrow footer names {count} record batches, the group index {self.groups}")
+        length = (blocks[:, 1] & 0xFFFFFFFF) + blocks[:, 2]
+        at = 64 + blocks[:, 0]
+        if count and ((at != self.index["slot"].astype(np.int64) * self.slot).any() or (length % 8).any()
+                      or (length <= 0).any() or (length > self.index["slots"].astype(np.int64) * self.slot).any()
+                      or (at + length > end).any()):
+            raise _bad(self.path, "the Arrow footer's record batches are not where the group index says")
+        self.msg_len = np.ascontiguousarray(length, dtype=np.int64)
+
+    def _check_pages(self, lo: np.ndarray, hi: np.ndarray) -> None:
+        """Check the CRC pages holding the file's bytes [lo[i], hi[i]) not checked yet (invariant G2): each read
+        whole once, by pread, then marked (the whole slots by one C call for all, their CRCs by another)."""
+        page = self.slot
+        if not len(lo):
+            return
+        first, last = lo // page, (hi - 1) // page
+        pages = np.unique(np.concatenate([first, last]))
+        if (last - first > 1).any():  # (a group longer than two pages: every page between too)
+            pages = np.unique(np.concatenate([pages] + [np.arange(a, b + 1) for a, b in zip(first, last)
+                                                        if b > a + 1]))
+        todo = pages[~self.checked[pages]]
+        whole = todo[(todo > 0) & ((todo + 1) * page <= 64 + self.alen)]  # pages of G bytes: read and checked in C
+        if len(whole):
+            from dbsp_core import _storage
+
+            buf = bytearray(len(whole) * page)
+            if _storage.pread_ranges(self.fd, np.ascontiguousarray(whole * page, dtype=np.int64),
+                                     np.full(len(whole), page, dtype=np.int64),
+                                     np.arange(len(whole), dtype=np.int64) * page, buf) >= 0:
+                raise _bad(self.path, "a CRC page is cut short: the file is short")
+            got = np.empty(len(whole), dtype=np.uint32)
+            _storage.crc32c_pages(buf, page, got)
+            bad = np.flatnonzero(got != self.page_crcs[whole])
+            if len(bad):
+                raise _bad(self.path, f"CRC page {int(whole[bad[0]])} of the Arrow section fails its CRC-32C")
+            self.checked[whole] = True
+        for i in todo[~self.checked[todo]].tolist():  # the first and the last, shorter
+            a, b = max(64, i * page), min(64 + self.alen, (i + 1) * page)
+            self._read(a, b)
+
+    def _table(self, groups: np.ndarray) -> pa.Table:
+        """The rows of ``groups`` (ascending group numbers) as one Arrow table: each group's message read by one
+        pread(2) (``_storage.pread_ranges``) into an Arrow IPC stream after the schema message, decoded by one call
+        (no Python per row or group, a pread a group: invariant G3); their CRC pages checked first. Checks each group holds the rows and first
+        key hash its index entry names (invariant G1)."""
+        if not len(groups):
+            return self.schema.empty_table()
+        length = self.msg_len[groups]
+        at = self.index["slot"][groups].astype(np.int64) * self.slot
+        self._check_pages(at, at + length)
+        head = len(self.schema_msg)
+        dst = head + np.concatenate(([0], np.cumsum(length)))
+        out = bytearray(int(dst[-1]) + 8)
+        out[:head] = self.schema_msg
+        out[-8:] = b"\xff\xff\xff\xff\0\0\0\0"  # end of stream
+        from dbsp_core import _storage
+
+        short = _storage.pread_ranges(self.fd, np.ascontiguousarray(at), np.ascontiguousarray(length),
+                                      np.ascontiguousarray(dst[:-1]), out)  # (a pread a group, in C, no GIL)
+        if short >= 0:
+            raise _bad(self.path, f"group {int(groups[short])} is cut short: the file is short")
+        try:
+            t = pa.ipc.open_stream(pa.py_buffer(out)).read_all()
+        except (pa.ArrowException, ValueError) as e:
+            raise _bad(self.path, f"its groups do not decode: {e}") from e
+        starts = self.index["row"].astype(np.int64)
+        counts = np.append(starts[1:], self.rows)[groups] - starts[groups]
+        kh = np.asarray(t.column(self.ndata + 1).combine_chunks().to_numpy(zero_copy_only=False), dtype=np.uint64)
+        begin = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        if t.num_rows != int(counts.sum()) or t.column(self.ndata + 1).num_chunks != len(groups) or \
+                not np.array_equal(kh[begin], self.first_hash[groups]):
+            raise _bad(self.path, "its groups do not hold the rows their index entries name")
+        return t
+
+    def _batch(self, t: pa.Table, rows: np.ndarray | None = None) -> Any:
+        """An IndexedZSet of table ``t`` (a file's columns; one contiguous copy), rows ``rows`` of it when given."""
+        from dbsp_core.zset import IndexedZSet, ZSet
+
+        if rows is not None:
+            t = t.take(pa.array(rows))
+        t = t.combine_chunks()
+        nd = self.ndata
+        data = pa.Table.from_arrays([_bf()._one_chunk(c) for c in t.columns[:nd]],
+                                    schema=pa.schema(list(self.schema)[:nd]))
+        col = lambda i: np.ascontiguousarray(_bf()._one_chunk(t.column(i)).to_numpy(zero_copy_only=False))  # noqa: E731
+        w = col(nd).astype(np.int64, copy=False)
+        kh = col(nd + 1).astype(np.uint64, copy=False)
+        ix = IndexedZSet._make(ZSet._make(data, w), self.key, kh)
+        ix._rh = kh if self.rh_mode == "key" else (col(nd + 2).astype(np.uint64, copy=False)
+                                                   if self.rh_mode == "1" else None)
+        return ix
+
+    def read_all(self) -> Any:
+        """The whole batch (an IndexedZSet, one contiguous copy), every group read and checked (invariants G1, G2):
+        what a merge's input, a scan or ``verify`` reads."""
+        return self._batch(self._table(np.arange(self.groups, dtype=np.int64)))
+
+    def groups_of(self, hashes: np.ndarray) -> np.ndarray:
+        """The groups (ascending, unique) the key hashes ``hashes`` may lie in (invariant G3), those the Bloom
+        filter rejects left out."""
+        h = np.asarray(hashes, dtype=np.uint64)
+        if len(h) == 0 or self.groups == 0:
+            return np.zeros(0, dtype=np.int64)
+        h = h[_bf().bloom_may_contain(self.bloom, h, self.bloom_k)]
+        g = np.searchsorted(self.first_hash, h, "right") - 1
+        return np.unique(g[g >= 0]).astype(np.int64)
+
+    def lookup(self, hashes: np.ndarray) -> Any:
+        """The rows of key hashes ``hashes`` (an IndexedZSet in index order: a consolidated batch), read by pread of
+        the groups they lie in (invariant G3): no mapping."""
+        h = np.asarray(hashes, dtype=np.uint64)
+        t = self._table(self.groups_of(h)).combine_chunks()  # (a take over a chunk a group costs ~4 us a chunk)
+        kh = _bf()._one_chunk(t.column(self.ndata + 1)).to_numpy(zero_copy_only=False)
+        return self._batch(t, np.flatnonzero(np.isin(kh, h)))
+
+
+def open_grouped(path: str, verify: bool = False) -> GroupedFile:
+    """Open the format-2 batch file at ``path`` (invariant G2): header, footer, page-CRC section, group index and
+    filter read and checked; its Arrow schema read (the CRC pages holding it checked). ``verify``: every CRC page and
+    the whole-file CRC too (``dbsp inspect``, :func:`dbsp_core.trace.batchfile.verify`)."""
+    bf = _bf()
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        size = os.fstat(fd).st_size
+        if size < 128:
+            raise _bad(path, f"{size} bytes, shorter than a header and a footer")
+        head = os.pread(fd, 64, 0)
+        magic, version, flags, aoff, alen, rows, crc_sec, filt_sec, slot, ngroups, hcrc = HEADER2.unpack(head)
+        if magic != BATCH_FILE_MAGIC:
+            raise _bad(path, f"magic {magic!r}, not {BATCH_FILE_MAGIC!r}")
+        if version != BATCH_FILE_GROUPED_VERSION:
+            raise FormatVersionError(f"{path}: batch file format {version}, not {BATCH_FILE_GROUPED_VERSION}")
+        if bf._crc(head[:60]) != hcrc:
+            raise _bad(path, "the header fails its CRC-32C")
+        end = size - 64
+        foot = os.pread(fd, 64, end)
+        fmagic, fversion, k, idx_off, nidx, bloom_off, nbloom, crc_off, whole, fcrc = bf.FOOTER.unpack(foot)
+        if fmagic != BATCH_FILE_FOOTER_MAGIC or bf._crc(foot[:60]) != fcrc or fversion != version:
+            raise _bad(path, "the footer fails its magic, version or CRC-32C")
+        if flags != bf.FLAG_SECTION_CRCS | FLAG_GROUPED or aoff != 64 or nidx != ngroups or \
+                slot < 4096 or slot & (slot - 1) or slot > 1 << 20:
+            raise _bad(path, "its header's flags, slot size or group count are not format 2's")
+        if (idx_off, bloom_off, crc_off, end, size) != _places(ngroups, nbloom, alen, slot) or nbloom & (nbloom - 1):
+            raise _bad(path, "its section offsets do not fit the file")
+        npages = _npages(alen, slot)
+        crcs_b = os.pread(fd, 4 * npages, crc_off)
+        if bf._crc(crcs_b) != crc_sec:
+            raise _bad(path, "its page CRCs fail their CRC-32C")
+        sec = os.pread(fd, crc_off - idx_off, idx_off)
+        if bf._crc(sec) != filt_sec:
+            raise _bad(path, "its group index and Bloom filter fail their CRC-32C")
+        index = np.frombuffer(sec, dtype=GROUP_INDEX, count=ngroups).copy()
+        bloom = np.frombuffer(sec, dtype="<u8", count=nbloom, offset=24 * ngroups).astype(np.uint64)
+        crcs = np.frombuffer(crcs_b, dtype="<u4").copy()
+        r = index["row"].astype(np.int64)
+        s = index["slot"].astype(np.int64)
+        n = index["slots"].astype(np.int64)
+        if ngroups and (r[0] != 0 or (np.diff(r) <= 0).any() or r[-1] >= rows or (n <= 0).any()
+                        or s[0] * slot < 64 or (s[1:] < s[:-1] + n[:-1]).any() or (s[-1] + n[-1]) * slot > 64 + alen
+                        + slot or (np.diff(index["key_hash"].astype(np.uint64)) <= 0).any()) or (not ngroups and rows):
+            raise _bad(path, "its group index does not fit its rows and slots")
+        if verify:
+            c = 0
+            for lo in range(0, end, 1 << 24):
+                c = bf._crc(os.pread(fd, min(1 << 24, end - lo), lo), c)
+            if c != whole:
+                raise _bad(path, "the whole-file CRC-32C does not match")
+    except BaseException:
+        os.close(fd)
+        raise
+    f = GroupedFile(path, fd, size, rows, alen, slot, index, bloom, k, crcs)
+    if verify:
+        for lo in range(64, 64 + alen, 1 << 24):  # every CRC page (invariant G2)
+            f._read(lo, min(64 + alen, lo + (1 << 24)))
+    f._read_schema()
+    return f
+
+
+def verify_grouped(path: str) -> int:
+    """Check every checksum of the format-2 batch file at ``path`` and that its groups hold the rows its index names;
+    returns its rows, or raises CorruptionError naming what is damaged."""
+    with open_grouped(path, verify=True) as f:
+        if f._table(np.arange(f.groups, dtype=np.int64)).num_rows != f.rows:
+            raise _bad(path, "its groups do not hold the rows its header names")
+        return f.rows
+
+
+def file_version(path: str) -> int | None:
+    """The format version a batch file's header names (read unchecked: the reader of that version checks it), or
+    None when it is not a batch file's header."""
+    with open(path, "rb") as f:
+        head = f.read(12)
+    if len(head) < 12 or head[:8] != BATCH_FILE_MAGIC:
+        return None
+    return struct.unpack_from("<I", head, 8)[0]
+
+
+def verify(path: str) -> int:
+    """Check every checksum of the batch file at ``path``, of format 1 (:func:`dbsp_core.trace.batchfile.verify`) or 2
+    (:func:`verify_grouped`); returns its rows, or raises CorruptionError naming what is damaged."""
+    if file_version(path) == BATCH_FILE_GROUPED_VERSION:
+        return verify_grouped(path)
+    return batchfile.verify(path)

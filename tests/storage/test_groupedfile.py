@@ -1,0 +1,317 @@
+"""Batch file format 2 (row groups, dbsp_core/trace/groupedfile.py): a round trip against a dict model, the groups'
+layout (whole key hashes, slot-aligned, a standard Arrow file), lookups by pread against the model, a damaged byte of
+any part refused naming what to do, format 1 still read, and the write's every operation through the fault VFS
+(crashed, failed, full disk)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import tempfile
+from collections import Counter
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings, strategies as st
+from hypothesis_profile import examples
+
+from dbsp_core import ZSet
+from dbsp_core.errors import CorruptionError, FormatVersionError, StorageError
+from dbsp_core.trace.batchfile import FOOTER, open_batch, write_batch
+from dbsp_core.trace.groupedfile import HEADER2, open_grouped, verify, write_grouped
+
+SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
+
+
+def test_seed_is_printed() -> None:
+    print(f"DBSP_TEST_SEED={SEED}")
+
+
+def _model(rows: list[tuple]) -> dict:
+    """The dict model of a consolidated Z-set: row -> weight, zeros dropped."""
+    out: Counter = Counter()
+    for *r, w in rows:
+        out[tuple(r)] += w
+    return {r: w for r, w in out.items() if w}
+
+
+def _zset(rows: list[tuple], key=("k",)):
+    k = [r[0] for r in rows]
+    t = pa.table({"k": pa.array(k, pa.int64()), "s": pa.array([r[1] for r in rows], pa.utf8()),
+                  "f": pa.array([r[2] for r in rows], pa.float64()), "b": pa.array([r[3] for r in rows], pa.bool_())})
+    return ZSet.from_arrow(t, weights=np.array([r[4] for r in rows], dtype=np.int64)).consolidate().index_by(list(key))
+
+
+def _as_model(b) -> dict:
+    return {tuple(r): w for r, w in b.zset.to_dict().items()}
+
+
+def _check_layout(path: str, b) -> None:
+    """Invariant G1 read off the file: groups in order, whole key hashes, each message at its slot boundary, and the
+    Arrow section a standard Arrow file of one record batch a group."""
+    with open_grouped(path) as f:
+        idx = f.index
+        kh = np.asarray(b.key_hash)
+        rows = idx["row"].astype(np.int64)
+        if len(b) == 0:
+            assert f.groups == 0 and f.read_all().zset.to_dict() == {}
+            return
+        assert rows[0] == 0 and (np.diff(rows) > 0).all()
+        assert (kh[rows[1:]] != kh[rows[1:] - 1]).all()  # no key hash split between two groups
+        assert np.array_equal(idx["key_hash"], kh[rows])
+        with open(path, "rb") as fh:
+            raw = fh.read()
+        arrow = pa.ipc.open_file(pa.py_buffer(raw[64:64 + f.alen]))
+        assert arrow.num_record_batches == f.groups
+        for g in range(f.groups):
+            at = int(idx["slot"][g]) * f.slot
+            assert raw[at:at + 4] == b"\xff\xff\xff\xff"  # a message starts at its slot
+            assert arrow.get_batch(g).num_rows == (rows[g + 1] if g + 1 < f.groups else len(b)) - rows[g]
+
+
+row = st.tuples(st.integers(0, 40), st.one_of(st.none(), st.text(max_size=300)), st.floats(allow_nan=False),
+                st.booleans(), st.sampled_from([1, -1, 2, -3]))
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(st.lists(row, max_size=400), st.sampled_from([4096, 8192]), st.sampled_from([("k",), ("k", "s")]))
+def test_round_trip_and_lookups_match_a_dict_model(rows, slot, key) -> None:
+    """Written as format 2 and read back (whole, by lookups of present and absent keys), the batch is the dict
+    model's; a value longer than a slot (a string of 300 characters, many rows of one key) takes a run of slots."""
+    b = _zset(rows, key)
+    want = _model(rows)
+    d = tempfile.mkdtemp()
+    path = os.path.join(d, "g.batch")
+    size = write_grouped(path, b, slot=slot)
+    assert size == os.path.getsize(path) and size % 8 == 0
+    assert verify(path) == len(b)
+    _check_layout(path, b)
+    with open_grouped(path) as f:
+        got = f.read_all()
+        assert _as_model(got) == want and got.key == b.key
+        assert np.array_equal(got.key_hash, b.key_hash)
+        assert got.schema.equals(b.schema)
+        kh = np.asarray(b.key_hash)
+        pick = np.unique(kh[:: max(1, len(kh) // 7)]) if len(kh) else np.zeros(0, np.uint64)
+        absent = np.array([1, 2**63 + 5], dtype=np.uint64)
+        found = f.lookup(np.concatenate([pick, absent]))
+        assert np.isin(found.key_hash, pick).all() and len(found) == int(np.isin(kh, pick).sum())
+        sel = np.isin(kh, pick)
+        expect = {tuple(r.values()): int(w) for r, w in zip(b.zset.data.filter(pa.array(sel)).to_pylist(),
+                                                           np.asarray(b.zset.weights)[sel])}
+        assert _as_model(found) == expect
+    os.unlink(path)
+
+
+def _batch(rng: np.random.Generator, n: int):
+    k = rng.integers(0, max(1, n // 3), n)
+    t = pa.table({"k": k, "s": pa.array([None if x % 5 == 0 else "x" * int(x % 9) for x in k], pa.utf8()),
+                  "f": pa.array(rng.random(n)), "b": pa.array(rng.random(n) < 0.5),
+                  "d": pa.array(k.astype("datetime64[us]"))})
+    b = ZSet.from_arrow(t, weights=rng.choice([1, 3, -2], n)).consolidate().index_by(["k"])
+    b._row_hashes()
+    return b
+
+
+def test_a_big_batch_round_trips_and_its_row_hashes_are_kept() -> None:
+    rng = np.random.default_rng(SEED)
+    b = _batch(rng, 50_000)
+    path = os.path.join(tempfile.mkdtemp(), "g.batch")
+    write_grouped(path, b)
+    _check_layout(path, b)
+    with open_grouped(path) as f:
+        footer = -(-f.groups * 24 // f.slot) + 2
+        assert f.groups > 100 and f.checked.sum() <= 1 + footer  # opening read the schema and Arrow footer, no row
+        got = f.read_all()
+        assert got.zset.to_dict() == b.zset.to_dict()
+        assert np.array_equal(got._row_hashes(), b._row_hashes())
+        last = int(f.index["slot"][-1] + f.index["slots"][-1]) * f.slot  # (the Arrow footer after it: not read)
+        assert f.checked[:(min(last, 64 + f.alen) - 1) // f.slot + 1].all()
+
+
+def _damage(path: str, offset: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_every_part_is_checked_and_damage_names_what_to_do() -> None:
+    """A flipped byte in any part of a format-2 file (header, the Arrow section's first, middle and last CRC page,
+    a gap between groups, the group index, the filter, the page CRCs, the footer) is refused by verify, and by a
+    lookup or whole read of an unverified open when it lies in the rows: CorruptionError naming the file, the part
+    and what to do."""
+    rng = np.random.default_rng(SEED)
+    b = _batch(rng, 30_000)
+    d = tempfile.mkdtemp()
+    src = os.path.join(d, "good.batch")
+    size = write_grouped(src, b)
+    with open(src, "rb") as fh:
+        raw = fh.read()
+    alen = HEADER2.unpack_from(raw, 0)[4]
+    _, _, _, idx_off, ngroups, bloom_off, nbloom, crc_off, _, _ = FOOTER.unpack_from(raw, size - FOOTER.size)
+    with open_grouped(src) as f:
+        slots = f.index["slot"].astype(np.int64) * f.slot
+    gap = int(slots[1]) - 1  # the zeros before group 1's slot
+    assert raw[gap] == 0
+    places = {"header": 20, "arrow first page": 64 + 100, "arrow middle page": 64 + alen // 2,
+              "arrow last page": 64 + alen - 3, "gap": gap, "group index": idx_off + 24 * (ngroups // 2) + 3,
+              "bloom": bloom_off + 8 * (nbloom // 2), "page crcs": crc_off + 1, "footer": size - 30}
+    for what, off in places.items():
+        path = os.path.join(d, f"{what}.batch")
+        with open(path, "wb") as fh:
+            fh.write(raw)
+        _damage(path, off)
+        with pytest.raises(CorruptionError, match=r"batch file damaged.*restore the pipeline") as e:
+            verify(path)
+        assert path in str(e.value), what
+        if what.startswith("arrow") and what != "arrow first page" or what == "gap":
+            # opened unverified: the damaged page is refused when it is read (by the open when it holds the schema)
+            g = min(max(int(np.searchsorted(slots, off, "right")) - 1, 0), len(slots) - 1)
+            for read in (lambda f: f.read_all(), lambda f: f.lookup(f.first_hash[g:g + 1])):
+                with pytest.raises(CorruptionError, match="CRC page"):
+                    with open_grouped(path) as f:
+                        read(f)
+        os.unlink(path)
+    assert verify(src) == len(b)
+
+
+def test_a_short_or_cut_file_is_refused() -> None:
+    rng = np.random.default_rng(SEED)
+    b = _batch(rng, 2000)
+    d = tempfile.mkdtemp()
+    path = os.path.join(d, "g.batch")
+    write_grouped(path, b)
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    for cut in (100, len(raw) // 2, len(raw) - 8):
+        with open(path, "wb") as fh:
+            fh.write(raw[:cut])
+        with pytest.raises(CorruptionError, match="batch file damaged"):
+            verify(path)
+
+
+def test_format_1_stays_readable_and_the_mapped_reader_names_the_format_2_reader() -> None:
+    rng = np.random.default_rng(SEED)
+    b = _batch(rng, 3000)
+    d = tempfile.mkdtemp()
+    one, two = os.path.join(d, "one.batch"), os.path.join(d, "two.batch")
+    write_batch(one, b)
+    write_grouped(two, b)
+    assert open_batch(one).batch.zset.to_dict() == b.zset.to_dict() and verify(one) == len(b)
+    assert verify(two) == len(b)
+    with pytest.raises(FormatVersionError, match="open_grouped"):
+        open_batch(two)
+    with pytest.raises(FormatVersionError):
+        open_grouped(one)
+
+
+def test_a_key_bigger_than_a_slot_takes_a_run_of_slots_alone() -> None:
+    n = 500
+    t = pa.table({"k": np.r_[np.zeros(n, np.int64), np.arange(1, 200)], "v": np.arange(n + 199)})
+    b = ZSet.from_arrow(t).consolidate().index_by(["k"])
+    path = os.path.join(tempfile.mkdtemp(), "g.batch")
+    write_grouped(path, b)
+    _check_layout(path, b)
+    with open_grouped(path) as f:
+        big = int(np.argmax(f.index["slots"]))
+        assert f.index["slots"][big] >= 2
+        lo = int(f.index["row"][big])
+        hi = int(f.index["row"][big + 1]) if big + 1 < f.groups else len(b)
+        assert np.unique(np.asarray(b.key_hash)[lo:hi]).size == 1  # alone
+        assert len(f.lookup(f.first_hash[big:big + 1])) == n
+        assert f.read_all().zset.to_dict() == b.zset.to_dict()
+
+
+def _wide_batch(n: int):
+    pad = pa.array(np.full(n, "x" * 100, dtype=object), pa.string())
+    b = ZSet.from_arrow(pa.table({"k": np.arange(n, dtype=np.int64), "pad": pad})).index_by(["k"])
+    b._row_hashes()
+    return b
+
+
+def test_a_crash_at_every_io_operation_of_a_format_2_write_leaves_no_file_or_the_whole_file() -> None:
+    """As format 1's (batchfile invariant 1): a crash at any operation of the write, its unsynced writes dropped
+    or mixed, leaves no file under its name or the whole file, which verifies and reads back."""
+    from dbsp_core.storage import FaultInjector
+
+    b = _wide_batch(40_000)  # ~6 MiB: several pieces
+    want = b.zset.to_dict()
+    d = tempfile.mkdtemp()
+    path = os.path.join(d, "x.batch")
+    FaultInjector.arm()
+    write_grouped(path, b, "fault", sync=True)
+    n = FaultInjector.ops()
+    FaultInjector.disarm()
+    os.unlink(path)
+    tried = whole = 0
+    for i in range(1, n + 1):
+        for mode in ("drop", "chaos"):
+            FaultInjector.arm(crash_at=i, mode=mode, seed=SEED + i)
+            with pytest.raises(StorageError, match="simulated crash"):
+                write_grouped(path, b, "fault", sync=True)
+            assert FaultInjector.crashed()
+            FaultInjector.disarm()
+            if os.path.exists(path):
+                assert verify(path) == len(b), (i, mode, SEED)
+                with open_grouped(path) as f:
+                    assert f.read_all().zset.to_dict() == want, (i, mode, SEED)
+                whole += 1
+            assert set(os.listdir(d)) <= {"x.batch", "x.batch.tmp"}, os.listdir(d)
+            for x in os.listdir(d):
+                os.unlink(os.path.join(d, x))
+            tried += 1
+    assert n > 6 and tried == 2 * n
+    print(f"\n[format-2 crash] {n} I/O operations x 2 modes = {tried} crashes, {whole} left the whole file, 0 a "
+          f"partial one (DBSP_TEST_SEED={SEED})")
+
+
+@pytest.mark.parametrize("error", ["ENOSPC", "EIO"])
+def test_an_error_at_any_operation_of_a_format_2_write_is_a_storage_error_leaving_no_temporary_file(error) -> None:
+    from dbsp_core.storage import FaultInjector
+
+    b = _wide_batch(30_000)
+    d = tempfile.mkdtemp()
+    path = os.path.join(d, "full.batch")
+    FaultInjector.arm()
+    write_grouped(path, b, "fault", sync=True)
+    n = FaultInjector.ops()
+    FaultInjector.disarm()
+    os.unlink(path)
+    for i in range(1, n + 1):
+        FaultInjector.arm(error_at=i, error=error)
+        try:
+            with pytest.raises(StorageError, match="full.batch") as e:
+                write_grouped(path, b, "fault", sync=True)
+        finally:
+            FaultInjector.disarm()
+        assert e.value.errno == getattr(errno, error)
+        if error == "ENOSPC":
+            assert "spill_dir" in str(e.value)
+        left = os.listdir(d)
+        assert left in ([], ["full.batch"]), (i, left)  # after the rename (the directory's fsync failing): whole
+        if left:
+            assert verify(path) == len(b)
+            os.unlink(path)
+
+
+def test_crc_pages_are_the_slots_of_the_file() -> None:
+    """Format 2's CRC pages are its slots, cut at multiples of the slot size of the file: the first covers the
+    Arrow bytes [0, G - 64), so a group's first read checks its own slots."""
+    b = _wide_batch(2000)
+    path = os.path.join(tempfile.mkdtemp(), "g.batch")
+    write_grouped(path, b)
+    from dbsp_core.trace.batchfile import _crc
+
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    with open_grouped(path) as f:
+        g = f.slot
+        assert _crc(raw[64:g]) == int(f.page_crcs[0])
+        assert _crc(raw[g:2 * g]) == int(f.page_crcs[1])
+        assert len(f.page_crcs) == -(-(64 + f.alen) // g)
+        f.lookup(f.first_hash[5:6])
+        assert f.checked.sum() <= 6  # the schema's slot, the Arrow footer's (two), the group's
