@@ -140,13 +140,17 @@ def test_moved_bytes_are_near_the_ideal(tmp_path) -> None:
     11) counts its share of its stored bytes, not its pieces' (each has an Arrow header of its own: counted as
     written, a leaving worker's blocks shared out shard by shard came to 1.108x, and moved bytes exceeded the
     state's total in a rescale sequence below)."""
+    import shutil
+
     worst = 0.0
     for w in range(1, 9):
+        base = str(tmp_path / f"{w}")
+        c = _load(base, 40_000, w)  # W -> W+1 and W -> W-1 each open a copy of the same loaded directory
         for to in (w + 1, w - 1):
             if to < 1:
                 continue
             d = str(tmp_path / f"{w}-{to}")
-            c = _load(d, 40_000, w)
+            shutil.copytree(base, d)
             before, _ = read_layout(d)
             p = dbsp.Pipeline.open(d, c, to)
             rep = p.last_rescale
