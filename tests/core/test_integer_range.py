@@ -8,7 +8,6 @@ it); replay with DBSP_HYPOTHESIS_SEED. More examples: DBSP_HYPOTHESIS_EXAMPLES.
 
 from __future__ import annotations
 
-import duckdb
 import pyarrow as pa
 import pytest
 from hypothesis import given, note, settings
@@ -17,6 +16,7 @@ from hypothesis import strategies as st
 import dbsp_core as dbsp
 from dbsp_core import sql as dbsp_sql
 from hypothesis_profile import examples
+from oracle import connect  # tests/core: a cursor of the process's DuckDB database
 
 INT_TYPES = [pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(), pa.uint32(), pa.uint64()]
 AGGS = {"n": dbsp.count(), "c": dbsp.count("v"), "s": dbsp.sum("v"), "a": dbsp.avg("v")}
@@ -51,7 +51,7 @@ def expected(bag: dict, t: pa.DataType, keyed: bool, sql: bool = False) -> tuple
     our result type]); over no rows, no group (a Z-set view), or SQL's one row when ``sql`` and not ``keyed``."""
     rows = [(k, v) for (k, v), m in bag.items() for _ in range(m)]
     table = pa.table({"k": pa.array([k for k, _ in rows], pa.int64()), "v": pa.array([v for _, v in rows], t)})
-    con = duckdb.connect()
+    con = connect()
     con.register("t", table)
     q = "SELECT {} count(*), count(v), sum(v), avg(v), min(v), max(v) FROM t {}"
     got = con.execute(q.format("k," if keyed else "", "GROUP BY k" if keyed else "")).fetchall() \

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-import duckdb
 import pyarrow as pa
 from workload import integrate  # noqa: F401 - the test modules of program changes import it from here
 
@@ -73,7 +72,15 @@ def push(p, data: dict[str, tuple[list[tuple], list[int]]], step: int | None = N
 
 def oracle(model: dict[str, dict], query: str) -> Counter:
     """DuckDB's answer to ``query`` over the model's tables, as a multiset of rows."""
-    con = duckdb.connect()
+    import os
+    import sys
+
+    core = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "core")
+    if core not in sys.path:
+        sys.path.insert(0, core)
+    from oracle import connect  # tests/core: a cursor of the process's DuckDB database (only the parent asks)
+
+    con = connect()
     orders = pa.table({"id": pa.array([r[0] for r in model.get("orders", {}).values()], pa.int32()),
                        "cust": pa.array([r[1] for r in model.get("orders", {}).values()], pa.int32()),
                        "amt": pa.array([r[2] for r in model.get("orders", {}).values()], pa.int32())})

@@ -140,13 +140,17 @@ def test_moved_bytes_are_near_the_ideal(tmp_path) -> None:
     11) counts its share of its stored bytes, not its pieces' (each has an Arrow header of its own: counted as
     written, a leaving worker's blocks shared out shard by shard came to 1.108x, and moved bytes exceeded the
     state's total in a rescale sequence below)."""
+    import shutil
+
     worst = 0.0
     for w in range(1, 9):
+        base = str(tmp_path / f"{w}")
+        c = _load(base, 40_000, w)  # W -> W+1 and W -> W-1 each open a copy of the same loaded directory
         for to in (w + 1, w - 1):
             if to < 1:
                 continue
             d = str(tmp_path / f"{w}-{to}")
-            c = _load(d, 40_000, w)
+            shutil.copytree(base, d)
             before, _ = read_layout(d)
             p = dbsp.Pipeline.open(d, c, to)
             rep = p.last_rescale
@@ -181,16 +185,38 @@ POINTS = [("rescale-intent", 1), ("rescale-commit", 1), ("rescale-commit", 2), (
           ("rescale-group", 1), ("rescale-committed", 1), ("rescale-layout", 1)]
 
 
+@pytest.fixture(scope="module")
+def interrupted_start(tmp_path_factory):
+    """``start(kind)``: the workload, its never-rescaled reference and a closed 2-worker directory after its first 5
+    steps (with those steps' outputs), made once per executor kind: every protocol point starts from a copy of it
+    (a deterministic run; the 7 points' runs of these 5 steps gave the same directory 7 times over)."""
+    import shutil
+
+    made: dict[str, tuple] = {}
+
+    def start(kind: str, d: str) -> Run:
+        if kind not in made:
+            w = Workload(BASE_SEED + 200, 10, keys=KEYS)
+            first = Run(str(tmp_path_factory.mktemp(f"interrupted-{kind}") / "d"), w, kind, workers=2)
+            first.continue_to(5)
+            first.p.close()
+            assert_every_shard_holds_state(first.d, "before the move to 3 workers")
+            made[kind] = (first, reference(w))
+        first, ref = made[kind]
+        shutil.copytree(first.d, d)
+        r = Run.__new__(Run)
+        r.d, r.w, r.kind, r.cur, r.outs, r.ref = d, first.w, kind, first.cur, list(first.outs), ref
+        return r
+
+    return start
+
+
 @pytest.mark.parametrize("kind", ["embedded", "staged"])
 @pytest.mark.parametrize("point,hit", POINTS)
-def test_a_rescale_interrupted_at_each_protocol_point_ends_in_one_layout(tmp_path, monkeypatch, kind: str,
-                                                                         point: str, hit: int) -> None:
-    w = Workload(BASE_SEED + 200, 10, keys=KEYS)
-    ref = reference(w)
-    r = Run(str(tmp_path / "d"), w, kind, workers=2)
-    r.continue_to(5)
-    r.p.close()
-    assert_every_shard_holds_state(r.d, "before the move to 3 workers")
+def test_a_rescale_interrupted_at_each_protocol_point_ends_in_one_layout(tmp_path, monkeypatch, interrupted_start,
+                                                                         kind: str, point: str, hit: int) -> None:
+    r = interrupted_start(kind, str(tmp_path / "d"))
+    w, ref = r.w, r.ref
     monkeypatch.setattr(driver_module, "crashpoint", _crash_at(point, hit))
     try:
         dbsp.Pipeline.open(r.d, build_circuit(), 3, executor=_executor(kind), checkpoint_interval=None)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 from collections import Counter
 
-import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -17,7 +16,7 @@ import pytest
 import dbsp_core as dbsp
 from dbsp_core import nexmark
 from changes import SEED, Retractions
-from oracle import _diff, normalize
+from oracle import _diff, connect, normalize
 from reference import SQL
 
 EVENTS, RATE = 6000, 300  # 20 s of event time: two 10 s windows and auctions living up to about 11 s
@@ -32,7 +31,7 @@ def _rows(table: pa.Table) -> dict:
 
 
 def _duckdb(sql: str, tables: dict[str, pa.Table]) -> dict:
-    con = duckdb.connect()
+    con = connect()
     try:
         for name, t in tables.items():
             con.register(name, t)

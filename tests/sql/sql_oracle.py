@@ -19,13 +19,12 @@ import random
 import re
 from collections import Counter
 
-import duckdb
 import numpy as np
 import pyarrow as pa
 
 import dbsp_core as dbsp
 from dbsp_core import sql
-from oracle import ChangeGen, _diff, _norm, normalize, register_bags  # tests/core, on the path by conftest.py
+from oracle import ChangeGen, _diff, _norm, connect, normalize, register_bags  # tests/core, on the path by conftest.py
 
 BASE_TS = datetime.datetime(2024, 3, 1, 12, 0, 0)
 
@@ -71,12 +70,15 @@ def _sql_norm(v: object) -> object:
 def duckdb_views(ddl_tables: dict[str, pa.Schema], bags: dict[str, Counter], statements: str, views: list[str],
                  norm=None) -> dict[str, dict]:
     """Each view's rows (as ``{row: multiplicity}``) from DuckDB running ``statements`` over the bags."""
-    con = duckdb.connect()
+    con = connect()  # the process's database: every object made here must be temporary (it goes with con)
     try:
         # a Bag's weights are all > 0: each row stands in its view as many times as its weight
         register_bags(con, {name: (schema, bags[name]) for name, schema in ddl_tables.items()})
         for st in [s for s in statements.split(";") if s.strip()]:
-            con.execute(re.sub(r"CREATE\s+MATERIALIZED\s+VIEW", "CREATE VIEW", st, flags=re.I))
+            st = re.sub(r"CREATE\s+(?:MATERIALIZED\s+)?VIEW", "CREATE TEMP VIEW", st, flags=re.I)
+            if re.search(r"\bCREATE\s+(?!TEMP\b)", st, flags=re.I):
+                raise ValueError(f"duckdb_views makes views only (temporary, on a shared database): {st!r}")
+            con.execute(st)
         out = {}
         for v in views:
             t = con.sql(f"SELECT * FROM {v}").to_arrow_table()

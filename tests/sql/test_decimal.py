@@ -17,6 +17,7 @@ import pytest
 import dbsp_core as dbsp
 from dbsp_core import sql
 from dbsp_core.errors import StepError
+from oracle import connect  # tests/core: a cursor of the process's DuckDB database
 
 SEED = int(os.environ.get("DBSP_DECIMAL_SEED") or random.SystemRandom().randrange(2**31))
 T = pa.schema([("k", pa.int32()), ("d", pa.decimal128(10, 2)), ("e", pa.decimal128(6, 3)), ("i", pa.int64())])
@@ -99,7 +100,7 @@ def test_decimal_views_match_duckdb_after_random_steps_with_deletions(workers: i
         for v, z in p.step().items():
             for row, w in z.to_dict().items():
                 views[v][_norm(row)] += w
-        con = duckdb.connect()
+        con = connect()
         con.register("t", _table(held, T))
         con.register("u", _table(u_rows, U))
         want = _expected(con)

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import dbsp_core as dbsp
 from dbsp_core import sql
 from hypothesis_profile import examples
+from oracle import connect  # tests/core
 from test_integer_range import INT_TYPES, SQL_TYPES, bounds, moves, run, values  # tests/core
 
 # (expression over columns a and b, how to compare): "exact" values, or "double" (DuckDB's result is a double,
@@ -48,7 +49,7 @@ def _norm(v: object, how: str) -> object:
 
 def duck(expr: str, t: pa.DataType, rows: list) -> tuple[list, list]:
     """(the rows DuckDB evaluates ``expr`` over, with their results; the rows on which it raises)."""
-    con = duckdb.connect()
+    con = connect()
     con.register("src", pa.table({"a": pa.array([a for a, _ in rows], t), "b": pa.array([b for _, b in rows], t)}))
     ok, bad = [], []
     for a, b in rows:  # one row at a time: a row DuckDB refuses must fail our step, and only such a row
@@ -125,7 +126,7 @@ def test_nullif_of_an_integer_literal_has_the_literal_type(expr: str) -> None:
     with dbsp.Pipeline(c) as p:
         p.push("t", rows)
         got = Counter(p.step()["v"].to_dict())
-    con = duckdb.connect()
+    con = connect()
     con.register("t", rows)
     want = Counter(r for r in con.execute(f"SELECT {expr} AS x FROM t").fetchall())
     assert got == want, f"{expr}: ours {got}, DuckDB {want}"

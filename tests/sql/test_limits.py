@@ -17,6 +17,7 @@ import pytest
 import dbsp_core as dbsp
 from dbsp_core import sql
 from dbsp_core.sql import SqlError
+from oracle import connect  # tests/core: a cursor of the process's DuckDB database
 
 SEED = int(os.environ.get("DBSP_SQL_LIMITS_SEED", str(random.SystemRandom().randrange(2**31))))
 T = "CREATE TABLE t (s VARCHAR, b BIGINT);\n"
@@ -41,7 +42,7 @@ def _run(view: str, data: pa.Table) -> Counter:
 
 
 def _duckdb(view: str, data: pa.Table) -> Counter:
-    con = duckdb.connect()
+    con = connect()
     con.register("t", data)
     return Counter(tuple(r) for r in con.execute(view).fetchall())
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import time
 
-import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -18,7 +17,7 @@ import pytest
 import dbsp_core as dbsp
 from corpus import V
 from dbsp_core import sql
-from oracle import _diff, _norm, accumulate, duckdb_query, normalize, to_zset
+from oracle import _diff, _norm, accumulate, connect, duckdb_query, normalize, to_zset
 from sql_oracle import Bag, _value, run_views
 
 SEED = int(os.environ.get("DBSP_NAN_SEED", time.time_ns() % 2**31))
@@ -202,7 +201,7 @@ def test_every_pair_of_special_values_compares_as_duckdb() -> None:
     with dbsp.Pipeline(c) as p:
         p.push("t", tab)
         got = {r[0]: tuple(_norm(v) for v in r[1:]) for r in p.step()["v"].to_dict()}
-    con = duckdb.connect()
+    con = connect()
     con.register("t", tab)
     want = {r[0]: tuple(_norm(v) for v in r[1:]) for r in con.sql(f"SELECT i, {items} FROM t").fetchall()}
     bad = {pairs[i]: (got.get(i), w) for i, w in want.items() if got.get(i) != w}

@@ -10,12 +10,12 @@ import datetime
 import os
 import random
 
-import duckdb
 import pyarrow as pa
 import pytest
 
 import dbsp_core as dbsp
 from dbsp_core import sql
+from oracle import connect  # tests/core: a cursor of the process's DuckDB database
 
 SEED = int(os.environ.get("DBSP_NOW_SEED") or random.SystemRandom().randrange(2**31))
 HOUR = 3600 * 10**9
@@ -38,7 +38,7 @@ def _rows(rng: random.Random, now_ns: int, n: int) -> list[tuple]:
 
 
 def _duckdb(held: list[tuple], now_ns: int) -> dict[str, collections.Counter]:
-    con = duckdb.connect()
+    con = connect()
     con.register("ev", pa.table({"id": pa.array([r[0] for r in held], pa.int32()),
                                  "ts": pa.array([r[1] for r in held], pa.timestamp("us"))}))
     at = f"TIMESTAMP '{_ts(now_ns).isoformat(sep=' ')}'"

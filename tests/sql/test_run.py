@@ -20,6 +20,7 @@ import pytest
 
 from dbsp_core.connectors import read_parquet_view, read_sqlite_view
 from dbsp_core.connectors.parquet_sink import step_file
+from oracle import connect  # tests/core: a cursor of the process's DuckDB database
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEED = int(os.environ.get("DBSP_RUN_SEED") or random.SystemRandom().randrange(2**31))
@@ -96,7 +97,7 @@ class Input:
                            "cust": pa.array([r[1] for r in self.live.values()], pa.int32()),
                            "amount": pa.array([r[2] for r in self.live.values()], pa.int64())})
         customers = pq.read_table(os.path.join(self.root, "in", "customers", "c.parquet"))
-        con = duckdb.connect()
+        con = connect()
         con.register("orders", orders)
         con.register("customers", customers)
         return {v: collections.Counter(con.execute(q).fetchall()) for v, q in QUERIES.items()}
