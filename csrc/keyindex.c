@@ -938,7 +938,7 @@ int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t
         if (!s) {
             st = insert_new(ix, tg, w, d, 1, n, &s, &tab);
             if (st != DBSP_OK) {  /* memory or a size limit: nothing of row i written; rows before it taken back */
-                if (!before) (void)undo_add(ix, b, keys, kh, cols, sign, i);
+                (void)undo_add(ix, b, keys, kh, cols, sign, i);
                 return st;
             }
             last = s, ltab = tab, ltg = tg, keep_probe(ix, lw, w);

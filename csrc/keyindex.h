@@ -143,7 +143,7 @@ int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
 
 /* dbsp_keyindex_add that also sets before[i * nvals + v] to the sums of row i's key just before row i is added
  * (so, for rows with distinct keys, the sums before the call): a reader of old sums that then adds the same rows
- * (distinct) probes once per row. Unlike dbsp_keyindex_add, any failure leaves the index broken. */
+ * (distinct) probes once per row. A failure is as dbsp_keyindex_add's (before[] then holds nothing of use). */
 int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
                              const int32_t *cols, int64_t sign, int64_t *before);
 
