@@ -478,7 +478,7 @@ class PerKeyTotals:
       ``_pk_on``: the mode is on (:meth:`keep_totals_per_key`; off for good once the trace joins a batch store or its
       index is dropped, each after a sync). ``_pk_rec``: per dirty key (a key whose totals changed since the last
       sync), once, the totals the batches hold for it: tuples (table of key and total columns, key hashes, whether
-      the batches hold a row for it, which rows the sync reads: one per key); ``_pk_dirty``: a KeyIndex of one count per dirty key (1), which tells a key
+      the batches hold a row for it); ``_pk_dirty``: a KeyIndex of one count per dirty key (1), which tells a key
       already recorded from a new one. The content is the batches plus, per dirty key, (index totals) - (recorded
       totals). ``_pk_undo``: while a rollback capture is alive (``_pk_marks``), every change made to a key index
       object in place since the oldest one: (index, view of rows, key positions, key hashes, columns, sign), undone in
@@ -554,7 +554,7 @@ class PerKeyTotals:
             try:
                 self._pk_record(batch, dirty, fresh)
             except (MemoryError, ValueError) as exc:  # the dirty-key index could not grow (memory, the budget)
-                if dirty.broken or dirty.refusals == 0:  # (not taken back: csrc/keyindex.h invariant 4)
+                if dirty.broken:  # (not undone: csrc/keyindex.h invariant 4)
                     raise
                 self._pk_drop_recording(batch, fresh, exc)
                 return
@@ -562,34 +562,34 @@ class PerKeyTotals:
             self._pk_off()
 
     def _pk_record(self, batch: "IndexedZSet", dirty: Any, fresh: np.ndarray) -> None:
-        """Record the keys of ``batch``'s rows ``fresh`` (not dirty yet), in one take and one add to the dirty index:
-        the rows, and which of them the sync reads (one per key: its -1 row, whose totals the batches hold, or its only
-        row, a new group's) and whether the batches hold a row of its key. A failure of the dirty index (memory, the
-        budget) takes its add back (csrc/keyindex.h invariant 4) and records nothing."""
-        keys, w = batch._keypos, batch.zset.weights
-        sel = np.flatnonzero(fresh)
-        part = batch.zset.data.take(pa.array(sel))
-        pkh = np.ascontiguousarray(batch._kh[sel])
-        seen = np.zeros((len(sel), 1), dtype=np.int64)
-        pv = _view_of(part, np.ones(len(sel), dtype=np.int64))
-        dirty.add(pv, None, keys, pkh, [-1], 1, before=seen)
-        # the fresh keys were absent: a row that finds its key is the second row of its key, which sits just after the
-        # first (a group's rows are side by side in canonical order, csrc/rows.h invariant 2, unless two keys share a
-        # key hash: then by key, below)
-        first = seen[:, 0] == 0
-        neg = w[sel] < 0
-        if len(sel) > 1 and (first[1:] & (pkh[1:] == pkh[:-1])).any():  # two keys of one key hash (rare)
-            use, had = _one_row_per_key(part, keys, neg)
-        else:
-            follows = np.zeros(len(sel), dtype=bool)  # a second row of its key follows
-            follows[:-1] = ~first[1:]
-            prev_neg = np.zeros(len(sel), dtype=bool)
-            prev_neg[1:] = neg[:-1]
-            use = (first & (~follows | neg)) | (~first & ~prev_neg)
-            had = neg | ~first | follows
+        """Record the keys of ``batch``'s rows ``fresh`` (not dirty yet), once each, with the batches' totals. A
+        failure of the dirty index (memory, the budget) leaves it and the records as they were."""
+        view, keys, kh, w = batch._view(), batch._keypos, batch._kh, batch.zset.weights
+        done: list = []  # (view, key hashes, sign) added to the dirty index, to take back if a later add fails
+        recs: list = []
+        try:
+            for old in (True, False):  # old rows first: a key's -1 row holds the totals its batches hold
+                sel = np.flatnonzero(fresh & ((w < 0) if old else (w > 0)))
+                if not old and len(sel):  # a key with no -1 row in this step is a new group (the batches hold none)
+                    acc = np.zeros((len(sel), 1), dtype=np.int64)
+                    dirty.get(view, keys, kh[sel], acc, sel=sel)
+                    sel = sel[acc[:, 0] == 0]
+                if not len(sel):
+                    continue
+                part = batch.zset.data.take(pa.array(sel))
+                pkh = np.ascontiguousarray(kh[sel])
+                pv = _view_of(part, np.full(len(sel), -1 if old else 1, dtype=np.int64))
+                dirty.add(pv, None, keys, pkh, [-1], -1 if old else 1)  # taken back by itself if it fails
+                done.append((pv, pkh, -1 if old else 1))
+                recs.append((part, pkh, old))
+        except (MemoryError, ValueError):
+            if not dirty.broken:
+                for pv, pkh, sign in reversed(done):  # removals only: they cannot fail
+                    dirty.add(pv, None, keys, pkh, [-1], -sign)
+            raise
         if len(self._pk_marks):
-            self._pk_undo.entries.append((dirty, pv, keys, pkh, [-1], 1))
-        self._pk_rec.append((part, pkh, had, use))
+            self._pk_undo.entries.extend((dirty, pv, keys, pkh, [-1], sign) for pv, pkh, sign in done)
+        self._pk_rec.extend(recs)
 
     def _pk_drop_recording(self, batch: "IndexedZSet", fresh: np.ndarray, exc: BaseException) -> None:
         """The dirty-key index could not record the step's fresh keys (memory, the budget; it is as it was), whose
@@ -621,10 +621,9 @@ class PerKeyTotals:
         if ix is None or ix.token != self._token:
             raise AssertionError("totals per key: the key index is not current at a sync (its totals are the state)")
         recs, self._pk_rec, self._pk_dirty = self._pk_rec, [], None  # a new dirty index: a capture keeps the old one
-        use = np.flatnonzero(np.concatenate([r[3] for r in recs]))  # one row per key (_pk_record)
-        data = pa.concat_tables([r[0] for r in recs]).take(pa.array(use))
-        kh = np.concatenate([r[1] for r in recs])[use]
-        had = np.concatenate([r[2] for r in recs])[use]
+        data = pa.concat_tables([r[0] for r in recs])
+        kh = np.concatenate([r[1] for r in recs])
+        had = np.concatenate([np.full(len(r[1]), r[2]) for r in recs])
         nk = len(self.key)
         keys = list(range(nk))
         new = np.zeros((len(kh), ix.nvals), dtype=np.int64)
@@ -690,23 +689,6 @@ class _Mark:
 
     def __init__(self, undo: list, at: int, ix: Any, token: Any) -> None:
         self.undo, self.at, self.ix, self.token = undo, at, ix, token
-
-
-def _one_row_per_key(part: pa.Table, keys: Any, neg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For rows of at most two per key (a -1 and a +1 row), in any order: which row stands for its key (its -1 row,
-    or its only one) and whether the key has a -1 row. By the key values, row by row: only for a step whose fresh
-    keys include two of one key hash (PerKeyTotals._pk_record)."""
-    rows = list(zip(*(part.column(k).to_pylist() for k in keys)))
-    at: dict = {}
-    for i, r in enumerate(rows):
-        at.setdefault(r, []).append(i)
-    use = np.zeros(len(rows), dtype=bool)
-    had = np.zeros(len(rows), dtype=bool)
-    for group in at.values():
-        pick = next((i for i in group if neg[i]), group[0])
-        use[pick] = True
-        had[pick] = bool(neg[group].any())
-    return use, had
 
 
 def _view_of(table: pa.Table, weights: np.ndarray | None) -> Any:

@@ -156,15 +156,3 @@ def test_an_index_that_cannot_grow_half_way_through_a_step_falls_back_to_batches
     assert state_on == state_off
     if not BUDGET:
         assert len(dropped) >= 2 and all("dropped its key index" in str(w.message) for w in dropped)
-
-
-def test_one_row_per_key_when_two_keys_share_a_key_hash() -> None:
-    """PerKeyTotals._pk_record's path for fresh keys of one key hash (their rows may interleave in canonical order):
-    per key its -1 row (or its only row) and whether it has one, by key values."""
-    from dbsp_core.trace.keyindex import _one_row_per_key
-
-    part = pa.table({"k": [1, 2, 1, 3, 2, 4], "s": ["a", "a", "a", "b", "a", "c"]})
-    neg = np.array([False, True, True, False, False, True])
-    use, had = _one_row_per_key(part, [0, 1], neg)
-    assert use.tolist() == [False, True, True, True, False, True]
-    assert had.tolist() == [False, True, True, False, False, True]
