@@ -398,9 +398,10 @@ class KeyIndexed:
         """``fn(ix)`` with the key index for ``spec`` handed out by :meth:`index_for_update` (``fn`` reads and stores
         through it, then inserts with ``insert(batch, indexed=ix)`` or calls :meth:`index_done`, or returns None
         having called it); None when no current index serves. A WeightOverflowError is raised with the index left
-        as found when the failed call stored nothing, else stale; a failure that broke the index on its memory or
-        size limit turns it off (the trace walks its batches from then on) and returns None, so the caller takes
-        the path without it."""
+        as found when the failed call stored nothing, else stale; a failure on the index's memory or size limit that
+        broke it, or whose stores were undone (``ix.refusals``: csrc/linrun.h invariant 4; a per-key trace then syncs
+        from the whole index first), turns it off (the trace walks its batches from then on) and returns None, so
+        the caller takes the path without it. Another MemoryError or ValueError is raised with the index as found."""
         ix = self.index_for_update(spec)
         if ix is None:
             return None
