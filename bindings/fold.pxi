@@ -41,8 +41,8 @@ def linear_step(table, keys, cols, KeyIndex ix):
     where the key was found), or drop the group when its new count (slot 0) is 0. Returns (rows, w, kh, rh, vals,
     ordered): per emitted row, the row of `table` carrying its key, its weight, key hash and row hash; the slot
     values as an (ns, n) array; and whether the rows are in canonical index order (linear_fold's). A
-    WeightOverflowError (a sum or total leaves int64) leaves `ix` unchanged; a MemoryError or ValueError (past its
-    size limit) while storing leaves it broken."""
+    WeightOverflowError (a sum or total leaves int64) leaves `ix` unchanged; so does a MemoryError or ValueError (past its
+    size limit) while storing: the stores are undone (csrc/linrun.h invariant 4; ``ix.refusals`` counts them)."""
     cdef BatchView v = view_of(table)
     cdef Int32s k = Int32s(keys)
     cdef int32_t ns = len(cols)

@@ -67,6 +67,12 @@ cdef class KeyIndex:
         return dbsp_keyindex_spills(self.ix)
 
     @property
+    def refusals(self):
+        """Steps whose store failed (memory, size limit) and was undone, the index left whole and as it was
+        (csrc/linrun.h invariant 4), ever."""
+        return dbsp_keyindex_refusals(self.ix)
+
+    @property
     def broken(self):
         """True after an update failed (overflow, memory): the sums are partly updated and must not be read."""
         return bool(dbsp_keyindex_broken(self.ix))

@@ -147,6 +147,7 @@ cdef extern from "keyindex.h" nogil:
     int64_t dbsp_keyindex_len(const CKeyIndex *ix)
     int64_t dbsp_keyindex_bytes(const CKeyIndex *ix)
     int dbsp_keyindex_broken(const CKeyIndex *ix)
+    int64_t dbsp_keyindex_refusals(const CKeyIndex *ix)
     int dbsp_keyindex_growing(const CKeyIndex *ix)
     int64_t dbsp_keyindex_spills(const CKeyIndex *ix)
     void dbsp_keyindex_set_budget(int64_t bytes)

@@ -70,6 +70,7 @@ struct DbspKeyIndex {
     int64_t old_added;  /* growing: new keys put in the old table (at most an eighth of its slots) */
     int64_t spilled;    /* growing: new keys put in cur though their old home is not moved (lookups look twice) */
     int64_t spills;     /* spilled keys, ever (tests) */
+    int64_t refusals;   /* stores refused and undone (invariant 4; dbsp_keyindex_note_refusal) */
     int huge_later;     /* cur was mapped without huge-page advice: give it once growing ends */
     char *dir;          /* invariant 7: large regions are files in this directory (NULL: anonymous pages) */
     uint32_t var;       /* invariant 8: bit k set when key column k is variable width (bytes) */
@@ -461,6 +462,9 @@ int64_t dbsp_keyindex_bytes(const DbspKeyIndex *ix) {
     return (ix->cur.cap + ix->old.cap) * 8 + (int64_t)ix->ents.bytes + (int64_t)ix->arena.bytes;
 }
 int dbsp_keyindex_broken(const DbspKeyIndex *ix) { return ix->broken; }
+void dbsp_keyindex_unbreak(DbspKeyIndex *ix) { ix->broken = 0; }
+void dbsp_keyindex_note_refusal(DbspKeyIndex *ix) { ix->refusals++; }
+int64_t dbsp_keyindex_refusals(const DbspKeyIndex *ix) { return ix->refusals; }
 int dbsp_keyindex_growing(const DbspKeyIndex *ix) { return ix->old.slots != NULL; }
 int64_t dbsp_keyindex_spills(const DbspKeyIndex *ix) { return ix->spills; }
 
@@ -799,7 +803,10 @@ static int insert_new(DbspKeyIndex *ix, uint64_t tg, const uint64_t *w, const in
     }
     int64_t e;
     int st = entry_take(ix, &e);
-    if (st == DBSP_OK && ix->var) st = arena_reserve(ix, tg, w); /* room for its records first: may compact */
+    if (st == DBSP_OK && ix->var && (st = arena_reserve(ix, tg, w)) != DBSP_OK) { /* room for its records first */
+        entry_at(ix, e)[0] = (uint64_t)ix->ents.free; /* the entry back: nothing of the key written (invariant 4) */
+        ix->ents.free = e;
+    }
     if (st != DBSP_OK) {
         ix->broken = 1;
         return st;
@@ -826,6 +833,67 @@ static int insert_new(DbspKeyIndex *ix, uint64_t tg, const uint64_t *w, const in
     return DBSP_OK;
 }
 
+/* Row i's deltas d[v] for dbsp_keyindex_add (weight times sign, times the column's value, or the weight, or the
+ * weight where the column is valid); returns 0 on an overflow, else 1 with *nonzero whether any is not 0. */
+static inline int row_deltas(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *cols, int64_t sign, int64_t i,
+                             int64_t *d, int *nonzero) {
+    int64_t wt = b->weights ? b->weights[i] : 1;
+    if (sign < 0) {
+        if (wt == INT64_MIN) return 0;
+        wt = -wt;
+    }
+    *nonzero = 0;
+    for (int32_t j = 0; j < ix->nvals; j++) {
+        if (cols[j] == -1) {
+            d[j] = wt;
+        } else if (cols[j] <= -2) {
+            d[j] = dbsp_col_valid(&b->cols[-2 - cols[j]], i) ? wt : 0;
+        } else {
+            const DbspColumn *c = &b->cols[cols[j]];
+            int64_t x = !dbsp_col_valid(c, i) ? 0
+                        : c->type == DBSP_INT64 ? ((const int64_t *)c->values)[c->offset + i]
+                                                : (int64_t)dbsp_col_u64(c, i);
+            if (__builtin_mul_overflow(x, wt, &d[j])) return 0;
+        }
+        *nonzero |= d[j] != 0;
+    }
+    return 1;
+}
+
+/* Invariant 4: take back rows [0, upto) of an add of sign `sign` that failed for memory or a size limit at row upto
+ * (nothing of which was written), newest first, so every state passed through is one the add passed through: the
+ * table never needs to grow, a key removed by the add is put back into an entry the add (or this undo) freed. Only a
+ * string key put back needs arena room, which may fail: the index then stays broken. Returns DBSP_OK when undone. */
+static int undo_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
+                    const int32_t *cols, int64_t sign, int64_t upto) {
+    uint64_t w[PROBE_WORDS];
+    int64_t d[DBSP_KEYINDEX_MAX_VALS];
+    ix->broken = 0;
+    for (int64_t i = upto - 1; i >= 0; i--) {
+        int nonzero = 0;
+        (void)row_deltas(ix, b, cols, -sign, i, d, &nonzero); /* the add summed these without overflow */
+        if (!nonzero) continue;
+        uint64_t tg = tag(kh[i], key_words(ix, b, keys, i, w));
+        if (ix->old.slots) move_some(ix, MOVE_PER_ROW);
+        uint64_t *s = lookup(ix, tg, w);
+        Table *tab;
+        if (!s) {
+            if (insert_new(ix, tg, w, d, 1, 0, &s, &tab) != DBSP_OK) return DBSP_ENOMEM; /* broken */
+            continue;
+        }
+        tab = ix->old.slots && (uint64_t)(s - ix->old.slots) < (uint64_t)ix->old.cap ? &ix->old : &ix->cur;
+        int64_t *v = (int64_t *)(entry_of(ix, *s) + ix->nkeys);
+        int zero = 1;
+        for (int32_t j = 0; j < ix->nvals; j++) {
+            v[j] += d[j];
+            zero &= v[j] == 0;
+        }
+        if (zero) remove_slot(ix, tab, s);
+    }
+    ix->refusals++;
+    return DBSP_OK;
+}
+
 int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
                              const int32_t *cols, int64_t sign, int64_t *before) {
     if (ix->broken) return DBSP_EINVAL;
@@ -844,26 +912,8 @@ int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t
     Table *ltab = NULL;    /* the table it is in */
     for (int64_t i = 0; i < n; i++) {
         prefetch_row(ix, kh, i, n);
-        int64_t wt = b->weights ? b->weights[i] : 1;
-        if (sign < 0) {
-            if (wt == INT64_MIN) goto overflow;
-            wt = -wt;
-        }
         int nonzero = 0;
-        for (int32_t j = 0; j < ix->nvals; j++) {
-            if (cols[j] == -1) {
-                d[j] = wt;
-            } else if (cols[j] <= -2) {
-                d[j] = dbsp_col_valid(&b->cols[-2 - cols[j]], i) ? wt : 0;
-            } else {
-                const DbspColumn *c = &b->cols[cols[j]];
-                int64_t x = !dbsp_col_valid(c, i) ? 0
-                            : c->type == DBSP_INT64 ? ((const int64_t *)c->values)[c->offset + i]
-                                                    : (int64_t)dbsp_col_u64(c, i);
-                if (__builtin_mul_overflow(x, wt, &d[j])) goto overflow;
-            }
-            nonzero |= d[j] != 0;
-        }
+        if (!row_deltas(ix, b, cols, sign, i, d, &nonzero)) goto overflow;
         if (!nonzero && !before) continue;
         uint64_t tg = tag(kh[i], key_words(ix, b, keys, i, w));
         uint64_t *s;
@@ -887,7 +937,10 @@ int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t
         }
         if (!s) {
             st = insert_new(ix, tg, w, d, 1, n, &s, &tab);
-            if (st != DBSP_OK) return st;
+            if (st != DBSP_OK) {  /* memory or a size limit: nothing of row i written; rows before it taken back */
+                (void)undo_add(ix, b, keys, kh, cols, sign, i);
+                return st;
+            }
             last = s, ltab = tab, ltg = tg, keep_probe(ix, lw, w);
             continue;
         }

@@ -27,7 +27,11 @@
  *     pages kept 2 MiB-aligned (transparent huge pages: a probe into 4 KiB pages misses the TLB); a shrink (below)
  *     copies the live entries into an array of their own size.
  *  4. Every product weight * value and every sum is checked: one outside int64 returns DBSP_EOVERFLOW and leaves
- *     the index broken (dbsp_keyindex_broken): the caller must drop it, its sums are then partly updated.
+ *     the index broken (dbsp_keyindex_broken): the caller must drop it, its sums are then partly updated. A put or
+ *     an add that fails for memory or a size limit (DBSP_ENOMEM, DBSP_ETOOBIG) does so before writing anything of
+ *     the failing key (a growth that fails changes nothing; an entry taken for it is given back), so the index is
+ *     whole, holding the keys stored before it: a caller that knows what those were can undo them, clear the
+ *     mark (dbsp_keyindex_unbreak) and count the refusal (dbsp_keyindex_note_refusal; csrc/linrun.h invariant 4).
  *  5. Growing never rehashes the whole index in one call: a new entry that would pass 3/4 starts a table of twice
  *     the slots, and the old one is moved into it a few slots per row added, a whole cluster (run of full slots)
  *     at a time, from a slot that was empty. Until it ends, a key whose home in the old table is moved sits in the
@@ -102,6 +106,11 @@ int64_t dbsp_keyindex_total_bytes(void);
 int64_t dbsp_keyindex_len(const DbspKeyIndex *ix);
 int64_t dbsp_keyindex_bytes(const DbspKeyIndex *ix);
 int dbsp_keyindex_broken(const DbspKeyIndex *ix);
+/* Invariant 4: clear the broken mark of an index whose failed store its caller undid, count such a refusal, and read
+ * the count (the owner tells "refused, the index as it was" from "broken" by it). */
+void dbsp_keyindex_unbreak(DbspKeyIndex *ix);
+void dbsp_keyindex_note_refusal(DbspKeyIndex *ix);
+int64_t dbsp_keyindex_refusals(const DbspKeyIndex *ix);
 int dbsp_keyindex_growing(const DbspKeyIndex *ix);
 /* New keys that spilled into the new table while growing (invariant 5), ever: for tests. */
 int64_t dbsp_keyindex_spills(const DbspKeyIndex *ix);
@@ -124,14 +133,17 @@ void dbsp_keyindex_set_slot(DbspKeyIndex *ix, int64_t *slot, const int64_t *vals
  * column other than uint64, a date or a timestamp, as int64; a null value counts 0), += w for cols[v] == -1, and
  * += w if b[c][i] is not null for cols[v] == -2 - c (the weighted count of a column's values, which tells a sum
  * of 0 from a null). Entries are created and removed as invariant 2 says.
- * Errors: DBSP_ETYPE, DBSP_EINVAL, DBSP_EOVERFLOW (invariant 4), DBSP_ENOMEM, DBSP_ETOOBIG (the table or the
- * entries would pass max_bytes or the budget, or the table 2^28 slots); after the last three the index is broken. */
+ * Errors: DBSP_ETYPE, DBSP_EINVAL, DBSP_EOVERFLOW (invariant 4: the index is then broken), DBSP_ENOMEM,
+ * DBSP_ETOOBIG (the table or the entries would pass max_bytes or the budget, or the table 2^28 slots): after these two
+ * the rows added before the failing one are taken back, newest first (no growth needed, freed entries reused), and
+ * the index is whole and as before the call (dbsp_keyindex_refusals counts it); only a key of a string column put
+ * back may find no arena room, and the index then stays broken. */
 int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
                       const int32_t *cols, int64_t sign);
 
 /* dbsp_keyindex_add that also sets before[i * nvals + v] to the sums of row i's key just before row i is added
  * (so, for rows with distinct keys, the sums before the call): a reader of old sums that then adds the same rows
- * (distinct) probes once per row. As with dbsp_keyindex_add, a failure leaves the index broken. */
+ * (distinct) probes once per row. A failure is as dbsp_keyindex_add's (before[] then holds nothing of use). */
 int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
                              const int32_t *cols, int64_t sign, int64_t *before);
 

@@ -10,10 +10,10 @@ void dbsp_linrun_free(DbspLinRun *s) {
     memset(s, 0, sizeof *s);
 }
 
-int dbsp_linear_apply(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const DbspReduceOut *r, int32_t ns,
-                      int64_t *old, int64_t **slots, int64_t *grp, int64_t *rows, int64_t *w, uint64_t *kh,
-                      int64_t *vals, uint64_t *rh, int64_t *n, int *ordered) {
-    int64_t ng = r->ngroups, cap = 2 * ng;
+int dbsp_linear_read(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const DbspReduceOut *r, int32_t ns,
+                     int64_t *old, int64_t **slots, int64_t *grp, int64_t *rows, int64_t *w, uint64_t *kh,
+                     int64_t *vals, uint64_t *rh, int64_t *n, int *ordered) {
+    int64_t ng = r->ngroups;
     const uint64_t *khash = (const uint64_t *)r->khash;
     *n = 0;
     *ordered = 1;
@@ -22,21 +22,57 @@ int dbsp_linear_apply(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
     int st = dbsp_keyindex_get_slots(ix, b, keys, r->group_row, khash, ng, old, slots);
     if (st == DBSP_OK) st = dbsp_linear_fold(ng, ns, old, r->ivals, khash, grp, w, kh, vals, n, ordered, rh);
     if (st != DBSP_OK) return st;
-    int64_t m = *n;
-    for (int64_t i = 0; i < m; i++) {  /* new totals of keys held: in place, before the index changes shape */
-        int64_t g = grp[i];
-        rows[i] = r->group_row[g];
-        if (w[i] > 0 && slots[g] != NULL) dbsp_keyindex_set_slot(ix, slots[g], vals + i, cap);
-    }
-    for (int64_t i = 0; st == DBSP_OK && i < m; i++) {  /* then new keys, and groups whose new count is 0 */
-        int64_t g = grp[i];
-        if (w[i] > 0) {
-            if (slots[g] == NULL) st = dbsp_keyindex_put(ix, b, keys, rows[i], kh[i], vals + i, cap, m);
-        } else if ((i + 1 >= m || grp[i + 1] != g) && (i == 0 || grp[i - 1] != g)) {  /* its old row alone */
-            st = dbsp_keyindex_put(ix, b, keys, rows[i], kh[i], NULL, cap, m);
+    for (int64_t i = 0; i < *n; i++) rows[i] = r->group_row[grp[i]];
+    return DBSP_OK;
+}
+
+/* Invariant 4: put back what the first `upto` rows of dbsp_linear_store's second pass stored (new keys: removed) and
+ * what its first pass did (the old totals, in place: a key found is still there, as nothing was removed yet), after a
+ * store failed with nothing of the failing key written. Neither put allocates (an existing key's sums are written in
+ * place, a removal only moves slot words), so this cannot fail. */
+static void undo_store(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int32_t ns, const int64_t *old,
+                       int64_t *const *slots, const int64_t *grp, const int64_t *rows, const int64_t *w,
+                       const uint64_t *kh, int64_t m, int64_t upto) {
+    dbsp_keyindex_unbreak(ix);
+    for (int64_t i = upto - 1; i >= 0; i--)
+        if (w[i] > 0 && slots[grp[i]] == NULL) (void)dbsp_keyindex_put(ix, b, keys, rows[i], kh[i], NULL, 1, 0);
+    for (int64_t i = 0; i < m; i++)
+        if (w[i] > 0 && slots[grp[i]] != NULL)
+            (void)dbsp_keyindex_put(ix, b, keys, rows[i], kh[i], old + grp[i] * ns, 1, 0);
+}
+
+int dbsp_linear_store(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int32_t ns, const int64_t *old,
+                      int64_t *const *slots, const int64_t *grp, const int64_t *rows, const int64_t *w,
+                      const uint64_t *kh, const int64_t *vals, int64_t cap, int64_t m) {
+    int st = DBSP_OK;
+    for (int64_t i = 0; i < m; i++)  /* new totals of keys held: in place, before the index changes shape */
+        if (w[i] > 0 && slots[grp[i]] != NULL) dbsp_keyindex_set_slot(ix, slots[grp[i]], vals + i, cap);
+    for (int64_t i = 0; i < m; i++) {  /* then new keys: the only stores that allocate (invariant 4) */
+        if (w[i] > 0 && slots[grp[i]] == NULL) st = dbsp_keyindex_put(ix, b, keys, rows[i], kh[i], vals + i, cap, m);
+        if (st != DBSP_OK) {
+            if (st == DBSP_ENOMEM || st == DBSP_ETOOBIG) {
+                undo_store(ix, b, keys, ns, old, slots, grp, rows, w, kh, m, i);
+                dbsp_keyindex_note_refusal(ix);
+            }
+            return st;
         }
     }
-    return st;
+    for (int64_t i = 0; i < m; i++) {  /* last, groups whose new count is 0 (a removal allocates nothing) */
+        int64_t g = grp[i];
+        if (w[i] < 0 && (i + 1 >= m || grp[i + 1] != g) && (i == 0 || grp[i - 1] != g)) {  /* its old row alone */
+            st = dbsp_keyindex_put(ix, b, keys, rows[i], kh[i], NULL, cap, m);
+            if (st != DBSP_OK) return st;
+        }
+    }
+    return DBSP_OK;
+}
+
+int dbsp_linear_apply(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const DbspReduceOut *r, int32_t ns,
+                      int64_t *old, int64_t **slots, int64_t *grp, int64_t *rows, int64_t *w, uint64_t *kh,
+                      int64_t *vals, uint64_t *rh, int64_t *n, int *ordered) {
+    int st = dbsp_linear_read(ix, b, keys, r, ns, old, slots, grp, rows, w, kh, vals, rh, n, ordered);
+    if (st != DBSP_OK || *n == 0) return st;
+    return dbsp_linear_store(ix, b, keys, ns, old, slots, grp, rows, w, kh, vals, 2 * r->ngroups, *n);
 }
 
 /* room in s for ng groups of ns slots (invariant 3: kept up to DBSP_LINRUN_KEEP groups) */
@@ -139,8 +175,10 @@ int dbsp_linear_run2(DbspLinRun *s, const DbspBatch *b0, const int32_t *keys, in
     *w = malloc((size_t)cap * 8);
     *kh = malloc((size_t)cap * 8);
     if (!*w || !*kh) { st = DBSP_ENOMEM; goto done; }
-    st = dbsp_linear_apply(ix, b, keys, &r, ns, s->old, s->slots, s->grp, s->rows, *w, *kh, s->vals, NULL, n,
-                           ordered);
+    /* read and fold; the exports below; the store last, so that a failure of an export changes nothing, and one of
+     * the store is undone (invariant 4) */
+    st = dbsp_linear_read(ix, b, keys, &r, ns, s->old, s->slots, s->grp, s->rows, *w, *kh, s->vals, NULL, n,
+                          ordered);
     m = *n;
     if (st != DBSP_OK || m == 0) goto done;
     const int64_t *rows = s->rows, *vals = s->vals;
@@ -185,6 +223,12 @@ int dbsp_linear_run2(DbspLinRun *s, const DbspBatch *b0, const int32_t *keys, in
     st = dbsp_cdata_gather_ints(b, keys, out_keys ? nkeys : 0, rows, m, nout, cols + ns, valid + ns, nulls + ns, out);
     if (st != DBSP_OK) { batch->release(batch); goto done; }
     for (int32_t k = ns; k < nc; k++) cols[k] = NULL, valid[k] = NULL;
+    st = dbsp_linear_store(ix, b, keys, ns, s->old, s->slots, s->grp, s->rows, *w, *kh, s->vals, cap, m);
+    if (st != DBSP_OK) {  /* nothing stored (invariant 4): nothing returned */
+        batch->release(batch);
+        out->release(out);
+        goto done;
+    }
     if (m < cap) {  /* the weights and key hashes pin no room beyond their rows (a shrink: in place, no copy) */
         int64_t *w2 = realloc(*w, (size_t)m * 8);
         uint64_t *k2 = realloc(*kh, (size_t)m * 8);

@@ -13,9 +13,15 @@
  *  3. Scratch (old totals, slot pointers, groups, rows, slot values) lives in a DbspLinRun kept by the caller across
  *     steps and grows to the largest step up to DBSP_LINRUN_KEEP groups; a larger step's scratch is freed at its
  *     end, so a bulk load does not leave its buffers behind.
- *  4. On an error after the index was changed (DBSP_ENOMEM or DBSP_ETOOBIG while storing or exporting) nothing is
- *     returned and the index may hold the step's totals: the caller treats it as stale (trace/keyindex.py
- *     invariant 11). DBSP_EOVERFLOW is found before anything is stored.
+ *  4. A step reads and folds first (dbsp_linear_read), exports its outputs (dbsp_linear_run), and stores last
+ *     (dbsp_linear_store): the new totals of keys held in place (no allocation), then the new keys (the only
+ *     stores that allocate), then the removals (none allocates). A store that fails for memory or a size limit
+ *     (DBSP_ENOMEM, DBSP_ETOOBIG: the table, the entries or the arena could not grow) is undone before it returns:
+ *     the new keys stored are removed and the old totals put back in place (from the step's `old`, which
+ *     dbsp_linear_read filled), neither of which allocates, and the index is whole and as it was
+ *     (dbsp_keyindex_refusals counts it; keyindex.h invariant 4). An error before the store (overflow, memory for
+ *     the scratch or the exports) changes nothing. So a step either stores all of its totals or none: an owner
+ *     whose index is its state (trace invariant 19) loses nothing to a failure half way.
  */
 #ifndef DBSP_LINRUN_H
 #define DBSP_LINRUN_H
@@ -39,12 +45,21 @@ typedef struct DbspLinRun {
 
 void dbsp_linrun_free(DbspLinRun *s);
 
+/* dbsp_linear_apply's two halves (invariant 4): the read and fold (everything but the store; ix unchanged), and the
+ * store of the m rows read (cap: the stride of vals, 2 * ng), undone on DBSP_ENOMEM or DBSP_ETOOBIG. */
+int dbsp_linear_read(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const DbspReduceOut *r, int32_t ns,
+                     int64_t *old, int64_t **slots, int64_t *grp, int64_t *rows, int64_t *w, uint64_t *kh,
+                     int64_t *vals, uint64_t *rh, int64_t *n, int *ordered);
+int dbsp_linear_store(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int32_t ns, const int64_t *old,
+                      int64_t *const *slots, const int64_t *grp, const int64_t *rows, const int64_t *w,
+                      const uint64_t *kh, const int64_t *vals, int64_t cap, int64_t m);
+
 /* Given the change b's groups r (dbsp_group_reduce_all over keys, ns sums: slot 0 the row count): read each group's
  * old totals from ix into old (ng * ns, zeroed here), emit the rows of new (+1) and old (-1) totals of the changed
  * groups (dbsp_linear_fold: grp, w, kh, vals with stride 2 * ng, rh if not NULL, *n, *ordered), set rows[i] to the
  * row of b carrying row i's key, then store each changed group's new totals in ix (in place where the key was
  * found, else a new entry), or drop the group when its new count is 0. Room: ng for old and slots, 2 * ng for the
- * rest. A DBSP_EOVERFLOW leaves ix unchanged; DBSP_ENOMEM or DBSP_ETOOBIG while storing leaves it broken. */
+ * rest. A DBSP_EOVERFLOW leaves ix unchanged; DBSP_ENOMEM or DBSP_ETOOBIG while storing is undone (invariant 4). */
 int dbsp_linear_apply(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const DbspReduceOut *r, int32_t ns,
                       int64_t *old, int64_t **slots, int64_t *grp, int64_t *rows, int64_t *w, uint64_t *kh,
                       int64_t *vals, uint64_t *rh, int64_t *n, int *ordered);

@@ -50,6 +50,7 @@ class KeyIndex:
     token: object
     nbytes: int
     broken: bool
+    refusals: int
     growing: bool
     spills: int
     def __init__(self, types: Sequence[pa.DataType], nvals: int, max_bytes: int = ...) -> None: ...

@@ -52,7 +52,9 @@ Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them
 - ``DBSP_TOTALS_PER_KEY`` (operators/aggregate.py): ``1``: a linear aggregate's steps keep its totals in its key index
   only and bring the totals trace's batches up to date when something reads them (trace/levels.py invariant 19: no
   per-step batch, no merges between reads); ``0`` (default): every step inserts its batch of old and new totals.
-  Results and state are the same either way. Not under a memory budget (the trace then keeps its totals in batches).
+  Results and state are the same either way. Not under a memory budget (the trace then keeps its totals in batches);
+  a key index that cannot grow (``DBSP_KEY_INDEX_MB``, ``DBSP_KEY_INDEX_TOTAL_MB``, memory) has its step's store
+  undone and the trace keeps its totals in batches from then on.
 - ``DBSP_SUBSTEP_BYTES`` (runtime/substep.py): under a memory budget, the most pushed bytes (Arrow data and weights)
   one piece of a step holds: a bigger step runs as sub-steps over pieces of its input (default: an eighth of the
   budget, at least 4 MiB; bytes or a size such as ``64MiB``). Results are the same either way; with no budget it is

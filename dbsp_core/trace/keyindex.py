@@ -365,8 +365,12 @@ class KeyIndexed:
     def _drop_index(self, exc: BaseException | None) -> None:
         """Turn the key index off for good (it failed with ``exc``; None: a size limit met half way): this trace
         walks its batches from now on, and says so once with an IndexDroppedWarning."""
-        if self._pk_rec:  # totals per key (trace invariant 19): the broken index held state the batches lack
-            raise DbspError(f"a trace on key {list(self.key)} keeping its totals per key lost its key index half way "
+        ix = self._kix
+        if self._pk_rec and ix is not None and not ix.broken and ix.token == self._token:
+            PerKeyTotals.pk_fallbacks += 1
+            self._pk_sync()  # totals per key (trace invariant 19), the index whole: its totals into the batches first
+        if self._pk_rec:  # the broken index held state the batches lack (an overflow half way; or a string key that
+            raise DbspError(  # an undone store could not put back: csrc/keyindex.h invariant 4)f"a trace on key {list(self.key)} keeping its totals per key lost its key index half way "
                             f"through a step ({exc!r}); its state since its last sync is lost. Run with "
                             f"DBSP_TOTALS_PER_KEY=0 and recover from the last checkpoint")
         self._pk_on = False
@@ -378,7 +382,7 @@ class KeyIndexed:
             why = f"a sum leaves int64 ({exc})"
         elif isinstance(exc, MemoryError):
             why = f"out of memory ({exc})"
-        elif exc is None or (type(exc) is ValueError and ix is not None and ix.broken):  # the size limits
+        elif exc is None or (type(exc) is ValueError and ix is not None and (ix.broken or ix.refusals)):  # the limits
             sizing = key_index_sizing()
             why = (f"growing past {int(ix.nbytes if ix is not None else 0) / 2**20:.1f} MiB would pass "
                    f"DBSP_KEY_INDEX_MB ({sizing.index_mb:.0f}) or the budget of all indexes together, "
@@ -394,12 +398,14 @@ class KeyIndexed:
         """``fn(ix)`` with the key index for ``spec`` handed out by :meth:`index_for_update` (``fn`` reads and stores
         through it, then inserts with ``insert(batch, indexed=ix)`` or calls :meth:`index_done`, or returns None
         having called it); None when no current index serves. A WeightOverflowError is raised with the index left
-        as found when the failed call stored nothing, else stale; a failure that broke the index on its memory or
-        size limit turns it off (the trace walks its batches from then on) and returns None, so the caller takes
-        the path without it."""
+        as found when the failed call stored nothing, else stale; a failure on the index's memory or size limit that
+        broke it, or whose stores were undone (``ix.refusals``: csrc/linrun.h invariant 4; a per-key trace then syncs
+        from the whole index first), turns it off (the trace walks its batches from then on) and returns None, so
+        the caller takes the path without it. Another MemoryError or ValueError is raised with the index as found."""
         ix = self.index_for_update(spec)
         if ix is None:
             return None
+        refused = ix.refusals
         try:
             out = fn(ix)
             self._weigh_index()
@@ -409,9 +415,13 @@ class KeyIndexed:
                 self.index_done(ix)
             raise  # else broken half way, and stale since index_for_update: a later read rebuilds it
         except (MemoryError, ValueError) as exc:
-            if not ix.broken:
+            if ix.broken:
+                self.index_done(ix, failed=exc)
+                return None
+            self.index_done(ix)  # as found: failed before storing, or its stores undone (csrc/linrun.h invariant 4)
+            if ix.refusals == refused:
                 raise
-            self.index_done(ix, failed=exc)
+            self._drop_index(exc)  # it could not grow: as a broken one, the batches from now on (synced first)
             return None
 
     def key_weights(self, probe: pa.Table, probe_keys: list[str], khash: np.ndarray, rows: np.ndarray,
@@ -478,6 +488,7 @@ class PerKeyTotals:
 
     pk_steps = 0  # steps stored per key, in the process (counts, for tests: the new path ran)
     pk_syncs = 0  # syncs that inserted a batch, in the process
+    pk_fallbacks = 0  # per-key traces whose index could not grow (a store undone), synced and turned to batches
     _pk_on = False  # (class defaults: a trace made without __init__, as a restore may make one)
     _pk_rec: Any = ()
     _pk_dirty: Any = None
@@ -541,26 +552,61 @@ class PerKeyTotals:
         dirty.get(view, keys, kh, acc)
         fresh = acc[:, 0] == 0
         if fresh.any():
-            self._pk_record(batch, dirty, fresh)
+            try:
+                self._pk_record(batch, dirty, fresh)
+            except (MemoryError, ValueError) as exc:  # the dirty-key index could not grow (memory, the budget)
+                if dirty.broken:  # (not undone: csrc/keyindex.h invariant 4)
+                    raise
+                self._pk_drop_recording(batch, fresh, exc)
+                return
         if self._store is not None:  # joined a batch store (the executor's spill()): batches from now on
             self._pk_off()
 
     def _pk_record(self, batch: "IndexedZSet", dirty: Any, fresh: np.ndarray) -> None:
-        """Record the keys of ``batch``'s rows ``fresh`` (not dirty yet), once each, with the batches' totals."""
+        """Record the keys of ``batch``'s rows ``fresh`` (not dirty yet), once each, with the batches' totals. A
+        failure of the dirty index (memory, the budget) leaves it and the records as they were."""
         view, keys, kh, w = batch._view(), batch._keypos, batch._kh, batch.zset.weights
-        for old in (True, False):  # old rows first: a key's -1 row holds the totals its batches hold
-            sel = np.flatnonzero(fresh & ((w < 0) if old else (w > 0)))
-            if not old and len(sel):  # a key with no -1 row in this step is a new group (the batches hold none)
-                acc = np.zeros((len(sel), 1), dtype=np.int64)
-                dirty.get(view, keys, kh[sel], acc, sel=sel)
-                sel = sel[acc[:, 0] == 0]
-            if not len(sel):
-                continue
-            part = batch.zset.data.take(pa.array(sel))
-            pkh = np.ascontiguousarray(kh[sel])
-            pw = np.full(len(sel), -1 if old else 1, dtype=np.int64)
-            self._ix_add(dirty, _view_of(part, pw), keys, pkh, [-1], -1 if old else 1)
-            self._pk_rec.append((part, pkh, old))
+        done: list = []  # (view, key hashes, sign) added to the dirty index, to take back if a later add fails
+        recs: list = []
+        try:
+            for old in (True, False):  # old rows first: a key's -1 row holds the totals its batches hold
+                sel = np.flatnonzero(fresh & ((w < 0) if old else (w > 0)))
+                if not old and len(sel):  # a key with no -1 row in this step is a new group (the batches hold none)
+                    acc = np.zeros((len(sel), 1), dtype=np.int64)
+                    dirty.get(view, keys, kh[sel], acc, sel=sel)
+                    sel = sel[acc[:, 0] == 0]
+                if not len(sel):
+                    continue
+                part = batch.zset.data.take(pa.array(sel))
+                pkh = np.ascontiguousarray(kh[sel])
+                pv = _view_of(part, np.full(len(sel), -1 if old else 1, dtype=np.int64))
+                dirty.add(pv, None, keys, pkh, [-1], -1 if old else 1)  # taken back by itself if it fails
+                done.append((pv, pkh, -1 if old else 1))
+                recs.append((part, pkh, old))
+        except (MemoryError, ValueError):
+            if not dirty.broken:
+                for pv, pkh, sign in reversed(done):  # removals only: they cannot fail
+                    dirty.add(pv, None, keys, pkh, [-1], -sign)
+            raise
+        if len(self._pk_marks):
+            self._pk_undo.entries.extend((dirty, pv, keys, pkh, [-1], sign) for pv, pkh, sign in done)
+        self._pk_rec.extend(recs)
+
+    def _pk_drop_recording(self, batch: "IndexedZSet", fresh: np.ndarray, exc: BaseException) -> None:
+        """The dirty-key index could not record the step's fresh keys (memory, the budget; it is as it was), whose
+        totals the key index holds already: sync the keys dirty before (their index totals include the step's), then
+        insert the step's rows of the fresh keys (the change of their totals, which the index holds too), and keep
+        the totals in the batches from now on, the index dropped as a failed one is (invariant 19)."""
+        from dbsp_core.zset import IndexedZSet, ZSet
+
+        PerKeyTotals.pk_fallbacks += 1
+        self._pk_sync()
+        sel = np.flatnonzero(fresh)
+        part = batch if len(sel) == len(batch) else IndexedZSet._make(
+            ZSet._make(batch.zset.data.take(pa.array(sel)), batch.zset.weights[sel]), batch.key, batch._kh[sel])
+        self.inserted_rows -= len(part)  # (counted by store_totals already)
+        self.insert(part, indexed=self._kix)
+        self._drop_index(exc)
 
     def _cpos(self, batch: "IndexedZSet") -> list:
         return self._index_args(batch)[3]

@@ -152,8 +152,12 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      totals (-1) and index totals (+1), where they differ, inserted as any batch. So between reads a step costs its
      groups' probes and a probe of the dirty-key index, and no merge. Only without a batch store (a trace that joins
      one syncs and keeps batches from then on: spill.py invariant 17 weighs and may drop the index). An index that
-     breaks half way through a step (memory, size limits) with dirty keys loses state: a DbspError says so (with
-     ``DBSP_TOTALS_PER_KEY=0`` it never happens: the batches are the state). A rollback capture marks the trace, and
+     cannot grow half way through a step (memory, size limits) loses nothing: the step's store is undone in C
+     (csrc/linrun.h invariant 4), or the dirty-key index's adds are (csrc/keyindex.h invariant 4), the trace syncs
+     from its whole index, drops it (an IndexDroppedWarning, as without totals per key) and keeps its totals in
+     batches from then on; the step completes through them (``PerKeyTotals.pk_fallbacks`` counts it). Only an
+     overflow half way, or an undo that must put back a removed string key with no arena room, still breaks the
+     index: a DbspError says so. A rollback capture marks the trace, and
      every change of its key index in place is then logged and undone by the restore (rollback.py invariant 3).
 """
 

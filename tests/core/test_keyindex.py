@@ -218,13 +218,19 @@ def test_the_size_limit_bounds_the_table_it_grows_to_not_the_old_one_beside_it()
     assert ix.nbytes <= limit
     with pytest.raises(ValueError):
         ix.add(t, None, [0], _zset.hash_columns(t, [0]), [-1])
-    assert ix.broken
+    # the keys added before the one that could not grow the table are taken back (csrc/keyindex.h invariant 4)
+    assert not ix.broken and ix.refusals == 1 and len(ix) == 3000
+    ix.check()
+    probe = pa.table({"k": np.arange(3100, dtype=np.int64)})
+    acc = np.zeros((3100, 1), np.int64)
+    ix.get(probe, [0], _zset.hash_columns(probe, [0]), acc)
+    assert (acc[:3000, 0] == 1).all() and (acc[3000:, 0] == 0).all()
 
 
 def test_the_process_budget_counts_every_table_and_refuses_the_growth_that_would_pass_it():
     """Invariant 6: keyindex_total_bytes counts the slot tables and entries of every index (a growing one's old table
     too) and gives them back when freed; with a budget set, the growth that would pass it fails as one past max_bytes does
-    (ValueError, the index broken), while another index under it goes on."""
+    (ValueError, the failing add taken back: invariant 4), while another index under it goes on."""
     import gc
 
     gc.collect()
@@ -247,7 +253,8 @@ def test_the_process_budget_counts_every_table_and_refuses_the_growth_that_would
             for lo in range(0, 3000, 10):
                 t = pa.table({"k": keys[lo:lo + 10]})
                 b.add(t, None, [0], _zset.hash_columns(t, [0]), [-1])
-        assert b.broken and not a.broken
+        assert not b.broken and b.refusals == 1 and not a.broken  # b's failing add taken back (invariant 4)
+        b.check()
         assert _zset.keyindex_total_bytes() - base <= _zset.keyindex_budget() - base
         t = pa.table({"k": np.arange(3000, 3010, dtype=np.int64)})  # a still takes keys that need no growth
         a.add(t, None, [0], _zset.hash_columns(t, [0]), [-1])

@@ -158,7 +158,8 @@ def test_string_records_live_in_files_and_count_in_the_budget(tmp_path) -> None:
         small = _zset.KeyIndex([pa.string()], 1)
         with pytest.raises(ValueError):
             small.add(t, None, [0], kh, [-1])
-        assert small.broken
+        assert not small.broken and small.refusals == 1 and len(small) == 0  # taken back (invariant 4)
+        small.check()
     finally:
         _zset.keyindex_budget(saved)
 
