@@ -16,6 +16,7 @@ import pyarrow as pa
 import pytest
 from hypothesis import given, settings, strategies as st
 from hypothesis_profile import examples
+from test_batchfile import _damage  # the same byte flip as format 1's damage tests
 
 from dbsp_core import ZSet
 from dbsp_core.errors import CorruptionError, FormatVersionError, StorageError
@@ -129,14 +130,6 @@ def test_a_big_batch_round_trips_and_its_row_hashes_are_kept() -> None:
         assert np.array_equal(got._row_hashes(), b._row_hashes())
         last = int(f.index["slot"][-1] + f.index["slots"][-1]) * f.slot  # (the Arrow footer after it: not read)
         assert f.checked[:(min(last, 64 + f.alen) - 1) // f.slot + 1].all()
-
-
-def _damage(path: str, offset: int) -> None:
-    with open(path, "r+b") as fh:
-        fh.seek(offset)
-        byte = fh.read(1)
-        fh.seek(offset)
-        fh.write(bytes([byte[0] ^ 0x40]))
 
 
 def test_every_part_is_checked_and_damage_names_what_to_do() -> None:
