@@ -370,7 +370,8 @@ class KeyIndexed:
             PerKeyTotals.pk_fallbacks += 1
             self._pk_sync()  # totals per key (trace invariant 19), the index whole: its totals into the batches first
         if self._pk_rec:  # the broken index held state the batches lack (an overflow half way; or a string key that
-            raise DbspError(  # an undone store could not put back: csrc/keyindex.h invariant 4)f"a trace on key {list(self.key)} keeping its totals per key lost its key index half way "
+            # an undone store could not put back: csrc/keyindex.h invariant 4)
+            raise DbspError(f"a trace on key {list(self.key)} keeping its totals per key lost its key index half way "
                             f"through a step ({exc!r}); its state since its last sync is lost. Run with "
                             f"DBSP_TOTALS_PER_KEY=0 and recover from the last checkpoint")
         self._pk_on = False
