@@ -179,6 +179,12 @@ def test_a_store_collected_while_another_opens_leaves_no_thread_waiting_and_the_
     class Cycle:  # collected only by the garbage collector, not by reference counting
         pass
 
+    # Only this test's objects are traversed by the collection inside hold: everything the process made before is
+    # frozen out of it. Late in a full run a worker holds millions of objects, and a collection over all of them took
+    # longer than the join's old 10 s at load 10 (README run on main, 2026-11-30: the test's call took 23.7 s; that
+    # worker went on to open many stores under the same lock, so the open was slow, not hung).
+    gc.collect()
+    gc.freeze()
     gc.disable()
     try:
         dropped = BatchStore(16 << 20)
@@ -197,7 +203,7 @@ def test_a_store_collected_while_another_opens_leaves_no_thread_waiting_and_the_
         opened: list = []
         t = threading.Thread(target=lambda: opened.append(BatchStore(32 << 20)), daemon=True)
         t.start()
-        t.join(10)
+        t.join(120)  # the hang this finds is for ever; the limit is only there so the test ends
         assert not t.is_alive(), "a store's open hung: its collection of another store waited for its own lock"
         assert collected and collected[0] > 0  # the dropped store was collected there
         monkeypatch.setattr(spill._REGION_LIMIT, "_set", real_set)
@@ -207,3 +213,4 @@ def test_a_store_collected_while_another_opens_leaves_no_thread_waiting_and_the_
         assert limits() == base
     finally:
         gc.enable()
+        gc.unfreeze()
