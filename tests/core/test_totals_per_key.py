@@ -189,3 +189,36 @@ def test_size_figures_count_the_unsynced_totals_without_a_sync(monkeypatch) -> N
             assert prof[op]["state_rows"] == rows and prof[op]["state_bytes"] == nbytes, (op, prof[op], rows, nbytes)
             if op in aggs:
                 assert rows > 0
+
+
+
+def test_dbsp_totals_per_key_turns_the_switch_on_and_off(monkeypatch) -> None:
+    """``DBSP_TOTALS_PER_KEY=1``: totals per key; ``0`` (and unset, the default for now): the step batches' path
+    (each step inserts its batch, no step stored per key). Through the environment setting itself
+    (``_LinearState.PER_KEY`` left at None, as in a pipeline): outputs and state equal either way."""
+    from dbsp_core import envvars
+
+    assert envvars.load({}).totals_per_key is False
+    assert envvars.load({"DBSP_TOTALS_PER_KEY": "0"}).totals_per_key is False
+    assert envvars.load({"DBSP_TOTALS_PER_KEY": "1"}).totals_per_key is True
+    monkeypatch.setattr(_LinearState, "PER_KEY", None)
+    rng = np.random.default_rng(SEED + 400)
+    views = [(("k",), ["n", "total"]), (("s",), ["nv", "m"])]
+    deltas = _deltas(rng, 40, True)
+    got = {}
+    for value in ("1", "0"):
+        env = {**os.environ, "DBSP_TOTALS_PER_KEY": value}
+        monkeypatch.setattr(envvars, "_current", envvars.load(env))
+        outs = []
+        steps0 = PerKeyTotals.pk_steps
+        with dbsp.Pipeline(_circuit(views), workers=2) as p:
+            for d in deltas:
+                _push(p, d)
+                outs.append({n: z.to_dict() for n, z in p.step().items()})
+            kept, stored = _per_key(p), PerKeyTotals.pk_steps - steps0
+            got[value] = outs, _state(p)
+        if value == "0" or BUDGET:  # (under a memory budget the totals are in batches either way)
+            assert kept == 0 and stored == 0, (value, kept, stored)
+        else:
+            assert kept == len(views) * 2 and stored >= len(deltas), (kept, stored)
+    assert got["1"] == got["0"]
