@@ -221,7 +221,9 @@ def sources(p: Any) -> dict[str, dict]:
 
 
 def state_bytes(traces: dict[str, Any], shard_bits: int) -> tuple[int, dict[int, int]]:
-    """Bytes of a worker's traces in total and per shard with any state (invariant 3)."""
+    """Bytes of a worker's traces in total and per shard with any state (invariant 3): their batches' and, for a
+    trace keeping totals per key (trace/levels.py invariant 19), the rows its next sync would add at most, counted
+    without a sync (``Trace.unsynced_size``)."""
     per = np.zeros(1 << shard_bits, dtype=np.float64)
     total = 0
     for trace in traces.values():
@@ -234,6 +236,11 @@ def state_bytes(traces: dict[str, Any], shard_bits: int) -> tuple[int, dict[int,
             total += nbytes
             bounds = b.shard_bounds(shard_bits, near=True)  # not the spilled key hashes' pages (zset.py)
             per += np.diff(bounds) * (nbytes / n)
+        rows, nbytes, hashes = trace.unsynced_size()  # totals kept per key the batches lack (no sync)
+        total += nbytes
+        for kh, each in hashes:
+            shard = (kh >> np.uint64(64 - shard_bits)).astype(np.int64) if shard_bits else np.zeros(len(kh), np.int64)
+            per += np.bincount(shard, minlength=len(per)) * each
     shards = {int(s): int(round(per[s])) for s in np.flatnonzero(per)}
     return total, shards
 

@@ -147,6 +147,9 @@ def _state_by_label(traces: dict[str, Any]) -> dict[str, list[int]]:
         for b in list(placed) + list(pending):
             acc[0] += len(b)
             acc[1] += int(b.zset.data.nbytes) + int(b.zset.weights.nbytes) + int(b.key_hash.nbytes)
+        rows, nbytes, _ = trace.unsynced_size()  # totals kept per key the batches lack (no sync)
+        acc[0] += rows
+        acc[1] += nbytes
         acc[2] += trace.index_bytes
     return out
 

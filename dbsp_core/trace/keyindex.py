@@ -519,6 +519,34 @@ class PerKeyTotals:
     def totals_per_key(self) -> bool:
         return self._pk_on
 
+    def unsynced_size(self) -> tuple[int, int, list]:
+        """What a size figure adds to the batches' rows and bytes for the totals the batches lack (invariant 19), as
+        ``(rows, bytes, [(key hashes, bytes per key)])``: the rows the next sync would insert at most (per dirty key
+        its recorded row, when the batches hold one, and its row of index totals; fewer when a key's totals came
+        back to the recorded ones or its group is gone), and the bytes a batch of them takes (data, weight, key
+        hash), by the recorded rows' widths; the key hashes split the bytes per shard. (0, 0, []) when nothing is
+        unsynced (per key off, or synced).
+
+        Syncs nothing, probes no index (a step may be storing into it on another thread: it releases the GIL in
+        C): it reads a snapshot of the records only, a list a step only extends (under the GIL) and a sync replaces
+        by a new one, of tuples never changed, copied here in one ``list()`` under the GIL. A reader that runs
+        beside steps (metrics, the profile, the autoscaler) holds the pipeline's step lock besides, so no step or
+        sync runs between this and its read of the batches (without it, a sync between the two would count the
+        synced keys twice or not at all: an estimate)."""
+        recs = list(self._pk_rec)
+        rows = nbytes = 0
+        hashes = []
+        for part, pkh, old in recs:
+            n = len(pkh)
+            if not n:
+                continue
+            per = part.nbytes / n + 16.0  # its data, and a weight and a key hash per row
+            k = 2 if old else 1  # an old row's key: its recorded row (-1) and its row of index totals (+1)
+            rows += k * n
+            nbytes += k * n * per
+            hashes.append((pkh, k * per))
+        return rows, int(round(nbytes)), hashes
+
     def _ix_add(self, ix: Any, view: Any, keys: Any, kh: np.ndarray, cpos: Any, sign: int) -> None:
         """``ix.add`` that, while a capture is alive, records the change for its undo (invariant 19)."""
         ix.add(view, None, keys, kh, cpos, sign)

@@ -159,6 +159,10 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      overflow half way, or an undo that must put back a removed string key with no arena room, still breaks the
      index: a DbspError says so. A rollback capture marks the trace, and
      every change of its key index in place is then logged and undone by the restore (rollback.py invariant 3).
+     Size figures (metrics, the profile, the autoscaler's) sync nothing: they add ``unsynced_size`` (the rows the
+     next sync would insert at most, from a snapshot of the records, no index probe) to the batches'. No batch
+     store is joined while totals are kept per key, so a memory budget never has unsynced totals to weigh: its
+     accounting of the index is spill.py invariant 17's.
 """
 
 from __future__ import annotations
@@ -1147,8 +1151,8 @@ class Trace(KeyIndexed, PerKeyTotals):
     def parts(self, sync: bool = True) -> tuple[list["IndexedZSet"], list["IndexedZSet"]]:
         """The placed batches (in placement order) and the pending ones, as they are: what a checkpoint saves.
         Inserting both lists into a cleared trace, with :meth:`settle` between them, restores it (invariant 5).
-        ``sync=False``: without the sync of invariant 19 (a size estimate: totals kept per key since the last sync
-        are not counted; it may run on another thread than the steps)."""
+        ``sync=False``: without the sync of invariant 19 (a size estimate, which may run on another thread than the
+        steps: totals kept per key since the last sync are not in these batches; :meth:`unsynced_size` counts them)."""
         return self._levels(sync), list(self.pending)
 
     @property

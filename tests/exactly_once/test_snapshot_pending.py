@@ -208,7 +208,12 @@ def test_a_batch_order_record_that_does_not_match_the_table_is_corruption(tmp_pa
 def test_batches_merged_away_after_a_checkpoint_are_freed_before_the_next(tmp_path):
     """The checkpoint's record of saved batches holds them weakly: a batch merged away is freed at once, not kept
     until the next checkpoint (which held up to a second copy of the trace); the next checkpoint deletes its
-    values and a reopen restores exactly the live batches."""
+    values and a reopen restores exactly the live batches.
+
+    With totals kept per key (trace invariant 19) a step inserts no batch: a read syncs one. The read of the
+    batches after each step (``batches``, which syncs) makes every step leave its batch either way, so the
+    checkpoint saves the same spine as without totals per key (not a single synced batch, which the later steps'
+    smaller batches, merging among themselves, would not reach in 200 steps)."""
     import gc
     import weakref
 
@@ -220,6 +225,7 @@ def test_batches_merged_away_after_a_checkpoint_are_freed_before_the_next(tmp_pa
     for k in range(6):
         p.push("bids", bids(k))
         p.step()
+        batches(p)  # (a read: synced, with totals per key)
     p.checkpoint()
     saved = [weakref.ref(x) for x in batches(p)]
     assert saved
