@@ -1,4 +1,4 @@
-"""Spark fixtures for tests/spark: a small local session and a local-cluster session (separate executor JVMs), one per test module, and the shared circuits of tests/core on the import path.
+"""Spark fixtures for tests/spark: a small local session (kept for the pytest process) and a local-cluster session (separate executor JVMs, one per test module), and the shared circuits of tests/core on the import path.
 
 Both sessions run the Python workers with this interpreter and allow task retries: ``local[2,4]`` is two
 threads with up to 4 attempts per task (plain ``local[2]`` never retries a task), and
@@ -65,12 +65,26 @@ def _session(master: str, app: str, **conf: str):
     return s
 
 
+@pytest.fixture(scope="session")
+def _stop_spark_at_exit():
+    """Stops the active session at the end of the pytest process (spark_local's, kept between modules)."""
+    yield
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        active.stop()
+
+
 @pytest.fixture(scope="module")
-def spark_local():
-    """A ``local[2,4]`` session (two task threads, task retries on), stopped after the module."""
+def spark_local(_stop_spark_at_exit):
+    """A ``local[2,4]`` session (two task threads, task retries on). It stays up after the module: the next module
+    of this process that asks for it gets the same session (``getOrCreate``), with Spark's Python workers already
+    started (a new SparkContext starts its Python worker daemon and workers again, and each worker imports
+    dbsp_core and Arrow: most of a small module's time). A module that needs another master (spark_cluster, the
+    README's blocks) stops it first; the next spark_local then starts a new one."""
     s = _session("local[2,4]", "dbsp-tests-local")
     yield s
-    s.stop()
 
 
 @pytest.fixture(scope="module")

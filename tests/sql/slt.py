@@ -37,6 +37,7 @@ there); a full checkout of the suite (``--dir``) runs every file of FULL.
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import dataclasses
 import gzip
@@ -268,10 +269,13 @@ def _wait(conn, proc, timeout: float) -> str:
             return "timeout"
 
 
-def _child(conn, ddl: str, rows: dict[str, list[tuple]], workers: int, log: str) -> None:
-    """Answers jobs until it gets None, after saying "ready": ``("view", sql, types)`` -> ``(kind, detail, rows)``
-    with kind answer / refused / error / timeout; ``("duckdb", sql, types)`` -> DuckDB's rows, or None when DuckDB
-    refuses the query.
+def _child(conn, log: str) -> None:
+    """Answers jobs until it gets None: ``("load", ddl, rows, workers)`` replaces the tables (in the engine's Arrow
+    form and in a new DuckDB database) and says "ready"; ``("view", sql, types)`` -> ``(kind, detail, rows)`` with
+    kind answer / refused / error / timeout; ``("duckdb", sql, types)`` -> DuckDB's rows, or None when DuckDB refuses
+    the query. One child serves every group of queries and every file of a process (ChildProcess) until it is killed
+    (time or memory limit) or dies; only then does a new one start (each start imports dbsp_core, DuckDB and Arrow:
+    about 1.3 CPU s, which was most of a sample run's time when every group had a child of its own).
 
     The parent kills it when its resident memory passes DBSP_SLT_MEMORY_GB (default 3, see _wait): a plan that
     builds a product of many tables counts as a timeout, a plan too slow to finish, instead of taking the machine.
@@ -286,15 +290,23 @@ def _child(conn, ddl: str, rows: dict[str, list[tuple]], workers: int, log: str)
     import dbsp_core as dbsp
     from dbsp_core.sql import SqlError
 
-    tables = _arrow_tables(ddl, rows)
-    duck = duckdb.connect()
-    duck.execute("SET threads TO 1")
-    for name, t in tables.items():
-        duck.register(f"__arrow_{name}", t)
-        duck.execute(f"CREATE TABLE {name} AS SELECT * FROM __arrow_{name}")
-    conn.send("ready")
+    ddl, tables, workers, duck = "", {}, 1, None
     while (job := conn.recv()) is not None:
-        what, query, types = job
+        what = job[0]
+        if what == "load":
+            _, ddl, rows, workers = job
+            tables = _arrow_tables(ddl, rows)
+            if duck is not None:
+                duck.close()
+            duck = duckdb.connect()
+            duck.execute("SET threads TO 1")
+            for name, t in tables.items():
+                duck.register(f"__arrow_{name}", t)
+                duck.execute(f"CREATE TABLE {name} AS SELECT * FROM __arrow_{name}")
+                duck.unregister(f"__arrow_{name}")
+            conn.send("ready")
+            continue
+        _, query, types = job
         if what == "duckdb":
             try:
                 conn.send(rows_fmt(duck.execute(query).fetchall(), types))
@@ -321,6 +333,80 @@ def _child(conn, ddl: str, rows: dict[str, list[tuple]], workers: int, log: str)
             if os.environ.get("DBSP_SLT_TRACEBACK"):
                 detail += "\n" + traceback.format_exc()
             conn.send(("error", detail, None))
+
+
+class ChildProcess:
+    """The child that answers a process's queries (_child), with its stderr log; ``get()`` gives the running one or
+    starts one. A child is dropped (``kill``) after a time or memory limit or a crash, and when its resident memory
+    at the start of a group is over half the limit (what earlier files left in its heap must not count against the
+    next file's queries)."""
+
+    current: "ChildProcess | None" = None
+
+    def __init__(self) -> None:
+        import tempfile
+
+        ctx = mp.get_context("spawn")
+        self.tmp = tempfile.mkdtemp(prefix="slt-")
+        self.log = os.path.join(self.tmp, "child.stderr")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_child, args=(child, self.log), daemon=True)
+        self.proc.start()
+        child.close()
+
+    @classmethod
+    def get(cls) -> "ChildProcess":
+        c = cls.current
+        if c is not None and (not c.proc.is_alive() or _rss(c.proc.pid) > MEMORY // 2):
+            c.kill()
+            c = None
+        if c is None:
+            c = cls.current = cls()
+        return c
+
+    def log_size(self) -> int:
+        try:
+            return os.path.getsize(self.log)
+        except OSError:  # not opened yet: the child is still starting
+            return 0
+
+    def log_from(self, offset: int) -> str:
+        """What the child wrote to stderr from ``offset`` on (its crash report)."""
+        if not os.path.exists(self.log):  # the child died before it opened it
+            return ""
+        with open(self.log, errors="replace") as f:
+            f.seek(offset)
+            return f.read()
+
+    def kill(self, busy: bool = False) -> None:
+        """Ends the child: killed at once when it is ``busy`` (it cannot take the None that ends it), else asked to
+        stop and killed if it has not stopped in 2 s."""
+        import shutil
+
+        if busy and self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+        if self.proc.is_alive():
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+            self.proc.join(2)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join()
+        self.conn.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        if ChildProcess.current is self:
+            ChildProcess.current = None
+
+
+def _stop_child() -> None:
+    if ChildProcess.current is not None:
+        ChildProcess.current.kill()
+
+
+atexit.register(_stop_child)
 
 
 @dataclasses.dataclass
@@ -393,68 +479,53 @@ class Runner:
             self._answer(name, pending, creates, db)
 
     def _answer(self, name: str, pending: list, creates: dict[str, str], db: sqlite3.Connection) -> None:
-        """The engine's answers to the pending queries, from child processes over the current tables (a new child
-        after one is killed at the time limit or dies)."""
-        import tempfile
-
+        """The engine's answers to the pending queries, from the process's child (ChildProcess) given the current
+        tables first (a new child after one is killed at the time limit or dies)."""
         ddl = ";\n".join(engine_ddl(s) for s in creates.values())
         rows = {t: db.execute(f"SELECT * FROM {t}").fetchall() for t in creates}
-        ctx = mp.get_context("spawn")
         todo = list(pending)
-        with tempfile.TemporaryDirectory(prefix="slt-") as tmp:
-            log = os.path.join(tmp, "child.stderr")
-            while todo:
-                parent, child = ctx.Pipe()
-                proc = ctx.Process(target=_child, args=(child, ddl, rows, self.workers, log), daemon=True)
-                proc.start()
-                child.close()
-                try:
-                    if not parent.poll(120) or parent.recv() != "ready":
-                        raise EOFError("the child did not load the tables in 120 s")
-                    while todo:
-                        _, rec, ref = todo[0]
-                        parent.send(("view", rec.sql, rec.types))
-                        waited = _wait(parent, proc, self.timeout)
-                        if waited != "ready":
-                            todo.pop(0)
-                            self.outcomes.append(Outcome(name, rec.line, rec.sql, "timeout",
-                                                         f"no answer in {self.timeout:g} s" if waited == "timeout"
-                                                         else f"over the memory limit ({MEMORY / 2**30:g} GiB)"))
-                            proc.kill()  # busy: it cannot take the None that ends it
-                            break
-                        kind, detail, got = parent.recv()
+        while todo:
+            ch = ChildProcess.get()
+            mark = ch.log_size()
+            parent, proc = ch.conn, ch.proc
+            try:
+                parent.send(("load", ddl, rows, self.workers))
+                if not parent.poll(120) or parent.recv() != "ready":
+                    raise EOFError("the child did not load the tables in 120 s")
+                while todo:
+                    _, rec, ref = todo[0]
+                    parent.send(("view", rec.sql, rec.types))
+                    waited = _wait(parent, proc, self.timeout)
+                    if waited != "ready":
                         todo.pop(0)
-                        ddb, busy = None, False
-                        if kind == "answer" and collections.Counter(got) != collections.Counter(ref):
-                            parent.send(("duckdb", rec.sql, rec.types))
-                            busy = _wait(parent, proc, self.timeout) != "ready"  # too slow, or over the limit
-                            ddb = None if busy else parent.recv()
-                        self.outcomes.append(self._judge(name, rec, ref, kind, detail, got, ddb))
-                        if busy:
-                            proc.kill()
-                            break
-                        if self.progress and len(self.outcomes) % 500 == 0:
-                            print(f"  {len(self.outcomes)} queries ...", file=sys.stderr, flush=True)
-                except (EOFError, OSError) as e:  # the child died: a crash, reported with its stderr's first lines
-                    proc.join(5)
-                    err = ""
-                    if os.path.exists(log):  # absent when the child died before it opened it
-                        with open(log, errors="replace") as f:
-                            err = f.read()
-                    _, rec, _ = todo.pop(0)
-                    self.outcomes.append(Outcome(name, rec.line, rec.sql, "error",
-                                                 f"child died: {e!r}, exit {proc.exitcode}, {err.strip()[:1500]}"))
-                finally:
-                    if proc.is_alive():
-                        try:
-                            parent.send(None)
-                        except OSError:
-                            pass
-                        proc.join(2)
-                        if proc.is_alive():
-                            proc.kill()
-                            proc.join()
-                    parent.close()
+                        self.outcomes.append(Outcome(name, rec.line, rec.sql, "timeout",
+                                                     f"no answer in {self.timeout:g} s" if waited == "timeout"
+                                                     else f"over the memory limit ({MEMORY / 2**30:g} GiB)"))
+                        ch.kill(busy=True)
+                        break
+                    kind, detail, got = parent.recv()
+                    todo.pop(0)
+                    ddb, busy = None, False
+                    if kind == "answer" and collections.Counter(got) != collections.Counter(ref):
+                        parent.send(("duckdb", rec.sql, rec.types))
+                        busy = _wait(parent, proc, self.timeout) != "ready"  # too slow, or over the limit
+                        ddb = None if busy else parent.recv()
+                    self.outcomes.append(self._judge(name, rec, ref, kind, detail, got, ddb))
+                    if busy:
+                        ch.kill(busy=True)
+                        break
+                    if self.progress and len(self.outcomes) % 500 == 0:
+                        print(f"  {len(self.outcomes)} queries ...", file=sys.stderr, flush=True)
+            except (EOFError, OSError) as e:  # the child died: a crash, reported with its stderr's first lines
+                proc.join(5)
+                err = ch.log_from(mark)
+                _, rec, _ = todo.pop(0)
+                self.outcomes.append(Outcome(name, rec.line, rec.sql, "error",
+                                             f"child died: {e!r}, exit {proc.exitcode}, {err.strip()[:1500]}"))
+                ch.kill()
+            except BaseException:  # an error of the parent's (or ^C): the child may owe an answer, never reuse it
+                ch.kill(busy=True)
+                raise
 
     @staticmethod
     def _judge(name: str, rec: Record, ref: list, kind: str, detail: str, got, ddb) -> Outcome:
