@@ -134,6 +134,35 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"tests that start Spark without the spark marker (add pytestmark = "
                                 f"pytest.mark.spark): {unmarked[:10]}")
     _deselect_long_suite(config, items)
+    _heaviest_files_first(items)
+
+
+# The README command's heaviest files, heaviest first (wall seconds summed over a file's tests in a README run at
+# load 5-10, 2026-11-30, /work/wt/runs/rtt2: 189 ... 37). With ``--dist loadfile`` the two workers take whole files in
+# collection order, and these came near its end: a worker could be left with one big file while the other sat idle.
+# Given first, the small files fill the tail (a two-worker simulation over a quiet run's file times: 851-859 s in
+# collection order, 827 s heaviest first). Only the order of files changes; a file's own tests keep theirs.
+_HEAVY_FILES = (
+    "spark/test_spark_pipeline.py", "exactly_once/test_rescale.py", "exactly_once/test_threads.py",
+    "exactly_once/test_live_rescale.py", "storage/test_outputlog_crash.py", "core/test_zset.py",
+    "core/test_substep.py", "storage/test_remote_staged.py", "sql/test_integer_sql.py", "test_readme.py",
+    "exactly_once/test_shard_ranges.py", "core/test_circuit_group_ops.py", "c/test_kernels_c.py",
+    "storage/test_batchfile.py", "exactly_once/test_kill9.py", "core/test_stages.py", "spark/test_streaming.py",
+    "nexmark/test_queries.py", "core/test_spill_tiered.py", "storage/test_remote.py",
+)
+
+
+def _heaviest_files_first(items) -> None:
+    """Stable-sorts the items so the files of ``_HEAVY_FILES`` come first, in its order (every xdist worker sorts
+    the same collection the same way, as xdist requires)."""
+    rank = {name: i for i, name in enumerate(_HEAVY_FILES)}
+
+    def key(item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        path = path[len("tests/"):] if path.startswith("tests/") else path
+        return rank.get(path, len(rank))
+
+    items.sort(key=key)
 
 
 @pytest.fixture(scope="session")
