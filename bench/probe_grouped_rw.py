@@ -28,6 +28,12 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _io() -> int:
+    """Blocks read from disk and major faults of this process so far (a warm step should add none)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_inblock + r.ru_majflt
+
+
 def _drop(path: str, m: mmap.mmap | None = None) -> None:
     if m is not None:
         m.madvise(mmap.MADV_DONTNEED)
@@ -65,6 +71,7 @@ def main() -> None:
     ix = f1.batch
     for cold in (False, True):
         res: dict[str, list[tuple[float, float]]] = {"v1": [], "v2": []}
+        io = {"v1": 0, "v2": 0}
         for s in range(a.steps):
             h = np.unique(kh[rng.integers(0, n, a.keys)])
             order = ("v1", "v2") if s % 2 == 0 else ("v2", "v1")
@@ -72,7 +79,7 @@ def main() -> None:
             for name in order:
                 if cold:
                     _drop(p1, f1.map) if name == "v1" else _drop(p2)
-                t, c = time.perf_counter(), time.thread_time()
+                t, c, i0 = time.perf_counter(), time.thread_time(), _io()
                 if name == "v1":
                     rows = ix.lookup(h)
                     got = ix.zset.data.take(pa.array(rows))  # the rows read, every column (as the step's walk)
@@ -81,13 +88,15 @@ def main() -> None:
                 else:
                     nr = len(f2.lookup(h))
                 res[name].append((time.perf_counter() - t, time.thread_time() - c))
+                io[name] += _io() - i0
                 if nr != want:
                     raise SystemExit(f"{name} found {nr} rows, {want} expected")
         for name, xs in res.items():
             wall = np.array([x[0] for x in xs]) * 1e3
             cpu = np.array([x[1] for x in xs]) * 1e3
             print(f"{'cold' if cold else 'warm'} {name}: mean {wall.mean():.2f} ms, p99 {np.percentile(wall, 99):.2f} "
-                  f"ms, CPU mean {cpu.mean():.2f} ms, p99 {np.percentile(cpu, 99):.2f} ms ({len(xs)} steps)")
+                  f"ms, CPU mean {cpu.mean():.2f} ms, p99 {np.percentile(cpu, 99):.2f} ms ({len(xs)} steps; blocks read + "
+                  f"major faults {io[name] / len(xs):.0f} a step)")
     print("load:", os.getloadavg())
 
 
