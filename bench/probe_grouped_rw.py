@@ -2,6 +2,8 @@
 file of N rows: the write (wall and CPU), the file's size, and 1k-key lookups (the rows of 1,000 random present keys,
 a 1k-row step's read of one batch), alternated step by step, with the page cache warm or dropped before each step
 (the file's pages evicted: a state beyond memory). Not the spill store's read path: format 2 is not wired into it.
+Format 2 is read twice, by its C decoder ("v2c": csrc/groupdecode.c) and by pyarrow's IPC reader ("v2a"), each from
+its own open of the file (its own CRC-checked flags); ``--no-arrow`` leaves the pyarrow reads out.
 
     python bench/probe_grouped_rw.py --rows 10000000 --steps 200
 """
@@ -50,6 +52,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--keys", type=int, default=1000)
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--no-arrow", action="store_true")
     a = ap.parse_args()
     rng = np.random.default_rng(7)
     n = a.rows
@@ -57,6 +60,7 @@ def main() -> None:
     b = ZSet.from_arrow(pa.table({"k": k, "v": rng.integers(0, 1 << 40, n), "s": rng.integers(0, 1000, n)})
                         ).consolidate().index_by(["k"])
     d = a.dir or tempfile.mkdtemp(prefix="grouped-")
+    os.makedirs(d, exist_ok=True)
     p1, p2 = os.path.join(d, "one.batch"), os.path.join(d, "two.batch")
     for name, fn in (("v1", lambda: write_batch(p1, b)), ("v2", lambda: write_grouped(p2, b))):
         t, c = time.perf_counter(), _cpu()
@@ -64,21 +68,28 @@ def main() -> None:
         print(f"write {name}: {time.perf_counter() - t:.2f} s wall, {_cpu() - c:.2f} s CPU, {size / 2**20:.0f} MiB")
     f1 = open_batch(p1)
     f2 = open_grouped(p2)
+    f2a = open_grouped(p2)
+    f2.decode, f2a.decode = "c", "arrow"
+    names = ("v1", "v2c") if a.no_arrow else ("v1", "v2c", "v2a")
     print(f"v2: {f2.groups} groups, {n / f2.groups:.1f} rows a group, index+filter {f2.memory_bytes() / 2**20:.1f} "
           f"MiB; v1 fence+filter+crcs {f1.memory_bytes() / 2**20:.1f} MiB")
     kh = np.asarray(b.key_hash)
     del b
     ix = f1.batch
     for cold in (False, True):
-        res: dict[str, list[tuple[float, float]]] = {"v1": [], "v2": []}
-        io = {"v1": 0, "v2": 0}
+        res: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+        io = {name: 0 for name in names}
         for s in range(a.steps):
             h = np.unique(kh[rng.integers(0, n, a.keys)])
-            order = ("v1", "v2") if s % 2 == 0 else ("v2", "v1")
+            order = names[s % len(names):] + names[:s % len(names)]  # each first in turn
             want = int(np.isin(kh, h).sum())
             for name in order:
                 if cold:
                     _drop(p1, f1.map) if name == "v1" else _drop(p2)
+                    if name == "v2c":
+                        f2.checked[:] = False  # (a cold page's CRC is checked again: it was read from disk)
+                    elif name == "v2a":
+                        f2a.checked[:] = False
                 t, c, i0 = time.perf_counter(), time.thread_time(), _io()
                 if name == "v1":
                     rows = ix.lookup(h)
@@ -86,7 +97,7 @@ def main() -> None:
                     w = ix.zset.weights[rows]
                     nr = len(got) + 0 * int(w.sum())
                 else:
-                    nr = len(f2.lookup(h))
+                    nr = len((f2 if name == "v2c" else f2a).lookup(h))
                 res[name].append((time.perf_counter() - t, time.thread_time() - c))
                 io[name] += _io() - i0
                 if nr != want:
