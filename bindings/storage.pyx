@@ -143,6 +143,7 @@ cdef extern from "groupdecode.h" nogil:
         int err
         char what[160]
         int64_t pages_checked
+        int64_t groups_read
         unsigned char *buf
         DbspGBuf *bufs
         int *sel_g
@@ -155,6 +156,9 @@ cdef extern from "groupdecode.h" nogil:
                        const int64_t *msg_len, const int64_t *rows, const uint64_t *first_hash,
                        const uint64_t *hashes, int64_t nh)
     void dbsp_gdec_fill(DbspGDec *d, unsigned char **valid, unsigned char **data, unsigned char **vals)
+    int dbsp_gdec_lookup(DbspGDec *d, const uint64_t *bloom, int64_t nwords, int k, int64_t ngroups,
+                         const uint64_t *first_hash, const int64_t *slot_of, const int64_t *nslots,
+                         const int64_t *msg_len, const int64_t *rows, const uint64_t *hashes, int64_t m)
     void dbsp_gdec_free(DbspGDec *d)
 
 
@@ -205,10 +209,6 @@ def grouped_gather(int fd, int64_t slot, int64_t arrow_end, const unsigned int[:
     cdef int64_t[::1] nulls = numpy.zeros(nc, dtype=numpy.int64)
     d.var_bytes = &var_bytes[0]
     d.nulls = &nulls[0]
-    cdef unsigned char **vp = NULL
-    cdef unsigned char **dp = NULL
-    cdef unsigned char **xp = NULL
-    cdef unsigned char[::1] m
     try:
         with nogil:
             st = dbsp_gdec_scan(&d, ng, &slot_of[0] if ng else NULL, &nslots[0] if ng else NULL,
@@ -216,15 +216,29 @@ def grouped_gather(int fd, int64_t slot, int64_t arrow_end, const unsigned int[:
                                 &first_hash[0] if ng else NULL, hp, nh)
         if st != DBSP_GDEC_OK:
             return (st, d.bad_group, d.bad_page, d.what.decode("utf-8", "replace"), d.err)
-        n = d.nrows
+        cols = _gather_fill(&d, kind, width)
+        return (0, d.nrows, cols, numpy.asarray(nulls), d.pages_checked)
+    finally:
+        dbsp_gdec_free(&d)
+
+
+cdef list _gather_fill(DbspGDec *d, const int[::1] kind, const int[::1] width):
+    """The picked rows of a successful scan gathered (dbsp_gdec_fill, GIL released) into numpy uint8 arrays, a column
+    ``(validity or None, values or offsets, var values or None)``."""
+    cdef Py_ssize_t nc = kind.shape[0], c
+    cdef int64_t n = d.nrows
+    cdef unsigned char **vp = <unsigned char **>malloc(3 * nc * sizeof(unsigned char *))
+    cdef unsigned char **dp
+    cdef unsigned char **xp
+    cdef unsigned char[::1] m
+    if vp == NULL:
+        raise MemoryError("grouped_gather")
+    dp = vp + nc
+    xp = dp + nc
+    try:
         cols = []
-        vp = <unsigned char **>malloc(3 * nc * sizeof(unsigned char *))
-        if vp == NULL:
-            raise MemoryError("grouped_gather")
-        dp = vp + nc
-        xp = dp + nc
         for c in range(nc):
-            valid = numpy.zeros((n + 7) // 8, dtype=numpy.uint8) if nulls[c] else None
+            valid = numpy.zeros((n + 7) // 8, dtype=numpy.uint8) if d.nulls[c] else None
             k = kind[c]
             if k == DBSP_GCOL_BOOL:
                 data = numpy.zeros((n + 7) // 8, dtype=numpy.uint8)
@@ -234,7 +248,7 @@ def grouped_gather(int fd, int64_t slot, int64_t arrow_end, const unsigned int[:
                 data = numpy.empty(8 * (n + 1), dtype=numpy.uint8)
             else:
                 data = numpy.empty(n * width[c], dtype=numpy.uint8)
-            vals = numpy.empty(var_bytes[c], dtype=numpy.uint8) if k == DBSP_GCOL_VAR32 or k == DBSP_GCOL_VAR64 \
+            vals = numpy.empty(d.var_bytes[c], dtype=numpy.uint8) if k == DBSP_GCOL_VAR32 or k == DBSP_GCOL_VAR64 \
                 else None
             cols.append((valid, data, vals))
             vp[c] = dp[c] = xp[c] = NULL
@@ -248,10 +262,62 @@ def grouped_gather(int fd, int64_t slot, int64_t arrow_end, const unsigned int[:
                 m = vals
                 xp[c] = &m[0]
         with nogil:
-            dbsp_gdec_fill(&d, vp, dp, xp)
-        return (0, n, cols, numpy.asarray(nulls), d.pages_checked)
+            dbsp_gdec_fill(d, vp, dp, xp)
+        return cols
     finally:
         free(vp)
+
+
+def grouped_lookup(int fd, int64_t slot, int64_t arrow_end, const unsigned int[::1] page_crcs,
+                   unsigned char[::1] checked, const int[::1] kind, const int[::1] width, int khcol,
+                   const uint64_t[::1] bloom, int bloom_k, const uint64_t[::1] first_hash, const int64_t[::1] slot_of,
+                   const int64_t[::1] nslots, const int64_t[::1] msg_len, const int64_t[::1] rows,
+                   const uint64_t[::1] hashes):
+    """A whole format-2 lookup in one call (csrc/groupdecode.h dbsp_gdec_lookup), the GIL released: the probed key
+    ``hashes`` (uint64, any order, repeats allowed) tested against the Bloom filter ``bloom`` (``bloom_k`` bits), each
+    one's group found among the file's groups (``first_hash``/``slot_of``/``nslots``/``msg_len``/``rows``, one entry
+    a group), those groups read, checked and decoded as :func:`grouped_gather` does and their rows of those hashes
+    gathered. Returns ``(0, rows, columns, nulls, pages checked, groups read)`` or ``(status, group, page, what,
+    errno)``, ``group`` the file's group number (-1: none)."""
+    cdef Py_ssize_t ng = first_hash.shape[0], nc = kind.shape[0]
+    cdef DbspGDec d
+    cdef int st
+    cdef int64_t m = hashes.shape[0]
+    if slot_of.shape[0] != ng or nslots.shape[0] != ng or msg_len.shape[0] != ng or rows.shape[0] != ng:
+        raise ValueError("grouped_lookup: the group arrays differ in length")
+    if width.shape[0] != nc or nc == 0 or khcol < 0 or khcol >= nc:
+        raise ValueError("grouped_lookup: kind and width differ in length, or no key hash column")
+    if checked.shape[0] != page_crcs.shape[0]:
+        raise ValueError("grouped_lookup: a checked flag a CRC page")
+    if bloom.shape[0] == 0 and ng and m:
+        raise ValueError("grouped_lookup: no Bloom filter")
+    memset(&d, 0, sizeof(d))
+    d.fd = fd
+    d.slot = slot
+    d.arrow_end = arrow_end
+    d.page_crcs = &page_crcs[0] if page_crcs.shape[0] else NULL
+    d.checked = &checked[0] if checked.shape[0] else NULL
+    d.npages = page_crcs.shape[0]
+    d.ncols = <int>nc
+    d.kind = &kind[0]
+    d.width = &width[0]
+    d.khcol = khcol
+    cdef int64_t[::1] var_bytes = numpy.zeros(nc, dtype=numpy.int64)
+    cdef int64_t[::1] nulls = numpy.zeros(nc, dtype=numpy.int64)
+    d.var_bytes = &var_bytes[0]
+    d.nulls = &nulls[0]
+    try:
+        if ng and m:
+            with nogil:
+                st = dbsp_gdec_lookup(&d, &bloom[0], bloom.shape[0], bloom_k, ng, &first_hash[0], &slot_of[0],
+                                      &nslots[0], &msg_len[0], &rows[0], &hashes[0], m)
+        else:
+            st = DBSP_GDEC_OK
+        if st != DBSP_GDEC_OK:
+            return (st, d.bad_group, d.bad_page, d.what.decode("utf-8", "replace"), d.err)
+        cols = _gather_fill(&d, kind, width)
+        return (0, d.nrows, cols, numpy.asarray(nulls), d.pages_checked, d.groups_read)
+    finally:
         dbsp_gdec_free(&d)
 
 

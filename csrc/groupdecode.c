@@ -17,6 +17,7 @@
 
 #include "crc32c.h"
 #include "le.h"
+#include "spillread.h"
 
 static int bad(DbspGDec *d, int64_t g, const char *what) {
     d->bad_group = g;
@@ -447,4 +448,71 @@ void dbsp_gdec_free(DbspGDec *d) {
     d->bufs = NULL;
     d->sel_g = d->sel_r = NULL;
     d->sel_cap = 0;
+}
+
+static int cmp_u64(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+int dbsp_gdec_lookup(DbspGDec *d, const uint64_t *bloom, int64_t nwords, int k, int64_t ngroups,
+                     const uint64_t *first_hash, const int64_t *slot_of, const int64_t *nslots,
+                     const int64_t *msg_len, const int64_t *rows, const uint64_t *hashes, int64_t m) {
+    d->nrows = 0;
+    d->bad_group = -1;
+    d->bad_page = -1;
+    d->what[0] = 0;
+    d->pages_checked = 0;
+    d->groups_read = 0;
+    for (int c = 0; c < d->ncols; c++) d->var_bytes[c] = d->nulls[c] = 0;
+    if (m <= 0 || ngroups <= 0) return DBSP_GDEC_OK;
+    if (nwords < 1 || (nwords & (nwords - 1))) return bad(d, -1, "its Bloom filter is not a power of two of words");
+    int st = DBSP_GDEC_OK;
+    uint64_t *h = malloc((size_t)m * sizeof *h);
+    uint8_t *may = malloc((size_t)m);
+    int64_t *gl = malloc((size_t)m * 5 * sizeof *gl);
+    uint64_t *gfirst = malloc((size_t)m * sizeof *gfirst);
+    if (!h || !may || !gl || !gfirst) {
+        st = DBSP_GDEC_NOMEM;
+        goto out;
+    }
+    /* the probed hashes: those the filter may hold, ascending and unique */
+    dbsp_bloom_probe(bloom, (size_t)nwords, k, hashes, (size_t)m, may);
+    int64_t n = 0;
+    for (int64_t i = 0; i < m; i++)
+        if (may[i]) h[n++] = hashes[i];
+    qsort(h, (size_t)n, sizeof *h, cmp_u64);
+    int64_t u = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (u == 0 || h[i] != h[u - 1]) h[u++] = h[i];
+    /* each one's group: the last whose first key hash is not above it (invariant G3); none: below the batch */
+    int64_t ng = 0, lo = 0, last = -1;
+    for (int64_t i = 0; i < u; i++) {
+        int64_t a = lo, b = ngroups; /* the first group whose first hash is above h[i], searched from the last one */
+        while (a < b) {
+            int64_t mid = a + (b - a) / 2;
+            if (first_hash[mid] <= h[i]) a = mid + 1; else b = mid;
+        }
+        lo = a;
+        int64_t g = a - 1;
+        if (g >= 0 && g != last) gl[ng++] = last = g;
+    }
+    int64_t *s_slot = gl + m, *s_nslots = gl + 2 * m, *s_len = gl + 3 * m, *s_rows = gl + 4 * m;
+    for (int64_t i = 0; i < ng; i++) {
+        int64_t g = gl[i];
+        s_slot[i] = slot_of[g];
+        s_nslots[i] = nslots[g];
+        s_len[i] = msg_len[g];
+        s_rows[i] = rows[g];
+        gfirst[i] = first_hash[g];
+    }
+    d->groups_read = ng;
+    st = dbsp_gdec_scan(d, ng, s_slot, s_nslots, s_len, s_rows, gfirst, h, u);
+    if (st != DBSP_GDEC_OK && d->bad_group >= 0 && d->bad_group < ng) d->bad_group = gl[d->bad_group];
+out:
+    free(h);
+    free(may);
+    free(gl);
+    free(gfirst);
+    return st;
 }

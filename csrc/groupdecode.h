@@ -52,6 +52,7 @@ typedef struct {
     int err;              /* errno (DBSP_GDEC_IOERR) */
     char what[160];
     int64_t pages_checked; /* CRC pages checked by this call */
+    int64_t groups_read;   /* dbsp_gdec_lookup: the groups its probes lie in (read) */
     /* scratch */
     uint8_t *buf;         /* the reads (the thread's scratch unless buf_own) */
     int buf_own;
@@ -71,6 +72,17 @@ int dbsp_gdec_scan(DbspGDec *d, int64_t ng, const int64_t *slot_of, const int64_
  * data[c] (fixed: nrows * width; bool: (nrows + 7) / 8 zeroed; var: (nrows + 1) offsets of 4 or 8 bytes) and for
  * var columns vals[c] (var_bytes[c] bytes). */
 void dbsp_gdec_fill(DbspGDec *d, uint8_t **valid, uint8_t **data, uint8_t **vals);
+
+/* A whole lookup in one call: the probed key hashes hashes[0..m) (any order, repeats allowed) tested against the
+ * batch's blocked Bloom filter bloom[0..nwords) (k bits a hash; spillread.h's dbsp_bloom_probe), those it may hold
+ * sorted and made unique, each one's group found (the last of the ngroups whose first_hash is not above it:
+ * invariant G3; a hash below the first group's is in none), and those groups (ascending, each once) read, checked
+ * and scanned as dbsp_gdec_scan does, for those hashes. The group arrays are the file's, one entry a group (rows:
+ * the group's row count). d->groups_read is the groups read; on a failure d->bad_group is the FILE's group number
+ * (not a position). Returns DBSP_GDEC_*; the caller calls dbsp_gdec_fill on OK and dbsp_gdec_free always. */
+int dbsp_gdec_lookup(DbspGDec *d, const uint64_t *bloom, int64_t nwords, int k, int64_t ngroups,
+                     const uint64_t *first_hash, const int64_t *slot_of, const int64_t *nslots,
+                     const int64_t *msg_len, const int64_t *rows, const uint64_t *hashes, int64_t m);
 
 void dbsp_gdec_free(DbspGDec *d);
 

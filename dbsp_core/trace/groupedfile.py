@@ -385,8 +385,10 @@ class GroupedFile:
         self.ndata = 0
         self.schema_msg = b""  # the Arrow schema message (a stream's first), read on opening
         self.msg_len = np.zeros(0, dtype=np.int64)  # per group, its message's bytes (the Arrow footer's blocks)
+        self.g_slot = self.g_slots = self.g_rows = np.zeros(0, dtype=np.int64)  # set with msg_len
         self.kinds: tuple[np.ndarray, np.ndarray] | None = None  # the C decoder's column kinds (None: Arrow's path)
         self.decode = DECODE_DEFAULT
+        self.last_groups_read = -1  # the groups the last lookup read (tests compare it with groups_of)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -412,7 +414,8 @@ class GroupedFile:
     def memory_bytes(self) -> int:
         """Bytes this open file keeps (group index, first key hashes, filter, page CRCs, flags)."""
         return int(self.index.nbytes + self.first_hash.nbytes + self.bloom.nbytes + self.page_crcs.nbytes
-                   + self.checked.nbytes + self.msg_len.nbytes)
+                   + self.checked.nbytes + self.msg_len.nbytes + self.g_slot.nbytes + self.g_slots.nbytes
+                   + self.g_rows.nbytes)
 
     def _read(self, lo: int, hi: int) -> memoryview:
         """The file's bytes [lo, hi) of the Arrow section, read by one pread(2) widened to whole CRC pages, each page
@@ -478,6 +481,11 @@ class GroupedFile:
             raise _bad(self.path, "the Arrow footer's record batches are not where the group index says")
         self.msg_len = np.ascontiguousarray(length, dtype=np.int64)
         self.kinds = _gather_kinds(self.schema)
+        # the group index as the C lookup takes it (one int64 array a field; rows: each group's row count)
+        self.g_slot = np.ascontiguousarray(self.index["slot"], dtype=np.int64)
+        self.g_slots = np.ascontiguousarray(self.index["slots"], dtype=np.int64)
+        starts = self.index["row"].astype(np.int64)
+        self.g_rows = np.ascontiguousarray(np.append(starts[1:], self.rows) - starts)
 
     def _check_pages(self, lo: np.ndarray, hi: np.ndarray) -> None:
         """Check the CRC pages holding the file's bytes [lo[i], hi[i]) not checked yet (invariant G2): each read
@@ -566,9 +574,16 @@ class GroupedFile:
             self.kinds[1], self.ndata + 1, idx["slot"].astype(np.int64), idx["slots"].astype(np.int64),
             np.ascontiguousarray(self.msg_len[g]), ends - idx["row"].astype(np.int64),
             np.ascontiguousarray(idx["key_hash"], dtype=np.uint64), hashes)
+        return self._gathered(res, lambda i: int(g[i]) if 0 <= i < len(g) else -1)
+
+    def _gathered(self, res: tuple, group_of: Any) -> pa.RecordBatch | None:
+        """The record batch of a ``grouped_gather``/``grouped_lookup`` result, its failure raised (``group_of``: the
+        file's group number of the result's failing group), or None when the C decoder declined (counted)."""
+        from dbsp_core import _storage
+
         st = res[0]
         if st:
-            bad_g = int(g[res[1]]) if 0 <= res[1] < len(g) else -1
+            bad_g = group_of(res[1])
             if st == _storage.GATHER_STATUS["unsupported"]:
                 DECODE_COUNTS["fallback"] += 1
                 return None
@@ -630,12 +645,25 @@ class GroupedFile:
 
     def lookup(self, hashes: np.ndarray) -> Any:
         """The rows of key hashes ``hashes`` (an IndexedZSet in index order: a consolidated batch), read by pread of
-        the groups they lie in (invariant G3): no mapping."""
-        h = np.unique(np.asarray(hashes, dtype=np.uint64))
+        the groups they lie in (invariant G3): no mapping. The C path is one call (``_storage.grouped_lookup``: the
+        Bloom filter, the group search, the reads, checks, decode and gather, the GIL released)."""
+        h = np.asarray(hashes, dtype=np.uint64)
+        if self.decode == "c" and self.kinds is not None:
+            from dbsp_core import _storage
+
+            res = _storage.grouped_lookup(
+                self.fd, self.slot, 64 + self.alen, self.page_crcs, self.checked.view(np.uint8), self.kinds[0],
+                self.kinds[1], self.ndata + 1, self.bloom, self.bloom_k, self.first_hash, self.g_slot, self.g_slots,
+                self.msg_len, self.g_rows, np.ascontiguousarray(h))
+            self.last_groups_read = res[5] if res[0] == 0 else -1
+            rb = self._gathered(res, lambda i: int(i))
+            if rb is not None:
+                return self._batch(pa.Table.from_batches([rb]))
+        else:
+            DECODE_COUNTS["fallback" if self.decode == "c" else "arrow"] += 1
+        h = np.unique(h)
         groups = self.groups_of(h)
-        rb = self._gather(groups, h)
-        if rb is not None:
-            return self._batch(pa.Table.from_batches([rb]))
+        self.last_groups_read = len(groups)
         t = self._table(groups).combine_chunks()  # (a take over a chunk a group costs ~4 us a chunk)
         kh = _bf()._one_chunk(t.column(self.ndata + 1)).to_numpy(zero_copy_only=False)
         return self._batch(t, np.flatnonzero(np.isin(kh, h)))

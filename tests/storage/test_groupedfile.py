@@ -422,3 +422,50 @@ def test_crc_pages_are_the_slots_of_the_file() -> None:
         assert len(f.page_crcs) == -(-(64 + f.alen) // g)
         f.lookup(f.first_hash[5:6])
         assert f.checked.sum() <= 6  # the schema's slot, the Arrow footer's (two), the group's
+
+
+def test_the_c_lookup_reads_the_groups_the_filter_and_search_name_and_the_rows_of_the_dict_model() -> None:
+    """One C call does a lookup's Bloom filter test, group search, reads and gather (``_storage.grouped_lookup``): it
+    reads exactly the groups ``groups_of`` names (the same CRC pages checked as the Arrow path's reads), none for
+    probes the filter rejects or below the first group, and returns the dict model's rows, for probes in any order
+    with repeats, present, absent, below and above every key hash."""
+    rng = np.random.default_rng(SEED)
+    b = _batch(rng, 6000)
+    want = _model([(*r.values(), int(w)) for r, w in zip(b.zset.data.to_pylist(), np.asarray(b.zset.weights))])
+    path = os.path.join(tempfile.mkdtemp(), "g.batch")
+    write_grouped(path, b, slot=4096)
+    kh = np.asarray(b.key_hash).astype(np.uint64)
+    with open_grouped(path) as f:
+        assert f.groups > 20
+        below = np.arange(int(kh[0]) - 3, int(kh[0]), dtype=np.uint64) if kh[0] >= 3 else np.zeros(0, np.uint64)
+        absent = rng.integers(0, 2**63, 3000, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+        absent = absent[~np.isin(absent, kh)]
+        probes = [absent, below, np.array([2**64 - 1], dtype=np.uint64)]
+        for n in (1, 17, 400):
+            present = rng.choice(kh, n)
+            probes.append(np.concatenate([present, absent[:n], present[::-1]]))
+    rejected = 0
+    for h in probes:
+        u = np.unique(h)
+        sel = np.isin(kh, u)
+        expect = {}
+        for r, w in zip(b.zset.data.filter(pa.array(sel)).to_pylist(), np.asarray(b.zset.weights)[sel]):
+            expect[tuple(r.values())] = int(w)
+        assert all(want[k] == w for k, w in expect.items())
+        checked = {}
+        for decode in ("c", "arrow"):
+            with open_grouped(path) as f:
+                f.decode = decode
+                before = DECODE_COUNTS[decode]
+                got = f.lookup(h)
+                assert DECODE_COUNTS[decode] == before + 1
+                assert _as_model(got) == expect, decode
+                groups = f.groups_of(u)
+                assert f.last_groups_read == len(groups), decode
+                checked[decode] = f.checked.copy()
+        assert np.array_equal(checked["c"], checked["arrow"])  # the same groups' slots read (and checked)
+        # the filter's work: groups whose probes it rejects are not read (the search alone would read them)
+        g_search = np.unique(np.searchsorted(kh[np.r_[0, np.flatnonzero(np.diff(kh)) + 1]], u, "right"))
+        rejected += len(g_search) - len(groups)
+    assert rejected > 0
+    os.unlink(path)
