@@ -3,14 +3,17 @@ file of N rows: the write (wall and CPU), the file's size, and 1k-key lookups (t
 a 1k-row step's read of one batch), alternated step by step, with the page cache warm or dropped before each step
 (the file's pages evicted: a state beyond memory). Not the spill store's read path: format 2 is not wired into it.
 Format 2 is read twice, by its C decoder ("v2c": csrc/groupdecode.c) and by pyarrow's IPC reader ("v2a"), each from
-its own open of the file (its own CRC-checked flags); ``--no-arrow`` leaves the pyarrow reads out.
+its own open of the file (its own CRC-checked flags); ``--no-arrow`` leaves the pyarrow reads out; ``--fadv-random``
+adds "v2r", the C decoder from an open whose descriptor has POSIX_FADV_RANDOM (no readahead). Run it from the tree's
+root with the tree on PYTHONPATH (``bench/`` is the script's path: without it the installed dbsp_core is imported).
 
-    python bench/probe_grouped_rw.py --rows 10000000 --steps 200
+    PYTHONPATH=. python bench/probe_grouped_rw.py --rows 10000000 --steps 200
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import mmap
 import os
 import resource
@@ -53,6 +56,8 @@ def main() -> None:
     ap.add_argument("--keys", type=int, default=1000)
     ap.add_argument("--dir", default=None)
     ap.add_argument("--no-arrow", action="store_true")
+    ap.add_argument("--fadv-random", action="store_true",
+                    help="also read format 2 by C from an open whose descriptor has POSIX_FADV_RANDOM (v2r)")
     a = ap.parse_args()
     rng = np.random.default_rng(7)
     n = a.rows
@@ -69,10 +74,14 @@ def main() -> None:
     f1 = open_batch(p1)
     f2 = open_grouped(p2)
     f2a = open_grouped(p2)
-    f2.decode, f2a.decode = "c", "arrow"
+    f2r = open_grouped(p2)
+    f2.decode, f2a.decode, f2r.decode = "c", "arrow", "c"
+    os.posix_fadvise(f2r.fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead on this descriptor
     names = ("v1", "v2c") if a.no_arrow else ("v1", "v2c", "v2a")
+    names += ("v2r",) if a.fadv_random else ()
     print(f"v2: {f2.groups} groups, {n / f2.groups:.1f} rows a group, index+filter {f2.memory_bytes() / 2**20:.1f} "
           f"MiB; v1 fence+filter+crcs {f1.memory_bytes() / 2**20:.1f} MiB")
+    orders = list(itertools.permutations(names))  # (a warm reader after another reads pages that one touched)
     kh = np.asarray(b.key_hash)
     del b
     ix = f1.batch
@@ -81,7 +90,7 @@ def main() -> None:
         io = {name: 0 for name in names}
         for s in range(a.steps):
             h = np.unique(kh[rng.integers(0, n, a.keys)])
-            order = names[s % len(names):] + names[:s % len(names)]  # each first in turn
+            order = orders[s % len(orders)]  # every order in turn: each reader before each other in half the steps
             want = int(np.isin(kh, h).sum())
             for name in order:
                 if cold:
@@ -90,6 +99,8 @@ def main() -> None:
                         f2.checked[:] = False  # (a cold page's CRC is checked again: it was read from disk)
                     elif name == "v2a":
                         f2a.checked[:] = False
+                    elif name == "v2r":
+                        f2r.checked[:] = False
                 t, c, i0 = time.perf_counter(), time.thread_time(), _io()
                 if name == "v1":
                     rows = ix.lookup(h)
@@ -97,7 +108,7 @@ def main() -> None:
                     w = ix.zset.weights[rows]
                     nr = len(got) + 0 * int(w.sum())
                 else:
-                    nr = len((f2 if name == "v2c" else f2a).lookup(h))
+                    nr = len({"v2c": f2, "v2a": f2a, "v2r": f2r}[name].lookup(h))
                 res[name].append((time.perf_counter() - t, time.thread_time() - c))
                 io[name] += _io() - i0
                 if nr != want:
@@ -108,7 +119,9 @@ def main() -> None:
             print(f"{'cold' if cold else 'warm'} {name}: mean {wall.mean():.2f} ms, p99 {np.percentile(wall, 99):.2f} "
                   f"ms, CPU mean {cpu.mean():.2f} ms, p99 {np.percentile(cpu, 99):.2f} ms ({len(xs)} steps; blocks read + "
                   f"major faults {io[name] / len(xs):.0f} a step)")
-    print("load:", os.getloadavg())
+    import dbsp_core
+
+    print("load:", os.getloadavg(), "dbsp_core from", os.path.dirname(dbsp_core.__file__))
 
 
 if __name__ == "__main__":
