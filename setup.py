@@ -38,8 +38,8 @@ if sanitize:
     ldflags += ["-fsanitize=address,undefined"]
 
 # the storage engine's C files (page store, step log, small files, their VFS, status and checksum): _storage's
-STORAGE = ["csrc/bloom.c", "csrc/crc32c.c", "csrc/pagestore.c", "csrc/smallfile.c", "csrc/spillread.c",
-           "csrc/steplog.c", "csrc/storage_status.c", "csrc/vfs.c"]
+STORAGE = ["csrc/bloom.c", "csrc/crc32c.c", "csrc/groupdecode.c", "csrc/pagestore.c", "csrc/smallfile.c",
+           "csrc/spillread.c", "csrc/steplog.c", "csrc/storage_status.c", "csrc/vfs.c"]
 csources = {
     "storage": STORAGE,
     "zset": [c for c in sorted(glob.glob("csrc/*.c")) if c not in STORAGE],

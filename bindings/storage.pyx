@@ -1,6 +1,7 @@
 # storage.pyx: cdef classes owning the C page store, transactions, cursors and step log (dbsp_core._storage).
 from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
+from libc.string cimport memset
 from libc.errno cimport EINTR, EIO, ENOSPC, EOPNOTSUPP, errno
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from posix.mman cimport madvise
@@ -9,6 +10,8 @@ from posix.uio cimport iovec
 from storage cimport *
 
 import os
+
+import numpy
 
 from dbsp_core.errors import CorruptionError, FormatVersionError, InUseError, StorageError
 
@@ -115,6 +118,207 @@ def pread_ranges(int fd, const int64_t[::1] offsets, const int64_t[::1] lengths,
     if err:
         raise OSError(err, os.strerror(err))
     return short
+
+
+
+cdef extern from "groupdecode.h" nogil:
+    ctypedef struct DbspGBuf:
+        pass
+    ctypedef struct DbspGDec:
+        int fd
+        int64_t slot
+        int64_t arrow_end
+        const unsigned int *page_crcs
+        unsigned char *checked
+        int64_t npages
+        int ncols
+        const int *kind
+        const int *width
+        int khcol
+        int64_t nrows
+        int64_t *var_bytes
+        int64_t *nulls
+        int64_t bad_group
+        int64_t bad_page
+        int err
+        char what[160]
+        int64_t pages_checked
+        int64_t groups_read
+        unsigned char *buf
+        DbspGBuf *bufs
+        int *sel_g
+        int *sel_r
+        int64_t sel_cap
+    int DBSP_GCOL_VAR32, DBSP_GCOL_VAR64, DBSP_GCOL_BOOL
+    int DBSP_GDEC_OK, DBSP_GDEC_DAMAGED, DBSP_GDEC_SHORT, DBSP_GDEC_IOERR, DBSP_GDEC_NOMEM, DBSP_GDEC_UNSUPPORTED
+    int DBSP_GDEC_CRC
+    int dbsp_gdec_scan(DbspGDec *d, int64_t ng, const int64_t *slot_of, const int64_t *nslots,
+                       const int64_t *msg_len, const int64_t *rows, const uint64_t *first_hash,
+                       const uint64_t *hashes, int64_t nh)
+    void dbsp_gdec_fill(DbspGDec *d, unsigned char **valid, unsigned char **data, unsigned char **vals)
+    int dbsp_gdec_lookup(DbspGDec *d, const uint64_t *bloom, int64_t nwords, int k, int64_t ngroups,
+                         const uint64_t *first_hash, const int64_t *slot_of, const int64_t *nslots,
+                         const int64_t *msg_len, const int64_t *rows, const uint64_t *hashes, int64_t m)
+    void dbsp_gdec_free(DbspGDec *d)
+
+
+GATHER_STATUS = {"damaged": 1, "short": 2, "ioerr": 3, "nomem": 4, "unsupported": 5, "crc": 6}
+
+
+def grouped_gather(int fd, int64_t slot, int64_t arrow_end, const unsigned int[::1] page_crcs,
+                   unsigned char[::1] checked, const int[::1] kind, const int[::1] width, int khcol,
+                   const int64_t[::1] slot_of, const int64_t[::1] nslots, const int64_t[::1] msg_len,
+                   const int64_t[::1] rows, const uint64_t[::1] first_hash, hashes):
+    """A format-2 lookup in C (csrc/groupdecode.h), the GIL released for the reads and the decode: groups
+    ``slot_of``/``nslots``/``msg_len``/``rows``/``first_hash`` (one entry a group, ascending) read by pread from ``fd``,
+    their slots not ``checked`` yet checked against ``page_crcs`` (and marked), their Arrow record-batch messages
+    parsed for the flat schema ``kind``/``width`` (DBSP_GCOL_*: fixed-width, boolean, 32/64-bit offsets), and the rows
+    whose key hash (column ``khcol``) is in ``hashes`` (uint64, ascending, unique; None: every row) gathered into one
+    set of buffers. Returns ``(0, rows, columns, nulls, pages checked)``, each column ``(validity or None, values
+    or offsets, var values or None)`` as numpy uint8 arrays; or ``(status, group, page, what, errno)`` (a
+    GATHER_STATUS value; ``group`` the failing group's position in the call's list)."""
+    cdef Py_ssize_t ng = slot_of.shape[0], nc = kind.shape[0], c
+    cdef DbspGDec d
+    cdef int st
+    cdef const uint64_t[::1] hv
+    cdef const uint64_t *hp = NULL
+    cdef int64_t nh = -1
+    if nslots.shape[0] != ng or msg_len.shape[0] != ng or rows.shape[0] != ng or first_hash.shape[0] != ng:
+        raise ValueError("grouped_gather: the group arrays differ in length")
+    if width.shape[0] != nc or nc == 0 or khcol < 0 or khcol >= nc:
+        raise ValueError("grouped_gather: kind and width differ in length, or no key hash column")
+    if checked.shape[0] != page_crcs.shape[0]:
+        raise ValueError("grouped_gather: a checked flag a CRC page")
+    if hashes is not None:
+        hv = hashes
+        nh = hv.shape[0]
+        if nh:
+            hp = &hv[0]
+    memset(&d, 0, sizeof(d))
+    d.fd = fd
+    d.slot = slot
+    d.arrow_end = arrow_end
+    d.page_crcs = &page_crcs[0] if page_crcs.shape[0] else NULL
+    d.checked = &checked[0] if checked.shape[0] else NULL
+    d.npages = page_crcs.shape[0]
+    d.ncols = <int>nc
+    d.kind = &kind[0]
+    d.width = &width[0]
+    d.khcol = khcol
+    cdef int64_t[::1] var_bytes = numpy.zeros(nc, dtype=numpy.int64)
+    cdef int64_t[::1] nulls = numpy.zeros(nc, dtype=numpy.int64)
+    d.var_bytes = &var_bytes[0]
+    d.nulls = &nulls[0]
+    try:
+        with nogil:
+            st = dbsp_gdec_scan(&d, ng, &slot_of[0] if ng else NULL, &nslots[0] if ng else NULL,
+                                &msg_len[0] if ng else NULL, &rows[0] if ng else NULL,
+                                &first_hash[0] if ng else NULL, hp, nh)
+        if st != DBSP_GDEC_OK:
+            return (st, d.bad_group, d.bad_page, d.what.decode("utf-8", "replace"), d.err)
+        cols = _gather_fill(&d, kind, width)
+        return (0, d.nrows, cols, numpy.asarray(nulls), d.pages_checked)
+    finally:
+        dbsp_gdec_free(&d)
+
+
+cdef list _gather_fill(DbspGDec *d, const int[::1] kind, const int[::1] width):
+    """The picked rows of a successful scan gathered (dbsp_gdec_fill, GIL released) into numpy uint8 arrays, a column
+    ``(validity or None, values or offsets, var values or None)``."""
+    cdef Py_ssize_t nc = kind.shape[0], c
+    cdef int64_t n = d.nrows
+    cdef unsigned char **vp = <unsigned char **>malloc(3 * nc * sizeof(unsigned char *))
+    cdef unsigned char **dp
+    cdef unsigned char **xp
+    cdef unsigned char[::1] m
+    if vp == NULL:
+        raise MemoryError("grouped_gather")
+    dp = vp + nc
+    xp = dp + nc
+    try:
+        cols = []
+        for c in range(nc):
+            valid = numpy.zeros((n + 7) // 8, dtype=numpy.uint8) if d.nulls[c] else None
+            k = kind[c]
+            if k == DBSP_GCOL_BOOL:
+                data = numpy.zeros((n + 7) // 8, dtype=numpy.uint8)
+            elif k == DBSP_GCOL_VAR32:
+                data = numpy.empty(4 * (n + 1), dtype=numpy.uint8)
+            elif k == DBSP_GCOL_VAR64:
+                data = numpy.empty(8 * (n + 1), dtype=numpy.uint8)
+            else:
+                data = numpy.empty(n * width[c], dtype=numpy.uint8)
+            vals = numpy.empty(d.var_bytes[c], dtype=numpy.uint8) if k == DBSP_GCOL_VAR32 or k == DBSP_GCOL_VAR64 \
+                else None
+            cols.append((valid, data, vals))
+            vp[c] = dp[c] = xp[c] = NULL
+            if valid is not None and len(valid):
+                m = valid
+                vp[c] = &m[0]
+            if len(data):
+                m = data
+                dp[c] = &m[0]
+            if vals is not None and len(vals):
+                m = vals
+                xp[c] = &m[0]
+        with nogil:
+            dbsp_gdec_fill(d, vp, dp, xp)
+        return cols
+    finally:
+        free(vp)
+
+
+def grouped_lookup(int fd, int64_t slot, int64_t arrow_end, const unsigned int[::1] page_crcs,
+                   unsigned char[::1] checked, const int[::1] kind, const int[::1] width, int khcol,
+                   const uint64_t[::1] bloom, int bloom_k, const uint64_t[::1] first_hash, const int64_t[::1] slot_of,
+                   const int64_t[::1] nslots, const int64_t[::1] msg_len, const int64_t[::1] rows,
+                   const uint64_t[::1] hashes):
+    """A whole format-2 lookup in one call (csrc/groupdecode.h dbsp_gdec_lookup), the GIL released: the probed key
+    ``hashes`` (uint64, any order, repeats allowed) tested against the Bloom filter ``bloom`` (``bloom_k`` bits), each
+    one's group found among the file's groups (``first_hash``/``slot_of``/``nslots``/``msg_len``/``rows``, one entry
+    a group), those groups read, checked and decoded as :func:`grouped_gather` does and their rows of those hashes
+    gathered. Returns ``(0, rows, columns, nulls, pages checked, groups read)`` or ``(status, group, page, what,
+    errno)``, ``group`` the file's group number (-1: none)."""
+    cdef Py_ssize_t ng = first_hash.shape[0], nc = kind.shape[0]
+    cdef DbspGDec d
+    cdef int st
+    cdef int64_t m = hashes.shape[0]
+    if slot_of.shape[0] != ng or nslots.shape[0] != ng or msg_len.shape[0] != ng or rows.shape[0] != ng:
+        raise ValueError("grouped_lookup: the group arrays differ in length")
+    if width.shape[0] != nc or nc == 0 or khcol < 0 or khcol >= nc:
+        raise ValueError("grouped_lookup: kind and width differ in length, or no key hash column")
+    if checked.shape[0] != page_crcs.shape[0]:
+        raise ValueError("grouped_lookup: a checked flag a CRC page")
+    if bloom.shape[0] == 0 and ng and m:
+        raise ValueError("grouped_lookup: no Bloom filter")
+    memset(&d, 0, sizeof(d))
+    d.fd = fd
+    d.slot = slot
+    d.arrow_end = arrow_end
+    d.page_crcs = &page_crcs[0] if page_crcs.shape[0] else NULL
+    d.checked = &checked[0] if checked.shape[0] else NULL
+    d.npages = page_crcs.shape[0]
+    d.ncols = <int>nc
+    d.kind = &kind[0]
+    d.width = &width[0]
+    d.khcol = khcol
+    cdef int64_t[::1] var_bytes = numpy.zeros(nc, dtype=numpy.int64)
+    cdef int64_t[::1] nulls = numpy.zeros(nc, dtype=numpy.int64)
+    d.var_bytes = &var_bytes[0]
+    d.nulls = &nulls[0]
+    try:
+        if ng and m:
+            with nogil:
+                st = dbsp_gdec_lookup(&d, &bloom[0], bloom.shape[0], bloom_k, ng, &first_hash[0], &slot_of[0],
+                                      &nslots[0], &msg_len[0], &rows[0], &hashes[0], m)
+        else:
+            st = DBSP_GDEC_OK
+        if st != DBSP_GDEC_OK:
+            return (st, d.bad_group, d.bad_page, d.what.decode("utf-8", "replace"), d.err)
+        cols = _gather_fill(&d, kind, width)
+        return (0, d.nrows, cols, numpy.asarray(nulls), d.pages_checked, d.groups_read)
+    finally:
+        dbsp_gdec_free(&d)
 
 
 cdef extern from *:

@@ -37,7 +37,11 @@ a checksum):
       damaged file raises CorruptionError naming the file, the part, and what to do (as version 1's).
   G3. A key hash's rows are all in the one group whose first key hash is the greatest not above it (G1: keys are
       whole in a group): :meth:`GroupedFile.lookup` reads those groups' slots by pread(2), adjacent ones in one call,
-      and maps nothing.
+      and maps nothing. The reads are decoded in C (csrc/groupdecode.c, ``DECODE_DEFAULT``): each slot read once
+      (checked, if it is not yet, from the same bytes), each message's flatbuffer header, nodes and buffers checked
+      against the slot and the writer's layout (a damaged one is CorruptionError, never a crash or other rows), the
+      matching rows of all groups gathered into one record batch; a schema or message the C decoder does not handle
+      takes pyarrow's IPC reader (counted in ``DECODE_COUNTS``).
   G4. Only columns whose bytes a row's share can be bounded are grouped (fixed-width, boolean, string and binary):
       a batch with another column type is written as version 1 by :func:`dbsp_core.trace.batchfile.write_batch`.
 """
@@ -70,6 +74,43 @@ assert HEADER2.size == 64 and GROUP_INDEX.itemsize == 24
 
 def _bf():
     return batchfile
+
+
+# How a lookup's groups are decoded: "c" (bindings/storage.pyx grouped_gather over csrc/groupdecode.c: the slots read
+# once, checked, parsed and their matching rows gathered into one set of buffers, no per-group Arrow object) or
+# "arrow" (pyarrow's IPC stream reader over the concatenated messages, then combine and take). A file whose schema
+# the C decoder does not handle, or a message it does not (a compressed body), takes the Arrow path whatever this
+# says; DECODE_COUNTS counts the lookups and whole reads each path served ("fallback": the C path declined).
+DECODE_DEFAULT = os.environ.get("DBSP_GROUPED_DECODE", "c")
+DECODE_COUNTS = {"c": 0, "arrow": 0, "fallback": 0}
+_GCOL_FIXED, _GCOL_BOOL, _GCOL_VAR32, _GCOL_VAR64 = 0, 1, 2, 3  # csrc/groupdecode.h DBSP_GCOL_*
+
+
+def _gather_kinds(schema: pa.Schema) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each column's kind and value width for the C decoder (csrc/groupdecode.h), or None when a column's type is not
+    one it handles: fixed-width (integers, floats, temporal, decimals, fixed-size binary), boolean, string and binary
+    (32- and 64-bit offsets), none of them dictionary-encoded, nested or an extension."""
+    kind, width = [], []
+    for f in schema:
+        t = f.type
+        if pa.types.is_boolean(t):
+            kind.append(_GCOL_BOOL)
+            width.append(0)
+        elif pa.types.is_string(t) or pa.types.is_binary(t):
+            kind.append(_GCOL_VAR32)
+            width.append(0)
+        elif pa.types.is_large_string(t) or pa.types.is_large_binary(t):
+            kind.append(_GCOL_VAR64)
+            width.append(0)
+        elif (not pa.types.is_dictionary(t) and not pa.types.is_nested(t) and not isinstance(t, pa.ExtensionType)
+              and t.num_buffers == 2 and t.bit_width % 8 == 0 and t.bit_width > 0
+              and (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_temporal(t)
+                   or pa.types.is_decimal(t) or pa.types.is_fixed_size_binary(t))):
+            kind.append(_GCOL_FIXED)
+            width.append(t.bit_width // 8)
+        else:
+            return None
+    return np.array(kind, dtype=np.int32), np.array(width, dtype=np.int32)
 
 
 # ---- cutting the groups (invariant G1) ----
@@ -344,6 +385,10 @@ class GroupedFile:
         self.ndata = 0
         self.schema_msg = b""  # the Arrow schema message (a stream's first), read on opening
         self.msg_len = np.zeros(0, dtype=np.int64)  # per group, its message's bytes (the Arrow footer's blocks)
+        self.g_slot = self.g_slots = self.g_rows = np.zeros(0, dtype=np.int64)  # set with msg_len
+        self.kinds: tuple[np.ndarray, np.ndarray] | None = None  # the C decoder's column kinds (None: Arrow's path)
+        self.decode = DECODE_DEFAULT
+        self.last_groups_read = -1  # the groups the last lookup read (tests compare it with groups_of)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -369,7 +414,8 @@ class GroupedFile:
     def memory_bytes(self) -> int:
         """Bytes this open file keeps (group index, first key hashes, filter, page CRCs, flags)."""
         return int(self.index.nbytes + self.first_hash.nbytes + self.bloom.nbytes + self.page_crcs.nbytes
-                   + self.checked.nbytes + self.msg_len.nbytes)
+                   + self.checked.nbytes + self.msg_len.nbytes + self.g_slot.nbytes + self.g_slots.nbytes
+                   + self.g_rows.nbytes)
 
     def _read(self, lo: int, hi: int) -> memoryview:
         """The file's bytes [lo, hi) of the Arrow section, read by one pread(2) widened to whole CRC pages, each page
@@ -434,6 +480,12 @@ class GroupedFile:
                       or (at + length > end).any()):
             raise _bad(self.path, "the Arrow footer's record batches are not where the group index says")
         self.msg_len = np.ascontiguousarray(length, dtype=np.int64)
+        self.kinds = _gather_kinds(self.schema)
+        # the group index as the C lookup takes it (one int64 array a field; rows: each group's row count)
+        self.g_slot = np.ascontiguousarray(self.index["slot"], dtype=np.int64)
+        self.g_slots = np.ascontiguousarray(self.index["slots"], dtype=np.int64)
+        starts = self.index["row"].astype(np.int64)
+        self.g_rows = np.ascontiguousarray(np.append(starts[1:], self.rows) - starts)
 
     def _check_pages(self, lo: np.ndarray, hi: np.ndarray) -> None:
         """Check the CRC pages holding the file's bytes [lo[i], hi[i]) not checked yet (invariant G2): each read
@@ -489,7 +541,7 @@ class GroupedFile:
             raise _bad(self.path, f"group {int(groups[short])} is cut short: the file is short")
         try:
             t = pa.ipc.open_stream(pa.py_buffer(out)).read_all()
-        except (pa.ArrowException, ValueError) as e:
+        except (pa.ArrowException, ValueError, OSError) as e:  # (an in-memory decode: Arrow's OSError is damage)
             raise _bad(self.path, f"its groups do not decode: {e}") from e
         starts = self.index["row"].astype(np.int64)
         counts = np.append(starts[1:], self.rows)[groups] - starts[groups]
@@ -499,6 +551,60 @@ class GroupedFile:
                 not np.array_equal(kh[begin], self.first_hash[groups]):
             raise _bad(self.path, "its groups do not hold the rows their index entries name")
         return t
+
+    def _gather(self, groups: np.ndarray, hashes: np.ndarray | None) -> pa.RecordBatch | None:
+        """The rows of ``groups`` (ascending group numbers) whose key hash is in ``hashes`` (uint64, ascending,
+        unique; None: every row) as one Arrow record batch, read and decoded in C (``_storage.grouped_gather``: a
+        pread a run of adjacent groups, each slot not checked yet CRC-checked from the same buffer (invariant G2),
+        each message's flatbuffer header and buffers checked against its slot, each group's rows and first key hash
+        against its index entry (G1), the rows gathered into one set of buffers, the GIL released); None when this
+        file or a message takes Arrow's path (counted in DECODE_COUNTS)."""
+        if self.decode != "c" or self.kinds is None:
+            DECODE_COUNTS["fallback" if self.decode == "c" else "arrow"] += 1
+            return None
+        from dbsp_core import _storage
+
+        g = np.ascontiguousarray(groups, dtype=np.int64)
+        idx = self.index[g]
+        starts = self.index["row"]
+        nxt = g + 1
+        ends = np.where(nxt < self.groups, starts[np.minimum(nxt, self.groups - 1)], self.rows).astype(np.int64)
+        res = _storage.grouped_gather(
+            self.fd, self.slot, 64 + self.alen, self.page_crcs, self.checked.view(np.uint8), self.kinds[0],
+            self.kinds[1], self.ndata + 1, idx["slot"].astype(np.int64), idx["slots"].astype(np.int64),
+            np.ascontiguousarray(self.msg_len[g]), ends - idx["row"].astype(np.int64),
+            np.ascontiguousarray(idx["key_hash"], dtype=np.uint64), hashes)
+        return self._gathered(res, lambda i: int(g[i]) if 0 <= i < len(g) else -1)
+
+    def _gathered(self, res: tuple, group_of: Any) -> pa.RecordBatch | None:
+        """The record batch of a ``grouped_gather``/``grouped_lookup`` result, its failure raised (``group_of``: the
+        file's group number of the result's failing group), or None when the C decoder declined (counted)."""
+        from dbsp_core import _storage
+
+        st = res[0]
+        if st:
+            bad_g = group_of(res[1])
+            if st == _storage.GATHER_STATUS["unsupported"]:
+                DECODE_COUNTS["fallback"] += 1
+                return None
+            if st == _storage.GATHER_STATUS["crc"]:
+                raise _bad(self.path, f"CRC page {res[2]} of the Arrow section fails its CRC-32C")
+            if st == _storage.GATHER_STATUS["short"]:
+                raise _bad(self.path, f"group {bad_g} is cut short: the file is short")
+            if st == _storage.GATHER_STATUS["ioerr"]:
+                raise OSError(res[4], f"{os.strerror(res[4])}: reading {self.path}")
+            if st == _storage.GATHER_STATUS["nomem"]:
+                raise MemoryError(f"reading the groups of {self.path}")
+            raise _bad(self.path, f"group {bad_g}: {res[3]}")
+        DECODE_COUNTS["c"] += 1
+        n, cols, nulls = res[1], res[2], res[3]
+        arrays = []
+        for field, (valid, data, vals), nn in zip(self.schema, cols, nulls.tolist()):
+            bufs = [None if valid is None else pa.py_buffer(valid), pa.py_buffer(data)]
+            if vals is not None:
+                bufs.append(pa.py_buffer(vals))
+            arrays.append(pa.Array.from_buffers(field.type, n, bufs, null_count=nn))
+        return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
 
     def _batch(self, t: pa.Table, rows: np.ndarray | None = None) -> Any:
         """An IndexedZSet of table ``t`` (a file's columns; one contiguous copy), rows ``rows`` of it when given."""
@@ -521,7 +627,11 @@ class GroupedFile:
     def read_all(self) -> Any:
         """The whole batch (an IndexedZSet, one contiguous copy), every group read and checked (invariants G1, G2):
         what a merge's input, a scan or ``verify`` reads."""
-        return self._batch(self._table(np.arange(self.groups, dtype=np.int64)))
+        every = np.arange(self.groups, dtype=np.int64)
+        rb = self._gather(every, None)
+        if rb is not None:
+            return self._batch(pa.Table.from_batches([rb]))
+        return self._batch(self._table(every))
 
     def groups_of(self, hashes: np.ndarray) -> np.ndarray:
         """The groups (ascending, unique) the key hashes ``hashes`` may lie in (invariant G3), those the Bloom
@@ -535,9 +645,26 @@ class GroupedFile:
 
     def lookup(self, hashes: np.ndarray) -> Any:
         """The rows of key hashes ``hashes`` (an IndexedZSet in index order: a consolidated batch), read by pread of
-        the groups they lie in (invariant G3): no mapping."""
+        the groups they lie in (invariant G3): no mapping. The C path is one call (``_storage.grouped_lookup``: the
+        Bloom filter, the group search, the reads, checks, decode and gather, the GIL released)."""
         h = np.asarray(hashes, dtype=np.uint64)
-        t = self._table(self.groups_of(h)).combine_chunks()  # (a take over a chunk a group costs ~4 us a chunk)
+        if self.decode == "c" and self.kinds is not None:
+            from dbsp_core import _storage
+
+            res = _storage.grouped_lookup(
+                self.fd, self.slot, 64 + self.alen, self.page_crcs, self.checked.view(np.uint8), self.kinds[0],
+                self.kinds[1], self.ndata + 1, self.bloom, self.bloom_k, self.first_hash, self.g_slot, self.g_slots,
+                self.msg_len, self.g_rows, np.ascontiguousarray(h))
+            self.last_groups_read = res[5] if res[0] == 0 else -1
+            rb = self._gathered(res, lambda i: int(i))
+            if rb is not None:
+                return self._batch(pa.Table.from_batches([rb]))
+        else:
+            DECODE_COUNTS["fallback" if self.decode == "c" else "arrow"] += 1
+        h = np.unique(h)
+        groups = self.groups_of(h)
+        self.last_groups_read = len(groups)
+        t = self._table(groups).combine_chunks()  # (a take over a chunk a group costs ~4 us a chunk)
         kh = _bf()._one_chunk(t.column(self.ndata + 1)).to_numpy(zero_copy_only=False)
         return self._batch(t, np.flatnonzero(np.isin(kh, h)))
 

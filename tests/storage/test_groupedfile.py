@@ -21,7 +21,7 @@ from test_batchfile import _damage  # the same byte flip as format 1's damage te
 from dbsp_core import ZSet
 from dbsp_core.errors import CorruptionError, FormatVersionError, StorageError
 from dbsp_core.trace.batchfile import FOOTER, open_batch, write_batch
-from dbsp_core.trace.groupedfile import HEADER2, open_grouped, verify, write_grouped
+from dbsp_core.trace.groupedfile import DECODE_COUNTS, HEADER2, open_grouped, verify, write_grouped
 
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
 
@@ -89,20 +89,25 @@ def test_round_trip_and_lookups_match_a_dict_model(rows, slot, key) -> None:
     assert size == os.path.getsize(path) and size % 8 == 0
     assert verify(path) == len(b)
     _check_layout(path, b)
-    with open_grouped(path) as f:
-        got = f.read_all()
-        assert _as_model(got) == want and got.key == b.key
-        assert np.array_equal(got.key_hash, b.key_hash)
-        assert got.schema.equals(b.schema)
-        kh = np.asarray(b.key_hash)
-        pick = np.unique(kh[:: max(1, len(kh) // 7)]) if len(kh) else np.zeros(0, np.uint64)
-        absent = np.array([1, 2**63 + 5], dtype=np.uint64)
-        found = f.lookup(np.concatenate([pick, absent]))
-        assert np.isin(found.key_hash, pick).all() and len(found) == int(np.isin(kh, pick).sum())
-        sel = np.isin(kh, pick)
-        expect = {tuple(r.values()): int(w) for r, w in zip(b.zset.data.filter(pa.array(sel)).to_pylist(),
-                                                           np.asarray(b.zset.weights)[sel])}
-        assert _as_model(found) == expect
+    for decode in ("c", "arrow"):  # the C decoder (csrc/groupdecode.c) and pyarrow's, each against the model
+        before = DECODE_COUNTS[decode]
+        with open_grouped(path) as f:
+            f.decode = decode
+            got = f.read_all()
+            assert _as_model(got) == want and got.key == b.key
+            assert np.array_equal(got.key_hash, b.key_hash)
+            assert got.schema.equals(b.schema)
+            kh = np.asarray(b.key_hash)
+            pick = np.unique(kh[:: max(1, len(kh) // 7)]) if len(kh) else np.zeros(0, np.uint64)
+            absent = np.array([1, 2**63 + 5], dtype=np.uint64)
+            found = f.lookup(np.concatenate([absent, pick[::-1], pick]))  # (any order, repeats)
+            assert np.isin(found.key_hash, pick).all() and len(found) == int(np.isin(kh, pick).sum())
+            sel = np.isin(kh, pick)
+            expect = {tuple(r.values()): int(w) for r, w in zip(b.zset.data.filter(pa.array(sel)).to_pylist(),
+                                                               np.asarray(b.zset.weights)[sel])}
+            assert _as_model(found) == expect
+            assert np.all(np.diff(found.key_hash.astype(np.uint64)) >= 0)  # index order
+        assert DECODE_COUNTS[decode] >= before + (2 if len(b) else 1), decode  # that path read them
     os.unlink(path)
 
 
@@ -170,6 +175,115 @@ def test_every_part_is_checked_and_damage_names_what_to_do() -> None:
                         read(f)
         os.unlink(path)
     assert verify(src) == len(b)
+
+
+def _typed_batch(rng: np.random.Generator, n: int):
+    """Every column kind the C decoder handles that a Z-set holds, with nulls: fixed widths of 1 to 8 bytes,
+    booleans, 32- and 64-bit offsets."""
+    k = rng.integers(0, max(1, n // 4), n)
+    nul = rng.random(n) < 0.2
+    t = pa.table({
+        "k": k, "i8": pa.array(rng.integers(-100, 100, n).astype(np.int8), mask=nul),
+        "u16": pa.array(rng.integers(0, 60000, n).astype(np.uint16)),
+        "i32": pa.array(rng.integers(-9, 9, n).astype(np.int32), mask=~nul),
+        "f32": pa.array(rng.random(n).astype(np.float32)),
+        "ts": pa.array(k.astype("datetime64[ns]"), pa.timestamp("ns", tz="UTC")),
+        "day": pa.array(k.astype(np.int32), pa.int32()).cast(pa.date32()),
+        "ls": pa.array([None if x % 3 == 0 else "é" * int(x % 11) for x in k], pa.large_string()),
+        "bin": pa.array([bytes([int(x) % 256]) * int(x % 5) for x in k], pa.binary()),
+        "flag": pa.array(rng.random(n) < 0.5, mask=rng.random(n) < 0.1),
+    })
+    return ZSet.from_arrow(t, weights=rng.choice([1, -1, 4], n)).consolidate().index_by(["k"])
+
+
+def test_the_c_decoder_reads_every_column_kind_as_arrow_does_and_a_type_it_lacks_falls_back_counted() -> None:
+    rng = np.random.default_rng(SEED)
+    b = _typed_batch(rng, 4000)
+    path = os.path.join(tempfile.mkdtemp(), "g.batch")
+    assert write_grouped(path, b) is not None
+    kh = np.asarray(b.key_hash)
+    probe = np.unique(kh[rng.integers(0, len(kh), 300)])
+    got = {}
+    for decode in ("c", "arrow", "fallback"):
+        with open_grouped(path) as f:
+            assert f.kinds is not None
+            if decode == "fallback":  # as a file of a column type the C decoder does not know
+                f.kinds = None
+            else:
+                f.decode = decode
+            before = dict(DECODE_COUNTS)
+            got[decode] = (f.read_all(), f.lookup(probe))
+            assert DECODE_COUNTS[decode] == before[decode] + 2
+    want = b.zset.to_dict()
+    sel = np.isin(kh, probe)
+    for decode, (whole, found) in got.items():
+        assert whole.zset.to_dict() == want, decode
+        assert whole.zset.data.equals(b.zset.data), decode  # types, nulls, values
+        assert found.zset.data.equals(b.zset.data.filter(pa.array(sel))), decode
+        assert np.array_equal(found.zset.weights, np.asarray(b.zset.weights)[sel]), decode
+
+
+def _message_spans(f) -> list[tuple[int, int, int]]:
+    """Per group: file offset of its message, of its body, of its end."""
+    out = []
+    with open(f.path, "rb") as fh:
+        raw = fh.read()
+    for g in range(f.groups):
+        at = int(f.index["slot"][g]) * f.slot
+        meta = int.from_bytes(raw[at + 4:at + 8], "little")
+        out.append((at, at + 8 + meta, at + int(f.msg_len[g])))
+    return out
+
+
+def test_damaged_messages_give_the_damage_error_never_a_crash_or_wrong_rows() -> None:
+    """Byte flips in the groups' Arrow messages, read by the C decoder: with the slot CRCs checked every flip is
+    refused (CRC page); with the CRCs bypassed (the slots marked checked: a flip the CRC would miss) a flip in a
+    message's metadata (flatbuffer header: lengths, offsets, node and buffer entries) is refused as damage or
+    changes no row read, and a flip in a body neither crashes nor raises anything but the damage error."""
+    rng = np.random.default_rng(SEED)
+    b = _batch(rng, 3000)
+    d = tempfile.mkdtemp()
+    good = os.path.join(d, "good.batch")
+    path = os.path.join(d, "bad.batch")
+    write_grouped(good, b)
+    with open(good, "rb") as fh:
+        raw = fh.read()
+    with open(path, "wb") as fh:
+        fh.write(raw)
+    kh = np.asarray(b.key_hash)
+    outcomes: Counter = Counter()
+    with open_grouped(good) as ref, open_grouped(path) as f:
+        spans = _message_spans(ref)
+        starts = np.append(ref.index["row"].astype(np.int64), len(b))
+        fd = os.open(path, os.O_RDWR)
+        try:
+            for trial in range(3300):
+                g = int(rng.integers(0, f.groups))
+                at, body, end = spans[g]
+                crc_on = trial >= 3000
+                off = int(rng.integers(at, body if trial < 2000 else end))
+                byte = raw[off] ^ (1 << int(rng.integers(0, 8)) if rng.random() < 0.7 else int(rng.integers(1, 256)))
+                os.pwrite(fd, bytes([byte]), off)
+                f.checked[:] = not crc_on
+                probe = np.unique(kh[starts[g]:starts[g + 1]])
+                try:
+                    found = f.lookup(probe)
+                except CorruptionError as e:
+                    assert "batch file damaged" in str(e) and "restore the pipeline" in str(e)
+                    outcomes["crc" if "CRC page" in str(e) else "damaged"] += 1
+                else:
+                    assert not crc_on, "a flip the CRC check let through"
+                    if trial < 2000:  # metadata: the rows read are the right ones
+                        want = ref.lookup(probe)
+                        assert found.zset.to_dict() == want.zset.to_dict(), (g, off - at)
+                        outcomes["meta unchanged"] += 1
+                    else:
+                        outcomes["body read"] += 1
+                os.pwrite(fd, raw[off:off + 1], off)
+        finally:
+            os.close(fd)
+    assert outcomes["crc"] == 300 and outcomes["damaged"] > 1000, outcomes
+    print(dict(outcomes))
 
 
 def test_a_short_or_cut_file_is_refused() -> None:
@@ -308,3 +422,50 @@ def test_crc_pages_are_the_slots_of_the_file() -> None:
         assert len(f.page_crcs) == -(-(64 + f.alen) // g)
         f.lookup(f.first_hash[5:6])
         assert f.checked.sum() <= 6  # the schema's slot, the Arrow footer's (two), the group's
+
+
+def test_the_c_lookup_reads_the_groups_the_filter_and_search_name_and_the_rows_of_the_dict_model() -> None:
+    """One C call does a lookup's Bloom filter test, group search, reads and gather (``_storage.grouped_lookup``): it
+    reads exactly the groups ``groups_of`` names (the same CRC pages checked as the Arrow path's reads), none for
+    probes the filter rejects or below the first group, and returns the dict model's rows, for probes in any order
+    with repeats, present, absent, below and above every key hash."""
+    rng = np.random.default_rng(SEED)
+    b = _batch(rng, 6000)
+    want = _model([(*r.values(), int(w)) for r, w in zip(b.zset.data.to_pylist(), np.asarray(b.zset.weights))])
+    path = os.path.join(tempfile.mkdtemp(), "g.batch")
+    write_grouped(path, b, slot=4096)
+    kh = np.asarray(b.key_hash).astype(np.uint64)
+    with open_grouped(path) as f:
+        assert f.groups > 20
+        below = np.arange(int(kh[0]) - 3, int(kh[0]), dtype=np.uint64) if kh[0] >= 3 else np.zeros(0, np.uint64)
+        absent = rng.integers(0, 2**63, 3000, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+        absent = absent[~np.isin(absent, kh)]
+        probes = [absent, below, np.array([2**64 - 1], dtype=np.uint64)]
+        for n in (1, 17, 400):
+            present = rng.choice(kh, n)
+            probes.append(np.concatenate([present, absent[:n], present[::-1]]))
+    rejected = 0
+    for h in probes:
+        u = np.unique(h)
+        sel = np.isin(kh, u)
+        expect = {}
+        for r, w in zip(b.zset.data.filter(pa.array(sel)).to_pylist(), np.asarray(b.zset.weights)[sel]):
+            expect[tuple(r.values())] = int(w)
+        assert all(want[k] == w for k, w in expect.items())
+        checked = {}
+        for decode in ("c", "arrow"):
+            with open_grouped(path) as f:
+                f.decode = decode
+                before = DECODE_COUNTS[decode]
+                got = f.lookup(h)
+                assert DECODE_COUNTS[decode] == before + 1
+                assert _as_model(got) == expect, decode
+                groups = f.groups_of(u)
+                assert f.last_groups_read == len(groups), decode
+                checked[decode] = f.checked.copy()
+        assert np.array_equal(checked["c"], checked["arrow"])  # the same groups' slots read (and checked)
+        # the filter's work: groups whose probes it rejects are not read (the search alone would read them)
+        g_search = np.unique(np.searchsorted(kh[np.r_[0, np.flatnonzero(np.diff(kh)) + 1]], u, "right"))
+        rejected += len(g_search) - len(groups)
+    assert rejected > 0
+    os.unlink(path)
