@@ -332,8 +332,8 @@ class WorkerSnapshot:
     rows of join + group-by state at a 10 s interval). An id is unique only among live objects, so a save reads
     the trace's batches (which may change them: a trace keeping its totals per key syncs, and its insert may merge
     saved batches away), then drops the record's entries whose batch is gone (:meth:`_purge`: their keys are
-    deleted, a group's live members saved again), a new entry moves a gone batch's entry under its id aside (:meth:`_put`), and a
-    lookup by id checks that the entry's batch is alive.
+    deleted, a group's live members saved again); a new entry moves a gone batch's entry under its id aside
+    (:meth:`_put`), and a lookup by id checks that the entry's batch is alive.
 
     Parameters
     ----------
