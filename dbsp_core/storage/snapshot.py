@@ -329,10 +329,11 @@ class WorkerSnapshot:
     trace's merges cost, amortized, not the size of the state. Its record of saved batches (``_saved``, by
     ``id()``) holds them weakly, so a batch merged away is freed at once instead of at the next checkpoint (a
     strong reference kept up to a second copy of the trace in memory: 643 MiB of merged-away batches for 30M
-    rows of join + group-by state at a 10 s interval). An id is unique only among live objects, so a save first
-    drops the record's entries whose batch is gone (:meth:`_purge`: their keys are deleted, a group's live
-    members saved again), a new entry moves a gone batch's entry under its id aside (:meth:`_put`), and a
-    lookup by id checks that the entry's batch is alive.
+    rows of join + group-by state at a 10 s interval). An id is unique only among live objects, so a save reads
+    the trace's batches (which may change them: a trace keeping its totals per key syncs, and its insert may merge
+    saved batches away), then drops the record's entries whose batch is gone (:meth:`_purge`: their keys are
+    deleted, a group's live members saved again); a new entry moves a gone batch's entry under its id aside
+    (:meth:`_put`), and a lookup by id checks that the entry's batch is alive.
 
     Parameters
     ----------
@@ -532,11 +533,14 @@ class WorkerSnapshot:
         self._orphans.setdefault(table, []).extend(dead.values())
 
     def _prepare_trace(self, table: str, trace: Trace, plan: list) -> None:
+        # the batches first, then the purge: reading them may change them (a trace keeping its totals per key syncs,
+        # trace/levels.py invariant 19: its insert may merge saved batches away and free them, and a new batch may
+        # get a freed one's id); purged after, every saved entry's batch is alive, so an id names one batch
+        settled, pending = trace.parts()  # no settling (only a per-key trace's sync pays its insert's merges)
         self._purge(table)
         saved = self._saved.setdefault(table, {})
         for keys in self._orphans.pop(table, []):
             plan.append(("delete", table, keys))
-        settled, pending = trace.parts()  # no settling: no merges to pay here
         batches = settled + pending
         self._unsave_broken(table, saved, batches, plan)
         i = 0
