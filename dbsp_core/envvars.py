@@ -62,8 +62,9 @@ Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them
 - ``DBSP_SPILL_NATIVE`` (trace/spillread.py ``NATIVE``): ``1``: the spilled state's native paths (the C calls of
   trace/spillread.py that test the Bloom filters of a read's batches, locate its pages and stamp and evict them in
   one call each, ``Trace.narrowed``'s one take for every batch, and batchfile.py's Bloom build and CRC combine in
-  C); ``0``: their reference paths (numpy and a Python call per batch), which the tests compare the native ones
-  with (default 1). Results, files and the cache's counts are the same either way; only the CPU differs.
+  C, and trace/groupedfile.py's decode of a format-2 lookup in C); ``0``: their reference paths (numpy and a
+  Python call per batch; pyarrow's IPC reader for format 2), which the tests compare the native ones with
+  (default 1). Results, files and the cache's counts are the same either way; only the CPU differs.
 
 Not runtime settings, read where they are used (listed so that this is the one list of every ``DBSP_*`` variable;
 tests/core/test_envvars.py checks that the repository reads no other):

@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from dbsp_core.envvars import settings
 from dbsp_core.errors import CorruptionError, FormatVersionError, StorageError
 from dbsp_core.storage.formats import BATCH_FILE_FOOTER_MAGIC, BATCH_FILE_GROUPED_VERSION, BATCH_FILE_MAGIC
 from dbsp_core.trace import batchfile
@@ -78,10 +79,11 @@ def _bf():
 
 # How a lookup's groups are decoded: "c" (bindings/storage.pyx grouped_gather over csrc/groupdecode.c: the slots read
 # once, checked, parsed and their matching rows gathered into one set of buffers, no per-group Arrow object) or
-# "arrow" (pyarrow's IPC stream reader over the concatenated messages, then combine and take). A file whose schema
-# the C decoder does not handle, or a message it does not (a compressed body), takes the Arrow path whatever this
-# says; DECODE_COUNTS counts the lookups and whole reads each path served ("fallback": the C path declined).
-DECODE_DEFAULT = os.environ.get("DBSP_GROUPED_DECODE", "c")
+# "arrow" (pyarrow's IPC stream reader over the concatenated messages, then combine and take: the reference path,
+# which DBSP_SPILL_NATIVE=0 selects, as it does the spill store's; envvars.py). A file whose schema the C decoder
+# does not handle, or a message it does not (a compressed body), takes the Arrow path whatever this says;
+# DECODE_COUNTS counts the lookups and whole reads each path served ("fallback": the C path declined).
+DECODE_DEFAULT = "c" if settings().spill_native else "arrow"
 DECODE_COUNTS = {"c": 0, "arrow": 0, "fallback": 0}
 _GCOL_FIXED, _GCOL_BOOL, _GCOL_VAR32, _GCOL_VAR64 = 0, 1, 2, 3  # csrc/groupdecode.h DBSP_GCOL_*
 
