@@ -165,6 +165,26 @@ cdef extern from "groupdecode.h" nogil:
 GATHER_STATUS = {"damaged": 1, "short": 2, "ioerr": 3, "nomem": 4, "unsupported": 5, "crc": 6}
 
 
+cdef void _gdec_init(DbspGDec *d, int fd, int64_t slot, int64_t arrow_end, const unsigned int[::1] page_crcs,
+                     unsigned char[::1] checked, const int[::1] kind, const int[::1] width, int khcol,
+                     int64_t[::1] var_bytes, int64_t[::1] nulls):
+    """A decoder over file ``fd`` (grouped_gather's and grouped_lookup's shared setup; the caller keeps every array
+    alive while ``d`` is used)."""
+    memset(d, 0, sizeof(d[0]))
+    d.fd = fd
+    d.slot = slot
+    d.arrow_end = arrow_end
+    d.page_crcs = &page_crcs[0] if page_crcs.shape[0] else NULL
+    d.checked = &checked[0] if checked.shape[0] else NULL
+    d.npages = page_crcs.shape[0]
+    d.ncols = <int>kind.shape[0]
+    d.kind = &kind[0]
+    d.width = &width[0]
+    d.khcol = khcol
+    d.var_bytes = &var_bytes[0]
+    d.nulls = &nulls[0]
+
+
 def grouped_gather(int fd, int64_t slot, int64_t arrow_end, const unsigned int[::1] page_crcs,
                    unsigned char[::1] checked, const int[::1] kind, const int[::1] width, int khcol,
                    const int64_t[::1] slot_of, const int64_t[::1] nslots, const int64_t[::1] msg_len,
@@ -194,21 +214,9 @@ def grouped_gather(int fd, int64_t slot, int64_t arrow_end, const unsigned int[:
         nh = hv.shape[0]
         if nh:
             hp = &hv[0]
-    memset(&d, 0, sizeof(d))
-    d.fd = fd
-    d.slot = slot
-    d.arrow_end = arrow_end
-    d.page_crcs = &page_crcs[0] if page_crcs.shape[0] else NULL
-    d.checked = &checked[0] if checked.shape[0] else NULL
-    d.npages = page_crcs.shape[0]
-    d.ncols = <int>nc
-    d.kind = &kind[0]
-    d.width = &width[0]
-    d.khcol = khcol
     cdef int64_t[::1] var_bytes = numpy.zeros(nc, dtype=numpy.int64)
     cdef int64_t[::1] nulls = numpy.zeros(nc, dtype=numpy.int64)
-    d.var_bytes = &var_bytes[0]
-    d.nulls = &nulls[0]
+    _gdec_init(&d, fd, slot, arrow_end, page_crcs, checked, kind, width, khcol, var_bytes, nulls)
     try:
         with nogil:
             st = dbsp_gdec_scan(&d, ng, &slot_of[0] if ng else NULL, &nslots[0] if ng else NULL,
@@ -291,21 +299,9 @@ def grouped_lookup(int fd, int64_t slot, int64_t arrow_end, const unsigned int[:
         raise ValueError("grouped_lookup: a checked flag a CRC page")
     if bloom.shape[0] == 0 and ng and m:
         raise ValueError("grouped_lookup: no Bloom filter")
-    memset(&d, 0, sizeof(d))
-    d.fd = fd
-    d.slot = slot
-    d.arrow_end = arrow_end
-    d.page_crcs = &page_crcs[0] if page_crcs.shape[0] else NULL
-    d.checked = &checked[0] if checked.shape[0] else NULL
-    d.npages = page_crcs.shape[0]
-    d.ncols = <int>nc
-    d.kind = &kind[0]
-    d.width = &width[0]
-    d.khcol = khcol
     cdef int64_t[::1] var_bytes = numpy.zeros(nc, dtype=numpy.int64)
     cdef int64_t[::1] nulls = numpy.zeros(nc, dtype=numpy.int64)
-    d.var_bytes = &var_bytes[0]
-    d.nulls = &nulls[0]
+    _gdec_init(&d, fd, slot, arrow_end, page_crcs, checked, kind, width, khcol, var_bytes, nulls)
     try:
         if ng and m:
             with nogil:
