@@ -15,6 +15,11 @@ Invariants:
   6. With ``stored`` set (operators/pruned.py, by the pass of dbsp_core/runtime/prune.py), each side's trace holds
      only that side's kept columns (keys included): a change is projected before it is indexed (which
      consolidates it), pairs gather the kept columns and the output is padded with nulls to ``schema``.
+  7. The one-call step (:meth:`_JoinState.step_run`, dbsp_core/runtime/plan.py design note 2): a step whose change
+     is on one side only, against a trace without a batch store and an operator without time lineage, runs its
+     index, its walk of the other side's batches and its gathers in one C call (``_zset.JoinRun``, csrc/joinrun.h),
+     then inserts the indexed change as :meth:`_JoinState.step_parts` does: the same indexed change, the same parts
+     (one per batch met), the same state. Any other step returns None there and runs :meth:`_JoinState.step_parts`.
 """
 
 from __future__ import annotations
@@ -32,11 +37,10 @@ from dbsp_core.operators.pruned import JoinStored, pad, project
 from dbsp_core.time.cleanup import prune_trace
 from dbsp_core.time.lineage import input_times
 from dbsp_core.trace import Trace
-from dbsp_core.zset import ZSet
+from dbsp_core.zset import IndexedZSet, ZSet
 
 if TYPE_CHECKING:
     from dbsp_core.operators.context import StepContext
-    from dbsp_core.zset import IndexedZSet
 
 
 def _key_class(t: pa.DataType) -> object:
@@ -216,3 +220,61 @@ class _JoinState:
         return parts
 
 
+
+    def join_runs(self, cols: "tuple[list[int], list[int], pa.Schema] | None" = None) -> tuple:
+        """The one-call steps of invariant 7, per side of the change (0: left, 1: right), and how their parts become
+        output Z-sets: ``(runs, schema, distinct, padded)``, as :meth:`Join.pairs` builds them (``cols``: only those
+        output columns, :meth:`Join.pairs`'s)."""
+        op, st = self.op, self.stored
+        ltr, rtr = self.left, self.right
+        lkeys = [ltr.schema.get_field_index(k) for k in op.left_on]
+        rkeys = [rtr.schema.get_field_index(k) for k in op.right_on]
+        if st is None:
+            lcols, rcols, schema = (None, op.right_kept_pos, op.schema) if cols is None else cols
+            padded = None
+        elif cols is None:
+            lcols, rcols, schema, padded = None, st.rcols, st.schema, op.schema
+        else:
+            lcols, rcols, schema = [st.lmap[i] for i in cols[0]], [st.rmap[i] for i in cols[1]], cols[2]
+            padded = None
+        runs = (_zset.JoinRun(lkeys, rkeys, True, lcols, rcols, ltr.schema, schema),
+                _zset.JoinRun(rkeys, lkeys, False, lcols, rcols, rtr.schema, schema))
+        return runs, schema, cols is None, padded
+
+    def step_run(self, za: "ZSet", zb: "ZSet", ctx: "StepContext", spec: tuple) -> "list | None":
+        """Invariant 7: the step's parts (as :meth:`step_parts` returns them) from one C call per changed side of
+        ``spec`` (:meth:`join_runs`): the right side's change first, against the left trace as it was (``L JOIN db``),
+        inserted into the right trace, then the left side's against it (``da JOIN (R + db)``), inserted into the left
+        trace: invariant 1's change. None, having changed nothing, for a step it does not serve (time lineage, a
+        batch store)."""
+        if self.op.in_times:
+            return None
+        left, right = self.left, self.right
+        if (left._store is not None or right._store is not None or left._attach() is not None
+                or right._attach() is not None):
+            return None  # (spilled batches are walked through narrowed and in_pieces: trace/spill.py invariant 12)
+        out: list = []
+        if zb.num_rows:
+            self._run_side(zb, 1, spec, out)
+        if za.num_rows:
+            self._run_side(za, 0, spec, out)
+        return out
+
+    def _run_side(self, z: "ZSet", side: int, spec: tuple, out: list) -> None:
+        """:meth:`step_run` of side ``side``'s change ``z``: its parts appended to ``out``, then it is inserted."""
+        op = self.op
+        own, other = (self.left, self.right) if side == 0 else (self.right, self.left)
+        z = conform(z, op.lschema if side == 0 else op.rschema)
+        if self.stored is not None:  # invariant 6: projected before it is indexed
+            z = project(z, self.stored.left if side == 0 else self.stored.right)
+        pair, _, distinct, padded = spec
+        got = pair[side].step(z.data, z.weights, [b._view() for b in other.walked()])
+        if got is None:  # the change consolidated to nothing
+            return
+        table, w, kh, rh, parts = got
+        ix = IndexedZSet._make(ZSet._make(table, w), own.key, kh)
+        ix._rh = rh  # (index_by's: the row hashes when the kernel had them)
+        own.insert(ix)
+        for _, t, pw in parts:
+            p = ZSet._make(t, pw, distinct=distinct)
+            out.append(p if padded is None else pad(p, padded))
