@@ -15,11 +15,14 @@ Invariants:
   6. With ``stored`` set (operators/pruned.py, by the pass of dbsp_core/runtime/prune.py), each side's trace holds
      only that side's kept columns (keys included): a change is projected before it is indexed (which
      consolidates it), pairs gather the kept columns and the output is padded with nulls to ``schema``.
-  7. The one-call step (:meth:`_JoinState.step_run`, dbsp_core/runtime/plan.py design note 2): a step whose change
-     is on one side only, against a trace without a batch store and an operator without time lineage, runs its
-     index, its walk of the other side's batches and its gathers in one C call (``_zset.JoinRun``, csrc/joinrun.h),
-     then inserts the indexed change as :meth:`_JoinState.step_parts` does: the same indexed change, the same parts
-     (one per batch met), the same state. Any other step returns None there and runs :meth:`_JoinState.step_parts`.
+  7. The one-call step (:meth:`_JoinState.step_run`, dbsp_core/runtime/plan.py design note 2): each changed side's
+     change is indexed, joined with every batch of the other side's trace and its output columns gathered in one C
+     call (``_zset.JoinRun``, csrc/joinrun.h), then inserted as :meth:`_JoinState.step_parts` inserts it: the same
+     indexed change, the same parts (one per batch met), the same state. With both sides changed, ``L JOIN db``
+     first, then ``da JOIN (R + db)`` over R's batches as read before db went in, and db. A step of an operator with
+     time lineage (invariant 5), or whose walk would read a spilled batch (trace/spill.py invariants 12 and 14: its
+     Bloom filter, pages and pieces), returns None there, having changed nothing, and runs
+     :meth:`_JoinState.step_parts`.
 """
 
 from __future__ import annotations
@@ -249,28 +252,34 @@ class _JoinState:
         batch store)."""
         if self.op.in_times:
             return None
-        left, right = self.left, self.right
-        if (left._store is not None or right._store is not None or left._attach() is not None
-                or right._attach() is not None):
-            return None  # (spilled batches are walked through narrowed and in_pieces: trace/spill.py invariant 12)
+        walks = []  # (side, change, the other side's batches)
+        for side, z, other in ((1, zb, self.left), (0, za, self.right)):
+            if z.num_rows:
+                batches = other.walked()
+                store = other._store
+                if store is not None and any(store.file_of(b) is not None for b in batches):
+                    return None  # a spilled batch is walked through narrowed and in_pieces (trace/spill.py 12, 14)
+                walks.append((side, z, batches))
         out: list = []
-        if zb.num_rows:
-            self._run_side(zb, 1, spec, out)
-        if za.num_rows:
-            self._run_side(za, 0, spec, out)
+        db = None
+        for side, z, batches in walks:
+            if side == 0 and db is not None:  # da JOIN (R + db): R's batches as read before db went in, and db
+                batches = batches + [db]
+            db = self._run_side(z, side, batches, spec, out)
         return out
 
-    def _run_side(self, z: "ZSet", side: int, spec: tuple, out: list) -> None:
-        """:meth:`step_run` of side ``side``'s change ``z``: its parts appended to ``out``, then it is inserted."""
+    def _run_side(self, z: "ZSet", side: int, batches: list, spec: tuple, out: list) -> "IndexedZSet | None":
+        """:meth:`step_run` of side ``side``'s change ``z`` against the other side's ``batches``: its parts appended to
+        ``out``, then it is inserted; returns it indexed (None: it consolidated to nothing)."""
         op = self.op
-        own, other = (self.left, self.right) if side == 0 else (self.right, self.left)
+        own = self.left if side == 0 else self.right
         z = conform(z, op.lschema if side == 0 else op.rschema)
         if self.stored is not None:  # invariant 6: projected before it is indexed
             z = project(z, self.stored.left if side == 0 else self.stored.right)
         pair, _, distinct, padded = spec
-        got = pair[side].step(z.data, z.weights, [b._view() for b in other.walked()])
+        got = pair[side].step(z.data, z.weights, [b._view() for b in batches])
         if got is None:  # the change consolidated to nothing
-            return
+            return None
         table, w, kh, rh, parts = got
         ix = IndexedZSet._make(ZSet._make(table, w), own.key, kh)
         ix._rh = rh  # (index_by's: the row hashes when the kernel had them)
@@ -278,3 +287,4 @@ class _JoinState:
         for _, t, pw in parts:
             p = ZSet._make(t, pw, distinct=distinct)
             out.append(p if padded is None else pad(p, padded))
+        return ix

@@ -165,9 +165,10 @@ def test_plan_equals_unplanned_path_on_random_circuits_and_splits(shape, drawn):
     reached = any(not shape["filter"] or r[0] != shape["filter"] for step in steps for r, _ in step)
     # the join's call gathered the group-by's columns from its pairs every step, on every worker
     assert counts["joined"] == (len(steps) * workers if shape["join"] and shape["join_only_g"] else 0)
-    # at W = 1 the join ran every step in one C call (operators/join.py invariant 7); at W > 1 its inputs come
-    # through fused exchanges, as runs of indexes
-    assert counts["cjoin"] == (len(steps) if shape["join"] and workers == 1 else 0)
+    # at W = 1 the join ran every step in one C call (operators/join.py invariant 7), unless a budget spilled the
+    # batches it walks (DBSP_MEMORY_LIMIT); at W > 1 its inputs come through fused exchanges, as runs of indexes
+    want = len(steps) if shape["join"] and workers == 1 else 0
+    assert counts["cjoin"] == want or (os.environ.get("DBSP_MEMORY_LIMIT") and counts["cjoin"] <= want)
     # at W > 1 a count-distinct's exchange sent summed pairs whenever a worker had rows for it
     assert (counts["paired"] >= 1) == bool(workers > 1 and shape["distinct"] and reached)
     # the hopping windows' group-by summed slices every step, on every worker, unless the windows are a view
