@@ -224,12 +224,14 @@ class _JoinState:
 
 
 
-    def join_runs(self, cols: "tuple[list[int], list[int], pa.Schema] | None" = None) -> tuple:
+    def join_runs(self, cols: "tuple[list[int], list[int], pa.Schema] | None" = None) -> "tuple | None":
         """The one-call steps of invariant 7, per side of the change (0: left, 1: right), and how their parts become
         output Z-sets: ``(runs, schema, distinct, padded)``, as :meth:`Join.pairs` builds them (``cols``: only those
-        output columns, :meth:`Join.pairs`'s)."""
+        output columns, :meth:`Join.pairs`'s); None when the kept columns (invariant 6) are not in the traces' order."""
         op, st = self.op, self.stored
         ltr, rtr = self.left, self.right
+        if st is not None and (st.left != tuple(st.lschema.names) or st.right != tuple(st.rschema.names)):
+            return None  # (a projection in another order than the traces' columns: the join's own step)
         lkeys = [ltr.schema.get_field_index(k) for k in op.left_on]
         rkeys = [rtr.schema.get_field_index(k) for k in op.right_on]
         if st is None:
@@ -244,13 +246,13 @@ class _JoinState:
                 _zset.JoinRun(rkeys, lkeys, False, lcols, rcols, rtr.schema, schema))
         return runs, schema, cols is None, padded
 
-    def step_run(self, za: "ZSet", zb: "ZSet", ctx: "StepContext", spec: tuple) -> "list | None":
+    def step_run(self, za: "ZSet", zb: "ZSet", ctx: "StepContext", spec: "tuple | None") -> "list | None":
         """Invariant 7: the step's parts (as :meth:`step_parts` returns them) from one C call per changed side of
         ``spec`` (:meth:`join_runs`): the right side's change first, against the left trace as it was (``L JOIN db``),
         inserted into the right trace, then the left side's against it (``da JOIN (R + db)``), inserted into the left
         trace: invariant 1's change. None, having changed nothing, for a step it does not serve (time lineage, a
         batch store)."""
-        if self.op.in_times:
+        if spec is None or self.op.in_times:
             return None
         walks = []  # (side, change, the other side's batches)
         for side, z, other in ((1, zb, self.left), (0, za, self.right)):
