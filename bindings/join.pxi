@@ -39,3 +39,103 @@ cdef object pairs_result(CPairs *p):
     w = own_array(p.w, p.n, np.int64)
     p.li = NULL; p.ri = NULL; p.w = NULL
     return li, ri, w
+
+
+cdef class JoinRun:
+    """An inner equi-join's step over one side's change in one C call that releases the GIL once (csrc/joinrun.h;
+    dbsp_core/runtime/plan.py design note 2): ``step(table, weights, views)`` indexes the change (``table``, ``weights``:
+    rows of ``cschema``) by its key columns ``ckeys`` as ``ZSet.index_by`` does, joins it with each batch of
+    ``views`` (the other side's trace batches, ``IndexedZSet._view()``: rows, weights, key hashes, fence; keys
+    ``bkeys``) and gathers each meeting's output rows: the left side's columns ``lcols`` then the right side's
+    ``rcols`` (None: every column), the change being the left side when ``change_left``. Returns None when the
+    change consolidates to nothing, else ``(change, w, kh, rh, parts)``: the indexed change's rows (a Table of
+    ``cschema``), weights, key hashes and row hashes (None: not computed), and per batch with pairs
+    ``(k, rows, w)``, rows a Table of ``oschema``. Errors as join's and take_pairs'."""
+    cdef Int32s ckeys, bkeys, lcols, rcols
+    cdef int change_left, all_l, all_r
+    cdef readonly object cschema, oschema
+    cdef readonly int64_t steps  # steps served (a counter for tests: the C path ran)
+    cdef object checked  # the batch schema whose output types were checked last
+
+    def __init__(self, ckeys, bkeys, bint change_left, lcols, rcols, cschema, oschema):
+        if len(ckeys) != len(bkeys) or not ckeys:
+            raise ValueError(f"JoinRun: {len(ckeys)} change keys but {len(bkeys)} batch keys")
+        self.ckeys, self.bkeys = Int32s(ckeys), Int32s(bkeys)
+        self.all_l, self.all_r = lcols is None, rcols is None
+        self.lcols = Int32s([] if lcols is None else lcols)
+        self.rcols = Int32s([] if rcols is None else rcols)
+        self.change_left = change_left
+        self.cschema, self.oschema = cschema, oschema
+        self.steps = 0
+        self.checked = None
+
+    def step(self, table, weights, list views):
+        cdef BatchView c = view_of(table, weights)
+        cdef int32_t nb = len(views), k, j
+        cdef BatchView b
+        if not c.pyschema.equals(self.cschema):
+            raise TypeError(f"JoinRun: the change's schema {c.pyschema} is not {self.cschema}")
+        for j in range(self.ckeys.n):
+            if self.ckeys.p[j] < 0 or self.ckeys.p[j] >= c.c.ncols:
+                raise IndexError(f"JoinRun: key column {self.ckeys.p[j]} outside the change's {c.c.ncols}")
+        cdef const int32_t *lp = NULL if self.all_l else self.lcols.p
+        cdef const int32_t *rp = NULL if self.all_r else self.rcols.p
+        cdef const CBatch **bs = <const CBatch **>malloc(max(nb, 1) * sizeof(CBatch *))
+        cdef const uint64_t **bkh = <const uint64_t **>malloc(max(nb, 1) * sizeof(uint64_t *))
+        cdef const uint64_t **bf = <const uint64_t **>malloc(max(nb, 1) * sizeof(uint64_t *))
+        cdef ArrowArray *parts = <ArrowArray *>calloc(max(nb, 1), sizeof(ArrowArray))
+        cdef int64_t **pw = <int64_t **>calloc(max(nb, 1), sizeof(int64_t *))
+        cdef int64_t *pn = <int64_t *>calloc(max(nb, 1), sizeof(int64_t))
+        cdef CJoinRunOut o
+        cdef int st
+        try:
+            if bs == NULL or bkh == NULL or bf == NULL or parts == NULL or pw == NULL or pn == NULL:
+                raise MemoryError()
+            for k in range(nb):
+                b = <BatchView?>views[k]
+                if b.kh == NULL and b.c.nrows:
+                    raise ValueError("JoinRun: a batch view without key hashes")
+                for j in range(self.bkeys.n):
+                    if self.bkeys.p[j] < 0 or self.bkeys.p[j] >= b.c.ncols:
+                        raise IndexError(f"JoinRun: key column {self.bkeys.p[j]} outside the batch's {b.c.ncols}")
+                if self.checked is not b.pyschema:  # (the change's schema is cschema, checked above)
+                    if self.change_left:  # the output's columns: the change's lcols, the batch's rcols
+                        check_types(self.oschema, c, lp, c.c.ncols if self.all_l else self.lcols.n, b, rp,
+                                    b.c.ncols if self.all_r else self.rcols.n)
+                    else:
+                        check_types(self.oschema, b, lp, b.c.ncols if self.all_l else self.lcols.n, c, rp,
+                                    c.c.ncols if self.all_r else self.rcols.n)
+                    self.checked = b.pyschema
+                bs[k] = &b.c
+                bkh[k] = b.kh
+                bf[k] = b.fence
+            o.parts, o.pw, o.pn = parts, pw, pn
+            with nogil:
+                st = dbsp_join_run(&c.c, &c.schema, self.ckeys.p, self.ckeys.n, self.change_left, nb, bs, bkh, bf,
+                                   self.bkeys.p, lp, self.lcols.n, rp, self.rcols.n, &o)
+            check_status(st, "join")
+            self.steps += 1
+            if o.n == 0:
+                return None
+            try:
+                w = own_array(o.w, o.n, np.int64)
+                o.w = NULL
+                kh = own_array(o.kh, o.n, np.uint64)
+                o.kh = NULL
+                rh = None
+                if o.rh != NULL:
+                    rh = own_array(o.rh, o.n, np.uint64)
+                    o.rh = NULL
+                change = import_batch(&o.change, self.cschema)
+                out = []
+                for k in range(nb):
+                    if pn[k] == 0:
+                        continue
+                    pwk = own_array(pw[k], pn[k], np.int64)
+                    pw[k] = NULL
+                    out.append((k, import_batch(&parts[k], self.oschema), pwk))
+                return change, w, kh, rh, out
+            finally:
+                dbsp_join_run_free(&o, nb)
+        finally:
+            free(bs); free(bkh); free(bf); free(parts); free(pw); free(pn)

@@ -288,6 +288,22 @@ cdef extern from "linrun.h" nogil:
                          const int32_t *avg_lo, int32_t nout, int out_keys, ArrowArray *batch, ArrowArray *out,
                          int64_t **w, uint64_t **kh, int64_t *n, int *ordered, int *distinct)
 
+cdef extern from "joinrun.h" nogil:
+    ctypedef struct CJoinRunOut "DbspJoinRunOut":
+        ArrowArray change
+        int64_t n
+        int64_t *w
+        uint64_t *kh
+        uint64_t *rh
+        ArrowArray *parts
+        int64_t **pw
+        int64_t *pn
+    int dbsp_join_run(const CBatch *c, const ArrowSchema *cs, const int32_t *ckeys, int32_t nkeys, int change_left,
+                      int32_t nb, const CBatch *const *bs, const uint64_t *const *bkh, const uint64_t *const *bfence,
+                      const int32_t *bkeys, const int32_t *lcols, int32_t nl, const int32_t *rcols, int32_t nr,
+                      CJoinRunOut *out)
+    void dbsp_join_run_free(CJoinRunOut *out, int32_t nb)
+
 cdef extern from "top1.h" nogil:
     int dbsp_top1(const CBatch *b, const uint64_t *kh, const int32_t *keys, int32_t nkeys, const int32_t *ocols,
                   const uint8_t *desc, int32_t nord, int64_t *best, int64_t *ngroups)

@@ -59,6 +59,15 @@ int dbsp_join_fenced(const DbspBatch *a, const uint64_t *akh, const uint64_t *af
         if (!pos) return DBSP_ENOMEM;
         dbsp_seek_all(bkh, nb, bfence, akh, na, pos);
     }
+    /* one int64 key column without nulls on both sides: its values compared inline */
+    const int64_t *fa = NULL, *fb = NULL;
+    if (nkeys == 1 && !left_outer) {
+        const DbspColumn *ca = &a->cols[akeys[0]], *cb = &b->cols[bkeys[0]];
+        if (ca->type == DBSP_INT64 && cb->type == DBSP_INT64 && !ca->validity && !cb->validity) {
+            fa = (const int64_t *)ca->values + ca->offset;
+            fb = (const int64_t *)cb->values + cb->offset;
+        }
+    }
     while (i < na) {
         uint64_t h = akh[i];
         int64_t ie = i + 1;
@@ -74,6 +83,20 @@ int dbsp_join_fenced(const DbspBatch *a, const uint64_t *akh, const uint64_t *af
         if (je == j && !left_outer) {
             /* no right row has this hash: skip straight to the next left hash that can match */
             i = pos ? ie : j < nb ? dbsp_seek(akh, na, afence, ie, bkh[j]) : na;
+            continue;
+        }
+        if (fa) {
+            for (int64_t x = i; x < ie; x++) {
+                int64_t wa = a->weights ? a->weights[x] : 1, v = fa[x];
+                for (int64_t y = j; y < je; y++) {
+                    if (fb[y] != v) continue;
+                    int64_t w;
+                    if (__builtin_mul_overflow(wa, b->weights ? b->weights[y] : 1, &w)) { st = DBSP_EOVERFLOW; goto fail; }
+                    if ((st = pairs_push(out, x, y, w))) goto fail;
+                }
+            }
+            i = ie;
+            j = je;
             continue;
         }
         for (int64_t x = i; x < ie; x++) {

@@ -15,6 +15,14 @@ Invariants:
   6. With ``stored`` set (operators/pruned.py, by the pass of dbsp_core/runtime/prune.py), each side's trace holds
      only that side's kept columns (keys included): a change is projected before it is indexed (which
      consolidates it), pairs gather the kept columns and the output is padded with nulls to ``schema``.
+  7. The one-call step (:meth:`_JoinState.step_run`, dbsp_core/runtime/plan.py design note 2): each changed side's
+     change is indexed, joined with every batch of the other side's trace and its output columns gathered in one C
+     call (``_zset.JoinRun``, csrc/joinrun.h), then inserted as :meth:`_JoinState.step_parts` inserts it: the same
+     indexed change, the same parts (one per batch met), the same state. With both sides changed, ``L JOIN db``
+     first, then ``da JOIN (R + db)`` over R's batches as read before db went in, and db. A step of an operator with
+     time lineage (invariant 5), or whose walk would read a spilled batch (trace/spill.py invariants 12 and 14: its
+     Bloom filter, pages and pieces), returns None there, having changed nothing, and runs
+     :meth:`_JoinState.step_parts`.
 """
 
 from __future__ import annotations
@@ -32,11 +40,10 @@ from dbsp_core.operators.pruned import JoinStored, pad, project
 from dbsp_core.time.cleanup import prune_trace
 from dbsp_core.time.lineage import input_times
 from dbsp_core.trace import Trace
-from dbsp_core.zset import ZSet
+from dbsp_core.zset import IndexedZSet, ZSet
 
 if TYPE_CHECKING:
     from dbsp_core.operators.context import StepContext
-    from dbsp_core.zset import IndexedZSet
 
 
 def _key_class(t: pa.DataType) -> object:
@@ -216,3 +223,70 @@ class _JoinState:
         return parts
 
 
+
+    def join_runs(self, cols: "tuple[list[int], list[int], pa.Schema] | None" = None) -> "tuple | None":
+        """The one-call steps of invariant 7, per side of the change (0: left, 1: right), and how their parts become
+        output Z-sets: ``(runs, schema, distinct, padded)``, as :meth:`Join.pairs` builds them (``cols``: only those
+        output columns, :meth:`Join.pairs`'s); None when the kept columns (invariant 6) are not in the traces' order."""
+        op, st = self.op, self.stored
+        ltr, rtr = self.left, self.right
+        if st is not None and (st.left != tuple(st.lschema.names) or st.right != tuple(st.rschema.names)):
+            return None  # (a projection in another order than the traces' columns: the join's own step)
+        lkeys = [ltr.schema.get_field_index(k) for k in op.left_on]
+        rkeys = [rtr.schema.get_field_index(k) for k in op.right_on]
+        if st is None:
+            lcols, rcols, schema = (None, op.right_kept_pos, op.schema) if cols is None else cols
+            padded = None
+        elif cols is None:
+            lcols, rcols, schema, padded = None, st.rcols, st.schema, op.schema
+        else:
+            lcols, rcols, schema = [st.lmap[i] for i in cols[0]], [st.rmap[i] for i in cols[1]], cols[2]
+            padded = None
+        runs = (_zset.JoinRun(lkeys, rkeys, True, lcols, rcols, ltr.schema, schema),
+                _zset.JoinRun(rkeys, lkeys, False, lcols, rcols, rtr.schema, schema))
+        return runs, schema, cols is None, padded
+
+    def step_run(self, za: "ZSet", zb: "ZSet", ctx: "StepContext", spec: "tuple | None") -> "list | None":
+        """Invariant 7: the step's parts (as :meth:`step_parts` returns them) from one C call per changed side of
+        ``spec`` (:meth:`join_runs`): the right side's change first, against the left trace as it was (``L JOIN db``),
+        inserted into the right trace, then the left side's against it (``da JOIN (R + db)``), inserted into the left
+        trace: invariant 1's change. None, having changed nothing, for a step it does not serve (time lineage, a
+        batch store)."""
+        if spec is None or self.op.in_times:
+            return None
+        walks = []  # (side, change, the other side's batches)
+        for side, z, other in ((1, zb, self.left), (0, za, self.right)):
+            if z.num_rows:
+                batches = other.walked()
+                store = other._store
+                if store is not None and any(store.file_of(b) is not None for b in batches):
+                    return None  # a spilled batch is walked through narrowed and in_pieces (trace/spill.py 12, 14)
+                walks.append((side, z, batches))
+        out: list = []
+        db = None
+        for side, z, batches in walks:
+            if side == 0 and db is not None:  # da JOIN (R + db): R's batches as read before db went in, and db
+                batches = batches + [db]
+            db = self._run_side(z, side, batches, spec, out)
+        return out
+
+    def _run_side(self, z: "ZSet", side: int, batches: list, spec: tuple, out: list) -> "IndexedZSet | None":
+        """:meth:`step_run` of side ``side``'s change ``z`` against the other side's ``batches``: its parts appended to
+        ``out``, then it is inserted; returns it indexed (None: it consolidated to nothing)."""
+        op = self.op
+        own = self.left if side == 0 else self.right
+        z = conform(z, op.lschema if side == 0 else op.rschema)
+        if self.stored is not None:  # invariant 6: projected before it is indexed
+            z = project(z, self.stored.left if side == 0 else self.stored.right)
+        pair, _, distinct, padded = spec
+        got = pair[side].step(z.data, z.weights, [b._view() for b in batches])
+        if got is None:  # the change consolidated to nothing
+            return None
+        table, w, kh, rh, parts = got
+        ix = IndexedZSet._make(ZSet._make(table, w), own.key, kh)
+        ix._rh = rh  # (index_by's: the row hashes when the kernel had them)
+        own.insert(ix)
+        for _, t, pw in parts:
+            p = ZSet._make(t, pw, distinct=distinct)
+            out.append(p if padded is None else pad(p, padded))
+        return ix

@@ -22,7 +22,13 @@ slices follow, in this order):
      sum, an int64 column's sum or limbs; a null in a counted or summed column sends the step back) through the
      grouping, the key index's probes and stores and the fold, to the trace batch's and the output Z-set's columns,
      exported as two record batches through the C data interface, with the check that says whether the output is
-     distinct as it stands; its scratch is kept across steps (``counts["cstep"]``). Not built: the other chains
+     distinct as it stands; its scratch is kept across steps (``counts["cstep"]``). **Built** too: an inner join
+     whose inputs are Z-sets (W = 1, or exchanges not fused) runs each changed side's step in one C call that
+     releases the GIL once (``_zset.JoinRun``, csrc/joinrun.h; :class:`_CJoin`, and :class:`_JoinSlots` for the
+     columns a fused group-by reads): the change indexed as ``index_by`` indexes it, its pairs with every batch of
+     the other side's trace (the join kernel) and each meeting's output columns gathered, exported as one record
+     batch for the change's trace and one per batch met (operators/join.py invariant 7; ``counts["cjoin"]``); a
+     batch store or time lineage sends the step to the join's own step. Not built: the other chains
      (and the steps around that call: the pushes, the driver, the trace's insert and merges stay in Python) enter C
      once per kernel and build Arrow objects between kernels of one operator.
   3. What stays in Python: building and validating circuits, lowering, operators that run user code (flat_map,
@@ -647,12 +653,40 @@ class _JoinSlots(_IndexedJoin):
         self.cols = (left, [op.right_kept_pos[i - nl] for i in right], self.schema)
         self.op = op
 
+        self.spec = state.join_runs(self.cols) if _CJoin.C_STEP else None  # the one-call step (join.py invariant 7)
+
     def _pairs(self, left: IndexedZSet, right: IndexedZSet) -> ZSet:
         return self.state.pairs(left, right, self.cols)
 
     def __call__(self, inputs: list, ctx: Any) -> ZSet:
         self.counts["joined"] += 1
-        parts = self.state.step_parts(self._side(inputs[0], 0), self._side(inputs[1], 1), ctx, self._pairs)
+        a, b = inputs
+        if self.spec is not None and not isinstance(a, _Received) and not isinstance(b, _Received):
+            parts = self.state.step_run(a, b, ctx, self.spec)
+            if parts is not None:
+                self.counts["cjoin"] += 1
+                return concat(parts, self.schema)
+        parts = self.state.step_parts(self._side(a, 0), self._side(b, 1), ctx, self._pairs)
+        return concat(parts, self.schema)
+
+
+class _CJoin:
+    """An inner join's call on a worker whose join inputs are Z-sets (no fused exchange: W = 1, or exchanges not
+    fused): its step in one C call (operators/join.py invariant 7, ``_zset.JoinRun``; design note 2) when it serves
+    the step, else the join's own step."""
+
+    C_STEP = True  # the one-call step (tests turn it off to compare with the path before it)
+
+    def __init__(self, state: _JoinState, counts: dict[str, int]) -> None:
+        self.state, self.counts = state, counts
+        self.spec = state.join_runs()
+        self.schema = state.op.schema
+
+    def __call__(self, inputs: list, ctx: Any) -> ZSet:
+        parts = self.state.step_run(inputs[0], inputs[1], ctx, self.spec)
+        if parts is None:
+            return self.state.step(inputs, ctx)
+        self.counts["cjoin"] += 1
         return concat(parts, self.schema)
 
 
@@ -672,7 +706,9 @@ class StepPlan:
     count-distinct before it partitioned them (:class:`_PairsExchange`); ``"projected"``, changes an exchange
     projected onto the columns its min/max aggregate reads and indexed before it cut them (:class:`_ProjectedExchange`);
     ``"keyed"``, changes an exchange indexed for its distinct before it cut them (:class:`_IndexedChangeExchange`);
-    ``"changes_merged"``, steps of such a distinct or min/max over the received runs merged (:class:`_MergedChange`)."""
+    ``"changes_merged"``, steps of such a distinct or min/max over the received runs merged (:class:`_MergedChange`);
+    ``"cjoin"``, steps of an inner join run in one C call (:class:`_CJoin`, or a :class:`_JoinSlots` over Z-sets:
+    operators/join.py invariant 7)."""
 
     def __init__(self, circuit: Circuit, live: list[int], instances: dict[int, Any], workers: int,
                  fuse: bool = True) -> None:
@@ -680,7 +716,7 @@ class StepPlan:
         self.workers = workers  # the layout's worker count it was lowered for (invariant 2)
         self.counts = dict.fromkeys(("fused", "cstep", "unfused", "sent", "grouped", "received", "indexed", "merged",
                                      "joined", "reduced", "sliced", "paired", "projected", "keyed",
-                                     "changes_merged"), 0)
+                                     "changes_merged", "cjoin"), 0)
         self.fused_nodes: list[int] = []  # the last node of each fused chain
         steps: dict[int, Callable] = {i: instances[i].step for i in live}
         if fuse:
@@ -743,6 +779,10 @@ class StepPlan:
                     if join not in slot_joins:  # a _JoinSlots reads the received parts as _IndexedJoin does
                         steps[join] = _IndexedJoin(instances[join], self.counts)
                         self.fused_nodes.append(join)
+            if _CJoin.C_STEP:  # every other inner join: its step in one C call when it serves it
+                for j in live:
+                    if (type(nodes[j]) is Join and type(instances[j]) is _JoinState and steps[j] == instances[j].step):
+                        steps[j] = _CJoin(instances[j], self.counts)
         self.calls: list[Call] = [(steps[i], nodes[i].inputs, i) for i in live]
 
     @staticmethod

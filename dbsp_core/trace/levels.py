@@ -642,7 +642,7 @@ class Trace(KeyIndexed, PerKeyTotals):
                 level = self._by_level[lvl]
                 m = level.merge
                 if m is None:
-                    if not self._ready(level, budget):
+                    if len(level.loose) < 2 or not self._ready(level, budget):  # (a fan-in is 2 at least)
                         break
                     m = self._start_merge(lvl, mt is not None)
                     level = self._by_level[lvl]

@@ -22,7 +22,7 @@ SCHEMA = pa.schema([("k", pa.int64()), ("j", pa.int64()), ("v", pa.int64()), ("s
 USCHEMA = pa.schema([("id", pa.int64()), ("x", pa.string()), ("m", pa.int64())])  # the join's other side
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))  # the join test's rows; replayable
 COUNTS = ("fused", "cstep", "unfused", "sent", "grouped", "received", "indexed", "merged", "joined",
-          "reduced", "sliced", "paired", "projected", "keyed", "changes_merged")  # StepPlan.counts' keys
+          "reduced", "sliced", "paired", "projected", "keyed", "changes_merged", "cjoin")  # StepPlan.counts' keys
 
 rows = st.tuples(st.integers(0, 5), st.one_of(st.none(), st.integers(0, 2)),
                  st.one_of(st.none(), st.integers(-9, 9)), st.sampled_from(["a", "b", None]))
@@ -165,6 +165,10 @@ def test_plan_equals_unplanned_path_on_random_circuits_and_splits(shape, drawn):
     reached = any(not shape["filter"] or r[0] != shape["filter"] for step in steps for r, _ in step)
     # the join's call gathered the group-by's columns from its pairs every step, on every worker
     assert counts["joined"] == (len(steps) * workers if shape["join"] and shape["join_only_g"] else 0)
+    # at W = 1 the join ran every step in one C call (operators/join.py invariant 7), unless a budget spilled the
+    # batches it walks (DBSP_MEMORY_LIMIT); at W > 1 its inputs come through fused exchanges, as runs of indexes
+    want = len(steps) if shape["join"] and workers == 1 else 0
+    assert counts["cjoin"] == want or (os.environ.get("DBSP_MEMORY_LIMIT") and counts["cjoin"] <= want)
     # at W > 1 a count-distinct's exchange sent summed pairs whenever a worker had rows for it
     assert (counts["paired"] >= 1) == bool(workers > 1 and shape["distinct"] and reached)
     # the hopping windows' group-by summed slices every step, on every worker, unless the windows are a view

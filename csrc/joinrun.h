@@ -1,0 +1,44 @@
+/* joinrun.h: an inner equi-join's step over one side's change in one call (dbsp_core/runtime/plan.py design note 2):
+ * from the change's buffers to the indexed change (its trace batch) and the output rows met in each batch of the
+ * other side's trace.
+ *
+ * Invariants:
+ *  1. The indexed change is exactly ZSet.index_by's (dbsp_zset_consolidate_rh over the key columns, the rows
+ *     gathered by dbsp_cdata_gather): the same rows, weights, key hashes and row hashes in the same order.
+ *  2. The pairs of the change with batch k are dbsp_join_fenced's with the indexed change as its left input (a small
+ *     change against a large batch: one seek per key hash, never a scan of the batch), whichever side of the join
+ *     the change is on; weights multiply (DBSP_EOVERFLOW past int64). Part k's rows are the output columns gathered
+ *     from the pairs by dbsp_cdata_gather2: the left side's columns lcols, then the right side's rcols (NULL: every
+ *     column), the change's or the batch's as the change is the left or the right side. So each part holds the
+ *     rows Join.pairs builds for that meeting, in the change's key-hash order.
+ *  3. Nothing is exported on an error; the caller owns what is exported on DBSP_OK.
+ */
+#ifndef DBSP_JOINRUN_H
+#define DBSP_JOINRUN_H
+
+#include <stdint.h>
+#include "cdata.h"
+#include "column.h"
+
+typedef struct DbspJoinRunOut {
+    struct ArrowArray change;  /* the indexed change (release NULL when no row is left: n == 0) */
+    int64_t n;                 /* its rows */
+    int64_t *w;                /* its weights, key hashes and row hashes (rh NULL: not computed, a one-column */
+    uint64_t *kh, *rh;         /* batch whose row hash is its key hash), malloc'ed, n each */
+    struct ArrowArray *parts;  /* nb parts (room given by the caller): release NULL where no pair was found */
+    int64_t **pw;              /* nb weight arrays (malloc'ed, pn[k] each; NULL where no pair) */
+    int64_t *pn;               /* nb pair counts */
+} DbspJoinRunOut;
+
+/* Index change c (its exported schema cs: the indexed change is viewed through it) by ckeys[0..nkeys), then join it
+ * with each batch bs[k] (key hashes bkh[k] ascending, fence bfence[k] or NULL; keys bkeys) and gather each part's
+ * output columns (invariant 2; change_left: c is the join's left side). out->parts, pw and pn have room for nb. */
+int dbsp_join_run(const DbspBatch *c, const struct ArrowSchema *cs, const int32_t *ckeys, int32_t nkeys, int change_left,
+                  int32_t nb, const DbspBatch *const *bs, const uint64_t *const *bkh, const uint64_t *const *bfence,
+                  const int32_t *bkeys, const int32_t *lcols, int32_t nl, const int32_t *rcols, int32_t nr,
+                  DbspJoinRunOut *out);
+
+/* Release everything dbsp_join_run exported into out (the caller's arrays stay). */
+void dbsp_join_run_free(DbspJoinRunOut *out, int32_t nb);
+
+#endif
