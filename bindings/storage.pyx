@@ -160,6 +160,15 @@ cdef extern from "groupdecode.h" nogil:
                          const uint64_t *first_hash, const int64_t *slot_of, const int64_t *nslots,
                          const int64_t *msg_len, const int64_t *rows, const uint64_t *hashes, int64_t m)
     void dbsp_gdec_free(DbspGDec *d)
+    size_t dbsp_gdec_keep_limit(size_t limit)
+
+
+def grouped_keep_limit(limit):
+    """Set the most bytes each thread keeps of the format-2 decoder's read buffer between calls (csrc/groupdecode.h;
+    32 MiB at first); returns the previous limit."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"grouped_keep_limit: an int >= 0, got {limit!r}")
+    return dbsp_gdec_keep_limit(<size_t>limit)
 
 
 GATHER_STATUS = {"damaged": 1, "short": 2, "ioerr": 3, "nomem": 4, "unsupported": 5, "crc": 6}

@@ -10,6 +10,7 @@
 #include "groupdecode.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -201,21 +202,33 @@ static int pick(DbspGDec *d, int32_t g, int32_t r) {
     return DBSP_GDEC_OK;
 }
 
-/* The reads' buffer: a thread's own, kept between calls up to SCRATCH_KEEP bytes (a lookup's ~1,000 slots: no
- * fresh pages to fault and zero a call); a larger one is the call's (*own set) */
+/* The reads' buffer: a thread's own, kept between calls up to the keep limit (a lookup's ~1,000 slots: no fresh
+ * pages to fault and zero a call; SCRATCH_KEEP, lowered by dbsp_gdec_keep_limit: a memory budget's share); a larger
+ * one is the call's (*own set). A thread's kept buffer above a lowered limit is freed at its next call. */
 #define SCRATCH_KEEP ((size_t)32 << 20)
+static _Atomic size_t keep_limit = SCRATCH_KEEP;
 static __thread uint8_t *scratch_buf;
 static __thread size_t scratch_cap;
 
+size_t dbsp_gdec_keep_limit(size_t limit) { return atomic_exchange(&keep_limit, limit); }
+
 static uint8_t *scratch(size_t n, int *own) {
+    size_t keep = atomic_load_explicit(&keep_limit, memory_order_relaxed);
     *own = 0;
-    if (n > SCRATCH_KEEP) {
+    if (scratch_cap > keep) {
+        free(scratch_buf);
+        scratch_buf = NULL;
+        scratch_cap = 0;
+    }
+    if (n > keep) {
         *own = 1;
         return malloc(n);
     }
     if (n > scratch_cap) {
         free(scratch_buf);
-        size_t cap = n < ((size_t)1 << 20) ? (size_t)1 << 20 : n;
+        size_t cap = (size_t)1 << 20;
+        if (cap > keep) cap = keep;
+        if (cap < n) cap = n;
         scratch_buf = malloc(cap);
         scratch_cap = scratch_buf ? cap : 0;
     }
