@@ -951,6 +951,11 @@ class Trace(KeyIndexed, PerKeyTotals):
             self.prefetch(out, keys, row_hashes=False)
         return out
 
+    def keyed(self, hashes: np.ndarray) -> list["IndexedZSet"]:
+        """Every batch (as :attr:`batches`), for a read of the rows of key hashes ``hashes`` only: a batch read from a
+        format-2 file is its rows of those keys (:meth:`_gathered`), not a copy of all of them."""
+        return self._gathered(self._read(), hashes)
+
     def _gathered(self, batches: list["IndexedZSet"], hashes: np.ndarray) -> list["IndexedZSet"]:
         """``batches`` with each one read from a format-2 file replaced by its rows of key hashes ``hashes`` (spill.py
         invariant 18, groupedbatch.py B2: gathered by pread, an in-memory batch holding every row of those keys),

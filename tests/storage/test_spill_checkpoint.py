@@ -188,6 +188,8 @@ def test_a_crash_at_every_io_operation_of_spills_and_a_checkpoint(tmp_path, monk
     ``stride``-th operation from a seeded offset, with the files' own operations among them."""
     from dbsp_core.trace.spill import BatchStore
 
+    if variant == "merge_on_disk" and BatchStore.GROUPED_FROM is not None:
+        pytest.skip("merge outputs made in place are format 1's (DBSP_SPILL_GROUPED set)")
     for name, value in VARIANTS[variant].items():
         monkeypatch.setattr(BatchStore, name, value)
     if variant == "merge_on_disk":  # tiered levels (trace invariant 15) merge three spilled batches at once here,
