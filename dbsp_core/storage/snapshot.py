@@ -74,9 +74,9 @@ from dbsp_core.codec import (decode_batch, decode_json, decode_runs, decode_widt
                              encode_json, encode_runs, encode_width_runs, encode_zset, zset_batch)
 from dbsp_core.errors import CorruptionError, DbspError
 from dbsp_core.storage.database import SHARD_PREFIX_BYTES, DatabaseHandle, shard_key, shard_of_key
-from dbsp_core.storage.formats import (BATCH_FILE_GROUPED_VERSION, BATCH_GROUP_MAGIC, BATCH_MAGIC, BATCH_RANGE_MAGIC, BATCH_REF_MAGIC,
-                                       ORDER_MAGIC, RANGE_SHARDS, SNAPSHOT_NEXT, SNAPSHOT_TABLE, ZSET_MAGIC,
-                                       is_state_table, order_key, trace_table, zset_table)
+from dbsp_core.storage.formats import (BATCH_FILE_GROUPED_VERSION, BATCH_GROUP_MAGIC, BATCH_MAGIC, BATCH_RANGE_MAGIC,
+                                       BATCH_REF_MAGIC, ORDER_MAGIC, RANGE_SHARDS, SNAPSHOT_NEXT, SNAPSHOT_TABLE,
+                                       ZSET_MAGIC, is_state_table, order_key, trace_table, zset_table)
 from dbsp_core.trace import Trace
 from dbsp_core.zset import IndexedZSet, ZSet
 

@@ -83,7 +83,7 @@ def test_a_trace_spilled_in_format_2_reads_as_the_model(monkeypatch) -> None:
 
 
 def test_match_weights_and_walks_over_format_2(monkeypatch) -> None:
-    """A whole-row trace (distinct's shape) spilled to format 2: match_weights of a change equals the model's weights."""
+    """A whole-row trace (distinct's shape) spilled to format 2: match_weights of a change is the model's weights."""
     monkeypatch.setattr(BatchStore, "GROUPED_FROM", 1)
     monkeypatch.setattr(BatchStore, "ASYNC_BYTES", 1 << 40)
     rng = random.Random(SEED + 1)
@@ -218,7 +218,7 @@ def _keep_limit() -> int:
 
 def test_the_decoders_read_buffer_is_bounded_by_the_budget() -> None:
     """csrc/groupdecode.c keeps a thread's read buffer up to a limit (32 MiB at most): while a store is open, at most
-    the budget's SCRATCH_SHARE (spill.py invariant 18), and a bigger store does not raise it; closed, it goes back up."""
+    the budget's SCRATCH_SHARE (spill.py invariant 18), and a bigger store does not raise it; closed, it goes up."""
     gc.collect()  # (stores other tests dropped give their shares back)
     share = int((64 << 20) * BatchStore.SCRATCH_SHARE)
     with BatchStore(64 << 20):
