@@ -10,6 +10,7 @@
 #include "groupdecode.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -275,6 +276,13 @@ int dbsp_gdec_scan(DbspGDec *d, int64_t ng, const int64_t *slot_of, const int64_
     if (!d->buf || !d->bufs) {
         st = DBSP_GDEC_NOMEM;
         goto out;
+    }
+    /* the reads' pages asked for first when the caller says the file is cold (d->advise): one WILLNEED a run */
+    for (int64_t i = 0; d->advise && i < ng;) {
+        int64_t j = i + 1;
+        while (j < ng && slot_of[j] * G == slot_of[j - 1] * G + (boff[j] - boff[j - 1])) j++;
+        (void)posix_fadvise(d->fd, (off_t)(slot_of[i] * G), (off_t)(boff[j] - boff[i]), POSIX_FADV_WILLNEED);
+        i = j;
     }
     /* the reads: a pread a run of adjacent groups */
     for (int64_t i = 0; i < ng;) {

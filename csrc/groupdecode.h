@@ -54,6 +54,8 @@ typedef struct {
     char what[160];
     int64_t pages_checked; /* CRC pages checked by this call */
     int64_t groups_read;   /* dbsp_gdec_lookup: the groups its probes lie in (read) */
+    int advise;           /* set by the caller: posix_fadvise(WILLNEED) every run of groups before the first read, so
+                           * a cold lookup's reads from the disk overlap instead of waiting one after another */
     /* scratch */
     uint8_t *buf;         /* the reads (the thread's scratch unless buf_own) */
     int buf_own;

@@ -236,11 +236,12 @@ def copied_bytes(b: IndexedZSet) -> int:
     return 0 if src is None else src.copied
 
 
-def gather(b: IndexedZSet, hashes: Any) -> IndexedZSet | None:
+def gather(b: IndexedZSet, hashes: Any, advise: bool = False) -> IndexedZSet | None:
     """The rows of grouped batch ``b`` whose key hash is in ``hashes`` (uint64, any order; invariant B2): an
-    in-memory IndexedZSet in index order, None when there are none."""
+    in-memory IndexedZSet in index order, None when there are none. ``advise``: its file is cold (its groups' pages
+    asked for before the first read)."""
     src = _source(b)
-    got = src.file.lookup(hashes)
+    got = src.file.lookup(hashes, advise)
     if not len(got):
         return None
     got._keypos = b._keypos

@@ -661,10 +661,11 @@ class GroupedFile:
         g = np.searchsorted(self.first_hash, h, "right") - 1
         return np.unique(g[g >= 0]).astype(np.int64)
 
-    def lookup(self, hashes: np.ndarray) -> Any:
+    def lookup(self, hashes: np.ndarray, advise: bool = False) -> Any:
         """The rows of key hashes ``hashes`` (an IndexedZSet in index order: a consolidated batch), read by pread of
         the groups they lie in (invariant G3): no mapping. The C path is one call (``_storage.grouped_lookup``: the
-        Bloom filter, the group search, the reads, checks, decode and gather, the GIL released)."""
+        Bloom filter, the group search, the reads, checks, decode and gather, the GIL released); ``advise``: the
+        groups' pages asked for (WILLNEED) before the first read, for a file whose pages are on the disk."""
         h = np.asarray(hashes, dtype=np.uint64)
         if self.decode == "c" and self.kinds is not None:
             from dbsp_core import _storage
@@ -672,7 +673,7 @@ class GroupedFile:
             res = _storage.grouped_lookup(
                 self.fd, self.slot, 64 + self.alen, self.page_crcs, self.checked.view(np.uint8), self.kinds[0],
                 self.kinds[1], self.ndata + 1, self.bloom, self.bloom_k, self.first_hash, self.g_slot, self.g_slots,
-                self.msg_len, self.g_rows, np.ascontiguousarray(h))
+                self.msg_len, self.g_rows, np.ascontiguousarray(h), advise)
             self.last_groups_read = res[5] if res[0] == 0 else -1
             rb = self._gathered(res, lambda i: int(i))
             if rb is not None:

@@ -225,7 +225,9 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      grouped batch (groupedbatch.py invariants B1-B3): the same object, its rows in the file only. Reads of some keys
      (``Trace.walked``, ``lookup``, ``match_weights``, ``key_sums``) read the rows of those keys by one C call a
      batch (the Bloom filter, the group index, a pread a run of groups: ``stats["grouped_lookups"]``,
-     ``keys_sought`` counts every key asked), into a small batch in memory the C kernels walk as any other; such a
+     ``keys_sought`` counts every key asked; while :meth:`prefetching` says the last step read from the disk, a
+     posix_fadvise(WILLNEED) a run of groups first, so a cold step's reads overlap: ``grouped_prefetched``), into a
+     small batch in memory the C kernels walk as any other; such a
      file maps nothing, so its reads use none of the cache's pages or ``MAP_UNIT``s (invariants 12, 15, 16 are
      format 1's: a format-2 file's pages are the page cache's alone). A read of every row (a merge's input, a key
      index build, a shard cut) copies the rows into memory: the copy counts as bytes in memory and the next
@@ -1339,10 +1341,14 @@ class BatchStore:
                     groupedbatch.release_rows(b)
 
     def gather(self, b: "IndexedZSet", hashes: np.ndarray) -> "IndexedZSet | None":
-        """The rows of grouped batch ``b`` whose key hash is in ``hashes`` (invariant 18; groupedbatch.py B2)."""
+        """The rows of grouped batch ``b`` whose key hash is in ``hashes`` (invariant 18; groupedbatch.py B2), its
+        groups' pages asked for first (WILLNEED a run of groups) while :meth:`prefetching` says reads find the disk."""
+        advise = len(hashes) > 1 and self.prefetching()
         self.count("keys_sought", len(hashes))
         self.count("grouped_lookups", 1)
-        return groupedbatch.gather(b, hashes)
+        if advise:
+            self.count("grouped_prefetched", 1)
+        return groupedbatch.gather(b, hashes, advise)
 
     def _release(self, key: int, name: str) -> None:
         """A batch read from file ``name`` is gone (merged away, dropped): once no live batch reads the file, it is

@@ -57,6 +57,7 @@ def test_a_trace_spilled_in_format_2_reads_as_the_model(monkeypatch) -> None:
             assert grouped and all(type(b) is groupedbatch.GroupedBatch for b in grouped), f"step {step}"
             assert not any(groupedbatch.copied_bytes(b) for b in grouped)
             before = groupedbatch.COPIES["reads"]
+            store.PREFETCH = "on" if step % 2 else "off"  # (odd steps: the groups' pages asked for first, WILLNEED)
             probe = ZSet.from_rows([(k, "", 0) for k in rng.sample(range(70), 12)], SCHEMA).index_by(["k"])
             hashes = np.sort(probe.key_hash)
             got: Counter = Counter()
@@ -79,7 +80,7 @@ def test_a_trace_spilled_in_format_2_reads_as_the_model(monkeypatch) -> None:
             assert copied > 0 and store.memory()[0] >= mem_before + copied
             store.enforce()
             assert not any(groupedbatch.copied_bytes(b) for b in t._levels())
-    assert store.stats["grouped_files_written"] > 0
+    assert store.stats["grouped_files_written"] > 0 and store.stats["grouped_prefetched"] > 0
 
 
 def test_match_weights_and_walks_over_format_2(monkeypatch) -> None:
