@@ -45,7 +45,10 @@ import dbsp_core as dbsp  # noqa: E402
 from dbsp_core.envvars import settings  # noqa: E402
 from dbsp_core.runtime.embedded import EmbeddedExecutor  # noqa: E402
 from dbsp_core.trace.spill import BatchStore  # noqa: E402
-from dbsp_core.trace import Trace, spillread  # noqa: E402
+from dbsp_core.trace import Trace, groupedbatch, spillread  # noqa: E402
+from dbsp_core.envvars import parse_memory_limit  # noqa: E402
+
+_COPIES0 = [0]  # groupedbatch.COPIES["reads"] when the spilled run started
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -67,8 +70,9 @@ def resident_pages(m: mmap.mmap) -> int:
 def drop_pages(store) -> None:
     """Every batch file's pages out of this process and out of the page cache (clean: synced first)."""
     os.sync()
-    for f in list(store._files.values()):
-        f.map.madvise(mmap.MADV_DONTNEED)
+    for f in list(store._files.values()) + list(store._grouped.values()):  # (format 2: no mapping, invariant 18)
+        if getattr(f, "map", None) is not None:
+            f.map.madvise(mmap.MADV_DONTNEED)
         fd = os.open(f.path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -203,7 +207,9 @@ def measure(p: dbsp.Pipeline, rng, query: str, groups: int, args, loaded: list, 
                    prefetched=d["pages_prefetched"] / args.steps, runs=d["prefetch_runs"] / args.steps)
         mem, kept = store.memory()
         out.update(disk_mb=store.disk_bytes() / 2**20, mem_mb=mem / 2**20, kept_mb=kept / 2**20,
-                   files=len(store._files), spilled_rows=sum(f.rows for f in store._files.values()),
+                   files=len(store._files) + len(store._grouped),
+                   grouped_files=len(store._grouped), copies=groupedbatch.COPIES["reads"] - _COPIES0[0],
+                   spilled_rows=sum(f.rows for f in list(store._files.values()) + list(store._grouped.values())),
                    background=store.stats.get("written_in_background", 0),
                    wasted=store.stats.get("written_for_nothing", 0),
                    written_mb=store.stats["bytes_written"] / 2**20, sought=d["keys_sought"] / args.steps,
@@ -234,7 +240,7 @@ def measure(p: dbsp.Pipeline, rng, query: str, groups: int, args, loaded: list, 
             k += 1
             majflt.append(resource.getrusage(resource.RUSAGE_SELF).ru_majflt - f0)
             fetched.append(store.stats.get("pages_prefetched", 0) - p0)
-            pages.append(sum(resident_pages(f.map) for f in files))
+            pages.append(sum(resident_pages(f.map) for f in files))  # (format 1's only)
         if pages:
             out.update(cold_mean=float(np.mean(cold)), cold_p99=float(np.percentile(cold, 99)),
                        cold_max=float(np.max(cold)), pages=float(np.mean(pages)), pages_max=int(np.max(pages)),
@@ -297,10 +303,12 @@ def _watch_pieces() -> None:
 
 def show(tag: str, sp: dict, mem: dict | None, args) -> None:
     """Print one spilled phase: its step times (and their ratio to the in-memory run's), files, cache and pages."""
-    ratio = f" = {sp['mean'] / mem['mean']:.2f}x mean, {sp['p99'] / mem['p99']:.2f}x p99" if mem is not None else ""
+    ratio = (f" = {sp['mean'] / mem['mean']:.2f}x mean, {sp['p99'] / mem['p99']:.2f}x p99, "
+             f"{(sp['user'] + sp['sys']) / max(1e-9, mem['user'] + mem['sys']):.2f}x CPU") if mem is not None else ""
     print(f"{tag} spilled: mean {sp['mean']:.2f} ms p50 {sp['p50']:.2f} p99 {sp['p99']:.2f} "
           f"max {sp['max']:.2f} (load {sp['load_s']:.1f} s){ratio}; on disk "
-          f"{sp['disk_mb']:.1f} MiB in {sp['files']} files ({sp['spilled_rows']:,} rows), batches in memory "
+          f"{sp['disk_mb']:.1f} MiB in {sp['files']} files ({sp['grouped_files']} of format 2; {sp['copies']} whole "
+          f"reads of them since the load) ({sp['spilled_rows']:,} rows), batches in memory "
           f"{sp['mem_mb']:.1f} MiB, fences+filters {sp['kept_mb']:.1f} MiB; written {sp['written_mb']:.0f} MiB, "
           f"{sp['background']} files off the step ({sp['wasted']} more merged away first)", flush=True)
     print(f"{tag} per step: cache hits {sp['hits']:.0f} misses {sp['misses']:.0f} pages, evicted "
@@ -341,6 +349,9 @@ def main() -> int:
                     "or on (new); -: as it is")
     ap.add_argument("--prefetch", default="auto", help="the spilled pipeline's phases over its loaded state, each "
                     "with --steps and --cold steps: auto, on, off, or alternated (off,on,...): BatchStore.PREFETCH")
+    ap.add_argument("--grouped", default="-", help="the spilled runs, alternated within each --runs round: "
+                    "BatchStore.GROUPED_FROM (DBSP_SPILL_GROUPED) for each, e.g. off,1 (format 1 only, then every "
+                    "spilled file in format 2) or off,64MiB; -: as the environment says")
     ap.add_argument("--modes", default="memory,spilled", help="which pipelines run (a state too big for memory: "
                     "spilled only)")
     ap.add_argument("--profile", type=int, default=0, help="after the measured steps, this many more under cProfile "
@@ -363,7 +374,15 @@ def main() -> int:
         mems, sps = [], []
         for r in range(args.runs):
             mem = run(q, state, groups, args, None)
-            phases = run(q, state, groups, args, args.limit) or []
+            phases = []
+            for g in args.grouped.split(","):
+                if g != "-":
+                    BatchStore.GROUPED_FROM = None if g == "off" else _count(g) if g[-1:].isdigit() else \
+                        parse_memory_limit(g)
+                _COPIES0[0] = groupedbatch.COPIES["reads"]
+                for sp in run(q, state, groups, args, args.limit) or []:
+                    sp["prefetch"] += f" grouped {g}" if g != "-" else ""
+                    phases.append(sp)
             mem = mem[0] if mem else None
             mems.append(mem)
             tag = f"{q:9s}" + (f" run {r + 1}" if args.runs > 1 else "")

@@ -144,6 +144,7 @@ cdef extern from "groupdecode.h" nogil:
         char what[160]
         int64_t pages_checked
         int64_t groups_read
+        int advise
         unsigned char *buf
         DbspGBuf *bufs
         int *sel_g
@@ -160,6 +161,15 @@ cdef extern from "groupdecode.h" nogil:
                          const uint64_t *first_hash, const int64_t *slot_of, const int64_t *nslots,
                          const int64_t *msg_len, const int64_t *rows, const uint64_t *hashes, int64_t m)
     void dbsp_gdec_free(DbspGDec *d)
+    size_t dbsp_gdec_keep_limit(size_t limit)
+
+
+def grouped_keep_limit(limit):
+    """Set the most bytes each thread keeps of the format-2 decoder's read buffer between calls (csrc/groupdecode.h;
+    32 MiB at first); returns the previous limit."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"grouped_keep_limit: an int >= 0, got {limit!r}")
+    return dbsp_gdec_keep_limit(<size_t>limit)
 
 
 GATHER_STATUS = {"damaged": 1, "short": 2, "ioerr": 3, "nomem": 4, "unsupported": 5, "crc": 6}
@@ -280,13 +290,14 @@ def grouped_lookup(int fd, int64_t slot, int64_t arrow_end, const unsigned int[:
                    unsigned char[::1] checked, const int[::1] kind, const int[::1] width, int khcol,
                    const uint64_t[::1] bloom, int bloom_k, const uint64_t[::1] first_hash, const int64_t[::1] slot_of,
                    const int64_t[::1] nslots, const int64_t[::1] msg_len, const int64_t[::1] rows,
-                   const uint64_t[::1] hashes):
+                   const uint64_t[::1] hashes, bint advise=False):
     """A whole format-2 lookup in one call (csrc/groupdecode.h dbsp_gdec_lookup), the GIL released: the probed key
     ``hashes`` (uint64, any order, repeats allowed) tested against the Bloom filter ``bloom`` (``bloom_k`` bits), each
     one's group found among the file's groups (``first_hash``/``slot_of``/``nslots``/``msg_len``/``rows``, one entry
     a group), those groups read, checked and decoded as :func:`grouped_gather` does and their rows of those hashes
-    gathered. Returns ``(0, rows, columns, nulls, pages checked, groups read)`` or ``(status, group, page, what,
-    errno)``, ``group`` the file's group number (-1: none)."""
+    gathered. ``advise``: a WILLNEED of every run of groups first (a cold file). Returns ``(0, rows, columns, nulls,
+    pages checked, groups read)`` or ``(status, group, page, what, errno)``, ``group`` the file's group number (-1:
+    none)."""
     cdef Py_ssize_t ng = first_hash.shape[0], nc = kind.shape[0]
     cdef DbspGDec d
     cdef int st
@@ -302,6 +313,7 @@ def grouped_lookup(int fd, int64_t slot, int64_t arrow_end, const unsigned int[:
     cdef int64_t[::1] var_bytes = numpy.zeros(nc, dtype=numpy.int64)
     cdef int64_t[::1] nulls = numpy.zeros(nc, dtype=numpy.int64)
     _gdec_init(&d, fd, slot, arrow_end, page_crcs, checked, kind, width, khcol, var_bytes, nulls)
+    d.advise = 1 if advise else 0
     try:
         if ng and m:
             with nogil:

@@ -10,6 +10,8 @@
 #include "groupdecode.h"
 
 #include <errno.h>
+#include <fcntl.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -201,21 +203,33 @@ static int pick(DbspGDec *d, int32_t g, int32_t r) {
     return DBSP_GDEC_OK;
 }
 
-/* The reads' buffer: a thread's own, kept between calls up to SCRATCH_KEEP bytes (a lookup's ~1,000 slots: no
- * fresh pages to fault and zero a call); a larger one is the call's (*own set) */
+/* The reads' buffer: a thread's own, kept between calls up to the keep limit (a lookup's ~1,000 slots: no fresh
+ * pages to fault and zero a call; SCRATCH_KEEP, lowered by dbsp_gdec_keep_limit: a memory budget's share); a larger
+ * one is the call's (*own set). A thread's kept buffer above a lowered limit is freed at its next call. */
 #define SCRATCH_KEEP ((size_t)32 << 20)
+static _Atomic size_t keep_limit = SCRATCH_KEEP;
 static __thread uint8_t *scratch_buf;
 static __thread size_t scratch_cap;
 
+size_t dbsp_gdec_keep_limit(size_t limit) { return atomic_exchange(&keep_limit, limit); }
+
 static uint8_t *scratch(size_t n, int *own) {
+    size_t keep = atomic_load_explicit(&keep_limit, memory_order_relaxed);
     *own = 0;
-    if (n > SCRATCH_KEEP) {
+    if (scratch_cap > keep) {
+        free(scratch_buf);
+        scratch_buf = NULL;
+        scratch_cap = 0;
+    }
+    if (n > keep) {
         *own = 1;
         return malloc(n);
     }
     if (n > scratch_cap) {
         free(scratch_buf);
-        size_t cap = n < ((size_t)1 << 20) ? (size_t)1 << 20 : n;
+        size_t cap = (size_t)1 << 20;
+        if (cap > keep) cap = keep;
+        if (cap < n) cap = n;
         scratch_buf = malloc(cap);
         scratch_cap = scratch_buf ? cap : 0;
     }
@@ -262,6 +276,13 @@ int dbsp_gdec_scan(DbspGDec *d, int64_t ng, const int64_t *slot_of, const int64_
     if (!d->buf || !d->bufs) {
         st = DBSP_GDEC_NOMEM;
         goto out;
+    }
+    /* the reads' pages asked for first when the caller says the file is cold (d->advise): one WILLNEED a run */
+    for (int64_t i = 0; d->advise && i < ng;) {
+        int64_t j = i + 1;
+        while (j < ng && slot_of[j] * G == slot_of[j - 1] * G + (boff[j] - boff[j - 1])) j++;
+        (void)posix_fadvise(d->fd, (off_t)(slot_of[i] * G), (off_t)(boff[j] - boff[i]), POSIX_FADV_WILLNEED);
+        i = j;
     }
     /* the reads: a pread a run of adjacent groups */
     for (int64_t i = 0; i < ng;) {

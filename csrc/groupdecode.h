@@ -18,6 +18,7 @@
 #ifndef DBSP_GROUPDECODE_H
 #define DBSP_GROUPDECODE_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 enum { DBSP_GCOL_FIXED = 0, DBSP_GCOL_BOOL = 1, DBSP_GCOL_VAR32 = 2, DBSP_GCOL_VAR64 = 3 };
@@ -53,6 +54,8 @@ typedef struct {
     char what[160];
     int64_t pages_checked; /* CRC pages checked by this call */
     int64_t groups_read;   /* dbsp_gdec_lookup: the groups its probes lie in (read) */
+    int advise;           /* set by the caller: posix_fadvise(WILLNEED) every run of groups before the first read, so
+                           * a cold lookup's reads from the disk overlap instead of waiting one after another */
     /* scratch */
     uint8_t *buf;         /* the reads (the thread's scratch unless buf_own) */
     int buf_own;
@@ -85,5 +88,9 @@ int dbsp_gdec_lookup(DbspGDec *d, const uint64_t *bloom, int64_t nwords, int k, 
                      const int64_t *msg_len, const int64_t *rows, const uint64_t *hashes, int64_t m);
 
 void dbsp_gdec_free(DbspGDec *d);
+
+/* The most bytes a thread keeps of its reads' buffer between calls (32 MiB at first; a memory budget lowers it:
+ * dbsp_core/trace/spill.py); returns the previous limit. A thread's buffer above it is freed at its next call. */
+size_t dbsp_gdec_keep_limit(size_t limit);
 
 #endif

@@ -66,6 +66,10 @@ Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them
   C, and trace/groupedfile.py's decode of a format-2 lookup in C); ``0``: their reference paths (numpy and a
   Python call per batch; pyarrow's IPC reader for format 2), which the tests compare the native ones with
   (default 1). Results, files and the cache's counts are the same either way; only the CPU differs.
+- ``DBSP_SPILL_GROUPED`` (trace/spill.py ``BatchStore.GROUPED_FROM``): bytes (or a size such as ``256MiB``) from which
+  a spilled batch's file is written in batch file format 2 (row groups read by pread, trace/groupedfile.py) instead
+  of format 1 (mapped); ``1``: every spilled batch's (default: none, format 1 only). A store reads either format
+  whatever this says. Results are the same either way.
 
 Not runtime settings, read where they are used (listed so that this is the one list of every ``DBSP_*`` variable;
 tests/core/test_envvars.py checks that the repository reads no other):
@@ -265,6 +269,7 @@ SETTINGS: tuple[Setting, ...] = (  # the list of the module docstring, in its or
     Setting("DBSP_TOTALS_PER_KEY", "totals_per_key", "flag", default=True),
     Setting("DBSP_SUBSTEP_BYTES", "substep_bytes", "bytes"),  # None: runtime/substep.py derives it from the budget
     Setting("DBSP_SPILL_NATIVE", "spill_native", "flag", default=True),
+    Setting("DBSP_SPILL_GROUPED", "spill_grouped", "bytes"),  # None: format 1 only (trace/spill.py GROUPED_FROM)
 )
 
 
@@ -290,6 +295,7 @@ class Settings(NamedTuple):
     totals_per_key: bool
     substep_bytes: int | None
     spill_native: bool
+    spill_grouped: int | None
 
 
 assert Settings._fields == tuple(s.field for s in SETTINGS)

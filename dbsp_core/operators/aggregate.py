@@ -1057,7 +1057,7 @@ class _ExtremesState(_GroupedState):
         nk = len(self.keys)
         for col, attr in self.val_cols:
             trace: Trace = getattr(self, attr)
-            batches = [b._view() for b in trace.batches]
+            batches = [b._view() for b in trace.keyed(hashes)]  # (a format-2 file: those keys' rows read)
             has, lo, hi = _zset.extremes_scan(view, self.keypos, rows, hashes, batches, list(range(nk)), nk)
             for e, (j, kind, c) in enumerate(self.ext):
                 if c == col:

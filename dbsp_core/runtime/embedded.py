@@ -65,6 +65,7 @@ from dbsp_core.storage.directory import tree_bytes
 from dbsp_core.storage.formats import SPILL_DIR, state_db_path
 from dbsp_core.storage.snapshot import state_attrs, state_tables
 from dbsp_core.trace import MergeThread, Trace, merging
+from dbsp_core.trace.groupedbatch import is_grouped, spilled_bytes
 from dbsp_core.trace.spill import BatchStore, spilling
 from dbsp_core.zset import ZSet
 
@@ -865,7 +866,8 @@ class EmbeddedExecutor:
                 traces, zsets = state_attrs(i, inst)
                 for name in traces:
                     placed, pending = getattr(inst, name).parts()
-                    total += sum(int(b.zset.data.nbytes) + int(b.zset.weights.nbytes) for b in placed + pending)
+                    total += sum(spilled_bytes(b) if is_grouped(b) else  # (format 2: its rows not read)
+                                 int(b.zset.data.nbytes) + int(b.zset.weights.nbytes) for b in placed + pending)
                 for name in zsets:
                     z = getattr(inst, name)
                     total += int(z.data.nbytes) + int(z.weights.nbytes)

@@ -174,9 +174,10 @@ file (data columns, weight, key hash, row hash), the fence of its key hashes, a 
 checkpoint. It is streamed to ``<name>.tmp`` and renamed into place through the VFS (csrc/smallfile.c's writer), so
 the fault-injecting VFS covers it like the page store and the step log. Format ``BATCH_FILE_GROUPED_VERSION`` 2
 (the rows in groups of whole keys, one Arrow record batch a 4 KiB slot, a group index instead of the fence) is
-written and read by dbsp_core/trace/groupedfile.py (specified there byte by byte), not yet by the spill store:
-nothing in a pipeline writes it, the mapped reader (batchfile.open_batch) refuses it naming groupedfile, and
-groupedfile.verify (so ``dbsp inspect``) checks either version.
+written and read by dbsp_core/trace/groupedfile.py (specified there byte by byte); the spill store writes it for
+its batches from ``DBSP_SPILL_GROUPED`` bytes on (off by default: dbsp_core/trace/spill.py invariant 18) and reads,
+checkpoints and reopens either version whatever that says; the mapped reader (batchfile.open_batch) refuses it
+naming groupedfile, and groupedfile.verify (so ``dbsp inspect`` and ``dbsp repair``) checks either version.
 
 Formats below this module's level, specified byte by byte where they are written: the page file of a Database
 (``DBSPMETA`` meta slots, csrc/pagestore.c), the step log (``DBSPSLOG`` header, ``DBSPSSEG`` segments
@@ -263,8 +264,8 @@ STEPLOG_RECORD_MAGIC = b"DSLR"  # the frame of a format-2 step log record (csrc/
 BATCH_FILE_MAGIC = b"DBSPBTCH"  # the header of a batch file (dbsp_core/trace/batchfile.py)
 BATCH_FILE_FOOTER_MAGIC = b"DBSPBTFT"  # its footer
 BATCH_FILE_VERSION = 1
-BATCH_FILE_GROUPED_VERSION = 2  # row groups (dbsp_core/trace/groupedfile.py): written and read there; the spill
-# store does not write it yet and its mapped reader (batchfile.open_batch) refuses it with FormatVersionError
+BATCH_FILE_GROUPED_VERSION = 2  # row groups (dbsp_core/trace/groupedfile.py): the spill store writes it under
+# DBSP_SPILL_GROUPED (trace/spill.py invariant 18) and reads either; the mapped reader (batchfile.open_batch) refuses it
 # an output-log part with magic ZSET_MAGIC and this format version names pushes in the input log instead of
 # holding rows (dbsp_core/storage/outputlog.py invariant 7; written since 2026-11-28, older builds refuse it)
 OUTPUT_REF_VERSION = 3

@@ -264,7 +264,7 @@ class _Refs:
 
     def get(self, value: bytes, where: str) -> tuple[dict, Any]:
         """The reference of a ``DRBF`` value and its open batch file."""
-        from dbsp_core.trace.batchfile import open_batch
+        from dbsp_core.trace.groupedfile import open_rows
 
         d = decode_json(BATCH_REF_MAGIC, value, where)
         name = os.path.basename(str(d["file"]))
@@ -272,7 +272,7 @@ class _Refs:
         if f is None:
             if self.batch_dir is None:
                 raise CorruptionError(f"{where}: names batch file {name!r}, but no batch file directory is known")
-            f = self.files[name] = open_batch(os.path.join(self.batch_dir, name))
+            f = self.files[name] = open_rows(os.path.join(self.batch_dir, name))
         if not 0 <= int(d["lo"]) <= int(d["hi"]) <= f.rows:
             raise CorruptionError(f"{where}: rows {d['lo']}..{d['hi']} are not in batch file {name!r}")
         return {"file": name, "lo": int(d["lo"]), "hi": int(d["hi"])}, f

@@ -74,14 +74,25 @@ from dbsp_core.codec import (decode_batch, decode_json, decode_runs, decode_widt
                              encode_json, encode_runs, encode_width_runs, encode_zset, zset_batch)
 from dbsp_core.errors import CorruptionError, DbspError
 from dbsp_core.storage.database import SHARD_PREFIX_BYTES, DatabaseHandle, shard_key, shard_of_key
-from dbsp_core.storage.formats import (BATCH_GROUP_MAGIC, BATCH_MAGIC, BATCH_RANGE_MAGIC, BATCH_REF_MAGIC,
-                                       ORDER_MAGIC, RANGE_SHARDS, SNAPSHOT_NEXT, SNAPSHOT_TABLE, ZSET_MAGIC,
-                                       is_state_table, order_key, trace_table, zset_table)
+from dbsp_core.storage.formats import (BATCH_FILE_GROUPED_VERSION, BATCH_GROUP_MAGIC, BATCH_MAGIC, BATCH_RANGE_MAGIC,
+                                       BATCH_REF_MAGIC, ORDER_MAGIC, RANGE_SHARDS, SNAPSHOT_NEXT, SNAPSHOT_TABLE,
+                                       ZSET_MAGIC, is_state_table, order_key, trace_table, zset_table)
 from dbsp_core.trace import Trace
 from dbsp_core.zset import IndexedZSet, ZSet
 
 _CONFIG_TYPES = (str, int, float, bool, bytes, tuple, pa.Schema, type(None))
 
+
+
+class _Rows:
+    """A format-2 batch file's rows read whole (a copy), read where a format-1 file's mapped batch is: a restore of
+    part of one (spill.py invariant 18)."""
+
+    def __init__(self, batch: Any) -> None:
+        self.batch, self.rows = batch, len(batch)
+
+    def check_all(self) -> int:
+        return 0
 
 class TableSpec(NamedTuple):
     """What one state table holds, for code that handles stored state without the live instances (rescaling).
@@ -554,7 +565,8 @@ class WorkerSnapshot:
                     j += 1
             run = batches[i:j]
             store = self.batch_store
-            f = store.file_of(run[0]) if store is not None and len(run) == 1 and i < len(settled) else None
+            f = ((store.file_of(run[0]) or store.grouped_of(run[0])) if store is not None and len(run) == 1
+                 and i < len(settled) else None)  # (a file of either format: spill.py invariant 18)
             number = self._next.to_bytes(8, "big")
             self._next += 1
             bounds = [b.shard_bounds(self.shard_bits) if len(b) else np.zeros((1 << self.shard_bits) + 1,
@@ -605,7 +617,9 @@ class WorkerSnapshot:
         """The batch whose shards' values name row ranges of batch files (invariant 8; values in shard order):
         a slice of the file's batch read in place when the ranges are one file's and contiguous, else its rows
         gathered (a batch some of whose shards moved, say)."""
+        from dbsp_core.trace import groupedbatch
         from dbsp_core.trace.batchfile import open_batch
+        from dbsp_core.trace.groupedfile import GroupedFile, file_version, open_grouped
 
         parts = []
         for (v, where), k in zip(values, keys):
@@ -623,20 +637,34 @@ class WorkerSnapshot:
                         else os.path.join(self.batch_dir, os.path.basename(name)))
                 if not os.path.exists(path):
                     raise CorruptionError(f"{where}: batch file {path} named by the checkpoint is missing")
-                # a store checks what reads touch (spill.py invariant 14): opening reads metadata, not rows
-                f = self._files[name] = open_batch(path, verify=self.batch_store is None,
-                                                   lazy=self.batch_store is not None)
-            if not 0 <= lo <= hi <= f.rows or f.batch.key != trace.key or not f.batch.schema.equals(trace.schema):
+                # a store checks what reads touch (spill.py invariant 14): opening reads metadata, not rows; a
+                # format-2 file (spill.py invariant 18) checks its metadata on opening and each group as it is read
+                if file_version(path) == BATCH_FILE_GROUPED_VERSION:
+                    f = self._files[name] = open_grouped(path, verify=self.batch_store is None)
+                else:
+                    f = self._files[name] = open_batch(path, verify=self.batch_store is None,
+                                                       lazy=self.batch_store is not None)
+            fkey, fschema = ((f.key, groupedbatch.data_schema(f)) if isinstance(f, GroupedFile)
+                             else (f.batch.key, f.batch.schema))
+            if not 0 <= lo <= hi <= f.rows or fkey != trace.key or not fschema.equals(trace.schema):
                 raise CorruptionError(f"{where}: rows {lo}..{hi} of batch file {name!r} ({f.rows} rows, key "
-                                      f"{f.batch.key}) do not fit trace key {trace.key}")
+                                      f"{fkey}) do not fit trace key {trace.key}")
             self._key_file[k] = name
             parts.append((f, lo, hi, None))
         f0 = parts[0][0]
-        if f0 is not None and all(p[0] is f0 for p in parts) and all(
-                a[2] == b[1] for a, b in zip(parts, parts[1:])):
+        one = f0 is not None and all(p[0] is f0 for p in parts) and all(a[2] == b[1] for a, b in zip(parts, parts[1:]))
+        if one and isinstance(f0, GroupedFile) and (parts[0][1], parts[-1][2]) == (0, f0.rows) \
+                and self.batch_store is not None:  # the whole file: read from it, its rows not read (invariant 8)
+            b = groupedbatch.reopened(f0, trace.key)
+            self.batch_store.adopt_grouped(b, f0)
+            return b
+        whole = {id(p[0]): p[0].read_all() for p in parts if isinstance(p[0], GroupedFile)}  # (a copy: a slice of
+        parts = [(_Rows(whole[id(p[0])]), *p[1:]) if id(p[0]) in whole else p for p in parts]  # one, or no store)
+        f0 = parts[0][0]
+        if one:
             lo, hi = parts[0][1], parts[-1][2]
             b = f0.batch if (lo, hi) == (0, f0.rows) else f0.batch.slice(lo, hi)
-            if self.batch_store is not None:
+            if self.batch_store is not None and not isinstance(f0, _Rows):
                 self.batch_store.adopt(b, f0._replace(batch=None), lo)
             return b
         for p in parts:

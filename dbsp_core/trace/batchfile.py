@@ -25,9 +25,10 @@ Format (version 1, ``BATCH_FILE_MAGIC``; listed in dbsp_core/storage/formats.py)
                      B u64 | page-CRC offset u64 | CRC-32C of bytes [0, EOF-64) u32 | CRC-32C of footer bytes 0..55 u32
 
 Format version 2 (``BATCH_FILE_GROUPED_VERSION``, formats.py): **written and read by dbsp_core/trace/groupedfile.py
-(byte by byte there; branch r31-grouped), not yet by the spill store** (no switch makes it write version 2, and
-:func:`open_batch`, the mapped reader, refuses a version-2 file with FormatVersionError naming
-``groupedfile.open_grouped``; ``groupedfile.verify`` checks either version, and ``dbsp inspect`` calls it).
+(byte by byte there; branch r31-grouped), and by the spill store under ``DBSP_SPILL_GROUPED``** (off by default:
+spill.py invariant 18, branch r31-wire2; :func:`open_batch`, the mapped reader, refuses a version-2 file with
+FormatVersionError naming ``groupedfile.open_grouped``; ``groupedfile.verify`` checks either version, and ``dbsp
+inspect`` calls it).
 Row groups, so that
 a key's rows lie in one small span of the file instead of one place in each column buffer. What it is for, measured
 first (bench/probe_groups.py, bench/RESULTS.md "Row-grouped batch files, measured before building"): a 1k-row step's
@@ -606,8 +607,7 @@ def in_place_room(batch: Any) -> int:
     """Bytes a merge output's scratch file reserves before its rows so that it can become a batch file in place
     (:func:`write_in_place`): the header and an upper bound of the Arrow file's magic, schema message and record
     batch metadata for ``batch``'s schema and key (the output's are its inputs'), rounded up to whole pages."""
-    data = batch.zset.data
-    fields = list(data.schema) + [pa.field(WEIGHT_COL, pa.int64(), False), pa.field(KEY_HASH_COL, pa.uint64(), False),
+    fields = list(batch.schema) + [pa.field(WEIGHT_COL, pa.int64(), False), pa.field(KEY_HASH_COL, pa.uint64(), False),
                                   pa.field(ROW_HASH_COL, pa.uint64(), False)]
     meta = {b"dbsp.key": json.dumps(list(batch.key)).encode(), b"dbsp.row_hash": b"key"}
     schema_msg = pa.schema(fields, metadata=meta).serialize().size

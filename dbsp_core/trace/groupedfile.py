@@ -64,7 +64,7 @@ from dbsp_core.trace import batchfile
 
 __all__ = ["write_grouped", "open_grouped", "GroupedFile", "verify_grouped", "verify", "file_version", "groupable",
            "GROUP_SLOT", "HEADER2",
-           "GROUP_INDEX", "FLAG_GROUPED"]
+           "GROUP_INDEX", "FLAG_GROUPED", "open_rows", "WholeRows", "groupable_schema"]
 
 GROUP_SLOT = 4096  # the slot size G by default (bench/RESULTS.md "Row-grouped batch files, measured before building")
 HEADER2 = struct.Struct("<8sIIQQQIIIQI")  # 64 bytes
@@ -142,6 +142,22 @@ def _row_bits(arr: pa.Array) -> tuple[np.ndarray | int, int, int] | None:
 def groupable(batch: Any) -> bool:
     """Whether ``batch``'s data columns are all of types a group's size is bounded for (invariant G4)."""
     return all(_row_bits(_bf()._one_chunk(c)) is not None for c in batch.zset.data.combine_chunks().columns)
+
+
+def groupable_schema(schema: pa.Schema) -> bool:
+    """Whether every column of ``schema`` is of a type a group's size is bounded for (invariant G4; what
+    :func:`groupable` says of a batch of this schema, without reading its rows)."""
+    for f in schema:
+        t = f.type
+        if pa.types.is_boolean(t) or pa.types.is_string(t) or pa.types.is_binary(t) or \
+                pa.types.is_large_string(t) or pa.types.is_large_binary(t):
+            continue
+        if pa.types.is_dictionary(t) or pa.types.is_nested(t) or isinstance(t, pa.ExtensionType):
+            return False
+        if not ((t.num_buffers == 2 and pa.types.is_primitive(t) and t.bit_width % 8 == 0)
+                or (pa.types.is_decimal(t) and t.bit_width % 8 == 0)):
+            return False
+    return True
 
 
 def _cut(rb: pa.RecordBatch, kh: np.ndarray, slot: int) -> np.ndarray | None:
@@ -645,10 +661,11 @@ class GroupedFile:
         g = np.searchsorted(self.first_hash, h, "right") - 1
         return np.unique(g[g >= 0]).astype(np.int64)
 
-    def lookup(self, hashes: np.ndarray) -> Any:
+    def lookup(self, hashes: np.ndarray, advise: bool = False) -> Any:
         """The rows of key hashes ``hashes`` (an IndexedZSet in index order: a consolidated batch), read by pread of
         the groups they lie in (invariant G3): no mapping. The C path is one call (``_storage.grouped_lookup``: the
-        Bloom filter, the group search, the reads, checks, decode and gather, the GIL released)."""
+        Bloom filter, the group search, the reads, checks, decode and gather, the GIL released); ``advise``: the
+        groups' pages asked for (WILLNEED) before the first read, for a file whose pages are on the disk."""
         h = np.asarray(hashes, dtype=np.uint64)
         if self.decode == "c" and self.kinds is not None:
             from dbsp_core import _storage
@@ -656,7 +673,7 @@ class GroupedFile:
             res = _storage.grouped_lookup(
                 self.fd, self.slot, 64 + self.alen, self.page_crcs, self.checked.view(np.uint8), self.kinds[0],
                 self.kinds[1], self.ndata + 1, self.bloom, self.bloom_k, self.first_hash, self.g_slot, self.g_slots,
-                self.msg_len, self.g_rows, np.ascontiguousarray(h))
+                self.msg_len, self.g_rows, np.ascontiguousarray(h), advise)
             self.last_groups_read = res[5] if res[0] == 0 else -1
             rb = self._gathered(res, lambda i: int(i))
             if rb is not None:
@@ -750,6 +767,26 @@ def file_version(path: str) -> int | None:
     if len(head) < 12 or head[:8] != BATCH_FILE_MAGIC:
         return None
     return struct.unpack_from("<I", head, 8)[0]
+
+
+class WholeRows:
+    """A format-2 file's rows read whole into memory (a copy): for a reader that needs every row in place, where a
+    format-1 file's mapped ``BatchFile`` serves (a shard move: dbsp_core/storage/shardmove.py)."""
+
+    def __init__(self, path: str, batch: Any) -> None:
+        self.path, self.batch, self.rows = path, batch, len(batch)
+
+    def check_all(self) -> int:
+        return 0
+
+
+def open_rows(path: str) -> Any:
+    """The batch file at ``path`` for a read of its rows in place: format 1 opened by
+    :func:`dbsp_core.trace.batchfile.open_batch` (mapped), format 2 read whole (:class:`WholeRows`)."""
+    if file_version(path) == BATCH_FILE_GROUPED_VERSION:
+        with open_grouped(path) as f:
+            return WholeRows(path, f.read_all())
+    return batchfile.open_batch(path)
 
 
 def verify(path: str) -> int:

@@ -178,6 +178,7 @@ from dbsp_core.errors import WeightOverflowError
 from dbsp_core.trace.keyindex import KeyIndexed, PerKeyTotals
 from dbsp_core.trace import prefault, spillread
 from dbsp_core.trace.merge_thread import MergeThread, SharedMerge, current_merge_thread
+from dbsp_core.trace.groupedbatch import is_grouped
 from dbsp_core.trace.spill import batch_bytes, current_batch_store
 
 _log = logging.getLogger("dbsp_core.trace")
@@ -378,7 +379,7 @@ class _Merge:
                 if w is None:  # whole (or not in place: the copy, whole)
                     st.spill_output(out, self.cursor)
                     if self.compaction:
-                        st.count("bytes_compacted", st.file_of(out).size)
+                        st.count("bytes_compacted", st.file_size(out))
                     sh.out = out
                     return
                 sh.writer = w
@@ -533,7 +534,7 @@ class Trace(KeyIndexed, PerKeyTotals):
             if indexed is not None:
                 self.index_done(indexed)
             return
-        if self.row_hashes:
+        if self.row_hashes and not is_grouped(batch):  # (a format-2 file holds them: spill.py invariant 18)
             batch._row_hashes()  # kept with the batch: merges order meeting keys without hashing (csrc/merge.h)
         if self._store is None:
             self._attach()
@@ -860,8 +861,7 @@ class Trace(KeyIndexed, PerKeyTotals):
         one's), (0, 0) when fewer than two. A reopened trace's share of the executor's compaction rule
         (runtime/embedded.py ``_compact_after_load``: what was written since the last compaction is not known there)."""
         store = self._store
-        sizes = [f.size if f is not None else batch_bytes(e[1])
-                 for e, f in ((e, store.file_of(e[1])) for e in self._to_compact())]
+        sizes = [f if f else batch_bytes(e[1]) for e, f in ((e, store.file_size(e[1])) for e in self._to_compact())]
         return (sum(sizes) - max(sizes), max(sizes)) if len(sizes) >= 2 else (0, 0)
 
     @property
@@ -946,8 +946,31 @@ class Trace(KeyIndexed, PerKeyTotals):
         join's walk reads no row hashes)."""
         out = self._read(pages=True)
         if keys is not None:
+            out = self._gathered(out, keys)
             self._filters(out, keys)  # every spilled batch's Bloom test of the keys, one C call (:meth:`narrowed`)
             self.prefetch(out, keys, row_hashes=False)
+        return out
+
+    def keyed(self, hashes: np.ndarray) -> list["IndexedZSet"]:
+        """Every batch (as :attr:`batches`), for a read of the rows of key hashes ``hashes`` only: a batch read from a
+        format-2 file is its rows of those keys (:meth:`_gathered`), not a copy of all of them."""
+        return self._gathered(self._read(), hashes)
+
+    def _gathered(self, batches: list["IndexedZSet"], hashes: np.ndarray) -> list["IndexedZSet"]:
+        """``batches`` with each one read from a format-2 file replaced by its rows of key hashes ``hashes`` (spill.py
+        invariant 18, groupedbatch.py B2: gathered by pread, an in-memory batch holding every row of those keys),
+        left out when it holds none: for a read of those keys only (a walk, a lookup, sums or weights of them)."""
+        store = self._store
+        if store is None or not store._grouped:
+            return batches
+        out = []
+        for b in batches:
+            if store.grouped_of(b) is None:
+                out.append(b)
+            elif len(hashes):
+                got = store.gather(b, hashes)
+                if got is not None:
+                    out.append(got)
         return out
 
     def pieces(self, b: "IndexedZSet", n: int, walk_rows: int | None = None) -> Iterable[tuple[int, int]]:
@@ -1212,7 +1235,7 @@ class Trace(KeyIndexed, PerKeyTotals):
         if len(hashes) == 0:
             return out
         store = self._store
-        batches = self._read(pages=True)
+        batches = self._gathered(self._read(pages=True), hashes)
         sought = [b for b in batches if len(b) >= dense_ratio * len(hashes)]
         keeps = self._filters(sought, hashes)  # one C call for every spilled batch's Bloom test
         self.prefetch(sought, hashes)
@@ -1256,6 +1279,7 @@ class Trace(KeyIndexed, PerKeyTotals):
                                 change._row_hashes(), None, acc.reshape(-1, 1)):
                 return acc  # invariant 11: one probe per row instead of a walk per batch
             view, schema = change._view(), change.schema
+            batches = self._gathered(batches, change.key_hash)
             rh = change._row_hashes()  # rows of one key are in row-hash order: gallop within a big group's run
             alike = [b for b in batches if b.schema.equals(schema)]
             keeps = self._filters(alike, change.key_hash)  # one C call for every spilled batch's Bloom test
@@ -1320,6 +1344,7 @@ class Trace(KeyIndexed, PerKeyTotals):
                 view = _zset.BatchView(probe)  # built once for every batch
             if self._index_sums(("key", tuple(columns)), batches, view, ppos, khash, rows, acc):
                 return acc  # invariant 11: one probe per key
+            batches = self._gathered(batches, khash)  # (khash: the probed rows' key hashes)
             spilled = self._store is not None and any(self._store.is_spilled(b) for b in batches)
             keeps = {}
             if spilled:

@@ -218,6 +218,30 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      evicted every enforce and costs every step a write fault per page probed (a shared file mapping: ~5 us each, where
      a read fault on an immutable batch file maps a page in ~0.3 us).
 
+ 18. Batch file format 2 (``GROUPED_FROM``, ``DBSP_SPILL_GROUPED``; off by default): a batch of at least
+     ``GROUPED_FROM`` bytes whose columns are all of types a row group bounds (groupedfile.py invariant G4) is spilled
+     (by ``enforce``, the spill thread, or a merge built on disk, whose output is then copied from its scratch
+     mapping instead of made in place) to a format-2 file (row groups read by pread, groupedfile.py) and becomes a
+     grouped batch (groupedbatch.py invariants B1-B3): the same object, its rows in the file only. Reads of some keys
+     (``Trace.walked``, ``lookup``, ``match_weights``, ``key_sums``) read the rows of those keys by one C call a
+     batch (the Bloom filter, the group index, a pread a run of groups: ``stats["grouped_lookups"]``,
+     ``keys_sought`` counts every key asked; while :meth:`prefetching` says the last step read from the disk, a
+     posix_fadvise(WILLNEED) a run of groups first, so a cold step's reads overlap: ``grouped_prefetched``), into a
+     small batch in memory the C kernels walk as any other; such a
+     file maps nothing, so its reads use none of the cache's pages or ``MAP_UNIT``s (invariants 12, 15, 16 are
+     format 1's: a format-2 file's pages are the page cache's alone). A read of every row (a merge's input, a key
+     index build, a shard cut) copies the rows into memory: the copy counts as bytes in memory and the next
+     ``enforce`` empties it (but a merge's input's, pinned until the merge ends). A checkpoint names a format-2 file
+     as it names a format-1 one (invariant 13), its shard bounds from the group index and the groups they fall in;
+     a restore of a whole file reads its metadata only (``adopt_grouped``), a restore of part of one copies those
+     rows. A store holds files of both formats and reads whichever a batch lives in, whatever the switch says. The
+     C decoder's read buffer (csrc/groupdecode.c, 32 MiB a thread at most) is bounded while a store is open:
+     ``SCRATCH_SHARE`` of the limit a thread, as the scratch cache.
+     What it costs, and what is not done: the write is ~4-5x format 1's CPU (the Arrow writer a group), and a merge
+     of a format-2 input reads a copy of it in memory, beyond the budget while the merge runs (a streamed merge of a
+     grouped input, a chain of its groups, is not built): so ``GROUPED_FROM`` is for the large, cold levels
+     (bench/RESULTS.md, branch r31-wire2, has the measures behind the choice).
+
 What is not spilled: pending batches (those of a trace restored and not read since) while the loose batches meet the
 budget; beyond that ``enforce`` places them, ending the trace's freshness as a first read would, and spills them as
 loose ones (levels.py invariant 5: freshness protects a restore, which is over once a trace's load returns, and
@@ -245,13 +269,14 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 
-from dbsp_core.envvars import parse_memory_limit
+from dbsp_core.envvars import parse_memory_limit, settings
 from dbsp_core.progress import progress
 from dbsp_core.storage.formats import BATCH_FILE_SUFFIX, SPILL_DIR
 from dbsp_core.trace import spillread
 from dbsp_core.trace.at_exit import stop_at_exit
-from dbsp_core.trace import batchfile
+from dbsp_core.trace import batchfile, groupedbatch
 from dbsp_core.trace.batchfile import BatchFile, InPlaceWrite, in_place_room, open_batch, write_batch, write_in_place
+from dbsp_core.trace.groupedfile import GroupedFile, groupable_schema, open_grouped, write_grouped
 
 if TYPE_CHECKING:
     from dbsp_core.trace.levels import Trace
@@ -275,17 +300,18 @@ class _SharedLimit:
     a test process hung for ever in ``release`` called from ``hold``'s collection, the lock being its own): it
     queues its key, and whoever holds the lock applies the queue before letting it go and looks again after."""
 
-    def __init__(self, name: str) -> None:
-        self._name = name  # the _zset function that sets the limit and returns the previous one
+    def __init__(self, name: str, module: str = "_zset") -> None:
+        self._name = name  # the function of dbsp_core.<module> that sets the limit and returns the previous one
+        self._module = module
         self._lock = threading.Lock()
         self._caps: dict[str, int] = {}
         self._base: int | None = None
         self._gone: list[str] = []  # keys released by finalizers, not applied yet (list.append: atomic)
 
     def _set(self, limit: int) -> int:
-        from dbsp_core import _zset
+        from dbsp_core import _storage, _zset
 
-        return int(getattr(_zset, self._name)(limit))
+        return int(getattr(_storage if self._module == "_storage" else _zset, self._name)(limit))
 
     def hold(self, key: str, cap: int) -> None:
         with self._lock:
@@ -331,17 +357,20 @@ class _SharedLimit:
 
 _REGION_LIMIT = _SharedLimit("region_cache_limit")
 _SCRATCH_LIMIT = _SharedLimit("scratch_cache_limit")
+_GROUPED_LIMIT = _SharedLimit("grouped_keep_limit", "_storage")  # the format-2 decoder's read buffer a thread keeps
 
 
 def _release_limits(token: str) -> None:
     _REGION_LIMIT.release(token)
     _SCRATCH_LIMIT.release(token)
+    _GROUPED_LIMIT.release(token)
 
 
 def _release_limits_later(token: str) -> None:
     """A store collected without close(): its shares back, never waiting for a lock (``_SharedLimit.release_later``)."""
     _REGION_LIMIT.release_later(token)
     _SCRATCH_LIMIT.release_later(token)
+    _GROUPED_LIMIT.release_later(token)
 
 
 def merge_bytes(m: Any) -> int:
@@ -358,7 +387,10 @@ def merge_bytes(m: Any) -> int:
 
 
 def batch_bytes(b: "IndexedZSet") -> int:
-    """Bytes a batch holds in its buffers: rows, weights, key hashes and the row hashes it keeps."""
+    """Bytes a batch holds in its buffers: rows, weights, key hashes and the row hashes it keeps (a batch spilled to a
+    format-2 file: those it held then, invariant 18)."""
+    if groupedbatch.is_grouped(b):
+        return groupedbatch.spilled_bytes(b)
     z = b.zset
     n = int(z.data.nbytes) + int(z.weights.nbytes) + int(b.key_hash.nbytes)
     if b._rh is not None and b._rh is not b.key_hash:
@@ -416,6 +448,9 @@ class BatchStore:
     # a thread otherwise: a one-push load's pieces left ~50 MiB of it at 10M rows under 100 MiB, bench/RESULTS.md
     # "A one-push load under the budget")
     PROGRESS_BYTES = 256 << 20  # an enforce spilling this much shows a progress line (dbsp_core/progress.py)
+    # bytes from which a spilled batch's file is written in format 2 (row groups read by pread, invariant 18; None:
+    # never, format 1 only): DBSP_SPILL_GROUPED (envvars.py), off by default
+    GROUPED_FROM: int | None = settings().spill_grouped
     ASYNC_BYTES = 64 << 10  # a batch this big is written by the spill thread, off the step (invariant 12); below it
     # a write takes a few ms and stays on the calling thread
     ASYNC_VFS = ("posix",)  # VFSes whose writes may go to the spill thread; the fault VFS's stay on the stepping
@@ -498,6 +533,7 @@ class BatchStore:
             self.sweep(set())
         self._traces: "weakref.WeakSet[Trace]" = weakref.WeakSet()
         self._files: dict[int, BatchFile] = {}  # id(batch) -> its open file, while the batch lives
+        self._grouped: dict[int, GroupedFile] = {}  # id(batch) -> its open format-2 file, while it lives (18)
         self._offsets: dict[int, int] = {}  # id(batch) -> the file row its first row is (a restored slice), if not 0
         self._spans: dict = {}  # (id(batch), row hashes) -> its buffers' byte spans (spillread.pages_used's cache)
         self._owners: dict[str, int] = {}  # file name -> live batches read from it
@@ -543,6 +579,9 @@ class BatchStore:
         self._limits_held = True
         _REGION_LIMIT.hold(self._token, int(self.memory_limit * self.REGION_CACHE_SHARE))
         _SCRATCH_LIMIT.hold(self._token, int(self.memory_limit * self.SCRATCH_SHARE))
+        # the format-2 decoder's read buffer (csrc/groupdecode.c, 32 MiB a thread at most): the same share, bounded
+        # like the scratch cache's (invariant 18; a 1k-key lookup reads ~4 MiB, a larger read mallocs its own)
+        _GROUPED_LIMIT.hold(self._token, int(self.memory_limit * self.SCRATCH_SHARE))
         weakref.finalize(self, _release_limits_later, self._token)  # a store never closed gives its shares back too
         self.stats.update({"files_written": 0, "compactions": 0, "bytes_written": 0, "evictions": 0, "bytes_evicted": 0,
                            "enforcements": 0, "cache_hits": 0, "cache_misses": 0, "pages_checked": 0, "overflows": 0,
@@ -741,7 +780,7 @@ class BatchStore:
         need = batch_bytes(a) + batch_bytes(b)
         if need < self.FILE_MERGE_MIN:
             return False
-        if id(a) in self._files or id(b) in self._files:
+        if self.is_spilled(a) or self.is_spilled(b):
             return True
         room = int(self.memory_limit * self.BATCH_SHARE) - self._in_memory - self._reserved
         return need > room
@@ -772,9 +811,10 @@ class BatchStore:
         """Spill the output of a merge built in a scratch file (invariant 12), streaming its batch file from the
         scratch mapping and dropping the pages read after each piece. An output spilled already (a rolled-back step
         installs the same merge's output again: levels.py ``_Merge.result``) stays as it is."""
-        if id(out) in self._files:
+        if self.is_spilled(out):
             return
-        if getattr(cursor, "scratch_path", None) is not None:  # built with room for the header: in place
+        if getattr(cursor, "scratch_path", None) is not None and not self._wants_grouped(out):  # in place (built
+            # with room for the header); a format-2 file is written from the scratch mapping (invariant 18)
             name, path = self._new_name()
             size = write_in_place(path, out, cursor, sync=self.durable, vfs=self.vfs)
             if size is not None:
@@ -790,7 +830,7 @@ class BatchStore:
         finished merge output ``out`` its batch file in place, a piece per ``advance``, and then
         :meth:`output_written`; None when it cannot be made in place (or is spilled already): :meth:`spill_output`
         then writes it whole."""
-        if id(out) in self._files or getattr(cursor, "scratch_path", None) is None:
+        if self.is_spilled(out) or getattr(cursor, "scratch_path", None) is None or self._wants_grouped(out):
             return None
         _name, path = self._new_name()
         return InPlaceWrite.plan(path, out, cursor, sync=self.durable, vfs=self.vfs)
@@ -845,7 +885,30 @@ class BatchStore:
             self._unchecked.pop(id(b), None)
 
     def is_spilled(self, b: "IndexedZSet") -> bool:
-        return id(b) in self._files
+        return id(b) in self._files or id(b) in self._grouped
+
+    def grouped_of(self, b: "IndexedZSet") -> GroupedFile | None:
+        """The format-2 batch file ``b`` lives in (invariant 18), or None."""
+        return self._grouped.get(id(b))
+
+    def file_size(self, b: "IndexedZSet") -> int:
+        """Bytes of the batch file ``b`` lives in, of either format (0: in memory)."""
+        f = self._files.get(id(b)) or self._grouped.get(id(b))
+        return 0 if f is None else int(f.size)
+
+    def _in_memory_bytes(self, b: "IndexedZSet") -> int:
+        """Bytes ``b``'s buffers hold in memory: none for a batch read from a format-1 file (its mapping counts as
+        the cache's), the copy of its rows a whole read made for one read from a format-2 file (invariant 18)."""
+        if id(b) in self._files:
+            return 0
+        if id(b) in self._grouped:
+            return groupedbatch.copied_bytes(b)
+        return batch_bytes(b)
+
+    def _wants_grouped(self, b: "IndexedZSet") -> bool:
+        """Whether ``b``'s file is written in format 2 (invariant 18: ``GROUPED_FROM``, its columns' types)."""
+        return (self.GROUPED_FROM is not None and not groupedbatch.is_grouped(b) and batch_bytes(b) >= self.GROUPED_FROM
+                and groupable_schema(b.schema))
 
     def file_of(self, b: "IndexedZSet") -> BatchFile | None:
         """The batch file ``b`` lives in, or None when it is in memory."""
@@ -875,6 +938,15 @@ class BatchStore:
             if f.unchecked():  # opened lazily: checked as it is read (invariant 14)
                 self._unchecked[id(b)] = f
         _drop_mapping(f.map)  # what opening read leaves the process (invariant 12, "mapped")
+        weakref.finalize(b, self._release, id(b), name)
+
+    def adopt_grouped(self, b: "IndexedZSet", f: GroupedFile) -> None:
+        """Grouped batch ``b`` (restored from a checkpoint: groupedbatch.py ``reopened``) is read from the format-2 file
+        ``f``: it counts as spilled and keeps ``f`` from deletion while it lives (invariants 13 and 18)."""
+        name = os.path.basename(f.path)
+        with self._lock:
+            self._grouped[id(b)] = f
+            self._owners[name] = self._owners.get(name, 0) + 1
         weakref.finalize(b, self._release, id(b), name)
 
     def pin(self, name: str) -> None:
@@ -1021,10 +1093,9 @@ class BatchStore:
         mem = 0
         for t in self.traces():
             for b in t._levels() + t.pending:
-                if id(b) not in self._files:
-                    mem += batch_bytes(b)
+                mem += self._in_memory_bytes(b)
             mem += sum(merge_bytes(level.merge) for level in list(t._by_level) if level.merge is not None)
-        return mem, sum(f.memory_bytes() for f in list(self._files.values()))
+        return mem, sum(f.memory_bytes() for f in chain(list(self._files.values()), list(self._grouped.values())))
 
     def trace_bytes(self, trace: "Trace") -> dict[str, int]:
         """A trace's ``rows``, ``memory_bytes`` (batches in memory), ``disk_bytes`` (its share of the batch files
@@ -1034,16 +1105,17 @@ class BatchStore:
         placed, pending = trace.parts()
         for b in list(placed) + list(pending):
             out["rows"] += len(b)
-            f = self._files.get(id(b))
+            f = self._files.get(id(b)) or self._grouped.get(id(b))
             if f is None:
                 out["memory_bytes"] += batch_bytes(b)
             else:
+                out["memory_bytes"] += groupedbatch.copied_bytes(b)
                 out["disk_bytes"] += int(f.size * len(b) / max(1, f.rows))
         return out
 
     def disk_bytes(self) -> int:
         """Bytes of the batch files the store's batches live in."""
-        return sum(f.size for f in list(self._files.values()))
+        return sum(f.size for f in chain(list(self._files.values()), list(self._grouped.values())))
 
     def enforce(self) -> int:
         """Spill loose batches, highest level and biggest first, then the pending ones of fresh traces (placed:
@@ -1055,6 +1127,8 @@ class BatchStore:
         candidates: list[tuple[int, int, Any]] = []
         mem = compacting = 0
         traces = self.traces()
+        if self._grouped:
+            self._release_copies(traces)
         with self._lock:
             writing = {id(b) for b in (r() for r in self._writing.values()) if b is not None}
         for t in traces:
@@ -1062,7 +1136,8 @@ class BatchStore:
             for lvl, level in enumerate(t._by_level):
                 for e in level.loose:
                     b = e[1]
-                    if id(b) in self._files:
+                    if self.is_spilled(b):
+                        mem += groupedbatch.copied_bytes(b)  # (a copy a whole read made, kept by a merge: 18)
                         continue
                     n = batch_bytes(b)
                     if id(b) in writing:  # on its way to a file (invariant 12): counted as gone
@@ -1071,15 +1146,15 @@ class BatchStore:
                     if id(b) not in busy and len(b):
                         candidates.append((lvl, n, b))
                 if level.merge is not None:
-                    pinned = sum(batch_bytes(e[1]) for e in level.merge.inputs if id(e[1]) not in self._files)
+                    pinned = sum(self._in_memory_bytes(e[1]) for e in level.merge.inputs)
                     if getattr(level.merge, "compaction", False):  # on their way to a file, as those the spill
                         compacting += pinned  # thread writes (levels.py invariant 16): counted as gone, up to a share
                         pinned = 0
                     mem += pinned + merge_bytes(level.merge)
-            mem += sum(batch_bytes(b) for b in t.pending if id(b) not in self._files and id(b) not in writing)
+            mem += sum(self._in_memory_bytes(b) for b in t.pending if id(b) not in writing)
         with self._lock:
             mem += max(0, compacting - max(0, int(self.memory_limit * self.ASYNC_SHARE) - self._queued))
-        mem += sum(f.memory_bytes() for f in list(self._files.values()))
+        mem += sum(f.memory_bytes() for f in chain(list(self._files.values()), list(self._grouped.values())))
         budget = int(self.memory_limit * self.BATCH_SHARE)
         spilled = 0
         if mem > budget:
@@ -1115,7 +1190,7 @@ class BatchStore:
         nothing is placed unless the budget is still exceeded when the loose batches are spent."""
         late = []
         for t in traces:
-            pending = [b for b in t.pending if id(b) not in self._files and id(b) not in writing and len(b)]
+            pending = [b for b in t.pending if not self.is_spilled(b) and id(b) not in writing and len(b)]
             if pending and t.end_fresh():
                 late += [(0, batch_bytes(b), b) for b in pending]
         late.sort(key=lambda c: (len(c[2]), c[1]), reverse=True)  # (a placed batch's level grows with its rows)
@@ -1129,8 +1204,13 @@ class BatchStore:
 
     def _spill(self, b: "IndexedZSet", drop: Any = None) -> BatchFile:
         """Write ``b`` to a new batch file and switch it, in place, to the file's mapped buffers (invariant 12);
-        ``drop`` returns the pages of a scratch mapping the write has read (a merge built on disk)."""
+        ``drop`` returns the pages of a scratch mapping the write has read (a merge built on disk). A batch
+        :meth:`_wants_grouped` is written in format 2 and switched to a grouped batch instead (invariant 18)."""
         name, path = self._new_name()
+        if self._wants_grouped(b):
+            size = write_grouped(path, b, self.vfs, sync=self.durable, drop=drop)
+            if size is not None:
+                return self._switch_grouped(b, name, path, size)
         size = write_batch(path, b, self.vfs, sync=self.durable, drop=drop)
         return self._switch(b, name, path, size)
 
@@ -1165,8 +1245,13 @@ class BatchStore:
                 size, error, f = 0, None, None
                 try:
                     if b is not None:
-                        size = write_batch(path, b, self.vfs, sync=self.durable)
-                        f = open_batch(path)  # here too: its fence and filter are checked and copied (O(rows / 6))
+                        size = (write_grouped(path, b, self.vfs, sync=self.durable) if self._wants_grouped(b)
+                                else None)  # (None: format 1, invariant 18)
+                        if size is None:
+                            size = write_batch(path, b, self.vfs, sync=self.durable)
+                            f = open_batch(path)  # here too: its fence and filter are checked and copied (O(rows / 6))
+                        else:
+                            f = open_grouped(path)
                 except BaseException as exc:  # raised by the next enforce, on the stepping thread
                     error = exc
                 with self._lock:
@@ -1211,6 +1296,8 @@ class BatchStore:
     def _switch(self, b: "IndexedZSet", name: str, path: str, size: int, f: BatchFile | None = None) -> BatchFile:
         """Switch ``b``, in place, to the mapped buffers of the batch file just written for it (invariant 12), opened
         here unless the spill thread opened it (``f``): then the switch costs no read of the file."""
+        if isinstance(f, GroupedFile):
+            return self._switch_grouped(b, name, path, size, f)
         if f is None:
             f = open_batch(path)
         new = f.batch
@@ -1228,11 +1315,47 @@ class BatchStore:
         weakref.finalize(b, self._release, id(b), name)
         return f
 
+    def _switch_grouped(self, b: "IndexedZSet", name: str, path: str, size: int, f: GroupedFile | None = None
+                        ) -> GroupedFile:
+        """Switch ``b``, in place, to a grouped batch read from the format-2 file just written for it (invariant 18),
+        opened here unless the spill thread opened it (``f``)."""
+        if f is None:
+            f = open_grouped(path)
+        groupedbatch.become_grouped(b, f, batch_bytes(b))
+        with self._lock:
+            self._grouped[id(b)] = f
+            self._owners[name] = self._owners.get(name, 0) + 1
+            self.stats["files_written"] += 1
+            self.stats["bytes_written"] += size
+            self.stats["grouped_files_written"] = self.stats.get("grouped_files_written", 0) + 1
+        weakref.finalize(b, self._release, id(b), name)
+        return f
+
+    def _release_copies(self, traces: list["Trace"]) -> None:
+        """Empty the copies whole reads made of grouped batches' rows (invariant 18; groupedbatch.py B3), but those
+        of a merge's inputs (the merge reads them until it ends)."""
+        for t in traces:
+            busy = {id(e[1]) for lvl in t._by_level if lvl.merge is not None for e in lvl.merge.inputs}
+            for b in t._levels(sync=False) + t.pending:
+                if id(b) not in busy and groupedbatch.copied_bytes(b):
+                    groupedbatch.release_rows(b)
+
+    def gather(self, b: "IndexedZSet", hashes: np.ndarray) -> "IndexedZSet | None":
+        """The rows of grouped batch ``b`` whose key hash is in ``hashes`` (invariant 18; groupedbatch.py B2), its
+        groups' pages asked for first (WILLNEED a run of groups) while :meth:`prefetching` says reads find the disk."""
+        advise = len(hashes) > 1 and self.prefetching()
+        self.count("keys_sought", len(hashes))
+        self.count("grouped_lookups", 1)
+        if advise:
+            self.count("grouped_prefetched", 1)
+        return groupedbatch.gather(b, hashes, advise)
+
     def _release(self, key: int, name: str) -> None:
         """A batch read from file ``name`` is gone (merged away, dropped): once no live batch reads the file, it is
         deleted, or when a checkpoint names it, kept until one that does not has committed (invariant 13)."""
         with self._lock:
             f = self._files.pop(key, None)
+            self._grouped.pop(key, None)
             self._offsets.pop(key, None)
             self._spans.pop((key, True), None)
             self._spans.pop((key, False), None)

@@ -14,9 +14,9 @@ import dbsp_core._zset
 # Process-wide state of the C core (file-static globals, named as in csrc/), each of which must exist once:
 # the key-index budget and its total (keyindex.c), the scratch and region caches (scratch.c), consolidate's
 # small-batch threshold (zset.c), the CRC-32C table (crc32c.c), the process-wide fault VFS (vfs.c), the storage
-# error message (storage_status.c).
+# error message (storage_status.c), the format-2 decoder's read-buffer limit (groupdecode.c).
 GLOBALS = ["g_limit", "g_total", "cached_bytes", "region_cache", "dbsp_small_rows", "crc_table", "fault_vfs",
-           "err_msg"]
+           "err_msg", "keep_limit"]
 
 
 def symbols(path: str) -> dict[str, set[str]]:

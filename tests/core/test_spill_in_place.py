@@ -18,6 +18,9 @@ from dbsp_core.trace import Trace
 from dbsp_core.trace.batchfile import open_batch, verify
 from dbsp_core.trace.spill import BatchStore, spilling
 
+# a test of format 1's mapped files and pages, skipped when spilled files are format 2 (trace/spill.py invariant 18)
+FORMAT_1 = pytest.mark.skipif(BatchStore.GROUPED_FROM is not None, reason="format 1's mapped files")
+
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
 
 
@@ -77,6 +80,7 @@ def _run(in_place: bool, durable: bool, monkeypatch, tmp_path) -> tuple[dict, di
     return got, {r: w for r, w in want.items() if w}, stats, written[0], paths
 
 
+@FORMAT_1
 @pytest.mark.parametrize("durable", [False, True])
 def test_merge_outputs_become_their_batch_files_in_place(durable: bool, monkeypatch, tmp_path) -> None:
     """Against the dict model and against the copy (IN_PLACE False, the same merges on disk): the same content, and

@@ -19,6 +19,9 @@ from dbsp_core import ZSet
 from dbsp_core.trace import Trace, spill, spillread
 from dbsp_core.trace.spill import BatchStore, spilling
 
+# a test of format 1's mapped files and pages, skipped when spilled files are format 2 (trace/spill.py invariant 18)
+FORMAT_1 = pytest.mark.skipif(BatchStore.GROUPED_FROM is not None, reason="format 1's mapped files")
+
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
 PAGE = mmap.PAGESIZE
 
@@ -120,6 +123,7 @@ def _part(rng: np.random.Generator, keys: np.ndarray) -> ZSet:
     return ZSet.from_arrow(pa.table({"k": keys, "s": s, "v": v}, schema=SCHEMA))
 
 
+@FORMAT_1
 @pytest.mark.parametrize("key", [("k",), ("k", "s", "v")])
 def test_narrowed_together_is_a_take_per_batch(key: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
     """A trace of six batches (four or more spilled: keys in ranges that overlap, repeated keys, strings and nulls)
@@ -195,6 +199,7 @@ def test_narrowed_together_is_a_take_per_batch(key: tuple, monkeypatch: pytest.M
     assert narrowed, "no batch narrowed a change: the test tests nothing"
 
 
+@FORMAT_1
 def test_a_join_over_spilled_batches_is_the_same_together(monkeypatch: pytest.MonkeyPatch) -> None:
     """A join pipeline whose sides' states are spilled in several batches under a small budget (both sides' changes
     narrowed per spilled batch; no merge thread, so that the states are the same): the outputs of steps of random

@@ -17,7 +17,11 @@ import pytest
 from dbsp_core import ZSet, _storage
 from dbsp_core.trace import spillread
 from dbsp_core.trace.batchfile import bloom_build, bloom_may_contain, open_batch, write_batch
+from dbsp_core.trace.spill import BatchStore
 from dbsp_core.zset import FENCE_STEP
+
+# a test of format 1's mapped files and pages, skipped when spilled files are format 2 (trace/spill.py invariant 18)
+FORMAT_1 = pytest.mark.skipif(BatchStore.GROUPED_FROM is not None, reason="format 1's mapped files")
 
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
 U64 = 1 << 64
@@ -248,6 +252,7 @@ def test_pages_used_of_batch_files_is_pages_read(n: int, monkeypatch: pytest.Mon
     assert all(v[0][2] == files[0].base or any(v[0][2] == f.base for f in files) for v in cache.values())
 
 
+@FORMAT_1
 @pytest.mark.parametrize("overflow", [False, True])
 def test_a_traces_reads_and_cache_counts_are_the_same_batched(overflow: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two traces of five batches (three or more spilled), each under its own store, read step after step by

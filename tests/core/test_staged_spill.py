@@ -54,7 +54,7 @@ def test_budgeted_staged_pipeline_matches_embedded_and_duckdb_across_a_retry_and
     # fresh (restored by the retried task and not read since: the store places and spills its pending batches when
     # the budget needs it, trace/spill.py "What is not spilled"; DBSP_STAGED_SPILL_SEED=9119767 left five)
     loose = [(lvl, len(e[1])) for store in stage_task._STORES.values() for t in store.traces()
-             for lvl, level in enumerate(t._by_level) for e in level.loose if id(e[1]) not in store._files]
+             for lvl, level in enumerate(t._by_level) for e in level.loose if not store.is_spilled(e[1])]
     loose += [("pending", len(b)) for store in stage_task._STORES.values() for t in store.traces() for b in t.pending]
     assert not loose, f"seed {seed}: batches left in memory under a budget of {LIMIT} byte: {loose}"
     assert m["disk_bytes"] > 1000 * LIMIT and m["memory_bytes"] <= m["disk_bytes"] // 4, f"seed {seed}: {m}"

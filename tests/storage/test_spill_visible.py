@@ -17,8 +17,13 @@ from dbsp_core.metrics import prometheus_text
 from dbsp_core.storage.formats import SPILL_DIR
 from dbsp_core.storage.inspect import inspect_storage
 from dbsp_core.storage.repair import repair
+from dbsp_core.trace.spill import BatchStore
 from storage_helpers import count_sum_circuit as _circuit
 from storage_helpers import view_integral as _view
+
+# a test of format 1's mapped files and pages, skipped when spilled files are format 2 (trace/spill.py invariant 18)
+FORMAT_1 = pytest.mark.skipif(BatchStore.GROUPED_FROM is not None, reason="format 1's mapped files")
+
 
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
@@ -43,6 +48,7 @@ def _push(p: dbsp.Pipeline, rng: np.random.Generator, rows: list, n: int = 3000)
     rows += list(zip(t.column("k").to_pylist(), t.column("v").to_pylist()))
 
 
+@FORMAT_1
 def test_metrics_and_prometheus_show_each_operator_and_its_cache() -> None:
     rng = np.random.default_rng(SEED)
     c = dbsp.Circuit()
