@@ -502,7 +502,7 @@ int dbsp_gdec_lookup(DbspGDec *d, const uint64_t *bloom, int64_t nwords, int k, 
     int64_t n = 0;
     for (int64_t i = 0; i < m; i++)
         if (may[i]) h[n++] = hashes[i];
-    qsort(h, (size_t)n, sizeof *h, cmp_u64);
+    if (n) qsort(h, (size_t)n, sizeof *h, cmp_u64);
     int64_t u = 0;
     for (int64_t i = 0; i < n; i++)
         if (u == 0 || h[i] != h[u - 1]) h[u++] = h[i];

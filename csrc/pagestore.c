@@ -1142,7 +1142,8 @@ int dbsp_pagestore_begin(DbspPageStore *ps, uint64_t v, DbspTxn **out) {
         fl = next;
     }
     if (t->pool.n != ps->meta[s].nfree) { rc = ps_corrupt(ps, ps->meta[s].freelist, "free count differs from meta"); goto fail; }
-    qsort(t->pool.a, t->pool.n, sizeof *t->pool.a, cmp_u64_desc); /* pop the lowest page first */
+    if (t->pool.n) /* (an empty pool's array is NULL: qsort's pointer must not be, even for 0 items) */
+        qsort(t->pool.a, t->pool.n, sizeof *t->pool.a, cmp_u64_desc); /* pop the lowest page first */
     /* only now that v's free list checked out: discard the other version durably before reusing its pages */
     if (ps->valid[!s]) {
         unsigned char zero[META_USED] = {0};
@@ -1335,7 +1336,7 @@ static int write_dirty(DbspTxn *t) {
     DbspPageStore *ps = t->ps;
     Vec *d = &t->dirty;
     ps->last_commit_pages = t->through;
-    qsort(d->a, d->n, sizeof *d->a, cmp_u64);
+    if (d->n) qsort(d->a, d->n, sizeof *d->a, cmp_u64);
     enum { RUN = 256 };
     unsigned char *stage = malloc((size_t)RUN * PS);
     if (!stage) return oom();
