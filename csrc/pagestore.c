@@ -678,7 +678,7 @@ static int tree_put(DbspTxn *t, uint64_t *root, const void *k, size_t kl, const 
         clen = 8 + (unsigned)kl + 8;
     } else {
         cell[2] = 0;
-        memcpy(cell + 8 + kl, v, vl);
+        if (vl) memcpy(cell + 8 + kl, v, vl); /* (an empty value may come as NULL) */
         clen = 8 + (unsigned)(kl + vl);
     }
     if (*root == 0) {
