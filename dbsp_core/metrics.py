@@ -224,8 +224,6 @@ def state_bytes(traces: dict[str, Any], shard_bits: int) -> tuple[int, dict[int,
     """Bytes of a worker's traces in total and per shard with any state (invariant 3): their batches' and, for a
     trace keeping totals per key (trace/levels.py invariant 19), the rows its next sync would add at most, counted
     without a sync (``Trace.unsynced_size``)."""
-    from dbsp_core.trace.groupedbatch import row_bytes
-
     per = np.zeros(1 << shard_bits, dtype=np.float64)
     total = 0
     for trace in traces.values():
@@ -234,7 +232,7 @@ def state_bytes(traces: dict[str, Any], shard_bits: int) -> tuple[int, dict[int,
             n = len(b)
             if not n:
                 continue
-            nbytes = row_bytes(b)  # (a batch in a format-2 file: not read, trace/groupedbatch.py)
+            nbytes = b.size_bytes()  # (a batch in a format-2 file: not read, trace/groupedbatch.py)
             total += nbytes
             bounds = b.shard_bounds(shard_bits, near=True)  # not the spilled key hashes' pages (zset.py)
             per += np.diff(bounds) * (nbytes / n)

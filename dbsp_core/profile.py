@@ -140,15 +140,13 @@ def _quantile(xs: list[float], q: float) -> float:
 
 def _state_by_label(traces: dict[str, Any]) -> dict[str, list[int]]:
     """``{operator label: [rows, bytes, key index bytes]}`` of one worker's traces (``"<label>.<name>"``)."""
-    from dbsp_core.trace.groupedbatch import row_bytes
-
     out: dict[str, list[int]] = {}
     for key, trace in traces.items():
         acc = out.setdefault(key.rsplit(".", 1)[0], [0, 0, 0])
         placed, pending = trace.parts(sync=False)  # (an estimate: trace/levels.py invariant 19)
         for b in list(placed) + list(pending):
             acc[0] += len(b)
-            acc[1] += row_bytes(b)  # (a batch in a format-2 file: not read, trace/groupedbatch.py)
+            acc[1] += b.size_bytes()  # (a batch in a format-2 file: not read, trace/groupedbatch.py)
         rows, nbytes, _ = trace.unsynced_size()  # totals kept per key the batches lack (no sync)
         acc[0] += rows
         acc[1] += nbytes

@@ -862,6 +862,11 @@ class IndexedZSet:
         out._rh = self._rh[idx] if self._rh is not None else None
         return out
 
+    def size_bytes(self) -> int:
+        """Bytes of its rows, weights and key hashes: a size estimate for metrics and profiles, which a batch whose
+        rows live in a file (trace/groupedbatch.py) gives without reading them."""
+        return int(self.zset.data.nbytes) + int(self.zset.weights.nbytes) + int(self.key_hash.nbytes)
+
     def shard_bounds(self, shard_bits: int, near: bool = False) -> np.ndarray:
         """Row range of every shard: shard s holds rows ``bounds[s]:bounds[s+1]`` (length 2**shard_bits + 1).
 

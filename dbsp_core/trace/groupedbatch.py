@@ -93,6 +93,10 @@ class GroupedBatch(IndexedZSet):
     def __len__(self) -> int:
         return _source(self).rows
 
+    def size_bytes(self) -> int:
+        """The bytes its rows held when it was spilled (:meth:`IndexedZSet.size_bytes` without reading the file)."""
+        return spilled_bytes(self)
+
     def shard_bounds(self, shard_bits: int, near: bool = False) -> np.ndarray:
         """:meth:`IndexedZSet.shard_bounds` from the file's group index, without a copy of the rows (invariant B1):
         ``near``, each bound the first row of the group it falls before (within a group's rows of the exact one);
@@ -130,10 +134,8 @@ def file_of(b: IndexedZSet) -> "GroupedFile | None":
 
 def row_bytes(b: IndexedZSet) -> int:
     """Bytes of ``b``'s rows, weights and key hashes (a size estimate: metrics, profiles): its buffers', or for a
-    grouped batch those it held when it was spilled (its rows not read: invariant B1)."""
-    if type(b) is GroupedBatch:
-        return spilled_bytes(b)
-    return int(b.zset.data.nbytes) + int(b.zset.weights.nbytes) + int(b.key_hash.nbytes)
+    grouped batch those it held when it was spilled (its rows not read: invariant B1). ``b.size_bytes()``."""
+    return b.size_bytes()
 
 
 def spilled_bytes(b: IndexedZSet) -> int:

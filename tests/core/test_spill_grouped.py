@@ -169,6 +169,9 @@ def test_a_pipeline_checkpoints_and_reopens_format_2_state(tmp_path, monkeypatch
         store = q.executor.batch_store
         assert store._grouped, "the reopened state reads no format-2 file"
         assert groupedbatch.COPIES["reads"] == copies, "opening read a format-2 file's rows"
+        m = q.metrics()  # sizes every batch (metrics.state_bytes): a grouped one's without reading its rows
+        assert sum(w["total"] for w in m["state_bytes"].values()) > 0, m["state_bytes"]
+        assert groupedbatch.COPIES["reads"] == copies, "the metrics read a format-2 file's rows"
         for b, a in pushes[6:]:
             for x in (q, ref):
                 x.push("bids", b)
