@@ -143,13 +143,8 @@ def spilled_bytes(b: IndexedZSet) -> int:
     return _source(b).nbytes
 
 
-def become_grouped(b: IndexedZSet, f: "GroupedFile", nbytes: int) -> None:
-    """Switch ``b`` in place to a grouped batch read from ``f`` (invariant B1): its buffers leave it (the memory goes
-    with the last reference to them), its identity, key and schema stay."""
-    src = _Source(f, len(b), b.schema, nbytes)
-    _SOURCES[id(b)] = src
-    weakref.finalize(b, _SOURCES.pop, id(b), None)
-    b.__class__ = GroupedBatch
+def _empty(b: IndexedZSet) -> None:
+    """Drop ``b``'s rows, weights, hashes and the views made of them from its slots (the base class's descriptors)."""
     b._cv = None
     b._fx = None
     for desc in (_Z, _KH, _RH):
@@ -157,6 +152,16 @@ def become_grouped(b: IndexedZSet, f: "GroupedFile", nbytes: int) -> None:
             desc.__delete__(b)
         except AttributeError:
             pass
+
+
+def become_grouped(b: IndexedZSet, f: "GroupedFile", nbytes: int) -> None:
+    """Switch ``b`` in place to a grouped batch read from ``f`` (invariant B1): its buffers leave it (the memory goes
+    with the last reference to them), its identity, key and schema stay."""
+    src = _Source(f, len(b), b.schema, nbytes)
+    _SOURCES[id(b)] = src
+    weakref.finalize(b, _SOURCES.pop, id(b), None)
+    b.__class__ = GroupedBatch
+    _empty(b)
 
 
 def _group_hashes(f: "GroupedFile", groups: np.ndarray) -> np.ndarray:
@@ -223,13 +228,7 @@ def release_rows(b: IndexedZSet) -> int:
         return 0
     with src.lock:
         n, src.copied = src.copied, 0
-        b._cv = None
-        b._fx = None
-        for desc in (_KH, _Z, _RH):
-            try:
-                desc.__delete__(b)
-            except AttributeError:
-                pass
+        _empty(b)
         return n
 
 
