@@ -193,13 +193,12 @@ def test_size_figures_count_the_unsynced_totals_without_a_sync(monkeypatch) -> N
 
 
 def test_dbsp_totals_per_key_turns_the_switch_on_and_off(monkeypatch) -> None:
-    """``DBSP_TOTALS_PER_KEY=1`` (and unset, the default): totals per key; ``0``: the step batches' path (each step
-    inserts its batch, no step stored per key). Through the environment setting itself (``_LinearState.PER_KEY``
-    left at None, as in a pipeline): outputs and state equal either way."""
+    """``DBSP_TOTALS_PER_KEY=1``: totals per key; ``0`` (and unset, the default for now): the step batches' path
+    (each step inserts its batch, no step stored per key). Through the environment setting itself
+    (``_LinearState.PER_KEY`` left at None, as in a pipeline): outputs and state equal either way."""
     from dbsp_core import envvars
 
-    assert envvars.load({}).totals_per_key is True
-    assert envvars.load({"DBSP_TOTALS_PER_KEY": ""}).totals_per_key is True  # blank counts as unset
+    assert envvars.load({}).totals_per_key is False
     assert envvars.load({"DBSP_TOTALS_PER_KEY": "0"}).totals_per_key is False
     assert envvars.load({"DBSP_TOTALS_PER_KEY": "1"}).totals_per_key is True
     monkeypatch.setattr(_LinearState, "PER_KEY", None)
@@ -207,10 +206,8 @@ def test_dbsp_totals_per_key_turns_the_switch_on_and_off(monkeypatch) -> None:
     views = [(("k",), ["n", "total"]), (("s",), ["nv", "m"])]
     deltas = _deltas(rng, 40, True)
     got = {}
-    for value in ("1", "0", None):  # None: unset, the default (on)
-        env = {k: v for k, v in os.environ.items() if k != "DBSP_TOTALS_PER_KEY"}
-        if value is not None:
-            env["DBSP_TOTALS_PER_KEY"] = value
+    for value in ("1", "0"):
+        env = {**os.environ, "DBSP_TOTALS_PER_KEY": value}
         monkeypatch.setattr(envvars, "_current", envvars.load(env))
         outs = []
         steps0 = PerKeyTotals.pk_steps
@@ -224,4 +221,4 @@ def test_dbsp_totals_per_key_turns_the_switch_on_and_off(monkeypatch) -> None:
             assert kept == 0 and stored == 0, (value, kept, stored)
         else:
             assert kept == len(views) * 2 and stored >= len(deltas), (kept, stored)
-    assert got["1"] == got["0"] == got[None]
+    assert got["1"] == got["0"]
