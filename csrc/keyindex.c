@@ -833,15 +833,14 @@ static int insert_new(DbspKeyIndex *ix, uint64_t tg, const uint64_t *w, const in
     return DBSP_OK;
 }
 
-/* Row i's deltas d[v] for dbsp_keyindex_add (weight times sign, times the column's value, or the weight, or the
- * weight where the column is valid); returns 0 on an overflow, else 1 with *nonzero whether any is not 0. */
-static inline int row_deltas(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *cols, int64_t sign, int64_t i,
-                             int64_t *d, int *nonzero) {
+/* Row i's deltas d[v] for dbsp_keyindex_add (the weight times the column's value, or the weight, or the weight where
+ * the column is valid), before its sign: an add of sign -1 subtracts them, so that it takes back exactly what an add
+ * of sign +1 of the same rows summed (negating the weight first fails on a value of INT64_MIN, which the add could
+ * hold: a rollback's undo, trace/keyindex.py invariant 19); returns 0 on an overflow, else 1 with *nonzero whether
+ * any is not 0. */
+static inline int row_deltas(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *cols, int64_t i, int64_t *d,
+                             int *nonzero) {
     int64_t wt = b->weights ? b->weights[i] : 1;
-    if (sign < 0) {
-        if (wt == INT64_MIN) return 0;
-        wt = -wt;
-    }
     *nonzero = 0;
     for (int32_t j = 0; j < ix->nvals; j++) {
         if (cols[j] == -1) {
@@ -871,21 +870,22 @@ static int undo_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, c
     ix->broken = 0;
     for (int64_t i = upto - 1; i >= 0; i--) {
         int nonzero = 0;
-        (void)row_deltas(ix, b, cols, -sign, i, d, &nonzero); /* the add summed these without overflow */
+        (void)row_deltas(ix, b, cols, i, d, &nonzero); /* the add summed these without overflow */
         if (!nonzero) continue;
         uint64_t tg = tag(kh[i], key_words(ix, b, keys, i, w));
         if (ix->old.slots) move_some(ix, MOVE_PER_ROW);
         uint64_t *s = lookup(ix, tg, w);
         Table *tab;
-        if (!s) {
+        if (!s) { /* a key the add emptied: its sums were minus the add's (0 - sign * d, which they held) */
+            for (int32_t j = 0; j < ix->nvals; j++) d[j] = sign > 0 ? (int64_t)(0 - (uint64_t)d[j]) : d[j];
             if (insert_new(ix, tg, w, d, 1, 0, &s, &tab) != DBSP_OK) return DBSP_ENOMEM; /* broken */
             continue;
         }
         tab = ix->old.slots && (uint64_t)(s - ix->old.slots) < (uint64_t)ix->old.cap ? &ix->old : &ix->cur;
         int64_t *v = (int64_t *)(entry_of(ix, *s) + ix->nkeys);
         int zero = 1;
-        for (int32_t j = 0; j < ix->nvals; j++) {
-            v[j] += d[j];
+        for (int32_t j = 0; j < ix->nvals; j++) { /* (wrapping: the add's own sums, taken back) */
+            v[j] = sign > 0 ? (int64_t)((uint64_t)v[j] - (uint64_t)d[j]) : (int64_t)((uint64_t)v[j] + (uint64_t)d[j]);
             zero &= v[j] == 0;
         }
         if (zero) remove_slot(ix, tab, s);
@@ -913,7 +913,7 @@ int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t
     for (int64_t i = 0; i < n; i++) {
         prefetch_row(ix, kh, i, n);
         int nonzero = 0;
-        if (!row_deltas(ix, b, cols, sign, i, d, &nonzero)) goto overflow;
+        if (!row_deltas(ix, b, cols, i, d, &nonzero)) goto overflow;
         if (!nonzero && !before) continue;
         uint64_t tg = tag(kh[i], key_words(ix, b, keys, i, w));
         uint64_t *s;
@@ -936,6 +936,9 @@ int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t
             continue;
         }
         if (!s) {
+            if (sign < 0) /* a new key's sums: 0 - d */
+                for (int32_t j = 0; j < ix->nvals; j++)
+                    if (__builtin_sub_overflow((int64_t)0, d[j], &d[j])) goto overflow;
             st = insert_new(ix, tg, w, d, 1, n, &s, &tab);
             if (st != DBSP_OK) {  /* memory or a size limit: nothing of row i written; rows before it taken back */
                 (void)undo_add(ix, b, keys, kh, cols, sign, i);
@@ -947,7 +950,8 @@ int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t
         int64_t *v = (int64_t *)(entry_of(ix, *s) + ix->nkeys);
         int zero = 1;
         for (int32_t j = 0; j < ix->nvals; j++) {
-            if (__builtin_add_overflow(v[j], d[j], &v[j])) goto overflow;
+            if (sign > 0 ? __builtin_add_overflow(v[j], d[j], &v[j]) : __builtin_sub_overflow(v[j], d[j], &v[j]))
+                goto overflow;
             zero &= v[j] == 0;
         }
         if (zero) {

@@ -222,3 +222,18 @@ def test_dbsp_totals_per_key_turns_the_switch_on_and_off(monkeypatch) -> None:
         else:
             assert kept == len(views) * 2 and stored >= len(deltas), (kept, stored)
     assert got["1"] == got["0"]
+
+
+def test_a_step_whose_sum_overflows_is_rolled_back_with_totals_per_key(monkeypatch) -> None:
+    """At W=2 a key's sum overflowing int64 fails the step (a StepError naming the aggregate) on one worker while the
+    other stored its keys' totals into its key index: the rollback takes them back by an add of sign -1, which must
+    subtract what the step added (a sum of INT64_MIN: negating the weight first overflowed, and the rollback itself
+    failed), and the view after it is DuckDB's (tests/core/test_integer_range.py's check)."""
+    import pyarrow as pa
+
+    from tests.core.test_integer_range import run
+
+    monkeypatch.setattr(_LinearState, "PER_KEY", True)
+    low = -(2**63)
+    for workers in (1, 2):
+        assert run(pa.int64(), [[((0, low), 1), ((0, low), 1), ((1, low), 1)]], workers, True, False, "fixed") >= 0
