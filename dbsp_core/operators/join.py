@@ -195,11 +195,16 @@ class _JoinState:
         """Input ``side``'s change (0 left, 1 right) indexed by its join key, None when empty."""
         if not z.num_rows:
             return None
+        return self.prepared(z, side).index_by(list(self.op.left_on if side == 0 else self.op.right_on))
+
+    def prepared(self, z: "ZSet", side: int) -> "ZSet":
+        """Input ``side``'s change as its trace holds rows: conformed to the side's schema and, under invariant 6,
+        projected to its kept columns (before it is indexed, which consolidates it)."""
         op = self.op
         z = conform(z, op.lschema if side == 0 else op.rschema)
-        if self.stored is not None:  # invariant 6: projected before it is indexed (which consolidates it)
+        if self.stored is not None:
             z = project(z, self.stored.left if side == 0 else self.stored.right)
-        return z.index_by(list(op.left_on if side == 0 else op.right_on))
+        return z
 
     def step_indexed(self, da: "IndexedZSet | None", db: "IndexedZSet | None", ctx: "StepContext") -> "ZSet":
         """The step over changes already indexed by their join keys (:meth:`indexed`, or a fused exchange that
@@ -221,8 +226,6 @@ class _JoinState:
         if da is not None:
             self.left.insert(da)
         return parts
-
-
 
     def join_runs(self, cols: "tuple[list[int], list[int], pa.Schema] | None" = None) -> "tuple | None":
         """The one-call steps of invariant 7, per side of the change (0: left, 1: right), and how their parts become
@@ -273,11 +276,8 @@ class _JoinState:
     def _run_side(self, z: "ZSet", side: int, batches: list, spec: tuple, out: list) -> "IndexedZSet | None":
         """:meth:`step_run` of side ``side``'s change ``z`` against the other side's ``batches``: its parts appended to
         ``out``, then it is inserted; returns it indexed (None: it consolidated to nothing)."""
-        op = self.op
         own = self.left if side == 0 else self.right
-        z = conform(z, op.lschema if side == 0 else op.rschema)
-        if self.stored is not None:  # invariant 6: projected before it is indexed
-            z = project(z, self.stored.left if side == 0 else self.stored.right)
+        z = self.prepared(z, side)
         pair, _, distinct, padded = spec
         got = pair[side].step(z.data, z.weights, [b._view() for b in batches])
         if got is None:  # the change consolidated to nothing
