@@ -143,6 +143,28 @@ cdef class KeyIndex:
             st = dbsp_keyindex_add_before(self.ix, &b.c, k.p, &pk[0], c.p, sign, pbefore)
         check_status(st, "KeyIndex.add")
 
+    def take_back(self, table, weights, keys, khash, cols, int64_t sign=1):
+        """Take back an earlier :meth:`add` of the same rows and sign (a rollback's undo, after the changes made since
+        it were taken back): every product and sum wraps, so the sums return exactly to those the index held, though
+        a row's own product or a sum halfway lies outside int64 (csrc/keyindex.h). Raises MemoryError or ValueError
+        when a key the add removed finds no room again (the index is then broken)."""
+        cdef BatchView b = view_of(table, weights)
+        cdef Int32s k = Int32s(keys)
+        cdef Int32s c = Int32s(cols)
+        kh = np.ascontiguousarray(khash, dtype=np.uint64)
+        if k.n != self.nkeys or c.n != self.nvals:
+            raise ValueError(f"KeyIndex.take_back: {k.n} keys and {c.n} columns for an index of {self.nkeys} and "
+                             f"{self.nvals}")
+        if kh.shape[0] != b.c.nrows:
+            raise ValueError(f"KeyIndex.take_back: {kh.shape[0]} key hashes for {b.c.nrows} rows")
+        if b.c.nrows == 0:
+            return
+        cdef const uint64_t[::1] pk = kh
+        cdef int st
+        with nogil:
+            st = dbsp_keyindex_take_back(self.ix, &b.c, k.p, &pk[0], c.p, sign)
+        check_status(st, "KeyIndex.take_back")
+
     def check(self):
         """Raise AssertionError unless csrc/keyindex.h invariants 1-3 hold (tests)."""
         assert dbsp_keyindex_check(self.ix) == DBSP_OK, "KeyIndex invariants violated"

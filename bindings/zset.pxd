@@ -163,6 +163,8 @@ cdef extern from "keyindex.h" nogil:
     void dbsp_keyindex_set_slot(CKeyIndex *ix, int64_t *slot, const int64_t *vals, int64_t vstride)
     int dbsp_keyindex_add_before(CKeyIndex *ix, const CBatch *b, const int32_t *keys, const uint64_t *kh,
                                  const int32_t *cols, int64_t sign, int64_t *before)
+    int dbsp_keyindex_take_back(CKeyIndex *ix, const CBatch *b, const int32_t *keys, const uint64_t *kh,
+                                const int32_t *cols, int64_t sign)
     int dbsp_keyindex_put(CKeyIndex *ix, const CBatch *b, const int32_t *keys, int64_t r, uint64_t h,
                           const int64_t *vals, int64_t vstride, int64_t more)
     int dbsp_keyindex_check(const CKeyIndex *ix)

@@ -839,7 +839,7 @@ static int insert_new(DbspKeyIndex *ix, uint64_t tg, const uint64_t *w, const in
  * hold: a rollback's undo, trace/keyindex.py invariant 19); returns 0 on an overflow, else 1 with *nonzero whether
  * any is not 0. */
 static inline int row_deltas(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *cols, int64_t i, int64_t *d,
-                             int *nonzero) {
+                             int *nonzero, int wrap) {
     int64_t wt = b->weights ? b->weights[i] : 1;
     *nonzero = 0;
     for (int32_t j = 0; j < ix->nvals; j++) {
@@ -852,7 +852,8 @@ static inline int row_deltas(const DbspKeyIndex *ix, const DbspBatch *b, const i
             int64_t x = !dbsp_col_valid(c, i) ? 0
                         : c->type == DBSP_INT64 ? ((const int64_t *)c->values)[c->offset + i]
                                                 : (int64_t)dbsp_col_u64(c, i);
-            if (__builtin_mul_overflow(x, wt, &d[j])) return 0;
+            if (wrap) d[j] = (int64_t)((uint64_t)x * (uint64_t)wt); /* (mod 2^64: dbsp_keyindex_take_back) */
+            else if (__builtin_mul_overflow(x, wt, &d[j])) return 0;
         }
         *nonzero |= d[j] != 0;
     }
@@ -870,7 +871,7 @@ static int undo_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, c
     ix->broken = 0;
     for (int64_t i = upto - 1; i >= 0; i--) {
         int nonzero = 0;
-        (void)row_deltas(ix, b, cols, i, d, &nonzero); /* the add summed these without overflow */
+        (void)row_deltas(ix, b, cols, i, d, &nonzero, 0); /* the add summed these without overflow */
         if (!nonzero) continue;
         uint64_t tg = tag(kh[i], key_words(ix, b, keys, i, w));
         if (ix->old.slots) move_some(ix, MOVE_PER_ROW);
@@ -894,10 +895,8 @@ static int undo_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, c
     return DBSP_OK;
 }
 
-int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
-                             const int32_t *cols, int64_t sign, int64_t *before) {
-    if (ix->broken) return DBSP_EINVAL;
-    if (sign != 1 && sign != -1) return DBSP_EINVAL;
+/* The arguments of an add: key columns of the index's types, value columns that exist and can be summed. */
+static int check_add(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const int32_t *cols) {
     int st = check_keys(ix, b, keys);
     if (st != DBSP_OK) return st;
     for (int32_t j = 0; j < ix->nvals; j++) {
@@ -905,6 +904,53 @@ int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t
         if (c >= b->ncols) return DBSP_EINVAL;
         if (cols[j] >= 0 && !summable(b->cols[c].type)) return DBSP_ETYPE;
     }
+    return DBSP_OK;
+}
+
+int dbsp_keyindex_take_back(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
+                            const int32_t *cols, int64_t sign) {
+    if (ix->broken) return DBSP_EINVAL;
+    if (sign != 1 && sign != -1) return DBSP_EINVAL;
+    int st = check_add(ix, b, keys, cols);
+    if (st != DBSP_OK) return st;
+    uint64_t w[PROBE_WORDS];
+    int64_t d[DBSP_KEYINDEX_MAX_VALS];
+    for (int pass = 0; pass < 2; pass++) /* first the rows the add subtracted (put back), then those it added */
+        for (int64_t i = 0; i < b->nrows; i++) {
+            int64_t wt = b->weights ? b->weights[i] : 1;
+            if (wt == 0 || ((wt < 0) == (sign < 0)) == (pass == 0)) continue; /* pass 0: wt * sign < 0 */
+            int nonzero = 0;
+            (void)row_deltas(ix, b, cols, i, d, &nonzero, 1);
+            if (!nonzero) continue;
+            uint64_t tg = tag(kh[i], key_words(ix, b, keys, i, w));
+            if (ix->old.slots) move_some(ix, MOVE_PER_ROW);
+            uint64_t *s = lookup(ix, tg, w);
+            Table *tab;
+            if (!s) { /* a key the add emptied (or this take-back, halfway): its sums are 0 - sign * d */
+                for (int32_t j = 0; j < ix->nvals; j++)
+                    d[j] = sign > 0 ? (int64_t)(0 - (uint64_t)d[j]) : d[j];
+                st = insert_new(ix, tg, w, d, 1, 0, &s, &tab);
+                if (st != DBSP_OK) return st; /* broken (insert_new marks it) */
+                continue;
+            }
+            tab = ix->old.slots && (uint64_t)(s - ix->old.slots) < (uint64_t)ix->old.cap ? &ix->old : &ix->cur;
+            int64_t *v = (int64_t *)(entry_of(ix, *s) + ix->nkeys);
+            int zero = 1;
+            for (int32_t j = 0; j < ix->nvals; j++) {
+                v[j] = sign > 0 ? (int64_t)((uint64_t)v[j] - (uint64_t)d[j]) : (int64_t)((uint64_t)v[j] + (uint64_t)d[j]);
+                zero &= v[j] == 0;
+            }
+            if (zero) remove_slot(ix, tab, s);
+        }
+    return DBSP_OK;
+}
+
+int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
+                             const int32_t *cols, int64_t sign, int64_t *before) {
+    if (ix->broken) return DBSP_EINVAL;
+    if (sign != 1 && sign != -1) return DBSP_EINVAL;
+    int st = check_add(ix, b, keys, cols);
+    if (st != DBSP_OK) return st;
     uint64_t w[PROBE_WORDS], lw[PROBE_WORDS], ltg = 0;
     int64_t d[DBSP_KEYINDEX_MAX_VALS];
     int64_t n = b->nrows;
@@ -913,7 +959,7 @@ int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t
     for (int64_t i = 0; i < n; i++) {
         prefetch_row(ix, kh, i, n);
         int nonzero = 0;
-        if (!row_deltas(ix, b, cols, i, d, &nonzero)) goto overflow;
+        if (!row_deltas(ix, b, cols, i, d, &nonzero, 0)) goto overflow;
         if (!nonzero && !before) continue;
         uint64_t tg = tag(kh[i], key_words(ix, b, keys, i, w));
         uint64_t *s;

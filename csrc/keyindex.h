@@ -147,6 +147,20 @@ int dbsp_keyindex_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
 int dbsp_keyindex_add_before(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
                              const int32_t *cols, int64_t sign, int64_t *before);
 
+/* Take back a dbsp_keyindex_add (or add_before) of the same rows and sign that succeeded, after any number of other
+ * changes that were themselves taken back or are still held: a rollback's undo (dbsp_core/trace/keyindex.py
+ * invariant 19). Every product and sum wraps (mod 2^64), so the result is exact whenever the state it returns to is
+ * one the index held, though a row's own product, or a sum halfway through, lies outside int64 (a key's row of old
+ * totals, -1 times INT64_MIN, and its row of new ones, each of which an add of the rows one at a time overflows on,
+ * while the step that stored them put their net). The rows the add subtracted (weight times sign below 0) are put
+ * back before those it added are taken off, so a key the add changed keeps its entry throughout (a key the add made
+ * is removed at the end, as invariant 2 says). A key the add removed is made again: for an index that grew no
+ * further since the add, in an entry the removal freed, within its table; a string key's records may still find no
+ * arena room (DBSP_ENOMEM, the index then broken, as after a failed add). No shrink. Errors: as dbsp_keyindex_add's
+ * argument checks (DBSP_ETYPE, DBSP_EINVAL, a broken index), DBSP_ENOMEM or DBSP_ETOOBIG (broken). */
+int dbsp_keyindex_take_back(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
+                            const int32_t *cols, int64_t sign);
+
 /* Set the sums of the key of row r of b (key columns keys, key hash h) to vals[v * vstride] for v < nvals, or
  * remove the key when vals is NULL or all zero (invariant 2): what a caller that computed a key's new sums itself
  * (the linear aggregate, csrc/fold.h) stores instead of adding its rows. `more`: the keys the caller's whole call

@@ -701,7 +701,7 @@ class PerKeyTotals:
         if undo is not mark.undo:
             raise AssertionError("totals per key: the undo log of a capture was dropped while the capture lived")
         for ix, view, keys, kh, cpos, sign in reversed(undo.entries[mark.at:]):
-            ix.add(view, None, keys, kh, cpos, -sign)
+            ix.take_back(view, None, keys, kh, cpos, sign)  # exact where replaying rows overflows (csrc/keyindex.h)
         del undo.entries[mark.at:]
         if mark.ix is not None:
             mark.ix.token = mark.token

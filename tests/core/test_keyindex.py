@@ -202,6 +202,90 @@ def test_add_before_returns_the_old_sums_and_adds(steps):
         assert len(ix) == len(model)
 
 
+_I64 = (-(2**63), 2**63 - 1)
+_BIG = [-(2**63), -(2**63) + 1, -(2**62), -1, 0, 1, 2**62, 2**63 - 1]
+
+
+@settings(deadline=None, max_examples=examples(100))
+@given(st.lists(st.tuples(st.lists(st.tuples(st.integers(0, 40), st.one_of(st.sampled_from(_BIG), st.integers(-5, 5)),
+                                             st.sampled_from([-2, -1, 1, 2])), max_size=30),
+                          st.sampled_from([1, -1])), min_size=1, max_size=8),
+       st.integers(0, 40))
+def test_take_back_undoes_adds_newest_first_exactly(adds, bulk):
+    """Adds that succeed (a dict model skips those that would overflow: they break the index), then take_back of each,
+    newest first (a rollback's undo, trace/keyindex.py invariant 19): after each the sums are exactly those before
+    its add, though a row's product (-1 times INT64_MIN) or a sum halfway (a key's rows of old and new totals taken
+    back one at a time) lies outside int64, where an add of sign -sign overflows; keys the add made or removed are
+    gone or back; the index's invariants hold. ``bulk`` keys first, so that the index is past its first table."""
+    ix = _zset.KeyIndex([pa.int64()], 2)
+    model: dict = {}
+    if bulk:
+        t = pa.table({"k": pa.array(range(100, 100 + 50 * bulk), pa.int64()), "v": pa.array([7] * 50 * bulk, pa.int64())})
+        ix.add(t, None, [0], _zset.hash_columns(t, [0]), [-1, 1])
+        model.update({k: (1, 7) for k in range(100, 100 + 50 * bulk)})
+    done = []  # (table, weights, hashes, sign, the model before)
+    for rows, sign in adds:
+        m = dict(model)
+        ok = True
+        for k, v, w in rows:  # as the add does: each product, then each sum, checked
+            d = (w, w * v)
+            old = m.get(k, (0, 0))
+            new = tuple(a + sign * b for a, b in zip(old, d))
+            if not (_I64[0] <= d[1] <= _I64[1]) or not all(_I64[0] <= x <= _I64[1] for x in new):
+                ok = False
+                break
+            if new == (0, 0):
+                m.pop(k, None)
+            else:
+                m[k] = new
+        if not ok:
+            continue
+        t = pa.table({"k": pa.array([r[0] for r in rows], pa.int64()), "v": pa.array([r[1] for r in rows], pa.int64())})
+        w = np.array([r[2] for r in rows], np.int64)
+        kh = _zset.hash_columns(t, [0]) if rows else np.zeros(0, np.uint64)
+        ix.add(t, w, [0], kh, [-1, 1], sign)
+        done.append((t, w, kh, sign, model))
+        model = m
+        ix.check()
+        assert len(ix) == len(model)
+    probe = pa.table({"k": pa.array(list(range(41)) + list(range(100, 100 + 50 * bulk)), pa.int64())})
+    pkh = _zset.hash_columns(probe, [0])
+
+    def sums():
+        acc = np.zeros((probe.num_rows, 2), np.int64)
+        ix.get(probe, [0], pkh, acc)
+        return {k: tuple(int(x) for x in a) for k, a in zip(probe.column(0).to_pylist(), acc) if a.any()}
+
+    for t, w, kh, sign, before in reversed(done):
+        ix.take_back(t, w, [0], kh, [-1, 1], sign)
+        ix.check()
+        assert sums() == before
+        assert len(ix) == len(before)
+
+
+def test_take_back_of_a_key_s_old_and_new_totals_that_overflow_one_at_a_time():
+    """The rollback case itself: the index holds a key's new totals (count 2, sum INT64_MIN) put by a step; its rows
+    are -1 (count 1, sum INT64_MIN) and +1 (count 2, sum INT64_MIN). add(sign=-1) of them overflows (-1 times INT64_MIN);
+    take_back restores count 1, sum INT64_MIN; and a key the step made (only a +1 row) is gone after it."""
+    low = -(2**63)
+    ix = _zset.KeyIndex([pa.int64()], 2)
+    new = pa.table({"k": pa.array([0, 1], pa.int64()), "n": pa.array([2, 1], pa.int64()), "s": pa.array([low, low], pa.int64())})
+    ix.add(new, None, [0], _zset.hash_columns(new, [0]), [1, 2])  # as the step's put left it
+    rows = pa.table({"k": pa.array([0, 0, 1], pa.int64()), "n": pa.array([1, 2, 1], pa.int64()),
+                     "s": pa.array([low, low, low], pa.int64())})
+    w = np.array([-1, 1, 1], np.int64)
+    kh = _zset.hash_columns(rows, [0])
+    ix2 = _zset.KeyIndex([pa.int64()], 2)
+    ix2.add(new, None, [0], _zset.hash_columns(new, [0]), [1, 2])
+    with pytest.raises(WeightOverflowError):
+        ix2.add(rows, w, [0], kh, [1, 2], -1)
+    ix.take_back(rows, w, [0], kh, [1, 2], 1)
+    ix.check()
+    acc = np.zeros((2, 2), np.int64)
+    ix.get(new, [0], _zset.hash_columns(new, [0]), acc)
+    assert acc.tolist() == [[1, low], [0, 0]] and len(ix) == 1
+
+
 def test_the_size_limit_bounds_the_table_it_grows_to_not_the_old_one_beside_it():
     """max_bytes caps the table an index grows to; the old table it is moving out of (half that) does not count,
     so an index whose table fits keeps growing (a 5M-group aggregate's 384 MiB table under the default 512 MiB
