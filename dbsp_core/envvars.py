@@ -49,12 +49,13 @@ Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them
 - ``DBSP_TOTALS_HOLD`` (operators/aggregate.py): the fan-in up to which the low levels of a linear aggregate's totals
   trace merge while its key index serves its reads (trace/levels.py invariant 18), a whole number >= 0 (0 or 1: two at a
   time, as every other trace; default 8). Results and state are the same either way; only the merge work differs.
-- ``DBSP_TOTALS_PER_KEY`` (operators/aggregate.py): ``1``: a linear aggregate's steps keep its totals in its key index
-  only and bring the totals trace's batches up to date when something reads them (trace/levels.py invariant 19: no
-  per-step batch, no merges between reads); ``0`` (default): every step inserts its batch of old and new totals.
-  Results and state are the same either way. Not under a memory budget (the trace then keeps its totals in batches);
-  a key index that cannot grow (``DBSP_KEY_INDEX_MB``, ``DBSP_KEY_INDEX_TOTAL_MB``, memory) has its step's store
-  undone and the trace keeps its totals in batches from then on.
+- ``DBSP_TOTALS_PER_KEY`` (operators/aggregate.py): ``1`` (default): a linear aggregate's steps keep its totals in its
+  key index only and bring the totals trace's batches up to date when something reads them (trace/levels.py invariant
+  19: no per-step batch, no merges between reads); ``0``: every step inserts its batch of old and new totals (the path
+  until 2026-12-01; tests/core/test_totals_per_key*.py compare the two). Results and state are the same either way. Not
+  under a memory budget (the trace then keeps its totals in batches); a key index that cannot grow
+  (``DBSP_KEY_INDEX_MB``, ``DBSP_KEY_INDEX_TOTAL_MB``, memory) has its step's store undone and the trace keeps its
+  totals in batches from then on.
 - ``DBSP_SUBSTEP_BYTES`` (runtime/substep.py): under a memory budget, the most pushed bytes (Arrow data and weights)
   one piece of a step holds: a bigger step runs as sub-steps over pieces of its input (default: an eighth of the
   budget, at least 4 MiB; bytes or a size such as ``64MiB``). Results are the same either way; with no budget it is
@@ -265,7 +266,7 @@ SETTINGS: tuple[Setting, ...] = (  # the list of the module docstring, in its or
     Setting("DBSP_PRUNE", "prune", "flag", default=True),
     Setting("DBSP_JEMALLOC", "jemalloc", "flag", default=False),
     Setting("DBSP_TOTALS_HOLD", "totals_hold", "whole", default=8),
-    Setting("DBSP_TOTALS_PER_KEY", "totals_per_key", "flag", default=False),
+    Setting("DBSP_TOTALS_PER_KEY", "totals_per_key", "flag", default=True),
     Setting("DBSP_SUBSTEP_BYTES", "substep_bytes", "bytes"),  # None: runtime/substep.py derives it from the budget
     Setting("DBSP_SPILL_NATIVE", "spill_native", "flag", default=True),
     Setting("DBSP_SPILL_GROUPED", "spill_grouped", "bytes"),  # None: format 1 only (trace/spill.py GROUPED_FROM)

@@ -114,9 +114,10 @@ slices follow, in this order):
      its reads: its merge input rows halve (13.9k -> 6.7k a step) with the content, and so every reader above,
      unchanged; but a k-way pass costs ~2x a two-way one a row (and hashes more rows: the batches keep no row
      hashes), so a step's instructions fell ~9% (4.18M -> 3.79M over 400 steps), not the merges' half. **Built**
-     since (branch r37-perkey, behind ``DBSP_TOTALS_PER_KEY=1``, off by default): (a)-(d) as trace invariant 19
-     (trace/levels.py, ``PerKeyTotals`` in trace/keyindex.py). The dirty set is a second key index (a count per key)
-     plus the recorded old totals (the step batch's -1 rows of keys not dirty yet, which the C call builds anyway);
+     since (branch r37-perkey; the default since r37-perkey-on2, ``DBSP_TOTALS_PER_KEY=0`` turns it off): (a)-(d) as
+     trace invariant 19 (trace/levels.py, ``PerKeyTotals`` in trace/keyindex.py). The dirty set is a second key
+     index (a count per key) plus the recorded old totals (the step batch's -1 rows of keys not dirty yet, which the
+     C call builds anyway);
      the sync is ``_levels``' (every reader's) first act. (c)'s rollback takes the undo log, in Python: a capture
      marks the trace, and while a mark lives every in-place change of its indexes is logged (the step's store is
      +batch of its old and new totals, so its undo is -batch), undone newest first by the restore (rollback.py
@@ -124,7 +125,7 @@ slices follow, in this order):
      or memory half way through a step with dirty keys raises a DbspError (state lost) instead of syncing, since its
      totals are then partly written: the C step does not yet record its slots' old values before a failing store.
      Measured (bench/RESULTS.md "Totals kept per key"): 2.62M instructions a step against main's 4.08M (p99 2.83M
-     against 21.33M), p50 +13% (the dirty-key probe); a sync costs its dirty keys once. Not the default yet.
+     against 21.33M), p50 +13% (the dirty-key probe); a sync costs its dirty keys once. The default since 2026-12-01.
   6. Proof of equality: a fused call must produce exactly the Z-set of the chain it replaces (multiset equal
      after consolidation) and leave the same state. The DuckDB-checked suites (tests/core, tests/sql,
      tests/nexmark) run with the plan on (the default), and tests/core/test_step_plan.py runs random circuits

@@ -142,7 +142,7 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      to 2 * hold loose batches, which only an index rebuild, a checkpoint, a shard cut or a view read reads. The content,
      the placement order and every reader's view of it are invariant 1's, whatever the fan-in; under a store (and with
      no current index) the fan-in is invariant 15's or 2, as for every trace.
- 19. Totals kept per key (``keep_totals_per_key``, a linear aggregate's totals under ``DBSP_TOTALS_PER_KEY=1``;
+ 19. Totals kept per key (``keep_totals_per_key``, a linear aggregate's totals; ``DBSP_TOTALS_PER_KEY=0`` turns it off;
      dbsp_core/trace/keyindex.py ``PerKeyTotals``): the key index is the state and the batches a view of it, synced on
      demand. A step that stored its groups' totals in the index (``store_totals``) inserts no batch: it records each
      of its keys not dirty yet, once, with the totals the batches hold for it (its -1 row, or none). The content is

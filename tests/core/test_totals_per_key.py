@@ -193,12 +193,13 @@ def test_size_figures_count_the_unsynced_totals_without_a_sync(monkeypatch) -> N
 
 
 def test_dbsp_totals_per_key_turns_the_switch_on_and_off(monkeypatch) -> None:
-    """``DBSP_TOTALS_PER_KEY=1``: totals per key; ``0`` (and unset, the default for now): the step batches' path
-    (each step inserts its batch, no step stored per key). Through the environment setting itself
-    (``_LinearState.PER_KEY`` left at None, as in a pipeline): outputs and state equal either way."""
+    """``DBSP_TOTALS_PER_KEY=1`` (and unset, the default): totals per key; ``0``: the step batches' path (each step
+    inserts its batch, no step stored per key). Through the environment setting itself (``_LinearState.PER_KEY``
+    left at None, as in a pipeline): outputs and state equal either way."""
     from dbsp_core import envvars
 
-    assert envvars.load({}).totals_per_key is False
+    assert envvars.load({}).totals_per_key is True
+    assert envvars.load({"DBSP_TOTALS_PER_KEY": ""}).totals_per_key is True  # blank counts as unset
     assert envvars.load({"DBSP_TOTALS_PER_KEY": "0"}).totals_per_key is False
     assert envvars.load({"DBSP_TOTALS_PER_KEY": "1"}).totals_per_key is True
     monkeypatch.setattr(_LinearState, "PER_KEY", None)
@@ -206,8 +207,10 @@ def test_dbsp_totals_per_key_turns_the_switch_on_and_off(monkeypatch) -> None:
     views = [(("k",), ["n", "total"]), (("s",), ["nv", "m"])]
     deltas = _deltas(rng, 40, True)
     got = {}
-    for value in ("1", "0"):
-        env = {**os.environ, "DBSP_TOTALS_PER_KEY": value}
+    for value in ("1", "0", None):  # None: unset, the default (on)
+        env = {k: v for k, v in os.environ.items() if k != "DBSP_TOTALS_PER_KEY"}
+        if value is not None:
+            env["DBSP_TOTALS_PER_KEY"] = value
         monkeypatch.setattr(envvars, "_current", envvars.load(env))
         outs = []
         steps0 = PerKeyTotals.pk_steps
@@ -221,14 +224,15 @@ def test_dbsp_totals_per_key_turns_the_switch_on_and_off(monkeypatch) -> None:
             assert kept == 0 and stored == 0, (value, kept, stored)
         else:
             assert kept == len(views) * 2 and stored >= len(deltas), (kept, stored)
-    assert got["1"] == got["0"]
+    assert got["1"] == got["0"] == got[None]
 
 
 def test_a_step_whose_sum_overflows_is_rolled_back_with_totals_per_key(monkeypatch) -> None:
     """At W=2 a key's sum overflowing int64 fails the step (a StepError naming the aggregate) on one worker while the
-    other stored its keys' totals into its key index: the rollback takes them back by an add of sign -1, which must
-    subtract what the step added (a sum of INT64_MIN: negating the weight first overflowed, and the rollback itself
-    failed), and the view after it is DuckDB's (tests/core/test_integer_range.py's check)."""
+    other stored its keys' totals into its key index: the rollback takes them back (``KeyIndex.take_back``), which
+    must subtract what the step added (a sum of INT64_MIN: negating the weight first overflowed, and the rollback
+    itself failed), and the view after it is DuckDB's (tests/core/test_integer_range.py's check). The case of a key
+    whose rows overflow one at a time: test_totals_per_key_rollback.py."""
     import pyarrow as pa
 
     from tests.core.test_integer_range import run
