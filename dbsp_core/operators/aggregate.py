@@ -67,7 +67,10 @@ Invariants:
      is; its row hashes and canonical order, so the trace neither hashes nor sorts it), the finalized output (a
      group's old and new rows dropped when they show the same: distinct as it stands) and the index's stores. A
      key-hash or row-hash tie leaves the batch to be sorted in Python; other aggregates (avg, a uint64 sum)
-     build both from the probe's arrays in Python. ``emitted_steps`` counts the steps it served.
+     build both from the probe's arrays in Python. ``emitted_steps`` counts the steps it served. The totals trace,
+     read only through that index, holds its low levels as a linear aggregate's does (trace invariant 18,
+     ``DBSP_TOTALS_HOLD``; ``_LinearState.HOLD`` in tests): a step's batch of old and new totals is rewritten about
+     once per three levels on its way up, not once per level.
 """
 
 from __future__ import annotations
@@ -777,6 +780,10 @@ class _ExtremesState(_GroupedState):
                      + tuple(("valid", f"s_{j}") for j, _, _ in self.ext))
         if not (all(summable(slot_type[j]) for j, _, _ in self.ext) and self.totals.keep_index(self.spec[1])):
             self.spec = None
+        else:  # read through the key index: its low levels merge many at a time (trace invariant 18)
+            hold = settings().totals_hold if _LinearState.HOLD is None else _LinearState.HOLD
+            if hold > 2:
+                self.totals.hold = hold
         # invariant 8: the reduction's grouping specs (row count, the one extreme), when the aggregate allows it
         self.reduce_specs = None
         if (op.append_only and len(self.ext) == 1 and _reducible(slot_type[self.ext[0][0]])

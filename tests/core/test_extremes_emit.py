@@ -214,3 +214,55 @@ def test_the_long_run_with_extremes_of_every_width_is_served_by_the_c_path() -> 
 
     _steps_against_model(p, rng, 100, (0, 12), new_row, 0.3, 0.15, INT_SCHEMA, _int_model)
     assert sum(s.emitted_steps for s in states) >= 100
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_min_max_totals_hold_their_low_levels(monkeypatch, workers: int) -> None:
+    """The min/max totals trace, read through its key index, merges its low levels many at a time (trace invariant
+    18, ``DBSP_TOTALS_HOLD``): a pipeline with hold 16 and one with hold off, in lockstep over a load of 3000 groups
+    and small steps deleting current extremes: the same outputs at every step and the same totals; held merges ran
+    with hold on only (none under a memory budget: every trace then belongs to a batch store)."""
+    from dbsp_core.envvars import settings
+    from dbsp_core.operators.aggregate import _LinearState
+
+    rng = np.random.default_rng(24)
+    c = dbsp.Circuit()
+    src = c.input("t", pa.schema([("k", pa.int64()), ("v", pa.int64())]))
+    c.output("g", src.group_by("k").agg(n=dbsp.count(), lo=dbsp.min("v"), hi=dbsp.max("v")))
+    pipes = {}
+    for hold in (16, 0):
+        monkeypatch.setattr(_LinearState, "HOLD", hold)
+        pipes[hold] = dbsp.Pipeline(c, workers=workers)
+    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    load = [(int(k), int(v)) for k, v in zip(rng.integers(0, 3000, 6000), rng.integers(0, 1000, 6000))]
+    bag = Counter(load)
+    steps = [Counter(load)]
+    for _ in range(150):
+        d: Counter = Counter()
+        for r in [load[int(i)] for i in rng.integers(0, len(load), 8)]:
+            if bag[r] + d[r] > 0:
+                d[r] -= 1
+        for k, v in zip(rng.integers(0, 3000, 40), rng.integers(0, 1000, 40)):
+            d[(int(k), int(v))] += 1
+        bag.update(d)
+        steps.append(Counter({r: w for r, w in d.items() if w}))
+    try:
+        for i, d in enumerate(steps):
+            outs = []
+            for p in pipes.values():
+                p.push("t", dbsp.ZSet.from_rows(list(d), schema, weights=list(d.values())))
+                outs.append(p.step()["g"].to_dict())
+            assert outs[0] == outs[1], f"step {i}"
+        state = []
+        for hold, p in pipes.items():
+            trs = [tr for w in range(workers) for name, tr in p.traces(w).items() if name.endswith("totals")]
+            assert trs and all(tr.hold == hold for tr in trs)
+            for tr in trs:
+                tr.check()
+            state.append(Counter(r for tr in trs for r in tr.consolidated().zset.to_dict().items()))
+            held = sum(tr.held_merges for tr in trs)
+            assert (held > 0) == (hold > 0 and settings().memory_limit is None), (hold, held)
+        assert state[0] == state[1]
+    finally:
+        for p in pipes.values():
+            p.close()
