@@ -229,7 +229,8 @@ int dbsp_extremes_emit(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys
     *w = NULL, *kh = NULL, *rh = NULL, *ow = NULL, *n = 0, *on = 0, *ordered = 1;
     if (ns < 1 || nout < 0 || ns + nout > 128 || nv < ns) return DBSP_EINVAL;
     for (int32_t j = 0; j < ns; j++)
-        if (snull[j] >= nv || (swidth[j] != 1 && swidth[j] != 2 && swidth[j] != 4 && swidth[j] != 8)) return DBSP_EINVAL;
+        if (snull[j] >= nv || (swidth[j] != 1 && swidth[j] != 2 && swidth[j] != 4 && swidth[j] != 8))
+            return DBSP_EINVAL;
     for (int32_t o = 0; o < nout; o++)
         if (shown[o] < 0 || shown[o] >= nv || nonnull[o] >= nv
             || (owidth[o] != 1 && owidth[o] != 2 && owidth[o] != 4 && owidth[o] != 8)) return DBSP_EINVAL;

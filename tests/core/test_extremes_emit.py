@@ -266,3 +266,22 @@ def test_min_max_totals_hold_their_low_levels(monkeypatch, workers: int) -> None
     finally:
         for p in pipes.values():
             p.close()
+
+
+def test_a_step_that_changes_only_unshown_totals_outputs_nothing() -> None:
+    """min alone (the row count is a slot the output does not show): a step inserting values above each group's
+    min changes every group's totals, yet shows nothing (the C call's output has no row while its totals batch
+    has two a group); then a new min, and the min deleted (a recompute from the values)."""
+    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    c = dbsp.Circuit()
+    c.output("g", c.input("t", schema).group_by("k").agg(lo=dbsp.min("v")))
+    with dbsp.Pipeline(c, workers=1) as p:
+        steps = [([(1, 5), (2, 7)], None, {(1, 5): 1, (2, 7): 1}), ([(1, 9), (2, 8)], None, {}),
+                 ([(1, 9), (2, 3)], None, {(2, 3): 1, (2, 7): -1}), ([(1, 5)], [-1], {(1, 5): -1, (1, 9): 1})]
+        for rows, w, want in steps:
+            p.push("t", dbsp.ZSet.from_rows(rows, schema, weights=w))
+            out = p.step()["g"]
+            assert out.to_dict() == want and out.num_rows == len(want)
+        for tr in p.traces(0).values():
+            tr.check()
+        assert sum(s.emitted_steps for s in _states(p)) == 4
