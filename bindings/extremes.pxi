@@ -143,3 +143,88 @@ def extremes_store(table, keys, group_row, gkh, old, nw, KeyIndex ix):
                                  &pgo[0], &pw[0], &n)
     check_status(st, "extremes_store")
     return grp[:n], w[:n]
+
+
+cdef class ExtremesEmit:
+    """A min/max aggregate's step, phase 2 and its outputs in one C call (csrc/extremes.h design note 4), configured
+    once: ``keys`` (the key positions in the change), ``ns`` slots of ``nv`` index values, per slot ``snull[j]`` (its
+    "not null" flag's position among the values, or -1) and the byte width ``swidth[j]`` of its totals column; per
+    output column ``shown[o]`` (a value's position), ``nonnull[o]`` (the position of the value whose 0 makes it null,
+    or -1) and ``owidth[o]``; ``bschema`` (the totals: keys, then the slots) and ``oschema`` (the output: keys, then
+    the output columns). ``step(table, group_row, gkh, old, nw, ix)`` takes phase 1's arrays (extremes_probe's, the
+    recomputed extremes filled in) and returns ``(batch, w, kh, rh, ordered, out, ow)``: the totals trace batch as a
+    one-chunk Table with its weights, key hashes and row hashes (in canonical order unless ``ordered`` is False), and
+    the output Table with its weights (its rows distinct: a group's equal old and new rows dropped); all None when
+    no group's totals changed. ``ix`` then holds the new totals; a MemoryError or ValueError from its store leaves it
+    broken (as extremes_store), one before the store changes nothing."""
+    cdef Int32s keys, snull, swidth, shown, nonnull, owidth
+    cdef int32_t ns, nv, nout
+    cdef readonly object bschema, oschema
+    cdef readonly int64_t steps  # steps served (a counter for tests: the C path ran)
+
+    def __init__(self, keys, int32_t nv, snull, swidth, shown, nonnull, owidth, bschema, oschema):
+        if len(snull) != len(swidth) or not snull or len(shown) != len(nonnull) or len(shown) != len(owidth):
+            raise ValueError("ExtremesEmit: one flag and width per slot, one slot, flag and width per output column")
+        if len(snull) + len(shown) > 128 or nv < len(snull):
+            raise ValueError("ExtremesEmit: at most 128 columns, and no fewer values than slots")
+        for x in list(snull) + list(nonnull):
+            if not -1 <= x < nv:
+                raise ValueError("ExtremesEmit: a flag outside the values")
+        for x in shown:
+            if not 0 <= x < nv:
+                raise ValueError("ExtremesEmit: a shown value outside the values")
+        for x in list(swidth) + list(owidth):
+            if x not in (1, 2, 4, 8):
+                raise ValueError("ExtremesEmit: a width other than 1, 2, 4 or 8 bytes")
+        self.keys, self.snull, self.swidth = Int32s(keys), Int32s(snull), Int32s(swidth)
+        self.shown, self.nonnull, self.owidth = Int32s(shown), Int32s(nonnull), Int32s(owidth)
+        self.ns, self.nv, self.nout = len(snull), nv, len(shown)
+        self.bschema, self.oschema = bschema, oschema
+        self.steps = 0
+
+    def step(self, table, group_row, gkh, old, nw, KeyIndex ix):
+        cdef BatchView v = view_of(table)
+        if self.keys.n != ix.nkeys or self.nv != ix.nvals:
+            raise ValueError(f"ExtremesEmit: {self.keys.n} keys and {self.nv} values for an index of {ix.nkeys} and "
+                             f"{ix.nvals}")
+        gr = np.ascontiguousarray(group_row, dtype=np.int64)
+        kk = np.ascontiguousarray(gkh, dtype=np.uint64)
+        o = np.ascontiguousarray(old, dtype=np.int64)
+        x = np.ascontiguousarray(nw, dtype=np.int64)
+        cdef int64_t ng = gr.shape[0], i
+        if o.ndim != 2 or o.shape != x.shape or o.shape[0] != ng or kk.shape[0] != ng or o.shape[1] != self.nv:
+            raise ValueError("ExtremesEmit: group rows, hashes, old and new totals do not match")
+        cdef const int64_t[::1] pg = gr
+        for i in range(ng):
+            if pg[i] < 0 or pg[i] >= v.c.nrows:
+                raise IndexError(f"ExtremesEmit: group row {pg[i]} outside the change's {v.c.nrows}")
+        self.steps += 1
+        if ng == 0:
+            return None, None, None, None, True, None, None
+        cdef const uint64_t[::1] pk = kk
+        cdef const int64_t[:, ::1] po = o
+        cdef const int64_t[:, ::1] px = x
+        cdef ArrowArray batch, out
+        cdef int64_t *w = NULL
+        cdef int64_t *ow = NULL
+        cdef uint64_t *kh = NULL
+        cdef uint64_t *rh = NULL
+        cdef int64_t n = 0, on = 0
+        cdef int ordered = 1, st
+        with nogil:
+            st = dbsp_extremes_emit(ix.ix, &v.c, self.keys.p, self.keys.n, self.ns, self.nv, ng, &pg[0], &pk[0],
+                                    &po[0, 0], &px[0, 0], self.snull.p, self.swidth.p, self.nout, self.shown.p,
+                                    self.nonnull.p, self.owidth.p, &batch, &out, &w, &kh, &rh, &n, &ordered, &ow, &on)
+        check_status(st, "extremes_emit")
+        if n == 0:
+            return None, None, None, None, True, None, None
+        wa = own_array(w, n, np.int64)
+        ka = own_array(kh, n, np.uint64)
+        ra = own_array(rh, n, np.uint64)
+        owa = own_array(ow, on, np.int64)
+        try:
+            bt = import_batch(&batch, self.bschema)
+        except BaseException:
+            out.release(&out)  # not imported: the first import failed
+            raise
+        return bt, wa, ka, ra, bool(ordered), import_batch(&out, self.oschema), owa

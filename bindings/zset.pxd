@@ -270,6 +270,12 @@ cdef extern from "extremes.h" nogil:
     int dbsp_extremes_store(CKeyIndex *ix, const CBatch *b, const int32_t *keys, int64_t ng, int32_t nv,
                             const int64_t *group_row, const uint64_t *gkh, const int64_t *old, const int64_t *nw,
                             int64_t *grp, int64_t *w, int64_t *n)
+    int dbsp_extremes_emit(CKeyIndex *ix, const CBatch *b, const int32_t *keys, int32_t nkeys, int32_t ns,
+                           int32_t nv, int64_t ng, const int64_t *group_row, const uint64_t *gkh, const int64_t *old,
+                           const int64_t *nw, const int32_t *snull, const int32_t *swidth, int32_t nout,
+                           const int32_t *shown, const int32_t *nonnull, const int32_t *owidth,
+                           ArrowArray *batch, ArrowArray *out, int64_t **w, uint64_t **kh, uint64_t **rh,
+                           int64_t *n, int *ordered, int64_t **ow, int64_t *on)
 
 cdef extern from "linrun.h" nogil:
     ctypedef struct CLinRun "DbspLinRun":

@@ -2,6 +2,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "extremes.h"
+#include "hash.h"
 #include "lookup.h"
 #include "reduce.h"
 #include "status.h"
@@ -165,6 +166,153 @@ int dbsp_extremes_store(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *key
         if (st != DBSP_OK) return st;
     }
     *n = k;
+    return DBSP_OK;
+}
+
+/* a row's values x (V of them) as one more column per slot after the key hash h (hash.h; a slot is null where
+ * its flag snull[j] >= 0 is 0): the row hash of (key columns, slot columns) */
+static inline uint64_t slots_hash(uint64_t h, const int64_t *x, int32_t ns, const int32_t *snull) {
+    const uint64_t hnull = dbsp_mix(DBSP_HASH_NULL);
+    for (int32_t j = 0; j < ns; j++) {
+        uint64_t v = snull[j] >= 0 && x[snull[j]] == 0 ? hnull : dbsp_mix((uint64_t)x[j] ^ DBSP_HASH_S_INT);
+        h = dbsp_mix(h * DBSP_HASH_K_GOLD + v);
+    }
+    return h;
+}
+
+/* values[0..m) narrowed in place to `width` bytes each (the low bytes: a value of a narrower column, sign- or
+ * zero-extended, comes back as it was) */
+static void narrow(int64_t *values, int64_t m, int32_t width) {
+    if (width == 4) {
+        int32_t *d = (int32_t *)values;
+        for (int64_t i = 0; i < m; i++) d[i] = (int32_t)values[i];
+    } else if (width == 2) {
+        int16_t *d = (int16_t *)values;
+        for (int64_t i = 0; i < m; i++) d[i] = (int16_t)values[i];
+    } else if (width == 1) {
+        int8_t *d = (int8_t *)values;
+        for (int64_t i = 0; i < m; i++) d[i] = (int8_t)values[i];
+    }
+}
+
+/* column k of an export: the values src[r * V + j] of rows r < m (their groups' rows of old or new totals), null
+ * where the flag f >= 0 is 0; *vals and *valid malloc'ed (valid NULL when no null), *nulls counted */
+static int column_of(const int64_t *const *src, int64_t m, int32_t j, int32_t f, int32_t width, int64_t **vals,
+                     uint8_t **valid, int64_t *nulls) {
+    int64_t *v = malloc((size_t)(m ? m : 1) * 8);
+    if (!v) return DBSP_ENOMEM;
+    int64_t z = 0;
+    for (int64_t r = 0; r < m; r++) {
+        v[r] = src[r][j];
+        z += f >= 0 && src[r][f] == 0;
+    }
+    uint8_t *b = NULL;
+    if (z) {
+        if (!(b = calloc((size_t)(m + 7) / 8 + 1, 1))) { free(v); return DBSP_ENOMEM; }
+        for (int64_t r = 0; r < m; r++)
+            if (src[r][f] != 0) b[r >> 3] |= (uint8_t)(1u << (r & 7));
+            else v[r] = 0;
+    }
+    narrow(v, m, width);
+    *vals = v, *valid = b, *nulls = z;
+    return DBSP_OK;
+}
+
+int dbsp_extremes_emit(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int32_t nkeys, int32_t ns,
+                       int32_t nv, int64_t ng, const int64_t *group_row, const uint64_t *gkh, const int64_t *old,
+                       const int64_t *nw, const int32_t *snull, const int32_t *swidth, int32_t nout,
+                       const int32_t *shown, const int32_t *nonnull, const int32_t *owidth,
+                       struct ArrowArray *batch, struct ArrowArray *out, int64_t **w, uint64_t **kh, uint64_t **rh,
+                       int64_t *n, int *ordered, int64_t **ow, int64_t *on) {
+    batch->release = NULL;
+    out->release = NULL;
+    *w = NULL, *kh = NULL, *rh = NULL, *ow = NULL, *n = 0, *on = 0, *ordered = 1;
+    if (ns < 1 || nout < 0 || ns + nout > 128 || nv < ns) return DBSP_EINVAL;
+    for (int32_t j = 0; j < ns; j++)
+        if (snull[j] >= nv || (swidth[j] != 1 && swidth[j] != 2 && swidth[j] != 4 && swidth[j] != 8))
+            return DBSP_EINVAL;
+    for (int32_t o = 0; o < nout; o++)
+        if (shown[o] < 0 || shown[o] >= nv || nonnull[o] >= nv
+            || (owidth[o] != 1 && owidth[o] != 2 && owidth[o] != 4 && owidth[o] != 8)) return DBSP_EINVAL;
+    int64_t *cols[128];
+    uint8_t *valid[128];
+    int64_t nulls[128];
+    memset(cols, 0, sizeof cols);
+    memset(valid, 0, sizeof valid);
+    size_t cap = (size_t)(ng ? 2 * ng : 1);
+    const int64_t **src = malloc(cap * sizeof *src), **osrc = malloc(cap * sizeof *osrc);
+    int64_t *rows = malloc(cap * 8), *orows = malloc(cap * 8);
+    *w = malloc(cap * 8), *kh = malloc(cap * 8), *rh = malloc(cap * 8), *ow = malloc(cap * 8);
+    int st = DBSP_OK;
+    int64_t m = 0, k = 0;
+    if (!src || !osrc || !rows || !orows || !*w || !*kh || !*rh || !*ow) { st = DBSP_ENOMEM; goto done; }
+    int have_prev = 0;
+    uint64_t prev = 0;
+    for (int64_t g = 0; g < ng; g++) {  /* the rows, in canonical order: key hash, then row hash */
+        const int64_t *o = old + g * nv, *x = nw + g * nv;
+        if (memcmp(o, x, (size_t)nv * 8) == 0) continue;
+        int sub = o[0] != 0, add = x[0] != 0;
+        if (!sub && !add) continue;
+        if (have_prev && gkh[g] == prev) *ordered = 0;
+        have_prev = 1;
+        prev = gkh[g];
+        uint64_t ho = sub ? slots_hash(gkh[g], o, ns, snull) : 0, hx = add ? slots_hash(gkh[g], x, ns, snull) : 0;
+        int old_first = !add || (sub && ho < hx);
+        if (sub && add && ho == hx) *ordered = 0;
+        for (int t = 0; t < 2; t++) {
+            int is_old = t == 0 ? old_first : !old_first;
+            if (is_old ? !sub : !add) continue;
+            src[m] = is_old ? o : x;
+            rows[m] = group_row[g];
+            (*w)[m] = is_old ? -1 : 1;
+            (*kh)[m] = gkh[g];
+            (*rh)[m] = is_old ? ho : hx;
+            m++;
+        }
+        int same = sub && add;  /* the output: a group's two rows cancel when they show the same */
+        for (int32_t q = 0; same && q < nout; q++) {
+            int f = nonnull[q];
+            int na = f >= 0 && o[f] == 0, nb = f >= 0 && x[f] == 0;
+            same = (na && nb) || (!na && !nb && o[shown[q]] == x[shown[q]]);
+        }
+        if (same) continue;
+        for (int64_t r = m - (sub + add); r < m; r++) {
+            osrc[k] = src[r];
+            orows[k] = rows[r];
+            (*ow)[k] = (*w)[r];
+            k++;
+        }
+    }
+    if (m == 0) goto done;
+    for (int32_t j = 0; j < ns; j++)
+        if ((st = column_of(src, m, j, snull[j], swidth[j], &cols[j], &valid[j], &nulls[j])) != DBSP_OK) goto done;
+    for (int32_t q = 0; q < nout; q++)
+        if ((st = column_of(osrc, k, shown[q], nonnull[q], owidth[q], &cols[ns + q], &valid[ns + q],
+                            &nulls[ns + q])) != DBSP_OK) goto done;
+    if ((st = dbsp_cdata_gather_ints(b, keys, nkeys, rows, m, ns, cols, valid, nulls, batch)) != DBSP_OK) goto done;
+    for (int32_t j = 0; j < ns; j++) cols[j] = NULL, valid[j] = NULL;  /* the batch's now */
+    st = dbsp_cdata_gather_ints(b, keys, nkeys, orows, k, nout, cols + ns, valid + ns, nulls + ns, out);
+    if (st != DBSP_OK) { batch->release(batch); goto done; }
+    for (int32_t q = 0; q < nout; q++) cols[ns + q] = NULL, valid[ns + q] = NULL;
+    for (int64_t g = 0; g < ng; g++) {  /* the stores last (dbsp_extremes_store's) */
+        const int64_t *o = old + g * nv, *x = nw + g * nv;
+        if (memcmp(o, x, (size_t)nv * 8) == 0) continue;
+        st = dbsp_keyindex_put(ix, b, keys, group_row[g], gkh[g], x[0] != 0 ? x : NULL, 1, ng);
+        if (st != DBSP_OK) {
+            batch->release(batch);
+            out->release(out);
+            goto done;
+        }
+    }
+done:
+    for (int32_t c = 0; c < ns + nout; c++) { free(cols[c]); free(valid[c]); }
+    free(src); free(osrc); free(rows); free(orows);
+    if (st != DBSP_OK || m == 0) {
+        free(*w); free(*kh); free(*rh); free(*ow);
+        *w = NULL, *kh = NULL, *rh = NULL, *ow = NULL, *n = 0, *on = 0;
+        return st;
+    }
+    *n = m, *on = k;
     return DBSP_OK;
 }
 

@@ -17,6 +17,10 @@
  *  3. Groups are runs of the indexed change (canonical order for its key: equal keys are adjacent), or, for a
  *     change of insertions only (dbsp_extremes_probe_inserts), the groups of a hash grouping of its rows in any
  *     order (reduce.h), in the same key-hash order.
+ *  4. dbsp_extremes_emit is a step's second half in C (operators/aggregate.py ``_ExtremesState._through_index``):
+ *     the rows dbsp_extremes_store emits, as the trace batch (row hashes and canonical order included, so the
+ *     trace neither hashes nor sorts them) and as the output Z-set (finalized: min/max, counts and integer sums
+ *     shown as the aggregate's columns; equal old and new rows of a group dropped), then the same stores.
  */
 #ifndef DBSP_EXTREMES_H
 #define DBSP_EXTREMES_H
@@ -25,6 +29,7 @@
 #include "column.h"
 #include "keyindex.h"
 #include "agg.h"
+#include "cdata.h"
 
 /* Phase 1. For each group of the indexed change b (key columns keys, key hashes kh ascending): group_row[g] (its
  * first row), gkh[g], old[g * V + v] (the index's values, 0 when absent), nw[g * V + v] (the new ones, design
@@ -52,6 +57,31 @@ int dbsp_extremes_probe_inserts(const DbspKeyIndex *ix, const DbspBatch *b, cons
 int dbsp_extremes_store(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int64_t ng, int32_t nv,
                         const int64_t *group_row, const uint64_t *gkh, const int64_t *old, const int64_t *nw,
                         int64_t *grp, int64_t *w, int64_t *n);
+
+/* Phase 2 and the step's outputs in one call (design note 4), in place of dbsp_extremes_store and the Python that
+ * built the trace batch and the output from its rows. For each group g < ng whose new values nw differ from its
+ * old ones, in group order: a row of its old totals (weight -1, when its old count is not 0) and one of its new
+ * totals (+1, when its new count is not 0), the two in row-hash order. Exported, when at least one row:
+ *   *batch: the totals trace batch: the key columns of b at the group's row, then ns int64 slot columns, slot j
+ *     null where snull[j] >= 0 and the row's value snull[j] (a "not null" flag) is 0, its values narrowed to
+ *     swidth[j] bytes (1, 2, 4 or 8: the slot column's width; the importer's schema says its type); with its
+ *     weights *w, key hashes *kh and row hashes *rh (hash.h: the key hash extended by the slot columns; *n rows,
+ *     malloc'ed) and *ordered: 0 when two emitted groups share a key hash or a group's two rows a row hash (the
+ *     rows are then not in canonical order: the caller sorts them);
+ *   *out: the output: the key columns, then for o < nout the value of slot shown[o], null where nonnull[o] >= 0
+ *     and the row's value nonnull[o] is 0, narrowed to owidth[o] bytes; with its weights *ow (*on rows): the rows
+ *     of the batch less a group's two rows when they show the same output (equal values, nulls alike), so the
+ *     rows of a change whose groups differ in their keys are distinct.
+ * Then the index holds the new values (the key removed at a count of 0), as dbsp_extremes_store leaves it. The
+ * store is last: an error before it (DBSP_ENOMEM) exports and changes nothing; one of the store (the index could
+ * not grow) leaves the index broken, as dbsp_extremes_store's, and exports nothing. V = ns + the extremes among
+ * slots. With *n == 0 nothing is exported (the releases stay NULL) and the arrays are NULL. */
+int dbsp_extremes_emit(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int32_t nkeys, int32_t ns,
+                       int32_t nv, int64_t ng, const int64_t *group_row, const uint64_t *gkh, const int64_t *old,
+                       const int64_t *nw, const int32_t *snull, const int32_t *swidth, int32_t nout,
+                       const int32_t *shown, const int32_t *nonnull, const int32_t *owidth,
+                       struct ArrowArray *batch, struct ArrowArray *out, int64_t **w, uint64_t **kh, uint64_t **rh,
+                       int64_t *n, int *ordered, int64_t **ow, int64_t *on);
 
 /* The extremes a deleted value reached, recomputed (design note 2): for i < n, the key of row rows[i] of b (key
  * columns keys) with key hash kh[i], over the rows of the value batches vb[0..nb) (a value trace's batches, each

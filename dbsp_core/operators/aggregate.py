@@ -60,6 +60,17 @@ Invariants:
      only those columns are hashed, sorted and gathered, and rows equal on them are consolidated; limb columns
      (invariant 5), functions of their column, are appended after the indexing. When the projection is the keys
      and one value column without nulls, the indexed change is the value multiset's batch as it stands.
+ 10. Through the totals' key index, once phase 1 (csrc/extremes.h: the probe, then the recomputed extremes) has the
+     step's groups with their old and new totals, the rest of the step is one C call (``_zset.ExtremesEmit``,
+     extremes.h design note 4) when every output column is a min/max (its column's type), a count or an int64
+     sum: the totals batch (the key columns gathered, the slots narrowed to their types, null where an extreme
+     is; its row hashes and canonical order, so the trace neither hashes nor sorts it), the finalized output (a
+     group's old and new rows dropped when they show the same: distinct as it stands) and the index's stores. A
+     key-hash or row-hash tie leaves the batch to be sorted in Python; other aggregates (avg, a uint64 sum)
+     build both from the probe's arrays in Python. ``emitted_steps`` counts the steps it served. The totals trace,
+     read only through that index, holds its low levels as a linear aggregate's does (trace invariant 18,
+     ``DBSP_TOTALS_HOLD``; ``_LinearState.HOLD`` in tests): a step's batch of old and new totals is rewritten about
+     once per three levels on its way up, not once per level.
 """
 
 from __future__ import annotations
@@ -769,6 +780,10 @@ class _ExtremesState(_GroupedState):
                      + tuple(("valid", f"s_{j}") for j, _, _ in self.ext))
         if not (all(summable(slot_type[j]) for j, _, _ in self.ext) and self.totals.keep_index(self.spec[1])):
             self.spec = None
+        else:  # read through the key index: its low levels merge many at a time (trace invariant 18)
+            hold = settings().totals_hold if _LinearState.HOLD is None else _LinearState.HOLD
+            if hold > 2:
+                self.totals.hold = hold
         # invariant 8: the reduction's grouping specs (row count, the one extreme), when the aggregate allows it
         self.reduce_specs = None
         if (op.append_only and len(self.ext) == 1 and _reducible(slot_type[self.ext[0][0]])
@@ -776,9 +791,41 @@ class _ExtremesState(_GroupedState):
             self.reduce_specs = tuple(_agg_specs(op.in_schema, [("count", None), self.ext[0][1:]]))
         self.reduced_steps = 0  # changes reduced (counts for tests, not state)
         self.projected_steps = 0  # changes projected (invariant 9; counts for tests, not state)
+        self.emit = self._emitter() if self.spec is not None else None  # phase 2 in one C call (invariant 10)
+        self.emitted_steps = 0  # steps whose second half ran in that call (counts for tests, not state)
         # steps left before the reduction is tried again (invariant 8): of the step's change, and of what a fused
         # exchange sends (dbsp_core/runtime/plan.py): after a sender's reduction a group arrives as about one row
         self._reduce_skip = self._send_skip = 0
+
+    def _emitter(self) -> "_zset.ExtremesEmit | None":
+        """Invariant 10: the C call that emits a step's totals batch and output and stores the new totals, configured
+        for this aggregate's slots and output columns; None when an output column is not one it finalizes (an avg,
+        a uint64 sum in limbs, a cast, hidden keys): :meth:`_through_index` then builds them in Python."""
+        op = self.op
+        if not op.output_keys:
+            return None
+        nk, ns = len(self.keys), len(op.kernel)
+        ext = {j: ns + e for e, (j, _, _) in enumerate(self.ext)}  # an extreme's "not null" flag among the values
+        shown, nonnull, owidth = [], [], []
+        for (kind, slots), field in zip(op.plan, list(op.schema)[nk:]):
+            if kind in ("min", "max") and field.type.equals(self.sschema.field(nk + slots[0]).type):
+                shown.append(slots[0])
+                nonnull.append(ext[slots[0]])
+            elif kind == "count" and pat.is_int64(field.type):
+                shown.append(slots[0])
+                nonnull.append(-1)
+            elif kind == "sum" and len(slots) == 2 and pat.is_int64(field.type):
+                shown.append(slots[0])
+                nonnull.append(slots[1])  # null where the group's non-null count is 0 (Aggregate.finalize)
+            else:
+                return None
+            owidth.append(field.type.bit_width // 8)
+        slot_types = [self.sschema.field(nk + j).type for j in range(ns)]
+        if not all(pat.is_integer(t) or pat.is_timestamp(t) or pat.is_date(t) for t in slot_types):
+            return None
+        return _zset.ExtremesEmit(self.keypos, ns + len(self.ext), [ext.get(j, -1) for j in range(ns)],
+                                  [t.bit_width // 8 for t in slot_types], shown, nonnull, owidth, self.sschema,
+                                  op.schema)
 
     def traces(self) -> dict[str, Trace]:
         """The operator's state, by name (each trace can be read per shard)."""
@@ -1024,6 +1071,8 @@ class _ExtremesState(_GroupedState):
         group_row, gkh, old, nw, need = probe(view, self.keypos, self.slot_specs, ix)
         if need.any():
             self._recompute_into(view, group_row, gkh, np.flatnonzero(need), nw)
+        if self.emit is not None:  # invariant 10: the rest of the step in one C call
+            return self._emitted(view, group_row, gkh, old, nw, ix)
         grp, w = _zset.extremes_store(view, self.keypos, group_row, gkh, old, nw, ix)
         if len(grp) == 0:
             self.totals.index_done(ix)
@@ -1046,6 +1095,26 @@ class _ExtremesState(_GroupedState):
         self.totals.insert(IndexedZSet._from_key_order(make(table, w, self.sschema), self.keys, kh), indexed=ix)
         # a group's old and new rows sit side by side: they cancel when the view's columns did not change
         return sum_adjacent(make(op.finalize(table), w, op.schema), kh)
+
+    def _emitted(self, view: "_zset.BatchView", group_row: np.ndarray, gkh: np.ndarray, old: np.ndarray,
+                 nw: np.ndarray, ix: object) -> "ZSet":
+        """The step's second half (invariant 10) from its probe's groups, old and new totals (the recomputed extremes
+        filled in): the totals batch (row hashes included) and the finalized output built in C, the new totals
+        stored in ``ix``; the batch inserted into the totals trace."""
+        batch, w, kh, rh, ordered, out, ow = self.emit.step(view, group_row, gkh, old, nw, ix)
+        if batch is None:  # no group's totals changed
+            self.totals.index_done(ix)
+            return empty(self.op.schema)
+        if ordered:  # groups by key hash, a group's two rows by row hash: the trace batch as it stands
+            b = IndexedZSet._make(ZSet._make(batch, w), tuple(self.keys), kh)
+            b._rh = rh
+        else:  # a key-hash or row-hash tie (rare): values decide the order
+            b = IndexedZSet._from_key_order(make(batch, w, self.sschema), self.keys, kh)
+        self.totals.insert(b, indexed=ix)
+        self.emitted_steps += 1
+        if not len(ow):  # every changed group shows what it showed
+            return empty(self.op.schema)
+        return ZSet._make(out, ow, distinct=True)  # rows of two groups differ in their keys, a group's in a value
 
     def _recompute_into(self, view: "_zset.BatchView", group_row: np.ndarray, gkh: np.ndarray, need: np.ndarray,
                         nw: np.ndarray) -> None:
