@@ -986,7 +986,7 @@ def merge_cursor(a: IndexedZSet, *others: IndexedZSet, row_hashes: bool = False,
 def merged(a: IndexedZSet, m: Any) -> IndexedZSet:
     """The result of a finished :func:`merge_cursor` whose first input is ``a``, as an indexed Z-set."""
     table, w, kh, rh = m.result()
-    out = IndexedZSet._make(ZSet._make(table, w), a._key, kh)
+    out = IndexedZSet._make(ZSet._make(table, w, chunked=True), a._key, kh)  # (one record batch: invariant 1)
     out._rh = rh
     return out
 
