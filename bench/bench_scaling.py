@@ -55,7 +55,7 @@ def bids(rng: np.random.Generator, n: int, query: str, groups: int) -> pa.Table:
     return pa.table({"auction": auction, "bidder": bidder, "price": rng.integers(1, 10_000, n)}, schema=BIDS)
 
 
-QUERIES = ("group_by", "join", "distinct", "join_group_by", "group_by_min_max", "group_by_avg")
+QUERIES = ("group_by", "join", "distinct", "join_group_by", "group_by_min_max", "group_by_avg", "passthrough")
 JOINED = ("join", "join_group_by")  # the queries that read auctions
 
 
@@ -73,6 +73,8 @@ def circuit(query: str) -> dbsp.Circuit:
     elif query == "join_group_by":  # bench_circuits (a)'s join then group-by
         v = b.join(a, left_on="auction", right_on="id").group_by("category").agg(n=dbsp.count(),
                                                                                  total=dbsp.sum("price"))
+    elif query == "passthrough":  # bench_circuits (a)'s pass-through: the per-step floor
+        v = b
     else:
         v = b.select(auction="auction", bidder="bidder").distinct()
     c.output("v", v)

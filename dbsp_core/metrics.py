@@ -58,6 +58,9 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 """Upper bounds (seconds) of the step-latency histogram's buckets; one more bucket holds everything above."""
 
 
+_SUM = np.add.reduce  # ndarray.sum without numpy's Python wrapper frame (the same int64 sum)
+
+
 class Metrics:
     """The counters one pipeline updates (invariants 1 and 2); read them with :meth:`snapshot`.
 
@@ -129,7 +132,7 @@ class Metrics:
                 self.recent.append((step, per))
                 for name, z in out.items():
                     self.rows_out[name] = self.rows_out.get(name, 0) + z.num_rows
-                    self.net_rows[name] = self.net_rows.get(name, 0) + int(z.weights.sum())
+                    self.net_rows[name] = self.net_rows.get(name, 0) + int(_SUM(z.weights))
 
     def rows_in_total(self) -> int:
         """Rows pushed so far, over every input."""

@@ -676,12 +676,13 @@ class _LinearState:
         if batch is None:  # no group changed
             self.trace.index_done(ix)
             return empty(op.schema)
-        if ordered:  # groups by key hash, a group's two rows by row hash: the trace batch as it stands
-            self.trace.store_totals(IndexedZSet._make(ZSet._make(batch, w), tuple(self.keys), kh), ix)
+        if ordered:  # groups by key hash, a group's two rows by row hash: the trace batch as it stands (the C
+            # call's tables hold one record batch each: one chunk per column as they are, zset.py invariant 1)
+            self.trace.store_totals(IndexedZSet._make(ZSet._make(batch, w, chunked=True), tuple(self.keys), kh), ix)
         else:  # a key-hash or row-hash tie (rare): values decide the order
             self.trace.store_totals(make(batch, w, self.pschema).index_by(self.keys), ix)
         if distinct:  # no group shows equal new and old rows (csrc/linrun.h invariant 2)
-            return ZSet._make(out, w, distinct=True)
+            return ZSet._make(out, w, distinct=True, chunked=True)
         return sum_adjacent(make(out, w, op.schema), kh)
 
     def _emit(self, view: "_zset.BatchView", keypos: tuple, found: tuple, finalize: object) -> "ZSet":

@@ -32,10 +32,11 @@ import pyarrow.compute as pc
 from dbsp_core.errors import SchemaError, WeightOverflowError
 from dbsp_core.time.cleanup import prune
 from dbsp_core.time.lineage import input_times
+from dbsp_core.zset import ZSet, _single_chunk  # (module level: an import in a function costs ~5k instructions a call)
 
 if TYPE_CHECKING:
     from dbsp_core.operators.context import StepContext
-    from dbsp_core.zset import IndexedZSet, ZSet
+    from dbsp_core.zset import IndexedZSet
 
 INT64_MIN = np.iinfo(np.int64).min
 
@@ -107,8 +108,6 @@ def check_new_columns(schema: pa.Schema, start: Any, end: Any, where: str, what:
 
 def empty(schema: pa.Schema) -> "ZSet":
     """The empty Z-set of ``schema``."""
-    from dbsp_core.zset import ZSet
-
     return ZSet.empty(schema)
 
 
@@ -116,8 +115,6 @@ def conform(z: "ZSet", schema: pa.Schema) -> "ZSet":
     """``z`` with exactly ``schema`` (cast when only nullability or metadata differ)."""
     if z.schema.equals(schema):
         return z
-    from dbsp_core.zset import ZSet
-
     return ZSet._make(z.data.cast(schema), z.weights)
 
 
@@ -149,8 +146,6 @@ def opened_change(state: Any, inputs: list["ZSet"], ctx: "StepContext", schema: 
 
 def make(table: pa.Table, weights: np.ndarray, schema: pa.Schema) -> "ZSet":
     """Build an operator output from a table whose columns match ``schema`` (re-chunked to one chunk each)."""
-    from dbsp_core.zset import ZSet, _single_chunk
-
     if table.num_rows == 0:
         return ZSet.empty(schema)
     table = _single_chunk(table)
@@ -172,8 +167,6 @@ def negate(z: "ZSet") -> "ZSet":
 
 def concat(parts: list["ZSet"], schema: pa.Schema) -> "ZSet":
     """Sum of ``parts`` without consolidating (empty parts skipped)."""
-    from dbsp_core.zset import ZSet
-
     parts = [p for p in parts if p.num_rows]
     if not parts:
         return ZSet.empty(schema)

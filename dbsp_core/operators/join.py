@@ -283,10 +283,11 @@ class _JoinState:
         if got is None:  # the change consolidated to nothing
             return None
         table, w, kh, rh, parts = got
-        ix = IndexedZSet._make(ZSet._make(table, w), own.key, kh)
+        # (the kernel's tables hold one record batch each: one chunk per column as they are, zset.py invariant 1)
+        ix = IndexedZSet._make(ZSet._make(table, w, chunked=True), own.key, kh)
         ix._rh = rh  # (index_by's: the row hashes when the kernel had them)
         own.insert(ix)
         for _, t, pw in parts:
-            p = ZSet._make(t, pw, distinct=distinct)
+            p = ZSet._make(t, pw, distinct=distinct, chunked=True)
             out.append(p if padded is None else pad(p, padded))
         return ix

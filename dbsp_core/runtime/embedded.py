@@ -271,6 +271,7 @@ class EmbeddedExecutor:
         self._exchanger: _Exchanger | None = None
         self._coord: Coordinator | None = None
         self._out_schemas: dict[str, pa.Schema] = {}
+        self._in_schemas: dict[str, pa.Schema] = {}
         self.stats: dict[str, Any] = {}
         # the driver's output log end: not needed here (state commits only at checkpoints, after its output)
         self.output_steps: Callable[[], int] = lambda: 2**62
@@ -295,6 +296,7 @@ class EmbeddedExecutor:
     def start(self, circuit: Circuit, layout: Layout, storage: str | None) -> None:
         self.circuit, self.storage = circuit, storage
         self._out_schemas = {name: circuit.nodes[i].schema for name, i in circuit.outputs.items()}
+        self._in_schemas = {h: circuit.nodes[i].schema for h, i in circuit.inputs.items()}
         # outputs whose rows in two workers always differ: sharded by columns they keep (equal rows, equal shard)
         self._disjoint = {name: circuit.nodes[i].partitioning is not None
                           and set(circuit.nodes[i].partitioning) <= set(circuit.nodes[i].schema.names)
@@ -632,7 +634,8 @@ class EmbeddedExecutor:
             parts = [r.pop(name) for r in results]  # popped: the sum below holds the only reference to them
             z = concat(parts, schema)
             if z._distinct or (whole and self._disjoint[name] and all(p._distinct for p in parts)):  # invariant 3
-                out[name] = z if z._distinct else ZSet._make(z.data, z.weights, distinct=True)  # parts need no sort
+                out[name] = z if z._distinct else ZSet._make(z.data, z.weights, distinct=True, chunked=True)  # parts
+                # need no sort (z.data: one chunk per column, zset.py invariant 1)
             else:  # the workers' distinct parts, with their row hashes, summed across workers (invariant 3)
                 del parts  # copied into z (or z itself): freed before the hashing, not beside it (a split step's
                 # outputs of every piece: a 1M-row join step's ~48 MiB, its peak)
@@ -644,9 +647,8 @@ class EmbeddedExecutor:
         step ``s``; returns each worker's outputs."""
         assert self.circuit is not None and self.layout is not None and self._exchanger is not None
         W = self.layout.workers
-        inputs = self.circuit.inputs
         parts = spread(pushes, W, s.step % W)
-        schemas = {h: self.circuit.nodes[i].schema for h, i in inputs.items()}
+        schemas = self._in_schemas
         for w, wk in enumerate(self._workers):
             wk.timer.step = s.step
             wk.ctx.begin({h: concat(ps, schemas[h]) for h, ps in parts[w].items()}, s.now_ns, s.prev_now_ns,

@@ -201,6 +201,12 @@ def spread(pushes: list[tuple[str, ZSet]], workers: int, cursor: int, keep: Any 
     >>> [{h: [p.num_rows for p in ps] for h, ps in w.items()} for w in spread([("t", z), ("u", z)], 2, 1)]
     [{}, {'t': [3], 'u': [3]}]
     """
+    if workers == 1:  # every push whole to the one worker (what the general path below gives), without its sums
+        one: dict[str, list[ZSet]] = {}
+        for handle, z in pushes:
+            if z.num_rows and (keep is None or handle in keep):
+                one.setdefault(handle, []).append(z)
+        return [one]
     out: list[dict[str, list[ZSet]]] = [{} for _ in range(workers)]
     min_rows = max(1, min_rows)
     fill = 0  # rows the cursor's worker was handed by whole small pushes

@@ -40,9 +40,15 @@ def capture(instances: Iterable[Any]) -> list:
     """
     saved = []
     for inst in instances:
-        attrs = dict(vars(inst))
-        traces = [(t, {k: (list(v) if isinstance(v, list) else v) for k, v in vars(t).items()}, t._pk_mark())
-                  for t in attrs.values() if isinstance(t, Trace)]
+        attrs = vars(inst).copy()
+        traces = []
+        for t in attrs.values():
+            if isinstance(t, Trace):
+                tv = vars(t).copy()  # then its lists copied in place (a step's capture: ~30 attributes a trace)
+                for k, v in tv.items():
+                    if isinstance(v, list):
+                        tv[k] = v.copy()
+                traces.append((t, tv, t._pk_mark()))
         saved.append((inst, attrs, traces))
     return saved
 

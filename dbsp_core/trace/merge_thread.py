@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from dbsp_core import _zset
 from dbsp_core.envvars import settings
@@ -180,16 +179,22 @@ class MergeThread:
 _tls = threading.local()
 
 
-@contextmanager
-def merging(thread: "MergeThread | None") -> Iterator[None]:
+class merging:
     """Traces inserted into on this thread, inside the block, hand their merges to the merge thread ``thread``
-    (invariant 10); None: they merge on the inserting thread (invariant 3)."""
-    prev = getattr(_tls, "merge_thread", None)
-    _tls.merge_thread = thread
-    try:
-        yield
-    finally:
-        _tls.merge_thread = prev
+    (invariant 10); None: they merge on the inserting thread (invariant 3). A class, not a generator: entered once
+    a step per worker, where contextlib's machinery cost ~2 us."""
+
+    __slots__ = ("_new", "_prev")
+
+    def __init__(self, thread: "MergeThread | None") -> None:
+        self._new = thread
+
+    def __enter__(self) -> None:
+        self._prev = getattr(_tls, "merge_thread", None)
+        _tls.merge_thread = self._new
+
+    def __exit__(self, *exc: object) -> None:
+        _tls.merge_thread = self._prev
 
 
 def current_merge_thread() -> "MergeThread | None":

@@ -97,6 +97,22 @@ def test_spread_keeps_small_pushes_whole_and_slices_large_ones() -> None:
                                                                             for w in range(3)]
 
 
+def test_spread_over_one_worker_hands_every_push_whole() -> None:
+    """executor.spread at W = 1 (its shortcut): every non-empty push whole, the same objects, in order, by handle,
+    only the handles of ``keep``; whatever the cursor and ``min_rows``."""
+    def z(n: int, base: int = 0) -> dbsp.ZSet:
+        return to_zset({(base + i, "a", i, None): 1 for i in range(n)}, BIDS)
+
+    pushes = [("bids", z(5)), ("other", z(0)), ("bids", z(3000)), ("other", z(3, 200)), ("bids", z(0))]
+    for cursor, min_rows in ((0, 1), (7, 10), (1, 1024)):
+        [one] = spread(pushes, 1, cursor, min_rows=min_rows)
+        assert list(one) == ["bids", "other"]
+        assert [id(p) for p in one["bids"]] == [id(pushes[0][1]), id(pushes[2][1])]
+        assert [id(p) for p in one["other"]] == [id(pushes[3][1])]
+        [kept] = spread(pushes, 1, cursor, keep={"other"}, min_rows=min_rows)
+        assert list(kept) == ["other"] and kept["other"][0] is pushes[3][1]
+
+
 def test_step_without_input_and_closed_pipeline() -> None:
     p = _pipeline()
     assert {k: v.to_dict() for k, v in p.step().items()} == {"all": {}, "g": {}}
