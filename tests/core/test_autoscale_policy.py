@@ -133,7 +133,10 @@ def test_ramp_scales_up_in_few_decisions_and_never_down() -> None:
 def test_spike_scales_up_fast_and_down_once_after_the_window() -> None:
     load = (lambda t: 16_000 if 30 <= t < 50 else 2_000)
     sim = Sim(policy(), workers=1).run(300, load)
-    assert [c[3] for c in sim.changes] == ["scale_up", "scale_down"], sim.changes
+    # The first decision after the spike may see a step that carried the backlog of the steps before it (at 1 worker
+    # each step takes the rows that arrived during the last, so they grow): no size is then predicted to meet the
+    # bound, and it goes to the cap (scale_up_cap) as fast. About 1 seed in 80 (DBSP_AUTOSCALE_SEED=1774877419).
+    assert [c[3] for c in sim.changes] in (["scale_up", "scale_down"], ["scale_up_cap", "scale_down"]), sim.changes
     up, down = sim.changes
     assert 30 < up[0] < 38 and up[2] >= needed(16_000, sim) - 1
     assert down[0] >= 50 + 60 - 5 and down[2] == 1, down  # lazily: after the window, to what the low load needs
