@@ -17,6 +17,12 @@ Invariants (levels.py ``_Merge`` uses a :class:`StreamedMerge` as its cursor whe
       on disk (``GroupedWriter``: a format-2 file written round by round, never held; once finished, opened and
       adopted by the store as a grouped batch, groupedbatch.py B1). A merge dropped before it ends removes its
       temporary file (a crash leaves it to the next open's sweep).
+  S4. A round that fails (a write's error, a damaged input) leaves no half-merge behind: its file, if any, is
+      removed and the merge starts again from its inputs' first rows with a new file at its next step (a step rolled
+      back and run again, or a compaction abandoned, never finds rows missing from the output).
+  The windows together hold at most ``WINDOW_SHARE`` of the store's limit (a window an input, between ``MIN_WINDOW``
+  and ``WINDOW``: a 64-input tiered merge under 100 MiB reads 100 KiB windows), so a merge holds about that much
+  whatever its inputs' sizes.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ from dbsp_core.trace.groupedfile import GroupedFile, GroupedWriter
 
 __all__ = ["StreamedMerge", "WINDOW", "streams"]
 
-WINDOW = 4 << 20  # bytes of an input's rows a window reads (a format-2 input: its groups' messages)
+WINDOW = 4 << 20  # bytes of an input's rows a window reads at most (a format-2 input: its groups' messages)
+MIN_WINDOW = 64 << 10  # ... and at least, whatever the budget (but WINDOW, when smaller: tests)
+WINDOW_SHARE = 1 / 8  # of the store's memory limit, what a merge's windows may hold together (2 a input: S1)
 STATS = {"merges": 0, "windows": 0, "window_bytes": 0, "peak_held": 0, "peak_rows": 0}  # this process (tests;
 # peak_rows: the most bytes of rows read of files and not merged, with a round's merged rows, one merge at a time)
 
@@ -46,10 +54,11 @@ class _Input:
     """One input's reading state: its batch, its file when grouped (the next group to read), its next row otherwise,
     and its rows read and not merged (``pending``)."""
 
-    __slots__ = ("batch", "file", "next_group", "next_row", "pending", "bytes_a_row", "rows")
+    __slots__ = ("batch", "file", "next_group", "next_row", "pending", "bytes_a_row", "rows", "window")
 
-    def __init__(self, b: Any) -> None:
+    def __init__(self, b: Any, window: int) -> None:
         self.batch = b
+        self.window = window
         self.file: GroupedFile | None = groupedbatch.file_of(b) if not groupedbatch.copied_bytes(b) else None
         self.next_group = 0
         self.next_row = 0
@@ -67,12 +76,12 @@ class _Input:
         f = self.file
         if f is None:
             lo = self.next_row
-            hi = min(self.rows, lo + max(1, WINDOW // self.bytes_a_row))
+            hi = min(self.rows, lo + max(1, self.window // self.bytes_a_row))
             self.next_row = hi
             return self.batch.slice(lo, hi)
         g0 = self.next_group
         ends = np.cumsum(f.msg_len[g0:])
-        g1 = g0 + max(1, int(np.searchsorted(ends, WINDOW, "right")))
+        g1 = g0 + max(1, int(np.searchsorted(ends, self.window, "right")))
         self.next_group = g1
         groups = np.arange(g0, g1, dtype=np.int64)
         rb = f._gather(groups, None)
@@ -113,7 +122,7 @@ def _concat_all(parts: list) -> Any:
 
 
 class StreamedMerge:
-    """The cursor of a merge of batches some of which are grouped (invariants S1-S3), with a ``MergeCursor``'s face as
+    """The cursor of a merge of batches some of which are grouped (invariants S1-S4), with a ``MergeCursor``'s face as
     levels.py ``_Merge`` and spill.py use it: ``step(n)``, ``done``, ``consumed``, ``remaining``, ``drop()``,
     ``mapping`` (None: no scratch mapping), ``scratch_path`` (None); and :meth:`output` once done."""
 
@@ -121,23 +130,34 @@ class StreamedMerge:
     scratch_path = None
 
     def __init__(self, batches: list, row_hashes: bool, store: Any = None, on_disk: bool = False) -> None:
-        self.inputs = [_Input(b) for b in batches]
+        limit = getattr(store, "memory_limit", None) or (1 << 62)
+        self.window = window = min(WINDOW, max(MIN_WINDOW, int(limit * WINDOW_SHARE / (2 * len(batches)))))
+        self.inputs = [_Input(b, window) for b in batches]
         self.first = batches[0]
         self.row_hashes = row_hashes
         self.store = store
         self.total = sum(len(b) for b in batches)
         self.consumed = 0
         self.pieces: list = []  # the rounds' outputs, when in memory (invariant S3)
-        self.piece_bytes = 0
+        self.piece_bytes = self._held = 0
         self.writer: GroupedWriter | None = None
         self.name = self.path = None
-        if on_disk and store is not None:
-            self.name, self.path = store._new_name()
-            self.writer = GroupedWriter(self.path, self.total, vfs=store.vfs)
-            weakref.finalize(self, self.writer.abort)  # (invariant S3: dropped before its end)
+        self.on_disk = on_disk and store is not None
         self._out: Any = None
-        self._held = 0
+        self._begin()
         STATS["merges"] += 1
+
+    def _begin(self) -> None:
+        """(Re)start: every input from its first row, no output yet, a new file when on disk (invariant S4)."""
+        for x in self.inputs:
+            x.next_group = x.next_row = 0
+            x.pending = None
+        self.consumed = 0
+        self.pieces, self.piece_bytes, self._held = [], 0, 0
+        if self.on_disk:
+            self.name, self.path = self.store._new_name()
+            self.writer = GroupedWriter(self.path, self.total, vfs=self.store.vfs)
+            weakref.finalize(self, self.writer.abort)  # (invariant S3: dropped before its end)
 
     def drop(self) -> None:
         pass
@@ -157,8 +177,14 @@ class StreamedMerge:
     def step(self, n: int) -> int:
         """Merge at least ``n`` more input rows (or the rest), a round at a time (invariant S2); returns the rows."""
         used = 0
-        while not self.done and used < max(1, n):
-            used += self._round()
+        try:
+            while not self.done and used < max(1, n):
+                used += self._round()
+        except BaseException:
+            if self.writer is not None:
+                self.writer.abort()
+            self._begin()  # (invariant S4)
+            raise
         return used
 
     def _round(self) -> int:
@@ -225,9 +251,14 @@ class StreamedMerge:
             raise RuntimeError("the output of a streamed merge not done: a bug")
         w = self.writer
         if w is not None and w.rows:
-            size = w.finish(self.store.durable)
-            self._out = self.store.adopt_merged(self.name, self.path, size, self.first._key,
-                                                sum(groupedbatch.row_bytes(x.batch) for x in self.inputs))
+            try:
+                size = w.finish(self.store.durable)
+                self._out = self.store.adopt_merged(self.name, self.path, size, self.first._key,
+                                                    sum(groupedbatch.row_bytes(x.batch) for x in self.inputs))
+            except BaseException:
+                w.abort()
+                self._begin()  # (invariant S4: not done any more, merged again by the next steps)
+                raise
         else:
             if w is not None:
                 w.abort()

@@ -110,3 +110,38 @@ def test_a_trace_of_format_2_batches_merges_them_streamed(tmp_path, monkeypatch)
     for sd in seeds:
         model.update(_batch(random.Random(sd), 800, 400, ("k",)).zset.to_dict())
     assert got[None] == got[1] == Counter({r: w for r, w in model.items() if w})
+
+
+def test_a_join_over_format_2_state_reads_no_batch_whole(monkeypatch) -> None:
+    """A join's steps under a 1-byte budget with every spilled file in format 2: its walks gather the keys they seek
+    (the one-call C step is for batches in memory: a grouped batch's view would copy its rows) and its merges stream,
+    so no step reads a grouped batch whole; the output equals the same steps in memory."""
+    import dbsp_core as dbsp
+    from dbsp_core import envvars
+
+    monkeypatch.setattr(BatchStore, "GROUPED_FROM", 1)
+    monkeypatch.setattr(envvars, "_current", envvars.settings()._replace(memory_limit=None))  # (the reference's)
+
+    def circuit() -> "dbsp.Circuit":
+        c = dbsp.Circuit()
+        bids = c.input("bids", pa.schema([("auction", pa.int64()), ("price", pa.int64())]))
+        auctions = c.input("auctions", pa.schema([("id", pa.int64()), ("cat", pa.int64())]))
+        c.output("j", bids.join(auctions, left_on="auction", right_on="id"))
+        return c
+
+    rng = np.random.default_rng(SEED)
+    got: Counter = Counter()
+    want: Counter = Counter()
+    copies = groupedbatch.COPIES["reads"]
+    with dbsp.Pipeline(circuit(), memory_limit=1) as p, dbsp.Pipeline(circuit()) as ref:
+        for i in range(12):
+            bids = pa.table({"auction": rng.integers(0, 120, 300), "price": rng.integers(0, 9, 300)})
+            auctions = pa.table({"id": np.arange(i * 10, i * 10 + 10), "cat": np.arange(10) % 3})
+            for q, acc in ((p, got), (ref, want)):
+                q.push("bids", bids)
+                q.push("auctions", auctions)
+                acc.update(q.step()["j"].to_dict())
+        store = p.executor.batch_store
+        assert store.stats.get("grouped_lookups", 0) > 0 and store.stats.get("grouped_files_written", 0) > 0
+    assert groupedbatch.COPIES["reads"] == copies, "a step read a grouped batch whole"
+    assert +got == +want
