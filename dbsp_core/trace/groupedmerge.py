@@ -179,7 +179,7 @@ class StreamedMerge:
         used = 0
         try:
             while not self.done and used < max(1, n):
-                used += self._round()
+                used += self._round(max(1, n - used))
         except BaseException:
             if self.writer is not None:
                 self.writer.abort()
@@ -187,7 +187,7 @@ class StreamedMerge:
             raise
         return used
 
-    def _round(self) -> int:
+    def _round(self, limit: int) -> int:
         from dbsp_core.zset import merge_cursor, merged
 
         ins = self.inputs
@@ -203,6 +203,13 @@ class StreamedMerge:
         self._held = sum(_bytes(x.pending) for x in ins if x.file is not None)
         open_ = [x for x in ins if not x.exhausted and x.pending is not None and len(x.pending)]
         bound = min(int(x.pending.key_hash[-1]) for x in open_) if open_ else None
+        below = [x.pending.key_hash if bound is None else
+                 x.pending.key_hash[:int(np.searchsorted(x.pending.key_hash, np.uint64(bound), "left"))]
+                 for x in ins if x.pending is not None and len(x.pending)]
+        if sum(len(h) for h in below) > limit:  # (a step of ``limit`` rows: the bound lowered to the key hash of
+            # the limit-th row in merged order, whose rows all go: at most one key hash's rows past the limit)
+            h = np.partition(np.concatenate(below), limit - 1)[limit - 1]
+            bound = int(h) + 1 if int(h) < (1 << 64) - 1 else None  # (none above it: every input read whole)
         take = []
         for x in ins:
             p = x.pending
