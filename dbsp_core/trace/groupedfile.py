@@ -62,7 +62,8 @@ from dbsp_core.errors import CorruptionError, FormatVersionError, StorageError
 from dbsp_core.storage.formats import BATCH_FILE_FOOTER_MAGIC, BATCH_FILE_GROUPED_VERSION, BATCH_FILE_MAGIC
 from dbsp_core.trace import batchfile
 
-__all__ = ["write_grouped", "GroupedWriter", "open_grouped", "GroupedFile", "verify_grouped", "verify", "file_version", "groupable",
+__all__ = ["write_grouped", "GroupedWriter", "open_grouped", "GroupedFile", "verify_grouped", "verify", "file_version",
+           "groupable",
            "GROUP_SLOT", "HEADER2",
            "GROUP_INDEX", "FLAG_GROUPED", "open_rows", "WholeRows", "groupable_schema"]
 

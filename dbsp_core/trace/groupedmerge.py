@@ -12,7 +12,9 @@ Invariants (levels.py ``_Merge`` uses a :class:`StreamedMerge` as its cursor whe
       a key hash below the bound has been read and none is left for a later round: each round's output is the
       whole-merge's rows of its key hashes, in order, and the rounds' outputs in turn are the whole merge's output
       (the same rows, weights, order; a merge of one non-empty piece is that piece). An input whose unmerged rows are
-      all of one key hash (the bound's) reads its next window first, so each round merges at least one key hash.
+      all of one key hash (the bound's) reads its next window first, so each round merges at least one key hash. A
+      step of n rows lowers the bound to just above the key hash of the n-th row in merged order (a compaction paid
+      in slices, levels.py invariant 17: at most one key hash's rows past n, as the C cursor's steps).
   S3. Output: in memory (the store's ``merge_dir`` said it fits: the rounds' outputs concatenated at the end), or
       on disk (``GroupedWriter``: a format-2 file written round by round, never held; once finished, opened and
       adopted by the store as a grouped batch, groupedbatch.py B1). A merge dropped before it ends removes its

@@ -21,10 +21,11 @@ SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
 SCHEMA = pa.schema([("k", pa.int64()), ("s", pa.string()), ("v", pa.int64())])
 
 
-def _batch(rng: random.Random, n: int, keys: int, key: tuple, weights: list[int] | None = None) -> ZSet:
+def _batch(rng: random.Random, n: int, keys: int, key: tuple) -> ZSet:
     rows = [(0 if rng.random() < 0.04 else rng.randrange(keys), rng.choice(["a", "bb", "", "c" * 40]), rng.randrange(4))
-            for _ in range(n)]  # (key 0: a key hash whose rows span many windows)
-    return ZSet.from_rows(rows, SCHEMA, weights=weights or [rng.choice([1, 1, 2, -1]) for _ in rows]).index_by(list(key))
+            for _ in range(n)]  # (key 0: a key hash of many rows, carried over rounds)
+    w = [rng.choice([1, 1, 2, -1]) for _ in rows]
+    return ZSet.from_rows(rows, SCHEMA, weights=w).index_by(list(key))
 
 
 def _rows(b) -> tuple:
