@@ -80,7 +80,7 @@ class _Input:
             lo = self.next_row
             hi = min(self.rows, lo + max(1, self.window // self.bytes_a_row))
             self.next_row = hi
-            return self.batch.slice(lo, hi)
+            return _part(self.batch, lo, hi)
         g0 = self.next_group
         ends = np.cumsum(f.msg_len[g0:])
         g1 = g0 + max(1, int(np.searchsorted(ends, self.window, "right")))
@@ -95,6 +95,17 @@ class _Input:
         STATS["windows"] += 1
         STATS["window_bytes"] += int(ends[g1 - g0 - 1])
         return got
+
+
+def _part(b: Any, lo: int, hi: int) -> Any:
+    """Rows ``lo .. hi - 1`` of ``b`` as a view (no copy), its row hashes with them; unlike ``IndexedZSet.slice``, no
+    check of a consolidated batch's order (which hashes the rows: a round's rest, every step)."""
+    from dbsp_core.zset import IndexedZSet, ZSet
+
+    z = b.zset
+    out = IndexedZSet._make(ZSet._make(z.data.slice(lo, hi - lo), z.weights[lo:hi]), b._key, b.key_hash[lo:hi])
+    out._rh = b._rh[lo:hi] if b._rh is not None else None
+    return out
 
 
 def _bytes(b: Any) -> int:
@@ -205,9 +216,9 @@ class StreamedMerge:
         self._held = sum(_bytes(x.pending) for x in ins if x.file is not None)
         open_ = [x for x in ins if not x.exhausted and x.pending is not None and len(x.pending)]
         bound = min(int(x.pending.key_hash[-1]) for x in open_) if open_ else None
-        below = [x.pending.key_hash if bound is None else
-                 x.pending.key_hash[:int(np.searchsorted(x.pending.key_hash, np.uint64(bound), "left"))]
-                 for x in ins if x.pending is not None and len(x.pending)]
+        below = [(x.pending.key_hash if bound is None else
+                  x.pending.key_hash[:int(np.searchsorted(x.pending.key_hash, np.uint64(bound), "left"))])[:limit]
+                 for x in ins if x.pending is not None and len(x.pending)]  # (the limit-th row is among each's first)
         if sum(len(h) for h in below) > limit:  # (a step of ``limit`` rows: the bound lowered to the key hash of
             # the limit-th row in merged order, whose rows all go: at most one key hash's rows past the limit)
             h = np.partition(np.concatenate(below), limit - 1)[limit - 1]
@@ -219,8 +230,8 @@ class StreamedMerge:
                 continue
             k = len(p) if bound is None else int(np.searchsorted(p.key_hash, np.uint64(bound), "left"))
             if k:
-                take.append(p.slice(0, k))
-                x.pending = p.slice(k, len(p)) if k < len(p) else None
+                take.append(_part(p, 0, k))
+                x.pending = _part(p, k, len(p)) if k < len(p) else None
         STATS["peak_held"] = max(STATS["peak_held"], self.held_bytes())
         rows = sum(len(t) for t in take)
         if not rows:
@@ -229,7 +240,7 @@ class StreamedMerge:
             out = take[0]
             whole_row = out._keypos == list(range(out.zset.data.num_columns))
             rh = out._row_hashes() if self.row_hashes and not whole_row else None
-            out = out.slice(0, len(out))
+            out = _part(out, 0, len(out))
             out._rh = rh
         else:
             schema = self.first.schema
