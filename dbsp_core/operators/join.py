@@ -262,7 +262,7 @@ class _JoinState:
             if z.num_rows:
                 batches = other.walked()
                 store = other._store
-                if store is not None and any(store.file_of(b) is not None for b in batches):
+                if store is not None and any(store.is_spilled(b) for b in batches):  # (format 1 or 2)
                     return None  # a spilled batch is walked through narrowed and in_pieces (trace/spill.py 12, 14)
                 walks.append((side, z, batches))
         out: list = []

@@ -15,8 +15,8 @@ Invariants (dbsp_core/trace/spill.py invariant 18 cites them):
       adjacent groups, decoded in C), an in-memory batch that holds every row of those keys, so any walk over it
       finds what a walk over the whole batch would.
   B3. The store (spill.py) counts a copy made by B1 as bytes in memory (``copied_bytes``) and empties it at every
-      enforce, between steps: a whole read (a merge's input, a key index build, a checkpoint's rows, a shard cut)
-      costs memory while it runs, as a merge's pinned inputs do, and no longer.
+      enforce, between steps: a whole read (a key index build, a checkpoint's rows, a shard cut) costs memory while
+      it runs and no longer. A merge does not make one: it streams a grouped input (groupedmerge.py, :func:`file_of`).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class GroupedBatch(IndexedZSet):
             return super().shard_bounds(shard_bits, near)
         f, n = src.file, src.rows
         starts = np.arange(1 << shard_bits, dtype=np.uint64) << np.uint64(64 - shard_bits)
-        first_row = f.index["row"].astype(np.int64)
+        first_row = f.row_starts()
         g = np.searchsorted(f.first_hash, starts, side="left")  # the first group at or above each start
         out = np.where(g < f.groups, first_row[np.minimum(g, max(0, f.groups - 1))], n).astype(np.int64)
         if not near and f.groups:

@@ -62,7 +62,8 @@ from dbsp_core.errors import CorruptionError, FormatVersionError, StorageError
 from dbsp_core.storage.formats import BATCH_FILE_FOOTER_MAGIC, BATCH_FILE_GROUPED_VERSION, BATCH_FILE_MAGIC
 from dbsp_core.trace import batchfile
 
-__all__ = ["write_grouped", "open_grouped", "GroupedFile", "verify_grouped", "verify", "file_version", "groupable",
+__all__ = ["write_grouped", "GroupedWriter", "open_grouped", "GroupedFile", "verify_grouped", "verify", "file_version",
+           "groupable",
            "GROUP_SLOT", "HEADER2",
            "GROUP_INDEX", "FLAG_GROUPED", "open_rows", "WholeRows", "groupable_schema"]
 
@@ -295,74 +296,154 @@ def write_grouped(path: str, batch: Any, vfs: str = "posix", sync: bool = True, 
     ``_storage.FileWriter`` (its pieces cut at 2 MiB of the file), the sections, the header, the footer with its
     whole-file CRC combined from the parts, fsync (``sync``), rename, directory fsync (``sync``); an error is a
     StorageError naming the file and what to do, and leaves no temporary file. Python runs a group at a time (the
-    Arrow writer writes each), not a row at a time."""
-    from dbsp_core import _storage
-
-    bf = _bf()
-    if slot < 4096 or slot & (slot - 1) or slot > 1 << 20:
-        raise ValueError(f"slot {slot}: a power of two from 4096 to 1 MiB")
-    schema, rb = bf._record_batch(batch)
-    kh = np.ascontiguousarray(batch.key_hash, dtype=np.uint64)
-    cuts = _cut(rb, kh, slot)
-    if cuts is None:
+    Arrow writer writes each), not a row at a time. One :class:`GroupedWriter` given the whole batch."""
+    if not groupable(batch):
         return None
-    rows = len(batch)
-    ngroups = len(cuts) - 1
-    first = 8 + schema.serialize().size  # where the writer puts the first record batch (magic, schema message)
-    out = None
+    w = GroupedWriter(path, len(batch), vfs=vfs, drop=drop, slot=slot)
     try:
-        out = _storage.FileWriter(path, vfs)
-        gs = _GroupSink(out, drop, slot, first)
-        with pa.ipc.new_file(pa.PythonFile(gs, mode="w"), schema) as w:
-            for g in range(ngroups):
-                gs.next_group()
-                w.write_batch(rb.slice(int(cuts[g]), int(cuts[g + 1] - cuts[g])))
-            gs.capture()
-        if len(gs.placed) != ngroups:
-            raise ValueError(f"{len(gs.placed)} groups placed of {ngroups}")
-        footer = _move_blocks(gs.held, gs.logical, gs.placed)
-        sink = gs.sink
-        sink.write(footer)
-        sink.close()
-        alen = sink.pos
-        placed = np.asarray(gs.placed + [alen - len(footer)], dtype=np.int64)
-        index = np.zeros(ngroups, dtype=GROUP_INDEX)
-        index["key_hash"] = kh[cuts[:-1]]
-        index["row"] = cuts[:-1]
-        index["slot"] = (64 + placed[:-1]) // slot
-        lengths = np.asarray(gs.logical[1:] + [gs.lpos - len(footer)], dtype=np.int64) - np.asarray(gs.logical)
-        index["slots"] = -(-lengths // slot)
-        bloom = bf.bloom_build(kh)
-        idx_off, bloom_off, crc_off, end, size = _places(ngroups, len(bloom), alen, slot)
-        sections = index.tobytes() + bloom.tobytes()
-        crcs = sink.page_crcs()
-        tail = bytes(idx_off - 64 - alen) + sections + crcs + bytes(end - crc_off - len(crcs))
-        out.pwrite(tail, 64 + alen)
-        fields = (BATCH_FILE_MAGIC, BATCH_FILE_GROUPED_VERSION, bf.FLAG_SECTION_CRCS | FLAG_GROUPED, 64, alen, rows,
-                  bf._crc(crcs), bf._crc(sections), slot, ngroups)
-        head = HEADER2.pack(*fields, bf._crc(HEADER2.pack(*fields, 0)[:60]))
-        out.pwrite(head, 0)
-        whole = bf._crc(tail, bf.crc_combine(bf._crc(head), sink.whole, alen))  # not read back
-        foot = (BATCH_FILE_FOOTER_MAGIC, BATCH_FILE_GROUPED_VERSION, bf.BLOOM_K, idx_off, ngroups, bloom_off,
-                len(bloom), crc_off, whole)
-        out.pwrite(bf.FOOTER.pack(*foot, bf._crc(bf.FOOTER.pack(*foot, 0)[:60])), end)
-        out.commit(sync)
-        return size
-    except (OSError, pa.ArrowException, ValueError) as e:
-        try:
-            if out is not None and not out.done:
-                out.abort()
-            else:
-                _storage.file_remove(path + ".tmp", vfs)
-        except OSError:  # the fault VFS crashed: a crash leaves the temporary file, the next open sweeps it
-            pass
+        w.add(batch)
+        return w.finish(sync)
+    except BaseException:
+        w.abort()
+        raise
+
+
+class GroupedWriter:
+    """A format-2 batch file written a piece at a time (a streamed merge's output, groupedmerge.py): :meth:`add` the
+    rows in index order, pieces that never split a key hash's rows (invariant G1: a group is cut within a piece),
+    then :meth:`finish`. What it keeps between pieces is the file's metadata (group index, Bloom filter sized for
+    ``expect_rows`` rows, an upper bound, and the page CRCs) and at most ``_GroupSink.GATHER`` bytes of rows not yet
+    handed to the VFS, never the rows written. The write is :func:`write_grouped`'s (invariant 1: temporary file,
+    fsync, rename, directory fsync); an error is a StorageError naming the file, and leaves no temporary file."""
+
+    def __init__(self, path: str, expect_rows: int, vfs: str = "posix", drop: Any = None,
+                 slot: int = GROUP_SLOT) -> None:
+        if slot < 4096 or slot & (slot - 1) or slot > 1 << 20:
+            raise ValueError(f"slot {slot}: a power of two from 4096 to 1 MiB")
+        self.path, self.vfs, self.drop, self.slot = path, vfs, drop, slot
+        self.bloom = np.zeros(_bf().bloom_words(max(1, int(expect_rows))), dtype=np.uint64)
+        self.schema: pa.Schema | None = None
+        self.rows = 0
+        self.out: Any = None
+        self.gs: _GroupSink | None = None
+        self.w: Any = None
+        self.first_hash: list[np.ndarray] = []
+        self.first_row: list[np.ndarray] = []
+        self.last_hash = -1
+        self.done = False
+
+    def _fail(self, e: BaseException) -> StorageError:
+        self.abort()
         if isinstance(e, ValueError):
-            raise StorageError(0, f"writing batch file {path}: {e}; a bug: report it") from e
+            return StorageError(0, f"writing batch file {self.path}: {e}; a bug: report it")
         code = getattr(e, "errno", None) or 0
-        where = os.path.dirname(path) or "."
+        where = os.path.dirname(self.path) or "."
         hint = (f"free space in {where} or give the pipeline a spill_dir with room" if code == errno.ENOSPC
                 else f"check the disk of {where}")
-        raise StorageError(code, f"writing batch file {path}: {getattr(e, 'strerror', None) or e}; {hint}") from e
+        return StorageError(code, f"writing batch file {self.path}: {getattr(e, 'strerror', None) or e}; {hint}")
+
+    def add(self, batch: Any) -> None:
+        """Append ``batch``'s rows (an IndexedZSet, consolidated, in index order, its key hashes above the last
+        piece's: a key hash's rows in one piece) as groups of the file."""
+        from dbsp_core import _storage
+
+        if not len(batch) and self.schema is not None:
+            return
+        bf = _bf()
+        schema, rb = bf._record_batch(batch)
+        kh = np.ascontiguousarray(batch.key_hash, dtype=np.uint64)
+        try:
+            if self.schema is None:
+                self.schema = schema
+                self.out = _storage.FileWriter(self.path, self.vfs)
+                self.gs = _GroupSink(self.out, self.drop, self.slot, 8 + schema.serialize().size)
+                self.w = pa.ipc.new_file(pa.PythonFile(self.gs, mode="w"), schema)
+            elif not schema.equals(self.schema, check_metadata=True):
+                raise ValueError(f"a piece of schema {schema} after pieces of {self.schema}")
+            if len(kh) and int(kh[0]) <= self.last_hash:
+                raise ValueError("a piece whose first key hash is not above the last piece's")
+            cuts = _cut(rb, kh, self.slot)
+            if cuts is None:
+                raise ValueError(f"a piece of a schema format 2 does not group ({schema})")
+            for g in range(len(cuts) - 1):
+                self.gs.next_group()
+                self.w.write_batch(rb.slice(int(cuts[g]), int(cuts[g + 1] - cuts[g])))
+            self.first_hash.append(kh[cuts[:-1]])
+            self.first_row.append(cuts[:-1] + self.rows)
+            bf._bloom_add(self.bloom, kh)
+            self.rows += len(batch)
+            self.last_hash = int(kh[-1]) if len(kh) else self.last_hash
+        except (OSError, pa.ArrowException, ValueError) as e:
+            raise self._fail(e) from e
+
+    def finish(self, sync: bool = True) -> int:
+        """Write the sections, header and footer, fsync (``sync``), rename; returns the file's size. A writer given
+        no row writes nothing (ValueError: the caller keeps an empty batch in memory)."""
+        from dbsp_core import _storage
+
+        if self.schema is None:
+            raise ValueError(f"{self.path}: a format-2 file of no rows is never written")
+        bf = _bf()
+        gs = self.gs
+        try:
+            gs.capture()
+            self.w.close()
+            ngroups = sum(len(x) for x in self.first_hash)
+            if len(gs.placed) != ngroups:
+                raise ValueError(f"{len(gs.placed)} groups placed of {ngroups}")
+            footer = _move_blocks(gs.held, gs.logical, gs.placed)
+            sink = gs.sink
+            sink.write(footer)
+            sink.close()
+            alen = sink.pos
+            placed = np.asarray(gs.placed + [alen - len(footer)], dtype=np.int64)
+            index = np.zeros(ngroups, dtype=GROUP_INDEX)
+            index["key_hash"] = np.concatenate(self.first_hash)
+            index["row"] = np.concatenate(self.first_row)
+            index["slot"] = (64 + placed[:-1]) // self.slot
+            lengths = np.asarray(gs.logical[1:] + [gs.lpos - len(footer)], dtype=np.int64) - np.asarray(gs.logical)
+            index["slots"] = -(-lengths // self.slot)
+            bloom = self.bloom
+            idx_off, bloom_off, crc_off, end, size = _places(ngroups, len(bloom), alen, self.slot)
+            sections = index.tobytes() + bloom.tobytes()
+            crcs = sink.page_crcs()
+            tail = bytes(idx_off - 64 - alen) + sections + crcs + bytes(end - crc_off - len(crcs))
+            out = self.out
+            out.pwrite(tail, 64 + alen)
+            fields = (BATCH_FILE_MAGIC, BATCH_FILE_GROUPED_VERSION, bf.FLAG_SECTION_CRCS | FLAG_GROUPED, 64, alen,
+                      self.rows, bf._crc(crcs), bf._crc(sections), self.slot, ngroups)
+            head = HEADER2.pack(*fields, bf._crc(HEADER2.pack(*fields, 0)[:60]))
+            out.pwrite(head, 0)
+            whole = bf._crc(tail, bf.crc_combine(bf._crc(head), sink.whole, alen))  # not read back
+            foot = (BATCH_FILE_FOOTER_MAGIC, BATCH_FILE_GROUPED_VERSION, bf.BLOOM_K, idx_off, ngroups, bloom_off,
+                    len(bloom), crc_off, whole)
+            out.pwrite(bf.FOOTER.pack(*foot, bf._crc(bf.FOOTER.pack(*foot, 0)[:60])), end)
+            out.commit(sync)
+            self.done = True
+            return size
+        except (OSError, pa.ArrowException, ValueError) as e:
+            raise self._fail(e) from e
+
+    def memory_bytes(self) -> int:
+        """Bytes this writer holds: the filter, the group index so far, the rows gathered and not handed over."""
+        gs = self.gs
+        return int(self.bloom.nbytes + 16 * sum(len(x) for x in self.first_hash)
+                   + (len(gs.buf) + 4 * (gs.sink.pos // self.slot + 1) if gs is not None else 0))
+
+    def abort(self) -> None:
+        """Give up: the temporary file removed (a crash of the fault VFS leaves it to the next open's sweep)."""
+        from dbsp_core import _storage
+
+        if self.done:
+            return
+        self.done = True
+        try:
+            if self.out is not None and not self.out.done:
+                self.out.abort()
+            else:
+                _storage.file_remove(self.path + ".tmp", self.vfs)
+        except OSError:
+            pass
 
 
 def _npages(alen: int, slot: int) -> int:
@@ -394,8 +475,14 @@ class GroupedFile:
     def __init__(self, path: str, fd: int, size: int, rows: int, alen: int, slot: int, index: np.ndarray,
                  bloom: np.ndarray, bloom_k: int, page_crcs: np.ndarray) -> None:
         self.path, self.fd, self.size, self.rows, self.alen, self.slot = path, fd, size, rows, alen, slot
-        self.index, self.bloom, self.bloom_k, self.page_crcs = index, bloom, bloom_k, page_crcs
-        self.first_hash = np.ascontiguousarray(index["key_hash"])
+        self.bloom, self.bloom_k, self.page_crcs = bloom, bloom_k, page_crcs
+        # the group index, held once, as the C lookup takes it (one array a field: each group's first key hash,
+        # first slot, slots and rows; the file's structured form is :attr:`index`, made when asked for)
+        self.first_hash = np.ascontiguousarray(index["key_hash"], dtype=np.uint64)
+        self.g_slot = np.ascontiguousarray(index["slot"], dtype=np.int64)
+        self.g_slots = np.ascontiguousarray(index["slots"], dtype=np.int64)
+        starts = index["row"].astype(np.int64)
+        self.g_rows = np.ascontiguousarray(np.append(starts[1:], rows) - starts)
         self.checked = np.zeros(len(page_crcs), dtype=bool)
         self.schema: pa.Schema | None = None
         self.key: tuple = ()
@@ -403,7 +490,6 @@ class GroupedFile:
         self.ndata = 0
         self.schema_msg = b""  # the Arrow schema message (a stream's first), read on opening
         self.msg_len = np.zeros(0, dtype=np.int64)  # per group, its message's bytes (the Arrow footer's blocks)
-        self.g_slot = self.g_slots = self.g_rows = np.zeros(0, dtype=np.int64)  # set with msg_len
         self.kinds: tuple[np.ndarray, np.ndarray] | None = None  # the C decoder's column kinds (None: Arrow's path)
         self.decode = DECODE_DEFAULT
         self.last_groups_read = -1  # the groups the last lookup read (tests compare it with groups_of)
@@ -427,11 +513,24 @@ class GroupedFile:
 
     @property
     def groups(self) -> int:
-        return len(self.index)
+        return len(self.first_hash)
+
+    def row_starts(self) -> np.ndarray:
+        """Each group's first row (int64; the group index's ``row``, from the groups' row counts)."""
+        return np.concatenate(([0], np.cumsum(self.g_rows)[:-1])).astype(np.int64) if self.groups else \
+            np.zeros(0, dtype=np.int64)
+
+    @property
+    def index(self) -> np.ndarray:
+        """The group index as the file holds it (``GROUP_INDEX`` records), made from the arrays held (a copy)."""
+        out = np.zeros(self.groups, dtype=GROUP_INDEX)
+        out["key_hash"], out["row"], out["slot"], out["slots"] = (self.first_hash, self.row_starts(), self.g_slot,
+                                                                  self.g_slots)
+        return out
 
     def memory_bytes(self) -> int:
         """Bytes this open file keeps (group index, first key hashes, filter, page CRCs, flags)."""
-        return int(self.index.nbytes + self.first_hash.nbytes + self.bloom.nbytes + self.page_crcs.nbytes
+        return int(self.first_hash.nbytes + self.bloom.nbytes + self.page_crcs.nbytes
                    + self.checked.nbytes + self.msg_len.nbytes + self.g_slot.nbytes + self.g_slots.nbytes
                    + self.g_rows.nbytes)
 
@@ -493,17 +592,12 @@ class GroupedFile:
             raise _bad(self.path, f"the Arrow footer names {count} record batches, the group index {self.groups}")
         length = (blocks[:, 1] & 0xFFFFFFFF) + blocks[:, 2]
         at = 64 + blocks[:, 0]
-        if count and ((at != self.index["slot"].astype(np.int64) * self.slot).any() or (length % 8).any()
-                      or (length <= 0).any() or (length > self.index["slots"].astype(np.int64) * self.slot).any()
+        if count and ((at != self.g_slot * self.slot).any() or (length % 8).any()
+                      or (length <= 0).any() or (length > self.g_slots * self.slot).any()
                       or (at + length > end).any()):
             raise _bad(self.path, "the Arrow footer's record batches are not where the group index says")
         self.msg_len = np.ascontiguousarray(length, dtype=np.int64)
         self.kinds = _gather_kinds(self.schema)
-        # the group index as the C lookup takes it (one int64 array a field; rows: each group's row count)
-        self.g_slot = np.ascontiguousarray(self.index["slot"], dtype=np.int64)
-        self.g_slots = np.ascontiguousarray(self.index["slots"], dtype=np.int64)
-        starts = self.index["row"].astype(np.int64)
-        self.g_rows = np.ascontiguousarray(np.append(starts[1:], self.rows) - starts)
 
     def _check_pages(self, lo: np.ndarray, hi: np.ndarray) -> None:
         """Check the CRC pages holding the file's bytes [lo[i], hi[i]) not checked yet (invariant G2): each read
@@ -544,7 +638,7 @@ class GroupedFile:
         if not len(groups):
             return self.schema.empty_table()
         length = self.msg_len[groups]
-        at = self.index["slot"][groups].astype(np.int64) * self.slot
+        at = self.g_slot[groups] * self.slot
         self._check_pages(at, at + length)
         head = len(self.schema_msg)
         dst = head + np.concatenate(([0], np.cumsum(length)))
@@ -561,8 +655,7 @@ class GroupedFile:
             t = pa.ipc.open_stream(pa.py_buffer(out)).read_all()
         except (pa.ArrowException, ValueError, OSError) as e:  # (an in-memory decode: Arrow's OSError is damage)
             raise _bad(self.path, f"its groups do not decode: {e}") from e
-        starts = self.index["row"].astype(np.int64)
-        counts = np.append(starts[1:], self.rows)[groups] - starts[groups]
+        counts = self.g_rows[groups]
         kh = np.asarray(t.column(self.ndata + 1).combine_chunks().to_numpy(zero_copy_only=False), dtype=np.uint64)
         begin = np.concatenate(([0], np.cumsum(counts)[:-1]))
         if t.num_rows != int(counts.sum()) or t.column(self.ndata + 1).num_chunks != len(groups) or \
@@ -583,15 +676,10 @@ class GroupedFile:
         from dbsp_core import _storage
 
         g = np.ascontiguousarray(groups, dtype=np.int64)
-        idx = self.index[g]
-        starts = self.index["row"]
-        nxt = g + 1
-        ends = np.where(nxt < self.groups, starts[np.minimum(nxt, self.groups - 1)], self.rows).astype(np.int64)
         res = _storage.grouped_gather(
             self.fd, self.slot, 64 + self.alen, self.page_crcs, self.checked.view(np.uint8), self.kinds[0],
-            self.kinds[1], self.ndata + 1, idx["slot"].astype(np.int64), idx["slots"].astype(np.int64),
-            np.ascontiguousarray(self.msg_len[g]), ends - idx["row"].astype(np.int64),
-            np.ascontiguousarray(idx["key_hash"], dtype=np.uint64), hashes)
+            self.kinds[1], self.ndata + 1, self.g_slot[g], self.g_slots[g], np.ascontiguousarray(self.msg_len[g]),
+            self.g_rows[g], self.first_hash[g], hashes)
         return self._gathered(res, lambda i: int(g[i]) if 0 <= i < len(g) else -1)
 
     def _gathered(self, res: tuple, group_of: Any) -> pa.RecordBatch | None:

@@ -231,16 +231,18 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      file maps nothing, so its reads use none of the cache's pages or ``MAP_UNIT``s (invariants 12, 15, 16 are
      format 1's: a format-2 file's pages are the page cache's alone). A read of every row (a merge's input, a key
      index build, a shard cut) copies the rows into memory: the copy counts as bytes in memory and the next
-     ``enforce`` empties it (but a merge's input's, pinned until the merge ends). A checkpoint names a format-2 file
+     ``enforce`` empties it. A merge with a grouped input does not: it streams it (groupedmerge.py invariants
+     S1-S3: each file's groups read in order, a ``groupedmerge.WINDOW`` at a time, merged round by round with the C
+     merge, the output, when ``merge_dir`` puts it on disk and the VFS is one of ``ASYNC_VFS``, written to a
+     format-2 file as it goes and adopted by :meth:`adopt_merged`; else kept in memory, as a merge in memory's);
+     ``merge_bytes`` counts what it holds (its windows, its output in memory, its writer's metadata). A checkpoint names a format-2 file
      as it names a format-1 one (invariant 13), its shard bounds from the group index and the groups they fall in;
      a restore of a whole file reads its metadata only (``adopt_grouped``), a restore of part of one copies those
      rows. A store holds files of both formats and reads whichever a batch lives in, whatever the switch says. The
      C decoder's read buffer (csrc/groupdecode.c, 32 MiB a thread at most) is bounded while a store is open:
      ``SCRATCH_SHARE`` of the limit a thread, as the scratch cache.
-     What it costs, and what is not done: the write is ~4-5x format 1's CPU (the Arrow writer a group), and a merge
-     of a format-2 input reads a copy of it in memory, beyond the budget while the merge runs (a streamed merge of a
-     grouped input, a chain of its groups, is not built): so ``GROUPED_FROM`` is for the large, cold levels
-     (bench/RESULTS.md, branch r31-wire2, has the measures behind the choice).
+     What it costs: the write is ~4-5x format 1's CPU (the Arrow writer a group); so ``GROUPED_FROM`` is for the
+     large, cold levels (bench/RESULTS.md, branches r31-wire2 and r31-stream, have the measures behind the choice).
 
 What is not spilled: pending batches (those of a trace restored and not read since) while the loose batches meet the
 budget; beyond that ``enforce`` places them, ending the trace's freshness as a first read would, and spills them as
@@ -277,6 +279,7 @@ from dbsp_core.trace.at_exit import stop_at_exit
 from dbsp_core.trace import batchfile, groupedbatch
 from dbsp_core.trace.batchfile import BatchFile, InPlaceWrite, in_place_room, open_batch, write_batch, write_in_place
 from dbsp_core.trace.groupedfile import GroupedFile, groupable_schema, open_grouped, write_grouped
+from dbsp_core.trace.groupedmerge import StreamedMerge
 
 if TYPE_CHECKING:
     from dbsp_core.trace.levels import Trace
@@ -379,6 +382,8 @@ def merge_bytes(m: Any) -> int:
     pages last left the process (``m.dropped``, invariant 12); and the sections its file's writer holds while it
     writes it in pieces (batchfile.py invariant 8)."""
     c = m.cursor
+    if isinstance(c, StreamedMerge):  # (its windows, its output in memory or its writer's: groupedmerge.py S1)
+        return c.held_bytes()
     ins = [e[1] for e in m.inputs]
     rows = c.consumed - (m.dropped if c.mapping is not None else 0)
     w = getattr(getattr(m, "shared", None), "writer", None)  # its file being written in pieces: filter, fence, CRCs
@@ -1330,6 +1335,23 @@ class BatchStore:
             self.stats["grouped_files_written"] = self.stats.get("grouped_files_written", 0) + 1
         weakref.finalize(b, self._release, id(b), name)
         return f
+
+    def adopt_merged(self, name: str, path: str, size: int, key: tuple, nbytes: int) -> "IndexedZSet":
+        """The output of a streamed merge (groupedmerge.py invariant S3), written to the format-2 file ``path``
+        (named by :meth:`_new_name`): opened, a grouped batch of its rows (none read), counted as spilled, kept from
+        deletion while it lives (invariant 18)."""
+        f = open_grouped(path)
+        b = groupedbatch.reopened(f, key, nbytes)
+        with self._lock:
+            self._grouped[id(b)] = f
+            self._owners[name] = self._owners.get(name, 0) + 1
+            self.stats["files_written"] += 1
+            self.stats["bytes_written"] += size
+            self.stats["bytes_merged_out"] += size
+            self.stats["grouped_files_written"] = self.stats.get("grouped_files_written", 0) + 1
+            self.stats["streamed_merges"] = self.stats.get("streamed_merges", 0) + 1
+        weakref.finalize(b, self._release, id(b), name)
+        return b
 
     def _release_copies(self, traces: list["Trace"]) -> None:
         """Empty the copies whole reads made of grouped batches' rows (invariant 18; groupedbatch.py B3), but those

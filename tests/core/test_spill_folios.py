@@ -160,6 +160,7 @@ def _done(c):
     return c
 
 
+@FORMAT_1  # (a merge of format-2 inputs streams them: no scratch mapping to populate, groupedmerge.py)
 def test_a_spilled_compaction_is_populated_ahead_by_the_prefault_thread(monkeypatch, tmp_path) -> None:
     """A compaction on disk under a batch store (``Trace.compact_spilled``, levels.py ``_Merge.step``) asks the
     prefault thread (prefault.py) to populate its output ahead: its byte count grows while the rows stay right; with
