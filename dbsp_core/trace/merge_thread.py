@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from dbsp_core import _zset
 from dbsp_core.envvars import settings
 from dbsp_core.trace.at_exit import stop_at_exit
+from dbsp_core.trace.threadvalue import ThreadValue
 
 if TYPE_CHECKING:
     from dbsp_core.trace.levels import Trace
@@ -176,27 +177,15 @@ class MergeThread:
         return pick
 
 
-_tls = threading.local()
+class merging(ThreadValue):
+    """Traces inserted into on this thread, inside the block, hand their merges to the merge thread given (invariant
+    10); None: they merge on the inserting thread (invariant 3)."""
 
-
-class merging:
-    """Traces inserted into on this thread, inside the block, hand their merges to the merge thread ``thread``
-    (invariant 10); None: they merge on the inserting thread (invariant 3). A class, not a generator: entered once
-    a step per worker, where contextlib's machinery cost ~2 us."""
-
-    __slots__ = ("_new", "_prev")
-
-    def __init__(self, thread: "MergeThread | None") -> None:
-        self._new = thread
-
-    def __enter__(self) -> None:
-        self._prev = getattr(_tls, "merge_thread", None)
-        _tls.merge_thread = self._new
-
-    def __exit__(self, *exc: object) -> None:
-        _tls.merge_thread = self._prev
+    __slots__ = ()
+    tls = threading.local()
+    attr = "merge_thread"
 
 
 def current_merge_thread() -> "MergeThread | None":
     """The MergeThread in force on this thread (:func:`merging`), or None."""
-    return getattr(_tls, "merge_thread", None)
+    return merging.current()

@@ -280,6 +280,7 @@ from dbsp_core.trace import batchfile, groupedbatch
 from dbsp_core.trace.batchfile import BatchFile, InPlaceWrite, in_place_room, open_batch, write_batch, write_in_place
 from dbsp_core.trace.groupedfile import GroupedFile, groupable_schema, open_grouped, write_grouped
 from dbsp_core.trace.groupedmerge import StreamedMerge
+from dbsp_core.trace.threadvalue import ThreadValue
 
 if TYPE_CHECKING:
     from dbsp_core.trace.levels import Trace
@@ -1842,27 +1843,15 @@ def _runs(pages: np.ndarray) -> int:
     return int(np.count_nonzero(np.diff(pages) != 1)) + 1 if len(pages) else 0
 
 
-_tls = threading.local()
+class spilling(ThreadValue):
+    """Traces read or inserted into on this thread, inside the block, keep their batches under the given store's
+    budget (invariant 12); None: in memory."""
 
-
-class spilling:
-    """Traces read or inserted into on this thread, inside the block, keep their batches under ``store``'s budget
-    (invariant 12); None: in memory. A class, not a generator: entered once a step per worker, where
-    contextlib's machinery cost ~2 us."""
-
-    __slots__ = ("_new", "_prev")
-
-    def __init__(self, store: "BatchStore | None") -> None:
-        self._new = store
-
-    def __enter__(self) -> None:
-        self._prev = getattr(_tls, "store", None)
-        _tls.store = self._new
-
-    def __exit__(self, *exc: object) -> None:
-        _tls.store = self._prev
+    __slots__ = ()
+    tls = threading.local()
+    attr = "store"
 
 
 def current_batch_store() -> "BatchStore | None":
     """The BatchStore in force on this thread (:func:`spilling`), or None."""
-    return getattr(_tls, "store", None)
+    return spilling.current()

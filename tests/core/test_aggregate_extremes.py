@@ -8,6 +8,7 @@ and keys, duplicates, and groups that empty and come back.
 
 from __future__ import annotations
 
+import datetime
 from collections import Counter
 
 import numpy as np
@@ -100,6 +101,16 @@ def test_min_max_long_run(workers: int, seed: int) -> None:
 
 
 INT_SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int32()), ("t", pa.timestamp("ms")), ("d", pa.date32())])
+_EPOCH = datetime.datetime(2026, 1, 1)
+
+
+def int_row(rng) -> tuple:
+    """A random row of INT_SCHEMA: 20 keys, small values, each column null now and then."""
+    k = None if rng.random() < 0.05 else int(rng.integers(0, 20))
+    v = None if rng.random() < 0.1 else int(rng.integers(-30, 30))
+    t = None if rng.random() < 0.1 else _EPOCH + datetime.timedelta(seconds=int(rng.integers(0, 50)))
+    d = None if rng.random() < 0.1 else datetime.date(2026, 1, 1 + int(rng.integers(0, 20)))
+    return (k, v, t, d)
 
 
 def _int_model(bag: Counter) -> dict:
@@ -124,8 +135,6 @@ def test_min_max_through_the_key_index_long_run(tmp_path, workers: int, seed: in
     Views match the model after every step; the totals' index agrees with their batches (Trace.check); with
     storage, the pipeline is reopened from its checkpoint every 40 steps (the index is then rebuilt from the
     batches, its "not null" flags included)."""
-    import datetime
-
     rng = np.random.default_rng(seed)
     c = dbsp.Circuit()
     src = c.input("t", INT_SCHEMA)
@@ -135,13 +144,6 @@ def test_min_max_through_the_key_index_long_run(tmp_path, workers: int, seed: in
     p = dbsp.Pipeline(c, workers=workers, **kw)
     indexed = [tr for w in range(workers) for name, tr in p.traces(w).items() if name.endswith("totals")]
     assert indexed and all(tr.index_spec is not None for tr in indexed), "the totals keep no key index"
-    epoch = datetime.datetime(2026, 1, 1)
-    def new_row(rng):
-        k = None if rng.random() < 0.05 else int(rng.integers(0, 20))
-        v = None if rng.random() < 0.1 else int(rng.integers(-30, 30))
-        t = None if rng.random() < 0.1 else epoch + datetime.timedelta(seconds=int(rng.integers(0, 50)))
-        d = None if rng.random() < 0.1 else datetime.date(2026, 1, 1 + int(rng.integers(0, 20)))
-        return (k, v, t, d)
 
     def after(step, p):
         for w in range(workers):
@@ -152,7 +154,7 @@ def test_min_max_through_the_key_index_long_run(tmp_path, workers: int, seed: in
             return dbsp.Pipeline.open(str(tmp_path / "s"), c)
         return None
 
-    _steps_against_model(p, rng, 160, (0, 12), new_row, 0.3, 0.15, INT_SCHEMA, _int_model, after=after)
+    _steps_against_model(p, rng, 160, (0, 12), int_row, 0.3, 0.15, INT_SCHEMA, _int_model, after=after)
 
 
 @pytest.mark.parametrize("workers,seed", [(1, 8), (2, 9)])

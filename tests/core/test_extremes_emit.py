@@ -20,7 +20,7 @@ from dbsp_core.errors import StepError
 from dbsp_core.operators.aggregate import _ExtremesState
 from hypothesis_profile import examples
 from oracle import connect
-from test_aggregate_extremes import INT_SCHEMA, _int_model, _steps_against_model
+from test_aggregate_extremes import INT_SCHEMA, _int_model, _steps_against_model, int_row
 from tests.core.test_linear_run import add_poison
 
 TYPES = [pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(), pa.uint32()]
@@ -194,8 +194,6 @@ def _totals(p: dbsp.Pipeline) -> list:
 def test_the_long_run_with_extremes_of_every_width_is_served_by_the_c_path() -> None:
     """test_aggregate_extremes' key-index run (int32, timestamp, date32, nulls, groups that empty and come back)
     at W = 2: the model after every step, and the C path served the steps."""
-    import datetime
-
     rng = np.random.default_rng(23)
     c = dbsp.Circuit()
     src = c.input("t", INT_SCHEMA)
@@ -203,16 +201,7 @@ def test_the_long_run_with_extremes_of_every_width_is_served_by_the_c_path() -> 
                                         first=dbsp.min("d"), total=dbsp.sum("v")))
     p = dbsp.Pipeline(c, workers=2)
     states = _states(p)
-    epoch = datetime.datetime(2026, 1, 1)
-
-    def new_row(rng):
-        k = None if rng.random() < 0.05 else int(rng.integers(0, 20))
-        v = None if rng.random() < 0.1 else int(rng.integers(-30, 30))
-        t = None if rng.random() < 0.1 else epoch + datetime.timedelta(seconds=int(rng.integers(0, 50)))
-        d = None if rng.random() < 0.1 else datetime.date(2026, 1, 1 + int(rng.integers(0, 20)))
-        return (k, v, t, d)
-
-    _steps_against_model(p, rng, 100, (0, 12), new_row, 0.3, 0.15, INT_SCHEMA, _int_model)
+    _steps_against_model(p, rng, 100, (0, 12), int_row, 0.3, 0.15, INT_SCHEMA, _int_model)
     assert sum(s.emitted_steps for s in states) >= 100
 
 
