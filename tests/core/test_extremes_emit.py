@@ -195,11 +195,7 @@ def test_the_long_run_with_extremes_of_every_width_is_served_by_the_c_path() -> 
     """test_aggregate_extremes' key-index run (int32, timestamp, date32, nulls, groups that empty and come back)
     at W = 2: the model after every step, and the C path served the steps."""
     rng = np.random.default_rng(23)
-    c = dbsp.Circuit()
-    src = c.input("t", INT_SCHEMA)
-    c.output("g", src.group_by("k").agg(n=dbsp.count(), lo=dbsp.min("v"), hi=dbsp.max("v"), last=dbsp.max("t"),
-                                        first=dbsp.min("d"), total=dbsp.sum("v")))
-    p = dbsp.Pipeline(c, workers=2)
+    p = dbsp.Pipeline(_emit_circuit(), workers=2)
     states = _states(p)
     _steps_against_model(p, rng, 100, (0, 12), int_row, 0.3, 0.15, INT_SCHEMA, _int_model)
     assert sum(s.emitted_steps for s in states) >= 100
