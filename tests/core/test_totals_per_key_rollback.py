@@ -121,7 +121,9 @@ def test_a_rollback_restores_totals_whose_rows_overflow_one_at_a_time(low: int, 
             trace.check()  # the key index equal to the batches' sums, synced
             assert {r: w for r, w in trace.consolidated().zset.to_dict().items() if w} == \
                 {(k, n, s, n): 1 for (k, n, s) in _view(bag)}
-        assert PerKeyTotals.pk_steps - undone0 == 3  # the steps stored per key, so their undo took them back
+        # the steps stored per key, so their undo took them back (under a memory budget the totals are in batches,
+        # and the restore puts their lists back: checked the same way above)
+        assert settings().memory_limit is not None or PerKeyTotals.pk_steps - undone0 == 3
         p.push("t", dbsp.ZSet.from_rows([(0, 0), (2, 1)], SCHEMA))
         after = bag + Counter([(0, 0), (2, 1)])
         assert p.step()["g"].to_dict() == _diff(_view(bag), _view(after))
