@@ -860,37 +860,44 @@ static inline int row_deltas(const DbspKeyIndex *ix, const DbspBatch *b, const i
     return 1;
 }
 
+/* Take back row i of an add of sign `sign` (dbsp_keyindex_take_back, undo_add): its deltas subtracted from its key's
+ * sums, mod 2^64 (exact for any state the index held); a key the add emptied made again with 0 - sign * d; a key
+ * whose sums come to zero removed (invariant 2). Returns DBSP_OK, or insert_new's error (the index then broken). */
+static int take_back_row(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
+                         const int32_t *cols, int64_t sign, int64_t i) {
+    uint64_t w[PROBE_WORDS];
+    int64_t d[DBSP_KEYINDEX_MAX_VALS];
+    int nonzero = 0;
+    (void)row_deltas(ix, b, cols, i, d, &nonzero, 1);
+    if (!nonzero) return DBSP_OK;
+    uint64_t tg = tag(kh[i], key_words(ix, b, keys, i, w));
+    if (ix->old.slots) move_some(ix, MOVE_PER_ROW);
+    uint64_t *s = lookup(ix, tg, w);
+    Table *tab;
+    if (!s) { /* a key the add emptied: its sums were minus the add's (0 - sign * d, which they held) */
+        for (int32_t j = 0; j < ix->nvals; j++) d[j] = sign > 0 ? (int64_t)(0 - (uint64_t)d[j]) : d[j];
+        return insert_new(ix, tg, w, d, 1, 0, &s, &tab);
+    }
+    tab = ix->old.slots && (uint64_t)(s - ix->old.slots) < (uint64_t)ix->old.cap ? &ix->old : &ix->cur;
+    int64_t *v = (int64_t *)(entry_of(ix, *s) + ix->nkeys);
+    int zero = 1;
+    for (int32_t j = 0; j < ix->nvals; j++) {
+        v[j] = sign > 0 ? (int64_t)((uint64_t)v[j] - (uint64_t)d[j]) : (int64_t)((uint64_t)v[j] + (uint64_t)d[j]);
+        zero &= v[j] == 0;
+    }
+    if (zero) remove_slot(ix, tab, s);
+    return DBSP_OK;
+}
+
 /* Invariant 4: take back rows [0, upto) of an add of sign `sign` that failed for memory or a size limit at row upto
  * (nothing of which was written), newest first, so every state passed through is one the add passed through: the
  * table never needs to grow, a key removed by the add is put back into an entry the add (or this undo) freed. Only a
  * string key put back needs arena room, which may fail: the index then stays broken. Returns DBSP_OK when undone. */
 static int undo_add(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const uint64_t *kh,
                     const int32_t *cols, int64_t sign, int64_t upto) {
-    uint64_t w[PROBE_WORDS];
-    int64_t d[DBSP_KEYINDEX_MAX_VALS];
     ix->broken = 0;
-    for (int64_t i = upto - 1; i >= 0; i--) {
-        int nonzero = 0;
-        (void)row_deltas(ix, b, cols, i, d, &nonzero, 0); /* the add summed these without overflow */
-        if (!nonzero) continue;
-        uint64_t tg = tag(kh[i], key_words(ix, b, keys, i, w));
-        if (ix->old.slots) move_some(ix, MOVE_PER_ROW);
-        uint64_t *s = lookup(ix, tg, w);
-        Table *tab;
-        if (!s) { /* a key the add emptied: its sums were minus the add's (0 - sign * d, which they held) */
-            for (int32_t j = 0; j < ix->nvals; j++) d[j] = sign > 0 ? (int64_t)(0 - (uint64_t)d[j]) : d[j];
-            if (insert_new(ix, tg, w, d, 1, 0, &s, &tab) != DBSP_OK) return DBSP_ENOMEM; /* broken */
-            continue;
-        }
-        tab = ix->old.slots && (uint64_t)(s - ix->old.slots) < (uint64_t)ix->old.cap ? &ix->old : &ix->cur;
-        int64_t *v = (int64_t *)(entry_of(ix, *s) + ix->nkeys);
-        int zero = 1;
-        for (int32_t j = 0; j < ix->nvals; j++) { /* (wrapping: the add's own sums, taken back) */
-            v[j] = sign > 0 ? (int64_t)((uint64_t)v[j] - (uint64_t)d[j]) : (int64_t)((uint64_t)v[j] + (uint64_t)d[j]);
-            zero &= v[j] == 0;
-        }
-        if (zero) remove_slot(ix, tab, s);
-    }
+    for (int64_t i = upto - 1; i >= 0; i--)
+        if (take_back_row(ix, b, keys, kh, cols, sign, i) != DBSP_OK) return DBSP_ENOMEM; /* broken */
     ix->refusals++;
     return DBSP_OK;
 }
@@ -913,34 +920,11 @@ int dbsp_keyindex_take_back(DbspKeyIndex *ix, const DbspBatch *b, const int32_t 
     if (sign != 1 && sign != -1) return DBSP_EINVAL;
     int st = check_add(ix, b, keys, cols);
     if (st != DBSP_OK) return st;
-    uint64_t w[PROBE_WORDS];
-    int64_t d[DBSP_KEYINDEX_MAX_VALS];
     for (int pass = 0; pass < 2; pass++) /* first the rows the add subtracted (put back), then those it added */
         for (int64_t i = 0; i < b->nrows; i++) {
             int64_t wt = b->weights ? b->weights[i] : 1;
             if (wt == 0 || ((wt < 0) == (sign < 0)) == (pass == 0)) continue; /* pass 0: wt * sign < 0 */
-            int nonzero = 0;
-            (void)row_deltas(ix, b, cols, i, d, &nonzero, 1);
-            if (!nonzero) continue;
-            uint64_t tg = tag(kh[i], key_words(ix, b, keys, i, w));
-            if (ix->old.slots) move_some(ix, MOVE_PER_ROW);
-            uint64_t *s = lookup(ix, tg, w);
-            Table *tab;
-            if (!s) { /* a key the add emptied (or this take-back, halfway): its sums are 0 - sign * d */
-                for (int32_t j = 0; j < ix->nvals; j++)
-                    d[j] = sign > 0 ? (int64_t)(0 - (uint64_t)d[j]) : d[j];
-                st = insert_new(ix, tg, w, d, 1, 0, &s, &tab);
-                if (st != DBSP_OK) return st; /* broken (insert_new marks it) */
-                continue;
-            }
-            tab = ix->old.slots && (uint64_t)(s - ix->old.slots) < (uint64_t)ix->old.cap ? &ix->old : &ix->cur;
-            int64_t *v = (int64_t *)(entry_of(ix, *s) + ix->nkeys);
-            int zero = 1;
-            for (int32_t j = 0; j < ix->nvals; j++) {
-                v[j] = sign > 0 ? (int64_t)((uint64_t)v[j] - (uint64_t)d[j]) : (int64_t)((uint64_t)v[j] + (uint64_t)d[j]);
-                zero &= v[j] == 0;
-            }
-            if (zero) remove_slot(ix, tab, s);
+            if ((st = take_back_row(ix, b, keys, kh, cols, sign, i)) != DBSP_OK) return st; /* broken */
         }
     return DBSP_OK;
 }
