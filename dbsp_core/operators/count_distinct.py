@@ -21,6 +21,9 @@ Invariants:
      pairs (q15's 92K bids of a step over 2K-6K (day, bidder) pairs) sorts the pairs, not the rows. A pass that left
      more than ``PAIRS_PER_ROW`` pairs per row (q16's (channel, day, bidder): 50K of 92K) is not tried again for
      ``RETRY`` steps.
+  5. The state's trace holds its low levels as distinct's does (operators/distinct.py invariant 5, trace/levels.py
+     invariant 18): merged many step batches at a time while its key index serves every read (fixed-width pairs),
+     two at a time otherwise.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from dbsp_core.envvars import settings
 from dbsp_core.errors import WeightOverflowError
 from dbsp_core.operators.base import Operator, conform, empty, make
 from dbsp_core.time.cleanup import prune
@@ -68,6 +72,7 @@ class CountDistinct(Operator):
 
 
 class _CountDistinctState:
+    HOLD: int | None = None  # the trace's ``hold`` (invariant 5); None: ``DBSP_TOTALS_HOLD``'s (tests set it)
     PAIRS_PER_ROW = 0.5  # a change that sums to more pairs per row than this is not summed for RETRY steps
     RETRY = 16
 
@@ -80,6 +85,7 @@ class _CountDistinctState:
         self.pair = list(op.partitioning)
         self.values = Trace(op.vschema, op.partitioning)
         self.values.keep_index((None,), on="row")  # each pair's multiplicity in one probe (trace invariant 11)
+        self.values.hold = settings().totals_hold if self.HOLD is None else self.HOLD  # (invariant 5)
 
     def traces(self) -> dict[str, Trace]:
         """The operator's state, by name (each trace can be read per shard)."""

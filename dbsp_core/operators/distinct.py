@@ -13,6 +13,11 @@ Invariants:
      :meth:`_DistinctState.step_indexed`: the same index, dbsp_core/runtime/plan.py design note 4).
   4. Rows whose time columns (dbsp_core/time lineage) are below their bounds are dropped from the trace: no later
      change can carry them.
+  5. The trace holds its low levels (``hold``, ``DBSP_TOTALS_HOLD``, trace/levels.py invariant 18): while its key
+     index serves every read, it merges a low level's step batches many at a time instead of two, so each row is
+     rewritten about once per few levels (measured: 1k-row steps into 1M rows, hold 8, instructions a step -11% mean,
+     -17% median). Without a current index (rows the index does not hold) or under a batch store it merges two at a
+     time, as every trace.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pyarrow as pa
 
+from dbsp_core.envvars import settings
 from dbsp_core.errors import WeightOverflowError
 from dbsp_core.operators.base import Operator, conform, empty, keyed_change
 from dbsp_core.time.cleanup import prune
@@ -48,12 +54,15 @@ class Distinct(Operator):
 
 
 class _DistinctState:
+    HOLD: int | None = None  # the trace's ``hold`` (invariant 5); None: ``DBSP_TOTALS_HOLD``'s (tests set it)
+
     def __init__(self, op: Distinct) -> None:
         self.op = op
         self.schema = op.schema
         self.cols = list(op.schema.names)
         self.trace = Trace(op.schema, tuple(self.cols))
         self.trace.keep_index((None,), on="row")  # each row's weight in one probe (trace invariant 11)
+        self.trace.hold = settings().totals_hold if self.HOLD is None else self.HOLD  # (invariant 5)
 
     def traces(self) -> dict[str, Trace]:
         """The operator's state, by name (each trace can be read per shard)."""

@@ -132,7 +132,8 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      the prefault thread (prefault.py: ``_Merge`` asks it at its start and after each piece; a piece populates
      itself only what the thread has not reached, as the first slice, paid right after the start, may), so a slice
      does not pay a folio's allocation (up to 36 ms of system time measured on a loaded host).
- 18. Held levels (``hold``, set per trace: a linear aggregate's totals, ``DBSP_TOTALS_HOLD``): a trace without a batch
+ 18. Held levels (``hold``, set per trace: an aggregate's totals, a distinct's input, a count_distinct's pairs;
+     ``DBSP_TOTALS_HOLD``): a trace without a batch
      store whose reads of keys go through a current key index (invariant 11: a step never walks its batches) merges a
      level's loose batches ``2 ** j`` at a time, the largest ``2 ** j <= hold`` whose output (about j levels up: their
      summed work) stays below the trace's highest non-empty level, in one k-way pass (csrc/merge.h invariant 4), as a
