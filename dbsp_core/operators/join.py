@@ -23,6 +23,11 @@ Invariants:
      time lineage (invariant 5), or whose walk would read a spilled batch (trace/spill.py invariants 12 and 14: its
      Bloom filter, pages and pieces), returns None there, having changed nothing, and runs
      :meth:`_JoinState.step_parts`.
+  8. Each side's trace holds its low levels while it is not read (``hold_unread``, ``DBSP_TOTALS_HOLD``, trace/levels.py
+     invariant 18): a side is read only when the other side changes, so the side of a stream joined with a table
+     that rarely changes merges its step batches many at a time instead of two (measured: 1k-row steps into a 1M-row
+     side, hold 8, instructions a step -15% mean, -21% median). The first read after such a run walks up to twice
+     the hold's batches on a low level, and the next merges go two at a time again.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import pyarrow as pa
 import pyarrow.types as pat
 
 from dbsp_core import _zset
+from dbsp_core.envvars import settings
 from dbsp_core.errors import SchemaError
 from dbsp_core.operators.base import Operator, check_columns, concat, conform, empty, make
 from dbsp_core.operators.pruned import JoinStored, pad, project
@@ -178,6 +184,7 @@ class _JoinState:
         self.stored = st = op.stored  # invariant 6, as it was when this instance was built
         self.left = Trace(op.lschema if st is None else st.lschema, op.left_on)
         self.right = Trace(op.rschema if st is None else st.rschema, op.right_on)
+        self.left.hold_unread = self.right.hold_unread = settings().totals_hold  # (invariant 8)
 
     def pairs(self, left: "IndexedZSet", right: "IndexedZSet",
               cols: "tuple[list[int], list[int], pa.Schema] | None" = None) -> "ZSet":

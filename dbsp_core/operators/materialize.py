@@ -9,6 +9,8 @@ Invariants:
   3. The output is always empty: the node is a sink the runtime runs because the circuit lists it in
      ``Circuit.readable``; nothing downstream reads it.
   4. Nothing is pruned by time lineage: a closed window is still part of the view's contents.
+  5. The trace holds its low levels while no view read reads it (``hold_unread``, ``DBSP_TOTALS_HOLD``,
+     trace/levels.py invariant 18): its step batches merge many at a time between reads instead of two.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
+from dbsp_core.envvars import settings
 from dbsp_core.operators.base import Operator, empty, keyed_change
 from dbsp_core.trace import Trace
 
@@ -43,6 +46,7 @@ class _MaterializeState:
     def __init__(self, op: Materialize) -> None:
         self.op = op
         self.trace = Trace(op.schema, tuple(op.partitioning or ()))
+        self.trace.hold_unread = settings().totals_hold  # (invariant 5)
 
     def traces(self) -> dict[str, Trace]:
         """The operator's state, by name (each trace can be read per shard)."""

@@ -133,16 +133,20 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      itself only what the thread has not reached, as the first slice, paid right after the start, may), so a slice
      does not pay a folio's allocation (up to 36 ms of system time measured on a loaded host).
  18. Held levels (``hold``, set per trace: an aggregate's totals, a distinct's input, a count_distinct's pairs;
-     ``DBSP_TOTALS_HOLD``): a trace without a batch
-     store whose reads of keys go through a current key index (invariant 11: a step never walks its batches) merges a
-     level's loose batches ``2 ** j`` at a time, the largest ``2 ** j <= hold`` whose output (about j levels up: their
-     summed work) stays below the trace's highest non-empty level, in one k-way pass (csrc/merge.h invariant 4), as a
-     tiered level does (invariant 15, without its spill rules: nothing is pinned against a budget), else two. Every
-     step's batch of old and new totals is then rewritten about once per j levels on its way up instead of once per
-     level (measured, 1k-row steps into 100k groups, hold 8: 13.9k -> 6.7k merge input rows a step; instructions -9%: a k-way pass costs more a row), and such a level holds up
-     to 2 * hold loose batches, which only an index rebuild, a checkpoint, a shard cut or a view read reads. The content,
-     the placement order and every reader's view of it are invariant 1's, whatever the fan-in; under a store (and with
-     no current index) the fan-in is invariant 15's or 2, as for every trace.
+     ``DBSP_TOTALS_HOLD``): a trace without a batch store whose reads of keys go through a current key index
+     (invariant 11: a step never walks its batches) merges a level's loose batches ``2 ** j`` at a time, the largest
+     ``2 ** j <= hold`` whose output (about j levels up: their summed work) stays below the trace's highest non-empty
+     level, in one k-way pass (csrc/merge.h invariant 4), as a tiered level does (invariant 15, without its spill
+     rules: nothing is pinned against a budget), else two. Every step's batch is then rewritten about once per j
+     levels on its way up instead of once per level (measured, 1k-row steps into 100k groups, hold 8: 13.9k -> 6.7k
+     merge input rows a step; instructions -9%: a k-way pass costs more a row), and such a level holds up to 2 * hold
+     loose batches, which only an index rebuild, a checkpoint, a shard cut or a view read reads. ``hold_unread`` (a
+     join's sides, a materialized view) does the same while the trace is not read: UNREAD_INSERTS inserts or more
+     since its last read (:meth:`_read`, which every walk, lookup and view read passes; a checkpoint's ``parts`` does
+     not); the first read after such a run walks the held loose batches, and the merges after it take two. The
+     content, the placement order and every reader's view of it are invariant 1's, whatever the fan-in; under a store
+     (and with no current index, or read within UNREAD_INSERTS inserts) the fan-in is invariant 15's or 2, as for
+     every trace.
  19. Totals kept per key (``keep_totals_per_key``, a linear aggregate's totals; ``DBSP_TOTALS_PER_KEY=0`` turns it off;
      dbsp_core/trace/keyindex.py ``PerKeyTotals``): the key index is the state and the batches a view of it, synced on
      demand. A step that stored its groups' totals in the index (``store_totals``) inserts no batch: it records each
@@ -502,6 +506,10 @@ class Trace(KeyIndexed, PerKeyTotals):
     held_merges = 0  # merges of more than two batches started on a held level (invariant 18), for tests
     hold = 0  # invariant 18: the fan-in up to which the low levels of a trace read through its key index merge (0:
     # two at a time, as every trace); set per instance (a linear aggregate's totals: operators/aggregate.py)
+    hold_unread = 0  # invariant 18: the same fan-in while the trace is not read (UNREAD_INSERTS inserts since its
+    # last read); set per instance (a join's sides, whose reads come only with the other side's changes)
+    UNREAD_INSERTS = 8
+    _unread = 0  # inserts since the last read (invariant 18)
     INLINE_MERGE = 4096  # work (input rows) up to which a merge is not handed to the merge thread (invariant 10):
     # handing over a small step's merge (lock, wake-up, GIL hand-offs) cost more than merging it by fuel here
     # (1k-row steps on 1M rows, 600 steps alternated twice: mean 5-15% lower for distinct, group_by and join)
@@ -562,6 +570,7 @@ class Trace(KeyIndexed, PerKeyTotals):
         elif self._kix is not None:
             self._index_fold([batch], 1, prev)
         self.inserted_rows += len(batch)
+        self._unread += 1  # (invariant 18)
         self._grown += len(batch)
         if self._fresh:
             self.pending.append(batch)
@@ -684,9 +693,10 @@ class Trace(KeyIndexed, PerKeyTotals):
     def _fan_in(self, level: _Level) -> int:
         """How many loose batches of ``level`` one merge takes (invariant 15): FAN_IN when the level is tiered (its
         two oldest loose batches would merge on disk: the batch store says so); without a store, on a trace with
-        ``hold`` that reads through a current key index (invariant 18), up to ``hold`` on a low level; else 2."""
+        ``hold`` that reads through a current key index, or with ``hold_unread`` while it is not read (invariant 18),
+        up to that on a low level; else 2."""
         store = self._store
-        if store is None and self.hold > 2 and len(level.loose) >= 2:
+        if store is None and (self.hold > 2 or self.hold_unread > 2) and len(level.loose) >= 2:
             return self._held_fan_in(level)
         if store is None or self.FAN_IN <= 2 or len(level.loose) < 2:
             return 2
@@ -711,16 +721,21 @@ class Trace(KeyIndexed, PerKeyTotals):
 
     def _held_fan_in(self, level: _Level) -> int:
         """Invariant 18: the fan-in of a level of a trace that holds (``hold``) whose reads of keys go through a current
-        key index: ``2 ** j`` for the largest j with ``2 ** j <= hold`` whose output (about j levels up) stays below
-        the trace's highest level by at least one, else 2."""
-        if self._kix_spec is None or self._kix_off or self._kix is None:
+        key index, or that holds while unread (``hold_unread``, no read for UNREAD_INSERTS inserts): ``2 ** j`` for the
+        largest j with ``2 ** j <=`` that hold whose output (about j levels up) stays below the trace's highest level by
+        at least one, else 2."""
+        if self.hold > 2 and not (self._kix_spec is None or self._kix_off or self._kix is None):
+            hold = self.hold
+        elif self.hold_unread > 2 and self._unread >= self.UNREAD_INSERTS:
+            hold = self.hold_unread
+        else:
             return 2
         lvl = level_of(level.loose[0][2])
         top = len(self._by_level) - 1
         while top > lvl and not self._by_level[top].loose and self._by_level[top].merge is None:
             top -= 1
         k = 2
-        while 2 * k <= self.hold and lvl + (2 * k).bit_length() - 1 < top:
+        while 2 * k <= hold and lvl + (2 * k).bit_length() - 1 < top:
             k *= 2
         return k
 
@@ -938,6 +953,7 @@ class Trace(KeyIndexed, PerKeyTotals):
         store = self._store if self._store is not None else self._attach()
         if store is not None:
             store.note_read(self, whole=not pages)
+        self._unread = 0  # (invariant 18: a trace read holds by hold_unread no more)
         self.end_fresh()
         if self._handed and current_merge_thread() is not None:  # install the merges the merge thread finished
             self._work(0)  # (invariant 10); merges nothing
