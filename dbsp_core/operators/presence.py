@@ -18,6 +18,10 @@ Invariants (enforced here; every caller keeps the order of calls):
      the join keys (None for a side without rows), the unmatched left rows' change (invariant 1), and the step
      itself: a join's :meth:`PresenceState.parts` computes its change while the left trace does not hold ``da``
      yet, and inserts ``db`` into the right trace (``inner_change`` does); the step then inserts ``da``.
+  5. Both traces hold their low levels while unread (``hold_unread``, as an inner join's sides: join.py invariant 8,
+     trace/levels.py invariant 18): the left side is read only when the right side changes. The right side, read
+     through its key index for every left change but walked for the matches of a left change, is read whenever the
+     left side changes.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import pyarrow as pa
 
+from dbsp_core.envvars import settings
 from dbsp_core.operators.base import Operator, concat, conform, empty, make
 from dbsp_core.trace import Trace, unique_sorted
 
@@ -167,6 +172,7 @@ class PresenceState(ABC):
         self.left = Trace(op.lschema, op.left_on)
         self.right = Trace(op.rschema, op.right_on)
         self.right.keep_index((None,))  # each touched key's right row count in one probe (trace invariant 11)
+        self.left.hold_unread = self.right.hold_unread = settings().totals_hold  # (invariant 5)
         self.presence = Presence(op.rschema, op.right_on)  # left rows against the right side
 
     def traces(self) -> dict[str, Trace]:

@@ -140,8 +140,8 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      rules: nothing is pinned against a budget), else two. Every step's batch is then rewritten about once per j
      levels on its way up instead of once per level (measured, 1k-row steps into 100k groups, hold 8: 13.9k -> 6.7k
      merge input rows a step; instructions -9%: a k-way pass costs more a row), and such a level holds up to 2 * hold
-     loose batches, which only an index rebuild, a checkpoint, a shard cut or a view read reads. ``hold_unread`` (a
-     join's sides, a materialized view) does the same while the trace is not read: UNREAD_INSERTS inserts or more
+     loose batches, which only an index rebuild, a checkpoint, a shard cut or a view read reads. ``hold_unread`` (the
+     sides of joins of every kind, a materialized view) does the same while the trace is not read: UNREAD_INSERTS inserts or more
      since its last read (:meth:`_read`, which every walk, lookup and view read passes; a checkpoint's ``parts`` does
      not); the first read after such a run walks the held loose batches, and the merges after it take two. The
      content, the placement order and every reader's view of it are invariant 1's, whatever the fan-in; under a store

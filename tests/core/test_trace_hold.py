@@ -1,7 +1,7 @@
 """Traces other than an aggregate's totals hold their low levels (trace/levels.py invariant 18, ``DBSP_TOTALS_HOLD``):
 a distinct's input and a count_distinct's pairs while their key index serves their reads (distinct.py and
-count_distinct.py invariant 5), a join's sides and a materialized view's trace while nothing reads them
-(``hold_unread``: join.py invariant 8, materialize.py invariant 5).
+count_distinct.py invariant 5), a join's sides (inner, left, semi) and a materialized view's trace while nothing reads
+them (``hold_unread``: join.py invariant 8, presence.py invariant 5, materialize.py invariant 5).
 
 Over random splits into steps after a load (rows of ints and strings, inserts and deletions, multiplicities above 1),
 with a second input ``u`` joined with the first that changes only at a few steps (so the join's side of ``t`` goes
@@ -27,7 +27,8 @@ from tests.core.test_linear_run import add_poison
 from tests.core.test_totals_hold import BUDGET, SCHEMA, SEED, _deltas, _push
 
 U = pa.schema([("j", pa.int64()), ("tag", pa.string())])
-HELD = ("distinct#4.input", "count_distinct#11.values", "join#17.left", "materialize#21.contents")
+HELD = ("distinct#4.input", "count_distinct#11.values", "join#17.left", "materialize#21.contents", "left_join#27.left",
+        "semi_join#31.left")
 WALKED = ("distinct#6.input", "join#25.left", "join#25.right")  # read every step, so merged two at a time: rows
 # with a string column (no key index), and both sides of a join of t with itself
 U_STEPS = (0, 70, 71, 130)  # the steps that change u (each reads the join's side of t after a run unread)
@@ -43,6 +44,8 @@ def _circuit(poison: bool = False) -> dbsp.Circuit:
     c.output("jn", t.join(u, on="j").select(k="k", v="v", tag="tag"))
     c.output("m", t.select(k="k", s="s"), materialized=True)
     c.output("self", t.join(t.select(k2="k", v2="v"), left_on="k", right_on="k2").select(k="k", v="v", v2="v2"))
+    c.output("lj", t.left_join(u, on="j").select(k="k", tag="tag"))
+    c.output("sj", t.semi_join(u, on="j"))
     if poison:
         add_poison(c, t, SCHEMA)
     return c
