@@ -309,7 +309,7 @@ cdef extern from "joinrun.h" nogil:
     int dbsp_join_run(const CBatch *c, const ArrowSchema *cs, const int32_t *ckeys, int32_t nkeys, int change_left,
                       int32_t nb, const CBatch *const *bs, const uint64_t *const *bkh, const uint64_t *const *bfence,
                       const int32_t *bkeys, const int32_t *lcols, int32_t nl, const int32_t *rcols, int32_t nr,
-                      CJoinRunOut *out)
+                      const CBatch *pad, CJoinRunOut *out)
     void dbsp_join_run_free(CJoinRunOut *out, int32_t nb)
 
 cdef extern from "top1.h" nogil:
