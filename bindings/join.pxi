@@ -53,7 +53,9 @@ cdef class JoinRun:
     ``(k, rows, w)``, rows a Table of ``oschema``. With ``pad`` (a left outer join's left side, csrc/joinrun.h
     invariant 4: a one-row Table of nulls in the right side's schema, the batches' columns), one more part ``(len(views),
     rows, w)``: the change's rows without a right row (its key's right weights sum to at most 0 over the batches),
-    their right columns null. Errors as join's and take_pairs'."""
+    their right columns null; ``pad_met`` then says whether one of them met a right row too (joinrun.h invariant 4:
+    when not, and at most one batch gave pairs, the parts together are distinct rows). Errors as join's and
+    take_pairs'."""
     cdef Int32s ckeys, bkeys, lcols, rcols
     cdef int change_left, all_l, all_r
     cdef readonly object cschema, oschema
@@ -61,6 +63,7 @@ cdef class JoinRun:
     cdef object checked  # the batch schema whose output types were checked last
     cdef BatchView pad  # invariant 4's row of nulls, or None
     cdef bint pad_checked
+    cdef readonly bint pad_met  # the last step's (invariant 4)
 
     def __init__(self, ckeys, bkeys, bint change_left, lcols, rcols, cschema, oschema, pad=None):
         if len(ckeys) != len(bkeys) or not ckeys:
@@ -137,6 +140,7 @@ cdef class JoinRun:
                                    self.bkeys.p, lp, self.lcols.n, rp, self.rcols.n, padc, &o)
             check_status(st, "join")
             self.steps += 1
+            self.pad_met = o.pad_met
             if o.n == 0:
                 return None
             try:

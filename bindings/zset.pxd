@@ -306,6 +306,7 @@ cdef extern from "joinrun.h" nogil:
         ArrowArray *parts
         int64_t **pw
         int64_t *pn
+        int pad_met
     int dbsp_join_run(const CBatch *c, const ArrowSchema *cs, const int32_t *ckeys, int32_t nkeys, int change_left,
                       int32_t nb, const CBatch *const *bs, const uint64_t *const *bkh, const uint64_t *const *bfence,
                       const int32_t *bkeys, const int32_t *lcols, int32_t nl, const int32_t *rcols, int32_t nr,

@@ -17,7 +17,10 @@
  *     weights summing to at most 0 (a null key meets no row: it sums to 0), each with its own weight: the change's
  *     columns lcols, then pad's columns rcols at its row 0 (one row of nulls of the right side's types). The sum is
  *     taken over the pairs the join already found (a right row's weight per pair), so it costs no probe: it is the
- *     key's right row count that the right trace's key index would give.
+ *     key's right row count that the right trace's key index would give. pad_met says whether a padded row met a
+ *     right row as well (its key's right rows cancel): when not, and at most one batch gave pairs, no padded row
+ *     equals an inner row (their left rows differ: the indexed change is consolidated), so the parts together are
+ *     distinct rows.
  */
 #ifndef DBSP_JOINRUN_H
 #define DBSP_JOINRUN_H
@@ -34,6 +37,7 @@ typedef struct DbspJoinRunOut {
     struct ArrowArray *parts;  /* nb parts (room given by the caller): release NULL where no pair was found */
     int64_t **pw;              /* nb weight arrays (malloc'ed, pn[k] each; NULL where no pair) */
     int64_t *pn;               /* nb pair counts */
+    int pad_met;               /* with a pad (invariant 4): 1 when a padded row met a right row too, else 0 */
 } DbspJoinRunOut;
 
 /* Index change c (its exported schema cs: the indexed change is viewed through it) by ckeys[0..nkeys), then join it

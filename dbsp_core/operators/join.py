@@ -278,15 +278,16 @@ class _JoinState:
         pair, _, distinct, padded = spec
         ix, parts = run_side(pair[side], self.left if side == 0 else self.right, self.prepared(z, side), batches,
                              distinct)
-        out.extend(parts if padded is None else [pad(p, padded) for p in parts])
+        out.extend(p if padded is None else pad(p, padded) for _, p in parts)
         return ix
 
 
 def run_side(run: "_zset.JoinRun", own: Trace, z: "ZSet", batches: list, distinct: bool
-             ) -> "tuple[IndexedZSet | None, list[ZSet]]":
+             ) -> "tuple[IndexedZSet | None, list[tuple[int, ZSet]]]":
     """One side's change ``z`` (as its trace ``own`` holds rows) through ``run`` (invariant 7) against the other side's
-    ``batches``: the change indexed and inserted into ``own``, and each part the call returned as a Z-set (flagged
-    ``distinct``); ``(None, [])`` when the change consolidated to nothing."""
+    ``batches``: the change indexed and inserted into ``own``, and each part the call returned as ``(k, Z-set)`` (k:
+    the batch met, ``len(batches)`` for a pad's part; flagged ``distinct``); ``(None, [])`` when the change consolidated
+    to nothing."""
     got = run.step(z.data, z.weights, [b._view() for b in batches])
     if got is None:  # the change consolidated to nothing
         return None, []
@@ -295,7 +296,7 @@ def run_side(run: "_zset.JoinRun", own: Trace, z: "ZSet", batches: list, distinc
     ix = IndexedZSet._make(ZSet._make(table, w, chunked=True), own.key, kh)
     ix._rh = rh  # (index_by's: the row hashes when the kernel had them)
     own.insert(ix)
-    return ix, [ZSet._make(t, pw, distinct=distinct, chunked=True) for _, t, pw in parts]
+    return ix, [(k, ZSet._make(t, pw, distinct=distinct, chunked=True)) for k, t, pw in parts]
 
 
 def walked_in_memory(trace: Trace) -> list | None:

@@ -14,8 +14,9 @@ Invariants:
      invariant 4; join.py invariant 7's call for the inner part): the left change indexed, joined with every right
      batch, and the padded rows those pairs leave (a key whose right weights, summed over its pairs, are at most 0)
      gathered with null right columns; the same change as invariant 2's (no key flips without a right change), the
-     same left trace. A step that changes the right side, or whose walk would read a spilled batch, runs invariant
-     2's path; ``c_steps`` counts the steps the call served.
+     same left trace; its output is flagged distinct when the call says no padded row met a right row and at most
+     one batch gave pairs. A step that changes the right side, or whose walk would read a spilled batch, runs
+     invariant 2's path; ``c_steps`` counts the steps the call served.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ from typing import TYPE_CHECKING, Sequence
 import pyarrow as pa
 
 from dbsp_core import _zset
-from dbsp_core.operators.base import concat, conform, empty
+from dbsp_core.operators.base import concat, conform
 from dbsp_core.operators.join import Join, inner_change, run_side, walked_in_memory
 from dbsp_core.operators.presence import PresenceState
+from dbsp_core.zset import ZSet
 
 if TYPE_CHECKING:
     from dbsp_core.operators.context import StepContext
-    from dbsp_core.zset import IndexedZSet, ZSet
+    from dbsp_core.zset import IndexedZSet
 
 class LeftJoin(Join):
     """``left.left_join(right, ...)``: the inner join plus unmatched left rows padded with nulls."""
@@ -72,7 +74,11 @@ class _LeftJoinState(PresenceState):
             if batches is not None:  # invariant 5
                 self.c_steps += 1
                 _, parts = run_side(self.run, self.left, conform(a, op.lschema), batches, True)
-                return concat(parts, op.schema) if parts else empty(op.schema)
+                out = concat([p for _, p in parts], op.schema)
+                inner = sum(k < len(batches) for k, _ in parts)
+                if len(parts) == 2 and inner == 1 and not self.run.pad_met:  # csrc/joinrun.h invariant 4
+                    out = ZSet._make(out.data, out.weights, distinct=True, chunked=True)
+                return out
         return super().step(inputs, ctx)
 
     def parts(self, da: "IndexedZSet | None", db: "IndexedZSet | None") -> list["ZSet"]:
