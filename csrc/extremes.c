@@ -235,6 +235,7 @@ static int store(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int3
         int st = dbsp_keyindex_put(ix, b, keys, group_row[g], gkh[g], nw + g * nv, 1, ng);
         if (st == DBSP_OK) continue;
         if (st == DBSP_ENOMEM || st == DBSP_ETOOBIG) {  /* undone: the index as before the call */
+            dbsp_keyindex_unbreak(ix);  /* (the refused put marked it; nothing of its key was written) */
             for (int64_t u = 0; u < ng; u++) {
                 if (u < g && IS_NEW(u) && STAYS(u))  /* a removal: no allocation */
                     (void)dbsp_keyindex_put(ix, b, keys, group_row[u], gkh[u], NULL, 1, 0);

@@ -27,9 +27,10 @@
  *     shape, so nothing may store into the index between the probe and the emit, and the emit stores in three
  *     passes: held groups that stay, in place; then new groups (dbsp_keyindex_put: the only stores that allocate);
  *     then groups whose count reaches 0 (removals, which allocate nothing). A put that fails for memory or a size
- *     limit (DBSP_ENOMEM, DBSP_ETOOBIG) is undone (csrc/linrun.h invariant 4's rule): the new groups put before it
- *     removed, the held ones' old values put back (in place: nothing was removed yet), the refusal counted
- *     (dbsp_keyindex_note_refusal), so the index is as before the call and its owner drops it.
+ *     limit (DBSP_ENOMEM, DBSP_ETOOBIG) is undone (csrc/linrun.h invariant 4's rule): the broken mark the refusal
+ *     set cleared, the new groups put before it removed, the held ones' old values put back (in place: nothing was
+ *     removed yet), the refusal counted (dbsp_keyindex_note_refusal), so the index is whole and as before the call,
+ *     and its owner (trace/keyindex.py ``through_index``) drops it and walks the batches.
  */
 #ifndef DBSP_EXTREMES_H
 #define DBSP_EXTREMES_H

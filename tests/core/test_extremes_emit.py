@@ -278,13 +278,14 @@ def test_a_step_that_changes_only_unshown_totals_outputs_nothing() -> None:
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_a_refused_store_is_undone_and_the_step_walks_the_batches(workers: int) -> None:
+def test_a_refused_store_is_undone_and_the_step_walks_the_batches(monkeypatch, workers: int) -> None:
     """The emit's stores in place (csrc/extremes.h design note 5) when the key index cannot grow: a step whose groups
     are held ones that change (written in place first: new extremes, deleted extremes, a group emptied) and thousands
-    of new ones (whose puts need a larger table) under a budget of the bytes the indexes hold. The puts are refused,
-    what was stored is undone and the refusal counted, so the trace drops its index (IndexDroppedWarning) and the
-    step runs on its batches: every step's view equals the model's; before that step, the probe's slots served the
-    stores (``in_place``)."""
+    of new ones (whose puts need a larger table) under a budget of the bytes the indexes hold, set just before the
+    emit (after the probe, which allocates nothing). The puts are refused, what was stored is undone (the index whole,
+    not broken, a refusal counted, every group's totals as the probe read them, as many keys) and the trace drops the
+    index (IndexDroppedWarning): the step runs on its batches, and every step's view equals the model's; before that
+    step, the probe's slots served the stores (``in_place``)."""
     import warnings
 
     from dbsp_core import _zset
@@ -312,6 +313,19 @@ def test_a_refused_store_is_undone_and_the_step_walks_the_batches(workers: int) 
         bag = Counter({r: w for r, w in bag.items() if w > 0})
         steps.append(d)
     budget = _zset.keyindex_budget()
+    emitted = _ExtremesState._emitted
+
+    undone: list = []
+
+    def tight(self, view, group_row, gkh, old, nw, ix):  # the index cannot grow: the puts of new groups are refused
+        keys = len(ix)
+        _zset.keyindex_budget(_zset.keyindex_total_bytes())
+        try:
+            return emitted(self, view, group_row, gkh, old, nw, ix)
+        except (MemoryError, ValueError):
+            now = ix.get(view, self.keypos, gkh, np.zeros_like(old), sel=group_row)
+            undone.append((ix.broken, ix.refusals, len(ix) == keys, bool((now == old).all())))
+            raise
     view: Counter = Counter()
     model: Counter = Counter()
     try:
@@ -319,14 +333,16 @@ def test_a_refused_store_is_undone_and_the_step_walks_the_batches(workers: int) 
             for i, d in enumerate(steps):
                 p.push("t", dbsp.ZSet.from_rows(list(d), schema, weights=list(d.values())))
                 if i == 4:
-                    _zset.keyindex_budget(_zset.keyindex_total_bytes())
+                    monkeypatch.setattr(_ExtremesState, "_emitted", tight)
                     assert sum(s.emit.in_place for s in _states(p)) >= 3
                 with warnings.catch_warnings(record=True) as seen:
                     warnings.simplefilter("always")
                     out = p.step()["g"]
                 _zset.keyindex_budget(budget)
+                monkeypatch.setattr(_ExtremesState, "_emitted", emitted)
                 if i == 4 and not BUDGET:
                     assert any(issubclass(w.category, dbsp.IndexDroppedWarning) for w in seen), [str(w) for w in seen]
+                    assert undone and all(u == (False, 1, True, True) for u in undone), undone
                 view.update(out.to_dict())
                 view = Counter({r: w for r, w in view.items() if w})
                 model.update(d)
