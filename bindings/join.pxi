@@ -51,8 +51,8 @@ cdef class JoinRun:
     change consolidates to nothing, else ``(change, w, kh, rh, parts)``: the indexed change's rows (a Table of
     ``cschema``), weights, key hashes and row hashes (None: not computed), and per batch with pairs
     ``(k, rows, w)``, rows a Table of ``oschema``. With ``pad`` (a left outer join's left side, csrc/joinrun.h
-    invariant 4: a one-row Table of nulls in the right side's schema, the batches' columns), one more part ``(len(views),
-    rows, w)``: the change's rows without a right row (its key's right weights sum to at most 0 over the batches),
+    invariant 4: a one-row Table of nulls in the right side's schema, the batches' columns), one more part
+    ``(len(views), rows, w)``: the change's rows without a right row (its key's right weights sum to at most 0 over the batches),
     their right columns null; ``pad_met`` then says whether one of them met a right row too (joinrun.h invariant 4:
     when not, and at most one batch gave pairs, the parts together are distinct rows). Errors as join's and
     take_pairs'."""

@@ -50,8 +50,8 @@ def test_padded_part_is_the_rows_whose_right_weights_sum_to_at_most_zero(keys, R
         change = _rows(rng, n, L, nulls)
         change = pa.concat_tables([change, change.slice(0, n // 3)])
         z = ZSet.from_arrow(change, rng.choice([1, 2, -1], change.num_rows).astype(np.int64))
-        batches = [ZSet.from_arrow(_rows(rng, m, R, nulls), rng.choice([1, -1, 2], m).astype(np.int64)).index_by(keys[1])
-                   for m in (int(rng.integers(1, 60)), 0, int(rng.integers(1, 60)))]
+        batches = [ZSet.from_arrow(_rows(rng, m, R, nulls), rng.choice([1, -1, 2], m).astype(np.int64))
+                   .index_by(keys[1]) for m in (int(rng.integers(1, 60)), 0, int(rng.integers(1, 60)))]
         if trial == 3:  # every right row cancelled by the next batch: every key's sum is 0
             b = ZSet.from_arrow(_rows(rng, 40, R, nulls), np.ones(40, dtype=np.int64)).index_by(keys[1])
             batches = [b, ZSet._make(b.zset.data, -b.zset.weights).index_by(keys[1])]
@@ -95,7 +95,6 @@ def _model(t_rows: dict, u_rows: dict) -> dict:
     for (i, x, m), wu in u_rows.items():
         count[i] = count.get(i, 0) + wu
     for (k, s, v), wt in t_rows.items():
-        matched = False
         for (i, x, m), wu in u_rows.items():
             if k is not None and k == i:
                 r = (k, s, v, i, x, m)
