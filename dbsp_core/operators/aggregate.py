@@ -1114,7 +1114,8 @@ class _ExtremesState(_GroupedState):
             self.totals.index_done(ix)
             return empty(self.op.schema)
         if ordered:  # groups by key hash, a group's two rows by row hash: the trace batch as it stands
-            b = IndexedZSet._make(ZSet._make(batch, w), tuple(self.keys), kh)
+            # (the call's tables hold one record batch each: one chunk per column as they are, zset.py invariant 1)
+            b = IndexedZSet._make(ZSet._make(batch, w, chunked=True), tuple(self.keys), kh)
             b._rh = rh
         else:  # a key-hash or row-hash tie (rare): values decide the order
             b = IndexedZSet._from_key_order(make(batch, w, self.sschema), self.keys, kh)
@@ -1122,7 +1123,8 @@ class _ExtremesState(_GroupedState):
         self.emitted_steps += 1
         if not len(ow):  # every changed group shows what it showed
             return empty(self.op.schema)
-        return ZSet._make(out, ow, distinct=True)  # rows of two groups differ in their keys, a group's in a value
+        # rows of two groups differ in their keys, a group's in a value
+        return ZSet._make(out, ow, distinct=True, chunked=True)
 
     def _recompute_into(self, view: "_zset.BatchView", group_row: np.ndarray, gkh: np.ndarray, need: np.ndarray,
                         nw: np.ndarray) -> None:
