@@ -172,6 +172,7 @@ def test_the_c_path_matches_the_python_path(monkeypatch, workers: int, seed: int
         totals = [sorted(map(repr, _totals(p))) for p in (c_pipe, py_pipe)]
         assert totals[0] == totals[1]
         assert sum(s.emitted_steps for s in _states(c_pipe)) >= 100
+        assert sum(s.emit.in_place for s in _states(c_pipe)) >= 100  # stored in place, the rolled-back steps too
         assert sum(s.emitted_steps for s in _states(py_pipe)) == 0
     finally:
         c_pipe.close()
