@@ -192,6 +192,8 @@ def test_an_overflowing_step_fails_and_leaves_the_state(monkeypatch) -> None:
     """A left-only step whose output weight overflows int64 fails in the C call (the path before is not run) as a
     StepError, and the pipeline's rollback leaves the state so that the next step, served by the C call too, gives
     the view before the failed step plus that step's change."""
+    if BUDGET:
+        pytest.skip("under a memory budget the right batches are spilled: the path before the C call serves the steps")
     c = dbsp.Circuit()
     t, u = c.input("t", L), c.input("u", R64)
     c.output("j", t.left_join(u, left_on="k", right_on="id"), materialized=True)
@@ -242,4 +244,4 @@ def test_a_padded_row_equal_to_an_inner_row_is_summed_with_it() -> None:
             _LeftJoinState.C_STEP = old
     # (1, 7, None) pairs with weight -1 and pads with weight +1 (its key's right weights sum to -1): they cancel
     assert outs[0][:2] == outs[1][:2] == ({(2, 8, None): 1}, {(2, 8, None): 1})
-    assert outs[0][2] == 1 and outs[1][2] == 0
+    assert outs[0][2] == (0 if BUDGET else 1) and outs[1][2] == 0  # (a budget spills the batches: the path before)
