@@ -8,14 +8,13 @@ from __future__ import annotations
 import os
 import random
 
-import duckdb
 import numpy as np
 import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis_profile import examples
-from test_join_run import L, R, R64, _multiset, _rows
+from test_join_run import L, R, R64, _multiset, _rows, check_views, random_steps, run_views
 
 import dbsp_core as dbsp
 from dbsp_core import _zset
@@ -115,19 +114,7 @@ def _run(steps: list, workers: int, c_step: bool) -> tuple[list[dict], int]:
     c = dbsp.Circuit()
     t, u = c.input("t", L), c.input("u", R64)
     c.output("j", t.left_join(u, left_on="k", right_on="id"))
-    old = _LeftJoinState.C_STEP
-    _LeftJoinState.C_STEP = c_step
-    try:
-        outs = []
-        with dbsp.Pipeline(c, workers=workers, executor=EmbeddedExecutor()) as p:
-            for pushes in steps:
-                for name, table, w in pushes:
-                    p.push(name, ZSet.from_arrow(table, np.asarray(w, dtype=np.int64)))
-                outs.append(p.step()["j"].to_dict())
-            served = sum(s.c_steps for s in _states(p))
-    finally:
-        _LeftJoinState.C_STEP = old
-    return outs, served
+    return run_views(c, steps, workers, _LeftJoinState, c_step, lambda p: sum(s.c_steps for s in _states(p)))
 
 
 @settings(max_examples=examples(12), deadline=None)
@@ -138,49 +125,16 @@ def test_left_join_steps_in_c_equal_the_path_before_duckdb_and_a_model(seed, sid
     key's right side empties and fills again; nulls in keys and values), split at random: the view after every step
     equals the path before the C step's, DuckDB's recompute and the dict model's; the C path served every step that
     changed only the left side at a worker (at least one when such a step had rows)."""
-    rng = np.random.default_rng(seed)
-    rows: dict = {"t": {}, "u": {}}
-    steps = []
-    for which in sides:
-        pushes = []
-        for name in which:
-            schema = L if name == "t" else R64
-            table = _rows(rng, int(rng.integers(1, 40)), schema, nulls=True)
-            w = rng.choice([1, 1, 2], table.num_rows)
-            have = [r for r, x in rows[name].items() if x > 0]
-            if have and rng.random() < 0.7:  # deletions of rows there now
-                gone = [have[i] for i in rng.choice(len(have), min(len(have), 8), replace=False)]
-                table = pa.concat_tables([table, pa.Table.from_pylist([dict(zip(schema.names, r)) for r in gone],
-                                                                      schema=schema)])
-                w = np.concatenate([w, -np.ones(len(gone), dtype=np.int64)])
-            for r, x in zip(zip(*(c.to_pylist() for c in table.columns)), w.tolist()):
-                rows[name][r] = rows[name].get(r, 0) + x
-            pushes.append((name, table, w))
-        steps.append((pushes, _model(rows["t"], rows["u"])))
+    steps = random_steps(np.random.default_rng(seed), sides, {"t": L, "u": R64}, 40, 8, _model)
     got, served = _run([p for p, _ in steps], workers, True)
     before, none = _run([p for p, _ in steps], workers, False)
     assert none == 0
-    view: dict = {}
-    con = duckdb.connect()
-    con.execute("CREATE TABLE t (k BIGINT, s VARCHAR, v BIGINT, w BIGINT); "
-                "CREATE TABLE u (id BIGINT, x VARCHAR, m DOUBLE, w BIGINT)")
-    for i, ((pushes, model), out, ref) in enumerate(zip(steps, got, before)):
-        assert out == ref, f"step {i}"
-        for r, w in out.items():
-            view[r] = view.get(r, 0) + w
-        view = {r: w for r, w in view.items() if w}
-        assert view == model, f"step {i}"
-        for name, table, w in pushes:
-            con.register("chg", table.append_column("w", pa.array(w, pa.int64())))
-            con.execute(f"INSERT INTO {name} SELECT * FROM chg")
-            con.unregister("chg")
-        want = con.execute(
-            "WITH rc AS (SELECT id, sum(w) AS n FROM u WHERE id IS NOT NULL GROUP BY id), "
-            "v AS (SELECT k, s, v, id, x, m, t.w * u.w AS w FROM t JOIN u ON k = id "
-            "UNION ALL SELECT k, s, v, NULL, NULL, NULL, t.w FROM t LEFT JOIN rc ON k = rc.id "
-            "WHERE rc.n IS NULL OR rc.n <= 0) "
-            "SELECT k, s, v, id, x, m, sum(w) FROM v GROUP BY ALL HAVING sum(w) != 0").fetchall()
-        assert view == {tuple(r[:6]): r[6] for r in want}, f"step {i}"
+    check_views(steps, got, before, "BIGINT",
+                "WITH rc AS (SELECT id, sum(w) AS n FROM u WHERE id IS NOT NULL GROUP BY id), "
+                "v AS (SELECT k, s, v, id, x, m, t.w * u.w AS w FROM t JOIN u ON k = id "
+                "UNION ALL SELECT k, s, v, NULL, NULL, NULL, t.w FROM t LEFT JOIN rc ON k = rc.id "
+                "WHERE rc.n IS NULL OR rc.n <= 0) "
+                "SELECT k, s, v, id, x, m, sum(w) FROM v GROUP BY ALL HAVING sum(w) != 0")
     left_only = sum(1 for pushes, _ in steps if [n for n, _, _ in pushes] == ["t"])
     if workers == 1 and not BUDGET:
         assert served == left_only
