@@ -16,7 +16,8 @@ prints the step time's mean, p50, p99 and max, and the trace merge work of the m
 merged per step, counted by the traces: load-independent), and each size's mean and p99 as a ratio to the
 first size's (the target: every size within 2x of the 1M figure). ``--queries join_group_by``: the join then
 ``GROUP BY category`` (count, sum of price) of bench_circuits (a), over the same auctions (1000 categories);
-``group_by_min_max``: (a)'s ``GROUP BY auction`` MIN and MAX of price; ``group_by_avg``: its AVG of price.
+``group_by_min_max``: (a)'s ``GROUP BY auction`` MIN and MAX of price; ``group_by_avg``: its AVG of price;
+``left_join``: its left join (one auction in ten missing).
 """
 
 from __future__ import annotations
@@ -55,8 +56,18 @@ def bids(rng: np.random.Generator, n: int, query: str, groups: int) -> pa.Table:
     return pa.table({"auction": auction, "bidder": bidder, "price": rng.integers(1, 10_000, n)}, schema=BIDS)
 
 
-QUERIES = ("group_by", "join", "distinct", "join_group_by", "group_by_min_max", "group_by_avg", "passthrough")
-JOINED = ("join", "join_group_by")  # the queries that read auctions
+QUERIES = ("group_by", "join", "distinct", "join_group_by", "group_by_min_max", "group_by_avg", "passthrough",
+           "left_join")
+JOINED = ("join", "join_group_by", "left_join")  # the queries that read auctions
+
+
+def auctions(query: str, groups: int) -> pa.Table:
+    """The auctions a joined query reads: every id below ``groups``, less one in ten for ``left_join`` (so a tenth
+    of the bids have no partner, as in bench_circuits (a))."""
+    ids = np.arange(groups)
+    if query == "left_join":
+        ids = ids[ids % 10 != 0]
+    return pa.table({"id": ids, "category": ids % 1000}, schema=AUCTIONS)
 
 
 def circuit(query: str) -> dbsp.Circuit:
@@ -73,6 +84,8 @@ def circuit(query: str) -> dbsp.Circuit:
     elif query == "join_group_by":  # bench_circuits (a)'s join then group-by
         v = b.join(a, left_on="auction", right_on="id").group_by("category").agg(n=dbsp.count(),
                                                                                  total=dbsp.sum("price"))
+    elif query == "left_join":  # bench_circuits (a)'s left join
+        v = b.left_join(a, left_on="auction", right_on="id")
     elif query == "passthrough":  # bench_circuits (a)'s pass-through: the per-step floor
         v = b
     else:
@@ -92,8 +105,7 @@ def run(query: str, state: int, groups: int, args: argparse.Namespace) -> dict:
     dels_per_step = args.change // 10
     t0 = time.perf_counter()
     if query in JOINED:
-        ids = np.arange(groups)
-        p.push("auctions", pa.table({"id": ids, "category": ids % 1000}, schema=AUCTIONS))
+        p.push("auctions", auctions(query, groups))
     pool = None  # loaded bids kept for deletion (a prefix of the first load step)
     loaded = 0
     while loaded < state:

@@ -34,16 +34,14 @@ def child(tree: str, query: str, state: int, groups: int, steps: int, load_step:
     sys.path.insert(0, os.path.join(tree, "bench"))
     sys.path.insert(0, HERE)
     import numpy as np
-    import pyarrow as pa
 
     import dbsp_core as dbsp
-    from bench_scaling import AUCTIONS, JOINED, bids, circuit
+    from bench_scaling import JOINED, auctions, bids, circuit
 
     rng = np.random.default_rng(7)
     p = dbsp.Pipeline(circuit(query), workers=1)
     if query in JOINED:
-        ids = np.arange(groups)
-        p.push("auctions", pa.table({"id": ids, "category": ids % 1000}, schema=AUCTIONS))
+        p.push("auctions", auctions(query, groups))
     loaded, pool = 0, None
     while loaded < state:
         n = min(load_step, state - loaded)

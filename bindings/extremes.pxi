@@ -6,6 +6,12 @@ def extremes_probe(table, keys, slots, KeyIndex ix):
     and their new ones for the kernel `slots` ((kind, column) pairs). Returns (group_row, gkh, old, nw, need):
     old and nw are (ng, V) int64 arrays (V = slots, then one "not null" flag per extreme), need a bool array of the
     groups whose extremes must be recomputed from their values. Reads only."""
+    return probe_into(table, keys, slots, ix, NULL, 0)
+
+
+cdef probe_into(table, keys, slots, KeyIndex ix, int64_t **held, int64_t held_cap):
+    """extremes_probe, keeping in held (room for held_cap, NULL: not kept) where the index holds each group's values
+    (csrc/extremes.h design note 5)."""
     cdef BatchView v = view_of(table)
     cdef Int32s k = Int32s(keys)
     cdef int32_t ns = len(slots), ne = sum(1 for kind, _ in slots if kind in ("min", "max"))
@@ -15,6 +21,8 @@ def extremes_probe(table, keys, slots, KeyIndex ix):
     if k.n != ix.nkeys or V != ix.nvals:
         raise ValueError(f"extremes_probe: {k.n} keys and {V} values for an index of {ix.nkeys} and {ix.nvals}")
     cdef int64_t n = v.c.nrows, ng = 0
+    if held != NULL and held_cap < n:
+        raise ValueError(f"extremes_probe: room for {held_cap} groups' slots, {n} rows")
     group_row = np.empty(max(n, 1), dtype=np.int64)
     gkh = np.empty(max(n, 1), dtype=np.uint64)
     old = np.empty((max(n, 1), V), dtype=np.int64)
@@ -31,7 +39,7 @@ def extremes_probe(table, keys, slots, KeyIndex ix):
     cdef int st
     with nogil:
         st = dbsp_extremes_probe(ix.ix, &v.c, v.kh, k.p, k.n, specs, ns, &pg[0], &pk[0], &po[0, 0], &pn[0, 0],
-                                 &pe[0], &ng)
+                                 &pe[0], &ng, held)
     free(specs)
     check_status(st, "extremes_probe")
     return group_row[:ng], gkh[:ng], old[:ng], nw[:ng], need[:ng].view(bool)
@@ -156,11 +164,36 @@ cdef class ExtremesEmit:
     one-chunk Table with its weights, key hashes and row hashes (in canonical order unless ``ordered`` is False), and
     the output Table with its weights (its rows distinct: a group's equal old and new rows dropped); all None when
     no group's totals changed. ``ix`` then holds the new totals; a MemoryError or ValueError from its store leaves it
-    broken (as extremes_store), one before the store changes nothing."""
+    as it was with a refusal counted (design note 5), one before the store changes nothing. ``probe(table, slots,
+    ix)`` is extremes_probe (over this emit's keys) that keeps where ``ix`` holds each group's values: a ``step``
+    that follows it over the same groups (its ``gkh``, the very array, and ``ix``, with nothing stored in between)
+    writes those groups' new values in place (design note 5: one probe per group); ``in_place`` counts such steps."""
     cdef Int32s keys, snull, swidth, shown, nonnull, owidth
     cdef int32_t ns, nv, nout
     cdef readonly object bschema, oschema
     cdef readonly int64_t steps  # steps served (a counter for tests: the C path ran)
+    cdef readonly int64_t in_place  # of them, steps that stored in place after this object's probe
+    cdef int64_t **held  # the last probe's slots (design note 5), room for held_cap
+    cdef int64_t held_cap
+    cdef object held_ix, held_gkh  # the index and the groups' key hashes they belong to (None: none held)
+    cdef object pykeys
+
+    def __dealloc__(self):
+        free(self.held)
+
+    def probe(self, table, slots, KeyIndex ix):
+        cdef BatchView v = view_of(table)
+        cdef int64_t n = v.c.nrows
+        cdef int64_t **grown
+        self.held_ix = self.held_gkh = None
+        if n > self.held_cap:
+            grown = <int64_t **>realloc(self.held, max(n, 1) * sizeof(int64_t *))
+            if grown == NULL:
+                raise MemoryError("ExtremesEmit.probe: out of memory")
+            self.held, self.held_cap = grown, max(n, 1)
+        out = probe_into(v, self.pykeys, slots, ix, self.held, self.held_cap)
+        self.held_ix, self.held_gkh = ix, out[1]
+        return out
 
     def __init__(self, keys, int32_t nv, snull, swidth, shown, nonnull, owidth, bschema, oschema):
         if len(snull) != len(swidth) or not snull or len(shown) != len(nonnull) or len(shown) != len(owidth):
@@ -177,12 +210,16 @@ cdef class ExtremesEmit:
             if x not in (1, 2, 4, 8):
                 raise ValueError("ExtremesEmit: a width other than 1, 2, 4 or 8 bytes")
         self.keys, self.snull, self.swidth = Int32s(keys), Int32s(snull), Int32s(swidth)
+        self.pykeys = list(keys)
         self.shown, self.nonnull, self.owidth = Int32s(shown), Int32s(nonnull), Int32s(owidth)
         self.ns, self.nv, self.nout = len(snull), nv, len(shown)
         self.bschema, self.oschema = bschema, oschema
         self.steps = 0
+        self.in_place = 0
 
     def step(self, table, group_row, gkh, old, nw, KeyIndex ix):
+        cdef int64_t *const *held = self.held if self.held_ix is ix and self.held_gkh is gkh else NULL
+        self.held_ix = self.held_gkh = None  # (one use: the step stores)
         cdef BatchView v = view_of(table)
         if self.keys.n != ix.nkeys or self.nv != ix.nvals:
             raise ValueError(f"ExtremesEmit: {self.keys.n} keys and {self.nv} values for an index of {ix.nkeys} and "
@@ -214,8 +251,10 @@ cdef class ExtremesEmit:
         with nogil:
             st = dbsp_extremes_emit(ix.ix, &v.c, self.keys.p, self.keys.n, self.ns, self.nv, ng, &pg[0], &pk[0],
                                     &po[0, 0], &px[0, 0], self.snull.p, self.swidth.p, self.nout, self.shown.p,
-                                    self.nonnull.p, self.owidth.p, &batch, &out, &w, &kh, &rh, &n, &ordered, &ow, &on)
+                                    self.nonnull.p, self.owidth.p, &batch, &out, &w, &kh, &rh, &n, &ordered, &ow, &on,
+                                    held)
         check_status(st, "extremes_emit")
+        self.in_place += held != NULL
         if n == 0:
             return None, None, None, None, True, None, None
         wa = own_array(w, n, np.int64)

@@ -50,14 +50,22 @@ cdef class JoinRun:
     ``rcols`` (None: every column), the change being the left side when ``change_left``. Returns None when the
     change consolidates to nothing, else ``(change, w, kh, rh, parts)``: the indexed change's rows (a Table of
     ``cschema``), weights, key hashes and row hashes (None: not computed), and per batch with pairs
-    ``(k, rows, w)``, rows a Table of ``oschema``. Errors as join's and take_pairs'."""
+    ``(k, rows, w)``, rows a Table of ``oschema``. With ``pad`` (a left outer join's left side, csrc/joinrun.h
+    invariant 4: a one-row Table of nulls in the right side's schema, the batches' columns), one more part
+    ``(len(views), rows, w)``: the change's rows without a right row (its key's right weights sum to at most 0 over the batches),
+    their right columns null; ``pad_met`` then says whether one of them met a right row too (joinrun.h invariant 4:
+    when not, and at most one batch gave pairs, the parts together are distinct rows). Errors as join's and
+    take_pairs'."""
     cdef Int32s ckeys, bkeys, lcols, rcols
     cdef int change_left, all_l, all_r
     cdef readonly object cschema, oschema
     cdef readonly int64_t steps  # steps served (a counter for tests: the C path ran)
     cdef object checked  # the batch schema whose output types were checked last
+    cdef BatchView pad  # invariant 4's row of nulls, or None
+    cdef bint pad_checked
+    cdef readonly bint pad_met  # the last step's (invariant 4)
 
-    def __init__(self, ckeys, bkeys, bint change_left, lcols, rcols, cschema, oschema):
+    def __init__(self, ckeys, bkeys, bint change_left, lcols, rcols, cschema, oschema, pad=None):
         if len(ckeys) != len(bkeys) or not ckeys:
             raise ValueError(f"JoinRun: {len(ckeys)} change keys but {len(bkeys)} batch keys")
         self.ckeys, self.bkeys = Int32s(ckeys), Int32s(bkeys)
@@ -68,10 +76,20 @@ cdef class JoinRun:
         self.cschema, self.oschema = cschema, oschema
         self.steps = 0
         self.checked = None
+        self.pad = None
+        self.pad_checked = False
+        if pad is not None:
+            if not change_left or pad.num_rows != 1:
+                raise ValueError("JoinRun: a pad is one row, for a change on the join's left side")
+            self.pad = view_of(pad)
+            for j in range(self.rcols.n):
+                if self.rcols.p[j] < 0 or self.rcols.p[j] >= self.pad.c.ncols:
+                    raise IndexError(f"JoinRun: column {self.rcols.p[j]} outside the pad's {self.pad.c.ncols}")
 
     def step(self, table, weights, list views):
         cdef BatchView c = view_of(table, weights)
         cdef int32_t nb = len(views), k, j
+        cdef int32_t np_ = nb + (self.pad is not None)  # the parts: one per batch, then the padded rows'
         cdef BatchView b
         if not c.pyschema.equals(self.cschema):
             raise TypeError(f"JoinRun: the change's schema {c.pyschema} is not {self.cschema}")
@@ -80,12 +98,19 @@ cdef class JoinRun:
                 raise IndexError(f"JoinRun: key column {self.ckeys.p[j]} outside the change's {c.c.ncols}")
         cdef const int32_t *lp = NULL if self.all_l else self.lcols.p
         cdef const int32_t *rp = NULL if self.all_r else self.rcols.p
+        cdef const CBatch *padc = NULL
+        if self.pad is not None:
+            if not self.pad_checked:  # the padded part's columns: the change's lcols, the pad's rcols
+                check_types(self.oschema, c, lp, c.c.ncols if self.all_l else self.lcols.n, self.pad, rp,
+                            self.pad.c.ncols if self.all_r else self.rcols.n)
+                self.pad_checked = True
+            padc = &self.pad.c
         cdef const CBatch **bs = <const CBatch **>malloc(max(nb, 1) * sizeof(CBatch *))
         cdef const uint64_t **bkh = <const uint64_t **>malloc(max(nb, 1) * sizeof(uint64_t *))
         cdef const uint64_t **bf = <const uint64_t **>malloc(max(nb, 1) * sizeof(uint64_t *))
-        cdef ArrowArray *parts = <ArrowArray *>calloc(max(nb, 1), sizeof(ArrowArray))
-        cdef int64_t **pw = <int64_t **>calloc(max(nb, 1), sizeof(int64_t *))
-        cdef int64_t *pn = <int64_t *>calloc(max(nb, 1), sizeof(int64_t))
+        cdef ArrowArray *parts = <ArrowArray *>calloc(max(np_, 1), sizeof(ArrowArray))
+        cdef int64_t **pw = <int64_t **>calloc(max(np_, 1), sizeof(int64_t *))
+        cdef int64_t *pn = <int64_t *>calloc(max(np_, 1), sizeof(int64_t))
         cdef CJoinRunOut o
         cdef int st
         try:
@@ -112,9 +137,10 @@ cdef class JoinRun:
             o.parts, o.pw, o.pn = parts, pw, pn
             with nogil:
                 st = dbsp_join_run(&c.c, &c.schema, self.ckeys.p, self.ckeys.n, self.change_left, nb, bs, bkh, bf,
-                                   self.bkeys.p, lp, self.lcols.n, rp, self.rcols.n, &o)
+                                   self.bkeys.p, lp, self.lcols.n, rp, self.rcols.n, padc, &o)
             check_status(st, "join")
             self.steps += 1
+            self.pad_met = o.pad_met
             if o.n == 0:
                 return None
             try:
@@ -128,7 +154,7 @@ cdef class JoinRun:
                     o.rh = NULL
                 change = import_batch(&o.change, self.cschema)
                 out = []
-                for k in range(nb):
+                for k in range(np_):
                     if pn[k] == 0:
                         continue
                     pwk = own_array(pw[k], pn[k], np.int64)
@@ -136,6 +162,6 @@ cdef class JoinRun:
                     out.append((k, import_batch(&parts[k], self.oschema), pwk))
                 return change, w, kh, rh, out
             finally:
-                dbsp_join_run_free(&o, nb)
+                dbsp_join_run_free(&o, np_)
         finally:
             free(bs); free(bkh); free(bf); free(parts); free(pw); free(pn)

@@ -258,9 +258,9 @@ cdef extern from "timefmt.h" nogil:
                      int64_t units_per_day, const uint8_t *fmt, int64_t fmtlen, int32_t *offsets, uint8_t *data)
 
 cdef extern from "extremes.h" nogil:
-    int dbsp_extremes_probe(const CKeyIndex *ix, const CBatch *b, const uint64_t *kh, const int32_t *keys,
+    int dbsp_extremes_probe(CKeyIndex *ix, const CBatch *b, const uint64_t *kh, const int32_t *keys,
                             int32_t nkeys, const CAggSpec *slots, int32_t ns, int64_t *group_row, uint64_t *gkh,
-                            int64_t *old, int64_t *nw, uint8_t *need, int64_t *ng)
+                            int64_t *old, int64_t *nw, uint8_t *need, int64_t *ng, int64_t **held)
     int dbsp_extremes_probe_inserts(const CKeyIndex *ix, const CBatch *b, const int32_t *keys, int32_t nkeys,
                                     const CAggSpec *slots, int32_t ns, int64_t **group_row, uint64_t **gkh,
                                     int64_t **old, int64_t **nw, int64_t *ng)
@@ -275,7 +275,7 @@ cdef extern from "extremes.h" nogil:
                            const int64_t *nw, const int32_t *snull, const int32_t *swidth, int32_t nout,
                            const int32_t *shown, const int32_t *nonnull, const int32_t *owidth,
                            ArrowArray *batch, ArrowArray *out, int64_t **w, uint64_t **kh, uint64_t **rh,
-                           int64_t *n, int *ordered, int64_t **ow, int64_t *on)
+                           int64_t *n, int *ordered, int64_t **ow, int64_t *on, int64_t *const *held)
 
 cdef extern from "linrun.h" nogil:
     ctypedef struct CLinRun "DbspLinRun":
@@ -306,10 +306,11 @@ cdef extern from "joinrun.h" nogil:
         ArrowArray *parts
         int64_t **pw
         int64_t *pn
+        int pad_met
     int dbsp_join_run(const CBatch *c, const ArrowSchema *cs, const int32_t *ckeys, int32_t nkeys, int change_left,
                       int32_t nb, const CBatch *const *bs, const uint64_t *const *bkh, const uint64_t *const *bfence,
                       const int32_t *bkeys, const int32_t *lcols, int32_t nl, const int32_t *rcols, int32_t nr,
-                      CJoinRunOut *out)
+                      const CBatch *pad, CJoinRunOut *out)
     void dbsp_join_run_free(CJoinRunOut *out, int32_t nb)
 
 cdef extern from "top1.h" nogil:

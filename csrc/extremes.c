@@ -30,9 +30,9 @@ static int check_slots(const DbspBatch *b, const DbspAggSpec *slots, int32_t ns,
     return DBSP_OK;
 }
 
-int dbsp_extremes_probe(const DbspKeyIndex *ix, const DbspBatch *b, const uint64_t *kh, const int32_t *keys,
+int dbsp_extremes_probe(DbspKeyIndex *ix, const DbspBatch *b, const uint64_t *kh, const int32_t *keys,
                         int32_t nkeys, const DbspAggSpec *slots, int32_t ns, int64_t *group_row, uint64_t *gkh,
-                        int64_t *old, int64_t *nw, uint8_t *need, int64_t *ng) {
+                        int64_t *old, int64_t *nw, uint8_t *need, int64_t *ng, int64_t **held) {
     int32_t ne;
     int cs = check_slots(b, slots, ns, &ne);
     if (cs != DBSP_OK) return cs;
@@ -48,7 +48,8 @@ int dbsp_extremes_probe(const DbspKeyIndex *ix, const DbspBatch *b, const uint64
         i = j;
     }
     memset(old, 0, (size_t)(g * V) * 8);
-    int st = dbsp_keyindex_get(ix, b, keys, group_row, gkh, g, old);
+    int st = held ? dbsp_keyindex_get_slots(ix, b, keys, group_row, gkh, g, old, held)  /* design note 5 */
+                  : dbsp_keyindex_get(ix, b, keys, group_row, gkh, g, old);
     if (st != DBSP_OK) return st;
     for (int64_t x = 0; x < g; x++) {
         int64_t lo = group_row[x], hi = x + 1 < g ? group_row[x + 1] : n;
@@ -218,12 +219,50 @@ static int column_of(const int64_t *const *src, int64_t m, int32_t j, int32_t f,
     return DBSP_OK;
 }
 
+/* Design note 5: the changed groups' new values stored: held ones that stay, in place; then new ones (the only
+ * stores that allocate; undone on a refusal); then removals and, without held, the stores of groups already there
+ * (a put that finds its key writes in place: neither allocates). A group is new when its old count (value 0) is 0. */
+static int store(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int32_t nv, int64_t ng,
+                 const int64_t *group_row, const uint64_t *gkh, const int64_t *old, const int64_t *nw,
+                 int64_t *const *held) {
+#define CHANGED(g) (memcmp(old + (g) * nv, nw + (g) * nv, (size_t)nv * 8) != 0)
+#define IS_NEW(g) (old[(g) * nv] == 0)
+#define STAYS(g) (nw[(g) * nv] != 0)
+    for (int64_t g = 0; held && g < ng; g++)
+        if (held[g] && !IS_NEW(g) && STAYS(g) && CHANGED(g)) dbsp_keyindex_set_slot(ix, held[g], nw + g * nv, 1);
+    for (int64_t g = 0; g < ng; g++) {
+        if (!IS_NEW(g) || !STAYS(g)) continue;  /* (a new group that stays has changed: its count was 0) */
+        int st = dbsp_keyindex_put(ix, b, keys, group_row[g], gkh[g], nw + g * nv, 1, ng);
+        if (st == DBSP_OK) continue;
+        if (st == DBSP_ENOMEM || st == DBSP_ETOOBIG) {  /* undone: the index as before the call */
+            dbsp_keyindex_unbreak(ix);  /* (the refused put marked it; nothing of its key was written) */
+            for (int64_t u = 0; u < ng; u++) {
+                if (u < g && IS_NEW(u) && STAYS(u))  /* a removal: no allocation */
+                    (void)dbsp_keyindex_put(ix, b, keys, group_row[u], gkh[u], NULL, 1, 0);
+                else if (held && held[u] && !IS_NEW(u) && STAYS(u) && CHANGED(u))  /* found: in place */
+                    (void)dbsp_keyindex_put(ix, b, keys, group_row[u], gkh[u], old + u * nv, 1, 0);
+            }
+            dbsp_keyindex_note_refusal(ix);
+        }
+        return st;
+    }
+    for (int64_t g = 0; g < ng; g++) {
+        if (IS_NEW(g) || !CHANGED(g) || (held && held[g] && STAYS(g))) continue;
+        int st = dbsp_keyindex_put(ix, b, keys, group_row[g], gkh[g], STAYS(g) ? nw + g * nv : NULL, 1, ng);
+        if (st != DBSP_OK) return st;
+    }
+    return DBSP_OK;
+#undef CHANGED
+#undef IS_NEW
+#undef STAYS
+}
+
 int dbsp_extremes_emit(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int32_t nkeys, int32_t ns,
                        int32_t nv, int64_t ng, const int64_t *group_row, const uint64_t *gkh, const int64_t *old,
                        const int64_t *nw, const int32_t *snull, const int32_t *swidth, int32_t nout,
                        const int32_t *shown, const int32_t *nonnull, const int32_t *owidth,
                        struct ArrowArray *batch, struct ArrowArray *out, int64_t **w, uint64_t **kh, uint64_t **rh,
-                       int64_t *n, int *ordered, int64_t **ow, int64_t *on) {
+                       int64_t *n, int *ordered, int64_t **ow, int64_t *on, int64_t *const *held) {
     batch->release = NULL;
     out->release = NULL;
     *w = NULL, *kh = NULL, *rh = NULL, *ow = NULL, *n = 0, *on = 0, *ordered = 1;
@@ -294,15 +333,10 @@ int dbsp_extremes_emit(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys
     st = dbsp_cdata_gather_ints(b, keys, nkeys, orows, k, nout, cols + ns, valid + ns, nulls + ns, out);
     if (st != DBSP_OK) { batch->release(batch); goto done; }
     for (int32_t q = 0; q < nout; q++) cols[ns + q] = NULL, valid[ns + q] = NULL;
-    for (int64_t g = 0; g < ng; g++) {  /* the stores last (dbsp_extremes_store's) */
-        const int64_t *o = old + g * nv, *x = nw + g * nv;
-        if (memcmp(o, x, (size_t)nv * 8) == 0) continue;
-        st = dbsp_keyindex_put(ix, b, keys, group_row[g], gkh[g], x[0] != 0 ? x : NULL, 1, ng);
-        if (st != DBSP_OK) {
-            batch->release(batch);
-            out->release(out);
-            goto done;
-        }
+    if ((st = store(ix, b, keys, nv, ng, group_row, gkh, old, nw, held)) != DBSP_OK) {  /* the stores last */
+        batch->release(batch);
+        out->release(out);
+        goto done;
     }
 done:
     for (int32_t c = 0; c < ns + nout; c++) { free(cols[c]); free(valid[c]); }

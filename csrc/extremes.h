@@ -21,6 +21,16 @@
  *     the rows dbsp_extremes_store emits, as the trace batch (row hashes and canonical order included, so the
  *     trace neither hashes nor sorts them) and as the output Z-set (finalized: min/max, counts and integer sums
  *     shown as the aggregate's columns; equal old and new rows of a group dropped), then the same stores.
+ *  5. One probe per group: a probe given room for slots keeps, per group, where the index holds its values
+ *     (dbsp_keyindex_get_slots), and an emit given them writes a held group's new values there in place
+ *     (dbsp_keyindex_set_slot) instead of probing again with a put. Such a pointer is valid until the index changes
+ *     shape, so nothing may store into the index between the probe and the emit, and the emit stores in three
+ *     passes: held groups that stay, in place; then new groups (dbsp_keyindex_put: the only stores that allocate);
+ *     then groups whose count reaches 0 (removals, which allocate nothing). A put that fails for memory or a size
+ *     limit (DBSP_ENOMEM, DBSP_ETOOBIG) is undone (csrc/linrun.h invariant 4's rule): the broken mark the refusal
+ *     set cleared, the new groups put before it removed, the held ones' old values put back (in place: nothing was
+ *     removed yet), the refusal counted (dbsp_keyindex_note_refusal), so the index is whole and as before the call,
+ *     and its owner (trace/keyindex.py ``through_index``) drops it and walks the batches.
  */
 #ifndef DBSP_EXTREMES_H
 #define DBSP_EXTREMES_H
@@ -34,10 +44,12 @@
 /* Phase 1. For each group of the indexed change b (key columns keys, key hashes kh ascending): group_row[g] (its
  * first row), gkh[g], old[g * V + v] (the index's values, 0 when absent), nw[g * V + v] (the new ones, design
  * note 2; an extreme to recompute is left as the old one), need[g]; *ng groups (room for b->nrows). Nothing is
- * stored. DBSP_EOVERFLOW if a linear total leaves int64, DBSP_ETYPE for an extreme column it cannot hold. */
-int dbsp_extremes_probe(const DbspKeyIndex *ix, const DbspBatch *b, const uint64_t *kh, const int32_t *keys,
+ * stored. held: NULL, or room for b->nrows pointers: held[g], where the index holds group g's values (NULL when
+ * absent; design note 5). DBSP_EOVERFLOW if a linear total leaves int64, DBSP_ETYPE for an extreme column it cannot
+ * hold. */
+int dbsp_extremes_probe(DbspKeyIndex *ix, const DbspBatch *b, const uint64_t *kh, const int32_t *keys,
                         int32_t nkeys, const DbspAggSpec *slots, int32_t ns, int64_t *group_row, uint64_t *gkh,
-                        int64_t *old, int64_t *nw, uint8_t *need, int64_t *ng);
+                        int64_t *old, int64_t *nw, uint8_t *need, int64_t *ng, int64_t **held);
 
 /* Phase 1 for a change of insertions only (every weight >= 0; DBSP_EINVAL otherwise), in any row order: its
  * groups by hash grouping (reduce.h's dbsp_group_reduce_all, groups in key-hash order: no sort of the change's
@@ -72,16 +84,18 @@ int dbsp_extremes_store(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *key
  *     and the row's value nonnull[o] is 0, narrowed to owidth[o] bytes; with its weights *ow (*on rows): the rows
  *     of the batch less a group's two rows when they show the same output (equal values, nulls alike), so the
  *     rows of a change whose groups differ in their keys are distinct.
- * Then the index holds the new values (the key removed at a count of 0), as dbsp_extremes_store leaves it. The
- * store is last: an error before it (DBSP_ENOMEM) exports and changes nothing; one of the store (the index could
- * not grow) leaves the index broken, as dbsp_extremes_store's, and exports nothing. V = ns + the extremes among
- * slots. With *n == 0 nothing is exported (the releases stay NULL) and the arrays are NULL. */
+ * Then the index holds the new values (the key removed at a count of 0), as dbsp_extremes_store leaves it, stored as
+ * design note 5 says (in place where held, from the probe of the same groups with nothing stored since, is not
+ * NULL). The store is last: an error before it (DBSP_ENOMEM) exports and changes nothing; one of the store (the
+ * index could not grow) is undone (design note 5: the index as before, a refusal counted) and exports nothing.
+ * V = ns + the extremes among slots. With *n == 0 nothing is exported (the releases stay NULL) and the arrays are
+ * NULL. */
 int dbsp_extremes_emit(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int32_t nkeys, int32_t ns,
                        int32_t nv, int64_t ng, const int64_t *group_row, const uint64_t *gkh, const int64_t *old,
                        const int64_t *nw, const int32_t *snull, const int32_t *swidth, int32_t nout,
                        const int32_t *shown, const int32_t *nonnull, const int32_t *owidth,
                        struct ArrowArray *batch, struct ArrowArray *out, int64_t **w, uint64_t **kh, uint64_t **rh,
-                       int64_t *n, int *ordered, int64_t **ow, int64_t *on);
+                       int64_t *n, int *ordered, int64_t **ow, int64_t *on, int64_t *const *held);
 
 /* The extremes a deleted value reached, recomputed (design note 2): for i < n, the key of row rows[i] of b (key
  * columns keys) with key hash kh[i], over the rows of the value batches vb[0..nb) (a value trace's batches, each

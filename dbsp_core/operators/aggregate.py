@@ -67,10 +67,13 @@ Invariants:
      is; its row hashes and canonical order, so the trace neither hashes nor sorts it), the finalized output (a
      group's old and new rows dropped when they show the same: distinct as it stands) and the index's stores. A
      key-hash or row-hash tie leaves the batch to be sorted in Python; other aggregates (avg, a uint64 sum)
-     build both from the probe's arrays in Python. ``emitted_steps`` counts the steps it served. The totals trace,
-     read only through that index, holds its low levels as a linear aggregate's does (trace invariant 18,
-     ``DBSP_TOTALS_HOLD``; ``_LinearState.HOLD`` in tests): a step's batch of old and new totals is rewritten about
-     once per three levels on its way up, not once per level.
+     build both from the probe's arrays in Python. ``emitted_steps`` counts the steps it served. The probe is the
+     emit's (``ExtremesEmit.probe``, extremes.h design note 5) on the indexed change's path: it keeps where the index
+     holds each group, and the emit writes a held group's new totals there in place (one index probe per group);
+     a store refused for the index's size is undone, so the trace drops the index and the step walks its batches.
+     The totals trace, read only through that index, holds its low levels as a linear aggregate's does (trace
+     invariant 18, ``DBSP_TOTALS_HOLD``; ``_LinearState.HOLD`` in tests): a step's batch of old and new totals is
+     rewritten about once per three levels on its way up, not once per level.
 """
 
 from __future__ import annotations
@@ -1068,8 +1071,12 @@ class _ExtremesState(_GroupedState):
         ``inserts`` (an append-only change: every weight positive) the change's rows in any order, which the kernel
         groups by hashing (``extremes_probe_inserts``: no recompute can be needed)."""
         op = self.op
-        probe = _zset.extremes_probe_inserts if inserts else _zset.extremes_probe
-        group_row, gkh, old, nw, need = probe(view, self.keypos, self.slot_specs, ix)
+        if inserts:
+            group_row, gkh, old, nw, need = _zset.extremes_probe_inserts(view, self.keypos, self.slot_specs, ix)
+        elif self.emit is not None:  # the emit's probe: its stores go in place (csrc/extremes.h design note 5)
+            group_row, gkh, old, nw, need = self.emit.probe(view, self.slot_specs, ix)
+        else:
+            group_row, gkh, old, nw, need = _zset.extremes_probe(view, self.keypos, self.slot_specs, ix)
         if need.any():
             self._recompute_into(view, group_row, gkh, np.flatnonzero(need), nw)
         if self.emit is not None:  # invariant 10: the rest of the step in one C call
@@ -1107,7 +1114,8 @@ class _ExtremesState(_GroupedState):
             self.totals.index_done(ix)
             return empty(self.op.schema)
         if ordered:  # groups by key hash, a group's two rows by row hash: the trace batch as it stands
-            b = IndexedZSet._make(ZSet._make(batch, w), tuple(self.keys), kh)
+            # (the call's tables hold one record batch each: one chunk per column as they are, zset.py invariant 1)
+            b = IndexedZSet._make(ZSet._make(batch, w, chunked=True), tuple(self.keys), kh)
             b._rh = rh
         else:  # a key-hash or row-hash tie (rare): values decide the order
             b = IndexedZSet._from_key_order(make(batch, w, self.sschema), self.keys, kh)
@@ -1115,7 +1123,8 @@ class _ExtremesState(_GroupedState):
         self.emitted_steps += 1
         if not len(ow):  # every changed group shows what it showed
             return empty(self.op.schema)
-        return ZSet._make(out, ow, distinct=True)  # rows of two groups differ in their keys, a group's in a value
+        # rows of two groups differ in their keys, a group's in a value
+        return ZSet._make(out, ow, distinct=True, chunked=True)
 
     def _recompute_into(self, view: "_zset.BatchView", group_row: np.ndarray, gkh: np.ndarray, need: np.ndarray,
                         nw: np.ndarray) -> None:

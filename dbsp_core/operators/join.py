@@ -267,10 +267,9 @@ class _JoinState:
         walks = []  # (side, change, the other side's batches)
         for side, z, other in ((1, zb, self.left), (0, za, self.right)):
             if z.num_rows:
-                batches = other.walked()
-                store = other._store
-                if store is not None and any(store.is_spilled(b) for b in batches):  # (format 1 or 2)
-                    return None  # a spilled batch is walked through narrowed and in_pieces (trace/spill.py 12, 14)
+                batches = walked_in_memory(other)
+                if batches is None:
+                    return None
                 walks.append((side, z, batches))
         out: list = []
         db = None
@@ -283,18 +282,35 @@ class _JoinState:
     def _run_side(self, z: "ZSet", side: int, batches: list, spec: tuple, out: list) -> "IndexedZSet | None":
         """:meth:`step_run` of side ``side``'s change ``z`` against the other side's ``batches``: its parts appended to
         ``out``, then it is inserted; returns it indexed (None: it consolidated to nothing)."""
-        own = self.left if side == 0 else self.right
-        z = self.prepared(z, side)
         pair, _, distinct, padded = spec
-        got = pair[side].step(z.data, z.weights, [b._view() for b in batches])
-        if got is None:  # the change consolidated to nothing
-            return None
-        table, w, kh, rh, parts = got
-        # (the kernel's tables hold one record batch each: one chunk per column as they are, zset.py invariant 1)
-        ix = IndexedZSet._make(ZSet._make(table, w, chunked=True), own.key, kh)
-        ix._rh = rh  # (index_by's: the row hashes when the kernel had them)
-        own.insert(ix)
-        for _, t, pw in parts:
-            p = ZSet._make(t, pw, distinct=distinct, chunked=True)
-            out.append(p if padded is None else pad(p, padded))
+        ix, parts = run_side(pair[side], self.left if side == 0 else self.right, self.prepared(z, side), batches,
+                             distinct)
+        out.extend(p if padded is None else pad(p, padded) for _, p in parts)
         return ix
+
+
+def run_side(run: "_zset.JoinRun", own: Trace, z: "ZSet", batches: list, distinct: bool
+             ) -> "tuple[IndexedZSet | None, list[tuple[int, ZSet]]]":
+    """One side's change ``z`` (as its trace ``own`` holds rows) through ``run`` (invariant 7) against the other side's
+    ``batches``: the change indexed and inserted into ``own``, and each part the call returned as ``(k, Z-set)`` (k:
+    the batch met, ``len(batches)`` for a pad's part; flagged ``distinct``); ``(None, [])`` when the change consolidated
+    to nothing."""
+    got = run.step(z.data, z.weights, [b._view() for b in batches])
+    if got is None:  # the change consolidated to nothing
+        return None, []
+    table, w, kh, rh, parts = got
+    # (the kernel's tables hold one record batch each: one chunk per column as they are, zset.py invariant 1)
+    ix = IndexedZSet._make(ZSet._make(table, w, chunked=True), own.key, kh)
+    ix._rh = rh  # (index_by's: the row hashes when the kernel had them)
+    own.insert(ix)
+    return ix, [(k, ZSet._make(t, pw, distinct=distinct, chunked=True)) for k, t, pw in parts]
+
+
+def walked_in_memory(trace: Trace) -> list | None:
+    """Every batch of ``trace`` for a one-call step, or None when one is spilled (a spilled batch is walked through
+    ``narrowed`` and ``in_pieces``: trace/spill.py invariants 12 and 14)."""
+    batches = trace.walked()
+    store = trace._store
+    if store is not None and any(store.is_spilled(b) for b in batches):  # (format 1 or 2)
+        return None
+    return batches

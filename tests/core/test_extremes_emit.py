@@ -3,10 +3,13 @@ the totals batch (row hashes, canonical order), the finalized output and the key
 ``_zset.ExtremesEmit``. Checked against DuckDB after every step over random splits into steps (Hypothesis: every
 integer width, nulls in keys and values, deletions of current extremes, W in {1, 2}), against the Python path it
 replaces step by step (the same outputs, the same totals), across a rolled-back step (StepError after the aggregate
-stored its totals), and by ``emitted_steps``, which says the C path served the steps."""
+stored its totals) and a store refused half way (undone: the step walks the batches), by ``emitted_steps``, which
+says the C path served the steps, and ``in_place``, which says its stores went where the probe found each group
+(design note 5)."""
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import numpy as np
@@ -23,6 +26,7 @@ from oracle import connect
 from test_aggregate_extremes import INT_SCHEMA, _int_model, _steps_against_model, int_row
 from tests.core.test_linear_run import add_poison
 
+BUDGET = bool(os.environ.get("DBSP_MEMORY_LIMIT"))  # a budget spills batches and may drop indexes on its own
 TYPES = [pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(), pa.uint32()]
 
 
@@ -105,6 +109,7 @@ def test_min_max_steps_match_duckdb(data) -> None:
         served = sum(s.emitted_steps for s in _states(p))
         assert all(s.emit is not None for s in _states(p))
         assert served >= (1 if changed else 0), "the C path served no step"
+        assert sum(s.emit.in_place for s in _states(p)) >= served  # each stored where its probe found it
 
 
 def _python_path(monkeypatch) -> None:
@@ -167,6 +172,7 @@ def test_the_c_path_matches_the_python_path(monkeypatch, workers: int, seed: int
         totals = [sorted(map(repr, _totals(p))) for p in (c_pipe, py_pipe)]
         assert totals[0] == totals[1]
         assert sum(s.emitted_steps for s in _states(c_pipe)) >= 100
+        assert sum(s.emit.in_place for s in _states(c_pipe)) >= 100  # stored in place, the rolled-back steps too
         assert sum(s.emitted_steps for s in _states(py_pipe)) == 0
     finally:
         c_pipe.close()
@@ -270,3 +276,85 @@ def test_a_step_that_changes_only_unshown_totals_outputs_nothing() -> None:
         for tr in p.traces(0).values():
             tr.check()
         assert sum(s.emitted_steps for s in _states(p)) == 4
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_refused_store_is_undone_and_the_step_walks_the_batches(monkeypatch, workers: int) -> None:
+    """The emit's stores in place (csrc/extremes.h design note 5) when the key index cannot grow: a step whose groups
+    are held ones that change (written in place first: new extremes, deleted extremes, a group emptied) and thousands
+    of new ones (whose puts need a larger table) under a budget of the bytes the indexes hold, set just before the
+    emit (after the probe, which allocates nothing). The puts are refused, what was stored is undone (the index whole,
+    not broken, a refusal counted, every group's totals as the probe read them, as many keys) and the trace drops the
+    index (IndexDroppedWarning): the step runs on its batches, and every step's view equals the model's; before that
+    step, the probe's slots served the stores (``in_place``)."""
+    import warnings
+
+    from dbsp_core import _zset
+
+    schema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    c = dbsp.Circuit()
+    c.output("g", c.input("t", schema).group_by("k").agg(n=dbsp.count(), lo=dbsp.min("v"), hi=dbsp.max("v")))
+    rng = np.random.default_rng(25)
+    bag: Counter = Counter((int(k), int(v)) for k, v in zip(rng.integers(0, 200, 600), rng.integers(0, 50, 600)))
+    steps = [Counter(bag)]
+    for i in range(6):
+        d: Counter = Counter()
+        for k in range(0, 200, 3):  # held groups: each group's min deleted, a new max, one group emptied
+            rows = sorted(r for r in bag + d if r[0] == k and (bag + d)[r] > 0)
+            if rows:
+                d[rows[0]] -= 1
+            d[(k, 60 + i)] += 1
+        for r in [r for r in bag + d if r[0] == 199 + i]:
+            d[r] -= (bag + d)[r]
+        if i == 3:  # new groups: the index must grow
+            for k in range(1000, 5000):
+                d[(k, k % 7)] += 1
+        d = Counter({r: w for r, w in d.items() if w})
+        bag.update(d)
+        bag = Counter({r: w for r, w in bag.items() if w > 0})
+        steps.append(d)
+    budget = _zset.keyindex_budget()
+    emitted = _ExtremesState._emitted
+
+    undone: list = []
+
+    def tight(self, view, group_row, gkh, old, nw, ix):  # the index cannot grow: the puts of new groups are refused
+        keys = len(ix)
+        _zset.keyindex_budget(_zset.keyindex_total_bytes())
+        try:
+            return emitted(self, view, group_row, gkh, old, nw, ix)
+        except (MemoryError, ValueError):
+            now = ix.get(view, self.keypos, gkh, np.zeros_like(old), sel=group_row)
+            undone.append((ix.broken, ix.refusals, len(ix) == keys, bool((now == old).all())))
+            raise
+    view: Counter = Counter()
+    model: Counter = Counter()
+    try:
+        with dbsp.Pipeline(c, workers=workers) as p:
+            for i, d in enumerate(steps):
+                p.push("t", dbsp.ZSet.from_rows(list(d), schema, weights=list(d.values())))
+                if i == 4:
+                    monkeypatch.setattr(_ExtremesState, "_emitted", tight)
+                    assert sum(s.emit.in_place for s in _states(p)) >= 3
+                with warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    out = p.step()["g"]
+                _zset.keyindex_budget(budget)
+                monkeypatch.setattr(_ExtremesState, "_emitted", emitted)
+                if i == 4 and not BUDGET:
+                    assert any(issubclass(w.category, dbsp.IndexDroppedWarning) for w in seen), [str(w) for w in seen]
+                    assert undone and all(u == (False, 1, True, True) for u in undone), undone
+                view.update(out.to_dict())
+                view = Counter({r: w for r, w in view.items() if w})
+                model.update(d)
+                model = Counter({r: w for r, w in model.items() if w > 0})
+                groups: dict = {}
+                for (k, v), m in model.items():
+                    n, lo, hi = groups.get(k, (0, v, v))
+                    groups[k] = (n + m, min(lo, v), max(hi, v))
+                assert dict(view) == {(k,) + g: 1 for k, g in groups.items()}, f"step {i}, W={workers}"
+            for w in range(workers):
+                for tr in p.traces(w).values():
+                    tr.check()
+    finally:
+        _zset.keyindex_budget(budget)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+from typing import Any
 
 import duckdb
 import numpy as np
@@ -110,62 +111,41 @@ def _model(t_rows: dict, u_rows: dict, one_key: bool) -> dict:
     return {r: w for r, w in out.items() if w}
 
 
-def _run(steps: list, workers: int, c_step: bool, one_key: bool) -> tuple[list[dict], int]:
-    """Every step's view of ``t JOIN u ON k = id AND s = x`` (``one_key``: ``ON k = id``, two int64 columns) as
-    {row: weight}, and the steps the C path served."""
-    c = dbsp.Circuit()
-    t, u = c.input("t", L), c.input("u", R64 if one_key else R)
-    on = (["k"], ["id"]) if one_key else (["k", "s"], ["id", "x"])
-    c.output("j", t.join(u, left_on=on[0], right_on=on[1]))
-    old = _CJoin.C_STEP
-    _CJoin.C_STEP = c_step
-    try:
-        outs = []
-        with dbsp.Pipeline(c, workers=workers, executor=EmbeddedExecutor()) as p:
-            for pushes in steps:
-                for name, table, w in pushes:
-                    p.push(name, ZSet.from_arrow(table, np.asarray(w, dtype=np.int64)))
-                outs.append(p.step()["j"].to_dict())
-            served = sum(wk.plan.counts["cjoin"] for wk in p.executor._workers)
-    finally:
-        _CJoin.C_STEP = old
-    return outs, served
-
-
-@settings(max_examples=examples(12), deadline=None)
-@given(st.integers(0, 2**31 - 1), st.lists(st.sampled_from(["t", "u", "tu", ""]), min_size=1, max_size=7),
-       st.sampled_from([1, 2, 3]), st.booleans())
-def test_join_steps_in_c_equal_the_path_before_duckdb_and_a_model(seed, sides, workers, one_key):
-    """Random steps that change the left side, the right side, both or neither (deletions of rows there now,
-    nulls in keys), split at random: the view after every step equals the path before the C step's, DuckDB's
-    recompute and the dict model's; at W = 1 the C path served every step (at W > 1 the join reads its fused
-    exchanges' runs)."""
-    rng = np.random.default_rng(seed)
-    rows = {"t": {}, "u": {}}
+def random_steps(rng: np.random.Generator, sides: list, schemas: dict, most: int, dels: int, model: Any) -> list:
+    """Steps of random pushes, each step changing the inputs its letters of ``sides`` name ("tu": both): up to ``most``
+    rows of ``schemas[name]`` with nulls (:func:`_rows`, weights 1 or 2) and, often, up to ``dels`` deletions of rows
+    there now; each step as ``(pushes, model(t, u))`` with pushes ``(name, table, weights)`` and the inputs' rows so
+    far as {row: weight}."""
+    rows: dict = {name: {} for name in schemas}
     steps = []
     for which in sides:
         pushes = []
         for name in which:
-            schema = L if name == "t" else R64 if one_key else R
-            table = _rows(rng, int(rng.integers(1, 60)), schema, nulls=True)
+            schema = schemas[name]
+            table = _rows(rng, int(rng.integers(1, most)), schema, nulls=True)
             w = rng.choice([1, 1, 2], table.num_rows)
             have = [r for r, x in rows[name].items() if x > 0]
             if have and rng.random() < 0.7:  # deletions of rows there now
-                gone = [have[i] for i in rng.choice(len(have), min(len(have), 5), replace=False)]
+                gone = [have[i] for i in rng.choice(len(have), min(len(have), dels), replace=False)]
                 table = pa.concat_tables([table, pa.Table.from_pylist([dict(zip(schema.names, r)) for r in gone],
                                                                       schema=schema)])
                 w = np.concatenate([w, -np.ones(len(gone), dtype=np.int64)])
             for r, x in zip(zip(*(c.to_pylist() for c in table.columns)), w.tolist()):
                 rows[name][r] = rows[name].get(r, 0) + x
             pushes.append((name, table, w))
-        steps.append((pushes, _model(rows["t"], rows["u"], one_key)))
-    got, served = _run([p for p, _ in steps], workers, True, one_key)
-    before, none = _run([p for p, _ in steps], workers, False, one_key)
-    assert none == 0
+        steps.append((pushes, model(rows["t"], rows["u"])))
+    return steps
+
+
+def check_views(steps: list, got: list, before: list, id_type: str, sql: str) -> None:
+    """Each step's output (``got``) equals the path before's (``before``), and the view integrated over the steps
+    equals the model's (:func:`random_steps`) and DuckDB's ``sql`` over tables t and u (``u.id`` of ``id_type``)
+    holding the pushes so far with their weights in a last column ``w`` (its rows: the view's columns, then the
+    weight)."""
     view: dict = {}
     con = duckdb.connect()
-    con.execute("CREATE TABLE t (k BIGINT, s VARCHAR, v BIGINT, w BIGINT); "
-                f"CREATE TABLE u (id {'BIGINT' if one_key else 'INTEGER'}, x VARCHAR, m DOUBLE, w BIGINT)")
+    con.execute(f"CREATE TABLE t (k BIGINT, s VARCHAR, v BIGINT, w BIGINT); "
+                f"CREATE TABLE u (id {id_type}, x VARCHAR, m DOUBLE, w BIGINT)")
     for i, ((pushes, model), out, ref) in enumerate(zip(steps, got, before)):
         assert out == ref, f"step {i}"
         for r, w in out.items():
@@ -176,8 +156,54 @@ def test_join_steps_in_c_equal_the_path_before_duckdb_and_a_model(seed, sides, w
             con.register("chg", table.append_column("w", pa.array(w, pa.int64())))
             con.execute(f"INSERT INTO {name} SELECT * FROM chg")
             con.unregister("chg")
-        want = con.execute(f"SELECT k, s, v, id, x, m, sum(t.w * u.w) FROM t JOIN u ON k = id "
-                           f"{'' if one_key else 'AND s = x'} GROUP BY ALL HAVING sum(t.w * u.w) != 0").fetchall()
+        want = con.execute(sql).fetchall()
         assert view == {tuple(r[:6]): r[6] for r in want}, f"step {i}"
+
+
+def _run(steps: list, workers: int, c_step: bool, one_key: bool) -> tuple[list[dict], int]:
+    """Every step's view of ``t JOIN u ON k = id AND s = x`` (``one_key``: ``ON k = id``, two int64 columns) as
+    {row: weight}, and the steps the C path served."""
+    c = dbsp.Circuit()
+    t, u = c.input("t", L), c.input("u", R64 if one_key else R)
+    on = (["k"], ["id"]) if one_key else (["k", "s"], ["id", "x"])
+    c.output("j", t.join(u, left_on=on[0], right_on=on[1]))
+    return run_views(c, steps, workers, _CJoin, c_step,
+                     lambda p: sum(wk.plan.counts["cjoin"] for wk in p.executor._workers))
+
+
+def run_views(c: dbsp.Circuit, steps: list, workers: int, owner: Any, c_step: bool, served: Any
+              ) -> tuple[list[dict], int]:
+    """Every step's output ``j`` of ``c`` over ``steps`` (lists of pushes) as {row: weight}, with ``owner.C_STEP`` set
+    to ``c_step`` meanwhile, and ``served(pipeline)`` after the last step."""
+    old = owner.C_STEP
+    owner.C_STEP = c_step
+    try:
+        outs = []
+        with dbsp.Pipeline(c, workers=workers, executor=EmbeddedExecutor()) as p:
+            for pushes in steps:
+                for name, table, w in pushes:
+                    p.push(name, ZSet.from_arrow(table, np.asarray(w, dtype=np.int64)))
+                outs.append(p.step()["j"].to_dict())
+            return outs, served(p)
+    finally:
+        owner.C_STEP = old
+
+
+@settings(max_examples=examples(12), deadline=None)
+@given(st.integers(0, 2**31 - 1), st.lists(st.sampled_from(["t", "u", "tu", ""]), min_size=1, max_size=7),
+       st.sampled_from([1, 2, 3]), st.booleans())
+def test_join_steps_in_c_equal_the_path_before_duckdb_and_a_model(seed, sides, workers, one_key):
+    """Random steps that change the left side, the right side, both or neither (deletions of rows there now,
+    nulls in keys), split at random: the view after every step equals the path before the C step's, DuckDB's
+    recompute and the dict model's; at W = 1 the C path served every step (at W > 1 the join reads its fused
+    exchanges' runs)."""
+    steps = random_steps(np.random.default_rng(seed), sides, {"t": L, "u": R64 if one_key else R}, 60, 5,
+                         lambda t, u: _model(t, u, one_key))
+    got, served = _run([p for p, _ in steps], workers, True, one_key)
+    before, none = _run([p for p, _ in steps], workers, False, one_key)
+    assert none == 0
+    check_views(steps, got, before, "BIGINT" if one_key else "INTEGER",
+                f"SELECT k, s, v, id, x, m, sum(t.w * u.w) FROM t JOIN u ON k = id "
+                f"{'' if one_key else 'AND s = x'} GROUP BY ALL HAVING sum(t.w * u.w) != 0")
     # without a budget (DBSP_MEMORY_LIMIT: its spilled batches send steps to the join's own step)
     assert served == (len(steps) if workers == 1 else 0) or (BUDGET and served <= len(steps))
