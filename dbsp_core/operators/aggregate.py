@@ -77,7 +77,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -656,11 +656,17 @@ class _LinearState:
         grouping, the key index's probes and stores, the trace batch's and the output's columns, built without a
         Python or Arrow call between them. None, having changed nothing, when it cannot serve the step (no current
         key index, or a null in a counted or summed column): the caller then takes another path."""
+        return self.step_call(lambda ix: run.step(z.data, z.weights, ix), ctx)
+
+    def step_call(self, call: "Callable[[Any], tuple | None]", ctx: "StepContext") -> "ZSet | None":
+        """:meth:`step_run` over what ``call(ix)`` returns, ``LinearRun.step``'s tuple from the key index ``ix`` (or None,
+        having read and stored nothing): the one-call step of a join folded into this group-by's totals
+        (``_zset.JoinLinearRun``, dbsp_core/runtime/plan.py design note 4) takes this path too."""
         op = self.op
         prune(self, input_times(op), ctx)
 
         def step(ix: object) -> tuple | None:
-            r = run.step(z.data, z.weights, ix)
+            r = call(ix)
             if r is None:  # a null: nothing read nor stored
                 self.trace.index_done(ix)
                 return None
