@@ -58,7 +58,13 @@ slices follow, in this order):
      kernel's pairs (``da JOIN (B + db) + A JOIN db``, one part per meeting of a change with a trace batch) only the
      columns the aggregate reads (``Join.pairs`` with ``cols``), and the chain's aggregate call folds them into
      the totals per key as it folds its own input rows (``linear_step`` at W = 1, partial rows at W > 1): the
-     joined rows are never built, nor indexed, nor concatenated whole. Not built: other consumers of an exchange
+     joined rows are never built, nor indexed, nor concatenated whole. **Built** at W = 1 (issue 37), when every
+     gathered column is fixed-width: the join's call hands its two inputs on and the aggregate's call runs the whole
+     chain in one C call (:class:`_JoinFolded`, ``_zset.JoinLinearRun``, csrc/joinlin.h; operators/join.py invariant
+     8): both changes indexed for the join's traces, their pairs found and folded straight into the totals, no
+     Arrow batch of the gathered columns built between the join and the fold. Measured: 1.7% fewer instructions a
+     step (bench/RESULTS.md, "Join folded into its group-by"): the parts it removes were small; the step's cost is
+     the kernels it keeps and the Python around them. Not built: other consumers of an exchange
      (outer joins, distinct, non-linear aggregates), which get a concatenated Z-set as before; on Spark each
      stage is to be one plan, so a stage task crosses into C once per stage. **Built**, at W > 1: an exchange
      whose one consumer is an append-only min/max aggregate that reduces its change (operators/aggregate.py
@@ -135,9 +141,10 @@ slices follow, in this order):
 
 Invariants (enforced here):
   1. A plan has one call per live node, in id order (the timers and ``failed_node`` index calls as nodes); a
-     fused chain's inner calls pass their input through unchanged, and only the chain's last node computes,
-     but for a fused exchange (it cuts, reduces or projects what it sends), a fused join (it gathers the aggregate's
-     columns) and a sliced hopping window (it sums the combiner's partial rows).
+     fused chain's inner calls pass their input through unchanged (a folded join: its two inputs, as one
+     :class:`_JoinPair`), and only the chain's last node computes, but for a fused exchange (it cuts, reduces or
+     projects what it sends), a fused join (it gathers the aggregate's columns) and a sliced hopping window (it sums
+     the combiner's partial rows).
   2. A chain is fused only when every inner node has exactly one consumer and is no output; an inner exchange is
      skipped only where it is the identity (W = 1), at W > 1 it is the chain's fused exchange, on the key of the
      chain's last node. A plan is lowered for one layout, and again whenever the layout changes (every worker
