@@ -26,6 +26,9 @@ from dbsp_core.runtime.embedded import EmbeddedExecutor
 from dbsp_core.runtime.plan import _JoinFolded
 
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
+# under a memory budget every trace spills, and a step whose walk would read a spilled batch is not folded
+# (operators/join.py invariant 8): the counts of folded steps are asserted without one
+SPILLED = bool(os.environ.get("DBSP_MEMORY_LIMIT"))
 T = pa.schema([("k", pa.int64()), ("j", pa.int64()), ("v", pa.int64())])
 U = pa.schema([("id", pa.int64()), ("g", pa.int32()), ("m", pa.int64())])
 VIEWS = {  # name: (group key, SQL of the view over the consolidated inputs tc, uc with weights tw, uw)
@@ -160,11 +163,11 @@ def test_folded_join_group_by_matches_duckdb_and_the_unfolded_chain(workers: int
             view[n] = Counter({r: w for r, w in view[n].items() if w})
         assert {n: dict(v) for n, v in view.items()} == _duckdb(con, tb, ub), f"step {i} (seed {SEED})"
     changed = sum(1 for dt, du in deltas if dt or du)
-    if workers == 1:  # view "l" (no null summed) folds every step with a change; "r" the steps whose pairs meet
+    if workers > 1:  # at W > 1 the join's inputs are received runs of indexes: the chain of _JoinSlots serves it
+        assert served == 0
+    elif not SPILLED:  # view "l" (no null summed) folds every step with a change; "r" the steps whose pairs meet
         # no null v (before the first null step, at least)
         assert changed < served <= 2 * changed, (served, changed)
-    else:  # at W > 1 the join's inputs are received runs of indexes: the chain of _JoinSlots serves it
-        assert served == 0
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -186,7 +189,7 @@ def test_a_rolled_back_step_after_the_folded_step_leaves_state_exact(workers: in
                 with pytest.raises(StepError, match="poison") as info:
                     p.step()
                 # the folded steps ran (view "l"'s at least: "r"'s pairs may meet a null v), then were undone
-                assert workers > 1 or _counts(p, "folded") >= before + 1
+                assert workers > 1 or SPILLED or _counts(p, "folded") >= before + 1
                 for _, producer, seq in info.value.inputs:
                     p.discard(producer, seq)
                 assert all(not z.to_dict() for z in p.step().values())  # the step that waited, without them
@@ -226,7 +229,7 @@ def test_overflows_in_the_folded_step() -> None:
         p.push("t", dbsp.ZSet.from_rows([(1, 0, -1), (2, 0, 1)], T))
         assert p.step()["s"].to_dict() == {(7, 2**62): -1, (7, 2**62 - 1): 1, (8, 5): -1, (8, 6): 1}
         folded = _counts(p, "folded")
-        assert folded == 2
+        assert folded == 2 or SPILLED
         p.push("t", dbsp.ZSet.from_rows([(2, 5, 0)], T, weights=[2**40]))
         p.push("u", dbsp.ZSet.from_rows([(2, 9, 0)], U, weights=[2**40]))
         with pytest.raises(StepError) as info:
@@ -239,7 +242,7 @@ def test_overflows_in_the_folded_step() -> None:
         assert p.step()["s"].to_dict() == {}  # the step that waited, without the pushes discarded
         p.push("t", dbsp.ZSet.from_rows([(2, 2, 3)], T))
         assert p.step()["s"].to_dict() == {(8, 6): -1, (8, 9): 1}
-        assert _counts(p, "folded") == folded + 1
+        assert _counts(p, "folded") == folded + 1 or SPILLED
 
 
 def test_sql_view_of_a_join_then_group_by_is_folded() -> None:
@@ -253,4 +256,4 @@ def test_sql_view_of_a_join_then_group_by_is_folded() -> None:
         p.push("auctions", pa.table({"id": [1, 2, 3], "category": [10, 10, 20]}))
         p.push("bids", pa.table({"auction": [1, 2, 3, 4], "price": [5, 6, 7, 8]}))
         assert p.step()["v"].to_dict() == {(10, 2, 11): 1, (20, 1, 7): 1}
-        assert _counts(p, "folded") == 1
+        assert _counts(p, "folded") == 1 or SPILLED
