@@ -102,10 +102,12 @@ def _push(p: dbsp.Pipeline, dt: Counter, du: Counter) -> None:
 def _duckdb(con: duckdb.DuckDBPyConnection, tb: Counter, ub: Counter) -> dict[str, dict]:
     """Each view's rows over the multisets: DuckDB's recompute over the consolidated inputs (weights tw, uw)."""
     con.execute("DELETE FROM tc; DELETE FROM uc")
-    if tb:
-        con.executemany("INSERT INTO tc VALUES (?, ?, ?, ?)", [list(r) + [w] for r, w in tb.items()])
-    if ub:
-        con.executemany("INSERT INTO uc VALUES (?, ?, ?, ?)", [list(r) + [w] for r, w in ub.items()])
+    for name, bag, schema in (("tc", tb, T), ("uc", ub, U)):
+        if bag:
+            rows = pa.Table.from_pylist([dict(zip(schema.names, r)) for r in bag], schema=schema)
+            con.register("chg", rows.append_column("w", pa.array(list(bag.values()), pa.int64())))
+            con.execute(f"INSERT INTO {name} SELECT * FROM chg")
+            con.unregister("chg")
     out = {}
     for name, (_, sql) in VIEWS.items():
         rows = con.execute(sql).fetchall()
@@ -144,7 +146,7 @@ def _run(deltas: list, workers: int, folded: bool, monkeypatch) -> tuple[list, i
 @pytest.mark.parametrize("case", range(3))
 def test_folded_join_group_by_matches_duckdb_and_the_unfolded_chain(workers: int, case: int, monkeypatch) -> None:
     rng = np.random.default_rng(SEED + 31 * case + workers)
-    deltas = _deltas(rng, 30)
+    deltas = _deltas(rng, 50)
     folded, served = _run(deltas, workers, True, monkeypatch)
     unfolded, off = _run(deltas, workers, False, monkeypatch)
     assert off == 0
