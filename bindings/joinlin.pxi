@@ -13,7 +13,7 @@ cdef class JoinLinearRun:
     gathered columns; LinearRun's meaning). Returns None, having changed nothing, when a weight product leaves
     int64 (the join's own step raises it) or one of the gathered columns ``nonulls`` has a null; else ``(left,
     right, linear)``: per side None (unchanged, or consolidated to nothing) or ``(change, w, kh, rh)`` as JoinRun
-    returns its indexed change, and ``linear`` as ``LinearRun.step`` returns. Errors as LinearRun's."""
+    returns its indexed change, and ``linear`` as ``LinearRun.step`` returns (``dirty`` too). Errors as LinearRun's."""
     cdef CLinRun s
     cdef Int32s lkeys, rkeys, gside, gcol, gtype, nonulls, keys, shown, nonnull, avg, avg_lo
     cdef CAggSpec *specs
@@ -59,10 +59,13 @@ cdef class JoinLinearRun:
         self.lschema, self.rschema, self.bschema, self.oschema = lschema, rschema, bschema, oschema
         self.steps = 0
 
-    def step(self, lt, lw, list lviews, rt, rw, list rviews, KeyIndex ix):
+    def step(self, lt, lw, list lviews, rt, rw, list rviews, KeyIndex ix, KeyIndex dirty=None):
         if self.keys.n != ix.nkeys or self.ns != ix.nvals:
             raise ValueError(f"JoinLinearRun: {self.keys.n} keys and {self.ns} slots for an index of {ix.nkeys} and "
                              f"{ix.nvals}")
+        check_dirty(dirty, self.keys.n)
+        cdef uint8_t *fresh = NULL
+        cdef const CKeyIndex *dix = NULL if dirty is None else dirty.ix
         cdef CJoinLin j
         j.lkeys, j.rkeys, j.nkeys = self.lkeys.p, self.rkeys.p, self.lkeys.n
         j.gside, j.gcol, j.gtype, j.ng = self.gside.p, self.gcol.p, self.gtype.p, self.gside.n
@@ -120,7 +123,8 @@ cdef class JoinLinearRun:
             with nogil:
                 st = dbsp_join_linear_run(&j, sides, &self.s, self.keys.p, self.keys.n, self.specs, self.ns, ix.ix,
                                           self.shown.p, self.nonnull.p, self.avg.p, self.avg_lo.p, self.nout,
-                                          self.out_keys, &batch, &out, &w, &kh, &n, &ordered, &distinct, &served)
+                                          self.out_keys, &batch, &out, &w, &kh, &n, &ordered, &distinct, dix,
+                                          &fresh if dix != NULL else NULL, &served)
             check_status(st, "join_linear_run")
         finally:
             for k in range(2):
@@ -146,18 +150,10 @@ cdef class JoinLinearRun:
             if n:
                 batch.release(&batch)
                 out.release(&out)
-                free(w); free(kh)
+                free(w); free(kh); free(fresh)
             raise
         finally:
             for k in range(2):
                 dbsp_join_run_free(&sides[k].out, 0)
-        if n == 0:
-            return got[0], got[1], (None, None, None, None, True, True)
-        wa = own_array(w, n, np.int64)
-        ka = own_array(kh, n, np.uint64)
-        try:
-            bt = import_batch(&batch, self.bschema)
-        except BaseException:
-            out.release(&out)
-            raise
-        return got[0], got[1], (bt, import_batch(&out, self.oschema), wa, ka, bool(ordered), bool(distinct))
+        return got[0], got[1], linear_result(self.bschema, self.oschema, &batch, &out, w, kh, n, ordered, distinct,
+                                             fresh, dirty is not None)

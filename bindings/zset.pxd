@@ -295,6 +295,11 @@ cdef extern from "linrun.h" nogil:
                          int32_t ns, CKeyIndex *ix, const int32_t *shown, const int32_t *nonnull, const int32_t *avg,
                          const int32_t *avg_lo, int32_t nout, int out_keys, ArrowArray *batch, ArrowArray *out,
                          int64_t **w, uint64_t **kh, int64_t *n, int *ordered, int *distinct)
+    int dbsp_linear_run3(CLinRun *s, const CBatch *b, const int32_t *keys, int32_t nkeys, const CAggSpec *specs,
+                         int32_t ns, CKeyIndex *ix, const int32_t *shown, const int32_t *nonnull, const int32_t *avg,
+                         const int32_t *avg_lo, int32_t nout, int out_keys, ArrowArray *batch, ArrowArray *out,
+                         int64_t **w, uint64_t **kh, int64_t *n, int *ordered, int *distinct, const CKeyIndex *dirty,
+                         uint8_t **fresh)
 
 cdef extern from "joinrun.h" nogil:
     ctypedef struct CJoinRunOut "DbspJoinRunOut":
@@ -335,7 +340,7 @@ cdef extern from "joinlin.h" nogil:
                              const CAggSpec *specs, int32_t ns, CKeyIndex *ix, const int32_t *shown,
                              const int32_t *nonnull, const int32_t *avg, const int32_t *avg_lo, int32_t nout,
                              int out_keys, ArrowArray *batch, ArrowArray *out, int64_t **w, uint64_t **kh, int64_t *n,
-                             int *ordered, int *distinct, int *served)
+                             int *ordered, int *distinct, const CKeyIndex *dirty, uint8_t **fresh, int *served)
 
 cdef extern from "top1.h" nogil:
     int dbsp_top1(const CBatch *b, const uint64_t *kh, const int32_t *keys, int32_t nkeys, const int32_t *ocols,

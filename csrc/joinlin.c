@@ -90,7 +90,8 @@ int dbsp_join_linear_run(const DbspJoinLin *j, DbspJoinLinSide *sides, DbspLinRu
                          int32_t nkeys, const DbspAggSpec *specs, int32_t ns, DbspKeyIndex *ix, const int32_t *shown,
                          const int32_t *nonnull, const int32_t *avg, const int32_t *avg_lo, int32_t nout,
                          int out_keys, struct ArrowArray *batch, struct ArrowArray *out, int64_t **w, uint64_t **kh,
-                         int64_t *n, int *ordered, int *distinct, int *served) {
+                         int64_t *n, int *ordered, int *distinct, const DbspKeyIndex *dirty, uint8_t **fresh,
+                         int *served) {
     DbspColumn *ccols[2] = {NULL, NULL};
     DbspBatch a[2];
     Seg *segs = NULL;
@@ -106,6 +107,7 @@ int dbsp_join_linear_run(const DbspJoinLin *j, DbspJoinLinSide *sides, DbspLinRu
     batch->release = NULL;
     out->release = NULL;
     *w = NULL; *kh = NULL; *n = 0; *ordered = 1; *distinct = 1; *served = 1;
+    if (fresh) *fresh = NULL;
     for (int k = 0; k < 2; k++) {
         memset(&sides[k].out, 0, sizeof sides[k].out);
     }
@@ -151,8 +153,8 @@ int dbsp_join_linear_run(const DbspJoinLin *j, DbspJoinLinSide *sides, DbspLinRu
         at += segs[k].p.n;
     }
     DbspBatch jb = {.nrows = total, .ncols = j->ng, .cols = jcols, .weights = jw};
-    st = dbsp_linear_run2(s, &jb, keys, nkeys, specs, ns, ix, shown, nonnull, avg, avg_lo, nout, out_keys, batch, out,
-                          w, kh, n, ordered, distinct);
+    st = dbsp_linear_run3(s, &jb, keys, nkeys, specs, ns, ix, shown, nonnull, avg, avg_lo, nout, out_keys, batch, out,
+                          w, kh, n, ordered, distinct, dirty, fresh);
     if (st != DBSP_OK) goto fail;
 done:
     for (int32_t k = 0; k < nseg; k++) dbsp_pairs_free(&segs[k].p);

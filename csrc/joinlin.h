@@ -48,11 +48,13 @@ typedef struct DbspJoinLin {
 /* sides[0]: the left change against the right trace's batches; sides[1]: the right change against the left
  * trace's. The linear group-by's parameters are dbsp_linear_run2's (keys: positions in the joined batch). On
  * DBSP_OK with *served, each changed side's out holds its indexed change (released by the caller with
- * dbsp_join_run_free(&out, 0)) and batch/out/w/kh/n/ordered/distinct are dbsp_linear_run2's. */
+ * dbsp_join_run_free(&out, 0)) and batch/out/w/kh/n/ordered/distinct (and, given dirty, *fresh) are
+ * dbsp_linear_run3's. */
 int dbsp_join_linear_run(const DbspJoinLin *j, DbspJoinLinSide *sides, DbspLinRun *s, const int32_t *keys,
                          int32_t nkeys, const DbspAggSpec *specs, int32_t ns, DbspKeyIndex *ix, const int32_t *shown,
                          const int32_t *nonnull, const int32_t *avg, const int32_t *avg_lo, int32_t nout,
                          int out_keys, struct ArrowArray *batch, struct ArrowArray *out, int64_t **w, uint64_t **kh,
-                         int64_t *n, int *ordered, int *distinct, int *served);
+                         int64_t *n, int *ordered, int *distinct, const DbspKeyIndex *dirty, uint8_t **fresh,
+                         int *served);
 
 #endif

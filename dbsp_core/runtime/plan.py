@@ -736,8 +736,8 @@ class _JoinFolded:
             join, run = self.slots.state, self.run
             done: list = []
 
-            def call(ix: Any) -> tuple | None:
-                got = join.step_folded(za, zb, lambda *args: run.step(*args, ix))
+            def call(ix: Any, dirty: Any) -> tuple | None:
+                got = join.step_folded(za, zb, lambda *args: run.step(*args, ix, dirty))
                 if got is not None:
                     done.append(1)
                 return got
