@@ -112,7 +112,9 @@ cdef class LinearRun:
     ``nonnull[o]``, as Aggregate.finalize divides; specs may sum ``("sum_hi", c)`` / ``("sum_lo", c)``, the limbs of
     an int64 column); both None when no row changed.
     Returns None, having read and changed nothing, when a summed column or one of ``checked`` (positions: the columns
-    a count of values counts) has a null. Errors as linear_step's."""
+    a count of values counts) has a null. With ``dirty`` (a KeyIndex of a totals trace's dirty keys, one value a
+    key), a seventh item: per row of ``batch`` whether its key is not dirty (csrc/linrun.h invariant 5; None when no
+    row changed). Errors as linear_step's."""
     cdef CLinRun s
     cdef Int32s keys, shown, nonnull, avg, avg_lo
     cdef CAggSpec *specs
@@ -153,12 +155,13 @@ cdef class LinearRun:
         self.bschema, self.oschema = bschema, oschema
         self.steps = 0
 
-    def step(self, table, weights, KeyIndex ix):
+    def step(self, table, weights, KeyIndex ix, KeyIndex dirty=None):
         cdef BatchView v = view_of(table, weights)
         cdef int32_t c
         if self.keys.n != ix.nkeys or self.ns != ix.nvals:
             raise ValueError(f"LinearRun: {self.keys.n} keys and {self.ns} slots for an index of {ix.nkeys} and "
                              f"{ix.nvals}")
+        check_dirty(dirty, self.keys.n)
         for c in self.summed:
             if c < 0 or c >= v.c.ncols:
                 raise ValueError(f"LinearRun: column {c} outside the change's {v.c.ncols}")
@@ -169,19 +172,40 @@ cdef class LinearRun:
         cdef uint64_t *kh = NULL
         cdef int64_t n = 0
         cdef int ordered = 1, distinct = 1, st
+        cdef uint8_t *fresh = NULL
+        cdef const CKeyIndex *dix = NULL if dirty is None else dirty.ix
         with nogil:
-            st = dbsp_linear_run2(&self.s, &v.c, self.keys.p, self.keys.n, self.specs, self.ns, ix.ix, self.shown.p,
+            st = dbsp_linear_run3(&self.s, &v.c, self.keys.p, self.keys.n, self.specs, self.ns, ix.ix, self.shown.p,
                                   self.nonnull.p, self.avg.p, self.avg_lo.p, self.nout, self.out_keys, &batch, &out,
-                                  &w, &kh, &n, &ordered, &distinct)
+                                  &w, &kh, &n, &ordered, &distinct, dix, &fresh if dix != NULL else NULL)
         check_status(st, "linear_run")
         self.steps += 1
-        if n == 0:
-            return None, None, None, None, True, True
-        wa = own_array(w, n, np.int64)
-        ka = own_array(kh, n, np.uint64)
-        try:
-            bt = import_batch(&batch, self.bschema)
-        except BaseException:
-            out.release(&out)  # not imported: the first import failed
-            raise
-        return bt, import_batch(&out, self.oschema), wa, ka, bool(ordered), bool(distinct)
+        return linear_result(self.bschema, self.oschema, &batch, &out, w, kh, n, ordered, distinct, fresh,
+                             dirty is not None)
+
+
+cdef int check_dirty(KeyIndex dirty, int32_t nkeys) except -1:
+    """A dirty-key index (csrc/linrun.h invariant 5) fits the step's keys: as many key columns, one value a key."""
+    if dirty is not None and (dirty.nkeys != nkeys or dirty.nvals != 1):
+        raise ValueError(f"linear run: a dirty-key index of {dirty.nkeys} keys and {dirty.nvals} values for "
+                         f"{nkeys} keys and 1 value")
+    return 0
+
+
+cdef object linear_result(bschema, oschema, ArrowArray *batch, ArrowArray *out, int64_t *w, uint64_t *kh, int64_t n,
+                          int ordered, int distinct, uint8_t *fresh, bint with_fresh):
+    """A one-call step's exports (dbsp_linear_run3, owned from here) as ``(batch, out, w, kh, ordered, distinct)``,
+    with ``fresh`` (bool per row: its key is not dirty; csrc/linrun.h invariant 5) appended when asked."""
+    tail = (None,) if with_fresh else ()
+    if n == 0:
+        return (None, None, None, None, True, True) + tail
+    wa = own_array(w, n, np.int64)
+    ka = own_array(kh, n, np.uint64)
+    fa = own_array(fresh, n, np.uint8).view(np.bool_) if fresh != NULL else None
+    try:
+        bt = import_batch(batch, bschema)
+    except BaseException:
+        out.release(out)  # not imported: the first import failed
+        raise
+    res = (bt, import_batch(out, oschema), wa, ka, bool(ordered), bool(distinct))
+    return res + (fa,) if with_fresh else res

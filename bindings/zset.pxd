@@ -295,6 +295,11 @@ cdef extern from "linrun.h" nogil:
                          int32_t ns, CKeyIndex *ix, const int32_t *shown, const int32_t *nonnull, const int32_t *avg,
                          const int32_t *avg_lo, int32_t nout, int out_keys, ArrowArray *batch, ArrowArray *out,
                          int64_t **w, uint64_t **kh, int64_t *n, int *ordered, int *distinct)
+    int dbsp_linear_run3(CLinRun *s, const CBatch *b, const int32_t *keys, int32_t nkeys, const CAggSpec *specs,
+                         int32_t ns, CKeyIndex *ix, const int32_t *shown, const int32_t *nonnull, const int32_t *avg,
+                         const int32_t *avg_lo, int32_t nout, int out_keys, ArrowArray *batch, ArrowArray *out,
+                         int64_t **w, uint64_t **kh, int64_t *n, int *ordered, int *distinct, const CKeyIndex *dirty,
+                         uint8_t **fresh)
 
 cdef extern from "joinrun.h" nogil:
     ctypedef struct CJoinRunOut "DbspJoinRunOut":
@@ -312,6 +317,31 @@ cdef extern from "joinrun.h" nogil:
                       const int32_t *bkeys, const int32_t *lcols, int32_t nl, const int32_t *rcols, int32_t nr,
                       const CBatch *pad, CJoinRunOut *out)
     void dbsp_join_run_free(CJoinRunOut *out, int32_t nb)
+
+cdef extern from "joinlin.h" nogil:
+    ctypedef struct CJoinLinSide "DbspJoinLinSide":
+        const CBatch *c
+        const ArrowSchema *cs
+        int32_t nb
+        const CBatch *const *bs
+        const uint64_t *const *bkh
+        const uint64_t *const *bfence
+        CJoinRunOut out
+    ctypedef struct CJoinLin "DbspJoinLin":
+        const int32_t *lkeys
+        const int32_t *rkeys
+        int32_t nkeys
+        const int32_t *gside
+        const int32_t *gcol
+        const int32_t *gtype
+        int32_t ng
+        const int32_t *nonulls
+        int32_t nnn
+    int dbsp_join_linear_run(const CJoinLin *j, CJoinLinSide *sides, CLinRun *s, const int32_t *keys, int32_t nkeys,
+                             const CAggSpec *specs, int32_t ns, CKeyIndex *ix, const int32_t *shown,
+                             const int32_t *nonnull, const int32_t *avg, const int32_t *avg_lo, int32_t nout,
+                             int out_keys, ArrowArray *batch, ArrowArray *out, int64_t **w, uint64_t **kh, int64_t *n,
+                             int *ordered, int *distinct, const CKeyIndex *dirty, uint8_t **fresh, int *served)
 
 cdef extern from "top1.h" nogil:
     int dbsp_top1(const CBatch *b, const uint64_t *kh, const int32_t *keys, int32_t nkeys, const int32_t *ocols,

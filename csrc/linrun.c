@@ -119,6 +119,15 @@ int dbsp_linear_run2(DbspLinRun *s, const DbspBatch *b0, const int32_t *keys, in
                      int32_t ns, DbspKeyIndex *ix, const int32_t *shown, const int32_t *nonnull, const int32_t *avg,
                      const int32_t *avg_lo, int32_t nout, int out_keys, struct ArrowArray *batch,
                      struct ArrowArray *out, int64_t **w, uint64_t **kh, int64_t *n, int *ordered, int *distinct) {
+    return dbsp_linear_run3(s, b0, keys, nkeys, specs0, ns, ix, shown, nonnull, avg, avg_lo, nout, out_keys, batch, out,
+                            w, kh, n, ordered, distinct, NULL, NULL);
+}
+
+int dbsp_linear_run3(DbspLinRun *s, const DbspBatch *b0, const int32_t *keys, int32_t nkeys, const DbspAggSpec *specs0,
+                     int32_t ns, DbspKeyIndex *ix, const int32_t *shown, const int32_t *nonnull, const int32_t *avg,
+                     const int32_t *avg_lo, int32_t nout, int out_keys, struct ArrowArray *batch,
+                     struct ArrowArray *out, int64_t **w, uint64_t **kh, int64_t *n, int *ordered, int *distinct,
+                     const DbspKeyIndex *dirty, uint8_t **fresh) {
     DbspReduceOut r;
     DbspAggSpec specs[64];
     DbspColumn lcols[64 + 64];  /* the batch's columns, then one int64 column per limb slot */
@@ -135,6 +144,7 @@ int dbsp_linear_run2(DbspLinRun *s, const DbspBatch *b0, const int32_t *keys, in
     batch->release = NULL;
     out->release = NULL;
     *w = NULL; *kh = NULL; *n = 0; *ordered = 1; *distinct = 1;
+    if (fresh) *fresh = NULL;
     if (ns < 1 || nout < 0 || nc > 64 || b0->ncols > 64) return DBSP_EINVAL;
     memset(cols, 0, sizeof cols);
     memset(valid, 0, sizeof valid);
@@ -182,6 +192,14 @@ int dbsp_linear_run2(DbspLinRun *s, const DbspBatch *b0, const int32_t *keys, in
     m = *n;
     if (st != DBSP_OK || m == 0) goto done;
     const int64_t *rows = s->rows, *vals = s->vals;
+    if (dirty && fresh) {  /* invariant 5: one probe of the dirty keys per group, not per row */
+        int64_t *dacc = calloc((size_t)ng, 8);
+        if (!dacc || !(*fresh = malloc((size_t)m))) { free(dacc); st = DBSP_ENOMEM; goto done; }
+        st = dbsp_keyindex_get(dirty, b, keys, r.group_row, (const uint64_t *)r.khash, ng, dacc);
+        for (int64_t i = 0; st == DBSP_OK && i < m; i++) (*fresh)[i] = dacc[s->grp[i]] == 0;
+        free(dacc);
+        if (st != DBSP_OK) goto done;
+    }
     for (int32_t k = 0; k < nc; k++) {
         int32_t j = k < ns ? k : shown[k - ns];
         if (!(cols[k] = malloc((size_t)m * 8))) { st = DBSP_ENOMEM; goto done; }
@@ -243,6 +261,7 @@ done:
     if (st != DBSP_OK || m == 0) {
         free(*w); free(*kh);
         *w = NULL; *kh = NULL; *n = 0;
+        if (fresh) { free(*fresh); *fresh = NULL; }
     }
     return st;
 }

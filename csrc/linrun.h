@@ -22,6 +22,10 @@
  *     (dbsp_keyindex_refusals counts it; keyindex.h invariant 4). An error before the store (overflow, memory for
  *     the scratch or the exports) changes nothing. So a step either stores all of its totals or none: an owner
  *     whose index is its state (trace invariant 19) loses nothing to a failure half way.
+ *  5. The dirty-key probe of a trace keeping its totals per key (trace/keyindex.py ``store_totals``) is made here,
+ *     when asked (dbsp_linear_run3): once per group of the change, at the row carrying its key, before anything is
+ *     stored (the dirty index is not written here); every output row of a group gets that group's answer, the
+ *     answer store_totals' probe of each row gives, as a group's rows share its key.
  */
 #ifndef DBSP_LINRUN_H
 #define DBSP_LINRUN_H
@@ -88,5 +92,14 @@ int dbsp_linear_run2(DbspLinRun *s, const DbspBatch *b, const int32_t *keys, int
                      int32_t ns, DbspKeyIndex *ix, const int32_t *shown, const int32_t *nonnull, const int32_t *avg,
                      const int32_t *avg_lo, int32_t nout, int out_keys, struct ArrowArray *batch,
                      struct ArrowArray *out, int64_t **w, uint64_t **kh, int64_t *n, int *ordered, int *distinct);
+
+/* dbsp_linear_run2 that also, given the index of a totals trace's dirty keys (dirty: one value per key, trace/levels.py
+ * invariant 19), sets *fresh (malloc'ed, *n bytes; NULL when *n is 0 or on an error) to 1 for each output row whose
+ * key dirty does not hold (its count 0), 0 otherwise: invariant 5. */
+int dbsp_linear_run3(DbspLinRun *s, const DbspBatch *b, const int32_t *keys, int32_t nkeys, const DbspAggSpec *specs,
+                     int32_t ns, DbspKeyIndex *ix, const int32_t *shown, const int32_t *nonnull, const int32_t *avg,
+                     const int32_t *avg_lo, int32_t nout, int out_keys, struct ArrowArray *batch,
+                     struct ArrowArray *out, int64_t **w, uint64_t **kh, int64_t *n, int *ordered, int *distinct,
+                     const DbspKeyIndex *dirty, uint8_t **fresh);
 
 #endif

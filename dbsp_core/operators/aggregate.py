@@ -80,7 +80,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -659,14 +659,27 @@ class _LinearState:
         grouping, the key index's probes and stores, the trace batch's and the output's columns, built without a
         Python or Arrow call between them. None, having changed nothing, when it cannot serve the step (no current
         key index, or a null in a counted or summed column): the caller then takes another path."""
+        return self.step_call(lambda ix, dirty: run.step(z.data, z.weights, ix, dirty), ctx)
+
+    def step_call(self, call: "Callable[[Any, Any], tuple | None]", ctx: "StepContext") -> "ZSet | None":
+        """:meth:`step_run` over what ``call(ix, dirty)`` returns, ``LinearRun.step``'s tuple from the key index ``ix``
+        (or None, having read and stored nothing), with the trace's dirty-key index ``dirty`` (None: none yet) probed
+        in the call (csrc/linrun.h invariant 5; its answers go to ``store_totals``): the one-call step of a join
+        folded into this group-by's totals (``_zset.JoinLinearRun``, dbsp_core/runtime/plan.py design note 4) takes
+        this path too."""
         op = self.op
         prune(self, input_times(op), ctx)
+        fresh: list = []  # (the dirty index probed, per row of the trace batch: its key not dirty)
 
         def step(ix: object) -> tuple | None:
-            r = run.step(z.data, z.weights, ix)
+            dirty = self.trace.pk_dirty(ix)
+            r = call(ix, dirty)
             if r is None:  # a null: nothing read nor stored
                 self.trace.index_done(ix)
                 return None
+            if dirty is not None:
+                fresh.append((dirty, r[6]))
+                r = r[:6]
             return r, ix
 
         try:
@@ -681,8 +694,9 @@ class _LinearState:
             return empty(op.schema)
         if ordered:  # groups by key hash, a group's two rows by row hash: the trace batch as it stands (the C
             # call's tables hold one record batch each: one chunk per column as they are, zset.py invariant 1)
-            self.trace.store_totals(IndexedZSet._make(ZSet._make(batch, w, chunked=True), tuple(self.keys), kh), ix)
-        else:  # a key-hash or row-hash tie (rare): values decide the order
+            self.trace.store_totals(IndexedZSet._make(ZSet._make(batch, w, chunked=True), tuple(self.keys), kh), ix,
+                                    fresh[0] if fresh else None)
+        else:  # a key-hash or row-hash tie (rare): values decide the order (the rows' answers then not in order)
             self.trace.store_totals(make(batch, w, self.pschema).index_by(self.keys), ix)
         if distinct:  # no group shows equal new and old rows (csrc/linrun.h invariant 2)
             return ZSet._make(out, w, distinct=True, chunked=True)

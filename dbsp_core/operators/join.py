@@ -23,7 +23,14 @@ Invariants:
      time lineage (invariant 5), or whose walk would read a spilled batch (trace/spill.py invariants 12 and 14: its
      Bloom filter, pages and pieces), returns None there, having changed nothing, and runs
      :meth:`_JoinState.step_parts`.
-  8. Each side's trace holds its low levels while it is not read (``hold_unread``, ``DBSP_TOTALS_HOLD``, trace/levels.py
+  8. The folded step (:meth:`_JoinState.step_folded`, dbsp_core/runtime/plan.py design note 4): a join whose one
+     consumer is a linear group-by (W = 1) hands both changes and the other sides' batches to one C call
+     (``_zset.JoinLinearRun``, csrc/joinlin.h) that indexes each change as invariant 7's step does, finds invariant
+     1's pairs (``L JOIN db``, then ``da JOIN (R + db)``) and folds their columns into the group-by's totals; the
+     indexed changes are then inserted into the traces: the state invariant 7's step leaves. The joined rows are
+     never built. A step it does not serve (time lineage, a spilled batch, a weight product past int64, a null in a
+     summed or counted column) changes nothing and runs the join's and the group-by's own calls.
+  9. Each side's trace holds its low levels while it is not read (``hold_unread``, ``DBSP_TOTALS_HOLD``, trace/levels.py
      invariant 18): a side is read only when the other side changes, so the side of a stream joined with a table
      that rarely changes merges its step batches many at a time instead of two (measured: 1k-row steps into a 1M-row
      side, hold 8, instructions a step -15% mean, -21% median). The first read after such a run walks up to twice
@@ -184,7 +191,7 @@ class _JoinState:
         self.stored = st = op.stored  # invariant 6, as it was when this instance was built
         self.left = Trace(op.lschema if st is None else st.lschema, op.left_on)
         self.right = Trace(op.rschema if st is None else st.rschema, op.right_on)
-        self.left.hold_unread = self.right.hold_unread = settings().totals_hold  # (invariant 8)
+        self.left.hold_unread = self.right.hold_unread = settings().totals_hold  # (invariant 9)
 
     def pairs(self, left: "IndexedZSet", right: "IndexedZSet",
               cols: "tuple[list[int], list[int], pa.Schema] | None" = None) -> "ZSet":
@@ -240,10 +247,10 @@ class _JoinState:
         output columns, :meth:`Join.pairs`'s); None when the kept columns (invariant 6) are not in the traces' order."""
         op, st = self.op, self.stored
         ltr, rtr = self.left, self.right
-        if st is not None and (st.left != tuple(st.lschema.names) or st.right != tuple(st.rschema.names)):
+        pos = self.fold_positions(([], [], op.schema))
+        if pos is None:
             return None  # (a projection in another order than the traces' columns: the join's own step)
-        lkeys = [ltr.schema.get_field_index(k) for k in op.left_on]
-        rkeys = [rtr.schema.get_field_index(k) for k in op.right_on]
+        lkeys, rkeys = pos[0], pos[1]
         if st is None:
             lcols, rcols, schema = (None, op.right_kept_pos, op.schema) if cols is None else cols
             padded = None
@@ -255,6 +262,54 @@ class _JoinState:
         runs = (_zset.JoinRun(lkeys, rkeys, True, lcols, rcols, ltr.schema, schema),
                 _zset.JoinRun(rkeys, lkeys, False, lcols, rcols, rtr.schema, schema))
         return runs, schema, cols is None, padded
+
+    def fold_positions(self, cols: "tuple[list[int], list[int], pa.Schema]") -> "tuple | None":
+        """Invariant 8: ``(lkeys, rkeys, lcols, rcols)``, the key columns of each side and the output columns ``cols``
+        (:meth:`Join.pairs`'s) as positions in the traces' rows; None when the kept columns (invariant 6) are not in
+        the traces' order."""
+        op, st = self.op, self.stored
+        if st is not None and (st.left != tuple(st.lschema.names) or st.right != tuple(st.rschema.names)):
+            return None
+        lkeys = [self.left.schema.get_field_index(k) for k in op.left_on]
+        rkeys = [self.right.schema.get_field_index(k) for k in op.right_on]
+        if st is None:
+            return lkeys, rkeys, list(cols[0]), list(cols[1])
+        return lkeys, rkeys, [st.lmap[i] for i in cols[0]], [st.rmap[i] for i in cols[1]]
+
+    def step_folded(self, za: "ZSet", zb: "ZSet", fold: "Callable[..., Any]") -> "Any | None":
+        """Invariant 8: the step whose pairs only a linear group-by's totals read, in one C call: ``fold(lt, lw, lviews,
+        rt, rw, rviews)`` (``_zset.JoinLinearRun.step`` with the group-by's key index bound; a side's table None when
+        it did not change) returns None, having changed nothing, or ``(left, right, result)``: each side's indexed
+        change, inserted here into its trace, and what the group-by made of the pairs, returned. None, having changed
+        nothing, for a step it does not serve (time lineage, a spilled batch to walk)."""
+        if self.op.in_times:
+            return None
+        args: list = []
+        for side, z, other in ((0, za, self.right), (1, zb, self.left)):
+            views: list = []
+            if z.num_rows:
+                batches = other.walked()
+                store = other._store
+                if store is not None and any(store.is_spilled(b) for b in batches):
+                    return None  # a spilled batch is walked through narrowed and in_pieces (trace/spill.py 12, 14)
+                z = self.prepared(z, side)
+                views = [b._view() for b in batches]
+                args += [z.data, z.weights, views]
+            else:
+                args += [None, None, views]
+        # fold's order: the left change and the right trace's batches, the right change and the left trace's
+        got = fold(args[0], args[1], args[5], args[3], args[4], args[2])
+        if got is None:
+            return None
+        for side, ix in enumerate(got[:2]):
+            if ix is None:
+                continue
+            own = self.left if side == 0 else self.right
+            table, w, kh, rh = ix
+            ixz = IndexedZSet._make(ZSet._make(table, w, chunked=True), own.key, kh)
+            ixz._rh = rh
+            own.insert(ixz)
+        return got[2]
 
     def step_run(self, za: "ZSet", zb: "ZSet", ctx: "StepContext", spec: "tuple | None") -> "list | None":
         """Invariant 7: the step's parts (as :meth:`step_parts` returns them) from one C call per changed side of

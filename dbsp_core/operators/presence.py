@@ -18,7 +18,7 @@ Invariants (enforced here; every caller keeps the order of calls):
      the join keys (None for a side without rows), the unmatched left rows' change (invariant 1), and the step
      itself: a join's :meth:`PresenceState.parts` computes its change while the left trace does not hold ``da``
      yet, and inserts ``db`` into the right trace (``inner_change`` does); the step then inserts ``da``.
-  5. Both traces hold their low levels while unread (``hold_unread``, as an inner join's sides: join.py invariant 8,
+  5. Both traces hold their low levels while unread (``hold_unread``, as an inner join's sides: join.py invariant 9,
      trace/levels.py invariant 18): the left side is read only when the right side changes. The right side, read
      through its key index for every left change but walked for the matches of a left change, is read whenever the
      left side changes.

@@ -553,10 +553,19 @@ class PerKeyTotals:
         if len(self._pk_marks):
             self._pk_undo.entries.append((ix, view, keys, kh, cpos, sign))
 
-    def store_totals(self, batch: "IndexedZSet", ix: Any) -> None:
+    def pk_dirty(self, ix: Any) -> Any:
+        """The index of the dirty keys (invariant 19) that :meth:`store_totals` will probe for a step storing through
+        ``ix``, for a C step to probe it first (csrc/linrun.h invariant 5); None when it has none (or ``ix`` is not
+        this trace's key index)."""
+        return self._pk_dirty if self._pk_on and ix is self._kix else None
+
+    def store_totals(self, batch: "IndexedZSet", ix: Any, probed: "tuple | None" = None) -> None:
         """The step's rows of old (-1) and new (+1) totals of its changed groups, which the caller already stored in
         ``ix`` (from :meth:`index_for_update`): inserted as any batch, or with totals per key only recorded: each of
-        its keys not dirty yet is recorded with the totals the batches hold for it (its -1 row, or none)."""
+        its keys not dirty yet is recorded with the totals the batches hold for it (its -1 row, or none).
+        ``probed``: ``(dirty, fresh)``, the answers of a probe of the dirty index ``dirty`` per row of ``batch`` made
+        since the step began (:meth:`pk_dirty`, csrc/linrun.h invariant 5), used while ``dirty`` is still the dirty
+        index (a sync since replaced it)."""
         if self._pk_on and self._store is not None and not self._pk_rec:  # joined a batch store (the executor's
             self._pk_on = False  # spill()) with nothing recorded: the batches are up to date, kept from now on
         if not self._pk_on or ix is not self._kix or len(batch) == 0:
@@ -577,9 +586,12 @@ class PerKeyTotals:
             from dbsp_core import _zset
 
             dirty = self._pk_dirty = _zset.KeyIndex([self.schema.field(k).type for k in self.key], 1, 0)
-        acc = np.zeros((len(batch), 1), dtype=np.int64)
-        dirty.get(view, keys, kh, acc)
-        fresh = acc[:, 0] == 0
+        if probed is not None and probed[0] is dirty and probed[1] is not None and len(probed[1]) == len(batch):
+            fresh = probed[1]
+        else:
+            acc = np.zeros((len(batch), 1), dtype=np.int64)
+            dirty.get(view, keys, kh, acc)
+            fresh = acc[:, 0] == 0
         if fresh.any():
             try:
                 self._pk_record(batch, dirty, fresh)

@@ -219,7 +219,8 @@ def test_linear_run_kernel_against_a_dict_model() -> None:
     """``_zset.LinearRun`` alone, over random batches with weights into one key index: per step, the trace batch
     holds each changed key's old (-1) and new (+1) totals, the output the same rows finalized (a sum null where its
     non-null count is 0: here a slot of 0 counted values), the index the running totals; a step that changes no
-    group returns no rows; a null in a summed column returns None and leaves the index as it was."""
+    group returns no rows; a null in a summed column returns None and leaves the index as it was; given a dirty-key
+    index, the seventh item says per row of the trace batch whether its key is not in it."""
     rng = np.random.default_rng(SEED + 99)
     bschema = pa.schema([("k", pa.int64()), ("p_0", pa.int64()), ("p_1", pa.int64()), ("p_2", pa.int64())])
     oschema = pa.schema([("k", pa.int64()), ("n", pa.int64()), ("total", pa.int64())])
@@ -244,7 +245,17 @@ def test_linear_run_kernel_against_a_dict_model() -> None:
             s[1] += ww * vv
             s[2] += ww * cc
         totals = {key: s for key, s in totals.items() if s[0]}
-        batch, out, bw, kh, ordered, distinct = run.step(t, w, ix)
+        dirty, dk = None, set()
+        if step % 2:  # a totals trace's dirty keys (csrc/linrun.h invariant 5): per row, whether its key is not one
+            dk = set(rng.integers(0, 12, 5).tolist())
+            dirty = _zset.KeyIndex([pa.int64()], 1)
+            kt = pa.table({"k": pa.array(sorted(dk), pa.int64())})
+            dirty.add(kt, None, [0], _zset.hash_columns(kt, [0]), [-1])
+        got = run.step(t, w, ix) if dirty is None else run.step(t, w, ix, dirty)
+        batch, out, bw, kh, ordered, distinct = got[:6]
+        if dirty is not None:
+            want_fresh = None if batch is None else [key not in dk for key in batch.column(0).to_pylist()]
+            assert (got[6] if got[6] is None else got[6].tolist()) == want_fresh, step
         want: Counter = Counter()
         for key in set(old) | set(totals):
             if old.get(key) != totals.get(key):

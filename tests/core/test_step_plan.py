@@ -22,7 +22,7 @@ SCHEMA = pa.schema([("k", pa.int64()), ("j", pa.int64()), ("v", pa.int64()), ("s
 USCHEMA = pa.schema([("id", pa.int64()), ("x", pa.string()), ("m", pa.int64())])  # the join's other side
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))  # the join test's rows; replayable
 COUNTS = ("fused", "cstep", "unfused", "sent", "grouped", "received", "indexed", "merged", "joined",
-          "reduced", "sliced", "paired", "projected", "keyed", "changes_merged", "cjoin")  # StepPlan.counts' keys
+          "reduced", "sliced", "paired", "projected", "keyed", "changes_merged", "cjoin", "folded")  # StepPlan.counts' keys
 
 rows = st.tuples(st.integers(0, 5), st.one_of(st.none(), st.integers(0, 2)),
                  st.one_of(st.none(), st.integers(-9, 9)), st.sampled_from(["a", "b", None]))
@@ -163,12 +163,16 @@ def test_plan_equals_unplanned_path_on_random_circuits_and_splits(shape, drawn):
         assert planned == _run(_circuit(shape), steps, plan=False)[0]
     # a row past the filter (a filter of 0 or None is no filter: _circuit tests it for truth)
     reached = any(not shape["filter"] or r[0] != shape["filter"] for step in steps for r, _ in step)
-    # the join's call gathered the group-by's columns from its pairs every step, on every worker
-    assert counts["joined"] == (len(steps) * workers if shape["join"] and shape["join_only_g"] else 0)
+    # the join's call gathered the group-by's columns from its pairs every step, on every worker, or (W = 1) the
+    # group-by's call folded the join's pairs into its totals (plan.py _JoinFolded)
+    assert counts["joined"] + counts["folded"] == (len(steps) * workers if shape["join"] and shape["join_only_g"]
+                                                   else 0)
+    assert counts["folded"] <= (len(steps) if shape["join"] and shape["join_only_g"] and workers == 1 else 0)
     # at W = 1 the join ran every step in one C call (operators/join.py invariant 7), unless a budget spilled the
     # batches it walks (DBSP_MEMORY_LIMIT); at W > 1 its inputs come through fused exchanges, as runs of indexes
     want = len(steps) if shape["join"] and workers == 1 else 0
-    assert counts["cjoin"] == want or (os.environ.get("DBSP_MEMORY_LIMIT") and counts["cjoin"] <= want)
+    assert counts["cjoin"] + counts["folded"] == want or (os.environ.get("DBSP_MEMORY_LIMIT")
+                                                          and counts["cjoin"] + counts["folded"] <= want)
     # at W > 1 a count-distinct's exchange sent summed pairs whenever a worker had rows for it
     assert (counts["paired"] >= 1) == bool(workers > 1 and shape["distinct"] and reached)
     # the hopping windows' group-by summed slices every step, on every worker, unless the windows are a view
@@ -377,7 +381,10 @@ def test_join_then_group_by_folds_the_pairs_and_matches_duckdb_and_a_model(worke
     if not plan:
         assert counts == dict.fromkeys(COUNTS, 0)
         return
-    assert counts["joined"] == 6 * workers, counts  # the join's call gathered the aggregate's columns every step
+    # the join's call gathered the aggregate's columns every step, or (W = 1, an int64 key) the aggregate's call
+    # folded the join's pairs into its totals (plan.py _JoinFolded; a string key is not fixed-width)
+    assert counts["joined"] + counts["folded"] == 6 * workers, counts
+    assert (counts["folded"] >= 1) == (workers == 1 and key == "m"), counts
     if workers == 1:  # every step folds the gathered columns (an int64 or a string key through the key index, but
         # for steps whose pairs meet a null v) or runs the combiner over them (a null)
         assert counts["fused"] + counts["unfused"] == 6 and counts["fused"] >= 1, counts

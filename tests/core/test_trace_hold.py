@@ -1,7 +1,7 @@
 """Traces other than an aggregate's totals hold their low levels (trace/levels.py invariant 18, ``DBSP_TOTALS_HOLD``):
 a distinct's input and a count_distinct's pairs while their key index serves their reads (distinct.py and
 count_distinct.py invariant 5), a join's sides (inner, left, semi) and a materialized view's trace while nothing reads
-them (``hold_unread``: join.py invariant 8, presence.py invariant 5, materialize.py invariant 5).
+them (``hold_unread``: join.py invariant 9, presence.py invariant 5, materialize.py invariant 5).
 
 Over random splits into steps after a load (rows of ints and strings, inserts and deletions, multiplicities above 1),
 with a second input ``u`` joined with the first that changes only at a few steps (so the join's side of ``t`` goes
