@@ -40,7 +40,9 @@ a checksum):
       and maps nothing. The reads are decoded in C (csrc/groupdecode.c, ``DECODE_DEFAULT``): each slot read once
       (checked, if it is not yet, from the same bytes), each message's flatbuffer header, nodes and buffers checked
       against the slot and the writer's layout (a damaged one is CorruptionError, never a crash or other rows), the
-      matching rows of all groups gathered into one record batch; a schema or message the C decoder does not handle
+      matching rows of all groups gathered into one record batch (each probed key hash found in its group by binary
+      search; a group's key hashes checked ascending by the first lookup that reads it, flagged per group in
+      ``GroupedFile.verified``, not again by later lookups); a schema or message the C decoder does not handle
       takes pyarrow's IPC reader (counted in ``DECODE_COUNTS``).
   G4. Only columns whose bytes a row's share can be bounded are grouped (fixed-width, boolean, string and binary):
       a batch with another column type is written as version 1 by :func:`dbsp_core.trace.batchfile.write_batch`.
@@ -48,7 +50,6 @@ a checksum):
 
 from __future__ import annotations
 
-import bisect
 import errno
 import json
 import os
@@ -186,13 +187,15 @@ def _cut(rb: pa.RecordBatch, kh: np.ndarray, slot: int) -> np.ndarray | None:
     per = np.broadcast_to(np.asarray(bits, dtype=np.int64), (n,))
     cum = np.concatenate(([0], np.cumsum(per)))
     ks = np.concatenate(([0], np.flatnonzero(kh[1:] != kh[:-1]) + 1, [n])).astype(np.int64)  # key hash runs
-    ck = cum[ks].tolist()  # (bisect on a list: ~0.3 us a group, numpy's searchsorted a call ~3 us)
+    ck = cum[ks]
+    # from each key hash run i, the run a group starting there ends before: the last whose start fits the budget
+    # (one searchsorted for every run), at least the next (a key hash too big alone)
+    nxt = np.maximum(np.searchsorted(ck, ck + budget, "right") - 1, np.arange(1, len(ks) + 1)).tolist()
     out = [0]
     i, last = 0, len(ks) - 1
     while i < last:  # a group at a time (~100 rows of 40 bytes): no Python per row
-        j = max(bisect.bisect_right(ck, ck[i] + budget, i + 1) - 1, i + 1)
-        out.append(j)
-        i = j
+        i = nxt[i]
+        out.append(i)
     return ks[out]
 
 
@@ -453,6 +456,8 @@ class GroupedFile:
         starts = index["row"].astype(np.int64)
         self.g_rows = np.ascontiguousarray(np.append(starts[1:], rows) - starts)
         self.checked = np.zeros(len(page_crcs), dtype=bool)
+        self.verified = np.zeros(len(self.first_hash), dtype=np.uint8)  # per group: its key hashes' order checked by
+        # a C lookup's read (invariant G3: later lookups of it binary-search its rows)
         self.schema: pa.Schema | None = None
         self.key: tuple = ()
         self.rh_mode = "0"
@@ -500,7 +505,7 @@ class GroupedFile:
     def memory_bytes(self) -> int:
         """Bytes this open file keeps (group index, first key hashes, filter, page CRCs, flags)."""
         return int(self.first_hash.nbytes + self.bloom.nbytes + self.page_crcs.nbytes
-                   + self.checked.nbytes + self.msg_len.nbytes + self.g_slot.nbytes + self.g_slots.nbytes
+                   + self.checked.nbytes + self.verified.nbytes + self.msg_len.nbytes + self.g_slot.nbytes + self.g_slots.nbytes
                    + self.g_rows.nbytes)
 
     def _read(self, lo: int, hi: int) -> memoryview:
@@ -730,7 +735,7 @@ class GroupedFile:
             res = _storage.grouped_lookup(
                 self.fd, self.slot, 64 + self.alen, self.page_crcs, self.checked.view(np.uint8), self.kinds[0],
                 self.kinds[1], self.ndata + 1, self.bloom, self.bloom_k, self.first_hash, self.g_slot, self.g_slots,
-                self.msg_len, self.g_rows, np.ascontiguousarray(h), advise)
+                self.msg_len, self.g_rows, np.ascontiguousarray(h), advise, self.verified)
             self.last_groups_read = res[5] if res[0] == 0 else -1
             rb = self._gathered(res, lambda i: int(i))
             if rb is not None:
