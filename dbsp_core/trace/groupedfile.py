@@ -237,11 +237,11 @@ def write_grouped(path: str, batch: Any, vfs: str = "posix", sync: bool = True, 
     """Write ``batch`` (an IndexedZSet, consolidated, in index order) as a format-2 batch file at ``path`` through the
     VFS ``vfs``, in groups of whole key hashes, a group's message at a slot of ``slot`` bytes (invariant G1); returns
     the file's size, or None when a column's type is not grouped (invariant G4: nothing is written, the caller writes
-    format 1). The write is batchfile.py's (invariant 1): one streamed pass of the Arrow writer through a
-    ``_storage.FileWriter`` (its pieces cut at 2 MiB of the file), the sections, the header, the footer with its
-    whole-file CRC combined from the parts, fsync (``sync``), rename, directory fsync (``sync``); an error is a
-    StorageError naming the file and what to do, and leaves no temporary file. Python runs a group at a time (the
-    Arrow writer writes each), not a row at a time. One :class:`GroupedWriter` given the whole batch."""
+    format 1). The write is batchfile.py's (invariant 1): one streamed pass through a ``_storage.FileWriter`` (its
+    pieces cut at 2 MiB of the file), the sections, the header, the footer with its whole-file CRC combined from the
+    parts, fsync (``sync``), rename, directory fsync (``sync``); an error is a StorageError naming the file and what to
+    do, and leaves no temporary file. Python runs a group at a time (pyarrow serializes each group's message), not a
+    row at a time. One :class:`GroupedWriter` given the whole batch."""
     if not groupable(batch):
         return None
     w = GroupedWriter(path, len(batch), vfs=vfs, drop=drop, slot=slot)
