@@ -466,6 +466,7 @@ class GroupedFile:
         self.msg_len = np.zeros(0, dtype=np.int64)  # per group, its message's bytes (the Arrow footer's blocks)
         self.kinds: tuple[np.ndarray, np.ndarray] | None = None  # the C decoder's column kinds (None: Arrow's path)
         self.decode = DECODE_DEFAULT
+        self._data_schema: pa.Schema | None = None  # the data columns' schema (made at the first direct lookup)
         self.last_groups_read = -1  # the groups the last lookup read (tests compare it with groups_of)
 
     def close(self) -> None:
@@ -677,14 +678,36 @@ class GroupedFile:
                 raise MemoryError(f"reading the groups of {self.path}")
             raise _bad(self.path, f"group {bad_g}: {res[3]}")
         DECODE_COUNTS["c"] += 1
+        return pa.RecordBatch.from_arrays(self._arrays(res, len(self.schema)), schema=self.schema)
+
+    def _arrays(self, res: tuple, upto: int) -> list:
+        """The first ``upto`` columns of a successful gather result as Arrow arrays (its buffers wrapped, not
+        copied)."""
         n, cols, nulls = res[1], res[2], res[3]
         arrays = []
-        for field, (valid, data, vals), nn in zip(self.schema, cols, nulls.tolist()):
+        for field, (valid, data, vals), nn in zip(list(self.schema)[:upto], cols, nulls.tolist()):
             bufs = [None if valid is None else pa.py_buffer(valid), pa.py_buffer(data)]
             if vals is not None:
                 bufs.append(pa.py_buffer(vals))
             arrays.append(pa.Array.from_buffers(field.type, n, bufs, null_count=nn))
-        return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
+        return arrays
+
+    def _direct(self, res: tuple) -> Any:
+        """The IndexedZSet of a successful gather result, made from its buffers (no table, no combine, no copy of
+        the weights or hashes); None when a weight or hash column holds nulls (the table route names that)."""
+        from dbsp_core.zset import IndexedZSet, ZSet
+
+        nd = self.ndata
+        if np.asarray(res[3])[nd:].any():
+            return None
+        if self._data_schema is None:
+            self._data_schema = pa.schema(list(self.schema)[:nd])
+        data = pa.Table.from_arrays(self._arrays(res, nd), schema=self._data_schema)
+        cols = res[2]
+        kh = cols[nd + 1][1].view(np.uint64)
+        ix = IndexedZSet._make(ZSet._make(data, cols[nd][1].view(np.int64), chunked=res[1] > 0), self.key, kh)
+        ix._rh = kh if self.rh_mode == "key" else (cols[nd + 2][1].view(np.uint64) if self.rh_mode == "1" else None)
+        return ix
 
     def _batch(self, t: pa.Table, rows: np.ndarray | None = None) -> Any:
         """An IndexedZSet of table ``t`` (a file's columns; one contiguous copy), rows ``rows`` of it when given."""
@@ -737,6 +760,13 @@ class GroupedFile:
                 self.kinds[1], self.ndata + 1, self.bloom, self.bloom_k, self.first_hash, self.g_slot, self.g_slots,
                 self.msg_len, self.g_rows, np.ascontiguousarray(h), advise, self.verified)
             self.last_groups_read = res[5] if res[0] == 0 else -1
+            if res[0] == 0:  # (the batch made from the gathered buffers, :meth:`_direct`)
+                DECODE_COUNTS["c"] += 1
+                got = self._direct(res)
+                if got is not None:
+                    return got
+                return self._batch(pa.Table.from_batches(
+                    [pa.RecordBatch.from_arrays(self._arrays(res, len(self.schema)), schema=self.schema)]))
             rb = self._gathered(res, lambda i: int(i))
             if rb is not None:
                 return self._batch(pa.Table.from_batches([rb]))

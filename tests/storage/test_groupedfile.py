@@ -475,7 +475,8 @@ def test_a_groups_order_is_checked_once_and_every_lookup_finds_the_model_rows_by
     """The C lookup flags each group whose key hashes it checked ascending (``GroupedFile.verified``): exactly the
     groups it read; a later lookup of those groups skips the check and finds the same rows, the dict model's, by
     binary search in each group, for probes that are every key hash of a group (many a group), absent ones between
-    them, and repeats."""
+    them, and repeats; the batch made from the gathered buffers (``_direct``) holds the weights, key and row hashes
+    and columns of those rows."""
     rng = np.random.default_rng(SEED)
     b = _batch(rng, 6000)
     path = os.path.join(tempfile.mkdtemp(), "g.batch")
@@ -498,8 +499,11 @@ def test_a_groups_order_is_checked_once_and_every_lookup_finds_the_model_rows_by
             read[f.groups_of(u)] = True
             assert np.array_equal(f.verified.astype(bool), before.astype(bool) | read)  # flagged: the groups read
             again = f.lookup(probe)  # every group read flagged: no order check, the binary search alone
-            for got in (first, again):
+            for got in (first, again):  # rows, weights, key and row hashes in the file's order (index order)
                 assert _as_model(got) == expect
-                assert np.array_equal(np.sort(got.key_hash.astype(np.uint64)), kh[sel])
+                assert np.array_equal(got.key_hash, kh[sel]) and got.key == b.key
+                assert np.array_equal(np.asarray(got.zset.weights), np.asarray(b.zset.weights)[sel])
+                assert np.array_equal(got._rh, np.asarray(b._rh)[sel])
+                assert got.zset.data.equals(b.zset.data.filter(pa.array(sel)))
         assert f.verified.all()  # (the last probe: every key hash)
     os.unlink(path)
