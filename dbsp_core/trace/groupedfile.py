@@ -54,6 +54,7 @@ import errno
 import json
 import os
 import struct
+from array import array
 from typing import Any
 
 import numpy as np
@@ -276,7 +277,7 @@ class GroupedWriter:
         self.out: Any = None
         self.sink: Any = None  # batchfile's page sink (pieces through the VFS, page CRCs, whole CRC)
         self.buf = bytearray()  # placed messages and gaps not handed to the sink yet
-        self.blocks: list[tuple[int, int, int]] = []  # per group: Arrow-section offset, metadata and body lengths
+        self.blocks = array("q")  # per group: Arrow-section offset, metadata and body lengths (24 bytes a group)
         self.first_hash: list[np.ndarray] = []
         self.first_row: list[np.ndarray] = []
         self.last_hash = -1
@@ -332,7 +333,7 @@ class GroupedWriter:
                 if gap:
                     self.buf += bytes(gap)
                 meta = 8 + int.from_bytes(msg[4:8], "little")  # (the continuation marker, the length, the metadata)
-                blocks.append((at + gap, meta, msg.size - meta))
+                blocks.extend((at + gap, meta, msg.size - meta))
                 self.buf += msg
                 if len(self.buf) >= GATHER:
                     self._drain()
@@ -354,13 +355,14 @@ class GroupedWriter:
         bf = _bf()
         try:
             ngroups = sum(len(x) for x in self.first_hash)
-            if len(self.blocks) != ngroups:
-                raise ValueError(f"{len(self.blocks)} groups placed of {ngroups}")
+            if len(self.blocks) != 3 * ngroups:
+                raise ValueError(f"{len(self.blocks) // 3} groups placed of {ngroups}")
             tsink = pa.BufferOutputStream()  # the footer pyarrow writes for this schema: its version and schema
             pa.ipc.new_file(tsink, self.schema).close()
             tmpl = tsink.getvalue().to_pybytes()
             tlen = struct.unpack_from("<i", tmpl, len(tmpl) - 10)[0]
-            blocks = np.asarray(self.blocks, dtype=np.int64).reshape(-1, 3)
+            blocks = np.frombuffer(self.blocks, dtype=np.int64).reshape(-1, 3) if self.blocks else \
+                np.zeros((0, 3), dtype=np.int64)
             fb = _footer(tmpl[len(tmpl) - 10 - tlen:len(tmpl) - 10], blocks)
             self.buf += _EOS
             self.buf += fb
@@ -399,7 +401,7 @@ class GroupedWriter:
         """Bytes this writer holds: the filter, the group index and blocks so far, the rows gathered and not handed
         over, the page CRCs."""
         sink = self.sink
-        return int(self.bloom.nbytes + 16 * sum(len(x) for x in self.first_hash) + 80 * len(self.blocks)
+        return int(self.bloom.nbytes + 16 * sum(len(x) for x in self.first_hash) + 8 * len(self.blocks)
                    + len(self.buf) + (4 * (sink.pos // self.slot + 1) if sink is not None else 0))
 
     def abort(self) -> None:
