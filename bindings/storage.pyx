@@ -145,6 +145,8 @@ cdef extern from "groupdecode.h" nogil:
         int64_t pages_checked
         int64_t groups_read
         int advise
+        unsigned char *verified
+        const int64_t *gid
         unsigned char *buf
         DbspGBuf *bufs
         int *sel_g
@@ -290,12 +292,14 @@ def grouped_lookup(int fd, int64_t slot, int64_t arrow_end, const unsigned int[:
                    unsigned char[::1] checked, const int[::1] kind, const int[::1] width, int khcol,
                    const uint64_t[::1] bloom, int bloom_k, const uint64_t[::1] first_hash, const int64_t[::1] slot_of,
                    const int64_t[::1] nslots, const int64_t[::1] msg_len, const int64_t[::1] rows,
-                   const uint64_t[::1] hashes, bint advise=False):
+                   const uint64_t[::1] hashes, bint advise=False, unsigned char[::1] verified=None):
     """A whole format-2 lookup in one call (csrc/groupdecode.h dbsp_gdec_lookup), the GIL released: the probed key
     ``hashes`` (uint64, any order, repeats allowed) tested against the Bloom filter ``bloom`` (``bloom_k`` bits), each
     one's group found among the file's groups (``first_hash``/``slot_of``/``nslots``/``msg_len``/``rows``, one entry
     a group), those groups read, checked and decoded as :func:`grouped_gather` does and their rows of those hashes
-    gathered. ``advise``: a WILLNEED of every run of groups first (a cold file). Returns ``(0, rows, columns, nulls,
+    gathered. ``advise``: a WILLNEED of every run of groups first (a cold file). ``verified`` (a flag a group, or
+    None): set for each group whose key hashes a read checked ascending; a flagged group is not checked again
+    (csrc/groupdecode.h). Returns ``(0, rows, columns, nulls,
     pages checked, groups read)`` or ``(status, group, page, what, errno)``, ``group`` the file's group number (-1:
     none)."""
     cdef Py_ssize_t ng = first_hash.shape[0], nc = kind.shape[0]
@@ -314,6 +318,11 @@ def grouped_lookup(int fd, int64_t slot, int64_t arrow_end, const unsigned int[:
     cdef int64_t[::1] nulls = numpy.zeros(nc, dtype=numpy.int64)
     _gdec_init(&d, fd, slot, arrow_end, page_crcs, checked, kind, width, khcol, var_bytes, nulls)
     d.advise = 1 if advise else 0
+    if verified is not None:
+        if verified.shape[0] != ng:
+            raise ValueError("grouped_lookup: a verified flag a group")
+        if ng:
+            d.verified = &verified[0]
     try:
         if ng and m:
             with nogil:

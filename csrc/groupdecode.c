@@ -357,20 +357,31 @@ int dbsp_gdec_scan(DbspGDec *d, int64_t ng, const int64_t *slot_of, const int64_
             }
             j = lo;
         }
-        int64_t start = d->nrows;
-        for (int64_t r = 0; r < rows[i]; r++) {
-            uint64_t h = rd64(kp + 8 * r);
-            if (h < prev) {
+        int64_t start = d->nrows, fg = d->gid ? d->gid[i] : i, nr = rows[i];
+        if (!d->verified || !d->verified[fg]) { /* its key hashes ascend (G1), checked branch-free, once a group */
+            int down = 0;
+            for (int64_t r = 1; r < nr; r++) down |= rd64(kp + 8 * r) < rd64(kp + 8 * (r - 1));
+            if (down) {
                 st = bad(d, i, "its key hashes do not ascend");
                 goto out;
             }
-            prev = h;
-            if (nh >= 0) {
-                while (j < nh && hashes[j] < h) j++;
-                if (j == nh) break;
-                if (hashes[j] != h) continue;
+            if (d->verified) d->verified[fg] = 1; /* the file does not change: a later read need not check again */
+        }
+        if (nh < 0) {
+            for (int64_t r = 0; r < nr; r++)
+                if ((st = pick(d, (int32_t)i, (int32_t)r)) != DBSP_GDEC_OK) goto out;
+        } else { /* each probed hash in the group's range found by binary search from where the last one's rows end */
+            uint64_t top = rd64(kp + 8 * (nr - 1));
+            int64_t r = 0;
+            for (; j < nh && hashes[j] <= top; j++) {
+                int64_t a = r, b = nr;
+                while (a < b) {
+                    int64_t mid = a + (b - a) / 2;
+                    if (rd64(kp + 8 * mid) < hashes[j]) a = mid + 1; else b = mid;
+                }
+                for (r = a; r < nr && rd64(kp + 8 * r) == hashes[j]; r++)
+                    if ((st = pick(d, (int32_t)i, (int32_t)r)) != DBSP_GDEC_OK) goto out;
             }
-            if ((st = pick(d, (int32_t)i, (int32_t)r)) != DBSP_GDEC_OK) goto out;
         }
         /* the picked rows' offsets and nulls */
         for (int c = 0; c < d->ncols; c++) {
@@ -528,6 +539,7 @@ int dbsp_gdec_lookup(DbspGDec *d, const uint64_t *bloom, int64_t nwords, int k, 
         gfirst[i] = first_hash[g];
     }
     d->groups_read = ng;
+    d->gid = gl;
     st = dbsp_gdec_scan(d, ng, s_slot, s_nslots, s_len, s_rows, gfirst, h, u);
     if (st != DBSP_GDEC_OK && d->bad_group >= 0 && d->bad_group < ng) d->bad_group = gl[d->bad_group];
 out:

@@ -56,6 +56,11 @@ typedef struct {
     int64_t groups_read;   /* dbsp_gdec_lookup: the groups its probes lie in (read) */
     int advise;           /* set by the caller: posix_fadvise(WILLNEED) every run of groups before the first read, so
                            * a cold lookup's reads from the disk overlap instead of waiting one after another */
+    uint8_t *verified;    /* set by the caller, or NULL: a flag per group of the file, set once a read of the group
+                           * checked its key hashes ascending (G1); a flagged group's order is not checked again. A
+                           * lookup finds each probed hash in its group by binary search either way */
+    const int64_t *gid;   /* set by dbsp_gdec_lookup: the file's group number of each entry of the scan's list
+                           * (NULL: the list's positions are the file's groups) */
     /* scratch */
     uint8_t *buf;         /* the reads (the thread's scratch unless buf_own) */
     int buf_own;

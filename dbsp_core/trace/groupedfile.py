@@ -40,7 +40,9 @@ a checksum):
       and maps nothing. The reads are decoded in C (csrc/groupdecode.c, ``DECODE_DEFAULT``): each slot read once
       (checked, if it is not yet, from the same bytes), each message's flatbuffer header, nodes and buffers checked
       against the slot and the writer's layout (a damaged one is CorruptionError, never a crash or other rows), the
-      matching rows of all groups gathered into one record batch; a schema or message the C decoder does not handle
+      matching rows of all groups gathered into one record batch (each probed key hash found in its group by binary
+      search; a group's key hashes checked ascending by the first lookup that reads it, flagged per group in
+      ``GroupedFile.verified``, not again by later lookups); a schema or message the C decoder does not handle
       takes pyarrow's IPC reader (counted in ``DECODE_COUNTS``).
   G4. Only columns whose bytes a row's share can be bounded are grouped (fixed-width, boolean, string and binary):
       a batch with another column type is written as version 1 by :func:`dbsp_core.trace.batchfile.write_batch`.
@@ -52,6 +54,7 @@ import errno
 import json
 import os
 import struct
+from array import array
 from typing import Any
 
 import numpy as np
@@ -186,105 +189,48 @@ def _cut(rb: pa.RecordBatch, kh: np.ndarray, slot: int) -> np.ndarray | None:
     cum = np.concatenate(([0], np.cumsum(per)))
     ks = np.concatenate(([0], np.flatnonzero(kh[1:] != kh[:-1]) + 1, [n])).astype(np.int64)  # key hash runs
     ck = cum[ks]
+    # from each key hash run i, the run a group starting there ends before: the last whose start fits the budget
+    # (one searchsorted for every run), at least the next (a key hash too big alone)
+    nxt = np.maximum(np.searchsorted(ck, ck + budget, "right") - 1, np.arange(1, len(ks) + 1)).tolist()
     out = [0]
     i, last = 0, len(ks) - 1
     while i < last:  # a group at a time (~100 rows of 40 bytes): no Python per row
-        j = int(np.searchsorted(ck, ck[i] + budget, "right")) - 1
-        j = max(j, i + 1)
-        out.append(int(ks[j]))
-        i = j
-    return np.array(out, dtype=np.int64)
+        i = nxt[i]
+        out.append(i)
+    return ks[out]
 
 
 # ---- writing ----
 
-class _GroupSink:
-    """The Arrow writer's file object for a grouped file: batchfile.py's page sink (pieces through the VFS, page CRCs,
-    whole CRC) with its position moved to the next slot boundary before each group's message (zeros written), and
-    the Arrow footer held back (:meth:`capture`) to have its blocks' offsets moved where the messages went."""
-
-    def __init__(self, out: Any, drop: Any, slot: int, first: int) -> None:
-        sink = _bf()._PageSink(out, drop)
-        sink.pbase, sink.page = 64, slot  # format 2's CRC pages are the file's slots
-        self.sink, self.slot = sink, slot
-        self.lpos = 0  # bytes the Arrow writer wrote (its positions)
-        self.pad_at = first  # the writer position before which the next group's padding goes
-        self.logical: list[int] = []  # per group, the writer's position of its message and where it went
-        self.placed: list[int] = []
-        self.held: bytearray | None = None
-        self.buf = bytearray()  # messages and gaps gathered, not handed to the sink yet
-        self.closed = False
-
-    GATHER = 1 << 20  # bytes gathered before a write to the page sink: the Arrow writer's ~10 writes a group are
-    # appends, not a pass of the sink's Python each (17x v1's write time at 57 rows a group before)
-
-    def next_group(self) -> None:
-        if self.lpos:
-            self.pad_at = self.lpos
-
-    def capture(self) -> None:
-        self.drain()
-        self.pad_at = -1
-        self.held = bytearray()
-
-    def write(self, data: Any) -> int:
-        mv = memoryview(data).cast("B")
-        n = len(mv)
-        if self.held is not None:
-            self.held += mv
-        else:
-            buf = self.buf
-            if self.lpos == self.pad_at:
-                at = self.sink.pos + len(buf)
-                gap = -(64 + at) % self.slot
-                if gap:
-                    buf += bytes(gap)
-                self.logical.append(self.lpos)
-                self.placed.append(at + gap)
-                self.pad_at = -1
-            buf += mv
-            if len(buf) >= self.GATHER:
-                self.drain()
-        self.lpos += n
-        return n
-
-    def drain(self) -> None:
-        """Hand what is gathered to the page sink (one write: its pieces, CRCs and pwrites a chunk at a time)."""
-        if self.buf:
-            data, self.buf = self.buf, bytearray()  # (a failed write's traceback may hold a view of it)
-            self.sink.write(data)
-
-    def tell(self) -> int:
-        return self.lpos
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self.closed = True
+GATHER = 1 << 20  # bytes of placed messages gathered before a write to the page sink (one pwrite and one CRC pass)
+_EOS = b"\xff\xff\xff\xff\0\0\0\0"  # the Arrow IPC end-of-stream marker, which the Arrow file writer puts before its footer
 
 
-def _move_blocks(footer: bytearray, logical: list[int], placed: list[int]) -> bytearray:
-    """The Arrow footer (flatbuffer, length, magic) with record batch block i's offset ``logical[i]`` moved to
-    ``placed[i]``; raises ValueError (a bug: the writer reports it so) when the blocks are not the messages the sink
-    placed."""
+def _footer(template: bytes, blocks: np.ndarray) -> bytes:
+    """An Arrow file footer flatbuffer (without its length and magic) naming the record batch ``blocks`` (int64 rows:
+    offset, metadata length, body length), made from ``template``, the footer pyarrow's file writer wrote for the same
+    schema: its version and schema kept (the template's bytes copied whole, 8-aligned, so its offsets, which are
+    relative, still hold), and a new Footer table put before it, pointing to them, to no dictionary, and to a vector
+    of these blocks after it. Raises ValueError when the template is not a footer."""
     bf = _bf()
-    flen = struct.unpack_from("<i", footer, len(footer) - 10)[0]
-    fb = len(footer) - 10 - flen
-    foot = bf._fb_table(footer, bf._fb_deref(footer, fb))
-    pos = bf._fb_field(footer, foot, 3)  # recordBatches: [Block {offset: long, metaDataLength: int, bodyLength: long}]
-    if pos is None:
-        raise ValueError("no record batch blocks")
-    vec = bf._fb_deref(footer, pos)
-    count = struct.unpack_from("<I", footer, vec)[0]
-    if count != len(logical):
-        raise ValueError(f"{count} record batch blocks, {len(logical)} groups written")
-    at = np.frombuffer(footer, dtype="<i8", count=3 * count, offset=vec + 4).reshape(count, 3)[:, 0].copy()
-    if not np.array_equal(at, np.asarray(logical, dtype=np.int64)):
-        raise ValueError("the record batch blocks are not where the groups were written")
-    view = np.ndarray((count, 3), dtype="<i8", buffer=footer, offset=vec + 4)
-    view[:, 0] = np.asarray(placed, dtype=np.int64)
-    return footer
+    foot = bf._fb_table(template, bf._fb_deref(template, 0))
+    vpos, spos = bf._fb_field(template, foot, 0), bf._fb_field(template, foot, 1)
+    if spos is None:
+        raise ValueError("the template footer has no schema")
+    version = struct.unpack_from("<h", template, vpos)[0] if vpos is not None else 0
+    # [0] root uoffset | [4] vtable: 12 bytes, table 20, version at 16, schema at 4, dictionaries at 8, batches at 12
+    # [16] table: soffset 12, schema, dictionaries, batches (uoffsets), version (i16), 2 pad | [40] the template
+    # | dictionaries: count 0, 4 pad | batches: count, then 24-byte blocks at a multiple of 8
+    blob = 40
+    dicts = blob + ((len(template) + 7) & ~7)
+    vec = dicts + 8 + 4  # (the count at 4 mod 8, the blocks 8-aligned)
+    out = bytearray(vec + 4 + 24 * len(blocks))
+    struct.pack_into("<IHHHHHH", out, 0, 16, 12, 20, 16, 4, 8, 12)
+    struct.pack_into("<iIIIh", out, 16, 12, blob + bf._fb_deref(template, spos) - 20, dicts - 24, vec - 28, version)
+    out[blob:blob + len(template)] = template
+    struct.pack_into("<I", out, vec, len(blocks))
+    out[vec + 4:] = np.ascontiguousarray(blocks, dtype="<i8").tobytes()
+    return bytes(out)
 
 
 def write_grouped(path: str, batch: Any, vfs: str = "posix", sync: bool = True, drop: Any = None,
@@ -292,11 +238,11 @@ def write_grouped(path: str, batch: Any, vfs: str = "posix", sync: bool = True, 
     """Write ``batch`` (an IndexedZSet, consolidated, in index order) as a format-2 batch file at ``path`` through the
     VFS ``vfs``, in groups of whole key hashes, a group's message at a slot of ``slot`` bytes (invariant G1); returns
     the file's size, or None when a column's type is not grouped (invariant G4: nothing is written, the caller writes
-    format 1). The write is batchfile.py's (invariant 1): one streamed pass of the Arrow writer through a
-    ``_storage.FileWriter`` (its pieces cut at 2 MiB of the file), the sections, the header, the footer with its
-    whole-file CRC combined from the parts, fsync (``sync``), rename, directory fsync (``sync``); an error is a
-    StorageError naming the file and what to do, and leaves no temporary file. Python runs a group at a time (the
-    Arrow writer writes each), not a row at a time. One :class:`GroupedWriter` given the whole batch."""
+    format 1). The write is batchfile.py's (invariant 1): one streamed pass through a ``_storage.FileWriter`` (its
+    pieces cut at 2 MiB of the file), the sections, the header, the footer with its whole-file CRC combined from the
+    parts, fsync (``sync``), rename, directory fsync (``sync``); an error is a StorageError naming the file and what to
+    do, and leaves no temporary file. Python runs a group at a time (pyarrow serializes each group's message), not a
+    row at a time. One :class:`GroupedWriter` given the whole batch."""
     if not groupable(batch):
         return None
     w = GroupedWriter(path, len(batch), vfs=vfs, drop=drop, slot=slot)
@@ -311,10 +257,14 @@ def write_grouped(path: str, batch: Any, vfs: str = "posix", sync: bool = True, 
 class GroupedWriter:
     """A format-2 batch file written a piece at a time (a streamed merge's output, groupedmerge.py): :meth:`add` the
     rows in index order, pieces that never split a key hash's rows (invariant G1: a group is cut within a piece),
-    then :meth:`finish`. What it keeps between pieces is the file's metadata (group index, Bloom filter sized for
-    ``expect_rows`` rows, an upper bound, and the page CRCs) and at most ``_GroupSink.GATHER`` bytes of rows not yet
-    handed to the VFS, never the rows written. The write is :func:`write_grouped`'s (invariant 1: temporary file,
-    fsync, rename, directory fsync); an error is a StorageError naming the file, and leaves no temporary file."""
+    then :meth:`finish`. Each group's record batch message is pyarrow's (``RecordBatch.serialize``: the bytes its IPC
+    file writer writes), placed at its slot by Python a group (no Python a write of the Arrow writer, no Python a
+    row); the Arrow file's head is ``ARROW1`` and the schema message, its footer made at :meth:`finish` from the one
+    pyarrow writes for the schema (:func:`_footer`). What it keeps between pieces is the file's metadata (group index,
+    Bloom filter sized for ``expect_rows`` rows, an upper bound, the blocks and the page CRCs) and at most ``GATHER``
+    bytes of rows not yet handed to the VFS, never the rows written. The write is :func:`write_grouped`'s (invariant
+    1: temporary file, fsync, rename, directory fsync); an error is a StorageError naming the file, and leaves no
+    temporary file."""
 
     def __init__(self, path: str, expect_rows: int, vfs: str = "posix", drop: Any = None,
                  slot: int = GROUP_SLOT) -> None:
@@ -325,8 +275,9 @@ class GroupedWriter:
         self.schema: pa.Schema | None = None
         self.rows = 0
         self.out: Any = None
-        self.gs: _GroupSink | None = None
-        self.w: Any = None
+        self.sink: Any = None  # batchfile's page sink (pieces through the VFS, page CRCs, whole CRC)
+        self.buf = bytearray()  # placed messages and gaps not handed to the sink yet
+        self.blocks = array("q")  # per group: Arrow-section offset, metadata and body lengths (24 bytes a group)
         self.first_hash: list[np.ndarray] = []
         self.first_row: list[np.ndarray] = []
         self.last_hash = -1
@@ -342,6 +293,12 @@ class GroupedWriter:
                 else f"check the disk of {where}")
         return StorageError(code, f"writing batch file {self.path}: {getattr(e, 'strerror', None) or e}; {hint}")
 
+    def _drain(self) -> None:
+        """Hand what is gathered to the page sink (one write: its pieces, CRCs and pwrites)."""
+        if self.buf:
+            data, self.buf = self.buf, bytearray()  # (a failed write's traceback may hold a view of it)
+            self.sink.write(data)
+
     def add(self, batch: Any) -> None:
         """Append ``batch``'s rows (an IndexedZSet, consolidated, in index order, its key hashes above the last
         piece's: a key hash's rows in one piece) as groups of the file."""
@@ -356,8 +313,10 @@ class GroupedWriter:
             if self.schema is None:
                 self.schema = schema
                 self.out = _storage.FileWriter(self.path, self.vfs)
-                self.gs = _GroupSink(self.out, self.drop, self.slot, 8 + schema.serialize().size)
-                self.w = pa.ipc.new_file(pa.PythonFile(self.gs, mode="w"), schema)
+                self.sink = bf._PageSink(self.out, self.drop)
+                self.sink.pbase, self.sink.page = 64, self.slot  # format 2's CRC pages are the file's slots
+                self.buf += b"ARROW1\0\0"
+                self.buf += schema.serialize()
             elif not schema.equals(self.schema, check_metadata=True):
                 raise ValueError(f"a piece of schema {schema} after pieces of {self.schema}")
             if len(kh) and int(kh[0]) <= self.last_hash:
@@ -365,9 +324,19 @@ class GroupedWriter:
             cuts = _cut(rb, kh, self.slot)
             if cuts is None:
                 raise ValueError(f"a piece of a schema format 2 does not group ({schema})")
-            for g in range(len(cuts) - 1):
-                self.gs.next_group()
-                self.w.write_batch(rb.slice(int(cuts[g]), int(cuts[g + 1] - cuts[g])))
+            slot, blocks = self.slot, self.blocks
+            c = cuts.tolist()
+            for g in range(len(c) - 1):  # a group at a time (~100 rows), its message pyarrow's, placed at its slot
+                msg = rb.slice(c[g], c[g + 1] - c[g]).serialize()
+                at = self.sink.pos + len(self.buf)
+                gap = -(64 + at) % slot
+                if gap:
+                    self.buf += bytes(gap)
+                meta = 8 + int.from_bytes(msg[4:8], "little")  # (the continuation marker, the length, the metadata)
+                blocks.extend((at + gap, meta, msg.size - meta))
+                self.buf += msg
+                if len(self.buf) >= GATHER:
+                    self._drain()
             self.first_hash.append(kh[cuts[:-1]])
             self.first_row.append(cuts[:-1] + self.rows)
             bf._bloom_add(self.bloom, kh)
@@ -377,32 +346,36 @@ class GroupedWriter:
             raise self._fail(e) from e
 
     def finish(self, sync: bool = True) -> int:
-        """Write the sections, header and footer, fsync (``sync``), rename; returns the file's size. A writer given
-        no row writes nothing (ValueError: the caller keeps an empty batch in memory)."""
+        """Write the Arrow footer, the sections, header and footer, fsync (``sync``), rename; returns the file's size. A
+        writer given no row writes nothing (ValueError: the caller keeps an empty batch in memory)."""
         from dbsp_core import _storage
 
         if self.schema is None:
             raise ValueError(f"{self.path}: a format-2 file of no rows is never written")
         bf = _bf()
-        gs = self.gs
         try:
-            gs.capture()
-            self.w.close()
             ngroups = sum(len(x) for x in self.first_hash)
-            if len(gs.placed) != ngroups:
-                raise ValueError(f"{len(gs.placed)} groups placed of {ngroups}")
-            footer = _move_blocks(gs.held, gs.logical, gs.placed)
-            sink = gs.sink
-            sink.write(footer)
+            if len(self.blocks) != 3 * ngroups:
+                raise ValueError(f"{len(self.blocks) // 3} groups placed of {ngroups}")
+            tsink = pa.BufferOutputStream()  # the footer pyarrow writes for this schema: its version and schema
+            pa.ipc.new_file(tsink, self.schema).close()
+            tmpl = tsink.getvalue().to_pybytes()
+            tlen = struct.unpack_from("<i", tmpl, len(tmpl) - 10)[0]
+            blocks = np.frombuffer(self.blocks, dtype=np.int64).reshape(-1, 3) if self.blocks else \
+                np.zeros((0, 3), dtype=np.int64)
+            fb = _footer(tmpl[len(tmpl) - 10 - tlen:len(tmpl) - 10], blocks)
+            self.buf += _EOS
+            self.buf += fb
+            self.buf += struct.pack("<i", len(fb)) + b"ARROW1"
+            self._drain()
+            sink = self.sink
             sink.close()
             alen = sink.pos
-            placed = np.asarray(gs.placed + [alen - len(footer)], dtype=np.int64)
             index = np.zeros(ngroups, dtype=GROUP_INDEX)
             index["key_hash"] = np.concatenate(self.first_hash)
             index["row"] = np.concatenate(self.first_row)
-            index["slot"] = (64 + placed[:-1]) // self.slot
-            lengths = np.asarray(gs.logical[1:] + [gs.lpos - len(footer)], dtype=np.int64) - np.asarray(gs.logical)
-            index["slots"] = -(-lengths // self.slot)
+            index["slot"] = (64 + blocks[:, 0]) // self.slot
+            index["slots"] = -(-(blocks[:, 1] + blocks[:, 2]) // self.slot)
             bloom = self.bloom
             idx_off, bloom_off, crc_off, end, size = _places(ngroups, len(bloom), alen, self.slot)
             sections = index.tobytes() + bloom.tobytes()
@@ -421,14 +394,15 @@ class GroupedWriter:
             out.commit(sync)
             self.done = True
             return size
-        except (OSError, pa.ArrowException, ValueError) as e:
+        except (OSError, pa.ArrowException, ValueError, struct.error) as e:
             raise self._fail(e) from e
 
     def memory_bytes(self) -> int:
-        """Bytes this writer holds: the filter, the group index so far, the rows gathered and not handed over."""
-        gs = self.gs
-        return int(self.bloom.nbytes + 16 * sum(len(x) for x in self.first_hash)
-                   + (len(gs.buf) + 4 * (gs.sink.pos // self.slot + 1) if gs is not None else 0))
+        """Bytes this writer holds: the filter, the group index and blocks so far, the rows gathered and not handed
+        over, the page CRCs."""
+        sink = self.sink
+        return int(self.bloom.nbytes + 16 * sum(len(x) for x in self.first_hash) + 8 * len(self.blocks)
+                   + len(self.buf) + (4 * (sink.pos // self.slot + 1) if sink is not None else 0))
 
     def abort(self) -> None:
         """Give up: the temporary file removed (a crash of the fault VFS leaves it to the next open's sweep)."""
@@ -484,6 +458,8 @@ class GroupedFile:
         starts = index["row"].astype(np.int64)
         self.g_rows = np.ascontiguousarray(np.append(starts[1:], rows) - starts)
         self.checked = np.zeros(len(page_crcs), dtype=bool)
+        self.verified = np.zeros(len(self.first_hash), dtype=np.uint8)  # per group: its key hashes' order checked by
+        # a C lookup's read (invariant G3: later lookups of it binary-search its rows)
         self.schema: pa.Schema | None = None
         self.key: tuple = ()
         self.rh_mode = "0"
@@ -492,6 +468,7 @@ class GroupedFile:
         self.msg_len = np.zeros(0, dtype=np.int64)  # per group, its message's bytes (the Arrow footer's blocks)
         self.kinds: tuple[np.ndarray, np.ndarray] | None = None  # the C decoder's column kinds (None: Arrow's path)
         self.decode = DECODE_DEFAULT
+        self._data_schema: pa.Schema | None = None  # the data columns' schema (made at the first direct lookup)
         self.last_groups_read = -1  # the groups the last lookup read (tests compare it with groups_of)
 
     def close(self) -> None:
@@ -531,7 +508,7 @@ class GroupedFile:
     def memory_bytes(self) -> int:
         """Bytes this open file keeps (group index, first key hashes, filter, page CRCs, flags)."""
         return int(self.first_hash.nbytes + self.bloom.nbytes + self.page_crcs.nbytes
-                   + self.checked.nbytes + self.msg_len.nbytes + self.g_slot.nbytes + self.g_slots.nbytes
+                   + self.checked.nbytes + self.verified.nbytes + self.msg_len.nbytes + self.g_slot.nbytes + self.g_slots.nbytes
                    + self.g_rows.nbytes)
 
     def _read(self, lo: int, hi: int) -> memoryview:
@@ -703,14 +680,36 @@ class GroupedFile:
                 raise MemoryError(f"reading the groups of {self.path}")
             raise _bad(self.path, f"group {bad_g}: {res[3]}")
         DECODE_COUNTS["c"] += 1
+        return pa.RecordBatch.from_arrays(self._arrays(res, len(self.schema)), schema=self.schema)
+
+    def _arrays(self, res: tuple, upto: int) -> list:
+        """The first ``upto`` columns of a successful gather result as Arrow arrays (its buffers wrapped, not
+        copied)."""
         n, cols, nulls = res[1], res[2], res[3]
         arrays = []
-        for field, (valid, data, vals), nn in zip(self.schema, cols, nulls.tolist()):
+        for field, (valid, data, vals), nn in zip(list(self.schema)[:upto], cols, nulls.tolist()):
             bufs = [None if valid is None else pa.py_buffer(valid), pa.py_buffer(data)]
             if vals is not None:
                 bufs.append(pa.py_buffer(vals))
             arrays.append(pa.Array.from_buffers(field.type, n, bufs, null_count=nn))
-        return pa.RecordBatch.from_arrays(arrays, schema=self.schema)
+        return arrays
+
+    def _direct(self, res: tuple) -> Any:
+        """The IndexedZSet of a successful gather result, made from its buffers (no table, no combine, no copy of
+        the weights or hashes); None when a weight or hash column holds nulls (the table route names that)."""
+        from dbsp_core.zset import IndexedZSet, ZSet
+
+        nd = self.ndata
+        if np.asarray(res[3])[nd:].any():
+            return None
+        if self._data_schema is None:
+            self._data_schema = pa.schema(list(self.schema)[:nd])
+        data = pa.Table.from_arrays(self._arrays(res, nd), schema=self._data_schema)
+        cols = res[2]
+        kh = cols[nd + 1][1].view(np.uint64)
+        ix = IndexedZSet._make(ZSet._make(data, cols[nd][1].view(np.int64), chunked=res[1] > 0), self.key, kh)
+        ix._rh = kh if self.rh_mode == "key" else (cols[nd + 2][1].view(np.uint64) if self.rh_mode == "1" else None)
+        return ix
 
     def _batch(self, t: pa.Table, rows: np.ndarray | None = None) -> Any:
         """An IndexedZSet of table ``t`` (a file's columns; one contiguous copy), rows ``rows`` of it when given."""
@@ -761,8 +760,15 @@ class GroupedFile:
             res = _storage.grouped_lookup(
                 self.fd, self.slot, 64 + self.alen, self.page_crcs, self.checked.view(np.uint8), self.kinds[0],
                 self.kinds[1], self.ndata + 1, self.bloom, self.bloom_k, self.first_hash, self.g_slot, self.g_slots,
-                self.msg_len, self.g_rows, np.ascontiguousarray(h), advise)
+                self.msg_len, self.g_rows, np.ascontiguousarray(h), advise, self.verified)
             self.last_groups_read = res[5] if res[0] == 0 else -1
+            if res[0] == 0:  # (the batch made from the gathered buffers, :meth:`_direct`)
+                DECODE_COUNTS["c"] += 1
+                got = self._direct(res)
+                if got is not None:
+                    return got
+                return self._batch(pa.Table.from_batches(
+                    [pa.RecordBatch.from_arrays(self._arrays(res, len(self.schema)), schema=self.schema)]))
             rb = self._gathered(res, lambda i: int(i))
             if rb is not None:
                 return self._batch(pa.Table.from_batches([rb]))

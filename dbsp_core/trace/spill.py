@@ -241,8 +241,10 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      rows. A store holds files of both formats and reads whichever a batch lives in, whatever the switch says. The
      C decoder's read buffer (csrc/groupdecode.c, 32 MiB a thread at most) is bounded while a store is open:
      ``SCRATCH_SHARE`` of the limit a thread, as the scratch cache.
-     What it costs: the write is ~4-5x format 1's CPU (the Arrow writer a group); so ``GROUPED_FROM`` is for the
-     large, cold levels (bench/RESULTS.md, branches r31-wire2 and r31-stream, have the measures behind the choice).
+     What it costs: the write is ~2-6x format 1's CPU (pyarrow's serialize a group; a load 1.5-2.6x format 1's),
+     and a warm step +13-69% CPU (a pread and a copy a key's group where format 1 reads pages it keeps mapped); so
+     ``GROUPED_FROM`` is for the large, cold levels (bench/RESULTS.md, branches r31-wire2, r31-stream and r31-f2,
+     have the measures behind the choice).
 
 What is not spilled: pending batches (those of a trace restored and not read since) while the loose batches meet the
 budget; beyond that ``enforce`` places them, ending the trace's freshness as a first read would, and spills them as

@@ -469,3 +469,41 @@ def test_the_c_lookup_reads_the_groups_the_filter_and_search_name_and_the_rows_o
         rejected += len(g_search) - len(groups)
     assert rejected > 0
     os.unlink(path)
+
+
+def test_a_groups_order_is_checked_once_and_every_lookup_finds_the_model_rows_by_binary_search() -> None:
+    """The C lookup flags each group whose key hashes it checked ascending (``GroupedFile.verified``): exactly the
+    groups it read; a later lookup of those groups skips the check and finds the same rows, the dict model's, by
+    binary search in each group, for probes that are every key hash of a group (many a group), absent ones between
+    them, and repeats; the batch made from the gathered buffers (``_direct``) holds the weights, key and row hashes
+    and columns of those rows."""
+    rng = np.random.default_rng(SEED)
+    b = _batch(rng, 6000)
+    path = os.path.join(tempfile.mkdtemp(), "g.batch")
+    write_grouped(path, b, slot=4096)
+    kh = np.asarray(b.key_hash).astype(np.uint64)
+    with open_grouped(path) as f:
+        assert f.groups > 20 and not f.verified.any()
+        starts = f.row_starts()
+        whole = np.unique(kh[starts[3]:starts[5]])  # every key hash of groups 3 and 4
+        gaps = (whole[:-1] + (whole[1:] - whole[:-1]) // np.uint64(2))[::2]
+        gaps = gaps[~np.isin(gaps, kh)]
+        for probe in (np.concatenate([whole, gaps, whole[:5]]), rng.choice(kh, 300), kh[::-1]):
+            u = np.unique(probe)
+            sel = np.isin(kh, u)
+            expect = {tuple(r.values()): int(w) for r, w in zip(b.zset.data.filter(pa.array(sel)).to_pylist(),
+                                                                np.asarray(b.zset.weights)[sel])}
+            before = f.verified.copy()
+            first = f.lookup(probe)
+            read = np.zeros(f.groups, dtype=bool)
+            read[f.groups_of(u)] = True
+            assert np.array_equal(f.verified.astype(bool), before.astype(bool) | read)  # flagged: the groups read
+            again = f.lookup(probe)  # every group read flagged: no order check, the binary search alone
+            for got in (first, again):  # rows, weights, key and row hashes in the file's order (index order)
+                assert _as_model(got) == expect
+                assert np.array_equal(got.key_hash, kh[sel]) and got.key == b.key
+                assert np.array_equal(np.asarray(got.zset.weights), np.asarray(b.zset.weights)[sel])
+                assert np.array_equal(got._rh, np.asarray(b._rh)[sel])
+                assert got.zset.data.equals(b.zset.data.filter(pa.array(sel)))
+        assert f.verified.all()  # (the last probe: every key hash)
+    os.unlink(path)
