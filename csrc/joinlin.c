@@ -15,7 +15,7 @@ typedef struct Seg {  /* the pairs of one change with one batch */
 static int index_side(DbspJoinLinSide *sd, const int32_t *ckeys, int32_t nkeys, DbspColumn **cols, DbspBatch *a) {
     static const uint8_t empty[16] = {0};
     DbspJoinRunOut *o = &sd->out;
-    int st = dbsp_join_run(sd->c, sd->cs, ckeys, nkeys, 1, 0, NULL, NULL, NULL, ckeys, NULL, 0, NULL, 0, o);
+    int st = dbsp_join_run(sd->c, sd->cs, ckeys, nkeys, 1, 0, NULL, NULL, NULL, ckeys, NULL, 0, NULL, 0, NULL, o);
     if (st != DBSP_OK || o->n == 0) return st;
     int32_t nc = sd->c->ncols;
     if (!(*cols = malloc((size_t)(nc ? nc : 1) * sizeof **cols))) return DBSP_ENOMEM;
