@@ -133,20 +133,19 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      itself only what the thread has not reached, as the first slice, paid right after the start, may), so a slice
      does not pay a folio's allocation (up to 36 ms of system time measured on a loaded host).
  18. Held levels (``hold``, set per trace: an aggregate's totals, a distinct's input, a count_distinct's pairs;
-     ``DBSP_TOTALS_HOLD``): a trace without a batch store whose reads of keys go through a current key index
-     (invariant 11: a step never walks its batches) merges a level's loose batches ``2 ** j`` at a time, the largest
-     ``2 ** j <= hold`` whose output (about j levels up: their summed work) stays below the trace's highest non-empty
-     level, in one k-way pass (csrc/merge.h invariant 4), as a tiered level does (invariant 15, without its spill
-     rules: nothing is pinned against a budget), else two. Every step's batch is then rewritten about once per j
-     levels on its way up instead of once per level (measured, 1k-row steps into 100k groups, hold 8: 13.9k -> 6.7k
-     merge input rows a step; instructions -9%: a k-way pass costs more a row), and such a level holds up to 2 * hold
-     loose batches, which only an index rebuild, a checkpoint, a shard cut or a view read reads. ``hold_unread`` (the
-     sides of joins of every kind, a materialized view) does the same while the trace is not read: UNREAD_INSERTS inserts or more
-     since its last read (:meth:`_read`, which every walk, lookup and view read passes; a checkpoint's ``parts`` does
-     not); the first read after such a run walks the held loose batches, and the merges after it take two. The
-     content, the placement order and every reader's view of it are invariant 1's, whatever the fan-in; under a store
-     (and with no current index, or read within UNREAD_INSERTS inserts) the fan-in is invariant 15's or 2, as for
-     every trace.
+     ``DBSP_TOTALS_HOLD``): a trace without a batch store whose reads of keys go through a current key index (invariant
+     11: a step never walks its batches) merges a level's loose batches ``2 ** j`` at a time, the largest ``2 ** j <=
+     hold`` whose output (about j levels up: their summed work) stays below the trace's highest non-empty level, in one
+     k-way pass (csrc/merge.h invariant 4), as a tiered level does (invariant 15, without its spill rules: nothing is
+     pinned against a budget), else two. Every step's batch is then rewritten about once per j levels on its way up
+     instead of once per level (measured, 1k-row steps into 100k groups, hold 8: 13.9k -> 6.7k merge input rows a step;
+     instructions -9%: a k-way pass costs more a row), and such a level holds up to 2 * hold loose batches, which only
+     an index rebuild, a checkpoint, a shard cut or a view read reads. ``hold_unread`` (the sides of joins of every
+     kind, a materialized view) does the same while the trace is not read: UNREAD_INSERTS inserts or more since its last
+     read (:meth:`_read`, which every walk, lookup and view read passes; a checkpoint's ``parts`` does not); the first
+     read after such a run walks the held loose batches, and the merges after it take two. The content, the placement
+     order and every reader's view of it are invariant 1's, whatever the fan-in; under a store (and with no current
+     index, or read within UNREAD_INSERTS inserts) the fan-in is invariant 15's or 2, as for every trace.
  19. Totals kept per key (``keep_totals_per_key``, a linear aggregate's totals; ``DBSP_TOTALS_PER_KEY=0`` turns it off;
      dbsp_core/trace/keyindex.py ``PerKeyTotals``): the key index is the state and the batches a view of it, synced on
      demand. A step that stored its groups' totals in the index (``store_totals``) inserts no batch: it records each

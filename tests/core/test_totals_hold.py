@@ -73,6 +73,16 @@ def _push(p: dbsp.Pipeline, d: Counter) -> None:
         p.push("t", dbsp.ZSet.from_rows(list(d), SCHEMA, weights=list(d.values())))
 
 
+def poisoned_step(p: dbsp.Pipeline) -> None:
+    """A push that a later node (``add_poison``) fails on: the step raises StepError after the aggregates stored
+    their totals (a rollback), and the push is discarded."""
+    p.push("t", dbsp.ZSet.from_rows([(1, 0, 5, "s1"), (9, 2, 666, "s9")], SCHEMA))
+    with pytest.raises(StepError, match="poison") as info:
+        p.step()
+    producer, seq = info.value.inputs[-1][1:]
+    p.discard(producer, seq)
+
+
 def _totals(p: dbsp.Pipeline) -> list:
     """Every linear aggregate's totals trace: (worker, name) -> the trace."""
     return [((w, name), tr) for w in range(p.workers) for name, tr in sorted(p.traces(w).items())
@@ -159,11 +169,7 @@ def test_held_levels_across_checkpoint_reopen_rollback_and_live_rescale(tmp_path
                     p.rescale(workers=2 if p.workers == 1 else 1)
                 _push(p, d)
                 if i in (30, 95):
-                    p.push("t", dbsp.ZSet.from_rows([(1, 0, 5, "s1"), (9, 2, 666, "s9")], SCHEMA))
-                    with pytest.raises(StepError, match="poison") as info:
-                        p.step()
-                    producer, seq = info.value.inputs[-1][1:]
-                    p.discard(producer, seq)
+                    poisoned_step(p)
                 outs[hold] = {n: z.to_dict() for n, z in p.step().items()}
                 if i % 40 == 39:
                     p.checkpoint()

@@ -1,15 +1,16 @@
-"""Traces other than an aggregate's totals hold their low levels (trace/levels.py invariant 18, ``DBSP_TOTALS_HOLD``):
-a distinct's input and a count_distinct's pairs while their key index serves their reads (distinct.py and
+"""Traces other than an aggregate's totals hold their low levels (trace/levels.py invariant 18, ``DBSP_TOTALS_HOLD``): a
+distinct's input and a count_distinct's pairs while their key index serves their reads (distinct.py and
 count_distinct.py invariant 5), a join's sides (inner, left, semi) and a materialized view's trace while nothing reads
 them (``hold_unread``: join.py invariant 9, presence.py invariant 5, materialize.py invariant 5).
 
 Over random splits into steps after a load (rows of ints and strings, inserts and deletions, multiplicities above 1),
 with a second input ``u`` joined with the first that changes only at a few steps (so the join's side of ``t`` goes
-unread for runs of steps, then is read), and a materialized view read at a few steps, at W = 1 and 2, through the
-fused step plan and without it: with the holds on, every step's output, every view read and every trace's content
-equal the run with them off, traces pass ``Trace.check``, and merges of more than two batches did run on each trace
-that may hold; the distinct over rows with a string column (no key index: its batches are walked every step) and the
-sides of a join of ``t`` with itself (both read every step) merge two at a time. The same across a checkpoint and reopen and a step rolled back (StepError). DBSP_HOLD_SEED replays."""
+unread for runs of steps, then is read), and a materialized view read at a few steps, at W = 1 and 2, through the fused
+step plan and without it: with the holds on, every step's output, every view read and every trace's content equal the
+run with them off, traces pass ``Trace.check``, and merges of more than two batches did run on each trace that may hold;
+the distinct over rows with a string column (no key index: its batches are walked every step) and the sides of a join of
+``t`` with itself (both read every step) merge two at a time. The same across a checkpoint and reopen and a step rolled
+back (StepError). DBSP_HOLD_SEED replays."""
 
 from __future__ import annotations
 
@@ -21,10 +22,9 @@ import pytest
 
 import dbsp_core as dbsp
 from dbsp_core import envvars
-from dbsp_core.errors import StepError
 from dbsp_core.runtime.embedded import EmbeddedExecutor
 from tests.core.test_linear_run import add_poison
-from tests.core.test_totals_hold import BUDGET, SCHEMA, SEED, _deltas, _push
+from tests.core.test_totals_hold import BUDGET, SCHEMA, SEED, _deltas, _push, poisoned_step
 
 U = pa.schema([("j", pa.int64()), ("tag", pa.string())])
 HELD = ("distinct#4.input", "count_distinct#11.values", "join#17.left", "materialize#21.contents", "left_join#27.left",
@@ -137,11 +137,7 @@ def test_held_traces_across_checkpoint_reopen_and_rollback(tmp_path, monkeypatch
                 _set_hold(monkeypatch, hold)
                 p = pipes[hold]
                 if i in (30, 95):
-                    p.push("t", dbsp.ZSet.from_rows([(1, 0, 5, "s1"), (9, 2, 666, "s9")], SCHEMA))
-                    with pytest.raises(StepError, match="poison") as info:
-                        p.step()
-                    producer, seq = info.value.inputs[-1][1:]
-                    p.discard(producer, seq)
+                    poisoned_step(p)
                 outs[hold] = _step(p, i, d)
                 if i % 40 == 39:
                     p.checkpoint()
