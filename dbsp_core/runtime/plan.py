@@ -291,10 +291,7 @@ class _LinearGroupBy:
         """The chain's one-call step over the rows as they reach it (their columns at ``rows``' positions): per kernel
         slot a count of weights or an int64 column's sum; per aggregate its slot, a sum null where its non-null count
         is 0 (:meth:`Aggregate.finalize_ints`)."""
-        ncols = len(rows.schema)
-        specs = [("sum", p) if p < ncols else ("count", None) for p in rows.slotpos]
-        shown, nonnull, _ = _run_outputs(agg)
-        checked = [rows.schema.get_field_index(c) for c in rows.checked]  # a null there: the Python paths serve it
+        specs, shown, nonnull, checked = _run_slots(rows, agg)
         return _zset.LinearRun(list(rows.keypos), specs, shown, nonnull, agg.output_keys, state.pschema, agg.schema,
                                checked)
 
@@ -315,6 +312,16 @@ class _LinearGroupBy:
                     return out
         self.counts["unfused"] += 1  # invariant 3: the chain's own steps (the exchange is the identity)
         return self.state.step([self.rows.partials(z, ctx)], ctx)
+
+
+def _run_slots(rows: Any, agg: Aggregate) -> tuple:
+    """A linear one-call step's slots over ``rows``' columns (``LinearRun``, ``JoinLinearRun``): per kernel slot a count
+    of weights or an int64 column's sum, the outputs :func:`_run_outputs` shows, and the columns a null in which sends
+    the step to the Python paths."""
+    ncols = len(rows.schema)
+    specs = [("sum", p) if p < ncols else ("count", None) for p in rows.slotpos]
+    shown, nonnull, _ = _run_outputs(agg)
+    return specs, shown, nonnull, [rows.schema.get_field_index(c) for c in rows.checked]
 
 
 def _run_outputs(agg: Aggregate) -> tuple[list[int], list[int], list[int | None]]:
@@ -723,10 +730,8 @@ class _JoinFolded:
         """The one C call: :meth:`_LinearGroupBy._linear_run`'s slots over the columns :class:`_JoinSlots` gathers."""
         lkeys, rkeys, lcols, rcols = slots.state.fold_positions(slots.cols)
         rows, agg, state = chain.rows, chain.agg, chain.state
-        ncols = len(rows.schema)
-        specs = [("sum", p) if p < ncols else ("count", None) for p in rows.slotpos]
-        shown, nonnull, _ = _run_outputs(agg)
-        checked = {rows.schema.get_field_index(c) for c in rows.checked} | {p for kind, p in specs if kind == "sum"}
+        specs, shown, nonnull, checked = _run_slots(rows, agg)
+        checked = set(checked) | {p for kind, p in specs if kind == "sum"}
         return _zset.JoinLinearRun(lkeys, rkeys, [(0, c) for c in lcols] + [(1, c) for c in rcols], sorted(checked),
                                    slots.state.left.schema, slots.state.right.schema, list(rows.keypos), specs, shown,
                                    nonnull, agg.output_keys, state.pschema, agg.schema)
