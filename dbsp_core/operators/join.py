@@ -288,10 +288,9 @@ class _JoinState:
         for side, z, other in ((0, za, self.right), (1, zb, self.left)):
             views: list = []
             if z.num_rows:
-                batches = other.walked()
-                store = other._store
-                if store is not None and any(store.is_spilled(b) for b in batches):
-                    return None  # a spilled batch is walked through narrowed and in_pieces (trace/spill.py 12, 14)
+                batches = walked_in_memory(other)
+                if batches is None:
+                    return None
                 z = self.prepared(z, side)
                 views = [b._view() for b in batches]
                 args += [z.data, z.weights, views]
@@ -304,11 +303,7 @@ class _JoinState:
         for side, ix in enumerate(got[:2]):
             if ix is None:
                 continue
-            own = self.left if side == 0 else self.right
-            table, w, kh, rh = ix
-            ixz = IndexedZSet._make(ZSet._make(table, w, chunked=True), own.key, kh)
-            ixz._rh = rh
-            own.insert(ixz)
+            insert_indexed(self.left if side == 0 else self.right, *ix)
         return got[2]
 
     def step_run(self, za: "ZSet", zb: "ZSet", ctx: "StepContext", spec: "tuple | None") -> "list | None":
@@ -354,11 +349,19 @@ def run_side(run: "_zset.JoinRun", own: Trace, z: "ZSet", batches: list, distinc
     if got is None:  # the change consolidated to nothing
         return None, []
     table, w, kh, rh, parts = got
+    ix = insert_indexed(own, table, w, kh, rh)
+    return ix, [(k, ZSet._make(t, pw, distinct=distinct, chunked=True)) for k, t, pw in parts]
+
+
+def insert_indexed(own: Trace, table: pa.Table, w: "np.ndarray", kh: "np.ndarray", rh: "np.ndarray | None"
+                   ) -> "IndexedZSet":
+    """A change a one-call step indexed (its rows, weights, key hashes and row hashes, as the C call returned them)
+    inserted into its side's trace ``own``, and returned."""
     # (the kernel's tables hold one record batch each: one chunk per column as they are, zset.py invariant 1)
     ix = IndexedZSet._make(ZSet._make(table, w, chunked=True), own.key, kh)
     ix._rh = rh  # (index_by's: the row hashes when the kernel had them)
     own.insert(ix)
-    return ix, [(k, ZSet._make(t, pw, distinct=distinct, chunked=True)) for k, t, pw in parts]
+    return ix
 
 
 def walked_in_memory(trace: Trace) -> list | None:
