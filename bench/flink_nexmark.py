@@ -13,8 +13,15 @@ warm) on the events minus the median of three runs of the same job on empty file
 and stop cost is not counted (our side's time does not include building the pipeline either). Reading and
 parsing the CSV files is counted, as it is on our side.
 
-Input (argv[1], JSON): {"root", "queries", "parallelism", "mode", "checkpoint_ms", "check"}. Output: one JSON
-line per query on stdout: {"query", "seconds", "job_ms", "empty_ms"} or, with "check", {"query", "rows"}: the
+The sink: a blackhole (``sink = "blackhole"``: every row is produced and dropped), or, for a durable run that does
+the work ours does (bench/nexmark.py's durable pipeline logs every step's output change, fsynced, readable once by
+its consumers), Flink's exactly-once file sink (``sink = "files"``: the filesystem connector, whose part files are
+committed at each checkpoint) in the cheapest row format Flink can write the query's changelog in: ``csv`` for a
+query whose result only appends, else ``debezium-json`` (a delete for each retraction or update-before, an insert
+for each insert or update-after), picked per query by trying ``csv`` first (:data:`FILE_FORMAT`, printed).
+
+Input (argv[1], JSON): {"root", "queries", "parallelism", "mode", "checkpoint_ms", "check", "sink"}. Output: one JSON
+line per query on stdout: {"query", "seconds", "job_ms", "empty_ms", "sink"} or, with "check", {"query", "rows"}: the
 number of rows of the final view (inserts minus deletes of its changelog); {"query", "error"} if Flink failed it.
 """
 
@@ -23,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import statistics
 import sys
 import time
@@ -163,12 +171,35 @@ def register(tenv, root: str) -> None:
                          f"'path' = 'file://{os.path.join(root, name)}', 'format' = 'csv')")
 
 
-def run_job(tenv, query: str) -> float:
-    """The query into a blackhole sink; returns the job's net runtime in ms."""
+FILE_FORMAT: dict[str, str] = {}  # query -> the row format its file sink writes (module docstring)
+_outputs = [0]  # file sink directories made so far (each job writes a new one)
+
+
+def _insert(tenv, query: str, sink: str, out_root: str):
+    """Submit the query into its sink (module docstring); returns the TableResult."""
     from pyflink.table import TableDescriptor
 
+    if sink == "blackhole":
+        return tenv.sql_query(SQL[query]).execute_insert(TableDescriptor.for_connector("blackhole").build())
+    for fmt in ([FILE_FORMAT[query]] if query in FILE_FORMAT else ["csv", "debezium-json"]):
+        _outputs[0] += 1
+        path = "file://" + os.path.join(out_root, f"{query}-{_outputs[0]}")
+        desc = TableDescriptor.for_connector("filesystem").option("path", path).format(fmt).build()
+        try:
+            result = tenv.sql_query(SQL[query]).execute_insert(desc)
+        except Exception as e:  # noqa: BLE001 - csv refused: the query's result has updates or deletes
+            if fmt == "csv" and query not in FILE_FORMAT and re.search(r"update|delete", str(e), re.I):
+                continue
+            raise
+        FILE_FORMAT[query] = fmt
+        return result
+    raise RuntimeError(f"no file format for {query}")  # pragma: no cover - debezium-json takes any changelog
+
+
+def run_job(tenv, query: str, sink: str = "blackhole", out_root: str = "") -> float:
+    """The query into its sink; returns the job's net runtime in ms."""
     t0 = time.perf_counter()
-    result = tenv.sql_query(SQL[query]).execute_insert(TableDescriptor.for_connector("blackhole").build())
+    result = _insert(tenv, query, sink, out_root)
     result.wait()
     wall = (time.perf_counter() - t0) * 1e3
     try:
@@ -194,6 +225,8 @@ def main() -> None:
     os.makedirs(ckpt, exist_ok=True)
     tenv = environment(a["parallelism"], a["mode"], a.get("checkpoint_ms", 1000), ckpt)
     data, empty = os.path.join(a["root"], "csv"), os.path.join(a["root"], "csv-empty")
+    sink = a.get("sink", "blackhole")
+    out_root = os.path.join(a["root"], f"flink-out-{a['mode']}")
     for q in a["queries"]:
         try:
             if a.get("check"):
@@ -201,12 +234,14 @@ def main() -> None:
                 print(json.dumps({"query": q, "rows": final_rows(tenv, q)}), flush=True)
                 continue
             register(tenv, empty)
-            run_job(tenv, q)  # once before timing: the first job of a JVM also pays class loading and JIT
-            empty_ms = statistics.median(run_job(tenv, q) for _ in range(3))  # its noise is the short jobs' error
+            run_job(tenv, q, sink, out_root)  # once before timing: the first job of a JVM also pays class loading
+            # and JIT; its noise is the short jobs' error
+            empty_ms = statistics.median(run_job(tenv, q, sink, out_root) for _ in range(3))
             register(tenv, data)
-            job_ms = run_job(tenv, q)
+            job_ms = run_job(tenv, q, sink, out_root)
             print(json.dumps({"query": q, "seconds": (job_ms - empty_ms) / 1e3, "job_ms": job_ms,
-                              "empty_ms": empty_ms}), flush=True)
+                              "empty_ms": empty_ms, "sink": FILE_FORMAT.get(q, sink)}), flush=True)
+            shutil.rmtree(out_root, ignore_errors=True)  # (the jobs' files: not kept, as ours are not)
         except Exception as e:  # noqa: BLE001 - Flink's (py4j) error, reported for this query; the others run
             print(json.dumps({"query": q, "error": f"{type(e).__name__}: {str(e)[:1500]}"}), flush=True)
 

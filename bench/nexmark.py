@@ -22,7 +22,11 @@ How it measures (the fairness rules of bench/bench_spark.py):
 - Flink (``--peers flink``): Apache Flink's Nexmark SQL (bench/flink_nexmark.py) in a child process run by
   the interpreter that has ``apache-flink`` (``--flink-python`` or ``DBSP_FLINK_PYTHON``), local mini-cluster,
   P = W, hashmap state, for ``memory`` no checkpoints, for ``durable`` checkpoints to a local directory every
-  ``--flink-checkpoint-ms``. Both sides then read the same CSV files (one per stream and step, written once
+  ``--flink-checkpoint-ms``, and then (``--flink-durable-sink files``, the default) every output change written by
+  Flink's exactly-once file sink (committed at each checkpoint; ``csv``, or ``debezium-json`` for a query whose
+  result has updates or deletes), as ours logs every step's output change fsynced; ``--flink-durable-sink
+  blackhole`` drops Flink's output (the comparison before 2026-12-01, in which only our side wrote its output).
+  Both sides then read the same CSV files (one per stream and step, written once
   from the generator's tables): Flink's filesystem source has no Parquet reader without an extra jar, and CSV
   parsing is counted on both sides (ours: the FileSources' parse, or with ``--reader push``
   ``pyarrow.csv.read_csv`` of each step's files, inside the timed loop; ``--source csv`` reads the CSV files
@@ -274,7 +278,8 @@ def measure_flink(args: argparse.Namespace, queries: list[str], mode: str, paral
                   check: bool = False) -> dict[str, dict]:
     """bench/flink_nexmark.py in a child process (one JVM for all the queries of this mode and P)."""
     arg = json.dumps({"root": root, "queries": queries, "parallelism": parallelism, "mode": mode,
-                      "checkpoint_ms": args.flink_checkpoint_ms, "check": check})
+                      "checkpoint_ms": args.flink_checkpoint_ms, "check": check,
+                      "sink": args.flink_durable_sink if mode == "durable" else "blackhole"})
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flink_nexmark.py")
     r = subprocess.run([flink_python(args), script, arg], capture_output=True, text=True)
     out = {}
@@ -305,7 +310,7 @@ def run_flink(args: argparse.Namespace, queries: list[str], modes: list[str], wo
                 note = "" if d["seconds"] > 0 else "  (not above the empty job: no figure)"
                 rate = events / d["seconds"] if d["seconds"] > 0 else float("nan")
                 print(f"{q:>4} {mode:>7} Flink P={w}: {rate:>12,.0f} events/s  (job {d['job_ms']:,.0f} ms, "
-                      f"empty job {d['empty_ms']:,.0f} ms){note}", flush=True)
+                      f"empty job {d['empty_ms']:,.0f} ms, sink {d.get('sink', 'blackhole')}){note}", flush=True)
     return flink
 
 
@@ -350,8 +355,10 @@ def peers_table(rows: list[dict], flink: dict, args: argparse.Namespace) -> str:
         pub = " / ".join(f"{PUBLISHED[e][q]:,}" if q in PUBLISHED[e] else "-" for e in ("Feldera", "Flink"))
         lines.append(f"| {q} | {mode} | {w} | {ratio} | {ours:,.0f} | "
                      f"{f'{theirs:,.0f}' if theirs else '-'} | {pub} |")
-    lines += ["", f"Flink {'with checkpoints to local disk every ' + str(args.flink_checkpoint_ms) + ' ms'} for "
-              f"durable, none for memory; hashmap state; n/a: no Flink SQL for the query here "
+    durable_sink = ("its output written by the exactly-once file sink (csv, or debezium-json for a changelog)"
+                    if args.flink_durable_sink == "files" else "its output dropped (blackhole)")
+    lines += ["", f"Flink {'with checkpoints to local disk every ' + str(args.flink_checkpoint_ms) + ' ms'} and "
+              f"{durable_sink} for durable, none and a blackhole for memory; hashmap state; n/a: no Flink SQL for the query here "
               f"(bench/flink_nexmark.py says why); -: Flink failed the query or its job took no longer than on "
               f"empty files (both printed above)."]
     return "\n".join(lines)
@@ -403,6 +410,9 @@ def main() -> None:
     ap.add_argument("--peers", choices=["flink"], help="also run Apache Flink's SQL on the same events (CSV)")
     ap.add_argument("--flink-python", help="interpreter with apache-flink (default: $DBSP_FLINK_PYTHON or this one)")
     ap.add_argument("--flink-checkpoint-ms", type=int, default=1000, help="Flink's checkpoint interval, durable")
+    ap.add_argument("--flink-durable-sink", choices=("files", "blackhole"), default="files",
+                    help="durable Flink's sink: its exactly-once file sink (every output change written, as ours "
+                         "logs them) or a blackhole (output dropped)")
     ap.add_argument("--check", action="store_true",
                     help="with --peers: compare the rows of each final view with Flink's instead of timing")
     ap.add_argument("--reader", choices=["auto", "files", "push"], default="auto",
