@@ -726,14 +726,14 @@ static void remove_slot(DbspKeyIndex *ix, Table *t, uint64_t *s) {
     ix->count--;
 }
 
-static inline void prefetch_key(const DbspKeyIndex *ix, uint64_t h) {
+static inline __attribute__((always_inline)) void prefetch_key(const DbspKeyIndex *ix, uint64_t h) {
     __builtin_prefetch(ix->cur.slots + (h & ((uint64_t)ix->cur.cap - 1)));
     if (ix->old.slots) __builtin_prefetch(ix->old.slots + (h & ((uint64_t)ix->old.cap - 1)));
 }
 
 /* The second stage of a probe's prefetch: the entry of the key's home slot (prefetched PF_AHEAD rows ago, so
  * read from the cache by now). A key not at its home gets its first slot's entry, which is often its own. */
-static inline void prefetch_entry(const DbspKeyIndex *ix, uint64_t h) {
+static inline __attribute__((always_inline)) void prefetch_entry(const DbspKeyIndex *ix, uint64_t h) {
     uint64_t sw = ix->cur.slots[h & ((uint64_t)ix->cur.cap - 1)];
     if (sw) __builtin_prefetch(entry_of(ix, sw));
     if (ix->old.slots) {
@@ -742,7 +742,7 @@ static inline void prefetch_entry(const DbspKeyIndex *ix, uint64_t h) {
     }
 }
 
-static inline void prefetch_row(const DbspKeyIndex *ix, const uint64_t *kh, int64_t i, int64_t n) {
+static inline __attribute__((always_inline)) void prefetch_row(const DbspKeyIndex *ix, const uint64_t *kh, int64_t i, int64_t n) {
     if (i + PF_AHEAD < n) prefetch_key(ix, kh[i + PF_AHEAD]);
     if (i + PF_NEAR < n) prefetch_entry(ix, kh[i + PF_NEAR]);
 }
