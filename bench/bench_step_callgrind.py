@@ -70,11 +70,12 @@ def child(tree: str, query: str, state: int, groups: int, steps: int, load_step:
 
 
 def measure(tree: str, query: str, state: int, groups: int, steps: int, load_step: int,
-            keep: str | None = None) -> list[int]:
+            keep: str | None = None, cache_sim: bool = False) -> list[list[int]]:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "cg.out")
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONHASHSEED="0")
-        pr = subprocess.Popen(["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
+        sim = ["--cache-sim=yes"] if cache_sim else []
+        pr = subprocess.Popen(["valgrind", "--tool=callgrind", "--instr-atstart=no", *sim, f"--callgrind-out-file={out}",
                                sys.executable, os.path.abspath(__file__), "--child", tree, query, str(state),
                                str(groups), str(steps), str(load_step), d],
                               env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -98,8 +99,8 @@ def measure(tree: str, query: str, state: int, groups: int, steps: int, load_ste
                 pr.kill()
         counts = []
         for f in sorted(glob.glob(out + ".*"), key=lambda f: int(f.rsplit(".", 1)[1])):
-            m = re.search(r"^(?:summary|totals): (\d+)", open(f).read(), re.M)
-            counts.append(int(m.group(1)))
+            m = re.search(r"^(?:summary|totals):((?: \d+)+)", open(f).read(), re.M)
+            counts.append([int(x) for x in m.group(1).split()])  # Ir, then (cache_sim) Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw
             if keep:  # each step's dump, for callgrind_annotate
                 os.makedirs(keep, exist_ok=True)
                 shutil.copy(f, os.path.join(keep, f"{query}.{os.path.basename(f)}"))
@@ -126,13 +127,20 @@ def main() -> int:
     ap.add_argument("--load-step", type=_count, default=1_000_000)
     ap.add_argument("--tree", default=os.path.dirname(HERE), help="the checkout whose dbsp_core to measure")
     ap.add_argument("--keep", help="a directory to copy each step's callgrind dump into (for callgrind_annotate)")
+    ap.add_argument("--cache-sim", action="store_true", help="also simulate the caches (valgrind's model of a "
+                    "two-level cache, not this host's): data-cache and last-level misses a step, several times slower")
     args = ap.parse_args()
     for q in args.queries:
-        c = np.array(measure(os.path.abspath(args.tree), q, args.state, args.groups, args.steps, args.load_step,
-                             args.keep)) / 1e6
+        m = np.array(measure(os.path.abspath(args.tree), q, args.state, args.groups, args.steps, args.load_step,
+                             args.keep, args.cache_sim), dtype=np.float64)
+        c = m[:, 0] / 1e6
         print(f"{q} {args.state:,} rows / {args.groups:,} groups ({os.path.basename(os.path.abspath(args.tree))}): "
               f"{len(c)} steps, M instructions per step: mean {c.mean():.2f}, p50 {np.percentile(c, 50):.2f}, "
               f"p99 {np.percentile(c, 99):.2f}, max {c.max():.2f}", flush=True)
+        if args.cache_sim:  # the events' order: Ir Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw
+            d1, ll = (m[:, 4] + m[:, 5]) / 1e3, (m[:, 7] + m[:, 8]) / 1e3
+            print(f"    k data misses per step: D1 mean {d1.mean():.1f} p50 {np.percentile(d1, 50):.1f}; last level "
+                  f"mean {ll.mean():.1f} p50 {np.percentile(ll, 50):.1f}", flush=True)
     return 0
 
 

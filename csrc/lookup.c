@@ -95,7 +95,9 @@ void dbsp_seek_all(const uint64_t *kh, int64_t n, const uint64_t *fence, const u
     }
 }
 
-void dbsp_prefetch_row(const DbspBatch *b, int64_t y, const int32_t *cols, int32_t ncols) {
+/* noipa: a function that only prefetches has no effect GCC can see, so its interprocedural analysis finds it const and
+ * deletes every call to it in this file (GCC 12: dbsp_match_weights_rh and dbsp_match_sums prefetched nothing) */
+__attribute__((noipa)) void dbsp_prefetch_row(const DbspBatch *b, int64_t y, const int32_t *cols, int32_t ncols) {
     if (b->weights) __builtin_prefetch(&b->weights[y]);
     for (int32_t k = 0; k < ncols; k++) {
         const DbspColumn *c = &b->cols[cols ? cols[k] : k];

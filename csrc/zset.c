@@ -98,13 +98,16 @@ static int consolidate_small(const DbspBatch *b, const int32_t *keys, int32_t nk
     int bits = 0;
     while (bits < 16 && ((int64_t)1 << bits) < n) bits++;
     int64_t nb = (int64_t)1 << bits;
-    uint64_t *rh = malloc((size_t)n * 8), *kh = nkeys ? malloc((size_t)n * 8) : NULL;
+    /* a key of every column in order (a distinct's) hashes as the whole row: its key hash is the row hash */
+    int whole = nkeys == b->ncols;
+    for (int32_t k = 0; whole && k < nkeys; k++) whole = keys[k] == k;
+    uint64_t *rh = malloc((size_t)n * 8), *kh = nkeys && !whole ? malloc((size_t)n * 8) : NULL;
     SRec *t = malloc((size_t)n * sizeof(SRec));
     int64_t *cnt = calloc((size_t)nb + 1, 8);
-    if (!rh || (nkeys && !kh) || !t || !cnt) { st = DBSP_ENOMEM; goto done; }
+    if (!rh || (nkeys && !whole && !kh) || !t || !cnt) { st = DBSP_ENOMEM; goto done; }
     if ((st = dbsp_hash_columns(b, NULL, 0, rh))) goto done;
-    if (nkeys && (st = dbsp_hash_columns(b, keys, nkeys, kh))) goto done;
-    const uint64_t *pk = nkeys ? kh : rh;
+    if (kh && (st = dbsp_hash_columns(b, keys, nkeys, kh))) goto done;
+    const uint64_t *pk = kh ? kh : rh;
 #define BUCKET(h) (bits ? (int64_t)((h) >> (64 - bits)) : 0)
     for (int64_t i = 0; i < n; i++) cnt[BUCKET(pk[i]) + 1]++;
     for (int64_t k = 0; k < nb; k++) cnt[k + 1] += cnt[k];

@@ -33,7 +33,7 @@ from dbsp_core.operators.base import Operator, conform, empty, keyed_change
 from dbsp_core.time.cleanup import prune
 from dbsp_core.time.lineage import input_times
 from dbsp_core.trace import Trace
-from dbsp_core.zset import IndexedZSet, ZSet
+from dbsp_core.zset import IndexedZSet, ZSet, _take
 
 if TYPE_CHECKING:
     from dbsp_core.operators.context import StepContext
@@ -101,5 +101,6 @@ class _DistinctState:
         # the flipped rows keep dix's order, which is canonical (the key is the whole row, so the key hash is
         # the row hash): the output is consolidated as it stands
         w = np.where(new[flip] > 0, 1, -1).astype(np.int64)
-        return ZSet._make(dix.zset.data.take(pa.array(flip, pa.int64())), w, consolidated=True,
-                          rhash=dix.key_hash[flip])
+        # one C gather through the view the key index's add built (zset._take: every row flipped, dix's own rows)
+        return ZSet._make(_take(dix.zset.data, flip, dix._view()), w, consolidated=True, rhash=dix.key_hash[flip],
+                          chunked=True)

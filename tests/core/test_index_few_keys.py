@@ -105,3 +105,18 @@ def test_row_hashes_of_a_consolidation_that_shrinks(rng: np.random.Generator, n:
     assert _counter(got1, cw1) == _counter(one, w)
     if rh1 is not None:  # the small path (<= 4096 rows) sorts by row hash and hands them over
         assert np.array_equal(rh1, _zset.hash_columns(got1, [0]))
+
+
+# a key of every column: in their order (a distinct's index) consolidate_small reuses the row hash as the key hash
+# (csrc/zset.c); in another order the key hashes differ from the row hashes and must be computed
+@pytest.mark.parametrize("n", [100, 3000, 5000])
+@pytest.mark.parametrize("order", [("category", "price", "note"), ("price", "note", "category")])
+def test_index_by_every_column_hashes_its_key(rng: np.random.Generator, n: int, order: tuple[str, ...]) -> None:
+    t, w = _table(rng, n, 20)
+    ix = ZSet._make(t, w).index_by(list(order))
+    z = ix.zset
+    pos = [t.schema.get_field_index(c) for c in order]
+    assert np.array_equal(ix.key_hash, _zset.hash_columns(z.data, pos))
+    assert _zset.check_order(z.data, z.weights, ix.key_hash, pos), "rows not in canonical order"
+    assert ix._rh is not None and np.array_equal(ix._rh, _zset.hash_columns(z.data, [0, 1, 2]))
+    assert _counter(z.data, z.weights) == _counter(t, w)
