@@ -760,8 +760,11 @@ class _ExtremesState(_GroupedState):
         self.ext = tuple((j, kind, col) for j, (kind, col) in enumerate(op.kernel) if kind in ("min", "max"))
         cols = sorted({col for _, _, col in self.ext}) if not op.append_only else []  # invariant 7
         self.val_cols = tuple((col, f"values_{i}") for i, col in enumerate(cols))  # (column, attribute)
+        hold = settings().totals_hold if _LinearState.HOLD is None else _LinearState.HOLD
         for col, attr in self.val_cols:
             setattr(self, attr, Trace(pa.schema(key_fields + [op.in_schema.field(col)]), op.keys))
+            if hold > 2:  # read only for the groups whose extreme a deletion reached (invariant 11)
+                getattr(self, attr).hold_keyed = hold
         slot_type = {j: op.in_schema.field(col).type for j, _, col in self.ext}
         self.sschema = pa.schema(key_fields + [pa.field(f"s_{j}", slot_type.get(j, pa.int64()))
                                                for j in range(len(op.kernel))])
@@ -799,7 +802,6 @@ class _ExtremesState(_GroupedState):
         if not (all(summable(slot_type[j]) for j, _, _ in self.ext) and self.totals.keep_index(self.spec[1])):
             self.spec = None
         else:  # read through the key index: its low levels merge many at a time (trace invariant 18)
-            hold = settings().totals_hold if _LinearState.HOLD is None else _LinearState.HOLD
             if hold > 2:
                 self.totals.hold = hold
         # invariant 8: the reduction's grouping specs (row count, the one extreme), when the aggregate allows it
