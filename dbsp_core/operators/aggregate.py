@@ -74,6 +74,10 @@ Invariants:
      The totals trace, read only through that index, holds its low levels as a linear aggregate's does (trace
      invariant 18, ``DBSP_TOTALS_HOLD``; ``_LinearState.HOLD`` in tests): a step's batch of old and new totals is
      rewritten about once per three levels on its way up, not once per level.
+ 11. A value multiset's trace is read only for the groups whose extreme a deletion reached (a seek per group in each
+     batch, ``_recompute_into``, or ``lookup_exact`` on the path without the key index), so it holds its low levels
+     whatever its reads (trace invariant 18, ``hold_keyed``; ``DBSP_TOTALS_HOLD``, ``_LinearState.HOLD`` in tests): a
+     step's batch of values is rewritten about once per three levels on its way up instead of once per level.
 """
 
 from __future__ import annotations
