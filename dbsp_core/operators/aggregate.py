@@ -817,6 +817,7 @@ class _ExtremesState(_GroupedState):
         self.projected_steps = 0  # changes projected (invariant 9; counts for tests, not state)
         self.emit = self._emitter() if self.spec is not None else None  # phase 2 in one C call (invariant 10)
         self.emitted_steps = 0  # steps whose second half ran in that call (counts for tests, not state)
+        self.recomputed = 0  # groups whose extremes were re-reduced from the value multisets (counts for tests)
         # steps left before the reduction is tried again (invariant 8): of the step's change, and of what a fused
         # exchange sends (dbsp_core/runtime/plan.py): after a sender's reduction a group arrives as about one row
         self._reduce_skip = self._send_skip = 0
@@ -904,6 +905,7 @@ class _ExtremesState(_GroupedState):
 
         n = sums.num_rows
         keys = sums.select(self.keys)
+        self.recomputed += int(pc.sum(need).as_py())
         hashes = np.unique(ZSet._make(keys.filter(need), np.ones(int(pc.sum(need).as_py()), np.int64)).hash(
             self.keys))
         parts = {name: [sums.column(name)] for name in self.names}
@@ -1153,6 +1155,7 @@ class _ExtremesState(_GroupedState):
         value column over the value trace's batches, seeking each group's key in each (``_zset.extremes_scan``)."""
         ns = len(self.op.kernel)
         rows, hashes = group_row[need], gkh[need]
+        self.recomputed += len(need)
         nk = len(self.keys)
         for col, attr in self.val_cols:
             trace: Trace = getattr(self, attr)
