@@ -78,6 +78,13 @@ Invariants:
      batch, ``_recompute_into``, or ``lookup_exact`` on the path without the key index), so it holds its low levels
      whatever its reads (trace invariant 18, ``hold_keyed``; ``DBSP_TOTALS_HOLD``, ``_LinearState.HOLD`` in tests): a
      step's batch of values is rewritten about once per three levels on its way up instead of once per level.
+ 12. The totals trace, read only through its key index (invariant 10), keeps its totals per key (trace invariant 19,
+     ``DBSP_TOTALS_PER_KEY``; ``_LinearState.PER_KEY`` in tests) as a linear aggregate's does: the index is the state
+     (its sums over a group's one totals row are that row, an extreme null where its "valid" flag is 0), a step that
+     stored its groups there (the emit's in-place writes, or ``extremes_store``) inserts no batch but records each of
+     its groups not dirty yet with its old row, and the batches are synced from the index when something reads them
+     (a checkpoint, a shard cut, the walk of ``_through_totals``). So a step merges no totals at all; a rollback
+     undoes the step's writes into the index from its batch (-old +new) by the undo log of trace invariant 19.
 """
 
 from __future__ import annotations
@@ -100,6 +107,7 @@ from dbsp_core import _zset
 from dbsp_core.time.cleanup import prune
 from dbsp_core.time.lineage import input_times
 from dbsp_core.trace import Trace, summable, unique_sorted
+from dbsp_core.trace.keyindex import int_array
 from dbsp_core.zset import IndexedZSet, ZSet, _agg_specs, _take, sum_adjacent
 
 if TYPE_CHECKING:
@@ -808,6 +816,8 @@ class _ExtremesState(_GroupedState):
         else:  # read through the key index: its low levels merge many at a time (trace invariant 18)
             if hold > 2:
                 self.totals.hold = hold
+            if settings().totals_per_key if _LinearState.PER_KEY is None else _LinearState.PER_KEY:
+                self.totals.keep_totals_per_key()  # the index is the state, the batches synced on reads (invariant 12)
         # invariant 8: the reduction's grouping specs (row count, the one extreme), when the aggregate allows it
         self.reduce_specs = None
         if (op.append_only and len(self.ext) == 1 and _reducible(slot_type[self.ext[0][0]])
@@ -1116,13 +1126,13 @@ class _ExtremesState(_GroupedState):
         for j in range(ns):
             typ = self.sschema.field(nk + j).type
             if j in ext:
-                cols.append(_int_array(vals[:, j], typ, vals[:, ns + ext[j]] == 0))
+                cols.append(int_array(vals[:, j], typ, vals[:, ns + ext[j]] == 0))
             else:
                 cols.append(pa.array(vals[:, j], pa.int64()))
         table = pa.Table.from_arrays(cols, schema=self.sschema)
         # the rows come group by group in the change's key order (a group's old row, then its new one)
         kh = gkh[grp]
-        self.totals.insert(IndexedZSet._from_key_order(make(table, w, self.sschema), self.keys, kh), indexed=ix)
+        self.totals.store_totals(IndexedZSet._from_key_order(make(table, w, self.sschema), self.keys, kh), ix)
         # a group's old and new rows sit side by side: they cancel when the view's columns did not change
         return sum_adjacent(make(op.finalize(table), w, op.schema), kh)
 
@@ -1141,7 +1151,7 @@ class _ExtremesState(_GroupedState):
             b._rh = rh
         else:  # a key-hash or row-hash tie (rare): values decide the order
             b = IndexedZSet._from_key_order(make(batch, w, self.sschema), self.keys, kh)
-        self.totals.insert(b, indexed=ix)
+        self.totals.store_totals(b, ix)  # inserted, or with totals per key recorded (invariant 12)
         self.emitted_steps += 1
         if not len(ow):  # every changed group shows what it showed
             return empty(self.op.schema)
@@ -1233,19 +1243,6 @@ def _reducible(t: pa.DataType) -> bool:
     it, invariant 7's path) or string-like (no key index: the reduced change is indexed and folded with the old
     totals, ``_through_totals``), whose order the reduction's kernel (csrc/agg.h) and the fold share."""
     return summable(t) or pat.is_string(t) or pat.is_large_string(t) or pat.is_binary(t) or pat.is_large_binary(t)
-
-
-def _int_array(values: np.ndarray, typ: pa.DataType, null: np.ndarray) -> pa.Array:
-    """An Arrow array of integer-like type ``typ`` (integers, date32, timestamps) from int64 ``values``, null where
-    ``null`` (the key index holds such extremes as int64: csrc/extremes.h)."""
-    mask = null if null.any() else None
-    if pa.types.is_int64(typ):
-        return pa.array(values, pa.int64(), mask=mask)
-    if pa.types.is_timestamp(typ):
-        return pa.array(values, pa.int64(), mask=mask).view(typ)
-    if pa.types.is_date32(typ):
-        return pa.array(values.astype(np.int32), pa.int32(), mask=mask).view(typ)
-    return pa.array(values.astype(typ.to_pandas_dtype()), typ, mask=mask)
 
 
 def _joined(parts: list, typ: pa.DataType) -> pa.Array:

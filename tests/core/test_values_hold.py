@@ -1,10 +1,12 @@
 """A min/max's value multisets hold their low levels whatever their reads (operators/aggregate.py invariant 11, trace
-invariant 18 ``hold_keyed``), checked against a dict model of the view over random steps that delete groups' current
-extremes (so every step re-reduces some groups from the value trace, its held loose batches included).
+invariant 18 ``hold_keyed``) and its totals are kept per key (invariant 12, trace invariant 19), checked against a dict
+model of the view over random steps that delete groups' current extremes (so every step re-reduces some groups from
+the value trace, its held loose batches included).
 
 After every step the integral of the output equals the model (count, min, max, sum per group), at W = 1 and 2, with
-the step plan on and off; the value traces' content equals the model's (key, value) multiset and passes
-``Trace.check``; merges of more than two batches ran on the value traces and groups were re-reduced. The same across
+the step plan on and off; the value traces' content equals the model's (key, value) multiset, and every trace (the
+totals synced from their key index) passes ``Trace.check``; merges of more than two batches ran on the value traces,
+groups were re-reduced and steps stored their totals per key (``PerKeyTotals.pk_steps``). The same across
 checkpoints and reopens, rolled-back steps (StepError after the aggregate stored its step) and a live rescale, and with
 every batch spilled (``memory_limit``: a trace under a batch store merges as before, nothing held). DBSP_HOLD_SEED
 replays the random rows."""
@@ -23,6 +25,7 @@ import dbsp_core as dbsp
 from dbsp_core.envvars import settings
 from dbsp_core.operators.aggregate import _ExtremesState, _LinearState
 from dbsp_core.runtime.embedded import EmbeddedExecutor
+from dbsp_core.trace.keyindex import PerKeyTotals
 from tests.core.test_linear_run import add_poison
 from tests.core.test_totals_hold import poisoned_step
 
@@ -112,6 +115,9 @@ def _states(p: dbsp.Pipeline) -> list:
 
 
 def _check_state(p: dbsp.Pipeline, bag: Counter, where: str) -> None:
+    for w in range(p.workers):
+        for tr in p.traces(w).values():
+            tr.check()  # the totals synced from their key index first (trace invariant 19): the index equals them
     acc: Counter = Counter()
     for tr in _values(p):
         tr.check()
@@ -134,6 +140,7 @@ def test_held_value_traces_against_the_model(workers: int, plan: bool) -> None:
     rng = np.random.default_rng(SEED + 10 * workers + plan)
     bag: Counter = Counter()
     view: Counter = Counter()
+    stored = PerKeyTotals.pk_steps
     with dbsp.Pipeline(_circuit(), workers=workers, executor=EmbeddedExecutor(step_plan=plan)) as p:
         hold = settings().totals_hold if _LinearState.HOLD is None else _LinearState.HOLD
         assert all(tr.hold_keyed == hold for tr in _values(p))
@@ -146,6 +153,8 @@ def test_held_value_traces_against_the_model(workers: int, plan: bool) -> None:
         held = sum(tr.held_merges for tr in _values(p))
         assert held == 0 if BUDGET else held >= workers, held
         assert sum(s.recomputed for s in _states(p)) >= 100  # deletions reached extremes: the value traces read
+        per_key = settings().totals_per_key and not BUDGET
+        assert (PerKeyTotals.pk_steps - stored >= 100) == per_key, (PerKeyTotals.pk_steps - stored, per_key)
 
 
 def test_held_value_traces_across_checkpoint_reopen_rollback_and_rescale(tmp_path) -> None:
