@@ -1145,18 +1145,36 @@ class _ExtremesState(_GroupedState):
         if batch is None:  # no group's totals changed
             self.totals.index_done(ix)
             return empty(self.op.schema)
+        probed = None
         if ordered:  # groups by key hash, a group's two rows by row hash: the trace batch as it stands
             # (the call's tables hold one record batch each: one chunk per column as they are, zset.py invariant 1)
             b = IndexedZSet._make(ZSet._make(batch, w, chunked=True), tuple(self.keys), kh)
             b._rh = rh
+            probed = self._dirty_per_group(b, ix)
         else:  # a key-hash or row-hash tie (rare): values decide the order
             b = IndexedZSet._from_key_order(make(batch, w, self.sschema), self.keys, kh)
-        self.totals.store_totals(b, ix)  # inserted, or with totals per key recorded (invariant 12)
+        self.totals.store_totals(b, ix, probed)  # inserted, or with totals per key recorded (invariant 12)
         self.emitted_steps += 1
         if not len(ow):  # every changed group shows what it showed
             return empty(self.op.schema)
         # rows of two groups differ in their keys, a group's in a value
         return ZSet._make(out, ow, distinct=True, chunked=True)
+
+    def _dirty_per_group(self, b: IndexedZSet, ix: object) -> "tuple | None":
+        """For :meth:`Trace.store_totals` (invariant 12): the dirty-key index and, per row of the emitted batch ``b``,
+        whether its key is not dirty yet, probed once per group: in an ordered batch no two groups share a key hash,
+        so a group's rows are the runs of equal key hashes. None when the trace keeps no dirty index."""
+        dirty = self.totals.pk_dirty(ix)
+        if dirty is None:
+            return None
+        kh = b._kh
+        first = np.empty(len(kh), dtype=bool)
+        first[0] = True
+        np.not_equal(kh[1:], kh[:-1], out=first[1:])
+        sel = np.flatnonzero(first)
+        acc = np.zeros((len(sel), 1), dtype=np.int64)
+        dirty.get(b._view(), b._keypos, kh[sel], acc, sel=sel)
+        return dirty, (acc[:, 0] == 0)[np.cumsum(first) - 1]
 
     def _recompute_into(self, view: "_zset.BatchView", group_row: np.ndarray, gkh: np.ndarray, need: np.ndarray,
                         nw: np.ndarray) -> None:
