@@ -125,12 +125,19 @@ def _check_state(p: dbsp.Pipeline, bag: Counter, where: str) -> None:
     assert {r: w for r, w in acc.items() if w} == _values_model(bag), where
 
 
-def _step(p: dbsp.Pipeline, view: Counter, bag: Counter, where: str) -> Counter:
+def _step(p: dbsp.Pipeline, d: Counter, bag: Counter, view: Counter, where: str, poison: bool = False
+          ) -> tuple[Counter, Counter]:
+    """Push ``d`` and step (after a rolled-back step over it with ``poison``); the new multiset and view, checked."""
+    _push(p, d)
+    if poison:
+        poisoned_step(p, [(1, 0, -500), (9, 2, 666)], SCHEMA)  # a new min of group 1, rolled back with d
+    bag.update(d)
+    bag = Counter({r: w for r, w in bag.items() if w > 0})
     for r, w in p.step()["g"].to_dict().items():
         view[r] += w
     view = Counter({r: w for r, w in view.items() if w})
     assert dict(view) == _model(bag), where
-    return view
+    return bag, view
 
 
 @pytest.mark.parametrize("workers,plan", [(1, True), (2, True), (1, False), (2, False)])
@@ -145,10 +152,7 @@ def test_held_value_traces_against_the_model(workers: int, plan: bool) -> None:
         hold = settings().totals_hold if _LinearState.HOLD is None else _LinearState.HOLD
         assert all(tr.hold_keyed == hold for tr in _values(p))
         for i, d in enumerate(_deltas(rng, 160)):
-            _push(p, d)
-            bag.update(d)
-            bag = Counter({r: w for r, w in bag.items() if w > 0})
-            view = _step(p, view, bag, f"step {i}, W={workers}, plan={plan} (DBSP_HOLD_SEED={SEED})")
+            bag, view = _step(p, d, bag, view, f"step {i}, W={workers}, plan={plan} (DBSP_HOLD_SEED={SEED})")
         _check_state(p, bag, f"W={workers} (DBSP_HOLD_SEED={SEED})")
         held = sum(tr.held_merges for tr in _values(p))
         assert held == 0 if BUDGET else held >= workers, held
@@ -169,12 +173,7 @@ def test_held_value_traces_across_checkpoint_reopen_rollback_and_rescale(tmp_pat
         for i, d in enumerate(_deltas(rng, 150)):
             if i in (50, 110):
                 p.rescale(workers=2 if p.workers == 1 else 1)
-            _push(p, d)
-            if i in (30, 95):
-                poisoned_step(p, [(1, 0, -500), (9, 2, 666)], SCHEMA)  # a new min of group 1, rolled back
-            bag.update(d)
-            bag = Counter({r: w for r, w in bag.items() if w > 0})
-            view = _step(p, view, bag, f"step {i} (DBSP_HOLD_SEED={SEED})")
+            bag, view = _step(p, d, bag, view, f"step {i} (DBSP_HOLD_SEED={SEED})", poison=i in (30, 95))
             if i % 40 == 39:
                 _check_state(p, bag, f"step {i} (DBSP_HOLD_SEED={SEED})")
                 held += sum(tr.held_merges for tr in _values(p))
@@ -196,9 +195,6 @@ def test_value_traces_under_a_memory_budget_merge_as_before(tmp_path) -> None:
     view: Counter = Counter()
     with dbsp.Pipeline(_circuit(), workers=1, memory_limit=1, spill_dir=str(tmp_path)) as p:
         for i, d in enumerate(_deltas(rng, 80)):
-            _push(p, d)
-            bag.update(d)
-            bag = Counter({r: w for r, w in bag.items() if w > 0})
-            view = _step(p, view, bag, f"step {i} (DBSP_HOLD_SEED={SEED})")
+            bag, view = _step(p, d, bag, view, f"step {i} (DBSP_HOLD_SEED={SEED})")
         _check_state(p, bag, f"spilled (DBSP_HOLD_SEED={SEED})")
         assert sum(tr.held_merges for tr in _values(p)) == 0
