@@ -182,7 +182,8 @@ def test_held_value_traces_across_checkpoint_reopen_rollback_and_rescale(tmp_pat
                 p = dbsp.Pipeline.open(str(tmp_path / "s"), _circuit(poison=True))
                 assert all(tr.hold_keyed > 2 for tr in _values(p))
         _check_state(p, bag, f"end (DBSP_HOLD_SEED={SEED})")
-        assert BUDGET or held >= 1  # (under DBSP_MEMORY_LIMIT a reopened trace may merge before it joins the store)
+        assert BUDGET or held >= 1  # (under DBSP_MEMORY_LIMIT some seeds count held merges here: a value trace not
+        # in a batch store yet, after a reopen or rescale; not traced further, results exact)
     finally:
         p.close()
 
