@@ -473,8 +473,8 @@ class KeyIndexed:
 
 class PerKeyTotals:
     """Totals kept per key (runtime/plan.py design note 5; trace invariant 19): a linear or min/max aggregate's steps
-    store their groups' totals in the trace's key index only, and the trace's batches are brought up to date from it when
-    something reads them. It uses :class:`KeyIndexed`'s index and the trace's ``insert`` and ``_changed``.
+    store their groups' totals in the trace's key index only, and the trace's batches are brought up to date from it
+    when something reads them. It uses :class:`KeyIndexed`'s index and the trace's ``insert`` and ``_changed``.
 
     State (attributes of the trace, so a rollback's capture holds them; their lists are copied by it):
       ``_pk_on``: the mode is on (:meth:`keep_totals_per_key`; off for good once the trace joins a batch store or its
