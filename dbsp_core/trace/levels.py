@@ -151,8 +151,8 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      so the held batches cost a read a few seeks more while every insert's batch is rewritten j times fewer.
  19. Totals kept per key (``keep_totals_per_key``, a linear or min/max aggregate's totals: a key index of its integer-
      like columns, a min/max's with "valid" flags that a sync turns back into nulls; ``DBSP_TOTALS_PER_KEY=0`` turns it
-     off; dbsp_core/trace/keyindex.py ``PerKeyTotals``): the key index is the state and the batches a view of it, synced on
-     demand. A step that stored its groups' totals in the index (``store_totals``) inserts no batch: it records each
+     off; dbsp_core/trace/keyindex.py ``PerKeyTotals``): the key index is the state and the batches a view of it,
+     synced on demand. A step that stored its groups' totals in the index (``store_totals``) inserts no batch: it records each
      of its keys not dirty yet, once, with the totals the batches hold for it (its -1 row, or none). The content is
      the batches plus, per dirty key, its index totals less its recorded ones; every reader of the batches syncs
      first (``_levels``, so ``_read``, ``parts``, ``shard``, views, walks, ``check``; and ``insert``, ``replace``,
