@@ -150,27 +150,26 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      read of such a trace is of a few keys (the groups whose extreme a deletion reached), a seek per key in each batch,
      so the held batches cost a read a few seeks more while every insert's batch is rewritten j times fewer.
  19. Totals kept per key (``keep_totals_per_key``, a linear or min/max aggregate's totals: a key index of its integer-
-     like columns, a min/max's with "valid" flags that a sync turns back into nulls; ``DBSP_TOTALS_PER_KEY=0`` turns it
-     off; dbsp_core/trace/keyindex.py ``PerKeyTotals``): the key index is the state and the batches a view of it,
-     synced on demand. A step that stored its groups' totals in the index (``store_totals``) inserts no batch: it records each
-     of its keys not dirty yet, once, with the totals the batches hold for it (its -1 row, or none). The content is
-     the batches plus, per dirty key, its index totals less its recorded ones; every reader of the batches syncs
-     first (``_levels``, so ``_read``, ``parts``, ``shard``, views, walks, ``check``; and ``insert``, ``replace``,
-     ``drop_below``, a stale or dropped index): one consolidated, key-hash-sorted batch of the dirty keys' recorded
-     totals (-1) and index totals (+1), where they differ, inserted as any batch. So between reads a step costs its
-     groups' probes and a probe of the dirty-key index, and no merge. Only without a batch store (a trace that joins
-     one syncs and keeps batches from then on: spill.py invariant 17 weighs and may drop the index). An index that
-     cannot grow half way through a step (memory, size limits) loses nothing: the step's store is undone in C
-     (csrc/linrun.h invariant 4), or the dirty-key index's adds are (csrc/keyindex.h invariant 4), the trace syncs
-     from its whole index, drops it (an IndexDroppedWarning, as without totals per key) and keeps its totals in
-     batches from then on; the step completes through them (``PerKeyTotals.pk_fallbacks`` counts it). Only an
-     overflow half way, or an undo that must put back a removed string key with no arena room, still breaks the
-     index: a DbspError says so. A rollback capture marks the trace, and
-     every change of its key index in place is then logged and undone by the restore (rollback.py invariant 3).
-     Size figures (metrics, the profile, the autoscaler's) sync nothing: they add ``unsynced_size`` (the rows the
-     next sync would insert at most, from a snapshot of the records, no index probe) to the batches'. No batch
-     store is joined while totals are kept per key, so a memory budget never has unsynced totals to weigh: its
-     accounting of the index is spill.py invariant 17's.
+     like columns, a min/max's with "valid" flags that a sync turns back into nulls; ``DBSP_TOTALS_PER_KEY=0`` turns
+     it off; dbsp_core/trace/keyindex.py ``PerKeyTotals``): the key index is the state and the batches a view of it,
+     synced on demand. A step that stored its groups' totals in the index (``store_totals``) inserts no batch: it
+     records each of its keys not dirty yet, once, with the totals the batches hold for it (its -1 row, or none). The
+     content is the batches plus, per dirty key, its index totals less its recorded ones; every reader of the batches
+     syncs first (``_levels``, so ``_read``, ``parts``, ``shard``, views, walks, ``check``; and ``insert``,
+     ``replace``, ``drop_below``, a stale or dropped index): one consolidated, key-hash-sorted batch of the dirty
+     keys' recorded totals (-1) and index totals (+1), where they differ, inserted as any batch. So between reads a
+     step costs its groups' probes and a probe of the dirty-key index, and no merge. Only without a batch store (a
+     trace that joins one syncs and keeps batches from then on: spill.py invariant 17 weighs and may drop the index).
+     An index that cannot grow half way through a step (memory, size limits) loses nothing: the step's store is undone
+     in C (csrc/linrun.h invariant 4), or the dirty-key index's adds are (csrc/keyindex.h invariant 4), the trace
+     syncs from its whole index, drops it (an IndexDroppedWarning, as without totals per key) and keeps its totals in
+     batches from then on; the step completes through them (``PerKeyTotals.pk_fallbacks`` counts it). Only an overflow
+     half way, or an undo that must put back a removed string key with no arena room, still breaks the index: a
+     DbspError says so. A rollback capture marks the trace, and every change of its key index in place is then logged
+     and undone by the restore (rollback.py invariant 3). Size figures (metrics, the profile, the autoscaler's) sync
+     nothing: they add ``unsynced_size`` (the rows the next sync would insert at most, from a snapshot of the records,
+     no index probe) to the batches'. No batch store is joined while totals are kept per key, so a memory budget never
+     has unsynced totals to weigh: its accounting of the index is spill.py invariant 17's.
 """
 
 from __future__ import annotations
