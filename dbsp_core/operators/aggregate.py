@@ -78,8 +78,9 @@ Invariants:
      batch, ``_recompute_into``, or ``lookup_exact`` on the path without the key index), so it holds its low levels
      whatever its reads (trace invariant 18, ``hold_keyed``; ``DBSP_TOTALS_HOLD``, ``_LinearState.HOLD`` in tests): a
      step's batch of values is rewritten about once per three levels on its way up instead of once per level.
- 12. The totals trace, read only through its key index (invariant 10), keeps its totals per key (trace invariant 19,
-     ``DBSP_TOTALS_PER_KEY``; ``_LinearState.PER_KEY`` in tests) as a linear aggregate's does: the index is the state
+ 12. With ``_ExtremesState.PER_KEY`` (off by default: by the wall clock it was not shown faster, bench/RESULTS.md
+     r37-minmax5; None follows ``DBSP_TOTALS_PER_KEY``), the totals trace, read only through its key index (invariant
+     10), keeps its totals per key (trace invariant 19) as a linear aggregate's does: the index is the state
      (its sums over a group's one totals row are that row, an extreme null where its "valid" flag is 0), a step that
      stored its groups there (the emit's in-place writes, or ``extremes_store``) inserts no batch but records each of
      its groups not dirty yet with its old row, and the batches are synced from the index when something reads them
@@ -764,6 +765,8 @@ class _ExtremesState(_GroupedState):
     A group whose deleted extreme is not strictly beyond its old extreme is re-reduced from the value traces.
     """
 
+    PER_KEY: bool | None = False  # the totals kept per key (invariant 12); None: ``DBSP_TOTALS_PER_KEY``'s (tests set it)
+
     def __init__(self, op: Aggregate) -> None:
         self.op = op
         self.keys = list(op.keys)
@@ -816,7 +819,7 @@ class _ExtremesState(_GroupedState):
         else:  # read through the key index: its low levels merge many at a time (trace invariant 18)
             if hold > 2:
                 self.totals.hold = hold
-            if settings().totals_per_key if _LinearState.PER_KEY is None else _LinearState.PER_KEY:
+            if settings().totals_per_key if self.PER_KEY is None else self.PER_KEY:
                 self.totals.keep_totals_per_key()  # the index is the state, the batches synced on reads (invariant 12)
         # invariant 8: the reduction's grouping specs (row count, the one extreme), when the aggregate allows it
         self.reduce_specs = None

@@ -221,7 +221,6 @@ def test_min_max_totals_hold_their_low_levels(monkeypatch, workers: int) -> None
     src = c.input("t", pa.schema([("k", pa.int64()), ("v", pa.int64())]))
     c.output("g", src.group_by("k").agg(n=dbsp.count(), lo=dbsp.min("v"), hi=dbsp.max("v")))
     pipes = {}
-    monkeypatch.setattr(_LinearState, "PER_KEY", False)  # held levels are of step batches (not totals per key)
     for hold in (16, 0):
         monkeypatch.setattr(_LinearState, "HOLD", hold)
         pipes[hold] = dbsp.Pipeline(c, workers=workers)

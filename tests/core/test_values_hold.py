@@ -1,12 +1,13 @@
 """A min/max's value multisets hold their low levels whatever their reads (operators/aggregate.py invariant 11, trace
-invariant 18 ``hold_keyed``) and its totals are kept per key (invariant 12, trace invariant 19), checked against a dict
-model of the view over random steps that delete groups' current extremes (so every step re-reduces some groups from
+invariant 18 ``hold_keyed``), and with ``_ExtremesState.PER_KEY`` on its totals are kept per key (invariant 12, trace
+invariant 19), checked against a dict model of the view over random steps that delete groups' current extremes (so every step re-reduces some groups from
 the value trace, its held loose batches included).
 
 After every step the integral of the output equals the model (count, min, max, sum per group), at W = 1 and 2, with
 the step plan on and off; the value traces' content equals the model's (key, value) multiset, and every trace (the
 totals synced from their key index) passes ``Trace.check``; merges of more than two batches ran on the value traces,
-groups were re-reduced and steps stored their totals per key (``PerKeyTotals.pk_steps``). The same across
+groups were re-reduced and, with per key on, steps stored their totals per key (``PerKeyTotals.pk_steps``). The same
+across
 checkpoints and reopens, rolled-back steps (StepError after the aggregate stored its step) and a live rescale, and with
 every batch spilled (``memory_limit``: a trace under a batch store merges as before, nothing held). DBSP_HOLD_SEED
 replays the random rows."""
@@ -68,7 +69,7 @@ def _values_model(bag: Counter) -> dict:
 
 def _deltas(rng: np.random.Generator, steps: int) -> list[Counter]:
     """A load of about 10 rows a group, then steps of a few inserts and deletions of groups' current min or max rows
-    (and now and then a random row, or a whole group)."""
+    (and now and then a random row, or a whole group); three more groups hold only null values."""
     bag: Counter = Counter()
     out = []
     for i in range(steps):
@@ -76,6 +77,8 @@ def _deltas(rng: np.random.Generator, steps: int) -> list[Counter]:
         for _ in range(10 * GROUPS if i == 0 else int(rng.integers(5, 30))):
             v = None if rng.random() < 0.03 else int(rng.integers(-100, 100))
             d[(int(rng.integers(0, GROUPS)), int(rng.integers(0, 3)), v)] += 1
+        if rng.random() < 0.5:  # a row of a group whose values are all null (its min and max null)
+            d[(GROUPS + int(rng.integers(0, 3)), 0, None)] += 1
         live = sorted((r for r, w in bag.items() if w > 0), key=lambda r: (r[0], r[1], r[2] is None, r[2] or 0))
         if live and i:
             by_k: dict = {}
@@ -140,10 +143,13 @@ def _step(p: dbsp.Pipeline, d: Counter, bag: Counter, view: Counter, where: str,
     return bag, view
 
 
-@pytest.mark.parametrize("workers,plan", [(1, True), (2, True), (1, False), (2, False)])
-def test_held_value_traces_against_the_model(workers: int, plan: bool) -> None:
+@pytest.mark.parametrize("workers,plan,per_key", [(1, True, True), (2, True, True), (1, False, True),
+                                                 (2, False, False), (1, True, False)])
+def test_held_value_traces_against_the_model(workers: int, plan: bool, per_key: bool, monkeypatch) -> None:
     """Random steps deleting current extremes: the view after every step and the value traces' content at the end
-    equal the model; the value traces merged more than two batches at once and groups were re-reduced."""
+    equal the model; the value traces merged more than two batches at once, groups were re-reduced, and with per key
+    on the steps stored their totals per key."""
+    monkeypatch.setattr(_ExtremesState, "PER_KEY", per_key)
     rng = np.random.default_rng(SEED + 10 * workers + plan)
     bag: Counter = Counter()
     view: Counter = Counter()
@@ -157,13 +163,15 @@ def test_held_value_traces_against_the_model(workers: int, plan: bool) -> None:
         held = sum(tr.held_merges for tr in _values(p))
         assert held == 0 if BUDGET else held >= workers, held
         assert sum(s.recomputed for s in _states(p)) >= 100  # deletions reached extremes: the value traces read
-        per_key = settings().totals_per_key and not BUDGET
+        per_key = per_key and not BUDGET
         assert (PerKeyTotals.pk_steps - stored >= 100) == per_key, (PerKeyTotals.pk_steps - stored, per_key)
 
 
-def test_held_value_traces_across_checkpoint_reopen_rollback_and_rescale(tmp_path) -> None:
+@pytest.mark.parametrize("per_key", [True, False])
+def test_held_value_traces_across_checkpoint_reopen_rollback_and_rescale(tmp_path, per_key: bool, monkeypatch) -> None:
     """A durable pipeline against the model: a checkpoint and reopen every 40 steps, pushes a later node fails on
     (StepError after the aggregate stored its step) discarded, live rescales 1 -> 2 -> 1 workers."""
+    monkeypatch.setattr(_ExtremesState, "PER_KEY", per_key)
     rng = np.random.default_rng(SEED + 100)
     bag: Counter = Counter()
     view: Counter = Counter()
@@ -188,9 +196,10 @@ def test_held_value_traces_across_checkpoint_reopen_rollback_and_rescale(tmp_pat
         p.close()
 
 
-def test_value_traces_under_a_memory_budget_merge_as_before(tmp_path) -> None:
+def test_value_traces_under_a_memory_budget_merge_as_before(tmp_path, monkeypatch) -> None:
     """With every batch spilled (memory_limit of a byte) the value traces belong to a batch store and merge by trace
-    invariant 15 (hold_keyed is not used): the view equals the model, no held merge ran."""
+    invariant 15 (hold_keyed is not used): the view equals the model, no held merge ran (totals per key asked for)."""
+    monkeypatch.setattr(_ExtremesState, "PER_KEY", True)
     rng = np.random.default_rng(SEED + 200)
     bag: Counter = Counter()
     view: Counter = Counter()
