@@ -49,13 +49,14 @@ Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them
 - ``DBSP_TOTALS_HOLD`` (operators/aggregate.py, distinct.py, count_distinct.py, join.py, presence.py, materialize.py):
   the fan-in up to which the low levels of a trace merge while its reads need no walk of its batches (trace/levels.py
   invariant 18): a trace read only through its key index (a linear or min/max aggregate's totals, a distinct's input, a
-  count_distinct's pairs), or a join side's (inner, outer, semi, anti) or a materialized view's trace while nothing
-  reads it; a whole number >= 0 (0 or 1: two at a time, as every other trace; default 8). Results and state are the same
-  either way; only the merge work differs.
-- ``DBSP_TOTALS_PER_KEY`` (operators/aggregate.py): ``1`` (default): a linear aggregate's steps keep its totals in its
-  key index only and bring the totals trace's batches up to date when something reads them (trace/levels.py invariant
-  19: no per-step batch, no merges between reads); ``0``: every step inserts its batch of old and new totals (the path
-  until 2026-12-01; tests/core/test_totals_per_key*.py compare the two). Results and state are the same either way. Not
+  count_distinct's pairs) or only by a few keys at a time (a min/max's value multisets), or a join side's (inner,
+  outer, semi, anti) or a materialized view's trace while nothing reads it; a whole number >= 0 (0 or 1: two at a
+  time, as every other trace; default 8). Results and state are the same either way; only the merge work differs.
+- ``DBSP_TOTALS_PER_KEY`` (operators/aggregate.py): ``1`` (default): a linear aggregate's steps (a min/max's too where
+  ``_ExtremesState.PER_KEY`` is None, invariant 12 there; off by default) keep its totals in its key index only and
+  bring the totals trace's batches up to date when something reads them (trace/levels.py invariant 19: no per-step
+  batch, no merges between reads); ``0``: every step inserts its batch of old and new totals (the path until
+  2026-12-01; tests/core/test_totals_per_key*.py compare the two). Results and state are the same either way. Not
   under a memory budget (the trace then keeps its totals in batches); a key index that cannot grow
   (``DBSP_KEY_INDEX_MB``, ``DBSP_KEY_INDEX_TOTAL_MB``, memory) has its step's store undone and the trace keeps its
   totals in batches from then on.

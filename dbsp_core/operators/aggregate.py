@@ -74,6 +74,18 @@ Invariants:
      The totals trace, read only through that index, holds its low levels as a linear aggregate's does (trace
      invariant 18, ``DBSP_TOTALS_HOLD``; ``_LinearState.HOLD`` in tests): a step's batch of old and new totals is
      rewritten about once per three levels on its way up, not once per level.
+ 11. A value multiset's trace is read only for the groups whose extreme a deletion reached (a seek per group in each
+     batch, ``_recompute_into``, or ``lookup_exact`` on the path without the key index), so it holds its low levels
+     whatever its reads (trace invariant 18, ``hold_keyed``; ``DBSP_TOTALS_HOLD``, ``_LinearState.HOLD`` in tests): a
+     step's batch of values is rewritten about once per three levels on its way up instead of once per level.
+ 12. With ``_ExtremesState.PER_KEY`` (off by default: by the wall clock it was not shown faster, bench/RESULTS.md
+     r37-minmax5; None follows ``DBSP_TOTALS_PER_KEY``), the totals trace, read only through its key index (invariant
+     10), keeps its totals per key (trace invariant 19) as a linear aggregate's does: the index is the state
+     (its sums over a group's one totals row are that row, an extreme null where its "valid" flag is 0), a step that
+     stored its groups there (the emit's in-place writes, or ``extremes_store``) inserts no batch but records each of
+     its groups not dirty yet with its old row, and the batches are synced from the index when something reads them
+     (a checkpoint, a shard cut, the walk of ``_through_totals``). So a step merges no totals at all; a rollback
+     undoes the step's writes into the index from its batch (-old +new) by the undo log of trace invariant 19.
 """
 
 from __future__ import annotations
@@ -96,6 +108,7 @@ from dbsp_core import _zset
 from dbsp_core.time.cleanup import prune
 from dbsp_core.time.lineage import input_times
 from dbsp_core.trace import Trace, summable, unique_sorted
+from dbsp_core.trace.keyindex import int_array
 from dbsp_core.zset import IndexedZSet, ZSet, _agg_specs, _take, sum_adjacent
 
 if TYPE_CHECKING:
@@ -752,6 +765,8 @@ class _ExtremesState(_GroupedState):
     A group whose deleted extreme is not strictly beyond its old extreme is re-reduced from the value traces.
     """
 
+    PER_KEY: bool | None = False  # the totals kept per key (invariant 12); None: ``DBSP_TOTALS_PER_KEY``'s (tests set it)
+
     def __init__(self, op: Aggregate) -> None:
         self.op = op
         self.keys = list(op.keys)
@@ -760,8 +775,11 @@ class _ExtremesState(_GroupedState):
         self.ext = tuple((j, kind, col) for j, (kind, col) in enumerate(op.kernel) if kind in ("min", "max"))
         cols = sorted({col for _, _, col in self.ext}) if not op.append_only else []  # invariant 7
         self.val_cols = tuple((col, f"values_{i}") for i, col in enumerate(cols))  # (column, attribute)
+        hold = settings().totals_hold if _LinearState.HOLD is None else _LinearState.HOLD
         for col, attr in self.val_cols:
             setattr(self, attr, Trace(pa.schema(key_fields + [op.in_schema.field(col)]), op.keys))
+            if hold > 2:  # read only for the groups whose extreme a deletion reached (invariant 11)
+                getattr(self, attr).hold_keyed = hold
         slot_type = {j: op.in_schema.field(col).type for j, _, col in self.ext}
         self.sschema = pa.schema(key_fields + [pa.field(f"s_{j}", slot_type.get(j, pa.int64()))
                                                for j in range(len(op.kernel))])
@@ -799,9 +817,10 @@ class _ExtremesState(_GroupedState):
         if not (all(summable(slot_type[j]) for j, _, _ in self.ext) and self.totals.keep_index(self.spec[1])):
             self.spec = None
         else:  # read through the key index: its low levels merge many at a time (trace invariant 18)
-            hold = settings().totals_hold if _LinearState.HOLD is None else _LinearState.HOLD
             if hold > 2:
                 self.totals.hold = hold
+            if settings().totals_per_key if self.PER_KEY is None else self.PER_KEY:
+                self.totals.keep_totals_per_key()  # the index is the state, the batches synced on reads (invariant 12)
         # invariant 8: the reduction's grouping specs (row count, the one extreme), when the aggregate allows it
         self.reduce_specs = None
         if (op.append_only and len(self.ext) == 1 and _reducible(slot_type[self.ext[0][0]])
@@ -811,6 +830,7 @@ class _ExtremesState(_GroupedState):
         self.projected_steps = 0  # changes projected (invariant 9; counts for tests, not state)
         self.emit = self._emitter() if self.spec is not None else None  # phase 2 in one C call (invariant 10)
         self.emitted_steps = 0  # steps whose second half ran in that call (counts for tests, not state)
+        self.recomputed = 0  # groups whose extremes were re-reduced from the value multisets (counts for tests)
         # steps left before the reduction is tried again (invariant 8): of the step's change, and of what a fused
         # exchange sends (dbsp_core/runtime/plan.py): after a sender's reduction a group arrives as about one row
         self._reduce_skip = self._send_skip = 0
@@ -898,6 +918,7 @@ class _ExtremesState(_GroupedState):
 
         n = sums.num_rows
         keys = sums.select(self.keys)
+        self.recomputed += int(pc.sum(need).as_py())
         hashes = np.unique(ZSet._make(keys.filter(need), np.ones(int(pc.sum(need).as_py()), np.int64)).hash(
             self.keys))
         parts = {name: [sums.column(name)] for name in self.names}
@@ -1108,13 +1129,13 @@ class _ExtremesState(_GroupedState):
         for j in range(ns):
             typ = self.sschema.field(nk + j).type
             if j in ext:
-                cols.append(_int_array(vals[:, j], typ, vals[:, ns + ext[j]] == 0))
+                cols.append(int_array(vals[:, j], typ, vals[:, ns + ext[j]] == 0))
             else:
                 cols.append(pa.array(vals[:, j], pa.int64()))
         table = pa.Table.from_arrays(cols, schema=self.sschema)
         # the rows come group by group in the change's key order (a group's old row, then its new one)
         kh = gkh[grp]
-        self.totals.insert(IndexedZSet._from_key_order(make(table, w, self.sschema), self.keys, kh), indexed=ix)
+        self.totals.store_totals(IndexedZSet._from_key_order(make(table, w, self.sschema), self.keys, kh), ix)
         # a group's old and new rows sit side by side: they cancel when the view's columns did not change
         return sum_adjacent(make(op.finalize(table), w, op.schema), kh)
 
@@ -1127,18 +1148,36 @@ class _ExtremesState(_GroupedState):
         if batch is None:  # no group's totals changed
             self.totals.index_done(ix)
             return empty(self.op.schema)
+        probed = None
         if ordered:  # groups by key hash, a group's two rows by row hash: the trace batch as it stands
             # (the call's tables hold one record batch each: one chunk per column as they are, zset.py invariant 1)
             b = IndexedZSet._make(ZSet._make(batch, w, chunked=True), tuple(self.keys), kh)
             b._rh = rh
+            probed = self._dirty_per_group(b, ix)
         else:  # a key-hash or row-hash tie (rare): values decide the order
             b = IndexedZSet._from_key_order(make(batch, w, self.sschema), self.keys, kh)
-        self.totals.insert(b, indexed=ix)
+        self.totals.store_totals(b, ix, probed)  # inserted, or with totals per key recorded (invariant 12)
         self.emitted_steps += 1
         if not len(ow):  # every changed group shows what it showed
             return empty(self.op.schema)
         # rows of two groups differ in their keys, a group's in a value
         return ZSet._make(out, ow, distinct=True, chunked=True)
+
+    def _dirty_per_group(self, b: IndexedZSet, ix: object) -> "tuple | None":
+        """For :meth:`Trace.store_totals` (invariant 12): the dirty-key index and, per row of the emitted batch ``b``,
+        whether its key is not dirty yet, probed once per group: in an ordered batch no two groups share a key hash,
+        so a group's rows are the runs of equal key hashes. None when the trace keeps no dirty index."""
+        dirty = self.totals.pk_dirty(ix)
+        if dirty is None:
+            return None
+        kh = b._kh
+        first = np.empty(len(kh), dtype=bool)
+        first[0] = True
+        np.not_equal(kh[1:], kh[:-1], out=first[1:])
+        sel = np.flatnonzero(first)
+        acc = np.zeros((len(sel), 1), dtype=np.int64)
+        dirty.get(b._view(), b._keypos, kh[sel], acc, sel=sel)
+        return dirty, (acc[:, 0] == 0)[np.cumsum(first) - 1]
 
     def _recompute_into(self, view: "_zset.BatchView", group_row: np.ndarray, gkh: np.ndarray, need: np.ndarray,
                         nw: np.ndarray) -> None:
@@ -1147,6 +1186,7 @@ class _ExtremesState(_GroupedState):
         value column over the value trace's batches, seeking each group's key in each (``_zset.extremes_scan``)."""
         ns = len(self.op.kernel)
         rows, hashes = group_row[need], gkh[need]
+        self.recomputed += len(need)
         nk = len(self.keys)
         for col, attr in self.val_cols:
             trace: Trace = getattr(self, attr)
@@ -1224,19 +1264,6 @@ def _reducible(t: pa.DataType) -> bool:
     it, invariant 7's path) or string-like (no key index: the reduced change is indexed and folded with the old
     totals, ``_through_totals``), whose order the reduction's kernel (csrc/agg.h) and the fold share."""
     return summable(t) or pat.is_string(t) or pat.is_large_string(t) or pat.is_binary(t) or pat.is_large_binary(t)
-
-
-def _int_array(values: np.ndarray, typ: pa.DataType, null: np.ndarray) -> pa.Array:
-    """An Arrow array of integer-like type ``typ`` (integers, date32, timestamps) from int64 ``values``, null where
-    ``null`` (the key index holds such extremes as int64: csrc/extremes.h)."""
-    mask = null if null.any() else None
-    if pa.types.is_int64(typ):
-        return pa.array(values, pa.int64(), mask=mask)
-    if pa.types.is_timestamp(typ):
-        return pa.array(values, pa.int64(), mask=mask).view(typ)
-    if pa.types.is_date32(typ):
-        return pa.array(values.astype(np.int32), pa.int32(), mask=mask).view(typ)
-    return pa.array(values.astype(typ.to_pandas_dtype()), typ, mask=mask)
 
 
 def _joined(parts: list, typ: pa.DataType) -> pa.Array:

@@ -472,9 +472,9 @@ class KeyIndexed:
 
 
 class PerKeyTotals:
-    """Totals kept per key (runtime/plan.py design note 5; trace invariant 19): the linear aggregate's steps store
-    their groups' totals in the trace's key index only, and the trace's batches are brought up to date from it when
-    something reads them. It uses :class:`KeyIndexed`'s index and the trace's ``insert`` and ``_changed``.
+    """Totals kept per key (runtime/plan.py design note 5; trace invariant 19): a linear or min/max aggregate's steps
+    store their groups' totals in the trace's key index only, and the trace's batches are brought up to date from it
+    when something reads them. It uses :class:`KeyIndexed`'s index and the trace's ``insert`` and ``_changed``.
 
     State (attributes of the trace, so a rollback's capture holds them; their lists are copied by it):
       ``_pk_on``: the mode is on (:meth:`keep_totals_per_key`; off for good once the trace joins a batch store or its
@@ -506,11 +506,20 @@ class PerKeyTotals:
         self._pk_syncing = False
 
     def keep_totals_per_key(self) -> bool:
-        """Keep the totals per key (trace invariant 19) when the trace keeps a key index on its key of every
-        non-key column (a linear aggregate's totals) and no batch store holds it; returns whether it does."""
+        """Keep the totals per key (trace invariant 19) when the trace keeps a key index on its key of every non-key
+        column, in order, each an integer-like column (a linear aggregate's totals), then maybe "valid" flags of some
+        of them (a min/max's totals: an extreme's column null where its flag is 0), and no batch store holds it;
+        returns whether it does."""
         if self._kix_spec is None or self._kix_off or self._kix_spec[0] != "key" or self._store is not None:
             return False
-        if list(self.key) + list(self._kix_spec[1]) != list(self.schema.names):
+        cols = list(self._kix_spec[1])
+        names = [c for c in cols if not isinstance(c, tuple)]
+        if list(self.key) + names != list(self.schema.names) or cols[:len(names)] != names:
+            return False
+        if any(c[0] != "valid" or c[1] not in names for c in cols[len(names):]):
+            return False
+        if not all(pa.types.is_integer(t) or pa.types.is_timestamp(t) or pa.types.is_date32(t)
+                   for t in self.schema.types[len(self.key):]):
             return False
         self._pk_on = True
         return True
@@ -670,15 +679,20 @@ class PerKeyTotals:
         keys = list(range(nk))
         new = np.zeros((len(kh), ix.nvals), dtype=np.int64)
         ix.get(_view_of(data, None), keys, kh, new)
-        old = np.column_stack([data.column(nk + j).to_numpy(zero_copy_only=False) for j in range(ix.nvals)])
+        cols = list(self._kix_spec[1])  # the columns, then "valid" flags of some (keep_totals_per_key)
+        old = np.column_stack([_index_value(data, c) for c in cols])
         has = new[:, 0] != 0  # slot 0 is the row count: a group of the index (operators/aggregate.py invariant 1)
         same = had & has & (old == new).all(axis=1)
         minus, plus = np.flatnonzero(had & ~same), np.flatnonzero(has & ~same)
         if not len(minus) and not len(plus):
             return
         kcols = data.select(keys).take(pa.array(plus))
-        ptab = pa.Table.from_arrays(list(kcols.columns) + [pa.array(new[plus, j]) for j in range(ix.nvals)],
-                                    schema=self.schema)
+        flags = {c[1]: j for j, c in enumerate(cols) if isinstance(c, tuple)}
+        ptab = pa.Table.from_arrays(
+            list(kcols.columns) + [int_array(new[plus, j], f.type, new[plus, flags[c]] == 0 if c in flags else
+                                             np.zeros(len(plus), dtype=bool))
+                                   for j, (c, f) in enumerate(zip(cols, list(self.schema)[nk:]))],
+            schema=self.schema)
         table = pa.concat_tables([data.take(pa.array(minus)), ptab]).combine_chunks()
         w = np.concatenate([np.full(len(minus), -1, dtype=np.int64), np.ones(len(plus), dtype=np.int64)])
         b = ZSet._make(table, w).index_by(list(self.key))  # key-hash sorted (its rows are distinct: no sums)
@@ -731,6 +745,32 @@ class _Mark:
 
     def __init__(self, undo: list, at: int, ix: Any, token: Any) -> None:
         self.undo, self.at, self.ix, self.token = undo, at, ix, token
+
+
+def _index_value(data: pa.Table, c: "str | tuple") -> np.ndarray:
+    """What a key index sums of column ``c`` of ``data`` for a row of weight 1, as int64 (nulls as 0), or of its
+    "valid" flag ``("valid", name)``: 1 where the value is not null (csrc/keyindex.h)."""
+    import pyarrow.compute as pc
+
+    if isinstance(c, tuple):
+        return np.asarray(pc.is_valid(data.column(c[1])).to_numpy(zero_copy_only=False), dtype=np.int64)
+    col = data.column(c)
+    if not pa.types.is_integer(col.type):  # a timestamp or date32: its integer storage
+        col = col.cast(pa.int64() if pa.types.is_timestamp(col.type) else pa.int32())
+    return np.asarray(pc.fill_null(col, 0).to_numpy(zero_copy_only=False), dtype=np.int64)
+
+
+def int_array(values: np.ndarray, typ: pa.DataType, null: np.ndarray) -> pa.Array:
+    """An Arrow array of integer-like type ``typ`` (integers, date32, timestamps) from int64 ``values``, null where
+    ``null`` (a key index holds such columns as int64: csrc/extremes.h)."""
+    mask = null if null.any() else None
+    if pa.types.is_int64(typ):
+        return pa.array(values, pa.int64(), mask=mask)
+    if pa.types.is_timestamp(typ):
+        return pa.array(values, pa.int64(), mask=mask).view(typ)
+    if pa.types.is_date32(typ):
+        return pa.array(values.astype(np.int32), pa.int32(), mask=mask).view(typ)
+    return pa.array(values.astype(typ.to_pandas_dtype()), typ, mask=mask)
 
 
 def _view_of(table: pa.Table, weights: np.ndarray | None) -> Any:

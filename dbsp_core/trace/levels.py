@@ -146,27 +146,30 @@ dbsp_core/trace/spill.py: a spilled batch is read in place from its file, and lo
      read after such a run walks the held loose batches, and the merges after it take two. The content, the placement
      order and every reader's view of it are invariant 1's, whatever the fan-in; under a store (and with no current
      index, or read within UNREAD_INSERTS inserts) the fan-in is invariant 15's or 2, as for every trace.
- 19. Totals kept per key (``keep_totals_per_key``, a linear aggregate's totals; ``DBSP_TOTALS_PER_KEY=0`` turns it off;
-     dbsp_core/trace/keyindex.py ``PerKeyTotals``): the key index is the state and the batches a view of it, synced on
-     demand. A step that stored its groups' totals in the index (``store_totals``) inserts no batch: it records each
-     of its keys not dirty yet, once, with the totals the batches hold for it (its -1 row, or none). The content is
-     the batches plus, per dirty key, its index totals less its recorded ones; every reader of the batches syncs
-     first (``_levels``, so ``_read``, ``parts``, ``shard``, views, walks, ``check``; and ``insert``, ``replace``,
-     ``drop_below``, a stale or dropped index): one consolidated, key-hash-sorted batch of the dirty keys' recorded
-     totals (-1) and index totals (+1), where they differ, inserted as any batch. So between reads a step costs its
-     groups' probes and a probe of the dirty-key index, and no merge. Only without a batch store (a trace that joins
-     one syncs and keeps batches from then on: spill.py invariant 17 weighs and may drop the index). An index that
-     cannot grow half way through a step (memory, size limits) loses nothing: the step's store is undone in C
-     (csrc/linrun.h invariant 4), or the dirty-key index's adds are (csrc/keyindex.h invariant 4), the trace syncs
-     from its whole index, drops it (an IndexDroppedWarning, as without totals per key) and keeps its totals in
-     batches from then on; the step completes through them (``PerKeyTotals.pk_fallbacks`` counts it). Only an
-     overflow half way, or an undo that must put back a removed string key with no arena room, still breaks the
-     index: a DbspError says so. A rollback capture marks the trace, and
-     every change of its key index in place is then logged and undone by the restore (rollback.py invariant 3).
-     Size figures (metrics, the profile, the autoscaler's) sync nothing: they add ``unsynced_size`` (the rows the
-     next sync would insert at most, from a snapshot of the records, no index probe) to the batches'. No batch
-     store is joined while totals are kept per key, so a memory budget never has unsynced totals to weigh: its
-     accounting of the index is spill.py invariant 17's.
+     ``hold_keyed`` (a min/max's value multisets, operators/aggregate.py invariant 11) holds whatever its reads: every
+     read of such a trace is of a few keys (the groups whose extreme a deletion reached), a seek per key in each batch,
+     so the held batches cost a read a few seeks more while every insert's batch is rewritten j times fewer.
+ 19. Totals kept per key (``keep_totals_per_key``, a linear or min/max aggregate's totals: a key index of its integer-
+     like columns, a min/max's with "valid" flags that a sync turns back into nulls; ``DBSP_TOTALS_PER_KEY=0`` turns
+     it off; dbsp_core/trace/keyindex.py ``PerKeyTotals``): the key index is the state and the batches a view of it,
+     synced on demand. A step that stored its groups' totals in the index (``store_totals``) inserts no batch: it
+     records each of its keys not dirty yet, once, with the totals the batches hold for it (its -1 row, or none). The
+     content is the batches plus, per dirty key, its index totals less its recorded ones; every reader of the batches
+     syncs first (``_levels``, so ``_read``, ``parts``, ``shard``, views, walks, ``check``; and ``insert``,
+     ``replace``, ``drop_below``, a stale or dropped index): one consolidated, key-hash-sorted batch of the dirty
+     keys' recorded totals (-1) and index totals (+1), where they differ, inserted as any batch. So between reads a
+     step costs its groups' probes and a probe of the dirty-key index, and no merge. Only without a batch store (a
+     trace that joins one syncs and keeps batches from then on: spill.py invariant 17 weighs and may drop the index).
+     An index that cannot grow half way through a step (memory, size limits) loses nothing: the step's store is undone
+     in C (csrc/linrun.h invariant 4), or the dirty-key index's adds are (csrc/keyindex.h invariant 4), the trace
+     syncs from its whole index, drops it (an IndexDroppedWarning, as without totals per key) and keeps its totals in
+     batches from then on; the step completes through them (``PerKeyTotals.pk_fallbacks`` counts it). Only an overflow
+     half way, or an undo that must put back a removed string key with no arena room, still breaks the index: a
+     DbspError says so. A rollback capture marks the trace, and every change of its key index in place is then logged
+     and undone by the restore (rollback.py invariant 3). Size figures (metrics, the profile, the autoscaler's) sync
+     nothing: they add ``unsynced_size`` (the rows the next sync would insert at most, from a snapshot of the records,
+     no index probe) to the batches'. No batch store is joined while totals are kept per key, so a memory budget never
+     has unsynced totals to weigh: its accounting of the index is spill.py invariant 17's.
 """
 
 from __future__ import annotations
@@ -508,6 +511,8 @@ class Trace(KeyIndexed, PerKeyTotals):
     hold_unread = 0  # invariant 18: the same fan-in while the trace is not read (UNREAD_INSERTS inserts since its
     # last read); set per instance (a join's sides, whose reads come only with the other side's changes)
     UNREAD_INSERTS = 8
+    hold_keyed = 0  # invariant 18: the same fan-in whatever the reads, for a trace read only by a few keys at a time
+    # (a min/max's value multisets); set per instance
     _unread = 0  # inserts since the last read (invariant 18)
     INLINE_MERGE = 4096  # work (input rows) up to which a merge is not handed to the merge thread (invariant 10):
     # handing over a small step's merge (lock, wake-up, GIL hand-offs) cost more than merging it by fuel here
@@ -695,7 +700,7 @@ class Trace(KeyIndexed, PerKeyTotals):
         ``hold`` that reads through a current key index, or with ``hold_unread`` while it is not read (invariant 18),
         up to that on a low level; else 2."""
         store = self._store
-        if store is None and (self.hold > 2 or self.hold_unread > 2) and len(level.loose) >= 2:
+        if store is None and (self.hold > 2 or self.hold_unread > 2 or self.hold_keyed > 2) and len(level.loose) >= 2:
             return self._held_fan_in(level)
         if store is None or self.FAN_IN <= 2 or len(level.loose) < 2:
             return 2
@@ -727,6 +732,8 @@ class Trace(KeyIndexed, PerKeyTotals):
             hold = self.hold
         elif self.hold_unread > 2 and self._unread >= self.UNREAD_INSERTS:
             hold = self.hold_unread
+        elif self.hold_keyed > 2:
+            hold = self.hold_keyed
         else:
             return 2
         lvl = level_of(level.loose[0][2])

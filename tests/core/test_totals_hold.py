@@ -73,10 +73,10 @@ def _push(p: dbsp.Pipeline, d: Counter) -> None:
         p.push("t", dbsp.ZSet.from_rows(list(d), SCHEMA, weights=list(d.values())))
 
 
-def poisoned_step(p: dbsp.Pipeline) -> None:
-    """A push that a later node (``add_poison``) fails on: the step raises StepError after the aggregates stored
-    their totals (a rollback), and the push is discarded."""
-    p.push("t", dbsp.ZSet.from_rows([(1, 0, 5, "s1"), (9, 2, 666, "s9")], SCHEMA))
+def poisoned_step(p: dbsp.Pipeline, rows: list | None = None, schema: pa.Schema = SCHEMA) -> None:
+    """A push (``rows`` of ``schema``) that a later node (``add_poison``) fails on: the step raises StepError after the
+    aggregates stored their totals (a rollback), and the push is discarded."""
+    p.push("t", dbsp.ZSet.from_rows(rows or [(1, 0, 5, "s1"), (9, 2, 666, "s9")], schema))
     with pytest.raises(StepError, match="poison") as info:
         p.step()
     producer, seq = info.value.inputs[-1][1:]
