@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import struct
 from array import array
@@ -88,6 +89,11 @@ def _bf():
 # does not handle, or a message it does not (a compressed body), takes the Arrow path whatever this says;
 # DECODE_COUNTS counts the lookups and whole reads each path served ("fallback": the C path declined).
 DECODE_DEFAULT = "c" if settings().spill_native else "arrow"
+# How the C path's lookups read their groups (invariant G5): True (``DBSP_SPILL_GROUPED_MAP``, the default), in place
+# from a mapping of the whole file kept between steps, but for a lookup told the file is cold (``advise``); False: by
+# pread(2), the file never mapped. Whole reads (:meth:`GroupedFile.read_all`, ``_table``) read by pread either way.
+READ_MAPPED = settings().spill_grouped_map
+MAP_UNIT = 2 << 20  # the units of address space a mapped read flags (csrc/groupdecode.h DBSP_GDEC_UNIT_SHIFT)
 DECODE_COUNTS = {"c": 0, "arrow": 0, "fallback": 0}
 _GCOL_FIXED, _GCOL_BOOL, _GCOL_VAR32, _GCOL_VAR64 = 0, 1, 2, 3  # csrc/groupdecode.h DBSP_GCOL_*
 
@@ -202,7 +208,10 @@ def _cut(rb: pa.RecordBatch, kh: np.ndarray, slot: int) -> np.ndarray | None:
 
 # ---- writing ----
 
-GATHER = 1 << 20  # bytes of placed messages gathered before a write to the page sink (one pwrite and one CRC pass)
+GATHER = 4 << 20  # bytes of placed messages gathered before a write to the page sink (one pwrite and one CRC pass);
+# the write hands over whole 2 MiB of the file (batchfile.FOLIO_ALIGN) and keeps the rest, so that the page cache holds
+# the file in 2 MiB folios, which a mapped read faults in as one PMD entry (invariant G3); 1 MiB writes left it in
+# folios of 4 KiB-1 MiB: ~750 faults a 1k-key step, 3.4 ms, where 2 MiB folios take ~290 (bench/RESULTS.md, r31-f2map)
 _EOS = b"\xff\xff\xff\xff\0\0\0\0"  # the Arrow IPC end-of-stream marker, which the Arrow file writer puts before its footer
 
 
@@ -293,10 +302,17 @@ class GroupedWriter:
                 else f"check the disk of {where}")
         return StorageError(code, f"writing batch file {self.path}: {getattr(e, 'strerror', None) or e}; {hint}")
 
-    def _drain(self) -> None:
-        """Hand what is gathered to the page sink (one write: its pieces, CRCs and pwrites)."""
+    def _drain(self, last: bool = False) -> None:
+        """Hand what is gathered to the page sink (one write: its pieces, CRCs and pwrites): up to the last multiple of
+        ``FOLIO_ALIGN`` of the file it reaches, all of it when ``last``."""
         if self.buf:
-            data, self.buf = self.buf, bytearray()  # (a failed write's traceback may hold a view of it)
+            n = len(self.buf)
+            if not last:
+                fa = _bf().FOLIO_ALIGN
+                n = (64 + self.sink.pos + n) // fa * fa - 64 - self.sink.pos if fa else n
+                if n <= 0:
+                    return
+            data, self.buf = self.buf[:n], self.buf[n:]  # (a failed write's traceback may hold a view of it)
             self.sink.write(data)
 
     def add(self, batch: Any) -> None:
@@ -367,7 +383,7 @@ class GroupedWriter:
             self.buf += _EOS
             self.buf += fb
             self.buf += struct.pack("<i", len(fb)) + b"ARROW1"
-            self._drain()
+            self._drain(last=True)
             sink = self.sink
             sink.close()
             alen = sink.pos
@@ -470,8 +486,45 @@ class GroupedFile:
         self.decode = DECODE_DEFAULT
         self._data_schema: pa.Schema | None = None  # the data columns' schema (made at the first direct lookup)
         self.last_groups_read = -1  # the groups the last lookup read (tests compare it with groups_of)
+        self.read_mapped = READ_MAPPED
+        self.map: mmap.mmap | None = None  # the file's mapping, opened by the first mapped lookup (invariant G5)
+        self.units: np.ndarray | None = None  # with it, a flag a MAP_UNIT of its address space a lookup read
+        self.base = 0  # the mapping's address
+
+    def mapping(self) -> mmap.mmap | None:
+        """The file's mapping for mapped lookups (invariant G5), opened at the first call: the whole file, read-only,
+        MADV_RANDOM, registered as a mapping of the file (batchfile.py invariant 9: the store truncates a deleted
+        file only once none is alive), with :attr:`units` (zeroed) and :attr:`base`; None once closed."""
+        if self.map is None and self.fd >= 0:
+            m = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_READ)
+            batchfile.note_mapping(m, batchfile.file_key(os.fstat(self.fd)))
+            advice = getattr(mmap, "MADV_RANDOM", None)
+            if advice is not None:
+                m.madvise(advice)
+            at = np.frombuffer(m, dtype=np.uint8, count=1)
+            self.base = int(at.ctypes.data)
+            del at
+            self.units = np.zeros((self.base % MAP_UNIT + self.size + MAP_UNIT - 1) // MAP_UNIT, dtype=np.uint8)
+            self.map = m
+        return self.map
+
+    def take_units(self) -> np.ndarray | None:
+        """The flags of the ``MAP_UNIT``s mapped lookups read since the last call (bool, one a unit), cleared; None
+        when they read none (invariant G5: the batch store's count of mapped units, spill.py invariant 18)."""
+        u = self.units
+        if u is None or not u.any():
+            return None
+        got = u.astype(bool)
+        u[:] = 0
+        return got
 
     def close(self) -> None:
+        if self.map is not None:
+            try:
+                self.map.close()  # (a lookup on another thread still reading it: BufferError, left to the collector)
+            except BufferError:
+                pass
+            self.map = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -757,10 +810,12 @@ class GroupedFile:
         if self.decode == "c" and self.kinds is not None:
             from dbsp_core import _storage
 
+            m = self.mapping() if self.read_mapped and not advise else None  # (a cold file: pread, invariant G5)
             res = _storage.grouped_lookup(
                 self.fd, self.slot, 64 + self.alen, self.page_crcs, self.checked.view(np.uint8), self.kinds[0],
                 self.kinds[1], self.ndata + 1, self.bloom, self.bloom_k, self.first_hash, self.g_slot, self.g_slots,
-                self.msg_len, self.g_rows, np.ascontiguousarray(h), advise, self.verified)
+                self.msg_len, self.g_rows, np.ascontiguousarray(h), advise, self.verified, m,
+                self.units if m is not None else None)
             self.last_groups_read = res[5] if res[0] == 0 else -1
             if res[0] == 0:  # (the batch made from the gathered buffers, :meth:`_direct`)
                 DECODE_COUNTS["c"] += 1
