@@ -1412,7 +1412,8 @@ class BatchStore:
         self._step_misses = 0
         indexes = [(t, ix) for t in traces if id(t) in touched
                    for ix in (t.held_index,) if ix is not None and ix.nbytes >= self.INDEX_FILE_MIN]
-        if not used and not indexes and self._cached == 0 and self._mapped_bytes == 0:
+        gmarks = self._grouped_units()
+        if not used and not indexes and not gmarks and self._cached == 0 and self._mapped_bytes == 0:
             return
         located = []
         seeks = []  # the reads of some keys: their pages located in one C call (spillread.pages_used)
@@ -1430,7 +1431,7 @@ class BatchStore:
             for (i, _, f, _, _), p in zip(seeks, pages):
                 located[i][3] = np.arange(f.os_pages(), dtype=np.int64) if p is None else p
         del used, seeks
-        if self.OVERFLOW_EMPTIES and located and not indexes and self._overflows(located):
+        if self.OVERFLOW_EMPTIES and (located or gmarks) and not indexes and self._overflows(located, gmarks):
             return
         with self._lock:  # batches may die (and leave the cache) on other threads meanwhile
             self._generation += 1
@@ -1453,6 +1454,12 @@ class BatchStore:
                 if key not in out:
                     marks[_unit_of(f.base, pages)] = True
                     self._mapped_at[key] = now
+            for key, u in gmarks.items():  # a format-2 file's mapped reads: the units they flagged (invariant 18)
+                marks = self._mapped.get(key)
+                if marks is None or len(marks) != len(u):
+                    marks = self._mapped[key] = np.zeros(len(u), dtype=bool)
+                marks |= u
+                self._mapped_at[key] = now
             for t, ix in indexes:  # invariant 17: an index used counts whole (its probes' pages are not known)
                 n = -(-int(ix.nbytes) // mmap.PAGESIZE)
                 held = self._index_used.get(id(ix))
@@ -1473,7 +1480,26 @@ class BatchStore:
         self.stats["evict_calls"] += (spillread.evict(evict, self.RECENCY and hasattr(mmap, "MADV_NORMAL"))
                                       if spillread.NATIVE else _evict(evict))
 
-    def _overflows(self, located: list) -> bool:
+    def _grouped_units(self) -> dict[int, np.ndarray]:
+        """The ``MAP_UNIT``s each format-2 file's mapped lookups read since the last call (invariant 18; flagged by the
+        C reads, taken and cleared here), by batch key: the files that read none left out."""
+        with self._lock:
+            files = list(self._grouped.items())
+        out = {}
+        for key, f in files:
+            u = f.take_units()
+            if u is not None:
+                out[key] = u
+        return out
+
+    def _mapping_of(self, key: int) -> Any:
+        """The mapping of batch ``key``'s file (format 1's, or a format-2 file's once a lookup mapped it), or None."""
+        f = self._files.get(key)
+        if f is None:
+            f = self._grouped.get(key)
+        return getattr(f, "map", None) if f is not None else None
+
+    def _overflows(self, located: list, gmarks: dict[int, np.ndarray] | None = None) -> bool:
         """Invariant 15, "overflow": when the ``MAP_UNIT``s the reads since the last enforce marked (``located``: per
         read its trace, batch key, file, pages and whether it sought keys) come to more than :meth:`cache_cap`, the
         mapped bound would drop every mapping they read (and every older one) whatever the clock says, so the page
@@ -1486,6 +1512,8 @@ class BatchStore:
             if u is None:
                 u = marks[key] = np.zeros(_units(f.base, f.size), dtype=bool)
             u[_unit_of(f.base, pages[pages < f.os_pages()])] = True
+        for key, u in (gmarks or {}).items():
+            marks[key] = u
         cap = self.cache_cap()
         if sum(int(np.count_nonzero(u)) for u in marks.values()) * MAP_UNIT <= cap:
             return False
@@ -1504,9 +1532,9 @@ class BatchStore:
             self._step_misses = misses
             dropped = set(marks) | {k for k, m in self._mapped.items() if m.any()}
             for key in dropped:
-                f = self._files.get(key)
-                if f is not None:
-                    evict.append((f.map, None))
+                m = self._mapping_of(key)
+                if m is not None:
+                    evict.append((m, None))
                     self.stats["mapped_drops"] += 1
                     held = self._mapped.get(key)
                     self.stats["mapped_bytes_dropped"] += int(np.count_nonzero(
@@ -1582,10 +1610,10 @@ class BatchStore:
             for key in sorted(held, key=lambda k: (self._mapped_at.get(k, 0), -held[k])):
                 if total + index <= cap:
                     break
-                f = self._files.get(key)
-                if f is None or not held[key]:
+                m = self._mapping_of(key)
+                if m is None or not held[key]:
                     continue
-                out.append((f.map, None))
+                out.append((m, None))
                 self._unmap(key)
                 total -= held[key]
                 self.stats["mapped_drops"] += 1
