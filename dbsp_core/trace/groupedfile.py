@@ -811,6 +811,9 @@ class GroupedFile:
             from dbsp_core import _storage
 
             m = self.mapping() if self.read_mapped and not advise else None  # (a cold file: pread, invariant G5)
+            if m is not None and os.fstat(self.fd).st_size < self.size:  # (a page past the end: a bus error)
+                raise _bad(self.path, f"it is shorter than the {self.size} bytes it had when opened: cut under its "
+                                      f"mapping")
             res = _storage.grouped_lookup(
                 self.fd, self.slot, 64 + self.alen, self.page_crcs, self.checked.view(np.uint8), self.kinds[0],
                 self.kinds[1], self.ndata + 1, self.bloom, self.bloom_k, self.first_hash, self.g_slot, self.g_slots,
