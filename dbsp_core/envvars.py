@@ -70,7 +70,7 @@ Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them
   Python call per batch; pyarrow's IPC reader for format 2), which the tests compare the native ones with
   (default 1). Results, files and the cache's counts are the same either way; only the CPU differs.
 - ``DBSP_SPILL_GROUPED`` (trace/spill.py ``BatchStore.GROUPED_FROM``): bytes (or a size such as ``256MiB``) from which
-  a spilled batch's file is written in batch file format 2 (row groups read by pread, trace/groupedfile.py) instead
+  a spilled batch's file is written in batch file format 2 (row groups, trace/groupedfile.py) instead
   of format 1 (mapped); ``1``: every spilled batch's (default: none, format 1 only). A store reads either format
   whatever this says. Results are the same either way.
 - ``DBSP_SPILL_GROUPED_MAP`` (trace/groupedfile.py ``READ_MAPPED``): ``1``: a format-2 file's lookups read its groups

@@ -36,8 +36,8 @@ a checksum):
       read into memory: 24 + ~1.3 bytes a row), and every CRC page it reads before it decodes a byte of it: a
       damaged file raises CorruptionError naming the file, the part, and what to do (as version 1's).
   G3. A key hash's rows are all in the one group whose first key hash is the greatest not above it (G1: keys are
-      whole in a group): :meth:`GroupedFile.lookup` reads those groups' slots by pread(2), adjacent ones in one call,
-      and maps nothing. The reads are decoded in C (csrc/groupdecode.c, ``DECODE_DEFAULT``): each slot read once
+      whole in a group): :meth:`GroupedFile.lookup` reads those groups' slots in place from the file's mapping (G5),
+      or by pread(2), adjacent ones in one call. The reads are decoded in C (csrc/groupdecode.c, ``DECODE_DEFAULT``): each slot read once
       (checked, if it is not yet, from the same bytes), each message's flatbuffer header, nodes and buffers checked
       against the slot and the writer's layout (a damaged one is CorruptionError, never a crash or other rows), the
       matching rows of all groups gathered into one record batch (each probed key hash found in its group by binary
@@ -46,6 +46,19 @@ a checksum):
       takes pyarrow's IPC reader (counted in ``DECODE_COUNTS``).
   G4. Only columns whose bytes a row's share can be bounded are grouped (fixed-width, boolean, string and binary):
       a batch with another column type is written as version 1 by :func:`dbsp_core.trace.batchfile.write_batch`.
+  G5. Mapped reads (``READ_MAPPED``, ``DBSP_SPILL_GROUPED_MAP``): a lookup not told the file is cold (``advise``)
+      reads its groups in place from one read-only MADV_RANDOM mapping of the whole file, opened by the first such
+      lookup and kept until the file is closed (:meth:`GroupedFile.mapping`): no pread and no copy of a group, only
+      its message's header, key hashes and the rows picked are read (and, the first time, its slots for their CRC,
+      G2). Each group's bytes are checked to lie within the mapping before a byte is read, and the file's size
+      against the mapping's before each lookup (a file cut under the mapping is CorruptionError, not a bus error);
+      the mapping is registered as one of the file (batchfile.py invariant 9), so the batch store truncates the file
+      only once it is gone. Each lookup flags the 2 MiB units of address space it read (:attr:`GroupedFile.units`),
+      which the batch store takes at each enforce and counts and drops as format 1's (spill.py invariants 12 and
+      18). The writer hands the file over in whole aligned 2 MiB (``GATHER``), so that its page cache is in 2 MiB
+      folios a read fault maps with one PMD entry: a dropped mapping costs a 1k-key read ~280 faults (~0.4 ms of
+      sys, against ~1.1 ms for its preads), where 1 MiB writes left folios of 4 KiB-1 MiB and ~750 faults
+      (bench/RESULTS.md, r31-f2map). Whole reads (a merge's input, ``read_all``) read by pread.
 """
 
 from __future__ import annotations
@@ -459,8 +472,9 @@ def _bad(path: str, what: str) -> CorruptionError:
 
 class GroupedFile:
     """An open format-2 batch file (invariant G2): its descriptor, header fields, group index, Bloom filter and page
-    CRCs in memory, a flag per CRC page checked, and the Arrow schema. Rows are read by pread(2) only:
-    :meth:`lookup` (the groups of some key hashes), :meth:`read_all` (every group, one contiguous batch: a copy)."""
+    CRCs in memory, a flag per CRC page checked, and the Arrow schema. Rows are read by :meth:`lookup` (the groups
+    of some key hashes: in place from the file's mapping, invariant G5, or by pread(2)) and :meth:`read_all` (every
+    group, one contiguous batch: a copy, by pread)."""
 
     def __init__(self, path: str, fd: int, size: int, rows: int, alen: int, slot: int, index: np.ndarray,
                  bloom: np.ndarray, bloom_k: int, page_crcs: np.ndarray) -> None:
@@ -802,10 +816,12 @@ class GroupedFile:
         return np.unique(g[g >= 0]).astype(np.int64)
 
     def lookup(self, hashes: np.ndarray, advise: bool = False) -> Any:
-        """The rows of key hashes ``hashes`` (an IndexedZSet in index order: a consolidated batch), read by pread of
-        the groups they lie in (invariant G3): no mapping. The C path is one call (``_storage.grouped_lookup``: the
-        Bloom filter, the group search, the reads, checks, decode and gather, the GIL released); ``advise``: the
-        groups' pages asked for (WILLNEED) before the first read, for a file whose pages are on the disk."""
+        """The rows of key hashes ``hashes`` (an IndexedZSet in index order: a consolidated batch), read from the
+        groups they lie in (invariant G3): in place from the file's mapping (G5: :meth:`mapping`, the units read
+        flagged) unless ``read_mapped`` is off or ``advise`` says the file is cold, else by pread. The C path is one
+        call (``_storage.grouped_lookup``: the Bloom filter, the group search, the reads, checks, decode and gather,
+        the GIL released); ``advise``: by pread, the groups' pages asked for (WILLNEED) before the first read, for a
+        file whose pages are on the disk."""
         h = np.asarray(hashes, dtype=np.uint64)
         if self.decode == "c" and self.kinds is not None:
             from dbsp_core import _storage

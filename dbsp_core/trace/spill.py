@@ -227,9 +227,12 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      batch (the Bloom filter, the group index, a pread a run of groups: ``stats["grouped_lookups"]``,
      ``keys_sought`` counts every key asked; while :meth:`prefetching` says the last step read from the disk, a
      posix_fadvise(WILLNEED) a run of groups first, so a cold step's reads overlap: ``grouped_prefetched``), into a
-     small batch in memory the C kernels walk as any other; such a
-     file maps nothing, so its reads use none of the cache's pages or ``MAP_UNIT``s (invariants 12, 15, 16 are
-     format 1's: a format-2 file's pages are the page cache's alone). A read of every row (a merge's input, a key
+     small batch in memory the C kernels walk as any other. Those reads are in place from a mapping of the file kept
+     between steps (groupedfile.py invariant G5, ``DBSP_SPILL_GROUPED_MAP``; by pread when ``prefetching`` says the
+     file is cold): each lookup flags the ``MAP_UNIT``s it read, and each enforce takes them (``_grouped_units``) and
+     counts them with format 1's marks in the mapped bound (invariant 12, "mapped": ``_bound_mapped`` and the
+     overflow drop the file's mapping whole, ``_mapping_of``), so the budget bounds a format-2 file's mapped pages
+     as a format-1 file's; they use none of the cache's per-page clock (invariants 15 and 16 are format 1's). A read of every row (a merge's input, a key
      index build, a shard cut) copies the rows into memory: the copy counts as bytes in memory and the next
      ``enforce`` empties it. A merge with a grouped input does not: it streams it (groupedmerge.py invariants
      S1-S3: each file's groups read in order, a ``groupedmerge.WINDOW`` at a time, merged round by round with the C
@@ -242,7 +245,8 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      C decoder's read buffer (csrc/groupdecode.c, 32 MiB a thread at most) is bounded while a store is open:
      ``SCRATCH_SHARE`` of the limit a thread, as the scratch cache.
      What it costs: the write is ~2-6x format 1's CPU (pyarrow's serialize a group; a load 1.5-2.6x format 1's),
-     and a warm step +13-69% CPU (a pread and a copy a key's group where format 1 reads pages it keeps mapped); so
+     and a warm step more CPU than format 1's (by pread +13-69%, a pread and a copy a key's group; mapped, see
+     bench/RESULTS.md r31-f2map); so
      ``GROUPED_FROM`` is for the large, cold levels (bench/RESULTS.md, branches r31-wire2, r31-stream and r31-f2,
      have the measures behind the choice).
 
