@@ -232,7 +232,13 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      file is cold): each lookup flags the ``MAP_UNIT``s it read, and each enforce takes them (``_grouped_units``) and
      counts them with format 1's marks in the mapped bound (invariant 12, "mapped": ``_bound_mapped`` and the
      overflow drop the file's mapping whole, ``_mapping_of``), so the budget bounds a format-2 file's mapped pages
-     as a format-1 file's; they use none of the cache's per-page clock (invariants 15 and 16 are format 1's). A read of every row (a merge's input, a key
+     as a format-1 file's; they use none of the cache's per-page clock (invariants 15 and 16 are format 1's).
+     Back-off: a format-2 file whose mapping the bound drops reads by pread for the next ``MAP_BACKOFF`` enforces,
+     then maps again (``grouped_map_backoffs`` counts them): when a step's units do not fit the cap (a 1k-key step on
+     a 10M-row join under 100 MiB reads ~250 units, 500 MiB, against a cap of 30-60), a mapping dropped every
+     enforce costs each step a fault a unit and keeps nothing (bench/RESULTS.md, r31-f2map: ~280-600 faults,
+     0.4-3 ms of sys a 1k-key read as the file's page cache is in 2 MiB folios or smaller ones, against ~1.1-1.4
+     ms by pread), where a mapping the cap holds reads with no fault and no copy (~1.3 against ~2.2 ms a read). A read of every row (a merge's input, a key
      index build, a shard cut) copies the rows into memory: the copy counts as bytes in memory and the next
      ``enforce`` empties it. A merge with a grouped input does not: it streams it (groupedmerge.py invariants
      S1-S3: each file's groups read in order, a ``groupedmerge.WINDOW`` at a time, merged round by round with the C
@@ -282,7 +288,7 @@ from dbsp_core.progress import progress
 from dbsp_core.storage.formats import BATCH_FILE_SUFFIX, SPILL_DIR
 from dbsp_core.trace import spillread
 from dbsp_core.trace.at_exit import stop_at_exit
-from dbsp_core.trace import batchfile, groupedbatch
+from dbsp_core.trace import batchfile, groupedbatch, groupedfile
 from dbsp_core.trace.batchfile import BatchFile, InPlaceWrite, in_place_room, open_batch, write_batch, write_in_place
 from dbsp_core.trace.groupedfile import GroupedFile, groupable_schema, open_grouped, write_grouped
 from dbsp_core.trace.groupedmerge import StreamedMerge
@@ -463,6 +469,10 @@ class BatchStore:
     # bytes from which a spilled batch's file is written in format 2 (row groups read by pread, invariant 18; None:
     # never, format 1 only): DBSP_SPILL_GROUPED (envvars.py), off by default
     GROUPED_FROM: int | None = settings().spill_grouped
+    # enforces a format-2 file reads by pread after the mapped bound dropped its mapping (invariant 18, "back-off"): a
+    # file whose reads' units the cap cannot hold pays a fault a unit each step for nothing kept (its mapping dropped
+    # every enforce), where pread costs it no fault; after them its lookups map again, to find out whether they fit
+    MAP_BACKOFF = 16
     ASYNC_BYTES = 64 << 10  # a batch this big is written by the spill thread, off the step (invariant 12); below it
     # a write takes a few ms and stays on the calling thread
     ASYNC_VFS = ("posix",)  # VFSes whose writes may go to the spill thread; the fault VFS's stay on the stepping
@@ -546,6 +556,7 @@ class BatchStore:
         self._traces: "weakref.WeakSet[Trace]" = weakref.WeakSet()
         self._files: dict[int, BatchFile] = {}  # id(batch) -> its open file, while the batch lives
         self._grouped: dict[int, GroupedFile] = {}  # id(batch) -> its open format-2 file, while it lives (18)
+        self._map_backoff: dict[int, int] = {}  # id(batch) -> the enforce its format-2 file maps again from (18)
         self._offsets: dict[int, int] = {}  # id(batch) -> the file row its first row is (a restored slice), if not 0
         self._spans: dict = {}  # (id(batch), row hashes) -> its buffers' byte spans (spillread.pages_used's cache)
         self._owners: dict[str, int] = {}  # file name -> live batches read from it
@@ -1489,6 +1500,13 @@ class BatchStore:
         C reads, taken and cleared here), by batch key: the files that read none left out."""
         with self._lock:
             files = list(self._grouped.items())
+            now = self.stats["enforcements"]
+            for key, until in list(self._map_backoff.items()):  # backed off long enough: mapped reads again
+                if now >= until:
+                    del self._map_backoff[key]
+                    f = self._grouped.get(key)
+                    if f is not None:
+                        f.read_mapped = groupedfile.READ_MAPPED
         out = {}
         for key, f in files:
             u = f.take_units()
@@ -1497,10 +1515,16 @@ class BatchStore:
         return out
 
     def _mapping_of(self, key: int) -> Any:
-        """The mapping of batch ``key``'s file (format 1's, or a format-2 file's once a lookup mapped it), or None."""
+        """The mapping of batch ``key``'s file (format 1's, or a format-2 file's once a lookup mapped it), or None; the
+        caller drops it for the mapped bound, so a format-2 file backs off: its lookups read by pread for the next
+        ``MAP_BACKOFF`` enforces (invariant 18). Under the lock."""
         f = self._files.get(key)
         if f is None:
             f = self._grouped.get(key)
+            if f is not None and self.MAP_BACKOFF and f.map is not None:
+                f.read_mapped = False
+                self._map_backoff[key] = self.stats["enforcements"] + self.MAP_BACKOFF
+                self.stats["grouped_map_backoffs"] = self.stats.get("grouped_map_backoffs", 0) + 1
         return getattr(f, "map", None) if f is not None else None
 
     def _overflows(self, located: list, gmarks: dict[int, np.ndarray] | None = None) -> bool:
@@ -1682,6 +1706,7 @@ class BatchStore:
             self._cached -= int(np.count_nonzero(clock))
         self._mapped.pop(key, None)
         self._mapped_at.pop(key, None)
+        self._map_backoff.pop(key, None)
 
     def cache_cap(self) -> int:
         """Bytes the cache may hold after an :meth:`enforce` (invariant 12): what the budget has left beside the bytes

@@ -253,7 +253,8 @@ def test_a_format_2_files_mapped_units_count_in_the_budget_and_the_enforce_drops
     """Mapped lookups of a format-2 file (groupedfile.py invariant G5) through the store: the 2 MiB units they read
     count in ``mapped_bytes`` at the next enforce (spill.py invariants 12 and 18), the file's pages the process maps
     stay within them, and an enforce whose cap they pass drops the mapping whole (``mapped_drops``): none of its pages
-    mapped after it. A cold lookup (prefetch on) reads by pread and maps nothing."""
+    mapped after it, and the file's lookups read by pread (nothing mapped) for ``MAP_BACKOFF`` enforces, then map
+    again. A cold lookup (prefetch on) reads by pread and maps nothing."""
     monkeypatch.setattr(BatchStore, "GROUPED_FROM", 1)
     monkeypatch.setattr(BatchStore, "ASYNC_BYTES", 1 << 40)
     monkeypatch.setattr(BatchStore, "PREFETCH", "off")
@@ -285,7 +286,20 @@ def test_a_format_2_files_mapped_units_count_in_the_budget_and_the_enforce_drops
         store.enforce()
         assert store.stats["mapped_drops"] > drops and store.mapped_bytes(t) == 0
         assert _vma_rss(f.path) == 0
-        monkeypatch.setattr(BatchStore, "PREFETCH", "on")  # a cold file's lookups: by pread, nothing mapped
-        monkeypatch.setattr(store, "prefetching", lambda: True)
+        # backed off (invariant 18): by pread for MAP_BACKOFF enforces, nothing mapped, then mapped again
+        assert not f.read_mapped and store.stats["grouped_map_backoffs"] >= 1
+        cap[0] = 1 << 40
+        for _ in range(store.MAP_BACKOFF - 1):
+            t.lookup(np.sort(rng.choice(keys, 40, replace=False)))
+            assert not f.units.any() and _vma_rss(f.path) == 0
+            store.enforce()
+        assert not f.read_mapped
+        store.enforce()
+        assert f.read_mapped
         t.lookup(np.sort(rng.choice(keys, 40, replace=False)))
-        assert not f.units.any() and _vma_rss(f.path) == 0
+        assert f.units.any() and _vma_rss(f.path) > 0
+        store.enforce()
+        monkeypatch.setattr(store, "prefetching", lambda: True)  # a cold file's lookups: by pread, nothing flagged
+        f.take_units()
+        t.lookup(np.sort(rng.choice(keys, 40, replace=False)))
+        assert not f.units.any() and f.read_mapped
