@@ -18,7 +18,7 @@ import dbsp_core as dbsp
 from dbsp_core import ZSet, _storage
 from dbsp_core.storage.formats import BATCH_FILE_GROUPED_VERSION, SPILL_DIR
 from dbsp_core.storage.inspect import inspect_storage
-from dbsp_core.trace import Trace, groupedbatch
+from dbsp_core.trace import Trace, groupedbatch, groupedfile
 from dbsp_core.trace.groupedfile import file_version
 from dbsp_core.trace.spill import MAP_UNIT, BatchStore, spilling
 
@@ -258,6 +258,7 @@ def test_a_format_2_files_mapped_units_count_in_the_budget_and_the_enforce_drops
     monkeypatch.setattr(BatchStore, "GROUPED_FROM", 1)
     monkeypatch.setattr(BatchStore, "ASYNC_BYTES", 1 << 40)
     monkeypatch.setattr(BatchStore, "PREFETCH", "off")
+    monkeypatch.setattr(groupedfile, "READ_MAPPED", True)  # (whatever DBSP_SPILL_GROUPED_MAP says)
     rng = np.random.default_rng(SEED)
     n = 400_000
     t = Trace(SCHEMA, ("k",))
