@@ -504,6 +504,8 @@ class GroupedFile:
         self.map: mmap.mmap | None = None  # the file's mapping, opened by the first mapped lookup (invariant G5)
         self.units: np.ndarray | None = None  # with it, a flag a MAP_UNIT of its address space a lookup read
         self.base = 0  # the mapping's address
+        self.mapped_groups = 0  # groups mapped lookups read since the last take_units
+        self.last_units = self.last_groups = 0  # what the last take_units took: units flagged, groups read
 
     def mapping(self) -> mmap.mmap | None:
         """The file's mapping for mapped lookups (invariant G5), opened at the first call: the whole file, read-only,
@@ -524,12 +526,16 @@ class GroupedFile:
 
     def take_units(self) -> np.ndarray | None:
         """The flags of the ``MAP_UNIT``s mapped lookups read since the last call (bool, one a unit), cleared; None
-        when they read none (invariant G5: the batch store's count of mapped units, spill.py invariant 18)."""
+        when they read none (invariant G5: the batch store's count of mapped units, spill.py invariant 18). Sets
+        :attr:`last_units` and :attr:`last_groups` (the groups those lookups read) for the store's back-off."""
         u = self.units
+        self.last_groups, self.mapped_groups = self.mapped_groups, 0
         if u is None or not u.any():
+            self.last_units = 0
             return None
         got = u.astype(bool)
         u[:] = 0
+        self.last_units = int(np.count_nonzero(got))
         return got
 
     def close(self) -> None:
@@ -836,6 +842,8 @@ class GroupedFile:
                 self.msg_len, self.g_rows, np.ascontiguousarray(h), advise, self.verified, m,
                 self.units if m is not None else None)
             self.last_groups_read = res[5] if res[0] == 0 else -1
+            if m is not None and res[0] == 0:
+                self.mapped_groups += res[5]
             if res[0] == 0:  # (the batch made from the gathered buffers, :meth:`_direct`)
                 DECODE_COUNTS["c"] += 1
                 got = self._direct(res)

@@ -234,7 +234,8 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      overflow drop the file's mapping whole, ``_mapping_of``), so the budget bounds a format-2 file's mapped pages
      as a format-1 file's; they use none of the cache's per-page clock (invariants 15 and 16 are format 1's).
      Back-off: a format-2 file whose mapping the bound drops reads by pread for the next ``MAP_BACKOFF`` enforces,
-     then maps again (``grouped_map_backoffs`` counts them): when a step's units do not fit the cap (a 1k-key step on
+     then maps again (``grouped_map_backoffs`` counts them), unless its reads since the last enforce found
+     ``MAP_GROUPS_PER_UNIT`` groups a unit or more (a fault then serves that many groups' preads): when a step's units do not fit the cap (a 1k-key step on
      a 10M-row join under 100 MiB reads ~250 units, 500 MiB, against a cap of 30-60), a mapping dropped every
      enforce costs each step a fault a unit and keeps nothing (bench/RESULTS.md, r31-f2map: ~280-600 faults,
      0.4-3 ms of sys a 1k-key read as the file's page cache is in 2 MiB folios or smaller ones, against ~1.1-1.4
@@ -473,6 +474,10 @@ class BatchStore:
     # file whose reads' units the cap cannot hold pays a fault a unit each step for nothing kept (its mapping dropped
     # every enforce), where pread costs it no fault; after them its lookups map again, to find out whether they fit
     MAP_BACKOFF = 16
+    # ... unless its reads since the last enforce found at least this many groups a unit: then a fault a unit costs
+    # less than a pread a group even with the mapping dropped every enforce (bench/RESULTS.md, r31-f2map: 2M rows,
+    # ~20 groups a unit, 2.5 ms CPU a join step mapped against 3.6 by pread; 10M rows, ~4, about even)
+    MAP_GROUPS_PER_UNIT = 8
     ASYNC_BYTES = 64 << 10  # a batch this big is written by the spill thread, off the step (invariant 12); below it
     # a write takes a few ms and stays on the calling thread
     ASYNC_VFS = ("posix",)  # VFSes whose writes may go to the spill thread; the fault VFS's stay on the stepping
@@ -1521,7 +1526,8 @@ class BatchStore:
         f = self._files.get(key)
         if f is None:
             f = self._grouped.get(key)
-            if f is not None and self.MAP_BACKOFF and f.map is not None:
+            if f is not None and self.MAP_BACKOFF and f.map is not None and \
+                    f.last_groups < self.MAP_GROUPS_PER_UNIT * max(1, f.last_units):
                 f.read_mapped = False
                 self._map_backoff[key] = self.stats["enforcements"] + self.MAP_BACKOFF
                 self.stats["grouped_map_backoffs"] = self.stats.get("grouped_map_backoffs", 0) + 1

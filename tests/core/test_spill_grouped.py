@@ -254,7 +254,7 @@ def test_a_format_2_files_mapped_units_count_in_the_budget_and_the_enforce_drops
     count in ``mapped_bytes`` at the next enforce (spill.py invariants 12 and 18), the file's pages the process maps
     stay within them, and an enforce whose cap they pass drops the mapping whole (``mapped_drops``): none of its pages
     mapped after it, and the file's lookups read by pread (nothing mapped) for ``MAP_BACKOFF`` enforces, then map
-    again. A cold lookup (prefetch on) reads by pread and maps nothing."""
+    again, but when its reads found ``MAP_GROUPS_PER_UNIT`` groups a unit or more. A cold lookup (prefetch on) reads by pread and maps nothing."""
     monkeypatch.setattr(BatchStore, "GROUPED_FROM", 1)
     monkeypatch.setattr(BatchStore, "ASYNC_BYTES", 1 << 40)
     monkeypatch.setattr(BatchStore, "PREFETCH", "off")
@@ -300,6 +300,13 @@ def test_a_format_2_files_mapped_units_count_in_the_budget_and_the_enforce_drops
         t.lookup(np.sort(rng.choice(keys, 40, replace=False)))
         assert f.units.any() and _vma_rss(f.path) > 0
         store.enforce()
+        # reads that found MAP_GROUPS_PER_UNIT groups a unit or more: dropped, but no back-off
+        monkeypatch.setattr(store, "MAP_GROUPS_PER_UNIT", 0)
+        cap[0] = MAP_UNIT
+        backoffs = store.stats["grouped_map_backoffs"]
+        t.lookup(np.sort(rng.choice(keys, 40, replace=False)))
+        store.enforce()
+        assert _vma_rss(f.path) == 0 and f.read_mapped and store.stats["grouped_map_backoffs"] == backoffs
         monkeypatch.setattr(store, "prefetching", lambda: True)  # a cold file's lookups: by pread, nothing flagged
         f.take_units()
         t.lookup(np.sort(rng.choice(keys, 40, replace=False)))
