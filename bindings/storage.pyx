@@ -146,6 +146,10 @@ cdef extern from "groupdecode.h" nogil:
         int64_t groups_read
         int advise
         unsigned char *verified
+        const unsigned char *map
+        int64_t map_len
+        unsigned char *units
+        int64_t nunits
         const int64_t *gid
         unsigned char *buf
         DbspGBuf *bufs
@@ -197,16 +201,31 @@ cdef void _gdec_init(DbspGDec *d, int fd, int64_t slot, int64_t arrow_end, const
     d.nulls = &nulls[0]
 
 
+cdef void _gdec_map(DbspGDec *d, const unsigned char[::1] mv, unsigned char[::1] units):
+    """Read in place from the file's mapping ``mv`` (its whole length from offset 0), flagging ``units`` (a flag a 2
+    MiB unit of its address space, or None); ``mv`` None: pread. The caller holds ``mv`` (an export of the mapping,
+    so that it cannot be closed meanwhile) while ``d`` is used."""
+    if mv is None:
+        return
+    d.map = &mv[0] if mv.shape[0] else NULL
+    d.map_len = mv.shape[0]
+    if units is not None and units.shape[0]:
+        d.units = &units[0]
+        d.nunits = units.shape[0]
+
+
 def grouped_gather(int fd, int64_t slot, int64_t arrow_end, const unsigned int[::1] page_crcs,
                    unsigned char[::1] checked, const int[::1] kind, const int[::1] width, int khcol,
                    const int64_t[::1] slot_of, const int64_t[::1] nslots, const int64_t[::1] msg_len,
-                   const int64_t[::1] rows, const uint64_t[::1] first_hash, hashes):
+                   const int64_t[::1] rows, const uint64_t[::1] first_hash, hashes, mapping=None,
+                   unsigned char[::1] units=None):
     """A format-2 lookup in C (csrc/groupdecode.h), the GIL released for the reads and the decode: groups
     ``slot_of``/``nslots``/``msg_len``/``rows``/``first_hash`` (one entry a group, ascending) read by pread from ``fd``,
     their slots not ``checked`` yet checked against ``page_crcs`` (and marked), their Arrow record-batch messages
     parsed for the flat schema ``kind``/``width`` (DBSP_GCOL_*: fixed-width, boolean, 32/64-bit offsets), and the rows
     whose key hash (column ``khcol``) is in ``hashes`` (uint64, ascending, unique; None: every row) gathered into one
-    set of buffers. Returns ``(0, rows, columns, nulls, pages checked)``, each column ``(validity or None, values
+    set of buffers. ``mapping`` (the file's ``mmap``, or None): read in place from it instead, flagging the 2 MiB
+    ``units`` of its address space read (csrc/groupdecode.h). Returns ``(0, rows, columns, nulls, pages checked)``, each column ``(validity or None, values
     or offsets, var values or None)`` as numpy uint8 arrays; or ``(status, group, page, what, errno)`` (a
     GATHER_STATUS value; ``group`` the failing group's position in the call's list)."""
     cdef Py_ssize_t ng = slot_of.shape[0], nc = kind.shape[0], c
@@ -228,7 +247,9 @@ def grouped_gather(int fd, int64_t slot, int64_t arrow_end, const unsigned int[:
             hp = &hv[0]
     cdef int64_t[::1] var_bytes = numpy.zeros(nc, dtype=numpy.int64)
     cdef int64_t[::1] nulls = numpy.zeros(nc, dtype=numpy.int64)
+    cdef const unsigned char[::1] mv = mapping
     _gdec_init(&d, fd, slot, arrow_end, page_crcs, checked, kind, width, khcol, var_bytes, nulls)
+    _gdec_map(&d, mv, units)
     try:
         with nogil:
             st = dbsp_gdec_scan(&d, ng, &slot_of[0] if ng else NULL, &nslots[0] if ng else NULL,
@@ -292,15 +313,16 @@ def grouped_lookup(int fd, int64_t slot, int64_t arrow_end, const unsigned int[:
                    unsigned char[::1] checked, const int[::1] kind, const int[::1] width, int khcol,
                    const uint64_t[::1] bloom, int bloom_k, const uint64_t[::1] first_hash, const int64_t[::1] slot_of,
                    const int64_t[::1] nslots, const int64_t[::1] msg_len, const int64_t[::1] rows,
-                   const uint64_t[::1] hashes, bint advise=False, unsigned char[::1] verified=None):
+                   const uint64_t[::1] hashes, bint advise=False, unsigned char[::1] verified=None, mapping=None,
+                   unsigned char[::1] units=None):
     """A whole format-2 lookup in one call (csrc/groupdecode.h dbsp_gdec_lookup), the GIL released: the probed key
     ``hashes`` (uint64, any order, repeats allowed) tested against the Bloom filter ``bloom`` (``bloom_k`` bits), each
     one's group found among the file's groups (``first_hash``/``slot_of``/``nslots``/``msg_len``/``rows``, one entry
     a group), those groups read, checked and decoded as :func:`grouped_gather` does and their rows of those hashes
     gathered. ``advise``: a WILLNEED of every run of groups first (a cold file). ``verified`` (a flag a group, or
     None): set for each group whose key hashes a read checked ascending; a flagged group is not checked again
-    (csrc/groupdecode.h). Returns ``(0, rows, columns, nulls,
-    pages checked, groups read)`` or ``(status, group, page, what, errno)``, ``group`` the file's group number (-1:
+    (csrc/groupdecode.h). ``mapping``/``units``: read in place, as :func:`grouped_gather`. Returns ``(0, rows,
+    columns, nulls, pages checked, groups read)`` or ``(status, group, page, what, errno)``, ``group`` the file's group number (-1:
     none)."""
     cdef Py_ssize_t ng = first_hash.shape[0], nc = kind.shape[0]
     cdef DbspGDec d
@@ -316,7 +338,9 @@ def grouped_lookup(int fd, int64_t slot, int64_t arrow_end, const unsigned int[:
         raise ValueError("grouped_lookup: no Bloom filter")
     cdef int64_t[::1] var_bytes = numpy.zeros(nc, dtype=numpy.int64)
     cdef int64_t[::1] nulls = numpy.zeros(nc, dtype=numpy.int64)
+    cdef const unsigned char[::1] mv = mapping
     _gdec_init(&d, fd, slot, arrow_end, page_crcs, checked, kind, width, khcol, var_bytes, nulls)
+    _gdec_map(&d, mv, units)
     d.advise = 1 if advise else 0
     if verified is not None:
         if verified.shape[0] != ng:

@@ -254,6 +254,7 @@ int dbsp_gdec_scan(DbspGDec *d, int64_t ng, const int64_t *slot_of, const int64_
     if (ng <= 0) return DBSP_GDEC_OK;
     if (ng > INT32_MAX) return DBSP_GDEC_NOMEM;
     int64_t *boff = malloc((size_t)(ng + 1) * sizeof *boff);
+    const uint8_t **gp = NULL; /* each group's bytes: in the mapping, or in the reads' buffer */
     if (!boff) return DBSP_GDEC_NOMEM;
     int st = DBSP_GDEC_OK;
     /* where each group's slots go in the buffer: [slot * G, min(end of the Arrow section, (slot + slots) * G)) */
@@ -271,9 +272,9 @@ int dbsp_gdec_scan(DbspGDec *d, int64_t ng, const int64_t *slot_of, const int64_
         while (pg < pend && pg < d->npages && d->checked[pg]) pg++;
         boff[i + 1] = boff[i] + (pg == pend ? msg_len[i] : hi - lo);
     }
-    d->buf = scratch((size_t)boff[ng] + 8, &d->buf_own);
+    gp = malloc((size_t)ng * sizeof *gp);
     d->bufs = malloc((size_t)ng * (size_t)d->ncols * sizeof *d->bufs);
-    if (!d->buf || !d->bufs) {
+    if (!gp || !d->bufs) {
         st = DBSP_GDEC_NOMEM;
         goto out;
     }
@@ -284,28 +285,52 @@ int dbsp_gdec_scan(DbspGDec *d, int64_t ng, const int64_t *slot_of, const int64_
         (void)posix_fadvise(d->fd, (off_t)(slot_of[i] * G), (off_t)(boff[j] - boff[i]), POSIX_FADV_WILLNEED);
         i = j;
     }
-    /* the reads: a pread a run of adjacent groups */
-    for (int64_t i = 0; i < ng;) {
-        int64_t j = i + 1;
-        while (j < ng && slot_of[j] * G == slot_of[j - 1] * G + (boff[j] - boff[j - 1])) j++;
-        int64_t at = slot_of[i] * G, want = boff[j] - boff[i], got = 0;
-        while (got < want) {
-            ssize_t r = pread(d->fd, d->buf + boff[i] + got, (size_t)(want - got), (off_t)(at + got));
-            if (r < 0) {
-                if (errno == EINTR) continue;
-                d->err = errno;
-                d->bad_group = i;
-                st = DBSP_GDEC_IOERR;
-                goto out;
-            }
-            if (r == 0) {
+    if (d->map) { /* in place: each group's bytes within the mapping, checked before a byte is read; units flagged */
+        uintptr_t u0 = (uintptr_t)d->map >> DBSP_GDEC_UNIT_SHIFT;
+        for (int64_t i = 0; i < ng; i++) {
+            int64_t at = slot_of[i] * G, n = boff[i + 1] - boff[i];
+            if (at > d->map_len || n > d->map_len - at) {
                 d->bad_group = i;
                 st = DBSP_GDEC_SHORT;
                 goto out;
             }
-            got += r;
+            gp[i] = d->map + at;
+            if (d->units && n > 0) {
+                int64_t a = (int64_t)(((uintptr_t)gp[i] >> DBSP_GDEC_UNIT_SHIFT) - u0);
+                int64_t b = (int64_t)(((uintptr_t)(gp[i] + n - 1) >> DBSP_GDEC_UNIT_SHIFT) - u0);
+                for (int64_t u = a; u <= b && u < d->nunits; u++) d->units[u] = 1;
+            }
         }
-        i = j;
+    } else {
+        uint8_t *buf = d->buf = scratch((size_t)boff[ng] + 8, &d->buf_own);
+        if (!buf) {
+            st = DBSP_GDEC_NOMEM;
+            goto out;
+        }
+        for (int64_t i = 0; i < ng; i++) gp[i] = buf + boff[i];
+        /* the reads: a pread a run of adjacent groups */
+        for (int64_t i = 0; i < ng;) {
+            int64_t j = i + 1;
+            while (j < ng && slot_of[j] * G == slot_of[j - 1] * G + (boff[j] - boff[j - 1])) j++;
+            int64_t at = slot_of[i] * G, want = boff[j] - boff[i], got = 0;
+            while (got < want) {
+                ssize_t r = pread(d->fd, buf + boff[i] + got, (size_t)(want - got), (off_t)(at + got));
+                if (r < 0) {
+                    if (errno == EINTR) continue;
+                    d->err = errno;
+                    d->bad_group = i;
+                    st = DBSP_GDEC_IOERR;
+                    goto out;
+                }
+                if (r == 0) {
+                    d->bad_group = i;
+                    st = DBSP_GDEC_SHORT;
+                    goto out;
+                }
+                got += r;
+            }
+            i = j;
+        }
     }
     /* the CRC of every slot not checked yet (invariant G2), before a byte of it is decoded */
     for (int64_t i = 0; i < ng; i++) {
@@ -318,7 +343,7 @@ int dbsp_gdec_scan(DbspGDec *d, int64_t ng, const int64_t *slot_of, const int64_
             }
             if (d->checked[pg]) continue;
             int64_t len = n - k * G < G ? n - k * G : G;
-            if (dbsp_crc32c(0, d->buf + boff[i] + k * G, (size_t)len) != d->page_crcs[pg]) {
+            if (dbsp_crc32c(0, gp[i] + k * G, (size_t)len) != d->page_crcs[pg]) {
                 d->bad_group = i;
                 d->bad_page = pg;
                 st = DBSP_GDEC_CRC;
@@ -336,7 +361,7 @@ int dbsp_gdec_scan(DbspGDec *d, int64_t ng, const int64_t *slot_of, const int64_
             st = bad(d, i, "its index entry names no rows");
             goto out;
         }
-        st = parse_msg(d, i, d->buf + boff[i], msg_len[i], rows[i], gb);
+        st = parse_msg(d, i, gp[i], msg_len[i], rows[i], gb);
         if (st != DBSP_GDEC_OK) goto out;
         const DbspGBuf *k = &gb[d->khcol];
         if (k->valid) {
@@ -414,6 +439,7 @@ int dbsp_gdec_scan(DbspGDec *d, int64_t ng, const int64_t *slot_of, const int64_
         }
 out:
     free(boff);
+    free(gp);
     return st;
 }
 

@@ -11,6 +11,12 @@
  * validity bitmap, fixed-width values or bits, 32- or 64-bit offsets and values). Neither touches Python; the
  * binding releases the GIL around both.
  *
+ * Mapped (d->map set: the file mapped whole, dbsp_core/trace/groupedfile.py ``GroupedFile.mapping``): no pread, no
+ * copy; each group's bytes are read in place from the mapping (its slots' CRC from there on a first read, then the
+ * message's header, key hashes and the picked rows only), every access bounds-checked against the mapping's length
+ * first (a group past it is DBSP_GDEC_SHORT, never a fault past the file's end), and each 2 MiB unit of address space
+ * a read touched is flagged in d->units (the batch store counts and drops them: spill.py invariant 12, "mapped").
+ *
  * Damage never crashes nor yields wrong rows: every read of the buffer is bounds-checked first, and a failure is
  * DBSP_GDEC_DAMAGED with the group (its position in the call's list) and a sentence naming what is wrong; a message
  * this decoder does not handle (compressed bodies, a header not a record batch) is DBSP_GDEC_UNSUPPORTED, for the
@@ -20,6 +26,8 @@
 
 #include <stddef.h>
 #include <stdint.h>
+
+#define DBSP_GDEC_UNIT_SHIFT 21 /* a unit flagged in DbspGDec.units: 2 MiB (spill.py MAP_UNIT) */
 
 enum { DBSP_GCOL_FIXED = 0, DBSP_GCOL_BOOL = 1, DBSP_GCOL_VAR32 = 2, DBSP_GCOL_VAR64 = 3 };
 enum { DBSP_GDEC_OK = 0, DBSP_GDEC_DAMAGED = 1, DBSP_GDEC_SHORT = 2, DBSP_GDEC_IOERR = 3, DBSP_GDEC_NOMEM = 4,
@@ -59,6 +67,11 @@ typedef struct {
     uint8_t *verified;    /* set by the caller, or NULL: a flag per group of the file, set once a read of the group
                            * checked its key hashes ascending (G1); a flagged group's order is not checked again. A
                            * lookup finds each probed hash in its group by binary search either way */
+    const uint8_t *map;   /* set by the caller, or NULL (pread): the file's mapping from offset 0, map_len bytes */
+    int64_t map_len;
+    uint8_t *units;       /* with map: a flag per 2 MiB unit of the mapping's address space (unit 0 holds its first
+                           * byte; nunits of them), set for each unit a group read lies in */
+    int64_t nunits;
     const int64_t *gid;   /* set by dbsp_gdec_lookup: the file's group number of each entry of the scan's list
                            * (NULL: the list's positions are the file's groups) */
     /* scratch */

@@ -71,9 +71,13 @@ Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them
   Python call per batch; pyarrow's IPC reader for format 2), which the tests compare the native ones with
   (default 1). Results, files and the cache's counts are the same either way; only the CPU differs.
 - ``DBSP_SPILL_GROUPED`` (trace/spill.py ``BatchStore.GROUPED_FROM``): bytes (or a size such as ``256MiB``) from which
-  a spilled batch's file is written in batch file format 2 (row groups read by pread, trace/groupedfile.py) instead
+  a spilled batch's file is written in batch file format 2 (row groups, trace/groupedfile.py) instead
   of format 1 (mapped); ``1``: every spilled batch's (default: none, format 1 only). A store reads either format
   whatever this says. Results are the same either way.
+- ``DBSP_SPILL_GROUPED_MAP`` (trace/groupedfile.py ``READ_MAPPED``): ``1``: a format-2 file's lookups read its groups
+  in place from a mapping of the file kept between steps, its 2 MiB units counted in the memory budget as format
+  1's (trace/spill.py invariant 18), but for a step the store finds reading from the disk, which reads by pread;
+  ``0``: by pread(2) always, the file never mapped (default 1). Results are the same either way.
 
 Not runtime settings, read where they are used (listed so that this is the one list of every ``DBSP_*`` variable;
 tests/core/test_envvars.py checks that the repository reads no other):
@@ -274,6 +278,7 @@ SETTINGS: tuple[Setting, ...] = (  # the list of the module docstring, in its or
     Setting("DBSP_SUBSTEP_BYTES", "substep_bytes", "bytes"),  # None: runtime/substep.py derives it from the budget
     Setting("DBSP_SPILL_NATIVE", "spill_native", "flag", default=True),
     Setting("DBSP_SPILL_GROUPED", "spill_grouped", "bytes"),  # None: format 1 only (trace/spill.py GROUPED_FROM)
+    Setting("DBSP_SPILL_GROUPED_MAP", "spill_grouped_map", "flag", default=True),
 )
 
 
@@ -300,6 +305,7 @@ class Settings(NamedTuple):
     substep_bytes: int | None
     spill_native: bool
     spill_grouped: int | None
+    spill_grouped_map: bool
 
 
 assert Settings._fields == tuple(s.field for s in SETTINGS)

@@ -36,8 +36,8 @@ a checksum):
       read into memory: 24 + ~1.3 bytes a row), and every CRC page it reads before it decodes a byte of it: a
       damaged file raises CorruptionError naming the file, the part, and what to do (as version 1's).
   G3. A key hash's rows are all in the one group whose first key hash is the greatest not above it (G1: keys are
-      whole in a group): :meth:`GroupedFile.lookup` reads those groups' slots by pread(2), adjacent ones in one call,
-      and maps nothing. The reads are decoded in C (csrc/groupdecode.c, ``DECODE_DEFAULT``): each slot read once
+      whole in a group): :meth:`GroupedFile.lookup` reads those groups' slots in place from the file's mapping (G5),
+      or by pread(2), adjacent ones in one call. The reads are decoded in C (csrc/groupdecode.c, ``DECODE_DEFAULT``): each slot read once
       (checked, if it is not yet, from the same bytes), each message's flatbuffer header, nodes and buffers checked
       against the slot and the writer's layout (a damaged one is CorruptionError, never a crash or other rows), the
       matching rows of all groups gathered into one record batch (each probed key hash found in its group by binary
@@ -46,12 +46,26 @@ a checksum):
       takes pyarrow's IPC reader (counted in ``DECODE_COUNTS``).
   G4. Only columns whose bytes a row's share can be bounded are grouped (fixed-width, boolean, string and binary):
       a batch with another column type is written as version 1 by :func:`dbsp_core.trace.batchfile.write_batch`.
+  G5. Mapped reads (``READ_MAPPED``, ``DBSP_SPILL_GROUPED_MAP``): a lookup not told the file is cold (``advise``)
+      reads its groups in place from one read-only MADV_RANDOM mapping of the whole file, opened by the first such
+      lookup and kept until the file is closed (:meth:`GroupedFile.mapping`): no pread and no copy of a group, only
+      its message's header, key hashes and the rows picked are read (and, the first time, its slots for their CRC,
+      G2). Each group's bytes are checked to lie within the mapping before a byte is read, and the file's size
+      against the mapping's before each lookup (a file cut under the mapping is CorruptionError, not a bus error);
+      the mapping is registered as one of the file (batchfile.py invariant 9), so the batch store truncates the file
+      only once it is gone. Each lookup flags the 2 MiB units of address space it read (:attr:`GroupedFile.units`),
+      which the batch store takes at each enforce and counts and drops as format 1's (spill.py invariants 12 and
+      18). The writer hands the file over in whole aligned 2 MiB (``GATHER``), so that its page cache is in 2 MiB
+      folios a read fault maps with one PMD entry: a dropped mapping costs a 1k-key read ~280 faults (~0.4 ms of
+      sys, against ~1.1 ms for its preads), where 1 MiB writes left folios of 4 KiB-1 MiB and ~750 faults
+      (bench/RESULTS.md, r31-f2map). Whole reads (a merge's input, ``read_all``) read by pread.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import struct
 from array import array
@@ -88,6 +102,11 @@ def _bf():
 # does not handle, or a message it does not (a compressed body), takes the Arrow path whatever this says;
 # DECODE_COUNTS counts the lookups and whole reads each path served ("fallback": the C path declined).
 DECODE_DEFAULT = "c" if settings().spill_native else "arrow"
+# How the C path's lookups read their groups (invariant G5): True (``DBSP_SPILL_GROUPED_MAP``, the default), in place
+# from a mapping of the whole file kept between steps, but for a lookup told the file is cold (``advise``); False: by
+# pread(2), the file never mapped. Whole reads (:meth:`GroupedFile.read_all`, ``_table``) read by pread either way.
+READ_MAPPED = settings().spill_grouped_map
+MAP_UNIT = 2 << 20  # the units of address space a mapped read flags (csrc/groupdecode.h DBSP_GDEC_UNIT_SHIFT)
 DECODE_COUNTS = {"c": 0, "arrow": 0, "fallback": 0}
 _GCOL_FIXED, _GCOL_BOOL, _GCOL_VAR32, _GCOL_VAR64 = 0, 1, 2, 3  # csrc/groupdecode.h DBSP_GCOL_*
 
@@ -202,7 +221,10 @@ def _cut(rb: pa.RecordBatch, kh: np.ndarray, slot: int) -> np.ndarray | None:
 
 # ---- writing ----
 
-GATHER = 1 << 20  # bytes of placed messages gathered before a write to the page sink (one pwrite and one CRC pass)
+GATHER = 4 << 20  # bytes of placed messages gathered before a write to the page sink (one pwrite and one CRC pass);
+# the write hands over whole 2 MiB of the file (batchfile.FOLIO_ALIGN) and keeps the rest, so that the page cache holds
+# the file in 2 MiB folios, which a mapped read faults in as one PMD entry (invariant G3); 1 MiB writes left it in
+# folios of 4 KiB-1 MiB: ~750 faults a 1k-key step, 3.4 ms, where 2 MiB folios take ~290 (bench/RESULTS.md, r31-f2map)
 _EOS = b"\xff\xff\xff\xff\0\0\0\0"  # the Arrow IPC end-of-stream marker, which the Arrow file writer puts before its footer
 
 
@@ -293,10 +315,17 @@ class GroupedWriter:
                 else f"check the disk of {where}")
         return StorageError(code, f"writing batch file {self.path}: {getattr(e, 'strerror', None) or e}; {hint}")
 
-    def _drain(self) -> None:
-        """Hand what is gathered to the page sink (one write: its pieces, CRCs and pwrites)."""
+    def _drain(self, last: bool = False) -> None:
+        """Hand what is gathered to the page sink (one write: its pieces, CRCs and pwrites): up to the last multiple of
+        ``FOLIO_ALIGN`` of the file it reaches, all of it when ``last``."""
         if self.buf:
-            data, self.buf = self.buf, bytearray()  # (a failed write's traceback may hold a view of it)
+            n = len(self.buf)
+            if not last:
+                fa = _bf().FOLIO_ALIGN
+                n = (64 + self.sink.pos + n) // fa * fa - 64 - self.sink.pos if fa else n
+                if n <= 0:
+                    return
+            data, self.buf = self.buf[:n], self.buf[n:]  # (a failed write's traceback may hold a view of it)
             self.sink.write(data)
 
     def add(self, batch: Any) -> None:
@@ -367,7 +396,7 @@ class GroupedWriter:
             self.buf += _EOS
             self.buf += fb
             self.buf += struct.pack("<i", len(fb)) + b"ARROW1"
-            self._drain()
+            self._drain(last=True)
             sink = self.sink
             sink.close()
             alen = sink.pos
@@ -443,8 +472,9 @@ def _bad(path: str, what: str) -> CorruptionError:
 
 class GroupedFile:
     """An open format-2 batch file (invariant G2): its descriptor, header fields, group index, Bloom filter and page
-    CRCs in memory, a flag per CRC page checked, and the Arrow schema. Rows are read by pread(2) only:
-    :meth:`lookup` (the groups of some key hashes), :meth:`read_all` (every group, one contiguous batch: a copy)."""
+    CRCs in memory, a flag per CRC page checked, and the Arrow schema. Rows are read by :meth:`lookup` (the groups
+    of some key hashes: in place from the file's mapping, invariant G5, or by pread(2)) and :meth:`read_all` (every
+    group, one contiguous batch: a copy, by pread)."""
 
     def __init__(self, path: str, fd: int, size: int, rows: int, alen: int, slot: int, index: np.ndarray,
                  bloom: np.ndarray, bloom_k: int, page_crcs: np.ndarray) -> None:
@@ -470,8 +500,51 @@ class GroupedFile:
         self.decode = DECODE_DEFAULT
         self._data_schema: pa.Schema | None = None  # the data columns' schema (made at the first direct lookup)
         self.last_groups_read = -1  # the groups the last lookup read (tests compare it with groups_of)
+        self.read_mapped = READ_MAPPED
+        self.map: mmap.mmap | None = None  # the file's mapping, opened by the first mapped lookup (invariant G5)
+        self.units: np.ndarray | None = None  # with it, a flag a MAP_UNIT of its address space a lookup read
+        self.base = 0  # the mapping's address
+        self.mapped_groups = 0  # groups mapped lookups read since the last take_units
+        self.last_units = self.last_groups = 0  # what the last take_units took: units flagged, groups read
+
+    def mapping(self) -> mmap.mmap | None:
+        """The file's mapping for mapped lookups (invariant G5), opened at the first call: the whole file, read-only,
+        MADV_RANDOM, registered as a mapping of the file (batchfile.py invariant 9: the store truncates a deleted
+        file only once none is alive), with :attr:`units` (zeroed) and :attr:`base`; None once closed."""
+        if self.map is None and self.fd >= 0:
+            m = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_READ)
+            batchfile.note_mapping(m, batchfile.file_key(os.fstat(self.fd)))
+            advice = getattr(mmap, "MADV_RANDOM", None)
+            if advice is not None:
+                m.madvise(advice)
+            at = np.frombuffer(m, dtype=np.uint8, count=1)
+            self.base = int(at.ctypes.data)
+            del at
+            self.units = np.zeros((self.base % MAP_UNIT + self.size + MAP_UNIT - 1) // MAP_UNIT, dtype=np.uint8)
+            self.map = m
+        return self.map
+
+    def take_units(self) -> np.ndarray | None:
+        """The flags of the ``MAP_UNIT``s mapped lookups read since the last call (bool, one a unit), cleared; None
+        when they read none (invariant G5: the batch store's count of mapped units, spill.py invariant 18). Sets
+        :attr:`last_units` and :attr:`last_groups` (the groups those lookups read) for the store's back-off."""
+        u = self.units
+        self.last_groups, self.mapped_groups = self.mapped_groups, 0
+        if u is None or not u.any():
+            self.last_units = 0
+            return None
+        got = u.astype(bool)
+        u[:] = 0
+        self.last_units = int(np.count_nonzero(got))
+        return got
 
     def close(self) -> None:
+        if self.map is not None:
+            try:
+                self.map.close()  # (a lookup on another thread still reading it: BufferError, left to the collector)
+            except BufferError:
+                pass
+            self.map = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -749,19 +822,28 @@ class GroupedFile:
         return np.unique(g[g >= 0]).astype(np.int64)
 
     def lookup(self, hashes: np.ndarray, advise: bool = False) -> Any:
-        """The rows of key hashes ``hashes`` (an IndexedZSet in index order: a consolidated batch), read by pread of
-        the groups they lie in (invariant G3): no mapping. The C path is one call (``_storage.grouped_lookup``: the
-        Bloom filter, the group search, the reads, checks, decode and gather, the GIL released); ``advise``: the
-        groups' pages asked for (WILLNEED) before the first read, for a file whose pages are on the disk."""
+        """The rows of key hashes ``hashes`` (an IndexedZSet in index order: a consolidated batch), read from the
+        groups they lie in (invariant G3): in place from the file's mapping (G5: :meth:`mapping`, the units read
+        flagged) unless ``read_mapped`` is off or ``advise`` says the file is cold, else by pread. The C path is one
+        call (``_storage.grouped_lookup``: the Bloom filter, the group search, the reads, checks, decode and gather,
+        the GIL released); ``advise``: by pread, the groups' pages asked for (WILLNEED) before the first read, for a
+        file whose pages are on the disk."""
         h = np.asarray(hashes, dtype=np.uint64)
         if self.decode == "c" and self.kinds is not None:
             from dbsp_core import _storage
 
+            m = self.mapping() if self.read_mapped and not advise else None  # (a cold file: pread, invariant G5)
+            if m is not None and os.fstat(self.fd).st_size < self.size:  # (a page past the end: a bus error)
+                raise _bad(self.path, f"it is shorter than the {self.size} bytes it had when opened: cut under its "
+                                      f"mapping")
             res = _storage.grouped_lookup(
                 self.fd, self.slot, 64 + self.alen, self.page_crcs, self.checked.view(np.uint8), self.kinds[0],
                 self.kinds[1], self.ndata + 1, self.bloom, self.bloom_k, self.first_hash, self.g_slot, self.g_slots,
-                self.msg_len, self.g_rows, np.ascontiguousarray(h), advise, self.verified)
+                self.msg_len, self.g_rows, np.ascontiguousarray(h), advise, self.verified, m,
+                self.units if m is not None else None)
             self.last_groups_read = res[5] if res[0] == 0 else -1
+            if m is not None and res[0] == 0:
+                self.mapped_groups += res[5]
             if res[0] == 0:  # (the batch made from the gathered buffers, :meth:`_direct`)
                 DECODE_COUNTS["c"] += 1
                 got = self._direct(res)

@@ -227,9 +227,19 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      batch (the Bloom filter, the group index, a pread a run of groups: ``stats["grouped_lookups"]``,
      ``keys_sought`` counts every key asked; while :meth:`prefetching` says the last step read from the disk, a
      posix_fadvise(WILLNEED) a run of groups first, so a cold step's reads overlap: ``grouped_prefetched``), into a
-     small batch in memory the C kernels walk as any other; such a
-     file maps nothing, so its reads use none of the cache's pages or ``MAP_UNIT``s (invariants 12, 15, 16 are
-     format 1's: a format-2 file's pages are the page cache's alone). A read of every row (a merge's input, a key
+     small batch in memory the C kernels walk as any other. Those reads are in place from a mapping of the file kept
+     between steps (groupedfile.py invariant G5, ``DBSP_SPILL_GROUPED_MAP``; by pread when ``prefetching`` says the
+     file is cold): each lookup flags the ``MAP_UNIT``s it read, and each enforce takes them (``_grouped_units``) and
+     counts them with format 1's marks in the mapped bound (invariant 12, "mapped": ``_bound_mapped`` and the
+     overflow drop the file's mapping whole, ``_mapping_of``), so the budget bounds a format-2 file's mapped pages
+     as a format-1 file's; they use none of the cache's per-page clock (invariants 15 and 16 are format 1's).
+     Back-off: a format-2 file whose mapping the bound drops reads by pread for the next ``MAP_BACKOFF`` enforces,
+     then maps again (``grouped_map_backoffs`` counts them), unless its reads since the last enforce found
+     ``MAP_GROUPS_PER_UNIT`` groups a unit or more (a fault then serves that many groups' preads): when a step's units do not fit the cap (a 1k-key step on
+     a 10M-row join under 100 MiB reads ~250 units, 500 MiB, against a cap of 30-60), a mapping dropped every
+     enforce costs each step a fault a unit and keeps nothing (bench/RESULTS.md, r31-f2map: ~280-600 faults,
+     0.4-3 ms of sys a 1k-key read as the file's page cache is in 2 MiB folios or smaller ones, against ~1.1-1.4
+     ms by pread), where a mapping the cap holds reads with no fault and no copy (~1.3 against ~2.2 ms a read). A read of every row (a merge's input, a key
      index build, a shard cut) copies the rows into memory: the copy counts as bytes in memory and the next
      ``enforce`` empties it. A merge with a grouped input does not: it streams it (groupedmerge.py invariants
      S1-S3: each file's groups read in order, a ``groupedmerge.WINDOW`` at a time, merged round by round with the C
@@ -242,7 +252,8 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      C decoder's read buffer (csrc/groupdecode.c, 32 MiB a thread at most) is bounded while a store is open:
      ``SCRATCH_SHARE`` of the limit a thread, as the scratch cache.
      What it costs: the write is ~2-6x format 1's CPU (pyarrow's serialize a group; a load 1.5-2.6x format 1's),
-     and a warm step +13-69% CPU (a pread and a copy a key's group where format 1 reads pages it keeps mapped); so
+     and a warm step more CPU than format 1's (by pread +13-69%, a pread and a copy a key's group; mapped, see
+     bench/RESULTS.md r31-f2map); so
      ``GROUPED_FROM`` is for the large, cold levels (bench/RESULTS.md, branches r31-wire2, r31-stream and r31-f2,
      have the measures behind the choice).
 
@@ -278,7 +289,7 @@ from dbsp_core.progress import progress
 from dbsp_core.storage.formats import BATCH_FILE_SUFFIX, SPILL_DIR
 from dbsp_core.trace import spillread
 from dbsp_core.trace.at_exit import stop_at_exit
-from dbsp_core.trace import batchfile, groupedbatch
+from dbsp_core.trace import batchfile, groupedbatch, groupedfile
 from dbsp_core.trace.batchfile import BatchFile, InPlaceWrite, in_place_room, open_batch, write_batch, write_in_place
 from dbsp_core.trace.groupedfile import GroupedFile, groupable_schema, open_grouped, write_grouped
 from dbsp_core.trace.groupedmerge import StreamedMerge
@@ -459,6 +470,14 @@ class BatchStore:
     # bytes from which a spilled batch's file is written in format 2 (row groups read by pread, invariant 18; None:
     # never, format 1 only): DBSP_SPILL_GROUPED (envvars.py), off by default
     GROUPED_FROM: int | None = settings().spill_grouped
+    # enforces a format-2 file reads by pread after the mapped bound dropped its mapping (invariant 18, "back-off"): a
+    # file whose reads' units the cap cannot hold pays a fault a unit each step for nothing kept (its mapping dropped
+    # every enforce), where pread costs it no fault; after them its lookups map again, to find out whether they fit
+    MAP_BACKOFF = 16
+    # ... unless its reads since the last enforce found at least this many groups a unit: then a fault a unit costs
+    # less than a pread a group even with the mapping dropped every enforce (bench/RESULTS.md, r31-f2map: 2M rows,
+    # ~20 groups a unit, 2.5 ms CPU a join step mapped against 3.6 by pread; 10M rows, ~4, about even)
+    MAP_GROUPS_PER_UNIT = 8
     ASYNC_BYTES = 64 << 10  # a batch this big is written by the spill thread, off the step (invariant 12); below it
     # a write takes a few ms and stays on the calling thread
     ASYNC_VFS = ("posix",)  # VFSes whose writes may go to the spill thread; the fault VFS's stay on the stepping
@@ -542,6 +561,7 @@ class BatchStore:
         self._traces: "weakref.WeakSet[Trace]" = weakref.WeakSet()
         self._files: dict[int, BatchFile] = {}  # id(batch) -> its open file, while the batch lives
         self._grouped: dict[int, GroupedFile] = {}  # id(batch) -> its open format-2 file, while it lives (18)
+        self._map_backoff: dict[int, int] = {}  # id(batch) -> the enforce its format-2 file maps again from (18)
         self._offsets: dict[int, int] = {}  # id(batch) -> the file row its first row is (a restored slice), if not 0
         self._spans: dict = {}  # (id(batch), row hashes) -> its buffers' byte spans (spillread.pages_used's cache)
         self._owners: dict[str, int] = {}  # file name -> live batches read from it
@@ -1412,7 +1432,8 @@ class BatchStore:
         self._step_misses = 0
         indexes = [(t, ix) for t in traces if id(t) in touched
                    for ix in (t.held_index,) if ix is not None and ix.nbytes >= self.INDEX_FILE_MIN]
-        if not used and not indexes and self._cached == 0 and self._mapped_bytes == 0:
+        gmarks = self._grouped_units()
+        if not used and not indexes and not gmarks and self._cached == 0 and self._mapped_bytes == 0:
             return
         located = []
         seeks = []  # the reads of some keys: their pages located in one C call (spillread.pages_used)
@@ -1430,7 +1451,7 @@ class BatchStore:
             for (i, _, f, _, _), p in zip(seeks, pages):
                 located[i][3] = np.arange(f.os_pages(), dtype=np.int64) if p is None else p
         del used, seeks
-        if self.OVERFLOW_EMPTIES and located and not indexes and self._overflows(located):
+        if self.OVERFLOW_EMPTIES and (located or gmarks) and not indexes and self._overflows(located, gmarks):
             return
         with self._lock:  # batches may die (and leave the cache) on other threads meanwhile
             self._generation += 1
@@ -1453,6 +1474,12 @@ class BatchStore:
                 if key not in out:
                     marks[_unit_of(f.base, pages)] = True
                     self._mapped_at[key] = now
+            for key, u in gmarks.items():  # a format-2 file's mapped reads: the units they flagged (invariant 18)
+                marks = self._mapped.get(key)
+                if marks is None or len(marks) != len(u):
+                    marks = self._mapped[key] = np.zeros(len(u), dtype=bool)
+                marks |= u
+                self._mapped_at[key] = now
             for t, ix in indexes:  # invariant 17: an index used counts whole (its probes' pages are not known)
                 n = -(-int(ix.nbytes) // mmap.PAGESIZE)
                 held = self._index_used.get(id(ix))
@@ -1473,7 +1500,40 @@ class BatchStore:
         self.stats["evict_calls"] += (spillread.evict(evict, self.RECENCY and hasattr(mmap, "MADV_NORMAL"))
                                       if spillread.NATIVE else _evict(evict))
 
-    def _overflows(self, located: list) -> bool:
+    def _grouped_units(self) -> dict[int, np.ndarray]:
+        """The ``MAP_UNIT``s each format-2 file's mapped lookups read since the last call (invariant 18; flagged by the
+        C reads, taken and cleared here), by batch key: the files that read none left out."""
+        with self._lock:
+            files = list(self._grouped.items())
+            now = self.stats["enforcements"]
+            for key, until in list(self._map_backoff.items()):  # backed off long enough: mapped reads again
+                if now >= until:
+                    del self._map_backoff[key]
+                    f = self._grouped.get(key)
+                    if f is not None:
+                        f.read_mapped = groupedfile.READ_MAPPED
+        out = {}
+        for key, f in files:
+            u = f.take_units()
+            if u is not None:
+                out[key] = u
+        return out
+
+    def _mapping_of(self, key: int) -> Any:
+        """The mapping of batch ``key``'s file (format 1's, or a format-2 file's once a lookup mapped it), or None; the
+        caller drops it for the mapped bound, so a format-2 file backs off: its lookups read by pread for the next
+        ``MAP_BACKOFF`` enforces (invariant 18). Under the lock."""
+        f = self._files.get(key)
+        if f is None:
+            f = self._grouped.get(key)
+            if f is not None and self.MAP_BACKOFF and f.map is not None and \
+                    f.last_groups < self.MAP_GROUPS_PER_UNIT * max(1, f.last_units):
+                f.read_mapped = False
+                self._map_backoff[key] = self.stats["enforcements"] + self.MAP_BACKOFF
+                self.stats["grouped_map_backoffs"] = self.stats.get("grouped_map_backoffs", 0) + 1
+        return getattr(f, "map", None) if f is not None else None
+
+    def _overflows(self, located: list, gmarks: dict[int, np.ndarray] | None = None) -> bool:
         """Invariant 15, "overflow": when the ``MAP_UNIT``s the reads since the last enforce marked (``located``: per
         read its trace, batch key, file, pages and whether it sought keys) come to more than :meth:`cache_cap`, the
         mapped bound would drop every mapping they read (and every older one) whatever the clock says, so the page
@@ -1486,6 +1546,8 @@ class BatchStore:
             if u is None:
                 u = marks[key] = np.zeros(_units(f.base, f.size), dtype=bool)
             u[_unit_of(f.base, pages[pages < f.os_pages()])] = True
+        for key, u in (gmarks or {}).items():
+            marks[key] = u
         cap = self.cache_cap()
         if sum(int(np.count_nonzero(u)) for u in marks.values()) * MAP_UNIT <= cap:
             return False
@@ -1504,9 +1566,9 @@ class BatchStore:
             self._step_misses = misses
             dropped = set(marks) | {k for k, m in self._mapped.items() if m.any()}
             for key in dropped:
-                f = self._files.get(key)
-                if f is not None:
-                    evict.append((f.map, None))
+                m = self._mapping_of(key)
+                if m is not None:
+                    evict.append((m, None))
                     self.stats["mapped_drops"] += 1
                     held = self._mapped.get(key)
                     self.stats["mapped_bytes_dropped"] += int(np.count_nonzero(
@@ -1582,10 +1644,10 @@ class BatchStore:
             for key in sorted(held, key=lambda k: (self._mapped_at.get(k, 0), -held[k])):
                 if total + index <= cap:
                     break
-                f = self._files.get(key)
-                if f is None or not held[key]:
+                m = self._mapping_of(key)
+                if m is None or not held[key]:
                     continue
-                out.append((f.map, None))
+                out.append((m, None))
                 self._unmap(key)
                 total -= held[key]
                 self.stats["mapped_drops"] += 1
@@ -1650,6 +1712,7 @@ class BatchStore:
             self._cached -= int(np.count_nonzero(clock))
         self._mapped.pop(key, None)
         self._mapped_at.pop(key, None)
+        self._map_backoff.pop(key, None)
 
     def cache_cap(self) -> int:
         """Bytes the cache may hold after an :meth:`enforce` (invariant 12): what the budget has left beside the bytes

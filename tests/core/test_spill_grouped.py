@@ -18,9 +18,9 @@ import dbsp_core as dbsp
 from dbsp_core import ZSet, _storage
 from dbsp_core.storage.formats import BATCH_FILE_GROUPED_VERSION, SPILL_DIR
 from dbsp_core.storage.inspect import inspect_storage
-from dbsp_core.trace import Trace, groupedbatch
+from dbsp_core.trace import Trace, groupedbatch, groupedfile
 from dbsp_core.trace.groupedfile import file_version
-from dbsp_core.trace.spill import BatchStore, spilling
+from dbsp_core.trace.spill import MAP_UNIT, BatchStore, spilling
 
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
 SCHEMA = pa.schema([("k", pa.int64()), ("s", pa.string()), ("v", pa.int64())])
@@ -234,3 +234,80 @@ def test_the_decoders_read_buffer_is_bounded_by_the_budget() -> None:
     assert share < _keep_limit() <= 32 << 20 or _keep_limit() == inside
     with pytest.raises(ValueError):
         _storage.grouped_keep_limit(-1)
+
+
+def _vma_rss(path: str) -> int:
+    """Bytes of ``path``'s pages mapped in this process (the Rss of its mappings in /proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping's first line
+                inside = len(head) >= 6 and head[5] == path
+            elif inside and line.startswith("Rss:"):
+                total += int(head[1]) << 10
+    return total
+
+
+def test_a_format_2_files_mapped_units_count_in_the_budget_and_the_enforce_drops_them(monkeypatch) -> None:
+    """Mapped lookups of a format-2 file (groupedfile.py invariant G5) through the store: the 2 MiB units they read
+    count in ``mapped_bytes`` at the next enforce (spill.py invariants 12 and 18), the file's pages the process maps
+    stay within them, and an enforce whose cap they pass drops the mapping whole (``mapped_drops``): none of its pages
+    mapped after it, and the file's lookups read by pread (nothing mapped) for ``MAP_BACKOFF`` enforces, then map
+    again, but when its reads found ``MAP_GROUPS_PER_UNIT`` groups a unit or more. A cold lookup (prefetch on) reads by pread and maps nothing."""
+    monkeypatch.setattr(BatchStore, "GROUPED_FROM", 1)
+    monkeypatch.setattr(BatchStore, "ASYNC_BYTES", 1 << 40)
+    monkeypatch.setattr(BatchStore, "PREFETCH", "off")
+    monkeypatch.setattr(groupedfile, "READ_MAPPED", True)  # (whatever DBSP_SPILL_GROUPED_MAP says)
+    rng = np.random.default_rng(SEED)
+    n = 400_000
+    t = Trace(SCHEMA, ("k",))
+    z = ZSet.from_arrow(pa.table({"k": rng.integers(0, n, n), "s": pa.array(["x" * 20] * n, pa.string()),
+                                  "v": rng.integers(0, 5, n)}, schema=SCHEMA))
+    with BatchStore(1) as store, spilling(store):
+        cap = [1 << 40]
+        monkeypatch.setattr(store, "cache_cap", lambda: cap[0])
+        t.insert(z.consolidate().index_by(["k"]))
+        store.enforce()
+        (b,) = [b for b in t._levels() if store.grouped_of(b) is not None]
+        f = store.grouped_of(b)
+        assert f.map is None and f.size > 8 << 20
+        keys = np.unique(np.asarray(b.key_hash))
+        for _ in range(3):
+            probe = np.sort(rng.choice(keys, 40, replace=False))
+            assert sum(len(x) for x in t.lookup(probe)) >= 40
+        assert f.map is not None and f.units.any()
+        flagged = int(np.count_nonzero(f.units))
+        store.enforce()
+        assert store.mapped_bytes(t) == flagged * MAP_UNIT and store.mapped_bytes() >= flagged * MAP_UNIT
+        assert 0 < _vma_rss(f.path) <= store.mapped_bytes(t)  # (2 MiB folios: a unit's pages at most)
+        drops = store.stats["mapped_drops"]
+        cap[0] = MAP_UNIT  # fewer than the units mapped: the next enforce drops the mapping
+        t.lookup(np.sort(rng.choice(keys, 10, replace=False)))
+        store.enforce()
+        assert store.stats["mapped_drops"] > drops and store.mapped_bytes(t) == 0
+        assert _vma_rss(f.path) == 0
+        # backed off (invariant 18): by pread for MAP_BACKOFF enforces, nothing mapped, then mapped again
+        assert not f.read_mapped and store.stats["grouped_map_backoffs"] >= 1
+        cap[0] = 1 << 40
+        for _ in range(store.MAP_BACKOFF - 1):
+            t.lookup(np.sort(rng.choice(keys, 40, replace=False)))
+            assert not f.units.any() and _vma_rss(f.path) == 0
+            store.enforce()
+        assert not f.read_mapped
+        store.enforce()
+        assert f.read_mapped
+        t.lookup(np.sort(rng.choice(keys, 40, replace=False)))
+        assert f.units.any() and _vma_rss(f.path) > 0
+        store.enforce()
+        # reads that found MAP_GROUPS_PER_UNIT groups a unit or more: dropped, but no back-off
+        monkeypatch.setattr(store, "MAP_GROUPS_PER_UNIT", 0)
+        cap[0] = MAP_UNIT
+        backoffs = store.stats["grouped_map_backoffs"]
+        t.lookup(np.sort(rng.choice(keys, 40, replace=False)))
+        store.enforce()
+        assert _vma_rss(f.path) == 0 and f.read_mapped and store.stats["grouped_map_backoffs"] == backoffs
+        monkeypatch.setattr(store, "prefetching", lambda: True)  # a cold file's lookups: by pread, nothing flagged
+        f.take_units()
+        t.lookup(np.sort(rng.choice(keys, 40, replace=False)))
+        assert not f.units.any() and f.read_mapped

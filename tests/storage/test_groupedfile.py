@@ -507,3 +507,107 @@ def test_a_groups_order_is_checked_once_and_every_lookup_finds_the_model_rows_by
                 assert got.zset.data.equals(b.zset.data.filter(pa.array(sel)))
         assert f.verified.all()  # (the last probe: every key hash)
     os.unlink(path)
+
+
+def _units_read(f, groups: np.ndarray, checked: np.ndarray) -> np.ndarray:
+    """The model of a mapped lookup's unit flags (invariant G5): per group read, the ``MAP_UNIT``s of address space
+    its bytes lie in, its message's when every slot of it was checked before the read, else its whole slots (read for
+    their CRC), cut at the Arrow section's end."""
+    from dbsp_core.trace.groupedfile import MAP_UNIT
+
+    want = np.zeros(len(f.units), dtype=bool)
+    end = 64 + f.alen
+    for g in groups.tolist():
+        s, n = int(f.g_slot[g]), int(f.g_slots[g])
+        lo = s * f.slot
+        hi = min(end, (s + n) * f.slot)
+        if checked[s:(hi + f.slot - 1) // f.slot].all():
+            hi = lo + int(f.msg_len[g])
+        want[(f.base + lo) // MAP_UNIT - f.base // MAP_UNIT:(f.base + hi - 1) // MAP_UNIT - f.base // MAP_UNIT + 1] = True
+    return want
+
+
+def test_mapped_lookups_read_the_model_rows_in_place_and_flag_the_units_of_the_groups_they_read() -> None:
+    """A lookup through the file's mapping (invariant G5) returns what the pread lookup and the dict model do, for
+    first reads (the slots' CRCs read from the mapping) and later ones, probes present, absent and repeated; it flags
+    exactly the 2 MiB units the groups it read lie in (their whole slots on a first read, their messages after), which
+    ``take_units`` hands over once and clears; a cold lookup (``advise``) and a file with mapped reads off read by
+    pread and flag none."""
+    rng = np.random.default_rng(SEED)
+    b = _batch(rng, 300_000)
+    path = os.path.join(tempfile.mkdtemp(), "g.batch")
+    write_grouped(path, b)
+    kh = np.asarray(b.key_hash).astype(np.uint64)
+    with open_grouped(path) as f, open_grouped(path) as ref:
+        f.read_mapped, ref.read_mapped = True, False
+        assert f.size > 6 << 20 and f.map is None
+        for trial in range(12):
+            n = int(rng.choice([1, 30, 700]))
+            h = np.concatenate([rng.choice(kh, n), rng.integers(0, 2**63, n // 3 + 1, dtype=np.uint64)])
+            u = np.unique(h)
+            sel = np.isin(kh, u)
+            expect = {tuple(r.values()): int(w) for r, w in zip(b.zset.data.filter(pa.array(sel)).to_pylist(),
+                                                                np.asarray(b.zset.weights)[sel])}
+            advise = trial % 4 == 3
+            checked = f.checked.copy()
+            got = f.lookup(h, advise=advise)
+            assert _as_model(got) == expect and _as_model(ref.lookup(h)) == expect, trial
+            assert np.array_equal(got.key_hash, kh[sel]) and np.array_equal(got._rh, np.asarray(b._rh)[sel])
+            assert f.map is not None and ref.map is None
+            flagged = f.take_units()
+            if advise:
+                assert flagged is None, "a cold lookup read by pread"
+                continue
+            want = _units_read(f, f.groups_of(u), checked)
+            assert np.array_equal(flagged if flagged is not None else np.zeros(len(want), bool), want), trial
+            assert f.take_units() is None  # (cleared)
+        assert f.checked.any() and np.array_equal(f.checked, ref.checked | f.checked)
+    os.unlink(path)
+
+
+def test_a_file_damaged_or_cut_under_its_mapping_is_the_damage_error_never_a_bus_error(tmp_path) -> None:
+    """A mapped file (invariant G5) whose bytes change under the mapping after it was opened: a slot not read yet is
+    refused by its CRC; a file cut short (another process truncating it) is refused before a byte past its new end is
+    read (a bus error otherwise). In a child process, so that a bus error fails the test instead of the run."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import os, numpy as np
+        from dbsp_core.errors import CorruptionError
+        from dbsp_core.trace.groupedfile import open_grouped, write_grouped
+        from test_groupedfile import _batch
+        b = _batch(np.random.default_rng({SEED}), 300_000)
+        path = {str(tmp_path / "g.batch")!r}
+        write_grouped(path, b)
+        kh = np.asarray(b.key_hash).astype(np.uint64)
+        f = open_grouped(path)
+        f.read_mapped = True
+        f.lookup(kh[:10])  # mapped, its first groups checked
+        g = f.groups // 2
+        assert not f.checked[int(f.g_slot[g])]
+        probe = kh[f.row_starts()[g]:f.row_starts()[g] + 3]
+        at = int(f.g_slot[g]) * f.slot + 20
+        fd = os.open(path, os.O_RDWR)
+        raw = os.pread(fd, 1, at)
+        os.pwrite(fd, bytes([raw[0] ^ 1]), at)  # a byte of a group not read yet
+        try:
+            f.lookup(probe)
+        except CorruptionError as e:
+            assert "CRC page" in str(e), e
+            print("crc refused")
+        os.pwrite(fd, raw, at)
+        os.ftruncate(fd, int(f.g_slot[g]) * f.slot)  # (the group past the new end)
+        os.close(fd)
+        try:
+            f.lookup(probe)
+        except CorruptionError as e:
+            assert "shorter" in str(e), e
+            print("cut refused")
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.path.dirname(__file__),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.split() == ["crc", "refused", "cut", "refused"], r.stdout
