@@ -606,7 +606,8 @@ def test_a_file_damaged_or_cut_under_its_mapping_is_the_damage_error_never_a_bus
             assert "shorter" in str(e), e
             print("cut refused")
     """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.path.dirname(__file__),
+    here = os.path.dirname(os.path.abspath(__file__))  # test_groupedfile, and tests/ for its hypothesis_profile
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), here, os.path.dirname(here),
                                                        os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
