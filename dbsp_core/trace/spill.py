@@ -618,7 +618,8 @@ class BatchStore:
                            "evict_calls": 0, "outputs_never_written": 0, "whole_evictions": 0,
                            "mapped_drops": 0, "mapped_bytes_dropped": 0, "walk_pieces": 0, "written_in_place": 0,
                            "bytes_in_place": 0, "merge_inputs_on_disk": 0,
-                           "bytes_merged_out": 0, "bytes_compacted": 0, "compactions_abandoned": 0})
+                           "bytes_merged_out": 0, "bytes_compacted": 0, "compactions_abandoned": 0,
+                           "grouped_map_backoffs": 0})
 
     def __enter__(self) -> "BatchStore":
         return self
@@ -1530,7 +1531,7 @@ class BatchStore:
                     f.last_groups < self.MAP_GROUPS_PER_UNIT * max(1, f.last_units):
                 f.read_mapped = False
                 self._map_backoff[key] = self.stats["enforcements"] + self.MAP_BACKOFF
-                self.stats["grouped_map_backoffs"] = self.stats.get("grouped_map_backoffs", 0) + 1
+                self.count("grouped_map_backoffs", 1)  # (an RLock: this runs under it)
         return getattr(f, "map", None) if f is not None else None
 
     def _overflows(self, located: list, gmarks: dict[int, np.ndarray] | None = None) -> bool:
