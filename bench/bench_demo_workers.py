@@ -28,6 +28,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 
 def child(workers: int, batches: int, bids: int, clock: str, merge_thread: str) -> dict:
     """One run in this process: push and step every batch; the steps' times and the profile's operators."""
@@ -53,7 +55,8 @@ def child(workers: int, batches: int, bids: int, clock: str, merge_thread: str) 
             walls.append(time.perf_counter() - t0)
             cpu += time.process_time() - c0
         ops = {r["operator"]: r["seconds"] or 0.0 for r in p.profile(state=False)["operators"]}
-    return {"wall": sum(walls), "cpu": cpu, "median_ms": statistics.median(walls) * 1e3, "ops": ops}
+    return {"wall": sum(walls), "cpu": cpu, "median_ms": statistics.median(walls) * 1e3,
+            "p99_ms": float(np.percentile(walls, 99)) * 1e3, "ops": ops}
 
 
 def run(workers: int, args: argparse.Namespace, clock: str) -> dict:
@@ -93,7 +96,8 @@ def main() -> int:
                 res[(w, clock)].append(x)
                 if clock == "wall":
                     print(f"round {r + 1} W={w}: steps {x['wall']:.2f} s wall, {x['cpu']:.2f} s CPU, median step "
-                          f"{x['median_ms']:.1f} ms (load {os.getloadavg()[0]:.2f})", flush=True)
+                          f"{x['median_ms']:.1f} ms, p99 {x['p99_ms']:.1f} ms (load {os.getloadavg()[0]:.2f})",
+                          flush=True)
     for w in (1, 2):
         xs = res[(w, "wall")]
         print(f"W={w}: steps wall {min(x['wall'] for x in xs):.2f}-{max(x['wall'] for x in xs):.2f} s, CPU "
