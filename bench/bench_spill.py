@@ -201,10 +201,15 @@ def measure(p: dbsp.Pipeline, rng, query: str, groups: int, args, loaded: list, 
     if store is not None:
         d = {n: store.stats.get(n, 0) - st0.get(n, 0) for n in ("cache_hits", "cache_misses", "evictions",
                                                                "bytes_evicted", "pages_prefetched", "prefetch_runs",
-                                                               "keys_sought")}
+                                                               "keys_sought", "grouped_lookups",
+                                                               "grouped_prefetched", "grouped_map_backoffs")}
         out.update(hits=d["cache_hits"] / args.steps, misses=d["cache_misses"] / args.steps,
                    evicted_kib=d["bytes_evicted"] / 1024 / args.steps, cached_mb=store.cached_pages() * PAGE / 2**20,
-                   prefetched=d["pages_prefetched"] / args.steps, runs=d["prefetch_runs"] / args.steps)
+                   prefetched=d["pages_prefetched"] / args.steps, runs=d["prefetch_runs"] / args.steps,
+                   # format 2's (spill.py invariant 18): lookups, those made as cold (pread and fadvise, no mapping:
+                   # the last step read from the disk) and mappings the bound dropped into back-off, a step
+                   g_lookups=d["grouped_lookups"] / args.steps, g_cold=d["grouped_prefetched"] / args.steps,
+                   g_backoffs=d["grouped_map_backoffs"] / args.steps)
         mem, kept = store.memory()
         out.update(disk_mb=store.disk_bytes() / 2**20, mem_mb=mem / 2**20, kept_mb=kept / 2**20,
                    files=len(store._files) + len(store._grouped),
@@ -313,7 +318,8 @@ def show(tag: str, sp: dict, mem: dict | None, args) -> None:
           f"{sp['background']} files off the step ({sp['wasted']} more merged away first)", flush=True)
     print(f"{tag} per step: cache hits {sp['hits']:.0f} misses {sp['misses']:.0f} pages, evicted "
           f"{sp['evicted_kib']:.0f} KiB, cache {sp['cached_mb']:.1f} MiB; prefetched {sp['prefetched']:.0f} pages "
-          f"in {sp['runs']:.0f} runs; major faults {sp['majflt']:.1f}, minor {sp['minflt']:.0f}, read from disk "
+          f"in {sp['runs']:.0f} runs; format-2 lookups {sp['g_lookups']:.1f} ({sp['g_cold']:.1f} as cold, "
+          f"{sp['g_backoffs']:.2f} mappings backed off); major faults {sp['majflt']:.1f}, minor {sp['minflt']:.0f}, read from disk "
           f"{sp['read_kib']:.0f} KiB; CPU {sp['user'] + sp['sys']:.2f} ms (user {sp['user']:.2f}, sys {sp['sys']:.2f}); "
           f"stepping thread CPU mean {sp['cpu_mean']:.2f} p99 {sp['cpu_p99']:.2f} ms; "
           f"RssFile after the steps {sp['rss_file_mb']:.0f} MiB; {sp['spilled_batches']} spilled batches, keys sought "
