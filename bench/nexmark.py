@@ -205,6 +205,7 @@ def run_dbsp(query: str, mode: str, workers: int, files: list[dict], root: str,
             out_rows += out[query].num_rows
             final_rows += int(out[query].weights.sum())
         late = sum(p.late_rows.values())
+        out_bytes = p._output.disk_bytes() if storage else 0  # what the output log wrote (Flink's: sink_bytes)
     finally:
         for s in sources:
             s.close()  # joins each source's read-ahead thread
@@ -213,7 +214,7 @@ def run_dbsp(query: str, mode: str, workers: int, files: list[dict], root: str,
             shutil.rmtree(storage, ignore_errors=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     return {"query": query, "mode": mode, "workers": workers, "events": events, "seconds": seconds, "read_s": read_s,
-            "peak_mib": peak, "out_rows": out_rows, "final_rows": final_rows, "late": late, "source": source,
+            "peak_mib": peak, "out_rows": out_rows, "out_bytes": out_bytes, "final_rows": final_rows, "late": late, "source": source,
             "reader": reader}
 
 
@@ -309,8 +310,9 @@ def run_flink(args: argparse.Namespace, queries: list[str], modes: list[str], wo
                 flink[(q, mode, w)] = d
                 note = "" if d["seconds"] > 0 else "  (not above the empty job: no figure)"
                 rate = events / d["seconds"] if d["seconds"] > 0 else float("nan")
+                wrote = f", {d['sink_bytes'] / 2**20:,.1f} MiB written" if d.get("sink_bytes") else ""
                 print(f"{q:>4} {mode:>7} Flink P={w}: {rate:>12,.0f} events/s  (job {d['job_ms']:,.0f} ms, "
-                      f"empty job {d['empty_ms']:,.0f} ms, sink {d.get('sink', 'blackhole')}){note}", flush=True)
+                      f"empty job {d['empty_ms']:,.0f} ms, sink {d.get('sink', 'blackhole')}{wrote}){note}", flush=True)
     return flink
 
 
@@ -458,7 +460,8 @@ def main() -> None:
                     r = measure_dbsp(q, mode, w, root, source, reader)
                     rate = r["events"] / r["seconds"]
                     print(f"{q:>4} {mode:>7} W={w}: {rate:>12,.0f} events/s  {rate / w:>12,.0f} /core  "
-                          f"peak {r['peak_mib']:,.0f} MiB  ({r['out_rows']:,} output rows, {r['late']} late)",
+                          f"peak {r['peak_mib']:,.0f} MiB  ({r['out_rows']:,} output rows, {r['late']} late"
+                          f"{', output log %.1f MiB' % (r['out_bytes'] / 2**20) if r.get('out_bytes') else ''})",
                           flush=True)
                     rows.append(r)
         flink = run_flink(args, queries, modes, workers, root, args.events) if args.peers else {}
