@@ -239,8 +239,12 @@ def main() -> None:
             empty_ms = statistics.median(run_job(tenv, q, sink, out_root) for _ in range(3))
             register(tenv, data)
             job_ms = run_job(tenv, q, sink, out_root)
+            # the data job's sink directory (the last one made): the bytes its file sink wrote
+            sink_dir = os.path.join(out_root, f"{q}-{_outputs[0]}")
+            sink_bytes = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(sink_dir) for f in fs)
             print(json.dumps({"query": q, "seconds": (job_ms - empty_ms) / 1e3, "job_ms": job_ms,
-                              "empty_ms": empty_ms, "sink": FILE_FORMAT.get(q, sink)}), flush=True)
+                              "empty_ms": empty_ms, "sink": FILE_FORMAT.get(q, sink),
+                              "sink_bytes": sink_bytes}), flush=True)
             shutil.rmtree(out_root, ignore_errors=True)  # (the jobs' files: not kept, as ours are not)
         except Exception as e:  # noqa: BLE001 - Flink's (py4j) error, reported for this query; the others run
             print(json.dumps({"query": q, "error": f"{type(e).__name__}: {str(e)[:1500]}"}), flush=True)

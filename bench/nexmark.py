@@ -175,7 +175,8 @@ def push_step(p: dbsp.Pipeline, step: dict, reads, source: str, sources: list | 
 
 
 def run_dbsp(query: str, mode: str, workers: int, files: list[dict], root: str,
-             source: str = "parquet", reader: str = "push", read_ahead: int | None = None) -> dict:
+             source: str = "parquet", reader: str = "push", read_ahead: int | None = None,
+             output_sync: bool = True) -> dict:
     """One measurement, in this (child) process, reading each step's parquet (or with ``source="csv"``, CSV)
     files inside the timed loop, through FileSources (``reader="files"``) or pyarrow and push_many."""
     storage = tempfile.mkdtemp(prefix=f"nexmark-{query}-", dir=root) if mode == "durable" else None
@@ -184,7 +185,7 @@ def run_dbsp(query: str, mode: str, workers: int, files: list[dict], root: str,
 
     # merges on the workers' threads: per-core figures divide by W, so W threads must be all the cores used
     ex = EmbeddedExecutor(background_merge=False)
-    p = dbsp.Pipeline(c, workers=workers, storage=storage, executor=ex) if storage else \
+    p = dbsp.Pipeline(c, workers=workers, storage=storage, executor=ex, output_sync=output_sync) if storage else \
         dbsp.Pipeline(c, workers=workers, executor=ex)
     try:
         if query == "q13":
@@ -205,6 +206,7 @@ def run_dbsp(query: str, mode: str, workers: int, files: list[dict], root: str,
             out_rows += out[query].num_rows
             final_rows += int(out[query].weights.sum())
         late = sum(p.late_rows.values())
+        out_bytes = p._output.disk_bytes() if storage else 0  # what the output log wrote (Flink's: sink_bytes)
     finally:
         for s in sources:
             s.close()  # joins each source's read-ahead thread
@@ -213,15 +215,15 @@ def run_dbsp(query: str, mode: str, workers: int, files: list[dict], root: str,
             shutil.rmtree(storage, ignore_errors=True)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     return {"query": query, "mode": mode, "workers": workers, "events": events, "seconds": seconds, "read_s": read_s,
-            "peak_mib": peak, "out_rows": out_rows, "final_rows": final_rows, "late": late, "source": source,
+            "peak_mib": peak, "out_rows": out_rows, "out_bytes": out_bytes, "final_rows": final_rows, "late": late, "source": source,
             "reader": reader}
 
 
 def measure_dbsp(query: str, mode: str, workers: int, root: str, source: str = "parquet",
-                 reader: str = "push") -> dict:
+                 reader: str = "push", output_sync: bool = True) -> dict:
     """run_dbsp in a fresh child process (its own peak memory)."""
     arg = json.dumps({"query": query, "mode": mode, "workers": workers, "root": root, "source": source,
-                      "reader": reader})
+                      "reader": reader, "output_sync": output_sync})
     r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", arg], capture_output=True, text=True)
     if r.returncode:
         raise RuntimeError(f"{query} {mode} W={workers} failed:\n{r.stderr[-3000:]}")
@@ -309,8 +311,9 @@ def run_flink(args: argparse.Namespace, queries: list[str], modes: list[str], wo
                 flink[(q, mode, w)] = d
                 note = "" if d["seconds"] > 0 else "  (not above the empty job: no figure)"
                 rate = events / d["seconds"] if d["seconds"] > 0 else float("nan")
+                wrote = f", {d['sink_bytes'] / 2**20:,.1f} MiB written" if d.get("sink_bytes") else ""
                 print(f"{q:>4} {mode:>7} Flink P={w}: {rate:>12,.0f} events/s  (job {d['job_ms']:,.0f} ms, "
-                      f"empty job {d['empty_ms']:,.0f} ms, sink {d.get('sink', 'blackhole')}){note}", flush=True)
+                      f"empty job {d['empty_ms']:,.0f} ms, sink {d.get('sink', 'blackhole')}{wrote}){note}", flush=True)
     return flink
 
 
@@ -339,7 +342,8 @@ def head_line(gen_rate: float, args: argparse.Namespace) -> str:
             f"time), read from {'CSV' if args.source == 'csv' else 'parquet'} files (dbsp: {args.reader_used}); "
             f"generator alone: "
             f"{gen_rate / 1e6:.2f} M events/s; {os.cpu_count()} cores, load average "
-            f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; dbsp_core {dbsp.__version__}, pyarrow {pa.__version__}")
+            f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; dbsp_core {dbsp.__version__}, pyarrow {pa.__version__}"
+            + ("; durable output fsynced only at checkpoints (--output-sync off)" if args.output_sync == "off" else ""))
 
 
 def peers_table(rows: list[dict], flink: dict, args: argparse.Namespace) -> str:
@@ -420,6 +424,9 @@ def main() -> None:
                     "pushes logged by reference to the files); push: pyarrow reads, one push_many per step")
     ap.add_argument("--source", choices=["auto", "csv", "parquet"], default="auto",
                     help="the files our side reads: csv (auto with --peers: the files Flink reads) or parquet")
+    ap.add_argument("--output-sync", choices=["on", "off"], default="on",
+                    help="durable: fsync each step's output record before step() returns (on, the default contract) "
+                         "or only at checkpoints (off: Pipeline(output_sync=False), to measure what the contract costs)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.check and not args.peers:
@@ -428,7 +435,7 @@ def main() -> None:
         a = json.loads(args.child)
         files = json.load(open(os.path.join(a["root"], "files.json")))
         print(json.dumps(run_dbsp(a["query"], a["mode"], a["workers"], files, a["root"], a["source"],
-                                  a.get("reader", "push"), a.get("read_ahead"))))
+                                  a.get("reader", "push"), a.get("read_ahead"), a.get("output_sync", True))))
         return
     queries = [q.strip() for q in args.queries.split(",") if q.strip()]
     for q in queries:
@@ -455,10 +462,11 @@ def main() -> None:
         for q in queries:
             for mode in modes:
                 for w in workers:
-                    r = measure_dbsp(q, mode, w, root, source, reader)
+                    r = measure_dbsp(q, mode, w, root, source, reader, args.output_sync == "on")
                     rate = r["events"] / r["seconds"]
                     print(f"{q:>4} {mode:>7} W={w}: {rate:>12,.0f} events/s  {rate / w:>12,.0f} /core  "
-                          f"peak {r['peak_mib']:,.0f} MiB  ({r['out_rows']:,} output rows, {r['late']} late)",
+                          f"peak {r['peak_mib']:,.0f} MiB  ({r['out_rows']:,} output rows, {r['late']} late"
+                          f"{', output log %.1f MiB' % (r['out_bytes'] / 2**20) if r.get('out_bytes') else ''})",
                           flush=True)
                     rows.append(r)
         flink = run_flink(args, queries, modes, workers, root, args.events) if args.peers else {}

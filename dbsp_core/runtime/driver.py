@@ -35,7 +35,11 @@ Invariants (enforced here):
      leaves before that). ``now`` never decreases, also
      across restarts (the floor is saved with the checkpoint). Replay uses the logged determinants.
   4. Every step's output goes through ``OutputLog.write`` (discard / verify / append by step); with replay
-     checking on (the default) a replayed step whose output differs raises ReplayMismatchError.
+     checking on (the default) a replayed step whose output differs raises ReplayMismatchError. With
+     ``output_sync`` the steps one call runs together (``run_queued``, a step after a failed one, a recovery's
+     replay) are appended unread and made durable and readable by one fsync before the call returns or raises
+     (outputlog.py invariant 2); a crash before it loses those records only, whose divisions are durable, so
+     recovery computes and appends them again: no reader saw them and no caller got them.
   5. A checkpoint at step X captures the executor's state at X while steps pause, then (possibly on a
      background thread, while later steps run) flushes the output log, makes the state durable, commits the
      driver's own record (seen set, clock) at X in ``driver.db``, and only then truncates the input log below
@@ -1027,9 +1031,15 @@ class Pipeline:
                 if self._owed.done:
                     self._owed = None
             if self._output is not None:
+                # invariant 4: several steps of one call share one fsync (outputlog.py invariant 2: each record is
+                # unread until it, and it comes before the call returns or raises any of them)
+                defer = len(outs) > 1 and self._output.sync
                 for d, out in zip(run, outs):
-                    self._output.write(d.input.step, out, d.ranges, self._refs(d) if by_ref else None)
+                    self._output.write(d.input.step, out, d.ranges, self._refs(d) if by_ref else None, defer=defer)
                     crashpoint("step-written" if not replay else "recover-step")
+                if defer:
+                    self._output.flush()
+                    crashpoint("steps-synced")
             self.stats["step_log_s"] += time.perf_counter() - t1
         except BaseException as exc:
             self._broken = exc  # state has advanced past output that is not logged: recover from the checkpoint
@@ -1650,7 +1660,7 @@ class Pipeline:
         """The output steps the log holds."""
         self._need_storage("output_steps")
         assert self._output is not None
-        return range(self._output.first, self._output.last)
+        return range(self._output.first, self._output.readable)
 
     @property
     def output_since(self) -> dict[str, int]:

@@ -8,7 +8,11 @@ Invariants (enforced here):
   2. An appended step is durable (fsynced) before ``write`` returns when ``sync=True``. With ``sync=False``
      it is written (visible to readers, here and in other processes) before ``write`` returns and durable
      after the next :meth:`OutputLog.flush` or :meth:`OutputLog.close` (group commit); a crash before then
-     keeps a prefix of the appended steps.
+     keeps a prefix of the appended steps. A write with ``defer=True`` (the writer's steps of one call, which
+     it returns only after a flush) only queues the record in the log's memory: no file holds it and no reader
+     sees it, here (``get``, ``read``, ``inputs_of`` and ``readable`` stop before it) or in another process,
+     until the next flush (or a retention, or close) writes and fsyncs every queued record with one fsync and
+     only then makes them readable; a crash before then loses the queued records, never a record a reader saw.
   3. Records live in the C step log (csrc/steplog.c, format 2, no LOG file) in the log's directory, so its
      recovery rules hold: a torn tail of unsynced writes is cut off on open, and a damaged record that a
      later write proves had been fsynced raises CorruptionError naming the file and offset and changes
@@ -185,6 +189,7 @@ class OutputLog:
         self.readonly = readonly
         self._lock = threading.Lock()
         self._ticket = 0  # of the newest appended record (flush syncs up to it)
+        self._queued = False  # records written with defer=True wait for the next sync (invariant 2)
         # per output, the buffer its change is encoded into, reused under _lock: the log's enqueue copies a record
         # before write returns (codec.encode_zset_parts ``into``)
         self._scratch: dict[str, pa.ResizableBuffer] = {}
@@ -245,6 +250,7 @@ class OutputLog:
             self.first, self.last = span
         else:
             self.first = self.last = 0
+        self.readable = self.last  # the end of what readers see (invariant 2): every step on disk
 
     def refresh(self) -> None:
         """A read-only log: pick up records appended (and segments dropped) by the writer since the last scan."""
@@ -277,12 +283,13 @@ class OutputLog:
         return chunks
 
     def write(self, step: int, outputs: dict[str, ZSet], inputs: list | None = None,
-              refs: dict[str, tuple[str, list[tuple[str, int]]]] | None = None) -> str:
+              refs: dict[str, tuple[str, list[tuple[str, int]]]] | None = None, defer: bool = False) -> str:
         """Record ``outputs`` (``{name: change}``) of ``step``; returns 'discarded', 'replayed' or 'appended'.
 
         ``inputs`` describes the input that produced the step (see :meth:`inputs_of`). ``refs`` names outputs
         whose change is the sum of the pushes ``(producer, seq)`` of one input in this step, already durable in
         the input log: ``{output: (input, [(producer, seq), ...])}``; they are written as references (invariant 7).
+        ``defer``: an appended record waits, unread and in memory, for the next :meth:`flush` (invariant 2).
         """
         if self.readonly:
             raise ValueError("output log: opened read-only")
@@ -291,6 +298,8 @@ class OutputLog:
                 return "discarded"
             if step < self.last:
                 if self.check:
+                    if step >= self.readable:
+                        self._sync_locked()  # a queued record is read back from the file
                     old = self._read_locked(step)[1]
                     for n in old:  # the outputs whose current definition the record holds (invariant 5)
                         if not (old[n] == outputs[n]):
@@ -309,19 +318,30 @@ class OutputLog:
                             f"step {step} computed again after the output log's rebuild gave a different change of "
                             f"output {n!r} than the intact record the rebuild kept")
             ticket = self._log.enqueue(step, b"", b"", 0, self._encode(step, outputs, inputs or [], refs))
-            if self.sync:
-                self._log.sync(ticket)
-            else:
-                self._log.write(ticket)
             self._ticket = ticket
             self.last = step + 1
+            if defer:  # invariant 2: in memory only, unread, until the next sync
+                self._queued = True
+            elif self.sync:
+                self._sync_locked()
+            else:
+                self._log.write(ticket)
+                if not self._queued:
+                    self.readable = self.last
             return "appended"
 
+    def _sync_locked(self) -> None:
+        """Write and fsync every appended record, then let readers see them (invariant 2). Call under ``_lock``."""
+        if self._ticket:
+            self._log.sync(self._ticket)
+        self._queued = False
+        self.readable = self.last
+
     def flush(self) -> None:
-        """Make every appended step durable (a no-op for durability when ``sync=True``)."""
+        """Make every appended step durable (and every step written with ``defer=True`` readable) with one fsync."""
         with self._lock:
-            if not self.readonly and self._ticket:
-                self._log.sync(self._ticket)
+            if not self.readonly:
+                self._sync_locked()
 
     # ---- read ----
 
@@ -381,15 +401,15 @@ class OutputLog:
         """Every output's change of ``step`` (those whose current definition it ran, invariant 5); KeyError if the
         step is not (or no longer) in the log."""
         with self._lock:
-            if not self.first <= step < self.last:
-                raise KeyError(f"output step {step} is not in the log (it holds {self.first}..{self.last})")
+            if not self.first <= step < self.readable:
+                raise KeyError(f"output step {step} is not in the log (it holds {self.first}..{self.readable})")
             return self._read_locked(step)[1]
 
     def inputs_of(self, step: int) -> list[dict]:
         """The input that produced ``step``: ``[{"handle", "producer", "first_seq", "last_seq", "pushes"}]``."""
         with self._lock:
-            if not self.first <= step < self.last:
-                raise KeyError(f"output step {step} is not in the log (it holds {self.first}..{self.last})")
+            if not self.first <= step < self.readable:
+                raise KeyError(f"output step {step} is not in the log (it holds {self.first}..{self.readable})")
             return self._read_locked(step)[0]["inputs"]
 
     def read(self, name: str, from_step: int = 0) -> Iterator[tuple[int, ZSet]]:
@@ -409,7 +429,7 @@ class OutputLog:
         step = max(from_step, self.since.get(name, 0))
         while True:
             with self._lock:
-                if step >= self.last:
+                if step >= self.readable:
                     return
                 z = self._read_locked(step)[1][name]
             yield step, z
@@ -438,8 +458,7 @@ class OutputLog:
         if self.readonly:
             raise ValueError("output log: opened read-only")
         with self._lock:
-            if self._ticket:  # invariant 4: what follows a dropped segment is durable before it goes
-                self._log.sync(self._ticket)
+            self._sync_locked()  # invariant 4: what follows a dropped segment is durable before it goes
             span = self._step_log_range()
             dropped = self._v1.drop_below(step, span[0] if span is not None else None)
             if not self._v1.segments:  # invariant 4: the step log's segments only once the format-1 ones are gone
@@ -458,8 +477,8 @@ class OutputLog:
             if self._log.closed:
                 return
             try:
-                if not self.readonly and self._ticket:
-                    self._log.sync(self._ticket)
+                if not self.readonly:
+                    self._sync_locked()
             finally:
                 self._log.close()
                 if self._own_input:

@@ -14,7 +14,7 @@ import pytest
 from dbsp_core import _storage
 from dbsp_core.storage.inspect import open_output
 from dbsp_core.errors import CorruptionError, ReplayMismatchError
-from dbsp_core.storage import FaultInjector
+from dbsp_core.storage import FaultInjector, FaultVfs
 from dbsp_core.storage.outputlog import OutputLog
 
 from outputlog_helpers import (SCHEMAS, big_rows, flip, frames, inputs, outputs, same_step, segments, snapshot,
@@ -93,6 +93,45 @@ def test_sync_false_writes_now_and_flush_makes_durable(tmp_path):
     log._log.close()
     log = OutputLog(p, SCHEMAS)
     assert log.last == 5 and all(same_step(log, s) for s in range(5))
+    log.close()
+
+
+def test_deferred_writes_are_unread_until_one_flush_makes_them_durable(tmp_path):
+    """defer=True (invariant 2): the records of several steps stay out of every reader's sight (this log's get, read,
+    inputs_of and readable; a read-only log in the same or another process) until one flush writes and fsyncs them
+    all; a crash before it loses them all and nothing else; after it they are all durable."""
+    p = str(tmp_path / "out")
+    log = OutputLog(p, SCHEMAS)
+    write_steps(log, range(2))
+    log.close()
+    fv = FaultVfs()
+    fv.arm()
+    log = OutputLog(p, SCHEMAS, vfs=fv.name)
+    reader = OutputLog(p, SCHEMAS, readonly=True)
+    for step in range(2, 5):
+        assert log.write(step, outputs(step), inputs(step), defer=True) == "appended"
+    assert (log.last, log.readable) == (5, 2)
+    with pytest.raises(KeyError, match="holds 0..2"):
+        log.get(3)
+    with pytest.raises(KeyError):
+        log.inputs_of(2)
+    assert [s for s, _ in log.read("counts", 0)] == [0, 1]
+    reader.refresh()
+    assert reader.last == 2, "a deferred record reached the files before the flush"
+    ops = fv.ops()
+    log.flush()
+    assert fv.ops() - ops <= 3, f"one flush of three records took {fv.ops() - ops} operations (one write, one fsync)"
+    assert log.readable == 5 and all(same_step(log, s) for s in range(5))
+    reader.refresh()
+    assert reader.last == 5 and same_step(reader, 4)
+    reader.close()
+    for step in range(5, 7):  # never flushed: a crash that drops unsynced writes loses exactly these
+        log.write(step, outputs(step), inputs(step), defer=True)
+    fv.crash_now("keep")  # even a crash that keeps every write: they were never written
+    fv.disarm()
+    log._log.close()
+    log = OutputLog(p, SCHEMAS)
+    assert log.last == 5 and all(same_step(log, s) for s in range(5)), "the flushed steps are not all durable"
     log.close()
 
 
