@@ -16,6 +16,7 @@ import pytest
 
 import dbsp_core as dbsp
 from dbsp_core import _storage
+from dbsp_core.envvars import settings
 from dbsp_core.errors import DbspError, StorageError
 from dbsp_core.storage import FaultVfs
 from dbsp_core.storage.formats import OUTPUT_DIR
@@ -119,5 +120,11 @@ def test_a_crash_in_or_after_run_queued_keeps_a_prefix_and_every_returned_step(t
             check(d, returned, ref, f"crash at op {n} of {nops} ({mode}, seed {seed})")
             shutil.rmtree(d)
             tried += 1
-    assert 2 <= nops <= 4, f"run_queued of {QUEUED} steps took {nops} I/O operations (one write and one fsync)"
+    # without a budget the call's I/O is the output log's: one write and one fsync for the four steps (deferral off
+    # makes it 8); under DBSP_MEMORY_LIMIT (.ci/run's second pass) every step also writes its traces' batch files
+    # through the same VFS, so the count only bounds from below, and the crashes above cover those operations too
+    if settings().memory_limit is None:
+        assert 2 <= nops <= 4, f"run_queued of {QUEUED} steps took {nops} I/O operations (one write and one fsync)"
+    else:
+        assert nops >= 2, f"run_queued of {QUEUED} steps took {nops} I/O operations"
     print(f"\n[run_queued crash] {nops} operations + after the return x {len(DAMAGE)} damage modes = {tried} crashes")
