@@ -231,7 +231,7 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      between steps (groupedfile.py invariant G5, ``DBSP_SPILL_GROUPED_MAP``; by pread when ``prefetching`` says the
      file is cold): each lookup flags the ``MAP_UNIT``s it read, and each enforce takes them (``_grouped_units``) and
      counts them with format 1's marks in the mapped bound (invariant 12, "mapped": ``_bound_mapped`` and the
-     overflow drop the file's mapping whole, ``_mapping_of``), so the budget bounds a format-2 file's mapped pages
+     overflow drop the file's mapping whole, ``_mapping_to_drop``), so the budget bounds a format-2 file's mapped pages
      as a format-1 file's; they use none of the cache's per-page clock (invariants 15 and 16 are format 1's).
      Back-off: a format-2 file whose mapping the bound drops reads by pread for the next ``MAP_BACKOFF`` enforces,
      then maps again (``grouped_map_backoffs`` counts them), unless its reads since the last enforce found
@@ -1520,10 +1520,11 @@ class BatchStore:
                 out[key] = u
         return out
 
-    def _mapping_of(self, key: int) -> Any:
-        """The mapping of batch ``key``'s file (format 1's, or a format-2 file's once a lookup mapped it), or None; the
-        caller drops it for the mapped bound, so a format-2 file backs off: its lookups read by pread for the next
-        ``MAP_BACKOFF`` enforces (invariant 18). Under the lock."""
+    def _mapping_to_drop(self, key: int) -> Any:
+        """The mapping of batch ``key``'s file (format 1's, or a format-2 file's once a lookup mapped it) that the
+        caller is about to drop for the mapped bound, or None. Not a plain getter: a format-2 file whose reads found
+        few groups a unit backs off here, its lookups reading by pread for the next ``MAP_BACKOFF`` enforces
+        (invariant 18). Under the lock."""
         f = self._files.get(key)
         if f is None:
             f = self._grouped.get(key)
@@ -1567,7 +1568,7 @@ class BatchStore:
             self._step_misses = misses
             dropped = set(marks) | {k for k, m in self._mapped.items() if m.any()}
             for key in dropped:
-                m = self._mapping_of(key)
+                m = self._mapping_to_drop(key)
                 if m is not None:
                     evict.append((m, None))
                     self.stats["mapped_drops"] += 1
@@ -1645,7 +1646,7 @@ class BatchStore:
             for key in sorted(held, key=lambda k: (self._mapped_at.get(k, 0), -held[k])):
                 if total + index <= cap:
                     break
-                m = self._mapping_of(key)
+                m = self._mapping_to_drop(key)
                 if m is None or not held[key]:
                     continue
                 out.append((m, None))
