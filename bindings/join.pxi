@@ -45,8 +45,8 @@ cdef class JoinRun:
     """An inner equi-join's step over one side's change in one C call that releases the GIL once (csrc/joinrun.h;
     dbsp_core/runtime/plan.py design note 2): ``step(table, weights, views)`` indexes the change (``table``, ``weights``:
     rows of ``cschema``) by its key columns ``ckeys`` as ``ZSet.index_by`` does, joins it with each batch of
-    ``views`` (the other side's trace batches, ``IndexedZSet._view()``: rows, weights, key hashes, fence; keys
-    ``bkeys``) and gathers each meeting's output rows: the left side's columns ``lcols`` then the right side's
+    ``views`` (the other side's trace batches, ``IndexedZSet._view()``: rows, weights, key hashes, fence, and the
+    directory each large one builds at its first seek, BatchView.seek_dir; keys ``bkeys``) and gathers each meeting's output rows: the left side's columns ``lcols`` then the right side's
     ``rcols`` (None: every column), the change being the left side when ``change_left``. Returns None when the
     change consolidates to nothing, else ``(change, w, kh, rh, parts)``: the indexed change's rows (a Table of
     ``cschema``), weights, key hashes and row hashes (None: not computed), and per batch with pairs
@@ -108,13 +108,14 @@ cdef class JoinRun:
         cdef const CBatch **bs = <const CBatch **>malloc(max(nb, 1) * sizeof(CBatch *))
         cdef const uint64_t **bkh = <const uint64_t **>malloc(max(nb, 1) * sizeof(uint64_t *))
         cdef const uint64_t **bf = <const uint64_t **>malloc(max(nb, 1) * sizeof(uint64_t *))
+        cdef const CDir **bd = <const CDir **>malloc(max(nb, 1) * sizeof(CDir *))
         cdef ArrowArray *parts = <ArrowArray *>calloc(max(np_, 1), sizeof(ArrowArray))
         cdef int64_t **pw = <int64_t **>calloc(max(np_, 1), sizeof(int64_t *))
         cdef int64_t *pn = <int64_t *>calloc(max(np_, 1), sizeof(int64_t))
         cdef CJoinRunOut o
         cdef int st
         try:
-            if bs == NULL or bkh == NULL or bf == NULL or parts == NULL or pw == NULL or pn == NULL:
+            if bs == NULL or bkh == NULL or bf == NULL or bd == NULL or parts == NULL or pw == NULL or pn == NULL:
                 raise MemoryError()
             for k in range(nb):
                 b = <BatchView?>views[k]
@@ -134,10 +135,11 @@ cdef class JoinRun:
                 bs[k] = &b.c
                 bkh[k] = b.kh
                 bf[k] = b.fence
+                bd[k] = b.seek_dir()
             o.parts, o.pw, o.pn = parts, pw, pn
             with nogil:
                 st = dbsp_join_run(&c.c, &c.schema, self.ckeys.p, self.ckeys.n, self.change_left, nb, bs, bkh, bf,
-                                   self.bkeys.p, lp, self.lcols.n, rp, self.rcols.n, padc, &o)
+                                   bd, self.bkeys.p, lp, self.lcols.n, rp, self.rcols.n, padc, &o)
             check_status(st, "join")
             self.steps += 1
             self.pad_met = o.pad_met
@@ -164,4 +166,4 @@ cdef class JoinRun:
             finally:
                 dbsp_join_run_free(&o, np_)
         finally:
-            free(bs); free(bkh); free(bf); free(parts); free(pw); free(pn)
+            free(bs); free(bkh); free(bf); free(bd); free(parts); free(pw); free(pn)

@@ -81,9 +81,11 @@ cdef class JoinLinearRun:
         cdef const CBatch **bs[2]
         cdef const uint64_t **bkh[2]
         cdef const uint64_t **bf[2]
+        cdef const CDir **bd[2]
         bs[0] = bs[1] = NULL
         bkh[0] = bkh[1] = NULL
         bf[0] = bf[1] = NULL
+        bd[0] = bd[1] = NULL
         cdef ArrowArray batch, out
         cdef int64_t *w = NULL
         cdef uint64_t *kh = NULL
@@ -105,7 +107,8 @@ cdef class JoinLinearRun:
                 bs[k] = <const CBatch **>malloc(max(nb, 1) * sizeof(CBatch *))
                 bkh[k] = <const uint64_t **>malloc(max(nb, 1) * sizeof(uint64_t *))
                 bf[k] = <const uint64_t **>malloc(max(nb, 1) * sizeof(uint64_t *))
-                if bs[k] == NULL or bkh[k] == NULL or bf[k] == NULL:
+                bd[k] = <const CDir **>malloc(max(nb, 1) * sizeof(CDir *))
+                if bs[k] == NULL or bkh[k] == NULL or bf[k] == NULL or bd[k] == NULL:
                     raise MemoryError()
                 for m in range(nb):
                     b = <BatchView?>views[m]
@@ -114,12 +117,14 @@ cdef class JoinLinearRun:
                     bs[k][m] = &b.c
                     bkh[k][m] = b.kh
                     bf[k][m] = b.fence
+                    bd[k][m] = b.seek_dir()
                 sides[k].c = &cv.c
                 sides[k].cs = &cv.schema
                 sides[k].nb = nb
                 sides[k].bs = bs[k]
                 sides[k].bkh = bkh[k]
                 sides[k].bfence = bf[k]
+                sides[k].bdir = bd[k]
             with nogil:
                 st = dbsp_join_linear_run(&j, sides, &self.s, self.keys.p, self.keys.n, self.specs, self.ns, ix.ix,
                                           self.shown.p, self.nonnull.p, self.avg.p, self.avg_lo.p, self.nout,
@@ -128,7 +133,7 @@ cdef class JoinLinearRun:
             check_status(st, "join_linear_run")
         finally:
             for k in range(2):
-                free(bs[k]); free(bkh[k]); free(bf[k])
+                free(bs[k]); free(bkh[k]); free(bf[k]); free(bd[k])
         if not served:
             return None
         self.steps += 1

@@ -1,5 +1,5 @@
 # zset.pxd: declarations mirroring the Z-set kernel headers of csrc/ (column, rows, hash, zset, merge, scratch, partition, join, lookup, agg, reduce, gather, split, timefmt).
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 
 cdef extern from "status.h" nogil:
     enum:
@@ -195,6 +195,13 @@ cdef extern from "join.h" nogil:
 
 cdef extern from "lookup.h" nogil:
     int DBSP_FENCE_SHIFT
+    int DBSP_DIR_MIN
+    ctypedef struct CDir "DbspDir":
+        const uint32_t *dir
+        int32_t bits
+    int32_t dbsp_dir_bits(int64_t n)
+    int dbsp_dir_build(const uint64_t *kh, int64_t n, int32_t bits, uint32_t *dir)
+    int64_t dbsp_dir_seek(const uint64_t *kh, const CDir *d, uint64_t h)
     int dbsp_lookup(const uint64_t *kh, int64_t n, const uint64_t *want, int64_t nwant, int64_t **idx, int64_t *nidx)
     int dbsp_lookup_fenced(const uint64_t *kh, int64_t n, const uint64_t *fence, const uint64_t *want, int64_t nwant,
                            int64_t **idx, int64_t *nidx)
@@ -314,7 +321,7 @@ cdef extern from "joinrun.h" nogil:
         int pad_met
     int dbsp_join_run(const CBatch *c, const ArrowSchema *cs, const int32_t *ckeys, int32_t nkeys, int change_left,
                       int32_t nb, const CBatch *const *bs, const uint64_t *const *bkh, const uint64_t *const *bfence,
-                      const int32_t *bkeys, const int32_t *lcols, int32_t nl, const int32_t *rcols, int32_t nr,
+                      const CDir *const *bdir, const int32_t *bkeys, const int32_t *lcols, int32_t nl, const int32_t *rcols, int32_t nr,
                       const CBatch *pad, CJoinRunOut *out)
     void dbsp_join_run_free(CJoinRunOut *out, int32_t nb)
 
@@ -326,6 +333,7 @@ cdef extern from "joinlin.h" nogil:
         const CBatch *const *bs
         const uint64_t *const *bkh
         const uint64_t *const *bfence
+        const CDir *const *bdir
         CJoinRunOut out
     ctypedef struct CJoinLin "DbspJoinLin":
         const int32_t *lkeys

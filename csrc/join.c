@@ -45,6 +45,12 @@ int dbsp_join(const DbspBatch *a, const uint64_t *akh, const int32_t *akeys,
 int dbsp_join_fenced(const DbspBatch *a, const uint64_t *akh, const uint64_t *afence, const int32_t *akeys,
                      const DbspBatch *b, const uint64_t *bkh, const uint64_t *bfence, const int32_t *bkeys,
                      int32_t nkeys, int left_outer, DbspPairs *out) {
+    return dbsp_join_dir(a, akh, afence, akeys, b, bkh, bfence, NULL, bkeys, nkeys, left_outer, out);
+}
+
+int dbsp_join_dir(const DbspBatch *a, const uint64_t *akh, const uint64_t *afence, const int32_t *akeys,
+                  const DbspBatch *b, const uint64_t *bkh, const uint64_t *bfence, const DbspDir *bdir,
+                  const int32_t *bkeys, int32_t nkeys, int left_outer, DbspPairs *out) {
     memset(out, 0, sizeof *out);
     for (int32_t k = 0; k < nkeys; k++) {
         int ca = dbsp_type_class(a->cols[akeys[k]].type), cb = dbsp_type_class(b->cols[bkeys[k]].type);
@@ -57,7 +63,7 @@ int dbsp_join_fenced(const DbspBatch *a, const uint64_t *akh, const uint64_t *af
     if (na > 0 && na * 4 <= nb) {  /* a small a against a large b: seek all of a's hashes in b at once (lookup.h) */
         pos = malloc((size_t)na * 8);
         if (!pos) return DBSP_ENOMEM;
-        dbsp_seek_all(bkh, nb, bfence, akh, na, pos);
+        dbsp_seek_all_dir(bkh, nb, bfence, bdir, akh, na, pos);
     }
     /* one int64 key column without nulls on both sides: its values compared inline */
     const int64_t *fa = NULL, *fb = NULL;

@@ -4,6 +4,7 @@
 
 #include <stdint.h>
 #include "column.h"
+#include "lookup.h"
 
 typedef struct DbspPairs {
     int64_t n, cap;
@@ -25,6 +26,11 @@ int dbsp_join(const DbspBatch *a, const uint64_t *akh, const int32_t *akeys,
 int dbsp_join_fenced(const DbspBatch *a, const uint64_t *akh, const uint64_t *afence, const int32_t *akeys,
                      const DbspBatch *b, const uint64_t *bkh, const uint64_t *bfence, const int32_t *bkeys,
                      int32_t nkeys, int left_outer, DbspPairs *out);
+
+/* dbsp_join_fenced seeking in b through directory bdir of its key hashes (lookup.h DbspDir; NULL: through bfence). */
+int dbsp_join_dir(const DbspBatch *a, const uint64_t *akh, const uint64_t *afence, const int32_t *akeys,
+                  const DbspBatch *b, const uint64_t *bkh, const uint64_t *bfence, const DbspDir *bdir,
+                  const int32_t *bkeys, int32_t nkeys, int left_outer, DbspPairs *out);
 
 /* The same pairs for any two batches (no index, no consolidation: the join is bilinear), by radix-partitioned
  * hashing: both sides are split by the top bits of their key hash, each partition of b becomes a chained hash

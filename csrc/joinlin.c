@@ -15,7 +15,8 @@ typedef struct Seg {  /* the pairs of one change with one batch */
 static int index_side(DbspJoinLinSide *sd, const int32_t *ckeys, int32_t nkeys, DbspColumn **cols, DbspBatch *a) {
     static const uint8_t empty[16] = {0};
     DbspJoinRunOut *o = &sd->out;
-    int st = dbsp_join_run(sd->c, sd->cs, ckeys, nkeys, 1, 0, NULL, NULL, NULL, ckeys, NULL, 0, NULL, 0, NULL, o);
+    int st = dbsp_join_run(sd->c, sd->cs, ckeys, nkeys, 1, 0, NULL, NULL, NULL, NULL, ckeys, NULL, 0, NULL, 0, NULL,
+                           o);
     if (st != DBSP_OK || o->n == 0) return st;
     int32_t nc = sd->c->ncols;
     if (!(*cols = malloc((size_t)(nc ? nc : 1) * sizeof **cols))) return DBSP_ENOMEM;
@@ -31,12 +32,12 @@ static int index_side(DbspJoinLinSide *sd, const int32_t *ckeys, int32_t nkeys, 
 
 /* the pairs of change a (key hashes akh, keys akeys) with batch b, appended to segs as a segment (none if empty) */
 static int pair_up(const DbspBatch *a, const uint64_t *akh, const int32_t *akeys, const DbspBatch *b,
-                   const uint64_t *bkh, const uint64_t *bfence, const int32_t *bkeys, int32_t nkeys, int lchange,
-                   Seg *segs, int32_t *nseg) {
+                   const uint64_t *bkh, const uint64_t *bfence, const DbspDir *bdir, const int32_t *bkeys,
+                   int32_t nkeys, int lchange, Seg *segs, int32_t *nseg) {
     if (b->nrows == 0 || a->nrows == 0) return DBSP_OK;
     Seg *g = &segs[*nseg];
     memset(g, 0, sizeof *g);
-    int st = dbsp_join_fenced(a, akh, NULL, akeys, b, bkh, bfence, bkeys, nkeys, 0, &g->p);
+    int st = dbsp_join_dir(a, akh, NULL, akeys, b, bkh, bfence, bdir, bkeys, nkeys, 0, &g->p);
     if (st != DBSP_OK) { dbsp_pairs_free(&g->p); return st; }
     if (g->p.n == 0) { dbsp_pairs_free(&g->p); return DBSP_OK; }
     g->lb = lchange ? a : b;
@@ -122,11 +123,11 @@ int dbsp_join_linear_run(const DbspJoinLin *j, DbspJoinLinSide *sides, DbspLinRu
         if ((st = index_side(sd, ck, j->nkeys, &ccols[k], &a[k])) != DBSP_OK) goto fail;
         if (sd->out.n == 0) continue;
         for (int32_t b = 0; b < sd->nb; b++)
-            if ((st = pair_up(&a[k], sd->out.kh, ck, sd->bs[b], sd->bkh[b], sd->bfence[b], bk, j->nkeys, k == 0, segs,
-                              &nseg)) != DBSP_OK)
+            if ((st = pair_up(&a[k], sd->out.kh, ck, sd->bs[b], sd->bkh[b], sd->bfence[b],
+                              sd->bdir ? sd->bdir[b] : NULL, bk, j->nkeys, k == 0, segs, &nseg)) != DBSP_OK)
                 goto fail;
         if (k == 0 && sides[1].c && sides[1].out.n)
-            if ((st = pair_up(&a[0], sd->out.kh, ck, &a[1], sides[1].out.kh, NULL, bk, j->nkeys, 1, segs, &nseg))
+            if ((st = pair_up(&a[0], sd->out.kh, ck, &a[1], sides[1].out.kh, NULL, NULL, bk, j->nkeys, 1, segs, &nseg))
                 != DBSP_OK)
                 goto fail;
     }

@@ -33,6 +33,7 @@ typedef struct DbspJoinLinSide {
     const DbspBatch *const *bs;
     const uint64_t *const *bkh;         /* their key hashes (ascending) */
     const uint64_t *const *bfence;      /* their fences (or NULL) */
+    const DbspDir *const *bdir;         /* their directories (lookup.h; NULL, or an entry NULL: none) */
     DbspJoinRunOut out;                 /* the indexed change (invariant 1; out.parts unused) */
 } DbspJoinLinSide;
 

@@ -21,8 +21,8 @@ void dbsp_join_run_free(DbspJoinRunOut *o, int32_t nb) {
 
 int dbsp_join_run(const DbspBatch *c, const struct ArrowSchema *cs, const int32_t *ckeys, int32_t nkeys, int change_left,
                   int32_t nb, const DbspBatch *const *bs, const uint64_t *const *bkh, const uint64_t *const *bfence,
-                  const int32_t *bkeys, const int32_t *lcols, int32_t nl, const int32_t *rcols, int32_t nr,
-                  const DbspBatch *pad, DbspJoinRunOut *o) {
+                  const DbspDir *const *bdir, const int32_t *bkeys, const int32_t *lcols, int32_t nl, const int32_t *rcols,
+                  int32_t nr, const DbspBatch *pad, DbspJoinRunOut *o) {
     static const uint8_t empty[16] = {0};
     DbspRows r;
     DbspColumn *cols = NULL;
@@ -54,7 +54,8 @@ int dbsp_join_run(const DbspBatch *c, const struct ArrowSchema *cs, const int32_
     /* invariant 2: each batch's pairs, then its part's columns */
     for (int32_t k = 0; k < nb; k++) {
         if (bs[k]->nrows == 0) continue;
-        if ((st = dbsp_join_fenced(&a, r.khash, NULL, ckeys, bs[k], bkh[k], bfence[k], bkeys, nkeys, 0, &p)) != DBSP_OK)
+        if ((st = dbsp_join_dir(&a, r.khash, NULL, ckeys, bs[k], bkh[k], bfence[k], bdir ? bdir[k] : NULL, bkeys,
+                                 nkeys, 0, &p)) != DBSP_OK)
             goto fail;
         if (p.n == 0) { dbsp_pairs_free(&p); continue; }
         if (cnt) {  /* invariant 4: each change row's right weights, summed over its pairs */

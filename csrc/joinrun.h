@@ -6,7 +6,8 @@
  *  1. The indexed change is exactly ZSet.index_by's (dbsp_zset_consolidate_rh over the key columns, the rows
  *     gathered by dbsp_cdata_gather): the same rows, weights, key hashes and row hashes in the same order.
  *  2. The pairs of the change with batch k are dbsp_join_fenced's with the indexed change as its left input (a small
- *     change against a large batch: one seek per key hash, never a scan of the batch), whichever side of the join
+ *     change against a large batch: one seek per key hash, never a scan of the batch; through the batch's directory
+ *     when it has one, lookup.h DbspDir: the same positions, found without a binary search), whichever side of the join
  *     the change is on; weights multiply (DBSP_EOVERFLOW past int64). Part k's rows are the output columns gathered
  *     from the pairs by dbsp_cdata_gather2: the left side's columns lcols, then the right side's rcols (NULL: every
  *     column), the change's or the batch's as the change is the left or the right side. So each part holds the
@@ -28,6 +29,7 @@
 #include <stdint.h>
 #include "cdata.h"
 #include "column.h"
+#include "lookup.h"
 
 typedef struct DbspJoinRunOut {
     struct ArrowArray change;  /* the indexed change (release NULL when no row is left: n == 0) */
@@ -41,14 +43,14 @@ typedef struct DbspJoinRunOut {
 } DbspJoinRunOut;
 
 /* Index change c (its exported schema cs: the indexed change is viewed through it) by ckeys[0..nkeys), then join it
- * with each batch bs[k] (key hashes bkh[k] ascending, fence bfence[k] or NULL; keys bkeys) and gather each part's
- * output columns (invariant 2; change_left: c is the join's left side). out->parts, pw and pn have room for nb, and
+ * with each batch bs[k] (key hashes bkh[k] ascending, fence bfence[k] or NULL, directory bdir[k] or NULL, bdir NULL:
+ * none; keys bkeys) and gather each part's output columns (invariant 2; change_left: c is the join's left side). out->parts, pw and pn have room for nb, and
  * one more when pad is not NULL (invariant 4: change_left only, DBSP_EINVAL otherwise or for a pad without rows);
  * DBSP_EOVERFLOW when a key's right weights sum past int64. */
 int dbsp_join_run(const DbspBatch *c, const struct ArrowSchema *cs, const int32_t *ckeys, int32_t nkeys, int change_left,
                   int32_t nb, const DbspBatch *const *bs, const uint64_t *const *bkh, const uint64_t *const *bfence,
-                  const int32_t *bkeys, const int32_t *lcols, int32_t nl, const int32_t *rcols, int32_t nr,
-                  const DbspBatch *pad, DbspJoinRunOut *out);
+                  const DbspDir *const *bdir, const int32_t *bkeys, const int32_t *lcols, int32_t nl, const int32_t *rcols,
+                  int32_t nr, const DbspBatch *pad, DbspJoinRunOut *out);
 
 /* Release everything dbsp_join_run exported into out (the caller's arrays stay): nb parts (nb + 1 with a pad). */
 void dbsp_join_run_free(DbspJoinRunOut *out, int32_t nb);

@@ -95,6 +95,49 @@ void dbsp_seek_all(const uint64_t *kh, int64_t n, const uint64_t *fence, const u
     }
 }
 
+int dbsp_dir_build(const uint64_t *kh, int64_t n, int32_t bits, uint32_t *dir) {
+    if (n < 0 || n >= ((int64_t)1 << 32) || bits < 1 || bits > 32) return DBSP_EINVAL;
+    const int sh = 64 - bits;
+    const uint64_t nb = (uint64_t)1 << bits;
+    uint64_t x = 0;  /* the next bucket whose start is not written yet */
+    for (int64_t i = 0; i < n; i++) {
+        if (i && kh[i] < kh[i - 1]) return DBSP_EINVAL;
+        uint64_t b = kh[i] >> sh;
+        while (x <= b) dir[x++] = (uint32_t)i;
+    }
+    while (x <= nb) dir[x++] = (uint32_t)n;
+    return DBSP_OK;
+}
+
+/* the first index in [s, e) with kh >= h (e if none): a short scan, then a gallop past a long run */
+static inline int64_t dir_scan(const uint64_t *kh, int64_t s, int64_t e, uint64_t h) {
+    for (int t = 0; t < 8; t++, s++)
+        if (s >= e || kh[s] >= h) return s;
+    return dbsp_gallop(kh, s, e, h);
+}
+
+int64_t dbsp_dir_seek(const uint64_t *kh, const DbspDir *d, uint64_t h) {
+    uint64_t x = h >> (64 - d->bits);
+    return dir_scan(kh, d->dir[x], d->dir[x + 1], h);
+}
+
+void dbsp_seek_all_dir(const uint64_t *kh, int64_t n, const uint64_t *fence, const DbspDir *d, const uint64_t *want,
+                       int64_t m, int64_t *pos) {
+    if (!d) {
+        dbsp_seek_all(kh, n, fence, want, m, pos);
+        return;
+    }
+    const int sh = 64 - d->bits;
+    const uint32_t *dir = d->dir;
+    for (int64_t i = 0; i < m; i++) {
+        /* the directory entry the hash 2 * PF_AHEAD on needs, then the key hashes of the one PF_AHEAD on */
+        if (i + 2 * PF_AHEAD < m) __builtin_prefetch(&dir[want[i + 2 * PF_AHEAD] >> sh]);
+        if (i + PF_AHEAD < m) __builtin_prefetch(&kh[dir[want[i + PF_AHEAD] >> sh]]);
+        uint64_t x = want[i] >> sh;
+        pos[i] = dir_scan(kh, dir[x], dir[x + 1], want[i]);
+    }
+}
+
 /* noipa: a function that only prefetches has no effect GCC can see, so its interprocedural analysis finds it const and
  * deletes every call to it in this file (GCC 12: dbsp_match_weights_rh and dbsp_match_sums prefetched nothing) */
 __attribute__((noipa)) void dbsp_prefetch_row(const DbspBatch *b, int64_t y, const int32_t *cols, int32_t ncols) {

@@ -31,6 +31,39 @@ int64_t dbsp_seek(const uint64_t *kh, int64_t n, const uint64_t *fence, int64_t 
 void dbsp_seek_all(const uint64_t *kh, int64_t n, const uint64_t *fence, const uint64_t *want, int64_t m,
                    int64_t *pos);
 
+/* A directory over an ascending key-hash array kh[0..n) (DBSP_DIR_MIN <= n < 2^32), for a batch that changes are sought
+ * in again and again (the other side of a join): with b = dbsp_dir_bits(n) bits, dir[x] for x in [0, 2^b] is the
+ * first row whose key hash's top b bits are >= x (dir[2^b] = n). A seek of h reads dir[h >> (64 - b)] and the next
+ * entry, then scans kh between them: DBSP_DIR_ROWS to 2 * DBSP_DIR_ROWS rows on average (key hashes are spread
+ * evenly, hash.h), one cache line of the directory and one of kh, where a fence's seek binary-searches 64 rows. It
+ * costs 4 bytes per bucket: 0.5 to 1 byte a row. A run of one key hash (a key with many rows) fills one bucket: its
+ * scan gallops (dbsp_gallop) past a few rows, so a seek never walks a long run. */
+#define DBSP_DIR_ROWS 4
+#define DBSP_DIR_MIN 4096
+
+typedef struct DbspDir {
+    const uint32_t *dir;  /* (1 << bits) + 1 entries */
+    int32_t bits;
+} DbspDir;
+
+/* The directory bits for n rows: floor(log2(n / DBSP_DIR_ROWS)), at least 1, at most 32. */
+static inline int32_t dbsp_dir_bits(int64_t n) {
+    int32_t b = 1;
+    while (b < 32 && ((int64_t)DBSP_DIR_ROWS << (b + 1)) <= n) b++;
+    return b;
+}
+
+/* Fill dir[0 .. (1 << bits)] for kh[0..n) as DbspDir says. DBSP_EINVAL when n >= 2^32, bits is outside [1, 32] or kh
+ * is not ascending (dir is then partly written). */
+int dbsp_dir_build(const uint64_t *kh, int64_t n, int32_t bits, uint32_t *dir);
+
+/* First index with kh[index] >= h (n if none), through directory d of kh[0..n). */
+int64_t dbsp_dir_seek(const uint64_t *kh, const DbspDir *d, uint64_t h);
+
+/* dbsp_seek_all through directory dir of kh (NULL: through the fence, as dbsp_seek_all). */
+void dbsp_seek_all_dir(const uint64_t *kh, int64_t n, const uint64_t *fence, const DbspDir *dir, const uint64_t *want,
+                       int64_t m, int64_t *pos);
+
 /* Prefetch row y of b: its values in columns cols[0..ncols) (cols NULL: the first ncols columns) and its weight. */
 void dbsp_prefetch_row(const DbspBatch *b, int64_t y, const int32_t *cols, int32_t ncols);
 
