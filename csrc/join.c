@@ -7,6 +7,8 @@
 #include "hash.h"
 #include "scratch.h"
 
+#define PF_ROWS 8  /* the fast loop of dbsp_join_dir prefetches the batch row that the key this many on meets */
+
 void dbsp_pairs_free(DbspPairs *p) {
     free(p->li); free(p->ri); free(p->w);
     memset(p, 0, sizeof *p);
@@ -73,6 +75,34 @@ int dbsp_join_dir(const DbspBatch *a, const uint64_t *akh, const uint64_t *afenc
             fa = (const int64_t *)ca->values + ca->offset;
             fb = (const int64_t *)cb->values + cb->offset;
         }
+    }
+    if (pos && fa) {  /* both at once (a small change against a large batch, one int64 key): the loop below, inline */
+        const int64_t *aw = a->weights, *bw = b->weights;
+        if ((st = pairs_reserve(out, na < 256 ? 256 : na))) goto fail;
+        while (i < na) {
+            uint64_t h = akh[i];
+            int64_t ie = i + 1;
+            while (ie < na && akh[ie] == h) ie++;
+            if (i + PF_ROWS < na && pos[i + PF_ROWS] < nb) {  /* the key and weight the key PF_ROWS on will read */
+                __builtin_prefetch(&fb[pos[i + PF_ROWS]]);
+                if (bw) __builtin_prefetch(&bw[pos[i + PF_ROWS]]);
+            }
+            int64_t j = pos[i], je = j;
+            while (je < nb && bkh[je] == h) je++;
+            for (int64_t x = i; x < ie && j < je; x++) {
+                int64_t wa = aw ? aw[x] : 1, v = fa[x];
+                for (int64_t y = j; y < je; y++) {
+                    if (fb[y] != v) continue;
+                    int64_t w;
+                    if (__builtin_mul_overflow(wa, bw ? bw[y] : 1, &w)) { st = DBSP_EOVERFLOW; goto fail; }
+                    if (out->n == out->cap && (st = pairs_reserve(out, out->cap * 2))) goto fail;
+                    out->li[out->n] = x; out->ri[out->n] = y; out->w[out->n] = w; out->n++;
+                }
+            }
+            i = ie;
+        }
+        free(pos);
+        return DBSP_OK;
     }
     while (i < na) {
         uint64_t h = akh[i];
