@@ -135,7 +135,9 @@ cdef class JoinRun:
                 bs[k] = &b.c
                 bkh[k] = b.kh
                 bf[k] = b.fence
-                bd[k] = b.seek_dir()
+                # (a directory serves the seeks of a change of at most a quarter of the batch's rows, csrc/join.c:
+                # a larger one walks the batch beside it; none is built for it)
+                bd[k] = b.seek_dir() if c.c.nrows * 4 <= b.c.nrows else NULL
             o.parts, o.pw, o.pn = parts, pw, pn
             with nogil:
                 st = dbsp_join_run(&c.c, &c.schema, self.ckeys.p, self.ckeys.n, self.change_left, nb, bs, bkh, bf,

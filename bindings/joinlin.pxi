@@ -117,7 +117,7 @@ cdef class JoinLinearRun:
                     bs[k][m] = &b.c
                     bkh[k][m] = b.kh
                     bf[k][m] = b.fence
-                    bd[k][m] = b.seek_dir()
+                    bd[k][m] = b.seek_dir() if cv.c.nrows * 4 <= b.c.nrows else NULL  # (as JoinRun.step's)
                 sides[k].c = &cv.c
                 sides[k].cs = &cv.schema
                 sides[k].nb = nb
