@@ -16,8 +16,9 @@ Invariants:
      only that side's kept columns (keys included): a change is projected before it is indexed (which
      consolidates it), pairs gather the kept columns and the output is padded with nulls to ``schema``.
   7. The one-call step (:meth:`_JoinState.step_run`, dbsp_core/runtime/plan.py design note 2): each changed side's
-     change is indexed, joined with every batch of the other side's trace and its output columns gathered in one C
-     call (``_zset.JoinRun``, csrc/joinrun.h), then inserted as :meth:`_JoinState.step_parts` inserts it: the same
+     change is indexed, joined with every batch of the other side's trace (seeking its keys through each large
+     batch's directory of key hashes, csrc/lookup.h DbspDir, built at the batch's first such seek) and its output
+     columns gathered in one C call (``_zset.JoinRun``, csrc/joinrun.h), then inserted as :meth:`_JoinState.step_parts` inserts it: the same
      indexed change, the same parts (one per batch met), the same state. With both sides changed, ``L JOIN db``
      first, then ``da JOIN (R + db)`` over R's batches as read before db went in, and db. A step of an operator with
      time lineage (invariant 5), or whose walk would read a spilled batch (trace/spill.py invariants 12 and 14: its
