@@ -62,6 +62,11 @@ def _source(b: IndexedZSet) -> _Source:
     return s
 
 
+def source_file(b: IndexedZSet) -> Any:
+    """The open format-2 file (groupedfile.GroupedFile) grouped batch ``b`` reads its rows from."""
+    return _source(b).file
+
+
 def _slot(desc: Any) -> property:
     """A property over one of the base class's data slots: the slot's value once :func:`rows_of` filled it."""
 

@@ -487,6 +487,10 @@ class GroupedFile:
         self.g_slots = np.ascontiguousarray(index["slots"], dtype=np.int64)
         starts = index["row"].astype(np.int64)
         self.g_rows = np.ascontiguousarray(np.append(starts[1:], rows) - starts)
+        # a group's pages on average: what a lookup reads a group it finds, at most (the batch store counts them as
+        # pages its reads missed in the cache, spill.py invariant 18, for the prefetch rule's share)
+        self.group_pages = max(1, -(-int(self.g_slots.sum()) * slot // (len(self.g_slots) * mmap.PAGESIZE))) \
+            if len(self.g_slots) else 0
         self.checked = np.zeros(len(page_crcs), dtype=bool)
         self.verified = np.zeros(len(self.first_hash), dtype=np.uint8)  # per group: its key hashes' order checked by
         # a C lookup's read (invariant G3: later lookups of it binary-search its rows)

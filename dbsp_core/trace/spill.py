@@ -226,7 +226,10 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      (``Trace.walked``, ``lookup``, ``match_weights``, ``key_sums``) read the rows of those keys by one C call a
      batch (the Bloom filter, the group index, a pread a run of groups: ``stats["grouped_lookups"]``,
      ``keys_sought`` counts every key asked; while :meth:`prefetching` says the last step read from the disk, a
-     posix_fadvise(WILLNEED) a run of groups first, so a cold step's reads overlap: ``grouped_prefetched``), into a
+     posix_fadvise(WILLNEED) a run of groups first, so a cold step's reads overlap: ``grouped_prefetched``; the
+     pages of the groups a lookup read, each at the file's average group size, count as pages the step's reads
+     missed in the cache, so the rule's ``PREFETCH_SHARE`` weighs a format-2 step's pages from the disk against what
+     it read as it does format 1's), into a
      small batch in memory the C kernels walk as any other. Those reads are in place from a mapping of the file kept
      between steps (groupedfile.py invariant G5, ``DBSP_SPILL_GROUPED_MAP``; by pread when ``prefetching`` says the
      file is cold): each lookup flags the ``MAP_UNIT``s it read, and each enforce takes them (``_grouped_units``) and
@@ -601,6 +604,7 @@ class BatchStore:
         self._measure_reads()
         self._from_disk = self.PREFETCH_FROM  # those read during the last step: at first, the files count as cold
         self._step_misses = 0  # pages the reads accounted at the last enforce missed in the cache (PREFETCH_SHARE)
+        self._grouped_pages = 0  # pages format-2 lookups read since the last enforce (invariant 18: all misses)
         self._token = os.urandom(6).hex()  # names never reused, even by a later process with the same pid
         # the C caches count in the budget's overhead: each at most its share while this store is open, or lower
         # (DBSP_REGION_CACHE_MB, DBSP_SCRATCH_MB, another store's smaller share: _SharedLimit)
@@ -1390,11 +1394,15 @@ class BatchStore:
         """The rows of grouped batch ``b`` whose key hash is in ``hashes`` (invariant 18; groupedbatch.py B2), its
         groups' pages asked for first (WILLNEED a run of groups) while :meth:`prefetching` says reads find the disk."""
         advise = len(hashes) > 1 and self.prefetching()
-        self.count("keys_sought", len(hashes))
-        self.count("grouped_lookups", 1)
-        if advise:
-            self.count("grouped_prefetched", 1)
-        return groupedbatch.gather(b, hashes, advise)
+        got = groupedbatch.gather(b, hashes, advise)
+        f = groupedbatch.source_file(b)
+        with self._lock:
+            self.stats["keys_sought"] = self.stats.get("keys_sought", 0) + len(hashes)
+            self.stats["grouped_lookups"] = self.stats.get("grouped_lookups", 0) + 1
+            if advise:
+                self.stats["grouped_prefetched"] = self.stats.get("grouped_prefetched", 0) + 1
+            self._grouped_pages += max(0, f.last_groups_read) * f.group_pages
+        return got
 
     def _release(self, key: int, name: str) -> None:
         """A batch read from file ``name`` is gone (merged away, dropped): once no live batch reads the file, it is
@@ -1430,7 +1438,8 @@ class BatchStore:
             for t in traces:
                 if id(t) in whole:
                     used.extend((t, b, None, None) for b in t._levels() if id(b) in self._files)
-        self._step_misses = 0
+            grouped_pages, self._grouped_pages = self._grouped_pages, 0
+        self._step_misses = grouped_pages  # (a format-2 lookup's pages: no clock, all misses, invariant 18)
         indexes = [(t, ix) for t in traces if id(t) in touched
                    for ix in (t.held_index,) if ix is not None and ix.nbytes >= self.INDEX_FILE_MIN]
         gmarks = self._grouped_units()
@@ -1565,7 +1574,7 @@ class BatchStore:
                 self._count(t, 0, len(pages))
                 if sought:
                     misses += len(pages)
-            self._step_misses = misses
+            self._step_misses += misses
             dropped = set(marks) | {k for k, m in self._mapped.items() if m.any()}
             for key in dropped:
                 m = self._mapping_to_drop(key)

@@ -311,3 +311,43 @@ def test_a_format_2_files_mapped_units_count_in_the_budget_and_the_enforce_drops
         f.take_units()
         t.lookup(np.sort(rng.choice(keys, 40, replace=False)))
         assert not f.units.any() and f.read_mapped
+
+
+def test_a_warm_format_2_step_with_a_few_pages_from_the_disk_does_not_prefetch_the_next(monkeypatch) -> None:
+    """The prefetch rule's share (spill.py invariants 12 and 18, ``BatchStore.prefetching``) applies to format-2
+    lookups too: each counts the pages of the groups it read as pages its reads missed in the cache, so a warm step
+    whose few pages the host took back (a tenth of the pages it read came from the disk) does not make the next step's
+    lookups cold (fadvise and pread instead of the mapping), and a step whose pages all came from the disk does. It
+    used to count none (zero misses: any 16 pages from the disk turned the next lookups cold, which every 100M-row
+    step then was, bench/RESULTS.md, r31-f2100). The step's measured reads are set by hand (``_from_disk``: what
+    getrusage would have said); the pages are the step's own. Outputs as the dict model's."""
+    from tests.core.test_spill import _join_over_a_spilled_side
+
+    monkeypatch.setattr(BatchStore, "GROUPED_FROM", 1)
+    monkeypatch.setattr(BatchStore, "PREFETCH", "auto")
+    monkeypatch.setattr(BatchStore, "PREFETCH_FROM", 16)
+    rng = np.random.default_rng(SEED)
+    n = 300_000
+    ys = rng.integers(0, 1000, n)
+    p, store = _join_over_a_spilled_side(ys)
+    try:
+        assert store.stats.get("grouped_files_written", 0) > 0, "the right side is not in format 2"
+        want = None
+        for s, cold in enumerate([True, True, False, False, True]):  # cold: all of the step's pages from the disk
+            keys = rng.choice(n, 300, replace=False)
+            x = rng.integers(0, 100, len(keys))
+            before = store.stats.get("grouped_prefetched", 0)
+            lookups = store.stats.get("grouped_lookups", 0)
+            p.push("l", pa.table({"a": keys, "x": x}))
+            out = p.step()
+            assert Counter(out["v"].to_dict()) == Counter({(int(a), int(b), int(a), int(ys[a])): 1
+                                                           for a, b in zip(keys, x)}), (s, SEED)
+            assert store.stats["grouped_lookups"] > lookups, (s, SEED)
+            if want is not None:  # what the step before it measured decides
+                assert (store.stats.get("grouped_prefetched", 0) > before) == want, (s, SEED)
+            pages = store._step_misses
+            assert pages >= 200, (pages, SEED)  # the groups of ~300 present keys (some share one)
+            store._from_disk = pages if cold else pages // 10  # over PREFETCH_FROM, under 1/8 of the pages read
+            want = cold
+    finally:
+        p.close()
