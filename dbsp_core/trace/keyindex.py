@@ -485,6 +485,8 @@ class PerKeyTotals:
       totals). ``_pk_undo``: while a rollback capture is alive (``_pk_marks``), every change made to a key index
       object in place since the oldest one: (index, view of rows, key positions, key hashes, columns, sign), undone in
       reverse by :meth:`_pk_rollback` (rollback.py invariant 3): the index is the state, a capture cannot rebuild it.
+      A step's own store is logged as (index, its IndexedZSet batch, ..., None, 1): the view and columns are made
+      by the rollback (a view costs ~50k instructions, a step without a rollback never needs it).
     """
 
     pk_steps = 0  # steps stored per key, in the process (counts, for tests: the new path ran)
@@ -587,9 +589,10 @@ class PerKeyTotals:
         PerKeyTotals.pk_steps += 1
         self.inserted_rows += len(batch)
         self._grown += len(batch)  # (drop_below's amortization, trace invariant 8)
-        view, keys, kh = batch._view(), batch._keypos, batch._kh
-        if len(self._pk_marks):  # the step's store into ix is +batch: its undo is -batch
-            self._pk_undo.entries.append((ix, view, keys, kh, self._cpos(batch), 1))
+        keys, kh = batch._keypos, batch._kh
+        if len(self._pk_marks):  # the step's store into ix is +batch: its undo is -batch (the batch logged as it
+            # stands: its view and columns are made by a rollback, which is rare, not by every step)
+            self._pk_undo.entries.append((ix, batch, keys, kh, None, 1))
         dirty = self._pk_dirty
         if dirty is None:
             from dbsp_core import _zset
@@ -599,7 +602,7 @@ class PerKeyTotals:
             fresh = probed[1]
         else:
             acc = np.zeros((len(batch), 1), dtype=np.int64)
-            dirty.get(view, keys, kh, acc)
+            dirty.get(batch._view(), keys, kh, acc)
             fresh = acc[:, 0] == 0
         if fresh.any():
             try:
@@ -727,6 +730,8 @@ class PerKeyTotals:
         if undo is not mark.undo:
             raise AssertionError("totals per key: the undo log of a capture was dropped while the capture lived")
         for ix, view, keys, kh, cpos, sign in reversed(undo.entries[mark.at:]):
+            if cpos is None:  # a step's batch (store_totals): its view and columns made now
+                view, cpos = view._view(), self._cpos(view)
             ix.take_back(view, None, keys, kh, cpos, sign)  # exact where replaying rows overflows (csrc/keyindex.h)
         del undo.entries[mark.at:]
         if mark.ix is not None:
