@@ -57,7 +57,7 @@ def bids(rng: np.random.Generator, n: int, query: str, groups: int) -> pa.Table:
 
 
 QUERIES = ("group_by", "join", "distinct", "join_group_by", "group_by_min_max", "group_by_avg", "passthrough",
-           "left_join")
+           "left_join", "group_by_count", "group_by_sum")
 JOINED = ("join", "join_group_by", "left_join")  # the queries that read auctions
 
 
@@ -77,6 +77,10 @@ def circuit(query: str) -> dbsp.Circuit:
         v = b.group_by("auction").agg(n=dbsp.count(), total=dbsp.sum("price"))
     elif query == "join":
         v = b.join(a, left_on="auction", right_on="id")
+    elif query == "group_by_count":  # bench_circuits (a)'s group-by count
+        v = b.group_by("auction").agg(n=dbsp.count())
+    elif query == "group_by_sum":  # bench_circuits (a)'s group-by sum
+        v = b.group_by("auction").agg(total=dbsp.sum("price"))
     elif query == "group_by_avg":  # bench_circuits (a)'s group-by avg
         v = b.group_by("auction").agg(m=dbsp.avg("price"))
     elif query == "group_by_min_max":  # bench_circuits (a)'s group-by min+max

@@ -114,7 +114,8 @@ cdef class LinearRun:
     Returns None, having read and changed nothing, when a summed column or one of ``checked`` (positions: the columns
     a count of values counts) has a null. With ``dirty`` (a KeyIndex of a totals trace's dirty keys, one value a
     key), a seventh item: per row of ``batch`` whether its key is not dirty (csrc/linrun.h invariant 5; None when no
-    row changed). Errors as linear_step's."""
+    row changed); ``found_dirty``: every key ``ix`` holds is dirty, so only the others are probed (invariant 6).
+    Errors as linear_step's."""
     cdef CLinRun s
     cdef Int32s keys, shown, nonnull, avg, avg_lo
     cdef CAggSpec *specs
@@ -155,7 +156,7 @@ cdef class LinearRun:
         self.bschema, self.oschema = bschema, oschema
         self.steps = 0
 
-    def step(self, table, weights, KeyIndex ix, KeyIndex dirty=None):
+    def step(self, table, weights, KeyIndex ix, KeyIndex dirty=None, bint found_dirty=False):
         cdef BatchView v = view_of(table, weights)
         cdef int32_t c
         if self.keys.n != ix.nkeys or self.ns != ix.nvals:
@@ -174,6 +175,7 @@ cdef class LinearRun:
         cdef int ordered = 1, distinct = 1, st
         cdef uint8_t *fresh = NULL
         cdef const CKeyIndex *dix = NULL if dirty is None else dirty.ix
+        self.s.found_dirty = 1 if found_dirty and dix != NULL else 0
         with nogil:
             st = dbsp_linear_run3(&self.s, &v.c, self.keys.p, self.keys.n, self.specs, self.ns, ix.ix, self.shown.p,
                                   self.nonnull.p, self.avg.p, self.avg_lo.p, self.nout, self.out_keys, &batch, &out,

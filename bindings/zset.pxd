@@ -286,6 +286,7 @@ cdef extern from "extremes.h" nogil:
 
 cdef extern from "linrun.h" nogil:
     ctypedef struct CLinRun "DbspLinRun":
+        int found_dirty
         int64_t groups
     void dbsp_linrun_free(CLinRun *s)
     int dbsp_linear_apply(CKeyIndex *ix, const CBatch *b, const int32_t *keys, const CReduceOut *r, int32_t ns,

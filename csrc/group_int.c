@@ -20,6 +20,9 @@
  *     (new groups per row seen), so a partition of mostly distinct values grows once, not once per doubling;
  *     cleared while its groups are extracted. Groups are then sorted by hash (a counting pass on the next hash
  *     bits). The projection only sizes the table: a wrong one costs another growth or a larger table to clear.
+ *  5. A call of at most INT_ROWS_PER_PART rows has one partition: pass 1 computes no hash and keeps no partition
+ *     array, and pass 2 writes the entries straight into the entry array in row order (what the write-combining
+ *     buffers of one partition would flush there), so a 1k-row step pays neither pass's copies.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -160,13 +163,17 @@ static inline __attribute__((always_inline)) int group_int(const DbspBatch *b, i
     if (!cnt || !start || !cur || !fill) { st = DBSP_ENOMEM; goto done; }
 
     /* pass 1: each row's partition (kept: 2 bytes a row is cheaper to reread than the hash to recompute) */
-    part_bytes = (size_t)n * 2;
-    part = dbsp_scratch_alloc(part_bytes);
-    if (!part) { st = DBSP_ENOMEM; goto done; }
-    for (int64_t i = 0; i < n; i++) {
-        uint16_t p = (uint16_t)PART(dbsp_hash_int_row(key[i]));
-        part[i] = p;
-        cnt[p]++;
+    if (bits) {
+        part_bytes = (size_t)n * 2;
+        part = dbsp_scratch_alloc(part_bytes);
+        if (!part) { st = DBSP_ENOMEM; goto done; }
+        for (int64_t i = 0; i < n; i++) {
+            uint16_t p = (uint16_t)PART(dbsp_hash_int_row(key[i]));
+            part[i] = p;
+            cnt[p]++;
+        }
+    } else {  /* one partition (design note 5): no hash, no partition array */
+        cnt[0] = n;
     }
     start[0] = 0;
     int64_t maxp = 0;
@@ -177,8 +184,9 @@ static inline __attribute__((always_inline)) int group_int(const DbspBatch *b, i
     }
     e_bytes = (size_t)(start[np] * ES + LINE);
     Ebase = dbsp_scratch_alloc(e_bytes);
-    wcbase = dbsp_scratch_alloc(wc_bytes);
-    if (!Ebase || !wcbase) { st = DBSP_ENOMEM; goto done; }
+    if (!bits) wc_bytes = 0;
+    wcbase = bits ? dbsp_scratch_alloc(wc_bytes) : NULL;
+    if (!Ebase || (bits && !wcbase)) { st = DBSP_ENOMEM; goto done; }
     uint8_t *E = (uint8_t *)(((uintptr_t)Ebase + LINE - 1) & ~(uintptr_t)(LINE - 1));
     const int stream = e_bytes > STREAM_MIN_BYTES;  /* design note 3: small entry arrays stay in cache */
     uint8_t *wc = (uint8_t *)(((uintptr_t)wcbase + LINE - 1) & ~(uintptr_t)(LINE - 1));
@@ -186,10 +194,10 @@ static inline __attribute__((always_inline)) int group_int(const DbspBatch *b, i
     /* pass 2: scatter entries through write-combining buffers (design note 3) */
     for (int64_t i = 0; i < n; i++) {
         uint64_t v = key[i];
-        int64_t p = part[i];
+        int64_t p = bits ? part[i] : 0;
         int64_t wi = w ? w[i] : 1;
         if (wi < INT32_MIN || wi > INT32_MAX) { st = DBSP_GROUP_INT_NO; goto done; }
-        uint8_t *e = wc + (p * INT_WC + fill[p]) * ES;
+        uint8_t *e = bits ? wc + (p * INT_WC + fill[p]) * ES : E + i * ES;  /* one partition: in place (note 5) */
         st64(e, v);
         st32(e + 8, (uint32_t)i);
         st32(e + 12, (uint32_t)(int32_t)wi);
@@ -198,13 +206,13 @@ static inline __attribute__((always_inline)) int group_int(const DbspBatch *b, i
             if (__builtin_mul_overflow(val[k][i], wi, &prod)) { st = DBSP_EOVERFLOW; goto done; }
             st64(e + 16 + 8 * k, (uint64_t)prod);
         }
-        if (++fill[p] == INT_WC) {
+        if (bits && ++fill[p] == INT_WC) {
             flush_stream(E + cur[p] * ES, wc + p * INT_WC * ES, (size_t)(INT_WC * ES), stream);
             cur[p] += INT_WC;
             fill[p] = 0;
         }
     }
-    for (int64_t p = 0; p < np; p++)
+    for (int64_t p = 0; bits && p < np; p++)
         if (fill[p]) memcpy(E + cur[p] * ES, wc + p * INT_WC * ES, (size_t)(fill[p] * ES));
 #if defined(__SSE2__)
     if (stream) _mm_sfence();

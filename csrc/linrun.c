@@ -140,6 +140,7 @@ int dbsp_linear_run3(DbspLinRun *s, const DbspBatch *b0, const int32_t *keys, in
     int64_t nulls[64];
     int32_t nc = ns + nout;
     int64_t ng = 0, cap = 0, m = 0;
+    const int found_dirty = s->found_dirty;  /* (invariant 6; read first: a free of the scratch clears it) */
     memset(&r, 0, sizeof r);
     batch->release = NULL;
     out->release = NULL;
@@ -195,7 +196,22 @@ int dbsp_linear_run3(DbspLinRun *s, const DbspBatch *b0, const int32_t *keys, in
     if (dirty && fresh) {  /* invariant 5: one probe of the dirty keys per group, not per row */
         int64_t *dacc = calloc((size_t)ng, 8);
         if (!dacc || !(*fresh = malloc((size_t)m))) { free(dacc); st = DBSP_ENOMEM; goto done; }
-        st = dbsp_keyindex_get(dirty, b, keys, r.group_row, (const uint64_t *)r.khash, ng, dacc);
+        if (found_dirty) {  /* invariant 6: the groups the index holds are dirty; probe the others only */
+            int64_t na = 0, *sel = malloc((size_t)ng * 8), *gi = malloc((size_t)ng * 8), *acc2 = calloc((size_t)ng, 8);
+            uint64_t *skh = malloc((size_t)ng * 8);
+            if (!sel || !gi || !acc2 || !skh) st = DBSP_ENOMEM;
+            for (int64_t g = 0; st == DBSP_OK && g < ng; g++) {
+                if (s->slots[g]) { dacc[g] = 1; continue; }
+                sel[na] = r.group_row[g];
+                skh[na] = ((const uint64_t *)r.khash)[g];
+                gi[na++] = g;
+            }
+            if (st == DBSP_OK && na) st = dbsp_keyindex_get(dirty, b, keys, sel, skh, na, acc2);
+            for (int64_t k = 0; st == DBSP_OK && k < na; k++) dacc[gi[k]] = acc2[k];
+            free(sel); free(gi); free(acc2); free(skh);
+        } else {
+            st = dbsp_keyindex_get(dirty, b, keys, r.group_row, (const uint64_t *)r.khash, ng, dacc);
+        }
         for (int64_t i = 0; st == DBSP_OK && i < m; i++) (*fresh)[i] = dacc[s->grp[i]] == 0;
         free(dacc);
         if (st != DBSP_OK) goto done;

@@ -26,6 +26,10 @@
  *     when asked (dbsp_linear_run3): once per group of the change, at the row carrying its key, before anything is
  *     stored (the dirty index is not written here); every output row of a group gets that group's answer, the
  *     answer store_totals' probe of each row gives, as a group's rows share its key.
+ *  6. With found_dirty set in the scratch (the caller knows every key the index holds to be dirty: trace/keyindex.py
+ *     ``pk_found_dirty``, no key of the index clean since the last sync), invariant 5's probe is made only for the
+ *     groups the index does not hold (the read found no entry); a group it holds is dirty (fresh 0) without a probe.
+ *     A 1k-row step into a 100k-key state so probes a few keys of the dirty index instead of one per group.
  */
 #ifndef DBSP_LINRUN_H
 #define DBSP_LINRUN_H
@@ -40,6 +44,7 @@
 #define DBSP_LINRUN_KEEP 65536  /* groups of scratch kept between steps (invariant 3) */
 
 typedef struct DbspLinRun {
+    int found_dirty; /* invariant 6: set by the caller before each call (a free clears it) */
     int64_t groups;  /* groups the scratch has room for */
     int32_t ns;
     int64_t *old;    /* groups * ns */

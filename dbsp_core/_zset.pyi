@@ -88,8 +88,8 @@ class LinearRun:
     def __init__(self, keys: Sequence[int], specs: Sequence[tuple[str, int | None]], shown: Sequence[int],
                  nonnull: Sequence[int], out_keys: bool, bschema: pa.Schema, oschema: pa.Schema,
                  checked: Sequence[int] = ()) -> None: ...
-    def step(self, table: pa.Table | BatchView, weights: np.ndarray | None, ix: KeyIndex
-             ) -> tuple[pa.Table | None, pa.Table | None, np.ndarray | None, np.ndarray | None, bool, bool] | None: ...
+    def step(self, table: pa.Table | BatchView, weights: np.ndarray | None, ix: KeyIndex, dirty: KeyIndex | None = None,
+             found_dirty: bool = False) -> tuple | None: ...
 class MergeCursor:
     """A merge cursor: a resumable merge of two canonical batches (csrc/merge.h)."""
     schema: pa.Schema

@@ -672,7 +672,8 @@ class _LinearState:
         grouping, the key index's probes and stores, the trace batch's and the output's columns, built without a
         Python or Arrow call between them. None, having changed nothing, when it cannot serve the step (no current
         key index, or a null in a counted or summed column): the caller then takes another path."""
-        return self.step_call(lambda ix, dirty: run.step(z.data, z.weights, ix, dirty), ctx)
+        return self.step_call(lambda ix, dirty: run.step(z.data, z.weights, ix, dirty,
+                                                         dirty is not None and self.trace.pk_found_dirty()), ctx)
 
     def step_call(self, call: "Callable[[Any, Any], tuple | None]", ctx: "StepContext") -> "ZSet | None":
         """:meth:`step_run` over what ``call(ix, dirty)`` returns, ``LinearRun.step``'s tuple from the key index ``ix``

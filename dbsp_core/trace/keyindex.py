@@ -485,19 +485,26 @@ class PerKeyTotals:
       totals). ``_pk_undo``: while a rollback capture is alive (``_pk_marks``), every change made to a key index
       object in place since the oldest one: (index, view of rows, key positions, key hashes, columns, sign), undone in
       reverse by :meth:`_pk_rollback` (rollback.py invariant 3): the index is the state, a capture cannot rebuild it.
+      A step's own store is logged as (index, its IndexedZSet batch, ..., None, 1): the view and columns are made
+      by the rollback (a view costs ~50k instructions, a step without a rollback never needs it).
     """
 
     pk_steps = 0  # steps stored per key, in the process (counts, for tests: the new path ran)
     pk_syncs = 0  # syncs that inserted a batch, in the process
     pk_fallbacks = 0  # per-key traces whose index could not grow (a store undone), synced and turned to batches
+    pk_found_dirty_steps = 0  # steps told that every key of the index is dirty (pk_found_dirty), in the process
     _pk_on = False  # (class defaults: a trace made without __init__, as a restore may make one)
     _pk_rec: Any = ()
     _pk_dirty: Any = None
     _pk_undo: Any = None
     _pk_marks: Any = ()
     _pk_syncing = False
+    _pk_clean = -1
+    _pk_clean_at = 0
 
     def _init_per_key(self) -> None:
+        self._pk_clean = -1  # keys of the index not dirty, as of content token _pk_clean_at (-1: not known)
+        self._pk_clean_at = 0
         self._pk_on = False
         self._pk_rec: list = []
         self._pk_dirty = None
@@ -568,6 +575,17 @@ class PerKeyTotals:
         this trace's key index)."""
         return self._pk_dirty if self._pk_on and ix is self._kix else None
 
+    def pk_found_dirty(self) -> bool:
+        """Whether every key of the key index is dirty (invariant 19): none is clean as of the present content, so a C
+        step need not probe the dirty index for a key the key index holds (csrc/linrun.h invariant 6). The count of
+        clean keys is kept by :meth:`store_totals` from step to step under one content token: any other change of
+        content (an insert, a cut, a rollback to another token) leaves it unknown until the dirty index is next
+        started afresh (after a sync), when every key of the index is clean but the step's."""
+        if self._pk_clean == 0 and self._pk_clean_at == self._token:
+            PerKeyTotals.pk_found_dirty_steps += 1
+            return True
+        return False
+
     def store_totals(self, batch: "IndexedZSet", ix: Any, probed: "tuple | None" = None) -> None:
         """The step's rows of old (-1) and new (+1) totals of its changed groups, which the caller already stored in
         ``ix`` (from :meth:`index_for_update`): inserted as any batch, or with totals per key only recorded: each of
@@ -582,24 +600,30 @@ class PerKeyTotals:
                 self._pk_undo.entries.append((ix, batch._view(), batch._keypos, batch._kh, self._cpos(batch), 1))
             self.insert(batch, indexed=ix)  # the C step's store into ix is logged too, or its undo misses it
             return
-        self._changed()
+        known = self._pk_clean >= 0 and self._pk_clean_at == self._changed()  # (the count as of the content before)
         ix.token = self._token
         PerKeyTotals.pk_steps += 1
         self.inserted_rows += len(batch)
         self._grown += len(batch)  # (drop_below's amortization, trace invariant 8)
-        view, keys, kh = batch._view(), batch._keypos, batch._kh
-        if len(self._pk_marks):  # the step's store into ix is +batch: its undo is -batch
-            self._pk_undo.entries.append((ix, view, keys, kh, self._cpos(batch), 1))
+        keys, kh = batch._keypos, batch._kh
+        if len(self._pk_marks):  # the step's store into ix is +batch: its undo is -batch (the batch logged as it
+            # stands: its view and columns are made by a rollback, which is rare, not by every step)
+            self._pk_undo.entries.append((ix, batch, keys, kh, None, 1))
         dirty = self._pk_dirty
-        if dirty is None:
+        w = batch.zset.weights
+        started = dirty is None
+        if started:  # no key dirty: the index's keys are clean but this step's (one +1 row each in the index)
             from dbsp_core import _zset
 
             dirty = self._pk_dirty = _zset.KeyIndex([self.schema.field(k).type for k in self.key], 1, 0)
+            known, clean = True, len(ix) - int(np.count_nonzero(w > 0))
+        else:
+            clean = self._pk_clean
         if probed is not None and probed[0] is dirty and probed[1] is not None and len(probed[1]) == len(batch):
             fresh = probed[1]
         else:
             acc = np.zeros((len(batch), 1), dtype=np.int64)
-            dirty.get(view, keys, kh, acc)
+            dirty.get(batch._view(), keys, kh, acc)
             fresh = acc[:, 0] == 0
         if fresh.any():
             try:
@@ -609,6 +633,9 @@ class PerKeyTotals:
                     raise
                 self._pk_drop_recording(batch, fresh, exc)
                 return
+            if not started:
+                clean -= int(np.count_nonzero(fresh & (w < 0)))  # a fresh key's -1 row: a clean key made dirty
+        self._pk_clean, self._pk_clean_at = (clean, self._token) if known else (-1, 0)
         if self._store is not None:  # joined a batch store (the executor's spill()): batches from now on
             self._pk_off()
 
@@ -727,6 +754,8 @@ class PerKeyTotals:
         if undo is not mark.undo:
             raise AssertionError("totals per key: the undo log of a capture was dropped while the capture lived")
         for ix, view, keys, kh, cpos, sign in reversed(undo.entries[mark.at:]):
+            if cpos is None:  # a step's batch (store_totals): its view and columns made now
+                view, cpos = view._view(), self._cpos(view)
             ix.take_back(view, None, keys, kh, cpos, sign)  # exact where replaying rows overflows (csrc/keyindex.h)
         del undo.entries[mark.at:]
         if mark.ix is not None:
