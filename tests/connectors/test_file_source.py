@@ -394,3 +394,20 @@ def test_a_poll_stats_no_more_files_as_more_are_read(tmp_path, monkeypatch) -> N
         counts.append(len(stats))
         p.close()
     assert counts == [1 + k, 1 + k], (WHY, counts)
+
+
+def test_a_directory_changed_within_the_margin_is_listed_at_every_poll(tmp_path, monkeypatch) -> None:
+    """A listing taken less than LISTING_MARGIN_NS after the directory's last change is not kept (a change in the
+    same tick of a coarse clock would leave the directory's identity as it was): every poll lists it again."""
+    monkeypatch.setattr(files_module, "LISTING_MARGIN_NS", 3600 * 10**9)
+    d = tmp_path / "in"
+    _inbox_of(d, random.Random(f"{SEED}/margin"), 3)
+    p = dbsp.Pipeline(circuit())
+    src = FileSource(p, "t", d, read_ahead=0)
+    listed = []
+    scandir = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda path: listed.append(path) or scandir(path))
+    for _ in range(3):
+        src.poll()
+    assert listed == [str(d)] * 3, (WHY, listed)
+    p.close()
