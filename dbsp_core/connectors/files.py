@@ -305,7 +305,8 @@ class FileSource:
         if not self.where.local:
             return self._pending_listed()
         if self._relist():
-            self._todo = sorted(rel for d in self._dirs.values() for rel in d.files if rel not in self._done)
+            listed = set().union(*(d.files for d in self._dirs.values()))
+            self._todo = sorted(listed.difference(self._done))
         self._check_turns()
         out, todo = [], []
         for rel in self._todo:
@@ -344,7 +345,8 @@ class FileSource:
         return sorted(out)
 
     def _readable(self, name: str) -> bool:
-        return os.path.splitext(name)[1].lower() in self.formats
+        """Whether a name (not starting with ``.``) ends in one of the formats read (its extension, any case)."""
+        return name.lower().endswith(self.formats)
 
     def _relist(self) -> bool:
         """Bring the kept listings of a local directory up to date (invariant 10): one stat per directory, a readdir
@@ -368,9 +370,9 @@ class FileSource:
                 if listing is None:
                     seen.discard(sub)
                     continue
-                was = old.files if old is not None else {}
-                for rel, ino in listing.files.items():
-                    if rel in self._done and was.get(rel) != ino:  # another inode under a name read: compare
+                was = old.files.items() if old is not None else ()
+                for rel, _ in listing.files.items() - was:  # a new name, or another inode under a known one
+                    if rel in self._done:  # under a name read: compare
                         self._check(rel)
                 self._dirs[sub] = old = listing
                 again = True
@@ -384,20 +386,25 @@ class FileSource:
         """One directory's listing (invariant 3's names, os.walk's choices: a symbolic link to a directory is not
         entered), None if it cannot be read."""
         files, dirs = {}, []
+        prefix, ends, recursive = os.path.join(sub, "") if sub else "", self.formats, self.recursive
         try:
             with os.scandir(path) as it:
-                for e in it:
-                    if e.name.startswith((".", "_")):
+                for e in it:  # a few C calls an entry: a directory of 10k files is read again in a few ms
+                    name = e.name
+                    if name.startswith((".", "_")):
+                        continue
+                    readable = name.lower().endswith(ends)
+                    if not readable and not recursive:
                         continue
                     try:
                         is_dir = e.is_dir()
                     except OSError:
                         is_dir = False
                     if is_dir:
-                        if self.recursive and not e.is_symlink():
-                            dirs.append(os.path.join(sub, e.name) if sub else e.name)
-                    elif self._readable(e.name):
-                        files[os.path.join(sub, e.name) if sub else e.name] = e.inode()
+                        if recursive and not e.is_symlink():
+                            dirs.append(prefix + name)
+                    elif readable:
+                        files[prefix + name] = e.inode()
         except OSError:
             return None
         return _Listing(ident, trusted, files, sorted(dirs))
