@@ -15,7 +15,11 @@ Invariants (enforced here):
      A file must not change once it has appeared (its row groups are its identity): one rewritten under a name
      this source has read (another inode, size or modification time) is not read again, but logged as a
      warning and counted (``rewritten``). Only what this process has seen is compared: a file rewritten while
-     no source ran goes unnoticed.
+     no source ran goes unnoticed. In a local directory (invariant 10) a file replaced by a rename (another
+     inode in the listing) is reported at the next poll; one rewritten in place (same inode) when its turn
+     comes: each poll checks the identity of REWRITE_CHECKS of the files read, in turn, so with N files read
+     such a rewrite is reported within ceil(N / REWRITE_CHECKS) polls (at the next one while N <=
+     REWRITE_CHECKS).
   4. Rows are taken by the input's column names (extra columns are ignored) and cast safely to the input's types;
      an integer ``weight`` column, if present, gives the rows' weights (-1 deletes). A file is read and converted
      whole before any of it is pushed (a Parquet file with several row groups left to push is decoded twice, unless
@@ -65,6 +69,19 @@ Invariants (enforced here):
      ``close()``, so exactly once rests on invariant 1 as before. ``close()`` (or leaving a ``with`` block) drops
      what is parsed ahead and joins the thread; a later ``poll()`` starts it again. ``read_ahead=0`` reads every
      file at its turn on the caller's thread, as before.
+ 10. A poll costs O(new files), not O(files read) (a local directory): each directory's listing (names, and the
+     inode each entry names: readdir's, no stat) is kept between polls with the directory's identity (inode,
+     modification and change time) and reused while a stat of the directory shows the same identity, provided
+     its last change was at least LISTING_MARGIN_NS older than the listing (a change within the same tick of a
+     coarse or whole-second clock then cannot leave the identity unchanged). A directory changed, or changed too
+     recently to trust, is listed again; a file read whose listed inode differs from the former listing's is
+     stat'ed and compared (invariant 3), and the files not yet read are kept in name order between listings. So a
+     poll makes one stat per directory, REWRITE_CHECKS stats of files read (invariant 3), one per file passed
+     over (``on_error``: a replaced one is read again at the next poll) and those of its new files; listing
+     again costs a readdir, no stat per file. What it rests on: a directory's change time moves whenever an
+     entry is added, removed or renamed (POSIX), and the host's clock and the file system's agree within
+     LISTING_MARGIN_NS (on NFS, within the client's attribute cache as before). An object store (invariant 5)
+     is listed at every poll, its listing giving each file's identity.
 """
 
 from __future__ import annotations
@@ -72,6 +89,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -103,6 +121,16 @@ _BAD = (pa.ArrowException, SchemaError, OSError, UnicodeDecodeError)
 READ_AHEAD = 2  # files read ahead by default (invariant 9)
 READ_AHEAD_BYTES = 256 << 20  # bytes held ahead by default (invariant 9)
 READ_AHEAD_SHARE = 0.125  # at most this share of a pipeline's memory_limit is held ahead (invariant 9)
+REWRITE_CHECKS = 16  # files read whose identity each poll checks, in turn (invariant 3)
+LISTING_MARGIN_NS = 2_000_000_000  # a listing is reused only if the directory changed this long before (invariant 10)
+
+
+class _Listing(NamedTuple):
+    """One directory's listing kept between polls (invariant 10)."""
+    ident: tuple  # the directory's inode, modification and change time when it was listed
+    trusted: bool  # its last change was at least LISTING_MARGIN_NS before the listing: reusable while ident holds
+    files: dict[str, int]  # relative path -> the inode its entry named (readdir's d_ino) of the files it may read
+    dirs: list[str]  # its subdirectories to list (recursive), relative
 
 
 class _Ahead(NamedTuple):
@@ -258,6 +286,10 @@ class FileSource:
         self._finalizer = weakref.finalize(self, _shutdown, self._pool, False)
         self._done: dict[str, tuple] = {}  # files fully pushed (in this process) -> their signature
         self._bad: dict[str, tuple] = {}  # files skipped or quarantined -> their signature (a new one is read)
+        self._turns: list[str] = []  # the files of _done in the order they were done, checked in turn (invariant 3)
+        self._turn = 0  # the next of _turns to check
+        self._dirs: dict[str, _Listing] = {}  # a local directory's listings, by relative path ("": it) (invariant 10)
+        self._todo: list[str] = []  # the listed files not done, in name order (invariant 10)
         self.errors: list[tuple[str, str]] = []  # (file, why) of every file skipped or quarantined
         self.stats = {"files": 0, "pushes": 0, "duplicates": 0, "skipped": 0, "rows": 0, "bad_files": 0,
                       "quarantined": 0, "rewritten": 0}
@@ -268,15 +300,41 @@ class FileSource:
 
     def pending(self) -> list[str]:
         """Relative paths of the files not yet known to be fully pushed, in name order (invariant 3); warns about
-        a file rewritten under a name already read."""
-        out = []
-        for rel, sig in self._listing():
-            seen = self._done.get(rel, self._bad.get(rel))
+        a file rewritten under a name already read (invariant 3: replaced by a rename at once, rewritten in place
+        at its turn). In a local directory, O(new files) a call (invariant 10)."""
+        if not self.where.local:
+            return self._pending_listed()
+        if self._relist():
+            listed = set().union(*(d.files for d in self._dirs.values()))
+            self._todo = sorted(listed.difference(self._done))
+        self._check_turns()
+        out, todo = [], []
+        for rel in self._todo:
+            if rel in self._done:
+                continue
+            todo.append(rel)
+            seen = self._bad.get(rel)
             if seen is not None:
                 try:
-                    sig = sig or _signature(self.where, self._path(rel))
+                    if _signature(self.where, self._path(rel)) == seen:
+                        continue
                 except FileNotFoundError:
                     continue
+                del self._bad[rel]  # a bad file replaced: read the new one
+            out.append(rel)
+        self._todo = todo
+        return out
+
+    def _pending_listed(self) -> list[str]:
+        """pending() on an object store: its listing gives every file's identity (invariant 5)."""
+        out = []
+        for info in self.where.files(self.recursive):
+            rel = self.where.relative(info.path)
+            if any(part.startswith((".", "_")) for part in rel.split("/")) or not self._readable(rel):
+                continue
+            sig = (0, info.size, info.mtime_ns or 0)
+            seen = self._done.get(rel, self._bad.get(rel))
+            if seen is not None:
                 if sig == seen:
                     continue
                 if rel in self._done:
@@ -286,22 +344,87 @@ class FileSource:
             out.append(rel)
         return sorted(out)
 
-    def _listing(self) -> Iterator[tuple[str, tuple | None]]:
-        """``(relative path, signature or None)`` of every file the source may read (invariant 3); on an object
-        store the listing gives the signature (invariant 5)."""
-        if self.where.local:
-            for root, dirs, files in os.walk(self.directory):
-                dirs[:] = sorted(d for d in dirs if not d.startswith((".", "_"))) if self.recursive else []
-                for f in files:
-                    if not f.startswith((".", "_")) and os.path.splitext(f)[1].lower() in self.formats:
-                        yield os.path.relpath(os.path.join(root, f), self.directory), None
-            return
-        for info in self.where.files(self.recursive):
-            rel = self.where.relative(info.path)
-            if any(part.startswith((".", "_")) for part in rel.split("/")):
+    def _readable(self, name: str) -> bool:
+        """Whether a name (not starting with ``.``) ends in one of the formats read (its extension, any case)."""
+        return name.lower().endswith(self.formats)
+
+    def _relist(self) -> bool:
+        """Bring the kept listings of a local directory up to date (invariant 10): one stat per directory, a readdir
+        of each whose identity changed or was too recent to trust. A file read whose entry names another inode
+        than in the former listing is stat'ed and compared (invariant 3). Returns whether any was listed again."""
+        again, seen, stack = False, set(), [""]
+        while stack:
+            sub = stack.pop()
+            seen.add(sub)
+            path = os.path.join(self.directory, sub) if sub else self.directory
+            now = time.time_ns()  # before the stat: a change after it is stamped later than now - a tick
+            try:
+                st = os.stat(path)
+            except OSError:  # gone or unreadable: no files (as os.walk)
+                seen.discard(sub)
                 continue
-            if os.path.splitext(rel)[1].lower() in self.formats:
-                yield rel, (0, info.size, info.mtime_ns or 0)
+            ident = (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+            old = self._dirs.get(sub)
+            if old is None or not old.trusted or old.ident != ident:
+                listing = self._list(sub, path, ident, max(st.st_mtime_ns, st.st_ctime_ns) <= now - LISTING_MARGIN_NS)
+                if listing is None:
+                    seen.discard(sub)
+                    continue
+                was = old.files.items() if old is not None else ()
+                for rel, _ in listing.files.items() - was:  # a new name, or another inode under a known one
+                    if rel in self._done:  # under a name read: compare
+                        self._check(rel)
+                self._dirs[sub] = old = listing
+                again = True
+            stack.extend(reversed(old.dirs))
+        for sub in [d for d in self._dirs if d not in seen]:
+            del self._dirs[sub]
+            again = True
+        return again
+
+    def _list(self, sub: str, path: str, ident: tuple, trusted: bool) -> _Listing | None:
+        """One directory's listing (invariant 3's names, os.walk's choices: a symbolic link to a directory is not
+        entered), None if it cannot be read."""
+        files, dirs = {}, []
+        prefix, ends, recursive = os.path.join(sub, "") if sub else "", self.formats, self.recursive
+        try:
+            with os.scandir(path) as it:
+                for e in it:  # a few C calls an entry: a directory of 10k files is read again in a few ms
+                    name = e.name
+                    if name.startswith((".", "_")):
+                        continue
+                    readable = name.lower().endswith(ends)
+                    if not readable and not recursive:
+                        continue
+                    try:
+                        is_dir = e.is_dir()
+                    except OSError:
+                        is_dir = False
+                    if is_dir:
+                        if recursive and not e.is_symlink():
+                            dirs.append(prefix + name)
+                    elif readable:
+                        files[prefix + name] = e.inode()
+        except OSError:
+            return None
+        return _Listing(ident, trusted, files, sorted(dirs))
+
+    def _check(self, rel: str) -> None:
+        """Compare a file read with its identity when it was read; report it rewritten if it differs (invariant 3)."""
+        try:
+            sig = _signature(self.where, self._path(rel))
+        except FileNotFoundError:
+            return
+        if sig != self._done[rel]:
+            self._rewritten(rel, sig)
+
+    def _check_turns(self) -> None:
+        """Check REWRITE_CHECKS of the files read, in turn (invariant 3)."""
+        n = len(self._turns)
+        for _ in range(min(REWRITE_CHECKS, n)):
+            self._turn %= n
+            self._check(self._turns[self._turn])
+            self._turn += 1
 
     def _path(self, rel: str) -> str:
         return os.path.join(self.directory, rel) if self.where.local else f"{self.where.path}/{rel}"
@@ -329,6 +452,8 @@ class FileSource:
             except InputFileError as e:
                 self._failed(rel, path, sig, e)
                 continue
+            if rel not in self._done:
+                self._turns.append(rel)
             self._done[rel] = sig
             self.stats["files"] += 1
         self._read_ahead(pending, len(todo))  # and the files of the next poll while the pipeline steps

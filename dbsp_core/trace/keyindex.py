@@ -10,8 +10,9 @@ Invariant (trace invariant 11, enforced here):
      shard cut subtracts the moved rows; anything else (clear, drop_below, a rollback that puts back an earlier
      token) leaves the index stale. A stale index is rebuilt from the batches, O(rows) once, by the third read
      that wants it (the first two walk the batches), so a trace that is loaded afresh for every job (a stage task
-     without its cache) never pays for an index it would not keep. Reads through a current index give exactly
-     what the walk over the batches gives.
+     without its cache) never pays for an index it would not keep; a stale index of an empty trace (a restore of
+     no rows: every new durable pipeline's first load) is rebuilt by the first read, which reads nothing. Reads
+     through a current index give exactly what the walk over the batches gives.
      A whole-row index (``on="row"``: a distinct's, a count distinct's) past INDEX_FLOOR bytes whose entries (at
      3/4 full) hold more than INDEX_RATIO times its trace's rows (their data, weight and key hash) costs more memory
      than the state it serves for little speed (the walk over the batches reads a consolidated change in key-hash
@@ -323,7 +324,7 @@ class KeyIndexed:
         ix = self._kix
         if ix is not None and ix.token == self._token:
             return ix
-        if self._kix_wait > 0:
+        if self._kix_wait > 0 and any(len(b) for b in batches):  # an empty trace's build reads nothing: at once
             self._kix_wait -= 1
             return None
         self._check_files()  # the build reads every row (trace/spill.py invariant 14)

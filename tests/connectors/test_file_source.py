@@ -1,4 +1,4 @@
-"""FileSource against real files: producer names unique per source and stable across a kill -9, bad files (corrupt Parquet, empty CSV, unconvertible values) named and raised, skipped or quarantined without losing the files after them, and rewritten files warned about; the pipeline's output is compared as a multiset with a plain-Python model of the files.
+"""FileSource against real files: producer names unique per source and stable across a kill -9, bad files (corrupt Parquet, empty CSV, unconvertible values) named and raised, skipped or quarantined without losing the files after them, rewritten files warned about (in place at their turn, by a rename at the next poll), and a poll's stats and readdirs not growing with the files read; the pipeline's output is compared as a multiset with a plain-Python model of the files.
 
 Seeds vary per run and are printed in every assertion message; ``DBSP_FILES_SEED`` replays one.
 ``DBSP_FILES_KILLS`` sets the kill -9s of the restart test (default 3).
@@ -14,6 +14,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -21,6 +22,7 @@ import pytest
 
 import dbsp_core as dbsp
 from dbsp_core.connectors import FileSource
+from dbsp_core.connectors import files as files_module
 from dbsp_core.errors import DbspError, InputFileError
 from dbsp_core.metrics import prometheus_text
 from dbsp_core.storage.formats import FILE_REF_MAGIC
@@ -294,4 +296,118 @@ def test_a_rewritten_file_warns_and_is_counted(tmp_path, caplog) -> None:
     assert src.stats["rewritten"] == 1
     assert p.metrics()["sources"][src.name]["rewritten"] == 1
     assert _integral(p) == collections.Counter(rows), WHY  # the content that was read, once
+    p.close()
+
+
+# ---- a poll's cost: O(new files), rewrites still reported (files.py invariants 3 and 10) ----
+
+def _inbox_of(d, rng: random.Random, n: int, sub: str = "") -> collections.Counter:
+    """``n`` CSV files f000.csv... in ``d`` (under ``sub``); returns their rows."""
+    model: collections.Counter = collections.Counter()
+    (d / sub).mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        rows = _rows(rng, 3)
+        _write(str(d / sub / f"f{i:03d}.csv"), rows, rng)
+        model.update(rows)
+    return model
+
+
+def _rewrite_warnings(caplog) -> int:
+    return sum("rewritten" in r.getMessage() for r in caplog.records)
+
+
+def test_a_file_rewritten_in_place_is_reported_at_its_turn(tmp_path, caplog) -> None:
+    """Many files read (4 polls' turns of them), one rewritten in place (same inode, no change to the directory):
+    reported once, within ceil(files / REWRITE_CHECKS) polls, and its new rows are not read."""
+    rng = random.Random(f"{SEED}/in-place")
+    d = tmp_path / "in"
+    n = 4 * files_module.REWRITE_CHECKS
+    model = _inbox_of(d, rng, n)
+    p = dbsp.Pipeline(circuit())
+    src = FileSource(p, "t", d, read_ahead=0)
+    assert src.poll() == n, WHY
+    victim = str(d / f"f{rng.randrange(n):03d}.csv")
+    ino = os.stat(victim).st_ino
+    with open(victim, "a") as f:  # in place: the same inode, a new size
+        f.write("99,99\n")
+    assert os.stat(victim).st_ino == ino
+    with caplog.at_level(logging.WARNING, logger="dbsp_core.connectors.files"):
+        for _ in range(-(-n // files_module.REWRITE_CHECKS)):
+            assert src.poll() == 0, WHY
+    assert _rewrite_warnings(caplog) == 1 and src.stats["rewritten"] == 1, (WHY, victim, caplog.text)
+    assert _integral_of(p.step()) == model, WHY
+    p.close()
+
+
+def _integral_of(out: dict) -> collections.Counter:
+    return +collections.Counter({row: w for row, w in out["rows"].to_dict().items()})
+
+
+def test_a_kept_listing_sees_renames_and_new_files_without_turns(tmp_path, monkeypatch, caplog) -> None:
+    """Listings kept between polls (the directories older than the margin): no readdir while nothing changes; a
+    file read then replaced by a rename, in a subdirectory, is reported at the next poll by the listing alone
+    (turns off), and a new file there is read, though the top directory did not change."""
+    monkeypatch.setattr(files_module, "REWRITE_CHECKS", 0)
+    monkeypatch.setattr(files_module, "LISTING_MARGIN_NS", 50_000_000)
+    rng = random.Random(f"{SEED}/renamed")
+    d = tmp_path / "in"
+    model = _inbox_of(d, rng, 5) + _inbox_of(d, rng, 20, "sub")
+    p = dbsp.Pipeline(circuit())
+    src = FileSource(p, "t", d, recursive=True, read_ahead=0)
+    assert src.poll() == 25, WHY
+    time.sleep(0.1)  # the directories are now older than the margin: the next listing is kept
+    assert src.poll() == 0, WHY
+    listed = []
+    scandir = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda path: listed.append(path) or scandir(path))
+    assert src.poll() == 0 and listed == [], (WHY, listed)
+    victim = str(d / "sub" / f"f{rng.randrange(20):03d}.csv")
+    _write(victim, _rows(rng, 3) + [(99, 99)], rng)  # replaced by a rename
+    rows = _rows(rng, 3)
+    _write(str(d / "sub" / "g.csv"), rows, rng)  # a new file: only sub/ changes
+    model.update(rows)
+    with caplog.at_level(logging.WARNING, logger="dbsp_core.connectors.files"):
+        assert src.poll() == 1, WHY
+    assert listed == [os.path.join(str(d), "sub")], (WHY, listed)
+    assert _rewrite_warnings(caplog) == 1 and src.stats["rewritten"] == 1, (WHY, victim, caplog.text)
+    assert _integral_of(p.step()) == model, WHY
+    p.close()
+
+
+def test_a_poll_stats_no_more_files_as_more_are_read(tmp_path, monkeypatch) -> None:
+    """pending()'s stats: one for the directory and REWRITE_CHECKS files read in turn, whether 2 or 8 turns of
+    files have been read (before: one per file read, every poll)."""
+    rng = random.Random(f"{SEED}/stats")
+    k = files_module.REWRITE_CHECKS
+    counts = []
+    for n in (2 * k, 8 * k):
+        d = tmp_path / f"in{n}"
+        _inbox_of(d, rng, n)
+        p = dbsp.Pipeline(circuit())
+        src = FileSource(p, "t", d, read_ahead=0)
+        assert src.poll() == n, WHY
+        stats = []
+        stat = os.stat
+        monkeypatch.setattr(os, "stat", lambda path, *a, **kw: stats.append(path) or stat(path, *a, **kw))
+        assert src.pending() == [], WHY
+        monkeypatch.setattr(os, "stat", stat)
+        counts.append(len(stats))
+        p.close()
+    assert counts == [1 + k, 1 + k], (WHY, counts)
+
+
+def test_a_directory_changed_within_the_margin_is_listed_at_every_poll(tmp_path, monkeypatch) -> None:
+    """A listing taken less than LISTING_MARGIN_NS after the directory's last change is not kept (a change in the
+    same tick of a coarse clock would leave the directory's identity as it was): every poll lists it again."""
+    monkeypatch.setattr(files_module, "LISTING_MARGIN_NS", 3600 * 10**9)
+    d = tmp_path / "in"
+    _inbox_of(d, random.Random(f"{SEED}/margin"), 3)
+    p = dbsp.Pipeline(circuit())
+    src = FileSource(p, "t", d, read_ahead=0)
+    listed = []
+    scandir = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda path: listed.append(path) or scandir(path))
+    for _ in range(3):
+        src.poll()
+    assert listed == [str(d)] * 3, (WHY, listed)
     p.close()

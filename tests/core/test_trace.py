@@ -277,6 +277,33 @@ def test_a_rollback_leaves_the_key_index_stale_and_reads_rebuild_it():
         t.check()
 
 
+def test_a_restore_of_no_rows_serves_the_key_index_from_the_first_read():
+    """Invariant 11: a clear (what a restore does first) leaves the index stale. Restored with no rows (a new
+    durable pipeline's first load), the first read that wants it (an aggregate's step: index_for_update) builds it,
+    reading nothing, and the inserts after it fold into it; restored with rows, the first two reads walk the
+    batches and the third builds it."""
+    for index in ("key", "row"):
+        t = _new(Trace, index)
+        spec = (index, tuple(INDEXES[index][0]))
+        t.clear()
+        assert t._kix is None
+        ix = t.index_for_update(spec)
+        assert ix is not None, index
+        t.index_done(ix)
+        assert t._kix is ix and ix.token == t._token, index
+        model = _fill(t, range(6), 10, 30)
+        _check_reads(t, model, list(range(30)))
+        assert t._kix is ix and ix.token == t._token, index  # folded, not rebuilt
+        t.clear()
+        model = _fill(t, range(6, 9), 10, 30)
+        for _ in range(2):
+            _check_reads(t, model, list(range(30)))
+            assert t._kix is None, index
+        _check_reads(t, model, list(range(30)))
+        assert t._kix is not None and t._kix.token == t._token, index
+        t.check()
+
+
 def test_an_index_that_overflows_is_dropped_and_reads_walk_the_batches():
     """Invariant 11: sums beyond int64 in the index turn it off; the walk over the batches then reports the
     overflow as it would without an index, and the content is untouched."""
