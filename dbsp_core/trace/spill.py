@@ -1394,13 +1394,13 @@ class BatchStore:
         """The rows of grouped batch ``b`` whose key hash is in ``hashes`` (invariant 18; groupedbatch.py B2), its
         groups' pages asked for first (WILLNEED a run of groups) while :meth:`prefetching` says reads find the disk."""
         advise = len(hashes) > 1 and self.prefetching()
+        self.count("keys_sought", len(hashes))
+        self.count("grouped_lookups", 1)
+        if advise:
+            self.count("grouped_prefetched", 1)
         got = groupedbatch.gather(b, hashes, advise)
         f = groupedbatch.source_file(b)
         with self._lock:
-            self.stats["keys_sought"] = self.stats.get("keys_sought", 0) + len(hashes)
-            self.stats["grouped_lookups"] = self.stats.get("grouped_lookups", 0) + 1
-            if advise:
-                self.stats["grouped_prefetched"] = self.stats.get("grouped_prefetched", 0) + 1
             self._grouped_pages += max(0, f.last_groups_read) * f.group_pages
         return got
 
