@@ -122,6 +122,9 @@ SQL = {
 }
 
 
+DIRS: list[int] = []  # per step of the last _run: directory bytes its traces' batches held (the seeks took them)
+
+
 def _run(steps: list, workers: int, c_step: bool) -> list[dict]:
     """Every step's outputs as {view: {row: weight}}, with the one-call steps on (``c_step``: through the directories)
     or off (the paths before them: pairs of each batch through its fence); a poisoned step rolled back after step 5."""
@@ -137,6 +140,9 @@ def _run(steps: list, workers: int, c_step: bool) -> list[dict]:
                     p.push(name, ZSet.from_arrow(table, w))
                 out = p.step()
                 outs.append({v: out[v].to_dict() for v in ("j1", "j2", "lj", "jg")})
+                if getattr(p.executor, "batch_store", None) is None:  # (under a budget the batches spill: no one-call
+                    DIRS.append(sum(b._cv.dir_bytes for t in p.executor._all_traces() for b in t._levels()  # step)
+                                    if getattr(b, "_cv", None) is not None))  # (cached views only: none built here)
         return outs
     finally:
         _CJoin.C_STEP, _JoinFolded.C_STEP, _LeftJoinState.C_STEP = old
@@ -147,8 +153,12 @@ def test_joins_over_large_sides_through_directories_equal_the_paths_before_and_d
     """Each step's outputs of the four joins equal the run without the one-call steps; the inner joins' views
     integrated over the steps equal DuckDB's recompute at the last step."""
     steps = _steps(np.random.default_rng(SEED + workers), 14)
+    DIRS.clear()
     got = _run(steps, workers, True)
+    assert not DIRS or max(DIRS) > 0, "no join seek went through a directory"
+    DIRS.clear()
     before = _run(steps, workers, False)
+    assert not DIRS or max(DIRS) == 0, "the paths before the one-call steps built a directory"
     views: dict = {v: {} for v in SQL}
     for i, (a, b) in enumerate(zip(got, before)):
         assert a == b, f"step {i} (DBSP_TEST_SEED={SEED})"
