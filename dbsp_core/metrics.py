@@ -284,13 +284,13 @@ def gather(p: Any, state: bool = True) -> dict:
         bits = p.layout.shard_bits
         out["state_bytes"] = {}
         for w in range(p.layout.workers):
-            traces = p.traces(w)
+            traces = p._live_traces(w)
             total, shards = state_bytes(traces, bits)
             out["state_bytes"][w] = {"total": total, "shards": shards,
                                      "key_index": sum(t.index_bytes for t in traces.values())}
         store = p.executor.batch_store
         if store is not None:
-            out["spill"] = spill_metrics(store, [p.traces(w) for w in range(p.layout.workers)])
+            out["spill"] = spill_metrics(store, [p._live_traces(w) for w in range(p.layout.workers)])
             if "substeps" in p.stats:  # steps run in pieces under the budget (dbsp_core/runtime/substep.py)
                 out["spill"]["substeps"] = dict(p.stats["substeps"])
         elif "task_spill" in p.stats:  # a staged executor's task processes (runtime/stage_task.py invariant 7)

@@ -83,6 +83,10 @@ Invariants (enforced here):
      and never returned (OutputLog.write), then the failing steps (or checkpoint) run again. At most
      :data:`LOST_RECOVERIES` times in a row; a loss during a recovery starts it again. Counted in
      ``stats["lost_recoveries"]``, ``stats["lost_replayed_steps"]`` and ``stats["lost_recovery_s"]``.
+ 11. ``traces`` hands out the executor's live traces, each behind the step lock (runtime/guarded.py): every read of
+     one runs under the lock, never beside a step, a rescale or a checkpoint. A read can write (a trace keeping
+     totals per key syncs its batches first, trace invariant 19), so an unguarded read from another thread than
+     the one stepping corrupted the state (test_traces_read_beside_steps.py).
 """
 
 from __future__ import annotations
@@ -122,6 +126,7 @@ from dbsp_core.runtime.crashpoints import crashpoint
 from dbsp_core.runtime.division import Divided, ranges
 from dbsp_core.runtime.embedded import EmbeddedExecutor
 from dbsp_core.runtime.executor import Executor, StepInput
+from dbsp_core.runtime.guarded import GuardedTrace
 from dbsp_core.runtime.prune import decide as decide_stored
 from dbsp_core.runtime.recovery import LogReplay, open_directory, settle_state
 from dbsp_core.runtime.readable import ReadableState, as_rows, check_read_only, run_query
@@ -1674,7 +1679,8 @@ class Pipeline:
         """All keyed state of one worker, as ``{"<operator label>.<trace name>": Trace}``.
 
         Every trace is sorted by key hash, so ``trace.shard(shard_bits, s)`` reads one shard's state; the shards
-        with rows are those the layout assigns to ``worker``.
+        with rows are those the layout assigns to ``worker``. Each comes behind the step lock (invariant 11): it may
+        be read from any thread, each read waiting for a step, rescale or checkpoint in progress.
 
         >>> import pyarrow as pa
         >>> import dbsp_core as dbsp
@@ -1684,6 +1690,11 @@ class Pipeline:
         >>> sorted(dbsp.Pipeline(c).traces(0))
         ['distinct#2.input']
         """
+        return {name: GuardedTrace(t, self._step_lock) for name, t in self._live_traces(worker).items()}  # inv. 11
+
+    def _live_traces(self, worker: int) -> dict[str, Trace]:
+        """:meth:`traces` unguarded, for the engine's own readers (metrics: estimates that never write a trace,
+        trace invariant 19's ``sync=False``, and that key their counters by the trace objects themselves)."""
         self._check_usable()
         with self._step_lock:
             return self._lost_recovered(lambda: self.executor.traces(worker), self.steps)  # invariant 10

@@ -149,7 +149,7 @@ def test_size_figures_count_the_unsynced_totals_without_a_sync(monkeypatch) -> N
         per_op: dict = {}
         for w in range(p.workers):
             want_total, want_shards = 0, np.zeros(1 << bits)
-            for name, tr in p.traces(w).items():
+            for name, tr in p.executor.traces(w).items():  # the live traces: this test patches one
                 placed, pending = tr.parts(sync=False)
                 brows = sum(len(b) for b in placed + pending)
                 bbytes = sum(int(b.zset.data.nbytes) + int(b.zset.weights.nbytes) + int(b.key_hash.nbytes)
