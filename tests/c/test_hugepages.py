@@ -44,8 +44,12 @@ def flags_at(address):
     return flags
 
 
-rows = sorted(zip(m.zset.data.column("k").to_pylist(), m.zset.data.column("v").to_pylist(), m.zset.weights.tolist()))
-ok = rows == [(k, k // 2 + (n if k % 2 else 0), 1) for k in range(2 * n)] and bool((acc == 1).all())
+k = m.zset.data.column("k").to_numpy()
+order = np.argsort(k, kind="stable")
+want = np.arange(2 * n)
+ok = (np.array_equal(k[order], want) and np.array_equal(m.zset.data.column("v").to_numpy()[order],
+                                                          want // 2 + np.where(want % 2 == 1, n, 0))
+      and bool((np.asarray(m.zset.weights) == 1).all()) and bool((acc == 1).all()))
 print(json.dumps({"on": _zset.hugepages(), "flags": flags_at(buf.address), "rows_ok": ok,
                   "index": [flags_at(at) for at, size in ix.regions if size >= 2 << 20]}))
 """
