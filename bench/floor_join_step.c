@@ -22,6 +22,7 @@
 #include <string.h>
 #include <time.h>
 #include "hash.h"
+#include "floor_util.h"
 
 typedef struct { int64_t id, category; } Ent;  /* 16 B: four a cache line; id -1: an empty slot */
 
@@ -38,12 +39,6 @@ typedef struct {  /* the bids side: its rows so far, column by column */
 typedef struct {  /* a step's output rows, column by column */
     int64_t *auction, *bidder, *price, *id, *category, *w;
 } Out;
-
-static uint64_t rng_state = 7;
-static uint64_t rnd(void) {  /* splitmix64 */
-    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ULL);
-    return dbsp_mix(z);
-}
 
 static inline const Ent *probe(const Table *tb, int64_t key, uint64_t h) {
     for (uint64_t i = h & tb->mask;; i = (i + 1) & tb->mask) {
@@ -76,17 +71,6 @@ __attribute__((noinline)) int64_t step_join(const Table *tb, Side *bids, const i
     memcpy(bids->w + at, w, (size_t)n * 8);
     bids->n += n;
     return m;
-}
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
 }
 
 int main(int argc, char **argv) {
@@ -127,10 +111,7 @@ int main(int argc, char **argv) {
         outrows += step_join(&tb, &bids, ca, cb, cp, cw, n, h, &o);
         t[s] = now() - t0;
     }
-    qsort(t, steps, sizeof(double), cmp_d);
-    double mean = 0;
-    for (int64_t s = 0; s < steps; s++) mean += t[s];
-    mean /= steps;
+    double mean = sort_times(t, steps);
     printf("join: %lld-row bids, %lld auctions, %lld-row steps x %lld: median %.1f ns a change row (%.2f us a step), "
            "mean %.2f us, p99 %.2f us; %.0f rows out a step\n", (long long)state, (long long)groups, (long long)n,
            (long long)steps, t[steps / 2] / n * 1e9, t[steps / 2] * 1e6, mean * 1e6, t[steps * 99 / 100] * 1e6,
