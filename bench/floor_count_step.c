@@ -22,6 +22,7 @@
 #include <string.h>
 #include <time.h>
 #include "hash.h"
+#include "floor_util.h"
 
 typedef struct { uint64_t key; int64_t count, sum; uint32_t stamp, pad; } Ent;  /* 32 B: two a cache line */
 
@@ -30,12 +31,6 @@ typedef struct {
     uint64_t mask;
     uint32_t stamp;
 } Table;
-
-static uint64_t rng_state = 7;
-static uint64_t rnd(void) {  /* splitmix64 */
-    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ULL);
-    return dbsp_mix(z);
-}
 
 static inline Ent *probe(Table *tb, uint64_t key, uint64_t h) {
     for (uint64_t i = h & tb->mask;; i = (i + 1) & tb->mask) {
@@ -100,17 +95,6 @@ __attribute__((noinline)) static void load(Table *tb, const uint64_t *key, const
     (void)step_any(tb, key, w, price, n, 1, h, touched, oc, os, ok, occ, oss, ow);  /* not a measured step */
 }
 
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 int main(int argc, char **argv) {
     int64_t state = argc > 1 ? atoll(argv[1]) : 1000000, groups = argc > 2 ? atoll(argv[2]) : 100000;
     int64_t n = argc > 3 ? atoll(argv[3]) : 1000, steps = argc > 4 ? atoll(argv[4]) : 2000;
@@ -145,10 +129,7 @@ int main(int argc, char **argv) {
                                 : step_count(&tb, ckey, cw, n, h, touched, oc, os, ok, occ, oss, ow);
             t[s] = now() - t0;
         }
-        qsort(t, steps, sizeof(double), cmp_d);
-        double mean = 0;
-        for (int64_t s = 0; s < steps; s++) mean += t[s];
-        mean /= steps;
+        double mean = sort_times(t, steps);
         printf("%s: %lld-row state, %lld groups, %lld-row steps x %lld: median %.1f ns a change row (%.2f us a step), "
                "mean %.2f us, p99 %.2f us; %.0f rows out a step\n", with_sum ? "count+sum" : "count", (long long)state,
                (long long)groups, (long long)n, (long long)steps, t[steps / 2] / n * 1e9, t[steps / 2] * 1e6,

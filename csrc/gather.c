@@ -45,10 +45,12 @@ static int64_t gather_bits(const uint8_t *src, int64_t off, const int64_t *idx, 
     do {                                                                             \
         const T *s = (const T *)c->values + c->offset;                               \
         T *o = (T *)values;                                                          \
-        for (int64_t i = 0; i < m; i++) {                                            \
-            if (i + DIST < m) __builtin_prefetch(&s[idx[i + DIST]]);                 \
+        int64_t i = 0;                                                               \
+        for (; i + DIST < m; i++) {  /* (the last DIST rows: no prefetch, no test) */ \
+            __builtin_prefetch(&s[idx[i + DIST]]);                                   \
             o[i] = s[idx[i]];                                                        \
         }                                                                            \
+        for (; i < m; i++) o[i] = s[idx[i]];                                         \
     } while (0)
 
 #define GATHER_OFFSETS(T, LIMIT)                                                     \

@@ -163,8 +163,12 @@ static int fold_column(const DbspColumn *c, int64_t n, uint64_t *out) {
 }
 
 int dbsp_hash_columns(const DbspBatch *b, const int32_t *cols, int32_t ncols, uint64_t *out) {
-    if (!cols) ncols = b->ncols;
     for (int64_t i = 0; i < b->nrows; i++) out[i] = ROW_SEED;
+    return dbsp_hash_columns_more(b, cols, ncols, out);
+}
+
+int dbsp_hash_columns_more(const DbspBatch *b, const int32_t *cols, int32_t ncols, uint64_t *out) {
+    if (!cols) ncols = b->ncols;
     for (int32_t k = 0; k < ncols; k++) {
         int32_t ci = cols ? cols[k] : k;
         if (ci < 0 || ci >= b->ncols) return DBSP_EINVAL;

@@ -52,6 +52,10 @@ static inline uint64_t dbsp_hash_int_row(uint64_t u) {
 /* out[i] = row hash of row i of b over columns cols[0..ncols) (cols NULL = all columns in order). */
 int dbsp_hash_columns(const DbspBatch *b, const int32_t *cols, int32_t ncols, uint64_t *out);
 
+/* dbsp_hash_columns continued: out[i] (row i's hash over some columns c1..ck) becomes its hash over c1..ck then
+ * cols[0..ncols): a row hash whose first columns are a key's continues from the key hash (one pass less). */
+int dbsp_hash_columns_more(const DbspBatch *b, const int32_t *cols, int32_t ncols, uint64_t *out);
+
 /* The row hash of row i of b over columns cols[0..ncols) (cols NULL = all columns): out[i] of
  * dbsp_hash_columns, for one row (column indices must be valid). */
 uint64_t dbsp_hash_row(const DbspBatch *b, int64_t i, const int32_t *cols, int32_t ncols);

@@ -79,6 +79,8 @@ int dbsp_join_dir(const DbspBatch *a, const uint64_t *akh, const uint64_t *afenc
     if (pos && fa) {  /* both at once (a small change against a large batch, one int64 key): the loop below, inline */
         const int64_t *aw = a->weights, *bw = b->weights;
         if ((st = pairs_reserve(out, na < 256 ? 256 : na))) goto fail;
+        /* the pairs' arrays and count in locals (stores through out would reload them), written back at the end */
+        int64_t *li = out->li, *ri = out->ri, *pw = out->w, pn = 0;
         while (i < na) {
             uint64_t h = akh[i];
             int64_t ie = i + 1;
@@ -95,12 +97,17 @@ int dbsp_join_dir(const DbspBatch *a, const uint64_t *akh, const uint64_t *afenc
                     if (fb[y] != v) continue;
                     int64_t w;
                     if (__builtin_mul_overflow(wa, bw ? bw[y] : 1, &w)) { st = DBSP_EOVERFLOW; goto fail; }
-                    if (out->n == out->cap && (st = pairs_reserve(out, out->cap * 2))) goto fail;
-                    out->li[out->n] = x; out->ri[out->n] = y; out->w[out->n] = w; out->n++;
+                    if (pn == out->cap) {
+                        out->n = pn;
+                        if ((st = pairs_reserve(out, out->cap * 2))) goto fail;
+                        li = out->li; ri = out->ri; pw = out->w;
+                    }
+                    li[pn] = x; ri[pn] = y; pw[pn] = w; pn++;
                 }
             }
             i = ie;
         }
+        out->n = pn;
         free(pos);
         return DBSP_OK;
     }

@@ -32,26 +32,33 @@ static void srec_insertion_sort(SRec *a, int64_t n, const DbspBatch *b) {
 }
 
 /* The rows of t[0..n) (sorted by srec_cmp) consolidated into out: equal rows' weights summed exactly (an overflow
- * is reported for a sum, never a partial sum), zero sums dropped, each kept row's row hash into orh unless NULL. */
+ * is reported for a sum, never a partial sum), zero sums dropped, each kept row's row hash into orh unless NULL. A
+ * record whose neighbour differs in key or row hash (almost every one) is a group of one row: kept as it is, without
+ * the comparison of values (the output arrays held in locals, which the stores through out would otherwise reload). */
 static int srec_emit(const DbspBatch *b, const SRec *t, int64_t n, DbspRows *out, uint64_t *orh) {
     int st = dbsp_rows_reserve(out, n);
     if (st) return st;
     const int64_t *w = b->weights;
+    int64_t *oi = out->idx, *ow = out->weights, m = out->n;
+    uint64_t *ok = out->khash;
     for (int64_t i = 0; i < n;) {
         int64_t j = i + 1, sum = w ? w[t[i].idx] : 1;
-        int32_t carry = 0;
-        while (j < n && t[j].kh == t[i].kh && t[j].rh == t[i].rh
-               && dbsp_row_cmp(b, t[i].idx, NULL, b, t[j].idx, NULL, b->ncols) == 0) {
-            dbsp_add_exact(&sum, w ? w[t[j].idx] : 1, &carry);
-            j++;
+        if (j < n && t[j].kh == t[i].kh && t[j].rh == t[i].rh) {
+            int32_t carry = 0;
+            while (j < n && t[j].kh == t[i].kh && t[j].rh == t[i].rh
+                   && dbsp_row_cmp(b, t[i].idx, NULL, b, t[j].idx, NULL, b->ncols) == 0) {
+                dbsp_add_exact(&sum, w ? w[t[j].idx] : 1, &carry);
+                j++;
+            }
+            if (carry) { out->n = m; return DBSP_EOVERFLOW; }
         }
-        if (carry) return DBSP_EOVERFLOW;
         if (sum != 0) {
-            if (orh) orh[out->n] = t[i].rh;
-            out->idx[out->n] = t[i].idx; out->weights[out->n] = sum; out->khash[out->n] = t[i].kh; out->n++;
+            if (orh) orh[m] = t[i].rh;
+            oi[m] = t[i].idx; ow[m] = sum; ok[m] = t[i].kh; m++;
         }
         i = j;
     }
+    out->n = m;
     return DBSP_OK;
 }
 
@@ -90,6 +97,10 @@ static void srec_sort_run(SRec *t, int64_t n, const DbspBatch *b) {
  *     sum does not fit, whatever the row order), and
  *     zero sums dropped. It avoids the engine's fixed costs (partition tables, write-combining buffers, hash
  *     table clearing), which dominate below a few thousand rows.
+ *  3. The rows are hashed once a column: a key of the batch's first columns in order (a join's key in its first
+ *     column) gives the key hashes, which the row hashes continue over the other columns (hash.h: a row hash folds
+ *     the columns in order, so its state after the key columns is the key hash), instead of a second pass over the
+ *     key columns.
  */
 static int consolidate_small(const DbspBatch *b, const int32_t *keys, int32_t nkeys, DbspRows *out,
                              uint64_t *orh) {
@@ -98,15 +109,28 @@ static int consolidate_small(const DbspBatch *b, const int32_t *keys, int32_t nk
     int bits = 0;
     while (bits < 16 && ((int64_t)1 << bits) < n) bits++;
     int64_t nb = (int64_t)1 << bits;
-    /* a key of every column in order (a distinct's) hashes as the whole row: its key hash is the row hash */
-    int whole = nkeys == b->ncols;
-    for (int32_t k = 0; whole && k < nkeys; k++) whole = keys[k] == k;
+    /* a key of the first columns in order hashes as the row's first columns: the row hash continues from the key
+     * hash (note 3); a key of every column (a distinct's) is the whole row: its key hash is the row hash */
+    int prefix = nkeys > 0 && nkeys <= b->ncols;
+    for (int32_t k = 0; prefix && k < nkeys; k++) prefix = keys[k] == k;
+    int whole = prefix && nkeys == b->ncols;
     uint64_t *rh = malloc((size_t)n * 8), *kh = nkeys && !whole ? malloc((size_t)n * 8) : NULL;
     SRec *t = malloc((size_t)n * sizeof(SRec));
     int64_t *cnt = calloc((size_t)nb + 1, 8);
     if (!rh || (nkeys && !whole && !kh) || !t || !cnt) { st = DBSP_ENOMEM; goto done; }
-    if ((st = dbsp_hash_columns(b, NULL, 0, rh))) goto done;
-    if (kh && (st = dbsp_hash_columns(b, keys, nkeys, kh))) goto done;
+    if (prefix && !whole) {
+        if ((st = dbsp_hash_columns(b, keys, nkeys, kh))) goto done;
+        memcpy(rh, kh, (size_t)n * 8);
+        int32_t rest[8], *more = b->ncols - nkeys <= 8 ? rest : malloc((size_t)(b->ncols - nkeys) * 4);
+        if (!more) { st = DBSP_ENOMEM; goto done; }
+        for (int32_t k = nkeys; k < b->ncols; k++) more[k - nkeys] = k;
+        st = dbsp_hash_columns_more(b, more, b->ncols - nkeys, rh);
+        if (more != rest) free(more);
+        if (st) goto done;
+    } else {
+        if ((st = dbsp_hash_columns(b, NULL, 0, rh))) goto done;
+        if (kh && (st = dbsp_hash_columns(b, keys, nkeys, kh))) goto done;
+    }
     const uint64_t *pk = kh ? kh : rh;
 #define BUCKET(h) (bits ? (int64_t)((h) >> (64 - bits)) : 0)
     for (int64_t i = 0; i < n; i++) cnt[BUCKET(pk[i]) + 1]++;

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import dbsp_core as dbsp
 from dbsp_core import _zset
-from dbsp_core.zset import merge_cursor, merged
+from dbsp_core.zset import IndexedZSet, merge_cursor, merged
 
 from test_zset import _bits_table, zsets
 from zset_model import add_models, canon_dict, model_of, schemas
@@ -30,9 +30,20 @@ def test_k_way_merge_matches_the_model_and_two_way_merges(data):
     """k in 3..6 inputs, some drawn as pieces of another input with weights negated or doubled (rows equal across
     inputs, weights that cancel to zero), advanced by random budgets: the output is the dict model's sum, row for row
     the index of the concatenation and the cascade of two-way merges, and carries the right row hashes."""
+    _check_k_way(data, data.draw(st.integers(3, 6)))
+
+
+@given(st.data())
+def test_k_way_merge_of_many_inputs(data):
+    """As above with 7 to 40 inputs (a scan of many heads, inputs running out of rows while others go on), fewer rows
+    each."""
+    _check_k_way(data, data.draw(st.integers(7, 40)), max_rows=12)
+
+
+def _check_k_way(data, k: int, max_rows: int = 60) -> None:
+    """The body of the k-way tests: k inputs drawn as the first test says, merged and checked against the model."""
     schema = data.draw(schemas())
     key = list(schema.names[:data.draw(st.integers(1, len(schema)))])
-    k = data.draw(st.integers(3, 6))
     parts = []
     for i in range(k):
         if parts and data.draw(st.booleans()):  # rows equal to another input's: cancel, or add up
@@ -42,7 +53,7 @@ def test_k_way_merge_matches_the_model_and_two_way_merges(data):
             f = data.draw(st.sampled_from([-1, 1, 2]))
             parts.append((t.take(pa.array(idx, pa.int64())), [f * int(w[j]) for j in idx]))
         else:
-            parts.append(data.draw(zsets(schema=schema, max_rows=60)))
+            parts.append(data.draw(zsets(schema=schema, max_rows=max_rows)))
     zs = [dbsp.ZSet.from_arrow(t, weights=w) for t, w in parts]
     ix = [z.index_by(key) for z in zs]
     ix = [x for x in ix if len(x)]
@@ -68,6 +79,39 @@ def test_k_way_merge_matches_the_model_and_two_way_merges(data):
     _same(got, pair)
     if keep and len(got):
         assert np.array_equal(got._row_hashes(), _zset.hash_columns(got.zset.data, list(range(len(schema)))))
+
+
+@given(st.data())
+def test_k_way_merge_where_every_key_hash_is_the_largest(data):
+    """Inputs whose rows all carry the key hash 2**64 - 1 (given with the batches, each input in row-hash and value
+    order, as a whole-row index orders it): every head ties at the largest key hash (the value a search for the least
+    one may start from), so each row is picked by row hash and values among the live heads as inputs run out. The
+    output is the dict model's sum, consolidated, in row-hash and value order, and row for row the cascade of two-way
+    merges."""
+    schema = data.draw(schemas(min_cols=2))  # (a key of one column of two or more: not the row, whose hash it is)
+    key = list(schema.names[:1])
+    k = data.draw(st.integers(2, 11))
+    ix, model = [], {}
+    for _ in range(k):
+        t, w = data.draw(zsets(schema=schema, max_rows=data.draw(st.sampled_from([1, 5, 30]))))
+        z = dbsp.ZSet.from_arrow(t, weights=w).consolidate()  # (row hash, value) order
+        if not len(z):
+            continue
+        model = add_models(model, model_of(t, w))
+        ix.append(IndexedZSet._make(z, tuple(key), np.full(len(z), 2**64 - 1, np.uint64)))
+    if len(ix) < 2:
+        return
+    m = merge_cursor(ix[0], *ix[1:])
+    while not m.done:
+        assert m.step(data.draw(st.integers(1, 13))) >= 1
+    got = merged(ix[0], m)
+    assert canon_dict(got.zset.to_dict()) == model
+    # consolidated, in row-hash and value order (every key hash equal); no zero weight
+    assert _zset.check_order(got.zset.data, got.zset.weights, None, [])
+    pair = ix[0]
+    for x in ix[1:]:
+        pair = pair.merge(x)
+    _same(got, pair)
 
 
 def test_k_way_merge_checks_its_inputs():

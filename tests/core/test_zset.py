@@ -110,6 +110,38 @@ def test_small_batch_path_equals_grouping_engine(data):
 
 
 @given(st.data())
+def test_small_path_row_hashes_continue_from_a_key_prefix(data):
+    """The small-batch path with row hashes (csrc/zset.c small-batch note 3): a key of the batch's first columns gives
+    the key hashes, which the row hashes continue over the other columns. Whatever the key (a prefix, every column, or
+    any other list), the kept rows and weights are the dict model's, each row's key and row hash are hash_columns' over
+    the key and over every column, in canonical order; wide rows (more than 8 columns after the key) too."""
+    t, w = data.draw(zsets(max_rows=60))
+    if data.draw(st.booleans()):  # a wide row: the columns repeated, ten or more of them
+        n = t.num_columns
+        t = pa.table({f"w{i}": t.column(i % n) for i in range(10 * n)})
+    ncols = t.num_columns
+    nk = data.draw(st.integers(1, ncols))
+    keys = list(range(nk)) if data.draw(st.booleans()) else data.draw(
+        st.lists(st.integers(0, ncols - 1), min_size=1, max_size=ncols, unique=True))
+    w = np.asarray(w, dtype=np.int64)
+    old = _zset.small_rows()
+    try:
+        _zset.small_rows(1 << 30)
+        idx, kw, kh, rh = _zset.consolidate(t, w, keys, row_hashes=True)
+    finally:
+        _zset.small_rows(old)
+    rows = [canon_row(r) for r in zip(*[c.to_pylist() for c in t.columns])]
+    got = defaultdict(int)
+    for i, x in zip(idx.tolist(), kw.tolist()):
+        got[rows[i]] += x
+    assert dict(got) == model_of(t, w) and len(idx) == len(got) and 0 not in kw.tolist()
+    assert np.array_equal(kh, _zset.hash_columns(t, keys)[idx])
+    if len(idx):
+        assert rh is not None and np.array_equal(rh, _zset.hash_columns(t, list(range(ncols)))[idx])
+    assert _zset.check_order(t.take(pa.array(idx, pa.int64())), kw, kh, keys)
+
+
+@given(st.data())
 def test_add_sub_neg_match_model(data):
     schema = data.draw(schemas())
     (ta, wa), (tb, wb) = data.draw(zsets(schema=schema)), data.draw(zsets(schema=schema))
