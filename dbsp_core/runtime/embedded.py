@@ -28,6 +28,10 @@ Invariants (enforced here):
      one ``advance`` of the worker stores, one rollback capture, one release of memory after it. A step of at least
      ``Trace.FAN_IN`` pieces holds the store's tiered merges while they run and, after the last, merges each trace's
      batches the pieces placed in one pass (trace invariant 15: each piece's rows written once alone, once merged).
+  6. A step on one worker without a memory budget (no pool, no batch store) runs by :meth:`EmbeddedExecutor._run_alone`:
+     the calls of invariants 3 and 5 for one worker and one piece, without their lists of parts and sums of one
+     part; its outputs, state, counters and timings are those of the general path (tests/core/test_run_alone.py
+     runs both over the same steps).
 """
 
 from __future__ import annotations
@@ -451,8 +455,9 @@ class EmbeddedExecutor:
         done: list[dict[str, ZSet]] = []
         assert self.layout is not None
         self.busy = [0.0] * self.layout.workers
+        stateful = [inst for wk in self._workers for inst in wk.stateful().values()]
         for s in steps:
-            saved = capture(inst for wk in self._workers for inst in wk.stateful().values())
+            saved = capture(stateful)
             try:
                 done.append(self._run_one(s))
             except StepError as exc:  # executor.py invariant 4: as if the step never ran
@@ -603,6 +608,8 @@ class EmbeddedExecutor:
 
     def _run_one(self, s: StepInput) -> dict[str, ZSet]:
         assert self.circuit is not None and self.layout is not None
+        if self._pool is None and self.batch_store is None:
+            return self._run_alone(s)
         cut = self._pieces(s)
         results: list[dict[str, ZSet]] = []
         store, marks = self.batch_store, None
@@ -639,6 +646,30 @@ class EmbeddedExecutor:
             else:  # the workers' distinct parts, with their row hashes, summed across workers (invariant 3)
                 del parts  # copied into z (or z itself): freed before the hashing, not beside it (a split step's
                 # outputs of every piece: a 1M-row join step's ~48 MiB, its peak)
+                out[name] = z._distinct_unsorted()
+        return out
+
+    def _run_alone(self, s: StepInput) -> dict[str, ZSet]:
+        """:meth:`_run_one` on one worker without a memory budget (invariant 6): the step whole (no budget, no
+        pieces: invariant 5) on this thread, each output the one worker's made distinct (invariant 3's sum of one
+        part); what the general path does for it, without its pieces, lists of parts and sums of one part."""
+        assert self._exchanger is not None
+        wk = self._workers[0]
+        wk.timer.step = s.step
+        schemas = self._in_schemas
+        wk.ctx.begin({h: concat(ps, schemas[h]) for h, ps in spread(s.pushes, 1, 0)[0].items()}, s.now_ns,
+                     s.prev_now_ns, s.seed, s.watermarks)
+        ex = self._exchanger
+        if ex.barrier.broken:
+            ex.barrier.reset()
+        ex.mailboxes.clear()
+        ex.waited = [0.0]
+        out = self._run_worker(0, self._step_merge_thread())
+        if self._coord is not None:
+            for st in self._coord.stores:
+                st.advance()
+        for name, z in out.items():
+            if not z._distinct:  # (a part _hashed_part left as it was: a few equal rows)
                 out[name] = z._distinct_unsorted()
         return out
 
