@@ -633,7 +633,7 @@ class Pipeline:
             if weights is not None:
                 raise TypeError(f"push({handle!r}): weights= is only for Arrow data; a ZSet carries its own")
             z = data
-        elif (table := as_table(data, schema, f"push({handle!r})")) is not None:
+        elif (table := data if type(data) is pa.Table else as_table(data, schema, f"push({handle!r})")) is not None:
             if table.schema.equals(schema):  # the input's own schema (its types were checked when declared)
                 if weights is None:
                     return ZSet._make(table, ones(table.num_rows))
@@ -911,7 +911,7 @@ class Pipeline:
         if got is None or got[0] is not schema:
             got = self._row_widths[handle] = (schema, row_width(schema))
         width = got[1]
-        return (z.data.nbytes if width is None else z.num_rows * width) + z.weights.nbytes
+        return (z._data.nbytes if width is None else z._data.num_rows * width) + z._w.nbytes
 
     def _queued(self, rows: int, nbytes: int) -> None:
         """A push joins the backlog (call with ``_cond``)."""
@@ -1015,7 +1015,8 @@ class Pipeline:
                 self._wm_divided = after if self._event_time else self._wm_divided
             finally:
                 self._closing = False
-                self._cond.notify_all()
+                if self.storage is not None:  # in memory no thread waits on _cond: no push is ever in flight
+                    self._cond.notify_all()  # (nor waits for _closing); ~3k instructions a step
         # the pushes' seq ranges go to the output log only: none without one (in memory), where they cost ~2 us a step
         return Divided(StepInput(step, pushes, now_ns, None, seed, in_force),
                        ranges(entries) if self._output is not None else [], after, late, entries)
@@ -1050,7 +1051,8 @@ class Pipeline:
             t1 = time.perf_counter()
             self.stats["step_engine_s"] += t1 - t0
             crashpoint("step-computed")  # the division record may or may not be durable yet
-            self._await_division()  # invariant 3: durable before any output is written or returned
+            if self._division_sync is not None:
+                self._await_division()  # invariant 3: durable before any output is written or returned
             crashpoint("step-output")
             by_ref = self._owed is None  # a program change's first step: its views are their contents
             if self._owed is not None:  # change.py invariant 5: a rebuilt view's first output is its contents

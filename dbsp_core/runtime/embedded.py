@@ -71,6 +71,7 @@ from dbsp_core.storage.snapshot import state_attrs, state_tables
 from dbsp_core.trace import MergeThread, Trace, merging
 from dbsp_core.trace.groupedbatch import is_grouped, spilled_bytes
 from dbsp_core.trace.spill import BatchStore, spilling
+from dbsp_core.trace.threadvalue import ThreadValues
 from dbsp_core.zset import ZSet
 
 
@@ -430,7 +431,7 @@ class EmbeddedExecutor:
         t0 = time.thread_time() if self.measure_cpu else 0.0
         b0 = time.perf_counter()
         try:
-            with merging(merge_thread), spilling(self.batch_store):
+            with ThreadValues((merging, merge_thread), (spilling, self.batch_store)):
                 out = self._workers[w].step()
             for name, z in out.items():  # invariant 3: each worker's share of the summing, in parallel
                 if self._disjoint[name]:
@@ -465,9 +466,12 @@ class EmbeddedExecutor:
                 exc.step, exc.done = s.step, done
                 raise
             saved = None  # the rollback copy held the batches the step replaced: freed before the trim
-            rows = sum(z.num_rows for _, z in s.pushes)  # stored rows: len() would consolidate
+            rows = 0
+            for _, z in s.pushes:
+                rows += z._data.num_rows  # stored rows: len() would consolidate
             self._enforce(rows)
-            self._compact_after_load(rows)
+            if self.batch_store is not None:
+                self._compact_after_load(rows)
         return done
 
     def _compact_after_load(self, rows: int) -> None:
@@ -657,7 +661,8 @@ class EmbeddedExecutor:
         wk = self._workers[0]
         wk.timer.step = s.step
         schemas = self._in_schemas
-        wk.ctx.begin({h: concat(ps, schemas[h]) for h, ps in spread(s.pushes, 1, 0)[0].items()}, s.now_ns,
+        one = spread(s.pushes, 1, 0)[0]  # (it hands over no part without rows)
+        wk.ctx.begin({h: ps[0] if len(ps) == 1 else concat(ps, schemas[h]) for h, ps in one.items()}, s.now_ns,
                      s.prev_now_ns, s.seed, s.watermarks)
         ex = self._exchanger
         if ex.barrier.broken:

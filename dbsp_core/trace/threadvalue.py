@@ -31,3 +31,26 @@ class ThreadValue:
     @classmethod
     def current(cls) -> Any:
         return getattr(cls.tls, cls.attr, None)
+
+
+class ThreadValues:
+    """``with ThreadValues((SubA, a), (SubB, b)):`` is ``with SubA(a), SubB(b):``: one object and two calls of Python
+    where nested blocks make two objects and four calls (a worker enters the merge thread's and the batch store's
+    every step: ~5k instructions less)."""
+
+    __slots__ = ("_pairs", "_prev")
+
+    def __init__(self, *pairs: tuple[type[ThreadValue], Any]) -> None:
+        self._pairs = pairs
+
+    def __enter__(self) -> None:
+        prev = []
+        for sub, value in self._pairs:
+            tls, attr = sub.tls, sub.attr
+            prev.append(getattr(tls, attr, None))
+            setattr(tls, attr, value)
+        self._prev = prev
+
+    def __exit__(self, *exc: object) -> None:
+        for (sub, _), value in zip(self._pairs, self._prev):
+            setattr(sub.tls, sub.attr, value)
