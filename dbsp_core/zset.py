@@ -335,23 +335,29 @@ class ZSet:
         if not isinstance(first, ZSet):
             raise TypeError(f"concat expects ZSets, got {type(first).__name__}")
         schema = first._data.schema
-        parts, rows, rhashed = [], 0, True
+        base = None  # the schema of the first part with rows: the others are conformed to it
+        parts, tables, weights, rows, rhashed = [], [], [], 0, True
         for z in zsets:
             if not isinstance(z, ZSet):
                 raise TypeError(f"concat expects ZSets, got {type(z).__name__}")
-            if z is not first:
-                zs = z._data.schema
-                if not schema.equals(zs):  # (the common case decided in C, without a call of Python)
-                    _require_same_schema(schema, zs, "concat")
-            n = z._data.num_rows
+            t = z._data
+            ts = schema if z is first else t.schema
+            if ts is not schema and not schema.equals(ts):  # (the common case decided in C, without a call)
+                _require_same_schema(schema, ts, "concat")
+            n = t.num_rows
             if n:
+                if base is None:
+                    base = ts
+                elif ts is not base and not base.equals(ts):
+                    t = t.cast(base)
                 parts.append(z)
+                tables.append(t)
+                weights.append(z._w)
                 rows += n
-                rhashed = rhashed and z._rhash is not None
+                if z._rhash is None:
+                    rhashed = False
         if len(parts) <= 1:
             return parts[0] if parts else first
-        base = parts[0]._data.schema
-        tables = [parts[0]._data] + [_conform(p._data, base) for p in parts[1:]]
         batches = [b for t in tables for b in t.to_batches()]  # one each (invariant 1: one chunk per column)
         joined = _rejoin(batches) if len(batches) == len(parts) and rows >= _REJOIN_MIN_ROWS else None
         if joined is not None:
@@ -364,7 +370,8 @@ class ZSet:
         else:
             data, chunked = pa.concat_tables(tables), False
         rh = np.concatenate([p._rhash for p in parts]) if rhashed else None
-        return cls._make(data, np.concatenate([p._w for p in parts]), rhash=rh, chunked=chunked)
+        return cls._make(data, np.concatenate(weights if joined is None else [p._w for p in parts]), rhash=rh,
+                         chunked=chunked)
 
     @classmethod
     def _gather_parts(cls, parts: Sequence[tuple[ZSet, np.ndarray]], schema: pa.Schema) -> ZSet:

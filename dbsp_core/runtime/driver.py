@@ -1039,13 +1039,14 @@ class Pipeline:
         prev = self._last_now
         for d in run:  # a keyed table's pushes of a step as one change, the last row of each key kept
             i = d.input  # (built, not _replace'd: ~3k instructions less a step)
-            steps.append(StepInput(i.step, keep_last(i.pushes, self._keys), i.now_ns, prev, i.seed, i.watermarks))
+            steps.append(StepInput(i.step, keep_last(i.pushes, self._keys) if self._keys else i.pushes, i.now_ns,
+                                   prev, i.seed, i.watermarks))
             prev = i.now_ns
         t0 = time.perf_counter()
         failed: StepError | None = None
         try:
             try:
-                outs = self._lost_recovered(lambda: self.executor.run(steps), run[0].input.step)
+                outs = self._lost_recovered(self.executor.run, run[0].input.step, steps)
             except StepError as exc:  # invariant 7: the executor is as after the steps before the failed one
                 failed, outs = exc, list(exc.done)
             t1 = time.perf_counter()
@@ -1092,15 +1093,15 @@ class Pipeline:
         self._advance(run)
         return outs
 
-    def _lost_recovered(self, call: Callable[[], Any], upto: int) -> Any:
-        """``call()`` (the executor's run or checkpoint), after a WorkerStateLostError recovering the state of the
+    def _lost_recovered(self, call: Callable[..., Any], upto: int, *args: Any) -> Any:
+        """``call(*args)`` (the executor's run or checkpoint), after a WorkerStateLostError recovering the state of the
         steps before ``upto`` in place and calling it again (invariant 10)."""
         tries, lost = 0, None
         while True:
             try:
                 if lost is not None:
                     self._recover_lost(upto, lost)
-                return call()
+                return call(*args)
             except WorkerStateLostError as exc:
                 tries += 1
                 self.stats["last_state_lost"] = str(exc)[:500]

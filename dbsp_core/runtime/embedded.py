@@ -71,7 +71,7 @@ from dbsp_core.storage.snapshot import state_attrs, state_tables
 from dbsp_core.trace import MergeThread, Trace, merging
 from dbsp_core.trace.groupedbatch import is_grouped, spilled_bytes
 from dbsp_core.trace.spill import BatchStore, spilling
-from dbsp_core.trace.threadvalue import ThreadValues
+from dbsp_core.trace.threadvalue import ThreadValuePair
 from dbsp_core.zset import ZSet
 
 
@@ -419,8 +419,8 @@ class EmbeddedExecutor:
     def _step_merge_thread(self) -> "MergeThread | None":
         """The merge thread for this step's traces, if background merging is on (started on first use)."""
         on = self.background_merge
-        if on is None:
-            on = self.layout is not None and self.layout.workers < _CORES
+        if on is None:  # (the workers: as many as the layout's, without its property's call)
+            on = self.layout is not None and len(self._workers) < _CORES
         if not on:
             return None
         if self._merge_thread is None:
@@ -431,7 +431,7 @@ class EmbeddedExecutor:
         t0 = time.thread_time() if self.measure_cpu else 0.0
         b0 = time.perf_counter()
         try:
-            with ThreadValues((merging, merge_thread), (spilling, self.batch_store)):
+            with ThreadValuePair(merging, merge_thread, spilling, self.batch_store):
                 out = self._workers[w].step()
             for name, z in out.items():  # invariant 3: each worker's share of the summing, in parallel
                 if self._disjoint[name]:
@@ -455,7 +455,7 @@ class EmbeddedExecutor:
     def run(self, steps: list[StepInput]) -> list[dict[str, ZSet]]:
         done: list[dict[str, ZSet]] = []
         assert self.layout is not None
-        self.busy = [0.0] * self.layout.workers
+        self.busy = [0.0] * len(self._workers)  # (the layout's workers)
         stateful = [inst for wk in self._workers for inst in wk.stateful().values()]
         for s in steps:
             saved = capture(stateful)
@@ -611,9 +611,13 @@ class EmbeddedExecutor:
         return self.stats.setdefault("substeps", {"split_steps": 0, "pieces": 0, "off": self._split_off})
 
     def _run_one(self, s: StepInput) -> dict[str, ZSet]:
-        assert self.circuit is not None and self.layout is not None
-        if self._pool is None and self.batch_store is None:
+        if self._pool is None and self.batch_store is None:  # invariant 6
             return self._run_alone(s)
+        return self._run_pieces(s)
+
+    def _run_pieces(self, s: StepInput) -> dict[str, ZSet]:
+        """A step on the workers in its pushes' pieces (invariant 5), the workers' outputs summed (invariant 3)."""
+        assert self.circuit is not None and self.layout is not None
         cut = self._pieces(s)
         results: list[dict[str, ZSet]] = []
         store, marks = self.batch_store, None
