@@ -151,7 +151,7 @@ from dbsp_core.time.watermark import NO_WATERMARK, advance, specs_of
 from dbsp_core.trace import Trace
 from dbsp_core.trace.at_exit import stop_at_exit
 from dbsp_core.trace.spill import BatchStore
-from dbsp_core.zset import ZSet, weight_column
+from dbsp_core.zset import ZSet, ones, weight_column
 
 # what push takes: these, pandas and polars DataFrames (neither imported here), a dict of columns, a list of rows
 PushData = ZSet | pa.Table | pa.RecordBatch | dict | list
@@ -389,7 +389,10 @@ class Pipeline:
         # inputs declared append-only: pushes with a weight other than positive are refused (operators/input.py)
         self._append_only = {name for name, i in circuit.inputs.items() if circuit.nodes[i].append_only}
         self._readable = ReadableState(circuit)  # what view() and query() read (invariant 9)
-        self._cond = threading.Condition()
+        # the lock of _cond, entered directly where nothing waits or notifies (a Condition's own __enter__ is a call of
+        # Python: ~1.5k instructions, five a 1k-row step of two pushes)
+        self._mutex = threading.RLock()
+        self._cond = threading.Condition(self._mutex)
         self._step_lock = threading.RLock()
         # invariant 8: checkpoint, close and rescale wait on it (holding the step lock) while a rescale runs
         self._layout_idle = threading.Condition(self._step_lock)
@@ -635,10 +638,10 @@ class Pipeline:
             if weights is not None:
                 raise TypeError(f"push({handle!r}): weights= is only for Arrow data; a ZSet carries its own")
             z = data
-        elif (table := as_table(data, schema, f"push({handle!r})")) is not None:
+        elif (table := data if type(data) is pa.Table else as_table(data, schema, f"push({handle!r})")) is not None:
             if table.schema.equals(schema):  # the input's own schema (its types were checked when declared)
                 if weights is None:
-                    return ZSet._make(table, np.ones(table.num_rows, dtype=np.int64))
+                    return ZSet._make(table, ones(table.num_rows))
                 if (isinstance(weights, np.ndarray) and weights.dtype == np.int64 and weights.ndim == 1
                         and weights.shape[0] == table.num_rows):
                     return ZSet._make(table, weights.copy())  # a copy: a Z-set is a value
@@ -692,7 +695,27 @@ class Pipeline:
         dedup state small. Thread-safe: concurrent pushes share fsyncs (so do the pushes of one :meth:`push_many`).
         In memory, returns None.
         """
+        if self.storage is None and producer is None and seq is None:
+            return self._push_memory(handle, data, weights)
         return self._push_all([self._prepare(handle, data, weights, producer, seq)])[0]
+
+    def _push_memory(self, handle: str, data: Any, weights: Any) -> None:
+        """:meth:`push` into an in-memory pipeline without a producer: what :meth:`_prepare` and :meth:`_push_all`
+        do for it (the same validation, whole before anything is queued: invariant 1), without their record and
+        acknowledgement, which it has none of (~20k instructions of a 1k-row step's two pushes)."""
+        self._check_usable()
+        z = self._checked(handle, data, weights)
+        nbytes = self._push_bytes(handle, z)
+        self._metrics.pushed(handle, z._data.num_rows)
+        with self._mutex:
+            self._queue_anonymous(handle, z, nbytes)
+
+    def _queue_anonymous(self, handle: str, z: ZSet, nbytes: int) -> None:
+        """An in-memory push joins the open step, with its own seq (call with ``_cond``)."""
+        self._queued(z._data.num_rows, nbytes)
+        self._pending.append((handle, z))
+        self._step_inputs.append((handle, "", self._anon_seq))
+        self._anon_seq += 1
 
     def push_many(self, pushes: Any) -> list[Ack | None]:
         """Several pushes, each as :meth:`push` takes it, recorded together: one fsync of the input log for all of
@@ -771,16 +794,7 @@ class Pipeline:
                                  f"{MAX_PRODUCER_BYTES} bytes (UTF-8)")
             if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 2**63:
                 raise TypeError(f"push: seq must be an int in [0, 2**63), got {seq!r}")
-        if handle not in self._inputs:
-            raise KeyError(f"push: unknown input handle {handle!r}; inputs are {sorted(self._inputs)}")
-        z = self._to_zset(handle, data, weights)
-        if handle in self._keys:  # operators/upsert.py invariant 2: refused before anything is recorded
-            check_keyed(z, self._keys[handle], f"push({handle!r})")
-        if handle in self._append_only and len(z.weights) and int(z.weights.min()) <= 0:
-            bad = int(np.flatnonzero(z.weights <= 0)[0])
-            raise AppendOnlyError(f"push({handle!r}): input {handle!r} is append-only, but row {bad} has weight "
-                                  f"{int(z.weights[bad])}; push only inserts (positive weights) into it, or declare "
-                                  f"it without append_only to push deletions")
+        z = self._checked(handle, data, weights)
         if self.storage is None:
             return _Prepared(handle, z, None, self._push_bytes(handle, z), producer, seq)
         if not z.weights.flags.writeable:  # Arrow-backed weights are read-only; the kernels need writable ones
@@ -794,6 +808,22 @@ class Pipeline:
                              f"{MAX_PUSH_BYTES} bytes of one input-log record; push it in smaller parts")
         return _Prepared(handle, z, [head, body], nbytes, producer, seq)
 
+    def _checked(self, handle: str, data: Any, weights: Any) -> ZSet:
+        """The change a push of ``data`` (and ``weights``) to ``handle`` makes, validated (invariant 1): raises
+        and records nothing if the handle is unknown, the data does not conform, or a keyed or append-only input
+        refuses it."""
+        if handle not in self._inputs:
+            raise KeyError(f"push: unknown input handle {handle!r}; inputs are {sorted(self._inputs)}")
+        z = self._to_zset(handle, data, weights)
+        if handle in self._keys:  # operators/upsert.py invariant 2: refused before anything is recorded
+            check_keyed(z, self._keys[handle], f"push({handle!r})")
+        if handle in self._append_only and len(z.weights) and int(z.weights.min()) <= 0:
+            bad = int(np.flatnonzero(z.weights <= 0)[0])
+            raise AppendOnlyError(f"push({handle!r}): input {handle!r} is append-only, but row {bad} has weight "
+                                  f"{int(z.weights[bad])}; push only inserts (positive weights) into it, or declare "
+                                  f"it without append_only to push deletions")
+        return z
+
     def _push_all(self, batch: list["_Prepared"], sync: bool = True) -> list[Ack | None]:
         """Record validated pushes (invariants 1 and 2): admit them together into the open step, append their
         records to the input log and fsync once (not ``sync``: only place them in the log's order, for pushes
@@ -803,10 +833,7 @@ class Pipeline:
                 self._metrics.pushed(x.handle, x.z.num_rows)
             with self._cond:
                 for x in batch:
-                    self._queued(x.z.num_rows, x.nbytes)
-                    self._pending.append((x.handle, x.z))
-                    self._step_inputs.append((x.handle, "", self._anon_seq))
-                    self._anon_seq += 1
+                    self._queue_anonymous(x.handle, x.z, x.nbytes)
             return [None] * len(batch)
         acks: list[Ack | None] = [None] * len(batch)
         with self._cond:
@@ -889,7 +916,7 @@ class Pipeline:
         if got is None or got[0] is not schema:
             got = self._row_widths[handle] = (schema, row_width(schema))
         width = got[1]
-        return (z.data.nbytes if width is None else z.num_rows * width) + z.weights.nbytes
+        return (z._data.nbytes if width is None else z._data.num_rows * width) + z._w.nbytes
 
     def _queued(self, rows: int, nbytes: int) -> None:
         """A push joins the backlog (call with ``_cond``)."""
@@ -954,7 +981,7 @@ class Pipeline:
         With ``wait`` the record is durable when this returns; without, it is placed in the log's order and
         fsync'd on a background thread, and :meth:`_await_division` must return before any output of the step
         is written or released."""
-        with self._cond:
+        with self._mutex:
             self._closing = True
             try:
                 while self._inflight:
@@ -993,7 +1020,8 @@ class Pipeline:
                 self._wm_divided = after if self._event_time else self._wm_divided
             finally:
                 self._closing = False
-                self._cond.notify_all()
+                if self.storage is not None:  # in memory no thread waits on _cond: no push is ever in flight
+                    self._cond.notify_all()  # (nor waits for _closing); ~3k instructions a step
         # the pushes' seq ranges go to the output log only: none without one (in memory), where they cost ~2 us a step
         return Divided(StepInput(step, pushes, now_ns, None, seed, in_force),
                        ranges(entries) if self._output is not None else [], after, late, entries)
@@ -1015,19 +1043,22 @@ class Pipeline:
         steps = []
         prev = self._last_now
         for d in run:  # a keyed table's pushes of a step as one change, the last row of each key kept
-            steps.append(d.input._replace(prev_now_ns=prev, pushes=keep_last(d.input.pushes, self._keys)))
-            prev = d.input.now_ns
+            i = d.input  # (built, not _replace'd: ~3k instructions less a step)
+            steps.append(StepInput(i.step, keep_last(i.pushes, self._keys) if self._keys else i.pushes, i.now_ns,
+                                   prev, i.seed, i.watermarks))
+            prev = i.now_ns
         t0 = time.perf_counter()
         failed: StepError | None = None
         try:
             try:
-                outs = self._lost_recovered(lambda: self.executor.run(steps), run[0].input.step)
+                outs = self._lost_recovered(self.executor.run, run[0].input.step, steps)
             except StepError as exc:  # invariant 7: the executor is as after the steps before the failed one
                 failed, outs = exc, list(exc.done)
             t1 = time.perf_counter()
             self.stats["step_engine_s"] += t1 - t0
             crashpoint("step-computed")  # the division record may or may not be durable yet
-            self._await_division()  # invariant 3: durable before any output is written or returned
+            if self._division_sync is not None:
+                self._await_division()  # invariant 3: durable before any output is written or returned
             crashpoint("step-output")
             by_ref = self._owed is None  # a program change's first step: its views are their contents
             if self._owed is not None:  # change.py invariant 5: a rebuilt view's first output is its contents
@@ -1067,15 +1098,15 @@ class Pipeline:
         self._advance(run)
         return outs
 
-    def _lost_recovered(self, call: Callable[[], Any], upto: int) -> Any:
-        """``call()`` (the executor's run or checkpoint), after a WorkerStateLostError recovering the state of the
+    def _lost_recovered(self, call: Callable[..., Any], upto: int, *args: Any) -> Any:
+        """``call(*args)`` (the executor's run or checkpoint), after a WorkerStateLostError recovering the state of the
         steps before ``upto`` in place and calling it again (invariant 10)."""
         tries, lost = 0, None
         while True:
             try:
                 if lost is not None:
                     self._recover_lost(upto, lost)
-                return call()
+                return call(*args)
             except WorkerStateLostError as exc:
                 tries += 1
                 self.stats["last_state_lost"] = str(exc)[:500]
@@ -1174,12 +1205,12 @@ class Pipeline:
         """Divide the acknowledged input into a step (with storage: durably, with ``now`` and ``seed``), run it
         with any queued steps, log its output; returns ``{output: change of the view}`` of this step."""
         self._check_usable()
-        with self._cond:
+        with self._mutex:
             self._waiting += 1
         try:
             self._step_lock.acquire()
         finally:
-            with self._cond:
+            with self._mutex:
                 self._waiting -= 1
         try:
             self._check_usable()

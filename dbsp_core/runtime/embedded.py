@@ -28,6 +28,10 @@ Invariants (enforced here):
      one ``advance`` of the worker stores, one rollback capture, one release of memory after it. A step of at least
      ``Trace.FAN_IN`` pieces holds the store's tiered merges while they run and, after the last, merges each trace's
      batches the pieces placed in one pass (trace invariant 15: each piece's rows written once alone, once merged).
+  6. A step on one worker without a memory budget (no pool, no batch store) runs by :meth:`EmbeddedExecutor._run_alone`:
+     the calls of invariants 3 and 5 for one worker and one piece, without their lists of parts and sums of one
+     part; its outputs, state, counters and timings are those of the general path (tests/core/test_run_alone.py
+     runs both over the same steps).
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ from dbsp_core.storage.snapshot import state_attrs, state_tables
 from dbsp_core.trace import MergeThread, Trace, merging
 from dbsp_core.trace.groupedbatch import is_grouped, spilled_bytes
 from dbsp_core.trace.spill import BatchStore, spilling
+from dbsp_core.trace.threadvalue import ThreadValuePair
 from dbsp_core.zset import ZSet
 
 
@@ -414,8 +419,8 @@ class EmbeddedExecutor:
     def _step_merge_thread(self) -> "MergeThread | None":
         """The merge thread for this step's traces, if background merging is on (started on first use)."""
         on = self.background_merge
-        if on is None:
-            on = self.layout is not None and self.layout.workers < _CORES
+        if on is None:  # (the workers: as many as the layout's, without its property's call)
+            on = self.layout is not None and len(self._workers) < _CORES
         if not on:
             return None
         if self._merge_thread is None:
@@ -426,7 +431,7 @@ class EmbeddedExecutor:
         t0 = time.thread_time() if self.measure_cpu else 0.0
         b0 = time.perf_counter()
         try:
-            with merging(merge_thread), spilling(self.batch_store):
+            with ThreadValuePair(merging, merge_thread, spilling, self.batch_store):
                 out = self._workers[w].step()
             for name, z in out.items():  # invariant 3: each worker's share of the summing, in parallel
                 if self._disjoint[name]:
@@ -450,9 +455,10 @@ class EmbeddedExecutor:
     def run(self, steps: list[StepInput]) -> list[dict[str, ZSet]]:
         done: list[dict[str, ZSet]] = []
         assert self.layout is not None
-        self.busy = [0.0] * self.layout.workers
+        self.busy = [0.0] * len(self._workers)  # (the layout's workers)
+        stateful = [inst for wk in self._workers for inst in wk.stateful().values()]
         for s in steps:
-            saved = capture(inst for wk in self._workers for inst in wk.stateful().values())
+            saved = capture(stateful)
             try:
                 done.append(self._run_one(s))
             except StepError as exc:  # executor.py invariant 4: as if the step never ran
@@ -460,9 +466,12 @@ class EmbeddedExecutor:
                 exc.step, exc.done = s.step, done
                 raise
             saved = None  # the rollback copy held the batches the step replaced: freed before the trim
-            rows = sum(z.num_rows for _, z in s.pushes)  # stored rows: len() would consolidate
+            rows = 0
+            for _, z in s.pushes:
+                rows += z._data.num_rows  # stored rows: len() would consolidate
             self._enforce(rows)
-            self._compact_after_load(rows)
+            if self.batch_store is not None:
+                self._compact_after_load(rows)
         return done
 
     def _compact_after_load(self, rows: int) -> None:
@@ -602,6 +611,12 @@ class EmbeddedExecutor:
         return self.stats.setdefault("substeps", {"split_steps": 0, "pieces": 0, "off": self._split_off})
 
     def _run_one(self, s: StepInput) -> dict[str, ZSet]:
+        if self._pool is None and self.batch_store is None:  # invariant 6
+            return self._run_alone(s)
+        return self._run_pieces(s)
+
+    def _run_pieces(self, s: StepInput) -> dict[str, ZSet]:
+        """A step on the workers in its pushes' pieces (invariant 5), the workers' outputs summed (invariant 3)."""
         assert self.circuit is not None and self.layout is not None
         cut = self._pieces(s)
         results: list[dict[str, ZSet]] = []
@@ -639,6 +654,31 @@ class EmbeddedExecutor:
             else:  # the workers' distinct parts, with their row hashes, summed across workers (invariant 3)
                 del parts  # copied into z (or z itself): freed before the hashing, not beside it (a split step's
                 # outputs of every piece: a 1M-row join step's ~48 MiB, its peak)
+                out[name] = z._distinct_unsorted()
+        return out
+
+    def _run_alone(self, s: StepInput) -> dict[str, ZSet]:
+        """:meth:`_run_one` on one worker without a memory budget (invariant 6): the step whole (no budget, no
+        pieces: invariant 5) on this thread, each output the one worker's made distinct (invariant 3's sum of one
+        part); what the general path does for it, without its pieces, lists of parts and sums of one part."""
+        assert self._exchanger is not None
+        wk = self._workers[0]
+        wk.timer.step = s.step
+        schemas = self._in_schemas
+        one = spread(s.pushes, 1, 0)[0]  # (it hands over no part without rows)
+        wk.ctx.begin({h: ps[0] if len(ps) == 1 else concat(ps, schemas[h]) for h, ps in one.items()}, s.now_ns,
+                     s.prev_now_ns, s.seed, s.watermarks)
+        ex = self._exchanger
+        if ex.barrier.broken:
+            ex.barrier.reset()
+        ex.mailboxes.clear()
+        ex.waited = [0.0]
+        out = self._run_worker(0, self._step_merge_thread())
+        if self._coord is not None:
+            for st in self._coord.stores:
+                st.advance()
+        for name, z in out.items():
+            if not z._distinct:  # (a part _hashed_part left as it was: a few equal rows)
                 out[name] = z._distinct_unsorted()
         return out
 

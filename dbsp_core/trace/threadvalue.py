@@ -31,3 +31,26 @@ class ThreadValue:
     @classmethod
     def current(cls) -> Any:
         return getattr(cls.tls, cls.attr, None)
+
+
+
+class ThreadValuePair:
+    """``with ThreadValuePair(SubA, a, SubB, b):`` is ``with SubA(a), SubB(b):``: one object and two calls of Python
+    where the nested blocks make two objects and four calls (a worker enters the merge thread's and the batch
+    store's every step)."""
+
+    __slots__ = ("_a", "_av", "_b", "_bv", "_prev")
+
+    def __init__(self, a: type[ThreadValue], av: Any, b: type[ThreadValue], bv: Any) -> None:
+        self._a, self._av, self._b, self._bv = a, av, b, bv
+
+    def __enter__(self) -> None:
+        a, b = self._a, self._b
+        self._prev = (getattr(a.tls, a.attr, None), getattr(b.tls, b.attr, None))
+        setattr(a.tls, a.attr, self._av)
+        setattr(b.tls, b.attr, self._bv)
+
+    def __exit__(self, *exc: object) -> None:
+        a, b = self._a, self._b
+        setattr(b.tls, b.attr, self._prev[1])
+        setattr(a.tls, a.attr, self._prev[0])
