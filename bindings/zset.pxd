@@ -288,6 +288,7 @@ cdef extern from "linrun.h" nogil:
     ctypedef struct CLinRun "DbspLinRun":
         int found_dirty
         int64_t groups
+        int fused
     void dbsp_linrun_free(CLinRun *s)
     int dbsp_linear_apply(CKeyIndex *ix, const CBatch *b, const int32_t *keys, const CReduceOut *r, int32_t ns,
                           int64_t *old, int64_t **slots, int64_t *grp, int64_t *rows, int64_t *w, uint64_t *kh,
