@@ -189,6 +189,11 @@ cdef class LinearRun:
                              dirty is not None)
 
 
+def lingroup_served():
+    """Changes grouped by the one-call step's hashing pass (csrc/lingroup.h), ever, in the process: for tests."""
+    return dbsp_lingroup_served()
+
+
 cdef int check_dirty(KeyIndex dirty, int32_t nkeys) except -1:
     """A dirty-key index (csrc/linrun.h invariant 5) fits the step's keys: as many key columns, one value a key."""
     if dirty is not None and (dirty.nkeys != nkeys or dirty.nvals != 1):

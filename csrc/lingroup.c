@@ -1,4 +1,5 @@
 /* lingroup.c: a linear group-by's change grouped in one hashing pass into a table sized by the change (see lingroup.h). */
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include "lingroup.h"
@@ -7,8 +8,12 @@
 #include "linrun.h"
 #include "status.h"
 
+static _Atomic int64_t g_served = 0;
+
+int64_t dbsp_lingroup_served(void) { return atomic_load(&g_served); }
+
 void dbsp_lingroup_free(DbspLinGroup *g) {
-    free(g->tab); free(g->gh); free(g->gw); free(g->gpos); free(g->gfirst); free(g->ord); free(g->cnt); free(g->gs);
+    free(g->tab); free(g->gh); free(g->gw); free(g->gpos); free(g->gfirst); free(g->qrow); free(g->ord); free(g->cnt); free(g->gs);
     free(g->group_row); free(g->khash); free(g->ivals);
     memset(g, 0, sizeof *g);
 }
@@ -25,12 +30,13 @@ static int reserve(DbspLinGroup *g, int64_t n, int32_t nkeys, int32_t ns) {
     g->gw = malloc((size_t)(rows * nkeys) * 8);
     g->gpos = malloc((size_t)rows * 4);
     g->gfirst = malloc((size_t)rows * 4);
+    g->qrow = malloc((size_t)rows * 4);
     g->ord = malloc((size_t)rows * 4);
     g->gs = malloc((size_t)(rows * ns) * 8);
     g->group_row = malloc((size_t)rows * 8);
     g->khash = malloc((size_t)rows * 8);
     g->ivals = malloc((size_t)(rows * ns) * 8);
-    if (!g->tab || !g->cnt || !g->gh || !g->gw || !g->gpos || !g->gfirst || !g->ord || !g->gs || !g->group_row || !g->khash
+    if (!g->tab || !g->cnt || !g->gh || !g->gw || !g->gpos || !g->gfirst || !g->qrow || !g->ord || !g->gs || !g->group_row || !g->khash
         || !g->ivals) {
         dbsp_lingroup_free(g);
         return DBSP_ENOMEM;
@@ -82,9 +88,9 @@ static inline uint64_t canon(const DbspColumn *c, int64_t i, uint64_t *vh) {
     return u;
 }
 
-/* the group of a row of key words w[0..nk) and hash h, made when new (invariant 2); -1 past the table's groups */
-static inline __attribute__((always_inline)) int64_t group_of(DbspLinGroup *g, const uint64_t *w, int32_t nk,
-                                                              uint64_t h, int64_t *ng, int64_t r, int32_t ns) {
+/* the group of a row of key words w[0..nk) and hash h, made when new (invariant 2) */
+static inline __attribute__((always_inline)) uint32_t group_of(DbspLinGroup *g, const uint64_t *w, int32_t nk,
+                                                               uint64_t h, int64_t *ng, int64_t r) {
     const uint64_t mask = (uint64_t)g->tcap - 1;
     for (uint64_t at = h & mask;; at = (at + 1) & mask) {
         uint32_t e = g->tab[at];
@@ -95,73 +101,87 @@ static inline __attribute__((always_inline)) int64_t group_of(DbspLinGroup *g, c
             g->gpos[n] = (uint32_t)at;
             g->gfirst[n] = (uint32_t)r;
             for (int32_t k = 0; k < nk; k++) g->gw[n * nk + k] = w[k];
-            for (int32_t j = 0; j < ns; j++) g->gs[n * ns + j] = 0;
-            return n;
+            return (uint32_t)n;
         }
-        int64_t q = (int64_t)e - 1;
+        uint32_t q = e - 1;
         if (g->gh[q] != h) continue;
         int same = 1;
-        for (int32_t k = 0; k < nk; k++) same &= g->gw[q * nk + k] == w[k];
+        for (int32_t k = 0; k < nk; k++) same &= g->gw[(int64_t)q * nk + k] == w[k];
         if (same) return q;
     }
 }
 
-/* add w times each slot's source for row r into sums s; 0 when something leaves int64 */
-static inline __attribute__((always_inline)) int add_row(int64_t *s, const int32_t *src, const int64_t *const *cv,
-                                                         const DbspBatch *b, const DbspAggSpec *specs, int32_t ns,
-                                                         int64_t r, int64_t w) {
-    for (int32_t j = 0; j < ns; j++) {
-        int64_t x, p;
-        switch (src[j]) {
-        case SRC_ONE: x = 1; break;
-        case SRC_HI: x = cv[j][r] >> 32; break;
-        case SRC_LO: x = cv[j][r] & 0xFFFFFFFF; break;
-        default: x = cv[j] ? cv[j][r] : (int64_t)dbsp_col_u64(&b->cols[specs[j].col], r); break;
+/* one slot's sums over the rows (row r in group qr[r], weight wt[r], 1 without weights), x row r's value: a tight
+ * loop per kind of slot instead of a dispatch per row and slot; 0 when a product or a sum leaves int64 */
+#define SUM_LOOP(x)                                                                                       \
+    do {                                                                                                  \
+        for (int64_t r = 0; r < n; r++) {                                                                 \
+            int64_t p, *t = s + qr[r];                                                                    \
+            ovf |= __builtin_mul_overflow((int64_t)(x), wt ? wt[r] : 1, &p) | __builtin_add_overflow(*t, p, t); \
+        }                                                                                                 \
+    } while (0)
+
+static int sum_slot(int64_t *s, const uint32_t *qr, const int64_t *wt, int64_t n, int32_t src, const DbspColumn *c) {
+    int ovf = 0;
+    if (src == SRC_ONE) {
+        if (!wt) {  /* every weight 1: a count of fewer than 2^31 rows */
+            for (int64_t r = 0; r < n; r++) s[qr[r]]++;
+            return 1;
         }
-        if (__builtin_mul_overflow(x, w, &p) || __builtin_add_overflow(s[j], p, &s[j])) return 0;
+        for (int64_t r = 0; r < n; r++) ovf |= __builtin_add_overflow(s[qr[r]], wt[r], &s[qr[r]]);
+        return !ovf;
     }
-    return 1;
+    const int64_t *v = c->type == DBSP_INT64 || c->type == DBSP_TIMESTAMP ? (const int64_t *)c->values + c->offset
+                                                                           : NULL;
+    if (src == SRC_HI) SUM_LOOP(v[r] >> 32);
+    else if (src == SRC_LO) SUM_LOOP(v[r] & 0xFFFFFFFF);
+    else if (v) SUM_LOOP(v[r]);
+    else SUM_LOOP((int64_t)dbsp_col_u64(c, r));  /* a narrower integer column */
+    return !ovf;
 }
 
 int dbsp_lingroup(DbspLinGroup *g, const DbspBatch *b, const int32_t *keys, int32_t nkeys, const DbspAggSpec *specs,
                   int32_t ns, int64_t *ng) {
-    int32_t src[64];
-    const int64_t *cv[64];
+    int32_t src[64], from[64];
     *ng = 0;
     if (!served(b, keys, nkeys, specs, ns, src)) return DBSP_LINGROUP_NO;
     const int64_t n = b->nrows;
-    if (n == 0) return DBSP_OK;
+    if (n == 0) {
+        atomic_fetch_add(&g_served, 1);
+        return DBSP_OK;
+    }
     int st = reserve(g, n, nkeys, ns);
     if (st != DBSP_OK) return st;
-    for (int32_t j = 0; j < ns; j++) {  /* int64 columns read straight; narrower ones through dbsp_col_u64 */
-        const DbspColumn *c = src[j] == SRC_ONE ? NULL : &b->cols[specs[j].col];
-        cv[j] = c && (c->type == DBSP_INT64 || c->type == DBSP_TIMESTAMP) ? (const int64_t *)c->values + c->offset
-                                                                          : NULL;
-    }
-    const int64_t *wt = b->weights;
     int64_t m = 0;
-    int ok = 1;
+    uint32_t *qr = g->qrow;
     const DbspColumn *k0 = &b->cols[keys[0]];
     if (nkeys == 1 && (k0->type == DBSP_INT64 || k0->type == DBSP_UINT64 || k0->type == DBSP_TIMESTAMP)) {
         const uint64_t *kv = (const uint64_t *)k0->values + k0->offset;  /* the commonest key: one 64-bit integer */
-        for (int64_t r = 0; ok && r < n; r++) {
-            uint64_t u = kv[r];
-            int64_t q = group_of(g, &u, 1, dbsp_hash_int_row(u), &m, r, ns);
-            ok = add_row(g->gs + q * ns, src, cv, b, specs, ns, r, wt ? wt[r] : 1);
-        }
+        for (int64_t r = 0; r < n; r++) qr[r] = group_of(g, kv + r, 1, dbsp_hash_int_row(kv[r]), &m, r);
     } else {
         uint64_t w[DBSP_KEYINDEX_MAX_KEYS];
-        for (int64_t r = 0; ok && r < n; r++) {
+        for (int64_t r = 0; r < n; r++) {
             uint64_t h = DBSP_HASH_ROW_SEED, vh;
             for (int32_t k = 0; k < nkeys; k++) {
                 w[k] = canon(&b->cols[keys[k]], r, &vh);
                 h = dbsp_mix(h * DBSP_HASH_K_GOLD + vh);
             }
-            int64_t q = group_of(g, w, nkeys, h, &m, r, ns);
-            ok = add_row(g->gs + q * ns, src, cv, b, specs, ns, r, wt ? wt[r] : 1);
+            qr[r] = group_of(g, w, nkeys, h, &m, r);
         }
     }
     for (int64_t q = 0; q < m; q++) g->tab[g->gpos[q]] = 0;  /* invariant 3: only the slots filled */
+    /* the sums, slot-major (stride g->rows), one pass per slot; a slot counting rows as an earlier one does (a count
+     * and a count of a column without nulls) is that one's */
+    int ok = 1;
+    for (int32_t j = 0; ok && j < ns; j++) {
+        from[j] = j;
+        for (int32_t i = 0; src[j] == SRC_ONE && i < j; i++)
+            if (src[i] == SRC_ONE) { from[j] = i; break; }
+        if (from[j] != j) continue;
+        int64_t *s = g->gs + j * g->rows;
+        for (int64_t q = 0; q < m; q++) s[q] = 0;
+        ok = sum_slot(s, qr, b->weights, n, src[j], src[j] == SRC_ONE ? NULL : &b->cols[specs[j].col]);
+    }
     if (!ok) return DBSP_LINGROUP_NO;
     /* invariant 2: key-hash order by the top bits (buckets about a group each), then an insertion pass */
     int bits = 1;
@@ -184,8 +204,12 @@ int dbsp_lingroup(DbspLinGroup *g, const DbspBatch *b, const int32_t *keys, int3
         uint32_t q = g->ord[i];
         g->group_row[i] = g->gfirst[q];
         g->khash[i] = g->gh[q];
-        for (int32_t j = 0; j < ns; j++) g->ivals[i * ns + j] = g->gs[q * ns + j];
+    }
+    for (int32_t j = 0; j < ns; j++) {
+        const int64_t *sj = g->gs + from[j] * g->rows;
+        for (int64_t i = 0; i < m; i++) g->ivals[i * ns + j] = sj[g->ord[i]];
     }
     *ng = m;
+    atomic_fetch_add(&g_served, 1);
     return DBSP_OK;
 }

@@ -38,14 +38,17 @@ typedef struct DbspLinGroup {
     uint64_t *gw;       /* rows * nkeys: the key's canonical words */
     uint32_t *gpos;     /* rows: the group's table slot */
     uint32_t *gfirst;   /* rows: the group's first row */
+    uint32_t *qrow;     /* rows: each row's group */
     uint32_t *ord, *cnt;  /* rows: groups in key-hash order; tcap + 1: bucket counts */
-    int64_t *gs;        /* rows * ns: the group's sums */
+    int64_t *gs;        /* ns * rows: the groups' sums, slot-major */
     int64_t *group_row; /* rows, in key-hash order (the outputs) */
     uint64_t *khash;    /* rows */
     int64_t *ivals;     /* rows * ns */
 } DbspLinGroup;
 
 void dbsp_lingroup_free(DbspLinGroup *g);
+/* Calls served (DBSP_OK), ever, in the process: for tests (the hashing pass ran). */
+int64_t dbsp_lingroup_served(void);
 
 /* Group the rows of b by keys[0..nkeys) summing specs[0..ns) (invariant 1): on DBSP_OK, *ng groups whose first rows,
  * key hashes and sums (row-major, ns a group) are g->group_row, g->khash and g->ivals, valid until the next call.
