@@ -22,7 +22,7 @@ import pytest
 
 import dbsp_core as dbsp
 from dbsp_core import _zset
-from dbsp_core.errors import StepError
+from dbsp_core.errors import StepError, WeightOverflowError
 
 SEED = int(os.environ.get("DBSP_LINGROUP_SEED", random.randrange(2**31)))
 BIG = 2**62
@@ -137,6 +137,8 @@ def test_hashing_pass_against_a_dict_model(layout: str, bits: int, hash_bits) ->
             fin[(key, s0, s1)] += ww
         assert +outs == +fin and -outs == -fin, (step, SEED)
         assert ordered or layout == "two", (step, SEED)  # one key column: its hash is a bijection, no ties
+        khs = kh.tolist()
+        assert khs == sorted(khs) and khs == _zset.hash_columns(batch, list(range(nk))).tolist(), (step, SEED)
         live = list(totals)
         if live:
             probe = pa.table({f"k{i}": pa.array([shown[key][i] for key in live], t) for i, t in enumerate(types)})
@@ -145,6 +147,16 @@ def test_hashing_pass_against_a_dict_model(layout: str, bits: int, hash_bits) ->
             assert got.tolist() == [totals[key] for key in live], (step, SEED)
         assert len(ix) == len(live), (step, SEED)
     assert run.steps == 40 and run.fused_steps == 40 - declined, (run.steps, run.fused_steps, declined)
+    # a step's own sums past int64 (a count of weights 2^62 + 2^62, a sum of 2^62 + 2^62): the step fails, the index
+    # as it was (declined by the hashing pass, whose wrapped sums would have looked fine)
+    odd = (5.0,) if layout == "float64" else ((5, 1) if layout == "two" else (5,))
+    for v2, w2 in (([0, 0], [2**62, 2**62]), ([BIG, BIG], [1, 1])):
+        cols = {f"k{i}": pa.array([odd[i]] * 2, t) for i, t in enumerate(types)}
+        t = pa.table({**cols, "v": pa.array(v2, pa.int64()), "c": pa.array([0, 0], pa.int32())})
+        before = len(ix)
+        with pytest.raises(WeightOverflowError):
+            run.step(t, np.array(w2, dtype=np.int64), ix)
+        assert len(ix) == before
 
 
 SCHEMA = pa.schema([("f", pa.float64()), ("i", pa.int32()), ("v", pa.int64())])
