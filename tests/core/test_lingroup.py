@@ -23,6 +23,7 @@ import pytest
 import dbsp_core as dbsp
 from dbsp_core import _zset
 from dbsp_core.errors import StepError, WeightOverflowError
+from test_linear_run import _check_traces as check_traces, add_views, changed_rows
 
 SEED = int(os.environ.get("DBSP_LINGROUP_SEED", random.randrange(2**31)))
 BIG = 2**62
@@ -114,13 +115,7 @@ def test_hashing_pass_against_a_dict_model(layout: str, bits: int, hash_bits) ->
                 s[j] += ww * x
         totals = {key: s for key, s in totals.items() if s[0]}  # a group whose count is 0 leaves the index
         batch, out, bw, kh, ordered, distinct = run.step(t, np.array(w, dtype=np.int64), ix)
-        want: Counter = Counter()
-        for key in set(old) | set(totals):
-            if old.get(key) != totals.get(key):
-                if key in old:
-                    want[(key, *old[key])] -= 1
-                if key in totals:
-                    want[(key, *totals[key])] += 1
+        want = changed_rows(old, totals)
         if not want:
             assert batch is None and out is None, (step, SEED)
             continue
@@ -223,11 +218,7 @@ def test_hashing_pass_in_pipelines_with_a_rolled_back_step(workers: int) -> None
             got = {n: z.to_dict() for n, z in p.step().items()}
             bag.update(d)
             bag = Counter({r: w for r, w in bag.items() if w})
-            for n in VIEWS:
-                view[n].update(got[n])
-                view[n] = Counter({r: w for r, w in view[n].items() if w})
+            add_views(view, got)
             assert {n: dict(v) for n, v in view.items()} == _model(bag), (step, SEED)
-        for w in range(p.workers):
-            for tr in p.traces(w).values():
-                tr.check()
+        check_traces(p)
     assert _zset.lingroup_served() - served >= 30 * len(VIEWS) // (1 if workers == 1 else 2)
