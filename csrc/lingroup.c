@@ -1,4 +1,4 @@
-/* lingroup.c: a linear group-by's change grouped in one hashing pass into a table sized by the change (see lingroup.h). */
+/* lingroup.c: a linear group-by's change grouped in one hashing pass into a table sized by the change (lingroup.h). */
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,7 +13,8 @@ static _Atomic int64_t g_served = 0;
 int64_t dbsp_lingroup_served(void) { return atomic_load(&g_served); }
 
 void dbsp_lingroup_free(DbspLinGroup *g) {
-    free(g->tab); free(g->gh); free(g->gw); free(g->gpos); free(g->gfirst); free(g->qrow); free(g->ord); free(g->cnt); free(g->gs);
+    free(g->tab); free(g->gh); free(g->gw); free(g->gpos); free(g->gfirst); free(g->qrow); free(g->ord);
+    free(g->cnt); free(g->gs);
     free(g->group_row); free(g->khash); free(g->ivals);
     memset(g, 0, sizeof *g);
 }
@@ -36,8 +37,8 @@ static int reserve(DbspLinGroup *g, int64_t n, int32_t nkeys, int32_t ns) {
     g->group_row = malloc((size_t)rows * 8);
     g->khash = malloc((size_t)rows * 8);
     g->ivals = malloc((size_t)(rows * ns) * 8);
-    if (!g->tab || !g->cnt || !g->gh || !g->gw || !g->gpos || !g->gfirst || !g->qrow || !g->ord || !g->gs || !g->group_row || !g->khash
-        || !g->ivals) {
+    if (!g->tab || !g->cnt || !g->gh || !g->gw || !g->gpos || !g->gfirst || !g->qrow || !g->ord || !g->gs
+        || !g->group_row || !g->khash || !g->ivals) {
         dbsp_lingroup_free(g);
         return DBSP_ENOMEM;
     }

@@ -13,8 +13,9 @@
  *     key, whose hash is a bijection) come in the order of their first rows, which dbsp_linear_fold reports as not
  *     ordered (its caller sorts).
  *  2. Each row's key is hashed once; the row probes a table of 2^k >= 2 * rows group numbers (open addressing,
- *     linear probing: the key hash, then the key words compared), adds its weight and products into its group's
- *     sums, and a group's first row carries its key. The groups are then put in key-hash order by a counting pass
+ *     linear probing: the key hash, then the key words compared) for its group (qrow), and a group's first row
+ *     carries its key. Then each slot sums over the rows in a loop of its own (weights, or weight times a value or
+ *     a limb), a count of a column without nulls being the row count's slot. The groups are then put in key-hash order by a counting pass
  *     on the hash's top bits (about one group a bucket) and an insertion pass: no sort of the rows, no second hash.
  *  3. Scratch lives in a DbspLinGroup kept by the caller across steps (inside DbspLinRun), grown to the largest
  *     change and freed by its owner past DBSP_LINRUN_KEEP rows (linrun.h invariant 3); only the table slots a step
