@@ -124,6 +124,7 @@ cdef class LinearRun:
     cdef tuple summed
     cdef readonly object bschema, oschema
     cdef readonly int64_t steps  # steps served (a counter for tests: the C path ran)
+    cdef readonly int64_t fused_steps  # of them, those grouped by the hashing pass (csrc/linrun.h invariant 7)
 
     def __cinit__(self):
         memset(&self.s, 0, sizeof(self.s))
@@ -155,6 +156,7 @@ cdef class LinearRun:
         self.summed = tuple(sorted({c for kind, c in specs if c is not None} | set(checked)))
         self.bschema, self.oschema = bschema, oschema
         self.steps = 0
+        self.fused_steps = 0
 
     def step(self, table, weights, KeyIndex ix, KeyIndex dirty=None, bint found_dirty=False):
         cdef BatchView v = view_of(table, weights)
@@ -182,8 +184,14 @@ cdef class LinearRun:
                                   &w, &kh, &n, &ordered, &distinct, dix, &fresh if dix != NULL else NULL)
         check_status(st, "linear_run")
         self.steps += 1
+        self.fused_steps += self.s.fused
         return linear_result(self.bschema, self.oschema, &batch, &out, w, kh, n, ordered, distinct, fresh,
                              dirty is not None)
+
+
+def lingroup_served():
+    """Changes grouped by the one-call step's hashing pass (csrc/lingroup.h), ever, in the process: for tests."""
+    return dbsp_lingroup_served()
 
 
 cdef int check_dirty(KeyIndex dirty, int32_t nkeys) except -1:

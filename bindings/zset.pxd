@@ -288,7 +288,9 @@ cdef extern from "linrun.h" nogil:
     ctypedef struct CLinRun "DbspLinRun":
         int found_dirty
         int64_t groups
+        int fused
     void dbsp_linrun_free(CLinRun *s)
+    int64_t dbsp_lingroup_served()
     int dbsp_linear_apply(CKeyIndex *ix, const CBatch *b, const int32_t *keys, const CReduceOut *r, int32_t ns,
                           int64_t *old, int64_t **slots, int64_t *grp, int64_t *rows, int64_t *w, uint64_t *kh,
                           int64_t *vals, uint64_t *rh, int64_t *n, int *ordered)

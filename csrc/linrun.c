@@ -5,8 +5,15 @@
 #include "fold.h"
 #include "status.h"
 
-void dbsp_linrun_free(DbspLinRun *s) {
+static void free_fold(DbspLinRun *s) {
     free(s->old); free(s->slots); free(s->grp); free(s->rows); free(s->vals);
+    s->old = NULL; s->slots = NULL; s->grp = NULL; s->rows = NULL; s->vals = NULL;
+    s->groups = 0;
+}
+
+void dbsp_linrun_free(DbspLinRun *s) {
+    free_fold(s);
+    dbsp_lingroup_free(&s->lg);
     memset(s, 0, sizeof *s);
 }
 
@@ -78,7 +85,7 @@ int dbsp_linear_apply(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
 /* room in s for ng groups of ns slots (invariant 3: kept up to DBSP_LINRUN_KEEP groups) */
 static int reserve(DbspLinRun *s, int64_t ng, int32_t ns) {
     if (s->groups >= ng && s->ns == ns) return DBSP_OK;
-    dbsp_linrun_free(s);
+    free_fold(s);
     int64_t g = ng < 1024 ? 1024 : ng;
     s->old = malloc((size_t)(g * ns) * 8);
     s->slots = malloc((size_t)g * sizeof(int64_t *));
@@ -86,7 +93,7 @@ static int reserve(DbspLinRun *s, int64_t ng, int32_t ns) {
     s->rows = malloc((size_t)(2 * g) * 8);
     s->vals = malloc((size_t)(2 * g * ns) * 8);
     if (!s->old || !s->slots || !s->grp || !s->rows || !s->vals) {
-        dbsp_linrun_free(s);
+        free_fold(s);
         return DBSP_ENOMEM;
     }
     s->groups = g;
@@ -151,7 +158,19 @@ int dbsp_linear_run3(DbspLinRun *s, const DbspBatch *b0, const int32_t *keys, in
     memset(valid, 0, sizeof valid);
     memset(nulls, 0, sizeof nulls);
     memset(limbs, 0, sizeof limbs);
-    int st = DBSP_OK;
+    int fused = 0;
+    int st = dbsp_lingroup(&s->lg, b0, keys, nkeys, specs0, ns, &ng);  /* invariant 7 */
+    if (st == DBSP_OK) {
+        fused = 1;
+        r.ngroups = ng;
+        r.naggs = ns;
+        r.group_row = s->lg.group_row;
+        r.khash = (int64_t *)(void *)s->lg.khash;
+        r.ivals = s->lg.ivals;
+        goto grouped;
+    }
+    if (st != DBSP_LINGROUP_NO) goto done;
+    st = DBSP_OK;
     for (int32_t j = 0; j < ns; j++) {  /* limb slots sum a column of limbs made here (linrun.h) */
         specs[j] = specs0[j];
         int32_t kind = specs0[j].kind, c = specs0[j].col;
@@ -180,6 +199,7 @@ int dbsp_linear_run3(DbspLinRun *s, const DbspBatch *b0, const int32_t *keys, in
     }
     st = dbsp_group_reduce_all(b, keys, nkeys, specs, ns, &r);
     ng = r.ngroups;
+grouped:
     cap = 2 * ng;
     if (st != DBSP_OK || ng == 0) goto done;
     if ((st = reserve(s, ng, ns)) != DBSP_OK) goto done;
@@ -272,8 +292,10 @@ int dbsp_linear_run3(DbspLinRun *s, const DbspBatch *b0, const int32_t *keys, in
 done:
     for (int32_t k = 0; k < nc && k < 64; k++) { free(cols[k]); free(valid[k]); }
     for (int32_t k = 0; k < nlimb; k++) free(limbs[k]);
-    if (ng > DBSP_LINRUN_KEEP) dbsp_linrun_free(s);
+    if (fused) memset(&r, 0, sizeof r);  /* the scratch's (invariant 7), not to be freed */
     dbsp_reduce_free(&r);
+    if (ng > DBSP_LINRUN_KEEP || b0->nrows > DBSP_LINRUN_KEEP) dbsp_linrun_free(s);
+    s->fused = fused;
     if (st != DBSP_OK || m == 0) {
         free(*w); free(*kh);
         *w = NULL; *kh = NULL; *n = 0;

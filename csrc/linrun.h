@@ -30,6 +30,11 @@
  *     ``pk_found_dirty``, no key of the index clean since the last sync), invariant 5's probe is made only for the
  *     groups the index does not hold (the read found no entry); a group it holds is dirty (fresh 0) without a probe.
  *     A 1k-row step into a 100k-key state so probes a few keys of the dirty index instead of one per group.
+ *  7. A change that dbsp_lingroup serves (fixed-width keys and summed columns without nulls; counts, integer sums and
+ *     limbs: lingroup.h invariant 1) is grouped by it, in one hashing pass into a table sized by the change, with
+ *     limbs computed as it reads the rows; any other change (a null, a string key, a uint64 or float sum, a sum that
+ *     leaves int64 half way) by dbsp_group_reduce_all over limb columns made first. Both give the same groups, sums
+ *     and key-hash order, so the read, fold, exports and store after them (invariants 1-6) are one path.
  */
 #ifndef DBSP_LINRUN_H
 #define DBSP_LINRUN_H
@@ -39,6 +44,7 @@
 #include "cdata.h"
 #include "column.h"
 #include "keyindex.h"
+#include "lingroup.h"
 #include "reduce.h"
 
 #define DBSP_LINRUN_KEEP 65536  /* groups of scratch kept between steps (invariant 3) */
@@ -50,6 +56,8 @@ typedef struct DbspLinRun {
     int64_t *old;    /* groups * ns */
     int64_t **slots; /* groups */
     int64_t *grp, *rows, *vals;  /* 2 * groups, 2 * groups, 2 * groups * ns */
+    DbspLinGroup lg; /* invariant 7: the hashing pass's scratch */
+    int fused;       /* invariant 7: whether the last call's change was grouped by dbsp_lingroup (for tests) */
 } DbspLinRun;
 
 void dbsp_linrun_free(DbspLinRun *s);

@@ -178,9 +178,7 @@ def test_one_call_step_across_checkpoint_reopen_and_a_rolled_back_step(tmp_path,
             got = {n: z.to_dict() for n, z in p.step().items()}
             bag.update(d)
             bag = Counter({r: w for r, w in bag.items() if w})
-            for n in VIEWS:
-                view[n].update(got[n])
-                view[n] = Counter({r: w for r, w in view[n].items() if w})
+            add_views(view, got)
             assert {n: dict(v) for n, v in view.items()} == _model(bag), f"step {i} (seed {SEED})"
             if i % 15 == 14:
                 served += _cstep(p)
@@ -213,6 +211,26 @@ def test_overflow_in_the_one_call_step_changes_nothing() -> None:
         assert p.step()["g"].to_dict() == {(1, 2**62): -1, (1, 2**62 - 1): 1, (2, 5): -1, (2, 6): 1}
         assert _cstep(p) == 2
         _check_traces(p)
+
+
+def add_views(view: dict[str, Counter], got: dict[str, dict]) -> None:
+    """Integrate a step's outputs ``got`` into ``view`` (per view, its rows' weights; rows at 0 dropped)."""
+    for n, rows in got.items():
+        if n in view:
+            view[n].update(rows)
+            view[n] = Counter({r: w for r, w in view[n].items() if w})
+
+
+def changed_rows(old: dict, totals: dict) -> Counter:
+    """A step's rows of old (-1) and new (+1) totals, ``(key, *slots)``, of the keys whose totals changed."""
+    want: Counter = Counter()
+    for key in set(old) | set(totals):
+        if old.get(key) != totals.get(key):
+            if key in old:
+                want[(key, *old[key])] -= 1
+            if key in totals:
+                want[(key, *totals[key])] += 1
+    return want
 
 
 def test_linear_run_kernel_against_a_dict_model() -> None:
@@ -256,13 +274,7 @@ def test_linear_run_kernel_against_a_dict_model() -> None:
         if dirty is not None:
             want_fresh = None if batch is None else [key not in dk for key in batch.column(0).to_pylist()]
             assert (got[6] if got[6] is None else got[6].tolist()) == want_fresh, step
-        want: Counter = Counter()
-        for key in set(old) | set(totals):
-            if old.get(key) != totals.get(key):
-                if key in old:
-                    want[(key, *old[key])] -= 1
-                if key in totals:
-                    want[(key, *totals[key])] += 1
+        want = changed_rows(old, totals)
         if not want:
             assert batch is None and out is None, step
             continue
