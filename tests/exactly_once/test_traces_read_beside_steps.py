@@ -18,40 +18,10 @@ import pyarrow as pa
 
 import dbsp_core as dbsp
 
+from test_rescale_race import KEYS, SCHEMA, circuit, integral, model, rows  # noqa: E402  (the same view and model)
+
 SEED = int(os.environ.get("DBSP_TRACE_READ_SEED", str(random.SystemRandom().randrange(2**31))))
-SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64())])
-KEYS = 300
 ROUNDS, STEPS = 3, 60
-
-
-def circuit() -> dbsp.Circuit:
-    c = dbsp.Circuit()
-    t = c.input("t", SCHEMA)
-    c.output("g", t.group_by("k").agg(n=dbsp.count(), s=dbsp.sum("v")))
-    return c
-
-
-def rows(rng: random.Random, n: int) -> pa.Table:
-    return pa.table({"k": [rng.randrange(KEYS) for _ in range(n)], "v": [rng.randrange(-50, 50) for _ in range(n)]},
-                    schema=SCHEMA)
-
-
-def model(pushes: list[pa.Table]) -> Counter:
-    acc: dict[int, list[int]] = {}
-    for t in pushes:
-        for k, v in zip(t.column("k").to_pylist(), t.column("v").to_pylist()):
-            a = acc.setdefault(k, [0, 0])
-            a[0] += 1
-            a[1] += v
-    return Counter({(k, n, s): 1 for k, (n, s) in acc.items()})
-
-
-def integral(p: dbsp.Pipeline) -> Counter:
-    acc: Counter = Counter()
-    for _, z in p.read_output("g"):
-        for row, w in z.to_dict().items():
-            acc[row] += w
-    return Counter({r: w for r, w in acc.items() if w})
 
 
 def state(p: dbsp.Pipeline) -> Counter:
@@ -69,7 +39,7 @@ def state(p: dbsp.Pipeline) -> Counter:
 def one_round(d: str, seed: int, stats: Counter) -> None:
     rng = random.Random(seed)
     acked: list[pa.Table] = []
-    with dbsp.Pipeline(circuit(), workers=2, storage=d, checkpoint_interval=None) as p:
+    with dbsp.Pipeline(circuit(), workers=2, storage=d, checkpoint_interval=None) as p:  # (shard_bits: the default)
         first = pa.table({"k": list(range(KEYS)), "v": [rng.randrange(-50, 50) for _ in range(KEYS)]}, schema=SCHEMA)
         p.push("t", first)
         acked.append(first)
