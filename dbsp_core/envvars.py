@@ -101,7 +101,7 @@ tests/core/test_envvars.py checks that the repository reads no other):
   ``DBSP_WORKER_RECOVERY_SEED`` (tests/storage/test_worker_recovery.py), ``DBSP_STAGE_CHECK_SEED``
   (tests/storage/test_stage_check.py: which stage object is damaged), ``DBSP_FUZZ_SEED``,
   ``DBSP_TEST_SEED``, ``DBSP_PG_SEED``, ``DBSP_DELTA_SEED``, ``DBSP_LINRUN_SEED`` (tests/core/test_linear_run.py),
-  ``DBSP_LINGROUP_SEED`` (tests/core/test_lingroup.py),
+  ``DBSP_LINGROUP_SEED`` (tests/core/test_lingroup.py), ``DBSP_TRACE_READ_SEED`` (tests/exactly_once/test_traces_read_beside_steps.py),
   ``DBSP_HOLD_SEED`` (tests/core/test_totals_hold.py), ``DBSP_PERKEY_SEED`` (tests/core/test_totals_per_key*.py),
   ``DBSP_SLT_SEED``, ``DBSP_AUTOSCALE_SEED``, ``DBSP_AUTOSCALE_KILL_SEED``, ``DBSP_STORE_FAULT_SEED`` (the
   store-fault tests: which store calls fail, and how), ``DBSP_REMOTE_SEED``, ``DBSP_REMOTE_KILL_SEED``,
