@@ -348,8 +348,8 @@ class ZSet:
             if n:
                 if base is None:
                     base = ts
-                elif ts is not base and not base.equals(ts):
-                    t = t.cast(base)
+                elif ts is not base:
+                    t = _conform(t, base)
                 parts.append(z)
                 tables.append(t)
                 weights.append(z._w)
@@ -371,7 +371,7 @@ class ZSet:
             data, chunked = pa.concat_tables(tables), False
         rh = np.concatenate([p._rhash for p in parts]) if rhashed else None
         return cls._make(data, np.concatenate(weights if joined is None else [p._w for p in parts]), rhash=rh,
-                         chunked=chunked)
+                         chunked=chunked)  # (a rejoin reorders parts to their table's order)
 
     @classmethod
     def _gather_parts(cls, parts: Sequence[tuple[ZSet, np.ndarray]], schema: pa.Schema) -> ZSet:

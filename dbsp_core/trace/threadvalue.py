@@ -33,7 +33,6 @@ class ThreadValue:
         return getattr(cls.tls, cls.attr, None)
 
 
-
 class ThreadValuePair:
     """``with ThreadValuePair(SubA, a, SubB, b):`` is ``with SubA(a), SubB(b):``: one object and two calls of Python
     where the nested blocks make two objects and four calls (a worker enters the merge thread's and the batch
