@@ -68,6 +68,8 @@ cdef extern from "zset.h" nogil:
     int dbsp_weights_negate(const int64_t *w, int64_t n, int64_t *out)
     int dbsp_zset_sum_adjacent(const CBatch *b, const uint64_t *h, int64_t *idx, int64_t *w, int64_t *n)
     int dbsp_zset_distinct(const CBatch *b, const uint64_t *rh, int64_t *idx, int64_t *w, int64_t *n)
+    int dbsp_zset_hash_distinct(const CBatch *b, uint64_t *rh, int64_t *idx, int64_t *w, int64_t *n)
+    int dbsp_zset_distinct_rows(const CBatch *b, int64_t *idx, int64_t *w, int64_t *n)
     int dbsp_rows_check_order(const CBatch *b, const int64_t *sel, const int64_t *weights, const uint64_t *khash,
                               int64_t n, const int32_t *keys, int32_t nkeys)
     int64_t dbsp_small_rows

@@ -143,6 +143,47 @@ def distinct(table, weights, rh):
     return None if n == m else (idx[:n], w[:n])
 
 
+def hash_distinct(table, weights):
+    """:func:`hash_columns` over every column and :func:`distinct` in one C pass (csrc/zset.h
+    dbsp_zset_hash_distinct): ``(rh, kept)``, rh the rows' row hashes, kept None when no two rows are equal and no
+    weight is 0, else (idx, weights) of the rows kept, in row order, zero sums dropped. ``table`` may be a
+    BatchView (its weights are then the view's)."""
+    cdef BatchView v = view_of(table, weights)
+    cdef int64_t m = v.c.nrows, n = 0
+    rh = np.empty(m, dtype=np.uint64)
+    if m == 0:
+        return rh, None
+    idx = np.empty(m, dtype=np.int64)
+    w = np.empty(m, dtype=np.int64)
+    cdef uint64_t[::1] ph = rh
+    cdef int64_t[::1] pi = idx
+    cdef int64_t[::1] pw = w
+    cdef int st
+    with nogil:
+        st = dbsp_zset_hash_distinct(&v.c, &ph[0], &pi[0], &pw[0], &n)
+    check_status(st, "hash_distinct")
+    return rh, (None if n == m else (idx[:n], w[:n]))
+
+
+def distinct_rows(table, weights):
+    """:func:`distinct` without row hashes (csrc/zset.h dbsp_zset_distinct_rows: the probe hashes rows its own,
+    cheaper way, and keeps no hash): None when no two rows are equal and no weight is 0, else (idx, weights) of
+    the rows kept, in row order, zero sums dropped. ``table`` may be a BatchView (its weights are then the view's)."""
+    cdef BatchView v = view_of(table, weights)
+    cdef int64_t m = v.c.nrows, n = 0
+    if m == 0:
+        return None
+    idx = np.empty(m, dtype=np.int64)
+    w = np.empty(m, dtype=np.int64)
+    cdef int64_t[::1] pi = idx
+    cdef int64_t[::1] pw = w
+    cdef int st
+    with nogil:
+        st = dbsp_zset_distinct_rows(&v.c, &pi[0], &pw[0], &n)
+    check_status(st, "distinct_rows")
+    return None if n == m else (idx[:n], w[:n])
+
+
 def check_order(table, weights, khash, keys):
     """True if (table, weights) is consolidated and in canonical order for `keys` (a debug checker)."""
     cdef BatchView v = view_of(table, weights, khash)

@@ -320,45 +320,106 @@ int dbsp_zset_sum_adjacent(const DbspBatch *b, const uint64_t *h, int64_t *idx, 
  *     so the table's cache misses overlap (a step's output of 1M rows: a table of 16 MiB, a miss per row).
  *  3. Rows only move when some are equal: with none (the common case of a step's output), the caller keeps the
  *     batch as it is, and this costs one probe per row, not the sort and gather of a consolidation.
+ *  4. and 5. Below, at dbsp_zset_hash_distinct and dbsp_zset_distinct_rows.
  */
-enum { DISTINCT_PREFETCH = 16 };
+enum { DISTINCT_PREFETCH = 16, DISTINCT_BLOCK = 512 };
 
-int dbsp_zset_distinct(const DbspBatch *b, const uint64_t *rh, int64_t *idx, int64_t *w, int64_t *n) {
+/* Design note 4 (dbsp_zset_hash_distinct, dbsp_zset_distinct_rows): rows are hashed a block of DISTINCT_BLOCK at a
+ * time, column by column, and that block is probed while its hashes are in L1: one pass over the rows where a
+ * hash then a distinct walk them twice (a 1M-row output's 8 MiB of hashes stored and read back). A group's hash
+ * (its first row's) and carry are set when the group is made; design note 1's table is the only memset. */
+
+/* Design note 5 (dbsp_zset_distinct_rows): when nobody keeps the row hashes (a Z-set made distinct whose hashes no
+ * sum reads: a step's output on one worker), the probe needs only a hash that equal rows share, not the row hash
+ * of hash.h (two splitmix finalizers a value: ~32 instructions, 2/3 of a 3-column row's distinct check). The
+ * probe hash folds a non-null integer value in with one multiply (acc = (acc ^ v) * K_GOLD) and any other value
+ * (a null, a float, bytes) as its hash.h value hash, then mixes the row's accumulator once (the table's index is
+ * its low bits). It lives only within the call; it is not a format and may change. */
+static void probe_hash_block(const DbspBatch *b, int64_t lo, int64_t n, uint64_t *h) {
+    for (int64_t i = 0; i < n; i++) h[i] = DBSP_HASH_ROW_SEED;
+    for (int32_t ci = 0; ci < b->ncols; ci++) {
+        const DbspColumn *c = &b->cols[ci];
+        int64_t o = c->offset + lo;
+        if (!c->validity && (c->type == DBSP_INT64 || c->type == DBSP_TIMESTAMP || c->type == DBSP_UINT64)) {
+            const uint64_t *v = (const uint64_t *)c->values + o;
+            for (int64_t i = 0; i < n; i++) h[i] = (h[i] ^ v[i]) * DBSP_HASH_K_GOLD;
+        } else if (!c->validity && (c->type == DBSP_INT32 || c->type == DBSP_DATE32)) {
+            const int32_t *v = (const int32_t *)c->values + o;
+            for (int64_t i = 0; i < n; i++) h[i] = (h[i] ^ (uint64_t)(int64_t)v[i]) * DBSP_HASH_K_GOLD;
+        } else {
+            for (int64_t i = 0; i < n; i++) h[i] = (h[i] ^ dbsp_hash_value(c, lo + i)) * DBSP_HASH_K_GOLD;
+        }
+    }
+    for (int64_t i = 0; i < n; i++) h[i] = dbsp_mix(h[i]);
+}
+
+enum { DISTINCT_GIVEN, DISTINCT_ROW_HASH, DISTINCT_PROBE_HASH };  /* where a row's hash comes from */
+
+static int distinct_pass(const DbspBatch *b, const uint64_t *given, uint64_t *rh, int mode, int64_t *idx,
+                         int64_t *w, int64_t *n) {
     int64_t m = b->nrows, ng = 0;
     *n = 0;
     if (m == 0) return DBSP_OK;
     if (m >= (int64_t)UINT32_MAX) return DBSP_ETOOBIG;
+    for (int32_t c = 0; mode != DISTINCT_GIVEN && c < b->ncols; c++)  /* (a type no hash knows: before any work) */
+        if (dbsp_type_class(b->cols[c].type) == 0) return DBSP_ETYPE;
     int64_t cap = 16;
     while (cap < 2 * m) cap <<= 1;
     const uint64_t mask = (uint64_t)cap - 1;
-    /* the table and the carries from this thread's scratch cache (scratch.h: reused across calls, so a step's
-     * output does not fault a fresh table in); slot: (hash >> 32) << 32 | (group + 1), 0 empty (design note 1) */
+    /* the table, the groups' hashes and carries from this thread's scratch cache (scratch.h: reused across calls,
+     * so a step's output does not fault a fresh table in); slot: (hash >> 32) << 32 | (group + 1), 0 empty (design
+     * note 1) */
     uint64_t *slot = dbsp_scratch_alloc((size_t)cap * 8);
+    uint64_t *gh = dbsp_scratch_alloc((size_t)m * 8);
     int32_t *carry = dbsp_scratch_alloc((size_t)m * 4);
+    DbspColumn *bc = NULL;
+    uint64_t hb[DISTINCT_BLOCK];  /* a block's probe hashes (design note 5) */
     int st = DBSP_OK;
-    if (!slot || !carry) { st = DBSP_ENOMEM; goto done; }
+    if (!slot || !gh || !carry) { st = DBSP_ENOMEM; goto done; }
+    DbspBatch blk = *b;  /* a view of one block of rows (design note 4) */
+    if (mode == DISTINCT_ROW_HASH && b->ncols > 0) {
+        bc = malloc((size_t)b->ncols * sizeof(DbspColumn));
+        if (!bc) { st = DBSP_ENOMEM; goto done; }
+        memcpy(bc, b->cols, (size_t)b->ncols * sizeof(DbspColumn));
+        blk.cols = bc;
+    }
     memset(slot, 0, (size_t)cap * 8);
-    memset(carry, 0, (size_t)m * 4);
     const int64_t *bw = b->weights;
-    for (int64_t i = 0; i < m; i++) {
-        if (i + DISTINCT_PREFETCH < m) __builtin_prefetch(&slot[rh[i + DISTINCT_PREFETCH] & mask], 1);
-        uint64_t h = rh[i], p = h & mask, tag = h & 0xffffffff00000000ULL;
-        int64_t g;
-        for (;;) {
-            uint64_t e = slot[p];
-            if (e == 0) { g = -1; break; }
-            g = (int64_t)(e & 0xffffffffULL) - 1;
-            if ((e & 0xffffffff00000000ULL) == tag && rh[idx[g]] == h
-                && dbsp_row_cmp_eqfast(b, idx[g], NULL, b, i, NULL, b->ncols) == 0)
-                break;
-            p = (p + 1) & mask;
-        }
-        if (g < 0) {  /* a new group, numbered in row order (design note 1) */
-            g = ng++;
-            slot[p] = tag | (uint64_t)(g + 1);
-            idx[g] = i; w[g] = bw ? bw[i] : 1;
+    for (int64_t lo = 0; lo < m; lo += DISTINCT_BLOCK) {
+        int64_t hi = lo + DISTINCT_BLOCK < m ? lo + DISTINCT_BLOCK : m;
+        const uint64_t *hs;  /* hs[i - lo]: row i's hash */
+        if (mode == DISTINCT_ROW_HASH) {
+            blk.nrows = hi - lo;
+            for (int32_t c = 0; c < b->ncols; c++) bc[c].offset = b->cols[c].offset + lo;
+            st = dbsp_hash_columns(&blk, NULL, 0, rh + lo);
+            if (st) goto done;
+            hs = rh + lo;
+        } else if (mode == DISTINCT_PROBE_HASH) {
+            probe_hash_block(b, lo, hi - lo, hb);
+            hs = hb;
         } else {
-            dbsp_add_exact(&w[g], bw ? bw[i] : 1, &carry[g]);
+            hs = given + lo;
+        }
+        for (int64_t i = lo; i < hi; i++) {
+            if (i + DISTINCT_PREFETCH < hi) __builtin_prefetch(&slot[hs[i + DISTINCT_PREFETCH - lo] & mask], 1);
+            uint64_t h = hs[i - lo], p = h & mask, tag = h & 0xffffffff00000000ULL;
+            int64_t g;
+            for (;;) {
+                uint64_t e = slot[p];
+                if (e == 0) { g = -1; break; }
+                g = (int64_t)(e & 0xffffffffULL) - 1;
+                if ((e & 0xffffffff00000000ULL) == tag && gh[g] == h
+                    && dbsp_row_cmp_eqfast(b, idx[g], NULL, b, i, NULL, b->ncols) == 0)
+                    break;
+                p = (p + 1) & mask;
+            }
+            if (g < 0) {  /* a new group, numbered in row order (design note 1) */
+                g = ng++;
+                slot[p] = tag | (uint64_t)(g + 1);
+                idx[g] = i; w[g] = bw ? bw[i] : 1; gh[g] = h; carry[g] = 0;
+            } else {
+                dbsp_add_exact(&w[g], bw ? bw[i] : 1, &carry[g]);
+            }
         }
     }
     int64_t k = 0;
@@ -368,7 +429,21 @@ int dbsp_zset_distinct(const DbspBatch *b, const uint64_t *rh, int64_t *idx, int
     }
     *n = k;
 done:
+    free(bc);
     dbsp_scratch_free(slot, (size_t)cap * 8);
+    dbsp_scratch_free(gh, (size_t)m * 8);
     dbsp_scratch_free(carry, (size_t)m * 4);
     return st;
+}
+
+int dbsp_zset_distinct(const DbspBatch *b, const uint64_t *rh, int64_t *idx, int64_t *w, int64_t *n) {
+    return distinct_pass(b, rh, NULL, DISTINCT_GIVEN, idx, w, n);
+}
+
+int dbsp_zset_hash_distinct(const DbspBatch *b, uint64_t *rh, int64_t *idx, int64_t *w, int64_t *n) {
+    return distinct_pass(b, NULL, rh, DISTINCT_ROW_HASH, idx, w, n);
+}
+
+int dbsp_zset_distinct_rows(const DbspBatch *b, int64_t *idx, int64_t *w, int64_t *n) {
+    return distinct_pass(b, NULL, NULL, DISTINCT_PROBE_HASH, idx, w, n);
 }

@@ -52,6 +52,16 @@ int dbsp_zset_sum_adjacent(const DbspBatch *b, const uint64_t *h, int64_t *idx, 
  * this (zset.py invariant 2, "distinct"), not canonical order. DBSP_EOVERFLOW if a sum leaves int64. */
 int dbsp_zset_distinct(const DbspBatch *b, const uint64_t *rh, int64_t *idx, int64_t *w, int64_t *n);
 
+/* dbsp_zset_distinct with the row hashes computed here (rh: room for b->nrows, filled with dbsp_hash_columns's
+ * hashes over every column): each block of rows hashed and then probed in one pass (zset.c design note 4).
+ * DBSP_ETYPE for a column type the hash does not know, else as dbsp_zset_distinct. */
+int dbsp_zset_hash_distinct(const DbspBatch *b, uint64_t *rh, int64_t *idx, int64_t *w, int64_t *n);
+
+/* dbsp_zset_distinct without row hashes, given or made: the probe uses a hash of its own that equal rows share
+ * (zset.c design note 5: cheaper than the row hash, never stored), for a Z-set made distinct whose row hashes
+ * nobody reads. DBSP_ETYPE for a column type the hash does not know, else as dbsp_zset_distinct. */
+int dbsp_zset_distinct_rows(const DbspBatch *b, int64_t *idx, int64_t *w, int64_t *n);
+
 /* out[i] = -w[i]; DBSP_EOVERFLOW for INT64_MIN. out may equal w. */
 int dbsp_weights_negate(const int64_t *w, int64_t n, int64_t *out);
 

@@ -436,16 +436,25 @@ class ZSet:
 
     def _distinct_unsorted(self) -> ZSet:
         """The same Z-set with equal rows summed and zero weights dropped, in no particular order (invariant 2,
-        distinct), with its row hashes: each set of equal rows stays where its first row is, and with no two rows
-        equal and no zero weight (a step's usual output) the data is kept as it is. It hashes and probes, but
-        neither sorts nor (then) gathers, which consolidation does (csrc/zset.c, distinct-rows design notes).
-        Row hashes the Z-set holds already are used (a concatenation of parts that had them).
+        distinct): each set of equal rows stays where its first row is, and with no two rows equal and no zero
+        weight (a step's usual output) the data is kept as it is. It hashes and probes, but neither sorts nor (then)
+        gathers, which consolidation does (csrc/zset.c, distinct-rows design notes). Row hashes the Z-set holds
+        already are used (a concatenation of parts that had them) and kept; without them the probe hashes rows its
+        own, cheaper way (design note 5) and the result holds none (a sum's part that needs them:
+        :meth:`_hashed_part`).
 
         >>> z = ZSet.from_arrow(pa.table({"x": [3, 1, 3, 2]}), weights=[1, 1, -1, 1])._distinct_unsorted()
         >>> z.data.column("x").to_pylist(), z.weights.tolist()
         ([1, 2], [1, 1])
         """
-        return self._hashed_part(0.0)
+        if self._distinct or self._rhash is not None:
+            return self._hashed_part(0.0)
+        v = _zset.BatchView(self._data, self._w)  # one view for the probe and the take
+        kept = _zset.distinct_rows(v, self._w)
+        if kept is None:
+            return ZSet._make(self._data, self._w, distinct=True, chunked=True)
+        idx, w = kept
+        return ZSet._make(_take(self._data, idx, v), w, distinct=True)
 
     def _hashed_part(self, keep_below: float = 0.125) -> ZSet:
         """This Z-set as one part of a sum that is made distinct afterwards (:meth:`_distinct_unsorted` of the
@@ -464,13 +473,15 @@ class ZSet:
         if self._distinct and self._rhash is not None:
             return self
         rh = self._rhash
-        # one view of the rows for the hash, the probe and the take (each export costs ~25-45k instructions)
-        v = self._data if self._distinct else _zset.BatchView(self._data, self._w)
-        if rh is None:
-            rh = _zset.hash_columns(v, list(range(self._data.num_columns)))
-        if self._distinct:
+        if self._distinct:  # (rh is None)
+            rh = _zset.hash_columns(self._data, list(range(self._data.num_columns)))
             return ZSet._make(self._data, self._w, distinct=True, rhash=rh, chunked=True)
-        kept = _zset.distinct(v, self._w, rh)
+        # one view of the rows for the hash, the probe and the take (each export costs ~25-45k instructions)
+        v = _zset.BatchView(self._data, self._w)
+        if rh is None:  # hashed and probed in one C pass (csrc/zset.c design note 4)
+            rh, kept = _zset.hash_distinct(v, self._w)
+        else:
+            kept = _zset.distinct(v, self._w, rh)
         if kept is None:
             return ZSet._make(self._data, self._w, distinct=True, rhash=rh, chunked=True)
         idx, w = kept

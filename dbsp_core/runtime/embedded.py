@@ -13,7 +13,9 @@ Invariants (enforced here):
      eighth of them (ZSet._hashed_part: a gather that pays for itself); the concatenation is made distinct once
      across the workers from those row hashes (one probe per row: ZSet._distinct_unsorted), never sorted, so a
      push of a bag with a few equal rows handed through is copied once (the sum's gather), not once per worker
-     and again to concatenate the workers' copies.
+     and again to concatenate the workers' copies. A worker whose output is the step's whole (one worker, one
+     piece) makes it distinct on its thread without row hashes (its probe hashes rows more cheaply, csrc/zset.c
+     design note 5): no sum reads them.
      Because keyed operators see all rows of a key in one worker and linear operators commute with the sum,
      results do not depend on W, on the layout, nor on how input is split into steps.
   4. With storage, worker ``w``'s state lives in ``state/worker-<w>.db`` (dbsp_core.storage.formats), grouped by
@@ -427,14 +429,17 @@ class EmbeddedExecutor:
             self._merge_thread = MergeThread()
         return self._merge_thread
 
-    def _run_worker(self, w: int, merge_thread: "MergeThread | None" = None) -> dict[str, ZSet]:
+    def _run_worker(self, w: int, merge_thread: "MergeThread | None" = None, alone: bool = False) -> dict[str, ZSet]:
+        """Worker ``w``'s step; ``alone``: its outputs are the step's whole (one worker, one piece), so each is made
+        distinct here, without the row hashes a sum of parts would read (invariant 3)."""
         t0 = time.thread_time() if self.measure_cpu else 0.0
         b0 = time.perf_counter()
         try:
             with ThreadValuePair(merging, merge_thread, spilling, self.batch_store):
                 out = self._workers[w].step()
+            disjoint = self._disjoint
             for name, z in out.items():  # invariant 3: each worker's share of the summing, in parallel
-                if self._disjoint[name]:
+                if alone or disjoint[name]:
                     if not z._distinct:
                         out[name] = z._distinct_unsorted()
                 else:  # summed and made distinct across the workers on the driver: hashed here
@@ -628,7 +633,7 @@ class EmbeddedExecutor:
             for k, pushes in enumerate(cut):
                 if k:  # between pieces no worker runs, as between steps (substep.py invariant 3)
                     self._enforce(sum(z.num_rows for _, z in cut[k - 1]))
-                results += self._run_piece(s, pushes)
+                results += self._run_piece(s, pushes, alone=len(cut) == 1)
         finally:
             if marks is not None:
                 store.holding = False
@@ -673,18 +678,16 @@ class EmbeddedExecutor:
             ex.barrier.reset()
         ex.mailboxes.clear()
         ex.waited = [0.0]
-        out = self._run_worker(0, self._step_merge_thread())
+        out = self._run_worker(0, self._step_merge_thread(), alone=True)  # (its outputs distinct: invariant 3)
         if self._coord is not None:
             for st in self._coord.stores:
                 st.advance()
-        for name, z in out.items():
-            if not z._distinct:  # (a part _hashed_part left as it was: a few equal rows)
-                out[name] = z._distinct_unsorted()
         return out
 
-    def _run_piece(self, s: StepInput, pushes: list[tuple[str, ZSet]]) -> list[dict[str, ZSet]]:
+    def _run_piece(self, s: StepInput, pushes: list[tuple[str, ZSet]], alone: bool = False) -> list[dict[str, ZSet]]:
         """Run the circuit once on every worker over ``pushes`` (the step's, or a piece of them) with the context of
-        step ``s``; returns each worker's outputs."""
+        step ``s``; returns each worker's outputs (``alone``: ``pushes`` are the step's whole, so one worker's outputs
+        are the step's: :meth:`_run_worker`)."""
         assert self.circuit is not None and self.layout is not None and self._exchanger is not None
         W = self.layout.workers
         parts = spread(pushes, W, s.step % W)
@@ -698,8 +701,8 @@ class EmbeddedExecutor:
         self._exchanger.mailboxes.clear()
         self._exchanger.waited = [0.0] * W
         mt = self._step_merge_thread()
-        if self._pool is None:
-            return [self._run_worker(0, mt)]
+        if self._pool is None:  # (one worker)
+            return [self._run_worker(0, mt, alone=alone)]
         futures = [self._pool.submit(self._run_worker, w, mt) for w in range(1, W)]
         errors: list[BaseException] = []
         results = []

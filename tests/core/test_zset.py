@@ -71,7 +71,10 @@ def test_distinct_unsorted_matches_model(tw, collide):
     assert canon_dict(d.to_dict()) == model and d.num_rows == len(model)
     assert d._distinct and 0 not in d.weights.tolist()
     assert d.consolidate().num_rows == d.num_rows  # no two stored rows are equal
-    assert np.array_equal(d._rhash, _zset.hash_columns(d.data, list(range(t.num_columns))))
+    assert d._rhash is None  # (no row hashes to start from: the probe's own hash, zset.c design note 5)
+    h = z._hashed_part(0.0)  # the same, with the row hashes a sum's part keeps (design note 4)
+    assert canon_dict(h.to_dict()) == model and h._distinct and h.num_rows == d.num_rows
+    assert np.array_equal(h._rhash, _zset.hash_columns(h.data, list(range(t.num_columns))))
     rows = [canon_row(r) for r in zip(*[c.to_pylist() for c in t.columns])] if t.num_columns else []
     firsts = [rows.index(canon_row(r)) for r in zip(*[c.to_pylist() for c in d.data.columns])]
     assert firsts == sorted(firsts)  # first-occurrence order
@@ -1016,7 +1019,7 @@ def test_concat_rejoins_slices_of_one_table_without_copying(tw, cuts, rnd, gap):
     (no copy) and is the sum of the parts, with the weights (and row hashes) of its rows; a gap, an overlap or
     another table's part makes it copy, with the same sum."""
     t, w = tw
-    z = dbsp.ZSet.from_arrow(t, weights=np.asarray(w, dtype=np.int64))._distinct_unsorted()  # rows with hashes
+    z = dbsp.ZSet.from_arrow(t, weights=np.asarray(w, dtype=np.int64))._hashed_part(0.0)  # rows with hashes
     n = z.num_rows
     bounds = sorted({0, n, *[c for c in cuts if c <= n]})
     parts = [dbsp.ZSet._make(z.data.slice(s, e - s), z.weights[s:e], rhash=z._rhash[s:e])
