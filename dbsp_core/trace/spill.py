@@ -46,8 +46,9 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      away, dropped); its blocks and page cache are given back by the enforces after that, ``RECLAIM_BYTES`` each
      (:meth:`BatchStore._reclaim_files`: a descriptor kept across the unlink, the file truncated from its end once no
      mapping of it is alive in the process, its batch's or any other: every mapping of a batch file is registered,
-     batchfile.py invariant 9, and the kernel's list of mappings is asked before a file's first piece, ``RECLAIM_CHECK``),
-     not at once by the step that drops it: the kernel frees a file at ~30 us a MiB, and the install of
+     batchfile.py invariant 9, and the kernel's list of mappings is asked before a file's first piece, ``RECLAIM_CHECK``;
+     never a file whose inode another name still links once its own name is gone, a copy made with hard links: its
+     bytes are that name's), not at once by the step that drops it: the kernel frees a file at ~30 us a MiB, and the install of
      a compaction drops all its inputs (650 MB for 20M rows: 34 ms). While a store lives, the C region cache (freed merge buffers kept for reuse, csrc/scratch.h)
      keeps at most ``memory_limit * REGION_CACHE_SHARE`` bytes, and each thread's scratch cache (kernels' freed
      buffers, 512 MiB a thread otherwise) at most ``memory_limit * SCRATCH_SHARE``.
@@ -1036,6 +1037,14 @@ class BatchStore:
             if fd >= 0:
                 os.close(fd)
             return
+        if fd >= 0:
+            try:  # another name still links the inode (a copy made with ``cp -al`` or os.link): its bytes are that
+                linked = os.fstat(fd).st_nlink > 0  # name's, never truncated; the kernel frees it with its last link
+            except OSError:
+                linked = True
+            if linked:
+                os.close(fd)
+                fd = -1
         if fd >= 0:  # unlinked (durably, through a VFS: its unlinks are once they return): no name reaches it now
             with self._lock:
                 self._reclaim.append(_Deleted(fd, key, path))
