@@ -24,8 +24,12 @@ checked against ``SUMS.json`` (``--no-verify``: sizes and mtimes only).
 
 ``run`` measures as bench_spill.py's spilled (or memory) pipeline: ``--warmup`` + ``--steps`` steps of ``--change``
 rows, ``--cold`` steps after the files' pages left the page cache, printed by bench_spill.show; and the time and
-RSS of the open, the first step's time, and the driver's time a step in logging (the copy is durable: each step
-appends its pushes to the input log and its output to the output log, ``output_sync`` off).
+RSS of the open, the first step's time, and the driver's time a step in logging: the copy is durable, so each step
+appends its pushes to the input log, fsyncs its division record and writes its output to the output log
+(``output_sync`` off); the wall times include that, and "engine" is each step's time in the executor alone (the
+driver's ``step_engine_s``), the figure comparable with bench_spill.py's pipelines without storage.
+
+``probe`` tells how the page cache holds the saved batch files (resident MiB, pages a fault maps).
 
 ``check`` runs ``--steps`` steps on the reopened copy and on a state freshly loaded in this process without
 storage (the same load), and compares each step's output as a multiset.
@@ -148,6 +152,9 @@ def reopen(args, meta: dict) -> tuple[dbsp.Pipeline, str, dict]:
     linked, copied = copy(args.dir, work)
     copy_s = time.perf_counter() - t0
     _grouped(meta["grouped"])
+    # a deleted file unlinked and closed at once, never truncated: the same as a reclaim that skips a linked inode
+    # (spill.py ``_delete``), also on a tree without that check (main, alternated against a branch on one state)
+    BatchStore.RECLAIM_FILES = 0
     rss0 = bench_spill._rss_file("VmRSS")
     t1 = time.perf_counter()
     p = dbsp.Pipeline.open(work, circuit(meta["query"]), executor=EmbeddedExecutor(background_merge=True),
@@ -191,11 +198,19 @@ def run(args) -> int:
     meta, rng, loaded = saved(args)
     bench_spill._watch_enforce()
     bench_spill._PEAK.update(load_file=0, load_anon=0)  # (no load in this process)
+    BatchStore.PREFETCH = args.prefetch
+    if args.no_huge:
+        BatchStore.HUGE_SHARE = None
+    if args.refold or args.drop:
+        refold(args, drop_only=args.drop)
     p, work, info = reopen(args, meta)
     try:
         c0 = resource.getrusage(resource.RUSAGE_SELF)
         first = bench_spill.one_step(p, rng, meta["query"], meta["groups"], args.change, loaded, 0)
         c1 = resource.getrusage(resource.RUSAGE_SELF)
+        if args.reclaim and p.executor.batch_store is not None:  # as the host's reclaim would, once steps ran
+            bench_spill.drop_pages(p.executor.batch_store)
+            print("the batch files' pages dropped after the first step (--reclaim)", flush=True)
         print(f"{meta['query']} {meta['state']:,} rows, limit {meta['limit']}, grouped {meta['grouped']}, load "
               f"{os.getloadavg()[0]:.2f}: copy {info['copy_s']:.1f} s ({info['linked']} files linked, "
               f"{info['copied']} copied), open {info['open_s']:.2f} s (+{info['open_rss_mb']:.0f} MiB RSS), first "
@@ -204,8 +219,12 @@ def run(args) -> int:
         margs = argparse.Namespace(warmup=args.warmup, steps=args.steps, cold=args.cold if meta["limit"] != "none"
                                    else 0, change=args.change, profile=0)
         log0 = p.stats["step_log_s"]
+        engine = _engine_times(p)
         r, _ = bench_spill.measure(p, rng, meta["query"], meta["groups"], margs, loaded, 1)
         log_ms = (p.stats["step_log_s"] - log0) * 1e3 / (args.warmup + args.steps + margs.cold)
+        eng = engine[args.warmup:args.warmup + args.steps]
+        r.update(engine_mean=float(np.mean(eng)), engine_p50=float(np.percentile(eng, 50)),
+                 engine_p99=float(np.percentile(eng, 99)))
         r.update(load_s=meta["load_s"], prefetch="auto")
         tag = f"{meta['query']:9s} {meta['state'] // 10**6}M"
         if meta["limit"] == "none":
@@ -215,16 +234,119 @@ def run(args) -> int:
                   f"{r['majflt']:.1f}", flush=True)
         else:
             bench_spill.show(f"{tag} {meta['grouped']}", r, None, margs)
-        print(f"{tag} logging (input and output log) {log_ms:.2f} ms a step of the wall times above; load "
+        st = p.executor.batch_store.stats if p.executor.batch_store is not None else {}
+        r.update(huge_files=st.get("huge_files", 0), overflows=st.get("overflows", 0))
+        print(f"{tag} files made MADV_HUGEPAGE (spill.py _hot_files) {r['huge_files']}, enforces that overflowed "
+              f"{r['overflows']}", flush=True)
+        print(f"{tag} engine (the executor's step, no logging): mean {r['engine_mean']:.2f} ms p50 "
+              f"{r['engine_p50']:.2f} p99 {r['engine_p99']:.2f}; logging (input log's fsync, output log) "
+              f"{log_ms:.2f} ms a step of the wall times above; load "
               f"{os.getloadavg()[0]:.2f}", flush=True)
         if args.json:
             with open(args.json, "a") as f:
                 f.write(json.dumps(dict(r, **info, first_ms=first, log_ms=log_ms, query=meta["query"],
                                         state=meta["state"], limit=meta["limit"], grouped=meta["grouped"],
-                                        loadavg=os.getloadavg()[0], at=time.time())) + "\n")
+                                        loadavg=os.getloadavg()[0], at=time.time(),
+                                        tree=os.path.dirname(os.path.dirname(os.path.abspath(dbsp.__file__))))) + "\n")
     finally:
         _finish(args, p, work)
     return 0
+
+
+def refold(args, drop_only: bool = False) -> None:
+    """The saved batch files' pages out of the page cache, then read back in 2 MiB folios (a MADV_HUGEPAGE mapping
+    touched once per 2 MiB: each fault reads its aligned 2 MiB as one folio), as a merge built on disk leaves
+    them (batchfile.py invariant 6): a run starts from the folios the files were written in, whatever an earlier
+    run's cold steps (their pages dropped, then faulted back a page at a time) or the host's reclaim left.
+    ``drop_only``: the pages dropped, not read back (as the host's reclaim leaves a state it did not read since)."""
+    import mmap
+
+    t0 = time.perf_counter()
+    spill = os.path.join(args.dir, PIPELINE, LINKED)
+    total = 0
+    for n in sorted(os.listdir(spill)):
+        path = os.path.join(spill, n)
+        if not n.endswith(".batch") or os.path.getsize(path) < bench_spill.PAGE:
+            continue
+        with open(path, "rb") as fh:
+            os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        m.madvise(mmap.MADV_HUGEPAGE)
+        arr = np.frombuffer(m, dtype=np.uint8)
+        if not drop_only:
+            arr[::2 << 20].sum()  # a fault per 2 MiB
+        total += len(m)
+        del arr
+        m.close()
+    print(f"{'dropped' if drop_only else 'refolded'} {total / 2**20:.0f} MiB of batch files in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def _engine_times(p: dbsp.Pipeline) -> list[float]:
+    """From now on, each bench_spill.one_step's time in the executor (ms, the driver's ``step_engine_s``: the wall
+    time of the circuit's step without the push's and the step's logging), appended to the list returned."""
+    times: list[float] = []
+    step = bench_spill.one_step
+
+    def timed(*a, **kw):  # type: ignore[no-untyped-def]
+        e0 = p.stats["step_engine_s"]
+        ms = step(*a, **kw)
+        times.append((p.stats["step_engine_s"] - e0) * 1e3)
+        return ms
+
+    bench_spill.one_step = timed
+    return times
+
+
+def probe(args) -> int:
+    """The saved batch files' pages in the page cache (mincore) and the folios serving them: a fresh MADV_RANDOM
+    mapping of each file, up to ``--pages`` random resident pages touched (no page read from the disk), its faults
+    and its smaps' Rss and FilePmdMapped (pages a fault: 512 when the page cache holds the file in 2 MiB folios)."""
+    import mmap
+
+    spill = os.path.join(args.dir, PIPELINE, LINKED)
+    for n in sorted(os.listdir(spill)):
+        path = os.path.join(spill, n)
+        size = os.path.getsize(path)
+        if not n.endswith(".batch") or size < bench_spill.PAGE:
+            continue
+        with open(path, "rb") as fh:
+            m = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        m.madvise(mmap.MADV_RANDOM)
+        arr = np.frombuffer(m, dtype=np.uint8)
+        vec = (bench_spill.ctypes.c_ubyte * ((size + bench_spill.PAGE - 1) // bench_spill.PAGE))()
+        bench_spill._libc.mincore(bench_spill.ctypes.c_void_p(arr.ctypes.data), bench_spill.ctypes.c_size_t(size), vec)
+        resident = np.flatnonzero(np.frombuffer(vec, dtype=np.uint8) & 1)
+        pick = np.sort(np.random.default_rng(1).choice(resident, min(args.pages, len(resident)), replace=False)) \
+            if len(resident) else resident
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        total = 0
+        for pg in pick.tolist():  # one touch at a time (a gather would fault them in any order: the same counts)
+            total += int(arr[pg * bench_spill.PAGE])
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        smaps = _smaps_of(arr.ctypes.data)
+        flt = r1.ru_minflt - r0.ru_minflt
+        print(f"{n}: {size / 2**20:.0f} MiB, {len(resident) * bench_spill.PAGE / 2**20:.0f} MiB in the page cache; "
+              f"{len(pick)} resident pages touched: {flt} faults ({r1.ru_majflt - r0.ru_majflt} major), Rss "
+              f"{smaps.get('Rss', 0) / 1024:.1f} MiB, FilePmdMapped {smaps.get('FilePmdMapped', 0) / 1024:.1f} MiB, "
+              f"{smaps.get('Rss', 0) / 4 / max(1, flt):.0f} pages a fault, sys "
+              f"{(r1.ru_stime - r0.ru_stime) * 1e6 / max(1, flt):.2f} us a fault", flush=True)
+        del arr
+        m.close()
+    return 0
+
+
+def _smaps_of(addr: int) -> dict[str, int]:
+    """The /proc/self/smaps fields (kB) of the mapping starting at ``addr``."""
+    out: dict[str, int] = {}
+    cur = False
+    with open("/proc/self/smaps") as fh:
+        for line in fh:
+            head = line.split()
+            if "-" in head[0] and ":" not in head[0]:
+                cur = int(head[0].split("-")[0], 16) == addr
+            elif cur and head[0].endswith(":") and len(head) >= 2 and head[1].isdigit():
+                out[head[0][:-1]] = int(head[1])
+    return out
 
 
 def _multiset(out: dict) -> dict:
@@ -287,8 +409,21 @@ def main() -> int:
             r.add_argument("--warmup", type=int, default=10)
             r.add_argument("--cold", type=int, default=3)
             r.add_argument("--json", default="", help="append the figures as a JSON line to this file")
+            r.add_argument("--refold", action="store_true", help="first drop the saved batch files' pages from the "
+                           "page cache and read them back in 2 MiB folios (the folios they were written in)")
+            r.add_argument("--prefetch", default="auto", help="BatchStore.PREFETCH: auto, on or off")
+            r.add_argument("--drop", action="store_true", help="first drop the saved batch files' pages from the "
+                           "page cache (the warm-up steps fault them back)")
+            r.add_argument("--reclaim", action="store_true", help="after the first step, every batch file's pages "
+                           "out of the process and the page cache (bench_spill.drop_pages: a cold step's drop), as "
+                           "the host's reclaim would take them; the warm-up steps fault them back")
+            r.add_argument("--no-huge", action="store_true", help="BatchStore.HUGE_SHARE None (no file ever "
+                           "MADV_HUGEPAGE: main's faults)")
+    pr = sub.add_parser("probe")
+    pr.add_argument("dir")
+    pr.add_argument("--pages", type=int, default=2048)
     args = ap.parse_args()
-    return {"build": build, "run": run, "check": check}[args.cmd](args)
+    return {"build": build, "run": run, "check": check, "probe": probe}[args.cmd](args)
 
 
 if __name__ == "__main__":
