@@ -247,6 +247,8 @@ def run(args) -> int:
                 f.write(json.dumps(dict(r, **info, first_ms=first, log_ms=log_ms, query=meta["query"],
                                         state=meta["state"], limit=meta["limit"], grouped=meta["grouped"],
                                         loadavg=os.getloadavg()[0], at=time.time(),
+                                        flags=" ".join(f"--{k.replace('_', '-')}" for k in ("refold", "drop", "reclaim",
+                                                                                          "no_huge") if getattr(args, k)),
                                         tree=os.path.dirname(os.path.dirname(os.path.abspath(dbsp.__file__))))) + "\n")
     finally:
         _finish(args, p, work)
@@ -264,7 +266,7 @@ def refold(args, drop_only: bool = False) -> None:
     t0 = time.perf_counter()
     spill = os.path.join(args.dir, PIPELINE, LINKED)
     total = 0
-    for n in sorted(os.listdir(spill)):
+    for n in sorted(os.listdir(spill)) if os.path.isdir(spill) else []:  # (a state in memory spilled nothing)
         path = os.path.join(spill, n)
         if not n.endswith(".batch") or os.path.getsize(path) < bench_spill.PAGE:
             continue
