@@ -49,6 +49,9 @@ import zlib
 import numpy as np
 import pyarrow as pa
 
+if os.environ.get("BENCH_TREE"):  # another tree's engine (main's, alternated against a branch's on one saved state):
+    sys.path.insert(0, os.environ["BENCH_TREE"])  # imported first, so that bench_spill's own path insert is moot
+    import dbsp_core  # noqa: E402,F401
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_spill  # noqa: E402
 from bench_scaling import _count, circuit  # noqa: E402
@@ -161,7 +164,19 @@ def reopen(args, meta: dict) -> tuple[dbsp.Pipeline, str, dict]:
                            memory_limit=_limit(meta["limit"]), checkpoint_interval=None, output_retention=0,
                            output_sync=False, segment_bytes=SEGMENT)
     info = dict(copy_s=copy_s, linked=linked, copied=copied, open_s=time.perf_counter() - t1,
-                open_rss_mb=(bench_spill._rss_file("VmRSS") - rss0) / 2**20)
+                open_rss_mb=(bench_spill._rss_file("VmRSS") - rss0) / 2**20, check_s=0.0)
+    store = p.executor.batch_store
+    if store is not None and not getattr(args, "lazy", True):
+        # every adopted file checked whole now (BatchStore.check: its page CRCs), as a freshly loaded state's files
+        # need no check; else each step checks the pages it reads first (spill.py invariant 14): at 100M rows ~40 ms
+        # of CRCs a step for the first hundreds of steps. Then the check's pages leave the process (not the page cache)
+        t2 = time.perf_counter()
+        for t in p.executor._all_traces():
+            for b in t._levels():
+                store.check(b)
+        for f in list(store._files.values()):
+            f.map.madvise(bench_spill.mmap.MADV_DONTNEED)
+        info["check_s"] = time.perf_counter() - t2
     return p, work, info
 
 
@@ -213,7 +228,8 @@ def run(args) -> int:
             print("the batch files' pages dropped after the first step (--reclaim)", flush=True)
         print(f"{meta['query']} {meta['state']:,} rows, limit {meta['limit']}, grouped {meta['grouped']}, load "
               f"{os.getloadavg()[0]:.2f}: copy {info['copy_s']:.1f} s ({info['linked']} files linked, "
-              f"{info['copied']} copied), open {info['open_s']:.2f} s (+{info['open_rss_mb']:.0f} MiB RSS), first "
+              f"{info['copied']} copied), open {info['open_s']:.2f} s (+{info['open_rss_mb']:.0f} MiB RSS), files "
+              f"checked whole {info['check_s']:.1f} s, first "
               f"step {first:.0f} ms (CPU {(c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime) * 1e3:.0f} ms, "
               f"{c1.ru_majflt - c0.ru_majflt} major faults)", flush=True)
         margs = argparse.Namespace(warmup=args.warmup, steps=args.steps, cold=args.cold if meta["limit"] != "none"
@@ -248,7 +264,8 @@ def run(args) -> int:
                                         state=meta["state"], limit=meta["limit"], grouped=meta["grouped"],
                                         loadavg=os.getloadavg()[0], at=time.time(),
                                         flags=" ".join(f"--{k.replace('_', '-')}" for k in ("refold", "drop", "reclaim",
-                                                                                          "no_huge") if getattr(args, k)),
+                                                                                          "no_huge", "lazy")
+                                                      if getattr(args, k)),
                                         tree=os.path.dirname(os.path.dirname(os.path.abspath(dbsp.__file__))))) + "\n")
     finally:
         _finish(args, p, work)
@@ -413,6 +430,9 @@ def main() -> int:
             r.add_argument("--json", default="", help="append the figures as a JSON line to this file")
             r.add_argument("--refold", action="store_true", help="first drop the saved batch files' pages from the "
                            "page cache and read them back in 2 MiB folios (the folios they were written in)")
+            r.add_argument("--lazy", action="store_true", help="leave the adopted files' checks to the steps "
+                           "(spill.py invariant 14: each step checks the pages it reads first); default: every file "
+                           "checked whole after the open, as a freshly loaded state's need none")
             r.add_argument("--prefetch", default="auto", help="BatchStore.PREFETCH: auto, on or off")
             r.add_argument("--drop", action="store_true", help="first drop the saved batch files' pages from the "
                            "page cache (the warm-up steps fault them back)")

@@ -10,7 +10,7 @@ out=${OUT:-/tmp/spill_state_runs.jsonl}
 for r in $(seq 1 "${ROUNDS:-3}"); do
   for d in "$@"; do
     echo "== round $r $d tree $tree $(date -u +%T) $(uptime)" | tee -a "$out.log"
-    (cd "$here" && PYTHONPATH="$tree" nice -n "${NICE:-5}" python bench/spill_state.py run "$d" \
+    (cd "$here" && BENCH_TREE="$tree" PYTHONPATH="$tree" nice -n "${NICE:-5}" python bench/spill_state.py run "$d" \
         --steps "${STEPS:-100}" --warmup "${WARMUP:-10}" --cold "${COLD:-3}" --json "$out" ${EXTRA:-}) \
         2>&1 | grep -v "^  " | tee -a "$out.log"
   done
