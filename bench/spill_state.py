@@ -54,6 +54,7 @@ if os.environ.get("BENCH_TREE"):  # another tree's engine (main's, alternated ag
     import dbsp_core  # noqa: E402,F401
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_spill  # noqa: E402
+from bench_pread_micro import _smaps_of  # noqa: E402
 from bench_scaling import _count, circuit  # noqa: E402
 
 import dbsp_core as dbsp  # noqa: E402
@@ -342,7 +343,7 @@ def probe(args) -> int:
         for pg in pick.tolist():  # one touch at a time (a gather would fault them in any order: the same counts)
             total += int(arr[pg * bench_spill.PAGE])
         r1 = resource.getrusage(resource.RUSAGE_SELF)
-        smaps = _smaps_of(arr.ctypes.data)
+        smaps = _smaps_of(arr.ctypes.data)  # (bench_pread_micro.py's)
         flt = r1.ru_minflt - r0.ru_minflt
         print(f"{n}: {size / 2**20:.0f} MiB, {len(resident) * bench_spill.PAGE / 2**20:.0f} MiB in the page cache; "
               f"{len(pick)} resident pages touched: {flt} faults ({r1.ru_majflt - r0.ru_majflt} major), Rss "
@@ -352,20 +353,6 @@ def probe(args) -> int:
         del arr
         m.close()
     return 0
-
-
-def _smaps_of(addr: int) -> dict[str, int]:
-    """The /proc/self/smaps fields (kB) of the mapping starting at ``addr``."""
-    out: dict[str, int] = {}
-    cur = False
-    with open("/proc/self/smaps") as fh:
-        for line in fh:
-            head = line.split()
-            if "-" in head[0] and ":" not in head[0]:
-                cur = int(head[0].split("-")[0], 16) == addr
-            elif cur and head[0].endswith(":") and len(head) >= 2 and head[1].isdigit():
-                out[head[0][:-1]] = int(head[1])
-    return out
 
 
 def _multiset(out: dict) -> dict:
