@@ -80,11 +80,14 @@ def drop_pages(store) -> None:
             os.close(fd)
 
 
-def load(query: str, state: int, groups: int, args, limit) -> tuple[dbsp.Pipeline, np.random.Generator, list]:
+def load(query: str, state: int, groups: int, args, limit, **pipeline: object) -> tuple[dbsp.Pipeline, np.random.Generator, list]:
+    """A pipeline of ``query`` with ``state`` bids loaded and its merges settled, the generator of the steps' rows
+    after it and the loaded rows a step deletes from; ``pipeline``: more of the Pipeline's arguments (bench/
+    spill_state.py's storage directory)."""
     rng = np.random.default_rng(7)
     _PEAK.update(load_file=0, load_anon=0)
     t0 = time.perf_counter()
-    p = dbsp.Pipeline(circuit(query), executor=EmbeddedExecutor(background_merge=True), memory_limit=limit)
+    p = dbsp.Pipeline(circuit(query), executor=EmbeddedExecutor(background_merge=True), memory_limit=limit, **pipeline)
     if query == "join":
         import pyarrow as pa
         piece = getattr(args, "auctions_step", 0) or groups  # all in the first step, as before, unless in pieces
@@ -119,7 +122,10 @@ def load(query: str, state: int, groups: int, args, limit) -> tuple[dbsp.Pipelin
     return p, rng, loaded
 
 
-def one_step(p: dbsp.Pipeline, rng, query: str, groups: int, change: int, loaded: list, k: int) -> float:
+def one_step(p: dbsp.Pipeline, rng, query: str, groups: int, change: int, loaded: list, k: int,
+             outputs: list | None = None) -> float:
+    """Step ``k``: ``change`` rows, 90% new bids and 10% deletions of ``loaded`` ones; its wall time in ms (its
+    output appended to ``outputs`` when given, outside the time)."""
     from dbsp_core import ZSet
 
     dels = change // 10
@@ -128,9 +134,12 @@ def one_step(p: dbsp.Pipeline, rng, query: str, groups: int, change: int, loaded
     t0, c0 = time.perf_counter(), time.thread_time()
     p.push("bids", bids(rng, change - dels, query, groups))
     p.push("bids", ZSet.from_arrow(gone, weights=np.full(gone.num_rows, -1, dtype=np.int64)))
-    p.step()
+    out = p.step()
     _STEP_CPU.append((time.thread_time() - c0) * 1e3)
-    return (time.perf_counter() - t0) * 1e3
+    ms = (time.perf_counter() - t0) * 1e3
+    if outputs is not None:
+        outputs.append(out)
+    return ms
 
 
 _STEP_CPU: list[float] = []  # the stepping thread's CPU per step, ms (thread_time: W=1 steps and enforces on it)

@@ -46,8 +46,9 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      away, dropped); its blocks and page cache are given back by the enforces after that, ``RECLAIM_BYTES`` each
      (:meth:`BatchStore._reclaim_files`: a descriptor kept across the unlink, the file truncated from its end once no
      mapping of it is alive in the process, its batch's or any other: every mapping of a batch file is registered,
-     batchfile.py invariant 9, and the kernel's list of mappings is asked before a file's first piece, ``RECLAIM_CHECK``),
-     not at once by the step that drops it: the kernel frees a file at ~30 us a MiB, and the install of
+     batchfile.py invariant 9, and the kernel's list of mappings is asked before a file's first piece, ``RECLAIM_CHECK``;
+     never a file whose inode another name still links once its own name is gone, a copy made with hard links: its
+     bytes are that name's), not at once by the step that drops it: the kernel frees a file at ~30 us a MiB, and the install of
      a compaction drops all its inputs (650 MB for 20M rows: 34 ms). While a store lives, the C region cache (freed merge buffers kept for reuse, csrc/scratch.h)
      keeps at most ``memory_limit * REGION_CACHE_SHARE`` bytes, and each thread's scratch cache (kernels' freed
      buffers, 512 MiB a thread otherwise) at most ``memory_limit * SCRATCH_SHARE``.
@@ -133,6 +134,17 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      2 MiB folios in two of three runs (the LRU took their unread row hashes instead): 5.9-6.7 ms CPU a step against
      29-33 on main, whose hot files degraded in both of its runs. A thread that faults a page of the
      mapping during those two calls gets the kernel's read-around (read_ahead_kb of the disk): a cost, not an error.
+     Huge faults (``HUGE_SHARE``): recency lowers the odds that the hot files lose their folios, but any drop of them
+     from the page cache (the host's reclaim, a cold start, ``fadvise``) has MADV_RANDOM faults bring them back one
+     4 KiB page at a time, for good: a 10M join under 100 MiB, its files dropped, then took 2,900 faults and 33 ms of
+     system time a step against 160 and 1-2 ms in 2 MiB folios (bench/RESULTS.md, 2026-12-02, branch r31-100). So an
+     enforce that finds the reads of some keys since the last one used at least ``HUGE_SHARE`` of a file's 2 MiB units
+     (``_hot_files``: a file that most steps read most units of, where reading whole units costs little more than the
+     pages themselves) sets MADV_HUGEPAGE on the file's mapping, once: under it a fault on a page the page cache
+     does not hold reads its aligned 2 MiB as one folio (the kernel's VM_HUGEPAGE fault path, MADV_RANDOM or not),
+     so the file returns to 2 MiB folios as the steps read it, and :meth:`prefetch` skips it (a WILLNEED reads 4 KiB
+     folios). A file steps read sparsely (a state far beyond the page cache, a few keys a unit) never gets it: its
+     faults read their pages alone, as before.
      Next step, measured and not built: reads through pread(2) for files whose pages sit in small folios or whose
      reads find few pages per 2 MiB (the same 100M steps: pread 5.3 ms a step in 2 MiB folios, 7.6-8.1 in 16 KiB ones,
      6.7-7.4 on the store's files; at 10M, 30 pages a unit, the mapping wins 8x). It changes how rows reach the
@@ -565,6 +577,7 @@ class BatchStore:
         self._files: dict[int, BatchFile] = {}  # id(batch) -> its open file, while the batch lives
         self._grouped: dict[int, GroupedFile] = {}  # id(batch) -> its open format-2 file, while it lives (18)
         self._map_backoff: dict[int, int] = {}  # id(batch) -> the enforce its format-2 file maps again from (18)
+        self._huge: set[int] = set()  # id(batch) of the files whose mapping is MADV_HUGEPAGE (invariant 12, "huge")
         self._offsets: dict[int, int] = {}  # id(batch) -> the file row its first row is (a restored slice), if not 0
         self._spans: dict = {}  # (id(batch), row hashes) -> its buffers' byte spans (spillread.pages_used's cache)
         self._owners: dict[str, int] = {}  # file name -> live batches read from it
@@ -740,8 +753,8 @@ class BatchStore:
         ``row_hashes`` False: the walk reads no row hashes (a join's), so their pages are not asked for. Counts
         ``pages_prefetched`` and ``prefetch_runs``; returns the pages asked for."""
         f = self._files.get(id(b)) if len(hashes) and self.prefetching() else None
-        if f is None or len(b) != f.rows or self._offsets.get(id(b)):  # (a restored slice seeks without the fence)
-            return 0
+        if f is None or len(b) != f.rows or self._offsets.get(id(b)) or id(b) in self._huge:  # (a restored
+            return 0  # slice seeks without the fence; a hot file's faults read 2 MiB folios: invariant 12)
         if id(b) in self._unchecked:  # a lazily opened file: its fence and filter are checked before use (14)
             before = int(f.checked.sum())
             f.check_sections()
@@ -1036,6 +1049,14 @@ class BatchStore:
             if fd >= 0:
                 os.close(fd)
             return
+        if fd >= 0:
+            try:  # another name still links the inode (a copy made with ``cp -al`` or os.link): its bytes are that
+                linked = os.fstat(fd).st_nlink > 0  # name's, never truncated; the kernel frees it with its last link
+            except OSError:
+                linked = True
+            if linked:
+                os.close(fd)
+                fd = -1
         if fd >= 0:  # unlinked (durably, through a VFS: its unlinks are once they return): no name reaches it now
             with self._lock:
                 self._reclaim.append(_Deleted(fd, key, path))
@@ -1058,6 +1079,11 @@ class BatchStore:
     # (batchfile.py invariant 9, ``mapped``). (r31-slicewrite kept a weak reference to the batch's current mapping
     # only, and a live rescale under DBSP_MEMORY_LIMIT=1 died of SIGBUS reading another: so it was off on main.)
     RECLAIM_FILES = 256
+    # invariant 12, "huge faults": a file whose reads of some keys in one enforce's window used pages in this share of
+    # its 2 MiB units or more (and at least HUGE_MIN_UNITS of them) gets MADV_HUGEPAGE, so that its pages come back
+    # in 2 MiB folios after any drop from the page cache (None: never)
+    HUGE_SHARE: float | None = 0.25
+    HUGE_MIN_UNITS = 16
     # and before a file's first truncation, the kernel's list of this process's mappings (/proc/self/maps: one read per
     # enforce that has a file to start, ~0.3-1 ms) is asked too: "kernel", a mapping the registry missed keeps the file
     # whole and counts ``reclaim_untracked``; "strict" raises instead (tests: a mapping not registered is a bug);
@@ -1410,6 +1436,7 @@ class BatchStore:
         with self._lock:
             f = self._files.pop(key, None)
             self._grouped.pop(key, None)
+            self._huge.discard(key)
             self._offsets.pop(key, None)
             self._spans.pop((key, True), None)
             self._spans.pop((key, False), None)
@@ -1461,6 +1488,8 @@ class BatchStore:
             for (i, _, f, _, _), p in zip(seeks, pages):
                 located[i][3] = np.arange(f.os_pages(), dtype=np.int64) if p is None else p
         del used, seeks
+        if self.HUGE_SHARE is not None and located:
+            self._hot_files(located)
         if self.OVERFLOW_EMPTIES and (located or gmarks) and not indexes and self._overflows(located, gmarks):
             return
         with self._lock:  # batches may die (and leave the cache) on other threads meanwhile
@@ -1543,6 +1572,28 @@ class BatchStore:
                 self._map_backoff[key] = self.stats["enforcements"] + self.MAP_BACKOFF
                 self.count("grouped_map_backoffs", 1)  # (an RLock: this runs under it)
         return getattr(f, "map", None) if f is not None else None
+
+    def _hot_files(self, located: list) -> None:
+        """Invariant 12, "huge faults": a file whose reads of some keys since the last enforce (``located``, as
+        :meth:`_overflows` takes it) used pages in at least ``HUGE_SHARE`` of its ``MAP_UNIT``s (and ``HUGE_MIN_UNITS``)
+        gets MADV_HUGEPAGE on its mapping, once: from then on a fault on a page the page cache does not hold reads the
+        aligned 2 MiB around it as one folio, and :meth:`prefetch` leaves the file alone (a WILLNEED reads 4 KiB
+        folios). Counts ``huge_files``."""
+        units: dict[int, tuple[Any, list[np.ndarray]]] = {}
+        for _t, key, f, pages, sought in located:
+            if sought and key not in self._huge and f.map is not None:
+                units.setdefault(key, (f, []))[1].append(_unit_of(f.base, pages[pages < f.os_pages()]))
+        for key, (f, us) in units.items():
+            n = len(np.unique(np.concatenate(us))) if len(us) > 1 else len(np.unique(us[0]))
+            if n >= self.HUGE_MIN_UNITS and n >= self.HUGE_SHARE * _units(f.base, f.size):
+                try:
+                    f.map.madvise(mmap.MADV_HUGEPAGE)
+                except (OSError, ValueError):  # (a kernel without it, or the file closed meanwhile: faults as before)
+                    continue
+                with self._lock:
+                    if key in self._files:
+                        self._huge.add(key)
+                self.stats["huge_files"] = self.stats.get("huge_files", 0) + 1
 
     def _overflows(self, located: list, gmarks: dict[int, np.ndarray] | None = None) -> bool:
         """Invariant 15, "overflow": when the ``MAP_UNIT``s the reads since the last enforce marked (``located``: per

@@ -134,3 +134,44 @@ bf.mapped = lambda key: False
     assert ok == "ok" and int(untracked) >= 1, r.stdout
     r = _run(blind, "strict")
     assert r.returncode == 1 and "reclaim" in r.stderr and "mapped" in r.stderr, (r.returncode, r.stderr[-3000:])
+
+
+def test_a_file_linked_under_another_name_is_not_truncated(tmp_path) -> None:
+    """A deleted batch file whose inode another name still links (a saved copy made with ``cp -al`` or os.link, as
+    bench/spill_state.py's copies of a saved state are) is not truncated by the reclaim: it is not given back when
+    its name goes, and the other name keeps its bytes. Watched fail with ``_delete`` not asking for the inode's
+    links: the linked file was truncated to 0 bytes."""
+    import zlib
+
+    import numpy as np
+    import pyarrow as pa
+
+    from dbsp_core import ZSet
+    from dbsp_core.trace import Trace
+    from dbsp_core.trace.spill import spilling
+
+    rng = np.random.default_rng(7)
+    kv = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    t = Trace(kv, ("k",))
+    with BatchStore(1) as store, spilling(store):
+        t.insert(ZSet.from_arrow(pa.table({"k": rng.integers(0, 1 << 40, 200_000), "v": rng.integers(0, 3, 200_000)},
+                                          schema=kv)).consolidate().index_by(["k"]))
+        store.enforce()
+        store.settle()
+        files = [f.path for f in list(store._files.values()) + list(store._grouped.values())]
+        assert files, "nothing spilled"
+        saved = []
+        for i, path in enumerate(files):
+            link = str(tmp_path / f"saved-{i}.batch")
+            os.link(path, link)
+            with open(link, "rb") as f:
+                saved.append((link, zlib.crc32(f.read()), os.path.getsize(link)))
+        t.clear()
+        for _ in range(1000):
+            store.enforce()
+            if not store._reclaim:
+                break
+        assert not any(os.path.exists(p) for p in files), "the store's names were not deleted"
+    for link, crc, size in saved:
+        with open(link, "rb") as f:
+            assert (zlib.crc32(f.read()), os.path.getsize(link)) == (crc, size), f"{link} changed"
