@@ -281,6 +281,7 @@ int dbsp_cdata_share_gather(DbspCDataShare *sh, const DbspColumn *c, int64_t nro
     }
     col->null_count = a.null_count;
     col->n_buffers = (int32_t)a.n_buffers;
+    col->own[0] = col->own[1] = NULL;  /* the share's: both batches show a key column */
     free(p);
     return DBSP_OK;
 }
@@ -293,8 +294,15 @@ typedef struct {
     DbspCDataShare *sh;
 } SharePriv;
 
+typedef struct {
+    DbspCDataShare *sh;
+    void *own[2];
+} OwnPriv;
+
 static void release_share_child(struct ArrowArray *a) {
-    dbsp_cdata_share_drop(a->private_data);
+    OwnPriv *p = a->private_data;
+    dbsp_cdata_share_drop(p->sh);
+    free(p->own[0]); free(p->own[1]); free(p);
     a->release = NULL;
 }
 
@@ -314,20 +322,27 @@ int dbsp_cdata_share_export(DbspCDataShare *sh, int32_t ncols, const DbspCDataCo
     p->kids = calloc(nk, sizeof(struct ArrowArray));
     p->kid_ptrs = malloc(nk * sizeof(struct ArrowArray *));
     p->kid_bufs = malloc(nk * 3 * sizeof(void *));
-    if (!p->kids || !p->kid_ptrs || !p->kid_bufs) {
+    int ok = p->kids && p->kid_ptrs && p->kid_bufs;
+    for (int32_t k = 0; ok && k < ncols; k++)  /* allocate first: nothing can fail once the buffers are taken */
+        ok = (p->kids[k].private_data = malloc(sizeof(OwnPriv))) != NULL;
+    if (!ok) {
+        for (int32_t k = 0; p->kids && k < ncols; k++) free(p->kids[k].private_data);
         free(p->kids); free(p->kid_ptrs); free(p->kid_bufs); free(p);
         return DBSP_ENOMEM;
     }
     p->sh = sh;
     for (int32_t k = 0; k < ncols; k++) {
         struct ArrowArray *c = &p->kids[k];
+        OwnPriv *op = c->private_data;
+        op->sh = sh;
+        op->own[0] = cols[k].own[0];
+        op->own[1] = cols[k].own[1];
         for (int i = 0; i < 3; i++) p->kid_bufs[3 * k + i] = cols[k].bufs[i];
         c->length = m;
         c->null_count = cols[k].null_count;
         c->n_buffers = cols[k].n_buffers;
         c->buffers = &p->kid_bufs[3 * k];
         c->release = release_share_child;
-        c->private_data = sh;
         p->kid_ptrs[k] = c;
     }
     atomic_fetch_add(&sh->refs, ncols);

@@ -11,7 +11,8 @@
  *  5. Batches exported from a share (dbsp_cdata_share_*) may hold the same buffers, in one or several batches (a
  *     linear group-by's trace batch and output: their key columns and slot values): the share owns every buffer
  *     given to it and counts a reference per exported column (and one for its maker); each column's release drops
- *     its reference, and the last one frees every buffer, so invariant 4 holds column by column.
+ *     its reference, and the last one frees every buffer, so invariant 4 holds column by column. A buffer that one
+ *     column alone shows is that column's own (freed with it), so no batch pins what only another one shows.
  */
 #ifndef DBSP_CDATA_H
 #define DBSP_CDATA_H
@@ -99,6 +100,7 @@ typedef struct DbspCDataCol {  /* a column of a share's export: its buffers (val
     int64_t null_count;
     int32_t n_buffers;
     const void *bufs[3];
+    void *own[2];  /* buffers of this column alone (malloc'ed, among bufs; or NULL): freed with the column, not shared */
 } DbspCDataCol;
 DbspCDataShare *dbsp_cdata_share_new(int32_t cap);
 /* The share takes buf (malloc'ed; NULL is ignored) and frees it with its last reference: DBSP_ENOMEM when it holds
@@ -107,7 +109,8 @@ int dbsp_cdata_share_take(DbspCDataShare *sh, void *buf);
 /* Column c of nrows rows at rows idx[0..m) (checked) gathered into buffers the share takes, described in *col. */
 int dbsp_cdata_share_gather(DbspCDataShare *sh, const DbspColumn *c, int64_t nrows, const int64_t *idx, int64_t m,
                             DbspCDataCol *col);
-/* A record batch of m rows whose columns are cols[0..ncols) (buffers the share holds) exported into *out. */
+/* A record batch of m rows whose columns are cols[0..ncols) (buffers the share holds, and each column's own, which
+ * the export takes on DBSP_OK) exported into *out. */
 int dbsp_cdata_share_export(DbspCDataShare *sh, int32_t ncols, const DbspCDataCol *cols, int64_t m,
                             struct ArrowArray *out);
 /* The maker's reference dropped (the buffers freed unless an exported column holds them). */

@@ -786,7 +786,8 @@ static int get_into_int(const DbspKeyIndex *ix, const DbspColumn *c, const int64
         if (slots) slots[i] = v;
         int64_t *a = acc + i * nv;
         if (copy) {  /* dbsp_keyindex_read_slots: the sums as they are, zero when absent */
-            for (int32_t j = 0; j < nv; j++) a[j] = v ? v[j] : 0;
+            if (v) for (int32_t j = 0; j < nv; j++) a[j] = v[j];
+            else for (int32_t j = 0; j < nv; j++) a[j] = 0;
             continue;
         }
         if (!v) continue; /* absent: all sums zero (invariant 2) */

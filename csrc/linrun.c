@@ -29,7 +29,8 @@ static int read_fold(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, 
     int st = dbsp_keyindex_read_slots(ix, b, keys, r->group_row, khash, ng, old, slots);  /* old: copied, no zeroing */
     if (st == DBSP_OK) st = dbsp_linear_fold2(ng, ns, old, r->ivals, khash, grp, w, kh, vals, n, ordered, rh, canon);
     if (st != DBSP_OK) return st;
-    for (int64_t i = 0; i < *n; i++) rows[i] = r->group_row[grp[i]];
+    const int64_t m = *n, *gr = r->group_row;
+    for (int64_t i = 0; i < m; i++) rows[i] = gr[grp[i]];
     return DBSP_OK;
 }
 
@@ -57,10 +58,17 @@ static void undo_store(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys
 int dbsp_linear_store(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int32_t ns, const int64_t *old,
                       int64_t *const *slots, const int64_t *grp, const int64_t *rows, const int64_t *w,
                       const uint64_t *kh, const int64_t *vals, int64_t cap, int64_t m) {
-    int st = DBSP_OK;
-    for (int64_t i = 0; i < m; i++)  /* new totals of keys held: in place, before the index changes shape */
-        if (w[i] > 0 && slots[grp[i]] != NULL) dbsp_keyindex_set_slot(ix, slots[grp[i]], vals + i, cap);
-    for (int64_t i = 0; i < m; i++) {  /* then new keys: the only stores that allocate (invariant 4) */
+    int st = DBSP_OK, added = 0, gone = 0;
+    for (int64_t i = 0; i < m; i++) {  /* new totals of keys held: in place, before the index changes shape */
+        int64_t g = grp[i];
+        if (w[i] > 0) {
+            if (slots[g] != NULL) dbsp_keyindex_set_slot(ix, slots[g], vals + i, cap);
+            else added = 1;
+        } else if ((i + 1 >= m || grp[i + 1] != g) && (i == 0 || grp[i - 1] != g)) {
+            gone = 1;  /* its old row alone: the new count is 0 */
+        }
+    }
+    for (int64_t i = 0; added && i < m; i++) {  /* then new keys: the only stores that allocate (invariant 4) */
         if (w[i] > 0 && slots[grp[i]] == NULL) st = dbsp_keyindex_put(ix, b, keys, rows[i], kh[i], vals + i, cap, m);
         if (st != DBSP_OK) {
             if (st == DBSP_ENOMEM || st == DBSP_ETOOBIG) {
@@ -70,7 +78,7 @@ int dbsp_linear_store(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys,
             return st;
         }
     }
-    for (int64_t i = 0; i < m; i++) {  /* last, groups whose new count is 0 (a removal allocates nothing) */
+    for (int64_t i = 0; gone && i < m; i++) {  /* last, groups whose new count is 0 (a removal allocates nothing) */
         int64_t g = grp[i];
         if (w[i] < 0 && (i + 1 >= m || grp[i + 1] != g) && (i == 0 || grp[i - 1] != g)) {  /* its old row alone */
             st = dbsp_keyindex_put(ix, b, keys, rows[i], kh[i], NULL, cap, m);
@@ -176,6 +184,7 @@ int dbsp_linear_run3(DbspLinRun *s, const DbspBatch *b0, const int32_t *keys, in
     DbspCDataShare *sh = NULL;
     int64_t *vals = NULL;  /* the slot values, ns columns of stride vs: the exports' (invariant 8) */
     int64_t ng = 0, cap = 0, m = 0, vs = 0;
+    int32_t nok = 0, nown = 0;  /* the output's key columns; its columns whose own buffers are still to free */
     /* (invariants 6, 8; read first: a free of the scratch clears them) */
     const int found_dirty = s->found_dirty, canon = !s->keyorder;
     memset(&r, 0, sizeof r);
@@ -233,7 +242,7 @@ grouped:
     *w = malloc((size_t)cap * 8);
     *kh = malloc((size_t)cap * 8);
     vals = malloc((size_t)(cap * ns) * 8);
-    sh = dbsp_cdata_share_new(1 + 3 * nkeys + 2 * nout);  /* vals, the key columns' buffers, per output two */
+    sh = dbsp_cdata_share_new(1 + 3 * nkeys);  /* vals and the key columns' buffers */
     if (!*w || !*kh || !vals || !sh) { st = DBSP_ENOMEM; goto done; }
     /* read and fold; the exports below; the store last, so that a failure of an export changes nothing, and one of
      * the store is undone (invariant 4) */
@@ -260,17 +269,19 @@ grouped:
         if ((st = dbsp_cdata_share_gather(sh, &b->cols[keys[k]], b->nrows, rows, m, &bc[k])) != DBSP_OK) goto done;
     }
     for (int32_t j = 0; j < ns; j++)
-        bc[nkeys + j] = (DbspCDataCol){.null_count = 0, .n_buffers = 2, .bufs = {NULL, vkeep + j * vs, NULL}};
-    int32_t nok = out_keys ? nkeys : 0;
+        bc[nkeys + j] = (DbspCDataCol){.null_count = 0, .n_buffers = 2, .bufs = {NULL, vkeep + j * vs, NULL},
+                                       .own = {NULL, NULL}};
+    nok = out_keys ? nkeys : 0;
     if (nok) memcpy(oc, bc, (size_t)nok * sizeof *oc);
     for (int32_t o = 0; o < nout; o++) {  /* an output column: its slot's values (the batch's buffer), or an avg's */
         int32_t j = shown[o];
         DbspCDataCol *c = &oc[nok + o];
-        *c = (DbspCDataCol){.null_count = 0, .n_buffers = 2, .bufs = {NULL, vkeep + j * vs, NULL}};
-        if (avg && avg[o]) {  /* an avg: its double's bits */
+        nown = o + 1;
+        *c = (DbspCDataCol){.null_count = 0, .n_buffers = 2, .bufs = {NULL, vkeep + j * vs, NULL}, .own = {NULL, NULL}};
+        if (avg && avg[o]) {  /* an avg: its double's bits (the output's own buffer) */
             int64_t *a = malloc((size_t)m * 8);
             if (!a) { st = DBSP_ENOMEM; goto done; }
-            (void)dbsp_cdata_share_take(sh, a);
+            c->own[1] = a;
             const int64_t *hi = vkeep + j * vs, *cn = vkeep + nonnull[o] * vs;
             const int64_t *lo = avg_lo[o] >= 0 ? vkeep + avg_lo[o] * vs : NULL;
             for (int64_t i = 0; i < m; i++) {
@@ -287,7 +298,7 @@ grouped:
         if (!z) continue;
         uint8_t *valid = calloc((size_t)(m + 7) / 8 + 1, 1);
         if (!valid) { st = DBSP_ENOMEM; goto done; }
-        (void)dbsp_cdata_share_take(sh, valid);
+        c->own[0] = valid;
         for (int64_t i = 0; i < m; i++)
             if (nn[i] != 0) valid[i >> 3] |= (uint8_t)(1u << (i & 7));
         c->bufs[0] = valid;
@@ -296,18 +307,20 @@ grouped:
     /* distinct unless a group's two rows show equal values (Aggregate.ints_may_cancel; an avg by its value, a null,
      * where the non-null count is 0, equal to a null) */
     if (!out_keys) *distinct = 0;
-    for (int64_t i = 1; *distinct && i < m; i++) {
+    const int64_t *onn[64];  /* the output's non-null counts (NULL: never null) */
+    for (int32_t o = 0; o < nout; o++) onn[o] = nonnull[o] >= 0 ? vkeep + nonnull[o] * vs : NULL;
+    for (int64_t i = 1; out_keys && i < m; i++) {
         if (grp[i] != grp[i - 1]) continue;
         int same = 1;
         for (int32_t o = 0; same && o < nout; o++) {
-            const int64_t *nn = nonnull[o] >= 0 ? vkeep + nonnull[o] * vs : NULL;
-            int na = nn && nn[i] == 0, nb = nn && nn[i - 1] == 0;
+            int na = onn[o] && onn[o][i] == 0, nb = onn[o] && onn[o][i - 1] == 0;
             same = (na && nb) || (!na && !nb && ov[o][i] == ov[o][i - 1]);
         }
-        if (same) *distinct = 0;
+        if (same) { *distinct = 0; break; }
     }
     if ((st = dbsp_cdata_share_export(sh, nkeys + ns, bc, m, batch)) != DBSP_OK) goto done;
     if ((st = dbsp_cdata_share_export(sh, nok + nout, oc, m, out)) != DBSP_OK) { batch->release(batch); goto done; }
+    nown = 0;  /* the output's columns own them now */
     st = dbsp_linear_store(ix, b, keys, ns, s->old, s->slots, s->grp, s->rows, *w, *kh, vkeep, vs, m);
     if (st != DBSP_OK) {  /* nothing stored (invariant 4): nothing returned */
         batch->release(batch);
@@ -321,6 +334,7 @@ grouped:
         if (k2) *kh = k2;
     }
 done:
+    for (int32_t o = 0; o < nown; o++) { free(oc[nok + o].own[0]); free(oc[nok + o].own[1]); }
     free(vals);  /* (NULL once the share holds it) */
     dbsp_cdata_share_drop(sh);  /* the exports' columns hold the buffers they show */
     for (int32_t k = 0; k < nlimb; k++) free(limbs[k]);
