@@ -157,6 +157,19 @@ fail:
     return st;
 }
 
+/* *out as the struct array of a record batch of m rows (invariant 1) with children kids[0..n) */
+static void root_of(struct ArrowArray *out, int64_t m, int64_t n, struct ArrowArray **kids, const void **bufs,
+                    void (*release)(struct ArrowArray *), void *priv) {
+    memset(out, 0, sizeof *out);
+    out->length = m;
+    out->n_buffers = 1;
+    out->buffers = bufs;  /* no validity: a record batch has no null rows */
+    out->n_children = n;
+    out->children = kids;
+    out->release = release;
+    out->private_data = priv;
+}
+
 /* dbsp_cdata_gather2 with room for `extra` more children after the gathered ones (p->n counts the gathered) */
 static int gather_root(const DbspBatch *a, const int32_t *acols, int32_t na, const int64_t *aidx,
                        const DbspBatch *b, const int32_t *bcols, int32_t nb, const int64_t *bidx, int64_t m,
@@ -183,14 +196,7 @@ static int gather_root(const DbspBatch *a, const int32_t *acols, int32_t na, con
         p->kid_ptrs[k] = &p->kids[k];
     }
     p->n = n;
-    memset(out, 0, sizeof *out);
-    out->length = m;
-    out->n_buffers = 1;
-    out->buffers = p->bufs;  /* no validity: a record batch has no null rows */
-    out->n_children = n;
-    out->children = p->kid_ptrs;
-    out->release = release_root;
-    out->private_data = p;
+    root_of(out, m, n, p->kid_ptrs, p->bufs, release_root, p);
     return DBSP_OK;
 }
 
@@ -346,14 +352,7 @@ int dbsp_cdata_share_export(DbspCDataShare *sh, int32_t ncols, const DbspCDataCo
         p->kid_ptrs[k] = c;
     }
     atomic_fetch_add(&sh->refs, ncols);
-    memset(out, 0, sizeof *out);
-    out->length = m;
-    out->n_buffers = 1;
-    out->buffers = p->bufs;  /* no validity: a record batch has no null rows */
-    out->n_children = ncols;
-    out->children = p->kid_ptrs;
-    out->release = release_share_root;
-    out->private_data = p;
+    root_of(out, m, ncols, p->kid_ptrs, p->bufs, release_share_root, p);
     return DBSP_OK;
 }
 
