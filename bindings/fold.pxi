@@ -115,6 +115,8 @@ cdef class LinearRun:
     a count of values counts) has a null. With ``dirty`` (a KeyIndex of a totals trace's dirty keys, one value a
     key), a seventh item: per row of ``batch`` whether its key is not dirty (csrc/linrun.h invariant 5; None when no
     row changed); ``found_dirty``: every key ``ix`` holds is dirty, so only the others are probed (invariant 6).
+    ``keyorder``: the caller needs ``batch`` in key-hash order only (invariant 8): a group's rows then come new row
+    first, not by row hash, and ``ordered`` says only that no two groups share a key hash.
     Errors as linear_step's."""
     cdef CLinRun s
     cdef Int32s keys, shown, nonnull, avg, avg_lo
@@ -158,7 +160,7 @@ cdef class LinearRun:
         self.steps = 0
         self.fused_steps = 0
 
-    def step(self, table, weights, KeyIndex ix, KeyIndex dirty=None, bint found_dirty=False):
+    def step(self, table, weights, KeyIndex ix, KeyIndex dirty=None, bint found_dirty=False, bint keyorder=False):
         cdef BatchView v = view_of(table, weights)
         cdef int32_t c
         if self.keys.n != ix.nkeys or self.ns != ix.nvals:
@@ -178,6 +180,7 @@ cdef class LinearRun:
         cdef uint8_t *fresh = NULL
         cdef const CKeyIndex *dix = NULL if dirty is None else dirty.ix
         self.s.found_dirty = 1 if found_dirty and dix != NULL else 0
+        self.s.keyorder = 1 if keyorder else 0
         with nogil:
             st = dbsp_linear_run3(&self.s, &v.c, self.keys.p, self.keys.n, self.specs, self.ns, ix.ix, self.shown.p,
                                   self.nonnull.p, self.avg.p, self.avg_lo.p, self.nout, self.out_keys, &batch, &out,

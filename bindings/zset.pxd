@@ -289,6 +289,7 @@ cdef extern from "extremes.h" nogil:
 cdef extern from "linrun.h" nogil:
     ctypedef struct CLinRun "DbspLinRun":
         int found_dirty
+        int keyorder
         int64_t groups
         int fused
     void dbsp_linrun_free(CLinRun *s)

@@ -1,4 +1,5 @@
 /* cdata.c: DbspColumn views of record batches exported through the Arrow C data interface (see cdata.h). */
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include "cdata.h"
@@ -156,6 +157,19 @@ fail:
     return st;
 }
 
+/* *out as the struct array of a record batch of m rows (invariant 1) with children kids[0..n) */
+static void root_of(struct ArrowArray *out, int64_t m, int64_t n, struct ArrowArray **kids, const void **bufs,
+                    void (*release)(struct ArrowArray *), void *priv) {
+    memset(out, 0, sizeof *out);
+    out->length = m;
+    out->n_buffers = 1;
+    out->buffers = bufs;  /* no validity: a record batch has no null rows */
+    out->n_children = n;
+    out->children = kids;
+    out->release = release;
+    out->private_data = priv;
+}
+
 /* dbsp_cdata_gather2 with room for `extra` more children after the gathered ones (p->n counts the gathered) */
 static int gather_root(const DbspBatch *a, const int32_t *acols, int32_t na, const int64_t *aidx,
                        const DbspBatch *b, const int32_t *bcols, int32_t nb, const int64_t *bidx, int64_t m,
@@ -182,14 +196,7 @@ static int gather_root(const DbspBatch *a, const int32_t *acols, int32_t na, con
         p->kid_ptrs[k] = &p->kids[k];
     }
     p->n = n;
-    memset(out, 0, sizeof *out);
-    out->length = m;
-    out->n_buffers = 1;
-    out->buffers = p->bufs;  /* no validity: a record batch has no null rows */
-    out->n_children = n;
-    out->children = p->kid_ptrs;
-    out->release = release_root;
-    out->private_data = p;
+    root_of(out, m, n, p->kid_ptrs, p->bufs, release_root, p);
     return DBSP_OK;
 }
 
@@ -235,6 +242,118 @@ fail:
 
 int dbsp_cdata_gather(const DbspBatch *b, const int64_t *idx, int64_t m, struct ArrowArray *out) {
     return dbsp_cdata_gather2(b, NULL, b->ncols, idx, NULL, NULL, 0, NULL, m, out);
+}
+
+/* ---- exports from a share (invariant 5) ---- */
+
+struct DbspCDataShare {
+    _Atomic int64_t refs;
+    int32_t n, cap;
+    void *bufs[];
+};
+
+DbspCDataShare *dbsp_cdata_share_new(int32_t cap) {
+    DbspCDataShare *sh = malloc(sizeof *sh + (size_t)(cap > 0 ? cap : 1) * sizeof(void *));
+    if (!sh) return NULL;
+    atomic_init(&sh->refs, 1);
+    sh->n = 0;
+    sh->cap = cap;
+    return sh;
+}
+
+void dbsp_cdata_share_drop(DbspCDataShare *sh) {
+    if (!sh || atomic_fetch_sub(&sh->refs, 1) != 1) return;
+    for (int32_t i = 0; i < sh->n; i++) free(sh->bufs[i]);
+    free(sh);
+}
+
+int dbsp_cdata_share_take(DbspCDataShare *sh, void *buf) {
+    if (!buf) return DBSP_OK;
+    if (sh->n >= sh->cap) return DBSP_ENOMEM;
+    sh->bufs[sh->n++] = buf;
+    return DBSP_OK;
+}
+
+int dbsp_cdata_share_gather(DbspCDataShare *sh, const DbspColumn *c, int64_t nrows, const int64_t *idx, int64_t m,
+                            DbspCDataCol *col) {
+    struct ArrowArray a;
+    if (sh->n + 3 > sh->cap) return DBSP_ENOMEM;
+    int st = gather_child(c, nrows, idx, m, &a);
+    if (st != DBSP_OK) return st;
+    ChildPriv *p = a.private_data;
+    for (int i = 0; i < 3; i++) {
+        (void)dbsp_cdata_share_take(sh, p->owned[i]);  /* room checked above */
+        col->bufs[i] = p->bufs[i];
+    }
+    col->null_count = a.null_count;
+    col->n_buffers = (int32_t)a.n_buffers;
+    col->own[0] = col->own[1] = NULL;  /* the share's: both batches show a key column */
+    free(p);
+    return DBSP_OK;
+}
+
+typedef struct {
+    const void *bufs[1];
+    struct ArrowArray *kids;
+    struct ArrowArray **kid_ptrs;
+    const void **kid_bufs;  /* 3 a child */
+    DbspCDataShare *sh;
+} SharePriv;
+
+typedef struct {
+    DbspCDataShare *sh;
+    void *own[2];
+} OwnPriv;
+
+static void release_share_child(struct ArrowArray *a) {
+    OwnPriv *p = a->private_data;
+    dbsp_cdata_share_drop(p->sh);
+    free(p->own[0]); free(p->own[1]); free(p);
+    a->release = NULL;
+}
+
+static void release_share_root(struct ArrowArray *a) {
+    SharePriv *p = a->private_data;
+    for (int64_t k = 0; k < a->n_children; k++)
+        if (p->kids[k].release) p->kids[k].release(&p->kids[k]);
+    free(p->kids); free(p->kid_ptrs); free(p->kid_bufs); free(p);
+    a->release = NULL;
+}
+
+int dbsp_cdata_share_export(DbspCDataShare *sh, int32_t ncols, const DbspCDataCol *cols, int64_t m,
+                            struct ArrowArray *out) {
+    size_t nk = (size_t)(ncols > 0 ? ncols : 1);
+    SharePriv *p = calloc(1, sizeof *p);
+    if (!p) return DBSP_ENOMEM;
+    p->kids = calloc(nk, sizeof(struct ArrowArray));
+    p->kid_ptrs = malloc(nk * sizeof(struct ArrowArray *));
+    p->kid_bufs = malloc(nk * 3 * sizeof(void *));
+    int ok = p->kids && p->kid_ptrs && p->kid_bufs;
+    for (int32_t k = 0; ok && k < ncols; k++)  /* allocate first: nothing can fail once the buffers are taken */
+        ok = (p->kids[k].private_data = malloc(sizeof(OwnPriv))) != NULL;
+    if (!ok) {
+        for (int32_t k = 0; p->kids && k < ncols; k++) free(p->kids[k].private_data);
+        free(p->kids); free(p->kid_ptrs); free(p->kid_bufs); free(p);
+        return DBSP_ENOMEM;
+    }
+    p->sh = sh;
+    for (int32_t k = 0; k < ncols; k++) {
+        struct ArrowArray *c = &p->kids[k];
+        OwnPriv *op = c->private_data;
+        op->sh = sh;
+        op->own[0] = cols[k].own[0];
+        op->own[1] = cols[k].own[1];
+        for (int i = 0; i < 3; i++) p->kid_bufs[3 * k + i] = cols[k].bufs[i];
+        c->length = m;
+        c->null_count = cols[k].null_count;
+        c->n_buffers = cols[k].n_buffers;
+        c->buffers = &p->kid_bufs[3 * k];
+        c->release = release_share_child;
+        p->kid_ptrs[k] = c;
+    }
+    atomic_fetch_add(&sh->refs, ncols);
+    root_of(out, m, ncols, p->kid_ptrs, p->bufs, release_share_root, p);
+    return DBSP_OK;
 }
 
 /* ---- export of region-owned columns (a merge's output) ---- */

@@ -8,6 +8,11 @@
  *  3. The view borrows the buffers: the caller keeps the exported structs alive (unreleased) while it is used.
  *  4. A batch this file exports owns its buffers: releasing the root releases every child not moved away, and
  *     each child frees its own buffers, so a consumer may keep some columns and drop the rest.
+ *  5. Batches exported from a share (dbsp_cdata_share_*) may hold the same buffers, in one or several batches (a
+ *     linear group-by's trace batch and output: their key columns and slot values): the share owns every buffer
+ *     given to it and counts a reference per exported column (and one for its maker); each column's release drops
+ *     its reference, and the last one frees every buffer, so invariant 4 holds column by column. A buffer that one
+ *     column alone shows is that column's own (freed with it), so no batch pins what only another one shows.
  */
 #ifndef DBSP_CDATA_H
 #define DBSP_CDATA_H
@@ -88,6 +93,28 @@ int dbsp_cdata_gather2(const DbspBatch *a, const int32_t *acols, int32_t na, con
 int dbsp_cdata_gather_ints(const DbspBatch *a, const int32_t *acols, int32_t na, const int64_t *aidx, int64_t m,
                            int32_t ni, int64_t *const *ivals, uint8_t *const *ivalid, const int64_t *inulls,
                            struct ArrowArray *out);
+
+/* Invariant 5. A share of up to cap buffers (NULL: no memory), held by its maker until dbsp_cdata_share_drop. */
+typedef struct DbspCDataShare DbspCDataShare;
+typedef struct DbspCDataCol {  /* a column of a share's export: its buffers (validity or NULL, values, data) */
+    int64_t null_count;
+    int32_t n_buffers;
+    const void *bufs[3];
+    void *own[2];  /* buffers of this column alone (malloc'ed, among bufs; or NULL): freed with the column, not shared */
+} DbspCDataCol;
+DbspCDataShare *dbsp_cdata_share_new(int32_t cap);
+/* The share takes buf (malloc'ed; NULL is ignored) and frees it with its last reference: DBSP_ENOMEM when it holds
+ * cap buffers already (buf then stays the caller's). */
+int dbsp_cdata_share_take(DbspCDataShare *sh, void *buf);
+/* Column c of nrows rows at rows idx[0..m) (checked) gathered into buffers the share takes, described in *col. */
+int dbsp_cdata_share_gather(DbspCDataShare *sh, const DbspColumn *c, int64_t nrows, const int64_t *idx, int64_t m,
+                            DbspCDataCol *col);
+/* A record batch of m rows whose columns are cols[0..ncols) (buffers the share holds, and each column's own, which
+ * the export takes on DBSP_OK) exported into *out. */
+int dbsp_cdata_share_export(DbspCDataShare *sh, int32_t ncols, const DbspCDataCol *cols, int64_t m,
+                            struct ArrowArray *out);
+/* The maker's reference dropped (the buffers freed unless an exported column holds them). */
+void dbsp_cdata_share_drop(DbspCDataShare *sh);
 
 /* Columns whose buffers are regions (scratch.h: dbsp_region_alloc) exported as a record batch of n rows that owns
  * them: column k has type types[k], null count null_counts[k] and buffers bufs[3k..3k+2] (validity or NULL, values,

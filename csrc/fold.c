@@ -16,7 +16,7 @@ static inline __attribute__((always_inline)) uint64_t extend(uint64_t h, const i
 static inline __attribute__((always_inline)) int fold(int64_t ng, const int32_t ns, const int64_t *old,
                                                       const int64_t *delta, const uint64_t *khash, int64_t *grp,
                                                       int64_t *w, uint64_t *kh, int64_t *vals, int64_t *n,
-                                                      int *ordered, uint64_t *rh) {
+                                                      int *ordered, uint64_t *rh, const int canon) {
     const int64_t cap = 2 * ng;
     int64_t k = 0;
     int in_order = 1, have_prev = 0;
@@ -49,6 +49,7 @@ static inline __attribute__((always_inline)) int fold(int64_t ng, const int32_t 
             for (int32_t j = 0; j < ns; j++) vals[j * cap + ks] = o[j];
             grp[ks] = g; w[ks] = -1; kh[ks] = khash[g];
         }
+        if (!canon) continue;  /* key-hash order only (fold.h): the new row first, no row hash */
         if (add && sub) {  /* the group's two rows by row hash */
             uint64_t ra = extend(khash[g], vals + ka, ns, cap), rs = extend(khash[g], vals + ks, ns, cap);
             if (ra == rs) in_order = 0;
@@ -72,13 +73,20 @@ static inline __attribute__((always_inline)) int fold(int64_t ng, const int32_t 
     return DBSP_OK;
 }
 
+int dbsp_linear_fold2(int64_t ng, int32_t ns, const int64_t *old, const int64_t *delta, const uint64_t *khash,
+                      int64_t *grp, int64_t *w, uint64_t *kh, int64_t *vals, int64_t *n, int *ordered, uint64_t *rh,
+                      int canon) {
+    canon = canon || rh;
+    switch (ns) {  /* a copy per common slot count (count; count+sum; a sum or avg with its non-null count ...) */
+    case 1: return fold(ng, 1, old, delta, khash, grp, w, kh, vals, n, ordered, rh, canon);
+    case 2: return fold(ng, 2, old, delta, khash, grp, w, kh, vals, n, ordered, rh, canon);
+    case 3: return fold(ng, 3, old, delta, khash, grp, w, kh, vals, n, ordered, rh, canon);
+    case 4: return fold(ng, 4, old, delta, khash, grp, w, kh, vals, n, ordered, rh, canon);
+    default: return fold(ng, ns, old, delta, khash, grp, w, kh, vals, n, ordered, rh, canon);
+    }
+}
+
 int dbsp_linear_fold(int64_t ng, int32_t ns, const int64_t *old, const int64_t *delta, const uint64_t *khash,
                      int64_t *grp, int64_t *w, uint64_t *kh, int64_t *vals, int64_t *n, int *ordered, uint64_t *rh) {
-    switch (ns) {  /* a copy per common slot count (count; count+sum; a sum or avg with its non-null count ...) */
-    case 1: return fold(ng, 1, old, delta, khash, grp, w, kh, vals, n, ordered, rh);
-    case 2: return fold(ng, 2, old, delta, khash, grp, w, kh, vals, n, ordered, rh);
-    case 3: return fold(ng, 3, old, delta, khash, grp, w, kh, vals, n, ordered, rh);
-    case 4: return fold(ng, 4, old, delta, khash, grp, w, kh, vals, n, ordered, rh);
-    default: return fold(ng, ns, old, delta, khash, grp, w, kh, vals, n, ordered, rh);
-    }
+    return dbsp_linear_fold2(ng, ns, old, delta, khash, grp, w, kh, vals, n, ordered, rh, 1);
 }

@@ -17,4 +17,11 @@
 int dbsp_linear_fold(int64_t ng, int32_t ns, const int64_t *old, const int64_t *delta, const uint64_t *khash,
                      int64_t *grp, int64_t *w, uint64_t *kh, int64_t *vals, int64_t *n, int *ordered, uint64_t *rh);
 
+/* dbsp_linear_fold in key-hash order only when canon is 0 and rh is NULL (for a caller whose rows need no order
+ * within a key: csrc/linrun.h invariant 8): no row hash is computed, a group's new row (+1) comes before its old
+ * row (-1), and *ordered is 0 only when two emitted groups share a key hash. canon 1: dbsp_linear_fold. */
+int dbsp_linear_fold2(int64_t ng, int32_t ns, const int64_t *old, const int64_t *delta, const uint64_t *khash,
+                      int64_t *grp, int64_t *w, uint64_t *kh, int64_t *vals, int64_t *n, int *ordered, uint64_t *rh,
+                      int canon);
+
 #endif

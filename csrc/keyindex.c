@@ -756,7 +756,7 @@ static inline __attribute__((always_inline)) void prefetch_row(const DbspKeyInde
  * probe compares the slot's tag and then one entry word (invariant 3): the slot lookup() finds, without key_words' and
  * same_key's per-column dispatch (bench/RESULTS.md r37-gbk: ~175 instructions a probe of a 1k-row step before). */
 static int get_into_int(const DbspKeyIndex *ix, const DbspColumn *c, const int64_t *sel, const uint64_t *kh,
-                        int64_t nrows, int64_t n, int64_t *acc, int64_t **slots) {
+                        int64_t nrows, int64_t n, int64_t *acc, int64_t **slots, int copy) {
     const uint64_t *kv = (const uint64_t *)c->values + c->offset;
     const uint64_t *tab = ix->cur.slots, mask = (uint64_t)ix->cur.cap - 1, hm = g_hash_mask;
     const uint64_t *ents = ix->ents.w;
@@ -784,8 +784,13 @@ static int get_into_int(const DbspKeyIndex *ix, const DbspColumn *c, const int64
             }
         }
         if (slots) slots[i] = v;
-        if (!v) continue; /* absent: all sums zero (invariant 2) */
         int64_t *a = acc + i * nv;
+        if (copy) {  /* dbsp_keyindex_read_slots: the sums as they are, zero when absent */
+            if (v) for (int32_t j = 0; j < nv; j++) a[j] = v[j];
+            else for (int32_t j = 0; j < nv; j++) a[j] = 0;
+            continue;
+        }
+        if (!v) continue; /* absent: all sums zero (invariant 2) */
         for (int32_t j = 0; j < nv; j++)
             if (__builtin_add_overflow(a[j], v[j], &a[j])) return DBSP_EOVERFLOW;
     }
@@ -793,12 +798,12 @@ static int get_into_int(const DbspKeyIndex *ix, const DbspColumn *c, const int64
 }
 
 static int get_into(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const int64_t *sel,
-                    const uint64_t *kh, int64_t n, int64_t *acc, int64_t **slots) {
+                    const uint64_t *kh, int64_t n, int64_t *acc, int64_t **slots, int copy) {
     int st = check_keys(ix, b, keys);
     if (st != DBSP_OK) return st;
     if (ix->nkeys == 1 && !ix->var && !ix->old.slots && !b->cols[keys[0]].validity
         && (ix->types[0] == DBSP_INT64 || ix->types[0] == DBSP_UINT64 || ix->types[0] == DBSP_TIMESTAMP))
-        return get_into_int(ix, &b->cols[keys[0]], sel, kh, b->nrows, n, acc, slots);
+        return get_into_int(ix, &b->cols[keys[0]], sel, kh, b->nrows, n, acc, slots, copy);
     uint64_t w[PROBE_WORDS];
     for (int64_t i = 0; i < n; i++) {
         if ((i & (PF_GROUP - 1)) == 0) { /* a group of rows: their slots, then their home slots' entries */
@@ -812,8 +817,12 @@ static int get_into(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *k
         uint64_t *s = lookup(ix, tg, w);
         int64_t *v = s ? (int64_t *)(entry_of(ix, *s) + ix->nkeys) : NULL;
         if (slots) slots[i] = v;
-        if (!v) continue; /* absent: all sums zero (invariant 2) */
         int64_t *a = acc + i * ix->nvals;
+        if (copy) {  /* dbsp_keyindex_read_slots */
+            for (int32_t j = 0; j < ix->nvals; j++) a[j] = v ? v[j] : 0;
+            continue;
+        }
+        if (!v) continue; /* absent: all sums zero (invariant 2) */
         for (int32_t j = 0; j < ix->nvals; j++)
             if (__builtin_add_overflow(a[j], v[j], &a[j])) return DBSP_EOVERFLOW;
     }
@@ -822,13 +831,19 @@ static int get_into(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *k
 
 int dbsp_keyindex_get(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const int64_t *sel,
                       const uint64_t *kh, int64_t n, int64_t *acc) {
-    return get_into(ix, b, keys, sel, kh, n, acc, NULL);
+    return get_into(ix, b, keys, sel, kh, n, acc, NULL, 0);
 }
 
 int dbsp_keyindex_get_slots(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const int64_t *sel,
                             const uint64_t *kh, int64_t n, int64_t *acc, int64_t **slots) {
     if (ix->broken) return DBSP_EINVAL;
-    return get_into(ix, b, keys, sel, kh, n, acc, slots);
+    return get_into(ix, b, keys, sel, kh, n, acc, slots, 0);
+}
+
+int dbsp_keyindex_read_slots(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const int64_t *sel,
+                             const uint64_t *kh, int64_t n, int64_t *sums, int64_t **slots) {
+    if (ix->broken) return DBSP_EINVAL;
+    return get_into(ix, b, keys, sel, kh, n, sums, slots, 1);
 }
 
 void dbsp_keyindex_set_slot(DbspKeyIndex *ix, int64_t *slot, const int64_t *vals, int64_t vstride) {

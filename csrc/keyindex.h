@@ -125,6 +125,10 @@ int dbsp_keyindex_get(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t 
  * entries may move) or removed (any dbsp_keyindex_add or dbsp_keyindex_put). */
 int dbsp_keyindex_get_slots(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const int64_t *sel,
                             const uint64_t *kh, int64_t n, int64_t *acc, int64_t **slots);
+/* dbsp_keyindex_get_slots into sums that need not be zeroed: sums[i * nvals + j] is set to the sums of probed key i
+ * (0 when absent), copied, not added (a step's old totals: csrc/linrun.c). */
+int dbsp_keyindex_read_slots(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, const int64_t *sel,
+                             const uint64_t *kh, int64_t n, int64_t *sums, int64_t **slots);
 /* Overwrite the sums at a slot from dbsp_keyindex_get_slots with vals[v * vstride] (not all zero: invariant 2). */
 void dbsp_keyindex_set_slot(DbspKeyIndex *ix, int64_t *slot, const int64_t *vals, int64_t vstride);
 

@@ -10,9 +10,10 @@
  *     each row's carrying row, then the ns slot columns; the output holds the key columns (unless hidden), then
  *     per shown aggregate its slot, null where its non-null count slot is 0; ``distinct`` is
  *     ``not Aggregate.ints_may_cancel``.
- *  3. Scratch (old totals, slot pointers, groups, rows, slot values) lives in a DbspLinRun kept by the caller across
- *     steps and grows to the largest step up to DBSP_LINRUN_KEEP groups; a larger step's scratch is freed at its
- *     end, so a bulk load does not leave its buffers behind.
+ *  3. Scratch (old totals, slot pointers, groups, rows) lives in a DbspLinRun kept by the caller across steps and
+ *     grows to the largest step up to DBSP_LINRUN_KEEP groups; a larger step's scratch is freed at its end, so a bulk
+ *     load does not leave its buffers behind. The slot values are not scratch: the fold writes them into the buffer
+ *     the exports hand over (invariant 8).
  *  4. A step reads and folds first (dbsp_linear_read), exports its outputs (dbsp_linear_run), and stores last
  *     (dbsp_linear_store): the new totals of keys held in place (no allocation), then the new keys (the only
  *     stores that allocate), then the removals (none allocates). A store that fails for memory or a size limit
@@ -35,6 +36,13 @@
  *     limbs computed as it reads the rows; any other change (a null, a string key, a uint64 or float sum, a sum that
  *     leaves int64 half way) by dbsp_group_reduce_all over limb columns made first. Both give the same groups, sums
  *     and key-hash order, so the read, fold, exports and store after them (invariants 1-6) are one path.
+ *  8. dbsp_linear_run's exports copy nothing they can share (cdata.h invariant 5): the fold writes the slot values
+ *     into one buffer per step (ns columns, packed to the rows emitted), which the trace batch's slot columns and the
+ *     output's shown non-avg columns both point into, and the key columns are gathered once for both batches. With
+ *     keyorder set in the scratch (the caller needs the trace batch in key-hash order only: trace/keyindex.py
+ *     ``pk_keyorder``, a batch recorded per key and never inserted as it stands), the fold computes no row hash
+ *     and a group's new row precedes its old row (fold.h dbsp_linear_fold2); *ordered then says only that no two
+ *     groups share a key hash, and the caller puts the rows in canonical order before a batch is inserted.
  */
 #ifndef DBSP_LINRUN_H
 #define DBSP_LINRUN_H
@@ -51,11 +59,12 @@
 
 typedef struct DbspLinRun {
     int found_dirty; /* invariant 6: set by the caller before each call (a free clears it) */
+    int keyorder;    /* invariant 8: set by the caller before each call (a free clears it) */
     int64_t groups;  /* groups the scratch has room for */
     int32_t ns;
     int64_t *old;    /* groups * ns */
     int64_t **slots; /* groups */
-    int64_t *grp, *rows, *vals;  /* 2 * groups, 2 * groups, 2 * groups * ns */
+    int64_t *grp, *rows;  /* 2 * groups each */
     DbspLinGroup lg; /* invariant 7: the hashing pass's scratch */
     int fused;       /* invariant 7: whether the last call's change was grouped by dbsp_lingroup (for tests) */
 } DbspLinRun;

@@ -672,22 +672,29 @@ class _LinearState:
         grouping, the key index's probes and stores, the trace batch's and the output's columns, built without a
         Python or Arrow call between them. None, having changed nothing, when it cannot serve the step (no current
         key index, or a null in a counted or summed column): the caller then takes another path."""
-        return self.step_call(lambda ix, dirty: run.step(z.data, z.weights, ix, dirty,
-                                                         dirty is not None and self.trace.pk_found_dirty()), ctx)
+        return self.step_call(lambda ix, dirty, keyorder: run.step(z.data, z.weights, ix, dirty,
+                                                                   dirty is not None and self.trace.pk_found_dirty(),
+                                                                   keyorder), ctx, keyorder=True)
 
-    def step_call(self, call: "Callable[[Any, Any], tuple | None]", ctx: "StepContext") -> "ZSet | None":
+    def step_call(self, call: "Callable[[Any, Any], tuple | None]", ctx: "StepContext", keyorder: bool = False
+                  ) -> "ZSet | None":
         """:meth:`step_run` over what ``call(ix, dirty)`` returns, ``LinearRun.step``'s tuple from the key index ``ix``
         (or None, having read and stored nothing), with the trace's dirty-key index ``dirty`` (None: none yet) probed
         in the call (csrc/linrun.h invariant 5; its answers go to ``store_totals``): the one-call step of a join
         folded into this group-by's totals (``_zset.JoinLinearRun``, dbsp_core/runtime/plan.py design note 4) takes
-        this path too."""
+        this path too. ``keyorder``: ``call`` takes a third argument, whether to ask for the trace batch in key-hash
+        order only (where the trace allows it: ``Trace.pk_keyorder``, csrc/linrun.h invariant 8; a group's rows then
+        not by row hash)."""
         op = self.op
         prune(self, input_times(op), ctx)
         fresh: list = []  # (the dirty index probed, per row of the trace batch: its key not dirty)
+        canonical = [True]  # the trace batch's rows in canonical order (else in key-hash order only)
 
         def step(ix: object) -> tuple | None:
             dirty = self.trace.pk_dirty(ix)
-            r = call(ix, dirty)
+            ko = keyorder and self.trace.pk_keyorder(ix)
+            canonical[0] = not ko
+            r = call(ix, dirty, ko) if keyorder else call(ix, dirty)
             if r is None:  # a null: nothing read nor stored
                 self.trace.index_done(ix)
                 return None
@@ -706,10 +713,11 @@ class _LinearState:
         if batch is None:  # no group changed
             self.trace.index_done(ix)
             return empty(op.schema)
-        if ordered:  # groups by key hash, a group's two rows by row hash: the trace batch as it stands (the C
-            # call's tables hold one record batch each: one chunk per column as they are, zset.py invariant 1)
+        if ordered:  # groups by key hash, a group's two rows by row hash (or in key-hash order only, where the trace
+            # records the batch per key): the trace batch as it stands (the C call's tables hold one record batch
+            # each: one chunk per column as they are, zset.py invariant 1)
             self.trace.store_totals(IndexedZSet._make(ZSet._make(batch, w, chunked=True), tuple(self.keys), kh), ix,
-                                    fresh[0] if fresh else None)
+                                    fresh[0] if fresh else None, canonical=canonical[0])
         else:  # a key-hash or row-hash tie (rare): values decide the order (the rows' answers then not in order)
             self.trace.store_totals(make(batch, w, self.pschema).index_by(self.keys), ix)
         if distinct:  # no group shows equal new and old rows (csrc/linrun.h invariant 2)

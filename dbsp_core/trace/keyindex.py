@@ -64,6 +64,12 @@ def _bytes_type(t: pa.DataType) -> bool:
         pa.types.is_large_binary(t)
 
 
+def _canonical(batch: "IndexedZSet") -> "IndexedZSet":
+    """``batch`` (consolidated, in key-hash order only: a key's rows in any order) in canonical order (csrc/rows.h
+    invariant 2), for an insert."""
+    return batch.zset.index_by(list(batch.key))
+
+
 def summable(t: pa.DataType) -> bool:
     """Whether a key index can sum a column of type ``t`` as int64 (csrc/keyindex.h): integers other than uint64,
     dates (date32) and timestamps.
@@ -587,19 +593,27 @@ class PerKeyTotals:
             return True
         return False
 
-    def store_totals(self, batch: "IndexedZSet", ix: Any, probed: "tuple | None" = None) -> None:
+    def pk_keyorder(self, ix: Any) -> bool:
+        """Whether a step storing through ``ix`` may hand :meth:`store_totals` its batch in key-hash order only (a
+        key's rows in any order, csrc/linrun.h invariant 8): the batch is then recorded per key, not inserted as it
+        stands (a batch that is inserted after all, on a fallback, is put in canonical order first)."""
+        return self._pk_on and ix is self._kix and (self._store is None or bool(self._pk_rec))
+
+    def store_totals(self, batch: "IndexedZSet", ix: Any, probed: "tuple | None" = None, canonical: bool = True
+                     ) -> None:
         """The step's rows of old (-1) and new (+1) totals of its changed groups, which the caller already stored in
         ``ix`` (from :meth:`index_for_update`): inserted as any batch, or with totals per key only recorded: each of
         its keys not dirty yet is recorded with the totals the batches hold for it (its -1 row, or none).
         ``probed``: ``(dirty, fresh)``, the answers of a probe of the dirty index ``dirty`` per row of ``batch`` made
         since the step began (:meth:`pk_dirty`, csrc/linrun.h invariant 5), used while ``dirty`` is still the dirty
-        index (a sync since replaced it)."""
+        index (a sync since replaced it). ``canonical`` False: ``batch`` is in key-hash order only (:meth:`pk_keyorder`),
+        put in canonical order before any insert."""
         if self._pk_on and self._store is not None and not self._pk_rec:  # joined a batch store (the executor's
             self._pk_on = False  # spill()) with nothing recorded: the batches are up to date, kept from now on
         if not self._pk_on or ix is not self._kix or len(batch) == 0:
             if len(self._pk_marks) and ix is self._kix and len(batch):  # a capture lives (taken while per key):
                 self._pk_undo.entries.append((ix, batch._view(), batch._keypos, batch._kh, self._cpos(batch), 1))
-            self.insert(batch, indexed=ix)  # the C step's store into ix is logged too, or its undo misses it
+            self.insert(batch if canonical else _canonical(batch), indexed=ix)  # the C step's store into ix is logged too, or its undo misses it
             return
         known = self._pk_clean >= 0 and self._pk_clean_at == self._changed()  # (the count as of the content before)
         ix.token = self._token
@@ -632,7 +646,7 @@ class PerKeyTotals:
             except (MemoryError, ValueError) as exc:  # the dirty-key index could not grow (memory, the budget)
                 if dirty.broken:  # (not undone: csrc/keyindex.h invariant 4)
                     raise
-                self._pk_drop_recording(batch, fresh, exc)
+                self._pk_drop_recording(batch, fresh, exc, canonical)
                 return
             if not started:
                 clean -= int(np.count_nonzero(fresh & (w < 0)))  # a fresh key's -1 row: a clean key made dirty
@@ -670,7 +684,8 @@ class PerKeyTotals:
             self._pk_undo.entries.extend((dirty, pv, keys, pkh, [-1], sign) for pv, pkh, sign in done)
         self._pk_rec.extend(recs)
 
-    def _pk_drop_recording(self, batch: "IndexedZSet", fresh: np.ndarray, exc: BaseException) -> None:
+    def _pk_drop_recording(self, batch: "IndexedZSet", fresh: np.ndarray, exc: BaseException, canonical: bool = True
+                           ) -> None:
         """The dirty-key index could not record the step's fresh keys (memory, the budget; it is as it was), whose
         totals the key index holds already: sync the keys dirty before (their index totals include the step's), then
         insert the step's rows of the fresh keys (the change of their totals, which the index holds too), and keep
@@ -683,7 +698,7 @@ class PerKeyTotals:
         part = batch if len(sel) == len(batch) else IndexedZSet._make(
             ZSet._make(batch.zset.data.take(pa.array(sel)), batch.zset.weights[sel]), batch.key, batch._kh[sel])
         self.inserted_rows -= len(part)  # (counted by store_totals already)
-        self.insert(part, indexed=self._kix)
+        self.insert(part if canonical else _canonical(part), indexed=self._kix)
         self._drop_index(exc)
 
     def _cpos(self, batch: "IndexedZSet") -> list:

@@ -92,9 +92,9 @@ _store_totals = PerKeyTotals.store_totals
 def _tight(store_totals):
     """``store_totals`` that first sets the key indexes' budget to the bytes they hold (the dirty-key index then
     cannot grow)."""
-    def tight(self, batch, ix, probed=None):
+    def tight(self, batch, ix, probed=None, **kw):
         _zset.keyindex_budget(_zset.keyindex_total_bytes())
-        return store_totals(self, batch, ix, probed)
+        return store_totals(self, batch, ix, probed, **kw)
     return tight
 
 
