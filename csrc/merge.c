@@ -12,6 +12,11 @@
  *     Row hashes come with the batches when their owner keeps them (a trace does: where every key meets, as in
  *     an aggregate's state, hashing the meeting rows measured ~270 instructions a row, most of a merge), and
  *     are computed otherwise; equal rows need none.
+ *  4. The k-way step picks each row through a tournament of losers over the k heads (log2 k key-hash comparisons a
+ *     row, each against the loser's key hash kept in its node; canonical order only where key hashes meet), not a
+ *     scan of every head (k - 1): measured (callgrind, bids-like rows with row hashes) 187 -> 147 instructions a row
+ *     at k = 8, 271 -> ~170 at k = 16, 872 -> ~210 at k = 64. Equal rows come out of the tree one after another
+ *     (first input first) and are summed; a sum past int64 gives back every input advanced for that row.
  */
 #include <string.h>
 #include "merge.h"
@@ -320,6 +325,53 @@ static inline int head_cmp(KHeads *s, int32_t x, int32_t y) {
     return dbsp_row_cmp_eqfast(s->in[x], i, NULL, s->in[y], j, NULL, s->in[x]->ncols);
 }
 
+/* The tournament of losers over the k heads (design note 4): leaves 0..K-1 (K the power of two >= k; a leaf past k,
+ * or an input out of rows, is dead and loses to every live one), hk[x] the key hash at input x's head (UINT64_MAX
+ * when dead). Each inner node keeps its loser with the loser's key hash beside it (one load a level). k_beats is the
+ * full order, used only where two heads' key hashes meet: dead last, then canonical order (head_cmp), then input
+ * order (so of equal rows the first input's comes first, as a cascade of two-way merges keeps the left side's). */
+typedef struct {
+    uint64_t k;  /* the loser's key hash */
+    int32_t x;   /* the loser */
+} KNode;
+
+typedef struct {
+    KHeads *s;
+    uint32_t K;
+    uint64_t hk[DBSP_MERGE_MAX_K];
+    uint8_t dead[DBSP_MERGE_MAX_K];
+    KNode node[DBSP_MERGE_MAX_K];  /* node[1..K): the loser at each inner node */
+} KTree;
+
+static int k_beats(KTree *t, int32_t x, int32_t y) {  /* whether head x comes before head y (their hk[] equal) */
+    if (t->dead[x] | t->dead[y]) return t->dead[x] == t->dead[y] ? x < y : t->dead[y];
+    int c = head_cmp(t->s, x, y);
+    return c != 0 ? c < 0 : x < y;
+}
+
+static inline void k_head(KTree *t, const DbspBatch *const *in, const uint64_t *const *kh, const int64_t *pos,
+                          int32_t x) {
+    if (pos[x] < in[x]->nrows) t->hk[x] = kh[x][pos[x]];
+    else { t->hk[x] = UINT64_MAX; t->dead[x] = 1; }
+}
+
+/* the winner once leaf w's head moved: w plays the losers on its path to the root */
+static inline int32_t k_replay(KTree *t, int32_t w) {
+    KNode *node = t->node;
+    uint64_t kw = t->hk[w];
+    for (uint32_t nd = ((uint32_t)w + t->K) >> 1; nd != 0; nd >>= 1) {
+        uint64_t ko = node[nd].k;
+        if (ko < kw || (__builtin_expect(ko == kw, 0) && k_beats(t, node[nd].x, w))) {
+            int32_t o = node[nd].x;
+            node[nd].k = kw;
+            node[nd].x = w;
+            w = o;
+            kw = ko;
+        }
+    }
+    return w;
+}
+
 int dbsp_merge_k_step(const DbspBatch *const *in, const uint64_t *const *kh, const uint64_t *const *rh, int32_t k,
                       const int32_t *keys, int32_t nkeys, int64_t budget, int64_t *pos, int64_t *nout,
                       DbspOutColumn *out, int64_t *w, uint64_t *okh, uint64_t *orh) {
@@ -335,59 +387,67 @@ int dbsp_merge_k_step(const DbspBatch *const *in, const uint64_t *const *kh, con
     int64_t srow[CHUNK];
     int32_t ties[DBSP_MERGE_MAX_K];
     int st = DBSP_OK;
-    /* the live inputs (rows left), in input order, and the key hash at each one's head: a row's pick compares these
-     * cached hashes (one load each), and the full order (head_cmp) only among the heads whose key hashes are the least */
-    int32_t live[DBSP_MERGE_MAX_K], nlive = 0;
-    uint64_t hk[DBSP_MERGE_MAX_K];
-    for (int32_t x = 0; x < k; x++)
-        if (pos[x] < in[x]->nrows) { live[nlive++] = x; hk[x] = kh[x][pos[x]]; }
+    KTree t;
+    int32_t top;
+    t.s = &s;
+    t.K = 2;
+    while ((int32_t)t.K < k) t.K <<= 1;
+    {  /* build: the winner of every subtree, bottom up, each inner node keeping its loser */
+        int32_t win[2 * DBSP_MERGE_MAX_K];
+        for (int32_t x = 0; x < (int32_t)t.K; x++) {
+            t.dead[x] = 0;
+            if (x < k) k_head(&t, in, kh, pos, x);
+            else { t.hk[x] = UINT64_MAX; t.dead[x] = 1; }
+            win[t.K + x] = x;
+        }
+        for (int32_t nd = (int32_t)t.K - 1; nd >= 1; nd--) {
+            int32_t a = win[2 * nd], b = win[2 * nd + 1];
+            int a_first = t.hk[a] != t.hk[b] ? t.hk[a] < t.hk[b] : k_beats(&t, a, b);
+            win[nd] = a_first ? a : b;
+            t.node[nd].x = a_first ? b : a;
+            t.node[nd].k = t.hk[t.node[nd].x];
+        }
+        top = win[1];
+    }
     while (used < stop && st == DBSP_OK) {
         int64_t cnt = 0;
-        while (cnt < CHUNK && used < stop) {
-            int32_t best = live[0], nt = 0, tied = 0;
-            uint64_t m = hk[best];
-            for (int32_t t = 1; t < nlive; t++) {
-                uint64_t q = hk[live[t]];
-                if (q < m) { m = q; best = live[t]; tied = 0; }
-                else if (q == m) tied = 1;
-            }
-            if (tied) {  /* the heads of the least key hash, in input order, as a scan of every head by head_cmp */
-                best = -1;
-                for (int32_t t = 0; t < nlive; t++) {
-                    int32_t x = live[t];
-                    if (hk[x] != m) continue;
-                    if (best < 0) { best = x; continue; }
-                    int c = head_cmp(&s, x, best);
-                    if (c < 0) { best = x; nt = 0; }
-                    else if (c == 0) ties[nt++] = x;
-                }
-            }
+        while (cnt < CHUNK && used < stop && !t.dead[top]) {
+            int32_t best = top, nt = 0;
             int64_t i = pos[best];
+            uint64_t kb = t.hk[best];
+            int rb_known = orh != NULL;  /* best's row hash: for the output, else once a head meets its key hash */
+            uint64_t rb = !rb_known ? 0 : rh[best] != NULL && nkeys != 0 ? rh[best][i] : head_rh(&s, best);
             int64_t sum = in[best]->weights ? in[best]->weights[i] : 1;
-            for (int32_t t = 0; t < nt && st == DBSP_OK; t++) {
-                const DbspBatch *y = in[ties[t]];
-                st = dbsp_add_weight(&sum, y->weights ? y->weights[pos[ties[t]]] : 1);
-            }
-            if (st) break;  /* the cursor stands before these rows */
-            if (sum != 0) {
-                sin[cnt] = (uint8_t)best; srow[cnt] = i; w[n + cnt] = sum; okh[n + cnt] = kh[best][i];
-                if (orh) orh[n + cnt] = head_rh(&s, best);
-                cnt++;
-            }
             pos[best]++;
             used++;
-            for (int32_t t = 0; t < nt; t++) { pos[ties[t]]++; used++; }
-            int gone = 0;  /* the moved heads' key hashes; an input out of rows leaves the live list */
-            if (pos[best] < in[best]->nrows) hk[best] = kh[best][pos[best]]; else gone = 1;
-            for (int32_t t = 0; t < nt; t++) {
-                int32_t x = ties[t];
-                if (pos[x] < in[x]->nrows) hk[x] = kh[x][pos[x]]; else gone = 1;
+            k_head(&t, in, kh, pos, best);
+            top = k_replay(&t, best);
+            /* rows equal to best's: they come next, from other inputs (each input is consolidated), summed into it */
+            while (__builtin_expect(t.hk[top] == kb, 0) && !t.dead[top]) {
+                int32_t x = top;
+                int64_t j = pos[x];
+                if (nkeys != 0) {
+                    if (!rb_known) { rb = row_hash(in[best], kh[best], rh[best], nkeys, i); rb_known = 1; }
+                    if ((rh[x] != NULL ? rh[x][j] : head_rh(&s, x)) != rb) break;
+                }
+                if (dbsp_row_cmp_eqfast(in[best], i, NULL, in[x], j, NULL, in[best]->ncols) != 0) break;
+                if ((st = dbsp_add_weight(&sum, in[x]->weights ? in[x]->weights[j] : 1))) break;
+                ties[nt++] = x;
+                pos[x]++;
+                used++;
+                k_head(&t, in, kh, pos, x);
+                top = k_replay(&t, x);
             }
-            if (gone) {
-                int32_t j = 0;
-                for (int32_t t = 0; t < nlive; t++)
-                    if (pos[live[t]] < in[live[t]]->nrows) live[j++] = live[t];
-                nlive = j;
+            if (st) {  /* the cursor stands before these rows (the tree is left behind: the call returns) */
+                pos[best]--;
+                used--;
+                for (int32_t q = 0; q < nt; q++) { pos[ties[q]]--; used--; }
+                break;
+            }
+            if (sum != 0) {
+                sin[cnt] = (uint8_t)best; srow[cnt] = i; w[n + cnt] = sum; okh[n + cnt] = kb;
+                if (orh) orh[n + cnt] = rb;
+                cnt++;
             }
         }
         for (int32_t c = 0; c < in[0]->ncols; c++) {
@@ -397,6 +457,7 @@ int dbsp_merge_k_step(const DbspBatch *const *in, const uint64_t *const *kh, con
         }
         n += cnt;
         *nout = n;
+        if (cnt == 0 && st == DBSP_OK) break;  /* (every input is out of rows) */
     }
     return st;
 }

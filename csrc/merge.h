@@ -13,8 +13,9 @@
  *     rows: the output is the consolidated sum of the k inputs in canonical order, the row for row result of
  *     merging them two at a time (equal rows of any inputs are consumed together, their weights summed, a zero sum
  *     dropped), in the same output form (buffers sized by dbsp_merge_k_sizes), so a caller that builds a two-way
- *     output in place (a scratch file that becomes a batch file) builds a k-way one the same way. A step compares
- *     the k heads (k - 1 key-hash comparisons a row; row hashes and values only where key hashes meet): one
+ *     output in place (a scratch file that becomes a batch file) builds a k-way one the same way. A step picks among
+ *     the k heads through a tournament of losers (log2 k key-hash comparisons a row; row hashes and values only where
+ *     key hashes meet, merge.c design note 4): one
  *     pass writes each row once where a cascade of two-way merges writes it log2(k) times.
  */
 #ifndef DBSP_MERGE_H

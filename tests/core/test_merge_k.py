@@ -122,3 +122,36 @@ def test_k_way_merge_checks_its_inputs():
         _zset.MergeCursor([a._view()], [0])
     with pytest.raises(dbsp.SchemaError if hasattr(dbsp, "SchemaError") else Exception, match="different types"):
         _zset.MergeCursor([a._view(), a._view(), b._view()], [0])
+
+
+@given(st.data())
+def test_k_way_merge_overflow_stands_before_the_equal_rows(data):
+    """A row held by every input (int64 key and payload, k of 3 to 20 inputs, among other random rows) whose weights'
+    running sum in input order leaves int64 at input j: the step raises WeightOverflowError and the cursor stands
+    before that row in every input (the merge's tournament of losers, csrc/merge.c design note 4, gives back the
+    inputs it had advanced past it), so exactly the rows before it in canonical order (key hash, row hash) were
+    consumed."""
+    k = data.draw(st.integers(3, 20))
+    j = data.draw(st.integers(1, k - 1))  # the input whose weight makes the sum overflow
+    # the running sum in input order reaches 2**63 - 1 after input j - 1, and one more at input j leaves int64
+    ws = [2**63 - 1 - (j - 1) if x == 0 else 1 for x in range(k)]
+    ix = []
+    for x in range(k):
+        n = data.draw(st.integers(0, 30))
+        keys = data.draw(st.lists(st.integers(0, 50), min_size=n, max_size=n))
+        t = pa.table({"k": pa.array([7] + keys, pa.int64()), "v": pa.array([3] + [1000 + x * 100 + i for i in range(n)],
+                                                                                    pa.int64())})
+        z = dbsp.ZSet.from_arrow(t, weights=[ws[x]] + [1] * n)
+        i = z.index_by(["k"])
+        i._row_hashes()
+        ix.append(i)
+    m = merge_cursor(ix[0], *ix[1:], row_hashes=True)
+    total = m.remaining
+    with pytest.raises(dbsp.WeightOverflowError):
+        while not m.done:
+            m.step(data.draw(st.integers(1, 40)))
+    # every row before (7, 3) in canonical order was consumed, none at or after it
+    row = dbsp.ZSet.from_arrow(pa.table({"k": pa.array([7], pa.int64()), "v": pa.array([3], pa.int64())})).index_by(["k"])
+    rk, rr = int(row.key_hash[0]), int(row._row_hashes()[0])
+    before = sum(int(np.sum((x.key_hash < rk) | ((x.key_hash == rk) & (x._row_hashes() < rr)))) for x in ix)
+    assert total - m.remaining == before
