@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis_profile import examples
+from test_run_alone import poisoned
 from zset_model import POOLS, canon_dict, canon_row, model_of
 
 import dbsp_core as dbsp
@@ -82,11 +83,7 @@ def _circuit() -> dbsp.Circuit:
     t = c.input("t", SCHEMA)
     c.output("pass", t)
 
-    def boom(batch: pa.RecordBatch) -> pa.RecordBatch:
-        if batch.num_rows and 666 in batch.column("v").to_pylist():
-            raise ValueError("poison")
-        return batch
-    c.output("x", t.filter(pc.field("v") >= 0).flat_map(boom, schema=SCHEMA))
+    c.output("x", t.filter(pc.field("v") >= 0).flat_map(poisoned, schema=SCHEMA))
     return c
 
 

@@ -26,6 +26,14 @@ USCHEMA = pa.schema([("id", pa.int64()), ("x", pa.int64())])
 SEED = int(os.environ.get("DBSP_TEST_SEED", random.randrange(2**31)))
 
 
+def poisoned(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """A flat_map's function that fails on a batch holding v == 666 (a step that must roll back), else hands the
+    batch on."""
+    if batch.num_rows and 666 in batch.column("v").to_pylist():
+        raise ValueError("poison")
+    return batch
+
+
 def _circuit() -> dbsp.Circuit:
     """A pass-through (whose output a bag of equal rows makes not distinct), a distinct, a linear group-by, a
     min (not linear), a join and a failing flat_map after them all (a step with v = 666 fails)."""
@@ -37,11 +45,7 @@ def _circuit() -> dbsp.Circuit:
     c.output("m", t.group_by("k").agg(lo=dbsp.min("v")))
     c.output("j", t.join(u, left_on=["k"], right_on=["id"]))
 
-    def boom(batch: pa.RecordBatch) -> pa.RecordBatch:
-        if batch.num_rows and 666 in batch.column("v").to_pylist():
-            raise ValueError("poison")
-        return batch
-    c.output("x", t.filter(pc.field("v") >= 0).flat_map(boom, schema=SCHEMA))
+    c.output("x", t.filter(pc.field("v") >= 0).flat_map(poisoned, schema=SCHEMA))
     return c
 
 
