@@ -177,7 +177,12 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      does not name it has committed on every worker, or, after a crash, by the sweep of the next open, which
      keeps exactly the files the opened checkpoint names. A crash between a file's write and the checkpoint that
      names it leaves a file nobody names (swept); a crash during a checkpoint leaves the previous one, whose
-     files are still pinned and present.
+     files are still pinned and present. A closed store (the pipeline closed, or shut down after a failure) deletes
+     nothing more: a batch of it that the collector frees later (a broken pipeline's objects in a reference cycle)
+     leaves its file to the next open's sweep. After a failure the store's pins may not be the checkpoint that
+     committed (a crash that kept a checkpoint's commit but failed its caller), and the directory is unlocked at
+     the close, so a pipeline reopened on it in the same process may have adopted the very files a late deletion
+     would remove; nor may a late deletion take an I/O operation of another pipeline's VFS.
 
  14. Opening reads metadata, not rows (batch file invariant 5): a batch a checkpoint names is adopted from its file
      opened lazily (header, footer and page CRCs checked; fence and filter read in place), and the store keeps it
@@ -610,6 +615,7 @@ class BatchStore:
         self._jobs: "queue.Queue[tuple | None] | None" = None  # the spill thread's work, once it runs
         self._spiller: threading.Thread | None = None
         self._exiting = False  # the interpreter is exiting (at_exit.py): no spill thread is started again
+        self._closed = False  # closed: no file is deleted any more (invariant 13)
         self._queued = 0  # bytes of the batches handed to the spill thread and not written yet
         self._in_memory = 0  # bytes in memory after the last enforce (batches, fences, filters, merge outputs)
         self._reserved = 0  # input bytes of merges started in memory since (merge_dir)
@@ -1450,6 +1456,8 @@ class BatchStore:
             if name in self._pinned:
                 self._dead.add(name)
                 return
+            if self._closed:  # (invariant 13: the next open sweeps it)
+                return
         self._delete(name)  # (truncated once no mapping of it is alive: batchfile.py invariant 9)
 
     def _trim_cache(self, traces: list["Trace"]) -> None:
@@ -1809,6 +1817,7 @@ class BatchStore:
         for fd in fds:  # (the kernel frees what is left of them now)
             os.close(fd)
         with self._lock:
+            self._closed = True
             self._traces = weakref.WeakSet()
             held, self._limits_held = self._limits_held, False
         if held:

@@ -7,6 +7,7 @@ data. The in-place path is counted, not assumed: each run records the operations
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import re
@@ -129,6 +130,8 @@ def _session(d: str, pushes: list, arm: dict, seen: dict | None = None) -> list[
     raised)."""
     p = None
     marks: list[int] = []
+    gc.collect()  # an earlier session's garbage freed now, not during this one: a pipeline closed before it deletes
+    # no file (spill.py invariant 13), and nothing else of it may take one of the operations counted from the arm
     try:
         FAULT.arm()
         p = _pipeline(d, FAULT.name)
