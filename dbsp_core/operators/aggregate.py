@@ -78,14 +78,17 @@ Invariants:
      batch, ``_recompute_into``, or ``lookup_exact`` on the path without the key index), so it holds its low levels
      whatever its reads (trace invariant 18, ``hold_keyed``; ``DBSP_TOTALS_HOLD``, ``_LinearState.HOLD`` in tests): a
      step's batch of values is rewritten about once per three levels on its way up instead of once per level.
- 12. With ``_ExtremesState.PER_KEY`` (off by default: by the wall clock it was not shown faster, bench/RESULTS.md
-     r37-minmax5; None follows ``DBSP_TOTALS_PER_KEY``), the totals trace, read only through its key index (invariant
-     10), keeps its totals per key (trace invariant 19) as a linear aggregate's does: the index is the state
+ 12. Unless ``DBSP_TOTALS_PER_KEY=0`` (``_ExtremesState.PER_KEY`` None follows it; tests set True or False), the
+     totals trace, read only through its key index (invariant 10), keeps its totals per key (trace invariant 19) as a
+     linear aggregate's does: the index is the state
      (its sums over a group's one totals row are that row, an extreme null where its "valid" flag is 0), a step that
      stored its groups there (the emit's in-place writes, or ``extremes_store``) inserts no batch but records each of
      its groups not dirty yet with its old row, and the batches are synced from the index when something reads them
      (a checkpoint, a shard cut, the walk of ``_through_totals``). So a step merges no totals at all; a rollback
-     undoes the step's writes into the index from its batch (-old +new) by the undo log of trace invariant 19.
+     undoes the step's writes into the index from its batch (-old +new) by the undo log of trace invariant 19. A step
+     probes the dirty-key index once per group, and not at all when every key the index held before it is dirty
+     (``Trace.pk_found_dirty``: true from the first step after a sync that touched them all, as a state built by steps
+     is) and every group it changed was held (a -1 row each): none of its keys can be fresh.
 """
 
 from __future__ import annotations
@@ -774,7 +777,7 @@ class _ExtremesState(_GroupedState):
     A group whose deleted extreme is not strictly beyond its old extreme is re-reduced from the value traces.
     """
 
-    PER_KEY: bool | None = False  # the totals kept per key (invariant 12); None: ``DBSP_TOTALS_PER_KEY``'s (tests set it)
+    PER_KEY: bool | None = None  # the totals kept per key (invariant 12); None: ``DBSP_TOTALS_PER_KEY``'s (tests set it)
 
     def __init__(self, op: Aggregate) -> None:
         self.op = op
@@ -1183,6 +1186,10 @@ class _ExtremesState(_GroupedState):
         first = np.empty(len(kh), dtype=bool)
         first[0] = True
         np.not_equal(kh[1:], kh[:-1], out=first[1:])
+        if self.totals.pk_found_dirty() and np.count_nonzero(b.zset.weights < 0) == np.count_nonzero(first):
+            # every key the index held before the step is dirty (trace invariant 19), and every group of the step
+            # was held (a -1 row, its old totals, each): none is fresh, no probe (invariant 12)
+            return dirty, np.zeros(len(kh), dtype=bool)
         sel = np.flatnonzero(first)
         acc = np.zeros((len(sel), 1), dtype=np.int64)
         dirty.get(b._view(), b._keypos, kh[sel], acc, sel=sel)
