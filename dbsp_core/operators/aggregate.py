@@ -843,6 +843,7 @@ class _ExtremesState(_GroupedState):
         self.emit = self._emitter() if self.spec is not None else None  # phase 2 in one C call (invariant 10)
         self.emitted_steps = 0  # steps whose second half ran in that call (counts for tests, not state)
         self.recomputed = 0  # groups whose extremes were re-reduced from the value multisets (counts for tests)
+        self.unprobed_steps = 0  # steps stored per key with no dirty-key probe (invariant 12; counts for tests)
         # steps left before the reduction is tried again (invariant 8): of the step's change, and of what a fused
         # exchange sends (dbsp_core/runtime/plan.py): after a sender's reduction a group arrives as about one row
         self._reduce_skip = self._send_skip = 0
@@ -1189,6 +1190,7 @@ class _ExtremesState(_GroupedState):
         if self.totals.pk_found_dirty() and np.count_nonzero(b.zset.weights < 0) == np.count_nonzero(first):
             # every key the index held before the step is dirty (trace invariant 19), and every group of the step
             # was held (a -1 row, its old totals, each): none is fresh, no probe (invariant 12)
+            self.unprobed_steps += 1
             return dirty, np.zeros(len(kh), dtype=bool)
         sel = np.flatnonzero(first)
         acc = np.zeros((len(sel), 1), dtype=np.int64)

@@ -196,6 +196,29 @@ def test_held_value_traces_across_checkpoint_reopen_rollback_and_rescale(tmp_pat
         p.close()
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_per_key_steps_skip_the_dirty_probe_once_every_key_is_dirty(workers: int, monkeypatch) -> None:
+    """Totals per key (invariant 12): once every key the totals' index holds is dirty, a step whose groups were all held
+    stores with no probe of the dirty-key index, and a step with a new group (a null-only group's first row, a group
+    emptied and back) probes it; against the model after every step, across rolled-back steps and syncs (``check``
+    every 45 steps starts the dirty index afresh: steps probe again until every key is dirty), the synced totals
+    equal to their index and the value traces to the model's multiset."""
+    monkeypatch.setattr(_ExtremesState, "PER_KEY", True)
+    rng = np.random.default_rng(SEED + 300 + workers)
+    bag: Counter = Counter()
+    view: Counter = Counter()
+    with dbsp.Pipeline(_circuit(poison=True), workers=workers) as p:
+        for i, d in enumerate(_deltas(rng, 140)):
+            where = f"step {i}, W={workers} (DBSP_HOLD_SEED={SEED})"
+            bag, view = _step(p, d, bag, view, where, poison=i % 20 == 7)
+            if i % 45 == 44:
+                _check_state(p, bag, where)
+        _check_state(p, bag, f"end, W={workers} (DBSP_HOLD_SEED={SEED})")
+        unprobed = sum(s.unprobed_steps for s in _states(p))
+        assert BUDGET or unprobed >= 20 * workers, unprobed
+        assert BUDGET or unprobed < 140 * workers, unprobed  # (the steps after a sync and with new groups probed)
+
+
 def test_value_traces_under_a_memory_budget_merge_as_before(tmp_path, monkeypatch) -> None:
     """With every batch spilled (memory_limit of a byte) the value traces belong to a batch store and merge by trace
     invariant 15 (hold_keyed is not used): the view equals the model, no held merge ran (totals per key asked for)."""
