@@ -1157,19 +1157,22 @@ class _ExtremesState(_GroupedState):
         """The step's second half (invariant 10) from its probe's groups, old and new totals (the recomputed extremes
         filled in): the totals batch (row hashes included) and the finalized output built in C, the new totals
         stored in ``ix``; the batch inserted into the totals trace."""
-        batch, w, kh, rh, ordered, out, ow = self.emit.step(view, group_row, gkh, old, nw, ix)
+        keyorder = self.totals.pk_keyorder(ix)  # recorded per key (invariant 12): no row hashes
+        batch, w, kh, rh, ordered, out, ow = self.emit.step(view, group_row, gkh, old, nw, ix, keyorder)
         if batch is None:  # no group's totals changed
             self.totals.index_done(ix)
             return empty(self.op.schema)
         probed = None
-        if ordered:  # groups by key hash, a group's two rows by row hash: the trace batch as it stands
+        if ordered:  # groups by key hash, a group's two rows by row hash (keyorder: old first): the batch as it stands
             # (the call's tables hold one record batch each: one chunk per column as they are, zset.py invariant 1)
             b = IndexedZSet._make(ZSet._make(batch, w, chunked=True), tuple(self.keys), kh)
-            b._rh = rh
+            if rh is not None:
+                b._rh = rh
             probed = self._dirty_per_group(b, ix)
         else:  # a key-hash or row-hash tie (rare): values decide the order
             b = IndexedZSet._from_key_order(make(batch, w, self.sschema), self.keys, kh)
-        self.totals.store_totals(b, ix, probed)  # inserted, or with totals per key recorded (invariant 12)
+        # inserted (put in canonical order first when it is in key order only), or with totals per key recorded
+        self.totals.store_totals(b, ix, probed, canonical=rh is not None or not ordered)
         self.emitted_steps += 1
         if not len(ow):  # every changed group shows what it showed
             return empty(self.op.schema)
