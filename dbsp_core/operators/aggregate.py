@@ -1155,8 +1155,9 @@ class _ExtremesState(_GroupedState):
     def _emitted(self, view: "_zset.BatchView", group_row: np.ndarray, gkh: np.ndarray, old: np.ndarray,
                  nw: np.ndarray, ix: object) -> "ZSet":
         """The step's second half (invariant 10) from its probe's groups, old and new totals (the recomputed extremes
-        filled in): the totals batch (row hashes included) and the finalized output built in C, the new totals
-        stored in ``ix``; the batch inserted into the totals trace."""
+        filled in): the totals batch (row hashes included, unless the trace records it per key: in key-hash order
+        only) and the finalized output built in C, the new totals stored in ``ix``; the batch inserted into the totals
+        trace, or recorded per key (invariant 12)."""
         keyorder = self.totals.pk_keyorder(ix)  # recorded per key (invariant 12): no row hashes
         batch, w, kh, rh, ordered, out, ow = self.emit.step(view, group_row, gkh, old, nw, ix, keyorder)
         if batch is None:  # no group's totals changed
