@@ -6,6 +6,7 @@ minutes, then each measured step costs about a second):
     python bench/bench_step_callgrind.py group_by --state 1M --groups 100k --steps 200
     python bench/bench_step_callgrind.py join distinct --state 10M --groups 1M
     python bench/bench_step_callgrind.py group_by --tree ../other-checkout     # the same run on other code
+    python bench/bench_step_callgrind.py group_by_min_max --step-thread        # the stepping thread only
 
 The child loads the state as bench_scaling.py does (``--load-step``-row steps), runs 20 unmeasured steps, and
 then waits before each measured step until this script has dumped callgrind's counters (``callgrind_control
@@ -70,11 +71,11 @@ def child(tree: str, query: str, state: int, groups: int, steps: int, load_step:
 
 
 def measure(tree: str, query: str, state: int, groups: int, steps: int, load_step: int,
-            keep: str | None = None, cache_sim: bool = False) -> list[list[int]]:
+            keep: str | None = None, cache_sim: bool = False, step_thread: bool = False) -> list[list[int]]:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "cg.out")
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1", PYTHONHASHSEED="0")
-        sim = ["--cache-sim=yes"] if cache_sim else []
+        sim = (["--cache-sim=yes"] if cache_sim else []) + (["--separate-threads=yes"] if step_thread else [])
         pr = subprocess.Popen(["valgrind", "--tool=callgrind", "--instr-atstart=no", *sim, f"--callgrind-out-file={out}",
                                sys.executable, os.path.abspath(__file__), "--child", tree, query, str(state),
                                str(groups), str(steps), str(load_step), d],
@@ -98,7 +99,9 @@ def measure(tree: str, query: str, state: int, groups: int, steps: int, load_ste
             if pr.poll() is None:
                 pr.kill()
         counts = []
-        for f in sorted(glob.glob(out + ".*"), key=lambda f: int(f.rsplit(".", 1)[1])):
+        # (with step_thread, callgrind dumps each thread apart, "<out>.<n>-<thread>": thread 01 is the stepping one)
+        for f in sorted(glob.glob(out + (".*-01" if step_thread else ".*")),
+                        key=lambda f: int(f.rsplit(".", 1)[1].split("-")[0])):
             m = re.search(r"^(?:summary|totals):((?: \d+)+)", open(f).read(), re.M)
             counts.append([int(x) for x in m.group(1).split()])  # Ir, then (cache_sim) Dr Dw I1mr D1mr D1mw ILmr DLmr DLmw
             if keep:  # each step's dump, for callgrind_annotate
@@ -129,10 +132,12 @@ def main() -> int:
     ap.add_argument("--keep", help="a directory to copy each step's callgrind dump into (for callgrind_annotate)")
     ap.add_argument("--cache-sim", action="store_true", help="also simulate the caches (valgrind's model of a "
                     "two-level cache, not this host's): data-cache and last-level misses a step, several times slower")
+    ap.add_argument("--step-thread", action="store_true", help="count the stepping thread's instructions only "
+                    "(callgrind --separate-threads=yes): not the merge thread's, which runs beside the step")
     args = ap.parse_args()
     for q in args.queries:
         m = np.array(measure(os.path.abspath(args.tree), q, args.state, args.groups, args.steps, args.load_step,
-                             args.keep, args.cache_sim), dtype=np.float64)
+                             args.keep, args.cache_sim, args.step_thread), dtype=np.float64)
         c = m[:, 0] / 1e6
         print(f"{q} {args.state:,} rows / {args.groups:,} groups ({os.path.basename(os.path.abspath(args.tree))}): "
               f"{len(c)} steps, M instructions per step: mean {c.mean():.2f}, p50 {np.percentile(c, 50):.2f}, "

@@ -163,7 +163,8 @@ cdef class ExtremesEmit:
     recomputed extremes filled in) and returns ``(batch, w, kh, rh, ordered, out, ow)``: the totals trace batch as a
     one-chunk Table with its weights, key hashes and row hashes (in canonical order unless ``ordered`` is False), and
     the output Table with its weights (its rows distinct: a group's equal old and new rows dropped); all None when
-    no group's totals changed. ``ix`` then holds the new totals; a MemoryError or ValueError from its store leaves it
+    no group's totals changed. ``keyorder``: the batch is wanted in key-hash order only (extremes.h: no row hashes,
+    ``rh`` None, ``ordered`` False only for a key-hash tie). ``ix`` then holds the new totals; a MemoryError or ValueError from its store leaves it
     as it was with a refusal counted (design note 5), one before the store changes nothing. ``probe(table, slots,
     ix)`` is extremes_probe (over this emit's keys) that keeps where ``ix`` holds each group's values: a ``step``
     that follows it over the same groups (its ``gkh``, the very array, and ``ix``, with nothing stored in between)
@@ -217,7 +218,7 @@ cdef class ExtremesEmit:
         self.steps = 0
         self.in_place = 0
 
-    def step(self, table, group_row, gkh, old, nw, KeyIndex ix):
+    def step(self, table, group_row, gkh, old, nw, KeyIndex ix, bint keyorder=False):
         cdef int64_t *const *held = self.held if self.held_ix is ix and self.held_gkh is gkh else NULL
         self.held_ix = self.held_gkh = None  # (one use: the step stores)
         cdef BatchView v = view_of(table)
@@ -252,14 +253,14 @@ cdef class ExtremesEmit:
             st = dbsp_extremes_emit(ix.ix, &v.c, self.keys.p, self.keys.n, self.ns, self.nv, ng, &pg[0], &pk[0],
                                     &po[0, 0], &px[0, 0], self.snull.p, self.swidth.p, self.nout, self.shown.p,
                                     self.nonnull.p, self.owidth.p, &batch, &out, &w, &kh, &rh, &n, &ordered, &ow, &on,
-                                    held)
+                                    held, 1 if keyorder else 0)
         check_status(st, "extremes_emit")
         self.in_place += held != NULL
         if n == 0:
             return None, None, None, None, True, None, None
         wa = own_array(w, n, np.int64)
         ka = own_array(kh, n, np.uint64)
-        ra = own_array(rh, n, np.uint64)
+        ra = own_array(rh, n, np.uint64) if rh != NULL else None
         owa = own_array(ow, on, np.int64)
         try:
             bt = import_batch(&batch, self.bschema)

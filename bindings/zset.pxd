@@ -284,7 +284,7 @@ cdef extern from "extremes.h" nogil:
                            const int64_t *nw, const int32_t *snull, const int32_t *swidth, int32_t nout,
                            const int32_t *shown, const int32_t *nonnull, const int32_t *owidth,
                            ArrowArray *batch, ArrowArray *out, int64_t **w, uint64_t **kh, uint64_t **rh,
-                           int64_t *n, int *ordered, int64_t **ow, int64_t *on, int64_t *const *held)
+                           int64_t *n, int *ordered, int64_t **ow, int64_t *on, int64_t *const *held, int keyorder)
 
 cdef extern from "linrun.h" nogil:
     ctypedef struct CLinRun "DbspLinRun":

@@ -262,7 +262,7 @@ int dbsp_extremes_emit(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys
                        const int64_t *nw, const int32_t *snull, const int32_t *swidth, int32_t nout,
                        const int32_t *shown, const int32_t *nonnull, const int32_t *owidth,
                        struct ArrowArray *batch, struct ArrowArray *out, int64_t **w, uint64_t **kh, uint64_t **rh,
-                       int64_t *n, int *ordered, int64_t **ow, int64_t *on, int64_t *const *held) {
+                       int64_t *n, int *ordered, int64_t **ow, int64_t *on, int64_t *const *held, int keyorder) {
     batch->release = NULL;
     out->release = NULL;
     *w = NULL, *kh = NULL, *rh = NULL, *ow = NULL, *n = 0, *on = 0, *ordered = 1;
@@ -281,13 +281,14 @@ int dbsp_extremes_emit(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys
     size_t cap = (size_t)(ng ? 2 * ng : 1);
     const int64_t **src = malloc(cap * sizeof *src), **osrc = malloc(cap * sizeof *osrc);
     int64_t *rows = malloc(cap * 8), *orows = malloc(cap * 8);
-    *w = malloc(cap * 8), *kh = malloc(cap * 8), *rh = malloc(cap * 8), *ow = malloc(cap * 8);
+    *w = malloc(cap * 8), *kh = malloc(cap * 8), *ow = malloc(cap * 8);
+    if (!keyorder) *rh = malloc(cap * 8);
     int st = DBSP_OK;
     int64_t m = 0, k = 0;
-    if (!src || !osrc || !rows || !orows || !*w || !*kh || !*rh || !*ow) { st = DBSP_ENOMEM; goto done; }
+    if (!src || !osrc || !rows || !orows || !*w || !*kh || (!keyorder && !*rh) || !*ow) { st = DBSP_ENOMEM; goto done; }
     int have_prev = 0;
     uint64_t prev = 0;
-    for (int64_t g = 0; g < ng; g++) {  /* the rows, in canonical order: key hash, then row hash */
+    for (int64_t g = 0; g < ng; g++) {  /* the rows, in canonical order: key hash, then row hash (keyorder: old first) */
         const int64_t *o = old + g * nv, *x = nw + g * nv;
         if (memcmp(o, x, (size_t)nv * 8) == 0) continue;
         int sub = o[0] != 0, add = x[0] != 0;
@@ -295,9 +296,13 @@ int dbsp_extremes_emit(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys
         if (have_prev && gkh[g] == prev) *ordered = 0;
         have_prev = 1;
         prev = gkh[g];
-        uint64_t ho = sub ? slots_hash(gkh[g], o, ns, snull) : 0, hx = add ? slots_hash(gkh[g], x, ns, snull) : 0;
-        int old_first = !add || (sub && ho < hx);
-        if (sub && add && ho == hx) *ordered = 0;
+        uint64_t ho = 0, hx = 0;
+        int old_first = 1;
+        if (!keyorder) {
+            ho = sub ? slots_hash(gkh[g], o, ns, snull) : 0, hx = add ? slots_hash(gkh[g], x, ns, snull) : 0;
+            old_first = !add || (sub && ho < hx);
+            if (sub && add && ho == hx) *ordered = 0;
+        }
         for (int t = 0; t < 2; t++) {
             int is_old = t == 0 ? old_first : !old_first;
             if (is_old ? !sub : !add) continue;
@@ -305,7 +310,7 @@ int dbsp_extremes_emit(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys
             rows[m] = group_row[g];
             (*w)[m] = is_old ? -1 : 1;
             (*kh)[m] = gkh[g];
-            (*rh)[m] = is_old ? ho : hx;
+            if (!keyorder) (*rh)[m] = is_old ? ho : hx;
             m++;
         }
         int same = sub && add;  /* the output: a group's two rows cancel when they show the same */

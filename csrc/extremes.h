@@ -79,7 +79,9 @@ int dbsp_extremes_store(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *key
  *     swidth[j] bytes (1, 2, 4 or 8: the slot column's width; the importer's schema says its type); with its
  *     weights *w, key hashes *kh and row hashes *rh (hash.h: the key hash extended by the slot columns; *n rows,
  *     malloc'ed) and *ordered: 0 when two emitted groups share a key hash or a group's two rows a row hash (the
- *     rows are then not in canonical order: the caller sorts them);
+ *     rows are then not in canonical order: the caller sorts them); with keyorder set (the caller needs the batch in
+ *     key-hash order only: a totals trace that records it per key, trace/keyindex.py ``pk_keyorder``) no row hash is
+ *     computed, a group's old row comes first, *rh stays NULL and *ordered is 0 only for a key-hash tie;
  *   *out: the output: the key columns, then for o < nout the value of slot shown[o], null where nonnull[o] >= 0
  *     and the row's value nonnull[o] is 0, narrowed to owidth[o] bytes; with its weights *ow (*on rows): the rows
  *     of the batch less a group's two rows when they show the same output (equal values, nulls alike), so the
@@ -95,7 +97,7 @@ int dbsp_extremes_emit(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys
                        const int64_t *nw, const int32_t *snull, const int32_t *swidth, int32_t nout,
                        const int32_t *shown, const int32_t *nonnull, const int32_t *owidth,
                        struct ArrowArray *batch, struct ArrowArray *out, int64_t **w, uint64_t **kh, uint64_t **rh,
-                       int64_t *n, int *ordered, int64_t **ow, int64_t *on, int64_t *const *held);
+                       int64_t *n, int *ordered, int64_t **ow, int64_t *on, int64_t *const *held, int keyorder);
 
 /* The extremes a deleted value reached, recomputed (design note 2): for i < n, the key of row rows[i] of b (key
  * columns keys) with key hash kh[i], over the rows of the value batches vb[0..nb) (a value trace's batches, each

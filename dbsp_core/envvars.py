@@ -52,11 +52,11 @@ Runtime settings (:data:`SETTINGS`; blank counts as unset), with what reads them
   count_distinct's pairs) or only by a few keys at a time (a min/max's value multisets), or a join side's (inner,
   outer, semi, anti) or a materialized view's trace while nothing reads it; a whole number >= 0 (0 or 1: two at a
   time, as every other trace; default 8). Results and state are the same either way; only the merge work differs.
-- ``DBSP_TOTALS_PER_KEY`` (operators/aggregate.py): ``1`` (default): a linear aggregate's steps (a min/max's too where
-  ``_ExtremesState.PER_KEY`` is None, invariant 12 there; off by default) keep its totals in its key index only and
-  bring the totals trace's batches up to date when something reads them (trace/levels.py invariant 19: no per-step
-  batch, no merges between reads); ``0``: every step inserts its batch of old and new totals (the path until
-  2026-12-01; tests/core/test_totals_per_key*.py compare the two). Results and state are the same either way. Not
+- ``DBSP_TOTALS_PER_KEY`` (operators/aggregate.py): ``1`` (default): a linear or min/max aggregate's steps (invariant
+  12 there) keep its totals in its key index only and bring the totals trace's batches up to date when something
+  reads them (trace/levels.py invariant 19: no per-step batch, no merges between reads); ``0``: every step inserts
+  its batch of old and new totals (the path until 2026-12-01, a min/max's until 2026-12-02;
+  tests/core/test_totals_per_key*.py and test_values_hold.py compare the two). Results and state are the same either way. Not
   under a memory budget (the trace then keeps its totals in batches); a key index that cannot grow
   (``DBSP_KEY_INDEX_MB``, ``DBSP_KEY_INDEX_TOTAL_MB``, memory) has its step's store undone and the trace keeps its
   totals in batches from then on.

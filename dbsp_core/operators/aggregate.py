@@ -78,14 +78,17 @@ Invariants:
      batch, ``_recompute_into``, or ``lookup_exact`` on the path without the key index), so it holds its low levels
      whatever its reads (trace invariant 18, ``hold_keyed``; ``DBSP_TOTALS_HOLD``, ``_LinearState.HOLD`` in tests): a
      step's batch of values is rewritten about once per three levels on its way up instead of once per level.
- 12. With ``_ExtremesState.PER_KEY`` (off by default: by the wall clock it was not shown faster, bench/RESULTS.md
-     r37-minmax5; None follows ``DBSP_TOTALS_PER_KEY``), the totals trace, read only through its key index (invariant
-     10), keeps its totals per key (trace invariant 19) as a linear aggregate's does: the index is the state
+ 12. Unless ``DBSP_TOTALS_PER_KEY=0`` (``_ExtremesState.PER_KEY`` None follows it; tests set True or False), the
+     totals trace, read only through its key index (invariant 10), keeps its totals per key (trace invariant 19) as a
+     linear aggregate's does: the index is the state
      (its sums over a group's one totals row are that row, an extreme null where its "valid" flag is 0), a step that
      stored its groups there (the emit's in-place writes, or ``extremes_store``) inserts no batch but records each of
      its groups not dirty yet with its old row, and the batches are synced from the index when something reads them
      (a checkpoint, a shard cut, the walk of ``_through_totals``). So a step merges no totals at all; a rollback
-     undoes the step's writes into the index from its batch (-old +new) by the undo log of trace invariant 19.
+     undoes the step's writes into the index from its batch (-old +new) by the undo log of trace invariant 19. A step
+     probes the dirty-key index once per group, and not at all when every key the index held before it is dirty
+     (``Trace.pk_found_dirty``: true from the first step after a sync that touched them all, as a state built by steps
+     is) and every group it changed was held (a -1 row each): none of its keys can be fresh.
 """
 
 from __future__ import annotations
@@ -774,7 +777,7 @@ class _ExtremesState(_GroupedState):
     A group whose deleted extreme is not strictly beyond its old extreme is re-reduced from the value traces.
     """
 
-    PER_KEY: bool | None = False  # the totals kept per key (invariant 12); None: ``DBSP_TOTALS_PER_KEY``'s (tests set it)
+    PER_KEY: bool | None = None  # the totals kept per key (invariant 12); None: ``DBSP_TOTALS_PER_KEY``'s (tests set it)
 
     def __init__(self, op: Aggregate) -> None:
         self.op = op
@@ -840,6 +843,7 @@ class _ExtremesState(_GroupedState):
         self.emit = self._emitter() if self.spec is not None else None  # phase 2 in one C call (invariant 10)
         self.emitted_steps = 0  # steps whose second half ran in that call (counts for tests, not state)
         self.recomputed = 0  # groups whose extremes were re-reduced from the value multisets (counts for tests)
+        self.unprobed_steps = 0  # steps stored per key with no dirty-key probe (invariant 12; counts for tests)
         # steps left before the reduction is tried again (invariant 8): of the step's change, and of what a fused
         # exchange sends (dbsp_core/runtime/plan.py): after a sender's reduction a group arrives as about one row
         self._reduce_skip = self._send_skip = 0
@@ -1151,21 +1155,25 @@ class _ExtremesState(_GroupedState):
     def _emitted(self, view: "_zset.BatchView", group_row: np.ndarray, gkh: np.ndarray, old: np.ndarray,
                  nw: np.ndarray, ix: object) -> "ZSet":
         """The step's second half (invariant 10) from its probe's groups, old and new totals (the recomputed extremes
-        filled in): the totals batch (row hashes included) and the finalized output built in C, the new totals
-        stored in ``ix``; the batch inserted into the totals trace."""
-        batch, w, kh, rh, ordered, out, ow = self.emit.step(view, group_row, gkh, old, nw, ix)
+        filled in): the totals batch (row hashes included, unless the trace records it per key: in key-hash order
+        only) and the finalized output built in C, the new totals stored in ``ix``; the batch inserted into the totals
+        trace, or recorded per key (invariant 12)."""
+        keyorder = self.totals.pk_keyorder(ix)  # recorded per key (invariant 12): no row hashes
+        batch, w, kh, rh, ordered, out, ow = self.emit.step(view, group_row, gkh, old, nw, ix, keyorder)
         if batch is None:  # no group's totals changed
             self.totals.index_done(ix)
             return empty(self.op.schema)
         probed = None
-        if ordered:  # groups by key hash, a group's two rows by row hash: the trace batch as it stands
+        if ordered:  # groups by key hash, a group's two rows by row hash (keyorder: old first): the batch as it stands
             # (the call's tables hold one record batch each: one chunk per column as they are, zset.py invariant 1)
             b = IndexedZSet._make(ZSet._make(batch, w, chunked=True), tuple(self.keys), kh)
-            b._rh = rh
+            if rh is not None:
+                b._rh = rh
             probed = self._dirty_per_group(b, ix)
         else:  # a key-hash or row-hash tie (rare): values decide the order
             b = IndexedZSet._from_key_order(make(batch, w, self.sschema), self.keys, kh)
-        self.totals.store_totals(b, ix, probed)  # inserted, or with totals per key recorded (invariant 12)
+        # inserted (put in canonical order first when it is in key order only), or with totals per key recorded
+        self.totals.store_totals(b, ix, probed, canonical=rh is not None or not ordered)
         self.emitted_steps += 1
         if not len(ow):  # every changed group shows what it showed
             return empty(self.op.schema)
@@ -1183,6 +1191,11 @@ class _ExtremesState(_GroupedState):
         first = np.empty(len(kh), dtype=bool)
         first[0] = True
         np.not_equal(kh[1:], kh[:-1], out=first[1:])
+        if self.totals.pk_found_dirty() and np.count_nonzero(b.zset.weights < 0) == np.count_nonzero(first):
+            # every key the index held before the step is dirty (trace invariant 19), and every group of the step
+            # was held (a -1 row, its old totals, each): none is fresh, no probe (invariant 12)
+            self.unprobed_steps += 1
+            return dirty, np.zeros(len(kh), dtype=bool)
         sel = np.flatnonzero(first)
         acc = np.zeros((len(sel), 1), dtype=np.int64)
         dirty.get(b._view(), b._keypos, kh[sel], acc, sel=sel)

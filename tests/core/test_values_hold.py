@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+import warnings
 from collections import Counter
 
 import numpy as np
@@ -196,6 +197,29 @@ def test_held_value_traces_across_checkpoint_reopen_rollback_and_rescale(tmp_pat
         p.close()
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_per_key_steps_skip_the_dirty_probe_once_every_key_is_dirty(workers: int, monkeypatch) -> None:
+    """Totals per key (invariant 12): once every key the totals' index holds is dirty, a step whose groups were all held
+    stores with no probe of the dirty-key index, and a step with a new group (a null-only group's first row, a group
+    emptied and back) probes it; against the model after every step, across rolled-back steps and syncs (``check``
+    every 45 steps starts the dirty index afresh: steps probe again until every key is dirty), the synced totals
+    equal to their index and the value traces to the model's multiset."""
+    monkeypatch.setattr(_ExtremesState, "PER_KEY", True)
+    rng = np.random.default_rng(SEED + 300 + workers)
+    bag: Counter = Counter()
+    view: Counter = Counter()
+    with dbsp.Pipeline(_circuit(poison=True), workers=workers) as p:
+        for i, d in enumerate(_deltas(rng, 140)):
+            where = f"step {i}, W={workers} (DBSP_HOLD_SEED={SEED})"
+            bag, view = _step(p, d, bag, view, where, poison=i % 20 == 7)
+            if i % 45 == 44:
+                _check_state(p, bag, where)
+        _check_state(p, bag, f"end, W={workers} (DBSP_HOLD_SEED={SEED})")
+        unprobed = sum(s.unprobed_steps for s in _states(p))
+        assert BUDGET or unprobed >= 20 * workers, unprobed
+        assert BUDGET or unprobed < 140 * workers, unprobed  # (the steps after a sync and with new groups probed)
+
+
 def test_value_traces_under_a_memory_budget_merge_as_before(tmp_path, monkeypatch) -> None:
     """With every batch spilled (memory_limit of a byte) the value traces belong to a batch store and merge by trace
     invariant 15 (hold_keyed is not used): the view equals the model, no held merge ran (totals per key asked for)."""
@@ -208,3 +232,42 @@ def test_value_traces_under_a_memory_budget_merge_as_before(tmp_path, monkeypatc
             bag, view = _step(p, d, bag, view, f"step {i} (DBSP_HOLD_SEED={SEED})")
         _check_state(p, bag, f"spilled (DBSP_HOLD_SEED={SEED})")
         assert sum(tr.held_merges for tr in _values(p)) == 0
+
+
+def test_a_per_key_fallback_inserts_the_emits_key_order_batch(monkeypatch) -> None:
+    """Totals per key (invariant 12) with the emit's batch in key-hash order only (no row hashes: ExtremesEmit
+    ``keyorder``): when the dirty-key index cannot grow (the key index budget set to the bytes held, after a sync), the
+    step's batch is inserted after all (trace invariant 19's fallback), sorted first; against the model after every
+    step (later steps walk the batches the fallback left), the state checked (``Trace.check``) and the value traces
+    equal to the model's multiset."""
+    from dbsp_core import _zset
+    from tests.core.test_totals_per_key_limit import _tight
+
+    monkeypatch.setattr(_ExtremesState, "PER_KEY", True)
+    rng = np.random.default_rng(SEED + 400)
+    bag: Counter = Counter()
+    view: Counter = Counter()
+    fell0 = PerKeyTotals.pk_fallbacks
+    store_totals = PerKeyTotals.store_totals
+    budget = _zset.keyindex_budget()
+    try:
+        with dbsp.Pipeline(_circuit(), workers=1) as p:
+            for i, d in enumerate(_deltas(rng, 60)):
+                if i == 30:
+                    _check_state(p, bag, f"before step {i} (DBSP_HOLD_SEED={SEED})")  # synced: a fresh dirty index
+                    big: Counter = Counter()  # a step over many held groups: the fresh dirty index must grow
+                    for k in range(0, GROUPS, 2):
+                        big[(k, 1, int(rng.integers(-100, 100)))] += 1
+                    d = big + d
+                    monkeypatch.setattr(PerKeyTotals, "store_totals", _tight(store_totals))
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", dbsp.IndexDroppedWarning)  # (the fallback drops the index)
+                    bag, view = _step(p, d, bag, view, f"step {i} (DBSP_HOLD_SEED={SEED})")
+                if i == 30:
+                    _zset.keyindex_budget(budget)
+                    monkeypatch.setattr(PerKeyTotals, "store_totals", store_totals)
+                    _check_state(p, bag, f"after step {i} (DBSP_HOLD_SEED={SEED})")  # the inserted batch canonical
+            _check_state(p, bag, f"end (DBSP_HOLD_SEED={SEED})")
+    finally:
+        _zset.keyindex_budget(budget)
+    assert BUDGET or PerKeyTotals.pk_fallbacks - fell0 == 1, PerKeyTotals.pk_fallbacks - fell0
