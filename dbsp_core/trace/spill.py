@@ -200,11 +200,23 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      cap of 29-44 MiB) would drop every mapping they read and every older one (invariant 12, "mapped"), so the cache
      could keep none of them mapped; it then skips the per-page clock (stamps, rounds, the oldest-first eviction:
      0.43-0.46 ms a step there, bench/RESULTS.md, r31-share) and empties: every page those reads used counts a miss,
-     the cache holds no page after it (clocks and rounds dropped, ``cached_pages()`` 0), and every mapping a read
-     marked is dropped whole (``stats["overflows"]`` counts such enforces). So in a state whose steps overflow the
-     cache, ``cache_hits`` stay 0 and ``cache_misses`` are every page read, where the clock counted as hits the pages
-     read again that it still held in the page cache (5-8% of them there; they faulted back all the same: the
-     mapping had been dropped). A key index the cache counts keeps the clock (its pages go in the clock's order).
+     the cache holds no page after it (clocks and rounds dropped, ``cached_pages()`` 0), and the mappings go
+     (``stats["overflows"]`` counts such enforces). Hot units (``OVERFLOW_KEEP``, :meth:`_keep_hot`): of the units of
+     format-1 files mapped at that enforce (read since the last one, or kept by it), those with the highest heat stay
+     mapped, at most :meth:`cache_cap` of them, and stay marked (so ``mapped_bytes()`` and the next enforce count
+     them: the bound of invariant 12, "mapped", is the same); every other unit of those files is dropped, a
+     madvise(MADV_DONTNEED) per run of units with the mapping's recency (``_drop_units``). A unit's heat (``_heat``,
+     a byte per unit of a file) is halved at each overflowing enforce and gets 128 when reads since the last one used
+     it, ties going to the unit more pages were read in: a unit most steps read (a key-hash column's, where ~1,000
+     keys a step land in most of its units) is kept before one read now and then. At 100M rows under 1 GiB every
+     step overflows (1,000-1,700 units read against room for ~400): without the keep each step faulted all its units
+     back, a 2 MiB PMD fault and a drop each (~3-5 us with the user time the fault's return costs); with it the
+     units kept and read again fault no more (bench/RESULTS.md, 2026-12-02, branch r31-fault). Format-2 files and
+     files a walk dropped after its last read (``walked_out``) are dropped whole, as before. So in a state whose
+     steps overflow the cache, ``cache_hits`` stay 0 and ``cache_misses`` are every page read (a page in a kept unit
+     too: the kept units are the mapped bound's, not the clock's), where the clock counted as hits the pages read
+     again that it still held in the page cache (5-8% of them there; they faulted back all the same: the mapping had
+     been dropped). A key index the cache counts keeps the clock (its pages go in the clock's order).
 
  16. Every read of some keys in a spilled batch (``Trace.lookup``, ``key_sums``, ``match_weights``, an inner join's
      walk, through ``Trace.narrowed``) first drops the keys the batch's Bloom filter rules out, and counts those it
@@ -1654,8 +1666,10 @@ class BatchStore:
                     held = self._mapped.get(key)
                     if held is not None and (was is None or len(held) == len(was)):
                         was = held if was is None else was | held
-                    self.stats["mapped_bytes_dropped"] += int(np.count_nonzero(was[gone])) * MAP_UNIT \
-                        if was is not None and len(was) == len(kept) else 0
+                    n = int(np.count_nonzero(was[gone])) if was is not None and len(was) == len(kept) else 0
+                    if n:  # (a mapping dropped in part counts as a drop, with the units it dropped)
+                        self.stats["mapped_drops"] += 1
+                        self.stats["mapped_bytes_dropped"] += n * MAP_UNIT
                     continue
                 m = self._mapping_to_drop(key)
                 if m is not None:
@@ -1680,7 +1694,7 @@ class BatchStore:
                 self._mapped_bytes // MAP_UNIT
         recency = self.RECENCY and hasattr(mmap, "MADV_NORMAL")
         self.stats["evict_calls"] += (spillread.evict(evict, recency) if spillread.NATIVE else _evict(evict))
-        self.stats["evict_calls"] += _drop_units(parts, recency)
+        self.stats["evict_calls"] += _drop_units(parts)
         return True
 
     def _keep_hot(self, marks: dict[int, np.ndarray], used: dict[int, np.ndarray],
@@ -2013,10 +2027,10 @@ def _recency(m: mmap.mmap) -> Iterator[None]:
                 pass
 
 
-def _drop_units(parts: list[tuple[mmap.mmap, int, np.ndarray]], recency: bool) -> int:
+def _drop_units(parts: list[tuple[mmap.mmap, int, np.ndarray]]) -> int:
     """Drop from the process the pages of these ``MAP_UNIT``s (per entry a file's mapping, its address and sorted unit
     numbers, :func:`_unit_of`'s), a madvise(MADV_DONTNEED) per run of adjacent units, up to 1024 runs a system call,
-    with the mapping's recency (:func:`_recency`) when ``recency``; returns the system calls made."""
+    each mapping's runs within its :func:`_recency`; returns the system calls made."""
     from dbsp_core import _storage
 
     before = _storage.advise_calls()
@@ -2031,7 +2045,7 @@ def _drop_units(parts: list[tuple[mmap.mmap, int, np.ndarray]], recency: bool) -
         first = np.maximum(lo * per - shift, 0)
         count = hi * per - shift - first
         try:
-            with _recency(m) if recency else nullcontext():
+            with _recency(m):
                 _storage.advise_pages(m, np.ascontiguousarray(first, dtype=np.int64),
                                       np.ascontiguousarray(count, dtype=np.int64), mmap.PAGESIZE, mmap.MADV_DONTNEED)
         except (OSError, ValueError):  # closed: its batch is gone
