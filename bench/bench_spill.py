@@ -176,6 +176,19 @@ def run(query: str, state: int, groups: int, args, limit) -> list[dict] | None:
     return out
 
 
+def _perf_ctl(cmd: str) -> None:
+    """Tells a ``perf record --control fifo:CTL,ACK -D -1`` (or ``perf stat``) around this process to start or stop
+    counting: BENCH_PERF_CTL=CTL,ACK, so a profile holds the measured steps only."""
+    ctl = os.environ.get("BENCH_PERF_CTL")
+    if not ctl:
+        return
+    c, a = ctl.split(",")
+    with open(c, "w") as f:
+        f.write(cmd + "\n")
+    with open(a) as f:
+        f.readline()
+
+
 def measure(p: dbsp.Pipeline, rng, query: str, groups: int, args, loaded: list, k: int) -> tuple[dict, int]:
     """``--warmup`` then ``--steps`` measured steps, then ``--cold`` steps each after every file's pages left the page
     cache; returns the figures and the next step number."""
@@ -188,11 +201,13 @@ def measure(p: dbsp.Pipeline, rng, query: str, groups: int, args, loaded: list, 
             _STEP_CPU.clear()
             st0 = dict(store.stats) if store is not None else {}
             _PEAK["in_step"] = 0
+            _perf_ctl("enable")
         x = one_step(p, rng, query, groups, args.change, loaded, k)
         k += 1
         if i >= args.warmup:
             ms.append(x)
             steady = max(steady, _rss_file())  # after the step (its enforce done): outside its time
+    _perf_ctl("disable")
     ru = resource.getrusage(resource.RUSAGE_SELF)
     cpu = _STEP_CPU[-args.steps:]
     out = {"cpu_mean": float(np.mean(cpu)), "cpu_p99": float(np.percentile(cpu, 99)), "mean": float(np.mean(ms)), "p50": float(np.percentile(ms, 50)),

@@ -205,11 +205,23 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      cap of 29-44 MiB) would drop every mapping they read and every older one (invariant 12, "mapped"), so the cache
      could keep none of them mapped; it then skips the per-page clock (stamps, rounds, the oldest-first eviction:
      0.43-0.46 ms a step there, bench/RESULTS.md, r31-share) and empties: every page those reads used counts a miss,
-     the cache holds no page after it (clocks and rounds dropped, ``cached_pages()`` 0), and every mapping a read
-     marked is dropped whole (``stats["overflows"]`` counts such enforces). So in a state whose steps overflow the
-     cache, ``cache_hits`` stay 0 and ``cache_misses`` are every page read, where the clock counted as hits the pages
-     read again that it still held in the page cache (5-8% of them there; they faulted back all the same: the
-     mapping had been dropped). A key index the cache counts keeps the clock (its pages go in the clock's order).
+     the cache holds no page after it (clocks and rounds dropped, ``cached_pages()`` 0), and the mappings go
+     (``stats["overflows"]`` counts such enforces). Hot units (``OVERFLOW_KEEP``, :meth:`_keep_hot`): of the units of
+     format-1 files mapped at that enforce (read since the last one, or kept by it), those with the highest heat stay
+     mapped, at most :meth:`cache_cap` of them, and stay marked (so ``mapped_bytes()`` and the next enforce count
+     them: the bound of invariant 12, "mapped", is the same); every other unit of those files is dropped, a
+     madvise(MADV_DONTNEED) per run of units with the mapping's recency (``_drop_units``). A unit's heat (``_heat``,
+     a byte per unit of a file) is halved at each overflowing enforce and gets 128 when reads since the last one used
+     it, ties going to the unit more pages were read in: a unit most steps read (a key-hash column's, where ~1,000
+     keys a step land in most of its units) is kept before one read now and then. At 100M rows under 1 GiB every
+     step overflows (1,000-1,700 units read against room for ~400): without the keep each step faulted all its units
+     back, a 2 MiB PMD fault and a drop each (~3-5 us with the user time the fault's return costs); with it the
+     units kept and read again fault no more (bench/RESULTS.md, 2026-12-02, branch r31-fault). Format-2 files and
+     files a walk dropped after its last read (``walked_out``) are dropped whole, as before. So in a state whose
+     steps overflow the cache, ``cache_hits`` stay 0 and ``cache_misses`` are every page read (a page in a kept unit
+     too: the kept units are the mapped bound's, not the clock's), where the clock counted as hits the pages read
+     again that it still held in the page cache (5-8% of them there; they faulted back all the same: the mapping had
+     been dropped). A key index the cache counts keeps the clock (its pages go in the clock's order).
 
  16. Every read of some keys in a spilled batch (``Trace.lookup``, ``key_sums``, ``match_weights``, an inner join's
      walk, through ``Trace.narrowed``) first drops the keys the batch's Bloom filter rules out, and counts those it
@@ -564,6 +576,10 @@ class BatchStore:
     # an enforce whose reads marked more units than the cap empties the cache instead of stamping their pages
     # (invariant 15, "overflow": :meth:`_overflows`); False: the per-page clock always (tests of the clock)
     OVERFLOW_EMPTIES = True
+    # ... and keeps mapped, within :meth:`cache_cap`, the format-1 units reads used most over the last enforces
+    # (invariant 15, "overflow": ``_keep_hot``), dropping only the others; False: every mapping a read marked is dropped
+    # whole, as before (a 100M-row step then faults back all its ~1,000-1,700 units, bench/RESULTS.md r31-fault)
+    OVERFLOW_KEEP = True
 
     def __init__(self, memory_limit: int, directory: str | None = None, durable: bool = False,
                  vfs: str = "posix") -> None:
@@ -601,6 +617,9 @@ class BatchStore:
         self._mapped: dict[int, np.ndarray] = {}
         self._mapped_at: dict[int, int] = {}
         self._mapped_bytes = 0  # bytes of the units marked, as of the last enforce (and key indexes held): mapped_bytes
+        # id(batch) -> per MAP_UNIT of its format-1 file, how much the reads of the last overflowing enforces used it
+        # (halved at each, +128 when read since the last): the units an overflow keeps mapped (invariant 15)
+        self._heat: dict[int, np.ndarray] = {}
         self._walked_out: set[int] = set()  # ids of batches whose mapping a walk dropped after its last read (12)
         self._walk_state = threading.local()  # per thread, the files its walks keep mapped (walk_pieces)
         self._generation = 0  # enforce calls that trimmed the cache: the cache's clock
@@ -1498,7 +1517,7 @@ class BatchStore:
         del used, seeks
         if self.HUGE_SHARE is not None and located:
             self._hot_files(located)
-        if self.OVERFLOW_EMPTIES and (located or gmarks) and not indexes and self._overflows(located, gmarks):
+        if self.OVERFLOW_EMPTIES and (located or gmarks) and not indexes and self._overflows(located, gmarks, out):
             return
         with self._lock:  # batches may die (and leave the cache) on other threads meanwhile
             self._generation += 1
@@ -1603,25 +1622,35 @@ class BatchStore:
                         self._huge.add(key)
                 self.stats["huge_files"] = self.stats.get("huge_files", 0) + 1
 
-    def _overflows(self, located: list, gmarks: dict[int, np.ndarray] | None = None) -> bool:
+    def _overflows(self, located: list, gmarks: dict[int, np.ndarray] | None = None,
+                   out: set[int] | None = None) -> bool:
         """Invariant 15, "overflow": when the ``MAP_UNIT``s the reads since the last enforce marked (``located``: per
         read its trace, batch key, file, pages and whether it sought keys) come to more than :meth:`cache_cap`, the
         mapped bound would drop every mapping they read (and every older one) whatever the clock says, so the page
-        bookkeeping is skipped: every page read counts a miss, the cache is emptied (clocks, rounds, marks: it holds
-        no page past this enforce), and every mapping a read marked is dropped whole. Returns False (nothing done)
-        otherwise, or while the cache counts a key index (its pages are evicted in the clock's order)."""
+        bookkeeping is skipped: every page read counts a miss, the cache is emptied (clocks, rounds: it holds no page
+        past this enforce), and the mappings are dropped: with ``OVERFLOW_KEEP`` all but the hot units of format-1
+        files (:meth:`_keep_hot`, at most :meth:`cache_cap` of them, still marked mapped), else every mapping a read
+        marked, whole. ``out``: the batches whose mapping a walk dropped after its last read (nothing of theirs is
+        mapped to keep). Returns False (nothing done) otherwise, or while the cache counts a key index (its pages are
+        evicted in the clock's order)."""
         marks: dict[int, np.ndarray] = {}
+        used: dict[int, np.ndarray] = {}  # format-1 key -> pages the reads used per unit (the keep's tie-break)
         for _t, key, f, pages, _sought in located:
             u = marks.get(key)
             if u is None:
                 u = marks[key] = np.zeros(_units(f.base, f.size), dtype=bool)
-            u[_unit_of(f.base, pages[pages < f.os_pages()])] = True
+            units = _unit_of(f.base, pages[pages < f.os_pages()])
+            u[units] = True
+            if self.OVERFLOW_KEEP and (out is None or key not in out):
+                n = np.bincount(units, minlength=len(u))[:len(u)]
+                used[key] = n if key not in used else used[key] + n
         for key, u in (gmarks or {}).items():
             marks[key] = u
         cap = self.cache_cap()
         if sum(int(np.count_nonzero(u)) for u in marks.values()) * MAP_UNIT <= cap:
             return False
         evict: list[Any] = []
+        parts: list[tuple[Any, int, np.ndarray]] = []
         with self._lock:
             if self._index_used:
                 return False
@@ -1634,8 +1663,22 @@ class BatchStore:
                 if sought:
                     misses += len(pages)
             self._step_misses += misses
+            keep = self._keep_hot(marks, used, cap, out or set()) if self.OVERFLOW_KEEP else {}
             dropped = set(marks) | {k for k, m in self._mapped.items() if m.any()}
             for key in dropped:
+                if key in keep:  # its cold units go, by runs; its hot ones stay mapped
+                    f = self._files[key]
+                    kept, gone = keep[key]
+                    parts.append((f.map, f.base, gone))
+                    was = marks.get(key)
+                    held = self._mapped.get(key)
+                    if held is not None and (was is None or len(held) == len(was)):
+                        was = held if was is None else was | held
+                    n = int(np.count_nonzero(was[gone])) if was is not None and len(was) == len(kept) else 0
+                    if n:  # (a mapping dropped in part counts as a drop, with the units it dropped)
+                        self.stats["mapped_drops"] += 1
+                        self.stats["mapped_bytes_dropped"] += n * MAP_UNIT
+                    continue
                 m = self._mapping_to_drop(key)
                 if m is not None:
                     evict.append((m, None))
@@ -1651,9 +1694,67 @@ class BatchStore:
             self._mapped_at.clear()
             self._cached = 0
             self._mapped_bytes = 0
-        self.stats["evict_calls"] += (spillread.evict(evict, self.RECENCY and hasattr(mmap, "MADV_NORMAL"))
-                                      if spillread.NATIVE else _evict(evict))
+            for key, (kept, _gone) in keep.items():
+                self._mapped[key] = kept
+                self._mapped_at[key] = self._generation
+                self._mapped_bytes += int(np.count_nonzero(kept)) * MAP_UNIT
+            self.stats["overflow_kept_units"] = self.stats.get("overflow_kept_units", 0) + \
+                self._mapped_bytes // MAP_UNIT
+        recency = self.RECENCY and hasattr(mmap, "MADV_NORMAL")
+        self.stats["evict_calls"] += (spillread.evict(evict, recency) if spillread.NATIVE else _evict(evict))
+        self.stats["evict_calls"] += _drop_units(parts)
         return True
+
+    def _keep_hot(self, marks: dict[int, np.ndarray], used: dict[int, np.ndarray],
+                  cap: int, out: set[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Invariant 15, "overflow", with ``OVERFLOW_KEEP``: of the format-1 files' units mapped now (read since the
+        last enforce, ``marks``, or kept by the last one), the hottest stay mapped, at most ``cap`` bytes of them:
+        each unit's heat (``_heat``) is halved and gets 128 when read since the last enforce, so a unit every step
+        reads is kept before one read now and then, ties going to the unit whose reads used more pages (``used``).
+        Returns per such file (its mapping 2 MiB aligned or not) the units kept (a bool per unit: its new marks) and
+        the units to drop (sorted: all the others, so that a page no read counted, one a fault mapped around a counted
+        one or a read outside the store's accounting, leaves as with a whole drop); the other files (format 2, a
+        mapping gone, one a walk dropped after its last read: ``out``) are not in it. Under the lock."""
+        cand: list[tuple[int, np.ndarray, np.ndarray]] = []  # (key, units mapped now, their score)
+        for key in set(used) | {k for k, m in self._mapped.items() if m.any()}:
+            f = self._files.get(key)
+            if f is None or f.map is None or key in out:
+                continue
+            n = _units(f.base, f.size)
+            now = np.zeros(n, dtype=bool)
+            if key in used:
+                now |= marks[key]
+            held = self._mapped.get(key)
+            if held is not None and len(held) == n:
+                now |= held
+            heat = self._heat.get(key)
+            if heat is None or len(heat) != n:
+                heat = self._heat[key] = np.zeros(n, dtype=np.uint8)
+            heat >>= 1
+            if key in used:
+                heat[marks[key]] += 128
+            idx = np.flatnonzero(now)
+            pages = np.minimum(used[key][idx], 127) if key in used else np.zeros(len(idx), dtype=np.int64)
+            cand.append((key, idx, heat[idx].astype(np.int64) * 128 + pages))
+        room = max(0, cap // MAP_UNIT)
+        total = sum(len(idx) for _k, idx, _s in cand)
+        if total > room:  # the score the room-th best unit has: keep those above it, and of those at it enough
+            scores = np.concatenate([s for _k, _i, s in cand])
+            bar = np.partition(scores, total - room)[total - room] if room else np.iinfo(np.int64).max
+            left = room - int(np.count_nonzero(scores > bar))
+        res: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for key, idx, score in cand:
+            if total > room:
+                take = score > bar
+                at = np.flatnonzero(score == bar)[:max(0, left)]
+                take[at] = True
+                left -= len(at)
+            else:
+                take = np.ones(len(idx), dtype=bool)
+            kept = np.zeros(_units(self._files[key].base, self._files[key].size), dtype=bool)
+            kept[idx[take]] = True
+            res[key] = (kept, np.flatnonzero(~kept))  # every other unit (a page no read counted there goes too)
+        return res
 
     def _evict_oldest(self, cap: int) -> tuple[list[tuple[mmap.mmap, np.ndarray]], list[Any]]:
         """Drop from the cache the pages of the oldest reads not used since, a read at a time, until it holds at most
@@ -1782,6 +1883,7 @@ class BatchStore:
             self._cached -= int(np.count_nonzero(clock))
         self._mapped.pop(key, None)
         self._mapped_at.pop(key, None)
+        self._heat.pop(key, None)
         self._map_backoff.pop(key, None)
 
     def cache_cap(self) -> int:
@@ -1932,6 +2034,32 @@ def _recency(m: mmap.mmap) -> Iterator[None]:
                 m.madvise(mmap.MADV_RANDOM)
             except (OSError, ValueError):  # closed meanwhile: its batch is gone
                 pass
+
+
+def _drop_units(parts: list[tuple[mmap.mmap, int, np.ndarray]]) -> int:
+    """Drop from the process the pages of these ``MAP_UNIT``s (per entry a file's mapping, its address and sorted unit
+    numbers, :func:`_unit_of`'s), a madvise(MADV_DONTNEED) per run of adjacent units, up to 1024 runs a system call,
+    each mapping's runs within its :func:`_recency`; returns the system calls made."""
+    from dbsp_core import _storage
+
+    before = _storage.advise_calls()
+    per = MAP_UNIT // mmap.PAGESIZE
+    for m, base, units in parts:
+        if len(units) == 0:
+            continue
+        cut = np.flatnonzero(np.diff(units) != 1) + 1
+        lo = units[np.concatenate(([0], cut))]
+        hi = units[np.append(cut - 1, len(units) - 1)] + 1
+        shift = (base % MAP_UNIT) // mmap.PAGESIZE  # unit 0 holds the mapping's first page, this far into it
+        first = np.maximum(lo * per - shift, 0)
+        count = hi * per - shift - first
+        try:
+            with _recency(m):
+                _storage.advise_pages(m, np.ascontiguousarray(first, dtype=np.int64),
+                                      np.ascontiguousarray(count, dtype=np.int64), mmap.PAGESIZE, mmap.MADV_DONTNEED)
+        except (OSError, ValueError):  # closed: its batch is gone
+            pass
+    return _storage.advise_calls() - before
 
 
 def _evict(evict: list[tuple[mmap.mmap, np.ndarray]]) -> int:

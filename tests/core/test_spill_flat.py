@@ -72,6 +72,20 @@ def _read(t: Trace, keys: np.ndarray, model: Counter) -> None:
     assert got == Counter({r: c for r, c in model.items() if r[0] in asked}), SEED
 
 
+def _read_weighted(t: Trace, keys: np.ndarray, model: dict) -> None:
+    """:func:`_read` with the rows' weights (a trace holding deletions: a deleted row's +1 and -1 cancel), against a
+    model of each key's one row (k -> v)."""
+    hashes = np.sort(ZSet.from_arrow(pa.table({"k": keys, "v": keys}, schema=SCHEMA)).hash(["k"]))
+    asked = set(keys.tolist())
+    got: Counter = Counter()
+    for x in t.lookup(hashes):
+        w = x.zset.weights.tolist() if x.zset.weights is not None else [1] * len(x)
+        for r, c in zip(zip(x.zset.data.column("k").to_pylist(), x.zset.data.column("v").to_pylist()), w):
+            if r[0] in asked:
+                got[r] += c
+    assert +got == Counter({(k, model[k]): 1 for k in asked if k in model}), SEED
+
+
 @FORMAT_1
 def test_an_eviction_of_many_runs_drops_the_whole_mapping_and_keeps_the_accounting(monkeypatch) -> None:
     """An eviction of a file's pages in WHOLE_RUNS runs or more is one madvise over the file's whole mapping
@@ -186,6 +200,8 @@ def test_an_overflowing_step_empties_the_cache_and_counts_every_page_a_miss(monk
     (hits + misses) are the same; with the overflow path every one is a miss, the cache holds no page after the
     enforce and the file's mapping holds none (Rss 0, ``mapped_bytes`` 0), each enforce is counted in
     ``overflows``; the rows found are the model's both ways."""
+    monkeypatch.setattr(BatchStore, "OVERFLOW_KEEP", False)  # every mapping dropped whole (the next test keeps some)
+
     def run(empties: bool) -> list:
         monkeypatch.setattr(BatchStore, "OVERFLOW_EMPTIES", empties)
         rng = np.random.default_rng(SEED)
@@ -208,3 +224,56 @@ def test_an_overflowing_step_empties_the_cache_and_counts_every_page_a_miss(monk
     clock, empty = run(False), run(True)
     assert [h + m for h, m in clock] == [m for _, m in empty], (clock, empty, SEED)
     assert sum(h for h, _ in clock) > 0, clock  # (the clock counted hits: the two ways differ in what they count)
+
+
+@FORMAT_1
+def test_an_overflowing_step_keeps_the_hot_units_mapped_within_the_cap(monkeypatch) -> None:
+    """With ``OVERFLOW_KEEP`` (spill.py invariant 15, "overflow"), an enforce whose reads marked more units than the
+    cap keeps mapped the units reads used most over the last enforces, at most :meth:`BatchStore.cache_cap` of them,
+    and drops the others: a key read every step (beside 3 keys at random, whose pages lie in more units than the cap
+    of a 2M-row file under 24 MiB) has every unit of its pages still mapped after each enforce from the fifth on
+    (``_mapped``: its units' heat is above any unit read in fewer of the last five enforces), the file's Rss is at
+    most ``mapped_bytes()`` <= the cap after each, and the cache holds no page (every page a miss, as without the
+    keep). Each step also deletes 50 rows and adds 50; every lookup finds the dict model's rows (multisets, with
+    weights)."""
+    monkeypatch.setattr(BatchStore, "OVERFLOW_KEEP", True)
+    from dbsp_core.trace import spillread
+    from dbsp_core.trace.spill import MAP_UNIT, _unit_of
+    rng = np.random.default_rng(SEED)
+    n = 2_000_000
+    with BatchStore(24 << 20) as store, spilling(store):
+        t, model = _spilled_trace(store, n, rng)
+        big = t._levels()[0]
+        f = store.file_of(big)
+        byk = {k: v for (k, v) in model}  # the model: k -> v (each k once, weight 1)
+        hot = np.array([int(rng.integers(n))], dtype=np.int64)
+        hot_hashes = np.sort(ZSet.from_arrow(pa.table({"k": hot, "v": hot}, schema=SCHEMA)).hash(["k"]))
+        (hot_pages,) = spillread.pages_used([(big, f, hot_hashes, None)])
+        hot_units = np.unique(_unit_of(f.base, hot_pages))
+        assert 2 * len(hot_units) * MAP_UNIT <= store.cache_cap(), (len(hot_units), store.cache_cap())
+        changed: list[int] = []
+        for step in range(8):
+            _read_weighted(t, np.concatenate([hot, rng.choice(n, 3, replace=False)]), byk)
+            h0, o0 = store.stats["cache_hits"], store.stats["overflows"]
+            store.enforce()
+            assert store.stats["overflows"] == o0 + 1, (store.stats, SEED)
+            assert store.stats["cache_hits"] == h0 and store.cached_pages() == 0, SEED
+            assert _rss(f.map) <= store.mapped_bytes() <= store.cache_cap(), \
+                (_rss(f.map), store.mapped_bytes(), store.cache_cap(), SEED)
+            if step >= 4:
+                marks = store._mapped.get(id(big))
+                assert marks is not None and marks[hot_units].all(), (hot_units, marks, SEED)
+            # deletions of old rows and new rows, in a small batch (the model's rows change with it)
+            gone = [k for k in rng.choice(n, 50, replace=False).tolist() if k != int(hot[0]) and k in byk]
+            new = list(range(n + 50 * step, n + 50 * step + 50))
+            ks = np.array(gone + new, dtype=np.int64)
+            vs = np.array([byk[k] for k in gone] + [k % 1000 for k in new], dtype=np.int64)
+            t.insert(ZSet.from_arrow(pa.table({"k": ks, "v": vs}, schema=SCHEMA),
+                                     weights=[-1] * len(gone) + [1] * len(new)).index_by(["k"]))
+            for k in gone:
+                del byk[k]
+            byk.update((k, k % 1000) for k in new)
+            changed += gone + new
+        _read_weighted(t, np.array(changed, dtype=np.int64), byk)  # every deletion and new row as the model's
+        store.enforce()
+        assert _rss(f.map) <= store.mapped_bytes() <= store.cache_cap(), SEED
