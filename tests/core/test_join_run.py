@@ -88,7 +88,7 @@ def test_join_run_equals_index_by_and_pairs(keys, R, nulls, change_left):
         if len(ix) == 0:
             assert got is None
             continue
-        table, w, kh, rh, parts = got
+        table, w, kh, rh, parts, view = got
         assert table.equals(ix.zset.data)
         assert w.tolist() == ix.zset.weights.tolist() and kh.tolist() == ix.key_hash.tolist()
         assert rh.tolist() == ix._row_hashes().tolist()
