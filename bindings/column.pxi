@@ -293,7 +293,15 @@ cdef BatchView view_over(CColumn *cols, int32_t ncols, int64_t nrows, table, sch
     v.c.ncols = ncols
     v.c.cols = cols
     v.c.weights = NULL
-    v._attach(weights, khash)
+    if type(weights) is np.ndarray and type(khash) is np.ndarray and cnp.PyArray_TYPE(weights) == cnp.NPY_INT64 \
+            and cnp.PyArray_TYPE(khash) == cnp.NPY_UINT64 and cnp.PyArray_IS_C_CONTIGUOUS(weights) \
+            and cnp.PyArray_IS_C_CONTIGUOUS(khash) and weights.shape[0] == nrows == khash.shape[0] and nrows > 0:
+        v.refs.append(weights)  # (own_array's arrays, as a kernel returned them: their pointers, no memoryviews)
+        v.refs.append(khash)
+        v.c.weights = <const int64_t *>cnp.PyArray_DATA(weights)
+        v.kh = <const uint64_t *>cnp.PyArray_DATA(khash)
+    else:
+        v._attach(weights, khash)
     return v
 
 
