@@ -3,14 +3,20 @@
 _EXPORTED_SCHEMAS = {}  # id(schema) -> (schema, its exported C schema capsule): operators reuse their schemas
 
 
-cdef ArrowSchema *exported_schema(schema) except NULL:
-    """The C data interface export of `schema`, made once per schema object and kept."""
+cdef object exported_schema_capsule(schema):
+    """The capsule of the C data interface export of `schema`, made once per schema object and kept (the capsule
+    keeps its ArrowSchema alive for whoever holds it, after the cache dropped it)."""
     hit = _EXPORTED_SCHEMAS.get(id(schema))
     if hit is None or hit[0] is not schema:
         if len(_EXPORTED_SCHEMAS) >= 4096:
             _EXPORTED_SCHEMAS.clear()
         hit = _EXPORTED_SCHEMAS[id(schema)] = (schema, schema.__arrow_c_schema__())
-    return <ArrowSchema *>PyCapsule_GetPointer(hit[1], "arrow_schema")
+    return hit[1]
+
+
+cdef ArrowSchema *exported_schema(schema) except NULL:
+    """The C data interface export of `schema`, made once per schema object and kept."""
+    return <ArrowSchema *>PyCapsule_GetPointer(exported_schema_capsule(schema), "arrow_schema")
 
 
 cdef int check_types(schema, BatchView a, const int32_t *acols, int32_t na, BatchView b, const int32_t *bcols,
@@ -23,9 +29,9 @@ cdef int check_types(schema, BatchView a, const int32_t *acols, int32_t na, Batc
         raise TypeError(f"the output schema has {t.n_children} columns, the gathered rows {na + nb}")
     for k in range(na + nb):
         if k < na:
-            ok = dbsp_cdata_same_type(t, k, &a.schema, acols[k] if acols != NULL else k)
+            ok = dbsp_cdata_same_type(t, k, a.cs, acols[k] if acols != NULL else k)
         else:
-            ok = dbsp_cdata_same_type(t, k, &b.schema, bcols[k - na] if bcols != NULL else k - na)
+            ok = dbsp_cdata_same_type(t, k, b.cs, bcols[k - na] if bcols != NULL else k - na)
         if not ok:
             raise TypeError(f"column {schema.field(k).name!r} of the output schema ({schema.field(k).type}) "
                             f"differs from the gathered column's type")

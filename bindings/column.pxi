@@ -89,15 +89,30 @@ cdef class CBuffer:
         pass
 
 
+cdef dict _NPY_NUMS = {np.int64: (cnp.NPY_INT64, 8, b"q"), np.uint64: (cnp.NPY_UINT64, 8, b"Q"),
+                        np.float64: (cnp.NPY_FLOAT64, 8, b"d"), np.uint8: (cnp.NPY_UINT8, 1, b"B")}
+
+
 cdef object own_array(void *ptr, int64_t n, object dtype):
-    """Wrap n items of a malloc'ed array as a numpy array that frees it when collected (takes ownership)."""
+    """Wrap n items of a malloc'ed array as a numpy array that frees it when collected (takes ownership): made by
+    numpy's C API over the pointer, its base a CBuffer that frees it (~0.9k instructions a call; the buffer protocol's
+    np.frombuffer took ~7k)."""
     cdef CBuffer b = CBuffer.__new__(CBuffer)
-    dt = np.dtype(dtype)
+    cdef cnp.npy_intp dims[1]
     b.ptr = ptr
-    b.itemsize = dt.itemsize
-    b.nbytes = n * dt.itemsize
-    b.fmt = dt.char.encode()
-    return np.frombuffer(b, dtype=dt, count=n)
+    spec = _NPY_NUMS.get(dtype)
+    if spec is None:  # (another dtype: through the buffer protocol)
+        dt = np.dtype(dtype)
+        b.itemsize = dt.itemsize
+        b.nbytes = n * dt.itemsize
+        b.fmt = dt.char.encode()
+        return np.frombuffer(b, dtype=dt, count=n)
+    num, b.itemsize, b.fmt = spec  # (the CBuffer's own buffer protocol stays whole)
+    b.nbytes = n * b.itemsize
+    dims[0] = n
+    arr = cnp.PyArray_SimpleNewFromData(1, dims, <int>num, ptr if ptr != NULL else <void *>_EMPTY_BYTES)
+    cnp.set_array_base(<cnp.ndarray>arr, b)  # (b frees ptr when the array goes)
+    return arr
 
 
 cdef class BatchView:
@@ -120,6 +135,7 @@ cdef class BatchView:
     cdef object refs
     cdef ArrowSchema schema
     cdef ArrowArray array
+    cdef const ArrowSchema *cs  # the rows' exported schema: &schema, or a kept export's (view_over)
     cdef readonly object pyschema  # the pyarrow Schema of the viewed rows
 
     def __cinit__(self):
@@ -128,6 +144,7 @@ cdef class BatchView:
         self.dir_off = False
         self.schema.release = NULL
         self.array.release = NULL
+        self.cs = &self.schema
 
     def __dealloc__(self):
         free(self.cols)
@@ -255,6 +272,37 @@ cdef class BatchView:
             if kh.shape[0] > 0:
                 kv = kh
                 self.kh = &kv[0]
+
+
+cdef BatchView view_over(CColumn *cols, int32_t ncols, int64_t nrows, table, schema, weights, khash):
+    """A view of ``table`` (a Table of one record batch, ``nrows`` rows, of pyarrow Schema ``schema``: its exported C
+    schema is made once per schema object and kept) whose columns a kernel already viewed: ``cols``
+    (malloc'ed, pointing into the table's buffers; the view takes it and frees it), so the rows are not exported again
+    (csrc/joinrun.h invariant 5). The table is kept with the view, which keeps its buffers alive; weights and key hashes
+    as in BatchView(table, weights, khash)."""
+    cdef BatchView v = BatchView.__new__(BatchView)
+    v.cols = cols
+    v.refs = [table]
+    v.kh = NULL
+    v.fence = NULL
+    v.pyschema = schema
+    cap = exported_schema_capsule(v.pyschema)
+    v.refs.append(cap)
+    v.cs = <ArrowSchema *>PyCapsule_GetPointer(cap, "arrow_schema")
+    v.c.nrows = nrows
+    v.c.ncols = ncols
+    v.c.cols = cols
+    v.c.weights = NULL
+    if type(weights) is np.ndarray and type(khash) is np.ndarray and cnp.PyArray_TYPE(weights) == cnp.NPY_INT64 \
+            and cnp.PyArray_TYPE(khash) == cnp.NPY_UINT64 and cnp.PyArray_IS_C_CONTIGUOUS(weights) \
+            and cnp.PyArray_IS_C_CONTIGUOUS(khash) and weights.shape[0] == nrows == khash.shape[0] and nrows > 0:
+        v.refs.append(weights)  # (own_array's arrays, as a kernel returned them: their pointers, no memoryviews)
+        v.refs.append(khash)
+        v.c.weights = <const int64_t *>cnp.PyArray_DATA(weights)
+        v.kh = <const uint64_t *>cnp.PyArray_DATA(khash)
+    else:
+        v._attach(weights, khash)
+    return v
 
 
 cdef object _one_batch(table):

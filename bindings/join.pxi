@@ -48,9 +48,10 @@ cdef class JoinRun:
     ``views`` (the other side's trace batches, ``IndexedZSet._view()``: rows, weights, key hashes, fence, and the
     directory each large one builds at its first seek, BatchView.seek_dir; keys ``bkeys``) and gathers each meeting's output rows: the left side's columns ``lcols`` then the right side's
     ``rcols`` (None: every column), the change being the left side when ``change_left``. Returns None when the
-    change consolidates to nothing, else ``(change, w, kh, rh, parts)``: the indexed change's rows (a Table of
-    ``cschema``), weights, key hashes and row hashes (None: not computed), and per batch with pairs
-    ``(k, rows, w)``, rows a Table of ``oschema``. With ``pad`` (a left outer join's left side, csrc/joinrun.h
+    change consolidates to nothing, else ``(change, w, kh, rh, parts, view)``: the indexed change's rows (a Table of
+    ``cschema``), weights, key hashes and row hashes (None: not computed), per batch with pairs
+    ``(k, rows, w)``, rows a Table of ``oschema``, and a BatchView of the indexed change (its rows, weights and key
+    hashes: the columns the call viewed, joinrun.h invariant 5, not exported again; IndexedZSet._view's). With ``pad`` (a left outer join's left side, csrc/joinrun.h
     invariant 4: a one-row Table of nulls in the right side's schema, the batches' columns), one more part
     ``(len(views), rows, w)``: the change's rows without a right row (its key's right weights sum to at most 0 over the batches),
     their right columns null; ``pad_met`` then says whether one of them met a right row too (joinrun.h invariant 4:
@@ -140,7 +141,7 @@ cdef class JoinRun:
                 bd[k] = b.seek_dir() if c.c.nrows * 4 <= b.c.nrows else NULL
             o.parts, o.pw, o.pn = parts, pw, pn
             with nogil:
-                st = dbsp_join_run(&c.c, &c.schema, self.ckeys.p, self.ckeys.n, self.change_left, nb, bs, bkh, bf,
+                st = dbsp_join_run(&c.c, c.cs, self.ckeys.p, self.ckeys.n, self.change_left, nb, bs, bkh, bf,
                                    bd, self.bkeys.p, lp, self.lcols.n, rp, self.rcols.n, padc, &o)
             check_status(st, "join")
             self.steps += 1
@@ -157,6 +158,8 @@ cdef class JoinRun:
                     rh = own_array(o.rh, o.n, np.uint64)
                     o.rh = NULL
                 change = import_batch(&o.change, self.cschema)
+                view = view_over(o.cols, c.c.ncols, o.n, change, self.cschema, w, kh)  # (joinrun.h invariant 5)
+                o.cols = NULL
                 out = []
                 for k in range(np_):
                     if pn[k] == 0:
@@ -164,7 +167,7 @@ cdef class JoinRun:
                     pwk = own_array(pw[k], pn[k], np.int64)
                     pw[k] = NULL
                     out.append((k, import_batch(&parts[k], self.oschema), pwk))
-                return change, w, kh, rh, out
+                return change, w, kh, rh, out, view
             finally:
                 dbsp_join_run_free(&o, np_)
         finally:

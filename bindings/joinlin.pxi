@@ -119,7 +119,7 @@ cdef class JoinLinearRun:
                     bf[k][m] = b.fence
                     bd[k][m] = b.seek_dir() if cv.c.nrows * 4 <= b.c.nrows else NULL  # (as JoinRun.step's)
                 sides[k].c = &cv.c
-                sides[k].cs = &cv.schema
+                sides[k].cs = cv.cs
                 sides[k].nb = nb
                 sides[k].bs = bs[k]
                 sides[k].bkh = bkh[k]

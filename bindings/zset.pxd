@@ -317,6 +317,7 @@ cdef extern from "linrun.h" nogil:
 cdef extern from "joinrun.h" nogil:
     ctypedef struct CJoinRunOut "DbspJoinRunOut":
         ArrowArray change
+        CColumn *cols
         int64_t n
         int64_t *w
         uint64_t *kh

@@ -14,9 +14,12 @@ from zset cimport *
 import errno
 import os
 import numpy as np
+cimport numpy as cnp
 import pyarrow as pa
 
 from dbsp_core.errors import DbspError, SchemaError, StorageError, WeightOverflowError
+
+cnp.import_array()
 
 include "column.pxi"
 include "hash.pxi"

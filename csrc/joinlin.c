@@ -13,18 +13,14 @@ typedef struct Seg {  /* the pairs of one change with one batch */
 
 /* the change of side sd indexed (invariant 1) and viewed as a batch a (its key hashes sd->out.kh) */
 static int index_side(DbspJoinLinSide *sd, const int32_t *ckeys, int32_t nkeys, DbspColumn **cols, DbspBatch *a) {
-    static const uint8_t empty[16] = {0};
     DbspJoinRunOut *o = &sd->out;
     int st = dbsp_join_run(sd->c, sd->cs, ckeys, nkeys, 1, 0, NULL, NULL, NULL, NULL, ckeys, NULL, 0, NULL, 0, NULL,
                            o);
     if (st != DBSP_OK || o->n == 0) return st;
-    int32_t nc = sd->c->ncols;
-    if (!(*cols = malloc((size_t)(nc ? nc : 1) * sizeof **cols))) return DBSP_ENOMEM;
-    int64_t nrows = 0;
-    int32_t bad = -1;
-    if ((st = dbsp_cdata_view(sd->cs, &o->change, nc, *cols, &nrows, empty, &bad)) != DBSP_OK) return st;
+    *cols = o->cols;  /* the view the call read the change through (joinrun.h invariant 5): the caller frees it */
+    o->cols = NULL;
     a->nrows = o->n;
-    a->ncols = nc;
+    a->ncols = sd->c->ncols;
     a->cols = *cols;
     a->weights = o->w;
     return DBSP_OK;

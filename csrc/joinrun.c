@@ -9,7 +9,8 @@
 
 void dbsp_join_run_free(DbspJoinRunOut *o, int32_t nb) {
     if (o->change.release) o->change.release(&o->change);
-    free(o->w); free(o->kh); free(o->rh);
+    free(o->w); free(o->kh); free(o->rh); free(o->cols);
+    o->cols = NULL;
     o->w = NULL; o->kh = NULL; o->rh = NULL; o->n = 0;
     for (int32_t k = 0; k < nb; k++) {
         if (o->parts[k].release) o->parts[k].release(&o->parts[k]);
@@ -34,6 +35,7 @@ int dbsp_join_run(const DbspBatch *c, const struct ArrowSchema *cs, const int32_
     memset(&r, 0, sizeof r);
     memset(&p, 0, sizeof p);
     o->change.release = NULL;
+    o->cols = NULL;
     o->w = NULL; o->kh = NULL; o->rh = NULL; o->n = 0; o->pad_met = 0;
     for (int32_t k = 0; k < np; k++) { o->parts[k].release = NULL; o->pw[k] = NULL; o->pn[k] = 0; }
     if (pad && (!change_left || pad->nrows < 1)) return DBSP_EINVAL;
@@ -97,6 +99,7 @@ int dbsp_join_run(const DbspBatch *c, const struct ArrowSchema *cs, const int32_
     }
 done:
     o->n = r.n;
+    if (r.n) o->cols = cols, cols = NULL;  /* invariant 5 */
     o->w = r.weights;
     o->kh = r.khash;
     r.weights = NULL;

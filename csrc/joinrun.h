@@ -22,6 +22,9 @@
  *     right row as well (its key's right rows cancel): when not, and at most one batch gave pairs, no padded row
  *     equals an inner row (their left rows differ: the indexed change is consolidated), so the parts together are
  *     distinct rows.
+ *  5. The indexed change's columns come out viewed as well (out->cols, the view the join read them through): a caller
+ *     that keeps the change's buffers alive (the Arrow import of out->change) has its C batch without exporting it
+ *     again (bindings/join.pxi: the BatchView a trace merge reads the batch through, operators/join.py invariant 7).
  */
 #ifndef DBSP_JOINRUN_H
 #define DBSP_JOINRUN_H
@@ -33,6 +36,8 @@
 
 typedef struct DbspJoinRunOut {
     struct ArrowArray change;  /* the indexed change (release NULL when no row is left: n == 0) */
+    DbspColumn *cols;          /* its columns viewed (dbsp_cdata_view of change: pointers into change's buffers, which
+                                * the caller keeps alive with it, invariant 5), malloc'ed; NULL when n == 0 */
     int64_t n;                 /* its rows */
     int64_t *w;                /* its weights, key hashes and row hashes (rh NULL: not computed, a one-column */
     uint64_t *kh, *rh;         /* batch whose row hash is its key hash), malloc'ed, n each */
@@ -52,7 +57,8 @@ int dbsp_join_run(const DbspBatch *c, const struct ArrowSchema *cs, const int32_
                   const DbspDir *const *bdir, const int32_t *bkeys, const int32_t *lcols, int32_t nl, const int32_t *rcols,
                   int32_t nr, const DbspBatch *pad, DbspJoinRunOut *out);
 
-/* Release everything dbsp_join_run exported into out (the caller's arrays stay): nb parts (nb + 1 with a pad). */
+/* Release everything dbsp_join_run exported into out (the caller's arrays stay): nb parts (nb + 1 with a pad), and
+ * out->cols unless the caller took it (set it NULL). */
 void dbsp_join_run_free(DbspJoinRunOut *out, int32_t nb);
 
 #endif

@@ -31,16 +31,15 @@ static void srec_insertion_sort(SRec *a, int64_t n, const DbspBatch *b) {
     }
 }
 
-/* The rows of t[0..n) (sorted by srec_cmp) consolidated into out: equal rows' weights summed exactly (an overflow
- * is reported for a sum, never a partial sum), zero sums dropped, each kept row's row hash into orh unless NULL. A
- * record whose neighbour differs in key or row hash (almost every one) is a group of one row: kept as it is, without
- * the comparison of values (the output arrays held in locals, which the stores through out would otherwise reload). */
-static int srec_emit(const DbspBatch *b, const SRec *t, int64_t n, DbspRows *out, uint64_t *orh) {
-    int st = dbsp_rows_reserve(out, n);
-    if (st) return st;
+/* The rows of t[0..n) (sorted by srec_cmp) consolidated into the output arrays from position *m on (room reserved by
+ * the caller): equal rows' weights summed exactly (an overflow is reported for a sum, never a partial sum), zero sums
+ * dropped, each kept row's row hash into orh unless NULL. A record whose neighbour differs in key or row hash (almost
+ * every one) is a group of one row: kept as it is, without the comparison of values (the output arrays in locals,
+ * which stores through a DbspRows would otherwise reload). */
+static inline int srec_emit_to(const DbspBatch *b, const SRec *t, int64_t n, int64_t *oi, int64_t *ow, uint64_t *ok,
+                               uint64_t *orh, int64_t *pm) {
     const int64_t *w = b->weights;
-    int64_t *oi = out->idx, *ow = out->weights, m = out->n;
-    uint64_t *ok = out->khash;
+    int64_t m = *pm;
     for (int64_t i = 0; i < n;) {
         int64_t j = i + 1, sum = w ? w[t[i].idx] : 1;
         if (j < n && t[j].kh == t[i].kh && t[j].rh == t[i].rh) {
@@ -50,7 +49,7 @@ static int srec_emit(const DbspBatch *b, const SRec *t, int64_t n, DbspRows *out
                 dbsp_add_exact(&sum, w ? w[t[j].idx] : 1, &carry);
                 j++;
             }
-            if (carry) { out->n = m; return DBSP_EOVERFLOW; }
+            if (carry) { *pm = m; return DBSP_EOVERFLOW; }
         }
         if (sum != 0) {
             if (orh) orh[m] = t[i].rh;
@@ -58,8 +57,16 @@ static int srec_emit(const DbspBatch *b, const SRec *t, int64_t n, DbspRows *out
         }
         i = j;
     }
-    out->n = m;
+    *pm = m;
     return DBSP_OK;
+}
+
+/* srec_emit_to appending to out (its room reserved here) */
+static int srec_emit(const DbspBatch *b, const SRec *t, int64_t n, DbspRows *out, uint64_t *orh) {
+    int st = dbsp_rows_reserve(out, n);
+    if (st) return st;
+    st = srec_emit_to(b, t, n, out->idx, out->weights, out->khash, orh, &out->n);
+    return st;
 }
 
 /* (key hash, row hash, source row) order: rows of equal key and row hash are then ordered by value */
@@ -101,6 +108,10 @@ static void srec_sort_run(SRec *t, int64_t n, const DbspBatch *b) {
  *     column) gives the key hashes, which the row hashes continue over the other columns (hash.h: a row hash folds
  *     the columns in order, so its state after the key columns is the key hash), instead of a second pass over the
  *     key columns.
+ *  4. Rows of different buckets differ in key hash, so a group of equal rows lies within one bucket: each bucket is
+ *     sorted and emitted in the one walk over the buckets (a bucket of one row, the common case, is a group of one,
+ *     kept unless its weight is 0; a bucket of two rows of different key hashes is two, ordered by one comparison),
+ *     not by a second pass over every record.
  */
 static int consolidate_small(const DbspBatch *b, const int32_t *keys, int32_t nkeys, DbspRows *out,
                              uint64_t *orh) {
@@ -140,12 +151,36 @@ static int consolidate_small(const DbspBatch *b, const int32_t *keys, int32_t nk
         x->kh = pk[i]; x->rh = rh[i]; x->idx = i;
     }
 #undef BUCKET
-    int64_t s = 0;  /* cnt[k] is now the end of bucket k */
-    for (int64_t k = 0; k < nb; k++) {
-        if (cnt[k] - s > 1) srec_sort_run(t + s, cnt[k] - s, b);  /* long buckets (many rows of a key): note 1 */
-        s = cnt[k];
+    /* note 4: each bucket sorted and emitted in one walk (rows of different buckets differ in key hash) */
+    if ((st = dbsp_rows_reserve(out, n))) goto done;
+    {
+        int64_t *oi = out->idx, *ow = out->weights, m = out->n, s = 0;  /* cnt[k] is now the end of bucket k */
+        uint64_t *ok = out->khash;
+        const int64_t *w = b->weights;
+        for (int64_t k = 0; k < nb; k++) {
+            int64_t e = cnt[k];
+#define EMIT_ONE(x) do {                                                         \
+                int64_t sum_ = w ? w[(x)->idx] : 1;                              \
+                if (sum_ != 0) {                                                 \
+                    if (orh) orh[m] = (x)->rh;                                   \
+                    oi[m] = (x)->idx; ow[m] = sum_; ok[m] = (x)->kh; m++;        \
+                }                                                                \
+            } while (0)
+            if (e - s == 1) {  /* a group of one row */
+                EMIT_ONE(&t[s]);
+            } else if (e - s == 2 && t[s].kh != t[s + 1].kh) {  /* two groups of one row, in key-hash order */
+                int lo = t[s].kh > t[s + 1].kh;
+                EMIT_ONE(&t[s + lo]);
+                EMIT_ONE(&t[s + 1 - lo]);
+            } else if (e - s > 1) {
+                srec_sort_run(t + s, e - s, b);  /* long buckets (many rows of a key): note 1 */
+                if ((st = srec_emit_to(b, t + s, e - s, oi, ow, ok, orh, &m))) { out->n = m; goto done; }
+            }
+            s = e;
+        }
+#undef EMIT_ONE
+        out->n = m;
     }
-    st = srec_emit(b, t, n, out, orh);
 done:
     free(rh); free(kh); free(t); free(cnt);
     if (st) dbsp_rows_free(out);

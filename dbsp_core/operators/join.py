@@ -23,7 +23,8 @@ Invariants:
      first, then ``da JOIN (R + db)`` over R's batches as read before db went in, and db. A step of an operator with
      time lineage (invariant 5), or whose walk would read a spilled batch (trace/spill.py invariants 12 and 14: its
      Bloom filter, pages and pieces), returns None there, having changed nothing, and runs
-     :meth:`_JoinState.step_parts`.
+     :meth:`_JoinState.step_parts`. The inserted batch keeps the C view the call read its rows through (csrc/joinrun.h
+     invariant 5) as its own: the trace merge that reads it later exports nothing.
   8. The folded step (:meth:`_JoinState.step_folded`, dbsp_core/runtime/plan.py design note 4): a join whose one
      consumer is a linear group-by (W = 1) hands both changes and the other sides' batches to one C call
      (``_zset.JoinLinearRun``, csrc/joinlin.h) that indexes each change as invariant 7's step does, finds invariant
@@ -349,18 +350,25 @@ def run_side(run: "_zset.JoinRun", own: Trace, z: "ZSet", batches: list, distinc
     got = run.step(z.data, z.weights, [b._view() for b in batches])
     if got is None:  # the change consolidated to nothing
         return None, []
-    table, w, kh, rh, parts = got
-    ix = insert_indexed(own, table, w, kh, rh)
+    table, w, kh, rh, parts, view = got
+    ix = insert_indexed(own, table, w, kh, rh, view)
     return ix, [(k, ZSet._make(t, pw, distinct=distinct, chunked=True)) for k, t, pw in parts]
 
 
-def insert_indexed(own: Trace, table: pa.Table, w: "np.ndarray", kh: "np.ndarray", rh: "np.ndarray | None"
-                   ) -> "IndexedZSet":
+def insert_indexed(own: Trace, table: pa.Table, w: "np.ndarray", kh: "np.ndarray", rh: "np.ndarray | None",
+                   view: Any = None) -> "IndexedZSet":
     """A change a one-call step indexed (its rows, weights, key hashes and row hashes, as the C call returned them)
-    inserted into its side's trace ``own``, and returned."""
+    inserted into its side's trace ``own``, and returned. ``view``: the C view of those rows the call returned
+    (csrc/joinrun.h invariant 5), kept as the batch's own (``IndexedZSet._view``), so the merge that reads it later
+    does not export its rows again."""
     # (the kernel's tables hold one record batch each: one chunk per column as they are, zset.py invariant 1)
     ix = IndexedZSet._make(ZSet._make(table, w, chunked=True), own.key, kh)
     ix._rh = rh  # (index_by's: the row hashes when the kernel had them)
+    if view is not None:
+        ix._cv = view
+        f = ix._fence()  # (as _view attaches it: a large batch's)
+        if f is not None:
+            view.set_fence(f)
     own.insert(ix)
     return ix
 

@@ -88,7 +88,7 @@ def test_join_run_equals_index_by_and_pairs(keys, R, nulls, change_left):
         if len(ix) == 0:
             assert got is None
             continue
-        table, w, kh, rh, parts = got
+        table, w, kh, rh, parts, view = got
         assert table.equals(ix.zset.data)
         assert w.tolist() == ix.zset.weights.tolist() and kh.tolist() == ix.key_hash.tolist()
         assert rh.tolist() == ix._row_hashes().tolist()
@@ -99,6 +99,44 @@ def test_join_run_equals_index_by_and_pairs(keys, R, nulls, change_left):
             if p.num_rows:
                 want[k] = _multiset(p)
         assert {k: _multiset(ZSet._make(t, pw)) for k, t, pw in parts} == want
+
+
+@pytest.mark.parametrize("hold", [0, 8])
+@pytest.mark.parametrize("keys", [["k"], ["k", "s"], ["s"]])
+def test_the_returned_view_serves_the_trace_merges(keys, hold):
+    """joinrun.h invariant 5: the BatchView JoinRun.step returns reads the indexed change it returns (every row and
+    value, nulls and strings, by a take through it), and a trace whose batches keep those views as their own
+    (operators/join.py ``insert_indexed``) merges them, two at a time or held eight at a time (levels.py invariant
+    18), to the dict model's sum of every change."""
+    rng = np.random.default_rng(SEED)
+    from dbsp_core.operators.join import insert_indexed
+    from dbsp_core.trace import Trace
+    ck = [L.get_field_index(k) for k in keys]
+    run = _zset.JoinRun(ck, ck, True, None, None, L, L)
+    tr = Trace(L, tuple(keys))
+    tr.hold_unread = hold
+    model: dict = {}
+    for step in range(40):
+        change = _rows(rng, int(rng.integers(1, 300)), L, nulls=True)
+        w = rng.choice([1, 1, 2, -1], change.num_rows).astype(np.int64)
+        have = [r for r, x in model.items() if x > 0]
+        if have and step % 3:  # deletions of rows there now
+            gone = [have[i] for i in rng.choice(len(have), min(len(have), 20), replace=False)]
+            change = pa.concat_tables([change, pa.Table.from_pylist([dict(zip(L.names, r)) for r in gone], schema=L)])
+            w = np.concatenate([w, -np.ones(len(gone), dtype=np.int64)])
+        z = ZSet.from_arrow(change, w)
+        for r, x in _multiset(z).items():
+            model[r] = model.get(r, 0) + x
+        got = run.step(z.data, z.weights, [])
+        if got is None:
+            continue
+        table, cw, kh, rh, parts, view = got
+        assert parts == [] and view.num_rows == table.num_rows
+        assert _zset.take(view, np.arange(table.num_rows)).equals(table)
+        ix = insert_indexed(tr, table, cw, kh, rh, view)
+        assert ix._view() is view
+    tr.check()
+    assert _multiset(tr.consolidated().zset) == {r: x for r, x in model.items() if x}
 
 
 def _model(t_rows: dict, u_rows: dict, one_key: bool) -> dict:
