@@ -64,9 +64,7 @@ static inline int srec_emit_to(const DbspBatch *b, const SRec *t, int64_t n, int
 /* srec_emit_to appending to out (its room reserved here) */
 static int srec_emit(const DbspBatch *b, const SRec *t, int64_t n, DbspRows *out, uint64_t *orh) {
     int st = dbsp_rows_reserve(out, n);
-    if (st) return st;
-    st = srec_emit_to(b, t, n, out->idx, out->weights, out->khash, orh, &out->n);
-    return st;
+    return st ? st : srec_emit_to(b, t, n, out->idx, out->weights, out->khash, orh, &out->n);
 }
 
 /* (key hash, row hash, source row) order: rows of equal key and row hash are then ordered by value */
