@@ -149,9 +149,9 @@ class Autoscaler:
                 with self._lock:
                     self.changes.append(rec)
                 self._running = True
-                self._thread = threading.Thread(target=self._rescale, args=(d, rec), name="dbsp-autoscale",
-                                                daemon=True)
-                self._thread.start()
+                t = threading.Thread(target=self._rescale, args=(d, rec), name="dbsp-autoscale", daemon=True)
+                t.start()  # started before it is published: stop() on another thread joins what it finds
+                self._thread = t
         else:
             log.debug("autoscale: hold at %d workers (%s): %s", d.workers, d.reason, d.why)
         self._publish()

@@ -1457,16 +1457,17 @@ class Pipeline:
             if wait:
                 finish()
                 if self._remote_state is not None:  # the caller waits for it outside the step lock (checkpoint())
-                    self._ckpt_thread = threading.Thread(target=self._background, args=(upload,),
-                                                         name="dbsp-checkpoint-upload", daemon=True)
-                    self._ckpt_thread.start()
+                    t = threading.Thread(target=self._background, args=(upload,),
+                                         name="dbsp-checkpoint-upload", daemon=True)
+                    t.start()  # started before it is published: checkpoint() joins it without the step lock
+                    self._ckpt_thread = t
             else:
                 def both() -> None:
                     finish()
                     upload()
-                self._ckpt_thread = threading.Thread(target=self._background, args=(both,),
-                                                     name="dbsp-checkpoint", daemon=True)
-                self._ckpt_thread.start()
+                t = threading.Thread(target=self._background, args=(both,), name="dbsp-checkpoint", daemon=True)
+                t.start()  # as above: a thread another caller can see has been started
+                self._ckpt_thread = t
             return step
 
     def _stop_for_exit(self) -> None:

@@ -1312,9 +1312,9 @@ class BatchStore:
     def _start_thread(self) -> None:
         if self._spiller is None:
             self._jobs = queue.Queue()
-            self._spiller = threading.Thread(target=self._spill_loop, args=(self._jobs,), name="dbsp-spill-thread",
-                                             daemon=True)
-            self._spiller.start()
+            t = threading.Thread(target=self._spill_loop, args=(self._jobs,), name="dbsp-spill-thread", daemon=True)
+            t.start()  # started before it is published: close() joins what it finds
+            self._spiller = t
             stop_at_exit(self)  # a pipeline never closed: stopped before Python finalizes (at_exit.py)
 
     def _spill_loop(self, jobs: "queue.Queue[tuple | None]") -> None:

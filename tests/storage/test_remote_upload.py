@@ -283,3 +283,42 @@ def test_an_older_writer_acknowledges_no_push_the_newer_history_lacks(s3_server,
         assert q.steps == 5 and _integral(q) == model
     finally:
         q.close()
+
+
+def test_a_checkpoint_thread_is_started_before_another_caller_can_join_it(faulty, monkeypatch):
+    """A checkpoint on the timer's path publishes its upload thread; a caller of checkpoint(wait=True) on another
+    thread joins that thread without the step lock. Published before start(), the join raised "cannot join thread
+    before it is started" (seen once in CI's Spark store soak): the start is held open here to make the window
+    wide."""
+    f, store, uri = faulty
+    rng = random.Random(SEED + 2)
+    model: dict = {}
+    starting, go = threading.Event(), threading.Event()
+    real_start = threading.Thread.start
+
+    def held_start(self, *a, **kw):
+        if self.name.startswith("dbsp-checkpoint") and not go.is_set():
+            starting.set()
+            go.wait(30)
+        return real_start(self, *a, **kw)
+
+    p = dbsp.Pipeline(_circuit(), workers=1, storage=store, checkpoint_interval=None)
+    try:
+        _push(p, rng, 0, model)
+        p.step()
+        monkeypatch.setattr(threading.Thread, "start", held_start)
+        first, first_out = _in_thread(lambda: p.checkpoint(wait=False))
+        assert starting.wait(30), "the background checkpoint never started its thread"
+        second, second_out = _in_thread(p.checkpoint)  # wait=True: joins the published thread
+        second.join(0.5)
+        go.set()
+        first.join(30)
+        second.join(30)
+        assert not first.is_alive() and not second.is_alive()
+        assert first_out == [1] and second_out == [1], (first_out, second_out)
+        monkeypatch.undo()
+        assert Remote.of(uri, "/nonexistent").newest_manifest()["step"] == 1
+        assert _integral(p) == model
+    finally:
+        go.set()
+        p.close()
