@@ -138,18 +138,54 @@ def pytest_collection_modifyitems(config, items):
 
 
 # The README command's heaviest files, heaviest first (wall seconds summed over a file's tests in a README run at
-# load 5-10, 2026-11-30, /work/wt/runs/rtt2: 189 ... 37). With ``--dist loadfile`` the two workers take whole files in
-# collection order, and these came near its end: a worker could be left with one big file while the other sat idle.
-# Given first, the small files fill the tail (a two-worker simulation over a quiet run's file times: 851-859 s in
-# collection order, 827 s heaviest first). Only the order of files changes; a file's own tests keep theirs.
+# load 5-7, 2026-12-02, /work/wt/runs/s67-testtime/base1.xml: 144 ... 18; these 40 hold 1,854 s of its 2,772).
+# With ``--dist loadfile`` the two workers take whole files (the Spark files one unit: _Scheduling) in collection
+# order, so the big files start first and the small files fill the two workers' tail. xdist (3.7 and later)
+# would reorder the files by their number of tests (``--loadscope-reorder``, on by default), which put the
+# one-test heavy files (test_kernels_c, test_sqllogictest, test_kill) last: _Scheduling turns that off.
+# Only the order of files changes; a file's own tests keep theirs.
 _HEAVY_FILES = (
-    "spark/test_spark_pipeline.py", "exactly_once/test_rescale.py", "exactly_once/test_threads.py",
-    "exactly_once/test_live_rescale.py", "storage/test_outputlog_crash.py", "core/test_zset.py",
-    "core/test_substep.py", "storage/test_remote_staged.py", "sql/test_integer_sql.py", "test_readme.py",
-    "exactly_once/test_shard_ranges.py", "core/test_circuit_group_ops.py", "c/test_kernels_c.py",
-    "storage/test_batchfile.py", "exactly_once/test_kill9.py", "core/test_stages.py", "spark/test_streaming.py",
-    "nexmark/test_queries.py", "core/test_spill_tiered.py", "storage/test_remote.py",
+    "spark/test_spark_pipeline.py", "spark/test_spark_spill.py", "spark/test_sql_on_spark.py",
+    "spark/test_spark_autoscale.py", "spark/test_streaming.py", "test_readme.py",
+    "exactly_once/test_threads.py", "exactly_once/test_rescale.py", "core/test_zset.py", "c/test_kernels_c.py",
+    "storage/test_spill_checkpoint.py", "storage/test_remote_staged.py", "storage/test_outputlog_crash.py",
+    "exactly_once/test_kill9.py", "exactly_once/test_live_rescale.py", "storage/test_remote.py",
+    "storage/test_steplog.py", "core/test_linrun_shared.py", "nexmark/test_queries.py",
+    "exactly_once/test_shard_ranges.py", "storage/test_spill_in_place_crash.py", "sql/test_integer_sql.py",
+    "core/test_spill_tiered.py", "sql/test_sqllogictest.py", "core/test_stages.py",
+    "storage/test_spill_compaction_crash.py", "exactly_once/test_range_format.py", "storage/test_stage_check.py",
+    "core/test_totals_per_key.py", "storage/test_kill.py", "core/test_circuit_group_ops.py",
+    "core/test_trace_hold.py", "core/test_totals_hold.py", "core/test_substep.py", "core/test_values_hold.py",
+    "exactly_once/test_fuzz_files.py", "storage/test_remote_upload.py", "storage/test_logstore.py",
+    "sql/test_corpus.py", "storage/test_crash_exhaustive.py", "exactly_once/test_remote_kill.py",
+    "storage/test_worker_recovery.py", "exactly_once/test_scenarios.py",
 )
+
+
+def _spark_unit(path: str) -> bool:
+    """True for the files that run in the one xdist unit of Spark files: every file under tests/spark and the
+    README's (its Spark blocks start a session of their own after stopping the shared one)."""
+    return path.startswith(("tests/spark/", "spark/")) or path in ("tests/test_readme.py", "test_readme.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the Spark files as one unit and the collection order kept (module comment above
+    _HEAVY_FILES): one worker process runs every Spark test, so one JVM and one set of Spark Python workers start
+    (each file alone, split over both workers, started a JVM in each: 15-25 s, and Python workers that import
+    dbsp_core and Arrow: ~20 s more, at load 5). The long suite's runs (its Spark files start sessions of other
+    masters and stop them) and other ``--dist`` modes are left to xdist as they were."""
+    if getattr(config.option, "dist", None) != "loadfile" or _long_suite_wanted(config):
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class _Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "spark files" if _spark_unit(path) else path
+
+    config.option.loadscopereorder = False  # keep _HEAVY_FILES' order (xdist 3.7+ sorts by test count)
+    return _Scheduling(config, log)
 
 
 def _heaviest_files_first(items) -> None:
