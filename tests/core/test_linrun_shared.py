@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import os
 import random
+import weakref
 from collections import Counter
 
 import numpy as np
@@ -81,8 +82,8 @@ def test_linear_run_exports_and_order_against_a_dict_model(keyorder: bool) -> No
                 s[1] = s[2] = 0
                 totals[key] = [s[0], 0, 0] if s[0] else [0, 0, 0]
         totals = {key: s for key, s in totals.items() if s[0]}
-        got = run.step(t, w, ix, None, False, keyorder)
-        batch, out, bw, kh, ordered, distinct = got
+        batch, out, bw, kh, ordered, distinct = run.step(t, w, ix, None, False, keyorder)  # no tuple kept: the
+        # release below must drop the last reference
         want = changed_rows(old, totals)
         want = Counter({(k, j, *s): x for ((k, j), *s), x in want.items()})
         if not want:
@@ -112,11 +113,14 @@ def test_linear_run_exports_and_order_against_a_dict_model(keyorder: bool) -> No
             assert out.column(o).chunk(0).buffers()[1].address == batch.column(slot).chunk(0).buffers()[1].address
         assert out.column(0).chunk(0).buffers()[1].address == batch.column(0).chunk(0).buffers()[1].address
         kept = batch.to_pylist() if step % 2 else out.to_pylist()
+        released = weakref.ref(out if step % 2 else batch)
         if step % 2:
             del out
         else:
             del batch
-        gc.collect()
+        if released() is not None:  # only a reference cycle keeps it: a full collection (~0.1-0.4 s in a test
+            gc.collect()            # process of the suite) only then
+        assert released() is None, (step, SEED)
         junk = [np.full(len(kh) * 8, -7, dtype=np.int64) for _ in range(8)]  # (reuse of freed memory shows)
         assert (batch.to_pylist() if step % 2 else out.to_pylist()) == kept, (step, SEED)
         del junk
