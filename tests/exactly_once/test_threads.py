@@ -241,10 +241,12 @@ def _harness_rounds(mode: str, rounds: int, offset: int, where, memory_limit: in
     return totals, refusals
 
 
+@pytest.mark.parametrize("half", [0, pytest.param(1, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("mode", ["memory", "durable", "staged"])
-def test_random_operations_from_many_threads_keep_every_acknowledged_push(tmp_path, mode) -> None:
+def test_random_operations_from_many_threads_keep_every_acknowledged_push(tmp_path, mode, half) -> None:
     """``DBSP_CONCURRENCY_ROUNDS`` rounds over the three modes (default 48; 1,000 is the opt-in aim, replay one
-    run with ``DBSP_CONCURRENCY_SEED``): 3 threads issue 10 random public operations each (push, step,
+    run with ``DBSP_CONCURRENCY_SEED``), a mode's first half of them in the README command and the second half
+    (the rounds' next seeds) in the long suite: 3 threads issue 10 random public operations each (push, step,
     queue_step + run_queued, checkpoint, rescale, discard, read_output, metrics, view, query, profile, upsert and
     delete by key, pushes into an append-only input and retractions it refuses, close) on one
     pipeline; every
@@ -256,12 +258,14 @@ def test_random_operations_from_many_threads_keep_every_acknowledged_push(tmp_pa
     from ops_harness import MODES, append_only_state, circuit
 
     assert append_only_state(circuit()) == ["top_k", "aggregate"]  # the inserts-only state is what runs
-    rounds = OPS_ROUNDS // len(MODES) + (MODES.index(mode) < OPS_ROUNDS % len(MODES))
-    totals, refusals = _harness_rounds(mode, rounds, 0,
+    all_rounds = OPS_ROUNDS // len(MODES) + (MODES.index(mode) < OPS_ROUNDS % len(MODES))
+    first = (all_rounds + 1) // 2  # rounds of the first half: offsets 0 .. first - 1, the second half's after them
+    rounds, offset = (first, 0) if half == 0 else (all_rounds - first, first)
+    totals, refusals = _harness_rounds(mode, rounds, offset,
                                        lambda r: None if mode == "memory" else str(tmp_path / f"d{r}"))
-    OPS_TOTALS[mode] = dict(totals)
+    OPS_TOTALS[(mode, half)] = dict(totals)
     print("\n".join(f"  refused {n}x {what}" for what, n in refusals.most_common()))
-    print(f"\n[ops harness] {mode} DBSP_CONCURRENCY_SEED={OPS_SEED}: {dict(totals)}")
+    print(f"\n[ops harness] {mode} half {half} DBSP_CONCURRENCY_SEED={OPS_SEED}: {dict(totals)}")
     assert totals["rounds"] == rounds and (rounds == 0 or totals["ops"] > rounds * 10)
     if rounds >= 8:  # 288 draws or more: none is append_bad with p < 1e-6
         assert totals["append"] and totals["append_bad"], dict(totals)
