@@ -6,7 +6,8 @@ about ten minutes on two cores. The long suite (kill loops, soaks, local-cluster
 rest with ``--long`` or ``DBSP_LONG=1``. A deselected test is counted in pytest's summary ("N deselected").
 
 The test command runs on two worker processes (pytest-xdist, ``-n 2 --dist loadfile`` in pyproject.toml: a test
-file's tests share one process, so a module's Spark session or server starts once). Every per-run seed of the test
+file's tests share one process, so a module's Spark session or server starts once; in the README command every
+Spark file shares one: pytest_xdist_make_scheduler). Every per-run seed of the test
 modules (the ``DBSP_*_SEED`` variables they read, found by :func:`_seed_names`) is drawn here, once, in the process
 that starts the workers, and handed to them through the environment: the workers collect the same parametrized
 tests (the SQL corpus draws its worker counts from its seed) and run with the seeds printed after the summary,
