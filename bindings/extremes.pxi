@@ -103,12 +103,14 @@ def extremes_scan(table, keys, rows, khash, batches, vkeys, int32_t vcol):
         return has[:0].view(bool), mn[:0], mx[:0]
     cdef const CBatch **pb = <const CBatch **>malloc(max(nb, 1) * sizeof(CBatch *))
     cdef const uint64_t **pk = <const uint64_t **>malloc(max(nb, 1) * sizeof(uint64_t *))
-    if pb == NULL or pk == NULL:
-        free(pb); free(pk)
+    cdef const uint64_t **pf = <const uint64_t **>malloc(max(nb, 1) * sizeof(uint64_t *))
+    if pb == NULL or pk == NULL or pf == NULL:
+        free(pb); free(pk); free(pf)
         raise MemoryError("extremes_scan: out of memory")
     for i in range(nb):
         pb[i] = &(<BatchView>views[i]).c
         pk[i] = (<BatchView>views[i]).kh
+        pf[i] = (<BatchView>views[i]).fence  # (NULL for a small batch: galloping is as cheap, csrc/extremes.h note 6)
     cdef const int64_t[::1] pr = r
     cdef const uint64_t[::1] pkh = kh
     cdef uint8_t[::1] ph = has
@@ -116,8 +118,9 @@ def extremes_scan(table, keys, rows, khash, batches, vkeys, int32_t vcol):
     cdef int64_t[::1] pmx = mx
     cdef int st
     with nogil:
-        st = dbsp_extremes_scan(&v.c, k.p, k.n, &pr[0], &pkh[0], n, pb, pk, nb, vk.p, vcol, &ph[0], &pmn[0], &pmx[0])
-    free(pb); free(pk)
+        st = dbsp_extremes_scan(&v.c, k.p, k.n, &pr[0], &pkh[0], n, pb, pk, pf, nb, vk.p, vcol, &ph[0], &pmn[0],
+                                &pmx[0])
+    free(pb); free(pk); free(pf)
     check_status(st, "extremes_scan")
     return has[:n].view(bool), mn[:n], mx[:n]
 
@@ -165,7 +168,9 @@ cdef class ExtremesEmit:
     the output Table with its weights (its rows distinct: a group's equal old and new rows dropped); all None when
     no group's totals changed. ``keyorder``: the batch is wanted in key-hash order only (extremes.h: no row hashes,
     ``rh`` None, ``ordered`` False only for a key-hash tie). ``ix`` then holds the new totals; a MemoryError or ValueError from its store leaves it
-    as it was with a refusal counted (design note 5), one before the store changes nothing. ``probe(table, slots,
+    as it was with a refusal counted (design note 5), one before the store changes nothing. ``lazy``: the batch is not
+    built (None; its ``w``, ``kh`` and ``rh`` are returned: design note 7), ``batch(...)`` over the same arrays builds
+    it later. ``probe(table, slots,
     ix)`` is extremes_probe (over this emit's keys) that keeps where ``ix`` holds each group's values: a ``step``
     that follows it over the same groups (its ``gkh``, the very array, and ``ix``, with nothing stored in between)
     writes those groups' new values in place (design note 5: one probe per group); ``in_place`` counts such steps."""
@@ -218,13 +223,8 @@ cdef class ExtremesEmit:
         self.steps = 0
         self.in_place = 0
 
-    def step(self, table, group_row, gkh, old, nw, KeyIndex ix, bint keyorder=False):
-        cdef int64_t *const *held = self.held if self.held_ix is ix and self.held_gkh is gkh else NULL
-        self.held_ix = self.held_gkh = None  # (one use: the step stores)
-        cdef BatchView v = view_of(table)
-        if self.keys.n != ix.nkeys or self.nv != ix.nvals:
-            raise ValueError(f"ExtremesEmit: {self.keys.n} keys and {self.nv} values for an index of {ix.nkeys} and "
-                             f"{ix.nvals}")
+    def _arrays(self, BatchView v, group_row, gkh, old, nw):
+        """The phase-1 arrays as contiguous arrays, checked against each other and the change ``v``."""
         gr = np.ascontiguousarray(group_row, dtype=np.int64)
         kk = np.ascontiguousarray(gkh, dtype=np.uint64)
         o = np.ascontiguousarray(old, dtype=np.int64)
@@ -236,6 +236,49 @@ cdef class ExtremesEmit:
         for i in range(ng):
             if pg[i] < 0 or pg[i] >= v.c.nrows:
                 raise IndexError(f"ExtremesEmit: group row {pg[i]} outside the change's {v.c.nrows}")
+        return gr, kk, o, x
+
+    def batch(self, table, group_row, gkh, old, nw, bint keyorder=False):
+        """The totals batch ``step`` over the same arguments builds (or would have built: ``lazy``), as ``(batch, w,
+        kh, rh, ordered)``, all None but ``ordered`` when no group's totals changed (csrc/extremes.h design note 7);
+        stores nothing."""
+        cdef BatchView v = view_of(table)
+        gr, kk, o, x = self._arrays(v, group_row, gkh, old, nw)
+        cdef int64_t ng = gr.shape[0]
+        if ng == 0:
+            return None, None, None, None, True
+        cdef const int64_t[::1] pg = gr
+        cdef const uint64_t[::1] pk = kk
+        cdef const int64_t[:, ::1] po = o
+        cdef const int64_t[:, ::1] px = x
+        cdef ArrowArray batch
+        cdef int64_t *w = NULL
+        cdef uint64_t *kh = NULL
+        cdef uint64_t *rh = NULL
+        cdef int64_t n = 0
+        cdef int ordered = 1, st
+        with nogil:
+            st = dbsp_extremes_batch(&v.c, self.keys.p, self.keys.n, self.ns, self.nv, ng, &pg[0], &pk[0], &po[0, 0],
+                                     &px[0, 0], self.snull.p, self.swidth.p, 1 if keyorder else 0, &batch, &w, &kh,
+                                     &rh, &n, &ordered)
+        check_status(st, "extremes_batch")
+        if n == 0:
+            return None, None, None, None, True
+        wa = own_array(w, n, np.int64)
+        ka = own_array(kh, n, np.uint64)
+        ra = own_array(rh, n, np.uint64) if rh != NULL else None
+        return import_batch(&batch, self.bschema), wa, ka, ra, bool(ordered)
+
+    def step(self, table, group_row, gkh, old, nw, KeyIndex ix, bint keyorder=False, bint lazy=False):
+        cdef int64_t *const *held = self.held if self.held_ix is ix and self.held_gkh is gkh else NULL
+        self.held_ix = self.held_gkh = None  # (one use: the step stores)
+        cdef BatchView v = view_of(table)
+        if self.keys.n != ix.nkeys or self.nv != ix.nvals:
+            raise ValueError(f"ExtremesEmit: {self.keys.n} keys and {self.nv} values for an index of {ix.nkeys} and "
+                             f"{ix.nvals}")
+        gr, kk, o, x = self._arrays(v, group_row, gkh, old, nw)
+        cdef int64_t ng = gr.shape[0]
+        cdef const int64_t[::1] pg = gr
         self.steps += 1
         if ng == 0:
             return None, None, None, None, True, None, None
@@ -252,8 +295,8 @@ cdef class ExtremesEmit:
         with nogil:
             st = dbsp_extremes_emit(ix.ix, &v.c, self.keys.p, self.keys.n, self.ns, self.nv, ng, &pg[0], &pk[0],
                                     &po[0, 0], &px[0, 0], self.snull.p, self.swidth.p, self.nout, self.shown.p,
-                                    self.nonnull.p, self.owidth.p, &batch, &out, &w, &kh, &rh, &n, &ordered, &ow, &on,
-                                    held, 1 if keyorder else 0)
+                                    self.nonnull.p, self.owidth.p, NULL if lazy else &batch, &out, &w, &kh, &rh, &n,
+                                    &ordered, &ow, &on, held, 1 if keyorder else 0)
         check_status(st, "extremes_emit")
         self.in_place += held != NULL
         if n == 0:
@@ -262,6 +305,8 @@ cdef class ExtremesEmit:
         ka = own_array(kh, n, np.uint64)
         ra = own_array(rh, n, np.uint64) if rh != NULL else None
         owa = own_array(ow, on, np.int64)
+        if lazy:  # (design note 7: no batch built)
+            return None, wa, ka, ra, bool(ordered), import_batch(&out, self.oschema), owa
         try:
             bt = import_batch(&batch, self.bschema)
         except BaseException:

@@ -275,7 +275,8 @@ cdef extern from "extremes.h" nogil:
                                     int64_t **old, int64_t **nw, int64_t *ng)
     int dbsp_extremes_scan(const CBatch *b, const int32_t *keys, int32_t nkeys, const int64_t *rows,
                            const uint64_t *kh, int64_t n, const CBatch *const *vb, const uint64_t *const *vkh,
-                           int32_t nb, const int32_t *vkeys, int32_t vcol, uint8_t *has, int64_t *mn, int64_t *mx)
+                           const uint64_t *const *vfence, int32_t nb, const int32_t *vkeys, int32_t vcol,
+                           uint8_t *has, int64_t *mn, int64_t *mx)
     int dbsp_extremes_store(CKeyIndex *ix, const CBatch *b, const int32_t *keys, int64_t ng, int32_t nv,
                             const int64_t *group_row, const uint64_t *gkh, const int64_t *old, const int64_t *nw,
                             int64_t *grp, int64_t *w, int64_t *n)
@@ -285,6 +286,10 @@ cdef extern from "extremes.h" nogil:
                            const int32_t *shown, const int32_t *nonnull, const int32_t *owidth,
                            ArrowArray *batch, ArrowArray *out, int64_t **w, uint64_t **kh, uint64_t **rh,
                            int64_t *n, int *ordered, int64_t **ow, int64_t *on, int64_t *const *held, int keyorder)
+    int dbsp_extremes_batch(const CBatch *b, const int32_t *keys, int32_t nkeys, int32_t ns, int32_t nv, int64_t ng,
+                            const int64_t *group_row, const uint64_t *gkh, const int64_t *old, const int64_t *nw,
+                            const int32_t *snull, const int32_t *swidth, int keyorder, ArrowArray *batch,
+                            int64_t **w, uint64_t **kh, uint64_t **rh, int64_t *n, int *ordered)
 
 cdef extern from "linrun.h" nogil:
     ctypedef struct CLinRun "DbspLinRun":

@@ -257,37 +257,20 @@ static int store(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int3
 #undef STAYS
 }
 
-int dbsp_extremes_emit(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int32_t nkeys, int32_t ns,
-                       int32_t nv, int64_t ng, const int64_t *group_row, const uint64_t *gkh, const int64_t *old,
-                       const int64_t *nw, const int32_t *snull, const int32_t *swidth, int32_t nout,
-                       const int32_t *shown, const int32_t *nonnull, const int32_t *owidth,
-                       struct ArrowArray *batch, struct ArrowArray *out, int64_t **w, uint64_t **kh, uint64_t **rh,
-                       int64_t *n, int *ordered, int64_t **ow, int64_t *on, int64_t *const *held, int keyorder) {
-    batch->release = NULL;
-    out->release = NULL;
-    *w = NULL, *kh = NULL, *rh = NULL, *ow = NULL, *n = 0, *on = 0, *ordered = 1;
-    if (ns < 1 || nout < 0 || ns + nout > 128 || nv < ns) return DBSP_EINVAL;
-    for (int32_t j = 0; j < ns; j++)
-        if (snull[j] >= nv || (swidth[j] != 1 && swidth[j] != 2 && swidth[j] != 4 && swidth[j] != 8))
-            return DBSP_EINVAL;
-    for (int32_t o = 0; o < nout; o++)
-        if (shown[o] < 0 || shown[o] >= nv || nonnull[o] >= nv
-            || (owidth[o] != 1 && owidth[o] != 2 && owidth[o] != 4 && owidth[o] != 8)) return DBSP_EINVAL;
-    int64_t *cols[128];
-    uint8_t *valid[128];
-    int64_t nulls[128];
-    memset(cols, 0, sizeof cols);
-    memset(valid, 0, sizeof valid);
-    size_t cap = (size_t)(ng ? 2 * ng : 1);
-    const int64_t **src = malloc(cap * sizeof *src), **osrc = malloc(cap * sizeof *osrc);
-    int64_t *rows = malloc(cap * 8), *orows = malloc(cap * 8);
-    *w = malloc(cap * 8), *kh = malloc(cap * 8), *ow = malloc(cap * 8);
-    if (!keyorder) *rh = malloc(cap * 8);
-    int st = DBSP_OK;
-    int64_t m = 0, k = 0;
-    if (!src || !osrc || !rows || !orows || !*w || !*kh || (!keyorder && !*rh) || !*ow) { st = DBSP_ENOMEM; goto done; }
+/* Design note 4: the rows a step emits, in group order, for each group whose new values differ from its old ones: a
+ * row of its old totals (-1, when its old count is not 0) and one of its new totals (+1, when its new count is not
+ * 0), the two in row-hash order (keyorder: old first, no row hash): src[r] (the row's values), rows[r] (its group's
+ * row of b), w[r], kh[r], rh[r] (not with keyorder), *m rows; *ordered 0 on a key-hash or row-hash tie. With osrc,
+ * the output's rows too (osrc, orows, ow; *k): those of the batch but a group's two rows showing the same output. */
+static void emit_rows(int64_t ng, int32_t nv, int32_t ns, const int64_t *group_row, const uint64_t *gkh,
+                      const int64_t *old, const int64_t *nw, const int32_t *snull, int32_t nout, const int32_t *shown,
+                      const int32_t *nonnull, int keyorder, const int64_t **src, int64_t *rows, int64_t *w,
+                      uint64_t *kh, uint64_t *rh, int64_t *m_out, int *ordered, const int64_t **osrc, int64_t *orows,
+                      int64_t *ow, int64_t *k_out) {
     int have_prev = 0;
     uint64_t prev = 0;
+    int64_t m = 0, k = 0;
+    *ordered = 1;
     for (int64_t g = 0; g < ng; g++) {  /* the rows, in canonical order: key hash, then row hash (keyorder: old first) */
         const int64_t *o = old + g * nv, *x = nw + g * nv;
         if (memcmp(o, x, (size_t)nv * 8) == 0) continue;
@@ -308,11 +291,12 @@ int dbsp_extremes_emit(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys
             if (is_old ? !sub : !add) continue;
             src[m] = is_old ? o : x;
             rows[m] = group_row[g];
-            (*w)[m] = is_old ? -1 : 1;
-            (*kh)[m] = gkh[g];
-            if (!keyorder) (*rh)[m] = is_old ? ho : hx;
+            w[m] = is_old ? -1 : 1;
+            kh[m] = gkh[g];
+            if (!keyorder) rh[m] = is_old ? ho : hx;
             m++;
         }
+        if (!osrc) continue;
         int same = sub && add;  /* the output: a group's two rows cancel when they show the same */
         for (int32_t q = 0; same && q < nout; q++) {
             int f = nonnull[q];
@@ -323,28 +307,79 @@ int dbsp_extremes_emit(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys
         for (int64_t r = m - (sub + add); r < m; r++) {
             osrc[k] = src[r];
             orows[k] = rows[r];
-            (*ow)[k] = (*w)[r];
+            ow[k] = w[r];
             k++;
         }
     }
-    if (m == 0) goto done;
+    *m_out = m;
+    if (k_out) *k_out = k;
+}
+
+/* The export of ncol columns (values ix[c] of src's rows, null where the flag f[c] >= 0 is 0, narrowed to width[c]
+ * bytes) after the key columns of b at rows: the totals batch (ix = 0..ns, f = snull) or the output (ix = shown, f =
+ * nonnull). Nothing is exported on an error. */
+static int export_rows(const DbspBatch *b, const int32_t *keys, int32_t nkeys, const int64_t *const *src,
+                       const int64_t *rows, int64_t m, int32_t ncol, const int32_t *ix, const int32_t *f,
+                       const int32_t *width, struct ArrowArray *to) {
+    int64_t *cols[128];
+    uint8_t *valid[128];
+    int64_t nulls[128];
+    memset(cols, 0, sizeof cols);
+    memset(valid, 0, sizeof valid);
+    memset(nulls, 0, sizeof nulls);
+    int st = DBSP_OK;
+    for (int32_t c = 0; c < ncol && st == DBSP_OK; c++)
+        st = column_of(src, m, ix ? ix[c] : c, f[c], width[c], &cols[c], &valid[c], &nulls[c]);
+    if (st == DBSP_OK && (st = dbsp_cdata_gather_ints(b, keys, nkeys, rows, m, ncol, cols, valid, nulls, to)) == DBSP_OK)
+        return DBSP_OK;  /* (the export owns the columns) */
+    for (int32_t c = 0; c < ncol; c++) { free(cols[c]); free(valid[c]); }
+    return st;
+}
+
+static int emit_check(int32_t ns, int32_t nv, const int32_t *snull, const int32_t *swidth, int32_t nout,
+                      const int32_t *shown, const int32_t *nonnull, const int32_t *owidth) {
+    if (ns < 1 || nout < 0 || ns + nout > 128 || nv < ns) return DBSP_EINVAL;
     for (int32_t j = 0; j < ns; j++)
-        if ((st = column_of(src, m, j, snull[j], swidth[j], &cols[j], &valid[j], &nulls[j])) != DBSP_OK) goto done;
-    for (int32_t q = 0; q < nout; q++)
-        if ((st = column_of(osrc, k, shown[q], nonnull[q], owidth[q], &cols[ns + q], &valid[ns + q],
-                            &nulls[ns + q])) != DBSP_OK) goto done;
-    if ((st = dbsp_cdata_gather_ints(b, keys, nkeys, rows, m, ns, cols, valid, nulls, batch)) != DBSP_OK) goto done;
-    for (int32_t j = 0; j < ns; j++) cols[j] = NULL, valid[j] = NULL;  /* the batch's now */
-    st = dbsp_cdata_gather_ints(b, keys, nkeys, orows, k, nout, cols + ns, valid + ns, nulls + ns, out);
-    if (st != DBSP_OK) { batch->release(batch); goto done; }
-    for (int32_t q = 0; q < nout; q++) cols[ns + q] = NULL, valid[ns + q] = NULL;
+        if (snull[j] >= nv || (swidth[j] != 1 && swidth[j] != 2 && swidth[j] != 4 && swidth[j] != 8))
+            return DBSP_EINVAL;
+    for (int32_t o = 0; o < nout; o++)
+        if (shown[o] < 0 || shown[o] >= nv || nonnull[o] >= nv
+            || (owidth[o] != 1 && owidth[o] != 2 && owidth[o] != 4 && owidth[o] != 8)) return DBSP_EINVAL;
+    return DBSP_OK;
+}
+
+int dbsp_extremes_emit(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int32_t nkeys, int32_t ns,
+                       int32_t nv, int64_t ng, const int64_t *group_row, const uint64_t *gkh, const int64_t *old,
+                       const int64_t *nw, const int32_t *snull, const int32_t *swidth, int32_t nout,
+                       const int32_t *shown, const int32_t *nonnull, const int32_t *owidth,
+                       struct ArrowArray *batch, struct ArrowArray *out, int64_t **w, uint64_t **kh, uint64_t **rh,
+                       int64_t *n, int *ordered, int64_t **ow, int64_t *on, int64_t *const *held, int keyorder) {
+    if (batch) batch->release = NULL;
+    out->release = NULL;
+    *w = NULL, *kh = NULL, *rh = NULL, *ow = NULL, *n = 0, *on = 0, *ordered = 1;
+    int st = emit_check(ns, nv, snull, swidth, nout, shown, nonnull, owidth);
+    if (st != DBSP_OK) return st;
+    size_t cap = (size_t)(ng ? 2 * ng : 1);
+    const int64_t **src = malloc(cap * sizeof *src), **osrc = malloc(cap * sizeof *osrc);
+    int64_t *rows = malloc(cap * 8), *orows = malloc(cap * 8);
+    *w = malloc(cap * 8), *kh = malloc(cap * 8), *ow = malloc(cap * 8);
+    if (!keyorder) *rh = malloc(cap * 8);
+    int64_t m = 0, k = 0;
+    if (!src || !osrc || !rows || !orows || !*w || !*kh || (!keyorder && !*rh) || !*ow) { st = DBSP_ENOMEM; goto done; }
+    emit_rows(ng, nv, ns, group_row, gkh, old, nw, snull, nout, shown, nonnull, keyorder, src, rows, *w, *kh, *rh, &m,
+              ordered, osrc, orows, *ow, &k);
+    if (m == 0) goto done;
+    if (batch && (st = export_rows(b, keys, nkeys, src, rows, m, ns, NULL, snull, swidth, batch)) != DBSP_OK) goto done;
+    if ((st = export_rows(b, keys, nkeys, osrc, orows, k, nout, shown, nonnull, owidth, out)) != DBSP_OK) {
+        if (batch) batch->release(batch);
+        goto done;
+    }
     if ((st = store(ix, b, keys, nv, ng, group_row, gkh, old, nw, held)) != DBSP_OK) {  /* the stores last */
-        batch->release(batch);
+        if (batch) batch->release(batch);
         out->release(out);
         goto done;
     }
 done:
-    for (int32_t c = 0; c < ns + nout; c++) { free(cols[c]); free(valid[c]); }
     free(src); free(osrc); free(rows); free(orows);
     if (st != DBSP_OK || m == 0) {
         free(*w); free(*kh); free(*rh); free(*ow);
@@ -355,6 +390,34 @@ done:
     return DBSP_OK;
 }
 
+int dbsp_extremes_batch(const DbspBatch *b, const int32_t *keys, int32_t nkeys, int32_t ns, int32_t nv, int64_t ng,
+                        const int64_t *group_row, const uint64_t *gkh, const int64_t *old, const int64_t *nw,
+                        const int32_t *snull, const int32_t *swidth, int keyorder, struct ArrowArray *batch,
+                        int64_t **w, uint64_t **kh, uint64_t **rh, int64_t *n, int *ordered) {
+    batch->release = NULL;
+    *w = NULL, *kh = NULL, *rh = NULL, *n = 0, *ordered = 1;
+    int st = emit_check(ns, nv, snull, swidth, 0, NULL, NULL, NULL);
+    if (st != DBSP_OK) return st;
+    size_t cap = (size_t)(ng ? 2 * ng : 1);
+    const int64_t **src = malloc(cap * sizeof *src);
+    int64_t *rows = malloc(cap * 8), m = 0;
+    *w = malloc(cap * 8), *kh = malloc(cap * 8);
+    if (!keyorder) *rh = malloc(cap * 8);
+    if (!src || !rows || !*w || !*kh || (!keyorder && !*rh)) { st = DBSP_ENOMEM; goto done; }
+    emit_rows(ng, nv, ns, group_row, gkh, old, nw, snull, 0, NULL, NULL, keyorder, src, rows, *w, *kh, *rh, &m, ordered,
+              NULL, NULL, NULL, NULL);
+    if (m) st = export_rows(b, keys, nkeys, src, rows, m, ns, NULL, snull, swidth, batch);
+done:
+    free(src); free(rows);
+    if (st != DBSP_OK || m == 0) {
+        free(*w); free(*kh); free(*rh);
+        *w = NULL, *kh = NULL, *rh = NULL, *n = 0;
+        return st;
+    }
+    *n = m;
+    return DBSP_OK;
+}
+
 typedef struct { int64_t v, w; } ValW;
 
 static int valw_cmp(const void *a, const void *b) {
@@ -362,67 +425,90 @@ static int valw_cmp(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* Keys a scan seeks at a time (design note 6): their positions in every batch first, by seeks that prefetch ahead */
+#define SCAN_CHUNK 64
+#define SCAN_PF 4  /* keys ahead whose rows in each batch are prefetched while one is read */
+
 int dbsp_extremes_scan(const DbspBatch *b, const int32_t *keys, int32_t nkeys, const int64_t *rows, const uint64_t *kh,
-                       int64_t n, const DbspBatch *const *vb, const uint64_t *const *vkh, int32_t nb,
-                       const int32_t *vkeys, int32_t vcol, uint8_t *has, int64_t *mn, int64_t *mx) {
+                       int64_t n, const DbspBatch *const *vb, const uint64_t *const *vkh,
+                       const uint64_t *const *vfence, int32_t nb, const int32_t *vkeys, int32_t vcol, uint8_t *has,
+                       int64_t *mn, int64_t *mx) {
     for (int32_t k = 0; k < nb; k++) {
         if (vcol < 0 || vcol >= vb[k]->ncols || !holdable(vb[k]->cols[vcol].type)) return DBSP_ETYPE;
         for (int32_t j = 0; j < nkeys; j++)
             if (vkeys[j] < 0 || vkeys[j] >= vb[k]->ncols) return DBSP_EINVAL;
     }
+    for (int64_t i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= b->nrows) return DBSP_EINVAL;
+    int asc = 1;  /* the sought key hashes ascending (a change's groups): each batch's seeks in one prefetching pass */
+    for (int64_t i = 1; i < n && asc; i++) asc = kh[i] >= kh[i - 1];
     int64_t cap = 64, m;
     ValW *buf = malloc((size_t)cap * sizeof *buf);
-    int64_t *at = calloc((size_t)(nb ? nb : 1), sizeof *at);  /* per batch: where the last seek ended (kh ascend) */
-    if (!buf || !at) { free(buf); free(at); return DBSP_ENOMEM; }
+    int64_t *pos = malloc((size_t)(nb ? nb : 1) * SCAN_CHUNK * sizeof *pos);  /* pos[k * SCAN_CHUNK + i - i0] */
+    if (!buf || !pos) { free(buf); free(pos); return DBSP_ENOMEM; }
     int st = DBSP_OK;
-    for (int64_t i = 0; i < n && st == DBSP_OK; i++) {
-        if (rows[i] < 0 || rows[i] >= b->nrows) { st = DBSP_EINVAL; break; }
-        m = 0;
-        for (int32_t k = 0; k < nb; k++) {  /* the key's rows of every batch, with their weights */
-            const DbspBatch *v = vb[k];
-            int64_t lo = dbsp_gallop(vkh[k], i && kh[i] >= kh[i - 1] ? at[k] : 0, v->nrows, kh[i]);
-            at[k] = lo;
-            for (int64_t r = lo; r < v->nrows && vkh[k][r] == kh[i]; r++) {
-                if (dbsp_row_cmp_eqfast(b, rows[i], keys, v, r, vkeys, nkeys) != 0) continue;  /* another key */
-                const DbspColumn *c = &v->cols[vcol];
-                if (!dbsp_col_valid(c, r)) continue;
-                if (m == cap) {
-                    ValW *g = realloc(buf, (size_t)(cap *= 2) * sizeof *buf);
-                    if (!g) { st = DBSP_ENOMEM; break; }
-                    buf = g;
+    for (int64_t i0 = 0; i0 < n && st == DBSP_OK; i0 += SCAN_CHUNK) {
+        int64_t cnt = n - i0 < SCAN_CHUNK ? n - i0 : SCAN_CHUNK;
+        for (int32_t k = 0; k < nb; k++) {  /* where each sought key's rows start in batch k */
+            const uint64_t *fence = vfence ? vfence[k] : NULL;
+            int64_t *p = pos + (int64_t)k * SCAN_CHUNK;
+            if (asc) {
+                dbsp_seek_all(vkh[k], vb[k]->nrows, fence, kh + i0, cnt, p);
+            } else {
+                for (int64_t i = 0; i < cnt; i++) p[i] = dbsp_seek(vkh[k], vb[k]->nrows, fence, 0, kh[i0 + i]);
+            }
+        }
+        for (int64_t i = i0; i < i0 + cnt && st == DBSP_OK; i++) {
+            m = 0;
+            for (int32_t k = 0; k < nb; k++) {  /* the key's rows of every batch, with their weights */
+                const DbspBatch *v = vb[k];
+                if (i + SCAN_PF < i0 + cnt) {
+                    int64_t y = pos[(int64_t)k * SCAN_CHUNK + i + SCAN_PF - i0];
+                    if (y < v->nrows) dbsp_prefetch_row(v, y, NULL, v->ncols);
                 }
-                buf[m].v = (int64_t)dbsp_col_u64(c, r);
-                buf[m].w = v->weights ? v->weights[r] : 1;
-                m++;
-            }
-        }
-        if (m > 24) {  /* by value, equal values side by side: a group may hold many values */
-            qsort(buf, (size_t)m, sizeof *buf, valw_cmp);
-        } else {
-            for (int64_t x = 1; x < m; x++) {
-                ValW t = buf[x];
-                int64_t y = x - 1;
-                while (y >= 0 && buf[y].v > t.v) { buf[y + 1] = buf[y]; y--; }
-                buf[y + 1] = t;
-            }
-        }
-        has[i] = 0;
-        for (int64_t x = 0; x < m;) {
-            int64_t y = x, w = 0;
-            while (y < m && buf[y].v == buf[x].v) {
-                if (__builtin_add_overflow(w, buf[y].w, &w)) st = DBSP_EOVERFLOW;
-                y++;
+                for (int64_t r = pos[(int64_t)k * SCAN_CHUNK + i - i0]; r < v->nrows && vkh[k][r] == kh[i]; r++) {
+                    if (dbsp_row_cmp_eqfast(b, rows[i], keys, v, r, vkeys, nkeys) != 0) continue;  /* another key */
+                    const DbspColumn *c = &v->cols[vcol];
+                    if (!dbsp_col_valid(c, r)) continue;
+                    if (m == cap) {
+                        ValW *g = realloc(buf, (size_t)(cap *= 2) * sizeof *buf);
+                        if (!g) { st = DBSP_ENOMEM; break; }
+                        buf = g;
+                    }
+                    buf[m].v = (int64_t)dbsp_col_u64(c, r);
+                    buf[m].w = v->weights ? v->weights[r] : 1;
+                    m++;
+                }
             }
             if (st != DBSP_OK) break;
-            if (w > 0) {
-                if (!has[i]) mn[i] = buf[x].v;
-                mx[i] = buf[x].v;
-                has[i] = 1;
+            if (m > 24) {  /* by value, equal values side by side: a group may hold many values */
+                qsort(buf, (size_t)m, sizeof *buf, valw_cmp);
+            } else {
+                for (int64_t x = 1; x < m; x++) {
+                    ValW t = buf[x];
+                    int64_t y = x - 1;
+                    while (y >= 0 && buf[y].v > t.v) { buf[y + 1] = buf[y]; y--; }
+                    buf[y + 1] = t;
+                }
             }
-            x = y;
+            has[i] = 0;
+            for (int64_t x = 0; x < m;) {
+                int64_t y = x, w = 0;
+                while (y < m && buf[y].v == buf[x].v) {
+                    if (__builtin_add_overflow(w, buf[y].w, &w)) st = DBSP_EOVERFLOW;
+                    y++;
+                }
+                if (st != DBSP_OK) break;
+                if (w > 0) {
+                    if (!has[i]) mn[i] = buf[x].v;
+                    mx[i] = buf[x].v;
+                    has[i] = 1;
+                }
+                x = y;
+            }
         }
     }
     free(buf);
-    free(at);
+    free(pos);
     return st;
 }

@@ -31,6 +31,20 @@
  *     set cleared, the new groups put before it removed, the held ones' old values put back (in place: nothing was
  *     removed yet), the refusal counted (dbsp_keyindex_note_refusal), so the index is whole and as before the call,
  *     and its owner (trace/keyindex.py ``through_index``) drops it and walks the batches.
+ *  6. A recompute's keys are few against a value trace's large batch (a 1k-row step of a 1M-row state: ~20 keys a
+ *     step, one per ~50k rows), so each seek lands in a cold part of the batch's key hashes: a gallop from the last
+ *     key's position misses the cache a dozen times and more. dbsp_extremes_scan seeks through the batch's fence
+ *     (lookup.h: a small array the seeks keep warm, then one 512-byte block of the key hashes) where the caller has
+ *     one (batches of IndexedZSet.FENCE_MIN rows and more), SCAN_CHUNK keys at a time with the seeks of each batch in
+ *     one prefetching pass (dbsp_seek_all), and prefetches the rows of the key SCAN_PF ahead while it reads one; the
+ *     same positions as galloping. (A directory, as the join's, was tried for the 1M-row batch: more cache misses
+ *     than the fence in callgrind's model of cold scans, and a pass to build it.)
+ *  7. The totals batch is built only for a reader (operators/aggregate.py invariant 12): a totals trace that keeps its
+ *     totals per key reads a step's batch only to record fresh keys, to insert it on a fallback, or to undo the step
+ *     on a rollback; once every key is dirty none of these happens in a step that holds all its groups, and the
+ *     emit leaves the batch out (its slot columns, the gather of its keys and its export: ~0.1M instructions at 1k
+ *     groups). dbsp_extremes_batch builds it afterwards from the step's arrays, by the same code (emit_rows, then
+ *     the export), so a late batch equals the one the emit would have built.
  */
 #ifndef DBSP_EXTREMES_H
 #define DBSP_EXTREMES_H
@@ -40,6 +54,7 @@
 #include "keyindex.h"
 #include "agg.h"
 #include "cdata.h"
+#include "lookup.h"
 
 /* Phase 1. For each group of the indexed change b (key columns keys, key hashes kh ascending): group_row[g] (its
  * first row), gkh[g], old[g * V + v] (the index's values, 0 when absent), nw[g * V + v] (the new ones, design
@@ -91,7 +106,8 @@ int dbsp_extremes_store(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *key
  * NULL). The store is last: an error before it (DBSP_ENOMEM) exports and changes nothing; one of the store (the
  * index could not grow) is undone (design note 5: the index as before, a refusal counted) and exports nothing.
  * V = ns + the extremes among slots. With *n == 0 nothing is exported (the releases stay NULL) and the arrays are
- * NULL. */
+ * NULL. batch NULL: the batch's columns are neither built nor exported (design note 7), its rows' weights, key hashes
+ * (and row hashes) still are; dbsp_extremes_batch builds it from the same arguments. */
 int dbsp_extremes_emit(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int32_t nkeys, int32_t ns,
                        int32_t nv, int64_t ng, const int64_t *group_row, const uint64_t *gkh, const int64_t *old,
                        const int64_t *nw, const int32_t *snull, const int32_t *swidth, int32_t nout,
@@ -99,14 +115,24 @@ int dbsp_extremes_emit(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys
                        struct ArrowArray *batch, struct ArrowArray *out, int64_t **w, uint64_t **kh, uint64_t **rh,
                        int64_t *n, int *ordered, int64_t **ow, int64_t *on, int64_t *const *held, int keyorder);
 
+/* The totals batch dbsp_extremes_emit exports for the same arguments (design note 7), the same rows in the same order
+ * with the same *w, *kh, *rh, *n and *ordered; nothing is stored. For a step that asked the emit for none (batch
+ * NULL) and then needs its rows after all. Errors: DBSP_EINVAL, DBSP_ENOMEM (nothing exported). */
+int dbsp_extremes_batch(const DbspBatch *b, const int32_t *keys, int32_t nkeys, int32_t ns, int32_t nv, int64_t ng,
+                        const int64_t *group_row, const uint64_t *gkh, const int64_t *old, const int64_t *nw,
+                        const int32_t *snull, const int32_t *swidth, int keyorder, struct ArrowArray *batch,
+                        int64_t **w, uint64_t **kh, uint64_t **rh, int64_t *n, int *ordered);
+
 /* The extremes a deleted value reached, recomputed (design note 2): for i < n, the key of row rows[i] of b (key
  * columns keys) with key hash kh[i], over the rows of the value batches vb[0..nb) (a value trace's batches, each
- * canonical for its key columns vkeys, key hashes vkh[k]) that hold that key, the weights of equal values summed
- * across batches: has[i] = 1 and the least and greatest value of column vcol (integer-like, as int64) among
- * those with a positive sum in mn[i], mx[i]; has[i] = 0 when none has. Cost: a galloping seek per batch and key,
- * then the key's rows; never the trace's size. */
+ * canonical for its key columns vkeys, key hashes vkh[k], and optionally a fence vfence[k] of them: a NULL array or
+ * entry for none) that hold that key, the weights of equal values summed across batches:
+ * has[i] = 1 and the least and greatest value of column vcol (integer-like, as int64) among those with a positive
+ * sum in mn[i], mx[i]; has[i] = 0 when none has. Cost: a seek per batch and key (design note 6), then the key's
+ * rows; never the trace's size. */
 int dbsp_extremes_scan(const DbspBatch *b, const int32_t *keys, int32_t nkeys, const int64_t *rows, const uint64_t *kh,
-                       int64_t n, const DbspBatch *const *vb, const uint64_t *const *vkh, int32_t nb,
-                       const int32_t *vkeys, int32_t vcol, uint8_t *has, int64_t *mn, int64_t *mx);
+                       int64_t n, const DbspBatch *const *vb, const uint64_t *const *vkh,
+                       const uint64_t *const *vfence, int32_t nb, const int32_t *vkeys, int32_t vcol, uint8_t *has,
+                       int64_t *mn, int64_t *mx);
 
 #endif

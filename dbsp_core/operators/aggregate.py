@@ -88,7 +88,10 @@ Invariants:
      undoes the step's writes into the index from its batch (-old +new) by the undo log of trace invariant 19. A step
      probes the dirty-key index once per group, and not at all when every key the index held before it is dirty
      (``Trace.pk_found_dirty``: true from the first step after a sync that touched them all, as a state built by steps
-     is) and every group it changed was held (a -1 row each): none of its keys can be fresh.
+     is) and every group it changed was held (a -1 row each): none of its keys can be fresh. Such a step reads none of
+     its batch's rows either: the emit leaves the batch out (csrc/extremes.h design note 7) and the step hands
+     ``store_totals`` a ``PendingBatch`` (its rows' key hashes and weights), built from the step's arrays only if a
+     rollback undoes the step (or a fallback inserts it).
 """
 
 from __future__ import annotations
@@ -111,7 +114,7 @@ from dbsp_core import _zset
 from dbsp_core.time.cleanup import prune
 from dbsp_core.time.lineage import input_times
 from dbsp_core.trace import Trace, summable, unique_sorted
-from dbsp_core.trace.keyindex import int_array
+from dbsp_core.trace.keyindex import PendingBatch, int_array
 from dbsp_core.zset import IndexedZSet, ZSet, _agg_specs, _take, sum_adjacent
 
 if TYPE_CHECKING:
@@ -796,6 +799,7 @@ class _ExtremesState(_GroupedState):
         self.sschema = pa.schema(key_fields + [pa.field(f"s_{j}", slot_type.get(j, pa.int64()))
                                                for j in range(len(op.kernel))])
         self.totals = Trace(self.sschema, op.keys)
+        self._tkeypos = tuple(self.sschema.get_field_index(k) for k in op.keys)  # (a totals batch's key positions)
         fields = list(key_fields)
         aggs: list[tuple[str, str | None]] = []
         for j in self.lin:
@@ -1159,19 +1163,31 @@ class _ExtremesState(_GroupedState):
         only) and the finalized output built in C, the new totals stored in ``ix``; the batch inserted into the totals
         trace, or recorded per key (invariant 12)."""
         keyorder = self.totals.pk_keyorder(ix)  # recorded per key (invariant 12): no row hashes
-        batch, w, kh, rh, ordered, out, ow = self.emit.step(view, group_row, gkh, old, nw, ix, keyorder)
-        if batch is None:  # no group's totals changed
+        # every key the index held is dirty already (trace invariant 19): a step holding all its groups reads none of
+        # its batch's rows, which the emit then leaves out (csrc/extremes.h design note 7), built only if one is read
+        found = self.totals.pk_found_dirty() if keyorder and self.totals.pk_dirty(ix) is not None else None
+        lazy = bool(found)
+        batch, w, kh, rh, ordered, out, ow = self.emit.step(view, group_row, gkh, old, nw, ix, keyorder, lazy)
+        if w is None:  # no group's totals changed
             self.totals.index_done(ix)
             return empty(self.op.schema)
         probed = None
-        if ordered:  # groups by key hash, a group's two rows by row hash (keyorder: old first): the batch as it stands
-            # (the call's tables hold one record batch each: one chunk per column as they are, zset.py invariant 1)
-            b = IndexedZSet._make(ZSet._make(batch, w, chunked=True), tuple(self.keys), kh)
-            if rh is not None:
-                b._rh = rh
-            probed = self._dirty_per_group(b, ix)
-        else:  # a key-hash or row-hash tie (rare): values decide the order
-            b = IndexedZSet._from_key_order(make(batch, w, self.sschema), self.keys, kh)
+        if lazy and ordered and self._all_held(w, kh):  # no key fresh: no probe, no batch (invariant 12)
+            self.unprobed_steps += 1
+            b = PendingBatch(self._tkeypos, kh, w, lambda: self._late_batch(view, group_row, gkh, old, nw, w, kh))
+            probed = self.totals.pk_dirty(ix), np.zeros(len(kh), dtype=bool)
+        else:
+            if batch is None:  # left out by the emit, read after all: a key-hash tie, or a new group to probe
+                batch, w, kh, rh, ordered = self.emit.batch(view, group_row, gkh, old, nw, keyorder)
+            if ordered:  # groups by key hash, a group's two rows by row hash (keyorder: old first): the batch as it
+                # stands (the call's tables hold one record batch each: one chunk per column as they are, zset.py
+                # invariant 1)
+                b = IndexedZSet._make(ZSet._make(batch, w, chunked=True), tuple(self.keys), kh)
+                if rh is not None:
+                    b._rh = rh
+                probed = self._dirty_per_group(b, ix, found)
+            else:  # a key-hash or row-hash tie (rare): values decide the order
+                b = IndexedZSet._from_key_order(make(batch, w, self.sschema), self.keys, kh)
         # inserted (put in canonical order first when it is in key order only), or with totals per key recorded
         self.totals.store_totals(b, ix, probed, canonical=rh is not None or not ordered)
         self.emitted_steps += 1
@@ -1180,18 +1196,40 @@ class _ExtremesState(_GroupedState):
         # rows of two groups differ in their keys, a group's in a value
         return ZSet._make(out, ow, distinct=True, chunked=True)
 
-    def _dirty_per_group(self, b: IndexedZSet, ix: object) -> "tuple | None":
+    @staticmethod
+    def _groups_of(kh: np.ndarray) -> np.ndarray:
+        """Per row of an ordered emitted batch with key hashes ``kh``, whether it starts a group: no two groups share a
+        key hash, so a group's rows are the runs of equal key hashes."""
+        first = np.empty(len(kh), dtype=bool)
+        first[0] = True
+        np.not_equal(kh[1:], kh[:-1], out=first[1:])
+        return first
+
+    def _all_held(self, w: np.ndarray, kh: np.ndarray) -> bool:
+        """Whether every group of an ordered emitted batch (weights ``w``, key hashes ``kh``) was held before the step:
+        one -1 row, its old totals, a group."""
+        return np.count_nonzero(w < 0) == np.count_nonzero(self._groups_of(kh))
+
+    def _late_batch(self, view: "_zset.BatchView", group_row: np.ndarray, gkh: np.ndarray, old: np.ndarray,
+                    nw: np.ndarray, w: np.ndarray, kh: np.ndarray) -> IndexedZSet:
+        """The totals batch a lazy emit left out (invariant 12, csrc/extremes.h design note 7), built from the step's
+        arrays when a reader needs its rows: the rows the step stored, in key-hash order only (its emit's keyorder)."""
+        batch, bw, bkh, _, _ = self.emit.batch(view, group_row, gkh, old, nw, True)
+        return IndexedZSet._make(ZSet._make(batch, bw, chunked=True), tuple(self.keys), bkh)
+
+    def _dirty_per_group(self, b: IndexedZSet, ix: object, found: bool | None = None) -> "tuple | None":
         """For :meth:`Trace.store_totals` (invariant 12): the dirty-key index and, per row of the emitted batch ``b``,
         whether its key is not dirty yet, probed once per group: in an ordered batch no two groups share a key hash,
-        so a group's rows are the runs of equal key hashes. None when the trace keeps no dirty index."""
+        so a group's rows are the runs of equal key hashes. None when the trace keeps no dirty index. ``found``: what
+        ``pk_found_dirty()`` answered for this step already (None: not asked yet)."""
         dirty = self.totals.pk_dirty(ix)
         if dirty is None:
             return None
         kh = b._kh
-        first = np.empty(len(kh), dtype=bool)
-        first[0] = True
-        np.not_equal(kh[1:], kh[:-1], out=first[1:])
-        if self.totals.pk_found_dirty() and np.count_nonzero(b.zset.weights < 0) == np.count_nonzero(first):
+        first = self._groups_of(kh)
+        if found is None:
+            found = self.totals.pk_found_dirty()
+        if found and np.count_nonzero(b.zset.weights < 0) == np.count_nonzero(first):
             # every key the index held before the step is dirty (trace invariant 19), and every group of the step
             # was held (a -1 row, its old totals, each): none is fresh, no probe (invariant 12)
             self.unprobed_steps += 1

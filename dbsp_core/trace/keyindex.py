@@ -52,7 +52,7 @@ from dbsp_core.trace.sizing import key_index_sizing
 if TYPE_CHECKING:
     from dbsp_core.zset import IndexedZSet
 
-__all__ = ["KeyIndexed", "PerKeyTotals", "summable"]
+__all__ = ["KeyIndexed", "PendingBatch", "PerKeyTotals", "summable"]
 
 _TOKENS = itertools.count(1)  # content tokens (invariant 11): unique in the process, never reused
 
@@ -493,7 +493,8 @@ class PerKeyTotals:
       object in place since the oldest one: (index, view of rows, key positions, key hashes, columns, sign), undone in
       reverse by :meth:`_pk_rollback` (rollback.py invariant 3): the index is the state, a capture cannot rebuild it.
       A step's own store is logged as (index, its IndexedZSet batch, ..., None, 1): the view and columns are made
-      by the rollback (a view costs ~50k instructions, a step without a rollback never needs it).
+      by the rollback (a view costs ~50k instructions, a step without a rollback never needs it); the batch may be a
+      :class:`PendingBatch`, built then too (a step that reads none of its rows need not build them at all).
     """
 
     pk_steps = 0  # steps stored per key, in the process (counts, for tests: the new path ran)
@@ -607,10 +608,15 @@ class PerKeyTotals:
         ``probed``: ``(dirty, fresh)``, the answers of a probe of the dirty index ``dirty`` per row of ``batch`` made
         since the step began (:meth:`pk_dirty`, csrc/linrun.h invariant 5), used while ``dirty`` is still the dirty
         index (a sync since replaced it). ``canonical`` False: ``batch`` is in key-hash order only (:meth:`pk_keyorder`),
-        put in canonical order before any insert."""
+        put in canonical order before any insert. ``batch`` may be a :class:`PendingBatch`: built here only where its
+        rows are read (an insert, a probe of the dirty index, a record of fresh keys), else logged for a rollback as
+        it stands."""
         if self._pk_on and self._store is not None and not self._pk_rec:  # joined a batch store (the executor's
             self._pk_on = False  # spill()) with nothing recorded: the batches are up to date, kept from now on
+        pending = batch if type(batch) is PendingBatch else None
         if not self._pk_on or ix is not self._kix or len(batch) == 0:
+            if pending is not None:
+                batch = pending.get()
             if len(self._pk_marks) and ix is self._kix and len(batch):  # a capture lives (taken while per key):
                 self._pk_undo.entries.append((ix, batch._view(), batch._keypos, batch._kh, self._cpos(batch), 1))
             self.insert(batch if canonical else _canonical(batch), indexed=ix)  # the C step's store into ix is logged too, or its undo misses it
@@ -622,10 +628,10 @@ class PerKeyTotals:
         self._grown += len(batch)  # (drop_below's amortization, trace invariant 8)
         keys, kh = batch._keypos, batch._kh
         if len(self._pk_marks):  # the step's store into ix is +batch: its undo is -batch (the batch logged as it
-            # stands: its view and columns are made by a rollback, which is rare, not by every step)
+            # stands, pending or not: its view and columns are made by a rollback, which is rare, not by every step)
             self._pk_undo.entries.append((ix, batch, keys, kh, None, 1))
         dirty = self._pk_dirty
-        w = batch.zset.weights
+        w = batch.weights if pending is not None else batch.zset.weights
         started = dirty is None
         if started:  # no key dirty: the index's keys are clean but this step's (one +1 row each in the index)
             from dbsp_core import _zset
@@ -637,10 +643,14 @@ class PerKeyTotals:
         if probed is not None and probed[0] is dirty and probed[1] is not None and len(probed[1]) == len(batch):
             fresh = probed[1]
         else:
+            if pending is not None:
+                batch = pending.get()
             acc = np.zeros((len(batch), 1), dtype=np.int64)
             dirty.get(batch._view(), keys, kh, acc)
             fresh = acc[:, 0] == 0
         if fresh.any():
+            if pending is not None:
+                batch = pending.get()
             try:
                 self._pk_record(batch, dirty, fresh)
             except (MemoryError, ValueError) as exc:  # the dirty-key index could not grow (memory, the budget)
@@ -770,12 +780,39 @@ class PerKeyTotals:
         if undo is not mark.undo:
             raise AssertionError("totals per key: the undo log of a capture was dropped while the capture lived")
         for ix, view, keys, kh, cpos, sign in reversed(undo.entries[mark.at:]):
-            if cpos is None:  # a step's batch (store_totals): its view and columns made now
+            if cpos is None:  # a step's batch (store_totals): its view and columns made now (built, if pending)
+                if type(view) is PendingBatch:
+                    view = view.get()
                 view, cpos = view._view(), self._cpos(view)
             ix.take_back(view, None, keys, kh, cpos, sign)  # exact where replaying rows overflows (csrc/keyindex.h)
         del undo.entries[mark.at:]
         if mark.ix is not None:
             mark.ix.token = mark.token
+
+
+class PendingBatch:
+    """A step's batch for :meth:`PerKeyTotals.store_totals` whose rows are not built yet (invariant 19; csrc/extremes.h
+    design note 7): its length, key positions (``_keypos``), key hashes (``_kh``) and weights, and ``make()``, which
+    builds the IndexedZSet when something reads its rows (a rollback's undo, an insert, a record of fresh keys);
+    :meth:`get` builds it once. A step whose keys are all dirty already reads none of them."""
+
+    __slots__ = ("_keypos", "_kh", "weights", "_make", "_built")
+
+    def __init__(self, keypos: Any, kh: np.ndarray, weights: np.ndarray, make: Any) -> None:
+        self._keypos, self._kh, self.weights, self._make, self._built = keypos, kh, weights, make, None
+
+    def __len__(self) -> int:
+        return len(self._kh)
+
+    def get(self) -> "IndexedZSet":
+        """The batch, built on the first call: its rows' key hashes and weights must be those it was made with."""
+        b = self._built
+        if b is None:
+            b = self._built = self._make()
+            if not (np.array_equal(b._kh, self._kh) and np.array_equal(b.zset.weights, self.weights)):
+                raise AssertionError("a pending batch built other rows than the step stored")
+            self._make = None
+        return b
 
 
 class _UndoLog:

@@ -173,3 +173,45 @@ def test_min_max_of_large_groups(workers: int, seed: int) -> None:
 
     bag = _steps_against_model(p, rng, 80, (5, 40), new_row, 0.35, 0.2, INT_SCHEMA, _int_model)
     assert max(Counter(k for k, *_ in bag).values()) > 100, "the groups stayed small"
+
+
+@pytest.mark.parametrize("nkeys,ascending", [(5, True), (200, True), (200, False), (3000, True), (3000, False)])
+def test_extremes_scan_seeks_against_a_reference(nkeys: int, ascending: bool) -> None:
+    """``_zset.extremes_scan`` (csrc/extremes.h design note 6) against a dict over the same value batches: batches of
+    50 to 40k rows (those of 4096 rows and more with a fence of their key hashes), keys sought in chunks of more than one (``SCAN_CHUNK``), ascending or not (the per-key seeks), present in some
+    batches, in none, with values whose weights cancel across batches or are null."""
+    from dbsp_core import _zset
+    from dbsp_core.zset import ZSet
+
+    rng = np.random.default_rng(nkeys + ascending)
+    vschema = pa.schema([("k", pa.int64()), ("v", pa.int64())])
+    total: Counter = Counter()
+    views = []
+    for size in (40_000, 9_000, 5_000, 700, 50):
+        ks = rng.integers(0, 6000, size)
+        vs = [None if rng.random() < 0.02 else int(x) for x in rng.integers(-50, 50, size)]
+        ws = rng.choice([-1, 1, 2], size)
+        z = ZSet.from_rows(list(zip(ks.tolist(), vs)), vschema, weights=ws.tolist()).consolidate()
+        for row, w in z.to_dict().items():
+            total[row] += w
+        b = z.index_by(["k"])
+        views.append(b._view())
+    assert views[0].num_rows > 4096
+    want = rng.choice(7000, nkeys, replace=False)  # (keys 6000 and up are in no batch)
+    change = ZSet.from_rows([(int(k),) for k in want], pa.schema([("k", pa.int64())])).index_by(["k"])
+    rows, kh = np.arange(nkeys), change.key_hash
+    if not ascending:
+        perm = rng.permutation(nkeys)
+        rows, kh = rows[perm], kh[perm]
+    has, mn, mx = _zset.extremes_scan(change._view(), [0], rows, kh, views, [0], 1)
+    keys = change.zset.data.column("k").to_pylist()
+    per_key: dict = {}
+    for (k, v), w in total.items():
+        if v is not None and w > 0:
+            per_key.setdefault(k, []).append(v)
+    for i, r in enumerate(rows):
+        vals = per_key.get(keys[r], [])
+        assert bool(has[i]) == bool(vals), (keys[r], vals)
+        if vals:
+            assert (mn[i], mx[i]) == (min(vals), max(vals)), keys[r]
+    assert has.any() and (nkeys < 200 or not has.all())

@@ -234,12 +234,16 @@ def test_value_traces_under_a_memory_budget_merge_as_before(tmp_path, monkeypatc
         assert sum(tr.held_merges for tr in _values(p)) == 0
 
 
-def test_a_per_key_fallback_inserts_the_emits_key_order_batch(monkeypatch) -> None:
+@pytest.mark.parametrize("stride", [2, 8])
+def test_a_per_key_fallback_inserts_the_emits_key_order_batch(stride: int, monkeypatch) -> None:
     """Totals per key (invariant 12) with the emit's batch in key-hash order only (no row hashes: ExtremesEmit
     ``keyorder``): when the dirty-key index cannot grow (the key index budget set to the bytes held, after a sync), the
     step's batch is inserted after all (trace invariant 19's fallback), sorted first; against the model after every
     step (later steps walk the batches the fallback left), the state checked (``Trace.check``) and the value traces
-    equal to the model's multiset."""
+    equal to the model's multiset. The big step updates every ``stride``-th group: at 2 its batch (a -1 and a +1 row
+    per group) is as large as the state and merges with it at once (one row per group is left, in order whatever
+    order the batch had); at 8 it is placed levels below the state's batch and stays loose, so a batch inserted in
+    key-hash order only (not sorted first) is seen out of canonical order by the check right after the step."""
     from dbsp_core import _zset
     from tests.core.test_totals_per_key_limit import _tight
 
@@ -256,7 +260,7 @@ def test_a_per_key_fallback_inserts_the_emits_key_order_batch(monkeypatch) -> No
                 if i == 30:
                     _check_state(p, bag, f"before step {i} (DBSP_HOLD_SEED={SEED})")  # synced: a fresh dirty index
                     big: Counter = Counter()  # a step over many held groups: the fresh dirty index must grow
-                    for k in range(0, GROUPS, 2):
+                    for k in range(0, GROUPS, stride):
                         big[(k, 1, int(rng.integers(-100, 100)))] += 1
                     d = big + d
                     monkeypatch.setattr(PerKeyTotals, "store_totals", _tight(store_totals))
