@@ -83,6 +83,28 @@ def small_rows(n=None):
     return old
 
 
+def weight_sum(weights):
+    """The exact sum of an int64 weight array (a Python int), in one C loop: numpy's reduce costs ~9k instructions
+    whatever the rows (a step's metrics sum each output's weights). A sum beyond int64 is summed exactly in Python."""
+    cdef const int64_t *p
+    cdef int64_t i, n, x, s = 0
+    cdef bint over = False
+    if type(weights) is np.ndarray and cnp.PyArray_TYPE(weights) == cnp.NPY_INT64 \
+            and cnp.PyArray_IS_C_CONTIGUOUS(weights) and cnp.PyArray_NDIM(weights) == 1:
+        p = <const int64_t *>cnp.PyArray_DATA(weights)
+        n = cnp.PyArray_DIM(weights, 0)
+        with nogil:
+            for i in range(n):
+                x = p[i]
+                if (x > 0 and s > INT64_MAX - x) or (x < 0 and s < INT64_MIN - x):
+                    over = True
+                    break
+                s += x
+        if not over:
+            return s
+    return int(np.asarray(weights, dtype=np.int64).astype(object).sum())
+
+
 def negate(weights):
     """-weights as a new int64 array; WeightOverflowError for INT64_MIN."""
     w = np.ascontiguousarray(weights, dtype=np.int64)
@@ -173,13 +195,15 @@ def distinct_rows(table, weights):
     cdef int64_t m = v.c.nrows, n = 0
     if m == 0:
         return None
-    idx = np.empty(m, dtype=np.int64)
-    w = np.empty(m, dtype=np.int64)
-    cdef int64_t[::1] pi = idx
-    cdef int64_t[::1] pw = w
+    cdef cnp.npy_intp dims[1]
+    dims[0] = m
+    idx = cnp.PyArray_EMPTY(1, dims, cnp.NPY_INT64, 0)  # (new arrays' pointers: no memoryview to acquire)
+    w = cnp.PyArray_EMPTY(1, dims, cnp.NPY_INT64, 0)
+    cdef int64_t *pi = <int64_t *>cnp.PyArray_DATA(idx)
+    cdef int64_t *pw = <int64_t *>cnp.PyArray_DATA(w)
     cdef int st
     with nogil:
-        st = dbsp_zset_distinct_rows(&v.c, &pi[0], &pw[0], &n)
+        st = dbsp_zset_distinct_rows(&v.c, pi, pw, &n)
     check_status(st, "distinct_rows")
     return None if n == m else (idx[:n], w[:n])
 

@@ -11,6 +11,8 @@ Invariants:
     holds the stored rows' row hashes in stored order (always set when consolidated).
  3. An IndexedZSet's ZSet is consolidated and in canonical order for its key: by key hash, then row hash, then
     value; ``key_hash`` holds the key hashes, ascending.
+ 4. ``ZSet.num_rows`` (a slot) equals ``_data.num_rows``: set with ``_data`` by the two constructors (``_make``,
+    ``empty``), the only places that assign either.
 Every operation validates its inputs before touching any state and never mutates a ZSet: Z-sets are values.
 """
 
@@ -234,7 +236,10 @@ class ZSet:
     {}
     """
 
-    __slots__ = ("_data", "_w", "_consolidated", "_rhash", "_distinct")
+    __slots__ = ("_data", "_w", "_consolidated", "_rhash", "_distinct", "num_rows")
+    # num_rows: the number of stored rows (before consolidation), ``_data.num_rows`` read once when the Z-set is made
+    # (a slot, not a property: read by every operator call and the driver, ~20 times a small step, each a call of
+    # Python as a property; invariant 4)
     __hash__ = None  # type: ignore[assignment]
 
     def __init__(self) -> None:
@@ -249,7 +254,8 @@ class ZSet:
         canonical order without row hashes is checked). ``chunked``: ``data`` holds one chunk per column already (a
         Z-set's own ``_data``, or a table of one non-empty record batch), so it is not rebuilt (~1.2 us)."""
         z = object.__new__(cls)
-        z._data = data if chunked else _single_chunk(data)
+        z._data = data = data if chunked else _single_chunk(data)
+        z.num_rows = data.num_rows
         z._w = weights
         z._consolidated = consolidated
         if consolidated and rhash is None:
@@ -316,7 +322,7 @@ class ZSet:
         _check_schema(schema)
         t = schema.empty_table()
         z = object.__new__(cls)
-        z._data, z._w, z._consolidated, z._rhash, z._distinct = t, _NO_WEIGHTS, True, _NO_HASHES, True
+        z._data, z._w, z._consolidated, z._rhash, z._distinct, z.num_rows = t, _NO_WEIGHTS, True, _NO_HASHES, True, 0
         if len(_EMPTY) >= 4096:  # schemas are few (one per operator); this only bounds a pathological caller
             _EMPTY.clear()
         _EMPTY[id(schema)] = (schema, z)  # the entry keeps the schema alive, so its id is not reused
@@ -417,17 +423,12 @@ class ZSet:
         return self._w
 
     @property
-    def num_rows(self) -> int:
-        """The number of stored rows (before consolidation)."""
-        return self._data.num_rows
-
-    @property
     def is_consolidated(self) -> bool:
         return self._consolidated
 
     def __len__(self) -> int:
         """The number of distinct rows with non-zero weight."""
-        return self._data.num_rows if self._distinct else self.consolidate().num_rows
+        return self.num_rows if self._distinct else self.consolidate().num_rows
 
     def _distinct_rows(self) -> ZSet:
         """This Z-set with no two equal rows and no zero weight (invariant 2): itself when it is so already, in
