@@ -84,24 +84,22 @@ def small_rows(n=None):
 
 
 def weight_sum(weights):
-    """The exact sum of an int64 weight array (a Python int), in one C loop: numpy's reduce costs ~9k instructions
-    whatever the rows (a step's metrics sum each output's weights). A sum beyond int64 is summed exactly in Python."""
+    """The exact sum of an int64 weight array (a Python int), in one C loop the compiler vectorizes: numpy's reduce
+    costs ~9k instructions whatever the rows (a step's metrics sum each output's weights). The high and low 32 bits
+    are summed apart, so neither sum can overflow below 2**31 rows (a longer array is summed in Python)."""
     cdef const int64_t *p
-    cdef int64_t i, n, x, s = 0
-    cdef bint over = False
+    cdef int64_t i, n, hi = 0
+    cdef uint64_t lo = 0
     if type(weights) is np.ndarray and cnp.PyArray_TYPE(weights) == cnp.NPY_INT64 \
-            and cnp.PyArray_IS_C_CONTIGUOUS(weights) and cnp.PyArray_NDIM(weights) == 1:
+            and cnp.PyArray_IS_C_CONTIGUOUS(weights) and cnp.PyArray_NDIM(weights) == 1 \
+            and cnp.PyArray_DIM(weights, 0) < (<int64_t>1 << 31):
         p = <const int64_t *>cnp.PyArray_DATA(weights)
         n = cnp.PyArray_DIM(weights, 0)
         with nogil:
             for i in range(n):
-                x = p[i]
-                if (x > 0 and s > INT64_MAX - x) or (x < 0 and s < INT64_MIN - x):
-                    over = True
-                    break
-                s += x
-        if not over:
-            return s
+                hi += p[i] >> 32  # (arithmetic shift: the signed high half)
+                lo += <uint64_t>p[i] & 0xffffffffU
+        return (<object>hi << 32) + <object>lo
     return int(np.asarray(weights, dtype=np.int64).astype(object).sum())
 
 

@@ -1,6 +1,6 @@
 # zset.pyx: cdef classes that view Arrow columns as C batches and own the C kernels' results (dbsp_core._zset),
 # in one included .pxi per C header.
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t, INT64_MAX, INT64_MIN
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, malloc, free, realloc
 from libc.string cimport memset
 from cpython.buffer cimport PyBUF_FORMAT, PyBUF_ND, PyBUF_WRITABLE

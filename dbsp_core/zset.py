@@ -350,7 +350,7 @@ class ZSet:
             ts = schema if z is first else t.schema
             if ts is not schema and not schema.equals(ts):  # (the common case decided in C, without a call)
                 _require_same_schema(schema, ts, "concat")
-            n = t.num_rows
+            n = z.num_rows
             if n:
                 if base is None:
                     base = ts
@@ -364,11 +364,15 @@ class ZSet:
                     rhashed = False
         if len(parts) <= 1:
             return parts[0] if parts else first
-        batches = [b for t in tables for b in t.to_batches()]  # one each (invariant 1: one chunk per column)
-        joined = _rejoin(batches) if len(batches) == len(parts) and rows >= _REJOIN_MIN_ROWS else None
+        batches = []
+        for t in tables:  # one each (invariant 1: one chunk per column); (a loop: no comprehension's function call)
+            batches += t.to_batches()
+        joined = _rejoin(batches) if rows >= _REJOIN_MIN_ROWS and len(batches) == len(parts) else None
         if joined is not None:
             batch, order = joined
             parts = [parts[i] for i in order]
+        elif len(batches) > 1 and _CONCAT_BATCHES is not None:
+            batch = _CONCAT_BATCHES(batches)  # (_concat_batches' common case without its call)
         else:
             batch = _concat_batches(batches) if batches else None
         if batch is not None:  # one non-empty record batch: one chunk per column (invariant 1) as it is
