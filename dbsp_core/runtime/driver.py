@@ -703,7 +703,8 @@ class Pipeline:
         """:meth:`push` into an in-memory pipeline without a producer: what :meth:`_prepare` and :meth:`_push_all`
         do for it (the same validation, whole before anything is queued: invariant 1), without their record and
         acknowledgement, which it has none of (~20k instructions of a 1k-row step's two pushes)."""
-        self._check_usable()
+        if self._broken is not None or self._closed:  # (_check_usable's test, without its call on the usual path)
+            self._check_usable()
         z = self._checked(handle, data, weights)
         nbytes = self._push_bytes(handle, z)
         self._metrics.pushed(handle, z.num_rows)
@@ -1205,7 +1206,8 @@ class Pipeline:
     def step(self) -> dict[str, ZSet]:
         """Divide the acknowledged input into a step (with storage: durably, with ``now`` and ``seed``), run it
         with any queued steps, log its output; returns ``{output: change of the view}`` of this step."""
-        self._check_usable()
+        if self._broken is not None or self._closed:  # (_check_usable's test, without its call on the usual path)
+            self._check_usable()
         if not self._step_lock.acquire(False):  # held: this step waits for it, counted (a live rescale lets waiting
             with self._mutex:  # steps run between its waves); a free lock is taken without the count's two locks
                 self._waiting += 1
@@ -1215,7 +1217,8 @@ class Pipeline:
                 with self._mutex:
                     self._waiting -= 1
         try:
-            self._check_usable()
+            if self._broken is not None or self._closed:
+                self._check_usable()
             if self.step_error is not None and self._queue:  # invariant 7: the failed step runs again first
                 return self._run_queue()[-1]
             self._queue.append(self._divide(wait=self.storage is None or self.executor.division_first
