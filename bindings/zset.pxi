@@ -85,21 +85,24 @@ def small_rows(n=None):
 
 def weight_sum(weights):
     """The exact sum of an int64 weight array (a Python int), in one C loop the compiler vectorizes: numpy's reduce
-    costs ~9k instructions whatever the rows (a step's metrics sum each output's weights). The high and low 32 bits
-    are summed apart, so neither sum can overflow below 2**31 rows (a longer array is summed in Python)."""
-    cdef const int64_t *p
-    cdef int64_t i, n, hi = 0
-    cdef uint64_t lo = 0
+    costs ~9k instructions whatever the rows (a step's metrics sum each output's weights). Each weight's unsigned
+    high and low 32 bits and its sign bit are summed apart (logical shifts and adds only, which SSE2 has), so no sum
+    can overflow below 2**31 rows (a longer array is summed in Python): the sum is (high - 2**32 * negatives) *
+    2**32 + low."""
+    cdef const uint64_t *p
+    cdef int64_t i, n
+    cdef uint64_t hi = 0, lo = 0, neg = 0
     if type(weights) is np.ndarray and cnp.PyArray_TYPE(weights) == cnp.NPY_INT64 \
             and cnp.PyArray_IS_C_CONTIGUOUS(weights) and cnp.PyArray_NDIM(weights) == 1 \
             and cnp.PyArray_DIM(weights, 0) < (<int64_t>1 << 31):
-        p = <const int64_t *>cnp.PyArray_DATA(weights)
+        p = <const uint64_t *>cnp.PyArray_DATA(weights)
         n = cnp.PyArray_DIM(weights, 0)
         with nogil:
             for i in range(n):
-                hi += p[i] >> 32  # (arithmetic shift: the signed high half)
-                lo += <uint64_t>p[i] & 0xffffffffU
-        return (<object>hi << 32) + <object>lo
+                hi += p[i] >> 32
+                lo += p[i] & 0xffffffffU
+                neg += p[i] >> 63
+        return ((<object>hi - (<object>neg << 32)) << 32) + <object>lo
     return int(np.asarray(weights, dtype=np.int64).astype(object).sum())
 
 
