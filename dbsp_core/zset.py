@@ -225,6 +225,7 @@ class ZSet:
 
     Z-sets form a group under ``+``, ``-`` and unary ``-``. Equal rows (null equals null, -0.0 equals 0.0,
     NaN equals NaN) are one row whose weight is the sum of theirs; rows whose weights sum to 0 disappear.
+    ``num_rows`` is the number of stored rows (before consolidation; ``len`` counts distinct rows).
 
     Examples
     --------
@@ -240,6 +241,7 @@ class ZSet:
     # num_rows: the number of stored rows (before consolidation), ``_data.num_rows`` read once when the Z-set is made
     # (a slot, not a property: read by every operator call and the driver, ~20 times a small step, each a call of
     # Python as a property; invariant 4)
+    num_rows: int
     __hash__ = None  # type: ignore[assignment]
 
     def __init__(self) -> None:
