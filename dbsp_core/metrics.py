@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from dbsp_core import _zset
 from dbsp_core.profile import pipeline_profile, prometheus_families
 from dbsp_core.status import page as status_page, status_json
 
@@ -58,7 +59,7 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 """Upper bounds (seconds) of the step-latency histogram's buckets; one more bucket holds everything above."""
 
 
-_SUM = np.add.reduce  # ndarray.sum without numpy's Python wrapper frame (the same int64 sum)
+_SUM = _zset.weight_sum  # a weight array's exact sum in one C loop (numpy's reduce: ~9k instructions a call)
 
 
 class Metrics:
@@ -130,14 +131,11 @@ class Metrics:
                 self.buckets[slot] += 1
                 self.step_sum += per
                 self.recent.append((step, per))
+                rows_out, net_rows = self.rows_out, self.net_rows
                 for name, z in out.items():
-                    w = z.weights  # one weight per stored row (zset.py invariant 1)
-                    n = len(w)
-                    self.rows_out[name] = self.rows_out.get(name, 0) + n
-                    if n:  # (numpy's reduce costs ~7k instructions, also over no rows)
-                        self.net_rows[name] = self.net_rows.get(name, 0) + int(_SUM(w))
-                    elif name not in self.net_rows:
-                        self.net_rows[name] = 0
+                    w = z._w  # one weight per stored row (zset.py invariant 1)
+                    rows_out[name] = rows_out.get(name, 0) + len(w)
+                    net_rows[name] = net_rows.get(name, 0) + _SUM(w)
 
     def rows_in_total(self) -> int:
         """Rows pushed so far, over every input."""

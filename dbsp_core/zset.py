@@ -11,6 +11,8 @@ Invariants:
     holds the stored rows' row hashes in stored order (always set when consolidated).
  3. An IndexedZSet's ZSet is consolidated and in canonical order for its key: by key hash, then row hash, then
     value; ``key_hash`` holds the key hashes, ascending.
+ 4. ``ZSet.num_rows`` (a slot) equals ``_data.num_rows``: set with ``_data`` by the two constructors (``_make``,
+    ``empty``), the only places that assign either.
 Every operation validates its inputs before touching any state and never mutates a ZSet: Z-sets are values.
 """
 
@@ -223,6 +225,7 @@ class ZSet:
 
     Z-sets form a group under ``+``, ``-`` and unary ``-``. Equal rows (null equals null, -0.0 equals 0.0,
     NaN equals NaN) are one row whose weight is the sum of theirs; rows whose weights sum to 0 disappear.
+    ``num_rows`` is the number of stored rows (before consolidation; ``len`` counts distinct rows).
 
     Examples
     --------
@@ -234,7 +237,11 @@ class ZSet:
     {}
     """
 
-    __slots__ = ("_data", "_w", "_consolidated", "_rhash", "_distinct")
+    __slots__ = ("_data", "_w", "_consolidated", "_rhash", "_distinct", "num_rows")
+    # num_rows: the number of stored rows (before consolidation), ``_data.num_rows`` read once when the Z-set is made
+    # (a slot, not a property: read by every operator call and the driver, ~20 times a small step, each a call of
+    # Python as a property; invariant 4)
+    num_rows: int
     __hash__ = None  # type: ignore[assignment]
 
     def __init__(self) -> None:
@@ -249,7 +256,8 @@ class ZSet:
         canonical order without row hashes is checked). ``chunked``: ``data`` holds one chunk per column already (a
         Z-set's own ``_data``, or a table of one non-empty record batch), so it is not rebuilt (~1.2 us)."""
         z = object.__new__(cls)
-        z._data = data if chunked else _single_chunk(data)
+        z._data = data = data if chunked else _single_chunk(data)
+        z.num_rows = data.num_rows
         z._w = weights
         z._consolidated = consolidated
         if consolidated and rhash is None:
@@ -316,7 +324,7 @@ class ZSet:
         _check_schema(schema)
         t = schema.empty_table()
         z = object.__new__(cls)
-        z._data, z._w, z._consolidated, z._rhash, z._distinct = t, _NO_WEIGHTS, True, _NO_HASHES, True
+        z._data, z._w, z._consolidated, z._rhash, z._distinct, z.num_rows = t, _NO_WEIGHTS, True, _NO_HASHES, True, 0
         if len(_EMPTY) >= 4096:  # schemas are few (one per operator); this only bounds a pathological caller
             _EMPTY.clear()
         _EMPTY[id(schema)] = (schema, z)  # the entry keeps the schema alive, so its id is not reused
@@ -344,7 +352,7 @@ class ZSet:
             ts = schema if z is first else t.schema
             if ts is not schema and not schema.equals(ts):  # (the common case decided in C, without a call)
                 _require_same_schema(schema, ts, "concat")
-            n = t.num_rows
+            n = z.num_rows
             if n:
                 if base is None:
                     base = ts
@@ -358,11 +366,15 @@ class ZSet:
                     rhashed = False
         if len(parts) <= 1:
             return parts[0] if parts else first
-        batches = [b for t in tables for b in t.to_batches()]  # one each (invariant 1: one chunk per column)
-        joined = _rejoin(batches) if len(batches) == len(parts) and rows >= _REJOIN_MIN_ROWS else None
+        batches = []
+        for t in tables:  # one each (invariant 1: one chunk per column); (a loop: no comprehension's function call)
+            batches += t.to_batches()
+        joined = _rejoin(batches) if rows >= _REJOIN_MIN_ROWS and len(batches) == len(parts) else None
         if joined is not None:
             batch, order = joined
             parts = [parts[i] for i in order]
+        elif len(batches) > 1 and _CONCAT_BATCHES is not None:
+            batch = _CONCAT_BATCHES(batches)  # (_concat_batches' common case without its call)
         else:
             batch = _concat_batches(batches) if batches else None
         if batch is not None:  # one non-empty record batch: one chunk per column (invariant 1) as it is
@@ -417,17 +429,12 @@ class ZSet:
         return self._w
 
     @property
-    def num_rows(self) -> int:
-        """The number of stored rows (before consolidation)."""
-        return self._data.num_rows
-
-    @property
     def is_consolidated(self) -> bool:
         return self._consolidated
 
     def __len__(self) -> int:
         """The number of distinct rows with non-zero weight."""
-        return self._data.num_rows if self._distinct else self.consolidate().num_rows
+        return self.num_rows if self._distinct else self.consolidate().num_rows
 
     def _distinct_rows(self) -> ZSet:
         """This Z-set with no two equal rows and no zero weight (invariant 2): itself when it is so already, in

@@ -703,16 +703,17 @@ class Pipeline:
         """:meth:`push` into an in-memory pipeline without a producer: what :meth:`_prepare` and :meth:`_push_all`
         do for it (the same validation, whole before anything is queued: invariant 1), without their record and
         acknowledgement, which it has none of (~20k instructions of a 1k-row step's two pushes)."""
-        self._check_usable()
+        if self._broken is not None or self._closed:  # (_check_usable's test, without its call on the usual path)
+            self._check_usable()
         z = self._checked(handle, data, weights)
         nbytes = self._push_bytes(handle, z)
-        self._metrics.pushed(handle, z._data.num_rows)
+        self._metrics.pushed(handle, z.num_rows)
         with self._mutex:
             self._queue_anonymous(handle, z, nbytes)
 
     def _queue_anonymous(self, handle: str, z: ZSet, nbytes: int) -> None:
         """An in-memory push joins the open step, with its own seq (call with ``_cond``)."""
-        self._queued(z._data.num_rows, nbytes)
+        self._queued(z.num_rows, nbytes)
         self._pending.append((handle, z))
         self._step_inputs.append((handle, "", self._anon_seq))
         self._anon_seq += 1
@@ -916,7 +917,7 @@ class Pipeline:
         if got is None or got[0] is not schema:
             got = self._row_widths[handle] = (schema, row_width(schema))
         width = got[1]
-        return (z._data.nbytes if width is None else z._data.num_rows * width) + z._w.nbytes
+        return (z._data.nbytes if width is None else z.num_rows * width) + z._w.nbytes
 
     def _queued(self, rows: int, nbytes: int) -> None:
         """A push joins the backlog (call with ``_cond``)."""
@@ -1051,7 +1052,8 @@ class Pipeline:
         failed: StepError | None = None
         try:
             try:
-                outs = self._lost_recovered(self.executor.run, run[0].input.step, steps)
+                outs = (self.executor.run(steps) if self.storage is None  # (in memory no state is lost: invariant 10)
+                        else self._lost_recovered(self.executor.run, run[0].input.step, steps))
             except StepError as exc:  # invariant 7: the executor is as after the steps before the failed one
                 failed, outs = exc, list(exc.done)
             t1 = time.perf_counter()
@@ -1204,16 +1206,19 @@ class Pipeline:
     def step(self) -> dict[str, ZSet]:
         """Divide the acknowledged input into a step (with storage: durably, with ``now`` and ``seed``), run it
         with any queued steps, log its output; returns ``{output: change of the view}`` of this step."""
-        self._check_usable()
-        with self._mutex:
-            self._waiting += 1
-        try:
-            self._step_lock.acquire()
-        finally:
-            with self._mutex:
-                self._waiting -= 1
-        try:
+        if self._broken is not None or self._closed:  # (_check_usable's test, without its call on the usual path)
             self._check_usable()
+        if not self._step_lock.acquire(False):  # held: this step waits for it, counted (a live rescale lets waiting
+            with self._mutex:  # steps run between its waves); a free lock is taken without the count's two locks
+                self._waiting += 1
+            try:
+                self._step_lock.acquire()
+            finally:
+                with self._mutex:
+                    self._waiting -= 1
+        try:
+            if self._broken is not None or self._closed:
+                self._check_usable()
             if self.step_error is not None and self._queue:  # invariant 7: the failed step runs again first
                 return self._run_queue()[-1]
             self._queue.append(self._divide(wait=self.storage is None or self.executor.division_first

@@ -473,7 +473,7 @@ class EmbeddedExecutor:
             saved = None  # the rollback copy held the batches the step replaced: freed before the trim
             rows = 0
             for _, z in s.pushes:
-                rows += z._data.num_rows  # stored rows: len() would consolidate
+                rows += z.num_rows  # stored rows: len() would consolidate
             self._enforce(rows)
             if self.batch_store is not None:
                 self._compact_after_load(rows)

@@ -151,7 +151,7 @@ Invariants (enforced here):
      the combiner's partial rows).
   2. A chain is fused only when every inner node has exactly one consumer and is no output; an inner exchange is
      skipped only where it is the identity (W = 1), at W > 1 it is the chain's fused exchange, on the key of the
-     chain's last node. A plan is lowered for one layout, and again whenever the layout changes (every worker
+     chain's last node. At W = 1 every exchange, inner or not, is lowered to a pass-through call. A plan is lowered for one layout, and again whenever the layout changes (every worker
      then reaches every exchange's barrier, fused or not, once a step).
   3. Per step, a fused call either serves the whole chain or changes nothing and runs the chain's own steps
      (``counts["fused"]`` / ``counts["unfused"]`` count which); a W > 1 fused exchange always sends parts of the
@@ -874,6 +874,10 @@ class StepPlan:
                     if join not in slot_joins:  # a _JoinSlots reads the received parts as _IndexedJoin does
                         steps[join] = _IndexedJoin(instances[join], self.counts)
                         self.fused_nodes.append(join)
+            if workers == 1:  # every other exchange is the identity too (the embedded exchanger hands a W = 1
+                for i in live:  # change back): its call is the chain's pass-through, not three calls of Python
+                    if type(nodes[i]) is Exchange and steps[i] == instances[i].step:
+                        steps[i] = _passthrough
             if _CJoin.C_STEP:  # every other inner join: its step in one C call when it serves it
                 for j in live:
                     if (type(nodes[j]) is Join and type(instances[j]) is _JoinState and steps[j] == instances[j].step):

@@ -38,7 +38,6 @@ dbsp_core/trace/sizing.py, computed when the first index is built.
 from __future__ import annotations
 
 import itertools
-import weakref
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -478,6 +477,22 @@ class KeyIndexed:
             assert np.array_equal(got, want), "key index sums differ from the batches'"
 
 
+class _Marks:
+    """How many rollback captures of one trace are alive (``_Mark`` objects not yet freed)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
+class _NoMarks:
+    """The class default of ``_pk_marks`` (a trace made without ``_init_per_key``): no capture, ever."""
+
+    __slots__ = ()
+    n = 0
+
+
 class PerKeyTotals:
     """Totals kept per key (runtime/plan.py design note 5; trace invariant 19): a linear or min/max aggregate's steps
     store their groups' totals in the trace's key index only, and the trace's batches are brought up to date from it
@@ -505,7 +520,7 @@ class PerKeyTotals:
     _pk_rec: Any = ()
     _pk_dirty: Any = None
     _pk_undo: Any = None
-    _pk_marks: Any = ()
+    _pk_marks: Any = _NoMarks()  # (a _Marks from _init_per_key)
     _pk_syncing = False
     _pk_clean = -1
     _pk_clean_at = 0
@@ -517,7 +532,8 @@ class PerKeyTotals:
         self._pk_rec: list = []
         self._pk_dirty = None
         self._pk_undo = _UndoLog()  # not a list: a capture keeps this object, not a copy
-        self._pk_marks = weakref.WeakSet()
+        self._pk_marks = _Marks()  # the captures alive: a count their _Marks keep (a WeakSet's len, add and removal
+        # are calls of Python, ~5 a step a trace)
         self._pk_syncing = False
 
     def keep_totals_per_key(self) -> bool:
@@ -574,7 +590,7 @@ class PerKeyTotals:
     def _ix_add(self, ix: Any, view: Any, keys: Any, kh: np.ndarray, cpos: Any, sign: int) -> None:
         """``ix.add`` that, while a capture is alive, records the change for its undo (invariant 19)."""
         ix.add(view, None, keys, kh, cpos, sign)
-        if len(self._pk_marks):
+        if self._pk_marks.n:
             self._pk_undo.entries.append((ix, view, keys, kh, cpos, sign))
 
     def pk_dirty(self, ix: Any) -> Any:
@@ -617,7 +633,7 @@ class PerKeyTotals:
         if not self._pk_on or ix is not self._kix or len(batch) == 0:
             if pending is not None:
                 batch = pending.get()
-            if len(self._pk_marks) and ix is self._kix and len(batch):  # a capture lives (taken while per key):
+            if self._pk_marks.n and ix is self._kix and len(batch):  # a capture lives (taken while per key):
                 self._pk_undo.entries.append((ix, batch._view(), batch._keypos, batch._kh, self._cpos(batch), 1))
             self.insert(batch if canonical else _canonical(batch), indexed=ix)  # the C step's store into ix is logged too, or its undo misses it
             return
@@ -627,7 +643,7 @@ class PerKeyTotals:
         self.inserted_rows += len(batch)
         self._grown += len(batch)  # (drop_below's amortization, trace invariant 8)
         keys, kh = batch._keypos, batch._kh
-        if len(self._pk_marks):  # the step's store into ix is +batch: its undo is -batch (the batch logged as it
+        if self._pk_marks.n:  # the step's store into ix is +batch: its undo is -batch (the batch logged as it
             # stands, pending or not: its view and columns are made by a rollback, which is rare, not by every step)
             self._pk_undo.entries.append((ix, batch, keys, kh, None, 1))
         dirty = self._pk_dirty
@@ -690,7 +706,7 @@ class PerKeyTotals:
                 for pv, pkh, sign in reversed(done):  # removals only: they cannot fail
                     dirty.add(pv, None, keys, pkh, [-1], -sign)
             raise
-        if len(self._pk_marks):
+        if self._pk_marks.n:
             self._pk_undo.entries.extend((dirty, pv, keys, pkh, [-1], sign) for pv, pkh, sign in done)
         self._pk_rec.extend(recs)
 
@@ -764,14 +780,12 @@ class PerKeyTotals:
     def _pk_mark(self) -> Any:
         """A rollback capture of this trace (rollback.py invariant 3): what :meth:`_pk_rollback` needs; None when the
         trace never kept totals per key (its index is a cache: a rollback leaves it stale, invariant 11)."""
-        if not self._pk_on and not len(self._pk_marks):
+        if not self._pk_on and not self._pk_marks.n:
             return None
-        if not len(self._pk_marks):
+        if not self._pk_marks.n:
             self._pk_undo.entries = []  # no capture alive: nothing to undo before this one
-        mark = _Mark(self._pk_undo, len(self._pk_undo.entries), self._kix,
-                     self._kix.token if self._kix is not None else None)
-        self._pk_marks.add(mark)
-        return mark
+        return _Mark(self._pk_undo, len(self._pk_undo.entries), self._kix,
+                     self._kix.token if self._kix is not None else None, self._pk_marks)
 
     def _pk_rollback(self, mark: Any) -> None:
         """Undo every in-place change of a key index made since ``mark`` (newest first); the capture's attributes
@@ -823,10 +837,16 @@ class _UndoLog:
 
 
 class _Mark:
-    __slots__ = ("undo", "at", "ix", "token", "__weakref__")
+    """One capture's place in the undo log; alive while the capture holds it (counted in the trace's ``_Marks``)."""
 
-    def __init__(self, undo: list, at: int, ix: Any, token: Any) -> None:
-        self.undo, self.at, self.ix, self.token = undo, at, ix, token
+    __slots__ = ("undo", "at", "ix", "token", "marks")
+
+    def __init__(self, undo: list, at: int, ix: Any, token: Any, marks: _Marks) -> None:
+        self.undo, self.at, self.ix, self.token, self.marks = undo, at, ix, token, marks
+        marks.n += 1
+
+    def __del__(self) -> None:
+        self.marks.n -= 1
 
 
 def _index_value(data: pa.Table, c: "str | tuple") -> np.ndarray:

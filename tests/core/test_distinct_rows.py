@@ -74,6 +74,32 @@ def test_every_row_one_probe_hash_still_tells_rows_apart() -> None:
     assert idx.tolist() == list(range(2000)) and kw.tolist() == [2] * 700 + [1] * 1300
 
 
+@pytest.mark.parametrize("ncols", [1, 3, 8, 9])
+@pytest.mark.parametrize("types", [(pa.int64(),), (pa.uint64(), pa.timestamp("us")), (pa.int64(), pa.int32())])
+def test_integer_rows_fold_in_registers_and_a_zero_weight_still_drops(ncols: int, types: tuple) -> None:
+    """csrc/zset.c design note 6 (8-byte integer columns, up to 8 of them: a row's probe hash folded in registers;
+    9 columns, or an int32 among them: a pass per column) and the check without a compaction (no two rows equal):
+    distinct rows with no zero weight are kept as they stand (None), one zero weight drops its row, and equal rows
+    in different blocks are summed, against the dict model."""
+    rng = np.random.default_rng(ncols)
+    n = 3 * BLOCK + 5
+    ts = [types[i % len(types)] for i in range(ncols)]
+    cols = [pa.array(np.arange(n) * (i + 1) + i) for i in range(ncols)]
+    t = pa.Table.from_arrays([c.cast(ty) for c, ty in zip(cols, ts)], names=[f"c{i}" for i in range(ncols)])
+    w = rng.integers(1, 4, n).astype(np.int64)
+    assert _zset.distinct_rows(t, w) is None  # every row its own group, no zero weight
+    w0 = w.copy()
+    w0[BLOCK + 3] = 0
+    idx, kw = _zset.distinct_rows(t, w0)
+    assert idx.tolist() == [i for i in range(n) if i != BLOCK + 3] and kw.tolist() == np.delete(w0, BLOCK + 3).tolist()
+    t2 = pa.concat_tables([t, t.slice(7, 3)]).combine_chunks()  # rows 7..9 again, in the last block
+    w2 = np.concatenate([w, [-1, 5, 1]]).astype(np.int64)
+    kept = _zset.distinct_rows(t2, w2)
+    rows = [canon_row(r) for r in zip(*[c.to_pylist() for c in t2.columns])]
+    idx, kw = kept
+    assert {rows[i]: x for i, x in zip(idx.tolist(), kw.tolist())} == model_of(t2, w2)
+
+
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64()), ("s", pa.string())])
 
 

@@ -7,11 +7,13 @@ import io
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
 import dbsp_core as dbsp
 import dbsp_core.metrics
+from dbsp_core import _zset
 from dbsp_core.progress import Progress
 
 
@@ -172,3 +174,17 @@ def test_backlog_bytes_of_fixed_width_and_string_pushes() -> None:
         assert p.metrics(state=False)["backlog"]["bytes"] == 37 * (24 + 8) + s.nbytes + 3 * 8
         p.step()
         assert p.metrics(state=False)["backlog"]["bytes"] == 0
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 1000])
+def test_weight_sum_is_the_exact_sum(n: int) -> None:
+    """``_zset.weight_sum`` (the steps' net_rows) is the exact sum as a Python int: negative and huge weights, sums
+    beyond int64 (no wrap), and arrays that are not a contiguous int64 array (summed in Python)."""
+    rng = np.random.default_rng(n)
+    w = rng.integers(-(2**63), 2**63 - 1, n, dtype=np.int64)
+    want = sum(int(x) for x in w)
+    assert _zset.weight_sum(w) == want and type(_zset.weight_sum(w)) is int
+    assert _zset.weight_sum(np.full(n, 2**63 - 1, dtype=np.int64)) == n * (2**63 - 1)
+    assert _zset.weight_sum(np.full(n, -(2**63), dtype=np.int64)) == -n * 2**63
+    assert _zset.weight_sum(w[::2]) == sum(int(x) for x in w[::2])
+    assert _zset.weight_sum(w.astype(np.int32)) == sum(int(x) for x in w.astype(np.int32))
