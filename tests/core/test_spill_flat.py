@@ -251,9 +251,23 @@ def test_an_overflowing_step_keeps_the_hot_units_mapped_within_the_cap(monkeypat
         (hot_pages,) = spillread.pages_used([(big, f, hot_hashes, None)])
         hot_units = np.unique(_unit_of(f.base, hot_pages))
         assert 2 * len(hot_units) * MAP_UNIT <= store.cache_cap(), (len(hot_units), store.cache_cap())
+        def units_of(keys: np.ndarray) -> int:  # the MAP_UNITs reads of ``keys`` in the big file mark
+            hashes = np.sort(ZSet.from_arrow(pa.table({"k": keys, "v": keys}, schema=SCHEMA)).hash(["k"]))
+            (pages,) = spillread.pages_used([(big, f, hashes, None)])
+            return len(np.unique(_unit_of(f.base, pages)))
+
         changed: list[int] = []
         for step in range(8):
-            _read_weighted(t, np.concatenate([hot, rng.choice(n, 3, replace=False)]), byk)
+            # 3 keys at random beside the hot one, drawn again while their units in the big file alone (a lower
+            # bound of what the step marks) fit the cap: 3 keys can land in units the hot key's share
+            # (DBSP_TEST_SEED=793333954 drew 8 units against a cap of 9 at step 4, and its enforce did not overflow)
+            for _ in range(100):
+                keys = np.concatenate([hot, rng.choice(n, 3, replace=False)])
+                if units_of(keys) * MAP_UNIT > store.cache_cap():
+                    break
+            else:
+                raise AssertionError(f"no 3 keys mark more units than the cap (DBSP_TEST_SEED={SEED})")
+            _read_weighted(t, keys, byk)
             h0, o0 = store.stats["cache_hits"], store.stats["overflows"]
             store.enforce()
             assert store.stats["overflows"] == o0 + 1, (store.stats, SEED)
