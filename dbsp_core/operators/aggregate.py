@@ -1205,10 +1205,10 @@ class _ExtremesState(_GroupedState):
         np.not_equal(kh[1:], kh[:-1], out=first[1:])
         return first
 
-    def _all_held(self, w: np.ndarray, kh: np.ndarray) -> bool:
-        """Whether every group of an ordered emitted batch (weights ``w``, key hashes ``kh``) was held before the step:
-        one -1 row, its old totals, a group."""
-        return np.count_nonzero(w < 0) == np.count_nonzero(self._groups_of(kh))
+    def _all_held(self, w: np.ndarray, kh: np.ndarray, first: np.ndarray | None = None) -> bool:
+        """Whether every group of an ordered emitted batch (weights ``w``, key hashes ``kh``; ``first``: its
+        :meth:`_groups_of`, when made already) was held before the step: one -1 row, its old totals, a group."""
+        return np.count_nonzero(w < 0) == np.count_nonzero(self._groups_of(kh) if first is None else first)
 
     def _late_batch(self, view: "_zset.BatchView", group_row: np.ndarray, gkh: np.ndarray, old: np.ndarray,
                     nw: np.ndarray, w: np.ndarray, kh: np.ndarray) -> IndexedZSet:
@@ -1229,7 +1229,7 @@ class _ExtremesState(_GroupedState):
         first = self._groups_of(kh)
         if found is None:
             found = self.totals.pk_found_dirty()
-        if found and np.count_nonzero(b.zset.weights < 0) == np.count_nonzero(first):
+        if found and self._all_held(b.zset.weights, kh, first):
             # every key the index held before the step is dirty (trace invariant 19), and every group of the step
             # was held (a -1 row, its old totals, each): none is fresh, no probe (invariant 12)
             self.unprobed_steps += 1
