@@ -390,7 +390,7 @@ def main() -> int:
                     "drops its mapping (the peak within a step; costs the steps a /proc read per piece)")
     ap.add_argument("--no-compaction", action="store_true", help="the spilled levels' compaction off (Trace."
                     "start_compaction and compact_spilled do nothing): the steps before a compaction installs, reading "
-                    "every file of the tiered levels (bench/RESULTS.md, r31-open (c) and r31-batched)")
+                    "every file of the tiered levels (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, r31-open (c) and r31-batched)")
     args = ap.parse_args()
     if args.no_compaction:
         no_compaction()

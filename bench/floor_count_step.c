@@ -1,5 +1,5 @@
 /* floor_count_step.c: the least work a small group-by count (or count+sum) step must do, in C alone, as the floor that
- * the engine's step is judged against (issue 37, bench/RESULTS.md r37-gbk): hash a 1k-row change's keys, probe them
+ * the engine's step is judged against (issue 37, bench/history/RESULTS-2026-11-28-to-2026-12-02.md r37-gbk): hash a 1k-row change's keys, probe them
  * with prefetching into a table of 100k groups built from a 1M-row state and add their weights (and prices) there,
  * and emit each changed group's old (-1) and new (+1) totals rows (key, count[, sum] columns and a weight column).
  *

@@ -1,5 +1,5 @@
 /* floor_join_step.c: the least work a small inner-join step must do, in C alone, as the floor that the engine's join
- * step is judged against (issue 37, bench/RESULTS.md r37-joinf): hash a 1k-row change of bids' join keys, probe them
+ * step is judged against (issue 37, bench/history/RESULTS-2026-11-28-to-2026-12-02.md r37-joinf): hash a 1k-row change of bids' join keys, probe them
  * with prefetching into a table of the 100k auctions, emit one output row per match (the bid's columns auction, bidder,
  * price, then the auction's id and category, and the weight) and append the change to the bids side's rows.
  *

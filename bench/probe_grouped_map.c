@@ -1,5 +1,5 @@
 /* probe_grouped_map.c: what a warm format-2 lookup's reads would cost through a mapping instead of pread(2) (issue 31,
- * bench/RESULTS.md r31-f2): 1,000 random ~3.3 KiB groups a step (a 1k-row step's reads of one file), 300 steps, read
+ * bench/history/RESULTS-2026-11-28-to-2026-12-02.md r31-f2): 1,000 random ~3.3 KiB groups a step (a 1k-row step's reads of one file), 300 steps, read
  * by pread, copied from a mapping kept between steps, or from one dropped (MADV_DONTNEED) before each step; process
  * CPU a step. Not the engine's code: a bound on what a mapped read path could save.
  *

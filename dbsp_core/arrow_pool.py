@@ -4,7 +4,7 @@ Why a choice: mimalloc hands freed pages back to the system shortly after a free
 streaming step frees the buffers of its input and of its intermediates, so the next step, and the read that feeds
 it (pyarrow's CSV and Parquet readers allocate from the same pool), may fault the same memory in again, each fault
 zeroing a page, or 2 MiB where the kernel backs the pool with transparent huge pages. Measured on Nexmark, W=2, 1M
-events (bench/RESULTS.md, "Where the time goes, per query", 2026-11-29): under mimalloc the kernel's page zeroing
+events (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, "Where the time goes, per query", 2026-11-29): under mimalloc the kernel's page zeroing
 moved between runs of one query from nothing to half of its process CPU (system CPU q2 0.07-0.26 s of 0.30-0.45 s,
 q16 0.26-1.73 s of 2.4-4.0 s); under jemalloc the spread was narrower (q2 0.05-0.08 s, q16 0.42-0.66 s) but the
 medians of the stateless queries were not lower (q0 0.30 -> 0.34 s, q1 0.28 -> 0.32 s CPU; q15 0.93 -> 0.89, q16

@@ -483,7 +483,7 @@ class EmbeddedExecutor:
         """After a step of ``rows`` pushed rows, between steps: the first small step (under BIG_STEP_ROWS) after a
         bulk load of big ones makes a compaction of each trace's spilled loose batches due (trace invariant 15: a
         load leaves tiered levels of several spilled files, which every small step after it would ask, 1.3-2.8x the
-        CPU of a step over one file in bench/RESULTS.md "Fewer rewrites of spilled levels"), when the store wrote at
+        CPU of a step over one file in bench/history/RESULTS-2026-11-28-to-2026-12-02.md "Fewer rewrites of spilled levels"), when the store wrote at
         least half of what its files now hold since the last compaction (compactions' own writes aside): a compaction
         rewrites the spilled state, so a workload alternating loads and small steps writes at most about twice more
         than without it. With a merge thread the compaction runs there (trace invariant 16): at the end of the first
@@ -581,7 +581,7 @@ class EmbeddedExecutor:
         """Between steps or pieces (no worker runs: trace invariant 12): the batch store's budget enforced, and the
         memory the step (or piece) of ``rows`` pushed rows used and the state does not hold returned
         (:func:`release_memory`); after a big one also before the enforce, so that the enforce's own work (the
-        cache's accounting, spills) grows from the state, not beside what the step freed (bench/RESULTS.md, "A
+        cache's accounting, spills) grows from the state, not beside what the step freed (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, "A
         one-push load under the budget")."""
         if self.batch_store is not None:
             if rows >= BIG_STEP_ROWS:

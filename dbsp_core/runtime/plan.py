@@ -63,7 +63,7 @@ slices follow, in this order):
      chain in one C call (:class:`_JoinFolded`, ``_zset.JoinLinearRun``, csrc/joinlin.h; operators/join.py invariant
      8): both changes indexed for the join's traces, their pairs found and folded straight into the totals, no
      Arrow batch of the gathered columns built between the join and the fold. Measured: 1.7% fewer instructions a
-     step (bench/RESULTS.md, "Join folded into its group-by"): the parts it removes were small; the step's cost is
+     step (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, "Join folded into its group-by"): the parts it removes were small; the step's cost is
      the kernels it keeps and the Python around them. Not built: other consumers of an exchange
      (outer joins, distinct, non-linear aggregates), which get a concatenated Z-set as before; on Spark each
      stage is to be one plan, so a stage task crosses into C once per stage. **Built**, at W > 1: an exchange
@@ -130,7 +130,7 @@ slices follow, in this order):
      invariant 3). (d): without a batch store only (joining one syncs and turns it off); an index dropped for size
      or memory half way through a step with dirty keys raises a DbspError (state lost) instead of syncing, since its
      totals are then partly written: the C step does not yet record its slots' old values before a failing store.
-     Measured (bench/RESULTS.md "Totals kept per key"): 2.62M instructions a step against main's 4.08M (p99 2.83M
+     Measured (bench/history/RESULTS-2026-11-28-to-2026-12-02.md "Totals kept per key"): 2.62M instructions a step against main's 4.08M (p99 2.83M
      against 21.33M), p50 +13% (the dirty-key probe); a sync costs its dirty keys once. The default since 2026-12-01.
      Since r37-jgb the one-call steps (``LinearRun``, ``JoinLinearRun``) probe the dirty keys themselves, once per
      group before they store (csrc/linrun.h invariant 5), and ``store_totals`` takes their answers instead of
@@ -471,7 +471,7 @@ class _PartialsReceive:
     """The receiving half: the aggregate's step over the received parts of partial rows, concatenated into one
     grouping call (``_LinearState.step``). One call per part (``_LinearState.step_parts``) was measured slower:
     every part after the first re-emits the totals the one before stored, so the output is no longer distinct and
-    the driver sorts it, and each part adds a trace batch to merge (bench/RESULTS.md, the step plan's W > 1
+    the driver sorts it, and each part adds a trace batch to merge (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, the step plan's W > 1
     slice); the parts are the key and slot columns only, so their concatenation is the smallest copy of the
     chain."""
 

@@ -24,11 +24,11 @@ Invariants (enforced here and by the embedded executor's ``_run_one``, dbsp_core
      pieces' outputs until they are summed (dropped once concatenated, before the sum is hashed), and the batches
      the rollback capture keeps from before the step.
      The cost: each piece's batches are spilled, where a whole step inserts one batch: more bytes written and more
-     CPU (bench/RESULTS.md, "A whole table in one push": a 10M-row push under 100 MiB wrote 3.5x the bytes for half
+     CPU (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, "A whole table in one push": a 10M-row push under 100 MiB wrote 3.5x the bytes for half
      the peak memory when each piece was merged with the levels below); ``DBSP_SUBSTEP_BYTES`` trades one for the
      other. A step of at least FAN_IN pieces holds the batch store's tiered merges while its pieces run
      (``BatchStore.holding``, trace invariant 15) and merges each trace's batches placed by its pieces once at its
-     end (``EmbeddedExecutor._run_one``), so each piece's rows are written once alone and once merged (bench/RESULTS.md,
+     end (``EmbeddedExecutor._run_one``), so each piece's rows are written once alone and once merged (bench/history/RESULTS-2026-11-28-to-2026-12-02.md,
      "Write amplification of q4 and of a load in pieces").
   4. Why it is exact. A circuit whose live nodes are all split-safe (operators/base.py invariant 6) is
      time-invariant: each view's output at a step is ``V(I + d) - V(I)``, a function of the integrated inputs
@@ -70,7 +70,7 @@ if TYPE_CHECKING:
 __all__ = ["MAX_PIECES", "MIN_PIECE_BYTES", "SUBSTEP_SHARE", "piece_bytes", "pieces", "split_off"]
 
 SUBSTEP_SHARE = 1 / 8  # a piece holds at most this share of memory_limit in pushed Arrow bytes: a step's working
-# memory is several times its input (a 10M-row join's first step: ~100 B a pushed row of 16 B, bench/RESULTS.md
+# memory is several times its input (a 10M-row join's first step: ~100 B a pushed row of 16 B, bench/history/RESULTS-2026-11-28-to-2026-12-02.md
 # "Where the anonymous memory goes"), and the batch a piece inserts waits in memory for the spill thread
 MIN_PIECE_BYTES = 4 << 20  # never smaller pieces from the budget's share (a tiny budget, the CI's 1 byte): a
 # piece costs a pass over the circuit, and a step of a few MiB has a working memory of a few tens of MiB

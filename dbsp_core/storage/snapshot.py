@@ -54,7 +54,7 @@ Invariants (enforced here):
      value from the block's first to its last shard with rows (its key: the first), holding each shard's rows
      (of each batch of a group in turn) and their run lengths; a block with one such shard keeps invariant 3's
      one-shard form (``DRB1``, ``DRBG``). A checkpoint's cost follows its values more than its bytes (about 8 us a
-     value against 0.6 ns a byte: bench/RESULTS.md, r37-demo5), and a step's 12k-row batch spread over a
+     value against 0.6 ns a byte: bench/history/RESULTS-2026-11-28-to-2026-12-02.md, r37-demo5), and a step's 12k-row batch spread over a
      worker's 128 shards made 128 values of ~100 rows. A load splits a range value into its shards' rows, so a
      number's values still concatenate, in key order, to the batch (invariant 4). What moves state by shard
      splits a range value a move cuts into one-shard values first (shardmove.py invariant 6); a live rescale's

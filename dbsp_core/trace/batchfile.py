@@ -31,7 +31,7 @@ FormatVersionError naming ``groupedfile.open_grouped``; ``groupedfile.verify`` c
 inspect`` calls it).
 Row groups, so that
 a key's rows lie in one small span of the file instead of one place in each column buffer. What it is for, measured
-first (bench/probe_groups.py, bench/RESULTS.md "Row-grouped batch files, measured before building"): a 1k-row step's
+first (bench/probe_groups.py, bench/history/RESULTS-2026-11-28-to-2026-12-02.md "Row-grouped batch files, measured before building"): a 1k-row step's
 seeks read 5.1-6.2 pages of 4 KiB a key sought (the key hashes 1.2, the weights 1, the row hashes 1, each column 1),
 in as many 2 MiB units of the file; the layout below reads one. Changes against version 1:
 
@@ -77,7 +77,7 @@ Readers (designed):
   - Switch: ``DBSP_BATCH_GROUPS`` (envvars.py; 0 = version 1, the default until measured, or G) - not added, as
     nothing reads it yet.
 
-What it would buy (measured by replaying 1k-row steps' reads on the store's own files, RESULTS): through the mapping,
+What it would buy (measured by replaying 1k-row steps' reads on the store's own files, bench/history/RESULTS-2026-11-28-to-2026-12-02.md, r31-groups): through the mapping,
 the 2 MiB units a step faults fall only where a step's keys are fewer than the units its pages lie in: the same at
 10M rows (186 -> 189 for a join; faults and drops 0.3-0.5 ms of a 5-7 ms step either way), -16 to -22% at 30M, -56%
 at 100M (1,771 -> 784; the replay's faults and drops 9-30 -> 2.7-7.8 ms); by one pread of a group a key, 0.9-1.3 ms a step at 10M and 30M and 2.9-5.7 at 100M (no
@@ -205,7 +205,7 @@ BLOOM_K = 6
 BLOOM_CHUNK = 1 << 18  # key hashes per piece of bloom_build: its temporaries, not the batch, bound its memory
 PAGES_CHUNK = 1 << 16  # hashes (and rows) per piece of BatchFile.pages_read: its temporaries (two int64 arrays per
 # column and section, a page run per range) are O(piece), not O(hashes): the accounting of a 1M-row step's reads
-# in a 10M-row spilled join held ~450 MiB of them at once (bench/RESULTS.md, "Where the anonymous memory goes")
+# in a 10M-row spilled join held ~450 MiB of them at once (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, "Where the anonymous memory goes")
 
 WEIGHT_COL, KEY_HASH_COL, ROW_HASH_COL = "__dbsp_weight", "__dbsp_key_hash", "__dbsp_row_hash"
 
@@ -454,7 +454,7 @@ STREAM_CHUNK = 4 << 20  # bytes a streamed write hands the VFS at a time, at mos
 # wherever the write starts, as before): the page cache then holds most of the file in folios of this size (2 MiB, the
 # PMD size on x86-64 and arm64 with 4 KiB pages), which a read fault maps with one page-table entry and an eviction
 # unmaps as one; a replay of a 10M-row join's spilled steps cost the kernel 1.68 ms a step on files written from
-# offset 64 against 0.29 aligned (bench/bench_pread_micro.py, bench/RESULTS.md 2026-11-29)
+# offset 64 against 0.29 aligned (bench/bench_pread_micro.py, bench/history/RESULTS-2026-11-28-to-2026-12-02.md 2026-11-29)
 FOLIO_ALIGN = 2 << 20
 GATHER = 64 << 10  # the Arrow writer's small writes (metadata, padding) are gathered up to this many bytes per pwrite
 

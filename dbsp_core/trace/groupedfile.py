@@ -58,7 +58,7 @@ a checksum):
       18). The writer hands the file over in whole aligned 2 MiB (``GATHER``), so that its page cache is in 2 MiB
       folios a read fault maps with one PMD entry: a dropped mapping costs a 1k-key read ~280 faults (~0.4 ms of
       sys, against ~1.1 ms for its preads), where 1 MiB writes left folios of 4 KiB-1 MiB and ~750 faults
-      (bench/RESULTS.md, r31-f2map). Whole reads (a merge's input, ``read_all``) read by pread.
+      (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, r31-f2map). Whole reads (a merge's input, ``read_all``) read by pread.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ __all__ = ["write_grouped", "GroupedWriter", "open_grouped", "GroupedFile", "ver
            "GROUP_SLOT", "HEADER2",
            "GROUP_INDEX", "FLAG_GROUPED", "open_rows", "WholeRows", "groupable_schema"]
 
-GROUP_SLOT = 4096  # the slot size G by default (bench/RESULTS.md "Row-grouped batch files, measured before building")
+GROUP_SLOT = 4096  # the slot size G by default (bench/history/RESULTS-2026-11-28-to-2026-12-02.md "Row-grouped batch files, measured before building")
 HEADER2 = struct.Struct("<8sIIQQQIIIQI")  # 64 bytes
 FLAG_GROUPED = 2  # header flags bit 1
 GROUP_INDEX = np.dtype([("key_hash", "<u8"), ("row", "<u8"), ("slot", "<u4"), ("slots", "<u4")])
@@ -224,7 +224,7 @@ def _cut(rb: pa.RecordBatch, kh: np.ndarray, slot: int) -> np.ndarray | None:
 GATHER = 4 << 20  # bytes of placed messages gathered before a write to the page sink (one pwrite and one CRC pass);
 # the write hands over whole 2 MiB of the file (batchfile.FOLIO_ALIGN) and keeps the rest, so that the page cache holds
 # the file in 2 MiB folios, which a mapped read faults in as one PMD entry (invariant G3); 1 MiB writes left it in
-# folios of 4 KiB-1 MiB: ~750 faults a 1k-key step, 3.4 ms, where 2 MiB folios take ~290 (bench/RESULTS.md, r31-f2map)
+# folios of 4 KiB-1 MiB: ~750 faults a 1k-key step, 3.4 ms, where 2 MiB folios take ~290 (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, r31-f2map)
 _EOS = b"\xff\xff\xff\xff\0\0\0\0"  # the Arrow IPC end-of-stream marker, which the Arrow file writer puts before its footer
 
 

@@ -813,7 +813,7 @@ class Trace(KeyIndexed, PerKeyTotals):
         the merges installed. With ``thread``, a shareable merge the inserting thread kept for itself (due: its level
         filled up, so ``_merge_levels`` advanced it by fuel and handed nothing) is handed too: else a settle
         (``EmbeddedExecutor.settle_merges``) left it unfinished and ``compact_spilled`` skipped its level (a 30M-row
-        distinct kept 8 spilled batches after a load; bench/RESULTS.md, 2026-11-29, branch r31-flat100)."""
+        distinct kept 8 spilled batches after a load; bench/history/RESULTS-2026-11-28-to-2026-12-02.md, 2026-11-29, branch r31-flat100)."""
         if not self._handed and (thread is None or not any(
                 lv.merge is not None and lv.merge.shared is not None for lv in self._by_level)):
             return 0

@@ -22,7 +22,7 @@ Invariants:
      (counted in ``late``).
   3. It is an optimisation only: an error of a populate (a kernel without MADV_POPULATE_WRITE, a merge gone) is
      dropped and the writer faults its pages itself, as before. ``AHEAD = 0`` turns it off (measurements, tests).
-  4. Its work is kernel CPU like before, on another thread: the process pays the same (measured: bench/RESULTS.md,
+  4. Its work is kernel CPU like before, on another thread: the process pays the same (measured: bench/history/RESULTS-2026-11-28-to-2026-12-02.md,
      2026-11-30, branch r31-slicefault). The queue holds a cursor (so its mapping) only until its populate
      returns; the thread ends after ``IDLE`` seconds without work and at interpreter exit, and a forked child starts
      its own.

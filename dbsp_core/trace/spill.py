@@ -76,13 +76,13 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      accounting costs the step a few numpy operations per spilled batch read and the kernel's work per run of pages
      evicted. A read fault maps besides its page the page-cache pages of the aligned 64 KiB around it (the kernel's
      fault-around), which no read counted, so the files' mappings hold several times the cache's pages (clean pages
-     the kernel may take back: a 10M-row join under 100 MiB, 175 MiB against the cache's 25; bench/RESULTS.md,
+     the kernel may take back: a 10M-row join under 100 MiB, 175 MiB against the cache's 25; bench/history/RESULTS-2026-11-28-to-2026-12-02.md,
      2026-11-29). With ``EVICT_AROUND`` an eviction drops the pages of those 64 KiB too, but for the pages the cache
      holds (``_around``): the mappings then hold the cache's pages and at most the rest of their 64 KiB (108 MiB
      there), and steps fault more. Newer kernels (Linux 6.18 here) map the whole page-cache folio a fault lands in
      (up to 2 MiB, with one PMD entry when it is 2 MiB and aligned), and batch files are written so that most of them
      is (batchfile.py invariant 6): a fault then maps 2 MiB and a drop unmaps it as one entry, at a fraction of the
-     kernel's cost per page of smaller folios (bench/RESULTS.md, 2026-11-29, branch r31-pread); the mappings then hold
+     kernel's cost per page of smaller folios (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, 2026-11-29, branch r31-pread); the mappings then hold
      the 2 MiB around every page read (a 10M-row join under 100 MiB: ~390 MiB of its 878 MiB of files between two
      whole drops, 385 MiB with the files written before): clean pages the kernel may take back, but RSS (``ps``, a
      container's view) counts them. A merge of spilled inputs drops their pages when it drops its own
@@ -117,7 +117,7 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      (their slack is what they map). Reads outside
      a step must go through the store or not touch a spilled batch's pages (metrics' shard bytes use the fence:
      ``IndexedZSet.shard_bounds(near=True)``). The cost: the steps fault back the units the drop took, one minor
-     fault per 2 MiB folio (bench/RESULTS.md, 2026-11-29, branch r31-rss).
+     fault per 2 MiB folio (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, 2026-11-29, branch r31-rss).
      Recency: the mappings are MADV_RANDOM (a fault reads no pages around it from the disk), and under that advice
      Linux takes no notice of the mapping's accesses: unmapping a young page does not mark its page-cache folio
      accessed, and reclaim's reference scan skips the mapping (``vma_has_recency``). So every drop of a spilled file's
@@ -130,14 +130,14 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      host shared with other work) the files a join step reads, written first, were reclaimed first and came back one
      page at a time, in order-0 folios: a fault then maps 16 pages around its page a PTE each, 5x the kernel's cost of
      a page in a 2 MiB folio (the same steps replayed: 19-21 ms a step in 16 KiB folios, 3.7 in 2 MiB ones, 36-56 on
-     the store's own files; bench/RESULTS.md, 2026-11-29, branch r31-fault100); with it the hot files kept their
+     the store's own files; bench/history/RESULTS-2026-11-28-to-2026-12-02.md, 2026-11-29, branch r31-fault100); with it the hot files kept their
      2 MiB folios in two of three runs (the LRU took their unread row hashes instead): 5.9-6.7 ms CPU a step against
      29-33 on main, whose hot files degraded in both of its runs. A thread that faults a page of the
      mapping during those two calls gets the kernel's read-around (read_ahead_kb of the disk): a cost, not an error.
      Huge faults (``HUGE_SHARE``): recency lowers the odds that the hot files lose their folios, but any drop of them
      from the page cache (the host's reclaim, a cold start, ``fadvise``) has MADV_RANDOM faults bring them back one
      4 KiB page at a time, for good: a 10M join under 100 MiB, its files dropped, then took 2,900 faults and 33 ms of
-     system time a step against 160 and 1-2 ms in 2 MiB folios (bench/RESULTS.md, 2026-12-02, branch r31-100). So an
+     system time a step against 160 and 1-2 ms in 2 MiB folios (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, 2026-12-02, branch r31-100). So an
      enforce that finds the reads of some keys since the last one used at least ``HUGE_SHARE`` of a file's 2 MiB units
      (``_hot_files``: a file that most steps read most units of, where reading whole units costs little more than the
      pages themselves) sets MADV_HUGEPAGE on the file's mapping, once: under it a fault on a page the page cache
@@ -204,7 +204,7 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      step's pages at random keys land in a unit each: the 10M join under 100 MiB read ~190 units, 380 MiB, against a
      cap of 29-44 MiB) would drop every mapping they read and every older one (invariant 12, "mapped"), so the cache
      could keep none of them mapped; it then skips the per-page clock (stamps, rounds, the oldest-first eviction:
-     0.43-0.46 ms a step there, bench/RESULTS.md, r31-share) and empties: every page those reads used counts a miss,
+     0.43-0.46 ms a step there, bench/history/RESULTS-2026-11-28-to-2026-12-02.md, r31-share) and empties: every page those reads used counts a miss,
      the cache holds no page after it (clocks and rounds dropped, ``cached_pages()`` 0), and the mappings go
      (``stats["overflows"]`` counts such enforces). Hot units (``OVERFLOW_KEEP``, :meth:`_keep_hot`): of the units of
      format-1 files mapped at that enforce (read since the last one, or kept by it), those with the highest heat stay
@@ -216,7 +216,7 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      keys a step land in most of its units) is kept before one read now and then. At 100M rows under 1 GiB every
      step overflows (1,000-1,700 units read against room for ~400): without the keep each step faulted all its units
      back, a 2 MiB PMD fault and a drop each (~3-5 us with the user time the fault's return costs); with it the
-     units kept and read again fault no more (bench/RESULTS.md, 2026-12-02, branch r31-fault). Format-2 files and
+     units kept and read again fault no more (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, 2026-12-02, branch r31-fault). Format-2 files and
      files a walk dropped after its last read (``walked_out``) are dropped whole, as before. So in a state whose
      steps overflow the cache, ``cache_hits`` stay 0 and ``cache_misses`` are every page read (a page in a kept unit
      too: the kept units are the mapped bound's, not the clock's), where the clock counted as hits the pages read
@@ -269,7 +269,7 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      then maps again (``grouped_map_backoffs`` counts them), unless its reads since the last enforce found
      ``MAP_GROUPS_PER_UNIT`` groups a unit or more (a fault then serves that many groups' preads): when a step's units do not fit the cap (a 1k-key step on
      a 10M-row join under 100 MiB reads ~250 units, 500 MiB, against a cap of 30-60), a mapping dropped every
-     enforce costs each step a fault a unit and keeps nothing (bench/RESULTS.md, r31-f2map: ~280-600 faults,
+     enforce costs each step a fault a unit and keeps nothing (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, r31-f2map: ~280-600 faults,
      0.4-3 ms of sys a 1k-key read as the file's page cache is in 2 MiB folios or smaller ones, against ~1.1-1.4
      ms by pread), where a mapping the cap holds reads with no fault and no copy (~1.3 against ~2.2 ms a read). A read of every row (a merge's input, a key
      index build, a shard cut) copies the rows into memory: the copy counts as bytes in memory and the next
@@ -285,8 +285,8 @@ Design (trace invariant 12, enforced here and at the seam in dbsp_core/trace/lev
      ``SCRATCH_SHARE`` of the limit a thread, as the scratch cache.
      What it costs: the write is ~2-6x format 1's CPU (pyarrow's serialize a group; a load 1.5-2.6x format 1's),
      and a warm step more CPU than format 1's (by pread +13-69%, a pread and a copy a key's group; mapped, see
-     bench/RESULTS.md r31-f2map); so
-     ``GROUPED_FROM`` is for the large, cold levels (bench/RESULTS.md, branches r31-wire2, r31-stream and r31-f2,
+     bench/history/RESULTS-2026-11-28-to-2026-12-02.md r31-f2map); so
+     ``GROUPED_FROM`` is for the large, cold levels (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, branches r31-wire2, r31-stream and r31-f2,
      have the measures behind the choice).
 
 What is not spilled: pending batches (those of a trace restored and not read since) while the loose batches meet the
@@ -485,7 +485,7 @@ class BatchStore:
     # a trace under the store drops its key index for good once it passes this times the cache share (invariant 17;
     # None: never): a step's probes write pages all over it, so evicted every enforce it costs each step a write
     # fault per page probed (~5 us: a 10M-group group-by under 100 MiB, 16.7 ms a 1k-row step against 5.7 ms walking
-    # its spilled batches, bench/RESULTS.md 2026-11-29)
+    # its spilled batches, bench/history/RESULTS-2026-11-28-to-2026-12-02.md 2026-11-29)
     INDEX_MAX_SHARE: float | None = 1.0
     # ... but an index of at most this many bytes is kept whatever the budget: re-faulting all of it costs a step at
     # most ~4k write faults (~20 ms), and the rule is for the indexes a budget's cache can never hold (hundreds of
@@ -496,7 +496,7 @@ class BatchStore:
     FILE_MERGE_MIN = 1 << 20  # input bytes from which a merge that does not fit the budget is built on disk
     REGION_CACHE_SHARE = 0.125  # of the limit: the most the C region cache (csrc/scratch.h) keeps while a store lives
     SCRATCH_SHARE = 0.0625  # of the limit: the most each thread's C scratch cache keeps while a store lives (512 MiB
-    # a thread otherwise: a one-push load's pieces left ~50 MiB of it at 10M rows under 100 MiB, bench/RESULTS.md
+    # a thread otherwise: a one-push load's pieces left ~50 MiB of it at 10M rows under 100 MiB, bench/history/RESULTS-2026-11-28-to-2026-12-02.md
     # "A one-push load under the budget")
     PROGRESS_BYTES = 256 << 20  # an enforce spilling this much shows a progress line (dbsp_core/progress.py)
     # bytes from which a spilled batch's file is written in format 2 (row groups read by pread, invariant 18; None:
@@ -507,7 +507,7 @@ class BatchStore:
     # every enforce), where pread costs it no fault; after them its lookups map again, to find out whether they fit
     MAP_BACKOFF = 16
     # ... unless its reads since the last enforce found at least this many groups a unit: then a fault a unit costs
-    # less than a pread a group even with the mapping dropped every enforce (bench/RESULTS.md, r31-f2map: 2M rows,
+    # less than a pread a group even with the mapping dropped every enforce (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, r31-f2map: 2M rows,
     # ~20 groups a unit, 2.5 ms CPU a join step mapped against 3.6 by pread; 10M rows, ~4, about even)
     MAP_GROUPS_PER_UNIT = 8
     ASYNC_BYTES = 64 << 10  # a batch this big is written by the spill thread, off the step (invariant 12); below it
@@ -524,12 +524,12 @@ class BatchStore:
     # ... and at least PREFETCH_SHARE of the pages the last step's reads of some keys missed in the cache (so read
     # from the page cache or the disk): a warm step whose few pages came from the disk (the host's other work took
     # them back: 5 major faults in a 100M-row join step's ~4,500 misses) does not make the next step ask for all of
-    # its pages; a spurious prefetch cost a 10M-row join step +1.7-2.0 ms of CPU (3.3-3.6 -> 5.3 ms; bench/RESULTS.md,
+    # its pages; a spurious prefetch cost a 10M-row join step +1.7-2.0 ms of CPU (3.3-3.6 -> 5.3 ms; bench/history/RESULTS-2026-11-28-to-2026-12-02.md,
     # 2026-11-29, branch r31-flat100). 0: PREFETCH_FROM alone decides, as before
     PREFETCH_SHARE = 0.125
     # whether an eviction also drops the pages mapped around its pages' faults (invariant 12, ``_around``): the
     # files' Rss falls toward the cache's pages (a 10M-row join under 100 MiB: 175 -> 108 MiB, the cache 25 MiB) and
-    # warm steps fault more (+22-49% a step there: bench/RESULTS.md, 2026-11-29); off, as before, until the budget's
+    # warm steps fault more (+22-49% a step there: bench/history/RESULTS-2026-11-28-to-2026-12-02.md, 2026-11-29); off, as before, until the budget's
     # RSS (Nexmark's peak) is weighed against the steps' time
     EVICT_AROUND = False
     # an eviction of a file's pages that makes this many runs or more drops the whole file's mapping instead, in one
@@ -548,13 +548,13 @@ class BatchStore:
     # pieces of the change (key-hash order) that each map about PIECE_SHARE of the limit (at least a unit per column)
     # of the batch's file, the mapping dropped after each, so a step's reads map at most about a piece beyond what the
     # last enforce left. Off: the pieces cost a 1k-row step at 10M rows under 100 MiB +1.0-1.3 ms CPU (distinct,
-    # join; 1.5-1.9x the step's CPU) at 0.25, +0.8-1.0 at 0.5, and 2-3x at 30M (bench/RESULTS.md, 2026-11-29, branch
+    # join; 1.5-1.9x the step's CPU) at 0.25, +0.8-1.0 at 0.5, and 2-3x at 30M (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, 2026-11-29, branch
     # r31-rss), for a peak within the step of ~40 MiB of the files mapped instead of 290-410 MiB (10M) and 770-1,460
     # MiB (30M): clean pages the kernel may take back
     WALK_IN_PIECES = False
     # ... but a walk of this many change rows or more goes in pieces whatever WALK_IN_PIECES says (None: never): a big
     # step's walk reads most units of the files it walks (a 1M-row join step at 10M rows under 100 MiB mapped ~300
-    # MiB of them), and a piece's walk call and madvise are nothing beside it (bench/RESULTS.md, "A one-push load
+    # MiB of them), and a piece's walk call and madvise are nothing beside it (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, "A one-push load
     # under the budget")
     WALK_PIECES_FROM: int | None = 1 << 16
     PIECE_SHARE = 0.25
@@ -578,7 +578,7 @@ class BatchStore:
     OVERFLOW_EMPTIES = True
     # ... and keeps mapped, within :meth:`cache_cap`, the format-1 units reads used most over the last enforces
     # (invariant 15, "overflow": ``_keep_hot``), dropping only the others; False: every mapping a read marked is dropped
-    # whole, as before (a 100M-row step then faults back all its ~1,000-1,700 units, bench/RESULTS.md r31-fault)
+    # whole, as before (a 100M-row step then faults back all its ~1,000-1,700 units, bench/history/RESULTS-2026-11-28-to-2026-12-02.md r31-fault)
     OVERFLOW_KEEP = True
 
     def __init__(self, memory_limit: int, directory: str | None = None, durable: bool = False,
@@ -1096,7 +1096,7 @@ class BatchStore:
 
     # bytes of deleted files an enforce gives back at most (invariant 12): ~30 us a MiB on a quiet host, 60-150 under
     # load; 64 MiB cost the 10 steps after a 20M compaction's install 2-6 ms each (8-17 ms steps against main's 4-11),
-    # 16 MiB 0.8-2.6 ms (5-11 ms), the 650 MB freed over ~45 steps (bench/RESULTS.md, r31-reclaim)
+    # 16 MiB 0.8-2.6 ms (5-11 ms), the 650 MB freed over ~45 steps (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, r31-reclaim)
     RECLAIM_BYTES = 16 << 20
     # deleted files waiting for it at most (descriptors held; beyond: the oldest is closed at once, and the kernel frees
     # it when its last mapping goes). 0: off, a deleted file is unlinked and closed at once. A file is truncated only
@@ -2018,7 +2018,7 @@ def _recency(m: mmap.mmap) -> Iterator[None]:
     used (its accessed bit set) as used (Linux ``zap_present_ptes``: ``folio_mark_accessed`` only for a mapping with
     recency, which MADV_RANDOM takes away; reclaim's reference scan skips such a mapping too). Without it the engine's
     reads never reached the page cache's LRU: a file read every step aged as one never read, and under memory pressure
-    the kernel reclaimed the hot files first (bench/RESULTS.md, 2026-11-29, branch r31-fault100). Faults stay under
+    the kernel reclaimed the hot files first (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, 2026-11-29, branch r31-fault100). Faults stay under
     MADV_RANDOM (no read-around). ``BatchStore.RECENCY`` False: the drop as before."""
     on = BatchStore.RECENCY and hasattr(mmap, "MADV_NORMAL")
     if on:

@@ -4,7 +4,7 @@ A 1k-row step over a spilled trace asks every spilled batch's Bloom filter for t
 cache accounts the pages each read touched (spill.py invariant 12: ``BatchStore._trim_cache``). Done per batch in
 numpy (batchfile.py ``bloom_may_contain``, ``BatchFile._pages_read``) each cost ~50-100 us of Python a batch read,
 where the work is a few us: a distinct of 3M rows under 16 MiB reading 17 spilled batches a step spent 2.62 ms CPU a
-step against 1.22 with 9 (bench/RESULTS.md, r31-open (c)). Here:
+step against 1.22 with 9 (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, r31-open (c)). Here:
 
 - :func:`may_contain` tests the key hashes against the filters of all of a read's spilled batches in one C call
   (a bool row per batch, bit for bit ``bloom_may_contain``);

@@ -1,4 +1,4 @@
-"""The per-step floor's shortcuts (bench/RESULTS.md, branch r37-floor2) against the paths they shortcut: a one-worker step without a budget (EmbeddedExecutor._run_alone, embedded.py invariant 6) against the general path (_run_pieces), an in-memory push (Pipeline._push_memory) against push_many's, the rollback's capture by shape, and the weights of ones."""
+"""The per-step floor's shortcuts (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, branch r37-floor2) against the paths they shortcut: a one-worker step without a budget (EmbeddedExecutor._run_alone, embedded.py invariant 6) against the general path (_run_pieces), an in-memory push (Pipeline._push_memory) against push_many's, the rollback's capture by shape, and the weights of ones."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """A merge output built on disk lands in the page cache in 2 MiB folios (bindings/merge.pxi ``HUGE_SCRATCH``: its
 scratch mapping is MADV_HUGEPAGE), as a batch file written by pwrite does (batchfile.py invariant 6): the steps that
 read the file after it became a batch file in place then fault one PMD entry per 2 MiB instead of one small folio per
-64 KiB (bench/RESULTS.md, 2026-11-29, branch r31-flat100). Skipped where this kernel and file system keep no file in
+64 KiB (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, 2026-11-29, branch r31-flat100). Skipped where this kernel and file system keep no file in
 2 MiB folios (the check of a file written by 2 MiB-aligned pwrites first)."""
 
 from __future__ import annotations

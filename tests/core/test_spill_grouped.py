@@ -319,7 +319,7 @@ def test_a_warm_format_2_step_with_a_few_pages_from_the_disk_does_not_prefetch_t
     whose few pages the host took back (a tenth of the pages it read came from the disk) does not make the next step's
     lookups cold (fadvise and pread instead of the mapping), and a step whose pages all came from the disk does. It
     used to count none (zero misses: any 16 pages from the disk turned the next lookups cold, which every 100M-row
-    step then was, bench/RESULTS.md, r31-f2100). The step's measured reads are set by hand (``_from_disk``: what
+    step then was, bench/history/RESULTS-2026-11-28-to-2026-12-02.md, r31-f2100). The step's measured reads are set by hand (``_from_disk``: what
     getrusage would have said); the pages are the step's own. Outputs as the dict model's."""
     from tests.core.test_spill import _join_over_a_spilled_side
 

@@ -2,7 +2,7 @@
 "recency"): the store maps batch files MADV_RANDOM (no read-around at a fault), and under that advice Linux neither
 marks the folio of an unmapped page accessed nor scans the mapping for references (``vma_has_recency``), so the files a
 step reads every time aged in the LRU like files never read (at 100M rows the hot files were reclaimed first and came
-back a page at a time, in small folios: ~5x the kernel's cost a page; bench/RESULTS.md, branch r31-fault100). So every
+back a page at a time, in small folios: ~5x the kernel's cost a page; bench/history/RESULTS-2026-11-28-to-2026-12-02.md, branch r31-fault100). So every
 drop happens with the mapping MADV_NORMAL, and the mapping is MADV_RANDOM again after it: read back in the mapping's
 VmFlags in /proc/self/smaps ("rr": random read) at each drop. The rows found are a dict model's (multisets)."""
 
@@ -156,7 +156,7 @@ def test_a_native_drop_marks_the_pages_read_accessed(recency: bool, monkeypatch)
     monkeypatch.setattr(spillread, "evict", counted)
     # 4 KiB folios, as the drops this measures were made on: a file these lookups read densely would get MADV_HUGEPAGE
     # (spill.py invariant 12, "huge faults") and come back in 2 MiB folios after each drop, where 0.73-0.88 of the
-    # dropped pages read as referenced in 2 of 9 runs (not yet explained; bench/RESULTS.md, r31-100)
+    # dropped pages read as referenced in 2 of 9 runs (not yet explained; bench/history/RESULTS-2026-11-28-to-2026-12-02.md, r31-100)
     monkeypatch.setattr(BatchStore, "HUGE_SHARE", None)
     rng = np.random.default_rng(SEED)
     with BatchStore(16 << 20) as store, spilling(store):

@@ -397,7 +397,7 @@ def test_settle_merges_finishes_a_due_merge_and_compacts_its_level(monkeypatch) 
     (the level filled with FAN_IN more loose batches while it ran, so the inserting thread kept it to advance by fuel
     and handed nothing) is handed and finished too, and the compaction then leaves each trace one spilled batch and
     no merge in progress (before, the merge stayed unfinished and ``compact_spilled`` skipped its level: a 30M-row
-    distinct kept 8 spilled batches, bench/RESULTS.md, 2026-11-29, branch r31-flat100). Content as the unbudgeted
+    distinct kept 8 spilled batches, bench/history/RESULTS-2026-11-28-to-2026-12-02.md, 2026-11-29, branch r31-flat100). Content as the unbudgeted
     twin's."""
     import dbsp_core as dbsp
     from dbsp_core.runtime.embedded import EmbeddedExecutor
