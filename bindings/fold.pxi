@@ -65,7 +65,7 @@ def linear_step(table, keys, cols, KeyIndex ix):
     # emitted below, so what the trace batch keeps (w, kh, the slots; rh when it keeps row hashes) pins no byte
     # beyond its own (a slice of one buffer for all of them, as before, pinned up to 2 * groups * (4 + ns) words,
     # ~2x the batch's, which the budget, counting the arrays' own bytes (spill.py batch_bytes), did not see until
-    # the batch merged; bench/RESULTS.md, issue 31, r31-mend)
+    # the batch merged; bench/history/RESULTS-2026-11-28-to-2026-12-02.md, issue 31, r31-mend)
     cdef int64_t *rows = <int64_t *>malloc(cap * 8)
     cdef int64_t *w = <int64_t *>malloc(cap * 8)
     cdef uint64_t *kh = <uint64_t *>malloc(cap * 8)

@@ -7,13 +7,14 @@
 # invariant 7), and the steps that read it later fault a page of a 2 MiB folio with one PMD entry where a small
 # folio costs a fault per 64 KiB of fault-around (batchfile.py invariant 6: the same for files written by pwrite).
 # Measured: a 1k-row step on a 10M-row spilled join, its state compacted into such a file, 7.0 -> 2.6 ms of CPU and
-# 617 -> 170 minor faults (bench/RESULTS.md, 2026-11-29, branch r31-flat100). Tests set it False to see the old way.
+# 617 -> 170 minor faults (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, 2026-11-29, branch r31-flat100).
+# Tests set it False to see the old way.
 HUGE_SCRATCH = os.environ.get("DBSP_HUGEPAGES", "1").strip() != "0"
 
 # The cost of those folios is the write fault that allocates one: a fresh 2 MiB folio of the page cache, allocated
 # (THP defrag "madvise": with synchronous reclaim and compaction for a VM_HUGEPAGE mapping), zeroed and its blocks
 # mapped, 16-29 ms of system time on a loaded host in the slice that first writes a new 2 MiB of a region (measured:
-# bench/RESULTS.md, 2026-11-30, branches r31-reclaim and r31-slicefault). :meth:`MergeCursor.populate_ahead` takes
+# bench/history/RESULTS-2026-11-28-to-2026-12-02.md, 2026-11-30, branches r31-reclaim and r31-slicefault). :meth:`MergeCursor.populate_ahead` takes
 # those faults ahead of the writer with MADV_POPULATE_WRITE (Linux 5.14), called off the stepping thread
 # (dbsp_core/trace/prefault.py): the same folios, allocated by another thread, the file's bytes
 # unchanged (its blocks were reserved by fallocate and read as zeros; a populate writes nothing, it only faults the

@@ -139,7 +139,7 @@ static void rec_sort(Rec *a, int64_t n, const Ident *id) {
  * key hash (many rows of one key: a grouping by a column of few values, such as a min/max's value multiset by
  * category) is spread by a second counting pass on the top bits of the identity hash (rec_sort_run), which the
  * canonical order compares next: the comparison sort of such a run cost O(n log n) comparisons, most of the
- * kernel's time at 20 keys (1,150 rows a key: 2.0 -> 0.9 ms for 23k rows, bench/RESULTS.md, branch r37-demo6). */
+ * kernel's time at 20 keys (1,150 rows a key: 2.0 -> 0.9 ms for 23k rows, bench/history/RESULTS-2026-11-28-to-2026-12-02.md, branch r37-demo6). */
 #define RUN_RADIX_MIN 64
 
 static int ensure_cnt(int64_t **cnt_buf, int64_t *cnt_cap, int64_t nb) {

@@ -754,7 +754,7 @@ static inline __attribute__((always_inline)) void prefetch_row(const DbspKeyInde
 /* get_into for the commonest key: one 64-bit integer column (int64, uint64, timestamp) without nulls, in an index not
  * growing (one table, invariant 5). Its canonical word is the value's 64 bits and its null mask 0 (invariant 1), so a
  * probe compares the slot's tag and then one entry word (invariant 3): the slot lookup() finds, without key_words' and
- * same_key's per-column dispatch (bench/RESULTS.md r37-gbk: ~175 instructions a probe of a 1k-row step before). */
+ * same_key's per-column dispatch (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, r37-gbk: ~175 instructions a probe of a 1k-row step before). */
 static int get_into_int(const DbspKeyIndex *ix, const DbspColumn *c, const int64_t *sel, const uint64_t *kh,
                         int64_t nrows, int64_t n, int64_t *acc, int64_t **slots, int copy) {
     const uint64_t *kv = (const uint64_t *)c->values + c->offset;
