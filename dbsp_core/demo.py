@@ -68,7 +68,9 @@ def build_circuit() -> dbsp.Circuit:
         n=dbsp.count(), total=dbsp.sum("price")))
     pairs = with_auction.select(category="category", bidder="bidder").distinct()
     c.output("bidders_per_category", pairs.group_by("category").agg(bidders=dbsp.count()))
-    recent = dbsp.within_last(bids, "ts", 3600).join(auctions, left_on="auction", right_on="id")
+    # the window over the join category_stats runs anyway: one trace of the window's rows, where windowing the bids
+    # and joining them again kept a second copy in the join's left side and ran a third join and its exchange
+    recent = dbsp.within_last(with_auction, "ts", 3600)
     c.output("last_hour", recent.group_by("category").agg(n=dbsp.count(), hi=dbsp.max("price")))
     return c
 
@@ -514,8 +516,12 @@ def _demo(args: argparse.Namespace, root: str) -> int:
         print("phase 2: the producer restarts from batch 0; batches already acknowledged come back as "
               "duplicates and are not counted again", flush=True)
     else:
-        p = dbsp.Pipeline(circuit, workers=args.workers, storage=storage, checkpoint_interval=args.checkpoint_interval,
-                          **kw)
+        try:
+            p = dbsp.Pipeline(circuit, workers=args.workers, storage=storage,
+                              checkpoint_interval=args.checkpoint_interval, **kw)
+        except dbsp.CircuitMismatchError as e:  # a directory an older demo (another circuit) wrote
+            raise SystemExit(f"dbsp demo: {root} holds a run of another version of the demo's circuit ({e}); "
+                             f"use another --dir") from None
     record: list | None = [] if not (child or args.no_verify) else None
     gen = Generator(args.seed, t0_ms, args.bids)
     progress = _Progress("  [child] " if child else "  ", args.quiet)
