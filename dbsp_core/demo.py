@@ -64,8 +64,11 @@ def build_circuit() -> dbsp.Circuit:
         n=dbsp.count(), total=dbsp.sum("price"), lo=dbsp.min("price"), hi=dbsp.max("price"),
         mean=dbsp.avg("price")))
     c.output("top_bid", bids.group_by("auction").agg(hi=dbsp.max("price"), n=dbsp.count()))
-    c.output("city_spend", bids.join(persons, left_on="bidder", right_on="id").group_by("city").agg(
-        n=dbsp.count(), total=dbsp.sum("price")))
+    # summed per bidder before the join (eager aggregation): the join keeps a row per bidder, not every bid, and a
+    # person moving city moves one row per bidder instead of each of its bids
+    per_bidder = bids.group_by("bidder").agg(n=dbsp.count(), total=dbsp.sum("price"))
+    c.output("city_spend", per_bidder.join(persons, left_on="bidder", right_on="id").group_by("city").agg(
+        n=dbsp.sum("n"), total=dbsp.sum("total")))
     pairs = with_auction.select(category="category", bidder="bidder").distinct()
     c.output("bidders_per_category", pairs.group_by("category").agg(bidders=dbsp.count()))
     # the window over the join category_stats runs anyway: one trace of the window's rows, where windowing the bids
