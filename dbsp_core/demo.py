@@ -5,9 +5,11 @@ The circuit (NEXMark-like) has three inputs, ``persons``, ``auctions`` and ``bid
 
 - ``category_stats``: bids joined with their auction, per category: count, sum, min, max and mean price;
 - ``top_bid``: per auction, the highest bid and the number of bids (min/max survive retracted bids);
-- ``city_spend``: bids joined with their bidder, per city (persons move city: the join sees deletions);
+- ``city_spend``: bids summed per bidder, joined with their bidder, per city (persons move city: the join sees
+  deletions);
 - ``bidders_per_category``: distinct (category, bidder) pairs counted per category (``COUNT(DISTINCT)``);
-- ``last_hour``: the bids whose event time is within the last hour of the step's logged ``now``, per category.
+- ``last_hour``: the bids (joined with their auction) whose event time is within the last hour of the step's
+  logged ``now``, per category.
 
 Invariants (checked at the end of every run):
   1. The generator is a pure function of (seed, t0, batch number): re-sending a batch after a crash sends the
