@@ -57,3 +57,28 @@ def test_cli_inspect_and_read(tmp_path) -> None:
     bad = subprocess.run([sys.executable, "-m", "dbsp_core", "inspect", str(tmp_path / "none")], env=env,
                          capture_output=True, text=True)
     assert bad.returncode == 2 and "not a dbsp storage directory" in bad.stderr
+
+
+def test_demo_over_a_directory_of_another_circuit(tmp_path) -> None:
+    """A directory the demo's earlier circuit wrote (last_hour windowing the bids, then joining the auctions again)
+    stops the demo with a message naming the directory and what to do, not a traceback."""
+    import pyarrow as pa
+
+    import dbsp_core as dbsp
+    from dbsp_core.demo import AUCTIONS, BIDS, PERSONS
+
+    d = str(tmp_path / "d")
+    c = dbsp.Circuit()
+    c.input("persons", PERSONS)
+    auctions, bids = c.input("auctions", AUCTIONS), c.input("bids", BIDS)
+    recent = dbsp.within_last(bids, "ts", 3600).join(auctions, left_on="auction", right_on="id")
+    c.output("last_hour", recent.group_by("category").agg(n=dbsp.count(), hi=dbsp.max("price")))
+    c.output("top_bid", bids.group_by("auction").agg(hi=dbsp.max("price"), n=dbsp.count()))
+    p = dbsp.Pipeline(c, workers=2, storage=d, checkpoint_interval=None)
+    p.push("auctions", pa.table({"id": [1], "seller": [1], "category": ["cat-00"], "reserve": [10]}, schema=AUCTIONS))
+    p.step()
+    p.close()
+    r = _demo("--dir", d)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"{d} holds a run of another version of the demo's circuit" in r.stderr and "use another --dir" in r.stderr
+    assert "Traceback" not in r.stderr
