@@ -585,6 +585,7 @@ int dbsp_zset_distinct_rows(const DbspBatch *b, int64_t *idx, int64_t *w, int64_
     const uint64_t *vp[DISTINCT_FUSED_COLS];
     *n = 0;
     if (b->nrows == 0) return DBSP_OK;
-    if (b->nrows < (int64_t)UINT32_MAX && probe_fused_cols(b, vp)) return distinct_fused(b, vp, idx, w, n);  /* note 7 */
+    if (b->nrows < (int64_t)UINT32_MAX && probe_fused_cols(b, vp))
+        return distinct_fused(b, vp, idx, w, n);  /* design note 7 */
     return distinct_pass(b, NULL, NULL, DISTINCT_PROBE_HASH, idx, w, n);
 }
