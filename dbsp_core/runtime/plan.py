@@ -31,6 +31,19 @@ slices follow, in this order):
      batch store or time lineage sends the step to the join's own step. Not built: the other chains
      (and the steps around that call: the pushes, the driver, the trace's insert and merges stay in Python) enter C
      once per kernel and build Arrow objects between kernels of one operator.
+     The pushes and the step's concatenation in C (the floor every small step pays; issue 37, branch r37-floor3,
+     bench/RESULTS.md "The floor of a small step, again"): **not built**, and not as planned here, for what it was
+     measured to cost. A passthrough step of 1k rows (two pushes, 410k instructions) spends ~25k in the Arrow crossing
+     of its one C call (a 3-column batch exported through ``__arrow_c_array__``: ~12k the array, ~5k the schema, the
+     capsules; an import back, as ``LinearRun``'s two outputs, ~15k each) and ~45k in pyarrow's own concatenation of
+     the pushes (``to_batches``, ``concat_batches``, ``from_batches``, the weights' ``np.concatenate``). Pushes
+     gathered in C would pay an export per push (the pushes are Arrow tables) and an import of the result: no less
+     than pyarrow's concatenation. It pays only once the rows reach C without an export (a push taking buffers, or a
+     ZSet holding a C view from its construction, the schema exported once per input) and leave it once (the plan's
+     program of note 2 running from the inputs' buffers to the outputs). What was cut instead: the distinct check of
+     integer rows (csrc/zset.c design note 7) and the per-key counters' writes to a class attribute every step, which
+     dropped the method cache of ``Trace`` (trace/keyindex.py ``_PK_COUNTS``): -2.4% passthrough, -2.4% / -2.6%
+     group-by count / sum.
   3. What stays in Python: building and validating circuits, lowering, operators that run user code (flat_map,
      UDF-like expressions pyarrow evaluates), the boundary (pushes, division, the output log, checkpoints,
      rollback on a StepError), and every node the plan does not cover: such a node is a call of today's

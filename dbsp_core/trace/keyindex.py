@@ -373,7 +373,7 @@ class KeyIndexed:
         walks its batches from now on, and says so once with an IndexDroppedWarning."""
         ix = self._kix
         if self._pk_rec and ix is not None and not ix.broken and ix.token == self._token:
-            PerKeyTotals.pk_fallbacks += 1
+            _PK_COUNTS["pk_fallbacks"] += 1
             self._pk_sync()  # totals per key (trace invariant 19), the index whole: its totals into the batches first
         if self._pk_rec:  # the broken index held state the batches lack (an overflow half way; or a string key that
             # an undone store could not put back: csrc/keyindex.h invariant 4)
@@ -493,6 +493,25 @@ class _NoMarks:
     n = 0
 
 
+# the per-key counters of the process (PerKeyTotals.pk_steps and the others read them): kept here, not as class
+# attributes written in place, since writing an attribute of a class every step invalidates the method cache of the
+# class and its subclasses (Trace): every lookup of a trace's method then walked the MRO again and the interpreter's
+# inline caches of them were dropped (a group-by step: ~40k instructions, find_name_in_mro and _PyType_Lookup)
+_PK_COUNTS = {"pk_steps": 0, "pk_syncs": 0, "pk_fallbacks": 0, "pk_found_dirty_steps": 0}
+
+
+class _ProcessCount:
+    """A read-only class attribute whose value is ``_PK_COUNTS[name]`` (read as ``PerKeyTotals.pk_steps``)."""
+
+    __slots__ = ("name",)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: object, owner: type | None = None) -> int:
+        return _PK_COUNTS[self.name]
+
+
 class PerKeyTotals:
     """Totals kept per key (runtime/plan.py design note 5; trace invariant 19): a linear or min/max aggregate's steps
     store their groups' totals in the trace's key index only, and the trace's batches are brought up to date from it
@@ -512,10 +531,10 @@ class PerKeyTotals:
       :class:`PendingBatch`, built then too (a step that reads none of its rows need not build them at all).
     """
 
-    pk_steps = 0  # steps stored per key, in the process (counts, for tests: the new path ran)
-    pk_syncs = 0  # syncs that inserted a batch, in the process
-    pk_fallbacks = 0  # per-key traces whose index could not grow (a store undone), synced and turned to batches
-    pk_found_dirty_steps = 0  # steps told that every key of the index is dirty (pk_found_dirty), in the process
+    pk_steps = _ProcessCount()  # steps stored per key, in the process (counts, for tests: the new path ran)
+    pk_syncs = _ProcessCount()  # syncs that inserted a batch, in the process
+    pk_fallbacks = _ProcessCount()  # per-key traces whose index could not grow (a store undone), synced, to batches
+    pk_found_dirty_steps = _ProcessCount()  # steps told every key of the index is dirty (pk_found_dirty)
     _pk_on = False  # (class defaults: a trace made without __init__, as a restore may make one)
     _pk_rec: Any = ()
     _pk_dirty: Any = None
@@ -606,7 +625,7 @@ class PerKeyTotals:
         content (an insert, a cut, a rollback to another token) leaves it unknown until the dirty index is next
         started afresh (after a sync), when every key of the index is clean but the step's."""
         if self._pk_clean == 0 and self._pk_clean_at == self._token:
-            PerKeyTotals.pk_found_dirty_steps += 1
+            _PK_COUNTS["pk_found_dirty_steps"] += 1
             return True
         return False
 
@@ -639,7 +658,7 @@ class PerKeyTotals:
             return
         known = self._pk_clean >= 0 and self._pk_clean_at == self._changed()  # (the count as of the content before)
         ix.token = self._token
-        PerKeyTotals.pk_steps += 1
+        _PK_COUNTS["pk_steps"] += 1
         self.inserted_rows += len(batch)
         self._grown += len(batch)  # (drop_below's amortization, trace invariant 8)
         keys, kh = batch._keypos, batch._kh
@@ -718,7 +737,7 @@ class PerKeyTotals:
         the totals in the batches from now on, the index dropped as a failed one is (invariant 19)."""
         from dbsp_core.zset import IndexedZSet, ZSet
 
-        PerKeyTotals.pk_fallbacks += 1
+        _PK_COUNTS["pk_fallbacks"] += 1
         self._pk_sync()
         sel = np.flatnonzero(fresh)
         part = batch if len(sel) == len(batch) else IndexedZSet._make(
@@ -765,7 +784,7 @@ class PerKeyTotals:
         table = pa.concat_tables([data.take(pa.array(minus)), ptab]).combine_chunks()
         w = np.concatenate([np.full(len(minus), -1, dtype=np.int64), np.ones(len(plus), dtype=np.int64)])
         b = ZSet._make(table, w).index_by(list(self.key))  # key-hash sorted (its rows are distinct: no sums)
-        PerKeyTotals.pk_syncs += 1
+        _PK_COUNTS["pk_syncs"] += 1
         self._pk_syncing = True
         try:
             self.insert(b, indexed=ix)  # the index holds it already: the content is the same (a fresh token)

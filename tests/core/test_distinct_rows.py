@@ -74,6 +74,21 @@ def test_every_row_one_probe_hash_still_tells_rows_apart() -> None:
     assert idx.tolist() == list(range(2000)) and kw.tolist() == [2] * 700 + [1] * 1300
 
 
+def test_rows_of_one_probe_hash_equal_in_a_column_are_told_apart() -> None:
+    """csrc/zset.c design note 7's comparison goes past a column the rows share: rows (7, b, c) whose folds all meet
+    ((s ^ 7)K ^ b)K ^ c == 99) differ in b and c only, every row's probe hash is the same, and none is merged with
+    another; the same rows again are."""
+    K, seed, m = 0x9E3779B97F4A7C15, 0x082EFA98EC4E6C89, (1 << 64) - 1
+    b = np.arange(1500, dtype=np.uint64)
+    c = np.array([((((seed ^ 7) * K) & m ^ int(x)) * K & m) ^ 99 for x in b], dtype=np.uint64)
+    t = pa.table({"a": np.full(1500, 7), "b": b.astype(np.int64), "c": c.view(np.int64)})
+    t = pa.concat_tables([t, t.slice(100, 300)]).combine_chunks()
+    kept = _zset.distinct_rows(t, np.ones(t.num_rows, dtype=np.int64))
+    assert kept is not None
+    idx, kw = kept
+    assert idx.tolist() == list(range(1500)) and kw.tolist() == [1] * 100 + [2] * 300 + [1] * 1100
+
+
 @pytest.mark.parametrize("ncols", [1, 3, 8, 9])
 @pytest.mark.parametrize("types", [(pa.int64(),), (pa.uint64(), pa.timestamp("us")), (pa.int64(), pa.int32())])
 def test_integer_rows_fold_in_registers_and_a_zero_weight_still_drops(ncols: int, types: tuple) -> None:
@@ -98,6 +113,53 @@ def test_integer_rows_fold_in_registers_and_a_zero_weight_still_drops(ncols: int
     rows = [canon_row(r) for r in zip(*[c.to_pylist() for c in t2.columns])]
     idx, kw = kept
     assert {rows[i]: x for i, x in zip(idx.tolist(), kw.tolist())} == model_of(t2, w2)
+
+
+INT8 = [pa.int64(), pa.uint64(), pa.timestamp("us")]  # the 8-byte integers of csrc/zset.c design notes 6 and 7
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(st.lists(st.sampled_from(INT8), min_size=1, max_size=9), st.sampled_from([1, 2, 5, BLOCK + 3, 3000, 17000]),
+       st.integers(1, 40), st.integers(0, 3), st.booleans(), st.integers(0, 2**31))
+def test_integer_rows_pass_is_the_model(types: list, n: int, pool: int, pad: int, big: bool, seed: int) -> None:
+    """csrc/zset.c design note 7 (rows of at most 8 non-null 8-byte integer columns: a pass of their own, rows
+    compared from the value pointers, a zero weight noted as its row is placed, the prefetch only past 2^18 bytes of
+    table, i.e. past 16,384 rows) against the dict model and against hash_distinct (the row-hash pass, which shares
+    none of it): values from a pool of ``pool`` (equal rows near and far, in other blocks), weights that cancel or
+    are 0, a view at an offset, 9 columns (back to the general pass); weights near 2^63 whose sum overflows raise
+    OverflowError only when a group's total does not fit."""
+    rng = np.random.default_rng(seed)
+    vals = rng.integers(-2**62, 2**62, pool)
+    cols, plain = [], []  # the columns, and their values as int64 (the model's rows: equal exactly when they are)
+    for t in types:
+        v = vals[rng.integers(0, pool, n + pad)]
+        cols.append(pa.array(v.view(np.uint64), type=t) if t == pa.uint64() else pa.array(v).cast(t))
+        plain.append(pa.array(v))
+    names = [f"c{i}" for i in range(len(types))]
+    t = pa.Table.from_arrays(cols, names=names).slice(pad, n)
+    ti = pa.Table.from_arrays(plain, names=names).slice(pad, n)
+    w = rng.integers(-2, 3, n).astype(np.int64)
+    if big:  # totals that overflow int64 (the carry) next to partial sums that do not
+        w = np.where(rng.random(n) < 0.5, 2**62 + 7, -(2**62)).astype(np.int64)
+    model = model_of(ti, w)
+    rows = [canon_row(r) for r in zip(*[c.to_pylist() for c in ti.columns])]
+    totals: dict = {}
+    for r, x in zip(rows, w.tolist()):
+        totals[r] = totals.get(r, 0) + x
+    if any(not -2**63 <= x < 2**63 for x in totals.values()):
+        for kernel in (lambda: _zset.distinct_rows(t, w), lambda: _zset.hash_distinct(t, w)):
+            with pytest.raises(OverflowError):
+                kernel()
+        return
+    kept = _zset.distinct_rows(t, w)
+    _, kept_h = _zset.hash_distinct(t, w)
+    nothing = len(set(rows)) == n and 0 not in w.tolist()
+    assert (kept is None) == nothing == (kept_h is None)
+    idx, kw = (np.arange(n), w) if kept is None else kept
+    assert {rows[i]: x for i, x in zip(idx.tolist(), kw.tolist())} == model and len(idx) == len(model)
+    assert idx.tolist() == sorted(idx.tolist()) and all(rows.index(rows[i]) == i for i in idx.tolist())
+    if kept is not None:
+        assert idx.tolist() == kept_h[0].tolist() and kw.tolist() == kept_h[1].tolist()
 
 
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64()), ("s", pa.string())])
