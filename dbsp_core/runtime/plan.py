@@ -745,13 +745,16 @@ class _JoinFolded:
             join, run = self.slots.state, self.run
             done: list = []
 
-            def call(ix: Any, dirty: Any) -> tuple | None:
-                got = join.step_folded(za, zb, lambda *args: run.step(*args, ix, dirty))
+            agg = self.chain.state
+
+            def call(ix: Any, dirty: Any, keyorder: bool) -> tuple | None:  # (as Aggregate.step_run's call)
+                found = dirty is not None and agg.trace.pk_found_dirty()
+                got = join.step_folded(za, zb, lambda *args: run.step(*args, ix, dirty, found, keyorder))
                 if got is not None:
                     done.append(1)
                 return got
 
-            out = self.chain.state.step_call(call, ctx)
+            out = agg.step_call(call, ctx, keyorder=True)
             if done:  # (a step with no current key index never called it)
                 self.counts["folded"] += 1
                 self.counts["fused"] += 1
