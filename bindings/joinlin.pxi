@@ -13,7 +13,8 @@ cdef class JoinLinearRun:
     gathered columns; LinearRun's meaning). Returns None, having changed nothing, when a weight product leaves
     int64 (the join's own step raises it) or one of the gathered columns ``nonulls`` has a null; else ``(left,
     right, linear)``: per side None (unchanged, or consolidated to nothing) or ``(change, w, kh, rh)`` as JoinRun
-    returns its indexed change, and ``linear`` as ``LinearRun.step`` returns (``dirty`` too). Errors as LinearRun's."""
+    returns its indexed change, and ``linear`` as ``LinearRun.step`` returns (``dirty``, ``found_dirty`` and
+    ``keyorder`` too: csrc/linrun.h invariants 5, 6 and 8). Errors as LinearRun's."""
     cdef CLinRun s
     cdef Int32s lkeys, rkeys, gside, gcol, gtype, nonulls, keys, shown, nonnull, avg, avg_lo
     cdef CAggSpec *specs
@@ -59,7 +60,8 @@ cdef class JoinLinearRun:
         self.lschema, self.rschema, self.bschema, self.oschema = lschema, rschema, bschema, oschema
         self.steps = 0
 
-    def step(self, lt, lw, list lviews, rt, rw, list rviews, KeyIndex ix, KeyIndex dirty=None):
+    def step(self, lt, lw, list lviews, rt, rw, list rviews, KeyIndex ix, KeyIndex dirty=None, bint found_dirty=False,
+             bint keyorder=False):
         if self.keys.n != ix.nkeys or self.ns != ix.nvals:
             raise ValueError(f"JoinLinearRun: {self.keys.n} keys and {self.ns} slots for an index of {ix.nkeys} and "
                              f"{ix.nvals}")
@@ -91,6 +93,8 @@ cdef class JoinLinearRun:
         cdef uint64_t *kh = NULL
         cdef int64_t n = 0
         cdef int ordered = 1, distinct = 1, served = 1, st
+        self.s.found_dirty = 1 if found_dirty and dix != NULL else 0
+        self.s.keyorder = 1 if keyorder else 0
         try:
             for k, (t, wt, views, schema, kk) in enumerate(((lt, lw, rviews, self.lschema, self.lkeys),
                                                                (rt, rw, lviews, self.rschema, self.rkeys))):

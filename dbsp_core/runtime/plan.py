@@ -77,7 +77,13 @@ slices follow, in this order):
      8): both changes indexed for the join's traces, their pairs found and folded straight into the totals, no
      Arrow batch of the gathered columns built between the join and the fold. Measured: 1.7% fewer instructions a
      step (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, "Join folded into its group-by"): the parts it removes were small; the step's cost is
-     the kernels it keeps and the Python around them. Not built: other consumers of an exchange
+     the kernels it keeps and the Python around them. Since r37-jgb2 the folded call is told what ``LinearRun``'s is
+     (``Aggregate.step_run``): whether every key of the index is dirty (``pk_found_dirty``, csrc/linrun.h invariant
+     6: no probe of the dirty index for a key the index holds) and whether its totals batch may come in key-hash
+     order only (``pk_keyorder``, invariant 8: no row hash per output row); it had been asked neither, so it probed
+     every group and hashed every row (join then group-by, 1M rows: 1.90M -> 1.75M instructions a step; the rest
+     of that step, and why it costs more than the join's: bench/history/RESULTS-2026-11-28-to-2026-12-02.md
+     "Join then group-by's step against the join's"). Not built: other consumers of an exchange
      (outer joins, distinct, non-linear aggregates), which get a concatenated Z-set as before; on Spark each
      stage is to be one plan, so a stage task crosses into C once per stage. **Built**, at W > 1: an exchange
      whose one consumer is an append-only min/max aggregate that reduces its change (operators/aggregate.py
@@ -758,13 +764,16 @@ class _JoinFolded:
             join, run = self.slots.state, self.run
             done: list = []
 
-            def call(ix: Any, dirty: Any) -> tuple | None:
-                got = join.step_folded(za, zb, lambda *args: run.step(*args, ix, dirty))
+            agg = self.chain.state
+
+            def call(ix: Any, dirty: Any, keyorder: bool) -> tuple | None:  # (as Aggregate.step_run's call)
+                found = dirty is not None and agg.trace.pk_found_dirty()
+                got = join.step_folded(za, zb, lambda *args: run.step(*args, ix, dirty, found, keyorder))
                 if got is not None:
                     done.append(1)
                 return got
 
-            out = self.chain.state.step_call(call, ctx)
+            out = agg.step_call(call, ctx, keyorder=True)
             if done:  # (a step with no current key index never called it)
                 self.counts["folded"] += 1
                 self.counts["fused"] += 1

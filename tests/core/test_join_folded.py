@@ -259,3 +259,61 @@ def test_sql_view_of_a_join_then_group_by_is_folded() -> None:
         p.push("bids", pa.table({"auction": [1, 2, 3, 4], "price": [5, 6, 7, 8]}))
         assert p.step()["v"].to_dict() == {(10, 2, 11): 1, (20, 1, 7): 1}
         assert _counts(p, "folded") == 1 or SPILLED
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_folded_steps_between_reads_keep_the_totals_traces_exact(workers: int, monkeypatch) -> None:
+    """Reads between steps (each a sync of the totals kept per key, after which the key index holds clean keys
+    again): the folded steps that follow, told when every key is dirty (``pk_found_dirty``, csrc/linrun.h invariant
+    6) and asking for their totals batch in key-hash order (invariant 8), record each clean key they touch, so every
+    read's traces equal a lockstep pipeline's running the unfolded chain, every step's outputs equal its, and the
+    integrated views equal DuckDB's recompute. The step after a read touches one group of each view, so the next
+    finds dirty and clean keys both; new keys come late (groups the index never held)."""
+    from dbsp_core.trace.keyindex import PerKeyTotals  # noqa: PLC0415
+
+    rng = np.random.default_rng(SEED + 101 + workers)
+    deltas = _deltas(rng, 40)
+    late = [(k, 7 + k % 3, 1) for k in range(5, 25)]  # group keys j = 7..9 (view "l"), never seen before step 30
+    deltas[30] = (deltas[30][0] + Counter(late), deltas[30][1])
+    for i in range(6, 40, 6):  # the step after a read touches one group of each view: the step after it finds
+        deltas[i] = (Counter({(5 + i % 20, i % 4, 1): 1}), Counter())  # the other keys clean, some keys dirty
+    pipes = {}
+    for on in (True, False):
+        monkeypatch.setattr(_JoinFolded, "C_STEP", on)
+        pipes[on] = dbsp.Pipeline(_circuit(), workers=workers, executor=EmbeddedExecutor(step_plan=True))
+    ran = PerKeyTotals.pk_found_dirty_steps
+    con = _con()
+    tb: Counter = Counter()
+    ub: Counter = Counter()
+    view = {n: Counter() for n in VIEWS}
+    try:
+        for i, (dt, du) in enumerate(deltas):
+            outs = {}
+            for on, p in pipes.items():
+                _push(p, dt, du)
+                outs[on] = {n: z.to_dict() for n, z in p.step().items()}
+            assert outs[True] == outs[False], f"step {i} (seed {SEED})"
+            tb.update(dt)
+            ub.update(du)
+            tb = Counter({r: w for r, w in tb.items() if w})
+            ub = Counter({r: w for r, w in ub.items() if w})
+            for n in VIEWS:
+                view[n].update(outs[True][n])
+                view[n] = Counter({r: w for r, w in view[n].items() if w})
+            assert {n: dict(v) for n, v in view.items()} == _duckdb(con, tb, ub), f"step {i} (seed {SEED})"
+            if i % 6 == 5:  # a read: every trace synced (the totals' from their indexes) and checked
+                states = {}
+                for on, p in pipes.items():
+                    states[on] = []
+                    for w in range(p.workers):
+                        for name, tr in sorted(p.traces(w).items()):
+                            tr.check()
+                            states[on].append((name, tr.consolidated().zset.to_dict()))
+                assert states[True] == states[False], f"step {i} (seed {SEED})"
+        folded = _counts(pipes[True], "folded")
+    finally:
+        for p in pipes.values():
+            p.close()
+    if workers == 1 and not SPILLED:
+        assert folded > 0
+        assert PerKeyTotals.pk_found_dirty_steps > ran, "the found-dirty path never ran"
