@@ -427,7 +427,51 @@ static int valw_cmp(const void *a, const void *b) {
 
 /* Keys a scan seeks at a time (design note 6): their positions in every batch first, by seeks that prefetch ahead */
 #define SCAN_CHUNK 64
-#define SCAN_PF 4  /* keys ahead whose rows in each batch are prefetched while one is read */
+#define SCAN_PF 4  /* keys ahead whose rows in each batch are prefetched while one is read (keys not ascending) */
+
+/* Design note 8: pos[k * SCAN_CHUNK + i] = dbsp_seek(vkh[k], vb[k]->nrows, vfence[k], 0, want[i]) for i < m (want
+ * ascending), for every batch k, in three stages, each over every batch before the next, so that its cache misses are
+ * in flight together instead of one batch's (or a few keys') at a time: the fence entries of each key in each fenced
+ * batch (the fence, small, mostly cached), with a prefetch of the 512-byte block of key hashes each needs; the search
+ * in those blocks (a batch without a fence: the gallop over its key hashes, small and recent), with a prefetch of the
+ * row found (its key hash, values and weight); the rows are then read by the caller. The same positions as
+ * dbsp_seek_all. */
+static void scan_seek(const DbspBatch *const *vb, const uint64_t *const *vkh, const uint64_t *const *vfence,
+                      int32_t nb, const uint64_t *want, int64_t m, int64_t *pos) {
+    for (int32_t k = 0; k < nb; k++) {  /* stage 1: the fence entries, each key's block prefetched */
+        const uint64_t *fence = vfence ? vfence[k] : NULL, *kh = vkh[k];
+        if (!fence) continue;
+        int64_t n = vb[k]->nrows, nf = dbsp_fence_len(n), f = 0, *p = pos + (int64_t)k * SCAN_CHUNK;
+        for (int64_t i = 0; i < m; i++) {
+            p[i] = f = dbsp_gallop(fence, f, nf, want[i]);  /* first fence entry >= */
+            int64_t s = f ? (f - 1) << DBSP_FENCE_SHIFT : 0, e = f < nf ? f << DBSP_FENCE_SHIFT : n;
+            for (int64_t t = s; t < e; t += 8) __builtin_prefetch(&kh[t]);
+        }
+    }
+    for (int32_t k = 0; k < nb; k++) {  /* stage 2: the positions, each row found prefetched */
+        const DbspBatch *v = vb[k];
+        const uint64_t *fence = vfence ? vfence[k] : NULL, *kh = vkh[k];
+        int64_t n = v->nrows, *p = pos + (int64_t)k * SCAN_CHUNK;
+        if (!fence) {
+            int64_t j = 0;
+            for (int64_t i = 0; i < m; i++) p[i] = j = dbsp_gallop(kh, j, n, want[i]);
+        } else {
+            int64_t nf = dbsp_fence_len(n);
+            for (int64_t i = 0; i < m; i++) {
+                /* fence[f - 1] < want[i] <= fence[f]: the answer is in ((f - 1) * 64, f * 64] */
+                int64_t f = p[i];
+                int64_t s = f ? ((f - 1) << DBSP_FENCE_SHIFT) + 1 : 0, e = f < nf ? f << DBSP_FENCE_SHIFT : n;
+                while (s < e) {
+                    int64_t mid = s + (e - s) / 2;
+                    if (kh[mid] < want[i]) s = mid + 1; else e = mid;
+                }
+                p[i] = s;
+            }
+        }
+        for (int64_t i = 0; i < m; i++)
+            if (p[i] < n && kh[p[i]] == want[i]) dbsp_prefetch_row(v, p[i], NULL, v->ncols);
+    }
+}
 
 int dbsp_extremes_scan(const DbspBatch *b, const int32_t *keys, int32_t nkeys, const int64_t *rows, const uint64_t *kh,
                        int64_t n, const DbspBatch *const *vb, const uint64_t *const *vkh,
@@ -449,12 +493,12 @@ int dbsp_extremes_scan(const DbspBatch *b, const int32_t *keys, int32_t nkeys, c
     int st = DBSP_OK;
     for (int64_t i0 = 0; i0 < n && st == DBSP_OK; i0 += SCAN_CHUNK) {
         int64_t cnt = n - i0 < SCAN_CHUNK ? n - i0 : SCAN_CHUNK;
-        for (int32_t k = 0; k < nb; k++) {  /* where each sought key's rows start in batch k */
-            const uint64_t *fence = vfence ? vfence[k] : NULL;
-            int64_t *p = pos + (int64_t)k * SCAN_CHUNK;
-            if (asc) {
-                dbsp_seek_all(vkh[k], vb[k]->nrows, fence, kh + i0, cnt, p);
-            } else {
+        if (asc) {  /* design note 8: the seeks in stages across every batch, each stage's misses in flight at once */
+            scan_seek(vb, vkh, vfence, nb, kh + i0, cnt, pos);
+        } else {
+            for (int32_t k = 0; k < nb; k++) {  /* where each sought key's rows start in batch k */
+                const uint64_t *fence = vfence ? vfence[k] : NULL;
+                int64_t *p = pos + (int64_t)k * SCAN_CHUNK;
                 for (int64_t i = 0; i < cnt; i++) p[i] = dbsp_seek(vkh[k], vb[k]->nrows, fence, 0, kh[i0 + i]);
             }
         }
@@ -462,7 +506,7 @@ int dbsp_extremes_scan(const DbspBatch *b, const int32_t *keys, int32_t nkeys, c
             m = 0;
             for (int32_t k = 0; k < nb; k++) {  /* the key's rows of every batch, with their weights */
                 const DbspBatch *v = vb[k];
-                if (i + SCAN_PF < i0 + cnt) {
+                if (!asc && i + SCAN_PF < i0 + cnt) {
                     int64_t y = pos[(int64_t)k * SCAN_CHUNK + i + SCAN_PF - i0];
                     if (y < v->nrows) dbsp_prefetch_row(v, y, NULL, v->ncols);
                 }
