@@ -501,17 +501,7 @@ static void scan_seek(const DbspBatch *const *vb, const uint64_t *const *vkh, co
             int64_t j = 0;
             for (int64_t i = 0; i < m; i++) p[i] = j = dbsp_gallop(kh, j, n, want[i]);
         } else {
-            int64_t nf = dbsp_fence_len(n);
-            for (int64_t i = 0; i < m; i++) {
-                /* fence[f - 1] < want[i] <= fence[f]: the answer is in ((f - 1) * 64, f * 64] */
-                int64_t f = p[i];
-                int64_t s = f ? ((f - 1) << DBSP_FENCE_SHIFT) + 1 : 0, e = f < nf ? f << DBSP_FENCE_SHIFT : n;
-                while (s < e) {
-                    int64_t mid = s + (e - s) / 2;
-                    if (kh[mid] < want[i]) s = mid + 1; else e = mid;
-                }
-                p[i] = s;
-            }
+            for (int64_t i = 0; i < m; i++) p[i] = dbsp_fence_block_seek(kh, n, p[i], want[i]);
         }
         for (int64_t i = 0; i < m; i++)
             if (p[i] < n && kh[p[i]] == want[i]) dbsp_prefetch_row(v, p[i], NULL, v->ncols);
