@@ -125,6 +125,70 @@ def extremes_scan(table, keys, rows, khash, batches, vkeys, int32_t vcol):
     return has[:n].view(bool), mn[:n], mx[:n]
 
 
+def extremes_recompute(table, keys, group_row, gkh, need, nw, batches, vkeys, int32_t vcol, fill):
+    """The extremes of the probe's groups ``need`` (positions into its groups: ``group_row``, rows of ``table``, and key
+    hashes ``gkh``, ascending) recomputed from a value trace's ``batches`` (csrc/extremes.h design note 2, as
+    :func:`extremes_scan`) and written into the probe's new values ``nw`` (int64, C-contiguous, a row per group): for
+    each (j, is_min, f) of ``fill``, nw[g, j] the least (is_min) or greatest value with a positive weight, nw[g, f] 1,
+    or both 0 when the group holds none. One call in place of the scan's arrays and their numpy fill-in."""
+    cdef BatchView v = view_of(table)
+    cdef Int32s k = Int32s(keys)
+    cdef Int32s vk = Int32s(vkeys)
+    if vk.n != k.n:
+        raise ValueError(f"extremes_recompute: {k.n} key columns against {vk.n}")
+    cdef const int64_t[::1] pg = np.ascontiguousarray(group_row, dtype=np.int64)
+    cdef const uint64_t[::1] pkk = np.ascontiguousarray(gkh, dtype=np.uint64)
+    cdef const int64_t[::1] pn = np.ascontiguousarray(need, dtype=np.int64)
+    cdef int64_t[:, ::1] px = nw
+    cdef int64_t n = pn.shape[0], ng = pg.shape[0], i, g
+    if pkk.shape[0] != ng or px.shape[0] != ng:
+        raise ValueError(f"extremes_recompute: {ng} groups, {pkk.shape[0]} key hashes, {px.shape[0]} rows of values")
+    fills = [(int(j), bool(mn_), int(f)) for j, mn_, f in fill]
+    for j, _, f in fills:
+        if not (0 <= j < px.shape[1] and 0 <= f < px.shape[1]):
+            raise ValueError(f"extremes_recompute: value {j} or {f} outside {px.shape[1]}")
+    if n == 0:
+        return
+    views = [<BatchView?>b for b in batches]
+    cdef int32_t nb = len(views), q
+    for bv in views:
+        if (<BatchView>bv).kh == NULL and (<BatchView>bv).c.nrows:
+            raise ValueError("extremes_recompute: every batch needs its key hashes")
+    cdef int64_t *rows = <int64_t *>malloc(n * 8)
+    cdef uint64_t *kh = <uint64_t *>malloc(n * 8)
+    cdef uint8_t *has = <uint8_t *>malloc(n)
+    cdef int64_t *mn = <int64_t *>malloc(n * 8)
+    cdef int64_t *mx = <int64_t *>malloc(n * 8)
+    cdef const CBatch **pb = <const CBatch **>malloc(max(nb, 1) * sizeof(CBatch *))
+    cdef const uint64_t **pk = <const uint64_t **>malloc(max(nb, 1) * sizeof(uint64_t *))
+    cdef const uint64_t **pf = <const uint64_t **>malloc(max(nb, 1) * sizeof(uint64_t *))
+    cdef int st = DBSP_OK
+    try:
+        if rows == NULL or kh == NULL or has == NULL or mn == NULL or mx == NULL or pb == NULL or pk == NULL \
+                or pf == NULL:
+            raise MemoryError("extremes_recompute: out of memory")
+        for i in range(n):
+            g = pn[i]
+            if g < 0 or g >= ng:
+                raise ValueError(f"extremes_recompute: group {g} outside {ng}")
+            rows[i] = pg[g]
+            kh[i] = pkk[g]
+        for q in range(nb):
+            pb[q] = &(<BatchView>views[q]).c
+            pk[q] = (<BatchView>views[q]).kh
+            pf[q] = (<BatchView>views[q]).fence  # (NULL for a small batch, csrc/extremes.h note 6)
+        with nogil:
+            st = dbsp_extremes_scan(&v.c, k.p, k.n, rows, kh, n, pb, pk, pf, nb, vk.p, vcol, has, mn, mx)
+        check_status(st, "extremes_recompute")
+        for j, is_min, f in fills:
+            for i in range(n):
+                g = pn[i]
+                px[g, <int>j] = (mn[i] if is_min else mx[i]) if has[i] else 0
+                px[g, <int>f] = has[i]
+    finally:
+        free(rows); free(kh); free(has); free(mn); free(mx); free(pb); free(pk); free(pf)
+
+
 def extremes_store(table, keys, group_row, gkh, old, nw, KeyIndex ix):
     """Phase 2 (csrc/extremes.h): the rows of the groups whose totals changed, -old then +new, as (grp, w), with
     `ix` left holding the new totals `nw`. A MemoryError or ValueError (past its size limit) leaves it broken."""

@@ -51,53 +51,91 @@ int dbsp_extremes_probe(DbspKeyIndex *ix, const DbspBatch *b, const uint64_t *kh
     int st = held ? dbsp_keyindex_get_slots(ix, b, keys, group_row, gkh, g, old, held)  /* design note 5 */
                   : dbsp_keyindex_get(ix, b, keys, group_row, gkh, g, old);
     if (st != DBSP_OK) return st;
-    for (int64_t x = 0; x < g; x++) {
-        int64_t lo = group_row[x], hi = x + 1 < g ? group_row[x + 1] : n;
-        const int64_t *o = old + x * V;
-        int64_t *nv = nw + x * V;
-        need[x] = 0;
-        for (int32_t j = 0, e = 0; j < ns; j++) {
-            int32_t k = slots[j].kind;
-            const DbspColumn *c = k == DBSP_AGG_COUNT ? NULL : &b->cols[slots[j].col];
-            if (k == DBSP_AGG_MIN || k == DBSP_AGG_MAX) {
-                int is_min = k == DBSP_AGG_MIN, has_ins = 0, has_del = 0;
-                int64_t ins = 0, del = 0;
+    /* the fold, slot by slot over every group (design note 9): each slot's kind and column read once, not per group;
+     * a min and a max of one column (the usual pair) in one pass over the rows */
+    memset(need, 0, (size_t)g);
+    const int64_t *wt = b->weights;
+    int32_t *flag = malloc((size_t)(ns ? ns : 1) * sizeof *flag);  /* an extreme slot's "not null" value, else -1 */
+    uint8_t *done = calloc((size_t)(ns ? ns : 1), 1);
+    if (!flag || !done) { free(flag); free(done); return DBSP_ENOMEM; }
+    for (int32_t j = 0, e = 0; j < ns; j++)
+        flag[j] = slots[j].kind == DBSP_AGG_MIN || slots[j].kind == DBSP_AGG_MAX ? ns + e++ : -1;
+    for (int32_t j = 0; j < ns; j++) {
+        int32_t k = slots[j].kind;
+        const DbspColumn *c = k == DBSP_AGG_COUNT ? NULL : &b->cols[slots[j].col];
+        if (done[j]) continue;
+        if (k == DBSP_AGG_MIN || k == DBSP_AGG_MAX) {
+            /* slots a (the min) and z (the max) of this column: one of them may be absent (-1) */
+            int32_t a = k == DBSP_AGG_MIN ? j : -1, z = k == DBSP_AGG_MAX ? j : -1;
+            for (int32_t j2 = j + 1; j2 < ns; j2++) {
+                int32_t k2 = slots[j2].kind;
+                if (done[j2] || slots[j2].col != slots[j].col) continue;
+                if (k2 == DBSP_AGG_MIN && a < 0) a = j2, done[j2] = 1;
+                else if (k2 == DBSP_AGG_MAX && z < 0) z = j2, done[j2] = 1;
+            }
+            const int64_t *iv = c->type == DBSP_INT64 ? (const int64_t *)c->values + c->offset : NULL;
+            const int fast = iv && !c->validity;
+            for (int64_t x = 0; x < g; x++) {
+                int64_t lo = group_row[x], hi = x + 1 < g ? group_row[x + 1] : n;
+                int has_ins = 0, has_del = 0;
+                int64_t imin = 0, imax = 0, dmin = 0, dmax = 0;  /* the inserted and the deleted values' extremes */
                 for (int64_t r = lo; r < hi; r++) {
-                    int64_t w = b->weights ? b->weights[r] : 1;
-                    if (w == 0 || !dbsp_col_valid(c, r)) continue;
-                    int64_t v = ival(c, r);
+                    int64_t w = wt ? wt[r] : 1;
+                    if (w == 0 || (!fast && !dbsp_col_valid(c, r))) continue;
+                    int64_t v = iv ? iv[r] : ival(c, r);
                     if (w > 0) {
-                        if (!has_ins || (is_min ? v < ins : v > ins)) ins = v;
+                        if (!has_ins || v < imin) imin = v;
+                        if (!has_ins || v > imax) imax = v;
                         has_ins = 1;
                     } else {
-                        if (!has_del || (is_min ? v < del : v > del)) del = v;
+                        if (!has_del || v < dmin) dmin = v;
+                        if (!has_del || v > dmax) dmax = v;
                         has_del = 1;
                     }
                 }
-                int64_t valid = o[ns + e]; /* 1 while the old extreme is not null (design note 1) */
-                nv[j] = o[j], nv[ns + e] = valid;
-                if (has_del && (!valid || (is_min ? del <= o[j] : del >= o[j]))) {
-                    need[x] = 1; /* a deleted value reached the extreme: the caller recomputes it */
-                } else if (has_ins && (!valid || (is_min ? ins < o[j] : ins > o[j]))) {
-                    nv[j] = ins, nv[ns + e] = 1;
+                const int64_t *o = old + x * V;
+                int64_t *nv = nw + x * V;
+                for (int side = 0; side < 2; side++) {
+                    int32_t q = side == 0 ? a : z;
+                    if (q < 0) continue;
+                    int is_min = side == 0;
+                    int64_t ins = is_min ? imin : imax, del = is_min ? dmin : dmax;
+                    int64_t valid = o[flag[q]]; /* 1 while the old extreme is not null (design note 1) */
+                    nv[q] = o[q], nv[flag[q]] = valid;
+                    if (has_del && (!valid || (is_min ? del <= o[q] : del >= o[q]))) {
+                        need[x] = 1; /* a deleted value reached the extreme: the caller recomputes it */
+                    } else if (has_ins && (!valid || (is_min ? ins < o[q] : ins > o[q]))) {
+                        nv[q] = ins, nv[flag[q]] = 1;
+                    }
                 }
-                e++;
-                continue;
             }
-            int64_t d = 0;
-            for (int64_t r = lo; r < hi; r++) {
-                int64_t w = b->weights ? b->weights[r] : 1, p;
-                if (k == DBSP_AGG_COUNT) p = w;
-                else if (!dbsp_col_valid(c, r)) continue;
-                else if (k == DBSP_AGG_COUNT_COL) p = w;
-                else if (__builtin_mul_overflow(ival(c, r), w, &p)) return DBSP_EOVERFLOW;
-                if (__builtin_add_overflow(d, p, &d)) return DBSP_EOVERFLOW;
+            continue;
+        }
+        for (int64_t x = 0; x < g; x++) {
+            int64_t lo = group_row[x], hi = x + 1 < g ? group_row[x + 1] : n, d = 0;
+            if (k == DBSP_AGG_COUNT && !wt) {
+                d = hi - lo;
+            } else {
+                for (int64_t r = lo; r < hi; r++) {
+                    int64_t w = wt ? wt[r] : 1, p;
+                    if (k == DBSP_AGG_COUNT) p = w;
+                    else if (!dbsp_col_valid(c, r)) continue;
+                    else if (k == DBSP_AGG_COUNT_COL) p = w;
+                    else if (__builtin_mul_overflow(ival(c, r), w, &p)) goto overflow;
+                    if (__builtin_add_overflow(d, p, &d)) goto overflow;
+                }
             }
-            if (__builtin_add_overflow(o[j], d, &nv[j])) return DBSP_EOVERFLOW;
+            if (__builtin_add_overflow(old[x * V + j], d, &nw[x * V + j])) goto overflow;
         }
     }
+    free(flag);
+    free(done);
     *ng = g;
     return DBSP_OK;
+overflow:
+    free(flag);
+    free(done);
+    return DBSP_EOVERFLOW;
 }
 
 int dbsp_extremes_probe_inserts(const DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int32_t nkeys,
@@ -219,13 +257,14 @@ static int column_of(const int64_t *const *src, int64_t m, int32_t j, int32_t f,
     return DBSP_OK;
 }
 
-/* Design note 5: the changed groups' new values stored: held ones that stay, in place; then new ones (the only
- * stores that allocate; undone on a refusal); then removals and, without held, the stores of groups already there
- * (a put that finds its key writes in place: neither allocates). A group is new when its old count (value 0) is 0. */
+/* Design note 5: the changed groups' new values stored (chg[g]: whether group g's values changed, from emit_rows):
+ * held ones that stay, in place; then new ones (the only stores that allocate; undone on a refusal); then removals
+ * and, without held, the stores of groups already there (a put that finds its key writes in place: neither
+ * allocates). A group is new when its old count (value 0) is 0. */
 static int store(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys, int32_t nv, int64_t ng,
                  const int64_t *group_row, const uint64_t *gkh, const int64_t *old, const int64_t *nw,
-                 int64_t *const *held) {
-#define CHANGED(g) (memcmp(old + (g) * nv, nw + (g) * nv, (size_t)nv * 8) != 0)
+                 int64_t *const *held, const uint8_t *chg) {
+#define CHANGED(g) (chg[g])
 #define IS_NEW(g) (old[(g) * nv] == 0)
 #define STAYS(g) (nw[(g) * nv] != 0)
     for (int64_t g = 0; held && g < ng; g++)
@@ -266,14 +305,16 @@ static void emit_rows(int64_t ng, int32_t nv, int32_t ns, const int64_t *group_r
                       const int64_t *old, const int64_t *nw, const int32_t *snull, int32_t nout, const int32_t *shown,
                       const int32_t *nonnull, int keyorder, const int64_t **src, int64_t *rows, int64_t *w,
                       uint64_t *kh, uint64_t *rh, int64_t *m_out, int *ordered, const int64_t **osrc, int64_t *orows,
-                      int64_t *ow, int64_t *k_out) {
+                      int64_t *ow, int64_t *k_out, uint8_t *chg) {
     int have_prev = 0;
     uint64_t prev = 0;
     int64_t m = 0, k = 0;
     *ordered = 1;
     for (int64_t g = 0; g < ng; g++) {  /* the rows, in canonical order: key hash, then row hash (keyorder: old first) */
         const int64_t *o = old + g * nv, *x = nw + g * nv;
-        if (memcmp(o, x, (size_t)nv * 8) == 0) continue;
+        int changed = memcmp(o, x, (size_t)nv * 8) != 0;
+        if (chg) chg[g] = (uint8_t)changed;
+        if (!changed) continue;
         int sub = o[0] != 0, add = x[0] != 0;
         if (!sub && !add) continue;
         if (have_prev && gkh[g] == prev) *ordered = 0;
@@ -362,25 +403,29 @@ int dbsp_extremes_emit(DbspKeyIndex *ix, const DbspBatch *b, const int32_t *keys
     size_t cap = (size_t)(ng ? 2 * ng : 1);
     const int64_t **src = malloc(cap * sizeof *src), **osrc = malloc(cap * sizeof *osrc);
     int64_t *rows = malloc(cap * 8), *orows = malloc(cap * 8);
+    uint8_t *chg = malloc(cap);
     *w = malloc(cap * 8), *kh = malloc(cap * 8), *ow = malloc(cap * 8);
     if (!keyorder) *rh = malloc(cap * 8);
     int64_t m = 0, k = 0;
-    if (!src || !osrc || !rows || !orows || !*w || !*kh || (!keyorder && !*rh) || !*ow) { st = DBSP_ENOMEM; goto done; }
+    if (!src || !osrc || !rows || !orows || !chg || !*w || !*kh || (!keyorder && !*rh) || !*ow) {
+        st = DBSP_ENOMEM;
+        goto done;
+    }
     emit_rows(ng, nv, ns, group_row, gkh, old, nw, snull, nout, shown, nonnull, keyorder, src, rows, *w, *kh, *rh, &m,
-              ordered, osrc, orows, *ow, &k);
+              ordered, osrc, orows, *ow, &k, chg);
     if (m == 0) goto done;
     if (batch && (st = export_rows(b, keys, nkeys, src, rows, m, ns, NULL, snull, swidth, batch)) != DBSP_OK) goto done;
     if ((st = export_rows(b, keys, nkeys, osrc, orows, k, nout, shown, nonnull, owidth, out)) != DBSP_OK) {
         if (batch) batch->release(batch);
         goto done;
     }
-    if ((st = store(ix, b, keys, nv, ng, group_row, gkh, old, nw, held)) != DBSP_OK) {  /* the stores last */
+    if ((st = store(ix, b, keys, nv, ng, group_row, gkh, old, nw, held, chg)) != DBSP_OK) {  /* the stores last */
         if (batch) batch->release(batch);
         out->release(out);
         goto done;
     }
 done:
-    free(src); free(osrc); free(rows); free(orows);
+    free(src); free(osrc); free(rows); free(orows); free(chg);
     if (st != DBSP_OK || m == 0) {
         free(*w); free(*kh); free(*rh); free(*ow);
         *w = NULL, *kh = NULL, *rh = NULL, *ow = NULL, *n = 0, *on = 0;
@@ -405,7 +450,7 @@ int dbsp_extremes_batch(const DbspBatch *b, const int32_t *keys, int32_t nkeys, 
     if (!keyorder) *rh = malloc(cap * 8);
     if (!src || !rows || !*w || !*kh || (!keyorder && !*rh)) { st = DBSP_ENOMEM; goto done; }
     emit_rows(ng, nv, ns, group_row, gkh, old, nw, snull, 0, NULL, NULL, keyorder, src, rows, *w, *kh, *rh, &m, ordered,
-              NULL, NULL, NULL, NULL);
+              NULL, NULL, NULL, NULL, NULL);
     if (m) st = export_rows(b, keys, nkeys, src, rows, m, ns, NULL, snull, swidth, batch);
 done:
     free(src); free(rows);
@@ -427,7 +472,41 @@ static int valw_cmp(const void *a, const void *b) {
 
 /* Keys a scan seeks at a time (design note 6): their positions in every batch first, by seeks that prefetch ahead */
 #define SCAN_CHUNK 64
-#define SCAN_PF 4  /* keys ahead whose rows in each batch are prefetched while one is read */
+#define SCAN_PF 4  /* keys ahead whose rows in each batch are prefetched while one is read (keys not ascending) */
+
+/* Design note 8: pos[k * SCAN_CHUNK + i] = dbsp_seek(vkh[k], vb[k]->nrows, vfence[k], 0, want[i]) for i < m (want
+ * ascending), for every batch k, in three stages, each over every batch before the next, so that its cache misses are
+ * in flight together instead of one batch's (or a few keys') at a time: the fence entries of each key in each fenced
+ * batch (the fence, small, mostly cached), with a prefetch of the 512-byte block of key hashes each needs; the search
+ * in those blocks (a batch without a fence: the gallop over its key hashes, small and recent), with a prefetch of the
+ * row found (its key hash, values and weight); the rows are then read by the caller. The same positions as
+ * dbsp_seek_all. */
+static void scan_seek(const DbspBatch *const *vb, const uint64_t *const *vkh, const uint64_t *const *vfence,
+                      int32_t nb, const uint64_t *want, int64_t m, int64_t *pos) {
+    for (int32_t k = 0; k < nb; k++) {  /* stage 1: the fence entries, each key's block prefetched */
+        const uint64_t *fence = vfence ? vfence[k] : NULL, *kh = vkh[k];
+        if (!fence) continue;
+        int64_t n = vb[k]->nrows, nf = dbsp_fence_len(n), f = 0, *p = pos + (int64_t)k * SCAN_CHUNK;
+        for (int64_t i = 0; i < m; i++) {
+            p[i] = f = dbsp_gallop(fence, f, nf, want[i]);  /* first fence entry >= */
+            int64_t s = f ? (f - 1) << DBSP_FENCE_SHIFT : 0, e = f < nf ? f << DBSP_FENCE_SHIFT : n;
+            for (int64_t t = s; t < e; t += 8) __builtin_prefetch(&kh[t]);
+        }
+    }
+    for (int32_t k = 0; k < nb; k++) {  /* stage 2: the positions, each row found prefetched */
+        const DbspBatch *v = vb[k];
+        const uint64_t *fence = vfence ? vfence[k] : NULL, *kh = vkh[k];
+        int64_t n = v->nrows, *p = pos + (int64_t)k * SCAN_CHUNK;
+        if (!fence) {
+            int64_t j = 0;
+            for (int64_t i = 0; i < m; i++) p[i] = j = dbsp_gallop(kh, j, n, want[i]);
+        } else {
+            for (int64_t i = 0; i < m; i++) p[i] = dbsp_fence_block_seek(kh, n, p[i], want[i]);
+        }
+        for (int64_t i = 0; i < m; i++)
+            if (p[i] < n && kh[p[i]] == want[i]) dbsp_prefetch_row(v, p[i], NULL, v->ncols);
+    }
+}
 
 int dbsp_extremes_scan(const DbspBatch *b, const int32_t *keys, int32_t nkeys, const int64_t *rows, const uint64_t *kh,
                        int64_t n, const DbspBatch *const *vb, const uint64_t *const *vkh,
@@ -449,12 +528,12 @@ int dbsp_extremes_scan(const DbspBatch *b, const int32_t *keys, int32_t nkeys, c
     int st = DBSP_OK;
     for (int64_t i0 = 0; i0 < n && st == DBSP_OK; i0 += SCAN_CHUNK) {
         int64_t cnt = n - i0 < SCAN_CHUNK ? n - i0 : SCAN_CHUNK;
-        for (int32_t k = 0; k < nb; k++) {  /* where each sought key's rows start in batch k */
-            const uint64_t *fence = vfence ? vfence[k] : NULL;
-            int64_t *p = pos + (int64_t)k * SCAN_CHUNK;
-            if (asc) {
-                dbsp_seek_all(vkh[k], vb[k]->nrows, fence, kh + i0, cnt, p);
-            } else {
+        if (asc) {  /* design note 8: the seeks in stages across every batch, each stage's misses in flight at once */
+            scan_seek(vb, vkh, vfence, nb, kh + i0, cnt, pos);
+        } else {
+            for (int32_t k = 0; k < nb; k++) {  /* where each sought key's rows start in batch k */
+                const uint64_t *fence = vfence ? vfence[k] : NULL;
+                int64_t *p = pos + (int64_t)k * SCAN_CHUNK;
                 for (int64_t i = 0; i < cnt; i++) p[i] = dbsp_seek(vkh[k], vb[k]->nrows, fence, 0, kh[i0 + i]);
             }
         }
@@ -462,7 +541,7 @@ int dbsp_extremes_scan(const DbspBatch *b, const int32_t *keys, int32_t nkeys, c
             m = 0;
             for (int32_t k = 0; k < nb; k++) {  /* the key's rows of every batch, with their weights */
                 const DbspBatch *v = vb[k];
-                if (i + SCAN_PF < i0 + cnt) {
+                if (!asc && i + SCAN_PF < i0 + cnt) {
                     int64_t y = pos[(int64_t)k * SCAN_CHUNK + i + SCAN_PF - i0];
                     if (y < v->nrows) dbsp_prefetch_row(v, y, NULL, v->ncols);
                 }

@@ -45,6 +45,18 @@
  *     emit leaves the batch out (its slot columns, the gather of its keys and its export: ~0.1M instructions at 1k
  *     groups). dbsp_extremes_batch builds it afterwards from the step's arrays, by the same code (emit_rows, then
  *     the export), so a late batch equals the one the emit would have built.
+ *  8. A recompute's seeks in stages across every value batch (dbsp_extremes_scan, keys ascending): first each key's
+ *     fence entry in every fenced batch, prefetching the 512-byte block of key hashes it bounds; then the search in
+ *     those blocks (the gallop over a small batch without a fence), prefetching the row found (key hash, values,
+ *     weight); then the rows are read. Design note 6's pass went batch by batch and prefetched rows a few keys ahead,
+ *     so the first keys' rows in every batch and each batch's first blocks were read by demand misses one after
+ *     another; at ~15 keys over 10-17 batches (the bench's 1M-row state) the staged seeks keep a stage's misses
+ *     in flight together. The same positions as dbsp_seek_all.
+ *  9. The probe folds slot by slot over every group, not group by group over every slot: a 1k-row step of a 1M-row
+ *     state has ~1 row a group, so the per-group dispatch on each slot's kind and column was most of the fold. A min
+ *     and a max of one column (the usual pair) are folded in one pass over the rows, and an int64 column without
+ *     nulls is read directly. The emit compares a group's old and new values once (emit_rows) and the stores read
+ *     that flag.
  */
 #ifndef DBSP_EXTREMES_H
 #define DBSP_EXTREMES_H

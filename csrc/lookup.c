@@ -84,14 +84,7 @@ void dbsp_seek_all(const uint64_t *kh, int64_t n, const uint64_t *fence, const u
             int64_t s = kb ? (kb - 1) << DBSP_FENCE_SHIFT : 0, e = kb < nf ? kb << DBSP_FENCE_SHIFT : n;
             for (int64_t t = s; t < e; t += 8) __builtin_prefetch(&kh[t]);
         }
-        /* fence[kb - 1] < want[i] <= fence[kb]: the answer is in ((kb - 1) * 64, kb * 64] */
-        int64_t kb = pos[i];
-        int64_t s = kb ? ((kb - 1) << DBSP_FENCE_SHIFT) + 1 : 0, e = kb < nf ? kb << DBSP_FENCE_SHIFT : n;
-        while (s < e) {
-            int64_t mid = s + (e - s) / 2;
-            if (kh[mid] < want[i]) s = mid + 1; else e = mid;
-        }
-        pos[i] = s;
+        pos[i] = dbsp_fence_block_seek(kh, n, pos[i], want[i]);
     }
 }
 

@@ -18,6 +18,19 @@
 /* The fence length for n hashes. */
 static inline int64_t dbsp_fence_len(int64_t n) { return (n + (1 << DBSP_FENCE_SHIFT) - 1) >> DBSP_FENCE_SHIFT; }
 
+/* The seek of want in kh[0..n) once its fence entry is known: f, the first fence entry >= want (dbsp_gallop over the
+ * fence, dbsp_fence_len(n) if none), so fence[f - 1] < want <= fence[f] and the answer is in ((f - 1) * 64, f * 64]:
+ * a binary search of that one 512-byte block. */
+static inline int64_t dbsp_fence_block_seek(const uint64_t *kh, int64_t n, int64_t f, uint64_t want) {
+    int64_t nf = dbsp_fence_len(n);
+    int64_t s = f ? ((f - 1) << DBSP_FENCE_SHIFT) + 1 : 0, e = f < nf ? f << DBSP_FENCE_SHIFT : n;
+    while (s < e) {
+        int64_t mid = s + (e - s) / 2;
+        if (kh[mid] < want) s = mid + 1; else e = mid;
+    }
+    return s;
+}
+
 /* First index in [lo, hi) with h[index] >= target (hi if none), by exponential then binary search from lo. */
 int64_t dbsp_gallop(const uint64_t *h, int64_t lo, int64_t hi, uint64_t target);
 

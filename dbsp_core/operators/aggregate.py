@@ -847,6 +847,11 @@ class _ExtremesState(_GroupedState):
         self.emit = self._emitter() if self.spec is not None else None  # phase 2 in one C call (invariant 10)
         self.emitted_steps = 0  # steps whose second half ran in that call (counts for tests, not state)
         self.recomputed = 0  # groups whose extremes were re-reduced from the value multisets (counts for tests)
+        # a recompute's fill-in per value column (_recompute_into): (slot, is min, its "not null" flag's position)
+        ns = len(op.kernel)
+        self._fills = tuple(tuple((j, kind == "min", ns + e) for e, (j, kind, c) in enumerate(self.ext) if c == col)
+                            for col, _ in self.val_cols)  # (tuples: configuration, not checkpointed state)
+        self._vkeys = tuple(range(len(self.keys)))  # a value batch's key columns
         self.unprobed_steps = 0  # steps stored per key with no dirty-key probe (invariant 12; counts for tests)
         # steps left before the reduction is tried again (invariant 8): of the step's change, and of what a fused
         # exchange sends (dbsp_core/runtime/plan.py): after a sender's reduction a group arrives as about one row
@@ -1243,19 +1248,16 @@ class _ExtremesState(_GroupedState):
                         nw: np.ndarray) -> None:
         """Fill in ``nw`` the extremes of groups ``need`` (positions into the probe's groups over ``view``, the
         indexed change), reduced over their whole value multisets (csrc/extremes.h design note 2): one C pass per
-        value column over the value trace's batches, seeking each group's key in each (``_zset.extremes_scan``)."""
-        ns = len(self.op.kernel)
-        rows, hashes = group_row[need], gkh[need]
+        value column over the value trace's batches, seeking each group's key in each, the extremes written into
+        ``nw`` by the same call (``_zset.extremes_recompute``)."""
+        hashes = gkh[need]
         self.recomputed += len(need)
         nk = len(self.keys)
-        for col, attr in self.val_cols:
+        for (_, attr), fill in zip(self.val_cols, self._fills):
             trace: Trace = getattr(self, attr)
             batches = [b._view() for b in trace.keyed(hashes)]  # (a format-2 file: those keys' rows read)
-            has, lo, hi = _zset.extremes_scan(view, self.keypos, rows, hashes, batches, list(range(nk)), nk)
-            for e, (j, kind, c) in enumerate(self.ext):
-                if c == col:
-                    nw[need, j] = np.where(has, lo if kind == "min" else hi, 0)
-                    nw[need, ns + e] = has.astype(np.int64)
+            # the scan and the fill-in of each extreme of this column (value, "not null" flag) in one call
+            _zset.extremes_recompute(view, self.keypos, group_row, gkh, need, nw, batches, self._vkeys, nk, fill)
 
     def _through_totals(self, dix: "IndexedZSet") -> "ZSet":
         """The step's totals read from the batches of the totals trace, folded by one grouping pass (the class's
