@@ -32,7 +32,7 @@ slices follow, in this order):
      (and the steps around that call: the pushes, the driver, the trace's insert and merges stay in Python) enter C
      once per kernel and build Arrow objects between kernels of one operator.
      The pushes and the step's concatenation in C (the floor every small step pays; issue 37, branch r37-floor3,
-     bench/RESULTS.md "The floor of a small step, again"): **not built**, and not as planned here, for what it was
+     bench/history/RESULTS-2026-11-28-to-2026-12-02.md "The floor of a small step, again"): **not built**, and not as planned here, for what it was
      measured to cost. A passthrough step of 1k rows (two pushes, 410k instructions) spends ~25k in the Arrow crossing
      of its one C call (a 3-column batch exported through ``__arrow_c_array__``: ~12k the array, ~5k the schema, the
      capsules; an import back, as ``LinearRun``'s two outputs, ~15k each) and ~45k in pyarrow's own concatenation of

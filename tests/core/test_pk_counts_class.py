@@ -1,6 +1,6 @@
 """The per-key counters (``PerKeyTotals.pk_steps`` and the others) count without writing an attribute of the class:
 a write to a class attribute invalidates the method cache of the class and of ``Trace`` (its subclass), which made
-every trace method lookup of a group-by step walk the MRO again (bench/RESULTS.md, "The floor of a small step,
+every trace method lookup of a group-by step walk the MRO again (bench/history/RESULTS-2026-11-28-to-2026-12-02.md, "The floor of a small step,
 again"). The counters still read as class attributes and still count."""
 
 from __future__ import annotations
