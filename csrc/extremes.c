@@ -489,8 +489,7 @@ static void scan_seek(const DbspBatch *const *vb, const uint64_t *const *vkh, co
         int64_t n = vb[k]->nrows, nf = dbsp_fence_len(n), f = 0, *p = pos + (int64_t)k * SCAN_CHUNK;
         for (int64_t i = 0; i < m; i++) {
             p[i] = f = dbsp_gallop(fence, f, nf, want[i]);  /* first fence entry >= */
-            int64_t s = f ? (f - 1) << DBSP_FENCE_SHIFT : 0, e = f < nf ? f << DBSP_FENCE_SHIFT : n;
-            for (int64_t t = s; t < e; t += 8) __builtin_prefetch(&kh[t]);
+            dbsp_prefetch_fence_block(kh, n, f);
         }
     }
     for (int32_t k = 0; k < nb; k++) {  /* stage 2: the positions, each row found prefetched */
@@ -498,8 +497,7 @@ static void scan_seek(const DbspBatch *const *vb, const uint64_t *const *vkh, co
         const uint64_t *fence = vfence ? vfence[k] : NULL, *kh = vkh[k];
         int64_t n = v->nrows, *p = pos + (int64_t)k * SCAN_CHUNK;
         if (!fence) {
-            int64_t j = 0;
-            for (int64_t i = 0; i < m; i++) p[i] = j = dbsp_gallop(kh, j, n, want[i]);
+            dbsp_seek_all(kh, n, NULL, want, m, p);  /* (without a fence: its gallop) */
         } else {
             for (int64_t i = 0; i < m; i++) p[i] = dbsp_fence_block_seek(kh, n, p[i], want[i]);
         }

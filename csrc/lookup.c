@@ -79,11 +79,7 @@ void dbsp_seek_all(const uint64_t *kh, int64_t n, const uint64_t *fence, const u
     int64_t nf = dbsp_fence_len(n), k = 0;
     for (int64_t i = 0; i < m; i++) pos[i] = k = dbsp_gallop(fence, k, nf, want[i]);  /* first fence entry >= */
     for (int64_t i = 0; i < m; i++) {
-        if (i + PF_AHEAD < m) {
-            int64_t kb = pos[i + PF_AHEAD];
-            int64_t s = kb ? (kb - 1) << DBSP_FENCE_SHIFT : 0, e = kb < nf ? kb << DBSP_FENCE_SHIFT : n;
-            for (int64_t t = s; t < e; t += 8) __builtin_prefetch(&kh[t]);
-        }
+        if (i + PF_AHEAD < m) dbsp_prefetch_fence_block(kh, n, pos[i + PF_AHEAD]);
         pos[i] = dbsp_fence_block_seek(kh, n, pos[i], want[i]);
     }
 }

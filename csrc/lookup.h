@@ -31,6 +31,13 @@ static inline int64_t dbsp_fence_block_seek(const uint64_t *kh, int64_t n, int64
     return s;
 }
 
+/* Prefetch the 512-byte block of kh[0..n) that fence entry f bounds (the block dbsp_fence_block_seek searches). */
+static inline void dbsp_prefetch_fence_block(const uint64_t *kh, int64_t n, int64_t f) {
+    int64_t nf = dbsp_fence_len(n);
+    int64_t s = f ? (f - 1) << DBSP_FENCE_SHIFT : 0, e = f < nf ? f << DBSP_FENCE_SHIFT : n;
+    for (int64_t t = s; t < e; t += 8) __builtin_prefetch(&kh[t]);
+}
+
 /* First index in [lo, hi) with h[index] >= target (hi if none), by exponential then binary search from lo. */
 int64_t dbsp_gallop(const uint64_t *h, int64_t lo, int64_t hi, uint64_t target);
 
